@@ -1,0 +1,252 @@
+"""The shared transformer core: norms, RoPE, attention, MLPs, modulation, timestep embedding.
+
+FLUX.1, Qwen-Image and the Llama/Qwen2 LLM are all built from this file. Precision rules that hold
+for every model (see shared/DESIGN.md, "Precision: what breaks and why"):
+
+- Norm statistics are computed in float32 and the result is cast back to the input dtype.
+- RoPE angles are computed from int/float32 positions in float64 (float32 where the device has no
+  float64, e.g. MPS) with autocast disabled, returned as float32 cos/sin tables. The tables are
+  plain tensors computed per forward, never module buffers, so `model.to(dtype)` cannot touch them.
+- The rotation itself runs in float32 and the result is cast back to the activation dtype.
+- Attention is `F.scaled_dot_product_attention`; masks are boolean (True = attend).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# ----------------------------------------------------------------------------------------------
+# Norms
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis. Statistics in fp32; output in x.dtype (weight applied in fp32)."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learned per-channel `weight` (Llama/Qwen2, diffusers QK-norm names)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class LayerNormNoAffine(nn.Module):
+    """LayerNorm without scale/bias (eps 1e-6), the pre-modulation norm of DiT blocks.
+
+    Statistics in fp32, output cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (self.dim,), eps=self.eps).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+
+
+def _angle_dtype(device: torch.device) -> torch.dtype:
+    # float64 everywhere it exists; MPS has no float64, float32 is still exact for positions < 2^24.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def rope_tables(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: float):
+    """cos/sin tables for (multi-axis) RoPE.
+
+    positions: [..., L, n_axes] (or [..., L] for a single axis), int64 or float32. Never pass
+        positions that went through a low-precision dtype: bf16 is exact only up to 256 and
+        float8_e4m3fn only up to 16.
+    axes_dims: rotary width of each axis (even), e.g. (16, 56, 56) for FLUX/Qwen-Image or
+        (head_dim,) for the LLM. Axis i uses frequencies theta ** (-2j / axes_dims[i]).
+    Returns (cos, sin), each float32 of shape [..., L, sum(axes_dims) // 2].
+    """
+    if positions.is_floating_point() and positions.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"RoPE positions must be int or float32/float64, got {positions.dtype}")
+    if positions.dim() == 0 or (len(axes_dims) > 1 and positions.shape[-1] != len(axes_dims)):
+        raise ValueError(f"positions shape {tuple(positions.shape)} does not fit axes {axes_dims}")
+    if len(axes_dims) == 1 and (positions.dim() == 1 or positions.shape[-1] != 1):
+        positions = positions.unsqueeze(-1)
+    dtype = _angle_dtype(positions.device)
+    with torch.autocast(device_type=positions.device.type, enabled=False):
+        pos = positions.to(dtype)
+        angles = []
+        for i, dim in enumerate(axes_dims):
+            if dim % 2:
+                raise ValueError(f"RoPE axis width must be even, got {dim}")
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=dtype, device=pos.device) / dim))
+            angles.append(pos[..., i : i + 1] * inv_freq)
+        angles = torch.cat(angles, dim=-1)
+        return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True):
+    """Rotate x: [B, H, L, D] by the tables cos/sin: [L, D/2] or [B, L, D/2].
+
+    interleaved=True pairs (x0, x1), (x2, x3), ... (BFL FLUX, diffusers Qwen-Image);
+    interleaved=False pairs the two halves (x_i, x_{i+D/2}) (Hugging Face Llama/Qwen2).
+    Runs in float32, returns x.dtype.
+    """
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, None].float(), sin[:, None].float()  # [B, 1, L, D/2]
+    x32 = x.float()
+    if interleaved:
+        x1, x2 = x32.unflatten(-1, (-1, 2)).unbind(-1)
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x32.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention
+
+
+def attention_mask(
+    key_mask: torch.Tensor | None, q_len: int, k_len: int, causal: bool, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean [B or 1, 1, q_len, k_len] mask (True = attend) from a key padding mask and/or
+    causality. Rows with no visible key (padding queries under causal left-padding) are opened
+    fully, so SDPA never returns NaN; those rows are padding and their outputs are ignored."""
+    if key_mask is None and not causal:
+        return None
+    mask = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
+    if key_mask is not None:
+        mask = mask & key_mask.bool()[:, None, None, :]
+        mask = mask | ~mask.any(-1, keepdim=True)
+    return mask
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention. q: [B, H, Lq, D], k/v: [B, Hkv, Lk, D] with H % Hkv == 0
+    (grouped-query attention when Hkv < H). mask: boolean [B, Lk] key padding mask, or a full
+    boolean/additive mask broadcastable to [B, H, Lq, Lk]. Returns [B, Lq, H * D]."""
+    if mask is not None and mask.dim() == 2:
+        mask = attention_mask(mask, q.shape[-2], k.shape[-2], causal, q.device)
+    elif causal:
+        mask = attention_mask(None, q.shape[-2], k.shape[-2], True, q.device)
+    gqa = k.shape[1] != q.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return out.transpose(1, 2).flatten(2)
+
+
+# ----------------------------------------------------------------------------------------------
+# MLPs
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)): the Llama/Qwen2 MLP, Hugging Face parameter names."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeluMLP(nn.Sequential):
+    """Linear -> GELU(tanh) -> Linear, BFL layout (`mlp.0`, `mlp.2`)."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = True):
+        super().__init__(nn.Linear(dim, hidden, bias=bias), nn.GELU(approximate="tanh"), nn.Linear(hidden, dim, bias=bias))
+
+
+class _GeluProj(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool):
+        super().__init__()
+        self.proj = nn.Linear(dim, hidden, bias=bias)
+
+    def forward(self, x):
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """The same GELU(tanh) MLP in the diffusers layout (`net.0.proj`, `net.2`)."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = True):
+        super().__init__()
+        self.net = nn.ModuleList([_GeluProj(dim, hidden, bias), nn.Identity(), nn.Linear(hidden, dim, bias=bias)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+# ----------------------------------------------------------------------------------------------
+# Modulation (adaLN) and timestep embedding
+
+
+@dataclass
+class Modulation:
+    """One adaLN triple: y = (1 + scale) * norm(x) + shift; x = x + gate * f(y)."""
+
+    shift: torch.Tensor
+    scale: torch.Tensor
+    gate: torch.Tensor
+
+    def modulate(self, x: torch.Tensor) -> torch.Tensor:
+        return (1 + self.scale) * x + self.shift
+
+
+def split_modulation(params: torch.Tensor, count: int) -> list[Modulation]:
+    """[B, 3 * count * D] -> `count` Modulations, each field [B, 1, D] (broadcast over tokens)."""
+    chunks = params[:, None, :].chunk(3 * count, dim=-1)
+    return [Modulation(*chunks[3 * i : 3 * i + 3]) for i in range(count)]
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0, time_factor: float = 1000.0):
+    """Sinusoidal embedding [B, dim] of t: [B] (flow-matching sigma in [0, 1], scaled by
+    time_factor). Computed in float32 outside autocast; cos half first (BFL / diffusers
+    flip_sin_to_cos=True, downscale_freq_shift=0)."""
+    with torch.autocast(device_type=t.device.type, enabled=False):
+        t = time_factor * t.float()
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t[:, None] * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        if dim % 2:
+            emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
+        return emb
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradient checkpointing
+
+
+def run_block(block: nn.Module, use_checkpoint: bool, *args, **kwargs):
+    """Call a block, through non-reentrant activation checkpointing when training with it on."""
+    if use_checkpoint and torch.is_grad_enabled():
+        return checkpoint(block, *args, use_reentrant=False, **kwargs)
+    return block(*args, **kwargs)
