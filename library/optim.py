@@ -1,0 +1,125 @@
+"""Optimizers, LR schedulers and learning-rate tracking.
+
+Prodigy and the D-Adaptation family keep their step-size estimate in `param_groups[i]["d"]`:
+the step they apply is d * lr, not lr. `effective_lrs` reports both, one name per value, and
+`LRLogger` writes them every optimizer step to CSV (and TensorBoard through accelerate).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import os
+
+import torch
+
+from library.train_config import ConfigError
+
+BNB_OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit", "Lion8bit", "PagedLion8bit", "SGD8bit", "AdEMAMix8bit", "PagedAdamW")
+
+
+def split_weight_decay(named_params, weight_decay_1d: bool = False):
+    """Weight decay only on >= 2-D parameters (matrices), as nanoGPT: decaying biases and norm
+    scales pulls them to zero for no benefit."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        if p.requires_grad:
+            (decay if p.dim() >= 2 or weight_decay_1d else no_decay).append(p)
+    return decay, no_decay
+
+
+def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, optimizer_kwargs: dict):
+    """param_groups: [{"params": [...], "name": str, "lr": float (optional)}, ...]."""
+    name = optimizer_type
+    lower = name.lower()
+    if lower == "adamw":
+        fused = all(p.is_cuda for g in param_groups for p in g["params"])
+        optimizer_kwargs.setdefault("fused", fused) if fused else None
+        cls = torch.optim.AdamW
+    elif lower == "prodigy":
+        from prodigyopt import Prodigy as cls
+    elif name in BNB_OPTIMIZERS or lower in (n.lower() for n in BNB_OPTIMIZERS):
+        import bitsandbytes as bnb
+
+        cls = getattr(bnb.optim, next(n for n in BNB_OPTIMIZERS if n.lower() == lower))
+    elif "." in name:
+        module_name, _, class_name = name.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            raise ConfigError(f"optimizer_type '{name}': cannot import {class_name} from {module_name}") from None
+    else:
+        raise ConfigError(
+            f"optimizer_type '{name}' is unknown (AdamW, AdamW8bit, Prodigy, {', '.join(BNB_OPTIMIZERS[1:])}, or module.Class)"
+        )
+    try:
+        return cls(param_groups, lr=lr, **optimizer_kwargs)
+    except TypeError as e:
+        raise ConfigError(f"optimizer_args do not fit {name}: {e}") from None
+
+
+def create_scheduler(optimizer, name: str, warmup: float, max_steps: int, num_cycles: int = 1, power: float = 1.0):
+    """diffusers schedulers; warmup as steps (>= 1) or as a fraction of max_steps (< 1)."""
+    from diffusers.optimization import get_scheduler
+
+    warmup_steps = int(round(warmup * max_steps)) if 0 < warmup < 1 else int(warmup)
+    return get_scheduler(
+        name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps, num_cycles=num_cycles, power=power
+    )
+
+
+def adapts_step_size(optimizer) -> bool:
+    """Prodigy / D-Adaptation: they keep an estimate d and apply d * lr."""
+    return all("d" in g for g in optimizer.param_groups)
+
+
+def group_names(optimizer) -> list[str]:
+    names = [g.get("name") or f"group{i}" for i, g in enumerate(optimizer.param_groups)]
+    if len(set(names)) != len(names):  # one name per value
+        names = [f"{n}{i}" for i, n in enumerate(names)]
+    return names
+
+
+def effective_lrs(optimizer) -> dict[str, float]:
+    """{'lr/<group>': lr, 'd*lr/<group>': d * lr (adaptive optimizers only)}."""
+    out = {}
+    adaptive = adapts_step_size(optimizer)
+    for name, g in zip(group_names(optimizer), optimizer.param_groups):
+        out[f"lr/{name}"] = float(g["lr"])
+        if adaptive:
+            out[f"d*lr/{name}"] = float(g["d"]) * float(g["lr"])
+    return out
+
+
+class LRLogger:
+    """Per optimizer step: step, epoch, loss, lr/<group>..., d*lr/<group>... to
+    <output_dir>/<output_name>_log.csv, and to TensorBoard through accelerate if it tracks."""
+
+    def __init__(self, path: str, accelerator=None, append: bool = False):
+        self.path = path
+        self.accelerator = accelerator
+        self.columns: list[str] | None = None
+        if append and os.path.exists(path):
+            with open(path) as f:
+                header = f.readline().strip()
+            self.columns = header.split(",") if header else None
+        elif os.path.exists(path):
+            os.remove(path)
+
+    def log(self, step: int, epoch: int, loss: float, optimizer, extra: dict | None = None):
+        values = {"step": step, "epoch": epoch, "loss": loss, **effective_lrs(optimizer), **(extra or {})}
+        if self.columns is None:
+            self.columns = list(values)
+            with open(self.path, "w", newline="") as f:
+                csv.writer(f).writerow(self.columns)
+        with open(self.path, "a", newline="") as f:
+            csv.writer(f).writerow([values.get(c, "") for c in self.columns])
+        if self.accelerator is not None and self.accelerator.trackers:
+            self.accelerator.log({k: v for k, v in values.items() if k != "step"}, step=step)
+        return values
+
+
+def progress_postfix(values: dict) -> dict:
+    """tqdm postfix: loss and the effective lr of the first group (d*lr where it exists)."""
+    eff = [v for k, v in values.items() if k.startswith("d*lr/")] or [v for k, v in values.items() if k.startswith("lr/")]
+    return {"loss": f"{values['loss']:.4f}", "lr": f"{eff[0]:.3g}" if eff else "-"}

@@ -1,0 +1,257 @@
+"""Training arguments: one schema, read from a TOML file and overridden from the command line.
+
+Names follow kohya sd-scripts / musubi-tuner where one exists. Every key is declared once below
+with its type, default and a one-line description; unknown keys, wrong types and impossible
+combinations are errors that name the key and the file. Booleans in TOML are TOML booleans; on
+the command line they are `--flag` / `--flag true|false`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import toml
+
+
+@dataclass(frozen=True)
+class Arg:
+    type: type  # str, int, float, bool, list (of str)
+    default: Any
+    help: str
+    choices: tuple | None = None
+
+
+A = Arg
+SCHEMA: dict[str, Arg] = {
+    # what to train
+    "model_type": A(str, None, "model family", ("flux", "qwen_image", "llm")),
+    "pretrained_model_name_or_path": A(str, None, "base checkpoint: BFL/diffusers file or folder, HF LLM folder"),
+    "ae": A(str, None, "VAE: FLUX ae.safetensors or a diffusers vae folder"),
+    "clip_l": A(str, None, "FLUX CLIP-L text encoder (HF folder)"),
+    "t5xxl": A(str, None, "FLUX T5-XXL text encoder (HF folder)"),
+    "text_encoder": A(str, None, "Qwen-Image text encoder (Qwen2.5-VL language model, HF folder)"),
+    "t5xxl_max_token_length": A(int, None, "T5 tokens; default 512 for dev, 256 for schnell"),
+    "dataset_config": A(str, None, "dataset TOML (kohya schema)"),
+    # output
+    "output_dir": A(str, "output", "where the LoRA, logs, samples and states go"),
+    "output_name": A(str, "lora", "file stem of the saved LoRA"),
+    "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors", ("fp32", "bf16", "fp16")),
+    "save_every_n_steps": A(int, 0, "save the LoRA every N optimizer steps (0 = off)"),
+    "save_every_n_epochs": A(int, 0, "save the LoRA every N epochs (0 = off)"),
+    "save_last_n_saves": A(int, 0, "keep only the newest N intermediate saves (0 = keep all)"),
+    "save_state": A(bool, False, "also save optimizer/scheduler/RNG state with each save"),
+    "resume": A(str, None, "state folder to resume from"),
+    # network
+    "network_module": A(str, "networks.lora", "LoRA implementation"),
+    "network_dim": A(int, 16, "LoRA rank"),
+    "network_alpha": A(float, 16.0, "LoRA alpha; scale = alpha / rank (0 means alpha = rank)"),
+    "network_args": A(list, [], "extra network options as 'key=value' strings"),
+    "network_weights": A(str, None, "initial LoRA weights (safetensors)"),
+    "network_dropout": A(float, 0.0, "dropout on the LoRA down projection"),
+    "pretrain": A(bool, False, "llm only: train the whole model instead of a LoRA"),
+    # optimisation
+    "optimizer_type": A(str, "AdamW", "AdamW, AdamW8bit, Prodigy, any bitsandbytes optimizer, or module.Class"),
+    "optimizer_args": A(list, [], "optimizer options as 'key=value' strings (values are Python literals)"),
+    "learning_rate": A(float, 1e-4, "base learning rate (for Prodigy: 1.0, the step is d * lr)"),
+    "lr_scheduler": A(str, "constant", "diffusers scheduler", ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")),
+    "lr_warmup_steps": A(float, 0, "warmup: steps if >= 1, a fraction of max_train_steps if < 1"),
+    "lr_scheduler_num_cycles": A(int, 1, "cycles for cosine_with_restarts"),
+    "lr_scheduler_power": A(float, 1.0, "power for polynomial"),
+    "max_train_steps": A(int, 1600, "optimizer steps"),
+    "max_train_epochs": A(int, None, "if set, overrides max_train_steps"),
+    "gradient_accumulation_steps": A(int, 1, "micro-batches per optimizer step"),
+    "max_grad_norm": A(float, 1.0, "gradient clipping (0 = off)"),
+    "weight_decay_1d": A(bool, False, "also apply weight decay to 1-D parameters (biases, norms)"),
+    # precision and speed
+    "mixed_precision": A(str, "bf16", "compute dtype", ("no", "fp16", "bf16")),
+    "fp8_base": A(bool, False, "store base Linear weights in float8_e4m3fn"),
+    "fp8_scaled": A(bool, True, "with fp8_base: per-block absmax scales (False = plain cast, as sd-scripts)"),
+    "gradient_checkpointing": A(bool, False, "per-block activation checkpointing"),
+    "allow_tf32": A(bool, True, "TF32 matmuls on CUDA"),
+    "torch_compile": A(bool, False, "torch.compile each transformer block"),
+    "seed": A(int, 42, "random seed"),
+    "max_data_loader_n_workers": A(int, 0, "DataLoader workers"),
+    # caching
+    "cache_latents": A(bool, True, "encode images once before training"),
+    "cache_latents_to_disk": A(bool, False, "keep latent caches as safetensors beside the images"),
+    "cache_text_encoder_outputs": A(bool, True, "encode captions once before training"),
+    "cache_text_encoder_outputs_to_disk": A(bool, False, "keep text caches on disk"),
+    # flow matching
+    "timestep_sampling": A(str, None, "sigma sampling; default per model", ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift")),
+    "discrete_flow_shift": A(float, 3.0, "k for timestep_sampling = shift"),
+    "sigmoid_scale": A(float, 1.0, "scale of randn inside the sigmoid"),
+    "weighting_scheme": A(str, "none", "loss weighting", ("none", "sigma_sqrt", "cosmap")),
+    "loss_type": A(str, "l2", "loss", ("l2", "huber")),
+    "huber_c": A(float, 0.1, "huber threshold"),
+    "guidance_scale": A(float, 1.0, "FLUX.1-dev guidance value during training"),
+    # samples and logging
+    "sample_prompts": A(str, None, "prompt file (sd-scripts syntax: prompt --w --h --s --d --g --n)"),
+    "sample_every_n_steps": A(int, 0, "render samples every N steps (0 = off)"),
+    "sample_every_n_epochs": A(int, 0, "render samples every N epochs (0 = off)"),
+    "sample_at_first": A(bool, False, "render samples before training"),
+    "logging_dir": A(str, None, "TensorBoard log folder (CSV is always written)"),
+    "log_prefix": A(str, None, "TensorBoard run name prefix"),
+    # llm data
+    "train_data": A(list, [], "llm: .txt files or folders"),
+    "max_length": A(int, 256, "llm: tokens per window"),
+    "stride": A(int, 256, "llm: window stride"),
+    "val_fraction": A(float, 0.1, "llm: share of tokens held out"),
+    "eval_every_n_steps": A(int, 50, "llm: val loss / perplexity / sample interval"),
+    "sample_prompt": A(str, "The", "llm: prompt for the sample at each eval"),
+    "sample_max_new_tokens": A(int, 40, "llm: sample length"),
+    "temperature": A(float, 0.8, "llm: sampling temperature (0 = greedy)"),
+    "top_k": A(int, 40, "llm: top-k sampling"),
+    "batch_size": A(int, 8, "llm: windows per micro-batch"),
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _coerce(key: str, value: Any, where: str) -> Any:
+    spec = SCHEMA[key]
+    if value is None:
+        return None
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        list: isinstance(value, list) and all(isinstance(v, str) for v in value),
+    }[spec.type]
+    if not ok:
+        want = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string", list: "a list of strings"}[spec.type]
+        raise ConfigError(f"{where}: key '{key}' must be {want}, got {value!r}")
+    value = float(value) if spec.type is float else value
+    if spec.choices and value not in spec.choices:
+        raise ConfigError(f"{where}: key '{key}' must be one of {', '.join(spec.choices)}, got {value!r}")
+    return value
+
+
+def read_toml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return toml.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except toml.TomlDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+def _flatten(config: dict, where: str) -> dict:
+    """Accept keys at top level or grouped in tables ([model], [network], ...): group names are
+    for readability only; every leaf key must be a schema key."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            for k, v in _flatten(value, where).items():
+                flat[k] = v
+        elif key in flat:
+            raise ConfigError(f"{where}: key '{key}' given twice")
+        else:
+            flat[key] = value
+    return flat
+
+
+def _parse_cli_value(key: str, text: str) -> Any:
+    spec = SCHEMA[key]
+    if spec.type is bool:
+        if text.lower() not in ("true", "false"):
+            raise ConfigError(f"command line: --{key} takes true or false, got {text!r}")
+        return text.lower() == "true"
+    try:
+        return spec.type(text) if spec.type is not list else text
+    except ValueError:
+        raise ConfigError(f"command line: --{key} must be {spec.type.__name__}, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="LoRA training for FLUX.1, Qwen-Image and Llama/Qwen2 LLMs")
+    p.add_argument("--config_file", help="training TOML; command-line values override it")
+    for key, spec in SCHEMA.items():
+        if spec.type is bool:
+            p.add_argument(f"--{key}", nargs="?", const="true", help=f"{spec.help} (default {spec.default})")
+        elif spec.type is list:
+            p.add_argument(f"--{key}", nargs="*", help=spec.help)
+        else:
+            p.add_argument(f"--{key}", help=f"{spec.help} (default {spec.default})")
+    return p
+
+
+def load_config(argv: list[str] | None = None) -> argparse.Namespace:
+    """Defaults <- TOML file <- command line; then validated as a whole."""
+    cli = build_parser().parse_args(argv)
+    values = {k: s.default for k, s in SCHEMA.items()}
+    if cli.config_file:
+        where = cli.config_file
+        for key, value in _flatten(read_toml(where), where).items():
+            if key not in SCHEMA:
+                raise ConfigError(f"{where}: unknown key '{key}'")
+            values[key] = _coerce(key, value, where)
+    for key in SCHEMA:
+        raw = getattr(cli, key)
+        if raw is None:
+            continue
+        value = [str(v) for v in raw] if SCHEMA[key].type is list else _parse_cli_value(key, raw)
+        values[key] = _coerce(key, value, "command line")
+    args = argparse.Namespace(**values, config_file=cli.config_file)
+    validate(args, cli.config_file or "command line")
+    return args
+
+
+def parse_kv_literals(items: list[str], key: str, where: str) -> dict[str, Any]:
+    """['lr=1e-3', 'betas=(0.9,0.99)', 'mode=scaled'] -> dict. Values are Python literals
+    (ast.literal_eval, never eval); a bare word that is not a literal stays a string."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"{where}: {key} entry {item!r} must be 'name=value'")
+        name, text = (s.strip() for s in item.split("=", 1))
+        try:
+            out[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            if not text.replace("_", "").replace("-", "").isalnum():
+                raise ConfigError(f"{where}: {key} value {item!r} is not a Python literal") from None
+            out[name] = text
+    return out
+
+
+def validate(args: argparse.Namespace, where: str) -> None:
+    """Impossible combinations, each named."""
+    if args.model_type is None:
+        raise ConfigError(f"{where}: key 'model_type' is required (flux, qwen_image or llm)")
+    if args.pretrained_model_name_or_path is None:
+        raise ConfigError(f"{where}: key 'pretrained_model_name_or_path' is required")
+    if args.model_type != "llm" and args.dataset_config is None:
+        raise ConfigError(f"{where}: key 'dataset_config' is required for model_type {args.model_type}")
+    if args.model_type == "llm" and not args.train_data:
+        raise ConfigError(f"{where}: key 'train_data' is required for model_type llm")
+    if args.pretrain and args.model_type != "llm":
+        raise ConfigError(f"{where}: key 'pretrain' is only for model_type llm")
+    if args.pretrain and args.fp8_base:
+        raise ConfigError(f"{where}: 'pretrain' trains the base weights, which cannot be stored in fp8 ('fp8_base')")
+    for key in ("network_dim", "max_train_steps", "gradient_accumulation_steps"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"{where}: key '{key}' must be >= 1, got {getattr(args, key)}")
+    if args.learning_rate <= 0:
+        raise ConfigError(f"{where}: key 'learning_rate' must be > 0, got {args.learning_rate}")
+    if args.model_type == "flux" and args.model_type and (args.clip_l is None or args.t5xxl is None or args.ae is None):
+        if not (args.cache_text_encoder_outputs_to_disk and args.cache_latents_to_disk):
+            missing = [k for k in ("ae", "clip_l", "t5xxl") if getattr(args, k) is None]
+            raise ConfigError(f"{where}: FLUX training needs {', '.join(missing)}")
+    if args.model_type == "qwen_image" and (args.text_encoder is None or args.ae is None):
+        missing = [k for k in ("ae", "text_encoder") if getattr(args, k) is None]
+        raise ConfigError(f"{where}: Qwen-Image training needs {', '.join(missing)}")
+    parse_kv_literals(args.optimizer_args, "optimizer_args", where)
+    parse_kv_literals(args.network_args, "network_args", where)
+    if args.output_dir:
+        parent = os.path.abspath(args.output_dir)
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.access(parent, os.W_OK):
+            raise ConfigError(f"{where}: output_dir '{args.output_dir}' is not writable")

@@ -1,0 +1,122 @@
+"""The training config schema, optimizer factory and LR tracking (CSV + plot)."""
+
+import csv
+
+import pytest
+import torch
+
+from library import optim
+from library.train_config import ConfigError, load_config, parse_kv_literals
+from tools import plot_lr
+
+
+def write(tmp_path, text, name="train.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+BASE = 'model_type = "llm"\npretrained_model_name_or_path = "m"\ntrain_data = ["a.txt"]\n'
+
+
+def test_cli_overrides_file_and_groups_are_flattened(tmp_path):
+    cfg = write(tmp_path, BASE + "[network]\nnetwork_dim = 8\nnetwork_alpha = 4\n")
+    args = load_config(["--config_file", cfg, "--network_dim", "32", "--gradient_checkpointing", "--output_dir", str(tmp_path)])
+    assert args.network_dim == 32 and args.network_alpha == 4.0 and args.gradient_checkpointing is True
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    cfg = write(tmp_path, BASE + "netwrok_dim = 8\n")
+    with pytest.raises(ConfigError, match=r"train\.toml: unknown key 'netwrok_dim'"):
+        load_config(["--config_file", cfg])
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('network_dim = "8"', "key 'network_dim' must be an integer"),
+        ('gradient_checkpointing = "True"', "key 'gradient_checkpointing' must be a boolean"),
+        ('mixed_precision = "fp64"', "key 'mixed_precision' must be one of"),
+    ],
+)
+def test_wrong_types_are_errors(tmp_path, line, message):
+    cfg = write(tmp_path, BASE + line + "\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(["--config_file", cfg])
+
+
+def test_impossible_combination_is_named(tmp_path):
+    cfg = write(tmp_path, BASE + "pretrain = true\nfp8_base = true\n")
+    with pytest.raises(ConfigError, match="'pretrain'.*fp8"):
+        load_config(["--config_file", cfg])
+
+
+def test_optimizer_args_are_literals_never_evaluated():
+    assert parse_kv_literals(["betas=(0.9, 0.99)", "weight_decay=0.01", "decouple=True", "mode=fast"], "optimizer_args", "x") == {
+        "betas": (0.9, 0.99),
+        "weight_decay": 0.01,
+        "decouple": True,
+        "mode": "fast",
+    }
+    with pytest.raises(ConfigError, match="not a Python literal"):
+        parse_kv_literals(["x=__import__('os').system('true')"], "optimizer_args", "train.toml")
+
+
+def test_unknown_optimizer_is_an_error():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    with pytest.raises(ConfigError, match="optimizer_type 'Adamm' is unknown"):
+        optim.create_optimizer([{"params": [p]}], "Adamm", 1e-3, {})
+
+
+def test_prodigy_logs_lr_and_d_times_lr_per_group(tmp_path):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    b = torch.nn.Parameter(torch.randn(8))
+    opt = optim.create_optimizer([{"params": [w], "name": "unet"}, {"params": [b], "name": "bias"}], "Prodigy", 1.0, {})
+    logger = optim.LRLogger(str(tmp_path / "run_log.csv"))
+    for step in range(1, 6):
+        opt.zero_grad()
+        ((w @ torch.ones(8)) ** 2).sum().add(b.square().sum()).backward()
+        opt.step()
+        values = logger.log(step, 0, 1.0 / step, opt)
+    with open(tmp_path / "run_log.csv") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "epoch", "loss", "lr/unet", "d*lr/unet", "lr/bias", "d*lr/bias"]
+    assert len(rows) == 6
+    # the effective step of Prodigy is d * lr, and d grows from its 1e-6 start
+    assert values["lr/unet"] == 1.0 and values["d*lr/unet"] == pytest.approx(opt.param_groups[0]["d"])
+    assert float(rows[-1][4]) > float(rows[1][4]) >= 1e-6
+
+
+def test_adamw_logs_no_d_column_and_weight_decay_skips_1d(tmp_path):
+    lin = torch.nn.Linear(4, 4)
+    decay, no_decay = optim.split_weight_decay(lin.named_parameters())
+    assert [p.dim() for p in decay] == [2] and [p.dim() for p in no_decay] == [1]
+    opt = optim.create_optimizer([{"params": decay, "name": "lora"}], "AdamW", 1e-3, {})
+    assert optim.effective_lrs(opt) == {"lr/lora": 1e-3}
+
+
+def test_scheduler_warmup_ratio_and_steps():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = optim.create_scheduler(opt, "constant_with_warmup", 0.1, 100)
+    lrs = []
+    for _ in range(12):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == 0.0 and lrs[5] == pytest.approx(0.5) and lrs[11] == 1.0
+
+
+def test_plot_lr_overlays_runs_and_summarises(tmp_path):
+    for run, scale in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / run).mkdir()
+        with open(tmp_path / run / "lora_log.csv", "w") as f:
+            f.write("step,epoch,loss,lr/unet,d*lr/unet\n")
+            for s in range(1, 11):
+                f.write(f"{s},0,{1 / s},1.0,{scale * min(s, 5) * 1e-4}\n")
+    out = tmp_path / "plot.png"
+    lines = plot_lr.main([str(tmp_path / "a"), str(tmp_path / "b" / "lora_log.csv"), "--out", str(out), "--log"])
+    assert out.stat().st_size > 10_000
+    assert "a/lora: d*lr/unet: peak 0.0005 at step 5, final 0.0005" in lines
+    assert "b/lora: d*lr/unet: peak 0.001 at step 5, final 0.001" in lines

@@ -1,0 +1,120 @@
+"""Plot learning rate (lr and the effective d*lr of Prodigy-style optimizers) and loss of one or
+more training runs from their CSV logs.
+
+    python tools/plot_lr.py out/run_a out/run_b/lora_log.csv --out lr.png [--log] [--smooth 0.9]
+
+A run is a `*_log.csv` file or a folder holding one. Top panel: every lr/<group> and
+d*lr/<group> column against step, runs overlaid and labelled by run name. Bottom panel: loss,
+raw (faint) and exponentially smoothed. Prints a summary line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library.io import atomic_path  # noqa: E402
+
+
+def find_log(path: str) -> str:
+    if os.path.isfile(path):
+        return path
+    logs = sorted(glob.glob(os.path.join(path, "*_log.csv")))
+    if not logs:
+        raise SystemExit(f"error: {path}: no *_log.csv file found")
+    return logs[0]
+
+
+def read_log(path: str) -> dict[str, list[float]]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "step" not in rows[0] or "loss" not in rows[0]:
+        raise SystemExit(f"error: {path}: not a training log (needs step and loss columns)")
+    cols: dict[str, list[float]] = {k: [] for k in rows[0]}
+    for row in rows:
+        for k in cols:
+            cols[k].append(float(row[k]) if row[k] not in ("", None) else math.nan)
+    return cols
+
+
+def smooth(values: list[float], beta: float) -> list[float]:
+    out, avg = [], None
+    for v in values:
+        if math.isnan(v):
+            out.append(math.nan)
+            continue
+        avg = v if avg is None else beta * avg + (1 - beta) * v
+        out.append(avg)
+    return out
+
+
+def summarize(name: str, log: dict[str, list[float]]) -> list[str]:
+    lines = []
+    for col in log:
+        if col.startswith(("lr/", "d*lr/")):
+            vals = log[col]
+            peak = max(range(len(vals)), key=lambda i: vals[i])
+            lines.append(
+                f"{name}: {col}: peak {vals[peak]:.4g} at step {int(log['step'][peak])}, final {vals[-1]:.4g}"
+            )
+    loss = log["loss"]
+    lines.append(f"{name}: loss first {loss[0]:.4f}, last {loss[-1]:.4f}, steps {int(log['step'][-1])}")
+    return lines
+
+
+def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, beta: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_lr, ax_loss) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
+    for name, log in runs.items():
+        for col in log:
+            if col.startswith(("lr/", "d*lr/")):
+                style = "-" if col.startswith("d*lr/") else "--"
+                ax_lr.plot(log["step"], log[col], style, label=f"{name} {col}")
+        line = ax_loss.plot(log["step"], log["loss"], alpha=0.25)[0]
+        ax_loss.plot(log["step"], smooth(log["loss"], beta), color=line.get_color(), label=f"{name} (smoothed)")
+    ax_lr.set_ylabel("learning rate (dashed: lr, solid: effective d*lr)")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_xlabel("optimizer step")
+    if log_scale:
+        ax_lr.set_yscale("log")
+        ax_loss.set_yscale("log")
+    for ax in (ax_lr, ax_loss):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> list[str]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="CSV logs or folders holding *_log.csv")
+    p.add_argument("--out", default="lr_plot.png", help="PNG to write")
+    p.add_argument("--log", action="store_true", help="log-scale y axes")
+    p.add_argument("--smooth", type=float, default=0.9, help="EMA factor for the smoothed loss")
+    args = p.parse_args(argv)
+    runs = {}
+    for path in args.runs:
+        log_path = find_log(path)
+        name = os.path.basename(os.path.dirname(os.path.abspath(log_path))) + "/" + os.path.basename(log_path)[: -len("_log.csv")]
+        runs[name] = read_log(log_path)
+    plot(runs, args.out, args.log, args.smooth)
+    lines = [line for name, log in runs.items() for line in summarize(name, log)]
+    print("\n".join(lines))
+    print(f"wrote {args.out}")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
