@@ -226,15 +226,21 @@ def split_modulation(params: torch.Tensor, count: int) -> list[Modulation]:
     return [Modulation(*chunks[3 * i : 3 * i + 3]) for i in range(count)]
 
 
-def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0, time_factor: float = 1000.0):
+def timestep_embedding(
+    t: torch.Tensor, dim: int, max_period: float = 10000.0, time_factor: float = 1000.0, scale_first: bool = True
+):
     """Sinusoidal embedding [B, dim] of t: [B] (flow-matching sigma in [0, 1], scaled by
     time_factor). Computed in float32 outside autocast; cos half first (BFL / diffusers
-    flip_sin_to_cos=True, downscale_freq_shift=0)."""
+    flip_sin_to_cos=True, downscale_freq_shift=0).
+
+    scale_first picks where time_factor enters, to reproduce each reference bit for bit in fp32:
+    BFL FLUX scales t first, (1000 t) * f; diffusers' Timesteps(scale=1000) (Qwen-Image) scales the
+    product, (t * f) * 1000. The two differ by fp32 rounding of arguments up to 1000 (~6e-5 rad)."""
     with torch.autocast(device_type=t.device.type, enabled=False):
-        t = time_factor * t.float()
+        t = t.float()
         half = dim // 2
         freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-        args = t[:, None] * freqs[None]
+        args = (time_factor * t)[:, None] * freqs[None] if scale_first else time_factor * (t[:, None] * freqs[None])
         emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
         if dim % 2:
             emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)

@@ -106,11 +106,13 @@ def load_streaming(
 
     rename: checkpoint key -> model key, or None to skip the tensor.
     dtype: floating tensors are cast to it straight after reading (None keeps the file dtype),
-        except where keep_dtype(model_key) is True.
+        except where keep_dtype(model_key) or convert.keep_dtype(model_key) (if convert has one) is True.
     convert: optional per-tensor hook (model_key, tensor) -> {model_key: tensor}, used to split
         fused tensors or to quantize while loading. Peak memory is one model plus one tensor.
     Missing/unexpected keys and shape mismatches raise CheckpointError naming file and key.
     """
+    # A convert hook may name tensors it wants in the file's dtype (e.g. fp8 quantizes from the source).
+    convert_keeps = getattr(convert, "keep_dtype", lambda name: False)
     expected = dict(model.state_dict(keep_vars=True))
     loaded: dict[str, torch.Tensor] = {}
     unexpected = []
@@ -119,7 +121,7 @@ def load_streaming(
         if name is None:
             continue
         tensor = reader.get(ckpt_key)
-        if dtype is not None and tensor.is_floating_point() and not keep_dtype(name):
+        if dtype is not None and tensor.is_floating_point() and not (keep_dtype(name) or convert_keeps(name)):
             tensor = tensor.to(dtype)
         parts = convert(name, tensor) if convert else {name: tensor}
         for key, value in parts.items():

@@ -1,0 +1,463 @@
+"""Training data: image folders with captions in aspect-ratio buckets, on-disk caches of VAE
+latents and text-encoder outputs, and sliding token windows for the LLM.
+
+Image story: `ImageDataset(blueprint)` scans every subset once (images are verified, captions
+read, each image given a bucket), `BucketBatchSampler` yields batches that hold one bucket, and
+`collate_batch` stacks them. After `cache_latents` / `cache_text` the dataset yields the cached
+tensors instead of pixels/captions, so the VAE and text encoders can leave the GPU.
+
+Randomness (flip, caption shuffle and dropout, batch order) is drawn from `random.Random` seeded
+by (seed, epoch, entry): the same seed gives the same run, with any number of DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from library.dataset_config import DatasetBlueprint, SubsetSpec
+from library.io import CheckpointReader, save_safetensors
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# Part of every latent cache hash: bump it when resize/crop changes so old caches are redone.
+PREPROCESS_VERSION = "resize-crop-v1"
+CACHE_DTYPE = torch.bfloat16  # what cache files hold; samples are float32
+
+
+@dataclass
+class ImageItem:
+    image_path: str
+    caption: str  # from the caption file, or the subset's class_tokens
+    subset: SubsetSpec
+    dataset_index: int
+    size: tuple[int, int]  # (width, height) as displayed (EXIF rotation applied)
+    bucket: tuple[int, int]  # (width, height) it is trained at
+    cache_dir: str | None = None
+    latent_cache: str | dict | None = None  # file path, or tensors held in memory
+    text_cache: str | dict | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Aspect-ratio buckets (the idea of sd-scripts' BucketManager)
+
+
+def make_buckets(resolution: tuple[int, int], min_reso: int, max_reso: int, step: int) -> list[tuple[int, int]]:
+    """Every (w, h) with both sides multiples of `step` within [min_reso, max_reso] that is the
+    largest such height for its width under the area w*h <= resolution area, plus the square."""
+    area = resolution[0] * resolution[1]
+    lo = math.ceil(min_reso / step) * step
+    side = min(max_reso, int(math.sqrt(area)) // step * step)
+    buckets = {(side, side)} if side >= lo else set()
+    for w in range(lo, max_reso + 1, step):
+        h = min(max_reso, area // w // step * step)
+        if h >= lo:
+            buckets.update({(w, h), (h, w)})
+    return sorted(buckets)
+
+
+def bucket_for(size: tuple[int, int], buckets: list[tuple[int, int]]) -> tuple[int, int]:
+    """The bucket closest in aspect ratio (compared in log space, so 2:1 and 1:2 are treated
+    alike); ties go to the larger bucket."""
+    log_ar = math.log(size[0] / size[1])
+    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - log_ar), -b[0] * b[1]))
+
+
+def bucket_without_upscale(size: tuple[int, int], max_area: int, step: int) -> tuple[int, int]:
+    """bucket_no_upscale: shrink to the area budget if larger, never enlarge; sides rounded down
+    to `step`."""
+    w, h = size
+    if w * h > max_area:
+        scale = math.sqrt(max_area / (w * h))
+        w, h = w * scale, h * scale
+    return int(w) // step * step, int(h) // step * step
+
+
+# ----------------------------------------------------------------------------------------------
+# Scanning folders
+
+
+def scan_images(blueprint: DatasetBlueprint) -> list[ImageItem]:
+    """Every image of every subset with its caption and bucket. Unreadable images, missing or
+    empty captions and colliding file stems are errors naming the file."""
+    items = []
+    for di, ds in enumerate(blueprint.datasets):
+        buckets = (make_buckets(ds.resolution, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps)
+                   if ds.enable_bucket and not ds.bucket_no_upscale else [ds.resolution])
+        for subset in ds.subsets:
+            for path in _image_files(subset.image_dir):
+                size = _verified_image_size(path)
+                if ds.enable_bucket and ds.bucket_no_upscale:
+                    bucket = bucket_without_upscale(size, ds.resolution[0] * ds.resolution[1], ds.bucket_reso_steps)
+                    if min(bucket) == 0:
+                        raise ValueError(f"{path}: image is {size[0]}x{size[1]}, smaller than "
+                                         f"bucket_reso_steps {ds.bucket_reso_steps} (bucket_no_upscale is on)")
+                else:
+                    bucket = bucket_for(size, buckets)
+                items.append(ImageItem(path, read_caption(path, subset), subset, di, size, bucket, ds.cache_dir))
+    return items
+
+
+def _image_files(folder: str) -> list[str]:
+    if not os.path.isdir(folder):
+        raise ValueError(f"{folder}: image_dir does not exist or is not a folder")
+    files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMAGE_EXTENSIONS))
+    if not files:
+        raise ValueError(f"{folder}: image_dir holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    stems: dict[str, str] = {}
+    for f in files:
+        stem = os.path.splitext(f)[0]
+        if stem in stems:  # they would share one caption file and one cache file
+            raise ValueError(f"{folder}: images '{stems[stem]}' and '{f}' share the name '{stem}'")
+        stems[stem] = f
+    return [os.path.join(folder, f) for f in files]
+
+
+def _verified_image_size(path: str) -> tuple[int, int]:
+    try:
+        with Image.open(path) as img:
+            img.verify()
+        with Image.open(path) as img:
+            w, h = img.size
+            rotated = img.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientation: 90/270 degrees
+    except Exception as e:  # PIL raises many kinds for broken files
+        raise ValueError(f"{path}: cannot be read as an image ({type(e).__name__}: {e})") from None
+    return (h, w) if rotated else (w, h)
+
+
+def read_caption(image_path: str, subset: SubsetSpec) -> str:
+    caption_path = os.path.splitext(image_path)[0] + subset.caption_extension
+    if os.path.exists(caption_path):
+        with open(caption_path, encoding="utf-8") as f:
+            caption = f.read().strip()
+        if not caption:
+            raise ValueError(f"{caption_path}: caption file is empty")
+        return caption
+    if subset.class_tokens:
+        return subset.class_tokens
+    raise ValueError(f"{image_path}: no caption file '{os.path.basename(caption_path)}' "
+                     f"and no class_tokens for its subset")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pixels and captions
+
+
+def load_image(path: str, bucket: tuple[int, int], flip: bool = False) -> torch.Tensor:
+    """The image resized to cover `bucket` (box filter when shrinking, Lanczos when enlarging),
+    centre-cropped to it, optionally mirrored. Returns float32 [3, H, W] in [-1, 1]."""
+    with Image.open(path) as img:
+        img = ImageOps.exif_transpose(img).convert("RGB")
+    bw, bh = bucket
+    w, h = img.size
+    scale = max(bw / w, bh / h)
+    rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
+    if (rw, rh) != (w, h):
+        img = img.resize((rw, rh), Image.Resampling.BOX if scale < 1 else Image.Resampling.LANCZOS)
+    left, top = (rw - bw) // 2, (rh - bh) // 2
+    img = img.crop((left, top, left + bw, top + bh))
+    if flip:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())  # [H, W, 3] uint8
+    return pixels.permute(2, 0, 1).float() / 127.5 - 1.0
+
+
+def process_caption(caption: str, subset: SubsetSpec, rng: random.Random) -> str:
+    """caption_dropout_rate: the empty caption; shuffle_caption: comma-separated tags shuffled
+    with the first keep_tokens tags kept in place."""
+    if subset.caption_dropout_rate > 0 and rng.random() < subset.caption_dropout_rate:
+        return ""
+    if not subset.shuffle_caption:
+        return caption
+    tags = [t.strip() for t in caption.split(",") if t.strip()]
+    fixed, rest = tags[: subset.keep_tokens], tags[subset.keep_tokens :]
+    rng.shuffle(rest)
+    return ", ".join(fixed + rest)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dataset, sampler, collate
+
+
+class ImageDataset(torch.utils.data.Dataset):
+    """One entry per image per repeat. Index with `(entry, epoch)` (what BucketBatchSampler
+    yields) or a plain entry (epoch 0). A sample is a dict:
+    image_path, bucket (w, h), caption (processed str), and either image (float32 [3,H,W] in
+    [-1,1]) or latents (float32 [C,h,w], from the bf16 cache), plus text (dict of tensors,
+    floating ones float32) when captions are cached."""
+
+    def __init__(self, blueprint: DatasetBlueprint, seed: int = 0):
+        self.blueprint, self.seed = blueprint, seed
+        self.items = scan_images(blueprint)
+        self.entries = [i for i, item in enumerate(self.items) for _ in range(item.subset.num_repeats)]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, key) -> dict:
+        entry, epoch = key if isinstance(key, tuple) else (key, 0)
+        item = self.items[self.entries[entry]]
+        rng = random.Random(f"{self.seed}:{epoch}:{entry}")
+        flip = item.subset.flip_aug and rng.random() < 0.5
+        sample = {"image_path": item.image_path, "bucket": item.bucket,
+                  "caption": process_caption(item.caption, item.subset, rng)}
+        if item.latent_cache is not None:
+            cached = _read_cache(item.latent_cache)
+            sample["latents"] = cached["latents_flipped" if flip else "latents"].float()
+        else:
+            sample["image"] = load_image(item.image_path, item.bucket, flip)
+        if item.text_cache is not None:
+            sample["text"] = {k: v.float() if v.is_floating_point() else v
+                              for k, v in _read_cache(item.text_cache).items()}
+        return sample
+
+
+class BucketBatchSampler(torch.utils.data.Sampler):
+    """Batches of `(entry, epoch)` keys where every batch holds one bucket of one dataset (with
+    that dataset's batch_size). Entries and batches are shuffled per epoch from (seed, epoch).
+    Each iteration advances the epoch; set_epoch(e) picks it explicitly (e.g. when resuming)."""
+
+    def __init__(self, dataset: ImageDataset, seed: int = 0, shuffle: bool = True, drop_last: bool = False):
+        self.seed, self.shuffle, self.drop_last, self.epoch = seed, shuffle, drop_last, 0
+        self.groups: dict[tuple, list[int]] = {}
+        for entry, i in enumerate(dataset.entries):
+            item = dataset.items[i]
+            self.groups.setdefault((item.dataset_index, item.bucket), []).append(entry)
+        self.batch_sizes = {key: dataset.blueprint.datasets[key[0]].batch_size for key in self.groups}
+
+    def set_epoch(self, epoch: int):
+        self.epoch = epoch
+
+    def batches(self, epoch: int) -> list[list[tuple[int, int]]]:
+        rng = random.Random(f"{self.seed}:{epoch}")
+        batches = []
+        for key in sorted(self.groups):
+            entries = list(self.groups[key])
+            if self.shuffle:
+                rng.shuffle(entries)
+            size = self.batch_sizes[key]
+            for start in range(0, len(entries), size):
+                chunk = entries[start : start + size]
+                if len(chunk) == size or not self.drop_last:
+                    batches.append([(e, epoch) for e in chunk])
+        if self.shuffle:
+            rng.shuffle(batches)
+        return batches
+
+    def __iter__(self):
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        yield from self.batches(epoch)
+
+    def __len__(self) -> int:
+        return len(self.batches(self.epoch))
+
+
+def collate_batch(samples: list[dict]) -> dict:
+    """Stack one bucket's samples: images [B,3,H,W] or latents [B,C,h,w] float32, captions list,
+    text dict of [B, ...] tensors (different lengths zero-padded at the end of axis 0, so
+    variable-length encoders must cache their own mask)."""
+    batch = {"image_paths": [s["image_path"] for s in samples], "captions": [s["caption"] for s in samples],
+             "bucket": samples[0]["bucket"]}
+    for key, out in (("image", "images"), ("latents", "latents")):
+        if key in samples[0]:
+            batch[out] = torch.stack([s[key] for s in samples])
+    if "text" in samples[0]:
+        batch["text"] = {k: _pad_stack([s["text"][k] for s in samples]) for k in samples[0]["text"]}
+    return batch
+
+
+def _pad_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    if tensors[0].dim() == 0 or all(t.shape == tensors[0].shape for t in tensors):
+        return torch.stack(tensors)
+    longest = max(t.shape[0] for t in tensors)
+    out = tensors[0].new_zeros((len(tensors), longest, *tensors[0].shape[1:]))
+    for i, t in enumerate(tensors):
+        out[i, : t.shape[0]] = t
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Caches: safetensors files that carry the hash of what they were computed from
+
+
+def cache_path(item: ImageItem, suffix: str) -> str:
+    """`<stem>_<suffix>.safetensors` beside the image, or in cache_dir under a folder named for
+    the image folder (plus a short hash of its path, so equal names in two folders differ)."""
+    folder, name = os.path.split(os.path.abspath(item.image_path))
+    stem = os.path.splitext(name)[0]
+    if item.cache_dir:
+        tag = hashlib.sha256(folder.encode()).hexdigest()[:8]
+        folder = os.path.join(item.cache_dir, f"{os.path.basename(folder)}-{tag}")
+    return os.path.join(folder, f"{stem}_{suffix}.safetensors")
+
+
+def latent_hash(item: ImageItem, model_key: str) -> str:
+    h = hashlib.sha256()
+    with open(item.image_path, "rb") as f:
+        h.update(f.read())
+    h.update(f"|{model_key}|{item.bucket[0]}x{item.bucket[1]}|flip={item.subset.flip_aug}|{PREPROCESS_VERSION}".encode())
+    return h.hexdigest()
+
+
+def text_hash(item: ImageItem, model_key: str) -> str:
+    return hashlib.sha256(f"{item.caption}|{model_key}".encode()).hexdigest()
+
+
+def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], torch.Tensor], model_key: str,
+                  *, batch_size: int = 4, to_disk: bool = True) -> int:
+    """Encode every image whose cache is missing or stale; returns how many images were encoded.
+
+    encode_fn: float32 images [B,3,H,W] in [-1,1] -> latents [B,C,h,w] (any float dtype; stored
+    as bf16). With flip_aug the mirrored image is encoded too ("latents_flipped").
+    to_disk=False keeps the bf16 tensors in memory instead of writing files."""
+    todo = []
+    for item in items:
+        digest = latent_hash(item, model_key) if to_disk else ""
+        path = cache_path(item, f"{model_key}_{item.bucket[0]}x{item.bucket[1]}")
+        if to_disk and _cache_is_valid(path, digest):
+            item.latent_cache = path
+        else:
+            todo.append((item, path, digest))
+    groups: dict[tuple, list] = {}  # a batch must hold one size; flipped latents only where needed
+    for t in todo:
+        groups.setdefault((t[0].bucket, t[0].subset.flip_aug), []).append(t)
+    for (_, flip_aug), group in groups.items():
+        for start in range(0, len(group), batch_size):
+            chunk = group[start : start + batch_size]
+            encoded = {"latents": _encode_images(encode_fn, chunk, flip=False)}
+            if flip_aug:
+                encoded["latents_flipped"] = _encode_images(encode_fn, chunk, flip=True)
+            for i, (item, path, digest) in enumerate(chunk):
+                tensors = {k: v[i].to(CACHE_DTYPE) for k, v in encoded.items()}
+                item.latent_cache = _store(tensors, path, digest, to_disk, model_key)
+    return len(todo)
+
+
+def _encode_images(encode_fn, chunk, flip: bool) -> torch.Tensor:
+    images = torch.stack([load_image(item.image_path, item.bucket, flip) for item, _, _ in chunk])
+    with torch.no_grad():
+        return encode_fn(images).detach().cpu()
+
+
+def cache_text(items: list[ImageItem], encode_fn: Callable[[list[str]], list[dict[str, torch.Tensor]]],
+               model_key: str, *, batch_size: int = 8, to_disk: bool = True) -> int:
+    """Encode every caption whose cache is missing or stale; returns how many were encoded.
+
+    encode_fn: captions -> one dict of tensors per caption (no batch axis; floating tensors are
+    stored as bf16, others as they are). Captions must be fixed: shuffle_caption and
+    caption_dropout_rate change them every step, so they are an error here."""
+    for item in items:
+        if item.subset.shuffle_caption or item.subset.caption_dropout_rate > 0:
+            raise ValueError(f"{item.subset.image_dir}: cached text needs fixed captions; turn off "
+                             f"shuffle_caption / caption_dropout_rate or text caching")
+    todo = []
+    for item in items:
+        digest = text_hash(item, model_key)
+        path = cache_path(item, f"{model_key}_te")
+        if to_disk and _cache_is_valid(path, digest):
+            item.text_cache = path
+        else:
+            todo.append((item, path, digest))
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        with torch.no_grad():
+            outputs = encode_fn([item.caption for item, _, _ in chunk])
+        for (item, path, digest), out in zip(chunk, outputs):
+            tensors = {k: (v.to(CACHE_DTYPE) if v.is_floating_point() else v).detach().cpu() for k, v in out.items()}
+            item.text_cache = _store(tensors, path, digest, to_disk, model_key)
+    return len(todo)
+
+
+def _cache_is_valid(path: str, digest: str) -> bool:
+    if not os.path.exists(path):
+        return False
+    try:
+        return CheckpointReader(path).metadata.get("content_hash") == digest
+    except Exception:  # a truncated or foreign file is simply recomputed
+        return False
+
+
+def _store(tensors: dict, path: str, digest: str, to_disk: bool, model_key: str) -> str | dict:
+    if not to_disk:
+        return tensors
+    save_safetensors(tensors, path, metadata={"content_hash": digest, "model_key": model_key})
+    return path
+
+
+def _read_cache(cache: str | dict) -> dict[str, torch.Tensor]:
+    if isinstance(cache, dict):
+        return cache
+    reader = CheckpointReader(cache)
+    return {k: reader.get(k) for k in reader.keys()}
+
+
+# ----------------------------------------------------------------------------------------------
+# LLM text: documents -> one token stream -> fixed windows
+
+
+def load_text_corpus(paths: str | list[str]) -> list[str]:
+    """The documents (one per .txt file) from files and/or folders (their *.txt, sorted)."""
+    files = []
+    for p in [paths] if isinstance(paths, str) else paths:
+        if os.path.isdir(p):
+            files += sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".txt"))
+        elif os.path.isfile(p):
+            files.append(p)
+        else:
+            raise ValueError(f"{p}: no such text file or folder")
+    if not files:
+        raise ValueError(f"{paths}: no .txt files found")
+    documents = []
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            documents.append(fh.read())
+    if not any(d.strip() for d in documents):
+        raise ValueError(f"{paths}: all text files are empty")
+    return documents
+
+
+def tokenize_documents(documents: list[str], encode: Callable[[str], list[int]], eos_id: int | None) -> torch.Tensor:
+    """One int64 token stream; eos_id (if given) ends each document so windows see the border."""
+    ids: list[int] = []
+    for doc in documents:
+        ids += list(encode(doc)) + ([eos_id] if eos_id is not None else [])
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def train_val_split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last val_fraction of the stream is validation: a contiguous tail, so no window of
+    validation text also appears in training."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    n_val = int(round(len(ids) * val_fraction))
+    return ids[: len(ids) - n_val], ids[len(ids) - n_val :]
+
+
+class TextWindowDataset(torch.utils.data.Dataset):
+    """Windows of max_length tokens every `stride` tokens (default: max_length, no overlap).
+    Item i is (input_ids, targets), both int64 [max_length], targets = inputs shifted by one.
+    Tokens after the last full window are not used."""
+
+    def __init__(self, token_ids, max_length: int, stride: int | None = None):
+        self.ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        self.max_length, self.stride = max_length, stride or max_length
+        if max_length < 1 or self.stride < 1:
+            raise ValueError(f"max_length and stride must be >= 1, got {max_length}, {self.stride}")
+        if len(self.ids) < max_length + 1:
+            raise ValueError(f"text has {len(self.ids)} tokens, fewer than max_length + 1 = {max_length + 1}")
+        self.starts = range(0, len(self.ids) - max_length, self.stride)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.starts[i]
+        window = self.ids[s : s + self.max_length + 1]
+        return window[:-1], window[1:]

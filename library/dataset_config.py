@@ -1,0 +1,197 @@
+"""The dataset TOML (kohya sd-scripts schema), validated into plain dataclasses.
+
+    [general]                 # defaults for every dataset and subset below
+    [[datasets]]              # one bucketed image set: resolution, batch size, buckets
+    [[datasets.subsets]]      # one image folder: captions, repeats, augmentation
+
+A subset key falls back to its dataset, then to [general], then to DEFAULTS. Every key is
+checked for name and type; an unknown key or a wrong type is one ValueError naming the file,
+the section, the key and the value. configs/dataset_example.toml documents every key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import toml
+
+# The VAE downsamples 8x and the transformers pack 2x2 latent patches into one token, so pixel
+# sizes must be multiples of 16, and 16 is the smallest image that makes one token.
+PIXELS_PER_TOKEN_SIDE = 16
+
+# Keys a [[datasets.subsets]] table may hold (they may also sit in [[datasets]] or [general]).
+SUBSET_KEYS = (
+    "image_dir", "num_repeats", "caption_extension", "class_tokens", "shuffle_caption",
+    "keep_tokens", "caption_dropout_rate", "flip_aug",
+)
+# Keys a [[datasets]] table may hold (they may also sit in [general]).
+DATASET_KEYS = (
+    "resolution", "batch_size", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
+    "bucket_reso_steps", "bucket_no_upscale", "cache_dir",
+)
+KEY_TYPES = {
+    "resolution": "resolution", "batch_size": int, "enable_bucket": bool, "min_bucket_reso": int,
+    "max_bucket_reso": int, "bucket_reso_steps": int, "bucket_no_upscale": bool, "cache_dir": str,
+    "image_dir": str, "num_repeats": int, "caption_extension": str, "class_tokens": str,
+    "shuffle_caption": bool, "keep_tokens": int, "caption_dropout_rate": float, "flip_aug": bool,
+}
+# sd-scripts' defaults, except caption_extension: sd-scripts defaults to ".caption" but nearly
+# every dataset in use ships ".txt" files, so ".txt" is the default here.
+# resolution and image_dir have no default: they must be given.
+DEFAULTS = {
+    "batch_size": 1, "enable_bucket": False, "min_bucket_reso": 256, "max_bucket_reso": 1024,
+    "bucket_reso_steps": 64, "bucket_no_upscale": False, "cache_dir": None,
+    "num_repeats": 1, "caption_extension": ".txt", "class_tokens": None, "shuffle_caption": False,
+    "keep_tokens": 0, "caption_dropout_rate": 0.0, "flip_aug": False,
+}
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string",
+               "resolution": "an integer or [width, height]"}
+
+
+@dataclass
+class SubsetSpec:
+    image_dir: str
+    num_repeats: int
+    caption_extension: str
+    class_tokens: str | None
+    shuffle_caption: bool
+    keep_tokens: int
+    caption_dropout_rate: float
+    flip_aug: bool
+
+
+@dataclass
+class DatasetSpec:
+    resolution: tuple[int, int]  # (width, height)
+    batch_size: int
+    enable_bucket: bool
+    min_bucket_reso: int
+    max_bucket_reso: int
+    bucket_reso_steps: int
+    bucket_no_upscale: bool
+    cache_dir: str | None
+    subsets: list[SubsetSpec] = field(default_factory=list)
+
+
+@dataclass
+class DatasetBlueprint:
+    datasets: list[DatasetSpec]
+    source: str = "<dict>"  # the file it came from, for error messages downstream
+
+
+def load_dataset_config(path: str) -> DatasetBlueprint:
+    """Read and validate a dataset TOML file."""
+    try:
+        data = toml.load(path)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such dataset config file") from None
+    except toml.TomlDecodeError as e:
+        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    return parse_dataset_config(data, source=path)
+
+
+def parse_dataset_config(data: dict, source: str = "<dict>") -> DatasetBlueprint:
+    """Validate an already parsed dataset config (same schema as the TOML file)."""
+    _check_keys(source, "top level", data, ("general", "datasets"))
+    general = data.get("general", {})
+    _check_table(source, "general", general)
+    _check_keys(source, "general", general, DATASET_KEYS + SUBSET_KEYS[1:])
+    datasets = data.get("datasets")
+    if not isinstance(datasets, list) or not datasets:
+        raise ValueError(f"{source}: needs at least one [[datasets]] table with [[datasets.subsets]]")
+    return DatasetBlueprint([_parse_dataset(source, general, d) for d in datasets], source=source)
+
+
+def _parse_dataset(source: str, general: dict, dataset: dict) -> DatasetSpec:
+    _check_table(source, "datasets", dataset)
+    _check_keys(source, "datasets", dataset, DATASET_KEYS + SUBSET_KEYS[1:] + ("subsets",))
+
+    def pick(key):
+        return dataset.get(key, general.get(key, DEFAULTS.get(key)))
+
+    res = pick("resolution")
+    if res is None:
+        raise ValueError(f"{source}: [datasets] key 'resolution' is required (in [[datasets]] or [general])")
+    spec = DatasetSpec(
+        resolution=(res, res) if isinstance(res, int) else (res[0], res[1]),
+        **{k: pick(k) for k in DATASET_KEYS if k != "resolution"},
+    )
+    _check_dataset_values(source, spec)
+    subsets = dataset.get("subsets")
+    if not isinstance(subsets, list) or not subsets:
+        raise ValueError(f"{source}: [[datasets]] needs at least one [[datasets.subsets]] with an image_dir")
+    spec.subsets = [_parse_subset(source, general, dataset, s) for s in subsets]
+    return spec
+
+
+def _parse_subset(source: str, general: dict, dataset: dict, subset: dict) -> SubsetSpec:
+    _check_table(source, "datasets.subsets", subset)
+    _check_keys(source, "datasets.subsets", subset, SUBSET_KEYS)
+    if "image_dir" not in subset:
+        raise ValueError(f"{source}: [datasets.subsets] key 'image_dir' is required")
+    values = {k: subset.get(k, dataset.get(k, general.get(k, DEFAULTS.get(k)))) for k in SUBSET_KEYS}
+    spec = SubsetSpec(**values)
+    spec.caption_dropout_rate = float(spec.caption_dropout_rate)
+    where = f"{source}: [datasets.subsets] image_dir {spec.image_dir!r}:"
+    if spec.num_repeats < 1:
+        raise ValueError(f"{where} key 'num_repeats' must be >= 1, got {spec.num_repeats}")
+    if spec.keep_tokens < 0:
+        raise ValueError(f"{where} key 'keep_tokens' must be >= 0, got {spec.keep_tokens}")
+    if not 0.0 <= spec.caption_dropout_rate <= 1.0:
+        raise ValueError(f"{where} key 'caption_dropout_rate' must be in [0, 1], got {spec.caption_dropout_rate}")
+    if not spec.caption_extension.startswith("."):
+        raise ValueError(f"{where} key 'caption_extension' must start with '.', got {spec.caption_extension!r}")
+    return spec
+
+
+def _check_dataset_values(source: str, d: DatasetSpec):
+    step = PIXELS_PER_TOKEN_SIDE
+    if min(d.resolution) < step:
+        raise ValueError(f"{source}: [datasets] key 'resolution' must be at least {step} pixels per side "
+                         f"(one 2x2 patch of the 8x-downsampled latent), got {list(d.resolution)}")
+    if d.batch_size < 1:
+        raise ValueError(f"{source}: [datasets] key 'batch_size' must be >= 1, got {d.batch_size}")
+    if d.bucket_reso_steps <= 0 or d.bucket_reso_steps % step:
+        raise ValueError(f"{source}: [datasets] key 'bucket_reso_steps' must be a positive multiple of {step} "
+                         f"(8x VAE, 2x2 patches), got {d.bucket_reso_steps}")
+    if d.min_bucket_reso < step:
+        raise ValueError(f"{source}: [datasets] key 'min_bucket_reso' must be >= {step}, got {d.min_bucket_reso}")
+    if d.min_bucket_reso > d.max_bucket_reso:
+        raise ValueError(f"{source}: [datasets] min_bucket_reso {d.min_bucket_reso} is larger than "
+                         f"max_bucket_reso {d.max_bucket_reso}")
+    if not d.enable_bucket and any(s % step for s in d.resolution):
+        raise ValueError(f"{source}: [datasets] key 'resolution' must be a multiple of {step} per side "
+                         f"when enable_bucket is false, got {list(d.resolution)}")
+    if d.enable_bucket and (min(d.resolution) < d.min_bucket_reso or max(d.resolution) > d.max_bucket_reso):
+        raise ValueError(f"{source}: [datasets] resolution {list(d.resolution)} must lie within "
+                         f"[min_bucket_reso, max_bucket_reso] = [{d.min_bucket_reso}, {d.max_bucket_reso}]")
+
+
+def _check_table(source: str, section: str, table):
+    if not isinstance(table, dict):
+        raise ValueError(f"{source}: [{section}] must be a table, got {table!r}")
+
+
+def _check_keys(source: str, section: str, table: dict, allowed: tuple[str, ...]):
+    """Unknown keys are errors (a typo must not silently fall back to a default); known keys
+    must have their type."""
+    for key, value in table.items():
+        if key not in allowed:
+            where = "top level:" if section == "top level" else f"[{section}]"
+            raise ValueError(f"{source}: {where} unknown key {key!r} (allowed: {', '.join(allowed)})")
+        if key in KEY_TYPES and not _has_type(value, KEY_TYPES[key]):
+            raise ValueError(f"{source}: [{section}] key {key!r} must be {_TYPE_WORDS[KEY_TYPES[key]]}, "
+                             f"got {value!r}")
+
+
+def _has_type(value, kind) -> bool:
+    # bool is a subclass of int in Python: `batch_size = true` must not pass as 1.
+    if kind == "resolution":
+        if isinstance(value, list):
+            return len(value) == 2 and all(_has_type(v, int) for v in value)
+        return _has_type(value, int)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)

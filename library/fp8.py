@@ -1,0 +1,322 @@
+"""fp8 base weights: plain cast ("fp8") and block-scaled ("fp8_scaled") float8_e4m3fn storage with
+high-precision compute.
+
+Why two modes (shared/DESIGN.md, "Precision"): e4m3 has 3 mantissa bits, a largest value of 448 and
+a smallest normal of 2^-6. A plain cast (what sd-scripts' fp8_base does) puts weights ~N(0, 0.02)
+mostly into the subnormal range, where the step is a fixed 2^-9: median relative weight error 3.6%,
+and it grows as the weights get smaller. "fp8_scaled" divides each block of 64 input columns by
+absmax / 448 first, so every block uses the normal range and the error is the format's floor
+(~2% relative) whatever the weight scale. A LoRA trained on a bf16 base then sees a base much
+closer to the one it learned on.
+
+Layout of the scaled mode: weight [out, in] float8_e4m3fn, weight_scale [out, in / 64] bfloat16
+(per output row when in % 64 != 0: [out, 1]). w ~= weight.view(out, in/64, 64) * scale[..., None].
+The scale is bf16, rounded up (never down) from absmax / 448 so no block overflows 448: bf16 keeps the
+overhead at 2/64 = 0.031 bytes per weight (fp32 would be 0.0625), and the product of a 4-bit e4m3
+mantissa and an 8-bit bf16 mantissa is exact in fp32, so dequantizing straight in bf16 gives the same
+bits as dequantizing in fp32 and rounding once.
+
+Always kept in high precision (HIGH_PRECISION_MODULES): embedders, input/output projections, the
+final layer, and (not Linear anyway) norms and RoPE, which core.py computes in fp32.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from library.io import CheckpointError, CheckpointReader
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_CHECKPOINT_DTYPES = ("F8_E4M3", "F8_E5M2")  # safetensors dtype names of already-fp8 tensors
+SCALE_DTYPE = torch.bfloat16
+BLOCK = 64  # input columns sharing one scale
+MODES = ("fp8", "fp8_scaled")
+
+# Modulation (adaLN) Linears are 27% of FLUX.1's weights (3.2 B of 11.9 B). Measured on a tiny
+# FLUX-like double + single block (tests/test_fp8.py::test_modulation_choice_matches_measurement,
+# width 256, weights N(0, 0.02), relative error of the blocks' residual update vs fp32, 2 seeds):
+# fp8_scaled 4.47% with modulation quantized vs 3.61% kept in bf16 (plain fp8: 5.85% vs 4.71%).
+# Keeping them would cut the error by 19% but add 25% memory (whole-model bytes/param ~1.30
+# instead of ~1.04, +3.2 GB on FLUX.1), and fp8 is chosen to save memory: we quantize them, as
+# sd-scripts' fp8_base does. Scaled with modulation quantized still beats plain with it kept.
+QUANTIZE_MODULATION = True
+
+_MODULATION_MODULES = {
+    "flux": [r".*_mod\.lin", r".*\.modulation\.lin"],
+    "qwen_image": [r".*\.(img|txt)_mod\.1"],
+    "llm": [],
+}
+
+# Regexes over qualified module names (re.fullmatch) of the Linears that stay bf16/fp32 in both modes.
+HIGH_PRECISION_MODULES: dict[str, list[str]] = {
+    "flux": [
+        r"img_in", r"txt_in", r"time_in\..*", r"vector_in\..*", r"guidance_in\..*", r"final_layer\..*",
+    ],
+    "qwen_image": [
+        r"img_in", r"txt_in", r"txt_norm", r"time_text_embed\..*", r"norm_out\..*", r"proj_out",
+    ],
+    "llm": [r"lm_head", r"model\.embed_tokens"],
+}
+if not QUANTIZE_MODULATION:
+    for _family, _patterns in _MODULATION_MODULES.items():
+        HIGH_PRECISION_MODULES[_family] += _patterns
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"fp8 mode must be one of {MODES}, got {mode!r}")
+
+
+def is_high_precision(name: str, family: str) -> bool:
+    """True if the module with qualified name `name` stays in high precision for `family`."""
+    if family not in HIGH_PRECISION_MODULES:
+        raise ValueError(f"unknown model family {family!r}; expected one of {sorted(HIGH_PRECISION_MODULES)}")
+    return any(re.fullmatch(p, name) for p in HIGH_PRECISION_MODULES[family])
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantization
+
+
+def scale_shape(out_features: int, in_features: int) -> tuple[int, int]:
+    """Shape of weight_scale: one scale per 64 input columns, or per output row as a fallback."""
+    return (out_features, in_features // BLOCK) if in_features % BLOCK == 0 else (out_features, 1)
+
+
+def _round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 (positive) -> the smallest bf16 >= x, so dividing by it never pushes a block past 448."""
+    y = x.to(torch.bfloat16)
+    below = y.float() < x
+    # Positive bf16 values are ordered like their bit patterns: +1 on the bits is the next bf16.
+    bumped = (y.view(torch.int16) + 1).view(torch.bfloat16)
+    return torch.where(below, bumped, y)
+
+
+def quantize_weight(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """w [out, in] (bf16/fp16/fp32) -> (q float8_e4m3fn [out, in], scale bf16 [out, in/64] or None).
+
+    Computed in fp32 from the source values (never from an fp8 tensor). "fp8" is a plain cast,
+    clamped to +-448; "fp8_scaled" divides each block by its bf16 scale (absmax / 448 rounded up)."""
+    _check_mode(mode)
+    if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"quantize_weight: weight is already {w.dtype}; re-quantizing fp8 compounds its error")
+    if w.dim() != 2:
+        raise ValueError(f"quantize_weight: expected a 2-D Linear weight [out, in], got shape {tuple(w.shape)}")
+    w32 = w.detach().float()
+    if mode == "fp8":
+        return w32.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), None
+    out_features, in_features = w.shape
+    rows, blocks = scale_shape(out_features, in_features)
+    w32 = w32.reshape(rows, blocks, in_features // blocks)
+    # Zero blocks get the tiniest normal scale instead of 0: 0 / tiny = 0, never 0 / 0.
+    absmax = w32.abs().amax(-1)  # fp32 [out, blocks]
+    scale = _round_up_to_bf16((absmax / FP8_MAX).clamp_min(torch.finfo(SCALE_DTYPE).tiny))
+    q = (w32 / scale.float()[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(out_features, in_features), scale
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """float8 q [out, in] (+ scale) -> weight in `dtype`. Peak memory: one weight in `dtype`.
+
+    bf16/fp32 multiply in place in the target dtype (exact products, one rounding); other dtypes
+    (fp16, whose range may not hold a tiny scale) go through fp32."""
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    w = q.to(work)  # exact: every e4m3 value is a bf16/fp16/fp32 value
+    if scale is not None:
+        rows, blocks = scale.shape
+        w.view(rows, blocks, -1).mul_(scale.to(work)[..., None])
+    return w.to(dtype)
+
+
+def stochastic_round_to_fp8(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Unbiased stochastic rounding of x (any float dtype, values clamped to +-448) to float8_e4m3fn.
+
+    Each value goes to one of its two e4m3 neighbours, the upper one with probability
+    (x - lower) / step, so E[result] = x. Use it when a high-precision result must be stored in
+    fp8 (e.g. a LoRA merged into an fp8 checkpoint): round-to-nearest drops every delta smaller
+    than half a step."""
+    x = x.detach().float().clamp(-FP8_MAX, FP8_MAX)
+    _, exponent = torch.frexp(x)  # x = m * 2^exponent, m in [0.5, 1): binade is 2^(exponent - 1)
+    # 3 mantissa bits: step 2^(e - 3) in binade e; below the smallest normal 2^-6 the step stays 2^-9.
+    step = torch.exp2(((exponent - 1).clamp_min(-6) - 3).float())
+    lower = torch.floor(x / step) * step  # exact: division by a power of two
+    p_up = (x - lower) / step
+    u = torch.rand(x.shape, generator=generator, device=x.device)
+    return (lower + step * (u < p_up)).to(FP8_DTYPE)  # both neighbours are exact e4m3 values
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer
+
+
+class FP8Linear(nn.Module):
+    """A frozen Linear whose weight is stored as float8_e4m3fn (+ bf16 block scales).
+
+    State dict: `weight` (float8_e4m3fn [out, in]), `weight_scale` (bf16, "fp8_scaled" only),
+    `bias` (high precision, frozen). The weight and scale are buffers: they never train, and
+    `model.to(dtype)` / `.half()` leave their dtypes alone (they still follow device moves).
+    forward dequantizes to the input's dtype (the model's compute dtype, or the autocast dtype)
+    and runs F.linear: gradients flow to the input (LoRA sits on top), never to the base.
+    compute_dtype: None follows the input; a dtype makes the layer cast its input to it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, mode: str = "fp8_scaled",
+                 device=None, bias_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        _check_mode(mode)
+        self.in_features, self.out_features, self.mode = in_features, out_features, mode
+        self.compute_dtype: torch.dtype | None = None
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device))
+        scale = torch.ones(scale_shape(out_features, in_features), dtype=SCALE_DTYPE, device=device)
+        self.register_buffer("weight_scale", scale if mode == "fp8_scaled" else None)
+        b = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device), requires_grad=False)
+        self.bias = b if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str) -> "FP8Linear":
+        """Quantize a loaded nn.Linear, or mirror a `meta` one with meta fp8 tensors of the right shape."""
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, mode, device="meta")
+        if w.is_meta:
+            layer.weight = torch.empty(w.shape, dtype=FP8_DTYPE, device="meta")
+        else:
+            layer.weight, layer.weight_scale = quantize_weight(w, mode)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+        return layer
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.weight_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        w = self.dequantized_weight(dtype)  # [out, in] in the compute dtype, no grad (buffers)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x, w, bias)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(bf16) must not turn the fp8 codes or their scales into something else; device
+        # moves (and to_empty) still apply. A zero-size probe tells what fn would do to the dtype.
+        held = {k: self._buffers[k] for k in ("weight", "weight_scale") if self._buffers.get(k) is not None}
+        for k in held:
+            self._buffers[k] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for k, t in held.items():
+                probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+                self._buffers[k] = fn(t) if probe.dtype == t.dtype else t.to(probe.device)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "weight"
+        if key in state_dict and state_dict[key].dtype != FP8_DTYPE:
+            raise CheckpointError(
+                f"'{key}': FP8Linear expects {FP8_DTYPE} codes, got {state_dict[key].dtype}; "
+                f"load high-precision checkpoints through fp8_load_converter(model, mode)"
+            )
+        if prefix + "weight_scale" in state_dict:  # a load dtype may have widened it; bf16 values round-trip
+            state_dict[prefix + "weight_scale"] = state_dict[prefix + "weight_scale"].to(SCALE_DTYPE)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}, mode={self.mode}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole models
+
+
+def _replace_linears(model: nn.Module, mode: str, family: str) -> nn.Module:
+    _check_mode(mode)
+    is_high_precision("", family)  # validates the family name
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            # Exact nn.Linear only: subclasses (e.g. nn.MultiheadAttention's out_proj) may read .weight directly.
+            if type(child) is nn.Linear and not is_high_precision(name, family):
+                setattr(parent, child_name, FP8Linear.from_linear(child, mode))
+    return model
+
+
+def prepare_fp8(model: nn.Module, mode: str, family: str) -> nn.Module:
+    """Replace every nn.Linear outside HIGH_PRECISION_MODULES[family] by an FP8Linear, in place.
+
+    On a `meta` model the new layers hold meta fp8 tensors of the right shapes for
+    load_streaming(convert=fp8_load_converter(model, mode)) to fill; on a loaded model the
+    weights are quantized. Returns the model."""
+    return _replace_linears(model, mode, family)
+
+
+def quantize_module(model: nn.Module, mode: str, family: str) -> nn.Module:
+    """In-memory fp8 conversion of an already loaded high-precision model (tests, diagnostics)."""
+    meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ValueError(f"quantize_module: '{meta[0]}' is on the meta device; use prepare_fp8 + load_streaming")
+    return _replace_linears(model, mode, family)
+
+
+class FP8LoadConverter:
+    """load_streaming(convert=...) hook: `X.weight` of every FP8Linear X is quantized on the fly
+    into {X.weight: fp8, X.weight_scale: bf16}; all other tensors pass through unchanged.
+
+    keep_dtype(key) is True for those weights, so load_streaming hands them over in the file's
+    dtype (quantizing fp32 -> fp8 directly, not fp32 -> bf16 -> fp8)."""
+
+    def __init__(self, model: nn.Module, mode: str | None = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError("fp8_load_converter(model, mode): pass the model prepared by prepare_fp8")
+        layers = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
+        modes = {m.mode for m in layers.values()}
+        if mode is not None:
+            _check_mode(mode)
+            if modes - {mode}:
+                raise ValueError(f"fp8_load_converter: model was prepared with {sorted(modes)}, not {mode!r}")
+        self.quantized = {f"{name}.weight": m.mode for name, m in layers.items()}
+
+    def keep_dtype(self, key: str) -> bool:
+        return key in self.quantized
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if key not in self.quantized:
+            return {key: tensor}
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise CheckpointError(f"'{key}' is already {tensor.dtype}: re-quantizing fp8 compounds error; "
+                                  f"give a bf16/fp16/fp32 checkpoint")
+        q, scale = quantize_weight(tensor, self.quantized[key])
+        parts = {key: q}
+        if scale is not None:
+            parts[key[: -len("weight")] + "weight_scale"] = scale
+        return parts
+
+
+def fp8_load_converter(model: nn.Module, mode: str | None = None) -> FP8LoadConverter:
+    """The load_streaming convert hook for a model prepared by prepare_fp8 (mode defaults to its own)."""
+    return FP8LoadConverter(model, mode)
+
+
+def refuse_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> None:
+    """Raise CheckpointError if the checkpoint already stores fp8 tensors (we quantize only once)."""
+    fp8 = [k for k in reader.keys() if reader.dtype_name(k) in FP8_CHECKPOINT_DTYPES]
+    if fp8:
+        raise CheckpointError(
+            f"{path or reader.path}: '{fp8[0]}' is stored as {reader.dtype_name(fp8[0])} ({len(fp8)} fp8 tensors): "
+            f"re-quantizing fp8 weights compounds their rounding error; give a bf16/fp16/fp32 checkpoint "
+            f"(fp8 is applied while loading)"
+        )
+
+
+def bytes_per_parameter(model: nn.Module) -> float:
+    """Bytes of all parameters and buffers / number of base weight elements (scales excluded)."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    base = sum(t.numel() for name, t in tensors if not name.endswith("weight_scale"))
+    return total / base

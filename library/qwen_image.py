@@ -1,0 +1,368 @@
+"""Qwen-Image: the 60-block dual-stream MMDiT, with diffusers' module names, built on library/core.
+
+Module names mirror diffusers' QwenImageTransformer2DModel (`img_in`, `txt_norm`, `txt_in`,
+`time_text_embed.timestep_embedder.linear_1`, `transformer_blocks.N.attn.to_q`, `...img_mod.1`,
+`...img_mlp.net.0.proj`, `norm_out.linear`, `proj_out`), so a diffusers checkpoint loads with a plain
+state dict and kohya LoRA names are the diffusers module paths.
+
+Precision boundaries (see shared/DESIGN.md):
+- RoPE positions are int64 ids built here; `core.rope_tables` turns them into float32 cos/sin
+  (angles in float64) once per forward. They never pass through the compute dtype.
+- Timesteps arrive as float sigma in [0, 1]; the sinusoidal embedding is float32 and is cast to
+  `compute_dtype` only at `timestep_embedder.linear_1`.
+- Activations run in `compute_dtype` (explicit attribute, default float32): inputs are cast at entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from library import core
+from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors, strip_prefix, write_text
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass(frozen=True)
+class QwenImageConfig:
+    """Constructor arguments of diffusers' QwenImageTransformer2DModel (defaults = Qwen-Image)."""
+
+    patch_size: int = 2
+    in_channels: int = 64
+    out_channels: int = 16
+    num_layers: int = 60
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 3584
+    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    rope_theta: float = 10000.0  # fixed in diffusers (QwenEmbedRope(theta=10000)), not in its config
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes_dims_rope", tuple(self.axes_dims_rope))
+        if sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(
+                f"axes_dims_rope {self.axes_dims_rope} must sum to attention_head_dim {self.attention_head_dim}"
+            )
+
+    # Flags of the diffusers class that change the architecture; we implement the default only.
+    _UNSUPPORTED = {"zero_cond_t": False, "use_additional_t_cond": False, "use_layer3d_rope": False}
+
+    @classmethod
+    def from_diffusers(cls, config: dict, source: str = "config") -> "QwenImageConfig":
+        """From a diffusers config.json dict. Variants (edit-2511 zero_cond_t, layered RoPE) raise."""
+        for flag, default in cls._UNSUPPORTED.items():
+            if config.get(flag, default) != default:
+                raise CheckpointError(f"{source}: {flag}={config[flag]!r} is not supported (expected {default!r})")
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in config.items() if k in names}
+        if kwargs.get("out_channels") is None:
+            kwargs["out_channels"] = kwargs.get("in_channels", cls.in_channels)
+        return cls(**kwargs)
+
+    def to_diffusers(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "rope_theta"}
+        d["axes_dims_rope"] = list(self.axes_dims_rope)
+        return {"_class_name": "QwenImageTransformer2DModel", "_diffusers_version": _diffusers_version(),
+                **d, "guidance_embeds": False, **self._UNSUPPORTED}
+
+
+QWEN_IMAGE = QwenImageConfig()
+
+
+def _diffusers_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("diffusers")
+    except Exception:  # the version only feeds diffusers' "saved with" warning
+        return "0.35.0"
+
+
+# ----------------------------------------------------------------------------------------------
+# Positions (int64 ids; angles are computed by core.rope_tables)
+
+
+def image_positions(frames: int, height: int, width: int, frame_index: int = 0) -> torch.Tensor:
+    """int64 [frames*height*width, 3] ids (frame, row, col) of one image's patch grid, row-major.
+
+    Rows and columns are centred as diffusers' QwenEmbedRope(scale_rope=True): height h gives
+    -(h - h//2) ... h//2 - 1, so the border patches carry the largest |position|."""
+    f = torch.arange(frames, dtype=torch.int64) + frame_index
+    h = torch.arange(height, dtype=torch.int64) - (height - height // 2)
+    w = torch.arange(width, dtype=torch.int64) - (width - width // 2)
+    grid = torch.meshgrid(f, h, w, indexing="ij")
+    return torch.stack(grid, dim=-1).reshape(-1, 3)
+
+
+def _images_of(shape) -> list[tuple[int, int, int]]:
+    """One sample's img_shapes entry: (f, h, w) or a list of them (diffusers' pipeline form)."""
+    if len(shape) == 3 and all(isinstance(v, int) for v in shape):
+        return [tuple(shape)]
+    return [tuple(s) for s in shape]
+
+
+def joint_positions(img_shapes: list, text_len: int) -> torch.Tensor:
+    """int64 [B, text_len + L, 3] ids for the joint sequence [text, image].
+
+    Images of a sample take frame index 0, 1, ... in order; text token j gets id max_index + j on
+    every axis, where max_index = max(h//2, w//2) over the sample's images (diffusers' txt_freqs).
+    Unlike diffusers, which uses the first sample's shapes for the whole batch, each sample here
+    gets its own ids (identical when all shapes agree)."""
+    per_sample = []
+    for shape in img_shapes:
+        images = _images_of(shape)
+        img = torch.cat([image_positions(f, h, w, i) for i, (f, h, w) in enumerate(images)])
+        start = max(max(h // 2, w // 2) for _, h, w in images)
+        txt = (start + torch.arange(text_len, dtype=torch.int64))[:, None].expand(text_len, 3)
+        per_sample.append(torch.cat([txt, img]))
+    if len({p.shape[0] for p in per_sample}) != 1:
+        raise ValueError(f"img_shapes {img_shapes} give different token counts per sample")
+    return torch.stack(per_sample)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model
+
+
+class TimestepEmbedder(nn.Module):
+    """linear_2(silu(linear_1(sinusoid(sigma)))), diffusers TimestepEmbedding names."""
+
+    def __init__(self, dim: int, freq_dim: int = 256):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.linear_1 = nn.Linear(freq_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, sigma: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # float32 embedding of sigma * 1000 (diffusers Timesteps(scale=1000) on timestep / 1000),
+        # cast to the compute dtype only here.
+        freqs = core.timestep_embedding(sigma, self.freq_dim, time_factor=1000.0, scale_first=False).to(dtype)  # diffusers' order
+        return self.linear_2(F.silu(self.linear_1(freqs)))
+
+
+class TimeTextEmbed(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedder(dim)
+
+
+class JointAttention(nn.Module):
+    """Image (`to_*`) and text (`add_*`) projections, QK RMSNorm, RoPE, one joint SDPA over
+    [text, image] with text padding masked out as keys."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        self.norm_q, self.norm_k = core.RMSNorm(head_dim), core.RMSNorm(head_dim)
+        self.norm_added_q, self.norm_added_k = core.RMSNorm(head_dim), core.RMSNorm(head_dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+        self.to_add_out = nn.Linear(dim, dim)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)  # B L (H D) -> B H L D
+
+    def forward(self, img, txt, cos, sin, key_mask):
+        """img: [B, L, D], txt: [B, T, D]; cos/sin: float32 [B, T + L, head_dim / 2];
+        key_mask: bool [B, T + L] or None. Returns (img_out [B, L, D], txt_out [B, T, D])."""
+        txt_q, img_q = self.norm_added_q(self._heads(self.add_q_proj(txt))), self.norm_q(self._heads(self.to_q(img)))
+        txt_k, img_k = self.norm_added_k(self._heads(self.add_k_proj(txt))), self.norm_k(self._heads(self.to_k(img)))
+        q, k = torch.cat([txt_q, img_q], dim=2), torch.cat([txt_k, img_k], dim=2)  # joint order [text, image]
+        v = torch.cat([self._heads(self.add_v_proj(txt)), self._heads(self.to_v(img))], dim=2)
+        q, k = core.apply_rope(q, cos, sin, interleaved=True), core.apply_rope(k, cos, sin, interleaved=True)
+        out = core.attention(q, k, v, mask=key_mask)  # [B, T + L, H * D]
+        text_len = txt.shape[1]
+        return self.to_out[0](out[:, text_len:]), self.to_add_out(out[:, :text_len])
+
+
+class QwenImageBlock(nn.Module):
+    """One dual-stream block: each stream has its own modulation, norms and MLP; attention is joint."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int):
+        super().__init__()
+        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.img_norm1, self.img_norm2 = core.LayerNormNoAffine(dim), core.LayerNormNoAffine(dim)
+        self.txt_norm1, self.txt_norm2 = core.LayerNormNoAffine(dim), core.LayerNormNoAffine(dim)
+        self.attn = JointAttention(dim, heads, head_dim)
+        self.img_mlp = core.FeedForward(dim, 4 * dim)
+        self.txt_mlp = core.FeedForward(dim, 4 * dim)
+
+    def forward(self, img, txt, temb, cos, sin, key_mask):
+        # diffusers chunks img_mod(temb) as (shift, scale, gate) for attention, then for the MLP.
+        img_attn_mod, img_mlp_mod = core.split_modulation(self.img_mod(temb), 2)
+        txt_attn_mod, txt_mlp_mod = core.split_modulation(self.txt_mod(temb), 2)
+
+        img_out, txt_out = self.attn(
+            img_attn_mod.modulate(self.img_norm1(img)), txt_attn_mod.modulate(self.txt_norm1(txt)), cos, sin, key_mask
+        )
+        img = img + img_attn_mod.gate * img_out
+        txt = txt + txt_attn_mod.gate * txt_out
+
+        img = img + img_mlp_mod.gate * self.img_mlp(img_mlp_mod.modulate(self.img_norm2(img)))
+        txt = txt + txt_mlp_mod.gate * self.txt_mlp(txt_mlp_mod.modulate(self.txt_norm2(txt)))
+        return img, txt
+
+
+class OutputNorm(nn.Module):
+    """diffusers AdaLayerNormContinuous: linear(silu(temb)) -> (scale, shift), in that order."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = core.LayerNormNoAffine(dim)
+        self.linear = nn.Linear(dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(F.silu(temb))[:, None].chunk(2, dim=-1)
+        return (1 + scale) * self.norm(x) + shift
+
+
+class QwenImage(nn.Module):
+    def __init__(self, config: QwenImageConfig = QWEN_IMAGE):
+        super().__init__()
+        self.config = config
+        dim = config.inner_dim
+        self.compute_dtype = torch.float32
+        self.gradient_checkpointing = False
+        self.time_text_embed = TimeTextEmbed(dim)
+        self.txt_norm = core.RMSNorm(config.joint_attention_dim)
+        self.img_in = nn.Linear(config.in_channels, dim)
+        self.txt_in = nn.Linear(config.joint_attention_dim, dim)
+        self.transformer_blocks = nn.ModuleList(
+            QwenImageBlock(dim, config.num_attention_heads, config.attention_head_dim) for _ in range(config.num_layers)
+        )
+        self.norm_out = OutputNorm(dim)
+        self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels)
+
+    def rope(self, img_shapes: list, text_len: int, device: torch.device):
+        """float32 cos/sin [B, T + L, head_dim / 2] from int64 ids (angles in float64)."""
+        positions = joint_positions(img_shapes, text_len).to(device)
+        return core.rope_tables(positions, self.config.axes_dims_rope, self.config.rope_theta)
+
+    def forward(self, img, txt, txt_mask, timesteps, img_shapes):
+        """img: [B, L, in_channels] packed latents; txt: [B, T, joint_attention_dim]; txt_mask:
+        [B, T] (True/1 = real token) or None; timesteps: [B] sigma in [0, 1] (any float dtype,
+        used in float32); img_shapes: per sample (frames, h, w) in patches, or a list of them.
+        Returns [B, L, patch_size**2 * out_channels] in compute_dtype."""
+        batch, img_len, text_len = img.shape[0], img.shape[1], txt.shape[1]
+        if len(img_shapes) != batch:
+            raise ValueError(f"img_shapes has {len(img_shapes)} entries for a batch of {batch}")
+        cos, sin = self.rope(img_shapes, text_len, img.device)
+        if cos.shape[1] != text_len + img_len:
+            raise ValueError(f"img_shapes {img_shapes} give {cos.shape[1] - text_len} image tokens, img has {img_len}")
+        key_mask = None
+        if txt_mask is not None:  # bool [B, T + L]: text padding masked as keys, every image token visible
+            image_visible = torch.ones(batch, img_len, dtype=torch.bool, device=img.device)
+            key_mask = torch.cat([txt_mask.to(img.device).bool(), image_visible], dim=1)
+
+        temb = self.time_text_embed.timestep_embedder(timesteps.reshape(-1).expand(batch), self.compute_dtype)
+        img = self.img_in(img.to(self.compute_dtype))
+        txt = self.txt_in(self.txt_norm(txt.to(self.compute_dtype)))
+        for block in self.transformer_blocks:
+            img, txt = core.run_block(block, self.gradient_checkpointing, img, txt, temb, cos, sin, key_mask)
+        return self.proj_out(self.norm_out(img, temb))
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading and saving
+
+CHECKPOINT_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+_BLOCK = re.compile(r"transformer_blocks\.(\d+)\.")
+
+
+def infer_config(reader: CheckpointReader, prefix: str = "") -> QwenImageConfig:
+    """Config from tensor shapes (for files without config.json). Patch size 2 is assumed; RoPE
+    axes are (16, 56, 56) for head dim 128, other head dims need an explicit config."""
+
+    def shape(name: str) -> tuple[int, ...]:
+        if prefix + name not in reader:
+            raise CheckpointError(f"{reader.path}: no key '{prefix + name}'; not a Qwen-Image transformer checkpoint")
+        return reader.shape(prefix + name)
+
+    dim, in_channels = shape("img_in.weight")
+    _, joint_dim = shape("txt_in.weight")
+    blocks = {int(m.group(1)) for k in reader.keys() if (m := _BLOCK.match(k[len(prefix):]))}
+    head_dim = shape("transformer_blocks.0.attn.norm_q.weight")[0] if blocks else 128
+    if head_dim != sum(QWEN_IMAGE.axes_dims_rope):
+        raise CheckpointError(f"{reader.path}: head dim {head_dim} has no known RoPE axes; pass a QwenImageConfig")
+    patch = QWEN_IMAGE.patch_size
+    return QwenImageConfig(
+        patch_size=patch,
+        in_channels=in_channels,
+        out_channels=shape("proj_out.weight")[0] // patch**2,
+        num_layers=len(blocks),
+        attention_head_dim=head_dim,
+        num_attention_heads=dim // head_dim,
+        joint_attention_dim=joint_dim,
+    )
+
+
+def _resolve(path: str) -> tuple[str, QwenImageConfig | None]:
+    """(checkpoint path, config from config.json or None) for a pipeline folder, a transformer
+    folder, or a single file."""
+    if os.path.isdir(path) and os.path.isdir(os.path.join(path, "transformer")):
+        path = os.path.join(path, "transformer")
+    config_file = os.path.join(path, "config.json")
+    if not (os.path.isdir(path) and os.path.isfile(config_file)):
+        return path, None
+    with open(config_file) as f:
+        config = json.load(f)
+    name = config.get("_class_name", "QwenImageTransformer2DModel")
+    if name != "QwenImageTransformer2DModel":
+        raise CheckpointError(f"{config_file}: _class_name is {name!r}, expected 'QwenImageTransformer2DModel'")
+    return path, QwenImageConfig.from_diffusers(config, source=config_file)
+
+
+def load_qwen_image(
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    config: QwenImageConfig | None = None,
+    convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    prepare: Callable[[nn.Module], Callable | None] | None = None,
+) -> QwenImage:
+    """Load a Qwen-Image transformer: a diffusers pipeline folder (uses `transformer/`), a
+    transformer folder (config.json + safetensors, sharded or not) or a single safetensors file
+    with diffusers key names, optionally prefixed `model.diffusion_model.` / `diffusion_model.`.
+
+    Built on `meta`, filled tensor by tensor. dtype: storage and compute dtype (float32, bfloat16
+    or float16). fp8: `prepare` runs on the meta model (e.g. to swap Linears for FP8Linear); a
+    callable it returns becomes the `convert` hook (per-tensor quantization while loading):
+    `prepare=lambda m: fp8_load_converter(prepare_fp8(m, "fp8_scaled", "qwen_image"))`."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {dtype} is not a compute dtype (float32/bfloat16/float16); fp8 goes through convert")
+    path, file_config = _resolve(path)
+    reader = CheckpointReader(path)
+    prefix = strip_prefix(reader.keys(), CHECKPOINT_PREFIXES)
+    config = config or file_config or infer_config(reader, prefix)
+    with torch.device("meta"):
+        model = QwenImage(config)
+    hook = prepare(model) if prepare is not None else None
+    if hook is not None and not isinstance(hook, nn.Module):  # prepare_fp8 returns the model itself
+        if convert is not None:
+            raise ValueError("load_qwen_image: give the convert hook as convert= or as prepare's result, not both")
+        convert = hook
+    load_streaming(model, reader, rename=lambda key: key[len(prefix):], dtype=dtype, convert=convert)
+    model.compute_dtype = dtype
+    return model
+
+
+def save_qwen_image_diffusers(state_dict: dict[str, torch.Tensor], config: QwenImageConfig, folder: str) -> None:
+    """Write a diffusers transformer folder (config.json + diffusion_pytorch_model.safetensors),
+    each file atomically, that QwenImageTransformer2DModel.from_pretrained and load_qwen_image read."""
+    os.makedirs(folder, exist_ok=True)
+    save_safetensors(state_dict, os.path.join(folder, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    write_text(os.path.join(folder, "config.json"), json.dumps(config.to_diffusers(), indent=2) + "\n")

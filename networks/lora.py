@@ -1,0 +1,429 @@
+"""LoRA network: low-rank adapters applied unmerged on top of a frozen base model.
+
+A `LoRAModule` wraps one Linear-like base module (nn.Linear, library.fp8.FP8Linear, anything with
+in_features/out_features) by patching `base.forward`; the base stays in the model, untouched, so
+the same base can run with the LoRA on, off (`enabled`, multiplier 0) or without it (`remove()`).
+Which modules get a LoRA is decided in one place, the TARGETS table below, refined by
+sd-scripts-style network_args (`LoRANetwork`).
+
+Precision: LoRA parameters are float32 by default (`lora_dtype`). The branch casts its input to
+the LoRA weight dtype, or leaves it to autocast when autocast is on, and casts its result to the
+base output's dtype before adding it. Merging computes the delta in float32.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from library.io import CheckpointError
+from networks.lora_files import (
+    LoRAWeights,
+    build_metadata,
+    flux_diffusers_to_bfl,
+    kohya_name,
+    parse_lora,
+    read_lora,
+    write_kohya,
+)
+
+# ----------------------------------------------------------------------------------------------
+# Targets: family -> module type -> regex, full-matched against qualified module names. The named
+# group gives the block kind ("double", "single" for FLUX; "block" otherwise) and its index.
+
+TARGETS = {
+    "flux": {
+        "attn": r"double_blocks\.(?P<double>\d+)\.(img|txt)_attn\.(qkv|proj)",
+        "mlp": r"double_blocks\.(?P<double>\d+)\.(img|txt)_mlp\.(0|2)",
+        "single": r"single_blocks\.(?P<single>\d+)\.(linear1|linear2)",
+        "mod": r"double_blocks\.(?P<double>\d+)\.(img|txt)_mod\.lin|single_blocks\.(?P<single>\d+)\.modulation\.lin",
+    },
+    "qwen_image": {
+        "attn": r"transformer_blocks\.(?P<block>\d+)\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out\.0|to_add_out)",
+        "mlp": r"transformer_blocks\.(?P<block>\d+)\.(img|txt)_mlp\.net\.(0\.proj|2)",
+        "mod": r"transformer_blocks\.(?P<block>\d+)\.(img|txt)_mod\.1",
+    },
+    "llm": {
+        "attn": r"model\.layers\.(?P<block>\d+)\.self_attn\.(q|k|v|o)_proj",
+        "mlp": r"model\.layers\.(?P<block>\d+)\.mlp\.(gate|up|down)_proj",
+    },
+}
+OPTIONAL_TYPES = {"mod"}  # off unless train_modulation=true or mod_dim > 0 (sd-scripts default)
+KOHYA_PREFIX = {"flux": "lora_unet", "qwen_image": "lora_unet", "llm": "lora_te"}
+BLOCK_ARGS = {  # network_args key -> block kind it selects, per family
+    "flux": {"train_double_block_indices": "double", "train_single_block_indices": "single"},
+    "qwen_image": {"block_indices": "block"},
+    "llm": {"block_indices": "block"},
+}
+DIFFUSERS_FLUX_BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")  # a diffusers-named FLUX LoRA
+COMMON_ARGS = {
+    "dropout", "rank_dropout", "module_dropout", "include_patterns", "exclude_patterns",
+    "loraplus_lr_ratio", "train_modulation",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# One module
+
+
+class LoRAModule(nn.Module):
+    """out = base(x) + multiplier * (alpha / rank) * up(down(x)), with sd-scripts' dropouts.
+
+    Training-only regularisers (active when this module and its base are both in train mode):
+    - dropout: F.dropout on down(x) (sd-scripts `network_dropout`);
+    - rank_dropout: zero each rank channel per sample with probability p, the scale multiplied by
+      1 / (1 - p) so the expected delta is unchanged;
+    - module_dropout: skip the whole LoRA branch with probability p per forward.
+    """
+
+    def __init__(self, name, base: nn.Module, rank, alpha=None, multiplier=1.0, dropout=None,
+                 rank_dropout=None, module_dropout=None, lora_dtype=torch.float32):
+        super().__init__()
+        if not (hasattr(base, "in_features") and hasattr(base, "out_features")):
+            raise ValueError(f"LoRA target '{name}' ({type(base).__name__}) has no in_features/out_features")
+        self.name, self.rank = name, int(rank)
+        self._base = [base]  # a list, so the base is not registered as a submodule (no base keys)
+        weight = getattr(base, "weight", None)
+        device = weight.device if weight is not None and weight.device.type != "meta" else None
+        self.lora_down = nn.Linear(base.in_features, self.rank, bias=False, device=device, dtype=lora_dtype)
+        self.lora_up = nn.Linear(self.rank, base.out_features, bias=False, device=device, dtype=lora_dtype)
+        nn.init.kaiming_uniform_(self.lora_down.weight, a=math.sqrt(5))  # as sd-scripts
+        nn.init.zeros_(self.lora_up.weight)  # zero delta at step 0
+        alpha = float(self.rank if alpha is None or alpha == 0 else alpha)
+        self.register_buffer("alpha", torch.tensor(alpha, dtype=torch.float32, device=device))
+        self.multiplier, self.enabled = multiplier, True
+        self.dropout, self.rank_dropout, self.module_dropout = dropout, rank_dropout, module_dropout
+        self._original_forward = None  # the base's forward while patched
+        self._had_instance_forward = False  # base.forward was already an instance attribute
+
+    @property
+    def base(self) -> nn.Module:
+        return self._base[0]
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / self.rank
+
+    @property
+    def applied(self) -> bool:
+        return self._original_forward is not None
+
+    def apply_to_base(self):
+        """Route base calls through this module; the original forward is kept for remove()."""
+        if self.applied:
+            return
+        self._original_forward = self.base.__dict__.get("forward", None) or type(self.base).forward.__get__(self.base)
+        self._had_instance_forward = "forward" in self.base.__dict__
+        self.base.forward = self.forward
+
+    def remove_from_base(self):
+        if not self.applied:
+            return
+        if self._had_instance_forward:
+            self.base.forward = self._original_forward
+        else:
+            del self.base.forward
+        self._original_forward = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._original_forward(x)
+        training = self.training and self.base.training
+        if not self.enabled or self.multiplier == 0:
+            return out
+        if training and self.module_dropout and torch.rand(()) < self.module_dropout:
+            return out
+        # Branch dtype: x -> LoRA weight dtype (float32 by default) unless autocast picks it.
+        if not torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.lora_down.weight.dtype)
+        lx = self.lora_down(x)
+        if training and self.dropout:
+            lx = F.dropout(lx, p=self.dropout)
+        scale = self.scale
+        if training and self.rank_dropout:
+            mask_shape = (lx.shape[0],) + (1,) * (lx.dim() - 2) + (self.rank,)
+            lx = lx * (torch.rand(mask_shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
+            scale = scale / (1.0 - self.rank_dropout)
+        lx = self.lora_up(lx)
+        return out + (lx * (self.multiplier * scale)).to(out.dtype)  # back to the base output dtype
+
+    def weights(self) -> LoRAWeights:
+        return LoRAWeights(self.lora_down.weight.detach(), self.lora_up.weight.detach(), float(self.alpha))
+
+    @torch.no_grad()
+    def merge_into_base(self, weight_dtype: torch.dtype | None = None):
+        """W += multiplier * (alpha / rank) * up @ down, computed in float32, stored in
+        `weight_dtype` (default: the base weight's dtype); then the forward patch is removed."""
+        weight = self.base.weight
+        if weight.dtype.itemsize == 1 and weight.is_floating_point():
+            raise ValueError(
+                f"LoRA '{self.name}': the base weight is {weight.dtype}; merging into fp8 loses the delta. "
+                "Merge into a high-precision copy of the checkpoint and quantize afterwards."
+            )
+        delta = self.multiplier * self.weights().delta().to(weight.device)  # float32 [out, in]
+        merged = (weight.float() + delta).to(weight_dtype or weight.dtype)
+        self.base.weight = nn.Parameter(merged, requires_grad=weight.requires_grad)
+        self.remove_from_base()
+
+
+# ----------------------------------------------------------------------------------------------
+# network_args parsing (values may arrive as strings from `key=value` command lines)
+
+
+def _as_float(key, value):
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"network_args '{key}': expected a number, got {value!r}") from None
+
+
+def _as_bool(key, value):
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1", "yes"):
+        return True
+    if str(value).lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"network_args '{key}': expected true/false, got {value!r}")
+
+
+def _as_patterns(key, value) -> list[re.Pattern]:
+    values = [value] if isinstance(value, str) else list(value or [])
+    compiled = []
+    for v in values:
+        try:
+            compiled.append(re.compile(v))
+        except re.error as e:
+            raise ValueError(f"network_args '{key}': bad regex {v!r}: {e}") from None
+    return compiled
+
+
+def parse_indices(key, value, count: int) -> set[int]:
+    """'0-5,10' / 'all' / 'none' / [0, 3] / 7 -> set of block indices below `count`."""
+    if isinstance(value, int):
+        value = [value]
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "all":
+            return set(range(count))
+        if text in ("none", ""):
+            return set()
+        value = []
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise ValueError(f"network_args '{key}': bad range {part!r} (expected like '0-5,10', 'all' or 'none')")
+            value.extend(range(int(lo), int(hi or lo) + 1))
+    bad = [i for i in value if not 0 <= int(i) < count]
+    if bad:
+        raise ValueError(f"network_args '{key}': index {bad[0]} is out of range, the model has {count} such blocks")
+    return {int(i) for i in value}
+
+
+# ----------------------------------------------------------------------------------------------
+# The network
+
+
+class LoRANetwork(nn.Module):
+    """LoRA modules for one model of one family. Submodules are registered under their kohya
+    names, so `state_dict()` is the kohya file layout (`lora_unet_<path>.lora_down.weight`, ...).
+
+    network_args (sd-scripts style; unknown keys are an error):
+      train_blocks: "all" | "double" | "single" (flux)
+      train_double_block_indices / train_single_block_indices (flux), block_indices (others):
+          "0-5,10", "all", "none" or a list of ints
+      <type>_dim: rank per module type of TARGETS[family] (attn, mlp, single, mod); 0 skips the type
+      train_modulation: also train the "mod" type (off by default) at the network rank
+      include_patterns / exclude_patterns: regexes searched in the qualified module name. A module
+          is trained if (its type and block are on and no exclude matches) or an include matches.
+      dropout, rank_dropout, module_dropout: see LoRAModule
+      loraplus_lr_ratio: lora_up learning rate = lr * ratio (LoRA+)
+    """
+
+    def __init__(self, model: nn.Module, family: str, rank: int, alpha=None, multiplier=1.0,
+                 network_args: dict | None = None, lora_dtype=torch.float32):
+        super().__init__()
+        if family not in TARGETS:
+            raise ValueError(f"LoRA family '{family}': expected one of {', '.join(TARGETS)}")
+        self.family, self.rank = family, int(rank)
+        self.alpha = float(self.rank if alpha is None or alpha == 0 else alpha)
+        self.network_args = dict(network_args or {})
+        self._model = [model]  # not a submodule: the network's state_dict holds LoRA tensors only
+        args = self._check_args(self.network_args)
+        self.loraplus_lr_ratio = _as_float("loraplus_lr_ratio", args.get("loraplus_lr_ratio"))
+        dropouts = {k: _as_float(k, args.get(k)) for k in ("dropout", "rank_dropout", "module_dropout")}
+        for path, module, module_rank in self._select(model, args):
+            lora = LoRAModule(path, module, module_rank, self.alpha, multiplier, lora_dtype=lora_dtype, **dropouts)
+            self.add_module(kohya_name(path, KOHYA_PREFIX[family]), lora)
+
+    def _check_args(self, args: dict) -> dict:
+        known = COMMON_ARGS | set(BLOCK_ARGS[self.family]) | {f"{t}_dim" for t in TARGETS[self.family]}
+        if self.family == "flux":
+            known.add("train_blocks")
+        unknown = sorted(k for k in args if k not in known)
+        if unknown:
+            raise ValueError(
+                f"network_args: unknown key '{unknown[0]}' for family '{self.family}' (known: {', '.join(sorted(known))})"
+            )
+        return args
+
+    def _candidates(self, model):
+        """(path, module, type, block kind, block index) for every module TARGETS names."""
+        compiled = {t: re.compile(p) for t, p in TARGETS[self.family].items()}
+        found = []
+        for path, module in model.named_modules():
+            for mtype, pattern in compiled.items():
+                m = pattern.fullmatch(path)
+                if m:
+                    kind, index = next((k, int(v)) for k, v in m.groupdict().items() if v is not None)
+                    found.append((path, module, mtype, kind, index))
+                    break
+        if not found:
+            raise ValueError(f"LoRA: the model has no module that TARGETS['{self.family}'] names (is it a {self.family} model?)")
+        return found
+
+    def _select(self, model, args):
+        candidates = self._candidates(model)
+        blocks = self._blocks_on(args, candidates)
+        dims = {t: int(_as_float(f"{t}_dim", args[f"{t}_dim"])) for t in TARGETS[self.family] if f"{t}_dim" in args}
+        train_mod = _as_bool("train_modulation", args.get("train_modulation", False)) or dims.get("mod", 0) > 0
+        include = _as_patterns("include_patterns", args.get("include_patterns"))
+        exclude = _as_patterns("exclude_patterns", args.get("exclude_patterns"))
+        for pattern in include + exclude:
+            if not any(pattern.search(c[0]) for c in candidates):
+                raise ValueError(
+                    f"network_args pattern {pattern.pattern!r} matches no LoRA target module "
+                    f"(targets look like '{candidates[0][0]}')"
+                )
+        selected = []
+        for path, module, mtype, kind, index in candidates:
+            rank = dims.get(mtype, self.rank)
+            type_on = rank > 0 and (mtype not in OPTIONAL_TYPES or train_mod)
+            default_on = type_on and index in blocks[kind] and not any(p.search(path) for p in exclude)
+            if rank > 0 and (default_on or any(p.search(path) for p in include)):
+                selected.append((path, module, rank))
+        if not selected:
+            raise ValueError(f"LoRA: network_args {self.network_args} select no module of the {self.family} model")
+        return selected
+
+    def _blocks_on(self, args, candidates) -> dict[str, set[int]]:
+        count = {}
+        for _, _, _, kind, index in candidates:
+            count[kind] = max(count.get(kind, 0), index + 1)
+        on = {kind: set(range(n)) for kind, n in count.items()}
+        train_blocks = str(args.get("train_blocks", "all")).lower()
+        if train_blocks not in ("all", "double", "single"):
+            raise ValueError(f"network_args 'train_blocks': expected all, double or single, got {train_blocks!r}")
+        if train_blocks != "all":
+            on = {kind: (s if kind == train_blocks else set()) for kind, s in on.items()}
+        for key, kind in BLOCK_ARGS[self.family].items():
+            if key in args:
+                on[kind] = on.get(kind, set()) & parse_indices(key, args[key], count.get(kind, 0))
+        return on
+
+    # -- switching ---------------------------------------------------------------------------
+
+    def lora_modules(self) -> list[LoRAModule]:
+        return [m for m in self.children() if isinstance(m, LoRAModule)]
+
+    def apply(self):
+        """Patch every target's forward and freeze the base model (only LoRA params train)."""
+        self._model[0].requires_grad_(False)
+        for m in self.lora_modules():
+            m.apply_to_base()
+
+    def remove(self):
+        for m in self.lora_modules():
+            m.remove_from_base()
+
+    def set_multiplier(self, multiplier: float):
+        for m in self.lora_modules():
+            m.multiplier = multiplier
+
+    @property
+    def enabled(self) -> bool:
+        return all(m.enabled for m in self.lora_modules())
+
+    @enabled.setter
+    def enabled(self, value: bool):
+        for m in self.lora_modules():
+            m.enabled = bool(value)
+
+    # -- training ----------------------------------------------------------------------------
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.lora_modules() for p in (m.lora_down.weight, m.lora_up.weight)]
+
+    def param_groups(self, lr: float) -> list[dict]:
+        """One named group, or two with LoRA+ (lora_up at lr * loraplus_lr_ratio)."""
+        downs = [m.lora_down.weight for m in self.lora_modules()]
+        ups = [m.lora_up.weight for m in self.lora_modules()]
+        if not self.loraplus_lr_ratio:
+            return [{"name": "lora", "params": downs + ups, "lr": lr}]
+        return [
+            {"name": "lora_down", "params": downs, "lr": lr},
+            {"name": "lora_up", "params": ups, "lr": lr * self.loraplus_lr_ratio},
+        ]
+
+    # -- files -------------------------------------------------------------------------------
+
+    def lora_weights(self) -> dict[str, LoRAWeights]:
+        """Canonical form {module path: LoRAWeights} (tensors detached, in the LoRA dtype)."""
+        return {m.name: m.weights() for m in self.lora_modules()}
+
+    @torch.no_grad()
+    def load_weights(self, source, strict: bool = True):
+        """Load a LoRA (kohya, or peft/comfy with this model's module names; for FLUX also
+        diffusers names, converted to BFL) from a path or a tensor dict: initial weights or
+        resume. Alphas are taken from the file. strict: every network module must be in the file.
+        Extra or misshapen modules are always an error."""
+        name = source if isinstance(source, str) else "state dict"
+        by_path = {m.name: m for m in self.lora_modules()}
+        if isinstance(source, str):
+            weights, _, _ = read_lora(source, module_paths=by_path)
+        else:
+            weights, _ = parse_lora(dict(source), None, module_paths=by_path)
+        if self.family == "flux" and any(p.startswith(DIFFUSERS_FLUX_BLOCKS) for p in weights):
+            weights = flux_diffusers_to_bfl(weights, self._flux_module_map())
+        extra = [p for p in weights if p not in by_path]
+        if extra:
+            raise CheckpointError(f"{name}: LoRA module '{extra[0]}' is not in this network")
+        missing = [p for p in by_path if p not in weights]
+        if strict and missing:
+            raise CheckpointError(f"{name}: no weights for LoRA module '{missing[0]}' ({len(missing)} missing)")
+        for path, w in weights.items():
+            m = by_path[path]
+            if w.down.shape != m.lora_down.weight.shape or w.up.shape != m.lora_up.weight.shape:
+                raise CheckpointError(
+                    f"{name}: LoRA module '{path}' has down {tuple(w.down.shape)} / up {tuple(w.up.shape)}, "
+                    f"the network expects {tuple(m.lora_down.weight.shape)} / {tuple(m.lora_up.weight.shape)}"
+                )
+            m.lora_down.weight.copy_(w.down)  # cast to the LoRA dtype
+            m.lora_up.weight.copy_(w.up)
+            m.alpha.fill_(w.alpha)
+
+    def _flux_module_map(self) -> dict:
+        """BFL <-> diffusers module map for this model's sizes (library/flux_checkpoint.py)."""
+        from library.flux_checkpoint import flux_diffusers_module_map
+
+        cfg = getattr(self._model[0], "config", None)
+        if cfg is None:
+            raise CheckpointError("a diffusers-named FLUX LoRA needs a library.flux.Flux model (with .config) to convert")
+        return flux_diffusers_module_map(cfg.depth, cfg.depth_single, cfg.hidden_size, cfg.mlp_hidden)
+
+    def merge_into_model(self, weight_dtype: torch.dtype | None = None):
+        """Merge every LoRA into its base weight (float32 math) and unpatch the forwards."""
+        for m in self.lora_modules():
+            m.merge_into_base(weight_dtype)
+
+    def save(self, path: str, dtype=torch.float32, metadata: dict | None = None):
+        """kohya safetensors; network dim/alpha/module/args are added to the header unless given."""
+        header = build_metadata(
+            network_module="networks.lora", network_dim=self.rank, network_alpha=self.alpha,
+            network_args=self.network_args,
+        )
+        header.update(metadata or {})
+        write_kohya(self.lora_weights(), path, dtype, header, prefix=KOHYA_PREFIX[self.family])

@@ -1,0 +1,404 @@
+"""LoRA files: one in-memory form, the key layouts people load, and safetensors I/O.
+
+Canonical form: `{module_path: LoRAWeights(down [r, in], up [out, r], alpha)}` with dotted module
+paths of the model the LoRA applies to; the delta it adds to that module's weight is
+`(alpha / r) * up @ down`. Tensors keep the dtype they were read in; every conversion computes in
+float32 and writers cast to the requested dtype at the end.
+
+Layouts on disk (`detect_format`):
+- "kohya":  `lora_unet_<path with '.' -> '_'>.{lora_down.weight, lora_up.weight, alpha}` (sd-scripts,
+  musubi-tuner, ComfyUI, diffusers' kohya converters). `_` is ambiguous, so names are mapped back
+  through the model's known module paths (`resolve_kohya_names`).
+- "peft":   `<prefix>.<path>.{lora_A.weight, lora_B.weight}` (diffusers / PEFT; prefix `transformer.`,
+  `base_model.model.` ...). Alpha comes from diffusers' `lora_adapter_metadata` header entry when
+  present, else alpha = rank (scale 1). We write alpha folded into lora_B, so no header is needed.
+- "comfy":  `diffusion_model.<path>.{lora_down.weight, lora_up.weight, alpha}` (dotted paths).
+
+FLUX: BFL module names (`double_blocks.N.img_attn.qkv`) and diffusers names (`transformer_blocks.N.
+attn.to_q`) differ, and some BFL modules are fused. `flux_bfl_to_diffusers` / `flux_diffusers_to_bfl`
+convert through a module map `{bfl_path: [(diffusers_path, row_start, row_end)]}` (rows of the BFL
+weight that form the diffusers module, in order), as built by
+`library.flux_checkpoint.flux_diffusers_module_map`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+from library.io import CheckpointError, CheckpointReader, save_safetensors
+
+
+@dataclass
+class LoRAWeights:
+    """One module's LoRA: down [r, in], up [out, r]; delta W = (alpha / r) * up @ down."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    alpha: float
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def delta(self) -> torch.Tensor:
+        """The weight delta [out, in], float32."""
+        return self.scale * (self.up.float() @ self.down.float())
+
+
+# ----------------------------------------------------------------------------------------------
+# Key layouts
+
+KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_transformer_")
+PEFT_PREFIXES = ("transformer.", "diffusion_model.", "base_model.model.", "unet.", "model.diffusion_model.")
+COMFY_PREFIXES = ("diffusion_model.", "model.diffusion_model.", "transformer.")
+ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors header entry (PEFT config json)
+
+_PART_OF_SUFFIX = {
+    ".lora_down.weight": "down",
+    ".lora_up.weight": "up",
+    ".alpha": "alpha",
+    ".lora_A.weight": "down",
+    ".lora_B.weight": "up",
+}
+
+
+def kohya_name(path: str, prefix: str = "lora_unet") -> str:
+    """`double_blocks.0.img_attn.qkv` -> `lora_unet_double_blocks_0_img_attn_qkv`."""
+    return f"{prefix}_{path.replace('.', '_')}"
+
+
+def resolve_kohya_names(names, module_paths) -> dict[str, str]:
+    """Map kohya module names (any prefix of KOHYA_PREFIXES) back to dotted module paths.
+
+    '_' is ambiguous (`img_attn` vs `img.attn`), so the answer comes from the model's own module
+    paths. Raises CheckpointError naming the first name that fits no module."""
+    by_flat: dict[str, str] = {}
+    for path in module_paths:
+        flat = path.replace(".", "_")
+        if flat in by_flat and by_flat[flat] != path:
+            raise CheckpointError(f"module paths '{by_flat[flat]}' and '{path}' share the kohya name '{flat}'")
+        by_flat[flat] = path
+    resolved = {}
+    for name in names:
+        prefix = next((p for p in KOHYA_PREFIXES if name.startswith(p)), None)
+        flat = name[len(prefix) :] if prefix else None
+        if flat not in by_flat:
+            raise CheckpointError(f"LoRA module '{name}' matches no module of the model (expected lora_unet_<module path>)")
+        resolved[name] = by_flat[flat]
+    return resolved
+
+
+def _split_key(key: str) -> tuple[str, str]:
+    for suffix, part in _PART_OF_SUFFIX.items():
+        if key.endswith(suffix):
+            return key[: -len(suffix)], part
+    raise CheckpointError(f"LoRA key '{key}': expected a name ending in {', '.join(_PART_OF_SUFFIX)}")
+
+
+def detect_format(keys) -> str:
+    """'kohya', 'peft' or 'comfy' from the tensor names (see the module docstring)."""
+    keys = list(keys)
+    if not keys:
+        raise CheckpointError("LoRA file holds no tensors")
+    peft = [k for k in keys if k.endswith((".lora_A.weight", ".lora_B.weight"))]
+    if peft:
+        other = [k for k in keys if k not in peft and not k.endswith(".alpha")]
+        if other:
+            raise CheckpointError(f"LoRA key '{other[0]}' mixes with PEFT keys like '{peft[0]}'")
+        return "peft"
+    modules = {_split_key(k)[0] for k in keys}
+    if all("." not in m and m.startswith(KOHYA_PREFIXES) for m in modules):
+        return "kohya"
+    if all("." in m for m in modules):
+        return "comfy"
+    odd = sorted(m for m in modules if "." not in m)[0]
+    raise CheckpointError(f"LoRA module '{odd}' is neither kohya (lora_unet_...) nor dotted like the others")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+def _peft_alphas(metadata: dict[str, str], prefix: str):
+    """(default alpha or None, alpha_pattern, use_rslora) from diffusers' adapter-config header."""
+    raw = metadata.get(ADAPTER_METADATA_KEY)
+    if not raw:
+        return None, {}, False
+    config = json.loads(raw)
+    head = prefix.rstrip(".") + "."
+    # Pipeline-level saves prefix every field ("transformer.lora_alpha"); model-level saves do not.
+    config = {k[len(head) :] if k.startswith(head) else k: v for k, v in config.items()}
+    return config.get("lora_alpha"), dict(config.get("alpha_pattern") or {}), bool(config.get("use_rslora"))
+
+
+def _pattern_alpha(path: str, default, patterns: dict):
+    for pattern, alpha in patterns.items():  # PEFT's own rule (peft.utils.other.get_pattern_key)
+        if re.match(rf"(.*\.)?({pattern})$", path):
+            return alpha
+    return default
+
+
+def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, module_paths=None, source="LoRA"):
+    """Tensors of a LoRA file -> (weights, format).
+
+    Keys of `weights` are dotted module paths when they can be known: always for peft/comfy files
+    (prefix stripped), for kohya files when `module_paths` is given; otherwise the kohya names."""
+    metadata = metadata or {}
+    fmt = detect_format(tensors)
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        module, part = _split_key(key)
+        groups.setdefault(module, {})[part] = tensor
+    if fmt == "kohya":
+        rename = resolve_kohya_names(groups, module_paths) if module_paths is not None else {m: m for m in groups}
+        prefix = ""
+    else:
+        prefix = _common_prefix(list(groups), PEFT_PREFIXES if fmt == "peft" else COMFY_PREFIXES)
+        rename = {m: m[len(prefix) :] for m in groups}
+    default_alpha, alpha_pattern, rslora = _peft_alphas(metadata, prefix) if fmt == "peft" else (None, {}, False)
+    weights = {}
+    for module, parts in groups.items():
+        if "down" not in parts or "up" not in parts:
+            missing = "down" if "down" not in parts else "up"
+            raise CheckpointError(f"{source}: module '{module}' has no {missing} weight")
+        down, up = parts["down"], parts["up"]
+        if down.dim() != 2 or up.dim() != 2 or up.shape[1] != down.shape[0]:
+            raise CheckpointError(
+                f"{source}: module '{module}' down {tuple(down.shape)} / up {tuple(up.shape)} are not [r, in] / [out, r]"
+            )
+        rank = down.shape[0]
+        path = rename[module]
+        if "alpha" in parts:
+            alpha = float(parts["alpha"].float().item())
+        elif fmt == "peft" and default_alpha is not None:
+            alpha = float(_pattern_alpha(path, default_alpha, alpha_pattern))
+            alpha = alpha * rank**0.5 if rslora else alpha  # rsLoRA scale alpha/sqrt(r) as alpha'/r
+        else:
+            alpha = float(rank)  # no alpha stored: the PEFT convention, scale 1
+        weights[path] = LoRAWeights(down, up, alpha)
+    return weights, fmt
+
+
+def _common_prefix(modules: list[str], prefixes) -> str:
+    for p in prefixes:
+        if all(m.startswith(p) for m in modules):
+            return p
+    return ""
+
+
+def read_lora(path: str, module_paths=None):
+    """Read a LoRA safetensors file -> (weights, metadata, format); see `parse_lora` for the keys."""
+    reader = CheckpointReader(path)
+    tensors = dict(reader.items())
+    try:
+        weights, fmt = parse_lora(tensors, reader.metadata, module_paths, source=os.path.basename(path))
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    return weights, reader.metadata, fmt
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+def kohya_state_dict(weights: dict[str, LoRAWeights], dtype=torch.float32, prefix="lora_unet") -> dict[str, torch.Tensor]:
+    """Canonical -> kohya tensors. down/up cast to `dtype`; alpha is always a float32 scalar so
+    that the scale alpha/r is stored exactly whatever the weight dtype."""
+    out = {}
+    for path, w in weights.items():
+        name = kohya_name(path, prefix)
+        out[f"{name}.lora_down.weight"] = w.down.detach().to(dtype)
+        out[f"{name}.lora_up.weight"] = w.up.detach().to(dtype)
+        out[f"{name}.alpha"] = torch.tensor(float(w.alpha), dtype=torch.float32)
+    return out
+
+
+def peft_state_dict(weights: dict[str, LoRAWeights], prefix="transformer", dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Canonical -> PEFT tensors with the scale alpha/r folded into lora_B (computed in float32,
+    then cast to `dtype`), so any PEFT/diffusers loader gets the right delta without alpha."""
+    head = f"{prefix}." if prefix else ""
+    out = {}
+    for path, w in weights.items():
+        out[f"{head}{path}.lora_A.weight"] = w.down.detach().to(dtype)
+        out[f"{head}{path}.lora_B.weight"] = (w.up.detach().float() * w.scale).to(dtype)
+    return out
+
+
+def tensor_hash(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the data section of the safetensors serialization of `tensors` (every tensor's
+    bytes in file order, the json header excluded): sd-scripts' `sshs_model_hash`. The header is
+    excluded, so the hash does not change with metadata."""
+    blob = safetensors_bytes({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+    header_len = int.from_bytes(blob[:8], "little")
+    return hashlib.sha256(blob[8 + header_len :]).hexdigest()
+
+
+def write_lora_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None):
+    """Atomic write with `sshs_model_hash` added to the (all-string) metadata."""
+    metadata = dict(metadata or {})
+    bad = [k for k, v in metadata.items() if not isinstance(v, str)]
+    if bad:
+        raise ValueError(f"metadata '{bad[0]}' must be a string (use build_metadata), got {type(metadata[bad[0]]).__name__}")
+    metadata["sshs_model_hash"] = tensor_hash(tensors)
+    save_safetensors(tensors, path, metadata)
+
+
+def write_kohya(weights, path, dtype=torch.float32, metadata=None, prefix="lora_unet"):
+    write_lora_tensors(kohya_state_dict(weights, dtype, prefix), path, metadata)
+
+
+def write_peft(weights, path, prefix="transformer", dtype=torch.float32, metadata=None):
+    write_lora_tensors(peft_state_dict(weights, prefix, dtype), path, metadata)
+
+
+# ----------------------------------------------------------------------------------------------
+# FLUX: BFL module names <-> diffusers module names
+
+
+def _full_rows(module_map: dict) -> dict[str, int]:
+    return {bfl: max(end for _, _, end in parts) for bfl, parts in module_map.items()}
+
+
+def flux_bfl_to_diffusers(weights: dict[str, LoRAWeights], module_map: dict) -> dict[str, LoRAWeights]:
+    """BFL-named LoRA -> diffusers-named LoRA. A fused module (qkv, linear1) becomes one LoRA per
+    diffusers module with the same down (cloned) and the matching rows of up; alpha is kept."""
+    out = {}
+    for bfl, w in weights.items():
+        if bfl not in module_map:
+            raise CheckpointError(f"LoRA module '{bfl}' has no diffusers counterpart in the FLUX module map")
+        rows: dict[str, list[torch.Tensor]] = {}
+        for diffusers, start, end in module_map[bfl]:
+            rows.setdefault(diffusers, []).append(w.up[start:end])
+        if w.up.shape[0] != _full_rows(module_map)[bfl]:
+            raise CheckpointError(f"LoRA module '{bfl}': up has {w.up.shape[0]} rows, the module map expects {_full_rows(module_map)[bfl]}")
+        for diffusers, ups in rows.items():
+            out[diffusers] = LoRAWeights(w.down.clone(), torch.cat(ups, 0).clone(), w.alpha)
+    return out
+
+
+def flux_diffusers_to_bfl(weights: dict[str, LoRAWeights], module_map: dict) -> dict[str, LoRAWeights]:
+    """diffusers-named LoRA -> BFL-named LoRA. The parts of a fused module are stacked by rows;
+    modules absent from the file contribute zero rows. When all parts share one down (bitwise) and
+    one alpha, the result keeps that down, rank and alpha (exact inverse of flux_bfl_to_diffusers);
+    otherwise the downs are concatenated along the rank and up is block-diagonal with each part's
+    scale folded in (float32), alpha = the new rank (scale 1), as kohya's converter does."""
+    owner = {}
+    for bfl, parts in module_map.items():
+        for diffusers, _, _ in parts:
+            owner[diffusers] = bfl
+    unknown = [p for p in weights if p not in owner]
+    if unknown:
+        raise CheckpointError(f"LoRA module '{unknown[0]}' is not a diffusers FLUX module of the module map")
+    out = {}
+    full_rows = _full_rows(module_map)
+    for bfl in dict.fromkeys(owner[p] for p in weights):
+        segments = module_map[bfl]
+        present = [d for d in dict.fromkeys(d for d, _, _ in segments) if d in weights]
+        first = weights[present[0]]
+        shared = all(
+            torch.equal(weights[d].down, first.down) and weights[d].alpha == first.alpha for d in present
+        )
+        if shared:
+            down, alpha = first.down, first.alpha
+            up = torch.zeros(full_rows[bfl], first.rank, dtype=first.up.dtype)
+        else:
+            down = torch.cat([weights[d].down.float() for d in present], 0)
+            alpha = float(down.shape[0])
+            up = torch.zeros(full_rows[bfl], down.shape[0], dtype=torch.float32)
+        rank_offset = {}
+        offset = 0
+        for d in present:
+            rank_offset[d], offset = offset, offset + weights[d].rank
+        consumed = dict.fromkeys(present, 0)
+        for d, start, end in segments:
+            if d not in weights:
+                continue
+            w, n = weights[d], end - start
+            part = w.up[consumed[d] : consumed[d] + n]
+            consumed[d] += n
+            if shared:
+                up[start:end] = part
+            else:
+                r0 = rank_offset[d]
+                up[start:end, r0 : r0 + w.rank] = part.float() * w.scale
+        for d in present:
+            if consumed[d] != weights[d].up.shape[0]:
+                raise CheckpointError(
+                    f"LoRA module '{d}': up has {weights[d].up.shape[0]} rows, the FLUX module map gives it {consumed[d]}"
+                )
+        out[bfl] = LoRAWeights(down.clone(), up, alpha)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Metadata
+
+# build_metadata field -> safetensors header key (sd-scripts names where sd-scripts has one).
+METADATA_KEYS = {
+    "network_module": "ss_network_module",
+    "network_dim": "ss_network_dim",
+    "network_alpha": "ss_network_alpha",
+    "network_args": "ss_network_args",
+    "base_model_version": "ss_base_model_version",
+    "base_model": "ss_sd_model_name",
+    "base_precision": "ss_base_precision",
+    "mixed_precision": "ss_mixed_precision",
+    "resolution": "ss_resolution",
+    "steps": "ss_max_train_steps",
+    "epochs": "ss_num_epochs",
+    "batch_size": "ss_total_batch_size",
+    "optimizer": "ss_optimizer",
+    "lr": "ss_learning_rate",
+    "lr_scheduler": "ss_lr_scheduler",
+    "timestep_sampling": "ss_timestep_sampling",
+    "shift": "ss_discrete_flow_shift",
+    "guidance": "ss_guidance_scale",
+    "seed": "ss_seed",
+    "dataset": "ss_datasets",
+    "training_started_at": "ss_training_started_at",
+    "training_finished_at": "ss_training_finished_at",
+    "training_seconds": "ss_training_seconds",
+    "output_name": "ss_output_name",
+}
+
+
+def _strip_paths(value):
+    """Absolute paths -> basenames (a LoRA header must not leak the trainer's file system)."""
+    if isinstance(value, str):
+        return os.path.basename(value.rstrip("/\\")) if os.path.isabs(value) else value
+    if isinstance(value, dict):
+        return {k: _strip_paths(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strip_paths(v) for v in value]
+    return value
+
+
+def build_metadata(**fields) -> dict[str, str]:
+    """Training facts -> safetensors header (all strings; dicts/lists as json; None dropped;
+    absolute paths reduced to basenames). Fields are the keys of METADATA_KEYS; `sshs_model_hash`
+    is added by the writers, over the tensors actually written."""
+    unknown = [k for k in fields if k not in METADATA_KEYS]
+    if unknown:
+        raise ValueError(f"build_metadata: unknown field '{unknown[0]}' (known: {', '.join(METADATA_KEYS)})")
+    out = {}
+    for field, value in fields.items():
+        if value is None:
+            continue
+        value = _strip_paths(value)
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, sort_keys=True)
+        elif isinstance(value, torch.dtype):
+            value = str(value).removeprefix("torch.")
+        out[METADATA_KEYS[field]] = str(value)
+    return out

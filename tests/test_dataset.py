@@ -1,0 +1,383 @@
+import os
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+from library import dataset as D
+from library.dataset_config import SubsetSpec, load_dataset_config, parse_dataset_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_image(path, w, h, color=(200, 30, 30)):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.new("RGB", (w, h), color).save(path)
+    return str(path)
+
+
+def write(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+def blueprint(image_dir, **dataset):
+    dataset = {"resolution": 64, **dataset}
+    subset = {"image_dir": str(image_dir)}
+    for key in ("class_tokens", "shuffle_caption", "keep_tokens", "caption_dropout_rate", "flip_aug", "num_repeats"):
+        if key in dataset:
+            subset[key] = dataset.pop(key)
+    return parse_dataset_config({"datasets": [{**dataset, "subsets": [subset]}]}, source="test.toml")
+
+
+def subset(**kw):
+    base = dict(image_dir="x", num_repeats=1, caption_extension=".txt", class_tokens=None, shuffle_caption=False,
+                keep_tokens=0, caption_dropout_rate=0.0, flip_aug=False)
+    return SubsetSpec(**{**base, **kw})
+
+
+# ----------------------------------------------------------------------------------------------
+# Config validation
+
+
+def config_error(tmp_path, text):
+    path = write(tmp_path / "ds.toml", text)
+    with pytest.raises(ValueError) as e:
+        load_dataset_config(path)
+    return str(e.value)
+
+
+def test_unknown_subset_key_is_an_error_naming_file_section_and_allowed_keys(tmp_path):
+    msg = config_error(tmp_path, '[[datasets]]\nresolution = 512\n[[datasets.subsets]]\nimage_dir = "a"\nfoo = 1\n')
+    assert msg.startswith(f"{tmp_path / 'ds.toml'}: [datasets.subsets] unknown key 'foo' (allowed: image_dir, num_repeats")
+
+
+def test_unknown_general_key_is_an_error(tmp_path):
+    msg = config_error(tmp_path, '[general]\nshuffle_captions = true\n[[datasets]]\nresolution = 512\n'
+                                 '[[datasets.subsets]]\nimage_dir = "a"\n')
+    assert "[general] unknown key 'shuffle_captions'" in msg
+
+
+def test_wrong_type_names_key_and_value(tmp_path):
+    msg = config_error(tmp_path, '[[datasets]]\nresolution = 512\nbatch_size = "two"\n[[datasets.subsets]]\nimage_dir = "a"\n')
+    assert msg == f"{tmp_path / 'ds.toml'}: [datasets] key 'batch_size' must be an integer, got 'two'"
+
+
+def test_booleans_must_be_toml_booleans(tmp_path):
+    msg = config_error(tmp_path, '[[datasets]]\nresolution = 512\n[[datasets.subsets]]\nimage_dir = "a"\nflip_aug = "True"\n')
+    assert "key 'flip_aug' must be a boolean (true or false), got 'True'" in msg
+    msg = config_error(tmp_path, '[[datasets]]\nresolution = 512\nbatch_size = true\n[[datasets.subsets]]\nimage_dir = "a"\n')
+    assert "key 'batch_size' must be an integer, got True" in msg
+
+
+def test_bucket_steps_must_be_a_multiple_of_16(tmp_path):
+    msg = config_error(tmp_path, '[[datasets]]\nresolution = 512\nenable_bucket = true\nbucket_reso_steps = 40\n'
+                                 '[[datasets.subsets]]\nimage_dir = "a"\n')
+    assert "'bucket_reso_steps' must be a positive multiple of 16" in msg and "got 40" in msg
+    ok = parse_dataset_config({"datasets": [{"resolution": 512, "bucket_reso_steps": 48, "subsets": [{"image_dir": "a"}]}]})
+    assert ok.datasets[0].bucket_reso_steps == 48
+
+
+def test_resolution_smaller_than_one_token_is_an_error(tmp_path):
+    msg = config_error(tmp_path, '[[datasets]]\nresolution = [8, 512]\n[[datasets.subsets]]\nimage_dir = "a"\n')
+    assert "'resolution' must be at least 16 pixels per side" in msg and "[8, 512]" in msg
+
+
+def test_missing_image_dir_and_inverted_bucket_limits_are_errors(tmp_path):
+    msg = config_error(tmp_path, '[[datasets]]\nresolution = 512\n[[datasets.subsets]]\nnum_repeats = 2\n')
+    assert "[datasets.subsets] key 'image_dir' is required" in msg
+    msg = config_error(tmp_path, '[[datasets]]\nresolution = 512\nmin_bucket_reso = 1024\nmax_bucket_reso = 512\n'
+                                 '[[datasets.subsets]]\nimage_dir = "a"\n')
+    assert "min_bucket_reso 1024 is larger than max_bucket_reso 512" in msg
+
+
+def test_subset_keys_fall_back_to_dataset_then_general_then_defaults(tmp_path):
+    path = write(tmp_path / "ds.toml", """
+[general]
+resolution = [768, 512]
+num_repeats = 3
+flip_aug = true
+keep_tokens = 1
+[[datasets]]
+batch_size = 4
+num_repeats = 5
+  [[datasets.subsets]]
+  image_dir = "a"
+  num_repeats = 7
+  [[datasets.subsets]]
+  image_dir = "b"
+[[datasets]]
+resolution = 256
+  [[datasets.subsets]]
+  image_dir = "c"
+""")
+    bp = load_dataset_config(path)
+    first, second = bp.datasets
+    assert first.resolution == (768, 512) and first.batch_size == 4 and second.resolution == (256, 256)
+    assert [s.num_repeats for s in first.subsets + second.subsets] == [7, 5, 3]  # subset, dataset, general
+    assert all(s.flip_aug and s.keep_tokens == 1 for s in first.subsets + second.subsets)  # general
+    s = second.subsets[0]
+    assert (s.caption_extension, s.shuffle_caption, s.caption_dropout_rate, s.class_tokens) == (".txt", False, 0.0, None)
+    assert (second.batch_size, second.enable_bucket, second.bucket_reso_steps) == (1, False, 64)
+
+
+def test_example_config_parses():
+    bp = load_dataset_config(os.path.join(ROOT, "configs", "dataset_example.toml"))
+    ds = bp.datasets[0]
+    assert ds.resolution == (1024, 1024) and ds.enable_bucket and ds.max_bucket_reso == 2048
+    assert [s.num_repeats for s in ds.subsets] == [10, 1] and ds.subsets[1].flip_aug
+
+
+# ----------------------------------------------------------------------------------------------
+# Buckets and pixels
+
+
+def test_buckets_are_step_multiples_within_limits_and_area():
+    buckets = D.make_buckets((512, 512), 256, 1024, 64)
+    assert all(w % 64 == 0 and h % 64 == 0 and 256 <= min(w, h) and max(w, h) <= 1024 for w, h in buckets)
+    assert all(w * h <= 512 * 512 for w, h in buckets)
+    assert {(512, 512), (576, 448), (448, 576), (1024, 256), (256, 1024), (704, 320)} <= set(buckets)
+    assert len(buckets) == 17  # 13 widths 256..1024, mirrored, the square counted once
+
+
+def test_image_goes_to_the_bucket_with_the_closest_aspect_ratio(tmp_path):
+    make_image(tmp_path / "img" / "wide.png", 800, 400)  # 2:1 -> 704x320 (2.2) beats 640x384 (1.67)
+    make_image(tmp_path / "img" / "tall.png", 300, 600)
+    make_image(tmp_path / "img" / "square.png", 90, 100)
+    for name in ("wide", "tall", "square"):
+        write(tmp_path / "img" / f"{name}.txt", name)
+    ds = D.ImageDataset(blueprint(tmp_path / "img", resolution=512, enable_bucket=True))
+    buckets = {os.path.basename(i.image_path): i.bucket for i in ds.items}
+    assert buckets == {"wide.png": (704, 320), "tall.png": (320, 704), "square.png": (512, 512)}
+    sample = ds[[os.path.basename(i.image_path) for i in ds.items].index("tall.png")]
+    assert sample["image"].shape == (3, 704, 320) and sample["image"].dtype == torch.float32
+
+
+def test_bucket_no_upscale_keeps_small_images_small(tmp_path):
+    make_image(tmp_path / "img" / "small.png", 100, 60)
+    make_image(tmp_path / "img" / "big.png", 2000, 1000)
+    ds = D.ImageDataset(blueprint(tmp_path / "img", resolution=512, enable_bucket=True, bucket_no_upscale=True,
+                                  bucket_reso_steps=16, class_tokens="x"))
+    buckets = {os.path.basename(i.image_path): i.bucket for i in ds.items}
+    # big: area budget 512^2 -> 724x362 -> rounded down to 16: 720x352
+    assert buckets == {"small.png": (96, 48), "big.png": (720, 352)}
+
+
+def test_resize_center_crop_flip_and_value_range(tmp_path):
+    img = Image.new("RGB", (64, 32), (0, 0, 0))
+    img.paste((255, 255, 255), (32, 0, 64, 32))  # right half white
+    path = str(tmp_path / "halves.png")
+    img.save(path)
+    x = D.load_image(path, (32, 32))  # no resize: crop columns 16..47
+    assert x.shape == (3, 32, 32) and x.dtype == torch.float32
+    assert float(x[:, :, :16].max()) == -1.0 and float(x[:, :, 16:].min()) == 1.0
+    torch.testing.assert_close(D.load_image(path, (32, 32), flip=True), x.flip(-1), rtol=0, atol=0)
+    y = D.load_image(path, (16, 16))  # shrink 2x then crop 4..11: still half black / half white
+    assert float(y[:, :, :3].max()) == -1.0 and float(y[:, :, -3:].min()) == 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Captions and errors
+
+
+def test_missing_caption_uses_class_tokens_and_is_an_error_without(tmp_path):
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    ds = D.ImageDataset(blueprint(tmp_path / "img", class_tokens="sks dog"))
+    assert ds.items[0].caption == "sks dog"
+    with pytest.raises(ValueError) as e:
+        D.ImageDataset(blueprint(tmp_path / "img"))
+    assert str(e.value) == f"{tmp_path / 'img' / 'a.png'}: no caption file 'a.txt' and no class_tokens for its subset"
+
+
+def test_caption_file_wins_over_class_tokens_and_empty_file_is_an_error(tmp_path):
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "  a red square\n")
+    assert D.ImageDataset(blueprint(tmp_path / "img", class_tokens="sks")).items[0].caption == "a red square"
+    write(tmp_path / "img" / "a.txt", " \n")
+    with pytest.raises(ValueError, match=r"a\.txt: caption file is empty"):
+        D.ImageDataset(blueprint(tmp_path / "img", class_tokens="sks"))
+
+
+def test_corrupt_image_is_an_error_naming_the_file(tmp_path):
+    make_image(tmp_path / "img" / "good.png", 32, 32)
+    with open(tmp_path / "img" / "bad.jpg", "wb") as f:
+        f.write(b"\xff\xd8\xff\xe0 definitely not a jpeg")
+    with pytest.raises(ValueError, match=r"bad\.jpg: cannot be read as an image"):
+        D.ImageDataset(blueprint(tmp_path / "img", class_tokens="x"))
+
+
+def test_shuffle_keeps_the_first_keep_tokens_tags_and_is_deterministic():
+    s = subset(shuffle_caption=True, keep_tokens=2)
+    caption = "sks, dog, red, grass, sunny, park"
+    outs = [D.process_caption(caption, s, random.Random(i)) for i in range(30)]
+    assert all(o.startswith("sks, dog, ") for o in outs)
+    assert all(sorted(o.split(", ")) == sorted(caption.split(", ")) for o in outs)
+    assert len(set(outs)) > 5  # it really shuffles
+    assert outs == [D.process_caption(caption, s, random.Random(i)) for i in range(30)]
+    assert D.process_caption(caption, subset(), random.Random(0)) == caption
+
+
+def test_caption_dropout_rate_drops_that_fraction_deterministically():
+    s = subset(caption_dropout_rate=0.3)
+    outs = [D.process_caption("a cat", s, random.Random(i)) for i in range(1000)]
+    assert 0.25 < outs.count("") / 1000 < 0.35 and set(outs) == {"", "a cat"}
+    assert outs == [D.process_caption("a cat", s, random.Random(i)) for i in range(1000)]
+    assert D.process_caption("a cat", subset(caption_dropout_rate=1.0), random.Random(0)) == ""
+
+
+def test_dataset_augmentation_depends_on_seed_epoch_and_entry_only(tmp_path):
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "t0, t1, t2, t3, t4, t5")
+    bp = blueprint(tmp_path / "img", shuffle_caption=True, keep_tokens=1, num_repeats=20)
+    ds = D.ImageDataset(bp, seed=1)
+    epoch0 = [ds[(e, 0)]["caption"] for e in range(20)]
+    assert epoch0 == [D.ImageDataset(bp, seed=1)[(e, 0)]["caption"] for e in range(20)]
+    assert epoch0 != [ds[(e, 1)]["caption"] for e in range(20)]
+    assert len(set(epoch0)) > 5 and all(c.startswith("t0, ") for c in epoch0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batching
+
+
+def test_batches_hold_one_bucket_and_cover_every_entry_once(tmp_path):
+    for i, (w, h) in enumerate([(64, 64), (64, 64), (128, 64), (128, 64), (128, 60), (64, 128)]):
+        make_image(tmp_path / "img" / f"{i}.png", w, h)
+    bp = blueprint(tmp_path / "img", resolution=64, enable_bucket=True, min_bucket_reso=32, max_bucket_reso=128,
+                   bucket_reso_steps=16, batch_size=2, num_repeats=3, class_tokens="x")
+    ds = D.ImageDataset(bp)
+    sampler = D.BucketBatchSampler(ds, seed=0)
+    batches = sampler.batches(0)
+    assert sorted(e for b in batches for e, _ in b) == list(range(18))
+    assert all(len({ds.items[ds.entries[e]].bucket for e, _ in b}) == 1 and len(b) <= 2 for b in batches)
+    assert len({ds.items[ds.entries[e]].bucket for b in batches for e, _ in b}) == 3
+    assert batches == D.BucketBatchSampler(ds, seed=0).batches(0)
+    assert batches != sampler.batches(1)
+    assert [b for b in sampler] == batches and next(iter(sampler)) == sampler.batches(1)[0]  # epochs advance
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=D.BucketBatchSampler(ds), collate_fn=D.collate_batch)
+    for batch in loader:
+        w, h = batch["bucket"]
+        assert batch["images"].shape[1:] == (3, h, w) and len(batch["captions"]) == batch["images"].shape[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Caches
+
+
+class CountingEncoder:
+    """Stands in for a VAE / text encoder and counts what it was asked to encode."""
+
+    def __init__(self):
+        self.images, self.captions = 0, []
+
+    def latents(self, images):
+        self.images += images.shape[0]
+        return images[:, :, ::8, ::8] * 0.5  # [B, 3, H/8, W/8]
+
+    def text(self, captions):
+        self.captions += captions
+        return [{"hidden": torch.full((len(c), 4), float(len(c))), "mask": torch.ones(len(c), dtype=torch.bool)}
+                for c in captions]
+
+
+def cached_dataset(tmp_path, enc, model_key="flux", **kw):
+    ds = D.ImageDataset(blueprint(tmp_path / "img", **kw))
+    n_lat = D.cache_latents(ds.items, enc.latents, model_key, batch_size=2)
+    n_txt = D.cache_text(ds.items, enc.text, model_key)
+    return ds, n_lat, n_txt
+
+
+def test_caches_are_reused_and_exactly_the_changed_entries_are_recomputed(tmp_path):
+    colors = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
+    for i, c in enumerate(colors):
+        make_image(tmp_path / "img" / f"{i}.png", 32, 32, c)
+        write(tmp_path / "img" / f"{i}.txt", f"caption {i}")
+    enc = CountingEncoder()
+    ds, n_lat, n_txt = cached_dataset(tmp_path, enc)
+    assert (n_lat, n_txt, enc.images, len(enc.captions)) == (3, 3, 3, 3)
+    assert os.path.exists(tmp_path / "img" / "0_flux_64x64.safetensors")
+    assert os.path.exists(tmp_path / "img" / "0_flux_te.safetensors")
+
+    enc = CountingEncoder()
+    assert cached_dataset(tmp_path, enc)[1:] == (0, 0) and enc.images == 0
+
+    write(tmp_path / "img" / "1.txt", "an edited caption")
+    make_image(tmp_path / "img" / "2.png", 32, 32, (9, 9, 9))
+    enc = CountingEncoder()
+    ds, n_lat, n_txt = cached_dataset(tmp_path, enc)
+    assert (n_lat, n_txt, enc.images, enc.captions) == (1, 1, 1, ["an edited caption"])
+    assert float(ds[2]["latents"][0, 0, 0]) == pytest.approx(0.5 * (9 / 127.5 - 1), abs=1e-2)  # the new pixels
+
+    enc = CountingEncoder()
+    assert cached_dataset(tmp_path, enc, model_key="qwen_image")[1:] == (3, 3)  # other model: all new
+
+
+def test_cached_samples_yield_float32_latents_and_text_and_collate(tmp_path):
+    make_image(tmp_path / "img" / "a.png", 32, 32, (255, 255, 255))
+    make_image(tmp_path / "img" / "b.png", 32, 32, (0, 0, 0))
+    write(tmp_path / "img" / "a.txt", "short")
+    write(tmp_path / "img" / "b.txt", "a longer one")
+    enc = CountingEncoder()
+    ds, _, _ = cached_dataset(tmp_path, enc, resolution=32)
+    sample = ds[0]
+    assert "image" not in sample and sample["latents"].dtype == torch.float32
+    assert sample["latents"].shape == (3, 4, 4) and float(sample["latents"].max()) == 0.5
+    batch = D.collate_batch([ds[0], ds[1]])
+    assert batch["latents"].shape == (2, 3, 4, 4)
+    assert batch["text"]["hidden"].shape == (2, 12, 4) and batch["text"]["hidden"].dtype == torch.float32
+    assert batch["text"]["mask"].sum(1).tolist() == [5, 12]  # zero-padded at the end
+
+
+def test_flip_aug_caches_both_orientations_and_cache_dir_is_used(tmp_path):
+    img = Image.new("RGB", (32, 32), (0, 0, 0))
+    img.paste((255, 255, 255), (16, 0, 32, 32))
+    os.makedirs(tmp_path / "img")
+    img.save(tmp_path / "img" / "a.png")
+    enc = CountingEncoder()
+    ds, n_lat, _ = cached_dataset(tmp_path, enc, resolution=32, flip_aug=True, class_tokens="x",
+                                  cache_dir=str(tmp_path / "cache"))
+    assert n_lat == 1 and enc.images == 2  # plain + mirrored
+    assert not any(f.endswith(".safetensors") for f in os.listdir(tmp_path / "img"))
+    (sub,) = os.listdir(tmp_path / "cache")
+    assert sorted(os.listdir(tmp_path / "cache" / sub)) == ["a_flux_32x32.safetensors", "a_flux_te.safetensors"]
+    first_columns = {float(ds[(0, epoch)]["latents"][0, 0, 0]) for epoch in range(12)}
+    assert first_columns == {-0.5, 0.5}  # both orientations are served across epochs
+
+
+def test_text_cache_refuses_changing_captions(tmp_path):
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    ds = D.ImageDataset(blueprint(tmp_path / "img", class_tokens="x", shuffle_caption=True))
+    with pytest.raises(ValueError, match="cached text needs fixed captions"):
+        D.cache_text(ds.items, CountingEncoder().text, "flux")
+
+
+# ----------------------------------------------------------------------------------------------
+# LLM text
+
+
+def test_text_windows_shift_targets_by_one_and_respect_stride():
+    ids = torch.arange(21)
+    ds = D.TextWindowDataset(ids, max_length=5)
+    assert len(ds) == 4
+    x, y = ds[3]
+    assert x.tolist() == [15, 16, 17, 18, 19] and y.tolist() == [16, 17, 18, 19, 20] and x.dtype == torch.long
+    assert len(D.TextWindowDataset(ids, max_length=5, stride=2)) == 8  # starts 0, 2, ..., 14
+    with pytest.raises(ValueError, match="fewer than max_length"):
+        D.TextWindowDataset(torch.arange(5), max_length=5)
+
+
+def test_corpus_loading_tokenizing_and_tail_validation_split(tmp_path):
+    write(tmp_path / "docs" / "b.txt", "world")
+    write(tmp_path / "docs" / "a.txt", "hello")
+    write(tmp_path / "docs" / "skip.md", "not text")
+    docs = D.load_text_corpus(str(tmp_path / "docs"))
+    assert docs == ["hello", "world"]
+    ids = D.tokenize_documents(docs, lambda s: [ord(c) for c in s], eos_id=0)
+    assert ids.tolist() == [104, 101, 108, 108, 111, 0, 119, 111, 114, 108, 100, 0]
+    train, val = D.train_val_split(torch.arange(100), 0.1)
+    assert train.tolist() == list(range(90)) and val.tolist() == list(range(90, 100))
+    with pytest.raises(ValueError, match="no such text file"):
+        D.load_text_corpus(str(tmp_path / "missing"))

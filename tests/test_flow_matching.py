@@ -1,0 +1,178 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift as diffusers_calculate_shift
+from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+from library import flow_matching as fm
+
+# The released schedulers (FLUX.1-dev and Qwen/Qwen-Image scheduler_config.json).
+FLUX_DEV_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
+                          num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True)
+QWEN_IMAGE_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, invert_sigmas=False, max_image_seq_len=8192,
+                            max_shift=0.9, num_train_timesteps=1000, shift=1.0, shift_terminal=0.02,
+                            stochastic_sampling=False, time_shift_type="exponential", use_dynamic_shifting=True)
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("method", fm.SAMPLING_METHODS)
+def test_sampled_sigmas_are_float32_within_unit_interval(method):
+    s = fm.sample_sigmas(4096, method, generator=gen(), image_seq_len=4096)
+    assert s.dtype == torch.float32 and s.shape == (4096,)
+    assert float(s.min()) > 0.0 and float(s.max()) <= 1.0
+    assert float(s.std()) > 0.1  # a distribution, not a constant
+
+
+def test_sigma_sampling_is_reproducible_from_the_generator():
+    a = fm.sample_sigmas(8, "flux_shift", generator=gen(3), image_seq_len=1024)
+    b = fm.sample_sigmas(8, "flux_shift", generator=gen(3), image_seq_len=1024)
+    c = fm.sample_sigmas(8, "flux_shift", generator=gen(4), image_seq_len=1024)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_uniform_and_sigmoid_have_the_expected_medians():
+    u = fm.sample_sigmas(20000, "uniform", generator=gen())
+    s = fm.sample_sigmas(20000, "sigmoid", generator=gen(), sigmoid_scale=1.0)
+    assert abs(float(u.median()) - 0.5) < 0.02 and abs(float(u.mean()) - 0.5) < 0.01
+    assert abs(float(s.median()) - 0.5) < 0.02
+    # sigmoid(1.0 * randn): P(s < sigmoid(1)) = P(z < 1) = 0.8413
+    assert abs(float((s < torch.sigmoid(torch.tensor(1.0))).float().mean()) - 0.8413) < 0.01
+
+
+def test_shift_applies_k_s_over_one_plus_k_minus_one_s_to_the_sigmoid_draw():
+    base = fm.sample_sigmas(64, "sigmoid", generator=gen(5))
+    shifted = fm.sample_sigmas(64, "shift", generator=gen(5), shift=3.0)
+    torch.testing.assert_close(shifted, 3.0 * base / (1 + 2.0 * base), rtol=0, atol=1e-7)
+    # monotonic and pushes every sigma up for k > 1
+    order = torch.argsort(base)
+    assert bool((shifted[order].diff() >= 0).all()) and bool((shifted >= base).all())
+    assert float(shifted.median()) == pytest.approx(0.75, abs=0.05)  # 3*0.5/(1+2*0.5)
+
+
+@pytest.mark.parametrize("tokens", [256, 1024, 4096])
+def test_flux_mu_equals_diffusers_calculate_shift(tokens):
+    d = fm.DEFAULTS["flux"]
+    mu = fm.calculate_shift(tokens, d["base_seq_len"], d["max_seq_len"], d["base_shift"], d["max_shift"])
+    assert mu == pytest.approx(diffusers_calculate_shift(tokens), abs=1e-12)
+    assert mu == pytest.approx({256: 0.5, 1024: 0.5 + 0.65 * 768 / 3840, 4096: 1.15}[tokens], abs=1e-12)
+
+
+def test_flux_and_qwen_shift_apply_the_exponential_time_shift_with_their_own_mu():
+    base = fm.sample_sigmas(64, "sigmoid", generator=gen(7))
+    flux = fm.sample_sigmas(64, "flux_shift", generator=gen(7), image_seq_len=4096)
+    qwen = fm.sample_sigmas(64, "qwen_shift", generator=gen(7), image_seq_len=4096)
+    mu_flux = 1.15
+    mu_qwen = 0.5 + (0.9 - 0.5) * (4096 - 256) / (8192 - 256)  # 0.6935...
+    torch.testing.assert_close(flux, math.exp(mu_flux) / (math.exp(mu_flux) + 1 / base - 1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(qwen, math.exp(mu_qwen) / (math.exp(mu_qwen) + 1 / base - 1), rtol=0, atol=1e-6)
+    # more tokens -> larger mu -> noisier sigmas
+    small = fm.sample_sigmas(64, "flux_shift", generator=gen(7), image_seq_len=256)
+    assert bool((flux > small).all())
+
+
+def test_shift_methods_need_the_token_count():
+    with pytest.raises(ValueError, match="image_seq_len"):
+        fm.sample_sigmas(2, "qwen_shift", generator=gen())
+    with pytest.raises(ValueError, match="'logit' is not one of"):
+        fm.sample_sigmas(2, "logit", generator=gen())
+
+
+def test_noisy_input_and_target_satisfy_the_flow_algebra():
+    x0 = torch.randn(3, 4, 8, 8).to(torch.bfloat16)
+    noise = torch.randn(3, 4, 8, 8)
+    s = torch.tensor([0.0, 0.25, 1.0])
+    xt = fm.noisy_input(x0, noise, s)
+    v = fm.flow_target(x0, noise)
+    assert xt.dtype == torch.float32 and v.dtype == torch.float32
+    torch.testing.assert_close(xt[0], x0[0].float(), rtol=0, atol=0)
+    torch.testing.assert_close(xt[2], noise[2], rtol=0, atol=0)
+    # x_t + (1 - s) v = noise and x_t - s v = x0
+    torch.testing.assert_close(xt[1] + 0.75 * v[1], noise[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(xt[1] - 0.25 * v[1], x0[1].float(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme", fm.WEIGHTING_SCHEMES)
+def test_loss_weighting_matches_diffusers_sd3_weighting(scheme):
+    s = torch.tensor([0.1, 0.3, 0.5, 0.9])
+    ours = fm.loss_weighting(s, scheme)
+    theirs = compute_loss_weighting_for_sd3(scheme if scheme != "none" else "logit_normal", s)
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+    expected = {"none": [1, 1, 1, 1], "sigma_sqrt": [100, 1 / 0.09, 4, 1 / 0.81],
+                "cosmap": [2 / (math.pi * (1 - 2 * x + 2 * x * x)) for x in (0.1, 0.3, 0.5, 0.9)]}[scheme]
+    torch.testing.assert_close(ours, torch.tensor(expected, dtype=torch.float32), rtol=1e-6, atol=0)
+
+
+def test_l2_loss_is_per_sample_mean_times_weight_then_batch_mean():
+    pred = torch.zeros(2, 3, 4)
+    target = torch.ones(2, 3, 4)
+    target[1] *= 2.0  # per-sample mse: 1 and 4
+    assert float(fm.flow_loss(pred, target)) == pytest.approx(2.5)
+    assert float(fm.flow_loss(pred, target, torch.tensor([1.0, 0.5]))) == pytest.approx((1 + 2) / 2)
+    assert fm.flow_loss(pred.bfloat16(), target.bfloat16()).dtype == torch.float32
+
+
+def test_huber_is_l2_for_small_residuals_and_linear_for_large():
+    c = 0.1
+    small = torch.full((1, 8), 1e-3)
+    large = torch.full((1, 8), 10.0)
+    zero = torch.zeros(1, 8)
+    assert float(fm.flow_loss(small, zero, loss_type="huber", huber_c=c)) == pytest.approx(1e-6, rel=1e-3)
+    # 2c (sqrt(100 + c^2) - c) ~= 2c * 10 = 2.0, far below the l2 value 100
+    assert float(fm.flow_loss(large, zero, loss_type="huber", huber_c=c)) == pytest.approx(
+        2 * c * (math.sqrt(100 + c * c) - c), rel=1e-6)
+    assert float(fm.flow_loss(large, zero, loss_type="l2")) == pytest.approx(100.0)
+
+
+def _scheduler_sigmas(config, steps, tokens):
+    scheduler = FlowMatchEulerDiscreteScheduler(**config)
+    mu = diffusers_calculate_shift(tokens, config["base_image_seq_len"], config["max_image_seq_len"],
+                                   config["base_shift"], config["max_shift"])
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)  # what the pipelines pass
+    return scheduler.sigmas
+
+
+@pytest.mark.parametrize("steps,tokens", [(4, 256), (28, 4096), (50, 1024)])
+def test_flux_inference_sigmas_match_diffusers_scheduler(steps, tokens):
+    ours = fm.inference_sigmas(steps, tokens, "flux")
+    theirs = _scheduler_sigmas(FLUX_DEV_SCHEDULER, steps, tokens)
+    assert ours.shape == (steps + 1,) and ours.dtype == torch.float32
+    assert float((ours - theirs).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("steps,tokens", [(4, 256), (30, 4096), (50, 6032)])
+def test_qwen_image_inference_sigmas_match_diffusers_scheduler(steps, tokens):
+    ours = fm.inference_sigmas(steps, tokens, "qwen_image")
+    theirs = _scheduler_sigmas(QWEN_IMAGE_SCHEDULER, steps, tokens)
+    assert float((ours - theirs).abs().max()) < 1e-6
+    assert float(ours[-2]) == pytest.approx(0.02, abs=1e-6)  # shift_terminal
+
+
+def test_schnell_schedule_is_unshifted():
+    torch.testing.assert_close(fm.inference_sigmas(4, 4096, "flux", dynamic_shift=False),
+                               torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+
+
+def test_euler_sampler_recovers_x0_under_the_exact_velocity():
+    # For a fixed x0 the exact velocity at x_t is (x_t - x0) / s, so Euler on the straight path is exact.
+    x0 = torch.randn(2, 16)
+    noise = torch.randn(2, 16)
+    sigmas = fm.inference_sigmas(8, 1024, "flux")
+    calls = []
+
+    def model_fn(x, sigma):
+        calls.append(sigma.clone())
+        assert x.dtype == torch.float32 and sigma.shape == (2,)
+        return (x - x0) / sigma[:, None]
+
+    out = fm.euler_sample(model_fn, noise, sigmas)
+    assert len(calls) == 8 and float(calls[0][0]) == 1.0
+    assert float((out - x0).abs().max()) < 1e-5
+    # bf16 model outputs: the float32 state keeps the error at bf16 rounding of one step
+    out_bf16 = fm.euler_sample(lambda x, s: model_fn(x, s).bfloat16(), noise, sigmas)
+    assert float((out_bf16 - x0).abs().max()) < 1e-2

@@ -1,0 +1,535 @@
+"""LoRA network and LoRA files: math, switching, selection, files, formats, fp8-like bases."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+from library.io import CheckpointError
+from networks import lora_files as lf
+from networks.lora import LoRAModule, LoRANetwork
+
+# ----------------------------------------------------------------------------------------------
+# Stand-in models whose qualified module names mirror the real ones
+
+
+class StandIn(nn.Module):
+    """Nested containers with a Linear(dim, out) at every given qualified name; forward runs every
+    leaf on the same input and concatenates, so any module's change shows in the output."""
+
+    def __init__(self, names, dim=8, out=6):
+        super().__init__()
+        self.leaves = list(names)
+        for name in names:
+            parent = self
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(parent, part):
+                    parent.add_module(part, nn.Module())
+                parent = getattr(parent, part)
+            parent.add_module(leaf, nn.Linear(dim, out))
+        self.dim = dim
+
+    def forward(self, x):
+        return torch.cat([self.get_submodule(n)(x) for n in self.leaves], -1)
+
+
+def flux_names(double=3, single=4):
+    names = []
+    for i in range(double):
+        for s in ("img", "txt"):
+            names += [f"double_blocks.{i}.{s}_attn.qkv", f"double_blocks.{i}.{s}_attn.proj",
+                      f"double_blocks.{i}.{s}_mlp.0", f"double_blocks.{i}.{s}_mlp.2", f"double_blocks.{i}.{s}_mod.lin"]
+    for i in range(single):
+        names += [f"single_blocks.{i}.linear1", f"single_blocks.{i}.linear2", f"single_blocks.{i}.modulation.lin"]
+    return names + ["img_in", "final_layer.linear"]
+
+
+def qwen_names(blocks=2):
+    names = ["img_in", "proj_out"]
+    for i in range(blocks):
+        b = f"transformer_blocks.{i}."
+        names += [b + "attn." + m for m in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out")]
+        names += [b + f"{s}_mlp.net.{m}" for s in ("img", "txt") for m in ("0.proj", "2")]
+        names += [b + "img_mod.1", b + "txt_mod.1"]
+    return names
+
+
+def llm_names(layers=2):
+    names = ["lm_head"]
+    for i in range(layers):
+        names += [f"model.layers.{i}.self_attn.{p}_proj" for p in "qkvo"]
+        names += [f"model.layers.{i}.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    return names
+
+
+def selected(net):
+    return {m.name: m.rank for m in net.lora_modules()}
+
+
+def randomize(net, scale=0.1):
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.lora_up.weight.normal_(0, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# Module math and switching
+
+
+def test_zero_initialised_up_leaves_output_unchanged():
+    model = StandIn(flux_names())
+    x = torch.randn(2, 5, 8)
+    before = model(x)
+    net = LoRANetwork(model, "flux", rank=4, alpha=2)
+    net.apply()
+    assert torch.equal(model(x), before)
+    assert all(m.lora_up.weight.abs().sum() == 0 and m.lora_down.weight.abs().sum() > 0 for m in net.lora_modules())
+
+
+def test_delta_is_multiplier_times_alpha_over_rank_times_up_down():
+    base = nn.Linear(8, 6)
+    lora = LoRAModule("m", base, rank=4, alpha=2.0)
+    nn.init.normal_(lora.lora_up.weight)
+    lora.apply_to_base()
+    x = torch.randn(3, 8)
+    expected = (x @ lora.lora_down.weight.T @ lora.lora_up.weight.T) * (2.0 / 4)
+    base_out = torch.nn.functional.linear(x, base.weight, base.bias)
+    assert lora.scale == 0.5
+    assert (base(x) - base_out - expected).abs().max() < 1e-6
+    lora.multiplier = -1.5
+    assert (base(x) - base_out + 1.5 * expected).abs().max() < 1e-6
+    assert LoRAModule("z", nn.Linear(8, 6), rank=4, alpha=0).scale == 1.0  # alpha 0 means alpha = rank
+    assert LoRAModule("n", nn.Linear(8, 6), rank=4, alpha=None).scale == 1.0
+
+
+def test_enabled_multiplier_and_remove_switch_the_lora():
+    model = StandIn(llm_names())
+    x = torch.randn(2, 3, 8)
+    base_out = model(x)
+    net = LoRANetwork(model, "llm", rank=2)
+    randomize(net)
+    net.apply()
+    on = model(x)
+    assert (on - base_out).abs().max() > 1e-3
+    net.enabled = False
+    assert not net.enabled and torch.equal(model(x), base_out)
+    net.enabled = True
+    net.set_multiplier(0.5)
+    assert (model(x) - base_out - 0.5 * (on - base_out)).abs().max() < 1e-6
+    net.set_multiplier(0.0)
+    assert torch.equal(model(x), base_out)
+    net.set_multiplier(1.0)
+    net.remove()
+    assert torch.equal(model(x), base_out)
+    assert all("forward" not in model.get_submodule(m.name).__dict__ for m in net.lora_modules())
+    net.apply()
+    assert torch.equal(model(x), on)
+
+
+def test_merge_equals_independent_formula_and_unmerged_output():
+    model = StandIn(qwen_names())
+    x = torch.randn(2, 3, 8)
+    originals = {n: model.get_submodule(n).weight.detach().clone() for n in model.leaves}
+    net = LoRANetwork(model, "qwen_image", rank=4, alpha=3, multiplier=0.7)
+    randomize(net)
+    net.apply()
+    unmerged = model(x)
+    expected = {m.name: originals[m.name] + 0.7 * (3 / 4) * m.lora_up.weight.detach() @ m.lora_down.weight.detach()
+                for m in net.lora_modules()}
+    net.merge_into_model()
+    for name, w in expected.items():
+        assert (model.get_submodule(name).weight - w).abs().max() <= 1e-6
+    assert all("forward" not in model.get_submodule(n).__dict__ for n in expected)  # unpatched
+    assert (model(x) - unmerged).abs().max() <= 1e-5
+
+
+def test_merge_keeps_base_dtype_and_computes_in_float32():
+    base = nn.Linear(8, 6).to(torch.bfloat16)
+    lora = LoRAModule("m", base, rank=2, alpha=2)
+    nn.init.normal_(lora.lora_up.weight, std=1e-3)
+    expected = (base.weight.float() + lora.lora_up.weight @ lora.lora_down.weight).to(torch.bfloat16)
+    lora.merge_into_base()
+    assert base.weight.dtype == torch.bfloat16
+    assert torch.equal(base.weight.detach(), expected.detach())
+
+
+def test_only_lora_parameters_train():
+    model = StandIn(flux_names())
+    net = LoRANetwork(model, "flux", rank=2)
+    randomize(net)
+    net.apply()
+    model(torch.randn(2, 8)).square().sum().backward()
+    assert all(not p.requires_grad and p.grad is None for p in model.parameters())
+    params = net.trainable_parameters()
+    assert len(params) == 2 * len(net.lora_modules()) and all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+    assert {id(p) for p in params} == {id(p) for p in net.parameters()}
+
+
+def test_dropouts_are_inactive_in_eval_and_active_in_train():
+    model = StandIn(llm_names(1))
+    x = torch.randn(4, 3, 8)
+    plain = LoRANetwork(model, "llm", rank=4)
+    randomize(plain)
+    plain.apply()
+    reference = model(x)
+    plain.remove()
+    net = LoRANetwork(model, "llm", rank=4, network_args={"dropout": 0.5, "rank_dropout": "0.5", "module_dropout": 0.3})
+    net.load_state_dict(plain.state_dict())
+    net.apply()
+    net.eval()
+    assert torch.equal(model(x), reference)
+    net.train()
+    model.eval()  # the base model in eval also turns them off
+    assert torch.equal(model(x), reference)
+    model.train()
+    assert (model(x) - reference).abs().max() > 1e-3
+
+
+def test_rank_dropout_keeps_the_expected_delta():
+    base = nn.Linear(8, 6, bias=False)
+    nn.init.zeros_(base.weight)
+    lora = LoRAModule("m", base, rank=64, alpha=64, rank_dropout=0.25)
+    nn.init.normal_(lora.lora_up.weight)
+    lora.apply_to_base()
+    x = torch.randn(1, 1, 8).expand(4000, 1, 8)  # one sample, many masks
+    with torch.no_grad():
+        mean = base(x).mean(0)
+        lora.eval()
+        exact = base(x[:1])[0]
+    assert (mean - exact).abs().max() / exact.abs().max() < 0.1
+
+
+# ----------------------------------------------------------------------------------------------
+# Selection from the TARGETS table and network_args
+
+
+def test_flux_default_targets_attn_mlp_single_but_not_modulation():
+    net = LoRANetwork(StandIn(flux_names(3, 4)), "flux", rank=4)
+    names = set(selected(net))
+    assert len(names) == 3 * 2 * 4 + 4 * 2
+    assert "double_blocks.2.txt_attn.qkv" in names and "single_blocks.3.linear2" in names
+    assert not any("mod" in n for n in names) and "img_in" not in names
+
+
+def test_flux_train_blocks_indices_and_per_type_ranks():
+    model = StandIn(flux_names(3, 4))
+    single = LoRANetwork(model, "flux", rank=4, network_args={"train_blocks": "single", "train_single_block_indices": "0-1,3"})
+    assert set(selected(single)) == {f"single_blocks.{i}.linear{j}" for i in (0, 1, 3) for j in (1, 2)}
+    typed = LoRANetwork(model, "flux", rank=4, network_args={
+        "train_double_block_indices": "1", "train_single_block_indices": "none", "attn_dim": 8, "mlp_dim": 0, "mod_dim": 2})
+    assert selected(typed) == {
+        **{f"double_blocks.1.{s}_attn.{p}": 8 for s in ("img", "txt") for p in ("qkv", "proj")},
+        **{f"double_blocks.1.{s}_mod.lin": 2 for s in ("img", "txt")},
+    }
+    with_mod = LoRANetwork(model, "flux", rank=4, network_args={"train_modulation": "true", "train_blocks": "double"})
+    assert len(with_mod.lora_modules()) == 3 * 2 * 5
+
+
+def test_include_and_exclude_patterns():
+    model = StandIn(flux_names(2, 2))
+    net = LoRANetwork(model, "flux", rank=4, network_args={
+        "exclude_patterns": [r"txt_", r"single_blocks\.1\."], "include_patterns": [r"double_blocks\.0\.txt_attn\.qkv", "modulation"]})
+    expected = {f"double_blocks.{i}.img_{p}" for i in (0, 1) for p in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")}
+    expected |= {"single_blocks.0.linear1", "single_blocks.0.linear2", "double_blocks.0.txt_attn.qkv"}
+    expected |= {f"single_blocks.{i}.modulation.lin" for i in (0, 1)}  # include overrides the default-off type
+    assert set(selected(net)) == expected
+
+
+def test_qwen_image_and_llm_targets_and_block_indices():
+    qwen = LoRANetwork(StandIn(qwen_names(3)), "qwen_image", rank=4, network_args={"block_indices": [0, 2]})
+    assert len(qwen.lora_modules()) == 2 * 12 and not any(".1." in n or "mod" in n for n in selected(qwen))
+    qwen_mod = LoRANetwork(StandIn(qwen_names(1)), "qwen_image", rank=4, network_args={"mod_dim": 1})
+    assert selected(qwen_mod)["transformer_blocks.0.txt_mod.1"] == 1
+    llm = LoRANetwork(StandIn(llm_names(2)), "llm", rank=4, network_args={"mlp_dim": 0})
+    assert set(selected(llm)) == {f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "qkvo"}
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"train_blockz": "all"}, "unknown key 'train_blockz'"),
+    ({"block_indices": "0"}, "unknown key 'block_indices' for family 'flux'"),
+    ({"include_patterns": [r"double_blocks\.0\.img_attn\.qkvx"]}, "matches no LoRA target module"),
+    ({"exclude_patterns": "(unclosed"}, "bad regex"),
+    ({"train_double_block_indices": "0-9"}, "index 3 is out of range"),
+    ({"train_double_block_indices": "a-b"}, "bad range"),
+    ({"train_blocks": "both"}, "expected all, double or single"),
+    ({"dropout": "lots"}, "expected a number"),
+    ({"train_blocks": "single", "single_dim": 0}, "select no module"),
+])
+def test_bad_network_args_raise_naming_the_key(args, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        LoRANetwork(StandIn(flux_names(3, 2)), "flux", rank=4, network_args=args)
+
+
+def test_loraplus_param_groups():
+    net = LoRANetwork(StandIn(llm_names(1)), "llm", rank=2, network_args={"loraplus_lr_ratio": 16})
+    groups = net.param_groups(1e-4)
+    assert [g["name"] for g in groups] == ["lora_down", "lora_up"]
+    assert groups[1]["lr"] == pytest.approx(1.6e-3) and len(groups[0]["params"]) == len(groups[1]["params"]) == 7
+    assert len(LoRANetwork(StandIn(llm_names(1)), "llm", rank=2).param_groups(1e-4)) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+def test_kohya_save_load_round_trip_is_bytes_equal(tmp_path):
+    model = StandIn(flux_names(2, 2))
+    net = LoRANetwork(model, "flux", rank=4, alpha=1, network_args={"attn_dim": 8})
+    randomize(net)
+    path = str(tmp_path / "lora.safetensors")
+    net.save(path, dtype=torch.bfloat16, metadata=lf.build_metadata(steps=10, base_model="/abs/dir/flux1-dev.safetensors"))
+    with safe_open(path, "pt") as f:
+        keys, meta = set(f.keys()), f.metadata()
+        stored = {k: f.get_tensor(k) for k in keys}
+    assert keys == set(net.state_dict())
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in keys
+    assert stored["lora_unet_single_blocks_1_linear2.alpha"].dtype == torch.float32
+    assert stored["lora_unet_single_blocks_1_linear2.lora_up.weight"].dtype == torch.bfloat16
+    assert meta["ss_network_dim"] == "4" and meta["ss_network_alpha"] == "1.0" and meta["ss_max_train_steps"] == "10"
+    assert meta["ss_sd_model_name"] == "flux1-dev.safetensors" and json.loads(meta["ss_network_args"]) == {"attn_dim": 8}
+    assert meta["sshs_model_hash"] == lf.tensor_hash(stored)
+
+    fresh = LoRANetwork(StandIn(flux_names(2, 2)), "flux", rank=4, alpha=3, network_args={"attn_dim": 8})
+    fresh.load_weights(path)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value.to(stored[key].dtype), stored[key]), key
+    assert fresh.lora_modules()[0].scale == 1 / 8  # alpha comes from the file
+
+    net.save(path)  # float32: bitwise equal to the live parameters
+    fresh.load_weights(path)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), net.state_dict().values()))
+
+
+def test_load_weights_rejects_foreign_or_misshapen_modules(tmp_path):
+    net = LoRANetwork(StandIn(llm_names(1)), "llm", rank=2)
+    wrong_in = {k: (torch.zeros(2, 9) if k.endswith("lora_down.weight") else v) for k, v in net.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"model.layers.0.self_attn.q_proj' has down \(2, 9\)"):
+        net.load_weights(wrong_in)
+    wrong_rank = {k: (torch.zeros(3, 8) if k.endswith("lora_down.weight") else v) for k, v in net.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"'lora_te_model_layers_0_self_attn_q_proj' down \(3, 8\) / up \(6, 2\)"):
+        net.load_weights(wrong_rank)
+    foreign = dict(net.state_dict())
+    foreign["lora_te_model_layers_7_mlp_up_proj.alpha"] = torch.tensor(1.0)
+    with pytest.raises(CheckpointError, match="matches no module"):
+        net.load_weights(foreign)
+
+
+def test_resolve_kohya_names_uses_module_paths():
+    paths = ["double_blocks.0.img_attn.qkv", "transformer_blocks.1.attn.to_out.0", "model.layers.0.mlp.up_proj"]
+    names = [lf.kohya_name(p) for p in paths[:2]] + ["lora_te_model_layers_0_mlp_up_proj"]
+    assert lf.resolve_kohya_names(names, paths) == dict(zip(names, paths))
+    with pytest.raises(CheckpointError, match="lora_unet_double_blocks_0_img_attn_proj"):
+        lf.resolve_kohya_names(["lora_unet_double_blocks_0_img_attn_proj"], paths)
+
+
+def test_detect_format():
+    assert lf.detect_format(["lora_unet_a_b.lora_down.weight", "lora_unet_a_b.alpha"]) == "kohya"
+    assert lf.detect_format(["transformer.a.b.lora_A.weight", "transformer.a.b.lora_B.weight"]) == "peft"
+    assert lf.detect_format(["diffusion_model.a.b.lora_down.weight", "diffusion_model.a.b.alpha"]) == "comfy"
+    with pytest.raises(CheckpointError, match="'x.lora_magnitude'"):
+        lf.detect_format(["x.lora_magnitude"])
+
+
+def random_weights(paths_and_shapes, rank=4, alpha=2.0):
+    return {p: lf.LoRAWeights(torch.randn(rank, i), torch.randn(o, rank), alpha) for p, (i, o) in paths_and_shapes.items()}
+
+
+def assert_same_deltas(a, b, tol=1e-5):
+    assert set(a) == set(b)
+    for p in a:
+        assert (a[p].delta() - b[p].delta()).abs().max() <= tol * a[p].delta().abs().max(), p
+
+
+def test_kohya_to_peft_to_kohya_round_trip_flux(tmp_path):
+    from library.flux_checkpoint import flux_diffusers_module_map
+
+    h, m = 8, 32
+    module_map = flux_diffusers_module_map(1, 1, h, m)
+    bfl = random_weights({"double_blocks.0.img_attn.qkv": (h, 3 * h), "double_blocks.0.txt_mlp.0": (h, m),
+                          "single_blocks.0.linear1": (h, 3 * h + m), "single_blocks.0.linear2": (h + m, h)}, alpha=4.0)
+    lf.write_kohya(bfl, str(tmp_path / "k.safetensors"))
+    read, _, fmt = lf.read_lora(str(tmp_path / "k.safetensors"), module_paths=module_map)
+    assert fmt == "kohya"
+    diffusers = lf.flux_bfl_to_diffusers(read, module_map)
+    assert set(diffusers) >= {"transformer_blocks.0.attn.to_k", "single_transformer_blocks.0.proj_mlp", "transformer_blocks.0.ff_context.net.0.proj"}
+    assert torch.equal(diffusers["single_transformer_blocks.0.proj_mlp"].up, bfl["single_blocks.0.linear1"].up[3 * h :])
+    lf.write_peft(diffusers, str(tmp_path / "p.safetensors"))
+    peft, _, fmt = lf.read_lora(str(tmp_path / "p.safetensors"))
+    assert fmt == "peft" and "transformer_blocks.0.attn.to_q" in peft
+    back = lf.flux_diffusers_to_bfl(peft, module_map)
+    assert_same_deltas(bfl, back, tol=1e-6)
+    # alpha == rank: nothing is folded, and the round trip is exact
+    exact = lf.flux_diffusers_to_bfl(lf.parse_lora(lf.peft_state_dict(lf.flux_bfl_to_diffusers(
+        {k: lf.LoRAWeights(w.down, w.up, 4.0) for k, w in bfl.items()}, module_map)))[0], module_map)
+    assert all(torch.equal(exact[k].down, bfl[k].down) and torch.equal(exact[k].up, bfl[k].up) for k in bfl)
+
+
+def test_flux_diffusers_to_bfl_with_separate_downs_is_block_diagonal():
+    h = 4
+    module_map = {"double_blocks.0.img_attn.qkv": [("q", 0, h), ("k", h, 2 * h), ("v", 2 * h, 3 * h)]}
+    parts = {"q": lf.LoRAWeights(torch.randn(2, h), torch.randn(h, 2), 1.0),
+             "v": lf.LoRAWeights(torch.randn(3, h), torch.randn(h, 3), 6.0)}  # no LoRA on k
+    fused = lf.flux_diffusers_to_bfl(parts, module_map)["double_blocks.0.img_attn.qkv"]
+    assert fused.rank == 5 and fused.scale == 1.0
+    delta = fused.delta()
+    assert (delta[:h] - parts["q"].delta()).abs().max() < 1e-6
+    assert delta[h : 2 * h].abs().max() == 0
+    assert (delta[2 * h :] - parts["v"].delta()).abs().max() < 1e-6
+
+
+def test_kohya_to_peft_to_kohya_round_trip_qwen(tmp_path):
+    model = StandIn(qwen_names(1))
+    net = LoRANetwork(model, "qwen_image", rank=4, alpha=1)
+    randomize(net)
+    lf.write_peft(net.lora_weights(), str(tmp_path / "p.safetensors"), dtype=torch.float32)
+    peft, _, _ = lf.read_lora(str(tmp_path / "p.safetensors"))
+    lf.write_kohya(peft, str(tmp_path / "k.safetensors"))
+    back, _, _ = lf.read_lora(str(tmp_path / "k.safetensors"), module_paths=[n for n, _ in model.named_modules()])
+    assert_same_deltas(net.lora_weights(), back, tol=1e-6)
+    again = LoRANetwork(StandIn(qwen_names(1)), "qwen_image", rank=4)
+    again.load_weights(str(tmp_path / "p.safetensors"))  # PEFT with the model's own names loads too
+    assert_same_deltas(net.lora_weights(), again.lora_weights(), tol=1e-6)
+
+
+def test_peft_alpha_from_diffusers_adapter_metadata():
+    tensors = {"transformer.a.lora_A.weight": torch.randn(4, 8), "transformer.a.lora_B.weight": torch.randn(6, 4),
+               "transformer.b.to_q.lora_A.weight": torch.randn(4, 8), "transformer.b.to_q.lora_B.weight": torch.randn(6, 4)}
+    config = {"transformer.r": 4, "transformer.lora_alpha": 2, "transformer.alpha_pattern": {"to_q": 8}}
+    weights, _ = lf.parse_lora(tensors, {lf.ADAPTER_METADATA_KEY: json.dumps(config)})
+    assert weights["a"].alpha == 2 and weights["b.to_q"].alpha == 8
+    assert lf.parse_lora(tensors)[0]["a"].alpha == 4  # no metadata: alpha = rank
+
+
+def test_build_metadata_is_all_strings_without_absolute_paths():
+    meta = lf.build_metadata(network_dim=16, lr=1e-4, resolution=(1024, 768), base_precision="fp8_scaled",
+                             dataset={"image_dir": "/home/me/secret/images", "repeats": 2}, shift=3.1, optimizer=None)
+    assert all(isinstance(v, str) for v in meta.values()) and "ss_optimizer" not in meta
+    assert meta["ss_resolution"] == "[1024, 768]" and meta["ss_learning_rate"] == "0.0001"
+    assert json.loads(meta["ss_datasets"]) == {"image_dir": "images", "repeats": 2}
+    with pytest.raises(ValueError, match="unknown field 'lr_warmup'"):
+        lf.build_metadata(lr_warmup=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8-like base and real tiny models
+
+
+class DequantLinear(nn.Module):
+    """fp8 stand-in when library/fp8.py is absent: e4m3 weight, dequantized in forward."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach().to(torch.float8_e4m3fn), requires_grad=False)
+        self.bias = nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias.to(x.dtype))
+
+
+def to_fp8(model: nn.Module, family: str) -> int:
+    """Quantize the model's Linears: library.fp8.prepare_fp8 when it exists, else DequantLinear.
+    Returns the number of fp8 modules."""
+    try:
+        from library.fp8 import prepare_fp8
+    except ImportError:
+        for name, module in list(model.named_modules()):
+            if isinstance(module, nn.Linear):
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, leaf, DequantLinear(module))
+    else:
+        prepare_fp8(model, "fp8", family)
+    return sum(getattr(m, "weight", torch.empty(0)).dtype == torch.float8_e4m3fn for m in model.modules())
+
+
+def test_lora_on_fp8_like_base_trains_only_lora_and_refuses_merge():
+    model = StandIn(llm_names(1))
+    assert to_fp8(model, "llm") >= 7
+    x = torch.randn(2, 3, 8)
+    base_out = model(x)
+    net = LoRANetwork(model, "llm", rank=4)
+    randomize(net)
+    net.apply()
+    out = model(x)
+    assert out.dtype == torch.float32 and (out - base_out).abs().max() > 1e-3
+    out.square().sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in net.trainable_parameters())
+    with pytest.raises(ValueError, match="merging into fp8"):
+        net.merge_into_model()
+
+
+def test_branch_output_is_cast_to_the_base_output_dtype():
+    base = nn.Linear(8, 6).to(torch.bfloat16)
+    lora = LoRAModule("m", base, rank=2)
+    nn.init.normal_(lora.lora_up.weight)
+    lora.apply_to_base()
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    out = base(x)
+    assert out.dtype == torch.bfloat16 and lora.lora_up.weight.dtype == torch.float32
+    branch = (x.float() @ lora.lora_down.weight.T @ lora.lora_up.weight.T).bfloat16()
+    expected = torch.nn.functional.linear(x, base.weight, base.bias) + branch
+    assert (out.float() - expected.float()).abs().max() <= 0.02 * expected.float().abs().max()
+
+
+def test_real_tiny_flux_and_qwen_image_get_the_expected_loras():
+    flux = pytest.importorskip("library.flux")
+    qwen = pytest.importorskip("library.qwen_image")
+    cfg = flux.FluxConfig(hidden_size=16, num_heads=1, depth=2, depth_single=3, axes_dim=(4, 6, 6),
+                          context_in_dim=8, vec_in_dim=8, guidance_embed=False)
+    model = flux.Flux(cfg)
+    net = LoRANetwork(model, "flux", rank=2, network_args={"train_modulation": True})
+    assert len(net.lora_modules()) == 2 * 2 * 5 + 3 * 3
+    assert {m.name for m in net.lora_modules()} <= {n for n, _ in model.named_modules()}
+    randomize(net)
+    net.apply()
+    inputs = (torch.randn(1, 4, 64), flux.make_img_ids(1, 2, 2), torch.randn(1, 3, 8), flux.make_txt_ids(1, 3),
+              torch.tensor([0.5]), torch.randn(1, 8))
+    unmerged = model(*inputs)
+    net.merge_into_model()
+    assert (model(*inputs) - unmerged).abs().max() <= 1e-5
+
+    qcfg = qwen.QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=1, joint_attention_dim=16,
+                                axes_dims_rope=(8, 12, 12))
+    qnet = LoRANetwork(qwen.QwenImage(qcfg), "qwen_image", rank=2, network_args={"mod_dim": 1})
+    assert len(qnet.lora_modules()) == 2 * (8 + 4 + 2)
+
+
+def test_flux_network_loads_a_diffusers_named_peft_lora(tmp_path):
+    flux = pytest.importorskip("library.flux")
+    from library.flux_checkpoint import flux_diffusers_module_map
+
+    cfg = flux.FluxConfig(hidden_size=16, num_heads=1, depth=1, depth_single=1, axes_dim=(4, 6, 6),
+                          context_in_dim=8, vec_in_dim=8, guidance_embed=False)
+    net = LoRANetwork(flux.Flux(cfg), "flux", rank=2, alpha=1)
+    randomize(net)
+    diffusers = lf.flux_bfl_to_diffusers(net.lora_weights(), flux_diffusers_module_map(1, 1, 16, 64))
+    lf.write_peft(diffusers, str(tmp_path / "d.safetensors"))
+    fresh = LoRANetwork(flux.Flux(cfg), "flux", rank=2)
+    fresh.load_weights(str(tmp_path / "d.safetensors"))
+    assert_same_deltas(net.lora_weights(), fresh.lora_weights(), tol=1e-6)
+
+
+def test_real_tiny_llm_in_fp8_scaled_trains_only_lora():
+    llm = pytest.importorskip("library.llm")
+    fp8 = pytest.importorskip("library.fp8")
+    cfg = llm.LLMConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=24)
+    model = llm.LLM(cfg)
+    fp8.prepare_fp8(model, "fp8_scaled", "llm")
+    targets = {f"model.layers.{i}.{m}" for i in (0, 1) for m in
+               ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert all(isinstance(model.get_submodule(n), fp8.FP8Linear) for n in targets)
+    ids = torch.randint(0, 32, (2, 5))
+    base_out = model(ids)
+    net = LoRANetwork(model, "llm", rank=2)
+    assert set(selected(net)) == targets
+    randomize(net)
+    net.apply()
+    out = model(ids)
+    assert (out - base_out).abs().max() > 1e-4
+    out.square().mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in net.trainable_parameters())
