@@ -16,8 +16,12 @@ $(STAMP): requirements.txt
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	@touch $(STAMP)
 
+# The embedded tiny default: tiny FLUX (real architecture, BFL file format) + generated dataset,
+# fp8_scaled base, Prodigy, 120 steps on CPU; writes LoRA, CSV log, LR plot and samples to out/quickstart.
 demo: $(STAMP)
-	$(PYTHON) tools/llm_quickstart.py --output_dir out/quickstart
+	$(PYTHON) tools/make_tiny_models.py --out tiny_models
+	$(PYTHON) tools/make_tiny_dataset.py --out tiny_models/dataset
+	$(PYTHON) train_lora.py --config_file configs/quickstart.toml
 
 test: $(STAMP)
 	$(PYTHON) -m pytest

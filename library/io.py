@@ -150,6 +150,9 @@ def atomic_path(path: str):
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result should look like any written file
     try:
         yield tmp
         with open(tmp, "rb") as f:

@@ -93,6 +93,7 @@ SCHEMA: dict[str, Arg] = {
     "sample_every_n_steps": A(int, 0, "render samples every N steps (0 = off)"),
     "sample_every_n_epochs": A(int, 0, "render samples every N epochs (0 = off)"),
     "sample_at_first": A(bool, False, "render samples before training"),
+    "sample_bf16_reference": A(bool, True, "with fp8_base: also render each sample on a bf16 base, side by side"),
     "logging_dir": A(str, None, "TensorBoard log folder (CSV is always written)"),
     "log_prefix": A(str, None, "TensorBoard run name prefix"),
     # llm data

@@ -75,14 +75,24 @@ def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, bet
     import matplotlib.pyplot as plt
 
     fig, (ax_lr, ax_loss) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
+    # Prodigy-style runs: lr (often 1.0) and the effective d*lr differ by orders of magnitude, so
+    # lr goes on its own right-hand axis and the effective step gets the main one.
+    adaptive = any(c.startswith("d*lr/") for log in runs.values() for c in log)
+    ax_base = ax_lr.twinx() if adaptive else ax_lr
     for name, log in runs.items():
         for col in log:
-            if col.startswith(("lr/", "d*lr/")):
-                style = "-" if col.startswith("d*lr/") else "--"
-                ax_lr.plot(log["step"], log[col], style, label=f"{name} {col}")
+            if col.startswith("d*lr/"):
+                ax_lr.plot(log["step"], log[col], "-", label=f"{name} {col}")
+            elif col.startswith("lr/"):
+                ax_base.plot(log["step"], log[col], "--", alpha=0.6, label=f"{name} {col}")
         line = ax_loss.plot(log["step"], log["loss"], alpha=0.25)[0]
         ax_loss.plot(log["step"], smooth(log["loss"], beta), color=line.get_color(), label=f"{name} (smoothed)")
-    ax_lr.set_ylabel("learning rate (dashed: lr, solid: effective d*lr)")
+    if adaptive:
+        ax_lr.set_ylabel("effective step d*lr (solid)")
+        ax_base.set_ylabel("base lr (dashed)")
+        ax_base.legend(fontsize=8, loc="lower right")
+    else:
+        ax_lr.set_ylabel("learning rate")
     ax_loss.set_ylabel("loss")
     ax_loss.set_xlabel("optimizer step")
     if log_scale:
@@ -90,7 +100,7 @@ def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, bet
         ax_loss.set_yscale("log")
     for ax in (ax_lr, ax_loss):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png", dpi=100)

@@ -1,0 +1,238 @@
+"""What train_lora.py needs to train a FLUX.1 / Qwen-Image LoRA: data with caches, the frozen base
+(bf16, fp8 or fp8_scaled), the LoRA network, the loss, and sample images.
+
+Order of memory use follows the user's 24 GB card: the VAE and text encoders are loaded, used to
+fill the caches, and freed before the transformer is loaded.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+import torch.nn as nn
+
+from library.dataset import BucketBatchSampler, ImageDataset, cache_latents, cache_text, collate_batch
+from library.dataset_config import load_dataset_config
+from library.diffusion_family import get_family
+from library.prompts import SamplePrompt, read_prompt_file
+from library.train_config import parse_kv_literals
+from library.train_state import sample_seed
+from networks.lora import LoRANetwork
+
+DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def base_precision(args) -> str:
+    return ("fp8_scaled" if args.fp8_scaled else "fp8") if args.fp8_base else "bf16"
+
+
+class LoRALoss(nn.Module):
+    """The module accelerate prepares (DDP wraps it): it owns only the LoRA network, so only LoRA
+    tensors are broadcast and all-reduced; the frozen base is held outside the module tree."""
+
+    def __init__(self, family, base: nn.Module, network: LoRANetwork, args):
+        super().__init__()
+        self.network = network
+        self._base = [base]
+        self.family, self.args = family, args
+
+    @property
+    def base(self) -> nn.Module:
+        return self._base[0]
+
+    def forward(self, latents: torch.Tensor, text: dict, generators: list[torch.Generator]) -> torch.Tensor:
+        loss, _ = self.family.training_loss(self.base, latents, text, self.args, generators)
+        return loss
+
+
+class DiffusionTask:
+    def __init__(self, args, accelerator):
+        self.args, self.accelerator = args, accelerator
+        self.device = accelerator.device
+        self.family = get_family(args)
+        self.compute_dtype = DTYPES[args.mixed_precision]
+        self.blueprint = load_dataset_config(args.dataset_config)
+        self.dataset = ImageDataset(self.blueprint, seed=args.seed)
+        self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
+        self.prompts = self._read_prompts()
+        self._fill_caches()  # also encodes the sample prompts, then frees the encoders
+        self.base = self.family.load_transformer(self.compute_dtype, base_precision(args)).to(self.device)
+        self.base.requires_grad_(False).eval()
+        self.base.gradient_checkpointing = args.gradient_checkpointing
+        if args.torch_compile:
+            self._compile_blocks()
+        self.network = self._make_network()
+        self.module = LoRALoss(self.family, self.base, self.network, args)
+
+    # -- setup ---------------------------------------------------------------------------------
+    def _read_prompts(self) -> list[SamplePrompt]:
+        if not self.args.sample_prompts:
+            return []
+        res = self.blueprint.datasets[0].resolution
+        defaults = SamplePrompt("", width=res[0], height=res[1], guidance=3.5 if self.args.model_type == "flux" else 4.0)
+        return read_prompt_file(self.args.sample_prompts, defaults)
+
+    def _fill_caches(self):
+        args, items = self.args, self.dataset.items
+        latent_key, text_key = self.family.cache_keys()
+        vae = self.family.load_vae(torch.float32)
+        vae.vae.to(self.device)
+        encoded = cache_latents(items, lambda x: vae.encode(x.to(self.device)), latent_key, to_disk=args.cache_latents_to_disk)
+        self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
+        self.vae_dtype = torch.float32
+        del vae
+        encode_text = self._text_encoder()
+        encoded = cache_text(items, encode_text, text_key, to_disk=args.cache_text_encoder_outputs_to_disk)
+        self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk")
+        self.prompt_texts = [
+            (self._stack(encode_text([p.prompt])), self._stack(encode_text([p.negative])) if p.negative or self.family.name == "qwen_image" else None)
+            for p in self.prompts
+        ]
+        del encode_text
+        gc.collect()
+
+    def _text_encoder(self):
+        if self.family.name == "flux":
+            variant_len = self.args.t5xxl_max_token_length or 512
+            return self.family.load_text_encoder(torch.float32, t5_max_length=variant_len)
+        return self.family.load_text_encoder(torch.float32)
+
+    @staticmethod
+    def _stack(per_caption: list[dict]) -> dict:
+        return {k: torch.stack([d[k] for d in per_caption]) for k in per_caption[0]}
+
+    def _make_network_for(self, base: nn.Module) -> LoRANetwork:
+        args = self.args
+        net_args = parse_kv_literals(args.network_args, "network_args", args.config_file or "command line")
+        if args.network_dropout:
+            net_args.setdefault("dropout", args.network_dropout)
+        network = LoRANetwork(base, self.family.name, args.network_dim, args.network_alpha, network_args=net_args)
+        network.apply()
+        return network.to(self.device)
+
+    def _make_network(self) -> LoRANetwork:
+        network = self._make_network_for(self.base)
+        if self.args.network_weights:
+            network.load_weights(self.args.network_weights)
+        return network
+
+    def _compile_blocks(self):
+        for name in ("double_blocks", "single_blocks", "transformer_blocks"):
+            for i, block in enumerate(getattr(self.base, name, [])):
+                getattr(self.base, name)[i] = torch.compile(block)
+
+    # -- what the loop uses --------------------------------------------------------------------
+    def param_groups(self, lr: float) -> list[dict]:
+        return self.network.param_groups(lr)
+
+    def dataloader(self):
+        return torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=self.sampler, collate_fn=collate_batch,
+            num_workers=self.args.max_data_loader_n_workers, pin_memory=self.device.type == "cuda",
+        )
+
+    def batch_inputs(self, batch: dict, step: int) -> tuple:
+        """(latents, text, one generator per sample seeded from the sample's file and the step)."""
+        latents = batch["latents"].to(self.device)
+        text = {k: v.to(self.device) for k, v in batch["text"].items()}
+        seen: dict[str, int] = {}  # a repeated image in one batch still gets its own draw
+        keys = []
+        for path in batch["image_paths"]:
+            seen[path] = seen.get(path, -1) + 1
+            keys.append(f"{path}#{seen[path]}")
+        gens = [torch.Generator().manual_seed(sample_seed(self.args.seed, step, k)) for k in keys]
+        return latents, text, gens
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return self.network.trainable_parameters()
+
+    def trainable_tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.network.state_dict().items()}
+
+    def load_trainable_tensors(self, tensors: dict[str, torch.Tensor]):
+        self.network.load_state_dict(tensors)
+
+    def set_epoch(self, epoch: int):
+        self.sampler.set_epoch(epoch)
+
+    def step_extras(self) -> dict:
+        return {}
+
+    def after_step(self, step: int, output_dir: str):
+        pass
+
+    def save(self, path: str, metadata: dict, dtype: torch.dtype):
+        self.network.save(path, dtype=dtype, metadata=metadata)
+
+    def finish(self, output_dir: str):
+        """End of training: the LR/loss plot and the final samples."""
+        from tools.plot_lr import main as plot_lr
+
+        log = os.path.join(output_dir, f"{self.args.output_name}_log.csv")
+        if self.accelerator.is_main_process and os.path.exists(log):
+            plot_lr([log, "--out", os.path.join(output_dir, f"{self.args.output_name}_lr.png")])
+        if self.prompts:
+            self.render_samples(output_dir, "final")
+
+    # -- metadata ------------------------------------------------------------------------------
+    def base_model_version(self) -> str:
+        if self.family.name == "flux":
+            return "flux1-dev" if self.base.guidance_in is not None else "flux1-schnell"
+        return "qwen-image"
+
+    def base_precision(self) -> str:
+        return base_precision(self.args)
+
+    def resolution(self) -> str:
+        return ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in self.blueprint.datasets)
+
+    def total_batch_size(self) -> int:
+        return self.blueprint.datasets[0].batch_size * self.accelerator.num_processes * self.args.gradient_accumulation_steps
+
+    def timestep_sampling(self) -> str:
+        from library.flow_matching import DEFAULTS
+
+        return self.args.timestep_sampling or DEFAULTS[self.family.name]["timestep_sampling"]
+
+    def dataset_summary(self) -> list[dict]:
+        return [
+            {"resolution": list(d.resolution), "batch_size": d.batch_size, "buckets": d.enable_bucket,
+             "subsets": [{"image_dir": os.path.basename(os.path.normpath(s.image_dir)), "num_repeats": s.num_repeats,
+                          "images": sum(1 for it in self.dataset.items if it.subset is s)} for s in d.subsets]}
+            for d in self.blueprint.datasets
+        ]
+
+    # -- samples -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def render_samples(self, out_dir: str, tag: str) -> list[str]:
+        """One PNG per prompt: the training base (bf16 or the fp8 base the user deploys) and,
+        on an fp8 base with sample_bf16_reference, the bf16 base beside it."""
+        if not self.prompts:
+            return []
+        from library.images import save_side_by_side
+
+        bases = [(base_precision(self.args), self.base)]
+        if self.args.fp8_base and self.args.sample_bf16_reference:
+            # The same LoRA on a bf16 copy of the base, streamed from disk for this render only.
+            reference = self.family.load_transformer(self.compute_dtype, "bf16").to(self.device).eval()
+            reference_net = self._make_network_for(reference)
+            reference_net.load_weights(self.network.state_dict())
+            bases = [("bf16", reference)] + bases
+        vae = self.family.load_vae(torch.float32)
+        vae.vae.to(self.device)
+        written = []
+        for i, (prompt, (text, negative)) in enumerate(zip(self.prompts, self.prompt_texts)):
+            images = []
+            for label, model in bases:
+                latents = self.family.sample_latents(
+                    model, {k: v.to(self.device) for k, v in text.items()}, prompt.width, prompt.height, prompt.steps,
+                    prompt.seed if prompt.seed is not None else self.args.seed, prompt.guidance,
+                    {k: v.to(self.device) for k, v in negative.items()} if negative else None,
+                )
+                images.append((label, vae.decode(latents)[0]))
+            path = os.path.join(out_dir, f"{self.args.output_name}_{tag}_{i:02d}.png")
+            save_side_by_side(images, path, prompt.prompt)
+            written.append(path)
+        return written

@@ -1,0 +1,39 @@
+"""Writing sample images: tensors in [-1, 1] -> PNG, side by side with labels, settings in the
+PNG's text chunks, written atomically."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, PngImagePlugin
+
+from library.io import atomic_path
+
+
+def to_pil(image: torch.Tensor) -> Image.Image:
+    """[3, H, W] float in [-1, 1] -> RGB PIL image."""
+    array = ((image.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return Image.fromarray(np.ascontiguousarray(array.permute(1, 2, 0).numpy()))
+
+
+def save_png(image: Image.Image, path: str, info: dict[str, str] | None = None):
+    meta = PngImagePlugin.PngInfo()
+    for key, value in (info or {}).items():
+        meta.add_text(key, str(value))
+    with atomic_path(path) as tmp:
+        image.save(tmp, format="PNG", pnginfo=meta)
+
+
+def save_side_by_side(images: list[tuple[str, torch.Tensor]], path: str, prompt: str, info: dict | None = None):
+    """Panels left to right, each labelled (e.g. 'bf16', 'fp8_scaled') in a strip above it."""
+    panels = [to_pil(t) for _, t in images]
+    strip = 14
+    w, h = sum(p.width for p in panels), max(p.height for p in panels) + strip
+    canvas = Image.new("RGB", (w, h), "white")
+    draw = ImageDraw.Draw(canvas)
+    x = 0
+    for (label, _), panel in zip(images, panels):
+        canvas.paste(panel, (x, strip))
+        draw.text((x + 2, 1), label, fill="black")
+        x += panel.width
+    save_png(canvas, path, {"prompt": prompt, "panels": ",".join(l for l, _ in images), **(info or {})})

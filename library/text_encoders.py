@@ -1,0 +1,241 @@
+"""Text encoders: CLIP-L + T5-XXL for FLUX.1, and the Qwen2.5-VL language model for Qwen-Image.
+
+All encoders return float32 tensors whatever dtype their weights run in; they never train here, so
+their forwards run under no_grad.
+
+FLUX.1 (as diffusers' FluxPipeline): CLIP-L pooled output (`pooler_output`, 77 tokens padded to
+max_length) -> [B, 768]; T5-XXL last hidden state, prompts padded to max_length (512 for dev, 256 for
+schnell) and run without an attention mask -> [B, L, 4096].
+
+Qwen-Image (as diffusers' QwenImagePipeline._get_qwen_prompt_embeds): the prompt goes into a chat
+template with a fixed system prompt, the language model's last hidden state (after the final norm,
+what transformers returns as hidden_states[-1]) is taken, the template's leading 34 tokens are
+dropped and the rest is padded to the longest prompt with a boolean mask -> ([B, T, 3584], [B, T]).
+
+Loaders read safetensors only (library/io), into models built on `meta`: HF folders (or the
+diffusers FLUX repo with text_encoder/ and text_encoder_2/), and the single files users have
+(`clip_l.safetensors`, `t5xxl_fp16.safetensors`). A single file takes its config from `config`, a
+config.json beside it, or the built-in full-size config; its tokenizer from a folder path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+from library.io import CheckpointError, CheckpointReader, load_streaming
+
+# ----------------------------------------------------------------------------------------------
+# Built-in configs of the released encoders (openai/clip-vit-large-patch14 text tower, google/t5-v1_1-xxl)
+
+CLIP_L_CONFIG = {
+    "vocab_size": 49408,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "projection_dim": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "max_position_embeddings": 77,
+    "hidden_act": "quick_gelu",
+    "layer_norm_eps": 1e-5,
+    "bos_token_id": 0,
+    "eos_token_id": 2,  # legacy value of the released config: pooling takes the argmax token (EOT)
+    "pad_token_id": 1,
+}
+
+T5_XXL_CONFIG = {
+    "vocab_size": 32128,
+    "d_model": 4096,
+    "d_kv": 64,
+    "d_ff": 10240,
+    "num_layers": 24,
+    "num_heads": 64,
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+    "layer_norm_epsilon": 1e-6,
+    "feed_forward_proj": "gated-gelu",
+    "dense_act_fn": "gelu_new",
+    "is_gated_act": True,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+}
+
+CLIP_MAX_LENGTH = 77
+T5_MAX_LENGTH = {"dev": 512, "schnell": 256}
+
+# ----------------------------------------------------------------------------------------------
+# Loading HF text encoders from folders or single files
+
+
+def _read_config(path: str, config: dict | str | None, default: dict) -> dict:
+    """config argument (dict or config.json path) > config.json in/beside `path` > built-in."""
+    if isinstance(config, dict):
+        return config
+    if config is None:
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        config = os.path.join(folder, "config.json")
+        if not os.path.isfile(config):
+            if os.path.isdir(path):
+                raise CheckpointError(f"{path}: text encoder folder has no config.json")
+            return default
+    with open(config) as f:
+        return json.load(f)
+
+
+def _load_tokenizer(weights_path: str, tokenizer: str | None, sibling: str):
+    """The tokenizer: `tokenizer` path if given, else the weights folder itself when it holds one,
+    else `sibling` next to it (diffusers repo layout: text_encoder/ + tokenizer/)."""
+    if tokenizer is None:
+        folder = weights_path if os.path.isdir(weights_path) else os.path.dirname(weights_path)
+        candidates = [folder, os.path.join(os.path.dirname(folder.rstrip("/")), sibling)]
+        found = [c for c in candidates if os.path.isfile(os.path.join(c, "tokenizer_config.json"))]
+        if not found:
+            raise CheckpointError(f"{weights_path}: no tokenizer found in {candidates}; pass tokenizer=<folder>")
+        tokenizer = found[0]
+    return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+
+
+def _subfolder(path: str, name: str) -> str:
+    return os.path.join(path, name) if os.path.isdir(os.path.join(path, name)) else path
+
+
+def _clip_key(key: str) -> str | None:
+    """clip_l.safetensors / HF `text_model.*` keys -> CLIPTextModel keys (transformers 5 has no
+    `text_model.` level); the projection, logit scale and position_ids buffer are not part of it."""
+    if key in ("text_projection.weight", "logit_scale") or key.endswith("position_ids"):
+        return None
+    return key.removeprefix("text_model.")
+
+
+def _t5_key(key: str) -> str | None:
+    # encoder.embed_tokens is tied to `shared`; it is filled from `shared.weight` (see _tie_t5).
+    return None if key == "encoder.embed_tokens.weight" else key
+
+
+def _tie_t5(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    if name == "shared.weight":
+        return {name: tensor, "encoder.embed_tokens.weight": tensor}
+    return {name: tensor}
+
+
+class CLIPTextEncoder:
+    """CLIP-L text tower + tokenizer. encode(prompts) -> pooled output [B, 768] float32."""
+
+    def __init__(self, model: CLIPTextModel, tokenizer, max_length: int = CLIP_MAX_LENGTH):
+        self.model, self.tokenizer, self.max_length = model.eval().requires_grad_(False), tokenizer, max_length
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        ids = self.tokenizer(
+            prompts, padding="max_length", max_length=self.max_length, truncation=True, return_tensors="pt"
+        ).input_ids
+        return self.model(ids.to(self.model.device)).pooler_output.float()
+
+
+class T5TextEncoder:
+    """T5 encoder + tokenizer. encode(prompts, max_length) -> last hidden state [B, max_length, D]
+    float32; prompts padded to max_length and run without a mask, as FluxPipeline does."""
+
+    def __init__(self, model: T5EncoderModel, tokenizer):
+        self.model, self.tokenizer = model.eval().requires_grad_(False), tokenizer
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str], max_length: int) -> torch.Tensor:
+        ids = self.tokenizer(
+            prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
+        ).input_ids
+        return self.model(ids.to(self.model.device)).last_hidden_state.float()
+
+
+def load_clip_l(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None) -> CLIPTextEncoder:
+    """CLIP-L from an HF folder, a diffusers FLUX repo (text_encoder/, tokenizer/) or clip_l.safetensors."""
+    path = _subfolder(path, "text_encoder")
+    cfg = CLIPTextConfig(**_read_config(path, config, CLIP_L_CONFIG))
+    with init_empty_weights():  # parameters on meta; the position_ids buffer stays real
+        model = CLIPTextModel(cfg)
+    load_streaming(model, CheckpointReader(path), _clip_key, dtype=dtype)
+    return CLIPTextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer"))
+
+
+def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None) -> T5TextEncoder:
+    """T5 encoder from an HF folder, a diffusers FLUX repo (text_encoder_2/, tokenizer_2/) or
+    t5xxl_*.safetensors. In float16 the feed-forward output projections (`wo`) stay float32, as
+    transformers keeps them (T5 activations overflow fp16 there)."""
+    path = _subfolder(path, "text_encoder_2")
+    cfg = T5Config(**_read_config(path, config, T5_XXL_CONFIG))
+    with init_empty_weights():
+        model = T5EncoderModel(cfg)
+    keep_fp32 = (lambda name: ".wo." in name) if dtype == torch.float16 else (lambda name: False)
+    load_streaming(model, CheckpointReader(path), _t5_key, dtype=dtype, convert=_tie_t5, keep_dtype=keep_fp32)
+    return T5TextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer_2"))
+
+
+def encode_flux_prompts(
+    prompts: list[str], clip: CLIPTextEncoder, t5: T5TextEncoder, max_length: int = T5_MAX_LENGTH["dev"]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t5 hidden [B, max_length, 4096] float32, clip pooled [B, 768] float32) for FLUX.1."""
+    return t5.encode(prompts, max_length), clip.encode(prompts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen-Image: Qwen2.5-VL language model on our LLM core
+
+# Copied verbatim from diffusers' QwenImagePipeline (prompt_template_encode / _start_idx).
+QWEN_IMAGE_PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+QWEN_IMAGE_DROP_TOKENS = 34  # the template's system part + "<|im_start|>user\n"
+QWEN_IMAGE_MAX_TOKENS = 1024  # the pipeline's tokenizer_max_length (prompt tokens after the drop)
+
+
+class QwenImageTextEncoder:
+    """encode(prompts) -> (embeds [B, T, D] float32, mask [B, T] bool), T = longest prompt's
+    token count after dropping the template's 34 leading tokens; padded rows are zeros."""
+
+    def __init__(self, llm, tokenizer):
+        self.llm, self.tokenizer = llm.eval().requires_grad_(False), tokenizer
+        # Right padding: with a causal model the valid tokens then never see padding.
+        self.tokenizer.padding_side = "right"
+        prefix = QWEN_IMAGE_PROMPT_TEMPLATE.split("{}")[0]
+        n = len(tokenizer(prefix).input_ids)
+        if n != QWEN_IMAGE_DROP_TOKENS:
+            raise ValueError(
+                f"QwenImageTextEncoder: the tokenizer splits the template prefix into {n} tokens, "
+                f"expected {QWEN_IMAGE_DROP_TOKENS} (the Qwen2.5-VL tokenizer)"
+            )
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        texts = [QWEN_IMAGE_PROMPT_TEMPLATE.format(p) for p in prompts]
+        max_length = QWEN_IMAGE_MAX_TOKENS + QWEN_IMAGE_DROP_TOKENS
+        tokens = self.tokenizer(texts, max_length=max_length, padding=True, truncation=True, return_tensors="pt")
+        device = self.llm.model.embed_tokens.weight.device
+        valid = tokens.attention_mask.bool()  # [B, L]
+        hidden = self.llm.hidden_states(tokens.input_ids.to(device), valid.to(device)).float()  # [B, L, D] float32
+        kept = [h[m.to(device)][QWEN_IMAGE_DROP_TOKENS:] for h, m in zip(hidden, valid)]
+        length = max(k.shape[0] for k in kept)
+        embeds = hidden.new_zeros(len(kept), length, hidden.shape[-1])
+        mask = torch.zeros(len(kept), length, dtype=torch.bool, device=device)
+        for i, k in enumerate(kept):
+            embeds[i, : k.shape[0]] = k
+            mask[i, : k.shape[0]] = True
+        return embeds, mask
+
+
+def load_qwen_image_text_encoder(
+    path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None
+) -> QwenImageTextEncoder:
+    """Qwen-Image text encoder from a Qwen-Image repo (text_encoder/ + tokenizer/), an HF folder
+    or a single file (e.g. ComfyUI's qwen_2.5_vl_7b.safetensors; vision keys are skipped)."""
+    from library.llm import QWEN2_5_7B, load_llm  # the LLM core is also this text encoder
+
+    path = _subfolder(path, "text_encoder")
+    if config is None and os.path.isfile(path) and not os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
+        config = QWEN2_5_7B
+    return QwenImageTextEncoder(load_llm(path, config=config, dtype=dtype), _load_tokenizer(path, tokenizer, "tokenizer"))

@@ -1,0 +1,86 @@
+"""Training state for resume: everything needed to continue a run bit-for-bit.
+
+A state folder holds trainable.safetensors (the trained tensors), optimizer.pt (loaded back with
+`torch.load(weights_only=True)`: tensors and numbers only), rng.safetensors (torch/CUDA RNG
+states as uint8 tensors) and train_state.json (step, epoch, batches done in the epoch, scheduler
+state, and a digest of the settings that must not change across a resume). The folder is
+written under a temporary name and renamed, so a crash never leaves a half state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file
+
+from library.io import save_safetensors
+
+# Settings a resumed run must share with the run that wrote the state.
+RUN_IDENTITY = (
+    "model_type", "network_module", "network_dim", "network_alpha", "network_args", "optimizer_type",
+    "optimizer_args", "learning_rate", "lr_scheduler", "gradient_accumulation_steps", "fp8_base", "fp8_scaled",
+    "mixed_precision", "seed", "pretrain", "max_train_steps",
+)
+
+
+def run_digest(args) -> dict:
+    identity = {k: getattr(args, k) for k in RUN_IDENTITY}
+    identity["base_model"] = os.path.basename(os.path.normpath(args.pretrained_model_name_or_path or ""))
+    return identity
+
+
+def save_state(folder: str, trainable: dict[str, torch.Tensor], optimizer, scheduler, progress: dict, args):
+    tmp = folder.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    save_safetensors(trainable, os.path.join(tmp, "trainable.safetensors"))
+    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_safetensors(rng, os.path.join(tmp, "rng.safetensors"))
+    with open(os.path.join(tmp, "train_state.json"), "w") as f:
+        json.dump({**progress, "scheduler": scheduler.state_dict(), "run": run_digest(args)}, f, indent=1, default=str)
+    old = folder.rstrip("/") + ".old"
+    if os.path.exists(folder):
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_state(folder: str, args) -> tuple[dict, dict, dict, dict]:
+    """-> (trainable tensors, optimizer state, progress, rng). Refuses a state written by a run
+    with other settings, naming the first setting that differs."""
+    path = os.path.join(folder, "train_state.json")
+    if not os.path.exists(path):
+        raise ValueError(f"{folder}: not a training state (no train_state.json)")
+    with open(path) as f:
+        progress = json.load(f)
+    saved, current = progress.pop("run"), json.loads(json.dumps(run_digest(args), default=str))
+    for key in current:
+        if saved.get(key) != current[key]:
+            raise ValueError(
+                f"{folder}: state was written with {key} = {saved.get(key)!r}, this run has {current[key]!r}; "
+                f"resume needs the same settings"
+            )
+    trainable = load_file(os.path.join(folder, "trainable.safetensors"))
+    optimizer = torch.load(os.path.join(folder, "optimizer.pt"), map_location="cpu", weights_only=True)
+    rng = load_file(os.path.join(folder, "rng.safetensors"))
+    return trainable, optimizer, progress, rng
+
+
+def restore_rng(rng: dict):
+    torch.set_rng_state(rng["cpu"])
+    cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda"))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def sample_seed(seed: int, step: int, key: str) -> int:
+    """Noise/sigma seed for one sample at one optimizer step, from what it is (its file) rather
+    than where it lands: the same sample gets the same noise on 1 or N processes, and on resume."""
+    return int.from_bytes(hashlib.sha256(f"{seed}|{step}|{key}".encode()).digest()[:8], "little") >> 1

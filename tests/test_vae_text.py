@@ -1,0 +1,229 @@
+"""VAEs (latent packing, normalisation, single-file loading) and text encoders (CLIP-L/T5 for FLUX,
+the Qwen2.5-VL-style encoder for Qwen-Image), checked against diffusers/transformers on tiny models."""
+
+import os
+import shutil
+
+import pytest
+import torch
+from diffusers import AutoencoderKL, AutoencoderKLQwenImage
+from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+
+from library.io import CheckpointError
+from library.text_encoders import (
+    QWEN_IMAGE_DROP_TOKENS,
+    QWEN_IMAGE_PROMPT_TEMPLATE,
+    QwenImageTextEncoder,
+    encode_flux_prompts,
+    load_clip_l,
+    load_qwen_image_text_encoder,
+    load_t5,
+)
+from library.vae import FLUX_VAE_CONFIG, FluxVAE, QwenImageVAE, load_flux_vae, pack_latents, unpack_latents
+from tools import make_tiny_models as tiny
+
+PROMPTS = ["a cat", "a photo of a dog with a blue ball in the grass, oil on canvas"]
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory):
+    """Tiny CLIP/T5/Qwen text-encoder folders written by the tiny-model tool (no FLUX/Qwen DiT)."""
+    out = str(tmp_path_factory.mktemp("enc"))
+    paths = {**tiny.write_clip(out, 0), **tiny.write_t5(out, 0), **tiny.write_qwen_text_encoder(out, 0)}
+    paths["out"] = out
+    return paths
+
+
+def _tiny_flux_vae():
+    config = {**FLUX_VAE_CONFIG, "block_out_channels": [8, 16, 16, 16], "norm_num_groups": 4, "layers_per_block": 1}
+    return AutoencoderKL(**config).eval(), config
+
+
+def _images(batch=2, size=32):
+    return torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(1)) * 2 - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Packing
+
+
+def test_pack_unpack_match_diffusers_flux_and_qwen_pipelines():
+    z = torch.randn(2, 16, 6, 8)
+    packed = pack_latents(z)
+    assert packed.shape == (2, 12, 64)
+    assert torch.equal(packed, FluxPipeline._pack_latents(z, 2, 16, 6, 8))
+    assert torch.equal(packed, QwenImagePipeline._pack_latents(z, 2, 16, 6, 8))
+    # diffusers unpacks from the pixel size (48 x 64 at VAE factor 8) to the same latent grid.
+    assert torch.equal(unpack_latents(packed, 6, 8), FluxPipeline._unpack_latents(packed, 48, 64, 8))
+    assert torch.equal(unpack_latents(packed, 6, 8), z)
+
+
+def test_pack_latents_rejects_odd_latent_size():
+    with pytest.raises(ValueError, match="even"):
+        pack_latents(torch.zeros(1, 16, 5, 8))
+    with pytest.raises(ValueError, match="do not fit"):
+        unpack_latents(torch.zeros(1, 12, 64), 4, 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# FLUX VAE
+
+
+def test_flux_vae_latents_are_shifted_and_scaled_mode():
+    vae, config = _tiny_flux_vae()
+    wrapper, x = FluxVAE(vae), _images()
+    latents = wrapper.encode(x)
+    with torch.no_grad():
+        dist = vae.encode(x).latent_dist
+        expected = (dist.mode() - 0.1159) * 0.3611
+        decoded = vae.decode(latents / 0.3611 + 0.1159).sample.clamp(-1, 1)
+    assert latents.dtype == torch.float32 and latents.shape == (2, 16, 4, 4)
+    assert (latents - expected).abs().max().item() <= 1e-6
+    assert (wrapper.decode(latents) - decoded).abs().max().item() <= 1e-6
+    # With a generator the latents are a sample of the posterior (as BFL/sd-scripts encode).
+    sampled = wrapper.encode(x, generator=torch.Generator().manual_seed(3))
+    manual = (dist.sample(torch.Generator().manual_seed(3)) - 0.1159) * 0.3611
+    assert (sampled - manual).abs().max().item() <= 1e-6
+    assert (sampled - latents).abs().max().item() > 1e-3
+
+
+def test_flux_vae_bfl_single_file_loads_like_diffusers_folder(tmp_path):
+    paths = tiny.write_flux_vae(str(tmp_path), 0)
+    folder, single = load_flux_vae(paths["flux_vae"]), load_flux_vae(paths["flux_vae_single"])
+    a, b = folder.vae.state_dict(), single.vae.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x = _images()
+    assert torch.equal(folder.encode(x), single.encode(x))
+    # The reference loader agrees: diffusers reads the folder to the same weights.
+    ref = AutoencoderKL.from_pretrained(paths["flux_vae"]).state_dict()
+    assert all(torch.equal(ref[k], a[k]) for k in ref)
+
+
+def test_flux_vae_single_file_without_config_uses_released_config(tmp_path):
+    paths = tiny.write_flux_vae(str(tmp_path), 0)
+    bare = tmp_path / "bare" / "ae.safetensors"
+    os.makedirs(bare.parent)
+    from library.io import CheckpointReader, save_safetensors
+
+    reader = CheckpointReader(paths["flux_vae_single"])
+    save_safetensors(dict(reader.items()), str(bare))  # no metadata: the full-size FLUX config applies
+    with pytest.raises(CheckpointError, match="ae.safetensors"):
+        load_flux_vae(str(bare))
+
+
+def test_flux_vae_bf16_returns_float32_latents_close_to_fp32():
+    vae, _ = _tiny_flux_vae()
+    x = _images()
+    fp32 = FluxVAE(vae).encode(x)
+    bf16 = FluxVAE(vae, dtype=torch.bfloat16).encode(x)
+    assert bf16.dtype == torch.float32
+    assert (bf16 - fp32).abs().max().item() < 0.05
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen-Image VAE
+
+
+def test_qwen_vae_latents_are_normalised_per_channel():
+    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=16).eval()
+    wrapper, x = QwenImageVAE(vae), _images(size=16)  # 3-D convs: keep the image small
+    latents = wrapper.encode(x)
+    mean = torch.tensor(vae.config.latents_mean).view(1, 16, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, 16, 1, 1, 1)
+    with torch.no_grad():
+        z = vae.encode(x[:, :, None]).latent_dist.mode()  # [B, 16, 1, h, w]
+        expected = ((z - mean) / std)[:, :, 0]
+        decoded = vae.decode(latents[:, :, None] * std + mean).sample[:, :, 0]
+    assert latents.shape == (2, 16, 2, 2) and latents.dtype == torch.float32
+    assert (latents - expected).abs().max().item() <= 1e-5
+    assert (wrapper.decode(latents) - decoded).abs().max().item() <= 1e-6
+    assert (wrapper.decode(latents[:, :, None]) - decoded).abs().max().item() <= 1e-6  # 5-D accepted
+
+
+# ----------------------------------------------------------------------------------------------
+# FLUX text encoders
+
+
+def test_clip_and_t5_match_transformers_and_pad_to_variant_length(encoders):
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    clip, t5 = load_clip_l(encoders["clip_l"]), load_t5(encoders["t5xxl"])
+    for variant, length in (("dev", 512), ("schnell", 256)):
+        hidden, pooled = encode_flux_prompts(PROMPTS, clip, t5, length)
+        assert hidden.shape == (2, length, 32) and pooled.shape == (2, 32), variant
+        assert hidden.dtype == pooled.dtype == torch.float32
+    ref_clip = CLIPTextModel.from_pretrained(encoders["clip_l"]).eval()
+    ref_t5 = T5EncoderModel.from_pretrained(encoders["t5xxl"]).eval()
+    clip_ids = clip.tokenizer(PROMPTS, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
+    t5_ids = t5.tokenizer(PROMPTS, padding="max_length", max_length=256, truncation=True, return_tensors="pt").input_ids
+    assert clip_ids.shape == (2, 77) and (t5_ids[0] == 0).sum() > 200  # padded with <pad> = 0
+    with torch.no_grad():
+        assert (ref_clip(clip_ids).pooler_output - pooled).abs().max().item() <= 1e-6
+        assert (ref_t5(t5_ids).last_hidden_state - hidden).abs().max().item() <= 1e-6
+
+
+def test_clip_and_t5_single_files_load_like_folders(encoders, tmp_path):
+    clip, t5 = load_clip_l(encoders["clip_l"]), load_t5(encoders["t5xxl"])
+    for name in ("clip_l", "t5xxl"):
+        shutil.copy(os.path.join(encoders[name], "model.safetensors"), tmp_path / f"{name}.safetensors")
+    clip_file = load_clip_l(str(tmp_path / "clip_l.safetensors"), tokenizer=encoders["clip_l"],
+                            config=os.path.join(encoders["clip_l"], "config.json"))
+    t5_file = load_t5(str(tmp_path / "t5xxl.safetensors"), tokenizer=encoders["t5xxl"],
+                      config=os.path.join(encoders["t5xxl"], "config.json"))
+    assert torch.equal(clip.encode(PROMPTS), clip_file.encode(PROMPTS))
+    assert torch.equal(t5.encode(PROMPTS, 64), t5_file.encode(PROMPTS, 64))
+    # Without a config a single file is the released CLIP-L: the tiny one is refused by key and shape.
+    with pytest.raises(CheckpointError, match="clip_l.safetensors.*shape"):
+        load_clip_l(str(tmp_path / "clip_l.safetensors"), tokenizer=encoders["clip_l"])
+
+
+def test_t5_in_float16_keeps_feed_forward_output_in_float32(encoders):
+    t5 = load_t5(encoders["t5xxl"], dtype=torch.float16)
+    ff = t5.model.encoder.block[0].layer[1].DenseReluDense
+    assert ff.wo.weight.dtype == torch.float32 and ff.wi_0.weight.dtype == torch.float16
+    assert t5.model.shared.weight.dtype == torch.float16
+    assert torch.equal(t5.model.shared.weight, t5.model.encoder.embed_tokens.weight)
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen-Image text encoder
+
+
+def _diffusers_qwen_pipeline(encoders):
+    """diffusers' QwenImagePipeline holding only its tokenizer and, as text encoder, transformers'
+    Qwen2 model with our tiny weights (Qwen2.5-VL's language model is Qwen2 for text-only input)."""
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(encoders["qwen_image_tokenizer"])
+    text_encoder = Qwen2ForCausalLM.from_pretrained(encoders["qwen_image_text_encoder"]).model.eval()
+    return QwenImagePipeline(scheduler=None, vae=None, text_encoder=text_encoder, tokenizer=tokenizer, transformer=None)
+
+
+def test_qwen_text_encoder_matches_diffusers_prompt_embeds(encoders):
+    ours = load_qwen_image_text_encoder(encoders["qwen_image_text_encoder"])
+    embeds, mask = ours.encode(PROMPTS)
+    with torch.no_grad():
+        pipe = _diffusers_qwen_pipeline(encoders)
+        ref, ref_mask = pipe._get_qwen_prompt_embeds(PROMPTS, torch.device("cpu"), torch.float32)
+    assert embeds.shape == ref.shape and embeds.shape[-1] == 32 and embeds.dtype == torch.float32
+    assert torch.equal(mask, ref_mask.bool())
+    assert mask[0].sum() < mask[1].sum()  # the short prompt is padded
+    assert (embeds - ref).abs().max().item() <= 1e-5
+    # Padding never leaks into the valid tokens: the short prompt alone gives the same rows.
+    alone, alone_mask = ours.encode(PROMPTS[:1])
+    n = int(alone_mask.sum())
+    assert (alone[0, :n] - embeds[0, :n]).abs().max().item() <= 1e-5
+    assert embeds[0, n:].abs().max().item() == 0.0
+
+
+def test_qwen_template_and_drop_count_are_diffusers(encoders):
+    pipe = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=None)
+    assert QWEN_IMAGE_PROMPT_TEMPLATE == pipe.prompt_template_encode
+    assert QWEN_IMAGE_DROP_TOKENS == pipe.prompt_template_encode_start_idx == 34
+    # A tokenizer that splits the template prefix into another count is refused, not silently misused.
+    from transformers import AutoTokenizer
+
+    llm = load_qwen_image_text_encoder(encoders["qwen_image_text_encoder"]).llm
+    with pytest.raises(ValueError, match="expected 34"):
+        QwenImageTextEncoder(llm, AutoTokenizer.from_pretrained(encoders["clip_l"]))

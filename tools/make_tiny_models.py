@@ -1,0 +1,341 @@
+"""Write a tiny, random, but real-format model set: every file is laid out as users have the real
+ones, with the real architectures at toy sizes, so the loaders, converters and the whole training
+path can be exercised on a CPU in seconds.
+
+    python tools/make_tiny_models.py --out DIR [--seed 0]
+
+DIR/
+  flux/flux1-tiny.safetensors          BFL single file (FLUX.1-dev layout, with guidance_in)
+  flux/diffusers/transformer/          the same weights as a diffusers transformer folder
+  flux/ae/                             AutoencoderKL diffusers folder (16 latent channels, FLUX shift/scale)
+  flux/ae.safetensors                  the same VAE in BFL's single-file `ae.safetensors` layout
+  flux/clip_l/  flux/t5xxl/            CLIPTextModel / T5EncoderModel HF folders with tokenizers
+  qwen_image/transformer/              diffusers QwenImageTransformer2DModel folder
+  qwen_image/vae/                      AutoencoderKLQwenImage diffusers folder
+  qwen_image/text_encoder/             Qwen2-style LM (HF Qwen2 names and config)
+  qwen_image/tokenizer/                its tokenizer (chat-template special tokens; the Qwen-Image
+                                       template prefix is exactly 34 tokens, as with Qwen2.5-VL's)
+  llm/                                 Qwen2-style causal LM + tokenizer
+  manifest.json                        what was written, with sizes and dims
+
+Dimensions are consistent across the set: T5 d_model == FLUX context_in_dim, CLIP hidden ==
+FLUX vec_in_dim, 16 latent channels (64 packed), LM hidden == Qwen-Image joint_attention_dim.
+Everything is deterministic from --seed (each component seeds its own generator). Weights are
+float32 so that parity tests can compare at 1e-5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `library` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library.io import save_safetensors, write_text  # noqa: E402
+
+# ----------------------------------------------------------------------------------------------
+# Sizes
+
+TINY = {
+    "t5_d_model": 32,  # == FLUX context_in_dim
+    "clip_hidden": 32,  # == FLUX vec_in_dim
+    "lm_hidden": 32,  # == Qwen-Image joint_attention_dim
+    "dit_hidden": 64,  # 2 heads x 32, RoPE axes (8, 12, 12)
+    "dit_heads": 2,
+    "axes": (8, 12, 12),
+    "latent_channels": 16,
+}
+
+# A small corpus: the tokenizers learn whole words for the Qwen-Image template and some captions.
+CORPUS = [
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+    "a photo of a cat sitting on a red chair",
+    "a painting of a house by the sea at sunset, oil on canvas",
+    "a close up photo of a dog with a blue ball in the grass",
+    "an illustration of a city street at night with neon signs",
+    "The quick brown fox jumps over the lazy dog. 0123456789",
+]
+# The Qwen2 pre-tokenizer pattern (tokenizer.json of Qwen2/Qwen2.5).
+QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers (trained here with the `tokenizers` library; saved as tokenizer.json + tokenizer_config.json)
+
+
+def _bpe(vocab_size: int, pre_tokenizer, decoder, normalizer=None, specials=(), unk=None):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=unk))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizer, decoder
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    corpus = [CORPUS[0].format(c) for c in CORPUS[1:]] * 4 + CORPUS[1:]
+    # Byte-level: all 256 bytes, never an unknown token. Otherwise (T5-like) the corpus characters.
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if unk is None else sorted(set("".join(corpus)) | {"▁"})
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=alphabet, special_tokens=list(specials), show_progress=False
+    )
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+def _fast(tok, **special):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **special)
+
+
+def build_clip_tokenizer():
+    """CLIP-style: lowercased byte-level BPE, <|startoftext|> ... <|endoftext|>, padded with
+    <|endoftext|> (the highest id, as in CLIP), 77 tokens."""
+    from tokenizers import decoders, normalizers, pre_tokenizers, processors
+
+    tok = _bpe(320, pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(), normalizers.Lowercase())
+    tok.add_special_tokens(["<|startoftext|>", "<|endoftext|>"])
+    bos, eos = tok.token_to_id("<|startoftext|>"), tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A <|endoftext|>", special_tokens=[("<|startoftext|>", bos), ("<|endoftext|>", eos)]
+    )
+    return _fast(tok, bos_token="<|startoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                 unk_token="<|endoftext|>", model_max_length=77)
+
+
+def build_t5_tokenizer():
+    """T5-style: sentencepiece-like (Metaspace) BPE, <pad>=0, </s>=1, <unk>=2, '</s>' appended."""
+    from tokenizers import decoders, pre_tokenizers, processors
+
+    tok = _bpe(320, pre_tokenizers.Metaspace(), decoders.Metaspace(), specials=("<pad>", "</s>", "<unk>"), unk="<unk>")
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return _fast(tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", model_max_length=512)
+
+
+def build_qwen_tokenizer():
+    """Qwen2-style: byte-level BPE with the Qwen2 split pattern, no BOS/EOS added, ChatML special
+    tokens <|endoftext|> (pad), <|im_start|>, <|im_end|> after the learned vocabulary."""
+    from tokenizers import Regex, decoders, pre_tokenizers
+
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok = _bpe(448, pre, decoders.ByteLevel())
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    return _fast(tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=32768)
+
+
+def save_tokenizer(tokenizer, folder: str):
+    """tokenizer.json + tokenizer_config.json, loadable offline by AutoTokenizer (transformers 4 and 5)."""
+    os.makedirs(folder, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    config_file = os.path.join(folder, "tokenizer_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # transformers 5 writes its internal name
+    config.pop("backend", None)
+    write_text(config_file, json.dumps(config, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Writers, one per component; each seeds its own generator so the set does not depend on order
+
+
+def _seed(seed: int, offset: int):
+    torch.manual_seed(seed * 1000 + offset)
+
+
+def _write_json(path: str, obj: dict):
+    write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def _round_up(n: int, to: int = 16) -> int:
+    return (n + to - 1) // to * to
+
+
+def write_flux(out: str, seed: int) -> dict[str, str]:
+    from library.flux import Flux, FluxConfig
+    from library.flux_checkpoint import save_flux_bfl, save_flux_diffusers
+
+    _seed(seed, 1)
+    config = FluxConfig(
+        in_channels=4 * TINY["latent_channels"], vec_in_dim=TINY["clip_hidden"], context_in_dim=TINY["t5_d_model"],
+        hidden_size=TINY["dit_hidden"], num_heads=TINY["dit_heads"], depth=2, depth_single=2,
+        axes_dim=TINY["axes"], guidance_embed=True,
+    )
+    model = Flux(config)
+    bfl = os.path.join(out, "flux", "flux1-tiny.safetensors")
+    folder = os.path.join(out, "flux", "diffusers", "transformer")
+    save_flux_bfl(model, bfl, config)
+    save_flux_diffusers(model, config, folder)
+    return {"flux_bfl": bfl, "flux_diffusers": folder}
+
+
+def write_flux_vae(out: str, seed: int) -> dict[str, str]:
+    from diffusers import AutoencoderKL
+
+    from library.vae import FLUX_VAE_CONFIG, flux_vae_to_ldm_state_dict
+
+    _seed(seed, 2)
+    config = {**FLUX_VAE_CONFIG, "block_out_channels": [8, 16, 16, 16], "norm_num_groups": 4,
+              "layers_per_block": 1, "sample_size": 64, "latent_channels": TINY["latent_channels"]}
+    vae = AutoencoderKL(**config)
+    folder = os.path.join(out, "flux", "ae")
+    os.makedirs(folder, exist_ok=True)
+    sd = vae.state_dict()
+    save_safetensors(sd, os.path.join(folder, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    _write_json(os.path.join(folder, "config.json"), {"_class_name": "AutoencoderKL", **config})
+    single = os.path.join(out, "flux", "ae.safetensors")
+    # BFL files carry no config; this one records its toy sizes so that load_flux_vae finds them.
+    save_safetensors(flux_vae_to_ldm_state_dict(sd, len(config["block_out_channels"])), single,
+                     metadata={"diffusers_config": json.dumps(config)})
+    return {"flux_vae": folder, "flux_vae_single": single}
+
+
+def write_clip(out: str, seed: int) -> dict[str, str]:
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    tokenizer = build_clip_tokenizer()
+    _seed(seed, 3)
+    h = TINY["clip_hidden"]
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=h, intermediate_size=2 * h, projection_dim=h, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=77, hidden_act="quick_gelu",
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    model = CLIPTextModel(config)
+    folder = os.path.join(out, "flux", "clip_l")
+    os.makedirs(folder, exist_ok=True)
+    # Key layout of the released files (`text_model.*`), which transformers 5 no longer writes itself.
+    sd = {"text_model." + k: v for k, v in model.state_dict().items() if not k.endswith("position_ids")}
+    save_safetensors(sd, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    _write_json(os.path.join(folder, "config.json"), {"architectures": ["CLIPTextModel"], **config.to_dict()})
+    save_tokenizer(tokenizer, folder)
+    return {"clip_l": folder}
+
+
+def write_t5(out: str, seed: int) -> dict[str, str]:
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = build_t5_tokenizer()
+    _seed(seed, 4)
+    d = TINY["t5_d_model"]
+    config = T5Config(
+        vocab_size=len(tokenizer), d_model=d, d_kv=8, d_ff=2 * d, num_layers=2, num_heads=4,
+        feed_forward_proj="gated-gelu", tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+    )
+    model = T5EncoderModel(config)
+    folder = os.path.join(out, "flux", "t5xxl")
+    os.makedirs(folder, exist_ok=True)
+    sd = {k: v for k, v in model.state_dict().items() if k != "encoder.embed_tokens.weight"}  # tied to shared
+    save_safetensors(sd, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    _write_json(os.path.join(folder, "config.json"), {"architectures": ["T5EncoderModel"], **config.to_dict()})
+    save_tokenizer(tokenizer, folder)
+    return {"t5xxl": folder}
+
+
+def write_qwen_image(out: str, seed: int) -> dict[str, str]:
+    from library.qwen_image import QwenImage, QwenImageConfig, save_qwen_image_diffusers
+
+    _seed(seed, 5)
+    config = QwenImageConfig(
+        in_channels=4 * TINY["latent_channels"], out_channels=TINY["latent_channels"], num_layers=2,
+        attention_head_dim=sum(TINY["axes"]), num_attention_heads=TINY["dit_heads"],
+        joint_attention_dim=TINY["lm_hidden"], axes_dims_rope=TINY["axes"],
+    )
+    folder = os.path.join(out, "qwen_image", "transformer")
+    save_qwen_image_diffusers(QwenImage(config).state_dict(), config, folder)
+    return {"qwen_image": folder}
+
+
+def write_qwen_vae(out: str, seed: int) -> dict[str, str]:
+    from diffusers import AutoencoderKLQwenImage
+
+    _seed(seed, 6)
+    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=TINY["latent_channels"])
+    folder = os.path.join(out, "qwen_image", "vae")
+    os.makedirs(folder, exist_ok=True)
+    config = {k: v for k, v in vae.config.items() if not k.startswith("_")}  # "_use_default_values" is a set
+    save_safetensors(vae.state_dict(), os.path.join(folder, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    _write_json(os.path.join(folder, "config.json"), {"_class_name": "AutoencoderKLQwenImage", **config})
+    return {"qwen_image_vae": folder}
+
+
+def write_lm(folder: str, tokenizer, seed: int, offset: int, tokenizer_folder: str | None = None) -> None:
+    """A Qwen2ForCausalLM (transformers, HF names) sized TINY['lm_hidden'], plus its tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from library.llm import LLMConfig
+
+    _seed(seed, offset)
+    h = TINY["lm_hidden"]
+    config = LLMConfig(vocab_size=_round_up(len(tokenizer)), hidden_size=h, num_layers=2, num_heads=4, num_kv_heads=2,
+                       intermediate_size=2 * h, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       qkv_bias=True, max_position_embeddings=2048)
+    hf = {**config.to_hf(), "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+          "pad_token_id": tokenizer.pad_token_id}
+    model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in hf.items() if k != "architectures"}))
+    os.makedirs(folder, exist_ok=True)
+    save_safetensors(model.state_dict(), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    _write_json(os.path.join(folder, "config.json"), hf)
+    save_tokenizer(tokenizer, tokenizer_folder or folder)
+
+
+def write_qwen_text_encoder(out: str, seed: int) -> dict[str, str]:
+    folder, tok_folder = os.path.join(out, "qwen_image", "text_encoder"), os.path.join(out, "qwen_image", "tokenizer")
+    write_lm(folder, build_qwen_tokenizer(), seed, 7, tok_folder)
+    return {"qwen_image_text_encoder": folder, "qwen_image_tokenizer": tok_folder}
+
+
+def write_llm(out: str, seed: int) -> dict[str, str]:
+    folder = os.path.join(out, "llm")
+    write_lm(folder, build_qwen_tokenizer(), seed, 8)
+    return {"llm": folder}
+
+
+WRITERS = (
+    write_flux, write_flux_vae, write_clip, write_t5, write_qwen_image, write_qwen_vae, write_qwen_text_encoder, write_llm
+)
+
+
+def _size(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, files in os.walk(path) for f in files)
+
+
+def make_tiny_models(out_dir: str, seed: int = 0) -> dict[str, str]:
+    """Write the tiny set under out_dir; returns {component name: path} (also in manifest.json)."""
+    paths: dict[str, str] = {}
+    for writer in WRITERS:
+        paths.update(writer(out_dir, seed))
+    manifest = {
+        "seed": seed,
+        "dims": {k: list(v) if isinstance(v, tuple) else v for k, v in TINY.items()},
+        "paths": {k: os.path.relpath(v, out_dir) for k, v in paths.items()},
+        "bytes": {k: _size(v) for k, v in paths.items()},
+    }
+    _write_json(os.path.join(out_dir, "manifest.json"), manifest)
+    return paths
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    paths = make_tiny_models(args.out, args.seed)
+    for name, path in paths.items():
+        print(f"{name:26s} {_size(path) / 1024:8.1f} KiB  {path}")
+    print(f"{'total':26s} {_size(args.out) / 1024:8.1f} KiB  {os.path.join(args.out, 'manifest.json')}")
+
+
+if __name__ == "__main__":
+    main()
