@@ -12,7 +12,6 @@ non-finite loss stops the run after saving the last good LoRA.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -43,8 +42,11 @@ class Interrupts:
 
     def __init__(self):
         self.requested = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def close(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
         if self.requested is not None:  # a second Ctrl-C: leave now
@@ -134,121 +136,133 @@ def plan_steps(args, batches_per_epoch: int, accelerator) -> int:
     return args.max_train_steps
 
 
-def train(args) -> int:
-    started = time.time()
-    accelerator = make_accelerator(args)
-    torch.manual_seed(args.seed)
-    os.makedirs(args.output_dir, exist_ok=True)
-    task = build_task(args, accelerator)
+class Trainer:
+    """The run's objects and counters; `run()` is the loop."""
 
-    optimizer_kwargs = parse_kv_literals(args.optimizer_args, "optimizer_args", args.config_file or "command line")
-    optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate, optimizer_kwargs)
-    dataloader = task.dataloader()
-    max_steps = plan_steps(args, len(dataloader), accelerator)
-    # The scheduler is stepped by hand once per optimizer step (not prepared by accelerate, which
-    # would step it once per process), so the schedule is the same on 1 or N processes.
-    scheduler = create_scheduler(optimizer, args.lr_scheduler, args.lr_warmup_steps, max_steps,
-                                 args.lr_scheduler_num_cycles, args.lr_scheduler_power)
-    module, optimizer, dataloader = accelerator.prepare(task.module, optimizer, dataloader)
+    def __init__(self, args):
+        self.args, self.started = args, time.time()
+        self.accelerator = accelerator = make_accelerator(args)
+        torch.manual_seed(args.seed)
+        os.makedirs(args.output_dir, exist_ok=True)
+        self.task = task = build_task(args, accelerator)
 
-    step, epoch, batches_done = 0, 0, 0
-    if args.resume:
-        trainable, optimizer_state, progress, rng = load_state(args.resume, args)
-        task.load_trainable_tensors(trainable)
-        optimizer.load_state_dict(optimizer_state)
-        scheduler.load_state_dict(progress["scheduler"])
-        step, epoch, batches_done = progress["step"], progress["epoch"], progress["batches_done"]
+        optimizer_kwargs = parse_kv_literals(args.optimizer_args, "optimizer_args", args.config_file or "command line")
+        optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
+                                     optimizer_kwargs)
+        self.max_steps = plan_steps(args, task.batches_per_epoch(), accelerator)
+        # Stepped by hand once per optimizer step (accelerate would step a prepared scheduler once
+        # per process), so the schedule is the same on 1 or N processes.
+        self.scheduler = create_scheduler(optimizer, args.lr_scheduler, args.lr_warmup_steps, self.max_steps,
+                                          args.lr_scheduler_num_cycles, args.lr_scheduler_power)
+        # Batches are sharded by the task itself (explicit epochs make resume exact), so only the
+        # trainable module (DDP-wrapped on several processes) and the optimizer are prepared.
+        self.module, self.optimizer = accelerator.prepare(task.module, optimizer)
+        self.step, self.epoch, self.batches_done = 0, 0, 0
+        if args.resume:
+            self.resume(args.resume)
+        if args.logging_dir:
+            accelerator.init_trackers(args.log_prefix or args.output_name, config={k: str(v) for k, v in vars(args).items()})
+        self.logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator,
+                               append=bool(args.resume))
+        self.saver = Saver(args, task, accelerator, self.started)
+
+    def resume(self, folder: str):
+        trainable, optimizer_state, progress, rng = load_state(folder, self.args)
+        self.task.load_trainable_tensors(trainable)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.scheduler.load_state_dict(progress["scheduler"])
+        self.step, self.epoch, self.batches_done = progress["step"], progress["epoch"], progress["batches_done"]
         restore_rng(rng)
-        accelerator.print(f"resumed from {args.resume} at step {step} (epoch {epoch})")
+        self.accelerator.print(f"resumed from {folder} at step {self.step} (epoch {self.epoch})")
 
-    if args.logging_dir:
-        accelerator.init_trackers(args.log_prefix or args.output_name, config={k: str(v) for k, v in vars(args).items()})
-    logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator, append=bool(args.resume))
-    saver = Saver(args, task, accelerator, started)
-    interrupts = Interrupts()
-    if args.sample_at_first and step == 0:
-        task.render_samples(args.output_dir, "start")
-
-    progress_bar = tqdm(total=max_steps, initial=step, desc="training", disable=not accelerator.is_local_main_process)
-    try:
-        while step < max_steps:
-            step, batches_done = run_epoch(args, task, accelerator, module, optimizer, scheduler, dataloader, logger,
-                                           saver, interrupts, progress_bar, step, epoch, batches_done, max_steps)
-            if batches_done == 0:
-                epoch += 1
-                if args.save_every_n_epochs and epoch % args.save_every_n_epochs == 0 and step < max_steps:
-                    saver.lora(step, epoch)
-                if args.sample_every_n_epochs and epoch % args.sample_every_n_epochs == 0:
-                    task.render_samples(args.output_dir, f"epoch{epoch:04d}")
-    except StopTraining as stop:
-        progress_bar.close()
-        accelerator.print(str(stop), file=sys.stderr) if stop.code else accelerator.print(str(stop))
-        accelerator.end_training()
-        return stop.code
-    progress_bar.close()
-    path = saver.lora(step, epoch, final=True)
-    task.finish(args.output_dir)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    accelerator.print(f"saved {path} after {step} steps in {time.time() - started:.1f} s")
-    return 0
-
-
-def run_epoch(args, task, accelerator, module, optimizer, scheduler, dataloader, logger, saver, interrupts,
-              progress_bar, step, epoch, batches_done, max_steps):
-    """One pass over the data (resuming after `batches_done` batches). Returns (step, batches
-    done in this epoch, 0 once it finished)."""
-    from accelerate import skip_first_batches
-
-    task.set_epoch(epoch)
-    batches = skip_first_batches(dataloader, batches_done) if batches_done else dataloader
-    losses = []
-    for batch in batches:
-        with accelerator.accumulate(module):
-            loss = module(*task.batch_inputs(batch, step))
-            if not torch.isfinite(loss.detach()):
-                path = saver.lora(step, epoch, final=True)
-                raise StopTraining(f"error: loss is {loss.item()} at step {step + 1} (epoch {epoch}); "
-                                   f"the last good LoRA (step {step}) is saved at {path}", code=3)
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and args.max_grad_norm:
-                accelerator.clip_grad_norm_(task.trainable_parameters(), args.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        batches_done += 1
-        losses.append(loss.detach())
-        if not accelerator.sync_gradients:
-            continue
-        step_loss = accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item()
-        losses = []
-        values = logger.log(step + 1, epoch, step_loss, optimizer, task.step_extras()) if accelerator.is_main_process else {"loss": step_loss}
-        scheduler.step()
-        step += 1
-        progress_bar.update(1)
-        progress_bar.set_postfix(progress_postfix(values))
-        after_step(args, task, accelerator, optimizer, scheduler, saver, interrupts, step, epoch, batches_done, max_steps)
-        if step >= max_steps:
-            return step, batches_done
-    return step, 0
-
-
-def after_step(args, task, accelerator, optimizer, scheduler, saver, interrupts, step, epoch, batches_done, max_steps):
-    """Periodic work after an optimizer step: eval/samples, saves, and interruption."""
-    progress = {"step": step, "epoch": epoch, "batches_done": batches_done}
-    task.after_step(step, args.output_dir)
-    if args.sample_every_n_steps and step % args.sample_every_n_steps == 0:
-        task.render_samples(args.output_dir, f"step{step:06d}")
-    if args.save_every_n_steps and step % args.save_every_n_steps == 0 and step < max_steps:
-        saver.lora(step, epoch)
+    def run(self) -> int:
+        args, task = self.args, self.task
+        self.interrupts = Interrupts()
+        self.progress_bar = tqdm(total=self.max_steps, initial=self.step, desc="training",
+                                 disable=not self.accelerator.is_local_main_process)
+        try:
+            if args.sample_at_first and self.step == 0:
+                task.render_samples(args.output_dir, "start")
+            while self.step < self.max_steps:
+                self.run_epoch()
+                if self.batches_done == 0:  # the epoch ran to its end
+                    self.epoch += 1
+                    if args.save_every_n_epochs and self.epoch % args.save_every_n_epochs == 0 and self.step < self.max_steps:
+                        self.saver.lora(self.step, self.epoch)
+                    if args.sample_every_n_epochs and self.epoch % args.sample_every_n_epochs == 0:
+                        task.render_samples(args.output_dir, f"epoch{self.epoch:04d}")
+        except StopTraining as stop:
+            self.accelerator.print(str(stop), file=sys.stderr) if stop.code else self.accelerator.print(str(stop))
+            self.accelerator.end_training()
+            return stop.code
+        finally:
+            self.interrupts.close()
+            self.progress_bar.close()
+        path = self.saver.lora(self.step, self.epoch, final=True)
         if args.save_state:
-            saver.state(optimizer, scheduler, progress)
-    if interrupts.requested:
-        path = saver.lora(step, epoch)
-        folder = saver.state(optimizer, scheduler, progress)
-        raise StopTraining(f"{interrupts.requested}: saved {path} and state {folder} at step {step}; "
-                           f"continue with --resume {folder}", code=130)
-    if step >= max_steps and args.save_state:
-        saver.state(optimizer, scheduler, progress)
+            self.saver.state(self.optimizer, self.scheduler, self.progress())
+        task.finish(args.output_dir)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
+        self.accelerator.print(f"saved {path} after {self.step} steps in {time.time() - self.started:.1f} s")
+        return 0
+
+    def progress(self) -> dict:
+        return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done}
+
+    def run_epoch(self):
+        """One pass over the data, resuming after `batches_done` batches; leaves batches_done at
+        0 when the epoch ran to its end, or where it stopped at max_steps."""
+        args, accelerator = self.args, self.accelerator
+        losses = []
+        for batch in self.task.epoch_batches(self.epoch, skip=self.batches_done):
+            with accelerator.accumulate(self.module):
+                loss = self.module(*self.task.batch_inputs(batch, self.step))
+                if not torch.isfinite(loss.detach()):
+                    path = self.saver.lora(self.step, self.epoch, final=True)
+                    raise StopTraining(f"error: loss is {loss.item()} at step {self.step + 1} (epoch {self.epoch}); "
+                                       f"the last good LoRA (step {self.step}) is saved at {path}", code=3)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm:
+                    accelerator.clip_grad_norm_(self.task.trainable_parameters(), args.max_grad_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.batches_done += 1
+            losses.append(loss.detach())
+            if accelerator.sync_gradients:
+                self.finish_step(accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item())
+                losses = []
+                if self.step >= self.max_steps:
+                    return
+        self.batches_done = 0
+
+    def finish_step(self, loss: float):
+        """After an optimizer step: log (with the lr this step used), schedule, sample, save, and
+        honour Ctrl-C / SIGTERM."""
+        args = self.args
+        values = {"loss": loss}
+        if self.accelerator.is_main_process:
+            values = self.logger.log(self.step + 1, self.epoch, loss, self.optimizer, self.task.step_extras())
+        self.scheduler.step()
+        self.step += 1
+        self.progress_bar.update(1)
+        self.progress_bar.set_postfix(progress_postfix(values))
+        self.task.after_step(self.step, args.output_dir)
+        if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0:
+            self.task.render_samples(args.output_dir, f"step{self.step:06d}")
+        if args.save_every_n_steps and self.step % args.save_every_n_steps == 0 and self.step < self.max_steps:
+            self.saver.lora(self.step, self.epoch)
+            if args.save_state:
+                self.saver.state(self.optimizer, self.scheduler, self.progress())
+        if self.interrupts.requested:
+            path = self.saver.lora(self.step, self.epoch)
+            folder = self.saver.state(self.optimizer, self.scheduler, self.progress())
+            raise StopTraining(f"{self.interrupts.requested}: saved {path} and state {folder} at step {self.step}; "
+                               f"continue with --resume {folder}", code=130)
+
+
+def train(args) -> int:
+    return Trainer(args).run()
 
 
 def main(argv=None) -> int:
@@ -256,6 +270,8 @@ def main(argv=None) -> int:
         args = load_config(argv)
         return train(args)
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError, PermissionError) as e:
+        if os.environ.get("LORA_TRAINER_DEBUG"):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
 

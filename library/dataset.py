@@ -235,14 +235,15 @@ class BucketBatchSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch: int):
         self.epoch = epoch
 
-    def batches(self, epoch: int) -> list[list[tuple[int, int]]]:
+    def batches(self, epoch: int, world: int = 1) -> list[list[tuple[int, int]]]:
+        """The epoch's batches; with `world` processes, global batches of batch_size * world."""
         rng = random.Random(f"{self.seed}:{epoch}")
         batches = []
         for key in sorted(self.groups):
             entries = list(self.groups[key])
             if self.shuffle:
                 rng.shuffle(entries)
-            size = self.batch_sizes[key]
+            size = self.batch_sizes[key] * world
             for start in range(0, len(entries), size):
                 chunk = entries[start : start + size]
                 if len(chunk) == size or not self.drop_last:
@@ -257,6 +258,28 @@ class BucketBatchSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return len(self.batches(self.epoch))
+
+
+class EpochBatches(torch.utils.data.Sampler):
+    """This process's share of one epoch: the global batches (batch_size * world samples each)
+    split into `world` equal contiguous slices, slice `rank` for this process; a short last batch
+    is padded by cycling so every process gets the same count, as DDP needs. N processes thus see
+    exactly the batches one process sees with an N-times batch. The first `skip` batches (trained
+    before a resume) are left out; the epoch is explicit, so resuming is exact."""
+
+    def __init__(self, sampler: BucketBatchSampler, epoch: int, rank: int = 0, world: int = 1, skip: int = 0):
+        local = []
+        for batch in sampler.batches(epoch, world):
+            per = -(-len(batch) // world)
+            padded = (batch * world)[: per * world]
+            local.append(padded[rank * per : (rank + 1) * per])
+        self.batches = local[skip:]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
 
 
 def collate_batch(samples: list[dict]) -> dict:

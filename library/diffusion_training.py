@@ -13,7 +13,7 @@ import os
 import torch
 import torch.nn as nn
 
-from library.dataset import BucketBatchSampler, ImageDataset, cache_latents, cache_text, collate_batch
+from library.dataset import BucketBatchSampler, EpochBatches, ImageDataset, cache_latents, cache_text, collate_batch
 from library.dataset_config import load_dataset_config
 from library.diffusion_family import get_family
 from library.prompts import SamplePrompt, read_prompt_file
@@ -127,9 +127,14 @@ class DiffusionTask:
     def param_groups(self, lr: float) -> list[dict]:
         return self.network.param_groups(lr)
 
-    def dataloader(self):
+    def batches_per_epoch(self) -> int:
+        return len(EpochBatches(self.sampler, 0, self.accelerator.process_index, self.accelerator.num_processes))
+
+    def epoch_batches(self, epoch: int, skip: int = 0):
+        """This process's batches of `epoch`, after the first `skip`."""
+        shard = EpochBatches(self.sampler, epoch, self.accelerator.process_index, self.accelerator.num_processes, skip)
         return torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=self.sampler, collate_fn=collate_batch,
+            self.dataset, batch_sampler=shard, collate_fn=collate_batch,
             num_workers=self.args.max_data_loader_n_workers, pin_memory=self.device.type == "cuda",
         )
 
@@ -153,9 +158,6 @@ class DiffusionTask:
 
     def load_trainable_tensors(self, tensors: dict[str, torch.Tensor]):
         self.network.load_state_dict(tensors)
-
-    def set_epoch(self, epoch: int):
-        self.sampler.set_epoch(epoch)
 
     def step_extras(self) -> dict:
         return {}

@@ -23,7 +23,7 @@ from library.io import save_safetensors
 RUN_IDENTITY = (
     "model_type", "network_module", "network_dim", "network_alpha", "network_args", "optimizer_type",
     "optimizer_args", "learning_rate", "lr_scheduler", "gradient_accumulation_steps", "fp8_base", "fp8_scaled",
-    "mixed_precision", "seed", "pretrain", "max_train_steps",
+    "mixed_precision", "seed", "pretrain",
 )
 
 

@@ -1,0 +1,166 @@
+"""train_lora.py end to end on the tiny real-format FLUX: the quickstart learns, the LoRA changes
+the output, 2 DDP processes equal 1 process with the doubled batch, Ctrl-C saves and a resume
+finishes bit-identical, a NaN loss stops after saving, and Qwen-Image trains too."""
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train_lora
+from library.diffusion_family import FluxFamily
+from library.dataset_config import load_dataset_config
+from networks.lora import LoRANetwork
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def flux_args(tiny_set, out, *extra):
+    return [
+        "--config_file", os.path.join(ROOT, "configs", "quickstart.toml"),
+        "--pretrained_model_name_or_path", tiny_set["flux_bfl"], "--ae", tiny_set["flux_vae_single"],
+        "--clip_l", tiny_set["clip_l"], "--t5xxl", tiny_set["t5xxl"],
+        "--dataset_config", tiny_set["dataset_config"], "--sample_prompts", tiny_set["sample_prompts"],
+        "--output_dir", str(out), "--sample_at_first", "false", "--save_every_n_steps", "0",
+        *extra,
+    ]
+
+
+def read_losses(out, name="tiny_flux_lora"):
+    with open(os.path.join(out, f"{name}_log.csv")) as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+def test_quickstart_short_loss_falls_and_lora_changes_output(tiny_set, tmp_path):
+    out = tmp_path / "run"
+    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "40", "--optimizer_type", "AdamW",
+                                     "--optimizer_args", "--learning_rate", "3e-3"))
+    assert code == 0
+    losses = read_losses(out)
+    assert len(losses) == 40
+    first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
+    assert last < 0.92 * first, (first, last)
+    for name in ("tiny_flux_lora.safetensors", "tiny_flux_lora_lr.png", "tiny_flux_lora_final_00.png"):
+        assert (out / name).stat().st_size > 0
+
+    # The LoRA changes the model's prediction on the training data (fp32 base here, unmerged LoRA).
+    family = FluxFamily(tiny_set["flux_bfl"])
+    model = family.load_transformer(torch.float32)
+    torch.manual_seed(0)
+    x = torch.randn(1, 16, 64)
+    text = {"t5": torch.randn(1, 32, 32), "clip_pooled": torch.randn(1, 32)}
+    with torch.no_grad():
+        before = family.predict(model, x, torch.tensor([0.5]), text, 4, 4, 1.0)
+        network = LoRANetwork(model, "flux", 8, 8.0)
+        network.load_weights(str(out / "tiny_flux_lora.safetensors"))
+        network.apply()
+        after = family.predict(model, x, torch.tensor([0.5]), text, 4, 4, 1.0)
+    change = ((after - before).norm() / before.norm()).item()
+    assert change > 0.01, change
+
+
+def test_two_ddp_processes_equal_one_process_with_doubled_batch(tiny_set, tmp_path):
+    data = load_dataset_config(tiny_set["dataset_config"])
+    image_dir = data.datasets[0].subsets[0].image_dir
+    for bs in (1, 2):  # one bucket (no bucketing, square resize), so the two runs see the same samples
+        (tmp_path / f"ds{bs}.toml").write_text(
+            f'[general]\nresolution = 64\nbatch_size = {bs}\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{image_dir}"\n'
+        )
+    common = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",
+              "--sample_prompts", ""]
+    single = flux_args(tiny_set, tmp_path / "single", "--dataset_config", str(tmp_path / "ds2.toml"), *common)
+    multi = flux_args(tiny_set, tmp_path / "multi", "--dataset_config", str(tmp_path / "ds1.toml"), *common)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "train_lora.py", *single], cwd=ROOT, env=env, check=True, capture_output=True)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
+                          "train_lora.py", *multi], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, [l for l in run.stderr.splitlines() if "error" in l.lower()][:5]
+    assert read_losses(tmp_path / "multi") == pytest.approx(read_losses(tmp_path / "single"), abs=1e-6)
+    a = load_file(tmp_path / "single" / "tiny_flux_lora.safetensors")
+    b = load_file(tmp_path / "multi" / "tiny_flux_lora.safetensors")
+    up = max(a[k].abs().max().item() for k in a if "lora_up" in k)
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert up > 1e-3 and diff <= 0.02 * up, (diff, up)
+
+
+def test_interrupt_saves_and_resume_is_bit_identical(tiny_set, tmp_path, monkeypatch):
+    steps = ["--max_train_steps", "9", "--optimizer_type", "Prodigy", "--optimizer_args", "d0=1e-4",
+             "--sample_prompts", ""]
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "straight", *steps)) == 0
+
+    # A real SIGINT, delivered to this process after optimizer step 4.
+    from library.diffusion_training import DiffusionTask
+
+    def after_step(self, step, output_dir):
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(DiffusionTask, "after_step", after_step)
+    interrupted = tmp_path / "interrupted"
+    assert train_lora.main(flux_args(tiny_set, interrupted, *steps)) == 130
+    assert (interrupted / "tiny_flux_lora-step000004.safetensors").exists()
+    state = interrupted / "tiny_flux_lora-state"
+    assert (state / "train_state.json").exists()
+    monkeypatch.undo()
+    assert train_lora.main(flux_args(tiny_set, interrupted, *steps, "--resume", str(state))) == 0
+    straight = (tmp_path / "straight" / "tiny_flux_lora.safetensors")
+    resumed = (interrupted / "tiny_flux_lora.safetensors")
+    a, b = load_file(straight), load_file(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert read_losses(interrupted) == read_losses(tmp_path / "straight")
+
+
+def test_resume_from_another_run_config_is_refused(tiny_set, tmp_path):
+    out = tmp_path / "run"
+    args = ["--max_train_steps", "2", "--save_state", "true", "--sample_prompts", ""]
+    assert train_lora.main(flux_args(tiny_set, out, *args)) == 0
+    code = train_lora.main(flux_args(tiny_set, out, *args, "--network_dim", "4", "--resume", str(out / "tiny_flux_lora-state")))
+    assert code == 2
+
+
+def test_nan_loss_stops_after_saving_last_good_lora(tiny_set, tmp_path, monkeypatch, capsys):
+    from library.diffusion_family import DiffusionFamily
+
+    real = DiffusionFamily.training_loss
+    calls = {"n": 0}
+
+    def poisoned(self, *a, **k):
+        loss, sigmas = real(self, *a, **k)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] == 3 else loss), sigmas
+
+    monkeypatch.setattr(DiffusionFamily, "training_loss", poisoned)
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "6", "--sample_prompts", "")) == 3
+    err = capsys.readouterr().err
+    assert "loss is nan at step 3" in err and "last good LoRA (step 2)" in err
+    assert (out / "tiny_flux_lora.safetensors").exists()
+
+
+def test_qwen_image_lora_trains_from_diffusers_folders(tiny_set, tmp_path):
+    out = tmp_path / "qwen"
+    code = train_lora.main([
+        "--model_type", "qwen_image", "--pretrained_model_name_or_path", tiny_set["qwen_image"],
+        "--ae", tiny_set["qwen_image_vae"], "--text_encoder", tiny_set["qwen_image_text_encoder"],
+        "--dataset_config", tiny_set["dataset_config"], "--output_dir", str(out), "--output_name", "qwen",
+        "--max_train_steps", "6", "--mixed_precision", "no", "--fp8_base", "--network_dim", "4",
+        "--optimizer_type", "AdamW", "--learning_rate", "1e-3",
+    ])
+    assert code == 0
+    tensors = load_file(out / "qwen.safetensors")
+    assert any(k.startswith("lora_unet_transformer_blocks_0_attn_to_q") for k in tensors)
+    assert len(read_losses(out, "qwen")) == 6
+
+
+def test_unknown_config_key_is_one_line_and_exit_2(tmp_path, capsys):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('model_type = "flux"\nnetwork_dimm = 4\n')
+    assert train_lora.main(["--config_file", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {cfg}: unknown key 'network_dimm'"]
