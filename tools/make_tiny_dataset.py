@@ -66,7 +66,31 @@ caption_extension = ".txt"
     prompts = os.path.join(out, "prompts.txt")
     write_text(prompts, f"a red circle on a white background --w {size} --h {size} --s 8 --d 1 --g 1.0\n"
                         f"a blue square on a black background --w {size} --h {size} --s 8 --d 2 --g 1.0\n")
-    return {"dataset_config": dataset_toml, "sample_prompts": prompts, "image_dir": image_dir}
+    return {"dataset_config": dataset_toml, "sample_prompts": prompts, "image_dir": image_dir, **make_text_corpus(out)}
+
+
+def make_text_corpus(out: str, max_chars: int = 200_000) -> dict[str, str]:
+    """corpus.txt (standard-library docstrings: on every machine with Python, never downloaded)
+    and llm_scratch/ (config.json of a ~1M-parameter Qwen2-style model + a BPE tokenizer trained
+    on the corpus, no weights) for LLM LoRA and pretraining runs."""
+    import json
+
+    from library.tokenizer import build_bpe_tokenizer
+    from tools.llm_quickstart import stdlib_docstrings
+
+    text = stdlib_docstrings(max_chars)
+    corpus = os.path.join(out, "corpus.txt")
+    write_text(corpus, text)
+    scratch = os.path.join(out, "llm_scratch")
+    tokenizer = build_bpe_tokenizer([text], 1024, scratch)
+    config = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": len(tokenizer),
+        "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True, "eos_token_id": tokenizer.eos_token_id,
+    }
+    write_text(os.path.join(scratch, "config.json"), json.dumps(config, indent=2) + "\n")
+    return {"corpus": corpus, "llm_scratch": scratch}
 
 
 def main(argv=None):

@@ -1,0 +1,357 @@
+"""A Llama / Qwen2 causal language model built from the shared core (library/core.py).
+
+The same class runs Llama-3-8B, Qwen2-style models and the language model of Qwen2.5-VL (the
+Qwen-Image text encoder; for text-only prompts its multimodal RoPE reduces to 1-D RoPE). Module
+names mirror Hugging Face checkpoints (`model.layers.N.self_attn.q_proj`, ...), so loading is a
+plain name-for-name copy.
+
+Precision: token ids and position ids are int64; RoPE tables are float32 computed outside
+autocast (core.rope_tables); the residual stream runs in `compute_dtype`; logits are returned
+in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from library import core
+from library.io import CheckpointError, CheckpointReader, load_streaming
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """Architecture of a Llama/Qwen2 decoder. Defaults are the Qwen2.5-VL-7B language model."""
+
+    vocab_size: int = 152064
+    hidden_size: int = 3584
+    num_layers: int = 28
+    num_heads: int = 28
+    num_kv_heads: int = 4
+    intermediate_size: int = 18944
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = True
+    max_position_embeddings: int = 128000
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"LLMConfig: hidden_size {self.hidden_size}, num_heads {self.num_heads}, num_kv_heads "
+                f"{self.num_kv_heads}: expected hidden_size % num_heads == 0 and num_heads % num_kv_heads == 0"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "LLMConfig":
+        """From a Hugging Face config.json dict (llama, qwen2, qwen2_5_vl with or without a nested
+        `text_config`). Features this model does not implement are refused, not ignored."""
+        model_type = config.get("model_type", "")
+        if "text_config" in config:  # transformers >= 4.52 nests the Qwen2.5-VL language model
+            config = {**config, **config["text_config"]}
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "mrope"):  # mrope == 1-D RoPE for text-only input
+            raise ValueError(f"config.json: rope type '{rope_type}' is not supported (expected default or mrope)")
+        head_dim = config.get("head_dim")
+        if head_dim and head_dim != config["hidden_size"] // config["num_attention_heads"]:
+            raise ValueError(f"config.json: head_dim {head_dim} != hidden_size / num_attention_heads (not supported)")
+        if config.get("use_sliding_window") or config.get("mlp_bias"):
+            raise ValueError("config.json: use_sliding_window / mlp_bias are not supported")
+        is_qwen = model_type.startswith("qwen2")  # Qwen2 / Qwen2.5-VL: bias on q, k, v (not o)
+        if config.get("attention_bias") and not is_qwen:
+            raise ValueError("config.json: attention_bias=true (bias on o_proj too) is not supported")
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            intermediate_size=config["intermediate_size"],
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            rms_norm_eps=float(config["rms_norm_eps"]),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen,
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+        )
+
+    def to_hf(self) -> dict:
+        """A Hugging Face config.json dict (qwen2 when qkv_bias, else llama) that from_hf reads back."""
+        return {
+            "architectures": ["Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"],
+            "model_type": "qwen2" if self.qkv_bias else "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+        }
+
+
+QWEN2_5_7B = LLMConfig()
+LLAMA3_8B = LLMConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    intermediate_size=14336,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    qkv_bias=False,
+    max_position_embeddings=8192,
+)
+
+# ----------------------------------------------------------------------------------------------
+# Model
+
+
+class SelfAttention(nn.Module):
+    """Causal grouped-query self-attention with half-split (HF) RoPE on q and k."""
+
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask):
+        # x: [B, L, D] -> q: [B, H, L, Dh], k/v: [B, Hkv, L, Dh]
+        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        q = core.apply_rope(q, cos, sin, interleaved=False)
+        k = core.apply_rope(k, cos, sin, interleaved=False)
+        return self.o_proj(core.attention(q, k, v, mask=mask))  # [B, L, H*Dh] -> [B, L, D]
+
+
+class DecoderLayer(nn.Module):
+    """x = x + attn(norm(x)); x = x + mlp(norm(x))."""
+
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.input_layernorm = core.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg)
+        self.post_attention_layernorm = core.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = core.SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """The `model.*` part of a checkpoint: embeddings, decoder layers, final norm."""
+
+    def __init__(self, cfg: LLMConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = core.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor | None, seq_len: int, device) -> torch.Tensor:
+    """int64 positions: [L] = 0..L-1 without a mask; with a [B, L] mask, each row counts its real
+    tokens from 0 (so left padding does not shift positions) and pads get 0, as transformers'
+    generate() does: cumsum(mask) - 1, masked to 0."""
+    if attention_mask is None:
+        return torch.arange(seq_len, device=device)
+    mask = attention_mask.bool()
+    return (mask.long().cumsum(-1) - 1).masked_fill(~mask, 0)
+
+
+class LLM(nn.Module):
+    """Causal LM. forward(input_ids [B, L] int64, attention_mask [B, L] (1 = token, 0 = pad)).
+
+    compute_dtype: the residual stream's dtype (embeddings are cast to it at entry).
+    gradient_checkpointing: recompute each decoder layer in backward (core.run_block)."""
+
+    def __init__(self, config: LLMConfig):
+        super().__init__()
+        self.config = config
+        self.compute_dtype = torch.float32
+        self.gradient_checkpointing = False
+        self.model = Decoder(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def _decode(self, input_ids, attention_mask, keep_all: bool):
+        """Run the decoder; returns (final normed hidden [B, L, D], HF-style list or None)."""
+        B, L = input_ids.shape
+        positions = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
+        cos, sin = core.rope_tables(positions, (self.config.head_dim,), self.config.rope_theta)  # fp32
+        key_mask = None if attention_mask is None else attention_mask.bool()
+        mask = core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device)  # bool, built once
+        x = self.model.embed_tokens(input_ids).to(self.compute_dtype)
+        states = [x] if keep_all else None
+        for layer in self.model.layers:
+            x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask)
+            if keep_all:
+                states.append(x)
+        x = self.model.norm(x)
+        if keep_all:  # like transformers: embeddings, each layer's output, the last one after the final norm
+            states[-1] = x
+        return x, states
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, L, D] compute_dtype -> [B, L, V] float32."""
+        if self.lm_head is None:  # tied: the embedding matrix is the head
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def forward(self, input_ids, attention_mask=None, output_hidden_states: bool = False):
+        hidden, states = self._decode(input_ids, attention_mask, output_hidden_states)
+        logits = self.logits(hidden)
+        return (logits, states) if output_hidden_states else logits
+
+    def hidden_states(self, input_ids, attention_mask=None) -> torch.Tensor:
+        """Last hidden state after the final norm, [B, L, D] in compute_dtype (text-encoder use)."""
+        return self._decode(input_ids, attention_mask, keep_all=False)[0]
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def checkpoint_key_to_llm(key: str, tie_word_embeddings: bool = False) -> str | None:
+    """Checkpoint key -> LLM key, or None to skip. Accepts plain HF causal-LM keys and the
+    Qwen2.5-VL layouts (`model.language_model.*` of transformers >= 4.52, `language_model.model.*`
+    / `language_model.lm_head.*` of LLaVA-style exports); vision tower keys are skipped."""
+    if key.startswith(("visual.", "model.visual.")):
+        return None
+    for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")):
+        if key.startswith(old):
+            key = new + key[len(old) :]
+            break
+    if tie_word_embeddings and key.startswith("lm_head."):
+        return None  # tied: the embedding matrix is the head
+    return key
+
+
+def _find_config(path: str) -> LLMConfig:
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise CheckpointError(f"{path}: no config.json beside the checkpoint; pass config=LLMConfig(...)")
+    with open(config_path) as f:
+        return LLMConfig.from_hf(json.load(f))
+
+
+def load_llm(
+    path: str,
+    config: LLMConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+    convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    prepare: Callable[[LLM], None] | None = None,
+) -> LLM:
+    """Build an LLM on `meta` and stream a safetensors checkpoint into it, tensor by tensor.
+
+    path: a .safetensors file, a *.safetensors.index.json, or a folder (config.json is read from
+        the folder when config is None). dtype: floating tensors are cast to it on read and it
+        becomes model.compute_dtype (float32 / bfloat16 / float16).
+    prepare: optional hook run on the meta model before loading (e.g. fp8.prepare_fp8), paired
+        with convert (e.g. fp8.fp8_load_converter) which maps each tensor as it is read.
+    Missing or unexpected keys raise CheckpointError. Returned in eval mode.
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"load_llm: dtype {dtype}: expected float32, bfloat16 or float16 (fp8 goes through convert)")
+    config = config or _find_config(path)
+    with torch.device("meta"):
+        model = LLM(config)
+    if prepare is not None:
+        prepare(model)
+    reader = CheckpointReader(path)
+    load_streaming(model, reader, lambda k: checkpoint_key_to_llm(k, config.tie_word_embeddings), dtype=dtype, convert=convert)
+    model.compute_dtype = dtype
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Training and sampling helpers (LLMs-from-scratch style)
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean token cross-entropy over the flattened batch x sequence. logits [B, L, V] (any
+    float dtype, upcast to float32), targets [B, L] int64. Returns a float32 scalar."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index)
+
+
+def perplexity(loss) -> float:
+    """exp(mean cross-entropy), for a float or a scalar tensor."""
+    return math.exp(min(float(loss), 700.0))  # 700: keep exp finite for a diverged run
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    context_size: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    eos_id: int | None = None,
+) -> torch.Tensor:
+    """Extend idx [B, T] int64 by up to max_new_tokens. Each step feeds the last context_size
+    tokens, keeps the top_k logits, then samples at `temperature` (greedy when 0).
+
+    A row that samples eos_id is finished and is padded with eos_id while others continue; the
+    loop stops when every row is finished, without appending that final step (so for a single
+    sequence eos is never in the output, as in LLMs-from-scratch)."""
+    finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -context_size:])[:, -1, :].float()  # [B, V] float32
+        if top_k is not None:
+            kth = torch.topk(logits, top_k).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if temperature > 0.0:
+            idx_next = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1)
+        else:
+            idx_next = logits.argmax(dim=-1, keepdim=True)
+        if eos_id is not None:
+            finished = finished | (idx_next[:, 0] == eos_id)
+            if finished.all():
+                break
+            idx_next = idx_next.masked_fill(finished[:, None], eos_id)
+        idx = torch.cat([idx, idx_next], dim=1)
+    return idx
+
+
+__all__ = [
+    "LLMConfig",
+    "QWEN2_5_7B",
+    "LLAMA3_8B",
+    "LLM",
+    "load_llm",
+    "checkpoint_key_to_llm",
+    "position_ids_from_mask",
+    "count_parameters",
+    "cross_entropy_loss",
+    "perplexity",
+    "generate",
+]

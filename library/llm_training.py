@@ -1,0 +1,246 @@
+"""What train_lora.py needs to train a Llama/Qwen2-style LLM: a LoRA on a pretrained model, or
+the whole model (pretrain = true) from a checkpoint or from a config.json alone (random init).
+
+Data: .txt files -> one token stream (documents joined by EOS) -> train/val split -> sliding
+windows of max_length + 1 tokens. Every eval_every_n_steps: val loss, perplexity and a sample
+from sample_prompt (temperature / top-k), printed and written to <output_name>_eval.csv.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+
+import torch
+import torch.nn as nn
+
+from library.dataset import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
+from library.io import save_safetensors, safetensors_files, write_text
+from library.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity
+from library.tokenizer import load_tokenizer
+from library.train_config import ConfigError, parse_kv_literals
+from networks.lora import LoRANetwork
+
+DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmuls tile well
+
+
+class LMLoss(nn.Module):
+    """The module accelerate prepares: the LoRA network (LoRA) or the model itself (pretrain)."""
+
+    def __init__(self, model: LLM, network: LoRANetwork | None):
+        super().__init__()
+        if network is None:
+            self.model = model
+        else:
+            self.network = network
+            self._model = [model]
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        model = self.model if hasattr(self, "model") else self._model[0]
+        return cross_entropy_loss(model(input_ids), targets)
+
+
+def init_weights(model: LLM, std: float = 0.02):
+    """GPT-2 style init for pretraining from scratch; norms start at 1."""
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            nn.init.normal_(p, std=std)
+        elif name.endswith("bias"):
+            nn.init.zeros_(p)
+        else:
+            nn.init.ones_(p)
+
+
+class LLMTask:
+    def __init__(self, args, accelerator):
+        self.args, self.accelerator, self.device = args, accelerator, accelerator.device
+        self.dtype = DTYPES[args.mixed_precision]
+        path = args.pretrained_model_name_or_path
+        self.tokenizer = load_tokenizer(path)
+        self.model, self.from_scratch = self._load_model(path)
+        self._check_context()
+        self.train_set, self.val_set = self._load_data()
+        self.model.gradient_checkpointing = args.gradient_checkpointing
+        self.network = None
+        if args.pretrain:
+            self.model.requires_grad_(True).train()
+        else:
+            net_args = parse_kv_literals(args.network_args, "network_args", args.config_file or "command line")
+            self.network = LoRANetwork(self.model, "llm", args.network_dim, args.network_alpha, network_args=net_args)
+            if args.network_weights:
+                self.network.load_weights(args.network_weights)
+            self.network.apply()
+        self.model.to(self.device)
+        if self.network is not None:
+            self.network.to(self.device)
+        self.module = LMLoss(self.model, self.network)
+        self.eval_log = os.path.join(args.output_dir, f"{args.output_name}_eval.csv")
+
+    def _load_model(self, path: str) -> tuple[LLM, bool]:
+        has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(".safetensors")
+        if has_weights:
+            if self.args.pretrain and self.args.fp8_base:
+                raise ConfigError("pretrain trains the base weights; fp8_base cannot be used")
+            return load_llm(path, dtype=self.dtype), False
+        if not self.args.pretrain:
+            raise ConfigError(f"{path}: no .safetensors weights; a LoRA needs a pretrained model (or set pretrain = true)")
+        with open(os.path.join(path, "config.json")) as f:
+            config = LLMConfig.from_hf(json.load(f))
+        vocab = -(-max(config.vocab_size, len(self.tokenizer)) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+        config = LLMConfig(**{**config.__dict__, "vocab_size": vocab})
+        torch.manual_seed(self.args.seed)
+        model = LLM(config).to(self.dtype)
+        init_weights(model)
+        model.compute_dtype = self.dtype
+        return model, True
+
+    def _check_context(self):
+        limit = self.model.config.max_position_embeddings
+        if self.args.max_length > limit:
+            raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
+                              f"(max_position_embeddings = {limit})")
+
+    def _load_data(self):
+        args = self.args
+        docs = load_text_corpus(args.train_data)
+        ids = tokenize_documents(docs, lambda t: self.tokenizer.encode(t, add_special_tokens=False, verbose=False), self.tokenizer.eos_token_id)
+        train_ids, val_ids = train_val_split(ids, args.val_fraction)
+        train = TextWindowDataset(train_ids, args.max_length, args.stride)
+        val = TextWindowDataset(val_ids, args.max_length, args.max_length) if len(val_ids) > args.max_length + 1 else None
+        if len(train) == 0:
+            raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length {args.max_length}")
+        self.accelerator.print(f"text: {len(ids)} tokens, {len(train)} train windows, {len(val) if val else 0} val windows")
+        return train, val
+
+    # -- what the loop uses --------------------------------------------------------------------
+    def param_groups(self, lr: float) -> list[dict]:
+        if self.network is not None:
+            return self.network.param_groups(lr)
+        from library.optim import split_weight_decay
+
+        decay, no_decay = split_weight_decay(self.model.named_parameters(), self.args.weight_decay_1d)
+        return [{"params": decay, "name": "decay"}, {"params": no_decay, "name": "no_decay", "weight_decay": 0.0}]
+
+    def trainable_parameters(self):
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def trainable_tensors(self) -> dict[str, torch.Tensor]:
+        source = self.network if self.network is not None else self.model
+        return {k: v.detach() for k, v in source.state_dict().items()}
+
+    def load_trainable_tensors(self, tensors):
+        (self.network if self.network is not None else self.model).load_state_dict(tensors)
+
+    def _global_batches(self, epoch: int) -> list[list[int]]:
+        order = list(range(len(self.train_set)))
+        random.Random(f"{self.args.seed}:{epoch}").shuffle(order)
+        size = self.args.batch_size * self.accelerator.num_processes
+        return [order[i : i + size] for i in range(0, len(order), size)]
+
+    def batches_per_epoch(self) -> int:
+        return len(self._global_batches(0))
+
+    def epoch_batches(self, epoch: int, skip: int = 0):
+        """This process's slice of each global batch (batch_size * processes windows)."""
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        for batch in self._global_batches(epoch)[skip:]:
+            per = -(-len(batch) // world)
+            local = (batch * world)[: per * world][rank * per : (rank + 1) * per]
+            inputs, targets = zip(*(self.train_set[i] for i in local))
+            yield torch.stack(inputs), torch.stack(targets)
+
+    def batch_inputs(self, batch, step: int):
+        return batch[0].to(self.device), batch[1].to(self.device)
+
+    def step_extras(self) -> dict:
+        return {}
+
+    def render_samples(self, out_dir: str, tag: str) -> list[str]:
+        return []
+
+    # -- evaluation ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        was_training = self.model.training
+        self.model.eval()
+        losses = []
+        if self.val_set is not None:
+            for i in range(0, min(len(self.val_set), 64), self.args.batch_size):
+                inputs, targets = zip(*(self.val_set[j] for j in range(i, min(i + self.args.batch_size, len(self.val_set)))))
+                logits = self.model(torch.stack(inputs).to(self.device))
+                losses.append(cross_entropy_loss(logits, torch.stack(targets).to(self.device)).item())
+        prompt = torch.tensor([self.tokenizer.encode(self.args.sample_prompt, add_special_tokens=False)], device=self.device)
+        gen = torch.Generator(self.device).manual_seed(self.args.seed)  # the same sample draw at each eval
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+            out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.max_position_embeddings,
+                           self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id)
+        self.model.train(was_training)
+        val = sum(losses) / len(losses) if losses else float("nan")
+        return {"val_loss": val, "val_perplexity": perplexity(val) if losses else float("nan"),
+                "sample": self.tokenizer.decode(out[0].tolist())}
+
+    def after_step(self, step: int, output_dir: str):
+        every = self.args.eval_every_n_steps
+        if every and step % every == 0:
+            self.report_eval(step)
+
+    def report_eval(self, step: int | str):
+        if not self.accelerator.is_main_process:
+            return
+        result = self.evaluate()
+        self.accelerator.print(f"step {step}: val loss {result['val_loss']:.4f}, perplexity {result['val_perplexity']:.2f}\n"
+                               f"  sample: {result['sample']!r}")
+        new = not os.path.exists(self.eval_log)
+        with open(self.eval_log, "a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(["step", "val_loss", "val_perplexity", "sample"])
+            writer.writerow([step, result["val_loss"], result["val_perplexity"], result["sample"]])
+        if self.accelerator.trackers:
+            self.accelerator.log({"val_loss": result["val_loss"], "val_perplexity": result["val_perplexity"]}, step=step)
+
+    # -- saving --------------------------------------------------------------------------------
+    def save(self, path: str, metadata: dict, dtype: torch.dtype):
+        if self.network is not None:
+            self.network.save(path, dtype=dtype, metadata=metadata)
+            return
+        # Pretraining: a Hugging Face folder (model.safetensors + config.json + tokenizer) beside path.
+        folder = path[: -len(".safetensors")]
+        save_safetensors({k: v.to(dtype) for k, v in self.model.state_dict().items()},
+                         os.path.join(folder, "model.safetensors"), metadata)
+        write_text(os.path.join(folder, "config.json"), json.dumps(self.model.config.to_hf(), indent=2))
+        self.tokenizer.save_pretrained(folder)
+
+    def finish(self, output_dir: str):
+        from tools.plot_lr import main as plot_lr
+
+        log = os.path.join(output_dir, f"{self.args.output_name}_log.csv")
+        if self.accelerator.is_main_process and os.path.exists(log):
+            plot_lr([log, "--out", os.path.join(output_dir, f"{self.args.output_name}_lr.png")])
+        if self.args.eval_every_n_steps:
+            self.report_eval("final")
+
+    # -- metadata ------------------------------------------------------------------------------
+    def base_model_version(self) -> str:
+        c = self.model.config
+        return f"llm-{c.num_layers}x{c.hidden_size}" + ("-scratch" if self.from_scratch else "")
+
+    def base_precision(self) -> str:
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+
+    def resolution(self) -> str:
+        return f"{self.args.max_length} tokens"
+
+    def total_batch_size(self) -> int:
+        return self.args.batch_size * self.accelerator.num_processes * self.args.gradient_accumulation_steps
+
+    def timestep_sampling(self) -> None:
+        return None
+
+    def dataset_summary(self) -> dict:
+        return {"train_windows": len(self.train_set), "val_windows": len(self.val_set) if self.val_set else 0,
+                "files": [os.path.basename(p) for p in self.args.train_data]}

@@ -1,0 +1,284 @@
+"""The LLM (library/llm.py): parity with transformers on tiny random configs, checkpoint layouts,
+error messages, preset sizes, generation, bf16, tokenizer and the quickstart script."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from library.io import CheckpointError
+from library.llm import (
+    LLAMA3_8B,
+    LLM,
+    QWEN2_5_7B,
+    LLMConfig,
+    count_parameters,
+    cross_entropy_loss,
+    generate,
+    load_llm,
+    perplexity,
+    position_ids_from_mask,
+)
+
+TINY = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=80, rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+
+
+def randomize_(model):
+    """Weights and biases ~ N(0, 0.1), norm weights ~ 1 + N(0, 0.1): every parameter matters."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_causal_lm(family: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[family]
+    return randomize_(cls(cfg(**TINY, attn_implementation="eager")))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{family: (hf model, folder written by save_pretrained)} for llama and qwen2."""
+    torch.manual_seed(0)
+    out = {}
+    for family in ("llama", "qwen2"):
+        hf = hf_causal_lm(family)
+        folder = str(tmp_path_factory.mktemp(family))
+        hf.save_pretrained(folder, safe_serialization=True)
+        out[family] = (hf, folder)
+    return out
+
+
+def batch_with_left_padding():
+    ids = torch.randint(2, 96, (3, 10))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[2, :1] = 0
+    return ids, mask
+
+
+def max_diff(a, b, keep):
+    return (a.float() - b.float())[keep].abs().max().item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity with transformers
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_logits_and_hidden_states_match_transformers_fp32(saved, family):
+    hf, folder = saved[family]
+    model = load_llm(folder)
+    assert model.config.qkv_bias == (family == "qwen2")
+    ids, mask = batch_with_left_padding()
+    with torch.no_grad():
+        for attention_mask in (None, mask):
+            # transformers' generate() derives positions from the mask the same way
+            positions = None if attention_mask is None else position_ids_from_mask(attention_mask, 10, "cpu")
+            ref = hf(ids, attention_mask=attention_mask, position_ids=positions, output_hidden_states=True)
+            logits, states = model(ids, attention_mask, output_hidden_states=True)
+            keep = torch.ones(3, 10, dtype=torch.bool) if attention_mask is None else mask.bool()
+            assert logits.dtype == torch.float32 and logits.shape == (3, 10, 96)
+            assert max_diff(logits, ref.logits, keep) <= 1e-5
+            assert len(states) == len(ref.hidden_states) == 3
+            for ours, theirs in zip(states, ref.hidden_states):
+                assert max_diff(ours, theirs, keep) <= 1e-5
+            last = model.hidden_states(ids, attention_mask)
+            assert max_diff(last, ref.hidden_states[-1], keep) <= 1e-5
+
+
+def test_left_padding_does_not_change_real_token_logits(saved):
+    model = load_llm(saved["llama"][1])
+    ids = torch.randint(2, 96, (1, 6))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        alone, with_pad = model(ids), model(padded, mask)
+    assert not torch.isnan(with_pad).any()
+    assert (alone[0] - with_pad[0, 3:]).abs().max().item() <= 1e-5
+
+
+def test_gradient_checkpointing_gives_same_gradients(saved):
+    model = load_llm(saved["qwen2"][1]).train()
+    ids = torch.randint(2, 96, (2, 8))
+    grads = []
+    for use in (False, True):
+        model.gradient_checkpointing = use
+        model.zero_grad()
+        cross_entropy_loss(model(ids[:, :-1]), ids[:, 1:]).backward()
+        grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
+    assert (grads[0] - grads[1]).abs().max().item() <= 1e-6
+
+
+def test_bf16_logits_within_tolerance_of_fp32(saved):
+    fp32, bf16 = load_llm(saved["qwen2"][1]), load_llm(saved["qwen2"][1], dtype=torch.bfloat16)
+    assert bf16.compute_dtype == torch.bfloat16 and bf16.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    ids, mask = batch_with_left_padding()
+    with torch.no_grad():
+        ref, out = fp32(ids, mask), bf16(ids, mask)
+    assert out.dtype == torch.float32
+    diff = max_diff(out, ref, mask.bool())
+    # bf16 keeps 8 significant bits: a tiny 2-layer model drifts by a few percent of the logit scale
+    assert diff <= 0.05 * ref.abs().max().item(), diff
+    assert (out.argmax(-1) == ref.argmax(-1))[mask.bool()].float().mean().item() >= 0.9
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint layouts and errors
+
+
+def test_sharded_checkpoint_with_index_loads_identically(saved, tmp_path):
+    _, folder = saved["llama"]
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    keys = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2], "model-00002-of-00002.safetensors": keys[len(keys) // 2 :]}
+    for name, part in shards.items():
+        save_file({k: tensors[k] for k in part}, str(tmp_path / name))
+    index = {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(open(os.path.join(folder, "config.json")).read())
+    ids = torch.randint(2, 96, (2, 7))
+    with torch.no_grad():
+        reference = load_llm(folder)(ids)
+        assert torch.equal(load_llm(str(tmp_path))(ids), reference)
+        assert torch.equal(load_llm(str(tmp_path / "model.safetensors.index.json"))(ids), reference)
+
+
+def test_qwen2_5_vl_checkpoint_layouts_load_language_model(tmp_path):
+    """A real (tiny) Qwen2.5-VL saved by transformers, and the same tensors under the
+    `model.language_model.*` and `language_model.model.*` layouts: the vision tower is skipped
+    and text-only logits equal Qwen2_5_VLForConditionalGeneration's."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = {**TINY, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, fullatt_block_indexes=[0])
+    hf = randomize_(Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, attn_implementation="eager")))
+    hf.save_pretrained(str(tmp_path / "vl"), safe_serialization=True)
+    with safe_open(str(tmp_path / "vl" / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert any(k.startswith("visual.") for k in tensors)
+    config = LLMConfig.from_hf(json.loads((tmp_path / "vl" / "config.json").read_text()))
+    assert config.qkv_bias and config.num_layers == 2 and config.rope_theta == 10000.0
+    layouts = {
+        "new": lambda k: "model." + k if k.startswith("visual.") else k.replace("model.", "model.language_model.", 1),
+        "llava": lambda k: k if k.startswith("visual.") else "language_model." + k,
+    }
+    for name, rename in layouts.items():
+        save_file({rename(k): v for k, v in tensors.items()}, str(tmp_path / f"{name}.safetensors"))
+    ids, mask = batch_with_left_padding()
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask).logits
+        for path in (str(tmp_path / "vl"), str(tmp_path / "new.safetensors"), str(tmp_path / "llava.safetensors")):
+            cfg = None if path.endswith("vl") else config
+            assert max_diff(load_llm(path, config=cfg)(ids, mask), ref, mask.bool()) <= 1e-5, path
+
+
+def test_missing_and_unexpected_keys_raise_checkpoint_error_naming_them(saved, tmp_path):
+    _, folder = saved["llama"]
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    config = LLMConfig.from_hf(json.loads(open(os.path.join(folder, "config.json")).read()))
+    missing = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    save_file(missing, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing keys: model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_llm(str(tmp_path / "missing.safetensors"), config=config)
+    save_file({**tensors, "model.layers.1.self_attn.q_norm.weight": torch.ones(16)}, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(CheckpointError, match=r"unexpected keys.*model\.layers\.1\.self_attn\.q_norm\.weight"):
+        load_llm(str(tmp_path / "extra.safetensors"), config=config)
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_llm(str(tmp_path / "extra.safetensors"))
+
+
+def test_from_hf_refuses_unsupported_rope_scaling():
+    with pytest.raises(ValueError, match="llama3"):
+        LLMConfig.from_hf({**TINY, "model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets
+
+
+def test_meta_parameter_counts_of_presets_match_transformers():
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        ours = {"qwen": count_parameters(LLM(QWEN2_5_7B)), "llama": count_parameters(LLM(LLAMA3_8B))}
+        hf_llama = LlamaForCausalLM(LlamaConfig(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, tie_word_embeddings=False))
+        hf_qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944, tie_word_embeddings=False))
+    assert ours == {"qwen": 7_615_616_512, "llama": 8_030_261_248}
+    assert ours == {"qwen": count_parameters(hf_qwen), "llama": count_parameters(hf_llama)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation and loss helpers
+
+
+class NextTokenModel(torch.nn.Module):
+    """Predicts (last token + 1) % V at every position; records the input lengths it saw."""
+
+    def __init__(self, vocab=16):
+        super().__init__()
+        self.vocab, self.seen = vocab, []
+
+    def forward(self, idx):
+        self.seen.append(idx.shape[1])
+        return torch.nn.functional.one_hot((idx + 1) % self.vocab, self.vocab).float() * 10.0
+
+
+def test_generate_stops_at_eos_and_crops_context():
+    model = NextTokenModel()
+    out = generate(model, torch.tensor([[2, 3, 4, 5, 6, 7]]), max_new_tokens=10, context_size=4, eos_id=11)
+    assert out.tolist() == [[2, 3, 4, 5, 6, 7, 8, 9, 10]]  # 11 = eos is sampled, not appended
+    assert max(model.seen) == 4 and len(model.seen) == 4
+    batch = generate(NextTokenModel(), torch.tensor([[9], [5]]), max_new_tokens=10, context_size=4, eos_id=11)
+    assert batch.tolist() == [[9, 10, 11, 11, 11, 11], [5, 6, 7, 8, 9, 10]]
+    no_eos = generate(NextTokenModel(), torch.tensor([[0]]), max_new_tokens=5, context_size=4, top_k=3, temperature=0.5)
+    assert no_eos.shape == (1, 6)
+
+
+def test_cross_entropy_and_perplexity_of_uniform_logits():
+    logits = torch.zeros(2, 5, 50, dtype=torch.bfloat16)
+    targets = torch.randint(0, 50, (2, 5))
+    targets[0, :2] = -100  # ignored
+    loss = cross_entropy_loss(logits, targets)
+    assert loss.dtype == torch.float32
+    assert abs(loss.item() - torch.log(torch.tensor(50.0)).item()) <= 1e-6
+    assert abs(perplexity(loss) - 50.0) <= 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer and quickstart
+
+
+def test_bpe_tokenizer_round_trips_and_loads_with_autotokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from library.tokenizer import build_bpe_tokenizer, load_tokenizer
+
+    texts = ["Return the number of items in the container.", "Raise ValueError if the value is not found."] * 20
+    tok = build_bpe_tokenizer(texts, 300, str(tmp_path))
+    sample = "Return the value, ünïcode too."
+    assert tok.decode(tok.encode(sample, add_special_tokens=False)) == sample
+    assert len(tok) == 300 and tok.eos_token == "<|endoftext|>" and tok.pad_token_id is not None
+    again = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert again.encode(sample) == tok.encode(sample) == load_tokenizer(str(tmp_path)).encode(sample)
+    assert again.eos_token_id == tok.eos_token_id
+
+
+def test_quickstart_short_run_writes_outputs_and_lowers_val_loss(tmp_path):
+    from tools.llm_quickstart import main
+
+    out = tmp_path / "qs"
+    result = main(["--output_dir", str(out), "--corpus_chars", "30000", "--vocab_size", "300", "--context", "32", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv_heads", "1", "--batch_size", "8", "--max_steps", "30", "--eval_every", "15", "--eval_batches", "2", "--sample_tokens", "5", "--threads", "1"])
+    for name in ("log.csv", "loss.png", "model.safetensors", "config.json", "tokenizer/tokenizer.json"):
+        assert (out / name).is_file(), name
+    assert result["val_loss_end"] < result["val_loss_start"] - 0.3, result
+    assert len((out / "log.csv").read_text().splitlines()) == 1 + 3  # header + evals at steps 1, 15, 30
+    reloaded = load_llm(str(out))
+    assert reloaded.config.vocab_size == 300

@@ -1,0 +1,470 @@
+"""tools/merge_lora.py and tools/convert_lora.py on tiny real models: merged weights and outputs,
+layouts kept, fp8 outputs, errors, and kohya <-> diffusers round trips."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from library import fp8
+from library.flux import Flux, FluxConfig, make_img_ids, make_txt_ids
+from library.flux_checkpoint import (
+    diffusers_config,
+    flux_diffusers_module_map,
+    flux_to_diffusers_state_dict,
+    load_flux,
+    save_flux_bfl,
+)
+from library.llm import LLM, LLMConfig, load_llm
+from library.qwen_image import QwenImage, QwenImageConfig, load_qwen_image, save_qwen_image_diffusers
+from networks import lora_files as lf
+from networks.lora import LoRANetwork
+from tools import convert_lora, merge_lora
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLUX_CFG = FluxConfig(in_channels=64, vec_in_dim=16, context_in_dim=32, hidden_size=64, num_heads=2, depth=1,
+                      depth_single=1, axes_dim=(4, 14, 14))  # fmt: skip
+QWEN_CFG = QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 12, 12))
+LLM_CFG = LLMConfig(vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny models, LoRAs and inputs
+
+
+def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every parameter random (norms around 1), so every weight and its LoRA shows in the output."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1 + 0.2 * noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5 if p.dim() == 2 else 0.1 * noise)
+    return model.eval()
+
+
+def lora(model, family, rank, alpha, seed, **args) -> LoRANetwork:
+    torch.manual_seed(seed)
+    net = LoRANetwork(model, family, rank=rank, alpha=alpha, network_args=args)
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.lora_up.weight.normal_(0, 0.2)
+    return net
+
+
+def flux_inputs():
+    g = torch.Generator().manual_seed(5)
+    return dict(img=torch.randn(1, 16, 64, generator=g), img_ids=make_img_ids(1, 4, 4), txt=torch.randn(1, 8, 32, generator=g),
+                txt_ids=make_txt_ids(1, 8), timesteps=torch.tensor([0.4]), y=torch.randn(1, 16, generator=g))  # fmt: skip
+
+
+def qwen_inputs():
+    g = torch.Generator().manual_seed(6)
+    return dict(img=torch.randn(1, 16, 64, generator=g), txt=torch.randn(1, 8, 32, generator=g),
+                txt_mask=torch.ones(1, 8, dtype=torch.bool), timesteps=torch.tensor([0.4]), img_shapes=[(1, 4, 4)])  # fmt: skip
+
+
+def llm_inputs():
+    return dict(input_ids=torch.randint(0, 48, (1, 7), generator=torch.Generator().manual_seed(7)))
+
+
+def run(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs)
+
+
+def runtime_output(model, nets_and_ratios, inputs) -> torch.Tensor:
+    """The base with the LoRAs applied unmerged (patched forwards), then removed again."""
+    for net, ratio in nets_and_ratios:
+        net.set_multiplier(ratio)
+        net.apply()
+    out = run(model, inputs)
+    for net, _ in reversed(nets_and_ratios):
+        net.remove()
+    return out
+
+
+def merge(*argv) -> int:
+    return merge_lora.main([str(a) for a in argv])
+
+
+def save_llm_folder(model: LLM, folder):
+    """HF layout in two shards + index, and a file the merge must copy along (tokenizer config)."""
+    os.makedirs(folder, exist_ok=True)
+    sd = model.state_dict()
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2], "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    for shard, keys in shards.items():
+        save_file({k: sd[k].contiguous() for k in keys}, os.path.join(folder, shard), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": 0}, "weight_map": {k: s for s, keys in shards.items() for k in keys}}
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(LLM_CFG.to_hf(), f)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        f.write('{"model_max_length": 64}')
+
+
+def read_all(path) -> dict[str, torch.Tensor]:
+    with safe_open(path, framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def only_line(captured: str) -> str:
+    lines = [line for line in captured.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def flux_bfl(tmp_path_factory):
+    """A tiny FLUX BFL file and two kohya LoRAs (the second also on the modulation Linears)."""
+    root = tmp_path_factory.mktemp("flux")
+    model = randomized(Flux(FLUX_CFG), 1)
+    save_flux_bfl(model, str(root / "base.safetensors"))
+    a = lora(model, "flux", rank=4, alpha=2.0, seed=2)
+    b = lora(model, "flux", rank=2, alpha=8.0, seed=3, train_modulation=True)
+    a.save(str(root / "a.safetensors"))
+    b.save(str(root / "b.safetensors"))
+    return root, model, a, b
+
+
+# ----------------------------------------------------------------------------------------------
+# Merging: weights and outputs
+
+
+def test_merged_weights_equal_independent_formula_for_two_loras(flux_bfl, tmp_path):
+    root, model, a, b = flux_bfl
+    out = tmp_path / "merged.safetensors"
+    assert merge("--model", root / "base.safetensors", "--lora", f"{root / 'a.safetensors'}:0.8", f"{root / 'b.safetensors'}:-0.5",
+                 "--save_to", out, "--save_precision", "fp32") == 0  # fmt: skip
+    merged, base = read_all(out), read_all(root / "base.safetensors")
+    assert set(merged) == set(base)
+    changed = 0
+    for key, w in base.items():
+        expected = w.double()
+        for net, ratio in ((a, 0.8), (b, -0.5)):
+            module = dict((m.name, m) for m in net.lora_modules()).get(key.removesuffix(".weight"))
+            if module is not None and key.endswith(".weight"):
+                up, down = module.lora_up.weight.double(), module.lora_down.weight.double()
+                expected = expected + ratio * (float(module.alpha) / module.rank) * up @ down
+        changed += not torch.equal(merged[key], w)
+        assert (merged[key].double() - expected).abs().max() <= 1e-6 * expected.abs().max(), key
+    assert changed == len({m.name for m in a.lora_modules()} | {m.name for m in b.lora_modules()}) == 13
+    with safe_open(str(out), framework="pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["merged_loras"]) == [{"file": "a.safetensors", "ratio": 0.8}, {"file": "b.safetensors", "ratio": -0.5}]
+    assert meta["save_precision"] == "fp32" and "flux_config" in meta
+
+
+def test_flux_bfl_merge_output_equals_unmerged_lora(flux_bfl, tmp_path):
+    root, model, a, b = flux_bfl
+    expected = runtime_output(model, [(a, 0.8), (b, 1.0)], flux_inputs())
+    assert (expected - run(model, flux_inputs())).abs().max() > 0.05  # the LoRAs matter
+    merge("--model", root / "base.safetensors", "--lora", f"{root / 'a.safetensors'}:0.8", root / "b.safetensors",
+          "--save_to", tmp_path / "m.safetensors")  # fmt: skip
+    merged = load_flux(str(tmp_path / "m.safetensors"))
+    assert (run(merged, flux_inputs()) - expected).abs().max() <= 1e-5
+
+
+def test_flux_diffusers_sharded_folder_merge_keeps_layout_and_output(flux_bfl, tmp_path):
+    root, model, a, b = flux_bfl
+    reference = FluxTransformer2DModel(**{k: v for k, v in diffusers_config(FLUX_CFG).items() if not k.startswith("_")})
+    reference.load_state_dict(flux_to_diffusers_state_dict(model.state_dict()))
+    reference.save_pretrained(tmp_path / "pipe" / "transformer", max_shard_size="300KB")
+    shards = sorted(os.listdir(tmp_path / "pipe" / "transformer"))
+    assert sum(s.endswith(".safetensors") for s in shards) > 1
+    # a BFL-named kohya LoRA and a diffusers-named PEFT LoRA, both onto diffusers names
+    peft = lf.flux_bfl_to_diffusers(b.lora_weights(), flux_diffusers_module_map(1, 1, 64, 256))
+    lf.write_peft(peft, str(tmp_path / "b_peft.safetensors"))
+    out = tmp_path / "merged"
+    assert merge("--model", tmp_path / "pipe", "--lora", f"{root / 'a.safetensors'}:0.7", f"{tmp_path / 'b_peft.safetensors'}:1.5",
+                 "--save_to", out) == 0  # fmt: skip
+    assert sorted(os.listdir(out)) == shards
+    with open(out / "diffusion_pytorch_model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert index["weight_map"] == json.load(open(tmp_path / "pipe" / "transformer" / "diffusion_pytorch_model.safetensors.index.json"))["weight_map"]
+    expected = runtime_output(model, [(a, 0.7), (b, 1.5)], flux_inputs())
+    assert (run(load_flux(str(out)), flux_inputs()) - expected).abs().max() <= 1e-5
+
+
+def test_diffusers_named_lora_merges_into_bfl_file(flux_bfl, tmp_path):
+    root, model, a, _ = flux_bfl
+    peft = lf.flux_bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(1, 1, 64, 256))
+    lf.write_peft(peft, str(tmp_path / "a_peft.safetensors"))
+    merge("--model", root / "base.safetensors", "--lora", tmp_path / "a_peft.safetensors", "--save_to", tmp_path / "m.safetensors")
+    expected = runtime_output(model, [(a, 1.0)], flux_inputs())
+    assert (run(load_flux(str(tmp_path / "m.safetensors")), flux_inputs()) - expected).abs().max() <= 1e-5
+
+
+def test_qwen_image_folder_merge_equals_unmerged_lora(tmp_path):
+    model = randomized(QwenImage(QWEN_CFG), 4)
+    save_qwen_image_diffusers(model.state_dict(), QWEN_CFG, str(tmp_path / "qwen" / "transformer"))
+    net = lora(model, "qwen_image", rank=4, alpha=1.0, seed=5, mod_dim=2)
+    net.save(str(tmp_path / "q.safetensors"))
+    expected = runtime_output(model, [(net, 1.2)], qwen_inputs())
+    assert (expected - run(model, qwen_inputs())).abs().max() > 0.05
+    assert merge("--model", tmp_path / "qwen", "--lora", f"{tmp_path / 'q.safetensors'}:1.2", "--save_to", tmp_path / "out") == 0
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    assert (run(load_qwen_image(str(tmp_path / "out")), qwen_inputs()) - expected).abs().max() <= 1e-5
+
+
+def test_llm_sharded_folder_merge_equals_unmerged_lora_and_copies_files(tmp_path):
+    model = randomized(LLM(LLM_CFG), 6)
+    save_llm_folder(model, tmp_path / "llm")
+    net = lora(model, "llm", rank=4, alpha=4.0, seed=7)
+    net.save(str(tmp_path / "l.safetensors"))
+    expected = runtime_output(model, [(net, 0.9)], llm_inputs())
+    assert merge("--model", tmp_path / "llm", "--lora", f"{tmp_path / 'l.safetensors'}:0.9", "--save_to", tmp_path / "out",
+                 "--save_precision", "bf16") == 0  # fmt: skip
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(os.listdir(tmp_path / "llm"))
+    assert open(tmp_path / "out" / "tokenizer_config.json").read() == '{"model_max_length": 64}'
+    merged = read_all(tmp_path / "out" / "model-00001-of-00002.safetensors")
+    assert {t.dtype for t in merged.values()} == {torch.bfloat16}
+    out = run(load_llm(str(tmp_path / "out")), llm_inputs())
+    assert (out - expected).abs().max() <= 0.02 * expected.abs().max()  # bf16 storage of the merged fp32 sum
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 outputs
+
+
+@pytest.mark.parametrize("mode, tolerance", [("fp8", 0.05), ("fp8_scaled", 0.03)])
+def test_fp8_outputs_dequantize_to_the_fp32_merge(flux_bfl, tmp_path, mode, tolerance):
+    root, model, a, _ = flux_bfl
+    lora_arg = f"{root / 'a.safetensors'}:0.8"
+    merge("--model", root / "base.safetensors", "--lora", lora_arg, "--save_to", tmp_path / "f32.safetensors", "--save_precision", "fp32")
+    merge("--model", root / "base.safetensors", "--lora", lora_arg, "--save_to", tmp_path / "q.safetensors", "--save_precision", mode)
+    exact, quantized = read_all(tmp_path / "f32.safetensors"), read_all(tmp_path / "q.safetensors")
+    linears = [k for k in exact if k.endswith(".weight") and exact[k].dim() == 2]
+    for key in linears:
+        module = key.removesuffix(".weight")
+        if fp8.is_high_precision(module, "flux"):
+            assert quantized[key].dtype == torch.bfloat16 and module + ".weight_scale" not in quantized
+            continue
+        q = quantized[key]
+        scale = quantized.get(module + ".weight_scale")
+        assert q.dtype == torch.float8_e4m3fn and (scale is not None) == (mode == "fp8_scaled")
+        w = fp8.dequantize_weight(q, scale, torch.float32)
+        rms = ((w - exact[key]).norm() / exact[key].norm()).item()
+        assert rms <= tolerance, (key, rms)
+    assert all(t.dtype == torch.bfloat16 for k, t in quantized.items() if k not in linears and not k.endswith("_scale"))
+    if mode == "fp8_scaled":  # loads into the project's FP8Linear layout and runs close to the fp32 merge
+        with torch.device("meta"):
+            fp8_model = fp8.prepare_fp8(Flux(FLUX_CFG), mode, "flux")
+        fp8_model.load_state_dict({k: t if t.dtype == torch.float8_e4m3fn or k.endswith("_scale") else t.float()
+                                   for k, t in quantized.items()}, assign=True)  # fmt: skip
+        expected = run(load_flux(str(tmp_path / "f32.safetensors")), flux_inputs())
+        err = ((run(fp8_model, flux_inputs()) - expected).norm() / expected.norm()).item()
+        assert err <= 0.04, err  # measured 0.019
+
+
+def test_stochastic_rounding_keeps_a_delta_that_round_to_nearest_drops(tmp_path):
+    model = randomized(LLM(LLM_CFG), 8)
+    # q_proj of layer 0: weights that are exact e4m3 values of one binade (step 2^-7) and a uniform
+    # delta of 0.25 step. Round to nearest gives the base back; stochastic rounding keeps the mean.
+    step, delta = 2.0**-7, 0.25 * 2.0**-7
+    g = torch.Generator().manual_seed(0)
+    w = (1 + torch.randint(0, 8, (32, 32), generator=g) / 8) * 2.0**-4 * torch.randint(0, 2, (32, 32), generator=g).mul(2).sub(1)
+    model.model.layers[0].self_attn.q_proj.weight.data.copy_(w)
+    save_llm_folder(model, tmp_path / "llm")
+    ones = lf.LoRAWeights(torch.full((1, 32), delta**0.5), torch.full((32, 1), delta**0.5), alpha=1.0)
+    lf.write_kohya({"model.layers.0.self_attn.q_proj": ones}, str(tmp_path / "d.safetensors"), prefix="lora_te")
+    shard = "model-00001-of-00002.safetensors"
+    key = "model.layers.0.self_attn.q_proj.weight"
+    results = {}
+    for name, extra in (("nearest", []), ("stochastic", ["--stochastic_rounding"]), ("stochastic_again", ["--stochastic_rounding"])):
+        assert merge("--model", tmp_path / "llm", "--lora", tmp_path / "d.safetensors", "--save_to", tmp_path / name,
+                     "--save_precision", "fp8", *extra) == 0  # fmt: skip
+        results[name] = read_all(tmp_path / name / shard)[key].float()
+    assert torch.equal(results["nearest"], w)  # the whole delta vanished
+    mean_shift = (results["stochastic"] - w).mean().item()
+    assert abs(mean_shift - delta) <= 0.1 * delta, (mean_shift, delta)
+    assert (results["stochastic"] - (w + delta)).abs().max() < step  # always one of the two neighbours
+    assert torch.equal(results["stochastic"], results["stochastic_again"])  # same --seed, same bits
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors: one line, exit status 2, nothing written
+
+
+def _foreign_lora(tmp_path):
+    net = lora(LLM(LLM_CFG), "llm", rank=2, alpha=1.0, seed=9)
+    net.save(str(tmp_path / "llm_lora.safetensors"))
+    return tmp_path / "llm_lora.safetensors"
+
+
+def _misshapen_lora(tmp_path):
+    w = lf.LoRAWeights(torch.randn(2, 48), torch.randn(64, 2), 1.0)  # proj is [64, 64]
+    lf.write_kohya({"double_blocks.0.img_attn.proj": w}, str(tmp_path / "bad_shape.safetensors"))
+    return tmp_path / "bad_shape.safetensors"
+
+
+def _partly_matching_lora(tmp_path, root):
+    weights, _, _ = lf.read_lora(str(root / "a.safetensors"), module_paths=flux_diffusers_module_map(1, 1, 64, 256))
+    weights["double_blocks.7.img_attn.proj"] = lf.LoRAWeights(torch.randn(2, 64), torch.randn(64, 2), 1.0)
+    lf.write_kohya(weights, str(tmp_path / "partly.safetensors"))
+    return tmp_path / "partly.safetensors"
+
+
+def _fp8_base(tmp_path, root):
+    sd = read_all(root / "base.safetensors")
+    sd["double_blocks.0.img_attn.qkv.weight"] = sd["double_blocks.0.img_attn.qkv.weight"].to(torch.float8_e4m3fn)
+    save_file(sd, str(tmp_path / "fp8_base.safetensors"))
+    return tmp_path / "fp8_base.safetensors"
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("other_model", "no LoRA module matches a weight of the flux checkpoint"),
+        ("shape", "'double_blocks.0.img_attn.proj.weight' gives a delta of shape (64, 48), the checkpoint weight is (64, 64)"),
+        ("ratio", "ratio 'abc' is not a number"),
+        ("fp8_base", "'double_blocks.0.img_attn.qkv.weight' is stored as F8_E4M3"),
+        ("missing", "missing.safetensors: no such file"),
+        ("unmatched", "match no weight of"),
+        ("stochastic_without_fp8", "--stochastic_rounding needs --save_precision fp8"),
+    ],
+)
+def test_errors_are_one_line_exit_2_and_leave_no_output(flux_bfl, tmp_path, capsys, case, message):
+    root, *_ = flux_bfl
+    base, lora_arg, extra = root / "base.safetensors", str(root / "a.safetensors"), []
+    if case == "other_model":
+        lora_arg = _foreign_lora(tmp_path)
+    elif case == "shape":
+        lora_arg = _misshapen_lora(tmp_path)
+    elif case == "ratio":
+        lora_arg += ":abc"
+    elif case == "fp8_base":
+        base = _fp8_base(tmp_path, root)
+    elif case == "missing":
+        lora_arg = tmp_path / "missing.safetensors"
+    elif case == "unmatched":
+        lora_arg = _partly_matching_lora(tmp_path, root)
+    elif case == "stochastic_without_fp8":
+        extra = ["--stochastic_rounding"]
+    before = set(os.listdir(tmp_path))
+    capsys.readouterr()
+    assert merge("--model", base, "--lora", lora_arg, "--save_to", tmp_path / "out.safetensors", *extra) == 2
+    line = only_line(capsys.readouterr().err)
+    assert line.startswith("error: ") and message in line, line
+    assert set(os.listdir(tmp_path)) == before  # no output, no temporary file
+
+
+def test_unmatched_modules_are_listed_and_skipped_with_allow_unmatched(flux_bfl, tmp_path, capsys):
+    root, model, a, _ = flux_bfl
+    partly = _partly_matching_lora(tmp_path, root)
+    assert merge("--model", root / "base.safetensors", "--lora", partly, "--save_to", tmp_path / "m.safetensors", "--allow_unmatched") == 0
+    assert "double_blocks_7_img_attn_proj" in capsys.readouterr().err
+    expected = runtime_output(model, [(a, 1.0)], flux_inputs())
+    assert (run(load_flux(str(tmp_path / "m.safetensors")), flux_inputs()) - expected).abs().max() <= 1e-5
+
+
+def test_command_line_bad_ratio_exits_2_with_one_stderr_line(flux_bfl, tmp_path):
+    root, *_ = flux_bfl
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "merge_lora.py"), "--model", str(root / "base.safetensors"),
+         "--lora", f"{root / 'a.safetensors'}:x1", "--save_to", str(tmp_path / "o.safetensors")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert "ratio 'x1' is not a number" in only_line(done.stderr)
+    assert not os.path.exists(tmp_path / "o.safetensors")
+
+
+def test_streaming_writer_output_reads_back_with_safe_open(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(2, 2).to(torch.float8_e4m3fn),
+               "d": torch.tensor(1.5, dtype=torch.bfloat16)}  # fmt: skip
+    entries = [merge_lora.Entry(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    merge_lora.write_safetensors_streaming(str(tmp_path / "s.safetensors"), entries, iter(tensors.items()), {"x": "y"})
+    with safe_open(str(tmp_path / "s.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"x": "y"}
+        back = {k: f.get_tensor(k) for k in f.keys()}
+    assert set(back) == set(tensors)
+    assert all(back[k].dtype == t.dtype and torch.equal(back[k].float(), t.float()) for k, t in tensors.items())
+    with open(tmp_path / "s.safetensors", "rb") as f:
+        assert int.from_bytes(f.read(8), "little") % 8 == 0  # header padded like safetensors' own
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversion
+
+
+def convert(*argv) -> int:
+    return convert_lora.main([str(a) for a in argv])
+
+
+def deltas_match(a: dict, b: dict, tol=1e-6):
+    assert set(a) == set(b)
+    for p in a:
+        ref = a[p].delta()
+        assert (b[p].delta() - ref).abs().max() <= tol * ref.abs().max(), p
+
+
+def test_flux_kohya_to_diffusers_to_kohya_round_trip(flux_bfl, tmp_path):
+    root, _, _, b = flux_bfl  # rank 2, alpha 8, attention, MLP, single and modulation Linears
+    assert convert(root / "b.safetensors", tmp_path / "d.safetensors", "--to", "diffusers") == 0
+    diffusers, meta, fmt = lf.read_lora(str(tmp_path / "d.safetensors"))
+    assert fmt == "peft" and meta[convert_lora.FOLDED_MARK] == "true" and meta["ss_network_dim"] == "2"
+    assert {"transformer_blocks.0.attn.to_k", "transformer_blocks.0.norm1_context.linear", "single_transformer_blocks.0.proj_mlp"} <= set(diffusers)
+    module_map = flux_diffusers_module_map(1, 1, 64, 256)
+    deltas_match(lf.flux_bfl_to_diffusers(b.lora_weights(), module_map), diffusers)
+    assert convert(tmp_path / "d.safetensors", tmp_path / "k.safetensors", "--to", "kohya", "--alpha", "8") == 0
+    back, _, fmt = lf.read_lora(str(tmp_path / "k.safetensors"), module_paths=module_map)
+    assert fmt == "kohya" and all(w.alpha == 8.0 and w.rank == 2 for w in back.values())
+    deltas_match(b.lora_weights(), back)
+    fresh = LoRANetwork(Flux(FLUX_CFG), "flux", rank=2, network_args={"train_modulation": True})
+    fresh.load_weights(str(tmp_path / "k.safetensors"))  # the converted file loads into the trainer's network
+    deltas_match(b.lora_weights(), fresh.lora_weights())
+
+
+def test_qwen_kohya_to_diffusers_to_kohya_round_trip(tmp_path):
+    net = lora(QwenImage(QWEN_CFG), "qwen_image", rank=4, alpha=2.0, seed=10, mod_dim=2)
+    net.save(str(tmp_path / "q.safetensors"))
+    assert convert(tmp_path / "q.safetensors", tmp_path / "d.safetensors", "--to", "diffusers") == 0
+    with safe_open(str(tmp_path / "d.safetensors"), framework="pt") as f:
+        assert "transformer.transformer_blocks.0.img_mod.1.lora_A.weight" in f.keys()
+    assert convert(tmp_path / "d.safetensors", tmp_path / "k.safetensors", "--to", "kohya") == 0
+    back, _, _ = lf.read_lora(str(tmp_path / "k.safetensors"), module_paths=[m.name for m in net.lora_modules()])
+    assert all(w.alpha == w.rank for w in back.values())  # alpha was folded into up on the way
+    deltas_match(net.lora_weights(), back)
+
+
+def test_peft_file_without_alpha_converts_as_scale_one_with_a_warning(tmp_path, capsys):
+    weights = {"transformer_blocks.0.img_mlp.net.2": lf.LoRAWeights(torch.randn(4, 128), torch.randn(32, 4), 8.0)}
+    save_file(lf.peft_state_dict({p: lf.LoRAWeights(w.down, w.up, 4.0) for p, w in weights.items()}), str(tmp_path / "p.safetensors"))
+    capsys.readouterr()
+    assert convert(tmp_path / "p.safetensors", tmp_path / "k.safetensors", "--to", "kohya") == 0
+    assert "scale is unknown" in capsys.readouterr().err
+    unscaled, _, _ = lf.read_lora(str(tmp_path / "k.safetensors"), module_paths=list(weights))
+    assert unscaled["transformer_blocks.0.img_mlp.net.2"].alpha == 4.0  # alpha = rank
+    # the same tensors with diffusers' adapter config in the header: alpha 8 is read, no warning
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["net.2"]}
+    tensors = dict(read_all(tmp_path / "p.safetensors"))
+    save_file(tensors, str(tmp_path / "m.safetensors"), metadata={lf.ADAPTER_METADATA_KEY: json.dumps(config)})
+    assert convert(tmp_path / "m.safetensors", tmp_path / "k2.safetensors", "--to", "kohya", "--model_type", "qwen_image") == 0
+    assert "unknown" not in capsys.readouterr().err
+    scaled, _, _ = lf.read_lora(str(tmp_path / "k2.safetensors"), module_paths=list(weights))
+    deltas_match(weights, scaled)
+
+
+def test_convert_errors_are_one_line_exit_2(tmp_path, capsys):
+    attn_only = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(2, 8),
+                 "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(8, 2)}  # fmt: skip
+    save_file(attn_only, str(tmp_path / "attn.safetensors"))
+    capsys.readouterr()
+    assert convert(tmp_path / "attn.safetensors", tmp_path / "o.safetensors", "--to", "kohya") == 2
+    assert "pass --model_type" in only_line(capsys.readouterr().err)
+    assert convert(tmp_path / "nope.safetensors", tmp_path / "o.safetensors", "--to", "kohya") == 2
+    assert "no such file" in only_line(capsys.readouterr().err)
+    assert convert(tmp_path / "attn.safetensors", tmp_path / "o.safetensors", "--to", "diffusers", "--alpha", "4") == 2
+    assert "--alpha" in only_line(capsys.readouterr().err)
+    assert not os.path.exists(tmp_path / "o.safetensors")

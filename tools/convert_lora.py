@@ -1,0 +1,222 @@
+"""Convert a FLUX.1 or Qwen-Image LoRA between kohya and diffusers/PEFT layouts.
+
+    python tools/convert_lora.py IN OUT --to kohya|diffusers [--model_type flux|qwen_image] [--alpha X]
+
+The source layout (kohya `lora_unet_*`, PEFT `transformer.*.lora_A/B`, ComfyUI `diffusion_model.*`)
+and the model type are told from the tensor names (--model_type settles a LoRA that names only
+modules both models have, such as attention projections).
+
+- FLUX.1: kohya files use BFL module names (`double_blocks.0.img_attn.qkv`), diffusers files
+  diffusers names (`transformer_blocks.0.attn.to_q`). Fused modules are split by output rows (the
+  down matrix is shared) or joined back, through library.flux_checkpoint's module map, sized from
+  the LoRA's own block indices and shapes.
+- Qwen-Image: the module names are the same; only the prefix changes.
+
+Alpha: a kohya file stores it per module (`.alpha`); a diffusers/PEFT file written by diffusers
+stores its adapter config in the safetensors header (`lora_adapter_metadata`, lora_alpha /
+alpha_pattern / use_rslora). kohya output keeps alpha (or sets it to --alpha, rescaling up so the
+delta is unchanged); diffusers output has alpha/rank folded into lora_B (float32 math), since a PEFT
+file without an adapter config is loaded with scale 1. A PEFT file with neither is read as alpha =
+rank (what diffusers does) with a warning. Tensors keep the source dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `library` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library.flux_checkpoint import flux_diffusers_module_map  # noqa: E402
+from library.io import CheckpointError, CheckpointReader  # noqa: E402
+from networks.lora_files import (  # noqa: E402
+    ADAPTER_METADATA_KEY,
+    LoRAWeights,
+    detect_format,
+    flux_bfl_to_diffusers,
+    flux_diffusers_to_bfl,
+    parse_lora,
+    write_kohya,
+    write_peft,
+)
+
+FOLDED_MARK = "lora_alpha_folded"  # header entry of our diffusers output: alpha/rank is inside lora_B
+DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
+
+# Names (with '.' and '_' alike) that only one model type has.
+FLUX_MARKERS = ("double_blocks_", "single_blocks_", "single_transformer_blocks_", "_ff_net_", "_ff_context_", "_norm1_linear")
+QWEN_MARKERS = ("_img_mlp_net_", "_txt_mlp_net_", "_img_mod_1", "_txt_mod_1")  # BFL has img_mlp_0, img_mod_lin
+# single_transformer_blocks first: findall takes the first alternative that matches at a position.
+BLOCK = re.compile(r"(single_transformer_blocks|double_blocks|single_blocks|transformer_blocks)[._](\d+)[._]")
+
+
+def detect_model_type(keys) -> str:
+    flat = [k.replace(".", "_") for k in keys]
+    flux = next((k for k in flat if any(m in k for m in FLUX_MARKERS)), None)
+    qwen = next((k for k in flat if any(m in k for m in QWEN_MARKERS)), None)
+    if flux and qwen:
+        raise CheckpointError(f"LoRA names both FLUX ('{flux}') and Qwen-Image ('{qwen}') modules")
+    if not (flux or qwen):
+        raise CheckpointError(f"cannot tell FLUX from Qwen-Image by the names (e.g. '{flat[0]}'): pass --model_type")
+    return "flux" if flux else "qwen_image"
+
+
+def block_counts(keys) -> dict[str, int]:
+    """Block kind -> count (highest index + 1) named anywhere in the keys."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        for kind, index in BLOCK.findall(key):
+            counts[kind] = max(counts.get(kind, 0), int(index) + 1)
+    return counts
+
+
+# ----------------------------------------------------------------------------------------------
+# Module paths (kohya names are resolved against them)
+
+
+def flux_paths(counts: dict[str, int]) -> list[str]:
+    """Every FLUX Linear path, BFL and diffusers names (the sizes do not change the names)."""
+    double = max(counts.get("double_blocks", 0), counts.get("transformer_blocks", 0))
+    single = max(counts.get("single_blocks", 0), counts.get("single_transformer_blocks", 0))
+    table = flux_diffusers_module_map(double, single, 1, 1)
+    return list(table) + sorted({d for parts in table.values() for d, _, _ in parts})
+
+
+def qwen_paths(counts: dict[str, int]) -> list[str]:
+    from library.qwen_image import QwenImage, QwenImageConfig
+
+    with torch.device("meta"):
+        model = QwenImage(QwenImageConfig(num_layers=counts.get("transformer_blocks", 0)))
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+
+
+# ----------------------------------------------------------------------------------------------
+# FLUX widths from the LoRA's own shapes
+
+# (path regex, what it tells, how): "in" = down's input width, "out" = up's rows
+BFL_SIZES = [
+    (r"double_blocks\.\d+\.(img|txt)_(attn\.(qkv|proj)|mod\.lin|mlp\.0)|single_blocks\.\d+\.(linear1|modulation\.lin)", "hidden", "in"),
+    (r"double_blocks\.\d+\.(img|txt)_(attn\.proj|mlp\.2)|single_blocks\.\d+\.linear2|img_in|txt_in", "hidden", "out"),
+    (r"double_blocks\.\d+\.(img|txt)_mlp\.0", "mlp", "out"),
+    (r"double_blocks\.\d+\.(img|txt)_mlp\.2", "mlp", "in"),
+    (r"single_blocks\.\d+\.linear1", "mlp", "out-3h"),
+    (r"single_blocks\.\d+\.linear2", "mlp", "in-h"),
+    (r"final_layer\.linear", "out_channels", "out"),
+]
+_ATTN = r".*attn\.(to_q|to_k|to_v|add_[qkv]_proj|to_out\.0|to_add_out)"
+DIFFUSERS_SIZES = [
+    (_ATTN + r"|.*norm1(_context)?\.linear|.*norm\.linear|.*proj_mlp|.*ff(_context)?\.net\.0\.proj", "hidden", "in"),
+    (_ATTN + r"|.*ff(_context)?\.net\.2|x_embedder|context_embedder", "hidden", "out"),
+    (r".*(ff(_context)?\.net\.0\.proj|proj_mlp)", "mlp", "out"),
+    (r".*ff(_context)?\.net\.2", "mlp", "in"),
+    (r"single_transformer_blocks\.\d+\.proj_out", "mlp", "in-h"),
+    (r"proj_out", "out_channels", "out"),
+]
+
+
+def flux_sizes(weights: dict[str, LoRAWeights]) -> dict[str, int]:
+    """hidden, mlp and out_channels of the FLUX model the LoRA was made for, from its shapes."""
+    sizes: dict[str, int] = {}
+    for rules in (BFL_SIZES, DIFFUSERS_SIZES):
+        for pattern, what, how in rules:
+            for path, w in weights.items():
+                if what in sizes or not re.fullmatch(pattern, path):
+                    continue
+                if how.endswith("h") and "hidden" not in sizes:
+                    continue
+                value = {"in": w.down.shape[1], "out": w.up.shape[0], "out-3h": w.up.shape[0] - 3 * sizes.get("hidden", 0),
+                         "in-h": w.down.shape[1] - sizes.get("hidden", 0)}[how]  # fmt: skip
+                sizes[what] = value
+    if "hidden" not in sizes:
+        raise CheckpointError(f"cannot infer the FLUX width from LoRA modules like '{next(iter(weights))}'")
+    sizes.setdefault("mlp", 4 * sizes["hidden"])
+    sizes.setdefault("out_channels", 64)
+    return sizes
+
+
+def flux_module_map(weights: dict[str, LoRAWeights], counts: dict[str, int]) -> dict:
+    s = flux_sizes(weights)
+    double = max(counts.get("double_blocks", 0), counts.get("transformer_blocks", 0))
+    single = max(counts.get("single_blocks", 0), counts.get("single_transformer_blocks", 0))
+    return flux_diffusers_module_map(double, single, s["hidden"], s["mlp"], s["out_channels"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversion
+
+
+def read_source(path: str, model_type: str | None):
+    """-> (weights by dotted module path, metadata, format, model type, alpha known?)."""
+    reader = CheckpointReader(path)
+    tensors = dict(reader.items())
+    fmt = detect_format(tensors)
+    model_type = model_type or detect_model_type(tensors)
+    counts = block_counts(tensors)
+    paths = flux_paths(counts) if model_type == "flux" else qwen_paths(counts)
+    weights, _ = parse_lora(tensors, reader.metadata, paths if fmt == "kohya" else None, source=path)
+    known = fmt != "peft" or any(k.endswith(".alpha") for k in tensors) or ADAPTER_METADATA_KEY in reader.metadata
+    known = known or reader.metadata.get(FOLDED_MARK) == "true"
+    return weights, reader.metadata, fmt, model_type, known, counts
+
+
+def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAWeights]:
+    """Same deltas with every alpha set to `alpha`: up *= old_alpha / alpha (float32 math)."""
+    return {p: LoRAWeights(w.down, (w.up.float() * (w.alpha / alpha)).to(w.up.dtype), alpha) for p, w in weights.items()}
+
+
+def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alpha: float | None = None) -> dict:
+    """Convert `src` to layout `to` ("kohya" | "diffusers") at `dst`; returns what was done."""
+    if to not in ("kohya", "diffusers"):
+        raise ValueError(f"--to {to!r}: expected kohya or diffusers")
+    if alpha is not None and (to != "kohya" or not alpha > 0):
+        raise ValueError(f"--alpha {alpha}: only for --to kohya, and must be > 0 (diffusers output has alpha folded in)")
+    weights, metadata, fmt, model_type, known, counts = read_source(src, model_type)
+    if not known:
+        print(f"warning: {src}: PEFT file without '{ADAPTER_METADATA_KEY}' or alphas: the scale is unknown; "
+              "converting as alpha = rank (scale 1), which is what diffusers assumes", file=sys.stderr)  # fmt: skip
+    dtype = next(iter(weights.values())).down.dtype
+    if model_type == "flux":
+        module_map = flux_module_map(weights, counts)
+        bfl_named = all(p in module_map for p in weights)
+        if to == "kohya" and not bfl_named:
+            weights = flux_diffusers_to_bfl(weights, module_map)
+        elif to == "diffusers" and bfl_named:
+            weights = flux_bfl_to_diffusers(weights, module_map)
+    header = {k: v for k, v in metadata.items() if k not in DROPPED_METADATA}
+    header["lora_converted_from"] = fmt
+    if to == "kohya":
+        write_kohya(with_alpha(weights, alpha) if alpha else weights, dst, dtype=dtype, metadata=header)
+    else:
+        write_peft(weights, dst, prefix="transformer", dtype=dtype, metadata={**header, FOLDED_MARK: "true"})
+    return {"from": fmt, "to": to, "model_type": model_type, "modules": len(weights), "scale_known": known}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit status 2, like every other error here
+        raise ValueError(message)
+
+
+def main(argv=None) -> int:
+    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("input", help="LoRA .safetensors (kohya, PEFT/diffusers or ComfyUI)")
+    parser.add_argument("output", help="converted LoRA .safetensors")
+    parser.add_argument("--to", required=True, choices=["kohya", "diffusers"])
+    parser.add_argument("--model_type", choices=["flux", "qwen_image"], default=None, help="default: told from the names")
+    parser.add_argument("--alpha", type=float, default=None, help="kohya output: store this alpha (up rescaled)")
+    try:
+        args = parser.parse_args(argv)
+        done = convert_lora(args.input, args.output, args.to, args.model_type, args.alpha)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(f"{done['model_type']} LoRA: {done['from']} -> {done['to']}, {done['modules']} modules -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

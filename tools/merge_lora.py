@@ -1,0 +1,480 @@
+"""Merge LoRAs into a base checkpoint, one tensor at a time, and save it in the base's own layout.
+
+    python tools/merge_lora.py --model BASE --lora a.safetensors:0.8 b.safetensors:1.0 --save_to OUT \
+        [--save_precision fp32|bf16|fp16|fp8|fp8_scaled] [--stochastic_rounding] [--seed N] [--allow_unmatched]
+
+BASE: a FLUX.1 BFL single file (ComfyUI prefixes too), a FLUX.1 or Qwen-Image diffusers transformer
+folder (or the pipeline folder holding `transformer/`), a Qwen-Image single file, or a Hugging Face
+LLM folder / file. The family is told from the tensor names. OUT has the layout of BASE: a file for
+a file; for a folder, a folder with the same shard names and index plus the folder's small files
+(config.json, tokenizer files) copied. A pipeline folder gives a transformer folder.
+
+Each LoRA is `path[:ratio]` (ratio 1 when left out); any layout networks/lora_files.py reads
+(kohya, PEFT/diffusers, ComfyUI). FLUX LoRAs may use BFL or diffusers module names whatever the
+base's naming: fused modules (qkv, linear1) are split or joined by row through the FLUX module map.
+
+Streaming: the output header is computed up front from shapes and dtypes, then each tensor is read,
+merged and written before the next is read, so peak memory is about two tensors of the largest size
+(the float32 weight and its output copy) plus the LoRAs, whatever the model size.
+
+Precision: a merged weight is W (read in its file dtype, widened to float32) + sum_i ratio_i *
+(alpha_i / rank_i) * up_i @ down_i, accumulated in float32; only then is it cast to --save_precision
+(default: each tensor keeps its file dtype). fp8 stores float8_e4m3fn Linear weights (round to nearest,
+or unbiased stochastic rounding with --stochastic_rounding); fp8_scaled also writes `X.weight_scale`
+(bf16 per 64-column block, library/fp8.py). Modules in fp8.HIGH_PRECISION_MODULES and every other
+float tensor are stored in bf16. A delta is never added to fp8 values: an fp8 BASE is refused.
+
+Errors (bad ratio, missing file, LoRA for another model, shape mismatch, unmatched modules without
+--allow_unmatched, fp8 base) are one line on stderr, exit status 2, and no output is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from safetensors import safe_open
+
+if __package__ in (None, ""):  # run as a script: make `library` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library import fp8  # noqa: E402
+from library.flux_checkpoint import BFL_PREFIXES, _tables_for  # noqa: E402
+from library.io import CheckpointError, CheckpointReader, atomic_path  # noqa: E402
+from library.llm import checkpoint_key_to_llm  # noqa: E402
+from library.qwen_image import CHECKPOINT_PREFIXES as QWEN_PREFIXES  # noqa: E402
+from networks.lora_files import (  # noqa: E402
+    KOHYA_PREFIXES,
+    LoRAWeights,
+    flux_bfl_to_diffusers,
+    flux_diffusers_to_bfl,
+    parse_lora,
+)
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": fp8.FP8_DTYPE, "fp8_scaled": fp8.FP8_DTYPE}
+HIGH_PRECISION_DTYPE = torch.bfloat16  # fp8 modes: everything that is not an fp8 Linear weight
+NOT_COPIED = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".ckpt", ".gguf")  # folder files left behind
+
+# safetensors dtype names <-> torch dtypes
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming safetensors writer
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for d in self.shape:
+            count *= d
+        return count * self.dtype.itemsize
+
+
+def write_safetensors_streaming(path: str, entries: list[Entry], tensors: Iterator[tuple[str, torch.Tensor]], metadata: dict[str, str]):
+    """Write a safetensors file whose header is known before its tensors: 8-byte little-endian
+    header length, the JSON header (dtype, shape, data_offsets; `__metadata__`) padded with spaces
+    to a multiple of 8, then each tensor's raw bytes in `entries` order. `tensors` must yield
+    exactly `entries` (key, dtype, shape), one at a time; each is written and dropped."""
+    header, offset = {}, 0
+    for e in entries:
+        header[e.key] = {"dtype": ST_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for e in entries:
+            key, tensor = next(tensors)
+            if key != e.key or tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
+                raise RuntimeError(f"streaming writer: got {key} {tensor.dtype} {tuple(tensor.shape)}, planned {e}")
+            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        if next(tensors, None) is not None:
+            raise RuntimeError("streaming writer: more tensors than planned")
+
+
+# ----------------------------------------------------------------------------------------------
+# The base checkpoint
+
+
+@dataclass
+class Base:
+    """A checkpoint and what its names mean. `module_of` maps a checkpoint key to the model module
+    path LoRAs name (None for tensors no LoRA can target); `fp8_name` gives the module name that
+    fp8.HIGH_PRECISION_MODULES[family] is written in."""
+
+    path: str  # the checkpoint file or folder actually read
+    reader: CheckpointReader
+    family: str  # "flux" | "qwen_image" | "llm"
+    naming: str  # "bfl" | "diffusers" | "hf"
+    to_model: Callable[[str], str | None]
+    module_map: dict | None = None  # FLUX only: BFL module -> [(diffusers module, row0, row1)]
+    weight_key: dict[str, str] = field(default_factory=dict)  # model module path -> checkpoint weight key
+
+    @property
+    def is_folder(self) -> bool:
+        return os.path.isdir(self.path)
+
+    def fp8_name(self, module: str) -> str:
+        if self.naming == "diffusers" and self.family == "flux":
+            return self._bfl_owner.get(module, module)
+        return module
+
+    @functools.cached_property
+    def _bfl_owner(self) -> dict[str, str]:
+        return {d: bfl for bfl, parts in self.module_map.items() for d, _, _ in parts}
+
+    def alternate_paths(self) -> list[str]:
+        """FLUX module paths in the other naming, so LoRAs in either naming resolve."""
+        if self.module_map is None:
+            return []
+        if self.naming == "bfl":
+            return sorted({d for parts in self.module_map.values() for d, _, _ in parts})
+        return list(self.module_map)
+
+
+def _prefix_of(keys: list[str], prefixes, markers) -> str | None:
+    for prefix in prefixes:
+        if any(k.startswith(prefix + m) for k in keys for m in markers):
+            return prefix
+    return None
+
+
+def open_base(path: str) -> Base:
+    """Detect family and naming of the checkpoint at `path` from its tensor names."""
+    if os.path.isdir(os.path.join(path, "transformer")):
+        path = os.path.join(path, "transformer")
+    reader = CheckpointReader(path)
+    fp8.refuse_fp8_checkpoint(reader, path)
+    keys = reader.keys()
+    strip = lambda prefix: (lambda k: k[len(prefix) :] if k.startswith(prefix) else None)  # noqa: E731
+    if (prefix := _prefix_of(keys, BFL_PREFIXES, ("double_blocks.", "single_blocks."))) is not None:
+        shapes = {k[len(prefix) :]: reader.shape(k) for k in keys if k.startswith(prefix)}
+        rows, _ = _tables_for(list(shapes), shapes.__getitem__, diffusers=False)
+        base = Base(path, reader, "flux", "bfl", strip(prefix), rows)
+    elif _prefix_of(keys, ("",), ("single_transformer_blocks.", "x_embedder.", "context_embedder.")) is not None:
+        rows, _ = _tables_for(keys, reader.shape, diffusers=True)
+        base = Base(path, reader, "flux", "diffusers", lambda k: k, rows)
+    elif (prefix := _prefix_of(keys, QWEN_PREFIXES + ("",), ("txt_norm.", "img_in."))) is not None:
+        base = Base(path, reader, "qwen_image", "diffusers", strip(prefix))
+    elif any(checkpoint_key_to_llm(k) and checkpoint_key_to_llm(k).startswith("model.layers.") for k in keys):
+        base = Base(path, reader, "llm", "hf", checkpoint_key_to_llm)
+    else:
+        raise CheckpointError(f"{path}: not a FLUX.1, Qwen-Image or LLM checkpoint (first key '{sorted(keys)[0]}')")
+    for key in keys:
+        name = base.to_model(key)
+        if name and name.endswith(".weight") and len(reader.shape(key)) == 2:
+            base.weight_key[name[: -len(".weight")]] = key
+    return base
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRAs -> per checkpoint key deltas
+
+
+@dataclass
+class LoRASpec:
+    path: str
+    ratio: float
+
+
+def parse_lora_spec(spec: str) -> LoRASpec:
+    """'a.safetensors:0.8' -> (a.safetensors, 0.8); no ':ratio' means 1.0."""
+    path, sep, ratio = spec.rpartition(":")
+    if not sep or os.path.exists(spec):
+        return LoRASpec(spec, 1.0)
+    try:
+        value = float(ratio)
+    except ValueError:
+        raise ValueError(f"--lora {spec!r}: ratio {ratio!r} is not a number (expected path[:ratio], e.g. a.safetensors:0.8)") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"--lora {spec!r}: ratio {ratio!r} is not a finite number")
+    return LoRASpec(path, value)
+
+
+def _resolve_kohya(names, module_paths) -> dict[str, str | None]:
+    """kohya module name -> dotted module path, or None where no path fits ('_' is ambiguous, so the
+    answer comes from the checkpoint's own module paths)."""
+    by_flat = {p.replace(".", "_"): p for p in module_paths}
+    out = {}
+    for name in names:
+        prefix = next((p for p in KOHYA_PREFIXES if name.startswith(p)), None)
+        out[name] = by_flat.get(name[len(prefix) :]) if prefix else None
+    return out
+
+
+def _to_base_naming(base: Base, weights: dict[str, LoRAWeights]) -> dict[str, LoRAWeights]:
+    """FLUX: translate modules named in the other naming (BFL <-> diffusers) to the base's."""
+    other = set(base.alternate_paths())
+    foreign = {p: w for p, w in weights.items() if p in other}
+    if not foreign:
+        return weights
+    own = {p: w for p, w in weights.items() if p not in other}
+    convert = flux_diffusers_to_bfl if base.naming == "bfl" else flux_bfl_to_diffusers
+    return {**own, **convert(foreign, base.module_map)}
+
+
+def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights]:
+    """One LoRA file -> {checkpoint weight key: LoRAWeights}, checked against the base's shapes."""
+    name = os.path.basename(spec.path)
+    reader = CheckpointReader(spec.path)
+    weights, fmt = parse_lora(dict(reader.items()), reader.metadata, None, source=spec.path)
+    known = list(base.weight_key) + base.alternate_paths()
+    if fmt == "kohya":
+        paths = _resolve_kohya(weights, known)
+    else:
+        known = set(known)
+        paths = {p: (p if p in known else None) for p in weights}
+    unmatched = [n for n, p in paths.items() if p is None]
+    weights = {paths[n]: w for n, w in weights.items() if paths[n] is not None}
+    try:
+        weights = _to_base_naming(base, weights)
+    except CheckpointError as e:
+        raise CheckpointError(f"{spec.path}: {e}") from None
+    unmatched += [p for p in weights if p not in base.weight_key]
+    matched = {base.weight_key[p]: w for p, w in weights.items() if p in base.weight_key}
+    if not matched:
+        first = unmatched[0] if unmatched else "(none)"
+        raise CheckpointError(
+            f"{spec.path}: no LoRA module matches a weight of the {base.family} checkpoint {base.path} "
+            f"(first: '{first}'): is it a LoRA for another model?"
+        )
+    if unmatched and not allow_unmatched:
+        shown = ", ".join(unmatched[:5]) + (f" ... ({len(unmatched)} in all)" if len(unmatched) > 5 else "")
+        raise CheckpointError(f"{spec.path}: LoRA modules match no weight of {base.path}: {shown} (--allow_unmatched skips them)")
+    if unmatched:
+        print(f"warning: {name}: skipped {len(unmatched)} unmatched LoRA modules: {', '.join(unmatched)}", file=sys.stderr)
+    for key, w in matched.items():
+        want = base.reader.shape(key)
+        got = (w.up.shape[0], w.down.shape[1])
+        if got != want:
+            raise CheckpointError(f"{spec.path}: LoRA for '{key}' gives a delta of shape {got}, the checkpoint weight is {want}")
+    return matched
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning and merging
+
+
+@dataclass
+class Plan:
+    base: Base
+    precision: str | None  # None: keep each tensor's file dtype
+    deltas: dict[str, list[tuple[float, LoRAWeights]]]  # checkpoint key -> [(ratio, lora)]
+    stochastic: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        self.generator = torch.Generator().manual_seed(self.seed)  # one stream across all shards
+
+    def is_fp8_weight(self, key: str) -> bool:
+        name = self.base.to_model(key)
+        if self.precision not in ("fp8", "fp8_scaled") or not name or not name.endswith(".weight"):
+            return False
+        if len(self.base.reader.shape(key)) != 2:
+            return False
+        return not fp8.is_high_precision(self.base.fp8_name(name[: -len(".weight")]), self.base.family)
+
+    def entries(self, key: str) -> list[Entry]:
+        """What `key` becomes in the output (one tensor, or fp8 weight + scale)."""
+        shape, dtype = self.base.reader.shape(key), ST_DTYPES[self.base.reader.dtype_name(key)]
+        if self.is_fp8_weight(key):
+            out = [Entry(key, fp8.FP8_DTYPE, shape)]
+            if self.precision == "fp8_scaled":
+                out.append(Entry(key[: -len("weight")] + "weight_scale", fp8.SCALE_DTYPE, fp8.scale_shape(*shape)))
+            return out
+        if dtype.is_floating_point and self.precision is not None:
+            dtype = HIGH_PRECISION_DTYPE if self.precision.startswith("fp8") else PRECISIONS[self.precision]
+        return [Entry(key, dtype, shape)]
+
+    def tensors(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Merged, cast tensors of `keys`, one at a time (peak: the float32 weight + its output)."""
+        for key in keys:
+            tensor = self.base.reader.get(key)  # a view of the mmapped file: never written to
+            if key in self.deltas:
+                # float32 [out, in], a copy: the delta is added here, never in fp8/bf16
+                tensor = tensor.to(torch.float32, copy=True)
+                for ratio, w in self.deltas[key]:
+                    tensor.addmm_(w.up.float(), w.down.float(), alpha=ratio * w.scale)
+            if self.is_fp8_weight(key):
+                yield from self._quantized(key, tensor, self.generator).items()
+            else:
+                yield key, tensor.to(self.entries(key)[0].dtype)
+            del tensor
+
+    def _quantized(self, key: str, w: torch.Tensor, generator) -> dict[str, torch.Tensor]:
+        """float weight -> {key: float8_e4m3fn [, key_scale: bf16]} from its float32 values."""
+        if not self.stochastic:
+            q, scale = fp8.quantize_weight(w, self.precision)
+        elif self.precision == "fp8":
+            q, scale = fp8.stochastic_round_to_fp8(w, generator), None
+        else:
+            _, scale = fp8.quantize_weight(w, "fp8_scaled")  # the bf16 block scales (absmax / 448, rounded up)
+            rows, blocks = scale.shape
+            blocked = w.float().reshape(rows, blocks, -1) / scale.float()[..., None]
+            q = fp8.stochastic_round_to_fp8(blocked, generator).reshape(w.shape)
+        out = {key: q}
+        if scale is not None:
+            out[key[: -len("weight")] + "weight_scale"] = scale
+        return out
+
+
+def _shard_keys(base: Base) -> dict[str, list[str]]:
+    """Checkpoint file basename -> its keys (file order of the reader)."""
+    shards: dict[str, list[str]] = {os.path.basename(f): [] for f in base.reader.files}
+    for key in base.reader.keys():
+        shards[base.reader.file_of(key)].append(key)
+    return shards
+
+
+def _metadata(base: Base, shard: str, specs: list[LoRASpec], precision: str | None) -> dict[str, str]:
+    source = os.path.join(os.path.dirname(base.reader.files[0]), shard)
+    with safe_open(source, framework="pt") as f:
+        metadata = dict(f.metadata() or {})
+    metadata.pop("sshs_model_hash", None)  # no longer true of the merged tensors
+    metadata["merged_loras"] = json.dumps([{"file": os.path.basename(s.path), "ratio": s.ratio} for s in specs])
+    metadata["save_precision"] = precision or "as input"
+    return metadata
+
+
+def write_merged(plan: Plan, specs: list[LoRASpec], out: str) -> list[str]:
+    """Write every shard of the plan into folder `out` (or the file `out` for a single file)."""
+    written = []
+    for shard, keys in _shard_keys(plan.base).items():
+        entries = [e for k in keys for e in plan.entries(k)]
+        target = os.path.join(out, shard) if plan.base.is_folder else out
+        write_safetensors_streaming(target, entries, plan.tensors(keys), _metadata(plan.base, shard, specs, plan.precision))
+        written.append(target)
+    if plan.base.is_folder:
+        _write_index(plan, out)
+        for name in os.listdir(plan.base.path):
+            source = os.path.join(plan.base.path, name)
+            if os.path.isfile(source) and not name.endswith(NOT_COPIED):
+                shutil.copy2(source, os.path.join(out, name))
+    return written
+
+
+def _write_index(plan: Plan, out: str):
+    indexes = [f for f in os.listdir(plan.base.path) if f.endswith(".safetensors.index.json")]
+    if not indexes:
+        return
+    with open(os.path.join(plan.base.path, indexes[0])) as f:
+        index = json.load(f)
+    weight_map, total = {}, 0
+    for shard, keys in _shard_keys(plan.base).items():
+        for e in (e for k in keys for e in plan.entries(k)):
+            weight_map[e.key] = shard
+            total += e.nbytes
+    index["metadata"] = {**index.get("metadata", {}), "total_size": total}
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    with open(os.path.join(out, indexes[0]), "w") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+
+
+def _atomic_folder(plan: Plan, specs: list[LoRASpec], out: str):
+    """Build the folder beside `out`, then rename it into place (an old `out` is replaced)."""
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(out) + ".", suffix=".tmp", dir=parent)
+    old = None
+    try:
+        write_merged(plan, specs, tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a model folder is not
+        if os.path.exists(out):
+            old = tmp + ".old"
+            os.rename(out, old)
+        os.rename(tmp, out)
+    finally:
+        for leftover in (tmp, old):
+            if leftover and os.path.exists(leftover):
+                shutil.rmtree(leftover)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: str | None = None,
+               stochastic_rounding: bool = False, seed: int = 0, allow_unmatched: bool = False) -> Plan:
+    """Check everything, then write the merged checkpoint to `save_to` atomically."""
+    if save_precision is not None and save_precision not in PRECISIONS:
+        raise ValueError(f"--save_precision {save_precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if stochastic_rounding and save_precision not in ("fp8", "fp8_scaled"):
+        raise ValueError(f"--stochastic_rounding needs --save_precision fp8 or fp8_scaled, got {save_precision}")
+    base = open_base(model)
+    if os.path.exists(save_to) and os.path.realpath(save_to) in (os.path.realpath(model), os.path.realpath(base.path)):
+        raise ValueError(f"--save_to {save_to}: is the base checkpoint itself; write the merge elsewhere")
+    if os.path.exists(save_to) and os.path.isdir(save_to) != base.is_folder:
+        kind = "folder" if base.is_folder else "file"
+        raise ValueError(f"--save_to {save_to}: exists and is not a {kind} like the base {base.path}")
+    deltas: dict[str, list[tuple[float, LoRAWeights]]] = {}
+    for spec in loras:
+        for key, w in lora_deltas(base, spec, allow_unmatched).items():
+            deltas.setdefault(key, []).append((spec.ratio, w))
+    plan = Plan(base, save_precision, deltas, stochastic_rounding, seed)
+    if base.is_folder:
+        _atomic_folder(plan, loras, save_to)
+    else:
+        with atomic_path(save_to) as tmp:
+            write_merged(plan, loras, tmp)
+    return plan
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit status 2, like every other error here
+        raise ValueError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="base checkpoint: file or folder")
+    parser.add_argument("--lora", required=True, nargs="+", help="LoRA files as path[:ratio]")
+    parser.add_argument("--save_to", required=True, help="output file (file base) or folder (folder base)")
+    parser.add_argument("--save_precision", choices=list(PRECISIONS), default=None, help="default: keep each tensor's dtype")
+    parser.add_argument("--stochastic_rounding", action="store_true", help="fp8 modes: unbiased stochastic rounding")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the stochastic rounding")
+    parser.add_argument("--allow_unmatched", action="store_true", help="skip LoRA modules the base has no weight for")
+    return parser
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        specs = [parse_lora_spec(s) for s in args.lora]
+        plan = merge_lora(args.model, specs, args.save_to, args.save_precision, args.stochastic_rounding, args.seed, args.allow_unmatched)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    merged = sum(len(v) for v in plan.deltas.values())
+    print(f"merged {merged} LoRA modules ({len(specs)} files) into {len(plan.deltas)} {plan.base.family} weights -> "
+          f"{args.save_to} ({args.save_precision or 'dtypes as input'})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
