@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from library.flux import Flux, FluxConfig
+from library.fp8 import refuse_fp8_checkpoint
 from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors, write_text
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
@@ -328,6 +329,19 @@ def _bfl_prefix(keys: list[str]) -> str | None:
     return None
 
 
+def _refuse_other_family(path: str, keys: list[str]):
+    """Qwen-Image shares `img_in.` / `transformer_blocks.` with FLUX names; say which model it is."""
+    config_json = os.path.join(path, "config.json")
+    if os.path.isdir(path) and os.path.isfile(config_json):
+        with open(config_json) as f:
+            name = json.load(f).get("_class_name", "FluxTransformer2DModel")
+        if name != "FluxTransformer2DModel":
+            raise CheckpointError(f"{config_json}: _class_name is {name!r}, expected 'FluxTransformer2DModel' (FLUX.1)")
+    qwen = next((k for k in keys if k.split(".")[-2:-1] == ["txt_norm"]), None)
+    if qwen is not None:
+        raise CheckpointError(f"{path}: key '{qwen}' belongs to a Qwen-Image transformer, not FLUX.1")
+
+
 def load_flux(
     path: str,
     dtype: torch.dtype = torch.float32,
@@ -352,7 +366,9 @@ def load_flux(
     if os.path.isdir(os.path.join(path, "transformer")):
         path = os.path.join(path, "transformer")
     reader = CheckpointReader(path)
+    refuse_fp8_checkpoint(reader, path)
     keys = reader.keys()
+    _refuse_other_family(path, keys)
     prefix = _bfl_prefix(keys)
 
     if prefix is not None:

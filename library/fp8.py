@@ -309,8 +309,8 @@ def refuse_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> 
     if fp8:
         raise CheckpointError(
             f"{path or reader.path}: '{fp8[0]}' is stored as {reader.dtype_name(fp8[0])} ({len(fp8)} fp8 tensors): "
-            f"re-quantizing fp8 weights compounds their rounding error; give a bf16/fp16/fp32 checkpoint "
-            f"(fp8 is applied while loading)"
+            f"widening fp8 weights does not restore them and re-quantizing compounds their rounding error; "
+            f"give a bf16/fp16/fp32 checkpoint (fp8 is applied while loading)"
         )
 
 

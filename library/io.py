@@ -142,12 +142,24 @@ def load_streaming(
     model.load_state_dict(loaded, strict=True, assign=True)
 
 
+def make_parent_folder(path: str) -> str:
+    """Create the folder `path` goes in (and its parents); returns it. A file where a folder must
+    be is named in the error (os.makedirs would only say 'File exists')."""
+    folder = os.path.dirname(os.path.abspath(path))
+    blocker = folder
+    while not os.path.exists(blocker):
+        blocker = os.path.dirname(blocker)
+    if not os.path.isdir(blocker):
+        raise NotADirectoryError(f"{path}: cannot be written, '{blocker}' is a file, not a folder")
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
 @contextlib.contextmanager
 def atomic_path(path: str):
     """Yield a temporary path beside `path`; on success it is renamed over `path` (atomic on
     POSIX), on failure removed. A crash leaves either the old file or the new one, never half."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    folder = make_parent_folder(path)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
     os.close(fd)
     umask = os.umask(0)

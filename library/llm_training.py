@@ -159,6 +159,9 @@ class LLMTask:
         return {}
 
     def render_samples(self, out_dir: str, tag: str) -> list[str]:
+        """An LLM's samples are text: val loss, perplexity and a generated sample (sample_at_first
+        gives the baseline before training)."""
+        self.report_eval(tag)
         return []
 
     # -- evaluation ----------------------------------------------------------------------------

@@ -28,34 +28,45 @@ def split_weight_decay(named_params, weight_decay_1d: bool = False):
     return decay, no_decay
 
 
-def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, optimizer_kwargs: dict):
-    """param_groups: [{"params": [...], "name": str, "lr": float (optional)}, ...]."""
+def optimizer_class(optimizer_type: str):
+    """The optimizer class for `optimizer_type`; ConfigError naming it if unknown or not installed."""
     name = optimizer_type
     lower = name.lower()
-    if lower == "adamw":
-        fused = all(p.is_cuda for g in param_groups for p in g["params"])
-        optimizer_kwargs.setdefault("fused", fused) if fused else None
-        cls = torch.optim.AdamW
-    elif lower == "prodigy":
-        from prodigyopt import Prodigy as cls
-    elif name in BNB_OPTIMIZERS or lower in (n.lower() for n in BNB_OPTIMIZERS):
-        import bitsandbytes as bnb
+    try:
+        if lower == "adamw":
+            return torch.optim.AdamW
+        if lower == "prodigy":
+            from prodigyopt import Prodigy
 
-        cls = getattr(bnb.optim, next(n for n in BNB_OPTIMIZERS if n.lower() == lower))
-    elif "." in name:
+            return Prodigy
+        if name in BNB_OPTIMIZERS or lower in (n.lower() for n in BNB_OPTIMIZERS):
+            import bitsandbytes as bnb
+
+            return getattr(bnb.optim, next(n for n in BNB_OPTIMIZERS if n.lower() == lower))
+    except ImportError as e:
+        raise ConfigError(f"optimizer_type '{name}' needs the package '{e.name}', which is not installed") from None
+    if "." in name:
         module_name, _, class_name = name.rpartition(".")
         try:
-            cls = getattr(importlib.import_module(module_name), class_name)
+            return getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
             raise ConfigError(f"optimizer_type '{name}': cannot import {class_name} from {module_name}") from None
-    else:
-        raise ConfigError(
-            f"optimizer_type '{name}' is unknown (AdamW, AdamW8bit, Prodigy, {', '.join(BNB_OPTIMIZERS[1:])}, or module.Class)"
-        )
+    raise ConfigError(
+        f"optimizer_type '{name}' is unknown (AdamW, AdamW8bit, Prodigy, {', '.join(BNB_OPTIMIZERS[1:])}, or module.Class)"
+    )
+
+
+def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, optimizer_kwargs: dict):
+    """param_groups: [{"params": [...], "name": str, "lr": float (optional)}, ...]."""
+    cls = optimizer_class(optimizer_type)
+    if cls is torch.optim.AdamW:
+        fused = all(p.is_cuda for g in param_groups for p in g["params"])
+        optimizer_kwargs.setdefault("fused", fused) if fused else None
     try:
         return cls(param_groups, lr=lr, **optimizer_kwargs)
-    except TypeError as e:
-        raise ConfigError(f"optimizer_args do not fit {name}: {e}") from None
+    except (TypeError, ValueError) as e:  # unknown names, or values the optimizer refuses
+        given = ", ".join(f"{k}={v!r}" for k, v in optimizer_kwargs.items())
+        raise ConfigError(f"optimizer_args ({given}) do not fit {optimizer_type}: {e}") from None
 
 
 def create_scheduler(optimizer, name: str, warmup: float, max_steps: int, num_cycles: int = 1, power: float = 1.0):

@@ -6,7 +6,7 @@ run it on tiny models. The three kinds of fp8 damage it tells apart (shared/DESI
 - positions / RoPE tables rounded to a low-precision dtype: e4m3 holds integers exactly only up to
   16, bf16 up to 256. The error then sits where positions are large: the borders of a centred
   Qwen-Image grid, the high-index (right / bottom) side of a FLUX grid. The per-token error map is
-  uneven: border-band / centre or max / min quadrant ratio far above 1.
+  uneven: border-band / centre or max / min region ratio far above 1.
 - weight quantization (plain fp8 cast much more than fp8_scaled): the error map is flat (ratios ~1).
 - LoRA deltas merged into fp8 weights: round-to-nearest drops the deltas smaller than half an fp8
   step; measured per module as the fraction of the delta the merged weights keep.
@@ -17,6 +17,7 @@ All measurements are float32/float64 on copies; models run under torch.no_grad()
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import re
 import sys
@@ -233,37 +234,41 @@ def token_error_map(pred: torch.Tensor, ref: torch.Tensor, grid: tuple[int, int]
     return (err / scale if scale > 0 else err).reshape(h, w).cpu()
 
 
-def map_ratios(error_map: torch.Tensor, band: float = 1 / 8) -> dict:
+def map_ratios(error_map: torch.Tensor, band: float = 1 / 8, regions: int = 4) -> dict:
     """Where the error sits. border band: the outer `band` of rows and columns; centre: the middle
-    half of rows x the middle half of columns; quadrants: top-left, top-right, bottom-left,
-    bottom-right. A flat map (weight quantization) gives ratios ~1; rounded positions give a high
-    border/centre ratio on a centred grid (Qwen-Image) and a high max/min quadrant ratio on a grid
-    that starts at 0 (FLUX: the right/bottom side carries the large positions)."""
+    half of rows x the middle half of columns; regions: a regions x regions grid of equal blocks
+    (fewer where a block would be under 8 tokens a side). A flat map (weight quantization) gives ratios
+    ~1. Rounded positions give a high border/centre ratio on a centred grid (Qwen-Image) and a high
+    max/min region ratio on a grid that starts at 0 (FLUX: the low-index corner keeps exact
+    positions, the right/bottom side carries the large ones)."""
     m = error_map.double()
     h, w = m.shape
     bh, bw = max(1, round(h * band)), max(1, round(w * band))
     rows, cols = torch.arange(h)[:, None], torch.arange(w)[None, :]
     border = (rows < bh) | (rows >= h - bh) | (cols < bw) | (cols >= w - bw)
     centre = (rows >= h // 4) & (rows < h - h // 4) & (cols >= w // 4) & (cols < w - w // 4)
-    quadrants = [m[:hh, :ww], m[:hh, ww:], m[hh:, :ww], m[hh:, ww:]] if (hh := h // 2) and (ww := w // 2) else [m]
-    q = [float(x.mean()) for x in quadrants]
-    border_mean, centre_mean = float(m[border].mean()), float(m[centre].mean()) if centre.any() else float(m.mean())
+    border_mean = float(m[border].mean())
+    centre_mean = float(m[centre].mean()) if centre.any() else float(m.mean())
+    rh, rw = max(1, min(regions, h // 8)), max(1, min(regions, w // 8))  # >= 8 tokens a side: a flat map stays ~1
+    block = lambda i, j: m[i * h // rh : (i + 1) * h // rh, j * w // rw : (j + 1) * w // rw]  # noqa: E731
+    blocks = [[float(block(i, j).mean()) for j in range(rw)] for i in range(rh)]
+    flat = [v for row in blocks for v in row]
     return {
         "mean": float(m.mean()),
         "border": border_mean,
         "centre": centre_mean,
         "border_centre_ratio": border_mean / centre_mean if centre_mean > 0 else math.inf,
-        "quadrants": q,
-        "quadrant_ratio": max(q) / min(q) if min(q) > 0 else math.inf,
+        "regions": blocks,
+        "region_ratio": max(flat) / min(flat) if min(flat) > 0 else math.inf,
     }
 
 
 def verdict(ratios: dict, output_error: float, threshold: float, position_ratio: float = 2.0) -> str:
     """One line: position damage (uneven map), weight quantization (flat map over threshold), or ok."""
-    if output_error > 1e-6 and max(ratios["border_centre_ratio"], ratios["quadrant_ratio"]) > position_ratio:
-        where = "borders" if ratios["border_centre_ratio"] >= ratios["quadrant_ratio"] else "high-index quadrant"
+    if output_error > 1e-6 and max(ratios["border_centre_ratio"], ratios["region_ratio"]) > position_ratio:
+        where = "borders" if ratios["border_centre_ratio"] > position_ratio else "high-index side (far from position 0)"
         return (f"POSITION DAMAGE: error concentrated at the {where} (border/centre {ratios['border_centre_ratio']:.2f}, "
-                f"quadrants max/min {ratios['quadrant_ratio']:.2f}): positions or RoPE tables went through a low-precision dtype")
+                f"regions max/min {ratios['region_ratio']:.2f}): positions or RoPE tables went through a low-precision dtype")
     if output_error > threshold:
         return (f"WEIGHT QUANTIZATION: flat error map, output error {output_error:.4f} > {threshold}: "
                 "use fp8_scaled, keep more layers in bf16, or train the LoRA on this base")
@@ -400,8 +405,8 @@ def diagnose(models: dict, inputs: DoctorInputs, timesteps=(0.9, 0.5, 0.1), thre
     its run and dropped after, so one full-size model is in memory at a time). Names: "fp32",
     "bf16", "fp8", "fp8_scaled", and "<base>+lora" / "<base>+merge_rtn" / ... for LoRA variants.
     Returns a plain dict (JSON-ready apart from the "maps" tensors)."""
-    if "bf16" not in models:
-        raise ValueError(f"diagnose needs a 'bf16' reference model, got modes {sorted(models)}")
+    if "bf16" not in models or ("bf16+lora" not in models and any("+" in m for m in models)):
+        raise ValueError(f"diagnose needs the 'bf16' reference (and 'bf16+lora' for LoRA modes), got modes {sorted(models)}")
     references = [m for m in ("bf16", "bf16+lora") if m in models]
     stores, runs = {}, {}
     for name in references + [m for m in models if m not in references]:
@@ -411,11 +416,16 @@ def diagnose(models: dict, inputs: DoctorInputs, timesteps=(0.9, 0.5, 0.1), thre
         runs[name], store = run_mode(model, inputs, timesteps, max_tokens, ref_store, inject_position_bug)
         if name in references:
             stores[name] = store
+        large = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())) > 2**30
         del model
+        if large:  # LoRA patches make reference cycles: free a full-size model before the next one loads
+            gc.collect()
     return summarise(runs, inputs, timesteps, threshold)
 
 
 def summarise(runs: dict[str, ModeRun], inputs: DoctorInputs, timesteps, threshold: float) -> dict:
+    """Per compared mode: output error (mean over sigmas), error map and its ratios, verdict,
+    per-layer errors and the first layer over `threshold`; per mode the position audit."""
     result = {"family": inputs.family, "grid": list(inputs.grid), "timesteps": list(timesteps), "threshold": threshold,
               "modes": {}, "maps": {}}
     for name, run in runs.items():

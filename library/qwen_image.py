@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library import core
+from library.fp8 import refuse_fp8_checkpoint
 from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors, strip_prefix, write_text
 
 # ----------------------------------------------------------------------------------------------
@@ -321,6 +322,9 @@ def _resolve(path: str) -> tuple[str, QwenImageConfig | None]:
         return path, None
     with open(config_file) as f:
         config = json.load(f)
+    if "_class_name" not in config and config.get("architectures"):  # a transformers model, e.g. an LLM
+        raise CheckpointError(f"{config_file}: a transformers {config['architectures'][0]} config, "
+                              f"expected a diffusers QwenImageTransformer2DModel")
     name = config.get("_class_name", "QwenImageTransformer2DModel")
     if name != "QwenImageTransformer2DModel":
         raise CheckpointError(f"{config_file}: _class_name is {name!r}, expected 'QwenImageTransformer2DModel'")
@@ -346,6 +350,7 @@ def load_qwen_image(
         raise ValueError(f"dtype {dtype} is not a compute dtype (float32/bfloat16/float16); fp8 goes through convert")
     path, file_config = _resolve(path)
     reader = CheckpointReader(path)
+    refuse_fp8_checkpoint(reader, path)
     prefix = strip_prefix(reader.keys(), CHECKPOINT_PREFIXES)
     config = config or file_config or infer_config(reader, prefix)
     with torch.device("meta"):

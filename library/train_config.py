@@ -188,20 +188,29 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     """Defaults <- TOML file <- command line; then validated as a whole."""
     cli = build_parser().parse_args(argv)
     values = {k: s.default for k, s in SCHEMA.items()}
+    origins: dict[str, str] = {}  # key -> the file or "command line" that set it
     if cli.config_file:
         where = cli.config_file
         for key, value in _flatten(read_toml(where), where).items():
             if key not in SCHEMA:
                 raise ConfigError(f"{where}: unknown key '{key}'")
             values[key] = _coerce(key, value, where)
+            origins[key] = where
     for key in SCHEMA:
         raw = getattr(cli, key)
         if raw is None:
             continue
         value = [str(v) for v in raw] if SCHEMA[key].type is list else _parse_cli_value(key, raw)
         values[key] = _coerce(key, value, "command line")
+        origins[key] = "command line"
     args = argparse.Namespace(**values, config_file=cli.config_file)
-    validate(args, cli.config_file or "command line")
+    validate(args, cli.config_file or "command line", origins)
+    from library.optim import optimizer_class  # here, not at the top: optim imports this module
+
+    try:  # fail now, not after minutes of caching
+        optimizer_class(args.optimizer_type)
+    except ConfigError as e:
+        raise ConfigError(f"{origins.get('optimizer_type', 'defaults')}: {e}") from None
     return args
 
 
@@ -222,8 +231,10 @@ def parse_kv_literals(items: list[str], key: str, where: str) -> dict[str, Any]:
     return out
 
 
-def validate(args: argparse.Namespace, where: str) -> None:
-    """Impossible combinations, each named."""
+def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | None = None) -> None:
+    """Impossible combinations, each named. origins: key -> the file or "command line" that set
+    it, where one key's value alone is wrong."""
+    origins = origins or {}
     if args.model_type is None:
         raise ConfigError(f"{where}: key 'model_type' is required (flux, qwen_image or llm)")
     if args.pretrained_model_name_or_path is None:
@@ -248,11 +259,14 @@ def validate(args: argparse.Namespace, where: str) -> None:
     if args.model_type == "qwen_image" and (args.text_encoder is None or args.ae is None):
         missing = [k for k in ("ae", "text_encoder") if getattr(args, k) is None]
         raise ConfigError(f"{where}: Qwen-Image training needs {', '.join(missing)}")
-    parse_kv_literals(args.optimizer_args, "optimizer_args", where)
-    parse_kv_literals(args.network_args, "network_args", where)
+    parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", where))
+    parse_kv_literals(args.network_args, "network_args", origins.get("network_args", where))
     if args.output_dir:
+        where = origins.get("output_dir", where)
         parent = os.path.abspath(args.output_dir)
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):  # root ignores permissions, but not this
+            raise ConfigError(f"{where}: output_dir '{args.output_dir}' cannot be created: '{parent}' is a file, not a folder")
         if not os.access(parent, os.W_OK):
             raise ConfigError(f"{where}: output_dir '{args.output_dir}' is not writable")

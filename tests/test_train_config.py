@@ -120,3 +120,22 @@ def test_plot_lr_overlays_runs_and_summarises(tmp_path):
     assert out.stat().st_size > 10_000
     assert "a/lora: d*lr/unet: peak 0.0005 at step 5, final 0.0005" in lines
     assert "b/lora: d*lr/unet: peak 0.001 at step 5, final 0.001" in lines
+
+
+@pytest.mark.parametrize("name", ["quickstart", "flux1_dev_24gb", "flux1_schnell", "qwen_image", "llm_lora", "llm_pretrain"])
+def test_example_configs_pass_the_schema(name):
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = load_config(["--config_file", os.path.join(root, "configs", f"{name}.toml")])
+    assert args.model_type in ("flux", "qwen_image", "llm")
+
+
+def test_dataset_example_config_parses():
+    import os
+
+    from library.dataset_config import load_dataset_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    blueprint = load_dataset_config(os.path.join(root, "configs", "dataset_example.toml"))
+    assert blueprint.datasets and blueprint.datasets[0].subsets

@@ -48,7 +48,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 
 from library import fp8  # noqa: E402
 from library.flux_checkpoint import BFL_PREFIXES, _tables_for  # noqa: E402
-from library.io import CheckpointError, CheckpointReader, atomic_path  # noqa: E402
+from library.io import make_parent_folder, CheckpointError, CheckpointReader, atomic_path  # noqa: E402
 from library.llm import checkpoint_key_to_llm  # noqa: E402
 from library.qwen_image import CHECKPOINT_PREFIXES as QWEN_PREFIXES  # noqa: E402
 from networks.lora_files import (  # noqa: E402
@@ -396,8 +396,7 @@ def _write_index(plan: Plan, out: str):
 
 def _atomic_folder(plan: Plan, specs: list[LoRASpec], out: str):
     """Build the folder beside `out`, then rename it into place (an old `out` is replaced)."""
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
+    parent = make_parent_folder(out)
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(out) + ".", suffix=".tmp", dir=parent)
     old = None
     try:

@@ -1,0 +1,388 @@
+"""Bad input, end to end: every case is one `error: ...` line on stderr that names the file, key or
+value and what was expected, exit status 2, and nothing (no LoRA, no half-written or temporary
+file) left in the output folder. Also: the image caches are redone for exactly the edited entries.
+
+Covered elsewhere, not repeated here: a NaN loss stops after saving the last good LoRA
+(tests/test_train_lora.py::test_nan_loss_stops_after_saving_last_good_lora); the merge tool's own
+error table on toy models (tests/test_merge_convert.py); crash safety of saves
+(tests/test_crash_safety.py).
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+import train_lora
+from library.qwen_image import load_qwen_image
+from networks import lora_files
+from networks.lora import LoRANetwork
+from tools import merge_lora
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def flux_args(tiny_set, out, *extra):
+    """The quickstart on the tiny FLUX for one step, no samples; `extra` overrides."""
+    return [
+        "--config_file", os.path.join(ROOT, "configs", "quickstart.toml"),
+        "--pretrained_model_name_or_path", tiny_set["flux_bfl"], "--ae", tiny_set["flux_vae_single"],
+        "--clip_l", tiny_set["clip_l"], "--t5xxl", tiny_set["t5xxl"], "--dataset_config", tiny_set["dataset_config"],
+        "--sample_prompts", "", "--sample_at_first", "false", "--save_every_n_steps", "0",
+        "--max_train_steps", "1", "--output_dir", str(out), *extra,
+    ]  # fmt: skip
+
+
+def files_under(folder) -> list[str]:
+    """Every file (hidden ones too) below `folder`; [] when it does not exist."""
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+
+
+def copy_dataset(tiny_set, dest, mutate=None, subset="", steps=16, resolution=64) -> str:
+    """The tiny images and captions (no caches) in `dest`/images, `mutate(images_dir)` applied,
+    and a dataset TOML with extra [[datasets.subsets]] lines. Returns the TOML path."""
+    images = dest / "images"
+    images.mkdir(parents=True)
+    for name in os.listdir(tiny_set["image_dir"]):
+        if name.endswith((".png", ".txt")):
+            shutil.copy(os.path.join(tiny_set["image_dir"], name), images / name)
+    if mutate:
+        mutate(images)
+    toml = dest / "dataset.toml"
+    toml.write_text(
+        f"[general]\nresolution = {resolution}\nbatch_size = 2\nenable_bucket = true\nmin_bucket_reso = 16\n"
+        f"max_bucket_reso = 128\nbucket_reso_steps = {steps}\n"
+        f'[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{images}"\n{subset}\n'
+    )
+    return str(toml)
+
+
+def one_error_line(capsys, code: int) -> str:
+    """The run's stderr must be exactly one `error: ` line, with exit status 2."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_set, tmp_path_factory):
+    """One finished 1-step run (rank 8, with its training state): a real LoRA and a real state."""
+    out = tmp_path_factory.mktemp("trained")
+    assert train_lora.main(flux_args(tiny_set, out, "--save_state", "true", "--network_dim", "8")) == 0
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input to train_lora.py: (argv extras, fragments the one error line must hold)
+
+
+def corrupt_image(ts, tmp):
+    cfg = copy_dataset(ts, tmp, lambda d: (d / "003.png").write_bytes(b"\x89PNG\r\n\x1a\nnot an image"))
+    return ["--dataset_config", cfg], ["images/003.png: cannot be read as an image"]
+
+
+def image_without_caption(ts, tmp):
+    cfg = copy_dataset(ts, tmp, lambda d: (d / "003.txt").unlink())
+    return ["--dataset_config", cfg], ["images/003.png: no caption file '003.txt' and no class_tokens for its subset"]
+
+
+def empty_caption_file(ts, tmp):
+    cfg = copy_dataset(ts, tmp, lambda d: (d / "003.txt").write_text(" \n"))
+    return ["--dataset_config", cfg], ["images/003.txt: caption file is empty"]
+
+
+def dataset_unknown_key(ts, tmp):
+    cfg = copy_dataset(ts, tmp, subset="num_repeat = 2")
+    return ["--dataset_config", cfg], ["dataset.toml: [datasets.subsets] unknown key 'num_repeat' (allowed: image_dir, num_repeats"]
+
+
+def dataset_wrong_type(ts, tmp):
+    cfg = copy_dataset(ts, tmp, subset='num_repeats = "2"')
+    return ["--dataset_config", cfg], ["dataset.toml: [datasets.subsets] key 'num_repeats' must be an integer, got '2'"]
+
+
+def bucket_steps_not_multiple_of_16(ts, tmp):
+    cfg = copy_dataset(ts, tmp, steps=24)
+    return ["--dataset_config", cfg], ["dataset.toml: [datasets] key 'bucket_reso_steps' must be a positive multiple of 16", "got 24"]
+
+
+def resolution_below_one_patch(ts, tmp):
+    cfg = copy_dataset(ts, tmp, resolution=8)
+    return ["--dataset_config", cfg], ["dataset.toml: [datasets] key 'resolution' must be at least 16 pixels per side", "got [8, 8]"]
+
+
+def dataset_config_missing(ts, tmp):
+    return ["--dataset_config", str(tmp / "nope.toml")], ["nope.toml: no such dataset config file"]
+
+
+def config_unknown_key_in_table(ts, tmp):
+    (tmp / "train.toml").write_text('[network]\nnetwork_dimm = 4\n')
+    return ["--config_file", str(tmp / "train.toml")], ["train.toml: unknown key 'network_dimm'"]
+
+
+def config_wrong_type(ts, tmp):
+    (tmp / "train.toml").write_text('[network]\nnetwork_dim = "16"\n')
+    return ["--config_file", str(tmp / "train.toml")], ["train.toml: key 'network_dim' must be an integer, got '16'"]
+
+
+def config_not_toml(ts, tmp):
+    (tmp / "train.toml").write_text('[network]\nnetwork_dim 16\n')
+    return ["--config_file", str(tmp / "train.toml")], ["train.toml: not valid TOML"]
+
+
+def cli_bool_not_a_bool(ts, tmp):
+    return ["--fp8_base", "yes"], ["command line: --fp8_base takes true or false, got 'yes'"]
+
+
+def optimizer_unknown(ts, tmp):
+    return ["--optimizer_type", "AdamQ"], ["command line: optimizer_type 'AdamQ' is unknown (AdamW, AdamW8bit, Prodigy"]
+
+
+def optimizer_args_not_literals(ts, tmp):
+    return (["--optimizer_type", "AdamW", "--optimizer_args", "betas=__import__('os').getcwd()"],
+            ["command line: optimizer_args value \"betas=__import__('os').getcwd()\" is not a Python literal"])
+
+
+def optimizer_args_wrong_value(ts, tmp):
+    return (["--optimizer_type", "AdamW", "--optimizer_args", "weight_decay=-1.0"],
+            ["optimizer_args (weight_decay=-1.0) do not fit AdamW: Invalid weight_decay value: -1.0"])
+
+
+def output_dir_cannot_be_created(ts, tmp):
+    # Below a regular file: cannot be created even by root (who ignores chmod).
+    (tmp / "a_file").write_text("x")
+    return (["--output_dir", str(tmp / "a_file" / "out")],
+            [f"command line: output_dir '{tmp / 'a_file' / 'out'}' cannot be created: '{tmp / 'a_file'}' is a file, not a folder"])
+
+
+def sample_prompt_bad_flag(ts, tmp):
+    (tmp / "prompts.txt").write_text("# samples\na red circle --w 64 --x 3\n")
+    return ["--sample_prompts", str(tmp / "prompts.txt")], ["prompts.txt:2: unknown flag '--x' (allowed: --w, --h, --s, --d, --g, --n)"]
+
+
+def checkpoint_missing(ts, tmp):
+    return ["--pretrained_model_name_or_path", str(tmp / "flux1-dev.safetensors")], ["flux1-dev.safetensors: no such file or folder"]
+
+
+def checkpoint_not_safetensors(ts, tmp):
+    (tmp / "flux1-dev.ckpt").write_bytes(b"PK\x03\x04")
+    return ["--pretrained_model_name_or_path", str(tmp / "flux1-dev.ckpt")], ["flux1-dev.ckpt: expected a .safetensors file"]
+
+
+def qwen_image_folder_as_flux(ts, tmp):
+    return (["--pretrained_model_name_or_path", ts["qwen_image"]],
+            ["transformer/config.json: _class_name is 'QwenImageTransformer2DModel', expected 'FluxTransformer2DModel'"])
+
+
+def qwen_image_file_as_flux(ts, tmp):
+    shutil.copy(os.path.join(ts["qwen_image"], "diffusion_pytorch_model.safetensors"), tmp / "qwen.safetensors")
+    return (["--pretrained_model_name_or_path", str(tmp / "qwen.safetensors")],
+            ["qwen.safetensors: key 'txt_norm.weight' belongs to a Qwen-Image transformer, not FLUX.1"])
+
+
+def llm_as_flux(ts, tmp):
+    return ["--pretrained_model_name_or_path", ts["llm"]], ["llm: not a FLUX.1 transformer"]
+
+
+def fp8_checkpoint(ts, tmp, fp8_base):
+    sd = load_file(ts["flux_bfl"])
+    sd = {k: v.to(torch.float8_e4m3fn) if v.dim() == 2 and "blocks." in k else v for k, v in sd.items()}
+    save_file(sd, str(tmp / "flux1-fp8.safetensors"))
+    return (["--pretrained_model_name_or_path", str(tmp / "flux1-fp8.safetensors"), "--fp8_base", fp8_base],
+            ["flux1-fp8.safetensors: 'double_blocks.0.img_attn.proj.weight' is stored as F8_E4M3", "give a bf16/fp16/fp32 checkpoint"])
+
+
+def network_weights_missing(ts, tmp):
+    return ["--network_weights", str(tmp / "init.safetensors")], ["init.safetensors: no such file or folder"]
+
+
+def network_weights_of_qwen_image(ts, tmp):
+    net = LoRANetwork(load_qwen_image(ts["qwen_image"]), "qwen_image", 4, 4.0)
+    net.save(str(tmp / "qwen_lora.safetensors"))
+    return (["--network_weights", str(tmp / "qwen_lora.safetensors")],
+            ["qwen_lora.safetensors: LoRA module 'lora_unet_transformer_blocks_0_", "matches no module of the model"])
+
+
+CASES = {
+    "corrupt_image": corrupt_image,
+    "image_without_caption_or_class_tokens": image_without_caption,
+    "empty_caption_file": empty_caption_file,
+    "dataset_unknown_key": dataset_unknown_key,
+    "dataset_wrong_type": dataset_wrong_type,
+    "bucket_reso_steps_not_multiple_of_16": bucket_steps_not_multiple_of_16,
+    "resolution_below_one_patch": resolution_below_one_patch,
+    "dataset_config_missing": dataset_config_missing,
+    "config_unknown_key_in_table": config_unknown_key_in_table,
+    "config_wrong_type": config_wrong_type,
+    "config_not_toml": config_not_toml,
+    "cli_bool_not_a_bool": cli_bool_not_a_bool,
+    "optimizer_unknown": optimizer_unknown,
+    "optimizer_args_not_literals": optimizer_args_not_literals,
+    "optimizer_args_wrong_value": optimizer_args_wrong_value,
+    "output_dir_cannot_be_created": output_dir_cannot_be_created,
+    "sample_prompt_bad_flag": sample_prompt_bad_flag,
+    "checkpoint_missing": checkpoint_missing,
+    "checkpoint_not_safetensors": checkpoint_not_safetensors,
+    "qwen_image_folder_as_flux": qwen_image_folder_as_flux,
+    "qwen_image_file_as_flux": qwen_image_file_as_flux,
+    "llm_as_flux": llm_as_flux,
+    "fp8_checkpoint_for_bf16_base": lambda ts, tmp: fp8_checkpoint(ts, tmp, "false"),
+    "fp8_checkpoint_for_fp8_base": lambda ts, tmp: fp8_checkpoint(ts, tmp, "true"),
+    "network_weights_missing": network_weights_missing,
+    "network_weights_of_qwen_image": network_weights_of_qwen_image,
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_error_line_exit_2_and_no_output(tiny_set, tmp_path, capsys, case):
+    extra, fragments = CASES[case](tiny_set, tmp_path)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, *extra)))
+    for fragment in fragments:
+        assert fragment in line, (fragment, line)
+    assert files_under(out) == []
+
+
+def test_missing_caption_trains_on_the_class_tokens(tiny_set, tmp_path, monkeypatch):
+    from library.diffusion_training import DiffusionTask
+
+    cfg = copy_dataset(tiny_set, tmp_path, lambda d: (d / "003.txt").unlink(), subset='class_tokens = "sks shape"')
+    encoded: list[str] = []
+    real = DiffusionTask._text_encoder
+
+    def recording(self):
+        encode = real(self)
+        return lambda captions: (encoded.extend(captions), encode(captions))[1]
+
+    monkeypatch.setattr(DiffusionTask, "_text_encoder", recording)
+    out = tmp_path / "out"
+    assert train_lora.main(flux_args(tiny_set, out, "--dataset_config", cfg)) == 0
+    assert encoded.count("sks shape") == 1 and len(encoded) == 8  # the other 7 keep their files
+    assert (out / "tiny_flux_lora.safetensors").stat().st_size > 0
+
+
+def test_network_weights_of_another_rank_is_refused(trained, tiny_set, tmp_path, capsys):
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = train_lora.main(flux_args(tiny_set, out, "--network_dim", "4",
+                                     "--network_weights", str(trained / "tiny_flux_lora.safetensors")))
+    line = one_error_line(capsys, code)
+    assert ("tiny_flux_lora.safetensors: LoRA module 'double_blocks.0.img_attn.proj' has down (8, 64) / up (64, 8), "
+            "the network expects (4, 64) / (64, 4)") in line, line
+    assert files_under(out) == []
+
+
+def test_resume_from_a_state_of_another_run_config_is_refused(trained, tiny_set, tmp_path, capsys):
+    state = trained / "tiny_flux_lora-state"
+    before = {f: (state / f).read_bytes() for f in files_under(state)}
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = train_lora.main(flux_args(tiny_set, out, "--network_dim", "8", "--learning_rate", "0.5", "--resume", str(state)))
+    line = one_error_line(capsys, code)
+    assert f"{state}: state was written with learning_rate = 1.0, this run has 0.5; resume needs the same settings" in line
+    assert files_under(out) == []
+    assert {f: (state / f).read_bytes() for f in files_under(state)} == before  # the state is untouched
+
+    code = train_lora.main(flux_args(tiny_set, out, "--network_dim", "8", "--resume", str(trained)))
+    assert f"{trained}: not a training state (no train_state.json)" in one_error_line(capsys, code)
+
+
+def test_llm_max_length_beyond_the_context_window_is_refused(tiny_set, tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a photo of a cat sitting on a red chair. " * 50)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = train_lora.main([
+        "--model_type", "llm", "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data", str(corpus),
+        "--output_dir", str(out), "--max_train_steps", "1", "--mixed_precision", "no", "--max_length", "4096",
+    ])  # fmt: skip
+    line = one_error_line(capsys, code)
+    assert "max_length 4096 is longer than the model's context window (max_position_embeddings = 2048)" in line, line
+    assert files_under(out) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input to tools/merge_lora.py (its toy-model error table is in tests/test_merge_convert.py)
+
+
+def merge_error(capsys, *argv) -> str:
+    capsys.readouterr()
+    return one_error_line(capsys, merge_lora.main([str(a) for a in argv]))
+
+
+def test_merge_of_a_flux_lora_into_qwen_image_is_refused(trained, tiny_set, tmp_path, capsys):
+    lora = trained / "tiny_flux_lora.safetensors"
+    line = merge_error(capsys, "--model", tiny_set["qwen_image"], "--lora", lora, "--save_to", tmp_path / "merged")
+    assert (f"{lora}: no LoRA module matches a weight of the qwen_image checkpoint {tiny_set['qwen_image']} "
+            "(first: 'lora_unet_double_blocks_0_img_attn_proj'): is it a LoRA for another model?") in line, line
+    assert files_under(tmp_path) == []
+
+
+def test_merge_of_a_lora_for_a_wider_flux_is_refused(tiny_set, tmp_path, capsys):
+    # The tiny FLUX's proj is [64, 64]; this LoRA was made for a FLUX of width 96.
+    wide = lora_files.LoRAWeights(torch.randn(4, 96), torch.randn(96, 4), 4.0)
+    lora_files.write_kohya({"double_blocks.0.img_attn.proj": wide}, str(tmp_path / "wide.safetensors"))
+    line = merge_error(capsys, "--model", tiny_set["flux_bfl"], "--lora", tmp_path / "wide.safetensors",
+                       "--save_to", tmp_path / "merged.safetensors")
+    assert ("wide.safetensors: LoRA for 'double_blocks.0.img_attn.proj.weight' gives a delta of shape (96, 96), "
+            "the checkpoint weight is (64, 64)") in line, line
+    assert files_under(tmp_path) == ["wide.safetensors"]
+
+
+def test_merge_ratio_that_is_not_a_number_is_refused(trained, tiny_set, tmp_path, capsys):
+    lora = trained / "tiny_flux_lora.safetensors"
+    line = merge_error(capsys, "--model", tiny_set["flux_bfl"], "--lora", f"{lora}:0,8", "--save_to", tmp_path / "m.safetensors")
+    assert f"--lora '{lora}:0,8': ratio '0,8' is not a number (expected path[:ratio]" in line, line
+    assert files_under(tmp_path) == []
+
+
+def test_merge_save_to_below_a_file_is_refused(trained, tiny_set, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    target = tmp_path / "a_file" / "merged.safetensors"
+    line = merge_error(capsys, "--model", tiny_set["flux_bfl"], "--lora", trained / "tiny_flux_lora.safetensors", "--save_to", target)
+    assert f"{target}: cannot be written, '{tmp_path / 'a_file'}' is a file, not a folder" in line, line
+    assert files_under(tmp_path) == ["a_file"]
+
+
+def test_merge_folder_save_to_below_a_file_is_refused(tiny_set, tmp_path, capsys):
+    net = LoRANetwork(load_qwen_image(tiny_set["qwen_image"]), "qwen_image", 4, 4.0)
+    net.save(str(tmp_path / "qwen_lora.safetensors"))
+    (tmp_path / "a_file").write_text("x")
+    target = tmp_path / "a_file" / "merged"
+    line = merge_error(capsys, "--model", tiny_set["qwen_image"], "--lora", tmp_path / "qwen_lora.safetensors", "--save_to", target)
+    assert f"'{tmp_path / 'a_file'}' is a file, not a folder" in line, line
+    assert files_under(tmp_path) == ["a_file", "qwen_lora.safetensors"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Caches through the trainer: an edited caption or a replaced image redoes exactly that entry
+
+
+def test_edited_caption_and_replaced_image_re_encode_exactly_those_entries(tiny_set, tmp_path, capsys):
+    cfg = copy_dataset(tiny_set, tmp_path / "data")
+    images = tmp_path / "data" / "images"
+    args = flux_args(tiny_set, tmp_path / "out", "--dataset_config", cfg)
+    assert train_lora.main(args) == 0
+    assert "latents: 8 encoded, 0 reused from disk" in capsys.readouterr().out
+    caches = {f: (images / f).stat().st_mtime_ns for f in os.listdir(images) if f.endswith(".safetensors")}
+    assert len(caches) == 16  # one latent and one text cache per image
+
+    (images / "003.txt").write_text("a purple triangle on a grey background")
+    with Image.open(images / "004.png") as img:  # same size, so the same bucket: other pixels
+        Image.new("RGB", img.size, (90, 10, 200)).save(images / "004.png")
+    assert train_lora.main(args) == 0
+    out = capsys.readouterr().out
+    assert "latents: 1 encoded, 7 reused from disk" in out and "captions: 1 encoded, 7 reused from disk" in out, out
+    rewritten = sorted(f for f, t in caches.items() if (images / f).stat().st_mtime_ns != t)
+    assert len(rewritten) == 2 and rewritten[0].startswith("003_") and rewritten[0].endswith("_te.safetensors")
+    assert rewritten[1].startswith("004_") and not rewritten[1].endswith("_te.safetensors"), rewritten

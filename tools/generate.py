@@ -1,0 +1,147 @@
+"""Text-to-image with FLUX.1 or Qwen-Image, with the same model, sampler and LoRA code as the
+training samples: the way to check a LoRA under the base precision you will deploy.
+
+    python tools/generate.py --model_type flux --model flux1-dev.safetensors --ae ae.safetensors \\
+        --clip_l clip_l --t5xxl t5xxl --prompt "a cat" --width 1024 --height 1024 --steps 20 \\
+        --base_precision fp8_scaled --lora my_lora.safetensors:0.8 --out out/
+    python tools/generate.py ... --prompt_file prompts.txt      # sd-scripts syntax, one per line
+
+Writes one PNG per prompt with the settings in its text chunks. LoRAs are applied unmerged (the
+base is never modified, so an fp8 base keeps the LoRA's small deltas intact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library.diffusion_family import BASE_PRECISIONS, FluxFamily, QwenImageFamily  # noqa: E402
+from library.io import CheckpointError  # noqa: E402
+from library.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_lora(spec: str) -> tuple[str, float]:
+    path, _, ratio = spec.rpartition(":") if ":" in spec else (spec, "", "1.0")
+    try:
+        return path, float(ratio)
+    except ValueError:
+        raise ValueError(f"--lora {spec!r}: ratio {ratio!r} is not a number (expected FILE or FILE:RATIO)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_type", required=True, choices=("flux", "qwen_image"))
+    p.add_argument("--model", required=True, help="transformer checkpoint (BFL file / diffusers folder)")
+    p.add_argument("--ae", required=True, help="VAE")
+    p.add_argument("--clip_l", help="flux: CLIP-L folder")
+    p.add_argument("--t5xxl", help="flux: T5-XXL folder")
+    p.add_argument("--t5xxl_max_token_length", type=int, default=512, help="flux: 512 dev, 256 schnell")
+    p.add_argument("--text_encoder", help="qwen_image: Qwen2.5-VL language model folder")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (sd-scripts flags allowed); repeatable")
+    p.add_argument("--prompt_file", help="prompt file, one per line, sd-scripts syntax")
+    p.add_argument("--negative", default="", help="qwen_image: negative prompt for true CFG")
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--guidance", type=float, default=None, help="flux-dev: embedded guidance (3.5); qwen: CFG (4.0)")
+    p.add_argument("--base_precision", default="bf16", choices=BASE_PRECISIONS)
+    p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="compute dtype")
+    p.add_argument("--lora", nargs="*", default=[], help="LoRA files, each FILE or FILE:RATIO")
+    p.add_argument("--out", default="generated", help="output folder")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p
+
+
+def collect_prompts(args) -> list[SamplePrompt]:
+    guidance = args.guidance if args.guidance is not None else (3.5 if args.model_type == "flux" else 4.0)
+    defaults = SamplePrompt("", args.width, args.height, args.steps, args.seed, guidance, args.negative)
+    prompts = [parse_prompt_line(p, "--prompt", defaults) for p in args.prompt]
+    if args.prompt_file:
+        prompts += read_prompt_file(args.prompt_file, defaults)
+    if not prompts:
+        raise ValueError("give --prompt or --prompt_file")
+    return prompts
+
+
+def generate(args) -> list[str]:
+    from library.images import save_png, to_pil
+    from networks.lora import LoRANetwork
+
+    prompts = collect_prompts(args)
+    loras = [parse_lora(s) for s in args.lora]
+    if args.model_type == "flux":
+        family = FluxFamily(args.model, args.ae, clip_l=args.clip_l, t5xxl=args.t5xxl)
+        encode = family.load_text_encoder(torch.float32, t5_max_length=args.t5xxl_max_token_length)
+    else:
+        family = QwenImageFamily(args.model, args.ae, text_encoder=args.text_encoder)
+        encode = family.load_text_encoder(torch.float32)
+    texts = [(stack(encode([p.prompt])), stack(encode([p.negative])) if args.model_type == "qwen_image" else None)
+             for p in prompts]
+    del encode  # text encoders are freed before the transformer is loaded
+    device = torch.device(args.device)
+    model = family.load_transformer(DTYPES[args.dtype], args.base_precision).to(device).eval()
+    for path, ratio in loras:  # each LoRA patched on top of the previous, unmerged
+        from networks.lora_files import read_lora
+
+        weights, metadata, _ = read_lora(path)
+        rank = next(iter(weights.values())).rank
+        network = LoRANetwork(model, family.name, rank, multiplier=ratio, network_args=_args_from(metadata))
+        network.load_weights(path)
+        network.apply()
+        network.to(device)
+    vae = family.load_vae(torch.float32)
+    vae.vae.to(device)
+    os.makedirs(args.out, exist_ok=True)
+    written = []
+    for i, (prompt, (text, negative)) in enumerate(zip(prompts, texts)):
+        seed = prompt.seed if prompt.seed is not None else args.seed
+        to_device = lambda d: {k: v.to(device) for k, v in d.items()} if d else None  # noqa: E731
+        latents = family.sample_latents(model, to_device(text), prompt.width, prompt.height, prompt.steps, seed,
+                                        prompt.guidance, to_device(negative))
+        image = to_pil(vae.decode(latents)[0])
+        path = os.path.join(args.out, f"{i:03d}_{seed}.png")
+        save_png(image, path, {
+            "prompt": prompt.prompt, "negative": prompt.negative, "size": f"{prompt.width}x{prompt.height}",
+            "steps": prompt.steps, "seed": seed, "guidance": prompt.guidance, "model": os.path.basename(args.model),
+            "base_precision": args.base_precision, "dtype": args.dtype,
+            "loras": ",".join(f"{os.path.basename(p)}:{r}" for p, r in loras),
+        })
+        written.append(path)
+        print(f"wrote {path}")
+    return written
+
+
+def stack(per_caption: list[dict]) -> dict:
+    return {k: torch.stack([d[k] for d in per_caption]) for k in per_caption[0]}
+
+
+def _args_from(metadata: dict) -> dict:
+    """Network options recorded by the trainer, so the same modules are rebuilt."""
+    import json
+
+    try:
+        return json.loads(metadata.get("ss_network_args", "{}")) or {}
+    except ValueError:
+        return {}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        generate(args)
+    except (ValueError, CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

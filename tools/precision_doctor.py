@@ -1,0 +1,467 @@
+"""Precision doctor: finds fp8 damage in minutes, and says whether it comes from positions, from
+weight quantization or from a LoRA merged into fp8 weights.
+
+    python tools/precision_doctor.py --model_type flux|qwen_image --model PATH [--lora FILE[:ratio]] \
+        [--resolution 1024 | WxH] [--seed 0] [--timesteps 0.9,0.5,0.1] [--out DIR] [--threshold 0.05] \
+        [--text_len 128] [--skip_fp32] [--max_tokens 256] [--device cuda] [--inject_position_bug]
+
+The same random inputs (packed latents for the resolution, random text embeddings of the model's
+context width, a CLIP pooled vector for FLUX, a text mask for Qwen-Image) go through the base in
+bf16 (the reference), fp32 (the bf16 floor), plain fp8 and fp8_scaled at a few sigmas. With
+--lora, also bf16 + LoRA (the LoRA reference), fp8 / fp8_scaled + LoRA at runtime (unmerged), and
+the LoRA merged into plain fp8: in float32 then rounded to nearest ("merge_rtn") or
+stochastically ("merge_sr"), or added to the fp8 weights ("merge_into_fp8").
+
+Each mode is loaded from disk just before its run (fp8 quantized while loading), so one full-size
+model is in memory at a time. The report (stdout, DIR/report.txt, DIR/report.json, DIR/heatmap_*.png):
+per-layer relative errors (blocks and the worst layers; the first layer over --threshold), per-token
+error heatmaps with the border-band / centre and max / min of 4x4 regions ratios and a verdict per mode,
+the positions each model really fed to core.rope_tables, and, with --lora, how much of the LoRA
+survives each way of applying it. --inject_position_bug casts positions to each model's weight
+dtype (float8_e4m3fn on fp8 bases), the bug users hit, to show what it looks like.
+
+Exit status 0 whatever damage is found (a diagnostic), 2 with one line on stderr for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn as nn
+
+if __package__ in (None, ""):  # run as a script: make `library` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library import precision  # noqa: E402
+from library.diffusion_family import fp8_prepare  # noqa: E402
+from library.fp8 import (  # noqa: E402
+    FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,
+)
+from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
+from networks.lora import LoRAModule  # noqa: E402
+from networks.lora_files import LoRAWeights, flux_diffusers_to_bfl, read_lora  # noqa: E402
+
+FAMILIES = ("flux", "qwen_image")
+BASE_MODES = ("fp32", "bf16", "fp8", "fp8_scaled")
+LORA_MODES = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr", "fp8+merge_into_fp8")
+VAE_PATCH = 16  # pixels per packed token: 8x VAE downsampling x 2x2 patches
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+
+
+def make_inputs(family: str, config, width: int, height: int, seed: int = 0, text_len: int = 128,
+                device: torch.device | str = "cpu") -> precision.DoctorInputs:
+    """Random inputs shared by all modes, float32 on `device`: noisy packed latents x_t = (1 - s) x0
+    + s noise for an image of width x height pixels, text embeddings N(0, 1), FLUX's pooled vector
+    and guidance 1.0 (dev), Qwen-Image's text mask (the last quarter padded)."""
+    h, w = height // VAE_PATCH, width // VAE_PATCH
+    gen = torch.Generator().manual_seed(seed)
+    channels = config.in_channels
+    x0, noise = (torch.randn(1, h * w, channels, generator=gen) for _ in range(2))
+    if family == "flux":
+        from library.flux import make_img_ids, make_txt_ids
+
+        fixed = dict(img_ids=make_img_ids(1, h, w), txt=torch.randn(1, text_len, config.context_in_dim, generator=gen),
+                     txt_ids=make_txt_ids(1, text_len), y=torch.randn(1, config.vec_in_dim, generator=gen),
+                     guidance=torch.ones(1) if config.guidance_embed else None)
+        positions = torch.cat([fixed["txt_ids"], fixed["img_ids"]], dim=1)
+        axes, theta = config.axes_dim, config.theta
+    elif family == "qwen_image":
+        from library.qwen_image import joint_positions
+
+        mask = torch.arange(text_len)[None] < max(1, (3 * text_len + 3) // 4)
+        fixed = dict(txt=torch.randn(1, text_len, config.joint_attention_dim, generator=gen), txt_mask=mask,
+                     img_shapes=[(1, h, w)])
+        positions = joint_positions(fixed["img_shapes"], text_len)
+        axes, theta = config.axes_dims_rope, config.rope_theta
+    else:
+        raise ValueError(f"--model_type must be one of {FAMILIES}, got {family!r}")
+
+    def make_kwargs(sigma: float) -> dict:
+        on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in fixed.items()}
+        img = ((1 - sigma) * x0 + sigma * noise).to(device)
+        return dict(img=img, timesteps=torch.full((1,), float(sigma), device=device), **on_device)
+
+    return precision.DoctorInputs(family, (h, w), make_kwargs, positions, tuple(axes), float(theta))
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA: read for a model, apply at runtime, merge into fp8
+
+
+def read_lora_for(model: nn.Module, family: str, path: str, ratio: float = 1.0) -> dict[str, LoRAWeights]:
+    """{module path of `model`: LoRAWeights (float32, ratio folded into alpha)} from any layout
+    networks/lora_files.py reads; FLUX LoRAs with diffusers names are converted to BFL names."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, FP8Linear))}
+    module_map = None
+    if family == "flux":
+        from library.flux_checkpoint import flux_diffusers_module_map
+
+        c = model.config
+        module_map = flux_diffusers_module_map(c.depth, c.depth_single, c.hidden_size, c.mlp_hidden, c.in_channels,
+                                               c.guidance_embed)
+    alternates = sorted({d for parts in module_map.values() for d, _, _ in parts}) if module_map else []
+    weights, _, _ = read_lora(path, module_paths=list(linears) + alternates)
+    foreign = {p: w for p, w in weights.items() if p not in linears and p in alternates}
+    if foreign:
+        weights = {**{p: w for p, w in weights.items() if p not in foreign}, **flux_diffusers_to_bfl(foreign, module_map)}
+    out = {}
+    for p, w in weights.items():
+        if p not in linears:
+            raise CheckpointError(f"{path}: LoRA module '{p}' is not a Linear of this {family} model")
+        m = linears[p]
+        if (w.up.shape[0], w.down.shape[1]) != (m.out_features, m.in_features):
+            raise CheckpointError(f"{path}: LoRA '{p}' gives a delta {(w.up.shape[0], w.down.shape[1])}, "
+                                  f"the layer is {(m.out_features, m.in_features)}")
+        out[p] = LoRAWeights(w.down.float(), w.up.float(), w.alpha * ratio)
+    if not out:
+        raise CheckpointError(f"{path}: the LoRA holds no module")
+    return out
+
+
+def apply_runtime_lora(model: nn.Module, weights: dict[str, LoRAWeights]) -> nn.Module:
+    """LoRAModule (float32 branch, unmerged) on each named module; the base stays as it is."""
+    modules = dict(model.named_modules())
+    for path, w in weights.items():
+        lora = LoRAModule(path, modules[path], w.rank, w.alpha)
+        with torch.no_grad():
+            lora.lora_down.weight.copy_(w.down)
+            lora.lora_up.weight.copy_(w.up)
+        lora.eval().apply_to_base()  # base.forward now holds the module
+    return model
+
+
+def merged_codes(w: torch.Tensor, delta: torch.Tensor, mode: str, how: str, generator: torch.Generator):
+    """(float8 codes, scale | None) of W + dW for one fp8 Linear, W and dW float32 [out, in]."""
+    if how == "merge_rtn":
+        return precision.quantize_with(w + delta, mode, "nearest")
+    if how == "merge_sr":
+        return precision.quantize_with(w + delta, mode, "stochastic", generator=generator)
+    if how == "merge_into_fp8":  # add to the fp8 base's values, keep its scales, round to nearest
+        codes, scale = precision.quantize_with(w, mode)
+        return precision.quantize_with(dequantize_weight(codes, scale, torch.float32) + delta, mode, "nearest", scale)
+    raise ValueError(f"unknown merge {how!r}")
+
+
+class MergingConverter:
+    """load_streaming convert hook: the fp8 converter, with LoRA deltas merged (merged_codes) into
+    the weights of the LoRA's modules; high-precision LoRA modules get W + dW in float32, cast back."""
+
+    def __init__(self, inner, deltas: dict[str, torch.Tensor], mode: str, how: str, generator):
+        self.inner, self.deltas, self.mode, self.how, self.generator = inner, deltas, mode, how, generator
+        self.keep_dtype = inner.keep_dtype
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        path = key[: -len(".weight")] if key.endswith(".weight") else None
+        if path not in self.deltas:
+            return self.inner(key, tensor)
+        delta = self.deltas[path]
+        if key not in self.inner.quantized:
+            return {key: (tensor.float() + delta).to(tensor.dtype)}
+        codes, scale = merged_codes(tensor.float(), delta, self.mode, self.how, self.generator)
+        return {key: codes, **({path + ".weight_scale": scale} if scale is not None else {})}
+
+
+# ----------------------------------------------------------------------------------------------
+# Model variants: mode name -> a function that builds that model
+
+
+def _finish(model: nn.Module, dtype: torch.dtype, device) -> nn.Module:
+    model = model.to(device=device, dtype=dtype).eval()  # FP8Linear keeps its fp8 codes and bf16 scales
+    model.compute_dtype = dtype
+    return model
+
+
+def in_memory_variant(fp32_model: nn.Module, family: str, mode: str, lora=None, seed: int = 0, device="cpu") -> nn.Module:
+    """Build `mode` from an fp32 model in memory (a copy; tests and tiny models)."""
+    precision_name, _, how = mode.partition("+")
+    model = copy.deepcopy(fp32_model)
+    deltas = {p: w.delta() for p, w in (lora or {}).items()} if how.startswith("merge") else {}
+    if precision_name == "fp32":
+        model = _finish(model, torch.float32, device)
+        return apply_runtime_lora(model, lora) if how == "lora" else model
+    modules = dict(model.named_modules())
+    originals = {p: modules[p].weight.detach().float().clone() for p in deltas}
+    with torch.no_grad():
+        for p, d in deltas.items():
+            if precision_name == "bf16" or is_high_precision(p, family):
+                modules[p].weight += d
+    if precision_name in ("fp8", "fp8_scaled"):
+        quantize_module(model, precision_name, family)
+        modules, gen = dict(model.named_modules()), torch.Generator().manual_seed(seed)
+        for p, d in deltas.items():
+            if isinstance(modules[p], FP8Linear):
+                modules[p].weight, modules[p].weight_scale = merged_codes(originals[p], d, precision_name, how, gen)
+    model = _finish(model, torch.bfloat16, device)
+    return apply_runtime_lora(model, lora) if how == "lora" else model
+
+
+def disk_variant(path: str, family: str, mode: str, lora=None, seed: int = 0, device="cpu") -> nn.Module:
+    """Load `mode` from the checkpoint at `path` (fp8 quantized tensor by tensor while loading)."""
+    load = _loader(family)
+    precision_name, _, how = mode.partition("+")
+    dtype = torch.float32 if precision_name == "fp32" else torch.bfloat16
+    prepare = fp8_prepare(precision_name if precision_name.startswith("fp8") else None, family)
+    if how.startswith("merge"):
+        deltas = {p: w.delta() for p, w in lora.items()}
+        gen = torch.Generator().manual_seed(seed)
+        prepare = lambda m: MergingConverter(fp8_load_converter(prepare_fp8(m, precision_name, family)), deltas,  # noqa: E731
+                                             precision_name, how, gen)
+    model = _finish(load(path, dtype=dtype, prepare=prepare), dtype, device)
+    return apply_runtime_lora(model, lora) if how == "lora" else model
+
+
+def _loader(family: str):
+    if family == "flux":
+        from library.flux_checkpoint import load_flux
+
+        return load_flux
+    from library.qwen_image import load_qwen_image
+
+    return load_qwen_image
+
+
+def survival_table(model: nn.Module, lora: dict[str, LoRAWeights], family: str, seed: int = 0) -> dict:
+    """precision.lora_survival per LoRA module and fp8 mode (modules that stay high precision skipped),
+    from the weights of a high-precision `model`; plus median / min of `kept` and median `error`."""
+    modules, gen = dict(model.named_modules()), torch.Generator().manual_seed(seed)
+    per_module = {mode: {} for mode in ("fp8", "fp8_scaled")}
+    for path, w in lora.items():
+        if is_high_precision(path, family):
+            continue
+        weight = modules[path].weight.detach().float().cpu()
+        for mode in per_module:
+            per_module[mode][path] = precision.lora_survival(weight, w.delta(), mode, gen)
+    summary = {}
+    for mode, rows in per_module.items():
+        for way in next(iter(rows.values()), {}):
+            kept = [r[way]["kept"] for r in rows.values()]
+            summary[f"{mode} {way}"] = {"median_kept": statistics.median(kept), "min_kept": min(kept),
+                                        "median_error": statistics.median(r[way]["error"] for r in rows.values()),
+                                        "median_norm_ratio": statistics.median(r[way]["norm_ratio"] for r in rows.values())}
+    return {"summary": summary, "modules": per_module}
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows)
+
+
+def report_text(result: dict, worst: int = 8) -> str:
+    modes = result["modes"]
+    compared = [m for m, e in modes.items() if e.get("reference")]
+    h, w = result["grid"]
+    lines = [f"precision doctor: {result['family']}, grid {h}x{w} patches ({w * VAE_PATCH}x{h * VAE_PATCH} px), "
+             f"sigmas {','.join(str(t) for t in result['timesteps'])}, threshold {result['threshold']}"
+             + (", POSITION BUG INJECTED (positions cast to each model's weight dtype)" if result.get("position_bug") else ""),
+             "", "== Output vs reference (per-token error map: border band / centre, max / min of 4x4 regions) =="]
+    rows = [["mode", "reference", "error", "border/centre", "regions max/min", "verdict"]]
+    for m in compared:
+        e = modes[m]
+        rows.append([m, e["reference"], f"{e['output_error']:.4f}", f"{e['map']['border_centre_ratio']:.2f}",
+                     f"{e['map']['region_ratio']:.2f}", e["verdict"].split(":")[0]])
+    lines += [_table(rows), ""] + [f"{m}: {modes[m]['verdict']}" for m in compared]
+
+    layer_modes = [m for m in compared if modes[m]["layers"]]
+    if layer_modes:
+        lines += ["", f"== Per-layer relative error (blocks, then the {worst} worst layers) =="]
+        names = list(modes[layer_modes[0]]["layers"])
+        blocks = [n for n in names if precision.BLOCK_NAME.fullmatch(n)]
+        others = [n for n in names if n not in blocks]
+        worst_layers = sorted(others, key=lambda n: -max(modes[m]["layers"].get(n, 0) for m in layer_modes))[:worst]
+        rows = [["layer"] + layer_modes]
+        for n in blocks + worst_layers:
+            rows.append([n] + [f"{modes[m]['layers'].get(n, float('nan')):.4f}" for m in layer_modes])
+        rows.append(["mean over layers"] + [f"{mean_layer_error(modes[m]):.4f}" for m in layer_modes])
+        lines.append(_table(rows))
+        lines.append(f"first layer (in execution order) over {result['threshold']}:")
+        lines += [f"  {m}: {modes[m]['first_layer_over_threshold'] or 'none'}" for m in layer_modes]
+
+    lines += ["", "== Positions fed to core.rope_tables (vs the int64 positions a correct model uses) =="]
+    rows = [["mode", "dtype", "distinct per axis", "expected", "changed", "max |pos err|", "table vs float64"]]
+    for m, e in modes.items():
+        p = e["positions"]
+        if not p.get("calls"):
+            rows.append([m, "no rope_tables call seen", "", "", "", "", ""])
+            continue
+        rows.append([m, p["dtype"], str(p["distinct"]), str(p.get("expected_distinct", "?")),
+                     str(p.get("positions_changed", "?")),
+                     f"{p.get('max_position_error', float('nan')):g}", f"{p.get('table_max_abs_diff', float('nan')):.2e}"])
+    lines.append(_table(rows))
+    scans = {f"{m}: {t['name']} {t['dtype']}" for m, e in modes.items() for t in e["low_precision_position_tensors"]}
+    lines.append("low-precision freq/rope/pos tensors: " + (", ".join(sorted(scans)) if scans else "none"))
+
+    if "lora_effect" in result:
+        lines += lora_report(result)
+    return "\n".join(lines) + "\n"
+
+
+def lora_report(result: dict) -> list[str]:
+    effect = result["lora_effect"]
+    lines = ["", "== LoRA ==", f"LoRA effect in bf16: {effect['bf16+lora']['effect_size']:.4f} of the prediction's norm",
+             "share of the LoRA's effect on the prediction each mode keeps "
+             "(1 = all; error = ||effect - bf16 effect|| / ||bf16 effect||):"]
+    rows = [["mode", "kept", "error"]] + [[m, f"{e['kept']:.3f}", f"{e['error']:.3f}"] for m, e in effect.items() if "kept" in e]
+    lines.append(_table(rows))
+    floor = result["modes"].get("fp32", {}).get("output_error")
+    if floor is not None and effect["bf16+lora"]["effect_size"] < 3 * floor:
+        lines.append(f"note: the LoRA's effect is under 3x the bf16 floor ({floor:.4f}, fp32 vs bf16): bf16 rounding of "
+                     "activations blurs it, so these shares are noisy; the per-module numbers below are not affected")
+    if "lora_survival" in result:
+        lines.append("per module: kept = <effective delta, delta> / ||delta||^2 (runtime application: 1 exactly)")
+        rows = [["fp8 mode / way", "median kept", "min kept", "median error", "median |eff|/|delta|"]]
+        for way, s in result["lora_survival"]["summary"].items():
+            rows.append([way] + [f"{s[k]:.3f}" for k in ("median_kept", "min_kept", "median_error", "median_norm_ratio")])
+        lines.append(_table(rows))
+    return lines
+
+
+def mean_layer_error(entry: dict) -> float:
+    values = list(entry["layers"].values())
+    return sum(values) / len(values) if values else float("nan")
+
+
+def write_heatmap(path: str, mode: str, error_map: torch.Tensor, ratios: dict):
+    """One figure: the per-token error map, its row profile and its column profile (PNG, atomic)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = error_map.numpy()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), gridspec_kw={"width_ratios": [1.2, 1, 1]})
+    fig.subplots_adjust(left=0.04, right=0.98, bottom=0.14, top=0.82, wspace=0.3)
+    im = axes[0].imshow(m, cmap="magma")
+    fig.colorbar(im, ax=axes[0], fraction=0.046)
+    axes[0].set_title(f"{mode}: per-token error / mean |ref|")
+    axes[1].plot(m.mean(1))
+    axes[1].set(title="row profile", xlabel="row (patch)", ylabel="mean error")
+    axes[2].plot(m.mean(0))
+    axes[2].set(title="column profile", xlabel="column (patch)")
+    fig.suptitle(f"border/centre {ratios['border_centre_ratio']:.2f}, regions max/min {ratios['region_ratio']:.2f}")
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=80)
+    plt.close(fig)
+
+
+def write_report(result: dict, out: str) -> str:
+    """report.txt, report.json (every number, maps as nested lists) and heatmap_<mode>.png in `out`."""
+    os.makedirs(out, exist_ok=True)
+    text = report_text(result)
+    write_text(os.path.join(out, "report.txt"), text)
+    data = {k: v for k, v in result.items() if k != "maps"}
+    data["maps"] = {m: [[round(float(x), 6) for x in row] for row in t] for m, t in result["maps"].items()}
+    write_text(os.path.join(out, "report.json"), json.dumps(data, indent=1, default=str) + "\n")
+    for mode, error_map in result["maps"].items():
+        write_heatmap(os.path.join(out, f"heatmap_{mode.replace('+', '_')}.png"), mode, error_map, result["modes"][mode]["map"])
+    return text
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def run_doctor(model_path: str, family: str, lora_spec: str | None = None, resolution: tuple[int, int] = (1024, 1024),
+               seed: int = 0, timesteps=(0.9, 0.5, 0.1), out: str = "precision_report", threshold: float = 0.05,
+               text_len: int = 128, skip_fp32: bool = False, max_tokens: int = 256, device: str = "cpu",
+               inject_position_bug: bool = False, log=print) -> dict:
+    """Load, diagnose, report. The bf16 model loaded first (for the config and the LoRA's module
+    names) is handed to the bf16 run, then dropped; every other mode is loaded when it runs."""
+    first = disk_variant(model_path, family, "bf16", device=device)
+    inputs = make_inputs(family, first.config, *resolution, seed=seed, text_len=text_len, device=device)
+    lora, survival = None, None
+    if lora_spec:
+        from tools.merge_lora import parse_lora_spec
+
+        spec = parse_lora_spec(lora_spec)
+        lora = read_lora_for(first, family, spec.path, spec.ratio)
+        survival = survival_table(first, lora, family, seed)
+    held = [first]
+    del first
+    modes = [m for m in BASE_MODES if not (skip_fp32 and m == "fp32")] + (list(LORA_MODES) if lora else [])
+    models = {m: (lambda m=m: held.pop() if m == "bf16" and held else disk_variant(model_path, family, m, lora, seed, device))
+              for m in modes}
+    result = precision.diagnose(models, inputs, timesteps, threshold, max_tokens, inject_position_bug, log=log)
+    result["position_bug"] = inject_position_bug
+    if survival:
+        result["lora_survival"] = survival
+    log(write_report(result, out))
+    log(f"written: {out}/report.txt, report.json, {len(result['maps'])} heatmaps")
+    return result
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit status 2
+        raise ValueError(message)
+
+
+def parse_resolution(text: str) -> tuple[int, int]:
+    """'1024' or 'WxH' -> (width, height), multiples of 16 pixels."""
+    parts = text.lower().split("x")
+    try:
+        width, height = (int(parts[0]), int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
+    except ValueError:
+        raise ValueError(f"--resolution {text!r}: expected a number or WxH, e.g. 1024 or 1344x768") from None
+    if len(parts) > 2 or width <= 0 or height <= 0 or width % VAE_PATCH or height % VAE_PATCH:
+        raise ValueError(f"--resolution {text!r}: width and height must be positive multiples of {VAE_PATCH}")
+    return width, height
+
+
+def parse_timesteps(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise ValueError(f"--timesteps {text!r}: expected comma-separated sigmas in (0, 1], e.g. 0.9,0.5,0.1") from None
+    if not all(0 < t <= 1 for t in values):
+        raise ValueError(f"--timesteps {text!r}: every sigma must lie in (0, 1]")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model_type", required=True, choices=FAMILIES)
+    p.add_argument("--model", required=True, help="transformer checkpoint (bf16/fp32; file or diffusers folder)")
+    p.add_argument("--lora", default=None, help="LoRA file, optionally :ratio")
+    p.add_argument("--resolution", default="1024", help="image size in pixels: 1024 or WxH")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timesteps", default="0.9,0.5,0.1", help="sigmas in (0, 1], comma-separated")
+    p.add_argument("--out", default="precision_report", help="report folder")
+    p.add_argument("--threshold", type=float, default=0.05, help="relative error that counts as damage")
+    p.add_argument("--text_len", type=int, default=128, help="random text tokens")
+    p.add_argument("--max_tokens", type=int, default=256, help="tokens per layer kept for the per-layer errors")
+    p.add_argument("--skip_fp32", action="store_true", help="no fp32 run (for models too large for fp32)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--inject_position_bug", action="store_true", help="demonstration: positions cast to the weight dtype")
+    return p
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        resolution, timesteps = parse_resolution(args.resolution), parse_timesteps(args.timesteps)
+        if not args.threshold > 0 or args.text_len < 1 or args.max_tokens < 1:
+            raise ValueError("--threshold must be > 0, --text_len and --max_tokens >= 1")
+        if not os.path.exists(args.model):
+            raise ValueError(f"--model {args.model}: no such file or folder")
+        run_doctor(args.model, args.model_type, args.lora, resolution, args.seed, timesteps, args.out, args.threshold,
+                   args.text_len, args.skip_fp32, args.max_tokens, args.device, args.inject_position_bug)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
