@@ -59,9 +59,8 @@ def optimizer_class(optimizer_type: str):
 def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, optimizer_kwargs: dict):
     """param_groups: [{"params": [...], "name": str, "lr": float (optional)}, ...]."""
     cls = optimizer_class(optimizer_type)
-    if cls is torch.optim.AdamW:
-        fused = all(p.is_cuda for g in param_groups for p in g["params"])
-        optimizer_kwargs.setdefault("fused", fused) if fused else None
+    if cls is torch.optim.AdamW and all(p.is_cuda for g in param_groups for p in g["params"]):
+        optimizer_kwargs.setdefault("fused", True)  # one kernel for all parameters (CUDA only)
     try:
         return cls(param_groups, lr=lr, **optimizer_kwargs)
     except (TypeError, ValueError) as e:  # unknown names, or values the optimizer refuses
