@@ -147,13 +147,18 @@ def attention(
     causal: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention. q: [B, H, Lq, D], k/v: [B, Hkv, Lk, D] with H % Hkv == 0
-    (grouped-query attention when Hkv < H). mask: boolean [B, Lk] key padding mask, or a full
-    boolean/additive mask broadcastable to [B, H, Lq, Lk]. Returns [B, Lq, H * D]."""
+    (grouped-query attention when Hkv < H). mask: boolean [B, Lk] key padding mask (combined
+    with `causal`), or a full boolean/additive mask broadcastable to [B, H, Lq, Lk] that is used
+    as given (it already holds any causality). Returns [B, Lq, H * D]."""
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None and causal and q.shape[-2] == k.shape[-2]:
+        # No padding: let SDPA build causality itself, which keeps the flash kernel eligible on CUDA.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return out.transpose(1, 2).flatten(2)
     if mask is not None and mask.dim() == 2:
         mask = attention_mask(mask, q.shape[-2], k.shape[-2], causal, q.device)
-    elif causal:
+    elif causal and mask is None:  # Lq != Lk (a query suffix): causality aligned to the end
         mask = attention_mask(None, q.shape[-2], k.shape[-2], True, q.device)
-    gqa = k.shape[1] != q.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)
 

@@ -81,22 +81,24 @@ class DiffusionTask:
         vae.vae.to(self.device)
         encoded = cache_latents(items, lambda x: vae.encode(x.to(self.device)), latent_key, to_disk=args.cache_latents_to_disk)
         self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
-        self.vae_dtype = torch.float32
         del vae
         encode_text = self._text_encoder()
         encoded = cache_text(items, encode_text, text_key, to_disk=args.cache_text_encoder_outputs_to_disk)
         self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk")
-        self.prompt_texts = [
-            (self._stack(encode_text([p.prompt])), self._stack(encode_text([p.negative])) if p.negative or self.family.name == "qwen_image" else None)
-            for p in self.prompts
-        ]
+        # Sample prompts are encoded now too: the encoders are gone by the time samples render.
+        # Qwen-Image samples use true CFG, so they always need a (possibly empty) negative prompt.
+        needs_negative = self.family.name == "qwen_image"
+        self.prompt_texts = []
+        for p in self.prompts:
+            negative = self._stack(encode_text([p.negative])) if p.negative or needs_negative else None
+            self.prompt_texts.append((self._stack(encode_text([p.prompt])), negative))
         del encode_text
         gc.collect()
 
     def _text_encoder(self):
         if self.family.name == "flux":
-            variant_len = self.args.t5xxl_max_token_length or 512
-            return self.family.load_text_encoder(torch.float32, t5_max_length=variant_len)
+            t5_length = self.args.t5xxl_max_token_length or self.family.t5_max_length()
+            return self.family.load_text_encoder(torch.float32, t5_max_length=t5_length)
         return self.family.load_text_encoder(torch.float32)
 
     @staticmethod

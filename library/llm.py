@@ -145,7 +145,7 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         q = core.apply_rope(q, cos, sin, interleaved=False)
         k = core.apply_rope(k, cos, sin, interleaved=False)
-        return self.o_proj(core.attention(q, k, v, mask=mask))  # [B, L, H*Dh] -> [B, L, D]
+        return self.o_proj(core.attention(q, k, v, mask=mask, causal=True))  # [B, L, H*Dh] -> [B, L, D]
 
 
 class DecoderLayer(nn.Module):
@@ -203,7 +203,8 @@ class LLM(nn.Module):
         positions = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
         cos, sin = core.rope_tables(positions, (self.config.head_dim,), self.config.rope_theta)  # fp32
         key_mask = None if attention_mask is None else attention_mask.bool()
-        mask = core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device)  # bool, built once
+        # Built once per forward when there is padding; without it SDPA applies causality itself.
+        mask = None if key_mask is None else core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device)
         x = self.model.embed_tokens(input_ids).to(self.compute_dtype)
         states = [x] if keep_all else None
         for layer in self.model.layers:
@@ -275,8 +276,9 @@ def load_llm(
     path: a .safetensors file, a *.safetensors.index.json, or a folder (config.json is read from
         the folder when config is None). dtype: floating tensors are cast to it on read and it
         becomes model.compute_dtype (float32 / bfloat16 / float16).
-    prepare: optional hook run on the meta model before loading (e.g. fp8.prepare_fp8), paired
-        with convert (e.g. fp8.fp8_load_converter) which maps each tensor as it is read.
+    prepare: optional hook run on the meta model before loading; a callable it returns becomes
+        the convert hook (library.diffusion_family.fp8_prepare(mode, "llm") swaps Linears for
+        FP8Linear and quantizes each weight as it is read).
     Missing or unexpected keys raise CheckpointError. Returned in eval mode.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -284,8 +286,9 @@ def load_llm(
     config = config or _find_config(path)
     with torch.device("meta"):
         model = LLM(config)
-    if prepare is not None:
-        prepare(model)
+    hook = prepare(model) if prepare is not None else None
+    if callable(hook) and not isinstance(hook, nn.Module):  # as load_flux: prepare may return the converter
+        convert = hook
     reader = CheckpointReader(path)
     load_streaming(model, reader, lambda k: checkpoint_key_to_llm(k, config.tie_word_embeddings), dtype=dtype, convert=convert)
     model.compute_dtype = dtype

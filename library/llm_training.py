@@ -82,9 +82,10 @@ class LLMTask:
     def _load_model(self, path: str) -> tuple[LLM, bool]:
         has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(".safetensors")
         if has_weights:
-            if self.args.pretrain and self.args.fp8_base:
-                raise ConfigError("pretrain trains the base weights; fp8_base cannot be used")
-            return load_llm(path, dtype=self.dtype), False
+            from library.diffusion_family import fp8_prepare
+            from library.diffusion_training import base_precision
+
+            return load_llm(path, dtype=self.dtype, prepare=fp8_prepare(base_precision(self.args), "llm")), False
         if not self.args.pretrain:
             raise ConfigError(f"{path}: no .safetensors weights; a LoRA needs a pretrained model (or set pretrain = true)")
         with open(os.path.join(path, "config.json")) as f:
@@ -233,6 +234,8 @@ class LLMTask:
         return f"llm-{c.num_layers}x{c.hidden_size}" + ("-scratch" if self.from_scratch else "")
 
     def base_precision(self) -> str:
+        if self.args.fp8_base:
+            return "fp8_scaled" if self.args.fp8_scaled else "fp8"
         return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
 
     def resolution(self) -> str:

@@ -34,7 +34,7 @@ SCHEMA: dict[str, Arg] = {
     "clip_l": A(str, None, "FLUX CLIP-L text encoder (HF folder)"),
     "t5xxl": A(str, None, "FLUX T5-XXL text encoder (HF folder)"),
     "text_encoder": A(str, None, "Qwen-Image text encoder (Qwen2.5-VL language model, HF folder)"),
-    "t5xxl_max_token_length": A(int, None, "T5 tokens; default 512 for dev, 256 for schnell"),
+    "t5xxl_max_token_length": A(int, None, "T5 tokens; default 512 for dev, 256 for schnell (read from the checkpoint)"),
     "dataset_config": A(str, None, "dataset TOML (kohya schema)"),
     # output
     "output_dir": A(str, "output", "where the LoRA, logs, samples and states go"),
@@ -75,10 +75,9 @@ SCHEMA: dict[str, Arg] = {
     "torch_compile": A(bool, False, "torch.compile each transformer block"),
     "seed": A(int, 42, "random seed"),
     "max_data_loader_n_workers": A(int, 0, "DataLoader workers"),
-    # caching
-    "cache_latents": A(bool, True, "encode images once before training"),
+    # caching: latents and caption embeddings are always computed once before training (the VAE
+    # and text encoders are then freed); these keep them on disk, reused while unchanged.
     "cache_latents_to_disk": A(bool, False, "keep latent caches as safetensors beside the images"),
-    "cache_text_encoder_outputs": A(bool, True, "encode captions once before training"),
     "cache_text_encoder_outputs_to_disk": A(bool, False, "keep text caches on disk"),
     # flow matching
     "timestep_sampling": A(str, None, "sigma sampling; default per model", ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift")),

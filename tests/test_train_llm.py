@@ -93,3 +93,26 @@ def test_generate_writes_png_with_settings_on_fp8_base_with_lora(tiny_set, tmp_p
 def test_generate_bad_lora_ratio_is_one_line(capsys):
     assert generate.main(["--model_type", "flux", "--model", "m", "--ae", "a", "--prompt", "x", "--lora", "f.safetensors:abc"]) == 2
     assert capsys.readouterr().err.strip() == "error: --lora 'f.safetensors:abc': ratio 'abc' is not a number (expected FILE or FILE:RATIO)"
+
+
+def test_llm_lora_on_fp8_scaled_base_records_the_base_precision(tiny_set, tmp_path):
+    from safetensors import safe_open
+
+    out = tmp_path / "fp8"
+    code = train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm",
+                                    "--max_train_steps", "3", "--fp8_base", "--eval_every_n_steps", "0"))
+    assert code == 0
+    with safe_open(str(out / "lm.safetensors"), "pt") as f:
+        assert f.metadata()["ss_base_precision"] == "fp8_scaled"
+
+
+def test_fp8_llm_keeps_head_and_embeddings_high_precision(tiny_set):
+    from library.diffusion_family import fp8_prepare
+    from library.fp8 import FP8Linear
+    from library.llm import load_llm
+
+    model = load_llm(tiny_set["llm"], prepare=fp8_prepare("fp8_scaled", "llm"))
+    kinds = {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, (FP8Linear, torch.nn.Linear))}
+    assert kinds["model.layers.0.self_attn.q_proj"] == "FP8Linear" and kinds["model.layers.0.mlp.down_proj"] == "FP8Linear"
+    assert kinds.get("lm_head", "Linear") == "Linear"
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn

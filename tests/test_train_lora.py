@@ -32,6 +32,14 @@ def flux_args(tiny_set, out, *extra):
     ]
 
 
+def free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def read_losses(out, name="tiny_flux_lora"):
     with open(os.path.join(out, f"{name}_log.csv")) as f:
         return [float(r["loss"]) for r in csv.DictReader(f)]
@@ -78,7 +86,7 @@ def test_two_ddp_processes_equal_one_process_with_doubled_batch(tiny_set, tmp_pa
     multi = flux_args(tiny_set, tmp_path / "multi", "--dataset_config", str(tmp_path / "ds1.toml"), *common)
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "train_lora.py", *single], cwd=ROOT, env=env, check=True, capture_output=True)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547",
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
                           "train_lora.py", *multi], cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 0, [l for l in run.stderr.splitlines() if "error" in l.lower()][:5]
     assert read_losses(tmp_path / "multi") == pytest.approx(read_losses(tmp_path / "single"), abs=1e-6)
