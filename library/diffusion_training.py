@@ -61,9 +61,9 @@ class DiffusionTask:
         self.base = self.family.load_transformer(self.compute_dtype, base_precision(args)).to(self.device)
         self.base.requires_grad_(False).eval()
         self.base.gradient_checkpointing = args.gradient_checkpointing
+        self.network = self._make_network()
         if args.torch_compile:
             self._compile_blocks()
-        self.network = self._make_network()
         self.module = LoRALoss(self.family, self.base, self.network, args)
 
     # -- setup ---------------------------------------------------------------------------------
@@ -121,9 +121,12 @@ class DiffusionTask:
         return network
 
     def _compile_blocks(self):
+        """Compile each transformer block in place (nn.Module.compile keeps the module tree and
+        its names, so LoRA files and state dicts are unchanged); after the LoRA is applied, so
+        the compiled forward includes it."""
         for name in ("double_blocks", "single_blocks", "transformer_blocks"):
-            for i, block in enumerate(getattr(self.base, name, [])):
-                getattr(self.base, name)[i] = torch.compile(block)
+            for block in getattr(self.base, name, []):
+                block.compile()
 
     # -- what the loop uses --------------------------------------------------------------------
     def param_groups(self, lr: float) -> list[dict]:

@@ -172,3 +172,19 @@ def test_unknown_config_key_is_one_line_and_exit_2(tmp_path, capsys):
     assert train_lora.main(["--config_file", str(cfg)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {cfg}: unknown key 'network_dimm'"]
+
+
+def test_tensorboard_gets_loss_lr_and_d_times_lr_once_per_step(tiny_set, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, logs = tmp_path / "run", tmp_path / "tb"
+    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "3", "--sample_prompts", "",
+                                     "--logging_dir", str(logs), "--log_prefix", "probe"))
+    assert code == 0
+    events = [os.path.join(d, f) for d, _, fs in os.walk(logs) for f in fs if f.startswith("events.out")]
+    assert events
+    acc = EventAccumulator(os.path.dirname(events[0]))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss", "lr/lora", "d*lr/lora"} <= tags
+    assert [e.step for e in acc.Scalars("d*lr/lora")] == [1, 2, 3]
