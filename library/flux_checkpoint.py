@@ -103,7 +103,7 @@ def _block_count(keys, prefix: str) -> int:
     return max(found) + 1 if found else 0
 
 
-def _tables_for(keys, shapes: Callable[[str], tuple], diffusers: bool) -> tuple[RowMap, dict[str, str]]:
+def row_tables(keys, shapes: Callable[[str], tuple], diffusers: bool) -> tuple[RowMap, dict[str, str]]:
     """Name tables sized for a state dict in either layout (sizes read from its shapes)."""
     if diffusers:
         depth, single = _block_count(keys, "transformer_blocks."), _block_count(keys, "single_transformer_blocks.")
@@ -145,7 +145,7 @@ def _source_keys(parts, suffix: str) -> list[str]:
 def flux_to_diffusers_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """BFL-named FLUX state dict -> diffusers FluxTransformer2DModel names (new tensors)."""
     sd = dict(sd)
-    rows, norms = _tables_for(sd.keys(), lambda k: tuple(_need(sd, k).shape), diffusers=False)
+    rows, norms = row_tables(sd.keys(), lambda k: tuple(_need(sd, k).shape), diffusers=False)
     out = {}
     for module, parts in rows.items():
         for suffix in ("weight", "bias"):
@@ -164,7 +164,7 @@ def flux_to_diffusers_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch
 def diffusers_to_flux_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """diffusers FluxTransformer2DModel state dict -> BFL names (fused qkv / linear1, BFL row order)."""
     sd = dict(sd)
-    rows, norms = _tables_for(sd.keys(), lambda k: tuple(_need(sd, k).shape), diffusers=True)
+    rows, norms = row_tables(sd.keys(), lambda k: tuple(_need(sd, k).shape), diffusers=True)
     out = {}
     for module, parts in rows.items():
         for suffix in ("weight", "bias"):
@@ -388,7 +388,7 @@ def load_flux(
             meta = {k: torch.empty(reader.shape(k), device="meta") for k in keys}
             config = config_from_bfl_shapes({k: tuple(v.shape) for k, v in diffusers_to_flux_state_dict(meta).items()}, path)
         _check_diffusers_shapes(reader, config)
-        source = _DiffusersAsBFL(reader, *_tables_for(keys, reader.shape, diffusers=True))
+        source = _DiffusersAsBFL(reader, *row_tables(keys, reader.shape, diffusers=True))
         rename = lambda key: key  # noqa: E731
     else:
         raise CheckpointError(f"{path}: not a FLUX.1 transformer (no double_blocks./img_in. or transformer_blocks. keys)")

@@ -47,7 +47,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library import fp8  # noqa: E402
-from library.flux_checkpoint import BFL_PREFIXES, _tables_for  # noqa: E402
+from library.flux_checkpoint import BFL_PREFIXES, row_tables  # noqa: E402
 from library.io import make_parent_folder, CheckpointError, CheckpointReader, atomic_path  # noqa: E402
 from library.llm import checkpoint_key_to_llm  # noqa: E402
 from library.qwen_image import CHECKPOINT_PREFIXES as QWEN_PREFIXES  # noqa: E402
@@ -172,10 +172,10 @@ def open_base(path: str) -> Base:
     strip = lambda prefix: (lambda k: k[len(prefix) :] if k.startswith(prefix) else None)  # noqa: E731
     if (prefix := _prefix_of(keys, BFL_PREFIXES, ("double_blocks.", "single_blocks."))) is not None:
         shapes = {k[len(prefix) :]: reader.shape(k) for k in keys if k.startswith(prefix)}
-        rows, _ = _tables_for(list(shapes), shapes.__getitem__, diffusers=False)
+        rows, _ = row_tables(list(shapes), shapes.__getitem__, diffusers=False)
         base = Base(path, reader, "flux", "bfl", strip(prefix), rows)
     elif _prefix_of(keys, ("",), ("single_transformer_blocks.", "x_embedder.", "context_embedder.")) is not None:
-        rows, _ = _tables_for(keys, reader.shape, diffusers=True)
+        rows, _ = row_tables(keys, reader.shape, diffusers=True)
         base = Base(path, reader, "flux", "diffusers", lambda k: k, rows)
     elif (prefix := _prefix_of(keys, QWEN_PREFIXES + ("",), ("txt_norm.", "img_in."))) is not None:
         base = Base(path, reader, "qwen_image", "diffusers", strip(prefix))
