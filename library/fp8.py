@@ -154,6 +154,25 @@ def stochastic_round_to_fp8(x: torch.Tensor, generator: torch.Generator | None =
 # The layer
 
 
+class _FP8LinearFunction(torch.autograd.Function):
+    """y = x @ dequant(q)^T + b whose backward re-dequantizes the weight instead of keeping it:
+    autograd would otherwise save every layer's dequantized copy until backward, holding the
+    whole base in the compute dtype during a step and undoing fp8's memory saving. Only the
+    fp8 codes (already resident) are saved; the base gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, bias, dtype):
+        ctx.save_for_backward(q, scale)
+        ctx.dtype = dtype
+        return F.linear(x, dequantize_weight(q, scale, dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, scale = ctx.saved_tensors
+        grad_x = grad_out.to(ctx.dtype) @ dequantize_weight(q, scale, ctx.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None, None
+
+
 class FP8Linear(nn.Module):
     """A frozen Linear whose weight is stored as float8_e4m3fn (+ bf16 block scales).
 
@@ -197,9 +216,11 @@ class FP8Linear(nn.Module):
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        w = self.dequantized_weight(dtype)  # [out, in] in the compute dtype, no grad (buffers)
         bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x, w, bias)
+        # The weight is dequantized to the compute dtype inside the function, in forward and
+        # again in backward; autocast is off inside so the matmul runs in exactly that dtype.
+        with torch.autocast(x.device.type, enabled=False):
+            return _FP8LinearFunction.apply(x.to(dtype), self.weight, self.weight_scale, bias, dtype)
 
     def _apply(self, fn, recurse=True):
         # model.to(bf16) must not turn the fp8 codes or their scales into something else; device

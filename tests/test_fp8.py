@@ -492,3 +492,24 @@ def test_tiny_flux_in_bf16_on_scaled_fp8_base_tracks_bf16_closer_than_plain():
         errors[mode] = rel_err(out, expected)
     print("tiny FLUX output vs fp32, bf16 compute, weights std 0.01: " + ", ".join(f"{k} {v:.4f}" for k, v in errors.items()))
     assert errors["bf16"] < errors["fp8_scaled"] < 0.7 * errors["fp8"]
+
+
+def test_fp8_linear_backward_saves_codes_not_a_dequantized_weight():
+    """Autograd must not keep a compute-dtype copy of each base weight until backward (that
+    would hold the whole base in bf16/fp32 during a training step)."""
+    torch.manual_seed(0)
+    layer = FP8Linear.from_linear(nn.Linear(256, 512), "fp8_scaled")
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    x = torch.randn(2, 8, 256, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    assert ((512, 256), torch.float32) not in saved and ((512, 256), torch.float8_e4m3fn) in saved
+    y.square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    F.linear(x_ref, layer.dequantized_weight(torch.float32), layer.bias).square().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
