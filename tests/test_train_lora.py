@@ -188,3 +188,17 @@ def test_tensorboard_gets_loss_lr_and_d_times_lr_once_per_step(tiny_set, tmp_pat
     tags = set(acc.Tags()["scalars"])
     assert {"loss", "lr/lora", "d*lr/lora"} <= tags
     assert [e.step for e in acc.Scalars("d*lr/lora")] == [1, 2, 3]
+
+
+def test_bf16_compute_on_fp8_base_trains_fp32_lora(tiny_set, tmp_path):
+    """The real configs' path: bf16 compute (accelerate autocast), fp8_scaled base, fp32 LoRA."""
+    out = tmp_path / "bf16"
+    code = train_lora.main(flux_args(tiny_set, out, "--mixed_precision", "bf16", "--max_train_steps", "12",
+                                     "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "3e-3",
+                                     "--sample_prompts", ""))
+    assert code == 0
+    tensors = load_file(out / "tiny_flux_lora.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
+    assert any(t.abs().max() > 0 for k, t in tensors.items() if "lora_up" in k)
+    losses = read_losses(out)
+    assert all(map(lambda v: v == v, losses)) and sum(losses[-4:]) < sum(losses[:4])
