@@ -25,6 +25,7 @@ from library.io import CheckpointError
 from library.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix
 from library.train_config import ConfigError, load_config, parse_kv_literals
 from library.train_state import load_state, restore_rng, save_state
+from tools.plot_lr import main as plot_lr
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,7 +57,12 @@ class Interrupts:
 
 def make_accelerator(args):
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import ProjectConfiguration
+
+    # accelerate keeps one AcceleratorState per process and refuses a second run's other
+    # mixed_precision; clear it (not the process-group part) so main() can run again in-process.
+    AcceleratorState._reset_state(reset_partial_state=False)
 
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -129,7 +135,7 @@ class Saver:
                 os.remove(old)
 
 
-def plan_steps(args, batches_per_epoch: int, accelerator) -> int:
+def plan_steps(args, batches_per_epoch: int) -> int:
     steps_per_epoch = max(1, math.ceil(batches_per_epoch / args.gradient_accumulation_steps))
     if args.max_train_epochs:
         return args.max_train_epochs * steps_per_epoch
@@ -149,7 +155,7 @@ class Trainer:
         optimizer_kwargs = parse_kv_literals(args.optimizer_args, "optimizer_args", args.config_file or "command line")
         optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
                                      optimizer_kwargs)
-        self.max_steps = plan_steps(args, task.batches_per_epoch(), accelerator)
+        self.max_steps = plan_steps(args, task.batches_per_epoch())
         # Stepped by hand once per optimizer step (accelerate would step a prepared scheduler once
         # per process), so the schedule is the same on 1 or N processes.
         self.scheduler = create_scheduler(optimizer, args.lr_scheduler, args.lr_warmup_steps, self.max_steps,
@@ -201,6 +207,8 @@ class Trainer:
         path = self.saver.lora(self.step, self.epoch, final=True)
         if args.save_state:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
+        if self.accelerator.is_main_process:
+            plot_lr([self.logger.path, "--out", os.path.join(args.output_dir, f"{args.output_name}_lr.png")])
         task.finish(args.output_dir)
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()

@@ -206,7 +206,9 @@ class ImageDataset(torch.utils.data.Dataset):
         item = self.items[self.entries[entry]]
         rng = random.Random(f"{self.seed}:{epoch}:{entry}")
         flip = item.subset.flip_aug and rng.random() < 0.5
-        sample = {"image_path": item.image_path, "bucket": item.bucket,
+        # key: what the sample is, independent of where the dataset lives (seeds its noise).
+        key = f"{item.dataset_index}:{os.path.relpath(item.image_path, item.subset.image_dir)}"
+        sample = {"image_path": item.image_path, "key": key, "bucket": item.bucket,
                   "caption": process_caption(item.caption, item.subset, rng)}
         if item.latent_cache is not None:
             cached = _read_cache(item.latent_cache)
@@ -286,7 +288,8 @@ def collate_batch(samples: list[dict]) -> dict:
     """Stack one bucket's samples: images [B,3,H,W] or latents [B,C,h,w] float32, captions list,
     text dict of [B, ...] tensors (different lengths zero-padded at the end of axis 0, so
     variable-length encoders must cache their own mask)."""
-    batch = {"image_paths": [s["image_path"] for s in samples], "captions": [s["caption"] for s in samples],
+    batch = {"image_paths": [s["image_path"] for s in samples], "keys": [s["key"] for s in samples],
+             "captions": [s["caption"] for s in samples],
              "bucket": samples[0]["bucket"]}
     for key, out in (("image", "images"), ("latents", "latents")):
         if key in samples[0]:

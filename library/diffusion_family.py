@@ -225,6 +225,11 @@ class QwenImageFamily(DiffusionFamily):
         return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
 
 
+def stack_text(per_caption: list[dict]) -> dict:
+    """Per-caption encoder outputs (as cached) -> one batch dict [B, ...]."""
+    return {k: torch.stack([d[k] for d in per_caption]) for k in per_caption[0]}
+
+
 def get_family(args) -> DiffusionFamily:
     if args.model_type == "flux":
         return FluxFamily(args.pretrained_model_name_or_path, args.ae, clip_l=args.clip_l, t5xxl=args.t5xxl)

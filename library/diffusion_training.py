@@ -15,18 +15,11 @@ import torch.nn as nn
 
 from library.dataset import BucketBatchSampler, EpochBatches, ImageDataset, cache_latents, cache_text, collate_batch
 from library.dataset_config import load_dataset_config
-from library.diffusion_family import get_family
+from library.diffusion_family import get_family, stack_text
 from library.prompts import SamplePrompt, read_prompt_file
-from library.train_config import parse_kv_literals
+from library.train_config import base_precision, compute_dtype, parse_kv_literals
 from library.train_state import sample_seed
 from networks.lora import LoRANetwork
-
-DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def base_precision(args) -> str:
-    return ("fp8_scaled" if args.fp8_scaled else "fp8") if args.fp8_base else "bf16"
-
 
 class LoRALoss(nn.Module):
     """The module accelerate prepares (DDP wraps it): it owns only the LoRA network, so only LoRA
@@ -52,7 +45,7 @@ class DiffusionTask:
         self.args, self.accelerator = args, accelerator
         self.device = accelerator.device
         self.family = get_family(args)
-        self.compute_dtype = DTYPES[args.mixed_precision]
+        self.compute_dtype = compute_dtype(args)
         self.blueprint = load_dataset_config(args.dataset_config)
         self.dataset = ImageDataset(self.blueprint, seed=args.seed)
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
@@ -75,13 +68,9 @@ class DiffusionTask:
         return read_prompt_file(self.args.sample_prompts, defaults)
 
     def _fill_caches(self):
+        self._cache_latents()  # the VAE is freed when this returns
         args, items = self.args, self.dataset.items
-        latent_key, text_key = self.family.cache_keys()
-        vae = self.family.load_vae(torch.float32)
-        vae.vae.to(self.device)
-        encoded = cache_latents(items, lambda x: vae.encode(x.to(self.device)), latent_key, to_disk=args.cache_latents_to_disk)
-        self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
-        del vae
+        _, text_key = self.family.cache_keys()
         encode_text = self._text_encoder()
         encoded = cache_text(items, encode_text, text_key, to_disk=args.cache_text_encoder_outputs_to_disk)
         self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk")
@@ -90,20 +79,24 @@ class DiffusionTask:
         needs_negative = self.family.name == "qwen_image"
         self.prompt_texts = []
         for p in self.prompts:
-            negative = self._stack(encode_text([p.negative])) if p.negative or needs_negative else None
-            self.prompt_texts.append((self._stack(encode_text([p.prompt])), negative))
+            negative = stack_text(encode_text([p.negative])) if p.negative or needs_negative else None
+            self.prompt_texts.append((stack_text(encode_text([p.prompt])), negative))
         del encode_text
         gc.collect()
+
+    def _cache_latents(self):
+        items, (latent_key, _) = self.dataset.items, self.family.cache_keys()
+        vae = self.family.load_vae(torch.float32)
+        vae.vae.to(self.device)
+        encoded = cache_latents(items, lambda x: vae.encode(x.to(self.device)), latent_key,
+                                to_disk=self.args.cache_latents_to_disk)
+        self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
 
     def _text_encoder(self):
         if self.family.name == "flux":
             t5_length = self.args.t5xxl_max_token_length or self.family.t5_max_length()
             return self.family.load_text_encoder(torch.float32, t5_max_length=t5_length)
         return self.family.load_text_encoder(torch.float32)
-
-    @staticmethod
-    def _stack(per_caption: list[dict]) -> dict:
-        return {k: torch.stack([d[k] for d in per_caption]) for k in per_caption[0]}
 
     def _make_network_for(self, base: nn.Module) -> LoRANetwork:
         args = self.args
@@ -144,14 +137,15 @@ class DiffusionTask:
         )
 
     def batch_inputs(self, batch: dict, step: int) -> tuple:
-        """(latents, text, one generator per sample seeded from the sample's file and the step)."""
+        """(latents, text, one generator per sample seeded from the step and the sample's key: its
+        path inside its subset, so a moved dataset trains the same)."""
         latents = batch["latents"].to(self.device)
         text = {k: v.to(self.device) for k, v in batch["text"].items()}
         seen: dict[str, int] = {}  # a repeated image in one batch still gets its own draw
         keys = []
-        for path in batch["image_paths"]:
-            seen[path] = seen.get(path, -1) + 1
-            keys.append(f"{path}#{seen[path]}")
+        for key in batch["keys"]:
+            seen[key] = seen.get(key, -1) + 1
+            keys.append(f"{key}#{seen[key]}")
         gens = [torch.Generator().manual_seed(sample_seed(self.args.seed, step, k)) for k in keys]
         return latents, text, gens
 
@@ -174,12 +168,7 @@ class DiffusionTask:
         self.network.save(path, dtype=dtype, metadata=metadata)
 
     def finish(self, output_dir: str):
-        """End of training: the LR/loss plot and the final samples."""
-        from tools.plot_lr import main as plot_lr
-
-        log = os.path.join(output_dir, f"{self.args.output_name}_log.csv")
-        if self.accelerator.is_main_process and os.path.exists(log):
-            plot_lr([log, "--out", os.path.join(output_dir, f"{self.args.output_name}_lr.png")])
+        """End of training: the final samples."""
         if self.prompts:
             self.render_samples(output_dir, "final")
 

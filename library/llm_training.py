@@ -17,13 +17,12 @@ import torch
 import torch.nn as nn
 
 from library.dataset import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
-from library.io import save_safetensors, safetensors_files, write_text
+from library.io import save_safetensors, write_text
 from library.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity
 from library.tokenizer import load_tokenizer
-from library.train_config import ConfigError, parse_kv_literals
+from library.train_config import ConfigError, base_precision, compute_dtype, parse_kv_literals
 from networks.lora import LoRANetwork
 
-DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmuls tile well
 
 
@@ -57,7 +56,7 @@ def init_weights(model: LLM, std: float = 0.02):
 class LLMTask:
     def __init__(self, args, accelerator):
         self.args, self.accelerator, self.device = args, accelerator, accelerator.device
-        self.dtype = DTYPES[args.mixed_precision]
+        self.dtype = compute_dtype(args)
         path = args.pretrained_model_name_or_path
         self.tokenizer = load_tokenizer(path)
         self.model, self.from_scratch = self._load_model(path)
@@ -83,7 +82,6 @@ class LLMTask:
         has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(".safetensors")
         if has_weights:
             from library.diffusion_family import fp8_prepare
-            from library.diffusion_training import base_precision
 
             return load_llm(path, dtype=self.dtype, prepare=fp8_prepare(base_precision(self.args), "llm")), False
         if not self.args.pretrain:
@@ -220,11 +218,6 @@ class LLMTask:
         self.tokenizer.save_pretrained(folder)
 
     def finish(self, output_dir: str):
-        from tools.plot_lr import main as plot_lr
-
-        log = os.path.join(output_dir, f"{self.args.output_name}_log.csv")
-        if self.accelerator.is_main_process and os.path.exists(log):
-            plot_lr([log, "--out", os.path.join(output_dir, f"{self.args.output_name}_lr.png")])
         if self.args.eval_every_n_steps:
             self.report_eval("final")
 
@@ -235,7 +228,7 @@ class LLMTask:
 
     def base_precision(self) -> str:
         if self.args.fp8_base:
-            return "fp8_scaled" if self.args.fp8_scaled else "fp8"
+            return base_precision(self.args)
         return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
 
     def resolution(self) -> str:

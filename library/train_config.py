@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import toml
+import torch
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,16 @@ SCHEMA: dict[str, Arg] = {
 
 class ConfigError(ValueError):
     pass
+
+
+def compute_dtype(args) -> torch.dtype:
+    """mixed_precision -> the dtype models compute in (and high-precision weights are kept in)."""
+    return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.mixed_precision]
+
+
+def base_precision(args) -> str:
+    """How the frozen base is stored: bf16 (i.e. the compute dtype), fp8 or fp8_scaled."""
+    return ("fp8_scaled" if args.fp8_scaled else "fp8") if args.fp8_base else "bf16"
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:

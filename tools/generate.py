@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.diffusion_family import BASE_PRECISIONS, FluxFamily, QwenImageFamily  # noqa: E402
+from library.diffusion_family import BASE_PRECISIONS, FluxFamily, QwenImageFamily, stack_text  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
 
@@ -83,7 +83,7 @@ def generate(args) -> list[str]:
     else:
         family = QwenImageFamily(args.model, args.ae, text_encoder=args.text_encoder)
         encode = family.load_text_encoder(torch.float32)
-    texts = [(stack(encode([p.prompt])), stack(encode([p.negative])) if args.model_type == "qwen_image" else None)
+    texts = [(stack_text(encode([p.prompt])), stack_text(encode([p.negative])) if args.model_type == "qwen_image" else None)
              for p in prompts]
     del encode  # text encoders are freed before the transformer is loaded
     device = torch.device(args.device)
@@ -117,10 +117,6 @@ def generate(args) -> list[str]:
         written.append(path)
         print(f"wrote {path}")
     return written
-
-
-def stack(per_caption: list[dict]) -> dict:
-    return {k: torch.stack([d[k] for d in per_caption]) for k in per_caption[0]}
 
 
 def _args_from(metadata: dict) -> dict:
