@@ -23,11 +23,10 @@ from tqdm import tqdm
 
 from library.io import CheckpointError
 from library.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix
-from library.train_config import ConfigError, load_config, parse_kv_literals
+from library.train_config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals
 from library.train_state import load_state, restore_rng, save_state
 from tools.plot_lr import main as plot_lr
 
-SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class StopTraining(Exception):
@@ -115,7 +114,7 @@ class Saver:
         path = os.path.join(self.args.output_dir, name + ".safetensors")
         if self.accelerator.is_main_process:
             metadata = lora_metadata(self.args, self.task, step, epoch, self.started)
-            self.task.save(path, metadata, SAVE_DTYPES[self.args.save_precision])
+            self.task.save(path, metadata, PRECISION_DTYPES[self.args.save_precision])
             if not final:
                 self.intermediate.append(path)
                 self._prune()

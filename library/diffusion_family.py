@@ -156,12 +156,9 @@ class FluxFamily(DiffusionFamily):
     def t5_max_length(self) -> int:
         """512 T5 tokens for dev, 256 for schnell (no guidance embedding), read from the
         checkpoint's key names or config.json without loading any weights."""
-        from library.io import CheckpointReader
+        from library.io import CheckpointReader, component_folder
 
-        path = self.model_path
-        if os.path.isdir(os.path.join(path, "transformer")):
-            path = os.path.join(path, "transformer")
-        keys = CheckpointReader(path).keys()
+        keys = CheckpointReader(component_folder(self.model_path, "transformer")).keys()
         return 512 if any("guidance_in." in k or "guidance_embedder." in k for k in keys) else 256
 
     def predict(self, model, x_t, sigmas, text, h, w, guidance):

@@ -21,7 +21,7 @@ import torch
 
 from library.flux import Flux, FluxConfig
 from library.fp8 import refuse_fp8_checkpoint
-from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors, write_text
+from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, write_text
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -363,8 +363,7 @@ def load_flux(
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"load_flux dtype must be float32/bfloat16/float16 (fp8 goes through convert=), got {dtype}")
-    if os.path.isdir(os.path.join(path, "transformer")):
-        path = os.path.join(path, "transformer")
+    path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
     refuse_fp8_checkpoint(reader, path)
     keys = reader.keys()

@@ -44,6 +44,13 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
+def component_folder(path: str, name: str) -> str:
+    """`path/name` when `path` is a diffusers pipeline folder holding that component
+    (transformer, vae, text_encoder, ...), else `path` itself (a component folder or a file)."""
+    folder = os.path.join(path, name)
+    return folder if os.path.isdir(folder) else path
+
+
 class CheckpointReader:
     """Read-only view of one checkpoint's tensors across its shards, one tensor at a time."""
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from library import core
 from library.fp8 import refuse_fp8_checkpoint
-from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors, strip_prefix, write_text
+from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, strip_prefix, write_text
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -315,8 +315,7 @@ def infer_config(reader: CheckpointReader, prefix: str = "") -> QwenImageConfig:
 def _resolve(path: str) -> tuple[str, QwenImageConfig | None]:
     """(checkpoint path, config from config.json or None) for a pipeline folder, a transformer
     folder, or a single file."""
-    if os.path.isdir(path) and os.path.isdir(os.path.join(path, "transformer")):
-        path = os.path.join(path, "transformer")
+    path = component_folder(path, "transformer")
     config_file = os.path.join(path, "config.json")
     if not (os.path.isdir(path) and os.path.isfile(config_file)):
         return path, None

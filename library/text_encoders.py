@@ -27,7 +27,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from library.io import CheckpointError, CheckpointReader, load_streaming
+from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming
 
 # ----------------------------------------------------------------------------------------------
 # Built-in configs of the released encoders (openai/clip-vit-large-patch14 text tower, google/t5-v1_1-xxl)
@@ -100,10 +100,6 @@ def _load_tokenizer(weights_path: str, tokenizer: str | None, sibling: str):
     return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
 
 
-def _subfolder(path: str, name: str) -> str:
-    return os.path.join(path, name) if os.path.isdir(os.path.join(path, name)) else path
-
-
 def _clip_key(key: str) -> str | None:
     """clip_l.safetensors / HF `text_model.*` keys -> CLIPTextModel keys (transformers 5 has no
     `text_model.` level); the projection, logit scale and position_ids buffer are not part of it."""
@@ -154,7 +150,7 @@ class T5TextEncoder:
 
 def load_clip_l(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None) -> CLIPTextEncoder:
     """CLIP-L from an HF folder, a diffusers FLUX repo (text_encoder/, tokenizer/) or clip_l.safetensors."""
-    path = _subfolder(path, "text_encoder")
+    path = component_folder(path, "text_encoder")
     cfg = CLIPTextConfig(**_read_config(path, config, CLIP_L_CONFIG))
     with init_empty_weights():  # parameters on meta; the position_ids buffer stays real
         model = CLIPTextModel(cfg)
@@ -166,7 +162,7 @@ def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.
     """T5 encoder from an HF folder, a diffusers FLUX repo (text_encoder_2/, tokenizer_2/) or
     t5xxl_*.safetensors. In float16 the feed-forward output projections (`wo`) stay float32, as
     transformers keeps them (T5 activations overflow fp16 there)."""
-    path = _subfolder(path, "text_encoder_2")
+    path = component_folder(path, "text_encoder_2")
     cfg = T5Config(**_read_config(path, config, T5_XXL_CONFIG))
     with init_empty_weights():
         model = T5EncoderModel(cfg)
@@ -235,7 +231,7 @@ def load_qwen_image_text_encoder(
     or a single file (e.g. ComfyUI's qwen_2.5_vl_7b.safetensors; vision keys are skipped)."""
     from library.llm import QWEN2_5_7B, load_llm  # the LLM core is also this text encoder
 
-    path = _subfolder(path, "text_encoder")
+    path = component_folder(path, "text_encoder")
     if config is None and os.path.isfile(path) and not os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
         config = QWEN2_5_7B
     return QwenImageTextEncoder(load_llm(path, config=config, dtype=dtype), _load_tokenizer(path, tokenizer, "tokenizer"))

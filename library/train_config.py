@@ -114,6 +114,9 @@ class ConfigError(ValueError):
     pass
 
 
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # save / compute names
+
+
 def compute_dtype(args) -> torch.dtype:
     """mixed_precision -> the dtype models compute in (and high-precision weights are kept in)."""
     return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.mixed_precision]

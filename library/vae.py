@@ -31,7 +31,7 @@ from accelerate import init_empty_weights
 from diffusers import AutoencoderKL, AutoencoderKLQwenImage
 from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
-from library.io import CheckpointError, CheckpointReader, load_streaming
+from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming
 
 # ----------------------------------------------------------------------------------------------
 # Latent packing (2x2 patches -> tokens), identical to FluxPipeline._pack_latents/_unpack_latents
@@ -89,8 +89,7 @@ def _resolve(path: str) -> tuple[str, dict | None]:
     """(weights path, config dict or None) for a folder, a repo folder with `vae/`, or a file.
     A single file's config: config.json beside it, else the `diffusers_config` JSON in its
     safetensors metadata (written by tools/make_tiny_models.py), else None (built-in)."""
-    if os.path.isdir(path) and os.path.isdir(os.path.join(path, "vae")):
-        path = os.path.join(path, "vae")
+    path = component_folder(path, "vae")
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     config_file = os.path.join(folder, "config.json")
     if os.path.isfile(config_file):

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from library.diffusion_family import BASE_PRECISIONS, FluxFamily, QwenImageFamily, stack_text  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
+from library.train_config import PRECISION_DTYPES  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_lora(spec: str) -> tuple[str, float]:
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--guidance", type=float, default=None, help="flux-dev: embedded guidance (3.5); qwen: CFG (4.0)")
     p.add_argument("--base_precision", default="bf16", choices=BASE_PRECISIONS)
-    p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="compute dtype")
+    p.add_argument("--dtype", default="bf16", choices=tuple(PRECISION_DTYPES), help="compute dtype")
     p.add_argument("--lora", nargs="*", default=[], help="LoRA files, each FILE or FILE:RATIO")
     p.add_argument("--out", default="generated", help="output folder")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -87,7 +87,7 @@ def generate(args) -> list[str]:
              for p in prompts]
     del encode  # text encoders are freed before the transformer is loaded
     device = torch.device(args.device)
-    model = family.load_transformer(DTYPES[args.dtype], args.base_precision).to(device).eval()
+    model = family.load_transformer(PRECISION_DTYPES[args.dtype], args.base_precision).to(device).eval()
     for path, ratio in loras:  # each LoRA patched on top of the previous, unmerged
         from networks.lora_files import read_lora
 

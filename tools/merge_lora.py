@@ -48,9 +48,10 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 
 from library import fp8  # noqa: E402
 from library.flux_checkpoint import BFL_PREFIXES, row_tables  # noqa: E402
-from library.io import make_parent_folder, CheckpointError, CheckpointReader, atomic_path  # noqa: E402
+from library.io import CheckpointError, CheckpointReader, atomic_path, component_folder, make_parent_folder  # noqa: E402
 from library.llm import checkpoint_key_to_llm  # noqa: E402
 from library.qwen_image import CHECKPOINT_PREFIXES as QWEN_PREFIXES  # noqa: E402
+from library.train_config import PRECISION_DTYPES  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     KOHYA_PREFIXES,
     LoRAWeights,
@@ -59,7 +60,7 @@ from networks.lora_files import (  # noqa: E402
     parse_lora,
 )
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": fp8.FP8_DTYPE, "fp8_scaled": fp8.FP8_DTYPE}
+PRECISIONS = {**PRECISION_DTYPES, "fp8": fp8.FP8_DTYPE, "fp8_scaled": fp8.FP8_DTYPE}
 HIGH_PRECISION_DTYPE = torch.bfloat16  # fp8 modes: everything that is not an fp8 Linear weight
 NOT_COPIED = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".ckpt", ".gguf")  # folder files left behind
 
@@ -164,8 +165,7 @@ def _prefix_of(keys: list[str], prefixes, markers) -> str | None:
 
 def open_base(path: str) -> Base:
     """Detect family and naming of the checkpoint at `path` from its tensor names."""
-    if os.path.isdir(os.path.join(path, "transformer")):
-        path = os.path.join(path, "transformer")
+    path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
     fp8.refuse_fp8_checkpoint(reader, path)
     keys = reader.keys()
