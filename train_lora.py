@@ -22,9 +22,9 @@ import torch
 from tqdm import tqdm
 
 from library.io import CheckpointError
-from library.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix
-from library.train_config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals
-from library.train_state import load_state, restore_rng, save_state
+from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix
+from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals
+from library.training.state import load_state, restore_rng, save_state
 from tools.plot_lr import main as plot_lr
 
 
@@ -77,10 +77,10 @@ def make_accelerator(args):
 
 def build_task(args, accelerator):
     if args.model_type == "llm":
-        from library.llm_training import LLMTask
+        from library.training.llm_task import LLMTask
 
         return LLMTask(args, accelerator)
-    from library.diffusion_training import DiffusionTask
+    from library.training.diffusion_task import DiffusionTask
 
     return DiffusionTask(args, accelerator)
 

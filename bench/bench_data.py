@@ -3,8 +3,8 @@
 Images: tools/make_tiny_dataset.py at 256 px (two aspect ratios, so two buckets: 256x256 and
 320x192), read and bucketed by library.dataset exactly as train_lora.py does.
 VAEs, both diffusers AutoencoderKL with FLUX's latent layout (16 channels, shift/scale):
-  tiny  the toy VAE of tools/make_tiny_models.py (write_flux_vae), loaded by library.vae.load_flux_vae;
-  flux  FLUX.1's real VAE configuration (library.vae.FLUX_VAE_CONFIG, 84 M parameters), random weights.
+  tiny  the toy VAE of tools/make_tiny_models.py (write_flux_vae), loaded by library.models.vae.load_flux_vae;
+  flux  FLUX.1's real VAE configuration (library.models.vae.FLUX_VAE_CONFIG, 84 M parameters), random weights.
 1. Caching: library.dataset.cache_latents over all images, to disk (safetensors beside a temporary
    copy of the images), timed after one warmup encode: images/s.
 2. Steps: the tiny FLUX transformer of tools/make_tiny_models.py + a rank-16 LoRA, FluxFamily.training_loss
@@ -33,11 +33,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train_step import machine_summary  # noqa: E402
 
-from library.dataset import BucketBatchSampler, ImageDataset, cache_latents, collate_batch  # noqa: E402
-from library.dataset_config import load_dataset_config  # noqa: E402
-from library.diffusion_family import FluxFamily  # noqa: E402
-from library.flux_checkpoint import load_flux  # noqa: E402
-from library.vae import FLUX_VAE_CONFIG, FluxVAE, load_flux_vae  # noqa: E402
+from library.data.dataset import BucketBatchSampler, ImageDataset, cache_latents, collate_batch  # noqa: E402
+from library.data.dataset_config import load_dataset_config  # noqa: E402
+from library.models.flux1.family import FluxFamily  # noqa: E402
+from library.models.flux1.checkpoint import load_flux  # noqa: E402
+from library.models.vae import FLUX_VAE_CONFIG, FluxVAE, load_flux_vae  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
 from tools.make_tiny_dataset import make_tiny_dataset  # noqa: E402
 from tools.make_tiny_models import TINY, write_flux, write_flux_vae  # noqa: E402

@@ -1,10 +1,10 @@
 """Memory of FLUX.1-dev's transformer weights in bf16, plain fp8 and block-scaled fp8.
 
 Builds every distinct full-size Linear of a FLUX.1-dev block (hidden 3072), one bf16 layer at a
-time, quantizes it with library.fp8, counts the bytes of the real tensors, and extrapolates to
+time, quantizes it with library.precision.fp8, counts the bytes of the real tensors, and extrapolates to
 19 double + 38 single blocks. The layers outside the blocks (embedders, final layer: ~0.4% of the
 weights) stay bf16 in every mode (HIGH_PRECISION_MODULES) and are counted from their shapes. If
-library/flux.py is present, the whole FLUX_DEV model is also built on `meta` and counted exactly.
+library/models/flux1/model.py is present, the whole FLUX_DEV model is also built on `meta` and counted exactly.
 
     python bench/bench_fp8_memory.py
 """
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from library.fp8 import QUANTIZE_MODULATION, FP8Linear, bytes_per_parameter, prepare_fp8  # noqa: E402
+from library.precision.fp8 import QUANTIZE_MODULATION, FP8Linear, bytes_per_parameter, prepare_fp8  # noqa: E402
 
 HIDDEN, MLP, DOUBLE, SINGLE = 3072, 12288, 19, 38
 MODES = ("bf16", "fp8", "fp8_scaled")
@@ -82,9 +82,9 @@ def extrapolate() -> dict[str, tuple[int, int]]:
 def exact_from_meta_model() -> dict[str, tuple[int, int]] | None:
     """The whole FLUX_DEV transformer on `meta` per mode (norm scales included), or None without flux.py."""
     try:
-        from library.flux import FLUX_DEV, Flux
+        from library.models.flux1.model import FLUX_DEV, Flux
     except ImportError as e:
-        print(f"(library.flux not importable, exact count skipped: {e})")
+        print(f"(library.models.flux1.model not importable, exact count skipped: {e})")
         return None
     totals = {}
     for mode in MODES:

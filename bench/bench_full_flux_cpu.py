@@ -3,7 +3,7 @@ with the base in fp8_scaled, never holding the model in bf16.
 
 The model is built on `meta`, prepare_fp8 swaps its Linears for FP8Linear, then it is materialised
 module by module: each FP8Linear gets a random float32 weight N(0, 0.02) of its shape, quantized at
-once by library.fp8.quantize_weight (only one layer is ever in high precision); every other tensor
+once by library.precision.fp8.quantize_weight (only one layer is ever in high precision); every other tensor
 (norms = 1, embedders / final layer / biases N(0, 0.02)) is bf16. Then one step as train_lora.py
 takes it: LoRA rank 16 on the default TARGETS (float32), gradient checkpointing on, compute dtype
 bf16 (or fp32, --compute), FluxFamily.predict, MSE against a random target, backward, AdamW.
@@ -32,9 +32,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train_step import GiB, machine_summary, pin_malloc_threshold, status_bytes  # noqa: E402
 
-from library.diffusion_family import FluxFamily  # noqa: E402
-from library.flux import FLUX_DEV, Flux  # noqa: E402
-from library.fp8 import FP8Linear, bytes_per_parameter, prepare_fp8, quantize_weight  # noqa: E402
+from library.models.flux1.family import FluxFamily  # noqa: E402
+from library.models.flux1.model import FLUX_DEV, Flux  # noqa: E402
+from library.precision.fp8 import FP8Linear, bytes_per_parameter, prepare_fp8, quantize_weight  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
 
 START = time.perf_counter()

@@ -31,7 +31,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from library.flux import Flux, FluxConfig  # noqa: E402
+from library.models.flux1.model import Flux, FluxConfig  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
 from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
 

@@ -2,8 +2,8 @@
 
 For FLUX.1 and Qwen-Image, in one process and on the same frozen base weights (the diffusers model's
 tensors are views of ours: no second copy), times the same step done two ways:
-  ours  library.flux.Flux / library.qwen_image.QwenImage + networks.lora.LoRANetwork (default
-        TARGETS), called through library.diffusion_family's `predict`, as train_lora.py does;
+  ours  library.models.flux1.model.Flux / library.models.qwen_image.model.QwenImage + networks.lora.LoRANetwork (default
+        TARGETS), called through the family's `predict`, as train_lora.py does;
   ref   diffusers FluxTransformer2DModel / QwenImageTransformer2DModel + `add_adapter(peft LoraConfig)`
         on the diffusers modules that hold the same weights (derived from our LoRA module paths through
         flux_diffusers_module_map; FLUX's fused qkv / linear1 are split in diffusers, so the reference
@@ -12,7 +12,7 @@ tensors are views of ours: no second copy), times the same step done two ways:
 Both get the same inputs (256 image tokens = a 256x256 image, 64 text tokens, batch 1 by default) and an
 MSE loss against a fixed random target. Runs alternate (ours, ref, ours, ref, ...) after warmup, so slow
 drift of a shared machine hits both; the median time ratio ours/ref is reported.
-Then the fp8 cost: our step on a bf16/fp32 base against the same base quantized by library.fp8
+Then the fp8 cost: our step on a bf16/fp32 base against the same base quantized by library.precision.fp8
 (`fp8` plain cast, `fp8_scaled` block-scaled), alternating the three.
 
 Memory: on CUDA, torch.cuda.max_memory_allocated above the allocation before the step. On CPU, the
@@ -44,11 +44,12 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from library.diffusion_family import FluxFamily, QwenImageFamily  # noqa: E402
-from library.flux import Flux, FluxConfig  # noqa: E402
-from library.flux_checkpoint import _norm_names, flux_diffusers_module_map  # noqa: E402
-from library.fp8 import bytes_per_parameter, fp8_load_converter, prepare_fp8  # noqa: E402
-from library.qwen_image import QwenImage, QwenImageConfig  # noqa: E402
+from library.models.flux1.family import FluxFamily
+from library.models.qwen_image.family import QwenImageFamily  # noqa: E402
+from library.models.flux1.model import Flux, FluxConfig  # noqa: E402
+from library.models.flux1.checkpoint import _norm_names, flux_diffusers_module_map  # noqa: E402
+from library.precision.fp8 import bytes_per_parameter, fp8_load_converter, prepare_fp8  # noqa: E402
+from library.models.qwen_image.model import QwenImage, QwenImageConfig  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -212,7 +213,7 @@ def build_reference(family: str, ours):
 
     if family == "flux":
         from diffusers import FluxTransformer2DModel as cls
-        from library.flux_checkpoint import diffusers_config
+        from library.models.flux1.checkpoint import diffusers_config
 
         config, state = diffusers_config(ours.config), flux_state_as_diffusers_views(ours)
     else:
@@ -226,7 +227,7 @@ def build_reference(family: str, ours):
 
 
 def fp8_twin(base, family: str, mode: str):
-    """`base` with its Linears quantized by library.fp8 (what quantize_module does), built on meta
+    """`base` with its Linears quantized by library.precision.fp8 (what quantize_module does), built on meta
     and filled through fp8_load_converter, so the high-precision tensors are shared, not copied."""
     with torch.device("meta"):
         twin = type(base)(base.config)

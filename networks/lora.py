@@ -1,6 +1,6 @@
 """LoRA network: low-rank adapters applied unmerged on top of a frozen base model.
 
-A `LoRAModule` wraps one Linear-like base module (nn.Linear, library.fp8.FP8Linear, anything with
+A `LoRAModule` wraps one Linear-like base module (nn.Linear, library.precision.fp8.FP8Linear, anything with
 in_features/out_features) by patching `base.forward`; the base stays in the model, untouched, so
 the same base can run with the LoRA on, off (`enabled`, multiplier 0) or without it (`remove()`).
 Which modules get a LoRA is decided in one place, the TARGETS table below, refined by
@@ -406,12 +406,12 @@ class LoRANetwork(nn.Module):
             m.alpha.fill_(w.alpha)
 
     def _flux_module_map(self) -> dict:
-        """BFL <-> diffusers module map for this model's sizes (library/flux_checkpoint.py)."""
-        from library.flux_checkpoint import flux_diffusers_module_map
+        """BFL <-> diffusers module map for this model's sizes (library/models/flux1/checkpoint.py)."""
+        from library.models.flux1.checkpoint import flux_diffusers_module_map
 
         cfg = getattr(self._model[0], "config", None)
         if cfg is None:
-            raise CheckpointError("a diffusers-named FLUX LoRA needs a library.flux.Flux model (with .config) to convert")
+            raise CheckpointError("a diffusers-named FLUX LoRA needs a library.models.flux1.model.Flux model (with .config) to convert")
         return flux_diffusers_module_map(cfg.depth, cfg.depth_single, cfg.hidden_size, cfg.mlp_hidden)
 
     def merge_into_model(self, weight_dtype: torch.dtype | None = None):

@@ -1,4 +1,4 @@
-"""The shared core (library/core.py): RoPE precision, attention masking, norms, rotation layouts
+"""The shared core (library/models/core.py): RoPE precision, attention masking, norms, rotation layouts
 and the timestep embedding, each checked against a float64 reference or the diffusers /
 transformers function it replaces."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from library import core
+from library.models import core
 
 FLUX_AXES = (16, 56, 56)
 FLUX_THETA = 10000.0

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from library.flux_checkpoint import load_flux
-from library.qwen_image import load_qwen_image
+from library.models.flux1.checkpoint import load_flux
+from library.models.qwen_image.model import load_qwen_image
 from networks import lora_files
 from networks.lora import LoRANetwork
 from tools import merge_lora

@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from library import dataset as D
-from library.dataset_config import SubsetSpec, load_dataset_config, parse_dataset_config
+from library.data import dataset as D
+from library.data.dataset_config import SubsetSpec, load_dataset_config, parse_dataset_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

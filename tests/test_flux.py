@@ -8,8 +8,8 @@ import torch
 from diffusers import FluxTransformer2DModel
 from safetensors.torch import load_file, save_file
 
-from library.flux import FLUX_DEV, FLUX_SCHNELL, Flux, FluxConfig, make_img_ids, make_txt_ids
-from library.flux_checkpoint import (
+from library.models.flux1.model import FLUX_DEV, FLUX_SCHNELL, Flux, FluxConfig, make_img_ids, make_txt_ids
+from library.models.flux1.checkpoint import (
     FLUX_DIFFUSERS_NAMES,
     diffusers_to_flux_state_dict,
     flux_diffusers_module_map,
@@ -222,7 +222,7 @@ def test_meta_param_counts_match_released_models():
 
 
 def test_fp8_scaled_load_quantizes_linears_from_both_layouts(tmp_path):
-    from library.fp8 import fp8_load_converter, prepare_fp8
+    from library.precision.fp8 import fp8_load_converter, prepare_fp8
 
     model = randomize(Flux(tiny_config(True)))
     save_flux_bfl(model, str(tmp_path / "flux.safetensors"))

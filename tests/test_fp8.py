@@ -1,14 +1,15 @@
 """fp8 base weights: e4m3 facts, plain vs scaled error, FP8Linear behaviour, streaming loads, memory."""
 
 import copy
+import importlib
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from library import core
-from library.fp8 import (
+from library.models import core
+from library.precision.fp8 import (
     BLOCK,
     FP8_MAX,
     QUANTIZE_MODULATION,
@@ -432,7 +433,7 @@ def _linear_names(model: nn.Module, kind: type) -> set[str]:
 
 
 def test_prepare_fp8_on_tiny_flux_keeps_exactly_the_high_precision_linears():
-    flux = pytest.importorskip("library.flux")
+    flux = importlib.import_module("library.models.flux1.model")
     cfg = flux.FluxConfig(vec_in_dim=32, context_in_dim=64, hidden_size=128, num_heads=2, depth=1, depth_single=1,
                           axes_dim=(16, 24, 24), guidance_embed=True)
     with torch.device("meta"):
@@ -450,7 +451,7 @@ def test_prepare_fp8_on_tiny_flux_keeps_exactly_the_high_precision_linears():
 
 
 def test_prepare_fp8_on_tiny_qwen_image_keeps_exactly_the_high_precision_linears():
-    qwen = pytest.importorskip("library.qwen_image")
+    qwen = importlib.import_module("library.models.qwen_image.model")
     cfg = qwen.QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
                                axes_dims_rope=(8, 12, 12))
     with torch.device("meta"):
@@ -466,7 +467,7 @@ def test_prepare_fp8_on_tiny_qwen_image_keeps_exactly_the_high_precision_linears
 
 
 def test_tiny_flux_in_bf16_on_scaled_fp8_base_tracks_bf16_closer_than_plain():
-    flux = pytest.importorskip("library.flux")
+    flux = importlib.import_module("library.models.flux1.model")
     cfg = flux.FluxConfig(vec_in_dim=32, context_in_dim=64, hidden_size=128, num_heads=2, depth=1, depth_single=1,
                           axes_dim=(16, 24, 24), guidance_embed=True)
     reference = flux.Flux(cfg)

@@ -1,4 +1,4 @@
-"""The LLM (library/llm.py): parity with transformers on tiny random configs, checkpoint layouts,
+"""The LLM (library/models/llm.py): parity with transformers on tiny random configs, checkpoint layouts,
 error messages, preset sizes, generation, bf16, tokenizer and the quickstart script."""
 
 import json
@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from library.io import CheckpointError
-from library.llm import (
+from library.models.llm import (
     LLAMA3_8B,
     LLM,
     QWEN2_5_7B,
@@ -259,7 +259,7 @@ def test_cross_entropy_and_perplexity_of_uniform_logits():
 def test_bpe_tokenizer_round_trips_and_loads_with_autotokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    from library.tokenizer import build_bpe_tokenizer, load_tokenizer
+    from library.data.tokenizer import build_bpe_tokenizer, load_tokenizer
 
     texts = ["Return the number of items in the container.", "Raise ValueError if the value is not found."] * 20
     tok = build_bpe_tokenizer(texts, 300, str(tmp_path))

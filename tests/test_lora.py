@@ -1,5 +1,6 @@
 """LoRA network and LoRA files: math, switching, selection, files, formats, fp8-like bases."""
 
+import importlib
 import json
 
 import pytest
@@ -344,7 +345,7 @@ def assert_same_deltas(a, b, tol=1e-5):
 
 
 def test_kohya_to_peft_to_kohya_round_trip_flux(tmp_path):
-    from library.flux_checkpoint import flux_diffusers_module_map
+    from library.models.flux1.checkpoint import flux_diffusers_module_map
 
     h, m = 8, 32
     module_map = flux_diffusers_module_map(1, 1, h, m)
@@ -418,7 +419,7 @@ def test_build_metadata_is_all_strings_without_absolute_paths():
 
 
 class DequantLinear(nn.Module):
-    """fp8 stand-in when library/fp8.py is absent: e4m3 weight, dequantized in forward."""
+    """fp8 stand-in when library/precision/fp8.py is absent: e4m3 weight, dequantized in forward."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -431,10 +432,10 @@ class DequantLinear(nn.Module):
 
 
 def to_fp8(model: nn.Module, family: str) -> int:
-    """Quantize the model's Linears: library.fp8.prepare_fp8 when it exists, else DequantLinear.
+    """Quantize the model's Linears: library.precision.fp8.prepare_fp8 when it exists, else DequantLinear.
     Returns the number of fp8 modules."""
     try:
-        from library.fp8 import prepare_fp8
+        from library.precision.fp8 import prepare_fp8
     except ImportError:
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear):
@@ -476,8 +477,8 @@ def test_branch_output_is_cast_to_the_base_output_dtype():
 
 
 def test_real_tiny_flux_and_qwen_image_get_the_expected_loras():
-    flux = pytest.importorskip("library.flux")
-    qwen = pytest.importorskip("library.qwen_image")
+    flux = importlib.import_module("library.models.flux1.model")
+    qwen = importlib.import_module("library.models.qwen_image.model")
     cfg = flux.FluxConfig(hidden_size=16, num_heads=1, depth=2, depth_single=3, axes_dim=(4, 6, 6),
                           context_in_dim=8, vec_in_dim=8, guidance_embed=False)
     model = flux.Flux(cfg)
@@ -499,8 +500,8 @@ def test_real_tiny_flux_and_qwen_image_get_the_expected_loras():
 
 
 def test_flux_network_loads_a_diffusers_named_peft_lora(tmp_path):
-    flux = pytest.importorskip("library.flux")
-    from library.flux_checkpoint import flux_diffusers_module_map
+    flux = importlib.import_module("library.models.flux1.model")
+    from library.models.flux1.checkpoint import flux_diffusers_module_map
 
     cfg = flux.FluxConfig(hidden_size=16, num_heads=1, depth=1, depth_single=1, axes_dim=(4, 6, 6),
                           context_in_dim=8, vec_in_dim=8, guidance_embed=False)
@@ -514,8 +515,8 @@ def test_flux_network_loads_a_diffusers_named_peft_lora(tmp_path):
 
 
 def test_real_tiny_llm_in_fp8_scaled_trains_only_lora():
-    llm = pytest.importorskip("library.llm")
-    fp8 = pytest.importorskip("library.fp8")
+    llm = importlib.import_module("library.models.llm")
+    fp8 = importlib.import_module("library.precision.fp8")
     cfg = llm.LLMConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=24)
     model = llm.LLM(cfg)
     fp8.prepare_fp8(model, "fp8_scaled", "llm")

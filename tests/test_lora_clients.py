@@ -13,9 +13,9 @@ import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel
 from peft.tuners.lora import LoraLayer
 
-from library.flux import make_img_ids, make_txt_ids
-from library.flux_checkpoint import flux_diffusers_module_map, load_flux
-from library.qwen_image import QwenImageConfig, load_qwen_image
+from library.models.flux1.model import make_img_ids, make_txt_ids
+from library.models.flux1.checkpoint import flux_diffusers_module_map, load_flux
+from library.models.qwen_image.model import QwenImageConfig, load_qwen_image
 from networks import lora_files as lf
 from networks.lora import LoRANetwork
 from tools import convert_lora

@@ -12,17 +12,17 @@ from diffusers import FluxTransformer2DModel
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from library import fp8
-from library.flux import Flux, FluxConfig, make_img_ids, make_txt_ids
-from library.flux_checkpoint import (
+from library.precision import fp8
+from library.models.flux1.model import Flux, FluxConfig, make_img_ids, make_txt_ids
+from library.models.flux1.checkpoint import (
     diffusers_config,
     flux_diffusers_module_map,
     flux_to_diffusers_state_dict,
     load_flux,
     save_flux_bfl,
 )
-from library.llm import LLM, LLMConfig, load_llm
-from library.qwen_image import QwenImage, QwenImageConfig, load_qwen_image, save_qwen_image_diffusers
+from library.models.llm import LLM, LLMConfig, load_llm
+from library.models.qwen_image.model import QwenImage, QwenImageConfig, load_qwen_image, save_qwen_image_diffusers
 from networks import lora_files as lf
 from networks.lora import LoRANetwork
 from tools import convert_lora, merge_lora

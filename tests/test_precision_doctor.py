@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from library import precision
-from library.flux import Flux, FluxConfig
-from library.fp8 import FP8Linear, is_high_precision, quantize_weight
-from library.qwen_image import QwenImage, QwenImageConfig
+from library.precision import doctor as precision
+from library.models.flux1.model import Flux, FluxConfig
+from library.precision.fp8 import FP8Linear, is_high_precision, quantize_weight
+from library.models.qwen_image.model import QwenImage, QwenImageConfig
 from networks.lora import LoRAModule, LoRANetwork
 from tools import precision_doctor as doctor
 
@@ -184,8 +184,8 @@ def test_scan_lists_position_buffers_that_model_to_dtype_rounded():
 
 
 def test_rope_tables_patch_reaches_the_models_and_is_undone():
-    import library.core as core
-    import library.flux as flux_module
+    import library.models.core as core
+    import library.models.flux1.model as flux_module
 
     original = core.rope_tables
     with precision.patched_rope_tables(precision.position_bug(torch.bfloat16)):
@@ -269,7 +269,7 @@ def _tiny_lora(model, family, path, up_std):
 
 
 def test_cli_writes_report_json_and_heatmaps_for_a_tiny_flux_file(tmp_path, capsys):
-    from library.flux_checkpoint import save_flux_bfl
+    from library.models.flux1.checkpoint import save_flux_bfl
 
     model = tiny_flux()
     save_flux_bfl(model, str(tmp_path / "flux.safetensors"))
@@ -301,7 +301,7 @@ def test_cli_writes_report_json_and_heatmaps_for_a_tiny_flux_file(tmp_path, caps
     (["--lora", "missing.safetensors"], "missing.safetensors"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
-    from library.flux_checkpoint import save_flux_bfl
+    from library.models.flux1.checkpoint import save_flux_bfl
 
     save_flux_bfl(tiny_flux(), str(tmp_path / "flux.safetensors"))
     base = ["--model_type", "flux", "--model", str(tmp_path / "flux.safetensors"), "--resolution", "64",
@@ -313,7 +313,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
 
 @pytest.mark.parametrize("mode", ["fp8", "fp8_scaled"])
 def test_merging_while_loading_from_disk_gives_the_in_memory_merged_codes(tmp_path, mode):
-    from library.flux_checkpoint import save_flux_bfl
+    from library.models.flux1.checkpoint import save_flux_bfl
 
     model = tiny_flux()
     save_flux_bfl(model, str(tmp_path / "flux.safetensors"))

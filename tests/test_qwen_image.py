@@ -9,9 +9,9 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import get_timestep_embedding
 
-from library import core
+from library.models import core
 from library.io import CheckpointError, save_safetensors
-from library.qwen_image import (
+from library.models.qwen_image.model import (
     QWEN_IMAGE,
     QwenImage,
     QwenImageConfig,
@@ -253,7 +253,7 @@ def test_sharded_diffusers_folder_loads(reference, tmp_path):
 
 
 def test_fp8_scaled_load_through_prepare_hook(reference, inputs):
-    from library.fp8 import FP8Linear, fp8_load_converter, prepare_fp8
+    from library.precision.fp8 import FP8Linear, fp8_load_converter, prepare_fp8
 
     img, txt, mask = inputs
     sigma = torch.tensor([0.37, 0.81])

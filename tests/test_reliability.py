@@ -17,7 +17,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import train_lora
-from library.qwen_image import load_qwen_image
+from library.models.qwen_image.model import load_qwen_image
 from networks import lora_files
 from networks.lora import LoRANetwork
 from tools import merge_lora
@@ -254,7 +254,7 @@ def test_bad_input_is_one_error_line_exit_2_and_no_output(tiny_set, tmp_path, ca
 
 
 def test_missing_caption_trains_on_the_class_tokens(tiny_set, tmp_path, monkeypatch):
-    from library.diffusion_training import DiffusionTask
+    from library.training.diffusion_task import DiffusionTask
 
     cfg = copy_dataset(tiny_set, tmp_path, lambda d: (d / "003.txt").unlink(), subset='class_tokens = "sks shape"')
     encoded: list[str] = []

@@ -8,13 +8,13 @@ import os
 import pytest
 import torch
 
-from library.flux import make_img_ids, make_txt_ids
-from library.flux_checkpoint import load_flux
+from library.models.flux1.model import make_img_ids, make_txt_ids
+from library.models.flux1.checkpoint import load_flux
 from library.io import CheckpointReader
-from library.llm import load_llm
-from library.qwen_image import load_qwen_image
-from library.text_encoders import encode_flux_prompts, load_clip_l, load_qwen_image_text_encoder, load_t5
-from library.vae import load_flux_vae, load_qwen_image_vae, pack_latents, unpack_latents
+from library.models.llm import load_llm
+from library.models.qwen_image.model import load_qwen_image
+from library.models.text_encoders import encode_flux_prompts, load_clip_l, load_qwen_image_text_encoder, load_t5
+from library.models.vae import load_flux_vae, load_qwen_image_vae, pack_latents, unpack_latents
 from tools import make_tiny_models as tiny
 
 PROMPTS = ["a cat", "a painting of a house by the sea"]

@@ -5,8 +5,8 @@ import csv
 import pytest
 import torch
 
-from library import optim
-from library.train_config import ConfigError, load_config, parse_kv_literals
+from library.training import optim
+from library.training.config import ConfigError, load_config, parse_kv_literals
 from tools import plot_lr
 
 
@@ -134,7 +134,7 @@ def test_example_configs_pass_the_schema(name):
 def test_dataset_example_config_parses():
     import os
 
-    from library.dataset_config import load_dataset_config
+    from library.data.dataset_config import load_dataset_config
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     blueprint = load_dataset_config(os.path.join(root, "configs", "dataset_example.toml"))

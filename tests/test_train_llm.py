@@ -44,7 +44,7 @@ def test_llm_lora_trains_only_lora_and_loss_falls(tiny_set, tmp_path):
 def test_llm_pretraining_from_config_saves_a_folder_transformers_loads(tiny_set, tmp_path):
     from transformers import Qwen2ForCausalLM
 
-    from library.llm import load_llm
+    from library.models.llm import load_llm
 
     out = tmp_path / "pre"
     code = train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm_scratch"], "--pretrain",
@@ -70,7 +70,7 @@ def test_max_length_beyond_context_window_is_refused(tiny_set, tmp_path, capsys)
 
 
 def test_generate_writes_png_with_settings_on_fp8_base_with_lora(tiny_set, tmp_path):
-    from library.diffusion_family import FluxFamily
+    from library.models.flux1.family import FluxFamily
     from networks.lora import LoRANetwork
 
     model = FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32)
@@ -107,9 +107,9 @@ def test_llm_lora_on_fp8_scaled_base_records_the_base_precision(tiny_set, tmp_pa
 
 
 def test_fp8_llm_keeps_head_and_embeddings_high_precision(tiny_set):
-    from library.diffusion_family import fp8_prepare
-    from library.fp8 import FP8Linear
-    from library.llm import load_llm
+    from library.models.family import fp8_prepare
+    from library.precision.fp8 import FP8Linear
+    from library.models.llm import load_llm
 
     model = load_llm(tiny_set["llm"], prepare=fp8_prepare("fp8_scaled", "llm"))
     kinds = {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, (FP8Linear, torch.nn.Linear))}

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import train_lora
-from library.diffusion_family import FluxFamily
-from library.dataset_config import load_dataset_config
+from library.models.flux1.family import FluxFamily
+from library.data.dataset_config import load_dataset_config
 from networks.lora import LoRANetwork
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,7 +103,7 @@ def test_interrupt_saves_and_resume_is_bit_identical(tiny_set, tmp_path, monkeyp
     assert train_lora.main(flux_args(tiny_set, tmp_path / "straight", *steps)) == 0
 
     # A real SIGINT, delivered to this process after optimizer step 4.
-    from library.diffusion_training import DiffusionTask
+    from library.training.diffusion_task import DiffusionTask
 
     def after_step(self, step, output_dir):
         if step == 4:
@@ -133,7 +133,7 @@ def test_resume_from_another_run_config_is_refused(tiny_set, tmp_path):
 
 
 def test_nan_loss_stops_after_saving_last_good_lora(tiny_set, tmp_path, monkeypatch, capsys):
-    from library.diffusion_family import DiffusionFamily
+    from library.models.family import DiffusionFamily
 
     real = DiffusionFamily.training_loss
     calls = {"n": 0}

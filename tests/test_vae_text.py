@@ -11,7 +11,7 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
 from library.io import CheckpointError
-from library.text_encoders import (
+from library.models.text_encoders import (
     QWEN_IMAGE_DROP_TOKENS,
     QWEN_IMAGE_PROMPT_TEMPLATE,
     QwenImageTextEncoder,
@@ -20,7 +20,7 @@ from library.text_encoders import (
     load_qwen_image_text_encoder,
     load_t5,
 )
-from library.vae import FLUX_VAE_CONFIG, FluxVAE, QwenImageVAE, load_flux_vae, pack_latents, unpack_latents
+from library.models.vae import FLUX_VAE_CONFIG, FluxVAE, QwenImageVAE, load_flux_vae, pack_latents, unpack_latents
 from tools import make_tiny_models as tiny
 
 PROMPTS = ["a cat", "a photo of a dog with a blue ball in the grass, oil on canvas"]

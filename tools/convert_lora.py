@@ -32,7 +32,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.flux_checkpoint import flux_diffusers_module_map  # noqa: E402
+from library.models.flux1.checkpoint import flux_diffusers_module_map  # noqa: E402
 from library.io import CheckpointError, CheckpointReader  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
@@ -88,7 +88,7 @@ def flux_paths(counts: dict[str, int]) -> list[str]:
 
 
 def qwen_paths(counts: dict[str, int]) -> list[str]:
-    from library.qwen_image import QwenImage, QwenImageConfig
+    from library.models.qwen_image.model import QwenImage, QwenImageConfig
 
     with torch.device("meta"):
         model = QwenImage(QwenImageConfig(num_layers=counts.get("transformer_blocks", 0)))

@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.diffusion_family import BASE_PRECISIONS, FluxFamily, QwenImageFamily, stack_text  # noqa: E402
+from library.models.family import BASE_PRECISIONS, FAMILIES, family_class, stack_text  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
-from library.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
-from library.train_config import PRECISION_DTYPES  # noqa: E402
+from library.data.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
+from library.training.config import PRECISION_DTYPES  # noqa: E402
 
 
 
@@ -37,12 +37,12 @@ def parse_lora(spec: str) -> tuple[str, float]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model_type", required=True, choices=("flux", "qwen_image"))
+    p.add_argument("--model_type", required=True, choices=tuple(FAMILIES))
     p.add_argument("--model", required=True, help="transformer checkpoint (BFL file / diffusers folder)")
     p.add_argument("--ae", required=True, help="VAE")
     p.add_argument("--clip_l", help="flux: CLIP-L folder")
     p.add_argument("--t5xxl", help="flux: T5-XXL folder")
-    p.add_argument("--t5xxl_max_token_length", type=int, default=512, help="flux: 512 dev, 256 schnell")
+    p.add_argument("--t5xxl_max_token_length", type=int, default=None, help="flux: default 512 dev, 256 schnell")
     p.add_argument("--text_encoder", help="qwen_image: Qwen2.5-VL language model folder")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (sd-scripts flags allowed); repeatable")
     p.add_argument("--prompt_file", help="prompt file, one per line, sd-scripts syntax")
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def collect_prompts(args) -> list[SamplePrompt]:
-    guidance = args.guidance if args.guidance is not None else (3.5 if args.model_type == "flux" else 4.0)
+    guidance = args.guidance if args.guidance is not None else family_class(args.model_type).sample_guidance
     defaults = SamplePrompt("", args.width, args.height, args.steps, args.seed, guidance, args.negative)
     prompts = [parse_prompt_line(p, "--prompt", defaults) for p in args.prompt]
     if args.prompt_file:
@@ -72,18 +72,15 @@ def collect_prompts(args) -> list[SamplePrompt]:
 
 
 def generate(args) -> list[str]:
-    from library.images import save_png, to_pil
+    from library.data.images import save_png, to_pil
     from networks.lora import LoRANetwork
 
     prompts = collect_prompts(args)
     loras = [parse_lora(s) for s in args.lora]
-    if args.model_type == "flux":
-        family = FluxFamily(args.model, args.ae, clip_l=args.clip_l, t5xxl=args.t5xxl)
-        encode = family.load_text_encoder(torch.float32, t5_max_length=args.t5xxl_max_token_length)
-    else:
-        family = QwenImageFamily(args.model, args.ae, text_encoder=args.text_encoder)
-        encode = family.load_text_encoder(torch.float32)
-    texts = [(stack_text(encode([p.prompt])), stack_text(encode([p.negative])) if args.model_type == "qwen_image" else None)
+    cls = family_class(args.model_type)
+    family = cls(args.model, args.ae, **{k: getattr(args, k) for k in cls.text_path_keys})
+    encode = family.load_text_encoder(torch.float32, **family.text_options(args))
+    texts = [(stack_text(encode([p.prompt])), stack_text(encode([p.negative])) if family.true_cfg else None)
              for p in prompts]
     del encode  # text encoders are freed before the transformer is loaded
     device = torch.device(args.device)

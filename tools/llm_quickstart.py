@@ -3,10 +3,10 @@
     python tools/llm_quickstart.py --output_dir out/quickstart
 
 The corpus is the docstrings of standard-library modules (present on every Python install),
-tokenized with a byte-level BPE trained on the spot (library/tokenizer.py). The model is the
-project's LLM (library/llm.py) at toy size. Each evaluation prints train loss, validation loss and
+tokenized with a byte-level BPE trained on the spot (library/data/tokenizer.py). The model is the
+project's LLM (library/models/llm.py) at toy size. Each evaluation prints train loss, validation loss and
 perplexity; at the end a sample is generated and output_dir receives log.csv, loss.png, the
-model (model.safetensors + config.json, loadable with library.llm.load_llm) and the tokenizer.
+model (model.safetensors + config.json, loadable with library.models.llm.load_llm) and the tokenizer.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from library.io import atomic_path, save_safetensors, write_text  # noqa: E402
-from library.llm import LLM, LLMConfig, cross_entropy_loss, generate, perplexity  # noqa: E402
-from library.tokenizer import build_bpe_tokenizer  # noqa: E402
+from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, perplexity  # noqa: E402
+from library.data.tokenizer import build_bpe_tokenizer  # noqa: E402
 
 # Pure-Python, well-documented modules that import without side effects on every platform.
 CORPUS_MODULES = (

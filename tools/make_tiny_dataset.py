@@ -75,7 +75,7 @@ def make_text_corpus(out: str, max_chars: int = 200_000) -> dict[str, str]:
     on the corpus, no weights) for LLM LoRA and pretraining runs."""
     import json
 
-    from library.tokenizer import build_bpe_tokenizer
+    from library.data.tokenizer import build_bpe_tokenizer
     from tools.llm_quickstart import stdlib_docstrings
 
     text = stdlib_docstrings(max_chars)

@@ -161,8 +161,8 @@ def _round_up(n: int, to: int = 16) -> int:
 
 
 def write_flux(out: str, seed: int) -> dict[str, str]:
-    from library.flux import Flux, FluxConfig
-    from library.flux_checkpoint import save_flux_bfl, save_flux_diffusers
+    from library.models.flux1.model import Flux, FluxConfig
+    from library.models.flux1.checkpoint import save_flux_bfl, save_flux_diffusers
 
     _seed(seed, 1)
     config = FluxConfig(
@@ -181,7 +181,7 @@ def write_flux(out: str, seed: int) -> dict[str, str]:
 def write_flux_vae(out: str, seed: int) -> dict[str, str]:
     from diffusers import AutoencoderKL
 
-    from library.vae import FLUX_VAE_CONFIG, flux_vae_to_ldm_state_dict
+    from library.models.vae import FLUX_VAE_CONFIG, flux_vae_to_ldm_state_dict
 
     _seed(seed, 2)
     config = {**FLUX_VAE_CONFIG, "block_out_channels": [8, 16, 16, 16], "norm_num_groups": 4,
@@ -242,7 +242,7 @@ def write_t5(out: str, seed: int) -> dict[str, str]:
 
 
 def write_qwen_image(out: str, seed: int) -> dict[str, str]:
-    from library.qwen_image import QwenImage, QwenImageConfig, save_qwen_image_diffusers
+    from library.models.qwen_image.model import QwenImage, QwenImageConfig, save_qwen_image_diffusers
 
     _seed(seed, 5)
     config = QwenImageConfig(
@@ -272,7 +272,7 @@ def write_lm(folder: str, tokenizer, seed: int, offset: int, tokenizer_folder: s
     """A Qwen2ForCausalLM (transformers, HF names) sized TINY['lm_hidden'], plus its tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from library.llm import LLMConfig
+    from library.models.llm import LLMConfig
 
     _seed(seed, offset)
     h = TINY["lm_hidden"]

@@ -21,7 +21,7 @@ Precision: a merged weight is W (read in its file dtype, widened to float32) + s
 (alpha_i / rank_i) * up_i @ down_i, accumulated in float32; only then is it cast to --save_precision
 (default: each tensor keeps its file dtype). fp8 stores float8_e4m3fn Linear weights (round to nearest,
 or unbiased stochastic rounding with --stochastic_rounding); fp8_scaled also writes `X.weight_scale`
-(bf16 per 64-column block, library/fp8.py). Modules in fp8.HIGH_PRECISION_MODULES and every other
+(bf16 per 64-column block, library/precision/fp8.py). Modules in fp8.HIGH_PRECISION_MODULES and every other
 float tensor are stored in bf16. A delta is never added to fp8 values: an fp8 BASE is refused.
 
 Errors (bad ratio, missing file, LoRA for another model, shape mismatch, unmatched modules without
@@ -46,12 +46,12 @@ from safetensors import safe_open
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library import fp8  # noqa: E402
-from library.flux_checkpoint import BFL_PREFIXES, row_tables  # noqa: E402
+from library.precision import fp8  # noqa: E402
+from library.models.flux1.checkpoint import BFL_PREFIXES, row_tables  # noqa: E402
 from library.io import CheckpointError, CheckpointReader, atomic_path, component_folder, make_parent_folder  # noqa: E402
-from library.llm import checkpoint_key_to_llm  # noqa: E402
-from library.qwen_image import CHECKPOINT_PREFIXES as QWEN_PREFIXES  # noqa: E402
-from library.train_config import PRECISION_DTYPES  # noqa: E402
+from library.models.llm import checkpoint_key_to_llm  # noqa: E402
+from library.models.qwen_image.model import CHECKPOINT_PREFIXES as QWEN_PREFIXES  # noqa: E402
+from library.training.config import PRECISION_DTYPES  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     KOHYA_PREFIXES,
     LoRAWeights,

@@ -38,9 +38,9 @@ import torch.nn as nn
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library import precision  # noqa: E402
-from library.diffusion_family import fp8_prepare  # noqa: E402
-from library.fp8 import (  # noqa: E402
+from library.precision import doctor as precision  # noqa: E402
+from library.models.family import fp8_prepare  # noqa: E402
+from library.precision.fp8 import (  # noqa: E402
     FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,
 )
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
@@ -67,7 +67,7 @@ def make_inputs(family: str, config, width: int, height: int, seed: int = 0, tex
     channels = config.in_channels
     x0, noise = (torch.randn(1, h * w, channels, generator=gen) for _ in range(2))
     if family == "flux":
-        from library.flux import make_img_ids, make_txt_ids
+        from library.models.flux1.model import make_img_ids, make_txt_ids
 
         fixed = dict(img_ids=make_img_ids(1, h, w), txt=torch.randn(1, text_len, config.context_in_dim, generator=gen),
                      txt_ids=make_txt_ids(1, text_len), y=torch.randn(1, config.vec_in_dim, generator=gen),
@@ -75,7 +75,7 @@ def make_inputs(family: str, config, width: int, height: int, seed: int = 0, tex
         positions = torch.cat([fixed["txt_ids"], fixed["img_ids"]], dim=1)
         axes, theta = config.axes_dim, config.theta
     elif family == "qwen_image":
-        from library.qwen_image import joint_positions
+        from library.models.qwen_image.model import joint_positions
 
         mask = torch.arange(text_len)[None] < max(1, (3 * text_len + 3) // 4)
         fixed = dict(txt=torch.randn(1, text_len, config.joint_attention_dim, generator=gen), txt_mask=mask,
@@ -103,7 +103,7 @@ def read_lora_for(model: nn.Module, family: str, path: str, ratio: float = 1.0) 
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, FP8Linear))}
     module_map = None
     if family == "flux":
-        from library.flux_checkpoint import flux_diffusers_module_map
+        from library.models.flux1.checkpoint import flux_diffusers_module_map
 
         c = model.config
         module_map = flux_diffusers_module_map(c.depth, c.depth_single, c.hidden_size, c.mlp_hidden, c.in_channels,
@@ -221,10 +221,10 @@ def disk_variant(path: str, family: str, mode: str, lora=None, seed: int = 0, de
 
 def _loader(family: str):
     if family == "flux":
-        from library.flux_checkpoint import load_flux
+        from library.models.flux1.checkpoint import load_flux
 
         return load_flux
-    from library.qwen_image import load_qwen_image
+    from library.models.qwen_image.model import load_qwen_image
 
     return load_qwen_image
 

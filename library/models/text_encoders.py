@@ -229,7 +229,7 @@ def load_qwen_image_text_encoder(
 ) -> QwenImageTextEncoder:
     """Qwen-Image text encoder from a Qwen-Image repo (text_encoder/ + tokenizer/), an HF folder
     or a single file (e.g. ComfyUI's qwen_2.5_vl_7b.safetensors; vision keys are skipped)."""
-    from library.llm import QWEN2_5_7B, load_llm  # the LLM core is also this text encoder
+    from library.models.llm import QWEN2_5_7B, load_llm  # the LLM core is also this text encoder
 
     path = component_folder(path, "text_encoder")
     if config is None and os.path.isfile(path) and not os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):

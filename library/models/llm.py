@@ -1,4 +1,4 @@
-"""A Llama / Qwen2 causal language model built from the shared core (library/core.py).
+"""A Llama / Qwen2 causal language model built from the shared core (library/models/core.py).
 
 The same class runs Llama-3-8B, Qwen2-style models and the language model of Qwen2.5-VL (the
 Qwen-Image text encoder; for text-only prompts its multimodal RoPE reduces to 1-D RoPE). Module
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from library import core
+from library.models import core
 from library.io import CheckpointError, CheckpointReader, load_streaming
 
 # ----------------------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def load_llm(
         the folder when config is None). dtype: floating tensors are cast to it on read and it
         becomes model.compute_dtype (float32 / bfloat16 / float16).
     prepare: optional hook run on the meta model before loading; a callable it returns becomes
-        the convert hook (library.diffusion_family.fp8_prepare(mode, "llm") swaps Linears for
+        the convert hook (library.models.family.fp8_prepare(mode, "llm") swaps Linears for
         FP8Linear and quantizes each weight as it is read).
     Missing or unexpected keys raise CheckpointError. Returned in eval mode.
     """

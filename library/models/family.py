@@ -1,7 +1,10 @@
-"""The one small interface through which FLUX.1 and Qwen-Image plug into training, sampling and
-the tools: load (transformer, VAE, text encoders), encode (images, captions), predict (one
-denoiser call on packed latents) and sample (Euler flow matching, the same code for training
-samples and tools/generate.py).
+"""The one small interface through which a diffusion family (FLUX.1, Qwen-Image, ...) plugs into
+training, sampling and the tools: load (transformer, VAE, text encoders), encode (images,
+captions), predict (one denoiser call on packed latents) and sample (Euler flow matching, the same
+code for training samples and tools/generate.py).
+
+A family lives in its own folder (library/models/<family>/family.py) and is registered with one
+line in FAMILIES below; nothing else in the trainer or the tools names a family.
 
 Dtypes at the boundaries: latents and text embeddings are float32 (bf16 on disk); the model
 casts its inputs to its `compute_dtype`; sigmas and positions stay float32/int64.
@@ -10,13 +13,14 @@ casts its inputs to its `compute_dtype`; sigmas and positions stay float32/int64
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 
 import torch
 import torch.nn as nn
 
-from library import flow_matching as fm
-from library.vae import pack_latents, unpack_latents
+from library.training import flow_matching as fm
+from library.models.vae import pack_latents, unpack_latents
 
 BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")  # how the frozen base is stored
 
@@ -42,18 +46,39 @@ def fp8_prepare(mode: str | None, family: str):
     for FP8Linear and return the per-tensor quantizing converter (quantization while loading)."""
     if mode in (None, "bf16"):
         return None
-    from library.fp8 import fp8_load_converter, prepare_fp8
+    from library.precision.fp8 import fp8_load_converter, prepare_fp8
 
     return lambda model: fp8_load_converter(prepare_fp8(model, mode, family))
 
 
 class DiffusionFamily:
-    name: str
+    name: str  # the model_type of the training config, also the LoRA TARGETS / fp8 family key
+    text_path_keys: tuple[str, ...] = ()  # config keys of the text encoder files
+    sample_guidance: float = 4.0  # default --g of sample prompts
+    true_cfg = False  # samples run a negative prompt (classifier-free guidance)
     vae_downsample = 8
     patch = 2
 
     def __init__(self, model_path: str, vae_path: str | None = None, **text_paths):
         self.model_path, self.vae_path, self.text_paths = model_path, vae_path, text_paths
+
+    @classmethod
+    def required_paths(cls) -> tuple[str, ...]:
+        """Config keys naming the files training needs (checked before anything is loaded)."""
+        return ("pretrained_model_name_or_path", "ae") + cls.text_path_keys
+
+    @classmethod
+    def from_args(cls, args) -> "DiffusionFamily":
+        return cls(args.pretrained_model_name_or_path, args.ae, **{k: getattr(args, k) for k in cls.text_path_keys})
+
+    def text_options(self, args) -> dict:
+        """Encoder settings from the training config that change the embeddings (they are part of
+        the text cache key and passed to load_text_encoder)."""
+        return {}
+
+    def model_version(self, model: nn.Module) -> str:
+        """The base model's name for LoRA metadata (modelspec-style, e.g. flux1-dev)."""
+        return self.name
 
     # -- loading -------------------------------------------------------------------------------
     def load_transformer(self, dtype: torch.dtype, base_precision: str = "bf16") -> nn.Module:
@@ -62,8 +87,9 @@ class DiffusionFamily:
     def load_vae(self, dtype: torch.dtype = torch.float32):
         raise NotImplementedError
 
-    def load_text_encoder(self, dtype: torch.dtype = torch.float32):
-        """-> callable(captions: list[str]) -> list of per-caption dicts of tensors (cacheable)."""
+    def load_text_encoder(self, dtype: torch.dtype = torch.float32, **options):
+        """-> callable(captions: list[str]) -> list of per-caption dicts of tensors (cacheable).
+        options: what text_options() returns."""
         raise NotImplementedError
 
     def cache_keys(self) -> tuple[str, str]:
@@ -126,110 +152,24 @@ class DiffusionFamily:
         return True
 
 
-class FluxFamily(DiffusionFamily):
-    """FLUX.1 dev/schnell: BFL module names, CLIP-L pooled + T5-XXL text, guidance embedding (dev)."""
-
-    name = "flux"
-
-    def load_transformer(self, dtype, base_precision="bf16"):
-        from library.flux_checkpoint import load_flux
-
-        return load_flux(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name))
-
-    def load_vae(self, dtype=torch.float32):
-        from library.vae import load_flux_vae
-
-        return load_flux_vae(self.vae_path, dtype)
-
-    def load_text_encoder(self, dtype=torch.float32, t5_max_length: int = 512):
-        from library.text_encoders import encode_flux_prompts, load_clip_l, load_t5
-
-        clip = load_clip_l(self.text_paths["clip_l"], dtype=dtype)
-        t5 = load_t5(self.text_paths["t5xxl"], dtype=dtype)
-
-        def encode(captions: list[str]) -> list[dict]:
-            t5_hidden, pooled = encode_flux_prompts(captions, clip, t5, t5_max_length)
-            return [{"t5": t, "clip_pooled": p} for t, p in zip(t5_hidden, pooled)]
-
-        return encode
-
-    def t5_max_length(self) -> int:
-        """512 T5 tokens for dev, 256 for schnell (no guidance embedding), read from the
-        checkpoint's key names or config.json without loading any weights."""
-        from library.io import CheckpointReader, component_folder
-
-        keys = CheckpointReader(component_folder(self.model_path, "transformer")).keys()
-        return 512 if any("guidance_in." in k or "guidance_embedder." in k for k in keys) else 256
-
-    def predict(self, model, x_t, sigmas, text, h, w, guidance):
-        from library.flux import make_img_ids, make_txt_ids
-
-        b, device = x_t.shape[0], x_t.device
-        t5 = text["t5"].to(device)
-        g = None
-        if model.guidance_in is not None:
-            g = torch.full((b,), 1.0 if guidance is None else float(guidance), dtype=torch.float32, device=device)
-        return model(
-            img=x_t, img_ids=make_img_ids(b, h, w, device), txt=t5, txt_ids=make_txt_ids(b, t5.shape[1], device),
-            timesteps=sigmas, y=text["clip_pooled"].to(device), guidance=g,
-        )
-
-    def dynamic_shift(self, model) -> bool:
-        return model.guidance_in is not None  # schnell's scheduler has no resolution shift
-
-
-class QwenImageFamily(DiffusionFamily):
-    """Qwen-Image: diffusers module names, Qwen2.5-VL (our LLM core) text with a padding mask,
-    true classifier-free guidance with a negative prompt at inference."""
-
-    name = "qwen_image"
-
-    def load_transformer(self, dtype, base_precision="bf16"):
-        from library.qwen_image import load_qwen_image
-
-        return load_qwen_image(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name))
-
-    def load_vae(self, dtype=torch.float32):
-        from library.vae import load_qwen_image_vae
-
-        return load_qwen_image_vae(self.vae_path, dtype)
-
-    def load_text_encoder(self, dtype=torch.float32):
-        from library.text_encoders import load_qwen_image_text_encoder
-
-        encoder = load_qwen_image_text_encoder(self.text_paths["text_encoder"], dtype=dtype)
-
-        def encode(captions: list[str]) -> list[dict]:
-            embeds, mask = encoder.encode(captions)
-            return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]
-
-        return encode
-
-    def predict(self, model, x_t, sigmas, text, h, w, guidance):
-        device = x_t.device
-        return model(
-            img=x_t, txt=text["embeds"].to(device), txt_mask=text["mask"].to(device).bool(),
-            timesteps=sigmas, img_shapes=[(1, h, w)] * x_t.shape[0],
-        )
-
-    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance):
-        cond = self.predict(model, x, s, text, h, w, guidance).float()
-        if negative_text is None or guidance is None or guidance <= 1.0:
-            return cond
-        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
-        # Qwen-Image's pipeline rescales the guided prediction to the conditional one's norm.
-        guided = uncond + guidance * (cond - uncond)
-        return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
-
-
 def stack_text(per_caption: list[dict]) -> dict:
     """Per-caption encoder outputs (as cached) -> one batch dict [B, ...]."""
     return {k: torch.stack([d[k] for d in per_caption]) for k in per_caption[0]}
 
 
+# model_type -> "module:class" of its adapter; imported on first use.
+FAMILIES = {
+    "flux": "library.models.flux1.family:FluxFamily",
+    "qwen_image": "library.models.qwen_image.family:QwenImageFamily",
+}
+
+
+def family_class(model_type: str) -> type[DiffusionFamily]:
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not a diffusion family (expected one of {', '.join(FAMILIES)})")
+    module, _, name = FAMILIES[model_type].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def get_family(args) -> DiffusionFamily:
-    if args.model_type == "flux":
-        return FluxFamily(args.pretrained_model_name_or_path, args.ae, clip_l=args.clip_l, t5xxl=args.t5xxl)
-    if args.model_type == "qwen_image":
-        return QwenImageFamily(args.pretrained_model_name_or_path, args.ae, text_encoder=args.text_encoder)
-    raise ValueError(f"model_type {args.model_type!r} is not a diffusion family")
+    return family_class(args.model_type).from_args(args)

@@ -218,7 +218,7 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         origins[key] = "command line"
     args = argparse.Namespace(**values, config_file=cli.config_file)
     validate(args, cli.config_file or "command line", origins)
-    from library.optim import optimizer_class  # here, not at the top: optim imports this module
+    from library.training.optim import optimizer_class  # here, not at the top: optim imports this module
 
     try:  # fail now, not after minutes of caching
         optimizer_class(args.optimizer_type)

@@ -16,11 +16,11 @@ import random
 import torch
 import torch.nn as nn
 
-from library.dataset import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
+from library.data.dataset import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
 from library.io import save_safetensors, write_text
-from library.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity
-from library.tokenizer import load_tokenizer
-from library.train_config import ConfigError, base_precision, compute_dtype, parse_kv_literals
+from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity
+from library.data.tokenizer import load_tokenizer
+from library.training.config import ConfigError, base_precision, compute_dtype, parse_kv_literals
 from networks.lora import LoRANetwork
 
 VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmuls tile well
@@ -81,7 +81,7 @@ class LLMTask:
     def _load_model(self, path: str) -> tuple[LLM, bool]:
         has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(".safetensors")
         if has_weights:
-            from library.diffusion_family import fp8_prepare
+            from library.models.family import fp8_prepare
 
             return load_llm(path, dtype=self.dtype, prepare=fp8_prepare(base_precision(self.args), "llm")), False
         if not self.args.pretrain:
@@ -118,7 +118,7 @@ class LLMTask:
     def param_groups(self, lr: float) -> list[dict]:
         if self.network is not None:
             return self.network.param_groups(lr)
-        from library.optim import split_weight_decay
+        from library.training.optim import split_weight_decay
 
         decay, no_decay = split_weight_decay(self.model.named_parameters(), self.args.weight_decay_1d)
         return [{"params": decay, "name": "decay"}, {"params": no_decay, "name": "no_decay", "weight_decay": 0.0}]

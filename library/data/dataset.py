@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from library.dataset_config import DatasetBlueprint, SubsetSpec
+from library.data.dataset_config import DatasetBlueprint, SubsetSpec
 from library.io import CheckpointReader, save_safetensors
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")

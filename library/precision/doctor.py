@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from library import core
-from library.fp8 import FP8_DTYPE, FP8_MAX, FP8Linear, dequantize_weight, quantize_weight, stochastic_round_to_fp8
+from library.models import core
+from library.precision.fp8 import FP8_DTYPE, FP8_MAX, FP8Linear, dequantize_weight, quantize_weight, stochastic_round_to_fp8
 
 BLOCK_NAME = re.compile(r"(double_blocks|single_blocks|transformer_blocks)\.\d+")
 POSITION_NAME = re.compile(r"freq|rope|pos", re.IGNORECASE)
@@ -47,8 +47,8 @@ def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 @contextlib.contextmanager
 def patched_rope_tables(wrap: Callable[[Callable], Callable]):
-    """Replace core.rope_tables by wrap(original) in library.core and in every loaded module that
-    imported the name (`from library.core import rope_tables`), restoring all on exit."""
+    """Replace core.rope_tables by wrap(original) in library.models.core and in every loaded module that
+    imported the name (`from library.models.core import rope_tables`), restoring all on exit."""
     original = core.rope_tables
     patched = wrap(original)
     holders = [m for m in list(sys.modules.values()) if getattr(m, "__dict__", {}).get("rope_tables") is original]
@@ -282,7 +282,7 @@ def verdict(ratios: dict, output_error: float, threshold: float, position_ratio:
 def quantize_with(w: torch.Tensor, mode: str, rounding: str = "nearest", scale: torch.Tensor | None = None,
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """w [out, in] (float) -> (float8_e4m3fn codes, bf16 block scale or None), rounding to nearest
-    or stochastically. fp8_scaled: the scale is computed from w (absmax / 448, library.fp8) unless
+    or stochastically. fp8_scaled: the scale is computed from w (absmax / 448, library.precision.fp8) unless
     given (keeping an existing fp8 checkpoint's scales)."""
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from library.train_config import ConfigError
+from library.training.config import ConfigError
 
 BNB_OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit", "Lion8bit", "PagedLion8bit", "SGD8bit", "AdEMAMix8bit", "PagedAdamW")
 

@@ -19,8 +19,8 @@ from typing import Callable
 
 import torch
 
-from library.flux import Flux, FluxConfig
-from library.fp8 import refuse_fp8_checkpoint
+from library.models.flux1.model import Flux, FluxConfig
+from library.precision.fp8 import refuse_fp8_checkpoint
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, write_text
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL

@@ -2,7 +2,7 @@
 
 Module paths mirror the BFL single-file checkpoint keys (`double_blocks.N.img_attn.qkv`,
 `single_blocks.N.linear1`, ...), so a BFL state dict loads with a plain `load_state_dict`.
-Loading, diffusers key conversion and saving live in library/flux_checkpoint.py (re-exported here).
+Loading, diffusers key conversion and saving live in library/models/flux1/checkpoint.py (re-exported here).
 
 Precision (see shared/DESIGN.md): the model carries an explicit `compute_dtype`; image/text/pooled
 inputs are cast to it at entry. Position ids stay int64/float32 and become float32 RoPE tables
@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from library.core import (
+from library.models.core import (
     GeluMLP,
     LayerNormNoAffine,
     Modulation,
@@ -309,7 +309,7 @@ _CHECKPOINT_API = (
 def __getattr__(name: str):
     # Loading lives in flux_checkpoint (which imports this file); re-export it lazily, no import cycle.
     if name in _CHECKPOINT_API:
-        from library import flux_checkpoint
+        from library.models.flux1 import checkpoint as flux_checkpoint
 
         return getattr(flux_checkpoint, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

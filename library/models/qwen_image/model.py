@@ -25,8 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from library import core
-from library.fp8 import refuse_fp8_checkpoint
+from library.models import core
+from library.precision.fp8 import refuse_fp8_checkpoint
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, strip_prefix, write_text
 
 # ----------------------------------------------------------------------------------------------

@@ -13,12 +13,12 @@ import os
 import torch
 import torch.nn as nn
 
-from library.dataset import BucketBatchSampler, EpochBatches, ImageDataset, cache_latents, cache_text, collate_batch
-from library.dataset_config import load_dataset_config
-from library.diffusion_family import get_family, stack_text
-from library.prompts import SamplePrompt, read_prompt_file
-from library.train_config import base_precision, compute_dtype, parse_kv_literals
-from library.train_state import sample_seed
+from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, cache_latents, cache_text, collate_batch
+from library.data.dataset_config import load_dataset_config
+from library.models.family import get_family, stack_text
+from library.data.prompts import SamplePrompt, read_prompt_file
+from library.training.config import base_precision, compute_dtype, parse_kv_literals
+from library.training.state import sample_seed
 from networks.lora import LoRANetwork
 
 class LoRALoss(nn.Module):
@@ -64,7 +64,7 @@ class DiffusionTask:
         if not self.args.sample_prompts:
             return []
         res = self.blueprint.datasets[0].resolution
-        defaults = SamplePrompt("", width=res[0], height=res[1], guidance=3.5 if self.args.model_type == "flux" else 4.0)
+        defaults = SamplePrompt("", width=res[0], height=res[1], guidance=self.family.sample_guidance)
         return read_prompt_file(self.args.sample_prompts, defaults)
 
     def _fill_caches(self):
@@ -75,11 +75,10 @@ class DiffusionTask:
         encoded = cache_text(items, encode_text, text_key, to_disk=args.cache_text_encoder_outputs_to_disk)
         self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk")
         # Sample prompts are encoded now too: the encoders are gone by the time samples render.
-        # Qwen-Image samples use true CFG, so they always need a (possibly empty) negative prompt.
-        needs_negative = self.family.name == "qwen_image"
+        # True-CFG families (Qwen-Image) always need a (possibly empty) negative prompt.
         self.prompt_texts = []
         for p in self.prompts:
-            negative = stack_text(encode_text([p.negative])) if p.negative or needs_negative else None
+            negative = stack_text(encode_text([p.negative])) if p.negative or self.family.true_cfg else None
             self.prompt_texts.append((stack_text(encode_text([p.prompt])), negative))
         del encode_text
         gc.collect()
@@ -93,10 +92,7 @@ class DiffusionTask:
         self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
 
     def _text_encoder(self):
-        if self.family.name == "flux":
-            t5_length = self.args.t5xxl_max_token_length or self.family.t5_max_length()
-            return self.family.load_text_encoder(torch.float32, t5_max_length=t5_length)
-        return self.family.load_text_encoder(torch.float32)
+        return self.family.load_text_encoder(torch.float32, **self.family.text_options(self.args))
 
     def _make_network_for(self, base: nn.Module) -> LoRANetwork:
         args = self.args
@@ -174,9 +170,7 @@ class DiffusionTask:
 
     # -- metadata ------------------------------------------------------------------------------
     def base_model_version(self) -> str:
-        if self.family.name == "flux":
-            return "flux1-dev" if self.base.guidance_in is not None else "flux1-schnell"
-        return "qwen-image"
+        return self.family.model_version(self.base)
 
     def base_precision(self) -> str:
         return base_precision(self.args)
@@ -188,7 +182,7 @@ class DiffusionTask:
         return self.blueprint.datasets[0].batch_size * self.accelerator.num_processes * self.args.gradient_accumulation_steps
 
     def timestep_sampling(self) -> str:
-        from library.flow_matching import DEFAULTS
+        from library.training.flow_matching import DEFAULTS
 
         return self.args.timestep_sampling or DEFAULTS[self.family.name]["timestep_sampling"]
 
@@ -207,7 +201,7 @@ class DiffusionTask:
         on an fp8 base with sample_bf16_reference, the bf16 base beside it."""
         if not self.prompts:
             return []
-        from library.images import save_side_by_side
+        from library.data.images import save_side_by_side
 
         bases = [(base_precision(self.args), self.base)]
         if self.args.fp8_base and self.args.sample_bf16_reference:

@@ -1,0 +1,68 @@
+"""FLUX.1 dev/schnell as a diffusion family: the BFL-named transformer (model.py, loaded by
+checkpoint.py), the FLUX VAE, CLIP-L pooled + T5-XXL text, and the distilled guidance embedding."""
+
+from __future__ import annotations
+
+import torch
+
+from library.models.family import DiffusionFamily, fp8_prepare
+
+
+class FluxFamily(DiffusionFamily):
+    """FLUX.1 dev/schnell: BFL module names, CLIP-L pooled + T5-XXL text, guidance embedding (dev)."""
+
+    name = "flux"
+    text_path_keys = ("clip_l", "t5xxl")
+    sample_guidance = 3.5
+
+    def load_transformer(self, dtype, base_precision="bf16"):
+        from library.models.flux1.checkpoint import load_flux
+
+        return load_flux(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name))
+
+    def load_vae(self, dtype=torch.float32):
+        from library.models.vae import load_flux_vae
+
+        return load_flux_vae(self.vae_path, dtype)
+
+    def text_options(self, args) -> dict:
+        return {"t5_max_length": getattr(args, "t5xxl_max_token_length", None) or self.t5_max_length()}
+
+    def model_version(self, model) -> str:
+        return "flux1-dev" if model.guidance_in is not None else "flux1-schnell"
+
+    def load_text_encoder(self, dtype=torch.float32, t5_max_length: int = 512):
+        from library.models.text_encoders import encode_flux_prompts, load_clip_l, load_t5
+
+        clip = load_clip_l(self.text_paths["clip_l"], dtype=dtype)
+        t5 = load_t5(self.text_paths["t5xxl"], dtype=dtype)
+
+        def encode(captions: list[str]) -> list[dict]:
+            t5_hidden, pooled = encode_flux_prompts(captions, clip, t5, t5_max_length)
+            return [{"t5": t, "clip_pooled": p} for t, p in zip(t5_hidden, pooled)]
+
+        return encode
+
+    def t5_max_length(self) -> int:
+        """512 T5 tokens for dev, 256 for schnell (no guidance embedding), read from the
+        checkpoint's key names or config.json without loading any weights."""
+        from library.io import CheckpointReader, component_folder
+
+        keys = CheckpointReader(component_folder(self.model_path, "transformer")).keys()
+        return 512 if any("guidance_in." in k or "guidance_embedder." in k for k in keys) else 256
+
+    def predict(self, model, x_t, sigmas, text, h, w, guidance):
+        from library.models.flux1.model import make_img_ids, make_txt_ids
+
+        b, device = x_t.shape[0], x_t.device
+        t5 = text["t5"].to(device)
+        g = None
+        if model.guidance_in is not None:
+            g = torch.full((b,), 1.0 if guidance is None else float(guidance), dtype=torch.float32, device=device)
+        return model(
+            img=x_t, img_ids=make_img_ids(b, h, w, device), txt=t5, txt_ids=make_txt_ids(b, t5.shape[1], device),
+            timesteps=sigmas, y=text["clip_pooled"].to(device), guidance=g,
+        )
+
+    def dynamic_shift(self, model) -> bool:
+        return model.guidance_in is not None  # schnell's scheduler has no resolution shift

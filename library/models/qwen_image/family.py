@@ -1,0 +1,58 @@
+"""Qwen-Image as a diffusion family: the diffusers-named MMDiT (model.py), the Qwen-Image VAE,
+Qwen2.5-VL text on our LLM core with a padding mask, and true CFG with norm rescale at inference."""
+
+from __future__ import annotations
+
+import torch
+
+from library.models.family import DiffusionFamily, fp8_prepare
+
+
+class QwenImageFamily(DiffusionFamily):
+    """Qwen-Image: diffusers module names, Qwen2.5-VL (our LLM core) text with a padding mask,
+    true classifier-free guidance with a negative prompt at inference."""
+
+    name = "qwen_image"
+    text_path_keys = ("text_encoder",)
+    sample_guidance = 4.0
+    true_cfg = True
+
+    def model_version(self, model) -> str:
+        return "qwen-image"
+
+    def load_transformer(self, dtype, base_precision="bf16"):
+        from library.models.qwen_image.model import load_qwen_image
+
+        return load_qwen_image(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name))
+
+    def load_vae(self, dtype=torch.float32):
+        from library.models.vae import load_qwen_image_vae
+
+        return load_qwen_image_vae(self.vae_path, dtype)
+
+    def load_text_encoder(self, dtype=torch.float32):
+        from library.models.text_encoders import load_qwen_image_text_encoder
+
+        encoder = load_qwen_image_text_encoder(self.text_paths["text_encoder"], dtype=dtype)
+
+        def encode(captions: list[str]) -> list[dict]:
+            embeds, mask = encoder.encode(captions)
+            return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]
+
+        return encode
+
+    def predict(self, model, x_t, sigmas, text, h, w, guidance):
+        device = x_t.device
+        return model(
+            img=x_t, txt=text["embeds"].to(device), txt_mask=text["mask"].to(device).bool(),
+            timesteps=sigmas, img_shapes=[(1, h, w)] * x_t.shape[0],
+        )
+
+    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance):
+        cond = self.predict(model, x, s, text, h, w, guidance).float()
+        if negative_text is None or guidance is None or guidance <= 1.0:
+            return cond
+        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
+        # Qwen-Image's pipeline rescales the guided prediction to the conditional one's norm.
+        guided = uncond + guidance * (cond - uncond)
+        return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
