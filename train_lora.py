@@ -12,6 +12,7 @@ non-finite loss stops the run after saving the last good LoRA.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -67,8 +68,9 @@ def make_accelerator(args):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     tracker = "tensorboard" if args.logging_dir else None
+    # Gradient accumulation is done by the loop (Trainer.run_epoch), not by accelerate: an
+    # optimizer step never spans two epochs, and the last partial group of an epoch steps too.
     return Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
         log_with=tracker,
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir),
@@ -185,9 +187,11 @@ class Trainer:
         self.interrupts = Interrupts()
         self.progress_bar = tqdm(total=self.max_steps, initial=self.step, desc="training",
                                  disable=not self.accelerator.is_local_main_process)
+        self.module.train()  # the LoRA network: its dropouts act from here; the frozen base stays in eval
         try:
             if args.sample_at_first and self.step == 0:
-                task.render_samples(args.output_dir, "start")
+                with self.evaluating():
+                    task.render_samples(args.output_dir, "start")
             while self.step < self.max_steps:
                 self.run_epoch()
                 if self.batches_done == 0:  # the epoch ran to its end
@@ -195,7 +199,8 @@ class Trainer:
                     if args.save_every_n_epochs and self.epoch % args.save_every_n_epochs == 0 and self.step < self.max_steps:
                         self.saver.lora(self.step, self.epoch)
                     if args.sample_every_n_epochs and self.epoch % args.sample_every_n_epochs == 0:
-                        task.render_samples(args.output_dir, f"epoch{self.epoch:04d}")
+                        with self.evaluating():
+                            task.render_samples(args.output_dir, f"epoch{self.epoch:04d}")
         except StopTraining as stop:
             self.accelerator.print(str(stop), file=sys.stderr) if stop.code else self.accelerator.print(str(stop))
             self.accelerator.end_training()
@@ -208,7 +213,8 @@ class Trainer:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
         if self.accelerator.is_main_process:
             plot_lr([self.logger.path, "--out", os.path.join(args.output_dir, f"{args.output_name}_lr.png")])
-        task.finish(args.output_dir)
+        with self.evaluating():
+            task.finish(args.output_dir)
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         self.accelerator.print(f"saved {path} after {self.step} steps in {time.time() - self.started:.1f} s")
@@ -217,30 +223,50 @@ class Trainer:
     def progress(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done}
 
+    @contextlib.contextmanager
+    def evaluating(self):
+        """Samples and evaluations run with the LoRA network in eval mode (no dropout)."""
+        self.module.eval()
+        try:
+            yield
+        finally:
+            self.module.train()
+
     def run_epoch(self):
         """One pass over the data, resuming after `batches_done` batches; leaves batches_done at
-        0 when the epoch ran to its end, or where it stopped at max_steps."""
+        0 when the epoch ran to its end, or where it stopped at max_steps.
+
+        An optimizer step takes gradient_accumulation_steps micro-batches counted from the start
+        of the epoch; the epoch's last step takes what is left. Each micro-batch's loss is divided
+        by the number of micro-batches of its step, so a step's gradient is the gradient of their
+        mean (the logged loss) whatever the grouping."""
         args, accelerator = self.args, self.accelerator
+        accumulation, total = args.gradient_accumulation_steps, self.task.batches_per_epoch()
         losses = []
         for batch in self.task.epoch_batches(self.epoch, skip=self.batches_done):
-            with accelerator.accumulate(self.module):
+            step_start = self.batches_done - self.batches_done % accumulation
+            micro_batches = min(accumulation, total - step_start)
+            last = self.batches_done == step_start + micro_batches - 1
+            # Gradients are all-reduced (DDP) only on the step's last micro-batch.
+            with contextlib.nullcontext() if last else accelerator.no_sync(self.module):
                 loss = self.module(*self.task.batch_inputs(batch, self.step))
                 if not torch.isfinite(loss.detach()):
                     path = self.saver.lora(self.step, self.epoch, final=True)
                     raise StopTraining(f"error: loss is {loss.item()} at step {self.step + 1} (epoch {self.epoch}); "
                                        f"the last good LoRA (step {self.step}) is saved at {path}", code=3)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm:
-                    accelerator.clip_grad_norm_(self.task.trainable_parameters(), args.max_grad_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                accelerator.backward(loss / micro_batches)
             self.batches_done += 1
             losses.append(loss.detach())
-            if accelerator.sync_gradients:
-                self.finish_step(accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item())
-                losses = []
-                if self.step >= self.max_steps:
-                    return
+            if not last:
+                continue
+            if args.max_grad_norm:
+                accelerator.clip_grad_norm_(self.task.trainable_parameters(), args.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.finish_step(accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item())
+            losses = []
+            if self.step >= self.max_steps:
+                return
         self.batches_done = 0
 
     def finish_step(self, loss: float):
@@ -254,9 +280,10 @@ class Trainer:
         self.step += 1
         self.progress_bar.update(1)
         self.progress_bar.set_postfix(progress_postfix(values))
-        self.task.after_step(self.step, args.output_dir)
-        if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0:
-            self.task.render_samples(args.output_dir, f"step{self.step:06d}")
+        with self.evaluating():
+            self.task.after_step(self.step, args.output_dir)
+            if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0:
+                self.task.render_samples(args.output_dir, f"step{self.step:06d}")
         if args.save_every_n_steps and self.step % args.save_every_n_steps == 0 and self.step < self.max_steps:
             self.saver.lora(self.step, self.epoch)
             if args.save_state:

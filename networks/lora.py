@@ -36,12 +36,24 @@ from networks.lora_files import (
 # group gives the block kind ("double", "single" for FLUX; "block" otherwise) and its index.
 
 TARGETS = {
+    # sd-scripts' networks/lora_flux.py default: every Linear of DoubleStreamBlock and
+    # SingleStreamBlock, modulation included; the embedders only through in_dims.
     "flux": {
-        "attn": r"double_blocks\.(?P<double>\d+)\.(img|txt)_attn\.(qkv|proj)",
-        "mlp": r"double_blocks\.(?P<double>\d+)\.(img|txt)_mlp\.(0|2)",
+        "img_attn": r"double_blocks\.(?P<double>\d+)\.img_attn\.(qkv|proj)",
+        "txt_attn": r"double_blocks\.(?P<double>\d+)\.txt_attn\.(qkv|proj)",
+        "img_mlp": r"double_blocks\.(?P<double>\d+)\.img_mlp\.(0|2)",
+        "txt_mlp": r"double_blocks\.(?P<double>\d+)\.txt_mlp\.(0|2)",
+        "img_mod": r"double_blocks\.(?P<double>\d+)\.img_mod\.lin",
+        "txt_mod": r"double_blocks\.(?P<double>\d+)\.txt_mod\.lin",
         "single": r"single_blocks\.(?P<single>\d+)\.(linear1|linear2)",
-        "mod": r"double_blocks\.(?P<double>\d+)\.(img|txt)_mod\.lin|single_blocks\.(?P<single>\d+)\.modulation\.lin",
+        "single_mod": r"single_blocks\.(?P<single>\d+)\.modulation\.lin",
+        "img_in": r"img_in",
+        "time_in": r"time_in\.(in_layer|out_layer)",
+        "vector_in": r"vector_in\.(in_layer|out_layer)",
+        "guidance_in": r"guidance_in\.(in_layer|out_layer)",
+        "txt_in": r"txt_in",
     },
+    # musubi-tuner's Qwen-Image default: the blocks' attention and MLP Linears, not `_mod_`.
     "qwen_image": {
         "attn": r"transformer_blocks\.(?P<block>\d+)\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out\.0|to_add_out)",
         "mlp": r"transformer_blocks\.(?P<block>\d+)\.(img|txt)_mlp\.net\.(0\.proj|2)",
@@ -52,7 +64,15 @@ TARGETS = {
         "mlp": r"model\.layers\.(?P<block>\d+)\.mlp\.(gate|up|down)_proj",
     },
 }
-OPTIONAL_TYPES = {"mod"}  # off unless train_modulation=true or mod_dim > 0 (sd-scripts default)
+# Modulation types: on by default for FLUX (sd-scripts), off for Qwen-Image (musubi-tuner);
+# `train_modulation` switches them, a `<type>_dim` > 0 turns one on.
+MODULATION_TYPES = {"flux": ("img_mod", "txt_mod", "single_mod"), "qwen_image": ("mod",), "llm": ()}
+MODULATION_DEFAULT = {"flux": True, "qwen_image": False, "llm": False}
+# Types trained only when given a rank (sd-scripts `in_dims = [img, time, vector, guidance, txt]`).
+IN_DIM_TYPES = {"flux": ("img_in", "time_in", "vector_in", "guidance_in", "txt_in")}
+# `<group>_dim` sets the rank of every type of the group (unless the type's own `_dim` is given).
+TYPE_GROUPS = {"flux": {"attn": ("img_attn", "txt_attn"), "mlp": ("img_mlp", "txt_mlp"),
+                        "mod": ("img_mod", "txt_mod", "single_mod")}}
 KOHYA_PREFIX = {"flux": "lora_unet", "qwen_image": "lora_unet", "llm": "lora_te"}
 BLOCK_ARGS = {  # network_args key -> block kind it selects, per family
     "flux": {"train_double_block_indices": "double", "train_single_block_indices": "single"},
@@ -64,7 +84,15 @@ COMMON_ARGS = {
     "dropout", "rank_dropout", "module_dropout", "include_patterns", "exclude_patterns",
     "loraplus_lr_ratio", "train_modulation",
 }
-
+FAMILY_ARGS = {"flux": {"train_blocks", "in_dims", "split_qkv", "train_t5xxl"}}
+# sd-scripts options we accept by name but cannot honour, with the reason (refused when switched on).
+REFUSED_ARGS = {
+    "split_qkv": "sd-scripts saves split q/k/v adapters as one block-diagonal LoRA of rank 3r with the alpha "
+                 "of rank r, so every loader (ComfyUI, diffusers, sd-scripts itself) applies 1/3 of the trained "
+                 "qkv delta; train the fused qkv LoRA (the default) instead",
+    "train_t5xxl": "text encoder outputs are cached before training and the encoders are freed, so T5-XXL "
+                   "cannot carry a LoRA here",
+}
 
 # ----------------------------------------------------------------------------------------------
 # One module
@@ -73,7 +101,8 @@ COMMON_ARGS = {
 class LoRAModule(nn.Module):
     """out = base(x) + multiplier * (alpha / rank) * up(down(x)), with sd-scripts' dropouts.
 
-    Training-only regularisers (active when this module and its base are both in train mode):
+    Training-only regularisers, active while this LoRA module is in train mode (the trainer puts
+    the network in train mode for steps and eval mode for samples; the frozen base stays in eval):
     - dropout: F.dropout on down(x) (sd-scripts `network_dropout`);
     - rank_dropout: zero each rank channel per sample with probability p, the scale multiplied by
       1 / (1 - p) so the expected delta is unchanged;
@@ -95,6 +124,7 @@ class LoRAModule(nn.Module):
         nn.init.zeros_(self.lora_up.weight)  # zero delta at step 0
         alpha = float(self.rank if alpha is None or alpha == 0 else alpha)
         self.register_buffer("alpha", torch.tensor(alpha, dtype=torch.float32, device=device))
+        self.scale = alpha / self.rank  # a Python float: reading the buffer each forward syncs the device
         self.multiplier, self.enabled = multiplier, True
         self.dropout, self.rank_dropout, self.module_dropout = dropout, rank_dropout, module_dropout
         self._original_forward = None  # the base's forward while patched
@@ -104,9 +134,13 @@ class LoRAModule(nn.Module):
     def base(self) -> nn.Module:
         return self._base[0]
 
-    @property
-    def scale(self) -> float:
-        return float(self.alpha) / self.rank
+    def set_alpha(self, alpha: float):
+        self.alpha.fill_(alpha)
+        self.scale = float(alpha) / self.rank
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.scale = float(self.alpha) / self.rank  # once per load, not per forward
 
     @property
     def applied(self) -> bool:
@@ -131,7 +165,7 @@ class LoRAModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._original_forward(x)
-        training = self.training and self.base.training
+        training = self.training
         if not self.enabled or self.multiplier == 0:
             return out
         if training and self.module_dropout and torch.rand(()) < self.module_dropout:
@@ -230,66 +264,106 @@ def parse_indices(key, value, count: int) -> set[int]:
 class LoRANetwork(nn.Module):
     """LoRA modules for one model of one family. Submodules are registered under their kohya
     names, so `state_dict()` is the kohya file layout (`lora_unet_<path>.lora_down.weight`, ...).
+    The network starts in eval mode (no dropout); the trainer switches it to train mode.
 
-    network_args (sd-scripts style; unknown keys are an error):
+    network_args (sd-scripts names and meanings; unknown keys are an error):
       train_blocks: "all" | "double" | "single" (flux)
       train_double_block_indices / train_single_block_indices (flux), block_indices (others):
           "0-5,10", "all", "none" or a list of ints
-      <type>_dim: rank per module type of TARGETS[family] (attn, mlp, single, mod); 0 skips the type
-      train_modulation: also train the "mod" type (off by default) at the network rank
+      <type>_dim: rank per module type of TARGETS[family] (flux: img_attn, txt_attn, img_mlp,
+          txt_mlp, img_mod, txt_mod, single, single_mod; qwen_image / llm: attn, mlp, mod); 0 skips
+          the type. flux also takes the groups attn_dim, mlp_dim, mod_dim.
+      in_dims (flux): "[img, time, vector, guidance, txt]" ranks of the embedders (default off)
+      train_modulation: train the modulation Linears (default on for flux, off for qwen_image)
       include_patterns / exclude_patterns: regexes searched in the qualified module name. A module
           is trained if (its type and block are on and no exclude matches) or an include matches.
       dropout, rank_dropout, module_dropout: see LoRAModule
       loraplus_lr_ratio: lora_up learning rate = lr * ratio (LoRA+)
+      split_qkv, train_t5xxl (flux): accepted when false; true is refused (REFUSED_ARGS says why)
+    select=False builds an empty network that load_weights() fills with the modules a file names.
     """
 
     def __init__(self, model: nn.Module, family: str, rank: int, alpha=None, multiplier=1.0,
-                 network_args: dict | None = None, lora_dtype=torch.float32):
+                 network_args: dict | None = None, lora_dtype=torch.float32, select: bool = True):
         super().__init__()
         if family not in TARGETS:
             raise ValueError(f"LoRA family '{family}': expected one of {', '.join(TARGETS)}")
-        self.family, self.rank = family, int(rank)
+        self.family, self.rank, self.multiplier, self.lora_dtype = family, int(rank), multiplier, lora_dtype
         self.alpha = float(self.rank if alpha is None or alpha == 0 else alpha)
         self.network_args = dict(network_args or {})
         self._model = [model]  # not a submodule: the network's state_dict holds LoRA tensors only
+        self._applied = False
         args = self._check_args(self.network_args)
         self.loraplus_lr_ratio = _as_float("loraplus_lr_ratio", args.get("loraplus_lr_ratio"))
-        dropouts = {k: _as_float(k, args.get(k)) for k in ("dropout", "rank_dropout", "module_dropout")}
-        for path, module, module_rank in self._select(model, args):
-            lora = LoRAModule(path, module, module_rank, self.alpha, multiplier, lora_dtype=lora_dtype, **dropouts)
-            self.add_module(kohya_name(path, KOHYA_PREFIX[family]), lora)
+        self.dropouts = {k: _as_float(k, args.get(k)) for k in ("dropout", "rank_dropout", "module_dropout")}
+        for path, module, module_rank in (self._select(model, args) if select else []):
+            self._add(path, module, module_rank, self.alpha)
+        self.eval()
+
+    def _add(self, path: str, module: nn.Module, rank: int, alpha: float) -> LoRAModule:
+        lora = LoRAModule(path, module, rank, alpha, self.multiplier, lora_dtype=self.lora_dtype, **self.dropouts)
+        lora.train(self.training)
+        self.add_module(kohya_name(path, KOHYA_PREFIX[self.family]), lora)
+        if self._applied:
+            lora.apply_to_base()
+        return lora
 
     def _check_args(self, args: dict) -> dict:
-        known = COMMON_ARGS | set(BLOCK_ARGS[self.family]) | {f"{t}_dim" for t in TARGETS[self.family]}
-        if self.family == "flux":
-            known.add("train_blocks")
+        types = TARGETS[self.family]
+        known = (COMMON_ARGS | set(BLOCK_ARGS[self.family]) | FAMILY_ARGS.get(self.family, set())
+                 | {f"{t}_dim" for t in list(types) + list(TYPE_GROUPS.get(self.family, {}))})
         unknown = sorted(k for k in args if k not in known)
         if unknown:
             raise ValueError(
                 f"network_args: unknown key '{unknown[0]}' for family '{self.family}' (known: {', '.join(sorted(known))})"
             )
+        for key, why in REFUSED_ARGS.items():
+            if key in known and _as_bool(key, args.get(key, False)):
+                raise ValueError(f"network_args '{key}=true' is not supported: {why}")
         return args
 
     def _candidates(self, model):
-        """(path, module, type, block kind, block index) for every module TARGETS names."""
+        """(path, module, type, block kind, block index) for every module TARGETS names; modules
+        outside the blocks (FLUX's embedders) get block kind "embed", index 0."""
         compiled = {t: re.compile(p) for t, p in TARGETS[self.family].items()}
         found = []
         for path, module in model.named_modules():
             for mtype, pattern in compiled.items():
                 m = pattern.fullmatch(path)
                 if m:
-                    kind, index = next((k, int(v)) for k, v in m.groupdict().items() if v is not None)
+                    kind, index = next(((k, int(v)) for k, v in m.groupdict().items() if v is not None), ("embed", 0))
                     found.append((path, module, mtype, kind, index))
                     break
         if not found:
             raise ValueError(f"LoRA: the model has no module that TARGETS['{self.family}'] names (is it a {self.family} model?)")
         return found
 
+    def _type_ranks(self, args) -> dict[str, tuple[int, bool]]:
+        """{module type: (rank, on by default)} from the network rank and network_args."""
+        family, types = self.family, TARGETS[self.family]
+        dims = {t: int(_as_float(f"{t}_dim", args[f"{t}_dim"])) for t in types if f"{t}_dim" in args}
+        for group, members in TYPE_GROUPS.get(family, {}).items():
+            if f"{group}_dim" in args:
+                for t in members:
+                    dims.setdefault(t, int(_as_float(f"{group}_dim", args[f"{group}_dim"])))
+        in_types = IN_DIM_TYPES.get(family, ())
+        if in_types and args.get("in_dims") is not None:
+            values = args["in_dims"]
+            values = [v for v in str(values).strip("[] ").split(",")] if not isinstance(values, (list, tuple)) else values
+            if len(values) != len(in_types):
+                raise ValueError(f"network_args 'in_dims': expected {len(in_types)} ranks [{', '.join(in_types)}], got {args['in_dims']!r}")
+            dims.update({t: int(_as_float("in_dims", v)) for t, v in zip(in_types, values)})
+        train_mod = _as_bool("train_modulation", args.get("train_modulation", MODULATION_DEFAULT[family]))
+        ranks = {}
+        for t in types:
+            on = t in dims or (t not in in_types and (train_mod or t not in MODULATION_TYPES[family]))
+            ranks[t] = (dims.get(t, self.rank), on)
+        return ranks
+
     def _select(self, model, args):
         candidates = self._candidates(model)
         blocks = self._blocks_on(args, candidates)
-        dims = {t: int(_as_float(f"{t}_dim", args[f"{t}_dim"])) for t in TARGETS[self.family] if f"{t}_dim" in args}
-        train_mod = _as_bool("train_modulation", args.get("train_modulation", False)) or dims.get("mod", 0) > 0
+        ranks = self._type_ranks(args)
         include = _as_patterns("include_patterns", args.get("include_patterns"))
         exclude = _as_patterns("exclude_patterns", args.get("exclude_patterns"))
         for pattern in include + exclude:
@@ -300,9 +374,8 @@ class LoRANetwork(nn.Module):
                 )
         selected = []
         for path, module, mtype, kind, index in candidates:
-            rank = dims.get(mtype, self.rank)
-            type_on = rank > 0 and (mtype not in OPTIONAL_TYPES or train_mod)
-            default_on = type_on and index in blocks[kind] and not any(p.search(path) for p in exclude)
+            rank, type_on = ranks[mtype]
+            default_on = type_on and index in blocks.get(kind, {0}) and not any(p.search(path) for p in exclude)
             if rank > 0 and (default_on or any(p.search(path) for p in include)):
                 selected.append((path, module, rank))
         if not selected:
@@ -318,7 +391,7 @@ class LoRANetwork(nn.Module):
         if train_blocks not in ("all", "double", "single"):
             raise ValueError(f"network_args 'train_blocks': expected all, double or single, got {train_blocks!r}")
         if train_blocks != "all":
-            on = {kind: (s if kind == train_blocks else set()) for kind, s in on.items()}
+            on = {kind: (s if kind in (train_blocks, "embed") else set()) for kind, s in on.items()}
         for key, kind in BLOCK_ARGS[self.family].items():
             if key in args:
                 on[kind] = on.get(kind, set()) & parse_indices(key, args[key], count.get(kind, 0))
@@ -332,10 +405,12 @@ class LoRANetwork(nn.Module):
     def apply(self):
         """Patch every target's forward and freeze the base model (only LoRA params train)."""
         self._model[0].requires_grad_(False)
+        self._applied = True
         for m in self.lora_modules():
             m.apply_to_base()
 
     def remove(self):
+        self._applied = False
         for m in self.lora_modules():
             m.remove_from_base()
 
@@ -377,25 +452,31 @@ class LoRANetwork(nn.Module):
     @torch.no_grad()
     def load_weights(self, source, strict: bool = True):
         """Load a LoRA (kohya, or peft/comfy with this model's module names; for FLUX also
-        diffusers names, converted to BFL) from a path or a tensor dict: initial weights or
-        resume. Alphas are taken from the file. strict: every network module must be in the file.
-        Extra or misshapen modules are always an error."""
+        diffusers names, converted to BFL) from a path or a tensor dict. Alphas come from the file.
+
+        The network adapts to the file: a module the file names that the network lacks is added
+        (any Linear of the model, at the file's rank), as sd-scripts' files adapt modules our
+        defaults may leave out. strict: every network module must be in the file (resume,
+        reference copies); otherwise modules the file lacks keep their initial weights.
+        A name that is no Linear of the model, or a module of another shape, is an error."""
         name = source if isinstance(source, str) else "state dict"
-        by_path = {m.name: m for m in self.lora_modules()}
+        linears = {p: m for p, m in self._model[0].named_modules()
+                   if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, LoRAModule)}
         if isinstance(source, str):
-            weights, _, _ = read_lora(source, module_paths=by_path)
+            weights, _, _ = read_lora(source, module_paths=linears)
         else:
-            weights, _ = parse_lora(dict(source), None, module_paths=by_path)
+            weights, _ = parse_lora(dict(source), None, module_paths=linears)
         if self.family == "flux" and any(p.startswith(DIFFUSERS_FLUX_BLOCKS) for p in weights):
             weights = flux_diffusers_to_bfl(weights, self._flux_module_map())
-        extra = [p for p in weights if p not in by_path]
-        if extra:
-            raise CheckpointError(f"{name}: LoRA module '{extra[0]}' is not in this network")
+        by_path = {m.name: m for m in self.lora_modules()}
+        foreign = [p for p in weights if p not in linears]
+        if foreign:
+            raise CheckpointError(f"{name}: LoRA module '{foreign[0]}' is not a Linear of this {self.family} model")
         missing = [p for p in by_path if p not in weights]
         if strict and missing:
             raise CheckpointError(f"{name}: no weights for LoRA module '{missing[0]}' ({len(missing)} missing)")
         for path, w in weights.items():
-            m = by_path[path]
+            m = by_path.get(path) or self._add(path, linears[path], w.rank, w.alpha)
             if w.down.shape != m.lora_down.weight.shape or w.up.shape != m.lora_up.weight.shape:
                 raise CheckpointError(
                     f"{name}: LoRA module '{path}' has down {tuple(w.down.shape)} / up {tuple(w.up.shape)}, "
@@ -403,7 +484,22 @@ class LoRANetwork(nn.Module):
                 )
             m.lora_down.weight.copy_(w.down)  # cast to the LoRA dtype
             m.lora_up.weight.copy_(w.up)
-            m.alpha.fill_(w.alpha)
+            m.set_alpha(w.alpha)
+        return {"loaded": len(weights), "added": len(set(weights) - set(by_path)), "missing": len(missing)}
+
+    @staticmethod
+    def describe_loaded(counts: dict) -> str:
+        return (f"{counts['loaded']} LoRA modules loaded ({counts['added']} added for modules the file names), "
+                f"{counts['missing']} start from their initial weights")
+
+    @classmethod
+    def from_weights(cls, model: nn.Module, family: str, source, multiplier: float = 1.0,
+                     network_args: dict | None = None) -> "LoRANetwork":
+        """A network holding exactly the modules a LoRA file names (generate, doctor, tools)."""
+        weights_rank = 1  # placeholder: every module takes its rank from the file
+        network = cls(model, family, weights_rank, multiplier=multiplier, network_args=network_args, select=False)
+        network.load_weights(source, strict=False)
+        return network
 
     def _flux_module_map(self) -> dict:
         """BFL <-> diffusers module map for this model's sizes (library/models/flux1/checkpoint.py)."""

@@ -169,7 +169,8 @@ def test_only_lora_parameters_train():
     assert {id(p) for p in params} == {id(p) for p in net.parameters()}
 
 
-def test_dropouts_are_inactive_in_eval_and_active_in_train():
+def test_dropouts_follow_the_lora_network_mode_not_the_frozen_base():
+    """The trainer keeps the frozen base in eval: the LoRA modules' own mode must decide."""
     model = StandIn(llm_names(1))
     x = torch.randn(4, 3, 8)
     plain = LoRANetwork(model, "llm", rank=4)
@@ -180,13 +181,14 @@ def test_dropouts_are_inactive_in_eval_and_active_in_train():
     net = LoRANetwork(model, "llm", rank=4, network_args={"dropout": 0.5, "rank_dropout": "0.5", "module_dropout": 0.3})
     net.load_state_dict(plain.state_dict())
     net.apply()
-    net.eval()
+    assert not net.training  # a new network starts in eval: tools never drop out by accident
     assert torch.equal(model(x), reference)
-    net.train()
-    model.eval()  # the base model in eval also turns them off
-    assert torch.equal(model(x), reference)
-    model.train()
+    model.eval()
+    net.train()  # base in eval (as in training), network in train: the dropouts act
     assert (model(x) - reference).abs().max() > 1e-3
+    net.eval()
+    model.train()
+    assert torch.equal(model(x), reference)
 
 
 def test_rank_dropout_keeps_the_expected_delta():
@@ -207,18 +209,42 @@ def test_rank_dropout_keeps_the_expected_delta():
 # Selection from the TARGETS table and network_args
 
 
-def test_flux_default_targets_attn_mlp_single_but_not_modulation():
-    net = LoRANetwork(StandIn(flux_names(3, 4)), "flux", rank=4)
-    names = set(selected(net))
-    assert len(names) == 3 * 2 * 4 + 4 * 2
-    assert "double_blocks.2.txt_attn.qkv" in names and "single_blocks.3.linear2" in names
-    assert not any("mod" in n for n in names) and "img_in" not in names
+def test_flux_default_targets_are_sd_scripts_every_block_linear_with_modulation():
+    """sd-scripts' lora_flux default: every Linear inside DoubleStreamBlock / SingleStreamBlock."""
+    names = flux_names(3, 4)
+    net = LoRANetwork(StandIn(names), "flux", rank=4)
+    assert set(selected(net)) == {n for n in names if n.startswith(("double_blocks.", "single_blocks."))}
+    assert len(net.lora_modules()) == 3 * 2 * 5 + 4 * 3
+    off = LoRANetwork(StandIn(names), "flux", rank=4, network_args={"train_modulation": "false"})
+    assert not any("mod" in n for n in selected(off)) and len(off.lora_modules()) == 3 * 2 * 4 + 4 * 2
+
+
+def test_flux_sd_scripts_type_dims_and_in_dims():
+    names = flux_names(2, 2)
+    typed = LoRANetwork(StandIn(names), "flux", rank=4, network_args={
+        "img_attn_dim": 8, "txt_attn_dim": 0, "img_mlp_dim": 2, "txt_mlp_dim": 3, "img_mod_dim": 0, "txt_mod_dim": 5,
+        "single_dim": 6, "single_mod_dim": 0, "in_dims": "[1, 0, 0, 0, 7]"})
+    ranks = selected(typed)
+    assert ranks["double_blocks.1.img_attn.qkv"] == 8 and ranks["double_blocks.0.img_mlp.2"] == 2
+    assert ranks["double_blocks.0.txt_mlp.0"] == 3 and ranks["double_blocks.1.txt_mod.lin"] == 5
+    assert ranks["single_blocks.1.linear1"] == 6 and ranks["img_in"] == 1
+    assert not any("txt_attn" in n or "img_mod" in n or "modulation" in n for n in ranks)
+    assert "final_layer.linear" not in ranks and len(ranks) == 2 * (2 + 2 + 2 + 1) + 2 * 2 + 1
+    with pytest.raises(ValueError, match="in_dims.*expected 5 ranks"):
+        LoRANetwork(StandIn(names), "flux", rank=4, network_args={"in_dims": "[1, 2]"})
+
+
+@pytest.mark.parametrize("key", ["split_qkv", "train_t5xxl"])
+def test_sd_scripts_args_we_cannot_honour_are_refused_with_the_reason(key):
+    assert LoRANetwork(StandIn(flux_names(1, 1)), "flux", rank=4, network_args={key: "False"}).lora_modules()
+    with pytest.raises(ValueError, match=f"'{key}=true' is not supported: .{{40}}"):
+        LoRANetwork(StandIn(flux_names(1, 1)), "flux", rank=4, network_args={key: "True"})
 
 
 def test_flux_train_blocks_indices_and_per_type_ranks():
     model = StandIn(flux_names(3, 4))
     single = LoRANetwork(model, "flux", rank=4, network_args={"train_blocks": "single", "train_single_block_indices": "0-1,3"})
-    assert set(selected(single)) == {f"single_blocks.{i}.linear{j}" for i in (0, 1, 3) for j in (1, 2)}
+    assert set(selected(single)) == {f"single_blocks.{i}.{m}" for i in (0, 1, 3) for m in ("linear1", "linear2", "modulation.lin")}
     typed = LoRANetwork(model, "flux", rank=4, network_args={
         "train_double_block_indices": "1", "train_single_block_indices": "none", "attn_dim": 8, "mlp_dim": 0, "mod_dim": 2})
     assert selected(typed) == {
@@ -231,7 +257,7 @@ def test_flux_train_blocks_indices_and_per_type_ranks():
 
 def test_include_and_exclude_patterns():
     model = StandIn(flux_names(2, 2))
-    net = LoRANetwork(model, "flux", rank=4, network_args={
+    net = LoRANetwork(model, "flux", rank=4, network_args={"train_modulation": False,
         "exclude_patterns": [r"txt_", r"single_blocks\.1\."], "include_patterns": [r"double_blocks\.0\.txt_attn\.qkv", "modulation"]})
     expected = {f"double_blocks.{i}.img_{p}" for i in (0, 1) for p in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")}
     expected |= {"single_blocks.0.linear1", "single_blocks.0.linear2", "double_blocks.0.txt_attn.qkv"}
@@ -257,7 +283,7 @@ def test_qwen_image_and_llm_targets_and_block_indices():
     ({"train_double_block_indices": "a-b"}, "bad range"),
     ({"train_blocks": "both"}, "expected all, double or single"),
     ({"dropout": "lots"}, "expected a number"),
-    ({"train_blocks": "single", "single_dim": 0}, "select no module"),
+    ({"train_blocks": "single", "single_dim": 0, "single_mod_dim": 0}, "select no module"),
 ])
 def test_bad_network_args_raise_naming_the_key(args, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

@@ -86,12 +86,7 @@ def generate(args) -> list[str]:
     device = torch.device(args.device)
     model = family.load_transformer(PRECISION_DTYPES[args.dtype], args.base_precision).to(device).eval()
     for path, ratio in loras:  # each LoRA patched on top of the previous, unmerged
-        from networks.lora_files import read_lora
-
-        weights, metadata, _ = read_lora(path)
-        rank = next(iter(weights.values())).rank
-        network = LoRANetwork(model, family.name, rank, multiplier=ratio, network_args=_args_from(metadata))
-        network.load_weights(path)
+        network = LoRANetwork.from_weights(model, family.name, path, multiplier=ratio)  # the modules the file names
         network.apply()
         network.to(device)
     vae = family.load_vae(torch.float32)
@@ -114,16 +109,6 @@ def generate(args) -> list[str]:
         written.append(path)
         print(f"wrote {path}")
     return written
-
-
-def _args_from(metadata: dict) -> dict:
-    """Network options recorded by the trainer, so the same modules are rebuilt."""
-    import json
-
-    try:
-        return json.loads(metadata.get("ss_network_args", "{}")) or {}
-    except ValueError:
-        return {}
 
 
 def main(argv=None) -> int:

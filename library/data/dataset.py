@@ -197,6 +197,7 @@ class ImageDataset(torch.utils.data.Dataset):
         self.blueprint, self.seed = blueprint, seed
         self.items = scan_images(blueprint)
         self.entries = [i for i, item in enumerate(self.items) for _ in range(item.subset.num_repeats)]
+        self.repeat_of = [r for item in self.items for r in range(item.subset.num_repeats)]
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -206,8 +207,10 @@ class ImageDataset(torch.utils.data.Dataset):
         item = self.items[self.entries[entry]]
         rng = random.Random(f"{self.seed}:{epoch}:{entry}")
         flip = item.subset.flip_aug and rng.random() < 0.5
-        # key: what the sample is, independent of where the dataset lives (seeds its noise).
-        key = f"{item.dataset_index}:{os.path.relpath(item.image_path, item.subset.image_dir)}"
+        # key: which occurrence of which image this is, independent of where the dataset lives. It
+        # seeds the noise and sigma: with the step, every repeat of an image in a step gets its own
+        # draw (an optimizer step lies within one epoch, where each repeat occurs once).
+        key = f"{item.dataset_index}:{os.path.relpath(item.image_path, item.subset.image_dir)}#{self.repeat_of[entry]}"
         sample = {"image_path": item.image_path, "key": key, "bucket": item.bucket,
                   "caption": process_caption(item.caption, item.subset, rng)}
         if item.latent_cache is not None:

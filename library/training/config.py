@@ -244,6 +244,14 @@ def parse_kv_literals(items: list[str], key: str, where: str) -> dict[str, Any]:
     return out
 
 
+def lora_network_args(args) -> dict[str, Any]:
+    """network_args of the config as a dict, with network_dropout as the LoRA `dropout` (sd-scripts)."""
+    net_args = parse_kv_literals(args.network_args, "network_args", args.config_file or "command line")
+    if args.network_dropout:
+        net_args.setdefault("dropout", args.network_dropout)
+    return net_args
+
+
 def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | None = None) -> None:
     """Impossible combinations, each named. origins: key -> the file or "command line" that set
     it, where one key's value alone is wrong."""

@@ -17,7 +17,7 @@ from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset,
 from library.data.dataset_config import load_dataset_config
 from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
-from library.training.config import base_precision, compute_dtype, parse_kv_literals
+from library.training.config import base_precision, compute_dtype, lora_network_args
 from library.training.state import sample_seed
 from networks.lora import LoRANetwork
 
@@ -96,17 +96,16 @@ class DiffusionTask:
 
     def _make_network_for(self, base: nn.Module) -> LoRANetwork:
         args = self.args
-        net_args = parse_kv_literals(args.network_args, "network_args", args.config_file or "command line")
-        if args.network_dropout:
-            net_args.setdefault("dropout", args.network_dropout)
-        network = LoRANetwork(base, self.family.name, args.network_dim, args.network_alpha, network_args=net_args)
+        network = LoRANetwork(base, self.family.name, args.network_dim, args.network_alpha,
+                              network_args=lora_network_args(args))
         network.apply()
         return network.to(self.device)
 
     def _make_network(self) -> LoRANetwork:
         network = self._make_network_for(self.base)
         if self.args.network_weights:
-            network.load_weights(self.args.network_weights)
+            counts = network.load_weights(self.args.network_weights, strict=False)
+            self.accelerator.print(f"network_weights: {LoRANetwork.describe_loaded(counts)}")
         return network
 
     def _compile_blocks(self):
@@ -133,16 +132,12 @@ class DiffusionTask:
         )
 
     def batch_inputs(self, batch: dict, step: int) -> tuple:
-        """(latents, text, one generator per sample seeded from the step and the sample's key: its
-        path inside its subset, so a moved dataset trains the same)."""
+        """(latents, text, one generator per sample seeded from the optimizer step and the
+        sample's key: its path inside its subset and its repeat number, so every occurrence of an
+        image in a step gets its own draw, equal on 1 or N processes and after a move or resume)."""
         latents = batch["latents"].to(self.device)
         text = {k: v.to(self.device) for k, v in batch["text"].items()}
-        seen: dict[str, int] = {}  # a repeated image in one batch still gets its own draw
-        keys = []
-        for key in batch["keys"]:
-            seen[key] = seen.get(key, -1) + 1
-            keys.append(f"{key}#{seen[key]}")
-        gens = [torch.Generator().manual_seed(sample_seed(self.args.seed, step, k)) for k in keys]
+        gens = [torch.Generator().manual_seed(sample_seed(self.args.seed, step, key)) for key in batch["keys"]]
         return latents, text, gens
 
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -20,7 +20,7 @@ from library.data.dataset import TextWindowDataset, load_text_corpus, tokenize_d
 from library.io import save_safetensors, write_text
 from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity
 from library.data.tokenizer import load_tokenizer
-from library.training.config import ConfigError, base_precision, compute_dtype, parse_kv_literals
+from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
 from networks.lora import LoRANetwork
 
 VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmuls tile well
@@ -67,10 +67,11 @@ class LLMTask:
         if args.pretrain:
             self.model.requires_grad_(True).train()
         else:
-            net_args = parse_kv_literals(args.network_args, "network_args", args.config_file or "command line")
-            self.network = LoRANetwork(self.model, "llm", args.network_dim, args.network_alpha, network_args=net_args)
+            self.network = LoRANetwork(self.model, "llm", args.network_dim, args.network_alpha,
+                                       network_args=lora_network_args(args))
             if args.network_weights:
-                self.network.load_weights(args.network_weights)
+                counts = self.network.load_weights(args.network_weights, strict=False)
+                accelerator.print(f"network_weights: {LoRANetwork.describe_loaded(counts)}")
             self.network.apply()
         self.model.to(self.device)
         if self.network is not None:
