@@ -254,17 +254,17 @@ def test_bad_input_is_one_error_line_exit_2_and_no_output(tiny_set, tmp_path, ca
 
 
 def test_missing_caption_trains_on_the_class_tokens(tiny_set, tmp_path, monkeypatch):
-    from library.training.diffusion_task import DiffusionTask
+    from library.models.flux1.family import FluxFamily
 
     cfg = copy_dataset(tiny_set, tmp_path, lambda d: (d / "003.txt").unlink(), subset='class_tokens = "sks shape"')
     encoded: list[str] = []
-    real = DiffusionTask._text_encoder
+    real = FluxFamily.load_text_encoder
 
-    def recording(self):
-        encode = real(self)
+    def recording(self, *args, **kwargs):
+        encode = real(self, *args, **kwargs)
         return lambda captions: (encoded.extend(captions), encode(captions))[1]
 
-    monkeypatch.setattr(DiffusionTask, "_text_encoder", recording)
+    monkeypatch.setattr(FluxFamily, "load_text_encoder", recording)
     out = tmp_path / "out"
     assert train_lora.main(flux_args(tiny_set, out, "--dataset_config", cfg)) == 0
     assert encoded.count("sks shape") == 1 and len(encoded) == 8  # the other 7 keep their files

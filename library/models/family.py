@@ -92,12 +92,21 @@ class DiffusionFamily:
         options: what text_options() returns."""
         raise NotImplementedError
 
-    def cache_keys(self) -> tuple[str, str]:
-        """(latent cache key, text cache key): family + fingerprints of the encoder files."""
-        return (
-            f"{self.name}_{file_fingerprint(self.vae_path)}",
-            f"{self.name}_{file_fingerprint(*self.text_paths.values())}",
-        )
+    def latent_cache_key(self) -> str:
+        """Family + fingerprint of the VAE files (the preprocessing is hashed per image)."""
+        return f"{self.name}_{file_fingerprint(self.vae_path)}"
+
+    def text_cache_key(self, options: dict, dtype: torch.dtype) -> str:
+        """Family + fingerprint of the encoder files + every other input of the encoding: the
+        text_options (token lengths, encoder precision, ...), the dtype the encoders run in and
+        the family's fixed prompt handling (text_encoding_constants). Change any, re-encode."""
+        settings = {**options, "dtype": str(dtype), **self.text_encoding_constants()}
+        digest = hashlib.sha256(repr(sorted(settings.items())).encode()).hexdigest()[:8]
+        return f"{self.name}_{file_fingerprint(*self.text_paths.values())}_{digest}"
+
+    def text_encoding_constants(self) -> dict:
+        """Fixed inputs of the prompt encoding (templates, dropped tokens, maximum lengths)."""
+        return {}
 
     # -- the denoiser --------------------------------------------------------------------------
     def predict(self, model: nn.Module, x_t: torch.Tensor, sigmas: torch.Tensor, text: dict, h: int, w: int,

@@ -17,6 +17,8 @@ from typing import Any
 import toml
 import torch
 
+from library.models.family import FAMILIES, family_class
+
 
 @dataclass(frozen=True)
 class Arg:
@@ -29,7 +31,7 @@ class Arg:
 A = Arg
 SCHEMA: dict[str, Arg] = {
     # what to train
-    "model_type": A(str, None, "model family", ("flux", "qwen_image", "llm")),
+    "model_type": A(str, None, "model family", (*FAMILIES, "llm")),
     "pretrained_model_name_or_path": A(str, None, "base checkpoint: BFL/diffusers file or folder, HF LLM folder"),
     "ae": A(str, None, "VAE: FLUX ae.safetensors or a diffusers vae folder"),
     "clip_l": A(str, None, "FLUX CLIP-L text encoder (HF folder)"),
@@ -273,13 +275,11 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
             raise ConfigError(f"{where}: key '{key}' must be >= 1, got {getattr(args, key)}")
     if args.learning_rate <= 0:
         raise ConfigError(f"{where}: key 'learning_rate' must be > 0, got {args.learning_rate}")
-    if args.model_type == "flux" and args.model_type and (args.clip_l is None or args.t5xxl is None or args.ae is None):
-        if not (args.cache_text_encoder_outputs_to_disk and args.cache_latents_to_disk):
-            missing = [k for k in ("ae", "clip_l", "t5xxl") if getattr(args, k) is None]
-            raise ConfigError(f"{where}: FLUX training needs {', '.join(missing)}")
-    if args.model_type == "qwen_image" and (args.text_encoder is None or args.ae is None):
-        missing = [k for k in ("ae", "text_encoder") if getattr(args, k) is None]
-        raise ConfigError(f"{where}: Qwen-Image training needs {', '.join(missing)}")
+    if args.model_type != "llm":
+        missing = [k for k in family_class(args.model_type).required_paths() if getattr(args, k) is None]
+        if missing:
+            raise ConfigError(f"{where}: key '{missing[0]}' is required for model_type {args.model_type} "
+                              f"(missing: {', '.join(missing)})")
     parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", where))
     parse_kv_literals(args.network_args, "network_args", origins.get("network_args", where))
     if args.output_dir:

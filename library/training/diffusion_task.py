@@ -21,6 +21,9 @@ from library.training.config import base_precision, compute_dtype, lora_network_
 from library.training.state import sample_seed
 from networks.lora import LoRANetwork
 
+TEXT_ENCODER_DTYPE = torch.float32  # what the caption encoders run in (part of the text cache key)
+
+
 class LoRALoss(nn.Module):
     """The module accelerate prepares (DDP wraps it): it owns only the LoRA network, so only LoRA
     tensors are broadcast and all-reduced; the frozen base is held outside the module tree."""
@@ -70,8 +73,9 @@ class DiffusionTask:
     def _fill_caches(self):
         self._cache_latents()  # the VAE is freed when this returns
         args, items = self.args, self.dataset.items
-        _, text_key = self.family.cache_keys()
-        encode_text = self._text_encoder()
+        options = self.family.text_options(args)
+        text_key = self.family.text_cache_key(options, TEXT_ENCODER_DTYPE)
+        encode_text = self.family.load_text_encoder(TEXT_ENCODER_DTYPE, **options)
         encoded = cache_text(items, encode_text, text_key, to_disk=args.cache_text_encoder_outputs_to_disk)
         self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk")
         # Sample prompts are encoded now too: the encoders are gone by the time samples render.
@@ -84,15 +88,12 @@ class DiffusionTask:
         gc.collect()
 
     def _cache_latents(self):
-        items, (latent_key, _) = self.dataset.items, self.family.cache_keys()
+        items, latent_key = self.dataset.items, self.family.latent_cache_key()
         vae = self.family.load_vae(torch.float32)
         vae.vae.to(self.device)
         encoded = cache_latents(items, lambda x: vae.encode(x.to(self.device)), latent_key,
                                 to_disk=self.args.cache_latents_to_disk)
         self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
-
-    def _text_encoder(self):
-        return self.family.load_text_encoder(torch.float32, **self.family.text_options(self.args))
 
     def _make_network_for(self, base: nn.Module) -> LoRANetwork:
         args = self.args

@@ -28,6 +28,11 @@ class FluxFamily(DiffusionFamily):
     def text_options(self, args) -> dict:
         return {"t5_max_length": getattr(args, "t5xxl_max_token_length", None) or self.t5_max_length()}
 
+    def text_encoding_constants(self) -> dict:
+        from library.models.text_encoders import CLIP_MAX_LENGTH
+
+        return {"clip_max_length": CLIP_MAX_LENGTH}
+
     def model_version(self, model) -> str:
         return "flux1-dev" if model.guidance_in is not None else "flux1-schnell"
 

@@ -20,6 +20,12 @@ class QwenImageFamily(DiffusionFamily):
     def model_version(self, model) -> str:
         return "qwen-image"
 
+    def text_encoding_constants(self) -> dict:
+        from library.models import text_encoders as te
+
+        return {"template": te.QWEN_IMAGE_PROMPT_TEMPLATE, "drop": te.QWEN_IMAGE_DROP_TOKENS,
+                "max_tokens": te.QWEN_IMAGE_MAX_TOKENS}
+
     def load_transformer(self, dtype, base_precision="bf16"):
         from library.models.qwen_image.model import load_qwen_image
 
