@@ -1,0 +1,67 @@
+"""tools/precision_matrix.py on tiny FLUX and Qwen-Image: the table's shape, the position-bug
+signature next to the flat weight-quantization one, and train-on-what-you-deploy for the bug.
+
+The bases use the doctor tests' "realistic" init (sharp, position-local attention), so rounded
+positions visibly matter at a 48 x 48 patch grid (768 px), where e4m3 keeps only part of 0..47."""
+
+import csv
+import os
+
+import pytest
+
+from library.models.flux1.checkpoint import save_flux_bfl
+from library.models.qwen_image.model import save_qwen_image_diffusers
+from test_precision_doctor import tiny_flux, tiny_qwen
+from tools import precision_matrix
+
+ROWS = ("bf16", "fp8+posbug")
+
+
+def write_config(tmp_path, tiny_set, family: str) -> str:
+    if family == "flux":
+        model = str(tmp_path / "flux.safetensors")
+        save_flux_bfl(tiny_flux(), model)
+        paths = (f'model_type = "flux"\npretrained_model_name_or_path = "{model}"\nae = "{tiny_set["flux_vae_single"]}"\n'
+                 f'clip_l = "{tiny_set["clip_l"]}"\nt5xxl = "{tiny_set["t5xxl"]}"\nt5xxl_max_token_length = 32\n')
+    else:
+        model = str(tmp_path / "qwen")
+        qwen = tiny_qwen()
+        save_qwen_image_diffusers(qwen.state_dict(), qwen.config, model)
+        paths = (f'model_type = "qwen_image"\npretrained_model_name_or_path = "{model}"\n'
+                 f'ae = "{tiny_set["qwen_image_vae"]}"\ntext_encoder = "{tiny_set["qwen_image_text_encoder"]}"\n')
+    config = tmp_path / "train.toml"
+    config.write_text(paths + f'dataset_config = "{tiny_set["dataset_config"]}"\nmixed_precision = "no"\n'
+                      'network_dim = 8\nnetwork_alpha = 8\noptimizer_type = "AdamW"\nlearning_rate = 3e-3\n'
+                      f'output_dir = "{tmp_path / "unused"}"\nseed = 42\n')
+    return str(config)
+
+
+@pytest.mark.parametrize("family, spread", [("flux", "region_ratio"), ("qwen_image", "border_centre")])
+def test_matrix_shape_and_the_position_bug_signature(tiny_set, tmp_path, family, spread):
+    config = write_config(tmp_path, tiny_set, family)
+    out = tmp_path / "matrix"
+    assert precision_matrix.main(["--config_file", config, "--out", str(out), "--steps", "6", "--resolution", "768",
+                                  "--max_items", "1", "--sigmas", "0.5", "--rows", ",".join(ROWS)], log=print) == 0
+    with open(out / "matrix.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(ROWS) * len(precision_matrix.DEPLOYED_ON)
+    cell = {(r["trained_on"], r["deployed_on"]): {k: float(v) for k, v in r.items() if k not in ("trained_on", "deployed_on")}
+            for r in rows}
+    assert set(cell) == {(t, d) for t in ROWS for d in precision_matrix.DEPLOYED_ON}
+    assert os.path.getsize(out / "matrix.png") > 0 and "| fp8+posbug |" in (out / "matrix.md").read_text()
+    for trained in ROWS:
+        # weight quantization alone: a flat map; the position bug: error piled up where positions round
+        assert cell[(trained, "fp8+lora")][spread] < 1.5
+        assert cell[(trained, "fp8+lora+posbug")][spread] > 2.0
+        assert cell[(trained, "bf16+lora")]["effect_kept"] == pytest.approx(1.0)
+    # train on what you deploy: on the buggy deploy, the LoRA trained with the same bug is no worse
+    diagonal, off = cell[("fp8+posbug", "fp8+lora+posbug")], cell[("bf16", "fp8+lora+posbug")]
+    assert diagonal["val_loss"] <= off["val_loss"]
+    assert diagonal["effect_kept"] >= off["effect_kept"] - 1e-3
+
+
+def test_bad_row_is_one_line_exit_2(tiny_set, tmp_path, capsys):
+    config = write_config(tmp_path, tiny_set, "flux")
+    assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "m"), "--rows", "fp16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "row 'fp16': expected one of" in err[0]

@@ -1,0 +1,332 @@
+"""The train-precision x deploy-precision matrix: which LoRA survives which base, measured.
+
+    python tools/precision_matrix.py --config_file my_run.toml --out matrix/ [--steps 200] \
+        [--resolution 1024] [--loras bf16=a.safetensors,fp8=b.safetensors,fp8_scaled=c.safetensors] \
+        [--max_items 8] [--sigmas 0.1,0.3,0.5,0.7,0.9]
+
+Rows (trained on): the same training config run once per base precision, same seed and steps:
+bf16 (the high-precision base), fp8 (plain cast), fp8_scaled, and fp8+posbug: the fp8 base with
+the bug users hit (positions cast to the weight dtype before RoPE), as a buggy trainer would train.
+--loras takes existing files instead of training (missing rows are trained).
+
+Columns (deployed on): the LoRA at runtime on bf16 / fp8 / fp8_scaled bases, merged into fp8 and
+fp8_scaled (round to nearest: merge_rtn; stochastic rounding: merge_sr), and fp8+lora+posbug (a
+runtime LoRA on an fp8 base whose inference code has the position bug).
+
+Each cell, on the same images with fixed noise at fixed sigmas (comparable between cells and runs):
+- val_loss: the flow-matching loss (mean over images and sigmas);
+- border_centre / region_ratio: where the prediction's error against the same LoRA on bf16 sits
+  (library.precision.doctor.map_ratios: ~1 = flat weight-quantization error; high = position damage);
+- effect_kept: |pred with LoRA - pred without| on the deploy base / the same on bf16 (1 = all of the
+  LoRA's effect survives), and effect_error: |effect - bf16 effect| / |bf16 effect|.
+
+Writes OUT/matrix.csv, OUT/matrix.md (tables) and OUT/matrix.png (per-token error heatmaps, rows =
+trained on, columns = deployed on). Exit 2 with one line on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+import os
+import sys
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import train_lora  # noqa: E402
+from library.data.dataset import ImageDataset, cache_latents, cache_text  # noqa: E402
+from library.data.dataset_config import load_dataset_config  # noqa: E402
+from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
+from library.models.family import get_family  # noqa: E402
+from library.models.vae import pack_latents  # noqa: E402
+from library.precision import doctor as precision  # noqa: E402
+from library.precision.fp8 import FP8_DTYPE  # noqa: E402
+from library.training import flow_matching as fm  # noqa: E402
+from library.training.config import ConfigError, load_config  # noqa: E402
+from library.training.diffusion_task import TEXT_ENCODER_DTYPE  # noqa: E402
+from library.training.state import sample_seed  # noqa: E402
+from tools.precision_doctor import disk_variant, read_lora_for  # noqa: E402
+
+TRAINED_ON = ("bf16", "fp8", "fp8_scaled", "fp8+posbug")
+TRAIN_FLAGS = {"bf16": ["--fp8_base", "false"], "fp8": ["--fp8_base", "true", "--fp8_scaled", "false"],
+               "fp8_scaled": ["--fp8_base", "true", "--fp8_scaled", "true"]}
+TRAIN_FLAGS["fp8+posbug"] = TRAIN_FLAGS["fp8"]
+DEPLOYED_ON = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr",
+               "fp8_scaled+merge_rtn", "fp8_scaled+merge_sr", "fp8+lora+posbug")
+
+
+def base_of(deploy: str) -> str:
+    """The same base without the LoRA: 'fp8_scaled+merge_sr' -> 'fp8_scaled', '+posbug' kept."""
+    precision_name = deploy.split("+")[0]
+    return precision_name + ("+posbug" if deploy.endswith("+posbug") else "")
+
+
+# ----------------------------------------------------------------------------------------------
+# Training the rows
+
+
+def run_args(config_file: str, overrides: list[str]) -> list[str]:
+    return ["--config_file", config_file, "--sample_prompts", "", "--sample_at_first", "false",
+            "--save_every_n_steps", "0", "--save_every_n_epochs", "0", "--save_state", "false", *overrides]
+
+
+def train_row(trained_on: str, config_file: str, out: str, overrides: list[str]) -> str:
+    """Train one row's LoRA (in this process; the position bug patched in for '+posbug')."""
+    folder = os.path.join(out, f"train_{trained_on.replace('+', '_')}")
+    argv = run_args(config_file, [*overrides, *TRAIN_FLAGS[trained_on], "--output_dir", folder, "--output_name", "lora"])
+    bug = precision.position_bug(FP8_DTYPE) if trained_on.endswith("+posbug") else (lambda f: f)
+    with precision.patched_rope_tables(bug):
+        code = train_lora.main(argv)
+    if code != 0:
+        raise ValueError(f"training the {trained_on} row failed (exit {code}); run train_lora.py with the same config to see why")
+    return os.path.join(folder, "lora.safetensors")
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation data: the config's images, from the training caches (encoders load only if needed)
+
+
+def eval_data(args, family, max_items: int) -> list[tuple[str, torch.Tensor, dict]]:
+    """[(key, latents [1, C, h, w] float32, text {k: [1, ...]})] for the first max_items images."""
+    dataset = ImageDataset(load_dataset_config(args.dataset_config), seed=args.seed)
+    items = dataset.items[:max_items]
+    loaded = {}
+
+    def encoder(name, load):
+        def call(x):
+            if name not in loaded:
+                loaded[name] = load()
+            return loaded[name](x)
+        return call
+
+    cache_latents(items, encoder("vae", lambda: family.load_vae(torch.float32).encode), family.latent_cache_key(),
+                  to_disk=args.cache_latents_to_disk)
+    options = family.text_options(args)
+    cache_text(items, encoder("text", lambda: family.load_text_encoder(TEXT_ENCODER_DTYPE, **options)),
+               family.text_cache_key(options, TEXT_ENCODER_DTYPE), to_disk=args.cache_text_encoder_outputs_to_disk)
+    loaded.clear()
+    data = []
+    for i in range(len(items)):
+        sample = dataset[dataset.entries.index(i)]
+        text = {k: v[None] for k, v in sample["text"].items()}
+        data.append((sample["key"], sample["latents"][None], text))
+    return data
+
+
+@torch.no_grad()
+def predictions(family, model, data, sigmas, seed: int, guidance, position_bug: bool) -> tuple[list, float]:
+    """Per (image, sigma): the prediction float32 [1, L, C]; and the mean flow-matching loss."""
+    bug = precision.position_bug(precision.storage_dtype(model)) if position_bug else (lambda f: f)
+    preds, losses = [], []
+    with precision.patched_rope_tables(bug):
+        for key, latents, text in data:
+            _, _, lh, lw = latents.shape
+            for s in sigmas:
+                gen = torch.Generator().manual_seed(sample_seed(seed, -1, f"{key}@{s}"))  # fixed noise per image, sigma
+                noise = torch.randn(latents.shape, generator=gen)
+                sigma = torch.tensor([s], dtype=torch.float32)
+                x_t = pack_latents(fm.noisy_input(latents, noise, sigma))
+                pred = family.predict(model, x_t, sigma, text, lh // family.patch, lw // family.patch, guidance).float()
+                losses.append(fm.flow_loss(pred, pack_latents(fm.flow_target(latents, noise))).item())
+                preds.append(pred.cpu())
+    return preds, sum(losses) / len(losses)
+
+
+# ----------------------------------------------------------------------------------------------
+# The matrix
+
+
+def _norm(tensors) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
+
+
+def cell_metrics(preds, base_preds, ref_preds, ref_base_preds, data, grid) -> dict:
+    effect = [p - b for p, b in zip(preds, base_preds)]
+    ref_effect = [p - b for p, b in zip(ref_preds, ref_base_preds)]
+    ref_size = _norm(ref_effect)
+    same_grid = [i for i, (_, lat, _) in enumerate(data) for _ in (0,) if tuple(lat.shape[-2:]) == grid]
+    per = len(preds) // len(data)
+    chosen = [i * per + j for i in same_grid for j in range(per)]
+    h, w = grid[0] // 2, grid[1] // 2
+    error_map = precision.token_error_map(torch.cat([preds[k] for k in chosen]), torch.cat([ref_preds[k] for k in chosen]), (h, w))
+    ratios = precision.map_ratios(error_map) if float(error_map.max()) > 0 else {"border_centre_ratio": 1.0, "region_ratio": 1.0}
+    return {
+        "border_centre": ratios["border_centre_ratio"], "region_ratio": ratios["region_ratio"],
+        "effect_kept": _norm(effect) / ref_size if ref_size else float("nan"),
+        "effect_error": _norm([e - r for e, r in zip(effect, ref_effect)]) / ref_size if ref_size else float("nan"),
+        "map": error_map,
+    }
+
+
+def load_deploy(model_path, family, deploy: str, lora, seed: int):
+    mode = deploy.removesuffix("+posbug")
+    return disk_variant(model_path, family.name, mode, lora, seed)
+
+
+def run_matrix(args, family, loras: dict[str, str], data, sigmas, seed: int, log=print) -> list[dict]:
+    """Every (trained on, deployed on) cell. Models load one at a time from the checkpoint."""
+    guidance = args.guidance_scale
+    model_path = args.pretrained_model_name_or_path
+    base_preds = {}
+    for base in sorted({base_of(d) for d in DEPLOYED_ON}):
+        model = disk_variant(model_path, family.name, base.removesuffix("+posbug"), None, seed)
+        base_preds[base], _ = predictions(family, model, data, sigmas, seed, guidance, base.endswith("+posbug"))
+        del model
+    shapes = [tuple(lat.shape[-2:]) for _, lat, _ in data]
+    grid = max(set(shapes), key=shapes.count)
+    rows = []
+    for trained_on, path in loras.items():
+        probe = disk_variant(model_path, family.name, "bf16", None, seed)
+        lora = read_lora_for(probe, family.name, path)
+        del probe
+        cells = {}
+        for deploy in DEPLOYED_ON:
+            model = load_deploy(model_path, family, deploy, lora, seed)
+            preds, loss = predictions(family, model, data, sigmas, seed, guidance, deploy.endswith("+posbug"))
+            del model
+            cells[deploy] = (preds, loss)
+        ref_preds = cells["bf16+lora"][0]
+        for deploy, (preds, loss) in cells.items():
+            metrics = cell_metrics(preds, base_preds[base_of(deploy)], ref_preds, base_preds["bf16"], data, grid)
+            rows.append({"trained_on": trained_on, "deployed_on": deploy, "val_loss": loss, **metrics})
+            log(f"{trained_on:>11} -> {deploy:<22} val_loss {loss:.5f}  border/centre {metrics['border_centre']:.2f}  "
+                f"regions {metrics['region_ratio']:.2f}  effect kept {metrics['effect_kept']:.3f}")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+
+
+COLUMNS = ("trained_on", "deployed_on", "val_loss", "border_centre", "region_ratio", "effect_kept", "effect_error")
+
+
+def write_outputs(rows: list[dict], out: str, title: str) -> dict[str, str]:
+    os.makedirs(out, exist_ok=True)
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(COLUMNS)
+    for r in rows:
+        writer.writerow([r[c] if isinstance(r[c], str) else f"{r[c]:.6g}" for c in COLUMNS])
+    paths = {"csv": os.path.join(out, "matrix.csv"), "md": os.path.join(out, "matrix.md"), "png": os.path.join(out, "matrix.png")}
+    write_text(paths["csv"], buffer.getvalue())
+    write_text(paths["md"], markdown(rows, title))
+    write_grid(rows, paths["png"], title)
+    return paths
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    trained = list(dict.fromkeys(r["trained_on"] for r in rows))
+    deployed = list(dict.fromkeys(r["deployed_on"] for r in rows))
+    cell = {(r["trained_on"], r["deployed_on"]): r for r in rows}
+    text = [f"# {title}", ""]
+    for metric, what in (("val_loss", "flow-matching loss at fixed sigmas and noise"),
+                         ("effect_kept", "share of the LoRA's effect (vs bf16) that survives"),
+                         ("border_centre", "border/centre error ratio vs the same LoRA on bf16"),
+                         ("region_ratio", "max/min error of 4x4 regions vs the same LoRA on bf16")):
+        text += [f"## {metric}: {what}", "", "| trained on \\ deployed on | " + " | ".join(deployed) + " |",
+                 "|---" * (len(deployed) + 1) + "|"]
+        text += [f"| {t} | " + " | ".join(f"{cell[(t, d)][metric]:.4g}" for d in deployed) + " |" for t in trained]
+        text.append("")
+    return "\n".join(text)
+
+
+def write_grid(rows: list[dict], path: str, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trained = list(dict.fromkeys(r["trained_on"] for r in rows))
+    deployed = list(dict.fromkeys(r["deployed_on"] for r in rows))
+    cell = {(r["trained_on"], r["deployed_on"]): r for r in rows}
+    top = max(float(r["map"].max()) for r in rows) or 1.0
+    fig, axes = plt.subplots(len(trained), len(deployed), figsize=(2.2 * len(deployed), 2.2 * len(trained)), squeeze=False)
+    for i, t in enumerate(trained):
+        for j, d in enumerate(deployed):
+            ax = axes[i][j]
+            ax.imshow(cell[(t, d)]["map"].numpy(), cmap="magma", vmin=0, vmax=top)
+            ax.set_xticks([]), ax.set_yticks([])
+            ax.set_title(f"loss {cell[(t, d)]['val_loss']:.4f}", fontsize=7)
+            if j == 0:
+                ax.set_ylabel(f"trained {t}", fontsize=8)
+            if i == len(trained) - 1:
+                ax.set_xlabel(d, fontsize=7)
+    fig.suptitle(f"{title}: per-token error vs the same LoRA on bf16 (shared scale 0..{top:.3g})", fontsize=9)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=80)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config_file", required=True, help="the training TOML the rows are trained with (model paths, dataset)")
+    p.add_argument("--out", default="precision_matrix")
+    p.add_argument("--steps", type=int, default=None, help="max_train_steps of each row (default: the config's)")
+    p.add_argument("--resolution", type=int, default=None, help="train and evaluate at this square size (default: the dataset's)")
+    p.add_argument("--loras", default="", help="trained_on=path,... to take instead of training (rows: " + ", ".join(TRAINED_ON) + ")")
+    p.add_argument("--rows", default=",".join(TRAINED_ON), help="which rows")
+    p.add_argument("--max_items", type=int, default=8, help="images evaluated")
+    p.add_argument("--sigmas", default="0.1,0.3,0.5,0.7,0.9")
+    p.add_argument("--seed", type=int, default=0, help="noise seed of the evaluation")
+    return p
+
+
+def resized_dataset(dataset_config: str, resolution: int, out: str) -> str:
+    """A copy of the dataset TOML at another square resolution, buckets off (one grid for the maps)."""
+    import toml
+
+    data = toml.load(dataset_config)
+    for table in [data.get("general", {})] + data.get("datasets", []):
+        for key in ("resolution", "enable_bucket", "min_bucket_reso", "max_bucket_reso", "bucket_no_upscale"):
+            table.pop(key, None)
+    data.setdefault("general", {})["resolution"] = resolution
+    path = os.path.join(out, f"dataset_{resolution}.toml")
+    write_text(path, toml.dumps(data))
+    return path
+
+
+def main(argv=None, log=print) -> int:
+    try:
+        cli = build_parser().parse_args(argv)
+        os.makedirs(cli.out, exist_ok=True)
+        overrides = ["--max_train_steps", str(cli.steps)] if cli.steps else []
+        if cli.resolution:
+            base = load_config(["--config_file", cli.config_file])
+            overrides += ["--dataset_config", resized_dataset(base.dataset_config, cli.resolution, cli.out)]
+        args = load_config(run_args(cli.config_file, overrides))
+        family = get_family(args)
+        given = dict(item.split("=", 1) for item in cli.loras.split(",") if item)
+        rows = [r for r in cli.rows.split(",") if r]
+        unknown = [r for r in list(given) + rows if r not in TRAINED_ON]
+        if unknown:
+            raise ValueError(f"row {unknown[0]!r}: expected one of {', '.join(TRAINED_ON)}")
+        loras = {r: given.get(r) or train_row(r, cli.config_file, cli.out, overrides) for r in rows}
+        sigmas = [float(s) for s in cli.sigmas.split(",")]
+        data = eval_data(args, family, cli.max_items)
+        result = run_matrix(args, family, loras, data, sigmas, cli.seed, log=log)
+        title = f"{family.name} {os.path.basename(args.pretrained_model_name_or_path)}, {len(data)} images, sigmas {cli.sigmas}"
+        paths = write_outputs(result, cli.out, title)
+        log(f"written: {', '.join(paths.values())}")
+        return 0
+    except (ValueError, ConfigError, CheckpointError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
