@@ -12,6 +12,7 @@ from diffusers import FluxTransformer2DModel
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from library.io import CheckpointError
 from library.precision import fp8
 from library.models.flux1.model import Flux, FluxConfig, make_img_ids, make_txt_ids
 from library.models.flux1.checkpoint import (
@@ -265,6 +266,70 @@ def test_fp8_outputs_dequantize_to_the_fp32_merge(flux_bfl, tmp_path, mode, tole
         expected = run(load_flux(str(tmp_path / "f32.safetensors")), flux_inputs())
         err = ((run(fp8_model, flux_inputs()) - expected).norm() / expected.norm()).item()
         assert err <= 0.04, err  # measured 0.019
+
+
+def reference_fp8_model(skeleton, merged: dict, mode: str, family: str):
+    """The merged fp8 file loaded by hand into FP8Linear (codes and scales as stored), fp32 elsewhere."""
+    with torch.device("meta"):
+        model = fp8.prepare_fp8(skeleton, mode, family)
+    model.load_state_dict({k: t if t.dtype == torch.float8_e4m3fn or k.endswith("_scale") else t.float()
+                           for k, t in merged.items()}, assign=True)  # fmt: skip
+    return model
+
+
+@pytest.mark.parametrize("mode", ["fp8", "fp8_scaled"])
+def test_fp8_merges_load_back_as_they_are_and_equal_their_dequantized_weights(flux_bfl, tmp_path, mode):
+    """merge -> load (no re-quantization) for both fp8 layouts, FLUX BFL file and Qwen-Image folder."""
+    root, _, _, _ = flux_bfl
+    out = tmp_path / f"flux_{mode}.safetensors"
+    assert merge("--model", root / "base.safetensors", "--lora", f"{root / 'a.safetensors'}:0.8", "--save_to", out,
+                 "--save_precision", mode) == 0
+    loaded = load_flux(str(out))
+    layers = [m for m in loaded.modules() if isinstance(m, fp8.FP8Linear)]
+    assert layers and {m.mode for m in layers} == {mode}
+    expected = reference_fp8_model(Flux(FLUX_CFG), read_all(out), mode, "flux")
+    assert torch.equal(run(loaded, flux_inputs()), run(expected, flux_inputs()))
+
+    qwen = randomized(QwenImage(QWEN_CFG), 4)
+    save_qwen_image_diffusers(qwen.state_dict(), QWEN_CFG, str(tmp_path / "qwen"))
+    lora(qwen, "qwen_image", rank=4, alpha=1.0, seed=5).save(str(tmp_path / "q.safetensors"))
+    assert merge("--model", tmp_path / "qwen", "--lora", str(tmp_path / "q.safetensors"), "--save_to", tmp_path / "qout",
+                 "--save_precision", mode) == 0
+    loaded = load_qwen_image(str(tmp_path / "qout"))
+    merged = read_all(tmp_path / "qout" / "diffusion_pytorch_model.safetensors")
+    expected = reference_fp8_model(QwenImage(QWEN_CFG), merged, mode, "qwen_image")
+    assert torch.equal(run(loaded, qwen_inputs()), run(expected, qwen_inputs()))
+
+
+def test_fp8_files_we_cannot_read_as_they_are_are_refused_naming_the_key(flux_bfl, tmp_path):
+    root, model, _, _ = flux_bfl
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["img_in.weight"] = sd["img_in.weight"].to(torch.float8_e4m3fn)  # a layer we keep in high precision
+    save_flux_bfl(sd, str(tmp_path / "bad.safetensors"), config=FLUX_CFG)
+    with pytest.raises(CheckpointError, match=r"'img_in.weight' is stored as torch.float8_e4m3fn, but this layer stays"):
+        load_flux(str(tmp_path / "bad.safetensors"))
+    comfy = {**{k: v for k, v in model.state_dict().items()}, "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}
+    save_flux_bfl(comfy, str(tmp_path / "comfy.safetensors"), config=FLUX_CFG)
+    with pytest.raises(CheckpointError, match="'scaled_fp8' marks ComfyUI's per-tensor scaled fp8 layout"):
+        load_flux(str(tmp_path / "comfy.safetensors"))
+
+
+def test_merged_fp8_file_generates_an_image(tiny_set, tmp_path):
+    from tools import generate
+
+    net = LoRANetwork(load_flux(tiny_set["flux_bfl"]), "flux", 4, 4.0)
+    for m in net.lora_modules():
+        torch.nn.init.normal_(m.lora_up.weight, std=0.05)
+    net.save(str(tmp_path / "l.safetensors"))
+    for mode in ("fp8", "fp8_scaled"):
+        merged = tmp_path / f"merged_{mode}.safetensors"
+        assert merge("--model", tiny_set["flux_bfl"], "--lora", tmp_path / "l.safetensors", "--save_to", merged,
+                     "--save_precision", mode) == 0
+        assert generate.main(["--model_type", "flux", "--model", str(merged), "--ae", tiny_set["flux_vae_single"],
+                              "--clip_l", tiny_set["clip_l"], "--t5xxl", tiny_set["t5xxl"], "--prompt", "a red square",
+                              "--width", "64", "--height", "64", "--steps", "2", "--dtype", "fp32",
+                              "--out", str(tmp_path / mode)]) == 0
+        assert len(os.listdir(tmp_path / mode)) == 1
 
 
 def test_stochastic_rounding_keeps_a_delta_that_round_to_nearest_drops(tmp_path):

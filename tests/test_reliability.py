@@ -194,11 +194,14 @@ def llm_as_flux(ts, tmp):
 
 
 def fp8_checkpoint(ts, tmp, fp8_base):
+    """A plain-e4m3 file (flux1-dev-fp8 style): trained on as it is, so the config must say fp8, plain."""
     sd = load_file(ts["flux_bfl"])
     sd = {k: v.to(torch.float8_e4m3fn) if v.dim() == 2 and "blocks." in k else v for k, v in sd.items()}
     save_file(sd, str(tmp / "flux1-fp8.safetensors"))
+    wanted = "bf16" if fp8_base == "false" else "fp8_scaled"
     return (["--pretrained_model_name_or_path", str(tmp / "flux1-fp8.safetensors"), "--fp8_base", fp8_base],
-            ["flux1-fp8.safetensors: 'double_blocks.0.img_attn.proj.weight' is stored as F8_E4M3", "give a bf16/fp16/fp32 checkpoint"])
+            [f"flux1-fp8.safetensors: the checkpoint stores a pre-quantized fp8 base (used as it is), but the config asks "
+             f"for {wanted}", "fp8_scaled = false"])
 
 
 def network_weights_missing(ts, tmp):
@@ -386,3 +389,11 @@ def test_edited_caption_and_replaced_image_re_encode_exactly_those_entries(tiny_
     rewritten = sorted(f for f, t in caches.items() if (images / f).stat().st_mtime_ns != t)
     assert len(rewritten) == 2 and rewritten[0].startswith("003_") and rewritten[0].endswith("_te.safetensors")
     assert rewritten[1].startswith("004_") and not rewritten[1].endswith("_te.safetensors"), rewritten
+
+
+def test_a_pre_quantized_fp8_checkpoint_trains_as_it_is(tiny_set, tmp_path):
+    extra, _ = fp8_checkpoint(tiny_set, tmp_path, "true")
+    out = tmp_path / "out"
+    assert train_lora.main(flux_args(tiny_set, out, *extra, "--fp8_scaled", "false", "--max_train_steps", "2",
+                                     "--sample_prompts", "")) == 0
+    assert (out / "tiny_flux_lora.safetensors").exists()

@@ -22,7 +22,8 @@ Precision: a merged weight is W (read in its file dtype, widened to float32) + s
 (default: each tensor keeps its file dtype). fp8 stores float8_e4m3fn Linear weights (round to nearest,
 or unbiased stochastic rounding with --stochastic_rounding); fp8_scaled also writes `X.weight_scale`
 (bf16 per 64-column block, library/precision/fp8.py). Modules in fp8.HIGH_PRECISION_MODULES and every other
-float tensor are stored in bf16. A delta is never added to fp8 values: an fp8 BASE is refused.
+float tensor are stored in bf16. Both fp8 outputs load back as they are through load_flux /
+load_qwen_image (train_lora.py, generate.py). A delta is never added to fp8 values: an fp8 BASE is refused.
 
 Errors (bad ratio, missing file, LoRA for another model, shape mismatch, unmatched modules without
 --allow_unmatched, fp8 base) are one line on stderr, exit status 2, and no output is left behind.

@@ -76,6 +76,14 @@ class DiffusionFamily:
         the text cache key and passed to load_text_encoder)."""
         return {}
 
+    def stored_fp8_layout(self) -> str | None:
+        """"fp8" / "fp8_scaled" when the transformer checkpoint is pre-quantized (used as it is), else None."""
+        from library.io import CheckpointReader, component_folder
+        from library.precision.fp8 import fp8_checkpoint_layout
+
+        path = component_folder(self.model_path, "transformer")
+        return fp8_checkpoint_layout(CheckpointReader(path), path)
+
     def model_version(self, model: nn.Module) -> str:
         """The base model's name for LoRA metadata (modelspec-style, e.g. flux1-dev)."""
         return self.name

@@ -324,6 +324,57 @@ def fp8_load_converter(model: nn.Module, mode: str | None = None) -> FP8LoadConv
     return FP8LoadConverter(model, mode)
 
 
+def fp8_checkpoint_layout(reader: CheckpointReader, path: str | None = None) -> str | None:
+    """How a checkpoint stores its Linear weights: None (bf16/fp16/fp32), "fp8" (plain e4m3 codes,
+    e.g. a merge_lora --save_precision fp8 output) or "fp8_scaled" (e4m3 codes + our bf16
+    `weight_scale` per 64 inputs). Other fp8 layouts are refused naming the key that shows them."""
+    keys = reader.keys()
+    fp8 = [k for k in keys if reader.dtype_name(k) in FP8_CHECKPOINT_DTYPES]
+    if not fp8:
+        return None
+    where = path or reader.path
+    e5m2 = [k for k in fp8 if reader.dtype_name(k) == "F8_E5M2"]
+    if e5m2:
+        raise CheckpointError(f"{where}: '{e5m2[0]}' is float8_e5m2; fp8 bases must be float8_e4m3fn")
+    comfy = [k for k in keys if k.endswith((".scale_weight", ".scale_input")) or k == "scaled_fp8"]
+    if comfy:
+        raise CheckpointError(f"{where}: '{comfy[0]}' marks ComfyUI's per-tensor scaled fp8 layout, which is not "
+                              f"read yet; give the bf16 checkpoint (quantized while loading) or a plain / block-scaled "
+                              f"fp8 file written by tools/merge_lora.py")
+    return "fp8_scaled" if any(k.endswith(".weight_scale") for k in keys) else "fp8"
+
+
+class PrequantizedConverter:
+    """load_streaming convert hook for an fp8 checkpoint used as it is (no re-quantization): the
+    e4m3 codes (and `weight_scale`s) of every FP8Linear go in unchanged; a Linear weight the file
+    keeps in high precision is quantized here from those values; every other floating tensor is
+    cast to `dtype`. An fp8 tensor where the model keeps high precision (norms, embedders, the
+    final layer: HIGH_PRECISION_MODULES) is an error: widening it cannot restore what was lost."""
+
+    def __init__(self, model: nn.Module, layout: str, dtype: torch.dtype, source: str):
+        self.inner, self.dtype, self.source = FP8LoadConverter(model, layout), dtype, source
+        self.layout = layout
+
+    def keep_dtype(self, key: str) -> bool:
+        return True  # every tensor arrives as stored; __call__ decides
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        is_fp8 = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        if key in self.inner.quantized:
+            return {key: tensor} if is_fp8 else self.inner(key, tensor)
+        if is_fp8:
+            raise CheckpointError(f"{self.source}: '{key}' is stored as {tensor.dtype}, but this layer stays in high "
+                                  f"precision (HIGH_PRECISION_MODULES); widening fp8 does not restore it")
+        if key.endswith(".weight_scale"):
+            return {key: tensor.to(SCALE_DTYPE)}
+        return {key: tensor.to(self.dtype) if tensor.is_floating_point() else tensor}
+
+
+def prequantized_converter(model: nn.Module, layout: str, family: str, dtype: torch.dtype, source: str):
+    """Swap the Linears of the meta `model` for FP8Linear of the file's layout; the convert hook."""
+    return PrequantizedConverter(prepare_fp8(model, layout, family), layout, dtype, source)
+
+
 def refuse_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> None:
     """Raise CheckpointError if the checkpoint already stores fp8 tensors (we quantize only once)."""
     fp8 = [k for k in reader.keys() if reader.dtype_name(k) in FP8_CHECKPOINT_DTYPES]

@@ -17,7 +17,7 @@ from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset,
 from library.data.dataset_config import load_dataset_config
 from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
-from library.training.config import base_precision, compute_dtype, lora_network_args
+from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
 from library.training.state import sample_seed
 from networks.lora import LoRANetwork
 
@@ -48,6 +48,7 @@ class DiffusionTask:
         self.args, self.accelerator = args, accelerator
         self.device = accelerator.device
         self.family = get_family(args)
+        self._check_stored_precision()
         self.compute_dtype = compute_dtype(args)
         self.blueprint = load_dataset_config(args.dataset_config)
         self.dataset = ImageDataset(self.blueprint, seed=args.seed)
@@ -63,6 +64,15 @@ class DiffusionTask:
         self.module = LoRALoss(self.family, self.base, self.network, args)
 
     # -- setup ---------------------------------------------------------------------------------
+    def _check_stored_precision(self):
+        """A pre-quantized fp8 checkpoint is trained on as it is stored; the config must say so, so
+        that the LoRA's metadata names the base it was really trained on."""
+        stored, wanted = self.family.stored_fp8_layout(), base_precision(self.args)
+        if stored and stored != wanted:
+            raise ConfigError(f"{self.args.pretrained_model_name_or_path}: the checkpoint stores a pre-quantized {stored} "
+                              f"base (used as it is), but the config asks for {wanted}; set fp8_base = true and "
+                              f"fp8_scaled = {str(stored == 'fp8_scaled').lower()}, or give the bf16 checkpoint")
+
     def _read_prompts(self) -> list[SamplePrompt]:
         if not self.args.sample_prompts:
             return []

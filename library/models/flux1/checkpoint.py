@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from library.models.flux1.model import Flux, FluxConfig
-from library.precision.fp8 import refuse_fp8_checkpoint
+from library.precision.fp8 import fp8_checkpoint_layout, prequantized_converter
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, write_text
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
@@ -365,10 +365,13 @@ def load_flux(
         raise ValueError(f"load_flux dtype must be float32/bfloat16/float16 (fp8 goes through convert=), got {dtype}")
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
-    refuse_fp8_checkpoint(reader, path)
+    layout = fp8_checkpoint_layout(reader, path)  # a pre-quantized file is used as it is
     keys = reader.keys()
     _refuse_other_family(path, keys)
     prefix = _bfl_prefix(keys)
+    if layout and prefix is None:
+        raise CheckpointError(f"{path}: an fp8 FLUX checkpoint must use BFL key names (diffusers folders fuse and "
+                              f"split rows, which fp8 block scales do not survive); merge into the BFL file instead")
 
     if prefix is not None:
         if config is None and "flux_config" in reader.metadata:
@@ -394,6 +397,8 @@ def load_flux(
 
     with torch.device("meta"):
         model = Flux(config)
+    if layout:  # the file's own fp8 layout wins over a requested base precision
+        prepare = lambda m: prequantized_converter(m, layout, "flux", dtype, path)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
     if hook is not None and not isinstance(hook, torch.nn.Module):  # prepare_fp8 returns the model itself
         if convert is not None:

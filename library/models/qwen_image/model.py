@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models import core
-from library.precision.fp8 import refuse_fp8_checkpoint
+from library.precision.fp8 import fp8_checkpoint_layout, prequantized_converter
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, strip_prefix, write_text
 
 # ----------------------------------------------------------------------------------------------
@@ -349,11 +349,13 @@ def load_qwen_image(
         raise ValueError(f"dtype {dtype} is not a compute dtype (float32/bfloat16/float16); fp8 goes through convert")
     path, file_config = _resolve(path)
     reader = CheckpointReader(path)
-    refuse_fp8_checkpoint(reader, path)
+    layout = fp8_checkpoint_layout(reader, path)  # a pre-quantized file is used as it is
     prefix = strip_prefix(reader.keys(), CHECKPOINT_PREFIXES)
     config = config or file_config or infer_config(reader, prefix)
     with torch.device("meta"):
         model = QwenImage(config)
+    if layout:  # the file's own fp8 layout wins over a requested base precision
+        prepare = lambda m: prequantized_converter(m, layout, "qwen_image", dtype, path)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
     if hook is not None and not isinstance(hook, nn.Module):  # prepare_fp8 returns the model itself
         if convert is not None:
