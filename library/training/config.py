@@ -49,7 +49,7 @@ SCHEMA: dict[str, Arg] = {
     "save_state": A(bool, False, "also save optimizer/scheduler/RNG state with each save"),
     "resume": A(str, None, "state folder to resume from"),
     # network
-    "network_module": A(str, "networks.lora", "LoRA implementation"),
+    "network_module": A(str, "networks.lora", "network type: networks.lora (LoRA, DoRA) or lycoris.kohya (LoKr, LoHa, ... via lycoris-lora)"),
     "network_dim": A(int, 16, "LoRA rank"),
     "network_alpha": A(float, 16.0, "LoRA alpha; scale = alpha / rank (0 means alpha = rank)"),
     "network_args": A(list, [], "extra network options as 'key=value' strings"),
@@ -282,6 +282,12 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
                               f"(missing: {', '.join(missing)})")
     parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", where))
     parse_kv_literals(args.network_args, "network_args", origins.get("network_args", where))
+    from networks.factory import check_network_module
+
+    try:  # an unknown value used to train a plain LoRA silently
+        check_network_module(args.network_module)
+    except ValueError as e:
+        raise ConfigError(f"{origins.get('network_module', where)}: {e}") from None
     if args.output_dir:
         where = origins.get("output_dir", where)
         parent = os.path.abspath(args.output_dir)

@@ -19,7 +19,7 @@ from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
 from library.training.state import sample_seed
-from networks.lora import LoRANetwork
+from networks.factory import build_network
 
 TEXT_ENCODER_DTYPE = torch.float32  # what the caption encoders run in (part of the text cache key)
 
@@ -28,7 +28,7 @@ class LoRALoss(nn.Module):
     """The module accelerate prepares (DDP wraps it): it owns only the LoRA network, so only LoRA
     tensors are broadcast and all-reduced; the frozen base is held outside the module tree."""
 
-    def __init__(self, family, base: nn.Module, network: LoRANetwork, args):
+    def __init__(self, family, base: nn.Module, network: nn.Module, args):
         super().__init__()
         self.network = network
         self._base = [base]
@@ -105,18 +105,18 @@ class DiffusionTask:
                                 to_disk=self.args.cache_latents_to_disk)
         self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
 
-    def _make_network_for(self, base: nn.Module) -> LoRANetwork:
+    def _make_network_for(self, base: nn.Module) -> nn.Module:
         args = self.args
-        network = LoRANetwork(base, self.family.name, args.network_dim, args.network_alpha,
-                              network_args=lora_network_args(args))
+        network = build_network(args.network_module, base, self.family.name, args.network_dim, args.network_alpha,
+                                network_args=lora_network_args(args))
         network.apply()
         return network.to(self.device)
 
-    def _make_network(self) -> LoRANetwork:
+    def _make_network(self) -> nn.Module:
         network = self._make_network_for(self.base)
         if self.args.network_weights:
             counts = network.load_weights(self.args.network_weights, strict=False)
-            self.accelerator.print(f"network_weights: {LoRANetwork.describe_loaded(counts)}")
+            self.accelerator.print(f"network_weights: {network.describe_loaded(counts)}")
         return network
 
     def _compile_blocks(self):

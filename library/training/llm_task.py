@@ -21,7 +21,7 @@ from library.io import save_safetensors, write_text
 from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity
 from library.data.tokenizer import load_tokenizer
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
-from networks.lora import LoRANetwork
+from networks.factory import build_network
 
 VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmuls tile well
 
@@ -29,7 +29,7 @@ VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmul
 class LMLoss(nn.Module):
     """The module accelerate prepares: the LoRA network (LoRA) or the model itself (pretrain)."""
 
-    def __init__(self, model: LLM, network: LoRANetwork | None):
+    def __init__(self, model: LLM, network: nn.Module | None):
         super().__init__()
         if network is None:
             self.model = model
@@ -67,11 +67,11 @@ class LLMTask:
         if args.pretrain:
             self.model.requires_grad_(True).train()
         else:
-            self.network = LoRANetwork(self.model, "llm", args.network_dim, args.network_alpha,
-                                       network_args=lora_network_args(args))
+            self.network = build_network(args.network_module, self.model, "llm", args.network_dim, args.network_alpha,
+                                         network_args=lora_network_args(args))
             if args.network_weights:
                 counts = self.network.load_weights(args.network_weights, strict=False)
-                accelerator.print(f"network_weights: {LoRANetwork.describe_loaded(counts)}")
+                accelerator.print(f"network_weights: {self.network.describe_loaded(counts)}")
             self.network.apply()
         self.model.to(self.device)
         if self.network is not None:

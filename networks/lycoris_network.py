@@ -1,0 +1,271 @@
+"""LyCORIS networks (LoKr, LoHa, (IA)^3, LoCon, full/diff ...) through the lycoris-lora package.
+
+The algorithms are LyCORIS' own: the network is built by `lycoris.kohya.create_network` with the
+network_args sd-scripts passes it (algo=lokr, factor, preset, dora_wd, ...), and files are
+LyCORIS' own state dict (`lora_unet_<path>.lokr_w1`, `.lokr_w2`, `.alpha`, ...), the layout
+ComfyUI loads. This module only adapts LyCORIS to our models and trainer:
+
+- Targets: unless a LyCORIS `preset` is given, the network adapts exactly the modules our LoRA
+  would (networks.lora.TARGETS + its selection args: FLUX = sd-scripts' block Linears, Qwen-Image
+  = musubi-tuner's), handed to LyCORIS as a preset of exact module names.
+- fp8 bases: LyCORIS wraps only `nn.Linear` (and a class literally named `Fp8Linear` with
+  per-channel scales). Our FP8Linear is neither, so while LyCORIS builds its modules each target
+  FP8Linear is shown to it as an `FP8LinearView`: an nn.Linear subclass with no parameters whose
+  `weight` is the dequantized float32 weight (a fresh tensor without grad, for weight-decomposed
+  algos and merging) and whose forward is the FP8Linear's. LyCORIS treats a non-`Linear` linear
+  class as quantized and runs it in bypass mode (base output + delta(x)), so the fp8 codes are
+  never rebuilt into a full weight per step and no gradient reaches them.
+- bypass_mode defaults to true for every base: LyCORIS' rebuild mode computes
+  ((W + dW) - W) in the base weight's dtype, which rounds a bf16 base's small deltas away.
+
+Precision: LyCORIS parameters are float32; in bypass mode LyCORIS casts them to the input dtype
+(the compute dtype) for the delta.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+
+import torch
+import torch.nn as nn
+
+from library.io import CheckpointError, save_safetensors
+from library.precision.fp8 import FP8Linear
+from networks.lora import KOHYA_PREFIX, LoRANetwork
+from networks.lora_files import build_metadata, tensor_hash
+
+# network_args LyCORIS' create_network reads (lycoris-lora 4.1.3, lycoris/kohya.py), passed as given.
+LYCORIS_ARGS = {
+    "algo", "conv_dim", "conv_alpha", "dropout", "rank_dropout", "module_dropout", "use_tucker",
+    "use_cp", "use_conv_cp", "disable_conv_cp", "use_scalar", "block_size", "train_norm", "constraint",
+    "rescaled", "dora_wd", "wd_on_output", "full_matrix", "bypass_mode", "rs_lora",
+    "unbalanced_factorization", "decompose_both", "factor", "preset", "loraplus_lr_ratio",
+    "loraplus_unet_lr_ratio", "rank_dropout_scale",
+}
+# Our target-selection args (networks.lora), used to build the target list when no preset is given.
+SELECTION_ARGS = {
+    "train_blocks", "train_double_block_indices", "train_single_block_indices", "block_indices",
+    "train_modulation", "include_patterns", "exclude_patterns",
+}
+LYCORIS_ONLY_KEYS = (".lokr_", ".hada_", ".oft_", ".diff", ".on_input")  # LoKr, LoHa, OFT, full, (IA)^3
+_PRESET_NAME = "_networks_lycoris_targets"  # our per-network preset, registered only while building
+
+
+class FP8LinearView(nn.Linear):
+    """An nn.Linear face of an FP8Linear for LyCORIS: no parameters of its own, `weight` is the
+    dequantized float32 weight (no grad), forward is the FP8Linear's (fp8 codes, no base grad)."""
+
+    def __init__(self, layer: FP8Linear):
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a weight
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self._layer = [layer]  # a list: not a submodule
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._layer[0].dequantized_weight(torch.float32)
+
+    @property
+    def bias(self):
+        return self._layer[0].bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return FP8Linear.forward(self._layer[0], x)  # the class forward: the instance one is patched
+
+
+@contextlib.contextmanager
+def _fp8_views(model: nn.Module):
+    """Within the block, every FP8Linear of `model` is replaced by its FP8LinearView; yields
+    {view: fp8 layer}. The model tree is restored on exit, whatever happens."""
+    swapped = []
+    for path, module in list(model.named_modules()):
+        if isinstance(module, FP8Linear):
+            parent_path, _, name = path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            view = FP8LinearView(module)
+            parent._modules[name] = view
+            swapped.append((parent, name, module, view))
+    try:
+        yield {view: layer for _, _, layer, view in swapped}
+    finally:
+        for parent, name, layer, _ in swapped:
+            parent._modules[name] = layer
+
+
+@contextlib.contextmanager
+def _quiet_lycoris():
+    logger = logging.getLogger("LyCORIS")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _target_preset(paths: list[str], te: bool) -> dict:
+    """A LyCORIS preset naming exactly `paths` (anchored regexes), no class-based targets."""
+    names = [re.escape(p) + "$" for p in paths]
+    preset = {"enable_conv": False, "unet_target_module": [], "unet_target_name": [],
+              "text_encoder_target_module": [], "text_encoder_target_name": [],
+              "module_algo_map": {}, "name_algo_map": {}, "use_fnmatch": False, "exclude_name": []}
+    preset["text_encoder_target_name" if te else "unet_target_name"] = names
+    return preset
+
+
+class LycorisNetwork(nn.Module):
+    """LyCORIS modules for one model, registered under their kohya names (state_dict() is the
+    file layout). Same interface as networks.lora.LoRANetwork for the trainer and the tools."""
+
+    network_module = "lycoris.kohya"
+
+    def __init__(self, model: nn.Module, family: str, rank: int, alpha=None, multiplier=1.0,
+                 network_args: dict | None = None):
+        super().__init__()
+        self.family, self.rank, self.multiplier = family, int(rank), multiplier
+        self.alpha = float(self.rank if alpha is None or alpha == 0 else alpha)
+        self.network_args = dict(network_args or {})
+        self._model = [model]
+        self._fp8_targets: dict[nn.Module, FP8Linear] = {}  # LyCORIS module -> the FP8Linear it wraps
+        self._applied = False
+        unknown = sorted(k for k in self.network_args if k not in LYCORIS_ARGS | SELECTION_ARGS)
+        if unknown:
+            raise ValueError(f"network_args: unknown key '{unknown[0]}' for lycoris.kohya "
+                             f"(known: {', '.join(sorted(LYCORIS_ARGS | SELECTION_ARGS))})")
+        self._add_all(self._build(model))
+        self.eval()
+
+    def _build(self, model: nn.Module):
+        from lycoris import kohya
+
+        lyco_args = {k: v for k, v in self.network_args.items() if k in LYCORIS_ARGS}
+        lyco_args.setdefault("bypass_mode", True)
+        selection = {k: v for k, v in self.network_args.items() if k in SELECTION_ARGS}
+        te = KOHYA_PREFIX[self.family] == "lora_te"
+        if "preset" not in lyco_args:
+            picker = LoRANetwork(model, self.family, self.rank, network_args=selection, select=False)
+            paths = [path for path, _, _ in picker._select(model, selection)]
+            kohya.PRESET[_PRESET_NAME] = _target_preset(paths, te)
+            lyco_args["preset"] = _PRESET_NAME
+        elif selection:
+            raise ValueError(f"network_args '{sorted(selection)[0]}' selects our targets; with a LyCORIS "
+                             f"'preset' the preset selects them (give one or the other)")
+        try:
+            with _fp8_views(model) as views, _quiet_lycoris():
+                lyco = kohya.create_network(self.multiplier, self.rank, self.alpha, None,
+                                            model if te else None, None if te else model, **lyco_args)
+        finally:
+            kohya.PRESET.pop(_PRESET_NAME, None)
+        loras = lyco.text_encoder_loras + lyco.unet_loras
+        if not loras:
+            raise ValueError(f"lycoris.kohya: network_args {self.network_args} select no module of the {self.family} model")
+        self.loraplus_lr_ratio = lyco_args.get("loraplus_lr_ratio")
+        return [(lora, views.get(lora.org_module[0])) for lora in loras]
+
+    def _add_all(self, loras):
+        for lora, fp8 in loras:
+            if fp8 is not None:
+                self._fp8_targets[lora] = fp8
+            self.add_module(lora.lora_name, lora)
+            lora.train(self.training)
+
+    # -- switching ---------------------------------------------------------------------------
+
+    def lycoris_modules(self) -> list[nn.Module]:
+        return list(self.children())
+
+    def apply(self):
+        """Route each target through its LyCORIS module and freeze the base model."""
+        self._model[0].requires_grad_(False)
+        self._applied = True
+        for lora in self.lycoris_modules():
+            lora.apply_to()  # patches the module LyCORIS holds (an FP8LinearView for fp8 targets)
+            if lora in self._fp8_targets:
+                self._fp8_targets[lora].forward = lora.forward  # the model calls the FP8Linear
+
+    def remove(self):
+        self._applied = False
+        for lora in self.lycoris_modules():
+            lora.restore()
+            self._fp8_targets.get(lora, nn.Module()).__dict__.pop("forward", None)
+
+    def set_multiplier(self, multiplier: float):
+        for lora in self.lycoris_modules():
+            lora.multiplier = multiplier
+
+    # -- training ----------------------------------------------------------------------------
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def param_groups(self, lr: float) -> list[dict]:
+        return [{"name": "lycoris", "params": self.trainable_parameters(), "lr": lr}]
+
+    # -- files -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, source, strict: bool = True):
+        """Load a LyCORIS file (path or tensor dict) into this network's modules. Every key must
+        belong to a module of the network; strict: every module must be in the file."""
+        name = source if isinstance(source, str) else "state dict"
+        if isinstance(source, str):
+            from safetensors.torch import load_file
+
+            source = load_file(source)
+        own = self.state_dict()
+        foreign = [k for k in source if k not in own]
+        if foreign:
+            raise CheckpointError(f"{name}: key '{foreign[0]}' is not a tensor of this LyCORIS network "
+                                  f"({self.network_args or 'default args'}; is it the same algo and targets?)")
+        modules = {k.split(".")[0] for k in own}
+        missing = sorted(m for m in modules if not any(k.startswith(m + ".") for k in source))
+        if strict and missing:
+            raise CheckpointError(f"{name}: no weights for LyCORIS module '{missing[0]}' ({len(missing)} missing)")
+        bad = [k for k in source if source[k].shape != own[k].shape]
+        if bad:
+            raise CheckpointError(f"{name}: '{bad[0]}' has shape {tuple(source[bad[0]].shape)}, the network expects {tuple(own[bad[0]].shape)}")
+        self.load_state_dict({**own, **source})
+        return {"loaded": len(modules) - len(missing), "added": 0, "missing": len(missing)}
+
+    describe_loaded = staticmethod(LoRANetwork.describe_loaded)
+
+    def save(self, path: str, dtype=torch.float32, metadata: dict | None = None):
+        """LyCORIS' own keys (`lora_unet_<path>.lokr_w1` ...), as its save_weights writes them."""
+        header = build_metadata(network_module=self.network_module, network_dim=self.rank,
+                                network_alpha=self.alpha, network_args=self.network_args)
+        header.update(metadata or {})
+        tensors = {k: v.detach().to(dtype) for k, v in self.state_dict().items()}
+        header["sshs_model_hash"] = tensor_hash(tensors)
+        save_safetensors(tensors, path, header)
+
+
+def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], multiplier: float = 1.0,
+                         prefix: str = "lora_unet") -> list[nn.Module]:
+    """LyCORIS modules rebuilt from a file's tensors by LyCORIS itself (any algo it knows), each
+    bound to the model module it names (FP8Linears through an FP8LinearView); not applied."""
+    from lycoris.modules import get_module, make_module
+
+    names = sorted({k.split(".")[0] for k in tensors})
+    by_name = {f"{prefix}_{p}".replace(".", "_"): m for p, m in model.named_modules() if p}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise CheckpointError(f"LyCORIS module '{unknown[0]}' names no module of this model")
+    modules = []
+    with _quiet_lycoris():
+        for name in names:
+            base = by_name[name]
+            base = FP8LinearView(base) if isinstance(base, FP8Linear) else base
+            algo, params = get_module(tensors, name)
+            module = make_module(algo, params, name, base)
+            if module is None:
+                raise CheckpointError(f"LyCORIS module '{name}': LyCORIS does not recognise its keys")
+            module.multiplier = multiplier
+            modules.append(module)
+    return modules
+
+
+def is_lycoris_file(tensors) -> bool:
+    """True when the keys are LyCORIS-only types (LoKr, LoHa, (IA)^3, full ...), not plain LoRA."""
+    return any(part in k for k in tensors for part in LYCORIS_ONLY_KEYS)
+

@@ -1,0 +1,171 @@
+"""network_module = "lycoris.kohya": LyCORIS' own LoKr/LoHa modules on our FLUX / Qwen-Image,
+bf16/fp32 and fp8 bases, files in LyCORIS' key layout loaded back with equal outputs, training
+end to end, and the one-line error for any other network_module."""
+
+import importlib
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from library.precision.fp8 import FP8Linear, quantize_module
+from library.training.config import ConfigError, load_config
+from networks.factory import build_network
+from networks.lora import LoRANetwork
+from networks.lycoris_network import LycorisNetwork, read_lycoris_modules
+
+flux = importlib.import_module("library.models.flux1.model")
+qwen = importlib.import_module("library.models.qwen_image.model")
+
+
+def tiny_flux():
+    cfg = flux.FluxConfig(hidden_size=16, num_heads=1, depth=2, depth_single=3, axes_dim=(4, 6, 6),
+                          context_in_dim=8, vec_in_dim=8, guidance_embed=False)
+    return flux.Flux(cfg)
+
+
+def flux_inputs():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(1, 4, 64, generator=g), flux.make_img_ids(1, 2, 2), torch.randn(1, 3, 8, generator=g),
+            flux.make_txt_ids(1, 3), torch.tensor([0.5]), torch.randn(1, 8, generator=g))
+
+
+def randomize(net, scale=0.1):
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+LOKR = {"algo": "lokr", "factor": 4}
+
+
+def test_other_network_module_is_a_config_error_naming_the_supported_ones(tmp_path):
+    cfg = tmp_path / "t.toml"
+    cfg.write_text('model_type = "llm"\npretrained_model_name_or_path = "m"\ntrain_data = ["a.txt"]\n'
+                   'network_module = "networks.lora_flux"\n')
+    with pytest.raises(ConfigError, match=r"t\.toml: network_module 'networks.lora_flux' is not supported "
+                                          r"\(supported: networks.lora, lycoris.kohya\)"):
+        load_config(["--config_file", str(cfg)])
+    args = load_config(["--config_file", str(cfg), "--network_module", "lycoris.kohya"])
+    assert args.network_module == "lycoris.kohya"
+
+
+def test_lokr_adapts_our_lora_targets_with_lycoris_keys():
+    model = tiny_flux()
+    net = build_network("lycoris.kohya", model, "flux", 4, 2.0, network_args=LOKR)
+    lora = LoRANetwork(model, "flux", 4)
+    assert isinstance(net, LycorisNetwork) and not net.training
+    assert {m.lora_name for m in net.lycoris_modules()} == {n for n, _ in lora.named_children()}  # 29 modules
+    assert len(net.lycoris_modules()) == 2 * 10 + 3 * 3
+    keys = set(net.state_dict())
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lokr_w1" in keys
+    assert "lora_unet_single_blocks_2_linear2.alpha" in keys
+    with pytest.raises(ValueError, match="unknown key 'img_attn_dim' for lycoris.kohya"):
+        LycorisNetwork(model, "flux", 4, network_args={"algo": "lokr", "img_attn_dim": 2})
+    # our selection args pick the targets, as for our LoRA
+    single_only = LycorisNetwork(model, "flux", 4, network_args={**LOKR, "train_blocks": "single"})
+    assert {m.lora_name for m in single_only.lycoris_modules()} == {
+        f"lora_unet_single_blocks_{i}_{n}" for i in range(3) for n in ("linear1", "linear2", "modulation_lin")}
+
+
+@pytest.mark.parametrize("algo_args", [LOKR, {"algo": "loha"}])
+def test_lycoris_on_fp8_base_equals_dequantized_base_and_only_lycoris_trains(algo_args):
+    torch.manual_seed(0)
+    model = tiny_flux()
+    quantize_module(model, "fp8_scaled", "flux")
+    # the reference: the same model with every FP8Linear turned into an fp32 nn.Linear of its dequantized weight
+    reference = tiny_flux()
+    state = {}
+    for name, m in model.named_modules():
+        if isinstance(m, FP8Linear):
+            state[f"{name}.weight"] = m.dequantized_weight(torch.float32)
+            state[f"{name}.bias"] = m.bias.float()
+    other = {k: v for k, v in model.state_dict().items() if k.rsplit(".", 1)[0] not in
+             {n for n, m in model.named_modules() if isinstance(m, FP8Linear)}}
+    reference.load_state_dict({**other, **state})
+    net8 = LycorisNetwork(model, "flux", 4, 2.0, network_args=algo_args)
+    ref_net = LycorisNetwork(reference, "flux", 4, 2.0, network_args=algo_args)
+    randomize(ref_net)
+    net8.load_weights(ref_net.state_dict())
+    assert len(net8._fp8_targets) == 29  # every target is an FP8Linear, wrapped through its view
+    assert all(isinstance(m, FP8Linear) for n, m in model.named_modules() if n == "double_blocks.0.img_attn.qkv")
+    x = flux_inputs()
+    before = model(*x).detach()
+    net8.apply(), ref_net.apply()
+    net8.train()
+    out = model(*x)
+    expected = reference(*x)
+    assert (out - before).abs().max() > 1e-3  # the LyCORIS delta is on
+    assert (out - expected).abs().max() < 1e-5
+    out.square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in net8.trainable_parameters())
+    assert not any(t.requires_grad for t in model.parameters()) and all(b.grad is None for b in model.buffers())
+    net8.remove()
+    assert (model(*x) - before).abs().max() == 0
+
+
+def test_lokr_file_round_trips_through_our_network_and_lycoris_own_loader(tmp_path):
+    model = tiny_flux()
+    net = LycorisNetwork(model, "flux", 4, 2.0, network_args=LOKR)
+    randomize(net)
+    path = str(tmp_path / "lokr.safetensors")
+    net.save(path, metadata={"ss_output_name": "lokr"})
+    tensors = load_file(path)
+    assert set(tensors) == set(net.state_dict()) and all(k.startswith("lora_unet_") for k in tensors)
+    x = flux_inputs()
+    base = model(*x).detach()
+    net.apply()
+    trained = model(*x).detach()
+    net.remove()
+
+    again = LycorisNetwork(model, "flux", 4, 2.0, network_args=LOKR)
+    again.load_weights(path)
+    again.apply()
+    assert (model(*x) - trained).abs().max() == 0
+    again.remove()
+    # LyCORIS rebuilds its modules from the file alone (as ComfyUI / sd-scripts' tools do)
+    modules = read_lycoris_modules(model, tensors)
+    assert len(modules) == 29
+    for m in modules:
+        m.apply_to()
+    assert (model(*x) - trained).abs().max() < 1e-6 and (trained - base).abs().max() > 1e-3
+    with pytest.raises(Exception, match="is not a tensor of this LyCORIS network"):
+        LycorisNetwork(model, "flux", 4, network_args={"algo": "loha"}).load_weights(path)
+
+
+def test_lokr_on_qwen_image_uses_musubi_targets():
+    cfg = qwen.QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=1, joint_attention_dim=16,
+                               axes_dims_rope=(8, 12, 12))
+    model = qwen.QwenImage(cfg)
+    net = LycorisNetwork(model, "qwen_image", 4, network_args=LOKR)
+    ours = LoRANetwork(model, "qwen_image", 4)
+    assert {m.lora_name for m in net.lycoris_modules()} == {n for n, _ in ours.named_children()}
+    assert len(net.lycoris_modules()) == 2 * (8 + 4)  # attention + MLP, no _mod_ (musubi-tuner's default)
+
+
+def test_train_lora_trains_a_lokr_on_tiny_fp8_flux(tiny_set, tmp_path):
+    import train_lora
+    from library.models.flux1.family import FluxFamily
+    from tests.test_train_lora import flux_args, read_losses
+
+    out = tmp_path / "lokr"
+    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4", "--optimizer_type", "AdamW",
+                                     "--optimizer_args", "--learning_rate", "3e-3", "--fp8_base", "--sample_prompts", "",
+                                     "--network_module", "lycoris.kohya", "--network_args", "algo=lokr", "factor=4"))
+    assert code == 0
+    losses = read_losses(out)
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    tensors = load_file(out / "tiny_flux_lora.safetensors")
+    assert any(k.endswith(".lokr_w1") for k in tensors) and not any("lora_down" in k for k in tensors)
+    # the saved LoKr changes the fp32 model's prediction (LyCORIS zero-initialises one factor)
+    family = FluxFamily(tiny_set["flux_bfl"])
+    model = family.load_transformer(torch.float32)
+    x = torch.randn(1, 16, 64)
+    text = {"t5": torch.randn(1, 32, 32), "clip_pooled": torch.randn(1, 32)}
+    with torch.no_grad():
+        before = family.predict(model, x, torch.tensor([0.5]), text, 4, 4, 1.0)
+        for m in read_lycoris_modules(model, tensors):
+            m.apply_to()
+        after = family.predict(model, x, torch.tensor([0.5]), text, 4, 4, 1.0)
+    assert ((after - before).norm() / before.norm()).item() > 1e-3
