@@ -82,7 +82,7 @@ BLOCK_ARGS = {  # network_args key -> block kind it selects, per family
 DIFFUSERS_FLUX_BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")  # a diffusers-named FLUX LoRA
 COMMON_ARGS = {
     "dropout", "rank_dropout", "module_dropout", "include_patterns", "exclude_patterns",
-    "loraplus_lr_ratio", "train_modulation",
+    "loraplus_lr_ratio", "train_modulation", "dora", "use_dora",
 }
 FAMILY_ARGS = {"flux": {"train_blocks", "in_dims", "split_qkv", "train_t5xxl"}}
 # sd-scripts options we accept by name but cannot honour, with the reason (refused when switched on).
@@ -107,10 +107,18 @@ class LoRAModule(nn.Module):
     - rank_dropout: zero each rank channel per sample with probability p, the scale multiplied by
       1 / (1 - p) so the expected delta is unchanged;
     - module_dropout: skip the whole LoRA branch with probability p per forward.
+
+    DoRA (dora=True; Liu et al. 2024, as PEFT implements it): W' = m * (W + s*BA) / ||W + s*BA||,
+    the norm over the input dim for each output row, m a trained magnitude per output row
+    (initialised to ||W||; kept as `dora_scale` [out, 1], the key ComfyUI reads). The norm is
+    detached (the paper's section 4.3), so
+        out = base(x) + multiplier * ((g - 1) * (base(x) - bias) + g * s * B(A(x))),  g = m / ||W + s*BA||
+    which at multiplier 1 equals PEFT's DoRA and interpolates the merged weight otherwise (ComfyUI's
+    strength). W is the base weight dequantized to float32 (FP8Linear), read under no_grad.
     """
 
     def __init__(self, name, base: nn.Module, rank, alpha=None, multiplier=1.0, dropout=None,
-                 rank_dropout=None, module_dropout=None, lora_dtype=torch.float32):
+                 rank_dropout=None, module_dropout=None, lora_dtype=torch.float32, dora: bool = False):
         super().__init__()
         if not (hasattr(base, "in_features") and hasattr(base, "out_features")):
             raise ValueError(f"LoRA target '{name}' ({type(base).__name__}) has no in_features/out_features")
@@ -127,12 +135,23 @@ class LoRAModule(nn.Module):
         self.scale = alpha / self.rank  # a Python float: reading the buffer each forward syncs the device
         self.multiplier, self.enabled = multiplier, True
         self.dropout, self.rank_dropout, self.module_dropout = dropout, rank_dropout, module_dropout
+        self.dora_scale = None
+        if dora:  # m = ||W|| per output row: the adapted weight starts equal to W
+            norm = torch.ones(base.out_features, device=device) if device is None else self.base_weight().norm(dim=1)
+            self.dora_scale = nn.Parameter(norm.reshape(-1, 1).to(lora_dtype))
         self._original_forward = None  # the base's forward while patched
         self._had_instance_forward = False  # base.forward was already an instance attribute
 
     @property
     def base(self) -> nn.Module:
         return self._base[0]
+
+    @torch.no_grad()
+    def base_weight(self) -> torch.Tensor:
+        """The base weight [out, in] in float32 (dequantized for FP8Linear)."""
+        if hasattr(self.base, "dequantized_weight"):
+            return self.base.dequantized_weight(torch.float32)
+        return self.base.weight.detach().float()
 
     def set_alpha(self, alpha: float):
         self.alpha.fill_(alpha)
@@ -182,10 +201,28 @@ class LoRAModule(nn.Module):
             lx = lx * (torch.rand(mask_shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
             scale = scale / (1.0 - self.rank_dropout)
         lx = self.lora_up(lx)
+        if self.dora_scale is not None:
+            return out + self._dora_delta(out, lx, scale)
         return out + (lx * (self.multiplier * scale)).to(out.dtype)  # back to the base output dtype
 
+    def _dora_delta(self, out: torch.Tensor, lx: torch.Tensor, scale: float) -> torch.Tensor:
+        """multiplier * ((g - 1) * W x + g * s * BAx), g = m / ||W + s*BA|| per output row, the
+        norm detached and computed in float32 (the training scale s, without rank dropout)."""
+        with torch.no_grad():
+            adapted = self.base_weight() + self.scale * (self.lora_up.weight.float() @ self.lora_down.weight.float())
+            norm = adapted.norm(dim=1)
+        g = self.dora_scale.reshape(-1) / norm  # [out], float32 (grad to the magnitude only)
+        bias = getattr(self.base, "bias", None)
+        wx = out if bias is None else out - bias.to(out.dtype)
+        delta = (g - 1) * wx.to(g.dtype) + g * (lx * scale).to(g.dtype)
+        return (self.multiplier * delta).to(out.dtype)  # back to the base output dtype
+
     def weights(self) -> LoRAWeights:
-        return LoRAWeights(self.lora_down.weight.detach(), self.lora_up.weight.detach(), float(self.alpha))
+        magnitude = None if self.dora_scale is None else self.dora_scale.detach().reshape(-1)
+        return LoRAWeights(self.lora_down.weight.detach(), self.lora_up.weight.detach(), float(self.alpha), magnitude)
+
+    def parameters_to_train(self) -> list[nn.Parameter]:
+        return [self.lora_down.weight, self.lora_up.weight] + ([self.dora_scale] if self.dora_scale is not None else [])
 
     @torch.no_grad()
     def merge_into_base(self, weight_dtype: torch.dtype | None = None):
@@ -197,8 +234,7 @@ class LoRAModule(nn.Module):
                 f"LoRA '{self.name}': the base weight is {weight.dtype}; merging into fp8 loses the delta. "
                 "Merge into a high-precision copy of the checkpoint and quantize afterwards."
             )
-        delta = self.multiplier * self.weights().delta().to(weight.device)  # float32 [out, in]
-        merged = (weight.float() + delta).to(weight_dtype or weight.dtype)
+        merged = self.weights().merged(weight, self.multiplier).to(weight_dtype or weight.dtype)  # float32 math
         self.base.weight = nn.Parameter(merged, requires_grad=weight.requires_grad)
         self.remove_from_base()
 
@@ -279,6 +315,7 @@ class LoRANetwork(nn.Module):
           is trained if (its type and block are on and no exclude matches) or an include matches.
       dropout, rank_dropout, module_dropout: see LoRAModule
       loraplus_lr_ratio: lora_up learning rate = lr * ratio (LoRA+)
+      dora / use_dora: weight-decomposed LoRA (DoRA, see LoRAModule); the magnitudes train at lr
       split_qkv, train_t5xxl (flux): accepted when false; true is refused (REFUSED_ARGS says why)
     select=False builds an empty network that load_weights() fills with the modules a file names.
     """
@@ -296,12 +333,14 @@ class LoRANetwork(nn.Module):
         args = self._check_args(self.network_args)
         self.loraplus_lr_ratio = _as_float("loraplus_lr_ratio", args.get("loraplus_lr_ratio"))
         self.dropouts = {k: _as_float(k, args.get(k)) for k in ("dropout", "rank_dropout", "module_dropout")}
+        self.dora = _as_bool("dora", args.get("dora", args.get("use_dora", False)))
         for path, module, module_rank in (self._select(model, args) if select else []):
             self._add(path, module, module_rank, self.alpha)
         self.eval()
 
-    def _add(self, path: str, module: nn.Module, rank: int, alpha: float) -> LoRAModule:
-        lora = LoRAModule(path, module, rank, alpha, self.multiplier, lora_dtype=self.lora_dtype, **self.dropouts)
+    def _add(self, path: str, module: nn.Module, rank: int, alpha: float, dora: bool | None = None) -> LoRAModule:
+        lora = LoRAModule(path, module, rank, alpha, self.multiplier, lora_dtype=self.lora_dtype,
+                          dora=self.dora if dora is None else dora, **self.dropouts)
         lora.train(self.training)
         self.add_module(kohya_name(path, KOHYA_PREFIX[self.family]), lora)
         if self._applied:
@@ -430,11 +469,12 @@ class LoRANetwork(nn.Module):
     # -- training ----------------------------------------------------------------------------
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for m in self.lora_modules() for p in (m.lora_down.weight, m.lora_up.weight)]
+        return [p for m in self.lora_modules() for p in m.parameters_to_train()]
 
     def param_groups(self, lr: float) -> list[dict]:
         """One named group, or two with LoRA+ (lora_up at lr * loraplus_lr_ratio)."""
         downs = [m.lora_down.weight for m in self.lora_modules()]
+        downs += [m.dora_scale for m in self.lora_modules() if m.dora_scale is not None]  # magnitudes at lr
         ups = [m.lora_up.weight for m in self.lora_modules()]
         if not self.loraplus_lr_ratio:
             return [{"name": "lora", "params": downs + ups, "lr": lr}]
@@ -476,7 +516,11 @@ class LoRANetwork(nn.Module):
         if strict and missing:
             raise CheckpointError(f"{name}: no weights for LoRA module '{missing[0]}' ({len(missing)} missing)")
         for path, w in weights.items():
-            m = by_path.get(path) or self._add(path, linears[path], w.rank, w.alpha)
+            m = by_path.get(path) or self._add(path, linears[path], w.rank, w.alpha, dora=w.magnitude is not None)
+            if (w.magnitude is None) != (m.dora_scale is None):
+                kinds = ("DoRA", "plain LoRA") if w.magnitude is not None else ("plain LoRA", "DoRA")
+                raise CheckpointError(f"{name}: LoRA module '{path}' is {kinds[0]} in the file, {kinds[1]} in the network "
+                                      f"(network_args dora={self.dora})")
             if w.down.shape != m.lora_down.weight.shape or w.up.shape != m.lora_up.weight.shape:
                 raise CheckpointError(
                     f"{name}: LoRA module '{path}' has down {tuple(w.down.shape)} / up {tuple(w.up.shape)}, "
@@ -484,6 +528,8 @@ class LoRANetwork(nn.Module):
                 )
             m.lora_down.weight.copy_(w.down)  # cast to the LoRA dtype
             m.lora_up.weight.copy_(w.up)
+            if w.magnitude is not None:
+                m.dora_scale.copy_(w.magnitude.reshape(-1, 1))
             m.set_alpha(w.alpha)
         return {"loaded": len(weights), "added": len(set(weights) - set(by_path)), "missing": len(missing)}
 

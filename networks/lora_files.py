@@ -42,6 +42,7 @@ class LoRAWeights:
     down: torch.Tensor
     up: torch.Tensor
     alpha: float
+    magnitude: torch.Tensor | None = None  # DoRA: m [out], one per output row; None for a plain LoRA
 
     @property
     def rank(self) -> int:
@@ -52,8 +53,21 @@ class LoRAWeights:
         return self.alpha / self.rank
 
     def delta(self) -> torch.Tensor:
-        """The weight delta [out, in], float32."""
+        """The low-rank update (alpha / r) * up @ down [out, in], float32 (the whole weight delta
+        of a plain LoRA; for DoRA use merged())."""
         return self.scale * (self.up.float() @ self.down.float())
+
+    def merged(self, weight: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
+        """The base weight [out, in] with this adapter merged at `multiplier`, float32.
+        LoRA: W + multiplier * dW. DoRA (the paper, PEFT): W' = m * (W + dW) / ||W + dW||, the
+        norm over the input dim per output row; a multiplier interpolates, W + multiplier * (W' - W),
+        as ComfyUI applies strength."""
+        w = weight.float()
+        adapted = w + self.delta().to(w.device)
+        if self.magnitude is None:
+            return w + multiplier * (adapted - w)
+        decomposed = adapted * (self.magnitude.float().to(w.device) / adapted.norm(dim=1)).unsqueeze(1)
+        return w + multiplier * (decomposed - w)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -70,6 +84,8 @@ _PART_OF_SUFFIX = {
     ".alpha": "alpha",
     ".lora_A.weight": "down",
     ".lora_B.weight": "up",
+    ".dora_scale": "magnitude",  # kohya / LyCORIS / ComfyUI DoRA magnitude, [out, 1]
+    ".lora_magnitude_vector": "magnitude",  # PEFT / diffusers DoRA magnitude, [out]
 }
 
 
@@ -113,7 +129,7 @@ def detect_format(keys) -> str:
         raise CheckpointError("LoRA file holds no tensors")
     peft = [k for k in keys if k.endswith((".lora_A.weight", ".lora_B.weight"))]
     if peft:
-        other = [k for k in keys if k not in peft and not k.endswith(".alpha")]
+        other = [k for k in keys if k not in peft and not k.endswith((".alpha", ".lora_magnitude_vector"))]
         if other:
             raise CheckpointError(f"LoRA key '{other[0]}' mixes with PEFT keys like '{peft[0]}'")
         return "peft"
@@ -186,7 +202,13 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
             alpha = alpha * rank**0.5 if rslora else alpha  # rsLoRA scale alpha/sqrt(r) as alpha'/r
         else:
             alpha = float(rank)  # no alpha stored: the PEFT convention, scale 1
-        weights[path] = LoRAWeights(down, up, alpha)
+        magnitude = parts.get("magnitude")
+        if magnitude is not None:
+            if magnitude.numel() != up.shape[0] or magnitude.dim() > 2 or magnitude.shape[0] != up.shape[0]:
+                raise CheckpointError(f"{source}: module '{module}' DoRA magnitude {tuple(magnitude.shape)} is not "
+                                      f"[{up.shape[0]}] or [{up.shape[0]}, 1] (one per output row)")
+            magnitude = magnitude.reshape(-1)
+        weights[path] = LoRAWeights(down, up, alpha, magnitude)
     return weights, fmt
 
 
@@ -221,6 +243,8 @@ def kohya_state_dict(weights: dict[str, LoRAWeights], dtype=torch.float32, prefi
         out[f"{name}.lora_down.weight"] = w.down.detach().to(dtype)
         out[f"{name}.lora_up.weight"] = w.up.detach().to(dtype)
         out[f"{name}.alpha"] = torch.tensor(float(w.alpha), dtype=torch.float32)
+        if w.magnitude is not None:  # [out, 1]: ComfyUI reads a 2-D dora_scale per output row (LyCORIS' layout)
+            out[f"{name}.dora_scale"] = w.magnitude.detach().reshape(-1, 1).to(dtype)
     return out
 
 
@@ -232,6 +256,8 @@ def peft_state_dict(weights: dict[str, LoRAWeights], prefix="transformer", dtype
     for path, w in weights.items():
         out[f"{head}{path}.lora_A.weight"] = w.down.detach().to(dtype)
         out[f"{head}{path}.lora_B.weight"] = (w.up.detach().float() * w.scale).to(dtype)
+        if w.magnitude is not None:  # PEFT's DoRA magnitude [out]; its norm uses the same folded B
+            out[f"{head}{path}.lora_magnitude_vector"] = w.magnitude.detach().reshape(-1).to(dtype)
     return out
 
 

@@ -1,0 +1,131 @@
+"""DoRA in our LoRA (network_args dora=True / use_dora): equal to PEFT's DoRA on the same weights
+(nn.Linear and our fp8 base), the magnitude trains and the base does not, files carry the
+magnitude as `dora_scale` [out, 1] (kohya / ComfyUI) or `lora_magnitude_vector` [out] (PEFT), and
+load back to the same output."""
+
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
+
+from library.io import CheckpointError
+from library.precision.fp8 import FP8Linear
+from networks import lora_files as lf
+from networks.lora import LoRAModule, LoRANetwork
+
+flux = importlib.import_module("library.models.flux1.model")
+
+
+class One(nn.Module):
+    def __init__(self, linear):
+        super().__init__()
+        self.lin = linear
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def peft_dora(linear: nn.Linear, rank=4, alpha=8.0, seed=3):
+    """PEFT's DoRA on a copy of `linear`, with random A, B and magnitude."""
+    ref = nn.Linear(linear.in_features, linear.out_features)
+    ref.load_state_dict(linear.state_dict())
+    model = get_peft_model(One(ref), LoraConfig(r=rank, lora_alpha=alpha, target_modules=["lin"], use_dora=True))
+    g = torch.Generator().manual_seed(seed)
+    sd = get_peft_model_state_dict(model)
+    sd = {k: v + torch.randn(v.shape, generator=g) * 0.3 for k, v in sd.items()}
+    set_peft_model_state_dict(model, sd)
+    return model, sd
+
+
+def ours_from(sd, base, alpha=8.0) -> LoRAModule:
+    a, b = sd["base_model.model.lin.lora_A.weight"], sd["base_model.model.lin.lora_B.weight"]
+    m = LoRAModule("lin", base, a.shape[0], alpha, dora=True)
+    with torch.no_grad():
+        m.lora_down.weight.copy_(a), m.lora_up.weight.copy_(b)
+        m.dora_scale.copy_(sd["base_model.model.lin.lora_magnitude_vector"].reshape(-1, 1))
+    m.apply_to_base()
+    return m
+
+
+def test_dora_forward_equals_peft_dora_on_the_same_weights():
+    torch.manual_seed(0)
+    base = nn.Linear(16, 12)
+    peft_model, sd = peft_dora(base)
+    module = ours_from(sd, base)
+    assert torch.allclose(module.dora_scale.reshape(-1), sd["base_model.model.lin.lora_magnitude_vector"])
+    x = torch.randn(3, 5, 16)
+    theirs = peft_model(x)
+    ours = base(x)
+    assert (ours - base.__class__.forward(base, x)).abs().max() > 1e-2  # DoRA changes the output
+    assert (ours - theirs).abs().max() < 1e-5
+    # the merged weight (our merge / ComfyUI's formula at strength 1) gives the same output
+    merged = module.weights().merged(base.weight)
+    assert (nn.functional.linear(x, merged, base.bias) - theirs).abs().max() < 1e-5
+
+
+def test_dora_on_fp8_base_equals_peft_on_the_dequantized_weight_and_only_lora_trains():
+    torch.manual_seed(0)
+    fp8 = FP8Linear.from_linear(nn.Linear(64, 32), "fp8_scaled")
+    dequantized = nn.Linear(64, 32)
+    with torch.no_grad():
+        dequantized.weight.copy_(fp8.dequantized_weight(torch.float32)), dequantized.bias.copy_(fp8.bias)
+    peft_model, sd = peft_dora(dequantized)
+    module = ours_from(sd, fp8)
+    module.train()
+    x = torch.randn(4, 64)
+    out = fp8(x)
+    assert (out - peft_model(x)).abs().max() < 1e-5
+    out.square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in module.parameters_to_train())
+    assert fp8.weight.grad is None and not fp8.bias.requires_grad
+
+
+def test_dora_magnitude_starts_at_the_weight_norm_so_step_0_equals_the_base():
+    model = flux.Flux(flux.FluxConfig(hidden_size=16, num_heads=1, depth=1, depth_single=1, axes_dim=(4, 6, 6),
+                                      context_in_dim=8, vec_in_dim=8, guidance_embed=False))
+    inputs = (torch.randn(1, 4, 64), flux.make_img_ids(1, 2, 2), torch.randn(1, 3, 8), flux.make_txt_ids(1, 3),
+              torch.tensor([0.5]), torch.randn(1, 8))
+    before = model(*inputs)
+    net = LoRANetwork(model, "flux", 4, network_args={"use_dora": "true"})
+    net.apply()
+    assert (model(*inputs) - before).abs().max() < 1e-5
+    assert len(net.trainable_parameters()) == 3 * len(net.lora_modules())
+    assert sum(len(g["params"]) for g in net.param_groups(1e-3)) == len(net.trainable_parameters())
+
+
+def test_dora_kohya_and_peft_files_load_back_with_the_same_output(tmp_path):
+    torch.manual_seed(0)
+    model = flux.Flux(flux.FluxConfig(hidden_size=16, num_heads=1, depth=1, depth_single=1, axes_dim=(4, 6, 6),
+                                      context_in_dim=8, vec_in_dim=8, guidance_embed=False))
+    inputs = (torch.randn(1, 4, 64), flux.make_img_ids(1, 2, 2), torch.randn(1, 3, 8), flux.make_txt_ids(1, 3),
+              torch.tensor([0.5]), torch.randn(1, 8))
+    net = LoRANetwork(model, "flux", 4, alpha=2.0, network_args={"dora": True})
+    with torch.no_grad():
+        for p in net.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    net.apply()
+    trained = model(*inputs).detach()
+    path = str(tmp_path / "dora.safetensors")
+    net.save(path)
+    tensors = load_file(path)
+    scale = tensors["lora_unet_double_blocks_0_img_attn_qkv.dora_scale"]
+    assert scale.shape == (48, 1) and scale.dtype == torch.float32  # [out, 1]: ComfyUI's output-axis layout
+    net.remove()
+    loaded = LoRANetwork.from_weights(model, "flux", path)
+    assert all(m.dora_scale is not None for m in loaded.lora_modules())
+    loaded.apply()
+    assert (model(*inputs) - trained).abs().max() < 1e-6
+    loaded.remove()
+    peft_path = str(tmp_path / "dora_peft.safetensors")
+    lf.write_peft(net.lora_weights(), peft_path)
+    assert load_file(peft_path)["transformer.double_blocks.0.img_attn.qkv.lora_magnitude_vector"].shape == (48,)
+    again = LoRANetwork.from_weights(model, "flux", peft_path)
+    again.apply()
+    assert (model(*inputs) - trained).abs().max() < 1e-5
+    again.remove()
+    plain = LoRANetwork(model, "flux", 4, alpha=2.0)
+    with pytest.raises(CheckpointError, match="is DoRA in the file, plain LoRA in the network"):
+        plain.load_weights(path)
