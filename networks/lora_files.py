@@ -304,12 +304,16 @@ def flux_bfl_to_diffusers(weights: dict[str, LoRAWeights], module_map: dict) -> 
         if bfl not in module_map:
             raise CheckpointError(f"LoRA module '{bfl}' has no diffusers counterpart in the FLUX module map")
         rows: dict[str, list[torch.Tensor]] = {}
+        magnitudes: dict[str, list[torch.Tensor]] = {}  # DoRA is per output row: rows split exactly
         for diffusers, start, end in module_map[bfl]:
             rows.setdefault(diffusers, []).append(w.up[start:end])
+            if w.magnitude is not None:
+                magnitudes.setdefault(diffusers, []).append(w.magnitude[start:end])
         if w.up.shape[0] != _full_rows(module_map)[bfl]:
             raise CheckpointError(f"LoRA module '{bfl}': up has {w.up.shape[0]} rows, the module map expects {_full_rows(module_map)[bfl]}")
         for diffusers, ups in rows.items():
-            out[diffusers] = LoRAWeights(w.down.clone(), torch.cat(ups, 0).clone(), w.alpha)
+            magnitude = torch.cat(magnitudes[diffusers], 0).clone() if w.magnitude is not None else None
+            out[diffusers] = LoRAWeights(w.down.clone(), torch.cat(ups, 0).clone(), w.alpha, magnitude)
     return out
 
 
@@ -332,6 +336,7 @@ def flux_diffusers_to_bfl(weights: dict[str, LoRAWeights], module_map: dict) -> 
         segments = module_map[bfl]
         present = [d for d in dict.fromkeys(d for d, _, _ in segments) if d in weights]
         first = weights[present[0]]
+        magnitude = _fused_magnitude(bfl, segments, {d: weights[d] for d in present}, full_rows[bfl])
         shared = all(
             torch.equal(weights[d].down, first.down) and weights[d].alpha == first.alpha for d in present
         )
@@ -363,8 +368,26 @@ def flux_diffusers_to_bfl(weights: dict[str, LoRAWeights], module_map: dict) -> 
                 raise CheckpointError(
                     f"LoRA module '{d}': up has {weights[d].up.shape[0]} rows, the FLUX module map gives it {consumed[d]}"
                 )
-        out[bfl] = LoRAWeights(down.clone(), up, alpha)
+        out[bfl] = LoRAWeights(down.clone(), up, alpha, magnitude)
     return out
+
+
+def _fused_magnitude(bfl: str, segments, parts: dict[str, LoRAWeights], rows: int) -> torch.Tensor | None:
+    """The DoRA magnitudes of a fused module's parts stacked by rows (None for a plain LoRA). A
+    part the file lacks would need ||W|| of its rows, which only the base knows: an error."""
+    dora = [d for d, w in parts.items() if w.magnitude is not None]
+    if not dora:
+        return None
+    missing = [d for d, _, _ in segments if d not in dora]
+    if missing:
+        raise CheckpointError(f"DoRA module '{missing[0]}' is missing or plain LoRA, so the fused '{bfl}' magnitude "
+                              f"cannot be built (it would need the base weight's row norms)")
+    magnitude = torch.zeros(rows, dtype=torch.float32)
+    consumed = dict.fromkeys(parts, 0)
+    for d, start, end in segments:
+        magnitude[start:end] = parts[d].magnitude[consumed[d] : consumed[d] + end - start].float()
+        consumed[d] += end - start
+    return magnitude
 
 
 # ----------------------------------------------------------------------------------------------

@@ -104,6 +104,18 @@ def _quiet_lycoris():
         logger.setLevel(level)
 
 
+def _default_bypass(lyco_args: dict) -> bool:
+    """Bypass (base output + delta(x)) where LyCORIS has it and it means the same: not for
+    dora_wd, which LyCORIS' bypass forward ignores on an nn.Linear; not for algos without one."""
+    from lycoris.utils import str_bool
+
+    dora = str_bool(lyco_args.get("dora_wd", False))
+    if dora and str_bool(lyco_args.get("bypass_mode", False)):
+        raise ValueError("network_args 'bypass_mode=true' with 'dora_wd=true': LyCORIS' bypass forward "
+                         "ignores dora_wd (it would train a plain update but save dora_scale)")
+    return not dora and str(lyco_args.get("algo", "lora")).lower() in ("lora", "locon", "loha", "lokr")
+
+
 def _target_preset(paths: list[str], te: bool) -> dict:
     """A LyCORIS preset naming exactly `paths` (anchored regexes), no class-based targets."""
     names = [re.escape(p) + "$" for p in paths]
@@ -140,7 +152,7 @@ class LycorisNetwork(nn.Module):
         from lycoris import kohya
 
         lyco_args = {k: v for k, v in self.network_args.items() if k in LYCORIS_ARGS}
-        lyco_args.setdefault("bypass_mode", True)
+        lyco_args.setdefault("bypass_mode", _default_bypass(lyco_args))
         selection = {k: v for k, v in self.network_args.items() if k in SELECTION_ARGS}
         te = KOHYA_PREFIX[self.family] == "lora_te"
         if "preset" not in lyco_args:
@@ -269,3 +281,60 @@ def is_lycoris_file(tensors) -> bool:
     """True when the keys are LyCORIS-only types (LoKr, LoHa, (IA)^3, full ...), not plain LoRA."""
     return any(part in k for k in tensors for part in LYCORIS_ONLY_KEYS)
 
+
+
+class LycorisDelta:
+    """One module of a LyCORIS file, merged into a weight by LyCORIS' own code (tools/merge_lora.py).
+
+    LyCORIS rebuilds the module from the file's tensors around the weight. The merged weight is
+    what the module's forward applies (the training and ComfyUI semantics). lycoris-lora 4.1.3's
+    get_merged_weight disagrees with its own forward for LoKr and LoHa (alpha / rank applied twice,
+    and DoRA's dora_wd), so those take W + get_weight() (the forward's delta; dora_wd through
+    LyCORIS' apply_weight_decompose), LoCon takes get_merged_weight (it agrees). Other algos ((IA)^3,
+    full/diff with its bias deltas, OFT, ...) are refused: this merge writes weights only."""
+
+    MERGEABLE = ("LokrModule", "LohaModule", "LoConModule")
+
+    def __init__(self, name: str, tensors: dict[str, torch.Tensor]):
+        from lycoris.modules import get_module
+
+        self.name = name
+        self.algo, params = get_module(tensors, name)
+        if self.algo is None:
+            raise CheckpointError(f"LyCORIS module '{name}': LyCORIS does not recognise its keys")
+        if self.algo.__name__ not in self.MERGEABLE:
+            raise CheckpointError(f"LyCORIS module '{name}' is a {self.algo.__name__}: merging supports LoKr, LoHa "
+                                  f"and LoCon (with or without dora_wd) only")
+        # float32 for the merge math, whatever the file stored
+        self.params = tuple(p.float() if isinstance(p, torch.Tensor) and p.is_floating_point() else p for p in params)
+
+    @torch.no_grad()
+    def merged(self, weight: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
+        """weight [out, in] float32 -> the merged weight, float32."""
+        from lycoris.modules import make_module
+
+        holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        holder.weight = nn.Parameter(weight.float(), requires_grad=False)
+        with _quiet_lycoris():
+            module = make_module(self.algo, self.params, self.name, holder).eval()
+        module.multiplier = multiplier
+        try:
+            return self._merged(module, holder.weight).float()
+        except RuntimeError as e:
+            raise CheckpointError(f"LyCORIS module '{self.name}' does not fit a weight of shape {tuple(weight.shape)}: {e}") from None
+
+    @staticmethod
+    def _merged(module, w: torch.Tensor) -> torch.Tensor:
+        from lycoris.modules import LoConModule
+
+        if isinstance(module, LoConModule):
+            return module.get_merged_weight(module.multiplier, shape=tuple(w.shape), device=w.device)[0]
+        adapted = w + module.get_weight(tuple(w.shape)).to(w.dtype) * module.scalar  # LoKr, LoHa
+        if module.wd:
+            return module.apply_weight_decompose(adapted, module.multiplier)
+        return w + module.multiplier * (adapted - w)
+
+
+def lycoris_deltas(tensors: dict[str, torch.Tensor]) -> dict[str, LycorisDelta]:
+    """{kohya module name: LycorisDelta} for every module of a LyCORIS file."""
+    return {name: LycorisDelta(name, tensors) for name in sorted({k.split(".")[0] for k in tensors})}

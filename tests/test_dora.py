@@ -129,3 +129,59 @@ def test_dora_kohya_and_peft_files_load_back_with_the_same_output(tmp_path):
     plain = LoRANetwork(model, "flux", 4, alpha=2.0)
     with pytest.raises(CheckpointError, match="is DoRA in the file, plain LoRA in the network"):
         plain.load_weights(path)
+
+
+def random_dora(model, family, **args) -> LoRANetwork:
+    """A DoRA with large random updates and magnitudes, so any mistake shows in the output."""
+    torch.manual_seed(3)
+    net = LoRANetwork(model, family, rank=4, alpha=2, network_args={"dora": True, **args})
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.lora_up.weight.normal_(0, 1.0)
+            m.dora_scale.mul_(1 + 0.3 * torch.randn_like(m.dora_scale))
+    return net
+
+
+def test_dora_files_load_in_diffusers_with_our_output(tmp_path):
+    """diffusers reads a DoRA from PEFT keys (lora_magnitude_vector -> use_dora); its kohya FLUX
+    converter drops `dora_scale`, so diffusers users get our convert_lora --to diffusers output."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel, QwenImagePipeline, QwenImageTransformer2DModel
+    from library.models.flux1.checkpoint import load_flux
+    from library.models.qwen_image.model import load_qwen_image
+    from tests.test_lora_clients import QWEN_TINY, flux_outputs, lora_layer_count, qwen_outputs, randomize_
+    from tools import convert_lora
+
+    flux_cfg = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                    num_attention_heads=2, joint_attention_dim=64, pooled_projection_dim=64, guidance_embeds=False,
+                    axes_dims_rope=(4, 6, 6))
+    theirs = FluxTransformer2DModel(**flux_cfg)
+    randomize_(theirs, seed=1)
+    theirs.save_pretrained(tmp_path / "flux" / "transformer")
+    ours, theirs = load_flux(str(tmp_path / "flux" / "transformer")), theirs.eval()
+    net = random_dora(ours, "flux")
+    net.save(str(tmp_path / "flux_kohya.safetensors"))
+    base, _ = flux_outputs(ours, theirs)
+    net.apply()
+    with_dora, _ = flux_outputs(ours, theirs)
+    assert (with_dora - base).abs().max() > 0.5
+    assert convert_lora.main([str(tmp_path / "flux_kohya.safetensors"), str(tmp_path / "flux_peft.safetensors"),
+                              "--to", "diffusers"]) == 0
+    pipe = FluxPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                        tokenizer_2=None, transformer=theirs)
+    pipe.load_lora_weights(str(tmp_path / "flux_peft.safetensors"))
+    assert lora_layer_count(theirs) == 20 and theirs.transformer_blocks[0].attn.to_q.use_dora["default_0"]
+    flux_diff = (with_dora - flux_outputs(ours, theirs)[1]).abs().max().item()
+
+    reference = QwenImageTransformer2DModel(**{k: v for k, v in QWEN_TINY.to_diffusers().items() if not k.startswith("_")})
+    randomize_(reference, seed=5)
+    reference.save_pretrained(tmp_path / "qwen" / "transformer")
+    ours, theirs = load_qwen_image(str(tmp_path / "qwen")), reference.eval()
+    net = random_dora(ours, "qwen_image")
+    lf.write_peft(net.lora_weights(), str(tmp_path / "qwen_peft.safetensors"))
+    net.apply()
+    with_dora, _ = qwen_outputs(ours, theirs)
+    pipe = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=theirs)
+    pipe.load_lora_weights(str(tmp_path / "qwen_peft.safetensors"))
+    qwen_diff = (with_dora - qwen_outputs(ours, theirs)[1]).abs().max().item()
+    print(f"DoRA in diffusers: max abs diff FLUX {flux_diff:.3g}, Qwen-Image {qwen_diff:.3g}")
+    assert flux_diff <= 1e-4 and qwen_diff <= 1e-4

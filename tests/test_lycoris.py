@@ -69,7 +69,7 @@ def test_lokr_adapts_our_lora_targets_with_lycoris_keys():
         f"lora_unet_single_blocks_{i}_{n}" for i in range(3) for n in ("linear1", "linear2", "modulation_lin")}
 
 
-@pytest.mark.parametrize("algo_args", [LOKR, {"algo": "loha"}])
+@pytest.mark.parametrize("algo_args", [LOKR, {"algo": "loha"}, {**LOKR, "dora_wd": True}])
 def test_lycoris_on_fp8_base_equals_dequantized_base_and_only_lycoris_trains(algo_args):
     torch.manual_seed(0)
     model = tiny_flux()

@@ -18,6 +18,10 @@ alpha_pattern / use_rslora). kohya output keeps alpha (or sets it to --alpha, re
 delta is unchanged); diffusers output has alpha/rank folded into lora_B (float32 math), since a PEFT
 file without an adapter config is loaded with scale 1. A PEFT file with neither is read as alpha =
 rank (what diffusers does) with a warning. Tensors keep the source dtype.
+
+DoRA: the magnitude travels along (`dora_scale` [out, 1] in kohya files, `lora_magnitude_vector`
+[out] in diffusers/PEFT files); it is per output row, so FLUX's fused modules split and join
+exactly (joining needs every part). LyCORIS files (LoKr, LoHa, ...) are refused with the reason.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from networks.lora_files import (  # noqa: E402
     write_kohya,
     write_peft,
 )
+from networks.lycoris_network import is_lycoris_file  # noqa: E402
 
 FOLDED_MARK = "lora_alpha_folded"  # header entry of our diffusers output: alpha/rank is inside lora_B
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
@@ -154,6 +159,11 @@ def read_source(path: str, model_type: str | None):
     """-> (weights by dotted module path, metadata, format, model type, alpha known?)."""
     reader = CheckpointReader(path)
     tensors = dict(reader.items())
+    if is_lycoris_file(tensors):
+        raise CheckpointError(
+            f"{path}: a LyCORIS file (LoKr/LoHa/...) has no kohya/diffusers LoRA form: its own keys "
+            "(lora_unet_*.lokr_w1 ...) are what ComfyUI and LyCORIS load, and diffusers 0.42.1 loads LoKr only "
+            "for Flux2 and Z-Image, not FLUX.1 or Qwen-Image; merge it with tools/merge_lora.py instead")
     fmt = detect_format(tensors)
     model_type = model_type or detect_model_type(tensors)
     counts = block_counts(tensors)
@@ -166,7 +176,8 @@ def read_source(path: str, model_type: str | None):
 
 def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAWeights]:
     """Same deltas with every alpha set to `alpha`: up *= old_alpha / alpha (float32 math)."""
-    return {p: LoRAWeights(w.down, (w.up.float() * (w.alpha / alpha)).to(w.up.dtype), alpha) for p, w in weights.items()}
+    return {p: LoRAWeights(w.down, (w.up.float() * (w.alpha / alpha)).to(w.up.dtype), alpha, w.magnitude)
+            for p, w in weights.items()}
 
 
 def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alpha: float | None = None) -> dict:

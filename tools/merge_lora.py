@@ -17,6 +17,10 @@ Streaming: the output header is computed up front from shapes and dtypes, then e
 merged and written before the next is read, so peak memory is about two tensors of the largest size
 (the float32 weight and its output copy) plus the LoRAs, whatever the model size.
 
+DoRA files (`dora_scale` / `lora_magnitude_vector`) merge as W + ratio * (m * (W + dW) / ||W + dW|| - W)
+(LoRAWeights.merged); LyCORIS files (LoKr `lokr_w1`..., LoHa `hada_w1_a`..., full `diff`...) merge
+through LyCORIS' own get_merged_weight. Several LoRAs are applied in the order given.
+
 Precision: a merged weight is W (read in its file dtype, widened to float32) + sum_i ratio_i *
 (alpha_i / rank_i) * up_i @ down_i, accumulated in float32; only then is it cast to --save_precision
 (default: each tensor keeps its file dtype). fp8 stores float8_e4m3fn Linear weights (round to nearest,
@@ -60,6 +64,7 @@ from networks.lora_files import (  # noqa: E402
     flux_diffusers_to_bfl,
     parse_lora,
 )
+from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas  # noqa: E402
 
 PRECISIONS = {**PRECISION_DTYPES, "fp8": fp8.FP8_DTYPE, "fp8_scaled": fp8.FP8_DTYPE}
 HIGH_PRECISION_DTYPE = torch.bfloat16  # fp8 modes: everything that is not an fp8 Linear weight
@@ -237,11 +242,16 @@ def _to_base_naming(base: Base, weights: dict[str, LoRAWeights]) -> dict[str, Lo
     return {**own, **convert(foreign, base.module_map)}
 
 
-def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights]:
-    """One LoRA file -> {checkpoint weight key: LoRAWeights}, checked against the base's shapes."""
+def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta]:
+    """One LoRA file -> {checkpoint weight key: LoRAWeights or LycorisDelta}, checked against the
+    base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges)."""
     name = os.path.basename(spec.path)
     reader = CheckpointReader(spec.path)
-    weights, fmt = parse_lora(dict(reader.items()), reader.metadata, None, source=spec.path)
+    tensors = dict(reader.items())
+    if is_lycoris_file(tensors):  # LoKr, LoHa, ...: kohya names only, no BFL <-> diffusers translation
+        weights, fmt = lycoris_deltas(tensors), "kohya"
+    else:
+        weights, fmt = parse_lora(tensors, reader.metadata, None, source=spec.path)
     known = list(base.weight_key) + base.alternate_paths()
     if fmt == "kohya":
         paths = _resolve_kohya(weights, known)
@@ -268,6 +278,8 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     if unmatched:
         print(f"warning: {name}: skipped {len(unmatched)} unmatched LoRA modules: {', '.join(unmatched)}", file=sys.stderr)
     for key, w in matched.items():
+        if isinstance(w, LycorisDelta):
+            continue
         want = base.reader.shape(key)
         got = (w.up.shape[0], w.down.shape[1])
         if got != want:
@@ -317,8 +329,11 @@ class Plan:
             if key in self.deltas:
                 # float32 [out, in], a copy: the delta is added here, never in fp8/bf16
                 tensor = tensor.to(torch.float32, copy=True)
-                for ratio, w in self.deltas[key]:
-                    tensor.addmm_(w.up.float(), w.down.float(), alpha=ratio * w.scale)
+                for ratio, w in self.deltas[key]:  # in the order given (DoRA normalises what is there)
+                    if isinstance(w, LoRAWeights) and w.magnitude is None:
+                        tensor.addmm_(w.up.float(), w.down.float(), alpha=ratio * w.scale)
+                    else:  # DoRA or LyCORIS: the merged weight, not an additive low-rank delta
+                        tensor = w.merged(tensor, ratio)
             if self.is_fp8_weight(key):
                 yield from self._quantized(key, tensor, self.generator).items()
             else:

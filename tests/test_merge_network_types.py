@@ -1,0 +1,104 @@
+"""tools/merge_lora.py and tools/convert_lora.py on DoRA and LyCORIS files: the merged checkpoint
+gives the output of the unmerged network, DoRA converts kohya <-> diffusers exactly, a LyCORIS
+file is refused by convert with the reason."""
+
+import pytest
+import torch
+
+from library.models.flux1.checkpoint import load_flux, save_flux_bfl
+from library.models.flux1.model import Flux
+from networks.lora import LoRANetwork
+from networks.lycoris_network import LycorisNetwork
+from tests.test_merge_convert import FLUX_CFG, flux_inputs, merge, only_line, randomized, run
+from tools import convert_lora
+
+
+def flux_base(tmp_path):
+    model = randomized(Flux(FLUX_CFG), 1)
+    save_flux_bfl(model, str(tmp_path / "base.safetensors"))
+    return model
+
+
+def random_(net, scale):
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in net.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * (p.abs().mean() + 0.1))
+
+
+def test_dora_merge_equals_the_unmerged_dora_and_a_lora_after_it(tmp_path):
+    model = flux_base(tmp_path)
+    dora = LoRANetwork(model, "flux", 4, 2.0, network_args={"dora": True})
+    lora = LoRANetwork(model, "flux", 2, 2.0)
+    random_(dora, 0.5), random_(lora, 0.5)
+    dora.save(str(tmp_path / "dora.safetensors")), lora.save(str(tmp_path / "lora.safetensors"))
+    base = run(model, flux_inputs())
+    dora.set_multiplier(0.7), dora.apply()
+    expected = run(model, flux_inputs())
+    dora.remove()
+    assert (expected - base).abs().max() > 0.05
+    assert merge("--model", tmp_path / "base.safetensors", "--lora", f"{tmp_path / 'dora.safetensors'}:0.7",
+                 "--save_to", tmp_path / "m.safetensors") == 0
+    assert (run(load_flux(str(tmp_path / "m.safetensors")), flux_inputs()) - expected).abs().max() <= 1e-5
+
+
+def merged_equals_unmerged(tmp_path, model, named_args_ratios):
+    nets = []
+    for name, algo, ratio in named_args_ratios:
+        net = LycorisNetwork(model, "flux", 4, 2.0, network_args=algo)
+        random_(net, 0.3)
+        net.save(str(tmp_path / f"{name}.safetensors"))
+        nets.append((net, ratio))
+    base = run(model, flux_inputs())
+    for net, ratio in nets:
+        net.set_multiplier(ratio), net.apply()
+    expected = run(model, flux_inputs())
+    for net, _ in reversed(nets):
+        net.remove()
+    specs = [f"{tmp_path / name}.safetensors:{ratio}" for name, _, ratio in named_args_ratios]
+    assert merge("--model", tmp_path / "base.safetensors", "--lora", *specs, "--save_to", tmp_path / "m.safetensors") == 0
+    return (expected - base).abs().max(), (run(load_flux(str(tmp_path / "m.safetensors")), flux_inputs()) - expected).abs().max()
+
+
+@pytest.mark.parametrize("files", [
+    [("lokr", {"algo": "lokr", "factor": 4}, 0.8), ("loha", {"algo": "loha"}, -0.5), ("locon", {"algo": "locon"}, 0.5)],
+    [("dokr", {"algo": "lokr", "factor": 8, "dora_wd": True}, 0.6)],  # weight-decomposed: each alone
+    [("dora", {"algo": "locon", "dora_wd": True}, 1.0)],
+], ids=["lokr+loha+locon", "lokr-dora_wd", "locon-dora_wd"])
+def test_lycoris_merge_equals_the_unmerged_network(tmp_path, files):
+    """alpha != rank, where lycoris' get_merged_weight would apply alpha / rank twice."""
+    effect, error = merged_equals_unmerged(tmp_path, flux_base(tmp_path), files)
+    assert effect > 0.05 and error <= 1e-5, (effect, error)
+
+
+def test_lycoris_algo_merge_cannot_write_is_one_line_and_no_output(tmp_path, capsys):
+    model = flux_base(tmp_path)
+    LycorisNetwork(model, "flux", 4, network_args={"algo": "full"}).save(str(tmp_path / "full.safetensors"))
+    capsys.readouterr()
+    assert merge("--model", tmp_path / "base.safetensors", "--lora", tmp_path / "full.safetensors",
+                 "--save_to", tmp_path / "m.safetensors") == 2
+    assert "is a FullModule: merging supports LoKr, LoHa and LoCon" in only_line(capsys.readouterr().err)
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_dora_converts_kohya_diffusers_kohya_exactly_and_lycoris_is_refused(tmp_path, capsys):
+    model = flux_base(tmp_path)
+    dora = LoRANetwork(model, "flux", 4, 2.0, network_args={"dora": True, "train_modulation": True})
+    random_(dora, 0.5)
+    dora.save(str(tmp_path / "dora.safetensors"))
+    for args in (["dora.safetensors", "d.safetensors", "--to", "diffusers"], ["d.safetensors", "back.safetensors", "--to", "kohya"]):
+        assert convert_lora.main([str(tmp_path / args[0]), str(tmp_path / args[1]), *args[2:]]) == 0
+    dora.apply()
+    expected = run(model, flux_inputs())
+    dora.remove()
+    back = LoRANetwork.from_weights(model, "flux", str(tmp_path / "back.safetensors"))
+    back.apply()
+    assert (run(model, flux_inputs()) - expected).abs().max() <= 1e-5
+    back.remove()
+    lokr = LycorisNetwork(model, "flux", 4, network_args={"algo": "lokr"})
+    lokr.save(str(tmp_path / "lokr.safetensors"))
+    capsys.readouterr()
+    assert convert_lora.main([str(tmp_path / "lokr.safetensors"), str(tmp_path / "x.safetensors"), "--to", "diffusers"]) == 2
+    line = only_line(capsys.readouterr().err)
+    assert "a LyCORIS file (LoKr/LoHa/...) has no kohya/diffusers LoRA form" in line and "Flux2 and Z-Image" in line
+    assert not (tmp_path / "x.safetensors").exists()
