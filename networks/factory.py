@@ -34,3 +34,14 @@ def build_network(network_module: str, model: nn.Module, family: str, rank: int,
                   network_args: dict | None = None, multiplier: float = 1.0) -> nn.Module:
     """A fresh network of the chosen type on `model` (not applied; in eval mode)."""
     return network_class(network_module)(model, family, rank, alpha, multiplier=multiplier, network_args=network_args)
+
+
+def network_from_file(model: nn.Module, family: str, path: str, multiplier: float = 1.0) -> nn.Module:
+    """The network a LoRA / DoRA / LyCORIS file describes, on `model` (not applied)."""
+    from safetensors import safe_open
+
+    from networks.lycoris_network import is_lycoris_file
+
+    with safe_open(path, framework="pt") as f:
+        lycoris = is_lycoris_file(list(f.keys()))
+    return network_class("lycoris.kohya" if lycoris else "networks.lora").from_weights(model, family, path, multiplier=multiplier)

@@ -242,6 +242,23 @@ class LycorisNetwork(nn.Module):
 
     describe_loaded = staticmethod(LoRANetwork.describe_loaded)
 
+    @classmethod
+    def from_weights(cls, model: nn.Module, family: str, source, multiplier: float = 1.0) -> "LycorisNetwork":
+        """A network of exactly the modules a LyCORIS file names, rebuilt by LyCORIS from the
+        file (any algo and shape it holds); for generate and the tools."""
+        if isinstance(source, str):
+            from safetensors.torch import load_file
+
+            source = load_file(source)
+        network = cls.__new__(cls)
+        nn.Module.__init__(network)
+        network.family, network.rank, network.alpha, network.multiplier = family, 0, 0.0, multiplier
+        network.network_args, network.loraplus_lr_ratio = {}, None
+        network._model, network._fp8_targets, network._applied = [model], {}, False
+        network._add_all(read_lycoris_modules(model, source, multiplier, KOHYA_PREFIX[family], with_fp8=True))
+        network.eval()
+        return network
+
     def save(self, path: str, dtype=torch.float32, metadata: dict | None = None):
         """LyCORIS' own keys (`lora_unet_<path>.lokr_w1` ...), as its save_weights writes them."""
         header = build_metadata(network_module=self.network_module, network_dim=self.rank,
@@ -253,9 +270,10 @@ class LycorisNetwork(nn.Module):
 
 
 def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], multiplier: float = 1.0,
-                         prefix: str = "lora_unet") -> list[nn.Module]:
+                         prefix: str = "lora_unet", with_fp8: bool = False) -> list:
     """LyCORIS modules rebuilt from a file's tensors by LyCORIS itself (any algo it knows), each
-    bound to the model module it names (FP8Linears through an FP8LinearView); not applied."""
+    bound to the model module it names (FP8Linears through an FP8LinearView); not applied.
+    with_fp8: (module, the FP8Linear it wraps or None) pairs, as LycorisNetwork keeps them."""
     from lycoris.modules import get_module, make_module
 
     names = sorted({k.split(".")[0] for k in tensors})
@@ -266,14 +284,16 @@ def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], mul
     modules = []
     with _quiet_lycoris():
         for name in names:
-            base = by_name[name]
-            base = FP8LinearView(base) if isinstance(base, FP8Linear) else base
+            target = by_name[name]
+            base = FP8LinearView(target) if isinstance(target, FP8Linear) else target
             algo, params = get_module(tensors, name)
-            module = make_module(algo, params, name, base)
+            module = make_module(algo, params, name, base) if algo is not None else None
             if module is None:
                 raise CheckpointError(f"LyCORIS module '{name}': LyCORIS does not recognise its keys")
+            if getattr(module, "wd", False):  # LyCORIS' loader picks bypass for a non-`Linear` class, which drops dora_wd
+                module.bypass_mode = False
             module.multiplier = multiplier
-            modules.append(module)
+            modules.append((module, target if base is not target else None) if with_fp8 else module)
     return modules
 
 

@@ -70,7 +70,7 @@ def test_lokr_adapts_our_lora_targets_with_lycoris_keys():
 
 
 @pytest.mark.parametrize("algo_args", [LOKR, {"algo": "loha"}, {**LOKR, "dora_wd": True}])
-def test_lycoris_on_fp8_base_equals_dequantized_base_and_only_lycoris_trains(algo_args):
+def test_lycoris_on_fp8_base_equals_dequantized_base_and_only_lycoris_trains(algo_args, tmp_path):
     torch.manual_seed(0)
     model = tiny_flux()
     quantize_module(model, "fp8_scaled", "flux")
@@ -103,6 +103,13 @@ def test_lycoris_on_fp8_base_equals_dequantized_base_and_only_lycoris_trains(alg
     assert not any(t.requires_grad for t in model.parameters()) and all(b.grad is None for b in model.buffers())
     net8.remove()
     assert (model(*x) - before).abs().max() == 0
+    # a LyCORIS file read for generation on the fp8 base (FP8Linears through their views)
+    from networks.factory import network_from_file
+
+    ref_net.save(str(tmp_path / "n.safetensors"))
+    from_file = network_from_file(model, "flux", str(tmp_path / "n.safetensors"))
+    from_file.apply()
+    assert (model(*x) - expected).abs().max() < 1e-5
 
 
 def test_lokr_file_round_trips_through_our_network_and_lycoris_own_loader(tmp_path):
@@ -130,6 +137,17 @@ def test_lokr_file_round_trips_through_our_network_and_lycoris_own_loader(tmp_pa
     for m in modules:
         m.apply_to()
     assert (model(*x) - trained).abs().max() < 1e-6 and (trained - base).abs().max() > 1e-3
+    for m in modules:
+        m.restore()
+    # what generate.py does with any LoRA file: the network the file names
+    from networks.factory import network_from_file
+
+    from_file = network_from_file(model, "flux", path)
+    assert isinstance(from_file, LycorisNetwork) and len(from_file.lycoris_modules()) == 29
+    from_file.apply()
+    assert (model(*x) - trained).abs().max() < 1e-6
+    from_file.remove()
+    assert (model(*x) - base).abs().max() == 0
     with pytest.raises(Exception, match="is not a tensor of this LyCORIS network"):
         LycorisNetwork(model, "flux", 4, network_args={"algo": "loha"}).load_weights(path)
 
@@ -142,6 +160,22 @@ def test_lokr_on_qwen_image_uses_musubi_targets():
     ours = LoRANetwork(model, "qwen_image", 4)
     assert {m.lora_name for m in net.lycoris_modules()} == {n for n, _ in ours.named_children()}
     assert len(net.lycoris_modules()) == 2 * (8 + 4)  # attention + MLP, no _mod_ (musubi-tuner's default)
+    # on the fp8 base: the LoKr changes the output, gradients reach only the LoKr
+    quantize_module(model, "fp8_scaled", "qwen_image")
+    net8 = LycorisNetwork(model, "qwen_image", 4, network_args=LOKR)
+    assert len(net8._fp8_targets) == 24
+    randomize(net8)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(1, 4, 64, generator=g), torch.randn(1, 3, 16, generator=g), torch.ones(1, 3, dtype=torch.bool),
+         torch.tensor([0.5]), [(1, 2, 2)])
+    before = model(*x).detach()
+    net8.apply(), net8.train()
+    out = model(*x)
+    assert (out - before).abs().max() > 1e-3
+    out.square().mean().backward()
+    # (the last block's text-stream outputs are discarded by the model, so block 0 is the check)
+    assert all(p.grad is not None for n, p in net8.named_parameters() if "_blocks_0_" in n)
+    assert not any(p.requires_grad for p in model.parameters())
 
 
 def test_train_lora_trains_a_lokr_on_tiny_fp8_flux(tiny_set, tmp_path):

@@ -73,7 +73,7 @@ def collect_prompts(args) -> list[SamplePrompt]:
 
 def generate(args) -> list[str]:
     from library.data.images import save_png, to_pil
-    from networks.lora import LoRANetwork
+    from networks.factory import network_from_file
 
     prompts = collect_prompts(args)
     loras = [parse_lora(s) for s in args.lora]
@@ -86,7 +86,7 @@ def generate(args) -> list[str]:
     device = torch.device(args.device)
     model = family.load_transformer(PRECISION_DTYPES[args.dtype], args.base_precision).to(device).eval()
     for path, ratio in loras:  # each LoRA patched on top of the previous, unmerged
-        network = LoRANetwork.from_weights(model, family.name, path, multiplier=ratio)  # the modules the file names
+        network = network_from_file(model, family.name, path, multiplier=ratio)  # LoRA, DoRA or LyCORIS: the modules the file names
         network.apply()
         network.to(device)
     vae = family.load_vae(torch.float32)
