@@ -41,9 +41,8 @@ LYCORIS_ARGS = {
     "algo", "conv_dim", "conv_alpha", "dropout", "rank_dropout", "module_dropout", "use_tucker",
     "use_cp", "use_conv_cp", "disable_conv_cp", "use_scalar", "block_size", "train_norm", "constraint",
     "rescaled", "dora_wd", "wd_on_output", "full_matrix", "bypass_mode", "rs_lora",
-    "unbalanced_factorization", "decompose_both", "factor", "preset", "loraplus_lr_ratio",
-    "loraplus_unet_lr_ratio", "rank_dropout_scale",
-}
+    "unbalanced_factorization", "decompose_both", "factor", "preset", "rank_dropout_scale",
+}  # not loraplus_*: our param_groups do not split LyCORIS parameters, so they are refused as unknown
 # Our target-selection args (networks.lora), used to build the target list when no preset is given.
 SELECTION_ARGS = {
     "train_blocks", "train_double_block_indices", "train_single_block_indices", "block_indices",
