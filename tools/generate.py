@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, default=None, help="flux-dev: embedded guidance (3.5); qwen: CFG (4.0)")
     p.add_argument("--base_precision", default="bf16", choices=BASE_PRECISIONS)
     p.add_argument("--dtype", default="bf16", choices=tuple(PRECISION_DTYPES), help="compute dtype")
+    p.add_argument("--blocks_to_swap", type=int, default=0, help="keep the last N blocks' weights in CPU memory")
     p.add_argument("--lora", nargs="*", default=[], help="LoRA files, each FILE or FILE:RATIO")
     p.add_argument("--out", default="generated", help="output folder")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -73,6 +74,7 @@ def collect_prompts(args) -> list[SamplePrompt]:
 
 def generate(args) -> list[str]:
     from library.data.images import save_png, to_pil
+    from library.models.block_swap import enable_block_swap
     from networks.factory import network_from_file
 
     prompts = collect_prompts(args)
@@ -84,11 +86,13 @@ def generate(args) -> list[str]:
              for p in prompts]
     del encode  # text encoders are freed before the transformer is loaded
     device = torch.device(args.device)
-    model = family.load_transformer(PRECISION_DTYPES[args.dtype], args.base_precision).to(device).eval()
-    for path, ratio in loras:  # each LoRA patched on top of the previous, unmerged
+    model = family.load_transformer(PRECISION_DTYPES[args.dtype], args.base_precision).requires_grad_(False).eval()
+    for path, ratio in loras:  # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it)
         network = network_from_file(model, family.name, path, multiplier=ratio)  # LoRA, DoRA or LyCORIS: the modules the file names
         network.apply()
         network.to(device)
+    enable_block_swap(model, args.blocks_to_swap, device)  # before the move: swapped weights stay on the CPU
+    model.to(device)
     vae = family.load_vae(torch.float32)
     vae.vae.to(device)
     os.makedirs(args.out, exist_ok=True)

@@ -256,8 +256,14 @@ def timestep_embedding(
 # Gradient checkpointing
 
 
-def run_block(block: nn.Module, use_checkpoint: bool, *args, **kwargs):
-    """Call a block, through non-reentrant activation checkpointing when training with it on."""
+def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: int = 0, **kwargs):
+    """Call a block, through non-reentrant activation checkpointing when training with it on.
+    swap: the model's BlockSwap (library/models/block_swap.py) or None; `index` is the block's
+    position in run order, so the swap can bring its weights in before and release them after."""
+    if swap is not None:
+        swap.before_forward(index)
     if use_checkpoint and torch.is_grad_enabled():
-        return checkpoint(block, *args, use_reentrant=False, **kwargs)
-    return block(*args, **kwargs)
+        out = checkpoint(block, *args, use_reentrant=False, **kwargs)
+    else:
+        out = block(*args, **kwargs)
+    return out if swap is None else swap.after_forward(index, out)

@@ -74,6 +74,7 @@ SCHEMA: dict[str, Arg] = {
     "fp8_base": A(bool, False, "store base Linear weights in float8_e4m3fn"),
     "fp8_scaled": A(bool, True, "with fp8_base: per-block absmax scales (False = plain cast, as sd-scripts)"),
     "gradient_checkpointing": A(bool, False, "per-block activation checkpointing"),
+    "blocks_to_swap": A(int, 0, "keep the last N transformer blocks' frozen weights in CPU memory, copied in per use"),
     "allow_tf32": A(bool, True, "TF32 matmuls on CUDA"),
     "torch_compile": A(bool, False, "torch.compile each transformer block"),
     "seed": A(int, 42, "random seed"),
@@ -273,6 +274,12 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     for key in ("network_dim", "max_train_steps", "gradient_accumulation_steps"):
         if getattr(args, key) < 1:
             raise ConfigError(f"{where}: key '{key}' must be >= 1, got {getattr(args, key)}")
+    if args.blocks_to_swap < 0:
+        raise ConfigError(f"{where}: key 'blocks_to_swap' must be >= 0, got {args.blocks_to_swap}")
+    if args.blocks_to_swap and args.model_type == "llm":
+        raise ConfigError(f"{where}: key 'blocks_to_swap' is for the diffusion transformers (flux, qwen_image), not llm")
+    if args.blocks_to_swap and args.torch_compile:  # compiled blocks would guard on the swapped tensors
+        raise ConfigError(f"{where}: blocks_to_swap and torch_compile cannot be combined yet; turn one off")
     if args.learning_rate <= 0:
         raise ConfigError(f"{where}: key 'learning_rate' must be > 0, got {args.learning_rate}")
     if args.model_type != "llm":

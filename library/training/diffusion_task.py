@@ -55,10 +55,10 @@ class DiffusionTask:
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
         self.prompts = self._read_prompts()
         self._fill_caches()  # also encodes the sample prompts, then frees the encoders
-        self.base = self.family.load_transformer(self.compute_dtype, base_precision(args)).to(self.device)
-        self.base.requires_grad_(False).eval()
+        self.base = self._load_base()
         self.base.gradient_checkpointing = args.gradient_checkpointing
-        self.network = self._make_network()
+        self.network = self._make_network()  # on the CPU base: DoRA's norms read the weights
+        self._to_device(self.base)
         if args.torch_compile:
             self._compile_blocks()
         self.module = LoRALoss(self.family, self.base, self.network, args)
@@ -104,6 +104,21 @@ class DiffusionTask:
         encoded = cache_latents(items, lambda x: vae.encode(x.to(self.device)), latent_key,
                                 to_disk=self.args.cache_latents_to_disk)
         self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
+
+    def _load_base(self) -> nn.Module:
+        """The frozen transformer, on the CPU: LoRA goes on it there, then _to_device moves it."""
+        return self.family.load_transformer(self.compute_dtype, base_precision(self.args)).requires_grad_(False).eval()
+
+    def _to_device(self, base: nn.Module) -> nn.Module:
+        """Swapped blocks' weights move to pinned CPU memory first, so the base is never on the
+        device whole (a 24 GB card could not hold it)."""
+        from library.models.block_swap import enable_block_swap
+
+        try:
+            enable_block_swap(base, self.args.blocks_to_swap, self.device)
+        except ValueError as e:
+            raise ConfigError(f"{self.args.pretrained_model_name_or_path}: {e}") from None
+        return base.to(self.device)
 
     def _make_network_for(self, base: nn.Module) -> nn.Module:
         args = self.args
@@ -212,9 +227,10 @@ class DiffusionTask:
         bases = [(base_precision(self.args), self.base)]
         if self.args.fp8_base and self.args.sample_bf16_reference:
             # The same LoRA on a bf16 copy of the base, streamed from disk for this render only.
-            reference = self.family.load_transformer(self.compute_dtype, "bf16").to(self.device).eval()
+            reference = self.family.load_transformer(self.compute_dtype, "bf16").requires_grad_(False).eval()
             reference_net = self._make_network_for(reference)
             reference_net.load_weights(self.network.state_dict())
+            self._to_device(reference)
             bases = [("bf16", reference)] + bases
         vae = self.family.load_vae(torch.float32)
         vae.vae.to(self.device)

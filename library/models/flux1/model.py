@@ -222,6 +222,7 @@ class Flux(nn.Module):
         h = cfg.hidden_size
         self.compute_dtype = torch.float32
         self.gradient_checkpointing = False
+        self.block_swap = None  # a BlockSwap once enable_block_swap() is called
 
         self.img_in = nn.Linear(cfg.in_channels, h)
         self.time_in = MLPEmbedder(256, h)
@@ -267,12 +268,17 @@ class Flux(nn.Module):
 
         img = self.img_in(img.to(dtype))
         txt = self.txt_in(txt.to(dtype))
-        for block in self.double_blocks:
-            img, txt = run_block(block, self.gradient_checkpointing, img, txt, vec, cos, sin)
+        ckpt, swap, depth = self.gradient_checkpointing, self.block_swap, len(self.double_blocks)
+        for i, block in enumerate(self.double_blocks):
+            img, txt = run_block(block, ckpt, img, txt, vec, cos, sin, swap=swap, index=i)
         x = torch.cat((txt, img), dim=1)
-        for block in self.single_blocks:
-            x = run_block(block, self.gradient_checkpointing, x, vec, cos, sin)
+        for i, block in enumerate(self.single_blocks):
+            x = run_block(block, ckpt, x, vec, cos, sin, swap=swap, index=depth + i)
         return self.final_layer(x[:, txt.shape[1] :], vec)
+
+    def swappable_blocks(self) -> list[nn.Module]:
+        """The blocks in run order (block swap moves the last N of these: single blocks first)."""
+        return [*self.double_blocks, *self.single_blocks]
 
 
 def _batched_ids(ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

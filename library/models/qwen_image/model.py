@@ -239,6 +239,7 @@ class QwenImage(nn.Module):
         dim = config.inner_dim
         self.compute_dtype = torch.float32
         self.gradient_checkpointing = False
+        self.block_swap = None  # a BlockSwap once enable_block_swap() is called
         self.time_text_embed = TimeTextEmbed(dim)
         self.txt_norm = core.RMSNorm(config.joint_attention_dim)
         self.img_in = nn.Linear(config.in_channels, dim)
@@ -273,9 +274,14 @@ class QwenImage(nn.Module):
         temb = self.time_text_embed.timestep_embedder(timesteps.reshape(-1).expand(batch), self.compute_dtype)
         img = self.img_in(img.to(self.compute_dtype))
         txt = self.txt_in(self.txt_norm(txt.to(self.compute_dtype)))
-        for block in self.transformer_blocks:
-            img, txt = core.run_block(block, self.gradient_checkpointing, img, txt, temb, cos, sin, key_mask)
+        for i, block in enumerate(self.transformer_blocks):
+            img, txt = core.run_block(block, self.gradient_checkpointing, img, txt, temb, cos, sin, key_mask,
+                                      swap=self.block_swap, index=i)
         return self.proj_out(self.norm_out(img, temb))
+
+    def swappable_blocks(self) -> list[nn.Module]:
+        """The blocks in run order (block swap moves the last N of these)."""
+        return list(self.transformer_blocks)
 
 
 # ----------------------------------------------------------------------------------------------

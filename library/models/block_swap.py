@@ -1,0 +1,185 @@
+"""Block swap (sd-scripts / musubi-tuner `blocks_to_swap`): the frozen weights of the last N
+transformer blocks live in (pinned) CPU memory and are copied to the device just before each use.
+
+One step, for blocks s..n-1 swapped (at most two of them on the device at any time):
+  forward   before block i: wait for i's copy, start copying i+1 (a side CUDA stream, so the copy
+            overlaps block i's compute); after block i: release i.
+  backward  an identity autograd node at block i's outputs fires before block i's backward (and
+            before its checkpoint recompute): release i+1, wait for i, start copying i-1. Whatever
+            is still resident when backward ends is released by an engine callback.
+Only frozen tensors move (base parameters and buffers: bf16 weights, fp8 codes and scales); the
+LoRA lives outside the block tree (it patches forwards), so it and its optimizer state never move.
+
+"Release" swaps each tensor's storage for an empty placeholder (`tensor.data = ...`, the same
+tensor object, so autograd's saved references see the reload before backward: no stale or
+resident copies). Any use of a released block fails loudly on the empty shape, never silently.
+
+Everything observable on CPU: `log` records ("load", i) / ("release", i) in order, and on CPU a
+"load" makes a fresh copy of the home tensor, so residency is real there too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity on one output of a block; its backward runs before the block's own backward.
+    One node per output (not one joining them): an output the loss never uses stays unreachable
+    in backward, exactly as without the swap (a joint node would send zero grads down its path)."""
+
+    @staticmethod
+    def forward(ctx, swap, index, output):
+        ctx.swap, ctx.index = swap, index
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.swap.enter_backward(ctx.index)
+        return None, None, grad
+
+
+def _frozen_tensors(block: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, attribute) of every frozen parameter and buffer of the block."""
+    found = []
+    for module in block.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if p.requires_grad:
+                    raise ValueError(f"block swap moves frozen tensors only; '{name}' of {type(module).__name__} "
+                                     f"requires grad (train LoRA on a frozen base)")
+                found.append((module, name))
+        found += [(module, name) for name, b in module._buffers.items() if b is not None]
+    return found
+
+
+class BlockSwap:
+    """Swaps blocks[first:] of a model whose blocks run in list order (see module docstring)."""
+
+    def __init__(self, blocks: list[nn.Module], blocks_to_swap: int, device: torch.device | str):
+        n = len(blocks)
+        if not 0 < blocks_to_swap < n:
+            raise ValueError(f"blocks_to_swap must be between 1 and {n - 1} for this model ({n} blocks), "
+                             f"got {blocks_to_swap}")
+        self.device = torch.device(device)
+        self.first = n - blocks_to_swap
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.tensors = {i: _frozen_tensors(blocks[i]) for i in range(self.first, n)}
+        self.homes: dict[int, list[torch.Tensor]] = {}
+        self.pending: dict[int, tuple] = {}  # index -> (copy-done event or None, device tensors)
+        self.resident: set[int] = set()
+        self.in_backward = False
+        self.log: list[tuple[str, int]] = []
+        for i, refs in self.tensors.items():  # move each tensor home: pinned CPU, placeholder in the model
+            homes = []
+            for module, name in refs:
+                t = getattr(module, name)
+                home = t.detach().to("cpu", copy=True)
+                homes.append(home.pin_memory() if self.cuda else home)
+                t.data = self._placeholder(t)
+            self.homes[i] = homes
+
+    def _placeholder(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, dtype=t.dtype, device=self.device)
+
+    def swapped(self, i: int) -> bool:
+        return i >= self.first and i in self.tensors
+
+    def resident_bytes(self) -> int:
+        """Bytes of swapped-block tensors on the device now (copies in flight included)."""
+        return sum(t.numel() * t.element_size() for _, ts in self.pending.values() for t in ts) + sum(
+            getattr(m, name).numel() * getattr(m, name).element_size() for i in self.resident for m, name in self.tensors[i])
+
+    # -- transfers ----------------------------------------------------------------------------
+    def _start_load(self, i: int):
+        if not self.swapped(i) or i in self.resident or i in self.pending:
+            return
+        self.log.append(("load", i))
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                copies = [h.to(self.device, non_blocking=True) for h in self.homes[i]]
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            self.pending[i] = (done, copies)
+        else:
+            self.pending[i] = (None, [h.clone() for h in self.homes[i]])
+
+    def _wait(self, i: int):
+        if not self.swapped(i) or i in self.resident:
+            return
+        self._start_load(i)
+        done, copies = self.pending.pop(i)
+        if done is not None:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(done)
+            for c in copies:  # allocated on the side stream, used (and freed) on the main one
+                c.record_stream(main)
+        for (module, name), c in zip(self.tensors[i], copies):
+            getattr(module, name).data = c
+        self.resident.add(i)
+
+    def _release(self, i: int):
+        if i in self.pending:  # a prefetch that was never used
+            self._wait(i)
+        if i not in self.resident:
+            return
+        for module, name in self.tensors[i]:
+            t = getattr(module, name)
+            t.data = self._placeholder(t)
+        self.resident.discard(i)
+        self.log.append(("release", i))
+
+    def release_all(self):
+        for i in sorted(self.resident | set(self.pending)):
+            self._release(i)
+
+    # -- the schedule -------------------------------------------------------------------------
+    def before_forward(self, i: int):
+        """Called for every block index before the block runs: block i resident, i+1 on its way."""
+        self._wait(i)
+        self._start_load(i + 1)
+
+    def after_forward(self, i: int, out):
+        """Called with block i's outputs; returns them (wrapped for backward when they need it)."""
+        if not self.swapped(i):
+            return out
+        if torch.is_grad_enabled():
+            outs = tuple(_BeforeBackward.apply(self, i, o) if o.requires_grad else o
+                         for o in (out if isinstance(out, tuple) else (out,)))
+            out = outs if isinstance(out, tuple) else outs[0]
+        self._release(i)
+        return out
+
+    def enter_backward(self, i: int):
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        for j in sorted(self.resident | set(self.pending), reverse=True):
+            if j > i:  # backward runs blocks in reverse: everything after i is done
+                self._release(j)
+        self._wait(i)
+        self._start_load(i - 1)
+
+    def _end_backward(self):
+        self.in_backward = False
+        self.release_all()
+
+
+def run_blocks_with_swap(swap: BlockSwap | None, index: int, call):
+    """Run `call()` (one block) under the swap schedule; without a swap, just call it."""
+    if swap is None:
+        return call()
+    swap.before_forward(index)
+    return swap.after_forward(index, call())
+
+
+def enable_block_swap(model: nn.Module, blocks_to_swap: int, device) -> BlockSwap | None:
+    """Swap the last `blocks_to_swap` blocks of `model` (its `swappable_blocks()` in run order).
+    Call before moving the model to the device: swapped weights then never touch it whole."""
+    if not blocks_to_swap:
+        model.block_swap = None
+        return None
+    model.block_swap = BlockSwap(list(model.swappable_blocks()), blocks_to_swap, device)
+    return model.block_swap

@@ -1,0 +1,158 @@
+"""Block swap on CPU: the same loss and LoRA gradients bit for bit, the transfer schedule, and
+swapped weights absent from the device between uses (library/models/block_swap.py)."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+from library.models.block_swap import enable_block_swap
+from library.precision.fp8 import quantize_module
+from networks.lora import LoRANetwork
+
+flux = importlib.import_module("library.models.flux1.model")
+qwen = importlib.import_module("library.models.qwen_image.model")
+
+
+def tiny_flux():
+    cfg = flux.FluxConfig(hidden_size=32, num_heads=2, depth=2, depth_single=2, axes_dim=(4, 6, 6),
+                          context_in_dim=8, vec_in_dim=8, guidance_embed=True)
+    inputs = dict(img=torch.randn(2, 16, 64), img_ids=flux.make_img_ids(2, 4, 4), txt=torch.randn(2, 3, 8),
+                  txt_ids=flux.make_txt_ids(2, 3), timesteps=torch.tensor([0.3, 0.7]), y=torch.randn(2, 8),
+                  guidance=torch.tensor([1.0, 1.0]))
+    return flux.Flux(cfg), "flux", inputs
+
+
+def tiny_qwen():
+    cfg = qwen.QwenImageConfig(num_layers=4, attention_head_dim=32, num_attention_heads=1, joint_attention_dim=16,
+                               axes_dims_rope=(8, 12, 12))
+    inputs = dict(img=torch.randn(2, 16, 64), txt=torch.randn(2, 5, 16), txt_mask=torch.tensor([[1] * 5, [1] * 3 + [0] * 2]),
+                  timesteps=torch.tensor([0.3, 0.7]), img_shapes=[(1, 4, 4)] * 2)
+    return qwen.QwenImage(cfg), "qwen_image", inputs
+
+
+def with_lora(model, family, base):
+    if base != "fp32":
+        model = quantize_module(model, base, family)
+    net = LoRANetwork(model, family, rank=4, alpha=2.0)
+    for m in net.lora_modules():  # a non-zero LoRA, so its gradients flow through every path
+        torch.nn.init.normal_(m.lora_up.weight, std=0.1)
+    net.apply()
+    return model, net
+
+
+def step(model, net, inputs):
+    net.zero_grad(set_to_none=True)
+    loss = model(**inputs).float().square().mean()
+    loss.backward()
+    # (Qwen-Image's last block's text stream feeds nothing: its LoRA gets no gradient, None on both sides)
+    return loss.detach(), {n: p.grad for n, p in net.named_parameters()}
+
+
+@pytest.mark.parametrize("make", [tiny_flux, tiny_qwen])
+@pytest.mark.parametrize("base", ["fp32", "fp8_scaled"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_swapping_gives_the_same_loss_and_lora_gradients_bit_for_bit(make, base, checkpointing):
+    model, family, inputs = make()
+    reference = copy.deepcopy(model)
+    model, net = with_lora(model, family, base)
+    reference, ref_net = with_lora(reference, family, base)
+    ref_net.load_state_dict(net.state_dict())
+    for m in (model, reference):
+        m.gradient_checkpointing = checkpointing
+    swap = enable_block_swap(model, 3, "cpu")
+    for _ in range(2):  # a second step: everything came back after the first
+        loss, grads = step(model, net, inputs)
+        ref_loss, ref_grads = step(reference, ref_net, inputs)
+        assert torch.equal(loss, ref_loss)
+        assert grads.keys() == ref_grads.keys() and all(
+            (grads[k] is None and ref_grads[k] is None) or torch.equal(grads[k], ref_grads[k]) for k in grads)
+        assert sum(g is not None for g in grads.values()) > len(grads) // 2
+    assert not swap.resident and not swap.pending
+    with torch.no_grad():  # sampling: forward only
+        assert torch.equal(model(**inputs), reference(**inputs))
+
+
+def test_each_step_moves_every_swapped_block_in_twice_in_run_order_and_reverse():
+    model, family, inputs = tiny_qwen()  # 4 blocks, the last 3 swapped
+    model, net = with_lora(model, family, "fp8")
+    swap = enable_block_swap(model, 3, "cpu")
+    step(model, net, inputs)
+    forward = [("load", 1), ("load", 2), ("release", 1), ("load", 3), ("release", 2), ("release", 3)]
+    backward = [("load", 3), ("load", 2), ("release", 3), ("load", 1), ("release", 2), ("release", 1)]
+    assert swap.log == forward + backward
+    swap.log.clear()
+    with torch.no_grad():
+        model(**inputs)
+    assert swap.log == forward
+
+
+def test_swapped_weights_are_not_resident_between_uses():
+    model, family, inputs = tiny_flux()  # blocks: double 0, 1, single 2, 3; the last 3 swapped
+    model, net = with_lora(model, family, "fp8_scaled")
+    model.gradient_checkpointing = True
+    swap = enable_block_swap(model, 3, "cpu")
+    blocks = model.swappable_blocks()
+    tensor_count = sum(1 for _ in blocks[0].buffers())
+    assert tensor_count > 0
+    seen = []
+
+    def watch(index):
+        def hook(module, args, output=None):
+            on_device = [i for i in range(1, 4) if all(t.numel() > 0 for t in blocks[i].buffers())]
+            seen.append((index, on_device, sorted(swap.pending)))
+        return hook
+
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(watch(i))
+    loss = model(**inputs).square().mean()
+    # After forward, before backward: no swapped block holds its weights (0-element placeholders).
+    assert all(t.numel() == 0 for i in range(1, 4) for t in blocks[i].buffers())
+    assert all(t.numel() > 0 for t in blocks[0].buffers())  # block 0 is never swapped
+    loss.backward()
+    # Each block runs with only itself resident and the next one's copy in flight; in backward, the
+    # recompute of block i runs with i resident and i - 1 in flight (i + 1 may still be held: <= 2).
+    assert seen[:4] == [(0, [], [1]), (1, [1], [2]), (2, [2], [3]), (3, [3], [])]
+    assert [s[0] for s in seen[4:]] == [3, 2, 1, 0]  # the checkpoint recomputes, in reverse
+    assert all(i in on or i == 0 for i, on, _ in seen) and all(len(on) + len(p) <= 2 for _, on, p in seen)
+    assert all(t.numel() == 0 for i in range(1, 4) for t in blocks[i].buffers())
+
+
+def test_blocks_to_swap_out_of_range_is_one_clear_error():
+    model, _, _ = tiny_qwen()
+    with pytest.raises(ValueError, match="blocks_to_swap must be between 1 and 3 .*got 4"):
+        enable_block_swap(model, 4, "cpu")
+    assert enable_block_swap(model, 0, "cpu") is None and model.block_swap is None
+
+
+def test_train_lora_with_blocks_to_swap_equals_the_run_without(tiny_set, tmp_path):
+    """The whole trainer (fp8_scaled base, checkpointing, DoRA, a sample at the end) with the last
+    3 of 4 FLUX blocks swapped writes the same LoRA, bit for bit, and the same sample image."""
+    import train_lora
+    from safetensors.torch import load_file
+    from test_train_lora import flux_args
+
+    files = {}
+    for swap in ("0", "3"):
+        out = tmp_path / f"swap{swap}"
+        code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "3", "--fp8_base", "true",
+                                         "--gradient_checkpointing", "true", "--blocks_to_swap", swap,
+                                         "--network_args", "dora=True", "--sample_bf16_reference", "true"))
+        assert code == 0
+        files[swap] = (load_file(str(out / "tiny_flux_lora.safetensors")), (out / "tiny_flux_lora_final_00.png").read_bytes())
+    assert files["0"][0].keys() == files["3"][0].keys() and any(k.endswith("dora_scale") for k in files["0"][0])
+    assert all(torch.equal(files["0"][0][k], files["3"][0][k]) for k in files["0"][0])
+    assert files["0"][1] == files["3"][1]
+
+
+def test_blocks_to_swap_config_errors_are_one_line(tiny_set, tmp_path, capsys):
+    import train_lora
+    from test_train_lora import flux_args
+
+    for extra, message in ((["--blocks_to_swap", "4"], "blocks_to_swap must be between 1 and 3 for this model (4 blocks), got 4"),
+                           (["--blocks_to_swap", "-1"], "key 'blocks_to_swap' must be >= 0, got -1"),
+                           (["--blocks_to_swap", "2", "--torch_compile", "true"], "blocks_to_swap and torch_compile")):
+        assert train_lora.main(flux_args(tiny_set, tmp_path / "bad", "--max_train_steps", "1", *extra)) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
