@@ -78,7 +78,12 @@ class BlockSwap:
                 t = getattr(module, name)
                 home = t.detach().to("cpu", copy=True)
                 homes.append(home.pin_memory() if self.cuda else home)
-                t.data = self._placeholder(t)
+                # A new tensor object, not `t.data = ...`: t may be a view (fp8 codes are reshaped
+                # from [out, in / 64, 64]) whose base would keep the whole storage on the device.
+                if name in module._parameters:
+                    module._parameters[name] = nn.Parameter(self._placeholder(t), requires_grad=False)
+                else:
+                    module._buffers[name] = self._placeholder(t)
             self.homes[i] = homes
 
     def _placeholder(self, t: torch.Tensor) -> torch.Tensor:
@@ -135,6 +140,14 @@ class BlockSwap:
         for i in sorted(self.resident | set(self.pending)):
             self._release(i)
 
+    def restore(self):
+        """Put every swapped block back on the device for good; the swap does nothing afterwards."""
+        self.release_all()
+        for i, refs in self.tensors.items():
+            for (module, name), home in zip(refs, self.homes[i]):
+                getattr(module, name).data = home.to(self.device)
+        self.tensors, self.homes = {}, {}
+
     # -- the schedule -------------------------------------------------------------------------
     def before_forward(self, i: int):
         """Called for every block index before the block runs: block i resident, i+1 on its way."""
@@ -178,6 +191,8 @@ def run_blocks_with_swap(swap: BlockSwap | None, index: int, call):
 def enable_block_swap(model: nn.Module, blocks_to_swap: int, device) -> BlockSwap | None:
     """Swap the last `blocks_to_swap` blocks of `model` (its `swappable_blocks()` in run order).
     Call before moving the model to the device: swapped weights then never touch it whole."""
+    if getattr(model, "block_swap", None) is not None:
+        model.block_swap.restore()
     if not blocks_to_swap:
         model.block_swap = None
         return None

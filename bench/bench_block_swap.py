@@ -1,0 +1,137 @@
+"""Block swap on a full-size FLUX.1-dev / Qwen-Image transformer: peak device memory and step time
+for blocks_to_swap = 0 / N1 / N2 ..., in one process on the same random weights.
+
+Each setting runs LoRA training steps (rank 16, default targets, AdamW, gradient checkpointing,
+batch 1, an MSE loss against a fixed random target) and reports: the median step time, the ratio to
+blocks_to_swap = 0 (the swap overhead: 1.00 = copies fully hidden behind compute), the peak
+torch.cuda.max_memory_allocated during the steps, and the bytes copied per step.
+
+    python bench/bench_block_swap.py --family flux --base fp8_scaled --swaps 0,8,16,30 --res 1024
+    python bench/bench_block_swap.py --family qwen_image --base fp8_scaled --swaps 0,20,40 --res 1024
+
+Weights are random (normal, std 0.02) and built straight on the device; swapped blocks go to
+pinned CPU memory. Needs CUDA (on CPU the same code runs, but there is nothing to overlap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from library.models.block_swap import enable_block_swap  # noqa: E402
+from library.models.flux1.model import FLUX_DEV, Flux, make_img_ids, make_txt_ids  # noqa: E402
+from library.models.qwen_image.model import QWEN_IMAGE, QwenImage  # noqa: E402
+from library.precision.fp8 import FP8Linear, prepare_fp8, quantize_weight  # noqa: E402
+from networks.lora import LoRANetwork  # noqa: E402
+
+GiB = 2**30
+
+
+@torch.no_grad()
+def random_model(family: str, base: str, device: torch.device) -> nn.Module:
+    """Full-size model with random weights, bf16 compute, built on meta and filled on the device."""
+    with torch.device("meta"):
+        model = Flux(FLUX_DEV) if family == "flux" else QwenImage(QWEN_IMAGE)
+    if base != "bf16":
+        prepare_fp8(model, base, family)
+    model.to_empty(device=device)
+    gen = torch.Generator(device).manual_seed(0)
+    for module in model.modules():
+        if isinstance(module, FP8Linear):
+            w = torch.randn(module.out_features, module.in_features, device=device, generator=gen, dtype=torch.bfloat16) * 0.02
+            module.weight, module.weight_scale = quantize_weight(w, base)
+        for name, p in module.named_parameters(recurse=False):
+            if p.dtype != torch.bfloat16 and p.is_floating_point():
+                p.data = p.data.to(torch.bfloat16)
+            if name == "weight" and p.dim() == 1:
+                p.fill_(1.0)  # norms
+            else:
+                p.normal_(0, 0.02, generator=gen)
+    model.compute_dtype = torch.bfloat16
+    model.requires_grad_(False).eval()
+    model.gradient_checkpointing = True
+    return model
+
+
+def inputs_for(family: str, res: int, device: torch.device, text_len: int = 512) -> tuple[dict, int]:
+    h = w = res // 16  # 2x2 patches of the 8x-downsampled latent
+    if family == "flux":
+        cfg = FLUX_DEV
+        return dict(img=torch.randn(1, h * w, cfg.in_channels, device=device), img_ids=make_img_ids(1, h, w, device),
+                    txt=torch.randn(1, text_len, cfg.context_in_dim, device=device), txt_ids=make_txt_ids(1, text_len, device),
+                    timesteps=torch.tensor([0.5], device=device), y=torch.randn(1, cfg.vec_in_dim, device=device),
+                    guidance=torch.tensor([1.0], device=device)), h * w
+    cfg = QWEN_IMAGE
+    return dict(img=torch.randn(1, h * w, cfg.in_channels, device=device),
+                txt=torch.randn(1, text_len, cfg.joint_attention_dim, device=device),
+                txt_mask=torch.ones(1, text_len, dtype=torch.bool, device=device),
+                timesteps=torch.tensor([0.5], device=device), img_shapes=[(1, h, w)]), h * w
+
+
+def run_setting(model, net, optimizer, inputs, target, steps: int, device) -> tuple[list[float], int]:
+    times = []
+    torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(steps):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        loss = (model(**inputs).float() - target).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times, torch.cuda.max_memory_allocated(device)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", default="flux", choices=("flux", "qwen_image"))
+    p.add_argument("--base", default="fp8_scaled", choices=("bf16", "fp8", "fp8_scaled"))
+    p.add_argument("--swaps", default="0,8,16")
+    p.add_argument("--res", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=4, help="timed steps per setting (after 1 warmup)")
+    p.add_argument("--rank", type=int, default=16)
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    model = random_model(args.family, args.base, device)
+    net = LoRANetwork(model, args.family, rank=args.rank, alpha=args.rank)
+    net.apply()
+    net.to(device).train()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-5)
+    inputs, tokens = inputs_for(args.family, args.res, device)
+    with torch.no_grad():
+        target = torch.randn_like(model(**inputs).float())
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    print(f"{args.family} {args.base} base: {weights / GiB:.2f} GiB of weights, {tokens} image tokens "
+          f"({args.res}px), LoRA {sum(p.numel() for p in net.parameters()) / 1e6:.1f} M params, torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name(device)}")
+    rows, reference = [], None
+    for n in [int(s) for s in args.swaps.split(",")]:
+        swap = enable_block_swap(model, n, device)
+        torch.cuda.empty_cache()
+        moved = 0 if swap is None else sum(h.numel() * h.element_size() for hs in swap.homes.values() for h in hs)
+        run_setting(model, net, optimizer, inputs, target, 1, device)  # warmup
+        times, peak = run_setting(model, net, optimizer, inputs, target, args.steps, device)
+        t = statistics.median(times)
+        reference = reference or t
+        rows.append((n, t, t / reference, peak / GiB, 2 * moved / GiB))
+        print(f"blocks_to_swap {n:3d}: step {t:.3f} s (x{t / reference:.3f}), peak {peak / GiB:.2f} GiB, "
+              f"copied {2 * moved / GiB:.2f} GiB/step ({2 * moved / GiB / t:.1f} GiB/s needed)", flush=True)
+    enable_block_swap(model, 0, device)
+    print("\n| blocks_to_swap | step (s) | vs 0 | peak allocated (GiB) | copied per step (GiB) |")
+    print("|---|---|---|---|---|")
+    for n, t, ratio, peak, copied in rows:
+        print(f"| {n} | {t:.3f} | x{ratio:.3f} | {peak:.2f} | {copied:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
