@@ -190,7 +190,7 @@ class LoRAModule(nn.Module):
         if training and self.module_dropout and torch.rand(()) < self.module_dropout:
             return out
         # Branch dtype: x -> LoRA weight dtype (float32 by default) unless autocast picks it.
-        if not torch.is_autocast_enabled(x.device.type):
+        if x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):  # meta: the memory planner
             x = x.to(self.lora_down.weight.dtype)
         lx = self.lora_down(x)
         if training and self.dropout:

@@ -89,7 +89,8 @@ class DiffusionFamily:
         return self.name
 
     # -- loading -------------------------------------------------------------------------------
-    def load_transformer(self, dtype: torch.dtype, base_precision: str = "bf16") -> nn.Module:
+    def load_transformer(self, dtype: torch.dtype, base_precision: str = "bf16", read_weights: bool = True) -> nn.Module:
+        """The frozen transformer on the CPU; read_weights=False: on meta from the file's header."""
         raise NotImplementedError
 
     def load_vae(self, dtype: torch.dtype = torch.float32):

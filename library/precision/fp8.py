@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError, CheckpointReader
+from library.models.core import autocast_off
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -215,11 +216,12 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)  # meta: the planner
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
         bias = None if self.bias is None else self.bias.to(dtype)
         # The weight is dequantized to the compute dtype inside the function, in forward and
         # again in backward; autocast is off inside so the matmul runs in exactly that dtype.
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             return _FP8LinearFunction.apply(x.to(dtype), self.weight, self.weight_scale, bias, dtype)
 
     def _apply(self, fn, recurse=True):

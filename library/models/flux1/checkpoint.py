@@ -348,6 +348,7 @@ def load_flux(
     config: FluxConfig | None = None,
     convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
     prepare: Callable[[Flux], Callable | None] | None = None,
+    read_weights: bool = True,
 ) -> Flux:
     """Load a FLUX.1 transformer from a BFL single file (optionally with a ComfyUI
     `model.diffusion_model.` / `diffusion_model.` prefix) or a diffusers folder (the pipeline
@@ -404,7 +405,10 @@ def load_flux(
         if convert is not None:
             raise ValueError("load_flux: give the convert hook either as convert= or as prepare's result, not both")
         convert = hook
-    load_streaming(model, source, rename, dtype=dtype, convert=convert)
+    if read_weights:
+        load_streaming(model, source, rename, dtype=dtype, convert=convert)
+    else:  # the memory planner: the model as it would load, on meta, from the file's header alone
+        model.to(dtype)
     model.compute_dtype = dtype
     return model
 

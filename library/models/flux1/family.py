@@ -15,10 +15,11 @@ class FluxFamily(DiffusionFamily):
     text_path_keys = ("clip_l", "t5xxl")
     sample_guidance = 3.5
 
-    def load_transformer(self, dtype, base_precision="bf16"):
+    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         from library.models.flux1.checkpoint import load_flux
 
-        return load_flux(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name))
+        return load_flux(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name),
+                         read_weights=read_weights)
 
     def load_vae(self, dtype=torch.float32):
         from library.models.vae import load_flux_vae

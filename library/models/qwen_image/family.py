@@ -26,10 +26,11 @@ class QwenImageFamily(DiffusionFamily):
         return {"template": te.QWEN_IMAGE_PROMPT_TEMPLATE, "drop": te.QWEN_IMAGE_DROP_TOKENS,
                 "max_tokens": te.QWEN_IMAGE_MAX_TOKENS}
 
-    def load_transformer(self, dtype, base_precision="bf16"):
+    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         from library.models.qwen_image.model import load_qwen_image
 
-        return load_qwen_image(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name))
+        return load_qwen_image(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name),
+                         read_weights=read_weights)
 
     def load_vae(self, dtype=torch.float32):
         from library.models.vae import load_qwen_image_vae

@@ -342,6 +342,7 @@ def load_qwen_image(
     config: QwenImageConfig | None = None,
     convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
     prepare: Callable[[nn.Module], Callable | None] | None = None,
+    read_weights: bool = True,
 ) -> QwenImage:
     """Load a Qwen-Image transformer: a diffusers pipeline folder (uses `transformer/`), a
     transformer folder (config.json + safetensors, sharded or not) or a single safetensors file
@@ -367,7 +368,10 @@ def load_qwen_image(
         if convert is not None:
             raise ValueError("load_qwen_image: give the convert hook as convert= or as prepare's result, not both")
         convert = hook
-    load_streaming(model, reader, rename=lambda key: key[len(prefix):], dtype=dtype, convert=convert)
+    if read_weights:
+        load_streaming(model, reader, rename=lambda key: key[len(prefix):], dtype=dtype, convert=convert)
+    else:  # the memory planner: the model as it would load, on meta, from the file's header alone
+        model.to(dtype)
     model.compute_dtype = dtype
     return model
 

@@ -1,0 +1,178 @@
+"""The memory planner: each phase of a run simulated on `meta`, from the checkpoints' headers.
+
+No weight is read. The transformer is built exactly as train_lora.py builds it (the family's loader
+with read_weights=False: config from the file, fp8 layers prepared, the file's own fp8 layout if
+pre-quantized), the LoRA network is the real one, and one real training step (the family's
+training_loss, backward) runs on meta tensors under LiveBytes, a dispatch mode that adds up the
+bytes of every live tensor storage and records the peak: what torch.cuda.max_memory_allocated
+reports for the same step, minus the allocator's rounding. Where the meta run differs from a real
+device, the plan says how it models it:
+- attention: meta SDPA takes the math path ([B, H, L, L] scores); the plan runs the fused kernels'
+  ops instead (flash without a mask, memory-efficient with one), as CUDA and CPU SDPA do;
+- block swap: swapped blocks' weights are counted off the device and two of them back (the
+  schedule of library/models/block_swap.py keeps at most two resident);
+- optimizer state: bytes per LoRA parameter of the optimizer (AdamW 8, AdamW8bit 2, Prodigy 16, ...),
+  added at the end of the step where the real optimizer allocates it.
+Phases: caching (the VAE encoding the largest bucket; the text encoders' weights in their
+precision), training, sampling (forward only at the sample size, then the VAE decode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+GiB = 2**30
+
+# Optimizer state per trainable parameter (fp32 LoRA parameters), bytes.
+OPTIMIZER_STATE_BYTES = {
+    "adamw": 8, "adam": 8, "adamw8bit": 2, "pagedadamw8bit": 2, "lion": 4, "lion8bit": 1,
+    "prodigy": 16,  # exp_avg, exp_avg_sq, s, p0
+    "adafactor": 4, "sgd": 4, "sgdnesterov": 4,
+}
+CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # the CUDA context and cuBLAS workspaces, outside max_memory_allocated
+
+
+class LiveBytes(TorchDispatchMode):
+    """Adds up the bytes of every `meta` tensor storage created while active (and of those given to
+    track()); storages leave the count when they are freed. `peak` is the high-water mark."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen = WeakIdKeyDictionary()
+
+    def track(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage in self._seen:
+            return
+        size = storage.nbytes()
+        self._seen[storage] = size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, size)
+
+    def ignore(self, t: torch.Tensor):
+        """A storage that is not on the device (a swapped block's weight): its views count nothing."""
+        self._seen.setdefault(t.untyped_storage(), 0)
+
+    def _free(self, size: int):
+        self.live -= size
+
+    def add(self, size: int):
+        """Bytes that exist on the device but not as meta tensors (optimizer state, swap buffers)."""
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                self.track(t)
+        return out
+
+
+def _fused_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **_):
+    """The fused kernels' ops (and memory) on meta: flash without a mask, memory-efficient with
+    an additive bias the size of the mask (what CUDA SDPA turns a boolean mask into)."""
+    if attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal)[0]
+    bias = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+    bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal)[0]
+
+
+@contextlib.contextmanager
+def fused_attention_on_meta():
+    from library.models import core
+
+    original, core.sdpa = core.sdpa, _fused_sdpa
+    try:
+        yield
+    finally:
+        core.sdpa = original
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def module_bytes(module: nn.Module) -> int:
+    return tensor_bytes([*module.parameters(), *module.buffers()])
+
+
+# ----------------------------------------------------------------------------------------------
+# Phases
+
+
+@dataclass
+class Phase:
+    name: str
+    parts: dict[str, int] = field(default_factory=dict)  # what is resident, bytes
+    peak: int = 0  # the predicted peak of device memory (tensors), bytes
+
+    def row(self) -> str:
+        parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.parts.items())
+        return f"{self.name:9s} peak {self.peak / GiB:6.2f} GiB  ({parts})"
+
+
+def _plan_text(family: str, batch: int, text_tokens: int) -> dict:
+    """The cached text tensors a training batch carries (float32 from the caches)."""
+    if family == "flux":
+        return {"t5": torch.empty(batch, text_tokens, 4096, device="meta"), "clip_pooled": torch.empty(batch, 768, device="meta")}
+    return {"embeds": torch.empty(batch, text_tokens, 3584, device="meta"),
+            "mask": torch.ones(batch, text_tokens, dtype=torch.bool, device="meta")}
+
+
+def training_phase(family, args, width: int, height: int, batch: int, text_tokens: int) -> Phase:
+    """One training step of `family` under `args` (the train_lora config), at width x height."""
+    from library.training.config import base_precision, compute_dtype, lora_network_args
+    from networks.factory import build_network
+
+    dtype = compute_dtype(args)
+    model = family.load_transformer(dtype, base_precision(args), read_weights=False)
+    model.requires_grad_(False).eval()
+    model.gradient_checkpointing = args.gradient_checkpointing
+    with torch.device("meta"):
+        network = build_network(args.network_module, model, family.name, args.network_dim, args.network_alpha,
+                                network_args=lora_network_args(args))
+    network.apply()
+    network.train()
+    lora = [p for p in network.parameters() if p.requires_grad]
+    lora_params = sum(p.numel() for p in lora)
+    blocks = model.swappable_blocks()
+    swapped = blocks[len(blocks) - args.blocks_to_swap:] if args.blocks_to_swap else []
+    swapped_ids = {id(t) for b in swapped for t in (*b.parameters(), *b.buffers())}
+    optimizer_bytes = lora_params * OPTIMIZER_STATE_BYTES.get(args.optimizer_type.lower().rsplit(".", 1)[-1], 8)
+    phase = Phase("training")
+    phase.parts = {
+        "base": module_bytes(model) - tensor_bytes(t for b in swapped for t in (*b.parameters(), *b.buffers())),
+        "swap buffers": 2 * max((module_bytes(b) for b in swapped), default=0),
+        "lora": tensor_bytes(network.state_dict().values()),
+        "lora grads": tensor_bytes(lora),
+        "optimizer": optimizer_bytes,
+    }
+    latents = torch.empty(batch, 16, height // 8, width // 8, device="meta")
+    text = _plan_text(family.name, batch, text_tokens)
+    generators = [torch.Generator().manual_seed(i) for i in range(batch)]
+    with LiveBytes() as live, fused_attention_on_meta():
+        for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
+            live.ignore(t) if id(t) in swapped_ids else live.track(t)
+        live.add(phase.parts["swap buffers"])
+        for t in (latents, *text.values()):
+            live.track(t)
+        live.add(optimizer_bytes)  # from the first optimizer step on, resident during every step
+        resident = live.live
+        loss, _ = family.training_loss(model, latents, text, args, generators)
+        loss.backward()
+        del loss
+    phase.parts["activations (peak)"] = live.peak - resident
+    phase.peak = live.peak
+    return phase
