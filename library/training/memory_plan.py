@@ -91,13 +91,17 @@ def _fused_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **_)
 
 @contextlib.contextmanager
 def fused_attention_on_meta():
+    """Our attention (core.sdpa) and diffusers' (the VAE's mid-block calls F.sdpa) on the fused ops."""
+    import torch.nn.functional as F
+
     from library.models import core
 
     original, core.sdpa = core.sdpa, _fused_sdpa
+    original_f, F.scaled_dot_product_attention = F.scaled_dot_product_attention, _fused_sdpa
     try:
         yield
     finally:
-        core.sdpa = original
+        core.sdpa, F.scaled_dot_product_attention = original, original_f
 
 
 def tensor_bytes(tensors) -> int:
@@ -123,21 +127,42 @@ class Phase:
         return f"{self.name:9s} peak {self.peak / GiB:6.2f} GiB  ({parts})"
 
 
-def _plan_text(family: str, batch: int, text_tokens: int) -> dict:
-    """The cached text tensors a training batch carries (float32 from the caches)."""
+def _plan_text(model: nn.Module, family: str, batch: int, text_tokens: int) -> dict:
+    """The cached text tensors a training batch carries (float32 from the caches), sized for `model`."""
+    cfg = model.config
     if family == "flux":
-        return {"t5": torch.empty(batch, text_tokens, 4096, device="meta"), "clip_pooled": torch.empty(batch, 768, device="meta")}
-    return {"embeds": torch.empty(batch, text_tokens, 3584, device="meta"),
+        return {"t5": torch.empty(batch, text_tokens, cfg.context_in_dim, device="meta"),
+                "clip_pooled": torch.empty(batch, cfg.vec_in_dim, device="meta")}
+    return {"embeds": torch.empty(batch, text_tokens, cfg.joint_attention_dim, device="meta"),
             "mask": torch.ones(batch, text_tokens, dtype=torch.bool, device="meta")}
 
 
-def training_phase(family, args, width: int, height: int, batch: int, text_tokens: int) -> Phase:
-    """One training step of `family` under `args` (the train_lora config), at width x height."""
+@dataclass
+class TrainingPlan:
+    """One simulated training step without swapping; any blocks_to_swap is derived from it (the
+    swap changes only which weights are resident: its schedule keeps two swapped blocks on the device)."""
+    base: int  # every weight of the transformer, bytes
+    block_bytes: list[int]  # per block in run order
+    lora: int
+    lora_grads: int
+    optimizer: int
+    activations: int  # the step's peak above everything resident (activations, LoRA grads, temporaries)
+    inputs: int
+
+    def phase(self, blocks_to_swap: int = 0) -> Phase:
+        swapped = self.block_bytes[len(self.block_bytes) - blocks_to_swap:] if blocks_to_swap else []
+        parts = {"base": self.base - sum(swapped), "swap buffers": 2 * max(swapped, default=0),
+                 "lora": self.lora, "optimizer": self.optimizer,
+                 "activations + lora grads (peak)": self.activations}
+        return Phase("training", parts, sum(parts.values()) + self.inputs)
+
+
+def training_plan(family, args, width: int, height: int, batch: int, text_tokens: int) -> TrainingPlan:
+    """One training step of `family` under `args` (the train_lora config) at width x height, on meta."""
     from library.training.config import base_precision, compute_dtype, lora_network_args
     from networks.factory import build_network
 
-    dtype = compute_dtype(args)
-    model = family.load_transformer(dtype, base_precision(args), read_weights=False)
+    model = family.load_transformer(compute_dtype(args), base_precision(args), read_weights=False)
     model.requires_grad_(False).eval()
     model.gradient_checkpointing = args.gradient_checkpointing
     with torch.device("meta"):
@@ -146,33 +171,100 @@ def training_phase(family, args, width: int, height: int, batch: int, text_token
     network.apply()
     network.train()
     lora = [p for p in network.parameters() if p.requires_grad]
-    lora_params = sum(p.numel() for p in lora)
-    blocks = model.swappable_blocks()
-    swapped = blocks[len(blocks) - args.blocks_to_swap:] if args.blocks_to_swap else []
-    swapped_ids = {id(t) for b in swapped for t in (*b.parameters(), *b.buffers())}
-    optimizer_bytes = lora_params * OPTIMIZER_STATE_BYTES.get(args.optimizer_type.lower().rsplit(".", 1)[-1], 8)
-    phase = Phase("training")
-    phase.parts = {
-        "base": module_bytes(model) - tensor_bytes(t for b in swapped for t in (*b.parameters(), *b.buffers())),
-        "swap buffers": 2 * max((module_bytes(b) for b in swapped), default=0),
-        "lora": tensor_bytes(network.state_dict().values()),
-        "lora grads": tensor_bytes(lora),
-        "optimizer": optimizer_bytes,
-    }
+    optimizer = sum(p.numel() for p in lora) * OPTIMIZER_STATE_BYTES.get(args.optimizer_type.lower().rsplit(".", 1)[-1], 8)
     latents = torch.empty(batch, 16, height // 8, width // 8, device="meta")
-    text = _plan_text(family.name, batch, text_tokens)
+    text = _plan_text(model, family.name, batch, text_tokens)
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]
     with LiveBytes() as live, fused_attention_on_meta():
-        for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
-            live.ignore(t) if id(t) in swapped_ids else live.track(t)
-        live.add(phase.parts["swap buffers"])
-        for t in (latents, *text.values()):
+        for t in (*model.parameters(), *model.buffers(), *network.state_dict().values(), latents, *text.values()):
             live.track(t)
-        live.add(optimizer_bytes)  # from the first optimizer step on, resident during every step
+        live.add(optimizer)  # from the first optimizer step on, resident during every step
         resident = live.live
         loss, _ = family.training_loss(model, latents, text, args, generators)
         loss.backward()
         del loss
-    phase.parts["activations (peak)"] = live.peak - resident
-    phase.peak = live.peak
+    return TrainingPlan(
+        base=module_bytes(model), block_bytes=[module_bytes(b) for b in model.swappable_blocks()],
+        lora=tensor_bytes(network.state_dict().values()), lora_grads=tensor_bytes(lora), optimizer=optimizer,
+        activations=live.peak - resident, inputs=tensor_bytes([latents, *text.values()]),
+    )
+
+
+def training_phase(family, args, width: int, height: int, batch: int, text_tokens: int) -> Phase:
+    return training_plan(family, args, width, height, batch, text_tokens).phase(args.blocks_to_swap)
+
+
+def _vae(family):
+    """The family's VAE wrapper around the diffusers model built on meta (config from the files)."""
+    from library.models import vae as V
+
+    cls, default, wrap = ((V.AutoencoderKL, V.FLUX_VAE_CONFIG, V.FluxVAE) if family.name == "flux"
+                          else (V.AutoencoderKLQwenImage, V.QWEN_IMAGE_VAE_CONFIG, V.QwenImageVAE))
+    found = V._resolve(family.vae_path)[1] if getattr(family, "vae_path", None) else None
+    return wrap(V._build(cls, {**default, **(found or {})}))
+
+
+def _vae_peak(vae, width: int, height: int, batch: int, decode: bool) -> int:
+    """Peak bytes of one VAE encode (images -> latents) or decode, fp32, no grad, on meta."""
+    with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
+        for t in (*vae.vae.parameters(), *vae.vae.buffers()):
+            live.track(t)
+        if decode:
+            vae.decode(torch.empty(batch, 16, height // 8, width // 8, device="meta"))
+        else:
+            vae.encode(torch.empty(batch, 3, height, width, device="meta"))
+    return live.peak
+
+
+# bytes per text-encoder parameter in each precision (fp8: e4m3 Linear weights, the rest bf16)
+ENCODER_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.1, "fp8_scaled": 1.13}
+
+
+def _file_params(path: str) -> int:
+    from library.io import CheckpointReader
+
+    reader = CheckpointReader(path)
+    return sum(int(torch.Size(reader.shape(k)).numel()) for k in reader.keys())
+
+
+def caching_phase(family, args, width: int, height: int, batch: int) -> Phase:
+    """The VAE encodes the largest bucket, then (after it is freed) the text encoders encode captions:
+    the phase's peak is the larger of the two."""
+    vae = _vae(family)
+    phase = Phase("caching")
+    phase.parts["vae encode"] = _vae_peak(vae, width, height, batch, decode=False)
+    precision = getattr(args, "text_encoder_precision", "fp32")
+    known = getattr(family, "text_params", None)  # presets (tools/plan_memory.py): no files
+    params = sum(known.values()) if known else sum(_file_params(p) for p in family.text_paths.values() if p)
+    # Weights in their precision; the encoders' activations at batch 8 (a few hundred MB at most)
+    # are left out: state the weights, which dominate by 20x.
+    phase.parts[f"text encoders ({precision})"] = int(params * ENCODER_BYTES.get(precision, 4.0))
+    phase.peak = max(phase.parts.values())
+    return phase
+
+
+def sampling_phase(family, args, training: Phase, width: int, height: int, text_tokens: int) -> Phase:
+    """A sample during training: the resident base and LoRA (the optimizer state stays), one
+    forward at the sample size, then the VAE (loaded for the render) decodes."""
+    from library.training.config import base_precision, compute_dtype, lora_network_args
+    from networks.factory import build_network
+
+    model = family.load_transformer(compute_dtype(args), base_precision(args), read_weights=False).requires_grad_(False)
+    with torch.device("meta"):
+        network = build_network(args.network_module, model, family.name, args.network_dim, args.network_alpha,
+                                network_args=lora_network_args(args))
+    network.apply()
+    resident = sum(v for k, v in training.parts.items() if not k.startswith("activations"))
+    latents = torch.empty(1, 16, height // 8, width // 8, device="meta")
+    text = _plan_text(model, family.name, 1, text_tokens)
+    from library.models.vae import pack_latents
+
+    with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
+        for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
+            live.ignore(t)  # counted in `resident`
+        family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // 16, width // 16, None)
+    vae = _vae(family)
+    phase = Phase("sampling", {"resident (base, lora, optimizer)": resident, "forward (peak)": live.peak,
+                               "vae decode (peak)": _vae_peak(vae, width, height, 1, decode=True)})
+    phase.peak = resident + max(phase.parts["forward (peak)"], phase.parts["vae decode (peak)"])
     return phase
