@@ -97,16 +97,28 @@ def plan_run(family, args, width: int, height: int, batch: int) -> list:
     return [caching, training, sampling_phase(family, args, training, width, height, tokens)]
 
 
-def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib: float) -> list[tuple]:
-    """(base precision, checkpointing, fewest blocks_to_swap that fits or None, its training peak)."""
-    rows = []
+def setting_plans(family, args, width: int, height: int, batch: int) -> dict:
+    """{(base precision, checkpointing): TrainingPlan} for bf16 / fp8_scaled x checkpointing off / on."""
+    plans = {}
     for base in ("bf16", "fp8_scaled"):
         for ckpt in (False, True):
             trial = copy.copy(args)
             trial.fp8_base, trial.fp8_scaled, trial.gradient_checkpointing = base != "bf16", True, ckpt
-            plan = training_plan(family, trial, width, height, batch, text_tokens_for(family))
-            fit = next((n for n in range(len(plan.block_bytes)) if plan.phase(n).peak <= usable(vram_gib)), None)
-            rows.append((base, ckpt, fit, plan.phase(fit or 0).peak))
+            plans[base, ckpt] = training_plan(family, trial, width, height, batch, text_tokens_for(family))
+    return plans
+
+
+def fewest_swaps(plan, vram_gib: float) -> int | None:
+    """The fewest blocks_to_swap whose training peak fits the card, or None."""
+    return next((n for n in range(len(plan.block_bytes)) if plan.phase(n).peak <= usable(vram_gib)), None)
+
+
+def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib: float) -> list[tuple]:
+    """(base precision, checkpointing, fewest blocks_to_swap that fits or None, its training peak)."""
+    rows = []
+    for (base, ckpt), plan in setting_plans(family, args, width, height, batch).items():
+        fit = fewest_swaps(plan, vram_gib)
+        rows.append((base, ckpt, fit, plan.phase(fit or 0).peak))
     return rows
 
 
