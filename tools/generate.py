@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, default=None, help="flux-dev: embedded guidance (3.5); qwen: CFG (4.0)")
     p.add_argument("--base_precision", default="bf16", choices=BASE_PRECISIONS)
     p.add_argument("--dtype", default="bf16", choices=tuple(PRECISION_DTYPES), help="compute dtype")
+    p.add_argument("--text_encoder_precision", default="bf16", choices=("fp32", "fp16", "bf16", "fp8", "fp8_scaled"))
     p.add_argument("--blocks_to_swap", type=int, default=0, help="keep the last N blocks' weights in CPU memory")
     p.add_argument("--lora", nargs="*", default=[], help="LoRA files, each FILE or FILE:RATIO")
     p.add_argument("--out", default="generated", help="output folder")
@@ -81,7 +82,7 @@ def generate(args) -> list[str]:
     loras = [parse_lora(s) for s in args.lora]
     cls = family_class(args.model_type)
     family = cls(args.model, args.ae, **{k: getattr(args, k) for k in cls.text_path_keys})
-    encode = family.load_text_encoder(torch.float32, **family.text_options(args))
+    encode = family.load_text_encoder(args.text_encoder_precision, torch.device(args.device), **family.text_options(args))
     texts = [(stack_text(encode([p.prompt])), stack_text(encode([p.negative])) if family.true_cfg else None)
              for p in prompts]
     del encode  # text encoders are freed before the transformer is loaded

@@ -48,7 +48,6 @@ from library.precision import doctor as precision  # noqa: E402
 from library.precision.fp8 import FP8_DTYPE  # noqa: E402
 from library.training import flow_matching as fm  # noqa: E402
 from library.training.config import ConfigError, load_config  # noqa: E402
-from library.training.diffusion_task import TEXT_ENCODER_DTYPE  # noqa: E402
 from library.training.state import sample_seed  # noqa: E402
 from tools.precision_doctor import disk_variant, read_lora_for  # noqa: E402
 
@@ -107,8 +106,9 @@ def eval_data(args, family, max_items: int) -> list[tuple[str, torch.Tensor, dic
     cache_latents(items, encoder("vae", lambda: family.load_vae(torch.float32).encode), family.latent_cache_key(),
                   to_disk=args.cache_latents_to_disk)
     options = family.text_options(args)
-    cache_text(items, encoder("text", lambda: family.load_text_encoder(TEXT_ENCODER_DTYPE, **options)),
-               family.text_cache_key(options, TEXT_ENCODER_DTYPE), to_disk=args.cache_text_encoder_outputs_to_disk)
+    precision = args.text_encoder_precision
+    cache_text(items, encoder("text", lambda: family.load_text_encoder(precision, **options)),
+               family.text_cache_key(options, precision), to_disk=args.cache_text_encoder_outputs_to_disk)
     loaded.clear()
     data = []
     for i in range(len(items)):

@@ -96,8 +96,10 @@ class DiffusionFamily:
     def load_vae(self, dtype: torch.dtype = torch.float32):
         raise NotImplementedError
 
-    def load_text_encoder(self, dtype: torch.dtype = torch.float32, **options):
-        """-> callable(captions: list[str]) -> list of per-caption dicts of tensors (cacheable).
+    def load_text_encoder(self, precision: str = "bf16", device=None, **options):
+        """-> callable(captions: list[str]) -> list of per-caption dicts of float32 tensors (cacheable).
+        precision: text_encoder_precision (fp32 / fp16 / bf16 / fp8 / fp8_scaled: weights loaded
+        tensor by tensor straight into it); device: where the encoders run (None: the CPU).
         options: what text_options() returns."""
         raise NotImplementedError
 
@@ -105,11 +107,11 @@ class DiffusionFamily:
         """Family + fingerprint of the VAE files (the preprocessing is hashed per image)."""
         return f"{self.name}_{file_fingerprint(self.vae_path)}"
 
-    def text_cache_key(self, options: dict, dtype: torch.dtype) -> str:
+    def text_cache_key(self, options: dict, precision: str) -> str:
         """Family + fingerprint of the encoder files + every other input of the encoding: the
         text_options (token lengths, encoder precision, ...), the dtype the encoders run in and
         the family's fixed prompt handling (text_encoding_constants). Change any, re-encode."""
-        settings = {**options, "dtype": str(dtype), **self.text_encoding_constants()}
+        settings = {**options, "precision": str(precision), **self.text_encoding_constants()}
         digest = hashlib.sha256(repr(sorted(settings.items())).encode()).hexdigest()[:8]
         return f"{self.name}_{file_fingerprint(*self.text_paths.values())}_{digest}"
 

@@ -66,6 +66,20 @@ T5_XXL_CONFIG = {
 }
 
 CLIP_MAX_LENGTH = 77
+
+# text_encoder_precision -> (dtype the weights load and compute in, fp8 storage of the big encoders'
+# Linears or None). fp8 applies to T5-XXL and the Qwen2.5-VL language model, dequantized to bf16 per
+# layer; CLIP-L (123 M parameters) stays bf16 then. Outputs are float32 whatever the precision.
+TEXT_ENCODER_PRECISIONS = {
+    "fp32": (torch.float32, None), "fp16": (torch.float16, None), "bf16": (torch.bfloat16, None),
+    "fp8": (torch.bfloat16, "fp8"), "fp8_scaled": (torch.bfloat16, "fp8_scaled"),
+}
+
+
+def encoder_precision(precision: str) -> tuple[torch.dtype, str | None]:
+    if precision not in TEXT_ENCODER_PRECISIONS:
+        raise ValueError(f"text_encoder_precision must be one of {', '.join(TEXT_ENCODER_PRECISIONS)}, got {precision!r}")
+    return TEXT_ENCODER_PRECISIONS[precision]
 T5_MAX_LENGTH = {"dev": 512, "schnell": 256}
 
 # ----------------------------------------------------------------------------------------------
@@ -158,17 +172,36 @@ def load_clip_l(path: str, tokenizer: str | None = None, dtype: torch.dtype = to
     return CLIPTextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer"))
 
 
-def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None) -> T5TextEncoder:
+def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None,
+            fp8: str | None = None) -> T5TextEncoder:
     """T5 encoder from an HF folder, a diffusers FLUX repo (text_encoder_2/, tokenizer_2/) or
     t5xxl_*.safetensors. In float16 the feed-forward output projections (`wo`) stay float32, as
-    transformers keeps them (T5 activations overflow fp16 there)."""
+    transformers keeps them (T5 activations overflow fp16 there). fp8 ("fp8" / "fp8_scaled"): every
+    Linear stored as FP8Linear, quantized from the file's dtype as it is read, run in `dtype`."""
     path = component_folder(path, "text_encoder_2")
     cfg = T5Config(**_read_config(path, config, T5_XXL_CONFIG))
     with init_empty_weights():
         model = T5EncoderModel(cfg)
     keep_fp32 = (lambda name: ".wo." in name) if dtype == torch.float16 else (lambda name: False)
-    load_streaming(model, CheckpointReader(path), _t5_key, dtype=dtype, convert=_tie_t5, keep_dtype=keep_fp32)
+    convert = _tie_t5
+    if fp8:
+        from library.precision.fp8 import fp8_load_converter, prepare_fp8
+
+        quantize = fp8_load_converter(prepare_fp8(model, fp8, "t5"))
+        convert = _Chain(_tie_t5, quantize)
+    load_streaming(model, CheckpointReader(path), _t5_key, dtype=dtype, convert=convert, keep_dtype=keep_fp32)
     return T5TextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer_2"))
+
+
+class _Chain:
+    """Two load_streaming convert hooks, one after the other (keep_dtype from the second)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+        self.keep_dtype = getattr(second, "keep_dtype", lambda name: False)
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {k: v for name, t in self.first(key, tensor).items() for k, v in self.second(name, t).items()}
 
 
 def encode_flux_prompts(
@@ -225,13 +258,16 @@ class QwenImageTextEncoder:
 
 
 def load_qwen_image_text_encoder(
-    path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None
+    path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None, fp8: str | None = None
 ) -> QwenImageTextEncoder:
     """Qwen-Image text encoder from a Qwen-Image repo (text_encoder/ + tokenizer/), an HF folder
-    or a single file (e.g. ComfyUI's qwen_2.5_vl_7b.safetensors; vision keys are skipped)."""
+    or a single file (e.g. ComfyUI's qwen_2.5_vl_7b.safetensors; vision keys are skipped).
+    fp8: the language model's Linears stored in fp8 (embeddings and lm_head stay in `dtype`)."""
+    from library.models.family import fp8_prepare
     from library.models.llm import QWEN2_5_7B, load_llm  # the LLM core is also this text encoder
 
     path = component_folder(path, "text_encoder")
     if config is None and os.path.isfile(path) and not os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
         config = QWEN2_5_7B
-    return QwenImageTextEncoder(load_llm(path, config=config, dtype=dtype), _load_tokenizer(path, tokenizer, "tokenizer"))
+    llm = load_llm(path, config=config, dtype=dtype, prepare=fp8_prepare(fp8, "llm"))
+    return QwenImageTextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer"))

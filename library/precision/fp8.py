@@ -62,6 +62,10 @@ HIGH_PRECISION_MODULES: dict[str, list[str]] = {
         r"img_in", r"txt_in", r"txt_norm", r"time_text_embed\..*", r"norm_out\..*", r"proj_out",
     ],
     "llm": [r"lm_head", r"model\.embed_tokens"],
+    # The T5 encoder (text_encoder_precision = fp8). Its embedding is not a Linear; the feed-forward
+    # `wo` stays bf16 because transformers' T5 casts wo's *input* to wo.weight.dtype (an fp8 weight
+    # would round every activation to e4m3 there).
+    "t5": [r".*\.wo"],
 }
 if not QUANTIZE_MODULATION:
     for _family, _patterns in _MODULATION_MODULES.items():

@@ -83,6 +83,9 @@ SCHEMA: dict[str, Arg] = {
     # and text encoders are then freed); these keep them on disk, reused while unchanged.
     "cache_latents_to_disk": A(bool, False, "keep latent caches as safetensors beside the images"),
     "cache_text_encoder_outputs_to_disk": A(bool, False, "keep text caches on disk"),
+    "text_encoder_precision": A(str, "bf16", "caption encoders' weights (fp8: T5-XXL / Qwen2.5-VL Linears in e4m3, CLIP-L bf16)",
+                                ("fp32", "fp16", "bf16", "fp8", "fp8_scaled")),
+    "text_encoder_batch_size": A(int, 8, "captions per encoder batch while caching"),
     # flow matching
     "timestep_sampling": A(str, None, "sigma sampling; default per model", ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift")),
     "discrete_flow_shift": A(float, 3.0, "k for timestep_sampling = shift"),
@@ -271,7 +274,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         raise ConfigError(f"{where}: key 'pretrain' is only for model_type llm")
     if args.pretrain and args.fp8_base:
         raise ConfigError(f"{where}: 'pretrain' trains the base weights, which cannot be stored in fp8 ('fp8_base')")
-    for key in ("network_dim", "max_train_steps", "gradient_accumulation_steps"):
+    for key in ("network_dim", "max_train_steps", "gradient_accumulation_steps", "text_encoder_batch_size"):
         if getattr(args, key) < 1:
             raise ConfigError(f"{where}: key '{key}' must be >= 1, got {getattr(args, key)}")
     if args.blocks_to_swap < 0:

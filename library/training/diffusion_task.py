@@ -21,7 +21,6 @@ from library.training.config import ConfigError, base_precision, compute_dtype, 
 from library.training.state import sample_seed
 from networks.factory import build_network
 
-TEXT_ENCODER_DTYPE = torch.float32  # what the caption encoders run in (part of the text cache key)
 
 
 class LoRALoss(nn.Module):
@@ -84,9 +83,11 @@ class DiffusionTask:
         self._cache_latents()  # the VAE is freed when this returns
         args, items = self.args, self.dataset.items
         options = self.family.text_options(args)
-        text_key = self.family.text_cache_key(options, TEXT_ENCODER_DTYPE)
-        encode_text = self.family.load_text_encoder(TEXT_ENCODER_DTYPE, **options)
-        encoded = cache_text(items, encode_text, text_key, to_disk=args.cache_text_encoder_outputs_to_disk)
+        precision = args.text_encoder_precision  # part of the cache key: another precision re-encodes
+        text_key = self.family.text_cache_key(options, precision)
+        encode_text = self.family.load_text_encoder(precision, self.device, **options)
+        encoded = cache_text(items, encode_text, text_key, batch_size=args.text_encoder_batch_size,
+                             to_disk=args.cache_text_encoder_outputs_to_disk)
         self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk")
         # Sample prompts are encoded now too: the encoders are gone by the time samples render.
         # True-CFG families (Qwen-Image) always need a (possibly empty) negative prompt.
@@ -94,8 +95,10 @@ class DiffusionTask:
         for p in self.prompts:
             negative = stack_text(encode_text([p.negative])) if p.negative or self.family.true_cfg else None
             self.prompt_texts.append((stack_text(encode_text([p.prompt])), negative))
-        del encode_text
+        del encode_text  # the encoders go before the transformer loads
         gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _cache_latents(self):
         items, latent_key = self.dataset.items, self.family.latent_cache_key()

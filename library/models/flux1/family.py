@@ -37,11 +37,13 @@ class FluxFamily(DiffusionFamily):
     def model_version(self, model) -> str:
         return "flux1-dev" if model.guidance_in is not None else "flux1-schnell"
 
-    def load_text_encoder(self, dtype=torch.float32, t5_max_length: int = 512):
-        from library.models.text_encoders import encode_flux_prompts, load_clip_l, load_t5
+    def load_text_encoder(self, precision="bf16", device=None, t5_max_length: int = 512):
+        from library.models.text_encoders import encode_flux_prompts, encoder_precision, load_clip_l, load_t5
 
+        dtype, fp8 = encoder_precision(precision)
         clip = load_clip_l(self.text_paths["clip_l"], dtype=dtype)
-        t5 = load_t5(self.text_paths["t5xxl"], dtype=dtype)
+        t5 = load_t5(self.text_paths["t5xxl"], dtype=dtype, fp8=fp8)
+        clip.model.to(device), t5.model.to(device)
 
         def encode(captions: list[str]) -> list[dict]:
             t5_hidden, pooled = encode_flux_prompts(captions, clip, t5, t5_max_length)

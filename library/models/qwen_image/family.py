@@ -37,10 +37,12 @@ class QwenImageFamily(DiffusionFamily):
 
         return load_qwen_image_vae(self.vae_path, dtype)
 
-    def load_text_encoder(self, dtype=torch.float32):
-        from library.models.text_encoders import load_qwen_image_text_encoder
+    def load_text_encoder(self, precision="bf16", device=None):
+        from library.models.text_encoders import encoder_precision, load_qwen_image_text_encoder
 
-        encoder = load_qwen_image_text_encoder(self.text_paths["text_encoder"], dtype=dtype)
+        dtype, fp8 = encoder_precision(precision)
+        encoder = load_qwen_image_text_encoder(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8)
+        encoder.llm.to(device)
 
         def encode(captions: list[str]) -> list[dict]:
             embeds, mask = encoder.encode(captions)
