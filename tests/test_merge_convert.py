@@ -301,17 +301,15 @@ def test_fp8_merges_load_back_as_they_are_and_equal_their_dequantized_weights(fl
     assert torch.equal(run(loaded, qwen_inputs()), run(expected, qwen_inputs()))
 
 
-def test_fp8_files_we_cannot_read_as_they_are_are_refused_naming_the_key(flux_bfl, tmp_path):
+def test_fp8_tensors_where_we_keep_high_precision_are_widened_exactly_with_a_warning(flux_bfl, tmp_path):
     root, model, _, _ = flux_bfl
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     sd["img_in.weight"] = sd["img_in.weight"].to(torch.float8_e4m3fn)  # a layer we keep in high precision
-    save_flux_bfl(sd, str(tmp_path / "bad.safetensors"), config=FLUX_CFG)
-    with pytest.raises(CheckpointError, match=r"'img_in.weight' is stored as torch.float8_e4m3fn, but this layer stays"):
-        load_flux(str(tmp_path / "bad.safetensors"))
-    comfy = {**{k: v for k, v in model.state_dict().items()}, "scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}
-    save_flux_bfl(comfy, str(tmp_path / "comfy.safetensors"), config=FLUX_CFG)
-    with pytest.raises(CheckpointError, match="'scaled_fp8' marks ComfyUI's per-tensor scaled fp8 layout"):
-        load_flux(str(tmp_path / "comfy.safetensors"))
+    save_flux_bfl(sd, str(tmp_path / "widened.safetensors"), config=FLUX_CFG)
+    with pytest.warns(UserWarning, match=r"1 fp8 tensors where the model keeps high precision \(first 'img_in.weight'\)"):
+        loaded = load_flux(str(tmp_path / "widened.safetensors"))
+    assert torch.equal(loaded.img_in.weight, sd["img_in.weight"].float())
+    assert type(loaded.img_in) is torch.nn.Linear  # still high precision, fp8 values widened
 
 
 def test_merged_fp8_file_generates_an_image(tiny_set, tmp_path):

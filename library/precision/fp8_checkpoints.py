@@ -1,0 +1,211 @@
+"""Pre-quantized fp8 transformer checkpoints, used as the base as they are stored (no re-quantization).
+
+Layouts read; the name is also the base precision a LoRA trained on it records (ss_base_precision):
+  "fp8"                plain float8_e4m3fn codes: sd-scripts' fp8 files, ComfyUI's flux1-dev-fp8
+                       (everything e4m3, norms and biases included), merge_lora --save_precision fp8.
+  "fp8_scaled"         e4m3 codes + our bf16 `X.weight_scale` [out, in/64] (merge_lora fp8_scaled).
+  "fp8_tensor_scaled"  ComfyUI's scaled fp8 (Comfy-Org's `*_fp8_e4m3fn_scaled.safetensors`): e4m3
+                       codes + one float32 scale per Linear.
+
+ComfyUI's scaled fp8, as its loader reads it (comfy/model_detection.py model_config_from_unet,
+comfy/ops.py scaled_fp8_ops, comfy/utils.py convert_old_quants, comfy/quant_ops.py; ComfyUI 2025-10
+and the comfy_quant format after it):
+  - Marker: a tensor `scaled_fp8` at the diffusion model's prefix (`model.diffusion_model.scaled_fp8`
+    in a full checkpoint, `scaled_fp8` in a diffusion-model-only file). Its dtype is the weights' fp8
+    type (float32 is read as e4m3fn); 2 elements mean "no fp8 matmul", others allow ComfyUI's fp8
+    _scaled_mm fast path: inference settings that do not change the weights.
+  - Per Linear X: `X.weight` e4m3 codes, `X.scale_weight` float32 0-dim (absent: 1.0, ComfyUI's
+    default), optionally `X.scale_input` (the activation scale of that fast path only).
+  - Dequantized weight = X.weight.to(dtype) * X.scale_weight.to(dtype), dtype being the compute
+    dtype: both operands are cast first, then one multiply rounded in dtype (ops.py: cast_bias_weight
+    casts the codes to the input's dtype, then `weight * self.scale_weight.to(dtype=weight.dtype)`;
+    comfy-kitchen's eager dequantize_per_tensor_fp8 is the same `x.to(t) * scale.to(t)`). When the
+    weight has more elements than the input ComfyUI scales the input instead (same product, other
+    rounding); its LoRA patching dequantizes the weight (in float32). We always scale the weight.
+  - comfy_quant (newer ComfyUI, which converts the marker layout into it on load): `X.comfy_quant`,
+    the uint8 bytes of JSON {"format": "float8_e4m3fn", ...}, or the header entry
+    `_quantization_metadata` = {"layers": {X: {...}}}; the scale is `X.weight_scale` (float32 0-dim)
+    and the activation scale `X.input_scale`. Format float8_e4m3fn is the same per-tensor layout.
+Refused, one line naming the key: float8_e5m2 weights; comfy_quant formats other than float8_e4m3fn
+(nvfp4, int8, mxfp8, ...: number formats and block scales FP8Linear does not hold); scales that
+are not one number per tensor; musubi-tuner's layout (see _refuse_musubi). Activation scales are
+dropped: we compute in bf16/fp32, as ComfyUI does whenever a LoRA is patched in.
+
+An fp8 tensor where our model keeps high precision (fp8.HIGH_PRECISION_MODULES: embedders, the final
+layer; and norms, biases) is widened, with one warning: widening is exact, so the base trained on
+is the very one ComfyUI computes with (ComfyUI casts those codes to the compute dtype the same way).
+An error would make ComfyUI's flux1-dev-fp8, which stores everything in e4m3, unusable.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from library.io import CheckpointError, CheckpointReader
+from library.precision.fp8 import (
+    FP8_CHECKPOINT_DTYPES, SCALE_DTYPE, TENSOR_SCALE_DTYPE, FP8LoadConverter, dequantize_weight, prepare_fp8,
+)  # fmt: skip
+
+DIFFUSION_MODEL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI full / UNet-only files
+COMFY_MARKER = "scaled_fp8"
+COMFY_FORMAT = "float8_e4m3fn"  # the only comfy_quant format with our per-tensor layout
+DROPPED_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant")  # activation scales, per-layer markers
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """What a pre-quantized file stores: the layout, the key suffix of its per-tensor scales (None
+    for our own layouts) and the diffusion-model prefix its transformer keys carry."""
+
+    layout: str  # "fp8" | "fp8_scaled" | "fp8_tensor_scaled"
+    scale_suffix: str | None  # ".scale_weight" (ComfyUI marker layout) | ".weight_scale" (comfy_quant)
+    prefix: str
+
+    def is_dropped(self, name: str) -> bool:
+        """Tensors (named without the prefix) that carry nothing a FP8Linear keeps."""
+        if name == COMFY_MARKER or name.endswith(DROPPED_SUFFIXES):
+            return True
+        return self.scale_suffix is not None and name.endswith(self.scale_suffix)  # loaded with its weight
+
+
+def diffusion_model_prefix(keys: list[str]) -> str:
+    """`model.diffusion_model.` / `diffusion_model.` when the file holds the transformer under it
+    (ComfyUI; a full checkpoint also bundles text encoders and the VAE under other prefixes), else ''."""
+    return next((p for p in DIFFUSION_MODEL_PREFIXES if any(k.startswith(p) for k in keys)), "")
+
+
+def _comfy_quant_formats(reader: CheckpointReader, names: list[str], prefix: str) -> dict[str, str]:
+    """Layer -> comfy_quant format, from `X.comfy_quant` tensors and the `_quantization_metadata` header."""
+    formats = {}
+    for name in (n for n in names if n.endswith(".comfy_quant")):
+        conf = json.loads(bytes(reader.get(prefix + name).to(torch.uint8).tolist()))
+        formats[name[: -len(".comfy_quant")]] = conf.get("format")
+    if "_quantization_metadata" in reader.metadata:
+        layers = json.loads(reader.metadata["_quantization_metadata"]).get("layers", {})
+        formats.update({k: (v.get("format") if isinstance(v, dict) else v) for k, v in layers.items()})
+    return formats
+
+
+def _check_per_tensor_scales(reader: CheckpointReader, where: str, keys: list[str]) -> None:
+    for key in keys:
+        if len(reader.shape(key)) > 1 or (reader.shape(key) and reader.shape(key)[0] != 1):
+            raise CheckpointError(f"{where}: '{key}' has shape {reader.shape(key)}; ComfyUI's scaled fp8 stores one "
+                                  f"float32 scale per tensor (shape ())")
+
+
+def _refuse_musubi(where: str, key: str, shape) -> None:
+    # musubi-tuner (modules/fp8_optimization_utils.py) names its scales `X.scale_weight` too, in the
+    # model dtype, shaped [] (per tensor), [out, 1] (per channel) or [out, blocks, 1] (per block),
+    # dequantized as weight.to(scale.dtype) * scale. It quantizes while loading and writes no such
+    # file, and without ComfyUI's marker the same keys would make ComfyUI run the codes unscaled.
+    raise CheckpointError(f"{where}: '{key}' (shape {shape}) is an fp8 scale without ComfyUI's '{COMFY_MARKER}' "
+                          f"marker: musubi-tuner's in-memory fp8_scaled layout, which is not read; give the bf16 "
+                          f"checkpoint (quantized while loading) or a ComfyUI scaled fp8 file")
+
+
+def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp8Checkpoint | None:
+    """The fp8 layout of a transformer checkpoint, or None when its transformer is bf16/fp16/fp32.
+    Only the transformer's keys count (those under its ComfyUI prefix, when it has one). Layouts
+    we cannot use as they are raise CheckpointError naming the key that shows them."""
+    where = path or reader.path
+    prefix = diffusion_model_prefix(reader.keys())
+    names = [k[len(prefix) :] for k in reader.keys() if k.startswith(prefix)]
+    fp8 = [n for n in names if reader.dtype_name(prefix + n) in FP8_CHECKPOINT_DTYPES and n != COMFY_MARKER]
+    if not fp8:
+        return None
+    e5m2 = [n for n in names if reader.dtype_name(prefix + n) == "F8_E5M2"]
+    if e5m2:
+        raise CheckpointError(f"{where}: '{prefix + e5m2[0]}' is float8_e5m2; fp8 bases must be float8_e4m3fn")
+    if COMFY_MARKER in names:
+        if reader.dtype_name(prefix + COMFY_MARKER) not in ("F8_E4M3", "F32"):
+            raise CheckpointError(f"{where}: '{prefix + COMFY_MARKER}' is {reader.dtype_name(prefix + COMFY_MARKER)}: "
+                                  f"ComfyUI's marker names the weights' fp8 type, and only float8_e4m3fn is read")
+        _check_per_tensor_scales(reader, where, [prefix + n for n in names if n.endswith(".scale_weight")])
+        return Fp8Checkpoint("fp8_tensor_scaled", ".scale_weight", prefix)
+    formats = _comfy_quant_formats(reader, names, prefix)
+    if formats:
+        other = next(((k, f) for k, f in formats.items() if f != COMFY_FORMAT), None)
+        if other:
+            raise CheckpointError(f"{where}: layer '{other[0]}' is comfy_quant format {other[1]!r}; only "
+                                  f"{COMFY_FORMAT!r} (one float32 scale per tensor) is read")
+        _check_per_tensor_scales(reader, where, [prefix + n for n in names if n.endswith(".weight_scale")])
+        return Fp8Checkpoint("fp8_tensor_scaled", ".weight_scale", prefix)
+    musubi = next((n for n in names if n.endswith(".scale_weight")), None)
+    if musubi:
+        _refuse_musubi(where, prefix + musubi, reader.shape(prefix + musubi))
+    scales = [n for n in names if n.endswith(".weight_scale")]
+    flat = next((n for n in scales if len(reader.shape(prefix + n)) != 2), None)
+    if flat:
+        raise CheckpointError(f"{where}: '{prefix + flat}' has shape {reader.shape(prefix + flat)}, not the [out, in/64] "
+                              f"block scales of fp8_scaled, and no comfy_quant marker says it is a per-tensor scale")
+    return Fp8Checkpoint("fp8_scaled" if scales else "fp8", None, prefix)
+
+
+def fp8_checkpoint_layout(reader: CheckpointReader, path: str | None = None) -> str | None:
+    """"fp8" / "fp8_scaled" / "fp8_tensor_scaled" for a pre-quantized transformer file, else None."""
+    info = read_fp8_checkpoint(reader, path)
+    return info.layout if info else None
+
+
+class PrequantizedConverter:
+    """load_streaming convert hook (model keys, the prefix already stripped) for an fp8 checkpoint
+    used as it is: every FP8Linear gets the file's e4m3 codes and scales unchanged (a per-tensor
+    scale goes in with its weight: absent means 1.0, as in ComfyUI); a Linear weight the file keeps
+    in high precision is quantized here in the file's layout; fp8 tensors where the model keeps high
+    precision are widened exactly (with their scale), one warning for all; every other floating
+    tensor is cast to `dtype`; markers and activation scales are dropped."""
+
+    def __init__(self, model: nn.Module, info: Fp8Checkpoint, dtype: torch.dtype, reader: CheckpointReader, source: str):
+        self.inner, self.info, self.dtype, self.reader = FP8LoadConverter(model, info.layout), info, dtype, reader
+        fp8_names = [k[len(info.prefix) :] for k in reader.keys()
+                     if k.startswith(info.prefix) and reader.dtype_name(k) in FP8_CHECKPOINT_DTYPES]  # fmt: skip
+        widened = [n for n in fp8_names if n not in self.inner.quantized and not info.is_dropped(n)]
+        if widened:
+            warnings.warn(f"{source}: {len(widened)} fp8 tensors where the model keeps high precision (first "
+                          f"'{info.prefix + widened[0]}') are widened to {dtype} exactly (as ComfyUI computes them); "
+                          f"the base there is coarser than a bf16 one", stacklevel=2)
+
+    def keep_dtype(self, key: str) -> bool:
+        return True  # every tensor arrives as stored; __call__ decides
+
+    def _scale(self, layer: str, suffix: str) -> torch.Tensor | None:
+        key = self.info.prefix + layer + suffix
+        return self.reader.get(key) if key in self.reader else None
+
+    def _scale_of(self, layer: str) -> torch.Tensor | None:
+        """The layer's scale as FP8Linear holds it: per tensor fp32 0-dim, our blocks bf16 [out, in/64]."""
+        if self.info.scale_suffix is None:
+            scale = self._scale(layer, ".weight_scale")
+            return None if scale is None else scale.to(SCALE_DTYPE)
+        scale = self._scale(layer, self.info.scale_suffix)
+        return None if scale is None else scale.to(TENSOR_SCALE_DTYPE).reshape(())  # fp32: exact for any float
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.info.is_dropped(key):
+            return {}
+        is_fp8 = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        layer = key[: -len(".weight")] if key.endswith(".weight") else None
+        if key in self.inner.quantized:
+            if not is_fp8:
+                return self.inner(key, tensor)
+            if self.info.layout != "fp8_tensor_scaled":
+                return {key: tensor}
+            scale = self._scale_of(layer)
+            return {key: tensor, f"{layer}.weight_scale": torch.ones((), dtype=TENSOR_SCALE_DTYPE) if scale is None else scale}
+        if is_fp8:  # widened: the values ComfyUI computes with, exactly
+            scale = self._scale_of(layer) if layer else None
+            return {key: dequantize_weight(tensor, scale, self.dtype) if scale is not None else tensor.to(self.dtype)}
+        if key.endswith(".weight_scale"):  # ours: the block scales of an FP8Linear, or of a widened layer
+            return {key: tensor.to(SCALE_DTYPE)} if key[: -len("_scale")] in self.inner.quantized else {}
+        return {key: tensor.to(self.dtype) if tensor.is_floating_point() else tensor}
+
+
+def prequantized_converter(model: nn.Module, info: Fp8Checkpoint, family: str, dtype: torch.dtype,
+                           reader: CheckpointReader, source: str) -> PrequantizedConverter:
+    """Swap the Linears of the meta `model` for FP8Linear of the file's layout; the convert hook."""
+    return PrequantizedConverter(prepare_fp8(model, info.layout, family), info, dtype, reader, source)

@@ -1,0 +1,218 @@
+"""Pre-quantized fp8 checkpoints as the base (library/precision/fp8_checkpoints.py): ComfyUI's
+scaled fp8 (the `scaled_fp8` marker + per-tensor `scale_weight`, and the newer comfy_quant +
+`weight_scale`) and plain e4m3 files with ComfyUI's prefix and bundled text encoder / VAE keys,
+built from the tiny FLUX and Qwen-Image, load as they are and compute exactly ComfyUI's dequantized
+weights; other layouts are refused in one line naming the key."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from library.io import CheckpointError, CheckpointReader
+from library.models.flux1.checkpoint import load_flux, save_flux_bfl
+from library.models.flux1.model import Flux
+from library.models.qwen_image.model import QwenImage, load_qwen_image
+from library.precision import fp8
+from library.precision.fp8_checkpoints import fp8_checkpoint_layout
+from tests.test_merge_convert import FLUX_CFG, QWEN_CFG, flux_inputs, qwen_inputs, randomized, run
+
+PREFIX = "model.diffusion_model."
+BUNDLED = {  # what a ComfyUI full checkpoint carries beside the transformer: never read for it
+    "text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight": torch.ones(4, 4).to(torch.float8_e4m3fn),
+    "text_encoders.t5xxl.transformer.scaled_fp8": torch.empty(0, dtype=torch.float8_e5m2),
+    "vae.decoder.conv_in.weight": torch.ones(4, 4, 3, 3, dtype=torch.bfloat16),
+}
+WIDENED = {"flux": "final_layer.linear", "qwen_image": "proj_out"}  # a high-precision Linear stored fp8 + scale
+
+
+def comfy_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ComfyUI's own per-tensor quantizer (quant_ops TensorCoreFP8Layout.quantize): scale = amax / 448
+    in float32, codes = (w * (1 / scale)).to(e4m3)."""
+    scale = (w.abs().amax() / 448.0).float()
+    return (w * (1.0 / scale).to(w.dtype)).to(torch.float8_e4m3fn), scale
+
+
+def quantized_linears(model: nn.Module, family: str) -> list[str]:
+    return [n for n, m in model.named_modules() if type(m) is nn.Linear and not fp8.is_high_precision(n, family)]
+
+
+def comfy_state_dict(model: nn.Module, family: str, layout: str) -> dict[str, torch.Tensor]:
+    """The model's tensors as ComfyUI stores them (no prefix): "marker" (scaled_fp8 + scale_weight +
+    scale_input), "comfy_quant" (per-layer JSON + weight_scale + input_scale) or "plain" (every
+    tensor e4m3, norms and biases too, as ComfyUI's flux1-dev-fp8)."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if layout == "plain":
+        return {k: v.to(torch.float8_e4m3fn) for k, v in sd.items()}
+    for layer in quantized_linears(model, family) + [WIDENED[family]]:
+        sd[f"{layer}.weight"], scale = comfy_quantize(sd[f"{layer}.weight"])
+        if layout == "marker":
+            sd[f"{layer}.scale_weight"], sd[f"{layer}.scale_input"] = scale, torch.ones(())
+        else:
+            sd[f"{layer}.weight_scale"], sd[f"{layer}.input_scale"] = scale, torch.ones(())
+            sd[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
+    if layout == "marker":
+        sd["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return sd
+
+
+def write_comfy(sd: dict, path, family: str, prefix: str = PREFIX, bundled: bool = True):
+    full = {prefix + k: v for k, v in sd.items()} | (BUNDLED if bundled else {})
+    if family == "flux":
+        save_flux_bfl(full, str(path), config=FLUX_CFG)
+    else:
+        save_file(full, str(path))
+    return str(path)
+
+
+def comfy_dequantized(sd: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What ComfyUI computes with: codes.to(dtype) * scale.to(dtype), everything else cast to dtype."""
+    out = {}
+    for k, v in sd.items():
+        if k == "scaled_fp8" or k.endswith(("_scale", "scale_weight", "scale_input", "comfy_quant")):
+            continue
+        layer = k[: -len(".weight")]
+        scale = sd.get(f"{layer}.scale_weight", sd.get(f"{layer}.weight_scale"))
+        out[k] = v.to(dtype) * scale.to(dtype) if scale is not None else v.to(dtype)
+    return out
+
+
+def reference(model_cls, config, sd: dict, dtype: torch.dtype) -> nn.Module:
+    """A plain-Linear model holding ComfyUI's dequantized weights, computing in `dtype`."""
+    model = model_cls(config).to(dtype)
+    model.load_state_dict(comfy_dequantized(sd, dtype), strict=True)
+    model.compute_dtype = dtype
+    return model.eval()
+
+
+def realigned(model: nn.Module) -> nn.Module:
+    """Every tensor copied into fresh memory. Tensors read in their file dtype stay views of the
+    mmapped file, 8-byte aligned only, and this CPU's matmul rounds differently on unaligned data
+    (same values, other bits): compare computations, not addresses."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.data = t.data.clone()
+    return model
+
+
+FAMILIES = {
+    "flux": (Flux, FLUX_CFG, load_flux, flux_inputs),
+    "qwen_image": (QwenImage, QWEN_CFG, load_qwen_image, qwen_inputs),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_per_tensor_layer_computes_comfyuis_dequantized_weight_exactly(dtype):
+    lin = nn.Linear(96, 40)
+    layer = fp8.FP8Linear.from_linear(lin, "fp8_tensor_scaled")
+    assert layer.weight_scale.dtype == torch.float32 and layer.weight_scale.shape == ()
+    q, scale = layer.weight, layer.weight_scale
+    w = q.to(dtype) * scale.to(dtype)  # ComfyUI: both cast to the compute dtype, one multiply in it
+    x = torch.randn(5, 96).to(dtype).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y = layer(x)
+    assert torch.equal(y, F.linear(x_ref, w, lin.bias.detach().to(dtype)))
+    y.sum().backward()
+    F.linear(x_ref, w, lin.bias.detach().to(dtype)).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad) and layer.weight.grad is None
+
+
+def test_per_tensor_dequantization_casts_the_scale_first_as_comfyui_does():
+    """Every finite e4m3 code times 64 scales: ours is codes.to(dt) * scale.to(dt) bit for bit, and
+    in bf16 that differs from rounding the fp32 product once (so the order is really tested)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[torch.isfinite(codes.float())].reshape(2, -1)
+    scales = torch.rand(64, generator=torch.Generator().manual_seed(0)) * 1e-3
+    differs = 0
+    for scale in scales:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert torch.equal(fp8.dequantize_weight(codes, scale, dtype), codes.to(dtype) * scale.to(dtype))
+        differs += int(not torch.equal(codes.to(torch.bfloat16) * scale.to(torch.bfloat16), (codes.float() * scale).bfloat16()))
+    assert differs > 0
+
+
+def test_per_tensor_quantization_round_trips_through_the_state_dict():
+    layer = fp8.FP8Linear.from_linear(nn.Linear(64, 16), "fp8_tensor_scaled")
+    other = fp8.FP8Linear(64, 16, mode="fp8_tensor_scaled")
+    other.load_state_dict({k: (v.double() if k == "weight_scale" else v) for k, v in layer.state_dict().items()})
+    assert other.weight_scale.dtype == torch.float32 and torch.equal(other.weight_scale, layer.weight_scale)
+    assert layer.to(torch.bfloat16).weight_scale.dtype == torch.float32  # model.to(dtype) leaves it alone
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole files
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+@pytest.mark.parametrize("layout", ["marker", "comfy_quant", "plain"])
+def test_comfy_files_load_as_they_are_and_equal_comfyuis_dequantized_model(tmp_path, family, layout):
+    cls, config, load, inputs = FAMILIES[family]
+    sd = comfy_state_dict(randomized(cls(config), 3), family, layout)
+    path = write_comfy(sd, tmp_path / f"{family}_{layout}.safetensors", family)
+    expected = "fp8" if layout == "plain" else "fp8_tensor_scaled"
+    assert fp8_checkpoint_layout(CheckpointReader(path)) == expected
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.warns(UserWarning, match="fp8 tensors where the model keeps high precision"):
+            loaded = load(path, dtype=dtype, config=config)
+        layers = [m for m in loaded.modules() if isinstance(m, fp8.FP8Linear)]
+        assert len(layers) == len(quantized_linears(cls(config), family)) and {m.mode for m in layers} == {expected}
+        assert torch.equal(run(realigned(loaded), inputs()), run(reference(cls, config, sd, dtype), inputs()))
+
+
+def test_a_diffusion_model_only_file_without_prefix_loads_too(tmp_path):
+    sd = comfy_state_dict(randomized(Flux(FLUX_CFG), 4), "flux", "marker")
+    path = write_comfy(sd, tmp_path / "unet.safetensors", "flux", prefix="", bundled=False)
+    with pytest.warns(UserWarning):
+        loaded = load_flux(path)
+    assert torch.equal(run(realigned(loaded), flux_inputs()), run(reference(Flux, FLUX_CFG, sd, torch.float32), flux_inputs()))
+
+
+def test_a_missing_scale_is_one_and_a_high_precision_linear_in_the_file_is_quantized_per_tensor(tmp_path):
+    model = randomized(Flux(FLUX_CFG), 5)
+    sd = comfy_state_dict(model, "flux", "marker")
+    del sd["double_blocks.0.img_attn.qkv.scale_weight"]  # ComfyUI's default scale: 1.0
+    sd["single_blocks.0.linear2.weight"] = model.single_blocks[0].linear2.weight.detach().clone()  # kept bf16
+    del sd["single_blocks.0.linear2.scale_weight"]
+    with pytest.warns(UserWarning):
+        loaded = load_flux(write_comfy(sd, tmp_path / "partial.safetensors", "flux"))
+    assert loaded.double_blocks[0].img_attn.qkv.weight_scale.item() == 1.0
+    q, scale = fp8.quantize_weight(sd["single_blocks.0.linear2.weight"], "fp8_tensor_scaled")
+    assert torch.equal(loaded.single_blocks[0].linear2.weight_scale, scale)
+    assert torch.equal(loaded.single_blocks[0].linear2.weight.view(torch.uint8), q.view(torch.uint8))
+
+
+def one_line_refusal(path, load, match: str):
+    with pytest.raises(CheckpointError, match=match) as info:
+        load(path)
+    assert "\n" not in str(info.value)
+
+
+def test_layouts_we_do_not_read_are_refused_in_one_line_naming_the_key(tmp_path):
+    model = randomized(Flux(FLUX_CFG), 6)
+    qkv = "double_blocks.0.img_attn.qkv"
+    sd = comfy_state_dict(model, "flux", "marker")
+    bad = dict(sd, scaled_fp8=torch.empty(0, dtype=torch.float16))
+    one_line_refusal(write_comfy(bad, tmp_path / "a.safetensors", "flux"), load_flux, r"'model.diffusion_model.scaled_fp8' is F16")
+    bad = dict(sd, **{f"{qkv}.scale_weight": torch.ones(192, 1)})
+    one_line_refusal(write_comfy(bad, tmp_path / "b.safetensors", "flux"), load_flux,
+                     rf"'model.diffusion_model.{qkv}.scale_weight' has shape \(192, 1\); ComfyUI's scaled fp8 stores one")
+    bad = dict(sd, **{f"{qkv}.weight": sd[f"{qkv}.weight"].to(torch.float8_e5m2)})
+    one_line_refusal(write_comfy(bad, tmp_path / "c.safetensors", "flux"), load_flux,
+                     rf"'model.diffusion_model.{qkv}.weight' is float8_e5m2")
+    cq = comfy_state_dict(model, "flux", "comfy_quant")
+    cq[f"{qkv}.comfy_quant"] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
+    one_line_refusal(write_comfy(cq, tmp_path / "d.safetensors", "flux"), load_flux,
+                     rf"layer '{qkv}' is comfy_quant format 'nvfp4'; only 'float8_e4m3fn'")
+    musubi = {k: v for k, v in sd.items() if k != "scaled_fp8" and not k.endswith("scale_input")}
+    one_line_refusal(write_comfy(musubi, tmp_path / "e.safetensors", "flux"), load_flux,
+                     r"scale_weight' \(shape \(\)\) is an fp8 scale without ComfyUI's 'scaled_fp8' marker: musubi-tuner")
+    unmarked = {k: v for k, v in cq.items() if not k.endswith("comfy_quant")}
+    one_line_refusal(write_comfy(unmarked, tmp_path / "f.safetensors", "flux"), load_flux,
+                     r"weight_scale' has shape \(\), not the \[out, in/64\] block scales of fp8_scaled")
