@@ -5,12 +5,16 @@ built from the tiny FLUX and Qwen-Image, load as they are and compute exactly Co
 weights; other layouts are refused in one line naming the key."""
 
 import json
+import os
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import save_file
+
+import train_lora
 
 from library.io import CheckpointError, CheckpointReader
 from library.models.flux1.checkpoint import load_flux, save_flux_bfl
@@ -19,6 +23,7 @@ from library.models.qwen_image.model import QwenImage, load_qwen_image
 from library.precision import fp8
 from library.precision.fp8_checkpoints import fp8_checkpoint_layout
 from tests.test_merge_convert import FLUX_CFG, QWEN_CFG, flux_inputs, qwen_inputs, randomized, run
+from tests.test_reliability import flux_args, one_error_line
 
 PREFIX = "model.diffusion_model."
 BUNDLED = {  # what a ComfyUI full checkpoint carries beside the transformer: never read for it
@@ -59,10 +64,10 @@ def comfy_state_dict(model: nn.Module, family: str, layout: str) -> dict[str, to
     return sd
 
 
-def write_comfy(sd: dict, path, family: str, prefix: str = PREFIX, bundled: bool = True):
+def write_comfy(sd: dict, path, family: str, prefix: str = PREFIX, bundled: bool = True, config=FLUX_CFG):
     full = {prefix + k: v for k, v in sd.items()} | (BUNDLED if bundled else {})
     if family == "flux":
-        save_flux_bfl(full, str(path), config=FLUX_CFG)
+        save_flux_bfl(full, str(path), config=config)
     else:
         save_file(full, str(path))
     return str(path)
@@ -216,3 +221,27 @@ def test_layouts_we_do_not_read_are_refused_in_one_line_naming_the_key(tmp_path)
     unmarked = {k: v for k, v in cq.items() if not k.endswith("comfy_quant")}
     one_line_refusal(write_comfy(unmarked, tmp_path / "f.safetensors", "flux"), load_flux,
                      r"weight_scale' has shape \(\), not the \[out, in/64\] block scales of fp8_scaled")
+
+
+# ----------------------------------------------------------------------------------------------
+# Training, generation and merging on such files
+
+
+def tiny_comfy_flux(tiny_set, tmp_path, layout="marker") -> str:
+    model = load_flux(tiny_set["flux_bfl"])
+    return write_comfy(comfy_state_dict(model, "flux", layout), tmp_path / f"flux1_{layout}.safetensors", "flux",
+                       config=model.config)
+
+
+def test_training_on_a_comfy_scaled_file_needs_fp8_scaled_and_records_the_layout(tiny_set, tmp_path, capsys):
+    path = tiny_comfy_flux(tiny_set, tmp_path)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--pretrained_model_name_or_path", path,
+                                                            "--fp8_base", "true", "--fp8_scaled", "false")))
+    assert ("flux1_marker.safetensors: the checkpoint stores a pre-quantized fp8_tensor_scaled base (used as it is), "
+            "but the config asks for fp8; set fp8_base = true and fp8_scaled = true") in line, line
+    assert train_lora.main(flux_args(tiny_set, out, "--pretrained_model_name_or_path", path, "--fp8_base", "true",
+                                     "--fp8_scaled", "true", "--max_train_steps", "2")) == 0
+    with safe_open(str(out / "tiny_flux_lora.safetensors"), framework="pt") as f:
+        assert f.metadata()["ss_base_precision"] == "fp8_tensor_scaled"

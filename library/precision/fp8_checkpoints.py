@@ -54,6 +54,10 @@ from library.precision.fp8 import (
 DIFFUSION_MODEL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI full / UNet-only files
 COMFY_MARKER = "scaled_fp8"
 COMFY_FORMAT = "float8_e4m3fn"  # the only comfy_quant format with our per-tensor layout
+# The base_precision (fp8_base / fp8_scaled settings) a training config needs for each stored layout:
+# ComfyUI's per-tensor scales are a scaled fp8 base like ours, so fp8_scaled = true; the LoRA
+# metadata then records the stored layout itself (DiffusionTask.base_precision).
+CONFIG_PRECISION = {"fp8": "fp8", "fp8_scaled": "fp8_scaled", "fp8_tensor_scaled": "fp8_scaled"}
 DROPPED_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant")  # activation scales, per-layer markers
 
 
