@@ -22,7 +22,7 @@ from library.models.flux1.model import Flux
 from library.models.qwen_image.model import QwenImage, load_qwen_image
 from library.precision import fp8
 from library.precision.fp8_checkpoints import fp8_checkpoint_layout
-from tests.test_merge_convert import FLUX_CFG, QWEN_CFG, flux_inputs, qwen_inputs, randomized, run
+from tests.test_merge_convert import FLUX_CFG, QWEN_CFG, flux_inputs, lora, qwen_inputs, randomized, run, runtime_output
 from tests.test_reliability import flux_args, one_error_line
 
 PREFIX = "model.diffusion_model."
@@ -245,3 +245,100 @@ def test_training_on_a_comfy_scaled_file_needs_fp8_scaled_and_records_the_layout
                                      "--fp8_scaled", "true", "--max_train_steps", "2")) == 0
     with safe_open(str(out / "tiny_flux_lora.safetensors"), framework="pt") as f:
         assert f.metadata()["ss_base_precision"] == "fp8_tensor_scaled"
+
+
+def test_generate_reads_comfy_files_with_a_lora_on_top_and_records_the_stored_layout(tiny_set, tmp_path):
+    from PIL import Image
+
+    from tools import generate
+
+    path = tiny_comfy_flux(tiny_set, tmp_path)
+    with pytest.warns(UserWarning):
+        net = lora(load_flux(path), "flux", rank=4, alpha=4.0, seed=1)
+    net.save(str(tmp_path / "l.safetensors"))
+    assert generate.main(["--model_type", "flux", "--model", path, "--ae", tiny_set["flux_vae_single"],
+                          "--clip_l", tiny_set["clip_l"], "--t5xxl", tiny_set["t5xxl"], "--prompt", "a red square",
+                          "--width", "64", "--height", "64", "--steps", "2", "--dtype", "bf16",
+                          "--lora", f"{tmp_path / 'l.safetensors'}:0.8", "--out", str(tmp_path / "flux")]) == 0
+    (png,) = os.listdir(tmp_path / "flux")
+    assert Image.open(tmp_path / "flux" / png).text["base_precision"] == "fp8_tensor_scaled"
+
+    qwen = tmp_path / "qwen_comfy"  # ComfyUI's Qwen-Image files carry no prefix; config.json beside it
+    model = load_qwen_image(tiny_set["qwen_image"])
+    write_comfy(comfy_state_dict(model, "qwen_image", "comfy_quant"), tmp_path / "q.safetensors", "qwen_image", prefix="",
+                bundled=False)
+    os.makedirs(qwen)
+    os.rename(tmp_path / "q.safetensors", qwen / "diffusion_pytorch_model.safetensors")
+    with open(qwen / "config.json", "w") as f:
+        json.dump(model.config.to_diffusers(), f)
+    assert generate.main(["--model_type", "qwen_image", "--model", str(qwen), "--ae", tiny_set["qwen_image_vae"],
+                          "--text_encoder", tiny_set["qwen_image_text_encoder"], "--prompt", "a red square",
+                          "--width", "64", "--height", "64", "--steps", "2", "--dtype", "fp32",
+                          "--out", str(tmp_path / "qwen")]) == 0
+    assert len(os.listdir(tmp_path / "qwen")) == 1
+
+
+def merge(*argv) -> int:
+    from tools import merge_lora
+
+    return merge_lora.main([str(a) for a in argv])
+
+
+def read_all(path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+def test_merge_lora_into_a_comfy_file_keeps_its_layout_or_widens_it(tmp_path, family):
+    cls, config, load, inputs = FAMILIES[family]
+    sd = comfy_state_dict(randomized(cls(config), 7), family, "marker")
+    path = write_comfy(sd, tmp_path / "base.safetensors", family)
+    ref = reference(cls, config, sd, torch.float32)
+    net = lora(ref, family, rank=4, alpha=4.0, seed=2)
+    net.save(str(tmp_path / "l.safetensors"))
+
+    # fp32 output: ComfyUI's dequantized weights + the LoRA, no scales or markers left
+    assert merge("--model", path, "--lora", f"{tmp_path / 'l.safetensors'}:0.7", "--save_to", tmp_path / "fp32.safetensors",
+                 "--save_precision", "fp32") == 0
+    wide = read_all(tmp_path / "fp32.safetensors")
+    assert not any(k.endswith(("scale_weight", "scale_input", "scaled_fp8")) for k in wide if k.startswith(PREFIX))
+    assert all(torch.equal(wide[k].float(), v.float()) for k, v in BUNDLED.items())  # other models: as they are
+    assert all(v.dtype == torch.float32 for k, v in wide.items() if k.startswith(PREFIX))
+    merged = load(str(tmp_path / "fp32.safetensors"), config=config)
+    expected = runtime_output(ref, [(net, 0.7)], inputs())
+    assert torch.allclose(run(realigned(merged), inputs()), expected, atol=1e-5, rtol=1e-5)
+
+    # kept layout: unmerged tensors byte for byte, merged ones re-quantized per tensor from those fp32 weights
+    assert merge("--model", path, "--lora", f"{tmp_path / 'l.safetensors'}:0.7", "--save_to", tmp_path / "kept.safetensors") == 0
+    base, kept = read_all(path), read_all(tmp_path / "kept.safetensors")
+    assert {k: (v.dtype, v.shape) for k, v in kept.items()} == {k: (v.dtype, v.shape) for k, v in base.items()}
+    targets = {n for n, m in ref.named_modules() if n in {t.name for t in net.lora_modules()}}
+    for k, v in kept.items():
+        layer = k[len(PREFIX) :].rsplit(".", 1)[0]
+        if layer not in targets or k.endswith(("bias", "scale_input")):
+            assert torch.equal(v.view(torch.uint8) if v.dtype.itemsize == 1 else v, base[k].view(torch.uint8) if v.dtype.itemsize == 1 else base[k]), k
+        elif k.endswith(".weight"):
+            q, scale = fp8.quantize_weight(wide[k], "fp8_tensor_scaled")
+            assert torch.equal(v.view(torch.uint8), q.view(torch.uint8)) and torch.equal(kept[f"{PREFIX}{layer}.scale_weight"], scale)
+    with pytest.warns(UserWarning):
+        assert fp8_checkpoint_layout(CheckpointReader(str(tmp_path / "kept.safetensors"))) == "fp8_tensor_scaled"
+        load(str(tmp_path / "kept.safetensors"), config=config)
+
+
+def test_merge_lora_into_an_fp8_base_refuses_another_fp8_layout_and_rounds_stochastically(tmp_path, capsys):
+    sd = comfy_state_dict(randomized(Flux(FLUX_CFG), 8), "flux", "marker")
+    path = write_comfy(sd, tmp_path / "base.safetensors", "flux")
+    lora(reference(Flux, FLUX_CFG, sd, torch.float32), "flux", rank=4, alpha=4.0, seed=2).save(str(tmp_path / "l.safetensors"))
+    capsys.readouterr()
+    assert merge("--model", path, "--lora", tmp_path / "l.safetensors", "--save_to", tmp_path / "o.safetensors",
+                 "--save_precision", "fp8_scaled") == 2
+    err = capsys.readouterr().err
+    assert "is a pre-quantized fp8_tensor_scaled base; another fp8 layout would re-round all its weights" in err
+    assert err.count("\n") == 1 and not (tmp_path / "o.safetensors").exists()
+    outs = []
+    for seed in (0, 1):
+        assert merge("--model", path, "--lora", tmp_path / "l.safetensors", "--save_to", tmp_path / f"s{seed}.safetensors",
+                     "--stochastic_rounding", "--seed", seed) == 0
+        outs.append(read_all(tmp_path / f"s{seed}.safetensors")[PREFIX + "double_blocks.0.img_attn.qkv.weight"])
+    assert not torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))  # the seed decides the rounding
