@@ -22,6 +22,7 @@ from library.models.flux1.model import Flux
 from library.models.qwen_image.model import QwenImage, load_qwen_image
 from library.precision import fp8
 from library.precision.fp8_checkpoints import fp8_checkpoint_layout
+from networks.lora import LoRANetwork
 from tests.test_merge_convert import FLUX_CFG, QWEN_CFG, flux_inputs, lora, qwen_inputs, randomized, run, runtime_output
 from tests.test_reliability import flux_args, one_error_line
 
@@ -342,3 +343,28 @@ def test_merge_lora_into_an_fp8_base_refuses_another_fp8_layout_and_rounds_stoch
                      "--stochastic_rounding", "--seed", seed) == 0
         outs.append(read_all(tmp_path / f"s{seed}.safetensors")[PREFIX + "double_blocks.0.img_attn.qkv.weight"])
     assert not torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))  # the seed decides the rounding
+
+
+@pytest.mark.parametrize("kind", ["dora", "lokr_dora_wd"])
+def test_dora_and_lycoris_on_a_comfy_scaled_base_equal_the_dequantized_base(tmp_path, kind):
+    from networks.lycoris_network import LycorisNetwork
+
+    sd = comfy_state_dict(randomized(Flux(FLUX_CFG), 9), "flux", "marker")
+    with pytest.warns(UserWarning):
+        model = realigned(load_flux(write_comfy(sd, tmp_path / "base.safetensors", "flux")))
+    ref = reference(Flux, FLUX_CFG, sd, torch.float32)
+    if kind == "dora":
+        make = lambda m: LoRANetwork(m, "flux", 4, 4.0, network_args={"use_dora": "true"})  # noqa: E731
+    else:
+        make = lambda m: LycorisNetwork(m, "flux", 4, 2.0, network_args={"algo": "lokr", "factor": 4, "dora_wd": True})  # noqa: E731
+    net, ref_net = make(model), make(ref)
+    with torch.no_grad():
+        for p in ref_net.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    net.load_state_dict(ref_net.state_dict())
+    net.apply(), ref_net.apply()
+    out = model(**flux_inputs())
+    assert torch.allclose(out, ref(**flux_inputs()), atol=1e-5, rtol=1e-5)
+    out.square().mean().backward()
+    assert all(p.grad is not None for p in net.parameters() if p.requires_grad)
+    assert not any(t.requires_grad for t in model.parameters()) and all(b.grad is None for b in model.buffers())
