@@ -216,9 +216,11 @@ def test_layouts_we_do_not_read_are_refused_in_one_line_naming_the_key(tmp_path)
     cq[f"{qkv}.comfy_quant"] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
     one_line_refusal(write_comfy(cq, tmp_path / "d.safetensors", "flux"), load_flux,
                      rf"layer '{qkv}' is comfy_quant format 'nvfp4'; only 'float8_e4m3fn'")
-    musubi = {k: v for k, v in sd.items() if k != "scaled_fp8" and not k.endswith("scale_input")}
+    musubi = musubi_state_dict(model, "flux", "channel")  # per row, on rows of 64 inputs or more
     one_line_refusal(write_comfy(musubi, tmp_path / "e.safetensors", "flux"), load_flux,
-                     r"scale_weight' \(shape \(\)\) is an fp8 scale without ComfyUI's 'scaled_fp8' marker: musubi-tuner")
+                     r"'model.diffusion_model.double_blocks.0.img_mlp.2.scale_weight' \(BF16 \(64, 1\), weight "
+                     r"\[64, 256\]\) is a musubi-tuner fp8 scale that maps onto neither one scale per tensor \(all of "
+                     r"them\) nor bf16 scales per 64 input columns \(64, 4, 1\)")
     unmarked = {k: v for k, v in cq.items() if not k.endswith("comfy_quant")}
     one_line_refusal(write_comfy(unmarked, tmp_path / "f.safetensors", "flux"), load_flux,
                      r"weight_scale' has shape \(\), not the \[out, in/64\] block scales of fp8_scaled")
@@ -368,3 +370,63 @@ def test_dora_and_lycoris_on_a_comfy_scaled_base_equal_the_dequantized_base(tmp_
     out.square().mean().backward()
     assert all(p.grad is not None for p in net.parameters() if p.requires_grad)
     assert not any(t.requires_grad for t in model.parameters()) and all(b.grad is None for b in model.buffers())
+
+
+# ----------------------------------------------------------------------------------------------
+# musubi-tuner's layout (a saved state dict of its --fp8_scaled models)
+
+
+def musubi_state_dict(model: nn.Module, family: str, mode: str) -> dict[str, torch.Tensor]:
+    """musubi-tuner's quantize_weight (fp8_optimization_utils.py) on the model's Linears: scale =
+    absmax / 448 per tensor, per row ([out, 1]) or per 64-column block ([out, in/64, 1]), clamped to
+    1e-8; codes = (w / scale).clamp(+-448).to(e4m3); the scale stored in the model dtype (bf16)."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for layer in quantized_linears(model, family):
+        w = sd[f"{layer}.weight"].float()
+        out, in_features = w.shape
+        blocked = w.view(out, in_features // 64, 64) if mode == "block" else w
+        if mode == "tensor":
+            scale = blocked.abs().max() / 448.0
+        else:
+            scale = blocked.abs().amax(dim=-1, keepdim=True) / 448.0
+        scale = scale.clamp(min=1e-8)
+        sd[f"{layer}.weight"] = (blocked / scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(out, in_features)
+        sd[f"{layer}.scale_weight"] = scale.to(torch.bfloat16)
+    return sd
+
+
+def musubi_dequantized(sd: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """musubi's fp8_linear_forward_patch: weight.to(scale.dtype) * scale (blocks: viewed [out, blocks, 64])."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("scale_weight"):
+            continue
+        scale = sd.get(k[: -len("weight")] + "scale_weight")
+        if scale is None:
+            out[k] = v.to(dtype)
+        elif scale.dim() < 3:
+            out[k] = (v.to(scale.dtype) * scale).to(dtype)
+        else:
+            out[k] = (v.to(scale.dtype).view(scale.shape[0], scale.shape[1], -1) * scale).view(v.shape).to(dtype)
+    return out
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+@pytest.mark.parametrize("mode, layout", [("tensor", "fp8_tensor_scaled"), ("block", "fp8_scaled")])
+def test_musubi_state_dicts_load_as_they_are_and_equal_musubis_dequantized_model(tmp_path, family, mode, layout):
+    cls, config, load, inputs = FAMILIES[family]
+    sd = musubi_state_dict(randomized(cls(config), 10), family, mode)
+    path = write_comfy(sd, tmp_path / f"{mode}.safetensors", family, prefix="", bundled=False)
+    assert fp8_checkpoint_layout(CheckpointReader(path)) == layout
+    loaded = load(path, dtype=torch.bfloat16, config=config)  # musubi dequantizes in the model dtype, bf16
+    assert {m.mode for m in loaded.modules() if isinstance(m, fp8.FP8Linear)} == {layout}
+    expected = cls(config).to(torch.bfloat16)
+    expected.load_state_dict(musubi_dequantized(sd, torch.bfloat16))
+    expected.compute_dtype = torch.bfloat16
+    assert torch.equal(run(loaded, inputs()), run(expected.eval(), inputs()))
+    if family == "flux":  # merged into as it is: only the merged weights change, scales keep musubi's shapes
+        lora(expected.float(), family, rank=4, alpha=4.0, seed=2).save(str(tmp_path / "l.safetensors"))
+        assert merge("--model", path, "--lora", tmp_path / "l.safetensors", "--save_to", tmp_path / "m.safetensors") == 0
+        before, after = read_all(path), read_all(tmp_path / "m.safetensors")
+        assert {k: (v.dtype, v.shape) for k, v in after.items()} == {k: (v.dtype, v.shape) for k, v in before.items()}
+        load(str(tmp_path / "m.safetensors"), config=config)

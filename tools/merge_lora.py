@@ -419,16 +419,16 @@ class Fp8BasePlan(Plan):
         if not self._is_fp8(key) or scale_key not in self.base.reader:
             return tensor.float()
         scale = self.base.reader.get(scale_key)
-        if scale.numel() == 1:  # ComfyUI's per-tensor scale
+        if scale.numel() == 1:  # ComfyUI's (or musubi's) per-tensor scale
             return tensor.float() * scale.float().reshape(())
-        return fp8.dequantize_weight(tensor, scale.to(fp8.SCALE_DTYPE), torch.float32)
+        return fp8.dequantize_weight(tensor, scale.reshape(scale.shape[0], -1).to(fp8.SCALE_DTYPE), torch.float32)
 
     def _requantized(self, weight_key: str) -> dict[str, torch.Tensor]:
         """{weight key: codes [, its scale key: scale]} of a merged weight, in the base's layout."""
         merged, scale_key = self.merged(weight_key, self.dequantized(weight_key)), self._scale_key(weight_key)
         if scale_key not in self.base.reader:  # plain codes (or a ComfyUI layer without scale: 1.0)
             return self.quantized(weight_key, merged, "fp8")
-        per_tensor = self.base.reader.shape(scale_key) in ((), (1,))
+        per_tensor = self.base.fp8.layout == "fp8_tensor_scaled"
         out = self.quantized(weight_key, merged, "fp8_tensor_scaled" if per_tensor else "fp8_scaled")
         scale = out.pop(weight_key[: -len("weight")] + "weight_scale")
         out[scale_key] = scale.to(ST_DTYPES[self.base.reader.dtype_name(scale_key)]).reshape(self.base.reader.shape(scale_key))

@@ -26,10 +26,19 @@ and the comfy_quant format after it):
     the uint8 bytes of JSON {"format": "float8_e4m3fn", ...}, or the header entry
     `_quantization_metadata` = {"layers": {X: {...}}}; the scale is `X.weight_scale` (float32 0-dim)
     and the activation scale `X.input_scale`. Format float8_e4m3fn is the same per-tensor layout.
+musubi-tuner (src/musubi_tuner/modules/fp8_optimization_utils.py) names its scales `X.scale_weight`
+too, without the marker, in the model dtype: shape [] per tensor, [out, 1] per channel or
+[out, in/block, 1] per block (block 64 by default), dequantized as weight.to(scale.dtype) * scale.
+It quantizes while loading and writes no such file itself, but a saved state dict maps cleanly:
+per tensor -> "fp8_tensor_scaled" (the same product when the compute dtype is the scale's, as in
+musubi); bf16 scales per 64 input columns (or per row where in % 64 != 0) -> "fp8_scaled", the scale
+reshaped to [out, in/64]. Other musubi scales (per channel on 64-divisible rows, other block sizes,
+fp16/fp32 block scales that bf16 would round) are refused naming the key.
+
 Refused, one line naming the key: float8_e5m2 weights; comfy_quant formats other than float8_e4m3fn
-(nvfp4, int8, mxfp8, ...: number formats and block scales FP8Linear does not hold); scales that
-are not one number per tensor; musubi-tuner's layout (see _refuse_musubi). Activation scales are
-dropped: we compute in bf16/fp32, as ComfyUI does whenever a LoRA is patched in.
+(nvfp4, int8, mxfp8, ...: number formats and block scales FP8Linear does not hold); ComfyUI scales
+that are not one number per tensor; the musubi scales above. Activation scales are dropped: we
+compute in bf16/fp32, as ComfyUI does whenever a LoRA is patched in.
 
 An fp8 tensor where our model keeps high precision (fp8.HIGH_PRECISION_MODULES: embedders, the final
 layer; and norms, biases) is widened, with one warning: widening is exact, so the base trained on
@@ -48,7 +57,7 @@ import torch.nn as nn
 
 from library.io import CheckpointError, CheckpointReader
 from library.precision.fp8 import (
-    FP8_CHECKPOINT_DTYPES, SCALE_DTYPE, TENSOR_SCALE_DTYPE, FP8LoadConverter, dequantize_weight, prepare_fp8,
+    FP8_CHECKPOINT_DTYPES, SCALE_DTYPE, TENSOR_SCALE_DTYPE, FP8LoadConverter, dequantize_weight, prepare_fp8, scale_shape,
 )  # fmt: skip
 
 DIFFUSION_MODEL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI full / UNet-only files
@@ -67,7 +76,7 @@ class Fp8Checkpoint:
     for our own layouts) and the diffusion-model prefix its transformer keys carry."""
 
     layout: str  # "fp8" | "fp8_scaled" | "fp8_tensor_scaled"
-    scale_suffix: str | None  # ".scale_weight" (ComfyUI marker layout) | ".weight_scale" (comfy_quant)
+    scale_suffix: str | None  # ".scale_weight" (ComfyUI marker layout, musubi) | ".weight_scale" (comfy_quant)
     prefix: str
 
     def is_dropped(self, name: str) -> bool:
@@ -102,14 +111,23 @@ def _check_per_tensor_scales(reader: CheckpointReader, where: str, keys: list[st
                                   f"float32 scale per tensor (shape ())")
 
 
-def _refuse_musubi(where: str, key: str, shape) -> None:
-    # musubi-tuner (modules/fp8_optimization_utils.py) names its scales `X.scale_weight` too, in the
-    # model dtype, shaped [] (per tensor), [out, 1] (per channel) or [out, blocks, 1] (per block),
-    # dequantized as weight.to(scale.dtype) * scale. It quantizes while loading and writes no such
-    # file, and without ComfyUI's marker the same keys would make ComfyUI run the codes unscaled.
-    raise CheckpointError(f"{where}: '{key}' (shape {shape}) is an fp8 scale without ComfyUI's '{COMFY_MARKER}' "
-                          f"marker: musubi-tuner's in-memory fp8_scaled layout, which is not read; give the bf16 "
-                          f"checkpoint (quantized while loading) or a ComfyUI scaled fp8 file")
+def _musubi_layout(reader: CheckpointReader, where: str, prefix: str, scales: list[str]) -> str:
+    """"fp8_tensor_scaled" or "fp8_scaled" for musubi-tuner's `X.scale_weight`s (no ComfyUI marker)."""
+    per_tensor = [n for n in scales if reader.shape(prefix + n) in ((), (1,))]
+    if len(per_tensor) == len(scales):
+        return "fp8_tensor_scaled"
+    for name in scales:
+        key, shape, weight = prefix + name, reader.shape(prefix + name), prefix + name[: -len("scale_weight")] + "weight"
+        if weight not in reader or len(reader.shape(weight)) != 2:
+            raise CheckpointError(f"{where}: '{key}' scales no 2-D '{weight}'")
+        out, in_features = reader.shape(weight)
+        rows, blocks = scale_shape(out, in_features)
+        fits = shape == (rows, blocks, 1) or (blocks == 1 and shape == (rows, 1))  # one block: in is 64 or not 64-divisible
+        if name in per_tensor or reader.dtype_name(key) != "BF16" or not fits:
+            raise CheckpointError(f"{where}: '{key}' ({reader.dtype_name(key)} {shape}, weight [{out}, {in_features}]) "
+                                  f"is a musubi-tuner fp8 scale that maps onto neither one scale per tensor (all of "
+                                  f"them) nor bf16 scales per 64 input columns {(rows, blocks, 1)}; give the bf16 checkpoint")
+    return "fp8_scaled"
 
 
 def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp8Checkpoint | None:
@@ -139,9 +157,9 @@ def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp
                                   f"{COMFY_FORMAT!r} (one float32 scale per tensor) is read")
         _check_per_tensor_scales(reader, where, [prefix + n for n in names if n.endswith(".weight_scale")])
         return Fp8Checkpoint("fp8_tensor_scaled", ".weight_scale", prefix)
-    musubi = next((n for n in names if n.endswith(".scale_weight")), None)
+    musubi = [n for n in names if n.endswith(".scale_weight")]
     if musubi:
-        _refuse_musubi(where, prefix + musubi, reader.shape(prefix + musubi))
+        return Fp8Checkpoint(_musubi_layout(reader, where, prefix, musubi), ".scale_weight", prefix)
     scales = [n for n in names if n.endswith(".weight_scale")]
     flat = next((n for n in scales if len(reader.shape(prefix + n)) != 2), None)
     if flat:
@@ -182,12 +200,14 @@ class PrequantizedConverter:
         return self.reader.get(key) if key in self.reader else None
 
     def _scale_of(self, layer: str) -> torch.Tensor | None:
-        """The layer's scale as FP8Linear holds it: per tensor fp32 0-dim, our blocks bf16 [out, in/64]."""
-        if self.info.scale_suffix is None:
-            scale = self._scale(layer, ".weight_scale")
-            return None if scale is None else scale.to(SCALE_DTYPE)
-        scale = self._scale(layer, self.info.scale_suffix)
-        return None if scale is None else scale.to(TENSOR_SCALE_DTYPE).reshape(())  # fp32: exact for any float
+        """The layer's scale as FP8Linear holds it: per tensor fp32 0-dim (exact from any float), blocks
+        bf16 [out, in/64] (ours as stored; musubi's [out, in/64, 1] reshaped)."""
+        scale = self._scale(layer, self.info.scale_suffix or ".weight_scale")
+        if scale is None:
+            return None
+        if self.info.layout == "fp8_tensor_scaled":
+            return scale.to(TENSOR_SCALE_DTYPE).reshape(())
+        return scale.reshape(scale.shape[0], -1).to(SCALE_DTYPE)
 
     def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.info.is_dropped(key):
@@ -197,10 +217,12 @@ class PrequantizedConverter:
         if key in self.inner.quantized:
             if not is_fp8:
                 return self.inner(key, tensor)
-            if self.info.layout != "fp8_tensor_scaled":
+            if self.info.scale_suffix is None:  # ours: the block scales arrive as their own keys
                 return {key: tensor}
             scale = self._scale_of(layer)
-            return {key: tensor, f"{layer}.weight_scale": torch.ones((), dtype=TENSOR_SCALE_DTYPE) if scale is None else scale}
+            if scale is None and self.info.layout == "fp8_tensor_scaled":
+                scale = torch.ones((), dtype=TENSOR_SCALE_DTYPE)  # ComfyUI's default; musubi blocks: a missing key
+            return {key: tensor} if scale is None else {key: tensor, f"{layer}.weight_scale": scale}
         if is_fp8:  # widened: the values ComfyUI computes with, exactly
             scale = self._scale_of(layer) if layer else None
             return {key: dequantize_weight(tensor, scale, self.dtype) if scale is not None else tensor.to(self.dtype)}
