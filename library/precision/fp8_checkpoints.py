@@ -186,14 +186,18 @@ class PrequantizedConverter:
         self.inner, self.info, self.dtype, self.reader = FP8LoadConverter(model, info.layout), info, dtype, reader
         fp8_names = [k[len(info.prefix) :] for k in reader.keys()
                      if k.startswith(info.prefix) and reader.dtype_name(k) in FP8_CHECKPOINT_DTYPES]  # fmt: skip
-        widened = [n for n in fp8_names if n not in self.inner.quantized and not info.is_dropped(n)]
-        if widened:
-            warnings.warn(f"{source}: {len(widened)} fp8 tensors where the model keeps high precision (first "
-                          f"'{info.prefix + widened[0]}') are widened to {dtype} exactly (as ComfyUI computes them); "
-                          f"the base there is coarser than a bf16 one", stacklevel=2)
+        self.widened = [n for n in fp8_names if n not in self.inner.quantized and not info.is_dropped(n)]
+        self.source, self._warned = source, False  # warned at the first widening: not when only planning memory
 
     def keep_dtype(self, key: str) -> bool:
         return True  # every tensor arrives as stored; __call__ decides
+
+    def _warn_widening(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{self.source}: {len(self.widened)} fp8 tensors where the model keeps high precision (first "
+                          f"'{self.info.prefix + self.widened[0]}') are widened to {self.dtype} exactly (as ComfyUI "
+                          f"computes them); the base there is coarser than a bf16 one", stacklevel=3)
 
     def _scale(self, layer: str, suffix: str) -> torch.Tensor | None:
         key = self.info.prefix + layer + suffix
@@ -224,6 +228,7 @@ class PrequantizedConverter:
                 scale = torch.ones((), dtype=TENSOR_SCALE_DTYPE)  # ComfyUI's default; musubi blocks: a missing key
             return {key: tensor} if scale is None else {key: tensor, f"{layer}.weight_scale": scale}
         if is_fp8:  # widened: the values ComfyUI computes with, exactly
+            self._warn_widening()
             scale = self._scale_of(layer) if layer else None
             return {key: dequantize_weight(tensor, scale, self.dtype) if scale is not None else tensor.to(self.dtype)}
         if key.endswith(".weight_scale"):  # ours: the block scales of an FP8Linear, or of a widened layer
