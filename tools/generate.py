@@ -38,7 +38,8 @@ def parse_lora(spec: str) -> tuple[str, float]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_type", required=True, choices=tuple(FAMILIES))
-    p.add_argument("--model", required=True, help="transformer checkpoint (BFL file / diffusers folder)")
+    p.add_argument("--model", required=True, help="transformer checkpoint (BFL file / diffusers folder / ComfyUI "
+                                                   "file, fp8 and scaled fp8 ones used as they are)")
     p.add_argument("--ae", required=True, help="VAE")
     p.add_argument("--clip_l", help="flux: CLIP-L folder")
     p.add_argument("--t5xxl", help="flux: T5-XXL folder")
@@ -87,7 +88,9 @@ def generate(args) -> list[str]:
              for p in prompts]
     del encode  # text encoders are freed before the transformer is loaded
     device = torch.device(args.device)
-    model = family.load_transformer(PRECISION_DTYPES[args.dtype], args.base_precision).requires_grad_(False).eval()
+    # A pre-quantized file (ours, ComfyUI's fp8 / scaled fp8) is used as it is stored, whatever --base_precision says.
+    base_precision = family.stored_fp8_layout() or args.base_precision
+    model = family.load_transformer(PRECISION_DTYPES[args.dtype], base_precision).requires_grad_(False).eval()
     for path, ratio in loras:  # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it)
         network = network_from_file(model, family.name, path, multiplier=ratio)  # LoRA, DoRA or LyCORIS: the modules the file names
         network.apply()
@@ -108,7 +111,7 @@ def generate(args) -> list[str]:
         save_png(image, path, {
             "prompt": prompt.prompt, "negative": prompt.negative, "size": f"{prompt.width}x{prompt.height}",
             "steps": prompt.steps, "seed": seed, "guidance": prompt.guidance, "model": os.path.basename(args.model),
-            "base_precision": args.base_precision, "dtype": args.dtype,
+            "base_precision": base_precision, "dtype": args.dtype,
             "loras": ",".join(f"{os.path.basename(p)}:{r}" for p, r in loras),
         })
         written.append(path)

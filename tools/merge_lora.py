@@ -3,7 +3,7 @@
     python tools/merge_lora.py --model BASE --lora a.safetensors:0.8 b.safetensors:1.0 --save_to OUT \
         [--save_precision fp32|bf16|fp16|fp8|fp8_scaled] [--stochastic_rounding] [--seed N] [--allow_unmatched]
 
-BASE: a FLUX.1 BFL single file (ComfyUI prefixes too), a FLUX.1 or Qwen-Image diffusers transformer
+BASE: a FLUX.1 BFL single file (ComfyUI prefixes too; bf16, fp8 or scaled fp8), a FLUX.1 or Qwen-Image diffusers transformer
 folder (or the pipeline folder holding `transformer/`), a Qwen-Image single file, or a Hugging Face
 LLM folder / file. The family is told from the tensor names. OUT has the layout of BASE: a file for
 a file; for a folder, a folder with the same shard names and index plus the folder's small files
@@ -27,10 +27,19 @@ Precision: a merged weight is W (read in its file dtype, widened to float32) + s
 or unbiased stochastic rounding with --stochastic_rounding); fp8_scaled also writes `X.weight_scale`
 (bf16 per 64-column block, library/precision/fp8.py). Modules in fp8.HIGH_PRECISION_MODULES and every other
 float tensor are stored in bf16. Both fp8 outputs load back as they are through load_flux /
-load_qwen_image (train_lora.py, generate.py). A delta is never added to fp8 values: an fp8 BASE is refused.
+load_qwen_image (train_lora.py, generate.py).
+
+An fp8 BASE (plain e4m3, our fp8_scaled, ComfyUI's per-tensor scaled fp8 with its `scaled_fp8` marker or
+comfy_quant; library/precision/fp8_checkpoints.py) is merged into as ComfyUI patches one: each merged
+weight is dequantized to float32 (codes * scale), the deltas added there, and a delta is never added to
+fp8 values. Without --save_precision the output keeps the base's layout: only the merged weights are
+re-quantized (fresh scale, round to nearest or --stochastic_rounding), every other tensor is copied
+byte for byte; with bf16/fp16/fp32 every weight is dequantized and the scales and markers left out.
+Another fp8 layout is refused (it would re-round every weight). Keys outside the transformer (text
+encoders and VAE bundled in a ComfyUI checkpoint) are copied as they are. FLUX fp8 bases in BFL names.
 
 Errors (bad ratio, missing file, LoRA for another model, shape mismatch, unmatched modules without
---allow_unmatched, fp8 base) are one line on stderr, exit status 2, and no output is left behind.
+--allow_unmatched, fp8 layout change) are one line on stderr, exit status 2, and no output is left behind.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.precision import fp8  # noqa: E402
+from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint  # noqa: E402
 from library.models.flux1.checkpoint import BFL_PREFIXES, row_tables  # noqa: E402
 from library.io import CheckpointError, CheckpointReader, atomic_path, component_folder, make_parent_folder  # noqa: E402
 from library.models.llm import checkpoint_key_to_llm  # noqa: E402
@@ -139,6 +149,7 @@ class Base:
     to_model: Callable[[str], str | None]
     module_map: dict | None = None  # FLUX only: BFL module -> [(diffusers module, row0, row1)]
     weight_key: dict[str, str] = field(default_factory=dict)  # model module path -> checkpoint weight key
+    fp8: Fp8Checkpoint | None = None  # a pre-quantized base (its layout; Fp8BasePlan reads and keeps it)
 
     @property
     def is_folder(self) -> bool:
@@ -173,7 +184,6 @@ def open_base(path: str) -> Base:
     """Detect family and naming of the checkpoint at `path` from its tensor names."""
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
-    fp8.refuse_fp8_checkpoint(reader, path)
     keys = reader.keys()
     strip = lambda prefix: (lambda k: k[len(prefix) :] if k.startswith(prefix) else None)  # noqa: E731
     if (prefix := _prefix_of(keys, BFL_PREFIXES, ("double_blocks.", "single_blocks."))) is not None:
@@ -189,6 +199,10 @@ def open_base(path: str) -> Base:
         base = Base(path, reader, "llm", "hf", checkpoint_key_to_llm)
     else:
         raise CheckpointError(f"{path}: not a FLUX.1, Qwen-Image or LLM checkpoint (first key '{sorted(keys)[0]}')")
+    if base.family == "llm" or base.naming == "diffusers" and base.family == "flux":
+        fp8.refuse_fp8_checkpoint(reader, path)  # fp8 bases are read in BFL (FLUX) / diffusers (Qwen-Image) names
+    else:
+        base.fp8 = read_fp8_checkpoint(reader, path)
     for key in keys:
         name = base.to_model(key)
         if name and name.endswith(".weight") and len(reader.shape(key)) == 2:
@@ -322,39 +336,122 @@ class Plan:
             dtype = HIGH_PRECISION_DTYPE if self.precision.startswith("fp8") else PRECISIONS[self.precision]
         return [Entry(key, dtype, shape)]
 
+    def merged(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The LoRAs of `key` added to its float32 weight (a copy: never in fp8/bf16)."""
+        tensor = tensor.to(torch.float32, copy=True)  # [out, in]
+        for ratio, w in self.deltas[key]:  # in the order given (DoRA normalises what is there)
+            if isinstance(w, LoRAWeights) and w.magnitude is None:
+                tensor.addmm_(w.up.float(), w.down.float(), alpha=ratio * w.scale)
+            else:  # DoRA or LyCORIS: the merged weight, not an additive low-rank delta
+                tensor = w.merged(tensor, ratio)
+        return tensor
+
     def tensors(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Merged, cast tensors of `keys`, one at a time (peak: the float32 weight + its output)."""
         for key in keys:
             tensor = self.base.reader.get(key)  # a view of the mmapped file: never written to
             if key in self.deltas:
-                # float32 [out, in], a copy: the delta is added here, never in fp8/bf16
-                tensor = tensor.to(torch.float32, copy=True)
-                for ratio, w in self.deltas[key]:  # in the order given (DoRA normalises what is there)
-                    if isinstance(w, LoRAWeights) and w.magnitude is None:
-                        tensor.addmm_(w.up.float(), w.down.float(), alpha=ratio * w.scale)
-                    else:  # DoRA or LyCORIS: the merged weight, not an additive low-rank delta
-                        tensor = w.merged(tensor, ratio)
+                tensor = self.merged(key, tensor)
             if self.is_fp8_weight(key):
-                yield from self._quantized(key, tensor, self.generator).items()
+                yield from self.quantized(key, tensor, self.precision).items()
             else:
                 yield key, tensor.to(self.entries(key)[0].dtype)
             del tensor
 
-    def _quantized(self, key: str, w: torch.Tensor, generator) -> dict[str, torch.Tensor]:
-        """float weight -> {key: float8_e4m3fn [, key_scale: bf16]} from its float32 values."""
+    def quantized(self, key: str, w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
+        """float weight -> {key: float8_e4m3fn [, key_scale]} from its float32 values, in fp8.MODES `mode`."""
         if not self.stochastic:
-            q, scale = fp8.quantize_weight(w, self.precision)
-        elif self.precision == "fp8":
-            q, scale = fp8.stochastic_round_to_fp8(w, generator), None
+            q, scale = fp8.quantize_weight(w, mode)
+        elif mode == "fp8":
+            q, scale = fp8.stochastic_round_to_fp8(w, self.generator), None
         else:
-            _, scale = fp8.quantize_weight(w, "fp8_scaled")  # the bf16 block scales (absmax / 448, rounded up)
-            rows, blocks = scale.shape
-            blocked = w.float().reshape(rows, blocks, -1) / scale.float()[..., None]
-            q = fp8.stochastic_round_to_fp8(blocked, generator).reshape(w.shape)
+            _, scale = fp8.quantize_weight(w, mode)  # the scales (absmax / 448; bf16 blocks rounded up)
+            rows, blocks = scale.shape if scale.dim() == 2 else (1, 1)
+            blocked = w.float().reshape(rows, blocks, -1) / scale.float().reshape(rows, blocks, 1)
+            q = fp8.stochastic_round_to_fp8(blocked, self.generator).reshape(w.shape)
         out = {key: q}
         if scale is not None:
             out[key[: -len("weight")] + "weight_scale"] = scale
         return out
+
+
+class Fp8BasePlan(Plan):
+    """A pre-quantized base (ours, ComfyUI's fp8 / scaled fp8; fp8_checkpoints.py). Each merged fp8
+    weight is first dequantized to float32 exactly as ComfyUI's LoRA patching does (codes.float() *
+    scale: ComfyUI's convert_weight on a float32 copy), the deltas are added in float32, then:
+      - precision None (or the base's own layout): the output keeps the layout. Only merged weights
+        are re-quantized (round to nearest or --stochastic_rounding; a fresh absmax / 448 scale per
+        tensor or per block); every other tensor (codes, scales, markers) is copied byte for byte.
+      - bf16 / fp16 / fp32: every fp8 tensor is dequantized (float32) and cast; scales, markers and
+        activation scales are left out, so the output is a plain high-precision checkpoint.
+    Tensors outside the transformer (a ComfyUI file's bundled text encoders and VAE) are copied as
+    they are. Another fp8 layout is refused: it would re-round every weight of the base."""
+
+    @property
+    def keeps_layout(self) -> bool:
+        return self.precision in (None, self.base.fp8.layout)
+
+    def _name(self, key: str) -> str | None:
+        return self.base.to_model(key)  # None: not the transformer's
+
+    def _scale_key(self, weight_key: str) -> str:
+        suffix = self.base.fp8.scale_suffix or ".weight_scale"  # ours: bf16 blocks
+        return weight_key[: -len(".weight")] + suffix
+
+    def _is_fp8(self, key: str) -> bool:
+        return self.base.reader.dtype_name(key) == "F8_E4M3"
+
+    def _is_scale_or_marker(self, name: str) -> bool:
+        return self.base.fp8.is_dropped(name) or name.endswith(".weight_scale")
+
+    def entries(self, key: str) -> list[Entry]:
+        shape, dtype = self.base.reader.shape(key), ST_DTYPES[self.base.reader.dtype_name(key)]
+        name = self._name(key)
+        if self.keeps_layout or name is None:
+            return [Entry(key, dtype, shape)]
+        if self._is_scale_or_marker(name):
+            return []
+        return [Entry(key, PRECISIONS[self.precision] if dtype.is_floating_point else dtype, shape)]
+
+    def dequantized(self, key: str) -> torch.Tensor:
+        """The float32 weight the fp8 codes (and their scale) stand for; other tensors widened."""
+        tensor, scale_key = self.base.reader.get(key), self._scale_key(key) if key.endswith(".weight") else None
+        if not self._is_fp8(key) or scale_key not in self.base.reader:
+            return tensor.float()
+        scale = self.base.reader.get(scale_key)
+        if scale.numel() == 1:  # ComfyUI's (or musubi's) per-tensor scale
+            return tensor.float() * scale.float().reshape(())
+        return fp8.dequantize_weight(tensor, scale.reshape(scale.shape[0], -1).to(fp8.SCALE_DTYPE), torch.float32)
+
+    def _requantized(self, weight_key: str) -> dict[str, torch.Tensor]:
+        """{weight key: codes [, its scale key: scale]} of a merged weight, in the base's layout."""
+        merged, scale_key = self.merged(weight_key, self.dequantized(weight_key)), self._scale_key(weight_key)
+        if scale_key not in self.base.reader:  # plain codes (or a ComfyUI layer without scale: 1.0)
+            return self.quantized(weight_key, merged, "fp8")
+        per_tensor = self.base.fp8.layout == "fp8_tensor_scaled"
+        out = self.quantized(weight_key, merged, "fp8_tensor_scaled" if per_tensor else "fp8_scaled")
+        scale = out.pop(weight_key[: -len("weight")] + "weight_scale")
+        out[scale_key] = scale.to(ST_DTYPES[self.base.reader.dtype_name(scale_key)]).reshape(self.base.reader.shape(scale_key))
+        return out
+
+    def tensors(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        stash: dict[str, torch.Tensor] = {}  # the other half (codes or scale) of a re-quantized weight
+        by_scale = {self._scale_key(k): k for k in self.deltas if self._is_fp8(k)}
+        for key in keys:
+            entries = self.entries(key)
+            if not entries:
+                continue
+            if self._name(key) is None:
+                yield key, self.base.reader.get(key)
+            elif self.keeps_layout and (key in by_scale or (key in self.deltas and self._is_fp8(key))):
+                if key not in stash:
+                    stash.update(self._requantized(by_scale.get(key, key)))
+                yield key, stash.pop(key)
+            elif self.keeps_layout and key not in self.deltas:
+                yield key, self.base.reader.get(key)
+            else:
+                tensor = self.base.reader.get(key) if self.keeps_layout else self.dequantized(key)
+                yield key, (self.merged(key, tensor) if key in self.deltas else tensor).to(entries[0].dtype)
 
 
 def _shard_keys(base: Base) -> dict[str, list[str]]:
@@ -439,9 +536,15 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
     """Check everything, then write the merged checkpoint to `save_to` atomically."""
     if save_precision is not None and save_precision not in PRECISIONS:
         raise ValueError(f"--save_precision {save_precision!r}: expected one of {', '.join(PRECISIONS)}")
-    if stochastic_rounding and save_precision not in ("fp8", "fp8_scaled"):
-        raise ValueError(f"--stochastic_rounding needs --save_precision fp8 or fp8_scaled, got {save_precision}")
     base = open_base(model)
+    fp8_out = base.fp8 is not None and save_precision in (None, base.fp8.layout) or save_precision in ("fp8", "fp8_scaled")
+    if stochastic_rounding and not fp8_out:
+        raise ValueError(f"--stochastic_rounding needs --save_precision fp8 or fp8_scaled (or an fp8 base kept in its "
+                         f"layout), got {save_precision}")
+    if base.fp8 is not None and save_precision in ("fp8", "fp8_scaled") and save_precision != base.fp8.layout:
+        raise ValueError(f"--save_precision {save_precision}: {base.path} is a pre-quantized {base.fp8.layout} base; "
+                         f"another fp8 layout would re-round all its weights: leave --save_precision out (keeps "
+                         f"{base.fp8.layout}, re-quantizes only merged weights) or give bf16 / fp16 / fp32")
     if os.path.exists(save_to) and os.path.realpath(save_to) in (os.path.realpath(model), os.path.realpath(base.path)):
         raise ValueError(f"--save_to {save_to}: is the base checkpoint itself; write the merge elsewhere")
     if os.path.exists(save_to) and os.path.isdir(save_to) != base.is_folder:
@@ -451,7 +554,7 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
     for spec in loras:
         for key, w in lora_deltas(base, spec, allow_unmatched).items():
             deltas.setdefault(key, []).append((spec.ratio, w))
-    plan = Plan(base, save_precision, deltas, stochastic_rounding, seed)
+    plan = (Plan if base.fp8 is None else Fp8BasePlan)(base, save_precision, deltas, stochastic_rounding, seed)
     if base.is_folder:
         _atomic_folder(plan, loras, save_to)
     else:

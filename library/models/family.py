@@ -77,9 +77,10 @@ class DiffusionFamily:
         return {}
 
     def stored_fp8_layout(self) -> str | None:
-        """"fp8" / "fp8_scaled" when the transformer checkpoint is pre-quantized (used as it is), else None."""
+        """"fp8" / "fp8_scaled" / "fp8_tensor_scaled" when the transformer checkpoint is pre-quantized
+        (used as it is), else None."""
         from library.io import CheckpointReader, component_folder
-        from library.precision.fp8 import fp8_checkpoint_layout
+        from library.precision.fp8_checkpoints import fp8_checkpoint_layout
 
         path = component_folder(self.model_path, "transformer")
         return fp8_checkpoint_layout(CheckpointReader(path), path)

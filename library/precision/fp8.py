@@ -16,6 +16,11 @@ overhead at 2/64 = 0.031 bytes per weight (fp32 would be 0.0625), and the produc
 mantissa and an 8-bit bf16 mantissa is exact in fp32, so dequantizing straight in bf16 gives the same
 bits as dequantizing in fp32 and rounding once.
 
+Third layout, "fp8_tensor_scaled" (read from ComfyUI's scaled fp8 checkpoints, fp8_checkpoints.py):
+weight [out, in] float8_e4m3fn and weight_scale a 0-dim float32, dequantized exactly as ComfyUI
+does: weight.to(dtype) * weight_scale.to(dtype), both operands cast to the compute dtype first and
+the product rounded once in it (so in bf16 the scale is rounded to bf16 before the multiply).
+
 Always kept in high precision (HIGH_PRECISION_MODULES): embedders, input/output projections, the
 final layer, and (not Linear anyway) norms and RoPE, which core.py computes in fp32.
 """
@@ -35,8 +40,9 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_CHECKPOINT_DTYPES = ("F8_E4M3", "F8_E5M2")  # safetensors dtype names of already-fp8 tensors
 SCALE_DTYPE = torch.bfloat16
+TENSOR_SCALE_DTYPE = torch.float32  # "fp8_tensor_scaled": one scale per weight, as ComfyUI stores it
 BLOCK = 64  # input columns sharing one scale
-MODES = ("fp8", "fp8_scaled")
+MODES = ("fp8", "fp8_scaled", "fp8_tensor_scaled")
 
 # Modulation (adaLN) Linears are 27% of FLUX.1's weights (3.2 B of 11.9 B). Measured on a tiny
 # FLUX-like double + single block (tests/test_fp8.py::test_modulation_choice_matches_measurement,
@@ -106,7 +112,8 @@ def quantize_weight(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Ten
     """w [out, in] (bf16/fp16/fp32) -> (q float8_e4m3fn [out, in], scale bf16 [out, in/64] or None).
 
     Computed in fp32 from the source values (never from an fp8 tensor). "fp8" is a plain cast,
-    clamped to +-448; "fp8_scaled" divides each block by its bf16 scale (absmax / 448 rounded up)."""
+    clamped to +-448; "fp8_scaled" divides each block by its bf16 scale (absmax / 448 rounded up);
+    "fp8_tensor_scaled" divides by one fp32 scale absmax / 448 (ComfyUI's choice), scale 0-dim fp32."""
     _check_mode(mode)
     if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"quantize_weight: weight is already {w.dtype}; re-quantizing fp8 compounds its error")
@@ -115,6 +122,9 @@ def quantize_weight(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Ten
     w32 = w.detach().float()
     if mode == "fp8":
         return w32.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), None
+    if mode == "fp8_tensor_scaled":
+        scale = (w32.abs().amax() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # fp32, 0-dim
+        return (w32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
     out_features, in_features = w.shape
     rows, blocks = scale_shape(out_features, in_features)
     w32 = w32.reshape(rows, blocks, in_features // blocks)
@@ -128,8 +138,11 @@ def quantize_weight(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Ten
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """float8 q [out, in] (+ scale) -> weight in `dtype`. Peak memory: one weight in `dtype`.
 
-    bf16/fp32 multiply in place in the target dtype (exact products, one rounding); other dtypes
-    (fp16, whose range may not hold a tiny scale) go through fp32."""
+    Block scales: bf16/fp32 multiply in place in the target dtype (exact products, one rounding);
+    other dtypes (fp16, whose range may not hold a tiny scale) go through fp32. A 0-dim (per-tensor,
+    ComfyUI) scale: q.to(dtype) * scale.to(dtype) in every dtype, ComfyUI's own order and rounding."""
+    if scale is not None and scale.dim() == 0:
+        return q.to(dtype).mul_(scale.to(dtype))
     work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
     w = q.to(work)  # exact: every e4m3 value is a bf16/fp16/fp32 value
     if scale is not None:
@@ -179,9 +192,10 @@ class _FP8LinearFunction(torch.autograd.Function):
 
 
 class FP8Linear(nn.Module):
-    """A frozen Linear whose weight is stored as float8_e4m3fn (+ bf16 block scales).
+    """A frozen Linear whose weight is stored as float8_e4m3fn (+ bf16 block scales or one fp32 scale).
 
-    State dict: `weight` (float8_e4m3fn [out, in]), `weight_scale` (bf16, "fp8_scaled" only),
+    State dict: `weight` (float8_e4m3fn [out, in]), `weight_scale` (bf16 [out, in/64] for
+    "fp8_scaled", fp32 0-dim for "fp8_tensor_scaled", absent for "fp8"),
     `bias` (high precision, frozen). The weight and scale are buffers: they never train, and
     `model.to(dtype)` / `.half()` leave their dtypes alone (they still follow device moves).
     forward dequantizes to the input's dtype (the model's compute dtype, or the autocast dtype)
@@ -196,8 +210,9 @@ class FP8Linear(nn.Module):
         self.in_features, self.out_features, self.mode = in_features, out_features, mode
         self.compute_dtype: torch.dtype | None = None
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8_DTYPE, device=device))
-        scale = torch.ones(scale_shape(out_features, in_features), dtype=SCALE_DTYPE, device=device)
-        self.register_buffer("weight_scale", scale if mode == "fp8_scaled" else None)
+        scale = {"fp8": None, "fp8_tensor_scaled": torch.ones((), dtype=TENSOR_SCALE_DTYPE, device=device),
+                 "fp8_scaled": torch.ones(scale_shape(out_features, in_features), dtype=SCALE_DTYPE, device=device)}
+        self.register_buffer("weight_scale", scale[mode])
         b = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device), requires_grad=False)
         self.bias = b if bias else None
 
@@ -250,7 +265,8 @@ class FP8Linear(nn.Module):
                 f"load high-precision checkpoints through fp8_load_converter(model, mode)"
             )
         if prefix + "weight_scale" in state_dict:  # a load dtype may have widened it; bf16 values round-trip
-            state_dict[prefix + "weight_scale"] = state_dict[prefix + "weight_scale"].to(SCALE_DTYPE)
+            dtype = TENSOR_SCALE_DTYPE if self.mode == "fp8_tensor_scaled" else SCALE_DTYPE
+            state_dict[prefix + "weight_scale"] = state_dict[prefix + "weight_scale"].to(dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -328,57 +344,6 @@ class FP8LoadConverter:
 def fp8_load_converter(model: nn.Module, mode: str | None = None) -> FP8LoadConverter:
     """The load_streaming convert hook for a model prepared by prepare_fp8 (mode defaults to its own)."""
     return FP8LoadConverter(model, mode)
-
-
-def fp8_checkpoint_layout(reader: CheckpointReader, path: str | None = None) -> str | None:
-    """How a checkpoint stores its Linear weights: None (bf16/fp16/fp32), "fp8" (plain e4m3 codes,
-    e.g. a merge_lora --save_precision fp8 output) or "fp8_scaled" (e4m3 codes + our bf16
-    `weight_scale` per 64 inputs). Other fp8 layouts are refused naming the key that shows them."""
-    keys = reader.keys()
-    fp8 = [k for k in keys if reader.dtype_name(k) in FP8_CHECKPOINT_DTYPES]
-    if not fp8:
-        return None
-    where = path or reader.path
-    e5m2 = [k for k in fp8 if reader.dtype_name(k) == "F8_E5M2"]
-    if e5m2:
-        raise CheckpointError(f"{where}: '{e5m2[0]}' is float8_e5m2; fp8 bases must be float8_e4m3fn")
-    comfy = [k for k in keys if k.endswith((".scale_weight", ".scale_input")) or k == "scaled_fp8"]
-    if comfy:
-        raise CheckpointError(f"{where}: '{comfy[0]}' marks ComfyUI's per-tensor scaled fp8 layout, which is not "
-                              f"read yet; give the bf16 checkpoint (quantized while loading) or a plain / block-scaled "
-                              f"fp8 file written by tools/merge_lora.py")
-    return "fp8_scaled" if any(k.endswith(".weight_scale") for k in keys) else "fp8"
-
-
-class PrequantizedConverter:
-    """load_streaming convert hook for an fp8 checkpoint used as it is (no re-quantization): the
-    e4m3 codes (and `weight_scale`s) of every FP8Linear go in unchanged; a Linear weight the file
-    keeps in high precision is quantized here from those values; every other floating tensor is
-    cast to `dtype`. An fp8 tensor where the model keeps high precision (norms, embedders, the
-    final layer: HIGH_PRECISION_MODULES) is an error: widening it cannot restore what was lost."""
-
-    def __init__(self, model: nn.Module, layout: str, dtype: torch.dtype, source: str):
-        self.inner, self.dtype, self.source = FP8LoadConverter(model, layout), dtype, source
-        self.layout = layout
-
-    def keep_dtype(self, key: str) -> bool:
-        return True  # every tensor arrives as stored; __call__ decides
-
-    def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        is_fp8 = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        if key in self.inner.quantized:
-            return {key: tensor} if is_fp8 else self.inner(key, tensor)
-        if is_fp8:
-            raise CheckpointError(f"{self.source}: '{key}' is stored as {tensor.dtype}, but this layer stays in high "
-                                  f"precision (HIGH_PRECISION_MODULES); widening fp8 does not restore it")
-        if key.endswith(".weight_scale"):
-            return {key: tensor.to(SCALE_DTYPE)}
-        return {key: tensor.to(self.dtype) if tensor.is_floating_point() else tensor}
-
-
-def prequantized_converter(model: nn.Module, layout: str, family: str, dtype: torch.dtype, source: str):
-    """Swap the Linears of the meta `model` for FP8Linear of the file's layout; the convert hook."""
-    return PrequantizedConverter(prepare_fp8(model, layout, family), layout, dtype, source)
 
 
 def refuse_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> None:

@@ -72,7 +72,8 @@ SCHEMA: dict[str, Arg] = {
     # precision and speed
     "mixed_precision": A(str, "bf16", "compute dtype", ("no", "fp16", "bf16")),
     "fp8_base": A(bool, False, "store base Linear weights in float8_e4m3fn"),
-    "fp8_scaled": A(bool, True, "with fp8_base: per-block absmax scales (False = plain cast, as sd-scripts)"),
+    "fp8_scaled": A(bool, True, "with fp8_base: per-block absmax scales (False = plain cast, as sd-scripts); "
+                                "a pre-quantized scaled file (ours, ComfyUI's per-tensor scaled) needs True"),
     "gradient_checkpointing": A(bool, False, "per-block activation checkpointing"),
     "blocks_to_swap": A(int, 0, "keep the last N transformer blocks' frozen weights in CPU memory, copied in per use"),
     "allow_tf32": A(bool, True, "TF32 matmuls on CUDA"),
@@ -129,7 +130,9 @@ def compute_dtype(args) -> torch.dtype:
 
 
 def base_precision(args) -> str:
-    """How the frozen base is stored: bf16 (i.e. the compute dtype), fp8 or fp8_scaled."""
+    """How the frozen base is stored: bf16 (i.e. the compute dtype), fp8 or fp8_scaled. A pre-quantized
+    checkpoint is used as it is stored: DiffusionTask.base_precision() names its layout instead
+    (fp8_checkpoints.CONFIG_PRECISION: e.g. ComfyUI's fp8_tensor_scaled needs fp8_scaled)."""
     return ("fp8_scaled" if args.fp8_scaled else "fp8") if args.fp8_base else "bf16"
 
 

@@ -64,13 +64,17 @@ class DiffusionTask:
 
     # -- setup ---------------------------------------------------------------------------------
     def _check_stored_precision(self):
-        """A pre-quantized fp8 checkpoint is trained on as it is stored; the config must say so, so
-        that the LoRA's metadata names the base it was really trained on."""
-        stored, wanted = self.family.stored_fp8_layout(), base_precision(self.args)
-        if stored and stored != wanted:
+        """A pre-quantized fp8 checkpoint is trained on as it is stored; the config must say so, and
+        the LoRA's metadata names the stored layout (base_precision()), the base really trained on."""
+        from library.precision.fp8_checkpoints import CONFIG_PRECISION
+
+        self.stored_precision = stored = self.family.stored_fp8_layout()
+        wanted = base_precision(self.args)
+        if stored and CONFIG_PRECISION[stored] != wanted:
             raise ConfigError(f"{self.args.pretrained_model_name_or_path}: the checkpoint stores a pre-quantized {stored} "
                               f"base (used as it is), but the config asks for {wanted}; set fp8_base = true and "
-                              f"fp8_scaled = {str(stored == 'fp8_scaled').lower()}, or give the bf16 checkpoint")
+                              f"fp8_scaled = {str(CONFIG_PRECISION[stored] == 'fp8_scaled').lower()} (what {stored} "
+                              f"files need), or give the bf16 checkpoint")
 
     def _read_prompts(self) -> list[SamplePrompt]:
         if not self.args.sample_prompts:
@@ -197,7 +201,8 @@ class DiffusionTask:
         return self.family.model_version(self.base)
 
     def base_precision(self) -> str:
-        return base_precision(self.args)
+        """bf16 / fp8 / fp8_scaled, or the layout of a pre-quantized file (e.g. fp8_tensor_scaled)."""
+        return self.stored_precision or base_precision(self.args)
 
     def resolution(self) -> str:
         return ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in self.blueprint.datasets)

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from library.models.flux1.model import Flux, FluxConfig
-from library.precision.fp8 import fp8_checkpoint_layout, prequantized_converter
+from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, write_text
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
@@ -366,11 +366,11 @@ def load_flux(
         raise ValueError(f"load_flux dtype must be float32/bfloat16/float16 (fp8 goes through convert=), got {dtype}")
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
-    layout = fp8_checkpoint_layout(reader, path)  # a pre-quantized file is used as it is
+    fp8_file = read_fp8_checkpoint(reader, path)  # a pre-quantized file is used as it is
     keys = reader.keys()
     _refuse_other_family(path, keys)
     prefix = _bfl_prefix(keys)
-    if layout and prefix is None:
+    if fp8_file and prefix is None:
         raise CheckpointError(f"{path}: an fp8 FLUX checkpoint must use BFL key names (diffusers folders fuse and "
                               f"split rows, which fp8 block scales do not survive); merge into the BFL file instead")
 
@@ -398,8 +398,8 @@ def load_flux(
 
     with torch.device("meta"):
         model = Flux(config)
-    if layout:  # the file's own fp8 layout wins over a requested base precision
-        prepare = lambda m: prequantized_converter(m, layout, "flux", dtype, path)  # noqa: E731
+    if fp8_file:  # the file's own fp8 layout wins over a requested base precision
+        prepare = lambda m: prequantized_converter(m, fp8_file, "flux", dtype, reader, path)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
     if hook is not None and not isinstance(hook, torch.nn.Module):  # prepare_fp8 returns the model itself
         if convert is not None:

@@ -26,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models import core
-from library.precision.fp8 import fp8_checkpoint_layout, prequantized_converter
-from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, strip_prefix, write_text
+from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
+from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, write_text
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -336,6 +336,12 @@ def _resolve(path: str) -> tuple[str, QwenImageConfig | None]:
     return path, QwenImageConfig.from_diffusers(config, source=config_file)
 
 
+def _transformer_prefix(keys: list[str]) -> str:
+    """The ComfyUI prefix the transformer's keys carry ('' for none). A ComfyUI full checkpoint also
+    bundles the text encoder and VAE under other prefixes: those keys are not the transformer's."""
+    return next((p for p in CHECKPOINT_PREFIXES if any(k.startswith(p + "transformer_blocks.") for k in keys)), "")
+
+
 def load_qwen_image(
     path: str,
     dtype: torch.dtype = torch.float32,
@@ -356,20 +362,21 @@ def load_qwen_image(
         raise ValueError(f"dtype {dtype} is not a compute dtype (float32/bfloat16/float16); fp8 goes through convert")
     path, file_config = _resolve(path)
     reader = CheckpointReader(path)
-    layout = fp8_checkpoint_layout(reader, path)  # a pre-quantized file is used as it is
-    prefix = strip_prefix(reader.keys(), CHECKPOINT_PREFIXES)
+    fp8_file = read_fp8_checkpoint(reader, path)  # a pre-quantized file is used as it is
+    prefix = _transformer_prefix(reader.keys())
     config = config or file_config or infer_config(reader, prefix)
     with torch.device("meta"):
         model = QwenImage(config)
-    if layout:  # the file's own fp8 layout wins over a requested base precision
-        prepare = lambda m: prequantized_converter(m, layout, "qwen_image", dtype, path)  # noqa: E731
+    if fp8_file:  # the file's own fp8 layout wins over a requested base precision
+        prepare = lambda m: prequantized_converter(m, fp8_file, "qwen_image", dtype, reader, path)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
     if hook is not None and not isinstance(hook, nn.Module):  # prepare_fp8 returns the model itself
         if convert is not None:
             raise ValueError("load_qwen_image: give the convert hook as convert= or as prepare's result, not both")
         convert = hook
     if read_weights:
-        load_streaming(model, reader, rename=lambda key: key[len(prefix):], dtype=dtype, convert=convert)
+        rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
+        load_streaming(model, reader, rename, dtype=dtype, convert=convert)
     else:  # the memory planner: the model as it would load, on meta, from the file's header alone
         model.to(dtype)
     model.compute_dtype = dtype

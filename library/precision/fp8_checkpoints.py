@@ -1,0 +1,242 @@
+"""Pre-quantized fp8 transformer checkpoints, used as the base as they are stored (no re-quantization).
+
+Layouts read; the name is also the base precision a LoRA trained on it records (ss_base_precision):
+  "fp8"                plain float8_e4m3fn codes: sd-scripts' fp8 files, ComfyUI's flux1-dev-fp8
+                       (everything e4m3, norms and biases included), merge_lora --save_precision fp8.
+  "fp8_scaled"         e4m3 codes + our bf16 `X.weight_scale` [out, in/64] (merge_lora fp8_scaled).
+  "fp8_tensor_scaled"  ComfyUI's scaled fp8 (Comfy-Org's `*_fp8_e4m3fn_scaled.safetensors`): e4m3
+                       codes + one float32 scale per Linear.
+
+ComfyUI's scaled fp8, as its loader reads it (comfy/model_detection.py model_config_from_unet,
+comfy/ops.py scaled_fp8_ops, comfy/utils.py convert_old_quants, comfy/quant_ops.py; ComfyUI 2025-10
+and the comfy_quant format after it):
+  - Marker: a tensor `scaled_fp8` at the diffusion model's prefix (`model.diffusion_model.scaled_fp8`
+    in a full checkpoint, `scaled_fp8` in a diffusion-model-only file). Its dtype is the weights' fp8
+    type (float32 is read as e4m3fn); 2 elements mean "no fp8 matmul", others allow ComfyUI's fp8
+    _scaled_mm fast path: inference settings that do not change the weights.
+  - Per Linear X: `X.weight` e4m3 codes, `X.scale_weight` float32 0-dim (absent: 1.0, ComfyUI's
+    default), optionally `X.scale_input` (the activation scale of that fast path only).
+  - Dequantized weight = X.weight.to(dtype) * X.scale_weight.to(dtype), dtype being the compute
+    dtype: both operands are cast first, then one multiply rounded in dtype (ops.py: cast_bias_weight
+    casts the codes to the input's dtype, then `weight * self.scale_weight.to(dtype=weight.dtype)`;
+    comfy-kitchen's eager dequantize_per_tensor_fp8 is the same `x.to(t) * scale.to(t)`). When the
+    weight has more elements than the input ComfyUI scales the input instead (same product, other
+    rounding); its LoRA patching dequantizes the weight (in float32). We always scale the weight.
+  - comfy_quant (newer ComfyUI, which converts the marker layout into it on load): `X.comfy_quant`,
+    the uint8 bytes of JSON {"format": "float8_e4m3fn", ...}, or the header entry
+    `_quantization_metadata` = {"layers": {X: {...}}}; the scale is `X.weight_scale` (float32 0-dim)
+    and the activation scale `X.input_scale`. Format float8_e4m3fn is the same per-tensor layout.
+musubi-tuner (src/musubi_tuner/modules/fp8_optimization_utils.py) names its scales `X.scale_weight`
+too, without the marker, in the model dtype: shape [] per tensor, [out, 1] per channel or
+[out, in/block, 1] per block (block 64 by default), dequantized as weight.to(scale.dtype) * scale.
+It quantizes while loading and writes no such file itself, but a saved state dict maps cleanly:
+per tensor -> "fp8_tensor_scaled" (the same product when the compute dtype is the scale's, as in
+musubi); bf16 scales per 64 input columns (or per row where in % 64 != 0) -> "fp8_scaled", the scale
+reshaped to [out, in/64]. Other musubi scales (per channel on 64-divisible rows, other block sizes,
+fp16/fp32 block scales that bf16 would round) are refused naming the key.
+
+Refused, one line naming the key: float8_e5m2 weights; comfy_quant formats other than float8_e4m3fn
+(nvfp4, int8, mxfp8, ...: number formats and block scales FP8Linear does not hold); ComfyUI scales
+that are not one number per tensor; the musubi scales above. Activation scales are dropped: we
+compute in bf16/fp32, as ComfyUI does whenever a LoRA is patched in.
+
+An fp8 tensor where our model keeps high precision (fp8.HIGH_PRECISION_MODULES: embedders, the final
+layer; and norms, biases) is widened, with one warning: widening is exact, so the base trained on
+is the very one ComfyUI computes with (ComfyUI casts those codes to the compute dtype the same way).
+An error would make ComfyUI's flux1-dev-fp8, which stores everything in e4m3, unusable.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from library.io import CheckpointError, CheckpointReader
+from library.precision.fp8 import (
+    FP8_CHECKPOINT_DTYPES, SCALE_DTYPE, TENSOR_SCALE_DTYPE, FP8LoadConverter, dequantize_weight, prepare_fp8, scale_shape,
+)  # fmt: skip
+
+DIFFUSION_MODEL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI full / UNet-only files
+COMFY_MARKER = "scaled_fp8"
+COMFY_FORMAT = "float8_e4m3fn"  # the only comfy_quant format with our per-tensor layout
+# The base_precision (fp8_base / fp8_scaled settings) a training config needs for each stored layout:
+# ComfyUI's per-tensor scales are a scaled fp8 base like ours, so fp8_scaled = true; the LoRA
+# metadata then records the stored layout itself (DiffusionTask.base_precision).
+CONFIG_PRECISION = {"fp8": "fp8", "fp8_scaled": "fp8_scaled", "fp8_tensor_scaled": "fp8_scaled"}
+DROPPED_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant")  # activation scales, per-layer markers
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """What a pre-quantized file stores: the layout, the key suffix of its per-tensor scales (None
+    for our own layouts) and the diffusion-model prefix its transformer keys carry."""
+
+    layout: str  # "fp8" | "fp8_scaled" | "fp8_tensor_scaled"
+    scale_suffix: str | None  # ".scale_weight" (ComfyUI marker layout, musubi) | ".weight_scale" (comfy_quant)
+    prefix: str
+
+    def is_dropped(self, name: str) -> bool:
+        """Tensors (named without the prefix) that carry nothing a FP8Linear keeps."""
+        if name == COMFY_MARKER or name.endswith(DROPPED_SUFFIXES):
+            return True
+        return self.scale_suffix is not None and name.endswith(self.scale_suffix)  # loaded with its weight
+
+
+def diffusion_model_prefix(keys: list[str]) -> str:
+    """`model.diffusion_model.` / `diffusion_model.` when the file holds the transformer under it
+    (ComfyUI; a full checkpoint also bundles text encoders and the VAE under other prefixes), else ''."""
+    return next((p for p in DIFFUSION_MODEL_PREFIXES if any(k.startswith(p) for k in keys)), "")
+
+
+def _comfy_quant_formats(reader: CheckpointReader, names: list[str], prefix: str) -> dict[str, str]:
+    """Layer -> comfy_quant format, from `X.comfy_quant` tensors and the `_quantization_metadata` header."""
+    formats = {}
+    for name in (n for n in names if n.endswith(".comfy_quant")):
+        conf = json.loads(bytes(reader.get(prefix + name).to(torch.uint8).tolist()))
+        formats[name[: -len(".comfy_quant")]] = conf.get("format")
+    if "_quantization_metadata" in reader.metadata:
+        layers = json.loads(reader.metadata["_quantization_metadata"]).get("layers", {})
+        formats.update({k: (v.get("format") if isinstance(v, dict) else v) for k, v in layers.items()})
+    return formats
+
+
+def _check_per_tensor_scales(reader: CheckpointReader, where: str, keys: list[str]) -> None:
+    for key in keys:
+        if len(reader.shape(key)) > 1 or (reader.shape(key) and reader.shape(key)[0] != 1):
+            raise CheckpointError(f"{where}: '{key}' has shape {reader.shape(key)}; ComfyUI's scaled fp8 stores one "
+                                  f"float32 scale per tensor (shape ())")
+
+
+def _musubi_layout(reader: CheckpointReader, where: str, prefix: str, scales: list[str]) -> str:
+    """"fp8_tensor_scaled" or "fp8_scaled" for musubi-tuner's `X.scale_weight`s (no ComfyUI marker)."""
+    per_tensor = [n for n in scales if reader.shape(prefix + n) in ((), (1,))]
+    if len(per_tensor) == len(scales):
+        return "fp8_tensor_scaled"
+    for name in scales:
+        key, shape, weight = prefix + name, reader.shape(prefix + name), prefix + name[: -len("scale_weight")] + "weight"
+        if weight not in reader or len(reader.shape(weight)) != 2:
+            raise CheckpointError(f"{where}: '{key}' scales no 2-D '{weight}'")
+        out, in_features = reader.shape(weight)
+        rows, blocks = scale_shape(out, in_features)
+        fits = shape == (rows, blocks, 1) or (blocks == 1 and shape == (rows, 1))  # one block: in is 64 or not 64-divisible
+        if name in per_tensor or reader.dtype_name(key) != "BF16" or not fits:
+            raise CheckpointError(f"{where}: '{key}' ({reader.dtype_name(key)} {shape}, weight [{out}, {in_features}]) "
+                                  f"is a musubi-tuner fp8 scale that maps onto neither one scale per tensor (all of "
+                                  f"them) nor bf16 scales per 64 input columns {(rows, blocks, 1)}; give the bf16 checkpoint")
+    return "fp8_scaled"
+
+
+def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp8Checkpoint | None:
+    """The fp8 layout of a transformer checkpoint, or None when its transformer is bf16/fp16/fp32.
+    Only the transformer's keys count (those under its ComfyUI prefix, when it has one). Layouts
+    we cannot use as they are raise CheckpointError naming the key that shows them."""
+    where = path or reader.path
+    prefix = diffusion_model_prefix(reader.keys())
+    names = [k[len(prefix) :] for k in reader.keys() if k.startswith(prefix)]
+    fp8 = [n for n in names if reader.dtype_name(prefix + n) in FP8_CHECKPOINT_DTYPES and n != COMFY_MARKER]
+    if not fp8:
+        return None
+    e5m2 = [n for n in names if reader.dtype_name(prefix + n) == "F8_E5M2"]
+    if e5m2:
+        raise CheckpointError(f"{where}: '{prefix + e5m2[0]}' is float8_e5m2; fp8 bases must be float8_e4m3fn")
+    if COMFY_MARKER in names:
+        if reader.dtype_name(prefix + COMFY_MARKER) not in ("F8_E4M3", "F32"):
+            raise CheckpointError(f"{where}: '{prefix + COMFY_MARKER}' is {reader.dtype_name(prefix + COMFY_MARKER)}: "
+                                  f"ComfyUI's marker names the weights' fp8 type, and only float8_e4m3fn is read")
+        _check_per_tensor_scales(reader, where, [prefix + n for n in names if n.endswith(".scale_weight")])
+        return Fp8Checkpoint("fp8_tensor_scaled", ".scale_weight", prefix)
+    formats = _comfy_quant_formats(reader, names, prefix)
+    if formats:
+        other = next(((k, f) for k, f in formats.items() if f != COMFY_FORMAT), None)
+        if other:
+            raise CheckpointError(f"{where}: layer '{other[0]}' is comfy_quant format {other[1]!r}; only "
+                                  f"{COMFY_FORMAT!r} (one float32 scale per tensor) is read")
+        _check_per_tensor_scales(reader, where, [prefix + n for n in names if n.endswith(".weight_scale")])
+        return Fp8Checkpoint("fp8_tensor_scaled", ".weight_scale", prefix)
+    musubi = [n for n in names if n.endswith(".scale_weight")]
+    if musubi:
+        return Fp8Checkpoint(_musubi_layout(reader, where, prefix, musubi), ".scale_weight", prefix)
+    scales = [n for n in names if n.endswith(".weight_scale")]
+    flat = next((n for n in scales if len(reader.shape(prefix + n)) != 2), None)
+    if flat:
+        raise CheckpointError(f"{where}: '{prefix + flat}' has shape {reader.shape(prefix + flat)}, not the [out, in/64] "
+                              f"block scales of fp8_scaled, and no comfy_quant marker says it is a per-tensor scale")
+    return Fp8Checkpoint("fp8_scaled" if scales else "fp8", None, prefix)
+
+
+def fp8_checkpoint_layout(reader: CheckpointReader, path: str | None = None) -> str | None:
+    """"fp8" / "fp8_scaled" / "fp8_tensor_scaled" for a pre-quantized transformer file, else None."""
+    info = read_fp8_checkpoint(reader, path)
+    return info.layout if info else None
+
+
+class PrequantizedConverter:
+    """load_streaming convert hook (model keys, the prefix already stripped) for an fp8 checkpoint
+    used as it is: every FP8Linear gets the file's e4m3 codes and scales unchanged (a per-tensor
+    scale goes in with its weight: absent means 1.0, as in ComfyUI); a Linear weight the file keeps
+    in high precision is quantized here in the file's layout; fp8 tensors where the model keeps high
+    precision are widened exactly (with their scale), one warning for all; every other floating
+    tensor is cast to `dtype`; markers and activation scales are dropped."""
+
+    def __init__(self, model: nn.Module, info: Fp8Checkpoint, dtype: torch.dtype, reader: CheckpointReader, source: str):
+        self.inner, self.info, self.dtype, self.reader = FP8LoadConverter(model, info.layout), info, dtype, reader
+        fp8_names = [k[len(info.prefix) :] for k in reader.keys()
+                     if k.startswith(info.prefix) and reader.dtype_name(k) in FP8_CHECKPOINT_DTYPES]  # fmt: skip
+        self.widened = [n for n in fp8_names if n not in self.inner.quantized and not info.is_dropped(n)]
+        self.source, self._warned = source, False  # warned at the first widening: not when only planning memory
+
+    def keep_dtype(self, key: str) -> bool:
+        return True  # every tensor arrives as stored; __call__ decides
+
+    def _warn_widening(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{self.source}: {len(self.widened)} fp8 tensors where the model keeps high precision (first "
+                          f"'{self.info.prefix + self.widened[0]}') are widened to {self.dtype} exactly (as ComfyUI "
+                          f"computes them); the base there is coarser than a bf16 one", stacklevel=3)
+
+    def _scale(self, layer: str, suffix: str) -> torch.Tensor | None:
+        key = self.info.prefix + layer + suffix
+        return self.reader.get(key) if key in self.reader else None
+
+    def _scale_of(self, layer: str) -> torch.Tensor | None:
+        """The layer's scale as FP8Linear holds it: per tensor fp32 0-dim (exact from any float), blocks
+        bf16 [out, in/64] (ours as stored; musubi's [out, in/64, 1] reshaped)."""
+        scale = self._scale(layer, self.info.scale_suffix or ".weight_scale")
+        if scale is None:
+            return None
+        if self.info.layout == "fp8_tensor_scaled":
+            return scale.to(TENSOR_SCALE_DTYPE).reshape(())
+        return scale.reshape(scale.shape[0], -1).to(SCALE_DTYPE)
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.info.is_dropped(key):
+            return {}
+        is_fp8 = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        layer = key[: -len(".weight")] if key.endswith(".weight") else None
+        if key in self.inner.quantized:
+            if not is_fp8:
+                return self.inner(key, tensor)
+            if self.info.scale_suffix is None:  # ours: the block scales arrive as their own keys
+                return {key: tensor}
+            scale = self._scale_of(layer)
+            if scale is None and self.info.layout == "fp8_tensor_scaled":
+                scale = torch.ones((), dtype=TENSOR_SCALE_DTYPE)  # ComfyUI's default; musubi blocks: a missing key
+            return {key: tensor} if scale is None else {key: tensor, f"{layer}.weight_scale": scale}
+        if is_fp8:  # widened: the values ComfyUI computes with, exactly
+            self._warn_widening()
+            scale = self._scale_of(layer) if layer else None
+            return {key: dequantize_weight(tensor, scale, self.dtype) if scale is not None else tensor.to(self.dtype)}
+        if key.endswith(".weight_scale"):  # ours: the block scales of an FP8Linear, or of a widened layer
+            return {key: tensor.to(SCALE_DTYPE)} if key[: -len("_scale")] in self.inner.quantized else {}
+        return {key: tensor.to(self.dtype) if tensor.is_floating_point() else tensor}
+
+
+def prequantized_converter(model: nn.Module, info: Fp8Checkpoint, family: str, dtype: torch.dtype,
+                           reader: CheckpointReader, source: str) -> PrequantizedConverter:
+    """Swap the Linears of the meta `model` for FP8Linear of the file's layout; the convert hook."""
+    return PrequantizedConverter(prepare_fp8(model, info.layout, family), info, dtype, reader, source)

@@ -1,0 +1,432 @@
+"""Pre-quantized fp8 checkpoints as the base (library/precision/fp8_checkpoints.py): ComfyUI's
+scaled fp8 (the `scaled_fp8` marker + per-tensor `scale_weight`, and the newer comfy_quant +
+`weight_scale`) and plain e4m3 files with ComfyUI's prefix and bundled text encoder / VAE keys,
+built from the tiny FLUX and Qwen-Image, load as they are and compute exactly ComfyUI's dequantized
+weights; other layouts are refused in one line naming the key."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import train_lora
+
+from library.io import CheckpointError, CheckpointReader
+from library.models.flux1.checkpoint import load_flux, save_flux_bfl
+from library.models.flux1.model import Flux
+from library.models.qwen_image.model import QwenImage, load_qwen_image
+from library.precision import fp8
+from library.precision.fp8_checkpoints import fp8_checkpoint_layout
+from networks.lora import LoRANetwork
+from tests.test_merge_convert import FLUX_CFG, QWEN_CFG, flux_inputs, lora, qwen_inputs, randomized, run, runtime_output
+from tests.test_reliability import flux_args, one_error_line
+
+PREFIX = "model.diffusion_model."
+BUNDLED = {  # what a ComfyUI full checkpoint carries beside the transformer: never read for it
+    "text_encoders.t5xxl.transformer.encoder.block.0.layer.0.SelfAttention.q.weight": torch.ones(4, 4).to(torch.float8_e4m3fn),
+    "text_encoders.t5xxl.transformer.scaled_fp8": torch.empty(0, dtype=torch.float8_e5m2),
+    "vae.decoder.conv_in.weight": torch.ones(4, 4, 3, 3, dtype=torch.bfloat16),
+}
+WIDENED = {"flux": "final_layer.linear", "qwen_image": "proj_out"}  # a high-precision Linear stored fp8 + scale
+
+
+def comfy_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ComfyUI's own per-tensor quantizer (quant_ops TensorCoreFP8Layout.quantize): scale = amax / 448
+    in float32, codes = (w * (1 / scale)).to(e4m3)."""
+    scale = (w.abs().amax() / 448.0).float()
+    return (w * (1.0 / scale).to(w.dtype)).to(torch.float8_e4m3fn), scale
+
+
+def quantized_linears(model: nn.Module, family: str) -> list[str]:
+    return [n for n, m in model.named_modules() if type(m) is nn.Linear and not fp8.is_high_precision(n, family)]
+
+
+def comfy_state_dict(model: nn.Module, family: str, layout: str) -> dict[str, torch.Tensor]:
+    """The model's tensors as ComfyUI stores them (no prefix): "marker" (scaled_fp8 + scale_weight +
+    scale_input), "comfy_quant" (per-layer JSON + weight_scale + input_scale) or "plain" (every
+    tensor e4m3, norms and biases too, as ComfyUI's flux1-dev-fp8)."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if layout == "plain":
+        return {k: v.to(torch.float8_e4m3fn) for k, v in sd.items()}
+    for layer in quantized_linears(model, family) + [WIDENED[family]]:
+        sd[f"{layer}.weight"], scale = comfy_quantize(sd[f"{layer}.weight"])
+        if layout == "marker":
+            sd[f"{layer}.scale_weight"], sd[f"{layer}.scale_input"] = scale, torch.ones(())
+        else:
+            sd[f"{layer}.weight_scale"], sd[f"{layer}.input_scale"] = scale, torch.ones(())
+            sd[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
+    if layout == "marker":
+        sd["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return sd
+
+
+def write_comfy(sd: dict, path, family: str, prefix: str = PREFIX, bundled: bool = True, config=FLUX_CFG):
+    full = {prefix + k: v for k, v in sd.items()} | (BUNDLED if bundled else {})
+    if family == "flux":
+        save_flux_bfl(full, str(path), config=config)
+    else:
+        save_file(full, str(path))
+    return str(path)
+
+
+def comfy_dequantized(sd: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What ComfyUI computes with: codes.to(dtype) * scale.to(dtype), everything else cast to dtype."""
+    out = {}
+    for k, v in sd.items():
+        if k == "scaled_fp8" or k.endswith(("_scale", "scale_weight", "scale_input", "comfy_quant")):
+            continue
+        layer = k[: -len(".weight")]
+        scale = sd.get(f"{layer}.scale_weight", sd.get(f"{layer}.weight_scale"))
+        out[k] = v.to(dtype) * scale.to(dtype) if scale is not None else v.to(dtype)
+    return out
+
+
+def reference(model_cls, config, sd: dict, dtype: torch.dtype) -> nn.Module:
+    """A plain-Linear model holding ComfyUI's dequantized weights, computing in `dtype`."""
+    model = model_cls(config).to(dtype)
+    model.load_state_dict(comfy_dequantized(sd, dtype), strict=True)
+    model.compute_dtype = dtype
+    return model.eval()
+
+
+def realigned(model: nn.Module) -> nn.Module:
+    """Every tensor copied into fresh memory. Tensors read in their file dtype stay views of the
+    mmapped file, 8-byte aligned only, and this CPU's matmul rounds differently on unaligned data
+    (same values, other bits): compare computations, not addresses."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.data = t.data.clone()
+    return model
+
+
+FAMILIES = {
+    "flux": (Flux, FLUX_CFG, load_flux, flux_inputs),
+    "qwen_image": (QwenImage, QWEN_CFG, load_qwen_image, qwen_inputs),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_per_tensor_layer_computes_comfyuis_dequantized_weight_exactly(dtype):
+    lin = nn.Linear(96, 40)
+    layer = fp8.FP8Linear.from_linear(lin, "fp8_tensor_scaled")
+    assert layer.weight_scale.dtype == torch.float32 and layer.weight_scale.shape == ()
+    q, scale = layer.weight, layer.weight_scale
+    w = q.to(dtype) * scale.to(dtype)  # ComfyUI: both cast to the compute dtype, one multiply in it
+    x = torch.randn(5, 96).to(dtype).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y = layer(x)
+    assert torch.equal(y, F.linear(x_ref, w, lin.bias.detach().to(dtype)))
+    y.sum().backward()
+    F.linear(x_ref, w, lin.bias.detach().to(dtype)).sum().backward()
+    assert torch.equal(x.grad, x_ref.grad) and layer.weight.grad is None
+
+
+def test_per_tensor_dequantization_casts_the_scale_first_as_comfyui_does():
+    """Every finite e4m3 code times 64 scales: ours is codes.to(dt) * scale.to(dt) bit for bit, and
+    in bf16 that differs from rounding the fp32 product once (so the order is really tested)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[torch.isfinite(codes.float())].reshape(2, -1)
+    scales = torch.rand(64, generator=torch.Generator().manual_seed(0)) * 1e-3
+    differs = 0
+    for scale in scales:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert torch.equal(fp8.dequantize_weight(codes, scale, dtype), codes.to(dtype) * scale.to(dtype))
+        differs += int(not torch.equal(codes.to(torch.bfloat16) * scale.to(torch.bfloat16), (codes.float() * scale).bfloat16()))
+    assert differs > 0
+
+
+def test_per_tensor_quantization_round_trips_through_the_state_dict():
+    layer = fp8.FP8Linear.from_linear(nn.Linear(64, 16), "fp8_tensor_scaled")
+    other = fp8.FP8Linear(64, 16, mode="fp8_tensor_scaled")
+    other.load_state_dict({k: (v.double() if k == "weight_scale" else v) for k, v in layer.state_dict().items()})
+    assert other.weight_scale.dtype == torch.float32 and torch.equal(other.weight_scale, layer.weight_scale)
+    assert layer.to(torch.bfloat16).weight_scale.dtype == torch.float32  # model.to(dtype) leaves it alone
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole files
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+@pytest.mark.parametrize("layout", ["marker", "comfy_quant", "plain"])
+def test_comfy_files_load_as_they_are_and_equal_comfyuis_dequantized_model(tmp_path, family, layout):
+    cls, config, load, inputs = FAMILIES[family]
+    sd = comfy_state_dict(randomized(cls(config), 3), family, layout)
+    path = write_comfy(sd, tmp_path / f"{family}_{layout}.safetensors", family)
+    expected = "fp8" if layout == "plain" else "fp8_tensor_scaled"
+    assert fp8_checkpoint_layout(CheckpointReader(path)) == expected
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.warns(UserWarning, match="fp8 tensors where the model keeps high precision"):
+            loaded = load(path, dtype=dtype, config=config)
+        layers = [m for m in loaded.modules() if isinstance(m, fp8.FP8Linear)]
+        assert len(layers) == len(quantized_linears(cls(config), family)) and {m.mode for m in layers} == {expected}
+        assert torch.equal(run(realigned(loaded), inputs()), run(reference(cls, config, sd, dtype), inputs()))
+
+
+def test_a_diffusion_model_only_file_without_prefix_loads_too(tmp_path):
+    sd = comfy_state_dict(randomized(Flux(FLUX_CFG), 4), "flux", "marker")
+    path = write_comfy(sd, tmp_path / "unet.safetensors", "flux", prefix="", bundled=False)
+    with pytest.warns(UserWarning):
+        loaded = load_flux(path)
+    assert torch.equal(run(realigned(loaded), flux_inputs()), run(reference(Flux, FLUX_CFG, sd, torch.float32), flux_inputs()))
+
+
+def test_a_missing_scale_is_one_and_a_high_precision_linear_in_the_file_is_quantized_per_tensor(tmp_path):
+    model = randomized(Flux(FLUX_CFG), 5)
+    sd = comfy_state_dict(model, "flux", "marker")
+    del sd["double_blocks.0.img_attn.qkv.scale_weight"]  # ComfyUI's default scale: 1.0
+    sd["single_blocks.0.linear2.weight"] = model.single_blocks[0].linear2.weight.detach().clone()  # kept bf16
+    del sd["single_blocks.0.linear2.scale_weight"]
+    with pytest.warns(UserWarning):
+        loaded = load_flux(write_comfy(sd, tmp_path / "partial.safetensors", "flux"))
+    assert loaded.double_blocks[0].img_attn.qkv.weight_scale.item() == 1.0
+    q, scale = fp8.quantize_weight(sd["single_blocks.0.linear2.weight"], "fp8_tensor_scaled")
+    assert torch.equal(loaded.single_blocks[0].linear2.weight_scale, scale)
+    assert torch.equal(loaded.single_blocks[0].linear2.weight.view(torch.uint8), q.view(torch.uint8))
+
+
+def one_line_refusal(path, load, match: str):
+    with pytest.raises(CheckpointError, match=match) as info:
+        load(path)
+    assert "\n" not in str(info.value)
+
+
+def test_layouts_we_do_not_read_are_refused_in_one_line_naming_the_key(tmp_path):
+    model = randomized(Flux(FLUX_CFG), 6)
+    qkv = "double_blocks.0.img_attn.qkv"
+    sd = comfy_state_dict(model, "flux", "marker")
+    bad = dict(sd, scaled_fp8=torch.empty(0, dtype=torch.float16))
+    one_line_refusal(write_comfy(bad, tmp_path / "a.safetensors", "flux"), load_flux, r"'model.diffusion_model.scaled_fp8' is F16")
+    bad = dict(sd, **{f"{qkv}.scale_weight": torch.ones(192, 1)})
+    one_line_refusal(write_comfy(bad, tmp_path / "b.safetensors", "flux"), load_flux,
+                     rf"'model.diffusion_model.{qkv}.scale_weight' has shape \(192, 1\); ComfyUI's scaled fp8 stores one")
+    bad = dict(sd, **{f"{qkv}.weight": sd[f"{qkv}.weight"].to(torch.float8_e5m2)})
+    one_line_refusal(write_comfy(bad, tmp_path / "c.safetensors", "flux"), load_flux,
+                     rf"'model.diffusion_model.{qkv}.weight' is float8_e5m2")
+    cq = comfy_state_dict(model, "flux", "comfy_quant")
+    cq[f"{qkv}.comfy_quant"] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
+    one_line_refusal(write_comfy(cq, tmp_path / "d.safetensors", "flux"), load_flux,
+                     rf"layer '{qkv}' is comfy_quant format 'nvfp4'; only 'float8_e4m3fn'")
+    musubi = musubi_state_dict(model, "flux", "channel")  # per row, on rows of 64 inputs or more
+    one_line_refusal(write_comfy(musubi, tmp_path / "e.safetensors", "flux"), load_flux,
+                     r"'model.diffusion_model.double_blocks.0.img_mlp.2.scale_weight' \(BF16 \(64, 1\), weight "
+                     r"\[64, 256\]\) is a musubi-tuner fp8 scale that maps onto neither one scale per tensor \(all of "
+                     r"them\) nor bf16 scales per 64 input columns \(64, 4, 1\)")
+    unmarked = {k: v for k, v in cq.items() if not k.endswith("comfy_quant")}
+    one_line_refusal(write_comfy(unmarked, tmp_path / "f.safetensors", "flux"), load_flux,
+                     r"weight_scale' has shape \(\), not the \[out, in/64\] block scales of fp8_scaled")
+
+
+# ----------------------------------------------------------------------------------------------
+# Training, generation and merging on such files
+
+
+def tiny_comfy_flux(tiny_set, tmp_path, layout="marker") -> str:
+    model = load_flux(tiny_set["flux_bfl"])
+    return write_comfy(comfy_state_dict(model, "flux", layout), tmp_path / f"flux1_{layout}.safetensors", "flux",
+                       config=model.config)
+
+
+def test_training_on_a_comfy_scaled_file_needs_fp8_scaled_and_records_the_layout(tiny_set, tmp_path, capsys):
+    path = tiny_comfy_flux(tiny_set, tmp_path)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--pretrained_model_name_or_path", path,
+                                                            "--fp8_base", "true", "--fp8_scaled", "false")))
+    assert ("flux1_marker.safetensors: the checkpoint stores a pre-quantized fp8_tensor_scaled base (used as it is), "
+            "but the config asks for fp8; set fp8_base = true and fp8_scaled = true") in line, line
+    assert train_lora.main(flux_args(tiny_set, out, "--pretrained_model_name_or_path", path, "--fp8_base", "true",
+                                     "--fp8_scaled", "true", "--max_train_steps", "2")) == 0
+    with safe_open(str(out / "tiny_flux_lora.safetensors"), framework="pt") as f:
+        assert f.metadata()["ss_base_precision"] == "fp8_tensor_scaled"
+
+
+def test_generate_reads_comfy_files_with_a_lora_on_top_and_records_the_stored_layout(tiny_set, tmp_path):
+    from PIL import Image
+
+    from tools import generate
+
+    path = tiny_comfy_flux(tiny_set, tmp_path)
+    with pytest.warns(UserWarning):
+        net = lora(load_flux(path), "flux", rank=4, alpha=4.0, seed=1)
+    net.save(str(tmp_path / "l.safetensors"))
+    assert generate.main(["--model_type", "flux", "--model", path, "--ae", tiny_set["flux_vae_single"],
+                          "--clip_l", tiny_set["clip_l"], "--t5xxl", tiny_set["t5xxl"], "--prompt", "a red square",
+                          "--width", "64", "--height", "64", "--steps", "2", "--dtype", "bf16",
+                          "--lora", f"{tmp_path / 'l.safetensors'}:0.8", "--out", str(tmp_path / "flux")]) == 0
+    (png,) = os.listdir(tmp_path / "flux")
+    assert Image.open(tmp_path / "flux" / png).text["base_precision"] == "fp8_tensor_scaled"
+
+    qwen = tmp_path / "qwen_comfy"  # ComfyUI's Qwen-Image files carry no prefix; config.json beside it
+    model = load_qwen_image(tiny_set["qwen_image"])
+    write_comfy(comfy_state_dict(model, "qwen_image", "comfy_quant"), tmp_path / "q.safetensors", "qwen_image", prefix="",
+                bundled=False)
+    os.makedirs(qwen)
+    os.rename(tmp_path / "q.safetensors", qwen / "diffusion_pytorch_model.safetensors")
+    with open(qwen / "config.json", "w") as f:
+        json.dump(model.config.to_diffusers(), f)
+    assert generate.main(["--model_type", "qwen_image", "--model", str(qwen), "--ae", tiny_set["qwen_image_vae"],
+                          "--text_encoder", tiny_set["qwen_image_text_encoder"], "--prompt", "a red square",
+                          "--width", "64", "--height", "64", "--steps", "2", "--dtype", "fp32",
+                          "--out", str(tmp_path / "qwen")]) == 0
+    assert len(os.listdir(tmp_path / "qwen")) == 1
+
+
+def merge(*argv) -> int:
+    from tools import merge_lora
+
+    return merge_lora.main([str(a) for a in argv])
+
+
+def read_all(path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+def test_merge_lora_into_a_comfy_file_keeps_its_layout_or_widens_it(tmp_path, family):
+    cls, config, load, inputs = FAMILIES[family]
+    sd = comfy_state_dict(randomized(cls(config), 7), family, "marker")
+    path = write_comfy(sd, tmp_path / "base.safetensors", family)
+    ref = reference(cls, config, sd, torch.float32)
+    net = lora(ref, family, rank=4, alpha=4.0, seed=2)
+    net.save(str(tmp_path / "l.safetensors"))
+
+    # fp32 output: ComfyUI's dequantized weights + the LoRA, no scales or markers left
+    assert merge("--model", path, "--lora", f"{tmp_path / 'l.safetensors'}:0.7", "--save_to", tmp_path / "fp32.safetensors",
+                 "--save_precision", "fp32") == 0
+    wide = read_all(tmp_path / "fp32.safetensors")
+    assert not any(k.endswith(("scale_weight", "scale_input", "scaled_fp8")) for k in wide if k.startswith(PREFIX))
+    assert all(torch.equal(wide[k].float(), v.float()) for k, v in BUNDLED.items())  # other models: as they are
+    assert all(v.dtype == torch.float32 for k, v in wide.items() if k.startswith(PREFIX))
+    merged = load(str(tmp_path / "fp32.safetensors"), config=config)
+    expected = runtime_output(ref, [(net, 0.7)], inputs())
+    assert torch.allclose(run(realigned(merged), inputs()), expected, atol=1e-5, rtol=1e-5)
+
+    # kept layout: unmerged tensors byte for byte, merged ones re-quantized per tensor from those fp32 weights
+    assert merge("--model", path, "--lora", f"{tmp_path / 'l.safetensors'}:0.7", "--save_to", tmp_path / "kept.safetensors") == 0
+    base, kept = read_all(path), read_all(tmp_path / "kept.safetensors")
+    assert {k: (v.dtype, v.shape) for k, v in kept.items()} == {k: (v.dtype, v.shape) for k, v in base.items()}
+    targets = {n for n, m in ref.named_modules() if n in {t.name for t in net.lora_modules()}}
+    for k, v in kept.items():
+        layer = k[len(PREFIX) :].rsplit(".", 1)[0]
+        if layer not in targets or k.endswith(("bias", "scale_input")):
+            assert torch.equal(v.view(torch.uint8) if v.dtype.itemsize == 1 else v, base[k].view(torch.uint8) if v.dtype.itemsize == 1 else base[k]), k
+        elif k.endswith(".weight"):
+            q, scale = fp8.quantize_weight(wide[k], "fp8_tensor_scaled")
+            assert torch.equal(v.view(torch.uint8), q.view(torch.uint8)) and torch.equal(kept[f"{PREFIX}{layer}.scale_weight"], scale)
+    with pytest.warns(UserWarning):
+        assert fp8_checkpoint_layout(CheckpointReader(str(tmp_path / "kept.safetensors"))) == "fp8_tensor_scaled"
+        load(str(tmp_path / "kept.safetensors"), config=config)
+
+
+def test_merge_lora_into_an_fp8_base_refuses_another_fp8_layout_and_rounds_stochastically(tmp_path, capsys):
+    sd = comfy_state_dict(randomized(Flux(FLUX_CFG), 8), "flux", "marker")
+    path = write_comfy(sd, tmp_path / "base.safetensors", "flux")
+    lora(reference(Flux, FLUX_CFG, sd, torch.float32), "flux", rank=4, alpha=4.0, seed=2).save(str(tmp_path / "l.safetensors"))
+    capsys.readouterr()
+    assert merge("--model", path, "--lora", tmp_path / "l.safetensors", "--save_to", tmp_path / "o.safetensors",
+                 "--save_precision", "fp8_scaled") == 2
+    err = capsys.readouterr().err
+    assert "is a pre-quantized fp8_tensor_scaled base; another fp8 layout would re-round all its weights" in err
+    assert err.count("\n") == 1 and not (tmp_path / "o.safetensors").exists()
+    outs = []
+    for seed in (0, 1):
+        assert merge("--model", path, "--lora", tmp_path / "l.safetensors", "--save_to", tmp_path / f"s{seed}.safetensors",
+                     "--stochastic_rounding", "--seed", seed) == 0
+        outs.append(read_all(tmp_path / f"s{seed}.safetensors")[PREFIX + "double_blocks.0.img_attn.qkv.weight"])
+    assert not torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))  # the seed decides the rounding
+
+
+@pytest.mark.parametrize("kind", ["dora", "lokr_dora_wd"])
+def test_dora_and_lycoris_on_a_comfy_scaled_base_equal_the_dequantized_base(tmp_path, kind):
+    from networks.lycoris_network import LycorisNetwork
+
+    sd = comfy_state_dict(randomized(Flux(FLUX_CFG), 9), "flux", "marker")
+    with pytest.warns(UserWarning):
+        model = realigned(load_flux(write_comfy(sd, tmp_path / "base.safetensors", "flux")))
+    ref = reference(Flux, FLUX_CFG, sd, torch.float32)
+    if kind == "dora":
+        make = lambda m: LoRANetwork(m, "flux", 4, 4.0, network_args={"use_dora": "true"})  # noqa: E731
+    else:
+        make = lambda m: LycorisNetwork(m, "flux", 4, 2.0, network_args={"algo": "lokr", "factor": 4, "dora_wd": True})  # noqa: E731
+    net, ref_net = make(model), make(ref)
+    with torch.no_grad():
+        for p in ref_net.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    net.load_state_dict(ref_net.state_dict())
+    net.apply(), ref_net.apply()
+    out = model(**flux_inputs())
+    assert torch.allclose(out, ref(**flux_inputs()), atol=1e-5, rtol=1e-5)
+    out.square().mean().backward()
+    assert all(p.grad is not None for p in net.parameters() if p.requires_grad)
+    assert not any(t.requires_grad for t in model.parameters()) and all(b.grad is None for b in model.buffers())
+
+
+# ----------------------------------------------------------------------------------------------
+# musubi-tuner's layout (a saved state dict of its --fp8_scaled models)
+
+
+def musubi_state_dict(model: nn.Module, family: str, mode: str) -> dict[str, torch.Tensor]:
+    """musubi-tuner's quantize_weight (fp8_optimization_utils.py) on the model's Linears: scale =
+    absmax / 448 per tensor, per row ([out, 1]) or per 64-column block ([out, in/64, 1]), clamped to
+    1e-8; codes = (w / scale).clamp(+-448).to(e4m3); the scale stored in the model dtype (bf16)."""
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for layer in quantized_linears(model, family):
+        w = sd[f"{layer}.weight"].float()
+        out, in_features = w.shape
+        blocked = w.view(out, in_features // 64, 64) if mode == "block" else w
+        if mode == "tensor":
+            scale = blocked.abs().max() / 448.0
+        else:
+            scale = blocked.abs().amax(dim=-1, keepdim=True) / 448.0
+        scale = scale.clamp(min=1e-8)
+        sd[f"{layer}.weight"] = (blocked / scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(out, in_features)
+        sd[f"{layer}.scale_weight"] = scale.to(torch.bfloat16)
+    return sd
+
+
+def musubi_dequantized(sd: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """musubi's fp8_linear_forward_patch: weight.to(scale.dtype) * scale (blocks: viewed [out, blocks, 64])."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("scale_weight"):
+            continue
+        scale = sd.get(k[: -len("weight")] + "scale_weight")
+        if scale is None:
+            out[k] = v.to(dtype)
+        elif scale.dim() < 3:
+            out[k] = (v.to(scale.dtype) * scale).to(dtype)
+        else:
+            out[k] = (v.to(scale.dtype).view(scale.shape[0], scale.shape[1], -1) * scale).view(v.shape).to(dtype)
+    return out
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+@pytest.mark.parametrize("mode, layout", [("tensor", "fp8_tensor_scaled"), ("block", "fp8_scaled")])
+def test_musubi_state_dicts_load_as_they_are_and_equal_musubis_dequantized_model(tmp_path, family, mode, layout):
+    cls, config, load, inputs = FAMILIES[family]
+    sd = musubi_state_dict(randomized(cls(config), 10), family, mode)
+    path = write_comfy(sd, tmp_path / f"{mode}.safetensors", family, prefix="", bundled=False)
+    assert fp8_checkpoint_layout(CheckpointReader(path)) == layout
+    loaded = load(path, dtype=torch.bfloat16, config=config)  # musubi dequantizes in the model dtype, bf16
+    assert {m.mode for m in loaded.modules() if isinstance(m, fp8.FP8Linear)} == {layout}
+    expected = cls(config).to(torch.bfloat16)
+    expected.load_state_dict(musubi_dequantized(sd, torch.bfloat16))
+    expected.compute_dtype = torch.bfloat16
+    assert torch.equal(run(loaded, inputs()), run(expected.eval(), inputs()))
+    if family == "flux":  # merged into as it is: only the merged weights change, scales keep musubi's shapes
+        lora(expected.float(), family, rank=4, alpha=4.0, seed=2).save(str(tmp_path / "l.safetensors"))
+        assert merge("--model", path, "--lora", tmp_path / "l.safetensors", "--save_to", tmp_path / "m.safetensors") == 0
+        before, after = read_all(path), read_all(tmp_path / "m.safetensors")
+        assert {k: (v.dtype, v.shape) for k, v in after.items()} == {k: (v.dtype, v.shape) for k, v in before.items()}
+        load(str(tmp_path / "m.safetensors"), config=config)
