@@ -165,6 +165,10 @@ class Trainer:
         # trainable module (DDP-wrapped on several processes) and the optimizer are prepared.
         self.module, self.optimizer = accelerator.prepare(task.module, optimizer)
         self.step, self.epoch, self.batches_done = 0, 0, 0
+        self.val_loss = None  # the latest, shown in the progress bar between validations
+        if args.validate_every_n_steps and not task.validation_size():
+            raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
+                              f"validation_split or add [[validation_datasets]]")
         if args.resume:
             self.resume(args.resume)
         if args.logging_dir:
@@ -269,17 +273,27 @@ class Trainer:
                 return
         self.batches_done = 0
 
+    def validation_due(self, step: int) -> bool:
+        every = self.args.validate_every_n_steps
+        return bool(self.task.validation_size()) and ((every and step % every == 0) or step == self.max_steps)
+
     def finish_step(self, loss: float):
-        """After an optimizer step: log (with the lr this step used), schedule, sample, save, and
-        honour Ctrl-C / SIGTERM."""
+        """After an optimizer step: validate (when due), log (with the lr this step used),
+        schedule, sample, save, and honour Ctrl-C / SIGTERM."""
         args = self.args
+        extras = self.task.step_extras()
+        if self.task.validation_size():  # a val_loss column from the first row on, empty between validations
+            extras["val_loss"] = None
+            if self.validation_due(self.step + 1):
+                with self.evaluating():
+                    self.val_loss = extras["val_loss"] = self.task.validation_loss()
         values = {"loss": loss}
         if self.accelerator.is_main_process:
-            values = self.logger.log(self.step + 1, self.epoch, loss, self.optimizer, self.task.step_extras())
+            values = self.logger.log(self.step + 1, self.epoch, loss, self.optimizer, extras)
         self.scheduler.step()
         self.step += 1
         self.progress_bar.update(1)
-        self.progress_bar.set_postfix(progress_postfix(values))
+        self.progress_bar.set_postfix(progress_postfix({**values, "val_loss": self.val_loss}))
         with self.evaluating():
             self.task.after_step(self.step, args.output_dir)
             if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0:

@@ -187,6 +187,9 @@ class FakeTask:
     def step_extras(self):
         return {}
 
+    def validation_size(self):
+        return 0
+
     def after_step(self, step, output_dir):
         pass
 

@@ -5,7 +5,8 @@ more training runs from their CSV logs.
 
 A run is a `*_log.csv` file or a folder holding one. Top panel: every lr/<group> and
 d*lr/<group> column against step, runs overlaid and labelled by run name. Bottom panel: loss,
-raw (faint) and exponentially smoothed. Prints a summary line per run.
+raw (faint) and exponentially smoothed, and val_loss (dots, at the steps it was measured) where
+the log has it. Prints a summary line per run.
 """
 
 from __future__ import annotations
@@ -65,10 +66,22 @@ def summarize(name: str, log: dict[str, list[float]]) -> list[str]:
             )
     loss = log["loss"]
     lines.append(f"{name}: loss first {loss[0]:.4f}, last {loss[-1]:.4f}, steps {int(log['step'][-1])}")
+    steps, vals = measured(log, "val_loss")
+    if vals:
+        lines.append(f"{name}: val_loss first {vals[0]:.4f} (step {int(steps[0])}), last {vals[-1]:.4f} "
+                     f"(step {int(steps[-1])}), {len(vals)} validations")
     return lines
 
 
-def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, beta: float) -> None:
+def measured(log: dict[str, list[float]], col: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of a column on the steps where it holds a value (val_loss is empty between
+    validations)."""
+    pairs = [(s, v) for s, v in zip(log["step"], log.get(col, [])) if not math.isnan(v)]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, beta: float) -> dict[str, list[float]]:
+    """Write the PNG; returns each drawn line's label -> its y values (what the figure shows)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,6 +100,9 @@ def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, bet
                 ax_base.plot(log["step"], log[col], "--", alpha=0.6, label=f"{name} {col}")
         line = ax_loss.plot(log["step"], log["loss"], alpha=0.25)[0]
         ax_loss.plot(log["step"], smooth(log["loss"], beta), color=line.get_color(), label=f"{name} (smoothed)")
+        steps, vals = measured(log, "val_loss")
+        if vals:
+            ax_loss.plot(steps, vals, "o--", color=line.get_color(), markersize=4, label=f"{name} val_loss")
     if adaptive:
         ax_lr.set_ylabel("effective step d*lr (solid)")
         ax_base.set_ylabel("base lr (dashed)")
@@ -104,7 +120,9 @@ def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, bet
     fig.tight_layout()
     with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
+    drawn = {line.get_label(): [float(y) for y in line.get_ydata()] for ax in fig.axes for line in ax.get_lines()}
     plt.close(fig)
+    return drawn
 
 
 def main(argv=None) -> list[str]:

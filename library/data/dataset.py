@@ -2,7 +2,8 @@
 latents and text-encoder outputs, and sliding token windows for the LLM.
 
 Image story: `ImageDataset(blueprint)` scans every subset once (images are verified, captions
-read, each image given a bucket), `BucketBatchSampler` yields batches that hold one bucket, and
+read, each image given a bucket; `split_validation` holds out the dataset's validation_split
+share), `BucketBatchSampler` yields batches that hold one bucket, and
 `collate_batch` stacks them. After `cache_latents` / `cache_text` the dataset yields the cached
 tensors instead of pixels/captions, so the VAE and text encoders can leave the GPU.
 
@@ -84,11 +85,14 @@ def bucket_without_upscale(size: tuple[int, int], max_area: int, step: int) -> t
 # Scanning folders
 
 
-def scan_images(blueprint: DatasetBlueprint) -> list[ImageItem]:
+def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False) -> list[ImageItem]:
     """Every image of every subset with its caption and bucket. Unreadable images, missing or
-    empty captions and colliding file stems are errors naming the file."""
+    empty captions and colliding file stems are errors naming the file. held_out_sets: the
+    [[validation_datasets]] instead, numbered after the training datasets."""
     items = []
-    for di, ds in enumerate(blueprint.datasets):
+    datasets = blueprint.validation_datasets if held_out_sets else blueprint.datasets
+    first = len(blueprint.datasets) if held_out_sets else 0
+    for di, ds in enumerate(datasets, start=first):
         buckets = (make_buckets(ds.resolution, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps)
                    if ds.enable_bucket and not ds.bucket_no_upscale else [ds.resolution])
         for subset in ds.subsets:
@@ -103,6 +107,33 @@ def scan_images(blueprint: DatasetBlueprint) -> list[ImageItem]:
                     bucket = bucket_for(size, buckets)
                 items.append(ImageItem(path, read_caption(path, subset), subset, di, size, bucket, ds.cache_dir))
     return items
+
+
+def split_validation(items: list[ImageItem], blueprint: DatasetBlueprint) -> tuple[list[ImageItem], list[ImageItem]]:
+    """(training items, validation items). A dataset with validation_split > 0 holds out
+    floor(n * validation_split) images of each of its subsets (as sd-scripts): those whose
+    sha256(validation_seed | path inside the subset) ranks lowest. The choice depends on neither
+    the training seed nor the file order nor where the dataset lives, and adding an image moves
+    at most one other."""
+    by_subset: dict[int, list[ImageItem]] = {}
+    for item in items:
+        by_subset.setdefault(id(item.subset), []).append(item)
+    held_out: set[int] = set()
+    for group in by_subset.values():
+        spec = blueprint.datasets[group[0].dataset_index]
+        count = int(len(group) * spec.validation_split + 1e-9)  # floor, robust to 0.1 * 30 = 3.0000000000000004
+
+        def rank(item: ImageItem) -> str:
+            relpath = os.path.relpath(item.image_path, item.subset.image_dir)
+            return hashlib.sha256(f"{spec.validation_seed}|{relpath}".encode()).hexdigest()
+
+        held_out.update(id(item) for item in sorted(group, key=rank)[:count])
+    for di, spec in enumerate(blueprint.datasets):
+        if spec.validation_split and not any(id(it) in held_out for it in items if it.dataset_index == di):
+            raise ValueError(f"{blueprint.source}: [[datasets]] #{di + 1}: validation_split {spec.validation_split} "
+                             f"holds out no image (floor(images of a subset x validation_split) is 0 for every "
+                             f"subset); raise it, add images, or use [[validation_datasets]]")
+    return [it for it in items if id(it) not in held_out], [it for it in items if id(it) in held_out]
 
 
 def _image_files(folder: str) -> list[str]:
@@ -188,16 +219,20 @@ def process_caption(caption: str, subset: SubsetSpec, rng: random.Random) -> str
 
 class ImageDataset(torch.utils.data.Dataset):
     """One entry per image per repeat. Index with `(entry, epoch)` (what BucketBatchSampler
-    yields) or a plain entry (epoch 0). A sample is a dict:
+    yields) or a plain entry (epoch 0). `items`: the images to use (default: the training images
+    of the blueprint, the validation_split share removed); validation=True: each image once,
+    never flipped. A sample is a dict:
     image_path, bucket (w, h), caption (processed str), and either image (float32 [3,H,W] in
     [-1,1]) or latents (float32 [C,h,w], from the bf16 cache), plus text (dict of tensors,
     floating ones float32) when captions are cached."""
 
-    def __init__(self, blueprint: DatasetBlueprint, seed: int = 0):
-        self.blueprint, self.seed = blueprint, seed
-        self.items = scan_images(blueprint)
-        self.entries = [i for i, item in enumerate(self.items) for _ in range(item.subset.num_repeats)]
-        self.repeat_of = [r for item in self.items for r in range(item.subset.num_repeats)]
+    def __init__(self, blueprint: DatasetBlueprint, seed: int = 0, items: list[ImageItem] | None = None,
+                 validation: bool = False):
+        self.blueprint, self.seed, self.validation = blueprint, seed, validation
+        self.items = split_validation(scan_images(blueprint), blueprint)[0] if items is None else items
+        repeats = [1 if validation else item.subset.num_repeats for item in self.items]
+        self.entries = [i for i, n in enumerate(repeats) for _ in range(n)]
+        self.repeat_of = [r for n in repeats for r in range(n)]
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -206,7 +241,7 @@ class ImageDataset(torch.utils.data.Dataset):
         entry, epoch = key if isinstance(key, tuple) else (key, 0)
         item = self.items[self.entries[entry]]
         rng = random.Random(f"{self.seed}:{epoch}:{entry}")
-        flip = item.subset.flip_aug and rng.random() < 0.5
+        flip = item.subset.flip_aug and not self.validation and rng.random() < 0.5
         # key: which occurrence of which image this is, independent of where the dataset lives. It
         # seeds the noise and sigma: with the step, every repeat of an image in a step gets its own
         # draw (an optimizer step lies within one epoch, where each repeat occurs once).

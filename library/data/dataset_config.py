@@ -3,6 +3,7 @@
     [general]                 # defaults for every dataset and subset below
     [[datasets]]              # one bucketed image set: resolution, batch size, buckets
     [[datasets.subsets]]      # one image folder: captions, repeats, augmentation
+    [[validation_datasets]]   # optional: held-out image sets, same schema (never trained on)
 
 A subset key falls back to its dataset, then to [general], then to DEFAULTS. Every key is
 checked for name and type; an unknown key or a wrong type is one ValueError naming the file,
@@ -27,11 +28,12 @@ SUBSET_KEYS = (
 # Keys a [[datasets]] table may hold (they may also sit in [general]).
 DATASET_KEYS = (
     "resolution", "batch_size", "enable_bucket", "min_bucket_reso", "max_bucket_reso",
-    "bucket_reso_steps", "bucket_no_upscale", "cache_dir",
+    "bucket_reso_steps", "bucket_no_upscale", "cache_dir", "validation_split", "validation_seed",
 )
 KEY_TYPES = {
     "resolution": "resolution", "batch_size": int, "enable_bucket": bool, "min_bucket_reso": int,
     "max_bucket_reso": int, "bucket_reso_steps": int, "bucket_no_upscale": bool, "cache_dir": str,
+    "validation_split": float, "validation_seed": int,
     "image_dir": str, "num_repeats": int, "caption_extension": str, "class_tokens": str,
     "shuffle_caption": bool, "keep_tokens": int, "caption_dropout_rate": float, "flip_aug": bool,
 }
@@ -41,6 +43,7 @@ KEY_TYPES = {
 DEFAULTS = {
     "batch_size": 1, "enable_bucket": False, "min_bucket_reso": 256, "max_bucket_reso": 1024,
     "bucket_reso_steps": 64, "bucket_no_upscale": False, "cache_dir": None,
+    "validation_split": 0.0, "validation_seed": 0,
     "num_repeats": 1, "caption_extension": ".txt", "class_tokens": None, "shuffle_caption": False,
     "keep_tokens": 0, "caption_dropout_rate": 0.0, "flip_aug": False,
 }
@@ -70,6 +73,8 @@ class DatasetSpec:
     bucket_reso_steps: int
     bucket_no_upscale: bool
     cache_dir: str | None
+    validation_split: float = 0.0  # share of each subset's images held out for validation
+    validation_seed: int = 0  # which images are held out (library.data.dataset.split_validation)
     subsets: list[SubsetSpec] = field(default_factory=list)
 
 
@@ -77,6 +82,7 @@ class DatasetSpec:
 class DatasetBlueprint:
     datasets: list[DatasetSpec]
     source: str = "<dict>"  # the file it came from, for error messages downstream
+    validation_datasets: list[DatasetSpec] = field(default_factory=list)  # held out whole
 
 
 def load_dataset_config(path: str) -> DatasetBlueprint:
@@ -92,47 +98,57 @@ def load_dataset_config(path: str) -> DatasetBlueprint:
 
 def parse_dataset_config(data: dict, source: str = "<dict>") -> DatasetBlueprint:
     """Validate an already parsed dataset config (same schema as the TOML file)."""
-    _check_keys(source, "top level", data, ("general", "datasets"))
+    _check_keys(source, "top level", data, ("general", "datasets", "validation_datasets"))
     general = data.get("general", {})
     _check_table(source, "general", general)
     _check_keys(source, "general", general, DATASET_KEYS + SUBSET_KEYS[1:])
     datasets = data.get("datasets")
     if not isinstance(datasets, list) or not datasets:
         raise ValueError(f"{source}: needs at least one [[datasets]] table with [[datasets.subsets]]")
-    return DatasetBlueprint([_parse_dataset(source, general, d) for d in datasets], source=source)
+    held_out = data.get("validation_datasets", [])
+    if not isinstance(held_out, list):
+        raise ValueError(f"{source}: validation_datasets must be [[validation_datasets]] tables, got {held_out!r}")
+    validation = [_parse_dataset(source, general, d, "validation_datasets") for d in held_out]
+    for d in validation:
+        if d.validation_split:  # e.g. inherited from [general]: the whole set is validation already
+            raise ValueError(f"{source}: [validation_datasets] key 'validation_split' must be 0 (every image of a "
+                             f"validation dataset is held out), got {d.validation_split}")
+    return DatasetBlueprint([_parse_dataset(source, general, d) for d in datasets], source=source,
+                            validation_datasets=validation)
 
 
-def _parse_dataset(source: str, general: dict, dataset: dict) -> DatasetSpec:
-    _check_table(source, "datasets", dataset)
-    _check_keys(source, "datasets", dataset, DATASET_KEYS + SUBSET_KEYS[1:] + ("subsets",))
+def _parse_dataset(source: str, general: dict, dataset: dict, section: str = "datasets") -> DatasetSpec:
+    _check_table(source, section, dataset)
+    _check_keys(source, section, dataset, DATASET_KEYS + SUBSET_KEYS[1:] + ("subsets",))
 
     def pick(key):
         return dataset.get(key, general.get(key, DEFAULTS.get(key)))
 
     res = pick("resolution")
     if res is None:
-        raise ValueError(f"{source}: [datasets] key 'resolution' is required (in [[datasets]] or [general])")
+        raise ValueError(f"{source}: [{section}] key 'resolution' is required (in [[{section}]] or [general])")
     spec = DatasetSpec(
         resolution=(res, res) if isinstance(res, int) else (res[0], res[1]),
         **{k: pick(k) for k in DATASET_KEYS if k != "resolution"},
     )
+    spec.validation_split = float(spec.validation_split)
     _check_dataset_values(source, spec)
     subsets = dataset.get("subsets")
     if not isinstance(subsets, list) or not subsets:
-        raise ValueError(f"{source}: [[datasets]] needs at least one [[datasets.subsets]] with an image_dir")
-    spec.subsets = [_parse_subset(source, general, dataset, s) for s in subsets]
+        raise ValueError(f"{source}: [[{section}]] needs at least one [[{section}.subsets]] with an image_dir")
+    spec.subsets = [_parse_subset(source, general, dataset, s, f"{section}.subsets") for s in subsets]
     return spec
 
 
-def _parse_subset(source: str, general: dict, dataset: dict, subset: dict) -> SubsetSpec:
-    _check_table(source, "datasets.subsets", subset)
-    _check_keys(source, "datasets.subsets", subset, SUBSET_KEYS)
+def _parse_subset(source: str, general: dict, dataset: dict, subset: dict, section: str = "datasets.subsets") -> SubsetSpec:
+    _check_table(source, section, subset)
+    _check_keys(source, section, subset, SUBSET_KEYS)
     if "image_dir" not in subset:
-        raise ValueError(f"{source}: [datasets.subsets] key 'image_dir' is required")
+        raise ValueError(f"{source}: [{section}] key 'image_dir' is required")
     values = {k: subset.get(k, dataset.get(k, general.get(k, DEFAULTS.get(k)))) for k in SUBSET_KEYS}
     spec = SubsetSpec(**values)
     spec.caption_dropout_rate = float(spec.caption_dropout_rate)
-    where = f"{source}: [datasets.subsets] image_dir {spec.image_dir!r}:"
+    where = f"{source}: [{section}] image_dir {spec.image_dir!r}:"
     if spec.num_repeats < 1:
         raise ValueError(f"{where} key 'num_repeats' must be >= 1, got {spec.num_repeats}")
     if spec.keep_tokens < 0:
@@ -149,6 +165,9 @@ def _check_dataset_values(source: str, d: DatasetSpec):
     if min(d.resolution) < step:
         raise ValueError(f"{source}: [datasets] key 'resolution' must be at least {step} pixels per side "
                          f"(one 2x2 patch of the 8x-downsampled latent), got {list(d.resolution)}")
+    if not 0.0 <= d.validation_split < 1.0:
+        raise ValueError(f"{source}: [datasets] key 'validation_split' must be in [0, 1) (the share of each subset's "
+                         f"images held out for validation), got {d.validation_split}")
     if d.batch_size < 1:
         raise ValueError(f"{source}: [datasets] key 'batch_size' must be >= 1, got {d.batch_size}")
     if d.bucket_reso_steps <= 0 or d.bucket_reso_steps % step:

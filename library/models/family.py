@@ -142,11 +142,19 @@ class DiffusionFamily:
             for g in generators
         ])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
+        loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
+                            args.loss_type, args.huber_c)
+        return loss, sigmas
+
+    def loss_at(self, model, latents: torch.Tensor, text: dict, noise: torch.Tensor, sigmas: torch.Tensor,
+                guidance: float | None, weighting: str = "none", loss_type: str = "l2", huber_c: float = 0.1):
+        """The flow-matching loss at given noise (float32, latents' shape) and sigmas (float32 [B]),
+        all on the latents' device: scalar float32. training_loss draws them; validation fixes them."""
+        h, w = latents.shape[2] // self.patch, latents.shape[3] // self.patch
         x_t = pack_latents(fm.noisy_input(latents, noise, sigmas))
-        pred = self.predict(model, x_t, sigmas, text, h, w, args.guidance_scale)
+        pred = self.predict(model, x_t, sigmas, text, h, w, guidance)
         target = pack_latents(fm.flow_target(latents, noise))
-        weights = fm.loss_weighting(sigmas, args.weighting_scheme)
-        return fm.flow_loss(pred, target, weights, args.loss_type, args.huber_c), sigmas
+        return fm.flow_loss(pred, target, fm.loss_weighting(sigmas, weighting), loss_type, huber_c)
 
     # -- sampling ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -102,6 +102,8 @@ SCHEMA: dict[str, Arg] = {
     "sample_at_first": A(bool, False, "render samples before training"),
     "sample_bf16_reference": A(bool, True, "with fp8_base: also render each sample on a bf16 base, side by side"),
     "logging_dir": A(str, None, "TensorBoard log folder (CSV is always written)"),
+    # validation and EMA (diffusion; the held-out images are chosen in the dataset TOML)
+    "validate_every_n_steps": A(int, 0, "val_loss on the held-out images every N steps; always at the end (0 = end only)"),
     "log_prefix": A(str, None, "TensorBoard run name prefix"),
     # llm data
     "train_data": A(list, [], "llm: .txt files or folders"),
@@ -286,6 +288,11 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         raise ConfigError(f"{where}: key 'blocks_to_swap' is for the diffusion transformers (flux, qwen_image), not llm")
     if args.blocks_to_swap and args.torch_compile:  # compiled blocks would guard on the swapped tensors
         raise ConfigError(f"{where}: blocks_to_swap and torch_compile cannot be combined yet; turn one off")
+    if args.validate_every_n_steps < 0:
+        raise ConfigError(f"{where}: key 'validate_every_n_steps' must be >= 0, got {args.validate_every_n_steps}")
+    if args.model_type == "llm" and args.validate_every_n_steps:
+        raise ConfigError(f"{where}: key 'validate_every_n_steps' is for image training; llm uses val_fraction and "
+                          f"eval_every_n_steps")
     if args.learning_rate <= 0:
         raise ConfigError(f"{where}: key 'learning_rate' must be > 0, got {args.learning_rate}")
     if args.model_type != "llm":

@@ -13,12 +13,14 @@ import os
 import torch
 import torch.nn as nn
 
-from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, cache_latents, cache_text, collate_batch
+from library.data.dataset import (BucketBatchSampler, EpochBatches, ImageDataset, cache_latents, cache_text, collate_batch,
+                                  scan_images, split_validation)
 from library.data.dataset_config import load_dataset_config
 from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
 from library.training.state import sample_seed
+from library.training.validation import validation_loss
 from networks.factory import build_network
 
 
@@ -50,7 +52,7 @@ class DiffusionTask:
         self._check_stored_precision()
         self.compute_dtype = compute_dtype(args)
         self.blueprint = load_dataset_config(args.dataset_config)
-        self.dataset = ImageDataset(self.blueprint, seed=args.seed)
+        self.dataset, self.validation_set = self._read_images()
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
         self.prompts = self._read_prompts()
         self._fill_caches()  # also encodes the sample prompts, then frees the encoders
@@ -76,6 +78,17 @@ class DiffusionTask:
                               f"fp8_scaled = {str(CONFIG_PRECISION[stored] == 'fp8_scaled').lower()} (what {stored} "
                               f"files need), or give the bf16 checkpoint")
 
+    def _read_images(self) -> tuple[ImageDataset, ImageDataset]:
+        """(training set, validation set): the validation_split share of each subset and every
+        [[validation_datasets]] image go to validation only."""
+        bp = self.blueprint
+        train, held_out = split_validation(scan_images(bp), bp)
+        validation = held_out + scan_images(bp, held_out_sets=True)
+        if validation:
+            self.accelerator.print(f"validation: {len(validation)} images held out, {len(train)} for training")
+        return (ImageDataset(bp, seed=self.args.seed, items=train),
+                ImageDataset(bp, seed=self.args.seed, items=validation, validation=True))
+
     def _read_prompts(self) -> list[SamplePrompt]:
         if not self.args.sample_prompts:
             return []
@@ -85,7 +98,7 @@ class DiffusionTask:
 
     def _fill_caches(self):
         self._cache_latents()  # the VAE is freed when this returns
-        args, items = self.args, self.dataset.items
+        args, items = self.args, self.dataset.items + self.validation_set.items
         options = self.family.text_options(args)
         precision = args.text_encoder_precision  # part of the cache key: another precision re-encodes
         text_key = self.family.text_cache_key(options, precision)
@@ -105,7 +118,7 @@ class DiffusionTask:
             torch.cuda.empty_cache()
 
     def _cache_latents(self):
-        items, latent_key = self.dataset.items, self.family.latent_cache_key()
+        items, latent_key = self.dataset.items + self.validation_set.items, self.family.latent_cache_key()
         vae = self.family.load_vae(torch.float32)
         vae.vae.to(self.device)
         encoded = cache_latents(items, lambda x: vae.encode(x.to(self.device)), latent_key,
@@ -175,6 +188,16 @@ class DiffusionTask:
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return self.network.trainable_parameters()
+
+    def named_trainable_parameters(self) -> dict[str, nn.Parameter]:
+        return {name: p for name, p in self.network.named_parameters() if p.requires_grad}
+
+    def validation_size(self) -> int:
+        return len(self.validation_set)
+
+    def validation_loss(self) -> float:
+        """library/training/validation.py: fixed sigmas and noise, plain MSE, no grad."""
+        return validation_loss(self.family, self.base, self.validation_set, self.args.guidance_scale, self.accelerator)
 
     def trainable_tensors(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.network.state_dict().items()}

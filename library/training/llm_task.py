@@ -158,6 +158,9 @@ class LLMTask:
     def step_extras(self) -> dict:
         return {}
 
+    def validation_size(self) -> int:
+        return 0  # the trainer's val_loss is for images; the LLM's own eval runs in after_step
+
     def render_samples(self, out_dir: str, tag: str) -> list[str]:
         """An LLM's samples are text: val loss, perplexity and a generated sample (sample_at_first
         gives the baseline before training)."""

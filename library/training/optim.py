@@ -102,7 +102,8 @@ def effective_lrs(optimizer) -> dict[str, float]:
 
 
 class LRLogger:
-    """Per optimizer step: step, epoch, loss, lr/<group>..., d*lr/<group>... to
+    """Per optimizer step: step, epoch, loss, lr/<group>..., d*lr/<group>... and the extras
+    (val_loss: None on steps without validation, an empty cell) to
     <output_dir>/<output_name>_log.csv, and to TensorBoard through accelerate if it tracks."""
 
     def __init__(self, path: str, accelerator=None, append: bool = False):
@@ -124,12 +125,16 @@ class LRLogger:
                 csv.writer(f).writerow(self.columns)
         with open(self.path, "a", newline="") as f:
             csv.writer(f).writerow([values.get(c, "") for c in self.columns])
-        if self.accelerator is not None and self.accelerator.trackers:
-            self.accelerator.log({k: v for k, v in values.items() if k != "step"}, step=step)
+        if self.accelerator is not None and self.accelerator.trackers:  # None: not measured this step (val_loss)
+            self.accelerator.log({k: v for k, v in values.items() if k != "step" and v is not None}, step=step)
         return values
 
 
 def progress_postfix(values: dict) -> dict:
-    """tqdm postfix: loss and the effective lr of the first group (d*lr where it exists)."""
+    """tqdm postfix: loss, the effective lr of the first group (d*lr where it exists) and the
+    val_loss where one is given."""
     eff = [v for k, v in values.items() if k.startswith("d*lr/")] or [v for k, v in values.items() if k.startswith("lr/")]
-    return {"loss": f"{values['loss']:.4f}", "lr": f"{eff[0]:.3g}" if eff else "-"}
+    postfix = {"loss": f"{values['loss']:.4f}", "lr": f"{eff[0]:.3g}" if eff else "-"}
+    if values.get("val_loss") is not None:
+        postfix["val"] = f"{values['val_loss']:.4f}"
+    return postfix

@@ -1,0 +1,183 @@
+"""Validation loss and EMA on the tiny FLUX / Qwen-Image: val_loss falls while training, is the
+same number on a second run and across a resume, never trains on the held-out images, reaches the
+CSV, TensorBoard and the plot."""
+
+import csv
+import os
+
+import pytest
+import torch
+
+import train_lora
+from library.data.dataset import ImageDataset, scan_images, split_validation
+from library.data.dataset_config import load_dataset_config
+from tests.test_train_lora import flux_args
+
+ADAMW = ["--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "3e-3", "--sample_prompts", ""]
+
+
+def dataset_toml(tiny_set, folder, **keys) -> str:
+    """The tiny set (8 images, 2 buckets) with extra [general] keys."""
+    image_dir = load_dataset_config(tiny_set["dataset_config"]).datasets[0].subsets[0].image_dir
+    extra = "".join(f"{k} = {v}\n" for k, v in keys.items())
+    path = os.path.join(folder, "ds.toml")
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f'[general]\nresolution = 64\nbatch_size = 2\nenable_bucket = true\nmin_bucket_reso = 32\n'
+                f'max_bucket_reso = 128\nbucket_reso_steps = 16\n{extra}[[datasets]]\n[[datasets.subsets]]\n'
+                f'image_dir = "{image_dir}"\n')
+    return path
+
+
+def read_log(out, name="tiny_flux_lora") -> list[dict]:
+    with open(os.path.join(out, f"{name}_log.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def val_losses(out, name="tiny_flux_lora") -> dict[int, float]:
+    """step -> val_loss, for the steps that validated."""
+    return {int(r["step"]): float(r["val_loss"]) for r in read_log(out, name) if r["val_loss"]}
+
+
+def validating_run(tiny_set, out, *extra) -> list[str]:
+    ds = dataset_toml(tiny_set, str(out) + "_data", validation_split=0.25)
+    return flux_args(tiny_set, out, "--dataset_config", ds, "--validate_every_n_steps", "2", *ADAMW, *extra)
+
+
+@pytest.fixture(scope="module")
+def straight_run(tiny_set, tmp_path_factory):
+    """8 steps validating every 2, logged to TensorBoard too."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    logs = str(out) + "_tb"
+    assert train_lora.main(validating_run(tiny_set, out, "--max_train_steps", "8", "--logging_dir", logs)) == 0
+    return out, logs
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation loss
+
+
+def test_val_loss_falls_on_held_out_images(tiny_set, tmp_path):
+    out = tmp_path / "run"
+    assert train_lora.main(validating_run(tiny_set, out, "--max_train_steps", "20", "--validate_every_n_steps", "5")) == 0
+    val = val_losses(out)
+    assert sorted(val) == [5, 10, 15, 20]
+    assert val[20] < 0.95 * val[5], val
+
+
+def test_val_loss_is_identical_on_a_second_run_and_logged_everywhere(tiny_set, tmp_path, straight_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, logs = straight_run
+    rows = read_log(out)
+    assert [r["val_loss"] != "" for r in rows] == [False, True] * 4  # empty cells between validations
+    again = tmp_path / "again"
+    assert train_lora.main(validating_run(tiny_set, again, "--max_train_steps", "8")) == 0
+    assert val_losses(again) == val_losses(out)
+    events = [os.path.join(d, f) for d, _, fs in os.walk(logs) for f in fs if f.startswith("events.out")]
+    acc = EventAccumulator(os.path.dirname(events[0]))
+    acc.Reload()
+    tb = {e.step: e.value for e in acc.Scalars("val_loss")}
+    assert tb == pytest.approx(val_losses(out), rel=1e-6)
+
+
+def test_val_loss_is_bit_identical_across_a_resume(tiny_set, tmp_path, straight_run):
+    out = tmp_path / "resumed"
+    assert train_lora.main(validating_run(tiny_set, out, "--max_train_steps", "4", "--save_state", "true")) == 0
+    state = out / "tiny_flux_lora-state"
+    assert train_lora.main(validating_run(tiny_set, out, "--max_train_steps", "8", "--resume", str(state))) == 0
+    assert val_losses(out) == val_losses(straight_run[0])
+
+
+def test_validation_images_are_never_trained_on(tiny_set, tmp_path, monkeypatch):
+    from library.training.diffusion_task import DiffusionTask
+
+    trained, held_out = set(), set()
+    real = DiffusionTask.batch_inputs
+
+    def recording(self, batch, step):
+        trained.update(batch["image_paths"])
+        held_out.update(item.image_path for item in self.validation_set.items)
+        return real(self, batch, step)
+
+    monkeypatch.setattr(DiffusionTask, "batch_inputs", recording)
+    assert train_lora.main(validating_run(tiny_set, tmp_path / "run", "--max_train_steps", "9")) == 0
+    assert len(held_out) == 2 and len(trained) == 6 and not trained & held_out  # floor(8 x 0.25) held out
+
+
+def test_split_depends_on_validation_seed_only(tiny_set, tmp_path):
+    def held_out(seed=0, validation_seed=0):
+        bp = load_dataset_config(dataset_toml(tiny_set, str(tmp_path), validation_split=0.5, validation_seed=validation_seed))
+        train, val = split_validation(scan_images(bp), bp)
+        assert {i.image_path for i in ImageDataset(bp, seed=seed).items} == {i.image_path for i in train}
+        return sorted(os.path.basename(i.image_path) for i in val)
+
+    assert len(held_out()) == 4
+    assert held_out(seed=1) == held_out(seed=2)  # the training seed does not move it
+    assert held_out(validation_seed=1) != held_out(validation_seed=0)
+
+
+def test_validation_datasets_section_is_held_out_whole(tiny_set, tmp_path):
+    path = dataset_toml(tiny_set, str(tmp_path))
+    image_dir = load_dataset_config(path).datasets[0].subsets[0].image_dir
+    with open(path, "a") as f:
+        f.write(f'[[validation_datasets]]\nbatch_size = 1\n[[validation_datasets.subsets]]\nimage_dir = "{image_dir}"\n')
+    bp = load_dataset_config(path)
+    held = scan_images(bp, held_out_sets=True)
+    assert len(held) == 8 and {i.dataset_index for i in held} == {1}
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--dataset_config", path, "--max_train_steps", "2", *ADAMW)) == 0
+    assert list(val_losses(out)) == [2]  # validate_every_n_steps = 0: at the end only
+
+
+def test_validation_split_errors_name_the_key(tiny_set, tmp_path):
+    with pytest.raises(ValueError, match="'validation_split' must be in \\[0, 1\\)"):
+        load_dataset_config(dataset_toml(tiny_set, str(tmp_path), validation_split=1.0))
+    bp = load_dataset_config(dataset_toml(tiny_set, str(tmp_path), validation_split=0.1))  # floor(8 x 0.1) = 0
+    with pytest.raises(ValueError, match="holds out no image"):
+        split_validation(scan_images(bp), bp)
+    no_split = flux_args(tiny_set, tmp_path / "run", "--validate_every_n_steps", "2", "--max_train_steps", "2", *ADAMW)
+    assert train_lora.main(no_split) == 2
+
+
+def test_qwen_image_validates(tiny_set, tmp_path):
+    out = tmp_path / "qwen"
+    code = train_lora.main([
+        "--model_type", "qwen_image", "--pretrained_model_name_or_path", tiny_set["qwen_image"],
+        "--ae", tiny_set["qwen_image_vae"], "--text_encoder", tiny_set["qwen_image_text_encoder"],
+        "--dataset_config", dataset_toml(tiny_set, str(tmp_path), validation_split=0.25), "--output_dir", str(out),
+        "--output_name", "qwen", "--max_train_steps", "4", "--validate_every_n_steps", "2", "--mixed_precision", "no",
+        "--network_dim", "4", "--optimizer_type", "AdamW", "--learning_rate", "1e-3",
+    ])
+    assert code == 0
+    val = val_losses(out, "qwen")
+    assert sorted(val) == [2, 4] and all(v == v and v > 0 for v in val.values())
+
+
+def test_plot_lr_draws_val_loss(straight_run, tmp_path):
+    from tools.plot_lr import find_log, plot, read_log as read_csv, summarize
+
+    log = read_csv(find_log(str(straight_run[0])))
+    drawn = plot({"run": log}, str(tmp_path / "plot.png"), log_scale=False, beta=0.9)
+    assert drawn["run val_loss"] == list(val_losses(straight_run[0]).values())
+    assert any(line.startswith("run: val_loss first") and "4 validations" in line for line in summarize("run", log))
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_val_loss_of_unchanged_weights_is_the_same_number(tiny_set, tmp_path, monkeypatch):
+    """Fixed noise (not drawn from the global RNG) and eval mode (LoRA dropout off): validating
+    twice in a row gives one number, with a network_dropout that would change it in train mode."""
+    from library.training.diffusion_task import DiffusionTask
+
+    pairs = []
+    real = DiffusionTask.validation_loss
+
+    def twice(self):
+        pairs.append((real(self), real(self)))
+        return pairs[-1][0]
+
+    monkeypatch.setattr(DiffusionTask, "validation_loss", twice)
+    out = tmp_path / "run"
+    assert train_lora.main(validating_run(tiny_set, out, "--max_train_steps", "4", "--network_dropout", "0.5")) == 0
+    assert len(pairs) == 2 and all(a == b for a, b in pairs), pairs
+    assert pairs[0][0] != pairs[1][0]  # the weights did change between the validations
