@@ -17,13 +17,14 @@ import hashlib
 import math
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from library.data.captions import caption_variants, drops_captions, fixed_caption, is_dropped
 from library.data.dataset_config import DatasetBlueprint, SubsetSpec
 from library.io import CheckpointReader, save_safetensors
 
@@ -44,6 +45,7 @@ class ImageItem:
     cache_dir: str | None = None
     latent_cache: str | dict | None = None  # file path, or tensors held in memory
     text_cache: str | dict | None = None
+    caption_variants: list[str] = field(default_factory=list)  # augmented captions, cached beside the caption
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,19 +202,6 @@ def load_image(path: str, bucket: tuple[int, int], flip: bool = False) -> torch.
     return pixels.permute(2, 0, 1).float() / 127.5 - 1.0
 
 
-def process_caption(caption: str, subset: SubsetSpec, rng: random.Random) -> str:
-    """caption_dropout_rate: the empty caption; shuffle_caption: comma-separated tags shuffled
-    with the first keep_tokens tags kept in place."""
-    if subset.caption_dropout_rate > 0 and rng.random() < subset.caption_dropout_rate:
-        return ""
-    if not subset.shuffle_caption:
-        return caption
-    tags = [t.strip() for t in caption.split(",") if t.strip()]
-    fixed, rest = tags[: subset.keep_tokens], tags[subset.keep_tokens :]
-    rng.shuffle(rest)
-    return ", ".join(fixed + rest)
-
-
 # ----------------------------------------------------------------------------------------------
 # Dataset, sampler, collate
 
@@ -233,6 +222,10 @@ class ImageDataset(torch.utils.data.Dataset):
         repeats = [1 if validation else item.subset.num_repeats for item in self.items]
         self.entries = [i for i, n in enumerate(repeats) for _ in range(n)]
         self.repeat_of = [r for n in repeats for r in range(n)]
+        if not validation:  # validation uses the captions as written
+            for item in self.items:
+                item.caption_variants = caption_variants(item.caption, item.subset)
+        self.empty_text: dict | None = None  # the empty caption's cached text (cache_empty_caption)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -246,17 +239,34 @@ class ImageDataset(torch.utils.data.Dataset):
         # seeds the noise and sigma: with the step, every repeat of an image in a step gets its own
         # draw (an optimizer step lies within one epoch, where each repeat occurs once).
         key = f"{item.dataset_index}:{os.path.relpath(item.image_path, item.subset.image_dir)}#{self.repeat_of[entry]}"
-        sample = {"image_path": item.image_path, "key": key, "bucket": item.bucket,
-                  "caption": process_caption(item.caption, item.subset, rng)}
+        caption, variant = self._caption(item, epoch, rng)
+        sample = {"image_path": item.image_path, "key": key, "bucket": item.bucket, "caption": caption}
         if item.latent_cache is not None:
             cached = _read_cache(item.latent_cache)
             sample["latents"] = cached["latents_flipped" if flip else "latents"].float()
         else:
             sample["image"] = load_image(item.image_path, item.bucket, flip)
         if item.text_cache is not None:
-            sample["text"] = {k: v.float() if v.is_floating_point() else v
-                              for k, v in _read_cache(item.text_cache).items()}
+            text = self._empty_text() if variant == "dropped" else _read_text_cache(item.text_cache, variant)
+            sample["text"] = {k: v.float() if v.is_floating_point() else v for k, v in text.items()}
         return sample
+
+    def _caption(self, item: ImageItem, epoch: int, rng: random.Random) -> tuple[str, int | str | None]:
+        """(caption, which cached text goes with it: None the caption's own, k its k-th variant,
+        "dropped" the empty caption's). Validation always uses the caption as written."""
+        if self.validation:
+            return fixed_caption(item.caption, item.subset), None
+        if drops_captions(item.subset) and is_dropped(item.subset, epoch, rng):
+            return "", "dropped"
+        if item.caption_variants:
+            k = rng.randrange(len(item.caption_variants))
+            return item.caption_variants[k], k
+        return fixed_caption(item.caption, item.subset), None
+
+    def _empty_text(self) -> dict:
+        if self.empty_text is None:
+            raise ValueError("caption dropout with cached text needs the empty caption's text: call cache_empty_caption")
+        return self.empty_text
 
 
 class BucketBatchSampler(torch.utils.data.Sampler):
@@ -371,7 +381,10 @@ def latent_hash(item: ImageItem, model_key: str) -> str:
 
 
 def text_hash(item: ImageItem, model_key: str) -> str:
-    return hashlib.sha256(f"{item.caption}|{model_key}".encode()).hexdigest()
+    text = fixed_caption(item.caption, item.subset)
+    if item.caption_variants:  # what is encoded changes with them (and with their count)
+        text = "\x1f".join([text, *item.caption_variants])
+    return hashlib.sha256(f"{text}|{model_key}".encode()).hexdigest()
 
 
 def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], torch.Tensor], model_key: str,
@@ -412,15 +425,11 @@ def _encode_images(encode_fn, chunk, flip: bool) -> torch.Tensor:
 
 def cache_text(items: list[ImageItem], encode_fn: Callable[[list[str]], list[dict[str, torch.Tensor]]],
                model_key: str, *, batch_size: int = 8, to_disk: bool = True) -> int:
-    """Encode every caption whose cache is missing or stale; returns how many were encoded.
+    """Encode every caption whose cache is missing or stale; returns how many images were encoded.
 
     encode_fn: captions -> one dict of tensors per caption (no batch axis; floating tensors are
-    stored as bf16, others as they are). Captions must be fixed: shuffle_caption and
-    caption_dropout_rate change them every step, so they are an error here."""
-    for item in items:
-        if item.subset.shuffle_caption or item.subset.caption_dropout_rate > 0:
-            raise ValueError(f"{item.subset.image_dir}: cached text needs fixed captions; turn off "
-                             f"shuffle_caption / caption_dropout_rate or text caching")
+    stored as bf16, others as they are). An item's augmented caption_variants are encoded too and
+    stored in the same file as `<name>@<k>` (library/data/captions.py)."""
     todo = []
     for item in items:
         digest = text_hash(item, model_key)
@@ -429,14 +438,46 @@ def cache_text(items: list[ImageItem], encode_fn: Callable[[list[str]], list[dic
             item.text_cache = path
         else:
             todo.append((item, path, digest))
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start : start + batch_size]
+    # One job per text; batches may span images, and an image's file is written with its last text.
+    jobs = [(i, k, text) for i, (item, _, _) in enumerate(todo) for k, text in enumerate([item.caption, *item.caption_variants])]
+    pending: list[dict] = [{} for _ in todo]
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start : start + batch_size]
         with torch.no_grad():
-            outputs = encode_fn([item.caption for item, _, _ in chunk])
-        for (item, path, digest), out in zip(chunk, outputs):
-            tensors = {k: (v.to(CACHE_DTYPE) if v.is_floating_point() else v).detach().cpu() for k, v in out.items()}
-            item.text_cache = _store(tensors, path, digest, to_disk, model_key)
+            outputs = encode_fn([fixed_caption(text, todo[i][0].subset) if k == 0 else text for i, k, text in chunk])
+        for (i, k, _), out in zip(chunk, outputs):
+            suffix = "" if k == 0 else f"@{k - 1}"
+            pending[i].update({name + suffix: _to_cache_dtype(v) for name, v in out.items()})
+            item, path, digest = todo[i]
+            if k == len(item.caption_variants):
+                item.text_cache = _store(pending[i], path, digest, to_disk, model_key)
+                pending[i] = {}
     return len(todo)
+
+
+def cache_empty_caption(dataset: "ImageDataset", encode_fn: Callable[[list[str]], list[dict[str, torch.Tensor]]]):
+    """What caption dropout substitutes: the empty caption's text, encoded once, in the cache dtype
+    (so it goes through the same bf16 rounding as every cached caption)."""
+    with torch.no_grad():
+        (out,) = encode_fn([""])
+    dataset.empty_text = {name: _to_cache_dtype(v) for name, v in out.items()}
+
+
+def _to_cache_dtype(v: torch.Tensor) -> torch.Tensor:
+    return (v.to(CACHE_DTYPE) if v.is_floating_point() else v).detach().cpu()
+
+
+def _read_text_cache(cache: str | dict, variant: int | None) -> dict[str, torch.Tensor]:
+    """The caption's own tensors (variant None) or those of its variant k, under their plain names."""
+    source = cache if isinstance(cache, dict) else CheckpointReader(cache)
+    names = source.keys()
+    if variant is None:
+        wanted = {n: n for n in names if "@" not in n}
+    else:
+        suffix = f"@{variant}"
+        wanted = {n: n[: -len(suffix)] for n in names if n.endswith(suffix)}
+    get = source.__getitem__ if isinstance(cache, dict) else source.get
+    return {plain: get(n) for n, plain in wanted.items()}
 
 
 def _cache_is_valid(path: str, digest: str) -> bool:

@@ -23,7 +23,8 @@ PIXELS_PER_TOKEN_SIDE = 16
 # Keys a [[datasets.subsets]] table may hold (they may also sit in [[datasets]] or [general]).
 SUBSET_KEYS = (
     "image_dir", "num_repeats", "caption_extension", "class_tokens", "shuffle_caption",
-    "keep_tokens", "caption_dropout_rate", "flip_aug",
+    "keep_tokens", "keep_tokens_separator", "caption_separator", "caption_dropout_rate",
+    "caption_dropout_every_n_epochs", "caption_tag_dropout_rate", "caption_variants", "flip_aug",
 )
 # Keys a [[datasets]] table may hold (they may also sit in [general]).
 DATASET_KEYS = (
@@ -36,6 +37,8 @@ KEY_TYPES = {
     "validation_split": float, "validation_seed": int,
     "image_dir": str, "num_repeats": int, "caption_extension": str, "class_tokens": str,
     "shuffle_caption": bool, "keep_tokens": int, "caption_dropout_rate": float, "flip_aug": bool,
+    "keep_tokens_separator": str, "caption_separator": str, "caption_dropout_every_n_epochs": int,
+    "caption_tag_dropout_rate": float, "caption_variants": int,
 }
 # sd-scripts' defaults, except caption_extension: sd-scripts defaults to ".caption" but nearly
 # every dataset in use ships ".txt" files, so ".txt" is the default here.
@@ -46,6 +49,8 @@ DEFAULTS = {
     "validation_split": 0.0, "validation_seed": 0,
     "num_repeats": 1, "caption_extension": ".txt", "class_tokens": None, "shuffle_caption": False,
     "keep_tokens": 0, "caption_dropout_rate": 0.0, "flip_aug": False,
+    "keep_tokens_separator": "", "caption_separator": ",", "caption_dropout_every_n_epochs": 0,
+    "caption_tag_dropout_rate": 0.0, "caption_variants": 8,
 }
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string",
                "resolution": "an integer or [width, height]"}
@@ -61,6 +66,12 @@ class SubsetSpec:
     keep_tokens: int
     caption_dropout_rate: float
     flip_aug: bool
+    # library/data/captions.py: how these work with cached text-encoder outputs
+    keep_tokens_separator: str = ""
+    caption_separator: str = ","
+    caption_dropout_every_n_epochs: int = 0
+    caption_tag_dropout_rate: float = 0.0
+    caption_variants: int = 8  # augmented captions encoded per image when shuffling / dropping tags
 
 
 @dataclass
@@ -148,13 +159,22 @@ def _parse_subset(source: str, general: dict, dataset: dict, subset: dict, secti
     values = {k: subset.get(k, dataset.get(k, general.get(k, DEFAULTS.get(k)))) for k in SUBSET_KEYS}
     spec = SubsetSpec(**values)
     spec.caption_dropout_rate = float(spec.caption_dropout_rate)
+    spec.caption_tag_dropout_rate = float(spec.caption_tag_dropout_rate)
     where = f"{source}: [{section}] image_dir {spec.image_dir!r}:"
-    if spec.num_repeats < 1:
-        raise ValueError(f"{where} key 'num_repeats' must be >= 1, got {spec.num_repeats}")
-    if spec.keep_tokens < 0:
-        raise ValueError(f"{where} key 'keep_tokens' must be >= 0, got {spec.keep_tokens}")
-    if not 0.0 <= spec.caption_dropout_rate <= 1.0:
-        raise ValueError(f"{where} key 'caption_dropout_rate' must be in [0, 1], got {spec.caption_dropout_rate}")
+    for key in ("num_repeats", "caption_variants"):
+        if getattr(spec, key) < 1:
+            raise ValueError(f"{where} key '{key}' must be >= 1, got {getattr(spec, key)}")
+    for key in ("keep_tokens", "caption_dropout_every_n_epochs"):
+        if getattr(spec, key) < 0:
+            raise ValueError(f"{where} key '{key}' must be >= 0, got {getattr(spec, key)}")
+    for key in ("caption_dropout_rate", "caption_tag_dropout_rate"):
+        if not 0.0 <= getattr(spec, key) <= 1.0:
+            raise ValueError(f"{where} key '{key}' must be in [0, 1], got {getattr(spec, key)}")
+    if not spec.caption_separator:
+        raise ValueError(f"{where} key 'caption_separator' must not be empty")
+    if (spec.shuffle_caption or spec.caption_tag_dropout_rate > 0) and spec.caption_variants < 2:
+        raise ValueError(f"{where} key 'caption_variants' must be >= 2 with shuffle_caption or caption_tag_dropout_rate "
+                         f"(text is cached: each step picks one of that many augmented captions), got {spec.caption_variants}")
     if not spec.caption_extension.startswith("."):
         raise ValueError(f"{where} key 'caption_extension' must start with '.', got {spec.caption_extension!r}")
     return spec

@@ -13,8 +13,9 @@ import os
 import torch
 import torch.nn as nn
 
-from library.data.dataset import (BucketBatchSampler, EpochBatches, ImageDataset, cache_latents, cache_text, collate_batch,
-                                  scan_images, split_validation)
+from library.data.captions import drops_captions
+from library.data.dataset import (BucketBatchSampler, EpochBatches, ImageDataset, cache_empty_caption, cache_latents,
+                                  cache_text, collate_batch, scan_images, split_validation)
 from library.data.dataset_config import load_dataset_config
 from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
@@ -105,7 +106,11 @@ class DiffusionTask:
         encode_text = self.family.load_text_encoder(precision, self.device, **options)
         encoded = cache_text(items, encode_text, text_key, batch_size=args.text_encoder_batch_size,
                              to_disk=args.cache_text_encoder_outputs_to_disk)
-        self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk")
+        variants = sum(len(item.caption_variants) for item in items)
+        self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk"
+                               + (f"; {variants} augmented variants cached with them" if variants else ""))
+        if any(drops_captions(item.subset) for item in self.dataset.items):
+            cache_empty_caption(self.dataset, encode_text)  # what caption dropout substitutes
         # Sample prompts are encoded now too: the encoders are gone by the time samples render.
         # True-CFG families (Qwen-Image) always need a (possibly empty) negative prompt.
         self.prompt_texts = []
