@@ -430,3 +430,54 @@ def test_musubi_state_dicts_load_as_they_are_and_equal_musubis_dequantized_model
         before, after = read_all(path), read_all(tmp_path / "m.safetensors")
         assert {k: (v.dtype, v.shape) for k, v in after.items()} == {k: (v.dtype, v.shape) for k, v in before.items()}
         load(str(tmp_path / "m.safetensors"), config=config)
+
+
+# ----------------------------------------------------------------------------------------------
+# merge_lora writes ComfyUI's layout (--save_precision fp8, the default for single files)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+def test_merge_writes_comfyuis_scaled_fp8_that_loads_back_as_comfyui_computes_it(tmp_path, family):
+    cls, config, load, inputs = FAMILIES[family]
+    model = randomized(cls(config), 11)
+    base = write_comfy(model.state_dict(), tmp_path / "bf16.safetensors", family, prefix="", bundled=False)
+    net = lora(model, family, rank=4, alpha=4.0, seed=3)
+    net.save(str(tmp_path / "l.safetensors"))
+    out, quantized_base = tmp_path / "comfy.safetensors", tmp_path / "base_comfy.safetensors"
+    assert merge("--model", base, "--lora", f"{tmp_path / 'l.safetensors'}:0.8", "--save_to", out, "--save_precision", "fp8") == 0
+    assert merge("--model", base, "--lora", f"{tmp_path / 'l.safetensors'}:0", "--save_to", quantized_base,
+                 "--save_precision", "fp8", "--fp8_layout", "comfy") == 0
+
+    # The layout ComfyUI's scaled_fp8_ops builds: every Linear e4m3 (biases too) + a float32 0-dim scale_weight.
+    sd = read_all(out)
+    assert sd["scaled_fp8"].dtype == torch.float8_e4m3fn and sd["scaled_fp8"].numel() == 2  # "no fp8 matmul"
+    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    for layer in linears:
+        assert sd[f"{layer}.weight"].dtype == torch.float8_e4m3fn and sd[f"{layer}.scale_weight"].shape == ()
+        assert sd[f"{layer}.scale_weight"].dtype == torch.float32
+        assert f"{layer}.bias" not in sd or sd[f"{layer}.bias"].dtype == torch.float8_e4m3fn
+    rest = set(sd) - {f"{n}.{s}" for n in linears for s in ("weight", "bias", "scale_weight")} - {"scaled_fp8"}
+    assert rest and all(sd[k].dtype == torch.bfloat16 for k in rest)  # norms
+    assert fp8_checkpoint_layout(CheckpointReader(str(out))) == "fp8_tensor_scaled"
+
+    # Our loader computes exactly ComfyUI's dequantized model of it (fp32 and bf16).
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.warns(UserWarning, match="widened"):
+            loaded = load(str(out), dtype=dtype, config=config)
+        assert torch.equal(run(realigned(loaded), inputs()), run(reference(cls, config, sd, dtype), inputs()))
+
+    # Merged into fp8 vs the same LoRA unmerged on the same-layout fp8 base, against the fp32 truth.
+    truth = runtime_output(model, [(net, 0.8)], inputs())
+    with pytest.warns(UserWarning):
+        merged_out = run(realigned(load(str(out), config=config)), inputs())
+        fp8_base = realigned(load(str(quantized_base), config=config))
+    unmerged_net = LoRANetwork(fp8_base, family, rank=4, alpha=4.0)
+    unmerged_net.load_weights(str(tmp_path / "l.safetensors"))
+    unmerged_out = runtime_output(fp8_base, [(unmerged_net, 0.8)], inputs())
+    merged_err, unmerged_err = rel(merged_out, truth), rel(unmerged_out, truth)
+    print(f"{family}: merged {merged_err:.4f}, unmerged {unmerged_err:.4f}, between {rel(merged_out, unmerged_out):.4f}")
+    assert merged_err <= 1.5 * unmerged_err and rel(merged_out, unmerged_out) <= 0.08, (merged_err, unmerged_err)

@@ -238,12 +238,17 @@ def test_llm_sharded_folder_merge_equals_unmerged_lora_and_copies_files(tmp_path
 # fp8 outputs
 
 
+# Single FLUX / Qwen-Image files default to ComfyUI's layout; these name the others.
+LAYOUT_ARGS = {"fp8": ["--save_precision", "fp8", "--fp8_layout", "plain"], "fp8_scaled": ["--save_precision", "fp8_scaled"],
+               "comfy": ["--save_precision", "fp8"]}
+
+
 @pytest.mark.parametrize("mode, tolerance", [("fp8", 0.05), ("fp8_scaled", 0.03)])
 def test_fp8_outputs_dequantize_to_the_fp32_merge(flux_bfl, tmp_path, mode, tolerance):
     root, model, a, _ = flux_bfl
     lora_arg = f"{root / 'a.safetensors'}:0.8"
     merge("--model", root / "base.safetensors", "--lora", lora_arg, "--save_to", tmp_path / "f32.safetensors", "--save_precision", "fp32")
-    merge("--model", root / "base.safetensors", "--lora", lora_arg, "--save_to", tmp_path / "q.safetensors", "--save_precision", mode)
+    merge("--model", root / "base.safetensors", "--lora", lora_arg, "--save_to", tmp_path / "q.safetensors", *LAYOUT_ARGS[mode])
     exact, quantized = read_all(tmp_path / "f32.safetensors"), read_all(tmp_path / "q.safetensors")
     linears = [k for k in exact if k.endswith(".weight") and exact[k].dim() == 2]
     for key in linears:
@@ -283,7 +288,7 @@ def test_fp8_merges_load_back_as_they_are_and_equal_their_dequantized_weights(fl
     root, _, _, _ = flux_bfl
     out = tmp_path / f"flux_{mode}.safetensors"
     assert merge("--model", root / "base.safetensors", "--lora", f"{root / 'a.safetensors'}:0.8", "--save_to", out,
-                 "--save_precision", mode) == 0
+                 *LAYOUT_ARGS[mode]) == 0
     loaded = load_flux(str(out))
     layers = [m for m in loaded.modules() if isinstance(m, fp8.FP8Linear)]
     assert layers and {m.mode for m in layers} == {mode}
@@ -319,10 +324,10 @@ def test_merged_fp8_file_generates_an_image(tiny_set, tmp_path):
     for m in net.lora_modules():
         torch.nn.init.normal_(m.lora_up.weight, std=0.05)
     net.save(str(tmp_path / "l.safetensors"))
-    for mode in ("fp8", "fp8_scaled"):
+    for mode in ("fp8", "fp8_scaled", "comfy"):
         merged = tmp_path / f"merged_{mode}.safetensors"
         assert merge("--model", tiny_set["flux_bfl"], "--lora", tmp_path / "l.safetensors", "--save_to", merged,
-                     "--save_precision", mode) == 0
+                     *LAYOUT_ARGS[mode]) == 0
         assert generate.main(["--model_type", "flux", "--model", str(merged), "--ae", tiny_set["flux_vae_single"],
                               "--clip_l", tiny_set["clip_l"], "--t5xxl", tiny_set["t5xxl"], "--prompt", "a red square",
                               "--width", "64", "--height", "64", "--steps", "2", "--dtype", "fp32",

@@ -1,7 +1,8 @@
 """Merge LoRAs into a base checkpoint, one tensor at a time, and save it in the base's own layout.
 
     python tools/merge_lora.py --model BASE --lora a.safetensors:0.8 b.safetensors:1.0 --save_to OUT \
-        [--save_precision fp32|bf16|fp16|fp8|fp8_scaled] [--stochastic_rounding] [--seed N] [--allow_unmatched]
+        [--save_precision fp32|bf16|fp16|fp8] [--fp8_layout comfy|plain|block64] [--stochastic_rounding] [--seed N]
+        [--allow_unmatched]
 
 BASE: a FLUX.1 BFL single file (ComfyUI prefixes too; bf16, fp8 or scaled fp8), a FLUX.1 or Qwen-Image diffusers transformer
 folder (or the pipeline folder holding `transformer/`), a Qwen-Image single file, or a Hugging Face
@@ -24,10 +25,18 @@ through LyCORIS' own get_merged_weight. Several LoRAs are applied in the order g
 Precision: a merged weight is W (read in its file dtype, widened to float32) + sum_i ratio_i *
 (alpha_i / rank_i) * up_i @ down_i, accumulated in float32; only then is it cast to --save_precision
 (default: each tensor keeps its file dtype). fp8 stores float8_e4m3fn Linear weights (round to nearest,
-or unbiased stochastic rounding with --stochastic_rounding); fp8_scaled also writes `X.weight_scale`
-(bf16 per 64-column block, library/precision/fp8.py). Modules in fp8.HIGH_PRECISION_MODULES and every other
-float tensor are stored in bf16. Both fp8 outputs load back as they are through load_flux /
-load_qwen_image (train_lora.py, generate.py).
+or unbiased stochastic rounding with --stochastic_rounding) in one of three layouts (--fp8_layout):
+  comfy    ComfyUI's scaled fp8 (the default for FLUX and Qwen-Image single files): every Linear weight
+           e4m3 with a float32 0-dim `X.scale_weight` (absmax / 448), Linear biases e4m3, other float
+           tensors bf16, and the `scaled_fp8` marker (e4m3, 2 elements: ComfyUI's "no fp8 matmul" flag,
+           so ComfyUI computes with the dequantized weights rather than fp8-quantized activations).
+           ComfyUI builds every Linear of such a model in fp8 (ops.scaled_fp8_ops), so embedders and the
+           final layer are quantized too (per tensor) and biases are what ComfyUI would round them to.
+  plain    e4m3 Linear weights without scales (sd-scripts' fp8; the default for folders and LLMs);
+           modules in fp8.HIGH_PRECISION_MODULES and every other float tensor bf16.
+  block64  ours (`--save_precision fp8_scaled` is the same): e4m3 + bf16 `X.weight_scale` per 64 input
+           columns (library/precision/fp8.py), high-precision modules bf16. Only our loaders read it.
+All three load back as they are through load_flux / load_qwen_image (train_lora.py, generate.py).
 
 An fp8 BASE (plain e4m3, our fp8_scaled, ComfyUI's per-tensor scaled fp8 with its `scaled_fp8` marker or
 comfy_quant; library/precision/fp8_checkpoints.py) is merged into as ComfyUI patches one: each merged
@@ -46,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -77,6 +87,9 @@ from networks.lora_files import (  # noqa: E402
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas  # noqa: E402
 
 PRECISIONS = {**PRECISION_DTYPES, "fp8": fp8.FP8_DTYPE, "fp8_scaled": fp8.FP8_DTYPE}
+FP8_LAYOUTS = {"comfy": "fp8_tensor_scaled", "plain": "fp8", "block64": "fp8_scaled"}  # --fp8_layout -> fp8.MODES
+FP8_MODES = tuple(FP8_LAYOUTS.values())
+COMFY_MARKER_VALUE = torch.zeros(2, dtype=fp8.FP8_DTYPE)  # 2 elements: ComfyUI's "no fp8 matmul"
 HIGH_PRECISION_DTYPE = torch.bfloat16  # fp8 modes: everything that is not an fp8 Linear weight
 NOT_COPIED = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".ckpt", ".gguf")  # folder files left behind
 
@@ -316,13 +329,26 @@ class Plan:
     def __post_init__(self):
         self.generator = torch.Generator().manual_seed(self.seed)  # one stream across all shards
 
-    def is_fp8_weight(self, key: str) -> bool:
+    @property
+    def comfy(self) -> bool:
+        return self.precision == "fp8_tensor_scaled"
+
+    def _is_linear_weight(self, key: str) -> bool:
         name = self.base.to_model(key)
-        if self.precision not in ("fp8", "fp8_scaled") or not name or not name.endswith(".weight"):
+        return bool(name) and name.endswith(".weight") and len(self.base.reader.shape(key)) == 2
+
+    def is_fp8_weight(self, key: str) -> bool:
+        if self.precision not in FP8_MODES or not self._is_linear_weight(key):
             return False
-        if len(self.base.reader.shape(key)) != 2:
-            return False
-        return not fp8.is_high_precision(self.base.fp8_name(name[: -len(".weight")]), self.base.family)
+        name = self.base.to_model(key)  # ComfyUI makes every Linear fp8; ours keep some in bf16
+        return self.comfy or not fp8.is_high_precision(self.base.fp8_name(name[: -len(".weight")]), self.base.family)
+
+    def is_fp8_bias(self, key: str) -> bool:
+        """comfy: a Linear's bias, which ComfyUI holds in fp8 with its weight (stored so, not rounded on load)."""
+        return self.comfy and key.endswith(".bias") and self._is_linear_weight(key[: -len("bias")] + "weight")
+
+    def scale_key(self, weight_key: str) -> str:
+        return weight_key[: -len("weight")] + ("scale_weight" if self.comfy else "weight_scale")
 
     def entries(self, key: str) -> list[Entry]:
         """What `key` becomes in the output (one tensor, or fp8 weight + scale)."""
@@ -330,8 +356,12 @@ class Plan:
         if self.is_fp8_weight(key):
             out = [Entry(key, fp8.FP8_DTYPE, shape)]
             if self.precision == "fp8_scaled":
-                out.append(Entry(key[: -len("weight")] + "weight_scale", fp8.SCALE_DTYPE, fp8.scale_shape(*shape)))
+                out.append(Entry(self.scale_key(key), fp8.SCALE_DTYPE, fp8.scale_shape(*shape)))
+            elif self.comfy:
+                out.append(Entry(self.scale_key(key), fp8.TENSOR_SCALE_DTYPE, ()))
             return out
+        if self.is_fp8_bias(key):
+            return [Entry(key, fp8.FP8_DTYPE, shape)]
         if dtype.is_floating_point and self.precision is not None:
             dtype = HIGH_PRECISION_DTYPE if self.precision.startswith("fp8") else PRECISIONS[self.precision]
         return [Entry(key, dtype, shape)]
@@ -354,9 +384,19 @@ class Plan:
                 tensor = self.merged(key, tensor)
             if self.is_fp8_weight(key):
                 yield from self.quantized(key, tensor, self.precision).items()
+            elif self.is_fp8_bias(key):  # e4m3 has no inf: saturate rather than turn a huge bias into NaN
+                yield key, tensor.float().clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE)
             else:
                 yield key, tensor.to(self.entries(key)[0].dtype)
             del tensor
+
+    def trailer(self, shard: str) -> list[tuple[Entry, torch.Tensor]]:
+        """Tensors written after a shard's own: ComfyUI's marker, at the transformer's prefix."""
+        if not self.comfy or self.base.fp8 is not None or shard != os.path.basename(self.base.reader.files[0]):
+            return []
+        key = next(k for k in self.base.reader.keys() if self.base.to_model(k))
+        marker = key[: len(key) - len(self.base.to_model(key))] + "scaled_fp8"
+        return [(Entry(marker, fp8.FP8_DTYPE, tuple(COMFY_MARKER_VALUE.shape)), COMFY_MARKER_VALUE)]
 
     def quantized(self, key: str, w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
         """float weight -> {key: float8_e4m3fn [, key_scale]} from its float32 values, in fp8.MODES `mode`."""
@@ -371,7 +411,7 @@ class Plan:
             q = fp8.stochastic_round_to_fp8(blocked, self.generator).reshape(w.shape)
         out = {key: q}
         if scale is not None:
-            out[key[: -len("weight")] + "weight_scale"] = scale
+            out[self.scale_key(key)] = scale
         return out
 
 
@@ -430,7 +470,7 @@ class Fp8BasePlan(Plan):
             return self.quantized(weight_key, merged, "fp8")
         per_tensor = self.base.fp8.layout == "fp8_tensor_scaled"
         out = self.quantized(weight_key, merged, "fp8_tensor_scaled" if per_tensor else "fp8_scaled")
-        scale = out.pop(weight_key[: -len("weight")] + "weight_scale")
+        scale = out.pop(next(k for k in out if k != weight_key))
         out[scale_key] = scale.to(ST_DTYPES[self.base.reader.dtype_name(scale_key)]).reshape(self.base.reader.shape(scale_key))
         return out
 
@@ -476,9 +516,11 @@ def write_merged(plan: Plan, specs: list[LoRASpec], out: str) -> list[str]:
     """Write every shard of the plan into folder `out` (or the file `out` for a single file)."""
     written = []
     for shard, keys in _shard_keys(plan.base).items():
-        entries = [e for k in keys for e in plan.entries(k)]
+        trailer = plan.trailer(shard)
+        entries = [e for k in keys for e in plan.entries(k)] + [e for e, _ in trailer]
+        tensors = itertools.chain(plan.tensors(keys), ((e.key, t) for e, t in trailer))
         target = os.path.join(out, shard) if plan.base.is_folder else out
-        write_safetensors_streaming(target, entries, plan.tensors(keys), _metadata(plan.base, shard, specs, plan.precision))
+        write_safetensors_streaming(target, entries, tensors, _metadata(plan.base, shard, specs, plan.precision))
         written.append(target)
     if plan.base.is_folder:
         _write_index(plan, out)
@@ -531,20 +573,47 @@ def _atomic_folder(plan: Plan, specs: list[LoRASpec], out: str):
 # Command line
 
 
+def _output_precision(base: Base, save_precision: str | None, fp8_layout: str | None) -> str | None:
+    """--save_precision + --fp8_layout -> Plan.precision: a PRECISION_DTYPES name, an fp8.MODES layout, or
+    None (keep each tensor's dtype; an fp8 base keeps its layout). fp8 defaults to ComfyUI's layout for
+    FLUX / Qwen-Image single files (what people render with), plain e4m3 elsewhere, and an fp8 base's
+    own layout for an fp8 base."""
+    if fp8_layout is not None and fp8_layout not in FP8_LAYOUTS:
+        raise ValueError(f"--fp8_layout {fp8_layout!r}: expected one of {', '.join(FP8_LAYOUTS)}")
+    if save_precision == "fp8_scaled":
+        if fp8_layout not in (None, "block64"):
+            raise ValueError(f"--save_precision fp8_scaled is --fp8_layout block64, not {fp8_layout}; use --save_precision fp8")
+        return "fp8_scaled"
+    if save_precision != "fp8":
+        if fp8_layout is not None:
+            raise ValueError(f"--fp8_layout {fp8_layout} needs --save_precision fp8, got {save_precision}")
+        return save_precision
+    single_file = not base.is_folder and base.family != "llm"
+    if fp8_layout is None:
+        fp8_layout = ("comfy" if single_file else "plain") if base.fp8 is None else \
+            next(k for k, v in FP8_LAYOUTS.items() if v == base.fp8.layout)
+    if fp8_layout == "comfy" and not single_file:
+        raise ValueError(f"--fp8_layout comfy: ComfyUI's scaled fp8 is a FLUX / Qwen-Image single-file layout and "
+                         f"{base.path} is a {base.family} {'folder' if base.is_folder else 'file'}; use plain or block64")
+    return FP8_LAYOUTS[fp8_layout]
+
+
 def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: str | None = None,
-               stochastic_rounding: bool = False, seed: int = 0, allow_unmatched: bool = False) -> Plan:
+               stochastic_rounding: bool = False, seed: int = 0, allow_unmatched: bool = False,
+               fp8_layout: str | None = None) -> Plan:
     """Check everything, then write the merged checkpoint to `save_to` atomically."""
     if save_precision is not None and save_precision not in PRECISIONS:
         raise ValueError(f"--save_precision {save_precision!r}: expected one of {', '.join(PRECISIONS)}")
     base = open_base(model)
-    fp8_out = base.fp8 is not None and save_precision in (None, base.fp8.layout) or save_precision in ("fp8", "fp8_scaled")
+    precision = _output_precision(base, save_precision, fp8_layout)
+    fp8_out = base.fp8 is not None and precision in (None, base.fp8.layout) or precision in FP8_MODES
     if stochastic_rounding and not fp8_out:
-        raise ValueError(f"--stochastic_rounding needs --save_precision fp8 or fp8_scaled (or an fp8 base kept in its "
-                         f"layout), got {save_precision}")
-    if base.fp8 is not None and save_precision in ("fp8", "fp8_scaled") and save_precision != base.fp8.layout:
-        raise ValueError(f"--save_precision {save_precision}: {base.path} is a pre-quantized {base.fp8.layout} base; "
-                         f"another fp8 layout would re-round all its weights: leave --save_precision out (keeps "
-                         f"{base.fp8.layout}, re-quantizes only merged weights) or give bf16 / fp16 / fp32")
+        raise ValueError(f"--stochastic_rounding needs --save_precision fp8 (or an fp8 base kept in its layout), "
+                         f"got {save_precision}")
+    if base.fp8 is not None and precision in FP8_MODES and precision != base.fp8.layout:
+        raise ValueError(f"--save_precision {save_precision} --fp8_layout {fp8_layout}: {base.path} is a pre-quantized "
+                         f"{base.fp8.layout} base; another fp8 layout would re-round all its weights: leave them out "
+                         f"(keeps {base.fp8.layout}, re-quantizes only merged weights) or give bf16 / fp16 / fp32")
     if os.path.exists(save_to) and os.path.realpath(save_to) in (os.path.realpath(model), os.path.realpath(base.path)):
         raise ValueError(f"--save_to {save_to}: is the base checkpoint itself; write the merge elsewhere")
     if os.path.exists(save_to) and os.path.isdir(save_to) != base.is_folder:
@@ -554,7 +623,7 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
     for spec in loras:
         for key, w in lora_deltas(base, spec, allow_unmatched).items():
             deltas.setdefault(key, []).append((spec.ratio, w))
-    plan = (Plan if base.fp8 is None else Fp8BasePlan)(base, save_precision, deltas, stochastic_rounding, seed)
+    plan = (Plan if base.fp8 is None else Fp8BasePlan)(base, precision, deltas, stochastic_rounding, seed)
     if base.is_folder:
         _atomic_folder(plan, loras, save_to)
     else:
@@ -574,6 +643,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora", required=True, nargs="+", help="LoRA files as path[:ratio]")
     parser.add_argument("--save_to", required=True, help="output file (file base) or folder (folder base)")
     parser.add_argument("--save_precision", choices=list(PRECISIONS), default=None, help="default: keep each tensor's dtype")
+    parser.add_argument("--fp8_layout", choices=list(FP8_LAYOUTS), default=None,
+                        help="with --save_precision fp8: comfy (ComfyUI scaled fp8; default for single files), plain, block64")
     parser.add_argument("--stochastic_rounding", action="store_true", help="fp8 modes: unbiased stochastic rounding")
     parser.add_argument("--seed", type=int, default=0, help="seed of the stochastic rounding")
     parser.add_argument("--allow_unmatched", action="store_true", help="skip LoRA modules the base has no weight for")
@@ -584,13 +655,14 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         specs = [parse_lora_spec(s) for s in args.lora]
-        plan = merge_lora(args.model, specs, args.save_to, args.save_precision, args.stochastic_rounding, args.seed, args.allow_unmatched)
+        plan = merge_lora(args.model, specs, args.save_to, args.save_precision, args.stochastic_rounding, args.seed,
+                          args.allow_unmatched, args.fp8_layout)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     merged = sum(len(v) for v in plan.deltas.values())
     print(f"merged {merged} LoRA modules ({len(specs)} files) into {len(plan.deltas)} {plan.base.family} weights -> "
-          f"{args.save_to} ({args.save_precision or 'dtypes as input'})")  # fmt: skip
+          f"{args.save_to} ({plan.precision or 'dtypes as input'})")  # fmt: skip
     return 0
 
 
