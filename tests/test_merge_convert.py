@@ -304,6 +304,10 @@ def test_fp8_merges_load_back_as_they_are_and_equal_their_dequantized_weights(fl
     merged = read_all(tmp_path / "qout" / "diffusion_pytorch_model.safetensors")
     expected = reference_fp8_model(QwenImage(QWEN_CFG), merged, mode, "qwen_image")
     assert torch.equal(run(loaded, qwen_inputs()), run(expected, qwen_inputs()))
+    if mode == "fp8":  # folders default to plain; ComfyUI's layout is for single files only
+        assert merge("--model", tmp_path / "qwen", "--lora", str(tmp_path / "q.safetensors"), "--save_to",
+                     tmp_path / "qcomfy", "--save_precision", "fp8", "--fp8_layout", "comfy") == 2
+        assert not (tmp_path / "qcomfy").exists()
 
 
 def test_fp8_tensors_where_we_keep_high_precision_are_widened_exactly_with_a_warning(flux_bfl, tmp_path):
@@ -400,6 +404,8 @@ def _fp8_base(tmp_path, root):
         ("missing", "missing.safetensors: no such file"),
         ("unmatched", "match no weight of"),
         ("stochastic_without_fp8", "--stochastic_rounding needs --save_precision fp8"),
+        ("layout_without_fp8", "--fp8_layout plain needs --save_precision fp8, got bf16"),
+        ("block64_is_not_comfy", "--save_precision fp8_scaled is --fp8_layout block64, not comfy"),
     ],
 )
 def test_errors_are_one_line_exit_2_and_leave_no_output(flux_bfl, tmp_path, capsys, case, message):
@@ -419,6 +425,10 @@ def test_errors_are_one_line_exit_2_and_leave_no_output(flux_bfl, tmp_path, caps
         lora_arg = _partly_matching_lora(tmp_path, root)
     elif case == "stochastic_without_fp8":
         extra = ["--stochastic_rounding"]
+    elif case == "layout_without_fp8":
+        extra = ["--save_precision", "bf16", "--fp8_layout", "plain"]
+    elif case == "block64_is_not_comfy":
+        extra = ["--save_precision", "fp8_scaled", "--fp8_layout", "comfy"]
     before = set(os.listdir(tmp_path))
     capsys.readouterr()
     assert merge("--model", base, "--lora", lora_arg, "--save_to", tmp_path / "out.safetensors", *extra) == 2
