@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models import core
+from library.precision import fp8
 from library.precision.fp8 import (
     BLOCK,
     FP8_MAX,
@@ -514,3 +515,40 @@ def test_fp8_linear_backward_saves_codes_not_a_dequantized_weight():
     x_ref = x.detach().clone().requires_grad_(True)
     F.linear(x_ref, layer.dequantized_weight(torch.float32), layer.bias).square().sum().backward()
     assert torch.equal(x.grad, x_ref.grad)
+
+
+# ----------------------------------------------------------------------------------------------
+# The CPU pair table (fp8.fp8_to): the cast PyTorch gives, bit for bit, faster
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pair_table_cast_is_bit_identical_to_torch_for_every_pair_of_codes(dtype):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    every_pair = torch.stack(torch.meshgrid(codes, codes, indexing="ij"), -1).reshape(-1, 64).view(fp8.FP8_DTYPE)
+    view = torch.int16 if dtype.itemsize == 2 else torch.int32  # NaN codes too: compare bits, not values
+    fast = fp8.fp8_to(every_pair, dtype)
+    assert fast.dtype == dtype and fast.shape == every_pair.shape
+    assert torch.equal(fast.view(view), every_pair.to(dtype).view(view))
+    assert dtype in fp8._PAIR_TABLES  # the table path ran (not the fallback)
+
+
+def test_pair_table_falls_back_where_it_cannot_pair_codes():
+    q = torch.randn(6, 7).to(fp8.FP8_DTYPE)  # odd rows: no int16 view
+    assert torch.equal(fp8.fp8_to(q, torch.bfloat16), q.to(torch.bfloat16))
+    wide = torch.randn(8, 64).to(fp8.FP8_DTYPE)
+    for q in (wide.t(), wide[:, 1:63], wide.view(-1)[1:65].view(8, 8)):  # not contiguous, odd offset
+        assert torch.equal(fp8.fp8_to(q, torch.float32), q.to(torch.float32))
+
+
+def test_dequantized_weights_are_unchanged_by_the_table():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=g) * 0.05
+    for mode in fp8.MODES:
+        q, scale = fp8.quantize_weight(w, mode)
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            fp8.CPU_TABLE = False
+            try:
+                native = fp8.dequantize_weight(q, scale, dtype)
+            finally:
+                fp8.CPU_TABLE = True
+            assert torch.equal(fp8.dequantize_weight(q, scale, dtype), native), (mode, dtype)
