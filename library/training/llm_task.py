@@ -17,8 +17,7 @@ import torch
 import torch.nn as nn
 
 from library.data.dataset import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
-from library.io import save_safetensors, write_text
-from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity
+from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
 from networks.factory import build_network
@@ -214,12 +213,13 @@ class LLMTask:
         if self.network is not None:
             self.network.save(path, dtype=dtype, metadata=metadata)
             return
-        # Pretraining: a Hugging Face folder (model.safetensors + config.json + tokenizer) beside path.
-        folder = path[: -len(".safetensors")]
-        save_safetensors({k: v.to(dtype) for k, v in self.model.state_dict().items()},
-                         os.path.join(folder, "model.safetensors"), metadata)
-        write_text(os.path.join(folder, "config.json"), json.dumps(self.model.config.to_hf(), indent=2))
-        self.tokenizer.save_pretrained(folder)
+        # Pretraining: a Hugging Face folder (weights, config.json with the special token ids,
+        # generation_config.json, tokenizer) beside path, loadable by transformers 4.x and 5.x.
+        source, source_config = os.path.join(self.args.pretrained_model_name_or_path, "config.json"), None
+        if os.path.isfile(source):
+            with open(source) as f:
+                source_config = json.load(f)
+        save_hf_folder(self.model, path[: -len(".safetensors")], self.tokenizer, dtype, metadata, source_config)
 
     def finish(self, output_dir: str):
         if self.args.eval_every_n_steps:
