@@ -2,6 +2,7 @@
 a config.json alone whose saved folder loads in transformers; plus tools/generate.py."""
 
 import csv
+import json
 import os
 
 import pytest
@@ -30,7 +31,8 @@ def test_llm_lora_trains_only_lora_and_loss_falls(tiny_set, tmp_path):
     out = tmp_path / "lora"
     code = train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"],
                                     "--output_name", "lm", "--max_train_steps", "30", "--optimizer_type", "AdamW",
-                                    "--learning_rate", "1e-2", "--network_dim", "8"))
+                                    "--learning_rate", "1e-2", "--network_dim", "8", "--save_format", "peft+kohya",
+                                    "--save_every_n_steps", "10", "--save_last_n_saves", "1"))
     assert code == 0
     losses = column(out / "lm_log.csv", "loss")
     # The tiny base is random and frozen, so a rank-8 LoRA moves the loss by a few hundredths of a
@@ -38,7 +40,31 @@ def test_llm_lora_trains_only_lora_and_loss_falls(tiny_set, tmp_path):
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.03
     keys = load_file(out / "lm.safetensors")
     assert keys and all(k.startswith("lora_te_model_layers_") for k in keys)
+    peft_keys = load_file(out / "lm" / "adapter_model.safetensors")
+    assert len(peft_keys) == 2 * len(keys) / 3 and all(k.startswith("base_model.model.model.layers.") for k in peft_keys)
+    config = json.loads((out / "lm" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (8, 16, "llm")
+    # keep-last-1 pruned the step-10 folder and file, kept step 20's
+    assert sorted(os.listdir(out)).count("lm-step000020") == 1 and not (out / "lm-step000010").exists()
+    assert not (out / "lm-step000010.safetensors").exists() and (out / "lm-step000020.safetensors").exists()
     assert column(out / "lm_eval.csv", "val_loss")[-1] < column(out / "lm_eval.csv", "val_loss")[0]
+    # network_weights reads the folder: the same LoRA as the kohya file
+    from library.models.llm import load_llm
+    from networks.lora import LoRANetwork
+
+    model = load_llm(tiny_set["llm"])
+    a, b = (LoRANetwork.from_weights(model, "llm", str(p)).lora_weights() for p in (out / "lm", out / "lm.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k].up, b[k].up) and a[k].alpha == b[k].alpha for k in a)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--pretrain",), "save_format 'peft' is for LLM LoRAs (model_type llm without pretrain)"),
+    (("--network_module", "lycoris.kohya"), "save_format 'peft' needs network_module networks.lora"),
+])
+def test_save_format_peft_where_it_cannot_apply_is_a_config_error(tiny_set, tmp_path, capsys, extra, message):
+    code = train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"],
+                                    "--save_format", "peft", *extra))
+    assert code == 2 and message in capsys.readouterr().err
 
 
 def test_llm_pretraining_from_config_saves_a_folder_transformers_loads(tiny_set, tmp_path):

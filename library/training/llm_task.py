@@ -209,17 +209,38 @@ class LLMTask:
             self.accelerator.log({"val_loss": result["val_loss"], "val_perplexity": result["val_perplexity"]}, step=step)
 
     # -- saving --------------------------------------------------------------------------------
-    def save(self, path: str, metadata: dict, dtype: torch.dtype):
+    def save(self, path: str, metadata: dict, dtype: torch.dtype) -> list[str]:
+        """Write the LoRA (or the pretrained model) for `path` (<output_dir>/<name>.safetensors);
+        returns what was written: the kohya file at path, the PEFT adapter folder / the model
+        folder at path without .safetensors."""
+        folder = path[: -len(".safetensors")]
         if self.network is not None:
-            self.network.save(path, dtype=dtype, metadata=metadata)
-            return
+            written = []
+            if "peft" in self.lora_formats():
+                base = self.args.pretrained_model_name_or_path  # PEFT's pointer to the base; a basename if absolute
+                self.network.save_peft(folder, dtype, metadata, base_model=os.path.basename(base.rstrip("/\\"))
+                                       if os.path.isabs(base) else base)
+                written.append(folder)
+            if "kohya" in self.lora_formats():
+                self.network.save(path, dtype=dtype, metadata=metadata)
+                written.append(path)
+            return written
         # Pretraining: a Hugging Face folder (weights, config.json with the special token ids,
         # generation_config.json, tokenizer) beside path, loadable by transformers 4.x and 5.x.
         source, source_config = os.path.join(self.args.pretrained_model_name_or_path, "config.json"), None
         if os.path.isfile(source):
             with open(source) as f:
                 source_config = json.load(f)
-        save_hf_folder(self.model, path[: -len(".safetensors")], self.tokenizer, dtype, metadata, source_config)
+        save_hf_folder(self.model, folder, self.tokenizer, dtype, metadata, source_config)
+        return [folder]
+
+    def lora_formats(self) -> list[str]:
+        """save_format -> ["peft"], ["kohya"] or both; auto is a PEFT folder for our LoRA network
+        (what the LLM ecosystem loads) and the kohya file for LyCORIS networks."""
+        fmt = self.args.save_format
+        if fmt == "auto":
+            fmt = "peft" if hasattr(self.network, "save_peft") else "kohya"
+        return fmt.split("+")
 
     def finish(self, output_dir: str):
         if self.args.eval_every_n_steps:
