@@ -13,6 +13,10 @@ Layouts on disk (`detect_format`):
   `base_model.model.` ...). Alpha comes from diffusers' `lora_adapter_metadata` header entry when
   present, else alpha = rank (scale 1). We write alpha folded into lora_B, so no header is needed.
 - "comfy":  `diffusion_model.<path>.{lora_down.weight, lora_up.weight, alpha}` (dotted paths).
+- PEFT adapter folder (LLMs): `adapter_config.json` + `adapter_model.safetensors` with keys
+  `base_model.model.<path>.lora_A.weight` / `lora_B.weight`; lora_B is NOT scaled, the config holds
+  r / lora_alpha and rank_pattern / alpha_pattern for modules that differ (PEFT's scale is
+  alpha / r per module). `read_lora` takes the folder (or its adapter_model.safetensors).
 
 FLUX: BFL module names (`double_blocks.N.img_attn.qkv`) and diffusers names (`transformer_blocks.N.
 attn.to_q`) differ, and some BFL modules are fused. `flux_bfl_to_diffusers` / `flux_diffusers_to_bfl`

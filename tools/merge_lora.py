@@ -10,8 +10,9 @@ a file; for a folder, a folder with the same shard names and index plus the fold
 (config.json, tokenizer files) copied. A pipeline folder gives a transformer folder.
 
 Each LoRA is `path[:ratio]` (ratio 1 when left out); any layout networks/lora_files.py reads
-(kohya, PEFT/diffusers, ComfyUI, or a PEFT adapter folder of an LLM LoRA). FLUX LoRAs may use BFL or diffusers module names whatever the
-base's naming: fused modules (qkv, linear1) are split or joined by row through the FLUX module map.
+(kohya, PEFT/diffusers, ComfyUI; for an LLM also a PEFT adapter folder, read with its
+adapter_config.json). FLUX LoRAs may use BFL or diffusers module names whatever the base's naming:
+fused modules (qkv, linear1) are split or joined by row through the FLUX module map.
 
 Streaming: the output header is computed up front from shapes and dtypes, then each tensor is read,
 merged and written before the next is read, so peak memory is about two tensors of the largest size
