@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -116,9 +117,11 @@ class Saver:
         path = os.path.join(self.args.output_dir, name + ".safetensors")
         if self.accelerator.is_main_process:
             metadata = lora_metadata(self.args, self.task, step, epoch, self.started)
-            self.task.save(path, metadata, PRECISION_DTYPES[self.args.save_precision])
+            # A task may write a folder (PEFT adapter, pretrained model) and/or the file: it says which.
+            written = self.task.save(path, metadata, PRECISION_DTYPES[self.args.save_precision]) or [path]
+            path = written[0]
             if not final:
-                self.intermediate.append(path)
+                self.intermediate.append(written)
                 self._prune()
         return path
 
@@ -131,9 +134,11 @@ class Saver:
     def _prune(self):
         keep = self.args.save_last_n_saves
         while keep and len(self.intermediate) > keep:
-            old = self.intermediate.pop(0)
-            if os.path.exists(old):
-                os.remove(old)
+            for old in self.intermediate.pop(0):
+                if os.path.isdir(old):
+                    shutil.rmtree(old)
+                elif os.path.exists(old):
+                    os.remove(old)
 
 
 def plan_steps(args, batches_per_epoch: int) -> int:

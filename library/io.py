@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from typing import Callable, Iterator
 
@@ -180,6 +181,32 @@ def atomic_path(path: str):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str):
+    """Yield a temporary folder beside `path` to fill; on success it takes the place of `path` (an
+    older folder there is moved aside first and removed after), on failure it is removed. A crash
+    leaves the old folder, the new one, or the old one under a hidden `.old` name, never a mix."""
+    folder = make_parent_folder(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"{path}: a file is there; expected a folder (or nothing)")
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700
+    old = None
+    try:
+        yield tmp
+        if os.path.isdir(path):
+            old = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".old", dir=folder)
+            os.replace(path, os.path.join(old, "folder"))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        if old and os.path.isdir(path):  # the old folder goes only once the new one is in place
+            shutil.rmtree(old)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None):

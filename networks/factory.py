@@ -40,8 +40,11 @@ def network_from_file(model: nn.Module, family: str, path: str, multiplier: floa
     """The network a LoRA / DoRA / LyCORIS file describes, on `model` (not applied)."""
     from safetensors import safe_open
 
+    from networks.lora_files import peft_folder_of
     from networks.lycoris_network import is_lycoris_file
 
-    with safe_open(path, framework="pt") as f:
-        lycoris = is_lycoris_file(list(f.keys()))
+    lycoris = False
+    if peft_folder_of(path) is None:  # a PEFT adapter folder is a plain LoRA (or DoRA)
+        with safe_open(path, framework="pt") as f:
+            lycoris = is_lycoris_file(list(f.keys()))
     return network_class("lycoris.kohya" if lycoris else "networks.lora").from_weights(model, family, path, multiplier=multiplier)

@@ -27,8 +27,10 @@ from networks.lora_files import (
     flux_diffusers_to_bfl,
     kohya_name,
     parse_lora,
+    peft_target_modules,
     read_lora,
     write_kohya,
+    write_peft_folder,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -561,11 +563,22 @@ class LoRANetwork(nn.Module):
         for m in self.lora_modules():
             m.merge_into_base(weight_dtype)
 
-    def save(self, path: str, dtype=torch.float32, metadata: dict | None = None):
-        """kohya safetensors; network dim/alpha/module/args are added to the header unless given."""
+    def _header(self, metadata: dict | None) -> dict:
         header = build_metadata(
             network_module="networks.lora", network_dim=self.rank, network_alpha=self.alpha,
             network_args=self.network_args,
         )
         header.update(metadata or {})
-        write_kohya(self.lora_weights(), path, dtype, header, prefix=KOHYA_PREFIX[self.family])
+        return header
+
+    def save(self, path: str, dtype=torch.float32, metadata: dict | None = None):
+        """kohya safetensors; network dim/alpha/module/args are added to the header unless given."""
+        write_kohya(self.lora_weights(), path, dtype, self._header(metadata), prefix=KOHYA_PREFIX[self.family])
+
+    def save_peft(self, folder: str, dtype=torch.float32, metadata: dict | None = None, base_model: str | None = None):
+        """A PEFT adapter folder (LLMs: PeftModel.from_pretrained, vLLM, llama.cpp read it); the
+        header of adapter_model.safetensors carries the same metadata as `save`."""
+        linears = [p for p, m in self._model[0].named_modules()
+                   if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, LoRAModule)]
+        weights = self.lora_weights()
+        write_peft_folder(weights, folder, dtype, self._header(metadata), base_model, peft_target_modules(weights, linears))

@@ -13,6 +13,10 @@ Layouts on disk (`detect_format`):
   `base_model.model.` ...). Alpha comes from diffusers' `lora_adapter_metadata` header entry when
   present, else alpha = rank (scale 1). We write alpha folded into lora_B, so no header is needed.
 - "comfy":  `diffusion_model.<path>.{lora_down.weight, lora_up.weight, alpha}` (dotted paths).
+- PEFT adapter folder (LLMs): `adapter_config.json` + `adapter_model.safetensors` with keys
+  `base_model.model.<path>.lora_A.weight` / `lora_B.weight`; lora_B is NOT scaled, the config holds
+  r / lora_alpha and rank_pattern / alpha_pattern for modules that differ (PEFT's scale is
+  alpha / r per module). `read_lora` takes the folder (or its adapter_model.safetensors).
 
 FLUX: BFL module names (`double_blocks.N.img_attn.qkv`) and diffusers names (`transformer_blocks.N.
 attn.to_q`) differ, and some BFL modules are fused. `flux_bfl_to_diffusers` / `flux_diffusers_to_bfl`
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from library.io import CheckpointError, CheckpointReader, save_safetensors
+from library.io import CheckpointError, CheckpointReader, atomic_folder, save_safetensors, write_text
 
 
 @dataclass
@@ -146,15 +150,18 @@ def detect_format(keys) -> str:
 # Reading
 
 
-def _peft_alphas(metadata: dict[str, str], prefix: str):
-    """(default alpha or None, alpha_pattern, use_rslora) from diffusers' adapter-config header."""
-    raw = metadata.get(ADAPTER_METADATA_KEY)
-    if not raw:
-        return None, {}, False
-    config = json.loads(raw)
-    head = prefix.rstrip(".") + "."
-    # Pipeline-level saves prefix every field ("transformer.lora_alpha"); model-level saves do not.
-    config = {k[len(head) :] if k.startswith(head) else k: v for k, v in config.items()}
+def _peft_alphas(metadata: dict[str, str], prefix: str, adapter_config: dict | None = None):
+    """(default alpha or None, alpha_pattern, use_rslora) from a PEFT folder's adapter_config.json
+    when given, else from diffusers' adapter-config header."""
+    config = adapter_config
+    if config is None:
+        raw = metadata.get(ADAPTER_METADATA_KEY)
+        if not raw:
+            return None, {}, False
+        config = json.loads(raw)
+        head = prefix.rstrip(".") + "."
+        # Pipeline-level saves prefix every field ("transformer.lora_alpha"); model-level saves do not.
+        config = {k[len(head) :] if k.startswith(head) else k: v for k, v in config.items()}
     return config.get("lora_alpha"), dict(config.get("alpha_pattern") or {}), bool(config.get("use_rslora"))
 
 
@@ -165,11 +172,13 @@ def _pattern_alpha(path: str, default, patterns: dict):
     return default
 
 
-def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, module_paths=None, source="LoRA"):
+def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, module_paths=None, source="LoRA",
+               adapter_config: dict | None = None):
     """Tensors of a LoRA file -> (weights, format).
 
     Keys of `weights` are dotted module paths when they can be known: always for peft/comfy files
-    (prefix stripped), for kohya files when `module_paths` is given; otherwise the kohya names."""
+    (prefix stripped), for kohya files when `module_paths` is given; otherwise the kohya names.
+    adapter_config: a PEFT folder's adapter_config.json (lora_alpha, alpha_pattern, use_rslora)."""
     metadata = metadata or {}
     fmt = detect_format(tensors)
     groups: dict[str, dict[str, torch.Tensor]] = {}
@@ -182,7 +191,7 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
     else:
         prefix = _common_prefix(list(groups), PEFT_PREFIXES if fmt == "peft" else COMFY_PREFIXES)
         rename = {m: m[len(prefix) :] for m in groups}
-    default_alpha, alpha_pattern, rslora = _peft_alphas(metadata, prefix) if fmt == "peft" else (None, {}, False)
+    default_alpha, alpha_pattern, rslora = _peft_alphas(metadata, prefix, adapter_config) if fmt == "peft" else (None, {}, False)
     weights = {}
     for module, parts in groups.items():
         if "down" not in parts or "up" not in parts:
@@ -219,15 +228,24 @@ def _common_prefix(modules: list[str], prefixes) -> str:
     return ""
 
 
+def read_lora_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str], dict | None]:
+    """A LoRA safetensors file or PEFT adapter folder -> (tensors, header metadata, the folder's
+    adapter_config.json or None)."""
+    folder = peft_folder_of(path)
+    config = read_adapter_config(folder) if folder else None
+    reader = CheckpointReader(os.path.join(folder, PEFT_WEIGHTS_FILE) if folder else path)
+    return dict(reader.items()), reader.metadata, config
+
+
 def read_lora(path: str, module_paths=None):
-    """Read a LoRA safetensors file -> (weights, metadata, format); see `parse_lora` for the keys."""
-    reader = CheckpointReader(path)
-    tensors = dict(reader.items())
+    """Read a LoRA safetensors file or PEFT adapter folder -> (weights, metadata, format); see
+    `parse_lora` for the keys."""
+    tensors, metadata, config = read_lora_tensors(path)
     try:
-        weights, fmt = parse_lora(tensors, reader.metadata, module_paths, source=os.path.basename(path))
+        weights, fmt = parse_lora(tensors, metadata, module_paths, source=os.path.basename(path), adapter_config=config)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    return weights, reader.metadata, fmt
+    return weights, metadata, fmt
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,6 +304,131 @@ def write_kohya(weights, path, dtype=torch.float32, metadata=None, prefix="lora_
 
 def write_peft(weights, path, prefix="transformer", dtype=torch.float32, metadata=None):
     write_lora_tensors(peft_state_dict(weights, prefix, dtype), path, metadata)
+
+
+# ----------------------------------------------------------------------------------------------
+# PEFT adapter folders (LLMs): what PeftModel.from_pretrained, vLLM and llama.cpp's converter read
+
+PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+CAUSAL_LM_PREFIX = "base_model.model."  # PeftModelForCausalLM wraps LoraModel wraps the *ForCausalLM
+# adapter_config.json fields whose non-default values add weights or behaviour a plain LoRA lacks.
+PEFT_UNSUPPORTED = {"bias": "none", "modules_to_save": None, "lora_bias": False, "layer_replication": None,
+                    "trainable_token_indices": None, "target_parameters": None}
+
+
+def peft_folder_of(path: str) -> str | None:
+    """The PEFT adapter folder `path` names (the folder, or its adapter_model.safetensors), else None."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path) if os.path.basename(path) == PEFT_WEIGHTS_FILE else None
+    if folder is None:
+        return None
+    if not os.path.isfile(os.path.join(folder, PEFT_CONFIG_FILE)):
+        if os.path.isdir(path):
+            raise CheckpointError(f"{path}: a folder without {PEFT_CONFIG_FILE} (expected a PEFT adapter folder or a .safetensors LoRA)")
+        return None
+    return folder
+
+
+def read_adapter_config(folder: str) -> dict:
+    """adapter_config.json of a PEFT LoRA, checked for what a plain LoRA cannot represent."""
+    path = os.path.join(folder, PEFT_CONFIG_FILE)
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"{path}: peft_type '{config['peft_type']}' is not supported (expected LORA)")
+    for key, default in PEFT_UNSUPPORTED.items():
+        if config.get(key, default) not in (default, [], {}):
+            raise CheckpointError(f"{path}: {key} = {config[key]!r} is not supported (a plain LoRA needs {default!r})")
+    if not os.path.isfile(os.path.join(folder, PEFT_WEIGHTS_FILE)):
+        raise CheckpointError(f"{folder}: no {PEFT_WEIGHTS_FILE} (adapter_model.bin is not read: safetensors only)")
+    return config
+
+
+def _most_common(values):
+    counts: dict = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return max(counts, key=lambda v: (counts[v], -list(counts).index(v)))  # ties: the first seen
+
+
+def _pattern_key(path: str) -> str:
+    """rank_pattern / alpha_pattern key for a module: its path without the leading `model.`, as
+    PEFT users write them (`layers.0.mlp.down_proj`); PEFT matches `(.*\\.)?(key)$` (older
+    releases `.*\\.key$`, which needs the dot before it), so it names this module only."""
+    return path.removeprefix("model.")
+
+
+def peft_target_modules(paths, all_paths=None) -> list[str]:
+    """target_modules for adapter_config.json: the module names (`q_proj`, ...) when the LoRA
+    covers every module of the model with those names (all_paths: the model's Linear paths),
+    else the full module paths, which PEFT matches exactly."""
+    paths = sorted(paths)
+    names = sorted({p.rsplit(".", 1)[-1] for p in paths})
+    if all_paths is not None and {p for p in all_paths if p.rsplit(".", 1)[-1] in names} == set(paths):
+        return names
+    return paths
+
+
+def _json_number(value: float):
+    return int(value) if float(value).is_integer() else float(value)
+
+
+def peft_adapter_config(weights: dict[str, LoRAWeights], base_model: str | None = None, target_modules=None) -> dict:
+    """adapter_config.json for a causal-LM LoRA: r and lora_alpha are the most common rank and
+    alpha, modules that differ go to rank_pattern / alpha_pattern (PEFT's scale is alpha / r per
+    module, so lora_B is written unscaled). DoRA sets use_dora; plain and DoRA modules cannot mix."""
+    dora = {w.magnitude is not None for w in weights.values()}
+    if len(dora) > 1:
+        raise CheckpointError("a PEFT adapter is all DoRA or all plain LoRA; this LoRA mixes both")
+    r = _most_common(w.rank for w in weights.values())
+    alpha = _most_common(w.alpha for w in weights.values())
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": r,
+        "lora_alpha": _json_number(alpha),
+        "target_modules": list(target_modules or peft_target_modules(weights)),
+        "rank_pattern": {_pattern_key(p): w.rank for p, w in sorted(weights.items()) if w.rank != r},
+        "alpha_pattern": {_pattern_key(p): _json_number(w.alpha) for p, w in sorted(weights.items()) if w.alpha != alpha},
+        "use_dora": dora == {True},
+        "use_rslora": False,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "revision": None,
+    }
+
+
+def peft_folder_state_dict(weights: dict[str, LoRAWeights], dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """PEFT causal-LM tensors: lora_A = down, lora_B = up (not scaled: alpha is in the config),
+    lora_magnitude_vector [out] for DoRA."""
+    out = {}
+    for path, w in weights.items():
+        head = f"{CAUSAL_LM_PREFIX}{path}"
+        out[f"{head}.lora_A.weight"] = w.down.detach().to(dtype)
+        out[f"{head}.lora_B.weight"] = w.up.detach().to(dtype)
+        if w.magnitude is not None:
+            out[f"{head}.lora_magnitude_vector"] = w.magnitude.detach().reshape(-1).to(dtype)
+    return out
+
+
+def write_peft_folder(weights: dict[str, LoRAWeights], folder: str, dtype=torch.float32, metadata=None,
+                      base_model: str | None = None, target_modules=None) -> None:
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, our training
+    metadata in its header), built beside `folder` and swapped in whole (library.io.atomic_folder)."""
+    config = peft_adapter_config(weights, base_model, target_modules)
+    with atomic_folder(folder) as tmp:
+        write_lora_tensors(peft_folder_state_dict(weights, dtype), os.path.join(tmp, PEFT_WEIGHTS_FILE),
+                           {"format": "pt", **(metadata or {})})
+        write_text(os.path.join(tmp, PEFT_CONFIG_FILE), json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -276,7 +276,7 @@ def test_quickstart_short_run_writes_outputs_and_lowers_val_loss(tmp_path):
 
     out = tmp_path / "qs"
     result = main(["--output_dir", str(out), "--corpus_chars", "30000", "--vocab_size", "300", "--context", "32", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv_heads", "1", "--batch_size", "8", "--max_steps", "30", "--eval_every", "15", "--eval_batches", "2", "--sample_tokens", "5", "--threads", "1"])
-    for name in ("log.csv", "loss.png", "model.safetensors", "config.json", "tokenizer/tokenizer.json"):
+    for name in ("log.csv", "loss.png", "model.safetensors", "config.json", "generation_config.json", "tokenizer.json"):
         assert (out / name).is_file(), name
     assert result["val_loss_end"] < result["val_loss_start"] - 0.3, result
     assert len((out / "log.csv").read_text().splitlines()) == 1 + 3  # header + evals at steps 1, 15, 30

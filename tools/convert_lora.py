@@ -1,6 +1,7 @@
-"""Convert a FLUX.1 or Qwen-Image LoRA between kohya and diffusers/PEFT layouts.
+"""Convert a FLUX.1 or Qwen-Image LoRA between kohya and diffusers/PEFT layouts, and an LLM LoRA
+between a kohya file and a PEFT adapter folder.
 
-    python tools/convert_lora.py IN OUT --to kohya|diffusers [--model_type flux|qwen_image] [--alpha X]
+    python tools/convert_lora.py IN OUT --to kohya|diffusers|peft [--model_type flux|qwen_image|llm] [--alpha X]
 
 The source layout (kohya `lora_unet_*`, PEFT `transformer.*.lora_A/B`, ComfyUI `diffusion_model.*`)
 and the model type are told from the tensor names (--model_type settles a LoRA that names only
@@ -18,6 +19,13 @@ alpha_pattern / use_rslora). kohya output keeps alpha (or sets it to --alpha, re
 delta is unchanged); diffusers output has alpha/rank folded into lora_B (float32 math), since a PEFT
 file without an adapter config is loaded with scale 1. A PEFT file with neither is read as alpha =
 rank (what diffusers does) with a warning. Tensors keep the source dtype.
+
+LLM (Llama / Qwen2): kohya files (`lora_te_model_layers_0_self_attn_q_proj...`, what train_lora.py
+wrote before PEFT folders became the default) <-> PEFT adapter folders (`OUT/adapter_config.json` +
+`OUT/adapter_model.safetensors`, keys `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`,
+what PeftModel.from_pretrained, vLLM and llama.cpp's convert_lora_to_gguf.py read). Nothing is folded:
+the PEFT config carries lora_alpha (the most common alpha) and r, with rank_pattern / alpha_pattern
+for modules that differ, so kohya -> PEFT -> kohya gives back the same tensors bit for bit.
 
 DoRA: the magnitude travels along (`dora_scale` [out, 1] in kohya files, `lora_magnitude_vector`
 [out] in diffusers/PEFT files); it is per output row, so FLUX's fused modules split and join
@@ -37,7 +45,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.models.flux1.checkpoint import flux_diffusers_module_map  # noqa: E402
-from library.io import CheckpointError, CheckpointReader  # noqa: E402
+from library.io import CheckpointError  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
     LoRAWeights,
@@ -45,8 +53,10 @@ from networks.lora_files import (  # noqa: E402
     flux_bfl_to_diffusers,
     flux_diffusers_to_bfl,
     parse_lora,
+    read_lora_tensors,
     write_kohya,
     write_peft,
+    write_peft_folder,
 )
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
 
@@ -60,15 +70,26 @@ QWEN_MARKERS = ("_img_mlp_net_", "_txt_mlp_net_", "_img_mod_1", "_txt_mod_1")  #
 BLOCK = re.compile(r"(single_transformer_blocks|double_blocks|single_blocks|transformer_blocks)[._](\d+)[._]")
 
 
+LLM_MARKERS = ("_self_attn_q_proj", "_self_attn_k_proj", "_self_attn_v_proj", "_self_attn_o_proj",
+               "_mlp_gate_proj", "_mlp_up_proj", "_mlp_down_proj")
+LLM_LAYER = re.compile(r"layers[._](\d+)[._]")
+MARKERS = {"flux": FLUX_MARKERS, "qwen_image": QWEN_MARKERS, "llm": LLM_MARKERS}
+NAMES = {"flux": "FLUX", "qwen_image": "Qwen-Image", "llm": "LLM"}
+
+
 def detect_model_type(keys) -> str:
     flat = [k.replace(".", "_") for k in keys]
-    flux = next((k for k in flat if any(m in k for m in FLUX_MARKERS)), None)
-    qwen = next((k for k in flat if any(m in k for m in QWEN_MARKERS)), None)
-    if flux and qwen:
-        raise CheckpointError(f"LoRA names both FLUX ('{flux}') and Qwen-Image ('{qwen}') modules")
-    if not (flux or qwen):
-        raise CheckpointError(f"cannot tell FLUX from Qwen-Image by the names (e.g. '{flat[0]}'): pass --model_type")
-    return "flux" if flux else "qwen_image"
+    found = {}  # model type -> the first name only it has
+    for model_type, markers in MARKERS.items():
+        hit = next((k for k in flat if any(m in k for m in markers)), None)
+        if hit:
+            found[model_type] = hit
+    if len(found) > 1:
+        (a, ka), (b, kb) = list(found.items())[:2]
+        raise CheckpointError(f"LoRA names both {NAMES[a]} ('{ka}') and {NAMES[b]} ('{kb}') modules")
+    if not found:
+        raise CheckpointError(f"cannot tell FLUX, Qwen-Image or LLM by the names (e.g. '{flat[0]}'): pass --model_type")
+    return next(iter(found))
 
 
 def block_counts(keys) -> dict[str, int]:
@@ -90,6 +111,14 @@ def flux_paths(counts: dict[str, int]) -> list[str]:
     single = max(counts.get("single_blocks", 0), counts.get("single_transformer_blocks", 0))
     table = flux_diffusers_module_map(double, single, 1, 1)
     return list(table) + sorted({d for parts in table.values() for d, _, _ in parts})
+
+
+def llm_paths(keys) -> list[str]:
+    """The Linear paths of a Llama / Qwen2 decoder with as many layers as the LoRA names, and lm_head."""
+    layers = max((int(n) + 1 for k in keys for n in LLM_LAYER.findall(k)), default=0)
+    parts = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    return [f"model.layers.{i}.{part}" for i in range(layers) for part in parts] + ["lm_head"]
 
 
 def qwen_paths(counts: dict[str, int]) -> list[str]:
@@ -157,8 +186,7 @@ def flux_module_map(weights: dict[str, LoRAWeights], counts: dict[str, int]) -> 
 
 def read_source(path: str, model_type: str | None):
     """-> (weights by dotted module path, metadata, format, model type, alpha known?)."""
-    reader = CheckpointReader(path)
-    tensors = dict(reader.items())
+    tensors, metadata, adapter_config = read_lora_tensors(path)  # a file, or a PEFT adapter folder
     if is_lycoris_file(tensors):
         raise CheckpointError(
             f"{path}: a LyCORIS file (LoKr/LoHa/...) has no kohya/diffusers LoRA form: its own keys "
@@ -167,11 +195,11 @@ def read_source(path: str, model_type: str | None):
     fmt = detect_format(tensors)
     model_type = model_type or detect_model_type(tensors)
     counts = block_counts(tensors)
-    paths = flux_paths(counts) if model_type == "flux" else qwen_paths(counts)
-    weights, _ = parse_lora(tensors, reader.metadata, paths if fmt == "kohya" else None, source=path)
-    known = fmt != "peft" or any(k.endswith(".alpha") for k in tensors) or ADAPTER_METADATA_KEY in reader.metadata
-    known = known or reader.metadata.get(FOLDED_MARK) == "true"
-    return weights, reader.metadata, fmt, model_type, known, counts
+    paths = {"flux": flux_paths, "qwen_image": qwen_paths}.get(model_type, lambda _: llm_paths(tensors))(counts)
+    weights, _ = parse_lora(tensors, metadata, paths if fmt == "kohya" else None, source=path, adapter_config=adapter_config)
+    known = fmt != "peft" or any(k.endswith(".alpha") for k in tensors) or ADAPTER_METADATA_KEY in metadata
+    known = known or metadata.get(FOLDED_MARK) == "true" or (adapter_config or {}).get("lora_alpha") is not None
+    return weights, metadata, fmt, model_type, known, counts
 
 
 def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAWeights]:
@@ -181,12 +209,15 @@ def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAW
 
 
 def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alpha: float | None = None) -> dict:
-    """Convert `src` to layout `to` ("kohya" | "diffusers") at `dst`; returns what was done."""
-    if to not in ("kohya", "diffusers"):
-        raise ValueError(f"--to {to!r}: expected kohya or diffusers")
+    """Convert `src` to layout `to` ("kohya" | "diffusers" | "peft") at `dst`; returns what was done."""
+    if to not in ("kohya", "diffusers", "peft"):
+        raise ValueError(f"--to {to!r}: expected kohya, diffusers or peft")
     if alpha is not None and (to != "kohya" or not alpha > 0):
         raise ValueError(f"--alpha {alpha}: only for --to kohya, and must be > 0 (diffusers output has alpha folded in)")
     weights, metadata, fmt, model_type, known, counts = read_source(src, model_type)
+    if (to == "peft") != (model_type == "llm") and to != "kohya":
+        want = "--to peft (a PEFT adapter folder)" if model_type == "llm" else "--to diffusers"
+        raise ValueError(f"--to {to}: {NAMES[model_type]} LoRAs convert with {want} or --to kohya")
     if not known:
         print(f"warning: {src}: PEFT file without '{ADAPTER_METADATA_KEY}' or alphas: the scale is unknown; "
               "converting as alpha = rank (scale 1), which is what diffusers assumes", file=sys.stderr)  # fmt: skip
@@ -201,7 +232,10 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     header = {k: v for k, v in metadata.items() if k not in DROPPED_METADATA}
     header["lora_converted_from"] = fmt
     if to == "kohya":
-        write_kohya(with_alpha(weights, alpha) if alpha else weights, dst, dtype=dtype, metadata=header)
+        prefix = "lora_te" if model_type == "llm" else "lora_unet"  # networks/lora.py KOHYA_PREFIX
+        write_kohya(with_alpha(weights, alpha) if alpha else weights, dst, dtype=dtype, metadata=header, prefix=prefix)
+    elif to == "peft":
+        write_peft_folder(weights, dst, dtype=dtype, metadata=header, base_model=metadata.get("ss_sd_model_name"))
     else:
         write_peft(weights, dst, prefix="transformer", dtype=dtype, metadata={**header, FOLDED_MARK: "true"})
     return {"from": fmt, "to": to, "model_type": model_type, "modules": len(weights), "scale_known": known}
@@ -214,10 +248,10 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv=None) -> int:
     parser = _Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("input", help="LoRA .safetensors (kohya, PEFT/diffusers or ComfyUI)")
-    parser.add_argument("output", help="converted LoRA .safetensors")
-    parser.add_argument("--to", required=True, choices=["kohya", "diffusers"])
-    parser.add_argument("--model_type", choices=["flux", "qwen_image"], default=None, help="default: told from the names")
+    parser.add_argument("input", help="LoRA .safetensors (kohya, PEFT/diffusers or ComfyUI) or PEFT adapter folder (LLM)")
+    parser.add_argument("output", help="converted LoRA .safetensors, or the PEFT adapter folder for --to peft")
+    parser.add_argument("--to", required=True, choices=["kohya", "diffusers", "peft"], help="peft: LLM LoRAs only")
+    parser.add_argument("--model_type", choices=["flux", "qwen_image", "llm"], default=None, help="default: told from the names")
     parser.add_argument("--alpha", type=float, default=None, help="kohya output: store this alpha (up rescaled)")
     try:
         args = parser.parse_args(argv)

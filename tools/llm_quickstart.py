@@ -5,8 +5,9 @@
 The corpus is the docstrings of standard-library modules (present on every Python install),
 tokenized with a byte-level BPE trained on the spot (library/data/tokenizer.py). The model is the
 project's LLM (library/models/llm.py) at toy size. Each evaluation prints train loss, validation loss and
-perplexity; at the end a sample is generated and output_dir receives log.csv, loss.png, the
-model (model.safetensors + config.json, loadable with library.models.llm.load_llm) and the tokenizer.
+perplexity; at the end a sample is generated and output_dir receives log.csv, loss.png and a
+Hugging Face model folder (model.safetensors, config.json, generation_config.json, tokenizer),
+loadable with library.models.llm.load_llm and with transformers' AutoModelForCausalLM / AutoTokenizer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import csv
 import importlib
 import inspect
 import io
-import json
 import os
 import sys
 import time
@@ -28,8 +28,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from library.io import atomic_path, save_safetensors, write_text  # noqa: E402
-from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, perplexity  # noqa: E402
+from library.io import atomic_path, write_text  # noqa: E402
+from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, perplexity, save_hf_folder  # noqa: E402
 from library.data.tokenizer import build_bpe_tokenizer  # noqa: E402
 
 # Pure-Python, well-documented modules that import without side effects on every platform.
@@ -174,7 +174,7 @@ def main(argv=None) -> dict:
     os.makedirs(args.output_dir, exist_ok=True)
 
     text = stdlib_docstrings(args.corpus_chars)
-    tokenizer = build_bpe_tokenizer([text], args.vocab_size, os.path.join(args.output_dir, "tokenizer"))
+    tokenizer = build_bpe_tokenizer([text], args.vocab_size, args.output_dir)
     tokens = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
     split = int(0.9 * len(tokens))
     train_tokens, val_tokens = tokens[:split], tokens[split:]
@@ -209,8 +209,7 @@ def main(argv=None) -> dict:
     sample = generate(model, prompt, args.sample_tokens, args.context, temperature=0.8, top_k=40, eos_id=tokenizer.eos_token_id)
     sample_text = tokenizer.decode(sample[0].tolist())
     print(f"sample: {sample_text!r}")
-    save_safetensors(model.state_dict(), os.path.join(args.output_dir, "model.safetensors"))
-    write_text(os.path.join(args.output_dir, "config.json"), json.dumps(model.config.to_hf(), indent=2) + "\n")
+    save_hf_folder(model, args.output_dir, tokenizer)  # loads with load_llm and with transformers' Auto classes
     wall = time.time() - t0
     result = {"val_loss_start": rows[0]["val_loss"], "val_loss_end": rows[-1]["val_loss"], "wall_s": round(wall, 1), "sample": sample_text}
     print(f"val loss {result['val_loss_start']:.3f} -> {result['val_loss_end']:.3f} in {wall:.0f} s; outputs in {args.output_dir}")

@@ -61,8 +61,6 @@ CORPUS = [
     "an illustration of a city street at night with neon signs",
     "The quick brown fox jumps over the lazy dog. 0123456789",
 ]
-# The Qwen2 pre-tokenizer pattern (tokenizer.json of Qwen2/Qwen2.5).
-QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,9 +119,11 @@ def build_qwen_tokenizer():
     tokens <|endoftext|> (pad), <|im_start|>, <|im_end|> after the learned vocabulary."""
     from tokenizers import Regex, decoders, pre_tokenizers
 
+    from library.data.tokenizer import QWEN2_SPLIT  # the Qwen2/Qwen2.5 tokenizer.json pattern
+
     pre = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

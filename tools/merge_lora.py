@@ -11,8 +11,9 @@ a file; for a folder, a folder with the same shard names and index plus the fold
 (config.json, tokenizer files) copied. A pipeline folder gives a transformer folder.
 
 Each LoRA is `path[:ratio]` (ratio 1 when left out); any layout networks/lora_files.py reads
-(kohya, PEFT/diffusers, ComfyUI). FLUX LoRAs may use BFL or diffusers module names whatever the
-base's naming: fused modules (qkv, linear1) are split or joined by row through the FLUX module map.
+(kohya, PEFT/diffusers, ComfyUI; for an LLM also a PEFT adapter folder, read with its
+adapter_config.json). FLUX LoRAs may use BFL or diffusers module names whatever the base's naming:
+fused modules (qkv, linear1) are split or joined by row through the FLUX module map.
 
 Streaming: the output header is computed up front from shapes and dtypes, then each tensor is read,
 merged and written before the next is read, so peak memory is about two tensors of the largest size
@@ -83,6 +84,7 @@ from networks.lora_files import (  # noqa: E402
     flux_bfl_to_diffusers,
     flux_diffusers_to_bfl,
     parse_lora,
+    read_lora_tensors,
 )
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas  # noqa: E402
 
@@ -273,12 +275,11 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     """One LoRA file -> {checkpoint weight key: LoRAWeights or LycorisDelta}, checked against the
     base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges)."""
     name = os.path.basename(spec.path)
-    reader = CheckpointReader(spec.path)
-    tensors = dict(reader.items())
+    tensors, metadata, adapter_config = read_lora_tensors(spec.path)  # a file, or a PEFT adapter folder
     if is_lycoris_file(tensors):  # LoKr, LoHa, ...: kohya names only, no BFL <-> diffusers translation
         weights, fmt = lycoris_deltas(tensors), "kohya"
     else:
-        weights, fmt = parse_lora(tensors, reader.metadata, None, source=spec.path)
+        weights, fmt = parse_lora(tensors, metadata, None, source=spec.path, adapter_config=adapter_config)
     known = list(base.weight_key) + base.alternate_paths()
     if fmt == "kohya":
         paths = _resolve_kohya(weights, known)

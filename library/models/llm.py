@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models import core
-from library.io import CheckpointError, CheckpointReader, load_streaming
+from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors, write_text
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -295,6 +295,36 @@ def load_llm(
     return model.eval()
 
 
+SPECIAL_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_token_ids(tokenizer=None, source_config: dict | None = None) -> dict:
+    """bos/eos/pad token ids for config.json and generation_config.json: the source config.json's
+    where it names them (a pretrained model's own choice), else the tokenizer's."""
+    ids = {k: getattr(tokenizer, k, None) for k in SPECIAL_TOKEN_IDS}
+    ids.update({k: v for k, v in (source_config or {}).items() if k in SPECIAL_TOKEN_IDS and v is not None})
+    return ids
+
+
+def save_hf_folder(model: LLM, folder: str, tokenizer=None, dtype: torch.dtype | None = None,
+                   metadata: dict | None = None, source_config: dict | None = None) -> None:
+    """A Hugging Face model folder transformers loads as it loads a downloaded one:
+    model.safetensors (cast to `dtype`), config.json with the special token ids (so
+    `eos_token_id` survives), generation_config.json (what `generate()` reads to stop at EOS) and,
+    given a tokenizer, tokenizer.json + a tokenizer_config.json that transformers 4.x and 5.x read
+    alike (library.data.tokenizer.save_tokenizer). Every file is written atomically."""
+    from library.data.tokenizer import save_tokenizer
+
+    tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in model.state_dict().items()}
+    save_safetensors(tensors, os.path.join(folder, "model.safetensors"), {"format": "pt", **(metadata or {})})
+    ids = special_token_ids(tokenizer, source_config)
+    write_text(os.path.join(folder, "config.json"), json.dumps({**model.config.to_hf(), **ids}, indent=2) + "\n")
+    generation = {k: v for k, v in ids.items() if v is not None}
+    write_text(os.path.join(folder, "generation_config.json"), json.dumps(generation, indent=2) + "\n")
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, folder)
+
+
 # ----------------------------------------------------------------------------------------------
 # Training and sampling helpers (LLMs-from-scratch style)
 
@@ -351,6 +381,7 @@ __all__ = [
     "LLAMA3_8B",
     "LLM",
     "load_llm",
+    "save_hf_folder",
     "checkpoint_key_to_llm",
     "position_ids_from_mask",
     "count_parameters",

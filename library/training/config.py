@@ -43,6 +43,9 @@ SCHEMA: dict[str, Arg] = {
     "output_dir": A(str, "output", "where the LoRA, logs, samples and states go"),
     "output_name": A(str, "lora", "file stem of the saved LoRA"),
     "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors", ("fp32", "bf16", "fp16")),
+    "save_format": A(str, "auto", "LoRA layout: auto (llm: peft, flux/qwen_image: kohya), kohya (one .safetensors), "
+                                  "peft (llm: PEFT adapter folder <output_name>/), peft+kohya (both)",
+                     ("auto", "kohya", "peft", "peft+kohya")),
     "save_every_n_steps": A(int, 0, "save the LoRA every N optimizer steps (0 = off)"),
     "save_every_n_epochs": A(int, 0, "save the LoRA every N epochs (0 = off)"),
     "save_last_n_saves": A(int, 0, "keep only the newest N intermediate saves (0 = keep all)"),
@@ -53,7 +56,7 @@ SCHEMA: dict[str, Arg] = {
     "network_dim": A(int, 16, "LoRA rank"),
     "network_alpha": A(float, 16.0, "LoRA alpha; scale = alpha / rank (0 means alpha = rank)"),
     "network_args": A(list, [], "extra network options as 'key=value' strings"),
-    "network_weights": A(str, None, "initial LoRA weights (safetensors)"),
+    "network_weights": A(str, None, "initial LoRA weights: a .safetensors LoRA, or (llm) a PEFT adapter folder"),
     "network_dropout": A(float, 0.0, "dropout on the LoRA down projection"),
     "pretrain": A(bool, False, "llm only: train the whole model instead of a LoRA"),
     # optimisation
@@ -293,6 +296,12 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if args.model_type == "llm" and args.validate_every_n_steps:
         raise ConfigError(f"{where}: key 'validate_every_n_steps' is for image training; llm uses val_fraction and "
                           f"eval_every_n_steps")
+    if args.save_format.startswith("peft") and (args.model_type != "llm" or args.pretrain):
+        raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' is for LLM LoRAs "
+                          f"(model_type llm without pretrain); FLUX/Qwen-Image LoRAs convert with tools/convert_lora.py --to diffusers")
+    if args.save_format.startswith("peft") and args.network_module != "networks.lora":
+        raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' needs network_module "
+                          f"networks.lora (LyCORIS files have no PEFT LoRA form)")
     if args.learning_rate <= 0:
         raise ConfigError(f"{where}: key 'learning_rate' must be > 0, got {args.learning_rate}")
     if args.model_type != "llm":

@@ -2,7 +2,8 @@
 the whole model (pretrain = true) from a checkpoint or from a config.json alone (random init).
 
 Data: .txt files -> one token stream (documents joined by EOS) -> train/val split -> sliding
-windows of max_length + 1 tokens. Every eval_every_n_steps: val loss, perplexity and a sample
+windows of max_length + 1 tokens. Every eval_every_n_steps: val loss (token-weighted over the
+whole held-out split, `held_out_loss`), perplexity and a sample
 from sample_prompt (temperature / top-k), printed and written to <output_name>_eval.csv.
 """
 
@@ -15,10 +16,10 @@ import random
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from library.data.dataset import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
-from library.io import save_safetensors, write_text
-from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity
+from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
 from networks.factory import build_network
@@ -110,6 +111,7 @@ class LLMTask:
         train_ids, val_ids = train_val_split(ids, args.val_fraction)
         train = TextWindowDataset(train_ids, args.max_length, args.stride)
         val = TextWindowDataset(val_ids, args.max_length, args.max_length) if len(val_ids) > args.max_length + 1 else None
+        self.val_ids = torch.as_tensor(val_ids, dtype=torch.long).flatten()  # evaluate() scores all of it
         if len(train) == 0:
             raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length {args.max_length}")
         self.accelerator.print(f"text: {len(ids)} tokens, {len(train)} train windows, {len(val) if val else 0} val windows")
@@ -172,12 +174,7 @@ class LLMTask:
     def evaluate(self) -> dict:
         was_training = self.model.training
         self.model.eval()
-        losses = []
-        if self.val_set is not None:
-            for i in range(0, min(len(self.val_set), 64), self.args.batch_size):
-                inputs, targets = zip(*(self.val_set[j] for j in range(i, min(i + self.args.batch_size, len(self.val_set)))))
-                logits = self.model(torch.stack(inputs).to(self.device))
-                losses.append(cross_entropy_loss(logits, torch.stack(targets).to(self.device)).item())
+        val = self.held_out_loss()
         prompt = torch.tensor([self.tokenizer.encode(self.args.sample_prompt, add_special_tokens=False)], device=self.device)
         gen = torch.Generator(self.device).manual_seed(self.args.seed)  # the same sample draw at each eval
         with torch.random.fork_rng(devices=[]):
@@ -185,9 +182,27 @@ class LLMTask:
             out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.max_position_embeddings,
                            self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id)
         self.model.train(was_training)
-        val = sum(losses) / len(losses) if losses else float("nan")
-        return {"val_loss": val, "val_perplexity": perplexity(val) if losses else float("nan"),
+        return {"val_loss": val, "val_perplexity": perplexity(val) if val == val else float("nan"),
                 "sample": self.tokenizer.decode(out[0].tolist())}
+
+    @torch.no_grad()
+    def held_out_loss(self) -> float:
+        """Token-weighted mean cross-entropy over every target token of the held-out split (nan
+        when it has under 2 tokens): windows of max_length targets, stride max_length, so each
+        token is predicted once with the context reset per window; the last window is the shorter
+        rest. Full windows run batch_size at a time."""
+        ids, length = self.val_ids, self.args.max_length
+        starts = list(range(0, len(ids) - 1, length))
+        full = [s for s in starts if s + length + 1 <= len(ids)]
+        batches = [full[i : i + self.args.batch_size] for i in range(0, len(full), self.args.batch_size)]
+        batches += [[s] for s in starts if s + length + 1 > len(ids)]  # the shorter rest
+        total, count = 0.0, 0
+        for batch in batches:
+            windows = torch.stack([ids[s : s + length + 1] for s in batch]).to(self.device)
+            logits = self.model(windows[:, :-1])
+            total += float(F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(), reduction="sum"))
+            count += windows[:, 1:].numel()
+        return total / count if count else float("nan")
 
     def after_step(self, step: int, output_dir: str):
         every = self.args.eval_every_n_steps
@@ -210,16 +225,38 @@ class LLMTask:
             self.accelerator.log({"val_loss": result["val_loss"], "val_perplexity": result["val_perplexity"]}, step=step)
 
     # -- saving --------------------------------------------------------------------------------
-    def save(self, path: str, metadata: dict, dtype: torch.dtype):
-        if self.network is not None:
-            self.network.save(path, dtype=dtype, metadata=metadata)
-            return
-        # Pretraining: a Hugging Face folder (model.safetensors + config.json + tokenizer) beside path.
+    def save(self, path: str, metadata: dict, dtype: torch.dtype) -> list[str]:
+        """Write the LoRA (or the pretrained model) for `path` (<output_dir>/<name>.safetensors);
+        returns what was written: the kohya file at path, the PEFT adapter folder / the model
+        folder at path without .safetensors."""
         folder = path[: -len(".safetensors")]
-        save_safetensors({k: v.to(dtype) for k, v in self.model.state_dict().items()},
-                         os.path.join(folder, "model.safetensors"), metadata)
-        write_text(os.path.join(folder, "config.json"), json.dumps(self.model.config.to_hf(), indent=2))
-        self.tokenizer.save_pretrained(folder)
+        if self.network is not None:
+            written = []
+            if "peft" in self.lora_formats():
+                base = self.args.pretrained_model_name_or_path  # PEFT's pointer to the base; a basename if absolute
+                self.network.save_peft(folder, dtype, metadata, base_model=os.path.basename(base.rstrip("/\\"))
+                                       if os.path.isabs(base) else base)
+                written.append(folder)
+            if "kohya" in self.lora_formats():
+                self.network.save(path, dtype=dtype, metadata=metadata)
+                written.append(path)
+            return written
+        # Pretraining: a Hugging Face folder (weights, config.json with the special token ids,
+        # generation_config.json, tokenizer) beside path, loadable by transformers 4.x and 5.x.
+        source, source_config = os.path.join(self.args.pretrained_model_name_or_path, "config.json"), None
+        if os.path.isfile(source):
+            with open(source) as f:
+                source_config = json.load(f)
+        save_hf_folder(self.model, folder, self.tokenizer, dtype, metadata, source_config)
+        return [folder]
+
+    def lora_formats(self) -> list[str]:
+        """save_format -> ["peft"], ["kohya"] or both; auto is a PEFT folder for our LoRA network
+        (what the LLM ecosystem loads) and the kohya file for LyCORIS networks."""
+        fmt = self.args.save_format
+        if fmt == "auto":
+            fmt = "peft" if hasattr(self.network, "save_peft") else "kohya"
+        return fmt.split("+")
 
     def finish(self, output_dir: str):
         if self.args.eval_every_n_steps:

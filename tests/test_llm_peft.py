@@ -1,0 +1,154 @@
+"""LLM LoRAs as PEFT adapter folders: transformers + peft load our folder with our runtime logits,
+merge_and_unload() equals merge_lora.py on the HF folder, PEFT's own folders load as
+network_weights, and convert_lora.py goes kohya <-> PEFT bit for bit (alpha != rank, ranks and
+alphas per module through rank_pattern / alpha_pattern)."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from library.models.llm import LLM, LLMConfig, load_llm, save_hf_folder
+from networks.lora import LoRANetwork
+from tools import convert_lora, merge_lora
+
+IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+def hf_folder(folder, qkv_bias: bool) -> LLM:
+    """Our tiny LLM, every weight random (norms near 1), saved as a Hugging Face folder."""
+    cfg = LLMConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
+                    rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=qkv_bias, max_position_embeddings=64)
+    model = LLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * noise if "norm" in name else noise / p.shape[-1] ** 0.5 if p.dim() == 2 else 0.1 * noise)
+    save_hf_folder(model, str(folder))
+    return model.eval()
+
+
+def trained_lora(model, dora=False) -> LoRANetwork:
+    """rank 4, alpha 8 (scale 2), MLP modules at rank 2, one module at its own alpha: r, lora_alpha,
+    rank_pattern and alpha_pattern all matter. lora_up random so the delta shows."""
+    torch.manual_seed(2)
+    net = LoRANetwork(model, "llm", rank=4, alpha=8.0, network_args={"mlp_dim": 2, "dora": dora})
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.lora_up.weight.normal_(0, 0.3)
+            if m.dora_scale is not None:
+                m.dora_scale.mul_(1 + 0.1 * torch.randn_like(m.dora_scale))
+    net.lora_modules()[1].set_alpha(3.0)  # model.layers.0.self_attn.k_proj
+    return net
+
+
+def ours_with(model, net) -> torch.Tensor:
+    net.apply()
+    with torch.no_grad():
+        out = model(IDS)
+    net.remove()
+    return out
+
+
+def hf_model(folder, qkv_bias):
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    return (Qwen2ForCausalLM if qkv_bias else LlamaForCausalLM).from_pretrained(str(folder)).eval()
+
+
+@pytest.mark.parametrize("qkv_bias, dora", [(True, False), (False, False), (True, True)], ids=["qwen2", "llama", "qwen2-dora"])
+def test_peft_from_pretrained_gives_our_runtime_logits_fp32(tmp_path, qkv_bias, dora):
+    from peft import PeftModel
+
+    model = hf_folder(tmp_path / "base", qkv_bias)
+    net = trained_lora(model, dora)
+    net.save_peft(str(tmp_path / "adapter"), base_model="base")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["task_type"], config["peft_type"]) == (4, 8, "CAUSAL_LM", "LORA")
+    assert config["rank_pattern"] == {f"layers.{i}.mlp.{p}_proj": 2 for i in (0, 1) for p in ("gate", "up", "down")}
+    assert config["alpha_pattern"] == {"layers.0.self_attn.k_proj": 3}
+    assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert config["use_dora"] is dora
+    keys = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight" in keys
+    expected = ours_with(model, net)
+    with torch.no_grad():
+        plain = model(IDS)
+        peft_model = PeftModel.from_pretrained(hf_model(tmp_path / "base", qkv_bias), str(tmp_path / "adapter")).eval()
+        got = peft_model(IDS).logits
+    assert (expected - plain).abs().max() > 0.1  # the LoRA moves the logits: a wrong scale cannot pass
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_merge_and_unload_equals_merge_lora_on_the_hf_folder(tmp_path, dora):
+    from peft import PeftModel
+
+    model = hf_folder(tmp_path / "base", True)
+    trained_lora(model, dora).save_peft(str(tmp_path / "adapter"))
+    assert merge_lora.main(["--model", str(tmp_path / "base"), "--lora", str(tmp_path / "adapter"),
+                            "--save_to", str(tmp_path / "merged")]) == 0
+    ours = load_file(tmp_path / "merged" / "model.safetensors")
+    peft_merged = PeftModel.from_pretrained(hf_model(tmp_path / "base", True), str(tmp_path / "adapter")).merge_and_unload()
+    theirs = peft_merged.state_dict()
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    changed = [k for k in ours if not torch.equal(ours[k], base[k])]
+    assert len(changed) == 2 * 7  # every adapted Linear, nothing else
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-6
+    with torch.no_grad():
+        assert (load_llm(str(tmp_path / "merged"))(IDS) - peft_merged(IDS).logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("rslora", [False, True])
+def test_a_folder_peft_wrote_loads_as_network_weights_with_peft_logits(tmp_path, rslora):
+    from peft import LoraConfig, get_peft_model
+
+    model = hf_folder(tmp_path / "base", True)
+    config = LoraConfig(r=4, lora_alpha=6, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                        rank_pattern={"layers.1.mlp.down_proj": 2}, alpha_pattern={"layers.0.self_attn.v_proj": 10},
+                        use_rslora=rslora, task_type="CAUSAL_LM")
+    torch.manual_seed(4)
+    peft_model = get_peft_model(hf_model(tmp_path / "base", True), config).eval()
+    peft_model.save_pretrained(str(tmp_path / "theirs"))
+    net = LoRANetwork.from_weights(model, "llm", str(tmp_path / "theirs"))
+    assert len(net.lora_modules()) == 6
+    with torch.no_grad():
+        expected = peft_model(IDS).logits
+    assert (ours_with(model, net) - expected).abs().max().item() <= 1e-5
+
+
+def test_kohya_peft_kohya_and_peft_kohya_peft_round_trips_are_exact(tmp_path, capsys):
+    model = hf_folder(tmp_path / "base", False)
+    net = trained_lora(model)
+    net.save(str(tmp_path / "k.safetensors"))
+    net.save_peft(str(tmp_path / "p"))
+    assert convert_lora.main([str(tmp_path / "k.safetensors"), str(tmp_path / "k2p"), "--to", "peft"]) == 0
+    assert convert_lora.main([str(tmp_path / "k2p"), str(tmp_path / "k2p2k.safetensors"), "--to", "kohya"]) == 0
+    assert "llm LoRA: kohya -> peft, 14 modules" in capsys.readouterr().out
+    kohya, back = load_file(tmp_path / "k.safetensors"), load_file(tmp_path / "k2p2k.safetensors")
+    assert kohya.keys() == back.keys() and all(torch.equal(kohya[k], back[k]) for k in kohya)
+    assert convert_lora.main([str(tmp_path / "p" / "adapter_model.safetensors"), str(tmp_path / "p2k.safetensors"), "--to", "kohya"]) == 0
+    assert convert_lora.main([str(tmp_path / "p2k.safetensors"), str(tmp_path / "p2k2p"), "--to", "peft"]) == 0
+    for folder in ("k2p", "p2k2p"):
+        a, b = load_file(tmp_path / "p" / "adapter_model.safetensors"), load_file(tmp_path / folder / "adapter_model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        ca, cb = (json.loads((tmp_path / f / "adapter_config.json").read_text()) for f in ("p", folder))
+        assert [ca[k] for k in ("r", "lora_alpha", "rank_pattern", "alpha_pattern")] == [cb[k] for k in ("r", "lora_alpha", "rank_pattern", "alpha_pattern")]
+
+
+def test_peft_folder_errors_are_one_line(tmp_path, capsys):
+    model = hf_folder(tmp_path / "base", True)
+    trained_lora(model).save_peft(str(tmp_path / "a"))
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
+    assert convert_lora.main([str(tmp_path / "a"), str(tmp_path / "o.safetensors"), "--to", "kohya"]) == 2
+    assert "adapter_config.json: modules_to_save = ['lm_head'] is not supported" in capsys.readouterr().err
+    os.makedirs(tmp_path / "empty")
+    assert convert_lora.main([str(tmp_path / "empty"), str(tmp_path / "o.safetensors"), "--to", "kohya"]) == 2
+    assert "a folder without adapter_config.json" in capsys.readouterr().err
+    trained_lora(model).save(str(tmp_path / "k.safetensors"))
+    assert convert_lora.main([str(tmp_path / "k.safetensors"), str(tmp_path / "d.safetensors"), "--to", "diffusers"]) == 2
+    assert "--to diffusers: LLM LoRAs convert with --to peft" in capsys.readouterr().err
