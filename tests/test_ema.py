@@ -268,3 +268,14 @@ def test_ema_keys_in_the_example_configs():
         with open(os.path.join(root, "configs", name)) as f:
             text = f.read()
         assert all(k in text for k in ("ema_decay", "ema_warmup", "sample_with_ema")), name
+
+
+def test_keep_last_n_saves_prunes_the_ema_files_too(tiny_set, tmp_path):
+    out = tmp_path / "run"
+    args = flux_args(tiny_set, out, *ADAMW, "--max_train_steps", "4", "--ema_decay", "0.9", "--save_every_n_steps",
+                     "1", "--save_last_n_saves", "2")
+    assert train_lora.main(args) == 0
+    assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == [
+        "tiny_flux_lora-step000002.safetensors", "tiny_flux_lora-step000002_ema.safetensors",
+        "tiny_flux_lora-step000003.safetensors", "tiny_flux_lora-step000003_ema.safetensors",
+        "tiny_flux_lora.safetensors", "tiny_flux_lora_ema.safetensors"]
