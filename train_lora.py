@@ -26,7 +26,8 @@ from tqdm import tqdm
 from library.io import CheckpointError
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix
 from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals
-from library.training.state import load_state, restore_rng, save_state
+from library.training.ema import TrainableEMA
+from library.training.state import load_ema_state, load_state, restore_rng, save_state
 from tools.plot_lr import main as plot_lr
 
 
@@ -105,12 +106,19 @@ def lora_metadata(args, task, step: int, epoch: int, started: float) -> dict:
     )
 
 
-class Saver:
-    """Writes LoRAs (atomically, with metadata) and states; keeps the newest N intermediates."""
+def ema_metadata(args) -> dict:
+    """Header keys that mark an _ema file (beside the normal LoRA metadata)."""
+    return {"ss_ema": "true", "ss_ema_decay": str(args.ema_decay), "ss_ema_warmup": str(args.ema_warmup).lower(),
+            "ss_ema_start_step": str(args.ema_start_step)}
 
-    def __init__(self, args, task, accelerator, started: float):
-        self.args, self.task, self.accelerator, self.started = args, task, accelerator, started
-        self.intermediate: list[str] = []
+
+class Saver:
+    """Writes LoRAs (atomically, with metadata; with EMA also <name>_ema.safetensors) and states;
+    keeps the newest N intermediates."""
+
+    def __init__(self, args, task, accelerator, started: float, ema: TrainableEMA | None = None):
+        self.args, self.task, self.accelerator, self.started, self.ema = args, task, accelerator, started, ema
+        self.intermediate: list[list[str]] = []  # per save: the LoRA and its _ema file
 
     def lora(self, step: int, epoch: int, final: bool = False) -> str:
         name = self.args.output_name + ("" if final else f"-step{step:06d}")
@@ -118,8 +126,13 @@ class Saver:
         if self.accelerator.is_main_process:
             metadata = lora_metadata(self.args, self.task, step, epoch, self.started)
             # A task may write a folder (PEFT adapter, pretrained model) and/or the file: it says which.
-            written = self.task.save(path, metadata, PRECISION_DTYPES[self.args.save_precision]) or [path]
+            dtype = PRECISION_DTYPES[self.args.save_precision]
+            written = self.task.save(path, metadata, dtype) or [path]  # the raw weights, always
             path = written[0]
+            if self.ema is not None:
+                ema_path = os.path.join(self.args.output_dir, name + "_ema.safetensors")
+                with self.ema.swapped_in():  # the same writer, so the same format and keys
+                    written += self.task.save(ema_path, {**metadata, **ema_metadata(self.args)}, dtype) or [ema_path]
             if not final:
                 self.intermediate.append(written)
                 self._prune()
@@ -128,7 +141,8 @@ class Saver:
     def state(self, optimizer, scheduler, progress: dict) -> str:
         folder = os.path.join(self.args.output_dir, f"{self.args.output_name}-state")
         if self.accelerator.is_main_process:
-            save_state(folder, self.task.trainable_tensors(), optimizer, scheduler, progress, self.args)
+            ema = self.ema.state_tensors() if self.ema is not None else None
+            save_state(folder, self.task.trainable_tensors(), optimizer, scheduler, progress, self.args, ema)
         return folder
 
     def _prune(self):
@@ -171,6 +185,10 @@ class Trainer:
         self.module, self.optimizer = accelerator.prepare(task.module, optimizer)
         self.step, self.epoch, self.batches_done = 0, 0, 0
         self.val_loss = None  # the latest, shown in the progress bar between validations
+        self.ema = None
+        if args.ema_decay:  # after prepare and network_weights: the EMA starts from the weights training starts from
+            self.ema = TrainableEMA(task.named_trainable_parameters(), args.ema_decay, args.ema_warmup,
+                                    args.ema_start_step, args.ema_device)
         if args.validate_every_n_steps and not task.validation_size():
             raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
                               f"validation_split or add [[validation_datasets]]")
@@ -180,7 +198,7 @@ class Trainer:
             accelerator.init_trackers(args.log_prefix or args.output_name, config={k: str(v) for k, v in vars(args).items()})
         self.logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator,
                                append=bool(args.resume))
-        self.saver = Saver(args, task, accelerator, self.started)
+        self.saver = Saver(args, task, accelerator, self.started, self.ema)
 
     def resume(self, folder: str):
         trainable, optimizer_state, progress, rng = load_state(folder, self.args)
@@ -188,6 +206,8 @@ class Trainer:
         self.optimizer.load_state_dict(optimizer_state)
         self.scheduler.load_state_dict(progress["scheduler"])
         self.step, self.epoch, self.batches_done = progress["step"], progress["epoch"], progress["batches_done"]
+        if self.ema is not None:
+            self.ema.load_state_tensors(load_ema_state(folder), folder)
         restore_rng(rng)
         self.accelerator.print(f"resumed from {folder} at step {self.step} (epoch {self.epoch})")
 
@@ -199,7 +219,7 @@ class Trainer:
         self.module.train()  # the LoRA network: its dropouts act from here; the frozen base stays in eval
         try:
             if args.sample_at_first and self.step == 0:
-                with self.evaluating():
+                with self.sampling():
                     task.render_samples(args.output_dir, "start")
             while self.step < self.max_steps:
                 self.run_epoch()
@@ -208,7 +228,7 @@ class Trainer:
                     if args.save_every_n_epochs and self.epoch % args.save_every_n_epochs == 0 and self.step < self.max_steps:
                         self.saver.lora(self.step, self.epoch)
                     if args.sample_every_n_epochs and self.epoch % args.sample_every_n_epochs == 0:
-                        with self.evaluating():
+                        with self.sampling():
                             task.render_samples(args.output_dir, f"epoch{self.epoch:04d}")
         except StopTraining as stop:
             self.accelerator.print(str(stop), file=sys.stderr) if stop.code else self.accelerator.print(str(stop))
@@ -222,7 +242,7 @@ class Trainer:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
         if self.accelerator.is_main_process:
             plot_lr([self.logger.path, "--out", os.path.join(args.output_dir, f"{args.output_name}_lr.png")])
-        with self.evaluating():
+        with self.sampling():  # the final samples (llm: the final eval)
             task.finish(args.output_dir)
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
@@ -240,6 +260,13 @@ class Trainer:
             yield
         finally:
             self.module.train()
+
+    @contextlib.contextmanager
+    def sampling(self):
+        """Samples: eval mode, and with sample_with_ema the EMA weights swapped in."""
+        use_ema = self.ema is not None and self.args.sample_with_ema
+        with self.evaluating(), self.ema.swapped_in() if use_ema else contextlib.nullcontext():
+            yield
 
     def run_epoch(self):
         """One pass over the data, resuming after `batches_done` batches; leaves batches_done at
@@ -272,6 +299,8 @@ class Trainer:
                 accelerator.clip_grad_norm_(self.task.trainable_parameters(), args.max_grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.ema is not None:  # per optimizer step; every rank averages the same (all-reduced) weights
+                self.ema.update(self.step + 1)
             self.finish_step(accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item())
             losses = []
             if self.step >= self.max_steps:
@@ -301,7 +330,8 @@ class Trainer:
         self.progress_bar.set_postfix(progress_postfix({**values, "val_loss": self.val_loss}))
         with self.evaluating():
             self.task.after_step(self.step, args.output_dir)
-            if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0:
+        if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0:
+            with self.sampling():
                 self.task.render_samples(args.output_dir, f"step{self.step:06d}")
         if args.save_every_n_steps and self.step % args.save_every_n_steps == 0 and self.step < self.max_steps:
             self.saver.lora(self.step, self.epoch)

@@ -105,8 +105,14 @@ SCHEMA: dict[str, Arg] = {
     "sample_at_first": A(bool, False, "render samples before training"),
     "sample_bf16_reference": A(bool, True, "with fp8_base: also render each sample on a bf16 base, side by side"),
     "logging_dir": A(str, None, "TensorBoard log folder (CSV is always written)"),
-    # validation and EMA (diffusion; the held-out images are chosen in the dataset TOML)
+    # validation (diffusion; the held-out images are chosen in the dataset TOML)
     "validate_every_n_steps": A(int, 0, "val_loss on the held-out images every N steps; always at the end (0 = end only)"),
+    # EMA of the trained weights (library/training/ema.py), saved beside the LoRA as <name>_ema.safetensors
+    "ema_decay": A(float, 0.0, "EMA decay per optimizer step, e.g. 0.999 (0 = off)"),
+    "ema_warmup": A(bool, False, "decay min(ema_decay, (1 + t) / (10 + t)) at the t-th EMA update"),
+    "ema_start_step": A(int, 0, "the EMA equals the raw weights up to this optimizer step, averages after it"),
+    "ema_device": A(str, "same", "where the float32 EMA lives: beside the weights, or in CPU memory", ("same", "cpu")),
+    "sample_with_ema": A(bool, False, "render samples with the EMA weights (swapped in, then back)"),
     "log_prefix": A(str, None, "TensorBoard run name prefix"),
     # llm data
     "train_data": A(list, [], "llm: .txt files or folders"),
@@ -266,6 +272,19 @@ def lora_network_args(args) -> dict[str, Any]:
     return net_args
 
 
+def _validate_ema(args, origins: dict[str, str], where: str) -> None:
+    if not 0.0 <= args.ema_decay < 1.0:
+        raise ConfigError(f"{origins.get('ema_decay', where)}: key 'ema_decay' must be in [0, 1) (0 = off), "
+                          f"got {args.ema_decay}")
+    if args.ema_start_step < 0:
+        raise ConfigError(f"{origins.get('ema_start_step', where)}: key 'ema_start_step' must be >= 0, "
+                          f"got {args.ema_start_step}")
+    if not args.ema_decay:  # the EMA keys mean nothing without it: say so instead of ignoring them
+        for key in ("ema_warmup", "sample_with_ema", "ema_start_step"):
+            if getattr(args, key):
+                raise ConfigError(f"{origins.get(key, where)}: key '{key}' needs ema_decay > 0 (e.g. 0.999)")
+
+
 def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | None = None) -> None:
     """Impossible combinations, each named. origins: key -> the file or "command line" that set
     it, where one key's value alone is wrong."""
@@ -302,6 +321,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if args.save_format.startswith("peft") and args.network_module != "networks.lora":
         raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' needs network_module "
                           f"networks.lora (LyCORIS files have no PEFT LoRA form)")
+    _validate_ema(args, origins, where)
     if args.learning_rate <= 0:
         raise ConfigError(f"{where}: key 'learning_rate' must be > 0, got {args.learning_rate}")
     if args.model_type != "llm":

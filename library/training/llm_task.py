@@ -129,6 +129,10 @@ class LLMTask:
     def trainable_parameters(self):
         return [p for p in self.module.parameters() if p.requires_grad]
 
+    def named_trainable_parameters(self) -> dict[str, nn.Parameter]:
+        source = self.network if self.network is not None else self.model
+        return {name: p for name, p in source.named_parameters() if p.requires_grad}
+
     def trainable_tensors(self) -> dict[str, torch.Tensor]:
         source = self.network if self.network is not None else self.model
         return {k: v.detach() for k, v in source.state_dict().items()}

@@ -1,6 +1,7 @@
 """Training state for resume: everything needed to continue a run bit-for-bit.
 
-A state folder holds trainable.safetensors (the trained tensors), optimizer.pt (loaded back with
+A state folder holds trainable.safetensors (the trained tensors), ema.safetensors (their float32
+EMA, when ema_decay is set), optimizer.pt (loaded back with
 `torch.load(weights_only=True)`: tensors and numbers only), rng.safetensors (torch/CUDA RNG
 states as uint8 tensors) and train_state.json (step, epoch, batches done in the epoch, scheduler
 state, and a digest of the settings that must not change across a resume). The folder is
@@ -26,18 +27,25 @@ RUN_IDENTITY = (
     "mixed_precision", "seed", "pretrain",
 )
 
+EMA_IDENTITY = ("ema_decay", "ema_warmup", "ema_start_step")
+
 
 def run_digest(args) -> dict:
     identity = {k: getattr(args, k) for k in RUN_IDENTITY}
     identity["base_model"] = os.path.basename(os.path.normpath(args.pretrained_model_name_or_path or ""))
+    if args.ema_decay:  # only with EMA on, so states written without these keys still resume without EMA
+        identity.update({k: getattr(args, k) for k in EMA_IDENTITY})
     return identity
 
 
-def save_state(folder: str, trainable: dict[str, torch.Tensor], optimizer, scheduler, progress: dict, args):
+def save_state(folder: str, trainable: dict[str, torch.Tensor], optimizer, scheduler, progress: dict, args,
+               ema: dict[str, torch.Tensor] | None = None):
     tmp = folder.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     save_safetensors(trainable, os.path.join(tmp, "trainable.safetensors"))
+    if ema is not None:
+        save_safetensors(ema, os.path.join(tmp, "ema.safetensors"))
     torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -71,6 +79,13 @@ def load_state(folder: str, args) -> tuple[dict, dict, dict, dict]:
     optimizer = torch.load(os.path.join(folder, "optimizer.pt"), map_location="cpu", weights_only=True)
     rng = load_file(os.path.join(folder, "rng.safetensors"))
     return trainable, optimizer, progress, rng
+
+
+def load_ema_state(folder: str) -> dict[str, torch.Tensor]:
+    path = os.path.join(folder, "ema.safetensors")
+    if not os.path.exists(path):  # run_digest already refuses a state written without EMA; this is a damaged one
+        raise ValueError(f"{folder}: the state has no ema.safetensors, this run has ema_decay set")
+    return load_file(path)
 
 
 def restore_rng(rng: dict):
