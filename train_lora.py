@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from library.io import CheckpointError
+from library.training import tracking
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix
 from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals
 from library.training.ema import TrainableEMA
@@ -69,12 +70,12 @@ def make_accelerator(args):
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    tracker = "tensorboard" if args.logging_dir else None
+    trackers = tracking.trackers(args.log_with, args.logging_dir)
     # Gradient accumulation is done by the loop (Trainer.run_epoch), not by accelerate: an
     # optimizer step never spans two epochs, and the last partial group of an epoch steps too.
     return Accelerator(
         mixed_precision=args.mixed_precision,
-        log_with=tracker,
+        log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir),
     )
 
@@ -194,7 +195,7 @@ class Trainer:
                               f"validation_split or add [[validation_datasets]]")
         if args.resume:
             self.resume(args.resume)
-        if args.logging_dir:
+        if accelerator.log_with:
             accelerator.init_trackers(args.log_prefix or args.output_name, config={k: str(v) for k, v in vars(args).items()})
         self.logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator,
                                append=bool(args.resume))
@@ -219,8 +220,7 @@ class Trainer:
         self.module.train()  # the LoRA network: its dropouts act from here; the frozen base stays in eval
         try:
             if args.sample_at_first and self.step == 0:
-                with self.sampling():
-                    task.render_samples(args.output_dir, "start")
+                self.render_samples("start")
             while self.step < self.max_steps:
                 self.run_epoch()
                 if self.batches_done == 0:  # the epoch ran to its end
@@ -228,8 +228,7 @@ class Trainer:
                     if args.save_every_n_epochs and self.epoch % args.save_every_n_epochs == 0 and self.step < self.max_steps:
                         self.saver.lora(self.step, self.epoch)
                     if args.sample_every_n_epochs and self.epoch % args.sample_every_n_epochs == 0:
-                        with self.sampling():
-                            task.render_samples(args.output_dir, f"epoch{self.epoch:04d}")
+                        self.render_samples(f"epoch{self.epoch:04d}")
         except StopTraining as stop:
             self.accelerator.print(str(stop), file=sys.stderr) if stop.code else self.accelerator.print(str(stop))
             self.accelerator.end_training()
@@ -243,7 +242,7 @@ class Trainer:
         if self.accelerator.is_main_process:
             plot_lr([self.logger.path, "--out", os.path.join(args.output_dir, f"{args.output_name}_lr.png")])
         with self.sampling():  # the final samples (llm: the final eval)
-            task.finish(args.output_dir)
+            tracking.log_sample_images(self.accelerator, task.finish(args.output_dir) or [], self.step)
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         self.accelerator.print(f"saved {path} after {self.step} steps in {time.time() - self.started:.1f} s")
@@ -260,6 +259,12 @@ class Trainer:
             yield
         finally:
             self.module.train()
+
+    def render_samples(self, tag: str):
+        """Samples to output_dir (the task's files) and to the trackers beside loss and lr."""
+        with self.sampling():
+            paths = self.task.render_samples(self.args.output_dir, tag)
+        tracking.log_sample_images(self.accelerator, paths or [], self.step)
 
     @contextlib.contextmanager
     def sampling(self):
@@ -331,8 +336,7 @@ class Trainer:
         with self.evaluating():
             self.task.after_step(self.step, args.output_dir)
         if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0:
-            with self.sampling():
-                self.task.render_samples(args.output_dir, f"step{self.step:06d}")
+            self.render_samples(f"step{self.step:06d}")
         if args.save_every_n_steps and self.step % args.save_every_n_steps == 0 and self.step < self.max_steps:
             self.saver.lora(self.step, self.epoch)
             if args.save_state:

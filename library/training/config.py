@@ -113,7 +113,8 @@ SCHEMA: dict[str, Arg] = {
     "ema_start_step": A(int, 0, "the EMA equals the raw weights up to this optimizer step, averages after it"),
     "ema_device": A(str, "same", "where the float32 EMA lives: beside the weights, or in CPU memory", ("same", "cpu")),
     "sample_with_ema": A(bool, False, "render samples with the EMA weights (swapped in, then back)"),
-    "log_prefix": A(str, None, "TensorBoard run name prefix"),
+    "log_prefix": A(str, None, "TensorBoard / wandb run name (default: output_name)"),
+    "log_with": A(str, None, "trackers: tensorboard (default with logging_dir), wandb, all", ("tensorboard", "wandb", "all")),
     # llm data
     "train_data": A(list, [], "llm: .txt files or folders"),
     "max_length": A(int, 256, "llm: tokens per window"),
@@ -322,6 +323,10 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' needs network_module "
                           f"networks.lora (LyCORIS files have no PEFT LoRA form)")
     _validate_ema(args, origins, where)
+    from library.training.tracking import check_trackers
+
+    if problem := check_trackers(args.log_with, args.logging_dir):
+        raise ConfigError(f"{origins.get('log_with', where)}: {problem}")
     if args.learning_rate <= 0:
         raise ConfigError(f"{where}: key 'learning_rate' must be > 0, got {args.learning_rate}")
     if args.model_type != "llm":

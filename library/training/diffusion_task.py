@@ -219,10 +219,9 @@ class DiffusionTask:
     def save(self, path: str, metadata: dict, dtype: torch.dtype):
         self.network.save(path, dtype=dtype, metadata=metadata)
 
-    def finish(self, output_dir: str):
-        """End of training: the final samples."""
-        if self.prompts:
-            self.render_samples(output_dir, "final")
+    def finish(self, output_dir: str) -> list[str]:
+        """End of training: the final samples (their paths)."""
+        return self.render_samples(output_dir, "final") if self.prompts else []
 
     # -- metadata ------------------------------------------------------------------------------
     def base_model_version(self) -> str:

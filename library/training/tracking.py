@@ -1,0 +1,50 @@
+"""Experiment trackers through accelerate: TensorBoard (the default with logging_dir) and wandb.
+
+    log_with = "tensorboard" | "wandb" | "all"      # sd-scripts' key; unset: TensorBoard when logging_dir is set
+
+Scalars (loss, lr, d*lr, val_loss) go through accelerator.log from the LR logger; sample images are
+logged here beside them, one image per prompt under `samples/NN` at the step they were rendered, so
+a run is watched in one place. The images are the PNGs the task wrote (side by side with the bf16
+reference on an fp8 base), read back, so the tracker shows exactly what is on disk.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+from PIL import Image
+
+TRACKERS = ("tensorboard", "wandb", "all")
+
+
+def trackers(log_with: str | None, logging_dir: str | None) -> list[str]:
+    """accelerate tracker names for the config; [] when nothing is logged."""
+    if log_with is None:
+        return ["tensorboard"] if logging_dir else []
+    return ["tensorboard", "wandb"] if log_with == "all" else [log_with]
+
+
+def check_trackers(log_with: str | None, logging_dir: str | None) -> str | None:
+    """The reason the trackers cannot run (to be raised as a config error naming the key), or None."""
+    names = trackers(log_with, logging_dir)
+    if "tensorboard" in names and not logging_dir:
+        return f"log_with = '{log_with}' logs TensorBoard events to logging_dir, which is not set"
+    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+        return f"log_with = '{log_with}' needs the wandb package, which is not installed (pip install wandb; then wandb login)"
+    return None
+
+
+def log_sample_images(accelerator, paths: list[str], step: int) -> None:
+    """Each rendered sample PNG to every tracker, as `samples/NN` (NN: the prompt's number) at `step`."""
+    if not paths or not accelerator.is_main_process:
+        return
+    for tracker in accelerator.trackers:
+        for i, path in enumerate(paths):
+            with Image.open(path) as img:
+                image = img.convert("RGB")
+            key = f"samples/{i:02d}"
+            if tracker.name == "tensorboard":
+                tracker.log_images({key: np.asarray(image)[None]}, step=step, dataformats="NHWC")
+            elif tracker.name == "wandb":
+                tracker.log_images({key: [image]}, step=step)

@@ -1,0 +1,72 @@
+"""Trackers (library/training/tracking.py): sample images reach TensorBoard beside the scalars, at
+the step they were rendered, equal to the PNGs on disk; log_with is checked when the config loads."""
+
+import glob
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import train_lora
+from library.training import tracking
+from tests.test_train_lora import flux_args
+
+
+def events(logging_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = {os.path.dirname(p) for p in glob.glob(os.path.join(logging_dir, "*", "events.out.tfevents.*"))}  # not hparams/
+    acc = EventAccumulator(run, size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def test_samples_are_logged_to_tensorboard_beside_loss_at_their_step(tiny_set, tmp_path):
+    out, logs = tmp_path / "run", tmp_path / "logs"
+    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4", "--sample_every_n_steps", "2",
+                                     "--logging_dir", str(logs), "--sample_bf16_reference", "false"))
+    assert code == 0
+    acc = events(logs)
+    assert "loss" in acc.Tags()["scalars"]
+    prompts = sorted({p.split("_")[-1] for p in os.listdir(out) if p.endswith(".png") and "_step" in p})
+    assert acc.Tags()["images"] == [f"samples/{i:02d}" for i in range(len(prompts))]
+    first = acc.Images("samples/00")
+    assert [e.step for e in first] == [2, 4, 4]  # steps 2 and 4, then the final samples
+    decoded = np.asarray(Image.open(__import__("io").BytesIO(first[0].encoded_image_string)).convert("RGB"))
+    on_disk = np.asarray(Image.open(out / "tiny_flux_lora_step000002_00.png").convert("RGB"))
+    assert np.array_equal(decoded, on_disk)
+
+
+def test_log_with_is_checked_when_the_config_loads(tiny_set, tmp_path, capsys, monkeypatch):
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "a", "--log_with", "tensorboard")) == 2
+    assert "log_with = 'tensorboard' logs TensorBoard events to logging_dir, which is not set" in capsys.readouterr().err
+    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "b", "--log_with", "wandb")) == 2
+    assert "needs the wandb package, which is not installed" in capsys.readouterr().err
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "c", "--log_with", "mlflow")) == 2
+    assert "key 'log_with' must be one of tensorboard, wandb, all, got 'mlflow'" in capsys.readouterr().err
+
+
+def test_wandb_gets_pil_images_and_tensorboard_nhwc_arrays(tmp_path):
+    path = tmp_path / "s.png"
+    Image.new("RGB", (24, 16), (10, 200, 30)).save(path)
+
+    class Tracker:
+        def __init__(self, name):
+            self.name, self.calls = name, []
+
+        def log_images(self, values, step, **kwargs):
+            self.calls.append((values, step, kwargs))
+
+    class Acc:
+        is_main_process = True
+        trackers = [Tracker("tensorboard"), Tracker("wandb")]
+
+    tracking.log_sample_images(Acc, [str(path)], 7)
+    (tb_values, tb_step, tb_kwargs), = Acc.trackers[0].calls
+    assert tb_step == 7 and tb_kwargs == {"dataformats": "NHWC"} and tb_values["samples/00"].shape == (1, 16, 24, 3)
+    (wb_values, wb_step, _), = Acc.trackers[1].calls
+    assert wb_step == 7 and wb_values["samples/00"][0].size == (24, 16)
+    assert tracking.trackers(None, None) == [] and tracking.trackers(None, "x") == ["tensorboard"]
+    assert tracking.trackers("all", "x") == ["tensorboard", "wandb"]
