@@ -1,0 +1,150 @@
+"""tools/resize_lora.py, extract_lora.py, combine_loras.py and lora_info.py on the tiny models.
+Oracles: torch.linalg.svd of the full delta, hand-computed sd-scripts ranks, tools/merge_lora.py
+merged checkpoints, and model outputs with the LoRAs applied unmerged."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from library.models.flux1.checkpoint import load_flux
+from networks import lora_files as lf
+from networks.lora import LoRANetwork
+from tools import resize_lora
+from tools.lora_common import read_lora_file
+
+
+def deltas(path) -> dict[str, torch.Tensor]:
+    """{file module name: float32 delta (alpha / r) up @ down} of a LoRA file."""
+    return {n: w.delta() for n, w in read_lora_file(str(path), "test").weights.items()}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def random_lora(model_path, path, rank=8, alpha=4.0, seed=0, family="flux", loader=load_flux, **args):
+    """A LoRA on every default target of a tiny model, up random (not the zero init)."""
+    torch.manual_seed(seed)
+    net = LoRANetwork(loader(model_path), family, rank=rank, alpha=alpha, network_args=args)
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.lora_up.weight.normal_(0, 0.2)
+    net.save(str(path))
+    return net
+
+
+@pytest.fixture(scope="module")
+def flux_lora(tiny_set, tmp_path_factory):
+    path = tmp_path_factory.mktemp("loras") / "flux_r8.safetensors"
+    random_lora(tiny_set["flux_bfl"], path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# resize_lora
+
+
+def test_resize_to_the_same_rank_is_lossless(flux_lora, tmp_path):
+    out = tmp_path / "same.safetensors"
+    assert resize_lora.main(["--lora", str(flux_lora), "--save_to", str(out), "--new_rank", "8"]) == 0
+    before, after = deltas(flux_lora), deltas(out)
+    assert set(before) == set(after) and len(before) == 26  # 2 double + 2 single blocks, modulation on
+    worst = max(rel(after[n], before[n]) for n in before)
+    assert worst <= 1e-6, worst
+    alphas = {w.alpha for w in read_lora_file(str(out), "test").weights.values()}
+    assert alphas == {4.0}  # scale 4 / 8 kept at rank 8
+
+
+def test_resize_to_a_lower_rank_keeps_the_top_singular_values(flux_lora, tmp_path):
+    out = tmp_path / "r3.safetensors"
+    assert resize_lora.main(["--lora", str(flux_lora), "--save_to", str(out), "--new_rank", "3"]) == 0
+    before, resized = deltas(flux_lora), read_lora_file(str(out), "test").weights
+    for name, d in before.items():
+        w = resized[name]
+        assert w.rank == 3 and w.alpha == pytest.approx(4.0 / 8 * 3)  # scale preserved (sd-scripts)
+        U, S, Vh = torch.linalg.svd(d.double())
+        best = (U[:, :3] * S[:3]) @ Vh[:3]  # Eckart-Young: the best rank-3 approximation
+        assert rel(w.delta().double(), best) <= 1e-5, name
+        kept = torch.linalg.svdvals(w.delta().double())[:3]
+        assert torch.allclose(kept, S[:3], rtol=1e-5), name
+    meta = read_lora_file(str(out), "test").metadata
+    assert meta["ss_network_dim"] == "3" and meta["ss_network_alpha"] == "1.5"
+
+
+def _lora_with_spectrum(path, S, n=16):
+    """One module whose delta has exactly the singular values S (alpha = rank: scale 1)."""
+    g = torch.Generator().manual_seed(1)
+    U, _ = torch.linalg.qr(torch.randn(n, len(S), generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, len(S), generator=g, dtype=torch.float64))
+    w = lf.LoRAWeights(V.T.float().contiguous(), (U * torch.tensor(S, dtype=torch.float64)).float(), float(len(S)))
+    lf.write_kohya({"double_blocks.0.img_attn.proj": w}, str(path))
+
+
+@pytest.mark.parametrize("method, param, expected", [
+    ("sv_ratio", 4.0, 3),        # S > 10/4: 2 values, + 1
+    ("sv_ratio", 20.0, 4),       # all 4 exceed 0.5: 4 + 1, capped at the old rank
+    ("sv_fro", 0.9, 3),          # cumulative S^2 / 130 = .769 .962 ...: first >= .81 at index 1; +1, +1
+    ("sv_fro", 0.99, 4),         # first >= .9801 at index 2 (.9923)
+    ("sv_cumulative", 0.5, 2),   # cumulative S / 18 = .556 ...: index 0; +1, +1
+    ("sv_cumulative", 0.9, 4),   # .556 .833 .944: index 2
+])  # fmt: skip
+def test_dynamic_ranks_follow_sd_scripts_definitions(tmp_path, method, param, expected):
+    _lora_with_spectrum(tmp_path / "s.safetensors", [10.0, 5.0, 2.0, 1.0])
+    result = resize_lora.resize_lora(str(tmp_path / "s.safetensors"), str(tmp_path / "o.safetensors"), 8, method, param)
+    (row,) = result["modules"]
+    assert row["new_rank"] == expected
+    S = torch.tensor([10.0, 5.0, 2.0, 1.0])[:expected]
+    assert row["fro_retained"] == pytest.approx(float(S.pow(2).sum() / 130) ** 0.5, rel=1e-5)
+    assert read_lora_file(str(tmp_path / "o.safetensors"), "t").metadata["ss_network_dim"] == "Dynamic"
+
+
+def test_resize_reports_output_error_on_the_tiny_model(flux_lora, tiny_set, tmp_path, capsys):
+    same = resize_lora.resize_lora(str(flux_lora), str(tmp_path / "a.safetensors"), 8, model=tiny_set["flux_bfl"])
+    low = resize_lora.resize_lora(str(flux_lora), str(tmp_path / "b.safetensors"), 2, model=tiny_set["flux_bfl"])
+    assert same["output_error"]["rel_to_lora_effect"] <= 1e-5
+    assert 0.05 <= low["output_error"]["rel_to_lora_effect"] <= 2.0
+    assert low["summary"]["min_fro_retained"] < same["summary"]["min_fro_retained"] == pytest.approx(1.0)
+    assert resize_lora.main(["--lora", str(flux_lora), "--save_to", str(tmp_path / "c.safetensors"), "--new_rank", "2",
+                             "--model", tiny_set["flux_bfl"]]) == 0  # fmt: skip
+    assert "of the LoRA's effect" in capsys.readouterr().out
+
+
+def test_resize_keeps_a_peft_file_peft_with_the_same_delta(flux_lora, tmp_path):
+    """A diffusers PEFT file whose alpha is in its adapter-config header: the output folds alpha
+    into lora_B and drops the header (keeping it would apply the scale twice)."""
+    weights = read_lora_file(str(flux_lora), "t").weights
+    paths = {f"double_blocks.0.img_attn.{m}": weights[f"lora_unet_double_blocks_0_img_attn_{m}"] for m in ("qkv", "proj")}
+    tensors = {}
+    for path, w in paths.items():
+        tensors[f"transformer.{path}.lora_A.weight"] = w.down
+        tensors[f"transformer.{path}.lora_B.weight"] = w.up  # unfolded: the header's alpha 4 / r 8 applies
+    lf.write_lora_tensors(tensors, str(tmp_path / "p.safetensors"), {lf.ADAPTER_METADATA_KEY: json.dumps({"lora_alpha": 4.0, "r": 8})})
+    assert resize_lora.main(["--lora", str(tmp_path / "p.safetensors"), "--save_to", str(tmp_path / "o.safetensors"),
+                             "--new_rank", "8"]) == 0  # fmt: skip
+    out = read_lora_file(str(tmp_path / "o.safetensors"), "t")
+    assert out.fmt == "peft" and out.prefix == "transformer." and lf.ADAPTER_METADATA_KEY not in out.metadata
+    for path, w in paths.items():
+        assert rel(out.weights[path].delta(), w.delta()) <= 1e-6
+
+
+def _lokr(path):
+    save_file({"lora_unet_double_blocks_0_img_attn_proj.lokr_w1": torch.ones(2, 2),
+               "lora_unet_double_blocks_0_img_attn_proj.lokr_w2": torch.ones(32, 32),
+               "lora_unet_double_blocks_0_img_attn_proj.alpha": torch.tensor(1.0)}, str(path))  # fmt: skip
+
+
+def test_resize_errors_are_one_line(flux_lora, tmp_path, capsys):
+    _lokr(tmp_path / "k.safetensors")
+    cases = [
+        (["--lora", str(tmp_path / "k.safetensors")], "a LyCORIS file (LoKr / LoHa / ...): resize_lora works on LoRA"),
+        (["--lora", str(flux_lora), "--dynamic_method", "sv_fro"], "--dynamic_method and --dynamic_param go together"),
+        (["--lora", str(flux_lora), "--dynamic_method", "sv_fro", "--dynamic_param", "2"], "takes a fraction in (0, 1]"),
+        (["--lora", str(flux_lora), "--new_rank", "0"], "--new_rank 0: must be >= 1"),
+    ]
+    for argv, message in cases:
+        assert resize_lora.main(argv + ["--save_to", str(tmp_path / "o.safetensors")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
+    assert not (tmp_path / "o.safetensors").exists()
