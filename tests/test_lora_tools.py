@@ -12,7 +12,7 @@ from library.models.flux1.checkpoint import load_flux
 from networks import lora_files as lf
 from networks.lora import LoRANetwork
 from tools import resize_lora
-from tools.lora_common import read_lora_file
+from tools.lora_common import load_model, read_lora_file
 
 
 def deltas(path) -> dict[str, torch.Tensor]:
@@ -145,6 +145,89 @@ def test_resize_errors_are_one_line(flux_lora, tmp_path, capsys):
     ]
     for argv, message in cases:
         assert resize_lora.main(argv + ["--save_to", str(tmp_path / "o.safetensors")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# extract_lora
+
+
+def _lora_and_merge(tiny_set, name, tmp_path, rank=4, alpha=2.0):
+    """A random LoRA on tiny model `name` and the base with it merged in (merge_lora, fp32)."""
+    from tools import merge_lora
+
+    model, family, kwargs = load_model(tiny_set[name])
+    torch.manual_seed(3)
+    net = LoRANetwork(model, family, rank=rank, alpha=alpha)
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.lora_up.weight.normal_(0, 0.2)
+    net.save(str(tmp_path / "lora.safetensors"))
+    merged = tmp_path / ("merged.safetensors" if tiny_set[name].endswith(".safetensors") else "merged")
+    assert merge_lora.main(["--model", tiny_set[name], "--lora", str(tmp_path / "lora.safetensors"), "--save_to", str(merged),
+                            "--save_precision", "fp32"]) == 0  # fmt: skip
+    return model, family, kwargs, net, merged
+
+
+@torch.no_grad()
+def _lora_output(model, family, kwargs, source) -> torch.Tensor:
+    net = LoRANetwork.from_weights(model, family, source) if isinstance(source, str) else source
+    net.apply()
+    out = model(**kwargs).float()
+    net.remove()
+    return out
+
+
+@pytest.mark.parametrize("name", ["flux_bfl", "flux_diffusers", "qwen_image", "llm"])
+def test_extract_from_base_plus_merged_lora_recovers_its_delta(tiny_set, tmp_path, name):
+    from tools import extract_lora
+
+    model, family, kwargs, net, merged = _lora_and_merge(tiny_set, name, tmp_path)
+    out = tmp_path / "extracted.safetensors"
+    assert extract_lora.main(["--model", tiny_set[name], "--tuned", str(merged), "--save_to", str(out), "--rank", "4"]) == 0
+    if name != "flux_diffusers":  # same module names: compare the deltas themselves
+        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        extracted, _, fmt = lf.read_lora(str(out), module_paths=linears)
+        original = net.lora_weights()
+        assert fmt == "kohya" and set(extracted) == set(original)
+        worst = max(rel(extracted[p].delta(), original[p].delta()) for p in original)
+        assert worst <= 1e-5, worst
+    with torch.no_grad():
+        base_out = model(**kwargs).float()
+    expected = _lora_output(model, family, kwargs, net)
+    got = _lora_output(model, family, kwargs, str(out))  # loads with our loader (diffusers names converted)
+    assert rel(got, expected) <= 1e-5 * float(expected.norm() / (expected - base_out).norm()) + 1e-5
+
+
+def test_extract_with_an_energy_threshold_keeps_the_smallest_sufficient_rank(tiny_set, tmp_path):
+    from tools import extract_lora
+
+    _, _, _, net, merged = _lora_and_merge(tiny_set, "flux_bfl", tmp_path, rank=6)
+    done = extract_lora.extract_lora(tiny_set["flux_bfl"], str(merged), str(tmp_path / "e.safetensors"), energy=0.9,
+                                     log=lambda line: None)  # fmt: skip
+    original = net.lora_weights()
+    assert len(done["modules"]) == len(original) and done["other_changed"] == 0
+    for row in done["modules"]:
+        S = torch.linalg.svdvals(original[row["module"]].delta().double())
+        fro = lambda k: float(S[:k].pow(2).sum() / S.pow(2).sum()) ** 0.5  # noqa: E731
+        k = row["rank"]
+        assert fro(k) >= 0.9 > fro(k - 1), (row, [fro(i) for i in range(7)])
+        assert row["rel_error"] == pytest.approx((1 - fro(k) ** 2) ** 0.5, rel=1e-3, abs=1e-6)
+
+
+def test_extract_errors_are_one_line(tiny_set, tmp_path, capsys):
+    from tools import extract_lora
+
+    cases = [
+        (["--tuned", tiny_set["llm"], "--rank", "4"], "a llm checkpoint in hf names, the base"),
+        (["--tuned", tiny_set["flux_bfl"], "--rank", "4"], "no LoRA target weight differs from the base"),
+        (["--tuned", tiny_set["flux_bfl"]], "give --rank R or --energy X"),
+        (["--tuned", tiny_set["flux_bfl"], "--energy", "1.5"], "--energy 1.5: must be in (0, 1]"),
+    ]
+    for argv, message in cases:
+        assert extract_lora.main(["--model", tiny_set["flux_bfl"], "--save_to", str(tmp_path / "o.safetensors")] + argv) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, err
     assert not (tmp_path / "o.safetensors").exists()
