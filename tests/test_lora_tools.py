@@ -231,3 +231,95 @@ def test_extract_errors_are_one_line(tiny_set, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, err
     assert not (tmp_path / "o.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# combine_loras
+
+
+@pytest.fixture(scope="module")
+def two_flux_loras(tiny_set, tmp_path_factory):
+    """a: kohya rank 4 alpha 2 on every target; b: PEFT (dotted names) rank 2 alpha 8 on the single blocks."""
+    root = tmp_path_factory.mktemp("combine")
+    model, family, kwargs = load_model(tiny_set["flux_bfl"])
+    nets = []
+    for seed, rank, alpha, args in ((1, 4, 2.0, {}), (2, 2, 8.0, {"train_blocks": "single"})):
+        torch.manual_seed(seed)
+        net = LoRANetwork(model, family, rank=rank, alpha=alpha, network_args=args)
+        with torch.no_grad():
+            for m in net.lora_modules():
+                m.lora_up.weight.normal_(0, 0.2)
+        nets.append(net)
+    nets[0].save(str(root / "a.safetensors"))
+    lf.write_peft(nets[1].lora_weights(), str(root / "b.safetensors"), prefix="transformer")
+    return root, model, family, kwargs, nets
+
+
+def _combined_delta(nets, ratios, path):
+    total = {}
+    for net, ratio in zip(nets, ratios):
+        for p, w in net.lora_weights().items():
+            total[p] = total.get(p, 0) + ratio * w.delta()
+    return total
+
+
+def test_combine_by_concatenation_equals_applying_both(two_flux_loras, tmp_path):
+    from tools import combine_loras
+
+    root, model, family, kwargs, (a, b) = two_flux_loras
+    out = tmp_path / "c.safetensors"
+    assert combine_loras.main(["--lora", f"{root / 'a.safetensors'}:0.7", f"{root / 'b.safetensors'}:-0.4",
+                               "--save_to", str(out)]) == 0  # fmt: skip
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    combined, _, fmt = lf.read_lora(str(out), module_paths=linears)
+    expected = _combined_delta((a, b), (0.7, -0.4), out)
+    assert fmt == "kohya" and set(combined) == set(expected)
+    assert {w.rank for w in combined.values()} == {4, 6}  # single blocks: 4 + 2
+    assert max(rel(combined[p].delta(), expected[p]) for p in expected) <= 1e-6
+    with torch.no_grad():
+        a.set_multiplier(0.7), b.set_multiplier(-0.4)
+        a.apply(), b.apply()
+        both = model(**kwargs).float()
+        b.remove(), a.remove()
+        a.set_multiplier(1.0), b.set_multiplier(1.0)
+    assert rel(_lora_output(model, family, kwargs, str(out)), both) <= 1e-5
+
+
+def test_combine_by_svd_is_the_best_low_rank_approximation_of_the_sum(two_flux_loras, tmp_path):
+    from tools import combine_loras
+
+    root, model, _, _, (a, b) = two_flux_loras
+    out = tmp_path / "s.safetensors"
+    rows = combine_loras.combine_loras([combine_loras.parse_lora_spec(f"{root / 'a.safetensors'}:0.7"),
+                                        combine_loras.parse_lora_spec(f"{root / 'b.safetensors'}:-0.4")],
+                                       str(out), "svd", rank=3)  # fmt: skip
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    combined, _, _ = lf.read_lora(str(out), module_paths=linears)
+    for p, d in _combined_delta((a, b), (0.7, -0.4), out).items():
+        U, S, Vh = torch.linalg.svd(d.double())
+        assert combined[p].rank == 3 and rel(combined[p].delta().double(), (U[:, :3] * S[:3]) @ Vh[:3]) <= 1e-5, p
+    assert min(r["fro_retained"] for r in rows) < 1.0
+
+
+def test_combine_errors_are_one_line(two_flux_loras, tmp_path, capsys):
+    from tools import combine_loras
+
+    root, model, _, _, (a, _) = two_flux_loras
+    dora = LoRANetwork(model, "flux", rank=2, alpha=1.0, network_args={"dora": True})
+    dora.save(str(tmp_path / "dora.safetensors"))
+    from library.models.flux1.checkpoint import flux_diffusers_module_map
+
+    diffusers = lf.flux_bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(2, 2, 64, 256, 64, True))
+    lf.write_peft(diffusers, str(tmp_path / "diffusers.safetensors"))
+    _lokr(tmp_path / "k.safetensors")
+    cases = [
+        ([str(tmp_path / "dora.safetensors")], "a DoRA file (dora_scale / lora_magnitude_vector): its delta is not additive"),
+        ([str(root / "a.safetensors"), str(tmp_path / "diffusers.safetensors")], "convert one with tools/convert_lora.py first"),
+        ([str(tmp_path / "k.safetensors")], "a LyCORIS file (LoKr / LoHa / ...): combine_loras works on LoRA"),
+        ([str(root / "a.safetensors"), "--mode", "svd"], "--mode svd needs --rank R >= 1"),
+    ]
+    for argv, message in cases:
+        assert combine_loras.main(["--save_to", str(tmp_path / "o.safetensors"), "--lora"] + argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
+    assert not (tmp_path / "o.safetensors").exists()
