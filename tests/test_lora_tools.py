@@ -323,3 +323,65 @@ def test_combine_errors_are_one_line(two_flux_loras, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, err
     assert not (tmp_path / "o.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# lora_info
+
+
+def info(*argv) -> dict:
+    from tools import lora_info
+
+    return lora_info.read_info(str(argv[0]))
+
+
+def test_lora_info_describes_our_kohya_file_with_training_metadata(tiny_set, tmp_path, capsys):
+    from tools import lora_info
+
+    net = random_lora(tiny_set["flux_bfl"], tmp_path / "ours.safetensors", rank=8, alpha=4.0)
+    net.save(str(tmp_path / "ours.safetensors"), torch.bfloat16,
+             lf.build_metadata(base_model="/models/flux1-dev.safetensors", base_precision="fp8_scaled", lr=1e-4, steps=100))
+    got = info(tmp_path / "ours.safetensors")
+    assert (got["format"], got["network"], got["family"], got["naming"]) == ("kohya", "LoRA", "flux1", "bfl")
+    assert got["modules"] == 26 and got["ranks"] == {"8": 26} and got["alphas"] == {"4": 26}
+    assert got["dtypes"] == {"BF16": 52, "F32": 26}  # alphas stay float32
+    assert got["width"] == 64 and got["blocks"] == {"double": 2, "single": 2}
+    assert "not a released size" in got["fits"]
+    assert got["training"]["base_model"] == "flux1-dev.safetensors" and got["training"]["base_precision"] == "fp8_scaled"
+    assert got["training"]["network_dim"] == "8" and "sshs_model_hash" in got["metadata"]
+    assert lora_info.main([str(tmp_path / "ours.safetensors"), "--model", tiny_set["flux_bfl"]]) == 0
+    text = capsys.readouterr().out
+    assert "LoRA in kohya layout" in text and "checked: fits" in text and "base_precision: fp8_scaled" in text
+    assert lora_info.main([str(tmp_path / "ours.safetensors"), "--model", tiny_set["llm"], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checked"].startswith("does not fit")
+
+
+def test_lora_info_reads_a_peft_llm_adapter_with_its_header_alpha(tiny_set, tmp_path):
+    model, family, _ = load_model(tiny_set["llm"])
+    weights = LoRANetwork(model, family, rank=4, alpha=8.0).lora_weights()
+    tensors = {}
+    for path, w in weights.items():
+        tensors[f"base_model.model.{path}.lora_A.weight"] = w.down
+        tensors[f"base_model.model.{path}.lora_B.weight"] = w.up
+    lf.write_lora_tensors(tensors, str(tmp_path / "adapter_model.safetensors"),
+                          {lf.ADAPTER_METADATA_KEY: json.dumps({"lora_alpha": 16, "r": 4})})
+    got = info(tmp_path / "adapter_model.safetensors")
+    assert (got["format"], got["family"], got["width"]) == ("peft", "llm", 32)
+    assert got["alphas"] == {"16": 14} and "adapter config" in got["alpha_source"]
+    assert got["fits"] == "an LLM (Llama / Qwen2 layout) of width 32, at least 2 layers"
+
+
+def test_lora_info_names_released_sizes_dora_and_lycoris(tmp_path):
+    w = lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(9216, 1), 1.0)
+    lf.write_kohya({"double_blocks.18.img_attn.qkv": w}, str(tmp_path / "dev.safetensors"))
+    lf.write_kohya({"double_blocks.19.img_attn.qkv": w}, str(tmp_path / "bigger.safetensors"))
+    assert info(tmp_path / "dev.safetensors")["fits"] == "FLUX.1 dev / schnell"
+    assert "not a released size" in info(tmp_path / "bigger.safetensors")["fits"]
+    dora = lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(3072, 1), 1.0, magnitude=torch.ones(3072))
+    lf.write_kohya({"transformer_blocks.59.img_mod.1": lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(18432, 1), 1.0),
+                    "transformer_blocks.0.attn.to_q": dora}, str(tmp_path / "qwen_dora.safetensors"))  # fmt: skip
+    got = info(tmp_path / "qwen_dora.safetensors")
+    assert (got["network"], got["family"], got["fits"]) == ("DoRA", "qwen_image", "Qwen-Image")
+    _lokr(tmp_path / "k.safetensors")
+    got = info(tmp_path / "k.safetensors")
+    assert (got["format"], got["network"], got["ranks"], got["alphas"]) == ("lycoris", "LoKr", {}, {"1": 1})
