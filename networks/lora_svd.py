@@ -31,18 +31,24 @@ class Spectrum:
     S: torch.Tensor
     Vh: torch.Tensor
     full: int
+    total_sq: float | None = None  # ||D||_F^2 when S is only the top of the spectrum (randomized SVD)
+
+    def _total(self) -> float:
+        return float(self.S.double().pow(2).sum()) if self.total_sq is None else self.total_sq
 
     def padded(self) -> torch.Tensor:
         """S with the zero singular values appended, as torch.linalg.svd(D) would return it."""
         return torch.cat([self.S, self.S.new_zeros(max(0, self.full - len(self.S)))])
 
     def fro_retained(self, k: int) -> float:
-        total = float(self.S.double().pow(2).sum())
-        return (float(self.S[:k].double().pow(2).sum()) / total) ** 0.5 if total > 0 else 1.0
+        total = self._total()
+        return min(1.0, (float(self.S[:k].double().pow(2).sum()) / total) ** 0.5) if total > 0 else 1.0
 
     def rel_error(self, k: int) -> float:
         """||D - D_k||_F / ||D||_F, from the dropped singular values (not 1 - fro: no cancellation)."""
-        total = float(self.S.double().pow(2).sum())
+        total = self._total()
+        if self.total_sq is not None:  # only the top of the spectrum is known
+            return max(0.0, 1 - self.fro_retained(k) ** 2) ** 0.5
         return (float(self.S[k:].double().pow(2).sum()) / total) ** 0.5 if total > 0 else 0.0
 
     def sum_retained(self, k: int) -> float:
@@ -63,6 +69,19 @@ def svd_of_matrix(delta: torch.Tensor, device=None) -> Spectrum:
     """SVD of a full delta [out, in] (extraction), computed in float32 on `device`."""
     u, s, vh = torch.linalg.svd(delta.to(device=device, dtype=torch.float32), full_matrices=False)
     return Spectrum(u.cpu(), s.cpu(), vh.cpu(), min(delta.shape))
+
+
+def svd_lowrank_of_matrix(delta: torch.Tensor, rank: int, device=None, oversample: int = 8, niter: int = 4) -> Spectrum:
+    """The top `rank` (+ oversample) singular triplets of `delta` by randomized SVD (Halko et al.,
+    torch.svd_lowrank with `niter` power iterations; a fixed seed, so runs repeat). Exact when the
+    delta's rank is at most rank + oversample; otherwise close to the best rank-k approximation when
+    the spectrum decays. ||D||_F^2 is kept so the retained energy stays relative to the whole delta."""
+    d = delta.to(device=device, dtype=torch.float32)
+    q = min(rank + oversample, min(d.shape))
+    with torch.random.fork_rng(devices=[d.device] if d.is_cuda else []):
+        torch.manual_seed(0)
+        u, s, v = torch.svd_lowrank(d, q=q, niter=niter)
+    return Spectrum(u.cpu(), s.cpu(), v.T.contiguous().cpu(), min(d.shape), float(d.double().pow(2).sum()))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ def deltas(path) -> dict[str, torch.Tensor]:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
+    return float((a - b).detach().norm() / b.detach().norm())
 
 
 def random_lora(model_path, path, rank=8, alpha=4.0, seed=0, family="flux", loader=load_flux, **args):
@@ -129,6 +129,26 @@ def test_resize_keeps_a_peft_file_peft_with_the_same_delta(flux_lora, tmp_path):
         assert rel(out.weights[path].delta(), w.delta()) <= 1e-6
 
 
+def test_resize_keeps_dora_magnitudes(tiny_set, tmp_path):
+    """DoRA: the low-rank direction is resized, the magnitude vector is written back unchanged, so at
+    the same rank the merged weight m * (W + dW) / ||W + dW|| is unchanged too."""
+    model = load_flux(tiny_set["flux_bfl"])
+    net = random_lora(tiny_set["flux_bfl"], tmp_path / "d.safetensors", rank=4, alpha=2.0, dora=True)
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.dora_scale.mul_(1 + 0.1 * torch.randn_like(m.dora_scale))
+    net.save(str(tmp_path / "d.safetensors"))
+    assert resize_lora.main(["--lora", str(tmp_path / "d.safetensors"), "--save_to", str(tmp_path / "o.safetensors"),
+                             "--new_rank", "4"]) == 0  # fmt: skip
+    before, after = read_lora_file(str(tmp_path / "d.safetensors"), "t").weights, read_lora_file(str(tmp_path / "o.safetensors"), "t").weights
+    modules = dict(model.named_modules())
+    for m in net.lora_modules():
+        name = lf.kohya_name(m.name)
+        assert torch.equal(after[name].magnitude, before[name].magnitude)
+        W = modules[m.name].weight
+        assert rel(after[name].merged(W), before[name].merged(W)) <= 1e-6, name
+
+
 def _lokr(path):
     save_file({"lora_unet_double_blocks_0_img_attn_proj.lokr_w1": torch.ones(2, 2),
                "lora_unet_double_blocks_0_img_attn_proj.lokr_w2": torch.ones(32, 32),
@@ -201,6 +221,21 @@ def test_extract_from_base_plus_merged_lora_recovers_its_delta(tiny_set, tmp_pat
     assert rel(got, expected) <= 1e-5 * float(expected.norm() / (expected - base_out).norm()) + 1e-5
 
 
+def test_extract_with_randomized_svd_recovers_a_merged_lora_exactly(tiny_set, tmp_path):
+    from tools import extract_lora
+
+    model, _, _, net, merged = _lora_and_merge(tiny_set, "llm", tmp_path)
+    full = extract_lora.extract_lora(tiny_set["llm"], str(merged), str(tmp_path / "f.safetensors"), rank=4, log=lambda line: None)
+    fast = extract_lora.extract_lora(tiny_set["llm"], str(merged), str(tmp_path / "l.safetensors"), rank=4, log=lambda line: None,
+                                     svd="lowrank")  # fmt: skip
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    extracted, _, _ = lf.read_lora(str(tmp_path / "l.safetensors"), module_paths=linears)
+    assert max(rel(extracted[p].delta(), w.delta()) for p, w in net.lora_weights().items()) <= 1e-5
+    assert max(r["rel_error"] for r in fast["modules"]) <= 1e-5 and max(r["rel_error"] for r in full["modules"]) <= 1e-5
+    with pytest.raises(ValueError, match="--svd lowrank: expected full, or lowrank with --rank R and no --energy"):
+        extract_lora.extract_lora(tiny_set["llm"], str(merged), str(tmp_path / "e.safetensors"), energy=0.9, svd="lowrank")
+
+
 def test_extract_with_an_energy_threshold_keeps_the_smallest_sufficient_rank(tiny_set, tmp_path):
     from tools import extract_lora
 
@@ -255,7 +290,7 @@ def two_flux_loras(tiny_set, tmp_path_factory):
     return root, model, family, kwargs, nets
 
 
-def _combined_delta(nets, ratios, path):
+def _combined_delta(nets, ratios):
     total = {}
     for net, ratio in zip(nets, ratios):
         for p, w in net.lora_weights().items():
@@ -272,7 +307,7 @@ def test_combine_by_concatenation_equals_applying_both(two_flux_loras, tmp_path)
                                "--save_to", str(out)]) == 0  # fmt: skip
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     combined, _, fmt = lf.read_lora(str(out), module_paths=linears)
-    expected = _combined_delta((a, b), (0.7, -0.4), out)
+    expected = _combined_delta((a, b), (0.7, -0.4))
     assert fmt == "kohya" and set(combined) == set(expected)
     assert {w.rank for w in combined.values()} == {4, 6}  # single blocks: 4 + 2
     assert max(rel(combined[p].delta(), expected[p]) for p in expected) <= 1e-6
@@ -295,7 +330,7 @@ def test_combine_by_svd_is_the_best_low_rank_approximation_of_the_sum(two_flux_l
                                        str(out), "svd", rank=3)  # fmt: skip
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     combined, _, _ = lf.read_lora(str(out), module_paths=linears)
-    for p, d in _combined_delta((a, b), (0.7, -0.4), out).items():
+    for p, d in _combined_delta((a, b), (0.7, -0.4)).items():
         U, S, Vh = torch.linalg.svd(d.double())
         assert combined[p].rank == 3 and rel(combined[p].delta().double(), (U[:, :3] * S[:3]) @ Vh[:3]) <= 1e-5, p
     assert min(r["fro_retained"] for r in rows) < 1.0
