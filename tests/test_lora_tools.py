@@ -1,0 +1,422 @@
+"""tools/resize_lora.py, extract_lora.py, combine_loras.py and lora_info.py on the tiny models.
+Oracles: torch.linalg.svd of the full delta, hand-computed sd-scripts ranks, tools/merge_lora.py
+merged checkpoints, and model outputs with the LoRAs applied unmerged."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from library.models.flux1.checkpoint import load_flux
+from networks import lora_files as lf
+from networks.lora import LoRANetwork
+from tools import resize_lora
+from tools.lora_common import load_model, read_lora_file
+
+
+def deltas(path) -> dict[str, torch.Tensor]:
+    """{file module name: float32 delta (alpha / r) up @ down} of a LoRA file."""
+    return {n: w.delta() for n, w in read_lora_file(str(path), "test").weights.items()}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+def random_lora(model_path, path, rank=8, alpha=4.0, seed=0, family="flux", loader=load_flux, **args):
+    """A LoRA on every default target of a tiny model, up random (not the zero init)."""
+    torch.manual_seed(seed)
+    net = LoRANetwork(loader(model_path), family, rank=rank, alpha=alpha, network_args=args)
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.lora_up.weight.normal_(0, 0.2)
+    net.save(str(path))
+    return net
+
+
+@pytest.fixture(scope="module")
+def flux_lora(tiny_set, tmp_path_factory):
+    path = tmp_path_factory.mktemp("loras") / "flux_r8.safetensors"
+    random_lora(tiny_set["flux_bfl"], path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# resize_lora
+
+
+def test_resize_to_the_same_rank_is_lossless(flux_lora, tmp_path):
+    out = tmp_path / "same.safetensors"
+    assert resize_lora.main(["--lora", str(flux_lora), "--save_to", str(out), "--new_rank", "8"]) == 0
+    before, after = deltas(flux_lora), deltas(out)
+    assert set(before) == set(after) and len(before) == 26  # 2 double + 2 single blocks, modulation on
+    worst = max(rel(after[n], before[n]) for n in before)
+    assert worst <= 1e-6, worst
+    alphas = {w.alpha for w in read_lora_file(str(out), "test").weights.values()}
+    assert alphas == {4.0}  # scale 4 / 8 kept at rank 8
+
+
+def test_resize_to_a_lower_rank_keeps_the_top_singular_values(flux_lora, tmp_path):
+    out = tmp_path / "r3.safetensors"
+    assert resize_lora.main(["--lora", str(flux_lora), "--save_to", str(out), "--new_rank", "3"]) == 0
+    before, resized = deltas(flux_lora), read_lora_file(str(out), "test").weights
+    for name, d in before.items():
+        w = resized[name]
+        assert w.rank == 3 and w.alpha == pytest.approx(4.0 / 8 * 3)  # scale preserved (sd-scripts)
+        U, S, Vh = torch.linalg.svd(d.double())
+        best = (U[:, :3] * S[:3]) @ Vh[:3]  # Eckart-Young: the best rank-3 approximation
+        assert rel(w.delta().double(), best) <= 1e-5, name
+        kept = torch.linalg.svdvals(w.delta().double())[:3]
+        assert torch.allclose(kept, S[:3], rtol=1e-5), name
+    meta = read_lora_file(str(out), "test").metadata
+    assert meta["ss_network_dim"] == "3" and meta["ss_network_alpha"] == "1.5"
+
+
+def _lora_with_spectrum(path, S, n=16):
+    """One module whose delta has exactly the singular values S (alpha = rank: scale 1)."""
+    g = torch.Generator().manual_seed(1)
+    U, _ = torch.linalg.qr(torch.randn(n, len(S), generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(n, len(S), generator=g, dtype=torch.float64))
+    w = lf.LoRAWeights(V.T.float().contiguous(), (U * torch.tensor(S, dtype=torch.float64)).float(), float(len(S)))
+    lf.write_kohya({"double_blocks.0.img_attn.proj": w}, str(path))
+
+
+@pytest.mark.parametrize("method, param, expected", [
+    ("sv_ratio", 4.0, 3),        # S > 10/4: 2 values, + 1
+    ("sv_ratio", 20.0, 4),       # all 4 exceed 0.5: 4 + 1, capped at the old rank
+    ("sv_fro", 0.9, 3),          # cumulative S^2 / 130 = .769 .962 ...: first >= .81 at index 1; +1, +1
+    ("sv_fro", 0.99, 4),         # first >= .9801 at index 2 (.9923)
+    ("sv_cumulative", 0.5, 2),   # cumulative S / 18 = .556 ...: index 0; +1, +1
+    ("sv_cumulative", 0.9, 4),   # .556 .833 .944: index 2
+])  # fmt: skip
+def test_dynamic_ranks_follow_sd_scripts_definitions(tmp_path, method, param, expected):
+    _lora_with_spectrum(tmp_path / "s.safetensors", [10.0, 5.0, 2.0, 1.0])
+    result = resize_lora.resize_lora(str(tmp_path / "s.safetensors"), str(tmp_path / "o.safetensors"), 8, method, param)
+    (row,) = result["modules"]
+    assert row["new_rank"] == expected
+    S = torch.tensor([10.0, 5.0, 2.0, 1.0])[:expected]
+    assert row["fro_retained"] == pytest.approx(float(S.pow(2).sum() / 130) ** 0.5, rel=1e-5)
+    assert read_lora_file(str(tmp_path / "o.safetensors"), "t").metadata["ss_network_dim"] == "Dynamic"
+
+
+def test_resize_reports_output_error_on_the_tiny_model(flux_lora, tiny_set, tmp_path, capsys):
+    same = resize_lora.resize_lora(str(flux_lora), str(tmp_path / "a.safetensors"), 8, model=tiny_set["flux_bfl"])
+    low = resize_lora.resize_lora(str(flux_lora), str(tmp_path / "b.safetensors"), 2, model=tiny_set["flux_bfl"])
+    assert same["output_error"]["rel_to_lora_effect"] <= 1e-5
+    assert 0.05 <= low["output_error"]["rel_to_lora_effect"] <= 2.0
+    assert low["summary"]["min_fro_retained"] < same["summary"]["min_fro_retained"] == pytest.approx(1.0)
+    assert resize_lora.main(["--lora", str(flux_lora), "--save_to", str(tmp_path / "c.safetensors"), "--new_rank", "2",
+                             "--model", tiny_set["flux_bfl"]]) == 0  # fmt: skip
+    assert "of the LoRA's effect" in capsys.readouterr().out
+
+
+def test_resize_keeps_a_peft_file_peft_with_the_same_delta(flux_lora, tmp_path):
+    """A diffusers PEFT file whose alpha is in its adapter-config header: the output folds alpha
+    into lora_B and drops the header (keeping it would apply the scale twice)."""
+    weights = read_lora_file(str(flux_lora), "t").weights
+    paths = {f"double_blocks.0.img_attn.{m}": weights[f"lora_unet_double_blocks_0_img_attn_{m}"] for m in ("qkv", "proj")}
+    tensors = {}
+    for path, w in paths.items():
+        tensors[f"transformer.{path}.lora_A.weight"] = w.down
+        tensors[f"transformer.{path}.lora_B.weight"] = w.up  # unfolded: the header's alpha 4 / r 8 applies
+    lf.write_lora_tensors(tensors, str(tmp_path / "p.safetensors"), {lf.ADAPTER_METADATA_KEY: json.dumps({"lora_alpha": 4.0, "r": 8})})
+    assert resize_lora.main(["--lora", str(tmp_path / "p.safetensors"), "--save_to", str(tmp_path / "o.safetensors"),
+                             "--new_rank", "8"]) == 0  # fmt: skip
+    out = read_lora_file(str(tmp_path / "o.safetensors"), "t")
+    assert out.fmt == "peft" and out.prefix == "transformer." and lf.ADAPTER_METADATA_KEY not in out.metadata
+    for path, w in paths.items():
+        assert rel(out.weights[path].delta(), w.delta()) <= 1e-6
+
+
+def test_resize_keeps_dora_magnitudes(tiny_set, tmp_path):
+    """DoRA: the low-rank direction is resized, the magnitude vector is written back unchanged, so at
+    the same rank the merged weight m * (W + dW) / ||W + dW|| is unchanged too."""
+    model = load_flux(tiny_set["flux_bfl"])
+    net = random_lora(tiny_set["flux_bfl"], tmp_path / "d.safetensors", rank=4, alpha=2.0, dora=True)
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.dora_scale.mul_(1 + 0.1 * torch.randn_like(m.dora_scale))
+    net.save(str(tmp_path / "d.safetensors"))
+    assert resize_lora.main(["--lora", str(tmp_path / "d.safetensors"), "--save_to", str(tmp_path / "o.safetensors"),
+                             "--new_rank", "4"]) == 0  # fmt: skip
+    before, after = read_lora_file(str(tmp_path / "d.safetensors"), "t").weights, read_lora_file(str(tmp_path / "o.safetensors"), "t").weights
+    modules = dict(model.named_modules())
+    for m in net.lora_modules():
+        name = lf.kohya_name(m.name)
+        assert torch.equal(after[name].magnitude, before[name].magnitude)
+        W = modules[m.name].weight
+        assert rel(after[name].merged(W), before[name].merged(W)) <= 1e-6, name
+
+
+def _lokr(path):
+    save_file({"lora_unet_double_blocks_0_img_attn_proj.lokr_w1": torch.ones(2, 2),
+               "lora_unet_double_blocks_0_img_attn_proj.lokr_w2": torch.ones(32, 32),
+               "lora_unet_double_blocks_0_img_attn_proj.alpha": torch.tensor(1.0)}, str(path))  # fmt: skip
+
+
+def test_resize_errors_are_one_line(flux_lora, tmp_path, capsys):
+    _lokr(tmp_path / "k.safetensors")
+    cases = [
+        (["--lora", str(tmp_path / "k.safetensors")], "a LyCORIS file (LoKr / LoHa / ...): resize_lora works on LoRA"),
+        (["--lora", str(flux_lora), "--dynamic_method", "sv_fro"], "--dynamic_method and --dynamic_param go together"),
+        (["--lora", str(flux_lora), "--dynamic_method", "sv_fro", "--dynamic_param", "2"], "takes a fraction in (0, 1]"),
+        (["--lora", str(flux_lora), "--new_rank", "0"], "--new_rank 0: must be >= 1"),
+    ]
+    for argv, message in cases:
+        assert resize_lora.main(argv + ["--save_to", str(tmp_path / "o.safetensors")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# extract_lora
+
+
+def _lora_and_merge(tiny_set, name, tmp_path, rank=4, alpha=2.0):
+    """A random LoRA on tiny model `name` and the base with it merged in (merge_lora, fp32)."""
+    from tools import merge_lora
+
+    model, family, kwargs = load_model(tiny_set[name])
+    torch.manual_seed(3)
+    net = LoRANetwork(model, family, rank=rank, alpha=alpha)
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.lora_up.weight.normal_(0, 0.2)
+    net.save(str(tmp_path / "lora.safetensors"))
+    merged = tmp_path / ("merged.safetensors" if tiny_set[name].endswith(".safetensors") else "merged")
+    assert merge_lora.main(["--model", tiny_set[name], "--lora", str(tmp_path / "lora.safetensors"), "--save_to", str(merged),
+                            "--save_precision", "fp32"]) == 0  # fmt: skip
+    return model, family, kwargs, net, merged
+
+
+@torch.no_grad()
+def _lora_output(model, family, kwargs, source) -> torch.Tensor:
+    net = LoRANetwork.from_weights(model, family, source) if isinstance(source, str) else source
+    net.apply()
+    out = model(**kwargs).float()
+    net.remove()
+    return out
+
+
+@pytest.mark.parametrize("name", ["flux_bfl", "flux_diffusers", "qwen_image", "llm"])
+def test_extract_from_base_plus_merged_lora_recovers_its_delta(tiny_set, tmp_path, name):
+    from tools import extract_lora
+
+    model, family, kwargs, net, merged = _lora_and_merge(tiny_set, name, tmp_path)
+    out = tmp_path / "extracted.safetensors"
+    assert extract_lora.main(["--model", tiny_set[name], "--tuned", str(merged), "--save_to", str(out), "--rank", "4"]) == 0
+    if name != "flux_diffusers":  # same module names: compare the deltas themselves
+        linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        extracted, _, fmt = lf.read_lora(str(out), module_paths=linears)
+        original = net.lora_weights()
+        assert fmt == "kohya" and set(extracted) == set(original)
+        worst = max(rel(extracted[p].delta(), original[p].delta()) for p in original)
+        assert worst <= 1e-5, worst
+    with torch.no_grad():
+        base_out = model(**kwargs).float()
+    expected = _lora_output(model, family, kwargs, net)
+    got = _lora_output(model, family, kwargs, str(out))  # loads with our loader (diffusers names converted)
+    assert rel(got, expected) <= 1e-5 * float(expected.norm() / (expected - base_out).norm()) + 1e-5
+
+
+def test_extract_with_randomized_svd_recovers_a_merged_lora_exactly(tiny_set, tmp_path):
+    from tools import extract_lora
+
+    model, _, _, net, merged = _lora_and_merge(tiny_set, "llm", tmp_path)
+    full = extract_lora.extract_lora(tiny_set["llm"], str(merged), str(tmp_path / "f.safetensors"), rank=4, log=lambda line: None)
+    fast = extract_lora.extract_lora(tiny_set["llm"], str(merged), str(tmp_path / "l.safetensors"), rank=4, log=lambda line: None,
+                                     svd="lowrank")  # fmt: skip
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    extracted, _, _ = lf.read_lora(str(tmp_path / "l.safetensors"), module_paths=linears)
+    assert max(rel(extracted[p].delta(), w.delta()) for p, w in net.lora_weights().items()) <= 1e-5
+    assert max(r["rel_error"] for r in fast["modules"]) <= 1e-5 and max(r["rel_error"] for r in full["modules"]) <= 1e-5
+    with pytest.raises(ValueError, match="--svd lowrank: expected full, or lowrank with --rank R and no --energy"):
+        extract_lora.extract_lora(tiny_set["llm"], str(merged), str(tmp_path / "e.safetensors"), energy=0.9, svd="lowrank")
+
+
+def test_extract_with_an_energy_threshold_keeps_the_smallest_sufficient_rank(tiny_set, tmp_path):
+    from tools import extract_lora
+
+    _, _, _, net, merged = _lora_and_merge(tiny_set, "flux_bfl", tmp_path, rank=6)
+    done = extract_lora.extract_lora(tiny_set["flux_bfl"], str(merged), str(tmp_path / "e.safetensors"), energy=0.9,
+                                     log=lambda line: None)  # fmt: skip
+    original = net.lora_weights()
+    assert len(done["modules"]) == len(original) and done["other_changed"] == 0
+    for row in done["modules"]:
+        S = torch.linalg.svdvals(original[row["module"]].delta().double())
+        fro = lambda k: float(S[:k].pow(2).sum() / S.pow(2).sum()) ** 0.5  # noqa: E731
+        k = row["rank"]
+        assert fro(k) >= 0.9 > fro(k - 1), (row, [fro(i) for i in range(7)])
+        assert row["rel_error"] == pytest.approx((1 - fro(k) ** 2) ** 0.5, rel=1e-3, abs=1e-6)
+
+
+def test_extract_errors_are_one_line(tiny_set, tmp_path, capsys):
+    from tools import extract_lora
+
+    cases = [
+        (["--tuned", tiny_set["llm"], "--rank", "4"], "a llm checkpoint in hf names, the base"),
+        (["--tuned", tiny_set["flux_bfl"], "--rank", "4"], "no LoRA target weight differs from the base"),
+        (["--tuned", tiny_set["flux_bfl"]], "give --rank R or --energy X"),
+        (["--tuned", tiny_set["flux_bfl"], "--energy", "1.5"], "--energy 1.5: must be in (0, 1]"),
+    ]
+    for argv, message in cases:
+        assert extract_lora.main(["--model", tiny_set["flux_bfl"], "--save_to", str(tmp_path / "o.safetensors")] + argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# combine_loras
+
+
+@pytest.fixture(scope="module")
+def two_flux_loras(tiny_set, tmp_path_factory):
+    """a: kohya rank 4 alpha 2 on every target; b: PEFT (dotted names) rank 2 alpha 8 on the single blocks."""
+    root = tmp_path_factory.mktemp("combine")
+    model, family, kwargs = load_model(tiny_set["flux_bfl"])
+    nets = []
+    for seed, rank, alpha, args in ((1, 4, 2.0, {}), (2, 2, 8.0, {"train_blocks": "single"})):
+        torch.manual_seed(seed)
+        net = LoRANetwork(model, family, rank=rank, alpha=alpha, network_args=args)
+        with torch.no_grad():
+            for m in net.lora_modules():
+                m.lora_up.weight.normal_(0, 0.2)
+        nets.append(net)
+    nets[0].save(str(root / "a.safetensors"))
+    lf.write_peft(nets[1].lora_weights(), str(root / "b.safetensors"), prefix="transformer")
+    return root, model, family, kwargs, nets
+
+
+def _combined_delta(nets, ratios):
+    total = {}
+    for net, ratio in zip(nets, ratios):
+        for p, w in net.lora_weights().items():
+            total[p] = total.get(p, 0) + ratio * w.delta()
+    return total
+
+
+def test_combine_by_concatenation_equals_applying_both(two_flux_loras, tmp_path):
+    from tools import combine_loras
+
+    root, model, family, kwargs, (a, b) = two_flux_loras
+    out = tmp_path / "c.safetensors"
+    assert combine_loras.main(["--lora", f"{root / 'a.safetensors'}:0.7", f"{root / 'b.safetensors'}:-0.4",
+                               "--save_to", str(out)]) == 0  # fmt: skip
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    combined, _, fmt = lf.read_lora(str(out), module_paths=linears)
+    expected = _combined_delta((a, b), (0.7, -0.4))
+    assert fmt == "kohya" and set(combined) == set(expected)
+    assert {w.rank for w in combined.values()} == {4, 6}  # single blocks: 4 + 2
+    assert max(rel(combined[p].delta(), expected[p]) for p in expected) <= 1e-6
+    with torch.no_grad():
+        a.set_multiplier(0.7), b.set_multiplier(-0.4)
+        a.apply(), b.apply()
+        both = model(**kwargs).float()
+        b.remove(), a.remove()
+        a.set_multiplier(1.0), b.set_multiplier(1.0)
+    assert rel(_lora_output(model, family, kwargs, str(out)), both) <= 1e-5
+
+
+def test_combine_by_svd_is_the_best_low_rank_approximation_of_the_sum(two_flux_loras, tmp_path):
+    from tools import combine_loras
+
+    root, model, _, _, (a, b) = two_flux_loras
+    out = tmp_path / "s.safetensors"
+    rows = combine_loras.combine_loras([combine_loras.parse_lora_spec(f"{root / 'a.safetensors'}:0.7"),
+                                        combine_loras.parse_lora_spec(f"{root / 'b.safetensors'}:-0.4")],
+                                       str(out), "svd", rank=3)  # fmt: skip
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    combined, _, _ = lf.read_lora(str(out), module_paths=linears)
+    for p, d in _combined_delta((a, b), (0.7, -0.4)).items():
+        U, S, Vh = torch.linalg.svd(d.double())
+        assert combined[p].rank == 3 and rel(combined[p].delta().double(), (U[:, :3] * S[:3]) @ Vh[:3]) <= 1e-5, p
+    assert min(r["fro_retained"] for r in rows) < 1.0
+
+
+def test_combine_errors_are_one_line(two_flux_loras, tmp_path, capsys):
+    from tools import combine_loras
+
+    root, model, _, _, (a, _) = two_flux_loras
+    dora = LoRANetwork(model, "flux", rank=2, alpha=1.0, network_args={"dora": True})
+    dora.save(str(tmp_path / "dora.safetensors"))
+    from library.models.flux1.checkpoint import flux_diffusers_module_map
+
+    diffusers = lf.flux_bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(2, 2, 64, 256, 64, True))
+    lf.write_peft(diffusers, str(tmp_path / "diffusers.safetensors"))
+    _lokr(tmp_path / "k.safetensors")
+    cases = [
+        ([str(tmp_path / "dora.safetensors")], "a DoRA file (dora_scale / lora_magnitude_vector): its delta is not additive"),
+        ([str(root / "a.safetensors"), str(tmp_path / "diffusers.safetensors")], "convert one with tools/convert_lora.py first"),
+        ([str(tmp_path / "k.safetensors")], "a LyCORIS file (LoKr / LoHa / ...): combine_loras works on LoRA"),
+        ([str(root / "a.safetensors"), "--mode", "svd"], "--mode svd needs --rank R >= 1"),
+    ]
+    for argv, message in cases:
+        assert combine_loras.main(["--save_to", str(tmp_path / "o.safetensors"), "--lora"] + argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err, err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# lora_info
+
+
+def info(*argv) -> dict:
+    from tools import lora_info
+
+    return lora_info.read_info(str(argv[0]))
+
+
+def test_lora_info_describes_our_kohya_file_with_training_metadata(tiny_set, tmp_path, capsys):
+    from tools import lora_info
+
+    net = random_lora(tiny_set["flux_bfl"], tmp_path / "ours.safetensors", rank=8, alpha=4.0)
+    net.save(str(tmp_path / "ours.safetensors"), torch.bfloat16,
+             lf.build_metadata(base_model="/models/flux1-dev.safetensors", base_precision="fp8_scaled", lr=1e-4, steps=100))
+    got = info(tmp_path / "ours.safetensors")
+    assert (got["format"], got["network"], got["family"], got["naming"]) == ("kohya", "LoRA", "flux1", "bfl")
+    assert got["modules"] == 26 and got["ranks"] == {"8": 26} and got["alphas"] == {"4": 26}
+    assert got["dtypes"] == {"BF16": 52, "F32": 26}  # alphas stay float32
+    assert got["width"] == 64 and got["blocks"] == {"double": 2, "single": 2}
+    assert "not a released size" in got["fits"]
+    assert got["training"]["base_model"] == "flux1-dev.safetensors" and got["training"]["base_precision"] == "fp8_scaled"
+    assert got["training"]["network_dim"] == "8" and "sshs_model_hash" in got["metadata"]
+    assert lora_info.main([str(tmp_path / "ours.safetensors"), "--model", tiny_set["flux_bfl"]]) == 0
+    text = capsys.readouterr().out
+    assert "LoRA in kohya layout" in text and "checked: fits" in text and "base_precision: fp8_scaled" in text
+    assert lora_info.main([str(tmp_path / "ours.safetensors"), "--model", tiny_set["llm"], "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checked"].startswith("does not fit")
+
+
+def test_lora_info_reads_a_peft_llm_adapter_with_its_header_alpha(tiny_set, tmp_path):
+    model, family, _ = load_model(tiny_set["llm"])
+    weights = LoRANetwork(model, family, rank=4, alpha=8.0).lora_weights()
+    tensors = {}
+    for path, w in weights.items():
+        tensors[f"base_model.model.{path}.lora_A.weight"] = w.down
+        tensors[f"base_model.model.{path}.lora_B.weight"] = w.up
+    lf.write_lora_tensors(tensors, str(tmp_path / "adapter_model.safetensors"),
+                          {lf.ADAPTER_METADATA_KEY: json.dumps({"lora_alpha": 16, "r": 4})})
+    got = info(tmp_path / "adapter_model.safetensors")
+    assert (got["format"], got["family"], got["width"]) == ("peft", "llm", 32)
+    assert got["alphas"] == {"16": 14} and "adapter config" in got["alpha_source"]
+    assert got["fits"] == "an LLM (Llama / Qwen2 layout) of width 32, at least 2 layers"
+
+
+def test_lora_info_names_released_sizes_dora_and_lycoris(tmp_path):
+    w = lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(9216, 1), 1.0)
+    lf.write_kohya({"double_blocks.18.img_attn.qkv": w}, str(tmp_path / "dev.safetensors"))
+    lf.write_kohya({"double_blocks.19.img_attn.qkv": w}, str(tmp_path / "bigger.safetensors"))
+    assert info(tmp_path / "dev.safetensors")["fits"] == "FLUX.1 dev / schnell"
+    assert "not a released size" in info(tmp_path / "bigger.safetensors")["fits"]
+    dora = lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(3072, 1), 1.0, magnitude=torch.ones(3072))
+    lf.write_kohya({"transformer_blocks.59.img_mod.1": lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(18432, 1), 1.0),
+                    "transformer_blocks.0.attn.to_q": dora}, str(tmp_path / "qwen_dora.safetensors"))  # fmt: skip
+    got = info(tmp_path / "qwen_dora.safetensors")
+    assert (got["network"], got["family"], got["fits"]) == ("DoRA", "qwen_image", "Qwen-Image")
+    _lokr(tmp_path / "k.safetensors")
+    got = info(tmp_path / "k.safetensors")
+    assert (got["format"], got["network"], got["ranks"], got["alphas"]) == ("lycoris", "LoKr", {}, {"1": 1})

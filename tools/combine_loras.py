@@ -1,0 +1,154 @@
+"""Combine several LoRAs, each with a ratio, into one LoRA file.
+
+    python tools/combine_loras.py --lora a.safetensors:0.8 b.safetensors:1.0 --save_to OUT.safetensors \
+        [--mode concat | --mode svd --rank R] [--save_precision fp32|bf16|fp16] [--device cuda]
+
+Per module, the combined delta is sum_i ratio_i * (alpha_i / r_i) * up_i @ down_i over the files
+that have the module (float32):
+  concat (default, exact): down = [down_1; down_2; ...] stacked along the rank, up = [ratio_1 s_1 up_1,
+      ratio_2 s_2 up_2, ...] side by side (s_i = alpha_i / r_i folded into up), alpha = the summed
+      rank (scale 1). Applying the result equals applying every LoRA at its ratio.
+  svd: the same sum compressed to rank R per module by its SVD (exact SVD of the stacked factors,
+      networks/lora_svd.py; the best rank-R approximation), alpha = R; the retained Frobenius
+      energy and relative error per module are printed.
+
+Names: LoRAs in one naming combine module by module. When every input has dotted names (PEFT /
+diffusers, ComfyUI), the output has the first input's layout; when any is kohya, dotted names are
+turned into kohya names (`lora_unet_`, `lora_te_` for `model.layers...` LLM paths) and the output is
+kohya. FLUX LoRAs in BFL and in diffusers names do not mix: convert with tools/convert_lora.py first.
+DoRA (its delta is not additive) and LyCORIS files are refused. The metadata is the first input's,
+with `lora_combined` listing the files, ratios and mode. Errors are one line on stderr, exit
+status 2, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `library` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library.io import CheckpointError  # noqa: E402
+from networks.lora_files import LoRAWeights, kohya_name  # noqa: E402
+from networks.lora_svd import factors, svd_of_product  # noqa: E402
+from tools.lora_common import (  # noqa: E402
+    LoRAFile,
+    Parser,
+    check_output_path,
+    one_line,
+    read_lora_file,
+    save_dtype,
+    write_lora_file,
+)
+from tools.merge_lora import LoRASpec, parse_lora_spec  # noqa: E402
+
+
+def _kohya_named(lora: LoRAFile) -> dict[str, LoRAWeights]:
+    if lora.fmt == "kohya":
+        return lora.weights
+    return {kohya_name(p, "lora_te" if p.startswith("model.") else "lora_unet"): w for p, w in lora.weights.items()}
+
+
+def _check_naming(loras: list[LoRAFile], names: list[dict[str, LoRAWeights]]) -> None:
+    """FLUX BFL names (double_blocks) and diffusers names (transformer_blocks) must not mix."""
+    flat = [{n.replace(".", "_") for n in d} for d in names]
+    bfl = [i for i, d in enumerate(flat) if any("double_blocks_" in n or "single_blocks_" in n for n in d)]
+    other = [i for i, d in enumerate(flat) if any("transformer_blocks_" in n for n in d)]
+    if bfl and other:
+        raise CheckpointError(f"{loras[other[0]].path} names diffusers modules (transformer_blocks), {loras[bfl[0]].path} "
+                              "FLUX BFL modules (double_blocks): convert one with tools/convert_lora.py first")
+
+
+def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeights]]], LoRAFile, str, str]:
+    """{module name: [(ratio, LoRA)]} in a common naming, the first file, and the output (fmt, prefix)."""
+    loras = [read_lora_file(s.path, "combine_loras") for s in specs]
+    for lora in loras:
+        if lora.has_dora:
+            raise CheckpointError(f"{lora.path}: a DoRA file (dora_scale / lora_magnitude_vector): its delta is not "
+                                  "additive, so it cannot be combined; merge it into the base with tools/merge_lora.py")  # fmt: skip
+    kohya = any(lora.fmt == "kohya" for lora in loras)
+    names = [_kohya_named(lora) if kohya else lora.weights for lora in loras]
+    _check_naming(loras, names)
+    modules: dict[str, list[tuple[float, LoRAWeights]]] = {}
+    for spec, lora, named in zip(specs, loras, names):
+        for name, w in named.items():
+            first = modules.get(name, [(0, w)])[0][1]
+            if (first.up.shape[0], first.down.shape[1]) != (w.up.shape[0], w.down.shape[1]):
+                raise CheckpointError(f"{lora.path}: module '{name}' has a delta of shape {(w.up.shape[0], w.down.shape[1])}, "
+                                      f"another input {(first.up.shape[0], first.down.shape[1])}")  # fmt: skip
+            modules.setdefault(name, []).append((spec.ratio, w))
+    fmt, prefix = ("kohya", "") if kohya else (loras[0].fmt, loras[0].prefix)
+    return modules, loras[0], fmt, prefix
+
+
+def stacked(parts: list[tuple[float, LoRAWeights]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(down [R, in], up [out, R]) float32 with up @ down = sum ratio * scale * up_i @ down_i."""
+    down = torch.cat([w.down.float() for _, w in parts], 0)
+    up = torch.cat([w.up.float() * (ratio * w.scale) for ratio, w in parts], 1)
+    return down, up
+
+
+def combine_loras(specs: list[LoRASpec], save_to: str, mode: str = "concat", rank: int | None = None,
+                  precision: str | None = None, device=None) -> list[dict]:
+    """Write the combined LoRA; returns one row per module (rank, retained energy, error)."""
+    if mode not in ("concat", "svd"):
+        raise ValueError(f"--mode {mode!r}: expected concat or svd")
+    if (mode == "svd") != (rank is not None) or (rank is not None and rank < 1):
+        raise ValueError(f"--rank {rank}: --mode svd needs --rank R >= 1, --mode concat takes no --rank")
+    check_output_path(save_to, *(s.path for s in specs))
+    modules, first, fmt, prefix = gather(specs)
+    out, rows = {}, []
+    for name, parts in modules.items():
+        down, up = stacked(parts)
+        if mode == "concat":
+            out[name] = LoRAWeights(down, up, float(down.shape[0]))
+            rows.append({"module": name, "rank": down.shape[0], "fro_retained": 1.0, "rel_error": 0.0})
+            continue
+        spectrum = svd_of_product(up, down, device)
+        k = min(rank, len(spectrum.S))
+        new_down, new_up = factors(spectrum, k)
+        out[name] = LoRAWeights(new_down, new_up, float(k))
+        rows.append({"module": name, "rank": k, "fro_retained": spectrum.fro_retained(k), "rel_error": spectrum.rel_error(k)})
+    ranks = {r["rank"] for r in rows}
+    metadata = dict(first.metadata)
+    metadata["ss_network_dim"] = metadata["ss_network_alpha"] = str(ranks.pop()) if len(ranks) == 1 else "Dynamic"
+    metadata["lora_combined"] = json.dumps({"mode": mode, "rank": rank,
+                                            "loras": [{"file": os.path.basename(s.path), "ratio": s.ratio} for s in specs]})  # fmt: skip
+    write_lora_file(save_to, out, fmt, prefix, save_dtype(precision, first.dtype), metadata)
+    return rows
+
+
+def build_parser() -> Parser:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lora", required=True, nargs="+", help="LoRA files as path[:ratio] (ratio 1 when left out)")
+    parser.add_argument("--save_to", required=True, help="output .safetensors")
+    parser.add_argument("--mode", choices=["concat", "svd"], default="concat", help="concat: exact; svd: compress to --rank")
+    parser.add_argument("--rank", type=int, default=None, help="--mode svd: rank of every module")
+    parser.add_argument("--save_precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: the first input's dtype")
+    parser.add_argument("--device", default=None, help="where the SVDs run (cuda for a GPU; default cpu)")
+    return parser
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        specs = [parse_lora_spec(s) for s in args.lora]
+        rows = combine_loras(specs, args.save_to, args.mode, args.rank, args.save_precision, args.device)
+    except (ValueError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError; RuntimeError: bad --device
+        print(one_line(e), file=sys.stderr)
+        return 2
+    if args.mode == "svd":
+        for r in rows:
+            print(f"{r['module']:70s} rank {r['rank']:4d}  fro retained {r['fro_retained']:7.2%}  rel error {r['rel_error']:.2e}")
+    ranks = sorted({r["rank"] for r in rows})
+    print(f"{len(specs)} LoRAs -> {len(rows)} modules ({args.mode}, ranks {ranks}) -> {args.save_to}; Frobenius energy "
+          f"retained min {min(r['fro_retained'] for r in rows):.2%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Extract a LoRA from the difference between a fine-tuned checkpoint and its base.
+
+    python tools/extract_lora.py --model BASE --tuned TUNED --save_to OUT.safetensors \
+        (--rank R [--svd lowrank] | --energy X [--rank R]) [--save_precision fp32|bf16|fp16] [--device cuda]
+
+BASE and TUNED are read as tools/merge_lora.py reads a base (open_base: FLUX.1 BFL single file,
+ComfyUI prefixes included, or diffusers folder; Qwen-Image file or folder; Hugging Face LLM folder
+or file; pre-quantized fp8 files are dequantized as merge_lora does) and must be the same family
+and naming. The LoRA targets are the family's Linears that networks/lora.py's TARGETS names (FLUX:
+every block Linear with modulation, and the embedders; Qwen-Image: attention, MLP and modulation;
+LLM: attention and MLP projections), found through the same key maps merge_lora uses.
+
+Per target module, D = W_tuned - W_base (float32), and its SVD D = U S Vh (torch.linalg.svd on
+--device) gives the best rank-k approximation: down = Vh_k, up = U_k S_k, alpha = k (scale 1).
+k = --rank, or with --energy X the smallest k whose retained Frobenius energy
+sqrt(sum_{i<k} S_i^2 / sum S_i^2) is >= X (at most --rank when given). Modules with D = 0 are left
+out. --svd lowrank (with --rank only) takes the top rank + 8 singular triplets by randomized SVD
+(torch.svd_lowrank, 4 power iterations, fixed seed): exact for a delta of rank <= R + 8 (a merged
+LoRA), otherwise near the best rank-R approximation, and many times faster than the full SVD on
+large weights; the error printed is measured, so it shows what was lost. Printed per module: k, the retained energy, and the measured relative error of the delta
+actually written, ||D - (alpha / k) up @ down|| / ||D|| (after casting to --save_precision), and
+||D|| / ||W_base||. Tensors that differ but no LoRA can carry (biases, norms, embeddings) are counted.
+
+Streaming: one module at a time, base and tuned weight read, differenced, decomposed and dropped;
+peak memory is a few copies of the largest weight plus the LoRA being built.
+
+Output: kohya (`lora_unet_` for FLUX BFL / Qwen-Image, `lora_te_` for LLMs, our trainer's names),
+or PEFT with `transformer.` for a FLUX diffusers-named checkpoint (diffusers names; our loader and
+merge_lora convert them to BFL). It loads with networks.lora.LoRANetwork.load_weights, merge_lora
+and generate. Errors are one line on stderr, exit status 2, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `library` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library.io import CheckpointError  # noqa: E402
+from networks.lora import KOHYA_PREFIX, TARGETS  # noqa: E402
+from networks.lora_files import LoRAWeights, build_metadata, write_kohya, write_peft  # noqa: E402
+from networks.lora_svd import factors, rank_for_energy, svd_lowrank_of_matrix, svd_of_matrix  # noqa: E402
+from tools.lora_common import Parser, check_output_path, one_line, save_dtype  # noqa: E402
+from tools.merge_lora import Base, Fp8BasePlan, open_base  # noqa: E402
+
+
+def read_weight(base: Base, key: str) -> torch.Tensor:
+    """A checkpoint tensor as float32 (fp8 codes dequantized with their scale, as merge_lora does)."""
+    if base.fp8 is not None:
+        return Fp8BasePlan(base, None, {}).dequantized(key)
+    return base.reader.get(key).float()
+
+
+def target_modules(base: Base) -> list[str]:
+    """Module paths (base naming, checkpoint order) whose weight TARGETS[family] names; FLUX
+    diffusers names are matched through their BFL owner module."""
+    patterns = [re.compile(p) for p in TARGETS[base.family].values()]
+    return [p for p in base.weight_key if any(r.fullmatch(base.fp8_name(p)) for r in patterns)]
+
+
+def extract_module(delta: torch.Tensor, rank: int | None, energy: float | None, dtype: torch.dtype, device=None,
+                   lowrank: bool = False):
+    """(LoRAWeights in `dtype`, stats) of the best low-rank approximation of `delta` [out, in]."""
+    spectrum = svd_lowrank_of_matrix(delta, rank, device) if lowrank else svd_of_matrix(delta, device)
+    k = rank_for_energy(spectrum, energy, rank) if energy is not None else min(rank, len(spectrum.S))
+    down, up = factors(spectrum, k)
+    w = LoRAWeights(down.to(dtype), up.to(dtype), float(k))
+    written = w.up.float() @ w.down.float()  # what the file holds, in float32 (scale 1)
+    error = float((delta - written).norm() / delta.norm())
+    return w, {"rank": k, "fro_retained": spectrum.fro_retained(k), "rel_error": error}
+
+
+def open_pair(model: str, tuned: str) -> tuple[Base, Base]:
+    base, other = open_base(model), open_base(tuned)
+    if (base.family, base.naming) != (other.family, other.naming):
+        raise CheckpointError(f"--tuned {tuned}: a {other.family} checkpoint in {other.naming} names, the base {model} "
+                              f"is {base.family} in {base.naming} names")  # fmt: skip
+    return base, other
+
+
+def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, energy: float | None = None,
+                 precision: str | None = None, device=None, log=print, svd: str = "full") -> dict:
+    """Write the extracted LoRA to `save_to`; returns {"modules": rows, "skipped": [...], "other_changed": n}."""
+    if rank is None and energy is None:
+        raise ValueError("give --rank R or --energy X (the smallest rank keeping that Frobenius fraction)")
+    if rank is not None and rank < 1:
+        raise ValueError(f"--rank {rank}: must be >= 1")
+    if energy is not None and not 0 < energy <= 1:
+        raise ValueError(f"--energy {energy}: must be in (0, 1]")
+    if svd not in ("full", "lowrank") or (svd == "lowrank" and (energy is not None or rank is None)):
+        raise ValueError(f"--svd {svd}: expected full, or lowrank with --rank R and no --energy (it sees only the top of the spectrum)")
+    check_output_path(save_to, model, tuned)
+    base, other = open_pair(model, tuned)
+    dtype = save_dtype(precision, torch.float32)
+    targets = target_modules(base)
+    weights, rows, skipped = {}, [], []
+    for path in targets:
+        key = base.weight_key[path]
+        if key not in other.reader or other.reader.shape(key) != base.reader.shape(key):
+            raise CheckpointError(f"--tuned {tuned}: no weight '{key}' of shape {base.reader.shape(key)} (the base has it)")
+        w_base = read_weight(base, key)
+        delta = read_weight(other, key) - w_base
+        if not delta.any():
+            skipped.append(path)
+            continue
+        weights[path], stats = extract_module(delta, rank, energy, dtype, device, lowrank=svd == "lowrank")
+        rows.append({"module": path, "shape": list(delta.shape), **stats,
+                     "delta_rel_to_weight": float(delta.norm() / w_base.norm().clamp_min(1e-30))})  # fmt: skip
+        log(f"{path:60s} {str(tuple(delta.shape)):14s} rank {stats['rank']:4d}  fro retained {stats['fro_retained']:7.2%}  "
+            f"rel error {stats['rel_error']:.2e}  |dW|/|W| {rows[-1]['delta_rel_to_weight']:.2e}")
+        del w_base, delta
+    if not weights:
+        raise CheckpointError(f"--tuned {tuned}: no LoRA target weight differs from the base {model}")
+    other_changed = _other_changed(base, other, {base.weight_key[p] for p in targets})
+    metadata = build_metadata(network_module="networks.lora", network_dim=rank if energy is None else "Dynamic",
+                              network_alpha=rank if energy is None else "Dynamic", base_model=base.path)
+    metadata["lora_extracted"] = json.dumps({"base": os.path.basename(base.path), "tuned": os.path.basename(other.path),
+                                             "rank": rank, "energy": energy, "family": base.family})  # fmt: skip
+    if base.family == "flux" and base.naming == "diffusers":
+        write_peft(weights, save_to, prefix="transformer", dtype=dtype, metadata={**metadata, "lora_alpha_folded": "true"})
+    else:
+        write_kohya(weights, save_to, dtype, metadata, prefix=KOHYA_PREFIX[base.family])
+    return {"modules": rows, "skipped": skipped, "other_changed": other_changed, "family": base.family}
+
+
+def _other_changed(base: Base, other: Base, done: set[str]) -> int:
+    """How many tensors outside the LoRA targets differ between the checkpoints (one at a time)."""
+    changed = 0
+    for key in base.reader.keys():
+        if key in done or key not in other.reader or other.reader.shape(key) != base.reader.shape(key):
+            continue
+        changed += not torch.equal(base.reader.get(key), other.reader.get(key))
+    return changed
+
+
+def build_parser() -> Parser:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="base checkpoint: file or folder")
+    parser.add_argument("--tuned", required=True, help="fine-tuned checkpoint of the same model and layout")
+    parser.add_argument("--save_to", required=True, help="output LoRA .safetensors")
+    parser.add_argument("--rank", type=int, default=None, help="rank of every module (the cap with --energy)")
+    parser.add_argument("--energy", type=float, default=None, help="keep this Frobenius fraction per module, e.g. 0.95")
+    parser.add_argument("--save_precision", choices=["fp32", "bf16", "fp16"], default=None, help="default fp32")
+    parser.add_argument("--device", default=None, help="where the SVDs run (cuda for a GPU; default cpu)")
+    parser.add_argument("--svd", choices=["full", "lowrank"], default="full",
+                        help="lowrank: randomized SVD of the top rank + 8 (with --rank; much faster on big weights)")
+    return parser
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        done = extract_lora(args.model, args.tuned, args.save_to, args.rank, args.energy, args.save_precision, args.device,
+                            svd=args.svd)
+    except (ValueError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError; RuntimeError: bad --device
+        print(one_line(e), file=sys.stderr)
+        return 2
+    rows = done["modules"]
+    print(f"{len(rows)} {done['family']} modules -> {args.save_to}: ranks {sorted({r['rank'] for r in rows})}, "
+          f"Frobenius energy retained min {min(r['fro_retained'] for r in rows):.2%}, max relative delta error "
+          f"{max(r['rel_error'] for r in rows):.2e}; {len(done['skipped'])} target weights unchanged; "
+          f"{done['other_changed']} other tensors differ and are not in the LoRA (biases, norms, embeddings ...)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""What resize_lora, extract_lora, combine_loras and lora_info share: reading a LoRA file with its
+layout, writing modules back in a layout, and the output error of two LoRAs on a (small) model.
+
+A LoRAFile keeps module names as the file spells them: kohya names (`lora_unet_double_blocks_0_
+img_attn_qkv`, no model needed to resolve '_') or dotted paths with the prefix (`transformer.`,
+`base_model.model.`, `diffusion_model.`) stripped and remembered, so a tool writes its result in
+the layout it read. PEFT output has alpha / rank folded into lora_B (float32), as convert_lora
+writes it, so every PEFT loader applies the right delta without an adapter config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `library` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library.io import CheckpointError, CheckpointReader  # noqa: E402
+from library.training.config import PRECISION_DTYPES  # noqa: E402
+from networks.lora_files import (  # noqa: E402
+    ADAPTER_METADATA_KEY,
+    COMFY_PREFIXES,
+    PEFT_PREFIXES,
+    LoRAWeights,
+    _split_key,
+    parse_lora,
+    peft_state_dict,
+    write_lora_tensors,
+)
+from networks.lycoris_network import is_lycoris_file  # noqa: E402
+
+FOLDED_MARK = "lora_alpha_folded"  # same header entry as tools/convert_lora.py: alpha/rank is inside lora_B
+DROPPED_METADATA = ("sshs_model_hash", "sshs_legacy_hash", ADAPTER_METADATA_KEY, FOLDED_MARK)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are a ValueError: one line and exit status 2 through the tool's main."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
+@dataclass
+class LoRAFile:
+    path: str
+    weights: dict[str, LoRAWeights]  # file module name (kohya name, or dotted path without prefix) -> LoRA
+    metadata: dict[str, str]
+    fmt: str  # "kohya" | "peft" | "comfy"
+    prefix: str  # stripped from dotted names ("" for kohya)
+    dtype: torch.dtype
+
+    @property
+    def has_dora(self) -> bool:
+        return any(w.magnitude is not None for w in self.weights.values())
+
+
+def read_lora_file(path: str, tool: str) -> LoRAFile:
+    """Read a down/up LoRA (kohya, PEFT/diffusers, ComfyUI; DoRA included). LyCORIS files are
+    refused with one line naming `tool`."""
+    reader = CheckpointReader(path)
+    tensors = dict(reader.items())
+    if is_lycoris_file(tensors):
+        raise CheckpointError(f"{path}: a LyCORIS file (LoKr / LoHa / ...): {tool} works on LoRA (down/up) files only; "
+                              "merge it into the base with tools/merge_lora.py instead")  # fmt: skip
+    weights, fmt = parse_lora(tensors, reader.metadata, None, source=path)
+    prefix = ""
+    if fmt != "kohya":
+        modules = list(dict.fromkeys(_split_key(k)[0] for k in tensors))
+        prefixes = PEFT_PREFIXES if fmt == "peft" else COMFY_PREFIXES
+        prefix = next((p for p in prefixes if all(m.startswith(p) for m in modules)), "")
+    dtype = next(iter(weights.values())).down.dtype
+    return LoRAFile(path, weights, dict(reader.metadata), fmt, prefix, dtype)
+
+
+def layout_tensors(weights: dict[str, LoRAWeights], fmt: str, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Modules (named as LoRAFile names them) -> tensors of layout `fmt`; alpha a float32 scalar."""
+    if fmt == "peft":
+        return peft_state_dict(weights, prefix.rstrip("."), dtype)
+    out = {}
+    for name, w in weights.items():
+        key = prefix + name
+        out[f"{key}.lora_down.weight"] = w.down.detach().to(dtype).contiguous()
+        out[f"{key}.lora_up.weight"] = w.up.detach().to(dtype).contiguous()
+        out[f"{key}.alpha"] = torch.tensor(float(w.alpha), dtype=torch.float32)
+        if w.magnitude is not None:
+            out[f"{key}.dora_scale"] = w.magnitude.detach().reshape(-1, 1).to(dtype)
+    return out
+
+
+def write_lora_file(path: str, weights: dict[str, LoRAWeights], fmt: str, prefix: str, dtype: torch.dtype,
+                    metadata: dict[str, str]) -> None:
+    """Atomic write in layout `fmt`; hashes and PEFT alpha headers of the input are dropped (they
+    describe other tensors), PEFT output is marked as alpha-folded."""
+    header = {k: v for k, v in metadata.items() if k not in DROPPED_METADATA}
+    if fmt == "peft":
+        header[FOLDED_MARK] = "true"
+    write_lora_tensors(layout_tensors(weights, fmt, prefix, dtype), path, header)
+
+
+def save_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
+    if name is None:
+        return default
+    if name not in PRECISION_DTYPES:
+        raise ValueError(f"--save_precision {name!r}: expected one of {', '.join(PRECISION_DTYPES)}")
+    return PRECISION_DTYPES[name]
+
+
+def check_output_path(path: str, *inputs: str) -> None:
+    if not path.endswith(".safetensors"):
+        raise ValueError(f"--save_to {path}: expected a .safetensors file (only safetensors is written)")
+    if os.path.exists(path) and any(os.path.exists(i) and os.path.samefile(path, i) for i in inputs):
+        raise ValueError(f"--save_to {path}: is one of the inputs; write the result elsewhere")
+
+
+def one_line(error: Exception) -> str:
+    return f"error: {' '.join(str(error).split())}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Output error on a model (small models: the forward runs on the CPU in float32)
+
+
+def load_model(model_path: str):
+    """(model float32 eval, family, forward kwargs) for a FLUX / Qwen-Image / LLM checkpoint."""
+    from tools.merge_lora import open_base
+
+    base = open_base(model_path)
+    if base.family == "llm":
+        from library.models.llm import load_llm
+
+        model = load_llm(base.path)
+        ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+        return model.eval(), "llm", {"input_ids": ids}
+    from tools.precision_doctor import _loader, make_inputs
+
+    model = _loader(base.family)(base.path).eval()
+    kwargs = make_inputs(base.family, model.config, 64, 64, seed=0, text_len=16).make_kwargs(0.5)
+    return model, base.family, kwargs
+
+
+@torch.no_grad()
+def output_error(model_path: str, reference: str, candidate: str) -> dict[str, float]:
+    """Model outputs with LoRA `reference` and with LoRA `candidate` (files, applied unmerged):
+    {"rel_to_lora_effect": ||y_c - y_r|| / ||y_r - y_base||, "rel_to_output": ||y_c - y_r|| / ||y_r||}."""
+    from networks.lora import LoRANetwork
+
+    model, family, kwargs = load_model(model_path)
+    outputs = [model(**kwargs).float()]
+    for path in (reference, candidate):
+        net = LoRANetwork.from_weights(model, family, path)
+        net.apply()
+        outputs.append(model(**kwargs).float())
+        net.remove()
+    base, ref, cand = outputs
+    diff = float((cand - ref).norm())
+    return {"rel_to_lora_effect": diff / max(float((ref - base).norm()), 1e-30),
+            "rel_to_output": diff / max(float(ref.norm()), 1e-30)}
