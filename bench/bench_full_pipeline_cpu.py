@@ -1,0 +1,226 @@
+"""The whole FLUX.1-dev pipeline at full size on this CPU: train_lora.py end to end on random-weight
+files in the released formats, with the peak memory of every phase.
+
+    python bench/bench_full_pipeline_cpu.py --work /tmp/fullsize            # writes ~34 GB, then trains
+    python bench/bench_full_pipeline_cpu.py --work /tmp/fullsize --skip-write
+
+Files (each tensor drawn and written one at a time, so writing never holds a model):
+  flux1-dev.safetensors  BFL single file, bf16, 11.9 B parameters (FLUX.1-dev's shapes; no metadata,
+                         so the loader reads the config from the shapes as for the real file)
+  ae.safetensors         BFL autoencoder layout, bf16 (diffusers' FLUX VAE config)
+  clip_l/, t5xxl/        HF folders (config.json, model.safetensors in bf16, tokenizer files): CLIP-L
+                         (123 M) and the T5-XXL encoder (4.76 B) at their released sizes
+Weights are N(0, 0.02) (norm scales 1), enough to keep every activation finite. The tokenizers are the
+small ones of tools/make_tiny_models.py: their ids are valid for the full vocabularies.
+
+The run: 2 images at 256x256, fp8_scaled base quantized while streaming from the bf16 file, bf16
+compute, gradient checkpointing, LoRA rank 16, AdamW, 2 steps, T5 at 512 tokens in bf16, one sample
+(256x256, 4 steps, no bf16 reference: that would load a second, bf16 base) and the final save.
+
+Memory: train_lora.py runs as a child process; a thread samples its /proc/<pid>/status every 0.2 s
+(VmRSS; RssAnon = what the process allocated; RssFile = pages of mmapped checkpoint files it has
+touched, which the kernel may drop at any time). Phases are cut at the lines the trainer prints:
+VAE caching -> "latents:", text caching -> "captions:", loading the transformer -> the first
+training step, training -> the LoRA's lr plot, sampling + save -> "saved". Results go to stdout and
+<work>/result.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from library.models.flux1.model import FLUX_DEV, Flux  # noqa: E402
+from library.models.vae import FLUX_VAE_CONFIG, flux_vae_to_ldm_state_dict  # noqa: E402
+from tools.make_tiny_models import build_clip_tokenizer, build_t5_tokenizer, save_tokenizer  # noqa: E402
+from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
+
+GiB = 1024**3
+PHASES = (("vae caching", "latents:"), ("text caching", "captions:"), ("transformer load", "training:"),
+          ("training", "_lr.png"), ("sample + save", "saved "))
+
+
+# ----------------------------------------------------------------------------------------------
+# Random full-size files, tensor by tensor
+
+
+def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    if len(shape) == 1 and ("norm" in name or name.endswith(("scale", ".g"))):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+
+
+def write_random(path: str, shapes: dict[str, tuple[int, ...]], seed: int, metadata: dict[str, str] | None = None):
+    generator = torch.Generator().manual_seed(seed)
+    entries = [Entry(k, torch.bfloat16, tuple(s)) for k, s in shapes.items()]
+    tensors = ((e.key, random_tensor(e.key, e.shape, generator)) for e in entries)
+    tmp = path + ".tmp"
+    write_safetensors_streaming(tmp, entries, tensors, metadata or {"format": "pt"})
+    os.replace(tmp, path)
+    print(f"wrote {path}: {sum(e.nbytes for e in entries) / GiB:.2f} GiB", flush=True)
+
+
+def meta_shapes(build) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        module = build()
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+def write_files(work: str):
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    os.makedirs(work, exist_ok=True)
+    write_random(os.path.join(work, "flux1-dev.safetensors"), meta_shapes(lambda: Flux(FLUX_DEV)), 1, metadata={})
+    with torch.device("meta"):
+        vae_sd = AutoencoderKL(**FLUX_VAE_CONFIG).state_dict()
+    ldm = flux_vae_to_ldm_state_dict(vae_sd, len(FLUX_VAE_CONFIG["block_out_channels"]))
+    write_random(os.path.join(work, "ae.safetensors"), {k: tuple(v.shape) for k, v in ldm.items()}, 2, metadata={})
+
+    clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
+    clip = CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768,
+                          num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
+                          bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
+                          pad_token_id=clip_tok.pad_token_id)
+    t5 = T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                  feed_forward_proj="gated-gelu", tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
+    for name, config, cls, tok, prefix, skip in (("clip_l", clip, CLIPTextModel, clip_tok, "text_model.", "position_ids"),
+                                                 ("t5xxl", t5, T5EncoderModel, t5_tok, "", "encoder.embed_tokens.weight")):
+        folder = os.path.join(work, name)
+        os.makedirs(folder, exist_ok=True)
+        shapes = {prefix + k: s for k, s in meta_shapes(lambda: cls(config)).items() if not k.endswith(skip)}
+        write_random(os.path.join(folder, "model.safetensors"), shapes, 3 if name == "clip_l" else 4)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({"architectures": [cls.__name__], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
+        save_tokenizer(tok, folder)
+
+
+def write_run_config(work: str) -> str:
+    from PIL import Image
+
+    images = os.path.join(work, "images")
+    os.makedirs(images, exist_ok=True)
+    for i, color in enumerate(((200, 40, 40), (40, 40, 200))):
+        Image.new("RGB", (256, 256), color).save(os.path.join(images, f"{i}.png"))
+        with open(os.path.join(images, f"{i}.txt"), "w") as f:
+            f.write(f"a {'red' if i == 0 else 'blue'} square on a plain background, studio photo")
+    with open(os.path.join(work, "dataset.toml"), "w") as f:
+        f.write(f'[[datasets]]\nresolution = 256\nbatch_size = 1\n[[datasets.subsets]]\nimage_dir = "{images}"\n')
+    with open(os.path.join(work, "prompts.txt"), "w") as f:
+        f.write("a red square --w 256 --h 256 --s 4 --d 7\n")
+    config = os.path.join(work, "train.toml")
+    with open(config, "w") as f:
+        f.write(f"""model_type = "flux"
+pretrained_model_name_or_path = "{work}/flux1-dev.safetensors"
+ae = "{work}/ae.safetensors"
+clip_l = "{work}/clip_l"
+t5xxl = "{work}/t5xxl"
+dataset_config = "{work}/dataset.toml"
+sample_prompts = "{work}/prompts.txt"
+sample_bf16_reference = false
+output_dir = "{work}/out"
+output_name = "full_flux"
+fp8_base = true
+fp8_scaled = true
+mixed_precision = "bf16"
+gradient_checkpointing = true
+network_dim = 16
+network_alpha = 16
+optimizer_type = "AdamW"
+learning_rate = 1e-4
+max_train_steps = 2
+text_encoder_precision = "bf16"
+""")
+    return config
+
+
+# ----------------------------------------------------------------------------------------------
+# Running train_lora.py with a memory monitor
+
+
+def read_status(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def run_trainer(config: str) -> dict:
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_lora.py"), "--config_file", config], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    start, samples, lines = time.time(), [], []
+
+    def monitor():
+        while proc.poll() is None:
+            try:
+                samples.append((time.time() - start, read_status(proc.pid)))
+            except (OSError, ValueError):
+                break
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=monitor, daemon=True)
+    thread.start()
+    for line in proc.stdout:  # tqdm's carriage returns arrive as separate chunks of one line
+        for part in line.replace("\r", "\n").splitlines():
+            if part.strip():
+                lines.append((time.time() - start, part))
+                print(f"[{time.time() - start:7.1f} s] {part}", flush=True)
+    code = proc.wait()
+    thread.join()
+    return {"code": code, "samples": samples, "lines": lines, "seconds": time.time() - start}
+
+
+def phase_peaks(result: dict) -> list[dict]:
+    cuts, t0 = [], 0.0
+    for name, marker in PHASES:
+        t1 = next((t for t, line in result["lines"] if marker in line and t >= t0), None)
+        if t1 is None:
+            break
+        cuts.append((name, t0, t1))
+        t0 = t1
+    rows = []
+    for name, a, b in cuts:
+        inside = [s for t, s in result["samples"] if a <= t <= b]
+        if inside:
+            rows.append({"phase": name, "seconds": round(b - a, 1),
+                         **{f"peak_{k}_gib": round(max(s.get(k, 0) for s in inside) / GiB, 2)
+                            for k in ("VmRSS", "RssAnon", "RssFile")}})
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", default="/tmp/fullsize")
+    p.add_argument("--skip-write", action="store_true")
+    args = p.parse_args(argv)
+    if not args.skip_write:
+        t = time.time()
+        write_files(args.work)
+        print(f"files written in {time.time() - t:.0f} s", flush=True)
+    result = run_trainer(write_run_config(args.work))
+    rows = phase_peaks(result)
+    print(f"\ntrain_lora.py exit {result['code']} after {result['seconds']:.0f} s")
+    print(f"{'phase':18s} {'seconds':>8s} {'VmRSS':>7s} {'RssAnon':>8s} {'RssFile':>8s}  (peak GiB)")
+    for r in rows:
+        print(f"{r['phase']:18s} {r['seconds']:8.1f} {r['peak_VmRSS_gib']:7.2f} {r['peak_RssAnon_gib']:8.2f} "
+              f"{r['peak_RssFile_gib']:8.2f}")
+    with open(os.path.join(args.work, "result.json"), "w") as f:
+        json.dump({"code": result["code"], "seconds": result["seconds"], "phases": rows,
+                   "torch_threads": torch.get_num_threads()}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
