@@ -1,8 +1,14 @@
 """The whole FLUX.1-dev pipeline at full size on this CPU: train_lora.py end to end on random-weight
-files in the released formats, with the peak memory of every phase.
+files in the released formats, with the peak memory of every phase. Qwen-Image as far as it fits.
 
     python bench/bench_full_pipeline_cpu.py --work /tmp/fullsize            # writes ~34 GB, then trains
     python bench/bench_full_pipeline_cpu.py --work /tmp/fullsize --skip-write
+    python bench/bench_full_pipeline_cpu.py --family qwen_image --work /tmp/fullqwen --qwen-blocks 6
+
+Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
+Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
+VAE, and the transformer at full width but --qwen-blocks of its 60 blocks (diffusers folder); the
+full depth comes from tools/plan_memory.py.
 
 Files (each tensor drawn and written one at a time, so writing never holds a model):
   flux1-dev.safetensors  BFL single file, bf16, 11.9 B parameters (FLUX.1-dev's shapes; no metadata,
@@ -28,6 +34,7 @@ training step, training -> the LoRA's lr plot, sampling + save -> "saved". Resul
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -105,7 +112,41 @@ def write_files(work: str):
         save_tokenizer(tok, folder)
 
 
-def write_run_config(work: str) -> str:
+def write_qwen_files(work: str, blocks: int):
+    from diffusers import AutoencoderKLQwenImage
+
+    from library.models.llm import QWEN2_5_7B
+    from library.models.qwen_image.model import QWEN_IMAGE, QwenImage
+    from tools.make_tiny_models import build_qwen_tokenizer
+
+    os.makedirs(work, exist_ok=True)
+    config = dataclasses.replace(QWEN_IMAGE, num_layers=blocks)
+    folder = os.path.join(work, "transformer")
+    os.makedirs(folder, exist_ok=True)
+    write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"), meta_shapes(lambda: QwenImage(config)), 1)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config.to_diffusers(), f, indent=2)
+    with torch.device("meta"):
+        vae = AutoencoderKLQwenImage()
+    folder = os.path.join(work, "vae")
+    os.makedirs(folder, exist_ok=True)
+    write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
+                 {k: tuple(v.shape) for k, v in vae.state_dict().items()}, 2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"_class_name": "AutoencoderKLQwenImage", **{k: v for k, v in vae.config.items() if not k.startswith("_")}}, f)
+    tokenizer, folder = build_qwen_tokenizer(), os.path.join(work, "text_encoder")
+    os.makedirs(folder, exist_ok=True)
+    hf = {**QWEN2_5_7B.to_hf(), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    shapes = meta_shapes(lambda: Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in hf.items() if k != "architectures"})))
+    write_random(os.path.join(folder, "model.safetensors"), shapes, 3)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
+
+
+def write_run_config(work: str, family: str = "flux") -> str:
     from PIL import Image
 
     images = os.path.join(work, "images")
@@ -119,6 +160,29 @@ def write_run_config(work: str) -> str:
     with open(os.path.join(work, "prompts.txt"), "w") as f:
         f.write("a red square --w 256 --h 256 --s 4 --d 7\n")
     config = os.path.join(work, "train.toml")
+    if family == "qwen_image":
+        with open(config, "w") as f:
+            f.write(f"""model_type = "qwen_image"
+pretrained_model_name_or_path = "{work}/transformer"
+ae = "{work}/vae"
+text_encoder = "{work}/text_encoder"
+dataset_config = "{work}/dataset.toml"
+sample_prompts = "{work}/prompts.txt"
+sample_bf16_reference = false
+output_dir = "{work}/out"
+output_name = "full_qwen"
+fp8_base = true
+fp8_scaled = true
+mixed_precision = "bf16"
+gradient_checkpointing = true
+network_dim = 16
+network_alpha = 16
+optimizer_type = "AdamW"
+learning_rate = 1e-4
+max_train_steps = 2
+text_encoder_precision = "bf16"
+""")
+        return config
     with open(config, "w") as f:
         f.write(f"""model_type = "flux"
 pretrained_model_name_or_path = "{work}/flux1-dev.safetensors"
@@ -160,7 +224,7 @@ def read_status(pid: int) -> dict[str, int]:
 
 def run_trainer(config: str) -> dict:
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_lora.py"), "--config_file", config], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     start, samples, lines = time.time(), [], []
 
     def monitor():
@@ -173,8 +237,13 @@ def run_trainer(config: str) -> dict:
 
     thread = threading.Thread(target=monitor, daemon=True)
     thread.start()
-    for line in proc.stdout:  # tqdm's carriage returns arrive as separate chunks of one line
-        for part in line.replace("\r", "\n").splitlines():
+    pending = ""
+    while True:  # tqdm redraws with "\r" and no newline: cut on both, as the bytes arrive
+        chunk = os.read(proc.stdout.fileno(), 4096).decode(errors="replace")
+        if not chunk:
+            break
+        *parts, pending = (pending + chunk).replace("\r", "\n").split("\n")
+        for part in parts:
             if part.strip():
                 lines.append((time.time() - start, part))
                 print(f"[{time.time() - start:7.1f} s] {part}", flush=True)
@@ -205,12 +274,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", default="/tmp/fullsize")
     p.add_argument("--skip-write", action="store_true")
+    p.add_argument("--family", choices=["flux", "qwen_image"], default="flux")
+    p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
     args = p.parse_args(argv)
     if not args.skip_write:
         t = time.time()
-        write_files(args.work)
+        write_files(args.work) if args.family == "flux" else write_qwen_files(args.work, args.qwen_blocks)
         print(f"files written in {time.time() - t:.0f} s", flush=True)
-    result = run_trainer(write_run_config(args.work))
+    result = run_trainer(write_run_config(args.work, args.family))
     rows = phase_peaks(result)
     print(f"\ntrain_lora.py exit {result['code']} after {result['seconds']:.0f} s")
     print(f"{'phase':18s} {'seconds':>8s} {'VmRSS':>7s} {'RssAnon':>8s} {'RssFile':>8s}  (peak GiB)")
@@ -219,7 +290,8 @@ def main(argv=None):
               f"{r['peak_RssFile_gib']:8.2f}")
     with open(os.path.join(args.work, "result.json"), "w") as f:
         json.dump({"code": result["code"], "seconds": result["seconds"], "phases": rows,
-                   "torch_threads": torch.get_num_threads()}, f, indent=2)
+                   "torch_threads": torch.get_num_threads(), "lines": result["lines"],
+                   "samples": [(round(t, 1), s) for t, s in result["samples"]]}, f)
 
 
 if __name__ == "__main__":

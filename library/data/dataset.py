@@ -26,9 +26,10 @@ from PIL import Image, ImageOps
 
 from library.data.captions import caption_variants, drops_captions, fixed_caption, is_dropped
 from library.data.dataset_config import DatasetBlueprint, SubsetSpec
+from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket
+from library.data.masks import balance_reg_repeats, find_mask, load_mask, mask_source_hash, warn_missing_alpha
 from library.io import CheckpointReader, save_safetensors
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 # Part of every latent cache hash: bump it when resize/crop changes so old caches are redone.
 PREPROCESS_VERSION = "resize-crop-v1"
 CACHE_DTYPE = torch.bfloat16  # what cache files hold; samples are float32
@@ -46,6 +47,11 @@ class ImageItem:
     latent_cache: str | dict | None = None  # file path, or tensors held in memory
     text_cache: str | dict | None = None
     caption_variants: list[str] = field(default_factory=list)  # augmented captions, cached beside the caption
+    mask_path: str | None = None  # mask_dir's file for it (library/data/masks.py)
+
+    @property
+    def masked(self) -> bool:
+        return self.mask_path is not None or self.subset.alpha_mask
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,7 +104,10 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False) -> lis
         buckets = (make_buckets(ds.resolution, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps)
                    if ds.enable_bucket and not ds.bucket_no_upscale else [ds.resolution])
         for subset in ds.subsets:
-            for path in _image_files(subset.image_dir):
+            paths = _image_files(subset.image_dir)
+            if subset.alpha_mask:
+                warn_missing_alpha(paths, subset)
+            for path in paths:
                 size = _verified_image_size(path)
                 if ds.enable_bucket and ds.bucket_no_upscale:
                     bucket = bucket_without_upscale(size, ds.resolution[0] * ds.resolution[1], ds.bucket_reso_steps)
@@ -107,7 +116,8 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False) -> lis
                                          f"bucket_reso_steps {ds.bucket_reso_steps} (bucket_no_upscale is on)")
                 else:
                     bucket = bucket_for(size, buckets)
-                items.append(ImageItem(path, read_caption(path, subset), subset, di, size, bucket, ds.cache_dir))
+                items.append(ImageItem(path, read_caption(path, subset), subset, di, size, bucket, ds.cache_dir,
+                                       mask_path=find_mask(path, subset, size)))
     return items
 
 
@@ -123,6 +133,8 @@ def split_validation(items: list[ImageItem], blueprint: DatasetBlueprint) -> tup
     held_out: set[int] = set()
     for group in by_subset.values():
         spec = blueprint.datasets[group[0].dataset_index]
+        if group[0].subset.is_reg:  # regularization images are never validation images
+            continue
         count = int(len(group) * spec.validation_split + 1e-9)  # floor, robust to 0.1 * 30 = 3.0000000000000004
 
         def rank(item: ImageItem) -> str:
@@ -184,20 +196,9 @@ def read_caption(image_path: str, subset: SubsetSpec) -> str:
 
 
 def load_image(path: str, bucket: tuple[int, int], flip: bool = False) -> torch.Tensor:
-    """The image resized to cover `bucket` (box filter when shrinking, Lanczos when enlarging),
-    centre-cropped to it, optionally mirrored. Returns float32 [3, H, W] in [-1, 1]."""
+    """The image fitted to `bucket` (images.fit_to_bucket). Returns float32 [3, H, W] in [-1, 1]."""
     with Image.open(path) as img:
-        img = ImageOps.exif_transpose(img).convert("RGB")
-    bw, bh = bucket
-    w, h = img.size
-    scale = max(bw / w, bh / h)
-    rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
-    if (rw, rh) != (w, h):
-        img = img.resize((rw, rh), Image.Resampling.BOX if scale < 1 else Image.Resampling.LANCZOS)
-    left, top = (rw - bw) // 2, (rh - bh) // 2
-    img = img.crop((left, top, left + bw, top + bh))
-    if flip:
-        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        img = fit_to_bucket(ImageOps.exif_transpose(img).convert("RGB"), bucket, flip)
     pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())  # [H, W, 3] uint8
     return pixels.permute(2, 0, 1).float() / 127.5 - 1.0
 
@@ -220,6 +221,9 @@ class ImageDataset(torch.utils.data.Dataset):
         self.blueprint, self.seed, self.validation = blueprint, seed, validation
         self.items = split_validation(scan_images(blueprint), blueprint)[0] if items is None else items
         repeats = [1 if validation else item.subset.num_repeats for item in self.items]
+        if not validation:  # regularization images: repeats balanced to the training images per dataset
+            reg = _reg_repeats(self.items)
+            repeats = [reg.get(id(item), n) for item, n in zip(self.items, repeats)]
         self.entries = [i for i, n in enumerate(repeats) for _ in range(n)]
         self.repeat_of = [r for n in repeats for r in range(n)]
         if not validation:  # validation uses the captions as written
@@ -240,12 +244,17 @@ class ImageDataset(torch.utils.data.Dataset):
         # draw (an optimizer step lies within one epoch, where each repeat occurs once).
         key = f"{item.dataset_index}:{os.path.relpath(item.image_path, item.subset.image_dir)}#{self.repeat_of[entry]}"
         caption, variant = self._caption(item, epoch, rng)
-        sample = {"image_path": item.image_path, "key": key, "bucket": item.bucket, "caption": caption}
+        sample = {"image_path": item.image_path, "key": key, "bucket": item.bucket, "caption": caption,
+                  "is_reg": item.subset.is_reg}
         if item.latent_cache is not None:
             cached = _read_cache(item.latent_cache)
             sample["latents"] = cached["latents_flipped" if flip else "latents"].float()
+            if item.masked:
+                sample["mask"] = cached["mask_flipped" if flip else "mask"].float()
         else:
             sample["image"] = load_image(item.image_path, item.bucket, flip)
+            if item.masked:
+                sample["mask"] = load_mask(item.image_path, item.mask_path, item.bucket, flip)
         if item.text_cache is not None:
             text = self._empty_text() if variant == "dropped" else _read_text_cache(item.text_cache, variant)
             sample["text"] = {k: v.float() if v.is_floating_point() else v for k, v in text.items()}
@@ -332,6 +341,16 @@ class EpochBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
+def _reg_repeats(items: list[ImageItem]) -> dict[int, int]:
+    """id(item) -> repeats for every regularization item, balanced within its dataset."""
+    out: dict[int, int] = {}
+    for di in sorted({item.dataset_index for item in items}):
+        in_dataset = [item for item in items if item.dataset_index == di]
+        train = sum(item.subset.num_repeats for item in in_dataset if not item.subset.is_reg)
+        out.update(balance_reg_repeats(train, [item for item in in_dataset if item.subset.is_reg]))
+    return out
+
+
 def collate_batch(samples: list[dict]) -> dict:
     """Stack one bucket's samples: images [B,3,H,W] or latents [B,C,h,w] float32, captions list,
     text dict of [B, ...] tensors (different lengths zero-padded at the end of axis 0, so
@@ -344,6 +363,10 @@ def collate_batch(samples: list[dict]) -> dict:
             batch[out] = torch.stack([s[key] for s in samples])
     if "text" in samples[0]:
         batch["text"] = {k: _pad_stack([s["text"][k] for s in samples]) for k in samples[0]["text"]}
+    batch["is_reg"] = torch.tensor([s.get("is_reg", False) for s in samples])
+    if any("mask" in s for s in samples):  # unmasked samples of a mixed batch train everywhere
+        like = next(s["mask"] for s in samples if "mask" in s)
+        batch["masks"] = torch.stack([s.get("mask", torch.ones_like(like)) for s in samples])
     return batch
 
 
@@ -377,6 +400,8 @@ def latent_hash(item: ImageItem, model_key: str) -> str:
     with open(item.image_path, "rb") as f:
         h.update(f.read())
     h.update(f"|{model_key}|{item.bucket[0]}x{item.bucket[1]}|flip={item.subset.flip_aug}|{PREPROCESS_VERSION}".encode())
+    if item.masked:  # a changed mask file recomputes the entry
+        h.update(f"|{mask_source_hash(item.mask_path, item.subset.alpha_mask)}".encode())
     return h.hexdigest()
 
 
@@ -413,6 +438,9 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
                 encoded["latents_flipped"] = _encode_images(encode_fn, chunk, flip=True)
             for i, (item, path, digest) in enumerate(chunk):
                 tensors = {k: v[i].to(CACHE_DTYPE) for k, v in encoded.items()}
+                if item.masked:  # float32: a mask is small and its weights should be exact
+                    for suffix, flip in (("", False), ("_flipped", True)) if flip_aug else (("", False),):
+                        tensors["mask" + suffix] = load_mask(item.image_path, item.mask_path, item.bucket, flip)
                 item.latent_cache = _store(tensors, path, digest, to_disk, model_key)
     return len(todo)
 

@@ -12,6 +12,7 @@ the section, the key and the value. configs/dataset_example.toml documents every
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import toml
@@ -25,6 +26,7 @@ SUBSET_KEYS = (
     "image_dir", "num_repeats", "caption_extension", "class_tokens", "shuffle_caption",
     "keep_tokens", "keep_tokens_separator", "caption_separator", "caption_dropout_rate",
     "caption_dropout_every_n_epochs", "caption_tag_dropout_rate", "caption_variants", "flip_aug",
+    "alpha_mask", "mask_dir", "is_reg",
 )
 # Keys a [[datasets]] table may hold (they may also sit in [general]).
 DATASET_KEYS = (
@@ -38,7 +40,7 @@ KEY_TYPES = {
     "image_dir": str, "num_repeats": int, "caption_extension": str, "class_tokens": str,
     "shuffle_caption": bool, "keep_tokens": int, "caption_dropout_rate": float, "flip_aug": bool,
     "keep_tokens_separator": str, "caption_separator": str, "caption_dropout_every_n_epochs": int,
-    "caption_tag_dropout_rate": float, "caption_variants": int,
+    "caption_tag_dropout_rate": float, "caption_variants": int, "alpha_mask": bool, "mask_dir": str, "is_reg": bool,
 }
 # sd-scripts' defaults, except caption_extension: sd-scripts defaults to ".caption" but nearly
 # every dataset in use ships ".txt" files, so ".txt" is the default here.
@@ -50,7 +52,7 @@ DEFAULTS = {
     "num_repeats": 1, "caption_extension": ".txt", "class_tokens": None, "shuffle_caption": False,
     "keep_tokens": 0, "caption_dropout_rate": 0.0, "flip_aug": False,
     "keep_tokens_separator": "", "caption_separator": ",", "caption_dropout_every_n_epochs": 0,
-    "caption_tag_dropout_rate": 0.0, "caption_variants": 8,
+    "caption_tag_dropout_rate": 0.0, "caption_variants": 8, "alpha_mask": False, "mask_dir": None, "is_reg": False,
 }
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string",
                "resolution": "an integer or [width, height]"}
@@ -72,6 +74,10 @@ class SubsetSpec:
     caption_dropout_every_n_epochs: int = 0
     caption_tag_dropout_rate: float = 0.0
     caption_variants: int = 8  # augmented captions encoded per image when shuffling / dropping tags
+    # library/data/masks.py: loss masks and regularization images
+    alpha_mask: bool = False  # the image's alpha channel is the loss mask
+    mask_dir: str | None = None  # a grayscale mask per image, matched by file stem
+    is_reg: bool = False  # regularization images: loss x prior_loss_weight, repeats balanced to the training images
 
 
 @dataclass
@@ -170,6 +176,12 @@ def _parse_subset(source: str, general: dict, dataset: dict, subset: dict, secti
     for key in ("caption_dropout_rate", "caption_tag_dropout_rate"):
         if not 0.0 <= getattr(spec, key) <= 1.0:
             raise ValueError(f"{where} key '{key}' must be in [0, 1], got {getattr(spec, key)}")
+    if spec.alpha_mask and spec.mask_dir:
+        raise ValueError(f"{where} keys 'alpha_mask' and 'mask_dir' both set; the mask comes from one of them")
+    if spec.mask_dir is not None and not os.path.isdir(spec.mask_dir):
+        raise ValueError(f"{where} key 'mask_dir' {spec.mask_dir!r} is not a folder")
+    if spec.is_reg and section.startswith("validation_datasets"):
+        raise ValueError(f"{where} key 'is_reg' is for training subsets; validation datasets hold no regularization images")
     if not spec.caption_separator:
         raise ValueError(f"{where} key 'caption_separator' must not be empty")
     if (spec.shuffle_caption or spec.caption_tag_dropout_rate > 0) and spec.caption_variants < 2:

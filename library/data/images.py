@@ -1,5 +1,6 @@
-"""Writing sample images: tensors in [-1, 1] -> PNG, side by side with labels, settings in the
-PNG's text chunks, written atomically."""
+"""Image geometry shared by training images and their loss masks (resize to cover the bucket,
+centre crop, mirror), and writing sample images: tensors in [-1, 1] -> PNG, side by side with
+labels, settings in the PNG's text chunks, written atomically."""
 
 from __future__ import annotations
 
@@ -8,6 +9,22 @@ import torch
 from PIL import Image, ImageDraw, PngImagePlugin
 
 from library.io import atomic_path
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+def fit_to_bucket(img: Image.Image, bucket: tuple[int, int], flip: bool = False) -> Image.Image:
+    """`img` resized to cover `bucket` (w, h) (box filter when shrinking, Lanczos when enlarging),
+    centre-cropped to it, optionally mirrored: the same pixels for an image and its mask."""
+    bw, bh = bucket
+    w, h = img.size
+    scale = max(bw / w, bh / h)
+    rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
+    if (rw, rh) != (w, h):
+        img = img.resize((rw, rh), Image.Resampling.BOX if scale < 1 else Image.Resampling.LANCZOS)
+    left, top = (rw - bw) // 2, (rh - bh) // 2
+    img = img.crop((left, top, left + bw, top + bh))
+    return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else img
 
 
 def to_pil(image: torch.Tensor) -> Image.Image:

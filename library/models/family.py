@@ -128,10 +128,12 @@ class DiffusionFamily:
         raise NotImplementedError
 
     # -- training objective --------------------------------------------------------------------
-    def training_loss(self, model, latents: torch.Tensor, text: dict, args, generators: list[torch.Generator]):
+    def training_loss(self, model, latents: torch.Tensor, text: dict, args, generators: list[torch.Generator],
+                      mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None):
         """Flow-matching loss for a batch of latents [B, 16, H/8, W/8] (float32). One CPU
         generator per sample draws its noise and sigma, so a sample's draw does not depend on its
-        batch position or process. Returns the scalar float32 loss and the sigmas used."""
+        batch position or process. mask: [B, 1, H/8, W/8] loss masks; sample_weights: [B] (e.g.
+        prior_loss_weight on regularization images). Returns the scalar float32 loss and the sigmas."""
         b, _, lh, lw = latents.shape
         h, w = lh // self.patch, lw // self.patch
         method = args.timestep_sampling or fm.DEFAULTS[self.name]["timestep_sampling"]
@@ -143,18 +145,24 @@ class DiffusionFamily:
         ])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
         loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
-                            args.loss_type, args.huber_c)
+                            args.loss_type, args.huber_c, mask, sample_weights)
         return loss, sigmas
 
     def loss_at(self, model, latents: torch.Tensor, text: dict, noise: torch.Tensor, sigmas: torch.Tensor,
-                guidance: float | None, weighting: str = "none", loss_type: str = "l2", huber_c: float = 0.1):
+                guidance: float | None, weighting: str = "none", loss_type: str = "l2", huber_c: float = 0.1,
+                mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None):
         """The flow-matching loss at given noise (float32, latents' shape) and sigmas (float32 [B]),
         all on the latents' device: scalar float32. training_loss draws them; validation fixes them."""
         h, w = latents.shape[2] // self.patch, latents.shape[3] // self.patch
         x_t = pack_latents(fm.noisy_input(latents, noise, sigmas))
         pred = self.predict(model, x_t, sigmas, text, h, w, guidance)
         target = pack_latents(fm.flow_target(latents, noise))
-        return fm.flow_loss(pred, target, fm.loss_weighting(sigmas, weighting), loss_type, huber_c)
+        if mask is not None:  # one weight per latent element, packed like the latents
+            mask = pack_latents(mask.expand_as(latents))
+        weights = fm.loss_weighting(sigmas, weighting)
+        if sample_weights is not None:
+            weights = sample_weights.float() if weights is None else weights * sample_weights.float()
+        return fm.flow_loss(pred, target, weights, loss_type, huber_c, mask)
 
     # -- sampling ------------------------------------------------------------------------------
     @torch.no_grad()

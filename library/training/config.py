@@ -91,6 +91,7 @@ SCHEMA: dict[str, Arg] = {
                                 ("fp32", "fp16", "bf16", "fp8", "fp8_scaled")),
     "text_encoder_batch_size": A(int, 8, "captions per encoder batch while caching"),
     # flow matching
+    "prior_loss_weight": A(float, 1.0, "loss weight of regularization images (dataset subsets with is_reg = true)"),
     "timestep_sampling": A(str, None, "sigma sampling; default per model", ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift")),
     "discrete_flow_shift": A(float, 3.0, "k for timestep_sampling = shift"),
     "sigmoid_scale": A(float, 1.0, "scale of randn inside the sigmoid"),

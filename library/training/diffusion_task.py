@@ -40,8 +40,9 @@ class LoRALoss(nn.Module):
     def base(self) -> nn.Module:
         return self._base[0]
 
-    def forward(self, latents: torch.Tensor, text: dict, generators: list[torch.Generator]) -> torch.Tensor:
-        loss, _ = self.family.training_loss(self.base, latents, text, self.args, generators)
+    def forward(self, latents: torch.Tensor, text: dict, generators: list[torch.Generator],
+                mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        loss, _ = self.family.training_loss(self.base, latents, text, self.args, generators, mask, sample_weights)
         return loss
 
 
@@ -189,7 +190,11 @@ class DiffusionTask:
         latents = batch["latents"].to(self.device)
         text = {k: v.to(self.device) for k, v in batch["text"].items()}
         gens = [torch.Generator().manual_seed(sample_seed(self.args.seed, step, key)) for key in batch["keys"]]
-        return latents, text, gens
+        mask = batch["masks"].to(self.device) if "masks" in batch else None
+        weights = None  # regularization images: their loss times prior_loss_weight (sd-scripts' loss_weights)
+        if batch["is_reg"].any():
+            weights = torch.where(batch["is_reg"], self.args.prior_loss_weight, 1.0).to(self.device)
+        return latents, text, gens, mask, weights
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return self.network.trainable_parameters()

@@ -144,11 +144,12 @@ def loss_weighting(sigmas: torch.Tensor, scheme: str) -> torch.Tensor:
 
 
 def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor | None = None,
-              loss_type: str = "l2", huber_c: float = 0.1) -> torch.Tensor:
-    """Scalar float32 loss: per-element loss, mean over all non-batch axes, times the per-sample
-    weight, mean over the batch (the weights scale each sample, they are not renormalised, as in
-    sd-scripts). huber is sd-scripts' pseudo-Huber 2c (sqrt(r^2 + c^2) - c): r^2 for |r| << c,
-    2c|r| for |r| >> c."""
+              loss_type: str = "l2", huber_c: float = 0.1, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Scalar float32 loss: per-element loss (times `mask`, pred's shape, where given), mean over all
+    non-batch axes, times the per-sample weight, mean over the batch (the weights scale each
+    sample, they are not renormalised, as in sd-scripts; a mask's zeros count in the mean, as in
+    sd-scripts' apply_masked_loss). huber is sd-scripts' pseudo-Huber 2c (sqrt(r^2 + c^2) - c):
+    r^2 for |r| << c, 2c|r| for |r| >> c."""
     r = pred.float() - target.float()
     if loss_type == "l2":
         per_element = r**2
@@ -156,6 +157,8 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor 
         per_element = 2.0 * huber_c * (torch.sqrt(r**2 + huber_c**2) - huber_c)
     else:
         raise ValueError(f"loss_type {loss_type!r} is not one of {', '.join(LOSS_TYPES)}")
+    if mask is not None:
+        per_element = per_element * mask.float()
     per_sample = per_element.reshape(r.shape[0], -1).mean(dim=1)
     if weighting is not None:
         per_sample = per_sample * weighting.float().to(per_sample.device)

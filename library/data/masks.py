@@ -1,0 +1,113 @@
+"""Loss masks and regularization images (sd-scripts' masked loss and DreamBooth regularization).
+
+Masks: white trains, black is ignored, grey weighs in between. `alpha_mask = true` takes the
+image's alpha channel (an image without one counts as all white, with one warning per subset, as
+sd-scripts treats it); `mask_dir = "..."` holds one grayscale image per training image with the
+same file stem and size (sd-scripts' conditioning_data_dir with --masked_loss). The mask goes
+through the image's own fit_to_bucket (resize, crop, mirror), is area-averaged to the latent grid
+(8x8 pixels per latent element), cached with the latents (the latent cache hash covers the mask
+file), and multiplies the per-element flow-matching loss before its mean, as sd-scripts'
+apply_masked_loss does: masked elements count as zeros in the mean, so a half-masked image
+contributes half its loss (the learning rate means the same with and without masks).
+
+Regularization: `is_reg = true` subsets hold prior-preservation images. Their loss is multiplied
+by the training key `prior_loss_weight`; within each [[datasets]] their repeats are balanced to
+the training images' count exactly as sd-scripts' DreamBoothDataset does (balance_reg_repeats).
+Validation never holds them out.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageOps
+
+from library.data.dataset_config import SubsetSpec
+from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket
+
+LATENT_DOWNSAMPLE = 8  # VAE pixels per latent element, per side
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_files(folder: str) -> dict[str, str]:
+    """File stem -> file name of the images in a mask folder (listed once)."""
+    return {os.path.splitext(f)[0]: f for f in sorted(os.listdir(folder)) if f.lower().endswith(IMAGE_EXTENSIONS)}
+
+
+def find_mask(image_path: str, subset: SubsetSpec, size: tuple[int, int]) -> str | None:
+    """The mask file of an image in a subset with mask_dir (None without): same stem, same size."""
+    if not subset.mask_dir:
+        return None
+    stem = os.path.splitext(os.path.basename(image_path))[0]
+    name = _mask_files(subset.mask_dir).get(stem)
+    if name is None:
+        raise ValueError(f"{image_path}: no mask '{stem}.png' (or another image type) in mask_dir {subset.mask_dir}")
+    path = os.path.join(subset.mask_dir, name)
+    try:
+        with Image.open(path) as img:
+            mask_size = ImageOps.exif_transpose(img).size
+    except Exception as e:  # PIL raises many kinds for broken files
+        raise ValueError(f"{path}: cannot be read as a mask image ({type(e).__name__}: {e})") from None
+    if mask_size != size:
+        raise ValueError(f"{path}: mask is {mask_size[0]}x{mask_size[1]}, its image {image_path} is {size[0]}x{size[1]}")
+    return path
+
+
+def has_alpha(image_path: str) -> bool:
+    with Image.open(image_path) as img:
+        return "A" in img.getbands() or "transparency" in img.info
+
+
+def warn_missing_alpha(paths: list[str], subset: SubsetSpec) -> None:
+    without = [p for p in paths if not has_alpha(p)]
+    if without:
+        warnings.warn(f"{subset.image_dir}: alpha_mask is on but {len(without)} images have no alpha channel (first "
+                      f"{os.path.basename(without[0])}); they train everywhere (an all-white mask)", stacklevel=2)
+
+
+def mask_source_hash(mask_path: str | None, alpha: bool) -> str:
+    """Part of the latent cache hash: the mask file's bytes (the alpha channel is in the image's)."""
+    if mask_path:
+        with open(mask_path, "rb") as f:
+            return "mask=" + hashlib.sha256(f.read()).hexdigest()
+    return "mask=alpha" if alpha else ""
+
+
+def load_mask(image_path: str, mask_path: str | None, bucket: tuple[int, int], flip: bool) -> torch.Tensor:
+    """float32 [1, H/8, W/8] in [0, 1]: the mask fitted to the bucket like its image, area-averaged
+    to the latent grid. mask_path None: the image's alpha channel (all ones without one)."""
+    with Image.open(mask_path or image_path) as img:
+        img = ImageOps.exif_transpose(img)
+        if mask_path:
+            gray = img.convert("L")
+        elif "A" in img.getbands() or "transparency" in img.info:
+            gray = img.convert("RGBA").getchannel("A")
+        else:
+            gray = Image.new("L", img.size, 255)
+    fitted = fit_to_bucket(gray, bucket, flip)
+    mask = torch.from_numpy(np.asarray(fitted, dtype=np.float32) / 255.0).clamp_(0.0, 1.0)  # Lanczos may overshoot
+    return F.avg_pool2d(mask[None, None], LATENT_DOWNSAMPLE)[0]
+
+
+def balance_reg_repeats(train_images: int, reg_items: list) -> dict[int, int]:
+    """id(item) -> repeats of each regularization item of one dataset, as sd-scripts balances them:
+    items in order, each with its subset's num_repeats until their total reaches the training
+    images' (with repeats); if one pass is not enough, +1 per item in further passes. Items the
+    first pass does not reach get 0 (sd-scripts: 'some of reg images are not used')."""
+    repeats = {id(item): 0 for item in reg_items}
+    count, first = 0, True
+    while reg_items and count < train_images:
+        for item in reg_items:
+            step = item.subset.num_repeats if first else 1
+            repeats[id(item)] += step
+            count += step
+            if count >= train_images:
+                break
+        first = False
+    return repeats

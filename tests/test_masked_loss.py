@@ -1,0 +1,229 @@
+"""Masked loss and regularization images (library/data/masks.py): a mask that zeroes half the
+image zeroes that half's gradient and the loss is the hand-computed masked MSE; masks come from the
+alpha channel or mask_dir, follow the image's crop and flip, and invalidate the latent cache when
+they change; regularization repeats are balanced as sd-scripts balances them and their loss is
+scaled by prior_loss_weight; both run through train_lora.py on tiny FLUX and Qwen-Image."""
+
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import train_lora
+from library.data import dataset as D
+from library.data.dataset_config import load_dataset_config, parse_dataset_config
+from library.data.masks import balance_reg_repeats, load_mask
+from library.models.family import pack_latents
+from library.models.flux1.family import FluxFamily
+from library.training import flow_matching as fm
+from tests.test_training_objective import loss_args
+
+
+def rgba(path, w, h, alpha_left=0, color=(200, 30, 30)):
+    """An image whose alpha is alpha_left on the left half and 255 on the right."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    array = np.zeros((h, w, 4), dtype=np.uint8)
+    array[..., :3] = color
+    array[..., 3] = 255
+    array[:, : w // 2, 3] = alpha_left
+    Image.fromarray(array, "RGBA").save(path)
+    return str(path)
+
+
+def gray(path, w, h, left=0, right=255):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    array = np.full((h, w), right, dtype=np.uint8)
+    array[:, : w // 2] = left
+    Image.fromarray(array, "L").save(path)
+    return str(path)
+
+
+def blueprint(subsets, resolution=64, **dataset):
+    return parse_dataset_config({"datasets": [{"resolution": resolution, **dataset, "subsets": subsets}]}, source="t.toml")
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss
+
+
+def test_a_mask_that_zeroes_the_left_half_zeroes_its_gradient_and_gives_the_masked_mse(tiny_set):
+    family = FluxFamily(tiny_set["flux_bfl"])
+    model = family.load_transformer(torch.float32)
+    torch.manual_seed(0)
+    latents, noise = torch.randn(2, 16, 8, 8), torch.randn(2, 16, 8, 8)
+    sigmas = torch.tensor([0.3, 0.7])
+    text = {"t5": torch.randn(2, 7, 32), "clip_pooled": torch.randn(2, 32)}
+    mask = torch.ones(2, 1, 8, 8)
+    mask[:, :, :, :4] = 0.0  # the left half of the latent grid
+    captured = {}
+    predict = family.predict
+
+    def recording_predict(*args, **kwargs):
+        captured["pred"] = out = predict(*args, **kwargs)
+        out.retain_grad()
+        return out
+
+    family.predict = recording_predict
+    loss = family.loss_at(model, latents, text, noise, sigmas, 1.0, mask=mask)
+    loss.backward()
+    pred, grad = captured["pred"], captured["pred"].grad
+    target = pack_latents(noise - latents)
+    expected = ((pred - target) ** 2 * pack_latents(mask.expand_as(latents))).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    left = pack_latents(mask.expand_as(latents)) == 0  # packed [B, tokens, 64]: whole tokens of the left half
+    assert left.any() and (~left).any()
+    assert torch.count_nonzero(grad[left]) == 0 and torch.count_nonzero(grad[~left]) == grad[~left].numel()
+    family.predict = predict
+    plain = family.loss_at(model, latents, text, noise, sigmas, 1.0)
+    ones = family.loss_at(model, latents, text, noise, sigmas, 1.0, mask=torch.ones(2, 1, 8, 8))
+    assert torch.equal(plain, ones)
+
+
+def test_sample_weights_scale_each_sample_as_sd_scripts_loss_weights():
+    pred, target = torch.randn(3, 4, 8), torch.randn(3, 4, 8)
+    per_sample = ((pred - target) ** 2).mean(dim=(1, 2))
+    weights = torch.tensor([1.0, 0.5, 1.0])
+    assert fm.flow_loss(pred, target, weights).item() == pytest.approx((per_sample * weights).mean().item(), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masks from files
+
+
+def test_alpha_mask_follows_the_crop_and_flip_of_its_image(tmp_path):
+    path = rgba(tmp_path / "a.png", 128, 64, alpha_left=0)
+    mask = load_mask(path, None, (64, 64), flip=False)  # cover 64x64 -> centre crop keeps x in [32, 96)
+    assert mask.shape == (1, 8, 8) and mask.dtype == torch.float32
+    assert torch.equal(mask[0, :, :4], torch.zeros(8, 4)) and torch.equal(mask[0, :, 4:], torch.ones(8, 4))
+    assert torch.equal(load_mask(path, None, (64, 64), flip=True), mask.flip(-1))
+    Image.new("RGB", (64, 64)).save(tmp_path / "opaque.png")
+    assert torch.equal(load_mask(str(tmp_path / "opaque.png"), None, (64, 64), False), torch.ones(1, 8, 8))
+
+
+def test_masks_are_cached_with_the_latents_and_a_changed_mask_recomputes(tmp_path):
+    from tests.test_dataset import CountingEncoder
+
+    for i in range(2):
+        Image.new("RGB", (64, 64), (200, 30, 30)).save(tmp_path / f"{i}.png")
+        gray(tmp_path / "masks" / f"{i}.png", 64, 64, left=0 if i == 0 else 255)
+    bp = blueprint([{"image_dir": str(tmp_path), "mask_dir": str(tmp_path / "masks"), "class_tokens": "x",
+                     "flip_aug": True}])
+    ds, enc = D.ImageDataset(bp), CountingEncoder()
+    assert D.cache_latents(ds.items, enc.latents, "flux") == 2
+    masks = {os.path.basename(ds[(e, 0)]["image_path"]): ds[(e, 0)]["mask"] for e in range(2)}
+    assert masks["0.png"].sum() == 32 and torch.equal(masks["1.png"], torch.ones(1, 8, 8))
+    again = D.ImageDataset(bp)
+    assert D.cache_latents(again.items, enc.latents, "flux") == 0
+    gray(tmp_path / "masks" / "1.png", 64, 64, left=128)
+    assert D.cache_latents(D.ImageDataset(bp).items, enc.latents, "flux") == 1  # only the changed one
+    batch = D.collate_batch([ds[(0, 0)], ds[(1, 0)]])
+    assert batch["masks"].shape == (2, 1, 8, 8)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "1.png: no mask '1.png' (or another image type) in mask_dir"),
+    ("size", "mask is 32x32, its image"),
+    ("both", "keys 'alpha_mask' and 'mask_dir' both set"),
+    ("not_a_folder", "key 'mask_dir' '/nonexistent' is not a folder"),
+    ("reg_validation", "key 'is_reg' is for training subsets"),
+])
+def test_mask_and_reg_errors_name_the_file_and_key(tmp_path, case, message):
+    for i in range(2):
+        Image.new("RGB", (64, 64)).save(tmp_path / f"{i}.png")
+    gray(tmp_path / "masks" / "0.png", 64, 64)
+    subset = {"image_dir": str(tmp_path), "class_tokens": "x", "mask_dir": str(tmp_path / "masks")}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        if case == "size":
+            gray(tmp_path / "masks" / "1.png", 32, 32)
+        elif case == "both":
+            subset["alpha_mask"] = True
+        elif case == "not_a_folder":
+            subset["mask_dir"] = "/nonexistent"
+        elif case == "reg_validation":
+            parse_dataset_config({"datasets": [{"resolution": 64, "subsets": [subset]}], "validation_datasets": [
+                {"resolution": 64, "subsets": [{"image_dir": str(tmp_path), "is_reg": True}]}]}, source="t.toml")
+        D.ImageDataset(blueprint([subset]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Regularization images
+
+
+def make_set(folder, count):
+    for i in range(count):
+        Image.new("RGB", (64, 64), (10 * i, 0, 0)).save(os.path.join(folder, f"{i}.png"))
+
+
+@pytest.mark.parametrize("train, reg, expected", [
+    ((3, 2), (4, 1), [2, 2, 1, 1]),  # 6 training entries: a second pass adds 1 to the first two
+    ((3, 2), (10, 1), [1] * 6 + [0] * 4),  # more reg images than needed: the first 6 only
+    ((2, 1), (2, 3), [3, 0]),  # the first reg image's 3 repeats already pass the 2 training entries
+])
+def test_reg_repeats_are_balanced_to_the_training_images_as_sd_scripts(tmp_path, train, reg, expected):
+    os.makedirs(tmp_path / "train"), os.makedirs(tmp_path / "reg")
+    make_set(str(tmp_path / "train"), train[0]), make_set(str(tmp_path / "reg"), reg[0])
+    bp = blueprint([{"image_dir": str(tmp_path / "train"), "num_repeats": train[1], "class_tokens": "sks dog"},
+                    {"image_dir": str(tmp_path / "reg"), "num_repeats": reg[1], "class_tokens": "dog", "is_reg": True}],
+                   validation_split=0.0)
+    ds = D.ImageDataset(bp)
+    reg_items = [it for it in ds.items if it.subset.is_reg]
+    counts = [sum(1 for e in ds.entries if ds.items[e] is it) for it in reg_items]
+    assert counts == expected
+    assert counts == [balance_reg_repeats(train[0] * train[1], reg_items)[id(it)] for it in reg_items]
+    assert all(ds[(e, 0)]["is_reg"] == ds.items[ds.entries[e]].subset.is_reg for e in range(len(ds)))
+
+
+def test_validation_split_never_holds_out_reg_images(tmp_path):
+    os.makedirs(tmp_path / "train"), os.makedirs(tmp_path / "reg")
+    make_set(str(tmp_path / "train"), 10), make_set(str(tmp_path / "reg"), 10)
+    bp = blueprint([{"image_dir": str(tmp_path / "train"), "class_tokens": "a"},
+                    {"image_dir": str(tmp_path / "reg"), "class_tokens": "b", "is_reg": True}], validation_split=0.2)
+    train, held_out = D.split_validation(D.scan_images(bp), bp)
+    assert len(held_out) == 2 and not any(it.subset.is_reg for it in held_out)
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end
+
+
+def qwen_args(tiny_set, out, *extra):
+    return ["--model_type", "qwen_image", "--pretrained_model_name_or_path", tiny_set["qwen_image"],
+            "--ae", tiny_set["qwen_image_vae"], "--text_encoder", tiny_set["qwen_image_text_encoder"],
+            "--output_dir", str(out), "--mixed_precision", "no", "--network_dim", "4",
+            "--optimizer_type", "AdamW", "--learning_rate", "1e-3", *extra]
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen"])
+def test_masked_and_reg_training_runs_on_both_families(tiny_set, tmp_path, family, monkeypatch):
+    from library.training.diffusion_task import DiffusionTask
+    from tests.test_train_lora import flux_args
+
+    for i in range(2):
+        rgba(tmp_path / "train" / f"{i}.png", 64, 64, alpha_left=0, color=(200, 40 * i, 30))
+    os.makedirs(tmp_path / "reg")
+    make_set(str(tmp_path / "reg"), 2)
+    (tmp_path / "ds.toml").write_text(
+        f'[[datasets]]\nresolution = 64\nbatch_size = 2\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "train"}"\n'
+        f'class_tokens = "sks square"\nalpha_mask = true\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "reg"}"\n'
+        f'class_tokens = "square"\nis_reg = true\n')
+    seen = []
+    inputs = DiffusionTask.batch_inputs
+
+    def recording(self, batch, step):
+        out = inputs(self, batch, step)
+        seen.append((out[3], out[4]))
+        return out
+
+    monkeypatch.setattr(DiffusionTask, "batch_inputs", recording)
+    make_args = flux_args if family == "flux" else qwen_args
+    out = tmp_path / "run"
+    assert train_lora.main(make_args(tiny_set, out, "--dataset_config", str(tmp_path / "ds.toml"),
+                                     "--max_train_steps", "4", "--prior_loss_weight", "0.25", "--sample_prompts", "")) == 0
+    masks = [m for m, _ in seen if m is not None]
+    weights = torch.cat([w for _, w in seen if w is not None])
+    assert masks and all(m.shape[1:] == (1, 8, 8) for m in masks)
+    assert set(weights.tolist()) <= {1.0, 0.25} and 0.25 in weights.tolist()
+    assert any(sample[:, :, :4].sum() == 0 and sample[:, :, 4:].min() == 1 for m in masks for sample in m)  # alpha
