@@ -1,0 +1,132 @@
+"""Qwen3 on the LLM core (library/models/llm.py): parity with transformers' Qwen3ForCausalLM on tiny
+random weights (explicit head_dim, q/k norms, tied and untied embeddings), the full-size FLUX.2
+[klein] text encoder configs on meta, config refusals, and LoRA training on a Qwen3 folder."""
+
+import json
+
+import pytest
+import torch
+
+from library.models.llm import QWEN3_4B, QWEN3_8B, LLM, LLMConfig, count_parameters, load_llm, position_ids_from_mask
+
+# head_dim 24 != hidden 64 / 4 heads: the explicit head_dim must be honoured, as in Qwen3-4B (2560 / 32 != 128).
+TINY = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=24, intermediate_size=80, rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=128,
+            bos_token_id=None, eos_token_id=1, pad_token_id=0)
+
+
+def randomize_(model):
+    """Weights ~ N(0, 0.1), norm weights ~ 1 + N(0, 0.1) (q/k norms included): every parameter matters."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_qwen3(tied: bool):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return randomize_(Qwen3ForCausalLM(Qwen3Config(**TINY, tie_word_embeddings=tied, attn_implementation="eager")))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{tied: (transformers model, folder written by save_pretrained)}."""
+    torch.manual_seed(0)
+    out = {}
+    for tied in (False, True):
+        hf = hf_qwen3(tied)
+        folder = str(tmp_path_factory.mktemp(f"qwen3_tied{int(tied)}"))
+        hf.save_pretrained(folder, safe_serialization=True)
+        out[tied] = (hf, folder)
+    return out
+
+
+def max_diff(a, b, keep):
+    return (a.float() - b.float())[keep].abs().max().item()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_qwen3_logits_and_hidden_states_match_transformers_fp32(saved, tied):
+    hf, folder = saved[tied]
+    model = load_llm(folder)
+    cfg = model.config
+    assert (cfg.qk_norm, cfg.qkv_bias, cfg.head_dim, cfg.tie_word_embeddings) == (True, False, 24, tied)
+    assert (model.lm_head is None) == tied
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (4 * 24, 64)
+    ids = torch.randint(2, 96, (3, 10))
+    left = torch.ones(3, 10, dtype=torch.long)
+    left[1, :4], left[2, :1] = 0, 0
+    with torch.no_grad():
+        for mask in (None, left):
+            positions = None if mask is None else position_ids_from_mask(mask, 10, "cpu")
+            ref = hf(ids, attention_mask=mask, position_ids=positions, output_hidden_states=True)
+            logits, states = model(ids, mask, output_hidden_states=True)
+            keep = torch.ones(3, 10, dtype=torch.bool) if mask is None else mask.bool()
+            assert max_diff(logits, ref.logits, keep) <= 1e-5
+            assert len(states) == len(ref.hidden_states) == 4
+            for ours, theirs in zip(states, ref.hidden_states):
+                assert max_diff(ours, theirs, keep) <= 1e-5
+            assert max_diff(model.hidden_states(ids, mask), ref.hidden_states[-1], keep) <= 1e-5
+            # The klein selection: intermediate layers and the final (normed) one, running only what is needed.
+            picked = model.selected_hidden_states(ids, mask, (1, 3, 2, 0))
+            for k, ours in zip((1, 3, 2, 0), picked):
+                assert max_diff(ours, ref.hidden_states[k], keep) <= 1e-5
+
+
+def test_qwen3_q_k_norms_are_used(saved):
+    """An oracle check that the q/k norm weights reach the output (a model that skipped them would
+    still load): scaling k_norm changes the logits."""
+    _, folder = saved[False]
+    model = load_llm(folder)
+    ids = torch.randint(2, 96, (1, 8))
+    with torch.no_grad():
+        before = model(ids)
+        model.model.layers[1].self_attn.k_norm.weight.mul_(2.0)
+        assert (model(ids) - before).abs().max().item() > 1e-3
+
+
+def test_qwen3_right_padding_with_index_positions_matches_transformers_default(saved):
+    """transformers without position_ids uses 0..L-1 for every row, pads included (what the klein
+    pipeline runs): passing torch.arange(L) gives every position, pads too, within 1e-5."""
+    hf, folder = saved[True]
+    model = load_llm(folder)
+    ids = torch.randint(2, 96, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, 5:] = 0
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        ours = model.selected_hidden_states(ids, mask, (2, 3), position_ids=torch.arange(9))
+    everything = torch.ones(2, 9, dtype=torch.bool)
+    assert max_diff(ours[0], ref[2], everything) <= 1e-5 and max_diff(ours[1], ref[3], everything) <= 1e-5
+
+
+def test_qwen3_config_round_trip_and_refusals():
+    config = json.loads(json.dumps(QWEN3_4B.to_hf()))
+    assert config["model_type"] == "qwen3" and config["head_dim"] == 128
+    assert LLMConfig.from_hf(config) == QWEN3_4B
+    with pytest.raises(ValueError, match="sliding"):
+        LLMConfig.from_hf({**config, "use_sliding_window": True})
+    with pytest.raises(ValueError, match="sliding"):
+        LLMConfig.from_hf({**config, "layer_types": ["full_attention"] * 35 + ["sliding_attention"]})
+    with pytest.raises(ValueError, match="attention_bias=true with model_type 'qwen3'"):
+        LLMConfig.from_hf({**config, "attention_bias": True})
+    with pytest.raises(ValueError, match="yarn"):
+        LLMConfig.from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="selected_hidden_states"):
+        with torch.device("meta"):
+            LLM(LLMConfig(**{**QWEN3_4B.__dict__, "num_layers": 2})).selected_hidden_states(torch.zeros(1, 2, dtype=torch.long), None, (3,))
+
+
+def test_klein_text_encoder_configs_on_meta_match_transformers_parameter_counts():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    counts = {}
+    for name, cfg in (("4b", QWEN3_4B), ("8b", QWEN3_8B)):
+        hf_config = Qwen3Config(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type")})
+        with torch.device("meta"):
+            ours, theirs = count_parameters(LLM(cfg)), count_parameters(Qwen3ForCausalLM(hf_config))
+        assert ours == theirs, name
+        counts[name] = ours
+    # Qwen3-4B ties its head to the embeddings (4.02 B), Qwen3-8B does not (8.19 B).
+    assert counts == {"4b": 4_022_468_096, "8b": 8_190_735_360}
