@@ -130,3 +130,74 @@ def test_klein_text_encoder_configs_on_meta_match_transformers_parameter_counts(
         counts[name] = ours
     # Qwen3-4B ties its head to the embeddings (4.02 B), Qwen3-8B does not (8.19 B).
     assert counts == {"4b": 4_022_468_096, "8b": 8_190_735_360}
+
+
+# ----------------------------------------------------------------------------------------------
+# FLUX.2 [klein] prompt encoding vs diffusers' Flux2KleinPipeline
+
+PROMPTS = ["a cat", "a painting of a house by the sea at sunset, oil on canvas, with a dog"]
+
+
+@pytest.fixture(scope="module")
+def klein(tmp_path_factory):
+    from tools import make_tiny_models as tiny
+
+    return tiny.write_qwen3_text_encoder(str(tmp_path_factory.mktemp("klein")), 0)
+
+
+def _diffusers_klein_pipeline(klein):
+    """diffusers' Flux2KleinPipeline holding only transformers' Qwen3ForCausalLM and the tokenizer
+    loaded from the tiny folders (sharded weights, tied embeddings, chat template in tokenizer_config.json)."""
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    text_encoder = Qwen3ForCausalLM.from_pretrained(klein["flux2_text_encoder"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(klein["flux2_tokenizer"])
+    return Flux2KleinPipeline(scheduler=None, vae=None, text_encoder=text_encoder, tokenizer=tokenizer, transformer=None)
+
+
+@pytest.mark.parametrize("max_length", [512, 24], ids=["default-512", "truncated-24"])
+def test_klein_prompt_embeds_and_text_ids_match_diffusers(klein, max_length):
+    from library.models.flux2.text_encoder import load_klein_text_encoder
+
+    ours = load_klein_text_encoder(klein["flux2_text_encoder"], max_length=max_length)
+    # 27 of the 28 layers are loaded (layer 27's output is the deepest one read), no lm_head.
+    assert len(ours.llm.model.layers) == 27 and ours.llm.lm_head is None and ours.embed_dim == 96
+    embeds, text_ids = ours.encode(PROMPTS)
+    with torch.no_grad():
+        ref, ref_ids = _diffusers_klein_pipeline(klein).encode_prompt(PROMPTS, device=torch.device("cpu"), max_sequence_length=max_length)
+    assert embeds.shape == ref.shape == (2, max_length, 3 * 32) and embeds.dtype == torch.float32
+    assert torch.equal(text_ids, ref_ids) and text_ids.dtype == torch.int64
+    diff = (embeds - ref).abs().max().item()
+    assert diff <= 1e-5, diff
+    tokens = ours.tokenizer([ours.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                             add_generation_prompt=True, enable_thinking=False) for p in PROMPTS]).input_ids
+    if max_length == 512:  # pads are part of the output, and they are not all alike (they attend to the prompt)
+        assert len(tokens[0]) < len(tokens[1]) < 512
+        assert (embeds[0, len(tokens[0]) :] - embeds[0, -1]).abs().max().item() > 0
+    else:  # the long prompt is cut at max_length
+        assert len(tokens[1]) > max_length
+
+
+def test_klein_chat_template_renders_qwen3_no_thinking_prompt(klein):
+    from transformers import AutoTokenizer
+
+    from library.models.flux2.text_encoder import QWEN3_NO_THINKING_PROMPT, klein_prompt_text, klein_text_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(klein["flux2_tokenizer"])
+    text = klein_prompt_text(tokenizer, "a cat")
+    assert text == "<|im_start|>user\na cat<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert text == QWEN3_NO_THINKING_PROMPT.format("a cat")
+    tokenizer.chat_template = None  # no template: the built-in rendering gives the same text
+    assert klein_prompt_text(tokenizer, "a cat") == text
+    assert klein_text_ids(2, 3).tolist() == [[[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2]]] * 2
+
+
+def test_klein_text_encoder_refuses_layers_it_does_not_have(klein):
+    from library.models.flux2.text_encoder import KleinTextEncoder, load_klein_text_encoder
+
+    enc = load_klein_text_encoder(klein["flux2_text_encoder"], hidden_layers=(1, 2))
+    with pytest.raises(ValueError, match="need 9 decoder layers"):
+        KleinTextEncoder(enc.llm, enc.tokenizer, hidden_layers=(3, 9))
+    with pytest.raises(RuntimeError, match="selected_hidden_states"):
+        enc.llm(torch.zeros(1, 3, dtype=torch.long))

@@ -231,6 +231,16 @@ class LLM(nn.Module):
         self.gradient_checkpointing = False
         self.model = Decoder(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.hidden_states_only = False
+
+    def truncate_for_hidden_states(self, keep_layers: int) -> None:
+        """Drop what a reader of intermediate hidden states never runs: decoder layers after the
+        first `keep_layers` and the lm_head (for Qwen3-8B read at layer 27 of 36: 8 layers and a
+        622 M-parameter head). Afterwards only selected_hidden_states works."""
+        if not 0 < keep_layers <= self.config.num_layers:
+            raise ValueError(f"keep_layers {keep_layers}: expected 1..{self.config.num_layers} (num_layers)")
+        del self.model.layers[keep_layers:]
+        self.lm_head, self.hidden_states_only = None, True
 
     def _embed(self, input_ids, attention_mask, position_ids):
         """(embeddings [B, L, D] compute_dtype, cos, sin fp32, mask or None) for a forward."""
@@ -245,6 +255,8 @@ class LLM(nn.Module):
 
     def _decode(self, input_ids, attention_mask, keep_all: bool, position_ids=None):
         """Run the decoder; returns (final normed hidden [B, L, D], HF-style list or None)."""
+        if self.hidden_states_only:
+            raise RuntimeError("this LLM was truncated for hidden states (truncate_for_hidden_states): use selected_hidden_states")
         x, cos, sin, mask = self._embed(input_ids, attention_mask, position_ids)
         states = [x] if keep_all else None
         for layer in self.model.layers:
@@ -262,9 +274,9 @@ class LLM(nn.Module):
         Only the layers up to max(indices) run (FLUX.2 klein reads 9, 18, 27 of Qwen3's 36).
         position_ids [B, L] or [L] int64: None derives them from the mask (position_ids_from_mask);
         pass torch.arange(L) to match a transformers call that gave none (pads then keep their index)."""
-        n = self.config.num_layers
-        if not indices or any(not 0 <= k <= n for k in indices):
-            raise ValueError(f"selected_hidden_states: indices {list(indices)} must lie in 0..{n} (num_layers)")
+        n, have = self.config.num_layers, len(self.model.layers)
+        if not indices or any(not 0 <= k <= have for k in indices):
+            raise ValueError(f"selected_hidden_states: indices {list(indices)} must lie in 0..{have} (the layers loaded)")
         x, cos, sin, mask = self._embed(input_ids, attention_mask, position_ids)
         states = {0: x}
         for i, layer in enumerate(self.model.layers[: max(indices)], start=1):
@@ -311,6 +323,14 @@ def checkpoint_key_to_llm(key: str, tie_word_embeddings: bool = False) -> str | 
     return key
 
 
+def _kept_layer_key(key: str | None, keep_layers: int) -> str | None:
+    """None for the tensors of decoder layers >= keep_layers (not loaded), else the key."""
+    if key is not None and key.startswith("model.layers."):
+        if int(key.split(".", 3)[2]) >= keep_layers:
+            return None
+    return key
+
+
 def _find_config(path: str) -> LLMConfig:
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     config_path = os.path.join(folder, "config.json")
@@ -326,6 +346,7 @@ def load_llm(
     dtype: torch.dtype = torch.float32,
     convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
     prepare: Callable[[LLM], None] | None = None,
+    keep_layers: int | None = None,
 ) -> LLM:
     """Build an LLM on `meta` and stream a safetensors checkpoint into it, tensor by tensor.
 
@@ -335,6 +356,8 @@ def load_llm(
     prepare: optional hook run on the meta model before loading; a callable it returns becomes
         the convert hook (library.models.family.fp8_prepare(mode, "llm") swaps Linears for
         FP8Linear and quantizes each weight as it is read).
+    keep_layers: load only the first keep_layers decoder layers, no lm_head (their tensors are
+        skipped): for text encoders that read intermediate hidden states (LLM.truncate_for_hidden_states).
     Missing or unexpected keys raise CheckpointError. Returned in eval mode.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -342,11 +365,15 @@ def load_llm(
     config = config or _find_config(path)
     with torch.device("meta"):
         model = LLM(config)
+    rename = lambda k: checkpoint_key_to_llm(k, config.tie_word_embeddings)  # noqa: E731
+    if keep_layers is not None:
+        model.truncate_for_hidden_states(keep_layers)
+        rename = lambda k: _kept_layer_key(checkpoint_key_to_llm(k, True), keep_layers)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
     if callable(hook) and not isinstance(hook, nn.Module):  # as load_flux: prepare may return the converter
         convert = hook
     reader = CheckpointReader(path)
-    load_streaming(model, reader, lambda k: checkpoint_key_to_llm(k, config.tie_word_embeddings), dtype=dtype, convert=convert)
+    load_streaming(model, reader, rename, dtype=dtype, convert=convert)
     model.compute_dtype = dtype
     return model.eval()
 
