@@ -201,3 +201,61 @@ def test_klein_text_encoder_refuses_layers_it_does_not_have(klein):
         KleinTextEncoder(enc.llm, enc.tokenizer, hidden_layers=(3, 9))
     with pytest.raises(RuntimeError, match="selected_hidden_states"):
         enc.llm(torch.zeros(1, 3, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA training on a Qwen3 folder (model_type = "llm")
+
+
+def test_llm_lora_trains_on_a_qwen3_folder_and_peft_loads_it(klein, tmp_path):
+    """train_lora.py, 2 steps on the tiny Qwen3 (tied embeddings, q/k norms): a LoRA on every
+    attention and MLP Linear of the 28 layers, whose PEFT folder transformers + peft load onto
+    Qwen3ForCausalLM with our runtime logits, and merge_lora.py writes a Qwen3 folder that
+    transformers loads with the same logits."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import Qwen3ForCausalLM
+
+    import train_lora
+    from networks.lora import LoRANetwork
+    from tools import merge_lora
+
+    base = tmp_path / "qwen3"
+    shutil.copytree(klein["flux2_text_encoder"], base)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # model_type llm reads the tokenizer from the model folder
+        shutil.copy(f"{klein['flux2_tokenizer']}/{name}", base / name)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(PROMPTS * 40))
+    out = tmp_path / "out"
+    code = train_lora.main(["--model_type", "llm", "--pretrained_model_name_or_path", str(base), "--train_data", str(corpus),
+                            "--output_dir", str(out), "--output_name", "q3", "--mixed_precision", "no", "--max_length", "16",
+                            "--stride", "16", "--batch_size", "2", "--max_train_steps", "2", "--eval_every_n_steps", "0",
+                            "--optimizer_type", "AdamW", "--learning_rate", "5e-2", "--network_dim", "4",
+                            "--save_format", "peft+kohya"])
+    assert code == 0
+    kohya = load_file_keys(out / "q3.safetensors")
+    assert len([k for k in kohya if k.endswith("lora_up.weight")]) == 28 * 7
+    assert "lora_te_model_layers_27_self_attn_k_proj.lora_down.weight" in kohya
+    model = load_llm(str(base))
+    net = LoRANetwork.from_weights(model, "llm", str(out / "q3"))
+    ids = torch.randint(0, 400, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        plain = model(ids)
+        net.apply()
+        ours = model(ids)
+        net.remove()
+        peft_logits = PeftModel.from_pretrained(Qwen3ForCausalLM.from_pretrained(str(base)), str(out / "q3")).eval()(ids).logits
+    assert (ours - plain).abs().max().item() > 0.05  # two steps at 5e-2 moved the LoRA off zero (0.55 measured)
+    assert (peft_logits - ours).abs().max().item() <= 1e-5
+    assert merge_lora.main(["--model", str(base), "--lora", str(out / "q3"), "--save_to", str(tmp_path / "merged")]) == 0
+    with torch.no_grad():
+        merged = Qwen3ForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()(ids).logits
+    assert (merged - ours).abs().max().item() <= 1e-5
+
+
+def load_file_keys(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return set(f.keys())
