@@ -259,3 +259,25 @@ def load_file_keys(path):
 
     with safe_open(str(path), "pt") as f:
         return set(f.keys())
+
+
+def test_klein_text_encoder_from_a_single_file(klein, tmp_path):
+    """A single file without config.json beside it (ComfyUI's qwen_3_4b.safetensors layout): the
+    config comes from the embedding width (Qwen3-4B 2560, Qwen3-8B 4096), otherwise one clear line;
+    with the config given, the same embeds as the folder."""
+    from library.io import CheckpointError, CheckpointReader, save_safetensors
+    from library.models.flux2.text_encoder import _single_file_config, load_klein_text_encoder
+
+    reader = CheckpointReader(klein["flux2_text_encoder"])
+    single = str(tmp_path / "qwen_3_tiny.safetensors")
+    save_safetensors(dict(reader.items()), single)
+    with pytest.raises(CheckpointError, match="embedding width 32 is neither Qwen3-4B's"):
+        load_klein_text_encoder(single, tokenizer=klein["flux2_tokenizer"])
+    for width, preset in ((2560, QWEN3_4B), (4096, QWEN3_8B)):
+        path = str(tmp_path / f"w{width}.safetensors")
+        save_safetensors({"model.embed_tokens.weight": torch.zeros(2, width)}, path)
+        assert _single_file_config(path) == preset
+    config = LLMConfig.from_hf(json.load(open(f"{klein['flux2_text_encoder']}/config.json")))
+    folder_enc = load_klein_text_encoder(klein["flux2_text_encoder"], max_length=24)
+    file_enc = load_klein_text_encoder(single, tokenizer=klein["flux2_tokenizer"], config=config, max_length=24)
+    assert torch.equal(file_enc.encode(PROMPTS)[0], folder_enc.encode(PROMPTS)[0])
