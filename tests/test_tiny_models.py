@@ -37,6 +37,7 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
         "flux_vae_single": "flux/ae.safetensors", "clip_l": "flux/clip_l", "t5xxl": "flux/t5xxl",
         "qwen_image": "qwen_image/transformer", "qwen_image_vae": "qwen_image/vae",
         "qwen_image_text_encoder": "qwen_image/text_encoder", "qwen_image_tokenizer": "qwen_image/tokenizer", "llm": "llm",
+        "flux2_text_encoder": "flux2/text_encoder", "flux2_tokenizer": "flux2/tokenizer",
     }
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)
@@ -50,6 +51,7 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
     assert "encoder.down.0.block.0.conv1.weight" in CheckpointReader(paths["flux_vae_single"])
     assert "text_model.encoder.layers.0.self_attn.q_proj.weight" in CheckpointReader(paths["clip_l"])
     assert "model.layers.0.self_attn.q_proj.bias" in CheckpointReader(paths["llm"])
+    assert "model.layers.27.self_attn.k_norm.weight" in CheckpointReader(paths["flux2_text_encoder"])
 
 
 def test_tool_is_deterministic_from_seed(tmp_path):

@@ -16,10 +16,15 @@ DIR/
   qwen_image/tokenizer/                its tokenizer (chat-template special tokens; the Qwen-Image
                                        template prefix is exactly 34 tokens, as with Qwen2.5-VL's)
   llm/                                 Qwen2-style causal LM + tokenizer
+  flux2/text_encoder/                  FLUX.2 [klein] text encoder: Qwen3ForCausalLM (HF names, tied
+                                       embeddings, explicit head_dim), two shards + index.json
+  flux2/tokenizer/                     its tokenizer, with a Qwen3-style chat template in
+                                       tokenizer_config.json (enable_thinking=False -> empty <think>)
   manifest.json                        what was written, with sizes and dims
 
 Dimensions are consistent across the set: T5 d_model == FLUX context_in_dim, CLIP hidden ==
-FLUX vec_in_dim, 16 latent channels (64 packed), LM hidden == Qwen-Image joint_attention_dim.
+FLUX vec_in_dim, 16 latent channels (64 packed), LM hidden == Qwen-Image joint_attention_dim; the
+klein text encoder stacks 3 hidden states of width lm_hidden (FLUX.2 joint_attention_dim 3 x 32 = 96).
 Everything is deterministic from --seed (each component seeds its own generator). Weights are
 float32 so that parity tests can compare at 1e-5.
 """
@@ -132,8 +137,33 @@ def build_qwen_tokenizer():
     return _fast(tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=32768)
 
 
+# The Qwen3 chat template's rendering of plain (system / user / assistant) messages and its generation
+# prompt verbatim: with enable_thinking=False it appends an empty think block, which the FLUX.2
+# [klein] pipeline asks for. Tools, reasoning_content and multi-step handling are left out.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def build_qwen3_tokenizer():
+    """The Qwen2-style tokenizer plus Qwen3's <think> / </think> added tokens and its chat template."""
+    tok = build_qwen_tokenizer()
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    return tok
+
+
 def save_tokenizer(tokenizer, folder: str):
-    """tokenizer.json + tokenizer_config.json, loadable offline by AutoTokenizer (transformers 4 and 5)."""
+    """tokenizer.json + tokenizer_config.json, loadable offline by AutoTokenizer (transformers 4 and 5).
+    A chat template goes into tokenizer_config.json, where the released Qwen3 tokenizers keep it."""
     os.makedirs(folder, exist_ok=True)
     tokenizer.save_pretrained(folder)
     config_file = os.path.join(folder, "tokenizer_config.json")
@@ -141,6 +171,11 @@ def save_tokenizer(tokenizer, folder: str):
         config = json.load(f)
     config["tokenizer_class"] = "PreTrainedTokenizerFast"  # transformers 5 writes its internal name
     config.pop("backend", None)
+    template_file = os.path.join(folder, "chat_template.jinja")  # transformers 5 writes it apart
+    if os.path.isfile(template_file):
+        with open(template_file) as f:
+            config["chat_template"] = f.read()
+        os.remove(template_file)
     write_text(config_file, json.dumps(config, indent=2) + "\n")
 
 
@@ -300,8 +335,46 @@ def write_llm(out: str, seed: int) -> dict[str, str]:
     return {"llm": folder}
 
 
+def _save_sharded(state_dict: dict, folder: str, shards: int = 2) -> None:
+    """model-0000i-of-0000n.safetensors + model.safetensors.index.json, the layout of released HF models."""
+    keys = sorted(state_dict)
+    weight_map = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = keys[i * len(keys) // shards : (i + 1) * len(keys) // shards]
+        save_safetensors({k: state_dict[k] for k in part}, os.path.join(folder, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    _write_json(os.path.join(folder, "model.safetensors.index.json"), {"metadata": {}, "weight_map": weight_map})
+
+
+def write_qwen3_text_encoder(out: str, seed: int) -> dict[str, str]:
+    """FLUX.2 [klein] text encoder (diffusers repo layout text_encoder/ + tokenizer/): a transformers
+    Qwen3ForCausalLM with 28 layers, so that the pipeline's hidden layers 9, 18, 27 exist; head_dim 16
+    != hidden / heads (8) and tied embeddings, as in Qwen3-4B (whose files have no lm_head.weight)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from library.models.llm import LLMConfig
+
+    tokenizer = build_qwen3_tokenizer()
+    _seed(seed, 9)
+    h = TINY["lm_hidden"]
+    config = LLMConfig(vocab_size=_round_up(len(tokenizer)), hidden_size=h, num_layers=28, num_heads=4, num_kv_heads=2,
+                       head_dim=16, intermediate_size=2 * h, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, qkv_bias=False, qk_norm=True, max_position_embeddings=40960)
+    hf = {**config.to_hf(), "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+          "pad_token_id": tokenizer.pad_token_id}
+    model = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in hf.items() if k != "architectures"}))
+    folder, tok_folder = os.path.join(out, "flux2", "text_encoder"), os.path.join(out, "flux2", "tokenizer")
+    os.makedirs(folder, exist_ok=True)
+    _save_sharded({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, folder)
+    _write_json(os.path.join(folder, "config.json"), hf)
+    save_tokenizer(tokenizer, tok_folder)
+    return {"flux2_text_encoder": folder, "flux2_tokenizer": tok_folder}
+
+
 WRITERS = (
-    write_flux, write_flux_vae, write_clip, write_t5, write_qwen_image, write_qwen_vae, write_qwen_text_encoder, write_llm
+    write_flux, write_flux_vae, write_clip, write_t5, write_qwen_image, write_qwen_vae, write_qwen_text_encoder, write_llm,
+    write_qwen3_text_encoder,
 )
 
 

@@ -1,7 +1,9 @@
-"""A Llama / Qwen2 causal language model built from the shared core (library/models/core.py).
+"""A Llama / Qwen2 / Qwen3 causal language model built from the shared core (library/models/core.py).
 
-The same class runs Llama-3-8B, Qwen2-style models and the language model of Qwen2.5-VL (the
-Qwen-Image text encoder; for text-only prompts its multimodal RoPE reduces to 1-D RoPE). Module
+The same class runs Llama-3-8B, Qwen2-style models, the language model of Qwen2.5-VL (the
+Qwen-Image text encoder; for text-only prompts its multimodal RoPE reduces to 1-D RoPE) and Qwen3
+(the FLUX.2 [klein] text encoders: no qkv bias, a per-head RMSNorm on q and k before RoPE, head_dim
+set by the config rather than hidden_size / num_heads). Module
 names mirror Hugging Face checkpoints (`model.layers.N.self_attn.q_proj`, ...), so loading is a
 plain name-for-name copy.
 
@@ -31,7 +33,11 @@ from library.io import CheckpointError, CheckpointReader, load_streaming, save_s
 
 @dataclass(frozen=True)
 class LLMConfig:
-    """Architecture of a Llama/Qwen2 decoder. Defaults are the Qwen2.5-VL-7B language model."""
+    """Architecture of a Llama/Qwen2/Qwen3 decoder. Defaults are the Qwen2.5-VL-7B language model.
+
+    head_dim: 0 = hidden_size // num_heads (Llama, Qwen2); Qwen3 sets it explicitly (128 for
+    Qwen3-4B, whose hidden_size 2560 / 32 heads would give 80). qk_norm: Qwen3's RMSNorm over
+    head_dim on each query and key head, applied before RoPE."""
 
     vocab_size: int = 152064
     hidden_size: int = 3584
@@ -44,22 +50,23 @@ class LLMConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = True
     max_position_embeddings: int = 128000
+    head_dim: int = 0
+    qk_norm: bool = False
 
     def __post_init__(self):
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+        if self.num_heads % self.num_kv_heads or (not self.head_dim and self.hidden_size % self.num_heads):
             raise ValueError(
                 f"LLMConfig: hidden_size {self.hidden_size}, num_heads {self.num_heads}, num_kv_heads "
-                f"{self.num_kv_heads}: expected hidden_size % num_heads == 0 and num_heads % num_kv_heads == 0"
+                f"{self.num_kv_heads}: expected num_heads % num_kv_heads == 0 and, without an explicit "
+                f"head_dim, hidden_size % num_heads == 0"
             )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        if not self.head_dim:  # frozen dataclass: fill the derived default once
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
     @classmethod
     def from_hf(cls, config: dict) -> "LLMConfig":
-        """From a Hugging Face config.json dict (llama, qwen2, qwen2_5_vl with or without a nested
-        `text_config`). Features this model does not implement are refused, not ignored."""
+        """From a Hugging Face config.json dict (llama, qwen2, qwen3, qwen2_5_vl with or without a
+        nested `text_config`). Features this model does not implement are refused, not ignored."""
         model_type = config.get("model_type", "")
         if "text_config" in config:  # transformers >= 4.52 nests the Qwen2.5-VL language model
             config = {**config, **config["text_config"]}
@@ -67,14 +74,16 @@ class LLMConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):  # mrope == 1-D RoPE for text-only input
             raise ValueError(f"config.json: rope type '{rope_type}' is not supported (expected default or mrope)")
-        head_dim = config.get("head_dim")
-        if head_dim and head_dim != config["hidden_size"] // config["num_attention_heads"]:
+        is_qwen3 = model_type == "qwen3"
+        head_dim = config.get("head_dim") or 0
+        if head_dim and not is_qwen3 and head_dim != config["hidden_size"] // config["num_attention_heads"]:
             raise ValueError(f"config.json: head_dim {head_dim} != hidden_size / num_attention_heads (not supported)")
-        if config.get("use_sliding_window") or config.get("mlp_bias"):
-            raise ValueError("config.json: use_sliding_window / mlp_bias are not supported")
-        is_qwen = model_type.startswith("qwen2")  # Qwen2 / Qwen2.5-VL: bias on q, k, v (not o)
-        if config.get("attention_bias") and not is_qwen:
-            raise ValueError("config.json: attention_bias=true (bias on o_proj too) is not supported")
+        sliding = config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or [])
+        if sliding or config.get("mlp_bias"):
+            raise ValueError("config.json: use_sliding_window / sliding_attention layers / mlp_bias are not supported")
+        is_qwen2 = model_type.startswith("qwen2")  # Qwen2 / Qwen2.5-VL: bias on q, k, v (not o)
+        if config.get("attention_bias") and not is_qwen2:
+            raise ValueError(f"config.json: attention_bias=true with model_type '{model_type}' (bias on o_proj too) is not supported")
         return cls(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -85,20 +94,28 @@ class LLMConfig:
             rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
             rms_norm_eps=float(config["rms_norm_eps"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen,
+            qkv_bias=is_qwen2,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
+            head_dim=head_dim if is_qwen3 else 0,
+            qk_norm=is_qwen3,
         )
 
     def to_hf(self) -> dict:
-        """A Hugging Face config.json dict (qwen2 when qkv_bias, else llama) that from_hf reads back."""
+        """A Hugging Face config.json dict (qwen3 when qk_norm, qwen2 when qkv_bias, else llama)
+        that from_hf reads back."""
+        if self.qk_norm and self.qkv_bias:
+            raise ValueError("LLMConfig.to_hf: qk_norm with qkv_bias has no Hugging Face model type")
+        model_type = "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]
         return {
-            "architectures": ["Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"],
-            "model_type": "qwen2" if self.qkv_bias else "llama",
+            "architectures": [arch],
+            "model_type": model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
+            **({"head_dim": self.head_dim} if self.qk_norm else {}),
             "intermediate_size": self.intermediate_size,
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.rms_norm_eps,
@@ -122,13 +139,26 @@ LLAMA3_8B = LLMConfig(
     qkv_bias=False,
     max_position_embeddings=8192,
 )
+# The FLUX.2 [klein] text encoders (Qwen/Qwen3-4B for klein 4B, Qwen/Qwen3-8B for klein 9B: their
+# hidden sizes x 3 stacked layers = the transformers' joint_attention_dim 7680 / 12288).
+QWEN3_4B = LLMConfig(
+    vocab_size=151936, hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=9728,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=False,
+    max_position_embeddings=40960, head_dim=128, qk_norm=True,
+)
+QWEN3_8B = LLMConfig(
+    vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=12288,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=False,
+    max_position_embeddings=40960, head_dim=128, qk_norm=True,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Model
 
 
 class SelfAttention(nn.Module):
-    """Causal grouped-query self-attention with half-split (HF) RoPE on q and k."""
+    """Causal grouped-query self-attention with half-split (HF) RoPE on q and k (Qwen3: each head
+    of q and k RMS-normed over head_dim first, `q_norm` / `k_norm` as in its checkpoints)."""
 
     def __init__(self, cfg: LLMConfig):
         super().__init__()
@@ -137,11 +167,16 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = core.RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = core.RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def forward(self, x, cos, sin, mask):
-        # x: [B, L, D] -> q: [B, H, L, Dh], k/v: [B, Hkv, L, Dh]
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        # x: [B, L, D] -> q: [B, H, L, Dh], k/v: [B, Hkv, L, Dh]; q/k norms act on Dh, before RoPE
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))).transpose(1, 2)
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         q = core.apply_rope(q, cos, sin, interleaved=False)
         k = core.apply_rope(k, cos, sin, interleaved=False)
@@ -196,16 +231,33 @@ class LLM(nn.Module):
         self.gradient_checkpointing = False
         self.model = Decoder(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.hidden_states_only = False
 
-    def _decode(self, input_ids, attention_mask, keep_all: bool):
-        """Run the decoder; returns (final normed hidden [B, L, D], HF-style list or None)."""
+    def truncate_for_hidden_states(self, keep_layers: int) -> None:
+        """Drop what a reader of intermediate hidden states never runs: decoder layers after the
+        first `keep_layers` and the lm_head (for Qwen3-8B read at layer 27 of 36: 8 layers and a
+        622 M-parameter head). Afterwards only selected_hidden_states works."""
+        if not 0 < keep_layers <= self.config.num_layers:
+            raise ValueError(f"keep_layers {keep_layers}: expected 1..{self.config.num_layers} (num_layers)")
+        del self.model.layers[keep_layers:]
+        self.lm_head, self.hidden_states_only = None, True
+
+    def _embed(self, input_ids, attention_mask, position_ids):
+        """(embeddings [B, L, D] compute_dtype, cos, sin fp32, mask or None) for a forward."""
         B, L = input_ids.shape
-        positions = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
-        cos, sin = core.rope_tables(positions, (self.config.head_dim,), self.config.rope_theta)  # fp32
+        if position_ids is None:
+            position_ids = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
+        cos, sin = core.rope_tables(position_ids, (self.config.head_dim,), self.config.rope_theta)  # fp32
         key_mask = None if attention_mask is None else attention_mask.bool()
         # Built once per forward when there is padding; without it SDPA applies causality itself.
         mask = None if key_mask is None else core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device)
-        x = self.model.embed_tokens(input_ids).to(self.compute_dtype)
+        return self.model.embed_tokens(input_ids).to(self.compute_dtype), cos, sin, mask
+
+    def _decode(self, input_ids, attention_mask, keep_all: bool, position_ids=None):
+        """Run the decoder; returns (final normed hidden [B, L, D], HF-style list or None)."""
+        if self.hidden_states_only:
+            raise RuntimeError("this LLM was truncated for hidden states (truncate_for_hidden_states): use selected_hidden_states")
+        x, cos, sin, mask = self._embed(input_ids, attention_mask, position_ids)
         states = [x] if keep_all else None
         for layer in self.model.layers:
             x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask)
@@ -216,20 +268,36 @@ class LLM(nn.Module):
             states[-1] = x
         return x, states
 
+    def selected_hidden_states(self, input_ids, attention_mask, indices, position_ids=None) -> list[torch.Tensor]:
+        """transformers' `output_hidden_states[k]` for each k in indices (0 = embeddings, k = layer
+        k's output, num_layers = the last layer after the final norm), each [B, L, D] compute_dtype.
+        Only the layers up to max(indices) run (FLUX.2 klein reads 9, 18, 27 of Qwen3's 36).
+        position_ids [B, L] or [L] int64: None derives them from the mask (position_ids_from_mask);
+        pass torch.arange(L) to match a transformers call that gave none (pads then keep their index)."""
+        n, have = self.config.num_layers, len(self.model.layers)
+        if not indices or any(not 0 <= k <= have for k in indices):
+            raise ValueError(f"selected_hidden_states: indices {list(indices)} must lie in 0..{have} (the layers loaded)")
+        x, cos, sin, mask = self._embed(input_ids, attention_mask, position_ids)
+        states = {0: x}
+        for i, layer in enumerate(self.model.layers[: max(indices)], start=1):
+            x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask)
+            states[i] = self.model.norm(x) if i == n else x
+        return [states[k] for k in indices]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, L, D] compute_dtype -> [B, L, V] float32."""
         if self.lm_head is None:  # tied: the embedding matrix is the head
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
-    def forward(self, input_ids, attention_mask=None, output_hidden_states: bool = False):
-        hidden, states = self._decode(input_ids, attention_mask, output_hidden_states)
+    def forward(self, input_ids, attention_mask=None, output_hidden_states: bool = False, position_ids=None):
+        hidden, states = self._decode(input_ids, attention_mask, output_hidden_states, position_ids)
         logits = self.logits(hidden)
         return (logits, states) if output_hidden_states else logits
 
-    def hidden_states(self, input_ids, attention_mask=None) -> torch.Tensor:
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         """Last hidden state after the final norm, [B, L, D] in compute_dtype (text-encoder use)."""
-        return self._decode(input_ids, attention_mask, keep_all=False)[0]
+        return self._decode(input_ids, attention_mask, False, position_ids)[0]
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -255,6 +323,14 @@ def checkpoint_key_to_llm(key: str, tie_word_embeddings: bool = False) -> str | 
     return key
 
 
+def _kept_layer_key(key: str | None, keep_layers: int) -> str | None:
+    """None for the tensors of decoder layers >= keep_layers (not loaded), else the key."""
+    if key is not None and key.startswith("model.layers."):
+        if int(key.split(".", 3)[2]) >= keep_layers:
+            return None
+    return key
+
+
 def _find_config(path: str) -> LLMConfig:
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     config_path = os.path.join(folder, "config.json")
@@ -270,6 +346,7 @@ def load_llm(
     dtype: torch.dtype = torch.float32,
     convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
     prepare: Callable[[LLM], None] | None = None,
+    keep_layers: int | None = None,
 ) -> LLM:
     """Build an LLM on `meta` and stream a safetensors checkpoint into it, tensor by tensor.
 
@@ -279,6 +356,8 @@ def load_llm(
     prepare: optional hook run on the meta model before loading; a callable it returns becomes
         the convert hook (library.models.family.fp8_prepare(mode, "llm") swaps Linears for
         FP8Linear and quantizes each weight as it is read).
+    keep_layers: load only the first keep_layers decoder layers, no lm_head (their tensors are
+        skipped): for text encoders that read intermediate hidden states (LLM.truncate_for_hidden_states).
     Missing or unexpected keys raise CheckpointError. Returned in eval mode.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -286,11 +365,15 @@ def load_llm(
     config = config or _find_config(path)
     with torch.device("meta"):
         model = LLM(config)
+    rename = lambda k: checkpoint_key_to_llm(k, config.tie_word_embeddings)  # noqa: E731
+    if keep_layers is not None:
+        model.truncate_for_hidden_states(keep_layers)
+        rename = lambda k: _kept_layer_key(checkpoint_key_to_llm(k, True), keep_layers)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
     if callable(hook) and not isinstance(hook, nn.Module):  # as load_flux: prepare may return the converter
         convert = hook
     reader = CheckpointReader(path)
-    load_streaming(model, reader, lambda k: checkpoint_key_to_llm(k, config.tie_word_embeddings), dtype=dtype, convert=convert)
+    load_streaming(model, reader, rename, dtype=dtype, convert=convert)
     model.compute_dtype = dtype
     return model.eval()
 
@@ -379,6 +462,8 @@ __all__ = [
     "LLMConfig",
     "QWEN2_5_7B",
     "LLAMA3_8B",
+    "QWEN3_4B",
+    "QWEN3_8B",
     "LLM",
     "load_llm",
     "save_hf_folder",
