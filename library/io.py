@@ -16,7 +16,6 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 
@@ -52,18 +51,54 @@ def component_folder(path: str, name: str) -> str:
     return folder if os.path.isdir(folder) else path
 
 
+# safetensors dtype names -> torch dtypes (the format is little-endian, as every machine we run on)
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32,
+    "U64": torch.uint64, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def _read_header(path: str) -> tuple[dict, dict[str, str], int]:
+    """(tensor entries, metadata, offset of the data) of a safetensors file, from its JSON header."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= size - 8:
+            raise CheckpointError(f"{path}: not a safetensors file (header length {length}, file size {size})")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
+    metadata = header.pop("__metadata__", None) or {}
+    for key, entry in header.items():
+        begin, end = entry.get("data_offsets", (0, -1))
+        if entry.get("dtype") not in ST_DTYPES or not 0 <= begin <= end <= size - 8 - length:
+            raise CheckpointError(f"{path}: tensor '{key}' has dtype {entry.get('dtype')!r} / data {begin}..{end} "
+                                  f"outside the file (truncated or not safetensors)")
+    return header, metadata, 8 + length
+
+
 class CheckpointReader:
-    """Read-only view of one checkpoint's tensors across its shards, one tensor at a time."""
+    """Read-only view of one checkpoint's tensors across its shards, one tensor at a time.
+
+    Tensors are read with pread into fresh memory, not mapped: a loaded model then owns aligned
+    memory of its own (no tensor pins a mapping of a 24 GB file), and the process's RSS counts
+    what it holds, not every page of the checkpoint it has looked at (those stay in the page cache)."""
 
     def __init__(self, path: str):
         self.path = path
         self.files = safetensors_files(path)
-        self._handles = [safe_open(f, framework="pt", device="cpu") for f in self.files]
-        self._where: dict[str, int] = {}
-        for i, h in enumerate(self._handles):
-            for k in h.keys():
+        self._headers, self._where = [], {}
+        for i, f in enumerate(self.files):
+            entries, metadata, data_start = _read_header(f)
+            self._headers.append((entries, data_start))
+            if i == 0:
+                self.metadata: dict[str, str] = dict(metadata)
+            for k in sorted(entries):  # safe_open's order: sorted by name
                 self._where[k] = i
-        self.metadata: dict[str, str] = dict(self._handles[0].metadata() or {})
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -74,15 +109,34 @@ class CheckpointReader:
     def file_of(self, key: str) -> str:
         return os.path.basename(self.files[self._where[key]])
 
+    def _entry(self, key: str) -> dict:
+        return self._headers[self._where[key]][0][key]
+
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handles[self._where[key]].get_slice(key).get_shape())
+        return tuple(self._entry(key)["shape"])
 
     def dtype_name(self, key: str) -> str:
         """safetensors dtype string of a tensor ("BF16", "F8_E4M3", ...) without reading it."""
-        return self._handles[self._where[key]].get_slice(key).get_dtype()
+        return self._entry(key)["dtype"]
 
     def get(self, key: str) -> torch.Tensor:
-        return self._handles[self._where[key]].get_tensor(key)
+        i = self._where[key]
+        entries, data_start = self._headers[i]
+        entry = entries[key]
+        begin, end = entry["data_offsets"]
+        out = torch.empty(entry["shape"], dtype=ST_DTYPES[entry["dtype"]])
+        if out.numel() * out.element_size() != end - begin:
+            raise CheckpointError(f"{self.files[i]}: tensor '{key}' holds {end - begin} bytes, not "
+                                  f"{out.numel() * out.element_size()} for {entry['dtype']} {entry['shape']}")
+        view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if end > begin else memoryview(b"")
+        with open(self.files[i], "rb", buffering=0) as f:
+            done = 0
+            while done < len(view):
+                n = os.preadv(f.fileno(), [view[done:]], data_start + begin + done)
+                if n <= 0:
+                    raise CheckpointError(f"{self.files[i]}: truncated inside tensor '{key}'")
+                done += n
+        return out
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for k in self._where:

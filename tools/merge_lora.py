@@ -74,7 +74,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 from library.precision import fp8  # noqa: E402
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint  # noqa: E402
 from library.models.flux1.checkpoint import BFL_PREFIXES, row_tables  # noqa: E402
-from library.io import CheckpointError, CheckpointReader, atomic_path, component_folder, make_parent_folder  # noqa: E402
+from library.io import ST_DTYPES, CheckpointError, CheckpointReader, atomic_path, component_folder, make_parent_folder  # noqa: E402
 from library.models.llm import checkpoint_key_to_llm  # noqa: E402
 from library.models.qwen_image.model import CHECKPOINT_PREFIXES as QWEN_PREFIXES  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
@@ -96,11 +96,6 @@ HIGH_PRECISION_DTYPE = torch.bfloat16  # fp8 modes: everything that is not an fp
 NOT_COPIED = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".ckpt", ".gguf")  # folder files left behind
 
 # safetensors dtype names <-> torch dtypes
-ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
