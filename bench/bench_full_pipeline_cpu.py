@@ -37,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -252,10 +253,17 @@ def run_trainer(config: str) -> dict:
     return {"code": code, "samples": samples, "lines": lines, "seconds": time.time() - start}
 
 
+def _started(t: float, line: str) -> float:
+    """When a tqdm line's run began: its arrival minus the elapsed time it shows ([mm:ss<...]),
+    since a piped tqdm may reach us only with a later redraw."""
+    match = re.search(r"\[(\d+):(\d\d)<", line)
+    return t - (60 * int(match.group(1)) + int(match.group(2))) if match else t
+
+
 def phase_peaks(result: dict) -> list[dict]:
     cuts, t0 = [], 0.0
     for name, marker in PHASES:
-        t1 = next((t for t, line in result["lines"] if marker in line and t >= t0), None)
+        t1 = min((_started(t, line) for t, line in result["lines"] if marker in line and t >= t0), default=None)
         if t1 is None:
             break
         cuts.append((name, t0, t1))
