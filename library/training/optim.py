@@ -59,8 +59,11 @@ def optimizer_class(optimizer_type: str):
 def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, optimizer_kwargs: dict):
     """param_groups: [{"params": [...], "name": str, "lr": float (optional)}, ...]."""
     cls = optimizer_class(optimizer_type)
-    if cls is torch.optim.AdamW and all(p.is_cuda for g in param_groups for p in g["params"]):
-        optimizer_kwargs.setdefault("fused", True)  # one kernel for all parameters (CUDA only)
+    devices = {p.device.type for g in param_groups for p in g["params"]}
+    if cls is torch.optim.AdamW and len(devices) == 1 and devices <= {"cuda", "cpu"}:
+        # One kernel for all parameters. On the CPU the per-tensor loop cost ~8 ms an op on a busy
+        # 2-core machine (bench_peers profile): fused is 20x faster on FLUX-mid LoRA shapes.
+        optimizer_kwargs.setdefault("fused", True)
     try:
         return cls(param_groups, lr=lr, **optimizer_kwargs)
     except (TypeError, ValueError) as e:  # unknown names, or values the optimizer refuses
