@@ -72,10 +72,10 @@ FLUX_SCHNELL = FluxConfig(guidance_embed=False)
 class MLPEmbedder(nn.Module):
     """in_layer -> SiLU -> out_layer: embeds timesteps, guidance and the pooled text vector."""
 
-    def __init__(self, in_dim: int, hidden: int):
+    def __init__(self, in_dim: int, hidden: int, bias: bool = True):
         super().__init__()
-        self.in_layer = nn.Linear(in_dim, hidden)
-        self.out_layer = nn.Linear(hidden, hidden)
+        self.in_layer = nn.Linear(in_dim, hidden, bias=bias)
+        self.out_layer = nn.Linear(hidden, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out_layer(F.silu(self.in_layer(x)))
@@ -110,12 +110,12 @@ def split_heads(qkv: torch.Tensor, num_heads: int):
 class SelfAttention(nn.Module):
     """One stream's attention weights: fused `qkv`, QK-norm `norm`, output `proj`."""
 
-    def __init__(self, dim: int, num_heads: int, qkv_bias: bool):
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool, proj_bias: bool = True):
         super().__init__()
         self.num_heads = num_heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.norm = QKNorm(dim // num_heads)
-        self.proj = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
 
     def heads(self, x: torch.Tensor):
         """x [B, L, dim] -> normalised q, k and v, each [B, H, L, D]."""
@@ -127,10 +127,10 @@ class SelfAttention(nn.Module):
 class Modulator(nn.Module):
     """adaLN projection `lin` of SiLU(vec) into `count` (shift, scale, gate) triples."""
 
-    def __init__(self, dim: int, count: int):
+    def __init__(self, dim: int, count: int, bias: bool = True):
         super().__init__()
         self.count = count
-        self.lin = nn.Linear(dim, 3 * count * dim)
+        self.lin = nn.Linear(dim, 3 * count * dim, bias=bias)
 
     def forward(self, vec: torch.Tensor) -> list[Modulation]:
         return split_modulation(self.lin(F.silu(vec)), self.count)
@@ -200,11 +200,11 @@ class SingleStreamBlock(nn.Module):
 class LastLayer(nn.Module):
     """Final adaLN (shift, scale: BFL order) and projection back to patch channels."""
 
-    def __init__(self, hidden: int, out_channels: int):
+    def __init__(self, hidden: int, out_channels: int, bias: bool = True):
         super().__init__()
         self.norm_final = LayerNormNoAffine(hidden)
-        self.linear = nn.Linear(hidden, out_channels)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden))
+        self.linear = nn.Linear(hidden, out_channels, bias=bias)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden, bias=bias))
 
     def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(vec)[:, None].chunk(2, dim=-1)

@@ -1,0 +1,247 @@
+"""FLUX.2 checkpoints: loading (BFL single file, ComfyUI prefixes, diffusers folders), the
+BFL <-> diffusers name map, and saving in both layouts.
+
+The model uses BFL names, so a BFL file loads by plain key (minus a ComfyUI prefix). diffusers'
+Flux2Transformer2DModel differs in three ways only: it splits the double blocks' fused `qkv` into
+to_q/to_k/to_v (add_*_proj for text), stores the final adaLN rows as (scale, shift) instead of
+BFL's (shift, scale), and renames (the single blocks' fused `linear1` / `linear2` stay fused as
+`attn.to_qkv_mlp_proj` / `attn.to_out`). The oracle is diffusers'
+`convert_flux2_transformer_checkpoint_to_diffusers` (loaders/single_file_utils.py). One row table,
+`flux2_diffusers_module_map`, in the format of FLUX.1's, drives the converters and the streaming
+loader (and later LoRA conversion), with FLUX.1's row helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable
+
+import torch
+
+from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, write_text
+from library.models.flux1.checkpoint import (
+    RowMap,
+    _block_count,
+    _DiffusersAsBFL,
+    _join_rows,
+    _source_keys,
+    _split_rows,
+)
+from library.models.flux2.model import Flux2, Flux2Config
+from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
+
+BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+CLASS_NAME = "Flux2Transformer2DModel"
+# Keys only FLUX.2 has (diffusers' single-file detection uses the first): tell it from FLUX.1.
+FLUX2_MARKERS = ("single_stream_modulation.lin.weight", "single_stream_modulation.linear.weight")
+
+# ----------------------------------------------------------------------------------------------
+# The name map
+
+
+def flux2_diffusers_module_map(
+    depth: int, depth_single: int, hidden: int, mlp_hidden: int, out_channels: int = 128, guidance: bool = True
+) -> RowMap:
+    """Every Linear of FLUX.2: BFL module path -> [(diffusers module path, row_start, row_end)]
+    (the format of flux1.checkpoint.flux_diffusers_module_map: a diffusers weight is the
+    concatenation of its entries' BFL row slices, in order; input columns are never split)."""
+    h, m = hidden, mlp_hidden
+    whole = lambda name, rows: [(name, 0, rows)]  # noqa: E731
+    emb = "time_guidance_embed."
+    table: RowMap = {
+        "img_in": whole("x_embedder", h),
+        "txt_in": whole("context_embedder", h),
+        "time_in.in_layer": whole(emb + "timestep_embedder.linear_1", h),
+        "time_in.out_layer": whole(emb + "timestep_embedder.linear_2", h),
+    }
+    if guidance:
+        table["guidance_in.in_layer"] = whole(emb + "guidance_embedder.linear_1", h)
+        table["guidance_in.out_layer"] = whole(emb + "guidance_embedder.linear_2", h)
+    for name, rows in (("double_stream_modulation_img", 6 * h), ("double_stream_modulation_txt", 6 * h),
+                       ("single_stream_modulation", 3 * h)):  # fmt: skip
+        table[name + ".lin"] = whole(name + ".linear", rows)
+    for i in range(depth):
+        b, d = f"double_blocks.{i}.", f"transformer_blocks.{i}."
+        for stream, q, k, v, out, ff in (
+            ("img", "to_q", "to_k", "to_v", "to_out.0", "ff"),
+            ("txt", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff_context"),
+        ):
+            table[f"{b}{stream}_attn.qkv"] = [(f"{d}attn.{q}", 0, h), (f"{d}attn.{k}", h, 2 * h), (f"{d}attn.{v}", 2 * h, 3 * h)]
+            table[f"{b}{stream}_attn.proj"] = whole(f"{d}attn.{out}", h)
+            table[f"{b}{stream}_mlp.0"] = whole(f"{d}{ff}.linear_in", 2 * m)
+            table[f"{b}{stream}_mlp.2"] = whole(f"{d}{ff}.linear_out", h)
+    for i in range(depth_single):
+        b, d = f"single_blocks.{i}.", f"single_transformer_blocks.{i}.attn."
+        table[b + "linear1"] = whole(d + "to_qkv_mlp_proj", 3 * h + 2 * m)
+        table[b + "linear2"] = whole(d + "to_out", h)
+    table["final_layer.linear"] = whole("proj_out", out_channels)
+    # diffusers' AdaLayerNormContinuous splits (scale, shift); BFL's final layer (shift, scale).
+    table["final_layer.adaLN_modulation.1"] = [("norm_out.linear", h, 2 * h), ("norm_out.linear", 0, h)]
+    return table
+
+
+def _norm_names(depth: int, depth_single: int) -> dict[str, str]:
+    """QK-norm weights (not Linears): BFL key -> diffusers key, one to one."""
+    names = {}
+    for i in range(depth):
+        b, d = f"double_blocks.{i}.", f"transformer_blocks.{i}.attn."
+        for stream, q, k in (("img", "norm_q", "norm_k"), ("txt", "norm_added_q", "norm_added_k")):
+            names[f"{b}{stream}_attn.norm.query_norm.scale"] = f"{d}{q}.weight"
+            names[f"{b}{stream}_attn.norm.key_norm.scale"] = f"{d}{k}.weight"
+    for i in range(depth_single):
+        b, d = f"single_blocks.{i}.", f"single_transformer_blocks.{i}.attn."
+        names[b + "norm.query_norm.scale"] = d + "norm_q.weight"
+        names[b + "norm.key_norm.scale"] = d + "norm_k.weight"
+    return names
+
+
+def row_tables(keys, shapes: Callable[[str], tuple], diffusers: bool) -> tuple[RowMap, dict[str, str]]:
+    """Name tables sized for a state dict in either layout (sizes read from its shapes)."""
+    if diffusers:
+        depth, single = _block_count(keys, "transformer_blocks."), _block_count(keys, "single_transformer_blocks.")
+        hidden, out = shapes("x_embedder.weight")[0], shapes("proj_out.weight")[0]
+        mlp = shapes("single_transformer_blocks.0.attn.to_out.weight")[1] - hidden if single else \
+            shapes("transformer_blocks.0.ff.linear_out.weight")[1]
+        guidance = any(k.startswith("time_guidance_embed.guidance_embedder.") for k in keys)
+    else:
+        depth, single = _block_count(keys, "double_blocks."), _block_count(keys, "single_blocks.")
+        hidden, out = shapes("img_in.weight")[0], shapes("final_layer.linear.weight")[0]
+        mlp = shapes("single_blocks.0.linear2.weight")[1] - hidden if single else shapes("double_blocks.0.img_mlp.2.weight")[1]
+        guidance = any(k.startswith("guidance_in.") for k in keys)
+    return flux2_diffusers_module_map(depth, single, hidden, mlp, out, guidance), _norm_names(depth, single)
+
+
+def _check(sd, key: str) -> str:
+    if key not in sd:
+        raise CheckpointError(f"FLUX.2 state dict: missing key '{key}'")
+    return key
+
+
+def _no_leftovers(sd):
+    if sd:
+        raise CheckpointError(f"FLUX.2 state dict: unexpected keys {sorted(sd)[:5]} ({len(sd)} in all)")
+
+
+def flux2_to_diffusers_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """BFL-named FLUX.2 state dict -> diffusers Flux2Transformer2DModel names (new tensors)."""
+    sd = dict(sd)
+    rows, norms = row_tables(sd.keys(), lambda k: tuple(sd[_check(sd, k)].shape), diffusers=False)
+    out = {}
+    for module, parts in rows.items():
+        for target, tensor in _split_rows(sd.pop(_check(sd, module + ".weight")), parts).items():
+            out[target + ".weight"] = tensor
+    for bfl_key, diffusers_key in norms.items():
+        out[diffusers_key] = sd.pop(_check(sd, bfl_key))
+    _no_leftovers(sd)
+    return out
+
+
+def diffusers_to_flux2_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers Flux2Transformer2DModel state dict -> BFL names (fused qkv, BFL final-layer row order)."""
+    sd = dict(sd)
+    rows, norms = row_tables(sd.keys(), lambda k: tuple(sd[_check(sd, k)].shape), diffusers=True)
+    out = {}
+    for module, parts in rows.items():
+        tensors = {k.rsplit(".", 1)[0]: sd.pop(_check(sd, k)) for k in _source_keys(parts, "weight")}
+        out[module + ".weight"] = _join_rows(tensors, parts)
+    for bfl_key, diffusers_key in norms.items():
+        out[bfl_key] = sd.pop(_check(sd, diffusers_key))
+    _no_leftovers(sd)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+def default_axes_dim(head_dim: int) -> tuple[int, ...]:
+    """RoPE axes as FLUX.2 splits its head: four equal (t, h, w, l) parts ((32, 32, 32, 32) for
+    head_dim 128). BFL files do not store it."""
+    if head_dim % 8:
+        raise CheckpointError(f"cannot derive FLUX.2 RoPE axes for head_dim {head_dim}: pass config=Flux2Config(axes_dim=...)")
+    return (head_dim // 4,) * 4
+
+
+def config_from_bfl_shapes(shapes: dict[str, tuple[int, ...]], source: str = "checkpoint") -> Flux2Config:
+    """Flux2Config from BFL key shapes: depths from block counts, widths from img_in / txt_in / norms.
+    theta (2000) and the RoPE split are FLUX.2's: BFL files do not store them."""
+
+    def shape(key):
+        if key not in shapes:
+            raise CheckpointError(f"{source}: cannot infer the FLUX.2 config, key '{key}' is missing")
+        return shapes[key]
+
+    hidden, in_channels = shape("img_in.weight")
+    depth, depth_single = _block_count(shapes, "double_blocks."), _block_count(shapes, "single_blocks.")
+    head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale" if depth else "single_blocks.0.norm.query_norm.scale")[0]
+    mlp = shape("double_blocks.0.img_mlp.2.weight")[1] if depth else shape("single_blocks.0.linear2.weight")[1] - hidden
+    if shape("final_layer.linear.weight")[0] != in_channels:
+        raise CheckpointError(f"{source}: final_layer.linear has {shape('final_layer.linear.weight')[0]} outputs, "
+                              f"expected in_channels {in_channels}")
+    return Flux2Config(
+        in_channels=in_channels,
+        context_in_dim=shape("txt_in.weight")[1],
+        hidden_size=hidden,
+        mlp_ratio=mlp / hidden,
+        num_heads=hidden // head_dim,
+        depth=depth,
+        depth_single=depth_single,
+        axes_dim=default_axes_dim(head_dim),
+        guidance_embed="guidance_in.in_layer.weight" in shapes,
+        time_dim=shape("time_in.in_layer.weight")[1],
+    )
+
+
+def config_from_diffusers(cfg: dict, source: str = "config.json") -> Flux2Config:
+    """Flux2Config from a diffusers Flux2Transformer2DModel config.json (diffusers' defaults fill gaps)."""
+    in_channels = cfg.get("in_channels", 128)
+    if cfg.get("patch_size", 1) != 1 or cfg.get("out_channels") not in (None, in_channels):
+        raise CheckpointError(f"{source}: patch_size must be 1 and out_channels equal in_channels for FLUX.2")
+    if cfg.get("eps", 1e-6) != 1e-6:
+        raise CheckpointError(f"{source}: eps {cfg['eps']} is not supported (FLUX.2 uses 1e-6)")
+    heads, head_dim = cfg.get("num_attention_heads", 48), cfg.get("attention_head_dim", 128)
+    return Flux2Config(
+        in_channels=in_channels,
+        context_in_dim=cfg.get("joint_attention_dim", 15360),
+        hidden_size=heads * head_dim,
+        mlp_ratio=float(cfg.get("mlp_ratio", 3.0)),
+        num_heads=heads,
+        depth=cfg.get("num_layers", 8),
+        depth_single=cfg.get("num_single_layers", 48),
+        axes_dim=tuple(cfg.get("axes_dims_rope", (32, 32, 32, 32))),
+        theta=float(cfg.get("rope_theta", 2000)),
+        guidance_embed=bool(cfg.get("guidance_embeds", True)),
+        time_dim=cfg.get("timestep_guidance_channels", 256),
+    )
+
+
+def diffusers_config(config: Flux2Config) -> dict:
+    """The Flux2Transformer2DModel config.json for `config`."""
+    if config.theta != int(config.theta):
+        raise ValueError(f"diffusers Flux2Transformer2DModel stores rope_theta as an int: {config}")
+    return {
+        "_class_name": CLASS_NAME,
+        "patch_size": 1,
+        "in_channels": config.in_channels,
+        "out_channels": None,
+        "num_layers": config.depth,
+        "num_single_layers": config.depth_single,
+        "attention_head_dim": config.head_dim,
+        "num_attention_heads": config.num_heads,
+        "joint_attention_dim": config.context_in_dim,
+        "timestep_guidance_channels": config.time_dim,
+        "mlp_ratio": config.mlp_ratio,
+        "axes_dims_rope": list(config.axes_dim),
+        "rope_theta": int(config.theta),
+        "eps": 1e-6,
+        "guidance_embeds": config.guidance_embed,
+    }
+
+
+def flux2_config_from_json(text: str) -> Flux2Config:
+    fields = json.loads(text)
+    fields["axes_dim"] = tuple(fields["axes_dim"])
+    return Flux2Config(**fields)
