@@ -1,19 +1,26 @@
 """FLUX.2 transformer: parity with diffusers' Flux2Transformer2DModel, BFL <-> diffusers names,
 released sizes on `meta`, checkpoint formats."""
 
+import os
+
 import pytest
 import torch
 from diffusers import Flux2Transformer2DModel
+from safetensors.torch import load_file, save_file
 from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 
+from library.io import CheckpointError
+from library.models.family import fp8_prepare
 from library.models.flux2.checkpoint import (
     diffusers_config,
     diffusers_to_flux2_state_dict,
     flux2_diffusers_module_map,
     flux2_to_diffusers_state_dict,
+    load_flux2,
 )
 from library.models.flux2.model import FLUX2_CONFIGS, Flux2, Flux2Config, make_img_ids, make_txt_ids
+from library.precision.fp8 import FP8Linear
 
 # head_dim 32 = 4 x 8, FLUX.2's four equal RoPE axes scaled down; context 96 = 3 stacked layers x 32.
 TINY = dict(in_channels=128, context_in_dim=96, hidden_size=64, num_heads=2, depth=2, depth_single=2, axes_dim=(8, 8, 8, 8))
@@ -133,3 +140,145 @@ def test_released_sizes_on_meta_match_diffusers(name):
     expected = reference.state_dict()
     assert converted.keys() == expected.keys()
     assert all(converted[k].shape == expected[k].shape for k in converted)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: the tiny writer's files, other layouts, dtypes, fp8, errors
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    from tools.make_tiny_models import write_flux2
+
+    return write_flux2(str(tmp_path_factory.mktemp("flux2")), seed=0)
+
+
+def test_tiny_files_load_in_both_formats_and_in_diffusers(tiny_files):
+    """Our BFL file and diffusers folder hold the same model; diffusers reads both (from_single_file
+    with its own FLUX.2 converter, from_pretrained) and computes what we compute."""
+    bfl, folder = load_flux2(tiny_files["flux2_tiny"]), load_flux2(tiny_files["flux2_diffusers"])
+    assert bfl.config == folder.config and bfl.guidance_in is None
+    assert all(torch.equal(a, b) for a, b in zip(bfl.state_dict().values(), folder.state_dict().values()))
+    single = Flux2Transformer2DModel.from_single_file(tiny_files["flux2_tiny"], config=tiny_files["flux2_diffusers"],
+                                                      local_files_only=True)
+    pretrained = Flux2Transformer2DModel.from_pretrained(tiny_files["flux2_diffusers"])
+    assert all(torch.equal(a, b) for a, b in zip(single.state_dict().values(), pretrained.state_dict().values()))
+    x = inputs(False)
+    with torch.no_grad():
+        assert (bfl(**x) - diffusers_forward(pretrained, x)).abs().max().item() <= 1e-5
+    dev = load_flux2(tiny_files["flux2_dev_tiny"])
+    assert dev.config.guidance_embed and dev.config.context_in_dim == 96 and dev.config.in_channels == 128
+
+
+def test_bfl_file_without_metadata_with_comfy_prefix_infers_the_config(tmp_path, tiny_files):
+    """Released BFL files carry no config: it comes from the key shapes (theta and the RoPE split are
+    FLUX.2's); ComfyUI's `model.diffusion_model.` prefix is stripped."""
+    sd = load_file(tiny_files["flux2_dev_tiny"])
+    save_file({"model.diffusion_model." + k: v for k, v in sd.items()}, tmp_path / "comfy.safetensors")
+    model = load_flux2(str(tmp_path / "comfy.safetensors"))
+    assert model.config == load_flux2(tiny_files["flux2_dev_tiny"]).config == tiny_config(True)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
+
+
+def test_sharded_pipeline_folder_in_bf16(tmp_path):
+    reference = tiny_diffusers(True)
+    reference.save_pretrained(tmp_path / "transformer", max_shard_size="100KB")
+    assert len(list((tmp_path / "transformer").glob("*.safetensors"))) > 1
+    model = load_flux2(str(tmp_path), dtype=torch.bfloat16)
+    assert model.config == tiny_config(True) and model.compute_dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    x = inputs(True)
+    with torch.no_grad():
+        out, expected = model(**x), diffusers_forward(reference, x)
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - expected).norm() / expected.norm()).item() < 0.02  # bf16 weights and activations
+
+
+def test_fp8_scaled_keeps_embedders_final_layer_and_shared_modulation(tiny_files):
+    model = load_flux2(tiny_files["flux2_dev_tiny"], dtype=torch.bfloat16, prepare=fp8_prepare("fp8_scaled", "flux2"))
+    kept = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    assert kept == {"img_in", "txt_in", "final_layer.linear", "final_layer.adaLN_modulation.1",
+                    "double_stream_modulation_img.lin", "double_stream_modulation_txt.lin", "single_stream_modulation.lin"} | {
+        f"{e}.{layer}" for e in ("time_in", "guidance_in") for layer in ("in_layer", "out_layer")}  # fmt: skip
+    quantized = {n for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert quantized == {n for b in ("img", "txt") for i in range(2) for n in (
+        f"double_blocks.{i}.{b}_attn.qkv", f"double_blocks.{i}.{b}_attn.proj", f"double_blocks.{i}.{b}_mlp.0",
+        f"double_blocks.{i}.{b}_mlp.2")} | {f"single_blocks.{i}.linear{j}" for i in range(2) for j in (1, 2)}  # fmt: skip
+    reference = load_flux2(tiny_files["flux2_dev_tiny"])
+    x = inputs(True)
+    with torch.no_grad():
+        out, expected = model(**x).float(), reference(**x)
+    assert 1e-4 < ((out - expected).norm() / expected.norm()).item() < 0.1
+
+
+def test_wrong_family_and_bad_files_fail_with_the_key(tmp_path, tiny_files):
+    from library.models.flux1.checkpoint import load_flux
+    from tools.make_tiny_models import write_flux
+
+    with pytest.raises(CheckpointError, match="FLUX.2 transformer, not FLUX.1"):
+        load_flux(tiny_files["flux2_tiny"])
+    with pytest.raises(CheckpointError, match="_class_name is 'Flux2Transformer2DModel'"):
+        load_flux(tiny_files["flux2_diffusers"])
+    flux1 = write_flux(str(tmp_path), 0)
+    with pytest.raises(CheckpointError, match="not a FLUX.2 transformer"):
+        load_flux2(flux1["flux_bfl"])
+    with pytest.raises(CheckpointError, match="_class_name is 'FluxTransformer2DModel'"):
+        load_flux2(flux1["flux_diffusers"])
+    sd = load_file(os.path.join(tiny_files["flux2_diffusers"], "diffusion_pytorch_model.safetensors"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(open(os.path.join(tiny_files["flux2_diffusers"], "config.json")).read())
+    save_file({**sd, "transformer_blocks.1.attn.to_k.weight": torch.zeros(64, 32)}, bad / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'transformer_blocks.1.attn.to_k.weight' has shape \(64, 32\)"):
+        load_flux2(str(bad))
+
+
+def test_fp8_keeping_shared_modulation_pays():
+    """The measurement behind fp8.FLUX2_SHARED_MODULATION, one seed: keeping the three shared
+    modulation Linears in high precision cuts fp8_scaled's error by more than the memory it adds."""
+    errors = {keep: shared_modulation_error(keep) for keep in (False, True)}
+    error_saved = 1 - errors[True] / errors[False]
+    share = 15 * 3072**2 / RELEASED["klein_4b"]  # the largest share of the released sizes
+    scaled_bytes = 1 + 2 / 64
+    memory_added = share * (2 - scaled_bytes) / scaled_bytes
+    print(f"fp8_scaled update error {errors[False]:.4f} quantized, {errors[True]:.4f} kept: -{error_saved:.1%} "
+          f"for +{memory_added:.1%} memory")
+    assert error_saved > memory_added
+
+
+def shared_modulation_error(keep: bool, seed: int = 0) -> float:
+    """Relative error of the blocks' residual update (last single block out - first double block in)
+    of a width-256 FLUX.2 with weights N(0, 0.02), fp8_scaled vs fp32."""
+    from library.precision import fp8
+
+    torch.manual_seed(seed)
+    config = Flux2Config(in_channels=128, context_in_dim=96, hidden_size=256, num_heads=2, depth=2, depth_single=2,
+                         axes_dim=(32, 32, 32, 32), guidance_embed=False)  # fmt: skip
+    model = Flux2(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # the time embedder scaled so that the modulation is O(1)
+            std = p.shape[-1] ** -0.5 if name.startswith("time_in") else 0.02
+            p.copy_(1 + 0.1 * torch.randn(p.shape) if p.dim() == 1 else std * torch.randn(p.shape))
+    x = {**inputs(False), "img": torch.randn(B, H * W, 128), "timesteps": torch.tensor([0.6, 0.6])}
+    reference = residual_update(model, x)
+    saved = list(fp8.HIGH_PRECISION_MODULES["flux2"])
+    if not keep:
+        fp8.HIGH_PRECISION_MODULES["flux2"] = [p for p in saved if p not in fp8.FLUX2_SHARED_MODULATION]
+    try:
+        fp8.quantize_module(model, "fp8_scaled", "flux2")
+    finally:
+        fp8.HIGH_PRECISION_MODULES["flux2"] = saved
+    return ((residual_update(model, x) - reference).norm() / reference.norm()).item()
+
+
+def residual_update(model: Flux2, x: dict) -> torch.Tensor:
+    seen = {}  # (the hooks return None: a returned value would replace the block's input / output)
+    hooks = [
+        model.double_blocks[0].register_forward_pre_hook(lambda m, a: seen.update(input=torch.cat((a[1], a[0]), 1))),
+        model.single_blocks[-1].register_forward_hook(lambda m, a, out: seen.update(output=out)),
+    ]
+    with torch.no_grad():
+        model(**x)
+    for hook in hooks:
+        hook.remove()
+    return seen["output"] - seen["input"]

@@ -38,13 +38,15 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
         "qwen_image": "qwen_image/transformer", "qwen_image_vae": "qwen_image/vae",
         "qwen_image_text_encoder": "qwen_image/text_encoder", "qwen_image_tokenizer": "qwen_image/tokenizer", "llm": "llm",
         "flux2_text_encoder": "flux2/text_encoder", "flux2_tokenizer": "flux2/tokenizer",
+        "flux2_tiny": "flux2/flux2-tiny.safetensors", "flux2_diffusers": "flux2/transformer",
+        "flux2_dev_tiny": "flux2/flux2-dev-tiny.safetensors",
     }
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["paths"] == expected and manifest["seed"] == 0
     assert all(os.path.exists(p) for p in paths.values())
     total = sum(manifest["bytes"].values())
-    assert 1_000_000 < total < 10_000_000, total  # a few MB
+    assert 1_000_000 < total < 16_000_000, total  # a few MB (about 14 with FLUX.2)
     # Real layouts: BFL keys in the single file, diffusers keys in the folder.
     assert "double_blocks.0.img_attn.qkv.weight" in CheckpointReader(paths["flux_bfl"])
     assert "transformer_blocks.0.attn.to_q.weight" in CheckpointReader(paths["flux_diffusers"])
@@ -52,6 +54,9 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
     assert "text_model.encoder.layers.0.self_attn.q_proj.weight" in CheckpointReader(paths["clip_l"])
     assert "model.layers.0.self_attn.q_proj.bias" in CheckpointReader(paths["llm"])
     assert "model.layers.27.self_attn.k_norm.weight" in CheckpointReader(paths["flux2_text_encoder"])
+    assert "single_stream_modulation.lin.weight" in CheckpointReader(paths["flux2_tiny"])
+    assert "single_stream_modulation.linear.weight" in CheckpointReader(paths["flux2_diffusers"])
+    assert "guidance_in.in_layer.weight" in CheckpointReader(paths["flux2_dev_tiny"])
 
 
 def test_tool_is_deterministic_from_seed(tmp_path):

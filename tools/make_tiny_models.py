@@ -20,6 +20,9 @@ DIR/
                                        embeddings, explicit head_dim), two shards + index.json
   flux2/tokenizer/                     its tokenizer, with a Qwen3-style chat template in
                                        tokenizer_config.json (enable_thinking=False -> empty <think>)
+  flux2/flux2-tiny.safetensors         FLUX.2 [klein]-like transformer (no guidance_in), BFL single file
+  flux2/transformer/                   the same weights as a diffusers Flux2Transformer2DModel folder
+  flux2/flux2-dev-tiny.safetensors     FLUX.2 [dev]-like transformer (guidance_in), BFL single file
   manifest.json                        what was written, with sizes and dims
 
 Dimensions are consistent across the set: T5 d_model == FLUX context_in_dim, CLIP hidden ==
@@ -54,6 +57,7 @@ TINY = {
     "dit_heads": 2,
     "axes": (8, 12, 12),
     "latent_channels": 16,
+    "flux2_latent_channels": 32,  # AutoencoderKLFlux2's
 }
 
 # A small corpus: the tokenizers learn whole words for the Qwen-Image template and some captions.
@@ -372,9 +376,32 @@ def write_qwen3_text_encoder(out: str, seed: int) -> dict[str, str]:
     return {"flux2_text_encoder": folder, "flux2_tokenizer": tok_folder}
 
 
+def write_flux2(out: str, seed: int) -> dict[str, str]:
+    """FLUX.2 transformers: [klein]-like (BFL file + diffusers folder, same weights) and [dev]-like
+    (BFL file). 32 latent channels (128 packed); context = 3 stacked text-encoder layers of lm_hidden."""
+    from library.models.flux2.checkpoint import save_flux2_bfl, save_flux2_diffusers
+    from library.models.flux2.model import Flux2, Flux2Config
+
+    paths = {}
+    for name, guidance, offset in (("flux2-tiny", False, 10), ("flux2-dev-tiny", True, 11)):
+        _seed(seed, offset)
+        head_dim = TINY["dit_hidden"] // TINY["dit_heads"]
+        config = Flux2Config(
+            in_channels=4 * TINY["flux2_latent_channels"], context_in_dim=3 * TINY["lm_hidden"], hidden_size=TINY["dit_hidden"],
+            num_heads=TINY["dit_heads"], depth=2, depth_single=2, axes_dim=(head_dim // 4,) * 4, guidance_embed=guidance,
+        )
+        model = Flux2(config)
+        paths[name.replace("-", "_")] = bfl = os.path.join(out, "flux2", f"{name}.safetensors")
+        save_flux2_bfl(model, bfl, config)
+        if not guidance:
+            paths["flux2_diffusers"] = folder = os.path.join(out, "flux2", "transformer")
+            save_flux2_diffusers(model, config, folder)
+    return paths
+
+
 WRITERS = (
     write_flux, write_flux_vae, write_clip, write_t5, write_qwen_image, write_qwen_vae, write_qwen_text_encoder, write_llm,
-    write_qwen3_text_encoder,
+    write_qwen3_text_encoder, write_flux2,
 )
 
 

@@ -340,6 +340,9 @@ def _refuse_other_family(path: str, keys: list[str]):
     qwen = next((k for k in keys if k.split(".")[-2:-1] == ["txt_norm"]), None)
     if qwen is not None:
         raise CheckpointError(f"{path}: key '{qwen}' belongs to a Qwen-Image transformer, not FLUX.1")
+    flux2 = next((k for k in keys if "single_stream_modulation." in k or "double_stream_modulation_img." in k), None)
+    if flux2 is not None:
+        raise CheckpointError(f"{path}: key '{flux2}' belongs to a FLUX.2 transformer, not FLUX.1")
 
 
 def load_flux(

@@ -245,3 +245,142 @@ def flux2_config_from_json(text: str) -> Flux2Config:
     fields = json.loads(text)
     fields["axes_dim"] = tuple(fields["axes_dim"])
     return Flux2Config(**fields)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _check_diffusers_shapes(reader: CheckpointReader, config: Flux2Config):
+    """Every diffusers key present, expected, and of the expected shape (named in the error)."""
+    with torch.device("meta"):
+        expected = flux2_to_diffusers_state_dict(Flux2(config).state_dict())
+    for key in reader.keys():
+        if key not in expected:
+            raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: unexpected key '{key}' for {config}")
+        found, want = reader.shape(key), tuple(expected[key].shape)
+        if found != want:
+            raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: key '{key}' has shape {found}, expected {want}")
+    missing = [k for k in expected if k not in reader]
+    if missing:
+        raise CheckpointError(f"{reader.path}: missing keys: {', '.join(missing[:5])} ({len(missing)} in all)")
+
+
+def _bfl_prefix(keys: list[str]) -> str | None:
+    for prefix in BFL_PREFIXES:  # diffusers keeps the modulation module names but calls the Linear `linear`
+        if prefix + FLUX2_MARKERS[0] in keys:
+            return prefix
+    return None
+
+
+def _diffusers_class(path: str) -> str | None:
+    config_json = os.path.join(path, "config.json")
+    if os.path.isdir(path) and os.path.isfile(config_json):
+        with open(config_json) as f:
+            return json.load(f).get("_class_name")
+    return None
+
+
+def _diffusers_source(path: str, reader: CheckpointReader, config: Flux2Config | None):
+    """(config, BFL-keyed view) of a diffusers Flux2Transformer2DModel folder; shapes checked up front."""
+    config_json = os.path.join(path, "config.json") if os.path.isdir(path) else None
+    if config is None and config_json and os.path.exists(config_json):
+        with open(config_json) as f:
+            config = config_from_diffusers(json.load(f), source=config_json)
+    if config is None:
+        meta = {k: torch.empty(reader.shape(k), device="meta") for k in reader.keys()}
+        config = config_from_bfl_shapes({k: tuple(v.shape) for k, v in diffusers_to_flux2_state_dict(meta).items()}, path)
+    _check_diffusers_shapes(reader, config)
+    return config, _DiffusersAsBFL(reader, *row_tables(reader.keys(), reader.shape, diffusers=True))
+
+
+def load_flux2(
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    config: Flux2Config | None = None,
+    convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    prepare: Callable[[Flux2], Callable | None] | None = None,
+    read_weights: bool = True,
+) -> Flux2:
+    """Load a FLUX.2 transformer from a BFL single file (optionally with a ComfyUI
+    `model.diffusion_model.` / `diffusion_model.` prefix) or a diffusers folder (the pipeline
+    folder with `transformer/`, or the transformer folder itself; sharded or not).
+
+    Arguments as load_flux (library/models/flux1/checkpoint.py): dtype casts floating weights on read
+    and becomes compute_dtype; config overrides what config.json / the `flux2_config` metadata / the
+    key shapes say; convert / prepare are the per-tensor and meta-model hooks (fp8:
+    `prepare=fp8_prepare("fp8_scaled", "flux2")`); read_weights=False gives the meta model as it
+    would load (the memory planner). The model is built on `meta` and filled one tensor at a time.
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"load_flux2 dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
+    path = component_folder(path, "transformer")
+    reader = CheckpointReader(path)
+    fp8_file = read_fp8_checkpoint(reader, path)  # a pre-quantized file is used as it is
+    keys = reader.keys()
+    class_name = _diffusers_class(path)
+    if class_name not in (None, CLASS_NAME):
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: _class_name is {class_name!r}, expected {CLASS_NAME!r}")
+    prefix = _bfl_prefix(keys)
+    if prefix is not None:
+        if config is None and "flux2_config" in reader.metadata:
+            config = flux2_config_from_json(reader.metadata["flux2_config"])
+        if config is None:
+            config = config_from_bfl_shapes({k[len(prefix) :]: reader.shape(k) for k in keys if k.startswith(prefix)}, path)
+        source = reader
+        rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
+    elif FLUX2_MARKERS[1] in keys:
+        if fp8_file:
+            raise CheckpointError(f"{path}: an fp8 FLUX.2 checkpoint must use BFL key names (diffusers folders split "
+                                  f"the fused qkv rows, which fp8 block scales do not survive)")
+        config, source = _diffusers_source(path, reader, config)
+        rename = lambda key: key  # noqa: E731
+    else:
+        raise CheckpointError(f"{path}: not a FLUX.2 transformer (no key '{FLUX2_MARKERS[0]}' (BFL) or "
+                              f"'{FLUX2_MARKERS[1]}' (diffusers))")
+
+    with torch.device("meta"):
+        model = Flux2(config)
+    if fp8_file:  # the file's own fp8 layout wins over a requested base precision
+        prepare = lambda m: prequantized_converter(m, fp8_file, "flux2", dtype, reader, path)  # noqa: E731
+    hook = prepare(model) if prepare is not None else None
+    if hook is not None and not isinstance(hook, torch.nn.Module):  # prepare_fp8 returns the model itself
+        if convert is not None:
+            raise ValueError("load_flux2: give the convert hook either as convert= or as prepare's result, not both")
+        convert = hook
+    if read_weights:
+        load_streaming(model, source, rename, dtype=dtype, convert=convert)
+    else:
+        model.to(dtype)
+    model.compute_dtype = dtype
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving
+
+
+def _state_and_config(model_or_sd, config):
+    if isinstance(model_or_sd, Flux2):
+        return model_or_sd.state_dict(), config or model_or_sd.config
+    return dict(model_or_sd), config
+
+
+def save_flux2_bfl(model_or_sd, path: str, config: Flux2Config | None = None, metadata: dict[str, str] | None = None):
+    """Write a BFL single-file checkpoint (atomic). The config, when known, goes into the
+    safetensors metadata as `flux2_config` JSON so that non-standard sizes reload exactly."""
+    sd, config = _state_and_config(model_or_sd, config)
+    metadata = dict(metadata or {})
+    if config is not None:
+        metadata["flux2_config"] = json.dumps(dataclasses.asdict(config))
+    save_safetensors(sd, path, metadata=metadata or None)
+
+
+def save_flux2_diffusers(model_or_sd, config: Flux2Config | None, folder: str):
+    """Write a diffusers transformer folder: config.json + diffusion_pytorch_model.safetensors."""
+    sd, config = _state_and_config(model_or_sd, config)
+    if config is None:
+        raise ValueError("save_flux2_diffusers needs a Flux2Config (or a Flux2 model) to write config.json")
+    os.makedirs(folder, exist_ok=True)
+    save_safetensors(flux2_to_diffusers_state_dict(sd), os.path.join(folder, DIFFUSERS_WEIGHTS), metadata={"format": "pt"})
+    write_text(os.path.join(folder, "config.json"), json.dumps(diffusers_config(config), indent=2) + "\n")
