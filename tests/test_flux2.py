@@ -282,3 +282,29 @@ def residual_update(model: Flux2, x: dict) -> torch.Tensor:
     for hook in hooks:
         hook.remove()
     return seen["output"] - seen["input"]
+
+
+def test_comfy_scaled_fp8_file_loads_as_stored(tmp_path, tiny_files):
+    """A ComfyUI scaled-fp8 FLUX.2 file (marker layout, `model.diffusion_model.` prefix): every block
+    Linear keeps its e4m3 codes and per-tensor scale; the model computes with codes * scale."""
+    from library.precision import fp8
+
+    sd = load_file(tiny_files["flux2_tiny"])
+    dequantized, stored = dict(sd), {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
+    for key, w in sd.items():
+        layer = key[: -len(".weight")]
+        if w.dim() == 2 and not fp8.is_high_precision(layer, "flux2"):
+            scale = (w.abs().amax() / 448.0).float()
+            stored[key], stored[layer + ".scale_weight"] = (w / scale).to(torch.float8_e4m3fn), scale
+            dequantized[key] = stored[key].float() * scale
+        else:
+            stored[key] = w
+    save_file({"model.diffusion_model." + k: v for k, v in stored.items()}, tmp_path / "comfy_fp8.safetensors")
+    model = load_flux2(str(tmp_path / "comfy_fp8.safetensors"))
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    assert len(layers) == 2 * 2 * 4 + 2 * 2 and {m.mode for m in layers} == {"fp8_tensor_scaled"}
+    reference = Flux2(model.config)
+    reference.load_state_dict(dequantized, strict=True)
+    x = inputs(False)
+    with torch.no_grad():
+        assert (model(**x) - reference(**x)).abs().max().item() <= 1e-5
