@@ -66,7 +66,7 @@ _MODULATION_MODULES = {
 # blocks' residual update vs fp32, 3 seeds): fp8_scaled 5.18% with them quantized vs 4.51% kept
 # (plain fp8: 6.74% vs 5.93%). Keeping them cuts the error by 13% for +3.4% memory on klein 4B (less
 # on the larger ones): unlike FLUX.1's per-block modulation (27% of the weights) they stay high
-# precision. tests/test_flux2.py::test_fp8_keeping_shared_modulation_pays repeats the measurement.
+# precision. tests/test_flux2.py::test_fp8_keeping_shared_modulation_pays repeats it (1 double block, 1 seed).
 FLUX2_SHARED_MODULATION = [r"double_stream_modulation_(img|txt)\.lin", r"single_stream_modulation\.lin"]
 
 # Regexes over qualified module names (re.fullmatch) of the Linears that stay bf16/fp32 in both modes.
