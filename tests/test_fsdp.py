@@ -23,26 +23,28 @@ from networks.lora import LoRANetwork
 from tests.test_train_lora import ROOT, flux_args, free_port
 
 
-def read_log(out, column):
-    with open(os.path.join(out, "tiny_flux_lora_log.csv")) as f:
+def read_log(out, column, name="tiny_flux_lora"):
+    with open(os.path.join(out, f"{name}_log.csv")) as f:
         return [float(r[column]) if r[column] else None for r in csv.DictReader(f)]
 
 
-def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_batch(tiny_set, tmp_path):
+def write_datasets(tiny_set, tmp_path, validation: bool):
+    """ds1.toml / ds2.toml: batch 1 and 2 over one bucket, so both runs see the same samples."""
     held_out = tmp_path / "held_out"  # 3 validation images: 2 + 1 forwards per process unless padded
     held_out.mkdir()
     for stem in ("000", "001", "002"):
         for ext in (".png", ".txt"):
             shutil.copy(os.path.join(tiny_set["image_dir"], stem + ext), held_out / (stem + ext))
-    for bs in (1, 2):  # one bucket, so the two runs see the same samples
+    extra = (f'[[validation_datasets]]\nbatch_size = 1\n[[validation_datasets.subsets]]\nimage_dir = "{held_out}"\n'
+             if validation else "")
+    for bs in (1, 2):
         (tmp_path / f"ds{bs}.toml").write_text(
             f'[general]\nresolution = 64\nbatch_size = {bs}\n[[datasets]]\n[[datasets.subsets]]\n'
-            f'image_dir = "{tiny_set["image_dir"]}"\n'
-            f'[[validation_datasets]]\nbatch_size = 1\n[[validation_datasets.subsets]]\nimage_dir = "{held_out}"\n')
-    common = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",
-              "--sample_prompts", "", "--validate_every_n_steps", "2"]  # quickstart: fp8_scaled base, fp32 compute
-    single = flux_args(tiny_set, tmp_path / "single", "--dataset_config", str(tmp_path / "ds2.toml"), *common)
-    multi = flux_args(tiny_set, tmp_path / "multi", "--dataset_config", str(tmp_path / "ds1.toml"), *common)
+            f'image_dir = "{tiny_set["image_dir"]}"\n' + extra)
+
+
+def run_single_and_fsdp(tmp_path, single: list[str], multi: list[str]) -> str:
+    """1 plain process, then 2 gloo processes through configs/accelerate/fsdp.yaml; their output."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "train_lora.py", *single], cwd=ROOT, env=env, check=True, capture_output=True)
     run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -50,10 +52,28 @@ def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_ba
                           "--mixed_precision", "no", "--main_process_port", free_port(), "train_lora.py", *multi],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, [l for l in run.stderr.splitlines() if "error" in l.lower()][:5]
+    return run.stdout + run.stderr
+
+
+def assert_same_lora(a_path, b_path):
+    """Within the DDP test's tolerance: 2% of the largest up weight."""
+    a, b = load_file(a_path), load_file(b_path)
+    up = max(a[k].abs().max().item() for k in a if "lora_up" in k)
+    diff = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert sorted(a) == sorted(b) and up > 1e-3 and diff <= 0.02 * up, (diff, up)
+
+
+def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_batch(tiny_set, tmp_path):
+    write_datasets(tiny_set, tmp_path, validation=True)
+    common = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",
+              "--sample_prompts", "", "--validate_every_n_steps", "2"]  # quickstart: fp8_scaled base, fp32 compute
+    single = flux_args(tiny_set, tmp_path / "single", "--dataset_config", str(tmp_path / "ds2.toml"), *common)
+    multi = flux_args(tiny_set, tmp_path / "multi", "--dataset_config", str(tmp_path / "ds1.toml"), *common)
+    output = run_single_and_fsdp(tmp_path, single, multi)
 
     # Each process holds half of the base: the whole is what the fp8_scaled base weighs unsharded.
     held = {int(m[0]): (int(m[1]), int(m[2])) for m in
-            re.findall(r"fsdp: process (\d) of 2 holds .* \((\d+) of (\d+) bytes\)", run.stdout + run.stderr)}
+            re.findall(r"fsdp: process (\d) of 2 holds .* \((\d+) of (\d+) bytes\)", output)}
     base = FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32, "fp8_scaled")
     whole = sum(t.numel() * t.element_size() for t in [*base.parameters(), *base.buffers()])
     assert sorted(held) == [0, 1] and all(w == whole for _, w in held.values()), (held, whole)
@@ -63,12 +83,22 @@ def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_ba
     assert read_log(multi_out, "loss") == pytest.approx(read_log(single_out, "loss"), abs=1e-5)
     val_single, val_multi = read_log(single_out, "val_loss"), read_log(multi_out, "val_loss")
     assert val_single[1] is not None and val_multi == pytest.approx(val_single, abs=1e-5)
-    a = load_file(single_out / "tiny_flux_lora.safetensors")
-    b = load_file(multi_out / "tiny_flux_lora.safetensors")
-    up = max(a[k].abs().max().item() for k in a if "lora_up" in k)
-    diff = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert sorted(a) == sorted(b) and up > 1e-3 and diff <= 0.02 * up, (diff, up)
+    assert_same_lora(single_out / "tiny_flux_lora.safetensors", multi_out / "tiny_flux_lora.safetensors")
     LoRANetwork(base, "flux", 8, 8.0).load_weights(str(multi_out / "tiny_flux_lora.safetensors"))  # a normal file
+
+
+def test_qwen_image_under_fsdp_equals_one_process(tiny_set, tmp_path):
+    """Qwen-Image's last block leaves LoRAs without a gradient (its text stream feeds nothing)."""
+    write_datasets(tiny_set, tmp_path, validation=False)
+    args = ["--model_type", "qwen_image", "--pretrained_model_name_or_path", tiny_set["qwen_image"],
+            "--ae", tiny_set["qwen_image_vae"], "--text_encoder", tiny_set["qwen_image_text_encoder"],
+            "--output_name", "qwen", "--max_train_steps", "2", "--mixed_precision", "no", "--fp8_base",
+            "--network_dim", "4", "--optimizer_type", "AdamW", "--learning_rate", "1e-3"]
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    run_single_and_fsdp(tmp_path, [*args, "--dataset_config", str(tmp_path / "ds2.toml"), "--output_dir", str(single)],
+                        [*args, "--dataset_config", str(tmp_path / "ds1.toml"), "--output_dir", str(multi)])
+    assert read_log(multi, "loss", "qwen") == pytest.approx(read_log(single, "loss", "qwen"), abs=1e-5)
+    assert_same_lora(single / "qwen.safetensors", multi / "qwen.safetensors")
 
 
 def test_fp8_codes_become_frozen_parameters_with_the_same_values(tiny_set):

@@ -153,5 +153,7 @@ def prepare(accelerator, module: nn.Module, optimizer: torch.optim.Optimizer):
         module.forward = convert_outputs_to_fp32(autocast(module.forward))
     group = dist.new_group(ranks=list(range(accelerator.num_processes)))
     device_ids = [accelerator.device.index] if accelerator.device.type == "cuda" else None
-    wrapped = ReplicatedLoRA(module, device_ids=device_ids, process_group=group)
+    # find_unused_parameters: some LoRAs get no gradient in a step (Qwen-Image's last block's text
+    # stream feeds nothing; module_dropout skips whole modules); DDP would refuse the next step.
+    wrapped = ReplicatedLoRA(module, device_ids=device_ids, process_group=group, find_unused_parameters=True)
     return wrapped, accelerator.prepare_optimizer(optimizer, device_placement=False)
