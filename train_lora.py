@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from library.io import CheckpointError
-from library.training import tracking
+from library.training import fsdp, tracking
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix
 from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals
 from library.training.ema import TrainableEMA
@@ -169,6 +169,8 @@ class Trainer:
     def __init__(self, args):
         self.args, self.started = args, time.time()
         self.accelerator = accelerator = make_accelerator(args)
+        if fsdp.uses_fsdp(accelerator):
+            fsdp.check_fsdp(accelerator, args)
         torch.manual_seed(args.seed)
         os.makedirs(args.output_dir, exist_ok=True)
         self.task = task = build_task(args, accelerator)
@@ -183,7 +185,10 @@ class Trainer:
                                           args.lr_scheduler_num_cycles, args.lr_scheduler_power)
         # Batches are sharded by the task itself (explicit epochs make resume exact), so only the
         # trainable module (DDP-wrapped on several processes) and the optimizer are prepared.
-        self.module, self.optimizer = accelerator.prepare(task.module, optimizer)
+        if fsdp.uses_fsdp(accelerator):  # the base is sharded by the task; the LoRA is prepared as for DDP
+            self.module, self.optimizer = fsdp.prepare(accelerator, task.module, optimizer)
+        else:
+            self.module, self.optimizer = accelerator.prepare(task.module, optimizer)
         self.step, self.epoch, self.batches_done = 0, 0, 0
         self.val_loss = None  # the latest, shown in the progress bar between validations
         self.ema = None

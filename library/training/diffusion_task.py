@@ -19,6 +19,7 @@ from library.data.dataset import (BucketBatchSampler, EpochBatches, ImageDataset
 from library.data.dataset_config import load_dataset_config
 from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
+from library.training import fsdp
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
 from library.training.state import sample_seed
 from library.training.validation import validation_loss
@@ -137,9 +138,12 @@ class DiffusionTask:
 
     def _to_device(self, base: nn.Module) -> nn.Module:
         """Swapped blocks' weights move to pinned CPU memory first, so the base is never on the
-        device whole (a 24 GB card could not hold it)."""
+        device whole (a 24 GB card could not hold it). Under FSDP the base is sharded over the
+        processes instead, block by block (library/training/fsdp.py)."""
         from library.models.block_swap import enable_block_swap
 
+        if fsdp.uses_fsdp(self.accelerator):
+            return fsdp.shard_base(base, self.accelerator)
         try:
             enable_block_swap(base, self.args.blocks_to_swap, self.device)
         except ValueError as e:

@@ -33,18 +33,25 @@ def validation_loss(family, model, dataset, guidance: float | None, accelerator)
     Process r of N computes images r, r+N, ...; the [images, sigmas] float32 table of losses
     (zeros where another process computes) is summed over processes, so the result is the
     same on 1 or N processes. Call it on every process, with the network in eval mode."""
-    device = accelerator.device
-    losses = torch.zeros(len(dataset), len(VALIDATION_SIGMAS), dtype=torch.float32, device=device)
+    from library.training.fsdp import uses_fsdp
+
+    device, n, world = accelerator.device, len(dataset), accelerator.num_processes
+    losses = torch.zeros(n, len(VALIDATION_SIGMAS), dtype=torch.float32, device=device)
+    # A sharded base (FSDP) all-gathers its weights in every forward, so every process must run
+    # as many forwards: the last round is padded with image 0, whose losses are dropped.
+    end = -(-n // world) * world if uses_fsdp(accelerator) else n
     with accelerator.autocast():  # the compute the training forward runs under
-        for i in range(accelerator.process_index, len(dataset), accelerator.num_processes):
-            sample = dataset[i]
+        for i in range(accelerator.process_index, end, world):
+            sample = dataset[i % n]
             latents = sample["latents"][None].to(device)  # float32 [1, C, h, w]
             text = {k: v[None].to(device) for k, v in sample["text"].items()}
             for j, sigma in enumerate(VALIDATION_SIGMAS):
                 gen = torch.Generator().manual_seed(noise_seed(sample["key"], j))
                 noise = torch.randn(latents.shape, generator=gen, dtype=torch.float32).to(device)
                 sigmas = torch.full((1,), sigma, dtype=torch.float32, device=device)
-                losses[i, j] = family.loss_at(model, latents, text, noise, sigmas, guidance)
+                loss = family.loss_at(model, latents, text, noise, sigmas, guidance)
+                if i < n:
+                    losses[i, j] = loss
     if accelerator.num_processes > 1:
         losses = accelerator.reduce(losses, reduction="sum")
     return losses.mean().item()
