@@ -160,41 +160,27 @@ def write_run_config(work: str, family: str = "flux") -> str:
         f.write(f'[[datasets]]\nresolution = 256\nbatch_size = 1\n[[datasets.subsets]]\nimage_dir = "{images}"\n')
     with open(os.path.join(work, "prompts.txt"), "w") as f:
         f.write("a red square --w 256 --h 256 --s 4 --d 7\n")
-    config = os.path.join(work, "train.toml")
-    if family == "qwen_image":
-        with open(config, "w") as f:
-            f.write(f"""model_type = "qwen_image"
+    models = {  # what differs between the two families; the run settings below are shared
+        "qwen_image": f'''model_type = "qwen_image"
 pretrained_model_name_or_path = "{work}/transformer"
 ae = "{work}/vae"
 text_encoder = "{work}/text_encoder"
-dataset_config = "{work}/dataset.toml"
-sample_prompts = "{work}/prompts.txt"
-sample_bf16_reference = false
-output_dir = "{work}/out"
 output_name = "full_qwen"
-fp8_base = true
-fp8_scaled = true
-mixed_precision = "bf16"
-gradient_checkpointing = true
-network_dim = 16
-network_alpha = 16
-optimizer_type = "AdamW"
-learning_rate = 1e-4
-max_train_steps = 2
-text_encoder_precision = "bf16"
-""")
-        return config
-    with open(config, "w") as f:
-        f.write(f"""model_type = "flux"
+''',
+        "flux": f'''model_type = "flux"
 pretrained_model_name_or_path = "{work}/flux1-dev.safetensors"
 ae = "{work}/ae.safetensors"
 clip_l = "{work}/clip_l"
 t5xxl = "{work}/t5xxl"
-dataset_config = "{work}/dataset.toml"
+output_name = "full_flux"
+''',
+    }
+    config = os.path.join(work, "train.toml")
+    with open(config, "w") as f:
+        f.write(models[family] + f"""dataset_config = "{work}/dataset.toml"
 sample_prompts = "{work}/prompts.txt"
 sample_bf16_reference = false
 output_dir = "{work}/out"
-output_name = "full_flux"
 fp8_base = true
 fp8_scaled = true
 mixed_precision = "bf16"

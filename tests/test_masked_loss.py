@@ -189,16 +189,10 @@ def test_validation_split_never_holds_out_reg_images(tmp_path):
 # End to end
 
 
-def qwen_args(tiny_set, out, *extra):
-    return ["--model_type", "qwen_image", "--pretrained_model_name_or_path", tiny_set["qwen_image"],
-            "--ae", tiny_set["qwen_image_vae"], "--text_encoder", tiny_set["qwen_image_text_encoder"],
-            "--output_dir", str(out), "--mixed_precision", "no", "--network_dim", "4",
-            "--optimizer_type", "AdamW", "--learning_rate", "1e-3", *extra]
-
-
 @pytest.mark.parametrize("family", ["flux", "qwen"])
 def test_masked_and_reg_training_runs_on_both_families(tiny_set, tmp_path, family, monkeypatch):
     from library.training.diffusion_task import DiffusionTask
+    from tests.test_captions import qwen_args
     from tests.test_train_lora import flux_args
 
     for i in range(2):

@@ -39,10 +39,12 @@ def log_sample_images(accelerator, paths: list[str], step: int) -> None:
     """Each rendered sample PNG to every tracker, as `samples/NN` (NN: the prompt's number) at `step`."""
     if not paths or not accelerator.is_main_process:
         return
+    images = []
+    for path in paths:  # read once, whatever the number of trackers
+        with Image.open(path) as img:
+            images.append(img.convert("RGB"))
     for tracker in accelerator.trackers:
-        for i, path in enumerate(paths):
-            with Image.open(path) as img:
-                image = img.convert("RGB")
+        for i, image in enumerate(images):
             key = f"samples/{i:02d}"
             if tracker.name == "tensorboard":
                 tracker.log_images({key: np.asarray(image)[None]}, step=step, dataformats="NHWC")
