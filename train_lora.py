@@ -61,7 +61,7 @@ class Interrupts:
 def make_accelerator(args):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import ProjectConfiguration
+    from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
 
     # accelerate keeps one AcceleratorState per process and refuses a second run's other
     # mixed_precision; clear it (not the process-group part) so main() can run again in-process.
@@ -73,8 +73,11 @@ def make_accelerator(args):
     trackers = tracking.trackers(args.log_with, args.logging_dir)
     # Gradient accumulation is done by the loop (Trainer.run_epoch), not by accelerate: an
     # optimizer step never spans two epochs, and the last partial group of an epoch steps too.
+    # find_unused_parameters: some LoRAs get no gradient in a step (Qwen-Image's last block's text
+    # stream feeds nothing; module_dropout skips whole modules), and DDP would wait for them forever.
     return Accelerator(
         mixed_precision=args.mixed_precision,
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir),
     )
