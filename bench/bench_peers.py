@@ -183,13 +183,13 @@ def add_their_lora(family: str, model, rank: int, peer):
 def their_forward(family: str, model, x: dict, precision: str):
     """The call their trainer makes (flux_train_network.get_noise_pred_and_target /
     qwen_image_train_network.call_dit), inputs in the dtypes it passes."""
-    b, T = x["x_t"].shape[0], x["txt"].shape[1]
+    b, T, dev = x["x_t"].shape[0], x["txt"].shape[1], x["x_t"].device
     if family == "flux":
         wd = torch.float32 if precision == "fp32" else torch.bfloat16  # sd-scripts' weight_dtype
         timesteps = (x["sigmas"] * 1000).to(wd)  # get_noisy_model_input_and_timesteps(...).to(dtype)
-        return model(img=x["x_t"].to(wd), img_ids=make_img_ids(b, x["h"], x["w"]).float(), txt=x["txt"].to(wd),
-                     txt_ids=torch.zeros(b, T, 3), timesteps=timesteps / 1000, y=x["pooled"].to(wd),
-                     guidance=torch.full((b,), 1.0))
+        return model(img=x["x_t"].to(wd), img_ids=make_img_ids(b, x["h"], x["w"], dev).float(), txt=x["txt"].to(wd),
+                     txt_ids=torch.zeros(b, T, 3, device=dev), timesteps=timesteps / 1000, y=x["pooled"].to(wd),
+                     guidance=torch.full((b,), 1.0, device=dev))
     return model(hidden_states=x["x_t"], encoder_hidden_states=x["txt"], encoder_hidden_states_mask=None,
                  timestep=x["sigmas"], img_shapes=[[(1, x["h"], x["w"])]] * b, txt_seq_lens=[T] * b)
 
@@ -201,23 +201,23 @@ def their_forward(family: str, model, x: dict, precision: str):
 def inputs(family: str, cfg, args) -> dict:
     from bench_train_step import make_inputs
 
-    x = make_inputs(family, cfg, args.image_tokens, args.text_tokens, args.batch, torch.device("cpu"))
+    x = make_inputs(family, cfg, args.image_tokens, args.text_tokens, args.batch, args.device)
     x["sigmas"] = torch.full_like(x["sigmas"], SIGMA)
     return x
 
 
-def autocast_for(precision: str):
+def autocast_for(precision: str, device: torch.device):
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=torch.bfloat16)  # what accelerate's autocast() is for bf16 on CPU
+    return torch.autocast(device.type, dtype=torch.bfloat16)  # what accelerate's autocast() is for bf16
 
 
-def make_step(forward, params, target, precision: str):
+def make_step(forward, params, target, precision: str, device: torch.device):
     optimizer = torch.optim.AdamW(params, lr=1e-4)
 
     def step() -> float:
         optimizer.zero_grad(set_to_none=True)
-        with autocast_for(precision):
+        with autocast_for(precision, device):
             pred = forward()
         loss = F.mse_loss(pred.float(), target)
         loss.backward()
@@ -230,7 +230,7 @@ def make_step(forward, params, target, precision: str):
 def build_pair(family: str, size: str, precision: str, args, peer):
     """(ours, theirs) on one set of base weights for `precision`."""
     base_dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    base = build_ours(family, size, args, base_dtype, torch.device("cpu"))
+    base = build_ours(family, size, args, base_dtype, args.device)
     ours = fp8_twin(base, family, precision) if precision.startswith("fp8") else base
     if family == "flux":
         theirs = sd_scripts_flux(peer["model"], base, precision)
@@ -252,16 +252,16 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
     network, their_params = add_their_lora(family, theirs, args.rank, peer)
     fwd_ours = lambda: our_forward(family, ours, x)  # noqa: E731
     fwd_theirs = lambda: their_forward(family, theirs, x, precision)  # noqa: E731
-    with torch.no_grad(), autocast_for(precision):  # LoRA up = 0 on both: the same function
+    with torch.no_grad(), autocast_for(precision, args.device):  # LoRA up = 0 on both: the same function
         p_ours, p_theirs = fwd_ours().float(), fwd_theirs().float()
     diff = (p_ours - p_theirs).abs().max().item()
     rel = ((p_ours - p_theirs).norm() / p_ours.norm()).item()
-    steps = {"ours": make_step(fwd_ours, our_params, x["target"], precision),
-             "theirs": make_step(fwd_theirs, their_params, x["target"], precision)}
+    steps = {"ours": make_step(fwd_ours, our_params, x["target"], precision, args.device),
+             "theirs": make_step(fwd_theirs, their_params, x["target"], precision, args.device)}
     peak_dtype = "fp32" if precision == "fp32" else "bf16"
-    before = matmul_peak(DTYPES[peak_dtype], args.gemm)  # the peak is re-measured around the steps:
-    res = alternate(steps, args.warmup, args.reps, torch.device("cpu"))
-    peak = max(peaks[peak_dtype], before, matmul_peak(DTYPES[peak_dtype], args.gemm))  # load moves it too
+    before = matmul_peak(DTYPES[peak_dtype], args.gemm, device=args.device)  # re-measured around the steps:
+    res = alternate(steps, args.warmup, args.reps, args.device)
+    peak = max(peaks[peak_dtype], before, matmul_peak(DTYPES[peak_dtype], args.gemm, device=args.device))  # load moves it
     t_o, t_t = median(res["ours"]["times"]), median(res["theirs"]["times"])
     m_o, m_t = median(res["ours"]["peaks"]), median(res["theirs"]["peaks"])
     l_o, l_t = res["ours"]["loss"], res["theirs"]["loss"]
@@ -293,7 +293,7 @@ def supported(family: str, precision: str) -> bool:
 
 
 def measure_peaks(args) -> dict:
-    peaks = {name: matmul_peak(dtype, args.gemm) for name, dtype in DTYPES.items()}
+    peaks = {name: matmul_peak(dtype, args.gemm, device=args.device) for name, dtype in DTYPES.items()}
     print(f"matmul peak ({args.gemm}^3 GEMM, best of 3): bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s, "
           f"fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s")
     return peaks
@@ -318,7 +318,9 @@ def main(argv=None):
     p.add_argument("--tiny-reps", type=int, default=10)
     p.add_argument("--gemm", type=int, default=4096, help="matrix size of the peak GEMM")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU: peak from a bf16/fp32 GEMM on it)")
     args = p.parse_args(argv)
+    args.device = torch.device(args.device)
     families = args.families.split(",")
     peers = {}
     if "flux" in families:
@@ -331,9 +333,10 @@ def main(argv=None):
             raise SystemExit("--musubi DIR is needed for the Qwen-Image comparison (a kohya-ss/musubi-tuner checkout)")
         model, lora, fp8 = import_musubi(os.path.abspath(args.musubi))
         peers["qwen_image"] = {"model": model, "lora": lora, "fp8": fp8}
-    pinned = pin_malloc_threshold()
-    print(f"machine: {machine_summary()}; load average {os.getloadavg()[0]:.1f}; memory: "
-          f"{memory_method(torch.device('cpu'))}{' (malloc mmap threshold pinned)' if pinned else ''}; "
+    pinned = pin_malloc_threshold() if args.device.type == "cpu" else False
+    gpu = f"; GPU {torch.cuda.get_device_name()}" if args.device.type == "cuda" else ""
+    print(f"machine: {machine_summary()}{gpu}; load average {os.getloadavg()[0]:.1f}; memory: "
+          f"{memory_method(args.device)}{' (malloc mmap threshold pinned)' if pinned else ''}; "
           f"checkpointing {'on' if args.checkpointing else 'off'}")
     peaks = measure_peaks(args)
     summary, start, reps, threads = [], time.time(), args.reps, torch.get_num_threads()

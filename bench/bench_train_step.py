@@ -52,6 +52,9 @@ from library.precision.fp8 import bytes_per_parameter, fp8_load_converter, prepa
 from library.models.qwen_image.model import QwenImage, QwenImageConfig  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_flops import count_step, matmul_peak  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GiB, MiB = 2**30, 2**20
 
@@ -318,6 +321,22 @@ def ref_forward(family: str, model, x: dict, dtype: torch.dtype) -> torch.Tensor
                  img_shapes=[[(1, x["h"], x["w"])]] * b, return_dict=False)[0]
 
 
+def compile_blocks(model):
+    """torch.compile each transformer block in place, as train_lora.py's torch_compile does (ours:
+    double/single_blocks, transformer_blocks; diffusers: transformer_blocks, single_transformer_blocks)."""
+    for name in ("double_blocks", "single_blocks", "transformer_blocks", "single_transformer_blocks"):
+        for block in getattr(model, name, []):
+            block.compile()
+
+
+def mfu(family: str, cfg, args, seconds: float) -> float:
+    """The step's matmul FLOPs (bench/step_flops.py) per second over the device's measured GEMM peak."""
+    if not args.peak:
+        return float("nan")
+    flops = count_step(family, cfg, args.batch, args.image_tokens, args.text_tokens, args.rank, args.checkpointing)
+    return flops["total"] / seconds / args.peak
+
+
 def make_step(forward, params: list, target: torch.Tensor):
     """forward() -> prediction; the step: zero grads, MSE (float32), backward, AdamW. Returns the loss."""
     optimizer = torch.optim.AdamW(params, lr=1e-4)
@@ -347,6 +366,8 @@ def compare_with_reference(family: str, size: str, args, dtype, device) -> dict:
     x = make_inputs(family, cfg, args.image_tokens, args.text_tokens, args.batch, device)
     network, our_params = add_our_lora(ours, family, args.rank)
     ref_params = add_peft_lora(ref, peft_targets(family, ours, network), args.rank)
+    if args.compile:  # after the adapters, so the compiled forward includes them
+        compile_blocks(ours), compile_blocks(ref)
     with torch.no_grad():  # same base weights: with LoRA up = 0 both predict the same velocity
         diff = (our_forward(family, ours, x).float() - ref_forward(family, ref, x, dtype).float()).abs().max().item()
     steps = {
@@ -363,6 +384,7 @@ def compare_with_reference(family: str, size: str, args, dtype, device) -> dict:
     print(f"  step time  ours {t_ours:.3f} s  ref {t_ref:.3f} s  ratio ours/ref {t_ours / t_ref:.2f}  "
           f"(medians of {args.reps}; ours {fmt(res['ours']['times'])}, ref {fmt(res['ref']['times'])})")
     print(f"  step memory ours {m_ours / MiB:.0f} MiB  ref {m_ref / MiB:.0f} MiB  ratio {m_ours / max(m_ref, 1):.2f}")
+    print(f"  MFU at the median step ours {mfu(family, cfg, args, t_ours):.1%} ref {mfu(family, cfg, args, t_ref):.1%}")
     print(f"  first loss ours {res['ours']['loss']:.6f} ref {res['ref']['loss']:.6f}")
     del steps, ours, ref
     return {"time_ratio": t_ours / t_ref, "mem_ratio": m_ours / max(m_ref, 1), "t_ours": t_ours, "t_ref": t_ref}
@@ -378,6 +400,8 @@ def compare_fp8(family: str, size: str, args, dtype, device) -> dict:
         model.train()
         model.gradient_checkpointing = args.checkpointing
         _, params = add_our_lora(model, family, args.rank)
+        if args.compile:
+            compile_blocks(model)
         steps[name] = make_step(lambda m=model: our_forward(family, m, x), params, x["target"])
         sizes[name] = bytes_per_parameter(model)
     res = alternate(steps, args.warmup, args.reps, device)
@@ -388,7 +412,8 @@ def compare_fp8(family: str, size: str, args, dtype, device) -> dict:
         t, m = median(res[name]["times"]), median(res[name]["peaks"])
         out[name] = t / base_t
         print(f"  {name:10s} {sizes[name]:.3f} B/param  step {t:.3f} s (x{t / base_t:.2f})  "
-              f"step memory {m / MiB:.0f} MiB (x{m / max(base_m, 1):.2f})  first loss {res[name]['loss']:.6f}")
+              f"step memory {m / MiB:.0f} MiB (x{m / max(base_m, 1):.2f})  MFU {mfu(family, base.config, args, t):.1%}  "
+              f"first loss {res[name]['loss']:.6f}")
     return out
 
 
@@ -417,11 +442,16 @@ def main(argv=None):
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing in both")
     p.add_argument("--skip-fp8", action="store_true")
     p.add_argument("--skip-ref", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (both models)")
+    p.add_argument("--mfu", action="store_true", help="measure the device's GEMM peak in --dtype and print MFU")
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    args.peak = matmul_peak(dtype, 8192 if device.type == "cuda" else 4096, device=device) if args.mfu else 0.0
     pinned = pin_malloc_threshold() if device.type == "cpu" else False
-    print(f"machine: {machine_summary()}; device {device}; memory: {memory_method(device)}"
-          f"{' (malloc mmap threshold pinned)' if pinned else ''}")
+    gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    print(f"machine: {machine_summary()}; device {device}{gpu}; memory: {memory_method(device)}"
+          f"{' (malloc mmap threshold pinned)' if pinned else ''}; compile {args.compile}; "
+          f"GEMM peak {args.peak / 1e12:.1f} TFLOP/s {args.dtype}")
     summary = []
     start = time.time()
     default_threads, mid_reps = torch.get_num_threads(), args.reps
@@ -437,7 +467,7 @@ def main(argv=None):
             if not args.skip_fp8:
                 r = compare_fp8(family, size, args, dtype, device)
                 summary.append(f"{family}/{size} fp8 x{r['fp8']:.2f} fp8_scaled x{r['fp8_scaled']:.2f}")
-    print(f"SUMMARY ({args.dtype}, {device}, {time.time() - start:.0f} s): " + "; ".join(summary))
+    print(f"SUMMARY ({args.dtype}, {device}, compile {args.compile}, {time.time() - start:.0f} s): " + "; ".join(summary))
 
 
 if __name__ == "__main__":

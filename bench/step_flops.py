@@ -121,15 +121,20 @@ def count_step(family: str, cfg, batch: int, img: int, txt: int, rank: int, ckpt
     return count(ops, rank)
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 4096, reps: int = 3) -> float:
-    """Best FLOP/s of an n x n x n matmul in `dtype` on the CPU with torch's threads (a large GEMM is
-    the most a step's matmuls can reach here)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.mm(a, b)  # warm (packing buffers, thread pool)
+def matmul_peak(dtype: torch.dtype, n: int = 4096, reps: int = 3, device: str | torch.device = "cpu") -> float:
+    """Best FLOP/s of an n x n x n matmul in `dtype` on `device` (the CPU with torch's threads, or a
+    GPU: synchronized around each product): a large GEMM is the most a step's matmuls can reach."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    for _ in range(1 if device.type == "cpu" else 5):  # warm (packing buffers, thread pool, clocks)
+        torch.mm(a, b)
+    sync()
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
         torch.mm(a, b)
+        sync()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
 

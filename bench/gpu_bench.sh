@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU rows of bench/RESULTS.md (issue 16), run from the repository root on a CUDA machine:
+#   bash bench/gpu_bench.sh checks steps compile peers     # any subset, in that order
+# checks   CUDA correctness: block swap / fp8 tests with CUDA visible, and the quickstart trained on the GPU
+# steps    one LoRA step, ours vs diffusers + peft, and bf16 vs fp8 / fp8_scaled base, eager
+# compile  the same with every block torch.compile'd (train_lora.py's torch_compile)
+# peers    ours vs sd-scripts (FLUX.1) and musubi-tuner (Qwen-Image): $SD_SCRIPTS, $MUSUBI checkouts
+# All at 1024 px (4096 image tokens), 512 text tokens, full-width blocks (FLUX 2 double + 4 single,
+# Qwen-Image 4 blocks), bf16, gradient checkpointing, rank 16. Logs go to $LOGS (default bench/gpu_logs).
+set -o pipefail
+PY=${PYTHON:-python3}
+LOGS=${LOGS:-bench/gpu_logs}
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1
+SHAPE="--image-tokens 4096 --text-tokens 512 --double 2 --single 4 --qwen-blocks 4 --warmup 2 --reps 5"
+for part in "$@"; do
+  case $part in
+    checks)
+      $PY -m pytest -x -q -p no:warnings tests/test_block_swap.py tests/test_fp8.py 2>&1 | tail -5 | tee "$LOGS/checks.log"
+      $PY tools/make_tiny_models.py --out tiny_models >/dev/null && $PY tools/make_tiny_dataset.py --out tiny_models/dataset >/dev/null
+      $PY train_lora.py --config_file configs/quickstart.toml --output_dir /tmp/qs 2>&1 | tr '\r' '\n' | grep -v "it/s\]" \
+        | tail -15 | tee -a "$LOGS/checks.log"
+      ls /tmp/qs | tee -a "$LOGS/checks.log" ;;
+    steps)
+      $PY bench/bench_train_step.py --device cuda --dtype bf16 --sizes mid --checkpointing --mfu $SHAPE 2>&1 | tee "$LOGS/steps_eager.log" ;;
+    compile)
+      $PY bench/bench_train_step.py --device cuda --dtype bf16 --sizes mid --checkpointing --mfu --compile $SHAPE 2>&1 \
+        | grep -v Warning | tee "$LOGS/steps_compile.log" ;;
+    peers)
+      $PY bench/bench_peers.py --device cuda --sizes mid --gemm 8192 --sd_scripts "$SD_SCRIPTS" --musubi "$MUSUBI" $SHAPE 2>&1 \
+        | tee "$LOGS/peers.log" ;;
+    *) echo "unknown part $part (checks, steps, compile, peers)"; exit 2 ;;
+  esac
+done
