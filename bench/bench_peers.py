@@ -321,6 +321,10 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU: peak from a bf16/fp32 GEMM on it)")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
+    if torch.device(args.device).type == "cuda":
+        # torch 2.11 + H100: cuDNN attention hits an illegal memory access on diffusers' FLUX call
+        # (its strided q/k/v) at 4608 tokens; both sides then use flash / memory-efficient SDPA.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     families = args.families.split(",")
     peers = {}
     if "flux" in families:

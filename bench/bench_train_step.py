@@ -446,6 +446,10 @@ def main(argv=None):
     p.add_argument("--mfu", action="store_true", help="measure the device's GEMM peak in --dtype and print MFU")
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    if torch.device(args.device).type == "cuda":
+        # torch 2.11 + H100: cuDNN attention hits an illegal memory access on diffusers' FLUX call
+        # (its strided q/k/v) at 4608 tokens; both sides then use flash / memory-efficient SDPA.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     args.peak = matmul_peak(dtype, 8192 if device.type == "cuda" else 4096, device=device) if args.mfu else 0.0
     pinned = pin_malloc_threshold() if device.type == "cpu" else False
     gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""

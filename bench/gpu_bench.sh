@@ -12,7 +12,7 @@ PY=${PYTHON:-python3}
 LOGS=${LOGS:-bench/gpu_logs}
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
-SHAPE="--image-tokens 4096 --text-tokens 512 --double 2 --single 4 --qwen-blocks 4 --warmup 2 --reps 5"
+SHAPE="--image-tokens 4096 --text-tokens 512 --double 2 --single 4 --qwen-blocks 4 --warmup 2 --reps 3"
 for part in "$@"; do
   case $part in
     checks)
