@@ -173,6 +173,7 @@ def add_their_lora(family: str, model, rank: int, peer):
         network = peer["lora"].create_arch_network(1.0, rank, rank, None, [], model,
                                                    exclude_patterns=repr([r".*_mod\..*"]))
         network.apply_to(None, model, apply_text_encoder=False, apply_unet=True)
+    network.to(next(p.device for p in model.parameters()))  # their trainers move it with the model
     params = [p for p in network.parameters()]
     for p in params:
         p.requires_grad_(True)

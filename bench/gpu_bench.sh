@@ -24,8 +24,9 @@ for part in "$@"; do
     steps)
       $PY bench/bench_train_step.py --device cuda --dtype bf16 --sizes mid --checkpointing --mfu $SHAPE 2>&1 | tee "$LOGS/steps_eager.log" ;;
     compile)
-      $PY bench/bench_train_step.py --device cuda --dtype bf16 --sizes mid --checkpointing --mfu --compile $SHAPE 2>&1 \
-        | grep -v Warning | tee "$LOGS/steps_compile.log" ;;
+      $PY bench/bench_train_step.py --device cuda --dtype bf16 --sizes mid --checkpointing --mfu --compile $SHAPE \
+        --families ${COMPILE_FAMILIES:-flux,qwen_image} 2>&1 \
+        | grep --line-buffered -v Warning | tee "$LOGS/steps_compile.log" ;;
     peers)
       $PY bench/bench_peers.py --device cuda --sizes mid --gemm 8192 --sd_scripts "$SD_SCRIPTS" --musubi "$MUSUBI" $SHAPE 2>&1 \
         | tee "$LOGS/peers.log" ;;
