@@ -92,7 +92,7 @@ def generate(args) -> list[str]:
     base_precision = family.stored_fp8_layout() or args.base_precision
     model = family.load_transformer(PRECISION_DTYPES[args.dtype], base_precision).requires_grad_(False).eval()
     for path, ratio in loras:  # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it)
-        network = network_from_file(model, family.name, path, multiplier=ratio)  # LoRA, DoRA or LyCORIS: the modules the file names
+        network = network_from_file(model, family.arch, path, multiplier=ratio)  # LoRA, DoRA or LyCORIS: the modules the file names
         network.apply()
         network.to(device)
     enable_block_swap(model, args.blocks_to_swap, device)  # before the move: swapped weights stay on the CPU

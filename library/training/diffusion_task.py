@@ -152,7 +152,7 @@ class DiffusionTask:
 
     def _make_network_for(self, base: nn.Module) -> nn.Module:
         args = self.args
-        network = build_network(args.network_module, base, self.family.name, args.network_dim, args.network_alpha,
+        network = build_network(args.network_module, base, self.family.arch, args.network_dim, args.network_alpha,
                                 network_args=lora_network_args(args))
         network.apply()
         return network.to(self.device)
@@ -249,7 +249,7 @@ class DiffusionTask:
     def timestep_sampling(self) -> str:
         from library.training.flow_matching import DEFAULTS
 
-        return self.args.timestep_sampling or DEFAULTS[self.family.name]["timestep_sampling"]
+        return self.args.timestep_sampling or DEFAULTS[self.family.arch]["timestep_sampling"]
 
     def dataset_summary(self) -> list[dict]:
         return [
