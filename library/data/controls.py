@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import re
 
+import torch
+
 from library.data.images import IMAGE_EXTENSIONS, verified_image_size
 
 
@@ -71,3 +73,20 @@ def check_family_takes(items, model_type: str, max_controls: int) -> None:
                     if not max_controls else f"takes at most {max_controls} reference image(s)")
             raise ValueError(f"{item.image_path}: {n} reference image(s) in {item.subset.control_directory}, "
                              f"but model_type {model_type} {what}")
+
+
+def reference_images(paths: list[str] | tuple[str, ...], control_bucket, width: int, height: int) -> list[torch.Tensor]:
+    """A sample prompt's references (--ci) fitted by the family's rule to a width x height target,
+    each float32 [1, 3, H, W] in [-1, 1] (what the VAE encodes)."""
+    from library.data.dataset import load_image
+
+    return [load_image(p, tuple(control_bucket((width, height), verified_image_size(p))))[None] for p in paths]
+
+
+def check_prompt_controls(prompts, where: str, model_type: str, max_controls: int) -> None:
+    """Sample prompts give no more --ci than the family takes."""
+    for p in prompts:
+        if len(p.control_images) > max_controls:
+            what = "takes no reference images" if not max_controls else f"takes at most {max_controls}"
+            raise ValueError(f"{where}: prompt {p.prompt!r} has {len(p.control_images)} --ci image(s), but "
+                             f"model_type {model_type} {what}")

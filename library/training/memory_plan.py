@@ -173,20 +173,23 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     lora = [p for p in network.parameters() if p.requires_grad]
     optimizer = sum(p.numel() for p in lora) * OPTIMIZER_STATE_BYTES.get(args.optimizer_type.lower().rsplit(".", 1)[-1], 8)
     latents = torch.empty(batch, 16, height // 8, width // 8, device="meta")
+    # Edit families: the references (at the target's size) add their tokens to every block.
+    control = [torch.empty_like(latents) for _ in range(family.plan_controls)]
     text = _plan_text(model, family.arch, batch, text_tokens)
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]
     with LiveBytes() as live, fused_attention_on_meta():
-        for t in (*model.parameters(), *model.buffers(), *network.state_dict().values(), latents, *text.values()):
+        for t in (*model.parameters(), *model.buffers(), *network.state_dict().values(), latents, *control,
+                  *text.values()):
             live.track(t)
         live.add(optimizer)  # from the first optimizer step on, resident during every step
         resident = live.live
-        loss, _ = family.training_loss(model, latents, text, args, generators)
+        loss, _ = family.training_loss(model, latents, text, args, generators, control=control or None)
         loss.backward()
         del loss
     return TrainingPlan(
         base=module_bytes(model), block_bytes=[module_bytes(b) for b in model.swappable_blocks()],
         lora=tensor_bytes(network.state_dict().values()), lora_grads=tensor_bytes(lora), optimizer=optimizer,
-        activations=live.peak - resident, inputs=tensor_bytes([latents, *text.values()]),
+        activations=live.peak - resident, inputs=tensor_bytes([latents, *control, *text.values()]),
     )
 
 
@@ -263,7 +266,9 @@ def sampling_phase(family, args, training: Phase, width: int, height: int, text_
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
         for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
             live.ignore(t)  # counted in `resident`
-        family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // 16, width // 16, None)
+        references = {"control": [torch.empty_like(latents)] * family.plan_controls} if family.plan_controls else {}
+        family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // 16, width // 16, None,
+                       **references)
     vae = _vae(family)
     phase = Phase("sampling", {"resident (base, lora, optimizer)": resident, "forward (peak)": live.peak,
                                "vae decode (peak)": _vae_peak(vae, width, height, 1, decode=True)})
