@@ -62,3 +62,26 @@ def test_flux_refuses_a_paired_dataset_in_one_line(edit_set, tmp_path, capsys):
     assert train_lora.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model_type flux takes no reference images" in err[0], err
+
+
+def test_generate_takes_references_from_the_option_and_the_prompt_line(edit_set, tmp_path, capsys):
+    from tools import generate
+
+    def run(out, *extra):
+        common = ["--model_type", "flux_kontext", "--model", edit_set["flux_bfl"], "--ae", edit_set["flux_vae_single"],
+                  "--clip_l", edit_set["clip_l"], "--t5xxl", edit_set["t5xxl"], "--t5xxl_max_token_length", "32",
+                  "--width", "32", "--height", "32", "--steps", "2", "--dtype", "fp32", "--out", str(tmp_path / out)]
+        assert generate.main([*common, *extra]) == 0
+        (name,) = os.listdir(tmp_path / out)
+        with Image.open(tmp_path / out / name) as image:
+            return torch.tensor(list(image.getdata()), dtype=torch.float32), image.text["control_images"]
+
+    grey = os.path.join(edit_set["edit_control_dir"], "000.png")
+    plain, none = run("plain", "--prompt", "make the shape red")
+    option, named = run("option", "--prompt", "make the shape red", "--control_image", grey)
+    line, _ = run("line", "--prompt", f"make the shape red --ci {grey}")
+    assert (none, named) == ("", "000.png") and torch.equal(option, line)
+    assert (option - plain).abs().mean() > 0.1  # the reference changes the picture (0 if ignored)
+    code = generate.main(["--model_type", "flux", "--model", edit_set["flux_bfl"], "--ae", edit_set["flux_vae_single"],
+                          "--clip_l", edit_set["clip_l"], "--t5xxl", edit_set["t5xxl"], "--prompt", f"x --ci {grey}"])
+    assert code == 2 and "model_type flux takes no reference images" in capsys.readouterr().err

@@ -66,11 +66,15 @@ class DiffusionFamily:
     max_controls = 0  # reference images a sample may carry (0: the family takes none)
     plan_controls = 0  # references the memory planner sizes a training sample for
 
-    @property
-    def arch(self) -> str:
-        """The transformer architecture: key of the LoRA targets, fp8 rules and flow-matching
-        constants. A variant with the same transformer (flux_kontext) names its base's."""
-        return self.name
+    # The transformer architecture: key of the LoRA targets, fp8 rules and flow-matching constants.
+    # It is the family's name unless the class names another: a variant with the same transformer
+    # (flux_kontext) trains and loads LoRAs exactly as its base architecture (flux).
+    arch: str
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__ and "arch" not in cls.__dict__:
+            cls.arch = cls.name
 
     def __init__(self, model_path: str, vae_path: str | None = None, **text_paths):
         self.model_path, self.vae_path, self.text_paths = model_path, vae_path, text_paths
@@ -230,6 +234,12 @@ FAMILIES = {
     "qwen_image": "library.models.qwen_image.family:QwenImageFamily",
     "flux_kontext": "library.models.flux1.kontext:FluxKontextFamily",
 }
+
+
+def lora_arch(model_type: str) -> str:
+    """The architecture whose LoRA layout a model_type's LoRAs have (flux_kontext -> flux); other
+    model types (llm) are their own."""
+    return family_class(model_type).arch if model_type in FAMILIES else model_type
 
 
 def family_class(model_type: str) -> type[DiffusionFamily]:
