@@ -127,9 +127,11 @@ def test_flux_kontext_lora_loads_in_flux_kontext_pipeline_with_our_output(flux_p
     sigma, family = torch.tensor([0.6]), FluxKontextFamily("unused")
     net = random_lora(ours, "flux", train_modulation=True)
     net.save(str(root / "kontext.safetensors"))
-    net.apply()
     with torch.no_grad():
+        base = family.predict(ours, x_t, sigma, text, IMG_H, IMG_W, None, control=[reference])
+        net.apply()
         mine = family.predict(ours, x_t, sigma, text, IMG_H, IMG_W, None, control=[reference])
+    assert (mine - base).abs().max() > 1.0  # the LoRA changes the output a lot
 
     pipe = FluxKontextPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
                                tokenizer_2=None, transformer=theirs)

@@ -104,3 +104,23 @@ def test_control_directory_must_be_a_folder_and_a_family_must_take_references(tm
     check_family_takes(items, "flux_kontext", 4)
     with pytest.raises(ValueError, match=r"img/a.png: 1 reference image\(s\) in .*ctrl, but model_type flux takes no "):
         check_family_takes(items, "flux", 0)
+
+
+def test_kontext_dataset_example_parses_with_its_folders(tmp_path, monkeypatch):
+    from library.data.dataset_config import load_dataset_config
+
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "dataset_kontext.toml")
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("data/edit/inputs")
+    (subset,) = load_dataset_config(example).datasets[0].subsets
+    assert (subset.image_dir, subset.control_directory) == ("data/edit/targets", "data/edit/inputs")
+
+
+def test_ci_flags_keep_their_order_and_a_missing_file_is_an_error(tmp_path):
+    from library.data.prompts import parse_prompt_line
+
+    a, b = make_image(tmp_path / "a.png", 16, 16), make_image(tmp_path / "b.png", 16, 16)
+    p = parse_prompt_line(f"make it red --ci {b} --w 32 --ci {a}", "p.txt:1")
+    assert p.control_images == (b, a) and p.width == 32 and p.prompt == "make it red"
+    with pytest.raises(ValueError, match=r"p.txt:2: --ci '.*missing.png' is not an image file"):
+        parse_prompt_line(f"x --ci {tmp_path / 'missing.png'}", "p.txt:2")
