@@ -32,20 +32,23 @@ def kontext_args(edit_set, out, *extra):
 
 
 def test_kontext_edit_lora_loss_falls_with_references_in_every_step(edit_set, tmp_path, monkeypatch):
-    seen = []
-    real = FluxKontextFamily.predict
+    seen, validated = [], []
+    real = FluxKontextFamily.loss_at
 
-    def recording(self, model, x_t, sigmas, text, h, w, guidance, control=None):
-        if torch.is_grad_enabled():  # training steps, not the sample
-            seen.append([tuple(c.shape) for c in control or []])
-        return real(self, model, x_t, sigmas, text, h, w, guidance, control)
+    def recording(self, *args, control=None, **kwargs):  # training steps (grad) and val_loss (no grad)
+        (seen if torch.is_grad_enabled() else validated).append([tuple(c.shape) for c in control or []])
+        return real(self, *args, control=control, **kwargs)
 
-    monkeypatch.setattr(FluxKontextFamily, "predict", recording)
+    monkeypatch.setattr(FluxKontextFamily, "loss_at", recording)
+    with open(edit_set["edit_dataset_config"]) as f:  # 2 of the 8 pairs held out for val_loss
+        (tmp_path / "ds.toml").write_text(f.read().replace("[general]\n", "[general]\nvalidation_split = 0.25\n"))
     out = tmp_path / "run"
     code = train_lora.main(kontext_args(edit_set, out, "--max_train_steps", "40", "--optimizer_type", "AdamW",
-                                        "--optimizer_args", "--learning_rate", "3e-3"))
+                                        "--optimizer_args", "--learning_rate", "3e-3", "--dataset_config",
+                                        str(tmp_path / "ds.toml"), "--validate_every_n_steps", "20"))
     assert code == 0
     assert len(seen) == 40 and all(s == [(2, 16, 4, 4)] for s in seen)  # batch 2, one 32x32 reference each
+    assert len(validated) == 2 * 2 * 5 and all(v == [(1, 16, 4, 4)] for v in validated)  # 2 images x 5 sigmas, twice
     losses = read_losses(out, "kontext")
     first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
     print(f"kontext tiny edit run: loss {first:.4f} -> {last:.4f}")

@@ -170,7 +170,7 @@ class DiffusionFamily:
         ])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
         loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
-                            args.loss_type, args.huber_c, mask, sample_weights, control)
+                            args.loss_type, args.huber_c, mask, sample_weights, control=control)
         return loss, sigmas
 
     def loss_at(self, model, latents: torch.Tensor, text: dict, noise: torch.Tensor, sigmas: torch.Tensor,
