@@ -8,7 +8,9 @@ axis is 1 instead of 0, and the prediction of the target tokens is the output:
 as diffusers' FluxKontextPipeline calls FluxTransformer2DModel. The loss is thus on the target
 tokens only. Several references (an extension: Kontext is trained with one) get first-axis
 indices 1, 2, ... in order, so no two share positions. A reference is fitted to its target's
-bucket (DiffusionFamily.control_bucket's default), the size Kontext edits at. Everything else
+bucket (DiffusionFamily.control_bucket's default), in training and in samples (--w/--h give the
+target; FluxKontextPipeline instead snaps the reference to one of its preferred ~1 MP sizes and
+makes the target that size: pick such --w/--h for the same picture). Everything else
 (text, VAE, guidance embedding, sigma schedule, LoRA targets, fp8 rules) is FLUX.1-dev's.
 """
 
