@@ -112,6 +112,45 @@ def test_flux_kohya_and_diffusers_files_load_in_diffusers_with_our_output(flux_p
     assert kohya_diff <= TOLERANCE and diffusers_diff <= TOLERANCE
 
 
+def test_flux_kontext_lora_loads_in_flux_kontext_pipeline_with_our_output(flux_pair):
+    """A Kontext LoRA is a FLUX.1 LoRA: FluxKontextPipeline loads our kohya file, and its transformer
+    called the way the pipeline calls it (target + reference tokens) gives our runtime LoRA's output."""
+    from diffusers import FluxKontextPipeline
+
+    from library.models.flux1.kontext import FluxKontextFamily
+
+    ours, theirs, root = flux_pair
+    ours = load_flux(str(root / "transformer"))  # a fresh base: the FLUX.1 test leaves its LoRA applied
+    g = torch.Generator().manual_seed(4)
+    x_t, reference = torch.randn(1, IMG_H * IMG_W, 64, generator=g), torch.randn(1, 16, 4, 6, generator=g)
+    text = {"t5": torch.randn(1, TXT, 64, generator=g), "clip_pooled": torch.randn(1, 64, generator=g)}
+    sigma, family = torch.tensor([0.6]), FluxKontextFamily("unused")
+    net = random_lora(ours, "flux", train_modulation=True)
+    net.save(str(root / "kontext.safetensors"))
+    with torch.no_grad():
+        base = family.predict(ours, x_t, sigma, text, IMG_H, IMG_W, None, control=[reference])
+        net.apply()
+        mine = family.predict(ours, x_t, sigma, text, IMG_H, IMG_W, None, control=[reference])
+    assert (mine - base).abs().max() > 1.0  # the LoRA changes the output a lot
+
+    pipe = FluxKontextPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                               tokenizer_2=None, transformer=theirs)
+    pipe.unload_lora_weights()
+    pipe.load_lora_weights(str(root / "kontext.safetensors"))
+    latent_ids = FluxKontextPipeline._prepare_latent_image_ids(1, IMG_H, IMG_W, "cpu", torch.float32)
+    image_ids = FluxKontextPipeline._prepare_latent_image_ids(1, 2, 3, "cpu", torch.float32)
+    image_ids[..., 0] = 1
+    with torch.no_grad():
+        out = theirs(hidden_states=torch.cat([x_t, FluxKontextPipeline._pack_latents(reference, 1, 16, 4, 6)], dim=1),
+                     timestep=sigma, guidance=None, pooled_projections=text["clip_pooled"],
+                     encoder_hidden_states=text["t5"], txt_ids=torch.zeros(TXT, 3),
+                     img_ids=torch.cat([latent_ids, image_ids]), return_dict=False)[0][:, : x_t.shape[1]]  # fmt: skip
+    pipe.unload_lora_weights()
+    diff = (mine - out).abs().max().item()
+    print(f"FLUX Kontext LoRA in FluxKontextPipeline's transformer: max abs diff {diff:.3g}")
+    assert out.abs().mean() > 0.1 and diff <= TOLERANCE
+
+
 # ----------------------------------------------------------------------------------------------
 # Qwen-Image
 

@@ -1,7 +1,7 @@
 """Convert a FLUX.1 or Qwen-Image LoRA between kohya and diffusers/PEFT layouts, and an LLM LoRA
 between a kohya file and a PEFT adapter folder.
 
-    python tools/convert_lora.py IN OUT --to kohya|diffusers|peft [--model_type flux|qwen_image|llm] [--alpha X]
+    python tools/convert_lora.py IN OUT --to kohya|diffusers|peft [--model_type flux|flux_kontext|qwen_image|llm] [--alpha X]
 
 The source layout (kohya `lora_unet_*`, PEFT `transformer.*.lora_A/B`, ComfyUI `diffusion_model.*`)
 and the model type are told from the tensor names (--model_type settles a LoRA that names only
@@ -44,6 +44,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from library.models.family import lora_arch  # noqa: E402
 from library.models.flux1.checkpoint import flux_diffusers_module_map  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from networks.lora_files import (  # noqa: E402
@@ -214,7 +215,7 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
         raise ValueError(f"--to {to!r}: expected kohya, diffusers or peft")
     if alpha is not None and (to != "kohya" or not alpha > 0):
         raise ValueError(f"--alpha {alpha}: only for --to kohya, and must be > 0 (diffusers output has alpha folded in)")
-    weights, metadata, fmt, model_type, known, counts = read_source(src, model_type)
+    weights, metadata, fmt, model_type, known, counts = read_source(src, model_type and lora_arch(model_type))
     if (to == "peft") != (model_type == "llm") and to != "kohya":
         want = "--to peft (a PEFT adapter folder)" if model_type == "llm" else "--to diffusers"
         raise ValueError(f"--to {to}: {NAMES[model_type]} LoRAs convert with {want} or --to kohya")
@@ -251,7 +252,8 @@ def main(argv=None) -> int:
     parser.add_argument("input", help="LoRA .safetensors (kohya, PEFT/diffusers or ComfyUI) or PEFT adapter folder (LLM)")
     parser.add_argument("output", help="converted LoRA .safetensors, or the PEFT adapter folder for --to peft")
     parser.add_argument("--to", required=True, choices=["kohya", "diffusers", "peft"], help="peft: LLM LoRAs only")
-    parser.add_argument("--model_type", choices=["flux", "qwen_image", "llm"], default=None, help="default: told from the names")
+    parser.add_argument("--model_type", choices=["flux", "flux_kontext", "qwen_image", "llm"], default=None,
+                        help="default: told from the names (a flux_kontext LoRA has FLUX.1's)")
     parser.add_argument("--alpha", type=float, default=None, help="kohya output: store this alpha (up rescaled)")
     try:
         args = parser.parse_args(argv)

@@ -5,6 +5,8 @@ training samples: the way to check a LoRA under the base precision you will depl
         --clip_l clip_l --t5xxl t5xxl --prompt "a cat" --width 1024 --height 1024 --steps 20 \\
         --base_precision fp8_scaled --lora my_lora.safetensors:0.8 --out out/
     python tools/generate.py ... --prompt_file prompts.txt      # sd-scripts syntax, one per line
+    python tools/generate.py --model_type flux_kontext ... --prompt "make it red" --control_image in.png
+        # edit models: the reference image(s) (also per prompt: --ci in.png, musubi-tuner's flag)
 
 Writes one PNG per prompt with the settings in its text chunks. LoRAs are applied unmerged (the
 base is never modified, so an fp8 base keeps the LoRA's small deltas intact).
@@ -22,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.models.family import BASE_PRECISIONS, FAMILIES, family_class, stack_text  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
+from library.data.controls import check_prompt_controls, reference_images  # noqa: E402
 from library.data.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 
@@ -47,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text_encoder", help="qwen_image: Qwen2.5-VL language model folder")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (sd-scripts flags allowed); repeatable")
     p.add_argument("--prompt_file", help="prompt file, one per line, sd-scripts syntax")
+    p.add_argument("--control_image", action="append", default=[],
+                   help="edit models (flux_kontext): a reference image for every prompt without its own --ci; repeatable")
     p.add_argument("--negative", default="", help="qwen_image: negative prompt for true CFG")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--height", type=int, default=1024)
@@ -65,12 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def collect_prompts(args) -> list[SamplePrompt]:
     guidance = args.guidance if args.guidance is not None else family_class(args.model_type).sample_guidance
-    defaults = SamplePrompt("", args.width, args.height, args.steps, args.seed, guidance, args.negative)
+    for path in args.control_image:
+        if not os.path.isfile(path):
+            raise ValueError(f"--control_image {path!r} is not an image file")
+    defaults = SamplePrompt("", args.width, args.height, args.steps, args.seed, guidance, args.negative,
+                            tuple(args.control_image))
     prompts = [parse_prompt_line(p, "--prompt", defaults) for p in args.prompt]
     if args.prompt_file:
         prompts += read_prompt_file(args.prompt_file, defaults)
     if not prompts:
         raise ValueError("give --prompt or --prompt_file")
+    cls = family_class(args.model_type)
+    check_prompt_controls(prompts, args.prompt_file or "--prompt", cls.name, cls.max_controls)
     return prompts
 
 
@@ -92,7 +103,7 @@ def generate(args) -> list[str]:
     base_precision = family.stored_fp8_layout() or args.base_precision
     model = family.load_transformer(PRECISION_DTYPES[args.dtype], base_precision).requires_grad_(False).eval()
     for path, ratio in loras:  # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it)
-        network = network_from_file(model, family.name, path, multiplier=ratio)  # LoRA, DoRA or LyCORIS: the modules the file names
+        network = network_from_file(model, family.arch, path, multiplier=ratio)  # LoRA, DoRA or LyCORIS: the modules the file names
         network.apply()
         network.to(device)
     enable_block_swap(model, args.blocks_to_swap, device)  # before the move: swapped weights stay on the CPU
@@ -104,8 +115,10 @@ def generate(args) -> list[str]:
     for i, (prompt, (text, negative)) in enumerate(zip(prompts, texts)):
         seed = prompt.seed if prompt.seed is not None else args.seed
         to_device = lambda d: {k: v.to(device) for k, v in d.items()} if d else None  # noqa: E731
+        references = reference_images(prompt.control_images, family.control_bucket, prompt.width, prompt.height)
+        control = [vae.encode(r.to(device)) for r in references] or None  # float32 [1, 16, h, w] each
         latents = family.sample_latents(model, to_device(text), prompt.width, prompt.height, prompt.steps, seed,
-                                        prompt.guidance, to_device(negative))
+                                        prompt.guidance, to_device(negative), control=control)
         image = to_pil(vae.decode(latents)[0])
         path = os.path.join(args.out, f"{i:03d}_{seed}.png")
         save_png(image, path, {
@@ -113,6 +126,7 @@ def generate(args) -> list[str]:
             "steps": prompt.steps, "seed": seed, "guidance": prompt.guidance, "model": os.path.basename(args.model),
             "base_precision": base_precision, "dtype": args.dtype,
             "loras": ",".join(f"{os.path.basename(p)}:{r}" for p, r in loras),
+            "control_images": ",".join(os.path.basename(p) for p in prompt.control_images),
         })
         written.append(path)
         print(f"wrote {path}")

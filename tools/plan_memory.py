@@ -3,6 +3,7 @@
     python tools/plan_memory.py --config_file configs/flux1_dev_24gb.toml --vram 24
     python tools/plan_memory.py --preset flux1-dev --vram 16          # no files needed: built-in configs
     python tools/plan_memory.py --preset qwen-image --vram 24 --resolution 1328 --batch_size 1
+    python tools/plan_memory.py --preset flux1-kontext-dev --vram 24   # the reference's tokens included
 
 Everything is simulated on `meta` (library/training/memory_plan.py): no weight is read, the files'
 headers give the shapes. With a config file the run's own settings are planned (its base precision,
@@ -31,6 +32,7 @@ from library.training.memory_plan import (  # noqa: E402
 PRESETS = {
     "flux1-dev": ("flux", "FLUX_DEV", {"clip_l": 123_060_480, "t5xxl": 4_762_310_656}),
     "flux1-schnell": ("flux", "FLUX_SCHNELL", {"clip_l": 123_060_480, "t5xxl": 4_762_310_656}),
+    "flux1-kontext-dev": ("flux_kontext", "FLUX_DEV", {"clip_l": 123_060_480, "t5xxl": 4_762_310_656}),
     "qwen-image": ("qwen_image", "QWEN_IMAGE", {"text_encoder": 7_615_616_512}),
 }
 
@@ -51,7 +53,7 @@ class PresetFamily:
             def load_transformer(self, dtype, base_precision="bf16", read_weights=False):
                 from library.precision.fp8 import prepare_fp8
 
-                if name == "flux":
+                if self.arch == "flux":
                     from library.models.flux1 import model as m
                     build = lambda: m.Flux(getattr(m, config_name))  # noqa: E731
                 else:
@@ -60,7 +62,7 @@ class PresetFamily:
                 with torch.device("meta"):
                     model = build()
                 if base_precision != "bf16":
-                    prepare_fp8(model, base_precision, name)
+                    prepare_fp8(model, base_precision, self.arch)
                 model.to(dtype)
                 model.compute_dtype = dtype
                 return model
@@ -81,7 +83,7 @@ def default_args(model_type: str) -> argparse.Namespace:
 
 
 def text_tokens_for(family) -> int:
-    return family.t5_max_length() if family.name == "flux" else 512  # Qwen-Image: a long caption
+    return family.t5_max_length() if family.arch == "flux" else 512  # Qwen-Image: a long caption
 
 
 def usable(vram_gib: float) -> float:

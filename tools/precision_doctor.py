@@ -1,7 +1,7 @@
 """Precision doctor: finds fp8 damage in minutes, and says whether it comes from positions, from
 weight quantization or from a LoRA merged into fp8 weights.
 
-    python tools/precision_doctor.py --model_type flux|qwen_image --model PATH [--lora FILE[:ratio]] \
+    python tools/precision_doctor.py --model_type flux|flux_kontext|qwen_image --model PATH [--lora FILE[:ratio]] \
         [--resolution 1024 | WxH] [--seed 0] [--timesteps 0.9,0.5,0.1] [--out DIR] [--threshold 0.05] \
         [--text_len 128] [--skip_fp32] [--max_tokens 256] [--device cuda] [--inject_position_bug]
 
@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.precision import doctor as precision  # noqa: E402
-from library.models.family import fp8_prepare  # noqa: E402
+from library.models.family import fp8_prepare, lora_arch  # noqa: E402
 from library.precision.fp8 import (  # noqa: E402
     FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,
 )
@@ -47,7 +47,9 @@ from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
 from networks.lora import LoRAModule  # noqa: E402
 from networks.lora_files import LoRAWeights, flux_diffusers_to_bfl, read_lora  # noqa: E402
 
-FAMILIES = ("flux", "qwen_image")
+# flux_kontext is checked as the FLUX.1 transformer it is: its reference tokens only add first-axis
+# position 1, exact in every dtype, so the target-only inputs show the same fp8 damage.
+FAMILIES = ("flux", "flux_kontext", "qwen_image")
 BASE_MODES = ("fp32", "bf16", "fp8", "fp8_scaled")
 LORA_MODES = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr", "fp8+merge_into_fp8")
 VAE_PATCH = 16  # pixels per packed token: 8x VAE downsampling x 2x2 patches
@@ -455,7 +457,7 @@ def main(argv=None) -> int:
             raise ValueError("--threshold must be > 0, --text_len and --max_tokens >= 1")
         if not os.path.exists(args.model):
             raise ValueError(f"--model {args.model}: no such file or folder")
-        run_doctor(args.model, args.model_type, args.lora, resolution, args.seed, timesteps, args.out, args.threshold,
+        run_doctor(args.model, lora_arch(args.model_type), args.lora, resolution, args.seed, timesteps, args.out, args.threshold,
                    args.text_len, args.skip_fp32, args.max_tokens, args.device, args.inject_position_bug)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

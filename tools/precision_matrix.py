@@ -165,7 +165,7 @@ def cell_metrics(preds, base_preds, ref_preds, ref_base_preds, data, grid) -> di
 
 def load_deploy(model_path, family, deploy: str, lora, seed: int):
     mode = deploy.removesuffix("+posbug")
-    return disk_variant(model_path, family.name, mode, lora, seed)
+    return disk_variant(model_path, family.arch, mode, lora, seed)
 
 
 def run_matrix(args, family, loras: dict[str, str], data, sigmas, seed: int, log=print) -> list[dict]:
@@ -174,15 +174,15 @@ def run_matrix(args, family, loras: dict[str, str], data, sigmas, seed: int, log
     model_path = args.pretrained_model_name_or_path
     base_preds = {}
     for base in sorted({base_of(d) for d in DEPLOYED_ON}):
-        model = disk_variant(model_path, family.name, base.removesuffix("+posbug"), None, seed)
+        model = disk_variant(model_path, family.arch, base.removesuffix("+posbug"), None, seed)
         base_preds[base], _ = predictions(family, model, data, sigmas, seed, guidance, base.endswith("+posbug"))
         del model
     shapes = [tuple(lat.shape[-2:]) for _, lat, _ in data]
     grid = max(set(shapes), key=shapes.count)
     rows = []
     for trained_on, path in loras.items():
-        probe = disk_variant(model_path, family.name, "bf16", None, seed)
-        lora = read_lora_for(probe, family.name, path)
+        probe = disk_variant(model_path, family.arch, "bf16", None, seed)
+        lora = read_lora_for(probe, family.arch, path)
         del probe
         cells = {}
         for deploy in DEPLOYED_ON:

@@ -25,8 +25,9 @@ import torch
 from PIL import Image, ImageOps
 
 from library.data.captions import caption_variants, drops_captions, fixed_caption, is_dropped
+from library.data.controls import check_control_count, control_files, scan_controls
 from library.data.dataset_config import DatasetBlueprint, SubsetSpec
-from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket
+from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket, verified_image_size
 from library.data.masks import balance_reg_repeats, find_mask, load_mask, mask_source_hash, warn_missing_alpha
 from library.io import CheckpointReader, save_safetensors
 
@@ -48,6 +49,8 @@ class ImageItem:
     text_cache: str | dict | None = None
     caption_variants: list[str] = field(default_factory=list)  # augmented captions, cached beside the caption
     mask_path: str | None = None  # mask_dir's file for it (library/data/masks.py)
+    control_paths: list[str] = field(default_factory=list)  # reference images (library/data/controls.py)
+    control_buckets: list[tuple[int, int]] = field(default_factory=list)  # (w, h) each reference is encoded at
 
     @property
     def masked(self) -> bool:
@@ -93,10 +96,12 @@ def bucket_without_upscale(size: tuple[int, int], max_area: int, step: int) -> t
 # Scanning folders
 
 
-def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False) -> list[ImageItem]:
-    """Every image of every subset with its caption and bucket. Unreadable images, missing or
-    empty captions and colliding file stems are errors naming the file. held_out_sets: the
-    [[validation_datasets]] instead, numbered after the training datasets."""
+def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, control_bucket=None) -> list[ImageItem]:
+    """Every image of every subset with its caption, bucket and reference images (a subset's
+    control_directory). Unreadable images, missing or empty captions, colliding file stems and
+    missing references are errors naming the file. held_out_sets: the [[validation_datasets]]
+    instead, numbered after the training datasets. control_bucket(target bucket, reference size)
+    -> (w, h): the family's reference size rule (default: the target's bucket)."""
     items = []
     datasets = blueprint.validation_datasets if held_out_sets else blueprint.datasets
     first = len(blueprint.datasets) if held_out_sets else 0
@@ -107,8 +112,10 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False) -> lis
             paths = _image_files(subset.image_dir)
             if subset.alpha_mask:
                 warn_missing_alpha(paths, subset)
+            controls = control_files(subset.control_directory) if subset.control_directory else None
+            first = None
             for path in paths:
-                size = _verified_image_size(path)
+                size = verified_image_size(path)
                 if ds.enable_bucket and ds.bucket_no_upscale:
                     bucket = bucket_without_upscale(size, ds.resolution[0] * ds.resolution[1], ds.bucket_reso_steps)
                     if min(bucket) == 0:
@@ -116,8 +123,14 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False) -> lis
                                          f"bucket_reso_steps {ds.bucket_reso_steps} (bucket_no_upscale is on)")
                 else:
                     bucket = bucket_for(size, buckets)
-                items.append(ImageItem(path, read_caption(path, subset), subset, di, size, bucket, ds.cache_dir,
-                                       mask_path=find_mask(path, subset, size)))
+                item = ImageItem(path, read_caption(path, subset), subset, di, size, bucket, ds.cache_dir,
+                                 mask_path=find_mask(path, subset, size))
+                if controls is not None:
+                    item.control_paths, item.control_buckets = scan_controls(
+                        path, subset.control_directory, controls, bucket, control_bucket or (lambda b, _: b))
+                    first = first or item
+                    check_control_count(item, first)
+                items.append(item)
     return items
 
 
@@ -163,18 +176,6 @@ def _image_files(folder: str) -> list[str]:
             raise ValueError(f"{folder}: images '{stems[stem]}' and '{f}' share the name '{stem}'")
         stems[stem] = f
     return [os.path.join(folder, f) for f in files]
-
-
-def _verified_image_size(path: str) -> tuple[int, int]:
-    try:
-        with Image.open(path) as img:
-            img.verify()
-        with Image.open(path) as img:
-            w, h = img.size
-            rotated = img.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientation: 90/270 degrees
-    except Exception as e:  # PIL raises many kinds for broken files
-        raise ValueError(f"{path}: cannot be read as an image ({type(e).__name__}: {e})") from None
-    return (h, w) if rotated else (w, h)
 
 
 def read_caption(image_path: str, subset: SubsetSpec) -> str:
@@ -251,10 +252,15 @@ class ImageDataset(torch.utils.data.Dataset):
             sample["latents"] = cached["latents_flipped" if flip else "latents"].float()
             if item.masked:
                 sample["mask"] = cached["mask_flipped" if flip else "mask"].float()
+            if item.control_paths:  # mirrored with the target
+                sample["controls"] = [cached[f"control_{k}" + ("_flipped" if flip else "")].float()
+                                      for k in range(len(item.control_paths))]
         else:
             sample["image"] = load_image(item.image_path, item.bucket, flip)
             if item.masked:
                 sample["mask"] = load_mask(item.image_path, item.mask_path, item.bucket, flip)
+            if item.control_paths:
+                sample["control_images"] = [load_image(p, b, flip) for p, b in zip(item.control_paths, item.control_buckets)]
         if item.text_cache is not None:
             text = self._empty_text() if variant == "dropped" else _read_text_cache(item.text_cache, variant)
             sample["text"] = {k: v.float() if v.is_floating_point() else v for k, v in text.items()}
@@ -280,7 +286,7 @@ class ImageDataset(torch.utils.data.Dataset):
 
 class BucketBatchSampler(torch.utils.data.Sampler):
     """Batches of `(entry, epoch)` keys where every batch holds one bucket of one dataset (with
-    that dataset's batch_size). Entries and batches are shuffled per epoch from (seed, epoch).
+    that dataset's batch_size) and one size of reference images. Entries and batches are shuffled per epoch from (seed, epoch).
     Each iteration advances the epoch; set_epoch(e) picks it explicitly (e.g. when resuming)."""
 
     def __init__(self, dataset: ImageDataset, seed: int = 0, shuffle: bool = True, drop_last: bool = False):
@@ -288,7 +294,7 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         self.groups: dict[tuple, list[int]] = {}
         for entry, i in enumerate(dataset.entries):
             item = dataset.items[i]
-            self.groups.setdefault((item.dataset_index, item.bucket), []).append(entry)
+            self.groups.setdefault((item.dataset_index, item.bucket, tuple(item.control_buckets)), []).append(entry)
         self.batch_sizes = {key: dataset.blueprint.datasets[key[0]].batch_size for key in self.groups}
 
     def set_epoch(self, epoch: int):
@@ -354,13 +360,17 @@ def _reg_repeats(items: list[ImageItem]) -> dict[int, int]:
 def collate_batch(samples: list[dict]) -> dict:
     """Stack one bucket's samples: images [B,3,H,W] or latents [B,C,h,w] float32, captions list,
     text dict of [B, ...] tensors (different lengths zero-padded at the end of axis 0, so
-    variable-length encoders must cache their own mask)."""
+    variable-length encoders must cache their own mask); reference images or latents as lists
+    ("control_images" / "controls") of one stacked tensor per reference."""
     batch = {"image_paths": [s["image_path"] for s in samples], "keys": [s["key"] for s in samples],
              "captions": [s["caption"] for s in samples],
              "bucket": samples[0]["bucket"]}
     for key, out in (("image", "images"), ("latents", "latents")):
         if key in samples[0]:
             batch[out] = torch.stack([s[key] for s in samples])
+    for key in ("controls", "control_images"):  # a batch holds one reference count and size
+        if key in samples[0]:
+            batch[key] = [torch.stack(refs) for refs in zip(*(s[key] for s in samples))]
     if "text" in samples[0]:
         batch["text"] = {k: _pad_stack([s["text"][k] for s in samples]) for k in samples[0]["text"]}
     batch["is_reg"] = torch.tensor([s.get("is_reg", False) for s in samples])
@@ -402,6 +412,9 @@ def latent_hash(item: ImageItem, model_key: str) -> str:
     h.update(f"|{model_key}|{item.bucket[0]}x{item.bucket[1]}|flip={item.subset.flip_aug}|{PREPROCESS_VERSION}".encode())
     if item.masked:  # a changed mask file recomputes the entry
         h.update(f"|{mask_source_hash(item.mask_path, item.subset.alpha_mask)}".encode())
+    for path, (w, hh) in zip(item.control_paths, item.control_buckets):  # references are cached with it
+        with open(path, "rb") as f:
+            h.update(b"|control|" + f.read() + f"|{w}x{hh}".encode())
     return h.hexdigest()
 
 
@@ -417,7 +430,8 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
     """Encode every image whose cache is missing or stale; returns how many images were encoded.
 
     encode_fn: float32 images [B,3,H,W] in [-1,1] -> latents [B,C,h,w] (any float dtype; stored
-    as bf16). With flip_aug the mirrored image is encoded too ("latents_flipped").
+    as bf16). With flip_aug the mirrored image is encoded too ("latents_flipped"). Reference images
+    are encoded into the same file ("control_<k>", "control_<k>_flipped").
     to_disk=False keeps the bf16 tensors in memory instead of writing files."""
     todo = []
     for item in items:
@@ -429,13 +443,16 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
             todo.append((item, path, digest))
     groups: dict[tuple, list] = {}  # a batch must hold one size; flipped latents only where needed
     for t in todo:
-        groups.setdefault((t[0].bucket, t[0].subset.flip_aug), []).append(t)
-    for (_, flip_aug), group in groups.items():
+        groups.setdefault((t[0].bucket, tuple(t[0].control_buckets), t[0].subset.flip_aug), []).append(t)
+    for (_, control_buckets, flip_aug), group in groups.items():
         for start in range(0, len(group), batch_size):
             chunk = group[start : start + batch_size]
-            encoded = {"latents": _encode_images(encode_fn, chunk, flip=False)}
-            if flip_aug:
-                encoded["latents_flipped"] = _encode_images(encode_fn, chunk, flip=True)
+            encoded = {}
+            for flip in (False, True) if flip_aug else (False,):
+                suffix = "_flipped" if flip else ""
+                encoded["latents" + suffix] = _encode_images(encode_fn, chunk, flip)
+                for k in range(len(control_buckets)):
+                    encoded[f"control_{k}{suffix}"] = _encode_images(encode_fn, chunk, flip, control=k)
             for i, (item, path, digest) in enumerate(chunk):
                 tensors = {k: v[i].to(CACHE_DTYPE) for k, v in encoded.items()}
                 if item.masked:  # float32: a mask is small and its weights should be exact
@@ -445,8 +462,11 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
     return len(todo)
 
 
-def _encode_images(encode_fn, chunk, flip: bool) -> torch.Tensor:
-    images = torch.stack([load_image(item.image_path, item.bucket, flip) for item, _, _ in chunk])
+def _encode_images(encode_fn, chunk, flip: bool, control: int | None = None) -> torch.Tensor:
+    """The chunk's images (or their reference number `control`) encoded."""
+    images = torch.stack([load_image(item.image_path, item.bucket, flip) if control is None
+                          else load_image(item.control_paths[control], item.control_buckets[control], flip)
+                          for item, _, _ in chunk])
     with torch.no_grad():
         return encode_fn(images).detach().cpu()
 

@@ -26,7 +26,7 @@ SUBSET_KEYS = (
     "image_dir", "num_repeats", "caption_extension", "class_tokens", "shuffle_caption",
     "keep_tokens", "keep_tokens_separator", "caption_separator", "caption_dropout_rate",
     "caption_dropout_every_n_epochs", "caption_tag_dropout_rate", "caption_variants", "flip_aug",
-    "alpha_mask", "mask_dir", "is_reg",
+    "alpha_mask", "mask_dir", "is_reg", "control_directory",
 )
 # Keys a [[datasets]] table may hold (they may also sit in [general]).
 DATASET_KEYS = (
@@ -41,6 +41,7 @@ KEY_TYPES = {
     "shuffle_caption": bool, "keep_tokens": int, "caption_dropout_rate": float, "flip_aug": bool,
     "keep_tokens_separator": str, "caption_separator": str, "caption_dropout_every_n_epochs": int,
     "caption_tag_dropout_rate": float, "caption_variants": int, "alpha_mask": bool, "mask_dir": str, "is_reg": bool,
+    "control_directory": str,
 }
 # sd-scripts' defaults, except caption_extension: sd-scripts defaults to ".caption" but nearly
 # every dataset in use ships ".txt" files, so ".txt" is the default here.
@@ -53,6 +54,7 @@ DEFAULTS = {
     "keep_tokens": 0, "caption_dropout_rate": 0.0, "flip_aug": False,
     "keep_tokens_separator": "", "caption_separator": ",", "caption_dropout_every_n_epochs": 0,
     "caption_tag_dropout_rate": 0.0, "caption_variants": 8, "alpha_mask": False, "mask_dir": None, "is_reg": False,
+    "control_directory": None,
 }
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string",
                "resolution": "an integer or [width, height]"}
@@ -78,6 +80,8 @@ class SubsetSpec:
     alpha_mask: bool = False  # the image's alpha channel is the loss mask
     mask_dir: str | None = None  # a grayscale mask per image, matched by file stem
     is_reg: bool = False  # regularization images: loss x prior_loss_weight, repeats balanced to the training images
+    # library/data/controls.py: edit models' reference images, matched by file stem
+    control_directory: str | None = None
 
 
 @dataclass
@@ -180,6 +184,8 @@ def _parse_subset(source: str, general: dict, dataset: dict, subset: dict, secti
         raise ValueError(f"{where} keys 'alpha_mask' and 'mask_dir' both set; the mask comes from one of them")
     if spec.mask_dir is not None and not os.path.isdir(spec.mask_dir):
         raise ValueError(f"{where} key 'mask_dir' {spec.mask_dir!r} is not a folder")
+    if spec.control_directory is not None and not os.path.isdir(spec.control_directory):
+        raise ValueError(f"{where} key 'control_directory' {spec.control_directory!r} is not a folder")
     if spec.is_reg and section.startswith("validation_datasets"):
         raise ValueError(f"{where} key 'is_reg' is for training subsets; validation datasets hold no regularization images")
     if not spec.caption_separator:

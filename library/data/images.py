@@ -27,6 +27,19 @@ def fit_to_bucket(img: Image.Image, bucket: tuple[int, int], flip: bool = False)
     return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else img
 
 
+def verified_image_size(path: str) -> tuple[int, int]:
+    """(width, height) as displayed (EXIF rotation applied); an unreadable file is one error naming it."""
+    try:
+        with Image.open(path) as img:
+            img.verify()
+        with Image.open(path) as img:
+            w, h = img.size
+            rotated = img.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientation: 90/270 degrees
+    except Exception as e:  # PIL raises many kinds for broken files
+        raise ValueError(f"{path}: cannot be read as an image ({type(e).__name__}: {e})") from None
+    return (h, w) if rotated else (w, h)
+
+
 def to_pil(image: torch.Tensor) -> Image.Image:
     """[3, H, W] float in [-1, 1] -> RGB PIL image."""
     array = ((image.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)

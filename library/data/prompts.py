@@ -3,12 +3,14 @@
     a photo of a cat --w 1024 --h 1024 --s 20 --d 42 --g 3.5 --n blurry, lowres
 
 Flags: --w width, --h height, --s steps, --d seed, --g guidance (FLUX.1-dev embedded guidance,
-true CFG scale for Qwen-Image), --n negative prompt. Lines starting with # and blank lines are
+true CFG scale for Qwen-Image), --n negative prompt, --ci a reference (control) image for edit
+models (musubi-tuner's flag; repeat it for several, in order). Lines starting with # and blank lines are
 skipped. An unknown flag or a bad value is an error naming the file and line.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, replace
 
@@ -22,6 +24,7 @@ class SamplePrompt:
     seed: int | None = None
     guidance: float = 3.5
     negative: str = ""
+    control_images: tuple[str, ...] = ()  # --ci paths, in order
 
 
 FLAGS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("seed", int), "g": ("guidance", float), "n": ("negative", str)}
@@ -32,11 +35,16 @@ def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = Non
     prompt = parts[0].strip()
     if not prompt:
         raise ValueError(f"{where}: empty prompt")
-    fields = {}
+    fields, controls = {}, []
     for part in parts[1:]:
         flag, _, value = part.partition(" ")
+        if flag == "ci":
+            if not os.path.isfile(value.strip()):
+                raise ValueError(f"{where}: --ci {value.strip()!r} is not an image file")
+            controls.append(value.strip())
+            continue
         if flag not in FLAGS:
-            raise ValueError(f"{where}: unknown flag '--{flag}' (allowed: {', '.join('--' + f for f in FLAGS)})")
+            raise ValueError(f"{where}: unknown flag '--{flag}' (allowed: {', '.join('--' + f for f in FLAGS)}, --ci)")
         name, kind = FLAGS[flag]
         try:
             fields[name] = kind(value.strip())
@@ -47,6 +55,8 @@ def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = Non
             raise ValueError(f"{where}: {side} {fields[side]} must be a multiple of 16 and >= 16")
     if "steps" in fields and fields["steps"] < 1:
         raise ValueError(f"{where}: steps must be >= 1")
+    if controls:  # a line's own --ci replace the defaults' (e.g. generate.py --control_image)
+        fields["control_images"] = tuple(controls)
     return replace(defaults or SamplePrompt(prompt), prompt=prompt, **fields)
 
 

@@ -6,6 +6,11 @@ code for training samples and tools/generate.py).
 A family lives in its own folder (library/models/<family>/family.py) and is registered with one
 line in FAMILIES below; nothing else in the trainer or the tools names a family.
 
+Edit families (FLUX.1 Kontext, ...) also take reference images: `control`, a list of reference
+latents [B, 16, h_k, w_k] float32 (unpacked; the family packs them and gives them positions), the
+same list from the dataset (control_directory), validation and sample prompts (--ci). Families
+without references never see it (control is None).
+
 Dtypes at the boundaries: latents and text embeddings are float32 (bf16 on disk); the model
 casts its inputs to its `compute_dtype`; sigmas and positions stay float32/int64.
 """
@@ -58,6 +63,18 @@ class DiffusionFamily:
     true_cfg = False  # samples run a negative prompt (classifier-free guidance)
     vae_downsample = 8
     patch = 2
+    max_controls = 0  # reference images a sample may carry (0: the family takes none)
+    plan_controls = 0  # references the memory planner sizes a training sample for
+
+    # The transformer architecture: key of the LoRA targets, fp8 rules and flow-matching constants.
+    # It is the family's name unless the class names another: a variant with the same transformer
+    # (flux_kontext) trains and loads LoRAs exactly as its base architecture (flux).
+    arch: str
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__ and "arch" not in cls.__dict__:
+            cls.arch = cls.name
 
     def __init__(self, model_path: str, vae_path: str | None = None, **text_paths):
         self.model_path, self.vae_path, self.text_paths = model_path, vae_path, text_paths
@@ -104,6 +121,11 @@ class DiffusionFamily:
         options: what text_options() returns."""
         raise NotImplementedError
 
+    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+        """(w, h) a reference image of `size` is fitted to when its target's bucket is `bucket`.
+        Default: the target's bucket (FLUX.1 Kontext's rule)."""
+        return bucket
+
     def latent_cache_key(self) -> str:
         """Family + fingerprint of the VAE files (the preprocessing is hashed per image)."""
         return f"{self.name}_{file_fingerprint(self.vae_path)}"
@@ -122,21 +144,24 @@ class DiffusionFamily:
 
     # -- the denoiser --------------------------------------------------------------------------
     def predict(self, model: nn.Module, x_t: torch.Tensor, sigmas: torch.Tensor, text: dict, h: int, w: int,
-                guidance: float | None) -> torch.Tensor:
-        """x_t: packed latents [B, h*w, 64] float32 (h, w in patches); sigmas [B] float32.
-        Returns the predicted velocity, packed, in the model's compute dtype."""
+                guidance: float | None, control: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """x_t: packed latents [B, h*w, 64] float32 (h, w in patches); sigmas [B] float32;
+        control: reference latents (edit families only). Returns the predicted velocity of the
+        target tokens, packed, in the model's compute dtype."""
         raise NotImplementedError
 
     # -- training objective --------------------------------------------------------------------
     def training_loss(self, model, latents: torch.Tensor, text: dict, args, generators: list[torch.Generator],
-                      mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None):
+                      mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None,
+                      control: list[torch.Tensor] | None = None):
         """Flow-matching loss for a batch of latents [B, 16, H/8, W/8] (float32). One CPU
         generator per sample draws its noise and sigma, so a sample's draw does not depend on its
         batch position or process. mask: [B, 1, H/8, W/8] loss masks; sample_weights: [B] (e.g.
-        prior_loss_weight on regularization images). Returns the scalar float32 loss and the sigmas."""
+        prior_loss_weight on regularization images); control: reference latents (edit families).
+        Returns the scalar float32 loss and the sigmas."""
         b, _, lh, lw = latents.shape
         h, w = lh // self.patch, lw // self.patch
-        method = args.timestep_sampling or fm.DEFAULTS[self.name]["timestep_sampling"]
+        method = args.timestep_sampling or fm.DEFAULTS[self.arch]["timestep_sampling"]
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=torch.float32) for g in generators])
         sigmas = torch.cat([
             fm.sample_sigmas(1, method, generator=g, shift=args.discrete_flow_shift,
@@ -145,17 +170,19 @@ class DiffusionFamily:
         ])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
         loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
-                            args.loss_type, args.huber_c, mask, sample_weights)
+                            args.loss_type, args.huber_c, mask, sample_weights, control=control)
         return loss, sigmas
 
     def loss_at(self, model, latents: torch.Tensor, text: dict, noise: torch.Tensor, sigmas: torch.Tensor,
                 guidance: float | None, weighting: str = "none", loss_type: str = "l2", huber_c: float = 0.1,
-                mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None):
+                mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None,
+                control: list[torch.Tensor] | None = None):
         """The flow-matching loss at given noise (float32, latents' shape) and sigmas (float32 [B]),
-        all on the latents' device: scalar float32. training_loss draws them; validation fixes them."""
+        all on the latents' device: scalar float32. training_loss draws them; validation fixes them.
+        Only the target's tokens are in the loss (predict returns no reference tokens)."""
         h, w = latents.shape[2] // self.patch, latents.shape[3] // self.patch
         x_t = pack_latents(fm.noisy_input(latents, noise, sigmas))
-        pred = self.predict(model, x_t, sigmas, text, h, w, guidance)
+        pred = self.predict(model, x_t, sigmas, text, h, w, guidance, **_with(control))
         target = pack_latents(fm.flow_target(latents, noise))
         if mask is not None:  # one weight per latent element, packed like the latents
             mask = pack_latents(mask.expand_as(latents))
@@ -167,26 +194,33 @@ class DiffusionFamily:
     # -- sampling ------------------------------------------------------------------------------
     @torch.no_grad()
     def sample_latents(self, model, text: dict, width: int, height: int, steps: int, seed: int,
-                       guidance: float | None, negative_text: dict | None = None) -> torch.Tensor:
-        """Euler flow-matching sampling; returns unpacked latents [B, 16, height/8, width/8] float32."""
+                       guidance: float | None, negative_text: dict | None = None,
+                       control: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Euler flow-matching sampling; returns unpacked latents [B, 16, height/8, width/8] float32.
+        control: reference latents (edit families), on the text's device."""
         lh, lw = height // self.vae_downsample, width // self.vae_downsample
         h, w = lh // self.patch, lw // self.patch
         batch = next(iter(text.values())).shape[0]
         device = next(iter(text.values())).device
         gen = torch.Generator("cpu").manual_seed(seed)
         noise = torch.randn(batch, 16, lh, lw, generator=gen, dtype=torch.float32).to(device)
-        sigmas = fm.inference_sigmas(steps, h * w, self.name, dynamic_shift=self.dynamic_shift(model))
+        sigmas = fm.inference_sigmas(steps, h * w, self.arch, dynamic_shift=self.dynamic_shift(model))
 
         def velocity(x, s):
-            return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance)
+            return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **_with(control))
 
         return unpack_latents(fm.euler_sample(velocity, pack_latents(noise), sigmas), lh, lw)
 
-    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance):
-        return self.predict(model, x, s, text, h, w, guidance).float()
+    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
+        return self.predict(model, x, s, text, h, w, guidance, **_with(control)).float()
 
     def dynamic_shift(self, model) -> bool:
         return True
+
+
+def _with(control: list[torch.Tensor] | None) -> dict:
+    """`control=` only when there are references: a family without them keeps its signature."""
+    return {"control": control} if control else {}
 
 
 def stack_text(per_caption: list[dict]) -> dict:
@@ -198,7 +232,14 @@ def stack_text(per_caption: list[dict]) -> dict:
 FAMILIES = {
     "flux": "library.models.flux1.family:FluxFamily",
     "qwen_image": "library.models.qwen_image.family:QwenImageFamily",
+    "flux_kontext": "library.models.flux1.kontext:FluxKontextFamily",
 }
+
+
+def lora_arch(model_type: str) -> str:
+    """The architecture whose LoRA layout a model_type's LoRAs have (flux_kontext -> flux); other
+    model types (llm) are their own."""
+    return family_class(model_type).arch if model_type in FAMILIES else model_type
 
 
 def family_class(model_type: str) -> type[DiffusionFamily]:

@@ -16,6 +16,7 @@ import torch.nn as nn
 from library.data.captions import drops_captions
 from library.data.dataset import (BucketBatchSampler, EpochBatches, ImageDataset, cache_empty_caption, cache_latents,
                                   cache_text, collate_batch, scan_images, split_validation)
+from library.data.controls import check_family_takes, check_prompt_controls, reference_images
 from library.data.dataset_config import load_dataset_config
 from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
@@ -42,8 +43,10 @@ class LoRALoss(nn.Module):
         return self._base[0]
 
     def forward(self, latents: torch.Tensor, text: dict, generators: list[torch.Generator],
-                mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        loss, _ = self.family.training_loss(self.base, latents, text, self.args, generators, mask, sample_weights)
+                mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None,
+                control: list[torch.Tensor] | None = None) -> torch.Tensor:
+        loss, _ = self.family.training_loss(self.base, latents, text, self.args, generators, mask, sample_weights,
+                                            control)
         return loss
 
 
@@ -84,9 +87,10 @@ class DiffusionTask:
     def _read_images(self) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every
         [[validation_datasets]] image go to validation only."""
-        bp = self.blueprint
-        train, held_out = split_validation(scan_images(bp), bp)
-        validation = held_out + scan_images(bp, held_out_sets=True)
+        bp, rule = self.blueprint, self.family.control_bucket  # the family sizes reference images
+        train, held_out = split_validation(scan_images(bp, control_bucket=rule), bp)
+        validation = held_out + scan_images(bp, held_out_sets=True, control_bucket=rule)
+        check_family_takes(train + validation, self.family.name, self.family.max_controls)
         if validation:
             self.accelerator.print(f"validation: {len(validation)} images held out, {len(train)} for training")
         return (ImageDataset(bp, seed=self.args.seed, items=train),
@@ -97,7 +101,9 @@ class DiffusionTask:
             return []
         res = self.blueprint.datasets[0].resolution
         defaults = SamplePrompt("", width=res[0], height=res[1], guidance=self.family.sample_guidance)
-        return read_prompt_file(self.args.sample_prompts, defaults)
+        prompts = read_prompt_file(self.args.sample_prompts, defaults)
+        check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls)
+        return prompts
 
     def _fill_caches(self):
         self._cache_latents()  # the VAE is freed when this returns
@@ -152,7 +158,7 @@ class DiffusionTask:
 
     def _make_network_for(self, base: nn.Module) -> nn.Module:
         args = self.args
-        network = build_network(args.network_module, base, self.family.name, args.network_dim, args.network_alpha,
+        network = build_network(args.network_module, base, self.family.arch, args.network_dim, args.network_alpha,
                                 network_args=lora_network_args(args))
         network.apply()
         return network.to(self.device)
@@ -190,7 +196,8 @@ class DiffusionTask:
     def batch_inputs(self, batch: dict, step: int) -> tuple:
         """(latents, text, one generator per sample seeded from the optimizer step and the
         sample's key: its path inside its subset and its repeat number, so every occurrence of an
-        image in a step gets its own draw, equal on 1 or N processes and after a move or resume)."""
+        image in a step gets its own draw, equal on 1 or N processes and after a move or resume;
+        loss masks, sample weights, reference latents): LoRALoss.forward's arguments."""
         latents = batch["latents"].to(self.device)
         text = {k: v.to(self.device) for k, v in batch["text"].items()}
         gens = [torch.Generator().manual_seed(sample_seed(self.args.seed, step, key)) for key in batch["keys"]]
@@ -198,7 +205,8 @@ class DiffusionTask:
         weights = None  # regularization images: their loss times prior_loss_weight (sd-scripts' loss_weights)
         if batch["is_reg"].any():
             weights = torch.where(batch["is_reg"], self.args.prior_loss_weight, 1.0).to(self.device)
-        return latents, text, gens, mask, weights
+        control = [c.to(self.device) for c in batch["controls"]] if "controls" in batch else None
+        return latents, text, gens, mask, weights, control
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return self.network.trainable_parameters()
@@ -249,7 +257,7 @@ class DiffusionTask:
     def timestep_sampling(self) -> str:
         from library.training.flow_matching import DEFAULTS
 
-        return self.args.timestep_sampling or DEFAULTS[self.family.name]["timestep_sampling"]
+        return self.args.timestep_sampling or DEFAULTS[self.family.arch]["timestep_sampling"]
 
     def dataset_summary(self) -> list[dict]:
         return [
@@ -263,7 +271,8 @@ class DiffusionTask:
     @torch.no_grad()
     def render_samples(self, out_dir: str, tag: str) -> list[str]:
         """One PNG per prompt: the training base (bf16 or the fp8 base the user deploys) and,
-        on an fp8 base with sample_bf16_reference, the bf16 base beside it."""
+        on an fp8 base with sample_bf16_reference, the bf16 base beside it; then the prompt's
+        reference images (--ci, edit families), as the model saw them."""
         if not self.prompts:
             return []
         from library.data.images import save_side_by_side
@@ -281,13 +290,17 @@ class DiffusionTask:
         written = []
         for i, (prompt, (text, negative)) in enumerate(zip(self.prompts, self.prompt_texts)):
             images = []
+            references = reference_images(prompt.control_images, self.family.control_bucket, prompt.width, prompt.height)
+            control = [vae.encode(r.to(self.device)) for r in references] or None  # float32 [1, 16, h, w]
             for label, model in bases:
                 latents = self.family.sample_latents(
                     model, {k: v.to(self.device) for k, v in text.items()}, prompt.width, prompt.height, prompt.steps,
                     prompt.seed if prompt.seed is not None else self.args.seed, prompt.guidance,
-                    {k: v.to(self.device) for k, v in negative.items()} if negative else None,
+                    {k: v.to(self.device) for k, v in negative.items()} if negative else None, control=control,
                 )
                 images.append((label, vae.decode(latents)[0]))
+            names = ["reference"] if len(references) == 1 else [f"reference {k}" for k in range(len(references))]
+            images += [(name, r[0]) for name, r in zip(names, references)]
             path = os.path.join(out_dir, f"{self.args.output_name}_{tag}_{i:02d}.png")
             save_side_by_side(images, path, prompt.prompt)
             written.append(path)

@@ -166,27 +166,30 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     model.requires_grad_(False).eval()
     model.gradient_checkpointing = args.gradient_checkpointing
     with torch.device("meta"):
-        network = build_network(args.network_module, model, family.name, args.network_dim, args.network_alpha,
+        network = build_network(args.network_module, model, family.arch, args.network_dim, args.network_alpha,
                                 network_args=lora_network_args(args))
     network.apply()
     network.train()
     lora = [p for p in network.parameters() if p.requires_grad]
     optimizer = sum(p.numel() for p in lora) * OPTIMIZER_STATE_BYTES.get(args.optimizer_type.lower().rsplit(".", 1)[-1], 8)
     latents = torch.empty(batch, 16, height // 8, width // 8, device="meta")
-    text = _plan_text(model, family.name, batch, text_tokens)
+    # Edit families: the references (at the target's size) add their tokens to every block.
+    control = [torch.empty_like(latents) for _ in range(family.plan_controls)]
+    text = _plan_text(model, family.arch, batch, text_tokens)
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]
     with LiveBytes() as live, fused_attention_on_meta():
-        for t in (*model.parameters(), *model.buffers(), *network.state_dict().values(), latents, *text.values()):
+        for t in (*model.parameters(), *model.buffers(), *network.state_dict().values(), latents, *control,
+                  *text.values()):
             live.track(t)
         live.add(optimizer)  # from the first optimizer step on, resident during every step
         resident = live.live
-        loss, _ = family.training_loss(model, latents, text, args, generators)
+        loss, _ = family.training_loss(model, latents, text, args, generators, control=control or None)
         loss.backward()
         del loss
     return TrainingPlan(
         base=module_bytes(model), block_bytes=[module_bytes(b) for b in model.swappable_blocks()],
         lora=tensor_bytes(network.state_dict().values()), lora_grads=tensor_bytes(lora), optimizer=optimizer,
-        activations=live.peak - resident, inputs=tensor_bytes([latents, *text.values()]),
+        activations=live.peak - resident, inputs=tensor_bytes([latents, *control, *text.values()]),
     )
 
 
@@ -198,7 +201,7 @@ def _vae(family):
     """The family's VAE wrapper around the diffusers model built on meta (config from the files)."""
     from library.models import vae as V
 
-    cls, default, wrap = ((V.AutoencoderKL, V.FLUX_VAE_CONFIG, V.FluxVAE) if family.name == "flux"
+    cls, default, wrap = ((V.AutoencoderKL, V.FLUX_VAE_CONFIG, V.FluxVAE) if family.arch == "flux"
                           else (V.AutoencoderKLQwenImage, V.QWEN_IMAGE_VAE_CONFIG, V.QwenImageVAE))
     found = V._resolve(family.vae_path)[1] if getattr(family, "vae_path", None) else None
     return wrap(V._build(cls, {**default, **(found or {})}))
@@ -252,18 +255,20 @@ def sampling_phase(family, args, training: Phase, width: int, height: int, text_
 
     model = family.load_transformer(compute_dtype(args), base_precision(args), read_weights=False).requires_grad_(False)
     with torch.device("meta"):
-        network = build_network(args.network_module, model, family.name, args.network_dim, args.network_alpha,
+        network = build_network(args.network_module, model, family.arch, args.network_dim, args.network_alpha,
                                 network_args=lora_network_args(args))
     network.apply()
     resident = sum(v for k, v in training.parts.items() if not k.startswith("activations"))
     latents = torch.empty(1, 16, height // 8, width // 8, device="meta")
-    text = _plan_text(model, family.name, 1, text_tokens)
+    text = _plan_text(model, family.arch, 1, text_tokens)
     from library.models.vae import pack_latents
 
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
         for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
             live.ignore(t)  # counted in `resident`
-        family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // 16, width // 16, None)
+        references = {"control": [torch.empty_like(latents)] * family.plan_controls} if family.plan_controls else {}
+        family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // 16, width // 16, None,
+                       **references)
     vae = _vae(family)
     phase = Phase("sampling", {"resident (base, lora, optimizer)": resident, "forward (peak)": live.peak,
                                "vae decode (peak)": _vae_peak(vae, width, height, 1, decode=True)})

@@ -45,11 +45,12 @@ def validation_loss(family, model, dataset, guidance: float | None, accelerator)
             sample = dataset[i % n]
             latents = sample["latents"][None].to(device)  # float32 [1, C, h, w]
             text = {k: v[None].to(device) for k, v in sample["text"].items()}
+            control = [c[None].to(device) for c in sample["controls"]] if "controls" in sample else None
             for j, sigma in enumerate(VALIDATION_SIGMAS):
                 gen = torch.Generator().manual_seed(noise_seed(sample["key"], j))
                 noise = torch.randn(latents.shape, generator=gen, dtype=torch.float32).to(device)
                 sigmas = torch.full((1,), sigma, dtype=torch.float32, device=device)
-                loss = family.loss_at(model, latents, text, noise, sigmas, guidance)
+                loss = family.loss_at(model, latents, text, noise, sigmas, guidance, control=control)
                 if i < n:
                     losses[i, j] = loss
     if accelerator.num_processes > 1:

@@ -18,7 +18,7 @@ class FluxFamily(DiffusionFamily):
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         from library.models.flux1.checkpoint import load_flux
 
-        return load_flux(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name),
+        return load_flux(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
                          read_weights=read_weights)
 
     def load_vae(self, dtype=torch.float32):
@@ -60,15 +60,21 @@ class FluxFamily(DiffusionFamily):
         return 512 if any("guidance_in." in k or "guidance_embedder." in k for k in keys) else 256
 
     def predict(self, model, x_t, sigmas, text, h, w, guidance):
-        from library.models.flux1.model import make_img_ids, make_txt_ids
+        from library.models.flux1.model import make_img_ids
 
-        b, device = x_t.shape[0], x_t.device
+        return self.transformer_call(model, x_t, make_img_ids(x_t.shape[0], h, w, x_t.device), sigmas, text, guidance)
+
+    def transformer_call(self, model, img, img_ids, sigmas, text, guidance):
+        """One transformer call on image tokens img [B, L, 64] at positions img_ids [B, L, 3] int64."""
+        from library.models.flux1.model import make_txt_ids
+
+        b, device = img.shape[0], img.device
         t5 = text["t5"].to(device)
         g = None
         if model.guidance_in is not None:
             g = torch.full((b,), 1.0 if guidance is None else float(guidance), dtype=torch.float32, device=device)
         return model(
-            img=x_t, img_ids=make_img_ids(b, h, w, device), txt=t5, txt_ids=make_txt_ids(b, t5.shape[1], device),
+            img=img, img_ids=img_ids, txt=t5, txt_ids=make_txt_ids(b, t5.shape[1], device),
             timesteps=sigmas, y=text["clip_pooled"].to(device), guidance=g,
         )
 

@@ -1,0 +1,92 @@
+"""Paired data for edit models: a subset's `control_directory` (musubi-tuner's name) holds the
+reference image(s) of each target image, matched by file stem:
+
+    image_dir/cat.png  ->  control_directory/cat.png                        (one reference)
+                       or  control_directory/cat_0.png, cat_1.png, ...     (several, in order)
+
+Any image extension works on either side. Every target of a subset needs the same number of
+references (a batch stacks them), and no more than the model takes. How large a reference is
+encoded is the family's rule (DiffusionFamily.control_bucket: FLUX.1 Kontext uses the target's
+bucket). The reference latents are cached in the target's latent cache file, and its content
+hash covers the reference files, so changing a reference re-encodes (library/data/dataset.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from library.data.images import IMAGE_EXTENSIONS, verified_image_size
+
+
+def control_files(folder: str) -> dict[str, str]:
+    """stem -> file name of every image in a control_directory (read once per subset)."""
+    return {os.path.splitext(f)[0]: f for f in sorted(os.listdir(folder)) if f.lower().endswith(IMAGE_EXTENSIONS)}
+
+
+def find_controls(image_path: str, folder: str, files: dict[str, str]) -> list[str]:
+    """The reference images of `image_path` in `folder` (its files: control_files), in order.
+    Missing references, both naming forms at once, and gaps in the numbering are errors."""
+    stem = os.path.splitext(os.path.basename(image_path))[0]
+    numbered = {int(m.group(1)): f for s, f in files.items() if (m := re.fullmatch(re.escape(stem) + r"_(\d+)", s))}
+    expected = f"expected '{stem}.<ext>' or '{stem}_0.<ext>', '{stem}_1.<ext>', ..."
+    if stem in files and numbered:
+        raise ValueError(f"{image_path}: control_directory {folder} has both '{files[stem]}' and numbered references "
+                         f"'{numbered[min(numbered)]}'; {expected}, not both")
+    if stem in files:
+        names = [files[stem]]
+    elif numbered:
+        missing = sorted(set(range(max(numbered) + 1)) - set(numbered))
+        if missing:
+            raise ValueError(f"{image_path}: control_directory {folder} lacks reference '{stem}_{missing[0]}.<ext>' "
+                             f"(references are numbered from 0 without gaps)")
+        names = [numbered[k] for k in sorted(numbered)]
+    else:
+        raise ValueError(f"{image_path}: no reference image in control_directory {folder} ({expected})")
+    return [os.path.join(folder, n) for n in names]
+
+
+def scan_controls(image_path: str, folder: str, files: dict[str, str], bucket: tuple[int, int],
+                  control_bucket) -> tuple[list[str], list[tuple[int, int]]]:
+    """(reference paths, the bucket each is encoded at): every reference verified readable;
+    control_bucket(target bucket, reference size) -> (w, h) is the family's rule."""
+    paths = find_controls(image_path, folder, files)
+    return paths, [tuple(control_bucket(bucket, verified_image_size(p))) for p in paths]
+
+
+def check_control_count(item, first) -> None:
+    """Every target of a subset has as many references as its first one (ImageItems)."""
+    if len(item.control_paths) != len(first.control_paths):
+        raise ValueError(f"{item.image_path}: {len(item.control_paths)} reference image(s) in control_directory, but "
+                         f"{os.path.basename(first.image_path)} of the same subset has {len(first.control_paths)}; "
+                         f"every image of a subset needs the same number")
+
+
+def check_family_takes(items, model_type: str, max_controls: int) -> None:
+    """The training family takes this many references per image (0: it is no edit model)."""
+    for item in items:
+        n = len(item.control_paths)
+        if n > max_controls:
+            what = (f"takes no reference images (control_directory is for edit models such as flux_kontext)"
+                    if not max_controls else f"takes at most {max_controls} reference image(s)")
+            raise ValueError(f"{item.image_path}: {n} reference image(s) in {item.subset.control_directory}, "
+                             f"but model_type {model_type} {what}")
+
+
+def reference_images(paths: list[str] | tuple[str, ...], control_bucket, width: int, height: int) -> list[torch.Tensor]:
+    """A sample prompt's references (--ci) fitted by the family's rule to a width x height target,
+    each float32 [1, 3, H, W] in [-1, 1] (what the VAE encodes)."""
+    from library.data.dataset import load_image
+
+    return [load_image(p, tuple(control_bucket((width, height), verified_image_size(p))))[None] for p in paths]
+
+
+def check_prompt_controls(prompts, where: str, model_type: str, max_controls: int) -> None:
+    """Sample prompts give no more --ci than the family takes."""
+    for p in prompts:
+        if len(p.control_images) > max_controls:
+            what = "takes no reference images" if not max_controls else f"takes at most {max_controls}"
+            raise ValueError(f"{where}: prompt {p.prompt!r} has {len(p.control_images)} --ci image(s), but "
+                             f"model_type {model_type} {what}")

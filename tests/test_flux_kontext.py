@@ -1,0 +1,87 @@
+"""FLUX.1 Kontext: our family's predict against diffusers' FluxTransformer2DModel called the way
+FluxKontextPipeline calls it (target tokens, then the reference's with first id axis 1, output
+cut to the target), fp32, on the same weights."""
+
+import pytest
+import torch
+from diffusers import FluxKontextPipeline
+
+from library.models.family import family_class
+from library.models.flux1.checkpoint import load_flux
+from library.models.flux1.kontext import kontext_tokens
+from tests.test_flux import tiny_diffusers
+
+B, T = 2, 7
+H, W = 6, 8  # target grid in 2x2 patches
+RH, RW = 4, 10  # reference grid: another size (the pipeline may resize the reference)
+
+
+def kontext_inputs():
+    g = torch.Generator().manual_seed(3)
+    return dict(
+        x_t=torch.randn(B, H * W, 64, generator=g),
+        reference=torch.randn(B, 16, 2 * RH, 2 * RW, generator=g),
+        text={"t5": torch.randn(B, T, 32, generator=g), "clip_pooled": torch.randn(B, 16, generator=g)},
+        sigmas=torch.tensor([0.3, 0.85]),
+    )
+
+
+def diffusers_kontext_forward(model, x: dict, guidance: float) -> torch.Tensor:
+    """FluxKontextPipeline.__call__'s transformer call (prepare_latents' ids and packing)."""
+    pipe = FluxKontextPipeline
+    latent_ids = pipe._prepare_latent_image_ids(B, H, W, "cpu", torch.float32)
+    image_ids = pipe._prepare_latent_image_ids(B, RH, RW, "cpu", torch.float32)
+    image_ids[..., 0] = 1
+    image_latents = pipe._pack_latents(x["reference"], B, 16, 2 * RH, 2 * RW)
+    with torch.no_grad():
+        out = model(
+            hidden_states=torch.cat([x["x_t"], image_latents], dim=1), timestep=x["sigmas"],
+            guidance=torch.full([B], guidance), pooled_projections=x["text"]["clip_pooled"],
+            encoder_hidden_states=x["text"]["t5"], txt_ids=torch.zeros(T, 3),
+            img_ids=torch.cat([latent_ids, image_ids], dim=0), return_dict=False,
+        )[0]  # fmt: skip
+    return out[:, : x["x_t"].shape[1]]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    reference = tiny_diffusers(True)
+    folder = tmp_path_factory.mktemp("kontext")
+    reference.save_pretrained(folder)
+    return load_flux(str(folder)), reference
+
+
+def test_flux_kontext_matches_diffusers_fp32(pair):
+    ours, theirs = pair
+    family = family_class("flux_kontext")("unused")
+    x = kontext_inputs()
+    expected = diffusers_kontext_forward(theirs, x, 2.5)
+    with torch.no_grad():
+        out = family.predict(ours, x["x_t"], x["sigmas"], x["text"], H, W, 2.5, control=[x["reference"]])
+        plain = family.predict(ours, x["x_t"], x["sigmas"], x["text"], H, W, 2.5)
+    assert out.shape == (B, H * W, 64) and out.dtype == torch.float32
+    assert expected.abs().mean() > 0.1
+    err = (out - expected).abs().max().item()
+    print(f"kontext parity max abs error {err:.3g}")
+    assert err <= 1e-5
+    assert (plain - expected).abs().max().item() > 1e-2  # the reference really conditions the target
+
+
+def test_kontext_without_reference_is_flux1(pair):
+    ours, _ = pair
+    x = kontext_inputs()
+    with torch.no_grad():
+        kontext = family_class("flux_kontext")("unused").predict(ours, x["x_t"], x["sigmas"], x["text"], H, W, 3.5)
+        flux = family_class("flux")("unused").predict(ours, x["x_t"], x["sigmas"], x["text"], H, W, 3.5)
+    assert torch.equal(kontext, flux)
+
+
+def test_several_references_get_indices_one_two():
+    x_t = torch.zeros(1, 4, 64)
+    refs = [torch.zeros(1, 16, 4, 2), torch.zeros(1, 16, 2, 2)]
+    tokens, ids = kontext_tokens(x_t, 2, 2, refs)
+    assert tokens.shape == (1, 4 + 2 + 1, 64) and ids.dtype == torch.int64
+    assert ids[0, :, 0].tolist() == [0] * 4 + [1] * 2 + [2]
+    assert ids[0, 4:6, 1:].tolist() == [[0, 0], [1, 0]]  # rows of the 2x1-patch reference
+    with pytest.raises(ValueError, match=r"reference latent 0 has shape \(1, 16, 3, 2\)"):
+        kontext_tokens(x_t, 2, 2, [torch.zeros(1, 16, 3, 2)])

@@ -1,0 +1,126 @@
+"""Paired data for edit models: references from a subset's control_directory, matched by stem,
+fitted by the family's rule, cached with the target, batched by size; one-line errors."""
+
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+from library.data import dataset as D
+from library.data.controls import check_family_takes
+from library.data.dataset_config import parse_dataset_config
+from tests.test_dataset import CountingEncoder, make_image, write
+
+
+def paired_blueprint(tmp_path, **subset):
+    sub = {"image_dir": str(tmp_path / "img"), "control_directory": str(tmp_path / "ctrl"), "class_tokens": "edit",
+           **subset}
+    return parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [sub]}]}, source="paired.toml")
+
+
+def test_single_and_numbered_references_are_cached_with_the_target_and_collated(tmp_path):
+    make_image(tmp_path / "img" / "a.png", 32, 32, (255, 0, 0))
+    make_image(tmp_path / "img" / "b.jpg", 32, 32, (255, 0, 0))
+    make_image(tmp_path / "ctrl" / "a.png", 64, 64, (255, 255, 255))  # larger: fitted to the target's bucket
+    make_image(tmp_path / "ctrl" / "b.png", 32, 32, (0, 0, 0))
+    ds = D.ImageDataset(paired_blueprint(tmp_path))
+    assert [os.path.basename(p) for it in ds.items for p in it.control_paths] == ["a.png", "b.png"]
+    assert ds.items[0].control_buckets == [(32, 32)]
+    enc = CountingEncoder()
+    assert D.cache_latents(ds.items, enc.latents, "flux_kontext", batch_size=2) == 2
+    assert enc.images == 4  # targets + references, one file per target
+    assert sorted(f for f in os.listdir(tmp_path / "img") if f.endswith(".safetensors")) == [
+        "a_flux_kontext_32x32.safetensors", "b_flux_kontext_32x32.safetensors"]
+    batch = D.collate_batch([ds[0], ds[1]])
+    (controls,) = batch["controls"]
+    assert controls.shape == (2, 3, 4, 4) and controls.dtype == torch.float32
+    assert controls[:, 0, 0, 0].tolist() == [0.5, -0.5]  # white and black references, in target order
+
+    make_image(tmp_path / "ctrl" / "b.png", 32, 32, (9, 9, 9))  # a changed reference re-encodes its target
+    enc = CountingEncoder()
+    ds = D.ImageDataset(paired_blueprint(tmp_path))
+    assert D.cache_latents(ds.items, enc.latents, "flux_kontext") == 1 and enc.images == 2
+
+
+def test_several_references_keep_their_order_and_flip_with_the_target(tmp_path):
+    img = Image.new("RGB", (32, 32), (0, 0, 0))
+    img.paste((255, 255, 255), (16, 0, 32, 32))
+    os.makedirs(tmp_path / "img")
+    img.save(tmp_path / "img" / "a.png")
+    make_image(tmp_path / "ctrl" / "a_1.png", 32, 32, (0, 0, 0))
+    os.makedirs(tmp_path / "ctrl", exist_ok=True)
+    img.save(tmp_path / "ctrl" / "a_0.png")
+    ds = D.ImageDataset(paired_blueprint(tmp_path, flip_aug=True))
+    D.cache_latents(ds.items, CountingEncoder().latents, "k")
+    for epoch in range(8):
+        s = ds[(0, epoch)]
+        assert len(s["controls"]) == 2 and float(s["controls"][1].max()) == -0.5
+        assert float(s["controls"][0][0, 0, 0]) == float(s["latents"][0, 0, 0])  # mirrored together
+    uncached = D.ImageDataset(paired_blueprint(tmp_path))[0]
+    assert [tuple(c.shape) for c in uncached["control_images"]] == [(3, 32, 32)] * 2
+
+
+def test_batches_hold_one_reference_size(tmp_path):
+    for name, size in (("a", 32), ("b", 32), ("c", 64)):
+        make_image(tmp_path / "img" / f"{name}.png", 32, 32)
+        make_image(tmp_path / "ctrl" / f"{name}.png", size, size)
+    bp = paired_blueprint(tmp_path)
+    bp.datasets[0].batch_size = 3
+    items = D.scan_images(bp, control_bucket=lambda bucket, size: size)  # a family that keeps the reference size
+    ds = D.ImageDataset(bp, items=items)
+    batches = D.BucketBatchSampler(ds, seed=0).batches(0)
+    assert sorted(len(b) for b in batches) == [1, 2]
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", r"img/b.png: no reference image in control_directory .*ctrl \(expected 'b.<ext>' or 'b_0.<ext>'"),
+    ("count", r"img/b.png: 2 reference image\(s\) in control_directory, but a.png of the same subset has 1"),
+    ("gap", r"img/b.png: control_directory .*ctrl lacks reference 'b_1.<ext>'"),
+    ("both", r"img/b.png: control_directory .*ctrl has both 'b.png' and numbered references 'b_0.png'"),
+    ("unreadable", r"ctrl/b.png: cannot be read as an image"),
+])  # fmt: skip
+def test_bad_references_are_one_line_errors_naming_the_file(tmp_path, case, expected):
+    for name in ("a", "b"):
+        make_image(tmp_path / "img" / f"{name}.png", 32, 32)
+    make_image(tmp_path / "ctrl" / "a.png", 32, 32)
+    files = {"missing": [], "count": ["b_0.png", "b_1.png"], "gap": ["b_0.png", "b_2.png"],
+             "both": ["b.png", "b_0.png"], "unreadable": []}[case]
+    for f in files:
+        make_image(tmp_path / "ctrl" / f, 32, 32)
+    if case == "unreadable":
+        write(tmp_path / "ctrl" / "b.png", "not a png")
+    with pytest.raises(ValueError, match=expected) as e:
+        D.ImageDataset(paired_blueprint(tmp_path))
+    assert "\n" not in str(e.value)
+
+
+def test_control_directory_must_be_a_folder_and_a_family_must_take_references(tmp_path):
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    with pytest.raises(ValueError, match=r"paired.toml: .* key 'control_directory' '.*ctrl' is not a folder"):
+        paired_blueprint(tmp_path)
+    make_image(tmp_path / "ctrl" / "a.png", 32, 32)
+    items = D.ImageDataset(paired_blueprint(tmp_path)).items
+    check_family_takes(items, "flux_kontext", 4)
+    with pytest.raises(ValueError, match=r"img/a.png: 1 reference image\(s\) in .*ctrl, but model_type flux takes no "):
+        check_family_takes(items, "flux", 0)
+
+
+def test_kontext_dataset_example_parses_with_its_folders(tmp_path, monkeypatch):
+    from library.data.dataset_config import load_dataset_config
+
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "dataset_kontext.toml")
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("data/edit/inputs")
+    (subset,) = load_dataset_config(example).datasets[0].subsets
+    assert (subset.image_dir, subset.control_directory) == ("data/edit/targets", "data/edit/inputs")
+
+
+def test_ci_flags_keep_their_order_and_a_missing_file_is_an_error(tmp_path):
+    from library.data.prompts import parse_prompt_line
+
+    a, b = make_image(tmp_path / "a.png", 16, 16), make_image(tmp_path / "b.png", 16, 16)
+    p = parse_prompt_line(f"make it red --ci {b} --w 32 --ci {a}", "p.txt:1")
+    assert p.control_images == (b, a) and p.width == 32 and p.prompt == "make it red"
+    with pytest.raises(ValueError, match=r"p.txt:2: --ci '.*missing.png' is not an image file"):
+        parse_prompt_line(f"x --ci {tmp_path / 'missing.png'}", "p.txt:2")
