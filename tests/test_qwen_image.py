@@ -6,6 +6,7 @@ joint_attention_dim 32; latents of 16 x 24 patches, 9 text tokens, sample 0 padd
 
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import get_timestep_embedding
 
@@ -133,6 +134,33 @@ def test_text_padding_does_not_reach_image_tokens(reference, inputs):
         base = ours(img, txt, mask, sigma, IMG_SHAPES)
         assert (ours(img, changed_padding, mask, sigma, IMG_SHAPES) - base)[0].abs().max().item() <= 1e-6
         assert (ours(img, changed_text, mask, sigma, IMG_SHAPES) - base)[0].abs().max().item() >= 1e-2
+
+
+def test_unpadded_text_runs_attention_without_a_mask(reference, inputs, monkeypatch):
+    """An all-true text mask (batch 1, or captions of one length) is no mask: SDPA gets None, which
+    keeps the flash kernel eligible on CUDA (a boolean mask forces the slower memory-efficient one),
+    with the same output."""
+    ours = load_qwen_image(str(reference[1]))
+    img, txt, _ = inputs
+    full = torch.ones(BATCH, TEXT, dtype=torch.bool)
+    masks = []
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        masks.append(attn_mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(core, "sdpa", spy)
+    with torch.no_grad():
+        unmasked = ours(img, txt, full, torch.tensor([0.5, 0.5]), IMG_SHAPES)
+        assert masks and all(m is None for m in masks), "an all-true text mask reached SDPA"
+        masks.clear()
+        padded = full.clone()
+        padded[0, VALID:] = False
+        ours(img, txt, padded, torch.tensor([0.5, 0.5]), IMG_SHAPES)
+        assert all(m is not None for m in masks)
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(unmasked, ours(img, txt, None, torch.tensor([0.5, 0.5]), IMG_SHAPES))
 
 
 def test_centred_grid_borders_carry_largest_positions():

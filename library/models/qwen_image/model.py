@@ -267,7 +267,9 @@ class QwenImage(nn.Module):
         if cos.shape[1] != text_len + img_len:
             raise ValueError(f"img_shapes {img_shapes} give {cos.shape[1] - text_len} image tokens, img has {img_len}")
         key_mask = None
-        if txt_mask is not None:  # bool [B, T + L]: text padding masked as keys, every image token visible
+        # An all-true mask (batch 1, or captions of one length) is dropped: with any mask CUDA's SDPA
+        # takes the memory-efficient kernel, not flash (bench/RESULTS.md, GPU). One host sync per call.
+        if txt_mask is not None and not bool(txt_mask.all()):  # bool [B, T + L]: text padding masked as keys
             image_visible = torch.ones(batch, img_len, dtype=torch.bool, device=img.device)
             key_mask = torch.cat([txt_mask.to(img.device).bool(), image_visible], dim=1)
 
