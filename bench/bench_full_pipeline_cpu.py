@@ -4,6 +4,7 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --work /tmp/fullsize            # writes ~34 GB, then trains
     python bench/bench_full_pipeline_cpu.py --work /tmp/fullsize --skip-write
     python bench/bench_full_pipeline_cpu.py --family qwen_image --work /tmp/fullqwen --qwen-blocks 6
+    python bench/bench_full_pipeline_cpu.py --family flux2 --work /tmp/fullklein       # klein 4B, ~16 GB
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -63,7 +64,7 @@ PHASES = (("vae caching", "latents:"), ("text caching", "captions:"), ("transfor
 
 
 def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    if len(shape) == 1 and ("norm" in name or name.endswith(("scale", ".g"))):
+    if len(shape) == 1 and ("norm" in name or name.endswith(("scale", ".g", "running_var"))):
         return torch.ones(shape, dtype=torch.bfloat16)
     return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
 
@@ -147,6 +148,39 @@ def write_qwen_files(work: str, blocks: int):
     save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
 
 
+def write_flux2_files(work: str):
+    """FLUX.2 [klein] 4B at its released size: the transformer as a BFL single file (3.88 B), the
+    Qwen3-4B text encoder as an HF folder without lm_head (tied, as released; 4.02 B), the
+    AutoencoderKLFlux2 VAE as a diffusers folder, and the small klein tokenizer (valid ids)."""
+    from diffusers import AutoencoderKLFlux2
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from library.models.flux2.model import FLUX2_KLEIN_4B, Flux2
+    from library.models.llm import QWEN3_4B
+    from tools.make_tiny_models import build_qwen3_tokenizer
+
+    os.makedirs(work, exist_ok=True)
+    write_random(os.path.join(work, "flux-2-klein-4b.safetensors"), meta_shapes(lambda: Flux2(FLUX2_KLEIN_4B)), 1,
+                 metadata={})
+    with torch.device("meta"):
+        vae = AutoencoderKLFlux2()
+    folder = os.path.join(work, "vae")
+    os.makedirs(folder, exist_ok=True)
+    write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"),  # running_var 1, no step counter
+                 {k: tuple(v.shape) for k, v in vae.state_dict().items() if not k.endswith("num_batches_tracked")}, 2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"_class_name": "AutoencoderKLFlux2", **{k: v for k, v in vae.config.items() if not k.startswith("_")}}, f)
+    tokenizer, folder = build_qwen3_tokenizer(), os.path.join(work, "text_encoder")
+    os.makedirs(folder, exist_ok=True)
+    hf = {**QWEN3_4B.to_hf(), "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+          "pad_token_id": tokenizer.pad_token_id}
+    shapes = meta_shapes(lambda: Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in hf.items() if k != "architectures"})))
+    write_random(os.path.join(folder, "model.safetensors"), {k: v for k, v in shapes.items() if k != "lm_head.weight"}, 3)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
+
+
 def write_run_config(work: str, family: str = "flux") -> str:
     from PIL import Image
 
@@ -166,6 +200,12 @@ pretrained_model_name_or_path = "{work}/transformer"
 ae = "{work}/vae"
 text_encoder = "{work}/text_encoder"
 output_name = "full_qwen"
+''',
+        "flux2": f'''model_type = "flux2"
+pretrained_model_name_or_path = "{work}/flux-2-klein-4b.safetensors"
+ae = "{work}/vae"
+text_encoder = "{work}"
+output_name = "full_klein4b"
 ''',
         "flux": f'''model_type = "flux"
 pretrained_model_name_or_path = "{work}/flux1-dev.safetensors"
@@ -268,12 +308,18 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", default="/tmp/fullsize")
     p.add_argument("--skip-write", action="store_true")
-    p.add_argument("--family", choices=["flux", "qwen_image"], default="flux")
+    p.add_argument("--family", choices=["flux", "qwen_image", "flux2"], default="flux",
+                   help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
     args = p.parse_args(argv)
     if not args.skip_write:
         t = time.time()
-        write_files(args.work) if args.family == "flux" else write_qwen_files(args.work, args.qwen_blocks)
+        if args.family == "flux":
+            write_files(args.work)
+        elif args.family == "flux2":
+            write_flux2_files(args.work)
+        else:
+            write_qwen_files(args.work, args.qwen_blocks)
         print(f"files written in {time.time() - t:.0f} s", flush=True)
     result = run_trainer(write_run_config(args.work, args.family))
     rows = phase_peaks(result)
