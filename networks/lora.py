@@ -55,6 +55,16 @@ TARGETS = {
         "guidance_in": r"guidance_in\.(in_layer|out_layer)",
         "txt_in": r"txt_in",
     },
+    # FLUX.2: the double blocks' attention and SwiGLU MLP Linears and the single blocks' fused
+    # linear1 / linear2, as FLUX.1's block Linears. FLUX.2's modulation is shared (one projection
+    # per block kind, outside the blocks) and, with the embedders, is left out like FLUX.1's in_dims.
+    "flux2": {
+        "img_attn": r"double_blocks\.(?P<double>\d+)\.img_attn\.(qkv|proj)",
+        "txt_attn": r"double_blocks\.(?P<double>\d+)\.txt_attn\.(qkv|proj)",
+        "img_mlp": r"double_blocks\.(?P<double>\d+)\.img_mlp\.(0|2)",
+        "txt_mlp": r"double_blocks\.(?P<double>\d+)\.txt_mlp\.(0|2)",
+        "single": r"single_blocks\.(?P<single>\d+)\.(linear1|linear2)",
+    },
     # musubi-tuner's Qwen-Image default: the blocks' attention and MLP Linears, not `_mod_`.
     "qwen_image": {
         "attn": r"transformer_blocks\.(?P<block>\d+)\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out\.0|to_add_out)",
@@ -68,16 +78,18 @@ TARGETS = {
 }
 # Modulation types: on by default for FLUX (sd-scripts), off for Qwen-Image (musubi-tuner);
 # `train_modulation` switches them, a `<type>_dim` > 0 turns one on.
-MODULATION_TYPES = {"flux": ("img_mod", "txt_mod", "single_mod"), "qwen_image": ("mod",), "llm": ()}
-MODULATION_DEFAULT = {"flux": True, "qwen_image": False, "llm": False}
+MODULATION_TYPES = {"flux": ("img_mod", "txt_mod", "single_mod"), "flux2": (), "qwen_image": ("mod",), "llm": ()}
+MODULATION_DEFAULT = {"flux": True, "flux2": False, "qwen_image": False, "llm": False}
 # Types trained only when given a rank (sd-scripts `in_dims = [img, time, vector, guidance, txt]`).
 IN_DIM_TYPES = {"flux": ("img_in", "time_in", "vector_in", "guidance_in", "txt_in")}
 # `<group>_dim` sets the rank of every type of the group (unless the type's own `_dim` is given).
 TYPE_GROUPS = {"flux": {"attn": ("img_attn", "txt_attn"), "mlp": ("img_mlp", "txt_mlp"),
-                        "mod": ("img_mod", "txt_mod", "single_mod")}}
-KOHYA_PREFIX = {"flux": "lora_unet", "qwen_image": "lora_unet", "llm": "lora_te"}
+                        "mod": ("img_mod", "txt_mod", "single_mod")},
+               "flux2": {"attn": ("img_attn", "txt_attn"), "mlp": ("img_mlp", "txt_mlp")}}
+KOHYA_PREFIX = {"flux": "lora_unet", "flux2": "lora_unet", "qwen_image": "lora_unet", "llm": "lora_te"}
 BLOCK_ARGS = {  # network_args key -> block kind it selects, per family
     "flux": {"train_double_block_indices": "double", "train_single_block_indices": "single"},
+    "flux2": {"train_double_block_indices": "double", "train_single_block_indices": "single"},
     "qwen_image": {"block_indices": "block"},
     "llm": {"block_indices": "block"},
 }

@@ -36,14 +36,15 @@ SCHEMA: dict[str, Arg] = {
     "ae": A(str, None, "VAE: FLUX ae.safetensors or a diffusers vae folder"),
     "clip_l": A(str, None, "FLUX CLIP-L text encoder (HF folder)"),
     "t5xxl": A(str, None, "FLUX T5-XXL text encoder (HF folder)"),
-    "text_encoder": A(str, None, "Qwen-Image text encoder (Qwen2.5-VL language model, HF folder)"),
+    "text_encoder": A(str, None, "Qwen-Image: Qwen2.5-VL language model; FLUX.2 [klein]: Qwen3 (klein repo, its "
+                                 "text_encoder/ folder or a single file, tokenizer/ beside it)"),
     "t5xxl_max_token_length": A(int, None, "T5 tokens; default 512 for dev, 256 for schnell (read from the checkpoint)"),
     "dataset_config": A(str, None, "dataset TOML (kohya schema)"),
     # output
     "output_dir": A(str, "output", "where the LoRA, logs, samples and states go"),
     "output_name": A(str, "lora", "file stem of the saved LoRA"),
     "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors", ("fp32", "bf16", "fp16")),
-    "save_format": A(str, "auto", "LoRA layout: auto (llm: peft, flux/qwen_image: kohya), kohya (one .safetensors), "
+    "save_format": A(str, "auto", "LoRA layout: auto (llm: peft, flux/flux2/qwen_image: kohya), kohya (one .safetensors), "
                                   "peft (llm: PEFT adapter folder <output_name>/), peft+kohya (both)",
                      ("auto", "kohya", "peft", "peft+kohya")),
     "save_every_n_steps": A(int, 0, "save the LoRA every N optimizer steps (0 = off)"),
@@ -292,7 +293,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     it, where one key's value alone is wrong."""
     origins = origins or {}
     if args.model_type is None:
-        raise ConfigError(f"{where}: key 'model_type' is required (flux, qwen_image or llm)")
+        raise ConfigError(f"{where}: key 'model_type' is required ({', '.join((*FAMILIES, 'llm'))})")
     if args.pretrained_model_name_or_path is None:
         raise ConfigError(f"{where}: key 'pretrained_model_name_or_path' is required")
     if args.model_type != "llm" and args.dataset_config is None:
