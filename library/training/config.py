@@ -18,6 +18,7 @@ import toml
 import torch
 
 from library.models.family import FAMILIES, family_class
+from library.training import flow_matching as fm
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,12 @@ SCHEMA: dict[str, Arg] = {
     # and text encoders are then freed); these keep them on disk, reused while unchanged.
     "cache_latents_to_disk": A(bool, False, "keep latent caches as safetensors beside the images"),
     "cache_text_encoder_outputs_to_disk": A(bool, False, "keep text caches on disk"),
-    "text_encoder_precision": A(str, "bf16", "caption encoders' weights (fp8: T5-XXL / Qwen2.5-VL Linears in e4m3, CLIP-L bf16)",
+    "text_encoder_precision": A(str, "bf16", "caption encoders' weights (fp8: T5-XXL / Qwen2.5-VL / Qwen3 Linears in e4m3, CLIP-L bf16)",
                                 ("fp32", "fp16", "bf16", "fp8", "fp8_scaled")),
     "text_encoder_batch_size": A(int, 8, "captions per encoder batch while caching"),
     # flow matching
     "prior_loss_weight": A(float, 1.0, "loss weight of regularization images (dataset subsets with is_reg = true)"),
-    "timestep_sampling": A(str, None, "sigma sampling; default per model", ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift")),
+    "timestep_sampling": A(str, None, "sigma sampling; default per model", fm.SAMPLING_METHODS),
     "discrete_flow_shift": A(float, 3.0, "k for timestep_sampling = shift"),
     "sigmoid_scale": A(float, 1.0, "scale of randn inside the sigmoid"),
     "weighting_scheme": A(str, "none", "loss weighting", ("none", "sigma_sqrt", "cosmap")),
