@@ -94,6 +94,23 @@ BLOCK_ARGS = {  # network_args key -> block kind it selects, per family
     "llm": {"block_indices": "block"},
 }
 DIFFUSERS_FLUX_BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")  # a diffusers-named FLUX LoRA
+
+
+def _flux1_map(cfg):
+    from library.models.flux1.checkpoint import flux_diffusers_module_map
+
+    return flux_diffusers_module_map(cfg.depth, cfg.depth_single, cfg.hidden_size, cfg.mlp_hidden)
+
+
+def _flux2_map(cfg):
+    from library.models.flux2.checkpoint import flux2_diffusers_module_map
+
+    return flux2_diffusers_module_map(cfg.depth, cfg.depth_single, cfg.hidden_size, cfg.mlp_hidden, cfg.in_channels,
+                                      cfg.guidance_embed)
+
+
+# Families whose model uses BFL names while diffusers' does not: model config -> BFL <-> diffusers module map.
+DIFFUSERS_MODULE_MAPS = {"flux": _flux1_map, "flux2": _flux2_map}
 COMMON_ARGS = {
     "dropout", "rank_dropout", "module_dropout", "include_patterns", "exclude_patterns",
     "loraplus_lr_ratio", "train_modulation", "dora", "use_dora",
@@ -505,7 +522,7 @@ class LoRANetwork(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, source, strict: bool = True):
-        """Load a LoRA (kohya, or peft/comfy with this model's module names; for FLUX also
+        """Load a LoRA (kohya, or peft/comfy with this model's module names; for FLUX.1 / FLUX.2 also
         diffusers names, converted to BFL) from a path or a tensor dict. Alphas come from the file.
 
         The network adapts to the file: a module the file names that the network lacks is added
@@ -520,7 +537,7 @@ class LoRANetwork(nn.Module):
             weights, _, _ = read_lora(source, module_paths=linears)
         else:
             weights, _ = parse_lora(dict(source), None, module_paths=linears)
-        if self.family == "flux" and any(p.startswith(DIFFUSERS_FLUX_BLOCKS) for p in weights):
+        if self.family in DIFFUSERS_MODULE_MAPS and any(p.startswith(DIFFUSERS_FLUX_BLOCKS) for p in weights):
             weights = flux_diffusers_to_bfl(weights, self._flux_module_map())
         by_path = {m.name: m for m in self.lora_modules()}
         foreign = [p for p in weights if p not in linears]
@@ -562,13 +579,11 @@ class LoRANetwork(nn.Module):
         return network
 
     def _flux_module_map(self) -> dict:
-        """BFL <-> diffusers module map for this model's sizes (library/models/flux1/checkpoint.py)."""
-        from library.models.flux1.checkpoint import flux_diffusers_module_map
-
+        """BFL <-> diffusers module map for this model's sizes (flux1/ or flux2/checkpoint.py)."""
         cfg = getattr(self._model[0], "config", None)
         if cfg is None:
-            raise CheckpointError("a diffusers-named FLUX LoRA needs a library.models.flux1.model.Flux model (with .config) to convert")
-        return flux_diffusers_module_map(cfg.depth, cfg.depth_single, cfg.hidden_size, cfg.mlp_hidden)
+            raise CheckpointError(f"a diffusers-named {self.family} LoRA needs our BFL-named model (with .config) to convert")
+        return DIFFUSERS_MODULE_MAPS[self.family](cfg)
 
     def merge_into_model(self, weight_dtype: torch.dtype | None = None):
         """Merge every LoRA into its base weight (float32 math) and unpatch the forwards."""
