@@ -63,3 +63,39 @@ def test_flux2_saved_lora_loads_and_changes_the_prediction(tiny_set, trained):
         after = family.predict(model, x, torch.tensor([0.5]), text, 3, 4, None)
     change = ((after - before).norm() / before.norm()).item()
     assert change > 1e-4, change  # 6 steps from a zero lora_up: small, but not 0
+
+
+@pytest.mark.parametrize("base_key", ["flux2_tiny", "flux2_diffusers"])
+def test_flux2_merged_checkpoint_equals_runtime_lora(tiny_set, trained, tmp_path, base_key):
+    """merge_lora.py into the BFL file and into the diffusers folder (the kohya LoRA's fused qkv split
+    by rows there): load_flux2 of the result gives the runtime (unmerged) LoRA's prediction."""
+    from tools import merge_lora
+
+    lora = str(trained / "klein.safetensors")
+    out = str(tmp_path / ("merged.safetensors" if base_key == "flux2_tiny" else "merged"))
+    assert merge_lora.main(["--model", tiny_set[base_key], "--lora", f"{lora}:0.7", "--save_to", out]) == 0
+    family = Flux2Family(tiny_set["flux2_tiny"])
+    x, text = tiny_inputs(1)
+    with torch.no_grad():
+        model = family.load_transformer(torch.float32)
+        network = LoRANetwork(model, "flux2", 4, 4.0, multiplier=0.7)
+        network.load_weights(lora)
+        network.apply()
+        runtime = family.predict(model, x, torch.tensor([0.3]), text, 3, 4, None)
+        merged = family.predict(Flux2Family(out).load_transformer(torch.float32), x, torch.tensor([0.3]), text, 3, 4, None)
+    err = (merged - runtime).abs().max().item()
+    assert err <= 1e-5, err
+
+
+def test_flux2_generate_with_the_lora(tiny_set, trained, tmp_path):
+    from tools import generate
+
+    code = generate.main([
+        "--model_type", "flux2", "--model", tiny_set["flux2_tiny"], "--ae", tiny_set["flux2_vae"],
+        "--text_encoder", tiny_set["flux2_text_encoder"], "--prompt", "a red cat --w 64 --h 48 --s 2 --g 2.5",
+        "--dtype", "fp32", "--text_encoder_precision", "fp32", "--lora", f"{trained / 'klein.safetensors'}:0.8",
+        "--out", str(tmp_path), "--device", "cpu",
+    ])
+    assert code == 0
+    (png,) = tmp_path.glob("*.png")
+    assert png.stat().st_size > 0
