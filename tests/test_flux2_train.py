@@ -99,3 +99,21 @@ def test_flux2_generate_with_the_lora(tiny_set, trained, tmp_path):
     assert code == 0
     (png,) = tmp_path.glob("*.png")
     assert png.stat().st_size > 0
+
+
+def test_memory_planner_takes_flux2_config_and_klein_presets(tiny_set, tmp_path, capsys):
+    from library.models.flux2.model import FLUX2_KLEIN_4B, Flux2
+    from tools import plan_memory
+
+    config = tmp_path / "tiny.toml"
+    config.write_text("\n".join(f'{k} = "{v}"' for k, v in {
+        "model_type": "flux2", "pretrained_model_name_or_path": tiny_set["flux2_tiny"], "ae": tiny_set["flux2_vae"],
+        "text_encoder": tiny_set["flux2_text_encoder"], "dataset_config": tiny_set["dataset_config"],
+        "output_dir": tmp_path / "out"}.items()))
+    assert plan_memory.main(["--config_file", str(config), "--vram", "12"]) == 0
+    assert "fits with blocks_to_swap = 0" in capsys.readouterr().out
+    assert plan_memory.main(["--preset", "flux2-klein-4b", "--vram", "16", "--resolution", "512"]) == 0
+    out = capsys.readouterr().out
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Flux2(FLUX2_KLEIN_4B).parameters())
+    assert 3.8e9 < params < 4.0e9 and f"base {params * 2 / 2**30:.2f}" in out  # bf16 base: 2 bytes a weight
