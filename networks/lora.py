@@ -99,7 +99,8 @@ DIFFUSERS_FLUX_BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")  #
 def _flux1_map(cfg):
     from library.models.flux1.checkpoint import flux_diffusers_module_map
 
-    return flux_diffusers_module_map(cfg.depth, cfg.depth_single, cfg.hidden_size, cfg.mlp_hidden)
+    return flux_diffusers_module_map(cfg.depth, cfg.depth_single, cfg.hidden_size, cfg.mlp_hidden, cfg.in_channels,
+                                     cfg.guidance_embed)
 
 
 def _flux2_map(cfg):

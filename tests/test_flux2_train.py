@@ -117,3 +117,18 @@ def test_memory_planner_takes_flux2_config_and_klein_presets(tiny_set, tmp_path,
     with torch.device("meta"):
         params = sum(p.numel() for p in Flux2(FLUX2_KLEIN_4B).parameters())
     assert 3.8e9 < params < 4.0e9 and f"base {params * 2 / 2**30:.2f}" in out  # bf16 base: 2 bytes a weight
+
+
+def test_precision_doctor_runs_on_flux2_with_the_lora(tiny_set, trained, tmp_path, capsys):
+    import json
+
+    from tools import precision_doctor
+
+    out = tmp_path / "report"
+    rc = precision_doctor.main([
+        "--model_type", "flux2", "--model", tiny_set["flux2_tiny"], "--lora", f"{trained / 'klein.safetensors'}:1.0",
+        "--resolution", "64x48", "--timesteps", "0.7", "--text_len", "8", "--out", str(out), "--device", "cpu"])
+    assert rc == 0 and "== LoRA ==" in capsys.readouterr().out
+    data = json.loads((out / "report.json").read_text())
+    assert data["grid"] == [3, 4] and set(data["modes"]) == set(precision_doctor.BASE_MODES) | set(precision_doctor.LORA_MODES)
+    assert "NaN" not in json.dumps(data) and "lora_effect" in data  # every mode measured, the LoRA's survival too
