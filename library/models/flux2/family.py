@@ -3,8 +3,8 @@ FLUX.2 VAE (32 latent channels, BatchNorm-normalised in patch space: library/mod
 [klein]'s Qwen3 text encoder (text_encoder.py).
 
 Variants, read from the transformer checkpoint: a guidance embedding (`guidance_in`) is [dev],
-none is [klein] (4B / 9B by width). [dev]'s text encoder (Mistral Small 3.1) is not supported, so
-[dev] trains only from cached text. Inference as the diffusers pipelines do it:
+none is [klein] (4B / 9B by width). [dev]'s text encoder (Mistral Small 3.1) is not supported:
+load_text_encoder refuses [dev] with that reason. Inference as the diffusers pipelines do it:
 - [klein] (Flux2KleinPipeline): no guidance embedding; the base (non-distilled) models run
   classifier-free guidance with an empty negative prompt when guidance > 1, the distilled ones
   (`is_distilled` in the pipeline's model_index.json) never do;
