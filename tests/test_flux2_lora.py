@@ -116,3 +116,15 @@ def test_flux2_is_told_from_flux1_by_names_metadata_and_mlp_widths(pair, files, 
         assert convert_lora.flux_generation(tensors, metadata) == "flux2"
     done = convert_lora.convert_lora(str(root / "diffusers.safetensors"), str(tmp_path / "back.safetensors"), "kohya")
     assert done["model_type"] == "flux2" and done["modules"] == 20
+
+
+def test_lora_info_names_flux2_in_both_namings(pair, files, tmp_path):
+    from tools import lora_info
+
+    _, _, root = pair
+    files.save(str(tmp_path / "plain.safetensors"))  # no metadata: BFL names, the SwiGLU widths tell
+    for name, naming in (("plain", "bfl"), ("diffusers", "diffusers")):
+        folder = tmp_path if name == "plain" else root
+        info = lora_info.read_info(str(folder / f"{name}.safetensors"))
+        assert (info["family"], info["naming"], info["width"]) == ("flux2", naming, 64), info
+        assert info["blocks"] == {"double": 2, "single": 2} and "flux2 model of width 64" in info["fits"]
