@@ -68,8 +68,9 @@ def test_flux2_saved_lora_loads_and_changes_the_prediction(tiny_set, trained):
 @pytest.mark.parametrize("base_key", ["flux2_tiny", "flux2_diffusers"])
 def test_flux2_merged_checkpoint_equals_runtime_lora(tiny_set, trained, tmp_path, base_key):
     """merge_lora.py into the BFL file and into the diffusers folder (the kohya LoRA's fused qkv split
-    by rows there): load_flux2 of the result gives the runtime (unmerged) LoRA's prediction."""
-    from tools import merge_lora
+    by rows there): load_flux2 of the result gives the runtime (unmerged) LoRA's prediction; and
+    extract_lora.py recovers a LoRA from merged vs base that gives it again."""
+    from tools import extract_lora, merge_lora
 
     lora = str(trained / "klein.safetensors")
     out = str(tmp_path / ("merged.safetensors" if base_key == "flux2_tiny" else "merged"))
@@ -84,6 +85,15 @@ def test_flux2_merged_checkpoint_equals_runtime_lora(tiny_set, trained, tmp_path
         runtime = family.predict(model, x, torch.tensor([0.3]), text, 3, 4, None)
         merged = family.predict(Flux2Family(out).load_transformer(torch.float32), x, torch.tensor([0.3]), text, 3, 4, None)
     err = (merged - runtime).abs().max().item()
+    assert err <= 1e-5, err
+
+    extracted = str(tmp_path / "extracted.safetensors")  # kohya (BFL base) or diffusers names (folder)
+    assert extract_lora.main(["--model", tiny_set[base_key], "--tuned", out, "--save_to", extracted, "--rank", "4"]) == 0
+    with torch.no_grad():
+        model = family.load_transformer(torch.float32)
+        LoRANetwork.from_weights(model, "flux2", extracted).apply()
+        again = family.predict(model, x, torch.tensor([0.3]), text, 3, 4, None)
+    err = (again - merged).abs().max().item()
     assert err <= 1e-5, err
 
 
