@@ -97,7 +97,8 @@ FLUX_VAE_CONFIG = {
     "mid_block_add_attention": True,
 }
 
-# AutoencoderKLQwenImage's and AutoencoderKLFlux2's constructor defaults are the released VAEs.
+# AutoencoderKLQwenImage's and AutoencoderKLFlux2's constructor defaults follow the released VAEs (a
+# config.json beside the weights, as in the released repositories, wins).
 FLUX2_VAE_CONFIG: dict = {}
 QWEN_IMAGE_VAE_CONFIG: dict = {}
 

@@ -23,7 +23,7 @@ scheduler_config.json:
   two lines in the token count, fitted at 10 and at 200 steps, interpolated linearly in the step
   count; above 4300 tokens the 200-step line alone. No shift_terminal. Training has no step count:
   flux2_shift uses mu at FLUX2_TRAIN_MU_STEPS (50, the klein base models' default step count; the
-  distilled models sample in 4, where mu is higher by at most 0.3 below 4300 tokens).
+  distilled models sample in 4 steps, where mu is higher by at most 0.35 below 4300 tokens).
 """
 
 from __future__ import annotations
