@@ -55,6 +55,16 @@ TARGETS = {
         "guidance_in": r"guidance_in\.(in_layer|out_layer)",
         "txt_in": r"txt_in",
     },
+    # FLUX.2: the double blocks' attention and SwiGLU MLP Linears and the single blocks' fused
+    # linear1 / linear2, as FLUX.1's block Linears. FLUX.2's modulation is shared (one projection
+    # per block kind, outside the blocks) and, with the embedders, is left out like FLUX.1's in_dims.
+    "flux2": {
+        "img_attn": r"double_blocks\.(?P<double>\d+)\.img_attn\.(qkv|proj)",
+        "txt_attn": r"double_blocks\.(?P<double>\d+)\.txt_attn\.(qkv|proj)",
+        "img_mlp": r"double_blocks\.(?P<double>\d+)\.img_mlp\.(0|2)",
+        "txt_mlp": r"double_blocks\.(?P<double>\d+)\.txt_mlp\.(0|2)",
+        "single": r"single_blocks\.(?P<single>\d+)\.(linear1|linear2)",
+    },
     # musubi-tuner's Qwen-Image default: the blocks' attention and MLP Linears, not `_mod_`.
     "qwen_image": {
         "attn": r"transformer_blocks\.(?P<block>\d+)\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out\.0|to_add_out)",
@@ -68,20 +78,40 @@ TARGETS = {
 }
 # Modulation types: on by default for FLUX (sd-scripts), off for Qwen-Image (musubi-tuner);
 # `train_modulation` switches them, a `<type>_dim` > 0 turns one on.
-MODULATION_TYPES = {"flux": ("img_mod", "txt_mod", "single_mod"), "qwen_image": ("mod",), "llm": ()}
-MODULATION_DEFAULT = {"flux": True, "qwen_image": False, "llm": False}
+MODULATION_TYPES = {"flux": ("img_mod", "txt_mod", "single_mod"), "flux2": (), "qwen_image": ("mod",), "llm": ()}
+MODULATION_DEFAULT = {"flux": True, "flux2": False, "qwen_image": False, "llm": False}
 # Types trained only when given a rank (sd-scripts `in_dims = [img, time, vector, guidance, txt]`).
 IN_DIM_TYPES = {"flux": ("img_in", "time_in", "vector_in", "guidance_in", "txt_in")}
 # `<group>_dim` sets the rank of every type of the group (unless the type's own `_dim` is given).
 TYPE_GROUPS = {"flux": {"attn": ("img_attn", "txt_attn"), "mlp": ("img_mlp", "txt_mlp"),
-                        "mod": ("img_mod", "txt_mod", "single_mod")}}
-KOHYA_PREFIX = {"flux": "lora_unet", "qwen_image": "lora_unet", "llm": "lora_te"}
+                        "mod": ("img_mod", "txt_mod", "single_mod")},
+               "flux2": {"attn": ("img_attn", "txt_attn"), "mlp": ("img_mlp", "txt_mlp")}}
+KOHYA_PREFIX = {"flux": "lora_unet", "flux2": "lora_unet", "qwen_image": "lora_unet", "llm": "lora_te"}
 BLOCK_ARGS = {  # network_args key -> block kind it selects, per family
     "flux": {"train_double_block_indices": "double", "train_single_block_indices": "single"},
+    "flux2": {"train_double_block_indices": "double", "train_single_block_indices": "single"},
     "qwen_image": {"block_indices": "block"},
     "llm": {"block_indices": "block"},
 }
 DIFFUSERS_FLUX_BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")  # a diffusers-named FLUX LoRA
+
+
+def _flux1_map(cfg):
+    from library.models.flux1.checkpoint import flux_diffusers_module_map
+
+    return flux_diffusers_module_map(cfg.depth, cfg.depth_single, cfg.hidden_size, cfg.mlp_hidden, cfg.in_channels,
+                                     cfg.guidance_embed)
+
+
+def _flux2_map(cfg):
+    from library.models.flux2.checkpoint import flux2_diffusers_module_map
+
+    return flux2_diffusers_module_map(cfg.depth, cfg.depth_single, cfg.hidden_size, cfg.mlp_hidden, cfg.in_channels,
+                                      cfg.guidance_embed)
+
+
+# Families whose model uses BFL names while diffusers' does not: model config -> BFL <-> diffusers module map.
+DIFFUSERS_MODULE_MAPS = {"flux": _flux1_map, "flux2": _flux2_map}
 COMMON_ARGS = {
     "dropout", "rank_dropout", "module_dropout", "include_patterns", "exclude_patterns",
     "loraplus_lr_ratio", "train_modulation", "dora", "use_dora",
@@ -493,7 +523,7 @@ class LoRANetwork(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, source, strict: bool = True):
-        """Load a LoRA (kohya, or peft/comfy with this model's module names; for FLUX also
+        """Load a LoRA (kohya, or peft/comfy with this model's module names; for FLUX.1 / FLUX.2 also
         diffusers names, converted to BFL) from a path or a tensor dict. Alphas come from the file.
 
         The network adapts to the file: a module the file names that the network lacks is added
@@ -508,7 +538,7 @@ class LoRANetwork(nn.Module):
             weights, _, _ = read_lora(source, module_paths=linears)
         else:
             weights, _ = parse_lora(dict(source), None, module_paths=linears)
-        if self.family == "flux" and any(p.startswith(DIFFUSERS_FLUX_BLOCKS) for p in weights):
+        if self.family in DIFFUSERS_MODULE_MAPS and any(p.startswith(DIFFUSERS_FLUX_BLOCKS) for p in weights):
             weights = flux_diffusers_to_bfl(weights, self._flux_module_map())
         by_path = {m.name: m for m in self.lora_modules()}
         foreign = [p for p in weights if p not in linears]
@@ -550,13 +580,11 @@ class LoRANetwork(nn.Module):
         return network
 
     def _flux_module_map(self) -> dict:
-        """BFL <-> diffusers module map for this model's sizes (library/models/flux1/checkpoint.py)."""
-        from library.models.flux1.checkpoint import flux_diffusers_module_map
-
+        """BFL <-> diffusers module map for this model's sizes (flux1/ or flux2/checkpoint.py)."""
         cfg = getattr(self._model[0], "config", None)
         if cfg is None:
-            raise CheckpointError("a diffusers-named FLUX LoRA needs a library.models.flux1.model.Flux model (with .config) to convert")
-        return flux_diffusers_module_map(cfg.depth, cfg.depth_single, cfg.hidden_size, cfg.mlp_hidden)
+            raise CheckpointError(f"a diffusers-named {self.family} LoRA needs our BFL-named model (with .config) to convert")
+        return DIFFUSERS_MODULE_MAPS[self.family](cfg)
 
     def merge_into_model(self, weight_dtype: torch.dtype | None = None):
         """Merge every LoRA into its base weight (float32 math) and unpatch the forwards."""

@@ -176,3 +176,27 @@ def test_euler_sampler_recovers_x0_under_the_exact_velocity():
     # bf16 model outputs: the float32 state keeps the error at bf16 rounding of one step
     out_bf16 = fm.euler_sample(lambda x, s: model_fn(x, s).bfloat16(), noise, sigmas)
     assert float((out_bf16 - x0).abs().max()) < 1e-2
+
+
+# FLUX.2 scheduler_config.json (klein and dev); the pipelines pass mu = compute_empirical_mu(tokens, steps).
+FLUX2_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
+                       num_train_timesteps=1000, shift=3.0, time_shift_type="exponential", use_dynamic_shifting=True)
+
+
+@pytest.mark.parametrize("steps,tokens", [(4, 256), (28, 1024), (50, 4096), (50, 6032)])
+def test_flux2_inference_sigmas_match_flux2_klein_pipeline(steps, tokens):
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+    assert fm.compute_empirical_mu(tokens, steps) == compute_empirical_mu(tokens, steps)
+    scheduler = FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=compute_empirical_mu(tokens, steps))
+    ours = fm.inference_sigmas(steps, tokens, "flux2")
+    assert ours.shape == (steps + 1,) and ours.dtype == torch.float32
+    assert float((ours - scheduler.sigmas).abs().max()) < 1e-6
+
+
+def test_flux2_shift_training_draw_uses_the_empirical_mu_at_50_steps():
+    ours = fm.sample_sigmas(64, "flux2_shift", generator=gen(3), image_seq_len=1024)
+    base = fm.sample_sigmas(64, "sigmoid", generator=gen(3))
+    torch.testing.assert_close(ours, fm.time_shift(fm.compute_empirical_mu(1024, 50), base), rtol=0, atol=0)
+    assert float(ours.mean()) > float(base.mean()) + 0.1  # mu ~ 2.0 at 1024 tokens: shifted towards noise

@@ -39,7 +39,7 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
         "qwen_image_text_encoder": "qwen_image/text_encoder", "qwen_image_tokenizer": "qwen_image/tokenizer", "llm": "llm",
         "flux2_text_encoder": "flux2/text_encoder", "flux2_tokenizer": "flux2/tokenizer",
         "flux2_tiny": "flux2/flux2-tiny.safetensors", "flux2_diffusers": "flux2/transformer",
-        "flux2_dev_tiny": "flux2/flux2-dev-tiny.safetensors",
+        "flux2_dev_tiny": "flux2/flux2-dev-tiny.safetensors", "flux2_vae": "flux2/vae",
     }
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)
@@ -57,6 +57,7 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
     assert "single_stream_modulation.lin.weight" in CheckpointReader(paths["flux2_tiny"])
     assert "single_stream_modulation.linear.weight" in CheckpointReader(paths["flux2_diffusers"])
     assert "guidance_in.in_layer.weight" in CheckpointReader(paths["flux2_dev_tiny"])
+    assert "bn.running_var" in CheckpointReader(paths["flux2_vae"])  # AutoencoderKLFlux2's BatchNorm statistics
 
 
 def test_tool_is_deterministic_from_seed(tmp_path):

@@ -122,14 +122,14 @@ def test_plot_lr_overlays_runs_and_summarises(tmp_path):
     assert "b/lora: d*lr/unet: peak 0.001 at step 5, final 0.001" in lines
 
 
-@pytest.mark.parametrize("name", ["quickstart", "flux1_dev_24gb", "flux1_schnell", "flux1_kontext", "qwen_image", "llm_lora",
-                                  "llm_pretrain"])
+@pytest.mark.parametrize("name", ["quickstart", "flux1_dev_24gb", "flux1_schnell", "flux1_kontext", "qwen_image",
+                                  "flux2_klein_4b", "flux2_klein_9b", "llm_lora", "llm_pretrain"])
 def test_example_configs_pass_the_schema(name):
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = load_config(["--config_file", os.path.join(root, "configs", f"{name}.toml")])
-    assert args.model_type in ("flux", "flux_kontext", "qwen_image", "llm")
+    assert args.model_type in ("flux", "flux_kontext", "flux2", "qwen_image", "llm")
 
 
 def test_dataset_example_config_parses():

@@ -1,7 +1,7 @@
-"""Convert a FLUX.1 or Qwen-Image LoRA between kohya and diffusers/PEFT layouts, and an LLM LoRA
-between a kohya file and a PEFT adapter folder.
+"""Convert a FLUX.1, FLUX.2 or Qwen-Image LoRA between kohya and diffusers/PEFT layouts, and an LLM
+LoRA between a kohya file and a PEFT adapter folder.
 
-    python tools/convert_lora.py IN OUT --to kohya|diffusers|peft [--model_type flux|flux_kontext|qwen_image|llm] [--alpha X]
+    python tools/convert_lora.py IN OUT --to kohya|diffusers|peft [--model_type flux|flux_kontext|flux2|qwen_image|llm] [--alpha X]
 
 The source layout (kohya `lora_unet_*`, PEFT `transformer.*.lora_A/B`, ComfyUI `diffusion_model.*`)
 and the model type are told from the tensor names (--model_type settles a LoRA that names only
@@ -11,6 +11,14 @@ modules both models have, such as attention projections).
   diffusers names (`transformer_blocks.0.attn.to_q`). Fused modules are split by output rows (the
   down matrix is shared) or joined back, through library.flux_checkpoint's module map, sized from
   the LoRA's own block indices and shapes.
+- FLUX.2: as FLUX.1 through library/models/flux2/checkpoint.py's module map (double blocks' qkv
+  split into to_q/to_k/to_v, add_*_proj; the single blocks' linear1 / linear2 stay fused as
+  attn.to_qkv_mlp_proj / attn.to_out). FLUX.1 and FLUX.2 share their BFL block names: a FLUX-named
+  LoRA is FLUX.2 when it names a FLUX.2-only module (ff.linear_in, to_qkv_mlp_proj, the shared
+  *_stream_modulation), when its metadata says so (ss_base_model_version flux2-*, what
+  train_lora.py writes), or by its MLP widths (FLUX.2's SwiGLU: fused MLP-in rows = 6 x hidden,
+  single linear1 = 9 x hidden; FLUX.1: 4 x, 7 x); else FLUX.1 (for attention-only LoRAs both
+  convert to the same names). --model_type flux2 settles it.
 - Qwen-Image: the module names are the same; only the prefix changes.
 
 Alpha: a kohya file stores it per module (`.alpha`); a diffusers/PEFT file written by diffusers
@@ -46,6 +54,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 
 from library.models.family import lora_arch  # noqa: E402
 from library.models.flux1.checkpoint import flux_diffusers_module_map  # noqa: E402
+from library.models.flux2.checkpoint import flux2_diffusers_module_map  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
@@ -71,11 +80,15 @@ QWEN_MARKERS = ("_img_mlp_net_", "_txt_mlp_net_", "_img_mod_1", "_txt_mod_1")  #
 BLOCK = re.compile(r"(single_transformer_blocks|double_blocks|single_blocks|transformer_blocks)[._](\d+)[._]")
 
 
+# diffusers / BFL names only FLUX.2 has (its BFL block names are FLUX.1's).
+FLUX2_MARKERS = ("_ff_linear_in", "_ff_linear_out", "_ff_context_linear_", "_to_qkv_mlp_proj", "stream_modulation")
 LLM_MARKERS = ("_self_attn_q_proj", "_self_attn_k_proj", "_self_attn_v_proj", "_self_attn_o_proj",
                "_mlp_gate_proj", "_mlp_up_proj", "_mlp_down_proj")
 LLM_LAYER = re.compile(r"layers[._](\d+)[._]")
-MARKERS = {"flux": FLUX_MARKERS, "qwen_image": QWEN_MARKERS, "llm": LLM_MARKERS}
-NAMES = {"flux": "FLUX", "qwen_image": "Qwen-Image", "llm": "LLM"}
+MARKERS = {"flux": FLUX_MARKERS + FLUX2_MARKERS, "qwen_image": QWEN_MARKERS, "llm": LLM_MARKERS}
+NAMES = {"flux": "FLUX", "flux2": "FLUX.2", "qwen_image": "Qwen-Image", "llm": "LLM"}
+# (BFL / diffusers module of a fused MLP input, FLUX.1's and FLUX.2's rows per input width)
+FLUX_MLP_RATIOS = [(re.compile(r"(img|txt)_mlp[._]0$"), 4, 6), (re.compile(r"single_blocks[._]\d+[._]linear1$"), 7, 9)]
 
 
 def detect_model_type(keys) -> str:
@@ -91,6 +104,23 @@ def detect_model_type(keys) -> str:
     if not found:
         raise CheckpointError(f"cannot tell FLUX, Qwen-Image or LLM by the names (e.g. '{flat[0]}'): pass --model_type")
     return next(iter(found))
+
+
+def flux_generation(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """"flux" or "flux2" for a FLUX-named LoRA (module docstring: names, metadata, MLP widths)."""
+    flat = [k.replace(".", "_") for k in tensors]
+    if any(m in k for k in flat for m in FLUX2_MARKERS):
+        return "flux2"
+    if metadata.get("ss_base_model_version", "").startswith("flux2"):
+        return "flux2"
+    for key, up in tensors.items():
+        for up_suffix, down_suffix in ((".lora_up.weight", ".lora_down.weight"), (".lora_B.weight", ".lora_A.weight")):
+            module = key[: -len(up_suffix)]
+            down = tensors.get(module + down_suffix) if key.endswith(up_suffix) else None
+            for pattern, flux1_ratio, flux2_ratio in FLUX_MLP_RATIOS if down is not None else ():
+                if pattern.search(module) and up.shape[0] in (flux1_ratio * down.shape[1], flux2_ratio * down.shape[1]):
+                    return "flux2" if up.shape[0] == flux2_ratio * down.shape[1] else "flux"
+    return "flux"
 
 
 def block_counts(keys) -> dict[str, int]:
@@ -111,6 +141,14 @@ def flux_paths(counts: dict[str, int]) -> list[str]:
     double = max(counts.get("double_blocks", 0), counts.get("transformer_blocks", 0))
     single = max(counts.get("single_blocks", 0), counts.get("single_transformer_blocks", 0))
     table = flux_diffusers_module_map(double, single, 1, 1)
+    return list(table) + sorted({d for parts in table.values() for d, _, _ in parts})
+
+
+def flux2_paths(counts: dict[str, int]) -> list[str]:
+    """Every FLUX.2 Linear path, BFL and diffusers names."""
+    double = max(counts.get("double_blocks", 0), counts.get("transformer_blocks", 0))
+    single = max(counts.get("single_blocks", 0), counts.get("single_transformer_blocks", 0))
+    table = flux2_diffusers_module_map(double, single, 1, 1)
     return list(table) + sorted({d for parts in table.values() for d, _, _ in parts})
 
 
@@ -154,23 +192,47 @@ DIFFUSERS_SIZES = [
 ]
 
 
-def flux_sizes(weights: dict[str, LoRAWeights]) -> dict[str, int]:
-    """hidden, mlp and out_channels of the FLUX model the LoRA was made for, from its shapes."""
+# FLUX.2: the MLP input projections hold [gate | up] (2 x mlp rows), linear1 [q | k | v | gate | up].
+_ATTN2 = r".*attn\.(to_q|to_k|to_v|add_[qkv]_proj|to_out\.0|to_add_out)"
+FLUX2_BFL_SIZES = [
+    (r"double_blocks\.\d+\.(img|txt)_(attn\.(qkv|proj)|mlp\.0)|single_blocks\.\d+\.linear1|.*_modulation.*\.lin", "hidden", "in"),
+    (r"double_blocks\.\d+\.(img|txt)_(attn\.proj|mlp\.2)|single_blocks\.\d+\.linear2|img_in|txt_in", "hidden", "out"),
+    (r"double_blocks\.\d+\.(img|txt)_mlp\.0", "mlp", "out/2"),
+    (r"double_blocks\.\d+\.(img|txt)_mlp\.2", "mlp", "in"),
+    (r"single_blocks\.\d+\.linear1", "mlp", "(out-3h)/2"),
+    (r"single_blocks\.\d+\.linear2", "mlp", "in-h"),
+    (r"final_layer\.linear", "out_channels", "out"),
+]
+FLUX2_DIFFUSERS_SIZES = [
+    (_ATTN2 + r"|.*ff(_context)?\.linear_in|.*to_qkv_mlp_proj|.*_modulation.*\.linear", "hidden", "in"),
+    (_ATTN2 + r"|.*ff(_context)?\.linear_out|x_embedder|context_embedder", "hidden", "out"),
+    (r".*ff(_context)?\.linear_in", "mlp", "out/2"),
+    (r".*ff(_context)?\.linear_out", "mlp", "in"),
+    (r".*to_qkv_mlp_proj", "mlp", "(out-3h)/2"),
+    (r"single_transformer_blocks\.\d+\.attn\.to_out", "mlp", "in-h"),
+    (r"proj_out", "out_channels", "out"),
+]
+
+
+def flux_sizes(weights: dict[str, LoRAWeights], rule_sets=(BFL_SIZES, DIFFUSERS_SIZES), mlp_ratio: int = 4,
+               out_channels: int = 64) -> dict[str, int]:
+    """hidden, mlp and out_channels of the FLUX model the LoRA was made for, from its shapes (FLUX.1's
+    rules and defaults unless given: FLUX.2 passes its own)."""
     sizes: dict[str, int] = {}
-    for rules in (BFL_SIZES, DIFFUSERS_SIZES):
+    for rules in rule_sets:
         for pattern, what, how in rules:
             for path, w in weights.items():
                 if what in sizes or not re.fullmatch(pattern, path):
                     continue
-                if how.endswith("h") and "hidden" not in sizes:
+                if "h" in how.replace("hidden", "") and "hidden" not in sizes:
                     continue
-                value = {"in": w.down.shape[1], "out": w.up.shape[0], "out-3h": w.up.shape[0] - 3 * sizes.get("hidden", 0),
-                         "in-h": w.down.shape[1] - sizes.get("hidden", 0)}[how]  # fmt: skip
-                sizes[what] = value
+                h, out, width = sizes.get("hidden", 0), w.up.shape[0], w.down.shape[1]
+                sizes[what] = {"in": width, "out": out, "out-3h": out - 3 * h, "in-h": width - h, "out/2": out // 2,
+                               "(out-3h)/2": (out - 3 * h) // 2}[how]  # fmt: skip
     if "hidden" not in sizes:
         raise CheckpointError(f"cannot infer the FLUX width from LoRA modules like '{next(iter(weights))}'")
-    sizes.setdefault("mlp", 4 * sizes["hidden"])
-    sizes.setdefault("out_channels", 64)
+    sizes.setdefault("mlp", mlp_ratio * sizes["hidden"])
+    sizes.setdefault("out_channels", out_channels)
     return sizes
 
 
@@ -179,6 +241,16 @@ def flux_module_map(weights: dict[str, LoRAWeights], counts: dict[str, int]) -> 
     double = max(counts.get("double_blocks", 0), counts.get("transformer_blocks", 0))
     single = max(counts.get("single_blocks", 0), counts.get("single_transformer_blocks", 0))
     return flux_diffusers_module_map(double, single, s["hidden"], s["mlp"], s["out_channels"])
+
+
+def flux2_module_map(weights: dict[str, LoRAWeights], counts: dict[str, int]) -> dict:
+    s = flux_sizes(weights, (FLUX2_BFL_SIZES, FLUX2_DIFFUSERS_SIZES), mlp_ratio=3, out_channels=128)
+    double = max(counts.get("double_blocks", 0), counts.get("transformer_blocks", 0))
+    single = max(counts.get("single_blocks", 0), counts.get("single_transformer_blocks", 0))
+    return flux2_diffusers_module_map(double, single, s["hidden"], s["mlp"], s["out_channels"], guidance=True)
+
+
+MODULE_MAPS = {"flux": flux_module_map, "flux2": flux2_module_map}  # BFL-named families
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,9 +266,11 @@ def read_source(path: str, model_type: str | None):
             "(lora_unet_*.lokr_w1 ...) are what ComfyUI and LyCORIS load, and diffusers 0.42.1 loads LoKr only "
             "for Flux2 and Z-Image, not FLUX.1 or Qwen-Image; merge it with tools/merge_lora.py instead")
     fmt = detect_format(tensors)
-    model_type = model_type or detect_model_type(tensors)
+    if model_type is None:
+        model_type = detect_model_type(tensors)
+        model_type = flux_generation(tensors, metadata) if model_type == "flux" else model_type
     counts = block_counts(tensors)
-    paths = {"flux": flux_paths, "qwen_image": qwen_paths}.get(model_type, lambda _: llm_paths(tensors))(counts)
+    paths = {"flux": flux_paths, "flux2": flux2_paths, "qwen_image": qwen_paths}.get(model_type, lambda _: llm_paths(tensors))(counts)
     weights, _ = parse_lora(tensors, metadata, paths if fmt == "kohya" else None, source=path, adapter_config=adapter_config)
     known = fmt != "peft" or any(k.endswith(".alpha") for k in tensors) or ADAPTER_METADATA_KEY in metadata
     known = known or metadata.get(FOLDED_MARK) == "true" or (adapter_config or {}).get("lora_alpha") is not None
@@ -223,8 +297,8 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
         print(f"warning: {src}: PEFT file without '{ADAPTER_METADATA_KEY}' or alphas: the scale is unknown; "
               "converting as alpha = rank (scale 1), which is what diffusers assumes", file=sys.stderr)  # fmt: skip
     dtype = next(iter(weights.values())).down.dtype
-    if model_type == "flux":
-        module_map = flux_module_map(weights, counts)
+    if model_type in MODULE_MAPS:
+        module_map = MODULE_MAPS[model_type](weights, counts)
         bfl_named = all(p in module_map for p in weights)
         if to == "kohya" and not bfl_named:
             weights = flux_diffusers_to_bfl(weights, module_map)
@@ -252,8 +326,9 @@ def main(argv=None) -> int:
     parser.add_argument("input", help="LoRA .safetensors (kohya, PEFT/diffusers or ComfyUI) or PEFT adapter folder (LLM)")
     parser.add_argument("output", help="converted LoRA .safetensors, or the PEFT adapter folder for --to peft")
     parser.add_argument("--to", required=True, choices=["kohya", "diffusers", "peft"], help="peft: LLM LoRAs only")
-    parser.add_argument("--model_type", choices=["flux", "flux_kontext", "qwen_image", "llm"], default=None,
-                        help="default: told from the names (a flux_kontext LoRA has FLUX.1's)")
+    parser.add_argument("--model_type", choices=["flux", "flux_kontext", "flux2", "qwen_image", "llm"], default=None,
+                        help="default: told from the names (FLUX.1 / FLUX.2: also metadata and MLP widths; "
+                             "a flux_kontext LoRA has FLUX.1's)")
     parser.add_argument("--alpha", type=float, default=None, help="kohya output: store this alpha (up rescaled)")
     try:
         args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Text-to-image with FLUX.1 or Qwen-Image, with the same model, sampler and LoRA code as the
+"""Text-to-image with FLUX.1, FLUX.2 or Qwen-Image, with the same model, sampler and LoRA code as the
 training samples: the way to check a LoRA under the base precision you will deploy.
 
     python tools/generate.py --model_type flux --model flux1-dev.safetensors --ae ae.safetensors \\
@@ -47,17 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip_l", help="flux: CLIP-L folder")
     p.add_argument("--t5xxl", help="flux: T5-XXL folder")
     p.add_argument("--t5xxl_max_token_length", type=int, default=None, help="flux: default 512 dev, 256 schnell")
-    p.add_argument("--text_encoder", help="qwen_image: Qwen2.5-VL language model folder")
+    p.add_argument("--text_encoder", help="qwen_image: Qwen2.5-VL language model folder; flux2: klein Qwen3 (repo / folder / file)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (sd-scripts flags allowed); repeatable")
     p.add_argument("--prompt_file", help="prompt file, one per line, sd-scripts syntax")
     p.add_argument("--control_image", action="append", default=[],
                    help="edit models (flux_kontext): a reference image for every prompt without its own --ci; repeatable")
-    p.add_argument("--negative", default="", help="qwen_image: negative prompt for true CFG")
+    p.add_argument("--negative", default="", help="qwen_image, flux2 klein base: negative prompt for true CFG")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--guidance", type=float, default=None, help="flux-dev: embedded guidance (3.5); qwen: CFG (4.0)")
+    p.add_argument("--guidance", type=float, default=None, help="flux-dev / flux2-dev: embedded guidance (3.5 / 4.0); qwen, flux2 klein base: CFG (4.0)")
     p.add_argument("--base_precision", default="bf16", choices=BASE_PRECISIONS)
     p.add_argument("--dtype", default="bf16", choices=tuple(PRECISION_DTYPES), help="compute dtype")
     p.add_argument("--text_encoder_precision", default="bf16", choices=("fp32", "fp16", "bf16", "fp8", "fp8_scaled"))

@@ -8,9 +8,11 @@ training metadata and which model it fits.
 - network: LoRA, DoRA (`dora_scale` / `lora_magnitude_vector`), LoKr (`lokr_*`), LoHa (`hada_*`),
   OFT, full (`diff`), (IA)^3 (`on_input`); LyCORIS with `dora_scale` is reported as e.g. "LoKr + DoRA".
 - family from the module names: flux1 (BFL names `double_blocks` or diffusers names
-  `single_transformer_blocks`, `ff_context` ...), qwen_image (`img_mlp.net`, `img_mod.1` ...), llm
-  (`layers.N.self_attn` / `mlp`); the width comes from the shapes and the block counts from the
-  highest index named, which tell a full-size release (FLUX.1 dev / schnell, Qwen-Image) from
+  `single_transformer_blocks`, `ff_context` ...), flux2 (FLUX.1's BFL block names, told apart as
+  tools/convert_lora.py does: FLUX.2-only names, ss_base_model_version, SwiGLU MLP widths),
+  qwen_image (`img_mlp.net`, `img_mod.1` ...), llm (`layers.N.self_attn` / `mlp`); the width comes
+  from the shapes and the block counts from the highest index named, which tell a full-size
+  release (FLUX.1 dev / schnell, FLUX.2 [klein] 4B / 9B / [dev], Qwen-Image) from
   another size (the tiny test models). With --model, the LoRA is also matched against that checkpoint
   exactly as tools/merge_lora.py matches it (names and shapes): "fits" or the reason it does not.
 - metadata: the training settings our trainer and sd-scripts write (ss_* keys, networks/lora_files.py
@@ -34,6 +36,8 @@ from collections import Counter
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
+
 from library.io import CheckpointError, CheckpointReader  # noqa: E402
 from networks.lora_files import ADAPTER_METADATA_KEY, METADATA_KEYS, _split_key, detect_format, parse_lora  # noqa: E402
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
@@ -41,13 +45,17 @@ from tools.lora_common import FOLDED_MARK, Parser, one_line  # noqa: E402
 
 LYCORIS_TYPES = {".lokr_": "LoKr", ".hada_": "LoHa", ".oft_": "OFT", ".diff": "full", ".on_input": "(IA)^3"}
 DORA_KEYS = (".dora_scale", ".lora_magnitude_vector")
-# Released sizes: family -> (name, width, {block kind: count})
+# Released sizes: family -> [(name, width, {block kind: count})]
 RELEASES = {
-    "flux1": ("FLUX.1 dev / schnell", 3072, {"double": 19, "single": 38}),
-    "qwen_image": ("Qwen-Image", 3072, {"block": 60}),
+    "flux1": [("FLUX.1 dev / schnell", 3072, {"double": 19, "single": 38})],
+    "flux2": [("FLUX.2 [klein] 4B", 3072, {"double": 5, "single": 20}), ("FLUX.2 [klein] 9B", 4096, {"double": 8, "single": 24}),
+              ("FLUX.2 [dev]", 6144, {"double": 8, "single": 48})],
+    "qwen_image": [("Qwen-Image", 3072, {"block": 60})],
 }
 # (family, naming, regex over '_'-flattened module names); the first family with a match wins
 FAMILY_MARKERS = [
+    ("flux2", "bfl", r"(double|single)_stream_modulation_(img_|txt_)?lin$"),
+    ("flux2", "diffusers", r"_ff(_context)?_linear_(in|out)|_to_qkv_mlp_proj|(double|single)_stream_modulation_(img_|txt_)?linear"),
     ("flux1", "bfl", r"(^|_)(double_blocks|single_blocks)_\d+_"),
     ("flux1", "diffusers", r"single_transformer_blocks_\d+_|_ff_context_|_norm1_context_|_attn_add_q_proj.*transformer"),
     ("qwen_image", "diffusers", r"_(img|txt)_mlp_net_|_(img|txt)_mod_1|transformer_blocks_\d+_attn_add_q_proj"),
@@ -92,7 +100,7 @@ def block_counts(modules: list[str], family: str) -> dict[str, int]:
         found = [int(next(g for g in m.groups() if g)) for name in modules for m in [re.search(pattern, name.replace(".", "_"))] if m]
         if found:
             counts[kind] = max(found) + 1
-    if family == "flux1" and "block" in counts:
+    if family in ("flux1", "flux2") and "block" in counts:
         counts["double"] = max(counts.get("double", 0), counts.pop("block"))
     return counts
 
@@ -103,12 +111,13 @@ def fits(family: str, width: int | None, counts: dict[str, int]) -> str:
     if family == "llm":
         return f"an LLM (Llama / Qwen2 layout) of width {width}, at least {counts.get('block', 0)} layers"
     if family not in RELEASES:
-        return "no supported model (FLUX.1, Qwen-Image, LLM) recognised from the module names"
-    name, release_width, blocks = RELEASES[family]
-    if width == release_width and all(counts.get(k, 0) <= n for k, n in blocks.items()):
-        return name
+        return "no supported model (FLUX.1, FLUX.2, Qwen-Image, LLM) recognised from the module names"
+    for name, release_width, blocks in RELEASES[family]:
+        if width == release_width and all(counts.get(k, 0) <= n for k, n in blocks.items()):
+            return name
     shown = ", ".join(f"{n} {k}" for k, n in counts.items())
-    return f"a {family} model of width {width} with at least {shown} blocks (not a released size of {name})"
+    names = " / ".join(name for name, _, _ in RELEASES[family])
+    return f"a {family} model of width {width} with at least {shown} blocks (not a released size of {names})"
 
 
 def _modules(keys: list[str]) -> list[str]:
@@ -139,6 +148,11 @@ def read_info(path: str) -> dict:
     fmt = layout(keys)
     modules = _modules(keys)
     family, naming = family_of(modules)
+    if family == "flux1":  # FLUX.2 shares FLUX.1's BFL block names: shapes and metadata tell (headers only)
+        from tools.convert_lora import flux_generation
+
+        shapes = {k: torch.empty(reader.shape(k), device="meta") for k in keys}
+        family = "flux2" if flux_generation(shapes, metadata) == "flux2" else family
     ranks, alphas, width = Counter(), Counter(), None
     if fmt == "lycoris":  # no single rank: the alphas only
         alphas.update(f"{float(reader.get(k).float()):g}" for k in keys if k.endswith(".alpha"))

@@ -23,6 +23,8 @@ DIR/
   flux2/flux2-tiny.safetensors         FLUX.2 [klein]-like transformer (no guidance_in), BFL single file
   flux2/transformer/                   the same weights as a diffusers Flux2Transformer2DModel folder
   flux2/flux2-dev-tiny.safetensors     FLUX.2 [dev]-like transformer (guidance_in), BFL single file
+  flux2/vae/                           AutoencoderKLFlux2 diffusers folder (32 latent channels, BatchNorm
+                                       statistics set away from 0 / 1 so that normalisation is seen)
   manifest.json                        what was written, with sizes and dims
 
 Dimensions are consistent across the set: T5 d_model == FLUX context_in_dim, CLIP hidden ==
@@ -399,9 +401,27 @@ def write_flux2(out: str, seed: int) -> dict[str, str]:
     return paths
 
 
+def write_flux2_vae(out: str, seed: int) -> dict[str, str]:
+    from diffusers import AutoencoderKLFlux2
+
+    _seed(seed, 12)
+    config = {"block_out_channels": [8, 16, 16, 16], "norm_num_groups": 4, "layers_per_block": 1, "sample_size": 64,
+              "latent_channels": TINY["flux2_latent_channels"]}
+    vae = AutoencoderKLFlux2(**config)
+    with torch.no_grad():  # released statistics are far from the fresh (0, 1): make the tiny ones so too
+        vae.bn.running_mean.copy_(0.5 * torch.randn_like(vae.bn.running_mean))
+        vae.bn.running_var.copy_(0.2 + torch.rand_like(vae.bn.running_var))
+    folder = os.path.join(out, "flux2", "vae")
+    os.makedirs(folder, exist_ok=True)
+    save_safetensors(vae.state_dict(), os.path.join(folder, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    full = {k: list(v) if isinstance(v, tuple) else v for k, v in vae.config.items() if not k.startswith("_")}
+    _write_json(os.path.join(folder, "config.json"), {"_class_name": "AutoencoderKLFlux2", **full})
+    return {"flux2_vae": folder}
+
+
 WRITERS = (
     write_flux, write_flux_vae, write_clip, write_t5, write_qwen_image, write_qwen_vae, write_qwen_text_encoder, write_llm,
-    write_qwen3_text_encoder, write_flux2,
+    write_qwen3_text_encoder, write_flux2, write_flux2_vae,
 )
 
 

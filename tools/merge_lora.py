@@ -4,7 +4,7 @@
         [--save_precision fp32|bf16|fp16|fp8] [--fp8_layout comfy|plain|block64] [--stochastic_rounding] [--seed N]
         [--allow_unmatched]
 
-BASE: a FLUX.1 BFL single file (ComfyUI prefixes too; bf16, fp8 or scaled fp8), a FLUX.1 or Qwen-Image diffusers transformer
+BASE: a FLUX.1 / FLUX.2 BFL single file (ComfyUI prefixes too; bf16, fp8 or scaled fp8), a FLUX.1, FLUX.2 or Qwen-Image diffusers transformer
 folder (or the pipeline folder holding `transformer/`), a Qwen-Image single file, or a Hugging Face
 LLM folder / file. The family is told from the tensor names. OUT has the layout of BASE: a file for
 a file; for a folder, a folder with the same shard names and index plus the folder's small files
@@ -37,7 +37,7 @@ or unbiased stochastic rounding with --stochastic_rounding) in one of three layo
            modules in fp8.HIGH_PRECISION_MODULES and every other float tensor bf16.
   block64  ours (`--save_precision fp8_scaled` is the same): e4m3 + bf16 `X.weight_scale` per 64 input
            columns (library/precision/fp8.py), high-precision modules bf16. Only our loaders read it.
-All three load back as they are through load_flux / load_qwen_image (train_lora.py, generate.py).
+All three load back as they are through load_flux / load_flux2 / load_qwen_image (train_lora.py, generate.py).
 
 An fp8 BASE (plain e4m3, our fp8_scaled, ComfyUI's per-tensor scaled fp8 with its `scaled_fp8` marker or
 comfy_quant; library/precision/fp8_checkpoints.py) is merged into as ComfyUI patches one: each merged
@@ -74,6 +74,8 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 from library.precision import fp8  # noqa: E402
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint  # noqa: E402
 from library.models.flux1.checkpoint import BFL_PREFIXES, row_tables  # noqa: E402
+from library.models.flux2.checkpoint import FLUX2_MARKERS  # noqa: E402
+from library.models.flux2.checkpoint import row_tables as flux2_row_tables  # noqa: E402
 from library.io import ST_DTYPES, CheckpointError, CheckpointReader, atomic_path, component_folder, make_parent_folder  # noqa: E402
 from library.models.llm import checkpoint_key_to_llm  # noqa: E402
 from library.models.qwen_image.model import CHECKPOINT_PREFIXES as QWEN_PREFIXES  # noqa: E402
@@ -154,10 +156,10 @@ class Base:
 
     path: str  # the checkpoint file or folder actually read
     reader: CheckpointReader
-    family: str  # "flux" | "qwen_image" | "llm"
+    family: str  # "flux" | "flux2" | "qwen_image" | "llm"
     naming: str  # "bfl" | "diffusers" | "hf"
     to_model: Callable[[str], str | None]
-    module_map: dict | None = None  # FLUX only: BFL module -> [(diffusers module, row0, row1)]
+    module_map: dict | None = None  # FLUX.1 / FLUX.2 only: BFL module -> [(diffusers module, row0, row1)]
     weight_key: dict[str, str] = field(default_factory=dict)  # model module path -> checkpoint weight key
     fp8: Fp8Checkpoint | None = None  # a pre-quantized base (its layout; Fp8BasePlan reads and keeps it)
 
@@ -166,7 +168,7 @@ class Base:
         return os.path.isdir(self.path)
 
     def fp8_name(self, module: str) -> str:
-        if self.naming == "diffusers" and self.family == "flux":
+        if self.naming == "diffusers" and self.module_map is not None:
             return self._bfl_owner.get(module, module)
         return module
 
@@ -196,20 +198,22 @@ def open_base(path: str) -> Base:
     reader = CheckpointReader(path)
     keys = reader.keys()
     strip = lambda prefix: (lambda k: k[len(prefix) :] if k.startswith(prefix) else None)  # noqa: E731
+    # FLUX.1 and FLUX.2 share their block names; FLUX.2's shared modulation tells them apart.
+    flux, tables = ("flux2", flux2_row_tables) if any(k.endswith(FLUX2_MARKERS) for k in keys) else ("flux", row_tables)
     if (prefix := _prefix_of(keys, BFL_PREFIXES, ("double_blocks.", "single_blocks."))) is not None:
         shapes = {k[len(prefix) :]: reader.shape(k) for k in keys if k.startswith(prefix)}
-        rows, _ = row_tables(list(shapes), shapes.__getitem__, diffusers=False)
-        base = Base(path, reader, "flux", "bfl", strip(prefix), rows)
+        rows, _ = tables(list(shapes), shapes.__getitem__, diffusers=False)
+        base = Base(path, reader, flux, "bfl", strip(prefix), rows)
     elif _prefix_of(keys, ("",), ("single_transformer_blocks.", "x_embedder.", "context_embedder.")) is not None:
-        rows, _ = row_tables(keys, reader.shape, diffusers=True)
-        base = Base(path, reader, "flux", "diffusers", lambda k: k, rows)
+        rows, _ = tables(keys, reader.shape, diffusers=True)
+        base = Base(path, reader, flux, "diffusers", lambda k: k, rows)
     elif (prefix := _prefix_of(keys, QWEN_PREFIXES + ("",), ("txt_norm.", "img_in."))) is not None:
         base = Base(path, reader, "qwen_image", "diffusers", strip(prefix))
     elif any(checkpoint_key_to_llm(k) and checkpoint_key_to_llm(k).startswith("model.layers.") for k in keys):
         base = Base(path, reader, "llm", "hf", checkpoint_key_to_llm)
     else:
-        raise CheckpointError(f"{path}: not a FLUX.1, Qwen-Image or LLM checkpoint (first key '{sorted(keys)[0]}')")
-    if base.family == "llm" or base.naming == "diffusers" and base.family == "flux":
+        raise CheckpointError(f"{path}: not a FLUX.1, FLUX.2, Qwen-Image or LLM checkpoint (first key '{sorted(keys)[0]}')")
+    if base.family == "llm" or base.naming == "diffusers" and base.module_map is not None:
         fp8.refuse_fp8_checkpoint(reader, path)  # fp8 bases are read in BFL (FLUX) / diffusers (Qwen-Image) names
     else:
         base.fp8 = read_fp8_checkpoint(reader, path)

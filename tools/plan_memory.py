@@ -4,6 +4,7 @@
     python tools/plan_memory.py --preset flux1-dev --vram 16          # no files needed: built-in configs
     python tools/plan_memory.py --preset qwen-image --vram 24 --resolution 1328 --batch_size 1
     python tools/plan_memory.py --preset flux1-kontext-dev --vram 24   # the reference's tokens included
+    python tools/plan_memory.py --preset flux2-klein-4b --vram 16
 
 Everything is simulated on `meta` (library/training/memory_plan.py): no weight is read, the files'
 headers give the shapes. With a config file the run's own settings are planned (its base precision,
@@ -34,7 +35,13 @@ PRESETS = {
     "flux1-schnell": ("flux", "FLUX_SCHNELL", {"clip_l": 123_060_480, "t5xxl": 4_762_310_656}),
     "flux1-kontext-dev": ("flux_kontext", "FLUX_DEV", {"clip_l": 123_060_480, "t5xxl": 4_762_310_656}),
     "qwen-image": ("qwen_image", "QWEN_IMAGE", {"text_encoder": 7_615_616_512}),
+    # klein's Qwen3 as load_klein_text_encoder reads it: embeddings + the first 27 of 36 layers, no head.
+    "flux2-klein-4b": ("flux2", "FLUX2_KLEIN_4B", {"text_encoder": 3_114_090_752}),
+    "flux2-klein-9b": ("flux2", "FLUX2_KLEIN_9B", {"text_encoder": 5_831_887_616}),
 }
+# family -> (module, class) of the transformer a preset builds
+PRESET_MODELS = {"flux": ("library.models.flux1.model", "Flux"), "flux2": ("library.models.flux2.model", "Flux2"),
+                 "qwen_image": ("library.models.qwen_image.model", "QwenImage")}
 
 
 class PresetFamily:
@@ -51,16 +58,14 @@ class PresetFamily:
                 self.name, self.vae_path, self.text_paths, self.text_params = name, None, {}, text_params
 
             def load_transformer(self, dtype, base_precision="bf16", read_weights=False):
+                import importlib
+
                 from library.precision.fp8 import prepare_fp8
 
-                if self.arch == "flux":
-                    from library.models.flux1 import model as m
-                    build = lambda: m.Flux(getattr(m, config_name))  # noqa: E731
-                else:
-                    from library.models.qwen_image import model as m
-                    build = lambda: m.QwenImage(getattr(m, config_name))  # noqa: E731
+                module, cls_name = PRESET_MODELS[self.arch]
+                m = importlib.import_module(module)
                 with torch.device("meta"):
-                    model = build()
+                    model = getattr(m, cls_name)(getattr(m, config_name))
                 if base_precision != "bf16":
                     prepare_fp8(model, base_precision, self.arch)
                 model.to(dtype)
@@ -83,7 +88,7 @@ def default_args(model_type: str) -> argparse.Namespace:
 
 
 def text_tokens_for(family) -> int:
-    return family.t5_max_length() if family.arch == "flux" else 512  # Qwen-Image: a long caption
+    return family.t5_max_length() if family.arch == "flux" else 512  # Qwen-Image: a long caption; klein: always 512
 
 
 def usable(vram_gib: float) -> float:

@@ -1,12 +1,12 @@
 """Precision doctor: finds fp8 damage in minutes, and says whether it comes from positions, from
 weight quantization or from a LoRA merged into fp8 weights.
 
-    python tools/precision_doctor.py --model_type flux|flux_kontext|qwen_image --model PATH [--lora FILE[:ratio]] \
+    python tools/precision_doctor.py --model_type flux|flux_kontext|flux2|qwen_image --model PATH [--lora FILE[:ratio]] \
         [--resolution 1024 | WxH] [--seed 0] [--timesteps 0.9,0.5,0.1] [--out DIR] [--threshold 0.05] \
         [--text_len 128] [--skip_fp32] [--max_tokens 256] [--device cuda] [--inject_position_bug]
 
 The same random inputs (packed latents for the resolution, random text embeddings of the model's
-context width, a CLIP pooled vector for FLUX, a text mask for Qwen-Image) go through the base in
+context width, a CLIP pooled vector for FLUX.1, a text mask for Qwen-Image) go through the base in
 bf16 (the reference), fp32 (the bf16 floor), plain fp8 and fp8_scaled at a few sigmas. With
 --lora, also bf16 + LoRA (the LoRA reference), fp8 / fp8_scaled + LoRA at runtime (unmerged), and
 the LoRA merged into plain fp8: in float32 then rounded to nearest ("merge_rtn") or
@@ -44,12 +44,12 @@ from library.precision.fp8 import (  # noqa: E402
     FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,
 )
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
-from networks.lora import LoRAModule  # noqa: E402
+from networks.lora import DIFFUSERS_MODULE_MAPS, LoRAModule  # noqa: E402
 from networks.lora_files import LoRAWeights, flux_diffusers_to_bfl, read_lora  # noqa: E402
 
 # flux_kontext is checked as the FLUX.1 transformer it is: its reference tokens only add first-axis
 # position 1, exact in every dtype, so the target-only inputs show the same fp8 damage.
-FAMILIES = ("flux", "flux_kontext", "qwen_image")
+FAMILIES = ("flux", "flux_kontext", "flux2", "qwen_image")
 BASE_MODES = ("fp32", "bf16", "fp8", "fp8_scaled")
 LORA_MODES = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr", "fp8+merge_into_fp8")
 VAE_PATCH = 16  # pixels per packed token: 8x VAE downsampling x 2x2 patches
@@ -74,6 +74,13 @@ def make_inputs(family: str, config, width: int, height: int, seed: int = 0, tex
         fixed = dict(img_ids=make_img_ids(1, h, w), txt=torch.randn(1, text_len, config.context_in_dim, generator=gen),
                      txt_ids=make_txt_ids(1, text_len), y=torch.randn(1, config.vec_in_dim, generator=gen),
                      guidance=torch.ones(1) if config.guidance_embed else None)
+        positions = torch.cat([fixed["txt_ids"], fixed["img_ids"]], dim=1)
+        axes, theta = config.axes_dim, config.theta
+    elif family == "flux2":
+        from library.models.flux2.model import make_img_ids, make_txt_ids
+
+        fixed = dict(img_ids=make_img_ids(1, h, w), txt=torch.randn(1, text_len, config.context_in_dim, generator=gen),
+                     txt_ids=make_txt_ids(1, text_len), guidance=torch.full((1,), 4.0) if config.guidance_embed else None)
         positions = torch.cat([fixed["txt_ids"], fixed["img_ids"]], dim=1)
         axes, theta = config.axes_dim, config.theta
     elif family == "qwen_image":
@@ -101,15 +108,9 @@ def make_inputs(family: str, config, width: int, height: int, seed: int = 0, tex
 
 def read_lora_for(model: nn.Module, family: str, path: str, ratio: float = 1.0) -> dict[str, LoRAWeights]:
     """{module path of `model`: LoRAWeights (float32, ratio folded into alpha)} from any layout
-    networks/lora_files.py reads; FLUX LoRAs with diffusers names are converted to BFL names."""
+    networks/lora_files.py reads; FLUX.1 / FLUX.2 LoRAs with diffusers names are converted to BFL names."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, FP8Linear))}
-    module_map = None
-    if family == "flux":
-        from library.models.flux1.checkpoint import flux_diffusers_module_map
-
-        c = model.config
-        module_map = flux_diffusers_module_map(c.depth, c.depth_single, c.hidden_size, c.mlp_hidden, c.in_channels,
-                                               c.guidance_embed)
+    module_map = DIFFUSERS_MODULE_MAPS[family](model.config) if family in DIFFUSERS_MODULE_MAPS else None
     alternates = sorted({d for parts in module_map.values() for d, _, _ in parts}) if module_map else []
     weights, _, _ = read_lora(path, module_paths=list(linears) + alternates)
     foreign = {p: w for p, w in weights.items() if p not in linears and p in alternates}
@@ -226,6 +227,10 @@ def _loader(family: str):
         from library.models.flux1.checkpoint import load_flux
 
         return load_flux
+    if family == "flux2":
+        from library.models.flux2.checkpoint import load_flux2
+
+        return load_flux2
     from library.models.qwen_image.model import load_qwen_image
 
     return load_qwen_image

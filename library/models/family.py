@@ -1,4 +1,4 @@
-"""The one small interface through which a diffusion family (FLUX.1, Qwen-Image, ...) plugs into
+"""The one small interface through which a diffusion family (FLUX.1, FLUX.2, Qwen-Image) plugs into
 training, sampling and the tools: load (transformer, VAE, text encoders), encode (images,
 captions), predict (one denoiser call on packed latents) and sample (Euler flow matching, the same
 code for training samples and tools/generate.py).
@@ -75,6 +75,7 @@ class DiffusionFamily:
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__ and "arch" not in cls.__dict__:
             cls.arch = cls.name
+    latent_channels = 16  # VAE latent channels: the latents are [B, latent_channels, H/8, W/8]
 
     def __init__(self, model_path: str, vae_path: str | None = None, **text_paths):
         self.model_path, self.vae_path, self.text_paths = model_path, vae_path, text_paths
@@ -145,7 +146,7 @@ class DiffusionFamily:
     # -- the denoiser --------------------------------------------------------------------------
     def predict(self, model: nn.Module, x_t: torch.Tensor, sigmas: torch.Tensor, text: dict, h: int, w: int,
                 guidance: float | None, control: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """x_t: packed latents [B, h*w, 64] float32 (h, w in patches); sigmas [B] float32;
+        """x_t: packed latents [B, h*w, 4C] float32 (h, w in patches); sigmas [B] float32;
         control: reference latents (edit families only). Returns the predicted velocity of the
         target tokens, packed, in the model's compute dtype."""
         raise NotImplementedError
@@ -154,7 +155,7 @@ class DiffusionFamily:
     def training_loss(self, model, latents: torch.Tensor, text: dict, args, generators: list[torch.Generator],
                       mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None,
                       control: list[torch.Tensor] | None = None):
-        """Flow-matching loss for a batch of latents [B, 16, H/8, W/8] (float32). One CPU
+        """Flow-matching loss for a batch of latents [B, C, H/8, W/8] (float32). One CPU
         generator per sample draws its noise and sigma, so a sample's draw does not depend on its
         batch position or process. mask: [B, 1, H/8, W/8] loss masks; sample_weights: [B] (e.g.
         prior_loss_weight on regularization images); control: reference latents (edit families).
@@ -196,20 +197,25 @@ class DiffusionFamily:
     def sample_latents(self, model, text: dict, width: int, height: int, steps: int, seed: int,
                        guidance: float | None, negative_text: dict | None = None,
                        control: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Euler flow-matching sampling; returns unpacked latents [B, 16, height/8, width/8] float32.
+        """Euler flow-matching sampling; returns unpacked latents [B, C, height/8, width/8] float32.
         control: reference latents (edit families), on the text's device."""
         lh, lw = height // self.vae_downsample, width // self.vae_downsample
         h, w = lh // self.patch, lw // self.patch
         batch = next(iter(text.values())).shape[0]
         device = next(iter(text.values())).device
         gen = torch.Generator("cpu").manual_seed(seed)
-        noise = torch.randn(batch, 16, lh, lw, generator=gen, dtype=torch.float32).to(device)
+        noise = self.initial_noise(batch, lh, lw, gen).to(device)
         sigmas = fm.inference_sigmas(steps, h * w, self.arch, dynamic_shift=self.dynamic_shift(model))
 
         def velocity(x, s):
             return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **_with(control))
 
         return unpack_latents(fm.euler_sample(velocity, pack_latents(noise), sigmas), lh, lw)
+
+    def initial_noise(self, batch: int, lh: int, lw: int, generator: torch.Generator) -> torch.Tensor:
+        """Sampling's starting noise [B, C, lh, lw] float32, drawn in the order the family's diffusers
+        pipeline draws it (the same seed on a CPU generator gives the pipeline's noise)."""
+        return torch.randn(batch, self.latent_channels, lh, lw, generator=generator, dtype=torch.float32)
 
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
         return self.predict(model, x, s, text, h, w, guidance, **_with(control)).float()
@@ -233,6 +239,7 @@ FAMILIES = {
     "flux": "library.models.flux1.family:FluxFamily",
     "qwen_image": "library.models.qwen_image.family:QwenImageFamily",
     "flux_kontext": "library.models.flux1.kontext:FluxKontextFamily",
+    "flux2": "library.models.flux2.family:Flux2Family",
 }
 
 

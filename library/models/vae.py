@@ -1,7 +1,8 @@
-"""VAEs of FLUX.1 and Qwen-Image (diffusers models, not reimplemented) and latent packing.
+"""VAEs of FLUX.1, FLUX.2 and Qwen-Image (diffusers models, not reimplemented) and latent packing.
 
-Both wrappers take images [B, 3, H, W] in [-1, 1] and return normalised latents [B, 16, H/8, W/8]
-as float32, whatever dtype the VAE runs in (`dtype`, float32 by default, bfloat16 allowed).
+The wrappers take images [B, 3, H, W] in [-1, 1] and return normalised latents [B, C, H/8, W/8]
+(C = 16 for FLUX.1 and Qwen-Image, 32 for FLUX.2) as float32, whatever dtype the VAE runs in
+(`dtype`, float32 by default, bfloat16 allowed).
 
 Encoding returns the mode (mean) of the latent distribution unless a `generator` is given, in which
 case it samples from it. Why the choice is offered: BFL's and sd-scripts' FLUX AutoEncoder samples
@@ -15,10 +16,17 @@ Normalisation (checked against diffusers' pipelines):
 - Qwen-Image: latents = (z - latents_mean) / latents_std per channel; decode z = latents * std + mean
   (pipeline_qwenimage*.py). Its VAE is a video VAE: images get a time axis of 1 on the way in and
   lose it on the way out, so both wrappers speak 4-D tensors.
+- FLUX.2: the pipeline patchifies z (2x2 -> 128 channels) and normalises each of those channels
+  with the VAE's BatchNorm statistics, (p - running_mean) / sqrt(running_var + eps); decode is the
+  inverse, then unpatchify (Flux2Pipeline._encode_vae_image and the end of __call__). Our latents
+  are that normalised tensor unpatchified back to [B, 32, H/8, W/8]: patchify is a permutation, so
+  pack_latents of them is bit for bit the pipeline's packed tokens, and the shared packing, masks
+  and latent caches keep FLUX.1's shapes.
 
 Loaders read safetensors only: a diffusers folder (the model folder itself or a repo with `vae/`),
-a single diffusers-keyed file, and for FLUX also BFL's single-file `ae.safetensors` (LDM key names,
-converted with diffusers' own `convert_ldm_vae_checkpoint`).
+a single diffusers-keyed file, and for FLUX.1 also BFL's single-file `ae.safetensors` (LDM key
+names, converted with diffusers' own `convert_ldm_vae_checkpoint`). FLUX.2's VAE loads from a
+diffusers folder or a diffusers-keyed file (diffusers has no single-file converter for it).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import os
 
 import torch
 from accelerate import init_empty_weights
-from diffusers import AutoencoderKL, AutoencoderKLQwenImage
+from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLQwenImage
 from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming
@@ -55,6 +63,18 @@ def unpack_latents(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return x.reshape(b, c4 // 4, h, w)
 
 
+def patchify(z: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, 4C, H/2, W/2], channel order (c, ph, pw): Flux2Pipeline._patchify_latents."""
+    b, c, h, w = z.shape
+    return z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
+
+
+def unpatchify(p: torch.Tensor) -> torch.Tensor:
+    """[B, 4C, h, w] -> [B, C, 2h, 2w], the inverse of patchify."""
+    b, c4, h, w = p.shape
+    return p.view(b, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c4 // 4, h * 2, w * 2)
+
+
 # ----------------------------------------------------------------------------------------------
 # Configs of the released VAEs (used when a single file comes without a config.json)
 
@@ -77,7 +97,9 @@ FLUX_VAE_CONFIG = {
     "mid_block_add_attention": True,
 }
 
-# AutoencoderKLQwenImage's constructor defaults are the released Qwen-Image VAE.
+# AutoencoderKLQwenImage's and AutoencoderKLFlux2's constructor defaults follow the released VAEs (a
+# config.json beside the weights, as in the released repositories, wins).
+FLUX2_VAE_CONFIG: dict = {}
 QWEN_IMAGE_VAE_CONFIG: dict = {}
 
 
@@ -208,6 +230,47 @@ def flux_vae_to_ldm_state_dict(sd: dict[str, torch.Tensor], num_blocks: int) -> 
                 value = value[:, :, None, None]
         out[new] = value
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# FLUX.2
+
+
+class Flux2VAE:
+    """FLUX.2 VAE (diffusers AutoencoderKLFlux2). encode: images [B,3,H,W] in [-1,1] -> float32
+    latents [B,32,H/8,W/8], normalised in patch space with the VAE's BatchNorm statistics (module
+    docstring); decode: the inverse, images float32 clamped to [-1,1]."""
+
+    def __init__(self, vae: str | AutoencoderKLFlux2, dtype: torch.dtype = torch.float32, config: dict | None = None):
+        if isinstance(vae, str):
+            vae = load_vae(AutoencoderKLFlux2, vae, FLUX2_VAE_CONFIG, dtype, config)
+        if tuple(vae.config.patch_size) != (2, 2):
+            raise ValueError(f"Flux2VAE: patch_size {tuple(vae.config.patch_size)} is not FLUX.2's (2, 2)")
+        self.vae = _cast(vae, dtype)
+        self.dtype = dtype
+        self.latent_channels = int(vae.config.latent_channels)
+        # float32 [1, 4C, 1, 1] per patch channel, as the VAE holds them (float32 for a float32 VAE).
+        self.bn_mean = vae.bn.running_mean.float().view(1, -1, 1, 1)
+        self.bn_std = torch.sqrt(vae.bn.running_var.float().view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        posterior = self.vae.encode(images.to(self.dtype)).latent_dist
+        z = posterior.mode() if generator is None else posterior.sample(generator)
+        p = patchify(z.float())
+        return unpatchify((p - self.bn_mean.to(p.device)) / self.bn_std.to(p.device))  # float32
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        p = patchify(latents.float())
+        z = unpatchify(p * self.bn_std.to(p.device) + self.bn_mean.to(p.device))  # float32, then VAE dtype
+        images = self.vae.decode(z.to(self.dtype)).sample
+        return images.float().clamp(-1, 1)
+
+
+def load_flux2_vae(path: str, dtype: torch.dtype = torch.float32, config: dict | None = None) -> Flux2VAE:
+    """Flux2VAE from a diffusers folder (`vae/` or itself) or its diffusion_pytorch_model.safetensors."""
+    return Flux2VAE(path, dtype, config)
 
 
 # ----------------------------------------------------------------------------------------------

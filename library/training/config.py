@@ -18,6 +18,7 @@ import toml
 import torch
 
 from library.models.family import FAMILIES, family_class
+from library.training import flow_matching as fm
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,15 @@ SCHEMA: dict[str, Arg] = {
     "ae": A(str, None, "VAE: FLUX ae.safetensors or a diffusers vae folder"),
     "clip_l": A(str, None, "FLUX CLIP-L text encoder (HF folder)"),
     "t5xxl": A(str, None, "FLUX T5-XXL text encoder (HF folder)"),
-    "text_encoder": A(str, None, "Qwen-Image text encoder (Qwen2.5-VL language model, HF folder)"),
+    "text_encoder": A(str, None, "Qwen-Image: Qwen2.5-VL language model; FLUX.2 [klein]: Qwen3 (klein repo, its "
+                                 "text_encoder/ folder or a single file, tokenizer/ beside it)"),
     "t5xxl_max_token_length": A(int, None, "T5 tokens; default 512 for dev, 256 for schnell (read from the checkpoint)"),
     "dataset_config": A(str, None, "dataset TOML (kohya schema)"),
     # output
     "output_dir": A(str, "output", "where the LoRA, logs, samples and states go"),
     "output_name": A(str, "lora", "file stem of the saved LoRA"),
     "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors", ("fp32", "bf16", "fp16")),
-    "save_format": A(str, "auto", "LoRA layout: auto (llm: peft, flux/qwen_image: kohya), kohya (one .safetensors), "
+    "save_format": A(str, "auto", "LoRA layout: auto (llm: peft, flux/flux2/qwen_image: kohya), kohya (one .safetensors), "
                                   "peft (llm: PEFT adapter folder <output_name>/), peft+kohya (both)",
                      ("auto", "kohya", "peft", "peft+kohya")),
     "save_every_n_steps": A(int, 0, "save the LoRA every N optimizer steps (0 = off)"),
@@ -87,12 +89,12 @@ SCHEMA: dict[str, Arg] = {
     # and text encoders are then freed); these keep them on disk, reused while unchanged.
     "cache_latents_to_disk": A(bool, False, "keep latent caches as safetensors beside the images"),
     "cache_text_encoder_outputs_to_disk": A(bool, False, "keep text caches on disk"),
-    "text_encoder_precision": A(str, "bf16", "caption encoders' weights (fp8: T5-XXL / Qwen2.5-VL Linears in e4m3, CLIP-L bf16)",
+    "text_encoder_precision": A(str, "bf16", "caption encoders' weights (fp8: T5-XXL / Qwen2.5-VL / Qwen3 Linears in e4m3, CLIP-L bf16)",
                                 ("fp32", "fp16", "bf16", "fp8", "fp8_scaled")),
     "text_encoder_batch_size": A(int, 8, "captions per encoder batch while caching"),
     # flow matching
     "prior_loss_weight": A(float, 1.0, "loss weight of regularization images (dataset subsets with is_reg = true)"),
-    "timestep_sampling": A(str, None, "sigma sampling; default per model", ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift")),
+    "timestep_sampling": A(str, None, "sigma sampling; default per model", fm.SAMPLING_METHODS),
     "discrete_flow_shift": A(float, 3.0, "k for timestep_sampling = shift"),
     "sigmoid_scale": A(float, 1.0, "scale of randn inside the sigmoid"),
     "weighting_scheme": A(str, "none", "loss weighting", ("none", "sigma_sqrt", "cosmap")),
@@ -292,7 +294,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     it, where one key's value alone is wrong."""
     origins = origins or {}
     if args.model_type is None:
-        raise ConfigError(f"{where}: key 'model_type' is required (flux, qwen_image or llm)")
+        raise ConfigError(f"{where}: key 'model_type' is required ({', '.join((*FAMILIES, 'llm'))})")
     if args.pretrained_model_name_or_path is None:
         raise ConfigError(f"{where}: key 'pretrained_model_name_or_path' is required")
     if args.model_type != "llm" and args.dataset_config is None:

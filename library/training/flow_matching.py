@@ -1,4 +1,4 @@
-"""Rectified-flow training objective and Euler sampling for FLUX.1 and Qwen-Image.
+"""Rectified-flow training objective and Euler sampling for FLUX.1, FLUX.2 and Qwen-Image.
 
     x_t    = (1 - s) * x0 + s * noise        s = sigma in [0, 1] (1 = pure noise)
     target = noise - x0                       the velocity the transformer predicts
@@ -18,6 +18,12 @@ scheduler_config.json:
   keys from the scheduler config, its own calculate_shift defaults are FLUX's and do not apply):
   base_image_seq_len 256, max_image_seq_len 8192, base_shift 0.5, max_shift 0.9,
   shift_terminal 0.02 (inference schedule only), time_shift_type "exponential".
+- FLUX.2 ([klein] and [dev]): the pipelines pass the scheduler (use_dynamic_shifting, exponential)
+  mu = compute_empirical_mu(image_seq_len, num_steps) (pipeline_flux2*.py, BFL's flux2 sampling):
+  two lines in the token count, fitted at 10 and at 200 steps, interpolated linearly in the step
+  count; above 4300 tokens the 200-step line alone. No shift_terminal. Training has no step count:
+  flux2_shift uses mu at FLUX2_TRAIN_MU_STEPS (50, the klein base models' default step count; the
+  distilled models sample in 4 steps, where mu is higher by at most 0.35 below 4300 tokens).
 """
 
 from __future__ import annotations
@@ -49,9 +55,17 @@ DEFAULTS = {
         "shift_terminal": 0.02, "weighting_scheme": "none", "loss_type": "l2", "huber_c": 0.1,
         "guidance_scale": None,
     },
+    # mu from compute_empirical_mu (the base_* / max_* line constants do not apply); training
+    # guidance as FLUX.1-dev's, used by [dev] only ([klein] has no guidance embedding).
+    "flux2": {
+        "timestep_sampling": "flux2_shift", "sigmoid_scale": 1.0, "shift": 3.0, "empirical_mu": True,
+        "shift_terminal": None, "weighting_scheme": "none", "loss_type": "l2", "huber_c": 0.1,
+        "guidance_scale": 1.0,
+    },
 }
-SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift")
-_SHIFT_FAMILY = {"flux_shift": "flux", "qwen_shift": "qwen_image"}
+SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "flux2_shift")
+_SHIFT_FAMILY = {"flux_shift": "flux", "qwen_shift": "qwen_image", "flux2_shift": "flux2"}
+FLUX2_TRAIN_MU_STEPS = 50
 WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap")
 LOSS_TYPES = ("l2", "huber")
 PIXELS_PER_TOKEN_SIDE = 16  # 8x VAE, 2x2 patches per token
@@ -67,6 +81,28 @@ def calculate_shift(image_seq_len: int, base_seq_len: int, max_seq_len: int, bas
     clamped outside it (as diffusers)."""
     m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
     return image_seq_len * m + (base_shift - m * base_seq_len)
+
+
+def compute_empirical_mu(image_seq_len: int, num_steps: int) -> float:
+    """FLUX.2's mu (diffusers pipeline_flux2.compute_empirical_mu, BFL flux2 sampling.py): the mu
+    lines fitted at 10 and 200 steps, interpolated in num_steps; the 200-step line above 4300 tokens."""
+    a1, b1 = 8.73809524e-05, 1.89833333  # the 10-step line
+    a2, b2 = 0.00016927, 0.45666666  # the 200-step line
+    m_200 = a2 * image_seq_len + b2
+    if image_seq_len > 4300:
+        return float(m_200)
+    m_10 = a1 * image_seq_len + b1
+    a = (m_200 - m_10) / 190.0
+    return float(a * num_steps + (m_200 - 200.0 * a))
+
+
+def family_mu(family: str, image_seq_len: int, steps: int) -> float:
+    """The resolution shift mu of a family's released scheduler for this token count (and, for
+    FLUX.2, step count)."""
+    d = DEFAULTS[family]
+    if d.get("empirical_mu"):
+        return compute_empirical_mu(image_seq_len, steps)
+    return calculate_shift(image_seq_len, d["base_seq_len"], d["max_seq_len"], d["base_shift"], d["max_shift"])
 
 
 def time_shift(mu: float, sigmas: torch.Tensor) -> torch.Tensor:
@@ -89,7 +125,8 @@ def sample_sigmas(
     uniform: U(0, 1]; sigmoid: sigmoid(sigmoid_scale * randn); shift: the sigmoid draw then
     s' = k s / (1 + (k - 1) s) with k = shift; flux_shift / qwen_shift: the sigmoid draw then the
     resolution-dependent time_shift with mu from image_seq_len. The mu constants left None are
-    the released model's (DEFAULTS["flux"] for flux_shift, DEFAULTS["qwen_image"] for qwen_shift)."""
+    the released model's (DEFAULTS["flux"] for flux_shift, DEFAULTS["qwen_image"] for qwen_shift);
+    flux2_shift: mu = compute_empirical_mu(image_seq_len, FLUX2_TRAIN_MU_STEPS) (no line constants)."""
     if method not in SAMPLING_METHODS:
         raise ValueError(f"timestep_sampling {method!r} is not one of {', '.join(SAMPLING_METHODS)}")
     device = generator.device if generator is not None else torch.device("cpu")
@@ -102,6 +139,8 @@ def sample_sigmas(
         return sigmas
     if image_seq_len is None:
         raise ValueError(f"timestep_sampling {method!r} needs image_seq_len (image tokens per sample)")
+    if method == "flux2_shift":
+        return time_shift(compute_empirical_mu(image_seq_len, FLUX2_TRAIN_MU_STEPS), sigmas)
     d = DEFAULTS[_SHIFT_FAMILY[method]]
     mu = calculate_shift(
         image_seq_len,
@@ -170,16 +209,17 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor 
 
 
 def inference_sigmas(steps: int, image_seq_len: int, family: str, *, dynamic_shift: bool = True) -> torch.Tensor:
-    """The sigma schedule diffusers' FluxPipeline / QwenImagePipeline run with
-    FlowMatchEulerDiscreteScheduler: linspace(1, 1/steps, steps), time-shifted with mu for this
-    token count, stretched to end at shift_terminal (Qwen-Image), then a final 0.
+    """The sigma schedule diffusers' FluxPipeline / QwenImagePipeline / Flux2(Klein)Pipeline run
+    with FlowMatchEulerDiscreteScheduler: linspace(1, 1/steps, steps), time-shifted with the
+    family's mu for this token count (and step count: FLUX.2), stretched to end at shift_terminal
+    (Qwen-Image), then a final 0.
     dynamic_shift=False is FLUX.1-schnell (its scheduler has no shift). float32 [steps + 1]."""
     if family not in DEFAULTS:
         raise ValueError(f"inference_sigmas: family {family!r} is not one of {', '.join(DEFAULTS)}")
     d = DEFAULTS[family]
     sigmas = np.linspace(1.0, 1.0 / steps, steps)  # float64 math, float32 result
     if dynamic_shift:
-        mu = calculate_shift(image_seq_len, d["base_seq_len"], d["max_seq_len"], d["base_shift"], d["max_shift"])
+        mu = family_mu(family, image_seq_len, steps)
         sigmas = math.exp(mu) / (math.exp(mu) + (1.0 / sigmas - 1.0))
         if d["shift_terminal"]:
             one_minus = 1.0 - sigmas

@@ -133,6 +133,8 @@ def _plan_text(model: nn.Module, family: str, batch: int, text_tokens: int) -> d
     if family == "flux":
         return {"t5": torch.empty(batch, text_tokens, cfg.context_in_dim, device="meta"),
                 "clip_pooled": torch.empty(batch, cfg.vec_in_dim, device="meta")}
+    if family == "flux2":  # klein: all 512 tokens, pads included, no mask
+        return {"embeds": torch.empty(batch, text_tokens, cfg.context_in_dim, device="meta")}
     return {"embeds": torch.empty(batch, text_tokens, cfg.joint_attention_dim, device="meta"),
             "mask": torch.ones(batch, text_tokens, dtype=torch.bool, device="meta")}
 
@@ -172,7 +174,7 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     network.train()
     lora = [p for p in network.parameters() if p.requires_grad]
     optimizer = sum(p.numel() for p in lora) * OPTIMIZER_STATE_BYTES.get(args.optimizer_type.lower().rsplit(".", 1)[-1], 8)
-    latents = torch.empty(batch, 16, height // 8, width // 8, device="meta")
+    latents = torch.empty(batch, family.latent_channels, height // 8, width // 8, device="meta")
     # Edit families: the references (at the target's size) add their tokens to every block.
     control = [torch.empty_like(latents) for _ in range(family.plan_controls)]
     text = _plan_text(model, family.arch, batch, text_tokens)
@@ -201,8 +203,9 @@ def _vae(family):
     """The family's VAE wrapper around the diffusers model built on meta (config from the files)."""
     from library.models import vae as V
 
-    cls, default, wrap = ((V.AutoencoderKL, V.FLUX_VAE_CONFIG, V.FluxVAE) if family.arch == "flux"
-                          else (V.AutoencoderKLQwenImage, V.QWEN_IMAGE_VAE_CONFIG, V.QwenImageVAE))
+    cls, default, wrap = {"flux": (V.AutoencoderKL, V.FLUX_VAE_CONFIG, V.FluxVAE),
+                          "flux2": (V.AutoencoderKLFlux2, V.FLUX2_VAE_CONFIG, V.Flux2VAE),
+                          "qwen_image": (V.AutoencoderKLQwenImage, V.QWEN_IMAGE_VAE_CONFIG, V.QwenImageVAE)}[family.arch]
     found = V._resolve(family.vae_path)[1] if getattr(family, "vae_path", None) else None
     return wrap(V._build(cls, {**default, **(found or {})}))
 
@@ -213,7 +216,7 @@ def _vae_peak(vae, width: int, height: int, batch: int, decode: bool) -> int:
         for t in (*vae.vae.parameters(), *vae.vae.buffers()):
             live.track(t)
         if decode:
-            vae.decode(torch.empty(batch, 16, height // 8, width // 8, device="meta"))
+            vae.decode(torch.empty(batch, vae.latent_channels, height // 8, width // 8, device="meta"))
         else:
             vae.encode(torch.empty(batch, 3, height, width, device="meta"))
     return live.peak
@@ -259,7 +262,7 @@ def sampling_phase(family, args, training: Phase, width: int, height: int, text_
                                 network_args=lora_network_args(args))
     network.apply()
     resident = sum(v for k, v in training.parts.items() if not k.startswith("activations"))
-    latents = torch.empty(1, 16, height // 8, width // 8, device="meta")
+    latents = torch.empty(1, family.latent_channels, height // 8, width // 8, device="meta")
     text = _plan_text(model, family.arch, 1, text_tokens)
     from library.models.vae import pack_latents
 

@@ -1,0 +1,118 @@
+"""FLUX.2 as a diffusion family: the BFL-named transformer (model.py, loaded by checkpoint.py), the
+FLUX.2 VAE (32 latent channels, BatchNorm-normalised in patch space: library/models/vae.py) and
+[klein]'s Qwen3 text encoder (text_encoder.py).
+
+Variants, read from the transformer checkpoint: a guidance embedding (`guidance_in`) is [dev],
+none is [klein] (4B / 9B by width). [dev]'s text encoder (Mistral Small 3.1) is not supported:
+load_text_encoder refuses [dev] with that reason. Inference as the diffusers pipelines do it:
+- [klein] (Flux2KleinPipeline): no guidance embedding; the base (non-distilled) models run
+  classifier-free guidance with an empty negative prompt when guidance > 1, the distilled ones
+  (`is_distilled` in the pipeline's model_index.json) never do;
+- [dev] (Flux2Pipeline): the guidance value goes through the guidance embedding, no CFG.
+Positions: image tokens (0, row, col, 0), text tokens (0, 0, 0, index), int64 (model.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import cached_property
+
+import torch
+
+from library.models.family import DiffusionFamily, fp8_prepare
+
+
+class Flux2Family(DiffusionFamily):
+    """FLUX.2 [klein] / [dev]: BFL module names, 32 latent channels, Qwen3 text (klein)."""
+
+    name = "flux2"
+    text_path_keys = ("text_encoder",)
+    sample_guidance = 4.0  # the pipelines' default guidance_scale
+    true_cfg = True  # klein base: negative prompt encoded for samples (guided_velocity decides)
+    latent_channels = 32
+
+    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
+        from library.models.flux2.checkpoint import load_flux2
+
+        return load_flux2(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name),
+                          read_weights=read_weights)
+
+    def load_vae(self, dtype=torch.float32):
+        from library.models.vae import load_flux2_vae
+
+        return load_flux2_vae(self.vae_path, dtype)
+
+    def model_version(self, model) -> str:
+        if model.guidance_in is not None:
+            return "flux2-dev"
+        return {3072: "flux2-klein-4b", 4096: "flux2-klein-9b"}.get(model.config.hidden_size, "flux2-klein")
+
+    def text_encoding_constants(self) -> dict:
+        from library.models.flux2 import text_encoder as te
+
+        return {"hidden_layers": te.KLEIN_HIDDEN_LAYERS, "max_length": te.KLEIN_MAX_LENGTH,
+                "template": te.QWEN3_NO_THINKING_PROMPT}
+
+    def load_text_encoder(self, precision="bf16", device=None):
+        from library.models.flux2.text_encoder import load_klein_text_encoder
+        from library.models.text_encoders import encoder_precision
+
+        if self.is_dev():
+            raise ValueError(f"{self.model_path}: FLUX.2 [dev] (guidance_in) needs the Mistral Small 3.1 text encoder, "
+                             f"which is not supported; FLUX.2 [klein] uses Qwen3 ('text_encoder')")
+        dtype, fp8 = encoder_precision(precision)
+        encoder = load_klein_text_encoder(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8)
+        encoder.llm.to(device)
+
+        def encode(captions: list[str]) -> list[dict]:
+            embeds, _ = encoder.encode(captions)  # [B, 512, 3D] float32, pads kept: the transformer sees all
+            return [{"embeds": e} for e in embeds]
+
+        return encode
+
+    def is_dev(self) -> bool:
+        """[dev] has the guidance embedding; read from the key names, no weights loaded."""
+        from library.io import CheckpointReader, component_folder
+
+        keys = CheckpointReader(component_folder(self.model_path, "transformer")).keys()
+        return any("guidance_in." in k or "guidance_embedder." in k for k in keys)
+
+    @cached_property
+    def is_distilled(self) -> bool:
+        """`is_distilled` of a diffusers pipeline folder's model_index.json (the step-distilled
+        klein models, which sample without CFG); False for single files, which do not say."""
+        folder = self.model_path if os.path.isdir(self.model_path) else os.path.dirname(self.model_path)
+        for candidate in (folder, os.path.dirname(folder.rstrip("/"))):
+            index = os.path.join(candidate, "model_index.json")
+            if os.path.isfile(index):
+                with open(index) as f:
+                    return bool(json.load(f).get("is_distilled", False))
+        return False
+
+    def predict(self, model, x_t, sigmas, text, h, w, guidance):
+        from library.models.flux2.model import make_img_ids
+        from library.models.flux2.text_encoder import klein_text_ids
+
+        b, device = x_t.shape[0], x_t.device
+        txt = text["embeds"].to(device)
+        g = None
+        if model.guidance_in is not None:
+            g = torch.full((b,), 1.0 if guidance is None else float(guidance), dtype=torch.float32, device=device)
+        return model(img=x_t, img_ids=make_img_ids(b, h, w, device=device), txt=txt,
+                     txt_ids=klein_text_ids(b, txt.shape[1], device), timesteps=sigmas, guidance=g)
+
+    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance):
+        cond = self.predict(model, x, s, text, h, w, guidance).float()
+        cfg = model.guidance_in is None and negative_text is not None and guidance is not None and guidance > 1.0
+        if not cfg or self.is_distilled:
+            return cond
+        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
+        return uncond + guidance * (cond - uncond)
+
+    def initial_noise(self, batch, lh, lw, generator):
+        # Flux2Pipeline.prepare_latents draws [B, 4C, lh/2, lw/2] (patchified), then packs.
+        from library.models.vae import unpatchify
+
+        return unpatchify(torch.randn(batch, 4 * self.latent_channels, lh // 2, lw // 2, generator=generator,
+                                      dtype=torch.float32))

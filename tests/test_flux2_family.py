@@ -1,0 +1,112 @@
+"""FLUX.2 as a diffusion family: the VAE's latent normalisation, the sampler (noise, sigmas, positions,
+CFG, decode) and the training loss's packing against diffusers' Flux2KleinPipeline on the tiny set."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
+
+from library.models.family import family_class
+from library.models.flux2.family import Flux2Family
+from library.models.vae import load_flux2_vae, pack_latents, unpack_latents
+
+# FLUX.2 scheduler_config.json (klein and dev): dynamic shifting with the pipeline's mu, exponential.
+FLUX2_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
+                       num_train_timesteps=1000, shift=3.0, time_shift_type="exponential", use_dynamic_shifting=True)
+
+
+def images(batch=2, size=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(batch, 3, size, size, generator=g) * 2 - 1
+
+
+@pytest.fixture(scope="module")
+def vae(tiny_set):
+    return load_flux2_vae(tiny_set["flux2_vae"])
+
+
+def test_flux2_vae_latents_are_the_pipelines_packed_latents(vae, tiny_set):
+    x = images()
+    ours = vae.encode(x)
+    assert ours.shape == (2, 32, 4, 4) and ours.dtype == torch.float32
+    stub = SimpleNamespace(vae=AutoencoderKLFlux2.from_pretrained(tiny_set["flux2_vae"]).eval(),
+                           _patchify_latents=Flux2KleinPipeline._patchify_latents)
+    with torch.no_grad():
+        theirs = Flux2KleinPipeline._encode_vae_image(stub, x, generator=None)  # [B, 128, 2, 2], bn-normalised
+    err = (pack_latents(ours) - Flux2KleinPipeline._pack_latents(theirs)).abs().max().item()
+    assert err <= 1e-5, err
+    # The BatchNorm statistics are applied (the tiny VAE's are far from 0 / 1).
+    raw = vae.vae.encode(x).latent_dist.mode()
+    assert (ours - raw).abs().max().item() > 0.1
+
+
+def test_flux2_vae_decode_is_the_pipelines_decode(vae, tiny_set):
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randn(2, 4, 128, generator=g)  # a 2x2 token grid: latents [B, 32, 4, 4]
+    ours = vae.decode(unpack_latents(packed, 4, 4))
+    pipe_vae = AutoencoderKLFlux2.from_pretrained(tiny_set["flux2_vae"]).eval()
+    with torch.no_grad():  # the end of Flux2KleinPipeline.__call__
+        ids = Flux2KleinPipeline._prepare_latent_ids(torch.zeros(2, 128, 2, 2))
+        lat = Flux2KleinPipeline._unpack_latents_with_ids(packed, ids, 2, 2)
+        mean = pipe_vae.bn.running_mean.view(1, -1, 1, 1)
+        std = torch.sqrt(pipe_vae.bn.running_var.view(1, -1, 1, 1) + pipe_vae.config.batch_norm_eps)
+        theirs = pipe_vae.decode(Flux2KleinPipeline._unpatchify_latents(lat * std + mean), return_dict=False)[0]
+    err = (ours - theirs.clamp(-1, 1)).abs().max().item()
+    assert err <= 1e-5, err
+
+
+def test_flux2_is_registered_with_32_latent_channels_and_klein_variant(tiny_set):
+    family = family_class("flux2")(tiny_set["flux2_tiny"], tiny_set["flux2_vae"], text_encoder=tiny_set["flux2_text_encoder"])
+    assert family.latent_channels == 32 and not family.is_dev() and not family.is_distilled
+    assert Flux2Family(tiny_set["flux2_dev_tiny"]).is_dev()
+    with pytest.raises(ValueError, match="Mistral"):
+        Flux2Family(tiny_set["flux2_dev_tiny"], text_encoder=tiny_set["flux2_text_encoder"]).load_text_encoder("fp32")
+
+
+def _pipeline(tiny_set, distilled: bool) -> Flux2KleinPipeline:
+    return Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER),
+        vae=AutoencoderKLFlux2.from_pretrained(tiny_set["flux2_vae"]).eval(),
+        text_encoder=None, tokenizer=None,
+        transformer=Flux2Transformer2DModel.from_pretrained(tiny_set["flux2_diffusers"]).eval(),
+        is_distilled=distilled,
+    )
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0])
+def test_flux2_sampling_equals_flux2_klein_pipeline(tiny_set, vae, guidance):
+    """Same seed, prompt embeddings, size and steps: our sampler + VAE decode give the pipeline's image
+    (its noise draw, empirical-mu sigmas, positions, CFG with the negative embeddings, BN de-normalisation)."""
+    family = Flux2Family(tiny_set["flux2_tiny"], tiny_set["flux2_vae"], text_encoder=tiny_set["flux2_text_encoder"])
+    model = family.load_transformer(torch.float32)
+    g = torch.Generator().manual_seed(5)
+    text, negative = ({"embeds": torch.randn(1, 12, 96, generator=g)} for _ in range(2))
+    latents = family.sample_latents(model, text, 64, 48, steps=3, seed=7, guidance=guidance, negative_text=negative)
+    ours = (vae.decode(latents) + 1) / 2
+    with torch.no_grad():
+        theirs = _pipeline(tiny_set, distilled=False)(
+            prompt_embeds=text["embeds"], negative_prompt_embeds=negative["embeds"], height=48, width=64,
+            num_inference_steps=3, guidance_scale=guidance, generator=torch.Generator().manual_seed(7), output_type="pt",
+        ).images
+    err = (ours - theirs).abs().max().item()
+    assert err <= 1e-5, err
+
+
+def test_training_loss_packs_like_the_pipeline_and_is_finite(tiny_set):
+    family = Flux2Family(tiny_set["flux2_tiny"])
+    model = family.load_transformer(torch.float32)
+    g = torch.Generator().manual_seed(1)
+    latents, noise = torch.randn(2, 32, 4, 6, generator=g), torch.randn(2, 32, 4, 6, generator=g)
+    text = {"embeds": torch.randn(2, 5, 96, generator=g)}
+    sigmas = torch.tensor([0.2, 0.9])
+    loss = family.loss_at(model, latents, text, noise, sigmas, None)
+    # By hand: the pipeline's packing of the patchified noisy latents, the model, the flow target.
+    pipe_pack = lambda z: Flux2KleinPipeline._pack_latents(Flux2KleinPipeline._patchify_latents(z))  # noqa: E731
+    x_t = (1 - sigmas.view(-1, 1, 1, 1)) * latents + sigmas.view(-1, 1, 1, 1) * noise
+    with torch.no_grad():
+        pred = family.predict(model, pipe_pack(x_t), sigmas, text, 2, 3, None)
+    expected = ((pred - pipe_pack(noise - latents)) ** 2).mean()
+    assert torch.isfinite(loss) and abs(loss.item() - expected.item()) <= 1e-6 * expected.item()
