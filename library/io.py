@@ -196,6 +196,9 @@ def load_streaming(
                     f"the model expects {tuple(expected[key].shape)} for '{key}'"
                 )
             loaded[key] = value
+    for key in [k for k in expected if k not in loaded and k.endswith("num_batches_tracked")]:
+        # BatchNorm's step counter (only used to average in training): released VAE files may omit it.
+        loaded[key] = torch.zeros((), dtype=torch.long)
     missing = [k for k in expected if k not in loaded]
     if unexpected:
         raise CheckpointError(f"{reader.path}: unexpected keys for this model: {_few(unexpected)}")

@@ -42,3 +42,24 @@ def test_truncated_and_foreign_files_are_one_line_naming_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"b\.safetensors: not a safetensors file"):
         CheckpointReader(other)
     assert os.path.exists(other)
+
+
+def test_batchnorm_step_counter_may_be_absent_but_nothing_else(tmp_path):
+    """AutoencoderKLFlux2 has a BatchNorm; files may leave out its num_batches_tracked counter
+    (unused outside training). Its running statistics and every other key stay required."""
+    from library.io import load_streaming
+
+    def build():
+        with torch.device("meta"):
+            return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+
+    source = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    source[1].running_var.fill_(2.0)
+    state = {k: v for k, v in source.state_dict().items() if not k.endswith("num_batches_tracked")}
+    save_file(state, tmp_path / "bn.safetensors")
+    model = build()
+    load_streaming(model, CheckpointReader(str(tmp_path / "bn.safetensors")), rename=lambda k: k)
+    assert torch.equal(model[1].running_var, source[1].running_var) and int(model[1].num_batches_tracked) == 0
+    save_file({k: v for k, v in state.items() if k != "1.running_mean"}, tmp_path / "no_mean.safetensors")
+    with pytest.raises(CheckpointError, match="missing keys: 1.running_mean"):
+        load_streaming(build(), CheckpointReader(str(tmp_path / "no_mean.safetensors")), rename=lambda k: k)
