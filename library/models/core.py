@@ -235,6 +235,9 @@ class Modulation:
     def modulate(self, x: torch.Tensor) -> torch.Tensor:
         return (1 + self.scale) * x + self.shift
 
+    def gated(self, y: torch.Tensor) -> torch.Tensor:
+        return self.gate * y
+
 
 def split_modulation(params: torch.Tensor, count: int) -> list[Modulation]:
     """[B, 3 * count * D] -> `count` Modulations, each field [B, 1, D] (broadcast over tokens)."""
