@@ -15,6 +15,12 @@ DIR/
   qwen_image/text_encoder/             Qwen2-style LM (HF Qwen2 names and config)
   qwen_image/tokenizer/                its tokenizer (chat-template special tokens; the Qwen-Image
                                        template prefix is exactly 34 tokens, as with Qwen2.5-VL's)
+  qwen_image_edit/transformer/         Qwen-Image-Edit / Edit-2509 transformer (diffusers folder)
+  qwen_image_edit/text_encoder/        Qwen2_5_VLForConditionalGeneration (vision tower + M-RoPE LM)
+  qwen_image_edit/tokenizer/           its tokenizer (vision special tokens; edit template prefix = 64
+                                       tokens, the pipelines' drop index, as with the real one)
+  qwen_image_edit/processor/           Qwen2VLImageProcessor preprocessor_config.json + tokenizer
+  qwen_image_edit_2511/transformer/    Edit-2511 transformer (zero_cond_t)
   llm/                                 Qwen2-style causal LM + tokenizer
   flux2/text_encoder/                  FLUX.2 [klein] text encoder: Qwen3ForCausalLM (HF names, tied
                                        embeddings, explicit head_dim), two shards + index.json
@@ -302,6 +308,25 @@ def write_qwen_image(out: str, seed: int) -> dict[str, str]:
     return {"qwen_image": folder}
 
 
+def write_qwen_image_edit(out: str, seed: int) -> dict[str, str]:
+    """Qwen-Image-Edit transformers, each with its release's config.json flags: qwen_image_edit/
+    (Edit and Edit-2509 share theirs) and qwen_image_edit_2511/ (zero_cond_t)."""
+    from library.models.qwen_image.edit import EDIT, EDIT_2511, TRANSFORMER_FLAGS
+    from library.models.qwen_image.model import QwenImage, QwenImageConfig, save_qwen_image_diffusers
+
+    paths = {}
+    for name, version, offset in (("qwen_image_edit", EDIT, 13), ("qwen_image_edit_2511", EDIT_2511, 14)):
+        _seed(seed, offset)
+        config = QwenImageConfig(
+            in_channels=4 * TINY["latent_channels"], out_channels=TINY["latent_channels"], num_layers=2,
+            attention_head_dim=sum(TINY["axes"]), num_attention_heads=TINY["dit_heads"],
+            joint_attention_dim=TINY["lm_hidden"], axes_dims_rope=TINY["axes"], **TRANSFORMER_FLAGS[version],
+        )
+        paths[name] = folder = os.path.join(out, name, "transformer")
+        save_qwen_image_diffusers(QwenImage(config).state_dict(), config, folder)
+    return paths
+
+
 def write_qwen_vae(out: str, seed: int) -> dict[str, str]:
     from diffusers import AutoencoderKLQwenImage
 
@@ -454,7 +479,7 @@ def write_flux2(out: str, seed: int) -> dict[str, str]:
 
 WRITERS = (
     write_flux, write_flux_vae, write_clip, write_t5, write_qwen_image, write_qwen_vae, write_qwen_text_encoder, write_llm,
-    write_qwen3_text_encoder, write_flux2,
+    write_qwen3_text_encoder, write_flux2, write_qwen_image_edit, write_qwen_vl_text_encoder,
 )
 
 
