@@ -178,3 +178,74 @@ def test_edit_sizes_refuse_bad_input():
         edit_sizes("qwen-image-edit-2600", [(512, 512)])
     with pytest.raises(ValueError, match="at least one"):
         edit_sizes(EDIT_2509, [])
+
+
+def test_resize_condition_matches_pipeline_image_processor():
+    import numpy as np
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import Image
+
+    from library.models.qwen_image.edit import resize_condition
+
+    img = Image.fromarray(np.random.RandomState(0).randint(0, 256, (61, 97, 3), dtype=np.uint8))
+    w, h = edit_sizes(EDIT_2509, [img.size]).encoder[0]
+    expected = VaeImageProcessor(vae_scale_factor=16).resize(img, h, w)  # the Plus pipeline's condition image
+    assert np.array_equal(np.asarray(resize_condition(img, (w, h))), np.asarray(expected))
+
+
+# ----------------------------------------------------------------------------------------------
+# The family adapter
+
+
+def test_family_version_from_config_or_model_version(tmp_path):
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+
+    for version in (EDIT, EDIT_2511):
+        save_reference(version, tmp_path / version)
+    assert QwenImageEditFamily(str(tmp_path / EDIT_2511)).version == EDIT_2511
+    assert QwenImageEditFamily(str(tmp_path / EDIT)).version == EDIT_2509  # Edit and 2509 share a config
+    assert QwenImageEditFamily(str(tmp_path / EDIT), model_version=EDIT).version == EDIT
+    with pytest.raises(ValueError, match="zero_cond_t=False but model_version qwen-image-edit-2511"):
+        QwenImageEditFamily(str(tmp_path / EDIT), model_version=EDIT_2511).version
+
+
+def test_family_single_file_takes_flags_from_model_version(tmp_path):
+    """A ComfyUI-style single file (no config.json): shapes give the config, model_version the flags."""
+    from library.io import save_safetensors
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+    from library.models.qwen_image.model import QwenImage
+
+    config = QwenImageConfig(num_layers=1, attention_head_dim=128, num_attention_heads=1, joint_attention_dim=32,
+                             zero_cond_t=True)  # head dim 128: the RoPE axes are inferable from shapes
+    weights = QwenImage(config).state_dict()
+    file = tmp_path / "qwen_image_edit_2511.safetensors"
+    save_safetensors({"model.diffusion_model." + k: v for k, v in weights.items()}, str(file))
+    with pytest.raises(ValueError, match="set model_version"):
+        QwenImageEditFamily(str(file)).version
+    model = QwenImageEditFamily(str(file), model_version=EDIT_2511).load_transformer(torch.float32)
+    assert model.config == config
+    assert not QwenImageEditFamily(str(file), model_version=EDIT_2509).load_transformer(torch.float32).config.zero_cond_t
+
+
+def test_family_predict_matches_pipeline_call(tmp_path):
+    """predict(conditions=[...]) = the transformer on [target, conditions] with img_shapes listing
+    all, the output cut to the target's tokens, as QwenImageEditPlusPipeline does."""
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+    from library.models.vae import pack_latents
+
+    ref = save_reference(EDIT_2511, tmp_path)
+    family = QwenImageEditFamily(str(tmp_path))
+    model = family.load_transformer(torch.float32)
+    g = torch.Generator().manual_seed(9)
+    x_t = torch.randn(1, 6 * 8, 64, generator=g)  # target 6 x 8 patches
+    conditions = [torch.randn(1, 16, 8, 12, generator=g), torch.randn(1, 16, 10, 6, generator=g)]
+    text = {"embeds": torch.randn(1, TEXT, 32, generator=g), "mask": torch.ones(1, TEXT, dtype=torch.bool)}
+    sigma = torch.tensor([0.4])
+    with torch.no_grad():
+        got = family.predict(model, x_t, sigma, text, 6, 8, None, conditions=conditions)
+        expected = ref(hidden_states=torch.cat([x_t, *map(pack_latents, conditions)], 1), timestep=sigma, guidance=None,
+                       encoder_hidden_states=text["embeds"], encoder_hidden_states_mask=text["mask"].long(),
+                       img_shapes=[[(1, 6, 8), (1, 4, 6), (1, 5, 3)]], return_dict=False)[0][:, :48]
+    assert got.shape == (1, 48, 64) and (got - expected).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="condition images' latents"):
+        family.predict(model, x_t, sigma, text, 6, 8, None)

@@ -164,3 +164,20 @@ def test_image_token_count_mismatch_is_one_clear_error():
         expand_image_tokens("<|image_pad|><|image_pad|>", [4])
     with pytest.raises(ValueError, match="do not match image_grid_thw"):
         mrope_position_ids(torch.tensor([[1, 9, 9, 2]]), None, torch.tensor([[1, 4, 4]]), 9, 2)  # 4 tokens expected
+
+
+def test_family_text_encoder_sizes_images_as_the_plus_pipeline(tiny):
+    """The family's encode takes images at any size and resizes each to the version's VL size
+    (384^2 area for 2509/2511) before the encoder: the same as encoding pre-sized images."""
+    from library.models.qwen_image.edit import edit_sizes, resize_condition
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+
+    root, _, _ = tiny
+    family = QwenImageEditFamily("unused", model_version=EDIT_2509, text_encoder=str(root))
+    encode = family.load_text_encoder("fp32")
+    images = [image(500, 300, 8)]
+    got = encode(["make it red"], [images])
+    size = edit_sizes(EDIT_2509, [images[0].size]).encoder[0]
+    assert size == (480, 288)
+    embeds, mask = load_qwen_image_edit_text_encoder(str(root), EDIT_2509).encode(["make it red"], [[resize_condition(images[0], size)]])
+    assert len(got) == 1 and torch.equal(got[0]["embeds"], embeds[0]) and bool(got[0]["mask"].all())

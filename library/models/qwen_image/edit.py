@@ -90,3 +90,11 @@ def edit_sizes(version: str, images: list[tuple[int, int]], output: tuple[int, i
     out_w, out_h = output or area_size(*ratio_source, VAE_IMAGE_AREA)
     output = (out_w // LATENT_MULTIPLE * LATENT_MULTIPLE, out_h // LATENT_MULTIPLE * LATENT_MULTIPLE)
     return EditSizes(output, encoder, vae)
+
+
+def resize_condition(image, size: tuple[int, int]):
+    """A PIL image resized to size (width, height) as the pipelines' VaeImageProcessor.resize does
+    (Lanczos, no reducing gap)."""
+    from PIL import Image
+
+    return image.convert("RGB").resize(size, resample=Image.LANCZOS)
