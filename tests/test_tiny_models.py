@@ -40,13 +40,15 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
         "flux2_text_encoder": "flux2/text_encoder", "flux2_tokenizer": "flux2/tokenizer",
         "flux2_tiny": "flux2/flux2-tiny.safetensors", "flux2_diffusers": "flux2/transformer",
         "flux2_dev_tiny": "flux2/flux2-dev-tiny.safetensors", "flux2_vae": "flux2/vae",
+        "qwen_image_edit": "qwen_image_edit/transformer", "qwen_image_edit_2511": "qwen_image_edit_2511/transformer",
+        "qwen_image_edit_text_encoder": "qwen_image_edit/text_encoder", "qwen_image_edit_processor": "qwen_image_edit/processor",
     }
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["paths"] == expected and manifest["seed"] == 0
     assert all(os.path.exists(p) for p in paths.values())
     total = sum(manifest["bytes"].values())
-    assert 1_000_000 < total < 16_000_000, total  # a few MB (about 14 with FLUX.2)
+    assert 1_000_000 < total < 20_000_000, total  # a few MB (about 14 with FLUX.2, 17.6 with Qwen-Image-Edit)
     # Real layouts: BFL keys in the single file, diffusers keys in the folder.
     assert "double_blocks.0.img_attn.qkv.weight" in CheckpointReader(paths["flux_bfl"])
     assert "transformer_blocks.0.attn.to_q.weight" in CheckpointReader(paths["flux_diffusers"])
@@ -144,3 +146,27 @@ def test_llm_folder_loads_and_matches_transformers(tiny_set):
     valid = ids.attention_mask.bool()  # right padding: compare real tokens
     assert a.shape == b.shape and a.shape[-1] % 16 == 0
     assert (a[valid] - b[valid]).abs().max().item() <= 1e-5
+
+
+def test_qwen_image_edit_set_fits_from_images_and_prompt_to_prediction(tiny_set):
+    """Edit-2511 (zero_cond_t) and the edit text encoder: condition latents appended to the target's,
+    img_shapes listing both; diffusers reads both transformers with their flags."""
+    from diffusers import QwenImageTransformer2DModel
+    from PIL import Image
+
+    from library.models.qwen_image.edit import EDIT_2511
+    from library.models.qwen_image.edit_encoder import load_qwen_image_edit_text_encoder
+
+    _, paths = tiny_set
+    encoder = load_qwen_image_edit_text_encoder(paths["qwen_image_edit_text_encoder"], EDIT_2511)  # finds ../processor
+    condition = Image.fromarray((_images(1, 56)[0].permute(1, 2, 0).numpy() * 127.5 + 127.5).astype("uint8"))
+    txt, mask = encoder.encode(["make it red"], [[condition]])
+    vae, model = load_qwen_image_vae(paths["qwen_image_vae"]), load_qwen_image(paths["qwen_image_edit_2511"])
+    assert model.config.zero_cond_t
+    target, cond = pack_latents(torch.randn(1, 16, 2, 2)), pack_latents(vae.encode(_images(1, 16)))
+    with torch.no_grad():
+        pred = model(torch.cat([target, cond], 1), txt, mask, torch.tensor([0.5]), [[(1, 1, 1), (1, 1, 1)]])
+    assert pred.shape == (1, 2, 64) and txt.shape[-1] == 32 and torch.isfinite(pred).all()
+    for name, flag in (("qwen_image_edit", False), ("qwen_image_edit_2511", True)):
+        ref, info = QwenImageTransformer2DModel.from_pretrained(paths[name], output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and ref.config.zero_cond_t is flag

@@ -15,6 +15,12 @@ DIR/
   qwen_image/text_encoder/             Qwen2-style LM (HF Qwen2 names and config)
   qwen_image/tokenizer/                its tokenizer (chat-template special tokens; the Qwen-Image
                                        template prefix is exactly 34 tokens, as with Qwen2.5-VL's)
+  qwen_image_edit/transformer/         Qwen-Image-Edit / Edit-2509 transformer (diffusers folder)
+  qwen_image_edit/text_encoder/        Qwen2_5_VLForConditionalGeneration (vision tower + M-RoPE LM)
+  qwen_image_edit/tokenizer/           its tokenizer (vision special tokens; edit template prefix = 64
+                                       tokens, the pipelines' drop index, as with the real one)
+  qwen_image_edit/processor/           Qwen2VLImageProcessor preprocessor_config.json + tokenizer
+  qwen_image_edit_2511/transformer/    Edit-2511 transformer (zero_cond_t)
   llm/                                 Qwen2-style causal LM + tokenizer
   flux2/text_encoder/                  FLUX.2 [klein] text encoder: Qwen3ForCausalLM (HF names, tied
                                        embeddings, explicit head_dim), two shards + index.json
@@ -78,14 +84,14 @@ CORPUS = [
 # Tokenizers (trained here with the `tokenizers` library; saved as tokenizer.json + tokenizer_config.json)
 
 
-def _bpe(vocab_size: int, pre_tokenizer, decoder, normalizer=None, specials=(), unk=None):
+def _bpe(vocab_size: int, pre_tokenizer, decoder, normalizer=None, specials=(), unk=None, templates=(CORPUS[0],)):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=unk))
     tok.pre_tokenizer, tok.decoder = pre_tokenizer, decoder
     if normalizer is not None:
         tok.normalizer = normalizer
-    corpus = [CORPUS[0].format(c) for c in CORPUS[1:]] * 4 + CORPUS[1:]
+    corpus = [t.format(c) for t in templates for c in CORPUS[1:]] * 4 + CORPUS[1:]
     # Byte-level: all 256 bytes, never an unknown token. Otherwise (T5-like) the corpus characters.
     alphabet = pre_tokenizers.ByteLevel.alphabet() if unk is None else sorted(set("".join(corpus)) | {"▁"})
     trainer = trainers.BpeTrainer(
@@ -125,12 +131,17 @@ def build_t5_tokenizer():
     return _fast(tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>", model_max_length=512)
 
 
-def build_qwen_tokenizer():
+def build_qwen_tokenizer(vision: bool = False):
     """Qwen2-style: byte-level BPE with the Qwen2 split pattern, no BOS/EOS added, ChatML special
-    tokens <|endoftext|> (pad), <|im_start|>, <|im_end|> after the learned vocabulary."""
+    tokens <|endoftext|> (pad), <|im_start|>, <|im_end|> after the learned vocabulary.
+
+    vision: the Qwen2.5-VL tokenizer of the Qwen-Image-Edit repos: also trained on the edit prompt
+    template (whose system prefix is then 64 tokens, the pipelines' drop index, as with the real
+    tokenizer) and with the vision special tokens."""
     from tokenizers import Regex, decoders, pre_tokenizers
 
     from library.data.tokenizer import QWEN2_SPLIT  # the Qwen2/Qwen2.5 tokenizer.json pattern
+    from library.models.qwen_image.edit_encoder import EDIT_PLUS_PROMPT_TEMPLATE, VISION_TOKENS
 
     pre = pre_tokenizers.Sequence(
         [
@@ -138,8 +149,11 @@ def build_qwen_tokenizer():
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
-    tok = _bpe(448, pre, decoders.ByteLevel())
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    if vision:  # a vocabulary large enough to learn every word of both templates
+        tok = _bpe(1024, pre, decoders.ByteLevel(), templates=(CORPUS[0], EDIT_PLUS_PROMPT_TEMPLATE))
+    else:
+        tok = _bpe(448, pre, decoders.ByteLevel())
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>", *(VISION_TOKENS if vision else ())])
     return _fast(tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=32768)
 
 
@@ -296,6 +310,25 @@ def write_qwen_image(out: str, seed: int) -> dict[str, str]:
     return {"qwen_image": folder}
 
 
+def write_qwen_image_edit(out: str, seed: int) -> dict[str, str]:
+    """Qwen-Image-Edit transformers, each with its release's config.json flags: qwen_image_edit/
+    (Edit and Edit-2509 share theirs) and qwen_image_edit_2511/ (zero_cond_t)."""
+    from library.models.qwen_image.edit import EDIT, EDIT_2511, TRANSFORMER_FLAGS
+    from library.models.qwen_image.model import QwenImage, QwenImageConfig, save_qwen_image_diffusers
+
+    paths = {}
+    for name, version, offset in (("qwen_image_edit", EDIT, 13), ("qwen_image_edit_2511", EDIT_2511, 14)):
+        _seed(seed, offset)
+        config = QwenImageConfig(
+            in_channels=4 * TINY["latent_channels"], out_channels=TINY["latent_channels"], num_layers=2,
+            attention_head_dim=sum(TINY["axes"]), num_attention_heads=TINY["dit_heads"],
+            joint_attention_dim=TINY["lm_hidden"], axes_dims_rope=TINY["axes"], **TRANSFORMER_FLAGS[version],
+        )
+        paths[name] = folder = os.path.join(out, name, "transformer")
+        save_qwen_image_diffusers(QwenImage(config).state_dict(), config, folder)
+    return paths
+
+
 def write_qwen_vae(out: str, seed: int) -> dict[str, str]:
     from diffusers import AutoencoderKLQwenImage
 
@@ -333,6 +366,51 @@ def write_qwen_text_encoder(out: str, seed: int) -> dict[str, str]:
     folder, tok_folder = os.path.join(out, "qwen_image", "text_encoder"), os.path.join(out, "qwen_image", "tokenizer")
     write_lm(folder, build_qwen_tokenizer(), seed, 7, tok_folder)
     return {"qwen_image_text_encoder": folder, "qwen_image_tokenizer": tok_folder}
+
+
+# A tiny Qwen2.5-VL vision tower: the real patch (14), temporal patch (2) and merge (2) sizes, so the
+# real Qwen2VLImageProcessor settings apply; windowed blocks and one full-attention block.
+TINY_VISION = {"depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 14,
+               "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]}
+# The Qwen-Image-Edit processor's image settings (preprocessor_config.json), smaller pixel bounds.
+TINY_IMAGE_PROCESSOR = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 64, "patch_size": 14, "merge_size": 2,
+                        "temporal_patch_size": 2}
+
+
+def write_qwen_vl_text_encoder(out: str, seed: int) -> dict[str, str]:
+    """The Qwen-Image-Edit text encoder, diffusers repo layout: text_encoder/ (a transformers
+    Qwen2_5_VLForConditionalGeneration: vision tower + language model of width lm_hidden, M-RoPE
+    sections (2, 3, 3) of head_dim 16), tokenizer/ and processor/ (Qwen2_5_VLProcessor with a
+    Qwen2VLImageProcessor)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    tokenizer = build_qwen_tokenizer(vision=True)
+    _seed(seed, 12)
+    h = TINY["lm_hidden"]
+    text = {"vocab_size": _round_up(len(tokenizer)), "hidden_size": h, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "intermediate_size": 2 * h, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+            "rope_parameters": {"rope_type": "mrope", "mrope_section": [2, 3, 3], "rope_theta": 1000000.0},
+            "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
+           ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+           ("vision_end_token_id", "<|vision_end|>"))}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config={**TINY_VISION, "out_hidden_size": h},
+                              tie_word_embeddings=False, **ids)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    root = os.path.join(out, "qwen_image_edit")
+    folder = os.path.join(root, "text_encoder")
+    model.save_pretrained(folder, safe_serialization=True)
+    save_tokenizer(tokenizer, os.path.join(root, "tokenizer"))
+    # processor/ as in the released repos: the image processor's and the tokenizer's files (building
+    # a Qwen2_5_VLProcessor object would need torchvision for its video processor).
+    processor = os.path.join(root, "processor")
+    Qwen2VLImageProcessor(**TINY_IMAGE_PROCESSOR).save_pretrained(processor)
+    config_file = os.path.join(processor, "preprocessor_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    _write_json(config_file, {**config, "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"})
+    save_tokenizer(tokenizer, processor)
+    return {"qwen_image_edit_text_encoder": folder, "qwen_image_edit_processor": processor}
 
 
 def write_llm(out: str, seed: int) -> dict[str, str]:
@@ -421,7 +499,7 @@ def write_flux2_vae(out: str, seed: int) -> dict[str, str]:
 
 WRITERS = (
     write_flux, write_flux_vae, write_clip, write_t5, write_qwen_image, write_qwen_vae, write_qwen_text_encoder, write_llm,
-    write_qwen3_text_encoder, write_flux2, write_flux2_vae,
+    write_qwen3_text_encoder, write_flux2, write_flux2_vae, write_qwen_image_edit, write_qwen_vl_text_encoder,
 )
 
 

@@ -103,6 +103,29 @@ def rope_tables(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: floa
         return angles.cos().float(), angles.sin().float()
 
 
+def mrope_tables(positions: torch.Tensor, head_dim: int, theta: float, sections: tuple[int, ...]):
+    """cos/sin tables for multimodal RoPE (Qwen2-VL / Qwen2.5-VL M-RoPE).
+
+    Unlike rope_tables' axes, which each own a frequency band of their own width, M-RoPE keeps the
+    1-D frequencies theta ** (-2j / head_dim) and lets each band of `sections` (e.g. (16, 24, 24)
+    for head_dim 128) rotate by a different position axis: band i by positions[..., i] (time,
+    height, width). Text tokens carry equal ids on all axes, which gives plain 1-D RoPE.
+    positions: int64 [..., L, len(sections)]. Returns (cos, sin) float32 [..., L, head_dim // 2].
+    """
+    if positions.is_floating_point():
+        raise TypeError(f"M-RoPE positions must be integer ids, got {positions.dtype}")
+    if sum(sections) != head_dim // 2 or positions.shape[-1] != len(sections):
+        raise ValueError(f"M-RoPE sections {sections} for head_dim {head_dim} and positions {tuple(positions.shape)}: "
+                         f"expected sum(sections) == head_dim / 2 and one position axis per section")
+    dtype = _angle_dtype(positions.device)
+    with autocast_off(positions.device.type):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=dtype, device=positions.device) / head_dim))
+        axis = torch.repeat_interleave(torch.arange(len(sections), device=positions.device),
+                                       torch.tensor(sections, device=positions.device))  # [head_dim / 2]
+        angles = positions.to(dtype)[..., axis] * inv_freq  # frequency j turns with axis[j]'s position
+        return angles.cos().float(), angles.sin().float()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True):
     """Rotate x: [B, H, L, D] by the tables cos/sin: [L, D/2] or [B, L, D/2].
 
@@ -234,6 +257,9 @@ class Modulation:
 
     def modulate(self, x: torch.Tensor) -> torch.Tensor:
         return (1 + self.scale) * x + self.shift
+
+    def gated(self, y: torch.Tensor) -> torch.Tensor:
+        return self.gate * y
 
 
 def split_modulation(params: torch.Tensor, count: int) -> list[Modulation]:

@@ -52,8 +52,12 @@ class LLMConfig:
     max_position_embeddings: int = 128000
     head_dim: int = 0
     qk_norm: bool = False
+    # Qwen2.5-VL's M-RoPE: frequency bands rotated by (time, height, width) ids when 3-axis
+    # positions are given (image tokens); () = 1-D RoPE only. Text-only input never needs it.
+    mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         if self.num_heads % self.num_kv_heads or (not self.head_dim and self.hidden_size % self.num_heads):
             raise ValueError(
                 f"LLMConfig: hidden_size {self.hidden_size}, num_heads {self.num_heads}, num_kv_heads "
@@ -72,7 +76,7 @@ class LLMConfig:
             config = {**config, **config["text_config"]}
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):  # mrope == 1-D RoPE for text-only input
+        if rope_type not in ("default", "mrope"):  # mrope: 1-D RoPE for text, 3-axis for image tokens
             raise ValueError(f"config.json: rope type '{rope_type}' is not supported (expected default or mrope)")
         is_qwen3 = model_type == "qwen3"
         head_dim = config.get("head_dim") or 0
@@ -98,6 +102,8 @@ class LLMConfig:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             head_dim=head_dim if is_qwen3 else 0,
             qk_norm=is_qwen3,
+            # Qwen2.5-VL configs name the sections under rope type "mrope" or (transformers >= 4.5x) "default"
+            mrope_section=tuple(rope.get("mrope_section") or ()),
         )
 
     def to_hf(self) -> dict:
@@ -242,22 +248,32 @@ class LLM(nn.Module):
         del self.model.layers[keep_layers:]
         self.lm_head, self.hidden_states_only = None, True
 
-    def _embed(self, input_ids, attention_mask, position_ids):
-        """(embeddings [B, L, D] compute_dtype, cos, sin fp32, mask or None) for a forward."""
+    def _rope(self, position_ids: torch.Tensor):
+        """fp32 (cos, sin) from int64 ids: [L] or [B, L] for 1-D RoPE, [B, L, 3] for M-RoPE."""
+        if position_ids.dim() == 3:
+            if not self.config.mrope_section:
+                raise ValueError("3-axis position ids need an M-RoPE model (config mrope_section, e.g. Qwen2.5-VL)")
+            return core.mrope_tables(position_ids, self.config.head_dim, self.config.rope_theta, self.config.mrope_section)
+        return core.rope_tables(position_ids, (self.config.head_dim,), self.config.rope_theta)
+
+    def _embed(self, input_ids, attention_mask, position_ids, inputs_embeds=None):
+        """(embeddings [B, L, D] compute_dtype, cos, sin fp32, mask or None) for a forward.
+        inputs_embeds [B, L, D] replaces the token lookup (e.g. image tokens carrying vision features)."""
         B, L = input_ids.shape
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
-        cos, sin = core.rope_tables(position_ids, (self.config.head_dim,), self.config.rope_theta)  # fp32
+        cos, sin = self._rope(position_ids)  # fp32
         key_mask = None if attention_mask is None else attention_mask.bool()
         # Built once per forward when there is padding; without it SDPA applies causality itself.
         mask = None if key_mask is None else core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device)
-        return self.model.embed_tokens(input_ids).to(self.compute_dtype), cos, sin, mask
+        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        return embeds.to(self.compute_dtype), cos, sin, mask
 
-    def _decode(self, input_ids, attention_mask, keep_all: bool, position_ids=None):
+    def _decode(self, input_ids, attention_mask, keep_all: bool, position_ids=None, inputs_embeds=None):
         """Run the decoder; returns (final normed hidden [B, L, D], HF-style list or None)."""
         if self.hidden_states_only:
             raise RuntimeError("this LLM was truncated for hidden states (truncate_for_hidden_states): use selected_hidden_states")
-        x, cos, sin, mask = self._embed(input_ids, attention_mask, position_ids)
+        x, cos, sin, mask = self._embed(input_ids, attention_mask, position_ids, inputs_embeds)
         states = [x] if keep_all else None
         for layer in self.model.layers:
             x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask)
@@ -295,9 +311,10 @@ class LLM(nn.Module):
         logits = self.logits(hidden)
         return (logits, states) if output_hidden_states else logits
 
-    def hidden_states(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
-        """Last hidden state after the final norm, [B, L, D] in compute_dtype (text-encoder use)."""
-        return self._decode(input_ids, attention_mask, False, position_ids)[0]
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, inputs_embeds=None) -> torch.Tensor:
+        """Last hidden state after the final norm, [B, L, D] in compute_dtype (text-encoder use).
+        position_ids: int64 [L] / [B, L], or [B, L, 3] (M-RoPE, with inputs_embeds for image tokens)."""
+        return self._decode(input_ids, attention_mask, False, position_ids, inputs_embeds)[0]
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -45,6 +45,10 @@ class QwenImageConfig:
     num_attention_heads: int = 24
     joint_attention_dim: int = 3584
     axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    # Qwen-Image-Edit-2511: the condition images' tokens are modulated with the embedding of t = 0.
+    zero_cond_t: bool = False
+    # Qwen-Image-Layered: a learned 2-row embedding (`additional_t_cond` 0/1) added to the timestep's.
+    use_additional_t_cond: bool = False
     rope_theta: float = 10000.0  # fixed in diffusers (QwenEmbedRope(theta=10000)), not in its config
 
     @property
@@ -59,11 +63,11 @@ class QwenImageConfig:
             )
 
     # Flags of the diffusers class that change the architecture; we implement the default only.
-    _UNSUPPORTED = {"zero_cond_t": False, "use_additional_t_cond": False, "use_layer3d_rope": False}
+    _UNSUPPORTED = {"use_layer3d_rope": False}
 
     @classmethod
     def from_diffusers(cls, config: dict, source: str = "config") -> "QwenImageConfig":
-        """From a diffusers config.json dict. Variants (edit-2511 zero_cond_t, layered RoPE) raise."""
+        """From a diffusers config.json dict. Variants we do not implement (layered 3-D RoPE) raise."""
         for flag, default in cls._UNSUPPORTED.items():
             if config.get(flag, default) != default:
                 raise CheckpointError(f"{source}: {flag}={config[flag]!r} is not supported (expected {default!r})")
@@ -134,6 +138,14 @@ def joint_positions(img_shapes: list, text_len: int) -> torch.Tensor:
     return torch.stack(per_sample)
 
 
+def _target_tokens(img_shapes: list) -> int:
+    """Token count of the target (first) image, the same for every sample (zero_cond_t splits there)."""
+    counts = {f * h * w for f, h, w in (_images_of(shape)[0] for shape in img_shapes)}
+    if len(counts) != 1:
+        raise ValueError(f"img_shapes {img_shapes}: the target images differ in token count across the batch")
+    return counts.pop()
+
+
 # ----------------------------------------------------------------------------------------------
 # Model
 
@@ -155,9 +167,38 @@ class TimestepEmbedder(nn.Module):
 
 
 class TimeTextEmbed(nn.Module):
-    def __init__(self, dim: int):
+    """The timestep embedding, plus (Qwen-Image-Layered) a learned row picked by additional_t_cond."""
+
+    def __init__(self, dim: int, use_additional_t_cond: bool = False):
         super().__init__()
         self.timestep_embedder = TimestepEmbedder(dim)
+        self.addition_t_embedding = nn.Embedding(2, dim) if use_additional_t_cond else None
+
+    def forward(self, sigma: torch.Tensor, dtype: torch.dtype, additional_t_cond: torch.Tensor | None) -> torch.Tensor:
+        temb = self.timestep_embedder(sigma, dtype)
+        if self.addition_t_embedding is None:
+            return temb
+        if additional_t_cond is None:
+            raise ValueError("this model has use_additional_t_cond=True: pass additional_t_cond (int64 0/1 per sample)")
+        return temb + self.addition_t_embedding(additional_t_cond.to(temb.device)).to(dtype)
+
+
+@dataclass
+class SplitModulation:
+    """zero_cond_t: the first `split` image tokens (the target image) take `target`, the rest (the
+    condition images) take `condition`, the modulation of t = 0. Same interface as core.Modulation."""
+
+    target: core.Modulation
+    condition: core.Modulation
+    split: int
+
+    def modulate(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.split
+        return torch.cat([self.target.modulate(x[:, :n]), self.condition.modulate(x[:, n:])], dim=1)
+
+    def gated(self, y: torch.Tensor) -> torch.Tensor:
+        n = self.split
+        return torch.cat([self.target.gated(y[:, :n]), self.condition.gated(y[:, n:])], dim=1)
 
 
 class JointAttention(nn.Module):
@@ -203,19 +244,28 @@ class QwenImageBlock(nn.Module):
         self.img_mlp = core.FeedForward(dim, 4 * dim)
         self.txt_mlp = core.FeedForward(dim, 4 * dim)
 
-    def forward(self, img, txt, temb, cos, sin, key_mask):
-        # diffusers chunks img_mod(temb) as (shift, scale, gate) for attention, then for the MLP.
+    def _image_modulations(self, temb, cond_temb, target_len):
+        """(attention, MLP) modulations of the image stream; with cond_temb (zero_cond_t) the tokens
+        after the first target_len are modulated by cond_temb."""
         img_attn_mod, img_mlp_mod = core.split_modulation(self.img_mod(temb), 2)
+        if cond_temb is None:
+            return img_attn_mod, img_mlp_mod
+        cond_attn_mod, cond_mlp_mod = core.split_modulation(self.img_mod(cond_temb), 2)
+        return SplitModulation(img_attn_mod, cond_attn_mod, target_len), SplitModulation(img_mlp_mod, cond_mlp_mod, target_len)
+
+    def forward(self, img, txt, temb, cos, sin, key_mask, cond_temb=None, target_len=0):
+        # diffusers chunks img_mod(temb) as (shift, scale, gate) for attention, then for the MLP.
+        img_attn_mod, img_mlp_mod = self._image_modulations(temb, cond_temb, target_len)
         txt_attn_mod, txt_mlp_mod = core.split_modulation(self.txt_mod(temb), 2)
 
         img_out, txt_out = self.attn(
             img_attn_mod.modulate(self.img_norm1(img)), txt_attn_mod.modulate(self.txt_norm1(txt)), cos, sin, key_mask
         )
-        img = img + img_attn_mod.gate * img_out
-        txt = txt + txt_attn_mod.gate * txt_out
+        img = img + img_attn_mod.gated(img_out)
+        txt = txt + txt_attn_mod.gated(txt_out)
 
-        img = img + img_mlp_mod.gate * self.img_mlp(img_mlp_mod.modulate(self.img_norm2(img)))
-        txt = txt + txt_mlp_mod.gate * self.txt_mlp(txt_mlp_mod.modulate(self.txt_norm2(txt)))
+        img = img + img_mlp_mod.gated(self.img_mlp(img_mlp_mod.modulate(self.img_norm2(img))))
+        txt = txt + txt_mlp_mod.gated(self.txt_mlp(txt_mlp_mod.modulate(self.txt_norm2(txt))))
         return img, txt
 
 
@@ -240,7 +290,7 @@ class QwenImage(nn.Module):
         self.compute_dtype = torch.float32
         self.gradient_checkpointing = False
         self.block_swap = None  # a BlockSwap once enable_block_swap() is called
-        self.time_text_embed = TimeTextEmbed(dim)
+        self.time_text_embed = TimeTextEmbed(dim, config.use_additional_t_cond)
         self.txt_norm = core.RMSNorm(config.joint_attention_dim)
         self.img_in = nn.Linear(config.in_channels, dim)
         self.txt_in = nn.Linear(config.joint_attention_dim, dim)
@@ -255,11 +305,13 @@ class QwenImage(nn.Module):
         positions = joint_positions(img_shapes, text_len).to(device)
         return core.rope_tables(positions, self.config.axes_dims_rope, self.config.rope_theta)
 
-    def forward(self, img, txt, txt_mask, timesteps, img_shapes):
-        """img: [B, L, in_channels] packed latents; txt: [B, T, joint_attention_dim]; txt_mask:
-        [B, T] (True/1 = real token) or None; timesteps: [B] sigma in [0, 1] (any float dtype,
-        used in float32); img_shapes: per sample (frames, h, w) in patches, or a list of them.
-        Returns [B, L, patch_size**2 * out_channels] in compute_dtype."""
+    def forward(self, img, txt, txt_mask, timesteps, img_shapes, additional_t_cond=None):
+        """img: [B, L, in_channels] packed latents (edit models: the target's tokens, then each
+        condition image's); txt: [B, T, joint_attention_dim]; txt_mask: [B, T] (True/1 = real
+        token) or None; timesteps: [B] sigma in [0, 1] (any float dtype, used in float32);
+        img_shapes: per sample (frames, h, w) in patches, or a list of them (target first);
+        additional_t_cond: int64 [B] (0/1), only for use_additional_t_cond models.
+        Returns [B, L, patch_size**2 * out_channels] in compute_dtype (all image tokens)."""
         batch, img_len, text_len = img.shape[0], img.shape[1], txt.shape[1]
         if len(img_shapes) != batch:
             raise ValueError(f"img_shapes has {len(img_shapes)} entries for a batch of {batch}")
@@ -273,12 +325,17 @@ class QwenImage(nn.Module):
             image_visible = torch.ones(batch, img_len, dtype=torch.bool, device=img.device)
             key_mask = torch.cat([txt_mask.to(img.device).bool(), image_visible], dim=1)
 
-        temb = self.time_text_embed.timestep_embedder(timesteps.reshape(-1).expand(batch), self.compute_dtype)
+        sigma = timesteps.reshape(-1).expand(batch)
+        temb = self.time_text_embed(sigma, self.compute_dtype, additional_t_cond)
+        cond_temb, target_len = None, 0
+        if self.config.zero_cond_t:  # condition tokens see t = 0 (the clean image they are)
+            cond_temb = self.time_text_embed(torch.zeros_like(sigma), self.compute_dtype, additional_t_cond)
+            target_len = _target_tokens(img_shapes)
         img = self.img_in(img.to(self.compute_dtype))
         txt = self.txt_in(self.txt_norm(txt.to(self.compute_dtype)))
         for i, block in enumerate(self.transformer_blocks):
             img, txt = core.run_block(block, self.gradient_checkpointing, img, txt, temb, cos, sin, key_mask,
-                                      swap=self.block_swap, index=i)
+                                      cond_temb, target_len, swap=self.block_swap, index=i)
         return self.proj_out(self.norm_out(img, temb))
 
     def swappable_blocks(self) -> list[nn.Module]:
@@ -317,7 +374,8 @@ def infer_config(reader: CheckpointReader, prefix: str = "") -> QwenImageConfig:
         attention_head_dim=head_dim,
         num_attention_heads=dim // head_dim,
         joint_attention_dim=joint_dim,
-    )
+        use_additional_t_cond=prefix + "time_text_embed.addition_t_embedding.weight" in reader,
+    )  # zero_cond_t changes no tensor: a single Edit-2511 file needs config= (the family's model_version)
 
 
 def _resolve(path: str) -> tuple[str, QwenImageConfig | None]:

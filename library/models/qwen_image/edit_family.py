@@ -1,0 +1,122 @@
+"""Qwen-Image-Edit (Edit, Edit-2509, Edit-2511) as a diffusion family: Qwen-Image's transformer
+with the condition images' latents appended to the target's, the Qwen2.5-VL text encoder that
+sees the condition images, and the version's condition sizes (edit.py).
+
+The version comes from `model_version` or from the transformer's config.json (zero_cond_t means
+2511; Edit and 2509 share their config, and without model_version a folder is taken as 2509). A
+single transformer file has no config: pass model_version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+
+from library.models.family import fp8_prepare
+from library.models.qwen_image.edit import TRANSFORMER_FLAGS, check_version, edit_sizes, resize_condition, version_from_flags
+from library.models.qwen_image.family import QwenImageFamily
+from library.models.vae import pack_latents
+
+
+class QwenImageEditFamily(QwenImageFamily):
+    """Qwen-Image-Edit: predict takes the condition images' latents besides the noisy target's."""
+
+    name = "qwen_image_edit"
+
+    def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
+        super().__init__(model_path, vae_path, **text_paths)
+        self._version = check_version(model_version) if model_version else None
+
+    @classmethod
+    def from_args(cls, args) -> "QwenImageEditFamily":
+        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
+                   **{k: getattr(args, k) for k in cls.text_path_keys})
+
+    def _transformer_config(self) -> tuple[str, dict | None]:
+        """(transformer path, its config.json dict or None for a single file)."""
+        from library.io import component_folder
+
+        path = component_folder(self.model_path, "transformer")
+        config_file = os.path.join(path, "config.json")
+        if not (os.path.isdir(path) and os.path.isfile(config_file)):
+            return path, None
+        with open(config_file) as f:
+            return path, json.load(f)
+
+    @property
+    def version(self) -> str:
+        """model_version, checked against the transformer's config flags, else the flags' version."""
+        path, config = self._transformer_config()
+        if config is None:
+            if self._version is None:
+                raise ValueError(f"{path}: a single transformer file has no config.json; set model_version "
+                                 f"(qwen-image-edit, qwen-image-edit-2509 or qwen-image-edit-2511)")
+            return self._version
+        if self._version is None:
+            return version_from_flags(config)
+        for flag, value in TRANSFORMER_FLAGS[self._version].items():
+            if bool(config.get(flag, False)) != value:
+                raise ValueError(f"{path}/config.json: {flag}={config.get(flag, False)!r} but model_version "
+                                 f"{self._version} expects {value!r}")
+        return self._version
+
+    def model_version(self, model) -> str:
+        return self.version
+
+    def text_encoding_constants(self) -> dict:
+        from library.models.qwen_image import edit_encoder as te
+
+        template = te.EDIT_PROMPT_TEMPLATE if self.version == "qwen-image-edit" else te.EDIT_PLUS_PROMPT_TEMPLATE
+        return {"version": self.version, "template": template, "drop": te.EDIT_DROP_TOKENS}
+
+    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
+        """The transformer; a single file gets the version's config flags (its shapes give the rest)."""
+        from library.io import CheckpointReader
+        from library.models.qwen_image.model import _transformer_prefix, infer_config, load_qwen_image
+
+        path, config = self._transformer_config()
+        flags = TRANSFORMER_FLAGS[self.version]
+        model_config = None
+        if config is None:
+            reader = CheckpointReader(path)
+            model_config = dataclasses.replace(infer_config(reader, _transformer_prefix(reader.keys())), **flags)
+        return load_qwen_image(path, dtype=dtype, config=model_config, prepare=fp8_prepare(base_precision, "qwen_image"),
+                               read_weights=read_weights)
+
+    def load_text_encoder(self, precision="bf16", device=None):
+        """-> encode(captions, condition_images): condition_images[i] is sample i's list of PIL
+        images at any size; each is resized to the version's VL-encoder size (edit_sizes)."""
+        from library.models.qwen_image.edit_encoder import load_qwen_image_edit_text_encoder
+        from library.models.text_encoders import encoder_precision
+
+        dtype, fp8 = encoder_precision(precision)
+        encoder = load_qwen_image_edit_text_encoder(self.text_paths["text_encoder"], self.version, dtype=dtype, fp8=fp8)
+        encoder.llm.to(device)
+        encoder.visual.to(device)
+
+        def encode(captions: list[str], condition_images: list[list]) -> list[dict]:
+            sized = [[resize_condition(img, size) for img, size in
+                      zip(images, edit_sizes(self.version, [img.size for img in images]).encoder)]
+                     for images in condition_images]
+            embeds, mask = encoder.encode(captions, sized)
+            return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]
+
+        return encode
+
+    def predict(self, model, x_t, sigmas, text, h, w, guidance, conditions: list[torch.Tensor] | None = None):
+        """x_t: packed noisy target [B, h*w, 64]; conditions: the condition images' latents, each
+        unpacked [B, 16, H_i, W_i] float32 (VAE-normalized as the target's). Returns the target's
+        velocity [B, h*w, 64]: the condition tokens' outputs are dropped, as the pipelines do."""
+        if not conditions:
+            raise ValueError("qwen_image_edit: predict needs the condition images' latents (conditions=[...])")
+        device = x_t.device
+        packed = [pack_latents(c.to(device, x_t.dtype)) for c in conditions]
+        shapes = [(1, h, w)] + [(1, c.shape[2] // self.patch, c.shape[3] // self.patch) for c in conditions]
+        pred = model(
+            img=torch.cat([x_t, *packed], dim=1), txt=text["embeds"].to(device), txt_mask=text["mask"].to(device).bool(),
+            timesteps=sigmas, img_shapes=[shapes] * x_t.shape[0],
+        )
+        return pred[:, : x_t.shape[1]]

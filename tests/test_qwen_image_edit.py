@@ -1,0 +1,251 @@
+"""Qwen-Image-Edit / Edit-2509 / Edit-2511: the transformer with condition latents appended, against
+diffusers' QwenImageTransformer2DModel called as each edit pipeline calls it, and the pipelines'
+condition-image sizes.
+
+Tiny random models (2 blocks, 2 heads x 32, RoPE axes (8, 12, 12)) with each release's config flags.
+"""
+
+import pytest
+import torch
+from diffusers import QwenImageTransformer2DModel
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit_pipe
+from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus_pipe
+
+from library.models.qwen_image.edit import (
+    EDIT,
+    EDIT_2509,
+    EDIT_2511,
+    EDIT_VERSIONS,
+    TRANSFORMER_FLAGS,
+    area_size,
+    edit_sizes,
+    version_from_flags,
+)
+from library.models.qwen_image.model import QwenImageConfig, load_qwen_image
+from tests.test_qwen_image import randomize_
+
+TEXT, VALID = 7, 4
+
+
+def tiny_config(version: str) -> QwenImageConfig:
+    return QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+                           axes_dims_rope=(8, 12, 12), **TRANSFORMER_FLAGS[version])
+
+
+# What each pipeline passes: Edit one condition image (its ~1024^2 size, here a smaller grid than
+# the target), batch 2; Edit-2509/2511 (Plus) several condition images of different sizes, batch 1.
+CASES = {
+    EDIT: (2, [(1, 6, 8), (1, 4, 6)]),
+    EDIT_2509: (1, [(1, 6, 8), (1, 4, 6), (1, 5, 3)]),
+    EDIT_2511: (1, [(1, 6, 8), (1, 4, 6), (1, 5, 3)]),
+}
+
+
+def save_reference(version: str, root):
+    """A random diffusers transformer with the release's flags, saved as a pipeline folder."""
+    config = tiny_config(version)
+    ref = QwenImageTransformer2DModel(**{k: v for k, v in config.to_diffusers().items() if not k.startswith("_")})
+    randomize_(ref, torch.Generator().manual_seed(11))
+    ref.save_pretrained(root / "transformer")
+    return ref
+
+
+@pytest.fixture(scope="module", params=EDIT_VERSIONS)
+def saved(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    return request.param, save_reference(request.param, root), root
+
+
+def edit_inputs(version: str):
+    batch, shapes = CASES[version]
+    g = torch.Generator().manual_seed(5)
+    tokens = sum(f * h * w for f, h, w in shapes)
+    latents = torch.randn(batch, tokens, 64, generator=g)  # [target, condition 1, ...] packed
+    txt = torch.randn(batch, TEXT, 32, generator=g)
+    mask = torch.ones(batch, TEXT, dtype=torch.long)
+    mask[0, VALID:] = 0
+    sigma = torch.full((batch,), 0.63)  # the pipelines: t.expand(batch) / 1000
+    return latents, txt, mask, sigma, [list(shapes)] * batch
+
+
+@pytest.mark.parametrize("sigma_value", [0.63, 0.05])
+def test_edit_transformer_matches_diffusers_fp32(saved, sigma_value):
+    version, ref, root = saved
+    ours = load_qwen_image(str(root))
+    assert ours.config == tiny_config(version)
+    latents, txt, mask, sigma, img_shapes = edit_inputs(version)
+    sigma = torch.full_like(sigma, sigma_value)
+    with torch.no_grad():  # as pipeline_qwenimage_edit(_plus): guidance None, img_shapes with every image
+        expected = ref(hidden_states=latents, timestep=sigma, guidance=None, encoder_hidden_states_mask=mask,
+                       encoder_hidden_states=txt, img_shapes=img_shapes, return_dict=False)[0]
+        got = ours(latents, txt, mask.bool(), sigma, img_shapes)
+    error = (got - expected).abs().max().item()
+    print(f"{version} sigma {sigma_value}: max |ours - diffusers| = {error:.2e}")
+    assert got.shape == expected.shape and error <= 1e-5
+
+
+def test_zero_cond_t_changes_the_prediction(tmp_path):
+    """2511's flag matters: the same weights without zero_cond_t predict otherwise."""
+    version, root = EDIT_2511, tmp_path
+    save_reference(version, root)
+    ours = load_qwen_image(str(root))
+    plain = load_qwen_image(str(root), config=tiny_config(EDIT_2509))
+    latents, txt, mask, sigma, img_shapes = edit_inputs(version)
+    with torch.no_grad():
+        diff = (ours(latents, txt, mask.bool(), sigma, img_shapes) - plain(latents, txt, mask.bool(), sigma, img_shapes))
+    assert diff.abs().max().item() > 1e-3
+
+
+def test_zero_cond_t_needs_one_target_size_per_batch(tmp_path):
+    save_reference(EDIT_2511, tmp_path)
+    ours = load_qwen_image(str(tmp_path))
+    txt = torch.zeros(2, TEXT, 32)
+    shapes = [[(1, 2, 4), (1, 2, 2)], [(1, 2, 2), (1, 2, 4)]]  # same token total, different targets
+    with pytest.raises(ValueError, match="target images differ"):
+        ours(torch.zeros(2, 12, 64), txt, None, torch.full((2,), 0.5), shapes)
+
+
+def test_additional_t_cond_matches_diffusers(tmp_path):
+    """use_additional_t_cond (Qwen-Image-Layered's flag): a learned row added to the time embedding."""
+    config = QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+                             axes_dims_rope=(8, 12, 12), use_additional_t_cond=True)
+    ref = QwenImageTransformer2DModel(**{k: v for k, v in config.to_diffusers().items() if not k.startswith("_")})
+    randomize_(ref, torch.Generator().manual_seed(4))
+    ref.save_pretrained(tmp_path)
+    ours = load_qwen_image(str(tmp_path))
+    g = torch.Generator().manual_seed(6)
+    img, txt, cond = torch.randn(2, 24, 64, generator=g), torch.randn(2, TEXT, 32, generator=g), torch.tensor([0, 1])
+    shapes, sigma = [[(1, 4, 6)]] * 2, torch.tensor([0.3, 0.7])
+    with torch.no_grad():
+        expected = ref(hidden_states=img, encoder_hidden_states=txt, timestep=sigma, img_shapes=shapes,
+                       additional_t_cond=cond, return_dict=False)[0]
+        got = ours(img, txt, None, sigma, shapes, additional_t_cond=cond)
+    assert (got - expected).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="additional_t_cond"):
+        ours(img, txt, None, sigma, shapes)
+
+
+def test_version_from_transformer_flags():
+    assert version_from_flags({"zero_cond_t": True}) == EDIT_2511
+    assert version_from_flags({}) == EDIT_2509
+    with pytest.raises(ValueError, match="use_layer3d_rope"):
+        QwenImageConfig.from_diffusers({"use_layer3d_rope": True})
+
+
+# ----------------------------------------------------------------------------------------------
+# Condition-image sizes
+
+IMAGE_SIZES = [(1024, 1024), (1920, 1080), (1080, 1920), (640, 480), (333, 777), (4000, 3000), (97, 1203)]
+
+
+@pytest.mark.parametrize("size", IMAGE_SIZES)
+def test_area_size_matches_pipelines_calculate_dimensions(size):
+    ratio = size[0] / size[1]
+    assert area_size(*size, plus_pipe.VAE_IMAGE_SIZE) == plus_pipe.calculate_dimensions(plus_pipe.VAE_IMAGE_SIZE, ratio)
+    assert area_size(*size, plus_pipe.CONDITION_IMAGE_SIZE) == plus_pipe.calculate_dimensions(
+        plus_pipe.CONDITION_IMAGE_SIZE, ratio)
+    assert area_size(*size, 1024 * 1024) == edit_pipe.calculate_dimensions(1024 * 1024, ratio)[:2]
+
+
+@pytest.mark.parametrize("size", IMAGE_SIZES)
+def test_edit_sizes_follow_edit_pipeline(size):
+    """QwenImageEditPipeline.__call__: one image resized to calculate_dimensions(1024^2) for the VL
+    prompt and the VAE; the output is that size floored to vae_scale_factor * 2 = 16."""
+    w, h, _ = edit_pipe.calculate_dimensions(1024 * 1024, size[0] / size[1])
+    sizes = edit_sizes(EDIT, [size])
+    assert sizes.encoder == [(w, h)] and sizes.vae == [(w, h)]
+    assert sizes.output == (w // 16 * 16, h // 16 * 16)
+    assert sizes.img_shapes() == [(1, h // 16, w // 16), (1, h // 16, w // 16)]  # the pipeline's img_shapes
+
+
+@pytest.mark.parametrize("version", [EDIT_2509, EDIT_2511])
+def test_edit_plus_sizes_follow_plus_pipeline(version):
+    images = IMAGE_SIZES[1:4]
+    sizes = edit_sizes(version, images)
+    calc = plus_pipe.calculate_dimensions
+    assert sizes.encoder == [calc(plus_pipe.CONDITION_IMAGE_SIZE, w / h) for w, h in images]
+    assert sizes.vae == [calc(plus_pipe.VAE_IMAGE_SIZE, w / h) for w, h in images]
+    out_w, out_h = calc(1024 * 1024, images[-1][0] / images[-1][1])  # the last image sets the output
+    assert sizes.output == (out_w // 16 * 16, out_h // 16 * 16)
+    expected = [(1, sizes.output[1] // 16, sizes.output[0] // 16)] + [(1, vh // 16, vw // 16) for vw, vh in sizes.vae]
+    assert sizes.img_shapes() == expected
+
+
+def test_edit_sizes_refuse_bad_input():
+    with pytest.raises(ValueError, match="one condition image"):
+        edit_sizes(EDIT, [(512, 512), (512, 512)])
+    with pytest.raises(ValueError, match="expected one of"):
+        edit_sizes("qwen-image-edit-2600", [(512, 512)])
+    with pytest.raises(ValueError, match="at least one"):
+        edit_sizes(EDIT_2509, [])
+
+
+def test_resize_condition_matches_pipeline_image_processor():
+    import numpy as np
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import Image
+
+    from library.models.qwen_image.edit import resize_condition
+
+    img = Image.fromarray(np.random.RandomState(0).randint(0, 256, (61, 97, 3), dtype=np.uint8))
+    w, h = edit_sizes(EDIT_2509, [img.size]).encoder[0]
+    expected = VaeImageProcessor(vae_scale_factor=16).resize(img, h, w)  # the Plus pipeline's condition image
+    assert np.array_equal(np.asarray(resize_condition(img, (w, h))), np.asarray(expected))
+
+
+# ----------------------------------------------------------------------------------------------
+# The family adapter
+
+
+def test_family_version_from_config_or_model_version(tmp_path):
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+
+    for version in (EDIT, EDIT_2511):
+        save_reference(version, tmp_path / version)
+    assert QwenImageEditFamily(str(tmp_path / EDIT_2511)).version == EDIT_2511
+    assert QwenImageEditFamily(str(tmp_path / EDIT)).version == EDIT_2509  # Edit and 2509 share a config
+    assert QwenImageEditFamily(str(tmp_path / EDIT), model_version=EDIT).version == EDIT
+    with pytest.raises(ValueError, match="zero_cond_t=False but model_version qwen-image-edit-2511"):
+        QwenImageEditFamily(str(tmp_path / EDIT), model_version=EDIT_2511).version
+
+
+def test_family_single_file_takes_flags_from_model_version(tmp_path):
+    """A ComfyUI-style single file (no config.json): shapes give the config, model_version the flags."""
+    from library.io import save_safetensors
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+    from library.models.qwen_image.model import QwenImage
+
+    config = QwenImageConfig(num_layers=1, attention_head_dim=128, num_attention_heads=1, joint_attention_dim=32,
+                             zero_cond_t=True)  # head dim 128: the RoPE axes are inferable from shapes
+    weights = QwenImage(config).state_dict()
+    file = tmp_path / "qwen_image_edit_2511.safetensors"
+    save_safetensors({"model.diffusion_model." + k: v for k, v in weights.items()}, str(file))
+    with pytest.raises(ValueError, match="set model_version"):
+        QwenImageEditFamily(str(file)).version
+    model = QwenImageEditFamily(str(file), model_version=EDIT_2511).load_transformer(torch.float32)
+    assert model.config == config
+    assert not QwenImageEditFamily(str(file), model_version=EDIT_2509).load_transformer(torch.float32).config.zero_cond_t
+
+
+def test_family_predict_matches_pipeline_call(tmp_path):
+    """predict(conditions=[...]) = the transformer on [target, conditions] with img_shapes listing
+    all, the output cut to the target's tokens, as QwenImageEditPlusPipeline does."""
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+    from library.models.vae import pack_latents
+
+    ref = save_reference(EDIT_2511, tmp_path)
+    family = QwenImageEditFamily(str(tmp_path))
+    model = family.load_transformer(torch.float32)
+    g = torch.Generator().manual_seed(9)
+    x_t = torch.randn(1, 6 * 8, 64, generator=g)  # target 6 x 8 patches
+    conditions = [torch.randn(1, 16, 8, 12, generator=g), torch.randn(1, 16, 10, 6, generator=g)]
+    text = {"embeds": torch.randn(1, TEXT, 32, generator=g), "mask": torch.ones(1, TEXT, dtype=torch.bool)}
+    sigma = torch.tensor([0.4])
+    with torch.no_grad():
+        got = family.predict(model, x_t, sigma, text, 6, 8, None, conditions=conditions)
+        expected = ref(hidden_states=torch.cat([x_t, *map(pack_latents, conditions)], 1), timestep=sigma, guidance=None,
+                       encoder_hidden_states=text["embeds"], encoder_hidden_states_mask=text["mask"].long(),
+                       img_shapes=[[(1, 6, 8), (1, 4, 6), (1, 5, 3)]], return_dict=False)[0][:, :48]
+    assert got.shape == (1, 48, 64) and (got - expected).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="condition images' latents"):
+        family.predict(model, x_t, sigma, text, 6, 8, None)
