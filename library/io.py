@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -114,6 +115,10 @@ class CheckpointReader:
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._entry(key)["shape"])
+
+    def numel(self, keys=None) -> int:
+        """Elements of `keys` (default: every tensor), from the headers alone."""
+        return sum(math.prod(self.shape(k)) for k in (self.keys() if keys is None else keys))
 
     def dtype_name(self, key: str) -> str:
         """safetensors dtype string of a tensor ("BF16", "F8_E4M3", ...) without reading it."""

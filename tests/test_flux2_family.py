@@ -110,3 +110,19 @@ def test_training_loss_packs_like_the_pipeline_and_is_finite(tiny_set):
         pred = family.predict(model, pipe_pack(x_t), sigmas, text, 2, 3, None)
     expected = ((pred - pipe_pack(noise - latents)) ** 2).mean()
     assert torch.isfinite(loss) and abs(loss.item() - expected.item()) <= 1e-6 * expected.item()
+
+
+def test_planner_counts_the_text_encoder_as_loaded_from_a_klein_repo(tiny_set, tmp_path):
+    """The planner sizes klein's Qwen3 as load_klein_text_encoder reads it (layers up to 27, no
+    lm_head), resolved inside a repo folder (text_encoder/ beside a transformer file: not the latter)."""
+    import shutil
+
+    from library.models.flux2.text_encoder import load_klein_text_encoder
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_set["flux2_text_encoder"], repo / "text_encoder")
+    shutil.copytree(tiny_set["flux2_tokenizer"], repo / "tokenizer")
+    shutil.copy(tiny_set["flux2_tiny"], repo / "flux2-tiny.safetensors")
+    family = Flux2Family(str(repo / "flux2-tiny.safetensors"), tiny_set["flux2_vae"], text_encoder=str(repo))
+    loaded = load_klein_text_encoder(str(repo)).llm
+    assert family.text_encoder_params() == sum(p.numel() for p in loaded.parameters())

@@ -127,6 +127,13 @@ class DiffusionFamily:
         Default: the target's bucket (FLUX.1 Kontext's rule)."""
         return bucket
 
+    def text_encoder_params(self) -> int:
+        """Parameters load_text_encoder reads (the memory planner's caching phase, from the files'
+        headers): every tensor of the text encoder files, unless the family reads fewer."""
+        from library.io import CheckpointReader
+
+        return sum(CheckpointReader(p).numel() for p in self.text_paths.values() if p)
+
     def latent_cache_key(self) -> str:
         """Family + fingerprint of the VAE files (the preprocessing is hashed per image)."""
         return f"{self.name}_{file_fingerprint(self.vae_path)}"

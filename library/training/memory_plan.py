@@ -227,13 +227,6 @@ def _vae_peak(vae, width: int, height: int, batch: int, decode: bool) -> int:
 ENCODER_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.2, "fp8_scaled": 1.23}
 
 
-def _file_params(path: str) -> int:
-    from library.io import CheckpointReader
-
-    reader = CheckpointReader(path)
-    return sum(int(torch.Size(reader.shape(k)).numel()) for k in reader.keys())
-
-
 def caching_phase(family, args, width: int, height: int, batch: int) -> Phase:
     """The VAE encodes the largest bucket, then (after it is freed) the text encoders encode captions:
     the phase's peak is the larger of the two."""
@@ -242,7 +235,7 @@ def caching_phase(family, args, width: int, height: int, batch: int) -> Phase:
     phase.parts["vae encode"] = _vae_peak(vae, width, height, batch, decode=False)
     precision = args.text_encoder_precision
     known = getattr(family, "text_params", None)  # presets (tools/plan_memory.py): no files
-    params = sum(known.values()) if known else sum(_file_params(p) for p in family.text_paths.values() if p)
+    params = sum(known.values()) if known else family.text_encoder_params()
     # Weights in their precision; the encoders' activations at batch 8 (a few hundred MB at most)
     # are left out: state the weights, which dominate by 20x.
     phase.parts[f"text encoders ({precision})"] = int(params * ENCODER_BYTES.get(precision, 4.0))

@@ -71,6 +71,20 @@ class Flux2Family(DiffusionFamily):
 
         return encode
 
+    def text_encoder_params(self) -> int:
+        """What load_klein_text_encoder reads of the Qwen3 files: the embeddings and the decoder
+        layers up to the last stacked one (27 of Qwen3-4B's 36), no lm_head."""
+        import re
+
+        from library.io import CheckpointReader, component_folder
+        from library.models.flux2.text_encoder import KLEIN_HIDDEN_LAYERS
+
+        reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
+        layer = re.compile(r".*layers\.(\d+)\.")
+        used = [k for k in reader.keys() if "lm_head" not in k
+                and not ((m := layer.match(k)) and int(m.group(1)) >= max(KLEIN_HIDDEN_LAYERS))]
+        return reader.numel(used)
+
     def is_dev(self) -> bool:
         """[dev] has the guidance embedding; read from the key names, no weights loaded."""
         from library.io import CheckpointReader, component_folder
