@@ -114,3 +114,37 @@ def test_sample_prompt_with_four_references_is_refused(edit_set, tmp_path, capsy
     assert train_lora.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "4 --ci image(s), but model_type qwen_image_edit takes at most 3" in err[0], err
+
+
+def test_text_cache_is_per_caption_and_references_with_the_dropped_caption_seeing_them(edit_set, tmp_path):
+    """Same caption, other reference -> other text; a changed reference file re-encodes that entry
+    only; caption dropout substitutes "" encoded with the item's own references."""
+    import numpy as np
+
+    from library.data.dataset import ImageDataset, cache_text, scan_images
+    from library.data.dataset_config import load_dataset_config
+
+    control = shutil.copytree(edit_set["edit_control_dir"], tmp_path / "control")
+    images = shutil.copytree(edit_set["edit_image_dir"], tmp_path / "images")
+    ds = tmp_path / "ds.toml"
+    ds.write_text(f'[general]\nresolution = 32\ncaption_extension = ".txt"\n[[datasets]]\n[[datasets.subsets]]\n'
+                  f'image_dir = "{images}"\ncontrol_directory = "{control}"\ncaption_dropout_rate = 1.0\n')
+    blueprint = load_dataset_config(str(ds))
+    calls = []
+
+    def encode(captions, views):  # a stand-in encoder: caption length and the reference's mean grey level
+        calls.append(captions)
+        return [{"embeds": torch.tensor([[float(len(c)), float(np.asarray(v[0]).mean())]])} for c, v in zip(captions, views)]
+
+    items = scan_images(blueprint)
+    assert cache_text(items, encode, "k", with_references=True) == 8 and sum(map(len, calls)) == 16  # caption + ""
+    texts = [ImageDataset(blueprint, items=items, validation=True)[i]["text"]["embeds"] for i in range(8)]
+    assert len({round(t[0, 1].item(), 2) for t in texts}) > 1  # "make the shape red" with each own reference
+    dropped = [ImageDataset(blueprint, items=items)[i] for i in range(8)]
+    assert all(s["caption"] == "" and s["text"]["embeds"][0, 0] == 0 for s in dropped)
+    by_path = {s["image_path"]: s["text"]["embeds"][0, 1] for s in dropped}  # "" still sees its reference
+    assert all(by_path[p] == t[0, 1] for p, t in zip([it.image_path for it in items], texts))
+
+    Image.new("RGB", (32, 32), (7, 7, 7)).save(control / "003.png")
+    items = scan_images(blueprint)
+    assert cache_text(items, encode, "k", with_references=True) == 1  # only the changed pair re-encodes
