@@ -35,20 +35,25 @@ def edit_args(edit_set, out, *extra):
 
 
 def test_qwen_image_edit_lora_loss_falls_with_references_in_every_step(edit_set, tmp_path, monkeypatch):
-    seen = []
+    seen, validated = [], []
     real = QwenImageEditFamily.loss_at
 
-    def recording(self, model, latents, text, *args, control=None, **kwargs):
-        seen.append(([tuple(c.shape) for c in control or []], text["embeds"].shape[1]))
+    def recording(self, model, latents, text, *args, control=None, **kwargs):  # training steps and val_loss
+        (seen if torch.is_grad_enabled() else validated).append(
+            ([tuple(c.shape) for c in control or []], text["embeds"].shape[1]))
         return real(self, model, latents, text, *args, control=control, **kwargs)
 
     monkeypatch.setattr(QwenImageEditFamily, "loss_at", recording)
+    with open(edit_set["edit_dataset_config"]) as f:  # 2 of the 8 pairs held out for val_loss
+        (tmp_path / "ds.toml").write_text(f.read().replace("[general]\n", "[general]\nvalidation_split = 0.25\n"))
     out = tmp_path / "run"
-    code = train_lora.main(edit_args(edit_set, out, "--max_train_steps", "36", "--optimizer_type", "AdamW",
-                                     "--optimizer_args", "--learning_rate", "3e-3"))
+    code = train_lora.main(edit_args(edit_set, out, "--max_train_steps", "40", "--optimizer_type", "AdamW",
+                                     "--optimizer_args", "--learning_rate", "3e-3", "--dataset_config",
+                                     str(tmp_path / "ds.toml"), "--validate_every_n_steps", "40"))
     assert code == 0
     # batch 2, one 32x32 reference each; the text holds the reference's vision tokens (> the caption's ~10)
-    assert len(seen) == 36 and all(s[0] == [(2, 16, 4, 4)] and s[1] > 40 for s in seen), seen[:2]
+    assert len(seen) == 40 and all(s[0] == [(2, 16, 4, 4)] and s[1] > 40 for s in seen), seen[:2]
+    assert len(validated) == 2 * 5 and all(v[0] == [(1, 16, 4, 4)] and v[1] > 40 for v in validated)
     losses = read_losses(out, "qedit")
     first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
     print(f"qwen_image_edit tiny edit run: loss {first:.4f} -> {last:.4f}")

@@ -111,7 +111,7 @@ class QwenImageEditFamily(QwenImageFamily):
         if config is None:
             reader = CheckpointReader(path)
             model_config = dataclasses.replace(infer_config(reader, _transformer_prefix(reader.keys())), **flags)
-        return load_qwen_image(path, dtype=dtype, config=model_config, prepare=fp8_prepare(base_precision, "qwen_image"),
+        return load_qwen_image(path, dtype=dtype, config=model_config, prepare=fp8_prepare(base_precision, self.arch),
                                read_weights=read_weights)
 
     def load_text_encoder(self, precision="bf16", device=None):
