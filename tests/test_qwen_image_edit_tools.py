@@ -51,16 +51,19 @@ def test_merged_edit_lora_predicts_like_the_runtime_lora(tiny_set, tmp_path):
         assert torch.allclose(a, b, atol=1e-6), name
 
 
-def test_precision_doctor_and_memory_planner_accept_qwen_image_edit(tiny_set, tmp_path, capsys):
+def test_precision_doctor_and_memory_planner_accept_qwen_image_edit(tiny_set, tmp_path):
     assert precision_doctor.main(["--model_type", "qwen_image_edit", "--model", tiny_set["qwen_image_edit_2511"],
                                   "--resolution", "64", "--text_len", "8", "--timesteps", "0.5",
                                   "--out", str(tmp_path / "doctor"), "--device", "cpu"]) == 0
     from library.models.qwen_image.family import QwenImageFamily
     from library.training.memory_plan import training_plan
 
-    capsys.readouterr()
-    assert plan_memory.main(["--preset", "qwen-image-edit", "--vram", "24", "--resolution", "256"]) == 0
-    assert "training" in capsys.readouterr().out
+    from library.training.memory_plan import caching_phase
+
+    preset = plan_memory.PresetFamily("qwen-image-edit")  # full size on meta: caching counts the vision tower
+    assert (preset.arch, preset.plan_controls) == ("qwen_image", 1)
+    text_bytes = caching_phase(preset, plan_memory.default_args("qwen_image_edit"), 256, 256, 1).parts["text encoders (bf16)"]
+    assert text_bytes == 2 * 8_292_166_656
     plans = {cls.name: training_plan(cls(tiny_set["qwen_image_edit"]), plan_memory.default_args(cls.name), 64, 64, 1, 8)
              for cls in (QwenImageFamily, QwenImageEditFamily)}
     # the reference's tokens ride along in every block, and its latents are an input
