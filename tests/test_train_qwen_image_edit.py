@@ -111,14 +111,16 @@ def test_unpaired_dataset_is_refused_in_one_line(edit_set, tmp_path, capsys):
     assert len(err) == 1 and "model_type qwen_image_edit needs at least 1 per image" in err[0], err
 
 
-def test_sample_prompt_with_four_references_is_refused(edit_set, tmp_path, capsys):
+@pytest.mark.parametrize("count, message", [(4, "4 --ci image(s), but model_type qwen_image_edit takes at most 3"),
+                                            (0, "0 --ci image(s), but model_type qwen_image_edit needs at least 1")])
+def test_sample_prompt_reference_count_is_checked_before_training(edit_set, tmp_path, capsys, count, message):
     grey = os.path.join(edit_set["edit_control_dir"], "000.png")
     prompts = tmp_path / "p.txt"
-    prompts.write_text("make it red" + f" --ci {grey}" * 4 + "\n")
+    prompts.write_text("make it red" + f" --ci {grey}" * count + "\n")
     args = edit_args(edit_set, tmp_path / "run", "--max_train_steps", "1", "--sample_prompts", str(prompts))
     assert train_lora.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "4 --ci image(s), but model_type qwen_image_edit takes at most 3" in err[0], err
+    assert len(err) == 1 and message in err[0], err
 
 
 def test_text_cache_is_per_caption_and_references_with_the_dropped_caption_seeing_them(edit_set, tmp_path):

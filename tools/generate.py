@@ -94,7 +94,7 @@ def generate(args) -> list[str]:
     prompts = collect_prompts(args)
     loras = [parse_lora(s) for s in args.lora]
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
-    check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls)
+    check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls)
     encode = family.load_text_encoder(args.text_encoder_precision, torch.device(args.device), **family.text_options(args))
     def encode_one(text: str, references) -> dict:  # with the references where the text encoder sees them
         return stack_text(encode_prompts(encode, [text], [references], family.text_sees_controls))

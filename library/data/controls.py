@@ -106,9 +106,12 @@ def reference_images(paths: list[str] | tuple[str, ...], control_bucket, width: 
     return [load_image(p, tuple(control_bucket((width, height), verified_image_size(p))))[None] for p in paths]
 
 
-def check_prompt_controls(prompts, where: str, model_type: str, max_controls: int) -> None:
-    """Sample prompts give no more --ci than the family takes."""
+def check_prompt_controls(prompts, where: str, model_type: str, max_controls: int, min_controls: int = 0) -> None:
+    """Sample prompts give no more --ci than the family takes, and as many as it needs."""
     for p in prompts:
+        if len(p.control_images) < min_controls:
+            raise ValueError(f"{where}: prompt {p.prompt!r} has {len(p.control_images)} --ci image(s), but model_type "
+                             f"{model_type} needs at least {min_controls} (--ci path)")
         if len(p.control_images) > max_controls:
             what = "takes no reference images" if not max_controls else f"takes at most {max_controls}"
             raise ValueError(f"{where}: prompt {p.prompt!r} has {len(p.control_images)} --ci image(s), but "

@@ -102,7 +102,8 @@ class DiffusionTask:
         res = self.blueprint.datasets[0].resolution
         defaults = SamplePrompt("", width=res[0], height=res[1], guidance=self.family.sample_guidance)
         prompts = read_prompt_file(self.args.sample_prompts, defaults)
-        check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls)
+        check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls,
+                              self.family.min_controls)
         return prompts
 
     def _fill_caches(self):
