@@ -190,3 +190,48 @@ def test_qwen_image_kohya_and_peft_files_load_in_diffusers_with_our_output(tmp_p
         pipe.unload_lora_weights()
     print(f"Qwen-Image: max abs diff kohya {diffs['kohya']:.3g}, PEFT {diffs['peft']:.3g}")
     assert max(diffs.values()) <= TOLERANCE
+
+
+def test_qwen_image_edit_lora_loads_in_edit_plus_pipeline_with_our_output(tmp_path):
+    """A Qwen-Image-Edit-2511 LoRA (zero_cond_t) is a Qwen-Image LoRA: QwenImageEditPlusPipeline loads
+    our kohya file, and its transformer called as the pipeline calls it (target + two condition
+    images' tokens, img_shapes listing all, output cut to the target) gives our runtime LoRA's output."""
+    import dataclasses
+
+    from diffusers import QwenImageEditPlusPipeline
+
+    from library.models.qwen_image.edit import TRANSFORMER_FLAGS
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+    from library.models.vae import pack_latents
+
+    config = dataclasses.replace(QWEN_TINY, **TRANSFORMER_FLAGS["qwen-image-edit-2511"])
+    theirs = QwenImageTransformer2DModel(**{k: v for k, v in config.to_diffusers().items() if not k.startswith("_")})
+    randomize_(theirs, seed=6)
+    theirs.save_pretrained(tmp_path / "transformer")
+    family = QwenImageEditFamily(str(tmp_path))
+    ours = family.load_transformer(torch.float32)
+    assert family.version == "qwen-image-edit-2511" and ours.config.zero_cond_t
+    g = torch.Generator().manual_seed(4)
+    x_t = torch.randn(1, IMG_H * IMG_W, 64, generator=g)
+    control = [torch.randn(1, 16, 8, 12, generator=g), torch.randn(1, 16, 6, 4, generator=g)]
+    text = {"embeds": torch.randn(1, TXT, 32, generator=g), "mask": torch.ones(1, TXT, dtype=torch.bool)}
+    sigma = torch.tensor([0.4])
+    net = random_lora(ours, family.arch, mod_dim=4)
+    net.save(str(tmp_path / "edit.safetensors"))
+    with torch.no_grad():
+        base = family.predict(ours, x_t, sigma, text, IMG_H, IMG_W, None, control=control)
+        net.apply()
+        mine = family.predict(ours, x_t, sigma, text, IMG_H, IMG_W, None, control=control)
+    assert (mine - base).abs().max() > 0.5  # the LoRA changes the output a lot
+
+    pipe = QwenImageEditPlusPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, processor=None,
+                                     transformer=theirs.eval())
+    pipe.load_lora_weights(str(tmp_path / "edit.safetensors"))
+    assert lora_layer_count(theirs) == len(net.lora_modules())
+    with torch.no_grad():
+        out = theirs(hidden_states=torch.cat([x_t, *map(pack_latents, control)], dim=1), timestep=sigma, guidance=None,
+                     encoder_hidden_states=text["embeds"], encoder_hidden_states_mask=text["mask"].long(),
+                     img_shapes=[[(1, IMG_H, IMG_W), (1, 4, 6), (1, 3, 2)]], return_dict=False)[0][:, : x_t.shape[1]]
+    diff = (mine - out).abs().max().item()
+    print(f"Qwen-Image-Edit-2511 LoRA in QwenImageEditPlusPipeline's transformer: max abs diff {diff:.3g}")
+    assert out.abs().mean() > 0.1 and diff <= TOLERANCE

@@ -106,10 +106,11 @@ def test_control_directory_must_be_a_folder_and_a_family_must_take_references(tm
         check_family_takes(items, "flux", 0)
 
 
-def test_kontext_dataset_example_parses_with_its_folders(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["dataset_kontext", "dataset_qwen_image_edit"])
+def test_edit_dataset_examples_parse_with_their_folders(tmp_path, monkeypatch, name):
     from library.data.dataset_config import load_dataset_config
 
-    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "dataset_kontext.toml")
+    example = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", f"{name}.toml")
     monkeypatch.chdir(tmp_path)
     os.makedirs("data/edit/inputs")
     (subset,) = load_dataset_config(example).datasets[0].subsets

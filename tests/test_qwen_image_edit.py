@@ -228,7 +228,7 @@ def test_family_single_file_takes_flags_from_model_version(tmp_path):
 
 
 def test_family_predict_matches_pipeline_call(tmp_path):
-    """predict(conditions=[...]) = the transformer on [target, conditions] with img_shapes listing
+    """predict(control=[...]) = the transformer on [target, conditions] with img_shapes listing
     all, the output cut to the target's tokens, as QwenImageEditPlusPipeline does."""
     from library.models.qwen_image.edit_family import QwenImageEditFamily
     from library.models.vae import pack_latents
@@ -242,7 +242,7 @@ def test_family_predict_matches_pipeline_call(tmp_path):
     text = {"embeds": torch.randn(1, TEXT, 32, generator=g), "mask": torch.ones(1, TEXT, dtype=torch.bool)}
     sigma = torch.tensor([0.4])
     with torch.no_grad():
-        got = family.predict(model, x_t, sigma, text, 6, 8, None, conditions=conditions)
+        got = family.predict(model, x_t, sigma, text, 6, 8, None, control=conditions)
         expected = ref(hidden_states=torch.cat([x_t, *map(pack_latents, conditions)], 1), timestep=sigma, guidance=None,
                        encoder_hidden_states=text["embeds"], encoder_hidden_states_mask=text["mask"].long(),
                        img_shapes=[[(1, 6, 8), (1, 4, 6), (1, 5, 3)]], return_dict=False)[0][:, :48]

@@ -123,13 +123,13 @@ def test_plot_lr_overlays_runs_and_summarises(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["quickstart", "flux1_dev_24gb", "flux1_schnell", "flux1_kontext", "qwen_image",
-                                  "flux2_klein_4b", "flux2_klein_9b", "llm_lora", "llm_pretrain"])
+                                  "qwen_image_edit", "flux2_klein_4b", "flux2_klein_9b", "llm_lora", "llm_pretrain"])
 def test_example_configs_pass_the_schema(name):
     import os
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = load_config(["--config_file", os.path.join(root, "configs", f"{name}.toml")])
-    assert args.model_type in ("flux", "flux_kontext", "flux2", "qwen_image", "llm")
+    assert args.model_type in ("flux", "flux_kontext", "flux2", "qwen_image", "qwen_image_edit", "llm")
 
 
 def test_dataset_example_config_parses():

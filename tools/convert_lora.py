@@ -1,7 +1,7 @@
 """Convert a FLUX.1, FLUX.2 or Qwen-Image LoRA between kohya and diffusers/PEFT layouts, and an LLM
 LoRA between a kohya file and a PEFT adapter folder.
 
-    python tools/convert_lora.py IN OUT --to kohya|diffusers|peft [--model_type flux|flux_kontext|flux2|qwen_image|llm] [--alpha X]
+    python tools/convert_lora.py IN OUT --to kohya|diffusers|peft [--model_type flux|flux_kontext|flux2|qwen_image|qwen_image_edit|llm] [--alpha X]
 
 The source layout (kohya `lora_unet_*`, PEFT `transformer.*.lora_A/B`, ComfyUI `diffusion_model.*`)
 and the model type are told from the tensor names (--model_type settles a LoRA that names only
@@ -326,9 +326,9 @@ def main(argv=None) -> int:
     parser.add_argument("input", help="LoRA .safetensors (kohya, PEFT/diffusers or ComfyUI) or PEFT adapter folder (LLM)")
     parser.add_argument("output", help="converted LoRA .safetensors, or the PEFT adapter folder for --to peft")
     parser.add_argument("--to", required=True, choices=["kohya", "diffusers", "peft"], help="peft: LLM LoRAs only")
-    parser.add_argument("--model_type", choices=["flux", "flux_kontext", "flux2", "qwen_image", "llm"], default=None,
+    parser.add_argument("--model_type", choices=["flux", "flux_kontext", "flux2", "qwen_image", "qwen_image_edit", "llm"], default=None,
                         help="default: told from the names (FLUX.1 / FLUX.2: also metadata and MLP widths; "
-                             "a flux_kontext LoRA has FLUX.1's)")
+                             "a flux_kontext LoRA has FLUX.1's, a qwen_image_edit one Qwen-Image's)")
     parser.add_argument("--alpha", type=float, default=None, help="kohya output: store this alpha (up rescaled)")
     try:
         args = parser.parse_args(argv)

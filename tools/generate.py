@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.models.family import BASE_PRECISIONS, FAMILIES, family_class, stack_text  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
-from library.data.controls import check_prompt_controls, reference_images  # noqa: E402
+from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
 from library.data.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 
@@ -47,11 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip_l", help="flux: CLIP-L folder")
     p.add_argument("--t5xxl", help="flux: T5-XXL folder")
     p.add_argument("--t5xxl_max_token_length", type=int, default=None, help="flux: default 512 dev, 256 schnell")
-    p.add_argument("--text_encoder", help="qwen_image: Qwen2.5-VL language model folder; flux2: klein Qwen3 (repo / folder / file)")
+    p.add_argument("--text_encoder", help="qwen_image: Qwen2.5-VL language model folder; qwen_image_edit: Qwen2.5-VL "
+                                          "with vision tower (processor/ beside it); flux2: klein Qwen3 (repo / folder / file)")
+    p.add_argument("--model_version", help="qwen_image_edit: qwen-image-edit / -2509 / -2511 (default: the transformer "
+                                           "config's flags)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (sd-scripts flags allowed); repeatable")
     p.add_argument("--prompt_file", help="prompt file, one per line, sd-scripts syntax")
     p.add_argument("--control_image", action="append", default=[],
-                   help="edit models (flux_kontext): a reference image for every prompt without its own --ci; repeatable")
+                   help="edit models (flux_kontext, qwen_image_edit): a reference image for every prompt without its own --ci; repeatable")
     p.add_argument("--negative", default="", help="qwen_image, flux2 klein base: negative prompt for true CFG")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--height", type=int, default=1024)
@@ -80,8 +83,6 @@ def collect_prompts(args) -> list[SamplePrompt]:
         prompts += read_prompt_file(args.prompt_file, defaults)
     if not prompts:
         raise ValueError("give --prompt or --prompt_file")
-    cls = family_class(args.model_type)
-    check_prompt_controls(prompts, args.prompt_file or "--prompt", cls.name, cls.max_controls)
     return prompts
 
 
@@ -92,10 +93,13 @@ def generate(args) -> list[str]:
 
     prompts = collect_prompts(args)
     loras = [parse_lora(s) for s in args.lora]
-    cls = family_class(args.model_type)
-    family = cls(args.model, args.ae, **{k: getattr(args, k) for k in cls.text_path_keys})
+    family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
+    check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls)
     encode = family.load_text_encoder(args.text_encoder_precision, torch.device(args.device), **family.text_options(args))
-    texts = [(stack_text(encode([p.prompt])), stack_text(encode([p.negative])) if family.true_cfg else None)
+    def encode_one(text: str, references) -> dict:  # with the references where the text encoder sees them
+        return stack_text(encode_prompts(encode, [text], [references], family.text_sees_controls))
+
+    texts = [(encode_one(p.prompt, p.control_images), encode_one(p.negative, p.control_images) if family.true_cfg else None)
              for p in prompts]
     del encode  # text encoders are freed before the transformer is loaded
     device = torch.device(args.device)

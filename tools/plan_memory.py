@@ -4,6 +4,7 @@
     python tools/plan_memory.py --preset flux1-dev --vram 16          # no files needed: built-in configs
     python tools/plan_memory.py --preset qwen-image --vram 24 --resolution 1328 --batch_size 1
     python tools/plan_memory.py --preset flux1-kontext-dev --vram 24   # the reference's tokens included
+    python tools/plan_memory.py --preset qwen-image-edit --vram 24     # likewise
     python tools/plan_memory.py --preset flux2-klein-4b --vram 16
 
 Everything is simulated on `meta` (library/training/memory_plan.py): no weight is read, the files'
@@ -35,6 +36,9 @@ PRESETS = {
     "flux1-schnell": ("flux", "FLUX_SCHNELL", {"clip_l": 123_060_480, "t5xxl": 4_762_310_656}),
     "flux1-kontext-dev": ("flux_kontext", "FLUX_DEV", {"clip_l": 123_060_480, "t5xxl": 4_762_310_656}),
     "qwen-image": ("qwen_image", "QWEN_IMAGE", {"text_encoder": 7_615_616_512}),
+    # Qwen-Image-Edit(-2509/-2511): Qwen-Image's transformer, one reference's tokens; Qwen2.5-VL-7B with
+    # its vision tower (0.68 B) as the text encoder.
+    "qwen-image-edit": ("qwen_image_edit", "QWEN_IMAGE", {"text_encoder": 8_292_166_656}),
     # klein's Qwen3 as load_klein_text_encoder reads it: embeddings + the first 27 of 36 layers, no head.
     "flux2-klein-4b": ("flux2", "FLUX2_KLEIN_4B", {"text_encoder": 3_114_090_752}),
     "flux2-klein-9b": ("flux2", "FLUX2_KLEIN_9B", {"text_encoder": 5_831_887_616}),

@@ -1,7 +1,7 @@
 """Precision doctor: finds fp8 damage in minutes, and says whether it comes from positions, from
 weight quantization or from a LoRA merged into fp8 weights.
 
-    python tools/precision_doctor.py --model_type flux|flux_kontext|flux2|qwen_image --model PATH [--lora FILE[:ratio]] \
+    python tools/precision_doctor.py --model_type flux|flux_kontext|flux2|qwen_image|qwen_image_edit --model PATH [--lora FILE[:ratio]] \
         [--resolution 1024 | WxH] [--seed 0] [--timesteps 0.9,0.5,0.1] [--out DIR] [--threshold 0.05] \
         [--text_len 128] [--skip_fp32] [--max_tokens 256] [--device cuda] [--inject_position_bug]
 
@@ -48,8 +48,10 @@ from networks.lora import DIFFUSERS_MODULE_MAPS, LoRAModule  # noqa: E402
 from networks.lora_files import LoRAWeights, flux_diffusers_to_bfl, read_lora  # noqa: E402
 
 # flux_kontext is checked as the FLUX.1 transformer it is: its reference tokens only add first-axis
-# position 1, exact in every dtype, so the target-only inputs show the same fp8 damage.
-FAMILIES = ("flux", "flux_kontext", "flux2", "qwen_image")
+# position 1, exact in every dtype, so the target-only inputs show the same fp8 damage. Likewise
+# qwen_image_edit is checked as the Qwen-Image transformer (its folder's config flags, e.g. 2511's
+# zero_cond_t, load with it) on target-only inputs: the condition tokens go through the same layers.
+FAMILIES = ("flux", "flux_kontext", "flux2", "qwen_image", "qwen_image_edit")
 BASE_MODES = ("fp32", "bf16", "fp8", "fp8_scaled")
 LORA_MODES = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr", "fp8+merge_into_fp8")
 VAE_PATCH = 16  # pixels per packed token: 8x VAE downsampling x 2x2 patches

@@ -64,15 +64,38 @@ def check_control_count(item, first) -> None:
                          f"every image of a subset needs the same number")
 
 
-def check_family_takes(items, model_type: str, max_controls: int) -> None:
+def check_family_takes(items, model_type: str, max_controls: int, min_controls: int = 0) -> None:
     """The training family takes this many references per image (0: it is no edit model)."""
     for item in items:
         n = len(item.control_paths)
+        if n < min_controls:
+            raise ValueError(f"{item.image_path}: {n} reference image(s), but model_type {model_type} needs at least "
+                             f"{min_controls} per image (set the subset's control_directory: library/data/controls.py)")
         if n > max_controls:
             what = (f"takes no reference images (control_directory is for edit models such as flux_kontext)"
                     if not max_controls else f"takes at most {max_controls} reference image(s)")
             raise ValueError(f"{item.image_path}: {n} reference image(s) in {item.subset.control_directory}, "
                              f"but model_type {model_type} {what}")
+
+
+def reference_views(paths: list[str] | tuple[str, ...]) -> list:
+    """The reference images as PIL RGB images at their own size (EXIF rotation applied): what a
+    text encoder that sees them (Qwen-Image-Edit) is given; it resizes them by its own rule."""
+    from PIL import Image, ImageOps
+
+    views = []
+    for p in paths:
+        with Image.open(p) as img:
+            views.append(ImageOps.exif_transpose(img).convert("RGB"))
+    return views
+
+
+def encode_prompts(encode, captions: list[str], references: list, sees_references: bool) -> list[dict]:
+    """encode(captions), or encode(captions, their reference views) for a family whose text
+    encoder sees the references (references: per caption, its reference image paths)."""
+    if not sees_references:
+        return encode(captions)
+    return encode(captions, [reference_views(paths) for paths in references])
 
 
 def reference_images(paths: list[str] | tuple[str, ...], control_bucket, width: int, height: int) -> list[torch.Tensor]:
@@ -83,9 +106,12 @@ def reference_images(paths: list[str] | tuple[str, ...], control_bucket, width: 
     return [load_image(p, tuple(control_bucket((width, height), verified_image_size(p))))[None] for p in paths]
 
 
-def check_prompt_controls(prompts, where: str, model_type: str, max_controls: int) -> None:
-    """Sample prompts give no more --ci than the family takes."""
+def check_prompt_controls(prompts, where: str, model_type: str, max_controls: int, min_controls: int = 0) -> None:
+    """Sample prompts give no more --ci than the family takes, and as many as it needs."""
     for p in prompts:
+        if len(p.control_images) < min_controls:
+            raise ValueError(f"{where}: prompt {p.prompt!r} has {len(p.control_images)} --ci image(s), but model_type "
+                             f"{model_type} needs at least {min_controls} (--ci path)")
         if len(p.control_images) > max_controls:
             what = "takes no reference images" if not max_controls else f"takes at most {max_controls}"
             raise ValueError(f"{where}: prompt {p.prompt!r} has {len(p.control_images)} --ci image(s), but "

@@ -25,7 +25,7 @@ import torch
 from PIL import Image, ImageOps
 
 from library.data.captions import caption_variants, drops_captions, fixed_caption, is_dropped
-from library.data.controls import check_control_count, control_files, scan_controls
+from library.data.controls import check_control_count, control_files, encode_prompts, scan_controls
 from library.data.dataset_config import DatasetBlueprint, SubsetSpec
 from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket, verified_image_size
 from library.data.masks import balance_reg_repeats, find_mask, load_mask, mask_source_hash, warn_missing_alpha
@@ -262,7 +262,9 @@ class ImageDataset(torch.utils.data.Dataset):
             if item.control_paths:
                 sample["control_images"] = [load_image(p, b, flip) for p, b in zip(item.control_paths, item.control_buckets)]
         if item.text_cache is not None:
-            text = self._empty_text() if variant == "dropped" else _read_text_cache(item.text_cache, variant)
+            text = _read_text_cache(item.text_cache, variant)  # "dropped": the item's own, if encoded with its references
+            if variant == "dropped" and not text:
+                text = self._empty_text()
             sample["text"] = {k: v.float() if v.is_floating_point() else v for k, v in text.items()}
         return sample
 
@@ -418,11 +420,17 @@ def latent_hash(item: ImageItem, model_key: str) -> str:
     return h.hexdigest()
 
 
-def text_hash(item: ImageItem, model_key: str) -> str:
+def text_hash(item: ImageItem, model_key: str, with_references: bool = False) -> str:
     text = fixed_caption(item.caption, item.subset)
     if item.caption_variants:  # what is encoded changes with them (and with their count)
         text = "\x1f".join([text, *item.caption_variants])
-    return hashlib.sha256(f"{text}|{model_key}".encode()).hexdigest()
+    h = hashlib.sha256(f"{text}|{model_key}".encode())
+    if with_references:  # the encoder sees the references, and the entry holds the dropped caption's text
+        for path in item.control_paths:
+            with open(path, "rb") as f:
+                h.update(b"|control|" + f.read())
+        h.update(f"|dropped={drops_captions(item.subset)}".encode())
+    return h.hexdigest()
 
 
 def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], torch.Tensor], model_key: str,
@@ -471,36 +479,53 @@ def _encode_images(encode_fn, chunk, flip: bool, control: int | None = None) -> 
         return encode_fn(images).detach().cpu()
 
 
-def cache_text(items: list[ImageItem], encode_fn: Callable[[list[str]], list[dict[str, torch.Tensor]]],
-               model_key: str, *, batch_size: int = 8, to_disk: bool = True) -> int:
+def cache_text(items: list[ImageItem], encode_fn: Callable[..., list[dict[str, torch.Tensor]]],
+               model_key: str, *, batch_size: int = 8, to_disk: bool = True, with_references: bool = False) -> int:
     """Encode every caption whose cache is missing or stale; returns how many images were encoded.
 
     encode_fn: captions -> one dict of tensors per caption (no batch axis; floating tensors are
     stored as bf16, others as they are). An item's augmented caption_variants are encoded too and
-    stored in the same file as `<name>@<k>` (library/data/captions.py)."""
+    stored in the same file as `<name>@<k>` (library/data/captions.py).
+    with_references: the encoder sees each item's reference images, encode_fn(captions,
+    reference views) (Qwen-Image-Edit); the entry is then per (caption, references), its hash
+    covers the reference files, and with caption dropout it also holds the empty caption encoded
+    with the same references (`<name>@dropped`: what dropout substitutes, as the pipeline would
+    encode "" with the images). The references are seen unflipped (flip_aug mirrors only latents)."""
     todo = []
     for item in items:
-        digest = text_hash(item, model_key)
+        digest = text_hash(item, model_key, with_references)
         path = cache_path(item, f"{model_key}_te")
         if to_disk and _cache_is_valid(path, digest):
             item.text_cache = path
         else:
             todo.append((item, path, digest))
     # One job per text; batches may span images, and an image's file is written with its last text.
-    jobs = [(i, k, text) for i, (item, _, _) in enumerate(todo) for k, text in enumerate([item.caption, *item.caption_variants])]
+    texts = [_texts(item, with_references) for item, _, _ in todo]
+    jobs = [(i, suffix, text) for i, item_texts in enumerate(texts) for suffix, text in item_texts]
+    remaining = [len(item_texts) for item_texts in texts]
     pending: list[dict] = [{} for _ in todo]
     for start in range(0, len(jobs), batch_size):
         chunk = jobs[start : start + batch_size]
         with torch.no_grad():
-            outputs = encode_fn([fixed_caption(text, todo[i][0].subset) if k == 0 else text for i, k, text in chunk])
-        for (i, k, _), out in zip(chunk, outputs):
-            suffix = "" if k == 0 else f"@{k - 1}"
+            outputs = encode_prompts(encode_fn, [text for _, _, text in chunk],
+                                     [todo[i][0].control_paths for i, _, _ in chunk], with_references)
+        for (i, suffix, _), out in zip(chunk, outputs):
             pending[i].update({name + suffix: _to_cache_dtype(v) for name, v in out.items()})
-            item, path, digest = todo[i]
-            if k == len(item.caption_variants):
+            remaining[i] -= 1
+            if not remaining[i]:
+                item, path, digest = todo[i]
                 item.text_cache = _store(pending[i], path, digest, to_disk, model_key)
                 pending[i] = {}
     return len(todo)
+
+
+def _texts(item: ImageItem, with_references: bool) -> list[tuple[str, str]]:
+    """(name suffix, text) of everything an item's text cache holds."""
+    texts = [("", fixed_caption(item.caption, item.subset))]
+    texts += [(f"@{k}", variant) for k, variant in enumerate(item.caption_variants)]
+    if with_references and drops_captions(item.subset):
+        texts.append(("@dropped", ""))
+    return texts
 
 
 def cache_empty_caption(dataset: "ImageDataset", encode_fn: Callable[[list[str]], list[dict[str, torch.Tensor]]]):
@@ -515,8 +540,9 @@ def _to_cache_dtype(v: torch.Tensor) -> torch.Tensor:
     return (v.to(CACHE_DTYPE) if v.is_floating_point() else v).detach().cpu()
 
 
-def _read_text_cache(cache: str | dict, variant: int | None) -> dict[str, torch.Tensor]:
-    """The caption's own tensors (variant None) or those of its variant k, under their plain names."""
+def _read_text_cache(cache: str | dict, variant: int | str | None) -> dict[str, torch.Tensor]:
+    """The caption's own tensors (variant None), those of its variant k or of the dropped caption
+    ("dropped", when cached per item), under their plain names."""
     source = cache if isinstance(cache, dict) else CheckpointReader(cache)
     names = source.keys()
     if variant is None:

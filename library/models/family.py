@@ -9,7 +9,10 @@ line in FAMILIES below; nothing else in the trainer or the tools names a family.
 Edit families (FLUX.1 Kontext, ...) also take reference images: `control`, a list of reference
 latents [B, 16, h_k, w_k] float32 (unpacked; the family packs them and gives them positions), the
 same list from the dataset (control_directory), validation and sample prompts (--ci). Families
-without references never see it (control is None).
+without references never see it (control is None). An edit family whose text encoder sees the
+references too (Qwen-Image-Edit: text_sees_controls) has an encoder callable
+encode(captions, condition_images) instead of encode(captions); its text is cached per
+(caption, references).
 
 Dtypes at the boundaries: latents and text embeddings are float32 (bf16 on disk); the model
 casts its inputs to its `compute_dtype`; sigmas and positions stay float32/int64.
@@ -64,6 +67,8 @@ class DiffusionFamily:
     vae_downsample = 8
     patch = 2
     max_controls = 0  # reference images a sample may carry (0: the family takes none)
+    min_controls = 0  # reference images every training image needs
+    text_sees_controls = False  # the text encoder takes the reference images with the captions
     plan_controls = 0  # references the memory planner sizes a training sample for
 
     # The transformer architecture: key of the LoRA targets, fp8 rules and flow-matching constants.
@@ -190,7 +195,7 @@ class DiffusionFamily:
         Only the target's tokens are in the loss (predict returns no reference tokens)."""
         h, w = latents.shape[2] // self.patch, latents.shape[3] // self.patch
         x_t = pack_latents(fm.noisy_input(latents, noise, sigmas))
-        pred = self.predict(model, x_t, sigmas, text, h, w, guidance, **_with(control))
+        pred = self.predict(model, x_t, sigmas, text, h, w, guidance, **control_kwargs(control))
         target = pack_latents(fm.flow_target(latents, noise))
         if mask is not None:  # one weight per latent element, packed like the latents
             mask = pack_latents(mask.expand_as(latents))
@@ -215,7 +220,7 @@ class DiffusionFamily:
         sigmas = fm.inference_sigmas(steps, h * w, self.arch, dynamic_shift=self.dynamic_shift(model))
 
         def velocity(x, s):
-            return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **_with(control))
+            return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **control_kwargs(control))
 
         return unpack_latents(fm.euler_sample(velocity, pack_latents(noise), sigmas), lh, lw)
 
@@ -225,13 +230,13 @@ class DiffusionFamily:
         return torch.randn(batch, self.latent_channels, lh, lw, generator=generator, dtype=torch.float32)
 
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
-        return self.predict(model, x, s, text, h, w, guidance, **_with(control)).float()
+        return self.predict(model, x, s, text, h, w, guidance, **control_kwargs(control)).float()
 
     def dynamic_shift(self, model) -> bool:
         return True
 
 
-def _with(control: list[torch.Tensor] | None) -> dict:
+def control_kwargs(control: list[torch.Tensor] | None) -> dict:
     """`control=` only when there are references: a family without them keeps its signature."""
     return {"control": control} if control else {}
 
@@ -247,6 +252,7 @@ FAMILIES = {
     "qwen_image": "library.models.qwen_image.family:QwenImageFamily",
     "flux_kontext": "library.models.flux1.kontext:FluxKontextFamily",
     "flux2": "library.models.flux2.family:Flux2Family",
+    "qwen_image_edit": "library.models.qwen_image.edit_family:QwenImageEditFamily",
 }
 
 

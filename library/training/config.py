@@ -39,6 +39,9 @@ SCHEMA: dict[str, Arg] = {
     "t5xxl": A(str, None, "FLUX T5-XXL text encoder (HF folder)"),
     "text_encoder": A(str, None, "Qwen-Image: Qwen2.5-VL language model; FLUX.2 [klein]: Qwen3 (klein repo, its "
                                  "text_encoder/ folder or a single file, tokenizer/ beside it)"),
+    "model_version": A(str, None, "qwen_image_edit: qwen-image-edit, qwen-image-edit-2509 or qwen-image-edit-2511 "
+                                  "(default: the transformer config.json's flags, 2509 without zero_cond_t; needed "
+                                  "for a single transformer file)"),
     "t5xxl_max_token_length": A(int, None, "T5 tokens; default 512 for dev, 256 for schnell (read from the checkpoint)"),
     "dataset_config": A(str, None, "dataset TOML (kohya schema)"),
     # output

@@ -16,7 +16,7 @@ import torch.nn as nn
 from library.data.captions import drops_captions
 from library.data.dataset import (BucketBatchSampler, EpochBatches, ImageDataset, cache_empty_caption, cache_latents,
                                   cache_text, collate_batch, scan_images, split_validation)
-from library.data.controls import check_family_takes, check_prompt_controls, reference_images
+from library.data.controls import check_family_takes, check_prompt_controls, encode_prompts, reference_images
 from library.data.dataset_config import load_dataset_config
 from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
@@ -90,7 +90,7 @@ class DiffusionTask:
         bp, rule = self.blueprint, self.family.control_bucket  # the family sizes reference images
         train, held_out = split_validation(scan_images(bp, control_bucket=rule), bp)
         validation = held_out + scan_images(bp, held_out_sets=True, control_bucket=rule)
-        check_family_takes(train + validation, self.family.name, self.family.max_controls)
+        check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls)
         if validation:
             self.accelerator.print(f"validation: {len(validation)} images held out, {len(train)} for training")
         return (ImageDataset(bp, seed=self.args.seed, items=train),
@@ -102,7 +102,8 @@ class DiffusionTask:
         res = self.blueprint.datasets[0].resolution
         defaults = SamplePrompt("", width=res[0], height=res[1], guidance=self.family.sample_guidance)
         prompts = read_prompt_file(self.args.sample_prompts, defaults)
-        check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls)
+        check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls,
+                              self.family.min_controls)
         return prompts
 
     def _fill_caches(self):
@@ -112,19 +113,23 @@ class DiffusionTask:
         precision = args.text_encoder_precision  # part of the cache key: another precision re-encodes
         text_key = self.family.text_cache_key(options, precision)
         encode_text = self.family.load_text_encoder(precision, self.device, **options)
+        sees = self.family.text_sees_controls  # Qwen-Image-Edit: text per (caption, references)
         encoded = cache_text(items, encode_text, text_key, batch_size=args.text_encoder_batch_size,
-                             to_disk=args.cache_text_encoder_outputs_to_disk)
+                             to_disk=args.cache_text_encoder_outputs_to_disk, with_references=sees)
         variants = sum(len(item.caption_variants) for item in items)
         self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk"
                                + (f"; {variants} augmented variants cached with them" if variants else ""))
-        if any(drops_captions(item.subset) for item in self.dataset.items):
-            cache_empty_caption(self.dataset, encode_text)  # what caption dropout substitutes
+        if not sees and any(drops_captions(item.subset) for item in self.dataset.items):
+            cache_empty_caption(self.dataset, encode_text)  # what caption dropout substitutes (else: per item)
         # Sample prompts are encoded now too: the encoders are gone by the time samples render.
         # True-CFG families (Qwen-Image) always need a (possibly empty) negative prompt.
         self.prompt_texts = []
         for p in self.prompts:
-            negative = stack_text(encode_text([p.negative])) if p.negative or self.family.true_cfg else None
-            self.prompt_texts.append((stack_text(encode_text([p.prompt])), negative))
+            def encode(text):  # with the prompt's references where the text encoder sees them
+                return stack_text(encode_prompts(encode_text, [text], [p.control_images], sees))
+
+            negative = encode(p.negative) if p.negative or self.family.true_cfg else None
+            self.prompt_texts.append((encode(p.prompt), negative))
         del encode_text  # the encoders go before the transformer loads
         gc.collect()
         if self.device.type == "cuda":

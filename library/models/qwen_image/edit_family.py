@@ -5,6 +5,18 @@ sees the condition images, and the version's condition sizes (edit.py).
 The version comes from `model_version` or from the transformer's config.json (zero_cond_t means
 2511; Edit and 2509 share their config, and without model_version a folder is taken as 2509). A
 single transformer file has no config: pass model_version.
+
+Training (the FLUX.1 Kontext interface, family.py): `control` is the list of reference latents
+(a subset's control_directory, a sample prompt's --ci), appended to the target's tokens; the loss
+is on the target's tokens. Edit takes one reference, 2509 / 2511 up to three (the Plus pipeline's
+prompt names "Picture 1..n"; three is what the releases were trained with). For the VAE a
+reference keeps its own aspect ratio at the target bucket's area (control_bucket: the pipelines'
+rule, which is the ~1024x1024 output area, scaled to the training resolution). The text sees the
+references too, at the pipeline's fixed VL-encoder size (edit_sizes: ~384x384 area for 2509 /
+2511, ~1024x1024 for Edit), so a text cache entry is per (caption, references)
+(text_sees_controls; library/data/dataset.py cache_text). LoRA targets, fp8 rules and
+flow-matching constants are Qwen-Image's (arch). Samples use true CFG with the negative prompt,
+encoded with the same references, as the pipelines do.
 """
 
 from __future__ import annotations
@@ -16,7 +28,8 @@ import os
 import torch
 
 from library.models.family import fp8_prepare
-from library.models.qwen_image.edit import TRANSFORMER_FLAGS, check_version, edit_sizes, resize_condition, version_from_flags
+from library.models.qwen_image.edit import (EDIT, SIZE_MULTIPLE, TRANSFORMER_FLAGS, area_size, check_version, edit_sizes,
+                                            resize_condition, version_from_flags)
 from library.models.qwen_image.family import QwenImageFamily
 from library.models.vae import pack_latents
 
@@ -25,6 +38,10 @@ class QwenImageEditFamily(QwenImageFamily):
     """Qwen-Image-Edit: predict takes the condition images' latents besides the noisy target's."""
 
     name = "qwen_image_edit"
+    arch = "qwen_image"  # Qwen-Image's transformer: its LoRA targets, fp8 rules and flow-matching constants
+    min_controls = 1  # the pipelines always condition on an image
+    plan_controls = 1
+    text_sees_controls = True  # encode(captions, condition_images)
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
@@ -66,6 +83,17 @@ class QwenImageEditFamily(QwenImageFamily):
     def model_version(self, model) -> str:
         return self.version
 
+    @property
+    def max_controls(self) -> int:
+        """Edit: one condition image; 2509 / 2511: up to three."""
+        return 1 if self.version == EDIT else 3
+
+    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+        """A reference keeps its aspect ratio at the target bucket's area, sides multiples of 32
+        (the pipelines' calculate_dimensions at their output area)."""
+        w, h = area_size(size[0], size[1], bucket[0] * bucket[1])
+        return max(w, SIZE_MULTIPLE), max(h, SIZE_MULTIPLE)
+
     def text_encoding_constants(self) -> dict:
         from library.models.qwen_image import edit_encoder as te
 
@@ -83,7 +111,7 @@ class QwenImageEditFamily(QwenImageFamily):
         if config is None:
             reader = CheckpointReader(path)
             model_config = dataclasses.replace(infer_config(reader, _transformer_prefix(reader.keys())), **flags)
-        return load_qwen_image(path, dtype=dtype, config=model_config, prepare=fp8_prepare(base_precision, "qwen_image"),
+        return load_qwen_image(path, dtype=dtype, config=model_config, prepare=fp8_prepare(base_precision, self.arch),
                                read_weights=read_weights)
 
     def load_text_encoder(self, precision="bf16", device=None):
@@ -106,12 +134,13 @@ class QwenImageEditFamily(QwenImageFamily):
 
         return encode
 
-    def predict(self, model, x_t, sigmas, text, h, w, guidance, conditions: list[torch.Tensor] | None = None):
-        """x_t: packed noisy target [B, h*w, 64]; conditions: the condition images' latents, each
+    def predict(self, model, x_t, sigmas, text, h, w, guidance, control: list[torch.Tensor] | None = None):
+        """x_t: packed noisy target [B, h*w, 64]; control: the condition images' latents, each
         unpacked [B, 16, H_i, W_i] float32 (VAE-normalized as the target's). Returns the target's
         velocity [B, h*w, 64]: the condition tokens' outputs are dropped, as the pipelines do."""
+        conditions = control
         if not conditions:
-            raise ValueError("qwen_image_edit: predict needs the condition images' latents (conditions=[...])")
+            raise ValueError("qwen_image_edit: predict needs the condition images' latents (control=[...])")
         device = x_t.device
         packed = [pack_latents(c.to(device, x_t.dtype)) for c in conditions]
         shapes = [(1, h, w)] + [(1, c.shape[2] // self.patch, c.shape[3] // self.patch) for c in conditions]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from library.models.family import DiffusionFamily, fp8_prepare
+from library.models.family import DiffusionFamily, control_kwargs, fp8_prepare
 
 
 class QwenImageFamily(DiffusionFamily):
@@ -57,11 +57,12 @@ class QwenImageFamily(DiffusionFamily):
             timesteps=sigmas, img_shapes=[(1, h, w)] * x_t.shape[0],
         )
 
-    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance):
-        cond = self.predict(model, x, s, text, h, w, guidance).float()
+    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
+        refs = control_kwargs(control)  # Qwen-Image-Edit: both passes see the condition latents
+        cond = self.predict(model, x, s, text, h, w, guidance, **refs).float()
         if negative_text is None or guidance is None or guidance <= 1.0:
             return cond
-        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
+        uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
         # Qwen-Image's pipeline rescales the guided prediction to the conditional one's norm.
         guided = uncond + guidance * (cond - uncond)
         return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))

@@ -321,7 +321,8 @@ class QwenImage(nn.Module):
         key_mask = None
         # An all-true mask (batch 1, or captions of one length) is dropped: with any mask CUDA's SDPA
         # takes the memory-efficient kernel, not flash (bench/RESULTS.md, GPU). One host sync per call.
-        if txt_mask is not None and not bool(txt_mask.all()):  # bool [B, T + L]: text padding masked as keys
+        # On meta (the memory planner) there are no values: the mask is kept, the costlier case.
+        if txt_mask is not None and (txt_mask.is_meta or not bool(txt_mask.all())):  # bool [B, T + L]: text padding masked as keys
             image_visible = torch.ones(batch, img_len, dtype=torch.bool, device=img.device)
             key_mask = torch.cat([txt_mask.to(img.device).bool(), image_visible], dim=1)
 
