@@ -1,9 +1,10 @@
-"""A Llama / Qwen2 / Qwen3 causal language model built from the shared core (library/models/core.py).
+"""A Llama / Mistral / Qwen2 / Qwen3 causal language model built from the shared core (library/models/core.py).
 
 The same class runs Llama-3-8B, Qwen2-style models, the language model of Qwen2.5-VL (the
 Qwen-Image text encoder; for text-only prompts its multimodal RoPE reduces to 1-D RoPE) and Qwen3
 (the FLUX.2 [klein] text encoders: no qkv bias, a per-head RMSNorm on q and k before RoPE, head_dim
-set by the config rather than hidden_size / num_heads). Module
+set by the config rather than hidden_size / num_heads) and Mistral (the language model of Mistral
+Small 3.1, the FLUX.2 [dev] text encoder: Llama-like, explicit head_dim, no sliding window). Module
 names mirror Hugging Face checkpoints (`model.layers.N.self_attn.q_proj`, ...), so loading is a
 plain name-for-name copy.
 
@@ -33,11 +34,12 @@ from library.io import CheckpointError, CheckpointReader, load_streaming, save_s
 
 @dataclass(frozen=True)
 class LLMConfig:
-    """Architecture of a Llama/Qwen2/Qwen3 decoder. Defaults are the Qwen2.5-VL-7B language model.
+    """Architecture of a Llama/Mistral/Qwen2/Qwen3 decoder. Defaults are the Qwen2.5-VL-7B language model.
 
-    head_dim: 0 = hidden_size // num_heads (Llama, Qwen2); Qwen3 sets it explicitly (128 for
-    Qwen3-4B, whose hidden_size 2560 / 32 heads would give 80). qk_norm: Qwen3's RMSNorm over
-    head_dim on each query and key head, applied before RoPE."""
+    head_dim: 0 = hidden_size // num_heads (Llama, Qwen2); Qwen3 and Mistral Small 3.1 set it
+    explicitly (128 for Qwen3-4B, whose hidden_size 2560 / 32 heads would give 80, and for Mistral
+    Small 3.1: 5120 / 32 = 160). qk_norm: Qwen3's RMSNorm over head_dim on each query and key head,
+    applied before RoPE. Mistral (no sliding window) is Llama with an explicit head_dim."""
 
     vocab_size: int = 152064
     hidden_size: int = 3584
@@ -72,17 +74,20 @@ class LLMConfig:
         """From a Hugging Face config.json dict (llama, qwen2, qwen3, qwen2_5_vl with or without a
         nested `text_config`). Features this model does not implement are refused, not ignored."""
         model_type = config.get("model_type", "")
-        if "text_config" in config:  # transformers >= 4.52 nests the Qwen2.5-VL language model
+        if "text_config" in config:  # Qwen2.5-VL (transformers >= 4.52), Mistral3: the language model nested
+            model_type = config["text_config"].get("model_type", model_type)  # e.g. mistral3 -> mistral
             config = {**config, **config["text_config"]}
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):  # mrope: 1-D RoPE for text, 3-axis for image tokens
             raise ValueError(f"config.json: rope type '{rope_type}' is not supported (expected default or mrope)")
         is_qwen3 = model_type == "qwen3"
+        # transformers' Llama, Mistral, Qwen2 and Qwen3 attention all take an explicit head_dim when given
+        # (Mistral Small 3.1: 128, where 5120 / 32 heads would give 160)
         head_dim = config.get("head_dim") or 0
-        if head_dim and not is_qwen3 and head_dim != config["hidden_size"] // config["num_attention_heads"]:
-            raise ValueError(f"config.json: head_dim {head_dim} != hidden_size / num_attention_heads (not supported)")
         sliding = config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or [])
+        # Mistral applies `sliding_window` whenever it is set (Mistral Small 3.1: null); Qwen2 only with use_sliding_window
+        sliding = sliding or (model_type == "mistral" and config.get("sliding_window") is not None)
         if sliding or config.get("mlp_bias"):
             raise ValueError("config.json: use_sliding_window / sliding_attention layers / mlp_bias are not supported")
         is_qwen2 = model_type.startswith("qwen2")  # Qwen2 / Qwen2.5-VL: bias on q, k, v (not o)
@@ -100,15 +105,15 @@ class LLMConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
-            head_dim=head_dim if is_qwen3 else 0,
+            head_dim=head_dim,
             qk_norm=is_qwen3,
             # Qwen2.5-VL configs name the sections under rope type "mrope" or (transformers >= 4.5x) "default"
             mrope_section=tuple(rope.get("mrope_section") or ()),
         )
 
     def to_hf(self) -> dict:
-        """A Hugging Face config.json dict (qwen3 when qk_norm, qwen2 when qkv_bias, else llama)
-        that from_hf reads back."""
+        """A Hugging Face config.json dict (qwen3 when qk_norm, qwen2 when qkv_bias, else llama;
+        a Mistral without sliding window is a Llama with an explicit head_dim) that from_hf reads back."""
         if self.qk_norm and self.qkv_bias:
             raise ValueError("LLMConfig.to_hf: qk_norm with qkv_bias has no Hugging Face model type")
         model_type = "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
@@ -121,7 +126,7 @@ class LLMConfig:
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
-            **({"head_dim": self.head_dim} if self.qk_norm else {}),
+            **({"head_dim": self.head_dim} if self.qk_norm or self.head_dim != self.hidden_size // self.num_heads else {}),
             "intermediate_size": self.intermediate_size,
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.rms_norm_eps,
@@ -156,6 +161,14 @@ QWEN3_8B = LLMConfig(
     vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=12288,
     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=False,
     max_position_embeddings=40960, head_dim=128, qk_norm=True,
+)
+
+# The FLUX.2 [dev] text encoder: the language model of Mistral Small 3.1 24B (Mistral3ForConditionalGeneration's
+# text_config; 3 x 5120 stacked layers = the [dev] transformer's joint_attention_dim 15360).
+MISTRAL_SMALL_3_1 = LLMConfig(
+    vocab_size=131072, hidden_size=5120, num_layers=40, num_heads=32, num_kv_heads=8, intermediate_size=32768,
+    rope_theta=1000000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, qkv_bias=False,
+    max_position_embeddings=131072, head_dim=128,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -264,8 +277,10 @@ class LLM(nn.Module):
             position_ids = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
         cos, sin = self._rope(position_ids)  # fp32
         key_mask = None if attention_mask is None else attention_mask.bool()
-        # Built once per forward when there is padding; without it SDPA applies causality itself.
-        mask = None if key_mask is None else core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device)
+        # Built once per forward when there is padding; without it SDPA applies causality itself. Left-pad
+        # queries see no key: their attention output is 0, as in transformers (kept by FLUX.2 [dev]'s encoder).
+        mask = None if key_mask is None else core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device,
+                                                                 open_empty_rows=False)
         embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         return embeds.to(self.compute_dtype), cos, sin, mask
 
@@ -325,11 +340,17 @@ def count_parameters(model: nn.Module) -> int:
 # Loading
 
 
+# Qwen2.5-VL's vision tower; Mistral3's Pixtral tower and projector, top-level or under `model.`
+VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+                   "model.multi_modal_projector.")
+
+
 def checkpoint_key_to_llm(key: str, tie_word_embeddings: bool = False) -> str | None:
     """Checkpoint key -> LLM key, or None to skip. Accepts plain HF causal-LM keys and the
-    Qwen2.5-VL layouts (`model.language_model.*` of transformers >= 4.52, `language_model.model.*`
-    / `language_model.lm_head.*` of LLaVA-style exports); vision tower keys are skipped."""
-    if key.startswith(("visual.", "model.visual.")):
+    Qwen2.5-VL / Mistral3 layouts (`model.language_model.*` of transformers >= 4.52, `language_model.model.*`
+    / `language_model.lm_head.*` of LLaVA-style exports and the released Mistral Small 3.1 files);
+    vision tower and multimodal projector keys are skipped (never read)."""
+    if key.startswith(VISION_PREFIXES):
         return None
     for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")):
         if key.startswith(old):
@@ -481,6 +502,7 @@ __all__ = [
     "LLAMA3_8B",
     "QWEN3_4B",
     "QWEN3_8B",
+    "MISTRAL_SMALL_3_1",
     "LLM",
     "load_llm",
     "save_hf_folder",
