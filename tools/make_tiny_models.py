@@ -29,6 +29,9 @@ DIR/
   flux2/flux2-tiny.safetensors         FLUX.2 [klein]-like transformer (no guidance_in), BFL single file
   flux2/transformer/                   the same weights as a diffusers Flux2Transformer2DModel folder
   flux2/flux2-dev-tiny.safetensors     FLUX.2 [dev]-like transformer (guidance_in), BFL single file
+  flux2/dev/text_encoder/              FLUX.2 [dev] text encoder: Mistral3ForConditionalGeneration (tiny Pixtral
+                                       tower + Mistral LM, released `language_model.model.*` keys, 31 layers)
+  flux2/dev/tokenizer/                 its Mistral-style tokenizer (<s> added, <pad>) with a chat template
   flux2/vae/                           AutoencoderKLFlux2 diffusers folder (32 latent channels, BatchNorm
                                        statistics set away from 0 / 1 so that normalisation is seen)
   manifest.json                        what was written, with sizes and dims
@@ -179,6 +182,40 @@ def build_qwen3_tokenizer():
     tok.add_tokens(["<think>", "</think>"])
     tok.chat_template = QWEN3_CHAT_TEMPLATE
     return tok
+
+
+# Mistral's control tokens in their released ids (<unk> 0, <s> 1, </s> 2, ..., [IMG] 10, <pad> 11, ...).
+MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                    "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
+                    "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
+# The Mistral Small 3.1 chat template's rendering of system / user / assistant messages whose content
+# is a string or a list of text parts (what the FLUX.2 [dev] pipeline sends); images and tools left out.
+MISTRAL_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set text = message['content'] %}"
+    "{%- else %}{%- set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{%- endif %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' + text + '[/INST]' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- text + eos_token }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def build_mistral_tokenizer():
+    """Mistral-style (the FLUX.2 [dev] tokenizer): byte-level BPE, the control tokens first, <s> added
+    in front by the tokenizer (as the released tokenizer.json does), <pad> to pad, and the chat template."""
+    from tokenizers import decoders, pre_tokenizers, processors
+
+    from library.models.flux2.dev_text_encoder import DEV_SYSTEM_MESSAGE
+
+    tok = _bpe(448, pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel(), specials=MISTRAL_SPECIALS,
+               templates=("{}", DEV_SYSTEM_MESSAGE + " {}"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    fast = _fast(tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>", model_max_length=131072)
+    fast.chat_template = MISTRAL_CHAT_TEMPLATE
+    return fast
 
 
 def save_tokenizer(tokenizer, folder: str):
@@ -456,6 +493,32 @@ def write_qwen3_text_encoder(out: str, seed: int) -> dict[str, str]:
     return {"flux2_text_encoder": folder, "flux2_tokenizer": tok_folder}
 
 
+def write_flux2_dev_text_encoder(out: str, seed: int) -> dict[str, str]:
+    """FLUX.2 [dev] text encoder (repo layout flux2/dev/text_encoder/ + tokenizer/): a transformers
+    Mistral3ForConditionalGeneration (tiny Pixtral tower + projector + Mistral language model) saved
+    by save_pretrained, whose keys are the released `language_model.model.*` layout; 31 layers so that
+    the pipeline's hidden layers 10, 20, 30 exist, head_dim 16 != hidden / heads (8), untied head."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tokenizer = build_mistral_tokenizer()
+    _seed(seed, 13)
+    h = TINY["lm_hidden"]
+    text = {"model_type": "mistral", "vocab_size": _round_up(len(tokenizer)), "hidden_size": h, "num_hidden_layers": 31,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 2 * h,
+            "rms_norm_eps": 1e-5, "rope_theta": 1000000000.0, "sliding_window": None, "max_position_embeddings": 2048,
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 11}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 8,
+              "patch_size": 14, "image_size": 56}
+    model = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision, tie_word_embeddings=False))
+    with torch.no_grad():  # init leaves <pad>'s row (padding_idx) at 0; released rows are not, and pad rows are kept
+        model.get_input_embeddings().weight[11].normal_(0.0, 0.02)
+    root = os.path.join(out, "flux2", "dev")
+    folder, tok_folder = os.path.join(root, "text_encoder"), os.path.join(root, "tokenizer")
+    model.save_pretrained(folder, safe_serialization=True)
+    save_tokenizer(tokenizer, tok_folder)
+    return {"flux2_dev_text_encoder": folder, "flux2_dev_tokenizer": tok_folder}
+
+
 def write_flux2(out: str, seed: int) -> dict[str, str]:
     """FLUX.2 transformers: [klein]-like (BFL file + diffusers folder, same weights) and [dev]-like
     (BFL file). 32 latent channels (128 packed); context = 3 stacked text-encoder layers of lm_hidden."""
@@ -500,6 +563,7 @@ def write_flux2_vae(out: str, seed: int) -> dict[str, str]:
 WRITERS = (
     write_flux, write_flux_vae, write_clip, write_t5, write_qwen_image, write_qwen_vae, write_qwen_text_encoder, write_llm,
     write_qwen3_text_encoder, write_flux2, write_flux2_vae, write_qwen_image_edit, write_qwen_vl_text_encoder,
+    write_flux2_dev_text_encoder,
 )
 
 

@@ -1,10 +1,10 @@
 """FLUX.2 as a diffusion family: the BFL-named transformer (model.py, loaded by checkpoint.py), the
 FLUX.2 VAE (32 latent channels, BatchNorm-normalised in patch space: library/models/vae.py) and
-[klein]'s Qwen3 text encoder (text_encoder.py).
+the text encoders: [klein]'s Qwen3 (text_encoder.py), [dev]'s Mistral (dev_text_encoder.py).
 
 Variants, read from the transformer checkpoint: a guidance embedding (`guidance_in`) is [dev],
-none is [klein] (4B / 9B by width). [dev]'s text encoder (Mistral Small 3.1) is not supported:
-load_text_encoder refuses [dev] with that reason. Inference as the diffusers pipelines do it:
+none is [klein] (4B / 9B by width); [dev] encodes prompts with the language model of Mistral Small
+3.1 (dev_text_encoder.py), [klein] with Qwen3. Inference as the diffusers pipelines do it:
 - [klein] (Flux2KleinPipeline): no guidance embedding; the base (non-distilled) models run
   classifier-free guidance with an empty negative prompt when guidance > 1, the distilled ones
   (`is_distilled` in the pipeline's model_index.json) never do;
@@ -24,7 +24,7 @@ from library.models.family import DiffusionFamily, fp8_prepare
 
 
 class Flux2Family(DiffusionFamily):
-    """FLUX.2 [klein] / [dev]: BFL module names, 32 latent channels, Qwen3 text (klein)."""
+    """FLUX.2 [klein] / [dev]: BFL module names, 32 latent channels, Qwen3 (klein) / Mistral (dev) text."""
 
     name = "flux2"
     text_path_keys = ("text_encoder",)
@@ -49,20 +49,23 @@ class Flux2Family(DiffusionFamily):
         return {3072: "flux2-klein-4b", 4096: "flux2-klein-9b"}.get(model.config.hidden_size, "flux2-klein")
 
     def text_encoding_constants(self) -> dict:
+        from library.models.flux2 import dev_text_encoder as dev
         from library.models.flux2 import text_encoder as te
 
+        if self.is_dev():
+            return {"hidden_layers": dev.DEV_HIDDEN_LAYERS, "max_length": dev.DEV_MAX_LENGTH,
+                    "system_message": dev.DEV_SYSTEM_MESSAGE, "template": dev.MISTRAL_PROMPT}
         return {"hidden_layers": te.KLEIN_HIDDEN_LAYERS, "max_length": te.KLEIN_MAX_LENGTH,
                 "template": te.QWEN3_NO_THINKING_PROMPT}
 
     def load_text_encoder(self, precision="bf16", device=None):
+        from library.models.flux2.dev_text_encoder import load_dev_text_encoder
         from library.models.flux2.text_encoder import load_klein_text_encoder
         from library.models.text_encoders import encoder_precision
 
-        if self.is_dev():
-            raise ValueError(f"{self.model_path}: FLUX.2 [dev] (guidance_in) needs the Mistral Small 3.1 text encoder, "
-                             f"which is not supported; FLUX.2 [klein] uses Qwen3 ('text_encoder')")
         dtype, fp8 = encoder_precision(precision)
-        encoder = load_klein_text_encoder(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8)
+        load = load_dev_text_encoder if self.is_dev() else load_klein_text_encoder  # Mistral Small 3.1 / Qwen3
+        encoder = load(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8)
         encoder.llm.to(device)
 
         def encode(captions: list[str]) -> list[dict]:

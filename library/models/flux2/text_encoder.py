@@ -60,10 +60,14 @@ class KleinTextEncoder:
     def embed_dim(self) -> int:
         return len(self.hidden_layers) * self.llm.config.hidden_size
 
+    def tokenize(self, prompts: list[str]):
+        """input_ids / attention_mask [B, max_length] int64, as the pipeline's tokenizer call."""
+        texts = [klein_prompt_text(self.tokenizer, p) for p in prompts]
+        return self.tokenizer(texts, padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt")
+
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        texts = [klein_prompt_text(self.tokenizer, p) for p in prompts]
-        tokens = self.tokenizer(texts, padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt")
+        tokens = self.tokenize(prompts)
         device = self.llm.model.embed_tokens.weight.device
         ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)  # [B, L] int64
         positions = torch.arange(ids.shape[1], device=device)  # transformers' default: pads keep their index
