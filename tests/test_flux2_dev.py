@@ -12,10 +12,9 @@ PROMPTS = ["a cat", "a painting of a [IMG] house by the sea at sunset, oil on ca
 
 
 @pytest.fixture(scope="module")
-def dev(tmp_path_factory):
-    from tools import make_tiny_models as tiny
-
-    return tiny.write_flux2_dev_text_encoder(str(tmp_path_factory.mktemp("dev")), 0)
+def dev(tiny_set):
+    """flux2_dev_text_encoder (Mistral3ForConditionalGeneration folder) and flux2_dev_tokenizer."""
+    return tiny_set
 
 
 def _reference(dev, tokenizer, max_length):

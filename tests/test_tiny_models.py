@@ -42,13 +42,14 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
         "flux2_dev_tiny": "flux2/flux2-dev-tiny.safetensors", "flux2_vae": "flux2/vae",
         "qwen_image_edit": "qwen_image_edit/transformer", "qwen_image_edit_2511": "qwen_image_edit_2511/transformer",
         "qwen_image_edit_text_encoder": "qwen_image_edit/text_encoder", "qwen_image_edit_processor": "qwen_image_edit/processor",
+        "flux2_dev_text_encoder": "flux2/dev/text_encoder", "flux2_dev_tokenizer": "flux2/dev/tokenizer",
     }
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["paths"] == expected and manifest["seed"] == 0
     assert all(os.path.exists(p) for p in paths.values())
     total = sum(manifest["bytes"].values())
-    assert 1_000_000 < total < 20_000_000, total  # a few MB (about 14 with FLUX.2, 17.6 with Qwen-Image-Edit)
+    assert 1_000_000 < total < 20_000_000, total  # a few MB (about 14 with FLUX.2, 17.6 with Qwen-Image-Edit, 19.4 with [dev]'s Mistral3)
     # Real layouts: BFL keys in the single file, diffusers keys in the folder.
     assert "double_blocks.0.img_attn.qkv.weight" in CheckpointReader(paths["flux_bfl"])
     assert "transformer_blocks.0.attn.to_q.weight" in CheckpointReader(paths["flux_diffusers"])
@@ -59,6 +60,7 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
     assert "single_stream_modulation.lin.weight" in CheckpointReader(paths["flux2_tiny"])
     assert "single_stream_modulation.linear.weight" in CheckpointReader(paths["flux2_diffusers"])
     assert "guidance_in.in_layer.weight" in CheckpointReader(paths["flux2_dev_tiny"])
+    assert "language_model.model.layers.30.self_attn.q_proj.weight" in CheckpointReader(paths["flux2_dev_text_encoder"])
     assert "bn.running_var" in CheckpointReader(paths["flux2_vae"])  # AutoencoderKLFlux2's BatchNorm statistics
 
 

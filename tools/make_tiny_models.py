@@ -504,7 +504,7 @@ def write_flux2_dev_text_encoder(out: str, seed: int) -> dict[str, str]:
     _seed(seed, 13)
     h = TINY["lm_hidden"]
     text = {"model_type": "mistral", "vocab_size": _round_up(len(tokenizer)), "hidden_size": h, "num_hidden_layers": 31,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 2 * h,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": h,
             "rms_norm_eps": 1e-5, "rope_theta": 1000000000.0, "sliding_window": None, "max_position_embeddings": 2048,
             "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 11}
     vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 8,
