@@ -267,7 +267,8 @@ def test_ema_config_errors_name_the_key(tiny_set, tmp_path, extra, message):
 
 def test_ema_keys_in_the_example_configs():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for name in ("flux1_dev_24gb.toml", "qwen_image.toml", "flux2_klein_4b.toml", "flux2_klein_9b.toml"):
+    for name in ("flux1_dev_24gb.toml", "qwen_image.toml", "flux2_klein_4b.toml", "flux2_klein_9b.toml",
+                 "flux2_dev.toml"):
         with open(os.path.join(root, "configs", name)) as f:
             text = f.read()
         assert all(k in text for k in ("ema_decay", "ema_warmup", "sample_with_ema")), name

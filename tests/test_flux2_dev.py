@@ -99,3 +99,17 @@ def test_flux2_dev_lora_trains_two_steps(dev, tiny_set, tmp_path):
         losses = [float(r["loss"]) for r in csv.DictReader(f)]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert os.path.getsize(os.path.join(tmp_path, "dev.safetensors")) > 0
+
+
+def test_flux2_dev_memory_preset_counts_the_mistral_layers_read(capsys):
+    """The planner's flux2-dev text encoder is what load_dev_text_encoder keeps of Mistral Small 3.1
+    (embeddings, 30 of 40 layers, final norm, no head), counted on meta."""
+    from library.models.llm import LLM, MISTRAL_SMALL_3_1, count_parameters
+    from tools import plan_memory
+
+    with torch.device("meta"):
+        llm = LLM(MISTRAL_SMALL_3_1)
+        llm.truncate_for_hidden_states(30)
+    assert plan_memory.PRESETS["flux2-dev"][2]["text_encoder"] == count_parameters(llm) == 17_343_759_360
+    assert plan_memory.main(["--preset", "flux2-dev", "--vram", "48", "--resolution", "1024"]) == 0
+    assert "fp8_scaled gradient_checkpointing=true : fits with blocks_to_swap = 0" in capsys.readouterr().out

@@ -123,7 +123,8 @@ def test_plot_lr_overlays_runs_and_summarises(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["quickstart", "flux1_dev_24gb", "flux1_schnell", "flux1_kontext", "qwen_image",
-                                  "qwen_image_edit", "flux2_klein_4b", "flux2_klein_9b", "llm_lora", "llm_pretrain"])
+                                  "qwen_image_edit", "flux2_klein_4b", "flux2_klein_9b", "flux2_dev", "llm_lora",
+                                  "llm_pretrain"])
 def test_example_configs_pass_the_schema(name):
     import os
 

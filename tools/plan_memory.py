@@ -42,6 +42,8 @@ PRESETS = {
     # klein's Qwen3 as load_klein_text_encoder reads it: embeddings + the first 27 of 36 layers, no head.
     "flux2-klein-4b": ("flux2", "FLUX2_KLEIN_4B", {"text_encoder": 3_114_090_752}),
     "flux2-klein-9b": ("flux2", "FLUX2_KLEIN_9B", {"text_encoder": 5_831_887_616}),
+    # [dev]'s Mistral Small 3.1 as load_dev_text_encoder reads it: embeddings + the first 30 of 40 layers, no head.
+    "flux2-dev": ("flux2", "FLUX2_DEV", {"text_encoder": 17_343_759_360}),
 }
 # family -> (module, class) of the transformer a preset builds
 PRESET_MODELS = {"flux": ("library.models.flux1.model", "Flux"), "flux2": ("library.models.flux2.model", "Flux2"),
