@@ -157,8 +157,8 @@ def attention_mask(
     """Boolean [B or 1, 1, q_len, k_len] mask (True = attend) from a key padding mask and/or
     causality. Rows with no visible key (padding queries under causal left-padding) are opened
     fully by default, so no kernel can return NaN; those rows are padding. open_empty_rows=False
-    leaves them empty: SDPA (torch >= 2.5) then returns 0 for them, as transformers relies on, for
-    encoders whose pad rows are kept (FLUX.2 [dev]'s left-padded Mistral prompt)."""
+    leaves them empty for a caller that handles them itself (llm.SelfAttention zeroes their output,
+    as transformers does, for encoders whose pad rows are kept: FLUX.2 [dev]'s Mistral prompt)."""
     if key_mask is None and not causal:
         return None
     mask = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=device)

@@ -199,7 +199,13 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         q = core.apply_rope(q, cos, sin, interleaved=False)
         k = core.apply_rope(k, cos, sin, interleaved=False)
-        return self.o_proj(core.attention(q, k, v, mask=mask, causal=True))  # [B, L, H*Dh] -> [B, L, D]
+        if mask is None:
+            return self.o_proj(core.attention(q, k, v, mask=None, causal=True))  # [B, L, H*Dh] -> [B, L, D]
+        # Queries that see no key (left padding) get a 0 output, as transformers' SDPA path gives them;
+        # their rows are opened for the kernel so that none can return NaN.
+        sees = mask.any(-1, keepdim=True)  # [B, 1, L, 1] bool
+        out = core.attention(q, k, v, mask=mask | ~sees, causal=True)  # [B, L, H*Dh]
+        return self.o_proj(out * sees[:, 0].to(out.dtype))
 
 
 class DecoderLayer(nn.Module):
@@ -278,7 +284,8 @@ class LLM(nn.Module):
         cos, sin = self._rope(position_ids)  # fp32
         key_mask = None if attention_mask is None else attention_mask.bool()
         # Built once per forward when there is padding; without it SDPA applies causality itself. Left-pad
-        # queries see no key: their attention output is 0, as in transformers (kept by FLUX.2 [dev]'s encoder).
+        # query rows stay empty here: SelfAttention gives them a 0 output, as transformers does (FLUX.2
+        # [dev]'s encoder keeps those rows).
         mask = None if key_mask is None else core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device,
                                                                  open_empty_rows=False)
         embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
