@@ -82,6 +82,11 @@ def test_flux2_family_loads_the_dev_text_encoder(dev, tiny_set):
     encode = family.load_text_encoder("fp32")
     (first, second) = encode(PROMPTS)
     assert first["embeds"].shape == (512, 96) and not torch.equal(first["embeds"], second["embeds"])
+    # The memory planner counts what is loaded: 30 of 31 layers, no head, no vision tower or projector.
+    from library.models.flux2.dev_text_encoder import load_dev_text_encoder
+
+    loaded = load_dev_text_encoder(dev["flux2_dev_text_encoder"]).llm
+    assert family.text_encoder_params() == sum(p.numel() for p in loaded.parameters())
 
 
 def test_flux2_dev_lora_trains_two_steps_samples_and_generates(dev, tiny_set, tmp_path):

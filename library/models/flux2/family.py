@@ -75,17 +75,17 @@ class Flux2Family(DiffusionFamily):
         return encode
 
     def text_encoder_params(self) -> int:
-        """What load_klein_text_encoder reads of the Qwen3 files: the embeddings and the decoder
-        layers up to the last stacked one (27 of Qwen3-4B's 36), no lm_head."""
-        import re
-
+        """What the text encoder loader reads of its files: the embeddings and the decoder layers up
+        to the last stacked one (27 of Qwen3-4B's 36 for [klein], 30 of Mistral Small 3.1's 40 for
+        [dev]), no lm_head, no vision tower or projector (llm.checkpoint_key_to_llm's mapping)."""
         from library.io import CheckpointReader, component_folder
+        from library.models.flux2.dev_text_encoder import DEV_HIDDEN_LAYERS
         from library.models.flux2.text_encoder import KLEIN_HIDDEN_LAYERS
+        from library.models.llm import _kept_layer_key, checkpoint_key_to_llm
 
+        keep = max(DEV_HIDDEN_LAYERS if self.is_dev() else KLEIN_HIDDEN_LAYERS)
         reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
-        layer = re.compile(r".*layers\.(\d+)\.")
-        used = [k for k in reader.keys() if "lm_head" not in k
-                and not ((m := layer.match(k)) and int(m.group(1)) >= max(KLEIN_HIDDEN_LAYERS))]
+        used = [k for k in reader.keys() if _kept_layer_key(checkpoint_key_to_llm(k, True), keep) is not None]
         return reader.numel(used)
 
     def is_dev(self) -> bool:
