@@ -8,6 +8,7 @@ sharded set with a `*.safetensors.index.json`, or a folder holding either.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -282,3 +283,32 @@ def write_text(path: str, text: str):
     with atomic_path(path) as tmp:
         with open(tmp, "w") as f:
             f.write(text)
+
+
+# -- transformer files in their two release layouts ----------------------------------------------
+
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def state_and_config(model_or_sd, config):
+    """(state dict, config) of a model (its own config unless one is given) or of a state dict."""
+    if isinstance(model_or_sd, torch.nn.Module):
+        return model_or_sd.state_dict(), config or model_or_sd.config
+    return dict(model_or_sd), config
+
+
+def save_with_config(tensors: dict[str, torch.Tensor], path: str, config_key: str, config,
+                     metadata: dict[str, str] | None = None):
+    """A single safetensors file (atomic) whose metadata carries the config dataclass as JSON under
+    `config_key` (when known), so that non-standard sizes reload exactly."""
+    metadata = dict(metadata or {})
+    if config is not None:
+        metadata[config_key] = json.dumps(dataclasses.asdict(config))
+    save_safetensors(tensors, path, metadata=metadata or None)
+
+
+def save_diffusers_folder(tensors: dict[str, torch.Tensor], config_json: dict, folder: str):
+    """A diffusers component folder: config.json + diffusion_pytorch_model.safetensors, each atomic."""
+    os.makedirs(folder, exist_ok=True)
+    save_safetensors(tensors, os.path.join(folder, DIFFUSERS_WEIGHTS), metadata={"format": "pt"})
+    write_text(os.path.join(folder, "config.json"), json.dumps(config_json, indent=2) + "\n")

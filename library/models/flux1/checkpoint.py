@@ -11,7 +11,6 @@ diffusers' `convert_flux_transformer_checkpoint_to_diffusers` (loaders/single_fi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -21,10 +20,12 @@ import torch
 
 from library.models.flux1.model import Flux, FluxConfig
 from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
-from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, write_text
+from library.io import (
+    CheckpointError, CheckpointReader, component_folder, load_streaming, save_diffusers_folder, save_with_config,
+    state_and_config,
+)
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
-DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 # ----------------------------------------------------------------------------------------------
 # The name map
@@ -426,27 +427,16 @@ def flux_config_from_json(text: str) -> FluxConfig:
     return FluxConfig(**fields)
 
 
-def _state_and_config(model_or_sd, config):
-    if isinstance(model_or_sd, Flux):
-        return model_or_sd.state_dict(), config or model_or_sd.config
-    return dict(model_or_sd), config
-
-
 def save_flux_bfl(model_or_sd, path: str, config: FluxConfig | None = None, metadata: dict[str, str] | None = None):
-    """Write a BFL single-file checkpoint (atomic). The config, when known, goes into the
-    safetensors metadata as `flux_config` JSON so that non-standard sizes reload exactly."""
-    sd, config = _state_and_config(model_or_sd, config)
-    metadata = dict(metadata or {})
-    if config is not None:
-        metadata["flux_config"] = json.dumps(dataclasses.asdict(config))
-    save_safetensors(sd, path, metadata=metadata or None)
+    """Write a BFL single-file checkpoint (atomic), the config (when known) in the metadata as
+    `flux_config` JSON so that non-standard sizes reload exactly."""
+    sd, config = state_and_config(model_or_sd, config)
+    save_with_config(sd, path, "flux_config", config, metadata)
 
 
 def save_flux_diffusers(model_or_sd, config: FluxConfig | None, folder: str):
     """Write a diffusers transformer folder: config.json + diffusion_pytorch_model.safetensors."""
-    sd, config = _state_and_config(model_or_sd, config)
+    sd, config = state_and_config(model_or_sd, config)
     if config is None:
         raise ValueError("save_flux_diffusers needs a FluxConfig (or a Flux model) to write config.json")
-    os.makedirs(folder, exist_ok=True)
-    save_safetensors(flux_to_diffusers_state_dict(sd), os.path.join(folder, DIFFUSERS_WEIGHTS), metadata={"format": "pt"})
-    write_text(os.path.join(folder, "config.json"), json.dumps(diffusers_config(config), indent=2) + "\n")
+    save_diffusers_folder(flux_to_diffusers_state_dict(sd), diffusers_config(config), folder)

@@ -13,14 +13,16 @@ loader (and later LoRA conversion), with FLUX.1's row helpers.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Callable
 
 import torch
 
-from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, write_text
+from library.io import (
+    CheckpointError, CheckpointReader, component_folder, load_streaming, save_diffusers_folder, save_with_config,
+    state_and_config,
+)
 from library.models.flux1.checkpoint import (
     RowMap,
     _block_count,
@@ -33,7 +35,6 @@ from library.models.flux2.model import Flux2, Flux2Config
 from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
-DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 CLASS_NAME = "Flux2Transformer2DModel"
 # Keys only FLUX.2 has (diffusers' single-file detection uses the first): tell it from FLUX.1.
 FLUX2_MARKERS = ("single_stream_modulation.lin.weight", "single_stream_modulation.linear.weight")
@@ -360,27 +361,16 @@ def load_flux2(
 # Saving
 
 
-def _state_and_config(model_or_sd, config):
-    if isinstance(model_or_sd, Flux2):
-        return model_or_sd.state_dict(), config or model_or_sd.config
-    return dict(model_or_sd), config
-
-
 def save_flux2_bfl(model_or_sd, path: str, config: Flux2Config | None = None, metadata: dict[str, str] | None = None):
-    """Write a BFL single-file checkpoint (atomic). The config, when known, goes into the
-    safetensors metadata as `flux2_config` JSON so that non-standard sizes reload exactly."""
-    sd, config = _state_and_config(model_or_sd, config)
-    metadata = dict(metadata or {})
-    if config is not None:
-        metadata["flux2_config"] = json.dumps(dataclasses.asdict(config))
-    save_safetensors(sd, path, metadata=metadata or None)
+    """Write a BFL single-file checkpoint (atomic), the config (when known) in the metadata as
+    `flux2_config` JSON so that non-standard sizes reload exactly."""
+    sd, config = state_and_config(model_or_sd, config)
+    save_with_config(sd, path, "flux2_config", config, metadata)
 
 
 def save_flux2_diffusers(model_or_sd, config: Flux2Config | None, folder: str):
     """Write a diffusers transformer folder: config.json + diffusion_pytorch_model.safetensors."""
-    sd, config = _state_and_config(model_or_sd, config)
+    sd, config = state_and_config(model_or_sd, config)
     if config is None:
         raise ValueError("save_flux2_diffusers needs a Flux2Config (or a Flux2 model) to write config.json")
-    os.makedirs(folder, exist_ok=True)
-    save_safetensors(flux2_to_diffusers_state_dict(sd), os.path.join(folder, DIFFUSERS_WEIGHTS), metadata={"format": "pt"})
-    write_text(os.path.join(folder, "config.json"), json.dumps(diffusers_config(config), indent=2) + "\n")
+    save_diffusers_folder(flux2_to_diffusers_state_dict(sd), diffusers_config(config), folder)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from library.models import core
 from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
-from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_safetensors, write_text
+from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_diffusers_folder
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -447,6 +447,4 @@ def load_qwen_image(
 def save_qwen_image_diffusers(state_dict: dict[str, torch.Tensor], config: QwenImageConfig, folder: str) -> None:
     """Write a diffusers transformer folder (config.json + diffusion_pytorch_model.safetensors),
     each file atomically, that QwenImageTransformer2DModel.from_pretrained and load_qwen_image read."""
-    os.makedirs(folder, exist_ok=True)
-    save_safetensors(state_dict, os.path.join(folder, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
-    write_text(os.path.join(folder, "config.json"), json.dumps(config.to_diffusers(), indent=2) + "\n")
+    save_diffusers_folder(state_dict, config.to_diffusers(), folder)
