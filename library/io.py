@@ -287,6 +287,21 @@ def write_text(path: str, text: str):
 
 # -- transformer files in their two release layouts ----------------------------------------------
 
+
+def check_keys_and_shapes(reader: CheckpointReader, expected: dict[str, torch.Tensor], what) -> None:
+    """Every tensor of `reader` expected, of the expected shape, and none missing (each named in the
+    error; `what` says what was expected, e.g. the config)."""
+    for key in reader.keys():
+        if key not in expected:
+            raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: unexpected key '{key}' for {what}")
+        found, want = reader.shape(key), tuple(expected[key].shape)
+        if found != want:
+            raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: key '{key}' has shape {found}, expected {want}")
+    missing = [k for k in expected if k not in reader]
+    if missing:
+        raise CheckpointError(f"{reader.path}: missing keys: {', '.join(missing[:5])} ({len(missing)} in all)")
+
+
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 

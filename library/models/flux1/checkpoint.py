@@ -21,8 +21,8 @@ import torch
 from library.models.flux1.model import Flux, FluxConfig
 from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
 from library.io import (
-    CheckpointError, CheckpointReader, component_folder, load_streaming, save_diffusers_folder, save_with_config,
-    state_and_config,
+    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, save_diffusers_folder,
+    save_with_config, state_and_config,
 )
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
@@ -312,15 +312,7 @@ def _check_diffusers_shapes(reader: CheckpointReader, config: FluxConfig):
     """Every diffusers key present, expected, and of the expected shape (named in the error)."""
     with torch.device("meta"):
         expected = flux_to_diffusers_state_dict(Flux(config).state_dict())
-    for key in reader.keys():
-        if key not in expected:
-            raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: unexpected key '{key}' for {config}")
-        found, want = reader.shape(key), tuple(expected[key].shape)
-        if found != want:
-            raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: key '{key}' has shape {found}, expected {want}")
-    missing = [k for k in expected if k not in reader]
-    if missing:
-        raise CheckpointError(f"{reader.path}: missing keys: {', '.join(missing[:5])} ({len(missing)} in all)")
+    check_keys_and_shapes(reader, expected, config)
 
 
 def _bfl_prefix(keys: list[str]) -> str | None:

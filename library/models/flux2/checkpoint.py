@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, component_folder, load_streaming, save_diffusers_folder, save_with_config,
-    state_and_config,
+    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, save_diffusers_folder,
+    save_with_config, state_and_config,
 )
 from library.models.flux1.checkpoint import (
     RowMap,
@@ -256,15 +256,7 @@ def _check_diffusers_shapes(reader: CheckpointReader, config: Flux2Config):
     """Every diffusers key present, expected, and of the expected shape (named in the error)."""
     with torch.device("meta"):
         expected = flux2_to_diffusers_state_dict(Flux2(config).state_dict())
-    for key in reader.keys():
-        if key not in expected:
-            raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: unexpected key '{key}' for {config}")
-        found, want = reader.shape(key), tuple(expected[key].shape)
-        if found != want:
-            raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: key '{key}' has shape {found}, expected {want}")
-    missing = [k for k in expected if k not in reader]
-    if missing:
-        raise CheckpointError(f"{reader.path}: missing keys: {', '.join(missing[:5])} ({len(missing)} in all)")
+    check_keys_and_shapes(reader, expected, config)
 
 
 def _bfl_prefix(keys: list[str]) -> str | None:
