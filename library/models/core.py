@@ -151,14 +151,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 def attention_mask(
-    key_mask: torch.Tensor | None, q_len: int, k_len: int, causal: bool, device: torch.device,
-    open_empty_rows: bool = True,
+    key_mask: torch.Tensor | None, q_len: int, k_len: int, causal: bool, device: torch.device
 ) -> torch.Tensor | None:
     """Boolean [B or 1, 1, q_len, k_len] mask (True = attend) from a key padding mask and/or
     causality. Rows with no visible key (padding queries under causal left-padding) are opened
-    fully by default, so no kernel can return NaN; those rows are padding. open_empty_rows=False
-    leaves them empty for a caller that handles them itself (llm.SelfAttention zeroes their output,
-    as transformers does, for encoders whose pad rows are kept: FLUX.2 [dev]'s Mistral prompt)."""
+    fully, so SDPA never returns NaN; those rows are padding (library/models/llm.py zeroes their
+    output, as transformers does)."""
     if key_mask is None and not causal:
         return None
     mask = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=device)
@@ -166,8 +164,7 @@ def attention_mask(
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
     if key_mask is not None:
         mask = mask & key_mask.bool()[:, None, None, :]
-        if open_empty_rows:
-            mask = mask | ~mask.any(-1, keepdim=True)
+        mask = mask | ~mask.any(-1, keepdim=True)
     return mask
 
 

@@ -192,20 +192,17 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, visible=None):
+        """visible: [B, L, 1] (1: the query sees a key; 0: a left-pad query, whose output is 0 as in
+        transformers' SDPA path) or None when nothing is padded."""
         # x: [B, L, D] -> q: [B, H, L, Dh], k/v: [B, Hkv, L, Dh]; q/k norms act on Dh, before RoPE
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))).transpose(1, 2)
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         q = core.apply_rope(q, cos, sin, interleaved=False)
         k = core.apply_rope(k, cos, sin, interleaved=False)
-        if mask is None:
-            return self.o_proj(core.attention(q, k, v, mask=None, causal=True))  # [B, L, H*Dh] -> [B, L, D]
-        # Queries that see no key (left padding) get a 0 output, as transformers' SDPA path gives them;
-        # their rows are opened for the kernel so that none can return NaN.
-        sees = mask.any(-1, keepdim=True)  # [B, 1, L, 1] bool
-        out = core.attention(q, k, v, mask=mask | ~sees, causal=True)  # [B, L, H*Dh]
-        return self.o_proj(out * sees[:, 0].to(out.dtype))
+        out = core.attention(q, k, v, mask=mask, causal=True)  # [B, L, H*Dh]
+        return self.o_proj(out if visible is None else out * visible)  # -> [B, L, D]
 
 
 class DecoderLayer(nn.Module):
@@ -218,8 +215,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = core.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = core.SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask, visible=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -276,29 +273,33 @@ class LLM(nn.Module):
         return core.rope_tables(position_ids, (self.config.head_dim,), self.config.rope_theta)
 
     def _embed(self, input_ids, attention_mask, position_ids, inputs_embeds=None):
-        """(embeddings [B, L, D] compute_dtype, cos, sin fp32, mask or None) for a forward.
-        inputs_embeds [B, L, D] replaces the token lookup (e.g. image tokens carrying vision features)."""
+        """(embeddings [B, L, D] compute_dtype, cos, sin fp32, mask or None, visible or None) for a
+        forward. inputs_embeds [B, L, D] replaces the token lookup (e.g. image tokens carrying vision
+        features)."""
         B, L = input_ids.shape
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
         cos, sin = self._rope(position_ids)  # fp32
         key_mask = None if attention_mask is None else attention_mask.bool()
-        # Built once per forward when there is padding; without it SDPA applies causality itself. Left-pad
-        # query rows stay empty here: SelfAttention gives them a 0 output, as transformers does (FLUX.2
-        # [dev]'s encoder keeps those rows).
-        mask = None if key_mask is None else core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device,
-                                                                 open_empty_rows=False)
+        # Built once per forward when there is padding; without it SDPA applies causality itself.
+        # A left-pad query sees no key: attention_mask opens its row (no kernel returns NaN) and
+        # `visible` zeroes its output in every layer, as transformers does (FLUX.2 [dev]'s encoder
+        # keeps those rows). Causal and square: query i sees a key iff one of keys 0..i is real.
+        mask = visible = None
+        if key_mask is not None:
+            mask = core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device)
+            visible = (key_mask.cumsum(-1) > 0)[..., None].to(self.compute_dtype)  # [B, L, 1]
         embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        return embeds.to(self.compute_dtype), cos, sin, mask
+        return embeds.to(self.compute_dtype), cos, sin, mask, visible
 
     def _decode(self, input_ids, attention_mask, keep_all: bool, position_ids=None, inputs_embeds=None):
         """Run the decoder; returns (final normed hidden [B, L, D], HF-style list or None)."""
         if self.hidden_states_only:
             raise RuntimeError("this LLM was truncated for hidden states (truncate_for_hidden_states): use selected_hidden_states")
-        x, cos, sin, mask = self._embed(input_ids, attention_mask, position_ids, inputs_embeds)
+        x, cos, sin, mask, visible = self._embed(input_ids, attention_mask, position_ids, inputs_embeds)
         states = [x] if keep_all else None
         for layer in self.model.layers:
-            x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask)
+            x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask, visible)
             if keep_all:
                 states.append(x)
         x = self.model.norm(x)
@@ -315,10 +316,10 @@ class LLM(nn.Module):
         n, have = self.config.num_layers, len(self.model.layers)
         if not indices or any(not 0 <= k <= have for k in indices):
             raise ValueError(f"selected_hidden_states: indices {list(indices)} must lie in 0..{have} (the layers loaded)")
-        x, cos, sin, mask = self._embed(input_ids, attention_mask, position_ids)
+        x, cos, sin, mask, visible = self._embed(input_ids, attention_mask, position_ids)
         states = {0: x}
         for i, layer in enumerate(self.model.layers[: max(indices)], start=1):
-            x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask)
+            x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask, visible)
             states[i] = self.model.norm(x) if i == n else x
         return [states[k] for k in indices]
 
