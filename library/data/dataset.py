@@ -113,7 +113,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
             if subset.alpha_mask:
                 warn_missing_alpha(paths, subset)
             controls = control_files(subset.control_directory) if subset.control_directory else None
-            first = None
+            first_paired = None  # the subset's first image: every other needs as many references
             for path in paths:
                 size = verified_image_size(path)
                 if ds.enable_bucket and ds.bucket_no_upscale:
@@ -128,8 +128,8 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                 if controls is not None:
                     item.control_paths, item.control_buckets = scan_controls(
                         path, subset.control_directory, controls, bucket, control_bucket or (lambda b, _: b))
-                    first = first or item
-                    check_control_count(item, first)
+                    first_paired = first_paired or item
+                    check_control_count(item, first_paired)
                 items.append(item)
     return items
 
@@ -407,16 +407,21 @@ def cache_path(item: ImageItem, suffix: str) -> str:
     return os.path.join(folder, f"{stem}_{suffix}.safetensors")
 
 
+def _hash_file(h, path: str, tag: bytes = b"") -> None:
+    """Feed `tag` and then the bytes of the file at `path` into the hash `h`."""
+    with open(path, "rb") as f:
+        h.update(tag + f.read())
+
+
 def latent_hash(item: ImageItem, model_key: str) -> str:
     h = hashlib.sha256()
-    with open(item.image_path, "rb") as f:
-        h.update(f.read())
+    _hash_file(h, item.image_path)
     h.update(f"|{model_key}|{item.bucket[0]}x{item.bucket[1]}|flip={item.subset.flip_aug}|{PREPROCESS_VERSION}".encode())
     if item.masked:  # a changed mask file recomputes the entry
         h.update(f"|{mask_source_hash(item.mask_path, item.subset.alpha_mask)}".encode())
     for path, (w, hh) in zip(item.control_paths, item.control_buckets):  # references are cached with it
-        with open(path, "rb") as f:
-            h.update(b"|control|" + f.read() + f"|{w}x{hh}".encode())
+        _hash_file(h, path, b"|control|")
+        h.update(f"|{w}x{hh}".encode())
     return h.hexdigest()
 
 
@@ -427,8 +432,7 @@ def text_hash(item: ImageItem, model_key: str, with_references: bool = False) ->
     h = hashlib.sha256(f"{text}|{model_key}".encode())
     if with_references:  # the encoder sees the references, and the entry holds the dropped caption's text
         for path in item.control_paths:
-            with open(path, "rb") as f:
-                h.update(b"|control|" + f.read())
+            _hash_file(h, path, b"|control|")
         h.update(f"|dropped={drops_captions(item.subset)}".encode())
     return h.hexdigest()
 

@@ -66,6 +66,7 @@ class DiffusionFamily:
     true_cfg = False  # samples run a negative prompt (classifier-free guidance)
     vae_downsample = 8
     patch = 2
+    latent_channels = 16  # VAE latent channels: the latents are [B, latent_channels, H/8, W/8]
     max_controls = 0  # reference images a sample may carry (0: the family takes none)
     min_controls = 0  # reference images every training image needs
     text_sees_controls = False  # the text encoder takes the reference images with the captions
@@ -80,7 +81,6 @@ class DiffusionFamily:
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__ and "arch" not in cls.__dict__:
             cls.arch = cls.name
-    latent_channels = 16  # VAE latent channels: the latents are [B, latent_channels, H/8, W/8]
 
     def __init__(self, model_path: str, vae_path: str | None = None, **text_paths):
         self.model_path, self.vae_path, self.text_paths = model_path, vae_path, text_paths

@@ -246,6 +246,7 @@ def caching_phase(family, args, width: int, height: int, batch: int) -> Phase:
 def sampling_phase(family, args, training: Phase, width: int, height: int, text_tokens: int) -> Phase:
     """A sample during training: the resident base and LoRA (the optimizer state stays), one
     forward at the sample size, then the VAE (loaded for the render) decodes."""
+    from library.models.family import control_kwargs
     from library.training.config import base_precision, compute_dtype, lora_network_args
     from networks.factory import build_network
 
@@ -262,7 +263,7 @@ def sampling_phase(family, args, training: Phase, width: int, height: int, text_
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
         for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
             live.ignore(t)  # counted in `resident`
-        references = {"control": [torch.empty_like(latents)] * family.plan_controls} if family.plan_controls else {}
+        references = control_kwargs([torch.empty_like(latents)] * family.plan_controls)
         family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // 16, width // 16, None,
                        **references)
     vae = _vae(family)

@@ -35,7 +35,7 @@ class Flux2Family(DiffusionFamily):
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         from library.models.flux2.checkpoint import load_flux2
 
-        return load_flux2(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name),
+        return load_flux2(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
                           read_weights=read_weights)
 
     def load_vae(self, dtype=torch.float32):

@@ -24,13 +24,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from functools import cached_property
 
 import torch
 
 from library.models.family import fp8_prepare
 from library.models.qwen_image.edit import (EDIT, SIZE_MULTIPLE, TRANSFORMER_FLAGS, area_size, check_version, edit_sizes,
                                             resize_condition, version_from_flags)
-from library.models.qwen_image.family import QwenImageFamily
+from library.models.qwen_image.family import QwenImageFamily, per_caption
 from library.models.vae import pack_latents
 
 
@@ -63,9 +64,10 @@ class QwenImageEditFamily(QwenImageFamily):
         with open(config_file) as f:
             return path, json.load(f)
 
-    @property
+    @cached_property
     def version(self) -> str:
-        """model_version, checked against the transformer's config flags, else the flags' version."""
+        """model_version, checked against the transformer's config flags, else the flags' version
+        (read once: the text encoder asks for every caption batch)."""
         path, config = self._transformer_config()
         if config is None:
             if self._version is None:
@@ -129,8 +131,7 @@ class QwenImageEditFamily(QwenImageFamily):
             sized = [[resize_condition(img, size) for img, size in
                       zip(images, edit_sizes(self.version, [img.size for img in images]).encoder)]
                      for images in condition_images]
-            embeds, mask = encoder.encode(captions, sized)
-            return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]
+            return per_caption(*encoder.encode(captions, sized))
 
         return encode
 
@@ -138,14 +139,9 @@ class QwenImageEditFamily(QwenImageFamily):
         """x_t: packed noisy target [B, h*w, 64]; control: the condition images' latents, each
         unpacked [B, 16, H_i, W_i] float32 (VAE-normalized as the target's). Returns the target's
         velocity [B, h*w, 64]: the condition tokens' outputs are dropped, as the pipelines do."""
-        conditions = control
-        if not conditions:
+        if not control:
             raise ValueError("qwen_image_edit: predict needs the condition images' latents (control=[...])")
-        device = x_t.device
-        packed = [pack_latents(c.to(device, x_t.dtype)) for c in conditions]
-        shapes = [(1, h, w)] + [(1, c.shape[2] // self.patch, c.shape[3] // self.patch) for c in conditions]
-        pred = model(
-            img=torch.cat([x_t, *packed], dim=1), txt=text["embeds"].to(device), txt_mask=text["mask"].to(device).bool(),
-            timesteps=sigmas, img_shapes=[shapes] * x_t.shape[0],
-        )
+        packed = [pack_latents(c.to(x_t.device, x_t.dtype)) for c in control]
+        shapes = [(1, h, w)] + [(1, c.shape[2] // self.patch, c.shape[3] // self.patch) for c in control]
+        pred = self.transformer_call(model, torch.cat([x_t, *packed], dim=1), [shapes] * x_t.shape[0], sigmas, text)
         return pred[:, : x_t.shape[1]]

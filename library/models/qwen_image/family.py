@@ -45,17 +45,18 @@ class QwenImageFamily(DiffusionFamily):
         encoder.llm.to(device)
 
         def encode(captions: list[str]) -> list[dict]:
-            embeds, mask = encoder.encode(captions)
-            return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]
+            return per_caption(*encoder.encode(captions))
 
         return encode
 
     def predict(self, model, x_t, sigmas, text, h, w, guidance):
-        device = x_t.device
-        return model(
-            img=x_t, txt=text["embeds"].to(device), txt_mask=text["mask"].to(device).bool(),
-            timesteps=sigmas, img_shapes=[(1, h, w)] * x_t.shape[0],
-        )
+        return self.transformer_call(model, x_t, [(1, h, w)] * x_t.shape[0], sigmas, text)
+
+    def transformer_call(self, model, img, img_shapes, sigmas, text):
+        """One transformer call on image tokens img [B, L, 64] laid out as img_shapes (per sample)."""
+        device = img.device
+        return model(img=img, txt=text["embeds"].to(device), txt_mask=text["mask"].to(device).bool(),
+                     timesteps=sigmas, img_shapes=img_shapes)
 
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
         refs = control_kwargs(control)  # Qwen-Image-Edit: both passes see the condition latents
@@ -66,3 +67,8 @@ class QwenImageFamily(DiffusionFamily):
         # Qwen-Image's pipeline rescales the guided prediction to the conditional one's norm.
         guided = uncond + guidance * (cond - uncond)
         return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
+
+
+def per_caption(embeds: torch.Tensor, mask: torch.Tensor) -> list[dict]:
+    """Encoder output [B, T, D] + mask [B, T] -> per caption its unpadded tensors (as cached)."""
+    return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]
