@@ -65,3 +65,44 @@ def test_32_bit_integer_pixels_beyond_16_bits_are_refused_naming_the_file():
     with pytest.raises(ValueError) as e:
         to_8_bit(img, "deep.png")
     assert str(e.value) == "deep.png: pixel values 0..70000 do not fit 16 bits; expected an 8- or 16-bit image"
+
+
+# ----------------------------------------------------------------------------------------------
+# Images far from the buckets' sizes: a warning per image and a count per subset, or skipped
+
+
+def bad_size_set(folder):
+    make_image(folder / "dot.png", 1, 1)  # below min_bucket_reso: would be upscaled 64x
+    make_image(folder / "strip.png", 4000, 16)  # 250:1, beyond max_bucket_reso / min_bucket_reso = 4: cropped to 1.6%
+    make_image(folder / "fine.png", 64, 48)
+    return dict(resolution=64, enable_bucket=True, min_bucket_reso=32, max_bucket_reso=128, bucket_reso_steps=16,
+                class_tokens="x")
+
+
+def test_images_below_the_smallest_bucket_side_or_beyond_the_bucket_aspect_warn_per_image_and_count(tmp_path):
+    keys = bad_size_set(tmp_path / "img")
+    with pytest.warns(UserWarning) as caught:
+        items = D.scan_images(blueprint(tmp_path / "img", **keys))
+    messages = [str(w.message) for w in caught]
+    assert f"{tmp_path / 'img' / 'dot.png'}: 1x1 is smaller than min_bucket_reso 32 (it is upscaled)" in messages[0]
+    assert (f"{tmp_path / 'img' / 'strip.png'}: 4000x16 is smaller than min_bucket_reso 32 (it is upscaled) and has "
+            f"aspect ratio 250.0, beyond max_bucket_reso / min_bucket_reso = 4.0 (it is cropped)") in messages[1]
+    assert messages[2] == (f"{tmp_path / 'img'}: 2 of 3 images are smaller than min_bucket_reso or beyond max_bucket_reso "
+                           f"/ min_bucket_reso in aspect ratio; they are trained as they are (skip_bad_size_images = "
+                           f"true leaves them out)")
+    assert len(messages) == 3 and sorted(os.path.basename(i.image_path) for i in items) == ["dot.png", "fine.png", "strip.png"]
+
+    with pytest.warns(UserWarning) as caught:
+        items = D.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
+    assert [os.path.basename(i.image_path) for i in items] == ["fine.png"]
+    assert str(caught[-1].message) == (f"{tmp_path / 'img'}: 2 of 3 images are smaller than min_bucket_reso or beyond "
+                                       f"max_bucket_reso / min_bucket_reso in aspect ratio; skipped (skip_bad_size_images)")
+
+
+def test_a_subset_whose_every_image_is_skipped_is_an_error(tmp_path):
+    keys = bad_size_set(tmp_path / "img")
+    os.remove(tmp_path / "img" / "fine.png")
+    with pytest.warns(UserWarning), pytest.raises(ValueError) as e:
+        D.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
+    assert str(e.value) == (f"{tmp_path / 'img'}: every image was skipped (skip_bad_size_images): none is at least "
+                            f"min_bucket_reso 32 per side within max_bucket_reso / min_bucket_reso = 4.0")
