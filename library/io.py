@@ -285,6 +285,20 @@ def write_text(path: str, text: str):
             f.write(text)
 
 
+def read_utf8(path: str, what: str = "text file") -> str:
+    """The text of a UTF-8 file, newlines as open() reads them (\\r\\n and \\r become \\n). Bytes that
+    are not UTF-8 are one ValueError naming the file and the offset of the first (a text-mode read's
+    error names no file, and its position counts from the chunk it was decoding)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: {what} is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} "
+                         f"({e.reason}); save it as UTF-8") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 # -- transformer files in their two release layouts ----------------------------------------------
 
 

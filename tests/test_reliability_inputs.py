@@ -106,3 +106,29 @@ def test_a_subset_whose_every_image_is_skipped_is_an_error(tmp_path):
         D.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
     assert str(e.value) == (f"{tmp_path / 'img'}: every image was skipped (skip_bad_size_images): none is at least "
                             f"min_bucket_reso 32 per side within max_bucket_reso / min_bucket_reso = 4.0")
+
+
+# ----------------------------------------------------------------------------------------------
+# Text that is not UTF-8
+
+
+def test_caption_file_with_invalid_utf8_is_one_line_naming_the_file_and_offset(tiny_set, tmp_path, capsys):
+    cfg = copy_dataset(tiny_set, tmp_path / "data", lambda d: (d / "003.txt").write_bytes(b"a red \xff circle"))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--dataset_config", cfg)))
+    assert f"{tmp_path / 'data' / 'images' / '003.txt'}: caption file is not valid UTF-8: byte 0xff at offset 6" in line, line
+    assert files_under(out) == []
+
+
+def test_llm_corpus_with_invalid_utf8_is_one_line_naming_the_file_and_offset(tiny_set, tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    good = "a photo of a caf\u00e9. ".encode() * 20  # 400 bytes of valid UTF-8, then a broken 2-byte sequence
+    corpus.write_bytes(good + b"\xc3\x28 broken")
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"],
+                                    "--train_data", str(corpus), "--max_train_steps", "1"))
+    line = one_error_line(capsys, code)
+    assert f"{corpus}: text file is not valid UTF-8: byte 0xc3 at offset {len(good)}" in line, line
+    assert files_under(out) == []

@@ -29,7 +29,7 @@ from library.data.controls import check_control_count, control_files, encode_pro
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket, load_rgb, verified_image_size
 from library.data.masks import balance_reg_repeats, find_mask, load_mask, mask_source_hash, warn_missing_alpha
-from library.io import CheckpointReader, save_safetensors
+from library.io import CheckpointReader, read_utf8, save_safetensors
 
 # Part of every latent cache hash: bump it when resize/crop changes so old caches are redone.
 PREPROCESS_VERSION = "resize-crop-v1"
@@ -225,8 +225,7 @@ def _image_files(folder: str) -> list[str]:
 def read_caption(image_path: str, subset: SubsetSpec) -> str:
     caption_path = os.path.splitext(image_path)[0] + subset.caption_extension
     if os.path.exists(caption_path):
-        with open(caption_path, encoding="utf-8") as f:
-            caption = f.read().strip()
+        caption = read_utf8(caption_path, "caption file").strip()
         if not caption:
             raise ValueError(f"{caption_path}: caption file is empty")
         return caption
@@ -640,10 +639,7 @@ def load_text_corpus(paths: str | list[str]) -> list[str]:
             raise ValueError(f"{p}: no such text file or folder")
     if not files:
         raise ValueError(f"{paths}: no .txt files found")
-    documents = []
-    for f in files:
-        with open(f, encoding="utf-8") as fh:
-            documents.append(fh.read())
+    documents = [read_utf8(f) for f in files]
     if not any(d.strip() for d in documents):
         raise ValueError(f"{paths}: all text files are empty")
     return documents
