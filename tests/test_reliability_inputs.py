@@ -132,3 +132,17 @@ def test_llm_corpus_with_invalid_utf8_is_one_line_naming_the_file_and_offset(tin
     line = one_error_line(capsys, code)
     assert f"{corpus}: text file is not valid UTF-8: byte 0xc3 at offset {len(good)}" in line, line
     assert files_under(out) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# output_name
+
+
+@pytest.mark.parametrize("name", ["sub/name", "..", "", "a\\b"])
+def test_output_name_that_is_not_a_plain_file_name_is_refused_at_validation(tiny_set, tmp_path, capsys, name):
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--output_name", name)))
+    assert (f"command line: key 'output_name' must be a plain file name (not empty, no path separator, not '.' or "
+            f"'..'), got {name!r}") in line, line
+    assert files_under(out) == []
