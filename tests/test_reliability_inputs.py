@@ -146,3 +146,55 @@ def test_output_name_that_is_not_a_plain_file_name_is_refused_at_validation(tiny
     assert (f"command line: key 'output_name' must be a plain file name (not empty, no path separator, not '.' or "
             f"'..'), got {name!r}") in line, line
     assert files_under(out) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Model files of the wrong kind or missing: found from the headers, before any caching
+
+
+def vae_as_transformer(ts, tmp):
+    return ["--pretrained_model_name_or_path", ts["flux_vae_single"]], ["ae.safetensors: not a FLUX.1 transformer"]
+
+
+def flux2_transformer_for_flux(ts, tmp):
+    return (["--pretrained_model_name_or_path", ts["flux2_tiny"]],
+            ["flux2-tiny.safetensors: key 'double_stream_modulation_img.lin.weight' belongs to a FLUX.2 transformer, "
+             "not FLUX.1"])
+
+
+def clip_l_missing(ts, tmp):
+    return (["--clip_l", str(tmp / "clip_l")],
+            [f"{tmp / 'clip_l'}: no such file or folder (clip_l: expected a CLIP-L text encoder)"])
+
+
+def t5_as_clip_l(ts, tmp):
+    return (["--clip_l", ts["t5xxl"]],
+            [f"{ts['t5xxl']}: clip_l is not a CLIP-L text encoder: no key ends in 'embeddings.token_embedding.weight'"])
+
+
+def flux2_vae_as_ae(ts, tmp):
+    return (["--ae", ts["flux2_vae"]],
+            [f"{ts['flux2_vae']}: ae is not a FLUX.1 VAE (16 latent channels): 'encoder.conv_out.weight' has shape "
+             f"(64, 16, 3, 3), expected (32, *, 3, 3)"])
+
+
+MODEL_FILE_CASES = {
+    "vae_as_transformer": vae_as_transformer,
+    "flux2_transformer_for_flux": flux2_transformer_for_flux,
+    "clip_l_missing": clip_l_missing,
+    "t5_as_clip_l": t5_as_clip_l,
+    "flux2_vae_as_ae": flux2_vae_as_ae,
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_FILE_CASES))
+def test_wrong_or_missing_model_file_is_one_line_before_any_caching(tiny_set, tmp_path, capsys, case):
+    cfg = copy_dataset(tiny_set, tmp_path / "data")
+    extra, fragments = MODEL_FILE_CASES[case](tiny_set, tmp_path)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--dataset_config", cfg, *extra)))
+    for fragment in fragments:
+        assert fragment in line, (fragment, line)
+    assert files_under(out) == []
+    assert not [f for f in files_under(tmp_path / "data" / "images") if f.endswith(".safetensors")]  # no cache written
