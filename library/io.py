@@ -285,6 +285,20 @@ def write_text(path: str, text: str):
             f.write(text)
 
 
+def read_utf8(path: str, what: str = "text file") -> str:
+    """The text of a UTF-8 file, newlines as open() reads them (\\r\\n and \\r become \\n). Bytes that
+    are not UTF-8 are one ValueError naming the file and the offset of the first (a text-mode read's
+    error names no file, and its position counts from the chunk it was decoding)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: {what} is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} "
+                         f"({e.reason}); save it as UTF-8") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 # -- transformer files in their two release layouts ----------------------------------------------
 
 
@@ -300,6 +314,25 @@ def check_keys_and_shapes(reader: CheckpointReader, expected: dict[str, torch.Te
     missing = [k for k in expected if k not in reader]
     if missing:
         raise CheckpointError(f"{reader.path}: missing keys: {', '.join(missing[:5])} ({len(missing)} in all)")
+
+
+def check_model_file(path: str, key: str, what: str, markers: dict[str, tuple | None]) -> None:
+    """The checkpoint at `path` (named by config key `key`) is `what` as far as its header tells: for
+    each marker some key ends in it (after any prefix, so ComfyUI, HF and diffusers layouts alike),
+    of the marker's shape (None: any shape; None on an axis: any size). No tensor is read; a missing
+    path or marker is one CheckpointError naming the path and what was expected."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file or folder ({key}: expected {what})")
+    reader = CheckpointReader(path)
+    keys = reader.keys()
+    for ending, shape in markers.items():
+        found = next((k for k in keys if k == ending or k.endswith("." + ending)), None)
+        if found is None:
+            raise CheckpointError(f"{path}: {key} is not {what}: no key ends in '{ending}' (its keys: {_few(keys)})")
+        have = reader.shape(found)
+        if shape is not None and (len(have) != len(shape) or any(w not in (None, n) for w, n in zip(shape, have))):
+            want = "(" + ", ".join("*" if n is None else str(n) for n in shape) + ")"
+            raise CheckpointError(f"{path}: {key} is not {what}: '{found}' has shape {have}, expected {want}")
 
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"

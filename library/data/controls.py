@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from library.data.images import IMAGE_EXTENSIONS, verified_image_size
+from library.data.images import IMAGE_EXTENSIONS, load_rgb, verified_image_size
 
 
 def control_files(folder: str) -> dict[str, str]:
@@ -81,13 +81,7 @@ def check_family_takes(items, model_type: str, max_controls: int, min_controls: 
 def reference_views(paths: list[str] | tuple[str, ...]) -> list:
     """The reference images as PIL RGB images at their own size (EXIF rotation applied): what a
     text encoder that sees them (Qwen-Image-Edit) is given; it resizes them by its own rule."""
-    from PIL import Image, ImageOps
-
-    views = []
-    for p in paths:
-        with Image.open(p) as img:
-            views.append(ImageOps.exif_transpose(img).convert("RGB"))
-    return views
+    return [load_rgb(p) for p in paths]
 
 
 def encode_prompts(encode, captions: list[str], references: list, sees_references: bool) -> list[dict]:

@@ -17,19 +17,19 @@ import hashlib
 import math
 import os
 import random
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
 
 from library.data.captions import caption_variants, drops_captions, fixed_caption, is_dropped
 from library.data.controls import check_control_count, control_files, encode_prompts, scan_controls
-from library.data.dataset_config import DatasetBlueprint, SubsetSpec
-from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket, verified_image_size
+from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
+from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket, load_rgb, verified_image_size
 from library.data.masks import balance_reg_repeats, find_mask, load_mask, mask_source_hash, warn_missing_alpha
-from library.io import CheckpointReader, save_safetensors
+from library.io import CheckpointReader, read_utf8, save_safetensors
 
 # Part of every latent cache hash: bump it when resize/crop changes so old caches are redone.
 PREPROCESS_VERSION = "resize-crop-v1"
@@ -92,6 +92,26 @@ def bucket_without_upscale(size: tuple[int, int], max_area: int, step: int) -> t
     return int(w) // step * step, int(h) // step * step
 
 
+def size_limits(ds: DatasetSpec) -> tuple[int, str, float]:
+    """(smallest image side, the key that sets it, largest aspect ratio) of images dataset `ds` trains
+    without upscaling them from below that side or cropping them beyond max_bucket_reso / min_bucket_reso."""
+    side, name = (ds.min_bucket_reso, "min_bucket_reso") if ds.enable_bucket else (min(ds.resolution), "resolution")
+    return side, name, ds.max_bucket_reso / ds.min_bucket_reso
+
+
+def bad_size(size: tuple[int, int], ds: DatasetSpec) -> str | None:
+    """Why an image of `size` (w, h) trains badly in dataset `ds`, or None. A 1x1 image would be
+    upscaled to a whole bucket, a 4000x16 strip cropped to its middle 2%: both silently."""
+    (w, h), (min_side, name, max_aspect) = size, size_limits(ds)
+    problems = []
+    if min(w, h) < min_side and not (ds.enable_bucket and ds.bucket_no_upscale):  # that never upscales
+        problems.append(f"is smaller than {name} {min_side} (it is upscaled)")
+    if max(w, h) / min(w, h) > max_aspect:
+        problems.append(f"has aspect ratio {max(w, h) / min(w, h):.1f}, beyond max_bucket_reso / min_bucket_reso "
+                        f"= {max_aspect:.1f} (it is cropped)")
+    return f"{w}x{h} " + " and ".join(problems) if problems else None
+
+
 # ----------------------------------------------------------------------------------------------
 # Scanning folders
 
@@ -99,7 +119,8 @@ def bucket_without_upscale(size: tuple[int, int], max_area: int, step: int) -> t
 def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, control_bucket=None) -> list[ImageItem]:
     """Every image of every subset with its caption, bucket and reference images (a subset's
     control_directory). Unreadable images, missing or empty captions, colliding file stems and
-    missing references are errors naming the file. held_out_sets: the [[validation_datasets]]
+    missing references are errors naming the file; images of a bad size for the buckets (bad_size)
+    are warnings, and skipped with skip_bad_size_images. held_out_sets: the [[validation_datasets]]
     instead, numbered after the training datasets. control_bucket(target bucket, reference size)
     -> (w, h): the family's reference size rule (default: the target's bucket)."""
     items = []
@@ -114,8 +135,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                 warn_missing_alpha(paths, subset)
             controls = control_files(subset.control_directory) if subset.control_directory else None
             first_paired = None  # the subset's first image: every other needs as many references
-            for path in paths:
-                size = verified_image_size(path)
+            for path, size in _usable_images(paths, ds, subset):
                 if ds.enable_bucket and ds.bucket_no_upscale:
                     bucket = bucket_without_upscale(size, ds.resolution[0] * ds.resolution[1], ds.bucket_reso_steps)
                     if min(bucket) == 0:
@@ -163,6 +183,30 @@ def split_validation(items: list[ImageItem], blueprint: DatasetBlueprint) -> tup
     return [it for it in items if id(it) not in held_out], [it for it in items if id(it) in held_out]
 
 
+def _usable_images(paths: list[str], ds: DatasetSpec, subset: SubsetSpec) -> list[tuple[str, tuple[int, int]]]:
+    """(path, size) of a subset's images, each verified readable. Every image of a bad size (bad_size)
+    is one warning, and left out with skip_bad_size_images; then one count for the subset."""
+    skip, usable, bad = subset.skip_bad_size_images, [], 0
+    for path in paths:
+        size = verified_image_size(path)
+        problem = bad_size(size, ds)
+        if problem:
+            bad += 1
+            warnings.warn(f"{path}: {problem}" + ("; skipped (skip_bad_size_images)" if skip else ""), stacklevel=2)
+        if not (problem and skip):
+            usable.append((path, size))
+    min_side, name, max_aspect = size_limits(ds)
+    limits = f"smaller than {name} or beyond max_bucket_reso / min_bucket_reso in aspect ratio"
+    if bad:
+        outcome = ("skipped (skip_bad_size_images)" if skip
+                   else "they are trained as they are (skip_bad_size_images = true leaves them out)")
+        warnings.warn(f"{subset.image_dir}: {bad} of {len(paths)} images are {limits}; {outcome}", stacklevel=2)
+    if not usable:
+        raise ValueError(f"{subset.image_dir}: every image was skipped (skip_bad_size_images): none is at least "
+                         f"{name} {min_side} per side within max_bucket_reso / min_bucket_reso = {max_aspect:.1f}")
+    return usable
+
+
 def _image_files(folder: str) -> list[str]:
     if not os.path.isdir(folder):
         raise ValueError(f"{folder}: image_dir does not exist or is not a folder")
@@ -181,8 +225,7 @@ def _image_files(folder: str) -> list[str]:
 def read_caption(image_path: str, subset: SubsetSpec) -> str:
     caption_path = os.path.splitext(image_path)[0] + subset.caption_extension
     if os.path.exists(caption_path):
-        with open(caption_path, encoding="utf-8") as f:
-            caption = f.read().strip()
+        caption = read_utf8(caption_path, "caption file").strip()
         if not caption:
             raise ValueError(f"{caption_path}: caption file is empty")
         return caption
@@ -198,8 +241,7 @@ def read_caption(image_path: str, subset: SubsetSpec) -> str:
 
 def load_image(path: str, bucket: tuple[int, int], flip: bool = False) -> torch.Tensor:
     """The image fitted to `bucket` (images.fit_to_bucket). Returns float32 [3, H, W] in [-1, 1]."""
-    with Image.open(path) as img:
-        img = fit_to_bucket(ImageOps.exif_transpose(img).convert("RGB"), bucket, flip)
+    img = fit_to_bucket(load_rgb(path), bucket, flip)
     pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())  # [H, W, 3] uint8
     return pixels.permute(2, 0, 1).float() / 127.5 - 1.0
 
@@ -597,10 +639,7 @@ def load_text_corpus(paths: str | list[str]) -> list[str]:
             raise ValueError(f"{p}: no such text file or folder")
     if not files:
         raise ValueError(f"{paths}: no .txt files found")
-    documents = []
-    for f in files:
-        with open(f, encoding="utf-8") as fh:
-            documents.append(fh.read())
+    documents = [read_utf8(f) for f in files]
     if not any(d.strip() for d in documents):
         raise ValueError(f"{paths}: all text files are empty")
     return documents

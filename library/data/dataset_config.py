@@ -26,7 +26,7 @@ SUBSET_KEYS = (
     "image_dir", "num_repeats", "caption_extension", "class_tokens", "shuffle_caption",
     "keep_tokens", "keep_tokens_separator", "caption_separator", "caption_dropout_rate",
     "caption_dropout_every_n_epochs", "caption_tag_dropout_rate", "caption_variants", "flip_aug",
-    "alpha_mask", "mask_dir", "is_reg", "control_directory",
+    "alpha_mask", "mask_dir", "is_reg", "control_directory", "skip_bad_size_images",
 )
 # Keys a [[datasets]] table may hold (they may also sit in [general]).
 DATASET_KEYS = (
@@ -41,7 +41,7 @@ KEY_TYPES = {
     "shuffle_caption": bool, "keep_tokens": int, "caption_dropout_rate": float, "flip_aug": bool,
     "keep_tokens_separator": str, "caption_separator": str, "caption_dropout_every_n_epochs": int,
     "caption_tag_dropout_rate": float, "caption_variants": int, "alpha_mask": bool, "mask_dir": str, "is_reg": bool,
-    "control_directory": str,
+    "control_directory": str, "skip_bad_size_images": bool,
 }
 # sd-scripts' defaults, except caption_extension: sd-scripts defaults to ".caption" but nearly
 # every dataset in use ships ".txt" files, so ".txt" is the default here.
@@ -54,7 +54,7 @@ DEFAULTS = {
     "keep_tokens": 0, "caption_dropout_rate": 0.0, "flip_aug": False,
     "keep_tokens_separator": "", "caption_separator": ",", "caption_dropout_every_n_epochs": 0,
     "caption_tag_dropout_rate": 0.0, "caption_variants": 8, "alpha_mask": False, "mask_dir": None, "is_reg": False,
-    "control_directory": None,
+    "control_directory": None, "skip_bad_size_images": False,
 }
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string",
                "resolution": "an integer or [width, height]"}
@@ -82,6 +82,8 @@ class SubsetSpec:
     is_reg: bool = False  # regularization images: loss x prior_loss_weight, repeats balanced to the training images
     # library/data/controls.py: edit models' reference images, matched by file stem
     control_directory: str | None = None
+    # library/data/dataset.py bad_size: images below min_bucket_reso or beyond the buckets' aspect ratio
+    skip_bad_size_images: bool = False  # leave them out (they are always warned about)
 
 
 @dataclass

@@ -1,16 +1,41 @@
-"""Image geometry shared by training images and their loss masks (resize to cover the bucket,
-centre crop, mirror), and writing sample images: tensors in [-1, 1] -> PNG, side by side with
+"""Reading images as 8-bit pixels (16-bit PNGs scaled, not clipped), image geometry shared by
+training images and their loss masks (resize to cover the bucket, centre crop, mirror), and
+writing sample images: tensors in [-1, 1] -> PNG, side by side with
 labels, settings in the PNG's text chunks, written atomically."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw, PngImagePlugin
+from PIL import Image, ImageDraw, ImageOps, PngImagePlugin
 
 from library.io import atomic_path
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# Pillow opens 16-bit grey PNGs in the I;16 modes ("I": 32-bit integers). Its convert("RGB") /
+# convert("L") clips those values to 255 instead of scaling them: nearly every pixel turns white.
+WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
+def to_8_bit(img: Image.Image, path: str) -> Image.Image:
+    """16-bit grey pixels scaled to 8-bit grey ("L", round(value / 257)); other modes unchanged
+    (Pillow opens 16-bit RGB(A) PNGs as 8-bit RGB(A) itself, keeping the high byte). Values beyond
+    16 bits and float pixels are one ValueError naming the file."""
+    if img.mode == "F":
+        raise ValueError(f"{path}: floating-point pixels (mode F); expected an 8- or 16-bit image")
+    if img.mode not in WIDE_GREY_MODES:
+        return img
+    values = np.asarray(img).astype(np.int64)
+    lo, hi = int(values.min()), int(values.max())
+    if lo < 0 or hi > 65535:
+        raise ValueError(f"{path}: pixel values {lo}..{hi} do not fit 16 bits; expected an 8- or 16-bit image")
+    return Image.fromarray(((values + 128) // 257).astype(np.uint8))
+
+
+def load_rgb(path: str) -> Image.Image:
+    """The image at `path` as displayed (EXIF rotation applied), as 8-bit RGB."""
+    with Image.open(path) as img:
+        return to_8_bit(ImageOps.exif_transpose(img), path).convert("RGB")
 
 
 def fit_to_bucket(img: Image.Image, bucket: tuple[int, int], flip: bool = False) -> Image.Image:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageOps
 
 from library.data.dataset_config import SubsetSpec
-from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket
+from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket, to_8_bit
 
 LATENT_DOWNSAMPLE = 8  # VAE pixels per latent element, per side
 
@@ -85,7 +85,7 @@ def load_mask(image_path: str, mask_path: str | None, bucket: tuple[int, int], f
     with Image.open(mask_path or image_path) as img:
         img = ImageOps.exif_transpose(img)
         if mask_path:
-            gray = img.convert("L")
+            gray = to_8_bit(img, mask_path).convert("L")
         elif "A" in img.getbands() or "transparency" in img.info:
             gray = img.convert("RGBA").getchannel("A")
         else:

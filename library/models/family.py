@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -59,6 +60,18 @@ def fp8_prepare(mode: str | None, family: str):
     return lambda model: fp8_load_converter(prepare_fp8(model, mode, family))
 
 
+@dataclass
+class ModelFile:
+    """A file a family loads besides its transformer, as the training config names it, and how its
+    safetensors header shows what it is (library/io.py check_model_file)."""
+
+    key: str  # the config key: "ae", "clip_l", ...
+    path: str
+    what: str  # what it must be, for the error: "a CLIP-L text encoder"
+    component: str  # its folder when `path` is a diffusers pipeline folder: "vae", "text_encoder", ...
+    markers: dict[str, tuple | None]  # key ending -> its shape (None: any); every such file has them
+
+
 class DiffusionFamily:
     name: str  # the model_type of the training config, also the LoRA TARGETS / fp8 family key
     text_path_keys: tuple[str, ...] = ()  # config keys of the text encoder files
@@ -93,6 +106,21 @@ class DiffusionFamily:
     @classmethod
     def from_args(cls, args) -> "DiffusionFamily":
         return cls(args.pretrained_model_name_or_path, args.ae, **{k: getattr(args, k) for k in cls.text_path_keys})
+
+    def model_files(self) -> list[ModelFile]:
+        """The files besides the transformer and what each must be: the family's own facts."""
+        return []
+
+    def check_model_files(self) -> None:
+        """Before anything is loaded or cached (a VAE given as the transformer or a missing encoder
+        would otherwise show after minutes of caching): the transformer through its own loader on
+        meta, from its header, and every model_files() entry by its markers. No tensor is read; a
+        file that is missing or not what it must be is one CheckpointError naming its path."""
+        from library.io import check_model_file, component_folder
+
+        self.load_transformer(torch.float32, read_weights=False)
+        for f in self.model_files():
+            check_model_file(component_folder(f.path, f.component), f.key, f.what, f.markers)
 
     def text_options(self, args) -> dict:
         """Encoder settings from the training config that change the embeddings (they are part of

@@ -103,6 +103,13 @@ FLUX2_VAE_CONFIG: dict = {}
 QWEN_IMAGE_VAE_CONFIG: dict = {}
 
 
+def vae_markers(latent_channels: int, video: bool = False) -> dict[str, tuple | None]:
+    """How a VAE checkpoint shows in its header (library/io.py check_model_file): the encoder's last
+    convolution gives the latents' mean and log-variance, 2 x latent_channels outputs, 3x3 kernels
+    (3x3x3 for a video VAE), under the same key in diffusers and LDM/BFL files."""
+    return {"encoder.conv_out.weight": (2 * latent_channels, None, 3, 3) + ((3,) if video else ())}
+
+
 # ----------------------------------------------------------------------------------------------
 # Loading
 

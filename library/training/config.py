@@ -335,6 +335,10 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         raise ConfigError(f"{origins.get('log_with', where)}: {problem}")
     if args.learning_rate <= 0:
         raise ConfigError(f"{where}: key 'learning_rate' must be > 0, got {args.learning_rate}")
+    name = args.output_name  # it names files and a state folder in output_dir: one plain name, found now
+    if name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0")):
+        raise ConfigError(f"{origins.get('output_name', where)}: key 'output_name' must be a plain file name (not empty, "
+                          f"no path separator, not '.' or '..'), got {name!r}")
     if args.model_type != "llm":
         missing = [k for k in family_class(args.model_type).required_paths() if getattr(args, k) is None]
         if missing:

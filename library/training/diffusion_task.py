@@ -55,6 +55,7 @@ class DiffusionTask:
         self.args, self.accelerator = args, accelerator
         self.device = accelerator.device
         self.family = get_family(args)
+        self.family.check_model_files()  # from the headers: a wrong file stops the run now, not after caching
         self._check_stored_precision()
         self.compute_dtype = compute_dtype(args)
         self.blueprint = load_dataset_config(args.dataset_config)

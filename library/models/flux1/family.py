@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from library.models.family import DiffusionFamily, fp8_prepare
+from library.models.family import DiffusionFamily, ModelFile, fp8_prepare
 
 
 class FluxFamily(DiffusionFamily):
@@ -20,6 +20,16 @@ class FluxFamily(DiffusionFamily):
 
         return load_flux(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
                          read_weights=read_weights)
+
+    def model_files(self) -> list[ModelFile]:
+        from library.models.vae import vae_markers
+
+        clip_l, t5xxl = self.text_paths["clip_l"], self.text_paths["t5xxl"]
+        return [
+            ModelFile("ae", self.vae_path, "a FLUX.1 VAE (16 latent channels)", "vae", vae_markers(self.latent_channels)),
+            ModelFile("clip_l", clip_l, "a CLIP-L text encoder", "text_encoder", {"embeddings.token_embedding.weight": None}),
+            ModelFile("t5xxl", t5xxl, "a T5 encoder", "text_encoder_2", {"block.0.layer.0.SelfAttention.q.weight": None}),
+        ]
 
     def load_vae(self, dtype=torch.float32):
         from library.models.vae import load_flux_vae

@@ -20,7 +20,7 @@ from functools import cached_property
 
 import torch
 
-from library.models.family import DiffusionFamily, fp8_prepare
+from library.models.family import DiffusionFamily, ModelFile, fp8_prepare
 
 
 class Flux2Family(DiffusionFamily):
@@ -37,6 +37,19 @@ class Flux2Family(DiffusionFamily):
 
         return load_flux2(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
                           read_weights=read_weights)
+
+    def model_files(self) -> list[ModelFile]:
+        from library.models.vae import vae_markers
+
+        # [dev]: Mistral Small 3.1's language model; [klein]: Qwen3, whose attention has q_norm.
+        what, attention = (("a Mistral Small 3.1 language model", "q_proj.weight") if self.is_dev()
+                           else ("a Qwen3 language model", "q_norm.weight"))
+        markers = {"embed_tokens.weight": None, f"layers.0.self_attn.{attention}": None}
+        return [
+            ModelFile("ae", self.vae_path, "a FLUX.2 VAE (32 latent channels)", "vae",
+                      {**vae_markers(self.latent_channels), "bn.running_mean": None}),  # the BatchNorm of its latents
+            ModelFile("text_encoder", self.text_paths["text_encoder"], what, "text_encoder", markers),
+        ]
 
     def load_vae(self, dtype=torch.float32):
         from library.models.vae import load_flux2_vae

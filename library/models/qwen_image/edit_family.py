@@ -43,6 +43,9 @@ class QwenImageEditFamily(QwenImageFamily):
     min_controls = 1  # the pipelines always condition on an image
     plan_controls = 1
     text_sees_controls = True  # encode(captions, condition_images)
+    # Qwen2.5-VL with its vision tower: the text encoder sees the condition images.
+    text_encoder_kind = ("Qwen2.5-VL with its vision tower",
+                         {**QwenImageFamily.text_encoder_kind[1], "patch_embed.proj.weight": None})
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from library.models.family import DiffusionFamily, control_kwargs, fp8_prepare
+from library.models.family import DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
 
 
 class QwenImageFamily(DiffusionFamily):
@@ -16,6 +16,8 @@ class QwenImageFamily(DiffusionFamily):
     text_path_keys = ("text_encoder",)
     sample_guidance = 4.0
     true_cfg = True
+    # The text encoder: Qwen2.5-VL's language model (Qwen2 layers: q_proj has a bias).
+    text_encoder_kind = ("a Qwen2.5-VL language model", {"embed_tokens.weight": None, "layers.0.self_attn.q_proj.bias": None})
 
     def model_version(self, model) -> str:
         return "qwen-image"
@@ -31,6 +33,16 @@ class QwenImageFamily(DiffusionFamily):
 
         return load_qwen_image(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name),
                          read_weights=read_weights)
+
+    def model_files(self) -> list[ModelFile]:
+        from library.models.vae import vae_markers
+
+        what, markers = self.text_encoder_kind
+        return [
+            ModelFile("ae", self.vae_path, "a Qwen-Image VAE (16 latent channels, 3-D convolutions)", "vae",
+                      vae_markers(self.latent_channels, video=True)),
+            ModelFile("text_encoder", self.text_paths["text_encoder"], what, "text_encoder", markers),
+        ]
 
     def load_vae(self, dtype=torch.float32):
         from library.models.vae import load_qwen_image_vae

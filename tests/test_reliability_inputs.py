@@ -1,0 +1,200 @@
+"""Bad input data and model files (issue 24, round 2), in tests/test_reliability.py's style: a bad
+file is one `error: ...` line naming it and what was expected, exit status 2, found before any
+model is loaded or any cache written; odd but usable data (16-bit PNGs, images far from the
+buckets' sizes) is read correctly or warned about per image."""
+
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import train_lora
+from library.data import dataset as D
+from library.data.controls import reference_views
+from library.data.masks import load_mask
+from tests.test_dataset import blueprint, make_image
+from tests.test_reliability import copy_dataset, files_under, flux_args, one_error_line
+from tests.test_train_llm import llm_args
+
+MID_GREY_16 = 0x8080  # 32896 = 128 * 257: mid grey in 16 bits, 128 in 8
+
+
+# ----------------------------------------------------------------------------------------------
+# 16-bit PNGs
+
+
+def png16(path, pixels: np.ndarray) -> str:
+    """A 16-bit PNG of `pixels` (uint16 [H, W] grey or [H, W, 3] RGB), written byte by byte: Pillow
+    writes 16-bit grey but not 16-bit RGB."""
+    h, w = pixels.shape[:2]
+    colour_type = 0 if pixels.ndim == 2 else 2
+    rows = pixels.astype(">u2").reshape(h, -1)
+    raw = b"".join(b"\x00" + row.tobytes() for row in rows)  # filter 0 per row
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", w, h, 16, colour_type, 0, 0, 0)
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return str(path)
+
+
+def test_16_bit_grey_and_rgb_pngs_load_as_mid_grey_8_bit(tmp_path):
+    grey = png16(tmp_path / "grey16.png", np.full((32, 32), MID_GREY_16, dtype=np.uint16))
+    rgb = png16(tmp_path / "rgb16.png", np.full((32, 32, 3), MID_GREY_16, dtype=np.uint16))
+    with Image.open(grey) as img:
+        assert img.mode == "I;16"  # what Pillow 13 opens it as; convert("RGB") would clip it to 255
+    mid = 128 / 127.5 - 1.0
+    for path in (grey, rgb):  # Pillow opens 16-bit RGB as 8-bit RGB (the high byte) itself
+        x = D.load_image(path, (32, 32))
+        assert x.shape == (3, 32, 32) and float((x - mid).abs().max()) < 1e-6, (path, float(x.mean()))
+        assert np.asarray(reference_views([path])[0]).tolist() == np.full((32, 32, 3), 128).tolist()
+    mask = load_mask(str(tmp_path / "image.png"), grey, (32, 32), flip=False)  # a 16-bit grey mask file
+    assert float((mask - 128 / 255).abs().max()) < 1e-6
+
+
+def test_32_bit_integer_pixels_beyond_16_bits_are_refused_naming_the_file():
+    from library.data.images import to_8_bit
+
+    img = Image.fromarray(np.array([[0, 70000]], dtype=np.int32))
+    assert img.mode == "I"
+    with pytest.raises(ValueError) as e:
+        to_8_bit(img, "deep.png")
+    assert str(e.value) == "deep.png: pixel values 0..70000 do not fit 16 bits; expected an 8- or 16-bit image"
+
+
+# ----------------------------------------------------------------------------------------------
+# Images far from the buckets' sizes: a warning per image and a count per subset, or skipped
+
+
+def bad_size_set(folder):
+    make_image(folder / "dot.png", 1, 1)  # below min_bucket_reso: would be upscaled 64x
+    make_image(folder / "strip.png", 4000, 16)  # 250:1, beyond max_bucket_reso / min_bucket_reso = 4: cropped to 1.6%
+    make_image(folder / "fine.png", 64, 48)
+    return dict(resolution=64, enable_bucket=True, min_bucket_reso=32, max_bucket_reso=128, bucket_reso_steps=16,
+                class_tokens="x")
+
+
+def test_images_below_the_smallest_bucket_side_or_beyond_the_bucket_aspect_warn_per_image_and_count(tmp_path):
+    keys = bad_size_set(tmp_path / "img")
+    with pytest.warns(UserWarning) as caught:
+        items = D.scan_images(blueprint(tmp_path / "img", **keys))
+    messages = [str(w.message) for w in caught]
+    assert f"{tmp_path / 'img' / 'dot.png'}: 1x1 is smaller than min_bucket_reso 32 (it is upscaled)" in messages[0]
+    assert (f"{tmp_path / 'img' / 'strip.png'}: 4000x16 is smaller than min_bucket_reso 32 (it is upscaled) and has "
+            f"aspect ratio 250.0, beyond max_bucket_reso / min_bucket_reso = 4.0 (it is cropped)") in messages[1]
+    assert messages[2] == (f"{tmp_path / 'img'}: 2 of 3 images are smaller than min_bucket_reso or beyond max_bucket_reso "
+                           f"/ min_bucket_reso in aspect ratio; they are trained as they are (skip_bad_size_images = "
+                           f"true leaves them out)")
+    assert len(messages) == 3 and sorted(os.path.basename(i.image_path) for i in items) == ["dot.png", "fine.png", "strip.png"]
+
+    with pytest.warns(UserWarning) as caught:
+        items = D.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
+    assert [os.path.basename(i.image_path) for i in items] == ["fine.png"]
+    assert str(caught[-1].message) == (f"{tmp_path / 'img'}: 2 of 3 images are smaller than min_bucket_reso or beyond "
+                                       f"max_bucket_reso / min_bucket_reso in aspect ratio; skipped (skip_bad_size_images)")
+
+
+def test_a_subset_whose_every_image_is_skipped_is_an_error(tmp_path):
+    keys = bad_size_set(tmp_path / "img")
+    os.remove(tmp_path / "img" / "fine.png")
+    with pytest.warns(UserWarning), pytest.raises(ValueError) as e:
+        D.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
+    assert str(e.value) == (f"{tmp_path / 'img'}: every image was skipped (skip_bad_size_images): none is at least "
+                            f"min_bucket_reso 32 per side within max_bucket_reso / min_bucket_reso = 4.0")
+
+
+# ----------------------------------------------------------------------------------------------
+# Text that is not UTF-8
+
+
+def test_caption_file_with_invalid_utf8_is_one_line_naming_the_file_and_offset(tiny_set, tmp_path, capsys):
+    cfg = copy_dataset(tiny_set, tmp_path / "data", lambda d: (d / "003.txt").write_bytes(b"a red \xff circle"))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--dataset_config", cfg)))
+    assert f"{tmp_path / 'data' / 'images' / '003.txt'}: caption file is not valid UTF-8: byte 0xff at offset 6" in line, line
+    assert files_under(out) == []
+
+
+def test_llm_corpus_with_invalid_utf8_is_one_line_naming_the_file_and_offset(tiny_set, tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    good = "a photo of a caf\u00e9. ".encode() * 20  # 400 bytes of valid UTF-8, then a broken 2-byte sequence
+    corpus.write_bytes(good + b"\xc3\x28 broken")
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"],
+                                    "--train_data", str(corpus), "--max_train_steps", "1"))
+    line = one_error_line(capsys, code)
+    assert f"{corpus}: text file is not valid UTF-8: byte 0xc3 at offset {len(good)}" in line, line
+    assert files_under(out) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# output_name
+
+
+@pytest.mark.parametrize("name", ["sub/name", "..", "", "a\\b"])
+def test_output_name_that_is_not_a_plain_file_name_is_refused_at_validation(tiny_set, tmp_path, capsys, name):
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--output_name", name)))
+    assert (f"command line: key 'output_name' must be a plain file name (not empty, no path separator, not '.' or "
+            f"'..'), got {name!r}") in line, line
+    assert files_under(out) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Model files of the wrong kind or missing: found from the headers, before any caching
+
+
+def vae_as_transformer(ts, tmp):
+    return ["--pretrained_model_name_or_path", ts["flux_vae_single"]], ["ae.safetensors: not a FLUX.1 transformer"]
+
+
+def flux2_transformer_for_flux(ts, tmp):
+    return (["--pretrained_model_name_or_path", ts["flux2_tiny"]],
+            ["flux2-tiny.safetensors: key 'double_stream_modulation_img.lin.weight' belongs to a FLUX.2 transformer, "
+             "not FLUX.1"])
+
+
+def clip_l_missing(ts, tmp):
+    return (["--clip_l", str(tmp / "clip_l")],
+            [f"{tmp / 'clip_l'}: no such file or folder (clip_l: expected a CLIP-L text encoder)"])
+
+
+def t5_as_clip_l(ts, tmp):
+    return (["--clip_l", ts["t5xxl"]],
+            [f"{ts['t5xxl']}: clip_l is not a CLIP-L text encoder: no key ends in 'embeddings.token_embedding.weight'"])
+
+
+def flux2_vae_as_ae(ts, tmp):
+    return (["--ae", ts["flux2_vae"]],
+            [f"{ts['flux2_vae']}: ae is not a FLUX.1 VAE (16 latent channels): 'encoder.conv_out.weight' has shape "
+             f"(64, 16, 3, 3), expected (32, *, 3, 3)"])
+
+
+MODEL_FILE_CASES = {
+    "vae_as_transformer": vae_as_transformer,
+    "flux2_transformer_for_flux": flux2_transformer_for_flux,
+    "clip_l_missing": clip_l_missing,
+    "t5_as_clip_l": t5_as_clip_l,
+    "flux2_vae_as_ae": flux2_vae_as_ae,
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_FILE_CASES))
+def test_wrong_or_missing_model_file_is_one_line_before_any_caching(tiny_set, tmp_path, capsys, case):
+    cfg = copy_dataset(tiny_set, tmp_path / "data")
+    extra, fragments = MODEL_FILE_CASES[case](tiny_set, tmp_path)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--dataset_config", cfg, *extra)))
+    for fragment in fragments:
+        assert fragment in line, (fragment, line)
+    assert files_under(out) == []
+    assert not [f for f in files_under(tmp_path / "data" / "images") if f.endswith(".safetensors")]  # no cache written
