@@ -34,6 +34,12 @@ def blueprint(image_dir, **dataset):
     return parse_dataset_config({"datasets": [{**dataset, "subsets": [subset]}]}, source="test.toml")
 
 
+def over_one_folder(image_dir, *subsets, **dataset):
+    """One dataset whose subsets all read image_dir; each dict holds a subset's other keys."""
+    subsets = [{"image_dir": str(image_dir), **s} for s in subsets]
+    return parse_dataset_config({"datasets": [{"resolution": 32, **dataset, "subsets": subsets}]}, source="test.toml")
+
+
 def subset(**kw):
     base = dict(image_dir="x", num_repeats=1, caption_extension=".txt", class_tokens=None, shuffle_caption=False,
                 keep_tokens=0, caption_dropout_rate=0.0, flip_aug=False)
@@ -238,6 +244,25 @@ def test_dataset_augmentation_depends_on_seed_epoch_and_entry_only(tmp_path):
     assert epoch0 == [D.ImageDataset(bp, seed=1)[(e, 0)]["caption"] for e in range(20)]
     assert epoch0 != [ds[(e, 1)]["caption"] for e in range(20)]
     assert len(set(epoch0)) > 5 and all(c.startswith("t0, ") for c in epoch0)
+
+
+def test_one_image_in_two_subsets_gets_its_own_key_and_draws_in_each_stable_across_runs(tmp_path):
+    """The key seeds a sample's noise and sigma: an image read by two subsets must not share them."""
+    from library.training.flow_matching import sample_sigmas
+    from library.training.state import sample_seed
+
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "a square")
+    bp = over_one_folder(tmp_path / "img", {"num_repeats": 2}, {"num_repeats": 2})
+    keys = [D.ImageDataset(bp)[e]["key"] for e in range(4)]
+    assert len(set(keys)) == 4, keys
+    assert keys == ["0:0:a.png#0", "0:0:a.png#1", "0:1:a.png#0", "0:1:a.png#1"]  # dataset:subset:path#repeat
+    assert keys == [D.ImageDataset(bp, seed=7)[(e, 3)]["key"] for e in range(4)]  # another run / epoch: the same keys
+    draws = []
+    for key in keys:
+        g = torch.Generator().manual_seed(sample_seed(0, 5, key))
+        draws.append((torch.randn(4, generator=g).tolist(), sample_sigmas(1, "sigmoid", generator=g).item()))
+    assert len({tuple(noise) for noise, _ in draws}) == 4 and len({sigma for _, sigma in draws}) == 4
 
 
 # ----------------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class ImageItem:
     mask_path: str | None = None  # mask_dir's file for it (library/data/masks.py)
     control_paths: list[str] = field(default_factory=list)  # reference images (library/data/controls.py)
     control_buckets: list[tuple[int, int]] = field(default_factory=list)  # (w, h) each reference is encoded at
+    subset_index: int = 0  # its subset's place in its dataset: one image in two subsets is two samples
 
     @property
     def masked(self) -> bool:
@@ -108,7 +109,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
     for di, ds in enumerate(datasets, start=first):
         buckets = (make_buckets(ds.resolution, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps)
                    if ds.enable_bucket and not ds.bucket_no_upscale else [ds.resolution])
-        for subset in ds.subsets:
+        for si, subset in enumerate(ds.subsets):
             paths = _image_files(subset.image_dir)
             if subset.alpha_mask:
                 warn_missing_alpha(paths, subset)
@@ -124,7 +125,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                 else:
                     bucket = bucket_for(size, buckets)
                 item = ImageItem(path, read_caption(path, subset), subset, di, size, bucket, ds.cache_dir,
-                                 mask_path=find_mask(path, subset, size))
+                                 mask_path=find_mask(path, subset, size), subset_index=si)
                 if controls is not None:
                     item.control_paths, item.control_buckets = scan_controls(
                         path, subset.control_directory, controls, bucket, control_bucket or (lambda b, _: b))
@@ -240,10 +241,12 @@ class ImageDataset(torch.utils.data.Dataset):
         item = self.items[self.entries[entry]]
         rng = random.Random(f"{self.seed}:{epoch}:{entry}")
         flip = item.subset.flip_aug and not self.validation and rng.random() < 0.5
-        # key: which occurrence of which image this is, independent of where the dataset lives. It
-        # seeds the noise and sigma: with the step, every repeat of an image in a step gets its own
-        # draw (an optimizer step lies within one epoch, where each repeat occurs once).
-        key = f"{item.dataset_index}:{os.path.relpath(item.image_path, item.subset.image_dir)}#{self.repeat_of[entry]}"
+        # key: which occurrence of which image this is (dataset:subset:path#repeat), independent of
+        # where the dataset lives. It seeds the noise and sigma: with the step, every repeat of an
+        # image in a step, and the same image in two subsets, gets its own draw (an optimizer step
+        # lies within one epoch, where each repeat occurs once).
+        relpath = os.path.relpath(item.image_path, item.subset.image_dir)
+        key = f"{item.dataset_index}:{item.subset_index}:{relpath}#{self.repeat_of[entry]}"
         caption, variant = self._caption(item, epoch, rng)
         sample = {"image_path": item.image_path, "key": key, "bucket": item.bucket, "caption": caption,
                   "is_reg": item.subset.is_reg}
