@@ -1,5 +1,6 @@
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -32,6 +33,12 @@ def blueprint(image_dir, **dataset):
         if key in dataset:
             subset[key] = dataset.pop(key)
     return parse_dataset_config({"datasets": [{**dataset, "subsets": [subset]}]}, source="test.toml")
+
+
+def over_one_folder(image_dir, *subsets, **dataset):
+    """One dataset whose subsets all read image_dir; each dict holds a subset's other keys."""
+    subsets = [{"image_dir": str(image_dir), **s} for s in subsets]
+    return parse_dataset_config({"datasets": [{"resolution": 32, **dataset, "subsets": subsets}]}, source="test.toml")
 
 
 def subset(**kw):
@@ -240,6 +247,25 @@ def test_dataset_augmentation_depends_on_seed_epoch_and_entry_only(tmp_path):
     assert len(set(epoch0)) > 5 and all(c.startswith("t0, ") for c in epoch0)
 
 
+def test_one_image_in_two_subsets_gets_its_own_key_and_draws_in_each_stable_across_runs(tmp_path):
+    """The key seeds a sample's noise and sigma: an image read by two subsets must not share them."""
+    from library.training.flow_matching import sample_sigmas
+    from library.training.state import sample_seed
+
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "a square")
+    bp = over_one_folder(tmp_path / "img", {"num_repeats": 2}, {"num_repeats": 2})
+    keys = [D.ImageDataset(bp)[e]["key"] for e in range(4)]
+    assert len(set(keys)) == 4, keys
+    assert keys == ["0:0:a.png#0", "0:0:a.png#1", "0:1:a.png#0", "0:1:a.png#1"]  # dataset:subset:path#repeat
+    assert keys == [D.ImageDataset(bp, seed=7)[(e, 3)]["key"] for e in range(4)]  # another run / epoch: the same keys
+    draws = []
+    for key in keys:
+        g = torch.Generator().manual_seed(sample_seed(0, 5, key))
+        draws.append((torch.randn(4, generator=g).tolist(), sample_sigmas(1, "sigmoid", generator=g).item()))
+    assert len({tuple(noise) for noise, _ in draws}) == 4 and len({sigma for _, sigma in draws}) == 4
+
+
 # ----------------------------------------------------------------------------------------------
 # Batching
 
@@ -284,6 +310,11 @@ class CountingEncoder:
                 for c in captions]
 
 
+def cache_files(folder) -> list[str]:
+    """The cache files in `folder`, sorted, with their entry tag (8 hex digits) written TAG."""
+    return sorted(re.sub(r"_[0-9a-f]{8}_", "_TAG_", f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
 def cached_dataset(tmp_path, enc, model_key="flux", **kw):
     ds = D.ImageDataset(blueprint(tmp_path / "img", **kw))
     n_lat = D.cache_latents(ds.items, enc.latents, model_key, batch_size=2)
@@ -299,8 +330,7 @@ def test_caches_are_reused_and_exactly_the_changed_entries_are_recomputed(tmp_pa
     enc = CountingEncoder()
     ds, n_lat, n_txt = cached_dataset(tmp_path, enc)
     assert (n_lat, n_txt, enc.images, len(enc.captions)) == (3, 3, 3, 3)
-    assert os.path.exists(tmp_path / "img" / "0_flux_64x64.safetensors")
-    assert os.path.exists(tmp_path / "img" / "0_flux_te.safetensors")
+    assert {"0_flux_TAG_64x64.safetensors", "0_flux_TAG_te.safetensors"} <= set(cache_files(tmp_path / "img"))
 
     enc = CountingEncoder()
     assert cached_dataset(tmp_path, enc)[1:] == (0, 0) and enc.images == 0
@@ -314,6 +344,76 @@ def test_caches_are_reused_and_exactly_the_changed_entries_are_recomputed(tmp_pa
 
     enc = CountingEncoder()
     assert cached_dataset(tmp_path, enc, model_key="qwen_image")[1:] == (3, 3)  # other model: all new
+
+
+def sample_tensors(sample) -> dict[str, torch.Tensor]:
+    """Every tensor a sample carries (latents, mask, references, text), by name."""
+    out = {k: sample[k] for k in ("latents", "mask") if k in sample}
+    out.update({f"control_{k}": c for k, c in enumerate(sample.get("controls", []))})
+    out.update({f"text_{k}": v for k, v in sample.get("text", {}).items()})
+    return out
+
+
+def assert_each_subset_keeps_its_own_cache(bp, cache) -> list[dict[str, torch.Tensor]]:
+    """cache(items, to_disk) -> entries encoded. Every sample read from the disk caches equals the
+    one encoded in memory, and a second run encodes nothing. Returns the samples' tensors."""
+    in_memory = D.ImageDataset(bp)
+    cache(in_memory.items, False)
+    on_disk = D.ImageDataset(bp)
+    assert cache(on_disk.items, True) == len(on_disk.items)
+    samples = [sample_tensors(on_disk[e]) for e in range(len(on_disk))]
+    for e, sample in enumerate(samples):
+        expected = sample_tensors(in_memory[e])
+        assert sample.keys() == expected.keys(), e
+        assert [name for name in sample if not torch.equal(sample[name], expected[name])] == [], e
+    assert cache(D.ImageDataset(bp).items, True) == 0  # nothing re-encoded, nothing overwritten
+    return samples
+
+
+def test_two_subsets_over_one_folder_keep_their_own_caption_caches(tmp_path):
+    """.txt and .cap captions of one image: each subset trains on its own text, from its own file."""
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "a red square")
+    write(tmp_path / "img" / "a.cap", "crimson")
+    bp = over_one_folder(tmp_path / "img", {"caption_extension": ".txt"}, {"caption_extension": ".cap"})
+    enc = CountingEncoder()
+    txt, cap = assert_each_subset_keeps_its_own_cache(
+        bp, lambda items, to_disk: D.cache_text(items, enc.text, "flux", to_disk=to_disk))
+    assert txt["text_hidden"].shape == (12, 4) and cap["text_hidden"].shape == (7, 4)
+    assert_each_subset_keeps_its_own_cache(  # one latent file for both: its content is the same
+        bp, lambda items, to_disk: D.cache_latents(items, enc.latents, "flux", to_disk=to_disk))
+
+
+@pytest.mark.parametrize("first, second", [
+    ({"class_tokens": "cat"}, {"class_tokens": "a dog"}),  # no caption file: the class tokens are the caption
+    ({"shuffle_caption": True}, {"shuffle_caption": True, "keep_tokens": 1}),
+    ({"shuffle_caption": True, "caption_variants": 2}, {"shuffle_caption": True, "caption_variants": 3}),
+    ({}, {"flip_aug": True}),
+    ({}, {"alpha_mask": True}),
+])
+def test_subsets_that_differ_in_any_cached_input_get_their_own_cache_files(tmp_path, first, second):
+    image = Image.new("RGBA", (32, 32), (0, 0, 0, 255))
+    image.paste((255, 255, 255, 0), (16, 0, 32, 32))  # left half dark and kept, right half light and masked
+    os.makedirs(tmp_path / "img")
+    image.save(tmp_path / "img" / "a.png")
+    if "class_tokens" not in first:
+        write(tmp_path / "img" / "a.txt", "t0, t1, t2, t3, t4, t5")
+    enc = CountingEncoder()
+    bp = over_one_folder(tmp_path / "img", first, second)
+    for cache in (D.cache_latents, D.cache_text):
+        encode = enc.latents if cache is D.cache_latents else enc.text
+        assert_each_subset_keeps_its_own_cache(bp, lambda items, to_disk: cache(items, encode, "flux", to_disk=to_disk))
+
+
+def test_a_cache_file_name_that_misses_an_input_is_an_error_not_a_silent_overwrite(tmp_path, monkeypatch):
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "a red square")
+    write(tmp_path / "img" / "a.cap", "crimson")
+    bp = over_one_folder(tmp_path / "img", {"caption_extension": ".txt"}, {"caption_extension": ".cap"})
+    monkeypatch.setattr(D, "text_entry", lambda item, with_references: "00000000")  # a name blind to the extension
+    with pytest.raises(RuntimeError, match=r"a_flux_00000000_te.safetensors: two cache entries of .*a.png with "):
+        D.cache_text(D.ImageDataset(bp).items, CountingEncoder().text, "flux")
+    assert cache_files(tmp_path / "img") == []  # raised before anything was written
 
 
 def test_cached_samples_yield_float32_latents_and_text_and_collate(tmp_path):
@@ -343,7 +443,7 @@ def test_flip_aug_caches_both_orientations_and_cache_dir_is_used(tmp_path):
     assert n_lat == 1 and enc.images == 2  # plain + mirrored
     assert not any(f.endswith(".safetensors") for f in os.listdir(tmp_path / "img"))
     (sub,) = os.listdir(tmp_path / "cache")
-    assert sorted(os.listdir(tmp_path / "cache" / sub)) == ["a_flux_32x32.safetensors", "a_flux_te.safetensors"]
+    assert cache_files(tmp_path / "cache" / sub) == ["a_flux_TAG_32x32.safetensors", "a_flux_TAG_te.safetensors"]
     first_columns = {float(ds[(0, epoch)]["latents"][0, 0, 0]) for epoch in range(12)}
     assert first_columns == {-0.5, 0.5}  # both orientations are served across epochs
 

@@ -10,7 +10,7 @@ from PIL import Image
 from library.data import dataset as D
 from library.data.controls import check_family_takes
 from library.data.dataset_config import parse_dataset_config
-from tests.test_dataset import CountingEncoder, make_image, write
+from tests.test_dataset import CountingEncoder, assert_each_subset_keeps_its_own_cache, cache_files, make_image, write
 
 
 def paired_blueprint(tmp_path, **subset):
@@ -30,8 +30,7 @@ def test_single_and_numbered_references_are_cached_with_the_target_and_collated(
     enc = CountingEncoder()
     assert D.cache_latents(ds.items, enc.latents, "flux_kontext", batch_size=2) == 2
     assert enc.images == 4  # targets + references, one file per target
-    assert sorted(f for f in os.listdir(tmp_path / "img") if f.endswith(".safetensors")) == [
-        "a_flux_kontext_32x32.safetensors", "b_flux_kontext_32x32.safetensors"]
+    assert cache_files(tmp_path / "img") == ["a_flux_kontext_TAG_32x32.safetensors", "b_flux_kontext_TAG_32x32.safetensors"]
     batch = D.collate_batch([ds[0], ds[1]])
     (controls,) = batch["controls"]
     assert controls.shape == (2, 3, 4, 4) and controls.dtype == torch.float32
@@ -59,6 +58,27 @@ def test_several_references_keep_their_order_and_flip_with_the_target(tmp_path):
         assert float(s["controls"][0][0, 0, 0]) == float(s["latents"][0, 0, 0])  # mirrored together
     uncached = D.ImageDataset(paired_blueprint(tmp_path))[0]
     assert [tuple(c.shape) for c in uncached["control_images"]] == [(3, 32, 32)] * 2
+
+
+def test_two_subsets_over_one_folder_keep_their_own_reference_latents(tmp_path):
+    """One target folder, two reference folders (white, black): each subset trains on its own."""
+    make_image(tmp_path / "img" / "a.png", 32, 32, (255, 0, 0))
+    make_image(tmp_path / "white" / "a.png", 32, 32, (255, 255, 255))
+    make_image(tmp_path / "black" / "a.png", 32, 32, (0, 0, 0))
+    subsets = [{"image_dir": str(tmp_path / "img"), "control_directory": str(tmp_path / folder), "class_tokens": "edit"}
+               for folder in ("white", "black")]
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": subsets}]}, source="paired.toml")
+    enc = CountingEncoder()
+    white, black = assert_each_subset_keeps_its_own_cache(
+        bp, lambda items, to_disk: D.cache_latents(items, enc.latents, "flux_kontext", to_disk=to_disk))
+    assert (float(white["control_0"].max()), float(black["control_0"].max())) == (0.5, -0.5)
+
+    def text_seeing_references(captions, views):  # Qwen-Image-Edit: the text is encoded with its references
+        return [{"hidden": torch.full((2,), float(refs[0].getpixel((0, 0))[0]))} for refs in views]
+
+    white, black = assert_each_subset_keeps_its_own_cache(bp, lambda items, to_disk: D.cache_text(
+        items, text_seeing_references, "qwen_image_edit", to_disk=to_disk, with_references=True))
+    assert (white["text_hidden"][0].item(), black["text_hidden"][0].item()) == (255.0, 0.0)
 
 
 def test_batches_hold_one_reference_size(tmp_path):

@@ -28,6 +28,14 @@ import random
 from library.data.dataset_config import SubsetSpec
 
 
+# The subset keys that decide the text encoded for an image, besides its caption file's bytes:
+# where the caption comes from and everything fixed_caption / caption_variants read. They name
+# its text cache file (library/data/dataset.py text_entry), so a new key that changes the text
+# belongs here: else two subsets that differ only in it would share one file.
+CAPTION_KEYS = ("caption_extension", "class_tokens", "caption_separator", "keep_tokens", "keep_tokens_separator",
+                "shuffle_caption", "caption_tag_dropout_rate", "caption_variants")
+
+
 def augments_tags(subset: SubsetSpec) -> bool:
     """Whether the subset's captions change from step to step (and need cached variants)."""
     return subset.shuffle_caption or subset.caption_tag_dropout_rate > 0

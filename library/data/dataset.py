@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from library.data.captions import caption_variants, drops_captions, fixed_caption, is_dropped
+from library.data.captions import CAPTION_KEYS, caption_variants, drops_captions, fixed_caption, is_dropped
 from library.data.controls import check_control_count, control_files, encode_prompts, scan_controls
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket, load_rgb, verified_image_size
@@ -51,6 +51,7 @@ class ImageItem:
     mask_path: str | None = None  # mask_dir's file for it (library/data/masks.py)
     control_paths: list[str] = field(default_factory=list)  # reference images (library/data/controls.py)
     control_buckets: list[tuple[int, int]] = field(default_factory=list)  # (w, h) each reference is encoded at
+    subset_index: int = 0  # its subset's place in its dataset: one image in two subsets is two samples
 
     @property
     def masked(self) -> bool:
@@ -129,7 +130,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
     for di, ds in enumerate(datasets, start=first):
         buckets = (make_buckets(ds.resolution, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps)
                    if ds.enable_bucket and not ds.bucket_no_upscale else [ds.resolution])
-        for subset in ds.subsets:
+        for si, subset in enumerate(ds.subsets):
             paths = _image_files(subset.image_dir)
             if subset.alpha_mask:
                 warn_missing_alpha(paths, subset)
@@ -144,7 +145,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                 else:
                     bucket = bucket_for(size, buckets)
                 item = ImageItem(path, read_caption(path, subset), subset, di, size, bucket, ds.cache_dir,
-                                 mask_path=find_mask(path, subset, size))
+                                 mask_path=find_mask(path, subset, size), subset_index=si)
                 if controls is not None:
                     item.control_paths, item.control_buckets = scan_controls(
                         path, subset.control_directory, controls, bucket, control_bucket or (lambda b, _: b))
@@ -282,10 +283,12 @@ class ImageDataset(torch.utils.data.Dataset):
         item = self.items[self.entries[entry]]
         rng = random.Random(f"{self.seed}:{epoch}:{entry}")
         flip = item.subset.flip_aug and not self.validation and rng.random() < 0.5
-        # key: which occurrence of which image this is, independent of where the dataset lives. It
-        # seeds the noise and sigma: with the step, every repeat of an image in a step gets its own
-        # draw (an optimizer step lies within one epoch, where each repeat occurs once).
-        key = f"{item.dataset_index}:{os.path.relpath(item.image_path, item.subset.image_dir)}#{self.repeat_of[entry]}"
+        # key: which occurrence of which image this is (dataset:subset:path#repeat), independent of
+        # where the dataset lives. It seeds the noise and sigma: with the step, every repeat of an
+        # image in a step, and the same image in two subsets, gets its own draw (an optimizer step
+        # lies within one epoch, where each repeat occurs once).
+        relpath = os.path.relpath(item.image_path, item.subset.image_dir)
+        key = f"{item.dataset_index}:{item.subset_index}:{relpath}#{self.repeat_of[entry]}"
         caption, variant = self._caption(item, epoch, rng)
         sample = {"image_path": item.image_path, "key": key, "bucket": item.bucket, "caption": caption,
                   "is_reg": item.subset.is_reg}
@@ -435,7 +438,9 @@ def _pad_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Caches: safetensors files that carry the hash of what they were computed from
+# Caches: safetensors files that carry the hash of what they were computed from. A file is named
+# for its image, model, the subset settings that shape its content (latent_entry / text_entry)
+# and, for latents, the bucket; the content hash then tells whether the named file is current.
 
 
 def cache_path(item: ImageItem, suffix: str) -> str:
@@ -453,6 +458,34 @@ def _hash_file(h, path: str, tag: bytes = b"") -> None:
     """Feed `tag` and then the bytes of the file at `path` into the hash `h`."""
     with open(path, "rb") as f:
         h.update(tag + f.read())
+
+
+def _entry_tag(*parts) -> str:
+    """8 hex digits for what decides a cache entry besides its image, model and bucket (which the
+    file name holds already): two subsets over one folder that differ in it get their own files.
+    It names inputs (settings, paths), not their bytes, which the content hash covers: an edited
+    caption or reference rewrites its own file instead of leaving the old one beside it."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:8]
+
+
+def _beside(item: ImageItem, paths: list[str]) -> list[str]:
+    """`paths` relative to the item's image: the same after the dataset moves as a whole."""
+    return [os.path.relpath(p, os.path.dirname(item.image_path)) for p in paths]
+
+
+def latent_entry(item: ImageItem) -> str:
+    """The subset's inputs of a latent entry: flip_aug, the mask, the references and their sizes."""
+    mask = _beside(item, [item.mask_path] if item.mask_path else [])
+    return _entry_tag(item.subset.flip_aug, item.subset.alpha_mask, mask, _beside(item, item.control_paths),
+                      item.control_buckets)
+
+
+def text_entry(item: ImageItem, with_references: bool) -> str:
+    """The subset's inputs of a text entry: the caption's source and options (CAPTION_KEYS), how
+    many variants it holds (validation encodes none) and, where the encoder sees them, the
+    references and whether the entry holds the dropped caption."""
+    references = (_beside(item, item.control_paths), drops_captions(item.subset)) if with_references else None
+    return _entry_tag([getattr(item.subset, key) for key in CAPTION_KEYS], len(item.caption_variants), references)
 
 
 def latent_hash(item: ImageItem, model_key: str) -> str:
@@ -487,10 +520,12 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
     as bf16). With flip_aug the mirrored image is encoded too ("latents_flipped"). Reference images
     are encoded into the same file ("control_<k>", "control_<k>_flipped").
     to_disk=False keeps the bf16 tensors in memory instead of writing files."""
-    todo = []
+    todo, claimed = [], {}
     for item in items:
         digest = latent_hash(item, model_key) if to_disk else ""
-        path = cache_path(item, f"{model_key}_{item.bucket[0]}x{item.bucket[1]}")
+        path = cache_path(item, f"{model_key}_{latent_entry(item)}_{item.bucket[0]}x{item.bucket[1]}")
+        if to_disk:  # only files are shared
+            _claim(claimed, path, digest, item)
         if to_disk and _cache_is_valid(path, digest):
             item.latent_cache = path
         else:
@@ -537,10 +572,12 @@ def cache_text(items: list[ImageItem], encode_fn: Callable[..., list[dict[str, t
     covers the reference files, and with caption dropout it also holds the empty caption encoded
     with the same references (`<name>@dropped`: what dropout substitutes, as the pipeline would
     encode "" with the images). The references are seen unflipped (flip_aug mirrors only latents)."""
-    todo = []
+    todo, claimed = [], {}
     for item in items:
         digest = text_hash(item, model_key, with_references)
-        path = cache_path(item, f"{model_key}_te")
+        path = cache_path(item, f"{model_key}_{text_entry(item, with_references)}_te")
+        if to_disk:  # only files are shared
+            _claim(claimed, path, digest, item)
         if to_disk and _cache_is_valid(path, digest):
             item.text_cache = path
         else:
@@ -598,6 +635,14 @@ def _read_text_cache(cache: str | dict, variant: int | str | None) -> dict[str, 
         wanted = {n: n[: -len(suffix)] for n in names if n.endswith(suffix)}
     get = source.__getitem__ if isinstance(cache, dict) else source.get
     return {plain: get(n) for n, plain in wanted.items()}
+
+
+def _claim(claimed: dict[str, str], path: str, digest: str, item: ImageItem) -> None:
+    """Two entries of one run may share a cache file only with the same content: else the file
+    name misses an input (latent_entry / text_entry) and one would silently train on the other's."""
+    if claimed.setdefault(path, digest) != digest:
+        raise RuntimeError(f"{path}: two cache entries of {item.image_path} with different content would share "
+                           f"this file (its name misses what sets their subsets apart)")
 
 
 def _cache_is_valid(path: str, digest: str) -> bool:

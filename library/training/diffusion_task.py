@@ -201,8 +201,9 @@ class DiffusionTask:
 
     def batch_inputs(self, batch: dict, step: int) -> tuple:
         """(latents, text, one generator per sample seeded from the optimizer step and the
-        sample's key: its path inside its subset and its repeat number, so every occurrence of an
-        image in a step gets its own draw, equal on 1 or N processes and after a move or resume;
+        sample's key: its dataset, subset, path inside the subset and repeat number, so every
+        occurrence of an image in a step gets its own draw, equal on 1 or N processes and after a
+        move or resume;
         loss masks, sample weights, reference latents): LoRALoss.forward's arguments."""
         latents = batch["latents"].to(self.device)
         text = {k: v.to(self.device) for k, v in batch["text"].items()}
