@@ -3,6 +3,9 @@ into modules built on the `meta` device, and atomic writes.
 
 Only safetensors files are read (no pickle). A checkpoint is a single `.safetensors` file, a
 sharded set with a `*.safetensors.index.json`, or a folder holding either.
+
+Every file written here gets the mode the umask gives an ordinary file (0644 under umask 022), so
+other users (a ComfyUI container) can read it.
 """
 
 from __future__ import annotations
@@ -226,6 +229,13 @@ def make_parent_folder(path: str) -> str:
     return folder
 
 
+def umask_mode(mode: int) -> int:
+    """`mode` (0o666 for a file, 0o777 for a folder) as the process umask leaves it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str):
     """Yield a temporary path beside `path`; on success it is renamed over `path` (atomic on
@@ -233,11 +243,11 @@ def atomic_path(path: str):
     folder = make_parent_folder(path)
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result should look like any written file
     try:
         yield tmp
+        # After the writer: mkstemp makes 0600, and some writers (safetensors' save_file) rename
+        # a 0600 file of their own over `tmp`; the result should look like any written file.
+        os.chmod(tmp, umask_mode(0o666))
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -255,9 +265,7 @@ def atomic_folder(path: str):
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"{path}: a file is there; expected a folder (or nothing)")
     tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700
+    os.chmod(tmp, umask_mode(0o777))  # mkdtemp makes 0700
     old = None
     try:
         yield tmp

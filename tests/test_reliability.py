@@ -397,3 +397,30 @@ def test_a_pre_quantized_fp8_checkpoint_trains_as_it_is(tiny_set, tmp_path):
     assert train_lora.main(flux_args(tiny_set, out, *extra, "--fp8_scaled", "false", "--max_train_steps", "2",
                                      "--sample_prompts", "")) == 0
     assert (out / "tiny_flux_lora.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Two runs into one output, processes without a process group, a full disk, files others read
+
+
+def test_every_output_is_written_with_the_umask_mode(tiny_set, tmp_path):
+    """umask 027 (group reads, others nothing): neither mkstemp's 0600 nor a hard-coded 0644."""
+    cfg = copy_dataset(tiny_set, tmp_path / "data")  # caches of its own, written by this run
+    out, merged = tmp_path / "out", tmp_path / "merged.safetensors"
+    umask = os.umask(0o027)
+    try:
+        assert train_lora.main(flux_args(tiny_set, out, "--dataset_config", cfg, "--save_state", "true",
+                                         "--sample_prompts", tiny_set["sample_prompts"])) == 0
+        assert merge_lora.main(["--model", tiny_set["flux_bfl"], "--lora", str(out / "tiny_flux_lora.safetensors"),
+                                "--save_to", str(merged)]) == 0
+    finally:
+        os.umask(umask)
+    written = [out / f for f in files_under(out)] + [merged]
+    written += [p for p in (tmp_path / "data" / "images").iterdir() if p.suffix == ".safetensors"]
+    for name in ("tiny_flux_lora.safetensors", "tiny_flux_lora_log.csv", "tiny_flux_lora_final_00.png",
+                 "tiny_flux_lora-state/trainable.safetensors", "tiny_flux_lora-state/optimizer.pt"):
+        assert out / name in written, name
+    assert sum(p.name.endswith("_te.safetensors") for p in written) == 8 and len(written) >= 16 + 6
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in written}
+    assert modes == dict.fromkeys(modes, "0o640")
+    assert oct((out / "tiny_flux_lora-state").stat().st_mode & 0o777) == "0o750"
