@@ -364,7 +364,7 @@ def main(argv=None) -> int:
     try:
         args = load_config(argv)
         return train(args)
-    except (ConfigError, CheckpointError, ValueError, FileNotFoundError, PermissionError) as e:
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:  # OSError: a full disk, ...
         if os.environ.get("LORA_TRAINER_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)

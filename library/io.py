@@ -5,13 +5,14 @@ Only safetensors files are read (no pickle). A checkpoint is a single `.safetens
 sharded set with a `*.safetensors.index.json`, or a folder holding either.
 
 Every file written here gets the mode the umask gives an ordinary file (0644 under umask 022), so
-other users (a ComfyUI container) can read it.
+other users (a ComfyUI container) can read it; a full disk is one error naming the file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -26,6 +27,10 @@ from safetensors.torch import save_file
 
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the model: the message names the file and the key."""
+
+
+class DiskFullError(OSError):
+    """A write that ran out of space; the message names the file and what is left of it."""
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -236,24 +241,41 @@ def umask_mode(mode: int) -> int:
     return mode & ~umask
 
 
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(path: str):
+    """A write of `path` that runs out of space raises DiskFullError naming `path` (the callers
+    remove their temporaries; whatever was under `path` before is still there)."""
+    try:
+        yield
+    except OSError as e:
+        if not isinstance(e, DiskFullError) and e.errno not in NO_SPACE:
+            raise
+        kept = "the previous one is kept" if os.path.exists(path) else "nothing was written"
+        raise DiskFullError(f"{path}: cannot be written, no space left on device ({kept})") from None
+
+
 @contextlib.contextmanager
 def atomic_path(path: str):
     """Yield a temporary path beside `path`; on success it is renamed over `path` (atomic on
     POSIX), on failure removed. A crash leaves either the old file or the new one, never half."""
     folder = make_parent_folder(path)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        yield tmp
-        # After the writer: mkstemp makes 0600, and some writers (safetensors' save_file) rename
-        # a 0600 file of their own over `tmp`; the result should look like any written file.
-        os.chmod(tmp, umask_mode(0o666))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with naming_a_full_disk(path):
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+        os.close(fd)
+        try:
+            yield tmp
+            # After the writer: mkstemp makes 0600, and some writers (safetensors' save_file) rename
+            # a 0600 file of their own over `tmp`; the result should look like any written file.
+            os.chmod(tmp, umask_mode(0o666))
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 @contextlib.contextmanager
@@ -264,20 +286,21 @@ def atomic_folder(path: str):
     folder = make_parent_folder(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"{path}: a file is there; expected a folder (or nothing)")
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    os.chmod(tmp, umask_mode(0o777))  # mkdtemp makes 0700
-    old = None
-    try:
-        yield tmp
-        if os.path.isdir(path):
-            old = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".old", dir=folder)
-            os.replace(path, os.path.join(old, "folder"))
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        if old and os.path.isdir(path):  # the old folder goes only once the new one is in place
-            shutil.rmtree(old)
+    with naming_a_full_disk(path):
+        tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+        os.chmod(tmp, umask_mode(0o777))  # mkdtemp makes 0700
+        old = None
+        try:
+            yield tmp
+            if os.path.isdir(path):
+                old = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".old", dir=folder)
+                os.replace(path, os.path.join(old, "folder"))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            if old and os.path.isdir(path):  # the old folder goes only once the new one is in place
+                shutil.rmtree(old)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None):
