@@ -75,12 +75,26 @@ def make_accelerator(args):
     # optimizer step never spans two epochs, and the last partial group of an epoch steps too.
     # find_unused_parameters: some LoRAs get no gradient in a step (Qwen-Image's last block's text
     # stream feeds nothing; module_dropout skips whole modules), and DDP would wait for them forever.
-    return Accelerator(
+    accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir),
     )
+    check_process_group(accelerator)
+    return accelerator
+
+
+def check_process_group(accelerator):
+    """A launcher (torchrun, accelerate launch) that started N processes for which accelerate found
+    no backend (the multi-GPU yaml on a machine without GPUs: no nccl) would get N single-process
+    runs writing the same files."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world_size > 1 and accelerator.num_processes == 1:
+        raise ConfigError(f"WORLD_SIZE={world_size} but no process group was set up (no GPU for the nccl backend), so "
+                          f"each process would train alone into the same files; to run on CPU set ACCELERATE_USE_CPU=1 "
+                          f"(the gloo backend), e.g. ACCELERATE_USE_CPU=1 torchrun --nproc_per_node {world_size} "
+                          f"train_lora.py ..., or accelerate launch --cpu")
 
 
 def build_task(args, accelerator):

@@ -408,6 +408,22 @@ def test_a_pre_quantized_fp8_checkpoint_trains_as_it_is(tiny_set, tmp_path):
 # Two runs into one output, processes without a process group, a full disk, files others read
 
 
+def test_processes_started_without_a_process_group_are_refused(tiny_set, tmp_path, monkeypatch, capsys):
+    """What torchrun (or accelerate launch with the multi-GPU yaml) sets in its second process on a
+    machine without GPUs: accelerate finds no backend and each process would train alone."""
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    # accelerate joins torch's default group there (under torchrun both processes meet) and then
+    # ignores it; here there is no second process to meet, so the joining is skipped.
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *args, **kwargs: None)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out)))
+    assert "WORLD_SIZE=2 but no process group was set up" in line, line
+    assert "ACCELERATE_USE_CPU=1" in line and "gloo" in line, line
+    assert files_under(out) == []
+
+
 def no_space(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
