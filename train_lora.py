@@ -23,7 +23,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from library.io import CheckpointError
+from library.io import CheckpointError, LockedError, held_lock
 from library.training import fsdp, tracking
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix
 from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals
@@ -95,6 +95,30 @@ def check_process_group(accelerator):
                           f"each process would train alone into the same files; to run on CPU set ACCELERATE_USE_CPU=1 "
                           f"(the gloo backend), e.g. ACCELERATE_USE_CPU=1 torchrun --nproc_per_node {world_size} "
                           f"train_lora.py ..., or accelerate launch --cpu")
+
+
+@contextlib.contextmanager
+def output_lock(args, accelerator):
+    """The main process holds <output_dir>/.<output_name>.lock for the run (the other processes of
+    a multi-process run get its answer), so a second run writing the same outputs stops at once."""
+    refusal = None
+    with contextlib.ExitStack() as held:
+        if accelerator.is_main_process:
+            os.makedirs(args.output_dir, exist_ok=True)
+            lock = os.path.join(args.output_dir, f".{args.output_name}.lock")
+            try:
+                held.enter_context(held_lock(lock, f"another training is writing output_name '{args.output_name}' "
+                                                   f"in this output_dir; let it finish, or choose another output_dir "
+                                                   f"or output_name"))
+            except LockedError as e:
+                refusal = str(e)
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            refusal = broadcast_object_list([refusal])[0]
+        if refusal:
+            raise LockedError(refusal)
+        yield
 
 
 def build_task(args, accelerator):
@@ -183,9 +207,9 @@ def plan_steps(args, batches_per_epoch: int) -> int:
 class Trainer:
     """The run's objects and counters; `run()` is the loop."""
 
-    def __init__(self, args):
+    def __init__(self, args, accelerator=None):
         self.args, self.started = args, time.time()
-        self.accelerator = accelerator = make_accelerator(args)
+        self.accelerator = accelerator = accelerator or make_accelerator(args)
         if fsdp.uses_fsdp(accelerator):
             fsdp.check_fsdp(accelerator, args)
         torch.manual_seed(args.seed)
@@ -371,14 +395,16 @@ class Trainer:
 
 
 def train(args) -> int:
-    return Trainer(args).run()
+    accelerator = make_accelerator(args)
+    with output_lock(args, accelerator):
+        return Trainer(args, accelerator).run()
 
 
 def main(argv=None) -> int:
     try:
         args = load_config(argv)
         return train(args)
-    except (ConfigError, CheckpointError, ValueError, OSError) as e:  # OSError: a full disk, ...
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:  # OSError: a full disk, a locked output, ...
         if os.environ.get("LORA_TRAINER_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)

@@ -5,7 +5,8 @@ Only safetensors files are read (no pickle). A checkpoint is a single `.safetens
 sharded set with a `*.safetensors.index.json`, or a folder holding either.
 
 Every file written here gets the mode the umask gives an ordinary file (0644 under umask 022), so
-other users (a ComfyUI container) can read it; a full disk is one error naming the file.
+other users (a ComfyUI container) can read it; a full disk is one error naming the file; a lock file
+keeps two processes from writing the same outputs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import json
 import math
 import os
 import shutil
+import socket
+import sys
 import tempfile
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -31,6 +35,10 @@ class CheckpointError(ValueError):
 
 class DiskFullError(OSError):
     """A write that ran out of space; the message names the file and what is left of it."""
+
+
+class LockedError(OSError):
+    """Another live process holds the lock file; the message names it, its pid and host."""
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -301,6 +309,70 @@ def atomic_folder(path: str):
                 shutil.rmtree(tmp)
             if old and os.path.isdir(path):  # the old folder goes only once the new one is in place
                 shutil.rmtree(old)
+
+
+def _lock_holder(fd: int) -> str:
+    """'pid N on host H (since T)' from a lock file's content; 'a process' where it names none (its
+    holder has not written it yet, or someone else wrote it)."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    try:
+        holder = json.loads(os.read(fd, 4096))
+        who = f"pid {int(holder['pid'])} on host {holder.get('host', '?')}"
+        if "started" in holder:
+            who += f" (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['started']))})"
+        return who
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError):  # empty, half-written, not ours
+        return "a process"
+
+
+def _flock_file(path: str, advice: str) -> int | None:
+    """A descriptor of the lock file `path`, flock-ed by us; None where the file system (or the
+    OS) has no flock."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise LockedError(f"{path}: held by {holder}: {advice}") from None
+        except OSError:  # ENOLCK / EOPNOTSUPP: some network and FUSE file systems
+            os.close(fd)
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)  # its holder removed it between our open and flock: lock the new file
+
+
+@contextlib.contextmanager
+def held_lock(path: str, advice: str):
+    """Hold the lock file `path` for the block, or raise LockedError naming its holder (pid, host)
+    and `advice`. The lock is the kernel's (flock), so a process that dies drops it: a file left
+    by a killed run is taken over with one warning line. The file is removed at the end."""
+    make_parent_folder(path)
+    fd = _flock_file(path, advice)
+    if fd is None:
+        print(f"warning: {path}: this file system cannot lock files; a second run writing the same outputs "
+              f"would not be stopped", file=sys.stderr)
+        yield
+        return
+    try:
+        if os.fstat(fd).st_size:
+            print(f"warning: {path}: taking over the lock of {_lock_holder(fd)}, which ended without releasing it",
+                  file=sys.stderr)
+        os.ftruncate(fd, 0)
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": int(time.time())}
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # removed before unlocking: a process that opened
+            os.remove(path)  # this file finds it gone and makes a new one
+        os.close(fd)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None):

@@ -9,8 +9,12 @@ error table on toy models (tests/test_merge_convert.py); crash safety of saves
 """
 
 import errno
+import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -406,6 +410,36 @@ def test_a_pre_quantized_fp8_checkpoint_trains_as_it_is(tiny_set, tmp_path):
 
 # ----------------------------------------------------------------------------------------------
 # Two runs into one output, processes without a process group, a full disk, files others read
+
+
+def test_a_second_run_into_the_same_output_is_refused_and_a_stale_lock_is_taken_over(tiny_set, tmp_path, monkeypatch,
+                                                                                     capsys):
+    from library.training.diffusion_task import DiffusionTask
+
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = out / ".tiny_flux_lora.lock"
+    ended = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                               text=True, check=True).stdout)
+    lock.write_text(json.dumps({"pid": ended, "host": socket.gethostname()}))  # left by a killed run
+    second = {}
+
+    def after_step(self, step, output_dir):  # while the first run trains, a second one starts into its folder
+        if not second:
+            second["first_err"] = capsys.readouterr().err
+            second["line"] = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out)))
+
+    monkeypatch.setattr(DiffusionTask, "after_step", after_step)
+    capsys.readouterr()
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2")) == 0
+    assert f"{lock}: held by pid {os.getpid()} on host {socket.gethostname()}" in second["line"], second["line"]
+    assert "choose another output_dir or output_name" in second["line"]
+    warnings = [line for line in second["first_err"].splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: {lock}: taking over the lock of pid {ended} on host {socket.gethostname()}, "
+                        f"which ended without releasing it"], second["first_err"]
+    with open(out / "tiny_flux_lora_log.csv") as f:
+        assert [int(row.split(",")[0]) for row in f.read().splitlines()[1:]] == [1, 2]  # the first run's rows only
+    assert not lock.exists()
 
 
 def test_processes_started_without_a_process_group_are_refused(tiny_set, tmp_path, monkeypatch, capsys):
