@@ -511,11 +511,13 @@ def test_a_full_disk_at_the_final_save_is_one_error_line(tiny_set, tmp_path, mon
 def test_every_output_is_written_with_the_umask_mode(tiny_set, tmp_path):
     """umask 027 (group reads, others nothing): neither mkstemp's 0600 nor a hard-coded 0644."""
     cfg = copy_dataset(tiny_set, tmp_path / "data")  # caches of its own, written by this run
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --w 32 --h 32 --s 1\n")
     out, merged = tmp_path / "out", tmp_path / "merged.safetensors"
     umask = os.umask(0o027)
     try:
         assert train_lora.main(flux_args(tiny_set, out, "--dataset_config", cfg, "--save_state", "true",
-                                         "--sample_prompts", tiny_set["sample_prompts"])) == 0
+                                         "--sample_prompts", str(prompts))) == 0
         assert merge_lora.main(["--model", tiny_set["flux_bfl"], "--lora", str(out / "tiny_flux_lora.safetensors"),
                                 "--save_to", str(merged)]) == 0
     finally:
