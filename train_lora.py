@@ -23,7 +23,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from library.io import CheckpointError, LockedError, held_lock
+from library.io import CheckpointError
 from library.training import fsdp, tracking
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix
 from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals
@@ -101,6 +101,8 @@ def check_process_group(accelerator):
 def output_lock(args, accelerator):
     """The main process holds <output_dir>/.<output_name>.lock for the run (the other processes of
     a multi-process run get its answer), so a second run writing the same outputs stops at once."""
+    from library.io import LockedError, held_lock
+
     refusal = None
     with contextlib.ExitStack() as held:
         if accelerator.is_main_process:
