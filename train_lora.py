@@ -75,12 +75,52 @@ def make_accelerator(args):
     # optimizer step never spans two epochs, and the last partial group of an epoch steps too.
     # find_unused_parameters: some LoRAs get no gradient in a step (Qwen-Image's last block's text
     # stream feeds nothing; module_dropout skips whole modules), and DDP would wait for them forever.
-    return Accelerator(
+    accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=args.output_dir, logging_dir=args.logging_dir),
     )
+    check_process_group(accelerator)
+    return accelerator
+
+
+def check_process_group(accelerator):
+    """A launcher (torchrun, accelerate launch) that started N processes for which accelerate found
+    no backend (the multi-GPU yaml on a machine without GPUs: no nccl) would get N single-process
+    runs writing the same files."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world_size > 1 and accelerator.num_processes == 1:
+        raise ConfigError(f"WORLD_SIZE={world_size} but no process group was set up (no GPU for the nccl backend), so "
+                          f"each process would train alone into the same files; to run on CPU set ACCELERATE_USE_CPU=1 "
+                          f"(the gloo backend), e.g. ACCELERATE_USE_CPU=1 torchrun --nproc_per_node {world_size} "
+                          f"train_lora.py ..., or accelerate launch --cpu")
+
+
+@contextlib.contextmanager
+def output_lock(args, accelerator):
+    """The main process holds <output_dir>/.<output_name>.lock for the run (the other processes of
+    a multi-process run get its answer), so a second run writing the same outputs stops at once."""
+    from library.io import LockedError, held_lock
+
+    refusal = None
+    with contextlib.ExitStack() as held:
+        if accelerator.is_main_process:
+            os.makedirs(args.output_dir, exist_ok=True)
+            lock = os.path.join(args.output_dir, f".{args.output_name}.lock")
+            try:
+                held.enter_context(held_lock(lock, f"another training is writing output_name '{args.output_name}' "
+                                                   f"in this output_dir; let it finish, or choose another output_dir "
+                                                   f"or output_name"))
+            except LockedError as e:
+                refusal = str(e)
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            refusal = broadcast_object_list([refusal])[0]
+        if refusal:
+            raise LockedError(refusal)
+        yield
 
 
 def build_task(args, accelerator):
@@ -169,9 +209,9 @@ def plan_steps(args, batches_per_epoch: int) -> int:
 class Trainer:
     """The run's objects and counters; `run()` is the loop."""
 
-    def __init__(self, args):
+    def __init__(self, args, accelerator=None):
         self.args, self.started = args, time.time()
-        self.accelerator = accelerator = make_accelerator(args)
+        self.accelerator = accelerator = accelerator or make_accelerator(args)
         if fsdp.uses_fsdp(accelerator):
             fsdp.check_fsdp(accelerator, args)
         torch.manual_seed(args.seed)
@@ -357,14 +397,16 @@ class Trainer:
 
 
 def train(args) -> int:
-    return Trainer(args).run()
+    accelerator = make_accelerator(args)
+    with output_lock(args, accelerator):
+        return Trainer(args, accelerator).run()
 
 
 def main(argv=None) -> int:
     try:
         args = load_config(argv)
         return train(args)
-    except (ConfigError, CheckpointError, ValueError, FileNotFoundError, PermissionError) as e:
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:  # OSError: a full disk, a locked output, ...
         if os.environ.get("LORA_TRAINER_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)

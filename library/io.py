@@ -3,17 +3,25 @@ into modules built on the `meta` device, and atomic writes.
 
 Only safetensors files are read (no pickle). A checkpoint is a single `.safetensors` file, a
 sharded set with a `*.safetensors.index.json`, or a folder holding either.
+
+Every file written here gets the mode the umask gives an ordinary file (0644 under umask 022), so
+other users (a ComfyUI container) can read it; a full disk is one error naming the file; a lock file
+keeps two processes from writing the same outputs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
 import shutil
+import socket
+import sys
 import tempfile
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -23,6 +31,14 @@ from safetensors.torch import save_file
 
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the model: the message names the file and the key."""
+
+
+class DiskFullError(OSError):
+    """A write that ran out of space; the message names the file and what is left of it."""
+
+
+class LockedError(OSError):
+    """Another live process holds the lock file; the message names it, its pid and host."""
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -226,24 +242,48 @@ def make_parent_folder(path: str) -> str:
     return folder
 
 
+def umask_mode(mode: int) -> int:
+    """`mode` (0o666 for a file, 0o777 for a folder) as the process umask leaves it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(path: str):
+    """A write of `path` that runs out of space raises DiskFullError naming `path` (the callers
+    remove their temporaries; whatever was under `path` before is still there)."""
+    try:
+        yield
+    except OSError as e:
+        if not isinstance(e, DiskFullError) and e.errno not in NO_SPACE:
+            raise
+        kept = "the previous one is kept" if os.path.exists(path) else "nothing was written"
+        raise DiskFullError(f"{path}: cannot be written, no space left on device ({kept})") from None
+
+
 @contextlib.contextmanager
 def atomic_path(path: str):
     """Yield a temporary path beside `path`; on success it is renamed over `path` (atomic on
     POSIX), on failure removed. A crash leaves either the old file or the new one, never half."""
     folder = make_parent_folder(path)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the result should look like any written file
-    try:
-        yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with naming_a_full_disk(path):
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+        os.close(fd)
+        try:
+            yield tmp
+            # After the writer: mkstemp makes 0600, and some writers (safetensors' save_file) rename
+            # a 0600 file of their own over `tmp`; the result should look like any written file.
+            os.chmod(tmp, umask_mode(0o666))
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 @contextlib.contextmanager
@@ -254,22 +294,85 @@ def atomic_folder(path: str):
     folder = make_parent_folder(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"{path}: a file is there; expected a folder (or nothing)")
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700
-    old = None
+    with naming_a_full_disk(path):
+        tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+        os.chmod(tmp, umask_mode(0o777))  # mkdtemp makes 0700
+        old = None
+        try:
+            yield tmp
+            if os.path.isdir(path):
+                old = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".old", dir=folder)
+                os.replace(path, os.path.join(old, "folder"))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            if old and os.path.isdir(path):  # the old folder goes only once the new one is in place
+                shutil.rmtree(old)
+
+
+def _lock_holder(fd: int) -> str:
+    """'pid N on host H (since T)' from a lock file's content; 'a process' where it names none (its
+    holder has not written it yet, or someone else wrote it)."""
+    os.lseek(fd, 0, os.SEEK_SET)
     try:
-        yield tmp
-        if os.path.isdir(path):
-            old = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".old", dir=folder)
-            os.replace(path, os.path.join(old, "folder"))
-        os.replace(tmp, path)
+        holder = json.loads(os.read(fd, 4096))
+        who = f"pid {int(holder['pid'])} on host {holder.get('host', '?')}"
+        if "started" in holder:
+            who += f" (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['started']))})"
+        return who
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError):  # empty, half-written, not ours
+        return "a process"
+
+
+def _flock_file(path: str, advice: str) -> int | None:
+    """A descriptor of the lock file `path`, flock-ed by us; None where the file system (or the
+    OS) has no flock."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return None
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise LockedError(f"{path}: held by {holder}: {advice}") from None
+        except OSError:  # ENOLCK / EOPNOTSUPP: some network and FUSE file systems
+            os.close(fd)
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)  # its holder removed it between our open and flock: lock the new file
+
+
+@contextlib.contextmanager
+def held_lock(path: str, advice: str):
+    """Hold the lock file `path` for the block, or raise LockedError naming its holder (pid, host)
+    and `advice`. The lock is the kernel's (flock), so a process that dies drops it: a file left
+    by a killed run is taken over with one warning line. The file is removed at the end."""
+    make_parent_folder(path)
+    fd = _flock_file(path, advice)
+    if fd is None:
+        print(f"warning: {path}: this file system cannot lock files; a second run writing the same outputs "
+              f"would not be stopped", file=sys.stderr)
+        yield
+        return
+    try:
+        if os.fstat(fd).st_size:
+            print(f"warning: {path}: taking over the lock of {_lock_holder(fd)}, which ended without releasing it",
+                  file=sys.stderr)
+        os.ftruncate(fd, 0)
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": int(time.time())}
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        yield
     finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        if old and os.path.isdir(path):  # the old folder goes only once the new one is in place
-            shutil.rmtree(old)
+        with contextlib.suppress(FileNotFoundError):  # removed before unlocking: a process that opened
+            os.remove(path)  # this file finds it gone and makes a new one
+        os.close(fd)
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None):

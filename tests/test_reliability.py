@@ -8,18 +8,27 @@ error table on toy models (tests/test_merge_convert.py); crash safety of saves
 (tests/test_crash_safety.py).
 """
 
+import errno
+import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+import library.io
 import train_lora
 from library.models.qwen_image.model import load_qwen_image
+from library.training.config import load_config
+from library.training.state import save_state
 from networks import lora_files
 from networks.lora import LoRANetwork
+from tests.test_crash_safety import small_lora, snapshot
 from tools import merge_lora
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -397,3 +406,128 @@ def test_a_pre_quantized_fp8_checkpoint_trains_as_it_is(tiny_set, tmp_path):
     assert train_lora.main(flux_args(tiny_set, out, *extra, "--fp8_scaled", "false", "--max_train_steps", "2",
                                      "--sample_prompts", "")) == 0
     assert (out / "tiny_flux_lora.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Two runs into one output, processes without a process group, a full disk, files others read
+
+
+def test_a_second_run_into_the_same_output_is_refused_and_a_stale_lock_is_taken_over(tiny_set, tmp_path, monkeypatch,
+                                                                                     capsys):
+    from library.training.diffusion_task import DiffusionTask
+
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = out / ".tiny_flux_lora.lock"
+    ended = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                               text=True, check=True).stdout)
+    lock.write_text(json.dumps({"pid": ended, "host": socket.gethostname()}))  # left by a killed run
+    second = {}
+
+    def after_step(self, step, output_dir):  # while the first run trains, a second one starts into its folder
+        if not second:
+            second["first_err"] = capsys.readouterr().err
+            second["line"] = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out)))
+
+    monkeypatch.setattr(DiffusionTask, "after_step", after_step)
+    capsys.readouterr()
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2")) == 0
+    assert f"{lock}: held by pid {os.getpid()} on host {socket.gethostname()}" in second["line"], second["line"]
+    assert "choose another output_dir or output_name" in second["line"]
+    warnings = [line for line in second["first_err"].splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: {lock}: taking over the lock of pid {ended} on host {socket.gethostname()}, "
+                        f"which ended without releasing it"], second["first_err"]
+    with open(out / "tiny_flux_lora_log.csv") as f:
+        assert [int(row.split(",")[0]) for row in f.read().splitlines()[1:]] == [1, 2]  # the first run's rows only
+    assert not lock.exists()
+
+
+def test_processes_started_without_a_process_group_are_refused(tiny_set, tmp_path, monkeypatch, capsys):
+    """What torchrun (or accelerate launch with the multi-GPU yaml) sets in its second process on a
+    machine without GPUs: accelerate finds no backend and each process would train alone."""
+    for name, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    # accelerate joins torch's default group there (under torchrun both processes meet) and then
+    # ignores it; here there is no second process to meet, so the joining is skipped.
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *args, **kwargs: None)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out)))
+    assert "WORLD_SIZE=2 but no process group was set up" in line, line
+    assert "ACCELERATE_USE_CPU=1" in line and "gloo" in line, line
+    assert files_under(out) == []
+
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_while_saving_a_lora_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "lora.safetensors"
+    lora_files.write_kohya(small_lora(1.0), str(path))
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(library.io, "save_file", no_space)
+    with pytest.raises(OSError) as e:
+        lora_files.write_kohya(small_lora(2.0), str(path))
+    assert str(e.value) == f"{path}: cannot be written, no space left on device (the previous one is kept)"
+    assert snapshot(tmp_path) == before  # no temporary left
+
+
+def test_a_full_disk_while_saving_a_state_keeps_the_previous_state(tmp_path, monkeypatch):
+    args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", "fake", "--train_data", "fake",
+                        "--output_dir", str(tmp_path)])
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    folder = tmp_path / "run-state"
+    save_state(str(folder), {"w": weight.detach()}, optimizer, scheduler, {"step": 1}, args)
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(library.io, "save_file", no_space)
+    with pytest.raises(OSError) as e:
+        save_state(str(folder), {"w": weight.detach() * 2}, optimizer, scheduler, {"step": 2}, args)
+    assert str(e.value) == f"{folder}: cannot be written, no space left on device (the previous one is kept)"
+    assert snapshot(tmp_path) == before  # no temporary folder left
+
+
+def test_a_full_disk_at_the_final_save_is_one_error_line(tiny_set, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    real_save_file = library.io.save_file
+
+    def full_below_out(tensors, filename, metadata=None):  # the image caches (elsewhere) still fit
+        if str(filename).startswith(str(out)):
+            no_space()
+        real_save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(library.io, "save_file", full_below_out)
+    capsys.readouterr()
+    code = train_lora.main(flux_args(tiny_set, out))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    lora = out / "tiny_flux_lora.safetensors"
+    assert err.splitlines()[-1] == f"error: {lora}: cannot be written, no space left on device (nothing was written)"
+    assert not any(name.endswith(".tmp") or ".tmp" + os.sep in name for name in files_under(out)), files_under(out)
+
+
+def test_every_output_is_written_with_the_umask_mode(tiny_set, tmp_path):
+    """umask 027 (group reads, others nothing): neither mkstemp's 0600 nor a hard-coded 0644."""
+    cfg = copy_dataset(tiny_set, tmp_path / "data")  # caches of its own, written by this run
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --w 32 --h 32 --s 1\n")
+    out, merged = tmp_path / "out", tmp_path / "merged.safetensors"
+    umask = os.umask(0o027)
+    try:
+        assert train_lora.main(flux_args(tiny_set, out, "--dataset_config", cfg, "--save_state", "true",
+                                         "--sample_prompts", str(prompts))) == 0
+        assert merge_lora.main(["--model", tiny_set["flux_bfl"], "--lora", str(out / "tiny_flux_lora.safetensors"),
+                                "--save_to", str(merged)]) == 0
+    finally:
+        os.umask(umask)
+    written = [out / f for f in files_under(out)] + [merged]
+    written += [p for p in (tmp_path / "data" / "images").iterdir() if p.suffix == ".safetensors"]
+    for name in ("tiny_flux_lora.safetensors", "tiny_flux_lora_log.csv", "tiny_flux_lora_final_00.png",
+                 "tiny_flux_lora-state/trainable.safetensors", "tiny_flux_lora-state/optimizer.pt"):
+        assert out / name in written, name
+    assert sum(p.name.endswith("_te.safetensors") for p in written) == 8 and len(written) >= 16 + 6
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in written}
+    assert modes == dict.fromkeys(modes, "0o640")
+    assert oct((out / "tiny_flux_lora-state").stat().st_mode & 0o777) == "0o750"

@@ -13,12 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 
 import torch
 from safetensors.torch import load_file
 
-from library.io import save_safetensors
+from library.io import atomic_folder, save_safetensors
 
 # Settings a resumed run must share with the run that wrote the state.
 RUN_IDENTITY = (
@@ -40,24 +39,19 @@ def run_digest(args) -> dict:
 
 def save_state(folder: str, trainable: dict[str, torch.Tensor], optimizer, scheduler, progress: dict, args,
                ema: dict[str, torch.Tensor] | None = None):
-    tmp = folder.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_safetensors(trainable, os.path.join(tmp, "trainable.safetensors"))
-    if ema is not None:
-        save_safetensors(ema, os.path.join(tmp, "ema.safetensors"))
-    torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    save_safetensors(rng, os.path.join(tmp, "rng.safetensors"))
-    with open(os.path.join(tmp, "train_state.json"), "w") as f:
-        json.dump({**progress, "scheduler": scheduler.state_dict(), "run": run_digest(args)}, f, indent=1, default=str)
-    old = folder.rstrip("/") + ".old"
-    if os.path.exists(folder):
-        os.replace(folder, old)
-    os.replace(tmp, folder)
-    shutil.rmtree(old, ignore_errors=True)
+    with atomic_folder(folder) as tmp:
+        save_safetensors(trainable, os.path.join(tmp, "trainable.safetensors"))
+        if ema is not None:
+            save_safetensors(ema, os.path.join(tmp, "ema.safetensors"))
+        with open(os.path.join(tmp, "optimizer.pt"), "wb") as f:  # to a file object a full disk is an OSError
+            torch.save(optimizer.state_dict(), f)  # (to a path, a RuntimeError that names nothing)
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+        save_safetensors(rng, os.path.join(tmp, "rng.safetensors"))
+        with open(os.path.join(tmp, "train_state.json"), "w") as f:
+            json.dump({**progress, "scheduler": scheduler.state_dict(), "run": run_digest(args)}, f, indent=1,
+                      default=str)
 
 
 def load_state(folder: str, args) -> tuple[dict, dict, dict, dict]:
