@@ -112,8 +112,11 @@ def lora_metadata(args, task, step: int, epoch: int, started: float) -> dict:
 
 def ema_metadata(args) -> dict:
     """Header keys that mark an _ema file (beside the normal LoRA metadata)."""
-    return {"ss_ema": "true", "ss_ema_decay": str(args.ema_decay), "ss_ema_warmup": str(args.ema_warmup).lower(),
+    keys = {"ss_ema": "true", "ss_ema_decay": str(args.ema_decay), "ss_ema_warmup": str(args.ema_warmup).lower(),
             "ss_ema_start_step": str(args.ema_start_step)}
+    if args.ema_warmup:
+        keys.update({"ss_ema_inv_gamma": str(args.ema_inv_gamma), "ss_ema_power": str(args.ema_power)})
+    return keys
 
 
 class Saver:
@@ -197,7 +200,7 @@ class Trainer:
         self.ema = None
         if args.ema_decay:  # after prepare and network_weights: the EMA starts from the weights training starts from
             self.ema = TrainableEMA(task.named_trainable_parameters(), args.ema_decay, args.ema_warmup,
-                                    args.ema_start_step, args.ema_device)
+                                    args.ema_start_step, args.ema_device, args.ema_inv_gamma, args.ema_power)
         if args.validate_every_n_steps and not task.validation_size():
             raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
                               f"validation_split or add [[validation_datasets]]")
@@ -310,15 +313,24 @@ class Trainer:
                 continue
             if args.max_grad_norm:
                 accelerator.clip_grad_norm_(self.task.trainable_parameters(), args.max_grad_norm)
-            self.optimizer.step()
+            stepped = self.optimizer_step()
             self.optimizer.zero_grad(set_to_none=True)
-            if self.ema is not None:  # per optimizer step; every rank averages the same (all-reduced) weights
+            if self.ema is not None and stepped:  # per optimizer step; every rank averages the same (all-reduced) weights
                 self.ema.update(self.step + 1)
             self.finish_step(accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item())
             losses = []
             if self.step >= self.max_steps:
                 return
         self.batches_done = 0
+
+    def optimizer_step(self) -> bool:
+        """optimizer.step(); False where fp16's grad scaler skipped it (an inf/NaN gradient: the
+        weights stay, the scale drops). Read from the scale: accelerate's step_was_skipped stays
+        False for optimizers that skip inside their own kernel (fused AdamW)."""
+        scaler = self.accelerator.scaler
+        scale = scaler.get_scale() if scaler is not None else None
+        self.optimizer.step()
+        return scaler is None or scaler.get_scale() >= scale
 
     def validation_due(self, step: int) -> bool:
         every = self.args.validate_every_n_steps

@@ -28,6 +28,7 @@ RUN_IDENTITY = (
 )
 
 EMA_IDENTITY = ("ema_decay", "ema_warmup", "ema_start_step")
+EMA_WARMUP_IDENTITY = ("ema_inv_gamma", "ema_power")
 
 
 def run_digest(args) -> dict:
@@ -35,6 +36,8 @@ def run_digest(args) -> dict:
     identity["base_model"] = os.path.basename(os.path.normpath(args.pretrained_model_name_or_path or ""))
     if args.ema_decay:  # only with EMA on, so states written without these keys still resume without EMA
         identity.update({k: getattr(args, k) for k in EMA_IDENTITY})
+        if args.ema_warmup:  # likewise: the warmup's shape only where there is a warmup
+            identity.update({k: getattr(args, k) for k in EMA_WARMUP_IDENTITY})
     return identity
 
 
