@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -28,7 +29,7 @@ from library.training import fsdp, tracking
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix
 from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals
 from library.training.ema import TrainableEMA
-from library.training.state import load_ema_state, load_state, restore_rng, save_state
+from library.training.state import SavedState, load_state, restore_rng, save_state
 from tools.plot_lr import main as plot_lr
 
 
@@ -152,17 +153,22 @@ def lora_metadata(args, task, step: int, epoch: int, started: float) -> dict:
 
 def ema_metadata(args) -> dict:
     """Header keys that mark an _ema file (beside the normal LoRA metadata)."""
-    return {"ss_ema": "true", "ss_ema_decay": str(args.ema_decay), "ss_ema_warmup": str(args.ema_warmup).lower(),
+    keys = {"ss_ema": "true", "ss_ema_decay": str(args.ema_decay), "ss_ema_warmup": str(args.ema_warmup).lower(),
             "ss_ema_start_step": str(args.ema_start_step)}
+    if args.ema_warmup:
+        keys.update({"ss_ema_inv_gamma": str(args.ema_inv_gamma), "ss_ema_power": str(args.ema_power)})
+    return keys
 
 
 class Saver:
     """Writes LoRAs (atomically, with metadata; with EMA also <name>_ema.safetensors) and states;
-    keeps the newest N intermediates."""
+    keeps the newest N intermediates, counting those a resumed run wrote before."""
 
     def __init__(self, args, task, accelerator, started: float, ema: TrainableEMA | None = None):
         self.args, self.task, self.accelerator, self.started, self.ema = args, task, accelerator, started, ema
-        self.intermediate: list[list[str]] = []  # per save: the LoRA and its _ema file
+        # An intermediate save: <name>-stepNNNNNN and <name>-stepNNNNNN_ema, as .safetensors files
+        # and/or folders (PEFT adapters, pretrained models).
+        self.numbered = re.compile(re.escape(args.output_name) + r"-step(\d+)(_ema)?(\.safetensors)?")
 
     def lora(self, step: int, epoch: int, final: bool = False) -> str:
         name = self.args.output_name + ("" if final else f"-step{step:06d}")
@@ -178,8 +184,7 @@ class Saver:
                 with self.ema.swapped_in():  # the same writer, so the same format and keys
                     written += self.task.save(ema_path, {**metadata, **ema_metadata(self.args)}, dtype) or [ema_path]
             if not final:
-                self.intermediate.append(written)
-                self._prune()
+                self._prune(step)
         return path
 
     def state(self, optimizer, scheduler, progress: dict) -> str:
@@ -189,13 +194,28 @@ class Saver:
             save_state(folder, self.task.trainable_tensors(), optimizer, scheduler, progress, self.args, ema)
         return folder
 
-    def _prune(self):
+    def intermediate_saves(self) -> dict[int, list[str]]:
+        """step -> the paths of that step's save in output_dir, whichever run (or the run this one
+        resumes) wrote them."""
+        saves: dict[int, list[str]] = {}
+        for entry in sorted(os.listdir(self.args.output_dir)):
+            if match := self.numbered.fullmatch(entry):
+                saves.setdefault(int(match.group(1)), []).append(os.path.join(self.args.output_dir, entry))
+        return saves
+
+    def _prune(self, step: int):
+        """Keep the newest save_last_n_saves saves up to `step` (the one just written). Saves of
+        later steps (a run killed after them, resumed from an older state) are left: this run
+        writes them again."""
         keep = self.args.save_last_n_saves
-        while keep and len(self.intermediate) > keep:
-            for old in self.intermediate.pop(0):
+        if not keep:
+            return
+        saves = self.intermediate_saves()
+        for old_step in sorted(s for s in saves if s <= step)[:-keep]:
+            for old in saves[old_step]:
                 if os.path.isdir(old):
                     shutil.rmtree(old)
-                elif os.path.exists(old):
+                else:
                     os.remove(old)
 
 
@@ -215,6 +235,8 @@ class Trainer:
         if fsdp.uses_fsdp(accelerator):
             fsdp.check_fsdp(accelerator, args)
         torch.manual_seed(args.seed)
+        # Read and checked before the models load: a damaged or foreign state fails in seconds.
+        state = load_state(args.resume, args) if args.resume else None
         os.makedirs(args.output_dir, exist_ok=True)
         self.task = task = build_task(args, accelerator)
 
@@ -237,31 +259,37 @@ class Trainer:
         self.ema = None
         if args.ema_decay:  # after prepare and network_weights: the EMA starts from the weights training starts from
             self.ema = TrainableEMA(task.named_trainable_parameters(), args.ema_decay, args.ema_warmup,
-                                    args.ema_start_step, args.ema_device)
+                                    args.ema_start_step, args.ema_device, args.ema_inv_gamma, args.ema_power)
         if args.validate_every_n_steps and not task.validation_size():
             raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
                               f"validation_split or add [[validation_datasets]]")
-        if args.resume:
-            self.resume(args.resume)
+        if state:
+            self.resume(args.resume, state)
         if accelerator.log_with:
             accelerator.init_trackers(args.log_prefix or args.output_name, config={k: str(v) for k, v in vars(args).items()})
+        # A resumed run continues the log from its state's step (rows after it, logged before a kill, go).
         self.logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator,
-                               append=bool(args.resume))
+                               append=bool(args.resume), resumed_step=self.step)
         self.saver = Saver(args, task, accelerator, self.started, self.ema)
 
-    def resume(self, folder: str):
-        trainable, optimizer_state, progress, rng = load_state(folder, self.args)
-        self.task.load_trainable_tensors(trainable)
-        self.optimizer.load_state_dict(optimizer_state)
+    def resume(self, folder: str, state: SavedState):
+        self.task.load_trainable_tensors(state.trainable)
+        self.optimizer.load_state_dict(state.optimizer)
+        progress = state.progress
         self.scheduler.load_state_dict(progress["scheduler"])
         self.step, self.epoch, self.batches_done = progress["step"], progress["epoch"], progress["batches_done"]
         if self.ema is not None:
-            self.ema.load_state_tensors(load_ema_state(folder), folder)
-        restore_rng(rng)
+            self.ema.load_state_tensors(state.ema, folder)
+        restore_rng(state.rng)
         self.accelerator.print(f"resumed from {folder} at step {self.step} (epoch {self.epoch})")
 
     def run(self) -> int:
         args, task = self.args, self.task
+        if self.step >= self.max_steps:  # resumed at the end: the run that wrote the state saved its LoRA
+            self.accelerator.print(f"nothing to train: {args.resume} is at step {self.step}, max_train_steps is "
+                                   f"{self.max_steps}")
+            self.accelerator.end_training()
+            return 0
         self.interrupts = Interrupts()
         self.progress_bar = tqdm(total=self.max_steps, initial=self.step, desc="training",
                                  disable=not self.accelerator.is_local_main_process)
@@ -274,7 +302,7 @@ class Trainer:
                 if self.batches_done == 0:  # the epoch ran to its end
                     self.epoch += 1
                     if args.save_every_n_epochs and self.epoch % args.save_every_n_epochs == 0 and self.step < self.max_steps:
-                        self.saver.lora(self.step, self.epoch)
+                        self.save_intermediate()
                     if args.sample_every_n_epochs and self.epoch % args.sample_every_n_epochs == 0:
                         self.render_samples(f"epoch{self.epoch:04d}")
         except StopTraining as stop:
@@ -295,6 +323,12 @@ class Trainer:
         self.accelerator.end_training()
         self.accelerator.print(f"saved {path} after {self.step} steps in {time.time() - self.started:.1f} s")
         return 0
+
+    def save_intermediate(self):
+        """A step or epoch save: the LoRA, and with save_state the state to resume from it."""
+        self.saver.lora(self.step, self.epoch)
+        if self.args.save_state:
+            self.saver.state(self.optimizer, self.scheduler, self.progress())
 
     def progress(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done}
@@ -350,15 +384,24 @@ class Trainer:
                 continue
             if args.max_grad_norm:
                 accelerator.clip_grad_norm_(self.task.trainable_parameters(), args.max_grad_norm)
-            self.optimizer.step()
+            stepped = self.optimizer_step()
             self.optimizer.zero_grad(set_to_none=True)
-            if self.ema is not None:  # per optimizer step; every rank averages the same (all-reduced) weights
+            if self.ema is not None and stepped:  # per optimizer step; every rank averages the same (all-reduced) weights
                 self.ema.update(self.step + 1)
             self.finish_step(accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item())
             losses = []
             if self.step >= self.max_steps:
                 return
         self.batches_done = 0
+
+    def optimizer_step(self) -> bool:
+        """optimizer.step(); False where fp16's grad scaler skipped it (an inf/NaN gradient: the
+        weights stay, the scale drops). Read from the scale: accelerate's step_was_skipped stays
+        False for optimizers that skip inside their own kernel (fused AdamW)."""
+        scaler = self.accelerator.scaler
+        scale = scaler.get_scale() if scaler is not None else None
+        self.optimizer.step()
+        return scaler is None or scaler.get_scale() >= scale
 
     def validation_due(self, step: int) -> bool:
         every = self.args.validate_every_n_steps
@@ -386,9 +429,7 @@ class Trainer:
         if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0:
             self.render_samples(f"step{self.step:06d}")
         if args.save_every_n_steps and self.step % args.save_every_n_steps == 0 and self.step < self.max_steps:
-            self.saver.lora(self.step, self.epoch)
-            if args.save_state:
-                self.saver.state(self.optimizer, self.scheduler, self.progress())
+            self.save_intermediate()
         if self.interrupts.requested:
             path = self.saver.lora(self.step, self.epoch)
             folder = self.saver.state(self.optimizer, self.scheduler, self.progress())

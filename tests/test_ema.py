@@ -20,12 +20,16 @@ ADAMW = ["--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "3e
          "--save_precision", "fp32"]
 
 
-def hand_ema(weights: list[dict], decay: float, warmup: bool = False, start: int = 0) -> dict:
-    """The oracle, in float64: weights[0] before training, weights[s] after optimizer step s."""
+def hand_ema(weights: list[dict], decay: float, warmup: bool = False, start: int = 0, inv_gamma: float = 1.0,
+             power: float = 2 / 3, skipped: tuple = ()) -> dict:
+    """The oracle, in float64: weights[0] before training, weights[s] after optimizer step s; no
+    update after the `skipped` steps. Warmup: diffusers' EMAModel(use_ema_warmup=True)."""
     ema = {k: v.double() for k, v in weights[0].items()}
     for s in range(1, len(weights)):
+        if s in skipped:
+            continue
         t = s - start - 1
-        d = 0.0 if s <= start else (min(decay, (1 + t) / (10 + t)) if warmup else decay)
+        d = 0.0 if s <= start else (min(decay, 1 - (1 + t / inv_gamma) ** -power) if warmup else decay)
         ema = {k: d * ema[k] + (1 - d) * weights[s][k].double() for k in ema}
     return ema
 
@@ -70,13 +74,26 @@ def max_change(a: dict, b: dict) -> float:
 # The decay schedule and the update, alone
 
 
-def test_warmup_decay_formula_and_start_step():
-    assert ema_decay_at(0.999, 0, warmup=True) == pytest.approx(0.1)
-    assert ema_decay_at(0.999, 90, warmup=True) == pytest.approx(0.91)
-    assert ema_decay_at(0.999, 10_000, warmup=True) == 0.999  # capped at ema_decay
+def test_warmup_is_diffusers_ema_warmup_with_its_first_update_copying():
+    """ema_warmup = diffusers' EMAModel(use_ema_warmup=True, inv_gamma, power, update_after_step =
+    ema_start_step): the same decay after every step (0 = a copy up to the first update after the
+    start), and the same EMA of the same weights."""
+    from diffusers.training_utils import EMAModel
+
+    steps = [1, 2, 3, 4, 5, 10, 100, 1000, 50_000]
+    for start, shape in ((0, {}), (3, {"inv_gamma": 2.0, "power": 0.75})):
+        p = torch.nn.Parameter(torch.zeros(3))
+        ema = TrainableEMA({"w": p}, 0.999, warmup=True, start_step=start, **shape)
+        ref = EMAModel([p], decay=0.999, use_ema_warmup=True, update_after_step=start, **shape)
+        assert [ema.decay_at_step(s) for s in steps] == pytest.approx([ref.get_decay(s) for s in steps], abs=1e-12)
+        for s in range(1, 8):
+            p.data.copy_(torch.randn(3))
+            ema.update(s)
+            ref.step([p])
+            torch.testing.assert_close(ema.shadow["w"], ref.shadow_params[0], rtol=1e-6, atol=1e-7)
     assert ema_decay_at(0.999, 0, warmup=False) == 0.999
-    ema = TrainableEMA({"w": torch.nn.Parameter(torch.zeros(2))}, 0.9, warmup=True, start_step=3)
-    assert [ema.decay_at_step(s) for s in (1, 3, 4, 5)] == pytest.approx([0.0, 0.0, 0.1, 2 / 11])
+    assert ema_decay_at(0.999, 1, warmup=True) == pytest.approx(1 - 2 ** (-2 / 3))
+    assert ema_decay_at(0.999, 10**6, warmup=True) == 0.999  # capped at ema_decay
 
 
 def test_update_and_swap_on_a_bf16_parameter():
@@ -99,21 +116,49 @@ def test_update_and_swap_on_a_bf16_parameter():
 
 
 def test_ema_equals_hand_computed_ema_of_each_optimizer_step(tiny_set, tmp_path, recorded):
-    """Warmup (decay 0.1, 0.18, 0.25, then capped at 0.3) with 2 micro-batches per step: an EMA
-    updated per micro-batch or with another decay would miss the oracle."""
+    """Warmup (decay 0 (a copy), 0.26, 0.41, 0.50, then capped at 0.55) with 2 micro-batches per
+    step: an EMA updated per micro-batch or with another decay would miss the oracle."""
     out = tmp_path / "run"
     args = flux_args(tiny_set, out, *ADAMW, "--max_train_steps", "6", "--gradient_accumulation_steps", "2",
-                     "--ema_decay", "0.3", "--ema_warmup", "true")
+                     "--ema_decay", "0.55", "--ema_warmup", "true", "--ema_inv_gamma", "2", "--ema_power", "0.75")
     assert train_lora.main(args) == 0
     assert len(recorded) == 7
-    expected = hand_ema(recorded, 0.3, warmup=True)
+    expected = hand_ema(recorded, 0.55, warmup=True, inv_gamma=2.0, power=0.75)
     assert_matches(str(out / "tiny_flux_lora_ema.safetensors"), expected)
     assert_matches(str(out / "tiny_flux_lora.safetensors"), recorded[-1])  # the LoRA itself stays raw
     assert max_change(expected, recorded[-1]) > 1e-4  # the EMA is not the raw weights
     with safe_open(str(out / "tiny_flux_lora_ema.safetensors"), "pt") as f:
         meta = f.metadata()
-    assert (meta["ss_ema"], meta["ss_ema_decay"], meta["ss_ema_warmup"]) == ("true", "0.3", "true")
+    assert (meta["ss_ema"], meta["ss_ema_decay"], meta["ss_ema_warmup"]) == ("true", "0.55", "true")
+    assert (meta["ss_ema_inv_gamma"], meta["ss_ema_power"]) == ("2.0", "0.75")
     assert meta["ss_network_module"] == "networks.lora" and meta["ss_max_train_steps"] == "6"
+
+
+def test_no_ema_update_on_a_step_the_fp16_grad_scaler_skips(tiny_set, tmp_path, recorded, monkeypatch):
+    """fp16's GradScaler (accelerate's, on the CPU here) finds an inf gradient in step 2 and skips
+    it: the weights stay, and so must the EMA (an update would pull it towards them once more)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    init = train_lora.Trainer.__init__  # `recorded`'s
+
+    def with_scaler(self, args):  # what accelerate's fp16 on a GPU sets up
+        init(self, args)
+        self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+        self.optimizer = AcceleratedOptimizer(self.optimizer.optimizer, False, self.accelerator.scaler)
+        backward = self.accelerator.backward
+
+        def inf_in_step_2(loss, **kwargs):
+            backward(loss, **kwargs)
+            if self.step == 1:
+                next(iter(self.task.trainable_parameters())).grad.fill_(float("inf"))
+
+        self.accelerator.backward = inf_in_step_2
+
+    monkeypatch.setattr(train_lora.Trainer, "__init__", with_scaler)
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, *ADAMW, "--max_train_steps", "3", "--ema_decay", "0.5")) == 0
+    assert max_change(recorded[2], recorded[1]) == 0 and max_change(recorded[3], recorded[2]) > 1e-5  # a real skip
+    assert_matches(str(out / "tiny_flux_lora_ema.safetensors"), hand_ema(recorded, 0.5, skipped=(2,)))
 
 
 def straight_args(tiny_set, out, *extra):
@@ -257,6 +302,9 @@ def test_ema_for_dora_lycoris_qwen_image_and_llm(kind, tiny_set, tmp_path, recor
     (["--ema_decay", "0.9", "--ema_start_step", "-1"], "key 'ema_start_step' must be >= 0"),
     (["--sample_with_ema", "true"], "command line: key 'sample_with_ema' needs ema_decay > 0"),
     (["--ema_warmup"], "key 'ema_warmup' needs ema_decay > 0"),
+    (["--ema_decay", "0.9", "--ema_warmup", "--ema_power", "0"], "key 'ema_power' must be > 0, got 0.0"),
+    (["--ema_decay", "0.9", "--ema_warmup", "--ema_inv_gamma", "-1"], "key 'ema_inv_gamma' must be > 0, got -1.0"),
+    (["--ema_decay", "0.9", "--ema_power", "0.75"], "command line: key 'ema_power' needs ema_warmup = true"),
     (["--ema_decay", "0.9", "--ema_device", "gpu"], "key 'ema_device' must be one of same, cpu"),
 ])
 def test_ema_config_errors_name_the_key(tiny_set, tmp_path, extra, message):

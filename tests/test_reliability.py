@@ -309,6 +309,41 @@ def test_resume_from_a_state_of_another_run_config_is_refused(trained, tiny_set,
     assert f"{trained}: not a training state (no train_state.json)" in one_error_line(capsys, code)
 
 
+def truncate_optimizer(state) -> str:
+    data = (state / "optimizer.pt").read_bytes()
+    (state / "optimizer.pt").write_bytes(data[: len(data) // 2])
+    return f"{state / 'optimizer.pt'}: cannot be read (truncated or not a torch file"
+
+
+def break_train_state(state) -> str:
+    (state / "train_state.json").write_text('{"step": 1, "epoch": ')
+    return f"{state / 'train_state.json'}: not valid JSON"
+
+
+@pytest.mark.parametrize("damage", [truncate_optimizer, break_train_state])
+def test_resume_from_a_damaged_state_is_one_error_line_before_the_models_load(trained, tiny_set, tmp_path, capsys,
+                                                                              monkeypatch, damage):
+    state = tmp_path / "state"
+    shutil.copytree(trained / "tiny_flux_lora-state", state)
+    expected = damage(state)
+    built = []
+    monkeypatch.setattr(train_lora, "build_task", lambda *a, real=train_lora.build_task: built.append(1) or real(*a))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--network_dim", "8", "--resume", str(state))))
+    assert expected in line, line
+    assert built == [] and files_under(out) == []
+
+
+def test_resume_at_the_final_step_into_a_new_folder_has_nothing_to_train(trained, tiny_set, tmp_path, capsys):
+    state, out = trained / "tiny_flux_lora-state", tmp_path / "out"
+    capsys.readouterr()
+    assert train_lora.main(flux_args(tiny_set, out, "--network_dim", "8", "--resume", str(state))) == 0
+    captured = capsys.readouterr()
+    assert f"nothing to train: {state} is at step 1, max_train_steps is 1" in captured.out, captured.out
+    assert captured.err == "" and files_under(out) == []
+
+
 def test_llm_max_length_beyond_the_context_window_is_refused(tiny_set, tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a photo of a cat sitting on a red chair. " * 50)

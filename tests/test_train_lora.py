@@ -3,6 +3,7 @@ the output, 2 DDP processes equal 1 process with the doubled batch, Ctrl-C saves
 finishes bit-identical, a NaN loss stops after saving, and Qwen-Image trains too."""
 
 import csv
+import json
 import os
 import shutil
 import signal
@@ -160,6 +161,75 @@ def test_resume_from_another_run_config_is_refused(tiny_set, tmp_path):
     assert train_lora.main(flux_args(tiny_set, out, *args)) == 0
     code = train_lora.main(flux_args(tiny_set, out, *args, "--network_dim", "4", "--resume", str(out / "tiny_flux_lora-state")))
     assert code == 2
+
+
+def test_epoch_save_with_save_state_writes_a_state_that_resumes(tiny_set, tmp_path, monkeypatch):
+    """save_every_n_epochs with save_state: a state is written with the epoch's LoRA (at the end of
+    epoch 1, batch 0 of epoch 2), and a run resumed from it ends with the straight run's LoRA."""
+    epochs = ["--max_train_epochs", "2", "--save_every_n_epochs", "1", "--save_state", "true",
+              "--gradient_accumulation_steps", "8", "--optimizer_type", "AdamW", "--optimizer_args",
+              "--learning_rate", "1e-3", "--sample_prompts", ""]  # one optimizer step per epoch
+    copies, real_state = [], train_lora.Saver.state
+
+    def copy_each_state(self, *args):  # the final state takes the same folder: keep each one
+        folder = real_state(self, *args)
+        copies.append(shutil.copytree(folder, tmp_path / f"state{len(copies)}"))
+        return folder
+
+    monkeypatch.setattr(train_lora.Saver, "state", copy_each_state)
+    straight = tmp_path / "straight"
+    assert train_lora.main(flux_args(tiny_set, straight, *epochs)) == 0
+    assert (straight / "tiny_flux_lora-step000001.safetensors").exists()
+    assert len(copies) == 2, "no state beside the epoch's LoRA"
+    with open(copies[0] / "train_state.json") as f:
+        progress = json.load(f)
+    assert (progress["step"], progress["epoch"], progress["batches_done"]) == (1, 1, 0)
+    monkeypatch.undo()
+    resumed = tmp_path / "resumed"
+    assert train_lora.main(flux_args(tiny_set, resumed, *epochs, "--resume", str(copies[0]))) == 0
+    a, b = load_file(straight / "tiny_flux_lora.safetensors"), load_file(resumed / "tiny_flux_lora.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert read_losses(resumed) == read_losses(straight)[1:]
+
+
+class Killed(Exception):
+    """Stands in for SIGKILL: the run ends where it is, with no handler saving anything."""
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tiny_set, tmp_path_factory):
+    """A run saving every 2 steps (the newest 1 kept, with its state) killed after step 3, then
+    resumed from its step-2 state to the end (step 6). -> (output folder, its files after the kill)."""
+    from library.training.diffusion_task import DiffusionTask
+
+    out = tmp_path_factory.mktemp("killed") / "run"
+    args = flux_args(tiny_set, out, "--max_train_steps", "6", "--save_every_n_steps", "2", "--save_last_n_saves", "1",
+                     "--save_state", "true", "--sample_prompts", "")
+
+    def after_step(self, step, output_dir):
+        if step == 3:
+            raise Killed
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DiffusionTask, "after_step", after_step)
+        with pytest.raises(Killed):
+            train_lora.main(args)
+    after_kill = sorted(os.listdir(out))
+    assert train_lora.main(args + ["--resume", str(out / "tiny_flux_lora-state")]) == 0
+    return out, after_kill
+
+
+def test_save_last_n_saves_prunes_the_saves_written_before_a_resume(killed_and_resumed):
+    out, after_kill = killed_and_resumed
+    assert "tiny_flux_lora-step000002.safetensors" in after_kill
+    assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == [
+        "tiny_flux_lora-step000004.safetensors", "tiny_flux_lora.safetensors"]
+
+
+def test_resume_after_a_kill_logs_each_step_once(killed_and_resumed):
+    out, _ = killed_and_resumed
+    with open(out / "tiny_flux_lora_log.csv") as f:
+        assert [int(row["step"]) for row in csv.DictReader(f)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_nan_loss_stops_after_saving_last_good_lora(tiny_set, tmp_path, monkeypatch, capsys):

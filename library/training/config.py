@@ -115,7 +115,10 @@ SCHEMA: dict[str, Arg] = {
     "validate_every_n_steps": A(int, 0, "val_loss on the held-out images every N steps; always at the end (0 = end only)"),
     # EMA of the trained weights (library/training/ema.py), saved beside the LoRA as <name>_ema.safetensors
     "ema_decay": A(float, 0.0, "EMA decay per optimizer step, e.g. 0.999 (0 = off)"),
-    "ema_warmup": A(bool, False, "decay min(ema_decay, (1 + t) / (10 + t)) at the t-th EMA update"),
+    "ema_warmup": A(bool, False, "diffusers' EMAModel warmup: decay min(ema_decay, 1 - (1 + t / ema_inv_gamma) ** "
+                                 "-ema_power) at the t-th EMA update (0 at t = 0: the first update copies)"),
+    "ema_inv_gamma": A(float, 1.0, "ema_warmup: diffusers' inv_gamma (the warmup's time scale, in steps)"),
+    "ema_power": A(float, 2 / 3, "ema_warmup: diffusers' power (2/3: 0.999 after ~31600 updates, 3/4: after ~10000)"),
     "ema_start_step": A(int, 0, "the EMA equals the raw weights up to this optimizer step, averages after it"),
     "ema_device": A(str, "same", "where the float32 EMA lives: beside the weights, or in CPU memory", ("same", "cpu")),
     "sample_with_ema": A(bool, False, "render samples with the EMA weights (swapped in, then back)"),
@@ -290,6 +293,11 @@ def _validate_ema(args, origins: dict[str, str], where: str) -> None:
         for key in ("ema_warmup", "sample_with_ema", "ema_start_step"):
             if getattr(args, key):
                 raise ConfigError(f"{origins.get(key, where)}: key '{key}' needs ema_decay > 0 (e.g. 0.999)")
+    for key in ("ema_inv_gamma", "ema_power"):
+        if getattr(args, key) <= 0:
+            raise ConfigError(f"{origins.get(key, where)}: key '{key}' must be > 0, got {getattr(args, key)}")
+        if key in origins and not args.ema_warmup:
+            raise ConfigError(f"{origins[key]}: key '{key}' needs ema_warmup = true (it shapes the warmup)")
 
 
 def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | None = None) -> None:

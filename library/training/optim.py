@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from library.io import atomic_path
 from library.training.config import ConfigError
 
 BNB_OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit", "Lion8bit", "PagedLion8bit", "SGD8bit", "AdEMAMix8bit", "PagedAdamW")
@@ -110,7 +111,10 @@ class LRLogger:
     (val_loss: None on steps without validation, an empty cell) to
     <output_dir>/<output_name>_log.csv, and to TensorBoard through accelerate if it tracks."""
 
-    def __init__(self, path: str, accelerator=None, append: bool = False):
+    def __init__(self, path: str, accelerator=None, append: bool = False, resumed_step: int | None = None):
+        """append: continue the log of a resumed run; its rows after resumed_step (the state's
+        step; logged by a run killed after its last save) are dropped first, so the resumed run
+        logs each step once."""
         self.path = path
         self.accelerator = accelerator
         self.columns: list[str] | None = None
@@ -118,8 +122,21 @@ class LRLogger:
             with open(path) as f:
                 header = f.readline().strip()
             self.columns = header.split(",") if header else None
+            if resumed_step is not None and self.columns and (accelerator is None or accelerator.is_main_process):
+                self._drop_rows_after(resumed_step)
         elif os.path.exists(path):
             os.remove(path)
+
+    def _drop_rows_after(self, step: int):
+        with open(self.path, newline="") as f:
+            rows = list(csv.reader(f))
+        if "step" not in rows[0]:
+            return
+        col = rows[0].index("step")  # a row cut short by a kill has no valid step: it goes too
+        kept = [rows[0]] + [r for r in rows[1:] if len(r) > col and r[col].isdigit() and int(r[col]) <= step]
+        if len(kept) < len(rows):
+            with atomic_path(self.path) as tmp, open(tmp, "w", newline="") as f:
+                csv.writer(f).writerows(kept)
 
     def log(self, step: int, epoch: int, loss: float, optimizer, extra: dict | None = None):
         values = {"step": step, "epoch": epoch, "loss": loss, **effective_lrs(optimizer), **(extra or {})}

@@ -13,11 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
+from typing import NamedTuple
 
 import torch
-from safetensors.torch import load_file
 
-from library.io import atomic_folder, save_safetensors
+from library.io import CheckpointError, CheckpointReader, atomic_folder, save_safetensors
 
 # Settings a resumed run must share with the run that wrote the state.
 RUN_IDENTITY = (
@@ -27,6 +28,10 @@ RUN_IDENTITY = (
 )
 
 EMA_IDENTITY = ("ema_decay", "ema_warmup", "ema_start_step")
+EMA_WARMUP_IDENTITY = ("ema_inv_gamma", "ema_power")
+
+# What train_state.json must hold.
+PROGRESS_KEYS = ("step", "epoch", "batches_done", "scheduler", "run")
 
 
 def run_digest(args) -> dict:
@@ -34,6 +39,8 @@ def run_digest(args) -> dict:
     identity["base_model"] = os.path.basename(os.path.normpath(args.pretrained_model_name_or_path or ""))
     if args.ema_decay:  # only with EMA on, so states written without these keys still resume without EMA
         identity.update({k: getattr(args, k) for k in EMA_IDENTITY})
+        if args.ema_warmup:  # likewise: the warmup's shape only where there is a warmup
+            identity.update({k: getattr(args, k) for k in EMA_WARMUP_IDENTITY})
     return identity
 
 
@@ -54,14 +61,22 @@ def save_state(folder: str, trainable: dict[str, torch.Tensor], optimizer, sched
                       default=str)
 
 
-def load_state(folder: str, args) -> tuple[dict, dict, dict, dict]:
-    """-> (trainable tensors, optimizer state, progress, rng). Refuses a state written by a run
-    with other settings, naming the first setting that differs."""
+class SavedState(NamedTuple):
+    trainable: dict[str, torch.Tensor]
+    optimizer: dict
+    progress: dict  # step, epoch, batches_done, scheduler
+    rng: dict[str, torch.Tensor]
+    ema: dict[str, torch.Tensor] | None  # with ema_decay set
+
+
+def load_state(folder: str, args) -> SavedState:
+    """Every file of the state, read and checked before anything is built from it. Refuses a state
+    written by a run with other settings, naming the first setting that differs, and a damaged
+    file, naming it."""
     path = os.path.join(folder, "train_state.json")
     if not os.path.exists(path):
         raise ValueError(f"{folder}: not a training state (no train_state.json)")
-    with open(path) as f:
-        progress = json.load(f)
+    progress = read_progress(path)
     saved, current = progress.pop("run"), json.loads(json.dumps(run_digest(args), default=str))
     for key in current:
         if saved.get(key) != current[key]:
@@ -69,17 +84,45 @@ def load_state(folder: str, args) -> tuple[dict, dict, dict, dict]:
                 f"{folder}: state was written with {key} = {saved.get(key)!r}, this run has {current[key]!r}; "
                 f"resume needs the same settings"
             )
-    trainable = load_file(os.path.join(folder, "trainable.safetensors"))
-    optimizer = torch.load(os.path.join(folder, "optimizer.pt"), map_location="cpu", weights_only=True)
-    rng = load_file(os.path.join(folder, "rng.safetensors"))
-    return trainable, optimizer, progress, rng
+    trainable = read_tensors(os.path.join(folder, "trainable.safetensors"))
+    optimizer = read_optimizer_state(os.path.join(folder, "optimizer.pt"))
+    rng = read_tensors(os.path.join(folder, "rng.safetensors"))
+    return SavedState(trainable, optimizer, progress, rng, load_ema_state(folder) if args.ema_decay else None)
+
+
+def read_progress(path: str) -> dict:
+    try:
+        with open(path) as f:
+            progress = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e}); the state is damaged") from None
+    missing = [k for k in PROGRESS_KEYS if not isinstance(progress, dict) or k not in progress]
+    if missing:
+        raise CheckpointError(f"{path}: no '{missing[0]}' (expected {', '.join(PROGRESS_KEYS)}); the state is damaged")
+    return progress
+
+
+def read_optimizer_state(path: str) -> dict:
+    """optimizer.pt with tensors and numbers only (weights_only)."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file; the state is incomplete")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        reason = str(e).strip().splitlines()[0].split(". ")[0]  # torch's first sentence; the rest is advice
+        raise CheckpointError(f"{path}: cannot be read (truncated or not a torch file: {reason})") from None
+
+
+def read_tensors(path: str) -> dict[str, torch.Tensor]:
+    """A safetensors file of the state; a truncated one is a CheckpointError naming it."""
+    return dict(CheckpointReader(path).items())
 
 
 def load_ema_state(folder: str) -> dict[str, torch.Tensor]:
     path = os.path.join(folder, "ema.safetensors")
     if not os.path.exists(path):  # run_digest already refuses a state written without EMA; this is a damaged one
         raise ValueError(f"{folder}: the state has no ema.safetensors, this run has ema_decay set")
-    return load_file(path)
+    return read_tensors(path)
 
 
 def restore_rng(rng: dict):
