@@ -44,8 +44,8 @@ def recorded(monkeypatch):
     def snapshot(trainer):
         return {k: v.detach().double().clone() for k, v in trainer.task.trainable_tensors().items()}
 
-    def init(self, args):
-        real_init(self, args)
+    def init(self, args, *rest):
+        real_init(self, args, *rest)
         weights.clear()
         weights.append(snapshot(self))
 
@@ -141,8 +141,8 @@ def test_no_ema_update_on_a_step_the_fp16_grad_scaler_skips(tiny_set, tmp_path, 
 
     init = train_lora.Trainer.__init__  # `recorded`'s
 
-    def with_scaler(self, args):  # what accelerate's fp16 on a GPU sets up
-        init(self, args)
+    def with_scaler(self, args, *rest):  # what accelerate's fp16 on a GPU sets up
+        init(self, args, *rest)
         self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
         self.optimizer = AcceleratedOptimizer(self.optimizer.optimizer, False, self.accelerator.scaler)
         backward = self.accelerator.backward
