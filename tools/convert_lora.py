@@ -69,6 +69,7 @@ from networks.lora_files import (  # noqa: E402
     write_peft_folder,
 )
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
+from tools.cli import Parser  # noqa: E402
 
 FOLDED_MARK = "lora_alpha_folded"  # header entry of our diffusers output: alpha/rank is inside lora_B
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
@@ -316,13 +317,8 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     return {"from": fmt, "to": to, "model_type": model_type, "modules": len(weights), "scale_known": known}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit status 2, like every other error here
-        raise ValueError(message)
-
-
-def main(argv=None) -> int:
-    parser = _Parser(description=__doc__.split("\n\n")[0])
+def build_parser() -> Parser:
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("input", help="LoRA .safetensors (kohya, PEFT/diffusers or ComfyUI) or PEFT adapter folder (LLM)")
     parser.add_argument("output", help="converted LoRA .safetensors, or the PEFT adapter folder for --to peft")
     parser.add_argument("--to", required=True, choices=["kohya", "diffusers", "peft"], help="peft: LLM LoRAs only")
@@ -330,8 +326,12 @@ def main(argv=None) -> int:
                         help="default: told from the names (FLUX.1 / FLUX.2: also metadata and MLP widths; "
                              "a flux_kontext LoRA has FLUX.1's, a qwen_image_edit one Qwen-Image's)")
     parser.add_argument("--alpha", type=float, default=None, help="kohya output: store this alpha (up rescaled)")
+    return parser
+
+
+def main(argv=None) -> int:
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
         done = convert_lora(args.input, args.output, args.to, args.model_type, args.alpha)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -39,7 +39,7 @@ def parse_lora(spec: str) -> tuple[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--model_type", required=True, choices=tuple(FAMILIES))
     p.add_argument("--model", required=True, help="transformer checkpoint (BFL file / diffusers folder / ComfyUI "
                                                    "file, fp8 and scaled fp8 ones used as they are)")

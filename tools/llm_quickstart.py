@@ -73,8 +73,8 @@ def stdlib_docstrings(max_chars: int) -> str:
     return "\n\n".join(parts)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--output_dir", default="out/quickstart", help="where log.csv, loss.png, the model and tokenizer go")
     p.add_argument("--corpus_chars", type=int, default=500_000, help="characters of stdlib docstrings to use")
     p.add_argument("--vocab_size", type=int, default=1024, help="BPE vocabulary size")
@@ -92,7 +92,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample_tokens", type=int, default=60)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def random_batch(tokens: torch.Tensor, batch_size: int, context: int, gen: torch.Generator):

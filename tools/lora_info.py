@@ -207,13 +207,17 @@ def _short(value: str, limit: int = 160) -> str:
     return value if len(value) <= limit else value[: limit - 3] + "..."
 
 
-def main(argv=None) -> int:
+def build_parser() -> Parser:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("lora", help="LoRA .safetensors (kohya, PEFT/diffusers, ComfyUI, LyCORIS)")
     parser.add_argument("--model", default=None, help="also check the LoRA against this checkpoint (as merge_lora does)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
+    return parser
+
+
+def main(argv=None) -> int:
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
         info = read_info(args.lora)
         if args.model:
             info["checked"] = check_against(args.lora, args.model)

@@ -128,14 +128,18 @@ def make_text_corpus(out: str, max_chars: int = 200_000) -> dict[str, str]:
     return {"corpus": corpus, "llm_scratch": scratch}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out", required=True)
     p.add_argument("--count", type=int, default=8)
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--edit", action="store_true", help="a paired edit task (grey shape -> red shape) instead")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if args.edit:
         paths = make_tiny_edit_dataset(args.out, args.count, args.size, args.seed)
         print(f"wrote {args.count} pairs to {paths['edit_image_dir']} / {paths['edit_control_dir']}, "

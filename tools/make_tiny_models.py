@@ -588,11 +588,15 @@ def make_tiny_models(out_dir: str, seed: int = 0) -> dict[str, str]:
     return paths
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     paths = make_tiny_models(args.out, args.seed)
     for name, path in paths.items():
         print(f"{name:26s} {_size(path) / 1024:8.1f} KiB  {path}")

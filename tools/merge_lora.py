@@ -89,6 +89,7 @@ from networks.lora_files import (  # noqa: E402
     read_lora_tensors,
 )
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas  # noqa: E402
+from tools.cli import Parser  # noqa: E402
 
 PRECISIONS = {**PRECISION_DTYPES, "fp8": fp8.FP8_DTYPE, "fp8_scaled": fp8.FP8_DTYPE}
 FP8_LAYOUTS = {"comfy": "fp8_tensor_scaled", "plain": "fp8", "block64": "fp8_scaled"}  # --fp8_layout -> fp8.MODES
@@ -632,13 +633,8 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
     return plan
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit status 2, like every other error here
-        raise ValueError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="base checkpoint: file or folder")
     parser.add_argument("--lora", required=True, nargs="+", help="LoRA files as path[:ratio]")
     parser.add_argument("--save_to", required=True, help="output file (file base) or folder (folder base)")

@@ -135,13 +135,18 @@ def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib
     return rows
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--config_file", help="a train_lora.py TOML config (its files' headers are read)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a full-size model without files")
     p.add_argument("--vram", type=float, default=24.0, help="the card's memory in GiB")
     p.add_argument("--resolution", type=int, default=None, help="square side in pixels (default: the largest bucket, or 1024)")
     p.add_argument("--batch_size", type=int, default=None)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if bool(args.config_file) == bool(args.preset):
         p.error("give --config_file or --preset")

@@ -46,6 +46,7 @@ from library.precision.fp8 import (  # noqa: E402
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
 from networks.lora import DIFFUSERS_MODULE_MAPS, LoRAModule  # noqa: E402
 from networks.lora_files import LoRAWeights, flux_diffusers_to_bfl, read_lora  # noqa: E402
+from tools.cli import Parser  # noqa: E402
 
 # flux_kontext is checked as the FLUX.1 transformer it is: its reference tokens only add first-axis
 # position 1, exact in every dtype, so the target-only inputs show the same fp8 damage. Likewise
@@ -411,11 +412,6 @@ def run_doctor(model_path: str, family: str, lora_spec: str | None = None, resol
     return result
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit status 2
-        raise ValueError(message)
-
-
 def parse_resolution(text: str) -> tuple[int, int]:
     """'1024' or 'WxH' -> (width, height), multiples of 16 pixels."""
     parts = text.lower().split("x")
@@ -439,7 +435,7 @@ def parse_timesteps(text: str) -> tuple[float, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model_type", required=True, choices=FAMILIES)
     p.add_argument("--model", required=True, help="transformer checkpoint (bf16/fp32; file or diffusers folder)")
     p.add_argument("--lora", default=None, help="LoRA file, optionally :ratio")

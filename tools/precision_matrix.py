@@ -49,6 +49,7 @@ from library.precision.fp8 import FP8_DTYPE  # noqa: E402
 from library.training import flow_matching as fm  # noqa: E402
 from library.training.config import ConfigError, load_config  # noqa: E402
 from library.training.state import sample_seed  # noqa: E402
+from tools.cli import Parser  # noqa: E402
 from tools.precision_doctor import disk_variant, read_lora_for  # noqa: E402
 
 TRAINED_ON = ("bf16", "fp8", "fp8_scaled", "fp8+posbug")
@@ -267,13 +268,8 @@ def write_grid(rows: list[dict], path: str, title: str):
 # CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ValueError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config_file", required=True, help="the training TOML the rows are trained with (model paths, dataset)")
     p.add_argument("--out", default="precision_matrix")
     p.add_argument("--steps", type=int, default=None, help="max_train_steps of each row (default: the config's)")

@@ -212,7 +212,7 @@ def _parse_cli_value(key: str, text: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="LoRA training for FLUX.1, Qwen-Image and Llama/Qwen2 LLMs")
+    p = argparse.ArgumentParser(description="LoRA training for FLUX.1, Qwen-Image and Llama/Qwen2 LLMs", allow_abbrev=False)
     p.add_argument("--config_file", help="training TOML; command-line values override it")
     for key, spec in SCHEMA.items():
         if spec.type is bool:

@@ -1,0 +1,42 @@
+"""What the command lines of train_lora.py and tools/ share. Nothing heavy is imported here (no
+torch): a script parses its arguments with this before it loads torch and the library.
+
+Abbreviated flags are refused everywhere (argparse's allow_abbrev): `--save_t` for `--save_to` or
+`--learning_rat` for `--learning_rate` would otherwise be taken silently, and a flag added later
+could change what an old abbreviation means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are a ValueError (one line and exit status 2 through the tool's main)
+    and which refuses abbreviated flags."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+
+    def error(self, message):
+        raise ValueError(message)
+
+
+def one_line(error: Exception) -> str:
+    return f"error: {' '.join(str(error).split())}"
+
+
+def command_line_scripts() -> list[str]:
+    """train_lora.py and every tools/*.py that parses a command line, relative to the repository root."""
+    tools = sorted(glob.glob(os.path.join(ROOT, "tools", "*.py")))
+    with_cli = [os.path.relpath(p, ROOT) for p in tools if _is_command_line(open(p).read())]
+    return ["train_lora.py"] + with_cli
+
+
+def _is_command_line(source: str) -> bool:
+    return re.search(r'^if __name__ == "__main__":', source, re.M) is not None and "parse_args(" in source
