@@ -292,9 +292,16 @@ def _validate_ema(args, origins: dict[str, str], where: str) -> None:
                 raise ConfigError(f"{origins.get(key, where)}: key '{key}' needs ema_decay > 0 (e.g. 0.999)")
 
 
+def _blame(origins: dict[str, str], where: str, *keys: str) -> str:
+    """Where the values of `keys` were set, to begin an error about them: each key's file or
+    "command line" (the distinct ones, in order), `where` for a key left at its default."""
+    return " and ".join(dict.fromkeys(origins.get(key, where) for key in keys))
+
+
 def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | None = None) -> None:
-    """Impossible combinations, each named. origins: key -> the file or "command line" that set
-    it, where one key's value alone is wrong."""
+    """Impossible values and combinations, each named with where its values were set. origins:
+    key -> the file or "command line" that set it; where: the config file (or "command line"),
+    blamed for keys that are missing."""
     origins = origins or {}
     if args.model_type is None:
         raise ConfigError(f"{where}: key 'model_type' is required ({', '.join((*FAMILIES, 'llm'))})")
@@ -305,23 +312,28 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if args.model_type == "llm" and not args.train_data:
         raise ConfigError(f"{where}: key 'train_data' is required for model_type llm")
     if args.pretrain and args.model_type != "llm":
-        raise ConfigError(f"{where}: key 'pretrain' is only for model_type llm")
+        raise ConfigError(f"{_blame(origins, where, 'pretrain', 'model_type')}: key 'pretrain' is only for model_type llm")
     if args.pretrain and args.fp8_base:
-        raise ConfigError(f"{where}: 'pretrain' trains the base weights, which cannot be stored in fp8 ('fp8_base')")
+        raise ConfigError(f"{_blame(origins, where, 'pretrain', 'fp8_base')}: 'pretrain' trains the base weights, which "
+                          f"cannot be stored in fp8 ('fp8_base')")
     for key in ("network_dim", "max_train_steps", "gradient_accumulation_steps", "text_encoder_batch_size"):
         if getattr(args, key) < 1:
-            raise ConfigError(f"{where}: key '{key}' must be >= 1, got {getattr(args, key)}")
+            raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be >= 1, got {getattr(args, key)}")
     if args.blocks_to_swap < 0:
-        raise ConfigError(f"{where}: key 'blocks_to_swap' must be >= 0, got {args.blocks_to_swap}")
+        raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap')}: key 'blocks_to_swap' must be >= 0, "
+                          f"got {args.blocks_to_swap}")
     if args.blocks_to_swap and args.model_type == "llm":
-        raise ConfigError(f"{where}: key 'blocks_to_swap' is for the diffusion transformers (flux, qwen_image), not llm")
+        raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap', 'model_type')}: key 'blocks_to_swap' is for the "
+                          f"diffusion transformers (flux, qwen_image), not llm")
     if args.blocks_to_swap and args.torch_compile:  # compiled blocks would guard on the swapped tensors
-        raise ConfigError(f"{where}: blocks_to_swap and torch_compile cannot be combined yet; turn one off")
+        raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap', 'torch_compile')}: blocks_to_swap and torch_compile "
+                          f"cannot be combined yet; turn one off")
     if args.validate_every_n_steps < 0:
-        raise ConfigError(f"{where}: key 'validate_every_n_steps' must be >= 0, got {args.validate_every_n_steps}")
+        raise ConfigError(f"{_blame(origins, where, 'validate_every_n_steps')}: key 'validate_every_n_steps' must be >= 0, "
+                          f"got {args.validate_every_n_steps}")
     if args.model_type == "llm" and args.validate_every_n_steps:
-        raise ConfigError(f"{where}: key 'validate_every_n_steps' is for image training; llm uses val_fraction and "
-                          f"eval_every_n_steps")
+        raise ConfigError(f"{_blame(origins, where, 'validate_every_n_steps', 'model_type')}: key 'validate_every_n_steps' "
+                          f"is for image training; llm uses val_fraction and eval_every_n_steps")
     if args.save_format.startswith("peft") and (args.model_type != "llm" or args.pretrain):
         raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' is for LLM LoRAs "
                           f"(model_type llm without pretrain); FLUX/Qwen-Image LoRAs convert with tools/convert_lora.py --to diffusers")
@@ -334,7 +346,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if problem := check_trackers(args.log_with, args.logging_dir):
         raise ConfigError(f"{origins.get('log_with', where)}: {problem}")
     if args.learning_rate <= 0:
-        raise ConfigError(f"{where}: key 'learning_rate' must be > 0, got {args.learning_rate}")
+        raise ConfigError(f"{_blame(origins, where, 'learning_rate')}: key 'learning_rate' must be > 0, got {args.learning_rate}")
     if args.model_type != "llm":
         missing = [k for k in family_class(args.model_type).required_paths() if getattr(args, k) is None]
         if missing:
