@@ -1,10 +1,14 @@
-"""The command lines of train_lora.py and tools/: abbreviated flags are refused."""
+"""The command lines of train_lora.py and tools/: abbreviated flags are refused, and --help or a bad
+flag is answered before torch loads."""
 
 import importlib
+import json
+import subprocess
+import sys
 
 import pytest
 
-from tools.cli import command_line_scripts
+from tools.cli import ROOT, command_line_scripts
 
 # script -> (a command line its parser takes, the same with one flag abbreviated)
 ABBREVIATED = {
@@ -58,3 +62,32 @@ def test_abbreviated_flags_are_refused(script, capsys):
     error = parse_error(build_parser(script)(), abbreviated, capsys)
     assert error is not None, f"{flag} was taken for {meant}"
     assert flag in error or meant in error  # unrecognized, or the flag it stood for is missing
+
+
+# Runs each script given as the shell would (as __main__, sys.argv set) with --help and with a bad
+# flag, in this one process, and prints {script: [exit status of each, heavy modules loaded]}. A
+# script that imported one leaves it loaded for the next: only a clean run proves every script.
+PARSE_ONLY = """
+import contextlib, io, json, runpy, sys
+results = {}
+for script in sys.argv[1:]:
+    codes = []
+    for flag in ("--help", "--no_such_flag"):
+        sys.argv = [script, flag]
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                runpy.run_path(script, run_name="__main__")
+                codes.append(None)
+            except SystemExit as e:
+                codes.append(e.code)
+    results[script] = [*codes, sorted(m for m in ("torch", "diffusers", "transformers") if m in sys.modules)]
+print(json.dumps(results))
+"""
+
+
+def test_help_and_bad_flags_are_answered_before_torch_loads():
+    scripts = command_line_scripts()
+    done = subprocess.run([sys.executable, "-c", PARSE_ONLY, *scripts], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == {script: [0, 2, []] for script in scripts}

@@ -1,5 +1,6 @@
 """What the command lines of train_lora.py and tools/ share. Nothing heavy is imported here (no
-torch): a script parses its arguments with this before it loads torch and the library.
+torch): a script builds its parser and checks its arguments (check_command_line) before it imports
+torch and the library, which takes seconds, so --help and a bad flag answer at once.
 
 Abbreviated flags are refused everywhere (argparse's allow_abbrev): `--save_t` for `--save_to` or
 `--learning_rat` for `--learning_rate` would otherwise be taken silently, and a flag added later
@@ -12,6 +13,8 @@ import argparse
 import glob
 import os
 import re
+import sys
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +32,16 @@ class Parser(argparse.ArgumentParser):
 
 def one_line(error: Exception) -> str:
     return f"error: {' '.join(str(error).split())}"
+
+
+def check_command_line(build_parser: Callable[[], argparse.ArgumentParser]) -> None:
+    """A script run from the shell calls this before its heavy imports: --help prints and exits 0, a
+    bad flag prints one line and exits 2. main() parses the same arguments again afterwards."""
+    try:
+        build_parser().parse_args()
+    except ValueError as e:  # Parser's errors (a plain argparse parser exits by itself)
+        print(one_line(e), file=sys.stderr)
+        sys.exit(2)
 
 
 def command_line_scripts() -> list[str]:

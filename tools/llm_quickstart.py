@@ -25,12 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from library.io import atomic_path, write_text  # noqa: E402
-from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, perplexity, save_hf_folder  # noqa: E402
-from library.data.tokenizer import build_bpe_tokenizer  # noqa: E402
+from tools.cli import check_command_line  # noqa: E402
 
 # Pure-Python, well-documented modules that import without side effects on every platform.
 CORPUS_MODULES = (
@@ -97,6 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     return build_parser().parse_args(argv)
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from library.io import atomic_path, write_text  # noqa: E402
+from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, perplexity, save_hf_folder  # noqa: E402
+from library.data.tokenizer import build_bpe_tokenizer  # noqa: E402
 
 
 def random_batch(tokens: torch.Tensor, batch_size: int, context: int, gen: torch.Generator):

@@ -18,9 +18,8 @@ import math
 import os
 import sys
 
+# library.io (which loads torch, seconds) is imported in plot(), so --help and a bad flag answer at once.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from library.io import atomic_path  # noqa: E402
 
 
 def find_log(path: str) -> str:
@@ -83,6 +82,8 @@ def measured(log: dict[str, list[float]], col: str) -> tuple[list[float], list[f
 def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, beta: float) -> dict[str, list[float]]:
     """Write the PNG; returns each drawn line's label -> its y values (what the figure shows)."""
     import matplotlib
+
+    from library.io import atomic_path
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

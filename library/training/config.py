@@ -4,6 +4,9 @@ Names follow kohya sd-scripts / musubi-tuner where one exists. Every key is decl
 with its type, default and a one-line description; unknown keys, wrong types and impossible
 combinations are errors that name the key and the file. Booleans in TOML are TOML booleans; on
 the command line they are `--flag` / `--flag true|false`.
+
+This module is the command line's parser, so it imports nothing heavy (no torch): train_lora.py
+parses its arguments with it before loading torch, and --help or a bad flag answer at once.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import toml
-import torch
 
-from library.models.family import FAMILIES, family_class
-from library.training import flow_matching as fm
+from library.models.registry import FAMILIES
+
+PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (PRECISION_DTYPES below)
+# timestep_sampling values (library/training/flow_matching.py implements them)
+SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "flux2_shift")
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ SCHEMA: dict[str, Arg] = {
     # output
     "output_dir": A(str, "output", "where the LoRA, logs, samples and states go"),
     "output_name": A(str, "lora", "file stem of the saved LoRA"),
-    "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors", ("fp32", "bf16", "fp16")),
+    "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors", PRECISION_NAMES),
     "save_format": A(str, "auto", "LoRA layout: auto (llm: peft, flux/flux2/qwen_image: kohya), kohya (one .safetensors), "
                                   "peft (llm: PEFT adapter folder <output_name>/), peft+kohya (both)",
                      ("auto", "kohya", "peft", "peft+kohya")),
@@ -97,7 +102,7 @@ SCHEMA: dict[str, Arg] = {
     "text_encoder_batch_size": A(int, 8, "captions per encoder batch while caching"),
     # flow matching
     "prior_loss_weight": A(float, 1.0, "loss weight of regularization images (dataset subsets with is_reg = true)"),
-    "timestep_sampling": A(str, None, "sigma sampling; default per model", fm.SAMPLING_METHODS),
+    "timestep_sampling": A(str, None, "sigma sampling; default per model", SAMPLING_METHODS),
     "discrete_flow_shift": A(float, 3.0, "k for timestep_sampling = shift"),
     "sigmoid_scale": A(float, 1.0, "scale of randn inside the sigmoid"),
     "weighting_scheme": A(str, "none", "loss weighting", ("none", "sigma_sqrt", "cosmap")),
@@ -139,11 +144,20 @@ class ConfigError(ValueError):
     pass
 
 
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # save / compute names
+def __getattr__(name: str):
+    """PRECISION_DTYPES (PRECISION_NAMES -> torch dtypes) is made on first use: the parser loads without torch."""
+    if name != "PRECISION_DTYPES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    globals()[name] = dict(zip(PRECISION_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
+    return globals()[name]
 
 
 def compute_dtype(args) -> torch.dtype:
     """mixed_precision -> the dtype models compute in (and high-precision weights are kept in)."""
+    import torch
+
     return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.mixed_precision]
 
 
@@ -348,6 +362,8 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if args.learning_rate <= 0:
         raise ConfigError(f"{_blame(origins, where, 'learning_rate')}: key 'learning_rate' must be > 0, got {args.learning_rate}")
     if args.model_type != "llm":
+        from library.models.family import family_class
+
         missing = [k for k in family_class(args.model_type).required_paths() if getattr(args, k) is None]
         if missing:
             raise ConfigError(f"{where}: key '{missing[0]}' is required for model_type {args.model_type} "
