@@ -47,9 +47,10 @@ def check_command_line(build_parser: Callable[[], argparse.ArgumentParser]) -> N
 def command_line_scripts() -> list[str]:
     """train_lora.py and every tools/*.py that parses a command line, relative to the repository root."""
     tools = sorted(glob.glob(os.path.join(ROOT, "tools", "*.py")))
-    with_cli = [os.path.relpath(p, ROOT) for p in tools if _is_command_line(open(p).read())]
-    return ["train_lora.py"] + with_cli
+    return ["train_lora.py"] + [os.path.relpath(p, ROOT) for p in tools if _has_command_line(p)]
 
 
-def _is_command_line(source: str) -> bool:
+def _has_command_line(path: str) -> bool:
+    with open(path) as f:
+        source = f.read()
     return re.search(r'^if __name__ == "__main__":', source, re.M) is not None and "parse_args(" in source
