@@ -21,16 +21,22 @@ import signal
 import sys
 import time
 
-import torch
-from tqdm import tqdm
+from library.training.config import build_parser
 
-from library.io import CheckpointError
-from library.training import fsdp, tracking
-from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix
-from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals
-from library.training.ema import TrainableEMA
-from library.training.state import SavedState, load_state, restore_rng, save_state
-from tools.plot_lr import main as plot_lr
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    build_parser().parse_args()
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from library.io import CheckpointError  # noqa: E402
+from library.training import fsdp, tracking  # noqa: E402
+from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
+from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals  # noqa: E402
+from library.training.ema import TrainableEMA  # noqa: E402
+from library.training.state import SavedState, load_state, restore_rng, save_state  # noqa: E402
+from tools.plot_lr import main as plot_lr  # noqa: E402
 
 
 

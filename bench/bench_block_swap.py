@@ -93,7 +93,7 @@ def run_setting(model, net, optimizer, inputs, target, steps: int, device) -> tu
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--family", default="flux", choices=("flux", "qwen_image"))
     p.add_argument("--base", default="fp8_scaled", choices=("bf16", "fp8", "fp8_scaled"))
     p.add_argument("--swaps", default="0,8,16")

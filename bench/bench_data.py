@@ -110,7 +110,7 @@ def time_steps(vae: FluxVAE, blueprint, key: str, model_path: str, epochs: int) 
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--images", type=int, default=8)
     p.add_argument("--size", type=int, default=256)
     p.add_argument("--epochs", type=int, default=3)

@@ -71,7 +71,7 @@ def bench_size(family: str, size: str, args, dtype, device) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--families", default="flux")
     p.add_argument("--sizes", default="tiny,mid")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")

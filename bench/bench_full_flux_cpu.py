@@ -164,7 +164,7 @@ def matmul_gflops(dtype: torch.dtype, tokens: int = 320) -> float:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--double", type=int, default=19)
     p.add_argument("--single", type=int, default=38)
     p.add_argument("--mode", choices=("fp8", "fp8_scaled"), default="fp8_scaled")

@@ -85,7 +85,7 @@ def full_svd_resize_seconds(lora_path: str, new_rank: int) -> float:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--double", type=int, default=1)
     parser.add_argument("--single", type=int, default=1)

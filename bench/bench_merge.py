@@ -122,7 +122,7 @@ def cpu_model() -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--double", type=int, default=2, help="double blocks (340 M parameters each)")
     parser.add_argument("--single", type=int, default=3, help="single blocks (141 M parameters each)")
     parser.add_argument("--keep", default=None, help="work in this folder instead of a temporary one")

@@ -75,7 +75,7 @@ def run(size: str, args) -> dict[str, float]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--sizes", default="tiny,mid")
     p.add_argument("--networks", default="lora,dora,lokr,loha", help="first must be lora (the reference)")
     p.add_argument("--base", choices=["hp", "fp8_scaled", "fp8"], default="hp", help="hp = the --dtype base")

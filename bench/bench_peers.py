@@ -301,7 +301,7 @@ def measure_peaks(args) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--sd_scripts", help="sd-scripts checkout (FLUX.1 peer)")
     p.add_argument("--musubi", help="musubi-tuner checkout (Qwen-Image peer)")
     p.add_argument("--families", default="flux,qwen_image")

@@ -69,7 +69,7 @@ def write_config(family: str, model: str, tiny: dict, folder: str) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out", default="bench_out/matrix")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--resolution", type=int, default=768)

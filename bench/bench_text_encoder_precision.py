@@ -28,7 +28,7 @@ CAPTIONS = ["a red fox in the snow", "two cats on a windowsill", "a lighthouse a
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     root = args.out or tempfile.mkdtemp()

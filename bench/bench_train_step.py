@@ -422,7 +422,7 @@ def fmt(times) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--families", default="flux,qwen_image")
     p.add_argument("--sizes", default="tiny,mid", help="tiny (toy widths) and/or mid (full width, few blocks)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="base and compute dtype")

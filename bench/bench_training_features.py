@@ -89,7 +89,7 @@ def caption_variant_cost():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--sizes", default="tiny,mid")
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)

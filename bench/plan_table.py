@@ -31,7 +31,7 @@ def cell(plans, vram):
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--resolution", type=int, default=1024)
     p.add_argument("--cards", default="12,16,24,32,48,80")
     args = p.parse_args()

@@ -45,6 +45,29 @@ def test_wrong_types_are_errors(tmp_path, line, message):
         load_config(["--config_file", cfg])
 
 
+@pytest.mark.parametrize("key, value, problem", [
+    ("learning_rate", "-1", "must be > 0"),
+    ("network_dim", "0", "must be >= 1"),
+    ("max_train_steps", "0", "must be >= 1"),
+    ("blocks_to_swap", "-1", "must be >= 0"),
+    ("validate_every_n_steps", "-1", "must be >= 0"),
+])
+def test_a_bad_value_is_blamed_on_where_it_was_set(tmp_path, key, value, problem):
+    base = BASE + f'output_dir = "{tmp_path}"\n'
+    cfg = write(tmp_path, base, name="base.toml")
+    with pytest.raises(ConfigError, match=rf"^command line: key '{key}' {problem}"):
+        load_config(["--config_file", cfg, f"--{key}", value])
+    cfg = write(tmp_path, base + f"{key} = {value}\n", name="base.toml")
+    with pytest.raises(ConfigError, match=rf"base\.toml: key '{key}' {problem}"):
+        load_config(["--config_file", cfg])
+
+
+def test_a_combination_set_in_two_places_names_both(tmp_path):
+    cfg = write(tmp_path, BASE + f'output_dir = "{tmp_path}"\npretrain = true\n', name="base.toml")
+    with pytest.raises(ConfigError, match=r"base\.toml and command line: 'pretrain' .*'fp8_base'"):
+        load_config(["--config_file", cfg, "--fp8_base"])
+
+
 def test_impossible_combination_is_named(tmp_path):
     cfg = write(tmp_path, BASE + "pretrain = true\nfp8_base = true\n")
     with pytest.raises(ConfigError, match="'pretrain'.*fp8"):

@@ -27,17 +27,34 @@ import json
 import os
 import sys
 
-import torch
-
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.cli import Parser, check_command_line  # noqa: E402
+
+
+def build_parser() -> Parser:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lora", required=True, nargs="+", help="LoRA files as path[:ratio] (ratio 1 when left out)")
+    parser.add_argument("--save_to", required=True, help="output .safetensors")
+    parser.add_argument("--mode", choices=["concat", "svd"], default="concat", help="concat: exact; svd: compress to --rank")
+    parser.add_argument("--rank", type=int, default=None, help="--mode svd: rank of every module")
+    parser.add_argument("--save_precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: the first input's dtype")
+    parser.add_argument("--device", default=None, help="where the SVDs run (cuda for a GPU; default cpu)")
+    return parser
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
+import torch  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
 from networks.lora_files import LoRAWeights, kohya_name  # noqa: E402
 from networks.lora_svd import factors, svd_of_product  # noqa: E402
 from tools.lora_common import (  # noqa: E402
     LoRAFile,
-    Parser,
     check_output_path,
     one_line,
     read_lora_file,
@@ -120,17 +137,6 @@ def combine_loras(specs: list[LoRASpec], save_to: str, mode: str = "concat", ran
                                             "loras": [{"file": os.path.basename(s.path), "ratio": s.ratio} for s in specs]})  # fmt: skip
     write_lora_file(save_to, out, fmt, prefix, save_dtype(precision, first.dtype), metadata)
     return rows
-
-
-def build_parser() -> Parser:
-    parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lora", required=True, nargs="+", help="LoRA files as path[:ratio] (ratio 1 when left out)")
-    parser.add_argument("--save_to", required=True, help="output .safetensors")
-    parser.add_argument("--mode", choices=["concat", "svd"], default="concat", help="concat: exact; svd: compress to --rank")
-    parser.add_argument("--rank", type=int, default=None, help="--mode svd: rank of every module")
-    parser.add_argument("--save_precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: the first input's dtype")
-    parser.add_argument("--device", default=None, help="where the SVDs run (cuda for a GPU; default cpu)")
-    return parser
 
 
 def main(argv=None) -> int:

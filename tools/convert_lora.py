@@ -42,15 +42,33 @@ exactly (joining needs every part). LyCORIS files (LoKr, LoHa, ...) are refused 
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
 
-import torch
-
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.cli import Parser, check_command_line  # noqa: E402
+
+
+def build_parser() -> Parser:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("input", help="LoRA .safetensors (kohya, PEFT/diffusers or ComfyUI) or PEFT adapter folder (LLM)")
+    parser.add_argument("output", help="converted LoRA .safetensors, or the PEFT adapter folder for --to peft")
+    parser.add_argument("--to", required=True, choices=["kohya", "diffusers", "peft"], help="peft: LLM LoRAs only")
+    parser.add_argument("--model_type", choices=["flux", "flux_kontext", "flux2", "qwen_image", "qwen_image_edit", "llm"], default=None,
+                        help="default: told from the names (FLUX.1 / FLUX.2: also metadata and MLP widths; "
+                             "a flux_kontext LoRA has FLUX.1's, a qwen_image_edit one Qwen-Image's)")
+    parser.add_argument("--alpha", type=float, default=None, help="kohya output: store this alpha (up rescaled)")
+    return parser
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
+import torch  # noqa: E402
 
 from library.models.family import lora_arch  # noqa: E402
 from library.models.flux1.checkpoint import flux_diffusers_module_map  # noqa: E402
@@ -316,22 +334,9 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     return {"from": fmt, "to": to, "model_type": model_type, "modules": len(weights), "scale_known": known}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit status 2, like every other error here
-        raise ValueError(message)
-
-
 def main(argv=None) -> int:
-    parser = _Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("input", help="LoRA .safetensors (kohya, PEFT/diffusers or ComfyUI) or PEFT adapter folder (LLM)")
-    parser.add_argument("output", help="converted LoRA .safetensors, or the PEFT adapter folder for --to peft")
-    parser.add_argument("--to", required=True, choices=["kohya", "diffusers", "peft"], help="peft: LLM LoRAs only")
-    parser.add_argument("--model_type", choices=["flux", "flux_kontext", "flux2", "qwen_image", "qwen_image_edit", "llm"], default=None,
-                        help="default: told from the names (FLUX.1 / FLUX.2: also metadata and MLP widths; "
-                             "a flux_kontext LoRA has FLUX.1's, a qwen_image_edit one Qwen-Image's)")
-    parser.add_argument("--alpha", type=float, default=None, help="kohya output: store this alpha (up rescaled)")
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
         done = convert_lora(args.input, args.output, args.to, args.model_type, args.alpha)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

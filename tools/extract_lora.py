@@ -37,16 +37,37 @@ import os
 import re
 import sys
 
-import torch
-
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.cli import Parser, check_command_line  # noqa: E402
+
+
+def build_parser() -> Parser:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="base checkpoint: file or folder")
+    parser.add_argument("--tuned", required=True, help="fine-tuned checkpoint of the same model and layout")
+    parser.add_argument("--save_to", required=True, help="output LoRA .safetensors")
+    parser.add_argument("--rank", type=int, default=None, help="rank of every module (the cap with --energy)")
+    parser.add_argument("--energy", type=float, default=None, help="keep this Frobenius fraction per module, e.g. 0.95")
+    parser.add_argument("--save_precision", choices=["fp32", "bf16", "fp16"], default=None, help="default fp32")
+    parser.add_argument("--device", default=None, help="where the SVDs run (cuda for a GPU; default cpu)")
+    parser.add_argument("--svd", choices=["full", "lowrank"], default="full",
+                        help="lowrank: randomized SVD of the top rank + 8 (with --rank; much faster on big weights)")
+    return parser
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
+import torch  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
 from networks.lora import KOHYA_PREFIX, TARGETS  # noqa: E402
 from networks.lora_files import LoRAWeights, build_metadata, write_kohya, write_peft  # noqa: E402
 from networks.lora_svd import factors, rank_for_energy, svd_lowrank_of_matrix, svd_of_matrix  # noqa: E402
-from tools.lora_common import Parser, check_output_path, one_line, save_dtype  # noqa: E402
+from tools.lora_common import check_output_path, one_line, save_dtype  # noqa: E402
 from tools.merge_lora import Base, Fp8BasePlan, open_base  # noqa: E402
 
 
@@ -137,20 +158,6 @@ def _other_changed(base: Base, other: Base, done: set[str]) -> int:
             continue
         changed += not torch.equal(base.reader.get(key), other.reader.get(key))
     return changed
-
-
-def build_parser() -> Parser:
-    parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="base checkpoint: file or folder")
-    parser.add_argument("--tuned", required=True, help="fine-tuned checkpoint of the same model and layout")
-    parser.add_argument("--save_to", required=True, help="output LoRA .safetensors")
-    parser.add_argument("--rank", type=int, default=None, help="rank of every module (the cap with --energy)")
-    parser.add_argument("--energy", type=float, default=None, help="keep this Frobenius fraction per module, e.g. 0.95")
-    parser.add_argument("--save_precision", choices=["fp32", "bf16", "fp16"], default=None, help="default fp32")
-    parser.add_argument("--device", default=None, help="where the SVDs run (cuda for a GPU; default cpu)")
-    parser.add_argument("--svd", choices=["full", "lowrank"], default="full",
-                        help="lowrank: randomized SVD of the top rank + 8 (with --rank; much faster on big weights)")
-    return parser
 
 
 def main(argv=None) -> int:

@@ -18,15 +18,11 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.models.family import BASE_PRECISIONS, FAMILIES, family_class, stack_text  # noqa: E402
-from library.io import CheckpointError  # noqa: E402
-from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
-from library.data.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
-from library.training.config import PRECISION_DTYPES  # noqa: E402
+from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: E402
+from library.training.config import PRECISION_NAMES  # noqa: E402
+from tools.cli import check_command_line  # noqa: E402
 
 
 
@@ -39,7 +35,7 @@ def parse_lora(spec: str) -> tuple[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--model_type", required=True, choices=tuple(FAMILIES))
     p.add_argument("--model", required=True, help="transformer checkpoint (BFL file / diffusers folder / ComfyUI "
                                                    "file, fp8 and scaled fp8 ones used as they are)")
@@ -62,13 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--guidance", type=float, default=None, help="flux-dev / flux2-dev: embedded guidance (3.5 / 4.0); qwen, flux2 klein base: CFG (4.0)")
     p.add_argument("--base_precision", default="bf16", choices=BASE_PRECISIONS)
-    p.add_argument("--dtype", default="bf16", choices=tuple(PRECISION_DTYPES), help="compute dtype")
+    p.add_argument("--dtype", default="bf16", choices=PRECISION_NAMES, help="compute dtype")
     p.add_argument("--text_encoder_precision", default="bf16", choices=("fp32", "fp16", "bf16", "fp8", "fp8_scaled"))
     p.add_argument("--blocks_to_swap", type=int, default=0, help="keep the last N blocks' weights in CPU memory")
     p.add_argument("--lora", nargs="*", default=[], help="LoRA files, each FILE or FILE:RATIO")
     p.add_argument("--out", default="generated", help="output folder")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     return p
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
+import torch  # noqa: E402
+
+from library.models.family import family_class, stack_text  # noqa: E402
+from library.io import CheckpointError  # noqa: E402
+from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
+from library.data.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
+from library.training.config import PRECISION_DTYPES  # noqa: E402
 
 
 def collect_prompts(args) -> list[SamplePrompt]:
@@ -92,17 +101,17 @@ def generate(args) -> list[str]:
     from networks.factory import network_from_file
 
     prompts = collect_prompts(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     loras = [parse_lora(s) for s in args.lora]
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
     check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls)
-    encode = family.load_text_encoder(args.text_encoder_precision, torch.device(args.device), **family.text_options(args))
+    encode = family.load_text_encoder(args.text_encoder_precision, device, **family.text_options(args))
     def encode_one(text: str, references) -> dict:  # with the references where the text encoder sees them
         return stack_text(encode_prompts(encode, [text], [references], family.text_sees_controls))
 
     texts = [(encode_one(p.prompt, p.control_images), encode_one(p.negative, p.control_images) if family.true_cfg else None)
              for p in prompts]
     del encode  # text encoders are freed before the transformer is loaded
-    device = torch.device(args.device)
     # A pre-quantized file (ours, ComfyUI's fp8 / scaled fp8) is used as it is stored, whatever --base_precision says.
     base_precision = family.stored_fp8_layout() or args.base_precision
     model = family.load_transformer(PRECISION_DTYPES[args.dtype], base_precision).requires_grad_(False).eval()

@@ -1,4 +1,4 @@
-"""Train a tiny LLM from scratch on CPU, in about two minutes, with nothing downloaded.
+"""Train a tiny LLM from scratch on CPU (4.4 minutes on a busy 2-core machine), with nothing downloaded.
 
     python tools/llm_quickstart.py --output_dir out/quickstart
 
@@ -25,12 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from library.io import atomic_path, write_text  # noqa: E402
-from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, perplexity, save_hf_folder  # noqa: E402
-from library.data.tokenizer import build_bpe_tokenizer  # noqa: E402
+from tools.cli import check_command_line  # noqa: E402
 
 # Pure-Python, well-documented modules that import without side effects on every platform.
 CORPUS_MODULES = (
@@ -73,8 +68,8 @@ def stdlib_docstrings(max_chars: int) -> str:
     return "\n\n".join(parts)
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--output_dir", default="out/quickstart", help="where log.csv, loss.png, the model and tokenizer go")
     p.add_argument("--corpus_chars", type=int, default=500_000, help="characters of stdlib docstrings to use")
     p.add_argument("--vocab_size", type=int, default=1024, help="BPE vocabulary size")
@@ -92,7 +87,23 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample_tokens", type=int, default=60)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from library.io import atomic_path, write_text  # noqa: E402
+from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, perplexity, save_hf_folder  # noqa: E402
+from library.data.tokenizer import build_bpe_tokenizer  # noqa: E402
 
 
 def random_batch(tokens: torch.Tensor, batch_size: int, context: int, gen: torch.Generator):

@@ -10,7 +10,6 @@ writes it, so every PEFT loader applies the right delta without an adapter confi
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass
@@ -33,16 +32,10 @@ from networks.lora_files import (  # noqa: E402
     write_lora_tensors,
 )
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
+from tools.cli import Parser, one_line  # noqa: E402,F401  (the LoRA tools' parser and error line)
 
 FOLDED_MARK = "lora_alpha_folded"  # same header entry as tools/convert_lora.py: alpha/rank is inside lora_B
 DROPPED_METADATA = ("sshs_model_hash", "sshs_legacy_hash", ADAPTER_METADATA_KEY, FOLDED_MARK)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse whose errors are a ValueError: one line and exit status 2 through the tool's main."""
-
-    def error(self, message):
-        raise ValueError(message)
 
 
 @dataclass
@@ -115,10 +108,6 @@ def check_output_path(path: str, *inputs: str) -> None:
         raise ValueError(f"--save_to {path}: expected a .safetensors file (only safetensors is written)")
     if os.path.exists(path) and any(os.path.exists(i) and os.path.samefile(path, i) for i in inputs):
         raise ValueError(f"--save_to {path}: is one of the inputs; write the result elsewhere")
-
-
-def one_line(error: Exception) -> str:
-    return f"error: {' '.join(str(error).split())}"
 
 
 # ----------------------------------------------------------------------------------------------

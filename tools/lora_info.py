@@ -36,12 +36,27 @@ from collections import Counter
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tools.cli import Parser, check_command_line  # noqa: E402
+
+
+def build_parser() -> Parser:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("lora", help="LoRA .safetensors (kohya, PEFT/diffusers, ComfyUI, LyCORIS)")
+    parser.add_argument("--model", default=None, help="also check the LoRA against this checkpoint (as merge_lora does)")
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    return parser
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
 import torch  # noqa: E402
 
 from library.io import CheckpointError, CheckpointReader  # noqa: E402
 from networks.lora_files import ADAPTER_METADATA_KEY, METADATA_KEYS, _split_key, detect_format, parse_lora  # noqa: E402
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
-from tools.lora_common import FOLDED_MARK, Parser, one_line  # noqa: E402
+from tools.lora_common import FOLDED_MARK, one_line  # noqa: E402
 
 LYCORIS_TYPES = {".lokr_": "LoKr", ".hada_": "LoHa", ".oft_": "OFT", ".diff": "full", ".on_input": "(IA)^3"}
 DORA_KEYS = (".dora_scale", ".lora_magnitude_vector")
@@ -208,12 +223,8 @@ def _short(value: str, limit: int = 160) -> str:
 
 
 def main(argv=None) -> int:
-    parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("lora", help="LoRA .safetensors (kohya, PEFT/diffusers, ComfyUI, LyCORIS)")
-    parser.add_argument("--model", default=None, help="also check the LoRA against this checkpoint (as merge_lora does)")
-    parser.add_argument("--json", action="store_true", help="one JSON object")
     try:
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
         info = read_info(args.lora)
         if args.model:
             info["checked"] = check_against(args.lora, args.model)

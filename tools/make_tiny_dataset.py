@@ -19,6 +19,23 @@ from PIL import Image, ImageDraw
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tools.cli import check_command_line  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--out", required=True)
+    p.add_argument("--count", type=int, default=8)
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--edit", action="store_true", help="a paired edit task (grey shape -> red shape) instead")
+    return p
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
 from library.io import write_text  # noqa: E402
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
@@ -129,13 +146,7 @@ def make_text_corpus(out: str, max_chars: int = 200_000) -> dict[str, str]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--count", type=int, default=8)
-    p.add_argument("--size", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--edit", action="store_true", help="a paired edit task (grey shape -> red shape) instead")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.edit:
         paths = make_tiny_edit_dataset(args.out, args.count, args.size, args.seed)
         print(f"wrote {args.count} pairs to {paths['edit_image_dir']} / {paths['edit_control_dir']}, "

@@ -50,10 +50,24 @@ import json
 import os
 import sys
 
-import torch
-
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.cli import check_command_line  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
+import torch  # noqa: E402
 
 from library.io import save_safetensors, write_text  # noqa: E402
 
@@ -589,10 +603,7 @@ def make_tiny_models(out_dir: str, seed: int = 0) -> dict[str, str]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     paths = make_tiny_models(args.out, args.seed)
     for name, path in paths.items():
         print(f"{name:26s} {_size(path) / 1024:8.1f} KiB  {path}")

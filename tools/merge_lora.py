@@ -65,11 +65,37 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-import torch
-from safetensors import safe_open
-
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library.training.config import PRECISION_NAMES  # noqa: E402
+from tools.cli import Parser, check_command_line  # noqa: E402
+
+FP8_PRECISIONS = ("fp8", "fp8_scaled")  # --save_precision values stored as float8_e4m3fn
+FP8_LAYOUTS = {"comfy": "fp8_tensor_scaled", "plain": "fp8", "block64": "fp8_scaled"}  # --fp8_layout -> fp8.MODES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="base checkpoint: file or folder")
+    parser.add_argument("--lora", required=True, nargs="+", help="LoRA files as path[:ratio]")
+    parser.add_argument("--save_to", required=True, help="output file (file base) or folder (folder base)")
+    parser.add_argument("--save_precision", choices=[*PRECISION_NAMES, *FP8_PRECISIONS], default=None,
+                        help="default: keep each tensor's dtype")
+    parser.add_argument("--fp8_layout", choices=list(FP8_LAYOUTS), default=None,
+                        help="with --save_precision fp8: comfy (ComfyUI scaled fp8; default for single files), plain, block64")
+    parser.add_argument("--stochastic_rounding", action="store_true", help="fp8 modes: unbiased stochastic rounding")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the stochastic rounding")
+    parser.add_argument("--allow_unmatched", action="store_true", help="skip LoRA modules the base has no weight for")
+    return parser
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 
 from library.precision import fp8  # noqa: E402
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint  # noqa: E402
@@ -90,8 +116,7 @@ from networks.lora_files import (  # noqa: E402
 )
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas  # noqa: E402
 
-PRECISIONS = {**PRECISION_DTYPES, "fp8": fp8.FP8_DTYPE, "fp8_scaled": fp8.FP8_DTYPE}
-FP8_LAYOUTS = {"comfy": "fp8_tensor_scaled", "plain": "fp8", "block64": "fp8_scaled"}  # --fp8_layout -> fp8.MODES
+PRECISIONS = {**PRECISION_DTYPES, **dict.fromkeys(FP8_PRECISIONS, fp8.FP8_DTYPE)}
 FP8_MODES = tuple(FP8_LAYOUTS.values())
 COMFY_MARKER_VALUE = torch.zeros(2, dtype=fp8.FP8_DTYPE)  # 2 elements: ComfyUI's "no fp8 matmul"
 HIGH_PRECISION_DTYPE = torch.bfloat16  # fp8 modes: everything that is not an fp8 Linear weight
@@ -630,25 +655,6 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
         with atomic_path(save_to) as tmp:
             write_merged(plan, loras, tmp)
     return plan
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit status 2, like every other error here
-        raise ValueError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="base checkpoint: file or folder")
-    parser.add_argument("--lora", required=True, nargs="+", help="LoRA files as path[:ratio]")
-    parser.add_argument("--save_to", required=True, help="output file (file base) or folder (folder base)")
-    parser.add_argument("--save_precision", choices=list(PRECISIONS), default=None, help="default: keep each tensor's dtype")
-    parser.add_argument("--fp8_layout", choices=list(FP8_LAYOUTS), default=None,
-                        help="with --save_precision fp8: comfy (ComfyUI scaled fp8; default for single files), plain, block64")
-    parser.add_argument("--stochastic_rounding", action="store_true", help="fp8 modes: unbiased stochastic rounding")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the stochastic rounding")
-    parser.add_argument("--allow_unmatched", action="store_true", help="skip LoRA modules the base has no weight for")
-    return parser
 
 
 def main(argv=None) -> int:

@@ -21,14 +21,11 @@ import copy
 import os
 import sys
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from library.training.memory_plan import (  # noqa: E402
-    CUDA_CONTEXT_BYTES, GiB, caching_phase, sampling_phase, training_plan)
+from tools.cli import check_command_line  # noqa: E402
 
 # Full-size models without files: transformer config, text encoder parameter counts.
 PRESETS = {
@@ -48,6 +45,26 @@ PRESETS = {
 # family -> (module, class) of the transformer a preset builds
 PRESET_MODELS = {"flux": ("library.models.flux1.model", "Flux"), "flux2": ("library.models.flux2.model", "Flux2"),
                  "qwen_image": ("library.models.qwen_image.model", "QwenImage")}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--config_file", help="a train_lora.py TOML config (its files' headers are read)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a full-size model without files")
+    p.add_argument("--vram", type=float, default=24.0, help="the card's memory in GiB")
+    p.add_argument("--resolution", type=int, default=None, help="square side in pixels (default: the largest bucket, or 1024)")
+    p.add_argument("--batch_size", type=int, default=None)
+    return p
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
+import torch  # noqa: E402
+
+from library.training.memory_plan import (  # noqa: E402
+    CUDA_CONTEXT_BYTES, GiB, caching_phase, sampling_phase, training_plan)
 
 
 class PresetFamily:
@@ -136,12 +153,7 @@ def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config_file", help="a train_lora.py TOML config (its files' headers are read)")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a full-size model without files")
-    p.add_argument("--vram", type=float, default=24.0, help="the card's memory in GiB")
-    p.add_argument("--resolution", type=int, default=None, help="square side in pixels (default: the largest bucket, or 1024)")
-    p.add_argument("--batch_size", type=int, default=None)
+    p = build_parser()
     args = p.parse_args(argv)
     if bool(args.config_file) == bool(args.preset):
         p.error("give --config_file or --preset")

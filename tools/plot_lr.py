@@ -18,9 +18,8 @@ import math
 import os
 import sys
 
+# library.io (which loads torch, seconds) is imported in plot(), so --help and a bad flag answer at once.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from library.io import atomic_path  # noqa: E402
 
 
 def find_log(path: str) -> str:
@@ -84,6 +83,8 @@ def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, bet
     """Write the PNG; returns each drawn line's label -> its y values (what the figure shows)."""
     import matplotlib
 
+    from library.io import atomic_path
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -125,13 +126,17 @@ def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, bet
     return drawn
 
 
-def main(argv=None) -> list[str]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("runs", nargs="+", help="CSV logs or folders holding *_log.csv")
     p.add_argument("--out", default="lr_plot.png", help="PNG to write")
     p.add_argument("--log", action="store_true", help="log-scale y axes")
     p.add_argument("--smooth", type=float, default=0.9, help="EMA factor for the smoothed loss")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> list[str]:
+    args = build_parser().parse_args(argv)
     runs = {}
     for path in args.runs:
         log_path = find_log(path)

@@ -32,20 +32,10 @@ import os
 import statistics
 import sys
 
-import torch
-import torch.nn as nn
-
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.precision import doctor as precision  # noqa: E402
-from library.models.family import fp8_prepare, lora_arch  # noqa: E402
-from library.precision.fp8 import (  # noqa: E402
-    FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,
-)
-from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
-from networks.lora import DIFFUSERS_MODULE_MAPS, LoRAModule  # noqa: E402
-from networks.lora_files import LoRAWeights, flux_diffusers_to_bfl, read_lora  # noqa: E402
+from tools.cli import Parser, check_command_line  # noqa: E402
 
 # flux_kontext is checked as the FLUX.1 transformer it is: its reference tokens only add first-axis
 # position 1, exact in every dtype, so the target-only inputs show the same fp8 damage. Likewise
@@ -55,6 +45,41 @@ FAMILIES = ("flux", "flux_kontext", "flux2", "qwen_image", "qwen_image_edit")
 BASE_MODES = ("fp32", "bf16", "fp8", "fp8_scaled")
 LORA_MODES = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr", "fp8+merge_into_fp8")
 VAE_PATCH = 16  # pixels per packed token: 8x VAE downsampling x 2x2 patches
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model_type", required=True, choices=FAMILIES)
+    p.add_argument("--model", required=True, help="transformer checkpoint (bf16/fp32; file or diffusers folder)")
+    p.add_argument("--lora", default=None, help="LoRA file, optionally :ratio")
+    p.add_argument("--resolution", default="1024", help="image size in pixels: 1024 or WxH")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timesteps", default="0.9,0.5,0.1", help="sigmas in (0, 1], comma-separated")
+    p.add_argument("--out", default="precision_report", help="report folder")
+    p.add_argument("--threshold", type=float, default=0.05, help="relative error that counts as damage")
+    p.add_argument("--text_len", type=int, default=128, help="random text tokens")
+    p.add_argument("--max_tokens", type=int, default=256, help="tokens per layer kept for the per-layer errors")
+    p.add_argument("--skip_fp32", action="store_true", help="no fp32 run (for models too large for fp32)")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--inject_position_bug", action="store_true", help="demonstration: positions cast to the weight dtype")
+    return p
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from library.precision import doctor as precision  # noqa: E402
+from library.models.family import fp8_prepare, lora_arch  # noqa: E402
+from library.precision.fp8 import (  # noqa: E402
+    FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,
+)
+from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
+from networks.lora import DIFFUSERS_MODULE_MAPS, LoRAModule  # noqa: E402
+from networks.lora_files import LoRAWeights, flux_diffusers_to_bfl, read_lora  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,11 +436,6 @@ def run_doctor(model_path: str, family: str, lora_spec: str | None = None, resol
     return result
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit status 2
-        raise ValueError(message)
-
-
 def parse_resolution(text: str) -> tuple[int, int]:
     """'1024' or 'WxH' -> (width, height), multiples of 16 pixels."""
     parts = text.lower().split("x")
@@ -438,24 +458,6 @@ def parse_timesteps(text: str) -> tuple[float, ...]:
     return values
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model_type", required=True, choices=FAMILIES)
-    p.add_argument("--model", required=True, help="transformer checkpoint (bf16/fp32; file or diffusers folder)")
-    p.add_argument("--lora", default=None, help="LoRA file, optionally :ratio")
-    p.add_argument("--resolution", default="1024", help="image size in pixels: 1024 or WxH")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timesteps", default="0.9,0.5,0.1", help="sigmas in (0, 1], comma-separated")
-    p.add_argument("--out", default="precision_report", help="report folder")
-    p.add_argument("--threshold", type=float, default=0.05, help="relative error that counts as damage")
-    p.add_argument("--text_len", type=int, default=128, help="random text tokens")
-    p.add_argument("--max_tokens", type=int, default=256, help="tokens per layer kept for the per-layer errors")
-    p.add_argument("--skip_fp32", action="store_true", help="no fp32 run (for models too large for fp32)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--inject_position_bug", action="store_true", help="demonstration: positions cast to the weight dtype")
-    return p
-
-
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -465,7 +467,8 @@ def main(argv=None) -> int:
         if not os.path.exists(args.model):
             raise ValueError(f"--model {args.model}: no such file or folder")
         run_doctor(args.model, lora_arch(args.model_type), args.lora, resolution, args.seed, timesteps, args.out, args.threshold,
-                   args.text_len, args.skip_fp32, args.max_tokens, args.device, args.inject_position_bug)
+                   args.text_len, args.skip_fp32, args.max_tokens,
+                   args.device or ("cuda" if torch.cuda.is_available() else "cpu"), args.inject_position_bug)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -33,10 +33,38 @@ import math
 import os
 import sys
 
-import torch
-
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.cli import Parser, check_command_line  # noqa: E402
+
+TRAINED_ON = ("bf16", "fp8", "fp8_scaled", "fp8+posbug")
+TRAIN_FLAGS = {"bf16": ["--fp8_base", "false"], "fp8": ["--fp8_base", "true", "--fp8_scaled", "false"],
+               "fp8_scaled": ["--fp8_base", "true", "--fp8_scaled", "true"]}
+TRAIN_FLAGS["fp8+posbug"] = TRAIN_FLAGS["fp8"]
+DEPLOYED_ON = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr",
+               "fp8_scaled+merge_rtn", "fp8_scaled+merge_sr", "fp8+lora+posbug")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config_file", required=True, help="the training TOML the rows are trained with (model paths, dataset)")
+    p.add_argument("--out", default="precision_matrix")
+    p.add_argument("--steps", type=int, default=None, help="max_train_steps of each row (default: the config's)")
+    p.add_argument("--resolution", type=int, default=None, help="train and evaluate at this square size (default: the dataset's)")
+    p.add_argument("--loras", default="", help="trained_on=path,... to take instead of training (rows: " + ", ".join(TRAINED_ON) + ")")
+    p.add_argument("--rows", default=",".join(TRAINED_ON), help="which rows")
+    p.add_argument("--max_items", type=int, default=8, help="images evaluated")
+    p.add_argument("--sigmas", default="0.1,0.3,0.5,0.7,0.9")
+    p.add_argument("--seed", type=int, default=0, help="noise seed of the evaluation")
+    return p
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
+import torch  # noqa: E402
 
 import train_lora  # noqa: E402
 from library.data.dataset import ImageDataset, cache_latents, cache_text  # noqa: E402
@@ -50,13 +78,6 @@ from library.training import flow_matching as fm  # noqa: E402
 from library.training.config import ConfigError, load_config  # noqa: E402
 from library.training.state import sample_seed  # noqa: E402
 from tools.precision_doctor import disk_variant, read_lora_for  # noqa: E402
-
-TRAINED_ON = ("bf16", "fp8", "fp8_scaled", "fp8+posbug")
-TRAIN_FLAGS = {"bf16": ["--fp8_base", "false"], "fp8": ["--fp8_base", "true", "--fp8_scaled", "false"],
-               "fp8_scaled": ["--fp8_base", "true", "--fp8_scaled", "true"]}
-TRAIN_FLAGS["fp8+posbug"] = TRAIN_FLAGS["fp8"]
-DEPLOYED_ON = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr",
-               "fp8_scaled+merge_rtn", "fp8_scaled+merge_sr", "fp8+lora+posbug")
 
 
 def base_of(deploy: str) -> str:
@@ -265,25 +286,6 @@ def write_grid(rows: list[dict], path: str, title: str):
 
 # ----------------------------------------------------------------------------------------------
 # CLI
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ValueError(message)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config_file", required=True, help="the training TOML the rows are trained with (model paths, dataset)")
-    p.add_argument("--out", default="precision_matrix")
-    p.add_argument("--steps", type=int, default=None, help="max_train_steps of each row (default: the config's)")
-    p.add_argument("--resolution", type=int, default=None, help="train and evaluate at this square size (default: the dataset's)")
-    p.add_argument("--loras", default="", help="trained_on=path,... to take instead of training (rows: " + ", ".join(TRAINED_ON) + ")")
-    p.add_argument("--rows", default=",".join(TRAINED_ON), help="which rows")
-    p.add_argument("--max_items", type=int, default=8, help="images evaluated")
-    p.add_argument("--sigmas", default="0.1,0.3,0.5,0.7,0.9")
-    p.add_argument("--seed", type=int, default=0, help="noise seed of the evaluation")
-    return p
 
 
 def resized_dataset(dataset_config: str, resolution: int, out: str) -> str:

@@ -43,10 +43,30 @@ import sys
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tools.cli import Parser, check_command_line  # noqa: E402
+
+
+def build_parser() -> Parser:
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lora", required=True, help="LoRA .safetensors to resize (kohya, PEFT/diffusers, ComfyUI)")
+    parser.add_argument("--save_to", required=True, help="output .safetensors (same layout as the input)")
+    parser.add_argument("--new_rank", type=int, default=4, help="rank, or the largest rank with --dynamic_method (default 4)")
+    # Not argparse choices: DYNAMIC_METHODS lives with the SVD code (torch); check_args refuses other names.
+    parser.add_argument("--dynamic_method", default=None, help="sv_ratio, sv_fro or sv_cumulative: choose the rank per module")
+    parser.add_argument("--dynamic_param", type=float, default=None, help="target of --dynamic_method")
+    parser.add_argument("--save_precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: the input's dtype")
+    parser.add_argument("--device", default=None, help="where the SVDs run (cuda for a GPU; default cpu)")
+    parser.add_argument("--model", default=None, help="base checkpoint (small): also report the output error")
+    return parser
+
+
+# The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
 from networks.lora_files import LoRAWeights  # noqa: E402
 from networks.lora_svd import DYNAMIC_METHODS, choose_rank, factors, svd_of_product  # noqa: E402
 from tools.lora_common import (  # noqa: E402
-    Parser,
     check_output_path,
     one_line,
     output_error,
@@ -110,19 +130,6 @@ def resize_lora(src: str, dst: str, new_rank: int, method: str | None = None, pa
                "ranks": sorted({r["new_rank"] for r in rows})}  # fmt: skip
     error = output_error(model, src, dst) if model else None
     return {"modules": rows, "summary": summary, "output_error": error}
-
-
-def build_parser() -> Parser:
-    parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lora", required=True, help="LoRA .safetensors to resize (kohya, PEFT/diffusers, ComfyUI)")
-    parser.add_argument("--save_to", required=True, help="output .safetensors (same layout as the input)")
-    parser.add_argument("--new_rank", type=int, default=4, help="rank, or the largest rank with --dynamic_method (default 4)")
-    parser.add_argument("--dynamic_method", choices=DYNAMIC_METHODS, default=None, help="choose the rank per module")
-    parser.add_argument("--dynamic_param", type=float, default=None, help="target of --dynamic_method")
-    parser.add_argument("--save_precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: the input's dtype")
-    parser.add_argument("--device", default=None, help="where the SVDs run (cuda for a GPU; default cpu)")
-    parser.add_argument("--model", default=None, help="base checkpoint (small): also report the output error")
-    return parser
 
 
 def main(argv=None) -> int:

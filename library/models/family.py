@@ -4,7 +4,7 @@ captions), predict (one denoiser call on packed latents) and sample (Euler flow 
 code for training samples and tools/generate.py).
 
 A family lives in its own folder (library/models/<family>/family.py) and is registered with one
-line in FAMILIES below; nothing else in the trainer or the tools names a family.
+line in FAMILIES (library/models/registry.py); nothing else in the trainer or the tools names a family.
 
 Edit families (FLUX.1 Kontext, ...) also take reference images: `control`, a list of reference
 latents [B, 16, h_k, w_k] float32 (unpacked; the family packs them and gives them positions), the
@@ -29,9 +29,8 @@ import torch
 import torch.nn as nn
 
 from library.training import flow_matching as fm
+from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401  (their importers find them here too)
 from library.models.vae import pack_latents, unpack_latents
-
-BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")  # how the frozen base is stored
 
 
 def file_fingerprint(*paths: str | None) -> str:
@@ -272,16 +271,6 @@ def control_kwargs(control: list[torch.Tensor] | None) -> dict:
 def stack_text(per_caption: list[dict]) -> dict:
     """Per-caption encoder outputs (as cached) -> one batch dict [B, ...]."""
     return {k: torch.stack([d[k] for d in per_caption]) for k in per_caption[0]}
-
-
-# model_type -> "module:class" of its adapter; imported on first use.
-FAMILIES = {
-    "flux": "library.models.flux1.family:FluxFamily",
-    "qwen_image": "library.models.qwen_image.family:QwenImageFamily",
-    "flux_kontext": "library.models.flux1.kontext:FluxKontextFamily",
-    "flux2": "library.models.flux2.family:Flux2Family",
-    "qwen_image_edit": "library.models.qwen_image.edit_family:QwenImageEditFamily",
-}
 
 
 def lora_arch(model_type: str) -> str:

@@ -4,6 +4,9 @@ Names follow kohya sd-scripts / musubi-tuner where one exists. Every key is decl
 with its type, default and a one-line description; unknown keys, wrong types and impossible
 combinations are errors that name the key and the file. Booleans in TOML are TOML booleans; on
 the command line they are `--flag` / `--flag true|false`.
+
+This module is the command line's parser, so it imports nothing heavy (no torch): train_lora.py
+parses its arguments with it before loading torch, and --help or a bad flag answer at once.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import toml
-import torch
 
-from library.models.family import FAMILIES, family_class
-from library.training import flow_matching as fm
+from library.models.registry import FAMILIES
+
+PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (PRECISION_DTYPES below)
+# timestep_sampling values (library/training/flow_matching.py implements them)
+SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "flux2_shift")
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ SCHEMA: dict[str, Arg] = {
     # output
     "output_dir": A(str, "output", "where the LoRA, logs, samples and states go"),
     "output_name": A(str, "lora", "file stem of the saved LoRA"),
-    "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors", ("fp32", "bf16", "fp16")),
+    "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors", PRECISION_NAMES),
     "save_format": A(str, "auto", "LoRA layout: auto (llm: peft, flux/flux2/qwen_image: kohya), kohya (one .safetensors), "
                                   "peft (llm: PEFT adapter folder <output_name>/), peft+kohya (both)",
                      ("auto", "kohya", "peft", "peft+kohya")),
@@ -97,7 +102,7 @@ SCHEMA: dict[str, Arg] = {
     "text_encoder_batch_size": A(int, 8, "captions per encoder batch while caching"),
     # flow matching
     "prior_loss_weight": A(float, 1.0, "loss weight of regularization images (dataset subsets with is_reg = true)"),
-    "timestep_sampling": A(str, None, "sigma sampling; default per model", fm.SAMPLING_METHODS),
+    "timestep_sampling": A(str, None, "sigma sampling; default per model", SAMPLING_METHODS),
     "discrete_flow_shift": A(float, 3.0, "k for timestep_sampling = shift"),
     "sigmoid_scale": A(float, 1.0, "scale of randn inside the sigmoid"),
     "weighting_scheme": A(str, "none", "loss weighting", ("none", "sigma_sqrt", "cosmap")),
@@ -142,11 +147,20 @@ class ConfigError(ValueError):
     pass
 
 
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # save / compute names
+def __getattr__(name: str):
+    """PRECISION_DTYPES (PRECISION_NAMES -> torch dtypes) is made on first use: the parser loads without torch."""
+    if name != "PRECISION_DTYPES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    globals()[name] = dict(zip(PRECISION_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
+    return globals()[name]
 
 
 def compute_dtype(args) -> torch.dtype:
     """mixed_precision -> the dtype models compute in (and high-precision weights are kept in)."""
+    import torch
+
     return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.mixed_precision]
 
 
@@ -215,7 +229,7 @@ def _parse_cli_value(key: str, text: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="LoRA training for FLUX.1, Qwen-Image and Llama/Qwen2 LLMs")
+    p = argparse.ArgumentParser(description="LoRA training for FLUX.1, Qwen-Image and Llama/Qwen2 LLMs", allow_abbrev=False)
     p.add_argument("--config_file", help="training TOML; command-line values override it")
     for key, spec in SCHEMA.items():
         if spec.type is bool:
@@ -300,9 +314,16 @@ def _validate_ema(args, origins: dict[str, str], where: str) -> None:
             raise ConfigError(f"{origins[key]}: key '{key}' needs ema_warmup = true (it shapes the warmup)")
 
 
+def _blame(origins: dict[str, str], where: str, *keys: str) -> str:
+    """Where the values of `keys` were set, to begin an error about them: each key's file or
+    "command line" (the distinct ones, in order), `where` for a key left at its default."""
+    return " and ".join(dict.fromkeys(origins.get(key, where) for key in keys))
+
+
 def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | None = None) -> None:
-    """Impossible combinations, each named. origins: key -> the file or "command line" that set
-    it, where one key's value alone is wrong."""
+    """Impossible values and combinations, each named with where its values were set. origins:
+    key -> the file or "command line" that set it; where: the config file (or "command line"),
+    blamed for keys that are missing."""
     origins = origins or {}
     if args.model_type is None:
         raise ConfigError(f"{where}: key 'model_type' is required ({', '.join((*FAMILIES, 'llm'))})")
@@ -313,23 +334,28 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if args.model_type == "llm" and not args.train_data:
         raise ConfigError(f"{where}: key 'train_data' is required for model_type llm")
     if args.pretrain and args.model_type != "llm":
-        raise ConfigError(f"{where}: key 'pretrain' is only for model_type llm")
+        raise ConfigError(f"{_blame(origins, where, 'pretrain', 'model_type')}: key 'pretrain' is only for model_type llm")
     if args.pretrain and args.fp8_base:
-        raise ConfigError(f"{where}: 'pretrain' trains the base weights, which cannot be stored in fp8 ('fp8_base')")
+        raise ConfigError(f"{_blame(origins, where, 'pretrain', 'fp8_base')}: 'pretrain' trains the base weights, which "
+                          f"cannot be stored in fp8 ('fp8_base')")
     for key in ("network_dim", "max_train_steps", "gradient_accumulation_steps", "text_encoder_batch_size"):
         if getattr(args, key) < 1:
-            raise ConfigError(f"{where}: key '{key}' must be >= 1, got {getattr(args, key)}")
+            raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be >= 1, got {getattr(args, key)}")
     if args.blocks_to_swap < 0:
-        raise ConfigError(f"{where}: key 'blocks_to_swap' must be >= 0, got {args.blocks_to_swap}")
+        raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap')}: key 'blocks_to_swap' must be >= 0, "
+                          f"got {args.blocks_to_swap}")
     if args.blocks_to_swap and args.model_type == "llm":
-        raise ConfigError(f"{where}: key 'blocks_to_swap' is for the diffusion transformers (flux, qwen_image), not llm")
+        raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap', 'model_type')}: key 'blocks_to_swap' is for the "
+                          f"diffusion transformers (flux, qwen_image), not llm")
     if args.blocks_to_swap and args.torch_compile:  # compiled blocks would guard on the swapped tensors
-        raise ConfigError(f"{where}: blocks_to_swap and torch_compile cannot be combined yet; turn one off")
+        raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap', 'torch_compile')}: blocks_to_swap and torch_compile "
+                          f"cannot be combined yet; turn one off")
     if args.validate_every_n_steps < 0:
-        raise ConfigError(f"{where}: key 'validate_every_n_steps' must be >= 0, got {args.validate_every_n_steps}")
+        raise ConfigError(f"{_blame(origins, where, 'validate_every_n_steps')}: key 'validate_every_n_steps' must be >= 0, "
+                          f"got {args.validate_every_n_steps}")
     if args.model_type == "llm" and args.validate_every_n_steps:
-        raise ConfigError(f"{where}: key 'validate_every_n_steps' is for image training; llm uses val_fraction and "
-                          f"eval_every_n_steps")
+        raise ConfigError(f"{_blame(origins, where, 'validate_every_n_steps', 'model_type')}: key 'validate_every_n_steps' "
+                          f"is for image training; llm uses val_fraction and eval_every_n_steps")
     if args.save_format.startswith("peft") and (args.model_type != "llm" or args.pretrain):
         raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' is for LLM LoRAs "
                           f"(model_type llm without pretrain); FLUX/Qwen-Image LoRAs convert with tools/convert_lora.py --to diffusers")
@@ -342,12 +368,14 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if problem := check_trackers(args.log_with, args.logging_dir):
         raise ConfigError(f"{origins.get('log_with', where)}: {problem}")
     if args.learning_rate <= 0:
-        raise ConfigError(f"{where}: key 'learning_rate' must be > 0, got {args.learning_rate}")
+        raise ConfigError(f"{_blame(origins, where, 'learning_rate')}: key 'learning_rate' must be > 0, got {args.learning_rate}")
     name = args.output_name  # it names files and a state folder in output_dir: one plain name, found now
     if name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0")):
-        raise ConfigError(f"{origins.get('output_name', where)}: key 'output_name' must be a plain file name (not empty, "
+        raise ConfigError(f"{_blame(origins, where, 'output_name')}: key 'output_name' must be a plain file name (not empty, "
                           f"no path separator, not '.' or '..'), got {name!r}")
     if args.model_type != "llm":
+        from library.models.family import family_class
+
         missing = [k for k in family_class(args.model_type).required_paths() if getattr(args, k) is None]
         if missing:
             raise ConfigError(f"{where}: key '{missing[0]}' is required for model_type {args.model_type} "

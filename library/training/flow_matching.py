@@ -34,6 +34,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from library.training.config import SAMPLING_METHODS  # the names the config schema offers
+
 # Training defaults per family. sd-scripts' FLUX flags default to timestep_sampling "sigma" with
 # model_prediction_type "sigma_scaled", while its FLUX.1 docs recommend "shift" 3.1582 with "raw"
 # predictions; we default instead to what each released model's scheduler does at inference: the
@@ -63,7 +65,6 @@ DEFAULTS = {
         "guidance_scale": 1.0,
     },
 }
-SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "flux2_shift")
 _SHIFT_FAMILY = {"flux_shift": "flux", "qwen_shift": "qwen_image", "flux2_shift": "flux2"}
 FLUX2_TRAIN_MU_STEPS = 50
 WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap")

@@ -1,0 +1,15 @@
+"""The diffusion families by name, and how a frozen base may be stored: the names configs and
+command lines choose from. Nothing here imports torch, so the command lines check these names
+before the seconds it takes to load it; library/models/family.py holds the interface itself.
+"""
+
+# model_type -> "module:class" of its adapter; imported on first use (family.family_class).
+FAMILIES = {
+    "flux": "library.models.flux1.family:FluxFamily",
+    "qwen_image": "library.models.qwen_image.family:QwenImageFamily",
+    "flux_kontext": "library.models.flux1.kontext:FluxKontextFamily",
+    "flux2": "library.models.flux2.family:Flux2Family",
+    "qwen_image_edit": "library.models.qwen_image.edit_family:QwenImageEditFamily",
+}
+
+BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")  # how the frozen base is stored

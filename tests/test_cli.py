@@ -1,0 +1,93 @@
+"""The command lines of train_lora.py and tools/: abbreviated flags are refused, and --help or a bad
+flag is answered before torch loads."""
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tools.cli import ROOT, command_line_scripts
+
+# script -> (a command line its parser takes, the same with one flag abbreviated)
+ABBREVIATED = {
+    "train_lora.py": (["--learning_rate", "1e-3"], ["--learning_rat", "1e-3"]),
+    "tools/combine_loras.py": (["--lora", "a", "--save_to", "o"], ["--lora", "a", "--save_t", "o"]),
+    "tools/convert_lora.py": (["in", "out", "--to", "kohya"], ["in", "out", "--t", "kohya"]),
+    "tools/extract_lora.py": (["--model", "m", "--tuned", "t", "--save_to", "o"], ["--model", "m", "--tune", "t", "--save_to", "o"]),
+    "tools/generate.py": (["--model_type", "flux", "--model", "m", "--ae", "a"], ["--model_typ", "flux", "--model", "m", "--ae", "a"]),
+    "tools/llm_quickstart.py": (["--max_steps", "1"], ["--max_step", "1"]),
+    "tools/lora_info.py": (["l.safetensors", "--json"], ["l.safetensors", "--js"]),
+    "tools/make_tiny_dataset.py": (["--out", "o", "--count", "2"], ["--out", "o", "--coun", "2"]),
+    "tools/make_tiny_models.py": (["--out", "o", "--seed", "1"], ["--out", "o", "--se", "1"]),
+    "tools/merge_lora.py": (["--model", "m", "--lora", "l", "--save_to", "o"], ["--model", "m", "--lora", "l", "--save_t", "o"]),
+    "tools/plan_memory.py": (["--preset", "flux1-dev", "--vram", "16"], ["--preset", "flux1-dev", "--vra", "16"]),
+    "tools/plot_lr.py": (["log.csv", "--smooth", "0.5"], ["log.csv", "--smoo", "0.5"]),
+    "tools/precision_doctor.py": (["--model_type", "flux", "--model", "m", "--skip_fp32"],
+                                  ["--model_type", "flux", "--model", "m", "--skip_fp"]),
+    "tools/precision_matrix.py": (["--config_file", "c", "--max_items", "2"], ["--config_file", "c", "--max_item", "2"]),
+    "tools/resize_lora.py": (["--lora", "l", "--save_to", "o", "--new_rank", "2"], ["--lora", "l", "--save_to", "o", "--new_ran", "2"]),
+}
+
+
+def build_parser(script: str):
+    """The script's own parser-building function (train_lora.py's lives with the config schema)."""
+    if script == "train_lora.py":
+        return importlib.import_module("library.training.config").build_parser
+    return importlib.import_module(script[: -len(".py")].replace("/", ".")).build_parser
+
+
+def parse_error(parser, argv, capsys) -> str | None:
+    """None when `argv` parses, else the error: argparse prints it and exits 2, the tools' Parser raises it."""
+    try:
+        parser.parse_args(argv)
+    except ValueError as e:
+        return str(e)
+    except SystemExit as e:
+        assert e.code == 2
+        return capsys.readouterr().err
+    return None
+
+
+def test_every_command_line_is_covered():
+    assert sorted(ABBREVIATED) == sorted(command_line_scripts())
+
+
+@pytest.mark.parametrize("script", sorted(ABBREVIATED))
+def test_abbreviated_flags_are_refused(script, capsys):
+    full, abbreviated = ABBREVIATED[script]
+    assert parse_error(build_parser(script)(), full, capsys) is None
+    flag, meant = next((a, f) for a, f in zip(abbreviated, full) if a != f)
+    error = parse_error(build_parser(script)(), abbreviated, capsys)
+    assert error is not None, f"{flag} was taken for {meant}"
+    assert flag in error or meant in error  # unrecognized, or the flag it stood for is missing
+
+
+# Runs each script given as the shell would (as __main__, sys.argv set) with --help and with a bad
+# flag, in this one process, and prints {script: [exit status of each, heavy modules loaded]}. A
+# script that imported one leaves it loaded for the next: only a clean run proves every script.
+PARSE_ONLY = """
+import contextlib, io, json, runpy, sys
+results = {}
+for script in sys.argv[1:]:
+    codes = []
+    for flag in ("--help", "--no_such_flag"):
+        sys.argv = [script, flag]
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                runpy.run_path(script, run_name="__main__")
+                codes.append(None)
+            except SystemExit as e:
+                codes.append(e.code)
+    results[script] = [*codes, sorted(m for m in ("torch", "diffusers", "transformers") if m in sys.modules)]
+print(json.dumps(results))
+"""
+
+
+def test_help_and_bad_flags_are_answered_before_torch_loads():
+    scripts = command_line_scripts()
+    done = subprocess.run([sys.executable, "-c", PARSE_ONLY, *scripts], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == {script: [0, 2, []] for script in scripts}
