@@ -31,7 +31,7 @@ import re
 import torch
 import torch.nn as nn
 
-from library.io import CheckpointError, save_safetensors
+from library.io import CheckpointError, CheckpointReader, save_safetensors
 from library.precision.fp8 import FP8Linear
 from networks.lora import KOHYA_PREFIX, LoRANetwork
 from networks.lora_files import build_metadata, tensor_hash
@@ -220,10 +220,7 @@ class LycorisNetwork(nn.Module):
         """Load a LyCORIS file (path or tensor dict) into this network's modules. Every key must
         belong to a module of the network; strict: every module must be in the file."""
         name = source if isinstance(source, str) else "state dict"
-        if isinstance(source, str):
-            from safetensors.torch import load_file
-
-            source = load_file(source)
+        source = _tensors_of(source)
         own = self.state_dict()
         foreign = [k for k in source if k not in own]
         if foreign:
@@ -245,10 +242,7 @@ class LycorisNetwork(nn.Module):
     def from_weights(cls, model: nn.Module, family: str, source, multiplier: float = 1.0) -> "LycorisNetwork":
         """A network of exactly the modules a LyCORIS file names, rebuilt by LyCORIS from the
         file (any algo and shape it holds); for generate and the tools."""
-        if isinstance(source, str):
-            from safetensors.torch import load_file
-
-            source = load_file(source)
+        source = _tensors_of(source)
         network = cls.__new__(cls)
         nn.Module.__init__(network)
         network.family, network.rank, network.alpha, network.multiplier = family, 0, 0.0, multiplier
@@ -266,6 +260,12 @@ class LycorisNetwork(nn.Module):
         tensors = {k: v.detach().to(dtype) for k, v in self.state_dict().items()}
         header["sshs_model_hash"] = tensor_hash(tensors)
         save_safetensors(tensors, path, header)
+
+
+def _tensors_of(source) -> dict[str, torch.Tensor]:
+    """A tensor dict as given, or a file's tensors read through CheckpointReader (a truncated or
+    non-safetensors file is one CheckpointError naming it)."""
+    return dict(CheckpointReader(source).items()) if isinstance(source, str) else source
 
 
 def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], multiplier: float = 1.0,

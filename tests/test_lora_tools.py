@@ -360,6 +360,19 @@ def test_combine_errors_are_one_line(two_flux_loras, tmp_path, capsys):
     assert not (tmp_path / "o.safetensors").exists()
 
 
+@pytest.mark.parametrize("ratio", ["nan", "1e30", "-101"])
+def test_lora_ratio_must_be_finite_and_within_100_in_merge_and_combine(flux_lora, tiny_set, tmp_path, capsys, ratio):
+    from tools import combine_loras, merge_lora
+
+    spec = f"{flux_lora}:{ratio}"
+    for main, argv in ((merge_lora.main, ["--model", tiny_set["flux_bfl"]]), (combine_loras.main, [])):
+        assert main([*argv, "--lora", spec, "--save_to", str(tmp_path / "o.safetensors")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: --lora '{spec}': ratio '{ratio}' is not a finite number in [-100, 100] (1 applies the LoRA as trained)"
+    assert not (tmp_path / "o.safetensors").exists()
+    assert merge_lora.parse_lora_spec(f"{flux_lora}:-100").ratio == -100.0  # the bound itself is allowed
+
+
 # ----------------------------------------------------------------------------------------------
 # lora_info
 
