@@ -282,6 +282,13 @@ def _as_float(key, value):
         raise ValueError(f"network_args '{key}': expected a number, got {value!r}") from None
 
 
+def _as_int(key, value) -> int:
+    """An int, or its digits as a string ('4', '-1'); 4.5, '4.0' and True are refused, not truncated."""
+    if isinstance(value, bool) or not re.fullmatch(r"[+-]?\d+", str(value).strip()):
+        raise ValueError(f"network_args '{key}': expected an integer, got {value!r}")
+    return int(value)
+
+
 def _as_bool(key, value):
     if isinstance(value, bool):
         return value
