@@ -45,6 +45,15 @@ def test_wrong_types_are_errors(tmp_path, line, message):
         load_config(["--config_file", cfg])
 
 
+@pytest.mark.parametrize("value, shown", [("-8", "-8"), ("nan", "nan"), ("-inf", "-inf")])
+def test_network_alpha_must_be_positive_or_zero(tmp_path, value, shown):
+    cfg = write(tmp_path, BASE + f"[network]\nnetwork_alpha = {value}\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(["--config_file", cfg])
+    assert f"train.toml: key 'network_alpha' must be > 0 (or 0 for alpha = rank), got {shown}" in str(raised.value)
+    assert load_config(["--config_file", cfg, "--network_alpha", "0"]).network_alpha == 0.0  # sd-scripts: alpha = rank
+
+
 def test_impossible_combination_is_named(tmp_path):
     cfg = write(tmp_path, BASE + "pretrain = true\nfp8_base = true\n")
     with pytest.raises(ConfigError, match="'pretrain'.*fp8"):
