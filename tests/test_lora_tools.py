@@ -419,6 +419,24 @@ def test_lora_info_reads_a_peft_llm_adapter_with_its_header_alpha(tiny_set, tmp_
     assert got["fits"] == "an LLM (Llama / Qwen2 layout) of width 32, at least 2 layers"
 
 
+def test_lora_info_on_a_folder_says_what_it_expects_and_reads_a_peft_adapter_folder(tiny_set, tmp_path, capsys):
+    import shutil
+
+    from tests.test_reliability import one_error_line
+    from tools import lora_info
+
+    (tmp_path / "vae").mkdir()
+    shutil.copy(tiny_set["flux_vae_single"], tmp_path / "vae" / "ae.safetensors")
+    capsys.readouterr()
+    line = one_error_line(capsys, lora_info.main([str(tmp_path / "vae")]))
+    assert line == f"error: {tmp_path / 'vae'}: a folder without adapter_config.json (expected a PEFT adapter folder or a .safetensors LoRA)"
+    model, family, _ = load_model(tiny_set["llm"])
+    LoRANetwork(model, family, rank=4, alpha=8.0).save_peft(str(tmp_path / "adapter"))
+    got = info(tmp_path / "adapter")  # alpha 8 is in adapter_config.json only, not in the file's header
+    assert (got["format"], got["family"], got["alphas"]) == ("peft", "llm", {"8": 14})
+    assert got["alpha_source"] == "the folder's adapter_config.json"
+
+
 def test_lora_info_names_released_sizes_dora_and_lycoris(tmp_path):
     w = lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(9216, 1), 1.0)
     lf.write_kohya({"double_blocks.18.img_attn.qkv": w}, str(tmp_path / "dev.safetensors"))
