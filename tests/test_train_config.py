@@ -131,6 +131,16 @@ def test_plot_lr_overlays_runs_and_summarises(tmp_path):
     assert "b/lora: d*lr/unet: peak 0.001 at step 5, final 0.001" in lines
 
 
+def test_plot_lr_text_in_a_number_column_is_one_line_naming_file_line_and_column(tmp_path, capsys):
+    log = tmp_path / "lora_log.csv"
+    log.write_text("step,epoch,loss,lr/unet\n1,0,0.5,1e-4\n2,0,abc,1e-4\n")
+    with pytest.raises(SystemExit) as raised:
+        plot_lr.main([str(log), "--out", str(tmp_path / "plot.png")])
+    assert raised.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: {log}: line 3, column 'loss': 'abc' is not a number"
+    assert not (tmp_path / "plot.png").exists()
+
+
 @pytest.mark.parametrize("name", ["quickstart", "flux1_dev_24gb", "flux1_schnell", "flux1_kontext", "qwen_image",
                                   "qwen_image_edit", "flux2_klein_4b", "flux2_klein_9b", "flux2_dev", "llm_lora",
                                   "llm_pretrain"])
