@@ -36,15 +36,18 @@ def build_network(network_module: str, model: nn.Module, family: str, rank: int,
     return network_class(network_module)(model, family, rank, alpha, multiplier=multiplier, network_args=network_args)
 
 
-def network_from_file(model: nn.Module, family: str, path: str, multiplier: float = 1.0) -> nn.Module:
-    """The network a LoRA / DoRA / LyCORIS file describes, on `model` (not applied)."""
-    from safetensors import safe_open
-
+def network_module_of_file(path: str) -> str:
+    """The network_module a LoRA / DoRA / LyCORIS file (or PEFT adapter folder) was saved by, from
+    its header alone; an unreadable or truncated file is a CheckpointError naming it."""
+    from library.io import CheckpointReader
     from networks.lora_files import peft_folder_of
     from networks.lycoris_network import is_lycoris_file
 
-    lycoris = False
-    if peft_folder_of(path) is None:  # a PEFT adapter folder is a plain LoRA (or DoRA)
-        with safe_open(path, framework="pt") as f:
-            lycoris = is_lycoris_file(list(f.keys()))
-    return network_class("lycoris.kohya" if lycoris else "networks.lora").from_weights(model, family, path, multiplier=multiplier)
+    if peft_folder_of(path) is not None:  # a PEFT adapter folder is a plain LoRA (or DoRA)
+        return "networks.lora"
+    return "lycoris.kohya" if is_lycoris_file(CheckpointReader(path).keys()) else "networks.lora"
+
+
+def network_from_file(model: nn.Module, family: str, path: str, multiplier: float = 1.0) -> nn.Module:
+    """The network a LoRA / DoRA / LyCORIS file describes, on `model` (not applied)."""
+    return network_class(network_module_of_file(path)).from_weights(model, family, path, multiplier=multiplier)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import torch
 import torch.nn as nn
@@ -282,6 +283,13 @@ def _as_float(key, value):
         raise ValueError(f"network_args '{key}': expected a number, got {value!r}") from None
 
 
+def _as_int(key, value) -> int:
+    """An int, or its digits as a string ('4', '-1'); 4.5, '4.0' and True are refused, not truncated."""
+    if isinstance(value, bool) or not re.fullmatch(r"[+-]?\d+", str(value).strip()):
+        raise ValueError(f"network_args '{key}': expected an integer, got {value!r}")
+    return int(value)
+
+
 def _as_bool(key, value):
     if isinstance(value, bool):
         return value
@@ -325,6 +333,17 @@ def parse_indices(key, value, count: int) -> set[int]:
     return {int(i) for i in value}
 
 
+def _warn_rank_above_width(selected) -> None:
+    """One warning for the targets whose rank exceeds min(in, out): up @ down cannot use the extra
+    rank. The rank is kept (sd-scripts keeps it), so the file's shapes and alpha / rank stay as configured."""
+    over = [(path, module, rank) for path, module, rank in selected if rank > min(module.in_features, module.out_features)]
+    if over:
+        path, module, rank = over[0]
+        warnings.warn(f"LoRA rank {rank} exceeds min(in, out) of {len(over)} target layers (first '{path}': "
+                      f"{module.in_features} in, {module.out_features} out): their update has rank at most "
+                      f"{min(module.in_features, module.out_features)}; the extra rank only adds parameters", stacklevel=3)
+
+
 # ----------------------------------------------------------------------------------------------
 # The network
 
@@ -366,8 +385,10 @@ class LoRANetwork(nn.Module):
         self.loraplus_lr_ratio = _as_float("loraplus_lr_ratio", args.get("loraplus_lr_ratio"))
         self.dropouts = {k: _as_float(k, args.get(k)) for k in ("dropout", "rank_dropout", "module_dropout")}
         self.dora = _as_bool("dora", args.get("dora", args.get("use_dora", False)))
-        for path, module, module_rank in (self._select(model, args) if select else []):
+        selected = self._select(model, args) if select else []
+        for path, module, module_rank in selected:
             self._add(path, module, module_rank, self.alpha)
+        _warn_rank_above_width(selected)
         self.eval()
 
     def _add(self, path: str, module: nn.Module, rank: int, alpha: float, dora: bool | None = None) -> LoRAModule:

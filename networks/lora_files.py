@@ -228,12 +228,18 @@ def _common_prefix(modules: list[str], prefixes) -> str:
     return ""
 
 
+def lora_reader(path: str) -> tuple[CheckpointReader, dict | None]:
+    """A LoRA safetensors file or PEFT adapter folder -> (reader of its tensors, the folder's
+    adapter_config.json or None). Any other folder is a CheckpointError saying what is expected."""
+    folder = peft_folder_of(path)
+    config = read_adapter_config(folder) if folder else None
+    return CheckpointReader(os.path.join(folder, PEFT_WEIGHTS_FILE) if folder else path), config
+
+
 def read_lora_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str], dict | None]:
     """A LoRA safetensors file or PEFT adapter folder -> (tensors, header metadata, the folder's
     adapter_config.json or None)."""
-    folder = peft_folder_of(path)
-    config = read_adapter_config(folder) if folder else None
-    reader = CheckpointReader(os.path.join(folder, PEFT_WEIGHTS_FILE) if folder else path)
+    reader, config = lora_reader(path)
     return dict(reader.items()), reader.metadata, config
 
 

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 
 import torch
 import torch.nn as nn
 
-from library.io import CheckpointError, save_safetensors
+from library.io import CheckpointError, CheckpointReader, save_safetensors
 from library.precision.fp8 import FP8Linear
-from networks.lora import KOHYA_PREFIX, LoRANetwork
+from networks.lora import KOHYA_PREFIX, LoRANetwork, _as_bool, _as_float, _as_int
 from networks.lora_files import build_metadata, tensor_hash
 
 # network_args LyCORIS' create_network reads (lycoris-lora 4.1.3, lycoris/kohya.py), passed as given.
@@ -43,6 +44,11 @@ LYCORIS_ARGS = {
     "rescaled", "dora_wd", "wd_on_output", "full_matrix", "bypass_mode", "rs_lora",
     "unbalanced_factorization", "decompose_both", "factor", "preset", "rank_dropout_scale",
 }  # not loraplus_*: our param_groups do not split LyCORIS parameters, so they are refused as unknown
+# Their value types: LyCORIS reads them with int() / float() / str_bool (which takes every word but
+# "false" as true) and looks algo up in a dict, so bad values are named here and typed values passed.
+LYCORIS_INT_ARGS = {"conv_dim", "block_size", "factor"}
+LYCORIS_FLOAT_ARGS = {"conv_alpha", "dropout", "rank_dropout", "module_dropout", "constraint"}
+LYCORIS_BOOL_ARGS = LYCORIS_ARGS - LYCORIS_INT_ARGS - LYCORIS_FLOAT_ARGS - {"algo", "preset"}
 # Our target-selection args (networks.lora), used to build the target list when no preset is given.
 SELECTION_ARGS = {
     "train_blocks", "train_double_block_indices", "train_single_block_indices", "block_indices",
@@ -103,6 +109,31 @@ def _quiet_lycoris():
         logger.setLevel(level)
 
 
+def _typed_lycoris_args(args: dict) -> dict:
+    """The LYCORIS_ARGS of `args`, each checked and converted to the type LyCORIS reads; a bad value
+    is a ValueError naming the key, the value and what is allowed."""
+    from lycoris.config import PRESET
+    from lycoris.wrapper import network_module_dict
+
+    typed = {}
+    for key, value in args.items():
+        if key in LYCORIS_INT_ARGS:
+            typed[key] = _as_int(key, value)
+        elif key in LYCORIS_FLOAT_ARGS:
+            typed[key] = _as_float(key, value)
+        elif key in LYCORIS_BOOL_ARGS:
+            typed[key] = _as_bool(key, value)
+        elif key == "algo" and str(value).lower() not in network_module_dict:
+            raise ValueError(f"network_args 'algo': {value!r} is not a LyCORIS algo "
+                             f"(allowed: {', '.join(sorted(network_module_dict))})")
+        elif key == "preset" and value not in PRESET and not os.path.isfile(str(value)):
+            raise ValueError(f"network_args 'preset': {value!r} is neither a LyCORIS preset "
+                             f"({', '.join(sorted(PRESET))}) nor a preset file")
+        elif key in LYCORIS_ARGS:
+            typed[key] = value
+    return typed
+
+
 def _default_bypass(lyco_args: dict) -> bool:
     """Bypass (base output + delta(x)) where LyCORIS has it and it means the same: not for
     dora_wd, which LyCORIS' bypass forward ignores on an nn.Linear; not for algos without one."""
@@ -150,7 +181,7 @@ class LycorisNetwork(nn.Module):
     def _build(self, model: nn.Module):
         from lycoris import kohya
 
-        lyco_args = {k: v for k, v in self.network_args.items() if k in LYCORIS_ARGS}
+        lyco_args = _typed_lycoris_args(self.network_args)
         lyco_args.setdefault("bypass_mode", _default_bypass(lyco_args))
         selection = {k: v for k, v in self.network_args.items() if k in SELECTION_ARGS}
         te = KOHYA_PREFIX[self.family] == "lora_te"
@@ -220,10 +251,7 @@ class LycorisNetwork(nn.Module):
         """Load a LyCORIS file (path or tensor dict) into this network's modules. Every key must
         belong to a module of the network; strict: every module must be in the file."""
         name = source if isinstance(source, str) else "state dict"
-        if isinstance(source, str):
-            from safetensors.torch import load_file
-
-            source = load_file(source)
+        source = _tensors_of(source)
         own = self.state_dict()
         foreign = [k for k in source if k not in own]
         if foreign:
@@ -245,10 +273,7 @@ class LycorisNetwork(nn.Module):
     def from_weights(cls, model: nn.Module, family: str, source, multiplier: float = 1.0) -> "LycorisNetwork":
         """A network of exactly the modules a LyCORIS file names, rebuilt by LyCORIS from the
         file (any algo and shape it holds); for generate and the tools."""
-        if isinstance(source, str):
-            from safetensors.torch import load_file
-
-            source = load_file(source)
+        source = _tensors_of(source)
         network = cls.__new__(cls)
         nn.Module.__init__(network)
         network.family, network.rank, network.alpha, network.multiplier = family, 0, 0.0, multiplier
@@ -266,6 +291,12 @@ class LycorisNetwork(nn.Module):
         tensors = {k: v.detach().to(dtype) for k, v in self.state_dict().items()}
         header["sshs_model_hash"] = tensor_hash(tensors)
         save_safetensors(tensors, path, header)
+
+
+def _tensors_of(source) -> dict[str, torch.Tensor]:
+    """A tensor dict as given, or a file's tensors read through CheckpointReader (a truncated or
+    non-safetensors file is one CheckpointError naming it)."""
+    return dict(CheckpointReader(source).items()) if isinstance(source, str) else source
 
 
 def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], multiplier: float = 1.0,

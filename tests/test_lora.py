@@ -290,6 +290,15 @@ def test_bad_network_args_raise_naming_the_key(args, message):
         LoRANetwork(StandIn(flux_names(3, 2)), "flux", rank=4, network_args=args)
 
 
+def test_rank_above_a_layer_width_warns_once_naming_the_layer_and_the_effective_rank():
+    with pytest.warns(UserWarning) as caught:
+        net = LoRANetwork(StandIn(flux_names(1, 1), dim=8, out=6), "flux", rank=7)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert ("LoRA rank 7 exceeds min(in, out) of 13 target layers (first 'double_blocks.0.img_attn.qkv': 8 in, 6 out): "
+            "their update has rank at most 6") in str(caught[0].message)
+    assert set(selected(net).values()) == {7}  # kept as given (sd-scripts does too): files keep their shapes
+
+
 def test_loraplus_param_groups():
     net = LoRANetwork(StandIn(llm_names(1)), "llm", rank=2, network_args={"loraplus_lr_ratio": 16})
     groups = net.param_groups(1e-4)

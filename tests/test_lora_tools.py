@@ -360,6 +360,19 @@ def test_combine_errors_are_one_line(two_flux_loras, tmp_path, capsys):
     assert not (tmp_path / "o.safetensors").exists()
 
 
+@pytest.mark.parametrize("ratio", ["nan", "1e30", "-101"])
+def test_lora_ratio_must_be_finite_and_within_100_in_merge_and_combine(flux_lora, tiny_set, tmp_path, capsys, ratio):
+    from tools import combine_loras, merge_lora
+
+    spec = f"{flux_lora}:{ratio}"
+    for main, argv in ((merge_lora.main, ["--model", tiny_set["flux_bfl"]]), (combine_loras.main, [])):
+        assert main([*argv, "--lora", spec, "--save_to", str(tmp_path / "o.safetensors")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: --lora '{spec}': ratio '{ratio}' is not a finite number in [-100, 100] (1 applies the LoRA as trained)"
+    assert not (tmp_path / "o.safetensors").exists()
+    assert merge_lora.parse_lora_spec(f"{flux_lora}:-100").ratio == -100.0  # the bound itself is allowed
+
+
 # ----------------------------------------------------------------------------------------------
 # lora_info
 
@@ -404,6 +417,24 @@ def test_lora_info_reads_a_peft_llm_adapter_with_its_header_alpha(tiny_set, tmp_
     assert (got["format"], got["family"], got["width"]) == ("peft", "llm", 32)
     assert got["alphas"] == {"16": 14} and "adapter config" in got["alpha_source"]
     assert got["fits"] == "an LLM (Llama / Qwen2 layout) of width 32, at least 2 layers"
+
+
+def test_lora_info_on_a_folder_says_what_it_expects_and_reads_a_peft_adapter_folder(tiny_set, tmp_path, capsys):
+    import shutil
+
+    from tests.test_reliability import one_error_line
+    from tools import lora_info
+
+    (tmp_path / "vae").mkdir()
+    shutil.copy(tiny_set["flux_vae_single"], tmp_path / "vae" / "ae.safetensors")
+    capsys.readouterr()
+    line = one_error_line(capsys, lora_info.main([str(tmp_path / "vae")]))
+    assert line == f"error: {tmp_path / 'vae'}: a folder without adapter_config.json (expected a PEFT adapter folder or a .safetensors LoRA)"
+    model, family, _ = load_model(tiny_set["llm"])
+    LoRANetwork(model, family, rank=4, alpha=8.0).save_peft(str(tmp_path / "adapter"))
+    got = info(tmp_path / "adapter")  # alpha 8 is in adapter_config.json only, not in the file's header
+    assert (got["format"], got["family"], got["alphas"]) == ("peft", "llm", {"8": 14})
+    assert got["alpha_source"] == "the folder's adapter_config.json"
 
 
 def test_lora_info_names_released_sizes_dora_and_lycoris(tmp_path):

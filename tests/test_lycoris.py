@@ -69,6 +69,21 @@ def test_lokr_adapts_our_lora_targets_with_lycoris_keys():
         f"lora_unet_single_blocks_{i}_{n}" for i in range(3) for n in ("linear1", "linear2", "modulation_lin")}
 
 
+@pytest.mark.parametrize("args, message", [
+    ({"algo": "foo"}, "network_args 'algo': 'foo' is not a LyCORIS algo (allowed: "),
+    ({**LOKR, "factor": "abc"}, "network_args 'factor': expected an integer, got 'abc'"),
+    ({**LOKR, "dropout": "lots"}, "network_args 'dropout': expected a number, got 'lots'"),
+    ({**LOKR, "use_tucker": "maybe"}, "network_args 'use_tucker': expected true/false, got 'maybe'"),
+    ({"preset": "atn-mlp"}, "network_args 'preset': 'atn-mlp' is neither a LyCORIS preset (attn-mlp, "),
+], ids=["algo", "factor", "dropout", "use_tucker", "preset"])
+def test_bad_lycoris_args_name_the_key_the_value_and_what_is_allowed(args, message):
+    with pytest.raises(ValueError) as raised:
+        LycorisNetwork(tiny_flux(), "flux", 4, network_args=args)
+    assert message in str(raised.value), raised.value
+    if "algo" in message:
+        assert "lokr, lora" in str(raised.value)
+
+
 @pytest.mark.parametrize("algo_args", [LOKR, {"algo": "loha"}, {**LOKR, "dora_wd": True}])
 def test_lycoris_on_fp8_base_equals_dequantized_base_and_only_lycoris_trains(algo_args, tmp_path):
     torch.manual_seed(0)

@@ -68,6 +68,15 @@ def test_a_combination_set_in_two_places_names_both(tmp_path):
         load_config(["--config_file", cfg, "--fp8_base"])
 
 
+@pytest.mark.parametrize("value, shown", [("-8", "-8"), ("nan", "nan"), ("-inf", "-inf")])
+def test_network_alpha_must_be_positive_or_zero(tmp_path, value, shown):
+    cfg = write(tmp_path, BASE + f"[network]\nnetwork_alpha = {value}\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(["--config_file", cfg])
+    assert f"train.toml: key 'network_alpha' must be > 0 (or 0 for alpha = rank), got {shown}" in str(raised.value)
+    assert load_config(["--config_file", cfg, "--network_alpha", "0"]).network_alpha == 0.0  # sd-scripts: alpha = rank
+
+
 def test_impossible_combination_is_named(tmp_path):
     cfg = write(tmp_path, BASE + "pretrain = true\nfp8_base = true\n")
     with pytest.raises(ConfigError, match="'pretrain'.*fp8"):
@@ -143,6 +152,16 @@ def test_plot_lr_overlays_runs_and_summarises(tmp_path):
     assert out.stat().st_size > 10_000
     assert "a/lora: d*lr/unet: peak 0.0005 at step 5, final 0.0005" in lines
     assert "b/lora: d*lr/unet: peak 0.001 at step 5, final 0.001" in lines
+
+
+def test_plot_lr_text_in_a_number_column_is_one_line_naming_file_line_and_column(tmp_path, capsys):
+    log = tmp_path / "lora_log.csv"
+    log.write_text("step,epoch,loss,lr/unet\n1,0,0.5,1e-4\n2,0,abc,1e-4\n")
+    with pytest.raises(SystemExit) as raised:
+        plot_lr.main([str(log), "--out", str(tmp_path / "plot.png")])
+    assert raised.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: {log}: line 3, column 'loss': 'abc' is not a number"
+    assert not (tmp_path / "plot.png").exists()
 
 
 @pytest.mark.parametrize("name", ["quickstart", "flux1_dev_24gb", "flux1_schnell", "flux1_kontext", "qwen_image",

@@ -119,7 +119,8 @@ def test_generate_writes_png_with_settings_on_fp8_base_with_lora(tiny_set, tmp_p
 
 def test_generate_bad_lora_ratio_is_one_line(capsys):
     assert generate.main(["--model_type", "flux", "--model", "m", "--ae", "a", "--prompt", "x", "--lora", "f.safetensors:abc"]) == 2
-    assert capsys.readouterr().err.strip() == "error: --lora 'f.safetensors:abc': ratio 'abc' is not a number (expected FILE or FILE:RATIO)"
+    assert capsys.readouterr().err.strip() == ("error: --lora 'f.safetensors:abc': ratio 'abc' is not a number "
+                                               "(expected path[:ratio], e.g. a.safetensors:0.8)")
 
 
 def test_llm_lora_on_fp8_scaled_base_records_the_base_precision(tiny_set, tmp_path):

@@ -55,13 +55,14 @@ from networks.lora_files import LoRAWeights, kohya_name  # noqa: E402
 from networks.lora_svd import factors, svd_of_product  # noqa: E402
 from tools.lora_common import (  # noqa: E402
     LoRAFile,
+    LoRASpec,
     check_output_path,
     one_line,
+    parse_lora_spec,
     read_lora_file,
     save_dtype,
     write_lora_file,
 )
-from tools.merge_lora import LoRASpec, parse_lora_spec  # noqa: E402
 
 
 def _kohya_named(lora: LoRAFile) -> dict[str, LoRAWeights]:

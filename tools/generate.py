@@ -8,14 +8,19 @@ training samples: the way to check a LoRA under the base precision you will depl
     python tools/generate.py --model_type flux_kontext ... --prompt "make it red" --control_image in.png
         # edit models: the reference image(s) (also per prompt: --ci in.png, musubi-tuner's flag)
 
-Writes one PNG per prompt with the settings in its text chunks. LoRAs are applied unmerged (the
-base is never modified, so an fp8 base keeps the LoRA's small deltas intact).
+Writes one PNG per prompt, NNN_SEED.png numbered after the images already in --out, with the
+settings in its text chunks (the size is the one rendered: --width / --height are rounded down to
+a multiple of 16, with a note). LoRAs are applied unmerged (the base is never modified, so an fp8
+base keeps the LoRA's small deltas intact); a ratio is a finite number in [-100, 100].
+Bad input is one `error: ...` line on stderr and exit status 2 (arguments and LoRA headers are checked
+before any model is loaded).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,15 +28,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: E402
 from library.training.config import PRECISION_NAMES  # noqa: E402
 from tools.cli import check_command_line  # noqa: E402
-
-
-
-def parse_lora(spec: str) -> tuple[str, float]:
-    path, _, ratio = spec.rpartition(":") if ":" in spec else (spec, "", "1.0")
-    try:
-        return path, float(ratio)
-    except ValueError:
-        raise ValueError(f"--lora {spec!r}: ratio {ratio!r} is not a number (expected FILE or FILE:RATIO)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,15 +74,49 @@ from library.io import CheckpointError  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
 from library.data.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
+from tools.lora_common import one_line, parse_lora_spec  # noqa: E402
+
+
+def check_args(args) -> torch.device:
+    """Values that would fail (or mislead) only after the models are loaded, named first; returns
+    the compute device."""
+    missing = [k for k in family_class(args.model_type).text_path_keys if getattr(args, k) is None]
+    if missing:
+        raise ValueError(f"--{missing[0]} is required for --model_type {args.model_type}")
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: expected at least 1")
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r}: not a device name (expected cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine (torch {torch.__version__}); "
+                         "use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def rendered_side(flag: str, value: int, multiple: int) -> int:
+    """The image side the model renders for --width / --height `value`: rounded down to `multiple`
+    (VAE downsampling x patch size), with a note when that changes it."""
+    if value < multiple:
+        raise ValueError(f"--{flag} {value}: expected at least {multiple} pixels")
+    side = value // multiple * multiple
+    if side != value:
+        print(f"note: --{flag} {value} is not a multiple of {multiple}: rendering {side}", file=sys.stderr)
+    return side
 
 
 def collect_prompts(args) -> list[SamplePrompt]:
-    guidance = args.guidance if args.guidance is not None else family_class(args.model_type).sample_guidance
+    family = family_class(args.model_type)
+    guidance = args.guidance if args.guidance is not None else family.sample_guidance
     for path in args.control_image:
         if not os.path.isfile(path):
             raise ValueError(f"--control_image {path!r} is not an image file")
-    defaults = SamplePrompt("", args.width, args.height, args.steps, args.seed, guidance, args.negative,
-                            tuple(args.control_image))
+    multiple = family.vae_downsample * family.patch  # a prompt's own --w / --h must already be one
+    width, height = rendered_side("width", args.width, multiple), rendered_side("height", args.height, multiple)
+    defaults = SamplePrompt("", width, height, args.steps, args.seed, guidance, args.negative, tuple(args.control_image))
     prompts = [parse_prompt_line(p, "--prompt", defaults) for p in args.prompt]
     if args.prompt_file:
         prompts += read_prompt_file(args.prompt_file, defaults)
@@ -95,14 +125,23 @@ def collect_prompts(args) -> list[SamplePrompt]:
     return prompts
 
 
+def first_free_index(folder: str) -> int:
+    """1 + the highest NNN of the NNN_*.png images already in `folder` (0 for none): a later call
+    adds images after them instead of overwriting 000_*.png."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return 1 + max((int(m.group(1)) for n in names if (m := re.fullmatch(r"(\d+)_.*\.png", n))), default=-1)
+
+
 def generate(args) -> list[str]:
     from library.data.images import save_png, to_pil
     from library.models.block_swap import enable_block_swap
-    from networks.factory import network_from_file
+    from networks.factory import network_from_file, network_module_of_file
 
+    loras = [parse_lora_spec(s) for s in args.lora]
+    device = check_args(args)
+    for spec in loras:  # headers only: an unreadable file is named before any model loads
+        network_module_of_file(spec.path)
     prompts = collect_prompts(args)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    loras = [parse_lora(s) for s in args.lora]
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
     check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls)
     encode = family.load_text_encoder(args.text_encoder_precision, device, **family.text_options(args))
@@ -115,8 +154,8 @@ def generate(args) -> list[str]:
     # A pre-quantized file (ours, ComfyUI's fp8 / scaled fp8) is used as it is stored, whatever --base_precision says.
     base_precision = family.stored_fp8_layout() or args.base_precision
     model = family.load_transformer(PRECISION_DTYPES[args.dtype], base_precision).requires_grad_(False).eval()
-    for path, ratio in loras:  # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it)
-        network = network_from_file(model, family.arch, path, multiplier=ratio)  # LoRA, DoRA or LyCORIS: the modules the file names
+    for spec in loras:  # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it)
+        network = network_from_file(model, family.arch, spec.path, multiplier=spec.ratio)  # LoRA, DoRA or LyCORIS: the modules the file names
         network.apply()
         network.to(device)
     enable_block_swap(model, args.blocks_to_swap, device)  # before the move: swapped weights stay on the CPU
@@ -124,6 +163,7 @@ def generate(args) -> list[str]:
     vae = family.load_vae(torch.float32)
     vae.vae.to(device)
     os.makedirs(args.out, exist_ok=True)
+    first = first_free_index(args.out)
     written = []
     for i, (prompt, (text, negative)) in enumerate(zip(prompts, texts)):
         seed = prompt.seed if prompt.seed is not None else args.seed
@@ -133,12 +173,12 @@ def generate(args) -> list[str]:
         latents = family.sample_latents(model, to_device(text), prompt.width, prompt.height, prompt.steps, seed,
                                         prompt.guidance, to_device(negative), control=control)
         image = to_pil(vae.decode(latents)[0])
-        path = os.path.join(args.out, f"{i:03d}_{seed}.png")
+        path = os.path.join(args.out, f"{first + i:03d}_{seed}.png")
         save_png(image, path, {
             "prompt": prompt.prompt, "negative": prompt.negative, "size": f"{prompt.width}x{prompt.height}",
             "steps": prompt.steps, "seed": seed, "guidance": prompt.guidance, "model": os.path.basename(args.model),
             "base_precision": base_precision, "dtype": args.dtype,
-            "loras": ",".join(f"{os.path.basename(p)}:{r}" for p, r in loras),
+            "loras": ",".join(f"{os.path.basename(spec.path)}:{spec.ratio}" for spec in loras),
             "control_images": ",".join(os.path.basename(p) for p in prompt.control_images),
         })
         written.append(path)
@@ -151,7 +191,7 @@ def main(argv=None) -> int:
     try:
         generate(args)
     except (ValueError, CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(one_line(e), file=sys.stderr)
         return 2
     return 0
 

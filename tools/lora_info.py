@@ -1,7 +1,7 @@
 """Describe a LoRA file: layout, network type, model family, modules, ranks, alphas, dtypes,
 training metadata and which model it fits.
 
-    python tools/lora_info.py LORA.safetensors [--model BASE] [--json]
+    python tools/lora_info.py LORA.safetensors [--model BASE] [--json]   # or a PEFT adapter folder
 
 - format: kohya (`lora_unet_*` / `lora_te_*`), diffusers (PEFT keys under `transformer.`), PEFT
   (`base_model.model.*`, other prefixes), comfy (`diffusion_model.*`), or lycoris (LyCORIS' own keys).
@@ -41,7 +41,7 @@ from tools.cli import Parser, check_command_line  # noqa: E402
 
 def build_parser() -> Parser:
     parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("lora", help="LoRA .safetensors (kohya, PEFT/diffusers, ComfyUI, LyCORIS)")
+    parser.add_argument("lora", help="LoRA .safetensors (kohya, PEFT/diffusers, ComfyUI, LyCORIS) or PEFT adapter folder")
     parser.add_argument("--model", default=None, help="also check the LoRA against this checkpoint (as merge_lora does)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
     return parser
@@ -53,8 +53,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from library.io import CheckpointError, CheckpointReader  # noqa: E402
-from networks.lora_files import ADAPTER_METADATA_KEY, METADATA_KEYS, _split_key, detect_format, parse_lora  # noqa: E402
+from library.io import CheckpointError  # noqa: E402
+from networks.lora_files import ADAPTER_METADATA_KEY, METADATA_KEYS, _split_key, detect_format, lora_reader, parse_lora  # noqa: E402
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
 from tools.lora_common import FOLDED_MARK, one_line  # noqa: E402
 
@@ -146,9 +146,11 @@ def _modules(keys: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _alpha_source(keys: list[str], metadata: dict[str, str]) -> str:
+def _alpha_source(keys: list[str], metadata: dict[str, str], adapter_config: dict | None) -> str:
     if any(k.endswith(".alpha") for k in keys):
         return "per-module alpha tensors"
+    if adapter_config is not None:
+        return "the folder's adapter_config.json"
     if ADAPTER_METADATA_KEY in metadata:
         return f"the PEFT adapter config in the header ({ADAPTER_METADATA_KEY})"
     if metadata.get(FOLDED_MARK) == "true":
@@ -158,7 +160,7 @@ def _alpha_source(keys: list[str], metadata: dict[str, str]) -> str:
 
 def read_info(path: str) -> dict:
     """Everything lora_info prints, as a dict (the --json output)."""
-    reader = CheckpointReader(path)
+    reader, adapter_config = lora_reader(path)  # a PEFT adapter folder: its alphas are in adapter_config.json
     keys, metadata = reader.keys(), dict(reader.metadata)
     fmt = layout(keys)
     modules = _modules(keys)
@@ -172,7 +174,8 @@ def read_info(path: str) -> dict:
     if fmt == "lycoris":  # no single rank: the alphas only
         alphas.update(f"{float(reader.get(k).float()):g}" for k in keys if k.endswith(".alpha"))
     else:
-        weights, _ = parse_lora(dict(reader.items()), metadata, None, source=path)  # alphas as loaders apply them
+        weights, _ = parse_lora(dict(reader.items()), metadata, None, source=path,  # alphas as loaders apply them
+                                adapter_config=adapter_config)
         for module, w in weights.items():
             ranks[w.rank] += 1
             alphas[f"{w.alpha:g}"] += 1
@@ -184,7 +187,7 @@ def read_info(path: str) -> dict:
         "file": os.path.basename(path), "bytes": sum(os.path.getsize(f) for f in reader.files),
         "format": fmt, "network": network_type(keys), "family": family, "naming": naming,
         "modules": len(modules), "ranks": {str(k): v for k, v in sorted(ranks.items())},
-        "alphas": dict(alphas), "alpha_source": _alpha_source(keys, metadata),
+        "alphas": dict(alphas), "alpha_source": _alpha_source(keys, metadata, adapter_config),
         "dtypes": dict(Counter(reader.dtype_name(k) for k in keys)), "width": width, "blocks": counts,
         "fits": fits(family, width, counts), "training": training,
         "metadata": {k: v for k, v in metadata.items() if k not in METADATA_KEYS.values()},

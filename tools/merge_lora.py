@@ -115,6 +115,7 @@ from networks.lora_files import (  # noqa: E402
     read_lora_tensors,
 )
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas  # noqa: E402
+from tools.lora_common import LoRASpec, parse_lora_spec  # noqa: E402,F401 (parse_lora_spec: merge_lora's callers use it)
 
 PRECISIONS = {**PRECISION_DTYPES, **dict.fromkeys(FP8_PRECISIONS, fp8.FP8_DTYPE)}
 FP8_MODES = tuple(FP8_LAYOUTS.values())
@@ -251,26 +252,6 @@ def open_base(path: str) -> Base:
 
 # ----------------------------------------------------------------------------------------------
 # LoRAs -> per checkpoint key deltas
-
-
-@dataclass
-class LoRASpec:
-    path: str
-    ratio: float
-
-
-def parse_lora_spec(spec: str) -> LoRASpec:
-    """'a.safetensors:0.8' -> (a.safetensors, 0.8); no ':ratio' means 1.0."""
-    path, sep, ratio = spec.rpartition(":")
-    if not sep or os.path.exists(spec):
-        return LoRASpec(spec, 1.0)
-    try:
-        value = float(ratio)
-    except ValueError:
-        raise ValueError(f"--lora {spec!r}: ratio {ratio!r} is not a number (expected path[:ratio], e.g. a.safetensors:0.8)") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"--lora {spec!r}: ratio {ratio!r} is not a finite number")
-    return LoRASpec(path, value)
 
 
 def _resolve_kohya(names, module_paths) -> dict[str, str | None]:

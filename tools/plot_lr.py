@@ -6,7 +6,8 @@ more training runs from their CSV logs.
 A run is a `*_log.csv` file or a folder holding one. Top panel: every lr/<group> and
 d*lr/<group> column against step, runs overlaid and labelled by run name. Bottom panel: loss,
 raw (faint) and exponentially smoothed, and val_loss (dots, at the steps it was measured) where
-the log has it. Prints a summary line per run.
+the log has it. Prints a summary line per run. A log that cannot be read (or a cell that is not a
+number) is one `error: ...` line naming the file, line and column, exit status 2.
 """
 
 from __future__ import annotations
@@ -27,20 +28,31 @@ def find_log(path: str) -> str:
         return path
     logs = sorted(glob.glob(os.path.join(path, "*_log.csv")))
     if not logs:
-        raise SystemExit(f"error: {path}: no *_log.csv file found")
+        raise ValueError(f"{path}: no *_log.csv file found")
     return logs[0]
 
 
 def read_log(path: str) -> dict[str, list[float]]:
+    """Columns of a training log as floats (an empty cell is nan); a cell that is not a number is a
+    ValueError naming the file, its line and the column."""
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows or "step" not in rows[0] or "loss" not in rows[0]:
-        raise SystemExit(f"error: {path}: not a training log (needs step and loss columns)")
-    cols: dict[str, list[float]] = {k: [] for k in rows[0]}
-    for row in rows:
+        reader = csv.DictReader(f)
+        rows = [(reader.line_num, row) for row in reader]
+    if not rows or "step" not in rows[0][1] or "loss" not in rows[0][1]:
+        raise ValueError(f"{path}: not a training log (needs step and loss columns)")
+    cols: dict[str, list[float]] = {k: [] for k in rows[0][1]}
+    for line, row in rows:
         for k in cols:
-            cols[k].append(float(row[k]) if row[k] not in ("", None) else math.nan)
+            try:
+                cols[k].append(float(row[k]) if row[k] not in ("", None) else math.nan)
+            except ValueError:
+                raise ValueError(f"{path}: line {line}, column '{k}': {row[k]!r} is not a number") from None
     return cols
+
+
+def run_name(log_path: str) -> str:
+    """'run_a/lora' for run_a/lora_log.csv: the run folder and the log's output name."""
+    return os.path.basename(os.path.dirname(os.path.abspath(log_path))) + "/" + os.path.basename(log_path)[: -len("_log.csv")]
 
 
 def smooth(values: list[float], beta: float) -> list[float]:
@@ -139,9 +151,12 @@ def main(argv=None) -> list[str]:
     args = build_parser().parse_args(argv)
     runs = {}
     for path in args.runs:
-        log_path = find_log(path)
-        name = os.path.basename(os.path.dirname(os.path.abspath(log_path))) + "/" + os.path.basename(log_path)[: -len("_log.csv")]
-        runs[name] = read_log(log_path)
+        try:
+            log_path = find_log(path)
+            runs[run_name(log_path)] = read_log(log_path)
+        except (ValueError, OSError) as e:  # bad input: one line, exit status 2, no plot written
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
     plot(runs, args.out, args.log, args.smooth)
     lines = [line for name, log in runs.items() for line in summarize(name, log)]
     print("\n".join(lines))

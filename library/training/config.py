@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -341,6 +342,9 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     for key in ("network_dim", "max_train_steps", "gradient_accumulation_steps", "text_encoder_batch_size"):
         if getattr(args, key) < 1:
             raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be >= 1, got {getattr(args, key)}")
+    if not 0 <= args.network_alpha < math.inf:  # a negative alpha flips the update's sign (sd-scripts takes it)
+        raise ConfigError(f"{_blame(origins, where, 'network_alpha')}: key 'network_alpha' must be > 0 (or 0 for alpha = rank), "
+                          f"got {args.network_alpha:g}")
     if args.blocks_to_swap < 0:
         raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap')}: key 'blocks_to_swap' must be >= 0, "
                           f"got {args.blocks_to_swap}")

@@ -1,0 +1,81 @@
+"""tools/generate.py: bad input is one `error: ...` line, exit status 2, and no image; outputs are
+numbered after the ones already in the folder; a PNG records the size it was rendered at."""
+
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.test_reliability import files_under, one_error_line
+from tools import generate
+
+
+def generate_args(tiny_set, out, *extra):
+    """One 1-step 64x64 image on the tiny FLUX.1; `extra` (flag, value) pairs override, a value of
+    None leaves the flag out."""
+    args = {
+        "--model_type": "flux", "--model": tiny_set["flux_bfl"], "--ae": tiny_set["flux_vae_single"],
+        "--clip_l": tiny_set["clip_l"], "--t5xxl": tiny_set["t5xxl"], "--t5xxl_max_token_length": "32",
+        "--prompt": "a red square", "--width": "64", "--height": "64", "--steps": "1", "--dtype": "fp32", "--out": str(out),
+    }  # fmt: skip
+    args.update(zip(extra[::2], extra[1::2]))
+    return [item for flag, value in args.items() if value is not None for item in (flag, value)]
+
+
+def text_named_safetensors(tmp):
+    (tmp / "notes.safetensors").write_text("not a LoRA\n")
+    return ["--lora", str(tmp / "notes.safetensors")], ["notes.safetensors: not a safetensors file"]
+
+
+def small_lora(tmp) -> str:
+    """A valid rank-4 LoRA of one module of the tiny FLUX.1."""
+    from networks import lora_files
+
+    weights = {"double_blocks.0.img_attn.proj": lora_files.LoRAWeights(torch.ones(4, 64), torch.ones(64, 4), 4.0)}
+    lora_files.write_kohya(weights, str(tmp / "l.safetensors"))
+    return str(tmp / "l.safetensors")
+
+
+def lora_ratio(tmp, ratio):
+    spec = f"{small_lora(tmp)}:{ratio}"
+    return ["--lora", spec], [f"--lora '{spec}': ratio '{ratio}' is not"]
+
+
+def truncated_lora(tmp):
+    data = open(small_lora(tmp), "rb").read()
+    (tmp / "cut.safetensors").write_bytes(data[: len(data) - 100])
+    return ["--lora", str(tmp / "cut.safetensors")], ["cut.safetensors: tensor '", "truncated or not safetensors"]
+
+
+CASES = {
+    "lora_ratio_nan": lambda tmp: lora_ratio(tmp, "nan"),
+    "lora_ratio_huge": lambda tmp: lora_ratio(tmp, "1e30"),
+    "lora_text_file": text_named_safetensors,
+    "lora_truncated": truncated_lora,
+    "steps_0": lambda tmp: (["--steps", "0"], ["--steps 0: expected at least 1"]),
+    "width_negative": lambda tmp: (["--width", "-64"], ["--width -64: expected at least 16"]),
+    "device_cuda_without_cuda": lambda tmp: (["--device", "cuda"], ["--device cuda: CUDA is not available"]),
+    "t5xxl_missing": lambda tmp: (["--t5xxl", None], ["--t5xxl is required for --model_type flux"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generate_bad_input_is_one_error_line_exit_2_and_no_image(tiny_set, tmp_path, capsys, monkeypatch, case):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer with or without a GPU
+    extra, fragments = CASES[case](tmp_path)
+    capsys.readouterr()
+    line = one_error_line(capsys, generate.main(generate_args(tiny_set, tmp_path / "out", *extra)))
+    for fragment in fragments:
+        assert fragment in line, (fragment, line)
+    assert files_under(tmp_path / "out") == []
+
+
+def test_generate_numbers_after_existing_images_and_records_the_rendered_size(tiny_set, tmp_path, capsys):
+    out = tmp_path / "out"
+    for _ in range(2):
+        assert generate.main(generate_args(tiny_set, out, "--width", "70")) == 0
+    assert sorted(os.listdir(out)) == ["000_0.png", "001_0.png"]  # the second call keeps the first image
+    assert "note: --width 70 is not a multiple of 16: rendering 64" in capsys.readouterr().err
+    with Image.open(out / "001_0.png") as png:
+        assert png.size == (64, 64) and png.text["size"] == "64x64"
