@@ -168,3 +168,39 @@ def test_held_out_loss_is_token_weighted_over_the_whole_split():
     assert abs(LLMTask.held_out_loss(task) - weighted / count) <= 1e-5
     task.val_ids = ids[:1]
     assert LLMTask.held_out_loss(task) != LLMTask.held_out_loss(task)  # nan: nothing to score
+
+
+def scratch_pretraining(tiny_set, out, *extra):
+    """The parsed config of a 1-step pretraining run from the tiny scratch config (no eval)."""
+    from library.training.config import load_config
+
+    return load_config(llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm_scratch"], "--pretrain",
+                                "--max_train_steps", "1", "--eval_every_n_steps", "0", *extra))
+
+
+def test_bf16_pretraining_keeps_fp32_master_weights_so_no_update_rounds_away(tiny_set, tmp_path, monkeypatch):
+    """AdamW's first step moves every weight with a gradient by the full lr, which bf16 still
+    resolves; later steps are smaller: the second is counted."""
+    trainer = train_lora.Trainer(scratch_pretraining(tiny_set, tmp_path, "--mixed_precision", "bf16",
+                                                     "--learning_rate", "6e-4", "--max_train_steps", "2"))
+    model, before = trainer.task.model, []
+    matrices = lambda: {name: p.detach().clone() for name, p in model.named_parameters() if p.dim() == 2}  # noqa: E731
+    step = trainer.optimizer.step
+    monkeypatch.setattr(trainer.optimizer, "step", lambda *a, **k: (before.append(matrices()), step(*a, **k))[1])
+    assert trainer.run() == 0 and len(before) == 2
+    changed = sum(int((p != before[-1][name]).sum()) for name, p in matrices().items())
+    # bf16 weights: 878,689 of 917,504 changed in step 2 (the rest rounded away); fp32: all but a few
+    assert changed / sum(t.numel() for t in before[-1].values()) > 0.999, changed
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_fp16_pretraining_gradients_are_fp32_so_a_grad_scaler_unscales_them(tiny_set, tmp_path):
+    """accelerate applies a GradScaler only off CPU (fp16 on CUDA); here one is applied by hand,
+    as on CUDA. fp16 weights fail with 'Attempting to unscale FP16 gradients.'"""
+    trainer = train_lora.Trainer(scratch_pretraining(tiny_set, tmp_path, "--mixed_precision", "fp16"))
+    task, scaler = trainer.task, torch.amp.GradScaler("cpu")
+    loss = trainer.module(*task.batch_inputs(next(task.epoch_batches(0)), 0))
+    scaler.scale(loss).backward()
+    scaler.unscale_(trainer.optimizer.optimizer)
+    assert {p.dtype for p in task.model.parameters()} == {torch.float32}
+    assert all(torch.isfinite(p.grad).all() for p in task.model.parameters()) and 6.5 < loss.item() < 7.5
