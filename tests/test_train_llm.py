@@ -204,3 +204,30 @@ def test_fp16_pretraining_gradients_are_fp32_so_a_grad_scaler_unscales_them(tiny
     scaler.unscale_(trainer.optimizer.optimizer)
     assert {p.dtype for p in task.model.parameters()} == {torch.float32}
     assert all(torch.isfinite(p.grad).all() for p in task.model.parameters()) and 6.5 < loss.item() < 7.5
+
+
+def test_llm_eval_leaves_every_random_generator_as_it_found_it(tiny_set, tmp_path, monkeypatch):
+    """CPU, CUDA (faked here: a CPU machine has no CUDA generator), Python and numpy generators are
+    the same after an eval as before; an eval that reseeds CUDA repeats dropout masks after each."""
+    import random
+
+    import numpy as np
+
+    from library.training.llm_task import LLMTask
+
+    args = scratch_pretraining(tiny_set, tmp_path, "--temperature", "1.0", "--val_fraction", "0.01")
+    task = LLMTask(args, train_lora.make_accelerator(args))
+    cuda = {"state": torch.tensor([7])}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": cuda["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": cuda.update(state=state.clone()))
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: cuda.update(state=torch.tensor([seed])))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: cuda.update(state=torch.tensor([seed])))
+    states = lambda: (torch.get_rng_state(), cuda["state"].clone(), random.getstate(), np.random.get_state()[1].copy())  # noqa: E731
+    before = states()
+    first = task.evaluate()
+    after = states()
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1]), (before[1], after[1])
+    assert after[2] == before[2] and (after[3] == before[3]).all()
+    assert task.evaluate()["sample"] == first["sample"]  # the same sample draw at each eval

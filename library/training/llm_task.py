@@ -193,12 +193,13 @@ class LLMTask:
         was_training = self.model.training
         self.model.eval()
         prompt = torch.tensor([self.tokenizer.encode(self.args.sample_prompt, add_special_tokens=False)], device=self.device)
-        gen = torch.Generator(self.device).manual_seed(self.args.seed)  # the same sample draw at each eval
-        with compute_autocast(self.device, self.autocast_dtype), torch.random.fork_rng(devices=[]):  # training's compute
+        # The same sample draw at each eval, from a generator of its own: no global generator (CPU,
+        # CUDA) is reseeded, so training's random stream goes on after an eval as without it.
+        gen = torch.Generator(self.device).manual_seed(self.args.seed)
+        with compute_autocast(self.device, self.autocast_dtype):  # the compute training runs in
             val = self.held_out_loss()
-            torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
             out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.max_position_embeddings,
-                           self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id)
+                           self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id, generator=gen)
         self.model.train(was_training)
         return {"val_loss": val, "val_perplexity": perplexity(val) if val == val else float("nan"),
                 "sample": self.tokenizer.decode(out[0].tolist())}
