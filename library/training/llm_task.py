@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import random
 
@@ -53,11 +54,18 @@ class LMLoss(nn.Module):
             return cross_entropy_loss(model(input_ids), targets)
 
 
-def init_weights(model: LLM, std: float = 0.02):
-    """GPT-2 style init for pretraining from scratch; norms start at 1."""
+RESIDUAL_PROJECTIONS = ("o_proj.weight", "down_proj.weight")  # what each layer adds to the residual stream
+
+
+def init_weights(model: LLM, std: float = 0.02, scaled_residual: bool = True):
+    """GPT-2 style init for pretraining from scratch: matrices N(0, std), the residual projections
+    (o_proj, down_proj) N(0, std / sqrt(2 * num_layers)) when scaled_residual (GPT-2, nanoGPT: the
+    2 * num_layers additions then leave the residual stream's variance about where it starts);
+    biases 0, norms 1."""
+    residual_std = std / math.sqrt(2 * model.config.num_layers) if scaled_residual else std
     for name, p in model.named_parameters():
         if p.dim() >= 2:
-            nn.init.normal_(p, std=std)
+            nn.init.normal_(p, std=residual_std if name.endswith(RESIDUAL_PROJECTIONS) else std)
         elif name.endswith("bias"):
             nn.init.zeros_(p)
         else:
@@ -109,7 +117,7 @@ class LLMTask:
         config = LLMConfig(**{**config.__dict__, "vocab_size": vocab})
         torch.manual_seed(self.args.seed)
         model = LLM(config)  # float32 weights and compute_dtype: autocast_dtype picks the matmul dtype
-        init_weights(model)
+        init_weights(model, scaled_residual=self.args.scaled_residual_init)
         return model, True
 
     def _check_context(self):
