@@ -183,3 +183,9 @@ def test_dataset_example_config_parses():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     blueprint = load_dataset_config(os.path.join(root, "configs", "dataset_example.toml"))
     assert blueprint.datasets and blueprint.datasets[0].subsets
+
+
+def test_scaled_residual_init_outside_pretraining_is_named(tmp_path):
+    cfg = write(tmp_path, BASE + "scaled_residual_init = false\n")
+    with pytest.raises(ConfigError, match=r"train\.toml: key 'scaled_residual_init' is for llm pretraining"):
+        load_config(["--config_file", cfg])

@@ -478,9 +478,11 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     eos_id: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Extend idx [B, T] int64 by up to max_new_tokens. Each step feeds the last context_size
-    tokens, keeps the top_k logits, then samples at `temperature` (greedy when 0).
+    tokens, keeps the top_k logits, then samples at `temperature` (greedy when 0) from `generator`
+    (None: the global one of idx's device).
 
     A row that samples eos_id is finished and is padded with eos_id while others continue; the
     loop stops when every row is finished, without appending that final step (so for a single
@@ -492,7 +494,7 @@ def generate(
             kth = torch.topk(logits, top_k).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if temperature > 0.0:
-            idx_next = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1)
+            idx_next = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1, generator=generator)
         else:
             idx_next = logits.argmax(dim=-1, keepdim=True)
         if eos_id is not None:

@@ -70,6 +70,8 @@ SCHEMA: dict[str, Arg] = {
     "network_weights": A(str, None, "initial LoRA weights: a .safetensors LoRA, or (llm) a PEFT adapter folder"),
     "network_dropout": A(float, 0.0, "dropout on the LoRA down projection"),
     "pretrain": A(bool, False, "llm only: train the whole model instead of a LoRA"),
+    "scaled_residual_init": A(bool, True, "llm pretraining from a config.json: o_proj / down_proj start at std "
+                                          "0.02 / sqrt(2 * num_layers) as in GPT-2 (false: 0.02 like the other matrices)"),
     # optimisation
     "optimizer_type": A(str, "AdamW", "AdamW, AdamW8bit, Prodigy, any bitsandbytes optimizer, or module.Class"),
     "optimizer_args": A(list, [], "optimizer options as 'key=value' strings (values are Python literals)"),
@@ -339,6 +341,9 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if args.pretrain and args.fp8_base:
         raise ConfigError(f"{_blame(origins, where, 'pretrain', 'fp8_base')}: 'pretrain' trains the base weights, which "
                           f"cannot be stored in fp8 ('fp8_base')")
+    if "scaled_residual_init" in origins and not args.pretrain:  # it would be ignored: say so
+        raise ConfigError(f"{origins['scaled_residual_init']}: key 'scaled_residual_init' is for llm pretraining "
+                          f"(pretrain = true)")
     for key in ("network_dim", "max_train_steps", "gradient_accumulation_steps", "text_encoder_batch_size"):
         if getattr(args, key) < 1:
             raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be >= 1, got {getattr(args, key)}")

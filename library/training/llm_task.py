@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import random
 
@@ -27,27 +28,44 @@ from networks.factory import build_network
 VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmuls tile well
 
 
-class LMLoss(nn.Module):
-    """The module accelerate prepares: the LoRA network (LoRA) or the model itself (pretrain)."""
+def compute_autocast(device: torch.device | str, dtype: torch.dtype | None):
+    """torch.autocast to `dtype` on device's type; off for None / float32. Pretraining's fp32 weights
+    need it in every forward: accelerate autocasts only the prepared forward and only where it has
+    native AMP (not fp16 on CPU), and evals run outside that forward."""
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype not in (None, torch.float32))
 
-    def __init__(self, model: LLM, network: nn.Module | None):
+
+class LMLoss(nn.Module):
+    """The module accelerate prepares: the LoRA network (LoRA) or the model itself (pretrain).
+    autocast_dtype: the compute dtype of a model with fp32 master weights (pretrain), else None."""
+
+    def __init__(self, model: LLM, network: nn.Module | None, autocast_dtype: torch.dtype | None = None):
         super().__init__()
         if network is None:
             self.model = model
         else:
             self.network = network
             self._model = [model]
+        self.autocast_dtype = autocast_dtype
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         model = self.model if hasattr(self, "model") else self._model[0]
-        return cross_entropy_loss(model(input_ids), targets)
+        with compute_autocast(input_ids.device, self.autocast_dtype):
+            return cross_entropy_loss(model(input_ids), targets)
 
 
-def init_weights(model: LLM, std: float = 0.02):
-    """GPT-2 style init for pretraining from scratch; norms start at 1."""
+RESIDUAL_PROJECTIONS = ("o_proj.weight", "down_proj.weight")  # what each layer adds to the residual stream
+
+
+def init_weights(model: LLM, std: float = 0.02, scaled_residual: bool = True):
+    """GPT-2 style init for pretraining from scratch: matrices N(0, std), the residual projections
+    (o_proj, down_proj) N(0, std / sqrt(2 * num_layers)) when scaled_residual (GPT-2, nanoGPT: the
+    2 * num_layers additions then leave the residual stream's variance about where it starts);
+    biases 0, norms 1."""
+    residual_std = std / math.sqrt(2 * model.config.num_layers) if scaled_residual else std
     for name, p in model.named_parameters():
         if p.dim() >= 2:
-            nn.init.normal_(p, std=std)
+            nn.init.normal_(p, std=residual_std if name.endswith(RESIDUAL_PROJECTIONS) else std)
         elif name.endswith("bias"):
             nn.init.zeros_(p)
         else:
@@ -58,6 +76,11 @@ class LLMTask:
     def __init__(self, args, accelerator):
         self.args, self.accelerator, self.device = args, accelerator, accelerator.device
         self.dtype = compute_dtype(args)
+        # Pretraining keeps fp32 master weights and computes in self.dtype under autocast (bf16
+        # weights round most small AdamW updates away; a GradScaler refuses fp16 gradients); the
+        # residual stream then stays fp32, as in torch AMP. A LoRA's frozen base is stored in self.dtype.
+        self.weights_dtype = torch.float32 if args.pretrain else self.dtype
+        self.autocast_dtype = self.dtype if args.pretrain else None
         path = args.pretrained_model_name_or_path
         self.tokenizer = load_tokenizer(path)
         self.model, self.from_scratch = self._load_model(path)
@@ -77,7 +100,7 @@ class LLMTask:
         self.model.to(self.device)
         if self.network is not None:
             self.network.to(self.device)
-        self.module = LMLoss(self.model, self.network)
+        self.module = LMLoss(self.model, self.network, self.autocast_dtype)
         self.eval_log = os.path.join(args.output_dir, f"{args.output_name}_eval.csv")
 
     def _load_model(self, path: str) -> tuple[LLM, bool]:
@@ -85,7 +108,7 @@ class LLMTask:
         if has_weights:
             from library.models.family import fp8_prepare
 
-            return load_llm(path, dtype=self.dtype, prepare=fp8_prepare(base_precision(self.args), "llm")), False
+            return load_llm(path, dtype=self.weights_dtype, prepare=fp8_prepare(base_precision(self.args), "llm")), False
         if not self.args.pretrain:
             raise ConfigError(f"{path}: no .safetensors weights; a LoRA needs a pretrained model (or set pretrain = true)")
         with open(os.path.join(path, "config.json")) as f:
@@ -93,9 +116,8 @@ class LLMTask:
         vocab = -(-max(config.vocab_size, len(self.tokenizer)) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         config = LLMConfig(**{**config.__dict__, "vocab_size": vocab})
         torch.manual_seed(self.args.seed)
-        model = LLM(config).to(self.dtype)
-        init_weights(model)
-        model.compute_dtype = self.dtype
+        model = LLM(config)  # float32 weights and compute_dtype: autocast_dtype picks the matmul dtype
+        init_weights(model, scaled_residual=self.args.scaled_residual_init)
         return model, True
 
     def _check_context(self):
@@ -178,13 +200,14 @@ class LLMTask:
     def evaluate(self) -> dict:
         was_training = self.model.training
         self.model.eval()
-        val = self.held_out_loss()
         prompt = torch.tensor([self.tokenizer.encode(self.args.sample_prompt, add_special_tokens=False)], device=self.device)
-        gen = torch.Generator(self.device).manual_seed(self.args.seed)  # the same sample draw at each eval
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+        # The same sample draw at each eval, from a generator of its own: no global generator (CPU,
+        # CUDA) is reseeded, so training's random stream goes on after an eval as without it.
+        gen = torch.Generator(self.device).manual_seed(self.args.seed)
+        with compute_autocast(self.device, self.autocast_dtype):  # the compute training runs in
+            val = self.held_out_loss()
             out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.max_position_embeddings,
-                           self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id)
+                           self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id, generator=gen)
         self.model.train(was_training)
         return {"val_loss": val, "val_perplexity": perplexity(val) if val == val else float("nan"),
                 "sample": self.tokenizer.decode(out[0].tolist())}
@@ -274,7 +297,7 @@ class LLMTask:
     def base_precision(self) -> str:
         if self.args.fp8_base:
             return base_precision(self.args)
-        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.weights_dtype]
 
     def resolution(self) -> str:
         return f"{self.args.max_length} tokens"
