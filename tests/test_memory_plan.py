@@ -227,6 +227,10 @@ def test_train_lora_renders_no_bf16_reference_that_does_not_fit_and_says_so(tiny
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--preset", "flux1-dev", "--vram", "-5"], "--vram -5: the card's memory in GiB must be a number > 0"),
+    (["--preset", "flux1-dev", "--resolution", "1000"],
+     "--resolution 1000: the side must be a multiple of 16 (the VAE's 8 x the 2x2 patch), e.g. 992 or 1008"),
+    (["--preset", "flux1-dev", "--batch_size", "0"], "--batch_size 0: must be >= 1"),
     (["--preset", "qwen-image-edit", "--references", "4"],
      "--references: 4 reference image(s), but qwen_image_edit takes 1 to 3 per image"),
     (["--preset", "flux1-dev", "--references", "1"], "--references: 1 reference image(s), but flux takes none"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import sys
 
@@ -143,6 +144,19 @@ def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib
     return rows
 
 
+def bad_value(cli) -> str | None:
+    """The first command-line number that cannot be planned, as one line (None: all can)."""
+    if not 0 < cli.vram < math.inf:
+        return f"--vram {cli.vram:g}: the card's memory in GiB must be a number > 0"
+    if cli.batch_size is not None and cli.batch_size < 1:
+        return f"--batch_size {cli.batch_size}: must be >= 1"
+    if cli.resolution is not None and (cli.resolution < 16 or cli.resolution % 16):
+        near = max(16, cli.resolution // 16 * 16)
+        return (f"--resolution {cli.resolution}: the side must be a multiple of 16 (the VAE's 8 x the 2x2 patch), "
+                f"e.g. {near}" + (f" or {near + 16}" if near < cli.resolution else ""))
+    return None
+
+
 def check_references(family, count: int, where: str) -> None:
     """An edit family takes min_controls..max_controls references per image; the others none."""
     if not family.max_controls and count:
@@ -189,6 +203,8 @@ def main(argv=None) -> int:
     if bool(args.config_file) == bool(args.preset):
         p.error("give --config_file or --preset")
     try:
+        if problem := bad_value(args):
+            raise ValueError(problem)
         family, run, (width, height), batch, references = what_to_plan(args)
     except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
