@@ -85,16 +85,22 @@ def meta_shapes(build) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in module.state_dict().items()}
 
 
-def write_files(work: str):
+def write_flux_vae(work: str):
+    """<work>/ae.safetensors: the FLUX.1 VAE at its released size, BFL layout (no config: the built-in one)."""
     from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    os.makedirs(work, exist_ok=True)
-    write_random(os.path.join(work, "flux1-dev.safetensors"), meta_shapes(lambda: Flux(FLUX_DEV)), 1, metadata={})
     with torch.device("meta"):
         vae_sd = AutoencoderKL(**FLUX_VAE_CONFIG).state_dict()
     ldm = flux_vae_to_ldm_state_dict(vae_sd, len(FLUX_VAE_CONFIG["block_out_channels"]))
     write_random(os.path.join(work, "ae.safetensors"), {k: tuple(v.shape) for k, v in ldm.items()}, 2, metadata={})
+
+
+def write_files(work: str):
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    os.makedirs(work, exist_ok=True)
+    write_random(os.path.join(work, "flux1-dev.safetensors"), meta_shapes(lambda: Flux(FLUX_DEV)), 1, metadata={})
+    write_flux_vae(work)
 
     clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
     clip = CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768,
@@ -114,15 +120,13 @@ def write_files(work: str):
         save_tokenizer(tok, folder)
 
 
-def write_qwen_files(work: str, blocks: int):
+def write_qwen_transformer_and_vae(work: str, config):
+    """<work>/transformer (a diffusers folder of the QwenImageConfig `config`) and <work>/vae (the
+    Qwen-Image VAE at its released size)."""
     from diffusers import AutoencoderKLQwenImage
 
-    from library.models.llm import QWEN2_5_7B
-    from library.models.qwen_image.model import QWEN_IMAGE, QwenImage
-    from tools.make_tiny_models import build_qwen_tokenizer
+    from library.models.qwen_image.model import QwenImage
 
-    os.makedirs(work, exist_ok=True)
-    config = dataclasses.replace(QWEN_IMAGE, num_layers=blocks)
     folder = os.path.join(work, "transformer")
     os.makedirs(folder, exist_ok=True)
     write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"), meta_shapes(lambda: QwenImage(config)), 1)
@@ -136,6 +140,15 @@ def write_qwen_files(work: str, blocks: int):
                  {k: tuple(v.shape) for k, v in vae.state_dict().items()}, 2)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"_class_name": "AutoencoderKLQwenImage", **{k: v for k, v in vae.config.items() if not k.startswith("_")}}, f)
+
+
+def write_qwen_files(work: str, blocks: int):
+    from library.models.llm import QWEN2_5_7B
+    from library.models.qwen_image.model import QWEN_IMAGE
+    from tools.make_tiny_models import build_qwen_tokenizer
+
+    os.makedirs(work, exist_ok=True)
+    write_qwen_transformer_and_vae(work, dataclasses.replace(QWEN_IMAGE, num_layers=blocks))
     tokenizer, folder = build_qwen_tokenizer(), os.path.join(work, "text_encoder")
     os.makedirs(folder, exist_ok=True)
     hf = {**QWEN2_5_7B.to_hf(), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
@@ -181,6 +194,20 @@ def write_flux2_files(work: str):
     save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
 
 
+# How the pipeline benches train (bench/bench_planner_cpu.py too): fp8_scaled base, bf16 compute,
+# checkpointing, rank 16, AdamW, 2 steps.
+RUN_SETTINGS = """fp8_base = true
+fp8_scaled = true
+mixed_precision = "bf16"
+gradient_checkpointing = true
+network_dim = 16
+network_alpha = 16
+optimizer_type = "AdamW"
+learning_rate = 1e-4
+max_train_steps = 2
+"""
+
+
 def write_run_config(work: str, family: str = "flux") -> str:
     from PIL import Image
 
@@ -221,17 +248,8 @@ output_name = "full_flux"
 sample_prompts = "{work}/prompts.txt"
 sample_bf16_reference = false
 output_dir = "{work}/out"
-fp8_base = true
-fp8_scaled = true
-mixed_precision = "bf16"
-gradient_checkpointing = true
-network_dim = 16
-network_alpha = 16
-optimizer_type = "AdamW"
-learning_rate = 1e-4
-max_train_steps = 2
 text_encoder_precision = "bf16"
-""")
+""" + RUN_SETTINGS)
     return config
 
 

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import toml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,22 +71,20 @@ def test_planned_training_peak_is_within_10_percent_of_the_measured_cpu_step(bas
     assert abs(planned / measured - 1) <= 0.10
 
 
+def write_config(path, **keys) -> str:
+    """A train_lora.py TOML config holding `keys`; returns its path."""
+    path.write_text(toml.dumps(keys))
+    return str(path)
+
+
 def test_plan_memory_on_the_tiny_config_prints_every_phase_and_what_fits(tiny_set, tmp_path, capsys):
     from tools import plan_memory
 
-    config = tmp_path / "tiny.toml"
-    config.write_text(textwrap.dedent(f"""
-        model_type = "flux"
-        pretrained_model_name_or_path = "{tiny_set['flux_bfl']}"
-        ae = "{tiny_set['flux_vae_single']}"
-        clip_l = "{tiny_set['clip_l']}"
-        t5xxl = "{tiny_set['t5xxl']}"
-        dataset_config = "{tiny_set['dataset_config']}"
-        output_dir = "{tmp_path / 'out'}"
-        fp8_base = true
-        blocks_to_swap = 2
-    """))
-    assert plan_memory.main(["--config_file", str(config), "--vram", "12"]) == 0
+    config = write_config(tmp_path / "tiny.toml", model_type="flux", pretrained_model_name_or_path=tiny_set["flux_bfl"],
+                          ae=tiny_set["flux_vae_single"], clip_l=tiny_set["clip_l"], t5xxl=tiny_set["t5xxl"],
+                          dataset_config=tiny_set["dataset_config"], output_dir=str(tmp_path / "out"), fp8_base=True,
+                          blocks_to_swap=2)
+    assert plan_memory.main(["--config_file", config, "--vram", "12"]) == 0
     out = capsys.readouterr().out
     for phase in ("caching", "training", "sampling"):
         assert phase in out
@@ -101,3 +100,148 @@ def test_a_full_size_preset_needs_swap_on_a_small_card(capsys):
     fp8 = next(line for line in out.splitlines() if "fp8_scaled" in line and "checkpointing=true" in line)
     n_bf16, n_fp8 = (int(line.split("blocks_to_swap = ")[1].split()[0]) for line in (bf16, fp8))
     assert 0 < n_fp8 < n_bf16  # 11.9 B parameters: 22 GiB in bf16, 11.5 GiB in fp8 on a 12 GiB card
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 23: the caching phase's VAE batch, edit models' references, the bf16 reference in samples
+
+
+def tiny_flux(tiny_set):
+    from library.models.flux1.family import FluxFamily
+
+    return FluxFamily(tiny_set["flux_bfl"], tiny_set["flux_vae_single"], clip_l=tiny_set["clip_l"], t5xxl=tiny_set["t5xxl"])
+
+
+def test_caching_plans_the_vae_batch_that_cache_latents_encodes(tiny_set):
+    from library.training.memory_plan import GiB, _vae, _vae_peak, caching_phase
+    from tools import plan_memory
+
+    family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
+    args.vae_batch_size = 3  # the training batch below is 1
+    caching = plan_memory.plan_run(family, args, 64, 64, 1)[0]
+    encode = next(v for k, v in caching.parts.items() if k.startswith("vae encode"))
+    assert encode == _vae_peak(_vae(family), 64, 64, 3, decode=False)
+    # Qwen-Image at 1328 px: cache_latents' default batch of 4 needs 25.88 GiB (batch 1: 6.82)
+    qwen = plan_memory.PresetFamily("qwen-image")
+    assert round(caching_phase(qwen, plan_memory.default_args("qwen_image"), 1328, 1328).peak / GiB, 2) == 25.88
+
+
+def test_latent_caching_encodes_vae_batch_size_images_at_a_time(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from library.training import diffusion_task
+    from library.training.config import SCHEMA
+
+    assert SCHEMA["vae_batch_size"].default == 4  # sd-scripts' name; cache_latents' batch so far
+    seen = {}
+    monkeypatch.setattr(diffusion_task, "cache_latents", lambda items, encode, key, **kw: seen.update(kw) or 0)
+    vae = SimpleNamespace(vae=torch.nn.Linear(1, 1), encode=None)
+    task = SimpleNamespace(dataset=SimpleNamespace(items=[]), validation_set=SimpleNamespace(items=[]),
+                           family=SimpleNamespace(latent_cache_key=lambda: "k", load_vae=lambda dtype: vae),
+                           device=torch.device("cpu"), accelerator=SimpleNamespace(print=lambda *a, **k: None),
+                           args=SimpleNamespace(vae_batch_size=3, cache_latents_to_disk=False))
+    diffusion_task.DiffusionTask._cache_latents(task)
+    assert seen.get("batch_size") == 3
+
+
+def test_edit_plan_counts_the_references_of_the_dataset(tiny_set, tmp_path, capsys):
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+    from library.training import memory_plan
+    from tests.test_train_qwen_image_edit import two_reference_set
+    from tools import plan_memory
+    from tools.make_tiny_dataset import make_tiny_edit_dataset
+
+    dataset = two_reference_set(make_tiny_edit_dataset(str(tmp_path / "edit"), count=2, size=32), tmp_path)
+    config = write_config(tmp_path / "edit.toml", model_type="qwen_image_edit", ae=tiny_set["qwen_image_vae"],
+                          pretrained_model_name_or_path=tiny_set["qwen_image_edit"], dataset_config=str(dataset),
+                          text_encoder=tiny_set["qwen_image_edit_text_encoder"], output_dir=str(tmp_path / "out"))
+    assert plan_memory.main(["--config_file", config, "--vram", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "32x32, batch 2, 2 reference(s) per image" in out, out
+    assert "vae encode of 2 reference(s)" in out, out
+    family, args = QwenImageEditFamily(tiny_set["qwen_image_edit"]), plan_memory.default_args("qwen_image_edit")
+    plans = [memory_plan.training_plan(family, args, 64, 64, 1, 8, references=n) for n in (1, 3)]
+    assert plans[1].inputs - plans[0].inputs == 2 * 4 * 16 * 8 * 8  # two more float32 [1, 16, 8, 8] latents
+    assert plans[1].activations > 1.5 * plans[0].activations  # their tokens ride along in every block
+    # 2509 / 2511: the VL encoder sees each reference at ~384x384 area, 14 x 14 tokens of 28 px
+    assert memory_plan.text_tokens_for(family, args, 3, 1024, 1024) == 512 + 3 * 14 * 14
+
+
+def test_sampling_counts_the_bf16_reference_an_fp8_run_loads(tiny_set):
+    import torch
+
+    from library.training.memory_plan import module_bytes, sampling_phase, tensor_bytes
+    from networks.lora import LoRANetwork
+    from tools import plan_memory
+
+    family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
+    args.fp8_base = True  # sample_bf16_reference unset: on
+    with_copy = sampling_phase(family, args, 64, 64, 8, 0)
+    args.sample_bf16_reference = False
+    without = sampling_phase(family, args, 64, 64, 8, 0)
+    bf16 = module_bytes(family.load_transformer(torch.bfloat16, "bf16", read_weights=False))
+    lora = tensor_bytes(LoRANetwork(family.load_transformer(torch.float32), "flux", 16, 16).state_dict().values())
+    assert with_copy.parts["bf16 reference (base, lora)"] == bf16 + lora
+    assert with_copy.peak - without.peak == bf16 + lora
+
+
+def test_a_bf16_reference_that_does_not_fit_the_card_is_turned_off_unless_set_true(tiny_set):
+    from library.training.memory_plan import CUDA_CONTEXT_BYTES, sampling_phase, settle_bf16_reference
+    from tools import plan_memory
+
+    family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
+    args.fp8_base, args.t5xxl_max_token_length = True, 8
+    phase = sampling_phase(family, args, 64, 64, 8, 0)
+    copy = phase.parts["bf16 reference (base, lora)"]
+    card = CUDA_CONTEXT_BYTES + (phase.peak - copy / 2) / 0.95  # the rest fits, the copy does not
+    assert settle_bf16_reference(family, args, card + copy, 64, 64) is None and args.sample_bf16_reference is None
+    warning = settle_bf16_reference(family, args, card, 64, 64)
+    assert warning.startswith("warning: sample_bf16_reference turned off: sampling with the bf16 reference base")
+    assert args.sample_bf16_reference is False
+    args.sample_bf16_reference = True  # explicit: kept, with a clear warning
+    warning = settle_bf16_reference(family, args, card, 64, 64)
+    assert warning.startswith("warning: sample_bf16_reference = true, but sampling with the bf16 reference base")
+    assert "will likely run out of memory" in warning and args.sample_bf16_reference is True
+
+
+def test_train_lora_renders_no_bf16_reference_that_does_not_fit_and_says_so(tiny_set, tmp_path, capsys, monkeypatch):
+    import train_lora
+    from library.models.flux1.family import FluxFamily
+    from library.training import memory_plan
+    from tests.test_train_lora import flux_args
+
+    monkeypatch.setattr(memory_plan, "device_memory", lambda device: memory_plan.CUDA_CONTEXT_BYTES + 2**20,
+                        raising=False)  # a 0.6 GiB card: nothing fits
+    loads, load = [], FluxFamily.load_transformer
+    monkeypatch.setattr(FluxFamily, "load_transformer", lambda self, dtype, base="bf16", read_weights=True: (
+        loads.append(base) if read_weights else None) or load(self, dtype, base, read_weights))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --w 32 --h 32 --s 2 --d 1\n")
+    assert train_lora.main(flux_args(tiny_set, tmp_path, "--max_train_steps", "1", "--sample_prompts", str(prompts))) == 0
+    assert loads == ["fp8_scaled"], loads  # quickstart's fp8 base only: no bf16 copy for the sample
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "sample_bf16_reference" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: sample_bf16_reference turned off"), warnings
+    assert (tmp_path / "tiny_flux_lora_final_00.png").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "flux1-dev", "--vram", "-5"], "--vram -5: the card's memory in GiB must be a number > 0"),
+    (["--preset", "flux1-dev", "--resolution", "1000"],
+     "--resolution 1000: the side must be a multiple of 16 (the VAE's 8 x the 2x2 patch), e.g. 992 or 1008"),
+    (["--preset", "flux1-dev", "--batch_size", "0"], "--batch_size 0: must be >= 1"),
+    (["--preset", "qwen-image-edit", "--references", "4"],
+     "--references: 4 reference image(s), but qwen_image_edit takes 1 to 3 per image"),
+    (["--preset", "flux1-dev", "--references", "1"], "--references: 1 reference image(s), but flux takes none"),
+])
+def test_plan_memory_refuses_a_bad_value_in_one_line_before_planning(argv, message, capsys, monkeypatch):
+    from tests.test_reliability import one_error_line
+    from tools import plan_memory
+
+    def planned(*args, **kwargs):
+        raise AssertionError("planned before refusing")
+
+    monkeypatch.setattr(plan_memory, "plan_run", planned)
+    line = one_error_line(capsys, plan_memory.main(argv))
+    assert line.startswith(f"error: {message}"), line

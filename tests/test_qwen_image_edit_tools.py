@@ -62,7 +62,7 @@ def test_precision_doctor_and_memory_planner_accept_qwen_image_edit(tiny_set, tm
 
     preset = plan_memory.PresetFamily("qwen-image-edit")  # full size on meta: caching counts the vision tower
     assert (preset.arch, preset.plan_controls) == ("qwen_image", 1)
-    text_bytes = caching_phase(preset, plan_memory.default_args("qwen_image_edit"), 256, 256, 1).parts["text encoders (bf16)"]
+    text_bytes = caching_phase(preset, plan_memory.default_args("qwen_image_edit"), 256, 256).parts["text encoders (bf16)"]
     assert text_bytes == 2 * 8_292_166_656
     plans = {cls.name: training_plan(cls(tiny_set["qwen_image_edit"]), plan_memory.default_args(cls.name), 64, 64, 1, 8)
              for cls in (QwenImageFamily, QwenImageEditFamily)}

@@ -4,20 +4,22 @@
     python tools/plan_memory.py --preset flux1-dev --vram 16          # no files needed: built-in configs
     python tools/plan_memory.py --preset qwen-image --vram 24 --resolution 1328 --batch_size 1
     python tools/plan_memory.py --preset flux1-kontext-dev --vram 24   # the reference's tokens included
-    python tools/plan_memory.py --preset qwen-image-edit --vram 24     # likewise
+    python tools/plan_memory.py --preset qwen-image-edit --vram 48 --references 3   # 2509 / 2511 with 3 references
     python tools/plan_memory.py --preset flux2-klein-4b --vram 16
 
 Everything is simulated on `meta` (library/training/memory_plan.py): no weight is read, the files'
 headers give the shapes. With a config file the run's own settings are planned (its base precision,
-blocks_to_swap, checkpointing, network, optimizer, largest bucket); then, for the card, every base
-precision x checkpointing pair gets the fewest blocks_to_swap that fit. A card fits a plan when the
-peak stays under 95% of (its memory - the CUDA context, ~0.6 GiB).
+blocks_to_swap, checkpointing, network, optimizer, vae_batch_size, largest bucket, the references
+per image of its control_directory); then, for the card, every base precision x checkpointing pair
+gets the fewest blocks_to_swap that fit. A card fits a plan when the peak stays under 95% of (its
+memory - the CUDA context, ~0.6 GiB).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import sys
 
@@ -42,6 +44,7 @@ PRESETS = {
     # [dev]'s Mistral Small 3.1 as load_dev_text_encoder reads it: embeddings + the first 30 of 40 layers, no head.
     "flux2-dev": ("flux2", "FLUX2_DEV", {"text_encoder": 17_343_759_360}),
 }
+PRESET_VERSIONS = {"qwen-image-edit": "qwen-image-edit-2509"}  # 2511 plans the same (its text sees references alike)
 # family -> (module, class) of the transformer a preset builds
 PRESET_MODELS = {"flux": ("library.models.flux1.model", "Flux"), "flux2": ("library.models.flux2.model", "Flux2"),
                  "qwen_image": ("library.models.qwen_image.model", "QwenImage")}
@@ -54,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vram", type=float, default=24.0, help="the card's memory in GiB")
     p.add_argument("--resolution", type=int, default=None, help="square side in pixels (default: the largest bucket, or 1024)")
     p.add_argument("--batch_size", type=int, default=None)
+    p.add_argument("--references", type=int, default=None,
+                   help="reference images per image of an edit model (default: the dataset's control_directory; 1)")
     return p
 
 
@@ -64,7 +69,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from library.training.memory_plan import (  # noqa: E402
-    CUDA_CONTEXT_BYTES, GiB, caching_phase, sampling_phase, training_plan)
+    GiB, caching_phase, sampling_phase, text_tokens_for, training_plan, usable_bytes)
 
 
 class PresetFamily:
@@ -79,6 +84,8 @@ class PresetFamily:
         class Preset(base):
             def __init__(self):
                 self.name, self.vae_path, self.text_paths, self.text_params = name, None, {}, text_params
+                if preset in PRESET_VERSIONS:  # no config.json to read it from
+                    self.version = PRESET_VERSIONS[preset]
 
             def load_transformer(self, dtype, base_precision="bf16", read_weights=False):
                 import importlib
@@ -110,31 +117,34 @@ def default_args(model_type: str) -> argparse.Namespace:
     return args
 
 
-def text_tokens_for(family) -> int:
-    return family.t5_max_length() if family.arch == "flux" else 512  # Qwen-Image: a long caption; klein: always 512
-
-
 def usable(vram_gib: float) -> float:
-    return 0.95 * (vram_gib * GiB - CUDA_CONTEXT_BYTES)
+    return usable_bytes(vram_gib * GiB)
 
 
-def plan_run(family, args, width: int, height: int, batch: int) -> list:
-    """The three phases of this run (caching, training, sampling)."""
-    tokens = text_tokens_for(family)
-    plan = training_plan(family, args, width, height, batch, tokens)
-    training = plan.phase(args.blocks_to_swap)
-    caching = caching_phase(family, args, width, height, batch)
-    return [caching, training, sampling_phase(family, args, training, width, height, tokens)]
+def references_and_tokens(family, args, references: int | None, width: int, height: int) -> tuple[int, int]:
+    """(references per image, text tokens) a plan sizes a sample with; references None: the family's
+    plan_controls (one for edit presets)."""
+    count = family.plan_controls if references is None else references
+    return count, text_tokens_for(family, args, count, width, height)
 
 
-def setting_plans(family, args, width: int, height: int, batch: int) -> dict:
+def plan_run(family, args, width: int, height: int, batch: int, references: int | None = None) -> list:
+    """The three phases of this run (caching, training, sampling); references: per image (edit families)."""
+    count, tokens = references_and_tokens(family, args, references, width, height)
+    training = training_plan(family, args, width, height, batch, tokens, count).phase(args.blocks_to_swap)
+    caching = caching_phase(family, args, width, height, count)
+    return [caching, training, sampling_phase(family, args, width, height, tokens, count)]
+
+
+def setting_plans(family, args, width: int, height: int, batch: int, references: int | None = None) -> dict:
     """{(base precision, checkpointing): TrainingPlan} for bf16 / fp8_scaled x checkpointing off / on."""
+    count, tokens = references_and_tokens(family, args, references, width, height)
     plans = {}
     for base in ("bf16", "fp8_scaled"):
         for ckpt in (False, True):
             trial = copy.copy(args)
             trial.fp8_base, trial.fp8_scaled, trial.gradient_checkpointing = base != "bf16", True, ckpt
-            plans[base, ckpt] = training_plan(family, trial, width, height, batch, text_tokens_for(family))
+            plans[base, ckpt] = training_plan(family, trial, width, height, batch, tokens, count)
     return plans
 
 
@@ -143,13 +153,60 @@ def fewest_swaps(plan, vram_gib: float) -> int | None:
     return next((n for n in range(len(plan.block_bytes)) if plan.phase(n).peak <= usable(vram_gib)), None)
 
 
-def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib: float) -> list[tuple]:
+def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib: float,
+                     references: int | None = None) -> list[tuple]:
     """(base precision, checkpointing, fewest blocks_to_swap that fits or None, its training peak)."""
     rows = []
-    for (base, ckpt), plan in setting_plans(family, args, width, height, batch).items():
+    for (base, ckpt), plan in setting_plans(family, args, width, height, batch, references).items():
         fit = fewest_swaps(plan, vram_gib)
         rows.append((base, ckpt, fit, plan.phase(fit or 0).peak))
     return rows
+
+
+def bad_value(cli) -> str | None:
+    """The first command-line number that cannot be planned, as one line (None: all can)."""
+    if not 0 < cli.vram < math.inf:
+        return f"--vram {cli.vram:g}: the card's memory in GiB must be a number > 0"
+    if cli.batch_size is not None and cli.batch_size < 1:
+        return f"--batch_size {cli.batch_size}: must be >= 1"
+    if cli.resolution is not None and (cli.resolution < 16 or cli.resolution % 16):
+        near = max(16, cli.resolution // 16 * 16)
+        return (f"--resolution {cli.resolution}: the side must be a multiple of 16 (the VAE's 8 x the 2x2 patch), "
+                f"e.g. {near}" + (f" or {near + 16}" if near < cli.resolution else ""))
+    return None
+
+
+def check_references(family, count: int, where: str) -> None:
+    """An edit family takes min_controls..max_controls references per image; the others none."""
+    if not family.max_controls and count:
+        raise ValueError(f"{where}: {count} reference image(s), but {family.name} takes none (edit models do: "
+                         f"flux_kontext, qwen_image_edit)")
+    if not family.min_controls <= count <= family.max_controls:
+        raise ValueError(f"{where}: {count} reference image(s), but {family.name} takes "
+                         f"{family.min_controls} to {family.max_controls} per image")
+
+
+def what_to_plan(cli) -> tuple:
+    """(family, run config, (width, height), batch, references per image) from the command line."""
+    if cli.preset:
+        family = PresetFamily(cli.preset)
+        side = cli.resolution or 1024
+        references = family.plan_controls if cli.references is None else cli.references
+        check_references(family, references, "--references")
+        return family, default_args(family.name), (side, side), cli.batch_size or 1, references
+    from library.data.dataset import reference_count
+    from library.data.dataset_config import load_dataset_config
+    from library.models.family import get_family
+    from library.training.config import load_config
+
+    run = load_config(["--config_file", cli.config_file])
+    family = get_family(run)
+    blueprint = load_dataset_config(run.dataset_config)
+    size = max((d.resolution for d in blueprint.datasets), key=lambda r: r[0] * r[1])
+    size = (cli.resolution, cli.resolution) if cli.resolution else size
+    references = reference_count(blueprint) if cli.references is None else cli.references
+    check_references(family, references, "--references" if cli.references is not None else run.dataset_config)
+    return family, run, size, cli.batch_size or max(d.batch_size for d in blueprint.datasets), references
 
 
 def main(argv=None) -> int:
@@ -157,33 +214,24 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if bool(args.config_file) == bool(args.preset):
         p.error("give --config_file or --preset")
-    if args.preset:
-        family = PresetFamily(args.preset)
-        run = default_args(family.name)
-        side, batch = args.resolution or 1024, args.batch_size or 1
-        width = height = side
-    else:
-        from library.data.dataset_config import load_dataset_config
-        from library.models.family import get_family
-        from library.training.config import ConfigError, load_config
-
-        try:
-            run = load_config(["--config_file", args.config_file])
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        family = get_family(run)
-        datasets = load_dataset_config(run.dataset_config).datasets
-        width, height = max((d.resolution for d in datasets), key=lambda r: r[0] * r[1])
-        if args.resolution:
-            width = height = args.resolution
-        batch = args.batch_size or max(d.batch_size for d in datasets)
-    print(f"{args.preset or args.config_file}: {width}x{height}, batch {batch}, LoRA rank {run.network_dim}, "
+    try:
+        if problem := bad_value(args):
+            raise ValueError(problem)
+        family, run, (width, height), batch, references = what_to_plan(args)
+    except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    refs = f", {references} reference(s) per image" if family.max_controls else ""
+    print(f"{args.preset or args.config_file}: {width}x{height}, batch {batch}{refs}, LoRA rank {run.network_dim}, "
           f"{run.optimizer_type}; predicted peak device memory (tensors; add ~0.6 GiB of CUDA context):")
-    for phase in plan_run(family, run, width, height, batch):
+    phases = plan_run(family, run, width, height, batch, references)
+    for phase in phases:
         print("  " + phase.row())
+    if "bf16 reference (base, lora)" in phases[-1].parts and phases[-1].peak > usable(args.vram):
+        print(f"  sampling with the bf16 reference base does not fit a {args.vram:g} GiB card: train_lora.py turns "
+              f"sample_bf16_reference off (unless the config sets it true)")
     print(f"\nOn a {args.vram:g} GiB card (usable {usable(args.vram) / GiB:.1f} GiB), training:")
-    for base, ckpt, fit, peak in fitting_settings(family, run, width, height, batch, args.vram):
+    for base, ckpt, fit, peak in fitting_settings(family, run, width, height, batch, args.vram, references):
         what = "does not fit" if fit is None else f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)"
         print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {what}")
     return 0

@@ -125,7 +125,7 @@ def eval_data(args, family, max_items: int) -> list[tuple[str, torch.Tensor, dic
         return call
 
     cache_latents(items, encoder("vae", lambda: family.load_vae(torch.float32).encode), family.latent_cache_key(),
-                  to_disk=args.cache_latents_to_disk)
+                  batch_size=args.vae_batch_size, to_disk=args.cache_latents_to_disk)
     options = family.text_options(args)
     precision = args.text_encoder_precision
     cache_text(items, encoder("text", lambda: family.load_text_encoder(precision, **options)),

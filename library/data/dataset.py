@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from library.data.captions import CAPTION_KEYS, caption_variants, drops_captions, fixed_caption, is_dropped
-from library.data.controls import check_control_count, control_files, encode_prompts, scan_controls
+from library.data.controls import check_control_count, control_files, encode_prompts, find_controls, scan_controls
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket, load_rgb, verified_image_size
 from library.data.masks import balance_reg_repeats, find_mask, load_mask, mask_source_hash, warn_missing_alpha
@@ -153,6 +153,18 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                     check_control_count(item, first_paired)
                 items.append(item)
     return items
+
+
+def reference_count(blueprint: DatasetBlueprint) -> int:
+    """The most reference images a training image of `blueprint` has, read from each subset's first
+    image (scan_images holds every image of a subset to as many), without opening an image."""
+    counts = [0]
+    for ds in blueprint.datasets:
+        for subset in ds.subsets:
+            if subset.control_directory:
+                first = _image_files(subset.image_dir)[0]
+                counts.append(len(find_controls(first, subset.control_directory, control_files(subset.control_directory))))
+    return max(counts)
 
 
 def split_validation(items: list[ImageItem], blueprint: DatasetBlueprint) -> tuple[list[ImageItem], list[ImageItem]]:

@@ -159,6 +159,11 @@ class DiffusionFamily:
         Default: the target's bucket (FLUX.1 Kontext's rule)."""
         return bucket
 
+    def reference_text_tokens(self, width: int, height: int) -> int:
+        """Tokens a reference image of width x height adds to the text sequence (the memory planner):
+        none unless the text encoder sees the references (text_sees_controls)."""
+        return 0
+
     def text_encoder_params(self) -> int:
         """Parameters load_text_encoder reads (the memory planner's caching phase, from the files'
         headers): every tensor of the text encoder files, unless the family reads fewer."""

@@ -103,6 +103,8 @@ SCHEMA: dict[str, Arg] = {
     "text_encoder_precision": A(str, "bf16", "caption encoders' weights (fp8: T5-XXL / Qwen2.5-VL / Qwen3 Linears in e4m3, CLIP-L bf16)",
                                 ("fp32", "fp16", "bf16", "fp8", "fp8_scaled")),
     "text_encoder_batch_size": A(int, 8, "captions per encoder batch while caching"),
+    "vae_batch_size": A(int, 4, "images per VAE encode while caching latents (float32: the caching phase's peak "
+                                "grows with it; tools/plan_memory.py)"),
     # flow matching
     "prior_loss_weight": A(float, 1.0, "loss weight of regularization images (dataset subsets with is_reg = true)"),
     "timestep_sampling": A(str, None, "sigma sampling; default per model", SAMPLING_METHODS),
@@ -117,7 +119,8 @@ SCHEMA: dict[str, Arg] = {
     "sample_every_n_steps": A(int, 0, "render samples every N steps (0 = off)"),
     "sample_every_n_epochs": A(int, 0, "render samples every N epochs (0 = off)"),
     "sample_at_first": A(bool, False, "render samples before training"),
-    "sample_bf16_reference": A(bool, True, "with fp8_base: also render each sample on a bf16 base, side by side"),
+    "sample_bf16_reference": A(bool, None, "with fp8_base: also render each sample on a bf16 base, side by side "
+                                           "(unset: on, unless the memory plan says that copy does not fit the card)"),
     "logging_dir": A(str, None, "TensorBoard log folder (CSV is always written)"),
     # validation (diffusion; the held-out images are chosen in the dataset TOML)
     "validate_every_n_steps": A(int, 0, "val_loss on the held-out images every N steps; always at the end (0 = end only)"),
@@ -344,7 +347,8 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if "scaled_residual_init" in origins and not args.pretrain:  # it would be ignored: say so
         raise ConfigError(f"{origins['scaled_residual_init']}: key 'scaled_residual_init' is for llm pretraining "
                           f"(pretrain = true)")
-    for key in ("network_dim", "max_train_steps", "gradient_accumulation_steps", "text_encoder_batch_size"):
+    for key in ("network_dim", "max_train_steps", "gradient_accumulation_steps", "text_encoder_batch_size",
+                "vae_batch_size"):
         if getattr(args, key) < 1:
             raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be >= 1, got {getattr(args, key)}")
     if not 0 <= args.network_alpha < math.inf:  # a negative alpha flips the update's sign (sd-scripts takes it)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -20,7 +21,7 @@ from library.data.controls import check_family_takes, check_prompt_controls, enc
 from library.data.dataset_config import load_dataset_config
 from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
-from library.training import fsdp
+from library.training import fsdp, memory_plan
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
 from library.training.state import sample_seed
 from library.training.validation import validation_loss
@@ -62,6 +63,7 @@ class DiffusionTask:
         self.dataset, self.validation_set = self._read_images()
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
         self.prompts = self._read_prompts()
+        self._settle_bf16_reference()  # before minutes of caching
         self._fill_caches()  # also encodes the sample prompts, then frees the encoders
         self.base = self._load_base()
         self.base.gradient_checkpointing = args.gradient_checkpointing
@@ -107,6 +109,22 @@ class DiffusionTask:
                               self.family.min_controls)
         return prompts
 
+    def _settle_bf16_reference(self):
+        """On an fp8 base, samples also render on a bf16 copy of it (sample_bf16_reference): where the
+        memory plan says that copy does not fit the card, unset turns it off and an explicit true
+        stays, each with one warning line. No card (the CPU) or a sharded base (FSDP): not planned."""
+        if not (self.prompts and memory_plan.renders_bf16_reference(self.args)) or fsdp.uses_fsdp(self.accelerator):
+            return
+        card = memory_plan.device_memory(self.device)
+        if card is None:
+            return
+        largest = max(self.prompts, key=lambda p: p.width * p.height)
+        references = max(len(p.control_images) for p in self.prompts)
+        warning = memory_plan.settle_bf16_reference(self.family, self.args, card, largest.width, largest.height,
+                                                    references)
+        if warning:
+            self.accelerator.print(warning, file=sys.stderr)
+
     def _fill_caches(self):
         self._cache_latents()  # the VAE is freed when this returns
         args, items = self.args, self.dataset.items + self.validation_set.items
@@ -141,7 +159,7 @@ class DiffusionTask:
         vae = self.family.load_vae(torch.float32)
         vae.vae.to(self.device)
         encoded = cache_latents(items, lambda x: vae.encode(x.to(self.device)), latent_key,
-                                to_disk=self.args.cache_latents_to_disk)
+                                batch_size=self.args.vae_batch_size, to_disk=self.args.cache_latents_to_disk)
         self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
 
     def _load_base(self) -> nn.Module:
@@ -285,7 +303,7 @@ class DiffusionTask:
         from library.data.images import save_side_by_side
 
         bases = [(base_precision(self.args), self.base)]
-        if self.args.fp8_base and self.args.sample_bf16_reference:
+        if memory_plan.renders_bf16_reference(self.args):
             # The same LoRA on a bf16 copy of the base, streamed from disk for this render only.
             reference = self.family.load_transformer(self.compute_dtype, "bf16").requires_grad_(False).eval()
             reference_net = self._make_network_for(reference)

@@ -13,8 +13,11 @@ device, the plan says how it models it:
   schedule of library/models/block_swap.py keeps at most two resident);
 - optimizer state: bytes per LoRA parameter of the optimizer (AdamW 8, AdamW8bit 2, Prodigy 16, ...),
   added at the end of the step where the real optimizer allocates it.
-Phases: caching (the VAE encoding the largest bucket; the text encoders' weights in their
-precision), training, sampling (forward only at the sample size, then the VAE decode).
+Phases: caching (the VAE encoding vae_batch_size images of the largest bucket, as cache_latents
+does; the text encoders' weights in their precision), training (an edit family's references add
+their latent tokens, and where its text encoder sees them, their text tokens), sampling (the
+resident training state, the VAE, the forward at the sample size, the VAE decode; on an fp8 base
+with sample_bf16_reference also the bf16 copy of the base that each render loads beside it).
 """
 
 from __future__ import annotations
@@ -139,6 +142,45 @@ def _plan_text(model: nn.Module, family: str, batch: int, text_tokens: int) -> d
             "mask": torch.ones(batch, text_tokens, dtype=torch.bool, device="meta")}
 
 
+def text_tokens_for(family, args, references: int = 0, width: int = 1024, height: int = 1024) -> int:
+    """Text tokens a planned sample carries: FLUX.1's T5 length (the config's, else dev 512 /
+    schnell 256), else 512 (Qwen-Image: a long caption; klein: always 512); plus what each reference
+    adds where the text encoder sees it (Qwen-Image-Edit's vision tokens)."""
+    if family.arch == "flux":
+        tokens = getattr(args, "t5xxl_max_token_length", None) or family.t5_max_length()
+    else:
+        tokens = 512
+    return tokens + references * family.reference_text_tokens(width, height)
+
+
+def _meta_model_and_network(family, args):
+    """The transformer on meta as train_lora.py builds it (the family's loader without weights) and
+    the run's LoRA network applied to it."""
+    from library.training.config import base_precision, compute_dtype, lora_network_args
+    from networks.factory import build_network
+
+    model = family.load_transformer(compute_dtype(args), base_precision(args), read_weights=False)
+    model.requires_grad_(False).eval()
+    with torch.device("meta"):
+        network = build_network(args.network_module, model, family.arch, args.network_dim, args.network_alpha,
+                                network_args=lora_network_args(args))
+    network.apply()
+    return model, network
+
+
+def _optimizer_bytes(network: nn.Module, args) -> int:
+    trainable = sum(p.numel() for p in network.parameters() if p.requires_grad)
+    return trainable * OPTIMIZER_STATE_BYTES.get(args.optimizer_type.lower().rsplit(".", 1)[-1], 8)
+
+
+def resident_parts(base: int, block_bytes: list[int], lora: int, optimizer: int, blocks_to_swap: int) -> dict[str, int]:
+    """What stays on the device between steps: the base less its swapped blocks (counted off the
+    device, two of them back: the schedule of library/models/block_swap.py), the LoRA, its optimizer state."""
+    swapped = block_bytes[len(block_bytes) - blocks_to_swap:] if blocks_to_swap else []
+    return {"base": base - sum(swapped), "swap buffers": 2 * max(swapped, default=0), "lora": lora,
+            "optimizer": optimizer}
+
+
 @dataclass
 class TrainingPlan:
     """One simulated training step without swapping; any blocks_to_swap is derived from it (the
@@ -152,31 +194,24 @@ class TrainingPlan:
     inputs: int
 
     def phase(self, blocks_to_swap: int = 0) -> Phase:
-        swapped = self.block_bytes[len(self.block_bytes) - blocks_to_swap:] if blocks_to_swap else []
-        parts = {"base": self.base - sum(swapped), "swap buffers": 2 * max(swapped, default=0),
-                 "lora": self.lora, "optimizer": self.optimizer,
+        parts = {**resident_parts(self.base, self.block_bytes, self.lora, self.optimizer, blocks_to_swap),
                  "activations + lora grads (peak)": self.activations}
         return Phase("training", parts, sum(parts.values()) + self.inputs)
 
 
-def training_plan(family, args, width: int, height: int, batch: int, text_tokens: int) -> TrainingPlan:
-    """One training step of `family` under `args` (the train_lora config) at width x height, on meta."""
-    from library.training.config import base_precision, compute_dtype, lora_network_args
-    from networks.factory import build_network
-
-    model = family.load_transformer(compute_dtype(args), base_precision(args), read_weights=False)
-    model.requires_grad_(False).eval()
+def training_plan(family, args, width: int, height: int, batch: int, text_tokens: int,
+                  references: int | None = None) -> TrainingPlan:
+    """One training step of `family` under `args` (the train_lora config) at width x height, on meta.
+    references: reference images per sample of an edit family (default: family.plan_controls)."""
+    model, network = _meta_model_and_network(family, args)
     model.gradient_checkpointing = args.gradient_checkpointing
-    with torch.device("meta"):
-        network = build_network(args.network_module, model, family.arch, args.network_dim, args.network_alpha,
-                                network_args=lora_network_args(args))
-    network.apply()
     network.train()
     lora = [p for p in network.parameters() if p.requires_grad]
-    optimizer = sum(p.numel() for p in lora) * OPTIMIZER_STATE_BYTES.get(args.optimizer_type.lower().rsplit(".", 1)[-1], 8)
+    optimizer = _optimizer_bytes(network, args)
     latents = torch.empty(batch, family.latent_channels, height // 8, width // 8, device="meta")
     # Edit families: the references (at the target's size) add their tokens to every block.
-    control = [torch.empty_like(latents) for _ in range(family.plan_controls)]
+    count = family.plan_controls if references is None else references
+    control = [torch.empty_like(latents) for _ in range(count)]
     text = _plan_text(model, family.arch, batch, text_tokens)
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]
     with LiveBytes() as live, fused_attention_on_meta():
@@ -195,8 +230,9 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     )
 
 
-def training_phase(family, args, width: int, height: int, batch: int, text_tokens: int) -> Phase:
-    return training_plan(family, args, width, height, batch, text_tokens).phase(args.blocks_to_swap)
+def training_phase(family, args, width: int, height: int, batch: int, text_tokens: int,
+                   references: int | None = None) -> Phase:
+    return training_plan(family, args, width, height, batch, text_tokens, references).phase(args.blocks_to_swap)
 
 
 def _vae(family):
@@ -227,12 +263,19 @@ def _vae_peak(vae, width: int, height: int, batch: int, decode: bool) -> int:
 ENCODER_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.2, "fp8_scaled": 1.23}
 
 
-def caching_phase(family, args, width: int, height: int, batch: int) -> Phase:
-    """The VAE encodes the largest bucket, then (after it is freed) the text encoders encode captions:
-    the phase's peak is the larger of the two."""
+def caching_phase(family, args, width: int, height: int, references: int = 0) -> Phase:
+    """cache_latents: the VAE (float32) encodes vae_batch_size images of the largest bucket at a time,
+    then their references (each at the family's control_bucket size) the same way, one after another;
+    each encode's latents leave the device before the next, so the VAE's peak is its largest single
+    encode. Then, the VAE freed, the text encoders encode the captions: the phase's peak is the larger."""
     vae = _vae(family)
+    batch = args.vae_batch_size
     phase = Phase("caching")
-    phase.parts["vae encode"] = _vae_peak(vae, width, height, batch, decode=False)
+    target = phase.parts[f"vae encode (batch {batch})"] = _vae_peak(vae, width, height, batch, decode=False)
+    if references:
+        size = tuple(family.control_bucket((width, height), (width, height)))
+        peak = target if size == (width, height) else _vae_peak(vae, *size, batch, decode=False)
+        phase.parts[f"vae encode of {references} reference(s) ({size[0]}x{size[1]}, batch {batch}, each)"] = peak
     precision = args.text_encoder_precision
     known = getattr(family, "text_params", None)  # presets (tools/plan_memory.py): no files
     params = sum(known.values()) if known else family.text_encoder_params()
@@ -243,31 +286,89 @@ def caching_phase(family, args, width: int, height: int, batch: int) -> Phase:
     return phase
 
 
-def sampling_phase(family, args, training: Phase, width: int, height: int, text_tokens: int) -> Phase:
-    """A sample during training: the resident base and LoRA (the optimizer state stays), one
-    forward at the sample size, then the VAE (loaded for the render) decodes."""
-    from library.models.family import control_kwargs
-    from library.training.config import base_precision, compute_dtype, lora_network_args
-    from networks.factory import build_network
+def renders_bf16_reference(args) -> bool:
+    """Whether samples also render on a bf16 copy of the base (DiffusionTask.render_samples): on an
+    fp8 base, unless sample_bf16_reference is false (unset counts as on; settle_bf16_reference)."""
+    return bool(args.fp8_base) and getattr(args, "sample_bf16_reference", True) is not False
 
-    model = family.load_transformer(compute_dtype(args), base_precision(args), read_weights=False).requires_grad_(False)
-    with torch.device("meta"):
-        network = build_network(args.network_module, model, family.arch, args.network_dim, args.network_alpha,
-                                network_args=lora_network_args(args))
-    network.apply()
-    resident = sum(v for k, v in training.parts.items() if not k.startswith("activations"))
-    latents = torch.empty(1, family.latent_channels, height // 8, width // 8, device="meta")
-    text = _plan_text(model, family.arch, 1, text_tokens)
+
+def _bf16_reference_bytes(family, args, lora: int) -> int:
+    """The copy of the base render_samples loads for each render (bf16, i.e. the compute dtype),
+    swapped as the base is, with its LoRA."""
+    from library.training.config import compute_dtype
+
+    model = family.load_transformer(compute_dtype(args), "bf16", read_weights=False)
+    blocks = [module_bytes(b) for b in model.swappable_blocks()]
+    return sum(resident_parts(module_bytes(model), blocks, lora, 0, args.blocks_to_swap).values())
+
+
+def sampling_phase(family, args, width: int, height: int, text_tokens: int, references: int | None = None) -> Phase:
+    """A sample during training (DiffusionTask.render_samples): the training state stays resident
+    (base, LoRA, optimizer state; the step's activations are gone); with renders_bf16_reference the
+    bf16 copy of the base and its LoRA load beside it; then the VAE loads, encodes the prompt's
+    references and stays through every forward (batch 1 at the sample size) and the decode."""
+    from library.models.family import control_kwargs
     from library.models.vae import pack_latents
 
+    model, network = _meta_model_and_network(family, args)
+    lora = tensor_bytes(network.state_dict().values())
+    blocks = [module_bytes(b) for b in model.swappable_blocks()]
+    resident = resident_parts(module_bytes(model), blocks, lora, _optimizer_bytes(network, args), args.blocks_to_swap)
+    count = family.plan_controls if references is None else references
+    latents = torch.empty(1, family.latent_channels, height // 8, width // 8, device="meta")
+    text = _plan_text(model, family.arch, 1, text_tokens)
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
         for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
             live.ignore(t)  # counted in `resident`
-        references = control_kwargs([torch.empty_like(latents)] * family.plan_controls)
+        control = control_kwargs([torch.empty_like(latents) for _ in range(count)])
         family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // 16, width // 16, None,
-                       **references)
+                       **control)
     vae = _vae(family)
-    phase = Phase("sampling", {"resident (base, lora, optimizer)": resident, "forward (peak)": live.peak,
-                               "vae decode (peak)": _vae_peak(vae, width, height, 1, decode=True)})
-    phase.peak = resident + max(phase.parts["forward (peak)"], phase.parts["vae decode (peak)"])
+    phase = Phase("sampling", {"resident (base, lora, optimizer)": sum(resident.values())})
+    if renders_bf16_reference(args):
+        phase.parts["bf16 reference (base, lora)"] = _bf16_reference_bytes(family, args, lora)
+    phase.parts["vae (weights)"] = module_bytes(vae.vae)
+    phase.parts["forward (peak)"] = live.peak
+    vae_peak = phase.parts["vae decode (peak)"] = _vae_peak(vae, width, height, 1, decode=True)
+    if count:
+        phase.parts["vae encode of references (peak)"] = _vae_peak(vae, width, height, 1, decode=False)
+        vae_peak = max(vae_peak, phase.parts["vae encode of references (peak)"])
+    # _vae_peak counts the VAE's weights; they are resident during the forward too.
+    phase.peak = (phase.parts["resident (base, lora, optimizer)"] + phase.parts.get("bf16 reference (base, lora)", 0)
+                  + max(phase.parts["vae (weights)"] + live.peak, vae_peak))
     return phase
+
+
+# ----------------------------------------------------------------------------------------------
+# The card
+
+
+def device_memory(device) -> int | None:
+    """The card's memory in bytes; None where there is no card to plan for (the CPU)."""
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def usable_bytes(card_bytes: float) -> float:
+    """What a plan may use of a card: 95% of its memory less the CUDA context."""
+    return 0.95 * (card_bytes - CUDA_CONTEXT_BYTES)
+
+
+def settle_bf16_reference(family, args, card_bytes: int, width: int, height: int, references: int = 0) -> str | None:
+    """sample_bf16_reference against the card, for samples of width x height: the sampling phase
+    planned with the bf16 copy of the base. Where it does not fit, unset turns it off (args is
+    changed) and an explicit true stays; either way the returned line says so (None: it fits)."""
+    tokens = text_tokens_for(family, args, references, width, height)
+    phase = sampling_phase(family, args, width, height, tokens, references)
+    copy, usable = phase.parts["bf16 reference (base, lora)"], usable_bytes(card_bytes)
+    if phase.peak <= usable:
+        return None
+    plan = (f"sampling with the bf16 reference base ({copy / GiB:.2f} GiB) is planned to peak at "
+            f"{phase.peak / GiB:.2f} GiB ({(phase.peak - copy) / GiB:.2f} without it), over the {usable / GiB:.2f} "
+            f"GiB usable of this {card_bytes / GiB:.1f} GiB card")
+    if args.sample_bf16_reference:
+        return (f"warning: sample_bf16_reference = true, but {plan}: the first sample will likely run out of "
+                f"memory (set it false, or raise blocks_to_swap)")
+    args.sample_bf16_reference = False
+    return (f"warning: sample_bf16_reference turned off: {plan}; samples render on the fp8 base only (set "
+            f"sample_bf16_reference = true to render it anyway)")

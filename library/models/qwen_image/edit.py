@@ -31,6 +31,7 @@ CONDITION_IMAGE_AREA = 384 * 384  # Plus pipelines: the VL encoder's view of eac
 VAE_IMAGE_AREA = 1024 * 1024  # the VAE's view (and the default output area)
 SIZE_MULTIPLE = 32  # calculate_dimensions rounds both sides to a multiple of 32
 LATENT_MULTIPLE = 16  # VAE factor 8 x patch 2: the output size is floored to a multiple of 16
+VL_TOKEN_PIXELS = 28  # Qwen2.5-VL: 14-pixel patches merged 2x2, one text token per 28x28 pixels
 
 
 def check_version(version: str) -> str:

@@ -29,8 +29,8 @@ from functools import cached_property
 import torch
 
 from library.models.family import fp8_prepare
-from library.models.qwen_image.edit import (EDIT, SIZE_MULTIPLE, TRANSFORMER_FLAGS, area_size, check_version, edit_sizes,
-                                            resize_condition, version_from_flags)
+from library.models.qwen_image.edit import (EDIT, SIZE_MULTIPLE, TRANSFORMER_FLAGS, VL_TOKEN_PIXELS, area_size,
+                                            check_version, edit_sizes, resize_condition, version_from_flags)
 from library.models.qwen_image.family import QwenImageFamily, per_caption
 from library.models.vae import pack_latents
 
@@ -98,6 +98,12 @@ class QwenImageEditFamily(QwenImageFamily):
         (the pipelines' calculate_dimensions at their output area)."""
         w, h = area_size(size[0], size[1], bucket[0] * bucket[1])
         return max(w, SIZE_MULTIPLE), max(h, SIZE_MULTIPLE)
+
+    def reference_text_tokens(self, width: int, height: int) -> int:
+        """The VL encoder sees each reference at the version's size (edit_sizes: ~384x384 area for
+        2509 / 2511, ~1024x1024 for Edit), one vision token per 28x28 pixels, as the processor rounds."""
+        (w, h), = edit_sizes(self.version, [(width, height)]).encoder
+        return round(w / VL_TOKEN_PIXELS) * round(h / VL_TOKEN_PIXELS)
 
     def text_encoding_constants(self) -> dict:
         from library.models.qwen_image import edit_encoder as te
