@@ -22,9 +22,9 @@ Outputs are float32 whatever dtype the weights run in.
 
 from __future__ import annotations
 
-import json
 import os
 
+from library.data.tokenizer import folder_chat_template
 from library.io import component_folder
 from library.models.flux2.text_encoder import KleinTextEncoder
 
@@ -46,22 +46,6 @@ def dev_messages(prompt: str, system_message: str = DEV_SYSTEM_MESSAGE) -> list[
         {"role": "system", "content": [{"type": "text", "text": system_message}]},
         {"role": "user", "content": [{"type": "text", "text": prompt.replace("[IMG]", "")}]},
     ]
-
-
-def folder_chat_template(tokenizer) -> str | None:
-    """The tokenizer's chat template, else the processor's saved beside it (chat_template.jinja, or
-    chat_template.json of processors saved by transformers 4.x)."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.chat_template
-    folder = getattr(tokenizer, "name_or_path", "") or ""
-    jinja, legacy = os.path.join(folder, "chat_template.jinja"), os.path.join(folder, "chat_template.json")
-    if os.path.isfile(jinja):
-        with open(jinja) as f:
-            return f.read()
-    if os.path.isfile(legacy):
-        with open(legacy) as f:
-            return json.load(f).get("chat_template")
-    return None
 
 
 def dev_prompt_text(tokenizer, prompt: str, template: str | None = None) -> str:
