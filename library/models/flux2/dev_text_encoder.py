@@ -57,6 +57,13 @@ def dev_prompt_text(tokenizer, prompt: str, template: str | None = None) -> str:
                                          add_generation_prompt=False)
 
 
+def adds_special_tokens(tokenizer, text: str) -> bool:
+    """Whether the processor lets the tokenizer add its special tokens to `text`: not when the
+    template wrote BOS already."""
+    bos = tokenizer.bos_token
+    return not (bos is not None and text.startswith(bos))
+
+
 class DevTextEncoder(KleinTextEncoder):
     """encode(prompts) -> (embeds [B, max_length, 3 * D] float32, text_ids [B, max_length, 4] int64),
     [klein]'s stacking with [dev]'s prompt format and layers."""
@@ -67,11 +74,9 @@ class DevTextEncoder(KleinTextEncoder):
 
     def tokenize(self, prompts: list[str]):
         texts = [dev_prompt_text(self.tokenizer, p, self.template) for p in prompts]
-        bos = self.tokenizer.bos_token
-        # The processor's rule, decided on the first text: a template that wrote BOS gets no second one.
-        add_special = not (bos is not None and texts[0].startswith(bos))
-        return self.tokenizer(texts, add_special_tokens=add_special, padding="max_length", truncation=True,
-                              max_length=self.max_length, return_tensors="pt")
+        # The processor's rule, decided on the first text.
+        return self.tokenizer(texts, add_special_tokens=adds_special_tokens(self.tokenizer, texts[0]), padding="max_length",
+                              truncation=True, max_length=self.max_length, return_tensors="pt")
 
 
 def load_dev_text_encoder(path: str, tokenizer: str | None = None, dtype=None, config=None, fp8: str | None = None,
