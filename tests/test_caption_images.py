@@ -170,7 +170,12 @@ def not_a_captioner(tiny_set, tmp_path):
             ["config.json: model_type 'qwen2' is not a supported captioner"])
 
 
-@pytest.mark.parametrize("case", [not_a_model, corrupt_image, no_images, not_a_captioner])
+def no_new_tokens(tiny_set, tmp_path):
+    return ([*qwen2_5_vl_args(tiny_set), "--images", str(tmp_path / "images"), "--max_new_tokens", "0"],
+            ["--max_new_tokens and --batch_size must be >= 1, got 0, 1"])
+
+
+@pytest.mark.parametrize("case", [not_a_model, corrupt_image, no_images, not_a_captioner, no_new_tokens])
 def test_bad_input_is_one_line_exit_2_and_no_caption(tiny_set, tmp_path, capsys, case):
     make_images(tmp_path / "images", 2)
     argv, fragments = case(tiny_set, tmp_path)
