@@ -384,7 +384,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict
 
 def write_text(path: str, text: str):
     with atomic_path(path) as tmp:
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8") as f:  # what read_utf8 reads back, whatever the locale
             f.write(text)
 
 

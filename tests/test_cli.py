@@ -13,6 +13,9 @@ from tools.cli import ROOT, command_line_scripts
 # script -> (a command line its parser takes, the same with one flag abbreviated)
 ABBREVIATED = {
     "train_lora.py": (["--learning_rate", "1e-3"], ["--learning_rat", "1e-3"]),
+    "tools/caption_images.py": (["--model", "m", "--images", "i", "--batch_size", "2"],
+                                ["--model", "m", "--images", "i", "--batch_siz", "2"]),
+    "tools/check_dataset.py": (["d.toml", "--max_tokens", "5"], ["d.toml", "--max_token", "5"]),
     "tools/combine_loras.py": (["--lora", "a", "--save_to", "o"], ["--lora", "a", "--save_t", "o"]),
     "tools/convert_lora.py": (["in", "out", "--to", "kohya"], ["in", "out", "--t", "kohya"]),
     "tools/extract_lora.py": (["--model", "m", "--tuned", "t", "--save_to", "o"], ["--model", "m", "--tune", "t", "--save_to", "o"]),

@@ -11,8 +11,7 @@ import pytest
 import torch
 from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
 from PIL import Image
-from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLImageProcessor
-from transformers.processing_utils import ProcessorMixin
+from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
 
 from library.models.qwen_image.edit import EDIT, EDIT_2509, EDIT_2511
 from library.models.qwen_image.edit_encoder import (
@@ -22,6 +21,7 @@ from library.models.qwen_image.edit_encoder import (
     mrope_position_ids,
 )
 from tests.test_qwen_image import randomize_
+from tests.test_vlm_inputs import processor_without_video
 from tools.make_tiny_models import write_qwen_vl_text_encoder
 
 
@@ -46,18 +46,9 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_processor(tiny):
-    """transformers' Qwen2_5_VLProcessor. Its constructor checks a video processor class, which
-    needs torchvision (not installed); the check is skipped for the absent video processor only."""
+    """transformers' Qwen2_5_VLProcessor (its text and image parts: the video part needs torchvision)."""
     _, _, folder = tiny
-    check = ProcessorMixin.check_argument_for_proper_class
-
-    def skip_absent_video(self, name, argument):
-        return None if name == "video_processor" and argument is None else check(self, name, argument)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ProcessorMixin, "check_argument_for_proper_class", skip_absent_video)
-        return Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(folder),
-                                   tokenizer=AutoTokenizer.from_pretrained(folder))
+    return processor_without_video(Qwen2_5_VLProcessor, folder)
 
 
 class ForwardTokenTypes(torch.nn.Module):

@@ -433,7 +433,7 @@ def write_qwen_vl_text_encoder(out: str, seed: int) -> dict[str, str]:
     Qwen2_5_VLForConditionalGeneration: vision tower + language model of width lm_hidden, M-RoPE
     sections (2, 3, 3) of head_dim 16), tokenizer/ and processor/ (Qwen2_5_VLProcessor with a
     Qwen2VLImageProcessor)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tokenizer = build_qwen_tokenizer(vision=True)
     _seed(seed, 12)
@@ -442,11 +442,8 @@ def write_qwen_vl_text_encoder(out: str, seed: int) -> dict[str, str]:
             "num_key_value_heads": 1, "intermediate_size": 2 * h, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
             "rope_parameters": {"rope_type": "mrope", "mrope_section": [2, 3, 3], "rope_theta": 1000000.0},
             "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
-           ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
-           ("vision_end_token_id", "<|vision_end|>"))}
     config = Qwen2_5_VLConfig(text_config=text, vision_config={**TINY_VISION, "out_hidden_size": h},
-                              tie_word_embeddings=False, **ids)
+                              tie_word_embeddings=False, **vision_token_ids(tokenizer))
     model = Qwen2_5_VLForConditionalGeneration(config)
     root = os.path.join(out, "qwen_image_edit")
     folder = os.path.join(root, "text_encoder")
@@ -455,13 +452,77 @@ def write_qwen_vl_text_encoder(out: str, seed: int) -> dict[str, str]:
     # processor/ as in the released repos: the image processor's and the tokenizer's files (building
     # a Qwen2_5_VLProcessor object would need torchvision for its video processor).
     processor = os.path.join(root, "processor")
-    Qwen2VLImageProcessor(**TINY_IMAGE_PROCESSOR).save_pretrained(processor)
-    config_file = os.path.join(processor, "preprocessor_config.json")
+    save_vl_processor(processor, TINY_IMAGE_PROCESSOR, "Qwen2_5_VLProcessor", tokenizer)
+    return {"qwen_image_edit_text_encoder": folder, "qwen_image_edit_processor": processor}
+
+
+def vision_token_ids(tokenizer) -> dict[str, int]:
+    """A Qwen-VL config's ids of the vision special tokens, as the tokenizer numbers them."""
+    return {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"))}
+
+
+def save_vl_processor(folder: str, settings: dict, processor_class: str, tokenizer) -> None:
+    """A Qwen-VL processor's files: preprocessor_config.json (Qwen2VLImageProcessor with `settings`,
+    naming `processor_class` as the released ones do) and the tokenizer."""
+    from transformers import Qwen2VLImageProcessor
+
+    Qwen2VLImageProcessor(**settings).save_pretrained(folder)
+    config_file = os.path.join(folder, "preprocessor_config.json")
     with open(config_file) as f:
         config = json.load(f)
-    _write_json(config_file, {**config, "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor"})
-    save_tokenizer(tokenizer, processor)
-    return {"qwen_image_edit_text_encoder": folder, "qwen_image_edit_processor": processor}
+    _write_json(config_file, {**config, "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor_class})
+    save_tokenizer(tokenizer, folder)
+
+
+# The Qwen3-VL chat template's rendering of messages whose content is a string or a list of image /
+# text parts, and its generation prompt (no default system message, unlike Qwen2.5-VL's); tools,
+# videos and reasoning left out.
+QWEN3_VL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}"
+    "{%- else %}{%- for part in message.content %}"
+    "{%- if part.type == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen3-VL's image settings (preprocessor_config.json): patch 16, mean / std 0.5; smaller pixel bounds.
+TINY_QWEN3_VL_IMAGE_PROCESSOR = {"min_pixels": 64 * 64, "max_pixels": 32 * 32 * 64, "patch_size": 16, "merge_size": 2,
+                                 "temporal_patch_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+
+
+def write_qwen3_vl(out: str, seed: int, width: int = TINY["lm_hidden"]) -> dict[str, str]:
+    """A Qwen3VLForConditionalGeneration in one folder as the released Qwen3-VL repos hold it (weights,
+    config, preprocessor_config.json, tokenizer with the chat template), for tools/caption_images.py.
+    width: the language model's (64 gives every Linear the multiples of 32 outputs and 64 inputs that
+    bitsandbytes' 4-bit CPU kernels need). Not part of make_tiny_models' set (training needs no
+    captioner); tests write it when they need it."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tokenizer = build_qwen_tokenizer(vision=True)
+    tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
+    _seed(seed, 14)
+    head_dim = 16
+    text = {"vocab_size": _round_up(len(tokenizer)), "hidden_size": width, "num_hidden_layers": 2,
+            "num_attention_heads": width // head_dim, "num_key_value_heads": width // head_dim // 2, "head_dim": head_dim,
+            "intermediate_size": 2 * width, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                                "rope_theta": 5000000.0},
+            "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    vision = {"depth": 2, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "patch_size": 16,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": width,
+              "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
+    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision,
+                                                          **vision_token_ids(tokenizer)))
+    folder = os.path.join(out, "qwen3_vl" if width == TINY["lm_hidden"] else f"qwen3_vl_{width}")
+    model.save_pretrained(folder, safe_serialization=True)
+    save_vl_processor(folder, TINY_QWEN3_VL_IMAGE_PROCESSOR, "Qwen3VLProcessor", tokenizer)
+    return {"qwen3_vl": folder}
 
 
 def write_llm(out: str, seed: int) -> dict[str, str]:

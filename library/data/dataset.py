@@ -128,8 +128,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
     datasets = blueprint.validation_datasets if held_out_sets else blueprint.datasets
     first = len(blueprint.datasets) if held_out_sets else 0
     for di, ds in enumerate(datasets, start=first):
-        buckets = (make_buckets(ds.resolution, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps)
-                   if ds.enable_bucket and not ds.bucket_no_upscale else [ds.resolution])
+        buckets = dataset_buckets(ds)
         for si, subset in enumerate(ds.subsets):
             paths = _image_files(subset.image_dir)
             if subset.alpha_mask:
@@ -137,13 +136,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
             controls = control_files(subset.control_directory) if subset.control_directory else None
             first_paired = None  # the subset's first image: every other needs as many references
             for path, size in _usable_images(paths, ds, subset):
-                if ds.enable_bucket and ds.bucket_no_upscale:
-                    bucket = bucket_without_upscale(size, ds.resolution[0] * ds.resolution[1], ds.bucket_reso_steps)
-                    if min(bucket) == 0:
-                        raise ValueError(f"{path}: image is {size[0]}x{size[1]}, smaller than "
-                                         f"bucket_reso_steps {ds.bucket_reso_steps} (bucket_no_upscale is on)")
-                else:
-                    bucket = bucket_for(size, buckets)
+                bucket = image_bucket(path, size, ds, buckets)
                 item = ImageItem(path, read_caption(path, subset), subset, di, size, bucket, ds.cache_dir,
                                  mask_path=find_mask(path, subset, size), subset_index=si)
                 if controls is not None:
@@ -165,6 +158,25 @@ def reference_count(blueprint: DatasetBlueprint) -> int:
                 first = _image_files(subset.image_dir)[0]
                 counts.append(len(find_controls(first, subset.control_directory, control_files(subset.control_directory))))
     return max(counts)
+
+
+def dataset_buckets(ds: DatasetSpec) -> list[tuple[int, int]]:
+    """The (w, h) buckets of dataset `ds`: [resolution] without bucketing; with bucket_no_upscale
+    every image is sized on its own (image_bucket), the list is not used."""
+    if ds.enable_bucket and not ds.bucket_no_upscale:
+        return make_buckets(ds.resolution, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps)
+    return [ds.resolution]
+
+
+def image_bucket(path: str, size: tuple[int, int], ds: DatasetSpec, buckets: list[tuple[int, int]]) -> tuple[int, int]:
+    """The (w, h) bucket an image of `size` trains at in dataset `ds` (buckets: dataset_buckets(ds))."""
+    if not (ds.enable_bucket and ds.bucket_no_upscale):
+        return bucket_for(size, buckets)
+    bucket = bucket_without_upscale(size, ds.resolution[0] * ds.resolution[1], ds.bucket_reso_steps)
+    if min(bucket) == 0:
+        raise ValueError(f"{path}: image is {size[0]}x{size[1]}, smaller than "
+                         f"bucket_reso_steps {ds.bucket_reso_steps} (bucket_no_upscale is on)")
+    return bucket
 
 
 def split_validation(items: list[ImageItem], blueprint: DatasetBlueprint) -> tuple[list[ImageItem], list[ImageItem]]:

@@ -33,9 +33,15 @@ def to_8_bit(img: Image.Image, path: str) -> Image.Image:
 
 
 def load_rgb(path: str) -> Image.Image:
-    """The image at `path` as displayed (EXIF rotation applied), as 8-bit RGB."""
-    with Image.open(path) as img:
-        return to_8_bit(ImageOps.exif_transpose(img), path).convert("RGB")
+    """The image at `path` as displayed (EXIF rotation applied), as 8-bit RGB. Pixels that do not
+    decode (a truncated file, whose header still verifies) are one ValueError naming the file."""
+    try:
+        with Image.open(path) as img:
+            return to_8_bit(ImageOps.exif_transpose(img), path).convert("RGB")
+    except ValueError:  # to_8_bit's, naming the file already
+        raise
+    except Exception as e:  # PIL raises many kinds for broken files
+        raise ValueError(f"{path}: cannot be decoded as an image ({type(e).__name__}: {e})") from None
 
 
 def fit_to_bucket(img: Image.Image, bucket: tuple[int, int], flip: bool = False) -> Image.Image:

@@ -103,3 +103,19 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: str) -> None:
     with atomic_path(os.path.join(folder, "tokenizer.json")) as tmp:
         tokenizer.backend_tokenizer.save(tmp)
     write_text(os.path.join(folder, "tokenizer_config.json"), json.dumps(tokenizer_config(tokenizer), indent=2) + "\n")
+
+
+def folder_chat_template(tokenizer) -> str | None:
+    """The tokenizer's chat template, else the processor's saved beside it (chat_template.jinja, or
+    chat_template.json of processors saved by transformers 4.x)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.chat_template
+    folder = getattr(tokenizer, "name_or_path", "") or ""
+    jinja, legacy = os.path.join(folder, "chat_template.jinja"), os.path.join(folder, "chat_template.json")
+    if os.path.isfile(jinja):
+        with open(jinja) as f:
+            return f.read()
+    if os.path.isfile(legacy):
+        with open(legacy) as f:
+            return json.load(f).get("chat_template")
+    return None

@@ -154,6 +154,12 @@ class DiffusionFamily:
         options: what text_options() returns."""
         raise NotImplementedError
 
+    def caption_token_limit(self, args):
+        """-> library.data.check.TokenLimit: how the text encoder counts a caption's tokens and how
+        many it keeps (the dataset check warns about captions it cuts), from the tokenizer alone;
+        None where the encoder keeps every token."""
+        return None
+
     def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
         """(w, h) a reference image of `size` is fitted to when its target's bucket is `bucket`.
         Default: the target's bucket (FLUX.1 Kontext's rule)."""

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from library.data.captions import drops_captions
+from library.data.check import training_warnings, warn
 from library.data.dataset import (BucketBatchSampler, EpochBatches, ImageDataset, cache_empty_caption, cache_latents,
                                   cache_text, collate_batch, scan_images, split_validation)
 from library.data.controls import check_family_takes, check_prompt_controls, encode_prompts, reference_images
@@ -94,6 +95,8 @@ class DiffusionTask:
         train, held_out = split_validation(scan_images(bp, control_bucket=rule), bp)
         validation = held_out + scan_images(bp, held_out_sets=True, control_bucket=rule)
         check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls)
+        if self.accelerator.is_main_process:  # once, before caching; the scan warned about image sizes itself
+            warn(training_warnings(train + validation, self.family.caption_token_limit(self.args)))
         if validation:
             self.accelerator.print(f"validation: {len(validation)} images held out, {len(train)} for training")
         return (ImageDataset(bp, seed=self.args.seed, items=train),

@@ -47,6 +47,16 @@ class FluxFamily(DiffusionFamily):
     def model_version(self, model) -> str:
         return "flux1-dev" if model.guidance_in is not None else "flux1-schnell"
 
+    def caption_token_limit(self, args):
+        """T5-XXL's sequence is cut at t5_max_length tokens (its </s> included); CLIP-L's 77 only
+        feed the pooled vector, and are not counted."""
+        from library.data.check import TokenLimit
+        from library.io import component_folder
+        from library.models.text_encoders import _load_tokenizer
+
+        tokenizer = _load_tokenizer(component_folder(self.text_paths["t5xxl"], "text_encoder_2"), None, "tokenizer_2")
+        return TokenLimit("T5-XXL", self.text_options(args)["t5_max_length"], lambda text: len(tokenizer(text, verbose=False).input_ids))
+
     def load_text_encoder(self, precision="bf16", device=None, t5_max_length: int = 512):
         from library.models.text_encoders import encode_flux_prompts, encoder_precision, load_clip_l, load_t5
 

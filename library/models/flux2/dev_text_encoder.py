@@ -22,9 +22,9 @@ Outputs are float32 whatever dtype the weights run in.
 
 from __future__ import annotations
 
-import json
 import os
 
+from library.data.tokenizer import folder_chat_template
 from library.io import component_folder
 from library.models.flux2.text_encoder import KleinTextEncoder
 
@@ -48,22 +48,6 @@ def dev_messages(prompt: str, system_message: str = DEV_SYSTEM_MESSAGE) -> list[
     ]
 
 
-def folder_chat_template(tokenizer) -> str | None:
-    """The tokenizer's chat template, else the processor's saved beside it (chat_template.jinja, or
-    chat_template.json of processors saved by transformers 4.x)."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.chat_template
-    folder = getattr(tokenizer, "name_or_path", "") or ""
-    jinja, legacy = os.path.join(folder, "chat_template.jinja"), os.path.join(folder, "chat_template.json")
-    if os.path.isfile(jinja):
-        with open(jinja) as f:
-            return f.read()
-    if os.path.isfile(legacy):
-        with open(legacy) as f:
-            return json.load(f).get("chat_template")
-    return None
-
-
 def dev_prompt_text(tokenizer, prompt: str, template: str | None = None) -> str:
     """The text the pipeline's processor tokenizes for `prompt`."""
     if not template:
@@ -71,6 +55,13 @@ def dev_prompt_text(tokenizer, prompt: str, template: str | None = None) -> str:
                                      prompt=prompt.replace("[IMG]", ""))
     return tokenizer.apply_chat_template(dev_messages(prompt), chat_template=template, tokenize=False,
                                          add_generation_prompt=False)
+
+
+def adds_special_tokens(tokenizer, text: str) -> bool:
+    """Whether the processor lets the tokenizer add its special tokens to `text`: not when the
+    template wrote BOS already."""
+    bos = tokenizer.bos_token
+    return not (bos is not None and text.startswith(bos))
 
 
 class DevTextEncoder(KleinTextEncoder):
@@ -83,11 +74,9 @@ class DevTextEncoder(KleinTextEncoder):
 
     def tokenize(self, prompts: list[str]):
         texts = [dev_prompt_text(self.tokenizer, p, self.template) for p in prompts]
-        bos = self.tokenizer.bos_token
-        # The processor's rule, decided on the first text: a template that wrote BOS gets no second one.
-        add_special = not (bos is not None and texts[0].startswith(bos))
-        return self.tokenizer(texts, add_special_tokens=add_special, padding="max_length", truncation=True,
-                              max_length=self.max_length, return_tensors="pt")
+        # The processor's rule, decided on the first text.
+        return self.tokenizer(texts, add_special_tokens=adds_special_tokens(self.tokenizer, texts[0]), padding="max_length",
+                              truncation=True, max_length=self.max_length, return_tensors="pt")
 
 
 def load_dev_text_encoder(path: str, tokenizer: str | None = None, dtype=None, config=None, fp8: str | None = None,

@@ -71,6 +71,26 @@ class Flux2Family(DiffusionFamily):
         return {"hidden_layers": te.KLEIN_HIDDEN_LAYERS, "max_length": te.KLEIN_MAX_LENGTH,
                 "template": te.QWEN3_NO_THINKING_PROMPT}
 
+    def caption_token_limit(self, args):
+        """Both encoders cut the whole chat text (template included) at 512 tokens."""
+        from library.data.check import TokenLimit
+        from library.io import component_folder
+        from library.models.flux2 import dev_text_encoder as dev
+        from library.models.flux2 import text_encoder as te
+        from library.models.text_encoders import _load_tokenizer
+
+        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer")
+        if not self.is_dev():
+            return TokenLimit("Qwen3", te.KLEIN_MAX_LENGTH,
+                              lambda text: len(tokenizer(te.klein_prompt_text(tokenizer, text), verbose=False).input_ids))
+        template = dev.folder_chat_template(tokenizer)
+
+        def count(text: str) -> int:
+            chat = dev.dev_prompt_text(tokenizer, text, template)
+            return len(tokenizer(chat, add_special_tokens=dev.adds_special_tokens(tokenizer, chat), verbose=False).input_ids)
+
+        return TokenLimit("Mistral Small 3.1", dev.DEV_MAX_LENGTH, count)
+
     def load_text_encoder(self, precision="bf16", device=None):
         from library.models.flux2.dev_text_encoder import load_dev_text_encoder
         from library.models.flux2.text_encoder import load_klein_text_encoder

@@ -29,11 +29,9 @@ import os
 import torch
 from accelerate import init_empty_weights
 
+from library.data.vlm_inputs import IMAGE_TOKEN, VISION_TOKENS, expand_image_tokens, qwen_vl_inputs  # noqa: F401
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming
 from library.models.qwen_image.edit import EDIT, check_version
-
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-IMAGE_TOKEN = "<|image_pad|>"
 
 # Copied verbatim from diffusers' QwenImageEditPipeline / QwenImageEditPlusPipeline (prompt_template_encode).
 _SYSTEM = (
@@ -94,22 +92,14 @@ def mrope_position_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     return positions.to(input_ids.device)
 
 
-def expand_image_tokens(text: str, counts: list[int]) -> str:
-    """Each <|image_pad|> of `text`, in order, repeated counts[i] times (the image's merged patch
-    count), as Qwen2_5_VLProcessor expands them before tokenizing."""
-    parts = text.split(IMAGE_TOKEN)
-    if len(parts) - 1 != len(counts):
-        raise ValueError(f"{len(parts) - 1} {IMAGE_TOKEN} tokens in the prompt but {len(counts)} images")
-    return parts[0] + "".join(IMAGE_TOKEN * n + rest for n, rest in zip(counts, parts[1:]))
-
-
 class QwenImageEditTextEncoder:
     """encode(prompts, images) -> (embeds [B, T, D] float32, mask [B, T] bool); images[i] is the
     list of sample i's condition images (PIL, already sized for the VL encoder: edit_sizes().encoder).
 
     image_processor: transformers' Qwen2VLImageProcessor (pixel patches and grids); tokenizer: the
     Qwen2.5-VL tokenizer. Qwen2_5_VLProcessor bundles the two with a video processor, which needs
-    torchvision; the edit prompt never has video, so the image tokens are expanded here as it does."""
+    torchvision; the edit prompt never has video, so its inputs are built as it builds them
+    (library/data/vlm_inputs.py)."""
 
     def __init__(self, llm, visual, image_processor, tokenizer, version: str):
         self.llm, self.visual = llm.eval().requires_grad_(False), visual.eval().requires_grad_(False)
@@ -123,16 +113,8 @@ class QwenImageEditTextEncoder:
 
     def _inputs(self, texts: list[str], images: list[list]):
         """(input_ids, attention_mask, pixel_values or None, image_grid_thw or None) as the processor gives them."""
-        flat = [img for sample in images for img in sample]
-        pixels = grid = None
-        if flat:
-            vision = self.image_processor(images=flat, return_tensors="pt")
-            pixels, grid = vision["pixel_values"], vision["image_grid_thw"]
-            counts = (grid.prod(-1) // self.merge_size**2).tolist()
-            starts = [sum(len(s) for s in images[:i]) for i in range(len(images))]
-            texts = [expand_image_tokens(t, counts[a : a + len(s)]) for t, a, s in zip(texts, starts, images)]
-        tokens = self.tokenizer(texts, padding=True, return_tensors="pt")
-        return tokens["input_ids"], tokens["attention_mask"], pixels, grid
+        inputs = qwen_vl_inputs(texts, images, self.image_processor, self.tokenizer)
+        return inputs["input_ids"], inputs["attention_mask"], inputs.get("pixel_values"), inputs.get("image_grid_thw")
 
     @torch.no_grad()
     def encode(self, prompts: list[str], images: list[list]) -> tuple[torch.Tensor, torch.Tensor]:

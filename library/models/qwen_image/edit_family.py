@@ -111,6 +111,9 @@ class QwenImageEditFamily(QwenImageFamily):
         template = te.EDIT_PROMPT_TEMPLATE if self.version == "qwen-image-edit" else te.EDIT_PLUS_PROMPT_TEMPLATE
         return {"version": self.version, "template": template, "drop": te.EDIT_DROP_TOKENS}
 
+    def caption_token_limit(self, args):
+        return None  # the edit pipelines tokenize without truncation: every token is kept
+
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         """The transformer; a single file gets the version's config flags (its shapes give the rest)."""
         from library.io import CheckpointReader

@@ -28,6 +28,17 @@ class QwenImageFamily(DiffusionFamily):
         return {"template": te.QWEN_IMAGE_PROMPT_TEMPLATE, "drop": te.QWEN_IMAGE_DROP_TOKENS,
                 "max_tokens": te.QWEN_IMAGE_MAX_TOKENS}
 
+    def caption_token_limit(self, args):
+        """The pipeline keeps 1024 tokens after the template's 34 leading ones (caption + the
+        template's end)."""
+        from library.data.check import TokenLimit
+        from library.io import component_folder
+        from library.models import text_encoders as te
+
+        tokenizer = te._load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer")
+        return TokenLimit("Qwen2.5-VL", te.QWEN_IMAGE_MAX_TOKENS, lambda text: len(
+            tokenizer(te.QWEN_IMAGE_PROMPT_TEMPLATE.format(text), verbose=False).input_ids) - te.QWEN_IMAGE_DROP_TOKENS)
+
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         from library.models.qwen_image.model import load_qwen_image
 

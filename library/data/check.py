@@ -1,0 +1,298 @@
+"""What a dataset TOML will train, found before anything is cached: per subset its images, their
+sizes and buckets, and every problem, each one line naming the file and what was expected.
+
+Severities:
+- error: training stops on it (scan_images, or caching for pixels it refuses, raises that message
+  at the first such file; the check lists them all): an unreadable or undecodable image, a missing,
+  empty or non-UTF-8 caption, a missing or mis-sized mask, a missing reference of an edit dataset,
+  two images of one name;
+- warning: training goes on with data that is not what it seems: an image of a bad size for the
+  buckets (dataset.bad_size: upscaled or cropped, or skipped with skip_bad_size_images), a caption
+  longer than the text encoder keeps (TokenLimit: the rest is cut), the same file twice (content
+  hash, across subsets and validation sets: a duplicate in a validation set is a leak);
+- note: handled, counted per subset: CMYK converted to RGB, 16-bit grey scaled to 8 bits
+  (images.to_8_bit), no caption file (trains on class_tokens), no alpha channel with alpha_mask.
+
+tools/check_dataset.py prints the whole report. train_lora.py (DiffusionTask) scans the dataset
+itself, which raises the errors and warns about sizes; before caching it warns, once, about what
+that scan does not look at (training_warnings: duplicates and cut captions) through warn().
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Callable
+
+from PIL import Image
+
+from library.data.captions import fixed_caption
+from library.data.controls import check_control_count, control_files, find_controls
+from library.data.dataset import _image_files, bad_size, dataset_buckets, image_bucket, read_caption
+from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
+from library.data.images import IMAGE_EXTENSIONS, WIDE_GREY_MODES, load_rgb, verified_image_size
+from library.data.masks import find_mask, has_alpha
+
+
+@dataclass
+class TokenLimit:
+    """How a family's text encoder sees a caption: count(caption) -> its tokens as the encoder
+    counts them (template included where the encoder keeps it), max_tokens of them are kept."""
+
+    encoder: str  # "T5-XXL", ...
+    max_tokens: int
+    count: Callable[[str], int]
+
+
+@dataclass
+class Problem:
+    severity: str  # "error" | "warning"
+    kind: str  # image, pixels, caption, tokens, size, bucket, mask, reference, duplicate, folder
+    message: str  # one line naming the file
+
+    def line(self) -> str:
+        return f"{self.severity}: {self.message}"
+
+
+@dataclass
+class SubsetReport:
+    section: str  # where it is in the TOML: "datasets 1, subset 2"
+    image_dir: str
+    images: int = 0  # image files found
+    trained: int = 0  # of them, the ones training uses
+    sizes: Counter = field(default_factory=Counter)  # "WxH" -> images (as displayed)
+    buckets: Counter = field(default_factory=Counter)  # "WxH" -> images
+    tokens: list[int] = field(default_factory=list)  # per caption, when a TokenLimit counted them
+    problems: list[Problem] = field(default_factory=list)
+    notes: dict[str, list[str]] = field(default_factory=dict)  # what was handled -> the files
+
+    def add(self, severity: str, kind: str, message: str) -> None:
+        self.problems.append(Problem(severity, kind, message))
+
+    def note(self, what: str, path: str) -> None:
+        self.notes.setdefault(what, []).append(path)
+
+    def to_json(self) -> dict:
+        return {**{k: getattr(self, k) for k in ("section", "image_dir", "images", "trained", "tokens", "notes")},
+                "sizes": dict(self.sizes), "buckets": dict(self.buckets), "problems": [asdict(p) for p in self.problems]}
+
+
+@dataclass
+class DatasetReport:
+    source: str
+    subsets: list[SubsetReport]
+    token_check: str  # what caption lengths were counted with, or why they were not
+
+    def problems(self) -> list[Problem]:
+        return [p for s in self.subsets for p in s.problems]
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "token_check": self.token_check, "subsets": [s.to_json() for s in self.subsets],
+                "errors": sum(p.severity == "error" for p in self.problems()),
+                "warnings": sum(p.severity == "warning" for p in self.problems())}
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks shared by the report and training
+
+
+def content_hashes(paths) -> dict[str, str]:
+    """sha256 of each distinct file's bytes."""
+    hashes = {}
+    for path in dict.fromkeys(paths):
+        with open(path, "rb") as f:
+            hashes[path] = hashlib.file_digest(f, "sha256").hexdigest()
+    return hashes
+
+
+def duplicate_problems(paths) -> list[tuple[str, Problem]]:
+    """(path, warning) for every file whose bytes equal an earlier one's (the same path twice is
+    one file: two subsets over one folder are not duplicates)."""
+    first: dict[str, str] = {}
+    found = []
+    for path, digest in content_hashes(paths).items():
+        if digest in first:
+            found.append((path, Problem("warning", "duplicate", f"{path}: the same file as {first[digest]}")))
+        else:
+            first[digest] = path
+    return found
+
+
+def caption_tokens(image_path: str, subset: SubsetSpec, caption: str, limit: TokenLimit) -> tuple[int, Problem | None]:
+    """(tokens of the caption as trained, a warning when the encoder cuts it)."""
+    n = limit.count(fixed_caption(caption, subset))
+    if n <= limit.max_tokens:
+        return n, None
+    caption_file = os.path.splitext(image_path)[0] + subset.caption_extension
+    where = caption_file if os.path.exists(caption_file) else f"{image_path} (class_tokens)"
+    return n, Problem("warning", "tokens", f"{where}: caption is {n} {limit.encoder} tokens; the encoder keeps "
+                                           f"{limit.max_tokens}, the rest is cut")
+
+
+def training_warnings(items, limit: TokenLimit | None) -> list[Problem]:
+    """What the training scan (scan_images) does not warn about itself, for its ImageItems: files
+    that are the same image, and captions the text encoder cuts."""
+    problems = [p for _, p in duplicate_problems(item.image_path for item in items)]
+    if limit is None:
+        return problems
+    captions = {(item.image_path, id(item.subset)): item for item in items}  # one image in two subsets: two captions
+    cut = (caption_tokens(item.image_path, item.subset, item.caption, limit)[1] for item in captions.values())
+    return problems + [p for p in cut if p]
+
+
+def warn(problems: list[Problem]) -> None:
+    """The channel the dataset scan warns through (Python warnings, printed to stderr)."""
+    for p in problems:
+        warnings.warn(p.message, stacklevel=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole report
+
+
+def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
+                  token_check: str = "not counted (no tokenizer)") -> DatasetReport:
+    """Every subset of the training and validation datasets, checked image by image, plus
+    duplicates across all of them."""
+    subsets, where = [], {}  # where: image path -> the report of its first subset
+    sections = [("datasets", blueprint.datasets), ("validation_datasets", blueprint.validation_datasets)]
+    for name, datasets in sections:
+        for di, ds in enumerate(datasets, start=1):
+            for si, subset in enumerate(ds.subsets, start=1):
+                report = SubsetReport(f"{name} {di}, subset {si}", subset.image_dir)
+                for path in check_subset(report, ds, subset, limit):
+                    where.setdefault(path, report)
+                subsets.append(report)
+    for path, problem in duplicate_problems(where):
+        where[path].problems.append(problem)
+    return DatasetReport(blueprint.source, subsets, f"{limit.encoder}, {limit.max_tokens} tokens kept" if limit
+                         else token_check)
+
+
+def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None) -> list[str]:
+    """Fill `report` for one subset; returns the readable images' paths (for the duplicate check)."""
+    try:
+        paths = _image_files(subset.image_dir)
+    except ValueError as e:  # no folder, no images, or two images of one name (then check them anyway)
+        report.add("error", "folder", str(e))
+        if not os.path.isdir(subset.image_dir):
+            return []
+        paths = [os.path.join(subset.image_dir, f) for f in sorted(os.listdir(subset.image_dir))
+                 if f.lower().endswith(IMAGE_EXTENSIONS)]
+    report.images = len(paths)
+    controls = control_files(subset.control_directory) if subset.control_directory else None
+    buckets, readable, first_paired = dataset_buckets(ds), [], None
+    for path in paths:
+        size = check_pixels(report, path)
+        if size is None:
+            continue
+        readable.append(path)
+        problem = bad_size(size, ds)
+        if problem:
+            report.add("warning", "size", f"{path}: {problem}" + ("; skipped (skip_bad_size_images)"
+                                                                    if subset.skip_bad_size_images else ""))
+            if subset.skip_bad_size_images:  # training never looks at it again
+                continue
+        try:
+            report.buckets["{}x{}".format(*image_bucket(path, size, ds, buckets))] += 1
+        except ValueError as e:
+            report.add("error", "bucket", str(e))
+        report.trained += 1
+        report.sizes["{}x{}".format(*size)] += 1
+        check_caption(report, path, subset, limit)
+        check_mask(report, path, subset, size)
+        if controls is not None:
+            first_paired = check_references(report, path, subset, controls, first_paired)
+    if paths and not report.trained and readable and subset.skip_bad_size_images:
+        report.add("error", "folder", f"{subset.image_dir}: every image is skipped (skip_bad_size_images)")
+    return readable
+
+
+def check_pixels(report: SubsetReport, path: str) -> tuple[int, int] | None:
+    """The image's size when it reads and decodes as training reads it (load_rgb), else None and
+    an error; CMYK and 16-bit grey are noted (converted, scaled)."""
+    try:
+        size = verified_image_size(path)
+        with Image.open(path) as img:
+            mode = img.mode
+        load_rgb(path)  # the whole decode, as caching does: a truncated file or refused pixels fail here
+    except ValueError as e:  # each names the file
+        report.add("error", "image", str(e))
+        return None
+    if mode == "CMYK":
+        report.note("CMYK images, converted to RGB (without their colour profile)", path)
+    elif mode in WIDE_GREY_MODES:
+        report.note("16-bit grey images, scaled to 8 bits", path)
+    return size
+
+
+def check_caption(report: SubsetReport, path: str, subset: SubsetSpec, limit: TokenLimit | None) -> None:
+    try:
+        caption = read_caption(path, subset)
+    except ValueError as e:  # missing, empty, not UTF-8
+        report.add("error", "caption", str(e))
+        return
+    if not os.path.exists(os.path.splitext(path)[0] + subset.caption_extension):
+        report.note(f"images without a caption file, trained on class_tokens {subset.class_tokens!r}", path)
+    if limit is not None:
+        tokens, problem = caption_tokens(path, subset, caption, limit)
+        report.tokens.append(tokens)
+        if problem:
+            report.problems.append(problem)
+
+
+def check_mask(report: SubsetReport, path: str, subset: SubsetSpec, size: tuple[int, int]) -> None:
+    try:
+        find_mask(path, subset, size)
+    except ValueError as e:  # missing, unreadable, or not the image's size
+        report.add("error", "mask", str(e))
+    if subset.alpha_mask and not has_alpha(path):
+        report.note("images without an alpha channel (alpha_mask): trained everywhere", path)
+
+
+def check_references(report: SubsetReport, path: str, subset: SubsetSpec, controls: dict, first):
+    """An edit dataset's references of `path`: found, readable, as many as the subset's first
+    image has. Returns the subset's first paired image (what the others are compared with)."""
+    try:
+        paired = SimpleNamespace(image_path=path, control_paths=find_controls(path, subset.control_directory, controls))
+        for reference in paired.control_paths:
+            verified_image_size(reference)
+        check_control_count(paired, first or paired)
+    except ValueError as e:
+        report.add("error", "reference", str(e))
+        return first
+    return first or paired
+
+
+# ----------------------------------------------------------------------------------------------
+# Text
+
+
+def report_text(report: DatasetReport) -> str:
+    lines = [f"{report.source}: {len(report.subsets)} subsets; caption tokens: {report.token_check}"]
+    for s in report.subsets:
+        lines.append(f"{s.section}: {s.image_dir}")
+        lines.append(f"  images: {s.images}, trained: {s.trained}" + (f" ({s.images - s.trained} unreadable or skipped)"
+                                                                      if s.images > s.trained else ""))
+        if s.sizes:
+            lines.append(f"  sizes: {_histogram(s.sizes)}")
+            lines.append(f"  buckets: {_histogram(s.buckets)}")
+        if s.tokens:
+            lines.append(f"  caption tokens: {min(s.tokens)}..{max(s.tokens)}")
+        lines += [f"  {p.line()}" for p in s.problems]
+        lines += [f"  note: {len(files)} {what} (first {files[0]})" for what, files in s.notes.items()]
+    problems = report.problems()
+    errors = sum(p.severity == "error" for p in problems)
+    lines.append(f"{errors} errors, {len(problems) - errors} warnings"
+                 + (": training stops at the first error" if errors else ""))
+    return "\n".join(lines)
+
+
+def _histogram(counts: Counter, most: int = 8) -> str:
+    common = counts.most_common(most)
+    rest = sum(counts.values()) - sum(n for _, n in common)
+    return ", ".join(f"{k} x{n}" for k, n in common) + (f", {rest} more in {len(counts) - most} others" if rest else "")

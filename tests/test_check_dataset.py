@@ -1,0 +1,249 @@
+"""The dataset check (library/data/check.py, tools/check_dataset.py) on a fixture with one of each
+problem, built here from tiny PIL images; the warnings train_lora.py adds before caching; a truncated
+image in training."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import train_lora
+from library.data import check
+from library.data.dataset_config import load_dataset_config
+from tests.test_dataset import make_image
+from tests.test_reliability import copy_dataset, files_under, flux_args, one_error_line
+from tests.test_reliability_inputs import MID_GREY_16, png16
+from tools import check_dataset
+
+LONG_CAPTION = "a very long caption " * 10  # 40 words: beyond the 16 tokens the fixture's tokenizer limit keeps
+
+
+def truncated_jpeg(path) -> str:
+    """A JPEG of noise cut in half: its header verifies (what the training scan checks), its pixels do not decode."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.random.RandomState(0).randint(0, 256, (48, 64, 3), dtype=np.uint8)).save(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return str(path)
+
+
+def one_of_each(root) -> str:
+    """A dataset TOML whose images have one problem each (the names say which); returns its path."""
+    a, masks, b, refs, val = (root / d for d in ("a", "masks", "b", "refs", "val"))
+    colours = iter(range(10, 250, 7))  # every image its own colour: no accidental duplicates
+
+    def image(folder, name, w=64, h=48, caption="a red circle", mask=True):
+        path = make_image(folder / name, w, h, (next(colours), 40, 40))
+        if caption is not None:
+            (folder / name).with_suffix(".txt").write_text(caption)
+        if mask:
+            Image.new("L", (w, h), 255).save(masks / (os.path.splitext(name)[0] + ".png"))
+        return path
+
+    masks.mkdir(parents=True)
+    good = image(a, "good.png")
+    image(a, "small.png", 1, 1)  # warning: size
+    (a / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot an image")  # error: image (unreadable)
+    truncated_jpeg(a / "truncated.jpg")  # error: image (does not decode)
+    Image.new("RGB", (64, 48), (5, 200, 5)).convert("CMYK").save(a / "cmyk.jpg")  # note: CMYK
+    (a / "cmyk.txt").write_text("a green field")
+    Image.new("L", (64, 48), 255).save(masks / "cmyk.png")
+    png16(a / "grey16.png", np.full((48, 64), MID_GREY_16, dtype=np.uint16))  # note: 16-bit
+    (a / "grey16.txt").write_text("grey")
+    Image.new("L", (64, 48), 255).save(masks / "grey16.png")
+    image(a, "no_caption.png", caption=None)  # error: caption (missing)
+    image(a, "empty_caption.png", caption="")  # error: caption (empty)
+    image(a, "bad_utf8.png")
+    (a / "bad_utf8.txt").write_bytes(b"a red \xff circle")  # error: caption (not UTF-8)
+    image(a, "long_caption.png", caption=LONG_CAPTION)  # warning: tokens
+    shutil.copy(good, a / "good_copy.png")  # warning: duplicate
+    (a / "good_copy.txt").write_text("the same")
+    Image.new("L", (64, 48), 255).save(masks / "good_copy.png")
+    image(a, "mask_size.png", mask=False)
+    Image.new("L", (32, 32), 255).save(masks / "mask_size.png")  # error: mask (size)
+    image(a, "no_mask.png", mask=False)  # error: mask (missing)
+    image(b, "paired.png", mask=False)
+    image(refs, "paired.png", caption=None, mask=False)
+    image(b, "unpaired.png", mask=False)  # error: reference (missing)
+    val.mkdir()
+    shutil.copy(good, val / "leak.png")  # warning: duplicate (training -> validation)
+    (val / "leak.txt").write_text("a red circle")
+    toml = root / "dataset.toml"
+    toml.write_text(
+        "[general]\nresolution = 64\nenable_bucket = true\nmin_bucket_reso = 32\nmax_bucket_reso = 128\n"
+        "bucket_reso_steps = 16\n"
+        f'[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{a}"\nmask_dir = "{masks}"\n'
+        f'[[datasets.subsets]]\nimage_dir = "{b}"\ncontrol_directory = "{refs}"\n'
+        f'[[validation_datasets]]\n[[validation_datasets.subsets]]\nimage_dir = "{val}"\n'
+    )
+    return str(toml)
+
+
+EXPECTED = [  # (severity, kind, file): the fixture's problems in report order
+    ("error", "image", "broken.png"), ("error", "caption", "empty_caption.txt"), ("error", "caption", "bad_utf8.txt"),
+    ("error", "mask", "mask_size.png"), ("error", "caption", "no_caption.png"), ("error", "mask", "no_mask.png"),
+    ("warning", "size", "small.png"), ("error", "image", "truncated.jpg"), ("warning", "tokens", "long_caption.txt"),
+    ("warning", "duplicate", "good_copy.png"), ("error", "reference", "unpaired.png"), ("warning", "duplicate", "leak.png"),
+]
+
+
+def found(report) -> list[tuple[str, str, str]]:
+    return [(p.severity, p.kind, os.path.basename(p.message.split(": ")[0])) for p in report.problems()]
+
+
+def test_check_finds_one_of_each_problem(tmp_path):
+    toml = one_of_each(tmp_path)
+    limit = check.TokenLimit("whitespace", 16, lambda text: len(text.split()))
+    report = check.check_dataset(load_dataset_config(toml), limit)
+    assert sorted(found(report)) == sorted(EXPECTED)
+    truncated = next(p.message for p in report.problems() if "truncated.jpg" in p.message)
+    assert truncated.endswith("truncated.jpg: cannot be decoded as an image (OSError: image file is truncated "
+                              "(151 bytes not processed))"), truncated
+    a, b, val = report.subsets
+    assert (a.images, a.trained, b.images, b.trained, val.images, val.trained) == (13, 11, 2, 2, 1, 1)
+    assert a.buckets == {"80x48": 10, "64x64": 1} and a.sizes == {"64x48": 10, "1x1": 1}  # the 1x1 is upscaled
+    notes = {what.split(",")[0]: [os.path.basename(f) for f in files] for what, files in a.notes.items()}
+    assert notes == {"CMYK images": ["cmyk.jpg"], "16-bit grey images": ["grey16.png"]}
+    messages = {p.kind + os.path.basename(p.message.split(": ")[0]): p.message for p in report.problems()}
+    assert messages["tokenslong_caption.txt"].endswith(": caption is 40 whitespace tokens; the encoder keeps 16, the rest is cut")
+    assert messages["duplicateleak.png"] == f"{tmp_path / 'val' / 'leak.png'}: the same file as {tmp_path / 'a' / 'good.png'}"
+    assert messages["maskmask_size.png"].endswith(f"mask is 32x32, its image {tmp_path / 'a' / 'mask_size.png'} is 64x48")
+
+
+def test_check_tool_report_json_and_strict(tmp_path, capsys):
+    toml = one_of_each(tmp_path)
+    assert check_dataset.main([toml]) == 0
+    out = capsys.readouterr().out
+    assert "caption tokens: not counted (no tokenizer: pass --config_file or --tokenizer)" in out
+    assert "datasets 1, subset 1: " in out and "buckets: 80x48 x10, 64x64 x1" in out
+    assert "8 errors, 3 warnings: training stops at the first error" in out  # no tokenizer: no token warning
+    assert check_dataset.main([toml, "--json", "--strict"]) == 1
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert (data["errors"], data["warnings"]) == (8, 3) and len(data["subsets"]) == 3
+    lines = captured.err.splitlines()
+    assert len(lines) == 11 and all(line.startswith(("error: ", "warning: ")) for line in lines)
+
+
+def t5_tokens(tiny_set, text: str) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(tiny_set["t5xxl"])(text, verbose=False).input_ids)
+
+
+def test_check_tool_counts_caption_tokens_with_a_tokenizer_or_a_training_config(tiny_set, tmp_path, capsys):
+    toml = one_of_each(tmp_path)
+    assert check_dataset.main([toml, "--tokenizer", tiny_set["t5xxl"], "--max_tokens", "16", "--strict"]) == 1
+    n = t5_tokens(tiny_set, LONG_CAPTION.strip())  # as read: caption files are stripped
+    assert (f"warning: {tmp_path / 'a' / 'long_caption.txt'}: caption is {n} t5xxl tokenizer tokens; the encoder keeps "
+            f"16, the rest is cut") in capsys.readouterr().err.splitlines()
+    cfg = copy_dataset(tiny_set, tmp_path / "run", lambda d: (d / "000.txt").write_text("word " * 600))
+    config = tmp_path / "run.toml"
+    config.write_text(f'model_type = "flux"\npretrained_model_name_or_path = "{tiny_set["flux_bfl"]}"\n'
+                      f'ae = "{tiny_set["flux_vae_single"]}"\nclip_l = "{tiny_set["clip_l"]}"\n'
+                      f't5xxl = "{tiny_set["t5xxl"]}"\ndataset_config = "{cfg}"\n')
+    assert check_dataset.main(["--config_file", str(config), "--strict"]) == 1
+    captured = capsys.readouterr()
+    assert "caption tokens: T5-XXL, 512 tokens kept" in captured.out
+    n = t5_tokens(tiny_set, ("word " * 600).strip())  # the tiny T5's vocabulary splits "word": n > 600
+    assert captured.err.splitlines() == [f"warning: {tmp_path / 'run' / 'images' / '000.txt'}: caption is {n} T5-XXL "
+                                         f"tokens; the encoder keeps 512, the rest is cut"]
+
+
+def test_check_tool_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "bad.toml").write_text("[[datasets]]\nresolution = 64\nbogus = 1\n")
+    for argv, fragment in (([str(tmp_path / "bad.toml")], "unknown key 'bogus'"),
+                           ([str(tmp_path / "none.toml")], "no such dataset config file"),
+                           ([], "no dataset: give a dataset TOML or --config_file"),
+                           ([str(tmp_path / "bad.toml"), "--max_tokens", "5"], "--max_tokens needs --tokenizer")):
+        line = one_error_line(capsys, check_dataset.main(argv))
+        assert fragment in line, line
+
+
+def test_training_warns_once_before_caching_about_duplicates_and_cut_captions(tiny_set, tmp_path, monkeypatch):
+    """The check's warnings train_lora adds (the scan warns about sizes itself, not again here)."""
+    from library.training import diffusion_task
+
+    def mutate(images):
+        shutil.copy(images / "001.png", images / "copy.png")
+        (images / "copy.txt").write_text(LONG_CAPTION)  # beyond the quickstart's t5xxl_max_token_length 32
+        make_image(images / "strip.png", 512, 16, (1, 2, 3))  # a bad size: the scan's own warning
+        (images / "strip.txt").write_text("a strip")
+
+    cfg = copy_dataset(tiny_set, tmp_path / "data", mutate)
+    events, warn, cache = [], diffusion_task.warn, diffusion_task.cache_latents
+    monkeypatch.setattr(diffusion_task, "warn", lambda problems: (events.append([p.message for p in problems]),
+                                                                  warn(problems)))
+    monkeypatch.setattr(diffusion_task, "cache_latents", lambda *a, **k: (events.append("caching"), cache(*a, **k))[1])
+    with pytest.warns(UserWarning) as caught:
+        assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--dataset_config", cfg)) == 0
+    images = tmp_path / "data" / "images"
+    expected = [f"{images / 'copy.png'}: the same file as {images / '001.png'}",
+                f"{images / 'copy.txt'}: caption is {t5_tokens(tiny_set, LONG_CAPTION.strip())} T5-XXL tokens; the encoder keeps 32, "
+                f"the rest is cut"]
+    assert events == [expected, "caching"]
+    messages = [str(w.message) for w in caught]
+    assert all(messages.count(m) == 1 for m in expected)
+    assert sum("strip.png: 512x16" in m for m in messages) == 1  # the scan's size warning, not repeated by the check
+
+
+def test_a_truncated_image_is_one_error_line_naming_it(tiny_set, tmp_path, capsys):
+    """Its header verifies, so the scan takes it; caching decodes it: the error names the file."""
+    cfg = copy_dataset(tiny_set, tmp_path / "data", lambda d: truncated_jpeg(d / "bad.jpg") and
+                       (d / "bad.txt").write_text("a cut file"))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--dataset_config", cfg)))
+    assert f"{tmp_path / 'data' / 'images' / 'bad.jpg'}: cannot be decoded as an image (OSError: image file is " \
+           f"truncated" in line, line
+    assert files_under(out) == []
+
+
+def encoder_kept_tokens(name: str, tiny_set):
+    """(the family, kept(caption) -> how many of the caption's tokens its text encoder keeps)."""
+    from library.models.flux1.family import FluxFamily
+    from library.models.flux2 import dev_text_encoder, text_encoder
+    from library.models.flux2.family import Flux2Family
+    from library.models.qwen_image.family import QwenImageFamily
+    from library.models.text_encoders import load_qwen_image_text_encoder
+
+    if name == "qwen_image":
+        encoder = load_qwen_image_text_encoder(tiny_set["qwen_image_text_encoder"])
+        return (QwenImageFamily(tiny_set["qwen_image"], None, text_encoder=tiny_set["qwen_image_text_encoder"]),
+                lambda caption: int(encoder.encode([caption])[1].sum()))
+    if name == "flux":
+        family = FluxFamily(tiny_set["flux_bfl"], None, clip_l=tiny_set["clip_l"], t5xxl=tiny_set["t5xxl"])
+        from library.models.text_encoders import load_t5
+
+        t5 = load_t5(tiny_set["t5xxl"])
+        return family, lambda caption: int(t5.tokenizer([caption], padding="max_length", max_length=512,
+                                                        truncation=True, return_tensors="pt")["attention_mask"].sum())
+    dev = name == "flux2_dev"
+    path = tiny_set["flux2_dev_text_encoder" if dev else "flux2_text_encoder"]
+    encoder = (dev_text_encoder.load_dev_text_encoder if dev else text_encoder.load_klein_text_encoder)(path)
+    family = Flux2Family(tiny_set["flux2_dev_tiny" if dev else "flux2_tiny"], None, text_encoder=path)
+    return family, lambda caption: int(encoder.tokenize([caption])["attention_mask"].sum())
+
+
+@pytest.mark.parametrize("name", ["flux", "qwen_image", "flux2", "flux2_dev"])
+def test_caption_token_limits_count_as_the_text_encoders_do(tiny_set, name):
+    """A short caption counts exactly the tokens the encoder keeps (its template's included where it
+    keeps them); a long one counts more than the limit, and the encoder keeps the limit."""
+    from types import SimpleNamespace
+
+    family, kept = encoder_kept_tokens(name, tiny_set)
+    limit = family.caption_token_limit(SimpleNamespace(t5xxl_max_token_length=None))
+    assert limit.max_tokens == {"flux": 512, "qwen_image": 1024, "flux2": 512, "flux2_dev": 512}[name]
+    short, long = "a red circle on a white background", "a red circle on a white background " * 150
+    assert limit.count(short) == kept(short) < limit.max_tokens
+    assert limit.count(long) > limit.max_tokens == kept(long)
+
+
+def test_edit_families_keep_every_token():
+    from library.models.qwen_image.edit import EDIT_2509
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+
+    assert QwenImageEditFamily("unused", model_version=EDIT_2509, text_encoder="unused").caption_token_limit(None) is None

@@ -1,0 +1,109 @@
+"""Check a dataset before training on it: per subset the images, their sizes and buckets, and every
+problem, each one line naming the file (library/data/check.py says what is an error, a warning, a note).
+
+    python tools/check_dataset.py dataset.toml                         # images, captions, masks, references
+    python tools/check_dataset.py --config_file my_run.toml            # its dataset_config, and caption
+                                                                       # tokens against its text encoder
+    python tools/check_dataset.py dataset.toml --tokenizer t5xxl --max_tokens 512
+    python tools/check_dataset.py dataset.toml --strict --json         # exit 1 on any error or warning
+
+Caption lengths are counted only with a tokenizer: a training config's (its model_type's text
+encoder, the template and limit it applies) or --tokenizer FOLDER (the caption alone, --max_tokens,
+default the tokenizer's model_max_length). Every image is decoded whole, as caching will.
+The report goes to stdout (--json: one JSON object). --strict: each error and warning also as one
+line on stderr and exit status 1 when there is any. A config that cannot be read: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a script: make `library` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.cli import Parser, check_command_line, one_line  # noqa: E402
+
+
+def build_parser() -> Parser:
+    p = Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dataset_config", nargs="?", default=None, help="dataset TOML (default: the --config_file's)")
+    p.add_argument("--config_file", default=None, help="a train_lora.py config: its dataset and text encoder's tokenizer")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer folder to count caption tokens with")
+    p.add_argument("--max_tokens", type=int, default=None, help="with --tokenizer: tokens the encoder keeps")
+    p.add_argument("--strict", action="store_true", help="exit 1 on any error or warning, one line each on stderr")
+    p.add_argument("--json", action="store_true", help="the report as one JSON object")
+    return p
+
+
+# The arguments are checked before the library loads: --help and a bad flag answer at once.
+if __name__ == "__main__":
+    check_command_line(build_parser)
+
+
+def training_config(path: str):
+    """The training config's arguments (validated as train_lora.py validates them)."""
+    from library.training.config import load_config
+
+    args = load_config(["--config_file", path])
+    if args.model_type == "llm":
+        raise ValueError(f"{path}: model_type llm trains on text files; it has no image dataset to check")
+    return args
+
+
+def token_limit(args, config) -> tuple[object, str]:
+    """(TokenLimit or None, what the report says about caption tokens); config: the training config's
+    arguments, if one was given."""
+    if config is not None:
+        from library.models.family import get_family
+
+        family = get_family(config)
+        return family.caption_token_limit(config), f"not counted: model_type {family.name}'s text encoder keeps every token"
+    if not args.tokenizer:
+        return None, "not counted (no tokenizer: pass --config_file or --tokenizer)"
+    from transformers import AutoTokenizer
+
+    from library.data.check import TokenLimit
+
+    if not os.path.isdir(args.tokenizer):
+        raise ValueError(f"--tokenizer {args.tokenizer}: no such folder")
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    limit = args.max_tokens or tokenizer.model_max_length
+    if limit > 1_000_000:  # transformers' "no limit"
+        raise ValueError(f"--tokenizer {args.tokenizer}: the tokenizer sets no model_max_length; pass --max_tokens")
+    return TokenLimit(f"{os.path.basename(os.path.normpath(args.tokenizer))} tokenizer", limit,
+                      lambda text: len(tokenizer(text, verbose=False).input_ids)), ""
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if args.tokenizer and args.config_file:
+            raise ValueError("--tokenizer and --config_file both given; the config's text encoder sets the tokenizer")
+        if args.max_tokens is not None and not args.tokenizer:
+            raise ValueError("--max_tokens needs --tokenizer")
+        config = training_config(args.config_file) if args.config_file else None
+        dataset = args.dataset_config or (config.dataset_config if config else None)
+        if not dataset:
+            raise ValueError("no dataset: give a dataset TOML or --config_file (with dataset_config)")
+        from library.data.check import check_dataset, report_text
+        from library.data.dataset_config import load_dataset_config
+
+        blueprint = load_dataset_config(dataset)
+        limit, why = token_limit(args, config)
+        report = check_dataset(blueprint, limit, why)
+    except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
+        print(one_line(e), file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_json(), indent=2) if args.json else report_text(report))
+    problems = report.problems()
+    if args.strict and problems:
+        for problem in problems:
+            print(problem.line(), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
