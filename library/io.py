@@ -12,6 +12,7 @@ keeps two processes from writing the same outputs.
 from __future__ import annotations
 
 import contextlib
+import csv
 import dataclasses
 import errno
 import json
@@ -27,6 +28,8 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 from safetensors.torch import save_file
+
+from library.text_files import read_utf8  # noqa: F401  (re-exported: the loaders import it from here)
 
 
 class CheckpointError(ValueError):
@@ -253,16 +256,28 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 @contextlib.contextmanager
-def naming_a_full_disk(path: str):
-    """A write of `path` that runs out of space raises DiskFullError naming `path` (the callers
-    remove their temporaries; whatever was under `path` before is still there)."""
+def naming_a_full_disk(path: str, kept: str = "the previous one is kept"):
+    """A write of `path` that runs out of space raises DiskFullError naming `path` and saying what
+    is `kept` of it (the callers remove their temporaries; whatever was under `path` before is
+    still there)."""
     try:
         yield
     except OSError as e:
         if not isinstance(e, DiskFullError) and e.errno not in NO_SPACE:
             raise
-        kept = "the previous one is kept" if os.path.exists(path) else "nothing was written"
+        kept = kept if os.path.exists(path) else "nothing was written"
         raise DiskFullError(f"{path}: cannot be written, no space left on device ({kept})") from None
+
+
+def append_csv_row(path: str, row: list, header: list[str] | None = None) -> None:
+    """Append `row` to the CSV log `path`; a `header` starts the file anew. A full disk is one
+    DiskFullError naming the log (an append cannot be atomic: the rows before it are kept)."""
+    mode = "a" if header is None else "w"
+    with naming_a_full_disk(path, "the rows logged before are kept"), open(path, mode, newline="") as f:
+        writer = csv.writer(f)
+        if header is not None:
+            writer.writerow(header)
+        writer.writerow(row)
 
 
 @contextlib.contextmanager
@@ -386,20 +401,6 @@ def write_text(path: str, text: str):
     with atomic_path(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:  # what read_utf8 reads back, whatever the locale
             f.write(text)
-
-
-def read_utf8(path: str, what: str = "text file") -> str:
-    """The text of a UTF-8 file, newlines as open() reads them (\\r\\n and \\r become \\n). Bytes that
-    are not UTF-8 are one ValueError naming the file and the offset of the first (a text-mode read's
-    error names no file, and its position counts from the chunk it was decoding)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: {what} is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} "
-                         f"({e.reason}); save it as UTF-8") from None
-    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 # -- transformer files in their two release layouts ----------------------------------------------

@@ -48,6 +48,11 @@ def truncated_lora(tmp):
     return ["--lora", str(tmp / "cut.safetensors")], ["cut.safetensors: tensor '", "truncated or not safetensors"]
 
 
+def out_is_a_file(tmp):
+    (tmp / "taken.png").write_bytes(b"an image")
+    return ["--out", str(tmp / "taken.png")], [f"--out {tmp / 'taken.png'}: is a file, expected a folder"]
+
+
 CASES = {
     "lora_ratio_nan": lambda tmp: lora_ratio(tmp, "nan"),
     "lora_ratio_huge": lambda tmp: lora_ratio(tmp, "1e30"),
@@ -57,6 +62,7 @@ CASES = {
     "width_negative": lambda tmp: (["--width", "-64"], ["--width -64: expected at least 16"]),
     "device_cuda_without_cuda": lambda tmp: (["--device", "cuda"], ["--device cuda: CUDA is not available"]),
     "t5xxl_missing": lambda tmp: (["--t5xxl", None], ["--t5xxl is required for --model_type flux"]),
+    "out_is_a_file": out_is_a_file,
 }
 
 

@@ -3,6 +3,8 @@ file is one `error: ...` line naming it and what was expected, exit status 2, fo
 model is loaded or any cache written; odd but usable data (16-bit PNGs, images far from the
 buckets' sizes) is read correctly or warned about per image."""
 
+import errno
+import io
 import os
 import struct
 import zlib
@@ -198,3 +200,128 @@ def test_wrong_or_missing_model_file_is_one_line_before_any_caching(tiny_set, tm
         assert fragment in line, (fragment, line)
     assert files_under(out) == []
     assert not [f for f in files_under(tmp_path / "data" / "images") if f.endswith(".safetensors")]  # no cache written
+
+
+# ----------------------------------------------------------------------------------------------
+# Text files a person wrote: invalid UTF-8, a TOML syntax error, a Windows BOM
+
+
+def test_prompt_file_with_invalid_utf8_names_the_file_and_offset(tmp_path):
+    from library.data.prompts import read_prompt_file
+
+    path = tmp_path / "prompts.txt"
+    path.write_bytes(b"a red square\na caf\xe9 --w 64\n")  # Latin-1, not UTF-8
+    with pytest.raises(ValueError) as e:
+        read_prompt_file(str(path))
+    assert str(e.value).startswith(f"{path}: prompt file is not valid UTF-8: byte 0xe9 at offset 18"), str(e.value)
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (b"learning_rate = 1e-4\n# caf\xe9\n", "config file is not valid UTF-8: byte 0xe9 at offset 26"),
+    (b"learning_rate = = 1e-4\n", "not valid TOML"),
+])
+def test_config_toml_with_invalid_utf8_or_bad_syntax_is_one_line_naming_the_file(tmp_path, capsys, content, fragment):
+    path = tmp_path / "my.toml"
+    path.write_bytes(content)
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(["--config_file", str(path), "--output_dir", str(tmp_path / "out")]))
+    assert line.startswith(f"error: {path}: ") and fragment in line, line
+    assert files_under(tmp_path / "out") == []
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (b"[[datasets]]\n# caf\xe9\n", "dataset config is not valid UTF-8: byte 0xe9 at offset 18"),
+    (b"[[datasets]\n", "not valid TOML"),
+])
+def test_dataset_toml_with_invalid_utf8_or_bad_syntax_names_the_file(tmp_path, content, fragment):
+    from library.data.dataset_config import load_dataset_config
+
+    path = tmp_path / "dataset.toml"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        load_dataset_config(str(path))
+    assert str(e.value).startswith(f"{path}: ") and fragment in str(e.value), str(e.value)
+
+
+def test_caption_and_prompt_files_saved_with_a_utf8_bom_read_without_it(tmp_path):
+    from library.data.prompts import read_prompt_file
+
+    make_image(tmp_path / "img" / "a.png", 64, 64)
+    (tmp_path / "img" / "a.txt").write_bytes(b"\xef\xbb\xbfa red square\r\n")  # as Windows Notepad saves it
+    assert D.ImageDataset(blueprint(tmp_path / "img")).items[0].caption == "a red square"
+    (tmp_path / "prompts.txt").write_bytes(b"\xef\xbb\xbfa red square --w 64\r\n")
+    assert read_prompt_file(str(tmp_path / "prompts.txt"))[0].prompt == "a red square"
+
+
+# ----------------------------------------------------------------------------------------------
+# --device cuda without CUDA: one line before any file is read (tools/generate.py in test_generate.py)
+
+
+DEVICE_TOOLS = {  # tool -> its arguments besides --device (files that need not exist: the device is checked first)
+    "precision_doctor": ["--model_type", "flux", "--model", "missing.safetensors"],
+    "caption_images": ["--model", "missing", "--images", "."],
+    "combine_loras": ["--lora", "a.safetensors", "b.safetensors", "--save_to", "c.safetensors"],
+    "extract_lora": ["--model", "missing.safetensors", "--tuned", "tuned.safetensors", "--save_to", "c.safetensors",
+                     "--rank", "4"],
+    "resize_lora": ["--lora", "a.safetensors", "--save_to", "c.safetensors", "--new_rank", "4"],
+}
+
+
+@pytest.mark.parametrize("tool", list(DEVICE_TOOLS))
+def test_tool_device_cuda_without_cuda_is_one_line_before_any_file_is_read(tool, tmp_path, capsys, monkeypatch):
+    import importlib
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer with or without a GPU
+    monkeypatch.chdir(tmp_path)
+    main = importlib.import_module(f"tools.{tool}").main
+    capsys.readouterr()
+    line = one_error_line(capsys, main([*DEVICE_TOOLS[tool], "--device", "cuda"]))
+    assert "--device cuda: CUDA is not available on this machine" in line, line
+    line = one_error_line(capsys, main([*DEVICE_TOOLS[tool], "--device", "gpu0"]))
+    assert "--device 'gpu0': not a device name" in line, line
+    assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# A full disk while appending to a CSV log
+
+
+class FullDiskFile(io.StringIO):
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def full_disk_at(monkeypatch, path) -> None:
+    """Every open() of `path` gives a file whose writes fail as on a full disk."""
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: FullDiskFile() if str(f) == str(path) else real_open(f, *a, **k))
+
+
+def test_full_disk_while_logging_names_the_csv_file(tmp_path, monkeypatch):
+    import torch
+
+    from library.training import optim
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    logger = optim.LRLogger(str(tmp_path / "run_log.csv"))
+    logger.log(1, 0, 0.5, optimizer)
+    full_disk_at(monkeypatch, tmp_path / "run_log.csv")
+    with pytest.raises(OSError) as e:
+        logger.log(2, 0, 0.4, optimizer)
+    assert str(e.value).startswith(f"{tmp_path / 'run_log.csv'}: cannot be written, no space left on device"), str(e.value)
+
+
+def test_full_disk_while_writing_the_llm_eval_log_names_the_file(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from library.training import llm_task
+
+    accelerator = SimpleNamespace(is_main_process=True, trackers=[], print=lambda *a: None)
+    task = SimpleNamespace(accelerator=accelerator, eval_log=str(tmp_path / "eval_log.csv"),
+                           evaluate=lambda: {"val_loss": 1.0, "val_perplexity": 2.7, "sample": "a"})
+    full_disk_at(monkeypatch, tmp_path / "eval_log.csv")
+    with pytest.raises(OSError) as e:
+        llm_task.LLMTask.report_eval(task, 1)
+    assert str(e.value).startswith(f"{tmp_path / 'eval_log.csv'}: cannot be written, no space left on device"), str(e.value)

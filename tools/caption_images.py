@@ -96,6 +96,7 @@ from library.data.images import IMAGE_EXTENSIONS, load_rgb, verified_image_size 
 from library.data.tokenizer import folder_chat_template  # noqa: E402
 from library.data.vlm_inputs import IMAGE_PLACEHOLDER, qwen_vl_inputs  # noqa: E402
 from library.io import CheckpointError, write_text  # noqa: E402
+from tools.devices import device_from_flag  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,12 +238,12 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         check_args(args)
+        device = device_from_flag(args.device)
         images = find_images(args.images)
         todo = images if args.overwrite else [p for p in images if not os.path.exists(caption_path(p, args.caption_extension))]
         print(f"{len(images)} images, {len(images) - len(todo)} already captioned, {len(todo)} to caption")
         if not todo:
             return 0
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
         captioner = load_captioner(args.model, args.processor, dtype, args.quantize, device, args.max_new_tokens)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError

@@ -53,6 +53,7 @@ import torch  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from networks.lora_files import LoRAWeights, kohya_name  # noqa: E402
 from networks.lora_svd import factors, svd_of_product  # noqa: E402
+from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import (  # noqa: E402
     LoRAFile,
     LoRASpec,
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         specs = [parse_lora_spec(s) for s in args.lora]
-        rows = combine_loras(specs, args.save_to, args.mode, args.rank, args.save_precision, args.device)
+        rows = combine_loras(specs, args.save_to, args.mode, args.rank, args.save_precision,
+                             device_from_flag(args.device, "cpu"))
     except (ValueError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError; RuntimeError: bad --device
         print(one_line(e), file=sys.stderr)
         return 2

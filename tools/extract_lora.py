@@ -67,6 +67,7 @@ from library.io import CheckpointError  # noqa: E402
 from networks.lora import KOHYA_PREFIX, TARGETS  # noqa: E402
 from networks.lora_files import LoRAWeights, build_metadata, write_kohya, write_peft  # noqa: E402
 from networks.lora_svd import factors, rank_for_energy, svd_lowrank_of_matrix, svd_of_matrix  # noqa: E402
+from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import check_output_path, one_line, save_dtype  # noqa: E402
 from tools.merge_lora import Base, Fp8BasePlan, open_base  # noqa: E402
 
@@ -163,8 +164,8 @@ def _other_changed(base: Base, other: Base, done: set[str]) -> int:
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        done = extract_lora(args.model, args.tuned, args.save_to, args.rank, args.energy, args.save_precision, args.device,
-                            svd=args.svd)
+        done = extract_lora(args.model, args.tuned, args.save_to, args.rank, args.energy, args.save_precision,
+                            device_from_flag(args.device, "cpu"), svd=args.svd)
     except (ValueError, OSError, RuntimeError) as e:  # CheckpointError is a ValueError; RuntimeError: bad --device
         print(one_line(e), file=sys.stderr)
         return 2

@@ -74,6 +74,7 @@ from library.io import CheckpointError  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
 from library.data.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
+from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import one_line, parse_lora_spec  # noqa: E402
 
 
@@ -85,16 +86,9 @@ def check_args(args) -> torch.device:
         raise ValueError(f"--{missing[0]} is required for --model_type {args.model_type}")
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps}: expected at least 1")
-    try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        raise ValueError(f"--device {args.device!r}: not a device name (expected cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available on this machine (torch {torch.__version__}); "
-                         "use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return device
+    if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the models are loaded
+        raise ValueError(f"--out {args.out}: is a file, expected a folder (the images are written into it)")
+    return device_from_flag(args.device)
 
 
 def rendered_side(flag: str, value: int, multiple: int) -> int:

@@ -78,6 +78,7 @@ from library.precision.fp8 import (  # noqa: E402
     FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,
 )
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
+from tools.devices import device_from_flag  # noqa: E402
 from networks.lora import DIFFUSERS_MODULE_MAPS, LoRAModule  # noqa: E402
 from networks.lora_files import LoRAWeights, flux_diffusers_to_bfl, read_lora  # noqa: E402
 
@@ -464,11 +465,12 @@ def main(argv=None) -> int:
         resolution, timesteps = parse_resolution(args.resolution), parse_timesteps(args.timesteps)
         if not args.threshold > 0 or args.text_len < 1 or args.max_tokens < 1:
             raise ValueError("--threshold must be > 0, --text_len and --max_tokens >= 1")
+        device = device_from_flag(args.device)
         if not os.path.exists(args.model):
             raise ValueError(f"--model {args.model}: no such file or folder")
         run_doctor(args.model, lora_arch(args.model_type), args.lora, resolution, args.seed, timesteps, args.out, args.threshold,
                    args.text_len, args.skip_fp32, args.max_tokens,
-                   args.device or ("cuda" if torch.cuda.is_available() else "cpu"), args.inject_position_bug)
+                   str(device), args.inject_position_bug)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -66,6 +66,7 @@ if __name__ == "__main__":
 
 from networks.lora_files import LoRAWeights  # noqa: E402
 from networks.lora_svd import DYNAMIC_METHODS, choose_rank, factors, svd_of_product  # noqa: E402
+from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import (  # noqa: E402
     check_output_path,
     one_line,
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         done = resize_lora(args.lora, args.save_to, args.new_rank, args.dynamic_method, args.dynamic_param,
-                           args.save_precision, args.device, args.model)
+                           args.save_precision, device_from_flag(args.device, "cpu"), args.model)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(one_line(e), file=sys.stderr)
         return 2

@@ -14,6 +14,8 @@ import os
 import re
 from dataclasses import dataclass, replace
 
+from library.text_files import read_utf8
+
 
 @dataclass(frozen=True)
 class SamplePrompt:
@@ -62,8 +64,7 @@ def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = Non
 
 def read_prompt_file(path: str, defaults: SamplePrompt | None = None) -> list[SamplePrompt]:
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        lines = read_utf8(path, "prompt file").splitlines()
     except OSError as e:
         raise ValueError(f"{path}: cannot read prompt file ({e.strerror})") from None
     prompts = [

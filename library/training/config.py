@@ -21,6 +21,7 @@ from typing import Any
 import toml
 
 from library.models.registry import FAMILIES
+from library.text_files import read_utf8
 
 PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (PRECISION_DTYPES below)
 # timestep_sampling values (library/training/flow_matching.py implements them)
@@ -199,10 +200,13 @@ def _coerce(key: str, value: Any, where: str) -> Any:
 
 def read_toml(path: str) -> dict:
     try:
-        with open(path) as f:
-            return toml.load(f)
+        text = read_utf8(path, "config file")
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except ValueError as e:  # not UTF-8: read_utf8 names the file and the byte
+        raise ConfigError(str(e)) from None
+    try:
+        return toml.loads(text)
     except toml.TomlDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
 

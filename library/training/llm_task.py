@@ -9,7 +9,6 @@ from sample_prompt (temperature / top-k), printed and written to <output_name>_e
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from library.data.dataset import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
 from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
+from library.io import append_csv_row
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
 from networks.factory import build_network
 
@@ -242,12 +242,8 @@ class LLMTask:
         result = self.evaluate()
         self.accelerator.print(f"step {step}: val loss {result['val_loss']:.4f}, perplexity {result['val_perplexity']:.2f}\n"
                                f"  sample: {result['sample']!r}")
-        new = not os.path.exists(self.eval_log)
-        with open(self.eval_log, "a", newline="") as f:
-            writer = csv.writer(f)
-            if new:
-                writer.writerow(["step", "val_loss", "val_perplexity", "sample"])
-            writer.writerow([step, result["val_loss"], result["val_perplexity"], result["sample"]])
+        header = None if os.path.exists(self.eval_log) else ["step", "val_loss", "val_perplexity", "sample"]
+        append_csv_row(self.eval_log, [step, result["val_loss"], result["val_perplexity"], result["sample"]], header)
         if self.accelerator.trackers:
             self.accelerator.log({"val_loss": result["val_loss"], "val_perplexity": result["val_perplexity"]}, step=step)
 

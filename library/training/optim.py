@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from library.io import atomic_path
+from library.io import append_csv_row, atomic_path
 from library.training.config import ConfigError
 
 BNB_OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit", "Lion8bit", "PagedLion8bit", "SGD8bit", "AdEMAMix8bit", "PagedAdamW")
@@ -140,12 +140,10 @@ class LRLogger:
 
     def log(self, step: int, epoch: int, loss: float, optimizer, extra: dict | None = None):
         values = {"step": step, "epoch": epoch, "loss": loss, **effective_lrs(optimizer), **(extra or {})}
+        header = None
         if self.columns is None:
-            self.columns = list(values)
-            with open(self.path, "w", newline="") as f:
-                csv.writer(f).writerow(self.columns)
-        with open(self.path, "a", newline="") as f:
-            csv.writer(f).writerow([values.get(c, "") for c in self.columns])
+            self.columns = header = list(values)
+        append_csv_row(self.path, [values.get(c, "") for c in self.columns], header)
         if self.accelerator is not None and self.accelerator.trackers:  # None: not measured this step (val_loss)
             self.accelerator.log({k: v for k, v in values.items() if k != "step" and v is not None}, step=step)
         return values
