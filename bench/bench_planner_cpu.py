@@ -4,6 +4,7 @@ encoders (tools/make_tiny_models.py), random weights in the released file format
 
     python bench/bench_planner_cpu.py --work /tmp/planbench                      # both configs
     python bench/bench_planner_cpu.py --work /tmp/planbench --configs flux --skip-write
+    python bench/bench_planner_cpu.py --work /tmp/planbench --configs qwen_edit --live-tensors
 
 Configs:
   flux       FLUX.1-dev-shaped transformer at full width, 2 double + 2 single blocks (0.98 B, BFL file,
@@ -23,6 +24,9 @@ the RSS just before the transformer loads (the process's runtime and caches by t
 library/training/memory_plan.py on the same config (its VAE part for caching; the edit config at its
 cached text length). "old" is what the planner said before issue 23: the encode at the training
 batch, one reference, no bf16 copy in sampling. Timing on a shared machine is noise; RSS is not.
+--live-tensors: the VAE caching also counts its live CPU tensor bytes (memory_plan.LiveBytes on
+"cpu": what max_memory_allocated counts on a GPU, without the CPU kernels' workspaces and the
+allocator's slack that the RSS holds; the dispatch mode adds ~2 MB to the RSS).
 """
 
 from __future__ import annotations
@@ -129,7 +133,23 @@ def peak_rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
-def child(config: str, marks_path: str) -> None:
+def count_live_tensors(owner, name: str, marks: dict) -> None:
+    """`owner.name` also records the peak of its live CPU tensor bytes under marks["<name> live tensors"]."""
+    from library.training.memory_plan import LiveBytes
+
+    original = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        with LiveBytes("cpu") as live:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                marks[f"{name} live tensors"] = {"peak": live.peak}
+
+    setattr(owner, name, wrapped)
+
+
+def child(config: str, marks_path: str, live_tensors: bool = False) -> None:
     """train_lora.py on `config` with its phases wrapped; writes {phase: {start, peak}} (bytes)."""
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: freed tensors leave the RSS at once
     torch.set_num_threads(2)
@@ -155,6 +175,8 @@ def child(config: str, marks_path: str) -> None:
 
         setattr(owner, name, wrapped)
 
+    if live_tensors:  # inside the RSS watch: the same run measures both
+        count_live_tensors(DiffusionTask, "_cache_latents", marks)
     watch(DiffusionTask, "_cache_latents", "vae caching")
     watch(DiffusionTask, "_load_base", "transformer load")
     watch(train_lora.Trainer, "run_epoch", "training")
@@ -164,9 +186,10 @@ def child(config: str, marks_path: str) -> None:
         json.dump({"code": code, "marks": marks}, f)
 
 
-def measure(config: str, work: str) -> dict[str, int]:
+def measure(config: str, work: str, live_tensors: bool = False) -> dict[str, int]:
     marks_path = os.path.join(work, "marks.json")
-    subprocess.run([sys.executable, __file__, "--child", config, "--marks", marks_path], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, __file__, "--child", config, "--marks", marks_path]
+                   + (["--live-tensors"] if live_tensors else []), cwd=ROOT, check=True)
     with open(marks_path) as f:
         result = json.load(f)
     assert result["code"] == 0, result
@@ -176,6 +199,8 @@ def measure(config: str, work: str) -> dict[str, int]:
                 "training": marks["training"]["peak"] - runtime}
     if "sampling" in marks:
         measured["sampling"] = marks["sampling"]["peak"] - runtime
+    if "_cache_latents live tensors" in marks:
+        measured["caching live tensors"] = marks["_cache_latents live tensors"]["peak"]
     return measured
 
 
@@ -226,20 +251,25 @@ def main(argv=None):
     p.add_argument("--work", default="/tmp/planbench")
     p.add_argument("--configs", default="flux,qwen_edit")
     p.add_argument("--skip-write", action="store_true", help="reuse the files of an earlier run")
+    p.add_argument("--live-tensors", action="store_true", help="also count the VAE caching's live CPU tensor bytes")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--marks", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        return child(args.child, args.marks)
+        return child(args.child, args.marks, args.live_tensors)
     rows = []
     for name in args.configs.split(","):
         work = os.path.join(args.work, name)
         config = os.path.join(work, "train.toml") if args.skip_write else CONFIGS[name](work)
-        measured = measure(config, work)
+        measured = measure(config, work, args.live_tensors)
         for phase, (plan, old) in planned(config, work).items():
             rows.append((name, phase, plan, old, measured[phase]))
             print(f"{name:10s} {phase:9s} planned {plan / GiB:6.3f}  old {old / GiB:6.3f}  measured "
                   f"{measured[phase] / GiB:6.3f} GiB  planned/measured {plan / measured[phase]:.3f}", flush=True)
+            if phase == "caching" and "caching live tensors" in measured:
+                live = measured["caching live tensors"]
+                print(f"{name:10s} caching   live tensors {live / GiB:6.3f} GiB  planned/live {plan / live:.3f}",
+                      flush=True)
     print("\n| config | phase | planned GiB | old plan GiB | measured GiB (RSS) | planned / measured |")
     print("|---|---|---|---|---|---|")
     for name, phase, plan, old, got in rows:

@@ -146,6 +146,27 @@ def test_latent_caching_encodes_vae_batch_size_images_at_a_time(monkeypatch):
     assert seen.get("batch_size") == 3
 
 
+def test_planned_qwen_vae_encode_is_the_live_tensor_peak_of_a_real_cpu_encode():
+    # The Qwen-Image VAE's causal convolutions pad the time axis and keep a per-layer feat_cache: the
+    # plan (meta) must hold every such tensor a real encode holds. What the RSS holds beyond them is
+    # the CPU kernels' workspace (bench/RESULTS.md, bench_planner_cpu.py --live-tensors).
+    import torch
+    from diffusers import AutoencoderKLQwenImage
+
+    from library.models.vae import QwenImageVAE, _build
+    from library.training.memory_plan import LiveBytes, _vae_peak
+
+    config = {"base_dim": 4, "z_dim": 16}
+    planned = _vae_peak(QwenImageVAE(_build(AutoencoderKLQwenImage, config)), 64, 64, 1, decode=False)
+    torch.manual_seed(0)
+    real = QwenImageVAE(AutoencoderKLQwenImage(**config))
+    with LiveBytes("cpu") as live:
+        for t in (*real.vae.parameters(), *real.vae.buffers()):
+            live.track(t)
+        real.encode(torch.zeros(1, 3, 64, 64))
+    assert planned == live.peak == 1740476
+
+
 def test_edit_plan_counts_the_references_of_the_dataset(tiny_set, tmp_path, capsys):
     from library.models.qwen_image.edit_family import QwenImageEditFamily
     from library.training import memory_plan

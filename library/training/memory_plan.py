@@ -44,11 +44,14 @@ CUDA_CONTEXT_BYTES = int(0.6 * GiB)  # the CUDA context and cuBLAS workspaces, o
 
 
 class LiveBytes(TorchDispatchMode):
-    """Adds up the bytes of every `meta` tensor storage created while active (and of those given to
-    track()); storages leave the count when they are freed. `peak` is the high-water mark."""
+    """Adds up the bytes of every tensor storage on `device_type` created while active (and of those
+    given to track()); storages leave the count when they are freed. `peak` is the high-water mark.
+    On "cpu" it counts a real run's tensors without the kernels' workspaces and the allocator's
+    slack (bench/bench_planner_cpu.py --live-tensors: the plan against what a GPU would count)."""
 
-    def __init__(self):
+    def __init__(self, device_type: str = "meta"):
         super().__init__()
+        self.device_type = device_type
         self.live = self.peak = 0
         self._seen = WeakIdKeyDictionary()
 
@@ -77,7 +80,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 self.track(t)
         return out
 
