@@ -35,8 +35,8 @@ from library.training import fsdp, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
 from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals  # noqa: E402
 from library.training.ema import TrainableEMA  # noqa: E402
+from library.training.lr_plot import plot_runs  # noqa: E402
 from library.training.state import SavedState, load_state, restore_rng, save_state  # noqa: E402
-from tools.plot_lr import main as plot_lr  # noqa: E402
 
 
 
@@ -322,7 +322,7 @@ class Trainer:
         if args.save_state:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
         if self.accelerator.is_main_process:
-            plot_lr([self.logger.path, "--out", os.path.join(args.output_dir, f"{args.output_name}_lr.png")])
+            plot_runs([self.logger.path], os.path.join(args.output_dir, f"{args.output_name}_lr.png"))
         with self.sampling():  # the final samples (llm: the final eval)
             tracking.log_sample_images(self.accelerator, task.finish(args.output_dir) or [], self.step)
         self.accelerator.wait_for_everyone()

@@ -9,6 +9,7 @@ from PIL import Image
 from library.data import dataset as D
 from library.data.captions import process_caption
 from library.data.dataset_config import SubsetSpec, load_dataset_config, parse_dataset_config
+from library.data.images import load_image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -179,11 +180,11 @@ def test_resize_center_crop_flip_and_value_range(tmp_path):
     img.paste((255, 255, 255), (32, 0, 64, 32))  # right half white
     path = str(tmp_path / "halves.png")
     img.save(path)
-    x = D.load_image(path, (32, 32))  # no resize: crop columns 16..47
+    x = load_image(path, (32, 32))  # no resize: crop columns 16..47
     assert x.shape == (3, 32, 32) and x.dtype == torch.float32
     assert float(x[:, :, :16].max()) == -1.0 and float(x[:, :, 16:].min()) == 1.0
-    torch.testing.assert_close(D.load_image(path, (32, 32), flip=True), x.flip(-1), rtol=0, atol=0)
-    y = D.load_image(path, (16, 16))  # shrink 2x then crop 4..11: still half black / half white
+    torch.testing.assert_close(load_image(path, (32, 32), flip=True), x.flip(-1), rtol=0, atol=0)
+    y = load_image(path, (16, 16))  # shrink 2x then crop 4..11: still half black / half white
     assert float(y[:, :, :3].max()) == -1.0 and float(y[:, :, -3:].min()) == 1.0
 
 
@@ -249,7 +250,7 @@ def test_dataset_augmentation_depends_on_seed_epoch_and_entry_only(tmp_path):
 
 def test_one_image_in_two_subsets_gets_its_own_key_and_draws_in_each_stable_across_runs(tmp_path):
     """The key seeds a sample's noise and sigma: an image read by two subsets must not share them."""
-    from library.training.flow_matching import sample_sigmas
+    from library.models.flow_matching import sample_sigmas
     from library.training.state import sample_seed
 
     make_image(tmp_path / "img" / "a.png", 32, 32)

@@ -18,7 +18,7 @@ from library.data.dataset_config import load_dataset_config, parse_dataset_confi
 from library.data.masks import balance_reg_repeats, load_mask
 from library.models.family import pack_latents
 from library.models.flux1.family import FluxFamily
-from library.training import flow_matching as fm
+from library.models import flow_matching as fm
 from tests.test_training_objective import loss_args
 
 

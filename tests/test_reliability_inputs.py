@@ -14,6 +14,7 @@ from PIL import Image
 import train_lora
 from library.data import dataset as D
 from library.data.controls import reference_views
+from library.data.images import load_image
 from library.data.masks import load_mask
 from tests.test_dataset import blueprint, make_image
 from tests.test_reliability import copy_dataset, files_under, flux_args, one_error_line
@@ -50,7 +51,7 @@ def test_16_bit_grey_and_rgb_pngs_load_as_mid_grey_8_bit(tmp_path):
         assert img.mode == "I;16"  # what Pillow 13 opens it as; convert("RGB") would clip it to 255
     mid = 128 / 127.5 - 1.0
     for path in (grey, rgb):  # Pillow opens 16-bit RGB as 8-bit RGB (the high byte) itself
-        x = D.load_image(path, (32, 32))
+        x = load_image(path, (32, 32))
         assert x.shape == (3, 32, 32) and float((x - mid).abs().max()) < 1e-6, (path, float(x.mean()))
         assert np.asarray(reference_views([path])[0]).tolist() == np.full((32, 32, 3), 128).tolist()
     mask = load_mask(str(tmp_path / "image.png"), grey, (32, 32), flip=False)  # a 16-bit grey mask file

@@ -72,9 +72,9 @@ from library.data.dataset_config import load_dataset_config  # noqa: E402
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
 from library.models.family import get_family  # noqa: E402
 from library.models.vae import pack_latents  # noqa: E402
-from library.precision import doctor as precision  # noqa: E402
+from library.models import precision_doctor as precision  # noqa: E402
 from library.precision.fp8 import FP8_DTYPE  # noqa: E402
-from library.training import flow_matching as fm  # noqa: E402
+from library.models import flow_matching as fm  # noqa: E402
 from library.training.config import ConfigError, load_config  # noqa: E402
 from library.training.state import sample_seed  # noqa: E402
 from tools.precision_doctor import disk_variant, read_lora_for  # noqa: E402

@@ -21,13 +21,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 
 from library.data.captions import CAPTION_KEYS, caption_variants, drops_captions, fixed_caption, is_dropped
 from library.data.controls import check_control_count, control_files, encode_prompts, scan_controls
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
-from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket, load_rgb, verified_image_size
+from library.data.images import IMAGE_EXTENSIONS, load_image, verified_image_size
 from library.data.masks import balance_reg_repeats, find_mask, load_mask, mask_source_hash, warn_missing_alpha
 from library.io import CheckpointReader, read_utf8, save_safetensors
 
@@ -234,17 +233,6 @@ def read_caption(image_path: str, subset: SubsetSpec) -> str:
         return subset.class_tokens
     raise ValueError(f"{image_path}: no caption file '{os.path.basename(caption_path)}' "
                      f"and no class_tokens for its subset")
-
-
-# ----------------------------------------------------------------------------------------------
-# Pixels and captions
-
-
-def load_image(path: str, bucket: tuple[int, int], flip: bool = False) -> torch.Tensor:
-    """The image fitted to `bucket` (images.fit_to_bucket). Returns float32 [3, H, W] in [-1, 1]."""
-    img = fit_to_bucket(load_rgb(path), bucket, flip)
-    pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())  # [H, W, 3] uint8
-    return pixels.permute(2, 0, 1).float() / 127.5 - 1.0
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from library.training import flow_matching as fm
+from library.models import flow_matching as fm
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401  (their importers find them here too)
 from library.models.vae import pack_latents, unpack_latents
 

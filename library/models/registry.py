@@ -1,6 +1,7 @@
-"""The diffusion families by name, and how a frozen base may be stored: the names configs and
-command lines choose from. Nothing here imports torch, so the command lines check these names
-before the seconds it takes to load it; library/models/family.py holds the interface itself.
+"""The diffusion families by name, how a frozen base may be stored and how training draws sigmas:
+the names configs and command lines choose from. Nothing here imports torch, so the command lines
+check these names before the seconds it takes to load it; library/models/family.py holds the
+interface itself.
 """
 
 # model_type -> "module:class" of its adapter; imported on first use (family.family_class).
@@ -13,3 +14,6 @@ FAMILIES = {
 }
 
 BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")  # how the frozen base is stored
+
+# timestep_sampling values (library/models/flow_matching.py implements them)
+SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "flux2_shift")

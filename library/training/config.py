@@ -19,11 +19,10 @@ from typing import Any
 
 import toml
 
-from library.models.registry import FAMILIES
+from library.errors import ConfigError
+from library.models.registry import FAMILIES, SAMPLING_METHODS
 
 PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (PRECISION_DTYPES below)
-# timestep_sampling values (library/training/flow_matching.py implements them)
-SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "flux2_shift")
 
 
 @dataclass(frozen=True)
@@ -143,10 +142,6 @@ SCHEMA: dict[str, Arg] = {
 }
 
 
-class ConfigError(ValueError):
-    pass
-
-
 def __getattr__(name: str):
     """PRECISION_DTYPES (PRECISION_NAMES -> torch dtypes) is made on first use: the parser loads without torch."""
     if name != "PRECISION_DTYPES":
@@ -262,7 +257,7 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         origins[key] = "command line"
     args = argparse.Namespace(**values, config_file=cli.config_file)
     validate(args, cli.config_file or "command line", origins)
-    from library.training.optim import optimizer_class  # here, not at the top: optim imports this module
+    from library.training.optim import optimizer_class  # here, not at the top: it loads torch
 
     try:  # fail now, not after minutes of caching
         optimizer_class(args.optimizer_type)

@@ -262,7 +262,7 @@ class DiffusionTask:
         return self.blueprint.datasets[0].batch_size * self.accelerator.num_processes * self.args.gradient_accumulation_steps
 
     def timestep_sampling(self) -> str:
-        from library.training.flow_matching import DEFAULTS
+        from library.models.flow_matching import DEFAULTS
 
         return self.args.timestep_sampling or DEFAULTS[self.family.arch]["timestep_sampling"]
 

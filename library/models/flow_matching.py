@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from library.training.config import SAMPLING_METHODS  # the names the config schema offers
+from library.models.registry import SAMPLING_METHODS  # the names the config schema offers
 
 # Training defaults per family. sd-scripts' FLUX flags default to timestep_sampling "sigma" with
 # model_prediction_type "sigma_scaled", while its FLUX.1 docs recommend "shift" 3.1582 with "raw"
