@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 import train_lora
 from library.data import dataset as D
-from library.data.captions import augment_tags, process_caption
+from library.data.captions import augment_tags
 from library.data.dataset_config import SubsetSpec, load_dataset_config, parse_dataset_config
 from tests.test_dataset import make_image, write
 
@@ -105,7 +105,7 @@ def test_caption_dropout_every_n_epochs_drops_whole_epochs_counted_from_one(tmp_
     assert per_epoch == [{"a cat"}, {"a cat"}, {""}, {"a cat"}, {"a cat"}, {""}, {"a cat"}]  # sd-scripts' epochs 3, 6
 
 
-def test_tag_dropout_and_keep_tokens_separator_as_sd_scripts():
+def test_tag_dropout_and_keep_tokens_separator_as_sd_scripts(tmp_path):
     s = spec(caption_tag_dropout_rate=0.5, keep_tokens_separator="|||")
     caption = "sks man ||| red, hat, beach, smiling, sand ||| photo, 35mm"
     outs = [augment_tags(caption, s, random.Random(i)) for i in range(400)]
@@ -114,7 +114,7 @@ def test_tag_dropout_and_keep_tokens_separator_as_sd_scripts():
     assert 2.2 < sum(kept) / len(kept) < 2.8  # 5 flexible tags, each kept with probability 0.5
     assert all(o.split(", ")[1:-2] == [t for t in ["red", "hat", "beach", "smiling", "sand"] if t in o.split(", ")]
                for o in outs)  # dropping without shuffle keeps the order
-    fixed = process_caption(caption, spec(keep_tokens_separator="|||"), random.Random(0))
+    fixed = dataset(tmp_path, caption=caption, keep_tokens_separator="|||")[0]["caption"]  # what training sees
     assert fixed == "sks man, red, hat, beach, smiling, sand, photo, 35mm"  # the separator is not trained on
 
 

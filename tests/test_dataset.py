@@ -1,5 +1,4 @@
 import os
-import random
 import re
 
 import pytest
@@ -7,8 +6,7 @@ import torch
 from PIL import Image
 
 from library.data import dataset as D
-from library.data.captions import process_caption
-from library.data.dataset_config import SubsetSpec, load_dataset_config, parse_dataset_config
+from library.data.dataset_config import load_dataset_config, parse_dataset_config
 from library.data.images import load_image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,12 +38,6 @@ def over_one_folder(image_dir, *subsets, **dataset):
     """One dataset whose subsets all read image_dir; each dict holds a subset's other keys."""
     subsets = [{"image_dir": str(image_dir), **s} for s in subsets]
     return parse_dataset_config({"datasets": [{"resolution": 32, **dataset, "subsets": subsets}]}, source="test.toml")
-
-
-def subset(**kw):
-    base = dict(image_dir="x", num_repeats=1, caption_extension=".txt", class_tokens=None, shuffle_caption=False,
-                keep_tokens=0, caption_dropout_rate=0.0, flip_aug=False)
-    return SubsetSpec(**{**base, **kw})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,23 +210,29 @@ def test_corrupt_image_is_an_error_naming_the_file(tmp_path):
         D.ImageDataset(blueprint(tmp_path / "img", class_tokens="x"))
 
 
-def test_shuffle_keeps_the_first_keep_tokens_tags_and_is_deterministic():
-    s = subset(shuffle_caption=True, keep_tokens=2)
+def captions_drawn(tmp_path, caption: str, draws: int, **subset) -> list[str]:
+    """The captions the training dataset gives the `draws` repeats of one image in epoch 0."""
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", caption)
+    ds = D.ImageDataset(blueprint(tmp_path / "img", num_repeats=draws, **subset))
+    return [ds[e]["caption"] for e in range(draws)]
+
+
+def test_shuffle_keeps_the_first_keep_tokens_tags_and_is_deterministic(tmp_path):
     caption = "sks, dog, red, grass, sunny, park"
-    outs = [process_caption(caption, s, random.Random(i)) for i in range(30)]
+    outs = captions_drawn(tmp_path, caption, 30, shuffle_caption=True, keep_tokens=2)
     assert all(o.startswith("sks, dog, ") for o in outs)
     assert all(sorted(o.split(", ")) == sorted(caption.split(", ")) for o in outs)
     assert len(set(outs)) > 5  # it really shuffles
-    assert outs == [process_caption(caption, s, random.Random(i)) for i in range(30)]
-    assert process_caption(caption, subset(), random.Random(0)) == caption
+    assert outs == captions_drawn(tmp_path, caption, 30, shuffle_caption=True, keep_tokens=2)
+    assert captions_drawn(tmp_path, caption, 1) == [caption]
 
 
-def test_caption_dropout_rate_drops_that_fraction_deterministically():
-    s = subset(caption_dropout_rate=0.3)
-    outs = [process_caption("a cat", s, random.Random(i)) for i in range(1000)]
+def test_caption_dropout_rate_drops_that_fraction_deterministically(tmp_path):
+    outs = captions_drawn(tmp_path, "a cat", 1000, caption_dropout_rate=0.3)
     assert 0.25 < outs.count("") / 1000 < 0.35 and set(outs) == {"", "a cat"}
-    assert outs == [process_caption("a cat", s, random.Random(i)) for i in range(1000)]
-    assert process_caption("a cat", subset(caption_dropout_rate=1.0), random.Random(0)) == ""
+    assert outs == captions_drawn(tmp_path, "a cat", 1000, caption_dropout_rate=0.3)
+    assert captions_drawn(tmp_path, "a cat", 1, caption_dropout_rate=1.0) == [""]
 
 
 def test_dataset_augmentation_depends_on_seed_epoch_and_entry_only(tmp_path):

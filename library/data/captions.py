@@ -96,9 +96,3 @@ def caption_variants(caption: str, subset: SubsetSpec) -> list[str]:
         return []
     return [augment_tags(caption, subset, random.Random(f"{caption}|variant {k}")) for k in range(subset.caption_variants)]
 
-
-def process_caption(caption: str, subset: SubsetSpec, rng: random.Random, epoch: int = 0) -> str:
-    """A caption drawn fresh, for text that is not cached: "" when dropped, else augmented."""
-    if drops_captions(subset) and is_dropped(subset, epoch, rng):
-        return ""
-    return augment_tags(caption, subset, rng) if augments_tags(subset) else fixed_caption(caption, subset)

@@ -322,7 +322,7 @@ class ImageDataset(torch.utils.data.Dataset):
 class BucketBatchSampler(torch.utils.data.Sampler):
     """Batches of `(entry, epoch)` keys where every batch holds one bucket of one dataset (with
     that dataset's batch_size) and one size of reference images. Entries and batches are shuffled per epoch from (seed, epoch).
-    Each iteration advances the epoch; set_epoch(e) picks it explicitly (e.g. when resuming)."""
+    Each iteration advances the epoch; batches(epoch) gives any epoch's explicitly (EpochBatches)."""
 
     def __init__(self, dataset: ImageDataset, seed: int = 0, shuffle: bool = True, drop_last: bool = False):
         self.seed, self.shuffle, self.drop_last, self.epoch = seed, shuffle, drop_last, 0
@@ -331,9 +331,6 @@ class BucketBatchSampler(torch.utils.data.Sampler):
             item = dataset.items[i]
             self.groups.setdefault((item.dataset_index, item.bucket, tuple(item.control_buckets)), []).append(entry)
         self.batch_sizes = {key: dataset.blueprint.datasets[key[0]].batch_size for key in self.groups}
-
-    def set_epoch(self, epoch: int):
-        self.epoch = epoch
 
     def batches(self, epoch: int, world: int = 1) -> list[list[tuple[int, int]]]:
         """The epoch's batches; with `world` processes, global batches of batch_size * world."""
