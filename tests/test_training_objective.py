@@ -199,9 +199,9 @@ class FakeTask:
     def finish(self, output_dir):
         pass
 
-    base_model_version = base_precision = resolution = timestep_sampling = lambda self: "fake"
-    total_batch_size = lambda self: 1  # noqa: E731
-    dataset_summary = lambda self: []  # noqa: E731
+    def metadata(self):
+        return {"base_model_version": "fake", "base_precision": "fake", "resolution": "fake", "batch_size": 1,
+                "timestep_sampling": "fake", "dataset": []}
 
 
 class LossModule(nn.Module):
