@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 import train_lora
-from library.data import dataset as D
+from library.data import image_folders
 from library.data.controls import reference_views
 from library.data.images import load_image
 from library.data.masks import load_mask
@@ -83,7 +83,7 @@ def bad_size_set(folder):
 def test_images_below_the_smallest_bucket_side_or_beyond_the_bucket_aspect_warn_per_image_and_count(tmp_path):
     keys = bad_size_set(tmp_path / "img")
     with pytest.warns(UserWarning) as caught:
-        items = D.scan_images(blueprint(tmp_path / "img", **keys))
+        items = image_folders.scan_images(blueprint(tmp_path / "img", **keys))
     messages = [str(w.message) for w in caught]
     assert f"{tmp_path / 'img' / 'dot.png'}: 1x1 is smaller than min_bucket_reso 32 (it is upscaled)" in messages[0]
     assert (f"{tmp_path / 'img' / 'strip.png'}: 4000x16 is smaller than min_bucket_reso 32 (it is upscaled) and has "
@@ -94,7 +94,7 @@ def test_images_below_the_smallest_bucket_side_or_beyond_the_bucket_aspect_warn_
     assert len(messages) == 3 and sorted(os.path.basename(i.image_path) for i in items) == ["dot.png", "fine.png", "strip.png"]
 
     with pytest.warns(UserWarning) as caught:
-        items = D.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
+        items = image_folders.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
     assert [os.path.basename(i.image_path) for i in items] == ["fine.png"]
     assert str(caught[-1].message) == (f"{tmp_path / 'img'}: 2 of 3 images are smaller than min_bucket_reso or beyond "
                                        f"max_bucket_reso / min_bucket_reso in aspect ratio; skipped (skip_bad_size_images)")
@@ -104,7 +104,7 @@ def test_a_subset_whose_every_image_is_skipped_is_an_error(tmp_path):
     keys = bad_size_set(tmp_path / "img")
     os.remove(tmp_path / "img" / "fine.png")
     with pytest.warns(UserWarning), pytest.raises(ValueError) as e:
-        D.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
+        image_folders.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
     assert str(e.value) == (f"{tmp_path / 'img'}: every image was skipped (skip_bad_size_images): none is at least "
                             f"min_bucket_reso 32 per side within max_bucket_reso / min_bucket_reso = 4.0")
 

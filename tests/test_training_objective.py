@@ -391,14 +391,14 @@ def test_sd_scripts_flux_lora_loads_as_network_weights_and_in_generate(tiny_set,
 def test_changing_the_t5_token_length_re_encodes_every_cached_caption(tiny_set, tmp_path, monkeypatch):
     from test_train_lora import flux_args
 
-    from library.data import dataset as data
+    from library.data import caches
 
     encoded = []
-    real = data.cache_text
+    real = caches.cache_text
 
     def recording(items, encode_fn, *a, **k):
         n = real(items, encode_fn, *a, **k)
-        encoded.append((n, [data._read_cache(it.text_cache)["t5"].shape[0] for it in items]))
+        encoded.append((n, [caches.read_cache(it.text_cache)["t5"].shape[0] for it in items]))
         return n
 
     monkeypatch.setattr("library.training.diffusion_task.cache_text", recording)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import train_lora
-from library.data.dataset import ImageDataset, scan_images, split_validation
+from library.data.dataset import ImageDataset
+from library.data.image_folders import scan_images, split_validation
 from library.data.dataset_config import load_dataset_config
 from tests.test_train_lora import flux_args
 

@@ -67,7 +67,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import train_lora  # noqa: E402
-from library.data.dataset import ImageDataset, cache_latents, cache_text  # noqa: E402
+from library.data.caches import cache_latents, cache_text  # noqa: E402
+from library.data.dataset import ImageDataset  # noqa: E402
 from library.data.dataset_config import load_dataset_config  # noqa: E402
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
 from library.models.family import get_family  # noqa: E402

@@ -8,7 +8,7 @@ Any image extension works on either side. Every target of a subset needs the sam
 references (a batch stacks them), and no more than the model takes. How large a reference is
 encoded is the family's rule (DiffusionFamily.control_bucket: FLUX.1 Kontext uses the target's
 bucket). The reference latents are cached in the target's latent cache file, and its content
-hash covers the reference files, so changing a reference re-encodes (library/data/dataset.py).
+hash covers the reference files, so changing a reference re-encodes (library/data/caches.py).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ import torch
 import torch.nn as nn
 
 from library.data.captions import drops_captions
-from library.data.dataset import (BucketBatchSampler, EpochBatches, ImageDataset, cache_empty_caption, cache_latents,
-                                  cache_text, collate_batch, scan_images, split_validation)
+from library.data.caches import cache_empty_caption, cache_latents, cache_text
+from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
+from library.data.image_folders import scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, encode_prompts, reference_images
 from library.data.dataset_config import load_dataset_config
 from library.models.family import get_family, stack_text

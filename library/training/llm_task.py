@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from library.data.dataset import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
+from library.data.text_corpus import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
 from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
