@@ -35,8 +35,9 @@ from library.training import fsdp, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
 from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals  # noqa: E402
 from library.training.ema import TrainableEMA  # noqa: E402
+from library.training.lr_plot import plot_runs  # noqa: E402
 from library.training.state import SavedState, load_state, restore_rng, save_state  # noqa: E402
-from tools.plot_lr import main as plot_lr  # noqa: E402
+from library.training.task import Task  # noqa: E402
 
 
 
@@ -130,7 +131,7 @@ def output_lock(args, accelerator):
         yield
 
 
-def build_task(args, accelerator):
+def build_task(args, accelerator) -> Task:
     if args.model_type == "llm":
         from library.training.llm_task import LLMTask
 
@@ -143,15 +144,16 @@ def build_task(args, accelerator):
 def lora_metadata(args, task, step: int, epoch: int, started: float) -> dict:
     from networks.lora_files import build_metadata
 
+    facts = task.metadata()
     return build_metadata(
         network_module=args.network_module, network_dim=args.network_dim, network_alpha=args.network_alpha,
         network_args=parse_kv_literals(args.network_args, "network_args", "config"),
-        base_model_version=task.base_model_version(), base_model=args.pretrained_model_name_or_path,
-        base_precision=task.base_precision(), mixed_precision=args.mixed_precision, resolution=task.resolution(),
-        steps=step, epochs=epoch, batch_size=task.total_batch_size(), optimizer=args.optimizer_type
+        base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
+        base_precision=facts["base_precision"], mixed_precision=args.mixed_precision, resolution=facts["resolution"],
+        steps=step, epochs=epoch, batch_size=facts["batch_size"], optimizer=args.optimizer_type
         + (f" ({' '.join(args.optimizer_args)})" if args.optimizer_args else ""),
-        lr=args.learning_rate, lr_scheduler=args.lr_scheduler, timestep_sampling=task.timestep_sampling(),
-        shift=args.discrete_flow_shift, guidance=args.guidance_scale, seed=args.seed, dataset=task.dataset_summary(),
+        lr=args.learning_rate, lr_scheduler=args.lr_scheduler, timestep_sampling=facts["timestep_sampling"],
+        shift=args.discrete_flow_shift, guidance=args.guidance_scale, seed=args.seed, dataset=facts["dataset"],
         training_started_at=int(started), training_finished_at=int(time.time()),
         training_seconds=round(time.time() - started, 1), output_name=args.output_name,
     )
@@ -322,7 +324,7 @@ class Trainer:
         if args.save_state:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
         if self.accelerator.is_main_process:
-            plot_lr([self.logger.path, "--out", os.path.join(args.output_dir, f"{args.output_name}_lr.png")])
+            plot_runs([self.logger.path], os.path.join(args.output_dir, f"{args.output_name}_lr.png"))
         with self.sampling():  # the final samples (llm: the final eval)
             tracking.log_sample_images(self.accelerator, task.finish(args.output_dir) or [], self.step)
         self.accelerator.wait_for_everyone()

@@ -33,7 +33,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train_step import machine_summary  # noqa: E402
 
-from library.data.dataset import BucketBatchSampler, ImageDataset, cache_latents, collate_batch  # noqa: E402
+from library.data.caches import cache_latents  # noqa: E402
+from library.data.dataset import BucketBatchSampler, ImageDataset, collate_batch  # noqa: E402
 from library.data.dataset_config import load_dataset_config  # noqa: E402
 from library.models.flux1.family import FluxFamily  # noqa: E402
 from library.models.flux1.checkpoint import load_flux  # noqa: E402

@@ -219,7 +219,7 @@ def cached_text_tokens(work: str) -> int:
 
 def planned(config: str, work: str) -> dict[str, tuple[int, int]]:
     """{phase: (planned bytes, what the planner said before issue 23)}."""
-    from library.data.dataset import reference_count
+    from library.data.image_folders import reference_count
     from library.data.dataset_config import load_dataset_config
     from library.data.prompts import SamplePrompt, read_prompt_file
     from library.models.family import get_family

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from library.models.family import stack_text  # noqa: E402
 from library.models.flux1.family import FluxFamily  # noqa: E402
 from library.models.qwen_image.family import QwenImageFamily  # noqa: E402
-from library.training.flow_matching import DEFAULTS  # noqa: E402
+from library.models.flow_matching import DEFAULTS  # noqa: E402
 from tools.make_tiny_models import make_tiny_models  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8_scaled", "fp8")

@@ -63,7 +63,7 @@ def step_costs(size: str, reps: int):
 
 
 def caption_variant_cost():
-    from library.data import dataset as D
+    from library.data import caches, dataset as D
     from library.data.dataset_config import parse_dataset_config
     from library.models.flux1.family import FluxFamily as Family
     from tools.make_tiny_models import make_tiny_models
@@ -83,7 +83,7 @@ def caption_variant_cost():
             {"image_dir": work, "shuffle_caption": shuffle, "caption_variants": 8}]}]})
         ds = D.ImageDataset(bp)
         t = time.perf_counter()
-        D.cache_text(ds.items, encode, "bench", to_disk=False)
+        caches.cache_text(ds.items, encode, "bench", to_disk=False)
         texts = sum(1 + len(it.caption_variants) for it in ds.items)
         print(f"  caption caching, shuffle_caption {shuffle!s:5s}: {texts} encodings, {time.perf_counter() - t:.2f} s")
 

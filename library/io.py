@@ -168,14 +168,6 @@ class CheckpointReader:
             yield k, self.get(k)
 
 
-def strip_prefix(keys: list[str], prefixes: tuple[str, ...]) -> str:
-    """The first of `prefixes` that every key starts with ('' if none)."""
-    for p in prefixes:
-        if keys and all(k.startswith(p) for k in keys):
-            return p
-    return ""
-
-
 def _few(keys) -> str:
     keys = sorted(keys)
     return ", ".join(keys[:5]) + (f" ... ({len(keys)} in all)" if len(keys) > 5 else "")

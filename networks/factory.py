@@ -3,15 +3,49 @@
     networks.lora   our LoRA (networks/lora.py), with DoRA through network_args dora=True
     lycoris.kohya   LoKr, LoHa, (IA)^3, ... through the lycoris-lora package (networks/lycoris_network.py)
 
-Both classes share the trainer's interface (apply, param_groups, trainable_parameters,
-state_dict, load_weights, save), so the tasks call build_network and never branch on the type.
+Both classes fulfil the Network protocol below, so the tasks and tools call build_network /
+network_from_file and never branch on the type. `arch` is the transformer architecture the network
+targets (a registered family's arch: flux, flux2, qwen_image; or llm), not the family name.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
+import torch
 import torch.nn as nn
 
 NETWORK_MODULES = ("networks.lora", "lycoris.kohya")
+
+
+class Network(Protocol):
+    """What build_network and network_from_file return: an nn.Module (to, train, state_dict,
+    load_state_dict, named_parameters: the trainable tensors, float32 by default) over a frozen model
+    that it patches, and these."""
+
+    def apply(self) -> None:
+        """Route the model's target modules through the network (the model's weights stay as they are)."""
+
+    def param_groups(self, lr: float) -> list[dict]:
+        """The optimizer's parameter groups, each with "params", "lr" and a "name"."""
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The parameters training updates."""
+
+    def load_weights(self, source, strict: bool = True) -> dict:
+        """Load a file (path) or a tensor dict, cast to the network's dtype; counts "loaded", "added",
+        "missing". strict: every module of the network must be in it."""
+
+    @staticmethod
+    def describe_loaded(counts: dict) -> str:
+        """load_weights' counts as one line for the log."""
+
+    def save(self, path: str, dtype: torch.dtype = torch.float32, metadata: dict | None = None) -> None:
+        """Write the weights cast to `dtype` as one safetensors file, `metadata` in its header."""
+
+    @classmethod
+    def from_weights(cls, model: nn.Module, arch: str, source, multiplier: float = 1.0) -> Network:
+        """A network of exactly the modules a file names, on `model` (not applied)."""
 
 
 def check_network_module(name: str) -> None:
@@ -30,10 +64,10 @@ def network_class(name: str):
     return LoRANetwork
 
 
-def build_network(network_module: str, model: nn.Module, family: str, rank: int, alpha=None,
-                  network_args: dict | None = None, multiplier: float = 1.0) -> nn.Module:
+def build_network(network_module: str, model: nn.Module, arch: str, rank: int, alpha=None,
+                  network_args: dict | None = None, multiplier: float = 1.0) -> Network:
     """A fresh network of the chosen type on `model` (not applied; in eval mode)."""
-    return network_class(network_module)(model, family, rank, alpha, multiplier=multiplier, network_args=network_args)
+    return network_class(network_module)(model, arch, rank, alpha, multiplier=multiplier, network_args=network_args)
 
 
 def network_module_of_file(path: str) -> str:
@@ -48,6 +82,6 @@ def network_module_of_file(path: str) -> str:
     return "lycoris.kohya" if is_lycoris_file(CheckpointReader(path).keys()) else "networks.lora"
 
 
-def network_from_file(model: nn.Module, family: str, path: str, multiplier: float = 1.0) -> nn.Module:
+def network_from_file(model: nn.Module, arch: str, path: str, multiplier: float = 1.0) -> Network:
     """The network a LoRA / DoRA / LyCORIS file describes, on `model` (not applied)."""
-    return network_class(network_module_of_file(path)).from_weights(model, family, path, multiplier=multiplier)
+    return network_class(network_module_of_file(path)).from_weights(model, arch, path, multiplier=multiplier)

@@ -349,15 +349,15 @@ def _warn_rank_above_width(selected) -> None:
 
 
 class LoRANetwork(nn.Module):
-    """LoRA modules for one model of one family. Submodules are registered under their kohya
-    names, so `state_dict()` is the kohya file layout (`lora_unet_<path>.lora_down.weight`, ...).
+    """LoRA modules for one model of one architecture (arch). Submodules are registered under their
+    kohya names, so `state_dict()` is the kohya file layout (`lora_unet_<path>.lora_down.weight`, ...).
     The network starts in eval mode (no dropout); the trainer switches it to train mode.
 
     network_args (sd-scripts names and meanings; unknown keys are an error):
       train_blocks: "all" | "double" | "single" (flux)
       train_double_block_indices / train_single_block_indices (flux), block_indices (others):
           "0-5,10", "all", "none" or a list of ints
-      <type>_dim: rank per module type of TARGETS[family] (flux: img_attn, txt_attn, img_mlp,
+      <type>_dim: rank per module type of TARGETS[arch] (flux: img_attn, txt_attn, img_mlp,
           txt_mlp, img_mod, txt_mod, single, single_mod; qwen_image / llm: attn, mlp, mod); 0 skips
           the type. flux also takes the groups attn_dim, mlp_dim, mod_dim.
       in_dims (flux): "[img, time, vector, guidance, txt]" ranks of the embedders (default off)
@@ -371,12 +371,12 @@ class LoRANetwork(nn.Module):
     select=False builds an empty network that load_weights() fills with the modules a file names.
     """
 
-    def __init__(self, model: nn.Module, family: str, rank: int, alpha=None, multiplier=1.0,
+    def __init__(self, model: nn.Module, arch: str, rank: int, alpha=None, multiplier=1.0,
                  network_args: dict | None = None, lora_dtype=torch.float32, select: bool = True):
         super().__init__()
-        if family not in TARGETS:
-            raise ValueError(f"LoRA family '{family}': expected one of {', '.join(TARGETS)}")
-        self.family, self.rank, self.multiplier, self.lora_dtype = family, int(rank), multiplier, lora_dtype
+        if arch not in TARGETS:
+            raise ValueError(f"LoRA family '{arch}': expected one of {', '.join(TARGETS)}")
+        self.arch, self.rank, self.multiplier, self.lora_dtype = arch, int(rank), multiplier, lora_dtype
         self.alpha = float(self.rank if alpha is None or alpha == 0 else alpha)
         self.network_args = dict(network_args or {})
         self._model = [model]  # not a submodule: the network's state_dict holds LoRA tensors only
@@ -395,19 +395,19 @@ class LoRANetwork(nn.Module):
         lora = LoRAModule(path, module, rank, alpha, self.multiplier, lora_dtype=self.lora_dtype,
                           dora=self.dora if dora is None else dora, **self.dropouts)
         lora.train(self.training)
-        self.add_module(kohya_name(path, KOHYA_PREFIX[self.family]), lora)
+        self.add_module(kohya_name(path, KOHYA_PREFIX[self.arch]), lora)
         if self._applied:
             lora.apply_to_base()
         return lora
 
     def _check_args(self, args: dict) -> dict:
-        types = TARGETS[self.family]
-        known = (COMMON_ARGS | set(BLOCK_ARGS[self.family]) | FAMILY_ARGS.get(self.family, set())
-                 | {f"{t}_dim" for t in list(types) + list(TYPE_GROUPS.get(self.family, {}))})
+        types = TARGETS[self.arch]
+        known = (COMMON_ARGS | set(BLOCK_ARGS[self.arch]) | FAMILY_ARGS.get(self.arch, set())
+                 | {f"{t}_dim" for t in list(types) + list(TYPE_GROUPS.get(self.arch, {}))})
         unknown = sorted(k for k in args if k not in known)
         if unknown:
             raise ValueError(
-                f"network_args: unknown key '{unknown[0]}' for family '{self.family}' (known: {', '.join(sorted(known))})"
+                f"network_args: unknown key '{unknown[0]}' for family '{self.arch}' (known: {', '.join(sorted(known))})"
             )
         for key, why in REFUSED_ARGS.items():
             if key in known and _as_bool(key, args.get(key, False)):
@@ -417,7 +417,7 @@ class LoRANetwork(nn.Module):
     def _candidates(self, model):
         """(path, module, type, block kind, block index) for every module TARGETS names; modules
         outside the blocks (FLUX's embedders) get block kind "embed", index 0."""
-        compiled = {t: re.compile(p) for t, p in TARGETS[self.family].items()}
+        compiled = {t: re.compile(p) for t, p in TARGETS[self.arch].items()}
         found = []
         for path, module in model.named_modules():
             for mtype, pattern in compiled.items():
@@ -427,28 +427,28 @@ class LoRANetwork(nn.Module):
                     found.append((path, module, mtype, kind, index))
                     break
         if not found:
-            raise ValueError(f"LoRA: the model has no module that TARGETS['{self.family}'] names (is it a {self.family} model?)")
+            raise ValueError(f"LoRA: the model has no module that TARGETS['{self.arch}'] names (is it a {self.arch} model?)")
         return found
 
     def _type_ranks(self, args) -> dict[str, tuple[int, bool]]:
         """{module type: (rank, on by default)} from the network rank and network_args."""
-        family, types = self.family, TARGETS[self.family]
+        arch, types = self.arch, TARGETS[self.arch]
         dims = {t: int(_as_float(f"{t}_dim", args[f"{t}_dim"])) for t in types if f"{t}_dim" in args}
-        for group, members in TYPE_GROUPS.get(family, {}).items():
+        for group, members in TYPE_GROUPS.get(arch, {}).items():
             if f"{group}_dim" in args:
                 for t in members:
                     dims.setdefault(t, int(_as_float(f"{group}_dim", args[f"{group}_dim"])))
-        in_types = IN_DIM_TYPES.get(family, ())
+        in_types = IN_DIM_TYPES.get(arch, ())
         if in_types and args.get("in_dims") is not None:
             values = args["in_dims"]
             values = [v for v in str(values).strip("[] ").split(",")] if not isinstance(values, (list, tuple)) else values
             if len(values) != len(in_types):
                 raise ValueError(f"network_args 'in_dims': expected {len(in_types)} ranks [{', '.join(in_types)}], got {args['in_dims']!r}")
             dims.update({t: int(_as_float("in_dims", v)) for t, v in zip(in_types, values)})
-        train_mod = _as_bool("train_modulation", args.get("train_modulation", MODULATION_DEFAULT[family]))
+        train_mod = _as_bool("train_modulation", args.get("train_modulation", MODULATION_DEFAULT[arch]))
         ranks = {}
         for t in types:
-            on = t in dims or (t not in in_types and (train_mod or t not in MODULATION_TYPES[family]))
+            on = t in dims or (t not in in_types and (train_mod or t not in MODULATION_TYPES[arch]))
             ranks[t] = (dims.get(t, self.rank), on)
         return ranks
 
@@ -471,7 +471,7 @@ class LoRANetwork(nn.Module):
             if rank > 0 and (default_on or any(p.search(path) for p in include)):
                 selected.append((path, module, rank))
         if not selected:
-            raise ValueError(f"LoRA: network_args {self.network_args} select no module of the {self.family} model")
+            raise ValueError(f"LoRA: network_args {self.network_args} select no module of the {self.arch} model")
         return selected
 
     def _blocks_on(self, args, candidates) -> dict[str, set[int]]:
@@ -484,7 +484,7 @@ class LoRANetwork(nn.Module):
             raise ValueError(f"network_args 'train_blocks': expected all, double or single, got {train_blocks!r}")
         if train_blocks != "all":
             on = {kind: (s if kind in (train_blocks, "embed") else set()) for kind, s in on.items()}
-        for key, kind in BLOCK_ARGS[self.family].items():
+        for key, kind in BLOCK_ARGS[self.arch].items():
             if key in args:
                 on[kind] = on.get(kind, set()) & parse_indices(key, args[key], count.get(kind, 0))
         return on
@@ -559,12 +559,12 @@ class LoRANetwork(nn.Module):
             weights, _, _ = read_lora(source, module_paths=linears)
         else:
             weights, _ = parse_lora(dict(source), None, module_paths=linears)
-        if self.family in DIFFUSERS_MODULE_MAPS and any(p.startswith(DIFFUSERS_FLUX_BLOCKS) for p in weights):
+        if self.arch in DIFFUSERS_MODULE_MAPS and any(p.startswith(DIFFUSERS_FLUX_BLOCKS) for p in weights):
             weights = flux_diffusers_to_bfl(weights, self._flux_module_map())
         by_path = {m.name: m for m in self.lora_modules()}
         foreign = [p for p in weights if p not in linears]
         if foreign:
-            raise CheckpointError(f"{name}: LoRA module '{foreign[0]}' is not a Linear of this {self.family} model")
+            raise CheckpointError(f"{name}: LoRA module '{foreign[0]}' is not a Linear of this {self.arch} model")
         missing = [p for p in by_path if p not in weights]
         if strict and missing:
             raise CheckpointError(f"{name}: no weights for LoRA module '{missing[0]}' ({len(missing)} missing)")
@@ -592,11 +592,11 @@ class LoRANetwork(nn.Module):
                 f"{counts['missing']} start from their initial weights")
 
     @classmethod
-    def from_weights(cls, model: nn.Module, family: str, source, multiplier: float = 1.0,
+    def from_weights(cls, model: nn.Module, arch: str, source, multiplier: float = 1.0,
                      network_args: dict | None = None) -> "LoRANetwork":
         """A network holding exactly the modules a LoRA file names (generate, doctor, tools)."""
         weights_rank = 1  # placeholder: every module takes its rank from the file
-        network = cls(model, family, weights_rank, multiplier=multiplier, network_args=network_args, select=False)
+        network = cls(model, arch, weights_rank, multiplier=multiplier, network_args=network_args, select=False)
         network.load_weights(source, strict=False)
         return network
 
@@ -604,8 +604,8 @@ class LoRANetwork(nn.Module):
         """BFL <-> diffusers module map for this model's sizes (flux1/ or flux2/checkpoint.py)."""
         cfg = getattr(self._model[0], "config", None)
         if cfg is None:
-            raise CheckpointError(f"a diffusers-named {self.family} LoRA needs our BFL-named model (with .config) to convert")
-        return DIFFUSERS_MODULE_MAPS[self.family](cfg)
+            raise CheckpointError(f"a diffusers-named {self.arch} LoRA needs our BFL-named model (with .config) to convert")
+        return DIFFUSERS_MODULE_MAPS[self.arch](cfg)
 
     def merge_into_model(self, weight_dtype: torch.dtype | None = None):
         """Merge every LoRA into its base weight (float32 math) and unpatch the forwards."""
@@ -622,7 +622,7 @@ class LoRANetwork(nn.Module):
 
     def save(self, path: str, dtype=torch.float32, metadata: dict | None = None):
         """kohya safetensors; network dim/alpha/module/args are added to the header unless given."""
-        write_kohya(self.lora_weights(), path, dtype, self._header(metadata), prefix=KOHYA_PREFIX[self.family])
+        write_kohya(self.lora_weights(), path, dtype, self._header(metadata), prefix=KOHYA_PREFIX[self.arch])
 
     def save_peft(self, folder: str, dtype=torch.float32, metadata: dict | None = None, base_model: str | None = None):
         """A PEFT adapter folder (LLMs: PeftModel.from_pretrained, vLLM, llama.cpp read it); the

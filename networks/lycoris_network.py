@@ -162,10 +162,10 @@ class LycorisNetwork(nn.Module):
 
     network_module = "lycoris.kohya"
 
-    def __init__(self, model: nn.Module, family: str, rank: int, alpha=None, multiplier=1.0,
+    def __init__(self, model: nn.Module, arch: str, rank: int, alpha=None, multiplier=1.0,
                  network_args: dict | None = None):
         super().__init__()
-        self.family, self.rank, self.multiplier = family, int(rank), multiplier
+        self.arch, self.rank, self.multiplier = arch, int(rank), multiplier
         self.alpha = float(self.rank if alpha is None or alpha == 0 else alpha)
         self.network_args = dict(network_args or {})
         self._model = [model]
@@ -184,9 +184,9 @@ class LycorisNetwork(nn.Module):
         lyco_args = _typed_lycoris_args(self.network_args)
         lyco_args.setdefault("bypass_mode", _default_bypass(lyco_args))
         selection = {k: v for k, v in self.network_args.items() if k in SELECTION_ARGS}
-        te = KOHYA_PREFIX[self.family] == "lora_te"
+        te = KOHYA_PREFIX[self.arch] == "lora_te"
         if "preset" not in lyco_args:
-            picker = LoRANetwork(model, self.family, self.rank, network_args=selection, select=False)
+            picker = LoRANetwork(model, self.arch, self.rank, network_args=selection, select=False)
             paths = [path for path, _, _ in picker._select(model, selection)]
             kohya.PRESET[_PRESET_NAME] = _target_preset(paths, te)
             lyco_args["preset"] = _PRESET_NAME
@@ -201,7 +201,7 @@ class LycorisNetwork(nn.Module):
             kohya.PRESET.pop(_PRESET_NAME, None)
         loras = lyco.text_encoder_loras + lyco.unet_loras
         if not loras:
-            raise ValueError(f"lycoris.kohya: network_args {self.network_args} select no module of the {self.family} model")
+            raise ValueError(f"lycoris.kohya: network_args {self.network_args} select no module of the {self.arch} model")
         self.loraplus_lr_ratio = lyco_args.get("loraplus_lr_ratio")
         return [(lora, views.get(lora.org_module[0])) for lora in loras]
 
@@ -270,16 +270,16 @@ class LycorisNetwork(nn.Module):
     describe_loaded = staticmethod(LoRANetwork.describe_loaded)
 
     @classmethod
-    def from_weights(cls, model: nn.Module, family: str, source, multiplier: float = 1.0) -> "LycorisNetwork":
+    def from_weights(cls, model: nn.Module, arch: str, source, multiplier: float = 1.0) -> "LycorisNetwork":
         """A network of exactly the modules a LyCORIS file names, rebuilt by LyCORIS from the
         file (any algo and shape it holds); for generate and the tools."""
         source = _tensors_of(source)
         network = cls.__new__(cls)
         nn.Module.__init__(network)
-        network.family, network.rank, network.alpha, network.multiplier = family, 0, 0.0, multiplier
+        network.arch, network.rank, network.alpha, network.multiplier = arch, 0, 0.0, multiplier
         network.network_args, network.loraplus_lr_ratio = {}, None
         network._model, network._fp8_targets, network._applied = [model], {}, False
-        network._add_all(read_lycoris_modules(model, source, multiplier, KOHYA_PREFIX[family], with_fp8=True))
+        network._add_all(read_lycoris_modules(model, source, multiplier, KOHYA_PREFIX[arch], with_fp8=True))
         network.eval()
         return network
 

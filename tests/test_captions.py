@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 import train_lora
-from library.data import dataset as D
-from library.data.captions import augment_tags, process_caption
+from library.data import caches, dataset as D
+from library.data.captions import augment_tags
 from library.data.dataset_config import SubsetSpec, load_dataset_config, parse_dataset_config
 from tests.test_dataset import make_image, write
 
@@ -55,7 +55,7 @@ def spec(**kw):
 def test_shuffled_captions_come_from_k_cached_variants_and_the_text_matches_the_caption(tmp_path):
     ds = dataset(tmp_path, shuffle_caption=True, keep_tokens=2, caption_variants=4, num_repeats=60)
     enc = TextIdEncoder()
-    assert D.cache_text(ds.items, enc, "flux", to_disk=True) == 1
+    assert caches.cache_text(ds.items, enc, "flux", to_disk=True) == 1
     (item,) = ds.items
     assert enc.calls == [item.caption, *item.caption_variants] and len(item.caption_variants) == 4
     assert all(v.startswith("sks, dog, ") and sorted(v.split(", ")) == sorted(item.caption.split(", "))
@@ -64,10 +64,10 @@ def test_shuffled_captions_come_from_k_cached_variants_and_the_text_matches_the_
     assert all(enc.decode(s["text"]) == s["caption"] for s in samples)  # each caption with its own text
     assert {s["caption"] for s in samples} == set(item.caption_variants)  # every variant is drawn
     again = dataset(tmp_path, shuffle_caption=True, keep_tokens=2, caption_variants=4, num_repeats=60)
-    assert D.cache_text(again.items, enc, "flux", to_disk=True) == 0  # the variants' cache is reused ...
+    assert caches.cache_text(again.items, enc, "flux", to_disk=True) == 0  # the variants' cache is reused ...
     assert [again[(e, 1)]["caption"] for e in range(60)] == [s["caption"] for s in samples[60:]]  # ... same draws
     more = dataset(tmp_path, shuffle_caption=True, keep_tokens=2, caption_variants=5)
-    assert D.cache_text(more.items, enc, "flux", to_disk=True) == 1  # another K is another cache
+    assert caches.cache_text(more.items, enc, "flux", to_disk=True) == 1  # another K is another cache
 
 
 def test_variants_do_not_depend_on_the_training_seed_and_validation_uses_the_caption(tmp_path):
@@ -77,18 +77,18 @@ def test_variants_do_not_depend_on_the_training_seed_and_validation_uses_the_cap
     ds = dataset(tmp_path, shuffle_caption=True, caption_dropout_rate=1.0)
     val = D.ImageDataset(ds.blueprint, items=ds.items, validation=True)
     enc = TextIdEncoder()
-    D.cache_text(ds.items, enc, "flux", to_disk=False)
+    caches.cache_text(ds.items, enc, "flux", to_disk=False)
     assert val[0]["caption"] == ds.items[0].caption and enc.decode(val[0]["text"]) == ds.items[0].caption
 
 
 def test_caption_dropout_substitutes_the_cached_empty_text_at_the_rate(tmp_path):
     ds = dataset(tmp_path, caption="a cat", caption_dropout_rate=0.3, num_repeats=500)
     enc = TextIdEncoder()
-    D.cache_text(ds.items, enc, "flux", to_disk=False)
+    caches.cache_text(ds.items, enc, "flux", to_disk=False)
     with pytest.raises(ValueError, match="cache_empty_caption"):
         [ds[e] for e in range(500)]
-    D.cache_empty_caption(ds, enc)
-    assert enc.calls == ["a cat", ""] and ds.empty_text["hidden"].dtype == D.CACHE_DTYPE
+    caches.cache_empty_caption(ds, enc)
+    assert enc.calls == ["a cat", ""] and ds.empty_text["hidden"].dtype == caches.CACHE_DTYPE
     samples = [ds[(e, 0)] for e in range(500)]
     dropped = [s["caption"] == "" for s in samples]
     assert 0.25 < sum(dropped) / 500 < 0.35
@@ -99,13 +99,13 @@ def test_caption_dropout_substitutes_the_cached_empty_text_at_the_rate(tmp_path)
 
 def test_caption_dropout_every_n_epochs_drops_whole_epochs_counted_from_one(tmp_path):
     ds = dataset(tmp_path, caption="a cat", caption_dropout_every_n_epochs=3, num_repeats=5)
-    D.cache_text(ds.items, TextIdEncoder(), "flux", to_disk=False)
-    D.cache_empty_caption(ds, TextIdEncoder())
+    caches.cache_text(ds.items, TextIdEncoder(), "flux", to_disk=False)
+    caches.cache_empty_caption(ds, TextIdEncoder())
     per_epoch = [{ds[(e, epoch)]["caption"] for e in range(5)} for epoch in range(7)]
     assert per_epoch == [{"a cat"}, {"a cat"}, {""}, {"a cat"}, {"a cat"}, {""}, {"a cat"}]  # sd-scripts' epochs 3, 6
 
 
-def test_tag_dropout_and_keep_tokens_separator_as_sd_scripts():
+def test_tag_dropout_and_keep_tokens_separator_as_sd_scripts(tmp_path):
     s = spec(caption_tag_dropout_rate=0.5, keep_tokens_separator="|||")
     caption = "sks man ||| red, hat, beach, smiling, sand ||| photo, 35mm"
     outs = [augment_tags(caption, s, random.Random(i)) for i in range(400)]
@@ -114,7 +114,7 @@ def test_tag_dropout_and_keep_tokens_separator_as_sd_scripts():
     assert 2.2 < sum(kept) / len(kept) < 2.8  # 5 flexible tags, each kept with probability 0.5
     assert all(o.split(", ")[1:-2] == [t for t in ["red", "hat", "beach", "smiling", "sand"] if t in o.split(", ")]
                for o in outs)  # dropping without shuffle keeps the order
-    fixed = process_caption(caption, spec(keep_tokens_separator="|||"), random.Random(0))
+    fixed = dataset(tmp_path, caption=caption, keep_tokens_separator="|||")[0]["caption"]  # what training sees
     assert fixed == "sks man, red, hat, beach, smiling, sand, photo, 35mm"  # the separator is not trained on
 
 

@@ -1,14 +1,13 @@
 import os
-import random
 import re
 
 import pytest
 import torch
 from PIL import Image
 
-from library.data import dataset as D
-from library.data.captions import process_caption
-from library.data.dataset_config import SubsetSpec, load_dataset_config, parse_dataset_config
+from library.data import caches, dataset as D, image_folders, text_corpus
+from library.data.dataset_config import load_dataset_config, parse_dataset_config
+from library.data.images import load_image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,12 +38,6 @@ def over_one_folder(image_dir, *subsets, **dataset):
     """One dataset whose subsets all read image_dir; each dict holds a subset's other keys."""
     subsets = [{"image_dir": str(image_dir), **s} for s in subsets]
     return parse_dataset_config({"datasets": [{"resolution": 32, **dataset, "subsets": subsets}]}, source="test.toml")
-
-
-def subset(**kw):
-    base = dict(image_dir="x", num_repeats=1, caption_extension=".txt", class_tokens=None, shuffle_caption=False,
-                keep_tokens=0, caption_dropout_rate=0.0, flip_aug=False)
-    return SubsetSpec(**{**base, **kw})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,7 +137,7 @@ def test_example_config_parses():
 
 
 def test_buckets_are_step_multiples_within_limits_and_area():
-    buckets = D.make_buckets((512, 512), 256, 1024, 64)
+    buckets = image_folders.make_buckets((512, 512), 256, 1024, 64)
     assert all(w % 64 == 0 and h % 64 == 0 and 256 <= min(w, h) and max(w, h) <= 1024 for w, h in buckets)
     assert all(w * h <= 512 * 512 for w, h in buckets)
     assert {(512, 512), (576, 448), (448, 576), (1024, 256), (256, 1024), (704, 320)} <= set(buckets)
@@ -179,11 +172,11 @@ def test_resize_center_crop_flip_and_value_range(tmp_path):
     img.paste((255, 255, 255), (32, 0, 64, 32))  # right half white
     path = str(tmp_path / "halves.png")
     img.save(path)
-    x = D.load_image(path, (32, 32))  # no resize: crop columns 16..47
+    x = load_image(path, (32, 32))  # no resize: crop columns 16..47
     assert x.shape == (3, 32, 32) and x.dtype == torch.float32
     assert float(x[:, :, :16].max()) == -1.0 and float(x[:, :, 16:].min()) == 1.0
-    torch.testing.assert_close(D.load_image(path, (32, 32), flip=True), x.flip(-1), rtol=0, atol=0)
-    y = D.load_image(path, (16, 16))  # shrink 2x then crop 4..11: still half black / half white
+    torch.testing.assert_close(load_image(path, (32, 32), flip=True), x.flip(-1), rtol=0, atol=0)
+    y = load_image(path, (16, 16))  # shrink 2x then crop 4..11: still half black / half white
     assert float(y[:, :, :3].max()) == -1.0 and float(y[:, :, -3:].min()) == 1.0
 
 
@@ -217,23 +210,29 @@ def test_corrupt_image_is_an_error_naming_the_file(tmp_path):
         D.ImageDataset(blueprint(tmp_path / "img", class_tokens="x"))
 
 
-def test_shuffle_keeps_the_first_keep_tokens_tags_and_is_deterministic():
-    s = subset(shuffle_caption=True, keep_tokens=2)
+def captions_drawn(tmp_path, caption: str, draws: int, **subset) -> list[str]:
+    """The captions the training dataset gives the `draws` repeats of one image in epoch 0."""
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", caption)
+    ds = D.ImageDataset(blueprint(tmp_path / "img", num_repeats=draws, **subset))
+    return [ds[e]["caption"] for e in range(draws)]
+
+
+def test_shuffle_keeps_the_first_keep_tokens_tags_and_is_deterministic(tmp_path):
     caption = "sks, dog, red, grass, sunny, park"
-    outs = [process_caption(caption, s, random.Random(i)) for i in range(30)]
+    outs = captions_drawn(tmp_path, caption, 30, shuffle_caption=True, keep_tokens=2)
     assert all(o.startswith("sks, dog, ") for o in outs)
     assert all(sorted(o.split(", ")) == sorted(caption.split(", ")) for o in outs)
     assert len(set(outs)) > 5  # it really shuffles
-    assert outs == [process_caption(caption, s, random.Random(i)) for i in range(30)]
-    assert process_caption(caption, subset(), random.Random(0)) == caption
+    assert outs == captions_drawn(tmp_path, caption, 30, shuffle_caption=True, keep_tokens=2)
+    assert captions_drawn(tmp_path, caption, 1) == [caption]
 
 
-def test_caption_dropout_rate_drops_that_fraction_deterministically():
-    s = subset(caption_dropout_rate=0.3)
-    outs = [process_caption("a cat", s, random.Random(i)) for i in range(1000)]
+def test_caption_dropout_rate_drops_that_fraction_deterministically(tmp_path):
+    outs = captions_drawn(tmp_path, "a cat", 1000, caption_dropout_rate=0.3)
     assert 0.25 < outs.count("") / 1000 < 0.35 and set(outs) == {"", "a cat"}
-    assert outs == [process_caption("a cat", s, random.Random(i)) for i in range(1000)]
-    assert process_caption("a cat", subset(caption_dropout_rate=1.0), random.Random(0)) == ""
+    assert outs == captions_drawn(tmp_path, "a cat", 1000, caption_dropout_rate=0.3)
+    assert captions_drawn(tmp_path, "a cat", 1, caption_dropout_rate=1.0) == [""]
 
 
 def test_dataset_augmentation_depends_on_seed_epoch_and_entry_only(tmp_path):
@@ -249,7 +248,7 @@ def test_dataset_augmentation_depends_on_seed_epoch_and_entry_only(tmp_path):
 
 def test_one_image_in_two_subsets_gets_its_own_key_and_draws_in_each_stable_across_runs(tmp_path):
     """The key seeds a sample's noise and sigma: an image read by two subsets must not share them."""
-    from library.training.flow_matching import sample_sigmas
+    from library.models.flow_matching import sample_sigmas
     from library.training.state import sample_seed
 
     make_image(tmp_path / "img" / "a.png", 32, 32)
@@ -317,8 +316,8 @@ def cache_files(folder) -> list[str]:
 
 def cached_dataset(tmp_path, enc, model_key="flux", **kw):
     ds = D.ImageDataset(blueprint(tmp_path / "img", **kw))
-    n_lat = D.cache_latents(ds.items, enc.latents, model_key, batch_size=2)
-    n_txt = D.cache_text(ds.items, enc.text, model_key)
+    n_lat = caches.cache_latents(ds.items, enc.latents, model_key, batch_size=2)
+    n_txt = caches.cache_text(ds.items, enc.text, model_key)
     return ds, n_lat, n_txt
 
 
@@ -378,10 +377,10 @@ def test_two_subsets_over_one_folder_keep_their_own_caption_caches(tmp_path):
     bp = over_one_folder(tmp_path / "img", {"caption_extension": ".txt"}, {"caption_extension": ".cap"})
     enc = CountingEncoder()
     txt, cap = assert_each_subset_keeps_its_own_cache(
-        bp, lambda items, to_disk: D.cache_text(items, enc.text, "flux", to_disk=to_disk))
+        bp, lambda items, to_disk: caches.cache_text(items, enc.text, "flux", to_disk=to_disk))
     assert txt["text_hidden"].shape == (12, 4) and cap["text_hidden"].shape == (7, 4)
     assert_each_subset_keeps_its_own_cache(  # one latent file for both: its content is the same
-        bp, lambda items, to_disk: D.cache_latents(items, enc.latents, "flux", to_disk=to_disk))
+        bp, lambda items, to_disk: caches.cache_latents(items, enc.latents, "flux", to_disk=to_disk))
 
 
 @pytest.mark.parametrize("first, second", [
@@ -400,8 +399,8 @@ def test_subsets_that_differ_in_any_cached_input_get_their_own_cache_files(tmp_p
         write(tmp_path / "img" / "a.txt", "t0, t1, t2, t3, t4, t5")
     enc = CountingEncoder()
     bp = over_one_folder(tmp_path / "img", first, second)
-    for cache in (D.cache_latents, D.cache_text):
-        encode = enc.latents if cache is D.cache_latents else enc.text
+    for cache in (caches.cache_latents, caches.cache_text):
+        encode = enc.latents if cache is caches.cache_latents else enc.text
         assert_each_subset_keeps_its_own_cache(bp, lambda items, to_disk: cache(items, encode, "flux", to_disk=to_disk))
 
 
@@ -410,9 +409,9 @@ def test_a_cache_file_name_that_misses_an_input_is_an_error_not_a_silent_overwri
     write(tmp_path / "img" / "a.txt", "a red square")
     write(tmp_path / "img" / "a.cap", "crimson")
     bp = over_one_folder(tmp_path / "img", {"caption_extension": ".txt"}, {"caption_extension": ".cap"})
-    monkeypatch.setattr(D, "text_entry", lambda item, with_references: "00000000")  # a name blind to the extension
+    monkeypatch.setattr(caches, "text_entry", lambda item, with_references: "00000000")  # a name blind to the extension
     with pytest.raises(RuntimeError, match=r"a_flux_00000000_te.safetensors: two cache entries of .*a.png with "):
-        D.cache_text(D.ImageDataset(bp).items, CountingEncoder().text, "flux")
+        caches.cache_text(D.ImageDataset(bp).items, CountingEncoder().text, "flux")
     assert cache_files(tmp_path / "img") == []  # raised before anything was written
 
 
@@ -454,24 +453,24 @@ def test_flip_aug_caches_both_orientations_and_cache_dir_is_used(tmp_path):
 
 def test_text_windows_shift_targets_by_one_and_respect_stride():
     ids = torch.arange(21)
-    ds = D.TextWindowDataset(ids, max_length=5)
+    ds = text_corpus.TextWindowDataset(ids, max_length=5)
     assert len(ds) == 4
     x, y = ds[3]
     assert x.tolist() == [15, 16, 17, 18, 19] and y.tolist() == [16, 17, 18, 19, 20] and x.dtype == torch.long
-    assert len(D.TextWindowDataset(ids, max_length=5, stride=2)) == 8  # starts 0, 2, ..., 14
+    assert len(text_corpus.TextWindowDataset(ids, max_length=5, stride=2)) == 8  # starts 0, 2, ..., 14
     with pytest.raises(ValueError, match="fewer than max_length"):
-        D.TextWindowDataset(torch.arange(5), max_length=5)
+        text_corpus.TextWindowDataset(torch.arange(5), max_length=5)
 
 
 def test_corpus_loading_tokenizing_and_tail_validation_split(tmp_path):
     write(tmp_path / "docs" / "b.txt", "world")
     write(tmp_path / "docs" / "a.txt", "hello")
     write(tmp_path / "docs" / "skip.md", "not text")
-    docs = D.load_text_corpus(str(tmp_path / "docs"))
+    docs = text_corpus.load_text_corpus(str(tmp_path / "docs"))
     assert docs == ["hello", "world"]
-    ids = D.tokenize_documents(docs, lambda s: [ord(c) for c in s], eos_id=0)
+    ids = text_corpus.tokenize_documents(docs, lambda s: [ord(c) for c in s], eos_id=0)
     assert ids.tolist() == [104, 101, 108, 108, 111, 0, 119, 111, 114, 108, 100, 0]
-    train, val = D.train_val_split(torch.arange(100), 0.1)
+    train, val = text_corpus.train_val_split(torch.arange(100), 0.1)
     assert train.tolist() == list(range(90)) and val.tolist() == list(range(90, 100))
     with pytest.raises(ValueError, match="no such text file"):
-        D.load_text_corpus(str(tmp_path / "missing"))
+        text_corpus.load_text_corpus(str(tmp_path / "missing"))

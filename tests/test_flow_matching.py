@@ -7,7 +7,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift as diffusers_calculate_shift
 from diffusers.training_utils import compute_loss_weighting_for_sd3
 
-from library.training import flow_matching as fm
+from library.models import flow_matching as fm
 
 # The released schedulers (FLUX.1-dev and Qwen/Qwen-Image scheduler_config.json).
 FLUX_DEV_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,

@@ -390,7 +390,7 @@ def test_lora_info_describes_our_kohya_file_with_training_metadata(tiny_set, tmp
     net.save(str(tmp_path / "ours.safetensors"), torch.bfloat16,
              lf.build_metadata(base_model="/models/flux1-dev.safetensors", base_precision="fp8_scaled", lr=1e-4, steps=100))
     got = info(tmp_path / "ours.safetensors")
-    assert (got["format"], got["network"], got["family"], got["naming"]) == ("kohya", "LoRA", "flux1", "bfl")
+    assert (got["format"], got["network"], got["arch"], got["naming"]) == ("kohya", "LoRA", "flux", "bfl")
     assert got["modules"] == 26 and got["ranks"] == {"8": 26} and got["alphas"] == {"4": 26}
     assert got["dtypes"] == {"BF16": 52, "F32": 26}  # alphas stay float32
     assert got["width"] == 64 and got["blocks"] == {"double": 2, "single": 2}
@@ -414,7 +414,7 @@ def test_lora_info_reads_a_peft_llm_adapter_with_its_header_alpha(tiny_set, tmp_
     lf.write_lora_tensors(tensors, str(tmp_path / "adapter_model.safetensors"),
                           {lf.ADAPTER_METADATA_KEY: json.dumps({"lora_alpha": 16, "r": 4})})
     got = info(tmp_path / "adapter_model.safetensors")
-    assert (got["format"], got["family"], got["width"]) == ("peft", "llm", 32)
+    assert (got["format"], got["arch"], got["width"]) == ("peft", "llm", 32)
     assert got["alphas"] == {"16": 14} and "adapter config" in got["alpha_source"]
     assert got["fits"] == "an LLM (Llama / Qwen2 layout) of width 32, at least 2 layers"
 
@@ -433,7 +433,7 @@ def test_lora_info_on_a_folder_says_what_it_expects_and_reads_a_peft_adapter_fol
     model, family, _ = load_model(tiny_set["llm"])
     LoRANetwork(model, family, rank=4, alpha=8.0).save_peft(str(tmp_path / "adapter"))
     got = info(tmp_path / "adapter")  # alpha 8 is in adapter_config.json only, not in the file's header
-    assert (got["format"], got["family"], got["alphas"]) == ("peft", "llm", {"8": 14})
+    assert (got["format"], got["arch"], got["alphas"]) == ("peft", "llm", {"8": 14})
     assert got["alpha_source"] == "the folder's adapter_config.json"
 
 
@@ -447,7 +447,7 @@ def test_lora_info_names_released_sizes_dora_and_lycoris(tmp_path):
     lf.write_kohya({"transformer_blocks.59.img_mod.1": lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(18432, 1), 1.0),
                     "transformer_blocks.0.attn.to_q": dora}, str(tmp_path / "qwen_dora.safetensors"))  # fmt: skip
     got = info(tmp_path / "qwen_dora.safetensors")
-    assert (got["network"], got["family"], got["fits"]) == ("DoRA", "qwen_image", "Qwen-Image")
+    assert (got["network"], got["arch"], got["fits"]) == ("DoRA", "qwen_image", "Qwen-Image")
     _lokr(tmp_path / "k.safetensors")
     got = info(tmp_path / "k.safetensors")
     assert (got["format"], got["network"], got["ranks"], got["alphas"]) == ("lycoris", "LoKr", {}, {"1": 1})

@@ -13,12 +13,12 @@ import torch
 from PIL import Image
 
 import train_lora
-from library.data import dataset as D
+from library.data import caches, dataset as D, image_folders
 from library.data.dataset_config import load_dataset_config, parse_dataset_config
 from library.data.masks import balance_reg_repeats, load_mask
 from library.models.family import pack_latents
 from library.models.flux1.family import FluxFamily
-from library.training import flow_matching as fm
+from library.models import flow_matching as fm
 from tests.test_training_objective import loss_args
 
 
@@ -112,13 +112,13 @@ def test_masks_are_cached_with_the_latents_and_a_changed_mask_recomputes(tmp_pat
     bp = blueprint([{"image_dir": str(tmp_path), "mask_dir": str(tmp_path / "masks"), "class_tokens": "x",
                      "flip_aug": True}])
     ds, enc = D.ImageDataset(bp), CountingEncoder()
-    assert D.cache_latents(ds.items, enc.latents, "flux") == 2
+    assert caches.cache_latents(ds.items, enc.latents, "flux") == 2
     masks = {os.path.basename(ds[(e, 0)]["image_path"]): ds[(e, 0)]["mask"] for e in range(2)}
     assert masks["0.png"].sum() == 32 and torch.equal(masks["1.png"], torch.ones(1, 8, 8))
     again = D.ImageDataset(bp)
-    assert D.cache_latents(again.items, enc.latents, "flux") == 0
+    assert caches.cache_latents(again.items, enc.latents, "flux") == 0
     gray(tmp_path / "masks" / "1.png", 64, 64, left=128)
-    assert D.cache_latents(D.ImageDataset(bp).items, enc.latents, "flux") == 1  # only the changed one
+    assert caches.cache_latents(D.ImageDataset(bp).items, enc.latents, "flux") == 1  # only the changed one
     batch = D.collate_batch([ds[(0, 0)], ds[(1, 0)]])
     assert batch["masks"].shape == (2, 1, 8, 8)
 
@@ -181,7 +181,7 @@ def test_validation_split_never_holds_out_reg_images(tmp_path):
     make_set(str(tmp_path / "train"), 10), make_set(str(tmp_path / "reg"), 10)
     bp = blueprint([{"image_dir": str(tmp_path / "train"), "class_tokens": "a"},
                     {"image_dir": str(tmp_path / "reg"), "class_tokens": "b", "is_reg": True}], validation_split=0.2)
-    train, held_out = D.split_validation(D.scan_images(bp), bp)
+    train, held_out = image_folders.split_validation(image_folders.scan_images(bp), bp)
     assert len(held_out) == 2 and not any(it.subset.is_reg for it in held_out)
 
 

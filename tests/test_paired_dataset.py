@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from library.data import dataset as D
+from library.data import caches, dataset as D, image_folders
 from library.data.controls import check_family_takes
 from library.data.dataset_config import parse_dataset_config
 from tests.test_dataset import CountingEncoder, assert_each_subset_keeps_its_own_cache, cache_files, make_image, write
@@ -28,7 +28,7 @@ def test_single_and_numbered_references_are_cached_with_the_target_and_collated(
     assert [os.path.basename(p) for it in ds.items for p in it.control_paths] == ["a.png", "b.png"]
     assert ds.items[0].control_buckets == [(32, 32)]
     enc = CountingEncoder()
-    assert D.cache_latents(ds.items, enc.latents, "flux_kontext", batch_size=2) == 2
+    assert caches.cache_latents(ds.items, enc.latents, "flux_kontext", batch_size=2) == 2
     assert enc.images == 4  # targets + references, one file per target
     assert cache_files(tmp_path / "img") == ["a_flux_kontext_TAG_32x32.safetensors", "b_flux_kontext_TAG_32x32.safetensors"]
     batch = D.collate_batch([ds[0], ds[1]])
@@ -39,7 +39,7 @@ def test_single_and_numbered_references_are_cached_with_the_target_and_collated(
     make_image(tmp_path / "ctrl" / "b.png", 32, 32, (9, 9, 9))  # a changed reference re-encodes its target
     enc = CountingEncoder()
     ds = D.ImageDataset(paired_blueprint(tmp_path))
-    assert D.cache_latents(ds.items, enc.latents, "flux_kontext") == 1 and enc.images == 2
+    assert caches.cache_latents(ds.items, enc.latents, "flux_kontext") == 1 and enc.images == 2
 
 
 def test_several_references_keep_their_order_and_flip_with_the_target(tmp_path):
@@ -51,7 +51,7 @@ def test_several_references_keep_their_order_and_flip_with_the_target(tmp_path):
     os.makedirs(tmp_path / "ctrl", exist_ok=True)
     img.save(tmp_path / "ctrl" / "a_0.png")
     ds = D.ImageDataset(paired_blueprint(tmp_path, flip_aug=True))
-    D.cache_latents(ds.items, CountingEncoder().latents, "k")
+    caches.cache_latents(ds.items, CountingEncoder().latents, "k")
     for epoch in range(8):
         s = ds[(0, epoch)]
         assert len(s["controls"]) == 2 and float(s["controls"][1].max()) == -0.5
@@ -70,13 +70,13 @@ def test_two_subsets_over_one_folder_keep_their_own_reference_latents(tmp_path):
     bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": subsets}]}, source="paired.toml")
     enc = CountingEncoder()
     white, black = assert_each_subset_keeps_its_own_cache(
-        bp, lambda items, to_disk: D.cache_latents(items, enc.latents, "flux_kontext", to_disk=to_disk))
+        bp, lambda items, to_disk: caches.cache_latents(items, enc.latents, "flux_kontext", to_disk=to_disk))
     assert (float(white["control_0"].max()), float(black["control_0"].max())) == (0.5, -0.5)
 
     def text_seeing_references(captions, views):  # Qwen-Image-Edit: the text is encoded with its references
         return [{"hidden": torch.full((2,), float(refs[0].getpixel((0, 0))[0]))} for refs in views]
 
-    white, black = assert_each_subset_keeps_its_own_cache(bp, lambda items, to_disk: D.cache_text(
+    white, black = assert_each_subset_keeps_its_own_cache(bp, lambda items, to_disk: caches.cache_text(
         items, text_seeing_references, "qwen_image_edit", to_disk=to_disk, with_references=True))
     assert (white["text_hidden"][0].item(), black["text_hidden"][0].item()) == (255.0, 0.0)
 
@@ -87,7 +87,7 @@ def test_batches_hold_one_reference_size(tmp_path):
         make_image(tmp_path / "ctrl" / f"{name}.png", size, size)
     bp = paired_blueprint(tmp_path)
     bp.datasets[0].batch_size = 3
-    items = D.scan_images(bp, control_bucket=lambda bucket, size: size)  # a family that keeps the reference size
+    items = image_folders.scan_images(bp, control_bucket=lambda bucket, size: size)  # a family that keeps the reference size
     ds = D.ImageDataset(bp, items=items)
     batches = D.BucketBatchSampler(ds, seed=0).batches(0)
     assert sorted(len(b) for b in batches) == [1, 2]

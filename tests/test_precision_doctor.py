@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from library.precision import doctor as precision
+from library.models import precision_doctor as precision
 from library.models.flux1.model import Flux, FluxConfig
 from library.precision.fp8 import FP8Linear, is_high_precision, quantize_weight
 from library.models.qwen_image.model import QwenImage, QwenImageConfig

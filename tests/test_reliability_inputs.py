@@ -14,8 +14,9 @@ import pytest
 from PIL import Image
 
 import train_lora
-from library.data import dataset as D
+from library.data import image_folders
 from library.data.controls import reference_views
+from library.data.images import load_image
 from library.data.masks import load_mask
 from tests.test_dataset import blueprint, make_image
 from tests.test_reliability import copy_dataset, files_under, flux_args, one_error_line
@@ -52,7 +53,7 @@ def test_16_bit_grey_and_rgb_pngs_load_as_mid_grey_8_bit(tmp_path):
         assert img.mode == "I;16"  # what Pillow 13 opens it as; convert("RGB") would clip it to 255
     mid = 128 / 127.5 - 1.0
     for path in (grey, rgb):  # Pillow opens 16-bit RGB as 8-bit RGB (the high byte) itself
-        x = D.load_image(path, (32, 32))
+        x = load_image(path, (32, 32))
         assert x.shape == (3, 32, 32) and float((x - mid).abs().max()) < 1e-6, (path, float(x.mean()))
         assert np.asarray(reference_views([path])[0]).tolist() == np.full((32, 32, 3), 128).tolist()
     mask = load_mask(str(tmp_path / "image.png"), grey, (32, 32), flip=False)  # a 16-bit grey mask file
@@ -84,7 +85,7 @@ def bad_size_set(folder):
 def test_images_below_the_smallest_bucket_side_or_beyond_the_bucket_aspect_warn_per_image_and_count(tmp_path):
     keys = bad_size_set(tmp_path / "img")
     with pytest.warns(UserWarning) as caught:
-        items = D.scan_images(blueprint(tmp_path / "img", **keys))
+        items = image_folders.scan_images(blueprint(tmp_path / "img", **keys))
     messages = [str(w.message) for w in caught]
     assert f"{tmp_path / 'img' / 'dot.png'}: 1x1 is smaller than min_bucket_reso 32 (it is upscaled)" in messages[0]
     assert (f"{tmp_path / 'img' / 'strip.png'}: 4000x16 is smaller than min_bucket_reso 32 (it is upscaled) and has "
@@ -95,7 +96,7 @@ def test_images_below_the_smallest_bucket_side_or_beyond_the_bucket_aspect_warn_
     assert len(messages) == 3 and sorted(os.path.basename(i.image_path) for i in items) == ["dot.png", "fine.png", "strip.png"]
 
     with pytest.warns(UserWarning) as caught:
-        items = D.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
+        items = image_folders.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
     assert [os.path.basename(i.image_path) for i in items] == ["fine.png"]
     assert str(caught[-1].message) == (f"{tmp_path / 'img'}: 2 of 3 images are smaller than min_bucket_reso or beyond "
                                        f"max_bucket_reso / min_bucket_reso in aspect ratio; skipped (skip_bad_size_images)")
@@ -105,7 +106,7 @@ def test_a_subset_whose_every_image_is_skipped_is_an_error(tmp_path):
     keys = bad_size_set(tmp_path / "img")
     os.remove(tmp_path / "img" / "fine.png")
     with pytest.warns(UserWarning), pytest.raises(ValueError) as e:
-        D.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
+        image_folders.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
     assert str(e.value) == (f"{tmp_path / 'img'}: every image was skipped (skip_bad_size_images): none is at least "
                             f"min_bucket_reso 32 per side within max_bucket_reso / min_bucket_reso = 4.0")
 

@@ -128,7 +128,9 @@ def test_text_cache_is_per_caption_and_references_with_the_dropped_caption_seein
     only; caption dropout substitutes "" encoded with the item's own references."""
     import numpy as np
 
-    from library.data.dataset import ImageDataset, cache_text, scan_images
+    from library.data.caches import cache_text
+    from library.data.dataset import ImageDataset
+    from library.data.image_folders import scan_images
     from library.data.dataset_config import load_dataset_config
 
     control = shutil.copytree(edit_set["edit_control_dir"], tmp_path / "control")

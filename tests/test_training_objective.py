@@ -18,7 +18,7 @@ import train_lora
 from library.models.flux1.family import FluxFamily
 from library.models.qwen_image.family import QwenImageFamily
 from library.models.vae import pack_latents
-from library.training import flow_matching as fm
+from library.models import flow_matching as fm
 from library.training.config import load_config
 
 
@@ -199,9 +199,9 @@ class FakeTask:
     def finish(self, output_dir):
         pass
 
-    base_model_version = base_precision = resolution = timestep_sampling = lambda self: "fake"
-    total_batch_size = lambda self: 1  # noqa: E731
-    dataset_summary = lambda self: []  # noqa: E731
+    def metadata(self):
+        return {"base_model_version": "fake", "base_precision": "fake", "resolution": "fake", "batch_size": 1,
+                "timestep_sampling": "fake", "dataset": []}
 
 
 class LossModule(nn.Module):
@@ -391,14 +391,14 @@ def test_sd_scripts_flux_lora_loads_as_network_weights_and_in_generate(tiny_set,
 def test_changing_the_t5_token_length_re_encodes_every_cached_caption(tiny_set, tmp_path, monkeypatch):
     from test_train_lora import flux_args
 
-    from library.data import dataset as data
+    from library.data import caches
 
     encoded = []
-    real = data.cache_text
+    real = caches.cache_text
 
     def recording(items, encode_fn, *a, **k):
         n = real(items, encode_fn, *a, **k)
-        encoded.append((n, [data._read_cache(it.text_cache)["t5"].shape[0] for it in items]))
+        encoded.append((n, [caches.read_cache(it.text_cache)["t5"].shape[0] for it in items]))
         return n
 
     monkeypatch.setattr("library.training.diffusion_task.cache_text", recording)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import train_lora
-from library.data.dataset import ImageDataset, scan_images, split_validation
+from library.data.dataset import ImageDataset
+from library.data.image_folders import scan_images, split_validation
 from library.data.dataset_config import load_dataset_config
 from tests.test_train_lora import flux_args
 
@@ -155,7 +156,7 @@ def test_qwen_image_validates(tiny_set, tmp_path):
 
 
 def test_plot_lr_draws_val_loss(straight_run, tmp_path):
-    from tools.plot_lr import find_log, plot, read_log as read_csv, summarize
+    from library.training.lr_plot import find_log, plot, read_log as read_csv, summarize
 
     log = read_csv(find_log(str(straight_run[0])))
     drawn = plot({"run": log}, str(tmp_path / "plot.png"), log_scale=False, beta=0.9)

@@ -1,6 +1,6 @@
 """What resize_lora, extract_lora, combine_loras and lora_info share: reading a LoRA file with its
 layout, writing modules back in a layout, and the output error of two LoRAs on a (small) model.
-Also the one parser of `path[:ratio]` LoRA arguments (generate, merge_lora, combine_loras, ...).
+The one parser of `path[:ratio]` LoRA arguments is tools/cli.py's parse_lora_spec (torch-free).
 
 A LoRAFile keeps module names as the file spells them: kohya names (`lora_unet_double_blocks_0_
 img_attn_qkv`, no model needed to resolve '_') or dotted paths with the prefix (`transformer.`,
@@ -33,37 +33,10 @@ from networks.lora_files import (  # noqa: E402
     write_lora_tensors,
 )
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
-from tools.cli import Parser, one_line  # noqa: E402,F401  (the LoRA tools' parser and error line)
+from tools.cli import LoRASpec, Parser, one_line, parse_lora_spec  # noqa: E402,F401  (the LoRA tools' parser, error line, --lora)
 
 FOLDED_MARK = "lora_alpha_folded"  # same header entry as tools/convert_lora.py: alpha/rank is inside lora_B
 DROPPED_METADATA = ("sshs_model_hash", "sshs_legacy_hash", ADAPTER_METADATA_KEY, FOLDED_MARK)
-# A LoRA's strength: 1 applies it as trained. Far beyond this bound the delta swamps the base weights
-# (1e30 renders a black image), so a larger value is taken for a typo.
-MAX_LORA_RATIO = 100.0
-
-
-@dataclass
-class LoRASpec:
-    path: str
-    ratio: float
-
-
-def parse_lora_spec(spec: str) -> LoRASpec:
-    """'a.safetensors:0.8' -> (a.safetensors, 0.8); no ':ratio' (or a path that exists with its
-    colon) means 1.0. The ratio must be a finite number with |ratio| <= MAX_LORA_RATIO."""
-    path, sep, ratio = spec.rpartition(":")
-    if not sep or os.path.exists(spec):
-        return LoRASpec(spec, 1.0)
-    try:
-        value = float(ratio)
-    except ValueError:
-        raise ValueError(f"--lora {spec!r}: ratio {ratio!r} is not a number (expected path[:ratio], e.g. a.safetensors:0.8)") from None
-    if not abs(value) <= MAX_LORA_RATIO:  # also false for nan
-        raise ValueError(f"--lora {spec!r}: ratio {ratio!r} is not a finite number in [-{MAX_LORA_RATIO:g}, "
-                         f"{MAX_LORA_RATIO:g}] (1 applies the LoRA as trained)")
-    return LoRASpec(path, value)
-
-
 @dataclass
 class LoRAFile:
     path: str

@@ -1,4 +1,4 @@
-"""Describe a LoRA file: layout, network type, model family, modules, ranks, alphas, dtypes,
+"""Describe a LoRA file: layout, network type, model architecture, modules, ranks, alphas, dtypes,
 training metadata and which model it fits.
 
     python tools/lora_info.py LORA.safetensors [--model BASE] [--json]   # or a PEFT adapter folder
@@ -7,7 +7,7 @@ training metadata and which model it fits.
   (`base_model.model.*`, other prefixes), comfy (`diffusion_model.*`), or lycoris (LyCORIS' own keys).
 - network: LoRA, DoRA (`dora_scale` / `lora_magnitude_vector`), LoKr (`lokr_*`), LoHa (`hada_*`),
   OFT, full (`diff`), (IA)^3 (`on_input`); LyCORIS with `dora_scale` is reported as e.g. "LoKr + DoRA".
-- family from the module names: flux1 (BFL names `double_blocks` or diffusers names
+- arch (the transformer architecture) from the module names: flux (FLUX.1; BFL names `double_blocks` or diffusers names
   `single_transformer_blocks`, `ff_context` ...), flux2 (FLUX.1's BFL block names, told apart as
   tools/convert_lora.py does: FLUX.2-only names, ss_base_model_version, SwiGLU MLP widths),
   qwen_image (`img_mlp.net`, `img_mod.1` ...), llm (`layers.N.self_attn` / `mlp`); the width comes
@@ -60,19 +60,19 @@ from tools.lora_common import FOLDED_MARK, one_line  # noqa: E402
 
 LYCORIS_TYPES = {".lokr_": "LoKr", ".hada_": "LoHa", ".oft_": "OFT", ".diff": "full", ".on_input": "(IA)^3"}
 DORA_KEYS = (".dora_scale", ".lora_magnitude_vector")
-# Released sizes: family -> [(name, width, {block kind: count})]
+# Released sizes: arch -> [(name, width, {block kind: count})]
 RELEASES = {
-    "flux1": [("FLUX.1 dev / schnell", 3072, {"double": 19, "single": 38})],
+    "flux": [("FLUX.1 dev / schnell", 3072, {"double": 19, "single": 38})],
     "flux2": [("FLUX.2 [klein] 4B", 3072, {"double": 5, "single": 20}), ("FLUX.2 [klein] 9B", 4096, {"double": 8, "single": 24}),
               ("FLUX.2 [dev]", 6144, {"double": 8, "single": 48})],
     "qwen_image": [("Qwen-Image", 3072, {"block": 60})],
 }
-# (family, naming, regex over '_'-flattened module names); the first family with a match wins
-FAMILY_MARKERS = [
+# (arch, naming, regex over '_'-flattened module names); the first arch with a match wins
+ARCH_MARKERS = [
     ("flux2", "bfl", r"(double|single)_stream_modulation_(img_|txt_)?lin$"),
     ("flux2", "diffusers", r"_ff(_context)?_linear_(in|out)|_to_qkv_mlp_proj|(double|single)_stream_modulation_(img_|txt_)?linear"),
-    ("flux1", "bfl", r"(^|_)(double_blocks|single_blocks)_\d+_"),
-    ("flux1", "diffusers", r"single_transformer_blocks_\d+_|_ff_context_|_norm1_context_|_attn_add_q_proj.*transformer"),
+    ("flux", "bfl", r"(^|_)(double_blocks|single_blocks)_\d+_"),
+    ("flux", "diffusers", r"single_transformer_blocks_\d+_|_ff_context_|_norm1_context_|_attn_add_q_proj.*transformer"),
     ("qwen_image", "diffusers", r"_(img|txt)_mlp_net_|_(img|txt)_mod_1|transformer_blocks_\d+_attn_add_q_proj"),
     ("llm", "hf", r"layers_\d+_(self_attn|mlp)_"),
 ]
@@ -100,39 +100,39 @@ def layout(keys: list[str]) -> str:
     return fmt
 
 
-def family_of(modules: list[str]) -> tuple[str, str | None]:
+def arch_of(modules: list[str]) -> tuple[str, str | None]:
     flat = [m.replace(".", "_") for m in modules]
-    for family, naming, pattern in FAMILY_MARKERS:
+    for arch, naming, pattern in ARCH_MARKERS:
         if any(re.search(pattern, m) for m in flat):
-            return family, naming
+            return arch, naming
     return "unknown", None
 
 
-def block_counts(modules: list[str], family: str) -> dict[str, int]:
+def block_counts(modules: list[str], arch: str) -> dict[str, int]:
     """Block kind -> highest index named + 1 (FLUX diffusers `transformer_blocks` are double blocks)."""
     counts = {}
     for kind, pattern in BLOCKS.items():
         found = [int(next(g for g in m.groups() if g)) for name in modules for m in [re.search(pattern, name.replace(".", "_"))] if m]
         if found:
             counts[kind] = max(found) + 1
-    if family in ("flux1", "flux2") and "block" in counts:
+    if arch in ("flux", "flux2") and "block" in counts:
         counts["double"] = max(counts.get("double", 0), counts.pop("block"))
     return counts
 
 
-def fits(family: str, width: int | None, counts: dict[str, int]) -> str:
+def fits(arch: str, width: int | None, counts: dict[str, int]) -> str:
     """Which supported model the names and shapes fit (without a checkpoint)."""
     width = "unknown" if width is None else width
-    if family == "llm":
+    if arch == "llm":
         return f"an LLM (Llama / Qwen2 layout) of width {width}, at least {counts.get('block', 0)} layers"
-    if family not in RELEASES:
+    if arch not in RELEASES:
         return "no supported model (FLUX.1, FLUX.2, Qwen-Image, LLM) recognised from the module names"
-    for name, release_width, blocks in RELEASES[family]:
+    for name, release_width, blocks in RELEASES[arch]:
         if width == release_width and all(counts.get(k, 0) <= n for k, n in blocks.items()):
             return name
     shown = ", ".join(f"{n} {k}" for k, n in counts.items())
-    names = " / ".join(name for name, _, _ in RELEASES[family])
-    return f"a {family} model of width {width} with at least {shown} blocks (not a released size of {names})"
+    names = " / ".join(name for name, _, _ in RELEASES[arch])
+    return f"a {arch} model of width {width} with at least {shown} blocks (not a released size of {names})"
 
 
 def _modules(keys: list[str]) -> list[str]:
@@ -164,12 +164,12 @@ def read_info(path: str) -> dict:
     keys, metadata = reader.keys(), dict(reader.metadata)
     fmt = layout(keys)
     modules = _modules(keys)
-    family, naming = family_of(modules)
-    if family == "flux1":  # FLUX.2 shares FLUX.1's BFL block names: shapes and metadata tell (headers only)
+    arch, naming = arch_of(modules)
+    if arch == "flux":  # FLUX.2 shares FLUX.1's BFL block names: shapes and metadata tell (headers only)
         from tools.convert_lora import flux_generation
 
         shapes = {k: torch.empty(reader.shape(k), device="meta") for k in keys}
-        family = "flux2" if flux_generation(shapes, metadata) == "flux2" else family
+        arch = "flux2" if flux_generation(shapes, metadata) == "flux2" else arch
     ranks, alphas, width = Counter(), Counter(), None
     if fmt == "lycoris":  # no single rank: the alphas only
         alphas.update(f"{float(reader.get(k).float()):g}" for k in keys if k.endswith(".alpha"))
@@ -181,15 +181,15 @@ def read_info(path: str) -> dict:
             alphas[f"{w.alpha:g}"] += 1
             if width is None and re.search(WIDTH_MODULES, module.replace(".", "_")):
                 width = w.down.shape[1]
-    counts = block_counts(modules, family)
+    counts = block_counts(modules, arch)
     training = {field: metadata[key] for field, key in METADATA_KEYS.items() if key in metadata}
     return {
         "file": os.path.basename(path), "bytes": sum(os.path.getsize(f) for f in reader.files),
-        "format": fmt, "network": network_type(keys), "family": family, "naming": naming,
+        "format": fmt, "network": network_type(keys), "arch": arch, "naming": naming,
         "modules": len(modules), "ranks": {str(k): v for k, v in sorted(ranks.items())},
         "alphas": dict(alphas), "alpha_source": _alpha_source(keys, metadata, adapter_config),
         "dtypes": dict(Counter(reader.dtype_name(k) for k in keys)), "width": width, "blocks": counts,
-        "fits": fits(family, width, counts), "training": training,
+        "fits": fits(arch, width, counts), "training": training,
         "metadata": {k: v for k, v in metadata.items() if k not in METADATA_KEYS.values()},
     }
 
@@ -208,7 +208,7 @@ def check_against(path: str, model: str) -> str:
 
 def text_report(info: dict) -> str:
     lines = [f"{info['file']}: {info['network']} in {info['format']} layout, {info['bytes'] / 2**20:.1f} MiB",
-             f"family: {info['family']}" + (f" ({info['naming']} names)" if info["naming"] else ""),
+             f"arch: {info['arch']}" + (f" ({info['naming']} names)" if info["naming"] else ""),
              f"fits: {info['fits']}"]  # fmt: skip
     if "checked" in info:
         lines.append(f"checked: {info['checked']}")

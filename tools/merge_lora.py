@@ -115,7 +115,7 @@ from networks.lora_files import (  # noqa: E402
     read_lora_tensors,
 )
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas  # noqa: E402
-from tools.lora_common import LoRASpec, parse_lora_spec  # noqa: E402,F401 (parse_lora_spec: merge_lora's callers use it)
+from tools.cli import LoRASpec, parse_lora_spec  # noqa: E402,F401 (parse_lora_spec: merge_lora's callers use it)
 
 PRECISIONS = {**PRECISION_DTYPES, **dict.fromkeys(FP8_PRECISIONS, fp8.FP8_DTYPE)}
 FP8_MODES = tuple(FP8_LAYOUTS.values())

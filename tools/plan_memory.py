@@ -194,7 +194,7 @@ def what_to_plan(cli) -> tuple:
         references = family.plan_controls if cli.references is None else cli.references
         check_references(family, references, "--references")
         return family, default_args(family.name), (side, side), cli.batch_size or 1, references
-    from library.data.dataset import reference_count
+    from library.data.image_folders import reference_count
     from library.data.dataset_config import load_dataset_config
     from library.models.family import get_family
     from library.training.config import load_config

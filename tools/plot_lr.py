@@ -13,129 +13,13 @@ number) is one `error: ...` line naming the file, line and column, exit status 2
 from __future__ import annotations
 
 import argparse
-import csv
-import glob
-import math
 import os
 import sys
 
-# library.io (which loads torch, seconds) is imported in plot(), so --help and a bad flag answer at once.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def find_log(path: str) -> str:
-    if os.path.isfile(path):
-        return path
-    logs = sorted(glob.glob(os.path.join(path, "*_log.csv")))
-    if not logs:
-        raise ValueError(f"{path}: no *_log.csv file found")
-    return logs[0]
-
-
-def read_log(path: str) -> dict[str, list[float]]:
-    """Columns of a training log as floats (an empty cell is nan); a cell that is not a number is a
-    ValueError naming the file, its line and the column."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        rows = [(reader.line_num, row) for row in reader]
-    if not rows or "step" not in rows[0][1] or "loss" not in rows[0][1]:
-        raise ValueError(f"{path}: not a training log (needs step and loss columns)")
-    cols: dict[str, list[float]] = {k: [] for k in rows[0][1]}
-    for line, row in rows:
-        for k in cols:
-            try:
-                cols[k].append(float(row[k]) if row[k] not in ("", None) else math.nan)
-            except ValueError:
-                raise ValueError(f"{path}: line {line}, column '{k}': {row[k]!r} is not a number") from None
-    return cols
-
-
-def run_name(log_path: str) -> str:
-    """'run_a/lora' for run_a/lora_log.csv: the run folder and the log's output name."""
-    return os.path.basename(os.path.dirname(os.path.abspath(log_path))) + "/" + os.path.basename(log_path)[: -len("_log.csv")]
-
-
-def smooth(values: list[float], beta: float) -> list[float]:
-    out, avg = [], None
-    for v in values:
-        if math.isnan(v):
-            out.append(math.nan)
-            continue
-        avg = v if avg is None else beta * avg + (1 - beta) * v
-        out.append(avg)
-    return out
-
-
-def summarize(name: str, log: dict[str, list[float]]) -> list[str]:
-    lines = []
-    for col in log:
-        if col.startswith(("lr/", "d*lr/")):
-            vals = log[col]
-            peak = max(range(len(vals)), key=lambda i: vals[i])
-            lines.append(
-                f"{name}: {col}: peak {vals[peak]:.4g} at step {int(log['step'][peak])}, final {vals[-1]:.4g}"
-            )
-    loss = log["loss"]
-    lines.append(f"{name}: loss first {loss[0]:.4f}, last {loss[-1]:.4f}, steps {int(log['step'][-1])}")
-    steps, vals = measured(log, "val_loss")
-    if vals:
-        lines.append(f"{name}: val_loss first {vals[0]:.4f} (step {int(steps[0])}), last {vals[-1]:.4f} "
-                     f"(step {int(steps[-1])}), {len(vals)} validations")
-    return lines
-
-
-def measured(log: dict[str, list[float]], col: str) -> tuple[list[float], list[float]]:
-    """(steps, values) of a column on the steps where it holds a value (val_loss is empty between
-    validations)."""
-    pairs = [(s, v) for s, v in zip(log["step"], log.get(col, [])) if not math.isnan(v)]
-    return [s for s, _ in pairs], [v for _, v in pairs]
-
-
-def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, beta: float) -> dict[str, list[float]]:
-    """Write the PNG; returns each drawn line's label -> its y values (what the figure shows)."""
-    import matplotlib
-
-    from library.io import atomic_path
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_lr, ax_loss) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
-    # Prodigy-style runs: lr (often 1.0) and the effective d*lr differ by orders of magnitude, so
-    # lr goes on its own right-hand axis and the effective step gets the main one.
-    adaptive = any(c.startswith("d*lr/") for log in runs.values() for c in log)
-    ax_base = ax_lr.twinx() if adaptive else ax_lr
-    for name, log in runs.items():
-        for col in log:
-            if col.startswith("d*lr/"):
-                ax_lr.plot(log["step"], log[col], "-", label=f"{name} {col}")
-            elif col.startswith("lr/"):
-                ax_base.plot(log["step"], log[col], "--", alpha=0.6, label=f"{name} {col}")
-        line = ax_loss.plot(log["step"], log["loss"], alpha=0.25)[0]
-        ax_loss.plot(log["step"], smooth(log["loss"], beta), color=line.get_color(), label=f"{name} (smoothed)")
-        steps, vals = measured(log, "val_loss")
-        if vals:
-            ax_loss.plot(steps, vals, "o--", color=line.get_color(), markersize=4, label=f"{name} val_loss")
-    if adaptive:
-        ax_lr.set_ylabel("effective step d*lr (solid)")
-        ax_base.set_ylabel("base lr (dashed)")
-        ax_base.legend(fontsize=8, loc="lower right")
-    else:
-        ax_lr.set_ylabel("learning rate")
-    ax_loss.set_ylabel("loss")
-    ax_loss.set_xlabel("optimizer step")
-    if log_scale:
-        ax_lr.set_yscale("log")
-        ax_loss.set_yscale("log")
-    for ax in (ax_lr, ax_loss):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    with atomic_path(out) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    drawn = {line.get_label(): [float(y) for y in line.get_ydata()] for ax in fig.axes for line in ax.get_lines()}
-    plt.close(fig)
-    return drawn
+# The drawing is library's (train_lora.py draws its run too); that module loads no torch until it draws.
+from library.training.lr_plot import plot_runs  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,19 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> list[str]:
     args = build_parser().parse_args(argv)
-    runs = {}
-    for path in args.runs:
-        try:
-            log_path = find_log(path)
-            runs[run_name(log_path)] = read_log(log_path)
-        except (ValueError, OSError) as e:  # bad input: one line, exit status 2, no plot written
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-    plot(runs, args.out, args.log, args.smooth)
-    lines = [line for name, log in runs.items() for line in summarize(name, log)]
-    print("\n".join(lines))
-    print(f"wrote {args.out}")
-    return lines
+    try:
+        return plot_runs(args.runs, args.out, args.log, args.smooth)
+    except (ValueError, OSError) as e:  # bad input: one line, exit status 2, no plot written
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

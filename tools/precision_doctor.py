@@ -72,7 +72,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from library.precision import doctor as precision  # noqa: E402
+from library.models import precision_doctor as precision  # noqa: E402
 from library.models.family import fp8_prepare, lora_arch  # noqa: E402
 from library.precision.fp8 import (  # noqa: E402
     FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,

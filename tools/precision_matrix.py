@@ -16,7 +16,7 @@ runtime LoRA on an fp8 base whose inference code has the position bug).
 Each cell, on the same images with fixed noise at fixed sigmas (comparable between cells and runs):
 - val_loss: the flow-matching loss (mean over images and sigmas);
 - border_centre / region_ratio: where the prediction's error against the same LoRA on bf16 sits
-  (library.precision.doctor.map_ratios: ~1 = flat weight-quantization error; high = position damage);
+  (library.models.precision_doctor.map_ratios: ~1 = flat weight-quantization error; high = position damage);
 - effect_kept: |pred with LoRA - pred without| on the deploy base / the same on bf16 (1 = all of the
   LoRA's effect survives), and effect_error: |effect - bf16 effect| / |bf16 effect|.
 
@@ -67,14 +67,15 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import train_lora  # noqa: E402
-from library.data.dataset import ImageDataset, cache_latents, cache_text  # noqa: E402
+from library.data.caches import cache_latents, cache_text  # noqa: E402
+from library.data.dataset import ImageDataset  # noqa: E402
 from library.data.dataset_config import load_dataset_config  # noqa: E402
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
 from library.models.family import get_family  # noqa: E402
 from library.models.vae import pack_latents  # noqa: E402
-from library.precision import doctor as precision  # noqa: E402
+from library.models import precision_doctor as precision  # noqa: E402
 from library.precision.fp8 import FP8_DTYPE  # noqa: E402
-from library.training import flow_matching as fm  # noqa: E402
+from library.models import flow_matching as fm  # noqa: E402
 from library.training.config import ConfigError, load_config  # noqa: E402
 from library.training.state import sample_seed  # noqa: E402
 from tools.precision_doctor import disk_variant, read_lora_for  # noqa: E402

@@ -30,7 +30,7 @@ from library.data.dataset_config import SubsetSpec
 
 # The subset keys that decide the text encoded for an image, besides its caption file's bytes:
 # where the caption comes from and everything fixed_caption / caption_variants read. They name
-# its text cache file (library/data/dataset.py text_entry), so a new key that changes the text
+# its text cache file (library/data/caches.py text_entry), so a new key that changes the text
 # belongs here: else two subsets that differ only in it would share one file.
 CAPTION_KEYS = ("caption_extension", "class_tokens", "caption_separator", "keep_tokens", "keep_tokens_separator",
                 "shuffle_caption", "caption_tag_dropout_rate", "caption_variants")
@@ -96,9 +96,3 @@ def caption_variants(caption: str, subset: SubsetSpec) -> list[str]:
         return []
     return [augment_tags(caption, subset, random.Random(f"{caption}|variant {k}")) for k in range(subset.caption_variants)]
 
-
-def process_caption(caption: str, subset: SubsetSpec, rng: random.Random, epoch: int = 0) -> str:
-    """A caption drawn fresh, for text that is not cached: "" when dropped, else augmented."""
-    if drops_captions(subset) and is_dropped(subset, epoch, rng):
-        return ""
-    return augment_tags(caption, subset, rng) if augments_tags(subset) else fixed_caption(caption, subset)

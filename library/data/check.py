@@ -32,7 +32,7 @@ from PIL import Image
 
 from library.data.captions import fixed_caption
 from library.data.controls import check_control_count, control_files, find_controls
-from library.data.dataset import _image_files, bad_size, dataset_buckets, image_bucket, read_caption
+from library.data.image_folders import _image_files, bad_size, dataset_buckets, image_bucket, read_caption
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import IMAGE_EXTENSIONS, WIDE_GREY_MODES, load_rgb, verified_image_size
 from library.data.masks import find_mask, has_alpha

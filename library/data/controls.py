@@ -8,7 +8,7 @@ Any image extension works on either side. Every target of a subset needs the sam
 references (a batch stacks them), and no more than the model takes. How large a reference is
 encoded is the family's rule (DiffusionFamily.control_bucket: FLUX.1 Kontext uses the target's
 bucket). The reference latents are cached in the target's latent cache file, and its content
-hash covers the reference files, so changing a reference re-encodes (library/data/dataset.py).
+hash covers the reference files, so changing a reference re-encodes (library/data/caches.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from library.data.images import IMAGE_EXTENSIONS, load_rgb, verified_image_size
+from library.data.images import IMAGE_EXTENSIONS, load_image, load_rgb, verified_image_size
 
 
 def control_files(folder: str) -> dict[str, str]:
@@ -95,8 +95,6 @@ def encode_prompts(encode, captions: list[str], references: list, sees_reference
 def reference_images(paths: list[str] | tuple[str, ...], control_bucket, width: int, height: int) -> list[torch.Tensor]:
     """A sample prompt's references (--ci) fitted by the family's rule to a width x height target,
     each float32 [1, 3, H, W] in [-1, 1] (what the VAE encodes)."""
-    from library.data.dataset import load_image
-
     return [load_image(p, tuple(control_bucket((width, height), verified_image_size(p))))[None] for p in paths]
 
 

@@ -71,6 +71,13 @@ def verified_image_size(path: str) -> tuple[int, int]:
     return (h, w) if rotated else (w, h)
 
 
+def load_image(path: str, bucket: tuple[int, int], flip: bool = False) -> torch.Tensor:
+    """The image fitted to `bucket` (fit_to_bucket). Returns float32 [3, H, W] in [-1, 1]."""
+    img = fit_to_bucket(load_rgb(path), bucket, flip)
+    pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())  # [H, W, 3] uint8
+    return pixels.permute(2, 0, 1).float() / 127.5 - 1.0
+
+
 def to_pil(image: torch.Tensor) -> Image.Image:
     """[3, H, W] float in [-1, 1] -> RGB PIL image."""
     array = ((image.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)

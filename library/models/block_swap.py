@@ -92,11 +92,6 @@ class BlockSwap:
     def swapped(self, i: int) -> bool:
         return i >= self.first and i in self.tensors
 
-    def resident_bytes(self) -> int:
-        """Bytes of swapped-block tensors on the device now (copies in flight included)."""
-        return sum(t.numel() * t.element_size() for _, ts in self.pending.values() for t in ts) + sum(
-            getattr(m, name).numel() * getattr(m, name).element_size() for i in self.resident for m, name in self.tensors[i])
-
     # -- transfers ----------------------------------------------------------------------------
     def _start_load(self, i: int):
         if not self.swapped(i) or i in self.resident or i in self.pending:
@@ -178,14 +173,6 @@ class BlockSwap:
     def _end_backward(self):
         self.in_backward = False
         self.release_all()
-
-
-def run_blocks_with_swap(swap: BlockSwap | None, index: int, call):
-    """Run `call()` (one block) under the swap schedule; without a swap, just call it."""
-    if swap is None:
-        return call()
-    swap.before_forward(index)
-    return swap.after_forward(index, call())
 
 
 def enable_block_swap(model: nn.Module, blocks_to_swap: int, device) -> BlockSwap | None:

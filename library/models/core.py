@@ -13,7 +13,6 @@ for every model (see shared/DESIGN.md, "Precision: what breaks and why"):
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -21,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from library.precision.autocast import autocast_off
 
 # ----------------------------------------------------------------------------------------------
 # Norms
@@ -67,11 +68,6 @@ class LayerNormNoAffine(nn.Module):
 def _angle_dtype(device: torch.device) -> torch.dtype:
     # float64 everywhere it exists; MPS has no float64, float32 is still exact for positions < 2^24.
     return torch.float32 if device.type == "mps" else torch.float64
-
-
-def autocast_off(device_type: str):
-    """Autocast disabled for a block of float32 math; `meta` (the memory planner) has no autocast."""
-    return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
 
 
 def rope_tables(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: float):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from library.training import flow_matching as fm
+from library.models import flow_matching as fm
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401  (their importers find them here too)
 from library.models.vae import pack_latents, unpack_latents
 
@@ -49,14 +49,14 @@ def file_fingerprint(*paths: str | None) -> str:
     return h.hexdigest()[:10]
 
 
-def fp8_prepare(mode: str | None, family: str):
+def fp8_prepare(mode: str | None, arch: str):
     """The `prepare` hook for load_flux / load_qwen_image: on the meta-built model, swap Linears
     for FP8Linear and return the per-tensor quantizing converter (quantization while loading)."""
     if mode in (None, "bf16"):
         return None
     from library.precision.fp8 import fp8_load_converter, prepare_fp8
 
-    return lambda model: fp8_load_converter(prepare_fp8(model, mode, family))
+    return lambda model: fp8_load_converter(prepare_fp8(model, mode, arch))
 
 
 @dataclass
@@ -72,7 +72,7 @@ class ModelFile:
 
 
 class DiffusionFamily:
-    name: str  # the model_type of the training config, also the LoRA TARGETS / fp8 family key
+    name: str  # the model_type of the training config: the name the family is registered under
     text_path_keys: tuple[str, ...] = ()  # config keys of the text encoder files
     sample_guidance: float = 4.0  # default --g of sample prompts
     true_cfg = False  # samples run a negative prompt (classifier-free guidance)

@@ -1,6 +1,15 @@
-"""The diffusion families by name, and how a frozen base may be stored: the names configs and
-command lines choose from. Nothing here imports torch, so the command lines check these names
-before the seconds it takes to load it; library/models/family.py holds the interface itself.
+"""The diffusion families by name, how a frozen base may be stored and how training draws sigmas:
+the names configs and command lines choose from. Nothing here imports torch, so the command lines
+check these names before the seconds it takes to load it; library/models/family.py holds the
+interface itself.
+
+One word for one thing:
+- model_type: the config key's value, and for a diffusion family the name it is registered under
+  here (flux, flux_kontext, qwen_image_edit, ...); llm is the one model_type without a family.
+- family: the adapter class a model_type names (DiffusionFamily; its `name` is the model_type).
+- arch: the transformer architecture a family shares with its variants (flux_kontext's is flux,
+  qwen_image_edit's is qwen_image; llm's is llm). LoRA targets and key prefixes, fp8 keep rules and
+  flow-matching constants are per arch: networks and precision take an `arch`, never a model_type.
 """
 
 # model_type -> "module:class" of its adapter; imported on first use (family.family_class).
@@ -13,3 +22,6 @@ FAMILIES = {
 }
 
 BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")  # how the frozen base is stored
+
+# timestep_sampling values (library/models/flow_matching.py implements them)
+SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "flux2_shift")

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError, CheckpointReader
-from library.models.core import autocast_off
+from library.precision.autocast import autocast_off
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -85,8 +85,8 @@ HIGH_PRECISION_MODULES: dict[str, list[str]] = {
     "t5": [r".*\.wo"],
 }
 if not QUANTIZE_MODULATION:
-    for _family, _patterns in _MODULATION_MODULES.items():
-        HIGH_PRECISION_MODULES[_family] += _patterns
+    for _arch, _patterns in _MODULATION_MODULES.items():
+        HIGH_PRECISION_MODULES[_arch] += _patterns
 
 
 def _check_mode(mode: str) -> None:
@@ -94,11 +94,11 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"fp8 mode must be one of {MODES}, got {mode!r}")
 
 
-def is_high_precision(name: str, family: str) -> bool:
-    """True if the module with qualified name `name` stays in high precision for `family`."""
-    if family not in HIGH_PRECISION_MODULES:
-        raise ValueError(f"unknown model family {family!r}; expected one of {sorted(HIGH_PRECISION_MODULES)}")
-    return any(re.fullmatch(p, name) for p in HIGH_PRECISION_MODULES[family])
+def is_high_precision(name: str, arch: str) -> bool:
+    """True if the module with qualified name `name` stays in high precision for architecture `arch`."""
+    if arch not in HIGH_PRECISION_MODULES:
+        raise ValueError(f"unknown model family {arch!r}; expected one of {sorted(HIGH_PRECISION_MODULES)}")
+    return any(re.fullmatch(p, name) for p in HIGH_PRECISION_MODULES[arch])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,33 +320,33 @@ class FP8Linear(nn.Module):
 # Whole models
 
 
-def _replace_linears(model: nn.Module, mode: str, family: str) -> nn.Module:
+def _replace_linears(model: nn.Module, mode: str, arch: str) -> nn.Module:
     _check_mode(mode)
-    is_high_precision("", family)  # validates the family name
+    is_high_precision("", arch)  # validates the arch name
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             # Exact nn.Linear only: subclasses (e.g. nn.MultiheadAttention's out_proj) may read .weight directly.
-            if type(child) is nn.Linear and not is_high_precision(name, family):
+            if type(child) is nn.Linear and not is_high_precision(name, arch):
                 setattr(parent, child_name, FP8Linear.from_linear(child, mode))
     return model
 
 
-def prepare_fp8(model: nn.Module, mode: str, family: str) -> nn.Module:
-    """Replace every nn.Linear outside HIGH_PRECISION_MODULES[family] by an FP8Linear, in place.
+def prepare_fp8(model: nn.Module, mode: str, arch: str) -> nn.Module:
+    """Replace every nn.Linear outside HIGH_PRECISION_MODULES[arch] by an FP8Linear, in place.
 
     On a `meta` model the new layers hold meta fp8 tensors of the right shapes for
     load_streaming(convert=fp8_load_converter(model, mode)) to fill; on a loaded model the
     weights are quantized. Returns the model."""
-    return _replace_linears(model, mode, family)
+    return _replace_linears(model, mode, arch)
 
 
-def quantize_module(model: nn.Module, mode: str, family: str) -> nn.Module:
+def quantize_module(model: nn.Module, mode: str, arch: str) -> nn.Module:
     """In-memory fp8 conversion of an already loaded high-precision model (tests, diagnostics)."""
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta:
         raise ValueError(f"quantize_module: '{meta[0]}' is on the meta device; use prepare_fp8 + load_streaming")
-    return _replace_linears(model, mode, family)
+    return _replace_linears(model, mode, arch)
 
 
 class FP8LoadConverter:

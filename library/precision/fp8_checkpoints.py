@@ -236,7 +236,7 @@ class PrequantizedConverter:
         return {key: tensor.to(self.dtype) if tensor.is_floating_point() else tensor}
 
 
-def prequantized_converter(model: nn.Module, info: Fp8Checkpoint, family: str, dtype: torch.dtype,
+def prequantized_converter(model: nn.Module, info: Fp8Checkpoint, arch: str, dtype: torch.dtype,
                            reader: CheckpointReader, source: str) -> PrequantizedConverter:
     """Swap the Linears of the meta `model` for FP8Linear of the file's layout; the convert hook."""
-    return PrequantizedConverter(prepare_fp8(model, info.layout, family), info, dtype, reader, source)
+    return PrequantizedConverter(prepare_fp8(model, info.layout, arch), info, dtype, reader, source)

@@ -20,12 +20,11 @@ from typing import Any
 
 import toml
 
-from library.models.registry import FAMILIES
+from library.errors import ConfigError
+from library.models.registry import FAMILIES, SAMPLING_METHODS
 from library.text_files import read_utf8
 
 PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (PRECISION_DTYPES below)
-# timestep_sampling values (library/training/flow_matching.py implements them)
-SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "flux2_shift")
 
 
 @dataclass(frozen=True)
@@ -150,10 +149,6 @@ SCHEMA: dict[str, Arg] = {
 }
 
 
-class ConfigError(ValueError):
-    pass
-
-
 def __getattr__(name: str):
     """PRECISION_DTYPES (PRECISION_NAMES -> torch dtypes) is made on first use: the parser loads without torch."""
     if name != "PRECISION_DTYPES":
@@ -173,7 +168,7 @@ def compute_dtype(args) -> torch.dtype:
 
 def base_precision(args) -> str:
     """How the frozen base is stored: bf16 (i.e. the compute dtype), fp8 or fp8_scaled. A pre-quantized
-    checkpoint is used as it is stored: DiffusionTask.base_precision() names its layout instead
+    checkpoint is used as it is stored: DiffusionTask.metadata() names its layout instead
     (fp8_checkpoints.CONFIG_PRECISION: e.g. ComfyUI's fp8_tensor_scaled needs fp8_scaled)."""
     return ("fp8_scaled" if args.fp8_scaled else "fp8") if args.fp8_base else "bf16"
 
@@ -272,7 +267,7 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         origins[key] = "command line"
     args = argparse.Namespace(**values, config_file=cli.config_file)
     validate(args, cli.config_file or "command line", origins)
-    from library.training.optim import optimizer_class  # here, not at the top: optim imports this module
+    from library.training.optim import optimizer_class  # here, not at the top: it loads torch
 
     try:  # fail now, not after minutes of caching
         optimizer_class(args.optimizer_type)

@@ -15,9 +15,10 @@ import torch
 import torch.nn as nn
 
 from library.data.captions import drops_captions
+from library.data.caches import cache_empty_caption, cache_latents, cache_text
 from library.data.check import training_warnings, warn
-from library.data.dataset import (BucketBatchSampler, EpochBatches, ImageDataset, cache_empty_caption, cache_latents,
-                                  cache_text, collate_batch, scan_images, split_validation)
+from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
+from library.data.image_folders import scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, encode_prompts, reference_images
 from library.data.dataset_config import load_dataset_config
 from library.models.family import get_family, stack_text
@@ -269,25 +270,21 @@ class DiffusionTask:
         return self.render_samples(output_dir, "final") if self.prompts else []
 
     # -- metadata ------------------------------------------------------------------------------
-    def base_model_version(self) -> str:
-        return self.family.model_version(self.base)
+    def metadata(self) -> dict:
+        from library.models.flow_matching import DEFAULTS
 
-    def base_precision(self) -> str:
-        """bf16 / fp8 / fp8_scaled, or the layout of a pre-quantized file (e.g. fp8_tensor_scaled)."""
-        return self.stored_precision or base_precision(self.args)
+        datasets, args = self.blueprint.datasets, self.args
+        return {
+            "base_model_version": self.family.model_version(self.base),
+            # bf16 / fp8 / fp8_scaled, or the layout of a pre-quantized file (e.g. fp8_tensor_scaled)
+            "base_precision": self.stored_precision or base_precision(args),
+            "resolution": ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in datasets),
+            "batch_size": datasets[0].batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps,
+            "timestep_sampling": args.timestep_sampling or DEFAULTS[self.family.arch]["timestep_sampling"],
+            "dataset": self._dataset_summary(),
+        }
 
-    def resolution(self) -> str:
-        return ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in self.blueprint.datasets)
-
-    def total_batch_size(self) -> int:
-        return self.blueprint.datasets[0].batch_size * self.accelerator.num_processes * self.args.gradient_accumulation_steps
-
-    def timestep_sampling(self) -> str:
-        from library.training.flow_matching import DEFAULTS
-
-        return self.args.timestep_sampling or DEFAULTS[self.family.arch]["timestep_sampling"]
-
-    def dataset_summary(self) -> list[dict]:
+    def _dataset_summary(self) -> list[dict]:
         return [
             {"resolution": list(d.resolution), "batch_size": d.batch_size, "buckets": d.enable_bucket,
              "subsets": [{"image_dir": os.path.basename(os.path.normpath(s.image_dir)), "num_repeats": s.num_repeats,

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from library.data.dataset import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
+from library.data.text_corpus import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
 from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
@@ -189,6 +189,10 @@ class LLMTask:
     def validation_size(self) -> int:
         return 0  # the trainer's val_loss is for images; the LLM's own eval runs in after_step
 
+    def validation_loss(self) -> float:
+        """Not called (validation_size() is 0): the held-out loss that after_step reports."""
+        return self.held_out_loss()
+
     def render_samples(self, out_dir: str, tag: str) -> list[str]:
         """An LLM's samples are text: val loss, perplexity and a generated sample (sample_at_first
         gives the baseline before training)."""
@@ -286,24 +290,16 @@ class LLMTask:
             self.report_eval("final")
 
     # -- metadata ------------------------------------------------------------------------------
-    def base_model_version(self) -> str:
-        c = self.model.config
-        return f"llm-{c.num_layers}x{c.hidden_size}" + ("-scratch" if self.from_scratch else "")
-
-    def base_precision(self) -> str:
-        if self.args.fp8_base:
-            return base_precision(self.args)
-        return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.weights_dtype]
-
-    def resolution(self) -> str:
-        return f"{self.args.max_length} tokens"
-
-    def total_batch_size(self) -> int:
-        return self.args.batch_size * self.accelerator.num_processes * self.args.gradient_accumulation_steps
-
-    def timestep_sampling(self) -> None:
-        return None
-
-    def dataset_summary(self) -> dict:
-        return {"train_windows": len(self.train_set), "val_windows": len(self.val_set) if self.val_set else 0,
-                "files": [os.path.basename(p) for p in self.args.train_data]}
+    def metadata(self) -> dict:
+        c, args = self.model.config, self.args
+        precision = (base_precision(args) if args.fp8_base
+                     else {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.weights_dtype])
+        return {
+            "base_model_version": f"llm-{c.num_layers}x{c.hidden_size}" + ("-scratch" if self.from_scratch else ""),
+            "base_precision": precision,
+            "resolution": f"{args.max_length} tokens",
+            "batch_size": args.batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps,
+            "timestep_sampling": None,
+            "dataset": {"train_windows": len(self.train_set), "val_windows": len(self.val_set) if self.val_set else 0,
+                        "files": [os.path.basename(p) for p in args.train_data]},
+        }

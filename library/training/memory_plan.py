@@ -233,11 +233,6 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     )
 
 
-def training_phase(family, args, width: int, height: int, batch: int, text_tokens: int,
-                   references: int | None = None) -> Phase:
-    return training_plan(family, args, width, height, batch, text_tokens, references).phase(args.blocks_to_swap)
-
-
 def _vae(family):
     """The family's VAE wrapper around the diffusers model built on meta (config from the files)."""
     from library.models import vae as V

@@ -13,8 +13,8 @@ import os
 
 import torch
 
+from library.errors import ConfigError
 from library.io import append_csv_row, atomic_path
-from library.training.config import ConfigError
 
 BNB_OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit", "Lion8bit", "PagedLion8bit", "SGD8bit", "AdEMAMix8bit", "PagedAdamW")
 

@@ -2,7 +2,7 @@
 
 Module paths mirror the BFL single-file checkpoint keys (`double_blocks.N.img_attn.qkv`,
 `single_blocks.N.linear1`, ...), so a BFL state dict loads with a plain `load_state_dict`.
-Loading, diffusers key conversion and saving live in library/models/flux1/checkpoint.py (re-exported here).
+Loading, diffusers key conversion and saving live in library/models/flux1/checkpoint.py.
 
 Precision (see shared/DESIGN.md): the model carries an explicit `compute_dtype`; image/text/pooled
 inputs are cast to it at entry. Position ids stay int64/float32 and become float32 RoPE tables
@@ -300,22 +300,3 @@ def make_txt_ids(batch: int, length: int, device=None) -> torch.Tensor:
     """Text position ids [batch, length, 3] int64: all zeros (text carries no RoPE position)."""
     return torch.zeros(batch, length, 3, dtype=torch.int64, device=device)
 
-
-_CHECKPOINT_API = (
-    "load_flux",
-    "save_flux_bfl",
-    "save_flux_diffusers",
-    "diffusers_to_flux_state_dict",
-    "flux_to_diffusers_state_dict",
-    "flux_diffusers_module_map",
-    "FLUX_DIFFUSERS_NAMES",
-)
-
-
-def __getattr__(name: str):
-    # Loading lives in flux_checkpoint (which imports this file); re-export it lazily, no import cycle.
-    if name in _CHECKPOINT_API:
-        from library.models.flux1 import checkpoint as flux_checkpoint
-
-        return getattr(flux_checkpoint, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

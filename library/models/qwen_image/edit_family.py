@@ -14,7 +14,7 @@ reference keeps its own aspect ratio at the target bucket's area (control_bucket
 rule, which is the ~1024x1024 output area, scaled to the training resolution). The text sees the
 references too, at the pipeline's fixed VL-encoder size (edit_sizes: ~384x384 area for 2509 /
 2511, ~1024x1024 for Edit), so a text cache entry is per (caption, references)
-(text_sees_controls; library/data/dataset.py cache_text). LoRA targets, fp8 rules and
+(text_sees_controls; library/data/caches.py cache_text). LoRA targets, fp8 rules and
 flow-matching constants are Qwen-Image's (arch). Samples use true CFG with the negative prompt,
 encoded with the same references, as the pipelines do.
 """

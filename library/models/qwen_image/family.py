@@ -42,7 +42,7 @@ class QwenImageFamily(DiffusionFamily):
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         from library.models.qwen_image.model import load_qwen_image
 
-        return load_qwen_image(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.name),
+        return load_qwen_image(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
                          read_weights=read_weights)
 
     def model_files(self) -> list[ModelFile]:

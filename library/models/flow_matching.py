@@ -34,7 +34,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from library.training.config import SAMPLING_METHODS  # the names the config schema offers
+from library.models.registry import SAMPLING_METHODS  # the names the config schema offers
 
 # Training defaults per family. sd-scripts' FLUX flags default to timestep_sampling "sigma" with
 # model_prediction_type "sigma_scaled", while its FLUX.1 docs recommend "shift" 3.1582 with "raw"
@@ -69,12 +69,6 @@ _SHIFT_FAMILY = {"flux_shift": "flux", "qwen_shift": "qwen_image", "flux2_shift"
 FLUX2_TRAIN_MU_STEPS = 50
 WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap")
 LOSS_TYPES = ("l2", "huber")
-PIXELS_PER_TOKEN_SIDE = 16  # 8x VAE, 2x2 patches per token
-
-
-def image_token_count(width: int, height: int) -> int:
-    """Image tokens the transformer sees for a width x height pixel image."""
-    return (height // PIXELS_PER_TOKEN_SIDE) * (width // PIXELS_PER_TOKEN_SIDE)
 
 
 def calculate_shift(image_seq_len: int, base_seq_len: int, max_seq_len: int, base_shift: float, max_shift: float) -> float:

@@ -1,0 +1,256 @@
+"""On-disk caches of VAE latents and text-encoder outputs, so the VAE and the text encoders can
+leave the GPU before training. After `cache_latents` / `cache_text` an item holds its cache (a file
+path, or the tensors in memory) and ImageDataset (library/data/dataset.py) yields the cached
+tensors instead of pixels and captions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Callable
+
+import torch
+
+from library.data.captions import CAPTION_KEYS, drops_captions, fixed_caption
+from library.data.controls import encode_prompts
+from library.data.image_folders import ImageItem
+from library.data.images import load_image
+from library.data.masks import load_mask, mask_source_hash
+from library.io import CheckpointReader, save_safetensors
+
+# Part of every latent cache hash: bump it when resize/crop changes so old caches are redone.
+PREPROCESS_VERSION = "resize-crop-v1"
+CACHE_DTYPE = torch.bfloat16  # what cache files hold; samples are float32
+
+
+# ----------------------------------------------------------------------------------------------
+# Caches: safetensors files that carry the hash of what they were computed from. A file is named
+# for its image, model, the subset settings that shape its content (latent_entry / text_entry)
+# and, for latents, the bucket; the content hash then tells whether the named file is current.
+
+
+def cache_path(item: ImageItem, suffix: str) -> str:
+    """`<stem>_<suffix>.safetensors` beside the image, or in cache_dir under a folder named for
+    the image folder (plus a short hash of its path, so equal names in two folders differ)."""
+    folder, name = os.path.split(os.path.abspath(item.image_path))
+    stem = os.path.splitext(name)[0]
+    if item.cache_dir:
+        tag = hashlib.sha256(folder.encode()).hexdigest()[:8]
+        folder = os.path.join(item.cache_dir, f"{os.path.basename(folder)}-{tag}")
+    return os.path.join(folder, f"{stem}_{suffix}.safetensors")
+
+
+def _hash_file(h, path: str, tag: bytes = b"") -> None:
+    """Feed `tag` and then the bytes of the file at `path` into the hash `h`."""
+    with open(path, "rb") as f:
+        h.update(tag + f.read())
+
+
+def _entry_tag(*parts) -> str:
+    """8 hex digits for what decides a cache entry besides its image, model and bucket (which the
+    file name holds already): two subsets over one folder that differ in it get their own files.
+    It names inputs (settings, paths), not their bytes, which the content hash covers: an edited
+    caption or reference rewrites its own file instead of leaving the old one beside it."""
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:8]
+
+
+def _beside(item: ImageItem, paths: list[str]) -> list[str]:
+    """`paths` relative to the item's image: the same after the dataset moves as a whole."""
+    return [os.path.relpath(p, os.path.dirname(item.image_path)) for p in paths]
+
+
+def latent_entry(item: ImageItem) -> str:
+    """The subset's inputs of a latent entry: flip_aug, the mask, the references and their sizes."""
+    mask = _beside(item, [item.mask_path] if item.mask_path else [])
+    return _entry_tag(item.subset.flip_aug, item.subset.alpha_mask, mask, _beside(item, item.control_paths),
+                      item.control_buckets)
+
+
+def text_entry(item: ImageItem, with_references: bool) -> str:
+    """The subset's inputs of a text entry: the caption's source and options (CAPTION_KEYS), how
+    many variants it holds (validation encodes none) and, where the encoder sees them, the
+    references and whether the entry holds the dropped caption."""
+    references = (_beside(item, item.control_paths), drops_captions(item.subset)) if with_references else None
+    return _entry_tag([getattr(item.subset, key) for key in CAPTION_KEYS], len(item.caption_variants), references)
+
+
+def latent_hash(item: ImageItem, model_key: str) -> str:
+    h = hashlib.sha256()
+    _hash_file(h, item.image_path)
+    h.update(f"|{model_key}|{item.bucket[0]}x{item.bucket[1]}|flip={item.subset.flip_aug}|{PREPROCESS_VERSION}".encode())
+    if item.masked:  # a changed mask file recomputes the entry
+        h.update(f"|{mask_source_hash(item.mask_path, item.subset.alpha_mask)}".encode())
+    for path, (w, hh) in zip(item.control_paths, item.control_buckets):  # references are cached with it
+        _hash_file(h, path, b"|control|")
+        h.update(f"|{w}x{hh}".encode())
+    return h.hexdigest()
+
+
+def text_hash(item: ImageItem, model_key: str, with_references: bool = False) -> str:
+    text = fixed_caption(item.caption, item.subset)
+    if item.caption_variants:  # what is encoded changes with them (and with their count)
+        text = "\x1f".join([text, *item.caption_variants])
+    h = hashlib.sha256(f"{text}|{model_key}".encode())
+    if with_references:  # the encoder sees the references, and the entry holds the dropped caption's text
+        for path in item.control_paths:
+            _hash_file(h, path, b"|control|")
+        h.update(f"|dropped={drops_captions(item.subset)}".encode())
+    return h.hexdigest()
+
+
+def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], torch.Tensor], model_key: str,
+                  *, batch_size: int = 4, to_disk: bool = True) -> int:
+    """Encode every image whose cache is missing or stale; returns how many images were encoded.
+
+    encode_fn: float32 images [B,3,H,W] in [-1,1] -> latents [B,C,h,w] (any float dtype; stored
+    as bf16). With flip_aug the mirrored image is encoded too ("latents_flipped"). Reference images
+    are encoded into the same file ("control_<k>", "control_<k>_flipped").
+    to_disk=False keeps the bf16 tensors in memory instead of writing files."""
+    todo, claimed = [], {}
+    for item in items:
+        digest = latent_hash(item, model_key) if to_disk else ""
+        path = cache_path(item, f"{model_key}_{latent_entry(item)}_{item.bucket[0]}x{item.bucket[1]}")
+        if to_disk:  # only files are shared
+            _claim(claimed, path, digest, item)
+        if to_disk and _cache_is_valid(path, digest):
+            item.latent_cache = path
+        else:
+            todo.append((item, path, digest))
+    groups: dict[tuple, list] = {}  # a batch must hold one size; flipped latents only where needed
+    for t in todo:
+        groups.setdefault((t[0].bucket, tuple(t[0].control_buckets), t[0].subset.flip_aug), []).append(t)
+    for (_, control_buckets, flip_aug), group in groups.items():
+        for start in range(0, len(group), batch_size):
+            chunk = group[start : start + batch_size]
+            encoded = {}
+            for flip in (False, True) if flip_aug else (False,):
+                suffix = "_flipped" if flip else ""
+                encoded["latents" + suffix] = _encode_images(encode_fn, chunk, flip)
+                for k in range(len(control_buckets)):
+                    encoded[f"control_{k}{suffix}"] = _encode_images(encode_fn, chunk, flip, control=k)
+            for i, (item, path, digest) in enumerate(chunk):
+                tensors = {k: v[i].to(CACHE_DTYPE) for k, v in encoded.items()}
+                if item.masked:  # float32: a mask is small and its weights should be exact
+                    for suffix, flip in (("", False), ("_flipped", True)) if flip_aug else (("", False),):
+                        tensors["mask" + suffix] = load_mask(item.image_path, item.mask_path, item.bucket, flip)
+                item.latent_cache = _store(tensors, path, digest, to_disk, model_key)
+    return len(todo)
+
+
+def _encode_images(encode_fn, chunk, flip: bool, control: int | None = None) -> torch.Tensor:
+    """The chunk's images (or their reference number `control`) encoded."""
+    images = torch.stack([load_image(item.image_path, item.bucket, flip) if control is None
+                          else load_image(item.control_paths[control], item.control_buckets[control], flip)
+                          for item, _, _ in chunk])
+    with torch.no_grad():
+        return encode_fn(images).detach().cpu()
+
+
+def cache_text(items: list[ImageItem], encode_fn: Callable[..., list[dict[str, torch.Tensor]]],
+               model_key: str, *, batch_size: int = 8, to_disk: bool = True, with_references: bool = False) -> int:
+    """Encode every caption whose cache is missing or stale; returns how many images were encoded.
+
+    encode_fn: captions -> one dict of tensors per caption (no batch axis; floating tensors are
+    stored as bf16, others as they are). An item's augmented caption_variants are encoded too and
+    stored in the same file as `<name>@<k>` (library/data/captions.py).
+    with_references: the encoder sees each item's reference images, encode_fn(captions,
+    reference views) (Qwen-Image-Edit); the entry is then per (caption, references), its hash
+    covers the reference files, and with caption dropout it also holds the empty caption encoded
+    with the same references (`<name>@dropped`: what dropout substitutes, as the pipeline would
+    encode "" with the images). The references are seen unflipped (flip_aug mirrors only latents)."""
+    todo, claimed = [], {}
+    for item in items:
+        digest = text_hash(item, model_key, with_references)
+        path = cache_path(item, f"{model_key}_{text_entry(item, with_references)}_te")
+        if to_disk:  # only files are shared
+            _claim(claimed, path, digest, item)
+        if to_disk and _cache_is_valid(path, digest):
+            item.text_cache = path
+        else:
+            todo.append((item, path, digest))
+    # One job per text; batches may span images, and an image's file is written with its last text.
+    texts = [_texts(item, with_references) for item, _, _ in todo]
+    jobs = [(i, suffix, text) for i, item_texts in enumerate(texts) for suffix, text in item_texts]
+    remaining = [len(item_texts) for item_texts in texts]
+    pending: list[dict] = [{} for _ in todo]
+    for start in range(0, len(jobs), batch_size):
+        chunk = jobs[start : start + batch_size]
+        with torch.no_grad():
+            outputs = encode_prompts(encode_fn, [text for _, _, text in chunk],
+                                     [todo[i][0].control_paths for i, _, _ in chunk], with_references)
+        for (i, suffix, _), out in zip(chunk, outputs):
+            pending[i].update({name + suffix: _to_cache_dtype(v) for name, v in out.items()})
+            remaining[i] -= 1
+            if not remaining[i]:
+                item, path, digest = todo[i]
+                item.text_cache = _store(pending[i], path, digest, to_disk, model_key)
+                pending[i] = {}
+    return len(todo)
+
+
+def _texts(item: ImageItem, with_references: bool) -> list[tuple[str, str]]:
+    """(name suffix, text) of everything an item's text cache holds."""
+    texts = [("", fixed_caption(item.caption, item.subset))]
+    texts += [(f"@{k}", variant) for k, variant in enumerate(item.caption_variants)]
+    if with_references and drops_captions(item.subset):
+        texts.append(("@dropped", ""))
+    return texts
+
+
+def cache_empty_caption(dataset, encode_fn: Callable[[list[str]], list[dict[str, torch.Tensor]]]):
+    """What caption dropout substitutes: the empty caption's text, encoded once, in the cache dtype
+    (so it goes through the same bf16 rounding as every cached caption), as the ImageDataset
+    `dataset`'s empty_text."""
+    with torch.no_grad():
+        (out,) = encode_fn([""])
+    dataset.empty_text = {name: _to_cache_dtype(v) for name, v in out.items()}
+
+
+def _to_cache_dtype(v: torch.Tensor) -> torch.Tensor:
+    return (v.to(CACHE_DTYPE) if v.is_floating_point() else v).detach().cpu()
+
+
+def read_text_cache(cache: str | dict, variant: int | str | None) -> dict[str, torch.Tensor]:
+    """The caption's own tensors (variant None), those of its variant k or of the dropped caption
+    ("dropped", when cached per item), under their plain names."""
+    source = cache if isinstance(cache, dict) else CheckpointReader(cache)
+    names = source.keys()
+    if variant is None:
+        wanted = {n: n for n in names if "@" not in n}
+    else:
+        suffix = f"@{variant}"
+        wanted = {n: n[: -len(suffix)] for n in names if n.endswith(suffix)}
+    get = source.__getitem__ if isinstance(cache, dict) else source.get
+    return {plain: get(n) for n, plain in wanted.items()}
+
+
+def _claim(claimed: dict[str, str], path: str, digest: str, item: ImageItem) -> None:
+    """Two entries of one run may share a cache file only with the same content: else the file
+    name misses an input (latent_entry / text_entry) and one would silently train on the other's."""
+    if claimed.setdefault(path, digest) != digest:
+        raise RuntimeError(f"{path}: two cache entries of {item.image_path} with different content would share "
+                           f"this file (its name misses what sets their subsets apart)")
+
+
+def _cache_is_valid(path: str, digest: str) -> bool:
+    if not os.path.exists(path):
+        return False
+    try:
+        return CheckpointReader(path).metadata.get("content_hash") == digest
+    except Exception:  # a truncated or foreign file is simply recomputed
+        return False
+
+
+def _store(tensors: dict, path: str, digest: str, to_disk: bool, model_key: str) -> str | dict:
+    if not to_disk:
+        return tensors
+    save_safetensors(tensors, path, metadata={"content_hash": digest, "model_key": model_key})
+    return path
+
+
+def read_cache(cache: str | dict) -> dict[str, torch.Tensor]:
+    if isinstance(cache, dict):
+        return cache
+    reader = CheckpointReader(cache)
+    return {k: reader.get(k) for k in reader.keys()}

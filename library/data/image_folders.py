@@ -1,0 +1,247 @@
+"""Image folders -> ImageItems: every image of every subset with its caption, its aspect-ratio
+bucket, its mask and reference images, checked once; and the validation hold-out.
+
+`scan_images(blueprint)` verifies every image, reads its caption, gives it a bucket (the dataset's
+bucket closest in aspect ratio, or with bucket_no_upscale its own size shrunk to the area budget)
+and finds its mask and references; `split_validation` holds out each dataset's
+validation_split share. library/data/dataset.py serves the items, library/data/caches.py caches
+them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+
+from library.data.controls import check_control_count, control_files, find_controls, scan_controls
+from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
+from library.data.images import IMAGE_EXTENSIONS, verified_image_size
+from library.data.masks import find_mask, warn_missing_alpha
+from library.io import read_utf8
+
+
+@dataclass
+class ImageItem:
+    image_path: str
+    caption: str  # from the caption file, or the subset's class_tokens
+    subset: SubsetSpec
+    dataset_index: int
+    size: tuple[int, int]  # (width, height) as displayed (EXIF rotation applied)
+    bucket: tuple[int, int]  # (width, height) it is trained at
+    cache_dir: str | None = None
+    latent_cache: str | dict | None = None  # file path, or tensors held in memory
+    text_cache: str | dict | None = None
+    caption_variants: list[str] = field(default_factory=list)  # augmented captions, cached beside the caption
+    mask_path: str | None = None  # mask_dir's file for it (library/data/masks.py)
+    control_paths: list[str] = field(default_factory=list)  # reference images (library/data/controls.py)
+    control_buckets: list[tuple[int, int]] = field(default_factory=list)  # (w, h) each reference is encoded at
+    subset_index: int = 0  # its subset's place in its dataset: one image in two subsets is two samples
+
+    @property
+    def masked(self) -> bool:
+        return self.mask_path is not None or self.subset.alpha_mask
+
+
+# ----------------------------------------------------------------------------------------------
+# Aspect-ratio buckets (the idea of sd-scripts' BucketManager)
+
+
+def make_buckets(resolution: tuple[int, int], min_reso: int, max_reso: int, step: int) -> list[tuple[int, int]]:
+    """Every (w, h) with both sides multiples of `step` within [min_reso, max_reso] that is the
+    largest such height for its width under the area w*h <= resolution area, plus the square."""
+    area = resolution[0] * resolution[1]
+    lo = math.ceil(min_reso / step) * step
+    side = min(max_reso, int(math.sqrt(area)) // step * step)
+    buckets = {(side, side)} if side >= lo else set()
+    for w in range(lo, max_reso + 1, step):
+        h = min(max_reso, area // w // step * step)
+        if h >= lo:
+            buckets.update({(w, h), (h, w)})
+    return sorted(buckets)
+
+
+def bucket_for(size: tuple[int, int], buckets: list[tuple[int, int]]) -> tuple[int, int]:
+    """The bucket closest in aspect ratio (compared in log space, so 2:1 and 1:2 are treated
+    alike); ties go to the larger bucket."""
+    log_ar = math.log(size[0] / size[1])
+    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - log_ar), -b[0] * b[1]))
+
+
+def bucket_without_upscale(size: tuple[int, int], max_area: int, step: int) -> tuple[int, int]:
+    """bucket_no_upscale: shrink to the area budget if larger, never enlarge; sides rounded down
+    to `step`."""
+    w, h = size
+    if w * h > max_area:
+        scale = math.sqrt(max_area / (w * h))
+        w, h = w * scale, h * scale
+    return int(w) // step * step, int(h) // step * step
+
+
+def size_limits(ds: DatasetSpec) -> tuple[int, str, float]:
+    """(smallest image side, the key that sets it, largest aspect ratio) of images dataset `ds` trains
+    without upscaling them from below that side or cropping them beyond max_bucket_reso / min_bucket_reso."""
+    side, name = (ds.min_bucket_reso, "min_bucket_reso") if ds.enable_bucket else (min(ds.resolution), "resolution")
+    return side, name, ds.max_bucket_reso / ds.min_bucket_reso
+
+
+def bad_size(size: tuple[int, int], ds: DatasetSpec) -> str | None:
+    """Why an image of `size` (w, h) trains badly in dataset `ds`, or None. A 1x1 image would be
+    upscaled to a whole bucket, a 4000x16 strip cropped to its middle 2%: both silently."""
+    (w, h), (min_side, name, max_aspect) = size, size_limits(ds)
+    problems = []
+    if min(w, h) < min_side and not (ds.enable_bucket and ds.bucket_no_upscale):  # that never upscales
+        problems.append(f"is smaller than {name} {min_side} (it is upscaled)")
+    if max(w, h) / min(w, h) > max_aspect:
+        problems.append(f"has aspect ratio {max(w, h) / min(w, h):.1f}, beyond max_bucket_reso / min_bucket_reso "
+                        f"= {max_aspect:.1f} (it is cropped)")
+    return f"{w}x{h} " + " and ".join(problems) if problems else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Scanning folders
+
+
+def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, control_bucket=None) -> list[ImageItem]:
+    """Every image of every subset with its caption, bucket and reference images (a subset's
+    control_directory). Unreadable images, missing or empty captions, colliding file stems and
+    missing references are errors naming the file; images of a bad size for the buckets (bad_size)
+    are warnings, and skipped with skip_bad_size_images. held_out_sets: the [[validation_datasets]]
+    instead, numbered after the training datasets. control_bucket(target bucket, reference size)
+    -> (w, h): the family's reference size rule (default: the target's bucket)."""
+    items = []
+    datasets = blueprint.validation_datasets if held_out_sets else blueprint.datasets
+    first = len(blueprint.datasets) if held_out_sets else 0
+    for di, ds in enumerate(datasets, start=first):
+        buckets = dataset_buckets(ds)
+        for si, subset in enumerate(ds.subsets):
+            paths = _image_files(subset.image_dir)
+            if subset.alpha_mask:
+                warn_missing_alpha(paths, subset)
+            controls = control_files(subset.control_directory) if subset.control_directory else None
+            first_paired = None  # the subset's first image: every other needs as many references
+            for path, size in _usable_images(paths, ds, subset):
+                bucket = image_bucket(path, size, ds, buckets)
+                item = ImageItem(path, read_caption(path, subset), subset, di, size, bucket, ds.cache_dir,
+                                 mask_path=find_mask(path, subset, size), subset_index=si)
+                if controls is not None:
+                    item.control_paths, item.control_buckets = scan_controls(
+                        path, subset.control_directory, controls, bucket, control_bucket or (lambda b, _: b))
+                    first_paired = first_paired or item
+                    check_control_count(item, first_paired)
+                items.append(item)
+    return items
+
+
+def reference_count(blueprint: DatasetBlueprint) -> int:
+    """The most reference images a training image of `blueprint` has, read from each subset's first
+    image (scan_images holds every image of a subset to as many), without opening an image."""
+    counts = [0]
+    for ds in blueprint.datasets:
+        for subset in ds.subsets:
+            if subset.control_directory:
+                first = _image_files(subset.image_dir)[0]
+                counts.append(len(find_controls(first, subset.control_directory, control_files(subset.control_directory))))
+    return max(counts)
+
+
+def dataset_buckets(ds: DatasetSpec) -> list[tuple[int, int]]:
+    """The (w, h) buckets of dataset `ds`: [resolution] without bucketing; with bucket_no_upscale
+    every image is sized on its own (image_bucket), the list is not used."""
+    if ds.enable_bucket and not ds.bucket_no_upscale:
+        return make_buckets(ds.resolution, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps)
+    return [ds.resolution]
+
+
+def image_bucket(path: str, size: tuple[int, int], ds: DatasetSpec, buckets: list[tuple[int, int]]) -> tuple[int, int]:
+    """The (w, h) bucket an image of `size` trains at in dataset `ds` (buckets: dataset_buckets(ds))."""
+    if not (ds.enable_bucket and ds.bucket_no_upscale):
+        return bucket_for(size, buckets)
+    bucket = bucket_without_upscale(size, ds.resolution[0] * ds.resolution[1], ds.bucket_reso_steps)
+    if min(bucket) == 0:
+        raise ValueError(f"{path}: image is {size[0]}x{size[1]}, smaller than "
+                         f"bucket_reso_steps {ds.bucket_reso_steps} (bucket_no_upscale is on)")
+    return bucket
+
+
+def split_validation(items: list[ImageItem], blueprint: DatasetBlueprint) -> tuple[list[ImageItem], list[ImageItem]]:
+    """(training items, validation items). A dataset with validation_split > 0 holds out
+    floor(n * validation_split) images of each of its subsets (as sd-scripts): those whose
+    sha256(validation_seed | path inside the subset) ranks lowest. The choice depends on neither
+    the training seed nor the file order nor where the dataset lives, and adding an image moves
+    at most one other."""
+    by_subset: dict[int, list[ImageItem]] = {}
+    for item in items:
+        by_subset.setdefault(id(item.subset), []).append(item)
+    held_out: set[int] = set()
+    for group in by_subset.values():
+        spec = blueprint.datasets[group[0].dataset_index]
+        if group[0].subset.is_reg:  # regularization images are never validation images
+            continue
+        count = int(len(group) * spec.validation_split + 1e-9)  # floor, robust to 0.1 * 30 = 3.0000000000000004
+
+        def rank(item: ImageItem) -> str:
+            relpath = os.path.relpath(item.image_path, item.subset.image_dir)
+            return hashlib.sha256(f"{spec.validation_seed}|{relpath}".encode()).hexdigest()
+
+        held_out.update(id(item) for item in sorted(group, key=rank)[:count])
+    for di, spec in enumerate(blueprint.datasets):
+        if spec.validation_split and not any(id(it) in held_out for it in items if it.dataset_index == di):
+            raise ValueError(f"{blueprint.source}: [[datasets]] #{di + 1}: validation_split {spec.validation_split} "
+                             f"holds out no image (floor(images of a subset x validation_split) is 0 for every "
+                             f"subset); raise it, add images, or use [[validation_datasets]]")
+    return [it for it in items if id(it) not in held_out], [it for it in items if id(it) in held_out]
+
+
+def _usable_images(paths: list[str], ds: DatasetSpec, subset: SubsetSpec) -> list[tuple[str, tuple[int, int]]]:
+    """(path, size) of a subset's images, each verified readable. Every image of a bad size (bad_size)
+    is one warning, and left out with skip_bad_size_images; then one count for the subset."""
+    skip, usable, bad = subset.skip_bad_size_images, [], 0
+    for path in paths:
+        size = verified_image_size(path)
+        problem = bad_size(size, ds)
+        if problem:
+            bad += 1
+            warnings.warn(f"{path}: {problem}" + ("; skipped (skip_bad_size_images)" if skip else ""), stacklevel=2)
+        if not (problem and skip):
+            usable.append((path, size))
+    min_side, name, max_aspect = size_limits(ds)
+    limits = f"smaller than {name} or beyond max_bucket_reso / min_bucket_reso in aspect ratio"
+    if bad:
+        outcome = ("skipped (skip_bad_size_images)" if skip
+                   else "they are trained as they are (skip_bad_size_images = true leaves them out)")
+        warnings.warn(f"{subset.image_dir}: {bad} of {len(paths)} images are {limits}; {outcome}", stacklevel=2)
+    if not usable:
+        raise ValueError(f"{subset.image_dir}: every image was skipped (skip_bad_size_images): none is at least "
+                         f"{name} {min_side} per side within max_bucket_reso / min_bucket_reso = {max_aspect:.1f}")
+    return usable
+
+
+def _image_files(folder: str) -> list[str]:
+    if not os.path.isdir(folder):
+        raise ValueError(f"{folder}: image_dir does not exist or is not a folder")
+    files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMAGE_EXTENSIONS))
+    if not files:
+        raise ValueError(f"{folder}: image_dir holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    stems: dict[str, str] = {}
+    for f in files:
+        stem = os.path.splitext(f)[0]
+        if stem in stems:  # they would share one caption file and one cache file
+            raise ValueError(f"{folder}: images '{stems[stem]}' and '{f}' share the name '{stem}'")
+        stems[stem] = f
+    return [os.path.join(folder, f) for f in files]
+
+
+def read_caption(image_path: str, subset: SubsetSpec) -> str:
+    caption_path = os.path.splitext(image_path)[0] + subset.caption_extension
+    if os.path.exists(caption_path):
+        caption = read_utf8(caption_path, "caption file").strip()
+        if not caption:
+            raise ValueError(f"{caption_path}: caption file is empty")
+        return caption
+    if subset.class_tokens:
+        return subset.class_tokens
+    raise ValueError(f"{image_path}: no caption file '{os.path.basename(caption_path)}' "
+                     f"and no class_tokens for its subset")

@@ -1,0 +1,14 @@
+"""Autocast switched off around math that must run in the dtype it names: the model core's RoPE
+angles and timestep embeddings (float32 / float64) and the fp8 Linear's matmul (its compute dtype).
+It sits here, below the models, because fp8.py needs it too."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def autocast_off(device_type: str):
+    """Autocast disabled for a block of float32 math; `meta` (the memory planner) has no autocast."""
+    return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
