@@ -107,16 +107,9 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
     as bf16). With flip_aug the mirrored image is encoded too ("latents_flipped"). Reference images
     are encoded into the same file ("control_<k>", "control_<k>_flipped").
     to_disk=False keeps the bf16 tensors in memory instead of writing files."""
-    todo, claimed = [], {}
-    for item in items:
-        digest = latent_hash(item, model_key) if to_disk else ""
-        path = cache_path(item, f"{model_key}_{latent_entry(item)}_{item.bucket[0]}x{item.bucket[1]}")
-        if to_disk:  # only files are shared
-            _claim(claimed, path, digest, item)
-        if to_disk and _cache_is_valid(path, digest):
-            item.latent_cache = path
-        else:
-            todo.append((item, path, digest))
+    todo = _stale_entries(items, "latent_cache", to_disk,
+                          lambda item: cache_path(item, f"{model_key}_{latent_entry(item)}_{item.bucket[0]}x{item.bucket[1]}"),
+                          lambda item: latent_hash(item, model_key) if to_disk else "")
     groups: dict[tuple, list] = {}  # a batch must hold one size; flipped latents only where needed
     for t in todo:
         groups.setdefault((t[0].bucket, tuple(t[0].control_buckets), t[0].subset.flip_aug), []).append(t)
@@ -136,6 +129,22 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
                         tensors["mask" + suffix] = load_mask(item.image_path, item.mask_path, item.bucket, flip)
                 item.latent_cache = _store(tensors, path, digest, to_disk, model_key)
     return len(todo)
+
+
+def _stale_entries(items: list[ImageItem], attr: str, to_disk: bool, path_of: Callable[[ImageItem], str],
+                   digest_of: Callable[[ImageItem], str]) -> list[tuple[ImageItem, str, str]]:
+    """(item, cache path, content hash) of every item whose cache must be encoded; an item whose
+    file on disk is valid gets it as `attr` (latent_cache / text_cache) instead."""
+    todo, claimed = [], {}
+    for item in items:
+        digest, path = digest_of(item), path_of(item)
+        if to_disk:  # only files are shared
+            _claim(claimed, path, digest, item)
+        if to_disk and _cache_is_valid(path, digest):
+            setattr(item, attr, path)
+        else:
+            todo.append((item, path, digest))
+    return todo
 
 
 def _encode_images(encode_fn, chunk, flip: bool, control: int | None = None) -> torch.Tensor:
@@ -159,16 +168,9 @@ def cache_text(items: list[ImageItem], encode_fn: Callable[..., list[dict[str, t
     covers the reference files, and with caption dropout it also holds the empty caption encoded
     with the same references (`<name>@dropped`: what dropout substitutes, as the pipeline would
     encode "" with the images). The references are seen unflipped (flip_aug mirrors only latents)."""
-    todo, claimed = [], {}
-    for item in items:
-        digest = text_hash(item, model_key, with_references)
-        path = cache_path(item, f"{model_key}_{text_entry(item, with_references)}_te")
-        if to_disk:  # only files are shared
-            _claim(claimed, path, digest, item)
-        if to_disk and _cache_is_valid(path, digest):
-            item.text_cache = path
-        else:
-            todo.append((item, path, digest))
+    todo = _stale_entries(items, "text_cache", to_disk,
+                          lambda item: cache_path(item, f"{model_key}_{text_entry(item, with_references)}_te"),
+                          lambda item: text_hash(item, model_key, with_references))
     # One job per text; batches may span images, and an image's file is written with its last text.
     texts = [_texts(item, with_references) for item, _, _ in todo]
     jobs = [(i, suffix, text) for i, item_texts in enumerate(texts) for suffix, text in item_texts]
