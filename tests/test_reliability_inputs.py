@@ -15,6 +15,7 @@ from PIL import Image
 
 import train_lora
 from library.data import image_folders
+from library.data.dataset import ImageDataset
 from library.data.controls import reference_views
 from library.data.images import load_image
 from library.data.masks import load_mask
@@ -249,7 +250,7 @@ def test_caption_and_prompt_files_saved_with_a_utf8_bom_read_without_it(tmp_path
 
     make_image(tmp_path / "img" / "a.png", 64, 64)
     (tmp_path / "img" / "a.txt").write_bytes(b"\xef\xbb\xbfa red square\r\n")  # as Windows Notepad saves it
-    assert D.ImageDataset(blueprint(tmp_path / "img")).items[0].caption == "a red square"
+    assert ImageDataset(blueprint(tmp_path / "img")).items[0].caption == "a red square"
     (tmp_path / "prompts.txt").write_bytes(b"\xef\xbb\xbfa red square --w 64\r\n")
     assert read_prompt_file(str(tmp_path / "prompts.txt"))[0].prompt == "a red square"
 
