@@ -61,7 +61,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -102,7 +101,7 @@ from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint
 from library.models.flux1.checkpoint import BFL_PREFIXES, row_tables  # noqa: E402
 from library.models.flux2.checkpoint import FLUX2_MARKERS  # noqa: E402
 from library.models.flux2.checkpoint import row_tables as flux2_row_tables  # noqa: E402
-from library.io import ST_DTYPES, CheckpointError, CheckpointReader, atomic_path, component_folder, make_parent_folder  # noqa: E402
+from library.io import ST_DTYPES, CheckpointError, CheckpointReader, atomic_folder, atomic_path, component_folder  # noqa: E402
 from library.models.llm import checkpoint_key_to_llm  # noqa: E402
 from library.models.qwen_image.model import CHECKPOINT_PREFIXES as QWEN_PREFIXES  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
@@ -555,26 +554,6 @@ def _write_index(plan: Plan, out: str):
         f.write("\n")
 
 
-def _atomic_folder(plan: Plan, specs: list[LoRASpec], out: str):
-    """Build the folder beside `out`, then rename it into place (an old `out` is replaced)."""
-    parent = make_parent_folder(out)
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(out) + ".", suffix=".tmp", dir=parent)
-    old = None
-    try:
-        write_merged(plan, specs, tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; a model folder is not
-        if os.path.exists(out):
-            old = tmp + ".old"
-            os.rename(out, old)
-        os.rename(tmp, out)
-    finally:
-        for leftover in (tmp, old):
-            if leftover and os.path.exists(leftover):
-                shutil.rmtree(leftover)
-
-
 # ----------------------------------------------------------------------------------------------
 # Command line
 
@@ -630,11 +609,9 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
         for key, w in lora_deltas(base, spec, allow_unmatched).items():
             deltas.setdefault(key, []).append((spec.ratio, w))
     plan = (Plan if base.fp8 is None else Fp8BasePlan)(base, precision, deltas, stochastic_rounding, seed)
-    if base.is_folder:
-        _atomic_folder(plan, loras, save_to)
-    else:
-        with atomic_path(save_to) as tmp:
-            write_merged(plan, loras, tmp)
+    # Built beside save_to and renamed into place (an old save_to is replaced), with the umask's mode.
+    with (atomic_folder if base.is_folder else atomic_path)(save_to) as tmp:
+        write_merged(plan, loras, tmp)
     return plan
 
 
