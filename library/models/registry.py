@@ -25,3 +25,46 @@ BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")  # how the frozen base is stored
 
 # timestep_sampling values (library/models/flow_matching.py implements them)
 SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "flux2_shift")
+
+# Architectures that are not a diffusion family but have the same kind of facts (LoRA targets, key
+# names): arch -> the module holding its SPEC.
+OTHER_ARCHS = {"llm": "library.models.llm_spec"}
+
+
+def family_folder(model_type: str) -> str:
+    """The package of a registered family's folder ("library.models.flux1"): its spec.py is there."""
+    return FAMILIES[model_type].partition(":")[0].rpartition(".")[0]
+
+
+def _spec_modules() -> dict[str, str]:
+    """Every spec module, each once: one per family folder (its variants share it), then the others."""
+    modules = {}
+    for model_type in FAMILIES:
+        modules.setdefault(family_folder(model_type) + ".spec", None)
+    return {**modules, **{m: None for m in OTHER_ARCHS.values()}}
+
+
+def arch_specs() -> dict:
+    """arch -> ArchSpec of every architecture (families first, in registration order)."""
+    from library.models.spec import load_symbol
+
+    specs = [load_symbol(module + ":SPEC") for module in _spec_modules()]
+    return {s.arch: s for s in specs}
+
+
+def arch_spec(arch: str):
+    """The ArchSpec of `arch` (flux_kontext's arch is its base's; see spec_of)."""
+    specs = arch_specs()
+    if arch not in specs:
+        raise ValueError(f"unknown architecture {arch!r}: expected one of {', '.join(specs)}")
+    return specs[arch]
+
+
+def spec_of(model_type: str):
+    """The ArchSpec a model_type trains with: its folder's (variants share their base's), or an
+    other arch's (llm)."""
+    from library.models.spec import load_symbol
+
+    if model_type in FAMILIES:
+        return load_symbol(family_folder(model_type) + ".spec:SPEC")
+    return arch_spec(model_type)
