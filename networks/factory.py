@@ -5,7 +5,7 @@
 
 Both classes fulfil the Network protocol below, so the tasks and tools call build_network /
 network_from_file and never branch on the type. `arch` is the transformer architecture the network
-targets (a registered family's arch: flux, flux2, qwen_image; or llm), not the family name.
+targets (a registered family's arch, library/models/registry.py; or llm), not the family name.
 """
 
 from __future__ import annotations

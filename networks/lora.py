@@ -3,8 +3,8 @@
 A `LoRAModule` wraps one Linear-like base module (nn.Linear, library.precision.fp8.FP8Linear, anything with
 in_features/out_features) by patching `base.forward`; the base stays in the model, untouched, so
 the same base can run with the LoRA on, off (`enabled`, multiplier 0) or without it (`remove()`).
-Which modules get a LoRA is decided in one place, the TARGETS table below, refined by
-sd-scripts-style network_args (`LoRANetwork`).
+Which modules get a LoRA is decided in one place per architecture, the targets of its spec
+(library/models/<folder>/spec.py, LORA), refined by sd-scripts-style network_args (`LoRANetwork`).
 
 Precision: LoRA parameters are float32 by default (`lora_dtype`). The branch casts its input to
 the LoRA weight dtype, or leaves it to autocast when autocast is on, and casts its result to the
@@ -22,10 +22,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError
+from library.models.registry import arch_specs
+from library.models.spec import LoRATargets, load_symbol
 from networks.lora_files import (
     LoRAWeights,
     build_metadata,
-    flux_diffusers_to_bfl,
+    diffusers_to_bfl,
     kohya_name,
     parse_lora,
     peft_target_modules,
@@ -35,97 +37,30 @@ from networks.lora_files import (
 )
 
 # ----------------------------------------------------------------------------------------------
-# Targets: family -> module type -> regex, full-matched against qualified module names. The named
-# group gives the block kind ("double", "single" for FLUX; "block" otherwise) and its index.
+# Targets: each architecture's spec (library/models/<folder>/spec.py, LORA) names them: module type
+# -> regex, full-matched against qualified module names, the named group giving the block kind and
+# its index. Every architecture takes the COMMON_ARGS network_args; its spec adds its own.
 
-TARGETS = {
-    # sd-scripts' networks/lora_flux.py default: every Linear of DoubleStreamBlock and
-    # SingleStreamBlock, modulation included; the embedders only through in_dims.
-    "flux": {
-        "img_attn": r"double_blocks\.(?P<double>\d+)\.img_attn\.(qkv|proj)",
-        "txt_attn": r"double_blocks\.(?P<double>\d+)\.txt_attn\.(qkv|proj)",
-        "img_mlp": r"double_blocks\.(?P<double>\d+)\.img_mlp\.(0|2)",
-        "txt_mlp": r"double_blocks\.(?P<double>\d+)\.txt_mlp\.(0|2)",
-        "img_mod": r"double_blocks\.(?P<double>\d+)\.img_mod\.lin",
-        "txt_mod": r"double_blocks\.(?P<double>\d+)\.txt_mod\.lin",
-        "single": r"single_blocks\.(?P<single>\d+)\.(linear1|linear2)",
-        "single_mod": r"single_blocks\.(?P<single>\d+)\.modulation\.lin",
-        "img_in": r"img_in",
-        "time_in": r"time_in\.(in_layer|out_layer)",
-        "vector_in": r"vector_in\.(in_layer|out_layer)",
-        "guidance_in": r"guidance_in\.(in_layer|out_layer)",
-        "txt_in": r"txt_in",
-    },
-    # FLUX.2: the double blocks' attention and SwiGLU MLP Linears and the single blocks' fused
-    # linear1 / linear2, as FLUX.1's block Linears. FLUX.2's modulation is shared (one projection
-    # per block kind, outside the blocks) and, with the embedders, is left out like FLUX.1's in_dims.
-    "flux2": {
-        "img_attn": r"double_blocks\.(?P<double>\d+)\.img_attn\.(qkv|proj)",
-        "txt_attn": r"double_blocks\.(?P<double>\d+)\.txt_attn\.(qkv|proj)",
-        "img_mlp": r"double_blocks\.(?P<double>\d+)\.img_mlp\.(0|2)",
-        "txt_mlp": r"double_blocks\.(?P<double>\d+)\.txt_mlp\.(0|2)",
-        "single": r"single_blocks\.(?P<single>\d+)\.(linear1|linear2)",
-    },
-    # musubi-tuner's Qwen-Image default: the blocks' attention and MLP Linears, not `_mod_`.
-    "qwen_image": {
-        "attn": r"transformer_blocks\.(?P<block>\d+)\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out\.0|to_add_out)",
-        "mlp": r"transformer_blocks\.(?P<block>\d+)\.(img|txt)_mlp\.net\.(0\.proj|2)",
-        "mod": r"transformer_blocks\.(?P<block>\d+)\.(img|txt)_mod\.1",
-    },
-    "llm": {
-        "attn": r"model\.layers\.(?P<block>\d+)\.self_attn\.(q|k|v|o)_proj",
-        "mlp": r"model\.layers\.(?P<block>\d+)\.mlp\.(gate|up|down)_proj",
-    },
-}
-# Modulation types: on by default for FLUX (sd-scripts), off for Qwen-Image (musubi-tuner);
-# `train_modulation` switches them, a `<type>_dim` > 0 turns one on.
-MODULATION_TYPES = {"flux": ("img_mod", "txt_mod", "single_mod"), "flux2": (), "qwen_image": ("mod",), "llm": ()}
-MODULATION_DEFAULT = {"flux": True, "flux2": False, "qwen_image": False, "llm": False}
-# Types trained only when given a rank (sd-scripts `in_dims = [img, time, vector, guidance, txt]`).
-IN_DIM_TYPES = {"flux": ("img_in", "time_in", "vector_in", "guidance_in", "txt_in")}
-# `<group>_dim` sets the rank of every type of the group (unless the type's own `_dim` is given).
-TYPE_GROUPS = {"flux": {"attn": ("img_attn", "txt_attn"), "mlp": ("img_mlp", "txt_mlp"),
-                        "mod": ("img_mod", "txt_mod", "single_mod")},
-               "flux2": {"attn": ("img_attn", "txt_attn"), "mlp": ("img_mlp", "txt_mlp")}}
-KOHYA_PREFIX = {"flux": "lora_unet", "flux2": "lora_unet", "qwen_image": "lora_unet", "llm": "lora_te"}
-BLOCK_ARGS = {  # network_args key -> block kind it selects, per family
-    "flux": {"train_double_block_indices": "double", "train_single_block_indices": "single"},
-    "flux2": {"train_double_block_indices": "double", "train_single_block_indices": "single"},
-    "qwen_image": {"block_indices": "block"},
-    "llm": {"block_indices": "block"},
-}
-DIFFUSERS_FLUX_BLOCKS = ("transformer_blocks.", "single_transformer_blocks.")  # a diffusers-named FLUX LoRA
-
-
-def _flux1_map(cfg):
-    from library.models.flux1.checkpoint import flux_diffusers_module_map
-
-    return flux_diffusers_module_map(cfg.depth, cfg.depth_single, cfg.hidden_size, cfg.mlp_hidden, cfg.in_channels,
-                                     cfg.guidance_embed)
-
-
-def _flux2_map(cfg):
-    from library.models.flux2.checkpoint import flux2_diffusers_module_map
-
-    return flux2_diffusers_module_map(cfg.depth, cfg.depth_single, cfg.hidden_size, cfg.mlp_hidden, cfg.in_channels,
-                                      cfg.guidance_embed)
-
-
-# Families whose model uses BFL names while diffusers' does not: model config -> BFL <-> diffusers module map.
-DIFFUSERS_MODULE_MAPS = {"flux": _flux1_map, "flux2": _flux2_map}
 COMMON_ARGS = {
     "dropout", "rank_dropout", "module_dropout", "include_patterns", "exclude_patterns",
     "loraplus_lr_ratio", "train_modulation", "dora", "use_dora",
 }
-FAMILY_ARGS = {"flux": {"train_blocks", "in_dims", "split_qkv", "train_t5xxl"}}
-# sd-scripts options we accept by name but cannot honour, with the reason (refused when switched on).
-REFUSED_ARGS = {
-    "split_qkv": "sd-scripts saves split q/k/v adapters as one block-diagonal LoRA of rank 3r with the alpha "
-                 "of rank r, so every loader (ComfyUI, diffusers, sd-scripts itself) applies 1/3 of the trained "
-                 "qkv delta; train the fused qkv LoRA (the default) instead",
-    "train_t5xxl": "text encoder outputs are cached before training and the encoders are freed, so T5-XXL "
-                   "cannot carry a LoRA here",
-}
+
+
+def lora_targets(arch: str) -> LoRATargets:
+    """The LoRA section of `arch`'s spec: targets, selection args, kohya prefix, module map."""
+    sections = {name: spec.lora for name, spec in arch_specs().items() if spec.lora is not None}
+    if arch not in sections:
+        raise ValueError(f"LoRA family '{arch}': expected one of {', '.join(sections)}")
+    return sections[arch]
+
+
+def diffusers_module_map(arch: str, config) -> dict | None:
+    """BFL <-> diffusers module map of a model of `arch` built from `config` (its `.config`), or None
+    for an architecture with one naming."""
+    builder = lora_targets(arch).diffusers_module_map
+    return load_symbol(builder)(config) if builder else None
+
 
 # ----------------------------------------------------------------------------------------------
 # One module
@@ -353,29 +288,28 @@ class LoRANetwork(nn.Module):
     kohya names, so `state_dict()` is the kohya file layout (`lora_unet_<path>.lora_down.weight`, ...).
     The network starts in eval mode (no dropout); the trainer switches it to train mode.
 
-    network_args (sd-scripts names and meanings; unknown keys are an error):
-      train_blocks: "all" | "double" | "single" (flux)
-      train_double_block_indices / train_single_block_indices (flux), block_indices (others):
+    network_args (sd-scripts names and meanings; unknown keys are an error). Which ones an
+    architecture takes beyond the common ones is in its spec's LORA (library/models/spec.py LoRATargets):
+      block_args (e.g. train_double_block_indices, block_indices): the indices of one block kind,
           "0-5,10", "all", "none" or a list of ints
-      <type>_dim: rank per module type of TARGETS[arch] (flux: img_attn, txt_attn, img_mlp,
-          txt_mlp, img_mod, txt_mod, single, single_mod; qwen_image / llm: attn, mlp, mod); 0 skips
-          the type. flux also takes the groups attn_dim, mlp_dim, mod_dim.
-      in_dims (flux): "[img, time, vector, guidance, txt]" ranks of the embedders (default off)
-      train_modulation: train the modulation Linears (default on for flux, off for qwen_image)
+      train_blocks (extra_args): "all" or one block kind, "double" | "single"
+      <type>_dim: rank per module type of the spec's targets; 0 skips the type. <group>_dim sets
+          the types of one of the spec's type_groups (unless a type's own _dim is given).
+      in_dims (extra_args): "[r1, r2, ...]" ranks of the spec's in_dim_types, in order (default off)
+      train_modulation: train the spec's modulation_types (default: its modulation_default)
       include_patterns / exclude_patterns: regexes searched in the qualified module name. A module
           is trained if (its type and block are on and no exclude matches) or an include matches.
       dropout, rank_dropout, module_dropout: see LoRAModule
       loraplus_lr_ratio: lora_up learning rate = lr * ratio (LoRA+)
       dora / use_dora: weight-decomposed LoRA (DoRA, see LoRAModule); the magnitudes train at lr
-      split_qkv, train_t5xxl (flux): accepted when false; true is refused (REFUSED_ARGS says why)
+      refused_args (sd-scripts args): accepted when false; true is refused with the spec's reason
     select=False builds an empty network that load_weights() fills with the modules a file names.
     """
 
     def __init__(self, model: nn.Module, arch: str, rank: int, alpha=None, multiplier=1.0,
                  network_args: dict | None = None, lora_dtype=torch.float32, select: bool = True):
         super().__init__()
-        if arch not in TARGETS:
-            raise ValueError(f"LoRA family '{arch}': expected one of {', '.join(TARGETS)}")
+        self.spec = lora_targets(arch)  # the architecture's LoRATargets
         self.arch, self.rank, self.multiplier, self.lora_dtype = arch, int(rank), multiplier, lora_dtype
         self.alpha = float(self.rank if alpha is None or alpha == 0 else alpha)
         self.network_args = dict(network_args or {})
@@ -395,29 +329,29 @@ class LoRANetwork(nn.Module):
         lora = LoRAModule(path, module, rank, alpha, self.multiplier, lora_dtype=self.lora_dtype,
                           dora=self.dora if dora is None else dora, **self.dropouts)
         lora.train(self.training)
-        self.add_module(kohya_name(path, KOHYA_PREFIX[self.arch]), lora)
+        self.add_module(kohya_name(path, self.spec.kohya_prefix), lora)
         if self._applied:
             lora.apply_to_base()
         return lora
 
     def _check_args(self, args: dict) -> dict:
-        types = TARGETS[self.arch]
-        known = (COMMON_ARGS | set(BLOCK_ARGS[self.arch]) | FAMILY_ARGS.get(self.arch, set())
-                 | {f"{t}_dim" for t in list(types) + list(TYPE_GROUPS.get(self.arch, {}))})
+        spec = self.spec
+        known = (COMMON_ARGS | set(spec.block_args) | set(spec.extra_args) | set(spec.refused_args)
+                 | {f"{t}_dim" for t in list(spec.targets) + list(spec.type_groups)})
         unknown = sorted(k for k in args if k not in known)
         if unknown:
             raise ValueError(
                 f"network_args: unknown key '{unknown[0]}' for family '{self.arch}' (known: {', '.join(sorted(known))})"
             )
-        for key, why in REFUSED_ARGS.items():
-            if key in known and _as_bool(key, args.get(key, False)):
+        for key, why in spec.refused_args.items():
+            if _as_bool(key, args.get(key, False)):
                 raise ValueError(f"network_args '{key}=true' is not supported: {why}")
         return args
 
     def _candidates(self, model):
-        """(path, module, type, block kind, block index) for every module TARGETS names; modules
-        outside the blocks (FLUX's embedders) get block kind "embed", index 0."""
-        compiled = {t: re.compile(p) for t, p in TARGETS[self.arch].items()}
+        """(path, module, type, block kind, block index) for every module the targets name; modules
+        outside the blocks (embedders) get block kind "embed", index 0."""
+        compiled = {t: re.compile(p) for t, p in self.spec.targets.items()}
         found = []
         for path, module in model.named_modules():
             for mtype, pattern in compiled.items():
@@ -427,28 +361,28 @@ class LoRANetwork(nn.Module):
                     found.append((path, module, mtype, kind, index))
                     break
         if not found:
-            raise ValueError(f"LoRA: the model has no module that TARGETS['{self.arch}'] names (is it a {self.arch} model?)")
+            raise ValueError(f"LoRA: the model has no module that the {self.arch} LoRA targets name (is it a {self.arch} model?)")
         return found
 
     def _type_ranks(self, args) -> dict[str, tuple[int, bool]]:
         """{module type: (rank, on by default)} from the network rank and network_args."""
-        arch, types = self.arch, TARGETS[self.arch]
+        spec, types = self.spec, self.spec.targets
         dims = {t: int(_as_float(f"{t}_dim", args[f"{t}_dim"])) for t in types if f"{t}_dim" in args}
-        for group, members in TYPE_GROUPS.get(arch, {}).items():
+        for group, members in spec.type_groups.items():
             if f"{group}_dim" in args:
                 for t in members:
                     dims.setdefault(t, int(_as_float(f"{group}_dim", args[f"{group}_dim"])))
-        in_types = IN_DIM_TYPES.get(arch, ())
+        in_types = spec.in_dim_types
         if in_types and args.get("in_dims") is not None:
             values = args["in_dims"]
             values = [v for v in str(values).strip("[] ").split(",")] if not isinstance(values, (list, tuple)) else values
             if len(values) != len(in_types):
                 raise ValueError(f"network_args 'in_dims': expected {len(in_types)} ranks [{', '.join(in_types)}], got {args['in_dims']!r}")
             dims.update({t: int(_as_float("in_dims", v)) for t, v in zip(in_types, values)})
-        train_mod = _as_bool("train_modulation", args.get("train_modulation", MODULATION_DEFAULT[arch]))
+        train_mod = _as_bool("train_modulation", args.get("train_modulation", spec.modulation_default))
         ranks = {}
         for t in types:
-            on = t in dims or (t not in in_types and (train_mod or t not in MODULATION_TYPES[arch]))
+            on = t in dims or (t not in in_types and (train_mod or t not in spec.modulation_types))
             ranks[t] = (dims.get(t, self.rank), on)
         return ranks
 
@@ -484,7 +418,7 @@ class LoRANetwork(nn.Module):
             raise ValueError(f"network_args 'train_blocks': expected all, double or single, got {train_blocks!r}")
         if train_blocks != "all":
             on = {kind: (s if kind in (train_blocks, "embed") else set()) for kind, s in on.items()}
-        for key, kind in BLOCK_ARGS[self.arch].items():
+        for key, kind in self.spec.block_args.items():
             if key in args:
                 on[kind] = on.get(kind, set()) & parse_indices(key, args[key], count.get(kind, 0))
         return on
@@ -544,8 +478,8 @@ class LoRANetwork(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, source, strict: bool = True):
-        """Load a LoRA (kohya, or peft/comfy with this model's module names; for FLUX.1 / FLUX.2 also
-        diffusers names, converted to BFL) from a path or a tensor dict. Alphas come from the file.
+        """Load a LoRA (kohya, or peft/comfy with this model's module names; for a model with BFL
+        names also diffusers names, converted to BFL) from a path or a tensor dict. Alphas come from the file.
 
         The network adapts to the file: a module the file names that the network lacks is added
         (any Linear of the model, at the file's rank), as sd-scripts' files adapt modules our
@@ -559,8 +493,8 @@ class LoRANetwork(nn.Module):
             weights, _, _ = read_lora(source, module_paths=linears)
         else:
             weights, _ = parse_lora(dict(source), None, module_paths=linears)
-        if self.arch in DIFFUSERS_MODULE_MAPS and any(p.startswith(DIFFUSERS_FLUX_BLOCKS) for p in weights):
-            weights = flux_diffusers_to_bfl(weights, self._flux_module_map())
+        if self.spec.diffusers_module_map and any(p.startswith(self.spec.diffusers_blocks) for p in weights):
+            weights = diffusers_to_bfl(weights, self._module_map())
         by_path = {m.name: m for m in self.lora_modules()}
         foreign = [p for p in weights if p not in linears]
         if foreign:
@@ -600,12 +534,12 @@ class LoRANetwork(nn.Module):
         network.load_weights(source, strict=False)
         return network
 
-    def _flux_module_map(self) -> dict:
-        """BFL <-> diffusers module map for this model's sizes (flux1/ or flux2/checkpoint.py)."""
+    def _module_map(self) -> dict:
+        """BFL <-> diffusers module map for this model's sizes (the spec's diffusers_module_map)."""
         cfg = getattr(self._model[0], "config", None)
         if cfg is None:
             raise CheckpointError(f"a diffusers-named {self.arch} LoRA needs our BFL-named model (with .config) to convert")
-        return DIFFUSERS_MODULE_MAPS[self.arch](cfg)
+        return diffusers_module_map(self.arch, cfg)
 
     def merge_into_model(self, weight_dtype: torch.dtype | None = None):
         """Merge every LoRA into its base weight (float32 math) and unpatch the forwards."""
@@ -622,7 +556,7 @@ class LoRANetwork(nn.Module):
 
     def save(self, path: str, dtype=torch.float32, metadata: dict | None = None):
         """kohya safetensors; network dim/alpha/module/args are added to the header unless given."""
-        write_kohya(self.lora_weights(), path, dtype, self._header(metadata), prefix=KOHYA_PREFIX[self.arch])
+        write_kohya(self.lora_weights(), path, dtype, self._header(metadata), prefix=self.spec.kohya_prefix)
 
     def save_peft(self, folder: str, dtype=torch.float32, metadata: dict | None = None, base_model: str | None = None):
         """A PEFT adapter folder (LLMs: PeftModel.from_pretrained, vLLM, llama.cpp read it); the

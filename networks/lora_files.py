@@ -18,11 +18,11 @@ Layouts on disk (`detect_format`):
   r / lora_alpha and rank_pattern / alpha_pattern for modules that differ (PEFT's scale is
   alpha / r per module). `read_lora` takes the folder (or its adapter_model.safetensors).
 
-FLUX: BFL module names (`double_blocks.N.img_attn.qkv`) and diffusers names (`transformer_blocks.N.
-attn.to_q`) differ, and some BFL modules are fused. `flux_bfl_to_diffusers` / `flux_diffusers_to_bfl`
-convert through a module map `{bfl_path: [(diffusers_path, row_start, row_end)]}` (rows of the BFL
-weight that form the diffusers module, in order), as built by
-`library.flux_checkpoint.flux_diffusers_module_map`.
+BFL-named models: BFL module names (`double_blocks.N.img_attn.qkv`) and diffusers names
+(`transformer_blocks.N.attn.to_q`) differ, and some BFL modules are fused. `bfl_to_diffusers` /
+`diffusers_to_bfl` convert through a module map `{bfl_path: [(diffusers_path, row_start, row_end)]}`
+(rows of the BFL weight that form the diffusers module, in order), as the family's checkpoint module
+builds it (named by its spec: LORA.diffusers_module_map, LORA_FILES.module_map).
 """
 
 from __future__ import annotations
@@ -438,20 +438,20 @@ def write_peft_folder(weights: dict[str, LoRAWeights], folder: str, dtype=torch.
 
 
 # ----------------------------------------------------------------------------------------------
-# FLUX: BFL module names <-> diffusers module names
+# BFL module names <-> diffusers module names
 
 
 def _full_rows(module_map: dict) -> dict[str, int]:
     return {bfl: max(end for _, _, end in parts) for bfl, parts in module_map.items()}
 
 
-def flux_bfl_to_diffusers(weights: dict[str, LoRAWeights], module_map: dict) -> dict[str, LoRAWeights]:
+def bfl_to_diffusers(weights: dict[str, LoRAWeights], module_map: dict) -> dict[str, LoRAWeights]:
     """BFL-named LoRA -> diffusers-named LoRA. A fused module (qkv, linear1) becomes one LoRA per
     diffusers module with the same down (cloned) and the matching rows of up; alpha is kept."""
     out = {}
     for bfl, w in weights.items():
         if bfl not in module_map:
-            raise CheckpointError(f"LoRA module '{bfl}' has no diffusers counterpart in the FLUX module map")
+            raise CheckpointError(f"LoRA module '{bfl}' has no diffusers counterpart in the module map")
         rows: dict[str, list[torch.Tensor]] = {}
         magnitudes: dict[str, list[torch.Tensor]] = {}  # DoRA is per output row: rows split exactly
         for diffusers, start, end in module_map[bfl]:
@@ -466,10 +466,10 @@ def flux_bfl_to_diffusers(weights: dict[str, LoRAWeights], module_map: dict) -> 
     return out
 
 
-def flux_diffusers_to_bfl(weights: dict[str, LoRAWeights], module_map: dict) -> dict[str, LoRAWeights]:
+def diffusers_to_bfl(weights: dict[str, LoRAWeights], module_map: dict) -> dict[str, LoRAWeights]:
     """diffusers-named LoRA -> BFL-named LoRA. The parts of a fused module are stacked by rows;
     modules absent from the file contribute zero rows. When all parts share one down (bitwise) and
-    one alpha, the result keeps that down, rank and alpha (exact inverse of flux_bfl_to_diffusers);
+    one alpha, the result keeps that down, rank and alpha (exact inverse of bfl_to_diffusers);
     otherwise the downs are concatenated along the rank and up is block-diagonal with each part's
     scale folded in (float32), alpha = the new rank (scale 1), as kohya's converter does."""
     owner = {}
@@ -478,7 +478,7 @@ def flux_diffusers_to_bfl(weights: dict[str, LoRAWeights], module_map: dict) -> 
             owner[diffusers] = bfl
     unknown = [p for p in weights if p not in owner]
     if unknown:
-        raise CheckpointError(f"LoRA module '{unknown[0]}' is not a diffusers FLUX module of the module map")
+        raise CheckpointError(f"LoRA module '{unknown[0]}' is not a diffusers module of the module map")
     out = {}
     full_rows = _full_rows(module_map)
     for bfl in dict.fromkeys(owner[p] for p in weights):
@@ -515,7 +515,7 @@ def flux_diffusers_to_bfl(weights: dict[str, LoRAWeights], module_map: dict) -> 
         for d in present:
             if consumed[d] != weights[d].up.shape[0]:
                 raise CheckpointError(
-                    f"LoRA module '{d}': up has {weights[d].up.shape[0]} rows, the FLUX module map gives it {consumed[d]}"
+                    f"LoRA module '{d}': up has {weights[d].up.shape[0]} rows, the module map gives it {consumed[d]}"
                 )
         out[bfl] = LoRAWeights(down.clone(), up, alpha, magnitude)
     return out

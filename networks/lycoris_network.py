@@ -6,8 +6,8 @@ LyCORIS' own state dict (`lora_unet_<path>.lokr_w1`, `.lokr_w2`, `.alpha`, ...),
 ComfyUI loads. This module only adapts LyCORIS to our models and trainer:
 
 - Targets: unless a LyCORIS `preset` is given, the network adapts exactly the modules our LoRA
-  would (networks.lora.TARGETS + its selection args: FLUX = sd-scripts' block Linears, Qwen-Image
-  = musubi-tuner's), handed to LyCORIS as a preset of exact module names.
+  would (the targets of the architecture's spec + its selection args: networks.lora.lora_targets),
+  handed to LyCORIS as a preset of exact module names.
 - fp8 bases: LyCORIS wraps only `nn.Linear` (and a class literally named `Fp8Linear` with
   per-channel scales). Our FP8Linear is neither, so while LyCORIS builds its modules each target
   FP8Linear is shown to it as an `FP8LinearView`: an nn.Linear subclass with no parameters whose
@@ -33,8 +33,9 @@ import torch
 import torch.nn as nn
 
 from library.io import CheckpointError, CheckpointReader, save_safetensors
+from library.models.registry import arch_specs
 from library.precision.fp8 import FP8Linear
-from networks.lora import KOHYA_PREFIX, LoRANetwork, _as_bool, _as_float, _as_int
+from networks.lora import LoRANetwork, _as_bool, _as_float, _as_int, lora_targets
 from networks.lora_files import build_metadata, tensor_hash
 
 # network_args LyCORIS' create_network reads (lycoris-lora 4.1.3, lycoris/kohya.py), passed as given.
@@ -49,11 +50,10 @@ LYCORIS_ARGS = {
 LYCORIS_INT_ARGS = {"conv_dim", "block_size", "factor"}
 LYCORIS_FLOAT_ARGS = {"conv_alpha", "dropout", "rank_dropout", "module_dropout", "constraint"}
 LYCORIS_BOOL_ARGS = LYCORIS_ARGS - LYCORIS_INT_ARGS - LYCORIS_FLOAT_ARGS - {"algo", "preset"}
-# Our target-selection args (networks.lora), used to build the target list when no preset is given.
-SELECTION_ARGS = {
-    "train_blocks", "train_double_block_indices", "train_single_block_indices", "block_indices",
-    "train_modulation", "include_patterns", "exclude_patterns",
-}
+# Our target-selection args (networks.lora), used to build the target list when no preset is given:
+# these and every architecture's block_args (its spec's LORA).
+SELECTION_ARGS = {"train_blocks", "train_modulation", "include_patterns", "exclude_patterns"}
+SELECTION_ARGS |= {key for spec in arch_specs().values() if spec.lora for key in spec.lora.block_args}
 LYCORIS_ONLY_KEYS = (".lokr_", ".hada_", ".oft_", ".diff", ".on_input")  # LoKr, LoHa, OFT, full, (IA)^3
 _PRESET_NAME = "_networks_lycoris_targets"  # our per-network preset, registered only while building
 
@@ -184,7 +184,7 @@ class LycorisNetwork(nn.Module):
         lyco_args = _typed_lycoris_args(self.network_args)
         lyco_args.setdefault("bypass_mode", _default_bypass(lyco_args))
         selection = {k: v for k, v in self.network_args.items() if k in SELECTION_ARGS}
-        te = KOHYA_PREFIX[self.arch] == "lora_te"
+        te = lora_targets(self.arch).kohya_prefix == "lora_te"
         if "preset" not in lyco_args:
             picker = LoRANetwork(model, self.arch, self.rank, network_args=selection, select=False)
             paths = [path for path, _, _ in picker._select(model, selection)]
@@ -279,7 +279,7 @@ class LycorisNetwork(nn.Module):
         network.arch, network.rank, network.alpha, network.multiplier = arch, 0, 0.0, multiplier
         network.network_args, network.loraplus_lr_ratio = {}, None
         network._model, network._fp8_targets, network._applied = [model], {}, False
-        network._add_all(read_lycoris_modules(model, source, multiplier, KOHYA_PREFIX[arch], with_fp8=True))
+        network._add_all(read_lycoris_modules(model, source, multiplier, lora_targets(arch).kohya_prefix, with_fp8=True))
         network.eval()
         return network
 

@@ -78,7 +78,7 @@ def test_flux2_lora_files_load_in_diffusers_with_our_output(pair, files):
     assert (base - base_reference).abs().max() <= TOLERANCE
 
     net = files
-    expected = len(lf.flux_bfl_to_diffusers(net.lora_weights(), flux2_diffusers_module_map(2, 2, 64, 192)))
+    expected = len(lf.bfl_to_diffusers(net.lora_weights(), flux2_diffusers_module_map(2, 2, 64, 192)))
     assert expected == 2 * 12 + 2 * 2  # qkv split into to_q/to_k/to_v (add_*_proj for text)
     net.apply()
     with_lora, _ = outputs(ours, theirs)
@@ -113,7 +113,7 @@ def test_flux2_is_told_from_flux1_by_names_metadata_and_mlp_widths(pair, files, 
     net.save(str(tmp_path / "plain.safetensors"))  # no metadata: the MLP widths decide
     for path in (tmp_path / "plain.safetensors", root / "diffusers.safetensors"):
         tensors, metadata, _ = lf.read_lora_tensors(str(path))
-        assert convert_lora.flux_generation(tensors, metadata) == "flux2"
+        assert convert_lora.detect_arch(tensors, metadata) == "flux2"
     done = convert_lora.convert_lora(str(root / "diffusers.safetensors"), str(tmp_path / "back.safetensors"), "kohya")
     assert done["model_type"] == "flux2" and done["modules"] == 20
 

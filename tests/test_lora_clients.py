@@ -90,7 +90,7 @@ def test_flux_kohya_and_diffusers_files_load_in_diffusers_with_our_output(flux_p
 
     net = random_lora(ours, "flux", train_modulation=True)  # attention, MLP, single-block and modulation Linears
     net.save(str(root / "kohya.safetensors"))
-    expected_modules = lf.flux_bfl_to_diffusers(net.lora_weights(), flux_diffusers_module_map(1, 1, 3072, 12288, guidance=False))
+    expected_modules = lf.bfl_to_diffusers(net.lora_weights(), flux_diffusers_module_map(1, 1, 3072, 12288, guidance=False))
     assert len(expected_modules) == 20  # qkv / linear1 split into to_q, to_k, to_v (+ proj_mlp)
     net.apply()
     with_lora, _ = flux_outputs(ours, theirs)

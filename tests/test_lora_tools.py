@@ -344,7 +344,7 @@ def test_combine_errors_are_one_line(two_flux_loras, tmp_path, capsys):
     dora.save(str(tmp_path / "dora.safetensors"))
     from library.models.flux1.checkpoint import flux_diffusers_module_map
 
-    diffusers = lf.flux_bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(2, 2, 64, 256, 64, True))
+    diffusers = lf.bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(2, 2, 64, 256, 64, True))
     lf.write_peft(diffusers, str(tmp_path / "diffusers.safetensors"))
     _lokr(tmp_path / "k.safetensors")
     cases = [

@@ -15,7 +15,8 @@ that have the module (float32):
 Names: LoRAs in one naming combine module by module. When every input has dotted names (PEFT /
 diffusers, ComfyUI), the output has the first input's layout; when any is kohya, dotted names are
 turned into kohya names (`lora_unet_`, `lora_te_` for `model.layers...` LLM paths) and the output is
-kohya. FLUX LoRAs in BFL and in diffusers names do not mix: convert with tools/convert_lora.py first.
+kohya. LoRAs of one model in two namings (BFL and diffusers names: the spec's LORA_FILES.namings) do
+not mix: convert with tools/convert_lora.py first.
 DoRA (its delta is not additive) and LyCORIS files are refused. The metadata is the first input's,
 with `lora_combined` listing the files, ratios and mode. Errors are one line on stderr, exit
 status 2, and nothing is written.
@@ -51,6 +52,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
+from library.models.registry import arch_specs  # noqa: E402
 from networks.lora_files import LoRAWeights, kohya_name  # noqa: E402
 from networks.lora_svd import factors, svd_of_product  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
@@ -73,13 +75,19 @@ def _kohya_named(lora: LoRAFile) -> dict[str, LoRAWeights]:
 
 
 def _check_naming(loras: list[LoRAFile], names: list[dict[str, LoRAWeights]]) -> None:
-    """FLUX BFL names (double_blocks) and diffusers names (transformer_blocks) must not mix."""
+    """A model's two namings (its spec's LORA_FILES.namings, e.g. BFL double_blocks and diffusers
+    transformer_blocks) must not mix."""
     flat = [{n.replace(".", "_") for n in d} for d in names]
-    bfl = [i for i, d in enumerate(flat) if any("double_blocks_" in n or "single_blocks_" in n for n in d)]
-    other = [i for i, d in enumerate(flat) if any("transformer_blocks_" in n for n in d)]
-    if bfl and other:
-        raise CheckpointError(f"{loras[other[0]].path} names diffusers modules (transformer_blocks), {loras[bfl[0]].path} "
-                              "FLUX BFL modules (double_blocks): convert one with tools/convert_lora.py first")
+    for spec in arch_specs().values():
+        if spec.lora_files is None or len(spec.lora_files.namings) != 2:
+            continue
+        (first, first_parts), (second, second_parts) = spec.lora_files.namings.items()
+        firsts = [i for i, d in enumerate(flat) if any(part in n for n in d for part in first_parts)]
+        seconds = [i for i, d in enumerate(flat) if any(part in n for n in d for part in second_parts)]
+        if firsts and seconds:
+            raise CheckpointError(f"{loras[seconds[0]].path} names {second} modules ({second_parts[0].strip('_')}), "
+                                  f"{loras[firsts[0]].path} {spec.title} {first} modules ({first_parts[0].strip('_')}): "
+                                  "convert one with tools/convert_lora.py first")
 
 
 def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeights]]], LoRAFile, str, str]:

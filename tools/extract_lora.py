@@ -64,7 +64,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
-from networks.lora import KOHYA_PREFIX, TARGETS  # noqa: E402
+from networks.lora import lora_targets  # noqa: E402
 from networks.lora_files import LoRAWeights, build_metadata, write_kohya, write_peft  # noqa: E402
 from networks.lora_svd import factors, rank_for_energy, svd_lowrank_of_matrix, svd_of_matrix  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
@@ -82,7 +82,7 @@ def read_weight(base: Base, key: str) -> torch.Tensor:
 def target_modules(base: Base) -> list[str]:
     """Module paths (base naming, checkpoint order) whose weight TARGETS[family] names; FLUX
     diffusers names are matched through their BFL owner module."""
-    patterns = [re.compile(p) for p in TARGETS[base.family].values()]
+    patterns = [re.compile(p) for p in lora_targets(base.family).targets.values()]
     return [p for p in base.weight_key if any(r.fullmatch(base.fp8_name(p)) for r in patterns)]
 
 
@@ -147,7 +147,7 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
     if base.module_map is not None and base.naming == "diffusers":  # FLUX.1 / FLUX.2 diffusers names
         write_peft(weights, save_to, prefix="transformer", dtype=dtype, metadata={**metadata, "lora_alpha_folded": "true"})
     else:
-        write_kohya(weights, save_to, dtype, metadata, prefix=KOHYA_PREFIX[base.family])
+        write_kohya(weights, save_to, dtype, metadata, prefix=lora_targets(base.family).kohya_prefix)
     return {"modules": rows, "skipped": skipped, "other_changed": other_changed, "family": base.family}
 
 

@@ -114,7 +114,7 @@ def check_output_path(path: str, *inputs: str) -> None:
 
 
 def load_model(model_path: str):
-    """(model float32 eval, family, forward kwargs) for a FLUX / Qwen-Image / LLM checkpoint."""
+    """(model float32 eval, family, forward kwargs) for a checkpoint of a registered family or an LLM."""
     from tools.merge_lora import open_base
 
     base = open_base(model_path)

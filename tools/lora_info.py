@@ -7,14 +7,13 @@ training metadata and which model it fits.
   (`base_model.model.*`, other prefixes), comfy (`diffusion_model.*`), or lycoris (LyCORIS' own keys).
 - network: LoRA, DoRA (`dora_scale` / `lora_magnitude_vector`), LoKr (`lokr_*`), LoHa (`hada_*`),
   OFT, full (`diff`), (IA)^3 (`on_input`); LyCORIS with `dora_scale` is reported as e.g. "LoKr + DoRA".
-- arch (the transformer architecture) from the module names: flux (FLUX.1; BFL names `double_blocks` or diffusers names
-  `single_transformer_blocks`, `ff_context` ...), flux2 (FLUX.1's BFL block names, told apart as
-  tools/convert_lora.py does: FLUX.2-only names, ss_base_model_version, SwiGLU MLP widths),
-  qwen_image (`img_mlp.net`, `img_mod.1` ...), llm (`layers.N.self_attn` / `mlp`); the width comes
+- arch (the transformer architecture) and naming (bfl, diffusers, hf) from the module names, as each
+  architecture's spec describes them (library/models/<folder>/spec.py, LORA_FILES.info_markers; an
+  architecture sharing another's names is told apart as tools/convert_lora.py does); the width comes
   from the shapes and the block counts from the highest index named, which tell a full-size
-  release (FLUX.1 dev / schnell, FLUX.2 [klein] 4B / 9B / [dev], Qwen-Image) from
-  another size (the tiny test models). With --model, the LoRA is also matched against that checkpoint
-  exactly as tools/merge_lora.py matches it (names and shapes): "fits" or the reason it does not.
+  release (the spec's releases) from another size (the tiny test models). With --model, the LoRA is
+  also matched against that checkpoint exactly as tools/merge_lora.py matches it (names and shapes):
+  "fits" or the reason it does not.
 - metadata: the training settings our trainer and sd-scripts write (ss_* keys, networks/lora_files.py
   METADATA_KEYS: rank, alpha, network args, base model and its precision, optimizer, lr, steps ...),
   then every other header entry (modelspec.*, sshs_model_hash, our tools' lora_* records).
@@ -31,7 +30,7 @@ import json
 import os
 import re
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,33 +53,14 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
+from library.models.registry import arch_specs  # noqa: E402
 from networks.lora_files import ADAPTER_METADATA_KEY, METADATA_KEYS, _split_key, detect_format, lora_reader, parse_lora  # noqa: E402
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
+from tools.convert_lora import lora_files, variant_of  # noqa: E402
 from tools.lora_common import FOLDED_MARK, one_line  # noqa: E402
 
 LYCORIS_TYPES = {".lokr_": "LoKr", ".hada_": "LoHa", ".oft_": "OFT", ".diff": "full", ".on_input": "(IA)^3"}
 DORA_KEYS = (".dora_scale", ".lora_magnitude_vector")
-# Released sizes: arch -> [(name, width, {block kind: count})]
-RELEASES = {
-    "flux": [("FLUX.1 dev / schnell", 3072, {"double": 19, "single": 38})],
-    "flux2": [("FLUX.2 [klein] 4B", 3072, {"double": 5, "single": 20}), ("FLUX.2 [klein] 9B", 4096, {"double": 8, "single": 24}),
-              ("FLUX.2 [dev]", 6144, {"double": 8, "single": 48})],
-    "qwen_image": [("Qwen-Image", 3072, {"block": 60})],
-}
-# (arch, naming, regex over '_'-flattened module names); the first arch with a match wins
-ARCH_MARKERS = [
-    ("flux2", "bfl", r"(double|single)_stream_modulation_(img_|txt_)?lin$"),
-    ("flux2", "diffusers", r"_ff(_context)?_linear_(in|out)|_to_qkv_mlp_proj|(double|single)_stream_modulation_(img_|txt_)?linear"),
-    ("flux", "bfl", r"(^|_)(double_blocks|single_blocks)_\d+_"),
-    ("flux", "diffusers", r"single_transformer_blocks_\d+_|_ff_context_|_norm1_context_|_attn_add_q_proj.*transformer"),
-    ("qwen_image", "diffusers", r"_(img|txt)_mlp_net_|_(img|txt)_mod_1|transformer_blocks_\d+_attn_add_q_proj"),
-    ("llm", "hf", r"layers_\d+_(self_attn|mlp)_"),
-]
-BLOCKS = {"double": r"double_blocks_(\d+)_", "single": r"single_blocks_(\d+)_|single_transformer_blocks_(\d+)_",
-          "block": r"(?<!single_)transformer_blocks_(\d+)_|layers_(\d+)_"}  # fmt: skip
-# module name endings whose down input is the model width (FLUX BFL / diffusers, Qwen-Image, LLM)
-WIDTH_MODULES = (r"(_attn_qkv|_attn_proj|_linear1|_modulation_lin|_mod_lin|_mlp_0|attn_to_[qkv]|attn_add_[qkv]_proj|"
-                 r"norm1?(_context)?_linear|proj_mlp|_mod_1|mlp_net_0_proj|self_attn_[qkv]_proj|mlp_(gate|up)_proj)$")
 
 
 def network_type(keys: list[str]) -> str:
@@ -101,37 +81,49 @@ def layout(keys: list[str]) -> str:
 
 
 def arch_of(modules: list[str]) -> tuple[str, str | None]:
+    """(arch, naming) of the first architecture with a module matching its info_markers; those that
+    share another's names are tried before it (their markers are the names only they have)."""
     flat = [m.replace(".", "_") for m in modules]
-    for arch, naming, pattern in ARCH_MARKERS:
-        if any(re.search(pattern, m) for m in flat):
-            return arch, naming
+    files = lora_files()
+    for arch in sorted(files, key=lambda a: files[a].names_of is None):
+        for naming, pattern in files[arch].info_markers:
+            if any(re.search(pattern, m) for m in flat):
+                return arch, naming
     return "unknown", None
 
 
 def block_counts(modules: list[str], arch: str) -> dict[str, int]:
-    """Block kind -> highest index named + 1 (FLUX diffusers `transformer_blocks` are double blocks)."""
-    counts = {}
-    for kind, pattern in BLOCKS.items():
+    """Block kind -> highest index named + 1, by the arch's info_blocks (none for an unknown arch)."""
+    counts: dict[str, int] = {}
+    files = lora_files()
+    for kind, pattern in files[arch].info_blocks if arch in files else ():
         found = [int(next(g for g in m.groups() if g)) for name in modules for m in [re.search(pattern, name.replace(".", "_"))] if m]
         if found:
-            counts[kind] = max(found) + 1
-    if arch in ("flux", "flux2") and "block" in counts:
-        counts["double"] = max(counts.get("double", 0), counts.pop("block"))
+            counts[kind] = max(counts.get(kind, 0), max(found) + 1)
     return counts
+
+
+def width_pattern(arch: str) -> str:
+    """Module name endings whose down input is the model width: the arch's, or any arch's when unknown."""
+    files = lora_files()
+    endings = [files[arch].width_modules] if arch in files else [f.width_modules for f in files.values() if f.width_modules]
+    return f"({'|'.join(endings)})$"
 
 
 def fits(arch: str, width: int | None, counts: dict[str, int]) -> str:
     """Which supported model the names and shapes fit (without a checkpoint)."""
     width = "unknown" if width is None else width
-    if arch == "llm":
-        return f"an LLM (Llama / Qwen2 layout) of width {width}, at least {counts.get('block', 0)} layers"
-    if arch not in RELEASES:
-        return "no supported model (FLUX.1, FLUX.2, Qwen-Image, LLM) recognised from the module names"
-    for name, release_width, blocks in RELEASES[arch]:
-        if width == release_width and all(counts.get(k, 0) <= n for k, n in blocks.items()):
-            return name
+    files = lora_files()
+    if arch in files and files[arch].fits_text:
+        return files[arch].fits_text.format_map(defaultdict(int, counts, width=width))
+    if arch not in files or not files[arch].releases:
+        titles = ", ".join(arch_specs()[a].title for a in files)
+        return f"no supported model ({titles}) recognised from the module names"
+    for release in files[arch].releases:
+        if width == release.width and all(counts.get(k, 0) <= n for k, n in release.blocks.items()):
+            return release.name
     shown = ", ".join(f"{n} {k}" for k, n in counts.items())
-    names = " / ".join(name for name, _, _ in RELEASES[arch])
+    names = " / ".join(release.name for release in files[arch].releases)
     return f"a {arch} model of width {width} with at least {shown} blocks (not a released size of {names})"
 
 
@@ -165,12 +157,10 @@ def read_info(path: str) -> dict:
     fmt = layout(keys)
     modules = _modules(keys)
     arch, naming = arch_of(modules)
-    if arch == "flux":  # FLUX.2 shares FLUX.1's BFL block names: shapes and metadata tell (headers only)
-        from tools.convert_lora import flux_generation
-
+    if any(f.names_of == arch for f in lora_files().values()):  # names shared: shapes and metadata tell (headers only)
         shapes = {k: torch.empty(reader.shape(k), device="meta") for k in keys}
-        arch = "flux2" if flux_generation(shapes, metadata) == "flux2" else arch
-    ranks, alphas, width = Counter(), Counter(), None
+        arch = variant_of(arch, shapes, metadata)
+    ranks, alphas, width, width_re = Counter(), Counter(), None, width_pattern(arch)
     if fmt == "lycoris":  # no single rank: the alphas only
         alphas.update(f"{float(reader.get(k).float()):g}" for k in keys if k.endswith(".alpha"))
     else:
@@ -179,7 +169,7 @@ def read_info(path: str) -> dict:
         for module, w in weights.items():
             ranks[w.rank] += 1
             alphas[f"{w.alpha:g}"] += 1
-            if width is None and re.search(WIDTH_MODULES, module.replace(".", "_")):
+            if width is None and re.search(width_re, module.replace(".", "_")):
                 width = w.down.shape[1]
     counts = block_counts(modules, arch)
     training = {field: metadata[key] for field, key in METADATA_KEYS.items() if key in metadata}

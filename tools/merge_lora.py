@@ -108,8 +108,8 @@ from library.training.config import PRECISION_DTYPES  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     KOHYA_PREFIXES,
     LoRAWeights,
-    flux_bfl_to_diffusers,
-    flux_diffusers_to_bfl,
+    bfl_to_diffusers,
+    diffusers_to_bfl,
     parse_lora,
     read_lora_tensors,
 )
@@ -271,7 +271,7 @@ def _to_base_naming(base: Base, weights: dict[str, LoRAWeights]) -> dict[str, Lo
     if not foreign:
         return weights
     own = {p: w for p, w in weights.items() if p not in other}
-    convert = flux_diffusers_to_bfl if base.naming == "bfl" else flux_bfl_to_diffusers
+    convert = diffusers_to_bfl if base.naming == "bfl" else bfl_to_diffusers
     return {**own, **convert(foreign, base.module_map)}
 
 

@@ -79,8 +79,8 @@ from library.precision.fp8 import (  # noqa: E402
 )
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
-from networks.lora import DIFFUSERS_MODULE_MAPS, LoRAModule  # noqa: E402
-from networks.lora_files import LoRAWeights, flux_diffusers_to_bfl, read_lora  # noqa: E402
+from networks.lora import LoRAModule, diffusers_module_map  # noqa: E402
+from networks.lora_files import LoRAWeights, diffusers_to_bfl, read_lora  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,12 +138,12 @@ def read_lora_for(model: nn.Module, family: str, path: str, ratio: float = 1.0) 
     """{module path of `model`: LoRAWeights (float32, ratio folded into alpha)} from any layout
     networks/lora_files.py reads; FLUX.1 / FLUX.2 LoRAs with diffusers names are converted to BFL names."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, FP8Linear))}
-    module_map = DIFFUSERS_MODULE_MAPS[family](model.config) if family in DIFFUSERS_MODULE_MAPS else None
+    module_map = diffusers_module_map(family, model.config)
     alternates = sorted({d for parts in module_map.values() for d, _, _ in parts}) if module_map else []
     weights, _, _ = read_lora(path, module_paths=list(linears) + alternates)
     foreign = {p: w for p, w in weights.items() if p not in linears and p in alternates}
     if foreign:
-        weights = {**{p: w for p, w in weights.items() if p not in foreign}, **flux_diffusers_to_bfl(foreign, module_map)}
+        weights = {**{p: w for p, w in weights.items() if p not in foreign}, **diffusers_to_bfl(foreign, module_map)}
     out = {}
     for p, w in weights.items():
         if p not in linears:

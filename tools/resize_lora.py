@@ -23,8 +23,8 @@ into lora_B, ComfyUI) and its metadata, with ss_network_dim / ss_network_alpha u
 "Dynamic" for dynamic resizing, as sd-scripts writes) and `lora_resized` describing the run.
 
 Printed per module: old -> new rank, the retained Frobenius energy sqrt(sum kept S^2 / sum S^2),
-the retained sum of S, and the relative error ||dW - dW_k|| / ||dW||. With --model (a FLUX.1,
-Qwen-Image or LLM checkpoint, small enough to run on the CPU in float32, e.g. the tiny models), the
+the retained sum of S, and the relative error ||dW - dW_k|| / ||dW||. With --model (a checkpoint
+of a registered family or an LLM, small enough to run on the CPU in float32, e.g. the tiny models), the
 output error too: the model's output with the resized LoRA vs the original LoRA, relative to the
 original LoRA's effect on the output (fixed random inputs).
 

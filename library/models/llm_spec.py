@@ -4,11 +4,30 @@
 from library.models import spec as S
 
 # -- LoRA targets and key names (networks/)
-LORA = None
+LORA = S.LoRATargets(
+    targets={
+        "attn": r"model\.layers\.(?P<block>\d+)\.self_attn\.(q|k|v|o)_proj",
+        "mlp": r"model\.layers\.(?P<block>\d+)\.mlp\.(gate|up|down)_proj",
+    },
+    block_args={"block_indices": "block"},
+    kohya_prefix="lora_te",
+)
 
 
 # -- LoRA files: converters' and inspectors' key tables (tools/)
-LORA_FILES = None
+# kohya files (`lora_te_model_layers_0_self_attn_q_proj...`) <-> PEFT adapter folders, the layout
+# PeftModel.from_pretrained, vLLM and llama.cpp's convert_lora_to_gguf.py read.
+LORA_FILES = S.LoRAFiles(
+    markers=("_self_attn_q_proj", "_self_attn_k_proj", "_self_attn_v_proj", "_self_attn_o_proj",
+             "_mlp_gate_proj", "_mlp_up_proj", "_mlp_down_proj"),
+    block_pattern=r"(layers)[._](\d+)[._]",
+    module_paths="library.models.llm_lora_files:module_paths",
+    layouts=("kohya", "peft"),
+    info_markers=(("hf", r"layers_\d+_(self_attn|mlp)_"),),
+    info_blocks=(("block", r"layers_(\d+)_"),),
+    width_modules=r"self_attn_[qkv]_proj|mlp_(gate|up)_proj",
+    fits_text="an LLM (Llama / Qwen2 layout) of width {width}, at least {block} layers",
+)
 
 
 # -- fp8: modules kept in high precision

@@ -15,7 +15,7 @@ Each part below is one concern, read by one place (named in the comment above it
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def load_symbol(path: str):
@@ -28,8 +28,63 @@ def load_symbol(path: str):
 # LoRA: targets and key names (networks/lora.py, networks/lycoris_network.py)
 
 
+@dataclass(frozen=True)
+class LoRATargets:
+    """Which modules of the architecture's model carry a LoRA, the network_args that pick them, and
+    the names the LoRA's modules are saved under."""
+
+    # module type -> regex full-matched against qualified module paths. A named group gives the block
+    # kind and its index (`(?P<double>\d+)`); a module outside the blocks (an embedder) has none.
+    targets: dict[str, str]
+    block_args: dict[str, str]  # network_args key -> the block kind whose indices it selects
+    kohya_prefix: str = "lora_unet"  # kohya module names: <prefix>_<module path, '.' -> '_'>
+    modulation_types: tuple[str, ...] = ()  # the types `train_modulation` switches
+    modulation_default: bool = False  # train_modulation's default
+    in_dim_types: tuple[str, ...] = ()  # types trained only when given a rank, by `in_dims` in this order
+    type_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # `<group>_dim` -> its member types
+    extra_args: tuple[str, ...] = ()  # network_args the architecture takes beyond the common ones
+    refused_args: dict[str, str] = field(default_factory=dict)  # sd-scripts args accepted when false: key -> why not true
+    # "module:function" (model config) -> {BFL module path: [(diffusers path, row_start, row_end)]},
+    # for a model built with BFL names whose diffusers LoRAs name modules otherwise; None: one naming.
+    diffusers_module_map: str | None = None
+    diffusers_blocks: tuple[str, ...] = ()  # module path prefixes that mark a diffusers-named LoRA
+
+
 # ----------------------------------------------------------------------------------------------
 # LoRA files: converters' and inspectors' key tables (tools/convert_lora.py, tools/lora_info.py, ...)
+
+
+@dataclass(frozen=True)
+class Release:
+    """A released model size, as tools/lora_info.py names the model a LoRA fits."""
+
+    name: str
+    width: int
+    blocks: dict[str, int]  # block kind -> count
+
+
+@dataclass(frozen=True)
+class LoRAFiles:
+    """How the tools recognise, convert and describe the architecture's LoRA files. Module names are
+    matched '_'-flattened, so kohya and dotted names alike."""
+
+    # convert_lora: substrings of module names only this architecture has (a variant's count as its base's)
+    markers: tuple[str, ...] = ()
+    names_of: str | None = None  # the arch whose module names this one shares (its LoRAs are told apart by `recognise`)
+    recognise: str | None = None  # "module:function" (tensors, metadata) -> True for this arch's LoRA with names_of's names
+    block_pattern: str = ""  # regex, groups (block kind, index): the blocks a LoRA names
+    module_paths: str | None = None  # "module:function" (block counts) -> every Linear path (resolves kohya names)
+    module_map: str | None = None  # "module:function" (weights, block counts) -> BFL <-> diffusers module map from the LoRA's shapes
+    layouts: tuple[str, ...] = ("kohya", "diffusers")  # the layouts --to writes ("peft": a PEFT adapter folder)
+    diffusers_lokr: str | None = None  # the name diffusers' LoKr loader knows the model by, when it loads LoKr for it
+    # lora_info
+    info_markers: tuple[tuple[str, str], ...] = ()  # (naming, regex): a module name matching it is this arch's
+    info_blocks: tuple[tuple[str, str], ...] = ()  # (block kind, regex with the index as a group); a kind may repeat
+    width_modules: str = ""  # regex of module name endings whose down input is the model width
+    releases: tuple[Release, ...] = ()
+    fits_text: str | None = None  # what a LoRA fits when there are no releases, formatted with width and block counts
+    # combine_loras: naming -> name parts of it; LoRAs in two namings do not mix
+    namings: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------

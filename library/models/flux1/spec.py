@@ -3,11 +3,65 @@
 from library.models import spec as S
 
 # -- LoRA targets and key names (networks/)
-LORA = None
+# sd-scripts' networks/lora_flux.py default: every Linear of DoubleStreamBlock and SingleStreamBlock,
+# modulation included (on by default, as sd-scripts); the embedders only when given a rank through
+# in_dims (sd-scripts `in_dims = [img, time, vector, guidance, txt]`). The block kinds are "double"
+# and "single"; a diffusers-named LoRA (transformer_blocks.N.attn.to_q ...) is converted to the
+# model's BFL names through the module map (flux1/lora_files.py).
+LORA = S.LoRATargets(
+    targets={
+        "img_attn": r"double_blocks\.(?P<double>\d+)\.img_attn\.(qkv|proj)",
+        "txt_attn": r"double_blocks\.(?P<double>\d+)\.txt_attn\.(qkv|proj)",
+        "img_mlp": r"double_blocks\.(?P<double>\d+)\.img_mlp\.(0|2)",
+        "txt_mlp": r"double_blocks\.(?P<double>\d+)\.txt_mlp\.(0|2)",
+        "img_mod": r"double_blocks\.(?P<double>\d+)\.img_mod\.lin",
+        "txt_mod": r"double_blocks\.(?P<double>\d+)\.txt_mod\.lin",
+        "single": r"single_blocks\.(?P<single>\d+)\.(linear1|linear2)",
+        "single_mod": r"single_blocks\.(?P<single>\d+)\.modulation\.lin",
+        "img_in": r"img_in",
+        "time_in": r"time_in\.(in_layer|out_layer)",
+        "vector_in": r"vector_in\.(in_layer|out_layer)",
+        "guidance_in": r"guidance_in\.(in_layer|out_layer)",
+        "txt_in": r"txt_in",
+    },
+    block_args={"train_double_block_indices": "double", "train_single_block_indices": "single"},
+    modulation_types=("img_mod", "txt_mod", "single_mod"),
+    modulation_default=True,
+    in_dim_types=("img_in", "time_in", "vector_in", "guidance_in", "txt_in"),
+    type_groups={"attn": ("img_attn", "txt_attn"), "mlp": ("img_mlp", "txt_mlp"), "mod": ("img_mod", "txt_mod", "single_mod")},
+    extra_args=("train_blocks", "in_dims"),  # train_blocks: "all", "double" or "single"
+    refused_args={
+        "split_qkv": "sd-scripts saves split q/k/v adapters as one block-diagonal LoRA of rank 3r with the alpha "
+                     "of rank r, so every loader (ComfyUI, diffusers, sd-scripts itself) applies 1/3 of the trained "
+                     "qkv delta; train the fused qkv LoRA (the default) instead",
+        "train_t5xxl": "text encoder outputs are cached before training and the encoders are freed, so T5-XXL "
+                       "cannot carry a LoRA here",
+    },
+    diffusers_module_map="library.models.flux1.lora_files:module_map_of_config",
+    diffusers_blocks=("transformer_blocks.", "single_transformer_blocks."),
+)
 
 
 # -- LoRA files: converters' and inspectors' key tables (tools/)
-LORA_FILES = None
+# FLUX.2 keeps these BFL block names (its spec: names_of="flux").
+LORA_FILES = S.LoRAFiles(
+    markers=("double_blocks_", "single_blocks_", "single_transformer_blocks_", "_ff_net_", "_ff_context_", "_norm1_linear"),
+    # single_transformer_blocks first: findall takes the first alternative that matches at a position.
+    block_pattern=r"(single_transformer_blocks|double_blocks|single_blocks|transformer_blocks)[._](\d+)[._]",
+    module_paths="library.models.flux1.lora_files:module_paths",
+    module_map="library.models.flux1.lora_files:module_map_of_lora",
+    info_markers=(
+        ("bfl", r"(^|_)(double_blocks|single_blocks)_\d+_"),
+        ("diffusers", r"single_transformer_blocks_\d+_|_ff_context_|_norm1_context_|_attn_add_q_proj.*transformer"),
+    ),
+    # diffusers' transformer_blocks are the double blocks
+    info_blocks=(("double", r"double_blocks_(\d+)_"), ("single", r"single_blocks_(\d+)_|single_transformer_blocks_(\d+)_"),
+                 ("double", r"(?<!single_)transformer_blocks_(\d+)_")),
+    width_modules=(r"_attn_qkv|_attn_proj|_linear1|_modulation_lin|_mod_lin|_mlp_0|attn_to_[qkv]|attn_add_[qkv]_proj|"
+                   r"norm1?(_context)?_linear|proj_mlp"),
+    releases=(S.Release("FLUX.1 dev / schnell", 3072, {"double": 19, "single": 38}),),
+    namings={"BFL": ("double_blocks_", "single_blocks_"), "diffusers": ("transformer_blocks_",)},
+)
 
 
 # -- fp8: modules kept in high precision

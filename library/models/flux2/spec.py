@@ -3,11 +3,40 @@
 from library.models import spec as S
 
 # -- LoRA targets and key names (networks/)
-LORA = None
+# The double blocks' attention and SwiGLU MLP Linears and the single blocks' fused linear1 / linear2,
+# as FLUX.1's block Linears (same BFL names). FLUX.2's modulation is shared (one projection per block
+# kind, outside the blocks) and, with the embedders, is left out like FLUX.1's in_dims.
+_FLUX1_LORA = S.load_symbol("library.models.flux1.spec:LORA")
+LORA = S.LoRATargets(
+    targets={t: _FLUX1_LORA.targets[t] for t in ("img_attn", "txt_attn", "img_mlp", "txt_mlp", "single")},
+    block_args=_FLUX1_LORA.block_args,
+    type_groups={"attn": ("img_attn", "txt_attn"), "mlp": ("img_mlp", "txt_mlp")},
+    diffusers_module_map="library.models.flux2.lora_files:module_map_of_config",
+    diffusers_blocks=_FLUX1_LORA.diffusers_blocks,
+)
 
 
 # -- LoRA files: converters' and inspectors' key tables (tools/)
-LORA_FILES = None
+# FLUX.2 keeps FLUX.1's BFL block names: a LoRA with them is told apart by flux2/lora_files.py.
+_FLUX1_FILES = S.load_symbol("library.models.flux1.spec:LORA_FILES")
+LORA_FILES = S.LoRAFiles(
+    markers=("_ff_linear_in", "_ff_linear_out", "_ff_context_linear_", "_to_qkv_mlp_proj", "stream_modulation"),
+    names_of="flux",
+    recognise="library.models.flux2.lora_files:is_own_lora",
+    block_pattern=_FLUX1_FILES.block_pattern,
+    module_paths="library.models.flux2.lora_files:module_paths",
+    module_map="library.models.flux2.lora_files:module_map_of_lora",
+    diffusers_lokr="Flux2",
+    info_markers=(
+        ("bfl", r"(double|single)_stream_modulation_(img_|txt_)?lin$"),
+        ("diffusers", r"_ff(_context)?_linear_(in|out)|_to_qkv_mlp_proj|(double|single)_stream_modulation_(img_|txt_)?linear"),
+    ),
+    info_blocks=_FLUX1_FILES.info_blocks,
+    width_modules=r"_attn_qkv|_attn_proj|_linear1|_modulation_lin|_mlp_0|attn_to_[qkv]|attn_add_[qkv]_proj",
+    releases=(S.Release("FLUX.2 [klein] 4B", 3072, {"double": 5, "single": 20}),
+              S.Release("FLUX.2 [klein] 9B", 4096, {"double": 8, "single": 24}),
+              S.Release("FLUX.2 [dev]", 6144, {"double": 8, "single": 48})),
+)
 
 
 # -- fp8: modules kept in high precision

@@ -3,11 +3,30 @@
 from library.models import spec as S
 
 # -- LoRA targets and key names (networks/)
-LORA = None
+# musubi-tuner's Qwen-Image default: the blocks' attention and MLP Linears; the modulation (`_mod_`)
+# only with train_modulation or mod_dim (off by default, as musubi-tuner).
+LORA = S.LoRATargets(
+    targets={
+        "attn": r"transformer_blocks\.(?P<block>\d+)\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out\.0|to_add_out)",
+        "mlp": r"transformer_blocks\.(?P<block>\d+)\.(img|txt)_mlp\.net\.(0\.proj|2)",
+        "mod": r"transformer_blocks\.(?P<block>\d+)\.(img|txt)_mod\.1",
+    },
+    block_args={"block_indices": "block"},
+    modulation_types=("mod",),
+)
 
 
 # -- LoRA files: converters' and inspectors' key tables (tools/)
-LORA_FILES = None
+# diffusers module names in every layout: converting changes the prefix only.
+LORA_FILES = S.LoRAFiles(
+    markers=("_img_mlp_net_", "_txt_mlp_net_", "_img_mod_1", "_txt_mod_1"),  # BFL-named models have img_mlp_0, img_mod_lin
+    block_pattern=r"(transformer_blocks)[._](\d+)[._]",
+    module_paths="library.models.qwen_image.lora_files:module_paths",
+    info_markers=(("diffusers", r"_(img|txt)_mlp_net_|_(img|txt)_mod_1|transformer_blocks_\d+_attn_add_q_proj"),),
+    info_blocks=(("block", r"(?<!single_)transformer_blocks_(\d+)_"),),
+    width_modules=r"attn_to_[qkv]|attn_add_[qkv]_proj|_mod_1|mlp_net_0_proj",
+    releases=(S.Release("Qwen-Image", 3072, {"block": 60}),),
+)
 
 
 # -- fp8: modules kept in high precision
