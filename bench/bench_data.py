@@ -3,8 +3,8 @@
 Images: tools/make_tiny_dataset.py at 256 px (two aspect ratios, so two buckets: 256x256 and
 320x192), read and bucketed by library.dataset exactly as train_lora.py does.
 VAEs, both diffusers AutoencoderKL with FLUX's latent layout (16 channels, shift/scale):
-  tiny  the toy VAE of tools/make_tiny_models.py (write_flux_vae), loaded by library.models.vae.load_flux_vae;
-  flux  FLUX.1's real VAE configuration (library.models.vae.FLUX_VAE_CONFIG, 84 M parameters), random weights.
+  tiny  the toy VAE of the tiny set (library.models.flux1.tiny.write_flux_vae), loaded by library.models.flux1.vae.load_flux_vae;
+  flux  FLUX.1's real VAE configuration (library.models.flux1.vae.FLUX_VAE_CONFIG, 84 M parameters), random weights.
 1. Caching: library.dataset.cache_latents over all images, to disk (safetensors beside a temporary
    copy of the images), timed after one warmup encode: images/s.
 2. Steps: the tiny FLUX transformer of tools/make_tiny_models.py + a rank-16 LoRA, FluxFamily.training_loss
@@ -38,10 +38,11 @@ from library.data.dataset import BucketBatchSampler, ImageDataset, collate_batch
 from library.data.dataset_config import load_dataset_config  # noqa: E402
 from library.models.flux1.family import FluxFamily  # noqa: E402
 from library.models.flux1.checkpoint import load_flux  # noqa: E402
-from library.models.vae import FLUX_VAE_CONFIG, FluxVAE, load_flux_vae  # noqa: E402
+from library.models.flux1.vae import FLUX_VAE_CONFIG, FluxVAE, load_flux_vae  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
 from tools.make_tiny_dataset import make_tiny_dataset  # noqa: E402
-from tools.make_tiny_models import TINY, write_flux, write_flux_vae  # noqa: E402
+from library.models.flux1.tiny import write_flux, write_flux_vae  # noqa: E402
+from library.models.tiny_files import TINY  # noqa: E402
 
 LOSS_ARGS = SimpleNamespace(timestep_sampling=None, discrete_flow_shift=3.0, sigmoid_scale=1.0, guidance_scale=1.0,
                             weighting_scheme="none", loss_type="l2", huber_c=0.1)

@@ -50,8 +50,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from library.models.flux1.model import FLUX_DEV, Flux  # noqa: E402
-from library.models.vae import FLUX_VAE_CONFIG, flux_vae_to_ldm_state_dict  # noqa: E402
-from tools.make_tiny_models import build_clip_tokenizer, build_t5_tokenizer, save_tokenizer  # noqa: E402
+from library.models.flux1.vae import FLUX_VAE_CONFIG  # noqa: E402
+from library.models.vae import autoencoder_kl_to_ldm_state_dict  # noqa: E402
+from library.models.tiny_files import build_clip_tokenizer, build_t5_tokenizer, save_tokenizer  # noqa: E402
 from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
 
 GiB = 1024**3
@@ -91,7 +92,7 @@ def write_flux_vae(work: str):
 
     with torch.device("meta"):
         vae_sd = AutoencoderKL(**FLUX_VAE_CONFIG).state_dict()
-    ldm = flux_vae_to_ldm_state_dict(vae_sd, len(FLUX_VAE_CONFIG["block_out_channels"]))
+    ldm = autoencoder_kl_to_ldm_state_dict(vae_sd, len(FLUX_VAE_CONFIG["block_out_channels"]))
     write_random(os.path.join(work, "ae.safetensors"), {k: tuple(v.shape) for k, v in ldm.items()}, 2, metadata={})
 
 
@@ -145,7 +146,7 @@ def write_qwen_transformer_and_vae(work: str, config):
 def write_qwen_files(work: str, blocks: int):
     from library.models.llm import QWEN2_5_7B
     from library.models.qwen_image.model import QWEN_IMAGE
-    from tools.make_tiny_models import build_qwen_tokenizer
+    from library.models.tiny_files import build_qwen_tokenizer
 
     os.makedirs(work, exist_ok=True)
     write_qwen_transformer_and_vae(work, dataclasses.replace(QWEN_IMAGE, num_layers=blocks))
@@ -170,7 +171,7 @@ def write_flux2_files(work: str):
 
     from library.models.flux2.model import FLUX2_KLEIN_4B, Flux2
     from library.models.llm import QWEN3_4B
-    from tools.make_tiny_models import build_qwen3_tokenizer
+    from library.models.tiny_files import build_qwen3_tokenizer
 
     os.makedirs(work, exist_ok=True)
     write_random(os.path.join(work, "flux-2-klein-4b.safetensors"), meta_shapes(lambda: Flux2(FLUX2_KLEIN_4B)), 1,

@@ -78,7 +78,8 @@ def write_dataset(work: str, count: int, side: int, references: int = 0) -> None
 
 def write_flux(work: str) -> str:
     from library.models.flux1.model import Flux, FluxConfig
-    from tools.make_tiny_models import TINY, write_clip, write_t5
+    from library.models.flux1.tiny import write_clip, write_t5
+    from library.models.tiny_files import TINY
 
     os.makedirs(work, exist_ok=True)
     config = FluxConfig(vec_in_dim=TINY["clip_hidden"], context_in_dim=TINY["t5_d_model"], depth=2, depth_single=2,
@@ -98,7 +99,8 @@ def write_qwen_edit(work: str) -> str:
     import dataclasses
 
     from library.models.qwen_image.model import QWEN_IMAGE
-    from tools.make_tiny_models import TINY, write_qwen_vl_text_encoder
+    from library.models.qwen_image.tiny import write_qwen_vl_text_encoder
+    from library.models.tiny_files import TINY
 
     os.makedirs(work, exist_ok=True)
     write_qwen_transformer_and_vae(work, dataclasses.replace(QWEN_IMAGE, num_layers=2, joint_attention_dim=TINY["lm_hidden"]))

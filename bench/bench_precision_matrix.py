@@ -27,7 +27,8 @@ from library.models.flux1.model import Flux, FluxConfig  # noqa: E402
 from library.models.qwen_image.model import QwenImage, QwenImageConfig, save_qwen_image_diffusers  # noqa: E402
 from tools import precision_matrix  # noqa: E402
 from tools.make_tiny_dataset import make_tiny_dataset  # noqa: E402
-from tools.make_tiny_models import TINY, make_tiny_models  # noqa: E402
+from library.models.tiny_files import TINY  # noqa: E402
+from tools.make_tiny_models import make_tiny_models  # noqa: E402
 
 
 def random_init(model: torch.nn.Module, seed: int) -> torch.nn.Module:

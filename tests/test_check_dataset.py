@@ -208,7 +208,7 @@ def encoder_kept_tokens(name: str, tiny_set):
     from library.models.flux2 import dev_text_encoder, text_encoder
     from library.models.flux2.family import Flux2Family
     from library.models.qwen_image.family import QwenImageFamily
-    from library.models.text_encoders import load_qwen_image_text_encoder
+    from library.models.qwen_image.text_encoder import load_qwen_image_text_encoder
 
     if name == "qwen_image":
         encoder = load_qwen_image_text_encoder(tiny_set["qwen_image_text_encoder"])

@@ -148,7 +148,7 @@ def test_released_sizes_on_meta_match_diffusers(name):
 
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
-    from tools.make_tiny_models import write_flux2
+    from library.models.flux2.tiny import write_flux2
 
     return write_flux2(str(tmp_path_factory.mktemp("flux2")), seed=0)
 
@@ -213,7 +213,7 @@ def test_fp8_scaled_keeps_embedders_final_layer_and_shared_modulation(tiny_files
 
 def test_wrong_family_and_bad_files_fail_with_the_key(tmp_path, tiny_files):
     from library.models.flux1.checkpoint import load_flux
-    from tools.make_tiny_models import write_flux
+    from library.models.flux1.tiny import write_flux
 
     with pytest.raises(CheckpointError, match="FLUX.2 transformer, not FLUX.1"):
         load_flux(tiny_files["flux2_tiny"])

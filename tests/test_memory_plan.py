@@ -153,7 +153,8 @@ def test_planned_qwen_vae_encode_is_the_live_tensor_peak_of_a_real_cpu_encode():
     import torch
     from diffusers import AutoencoderKLQwenImage
 
-    from library.models.vae import QwenImageVAE, _build
+    from library.models.qwen_image.vae import QwenImageVAE
+    from library.models.vae import _build
     from library.training.memory_plan import LiveBytes, _vae_peak
 
     config = {"base_dim": 4, "z_dim": 16}

@@ -140,7 +140,7 @@ PROMPTS = ["a cat", "a painting of a house by the sea at sunset, oil on canvas, 
 
 @pytest.fixture(scope="module")
 def klein(tmp_path_factory):
-    from tools import make_tiny_models as tiny
+    from library.models.flux2 import tiny
 
     return tiny.write_qwen3_text_encoder(str(tmp_path_factory.mktemp("klein")), 0)
 

@@ -22,7 +22,7 @@ from library.models.qwen_image.edit_encoder import (
 )
 from tests.test_qwen_image import randomize_
 from tests.test_vlm_inputs import processor_without_video
-from tools.make_tiny_models import write_qwen_vl_text_encoder
+from library.models.qwen_image.tiny import write_qwen_vl_text_encoder
 
 
 def image(width: int, height: int, seed: int) -> Image.Image:

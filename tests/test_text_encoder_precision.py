@@ -6,7 +6,8 @@ import torch
 
 from library.models.flux1.family import FluxFamily
 from library.models.qwen_image.family import QwenImageFamily
-from library.models.text_encoders import load_qwen_image_text_encoder, load_t5
+from library.models.qwen_image.text_encoder import load_qwen_image_text_encoder
+from library.models.text_encoders import load_t5
 from library.precision.fp8 import FP8Linear
 
 CAPTIONS = ["a red fox in the snow", "two cats", "a lighthouse at dusk, long exposure, film grain"]

@@ -13,8 +13,13 @@ from library.models.flux1.checkpoint import load_flux
 from library.io import CheckpointReader
 from library.models.llm import load_llm
 from library.models.qwen_image.model import load_qwen_image
-from library.models.text_encoders import encode_flux_prompts, load_clip_l, load_qwen_image_text_encoder, load_t5
-from library.models.vae import load_flux_vae, load_qwen_image_vae, pack_latents, unpack_latents
+from library.models.flux1.text_encoder import encode_flux_prompts
+from library.models.flux1.vae import load_flux_vae
+from library.models.qwen_image.text_encoder import load_qwen_image_text_encoder
+from library.models.qwen_image.vae import load_qwen_image_vae
+from library.models.text_encoders import load_clip_l, load_t5
+from library.models.vae import pack_latents, unpack_latents
+from library.models.flux1.tiny import write_flux_vae
 from tools import make_tiny_models as tiny
 
 PROMPTS = ["a cat", "a painting of a house by the sea"]
@@ -65,9 +70,9 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
 
 
 def test_tool_is_deterministic_from_seed(tmp_path):
-    a = tiny.write_flux_vae(str(tmp_path / "a"), 0)["flux_vae"]
-    b = tiny.write_flux_vae(str(tmp_path / "b"), 0)["flux_vae"]
-    c = tiny.write_flux_vae(str(tmp_path / "c"), 1)["flux_vae"]
+    a = write_flux_vae(str(tmp_path / "a"), 0)["flux_vae"]
+    b = write_flux_vae(str(tmp_path / "b"), 0)["flux_vae"]
+    c = write_flux_vae(str(tmp_path / "c"), 1)["flux_vae"]
     ra, rb, rc = CheckpointReader(a), CheckpointReader(b), CheckpointReader(c)
     key = "encoder.conv_in.weight"
     assert all(torch.equal(ra.get(k), rb.get(k)) for k in ra.keys())

@@ -11,17 +11,19 @@ from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
 from library.io import CheckpointError
-from library.models.text_encoders import (
+from library.models.flux1.text_encoder import encode_flux_prompts
+from library.models.flux1.vae import FLUX_VAE_CONFIG, FluxVAE, load_flux_vae
+from library.models.qwen_image.text_encoder import (
     QWEN_IMAGE_DROP_TOKENS,
     QWEN_IMAGE_PROMPT_TEMPLATE,
     QwenImageTextEncoder,
-    encode_flux_prompts,
-    load_clip_l,
     load_qwen_image_text_encoder,
-    load_t5,
 )
-from library.models.vae import FLUX_VAE_CONFIG, FluxVAE, QwenImageVAE, load_flux_vae, pack_latents, unpack_latents
-from tools import make_tiny_models as tiny
+from library.models.qwen_image.vae import QwenImageVAE
+from library.models.text_encoders import load_clip_l, load_t5
+from library.models.vae import pack_latents, unpack_latents
+from library.models.flux1 import tiny
+from library.models.qwen_image.tiny import write_qwen_text_encoder
 
 PROMPTS = ["a cat", "a photo of a dog with a blue ball in the grass, oil on canvas"]
 
@@ -30,7 +32,7 @@ PROMPTS = ["a cat", "a photo of a dog with a blue ball in the grass, oil on canv
 def encoders(tmp_path_factory):
     """Tiny CLIP/T5/Qwen text-encoder folders written by the tiny-model tool (no FLUX/Qwen DiT)."""
     out = str(tmp_path_factory.mktemp("enc"))
-    paths = {**tiny.write_clip(out, 0), **tiny.write_t5(out, 0), **tiny.write_qwen_text_encoder(out, 0)}
+    paths = {**tiny.write_clip(out, 0), **tiny.write_t5(out, 0), **write_qwen_text_encoder(out, 0)}
     paths["out"] = out
     return paths
 

@@ -4,7 +4,7 @@ transformers): one caption file per image, beside it, as training reads them.
     python tools/caption_images.py --model Qwen2.5-VL-7B-Instruct --images data/cat --preset sentence --prefix "ohwx cat"
     python tools/caption_images.py --model Qwen3-VL-8B-Instruct --images data --preset tags --batch_size 8 --device cuda
     python tools/caption_images.py --model Qwen3-VL-8B-Instruct --images data --prompt "Describe the lighting." --overwrite
-    python tools/caption_images.py --model Qwen-Image-Edit/text_encoder --processor Qwen-Image-Edit/processor --images data
+    python tools/caption_images.py --model REPO/text_encoder --processor REPO/processor --images data  # a diffusers repo's Qwen2.5-VL
 
 --model is a Hugging Face model folder (config.json with model_type qwen2_5_vl or qwen3_vl, safetensors
 weights); its image processor (preprocessor_config.json), tokenizer and chat template come from the same

@@ -2,7 +2,7 @@
 plain backgrounds, one caption file per image, a kohya dataset TOML and a sample-prompt file.
 
     python tools/make_tiny_dataset.py --out DIR [--count 8] [--size 64]
-    python tools/make_tiny_dataset.py --out DIR --edit    # a paired edit task for FLUX.1 Kontext
+    python tools/make_tiny_dataset.py --out DIR --edit    # a paired edit task (reference images) for edit models
 
 Nothing is downloaded; images are drawn with PIL, deterministically.
 """

@@ -1,6 +1,6 @@
 """The shared transformer core: norms, RoPE, attention, MLPs, modulation, timestep embedding.
 
-FLUX.1, Qwen-Image and the Llama/Qwen2 LLM are all built from this file. Precision rules that hold
+Every diffusion transformer and the Llama/Qwen2 LLM are built from this file. Precision rules that hold
 for every model (see shared/DESIGN.md, "Precision: what breaks and why"):
 
 - Norm statistics are computed in float32 and the result is cast back to the input dtype.
@@ -76,8 +76,8 @@ def rope_tables(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: floa
     positions: [..., L, n_axes] (or [..., L] for a single axis), int64 or float32. Never pass
         positions that went through a low-precision dtype: bf16 is exact only up to 256 and
         float8_e4m3fn only up to 16.
-    axes_dims: rotary width of each axis (even), e.g. (16, 56, 56) for FLUX/Qwen-Image or
-        (head_dim,) for the LLM. Axis i uses frequencies theta ** (-2j / axes_dims[i]).
+    axes_dims: rotary width of each axis (even), e.g. (16, 56, 56) for a 3-axis image
+        transformer or (head_dim,) for the LLM. Axis i uses frequencies theta ** (-2j / axes_dims[i]).
     Returns (cos, sin), each float32 of shape [..., L, sum(axes_dims) // 2].
     """
     if positions.is_floating_point() and positions.dtype not in (torch.float32, torch.float64):
@@ -125,7 +125,7 @@ def mrope_tables(positions: torch.Tensor, head_dim: int, theta: float, sections:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = True):
     """Rotate x: [B, H, L, D] by the tables cos/sin: [L, D/2] or [B, L, D/2].
 
-    interleaved=True pairs (x0, x1), (x2, x3), ... (BFL FLUX, diffusers Qwen-Image);
+    interleaved=True pairs (x0, x1), (x2, x3), ... (BFL's and diffusers' image transformers);
     interleaved=False pairs the two halves (x_i, x_{i+D/2}) (Hugging Face Llama/Qwen2).
     Runs in float32, returns x.dtype.
     """
@@ -273,8 +273,8 @@ def timestep_embedding(
     flip_sin_to_cos=True, downscale_freq_shift=0).
 
     scale_first picks where time_factor enters, to reproduce each reference bit for bit in fp32:
-    BFL FLUX scales t first, (1000 t) * f; diffusers' Timesteps(scale=1000) (Qwen-Image) scales the
-    product, (t * f) * 1000. The two differ by fp32 rounding of arguments up to 1000 (~6e-5 rad)."""
+    BFL's timestep_embedding scales t first, (1000 t) * f; diffusers' Timesteps(scale=1000) scales
+    the product, (t * f) * 1000. The two differ by fp32 rounding of arguments up to 1000 (~6e-5 rad)."""
     with autocast_off(t.device.type):
         t = t.float()
         half = dim // 2

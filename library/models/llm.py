@@ -1,10 +1,10 @@
 """A Llama / Mistral / Qwen2 / Qwen3 causal language model built from the shared core (library/models/core.py).
 
-The same class runs Llama-3-8B, Qwen2-style models, the language model of Qwen2.5-VL (the
-Qwen-Image text encoder; for text-only prompts its multimodal RoPE reduces to 1-D RoPE) and Qwen3
-(the FLUX.2 [klein] text encoders: no qkv bias, a per-head RMSNorm on q and k before RoPE, head_dim
-set by the config rather than hidden_size / num_heads) and Mistral (the language model of Mistral
-Small 3.1, the FLUX.2 [dev] text encoder: Llama-like, explicit head_dim, no sliding window). Module
+The same class runs Llama-3-8B, Qwen2-style models, the language model of Qwen2.5-VL (a diffusion
+text encoder; for text-only prompts its multimodal RoPE reduces to 1-D RoPE) and Qwen3 (no qkv
+bias, a per-head RMSNorm on q and k before RoPE, head_dim set by the config rather than
+hidden_size / num_heads) and Mistral (the language model of Mistral Small 3.1: Llama-like, explicit
+head_dim, no sliding window); the diffusion families that encode text with them say which. Module
 names mirror Hugging Face checkpoints (`model.layers.N.self_attn.q_proj`, ...), so loading is a
 plain name-for-name copy.
 
@@ -150,8 +150,8 @@ LLAMA3_8B = LLMConfig(
     qkv_bias=False,
     max_position_embeddings=8192,
 )
-# The FLUX.2 [klein] text encoders (Qwen/Qwen3-4B for klein 4B, Qwen/Qwen3-8B for klein 9B: their
-# hidden sizes x 3 stacked layers = the transformers' joint_attention_dim 7680 / 12288).
+# Qwen/Qwen3-4B and Qwen/Qwen3-8B, as diffusion text encoders use them (3 stacked layers of their
+# hidden sizes = a transformer's joint_attention_dim 7680 / 12288).
 QWEN3_4B = LLMConfig(
     vocab_size=151936, hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=9728,
     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=False,
@@ -163,8 +163,8 @@ QWEN3_8B = LLMConfig(
     max_position_embeddings=40960, head_dim=128, qk_norm=True,
 )
 
-# The FLUX.2 [dev] text encoder: the language model of Mistral Small 3.1 24B (Mistral3ForConditionalGeneration's
-# text_config; 3 x 5120 stacked layers = the [dev] transformer's joint_attention_dim 15360).
+# The language model of Mistral Small 3.1 24B (Mistral3ForConditionalGeneration's text_config), as a
+# diffusion text encoder uses it (3 x 5120 stacked layers = a transformer's joint_attention_dim 15360).
 MISTRAL_SMALL_3_1 = LLMConfig(
     vocab_size=131072, hidden_size=5120, num_layers=40, num_heads=32, num_kv_heads=8, intermediate_size=32768,
     rope_theta=1000000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, qkv_bias=False,
@@ -283,8 +283,9 @@ class LLM(nn.Module):
         key_mask = None if attention_mask is None else attention_mask.bool()
         # Built once per forward when there is padding; without it SDPA applies causality itself.
         # A left-pad query sees no key: attention_mask opens its row (no kernel returns NaN) and
-        # `visible` zeroes its output in every layer, as transformers does (FLUX.2 [dev]'s encoder
-        # keeps those rows). Causal and square: query i sees a key iff one of keys 0..i is real.
+        # `visible` zeroes its output in every layer, as transformers does (text encoders whose
+        # output keeps the pad rows then match it). Causal and square: query i sees a key iff one
+        # of keys 0..i is real.
         mask = visible = None
         if key_mask is not None:
             mask = core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device)
@@ -310,7 +311,7 @@ class LLM(nn.Module):
     def selected_hidden_states(self, input_ids, attention_mask, indices, position_ids=None) -> list[torch.Tensor]:
         """transformers' `output_hidden_states[k]` for each k in indices (0 = embeddings, k = layer
         k's output, num_layers = the last layer after the final norm), each [B, L, D] compute_dtype.
-        Only the layers up to max(indices) run (FLUX.2 klein reads 9, 18, 27 of Qwen3's 36).
+        Only the layers up to max(indices) run (e.g. 9, 18, 27 of Qwen3's 36).
         position_ids [B, L] or [L] int64: None derives them from the mask (position_ids_from_mask);
         pass torch.arange(L) to match a transformers call that gave none (pads then keep their index)."""
         n, have = self.config.num_layers, len(self.model.layers)
@@ -416,7 +417,7 @@ def load_llm(
         model.truncate_for_hidden_states(keep_layers)
         rename = lambda k: _kept_layer_key(checkpoint_key_to_llm(k, True), keep_layers)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
-    if callable(hook) and not isinstance(hook, nn.Module):  # as load_flux: prepare may return the converter
+    if callable(hook) and not isinstance(hook, nn.Module):  # prepare may return the converter (as for a transformer)
         convert = hook
     reader = CheckpointReader(path)
     load_streaming(model, reader, rename, dtype=dtype, convert=convert)

@@ -47,7 +47,7 @@ PLANNER = None
 
 
 # -- tiny models (tests, quickstart)
-TINY = None
+TINY = S.TinySpec(writers=("library.models.tiny_files:write_llm",))
 
 
 SPEC = S.ArchSpec(

@@ -107,6 +107,17 @@ class LoRAFiles:
 # Tiny models for tests and the quickstart (tools/make_tiny_models.py)
 
 
+@dataclass(frozen=True)
+class TinySpec:
+    """The architecture's part of the tiny real-format model set. writers: "module:function" strings,
+    each writer(out_dir, seed) -> {component name: path}, run in this order (each seeds its own
+    generator: the order sets only the manifest's); dims: (name, value) of its own toy sizes, recorded
+    in manifest.json after the shared ones (library/models/tiny_files.py TINY)."""
+
+    writers: tuple[str, ...] = ()
+    dims: tuple[tuple[str, int], ...] = ()
+
+
 # ----------------------------------------------------------------------------------------------
 # The spec
 

@@ -1,19 +1,15 @@
-"""Text encoders: CLIP-L + T5-XXL for FLUX.1, and the Qwen2.5-VL language model for Qwen-Image.
+"""Text encoders: CLIP-L and T5-XXL (transformers models), and the helpers every family's text
+encoder uses (configs, tokenizer lookup, precisions). A family's prompt handling (templates, which
+outputs it takes) lives in its folder (library/models/<family>/text_encoder.py); the LLM text
+encoders run on our LLM core (library/models/llm.py).
 
 All encoders return float32 tensors whatever dtype their weights run in; they never train here, so
-their forwards run under no_grad.
+their forwards run under no_grad. CLIP-L gives its pooled output (`pooler_output`, 77 tokens padded
+to max_length) -> [B, 768]; T5 its last hidden state, prompts padded to max_length and run without
+an attention mask -> [B, L, 4096].
 
-FLUX.1 (as diffusers' FluxPipeline): CLIP-L pooled output (`pooler_output`, 77 tokens padded to
-max_length) -> [B, 768]; T5-XXL last hidden state, prompts padded to max_length (512 for dev, 256 for
-schnell) and run without an attention mask -> [B, L, 4096].
-
-Qwen-Image (as diffusers' QwenImagePipeline._get_qwen_prompt_embeds): the prompt goes into a chat
-template with a fixed system prompt, the language model's last hidden state (after the final norm,
-what transformers returns as hidden_states[-1]) is taken, the template's leading 34 tokens are
-dropped and the rest is padded to the longest prompt with a boolean mask -> ([B, T, 3584], [B, T]).
-
-Loaders read safetensors only (library/io), into models built on `meta`: HF folders (or the
-diffusers FLUX repo with text_encoder/ and text_encoder_2/), and the single files users have
+Loaders read safetensors only (library/io), into models built on `meta`: HF folders (or a diffusers
+pipeline repo with text_encoder/ and text_encoder_2/), and the single files users have
 (`clip_l.safetensors`, `t5xxl_fp16.safetensors`). A single file takes its config from `config`, a
 config.json beside it, or the built-in full-size config; its tokenizer from a folder path.
 """
@@ -68,8 +64,8 @@ T5_XXL_CONFIG = {
 CLIP_MAX_LENGTH = 77
 
 # text_encoder_precision -> (dtype the weights load and compute in, fp8 storage of the big encoders'
-# Linears or None). fp8 applies to T5-XXL and the Qwen2.5-VL language model, dequantized to bf16 per
-# layer; CLIP-L (123 M parameters) stays bf16 then. Outputs are float32 whatever the precision.
+# Linears or None). fp8 applies to T5-XXL and the LLM text encoders, dequantized to bf16 per layer;
+# CLIP-L (123 M parameters) stays bf16 then. Outputs are float32 whatever the precision.
 TEXT_ENCODER_PRECISIONS = {
     "fp32": (torch.float32, None), "fp16": (torch.float16, None), "bf16": (torch.bfloat16, None),
     "fp8": (torch.bfloat16, "fp8"), "fp8_scaled": (torch.bfloat16, "fp8_scaled"),
@@ -80,7 +76,7 @@ def encoder_precision(precision: str) -> tuple[torch.dtype, str | None]:
     if precision not in TEXT_ENCODER_PRECISIONS:
         raise ValueError(f"text_encoder_precision must be one of {', '.join(TEXT_ENCODER_PRECISIONS)}, got {precision!r}")
     return TEXT_ENCODER_PRECISIONS[precision]
-T5_MAX_LENGTH = {"dev": 512, "schnell": 256}
+
 
 # ----------------------------------------------------------------------------------------------
 # Loading HF text encoders from folders or single files
@@ -149,7 +145,7 @@ class CLIPTextEncoder:
 
 class T5TextEncoder:
     """T5 encoder + tokenizer. encode(prompts, max_length) -> last hidden state [B, max_length, D]
-    float32; prompts padded to max_length and run without a mask, as FluxPipeline does."""
+    float32; prompts padded to max_length and run without a mask, as diffusers' pipelines do."""
 
     def __init__(self, model: T5EncoderModel, tokenizer):
         self.model, self.tokenizer = model.eval().requires_grad_(False), tokenizer
@@ -163,7 +159,7 @@ class T5TextEncoder:
 
 
 def load_clip_l(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None) -> CLIPTextEncoder:
-    """CLIP-L from an HF folder, a diffusers FLUX repo (text_encoder/, tokenizer/) or clip_l.safetensors."""
+    """CLIP-L from an HF folder, a diffusers pipeline repo (text_encoder/, tokenizer/) or clip_l.safetensors."""
     path = component_folder(path, "text_encoder")
     cfg = CLIPTextConfig(**_read_config(path, config, CLIP_L_CONFIG))
     with init_empty_weights():  # parameters on meta; the position_ids buffer stays real
@@ -174,7 +170,7 @@ def load_clip_l(path: str, tokenizer: str | None = None, dtype: torch.dtype = to
 
 def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None,
             fp8: str | None = None) -> T5TextEncoder:
-    """T5 encoder from an HF folder, a diffusers FLUX repo (text_encoder_2/, tokenizer_2/) or
+    """T5 encoder from an HF folder, a diffusers pipeline repo (text_encoder_2/, tokenizer_2/) or
     t5xxl_*.safetensors. In float16 the feed-forward output projections (`wo`) stay float32, as
     transformers keeps them (T5 activations overflow fp16 there). fp8 ("fp8" / "fp8_scaled"): every
     Linear stored as FP8Linear, quantized from the file's dtype as it is read, run in `dtype`."""
@@ -202,72 +198,3 @@ class _Chain:
 
     def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: v for name, t in self.first(key, tensor).items() for k, v in self.second(name, t).items()}
-
-
-def encode_flux_prompts(
-    prompts: list[str], clip: CLIPTextEncoder, t5: T5TextEncoder, max_length: int = T5_MAX_LENGTH["dev"]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t5 hidden [B, max_length, 4096] float32, clip pooled [B, 768] float32) for FLUX.1."""
-    return t5.encode(prompts, max_length), clip.encode(prompts)
-
-
-# ----------------------------------------------------------------------------------------------
-# Qwen-Image: Qwen2.5-VL language model on our LLM core
-
-# Copied verbatim from diffusers' QwenImagePipeline (prompt_template_encode / _start_idx).
-QWEN_IMAGE_PROMPT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
-    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
-)
-QWEN_IMAGE_DROP_TOKENS = 34  # the template's system part + "<|im_start|>user\n"
-QWEN_IMAGE_MAX_TOKENS = 1024  # the pipeline's tokenizer_max_length (prompt tokens after the drop)
-
-
-class QwenImageTextEncoder:
-    """encode(prompts) -> (embeds [B, T, D] float32, mask [B, T] bool), T = longest prompt's
-    token count after dropping the template's 34 leading tokens; padded rows are zeros."""
-
-    def __init__(self, llm, tokenizer):
-        self.llm, self.tokenizer = llm.eval().requires_grad_(False), tokenizer
-        # Right padding: with a causal model the valid tokens then never see padding.
-        self.tokenizer.padding_side = "right"
-        prefix = QWEN_IMAGE_PROMPT_TEMPLATE.split("{}")[0]
-        n = len(tokenizer(prefix).input_ids)
-        if n != QWEN_IMAGE_DROP_TOKENS:
-            raise ValueError(
-                f"QwenImageTextEncoder: the tokenizer splits the template prefix into {n} tokens, "
-                f"expected {QWEN_IMAGE_DROP_TOKENS} (the Qwen2.5-VL tokenizer)"
-            )
-
-    @torch.no_grad()
-    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        texts = [QWEN_IMAGE_PROMPT_TEMPLATE.format(p) for p in prompts]
-        max_length = QWEN_IMAGE_MAX_TOKENS + QWEN_IMAGE_DROP_TOKENS
-        tokens = self.tokenizer(texts, max_length=max_length, padding=True, truncation=True, return_tensors="pt")
-        device = self.llm.model.embed_tokens.weight.device
-        valid = tokens.attention_mask.bool()  # [B, L]
-        hidden = self.llm.hidden_states(tokens.input_ids.to(device), valid.to(device)).float()  # [B, L, D] float32
-        kept = [h[m.to(device)][QWEN_IMAGE_DROP_TOKENS:] for h, m in zip(hidden, valid)]
-        length = max(k.shape[0] for k in kept)
-        embeds = hidden.new_zeros(len(kept), length, hidden.shape[-1])
-        mask = torch.zeros(len(kept), length, dtype=torch.bool, device=device)
-        for i, k in enumerate(kept):
-            embeds[i, : k.shape[0]] = k
-            mask[i, : k.shape[0]] = True
-        return embeds, mask
-
-
-def load_qwen_image_text_encoder(
-    path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None, fp8: str | None = None
-) -> QwenImageTextEncoder:
-    """Qwen-Image text encoder from a Qwen-Image repo (text_encoder/ + tokenizer/), an HF folder
-    or a single file (e.g. ComfyUI's qwen_2.5_vl_7b.safetensors; vision keys are skipped).
-    fp8: the language model's Linears stored in fp8 (embeddings and lm_head stay in `dtype`)."""
-    from library.models.family import fp8_prepare
-    from library.models.llm import QWEN2_5_7B, load_llm  # the LLM core is also this text encoder
-
-    path = component_folder(path, "text_encoder")
-    if config is None and os.path.isfile(path) and not os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
-        config = QWEN2_5_7B
-    llm = load_llm(path, config=config, dtype=dtype, prepare=fp8_prepare(fp8, "llm"))
-    return QwenImageTextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer"))

@@ -1,32 +1,22 @@
-"""VAEs of FLUX.1, FLUX.2 and Qwen-Image (diffusers models, not reimplemented) and latent packing.
+"""The generic parts of the VAEs (diffusers models, not reimplemented): latent packing, the loader,
+and the wrapper of a plain diffusers AutoencoderKL. Each family's own VAE wrapper, with its released
+config and its normalisation, lives in its folder (library/models/<family>/vae.py) and builds on these.
 
-The wrappers take images [B, 3, H, W] in [-1, 1] and return normalised latents [B, C, H/8, W/8]
-(C = 16 for FLUX.1 and Qwen-Image, 32 for FLUX.2) as float32, whatever dtype the VAE runs in
-(`dtype`, float32 by default, bfloat16 allowed).
+A wrapper takes images [B, 3, H, W] in [-1, 1] and returns normalised latents [B, C, H/8, W/8]
+(C = the VAE's latent channels) as float32, whatever dtype the VAE runs in (`dtype`, float32 by
+default, bfloat16 allowed); `decode` is the inverse. `vae` is the diffusers model, `latent_channels`
+its C.
 
 Encoding returns the mode (mean) of the latent distribution unless a `generator` is given, in which
-case it samples from it. Why the choice is offered: BFL's and sd-scripts' FLUX AutoEncoder samples
-(`DiagonalGaussian(sample=True)`), diffusers' img2img pipelines sample by default and its Qwen-Image
-edit pipelines take the mode ("argmax"). The mode is deterministic, which is what latent caching
-wants; the difference is the VAE's posterior std, which is small for both models.
-
-Normalisation (checked against diffusers' pipelines):
-- FLUX: latents = (z - shift_factor) * scaling_factor (0.1159, 0.3611 for the released VAE);
-  decode uses z = latents / scaling_factor + shift_factor (pipeline_flux.py).
-- Qwen-Image: latents = (z - latents_mean) / latents_std per channel; decode z = latents * std + mean
-  (pipeline_qwenimage*.py). Its VAE is a video VAE: images get a time axis of 1 on the way in and
-  lose it on the way out, so both wrappers speak 4-D tensors.
-- FLUX.2: the pipeline patchifies z (2x2 -> 128 channels) and normalises each of those channels
-  with the VAE's BatchNorm statistics, (p - running_mean) / sqrt(running_var + eps); decode is the
-  inverse, then unpatchify (Flux2Pipeline._encode_vae_image and the end of __call__). Our latents
-  are that normalised tensor unpatchified back to [B, 32, H/8, W/8]: patchify is a permutation, so
-  pack_latents of them is bit for bit the pipeline's packed tokens, and the shared packing, masks
-  and latent caches keep FLUX.1's shapes.
+case it samples from it. Why the choice is offered: BFL's and sd-scripts' AutoEncoders sample
+(`DiagonalGaussian(sample=True)`), diffusers' img2img pipelines sample by default and its edit
+pipelines take the mode ("argmax"). The mode is deterministic, which is what latent caching wants;
+the difference is the VAE's posterior std, which is small for the released VAEs.
 
 Loaders read safetensors only: a diffusers folder (the model folder itself or a repo with `vae/`),
-a single diffusers-keyed file, and for FLUX.1 also BFL's single-file `ae.safetensors` (LDM key
-names, converted with diffusers' own `convert_ldm_vae_checkpoint`). FLUX.2's VAE loads from a
-diffusers folder or a diffusers-keyed file (diffusers has no single-file converter for it).
+a single diffusers-keyed file, and an AutoencoderKL's single LDM-keyed file (e.g. BFL's
+`ae.safetensors`, converted with diffusers' own `convert_ldm_vae_checkpoint`). A VAE class that
+diffusers has no single-file converter for loads from a diffusers folder or a diffusers-keyed file.
 """
 
 from __future__ import annotations
@@ -36,13 +26,13 @@ import os
 
 import torch
 from accelerate import init_empty_weights
-from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLQwenImage
+from diffusers import AutoencoderKL
 from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming
 
 # ----------------------------------------------------------------------------------------------
-# Latent packing (2x2 patches -> tokens), identical to FluxPipeline._pack_latents/_unpack_latents
+# Latent packing (2x2 patches -> tokens), identical to diffusers' pipelines' _pack_latents/_unpack_latents
 
 
 def pack_latents(z: torch.Tensor) -> torch.Tensor:
@@ -64,7 +54,7 @@ def unpack_latents(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 
 def patchify(z: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] -> [B, 4C, H/2, W/2], channel order (c, ph, pw): Flux2Pipeline._patchify_latents."""
+    """[B, C, H, W] -> [B, 4C, H/2, W/2], channel order (c, ph, pw), as diffusers' _patchify_latents."""
     b, c, h, w = z.shape
     return z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
 
@@ -76,31 +66,7 @@ def unpatchify(p: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Configs of the released VAEs (used when a single file comes without a config.json)
-
-FLUX_VAE_CONFIG = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ["DownEncoderBlock2D"] * 4,
-    "up_block_types": ["UpDecoderBlock2D"] * 4,
-    "block_out_channels": [128, 256, 512, 512],
-    "layers_per_block": 2,
-    "act_fn": "silu",
-    "latent_channels": 16,
-    "norm_num_groups": 32,
-    "sample_size": 1024,
-    "scaling_factor": 0.3611,
-    "shift_factor": 0.1159,
-    "force_upcast": True,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-    "mid_block_add_attention": True,
-}
-
-# AutoencoderKLQwenImage's and AutoencoderKLFlux2's constructor defaults follow the released VAEs (a
-# config.json beside the weights, as in the released repositories, wins).
-FLUX2_VAE_CONFIG: dict = {}
-QWEN_IMAGE_VAE_CONFIG: dict = {}
+# File checks
 
 
 def vae_markers(latent_channels: int, video: bool = False) -> dict[str, tuple | None]:
@@ -141,11 +107,11 @@ def _is_ldm_layout(keys: list[str]) -> bool:
 
 
 def _load_weights(model, reader: CheckpointReader, dtype: torch.dtype, config: dict):
-    """Load diffusers-keyed or (FLUX) LDM/BFL-keyed weights into `model`, cast to `dtype`."""
+    """Load diffusers-keyed or (AutoencoderKL) LDM/BFL-keyed weights into `model`, cast to `dtype`."""
     if not _is_ldm_layout(reader.keys()):
         load_streaming(model, reader, rename=lambda k: k, dtype=dtype)
         return
-    # A VAE is small (84 M parameters for FLUX): convert the whole state dict at once.
+    # A VAE is small (84 M parameters for a 16-channel AutoencoderKL): convert the whole state dict at once.
     converted = convert_ldm_vae_checkpoint({k: reader.get(k) for k in reader.keys()}, config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing, unexpected = expected.keys() - converted.keys(), converted.keys() - expected.keys()
@@ -163,31 +129,46 @@ def _load_weights(model, reader: CheckpointReader, dtype: torch.dtype, config: d
 
 
 def load_vae(cls, path: str, default_config: dict, dtype: torch.dtype = torch.float32, config: dict | None = None):
-    """A diffusers VAE of class `cls` from `path` (see module docstring), in eval mode, in `dtype`."""
+    """A diffusers VAE of class `cls` from `path` (see module docstring), in eval mode, in `dtype`.
+    Config: `config` > the one found with the weights > `default_config` (the released VAE's)."""
     weights, found = _resolve(path)
     config = {**default_config, **(found or {}), **(config or {})}
     model = _build(cls, config)
     _load_weights(model, CheckpointReader(weights), dtype, config)
-    return _cast(model, dtype)
+    return frozen_in(model, dtype)
 
 
-def _cast(model, dtype: torch.dtype):
+def frozen_in(model, dtype: torch.dtype):
+    """`model` in `dtype`, eval mode, no gradients."""
     # nn.Module.to: diffusers' ModelMixin.to warns about fp32-kept modules these VAEs do not have.
     return torch.nn.Module.to(model, dtype).eval().requires_grad_(False)
 
 
+def vae_on_meta(wrapper: type, path: str | None = None):
+    """`wrapper` (a VAE wrapper class) around its diffusers model built on meta, no weights read: the
+    config found at `path` over the wrapper's default (the memory planner measures it)."""
+    found = _resolve(path)[1] if path else None
+    return wrapper(_build(wrapper.diffusers_class, {**wrapper.default_config, **(found or {})}))
+
+
 # ----------------------------------------------------------------------------------------------
-# FLUX.1
+# A plain AutoencoderKL (the 16-channel VAE several families share, each with its own config)
 
 
-class FluxVAE:
-    """FLUX.1 VAE (diffusers AutoencoderKL). encode: images [B,3,H,W] in [-1,1] -> float32 latents
-    [B,16,H/8,W/8] = (z - shift) * scale; decode: the inverse, images float32 clamped to [-1,1]."""
+class KLVAE:
+    """diffusers AutoencoderKL. encode: images [B,3,H,W] in [-1,1] -> float32 latents
+    [B,C,H/8,W/8] = (z - shift_factor) * scaling_factor (the config's; decode uses z = latents /
+    scaling_factor + shift_factor, as diffusers' pipelines do); decode: the inverse, images float32
+    clamped to [-1,1]. A family's subclass sets default_config to its released VAE's config (used
+    when a single file comes without one); here it is AutoencoderKL's constructor defaults."""
+
+    diffusers_class = AutoencoderKL
+    default_config: dict = {}
 
     def __init__(self, vae: str | AutoencoderKL, dtype: torch.dtype = torch.float32, config: dict | None = None):
         if isinstance(vae, str):
-            vae = load_vae(AutoencoderKL, vae, FLUX_VAE_CONFIG, dtype, config)
-        self.vae = _cast(vae, dtype)
+            vae = load_vae(self.diffusers_class, vae, self.default_config, dtype, config)
+        self.vae = frozen_in(vae, dtype)
         self.dtype = dtype
         self.shift_factor = float(vae.config.shift_factor or 0.0)
         self.scaling_factor = float(vae.config.scaling_factor)
@@ -206,19 +187,13 @@ class FluxVAE:
         return images.float().clamp(-1, 1)
 
 
-def load_flux_vae(path: str, dtype: torch.dtype = torch.float32, config: dict | None = None) -> FluxVAE:
-    """FluxVAE from BFL `ae.safetensors`, a diffusers folder (`vae/` or itself) or a diffusers file.
-    config: AutoencoderKL config dict overriding the one found (default: the released FLUX VAE)."""
-    return FluxVAE(path, dtype, config)
-
-
 # BFL/LDM <-> diffusers names for AutoencoderKL, the reverse of diffusers' converter (used to write
-# BFL-format files, e.g. the tiny test set). Attention projections are 1x1 convs in LDM files.
+# LDM-format single files, e.g. the tiny test set's). Attention projections are 1x1 convs in LDM files.
 _LDM_ATTN = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
 
 
-def flux_vae_to_ldm_state_dict(sd: dict[str, torch.Tensor], num_blocks: int) -> dict[str, torch.Tensor]:
-    """diffusers AutoencoderKL state dict -> BFL `ae.safetensors` key layout."""
+def autoencoder_kl_to_ldm_state_dict(sd: dict[str, torch.Tensor], num_blocks: int) -> dict[str, torch.Tensor]:
+    """diffusers AutoencoderKL state dict -> the LDM single-file key layout (BFL's `ae.safetensors`)."""
     out = {}
     for key, value in sd.items():
         new = key.replace("conv_norm_out", "norm_out").replace("conv_shortcut", "nin_shortcut")
@@ -239,82 +214,3 @@ def flux_vae_to_ldm_state_dict(sd: dict[str, torch.Tensor], num_blocks: int) -> 
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# FLUX.2
-
-
-class Flux2VAE:
-    """FLUX.2 VAE (diffusers AutoencoderKLFlux2). encode: images [B,3,H,W] in [-1,1] -> float32
-    latents [B,32,H/8,W/8], normalised in patch space with the VAE's BatchNorm statistics (module
-    docstring); decode: the inverse, images float32 clamped to [-1,1]."""
-
-    def __init__(self, vae: str | AutoencoderKLFlux2, dtype: torch.dtype = torch.float32, config: dict | None = None):
-        if isinstance(vae, str):
-            vae = load_vae(AutoencoderKLFlux2, vae, FLUX2_VAE_CONFIG, dtype, config)
-        if tuple(vae.config.patch_size) != (2, 2):
-            raise ValueError(f"Flux2VAE: patch_size {tuple(vae.config.patch_size)} is not FLUX.2's (2, 2)")
-        self.vae = _cast(vae, dtype)
-        self.dtype = dtype
-        self.latent_channels = int(vae.config.latent_channels)
-        # float32 [1, 4C, 1, 1] per patch channel, as the VAE holds them (float32 for a float32 VAE).
-        self.bn_mean = vae.bn.running_mean.float().view(1, -1, 1, 1)
-        self.bn_std = torch.sqrt(vae.bn.running_var.float().view(1, -1, 1, 1) + vae.config.batch_norm_eps)
-
-    @torch.no_grad()
-    def encode(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        posterior = self.vae.encode(images.to(self.dtype)).latent_dist
-        z = posterior.mode() if generator is None else posterior.sample(generator)
-        p = patchify(z.float())
-        return unpatchify((p - self.bn_mean.to(p.device)) / self.bn_std.to(p.device))  # float32
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        p = patchify(latents.float())
-        z = unpatchify(p * self.bn_std.to(p.device) + self.bn_mean.to(p.device))  # float32, then VAE dtype
-        images = self.vae.decode(z.to(self.dtype)).sample
-        return images.float().clamp(-1, 1)
-
-
-def load_flux2_vae(path: str, dtype: torch.dtype = torch.float32, config: dict | None = None) -> Flux2VAE:
-    """Flux2VAE from a diffusers folder (`vae/` or itself) or its diffusion_pytorch_model.safetensors."""
-    return Flux2VAE(path, dtype, config)
-
-
-# ----------------------------------------------------------------------------------------------
-# Qwen-Image
-
-
-class QwenImageVAE:
-    """Qwen-Image VAE (diffusers AutoencoderKLQwenImage). encode: images [B,3,H,W] in [-1,1] ->
-    float32 latents [B,16,H/8,W/8] = (z - mean) / std per channel; decode: the inverse, images
-    float32 in [-1,1] (the diffusers decoder clamps)."""
-
-    def __init__(self, vae: str | AutoencoderKLQwenImage, dtype: torch.dtype = torch.float32, config: dict | None = None):
-        if isinstance(vae, str):
-            vae = load_vae(AutoencoderKLQwenImage, vae, QWEN_IMAGE_VAE_CONFIG, dtype, config)
-        self.vae = _cast(vae, dtype)
-        self.dtype = dtype
-        self.latent_channels = int(vae.config.z_dim)
-        # float32 [1, C, 1, 1]: per-channel statistics broadcast over the image.
-        self.latents_mean = torch.tensor(vae.config.latents_mean, dtype=torch.float32).view(1, -1, 1, 1)
-        self.latents_std = torch.tensor(vae.config.latents_std, dtype=torch.float32).view(1, -1, 1, 1)
-
-    @torch.no_grad()
-    def encode(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        posterior = self.vae.encode(images.to(self.dtype)[:, :, None]).latent_dist  # [B, 3, T=1, H, W]
-        z = posterior.mode() if generator is None else posterior.sample(generator)
-        z = z[:, :, 0].float()
-        return (z - self.latents_mean.to(z.device)) / self.latents_std.to(z.device)  # float32
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        if latents.dim() == 5:  # [B, C, 1, H, W] as diffusers' pipeline unpacks them
-            latents = latents[:, :, 0]
-        z = latents.float() * self.latents_std.to(latents.device) + self.latents_mean.to(latents.device)
-        images = self.vae.decode(z.to(self.dtype)[:, :, None]).sample  # [B, 3, 1, H, W]
-        return images[:, :, 0].float()
-
-
-def load_qwen_image_vae(path: str, dtype: torch.dtype = torch.float32, config: dict | None = None) -> QwenImageVAE:
-    """QwenImageVAE from a diffusers folder (`vae/` or itself) or its diffusion_pytorch_model.safetensors."""
-    return QwenImageVAE(path, dtype, config)

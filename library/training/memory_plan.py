@@ -235,13 +235,12 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
 
 def _vae(family):
     """The family's VAE wrapper around the diffusers model built on meta (config from the files)."""
-    from library.models import vae as V
+    from library.models.spec import load_symbol
+    from library.models.vae import vae_on_meta
 
-    cls, default, wrap = {"flux": (V.AutoencoderKL, V.FLUX_VAE_CONFIG, V.FluxVAE),
-                          "flux2": (V.AutoencoderKLFlux2, V.FLUX2_VAE_CONFIG, V.Flux2VAE),
-                          "qwen_image": (V.AutoencoderKLQwenImage, V.QWEN_IMAGE_VAE_CONFIG, V.QwenImageVAE)}[family.arch]
-    found = V._resolve(family.vae_path)[1] if getattr(family, "vae_path", None) else None
-    return wrap(V._build(cls, {**default, **(found or {})}))
+    wrap = load_symbol({"flux": "library.models.flux1.vae:FluxVAE", "flux2": "library.models.flux2.vae:Flux2VAE",
+                        "qwen_image": "library.models.qwen_image.vae:QwenImageVAE"}[family.arch])
+    return vae_on_meta(wrap, getattr(family, "vae_path", None))
 
 
 def _vae_peak(vae, width: int, height: int, batch: int, decode: bool) -> int:

@@ -32,7 +32,7 @@ class FluxFamily(DiffusionFamily):
         ]
 
     def load_vae(self, dtype=torch.float32):
-        from library.models.vae import load_flux_vae
+        from library.models.flux1.vae import load_flux_vae
 
         return load_flux_vae(self.vae_path, dtype)
 
@@ -58,7 +58,8 @@ class FluxFamily(DiffusionFamily):
         return TokenLimit("T5-XXL", self.text_options(args)["t5_max_length"], lambda text: len(tokenizer(text, verbose=False).input_ids))
 
     def load_text_encoder(self, precision="bf16", device=None, t5_max_length: int = 512):
-        from library.models.text_encoders import encode_flux_prompts, encoder_precision, load_clip_l, load_t5
+        from library.models.flux1.text_encoder import encode_flux_prompts
+        from library.models.text_encoders import encoder_precision, load_clip_l, load_t5
 
         dtype, fp8 = encoder_precision(precision)
         clip = load_clip_l(self.text_paths["clip_l"], dtype=dtype)

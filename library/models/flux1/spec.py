@@ -81,7 +81,10 @@ PLANNER = None
 
 
 # -- tiny models (tests, quickstart)
-TINY = None
+TINY = S.TinySpec(writers=(
+    "library.models.flux1.tiny:write_flux", "library.models.flux1.tiny:write_flux_vae",
+    "library.models.flux1.tiny:write_clip", "library.models.flux1.tiny:write_t5",
+))
 
 
 SPEC = S.ArchSpec(

@@ -1,5 +1,5 @@
 """FLUX.2 as a diffusion family: the BFL-named transformer (model.py, loaded by checkpoint.py), the
-FLUX.2 VAE (32 latent channels, BatchNorm-normalised in patch space: library/models/vae.py) and
+FLUX.2 VAE (32 latent channels, BatchNorm-normalised in patch space: vae.py) and
 the text encoders: [klein]'s Qwen3 (text_encoder.py), [dev]'s Mistral (dev_text_encoder.py).
 
 Variants, read from the transformer checkpoint: a guidance embedding (`guidance_in`) is [dev],
@@ -52,7 +52,7 @@ class Flux2Family(DiffusionFamily):
         ]
 
     def load_vae(self, dtype=torch.float32):
-        from library.models.vae import load_flux2_vae
+        from library.models.flux2.vae import load_flux2_vae
 
         return load_flux2_vae(self.vae_path, dtype)
 

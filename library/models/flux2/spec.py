@@ -56,7 +56,13 @@ PLANNER = None
 
 
 # -- tiny models (tests, quickstart)
-TINY = None
+TINY = S.TinySpec(
+    writers=(
+        "library.models.flux2.tiny:write_qwen3_text_encoder", "library.models.flux2.tiny:write_flux2",
+        "library.models.flux2.tiny:write_flux2_vae", "library.models.flux2.tiny:write_flux2_dev_text_encoder",
+    ),
+    dims=(("flux2_latent_channels", 32),),  # AutoencoderKLFlux2's latent channels
+)
 
 
 SPEC = S.ArchSpec(

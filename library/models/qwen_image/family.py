@@ -23,7 +23,7 @@ class QwenImageFamily(DiffusionFamily):
         return "qwen-image"
 
     def text_encoding_constants(self) -> dict:
-        from library.models import text_encoders as te
+        from library.models.qwen_image import text_encoder as te
 
         return {"template": te.QWEN_IMAGE_PROMPT_TEMPLATE, "drop": te.QWEN_IMAGE_DROP_TOKENS,
                 "max_tokens": te.QWEN_IMAGE_MAX_TOKENS}
@@ -33,7 +33,7 @@ class QwenImageFamily(DiffusionFamily):
         template's end)."""
         from library.data.check import TokenLimit
         from library.io import component_folder
-        from library.models import text_encoders as te
+        from library.models.qwen_image import text_encoder as te
 
         tokenizer = te._load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer")
         return TokenLimit("Qwen2.5-VL", te.QWEN_IMAGE_MAX_TOKENS, lambda text: len(
@@ -56,12 +56,13 @@ class QwenImageFamily(DiffusionFamily):
         ]
 
     def load_vae(self, dtype=torch.float32):
-        from library.models.vae import load_qwen_image_vae
+        from library.models.qwen_image.vae import load_qwen_image_vae
 
         return load_qwen_image_vae(self.vae_path, dtype)
 
     def load_text_encoder(self, precision="bf16", device=None):
-        from library.models.text_encoders import encoder_precision, load_qwen_image_text_encoder
+        from library.models.qwen_image.text_encoder import load_qwen_image_text_encoder
+        from library.models.text_encoders import encoder_precision
 
         dtype, fp8 = encoder_precision(precision)
         encoder = load_qwen_image_text_encoder(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8)

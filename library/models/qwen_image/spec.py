@@ -46,7 +46,11 @@ PLANNER = None
 
 
 # -- tiny models (tests, quickstart)
-TINY = None
+TINY = S.TinySpec(writers=(
+    "library.models.qwen_image.tiny:write_qwen_image", "library.models.qwen_image.tiny:write_qwen_vae",
+    "library.models.qwen_image.tiny:write_qwen_text_encoder", "library.models.qwen_image.tiny:write_qwen_image_edit",
+    "library.models.qwen_image.tiny:write_qwen_vl_text_encoder",
+))
 
 
 SPEC = S.ArchSpec(
