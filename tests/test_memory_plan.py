@@ -113,14 +113,14 @@ def tiny_flux(tiny_set):
 
 
 def test_caching_plans_the_vae_batch_that_cache_latents_encodes(tiny_set):
-    from library.training.memory_plan import GiB, _vae, _vae_peak, caching_phase
+    from library.training.memory_plan import GiB, _vae_peak, caching_phase
     from tools import plan_memory
 
     family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
     args.vae_batch_size = 3  # the training batch below is 1
     caching = plan_memory.plan_run(family, args, 64, 64, 1)[0]
     encode = next(v for k, v in caching.parts.items() if k.startswith("vae encode"))
-    assert encode == _vae_peak(_vae(family), 64, 64, 3, decode=False)
+    assert encode == _vae_peak(family.vae_on_meta(), 64, 64, 3, decode=False)
     # Qwen-Image at 1328 px: cache_latents' default batch of 4 needs 25.88 GiB (batch 1: 6.82)
     qwen = plan_memory.PresetFamily("qwen-image")
     assert round(caching_phase(qwen, plan_memory.default_args("qwen_image"), 1328, 1328).peak / GiB, 2) == 25.88

@@ -3,12 +3,12 @@
     python tools/extract_lora.py --model BASE --tuned TUNED --save_to OUT.safetensors \
         (--rank R [--svd lowrank] | --energy X [--rank R]) [--save_precision fp32|bf16|fp16] [--device cuda]
 
-BASE and TUNED are read as tools/merge_lora.py reads a base (open_base: FLUX.1 / FLUX.2 BFL single file,
-ComfyUI prefixes included, or diffusers folder; Qwen-Image file or folder; Hugging Face LLM folder
-or file; pre-quantized fp8 files are dequantized as merge_lora does) and must be the same family
-and naming. The LoRA targets are the family's Linears that networks/lora.py's TARGETS names (FLUX:
-every block Linear with modulation, and the embedders; FLUX.2: the block Linears; Qwen-Image: attention, MLP and modulation;
-LLM: attention and MLP projections), found through the same key maps merge_lora uses.
+BASE and TUNED are read as tools/merge_lora.py reads a base (open_base: a diffusion transformer's
+single file, ComfyUI prefixes included, or diffusers folder; a Hugging Face LLM folder or file;
+pre-quantized fp8 files are dequantized as merge_lora does) and must be the same family and naming.
+The LoRA targets are the architecture's Linears that the spec's LoRA targets name (what training
+adapts: e.g. the block Linears, with or without modulation, and some embedders; for an LLM the
+attention and MLP projections), found through the same key maps merge_lora uses.
 
 Per target module, D = W_tuned - W_base (float32), and its SVD D = U S Vh (torch.linalg.svd on
 --device) gives the best rank-k approximation: down = Vh_k, up = U_k S_k, alpha = k (scale 1).
@@ -24,9 +24,10 @@ actually written, ||D - (alpha / k) up @ down|| / ||D|| (after casting to --save
 Streaming: one module at a time, base and tuned weight read, differenced, decomposed and dropped;
 peak memory is a few copies of the largest weight plus the LoRA being built.
 
-Output: kohya (`lora_unet_` for FLUX BFL / Qwen-Image, `lora_te_` for LLMs, our trainer's names),
-or PEFT with `transformer.` for a FLUX.1 / FLUX.2 diffusers-named checkpoint (diffusers names; our loader and
-merge_lora convert them to BFL). It loads with networks.lora.LoRANetwork.load_weights, merge_lora
+Output: kohya (`lora_unet_` for a diffusion transformer, `lora_te_` for LLMs) in the model's own module
+names (our trainer's), or PEFT with `transformer.` for a checkpoint in the other naming of a model's
+two (a diffusers folder of a BFL-named model: diffusers names; our loader and merge_lora convert them
+to BFL). It loads with networks.lora.LoRANetwork.load_weights, merge_lora
 and generate. Errors are one line on stderr, exit status 2, and nothing is written.
 """
 
@@ -80,8 +81,8 @@ def read_weight(base: Base, key: str) -> torch.Tensor:
 
 
 def target_modules(base: Base) -> list[str]:
-    """Module paths (base naming, checkpoint order) whose weight TARGETS[family] names; FLUX
-    diffusers names are matched through their BFL owner module."""
+    """Module paths (base naming, checkpoint order) whose weight the arch's LoRA targets name; names
+    in the other naming of the model's module map are matched through the module they are part of."""
     patterns = [re.compile(p) for p in lora_targets(base.family).targets.values()]
     return [p for p in base.weight_key if any(r.fullmatch(base.fp8_name(p)) for r in patterns)]
 
@@ -144,7 +145,7 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
                               network_alpha=rank if energy is None else "Dynamic", base_model=base.path)
     metadata["lora_extracted"] = json.dumps({"base": os.path.basename(base.path), "tuned": os.path.basename(other.path),
                                              "rank": rank, "energy": energy, "family": base.family})  # fmt: skip
-    if base.module_map is not None and base.naming == "diffusers":  # FLUX.1 / FLUX.2 diffusers names
+    if not base.native:  # diffusers names of a BFL-named model: PEFT, as diffusers writes it
         write_peft(weights, save_to, prefix="transformer", dtype=dtype, metadata={**metadata, "lora_alpha_folded": "true"})
     else:
         write_kohya(weights, save_to, dtype, metadata, prefix=lora_targets(base.family).kohya_prefix)

@@ -1,11 +1,12 @@
-"""Text-to-image with FLUX.1, FLUX.2 or Qwen-Image, with the same model, sampler and LoRA code as the
-training samples: the way to check a LoRA under the base precision you will deploy.
+"""Text-to-image with any registered diffusion family (--model_type), with the same model, sampler and
+LoRA code as the training samples: the way to check a LoRA under the base precision you will deploy.
 
-    python tools/generate.py --model_type flux --model flux1-dev.safetensors --ae ae.safetensors \\
-        --clip_l clip_l --t5xxl t5xxl --prompt "a cat" --width 1024 --height 1024 --steps 20 \\
+    python tools/generate.py --model_type TYPE --model transformer.safetensors --ae ae.safetensors \\
+        --text_encoder te --prompt "a cat" --width 1024 --height 1024 --steps 20 \\
         --base_precision fp8_scaled --lora my_lora.safetensors:0.8 --out out/
+        # the text encoder flags the model type loads: --text_encoder, or --clip_l and --t5xxl
     python tools/generate.py ... --prompt_file prompts.txt      # sd-scripts syntax, one per line
-    python tools/generate.py --model_type flux_kontext ... --prompt "make it red" --control_image in.png
+    python tools/generate.py --model_type EDIT_TYPE ... --prompt "make it red" --control_image in.png
         # edit models: the reference image(s) (also per prompt: --ci in.png, musubi-tuner's flag)
 
 Writes one PNG per prompt, NNN_SEED.png numbered after the images already in --out, with the
@@ -33,26 +34,28 @@ from tools.cli import check_command_line  # noqa: E402
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--model_type", required=True, choices=tuple(FAMILIES))
-    p.add_argument("--model", required=True, help="transformer checkpoint (BFL file / diffusers folder / ComfyUI "
+    p.add_argument("--model", required=True, help="transformer checkpoint (single file / diffusers folder / ComfyUI "
                                                    "file, fp8 and scaled fp8 ones used as they are)")
     p.add_argument("--ae", required=True, help="VAE")
-    p.add_argument("--clip_l", help="flux: CLIP-L folder")
-    p.add_argument("--t5xxl", help="flux: T5-XXL folder")
-    p.add_argument("--t5xxl_max_token_length", type=int, default=None, help="flux: default 512 dev, 256 schnell")
-    p.add_argument("--text_encoder", help="qwen_image: Qwen2.5-VL language model folder; qwen_image_edit: Qwen2.5-VL "
-                                          "with vision tower (processor/ beside it); flux2: klein Qwen3 (repo / folder / file)")
-    p.add_argument("--model_version", help="qwen_image_edit: qwen-image-edit / -2509 / -2511 (default: the transformer "
+    p.add_argument("--clip_l", help="CLIP-L folder (model types whose text encoders include it)")
+    p.add_argument("--t5xxl", help="T5-XXL folder (model types whose text encoders include it)")
+    p.add_argument("--t5xxl_max_token_length", type=int, default=None,
+                   help="T5 tokens per prompt (default: the model's, as its checkpoint tells)")
+    p.add_argument("--text_encoder", help="the language model of model types with one text encoder (repo / folder / "
+                                          "file; an edit model's with its vision tower, processor/ beside it)")
+    p.add_argument("--model_version", help="an edit model's version where it has several (default: the transformer "
                                            "config's flags)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (sd-scripts flags allowed); repeatable")
     p.add_argument("--prompt_file", help="prompt file, one per line, sd-scripts syntax")
     p.add_argument("--control_image", action="append", default=[],
-                   help="edit models (flux_kontext, qwen_image_edit): a reference image for every prompt without its own --ci; repeatable")
-    p.add_argument("--negative", default="", help="qwen_image, flux2 klein base: negative prompt for true CFG")
+                   help="edit models: a reference image for every prompt without its own --ci; repeatable")
+    p.add_argument("--negative", default="", help="negative prompt, for the models that sample with true CFG")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--guidance", type=float, default=None, help="flux-dev / flux2-dev: embedded guidance (3.5 / 4.0); qwen, flux2 klein base: CFG (4.0)")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="embedded guidance, or the CFG scale of models that sample with true CFG (default: the model type's)")
     p.add_argument("--base_precision", default="bf16", choices=BASE_PRECISIONS)
     p.add_argument("--dtype", default="bf16", choices=PRECISION_NAMES, help="compute dtype")
     p.add_argument("--text_encoder_precision", default="bf16", choices=("fp32", "fp16", "bf16", "fp8", "fp8_scaled"))

@@ -4,16 +4,18 @@
         [--save_precision fp32|bf16|fp16|fp8] [--fp8_layout comfy|plain|block64] [--stochastic_rounding] [--seed N]
         [--allow_unmatched]
 
-BASE: a FLUX.1 / FLUX.2 BFL single file (ComfyUI prefixes too; bf16, fp8 or scaled fp8), a FLUX.1, FLUX.2 or Qwen-Image diffusers transformer
-folder (or the pipeline folder holding `transformer/`), a Qwen-Image single file, or a Hugging Face
-LLM folder / file. The family is told from the tensor names. OUT has the layout of BASE: a file for
-a file; for a folder, a folder with the same shard names and index plus the folder's small files
-(config.json, tokenizer files) copied. A pipeline folder gives a transformer folder.
+BASE: a diffusion transformer's single file (ComfyUI prefixes too; bf16, fp8 or scaled fp8) or
+diffusers folder (or the pipeline folder holding `transformer/`), or a Hugging Face LLM folder / file.
+The architecture is told from the tensor names: each family says which checkpoints are its own and
+how they name the model's modules (DiffusionFamily.checkpoint_names). OUT has the layout of BASE: a
+file for a file; for a folder, a folder with the same shard names and index plus the folder's small
+files (config.json, tokenizer files) copied. A pipeline folder gives a transformer folder.
 
 Each LoRA is `path[:ratio]` (ratio 1 when left out); any layout networks/lora_files.py reads
 (kohya, PEFT/diffusers, ComfyUI; for an LLM also a PEFT adapter folder, read with its
-adapter_config.json). FLUX LoRAs may use BFL or diffusers module names whatever the base's naming:
-fused modules (qkv, linear1) are split or joined by row through the FLUX module map.
+adapter_config.json). Where a model's checkpoints come in two namings (BFL names and diffusers'),
+a LoRA may use either whatever the base's naming: fused modules (qkv, linear1) are split or joined by
+row through the family's module map.
 
 Streaming: the output header is computed up front from shapes and dtypes, then each tensor is read,
 merged and written before the next is read, so peak memory is about two tensors of the largest size
@@ -27,7 +29,7 @@ Precision: a merged weight is W (read in its file dtype, widened to float32) + s
 (alpha_i / rank_i) * up_i @ down_i, accumulated in float32; only then is it cast to --save_precision
 (default: each tensor keeps its file dtype). fp8 stores float8_e4m3fn Linear weights (round to nearest,
 or unbiased stochastic rounding with --stochastic_rounding) in one of three layouts (--fp8_layout):
-  comfy    ComfyUI's scaled fp8 (the default for FLUX and Qwen-Image single files): every Linear weight
+  comfy    ComfyUI's scaled fp8 (the default for diffusion single files): every Linear weight
            e4m3 with a float32 0-dim `X.scale_weight` (absmax / 448), Linear biases e4m3, other float
            tensors bf16, and the `scaled_fp8` marker (e4m3, 2 elements: ComfyUI's "no fp8 matmul" flag,
            so ComfyUI computes with the dequantized weights rather than fp8-quantized activations).
@@ -37,7 +39,7 @@ or unbiased stochastic rounding with --stochastic_rounding) in one of three layo
            modules in fp8.HIGH_PRECISION_MODULES and every other float tensor bf16.
   block64  ours (`--save_precision fp8_scaled` is the same): e4m3 + bf16 `X.weight_scale` per 64 input
            columns (library/precision/fp8.py), high-precision modules bf16. Only our loaders read it.
-All three load back as they are through load_flux / load_flux2 / load_qwen_image (train_lora.py, generate.py).
+All three load back as they are through the families' transformer loaders (train_lora.py, generate.py).
 
 An fp8 BASE (plain e4m3, our fp8_scaled, ComfyUI's per-tensor scaled fp8 with its `scaled_fp8` marker or
 comfy_quant; library/precision/fp8_checkpoints.py) is merged into as ComfyUI patches one: each merged
@@ -46,7 +48,8 @@ fp8 values. Without --save_precision the output keeps the base's layout: only th
 re-quantized (fresh scale, round to nearest or --stochastic_rounding), every other tensor is copied
 byte for byte; with bf16/fp16/fp32 every weight is dequantized and the scales and markers left out.
 Another fp8 layout is refused (it would re-round every weight). Keys outside the transformer (text
-encoders and VAE bundled in a ComfyUI checkpoint) are copied as they are. FLUX fp8 bases in BFL names.
+encoders and VAE bundled in a ComfyUI checkpoint) are copied as they are. fp8 bases only in the model's
+own names (BFL names, not a diffusers folder's split rows).
 
 Errors (bad ratio, missing file, LoRA for another model, shape mismatch, unmatched modules without
 --allow_unmatched, fp8 layout change) are one line on stderr, exit status 2, and no output is left behind.
@@ -98,12 +101,9 @@ from safetensors import safe_open  # noqa: E402
 
 from library.precision import fp8  # noqa: E402
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint  # noqa: E402
-from library.models.flux1.checkpoint import BFL_PREFIXES, row_tables  # noqa: E402
-from library.models.flux2.checkpoint import FLUX2_MARKERS  # noqa: E402
-from library.models.flux2.checkpoint import row_tables as flux2_row_tables  # noqa: E402
 from library.io import ST_DTYPES, CheckpointError, CheckpointReader, atomic_folder, atomic_path, component_folder  # noqa: E402
 from library.models.llm import checkpoint_key_to_llm  # noqa: E402
-from library.models.qwen_image.model import CHECKPOINT_PREFIXES as QWEN_PREFIXES  # noqa: E402
+from library.models.registry import FAMILIES, arch_specs  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     KOHYA_PREFIXES,
@@ -181,39 +181,48 @@ class Base:
 
     path: str  # the checkpoint file or folder actually read
     reader: CheckpointReader
-    family: str  # "flux" | "flux2" | "qwen_image" | "llm"
+    family: str  # the architecture (an arch of the registry: "llm" for a language model)
     naming: str  # "bfl" | "diffusers" | "hf"
     to_model: Callable[[str], str | None]
-    module_map: dict | None = None  # FLUX.1 / FLUX.2 only: BFL module -> [(diffusers module, row0, row1)]
+    module_map: dict | None = None  # fused modules: model module -> [(module in the other naming, row0, row1)]
     weight_key: dict[str, str] = field(default_factory=dict)  # model module path -> checkpoint weight key
     fp8: Fp8Checkpoint | None = None  # a pre-quantized base (its layout; Fp8BasePlan reads and keeps it)
+    native: bool = True  # named as the model names its modules (False: module_map's other naming)
 
     @property
     def is_folder(self) -> bool:
         return os.path.isdir(self.path)
 
     def fp8_name(self, module: str) -> str:
-        if self.naming == "diffusers" and self.module_map is not None:
-            return self._bfl_owner.get(module, module)
+        if not self.native:
+            return self._native_owner.get(module, module)
         return module
 
     @functools.cached_property
-    def _bfl_owner(self) -> dict[str, str]:
-        return {d: bfl for bfl, parts in self.module_map.items() for d, _, _ in parts}
+    def _native_owner(self) -> dict[str, str]:
+        return {other: own for own, parts in self.module_map.items() for other, _, _ in parts}
 
     def alternate_paths(self) -> list[str]:
-        """FLUX module paths in the other naming, so LoRAs in either naming resolve."""
+        """Module paths in the other naming of module_map, so LoRAs in either naming resolve."""
         if self.module_map is None:
             return []
-        if self.naming == "bfl":
+        if self.native:
             return sorted({d for parts in self.module_map.values() for d, _, _ in parts})
         return list(self.module_map)
 
 
-def _prefix_of(keys: list[str], prefixes, markers) -> str | None:
-    for prefix in prefixes:
-        if any(k.startswith(prefix + m) for k in keys for m in markers):
-            return prefix
+def _family_base(path: str, reader: CheckpointReader, keys: list[str]) -> Base | None:
+    """The base as the family whose architecture the checkpoint is names it (None: no family's)."""
+    from library.models.family import family_class
+
+    families = {}
+    for model_type in FAMILIES:  # each architecture once (a variant reads its base's checkpoints)
+        families.setdefault(family_class(model_type).arch, family_class(model_type))
+    for arch, family in families.items():
+        if (names := family.checkpoint_names(keys, reader.shape)) is not None:
+            prefix = names.prefix
+            to_model = lambda k: k[len(prefix) :] if k.startswith(prefix) else None  # noqa: E731
+            return Base(path, reader, arch, names.naming, to_model, names.module_map, native=names.native)
     return None
 
 
@@ -222,24 +231,14 @@ def open_base(path: str) -> Base:
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
     keys = reader.keys()
-    strip = lambda prefix: (lambda k: k[len(prefix) :] if k.startswith(prefix) else None)  # noqa: E731
-    # FLUX.1 and FLUX.2 share their block names; FLUX.2's shared modulation tells them apart.
-    flux, tables = ("flux2", flux2_row_tables) if any(k.endswith(FLUX2_MARKERS) for k in keys) else ("flux", row_tables)
-    if (prefix := _prefix_of(keys, BFL_PREFIXES, ("double_blocks.", "single_blocks."))) is not None:
-        shapes = {k[len(prefix) :]: reader.shape(k) for k in keys if k.startswith(prefix)}
-        rows, _ = tables(list(shapes), shapes.__getitem__, diffusers=False)
-        base = Base(path, reader, flux, "bfl", strip(prefix), rows)
-    elif _prefix_of(keys, ("",), ("single_transformer_blocks.", "x_embedder.", "context_embedder.")) is not None:
-        rows, _ = tables(keys, reader.shape, diffusers=True)
-        base = Base(path, reader, flux, "diffusers", lambda k: k, rows)
-    elif (prefix := _prefix_of(keys, QWEN_PREFIXES + ("",), ("txt_norm.", "img_in."))) is not None:
-        base = Base(path, reader, "qwen_image", "diffusers", strip(prefix))
-    elif any(checkpoint_key_to_llm(k) and checkpoint_key_to_llm(k).startswith("model.layers.") for k in keys):
+    base = _family_base(path, reader, keys)
+    if base is None and any(checkpoint_key_to_llm(k) and checkpoint_key_to_llm(k).startswith("model.layers.") for k in keys):
         base = Base(path, reader, "llm", "hf", checkpoint_key_to_llm)
-    else:
-        raise CheckpointError(f"{path}: not a FLUX.1, FLUX.2, Qwen-Image or LLM checkpoint (first key '{sorted(keys)[0]}')")
-    if base.family == "llm" or base.naming == "diffusers" and base.module_map is not None:
-        fp8.refuse_fp8_checkpoint(reader, path)  # fp8 bases are read in BFL (FLUX) / diffusers (Qwen-Image) names
+    if base is None:
+        *others, last = [spec.title for spec in arch_specs().values()]
+        raise CheckpointError(f"{path}: not a {', '.join(others)} or {last} checkpoint (first key '{sorted(keys)[0]}')")
+    if base.family == "llm" or not base.native:
+        fp8.refuse_fp8_checkpoint(reader, path)  # fp8 bases are read in the model's own names only
     else:
         base.fp8 = read_fp8_checkpoint(reader, path)
     for key in keys:
@@ -265,13 +264,13 @@ def _resolve_kohya(names, module_paths) -> dict[str, str | None]:
 
 
 def _to_base_naming(base: Base, weights: dict[str, LoRAWeights]) -> dict[str, LoRAWeights]:
-    """FLUX: translate modules named in the other naming (BFL <-> diffusers) to the base's."""
+    """Translate modules named in module_map's other naming to the base's (BFL <-> diffusers)."""
     other = set(base.alternate_paths())
     foreign = {p: w for p, w in weights.items() if p in other}
     if not foreign:
         return weights
     own = {p: w for p, w in weights.items() if p not in other}
-    convert = diffusers_to_bfl if base.naming == "bfl" else bfl_to_diffusers
+    convert = diffusers_to_bfl if base.native else bfl_to_diffusers
     return {**own, **convert(foreign, base.module_map)}
 
 
@@ -561,8 +560,8 @@ def _write_index(plan: Plan, out: str):
 def _output_precision(base: Base, save_precision: str | None, fp8_layout: str | None) -> str | None:
     """--save_precision + --fp8_layout -> Plan.precision: a PRECISION_DTYPES name, an fp8.MODES layout, or
     None (keep each tensor's dtype; an fp8 base keeps its layout). fp8 defaults to ComfyUI's layout for
-    FLUX / Qwen-Image single files (what people render with), plain e4m3 elsewhere, and an fp8 base's
-    own layout for an fp8 base."""
+    a diffusion transformer's single file (what people render with), plain e4m3 elsewhere, and an fp8
+    base's own layout for an fp8 base."""
     if fp8_layout is not None and fp8_layout not in FP8_LAYOUTS:
         raise ValueError(f"--fp8_layout {fp8_layout!r}: expected one of {', '.join(FP8_LAYOUTS)}")
     if save_precision == "fp8_scaled":
@@ -578,7 +577,7 @@ def _output_precision(base: Base, save_precision: str | None, fp8_layout: str | 
         fp8_layout = ("comfy" if single_file else "plain") if base.fp8 is None else \
             next(k for k, v in FP8_LAYOUTS.items() if v == base.fp8.layout)
     if fp8_layout == "comfy" and not single_file:
-        raise ValueError(f"--fp8_layout comfy: ComfyUI's scaled fp8 is a FLUX / Qwen-Image single-file layout and "
+        raise ValueError(f"--fp8_layout comfy: ComfyUI's scaled fp8 is a diffusion transformer's single-file layout and "
                          f"{base.path} is a {base.family} {'folder' if base.is_folder else 'file'}; use plain or block64")
     return FP8_LAYOUTS[fp8_layout]
 

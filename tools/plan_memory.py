@@ -1,18 +1,18 @@
 """What fits: predicted peak device memory per phase of a LoRA run, and the settings that fit a card.
 
-    python tools/plan_memory.py --config_file configs/flux1_dev_24gb.toml --vram 24
-    python tools/plan_memory.py --preset flux1-dev --vram 16          # no files needed: built-in configs
-    python tools/plan_memory.py --preset qwen-image --vram 24 --resolution 1328 --batch_size 1
-    python tools/plan_memory.py --preset flux1-kontext-dev --vram 24   # the reference's tokens included
-    python tools/plan_memory.py --preset qwen-image-edit --vram 48 --references 3   # 2509 / 2511 with 3 references
-    python tools/plan_memory.py --preset flux2-klein-4b --vram 16
+    python tools/plan_memory.py --config_file my_run.toml --vram 24
+    python tools/plan_memory.py --preset NAME --vram 16          # a released model, no files (--help: the names)
+    python tools/plan_memory.py --preset NAME --vram 24 --resolution 1328 --batch_size 1
+    python tools/plan_memory.py --preset NAME --vram 48 --references 3   # an edit model, 3 references per image
 
 Everything is simulated on `meta` (library/training/memory_plan.py): no weight is read, the files'
 headers give the shapes. With a config file the run's own settings are planned (its base precision,
 blocks_to_swap, checkpointing, network, optimizer, vae_batch_size, largest bucket, the references
 per image of its control_directory); then, for the card, every base precision x checkpointing pair
 gets the fewest blocks_to_swap that fit. A card fits a plan when the peak stays under 95% of (its
-memory - the CUDA context, ~0.6 GiB).
+memory - the CUDA context, ~0.6 GiB). The presets (each family's spec: planner.presets) are the
+released models' configs and text-encoder sizes; an edit model is planned with one reference per
+image unless --references says otherwise.
 """
 
 from __future__ import annotations
@@ -29,31 +29,18 @@ if ROOT not in sys.path:
 
 from tools.cli import check_command_line  # noqa: E402
 
-# Full-size models without files: transformer config, text encoder parameter counts.
-PRESETS = {
-    "flux1-dev": ("flux", "FLUX_DEV", {"clip_l": 123_060_480, "t5xxl": 4_762_310_656}),
-    "flux1-schnell": ("flux", "FLUX_SCHNELL", {"clip_l": 123_060_480, "t5xxl": 4_762_310_656}),
-    "flux1-kontext-dev": ("flux_kontext", "FLUX_DEV", {"clip_l": 123_060_480, "t5xxl": 4_762_310_656}),
-    "qwen-image": ("qwen_image", "QWEN_IMAGE", {"text_encoder": 7_615_616_512}),
-    # Qwen-Image-Edit(-2509/-2511): Qwen-Image's transformer, one reference's tokens; Qwen2.5-VL-7B with
-    # its vision tower (0.68 B) as the text encoder.
-    "qwen-image-edit": ("qwen_image_edit", "QWEN_IMAGE", {"text_encoder": 8_292_166_656}),
-    # klein's Qwen3 as load_klein_text_encoder reads it: embeddings + the first 27 of 36 layers, no head.
-    "flux2-klein-4b": ("flux2", "FLUX2_KLEIN_4B", {"text_encoder": 3_114_090_752}),
-    "flux2-klein-9b": ("flux2", "FLUX2_KLEIN_9B", {"text_encoder": 5_831_887_616}),
-    # [dev]'s Mistral Small 3.1 as load_dev_text_encoder reads it: embeddings + the first 30 of 40 layers, no head.
-    "flux2-dev": ("flux2", "FLUX2_DEV", {"text_encoder": 17_343_759_360}),
-}
-PRESET_VERSIONS = {"qwen-image-edit": "qwen-image-edit-2509"}  # 2511 plans the same (its text sees references alike)
-# family -> (module, class) of the transformer a preset builds
-PRESET_MODELS = {"flux": ("library.models.flux1.model", "Flux"), "flux2": ("library.models.flux2.model", "Flux2"),
-                 "qwen_image": ("library.models.qwen_image.model", "QwenImage")}
+
+def presets() -> dict:
+    """--preset name -> the PlannerPreset of a released model (every family's spec: planner.presets)."""
+    from library.models.registry import arch_specs
+
+    return {name: preset for spec in arch_specs().values() if spec.planner for name, preset in spec.planner.presets.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--config_file", help="a train_lora.py TOML config (its files' headers are read)")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a full-size model without files")
+    p.add_argument("--preset", choices=sorted(presets()), help="a full-size model without files")
     p.add_argument("--vram", type=float, default=24.0, help="the card's memory in GiB")
     p.add_argument("--resolution", type=int, default=None, help="square side in pixels (default: the largest bucket, or 1024)")
     p.add_argument("--batch_size", type=int, default=None)
@@ -73,37 +60,36 @@ from library.training.memory_plan import (  # noqa: E402
 
 
 class PresetFamily:
-    """A family whose transformer is a built-in full-size config on meta (no files)."""
+    """A family whose transformer is a released model's config built on meta (no files): what the
+    family would read from its files comes from the preset."""
 
-    def __new__(cls, preset: str):
+    def __new__(cls, name: str):
         from library.models.family import family_class
+        from library.models.registry import spec_of
+        from library.models.spec import load_symbol
 
-        name, config_name, text_params = PRESETS[preset]
-        base = family_class(name)
+        preset = presets()[name]
+        planner = spec_of(preset.model_type).planner
 
-        class Preset(base):
+        class Preset(family_class(preset.model_type)):
             def __init__(self):
-                self.name, self.vae_path, self.text_paths, self.text_params = name, None, {}, text_params
-                if preset in PRESET_VERSIONS:  # no config.json to read it from
-                    self.version = PRESET_VERSIONS[preset]
+                self.name, self.vae_path, self.text_paths, self.text_params = preset.model_type, None, {}, preset.text_params
+                for attribute, value in preset.attributes.items():
+                    setattr(self, attribute, value)
 
             def load_transformer(self, dtype, base_precision="bf16", read_weights=False):
-                import importlib
-
                 from library.precision.fp8 import prepare_fp8
 
-                module, cls_name = PRESET_MODELS[self.arch]
-                m = importlib.import_module(module)
                 with torch.device("meta"):
-                    model = getattr(m, cls_name)(getattr(m, config_name))
+                    model = load_symbol(planner.transformer)(load_symbol(preset.transformer))
                 if base_precision != "bf16":
                     prepare_fp8(model, base_precision, self.arch)
                 model.to(dtype)
                 model.compute_dtype = dtype
                 return model
 
-            def t5_max_length(self):
-                return 512 if config_name == "FLUX_DEV" else 256
+            def text_options(self, args):
+                return dict(preset.text_options)
 
         return Preset()
 
@@ -179,8 +165,10 @@ def bad_value(cli) -> str | None:
 def check_references(family, count: int, where: str) -> None:
     """An edit family takes min_controls..max_controls references per image; the others none."""
     if not family.max_controls and count:
-        raise ValueError(f"{where}: {count} reference image(s), but {family.name} takes none (edit models do: "
-                         f"flux_kontext, qwen_image_edit)")
+        from library.models.family import FAMILIES, family_class
+
+        edit = ", ".join(name for name in FAMILIES if family_class(name).max_controls)
+        raise ValueError(f"{where}: {count} reference image(s), but {family.name} takes none (edit models do: {edit})")
     if not family.min_controls <= count <= family.max_controls:
         raise ValueError(f"{where}: {count} reference image(s), but {family.name} takes "
                          f"{family.min_controls} to {family.max_controls} per image")

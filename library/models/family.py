@@ -71,6 +71,17 @@ class ModelFile:
     markers: dict[str, tuple | None]  # key ending -> its shape (None: any); every such file has them
 
 
+@dataclass(frozen=True)
+class CheckpointNames:
+    """How a transformer checkpoint names its tensors (tools/merge_lora.py reads a base by them): the
+    answer of the family whose architecture it is (DiffusionFamily.checkpoint_names)."""
+
+    naming: str  # the key layout: "bfl", "diffusers", ...
+    prefix: str = ""  # before every transformer key (a ComfyUI file's "model.diffusion_model."); others are not its
+    module_map: dict | None = None  # fused modules: model module -> [(module in the other naming, row0, row1)]
+    native: bool = True  # the model's own module names (False: the other naming of module_map, converted)
+
+
 class DiffusionFamily:
     name: str  # the model_type of the training config: the name the family is registered under
     text_path_keys: tuple[str, ...] = ()  # config keys of the text encoder files
@@ -176,6 +187,23 @@ class DiffusionFamily:
         from library.io import CheckpointReader
 
         return sum(CheckpointReader(p).numel() for p in self.text_paths.values() if p)
+
+    def text_on_meta(self, model: nn.Module, batch: int, tokens: int) -> dict:
+        """The cached text a training batch carries (float32, as encode gives it, `tokens` long),
+        on meta, sized for `model` (the memory planner)."""
+        raise NotImplementedError
+
+    def vae_on_meta(self):
+        """load_vae's wrapper around the diffusers VAE built on meta from the config at vae_path (the
+        released VAE's without one): no weight is read (the memory planner)."""
+        raise NotImplementedError
+
+    @classmethod
+    def checkpoint_names(cls, keys: list[str], shape) -> CheckpointNames | None:
+        """How a transformer checkpoint with tensor names `keys` (shape(key): its shape) names its
+        modules when it is one of this architecture's, else None (tools/merge_lora.py asks every
+        architecture). No tensor is read."""
+        return None
 
     def latent_cache_key(self) -> str:
         """Family + fingerprint of the VAE files (the preprocessing is hashed per image)."""

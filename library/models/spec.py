@@ -103,6 +103,27 @@ class LoRAFiles:
 # Memory planner: shapes and presets (library/training/memory_plan.py, tools/plan_memory.py)
 
 
+@dataclass(frozen=True)
+class PlannerPreset:
+    """A released model planned without its files (tools/plan_memory.py --preset NAME): the family
+    it trains as, its transformer's config, and what its files would tell the family."""
+
+    model_type: str  # the family it plans as
+    transformer: str  # "module:NAME" of the released transformer's config (Planner.transformer builds it)
+    text_params: dict[str, int]  # per text-encoder file key: the parameters its loader reads
+    text_options: dict = field(default_factory=dict)  # the family's text_options for a config that sets none
+    attributes: dict = field(default_factory=dict)  # other family attributes its files would give (a version)
+
+
+@dataclass(frozen=True)
+class Planner:
+    transformer: str  # "module:Class" of the transformer a preset's config builds (on meta)
+    text_tokens: int = 512  # text tokens a planned caption carries (the length the encoder pads to)
+    # The family's text_options key holding that length where the config or the checkpoint sets it.
+    text_length_option: str | None = None
+    presets: dict[str, PlannerPreset] = field(default_factory=dict)  # --preset name -> preset
+
+
 # ----------------------------------------------------------------------------------------------
 # Tiny models for tests and the quickstart (tools/make_tiny_models.py)
 

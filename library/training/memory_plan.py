@@ -32,6 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from library.models.registry import spec_of
+
 GiB = 2**30
 
 # Optimizer state per trainable parameter (fp32 LoRA parameters), bytes.
@@ -133,27 +135,13 @@ class Phase:
         return f"{self.name:9s} peak {self.peak / GiB:6.2f} GiB  ({parts})"
 
 
-def _plan_text(model: nn.Module, family: str, batch: int, text_tokens: int) -> dict:
-    """The cached text tensors a training batch carries (float32 from the caches), sized for `model`."""
-    cfg = model.config
-    if family == "flux":
-        return {"t5": torch.empty(batch, text_tokens, cfg.context_in_dim, device="meta"),
-                "clip_pooled": torch.empty(batch, cfg.vec_in_dim, device="meta")}
-    if family == "flux2":  # klein: all 512 tokens, pads included, no mask
-        return {"embeds": torch.empty(batch, text_tokens, cfg.context_in_dim, device="meta")}
-    return {"embeds": torch.empty(batch, text_tokens, cfg.joint_attention_dim, device="meta"),
-            "mask": torch.ones(batch, text_tokens, dtype=torch.bool, device="meta")}
-
-
 def text_tokens_for(family, args, references: int = 0, width: int = 1024, height: int = 1024) -> int:
-    """Text tokens a planned sample carries: FLUX.1's T5 length (the config's, else dev 512 /
-    schnell 256), else 512 (Qwen-Image: a long caption; klein: always 512); plus what each reference
-    adds where the text encoder sees it (Qwen-Image-Edit's vision tokens)."""
-    if family.arch == "flux":
-        tokens = getattr(args, "t5xxl_max_token_length", None) or family.t5_max_length()
-    else:
-        tokens = 512
-    return tokens + references * family.reference_text_tokens(width, height)
+    """Text tokens a planned sample carries: the length the family's text encoder pads a caption to
+    (its text_options' length where the config or checkpoint sets one, else the spec's planner
+    text_tokens), plus what each reference adds where the text encoder sees it."""
+    planner = spec_of(family.name).planner
+    length = family.text_options(args).get(planner.text_length_option) if planner.text_length_option else None
+    return (length or planner.text_tokens) + references * family.reference_text_tokens(width, height)
 
 
 def _meta_model_and_network(family, args):
@@ -215,7 +203,7 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     # Edit families: the references (at the target's size) add their tokens to every block.
     count = family.plan_controls if references is None else references
     control = [torch.empty_like(latents) for _ in range(count)]
-    text = _plan_text(model, family.arch, batch, text_tokens)
+    text = family.text_on_meta(model, batch, text_tokens)
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]
     with LiveBytes() as live, fused_attention_on_meta():
         for t in (*model.parameters(), *model.buffers(), *network.state_dict().values(), latents, *control,
@@ -231,16 +219,6 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
         lora=tensor_bytes(network.state_dict().values()), lora_grads=tensor_bytes(lora), optimizer=optimizer,
         activations=live.peak - resident, inputs=tensor_bytes([latents, *control, *text.values()]),
     )
-
-
-def _vae(family):
-    """The family's VAE wrapper around the diffusers model built on meta (config from the files)."""
-    from library.models.spec import load_symbol
-    from library.models.vae import vae_on_meta
-
-    wrap = load_symbol({"flux": "library.models.flux1.vae:FluxVAE", "flux2": "library.models.flux2.vae:Flux2VAE",
-                        "qwen_image": "library.models.qwen_image.vae:QwenImageVAE"}[family.arch])
-    return vae_on_meta(wrap, getattr(family, "vae_path", None))
 
 
 def _vae_peak(vae, width: int, height: int, batch: int, decode: bool) -> int:
@@ -265,7 +243,7 @@ def caching_phase(family, args, width: int, height: int, references: int = 0) ->
     then their references (each at the family's control_bucket size) the same way, one after another;
     each encode's latents leave the device before the next, so the VAE's peak is its largest single
     encode. Then, the VAE freed, the text encoders encode the captions: the phase's peak is the larger."""
-    vae = _vae(family)
+    vae = family.vae_on_meta()
     batch = args.vae_batch_size
     phase = Phase("caching")
     target = phase.parts[f"vae encode (batch {batch})"] = _vae_peak(vae, width, height, batch, decode=False)
@@ -313,14 +291,14 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     resident = resident_parts(module_bytes(model), blocks, lora, _optimizer_bytes(network, args), args.blocks_to_swap)
     count = family.plan_controls if references is None else references
     latents = torch.empty(1, family.latent_channels, height // 8, width // 8, device="meta")
-    text = _plan_text(model, family.arch, 1, text_tokens)
+    text = family.text_on_meta(model, 1, text_tokens)
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
         for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
             live.ignore(t)  # counted in `resident`
         control = control_kwargs([torch.empty_like(latents) for _ in range(count)])
         family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // 16, width // 16, None,
                        **control)
-    vae = _vae(family)
+    vae = family.vae_on_meta()
     phase = Phase("sampling", {"resident (base, lora, optimizer)": sum(resident.values())})
     if renders_bf16_reference(args):
         phase.parts["bf16 reference (base, lora)"] = _bf16_reference_bytes(family, args, lora)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from library.models.family import DiffusionFamily, ModelFile, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
 
 
 class FluxFamily(DiffusionFamily):
@@ -35,6 +35,26 @@ class FluxFamily(DiffusionFamily):
         from library.models.flux1.vae import load_flux_vae
 
         return load_flux_vae(self.vae_path, dtype)
+
+    def vae_on_meta(self):
+        from library.models.flux1.vae import FluxVAE
+        from library.models.vae import vae_on_meta
+
+        return vae_on_meta(FluxVAE, self.vae_path)
+
+    def text_on_meta(self, model, batch, tokens):
+        cfg = model.config
+        return {"t5": torch.empty(batch, tokens, cfg.context_in_dim, device="meta"),
+                "clip_pooled": torch.empty(batch, cfg.vec_in_dim, device="meta")}
+
+    @classmethod
+    def checkpoint_names(cls, keys, shape):
+        """BFL names or a diffusers folder's; FLUX.2 shares the block names, its shared modulation is its own."""
+        from library.models.flux1.checkpoint import row_tables
+
+        if any("single_stream_modulation." in k for k in keys):
+            return None
+        return bfl_checkpoint_names(keys, shape, row_tables)
 
     def text_options(self, args) -> dict:
         return {"t5_max_length": getattr(args, "t5xxl_max_token_length", None) or self.t5_max_length()}
@@ -101,3 +121,19 @@ class FluxFamily(DiffusionFamily):
 
     def dynamic_shift(self, model) -> bool:
         return model.guidance_in is not None  # schnell's scheduler has no resolution shift
+
+
+def bfl_checkpoint_names(keys, shape, row_tables) -> CheckpointNames | None:
+    """The names of a checkpoint of a BFL-named transformer (FLUX.1's block names): BFL's, plain or
+    behind a ComfyUI prefix, or a diffusers folder's (fused rows split: not the model's own); the
+    module map of its fused rows (row_tables) sized from its shapes. None: neither."""
+    from library.models.flux1.checkpoint import BFL_PREFIXES
+
+    blocks = ("double_blocks.", "single_blocks.")
+    prefix = next((p for p in BFL_PREFIXES if any(k.startswith(p + b) for k in keys for b in blocks)), None)
+    if prefix is not None:
+        shapes = {k[len(prefix):]: shape(k) for k in keys if k.startswith(prefix)}
+        return CheckpointNames("bfl", prefix, row_tables(list(shapes), shapes.__getitem__, diffusers=False)[0])
+    if any(k.startswith(m) for k in keys for m in ("single_transformer_blocks.", "x_embedder.", "context_embedder.")):
+        return CheckpointNames("diffusers", "", row_tables(keys, shape, diffusers=True)[0], native=False)
+    return None

@@ -77,7 +77,21 @@ BLOCKS = None
 
 
 # -- memory planner shapes and presets
-PLANNER = None
+# The text encoders' parameters: CLIP-L and T5-XXL. T5 pads a caption to 512 tokens for dev and
+# Kontext [dev], 256 for schnell (the checkpoint tells them apart by its guidance embedding).
+_TEXT_PARAMS = {"clip_l": 123_060_480, "t5xxl": 4_762_310_656}
+PLANNER = S.Planner(
+    transformer="library.models.flux1.model:Flux",
+    text_length_option="t5_max_length",
+    presets={
+        "flux1-dev": S.PlannerPreset("flux", "library.models.flux1.model:FLUX_DEV", _TEXT_PARAMS, {"t5_max_length": 512}),
+        "flux1-schnell": S.PlannerPreset("flux", "library.models.flux1.model:FLUX_SCHNELL", _TEXT_PARAMS,
+                                         {"t5_max_length": 256}),
+        # Kontext [dev]: dev's transformer; the plan adds one reference's tokens.
+        "flux1-kontext-dev": S.PlannerPreset("flux_kontext", "library.models.flux1.model:FLUX_DEV", _TEXT_PARAMS,
+                                             {"t5_max_length": 512}),
+    },
+)
 
 
 # -- tiny models (tests, quickstart)

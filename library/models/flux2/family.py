@@ -56,6 +56,26 @@ class Flux2Family(DiffusionFamily):
 
         return load_flux2_vae(self.vae_path, dtype)
 
+    def vae_on_meta(self):
+        from library.models.flux2.vae import Flux2VAE
+        from library.models.vae import vae_on_meta
+
+        return vae_on_meta(Flux2VAE, self.vae_path)
+
+    def text_on_meta(self, model, batch, tokens):
+        # every token the encoder pads to, pads included: the transformer sees them all (no mask)
+        return {"embeds": torch.empty(batch, tokens, model.config.context_in_dim, device="meta")}
+
+    @classmethod
+    def checkpoint_names(cls, keys, shape):
+        """FLUX.1's namings (BFL, or a diffusers folder's) with FLUX.2's shared modulation."""
+        from library.models.flux1.family import bfl_checkpoint_names
+        from library.models.flux2.checkpoint import FLUX2_MARKERS, row_tables
+
+        if not any(k.endswith(FLUX2_MARKERS) for k in keys):
+            return None
+        return bfl_checkpoint_names(keys, shape, row_tables)
+
     def model_version(self, model) -> str:
         if model.guidance_in is not None:
             return "flux2-dev"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from library.models.family import DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
 
 
 class QwenImageFamily(DiffusionFamily):
@@ -59,6 +59,25 @@ class QwenImageFamily(DiffusionFamily):
         from library.models.qwen_image.vae import load_qwen_image_vae
 
         return load_qwen_image_vae(self.vae_path, dtype)
+
+    def vae_on_meta(self):
+        from library.models.qwen_image.vae import QwenImageVAE
+        from library.models.vae import vae_on_meta
+
+        return vae_on_meta(QwenImageVAE, self.vae_path)
+
+    def text_on_meta(self, model, batch, tokens):
+        return {"embeds": torch.empty(batch, tokens, model.config.joint_attention_dim, device="meta"),
+                "mask": torch.ones(batch, tokens, dtype=torch.bool, device="meta")}
+
+    @classmethod
+    def checkpoint_names(cls, keys, shape):
+        """diffusers names (the model's own), plain or behind a ComfyUI prefix; the text norm `txt_norm`
+        is Qwen-Image's alone."""
+        from library.models.qwen_image.model import CHECKPOINT_PREFIXES
+
+        prefix = next((p for p in CHECKPOINT_PREFIXES + ("",) if any(k.startswith(p + "txt_norm.") for k in keys)), None)
+        return None if prefix is None else CheckpointNames("diffusers", prefix)
 
     def load_text_encoder(self, precision="bf16", device=None):
         from library.models.qwen_image.text_encoder import load_qwen_image_text_encoder

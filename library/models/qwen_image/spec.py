@@ -42,7 +42,21 @@ BLOCKS = None
 
 
 # -- memory planner shapes and presets
-PLANNER = None
+# Captions vary in length (a mask pads them): the plan sizes a long one, 512 tokens.
+PLANNER = S.Planner(
+    transformer="library.models.qwen_image.model:QwenImage",
+    text_tokens=512,
+    presets={
+        "qwen-image": S.PlannerPreset("qwen_image", "library.models.qwen_image.model:QWEN_IMAGE",
+                                      {"text_encoder": 7_615_616_512}),  # Qwen2.5-VL-7B's language model
+        # Edit(-2509/-2511): Qwen-Image's transformer, one reference's tokens; Qwen2.5-VL-7B with its vision
+        # tower (0.68 B) as the text encoder. No config.json to read the version from: 2509 (2511 plans the
+        # same: its text sees the references alike).
+        "qwen-image-edit": S.PlannerPreset("qwen_image_edit", "library.models.qwen_image.model:QWEN_IMAGE",
+                                           {"text_encoder": 8_292_166_656},
+                                           attributes={"version": "qwen-image-edit-2509"}),
+    },
+)
 
 
 # -- tiny models (tests, quickstart)
