@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""LoRA training for FLUX.1, Qwen-Image and Llama/Qwen2 LLMs.
+"""LoRA training for the registered diffusion families (library/models/registry.py) and Llama/Qwen2 LLMs.
 
     python train_lora.py --config_file configs/quickstart.toml [--any_key value ...]
     accelerate launch [--config_file configs/accelerate/multi_gpu_ddp.yaml] train_lora.py --config_file ...
@@ -81,8 +81,8 @@ def make_accelerator(args):
     trackers = tracking.trackers(args.log_with, args.logging_dir)
     # Gradient accumulation is done by the loop (Trainer.run_epoch), not by accelerate: an
     # optimizer step never spans two epochs, and the last partial group of an epoch steps too.
-    # find_unused_parameters: some LoRAs get no gradient in a step (Qwen-Image's last block's text
-    # stream feeds nothing; module_dropout skips whole modules), and DDP would wait for them forever.
+    # find_unused_parameters: some LoRAs get no gradient in a step (a last double-stream block's
+    # text stream feeds nothing; module_dropout skips whole modules), and DDP would wait for them forever.
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],

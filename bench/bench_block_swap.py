@@ -32,6 +32,7 @@ from library.models.flux1.model import FLUX_DEV, Flux, make_img_ids, make_txt_id
 from library.models.qwen_image.model import QWEN_IMAGE, QwenImage  # noqa: E402
 from library.precision.fp8 import FP8Linear, prepare_fp8, quantize_weight  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
+from library.models.registry import arch_spec  # noqa: E402
 
 GiB = 2**30
 
@@ -42,7 +43,7 @@ def random_model(family: str, base: str, device: torch.device) -> nn.Module:
     with torch.device("meta"):
         model = Flux(FLUX_DEV) if family == "flux" else QwenImage(QWEN_IMAGE)
     if base != "bf16":
-        prepare_fp8(model, base, family)
+        prepare_fp8(model, base, arch_spec(family).fp8)
     model.to_empty(device=device)
     gen = torch.Generator(device).manual_seed(0)
     for module in model.modules():

@@ -3,7 +3,7 @@
 Builds every distinct full-size Linear of a FLUX.1-dev block (hidden 3072), one bf16 layer at a
 time, quantizes it with library.precision.fp8, counts the bytes of the real tensors, and extrapolates to
 19 double + 38 single blocks. The layers outside the blocks (embedders, final layer: ~0.4% of the
-weights) stay bf16 in every mode (HIGH_PRECISION_MODULES) and are counted from their shapes. If
+weights) stay bf16 in every mode (the spec's fp8 keep rules) and are counted from their shapes. If
 library/models/flux1/model.py is present, the whole FLUX_DEV model is also built on `meta` and counted exactly.
 
     python bench/bench_fp8_memory.py
@@ -20,6 +20,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from library.precision.fp8 import QUANTIZE_MODULATION, FP8Linear, bytes_per_parameter, prepare_fp8  # noqa: E402
+from library.models.registry import arch_spec  # noqa: E402
 
 HIDDEN, MLP, DOUBLE, SINGLE = 3072, 12288, 19, 38
 MODES = ("bf16", "fp8", "fp8_scaled")
@@ -91,7 +92,7 @@ def exact_from_meta_model() -> dict[str, tuple[int, int]] | None:
         with torch.device("meta"):
             model = Flux(FLUX_DEV)
         if mode != "bf16":
-            prepare_fp8(model, mode, "flux")
+            prepare_fp8(model, mode, arch_spec("flux").fp8)
         model.to(torch.bfloat16)  # high-precision tensors as loaded in bf16; fp8 weights and scales stay
         totals[mode] = tensor_bytes(model)
         b, n = totals[mode]

@@ -36,6 +36,7 @@ from library.models.flux1.family import FluxFamily  # noqa: E402
 from library.models.flux1.model import FLUX_DEV, Flux  # noqa: E402
 from library.precision.fp8 import FP8Linear, bytes_per_parameter, prepare_fp8, quantize_weight  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
+from library.models.registry import arch_spec  # noqa: E402
 
 START = time.perf_counter()
 
@@ -92,7 +93,7 @@ def build(args) -> Flux:
     cfg = dataclasses.replace(FLUX_DEV, depth=args.double, depth_single=args.single)
     with torch.device("meta"):
         model = Flux(cfg)
-    prepare_fp8(model, args.mode, "flux")
+    prepare_fp8(model, args.mode, arch_spec("flux").fp8)
     count = materialize(model, args.mode, torch.bfloat16, args.seed)
     model.compute_dtype = DTYPES[args.compute]
     model.gradient_checkpointing = True

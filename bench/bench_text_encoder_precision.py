@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from library.models.family import stack_text  # noqa: E402
 from library.models.flux1.family import FluxFamily  # noqa: E402
 from library.models.qwen_image.family import QwenImageFamily  # noqa: E402
-from library.models.flow_matching import DEFAULTS  # noqa: E402
+from library.models.flow_matching import sampling_of  # noqa: E402
 from tools.make_tiny_models import make_tiny_models  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8_scaled", "fp8")
@@ -43,7 +43,7 @@ def main():
     for name, family in families.items():
         model = family.load_transformer(torch.float32)
         run = types.SimpleNamespace(timestep_sampling=None, discrete_flow_shift=3.0, sigmoid_scale=1.0,
-                                    guidance_scale=DEFAULTS[name]["guidance_scale"], weighting_scheme="none",
+                                    guidance_scale=sampling_of(name).guidance_scale, weighting_scheme="none",
                                     loss_type="l2", huber_c=0.1)
         latents = torch.randn(len(CAPTIONS), 16, 32, 32, generator=torch.Generator().manual_seed(0))
         reference, ref_loss = None, None

@@ -54,6 +54,7 @@ from networks.lora import LoRANetwork  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_flops import count_step, matmul_peak  # noqa: E402
+from library.models.registry import arch_spec  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GiB, MiB = 2**30, 2**20
@@ -234,7 +235,7 @@ def fp8_twin(base, family: str, mode: str):
     and filled through fp8_load_converter, so the high-precision tensors are shared, not copied."""
     with torch.device("meta"):
         twin = type(base)(base.config)
-    convert = fp8_load_converter(prepare_fp8(twin, mode, family), mode)
+    convert = fp8_load_converter(prepare_fp8(twin, mode, arch_spec(family).fp8), mode)
     state = {k: v for key, tensor in base.state_dict().items() for k, v in convert(key, tensor).items()}
     twin.load_state_dict(state, strict=True, assign=True)
     twin.compute_dtype = base.compute_dtype

@@ -10,6 +10,7 @@ import torch
 from library.models.block_swap import enable_block_swap
 from library.precision.fp8 import quantize_module
 from networks.lora import LoRANetwork
+from library.models.registry import arch_spec
 
 flux = importlib.import_module("library.models.flux1.model")
 qwen = importlib.import_module("library.models.qwen_image.model")
@@ -34,7 +35,7 @@ def tiny_qwen():
 
 def with_lora(model, family, base):
     if base != "fp32":
-        model = quantize_module(model, base, family)
+        model = quantize_module(model, base, arch_spec(family).fp8)
     net = LoRANetwork(model, family, rank=4, alpha=2.0)
     for m in net.lora_modules():  # a non-zero LoRA, so its gradients flow through every path
         torch.nn.init.normal_(m.lora_up.weight, std=0.1)

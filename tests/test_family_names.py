@@ -88,7 +88,6 @@ def test_the_name_patterns_find_what_they_should(text, arch, hit):
     assert bool(name_pattern(arch_specs()[arch].names).search(text)) is hit
 
 
-@pytest.mark.xfail(strict=True, reason="issue 25 item 1 in progress: the tables are moving into the spec")
 def test_no_file_outside_a_family_folder_names_the_family():
     hits = family_name_hits()
     assert not hits, f"{len(hits)} mentions of a family outside its folder:\n" + "\n".join(hits)

@@ -8,6 +8,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift as diffusers_
 from diffusers.training_utils import compute_loss_weighting_for_sd3
 
 from library.models import flow_matching as fm
+from library.models.flux2.sampling import compute_empirical_mu as flux2_mu
 
 # The released schedulers (FLUX.1-dev and Qwen/Qwen-Image scheduler_config.json).
 FLUX_DEV_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
@@ -57,8 +58,8 @@ def test_shift_applies_k_s_over_one_plus_k_minus_one_s_to_the_sigmoid_draw():
 
 @pytest.mark.parametrize("tokens", [256, 1024, 4096])
 def test_flux_mu_equals_diffusers_calculate_shift(tokens):
-    d = fm.DEFAULTS["flux"]
-    mu = fm.calculate_shift(tokens, d["base_seq_len"], d["max_seq_len"], d["base_shift"], d["max_shift"])
+    d = fm.sampling_of("flux").mu
+    mu = fm.calculate_shift(tokens, d.base_seq_len, d.max_seq_len, d.base_shift, d.max_shift)
     assert mu == pytest.approx(diffusers_calculate_shift(tokens), abs=1e-12)
     assert mu == pytest.approx({256: 0.5, 1024: 0.5 + 0.65 * 768 / 3840, 4096: 1.15}[tokens], abs=1e-12)
 
@@ -187,7 +188,7 @@ FLUX2_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len
 def test_flux2_inference_sigmas_match_flux2_klein_pipeline(steps, tokens):
     from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 
-    assert fm.compute_empirical_mu(tokens, steps) == compute_empirical_mu(tokens, steps)
+    assert flux2_mu(tokens, steps) == compute_empirical_mu(tokens, steps)
     scheduler = FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER)
     scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=compute_empirical_mu(tokens, steps))
     ours = fm.inference_sigmas(steps, tokens, "flux2")
@@ -198,5 +199,5 @@ def test_flux2_inference_sigmas_match_flux2_klein_pipeline(steps, tokens):
 def test_flux2_shift_training_draw_uses_the_empirical_mu_at_50_steps():
     ours = fm.sample_sigmas(64, "flux2_shift", generator=gen(3), image_seq_len=1024)
     base = fm.sample_sigmas(64, "sigmoid", generator=gen(3))
-    torch.testing.assert_close(ours, fm.time_shift(fm.compute_empirical_mu(1024, 50), base), rtol=0, atol=0)
+    torch.testing.assert_close(ours, fm.time_shift(flux2_mu(1024, 50), base), rtol=0, atol=0)
     assert float(ours.mean()) > float(base.mean()) + 0.1  # mu ~ 2.0 at 1024 tokens: shifted towards noise

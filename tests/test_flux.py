@@ -19,6 +19,7 @@ from library.models.flux1.checkpoint import (
     save_flux_diffusers,
 )
 from library.io import CheckpointError
+from library.models.registry import arch_spec
 
 # head_dim 32 = 4 + 14 + 14, the FLUX.1 axes split scaled down (default_axes_dim(32)).
 TINY = dict(
@@ -229,10 +230,10 @@ def test_fp8_scaled_load_quantizes_linears_from_both_layouts(tmp_path):
     save_flux_diffusers(model, None, str(tmp_path / "diffusers"))
     x, outputs = inputs(True), []
     for path in (tmp_path / "flux.safetensors", tmp_path / "diffusers"):
-        prepare = lambda m: fp8_load_converter(prepare_fp8(m, "fp8_scaled", "flux"))  # noqa: E731
+        prepare = lambda m: fp8_load_converter(prepare_fp8(m, "fp8_scaled", arch_spec("flux").fp8))  # noqa: E731
         fp8 = load_flux(str(path), dtype=torch.bfloat16, prepare=prepare)
         assert fp8.double_blocks[0].img_attn.qkv.weight.dtype == torch.float8_e4m3fn
-        assert fp8.img_in.weight.dtype == torch.bfloat16  # embedders stay high precision (fp8.HIGH_PRECISION_MODULES)
+        assert fp8.img_in.weight.dtype == torch.bfloat16  # embedders stay high precision (its spec's fp8 keep rules)
         with torch.no_grad():
             outputs.append(fp8(**x))
     assert torch.equal(outputs[0], outputs[1])  # the diffusers join feeds the quantizer the same fused rows

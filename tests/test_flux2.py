@@ -1,6 +1,7 @@
 """FLUX.2 transformer: parity with diffusers' Flux2Transformer2DModel, BFL <-> diffusers names,
 released sizes on `meta`, checkpoint formats."""
 
+import dataclasses
 import os
 
 import pytest
@@ -20,7 +21,9 @@ from library.models.flux2.checkpoint import (
     load_flux2,
 )
 from library.models.flux2.model import FLUX2_CONFIGS, Flux2, Flux2Config, make_img_ids, make_txt_ids
+from library.models.flux2.spec import SHARED_MODULATION
 from library.precision.fp8 import FP8Linear
+from library.models.registry import arch_spec
 
 # head_dim 32 = 4 x 8, FLUX.2's four equal RoPE axes scaled down; context 96 = 3 stacked layers x 32.
 TINY = dict(in_channels=128, context_in_dim=96, hidden_size=64, num_heads=2, depth=2, depth_single=2, axes_dim=(8, 8, 8, 8))
@@ -234,7 +237,7 @@ def test_wrong_family_and_bad_files_fail_with_the_key(tmp_path, tiny_files):
 
 
 def test_fp8_keeping_shared_modulation_pays():
-    """The measurement behind fp8.FLUX2_SHARED_MODULATION, one seed: keeping the three shared
+    """The measurement behind the flux2 spec's SHARED_MODULATION fp8 rule, one seed: keeping the three shared
     modulation Linears in high precision cuts fp8_scaled's error by more than the memory it adds."""
     errors = {keep: shared_modulation_error(keep) for keep in (False, True)}
     error_saved = 1 - errors[True] / errors[False]
@@ -261,13 +264,10 @@ def shared_modulation_error(keep: bool, seed: int = 0) -> float:
             p.copy_(1 + 0.1 * torch.randn(p.shape) if p.dim() == 1 else std * torch.randn(p.shape))
     x = {**inputs(False), "img": torch.randn(B, H * W, 128), "timesteps": torch.tensor([0.6, 0.6])}
     reference = residual_update(model, x)
-    saved = list(fp8.HIGH_PRECISION_MODULES["flux2"])
+    rules = arch_spec("flux2").fp8
     if not keep:
-        fp8.HIGH_PRECISION_MODULES["flux2"] = [p for p in saved if p not in fp8.FLUX2_SHARED_MODULATION]
-    try:
-        fp8.quantize_module(model, "fp8_scaled", "flux2")
-    finally:
-        fp8.HIGH_PRECISION_MODULES["flux2"] = saved
+        rules = dataclasses.replace(rules, keep=tuple(p for p in rules.keep if p not in SHARED_MODULATION))
+    fp8.quantize_module(model, "fp8_scaled", rules)
     return ((residual_update(model, x) - reference).norm() / reference.norm()).item()
 
 
@@ -293,7 +293,7 @@ def test_comfy_scaled_fp8_file_loads_as_stored(tmp_path, tiny_files):
     dequantized, stored = dict(sd), {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
     for key, w in sd.items():
         layer = key[: -len(".weight")]
-        if w.dim() == 2 and not fp8.is_high_precision(layer, "flux2"):
+        if w.dim() == 2 and not fp8.is_high_precision(layer, arch_spec("flux2").fp8):
             scale = (w.abs().amax() / 448.0).float()
             stored[key], stored[layer + ".scale_weight"] = (w / scale).to(torch.float8_e4m3fn), scale
             dequantized[key] = stored[key].float() * scale

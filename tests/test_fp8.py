@@ -26,6 +26,7 @@ from library.precision.fp8 import (
     stochastic_round_to_fp8,
 )
 from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors
+from library.models.registry import arch_spec
 
 F8 = torch.float8_e4m3fn
 
@@ -187,10 +188,10 @@ def test_fp8linear_state_dict_keys_and_model_to_dtype_keeps_fp8_and_scale():
 
 def test_fp8linear_safetensors_round_trip(tmp_path):
     model = nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 30))
-    quantize_module(model, "fp8_scaled", "llm")
+    quantize_module(model, "fp8_scaled", arch_spec("llm").fp8)
     path = str(tmp_path / "fp8.safetensors")
     save_safetensors(model.state_dict(), path)
-    fresh = prepare_fp8(nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 30)).to("meta"), "fp8_scaled", "llm")
+    fresh = prepare_fp8(nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 30)).to("meta"), "fp8_scaled", arch_spec("llm").fp8)
     load_streaming(fresh, CheckpointReader(path), rename=lambda k: k)
     for key, value in model.state_dict().items():
         assert fresh.state_dict()[key].dtype == value.dtype and torch.equal(fresh.state_dict()[key], value), key
@@ -229,17 +230,17 @@ class TinyLLM(nn.Module):
 
 
 def test_prepare_fp8_replaces_exactly_the_eligible_linears():
-    model = prepare_fp8(TinyLLM().to("meta"), "fp8_scaled", "llm")
+    model = prepare_fp8(TinyLLM().to("meta"), "fp8_scaled", arch_spec("llm").fp8)
     fp8 = sorted(n for n, m in model.named_modules() if isinstance(m, FP8Linear))
     assert fp8 == [f"model.layers.{i}.mlp.{p}_proj" for i in range(2) for p in ("down", "gate", "up")]
     assert type(model.lm_head) is nn.Linear and isinstance(model.model.embed_tokens, nn.Embedding)
     assert type(model.model.layers[0].attn.out_proj) is not FP8Linear
     assert model.model.layers[0].mlp.up_proj.weight.is_meta and model.model.layers[0].mlp.up_proj.weight.dtype == F8
     assert model.model.layers[0].mlp.down_proj.weight_scale.shape == (128, 192 // BLOCK)
-    with pytest.raises(ValueError, match="unknown model family"):
-        prepare_fp8(TinyLLM(), "fp8", "sdxl")
+    with pytest.raises(TypeError, match="keep rules"):  # an architecture's name, as before the spec
+        prepare_fp8(TinyLLM(), "fp8", "llm")
     with pytest.raises(ValueError, match="fp8 mode"):
-        prepare_fp8(TinyLLM(), "fp4", "llm")
+        prepare_fp8(TinyLLM(), "fp4", arch_spec("llm").fp8)
 
 
 @pytest.mark.parametrize("mode", ["fp8", "fp8_scaled"])
@@ -249,9 +250,9 @@ def test_streaming_load_with_converter_matches_in_memory_quantization(tmp_path, 
     save_safetensors(source.state_dict(), path)
     reader = CheckpointReader(path)
     refuse_fp8_checkpoint(reader, path)  # bf16: accepted
-    streamed = prepare_fp8(TinyLLM().to("meta"), mode, "llm")
+    streamed = prepare_fp8(TinyLLM().to("meta"), mode, arch_spec("llm").fp8)
     load_streaming(streamed, reader, rename=lambda k: k, dtype=torch.bfloat16, convert=fp8_load_converter(streamed, mode))
-    in_memory = quantize_module(source, mode, "llm")
+    in_memory = quantize_module(source, mode, arch_spec("llm").fp8)
     expected = in_memory.state_dict()
     got = streamed.state_dict()
     assert sorted(got) == sorted(expected)
@@ -266,7 +267,7 @@ def test_converter_quantizes_from_the_file_dtype_not_the_load_dtype(tmp_path):
     source = TinyLLM()
     path = str(tmp_path / "fp32.safetensors")
     save_safetensors(source.state_dict(), path)
-    model = prepare_fp8(TinyLLM().to("meta"), "fp8", "llm")
+    model = prepare_fp8(TinyLLM().to("meta"), "fp8", arch_spec("llm").fp8)
     load_streaming(model, CheckpointReader(path), rename=lambda k: k, dtype=torch.bfloat16, convert=fp8_load_converter(model))
     w = source.model.layers[0].mlp.up_proj.weight
     direct, _ = quantize_weight(w, "fp8")
@@ -284,14 +285,14 @@ def test_fp8_checkpoint_is_refused_with_a_clear_message(tmp_path):
     save_safetensors(sd, path)
     with pytest.raises(CheckpointError, match=r"up_proj\.weight' is stored as F8_E4M3.*compounds.*bf16/fp16/fp32"):
         refuse_fp8_checkpoint(CheckpointReader(path), path)
-    model = prepare_fp8(TinyLLM().to("meta"), "fp8_scaled", "llm")
+    model = prepare_fp8(TinyLLM().to("meta"), "fp8_scaled", arch_spec("llm").fp8)
     with pytest.raises(CheckpointError, match="already"):  # the converter refuses too, in case nobody checked
         load_streaming(model, CheckpointReader(path), rename=lambda k: k, dtype=torch.bfloat16,
                        convert=fp8_load_converter(model))
 
 
 def test_converter_needs_the_prepared_model_and_a_matching_mode():
-    model = prepare_fp8(TinyLLM().to("meta"), "fp8", "llm")
+    model = prepare_fp8(TinyLLM().to("meta"), "fp8", arch_spec("llm").fp8)
     with pytest.raises(TypeError, match="prepared by prepare_fp8"):
         fp8_load_converter("fp8")
     with pytest.raises(ValueError, match="prepared with"):
@@ -399,7 +400,7 @@ def modulation_errors(seeds=(0, 1)) -> dict[tuple[str, str], float]:
         img, txt, vec = torch.randn(1, 64, 256), torch.randn(1, 16, 256), torch.randn(1, 256)
         update = reference(img, txt, vec) - torch.cat([txt, img], dim=1)
         for mode in ("fp8", "fp8_scaled"):
-            model = quantize_module(copy.deepcopy(reference), mode, "flux")
+            model = quantize_module(copy.deepcopy(reference), mode, arch_spec("flux").fp8)
             for modulation in ("quantized", "kept"):
                 for parent, original in zip(_modulation_parents(model), _modulation_parents(reference)):
                     parent.lin = original.lin if modulation == "kept" else FP8Linear.from_linear(original.lin, mode)
@@ -420,7 +421,7 @@ def test_modulation_choice_matches_measurement():
     print(f"keeping modulation in bf16: error -{error_saved:.1%}, memory +{memory_added:.1%} (share {share:.1%})")
     assert (error_saved < memory_added) == QUANTIZE_MODULATION, (error_saved, memory_added)
     assert errors["fp8_scaled", "quantized"] < errors["fp8", "kept"]  # scaling matters more than modulation
-    model = prepare_fp8(TinyFluxBlocks().to("meta"), "fp8_scaled", "flux")
+    model = prepare_fp8(TinyFluxBlocks().to("meta"), "fp8_scaled", arch_spec("flux").fp8)
     assert isinstance(model.double_blocks[0].img_mod.lin, FP8Linear) == QUANTIZE_MODULATION
     assert isinstance(model.single_blocks[0].modulation.lin, FP8Linear) == QUANTIZE_MODULATION
 
@@ -440,11 +441,11 @@ def test_prepare_fp8_on_tiny_flux_keeps_exactly_the_high_precision_linears():
     with torch.device("meta"):
         model = flux.Flux(cfg)
     linears = _linear_names(model, nn.Linear)
-    prepare_fp8(model, "fp8_scaled", "flux")
+    prepare_fp8(model, "fp8_scaled", arch_spec("flux").fp8)
     kept = _linear_names(model, nn.Linear)
     assert kept == {"img_in", "txt_in", "final_layer.linear", "final_layer.adaLN_modulation.1"} | {
         f"{e}.{layer}" for e in ("time_in", "vector_in", "guidance_in") for layer in ("in_layer", "out_layer")}
-    assert kept == {n for n in linears if is_high_precision(n, "flux")}
+    assert kept == {n for n in linears if is_high_precision(n, arch_spec("flux").fp8)}
     quantized = _linear_names(model, FP8Linear)
     assert quantized == linears - kept
     assert {"double_blocks.0.img_attn.qkv", "double_blocks.0.txt_mlp.2", "single_blocks.0.linear2"} <= quantized
@@ -458,9 +459,9 @@ def test_prepare_fp8_on_tiny_qwen_image_keeps_exactly_the_high_precision_linears
     with torch.device("meta"):
         model = qwen.QwenImage(cfg)
     linears = _linear_names(model, nn.Linear)
-    prepare_fp8(model, "fp8", "qwen_image")
+    prepare_fp8(model, "fp8", arch_spec("qwen_image").fp8)
     kept = _linear_names(model, nn.Linear)
-    assert kept == {n for n in linears if is_high_precision(n, "qwen_image")}
+    assert kept == {n for n in linears if is_high_precision(n, arch_spec("qwen_image").fp8)}
     assert {"img_in", "txt_in", "proj_out", "norm_out.linear", "time_text_embed.timestep_embedder.linear_1"} <= kept
     assert all(n.startswith(("img_in", "txt_in", "proj_out", "norm_out.", "time_text_embed.")) for n in kept)
     assert _linear_names(model, FP8Linear) == linears - kept
@@ -484,7 +485,7 @@ def test_tiny_flux_in_bf16_on_scaled_fp8_base_tracks_bf16_closer_than_plain():
     for mode in ("bf16", "fp8", "fp8_scaled"):
         model = copy.deepcopy(reference)
         if mode != "bf16":
-            model = quantize_module(model, mode, "flux")
+            model = quantize_module(model, mode, arch_spec("flux").fp8)
         model = model.to(torch.bfloat16)
         model.compute_dtype = torch.bfloat16
         if mode != "bf16":

@@ -25,6 +25,7 @@ from library.precision.fp8_checkpoints import fp8_checkpoint_layout
 from networks.lora import LoRANetwork
 from tests.test_merge_convert import FLUX_CFG, QWEN_CFG, flux_inputs, lora, qwen_inputs, randomized, run, runtime_output
 from tests.test_reliability import flux_args, one_error_line
+from library.models.registry import arch_spec
 
 PREFIX = "model.diffusion_model."
 BUNDLED = {  # what a ComfyUI full checkpoint carries beside the transformer: never read for it
@@ -43,7 +44,7 @@ def comfy_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantized_linears(model: nn.Module, family: str) -> list[str]:
-    return [n for n, m in model.named_modules() if type(m) is nn.Linear and not fp8.is_high_precision(n, family)]
+    return [n for n, m in model.named_modules() if type(m) is nn.Linear and not fp8.is_high_precision(n, arch_spec(family).fp8)]
 
 
 def comfy_state_dict(model: nn.Module, family: str, layout: str) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from library.training.config import ConfigError
 from library.training.fsdp import check_fsdp, fp8_buffers_to_parameters
 from networks.lora import LoRANetwork
 from tests.test_train_lora import ROOT, flux_args, free_port
+from library.models.registry import arch_spec
 
 
 def read_log(out, column, name="tiny_flux_lora"):
@@ -103,7 +104,7 @@ def test_qwen_image_under_fsdp_equals_one_process(tiny_set, tmp_path):
 
 
 def test_fp8_codes_become_frozen_parameters_with_the_same_values(tiny_set):
-    model = quantize_module(FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32), "fp8_scaled", "flux")
+    model = quantize_module(FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32), "fp8_scaled", arch_spec("flux").fp8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     moved = fp8_buffers_to_parameters(model)
     after = model.state_dict()

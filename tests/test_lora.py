@@ -11,6 +11,7 @@ from safetensors import safe_open
 from library.io import CheckpointError
 from networks import lora_files as lf
 from networks.lora import LoRAModule, LoRANetwork
+from library.models.registry import arch_spec
 
 # ----------------------------------------------------------------------------------------------
 # Stand-in models whose qualified module names mirror the real ones
@@ -477,7 +478,7 @@ def to_fp8(model: nn.Module, family: str) -> int:
                 parent, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, leaf, DequantLinear(module))
     else:
-        prepare_fp8(model, "fp8", family)
+        prepare_fp8(model, "fp8", arch_spec(family).fp8)
     return sum(getattr(m, "weight", torch.empty(0)).dtype == torch.float8_e4m3fn for m in model.modules())
 
 
@@ -554,7 +555,7 @@ def test_real_tiny_llm_in_fp8_scaled_trains_only_lora():
     fp8 = importlib.import_module("library.precision.fp8")
     cfg = llm.LLMConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=24)
     model = llm.LLM(cfg)
-    fp8.prepare_fp8(model, "fp8_scaled", "llm")
+    fp8.prepare_fp8(model, "fp8_scaled", arch_spec("llm").fp8)
     targets = {f"model.layers.{i}.{m}" for i in (0, 1) for m in
                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
     assert all(isinstance(model.get_submodule(n), fp8.FP8Linear) for n in targets)

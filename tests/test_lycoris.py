@@ -13,6 +13,7 @@ from library.training.config import ConfigError, load_config
 from networks.factory import build_network
 from networks.lora import LoRANetwork
 from networks.lycoris_network import LycorisNetwork, read_lycoris_modules
+from library.models.registry import arch_spec
 
 flux = importlib.import_module("library.models.flux1.model")
 qwen = importlib.import_module("library.models.qwen_image.model")
@@ -88,7 +89,7 @@ def test_bad_lycoris_args_name_the_key_the_value_and_what_is_allowed(args, messa
 def test_lycoris_on_fp8_base_equals_dequantized_base_and_only_lycoris_trains(algo_args, tmp_path):
     torch.manual_seed(0)
     model = tiny_flux()
-    quantize_module(model, "fp8_scaled", "flux")
+    quantize_module(model, "fp8_scaled", arch_spec("flux").fp8)
     # the reference: the same model with every FP8Linear turned into an fp32 nn.Linear of its dequantized weight
     reference = tiny_flux()
     state = {}
@@ -176,7 +177,7 @@ def test_lokr_on_qwen_image_uses_musubi_targets():
     assert {m.lora_name for m in net.lycoris_modules()} == {n for n, _ in ours.named_children()}
     assert len(net.lycoris_modules()) == 2 * (8 + 4)  # attention + MLP, no _mod_ (musubi-tuner's default)
     # on the fp8 base: the LoKr changes the output, gradients reach only the LoKr
-    quantize_module(model, "fp8_scaled", "qwen_image")
+    quantize_module(model, "fp8_scaled", arch_spec("qwen_image").fp8)
     net8 = LycorisNetwork(model, "qwen_image", 4, network_args=LOKR)
     assert len(net8._fp8_targets) == 24
     randomize(net8)

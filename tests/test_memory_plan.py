@@ -23,6 +23,7 @@ STEP = textwrap.dedent("""
     from library.models.flux1.family import FluxFamily
     from library.models.flux1.model import Flux, FluxConfig
     from library.precision.fp8 import prepare_fp8, quantize_module
+    from library.models.registry import arch_spec
     from library.training.memory_plan import training_plan
     from networks.lora import LoRANetwork
     from tools.plan_memory import default_args
@@ -35,7 +36,7 @@ STEP = textwrap.dedent("""
             with torch.device("meta" if not read_weights else "cpu"):
                 model = Flux(cfg)
             if base_precision != "bf16":
-                (prepare_fp8 if not read_weights else quantize_module)(model, base_precision, "flux")
+                (prepare_fp8 if not read_weights else quantize_module)(model, base_precision, arch_spec("flux").fp8)
             model.to(dtype); model.compute_dtype = dtype
             return model
     args = default_args("flux")

@@ -27,6 +27,7 @@ from library.models.qwen_image.model import QwenImage, QwenImageConfig, load_qwe
 from networks import lora_files as lf
 from networks.lora import LoRANetwork
 from tools import convert_lora, merge_lora
+from library.models.registry import arch_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLUX_CFG = FluxConfig(in_channels=64, vec_in_dim=16, context_in_dim=32, hidden_size=64, num_heads=2, depth=1,
@@ -253,7 +254,7 @@ def test_fp8_outputs_dequantize_to_the_fp32_merge(flux_bfl, tmp_path, mode, tole
     linears = [k for k in exact if k.endswith(".weight") and exact[k].dim() == 2]
     for key in linears:
         module = key.removesuffix(".weight")
-        if fp8.is_high_precision(module, "flux"):
+        if fp8.is_high_precision(module, arch_spec("flux").fp8):
             assert quantized[key].dtype == torch.bfloat16 and module + ".weight_scale" not in quantized
             continue
         q = quantized[key]
@@ -265,7 +266,7 @@ def test_fp8_outputs_dequantize_to_the_fp32_merge(flux_bfl, tmp_path, mode, tole
     assert all(t.dtype == torch.bfloat16 for k, t in quantized.items() if k not in linears and not k.endswith("_scale"))
     if mode == "fp8_scaled":  # loads into the project's FP8Linear layout and runs close to the fp32 merge
         with torch.device("meta"):
-            fp8_model = fp8.prepare_fp8(Flux(FLUX_CFG), mode, "flux")
+            fp8_model = fp8.prepare_fp8(Flux(FLUX_CFG), mode, arch_spec("flux").fp8)
         fp8_model.load_state_dict({k: t if t.dtype == torch.float8_e4m3fn or k.endswith("_scale") else t.float()
                                    for k, t in quantized.items()}, assign=True)  # fmt: skip
         expected = run(load_flux(str(tmp_path / "f32.safetensors")), flux_inputs())
@@ -276,7 +277,7 @@ def test_fp8_outputs_dequantize_to_the_fp32_merge(flux_bfl, tmp_path, mode, tole
 def reference_fp8_model(skeleton, merged: dict, mode: str, family: str):
     """The merged fp8 file loaded by hand into FP8Linear (codes and scales as stored), fp32 elsewhere."""
     with torch.device("meta"):
-        model = fp8.prepare_fp8(skeleton, mode, family)
+        model = fp8.prepare_fp8(skeleton, mode, arch_spec(family).fp8)
     model.load_state_dict({k: t if t.dtype == torch.float8_e4m3fn or k.endswith("_scale") else t.float()
                            for k, t in merged.items()}, assign=True)  # fmt: skip
     return model

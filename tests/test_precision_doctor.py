@@ -20,6 +20,7 @@ from library.precision.fp8 import FP8Linear, is_high_precision, quantize_weight
 from library.models.qwen_image.model import QwenImage, QwenImageConfig
 from networks.lora import LoRAModule, LoRANetwork
 from tools import precision_doctor as doctor
+from library.models.registry import arch_spec
 
 GRID_PX = 48 * 16  # 48 x 48 patches
 BASE = ("bf16", "fp8", "fp8_scaled")
@@ -203,7 +204,7 @@ def test_plain_fp8_layers_err_more_than_scaled_and_bf16_floor_is_reported(result
     for family in ("qwen_image", "flux"):
         modes = results[(family, False)]["modes"]
         plain, scaled = modes["fp8"]["layers"], modes["fp8_scaled"]["layers"]
-        quantized = [n for n in plain if not precision.BLOCK_NAME.fullmatch(n) and not is_high_precision(n, family)]
+        quantized = [n for n in plain if not precision.BLOCK_NAME.fullmatch(n) and not is_high_precision(n, arch_spec(family).fp8)]
         mean_plain = sum(plain[n] for n in quantized) / len(quantized)
         mean_scaled = sum(scaled[n] for n in quantized) / len(quantized)
         worse = sum(plain[n] > scaled[n] for n in quantized) / len(quantized)

@@ -21,6 +21,7 @@ from library.models.qwen_image.model import (
     load_qwen_image,
     save_qwen_image_diffusers,
 )
+from library.models.registry import arch_spec
 
 TINY = QwenImageConfig(
     num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 12, 12)
@@ -287,7 +288,7 @@ def test_fp8_scaled_load_through_prepare_hook(reference, inputs):
     sigma = torch.tensor([0.37, 0.81])
     root = str(reference[1])
     model = load_qwen_image(root, dtype=torch.bfloat16,
-                            prepare=lambda m: fp8_load_converter(prepare_fp8(m, "fp8_scaled", "qwen_image")))
+                            prepare=lambda m: fp8_load_converter(prepare_fp8(m, "fp8_scaled", arch_spec("qwen_image").fp8)))
     attn = model.transformer_blocks[0].attn
     assert isinstance(attn.to_q, FP8Linear) and attn.to_q.weight.dtype == torch.float8_e4m3fn
     assert type(model.img_in) is torch.nn.Linear and model.img_in.weight.dtype == torch.bfloat16

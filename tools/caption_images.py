@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.cli import Parser, check_command_line, one_line  # noqa: E402
+from library.models.registry import arch_spec  # noqa: E402
 
 # The prompt of each preset: what the model is asked for every image.
 PRESETS = {
@@ -190,7 +191,7 @@ def load_captioner(path: str, processor: str | None, dtype: torch.dtype, quantiz
     if quantize in ("fp8", "fp8_scaled"):
         from library.precision.fp8 import quantize_module
 
-        quantize_module(model.model.language_model, quantize, "llm")  # lm_head and the vision tower stay in dtype
+        quantize_module(model.model.language_model, quantize, arch_spec("llm").fp8)  # lm_head and the vision tower stay in dtype
     if quantize != "nf4":
         model.to(device)
     image_processor = Qwen2VLImageProcessor.from_pretrained(processor, local_files_only=True)

@@ -27,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: E402
-from library.training.config import PRECISION_NAMES  # noqa: E402
+from library.training.config import FAMILY_KEYS, PRECISION_NAMES  # noqa: E402
 from tools.cli import check_command_line  # noqa: E402
 
 
@@ -37,14 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="transformer checkpoint (single file / diffusers folder / ComfyUI "
                                                    "file, fp8 and scaled fp8 ones used as they are)")
     p.add_argument("--ae", required=True, help="VAE")
-    p.add_argument("--clip_l", help="CLIP-L folder (model types whose text encoders include it)")
-    p.add_argument("--t5xxl", help="T5-XXL folder (model types whose text encoders include it)")
-    p.add_argument("--t5xxl_max_token_length", type=int, default=None,
-                   help="T5 tokens per prompt (default: the model's, as its checkpoint tells)")
-    p.add_argument("--text_encoder", help="the language model of model types with one text encoder (repo / folder / "
-                                          "file; an edit model's with its vision tower, processor/ beside it)")
-    p.add_argument("--model_version", help="an edit model's version where it has several (default: the transformer "
-                                           "config's flags)")
+    for key, arg in FAMILY_KEYS.items():  # each family's text encoder files and options, as in training configs
+        p.add_argument(f"--{key}", type=arg.type, default=arg.default, help=arg.help)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (sd-scripts flags allowed); repeatable")
     p.add_argument("--prompt_file", help="prompt file, one per line, sd-scripts syntax")
     p.add_argument("--control_image", action="append", default=[],

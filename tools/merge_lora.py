@@ -36,7 +36,7 @@ or unbiased stochastic rounding with --stochastic_rounding) in one of three layo
            ComfyUI builds every Linear of such a model in fp8 (ops.scaled_fp8_ops), so embedders and the
            final layer are quantized too (per tensor) and biases are what ComfyUI would round them to.
   plain    e4m3 Linear weights without scales (sd-scripts' fp8; the default for folders and LLMs);
-           modules in fp8.HIGH_PRECISION_MODULES and every other float tensor bf16.
+           modules its architecture's fp8 rules keep and every other float tensor bf16.
   block64  ours (`--save_precision fp8_scaled` is the same): e4m3 + bf16 `X.weight_scale` per 64 input
            columns (library/precision/fp8.py), high-precision modules bf16. Only our loaders read it.
 All three load back as they are through the families' transformer loaders (train_lora.py, generate.py).
@@ -72,6 +72,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 
 from library.training.config import PRECISION_NAMES  # noqa: E402
 from tools.cli import Parser, check_command_line  # noqa: E402
+from library.models.registry import arch_spec  # noqa: E402
 
 FP8_PRECISIONS = ("fp8", "fp8_scaled")  # --save_precision values stored as float8_e4m3fn
 FP8_LAYOUTS = {"comfy": "fp8_tensor_scaled", "plain": "fp8", "block64": "fp8_scaled"}  # --fp8_layout -> fp8.MODES
@@ -177,7 +178,7 @@ def write_safetensors_streaming(path: str, entries: list[Entry], tensors: Iterat
 class Base:
     """A checkpoint and what its names mean. `module_of` maps a checkpoint key to the model module
     path LoRAs name (None for tensors no LoRA can target); `fp8_name` gives the module name that
-    fp8.HIGH_PRECISION_MODULES[family] is written in."""
+    the architecture's fp8 keep rules (its spec) are written in."""
 
     path: str  # the checkpoint file or folder actually read
     reader: CheckpointReader
@@ -345,7 +346,7 @@ class Plan:
         if self.precision not in FP8_MODES or not self._is_linear_weight(key):
             return False
         name = self.base.to_model(key)  # ComfyUI makes every Linear fp8; ours keep some in bf16
-        return self.comfy or not fp8.is_high_precision(self.base.fp8_name(name[: -len(".weight")]), self.base.family)
+        return self.comfy or not fp8.is_high_precision(self.base.fp8_name(name[: -len(".weight")]), arch_spec(self.base.family).fp8)
 
     def is_fp8_bias(self, key: str) -> bool:
         """comfy: a Linear's bias, which ComfyUI holds in fp8 with its weight (stored so, not rounded on load)."""

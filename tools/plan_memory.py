@@ -28,6 +28,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tools.cli import check_command_line  # noqa: E402
+from library.models.registry import arch_spec  # noqa: E402
 
 
 def presets() -> dict:
@@ -83,7 +84,7 @@ class PresetFamily:
                 with torch.device("meta"):
                     model = load_symbol(planner.transformer)(load_symbol(preset.transformer))
                 if base_precision != "bf16":
-                    prepare_fp8(model, base_precision, self.arch)
+                    prepare_fp8(model, base_precision, arch_spec(self.arch).fp8)
                 model.to(dtype)
                 model.compute_dtype = dtype
                 return model

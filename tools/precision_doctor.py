@@ -1,12 +1,12 @@
 """Precision doctor: finds fp8 damage in minutes, and says whether it comes from positions, from
 weight quantization or from a LoRA merged into fp8 weights.
 
-    python tools/precision_doctor.py --model_type flux|flux_kontext|flux2|qwen_image|qwen_image_edit --model PATH [--lora FILE[:ratio]] \
+    python tools/precision_doctor.py --model_type MODEL_TYPE --model PATH [--lora FILE[:ratio]] \
         [--resolution 1024 | WxH] [--seed 0] [--timesteps 0.9,0.5,0.1] [--out DIR] [--threshold 0.05] \
         [--text_len 128] [--skip_fp32] [--max_tokens 256] [--device cuda] [--inject_position_bug]
 
 The same random inputs (packed latents for the resolution, random text embeddings of the model's
-context width, a CLIP pooled vector for FLUX.1, a text mask for Qwen-Image) go through the base in
+context width and whatever else the architecture takes: a pooled vector, a text mask) go through the base in
 bf16 (the reference), fp32 (the bf16 floor), plain fp8 and fp8_scaled at a few sigmas. With
 --lora, also bf16 + LoRA (the LoRA reference), fp8 / fp8_scaled + LoRA at runtime (unmerged), and
 the LoRA merged into plain fp8: in float32 then rounded to nearest ("merge_rtn") or
@@ -36,12 +36,11 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools.cli import Parser, check_command_line  # noqa: E402
+from library.models.registry import FAMILIES, arch_spec  # noqa: E402
 
-# flux_kontext is checked as the FLUX.1 transformer it is: its reference tokens only add first-axis
-# position 1, exact in every dtype, so the target-only inputs show the same fp8 damage. Likewise
-# qwen_image_edit is checked as the Qwen-Image transformer (its folder's config flags, e.g. 2511's
-# zero_cond_t, load with it) on target-only inputs: the condition tokens go through the same layers.
-FAMILIES = ("flux", "flux_kontext", "flux2", "qwen_image", "qwen_image_edit")
+# A variant is checked as the transformer of its architecture (lora_arch): an edit model on
+# target-only inputs, whose reference tokens go through the same layers (and, where they only add a
+# first-axis position, positions exact in every dtype), so the same fp8 damage shows.
 BASE_MODES = ("fp32", "bf16", "fp8", "fp8_scaled")
 LORA_MODES = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr", "fp8+merge_into_fp8")
 VAE_PATCH = 16  # pixels per packed token: 8x VAE downsampling x 2x2 patches
@@ -49,7 +48,7 @@ VAE_PATCH = 16  # pixels per packed token: 8x VAE downsampling x 2x2 patches
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model_type", required=True, choices=FAMILIES)
+    p.add_argument("--model_type", required=True, choices=FAMILIES, help="a registered diffusion family")
     p.add_argument("--model", required=True, help="transformer checkpoint (bf16/fp32; file or diffusers folder)")
     p.add_argument("--lora", default=None, help="LoRA file, optionally :ratio")
     p.add_argument("--resolution", default="1024", help="image size in pixels: 1024 or WxH")
@@ -74,6 +73,7 @@ import torch.nn as nn  # noqa: E402
 
 from library.models import precision_doctor as precision  # noqa: E402
 from library.models.family import fp8_prepare, lora_arch  # noqa: E402
+from library.models.spec import load_symbol  # noqa: E402
 from library.precision.fp8 import (  # noqa: E402
     FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,
 )
@@ -87,58 +87,36 @@ from networks.lora_files import LoRAWeights, diffusers_to_bfl, read_lora  # noqa
 # Inputs
 
 
-def make_inputs(family: str, config, width: int, height: int, seed: int = 0, text_len: int = 128,
+def make_inputs(arch: str, config, width: int, height: int, seed: int = 0, text_len: int = 128,
                 device: torch.device | str = "cpu") -> precision.DoctorInputs:
     """Random inputs shared by all modes, float32 on `device`: noisy packed latents x_t = (1 - s) x0
-    + s noise for an image of width x height pixels, text embeddings N(0, 1), FLUX's pooled vector
-    and guidance 1.0 (dev), Qwen-Image's text mask (the last quarter padded)."""
+    + s noise for an image of width x height pixels, and the architecture's conditioning with random
+    text (its spec's transformer.random_inputs: text embeddings N(0, 1) and what else it takes)."""
     h, w = height // VAE_PATCH, width // VAE_PATCH
     gen = torch.Generator().manual_seed(seed)
-    channels = config.in_channels
-    x0, noise = (torch.randn(1, h * w, channels, generator=gen) for _ in range(2))
-    if family == "flux":
-        from library.models.flux1.model import make_img_ids, make_txt_ids
-
-        fixed = dict(img_ids=make_img_ids(1, h, w), txt=torch.randn(1, text_len, config.context_in_dim, generator=gen),
-                     txt_ids=make_txt_ids(1, text_len), y=torch.randn(1, config.vec_in_dim, generator=gen),
-                     guidance=torch.ones(1) if config.guidance_embed else None)
-        positions = torch.cat([fixed["txt_ids"], fixed["img_ids"]], dim=1)
-        axes, theta = config.axes_dim, config.theta
-    elif family == "flux2":
-        from library.models.flux2.model import make_img_ids, make_txt_ids
-
-        fixed = dict(img_ids=make_img_ids(1, h, w), txt=torch.randn(1, text_len, config.context_in_dim, generator=gen),
-                     txt_ids=make_txt_ids(1, text_len), guidance=torch.full((1,), 4.0) if config.guidance_embed else None)
-        positions = torch.cat([fixed["txt_ids"], fixed["img_ids"]], dim=1)
-        axes, theta = config.axes_dim, config.theta
-    elif family == "qwen_image":
-        from library.models.qwen_image.model import joint_positions
-
-        mask = torch.arange(text_len)[None] < max(1, (3 * text_len + 3) // 4)
-        fixed = dict(txt=torch.randn(1, text_len, config.joint_attention_dim, generator=gen), txt_mask=mask,
-                     img_shapes=[(1, h, w)])
-        positions = joint_positions(fixed["img_shapes"], text_len)
-        axes, theta = config.axes_dims_rope, config.rope_theta
-    else:
-        raise ValueError(f"--model_type must be one of {FAMILIES}, got {family!r}")
+    x0, noise = (torch.randn(1, h * w, config.in_channels, generator=gen) for _ in range(2))
+    conditioning = load_symbol(arch_spec(arch).transformer.random_inputs)(config, h, w, text_len, gen)
+    fixed = conditioning.fixed
 
     def make_kwargs(sigma: float) -> dict:
         on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in fixed.items()}
         img = ((1 - sigma) * x0 + sigma * noise).to(device)
         return dict(img=img, timesteps=torch.full((1,), float(sigma), device=device), **on_device)
 
-    return precision.DoctorInputs(family, (h, w), make_kwargs, positions, tuple(axes), float(theta))
+    return precision.DoctorInputs(arch, (h, w), make_kwargs, conditioning.positions, conditioning.axes_dim,
+                                  conditioning.theta)
 
 
 # ----------------------------------------------------------------------------------------------
 # LoRA: read for a model, apply at runtime, merge into fp8
 
 
-def read_lora_for(model: nn.Module, family: str, path: str, ratio: float = 1.0) -> dict[str, LoRAWeights]:
+def read_lora_for(model: nn.Module, arch: str, path: str, ratio: float = 1.0) -> dict[str, LoRAWeights]:
     """{module path of `model`: LoRAWeights (float32, ratio folded into alpha)} from any layout
-    networks/lora_files.py reads; FLUX.1 / FLUX.2 LoRAs with diffusers names are converted to BFL names."""
+    networks/lora_files.py reads; a LoRA in the architecture's other naming (diffusers names for a
+    model built with BFL names) is converted through its module map."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, FP8Linear))}
-    module_map = diffusers_module_map(family, model.config)
+    module_map = diffusers_module_map(arch, model.config)
     alternates = sorted({d for parts in module_map.values() for d, _, _ in parts}) if module_map else []
     weights, _, _ = read_lora(path, module_paths=list(linears) + alternates)
     foreign = {p: w for p, w in weights.items() if p not in linears and p in alternates}
@@ -147,7 +125,7 @@ def read_lora_for(model: nn.Module, family: str, path: str, ratio: float = 1.0) 
     out = {}
     for p, w in weights.items():
         if p not in linears:
-            raise CheckpointError(f"{path}: LoRA module '{p}' is not a Linear of this {family} model")
+            raise CheckpointError(f"{path}: LoRA module '{p}' is not a Linear of this {arch} model")
         m = linears[p]
         if (w.up.shape[0], w.down.shape[1]) != (m.out_features, m.in_features):
             raise CheckpointError(f"{path}: LoRA '{p}' gives a delta {(w.up.shape[0], w.down.shape[1])}, "
@@ -211,7 +189,7 @@ def _finish(model: nn.Module, dtype: torch.dtype, device) -> nn.Module:
     return model
 
 
-def in_memory_variant(fp32_model: nn.Module, family: str, mode: str, lora=None, seed: int = 0, device="cpu") -> nn.Module:
+def in_memory_variant(fp32_model: nn.Module, arch: str, mode: str, lora=None, seed: int = 0, device="cpu") -> nn.Module:
     """Build `mode` from an fp32 model in memory (a copy; tests and tiny models)."""
     precision_name, _, how = mode.partition("+")
     model = copy.deepcopy(fp32_model)
@@ -223,10 +201,10 @@ def in_memory_variant(fp32_model: nn.Module, family: str, mode: str, lora=None, 
     originals = {p: modules[p].weight.detach().float().clone() for p in deltas}
     with torch.no_grad():
         for p, d in deltas.items():
-            if precision_name == "bf16" or is_high_precision(p, family):
+            if precision_name == "bf16" or is_high_precision(p, arch_spec(arch).fp8):
                 modules[p].weight += d
     if precision_name in ("fp8", "fp8_scaled"):
-        quantize_module(model, precision_name, family)
+        quantize_module(model, precision_name, arch_spec(arch).fp8)
         modules, gen = dict(model.named_modules()), torch.Generator().manual_seed(seed)
         for p, d in deltas.items():
             if isinstance(modules[p], FP8Linear):
@@ -235,42 +213,32 @@ def in_memory_variant(fp32_model: nn.Module, family: str, mode: str, lora=None, 
     return apply_runtime_lora(model, lora) if how == "lora" else model
 
 
-def disk_variant(path: str, family: str, mode: str, lora=None, seed: int = 0, device="cpu") -> nn.Module:
+def disk_variant(path: str, arch: str, mode: str, lora=None, seed: int = 0, device="cpu") -> nn.Module:
     """Load `mode` from the checkpoint at `path` (fp8 quantized tensor by tensor while loading)."""
-    load = _loader(family)
+    load = _loader(arch)
     precision_name, _, how = mode.partition("+")
     dtype = torch.float32 if precision_name == "fp32" else torch.bfloat16
-    prepare = fp8_prepare(precision_name if precision_name.startswith("fp8") else None, family)
+    prepare = fp8_prepare(precision_name if precision_name.startswith("fp8") else None, arch)
     if how.startswith("merge"):
         deltas = {p: w.delta() for p, w in lora.items()}
-        gen = torch.Generator().manual_seed(seed)
-        prepare = lambda m: MergingConverter(fp8_load_converter(prepare_fp8(m, precision_name, family)), deltas,  # noqa: E731
+        gen, rules = torch.Generator().manual_seed(seed), arch_spec(arch).fp8
+        prepare = lambda m: MergingConverter(fp8_load_converter(prepare_fp8(m, precision_name, rules)), deltas,  # noqa: E731
                                              precision_name, how, gen)
     model = _finish(load(path, dtype=dtype, prepare=prepare), dtype, device)
     return apply_runtime_lora(model, lora) if how == "lora" else model
 
 
-def _loader(family: str):
-    if family == "flux":
-        from library.models.flux1.checkpoint import load_flux
-
-        return load_flux
-    if family == "flux2":
-        from library.models.flux2.checkpoint import load_flux2
-
-        return load_flux2
-    from library.models.qwen_image.model import load_qwen_image
-
-    return load_qwen_image
+def _loader(arch: str):
+    return load_symbol(arch_spec(arch).transformer.load)
 
 
-def survival_table(model: nn.Module, lora: dict[str, LoRAWeights], family: str, seed: int = 0) -> dict:
+def survival_table(model: nn.Module, lora: dict[str, LoRAWeights], arch: str, seed: int = 0) -> dict:
     """precision.lora_survival per LoRA module and fp8 mode (modules that stay high precision skipped),
     from the weights of a high-precision `model`; plus median / min of `kept` and median `error`."""
     modules, gen = dict(model.named_modules()), torch.Generator().manual_seed(seed)
     per_module = {mode: {} for mode in ("fp8", "fp8_scaled")}
     for path, w in lora.items():
-        if is_high_precision(path, family):
+        if is_high_precision(path, arch_spec(arch).fp8):
             continue
         weight = modules[path].weight.detach().float().cpu()
         for mode in per_module:
@@ -408,25 +376,25 @@ def write_report(result: dict, out: str) -> str:
 # CLI
 
 
-def run_doctor(model_path: str, family: str, lora_spec: str | None = None, resolution: tuple[int, int] = (1024, 1024),
+def run_doctor(model_path: str, arch: str, lora_spec: str | None = None, resolution: tuple[int, int] = (1024, 1024),
                seed: int = 0, timesteps=(0.9, 0.5, 0.1), out: str = "precision_report", threshold: float = 0.05,
                text_len: int = 128, skip_fp32: bool = False, max_tokens: int = 256, device: str = "cpu",
                inject_position_bug: bool = False, log=print) -> dict:
     """Load, diagnose, report. The bf16 model loaded first (for the config and the LoRA's module
     names) is handed to the bf16 run, then dropped; every other mode is loaded when it runs."""
-    first = disk_variant(model_path, family, "bf16", device=device)
-    inputs = make_inputs(family, first.config, *resolution, seed=seed, text_len=text_len, device=device)
+    first = disk_variant(model_path, arch, "bf16", device=device)
+    inputs = make_inputs(arch, first.config, *resolution, seed=seed, text_len=text_len, device=device)
     lora, survival = None, None
     if lora_spec:
         from tools.merge_lora import parse_lora_spec
 
         spec = parse_lora_spec(lora_spec)
-        lora = read_lora_for(first, family, spec.path, spec.ratio)
-        survival = survival_table(first, lora, family, seed)
+        lora = read_lora_for(first, arch, spec.path, spec.ratio)
+        survival = survival_table(first, lora, arch, seed)
     held = [first]
     del first
     modes = [m for m in BASE_MODES if not (skip_fp32 and m == "fp32")] + (list(LORA_MODES) if lora else [])
-    models = {m: (lambda m=m: held.pop() if m == "bf16" and held else disk_variant(model_path, family, m, lora, seed, device))
+    models = {m: (lambda m=m: held.pop() if m == "bf16" and held else disk_variant(model_path, arch, m, lora, seed, device))
               for m in modes}
     result = precision.diagnose(models, inputs, timesteps, threshold, max_tokens, inject_position_bug, log=log)
     result["position_bug"] = inject_position_bug

@@ -164,7 +164,7 @@ def cache_text(items: list[ImageItem], encode_fn: Callable[..., list[dict[str, t
     stored as bf16, others as they are). An item's augmented caption_variants are encoded too and
     stored in the same file as `<name>@<k>` (library/data/captions.py).
     with_references: the encoder sees each item's reference images, encode_fn(captions,
-    reference views) (Qwen-Image-Edit); the entry is then per (caption, references), its hash
+    reference views) (an edit family's text_sees_controls); the entry is then per (caption, references), its hash
     covers the reference files, and with caption dropout it also holds the empty caption encoded
     with the same references (`<name>@dropped`: what dropout substitutes, as the pipeline would
     encode "" with the images). The references are seen unflipped (flip_aug mirrors only latents)."""

@@ -10,7 +10,7 @@ Captions are encoded once, before training, so the text encoders can leave the G
   `keep_tokens_separator` fixing the leading / trailing tags) is drawn from `caption_variants`
   = K augmented captions per image, made and encoded at caching time; each step picks one.
   K variants cost K extra encodings per caption when caching (nothing per step), and K times
-  the text cache (FLUX: 4 MiB per variant for T5's 512 x 4096 bf16 output), which is why
+  the text cache (4 MiB per variant for a 512 x 4096 bf16 encoder output), which is why
   `cache_text_encoder_outputs_to_disk` is the better place for them.
 
 The augmentation itself follows sd-scripts' `process_caption`: split on `caption_separator`,

@@ -6,8 +6,7 @@ reference image(s) of each target image, matched by file stem:
 
 Any image extension works on either side. Every target of a subset needs the same number of
 references (a batch stacks them), and no more than the model takes. How large a reference is
-encoded is the family's rule (DiffusionFamily.control_bucket: FLUX.1 Kontext uses the target's
-bucket). The reference latents are cached in the target's latent cache file, and its content
+encoded is the family's rule (DiffusionFamily.control_bucket: by default the target's bucket). The reference latents are cached in the target's latent cache file, and its content
 hash covers the reference files, so changing a reference re-encodes (library/data/caches.py).
 """
 
@@ -72,7 +71,7 @@ def check_family_takes(items, model_type: str, max_controls: int, min_controls: 
             raise ValueError(f"{item.image_path}: {n} reference image(s), but model_type {model_type} needs at least "
                              f"{min_controls} per image (set the subset's control_directory: library/data/controls.py)")
         if n > max_controls:
-            what = (f"takes no reference images (control_directory is for edit models such as flux_kontext)"
+            what = (f"takes no reference images (control_directory is for the edit model types)"
                     if not max_controls else f"takes at most {max_controls} reference image(s)")
             raise ValueError(f"{item.image_path}: {n} reference image(s) in {item.subset.control_directory}, "
                              f"but model_type {model_type} {what}")
@@ -80,7 +79,7 @@ def check_family_takes(items, model_type: str, max_controls: int, min_controls: 
 
 def reference_views(paths: list[str] | tuple[str, ...]) -> list:
     """The reference images as PIL RGB images at their own size (EXIF rotation applied): what a
-    text encoder that sees them (Qwen-Image-Edit) is given; it resizes them by its own rule."""
+    text encoder that sees them (an edit family's text_sees_controls) is given; it resizes them by its own rule."""
     return [load_rgb(p) for p in paths]
 
 

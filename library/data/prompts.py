@@ -2,8 +2,8 @@
 
     a photo of a cat --w 1024 --h 1024 --s 20 --d 42 --g 3.5 --n blurry, lowres
 
-Flags: --w width, --h height, --s steps, --d seed, --g guidance (FLUX.1-dev embedded guidance,
-true CFG scale for Qwen-Image), --n negative prompt, --ci a reference (control) image for edit
+Flags: --w width, --h height, --s steps, --d seed, --g guidance (the embedded guidance of a
+guidance-distilled model, the CFG scale of a true-CFG one), --n negative prompt, --ci a reference (control) image for edit
 models (musubi-tuner's flag; repeat it for several, in order). Lines starting with # and blank lines are
 skipped. An unknown flag or a bad value is an error naming the file and line.
 """

@@ -10,9 +10,9 @@ per merged patch of its image (grid t * h * w / merge_size^2) before the tokeniz
 processors' replace_image_token do. mm_token_type_ids marks the image tokens (1; text 0), as the
 processors' create_mm_token_type_ids: transformers 5 computes the 3-axis M-RoPE positions from it.
 
-Used by the Qwen-Image-Edit text encoder (library/models/qwen_image/edit_encoder.py) and the
-captioning tool (tools/caption_images.py). tests/test_vlm_inputs.py and
-tests/test_qwen_image_edit_encoder.py check them equal to the processors' outputs.
+Used by the edit families' vision-language text encoders and the captioning tool
+(tools/caption_images.py). tests/test_vlm_inputs.py and the edit encoders' tests check them equal
+to the processors' outputs.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The one small interface through which a diffusion family (FLUX.1, FLUX.2, Qwen-Image) plugs into
+"""The one small interface through which a diffusion family plugs into
 training, sampling and the tools: load (transformer, VAE, text encoders), encode (images,
 captions), predict (one denoiser call on packed latents) and sample (Euler flow matching, the same
 code for training samples and tools/generate.py).
@@ -6,11 +6,11 @@ code for training samples and tools/generate.py).
 A family lives in its own folder (library/models/<family>/family.py) and is registered with one
 line in FAMILIES (library/models/registry.py); nothing else in the trainer or the tools names a family.
 
-Edit families (FLUX.1 Kontext, ...) also take reference images: `control`, a list of reference
+Edit families also take reference images: `control`, a list of reference
 latents [B, 16, h_k, w_k] float32 (unpacked; the family packs them and gives them positions), the
 same list from the dataset (control_directory), validation and sample prompts (--ci). Families
 without references never see it (control is None). An edit family whose text encoder sees the
-references too (Qwen-Image-Edit: text_sees_controls) has an encoder callable
+references too (text_sees_controls) has an encoder callable
 encode(captions, condition_images) instead of encode(captions); its text is cached per
 (caption, references).
 
@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from library.models import flow_matching as fm
-from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401  (their importers find them here too)
+from library.models.registry import BASE_PRECISIONS, FAMILIES, arch_spec  # noqa: F401  (their importers find them here too)
 from library.models.vae import pack_latents, unpack_latents
 
 
@@ -50,13 +50,15 @@ def file_fingerprint(*paths: str | None) -> str:
 
 
 def fp8_prepare(mode: str | None, arch: str):
-    """The `prepare` hook for load_flux / load_qwen_image: on the meta-built model, swap Linears
-    for FP8Linear and return the per-tensor quantizing converter (quantization while loading)."""
+    """The `prepare` hook of the checkpoint loaders: on the meta-built model, swap the Linears that
+    arch's fp8 rules (its spec) do not keep for FP8Linear and return the per-tensor quantizing
+    converter (quantization while loading)."""
     if mode in (None, "bf16"):
         return None
     from library.precision.fp8 import fp8_load_converter, prepare_fp8
 
-    return lambda model: fp8_load_converter(prepare_fp8(model, mode, arch))
+    rules = arch_spec(arch).fp8
+    return lambda model: fp8_load_converter(prepare_fp8(model, mode, rules))
 
 
 @dataclass
@@ -97,7 +99,7 @@ class DiffusionFamily:
 
     # The transformer architecture: key of the LoRA targets, fp8 rules and flow-matching constants.
     # It is the family's name unless the class names another: a variant with the same transformer
-    # (flux_kontext) trains and loads LoRAs exactly as its base architecture (flux).
+    # (an edit variant) trains and loads LoRAs exactly as its base architecture.
     arch: str
 
     def __init_subclass__(cls, **kwargs):
@@ -147,7 +149,7 @@ class DiffusionFamily:
         return fp8_checkpoint_layout(CheckpointReader(path), path)
 
     def model_version(self, model: nn.Module) -> str:
-        """The base model's name for LoRA metadata (modelspec-style, e.g. flux1-dev)."""
+        """The base model's name for LoRA metadata (modelspec-style: the release, e.g. its "-dev")."""
         return self.name
 
     # -- loading -------------------------------------------------------------------------------
@@ -173,7 +175,7 @@ class DiffusionFamily:
 
     def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
         """(w, h) a reference image of `size` is fitted to when its target's bucket is `bucket`.
-        Default: the target's bucket (FLUX.1 Kontext's rule)."""
+        Default: the target's bucket."""
         return bucket
 
     def reference_text_tokens(self, width: int, height: int) -> int:
@@ -240,7 +242,7 @@ class DiffusionFamily:
         Returns the scalar float32 loss and the sigmas."""
         b, _, lh, lw = latents.shape
         h, w = lh // self.patch, lw // self.patch
-        method = args.timestep_sampling or fm.DEFAULTS[self.arch]["timestep_sampling"]
+        method = args.timestep_sampling or fm.sampling_of(self.arch).method
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=torch.float32) for g in generators])
         sigmas = torch.cat([
             fm.sample_sigmas(1, method, generator=g, shift=args.discrete_flow_shift,
@@ -313,7 +315,7 @@ def stack_text(per_caption: list[dict]) -> dict:
 
 
 def lora_arch(model_type: str) -> str:
-    """The architecture whose LoRA layout a model_type's LoRAs have (flux_kontext -> flux); other
+    """The architecture whose LoRA layout a model_type's LoRAs have (an edit variant's: its base's); other
     model types (llm) are their own."""
     return family_class(model_type).arch if model_type in FAMILIES else model_type
 

@@ -1,29 +1,18 @@
-"""Rectified-flow training objective and Euler sampling for FLUX.1, FLUX.2 and Qwen-Image.
+"""Rectified-flow training objective and Euler sampling, the same for every diffusion family.
 
     x_t    = (1 - s) * x0 + s * noise        s = sigma in [0, 1] (1 = pure noise)
     target = noise - x0                       the velocity the transformer predicts
     sample: x_{i+1} = x_i + (s_{i+1} - s_i) * v(x_i, s_i), from s = 1 down to 0
 
-Models receive s itself (Flux.forward / QwenImage.forward take sigma in [0, 1]). Every sigma,
-weight and loss here is float32, whatever dtype the model runs in.
+Models receive s itself (every family's forward takes sigma in [0, 1]). Every sigma, weight and loss
+here is float32, whatever dtype the model runs in.
 
-The resolution-dependent shift (flux_shift / qwen_shift) is the one the released models'
-diffusers schedulers use at inference: mu grows linearly with the image token count and
-s' = e^mu / (e^mu + 1/s - 1). Constants per model, from the diffusers pipelines and the models'
-scheduler_config.json:
-- FLUX.1-dev (diffusers pipeline_flux.calculate_shift defaults = black-forest-labs/FLUX.1-dev
-  scheduler_config.json): base_image_seq_len 256, max_image_seq_len 4096, base_shift 0.5,
-  max_shift 1.15, no shift_terminal.
-- Qwen-Image (Qwen/Qwen-Image scheduler/scheduler_config.json; pipeline_qwenimage.py reads these
-  keys from the scheduler config, its own calculate_shift defaults are FLUX's and do not apply):
-  base_image_seq_len 256, max_image_seq_len 8192, base_shift 0.5, max_shift 0.9,
-  shift_terminal 0.02 (inference schedule only), time_shift_type "exponential".
-- FLUX.2 ([klein] and [dev]): the pipelines pass the scheduler (use_dynamic_shifting, exponential)
-  mu = compute_empirical_mu(image_seq_len, num_steps) (pipeline_flux2*.py, BFL's flux2 sampling):
-  two lines in the token count, fitted at 10 and at 200 steps, interpolated linearly in the step
-  count; above 4300 tokens the 200-step line alone. No shift_terminal. Training has no step count:
-  flux2_shift uses mu at FLUX2_TRAIN_MU_STEPS (50, the klein base models' default step count; the
-  distilled models sample in 4 steps, where mu is higher by at most 0.35 below 4300 tokens).
+The resolution-dependent shift is the one each released model's diffusers scheduler uses at
+inference: mu grows with the image token count and s' = e^mu / (e^mu + 1/s - 1). Its constants are
+the architecture's (its spec's `sampling`: a MuLine, or a function of the token and step counts),
+and training draws with them by default (timestep_sampling = the spec's method): a logit-normal draw
+(sigmoid(randn), scale 1) shifted as the released scheduler shifts, raw velocity target, no loss
+weighting, plain L2.
 """
 
 from __future__ import annotations
@@ -34,39 +23,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from library.models.registry import SAMPLING_METHODS  # the names the config schema offers
+from library.models.registry import SAMPLING_METHODS, arch_specs  # the names the config schema offers
+from library.models.spec import MuLine, Sampling, load_symbol
 
-# Training defaults per family. sd-scripts' FLUX flags default to timestep_sampling "sigma" with
-# model_prediction_type "sigma_scaled", while its FLUX.1 docs recommend "shift" 3.1582 with "raw"
-# predictions; we default instead to what each released model's scheduler does at inference: the
-# resolution-dependent shift with that model's constants, applied to a logit-normal draw
-# (sigmoid(randn), scale 1), raw velocity target, no loss weighting, plain L2. FLUX.1-dev gets
-# guidance 1.0 during LoRA training (the common choice: the distilled guidance embedding is kept
-# near its "no extra guidance" end). `shift` 3.0 is FLUX.1-dev's scheduler "shift", used only
-# when timestep_sampling = "shift" is chosen explicitly.
-DEFAULTS = {
-    "flux": {
-        "timestep_sampling": "flux_shift", "sigmoid_scale": 1.0, "shift": 3.0,
-        "base_seq_len": 256, "max_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15,
-        "shift_terminal": None, "weighting_scheme": "none", "loss_type": "l2", "huber_c": 0.1,
-        "guidance_scale": 1.0,
-    },
-    "qwen_image": {
-        "timestep_sampling": "qwen_shift", "sigmoid_scale": 1.0, "shift": 3.0,
-        "base_seq_len": 256, "max_seq_len": 8192, "base_shift": 0.5, "max_shift": 0.9,
-        "shift_terminal": 0.02, "weighting_scheme": "none", "loss_type": "l2", "huber_c": 0.1,
-        "guidance_scale": None,
-    },
-    # mu from compute_empirical_mu (the base_* / max_* line constants do not apply); training
-    # guidance as FLUX.1-dev's, used by [dev] only ([klein] has no guidance embedding).
-    "flux2": {
-        "timestep_sampling": "flux2_shift", "sigmoid_scale": 1.0, "shift": 3.0, "empirical_mu": True,
-        "shift_terminal": None, "weighting_scheme": "none", "loss_type": "l2", "huber_c": 0.1,
-        "guidance_scale": 1.0,
-    },
-}
-_SHIFT_FAMILY = {"flux_shift": "flux", "qwen_shift": "qwen_image", "flux2_shift": "flux2"}
-FLUX2_TRAIN_MU_STEPS = 50
 WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap")
 LOSS_TYPES = ("l2", "huber")
 
@@ -78,26 +37,33 @@ def calculate_shift(image_seq_len: int, base_seq_len: int, max_seq_len: int, bas
     return image_seq_len * m + (base_shift - m * base_seq_len)
 
 
-def compute_empirical_mu(image_seq_len: int, num_steps: int) -> float:
-    """FLUX.2's mu (diffusers pipeline_flux2.compute_empirical_mu, BFL flux2 sampling.py): the mu
-    lines fitted at 10 and 200 steps, interpolated in num_steps; the 200-step line above 4300 tokens."""
-    a1, b1 = 8.73809524e-05, 1.89833333  # the 10-step line
-    a2, b2 = 0.00016927, 0.45666666  # the 200-step line
-    m_200 = a2 * image_seq_len + b2
-    if image_seq_len > 4300:
-        return float(m_200)
-    m_10 = a1 * image_seq_len + b1
-    a = (m_200 - m_10) / 190.0
-    return float(a * num_steps + (m_200 - 200.0 * a))
+def sampling_of(arch: str) -> Sampling:
+    """The architecture's Sampling (its spec); a ValueError for one without (the LLM)."""
+    spec = arch_specs().get(arch)
+    if spec is None or spec.sampling is None:
+        archs = [a for a, s in arch_specs().items() if s.sampling]
+        raise ValueError(f"no flow-matching schedule for {arch!r}: expected one of {', '.join(archs)}")
+    return spec.sampling
 
 
-def family_mu(family: str, image_seq_len: int, steps: int) -> float:
-    """The resolution shift mu of a family's released scheduler for this token count (and, for
-    FLUX.2, step count)."""
-    d = DEFAULTS[family]
-    if d.get("empirical_mu"):
-        return compute_empirical_mu(image_seq_len, steps)
-    return calculate_shift(image_seq_len, d["base_seq_len"], d["max_seq_len"], d["base_shift"], d["max_shift"])
+def resolution_mu(sampling: Sampling, image_seq_len: int, steps: int | None = None) -> float:
+    """mu of the released scheduler for this token count; a step-dependent mu at `steps` (training,
+    which has none: the spec's train_mu_steps)."""
+    if isinstance(sampling.mu, MuLine):
+        line = sampling.mu
+        return calculate_shift(image_seq_len, line.base_seq_len, line.max_seq_len, line.base_shift, line.max_shift)
+    return load_symbol(sampling.mu)(image_seq_len, sampling.train_mu_steps if steps is None else steps)
+
+
+def family_mu(arch: str, image_seq_len: int, steps: int) -> float:
+    """The resolution shift mu of an architecture's released scheduler for this token count and
+    step count (the step count matters only where its mu depends on it)."""
+    return resolution_mu(sampling_of(arch), image_seq_len, steps)
+
+
+def _shift_method(method: str) -> Sampling:
+    """The Sampling whose method is `method` (a resolution shift named after an architecture)."""
+    return next(s.sampling for s in arch_specs().values() if s.sampling and s.sampling.method == method)
 
 
 def time_shift(mu: float, sigmas: torch.Tensor) -> torch.Tensor:
@@ -110,18 +76,13 @@ def time_shift(mu: float, sigmas: torch.Tensor) -> torch.Tensor:
 # Training
 
 
-def sample_sigmas(
-    batch: int, method: str, *, generator: torch.Generator | None, shift: float = 3.0,
-    sigmoid_scale: float = 1.0, image_seq_len: int | None = None, base_seq_len: int | None = None,
-    max_seq_len: int | None = None, base_shift: float | None = None, max_shift: float | None = None,
-) -> torch.Tensor:
+def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None, shift: float = 3.0,
+                  sigmoid_scale: float = 1.0, image_seq_len: int | None = None) -> torch.Tensor:
     """One sigma per sample, float32 [batch] in [0, 1], on the generator's device.
 
     uniform: U(0, 1]; sigmoid: sigmoid(sigmoid_scale * randn); shift: the sigmoid draw then
-    s' = k s / (1 + (k - 1) s) with k = shift; flux_shift / qwen_shift: the sigmoid draw then the
-    resolution-dependent time_shift with mu from image_seq_len. The mu constants left None are
-    the released model's (DEFAULTS["flux"] for flux_shift, DEFAULTS["qwen_image"] for qwen_shift);
-    flux2_shift: mu = compute_empirical_mu(image_seq_len, FLUX2_TRAIN_MU_STEPS) (no line constants)."""
+    s' = k s / (1 + (k - 1) s) with k = shift; an architecture's method (its spec's sampling.method): the sigmoid draw then the resolution-dependent time_shift with that
+    architecture's mu for image_seq_len (at its train_mu_steps where mu depends on a step count)."""
     if method not in SAMPLING_METHODS:
         raise ValueError(f"timestep_sampling {method!r} is not one of {', '.join(SAMPLING_METHODS)}")
     device = generator.device if generator is not None else torch.device("cpu")
@@ -134,17 +95,7 @@ def sample_sigmas(
         return sigmas
     if image_seq_len is None:
         raise ValueError(f"timestep_sampling {method!r} needs image_seq_len (image tokens per sample)")
-    if method == "flux2_shift":
-        return time_shift(compute_empirical_mu(image_seq_len, FLUX2_TRAIN_MU_STEPS), sigmas)
-    d = DEFAULTS[_SHIFT_FAMILY[method]]
-    mu = calculate_shift(
-        image_seq_len,
-        d["base_seq_len"] if base_seq_len is None else base_seq_len,
-        d["max_seq_len"] if max_seq_len is None else max_seq_len,
-        d["base_shift"] if base_shift is None else base_shift,
-        d["max_shift"] if max_shift is None else max_shift,
-    )
-    return time_shift(mu, sigmas)
+    return time_shift(resolution_mu(_shift_method(method), image_seq_len), sigmas)
 
 
 def _per_sample(sigmas: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -203,22 +154,19 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor 
 # Inference
 
 
-def inference_sigmas(steps: int, image_seq_len: int, family: str, *, dynamic_shift: bool = True) -> torch.Tensor:
-    """The sigma schedule diffusers' FluxPipeline / QwenImagePipeline / Flux2(Klein)Pipeline run
-    with FlowMatchEulerDiscreteScheduler: linspace(1, 1/steps, steps), time-shifted with the
-    family's mu for this token count (and step count: FLUX.2), stretched to end at shift_terminal
-    (Qwen-Image), then a final 0.
-    dynamic_shift=False is FLUX.1-schnell (its scheduler has no shift). float32 [steps + 1]."""
-    if family not in DEFAULTS:
-        raise ValueError(f"inference_sigmas: family {family!r} is not one of {', '.join(DEFAULTS)}")
-    d = DEFAULTS[family]
+def inference_sigmas(steps: int, image_seq_len: int, arch: str, *, dynamic_shift: bool = True) -> torch.Tensor:
+    """The sigma schedule the architecture's diffusers pipeline runs with FlowMatchEulerDiscreteScheduler:
+    linspace(1, 1/steps, steps), time-shifted with its mu for this token count (and step count,
+    where mu depends on it), stretched to end at its shift_terminal where it has one, then a final 0.
+    dynamic_shift=False: no shift (a distilled model whose scheduler has none). float32 [steps + 1]."""
+    sampling = sampling_of(arch)
     sigmas = np.linspace(1.0, 1.0 / steps, steps)  # float64 math, float32 result
     if dynamic_shift:
-        mu = family_mu(family, image_seq_len, steps)
+        mu = resolution_mu(sampling, image_seq_len, steps)
         sigmas = math.exp(mu) / (math.exp(mu) + (1.0 / sigmas - 1.0))
-        if d["shift_terminal"]:
+        if sampling.shift_terminal:
             one_minus = 1.0 - sigmas
-            sigmas = 1.0 - one_minus / (one_minus[-1] / (1.0 - d["shift_terminal"]))
+            sigmas = 1.0 - one_minus / (one_minus[-1] / (1.0 - sampling.shift_terminal))
     return torch.cat([torch.from_numpy(sigmas).float(), torch.zeros(1)])
 
 

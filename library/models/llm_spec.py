@@ -30,16 +30,8 @@ LORA_FILES = S.LoRAFiles(
 )
 
 
-# -- fp8: modules kept in high precision
-FP8 = None
-
-
-# -- timestep sampling and shift defaults
-SAMPLING = None
-
-
-# -- the repeated blocks (compile, block swap, FSDP)
-BLOCKS = None
+# -- fp8: modules kept in high precision (library/precision/fp8.py)
+FP8 = S.FP8Rules(keep=(r"lm_head", r"model\.embed_tokens"))
 
 
 # -- memory planner shapes and presets
@@ -57,8 +49,6 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
-    sampling=SAMPLING,
-    blocks=BLOCKS,
     planner=PLANNER,
     tiny=TINY,
     default_config="llm_lora.toml",

@@ -4,8 +4,8 @@ Used by tools/precision_doctor.py; every function takes in-memory models and ten
 run it on tiny models. The three kinds of fp8 damage it tells apart (shared/DESIGN.md, "Precision"):
 
 - positions / RoPE tables rounded to a low-precision dtype: e4m3 holds integers exactly only up to
-  16, bf16 up to 256. The error then sits where positions are large: the borders of a centred
-  Qwen-Image grid, the high-index (right / bottom) side of a FLUX grid. The per-token error map is
+  16, bf16 up to 256. The error then sits where positions are large: the borders of a grid
+  centred on 0, the high-index (right / bottom) side of a grid that starts at 0. The per-token error map is
   uneven: border-band / centre or max / min region ratio far above 1.
 - weight quantization (plain fp8 cast much more than fp8_scaled): the error map is flat (ratios ~1).
 - LoRA deltas merged into fp8 weights: round-to-nearest drops the deltas smaller than half an fp8
@@ -238,9 +238,9 @@ def map_ratios(error_map: torch.Tensor, band: float = 1 / 8, regions: int = 4) -
     """Where the error sits. border band: the outer `band` of rows and columns; centre: the middle
     half of rows x the middle half of columns; regions: a regions x regions grid of equal blocks
     (fewer where a block would be under 8 tokens a side). A flat map (weight quantization) gives ratios
-    ~1. Rounded positions give a high border/centre ratio on a centred grid (Qwen-Image) and a high
-    max/min region ratio on a grid that starts at 0 (FLUX: the low-index corner keeps exact
-    positions, the right/bottom side carries the large ones)."""
+    ~1. Rounded positions give a high border/centre ratio on a grid centred on 0 and a high max/min
+    region ratio on a grid that starts at 0 (the low-index corner keeps exact positions, the
+    right/bottom side carries the large ones)."""
     m = error_map.double()
     h, w = m.shape
     bh, bw = max(1, round(h * band)), max(1, round(w * band))

@@ -23,9 +23,6 @@ FAMILIES = {
 
 BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")  # how the frozen base is stored
 
-# timestep_sampling values (library/models/flow_matching.py implements them)
-SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "flux2_shift")
-
 # Architectures that are not a diffusion family but have the same kind of facts (LoRA targets, key
 # names): arch -> the module holding its SPEC.
 OTHER_ARCHS = {"llm": "library.models.llm_spec"}
@@ -68,3 +65,8 @@ def spec_of(model_type: str):
     if model_type in FAMILIES:
         return load_symbol(family_folder(model_type) + ".spec:SPEC")
     return arch_spec(model_type)
+
+
+# timestep_sampling values (library/models/flow_matching.py implements them): the generic draws, then
+# each architecture's resolution shift (its spec's sampling.method: flux_shift, qwen_shift, ...).
+SAMPLING_METHODS = ("uniform", "sigmoid", "shift") + tuple(s.sampling.method for s in arch_specs().values() if s.sampling)

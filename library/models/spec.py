@@ -2,8 +2,9 @@
 folder (library/models/<folder>/spec.py, the module-level SPEC), found through the registry
 (library/models/registry.py arch_spec / spec_of). Everything outside the folder that needs a fact
 about an architecture (LoRA targets and key names, fp8 keep-high-precision rules, timestep sampling
-defaults, the memory planner's shapes and presets, converters' key tables, the blocks to compile and
-swap, the tiny test models, the default config) reads it here and never names the family.
+defaults, the memory planner's shapes and presets, converters' key tables, the tiny test models, the
+config keys of its files, the default config) reads it here and never names the family. The
+repeated blocks (compile, block swap, FSDP) are each model's own `swappable_blocks()`.
 
 Nothing here imports torch: the command lines check names and defaults before loading it. Where a
 fact is code (a module map built from a model config, a tiny-model writer) the spec holds a
@@ -91,12 +92,84 @@ class LoRAFiles:
 # fp8: which modules stay in high precision (library/precision/fp8.py)
 
 
+@dataclass(frozen=True)
+class FP8Rules:
+    """The Linears that stay in high precision (bf16 / fp32) when the base is stored in fp8, as
+    regexes full-matched against qualified module names. library/precision/fp8.py takes this object
+    itself (it sits below the registry and never looks an architecture up by name)."""
+
+    keep: tuple[str, ...]  # always kept: embedders, input / output projections, the final layer
+    # Per-block modulation Linears: quantized while fp8.QUANTIZE_MODULATION is True (the default,
+    # measured where it was decided: the first family's FP8 comment), kept otherwise.
+    modulation: tuple[str, ...] = ()
+
+
 # ----------------------------------------------------------------------------------------------
 # Timestep sampling and shift defaults (library/models/flow_matching.py)
 
 
+@dataclass(frozen=True)
+class MuLine:
+    """mu of the resolution shift on the line through (base_seq_len, base_shift) and (max_seq_len,
+    max_shift) in the image token count (diffusers' calculate_shift; not clamped outside it)."""
+
+    base_seq_len: int
+    max_seq_len: int
+    base_shift: float
+    max_shift: float
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the released model's scheduler shifts sigmas, which training follows by default:
+    timestep_sampling = `method` draws sigmoid(randn) and time-shifts it with this mu, as the
+    scheduler does at inference for the image's token count; samples use the same mu."""
+
+    method: str  # the timestep_sampling name that draws this way (the architecture's default)
+    # mu: a MuLine, or "module:function" (image_seq_len, steps) -> mu for a mu that also depends on
+    # the step count; training, which has no step count, evaluates it at train_mu_steps.
+    mu: MuLine | str
+    train_mu_steps: int | None = None
+    shift_terminal: float | None = None  # the inference schedule is stretched to end here (None: no stretch)
+    guidance_scale: float | None = None  # guidance fed to a guidance-distilled model in training (None: none)
+
+
 # ----------------------------------------------------------------------------------------------
-# Blocks: the repeated transformer blocks (compile, block swap, FSDP wrapping)
+# Config keys of the family's own files and options (library/training/config.py)
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """A training-config key the family reads (its text encoder files, a version), added to the one
+    schema. Families may declare the same key (one file role): the types must agree, the helps join."""
+
+    key: str
+    type: type  # str, int, float, bool
+    help: str
+    default: object = None
+
+
+# ----------------------------------------------------------------------------------------------
+# The transformer, for tools that hold only a checkpoint (tools/precision_doctor.py)
+
+
+@dataclass(frozen=True)
+class TransformerHooks:
+    """load: "module:function" (path, dtype=, prepare=) -> the transformer from a checkpoint file or
+    folder (prepare: the fp8 hook, as family.fp8_prepare gives it). random_inputs: "module:function"
+    (config, h, w, text_len, generator) -> RandomInputs: the conditioning of one forward at an h x w
+    patch grid with random text, everything but the image tokens and the sigma."""
+
+    load: str
+    random_inputs: str
+
+
+@dataclass(frozen=True)
+class RandomInputs:
+    fixed: dict  # forward keyword arguments besides img / timesteps (tensors float32, positions int64)
+    positions: object  # [1, L, axes] the positions the model feeds to core.rope_tables, text then image
+    axes_dim: tuple[int, ...]
+    theta: float
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,6 +210,7 @@ class TinySpec:
 
     writers: tuple[str, ...] = ()
     dims: tuple[tuple[str, int], ...] = ()
+    transformer: str = ""  # the manifest key of its transformer file (the generic tests load it through `transformer.load`)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,8 +227,9 @@ class ArchSpec:
     lora: object = None  # LoRA targets and key names (section above)
     lora_files: object = None  # converters' key tables
     fp8: object = None  # keep-high-precision rules
-    sampling: object = None  # timestep sampling and shift defaults
-    blocks: object = None  # the repeated blocks
+    sampling: object = None  # timestep sampling and shift defaults (diffusion architectures)
+    transformer: object = None  # loading and driving the transformer from a checkpoint
+    config_keys: tuple = ()  # ConfigKey of the family's own training-config keys
     planner: object = None  # memory planner shapes and presets
     tiny: object = None  # tiny model writers
     default_config: str | None = None  # configs/<file>: the config the README points a new user to

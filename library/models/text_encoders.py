@@ -24,6 +24,7 @@ from accelerate import init_empty_weights
 from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming
+from library.models.spec import FP8Rules
 
 # ----------------------------------------------------------------------------------------------
 # Built-in configs of the released encoders (openai/clip-vit-large-patch14 text tower, google/t5-v1_1-xxl)
@@ -42,6 +43,11 @@ CLIP_L_CONFIG = {
     "eos_token_id": 2,  # legacy value of the released config: pooling takes the argmax token (EOT)
     "pad_token_id": 1,
 }
+
+# text_encoder_precision = fp8: every T5 Linear but the feed-forward `wo`, which stays bf16 because
+# transformers' T5 casts wo's *input* to wo.weight.dtype (an fp8 weight would round every activation
+# to e4m3 there). Its embedding is not a Linear.
+T5_FP8 = FP8Rules(keep=(r".*\.wo",))
 
 T5_XXL_CONFIG = {
     "vocab_size": 32128,
@@ -183,7 +189,7 @@ def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.
     if fp8:
         from library.precision.fp8 import fp8_load_converter, prepare_fp8
 
-        quantize = fp8_load_converter(prepare_fp8(model, fp8, "t5"))
+        quantize = fp8_load_converter(prepare_fp8(model, fp8, T5_FP8))
         convert = _Chain(_tie_t5, quantize)
     load_streaming(model, CheckpointReader(path), _t5_key, dtype=dtype, convert=convert, keep_dtype=keep_fp32)
     return T5TextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer_2"))

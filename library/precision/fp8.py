@@ -21,13 +21,15 @@ weight [out, in] float8_e4m3fn and weight_scale a 0-dim float32, dequantized exa
 does: weight.to(dtype) * weight_scale.to(dtype), both operands cast to the compute dtype first and
 the product rounded once in it (so in bf16 the scale is rounded to bf16 before the multiply).
 
-Always kept in high precision (HIGH_PRECISION_MODULES): embedders, input/output projections, the
-final layer, and (not Linear anyway) norms and RoPE, which core.py computes in fp32.
+Always kept in high precision (each architecture's FP8Rules.keep, from its spec): embedders,
+input/output projections, the final layer, and (not Linear anyway) norms and RoPE, which core.py
+computes in fp32.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -44,49 +46,20 @@ TENSOR_SCALE_DTYPE = torch.float32  # "fp8_tensor_scaled": one scale per weight,
 BLOCK = 64  # input columns sharing one scale
 MODES = ("fp8", "fp8_scaled", "fp8_tensor_scaled")
 
-# Modulation (adaLN) Linears are 27% of FLUX.1's weights (3.2 B of 11.9 B). Measured on a tiny
-# FLUX-like double + single block (tests/test_fp8.py::test_modulation_choice_matches_measurement,
-# width 256, weights N(0, 0.02), relative error of the blocks' residual update vs fp32, 2 seeds):
-# fp8_scaled 4.47% with modulation quantized vs 3.61% kept in bf16 (plain fp8: 5.85% vs 4.71%).
-# Keeping them would cut the error by 19% but add 25% memory (whole-model bytes/param ~1.30
-# instead of ~1.04, +3.2 GB on FLUX.1), and fp8 is chosen to save memory: we quantize them, as
-# sd-scripts' fp8_base does. Scaled with modulation quantized still beats plain with it kept.
+# Per-block modulation (adaLN) Linears: quantized, as sd-scripts' fp8_base does. They can be a large
+# share of a model (over a quarter of the weights in the first family) and fp8 is chosen to save memory; the measurement behind
+# the choice is beside the rules of the architecture it was made on (its spec's FP8 comment and
+# tests/test_fp8.py::test_modulation_choice_matches_measurement). False keeps each spec's
+# `modulation` Linears in high precision too.
 QUANTIZE_MODULATION = True
 
-_MODULATION_MODULES = {
-    "flux": [r".*_mod\.lin", r".*\.modulation\.lin"],
-    "qwen_image": [r".*\.(img|txt)_mod\.1"],
-    "flux2": [],  # its three shared modulation Linears are always kept: see FLUX2_SHARED_MODULATION
-    "llm": [],
-}
 
-# FLUX.2 has no per-block modulation: three shared Linears (15 h^2 weights: 3.7% of klein 4B, 2.8% of
-# klein 9B, 1.8% of dev) feed every block, so an fp8 error there reaches all blocks at once. Measured
-# on a tiny FLUX.2 (width 256, 2 double + 4 single blocks, weights N(0, 0.02), relative error of the
-# blocks' residual update vs fp32, 3 seeds): fp8_scaled 5.18% with them quantized vs 4.51% kept
-# (plain fp8: 6.74% vs 5.93%). Keeping them cuts the error by 13% for +3.4% memory on klein 4B (less
-# on the larger ones): unlike FLUX.1's per-block modulation (27% of the weights) they stay high
-# precision. tests/test_flux2.py::test_fp8_keeping_shared_modulation_pays repeats it (1 double block, 1 seed).
-FLUX2_SHARED_MODULATION = [r"double_stream_modulation_(img|txt)\.lin", r"single_stream_modulation\.lin"]
+class KeepRules(Protocol):
+    """What fp8 needs to know of an architecture (library/models/spec.py FP8Rules): regexes of the
+    Linears kept in high precision, and of the modulation Linears that QUANTIZE_MODULATION decides."""
 
-# Regexes over qualified module names (re.fullmatch) of the Linears that stay bf16/fp32 in both modes.
-HIGH_PRECISION_MODULES: dict[str, list[str]] = {
-    "flux": [
-        r"img_in", r"txt_in", r"time_in\..*", r"vector_in\..*", r"guidance_in\..*", r"final_layer\..*",
-    ],
-    "qwen_image": [
-        r"img_in", r"txt_in", r"txt_norm", r"time_text_embed\..*", r"norm_out\..*", r"proj_out",
-    ],
-    "flux2": [r"img_in", r"txt_in", r"time_in\..*", r"guidance_in\..*", r"final_layer\..*", *FLUX2_SHARED_MODULATION],
-    "llm": [r"lm_head", r"model\.embed_tokens"],
-    # The T5 encoder (text_encoder_precision = fp8). Its embedding is not a Linear; the feed-forward
-    # `wo` stays bf16 because transformers' T5 casts wo's *input* to wo.weight.dtype (an fp8 weight
-    # would round every activation to e4m3 there).
-    "t5": [r".*\.wo"],
-}
-if not QUANTIZE_MODULATION:
-    for _arch, _patterns in _MODULATION_MODULES.items():
-        HIGH_PRECISION_MODULES[_arch] += _patterns
+    keep: tuple[str, ...]
+    modulation: tuple[str, ...]
 
 
 def _check_mode(mode: str) -> None:
@@ -94,11 +67,16 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"fp8 mode must be one of {MODES}, got {mode!r}")
 
 
-def is_high_precision(name: str, arch: str) -> bool:
-    """True if the module with qualified name `name` stays in high precision for architecture `arch`."""
-    if arch not in HIGH_PRECISION_MODULES:
-        raise ValueError(f"unknown model family {arch!r}; expected one of {sorted(HIGH_PRECISION_MODULES)}")
-    return any(re.fullmatch(p, name) for p in HIGH_PRECISION_MODULES[arch])
+def _check_rules(rules: KeepRules) -> None:
+    if isinstance(rules, str) or not hasattr(rules, "keep"):
+        raise TypeError(f"fp8: pass the architecture's keep rules (registry arch_spec(arch).fp8), got {rules!r}")
+
+
+def is_high_precision(name: str, rules: KeepRules) -> bool:
+    """True if the module with qualified name `name` stays in high precision under `rules`."""
+    _check_rules(rules)
+    patterns = rules.keep if QUANTIZE_MODULATION else (*rules.keep, *rules.modulation)
+    return any(re.fullmatch(p, name) for p in patterns)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,33 +298,33 @@ class FP8Linear(nn.Module):
 # Whole models
 
 
-def _replace_linears(model: nn.Module, mode: str, arch: str) -> nn.Module:
+def _replace_linears(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
     _check_mode(mode)
-    is_high_precision("", arch)  # validates the arch name
+    _check_rules(rules)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             # Exact nn.Linear only: subclasses (e.g. nn.MultiheadAttention's out_proj) may read .weight directly.
-            if type(child) is nn.Linear and not is_high_precision(name, arch):
+            if type(child) is nn.Linear and not is_high_precision(name, rules):
                 setattr(parent, child_name, FP8Linear.from_linear(child, mode))
     return model
 
 
-def prepare_fp8(model: nn.Module, mode: str, arch: str) -> nn.Module:
-    """Replace every nn.Linear outside HIGH_PRECISION_MODULES[arch] by an FP8Linear, in place.
+def prepare_fp8(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
+    """Replace every nn.Linear that `rules` does not keep in high precision by an FP8Linear, in place.
 
     On a `meta` model the new layers hold meta fp8 tensors of the right shapes for
     load_streaming(convert=fp8_load_converter(model, mode)) to fill; on a loaded model the
     weights are quantized. Returns the model."""
-    return _replace_linears(model, mode, arch)
+    return _replace_linears(model, mode, rules)
 
 
-def quantize_module(model: nn.Module, mode: str, arch: str) -> nn.Module:
+def quantize_module(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
     """In-memory fp8 conversion of an already loaded high-precision model (tests, diagnostics)."""
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta:
         raise ValueError(f"quantize_module: '{meta[0]}' is on the meta device; use prepare_fp8 + load_streaming")
-    return _replace_linears(model, mode, arch)
+    return _replace_linears(model, mode, rules)
 
 
 class FP8LoadConverter:

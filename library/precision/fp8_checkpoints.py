@@ -1,7 +1,7 @@
 """Pre-quantized fp8 transformer checkpoints, used as the base as they are stored (no re-quantization).
 
 Layouts read; the name is also the base precision a LoRA trained on it records (ss_base_precision):
-  "fp8"                plain float8_e4m3fn codes: sd-scripts' fp8 files, ComfyUI's flux1-dev-fp8
+  "fp8"                plain float8_e4m3fn codes: sd-scripts' fp8 files, ComfyUI's plain *-fp8
                        (everything e4m3, norms and biases included), merge_lora --save_precision fp8.
   "fp8_scaled"         e4m3 codes + our bf16 `X.weight_scale` [out, in/64] (merge_lora fp8_scaled).
   "fp8_tensor_scaled"  ComfyUI's scaled fp8 (Comfy-Org's `*_fp8_e4m3fn_scaled.safetensors`): e4m3
@@ -40,10 +40,10 @@ Refused, one line naming the key: float8_e5m2 weights; comfy_quant formats other
 that are not one number per tensor; the musubi scales above. Activation scales are dropped: we
 compute in bf16/fp32, as ComfyUI does whenever a LoRA is patched in.
 
-An fp8 tensor where our model keeps high precision (fp8.HIGH_PRECISION_MODULES: embedders, the final
-layer; and norms, biases) is widened, with one warning: widening is exact, so the base trained on
-is the very one ComfyUI computes with (ComfyUI casts those codes to the compute dtype the same way).
-An error would make ComfyUI's flux1-dev-fp8, which stores everything in e4m3, unusable.
+An fp8 tensor where our model keeps high precision (the architecture's fp8 keep rules: embedders,
+the final layer; and norms, biases) is widened, with one warning: widening is exact, so the base
+trained on is the very one ComfyUI computes with (ComfyUI casts those codes to the compute dtype the
+same way). An error would make ComfyUI's plain fp8 files, which store everything in e4m3, unusable.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ import torch.nn as nn
 
 from library.io import CheckpointError, CheckpointReader
 from library.precision.fp8 import (
-    FP8_CHECKPOINT_DTYPES, SCALE_DTYPE, TENSOR_SCALE_DTYPE, FP8LoadConverter, dequantize_weight, prepare_fp8, scale_shape,
+    FP8_CHECKPOINT_DTYPES, SCALE_DTYPE, TENSOR_SCALE_DTYPE, FP8LoadConverter, KeepRules, dequantize_weight, prepare_fp8, scale_shape,
 )  # fmt: skip
 
 DIFFUSION_MODEL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI full / UNet-only files
@@ -236,7 +236,8 @@ class PrequantizedConverter:
         return {key: tensor.to(self.dtype) if tensor.is_floating_point() else tensor}
 
 
-def prequantized_converter(model: nn.Module, info: Fp8Checkpoint, arch: str, dtype: torch.dtype,
+def prequantized_converter(model: nn.Module, info: Fp8Checkpoint, rules: KeepRules, dtype: torch.dtype,
                            reader: CheckpointReader, source: str) -> PrequantizedConverter:
-    """Swap the Linears of the meta `model` for FP8Linear of the file's layout; the convert hook."""
-    return PrequantizedConverter(prepare_fp8(model, info.layout, arch), info, dtype, reader, source)
+    """Swap the Linears of the meta `model` that the architecture's `rules` do not keep for FP8Linear
+    of the file's layout; the convert hook."""
+    return PrequantizedConverter(prepare_fp8(model, info.layout, rules), info, dtype, reader, source)

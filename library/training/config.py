@@ -21,7 +21,7 @@ from typing import Any
 import toml
 
 from library.errors import ConfigError
-from library.models.registry import FAMILIES, SAMPLING_METHODS
+from library.models.registry import FAMILIES, SAMPLING_METHODS, arch_specs
 from library.text_files import read_utf8
 
 PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (PRECISION_DTYPES below)
@@ -36,25 +36,37 @@ class Arg:
 
 
 A = Arg
+
+
+def family_keys() -> dict[str, Arg]:
+    """Every family's own config keys (its spec's config_keys, in registration order). A key that
+    several families read (one file role, e.g. their one text encoder) must have one type; the
+    helps are joined, each after its family's title."""
+    keys: dict[str, Arg] = {}
+    for spec in arch_specs().values():
+        for k in spec.config_keys:
+            help = f"{spec.title}: {k.help}"
+            if k.key in keys:
+                if keys[k.key].type is not k.type or keys[k.key].default != k.default:
+                    raise TypeError(f"config key {k.key!r}: {spec.arch} declares it with another type or default")
+                help = f"{keys[k.key].help}; {help}"
+            keys[k.key] = Arg(k.type, k.default, help)
+    return keys
+
+
+FAMILY_KEYS = family_keys()
 SCHEMA: dict[str, Arg] = {
     # what to train
     "model_type": A(str, None, "model family", (*FAMILIES, "llm")),
     "pretrained_model_name_or_path": A(str, None, "base checkpoint: BFL/diffusers file or folder, HF LLM folder"),
-    "ae": A(str, None, "VAE: FLUX ae.safetensors or a diffusers vae folder"),
-    "clip_l": A(str, None, "FLUX CLIP-L text encoder (HF folder)"),
-    "t5xxl": A(str, None, "FLUX T5-XXL text encoder (HF folder)"),
-    "text_encoder": A(str, None, "Qwen-Image: Qwen2.5-VL language model; FLUX.2 [klein]: Qwen3 (klein repo, its "
-                                 "text_encoder/ folder or a single file, tokenizer/ beside it)"),
-    "model_version": A(str, None, "qwen_image_edit: qwen-image-edit, qwen-image-edit-2509 or qwen-image-edit-2511 "
-                                  "(default: the transformer config.json's flags, 2509 without zero_cond_t; needed "
-                                  "for a single transformer file)"),
-    "t5xxl_max_token_length": A(int, None, "T5 tokens; default 512 for dev, 256 for schnell (read from the checkpoint)"),
+    "ae": A(str, None, "VAE: the family's single file (e.g. ae.safetensors) or a diffusers vae folder"),
+    **FAMILY_KEYS,  # each family's text encoder files and options (its spec's config_keys)
     "dataset_config": A(str, None, "dataset TOML (kohya schema)"),
     # output
     "output_dir": A(str, "output", "where the LoRA, logs, samples and states go"),
     "output_name": A(str, "lora", "file stem of the saved LoRA"),
     "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors", PRECISION_NAMES),
-    "save_format": A(str, "auto", "LoRA layout: auto (llm: peft, flux/flux2/qwen_image: kohya), kohya (one .safetensors), "
+    "save_format": A(str, "auto", "LoRA layout: auto (llm: peft, diffusion families: kohya), kohya (one .safetensors), "
                                   "peft (llm: PEFT adapter folder <output_name>/), peft+kohya (both)",
                      ("auto", "kohya", "peft", "peft+kohya")),
     "save_every_n_steps": A(int, 0, "save the LoRA every N optimizer steps (0 = off)"),
@@ -113,7 +125,7 @@ SCHEMA: dict[str, Arg] = {
     "weighting_scheme": A(str, "none", "loss weighting", ("none", "sigma_sqrt", "cosmap")),
     "loss_type": A(str, "l2", "loss", ("l2", "huber")),
     "huber_c": A(float, 0.1, "huber threshold"),
-    "guidance_scale": A(float, 1.0, "FLUX.1-dev guidance value during training"),
+    "guidance_scale": A(float, 1.0, "guidance fed to a guidance-distilled model's embedding during training"),
     # samples and logging
     "sample_prompts": A(str, None, "prompt file (sd-scripts syntax: prompt --w --h --s --d --g --n)"),
     "sample_every_n_steps": A(int, 0, "render samples every N steps (0 = off)"),
@@ -234,7 +246,8 @@ def _parse_cli_value(key: str, text: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="LoRA training for FLUX.1, Qwen-Image and Llama/Qwen2 LLMs", allow_abbrev=False)
+    p = argparse.ArgumentParser(description=f"LoRA training for {', '.join(s.title for s in arch_specs().values())}",
+                                allow_abbrev=False)
     p.add_argument("--config_file", help="training TOML; command-line values override it")
     for key, spec in SCHEMA.items():
         if spec.type is bool:
@@ -358,7 +371,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
                           f"got {args.blocks_to_swap}")
     if args.blocks_to_swap and args.model_type == "llm":
         raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap', 'model_type')}: key 'blocks_to_swap' is for the "
-                          f"diffusion transformers (flux, qwen_image), not llm")
+                          f"diffusion transformers ({', '.join(FAMILIES)}), not llm")
     if args.blocks_to_swap and args.torch_compile:  # compiled blocks would guard on the swapped tensors
         raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap', 'torch_compile')}: blocks_to_swap and torch_compile "
                           f"cannot be combined yet; turn one off")
@@ -370,7 +383,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
                           f"is for image training; llm uses val_fraction and eval_every_n_steps")
     if args.save_format.startswith("peft") and (args.model_type != "llm" or args.pretrain):
         raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' is for LLM LoRAs "
-                          f"(model_type llm without pretrain); FLUX/Qwen-Image LoRAs convert with tools/convert_lora.py --to diffusers")
+                          f"(model_type llm without pretrain); diffusion LoRAs convert with tools/convert_lora.py --to diffusers")
     if args.save_format.startswith("peft") and args.network_module != "networks.lora":
         raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' needs network_module "
                           f"networks.lora (LyCORIS files have no PEFT LoRA form)")

@@ -1,4 +1,4 @@
-"""What train_lora.py needs to train a FLUX.1 / Qwen-Image LoRA: data with caches, the frozen base
+"""What train_lora.py needs to train a diffusion LoRA: data with caches, the frozen base
 (bf16, fp8 or fp8_scaled), the LoRA network, the loss, and sample images.
 
 Order of memory use follows the user's 24 GB card: the VAE and text encoders are loaded, used to
@@ -136,7 +136,7 @@ class DiffusionTask:
         precision = args.text_encoder_precision  # part of the cache key: another precision re-encodes
         text_key = self.family.text_cache_key(options, precision)
         encode_text = self.family.load_text_encoder(precision, self.device, **options)
-        sees = self.family.text_sees_controls  # Qwen-Image-Edit: text per (caption, references)
+        sees = self.family.text_sees_controls  # text per (caption, references)
         encoded = cache_text(items, encode_text, text_key, batch_size=args.text_encoder_batch_size,
                              to_disk=args.cache_text_encoder_outputs_to_disk, with_references=sees)
         variants = sum(len(item.caption_variants) for item in items)
@@ -145,7 +145,7 @@ class DiffusionTask:
         if not sees and any(drops_captions(item.subset) for item in self.dataset.items):
             cache_empty_caption(self.dataset, encode_text)  # what caption dropout substitutes (else: per item)
         # Sample prompts are encoded now too: the encoders are gone by the time samples render.
-        # True-CFG families (Qwen-Image) always need a (possibly empty) negative prompt.
+        # True-CFG families always need a (possibly empty) negative prompt.
         self.prompt_texts = []
         for p in self.prompts:
             def encode(text):  # with the prompt's references where the text encoder sees them
@@ -201,10 +201,10 @@ class DiffusionTask:
     def _compile_blocks(self):
         """Compile each transformer block in place (nn.Module.compile keeps the module tree and
         its names, so LoRA files and state dicts are unchanged); after the LoRA is applied, so
-        the compiled forward includes it."""
-        for name in ("double_blocks", "single_blocks", "transformer_blocks"):
-            for block in getattr(self.base, name, []):
-                block.compile()
+        the compiled forward includes it. The blocks are the model's swappable_blocks(): every
+        family's transformer lists its repeated blocks there, in run order."""
+        for block in self.base.swappable_blocks():
+            block.compile()
 
     # -- what the loop uses --------------------------------------------------------------------
     def param_groups(self, lr: float) -> list[dict]:
@@ -271,7 +271,7 @@ class DiffusionTask:
 
     # -- metadata ------------------------------------------------------------------------------
     def metadata(self) -> dict:
-        from library.models.flow_matching import DEFAULTS
+        from library.models.flow_matching import sampling_of
 
         datasets, args = self.blueprint.datasets, self.args
         return {
@@ -280,7 +280,7 @@ class DiffusionTask:
             "base_precision": self.stored_precision or base_precision(args),
             "resolution": ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in datasets),
             "batch_size": datasets[0].batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps,
-            "timestep_sampling": args.timestep_sampling or DEFAULTS[self.family.arch]["timestep_sampling"],
+            "timestep_sampling": args.timestep_sampling or sampling_of(self.family.arch).method,
             "dataset": self._dataset_summary(),
         }
 

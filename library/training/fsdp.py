@@ -1,6 +1,6 @@
 """FSDP (accelerate's `distributed_type: FSDP`, fsdp_version 2): the frozen base sharded across the
-processes, the LoRA replicated on each. For bases that do not fit one card whole (Qwen-Image in
-bf16, 41 GB): with N processes each holds 1/N of every frozen tensor, plus one block in full while
+processes, the LoRA replicated on each. For bases that do not fit one card whole (a 20 B
+base in bf16, 41 GB): with N processes each holds 1/N of every frozen tensor, plus one block in full while
 it runs.
 
     accelerate launch --config_file configs/accelerate/fsdp.yaml train_lora.py --config_file X.toml
@@ -153,7 +153,7 @@ def prepare(accelerator, module: nn.Module, optimizer: torch.optim.Optimizer):
         module.forward = convert_outputs_to_fp32(autocast(module.forward))
     group = dist.new_group(ranks=list(range(accelerator.num_processes)))
     device_ids = [accelerator.device.index] if accelerator.device.type == "cuda" else None
-    # find_unused_parameters: some LoRAs get no gradient in a step (Qwen-Image's last block's text
-    # stream feeds nothing; module_dropout skips whole modules); DDP would refuse the next step.
+    # find_unused_parameters: some LoRAs get no gradient in a step (a last double-stream block's
+    # text stream feeds nothing; module_dropout skips whole modules); DDP would refuse the next step.
     wrapped = ReplicatedLoRA(module, device_ids=device_ids, process_group=group, find_unused_parameters=True)
     return wrapped, accelerator.prepare_optimizer(optimizer, device_placement=False)

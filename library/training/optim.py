@@ -65,7 +65,7 @@ def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, o
     optimizer_kwargs = dict(optimizer_kwargs)
     if cls is torch.optim.AdamW and len(devices) == 1 and devices <= {"cuda", "cpu"} and "foreach" not in optimizer_kwargs:
         # One kernel for all parameters. On the CPU the per-tensor loop cost ~8 ms an op on a busy
-        # 2-core machine (bench_peers profile): fused is 20x faster on FLUX-mid LoRA shapes.
+        # 2-core machine (bench_peers profile): fused is 20x faster on a mid-size model's LoRA shapes.
         optimizer_kwargs.setdefault("fused", True)
     try:
         return cls(param_groups, lr=lr, **optimizer_kwargs)

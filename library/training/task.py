@@ -1,7 +1,7 @@
 """What a task offers the Trainer (train_lora.py): the one contract between the training loop and
-what is trained. DiffusionTask (library/training/diffusion_task.py: FLUX.1, FLUX.2, Qwen-Image and
-their edit variants) and LLMTask (library/training/llm_task.py) both fulfil it; the Trainer calls
-nothing else on a task (tests/test_task_contract.py reads train_lora.py to keep it so).
+what is trained. DiffusionTask (library/training/diffusion_task.py: every registered diffusion
+family) and LLMTask (library/training/llm_task.py) both fulfil it; the Trainer calls nothing else on
+a task (tests/test_task_contract.py reads train_lora.py to keep it so).
 
 The words model_type, family and arch mean what library/models/registry.py says: a task trains one
 model_type; the network and fp8 rules it builds are chosen by the family's arch.

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from library.models.flux1.model import Flux, FluxConfig
+from library.models.flux1.spec import FP8
 from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
 from library.io import (
     CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, save_diffusers_folder,
@@ -355,7 +356,7 @@ def load_flux(
     convert: per-tensor hook (BFL key, tensor) -> {key: tensor} for load_streaming (e.g. fp8).
     prepare: called on the meta-device model before loading (e.g. to swap Linears for FP8Linear);
         a callable it returns becomes the convert hook, for hooks that need the prepared model:
-        `prepare=lambda m: fp8_load_converter(prepare_fp8(m, "fp8_scaled", "flux"))`.
+        `prepare=fp8_prepare("fp8_scaled", "flux")` (library/models/family.py).
     The model is built on `meta` and filled one tensor (diffusers: one module) at a time.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -395,7 +396,7 @@ def load_flux(
     with torch.device("meta"):
         model = Flux(config)
     if fp8_file:  # the file's own fp8 layout wins over a requested base precision
-        prepare = lambda m: prequantized_converter(m, fp8_file, "flux", dtype, reader, path)  # noqa: E731
+        prepare = lambda m: prequantized_converter(m, fp8_file, FP8, dtype, reader, path)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
     if hook is not None and not isinstance(hook, torch.nn.Module):  # prepare_fp8 returns the model itself
         if convert is not None:

@@ -300,3 +300,15 @@ def make_txt_ids(batch: int, length: int, device=None) -> torch.Tensor:
     """Text position ids [batch, length, 3] int64: all zeros (text carries no RoPE position)."""
     return torch.zeros(batch, length, 3, dtype=torch.int64, device=device)
 
+
+
+def random_inputs(config: FluxConfig, h: int, w: int, text_len: int, generator: torch.Generator):
+    """The conditioning of one forward at an h x w patch grid with random text (tools/precision_doctor.py):
+    text embeddings N(0, 1), the CLIP pooled vector N(0, 1), guidance 1.0 where the model embeds it."""
+    from library.models.spec import RandomInputs
+
+    fixed = dict(img_ids=make_img_ids(1, h, w), txt=torch.randn(1, text_len, config.context_in_dim, generator=generator),
+                 txt_ids=make_txt_ids(1, text_len), y=torch.randn(1, config.vec_in_dim, generator=generator),
+                 guidance=torch.ones(1) if config.guidance_embed else None)
+    positions = torch.cat([fixed["txt_ids"], fixed["img_ids"]], dim=1)
+    return RandomInputs(fixed, positions, tuple(config.axes_dim), float(config.theta))

@@ -64,16 +64,30 @@ LORA_FILES = S.LoRAFiles(
 )
 
 
-# -- fp8: modules kept in high precision
-FP8 = None
+# -- fp8: modules kept in high precision (library/precision/fp8.py)
+# The modulation Linears are 27% of FLUX.1's weights (3.2 B of 11.9 B). Measured on a tiny FLUX-like
+# double + single block (tests/test_fp8.py::test_modulation_choice_matches_measurement, width 256,
+# weights N(0, 0.02), relative error of the blocks' residual update vs fp32, 2 seeds): fp8_scaled
+# 4.47% with modulation quantized vs 3.61% kept in bf16 (plain fp8: 5.85% vs 4.71%). Keeping them
+# would cut the error by 19% but add 25% memory (whole-model bytes/param ~1.30 instead of ~1.04,
+# +3.2 GB on FLUX.1), and fp8 is chosen to save memory: they are quantized (fp8.QUANTIZE_MODULATION),
+# as sd-scripts' fp8_base does. Scaled with modulation quantized still beats plain with it kept.
+FP8 = S.FP8Rules(
+    keep=(r"img_in", r"txt_in", r"time_in\..*", r"vector_in\..*", r"guidance_in\..*", r"final_layer\..*"),
+    modulation=(r".*_mod\.lin", r".*\.modulation\.lin"),
+)
 
 
-# -- timestep sampling and shift defaults
-SAMPLING = None
-
-
-# -- the repeated blocks (compile, block swap, FSDP)
-BLOCKS = None
+# -- timestep sampling and shift defaults (library/models/flow_matching.py)
+# sd-scripts' FLUX flags default to timestep_sampling "sigma" with model_prediction_type
+# "sigma_scaled", while its FLUX.1 docs recommend "shift" 3.1582 with "raw" predictions; we default
+# instead to what the released scheduler does at inference: the resolution-dependent shift with
+# FLUX.1-dev's constants (diffusers pipeline_flux.calculate_shift defaults = black-forest-labs/
+# FLUX.1-dev scheduler_config.json: base_image_seq_len 256, max_image_seq_len 4096, base_shift 0.5,
+# max_shift 1.15, no shift_terminal) on a logit-normal draw. Training guidance 1.0 (the common choice:
+# the distilled guidance embedding is kept near its "no extra guidance" end). [schnell]'s scheduler
+# has no shift: its samples run unshifted (the family's dynamic_shift).
+SAMPLING = S.Sampling(method="flux_shift", mu=S.MuLine(256, 4096, 0.5, 1.15), guidance_scale=1.0)
 
 
 # -- memory planner shapes and presets
@@ -98,7 +112,16 @@ PLANNER = S.Planner(
 TINY = S.TinySpec(writers=(
     "library.models.flux1.tiny:write_flux", "library.models.flux1.tiny:write_flux_vae",
     "library.models.flux1.tiny:write_clip", "library.models.flux1.tiny:write_t5",
-))
+), transformer="flux_bfl")
+
+
+# -- the training config's keys of its text encoder files (library/training/config.py)
+CONFIG_KEYS = (
+    S.ConfigKey("clip_l", str, "CLIP-L text encoder (HF folder)"),
+    S.ConfigKey("t5xxl", str, "T5-XXL text encoder (HF folder)"),
+    S.ConfigKey("t5xxl_max_token_length", int, "T5 tokens per caption; default 512 for dev, 256 for schnell "
+                                               "(read from the checkpoint)"),
+)
 
 
 SPEC = S.ArchSpec(
@@ -109,8 +132,10 @@ SPEC = S.ArchSpec(
     lora_files=LORA_FILES,
     fp8=FP8,
     sampling=SAMPLING,
-    blocks=BLOCKS,
+    transformer=S.TransformerHooks(load="library.models.flux1.checkpoint:load_flux",
+                                   random_inputs="library.models.flux1.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
     default_config="flux1_dev_24gb.toml",
+    config_keys=CONFIG_KEYS,
 )

@@ -32,6 +32,7 @@ from library.models.flux1.checkpoint import (
     _split_rows,
 )
 from library.models.flux2.model import Flux2, Flux2Config
+from library.models.flux2.spec import FP8
 from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
@@ -335,7 +336,7 @@ def load_flux2(
     with torch.device("meta"):
         model = Flux2(config)
     if fp8_file:  # the file's own fp8 layout wins over a requested base precision
-        prepare = lambda m: prequantized_converter(m, fp8_file, "flux2", dtype, reader, path)  # noqa: E731
+        prepare = lambda m: prequantized_converter(m, fp8_file, FP8, dtype, reader, path)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
     if hook is not None and not isinstance(hook, torch.nn.Module):  # prepare_fp8 returns the model itself
         if convert is not None:

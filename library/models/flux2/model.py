@@ -246,3 +246,14 @@ def make_txt_ids(batch: int, length: int, device=None) -> torch.Tensor:
     ids = torch.zeros(length, 4, dtype=torch.int64, device=device)
     ids[:, 3] = torch.arange(length, device=device)
     return ids[None].expand(batch, -1, -1).contiguous()
+
+
+def random_inputs(config: Flux2Config, h: int, w: int, text_len: int, generator: torch.Generator):
+    """The conditioning of one forward at an h x w patch grid with random text (tools/precision_doctor.py):
+    text embeddings N(0, 1), guidance 4.0 where the model embeds it ([dev])."""
+    from library.models.spec import RandomInputs
+
+    fixed = dict(img_ids=make_img_ids(1, h, w), txt=torch.randn(1, text_len, config.context_in_dim, generator=generator),
+                 txt_ids=make_txt_ids(1, text_len), guidance=torch.full((1,), 4.0) if config.guidance_embed else None)
+    positions = torch.cat([fixed["txt_ids"], fixed["img_ids"]], dim=1)
+    return RandomInputs(fixed, positions, tuple(config.axes_dim), float(config.theta))

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models import core
+from library.models.qwen_image.spec import FP8
 from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_diffusers_folder
 
@@ -182,6 +183,18 @@ class TimeTextEmbed(nn.Module):
             raise ValueError("this model has use_additional_t_cond=True: pass additional_t_cond (int64 0/1 per sample)")
         return temb + self.addition_t_embedding(additional_t_cond.to(temb.device)).to(dtype)
 
+
+
+def random_inputs(config: "QwenImageConfig", h: int, w: int, text_len: int, generator: torch.Generator):
+    """The conditioning of one forward at an h x w patch grid with random text (tools/precision_doctor.py):
+    text embeddings N(0, 1) whose last quarter is padding (masked), as a short caption's would be."""
+    from library.models.spec import RandomInputs
+
+    mask = torch.arange(text_len)[None] < max(1, (3 * text_len + 3) // 4)
+    fixed = dict(txt=torch.randn(1, text_len, config.joint_attention_dim, generator=generator), txt_mask=mask,
+                 img_shapes=[(1, h, w)])
+    return RandomInputs(fixed, joint_positions(fixed["img_shapes"], text_len), tuple(config.axes_dims_rope),
+                        float(config.rope_theta))
 
 @dataclass
 class SplitModulation:
@@ -418,7 +431,7 @@ def load_qwen_image(
     Built on `meta`, filled tensor by tensor. dtype: storage and compute dtype (float32, bfloat16
     or float16). fp8: `prepare` runs on the meta model (e.g. to swap Linears for FP8Linear); a
     callable it returns becomes the `convert` hook (per-tensor quantization while loading):
-    `prepare=lambda m: fp8_load_converter(prepare_fp8(m, "fp8_scaled", "qwen_image"))`."""
+    `prepare=fp8_prepare("fp8_scaled", "qwen_image")` (library/models/family.py)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype {dtype} is not a compute dtype (float32/bfloat16/float16); fp8 goes through convert")
     path, file_config = _resolve(path)
@@ -429,7 +442,7 @@ def load_qwen_image(
     with torch.device("meta"):
         model = QwenImage(config)
     if fp8_file:  # the file's own fp8 layout wins over a requested base precision
-        prepare = lambda m: prequantized_converter(m, fp8_file, "qwen_image", dtype, reader, path)  # noqa: E731
+        prepare = lambda m: prequantized_converter(m, fp8_file, FP8, dtype, reader, path)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
     if hook is not None and not isinstance(hook, nn.Module):  # prepare_fp8 returns the model itself
         if convert is not None:

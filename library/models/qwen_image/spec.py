@@ -29,16 +29,19 @@ LORA_FILES = S.LoRAFiles(
 )
 
 
-# -- fp8: modules kept in high precision
-FP8 = None
+# -- fp8: modules kept in high precision (library/precision/fp8.py)
+FP8 = S.FP8Rules(
+    keep=(r"img_in", r"txt_in", r"time_text_embed\..*", r"norm_out\..*", r"proj_out"),
+    modulation=(r".*\.(img|txt)_mod\.1",),
+)
 
 
-# -- timestep sampling and shift defaults
-SAMPLING = None
-
-
-# -- the repeated blocks (compile, block swap, FSDP)
-BLOCKS = None
+# -- timestep sampling and shift defaults (library/models/flow_matching.py)
+# Qwen/Qwen-Image scheduler/scheduler_config.json (pipeline_qwenimage.py reads these keys from the
+# scheduler config; its own calculate_shift defaults are FLUX.1's and do not apply): base_image_seq_len
+# 256, max_image_seq_len 8192, base_shift 0.5, max_shift 0.9, shift_terminal 0.02 (the inference
+# schedule only), time_shift_type "exponential". No guidance embedding: samples use true CFG.
+SAMPLING = S.Sampling(method="qwen_shift", mu=S.MuLine(256, 8192, 0.5, 0.9), shift_terminal=0.02)
 
 
 # -- memory planner shapes and presets
@@ -64,7 +67,17 @@ TINY = S.TinySpec(writers=(
     "library.models.qwen_image.tiny:write_qwen_image", "library.models.qwen_image.tiny:write_qwen_vae",
     "library.models.qwen_image.tiny:write_qwen_text_encoder", "library.models.qwen_image.tiny:write_qwen_image_edit",
     "library.models.qwen_image.tiny:write_qwen_vl_text_encoder",
-))
+), transformer="qwen_image")
+
+
+# -- the training config's keys of its text encoder files and edit version (library/training/config.py)
+CONFIG_KEYS = (
+    S.ConfigKey("text_encoder", str, "Qwen2.5-VL (the repo's text_encoder/ folder; an edit model's with its "
+                                     "vision tower, processor/ beside it)"),
+    S.ConfigKey("model_version", str, "qwen_image_edit: qwen-image-edit, qwen-image-edit-2509 or qwen-image-edit-2511 "
+                                      "(default: the transformer config.json's flags, 2509 without zero_cond_t; "
+                                      "needed for a single transformer file)"),
+)
 
 
 SPEC = S.ArchSpec(
@@ -75,8 +88,10 @@ SPEC = S.ArchSpec(
     lora_files=LORA_FILES,
     fp8=FP8,
     sampling=SAMPLING,
-    blocks=BLOCKS,
+    transformer=S.TransformerHooks(load="library.models.qwen_image.model:load_qwen_image",
+                                   random_inputs="library.models.qwen_image.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
     default_config="qwen_image.toml",
+    config_keys=CONFIG_KEYS,
 )

@@ -1,0 +1,113 @@
+"""What every registered family's spec (library/models/<folder>/spec.py) must give, checked the same
+way for each, so that a new family's folder is complete when these pass: the parts are there and
+resolve, its fp8 rules name modules its model has, its blocks cover the model (compile, block swap),
+its sampling method and config keys reach the schema, and the precision doctor drives its tiny model
+through the spec alone."""
+
+import dataclasses
+import os
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+from library.models import flow_matching as fm
+from library.models.registry import FAMILIES, SAMPLING_METHODS, arch_specs, spec_of
+from library.models.spec import ConfigKey, load_symbol
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIFFUSION_ARCHS = sorted({spec_of(m).arch for m in FAMILIES})
+
+
+def released_models_on_meta(arch: str) -> list[nn.Module]:
+    """The architecture's planner presets (its released configs), each built on meta: no weight is made."""
+    planner = arch_specs()[arch].planner
+    configs = {p.transformer: load_symbol(p.transformer) for p in planner.presets.values()}
+    with torch.device("meta"):
+        return [load_symbol(planner.transformer)(c) for c in configs.values()]
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_every_family_spec_has_every_part_and_each_resolves(model_type):
+    spec = spec_of(model_type)
+    for part in ("lora", "lora_files", "fp8", "sampling", "transformer", "planner", "tiny"):
+        assert getattr(spec, part) is not None, f"{spec.arch}'s spec.py gives no {part}"
+    assert os.path.isfile(os.path.join(ROOT, "configs", spec.default_config)), spec.default_config
+    for path in (spec.transformer.load, spec.transformer.random_inputs, spec.planner.transformer, *spec.tiny.writers):
+        assert callable(load_symbol(path)), path
+    assert spec.tiny.transformer, f"{spec.arch}: TinySpec.transformer names no manifest key"
+    assert all(isinstance(k, ConfigKey) for k in spec.config_keys)
+
+
+@pytest.mark.parametrize("arch", DIFFUSION_ARCHS)
+def test_fp8_rules_name_linears_the_released_model_has(arch):
+    """A keep rule that matches nothing (a renamed module) would silently quantize an embedder."""
+    rules = arch_specs()[arch].fp8
+    linears = {n for model in released_models_on_meta(arch) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for pattern in (*rules.keep, *rules.modulation):
+        assert any(re.fullmatch(pattern, n) for n in linears), f"{arch}: fp8 rule {pattern!r} matches no Linear"
+
+
+@pytest.mark.parametrize("arch", DIFFUSION_ARCHS)
+def test_swappable_blocks_are_every_repeated_block(arch):
+    """compile, block swap and FSDP take the model's swappable_blocks(): every block list is in it."""
+    for model in released_models_on_meta(arch):
+        listed = {id(b) for b in model.swappable_blocks()}
+        for name, child in model.named_children():
+            if isinstance(child, nn.ModuleList):
+                assert all(id(b) in listed for b in child), f"{arch}: {name} is missing from swappable_blocks()"
+
+
+def test_compile_compiles_every_block_the_model_lists():
+    from library.training.diffusion_task import DiffusionTask
+
+    model = released_models_on_meta(DIFFUSION_ARCHS[0])[0]
+    DiffusionTask._compile_blocks(type("Task", (), {"base": model})())
+    assert all(b._compiled_call_impl is not None for b in model.swappable_blocks())
+
+
+def test_sampling_methods_are_the_generic_draws_and_each_specs_own():
+    own = [s.sampling.method for s in arch_specs().values() if s.sampling]
+    assert SAMPLING_METHODS == ("uniform", "sigmoid", "shift", *own) and len(set(own)) == len(own)
+    for arch in DIFFUSION_ARCHS:  # a spec's method draws with its own mu
+        sigmas = fm.sample_sigmas(4, arch_specs()[arch].sampling.method, generator=torch.Generator().manual_seed(0),
+                                  image_seq_len=1024)
+        base = fm.sample_sigmas(4, "sigmoid", generator=torch.Generator().manual_seed(0))
+        mu = fm.resolution_mu(arch_specs()[arch].sampling, 1024)
+        torch.testing.assert_close(sigmas, fm.time_shift(mu, base), rtol=0, atol=0)
+
+
+def test_inference_sigmas_of_an_architecture_without_a_schedule_is_one_line():
+    with pytest.raises(ValueError, match="no flow-matching schedule for 'llm'"):
+        fm.inference_sigmas(4, 256, "llm")
+
+
+def test_every_family_config_key_is_in_the_schema_and_shared_keys_join(monkeypatch):
+    from library.training import config
+
+    for spec in arch_specs().values():
+        for key in spec.config_keys:
+            assert key.key in config.SCHEMA and spec.title in config.SCHEMA[key.key].help
+    a = dataclasses.replace(arch_specs()["llm"], arch="a", title="A", config_keys=(ConfigKey("text_encoder", str, "one"),))
+    b = dataclasses.replace(a, arch="b", title="B", config_keys=(ConfigKey("text_encoder", str, "two"),))
+    monkeypatch.setattr(config, "arch_specs", lambda: {"a": a, "b": b})
+    assert config.family_keys()["text_encoder"].help == "A: one; B: two"
+    c = dataclasses.replace(a, arch="c", config_keys=(ConfigKey("text_encoder", int, "three"),))
+    monkeypatch.setattr(config, "arch_specs", lambda: {"a": a, "c": c})
+    with pytest.raises(TypeError, match="'text_encoder': c declares it with another type"):
+        config.family_keys()
+
+
+@pytest.mark.parametrize("arch", DIFFUSION_ARCHS)
+def test_the_precision_doctor_drives_each_tiny_transformer_through_the_spec(arch, tiny_set):
+    """tools/precision_doctor.py knows an architecture only by its spec: load its tiny transformer
+    with transformer.load, make random_inputs, run one forward in float32."""
+    from tools import precision_doctor as doctor
+
+    spec = arch_specs()[arch]
+    model = doctor.disk_variant(tiny_set[spec.tiny.transformer], arch, "fp32")
+    inputs = doctor.make_inputs(arch, model.config, 64, 48, seed=0, text_len=8)
+    out = model(**inputs.make_kwargs(0.5))
+    assert out.shape == (1, 4 * 3, model.config.in_channels) and torch.isfinite(out).all()
+    assert inputs.positions.shape[-1] == len(inputs.axes_dim)
