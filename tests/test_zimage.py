@@ -234,3 +234,23 @@ def test_forward_without_mask_runs_on_meta_and_equals_a_full_mask():
         meta = ZImage(tiny_config())
         out = meta(torch.empty(2, 12, 64), torch.empty(2, 9, 32), torch.empty(2), 3, 4)
     assert out.shape == (2, 12, 64) and out.is_meta
+
+
+def test_block_swap_runs_every_block_in_order_and_keeps_the_output():
+    from library.models.block_swap import enable_block_swap
+
+    _, model = loaded_pair()
+    x = inputs(3, 4, (5, 40))
+    want = ours_velocity(model, *x)
+    model.requires_grad_(False)
+    swap = enable_block_swap(model, 5, "cpu")  # all but the first noise-refiner block
+    assert torch.equal(ours_velocity(model, *x), want)
+    assert [i for op, i in swap.log if op == "load"] == [1, 2, 3, 4, 5]
+
+
+def test_bf16_compute_stays_close_to_fp32(tiny_files):
+    x = inputs(3, 4, (6, 35))
+    want = ours_velocity(load_zimage(tiny_files["zimage"]), *x)
+    got = ours_velocity(load_zimage(tiny_files["zimage"], dtype=torch.bfloat16), *x)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).norm() / want.norm()).item() < 0.02
