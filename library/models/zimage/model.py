@@ -290,13 +290,13 @@ class ZImage(nn.Module):
         # Sequence lengths: each modality padded to a multiple of 32 (pads attended to, not masked).
         # With a mask, one host sync for the per-prompt lengths (diffusers works per prompt throughout);
         # without one nothing is read, so the forward also runs on `meta` (the memory planner).
-        n_x, t = round_up(n_img), txt.shape[1]
+        n_x, n_tok = round_up(n_img), txt.shape[1]
         if txt_mask is None:
-            n_txt, n_cap = torch.full((b,), t, device=device), round_up(t)  # int64
+            n_txt, n_cap = torch.full((b,), n_tok, device=device), round_up(n_tok)  # int64
             cap_lens, cap_mask, mask = torch.full((b,), n_cap, device=device), None, None
         else:
             n_txt = txt_mask.sum(1)  # [B] int64
-            if not torch.equal(txt_mask.bool(), torch.arange(t, device=device) < n_txt[:, None]):
+            if not torch.equal(txt_mask.bool(), torch.arange(n_tok, device=device) < n_txt[:, None]):
                 raise ValueError("Z-Image: txt_mask must mark each row's real tokens first (right padding)")
             if int(n_txt.min()) < 1:
                 raise ValueError("Z-Image: every caption needs at least one token")
