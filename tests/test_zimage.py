@@ -177,12 +177,13 @@ def test_wrong_file_is_one_error_naming_it(tiny_files, tmp_path):
 
 
 def test_fp8_prepare_hook_quantizes_while_loading(tiny_files):
-    from library.precision.fp8 import FP8Linear, fp8_load_converter, prepare_fp8
+    from library.models.family import fp8_prepare
+    from library.precision.fp8 import FP8Linear
 
-    # "llm"'s keep rules name no Z-Image module: every Linear is quantized (Z-Image's own rules come with its spec).
-    model = load_zimage(tiny_files["zimage"], dtype=torch.bfloat16,
-                        prepare=lambda m: fp8_load_converter(prepare_fp8(m, "fp8_scaled", "llm")))
+    model = load_zimage(tiny_files["zimage"], dtype=torch.bfloat16, prepare=fp8_prepare("fp8_scaled", "zimage"))
     assert isinstance(model.layers[0].attention.to_k, FP8Linear)  # a part of the fused qkv
+    assert isinstance(model.layers[0].adaLN_modulation[0], FP8Linear)  # per-block modulation: quantized
+    assert type(model.cap_embedder[1]) is torch.nn.Linear and type(model.t_embedder.mlp[0]) is torch.nn.Linear
     reference = load_zimage(tiny_files["zimage"])
     x = inputs(3, 4, (6,))
     want = ours_velocity(reference, *x)

@@ -83,6 +83,10 @@ class ZImageConfig:
         return self.patch_size * self.patch_size * self.in_channels
 
     @property
+    def token_width(self) -> int:
+        return self.patch_dim  # what the tools size a packed token by (in_channels counts latent channels here)
+
+    @property
     def patch_key(self) -> str:
         return f"{self.patch_size}-1"  # diffusers' all_x_embedder / all_final_layer key: "<patch>-<frame patch>"
 
@@ -343,3 +347,17 @@ class ZImage(nn.Module):
     def swappable_blocks(self) -> list[nn.Module]:
         """The blocks in run order: noise refiner, context refiner, main layers (block swap moves the last N)."""
         return [*self.noise_refiner, *self.context_refiner, *self.layers]
+
+
+def random_inputs(config: ZImageConfig, h: int, w: int, text_len: int, generator: torch.Generator):
+    """The conditioning of one forward at an h x w patch grid with random text (tools/precision_doctor.py):
+    caption hidden states N(0, 1) whose last quarter is padding (masked), as a short caption's would be.
+    The expected positions are the image tokens' (the rope_tables call of the image, whose axes 1 and 2
+    hold the grid: where rounded positions show)."""
+    from library.models.spec import RandomInputs
+
+    real = max(1, (3 * text_len + 3) // 4)
+    mask = torch.arange(text_len)[None] < real
+    fixed = dict(txt=torch.randn(1, text_len, config.cap_feat_dim, generator=generator), txt_mask=mask, h=h, w=w)
+    positions = image_positions(torch.tensor([round_up(real)]), h, w, round_up(h * w))
+    return RandomInputs(fixed, positions, tuple(config.axes_dims), float(config.rope_theta))
