@@ -159,3 +159,12 @@ def test_sample_schedule_is_the_release_schedulers(tiny_set, version, shift):
     scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 8, 8))
     assert float((ours - scheduler.sigmas).abs().max()) < 1e-6
     assert family.model_version(None) == version
+
+
+@pytest.mark.parametrize("preset", ["zimage-turbo", "zimage-base"])
+def test_memory_planner_plans_the_released_sizes_on_meta(preset, capsys):
+    """The planner's forward runs on meta (no caption mask to read there): it plans both presets."""
+    from tools import plan_memory
+
+    assert plan_memory.main(["--preset", preset, "--vram", "16"]) == 0
+    assert "fits with blocks_to_swap" in capsys.readouterr().out

@@ -104,8 +104,9 @@ class ZImageFamily(DiffusionFamily):
         return vae_on_meta(FluxVAE, self.vae_path)
 
     def text_on_meta(self, model, batch, tokens):
-        return {"embeds": torch.empty(batch, tokens, model.config.cap_feat_dim, device="meta"),
-                "mask": torch.ones(batch, tokens, dtype=torch.bool, device="meta")}
+        # No mask: every planned caption is `tokens` long, and the forward reads a mask's lengths on the
+        # host (one sync), which meta tensors cannot give; without one it runs on meta alike.
+        return {"embeds": torch.empty(batch, tokens, model.config.cap_feat_dim, device="meta")}
 
     def text_encoder_params(self) -> int:
         """The embeddings, the decoder layers up to the one read (35 of Qwen3-4B's 36) and the final
