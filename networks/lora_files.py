@@ -74,6 +74,20 @@ class LoRAWeights:
         return w + multiplier * (decomposed - w)
 
 
+def merge_into_weight(weight: torch.Tensor, loras) -> torch.Tensor:
+    """A base weight [out, in] with LoRAs merged, in the order given: loras = [(ratio, w)], w a
+    LoRAWeights or anything with merged(weight, ratio) (DoRA, LyCORIS). float32 (a copy: the base is
+    never written to): W + ratio * (alpha / r) up @ down per plain LoRA, in one addmm each, the math
+    tools/merge_lora.py writes checkpoints with and the trainer's base_loras merge with."""
+    tensor = weight.to(torch.float32, copy=True)
+    for ratio, w in loras:
+        if isinstance(w, LoRAWeights) and w.magnitude is None:
+            tensor.addmm_(w.up.float().to(tensor.device), w.down.float().to(tensor.device), alpha=ratio * w.scale)
+        else:  # DoRA or LyCORIS: the merged weight, not an additive low-rank delta
+            tensor = w.merged(tensor, ratio)
+    return tensor
+
+
 # ----------------------------------------------------------------------------------------------
 # Key layouts
 
@@ -551,6 +565,7 @@ METADATA_KEYS = {
     "base_model_version": "ss_base_model_version",
     "base_model": "ss_sd_model_name",
     "base_precision": "ss_base_precision",
+    "base_loras": "ss_base_loras",  # LoRAs merged into the frozen base while training (not in this file)
     "mixed_precision": "ss_mixed_precision",
     "resolution": "ss_resolution",
     "steps": "ss_max_train_steps",

@@ -109,5 +109,5 @@ def test_the_precision_doctor_drives_each_tiny_transformer_through_the_spec(arch
     model = doctor.disk_variant(tiny_set[spec.tiny.transformer], arch, "fp32")
     inputs = doctor.make_inputs(arch, model.config, 64, 48, seed=0, text_len=8)
     out = model(**inputs.make_kwargs(0.5))
-    assert out.shape == (1, 4 * 3, model.config.in_channels) and torch.isfinite(out).all()
+    assert out.shape == (1, 4 * 3, doctor.token_width(model.config)) and torch.isfinite(out).all()
     assert inputs.positions.shape[-1] == len(inputs.axes_dim)

@@ -201,3 +201,23 @@ def test_flux2_shift_training_draw_uses_the_empirical_mu_at_50_steps():
     base = fm.sample_sigmas(64, "sigmoid", generator=gen(3))
     torch.testing.assert_close(ours, fm.time_shift(flux2_mu(1024, 50), base), rtol=0, atol=0)
     assert float(ours.mean()) > float(base.mean()) + 0.1  # mu ~ 2.0 at 1024 tokens: shifted towards noise
+
+
+def test_constant_shift_is_the_time_shift_at_mu_ln_k_for_training_and_inference():
+    """A scheduler without a resolution shift (Sampling.shift): s' = k s / (1 + (k - 1) s) is the time
+    shift at mu = ln k, at every token count; training draws with train_shift, samples with shift."""
+    import dataclasses
+    import math
+
+    from library.models.spec import Sampling
+
+    s = torch.linspace(0.05, 1.0, 20)
+    k = 3.0
+    torch.testing.assert_close(fm.time_shift(math.log(k), s), k * s / (1 + (k - 1) * s), rtol=1e-6, atol=1e-7)
+    sampling = Sampling(method="any_shift", shift=3.0, train_shift=2.0)
+    assert fm.resolution_mu(sampling, 256) == fm.resolution_mu(sampling, 65536) == math.log(2.0)
+    assert fm.resolution_mu(sampling, 256, steps=8) == math.log(3.0)
+    sigmas = fm.inference_sigmas(4, 1024, "flux", sampling=sampling)
+    base = torch.linspace(1.0, 0.25, 4)
+    torch.testing.assert_close(sigmas[:-1], k * base / (1 + (k - 1) * base))
+    assert fm.resolution_mu(dataclasses.replace(sampling, train_shift=None), 256) == math.log(3.0)

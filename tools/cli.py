@@ -6,8 +6,8 @@ Abbreviated flags are refused everywhere (argparse's allow_abbrev): `--save_t` f
 `--learning_rat` for `--learning_rate` would otherwise be taken silently, and a flag added later
 could change what an old abbreviation means.
 
-Also the one parser of `path[:ratio]` LoRA arguments (generate, merge_lora, combine_loras,
-precision_doctor): a ratio must be finite and within MAX_LORA_RATIO.
+The `path[:ratio]` LoRA arguments (generate, merge_lora, combine_loras, precision_doctor) go through
+library/lora_spec.py's parser, the one the training config's base_loras uses.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import glob
 import os
 import re
 import sys
-from dataclasses import dataclass
 from typing import Callable
+
+from library.lora_spec import MAX_LORA_RATIO, LoRASpec, parse_lora_spec  # noqa: F401  (the tools' --lora: one parser)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,29 +60,3 @@ def _has_command_line(path: str) -> bool:
         source = f.read()
     return re.search(r'^if __name__ == "__main__":', source, re.M) is not None and "parse_args(" in source
 
-
-# A LoRA's strength: 1 applies it as trained. Far beyond this bound the delta swamps the base weights
-# (1e30 renders a black image), so a larger value is taken for a typo.
-MAX_LORA_RATIO = 100.0
-
-
-@dataclass
-class LoRASpec:
-    path: str
-    ratio: float
-
-
-def parse_lora_spec(spec: str) -> LoRASpec:
-    """'a.safetensors:0.8' -> (a.safetensors, 0.8); no ':ratio' (or a path that exists with its
-    colon) means 1.0. The ratio must be a finite number with |ratio| <= MAX_LORA_RATIO."""
-    path, sep, ratio = spec.rpartition(":")
-    if not sep or os.path.exists(spec):
-        return LoRASpec(spec, 1.0)
-    try:
-        value = float(ratio)
-    except ValueError:
-        raise ValueError(f"--lora {spec!r}: ratio {ratio!r} is not a number (expected path[:ratio], e.g. a.safetensors:0.8)") from None
-    if not abs(value) <= MAX_LORA_RATIO:  # also false for nan
-        raise ValueError(f"--lora {spec!r}: ratio {ratio!r} is not a finite number in [-{MAX_LORA_RATIO:g}, "
-                         f"{MAX_LORA_RATIO:g}] (1 applies the LoRA as trained)")
-    return LoRASpec(path, value)

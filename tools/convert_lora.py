@@ -169,7 +169,7 @@ def read_source(path: str, model_type: str | None):
 def lycoris_refusal() -> str:
     """Why a LyCORIS file does not convert, naming the models diffusers loads LoKr for (from the specs)."""
     files = lora_files()
-    loaded = [f.diffusers_lokr for f in files.values() if f.diffusers_lokr] + ["Z-Image"]
+    loaded = [f.diffusers_lokr for f in files.values() if f.diffusers_lokr]
     not_loaded = [arch_spec(a).title for a, f in files.items() if "diffusers" in f.layouts and not f.diffusers_lokr]
     return ("a LyCORIS file (LoKr/LoHa/...) has no kohya/diffusers LoRA form: its own keys (lora_unet_*.lokr_w1 ...) "
             f"are what ComfyUI and LyCORIS load, and diffusers 0.42.1 loads LoKr only for {' and '.join(loaded)}, "

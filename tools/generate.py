@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--negative", default="", help="negative prompt, for the models that sample with true CFG")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--height", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=None, help="default: the model type's (20; a step-distilled model's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--guidance", type=float, default=None,
                    help="embedded guidance, or the CFG scale of models that sample with true CFG (default: the model type's)")
@@ -81,7 +81,7 @@ def check_args(args) -> torch.device:
     missing = [k for k in family_class(args.model_type).text_path_keys if getattr(args, k) is None]
     if missing:
         raise ValueError(f"--{missing[0]} is required for --model_type {args.model_type}")
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps {args.steps}: expected at least 1")
     if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the models are loaded
         raise ValueError(f"--out {args.out}: is a file, expected a folder (the images are written into it)")
@@ -102,12 +102,13 @@ def rendered_side(flag: str, value: int, multiple: int) -> int:
 def collect_prompts(args) -> list[SamplePrompt]:
     family = family_class(args.model_type)
     guidance = args.guidance if args.guidance is not None else family.sample_guidance
+    steps = args.steps if args.steps is not None else family.sample_steps
     for path in args.control_image:
         if not os.path.isfile(path):
             raise ValueError(f"--control_image {path!r} is not an image file")
     multiple = family.vae_downsample * family.patch  # a prompt's own --w / --h must already be one
     width, height = rendered_side("width", args.width, multiple), rendered_side("height", args.height, multiple)
-    defaults = SamplePrompt("", width, height, args.steps, args.seed, guidance, args.negative, tuple(args.control_image))
+    defaults = SamplePrompt("", width, height, steps, args.seed, guidance, args.negative, tuple(args.control_image))
     prompts = [parse_prompt_line(p, "--prompt", defaults) for p in args.prompt]
     if args.prompt_file:
         prompts += read_prompt_file(args.prompt_file, defaults)

@@ -111,6 +111,7 @@ from networks.lora_files import (  # noqa: E402
     LoRAWeights,
     bfl_to_diffusers,
     diffusers_to_bfl,
+    merge_into_weight,
     parse_lora,
     read_lora_tensors,
 )
@@ -373,13 +374,7 @@ class Plan:
 
     def merged(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """The LoRAs of `key` added to its float32 weight (a copy: never in fp8/bf16)."""
-        tensor = tensor.to(torch.float32, copy=True)  # [out, in]
-        for ratio, w in self.deltas[key]:  # in the order given (DoRA normalises what is there)
-            if isinstance(w, LoRAWeights) and w.magnitude is None:
-                tensor.addmm_(w.up.float(), w.down.float(), alpha=ratio * w.scale)
-            else:  # DoRA or LyCORIS: the merged weight, not an additive low-rank delta
-                tensor = w.merged(tensor, ratio)
-        return tensor
+        return merge_into_weight(tensor, self.deltas[key])  # [out, in]; in the order given (DoRA normalises what is there)
 
     def tensors(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Merged, cast tensors of `keys`, one at a time (peak: the float32 weight + its output)."""

@@ -87,6 +87,12 @@ from networks.lora_files import LoRAWeights, diffusers_to_bfl, read_lora  # noqa
 # Inputs
 
 
+def token_width(config) -> int:
+    """Features of one packed image token: a config's `token_width` where its in_channels counts the
+    latent channels (diffusers' config says so for some models), else in_channels (64: 16 x 2 x 2)."""
+    return getattr(config, "token_width", config.in_channels)
+
+
 def make_inputs(arch: str, config, width: int, height: int, seed: int = 0, text_len: int = 128,
                 device: torch.device | str = "cpu") -> precision.DoctorInputs:
     """Random inputs shared by all modes, float32 on `device`: noisy packed latents x_t = (1 - s) x0
@@ -94,7 +100,7 @@ def make_inputs(arch: str, config, width: int, height: int, seed: int = 0, text_
     text (its spec's transformer.random_inputs: text embeddings N(0, 1) and what else it takes)."""
     h, w = height // VAE_PATCH, width // VAE_PATCH
     gen = torch.Generator().manual_seed(seed)
-    x0, noise = (torch.randn(1, h * w, config.in_channels, generator=gen) for _ in range(2))
+    x0, noise = (torch.randn(1, h * w, token_width(config), generator=gen) for _ in range(2))
     conditioning = load_symbol(arch_spec(arch).transformer.random_inputs)(config, h, w, text_len, gen)
     fixed = conditioning.fixed
 

@@ -88,6 +88,7 @@ class DiffusionFamily:
     name: str  # the model_type of the training config: the name the family is registered under
     text_path_keys: tuple[str, ...] = ()  # config keys of the text encoder files
     sample_guidance: float = 4.0  # default --g of sample prompts
+    sample_steps: int = 20  # default --s of sample prompts (a step-distilled model's own count)
     true_cfg = False  # samples run a negative prompt (classifier-free guidance)
     vae_downsample = 8
     patch = 2
@@ -285,7 +286,8 @@ class DiffusionFamily:
         device = next(iter(text.values())).device
         gen = torch.Generator("cpu").manual_seed(seed)
         noise = self.initial_noise(batch, lh, lw, gen).to(device)
-        sigmas = fm.inference_sigmas(steps, h * w, self.arch, dynamic_shift=self.dynamic_shift(model))
+        sigmas = fm.inference_sigmas(steps, h * w, self.arch, dynamic_shift=self.dynamic_shift(model),
+                                     sampling=self.inference_sampling())
 
         def velocity(x, s):
             return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **control_kwargs(control))
@@ -302,6 +304,11 @@ class DiffusionFamily:
 
     def dynamic_shift(self, model) -> bool:
         return True
+
+    def inference_sampling(self):
+        """The release's own inference schedule (a spec Sampling) where it differs from the
+        architecture's (one release of several with the same transformer); None: the architecture's."""
+        return None
 
 
 def control_kwargs(control: list[torch.Tensor] | None) -> dict:

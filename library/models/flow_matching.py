@@ -9,7 +9,8 @@ here is float32, whatever dtype the model runs in.
 
 The resolution-dependent shift is the one each released model's diffusers scheduler uses at
 inference: mu grows with the image token count and s' = e^mu / (e^mu + 1/s - 1). Its constants are
-the architecture's (its spec's `sampling`: a MuLine, or a function of the token and step counts),
+the architecture's (its spec's `sampling`: a MuLine, a function of the token and step counts, or a
+constant shift k, mu = ln k, for a scheduler without a resolution shift),
 and training draws with them by default (timestep_sampling = the spec's method): a logit-normal draw
 (sigmoid(randn), scale 1) shifted as the released scheduler shifts, raw velocity target, no loss
 weighting, plain L2.
@@ -48,7 +49,10 @@ def sampling_of(arch: str) -> Sampling:
 
 def resolution_mu(sampling: Sampling, image_seq_len: int, steps: int | None = None) -> float:
     """mu of the released scheduler for this token count; a step-dependent mu at `steps` (training,
-    which has none: the spec's train_mu_steps)."""
+    which has none: the spec's train_mu_steps). A constant shift k is mu = ln k at every token count
+    (training, steps None: ln of its train_shift where it has one)."""
+    if sampling.shift is not None:
+        return math.log((sampling.train_shift or sampling.shift) if steps is None else sampling.shift)
     if isinstance(sampling.mu, MuLine):
         line = sampling.mu
         return calculate_shift(image_seq_len, line.base_seq_len, line.max_seq_len, line.base_shift, line.max_shift)
@@ -81,8 +85,9 @@ def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None,
     """One sigma per sample, float32 [batch] in [0, 1], on the generator's device.
 
     uniform: U(0, 1]; sigmoid: sigmoid(sigmoid_scale * randn); shift: the sigmoid draw then
-    s' = k s / (1 + (k - 1) s) with k = shift; an architecture's method (its spec's sampling.method): the sigmoid draw then the resolution-dependent time_shift with that
-    architecture's mu for image_seq_len (at its train_mu_steps where mu depends on a step count)."""
+    s' = k s / (1 + (k - 1) s) with k = shift; an architecture's method (its spec's sampling.method):
+    the sigmoid draw then the time_shift with that architecture's mu for image_seq_len (at its
+    train_mu_steps where mu depends on a step count; ln of its constant train shift where it has one)."""
     if method not in SAMPLING_METHODS:
         raise ValueError(f"timestep_sampling {method!r} is not one of {', '.join(SAMPLING_METHODS)}")
     device = generator.device if generator is not None else torch.device("cpu")
@@ -93,9 +98,10 @@ def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None,
         return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
     if method == "sigmoid":
         return sigmas
-    if image_seq_len is None:
+    sampling = _shift_method(method)
+    if image_seq_len is None and sampling.shift is None:
         raise ValueError(f"timestep_sampling {method!r} needs image_seq_len (image tokens per sample)")
-    return time_shift(resolution_mu(_shift_method(method), image_seq_len), sigmas)
+    return time_shift(resolution_mu(sampling, image_seq_len), sigmas)
 
 
 def _per_sample(sigmas: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -154,12 +160,15 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor 
 # Inference
 
 
-def inference_sigmas(steps: int, image_seq_len: int, arch: str, *, dynamic_shift: bool = True) -> torch.Tensor:
+def inference_sigmas(steps: int, image_seq_len: int, arch: str, *, dynamic_shift: bool = True,
+                     sampling: Sampling | None = None) -> torch.Tensor:
     """The sigma schedule the architecture's diffusers pipeline runs with FlowMatchEulerDiscreteScheduler:
     linspace(1, 1/steps, steps), time-shifted with its mu for this token count (and step count,
-    where mu depends on it), stretched to end at its shift_terminal where it has one, then a final 0.
-    dynamic_shift=False: no shift (a distilled model whose scheduler has none). float32 [steps + 1]."""
-    sampling = sampling_of(arch)
+    where mu depends on it) or its constant shift, stretched to end at its shift_terminal where it has
+    one, then a final 0. dynamic_shift=False: no shift (a distilled model whose scheduler has none).
+    sampling: a release's own schedule where it differs from the architecture's (the family's
+    inference_sampling). float32 [steps + 1]."""
+    sampling = sampling or sampling_of(arch)
     sigmas = np.linspace(1.0, 1.0 / steps, steps)  # float64 math, float32 result
     if dynamic_shift:
         mu = resolution_mu(sampling, image_seq_len, steps)

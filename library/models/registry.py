@@ -19,6 +19,7 @@ FAMILIES = {
     "flux_kontext": "library.models.flux1.kontext:FluxKontextFamily",
     "flux2": "library.models.flux2.family:Flux2Family",
     "qwen_image_edit": "library.models.qwen_image.edit_family:QwenImageEditFamily",
+    "zimage": "library.models.zimage.family:ZImageFamily",
 }
 
 BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")  # how the frozen base is stored

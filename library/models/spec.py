@@ -123,12 +123,19 @@ class MuLine:
 class Sampling:
     """How the released model's scheduler shifts sigmas, which training follows by default:
     timestep_sampling = `method` draws sigmoid(randn) and time-shifts it with this mu, as the
-    scheduler does at inference for the image's token count; samples use the same mu."""
+    scheduler does at inference for the image's token count; samples use the same mu.
+
+    A scheduler without a resolution shift (use_dynamic_shifting false) shifts every schedule by one
+    constant k: s' = k s / (1 + (k - 1) s), which is the time shift with mu = ln k. `shift` gives that
+    k (inference); `mu` is then None. `train_shift` is the k training draws with by default where the
+    peers train with another constant than the scheduler samples with (None: `shift`)."""
 
     method: str  # the timestep_sampling name that draws this way (the architecture's default)
     # mu: a MuLine, or "module:function" (image_seq_len, steps) -> mu for a mu that also depends on
     # the step count; training, which has no step count, evaluates it at train_mu_steps.
-    mu: MuLine | str
+    mu: MuLine | str | None = None
+    shift: float | None = None  # a constant shift k (mu = ln k at every resolution) instead of mu
+    train_shift: float | None = None  # training's constant k where it differs from `shift`
     train_mu_steps: int | None = None
     shift_terminal: float | None = None  # the inference schedule is stretched to end here (None: no stretch)
     guidance_scale: float | None = None  # guidance fed to a guidance-distilled model in training (None: none)

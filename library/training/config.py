@@ -80,6 +80,8 @@ SCHEMA: dict[str, Arg] = {
     "network_alpha": A(float, 16.0, "LoRA alpha; scale = alpha / rank (0 means alpha = rank)"),
     "network_args": A(list, [], "extra network options as 'key=value' strings"),
     "network_weights": A(str, None, "initial LoRA weights: a .safetensors LoRA, or (llm) a PEFT adapter folder"),
+    "base_loras": A(list, [], "LoRAs merged into the frozen base before training, 'path[:ratio]' (e.g. a distilled "
+                             "model's de-distillation adapter): not trained, not saved, recorded in the LoRA's metadata"),
     "network_dropout": A(float, 0.0, "dropout on the LoRA down projection"),
     "pretrain": A(bool, False, "llm only: train the whole model instead of a LoRA"),
     "scaled_residual_init": A(bool, True, "llm pretraining from a config.json: o_proj / down_proj start at std "
@@ -338,6 +340,22 @@ def _blame(origins: dict[str, str], where: str, *keys: str) -> str:
     return " and ".join(dict.fromkeys(origins.get(key, where) for key in keys))
 
 
+def _validate_base_loras(args, origins: dict[str, str], where: str) -> None:
+    """Each base_loras entry parses as path[:ratio] and names a file (before minutes of caching)."""
+    from library.lora_spec import parse_lora_spec
+
+    if args.base_loras and args.model_type == "llm":
+        raise ConfigError(f"{_blame(origins, where, 'base_loras', 'model_type')}: key 'base_loras' is for the diffusion "
+                          f"families ({', '.join(FAMILIES)}), not llm")
+    for entry in args.base_loras:
+        try:
+            spec = parse_lora_spec(entry, "base_loras")
+        except ValueError as e:
+            raise ConfigError(f"{origins.get('base_loras', where)}: {e}") from None
+        if not os.path.isfile(spec.path):
+            raise ConfigError(f"{origins.get('base_loras', where)}: base_loras {entry!r}: no file {spec.path!r}")
+
+
 def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | None = None) -> None:
     """Impossible values and combinations, each named with where its values were set. origins:
     key -> the file or "command line" that set it; where: the config file (or "command line"),
@@ -388,6 +406,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' needs network_module "
                           f"networks.lora (LyCORIS files have no PEFT LoRA form)")
     _validate_ema(args, origins, where)
+    _validate_base_loras(args, origins, where)
     from library.training.tracking import check_trackers
 
     if problem := check_trackers(args.log_with, args.logging_dir):

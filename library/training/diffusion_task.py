@@ -107,7 +107,8 @@ class DiffusionTask:
         if not self.args.sample_prompts:
             return []
         res = self.blueprint.datasets[0].resolution
-        defaults = SamplePrompt("", width=res[0], height=res[1], guidance=self.family.sample_guidance)
+        defaults = SamplePrompt("", width=res[0], height=res[1], steps=self.family.sample_steps,
+                                guidance=self.family.sample_guidance)
         prompts = read_prompt_file(self.args.sample_prompts, defaults)
         check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls,
                               self.family.min_controls)
@@ -167,8 +168,18 @@ class DiffusionTask:
         self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
 
     def _load_base(self) -> nn.Module:
-        """The frozen transformer, on the CPU: LoRA goes on it there, then _to_device moves it."""
-        return self.family.load_transformer(self.compute_dtype, base_precision(self.args)).requires_grad_(False).eval()
+        """The frozen transformer, on the CPU: LoRA goes on it there, then _to_device moves it.
+        base_loras are merged into it first (library/training/base_loras.py)."""
+        if not self.args.base_loras:
+            return self.family.load_transformer(self.compute_dtype, base_precision(self.args)).requires_grad_(False).eval()
+        from library.training.base_loras import base_lora_specs, load_merged_base
+
+        if self.stored_precision:
+            raise ConfigError(f"{self.args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "
+                              f"this checkpoint is pre-quantized ({self.stored_precision}): give the bf16 one")
+        base = load_merged_base(self.family, self.compute_dtype, base_precision(self.args), base_lora_specs(self.args.base_loras))
+        self.accelerator.print(f"base_loras: {len(self.args.base_loras)} merged into the frozen base")
+        return base.requires_grad_(False).eval()
 
     def _to_device(self, base: nn.Module) -> nn.Module:
         """Swapped blocks' weights move to pinned CPU memory first, so the base is never on the
@@ -272,6 +283,7 @@ class DiffusionTask:
     # -- metadata ------------------------------------------------------------------------------
     def metadata(self) -> dict:
         from library.models.flow_matching import sampling_of
+        from library.training.base_loras import base_lora_specs, base_loras_metadata
 
         datasets, args = self.blueprint.datasets, self.args
         return {
@@ -282,6 +294,7 @@ class DiffusionTask:
             "batch_size": datasets[0].batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps,
             "timestep_sampling": args.timestep_sampling or sampling_of(self.family.arch).method,
             "dataset": self._dataset_summary(),
+            "base_loras": base_loras_metadata(base_lora_specs(args.base_loras)) if args.base_loras else None,
         }
 
     def _dataset_summary(self) -> list[dict]:

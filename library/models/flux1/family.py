@@ -134,6 +134,8 @@ def bfl_checkpoint_names(keys, shape, row_tables) -> CheckpointNames | None:
     if prefix is not None:
         shapes = {k[len(prefix):]: shape(k) for k in keys if k.startswith(prefix)}
         return CheckpointNames("bfl", prefix, row_tables(list(shapes), shapes.__getitem__, diffusers=False)[0])
-    if any(k.startswith(m) for k in keys for m in ("single_transformer_blocks.", "x_embedder.", "context_embedder.")):
+    # A diffusers FLUX folder; other transformers have an x_embedder too, none of them a proj_out beside it.
+    diffusers = ("single_transformer_blocks.", "x_embedder.", "context_embedder.")
+    if "proj_out.weight" in keys and any(k.startswith(m) for k in keys for m in diffusers):
         return CheckpointNames("diffusers", "", row_tables(keys, shape, diffusers=True)[0], native=False)
     return None

@@ -1,0 +1,352 @@
+"""Z-Image checkpoints: loading (diffusers folders, the single-file layout of ComfyUI and the original
+Z-Image code), the name map between the two, and saving in both layouts.
+
+The model uses diffusers' names, so a diffusers folder (the released Tongyi-MAI repos' transformer/)
+loads by plain key. The single-file layout differs in names only, and in one fused tensor: the
+oracle is diffusers' convert_z_image_transformer_checkpoint_to_diffusers (loaders/single_file_utils.py).
+
+  single file (optionally under `model.diffusion_model.` / `diffusion_model.`)   diffusers / ours
+  x_embedder.*                                                                    all_x_embedder.2-1.*
+  final_layer.*                                                                   all_final_layer.2-1.*
+  <block>.attention.qkv.weight  (rows q | k | v)                                  <block>.attention.to_q / to_k / to_v.weight
+  <block>.attention.out.weight                                                    <block>.attention.to_out.0.weight
+  <block>.attention.q_norm.weight, k_norm.weight                                  <block>.attention.norm_q.weight, norm_k.weight
+  norm_final.weight (some files; the final LayerNorm has no weight)               dropped
+  everything else (t_embedder, cap_embedder, pad tokens, norms, feed_forward)     the same
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Callable
+
+import torch
+
+from library.io import (
+    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, save_diffusers_folder,
+    save_with_config, state_and_config,
+)
+from library.models.zimage.model import ZImage, ZImageConfig
+from library.precision.fp8_checkpoints import read_fp8_checkpoint
+
+CLASS_NAME = "ZImageTransformer2DModel"
+PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain
+# The key diffusers' single-file detection looks for (its Lumina 2 neighbour has `adaLN_modulation.1`).
+MARKER = "layers.0.adaLN_modulation.0.weight"
+SINGLE_FILE_MARKER = "x_embedder.weight"
+DIFFUSERS_MARKER = "all_x_embedder.2-1.weight"
+CONFIG_KEY = "zimage_config"  # safetensors metadata of files we write: the config as JSON
+DROPPED = ("norm_final.weight",)
+
+# ----------------------------------------------------------------------------------------------
+# The name map
+
+# (single-file, diffusers) name pieces, applied as whole-key prefixes (the embedders) or suffixes.
+_PREFIXES = (("x_embedder.", "all_x_embedder.2-1."), ("final_layer.", "all_final_layer.2-1."))
+_SUFFIXES = (
+    (".attention.out.weight", ".attention.to_out.0.weight"),
+    (".attention.q_norm.weight", ".attention.norm_q.weight"),
+    (".attention.k_norm.weight", ".attention.norm_k.weight"),
+)
+QKV, QKV_PARTS = ".attention.qkv.weight", (".attention.to_q.weight", ".attention.to_k.weight", ".attention.to_v.weight")
+
+
+def diffusers_key(key: str) -> str:
+    """A single-file key (prefix already stripped) -> its diffusers name; the fused qkv keeps its own."""
+    for old, new in _PREFIXES:
+        if key.startswith(old):
+            return new + key[len(old) :]
+    for old, new in _SUFFIXES:
+        if key.endswith(old):
+            return key[: -len(old)] + new
+    return key
+
+
+def single_file_key(key: str) -> str:
+    """A diffusers key -> its single-file name (to_q / to_k / to_v are fused by the callers)."""
+    for old, new in _PREFIXES:
+        if key.startswith(new):
+            return old + key[len(new) :]
+    for old, new in _SUFFIXES:
+        if key.endswith(new):
+            return key[: -len(new)] + old
+    return key
+
+
+def to_single_file_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our (diffusers-named) state dict -> the single-file layout (fused qkv, original names)."""
+    sd, out = dict(sd), {}
+    for key in [k for k in sd if k.endswith(QKV_PARTS[0])]:
+        block = key[: -len(QKV_PARTS[0])]
+        out[block + QKV] = torch.cat([sd.pop(block + part) for part in QKV_PARTS], dim=0)
+    out.update({single_file_key(k): v for k, v in sd.items()})
+    return out
+
+
+def from_single_file_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The single-file layout (no prefix) -> our names: diffusers' converter, tensor for tensor."""
+    out = {}
+    for key, value in sd.items():
+        if key in DROPPED:
+            continue
+        if key.endswith(QKV):
+            block = key[: -len(QKV)]
+            out.update({block + part: t for part, t in zip(QKV_PARTS, value.chunk(3, dim=0))})
+        else:
+            out[diffusers_key(key)] = value
+    return out
+
+
+class _SingleFileView:
+    """A CheckpointReader view of a single-file checkpoint under our names: the fused qkv appears as
+    to_q / to_k / to_v, listed together and read once (the last fused tensor is kept for its siblings)."""
+
+    def __init__(self, reader: CheckpointReader, prefix: str):
+        self.reader, self.path, self.sources = reader, reader.path, {}
+        for key in reader.keys():
+            name = key[len(prefix) :] if key.startswith(prefix) else None
+            if name is None or name in DROPPED:
+                continue
+            if name.endswith(QKV):
+                for i, part in enumerate(QKV_PARTS):
+                    self.sources[name[: -len(QKV)] + part] = (key, i)
+            else:
+                self.sources[diffusers_key(name)] = (key, None)
+        self._fused: tuple[str, torch.Tensor] | None = None
+
+    def keys(self) -> list[str]:
+        return list(self.sources)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.sources
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        source, part = self.sources[key]
+        shape = self.reader.shape(source)
+        return shape if part is None else (shape[0] // 3, *shape[1:])
+
+    def file_of(self, key: str) -> str:
+        return self.reader.file_of(self.sources[key][0])
+
+    def get(self, key: str) -> torch.Tensor:
+        source, part = self.sources[key]
+        if part is None:
+            return self.reader.get(source)
+        if self._fused is None or self._fused[0] != source:
+            self._fused = (source, self.reader.get(source))
+        fused = self._fused[1]
+        if fused.shape[0] % 3:
+            raise CheckpointError(f"{self.path}: {self.file_of(key)}: key '{source}' has {fused.shape[0]} rows, "
+                                  f"not three equal q / k / v parts")
+        return fused.chunk(3, dim=0)[part].clone()  # its own memory: the fused tensor is let go
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+def _count(keys, prefix: str) -> int:
+    found = {int(m.group(1)) for k in keys if (m := re.match(re.escape(prefix) + r"(\d+)\.", k))}
+    return max(found) + 1 if found else 0
+
+
+def default_axes_dims(head_dim: int) -> tuple[int, int, int]:
+    """Z-Image's RoPE split of a head: a quarter for the sequence axis, 3/8 each for rows and columns
+    ((32, 48, 48) for head_dim 128). Files do not store it."""
+    if head_dim % 8:
+        raise CheckpointError(f"cannot derive Z-Image's RoPE axes for head_dim {head_dim}: "
+                              f"pass config=ZImageConfig(axes_dims=...)")
+    return (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)
+
+
+def config_from_shapes(shapes: dict[str, tuple[int, ...]], source: str = "checkpoint") -> ZImageConfig:
+    """ZImageConfig from tensor shapes under our names. Depths from block counts, widths from the
+    embedders, heads from the QK-norm width (128 when the model has no QK norm); theta, t_scale,
+    eps and the RoPE split are Z-Image's (files do not store them)."""
+
+    def shape(key):
+        if key not in shapes:
+            raise CheckpointError(f"{source}: cannot infer the Z-Image config, key '{key}' is missing")
+        return shapes[key]
+
+    embedder = next((k for k in shapes if re.fullmatch(r"all_x_embedder\.\d+-1\.weight", k)), DIFFUSERS_MARKER)
+    patch = int(embedder.split(".")[1].split("-")[0])
+    dim, patch_dim = shape(embedder)
+    norm_q = "layers.0.attention.norm_q.weight"
+    head_dim = shape(norm_q)[0] if norm_q in shapes else 128
+    siglip = shapes.get("siglip_embedder.1.weight")
+    return ZImageConfig(
+        in_channels=patch_dim // (patch * patch),
+        patch_size=patch,
+        dim=dim,
+        n_layers=_count(shapes, "layers."),
+        n_refiner_layers=_count(shapes, "noise_refiner."),
+        n_heads=dim // head_dim,
+        qk_norm=norm_q in shapes,
+        cap_feat_dim=shape("cap_embedder.1.weight")[1],
+        siglip_feat_dim=siglip[1] if siglip else None,
+        axes_dims=default_axes_dims(head_dim),
+    )
+
+
+def config_from_diffusers(cfg: dict, source: str = "config.json") -> ZImageConfig:
+    """ZImageConfig from a ZImageTransformer2DModel config.json (diffusers' defaults fill gaps)."""
+    patches, frames = list(cfg.get("all_patch_size", [2])), list(cfg.get("all_f_patch_size", [1]))
+    if len(patches) != 1 or frames != [1]:
+        raise CheckpointError(f"{source}: all_patch_size {patches} / all_f_patch_size {frames}: one image patch size "
+                              f"with frame patch 1 is supported")
+    return ZImageConfig(
+        in_channels=cfg.get("in_channels", 16),
+        patch_size=patches[0],
+        dim=cfg.get("dim", 3840),
+        n_layers=cfg.get("n_layers", 30),
+        n_refiner_layers=cfg.get("n_refiner_layers", 2),
+        n_heads=cfg.get("n_heads", 30),  # n_kv_heads is stored but unused: diffusers builds full heads
+        norm_eps=float(cfg.get("norm_eps", 1e-5)),
+        qk_norm=bool(cfg.get("qk_norm", True)),
+        cap_feat_dim=cfg.get("cap_feat_dim", 2560),
+        siglip_feat_dim=cfg.get("siglip_feat_dim"),
+        rope_theta=float(cfg.get("rope_theta", 256.0)),
+        t_scale=float(cfg.get("t_scale", 1000.0)),
+        axes_dims=tuple(cfg.get("axes_dims", (32, 48, 48))),
+        axes_lens=tuple(cfg.get("axes_lens", (1024, 512, 512))),  # diffusers' default; the releases say 1536
+    )
+
+
+def diffusers_config(config: ZImageConfig) -> dict:
+    """The ZImageTransformer2DModel config.json for `config`."""
+    return {
+        "_class_name": CLASS_NAME,
+        "all_patch_size": [config.patch_size],
+        "all_f_patch_size": [1],
+        "in_channels": config.in_channels,
+        "dim": config.dim,
+        "n_layers": config.n_layers,
+        "n_refiner_layers": config.n_refiner_layers,
+        "n_heads": config.n_heads,
+        "n_kv_heads": config.n_heads,
+        "norm_eps": config.norm_eps,
+        "qk_norm": config.qk_norm,
+        "cap_feat_dim": config.cap_feat_dim,
+        "siglip_feat_dim": config.siglip_feat_dim,
+        "rope_theta": config.rope_theta,
+        "t_scale": config.t_scale,
+        "axes_dims": list(config.axes_dims),
+        "axes_lens": list(config.axes_lens),
+    }
+
+
+def zimage_config_from_json(text: str) -> ZImageConfig:
+    fields = json.loads(text)
+    return ZImageConfig(**{**fields, "axes_dims": tuple(fields["axes_dims"]), "axes_lens": tuple(fields["axes_lens"])})
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _single_file_prefix(keys: list[str]) -> str | None:
+    for prefix in PREFIXES:
+        if prefix + MARKER in keys and prefix + SINGLE_FILE_MARKER in keys:
+            return prefix
+    return None
+
+
+def _diffusers_config_json(path: str) -> dict | None:
+    config_json = os.path.join(path, "config.json")
+    if not (os.path.isdir(path) and os.path.isfile(config_json)):
+        return None
+    with open(config_json) as f:
+        cfg = json.load(f)
+    if cfg.get("_class_name") not in (None, CLASS_NAME):
+        raise CheckpointError(f"{config_json}: _class_name is {cfg['_class_name']!r}, expected {CLASS_NAME!r}")
+    return cfg
+
+
+def _source(path: str, reader: CheckpointReader, config: ZImageConfig | None):
+    """(config, a reader under our names) for either layout; the wrong file is one CheckpointError."""
+    keys = reader.keys()
+    diffusers_json = _diffusers_config_json(path)
+    prefix = None if DIFFUSERS_MARKER in keys else _single_file_prefix(keys)
+    if prefix is not None:
+        source = _SingleFileView(reader, prefix)
+    elif DIFFUSERS_MARKER in keys and MARKER in keys:
+        source = reader
+    else:
+        raise CheckpointError(f"{path}: not a Z-Image transformer (no key '{MARKER}' with '{DIFFUSERS_MARKER}' "
+                              f"(diffusers) or '{SINGLE_FILE_MARKER}' (single file), under any of the prefixes "
+                              f"{[p for p in PREFIXES if p]} or none)")
+    if config is None and diffusers_json is not None:
+        config = config_from_diffusers(diffusers_json, os.path.join(path, "config.json"))
+    if config is None and CONFIG_KEY in reader.metadata:
+        config = zimage_config_from_json(reader.metadata[CONFIG_KEY])
+    if config is None:
+        config = config_from_shapes({k: source.shape(k) for k in source.keys()}, path)
+    with torch.device("meta"):
+        expected = ZImage(config).state_dict()
+    check_keys_and_shapes(source, expected, config)  # every key named with its file, before any read
+    return config, source
+
+
+def load_zimage(
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    config: ZImageConfig | None = None,
+    convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    prepare: Callable[[ZImage], Callable | None] | None = None,
+    read_weights: bool = True,
+) -> ZImage:
+    """Load a Z-Image transformer from a diffusers folder (the pipeline folder with `transformer/`,
+    or the transformer folder itself; sharded or not) or a single file in the ComfyUI / original
+    layout (optionally under `model.diffusion_model.` / `diffusion_model.`).
+
+    dtype casts floating weights on read and becomes compute_dtype. config overrides what config.json,
+    the `zimage_config` metadata or the key shapes say. convert / prepare are the per-tensor and
+    meta-model hooks, as for the other families (fp8 quantized while loading: `prepare=fp8_prepare(mode,
+    arch)`). read_weights=False gives the meta model as it would load, from the headers alone (the
+    memory planner). The model is built on `meta` and filled one tensor at a time.
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"load_zimage dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
+    path = component_folder(path, "transformer")
+    reader = CheckpointReader(path)
+    config, source = _source(path, reader, config)
+    if read_fp8_checkpoint(reader, path) is not None:
+        raise CheckpointError(f"{path}: a pre-quantized fp8 Z-Image file is not read yet; load a bf16 one with "
+                              f"prepare=fp8_prepare(...) to quantize while loading")
+    with torch.device("meta"):
+        model = ZImage(config)
+    hook = prepare(model) if prepare is not None else None
+    if hook is not None and not isinstance(hook, torch.nn.Module):  # prepare_fp8 returns the model itself
+        if convert is not None:
+            raise ValueError("load_zimage: give the convert hook either as convert= or as prepare's result, not both")
+        convert = hook
+    if read_weights:
+        load_streaming(model, source, lambda key: key, dtype=dtype, convert=convert)
+    else:
+        model.to(dtype)
+    model.compute_dtype = dtype
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving
+
+
+def save_zimage_diffusers(model_or_sd, config: ZImageConfig | None, folder: str):
+    """Write a diffusers transformer folder: config.json + diffusion_pytorch_model.safetensors."""
+    sd, config = state_and_config(model_or_sd, config)
+    if config is None:
+        raise ValueError("save_zimage_diffusers needs a ZImageConfig (or a ZImage model) to write config.json")
+    save_diffusers_folder(sd, diffusers_config(config), folder)
+
+
+def save_zimage_single_file(model_or_sd, path: str, config: ZImageConfig | None = None, prefix: str = "",
+                            metadata: dict[str, str] | None = None):
+    """Write the single-file layout (atomic; `prefix` e.g. ComfyUI's `model.diffusion_model.`), the
+    config (when known) in the metadata as `zimage_config` JSON so that non-standard sizes reload exactly."""
+    sd, config = state_and_config(model_or_sd, config)
+    sd = {prefix + k: v for k, v in to_single_file_state_dict(sd).items()}
+    save_with_config(sd, path, CONFIG_KEY, config, metadata)

@@ -1,0 +1,117 @@
+"""Z-Image (Turbo, Base): the architecture's facts (library/models/spec.py)."""
+
+from library.models import spec as S
+
+# -- LoRA targets and key names (networks/)
+# The main blocks' (`layers`) attention and SwiGLU Linears: what ai-toolkit trains and what the Z-Image
+# LoRAs diffusers converts name (`layers.N.attention.to_q ... to_out.0`, `layers.N.feed_forward.w1/w2/w3`).
+# The refiners (two image `noise_refiner` and two caption `context_refiner` blocks before the stack)
+# are the same block kind: they train only when given a rank (`refiner_dim`, or the types' own _dim).
+# The per-block adaLN modulation (one Linear reading the 256-wide timestep embedding) is off by default,
+# as musubi-tuner leaves modulation out (train_modulation or mod_dim turn it on).
+_ATTN = r"attention\.(to_q|to_k|to_v|to_out\.0)"
+_FF = r"feed_forward\.(w1|w2|w3)"
+_REFINER = r"(noise_refiner\.(?P<noise_refiner>\d+)|context_refiner\.(?P<context_refiner>\d+))"
+LORA = S.LoRATargets(
+    targets={
+        "attn": rf"layers\.(?P<layer>\d+)\.{_ATTN}",
+        "ff": rf"layers\.(?P<layer>\d+)\.{_FF}",
+        "mod": r"layers\.(?P<layer>\d+)\.adaLN_modulation\.0",
+        "refiner_attn": rf"{_REFINER}\.{_ATTN}",
+        "refiner_ff": rf"{_REFINER}\.{_FF}",
+        "refiner_mod": r"noise_refiner\.(?P<noise_refiner>\d+)\.adaLN_modulation\.0",
+    },
+    block_args={"block_indices": "layer"},
+    kohya_prefix="lora_unet",  # musubi-tuner's Z-Image LoRAs: lora_unet_layers_0_attention_to_q
+    modulation_types=("mod", "refiner_mod"),
+    in_dim_types=("refiner_attn", "refiner_ff", "refiner_mod"),  # only with a rank (no in_dims key: by _dim)
+    type_groups={"refiner": ("refiner_attn", "refiner_ff")},
+)
+
+
+# -- LoRA files: converters' and inspectors' key tables (tools/)
+# diffusers module names in every layout (kohya lora_unet_*, PEFT transformer.*, ComfyUI / ai-toolkit
+# diffusion_model.*, which ComfyUI maps onto its fused qkv through its z_image_to_diffusers table):
+# converting changes the prefix only.
+LORA_FILES = S.LoRAFiles(
+    markers=("_attention_to_q", "_attention_to_k", "_attention_to_v", "_attention_to_out_0", "_feed_forward_w",
+             "noise_refiner_", "context_refiner_"),
+    block_pattern=r"(noise_refiner|context_refiner|layers)[._](\d+)[._]",
+    module_paths="library.models.zimage.lora_files:module_paths",
+    diffusers_lokr="Z-Image",  # diffusers' ZImageLoraLoaderMixin converts LoKr files too
+    info_markers=(("diffusers", r"_attention_to_(q|k|v|out_0)|_feed_forward_w[123]"),),
+    info_blocks=(("layer", r"(?:^|_)layers_(\d+)_"), ("noise_refiner", r"noise_refiner_(\d+)_"),
+                 ("context_refiner", r"context_refiner_(\d+)_")),
+    width_modules=r"attention_to_[qkv]|attention_to_out_0|feed_forward_w[13]",
+    releases=(S.Release("Z-Image (Turbo / Base)", 3840, {"layer": 30, "noise_refiner": 2, "context_refiner": 2}),),
+)
+
+
+# -- fp8: modules kept in high precision (library/precision/fp8.py)
+# The embedders (patches, caption, timestep) and the final layer stay bf16, as for every family (Omni's
+# siglip_embedder joins them with an Omni preset: a rule must match a released model's Linear); the
+# blocks' adaLN Linears are the per-block modulation (quantized while
+# fp8.QUANTIZE_MODULATION, as FLUX.1's: measured there).
+FP8 = S.FP8Rules(
+    keep=(r"all_x_embedder\..*", r"cap_embedder\..*", r"t_embedder\..*", r"all_final_layer\..*"),
+    modulation=(r".*\.adaLN_modulation\.0",),
+)
+
+
+# -- timestep sampling and shift defaults (library/models/flow_matching.py)
+# Tongyi-MAI/Z-Image-Turbo scheduler/scheduler_config.json: FlowMatchEulerDiscreteScheduler with
+# use_dynamic_shifting false and shift 3.0 (Base's: 6.0, the family's inference_sampling): a constant
+# shift, the same at every resolution. Training draws as musubi-tuner's Z-Image guide trains it
+# (timestep_sampling shift, discrete_flow_shift 2.0, weighting none): the logit-normal draw shifted by
+# k = 2, a little less noise-heavy than the sampler's k = 3 (ai-toolkit's default for it is a
+# weighted draw of the scheduler's own sigmas). timestep_sampling = shift with discrete_flow_shift
+# gives any other k.
+SAMPLING = S.Sampling(method="zimage_shift", shift=3.0, train_shift=2.0)
+
+
+# -- memory planner shapes and presets
+# Captions vary in length (a mask; the pipeline keeps at most 512 tokens): the plan sizes 512.
+# The text encoder as load_zimage_text_encoder reads Qwen3-4B: the embeddings, 35 of 36 decoder
+# layers (hidden_states[-2]) and the final norm, no head (tied embeddings: none in the files).
+_QWEN3_4B_35_LAYERS = 3_921_537_280
+PLANNER = S.Planner(
+    transformer="library.models.zimage.model:ZImage",
+    text_tokens=512,
+    presets={
+        "zimage-turbo": S.PlannerPreset("zimage", "library.models.zimage.model:ZIMAGE_TURBO",
+                                        {"text_encoder": _QWEN3_4B_35_LAYERS}, attributes={"version": "zimage-turbo"}),
+        "zimage-base": S.PlannerPreset("zimage", "library.models.zimage.model:ZIMAGE_BASE",
+                                       {"text_encoder": _QWEN3_4B_35_LAYERS}, attributes={"version": "zimage-base"}),
+    },
+)
+
+
+# -- tiny models (tests, quickstart); FLUX.1's tiny VAE is the VAE (the same AutoencoderKL)
+TINY = S.TinySpec(writers=(
+    "library.models.zimage.tiny:write_zimage", "library.models.zimage.tiny:write_zimage_text_encoder",
+), transformer="zimage")
+
+
+# -- the training config's keys of its text encoder files and version (library/training/config.py)
+CONFIG_KEYS = (
+    S.ConfigKey("text_encoder", str, "Qwen3-4B (the repo's text_encoder/ folder or a single file, tokenizer/ beside it)"),
+    S.ConfigKey("model_version", str, "zimage: zimage-turbo or zimage-base (default: the pipeline folder's "
+                                      "scheduler shift, 3.0 Turbo / 6.0 Base; Turbo for a single file)"),
+)
+
+
+SPEC = S.ArchSpec(
+    arch="zimage",
+    title="Z-Image",
+    names=(r"z[-_ ]?image",),
+    lora=LORA,
+    lora_files=LORA_FILES,
+    fp8=FP8,
+    sampling=SAMPLING,
+    transformer=S.TransformerHooks(load="library.models.zimage.checkpoint:load_zimage",
+                                   random_inputs="library.models.zimage.model:random_inputs"),
+    planner=PLANNER,
+    tiny=TINY,
+    default_config="zimage.toml",
+    config_keys=CONFIG_KEYS,
+)

@@ -1,0 +1,170 @@
+"""Z-Image as a trainable family on the tiny models: train_lora.py trains and saves a LoRA; the LoRA
+converted with tools/convert_lora.py --to diffusers loads in diffusers' ZImagePipeline
+(load_lora_weights) and gives our runtime output; generate.py renders; base_loras trains as on a
+base merged beforehand with tools/merge_lora.py, and the saved LoRA records it."""
+
+import csv
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import train_lora
+from library.models.zimage.family import ZImageFamily
+from networks.lora import LoRANetwork
+
+
+def read_losses(out, name):
+    with open(os.path.join(out, f"{name}_log.csv")) as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+def train_args(tiny_set, out, name, model=None, steps=2, extra=()):
+    return [
+        "--model_type", "zimage", "--pretrained_model_name_or_path", model or tiny_set["zimage_diffusers"],
+        "--ae", tiny_set["flux_vae"], "--text_encoder", tiny_set["zimage_text_encoder"],
+        "--dataset_config", tiny_set["dataset_config"], "--output_dir", str(out), "--output_name", name,
+        "--max_train_steps", str(steps), "--mixed_precision", "no", "--network_dim", "4", "--network_alpha", "4",
+        "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0", *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_set, tmp_path_factory):
+    """Six steps from zimage's defaults (its own timestep_sampling), samples at the end: the output folder."""
+    out = tmp_path_factory.mktemp("zimage_run")
+    args = train_args(tiny_set, out, "zimage", steps=6, extra=("--sample_prompts", tiny_set["sample_prompts"]))
+    assert train_lora.main(args) == 0
+    return out
+
+
+def test_zimage_lora_trains_saves_and_samples(trained):
+    losses = read_losses(trained, "zimage")
+    print("zimage tiny losses", losses)
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+    tensors = load_file(trained / "zimage.safetensors")
+    assert any(k.startswith("lora_unet_layers_0_attention_to_q.") for k in tensors)
+    assert any(k.startswith("lora_unet_layers_1_feed_forward_w2.") for k in tensors)
+    # refiners and the adaLN modulation are off by default
+    assert not any("refiner" in k or "adaLN" in k for k in tensors)
+    with safe_open(str(trained / "zimage.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_base_model_version"] == "zimage-turbo" and meta["ss_timestep_sampling"] == "zimage_shift"
+    assert (trained / "zimage_final_00.png").stat().st_size > 0
+
+
+@torch.no_grad()
+def test_converted_lora_loads_in_zimage_pipeline_and_matches_runtime(tiny_set, trained, tmp_path):
+    """convert_lora --to diffusers -> ZImagePipeline.load_lora_weights on diffusers' transformer with the
+    same weights: its velocity equals ours with the runtime (unmerged) LoRA, called as the pipeline
+    calls it (one [C, 1, H, W] latent per prompt, t = 1 - sigma, the output negated)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+
+    from library.models.vae import pack_latents, unpack_latents
+    from tools import convert_lora
+
+    lora = trained / "zimage.safetensors"
+    converted = tmp_path / "diffusers.safetensors"
+    assert convert_lora.main([str(lora), str(converted), "--to", "diffusers"]) == 0
+
+    g = torch.Generator().manual_seed(0)
+    latents, txt, sigma = torch.randn(1, 16, 6, 8, generator=g), torch.randn(1, 5, 32, generator=g), torch.tensor([0.4])
+    model = ZImageFamily(tiny_set["zimage_diffusers"]).load_transformer(torch.float32)
+    base = unpack_latents(model(pack_latents(latents), txt, sigma, 3, 4), 6, 8)
+    LoRANetwork.from_weights(model, "zimage", str(lora)).apply()
+    ours = unpack_latents(model(pack_latents(latents), txt, sigma, 3, 4), 6, 8)
+
+    reference = ZImageTransformer2DModel.from_pretrained(tiny_set["zimage_diffusers"]).eval()
+    pipe = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
+                          transformer=reference)
+    pipe.load_lora_weights(str(converted))
+    theirs = -torch.stack(reference([latents[0][:, None]], 1 - sigma, [txt[0]], return_dict=False)[0]).squeeze(2)
+    rel = ((theirs - ours).norm() / ours.norm()).item()
+    effect = ((ours - base).norm() / base.norm()).item()
+    print(f"load_lora_weights: relative error {rel:.2e}, LoRA effect {effect:.2e}")
+    assert effect > 1e-4, effect  # the LoRA does something, so the comparison means something
+    assert rel < 1e-5, rel
+
+
+def test_generate_renders_with_the_tiny_model(tiny_set, trained, tmp_path):
+    from tools import generate
+
+    out = tmp_path / "gen"
+    code = generate.main(["--model_type", "zimage", "--model", tiny_set["zimage"], "--ae", tiny_set["flux_vae"],
+                          "--text_encoder", tiny_set["zimage_text_encoder"], "--prompt", "a red square",
+                          "--width", "64", "--height", "48", "--dtype", "fp32", "--out", str(out),
+                          "--lora", f"{trained / 'zimage.safetensors'}:0.8"])
+    assert code == 0
+    pngs = [p for p in os.listdir(out) if p.endswith(".png")]
+    assert len(pngs) == 1 and (out / pngs[0]).stat().st_size > 0
+
+
+def test_base_loras_train_as_a_base_merged_beforehand(tiny_set, trained, tmp_path):
+    """Two steps with base_loras = [the trained LoRA at 0.7] on the tiny base give the same losses and
+    the same saved LoRA tensors as two steps on the base merged by tools/merge_lora.py (fp32: bitwise,
+    one merge math);
+    the saved LoRA holds only the new network and names the merged file in its metadata."""
+    from tools import merge_lora
+
+    adapter = trained / "zimage.safetensors"
+    merged = tmp_path / "merged"  # a diffusers folder: the model's own names, so the same addmm per weight
+    assert merge_lora.main(["--model", tiny_set["zimage_diffusers"], "--lora", f"{adapter}:0.7", "--save_to", str(merged)]) == 0
+    with_base_loras = tmp_path / "a"
+    assert train_lora.main(train_args(tiny_set, with_base_loras, "a",
+                                      extra=("--base_loras", f"{adapter}:0.7"))) == 0
+    beforehand = tmp_path / "b"
+    assert train_lora.main(train_args(tiny_set, beforehand, "b", model=str(merged))) == 0
+    assert read_losses(with_base_loras, "a") == read_losses(beforehand, "b")
+    a, b = load_file(with_base_loras / "a.safetensors"), load_file(beforehand / "b.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with safe_open(str(with_base_loras / "a.safetensors"), "pt") as f:
+        recorded = json.loads(f.metadata()["ss_base_loras"])
+    assert recorded == [{"file": "zimage.safetensors", "ratio": 0.7}]
+
+
+def test_base_loras_merge_before_fp8_quantization(tiny_set, trained):
+    """An fp8 base with base_loras: merged in float32, then quantized (a delta merged into fp8 weights
+    would round away): the quantized weight equals quantizing the float32-merged one."""
+    from library.precision.fp8 import FP8Linear, quantize_weight
+    from library.training.base_loras import load_merged_base, merge_base_loras
+    from library.lora_spec import LoRASpec
+
+    family = ZImageFamily(tiny_set["zimage"])
+    spec = [LoRASpec(str(trained / "zimage.safetensors"), 1.0)]
+    model = load_merged_base(family, torch.float32, "fp8_scaled", spec)
+    layer = model.layers[0].attention.to_q
+    assert isinstance(layer, FP8Linear)
+    reference = family.load_transformer(torch.float32)
+    assert merge_base_loras(reference, "zimage", spec) > 0
+    q, scale = quantize_weight(reference.layers[0].attention.to_q.weight, "fp8_scaled")
+    assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.weight_scale, scale)
+
+
+@pytest.mark.parametrize("version,shift", [("zimage-turbo", 3.0), ("zimage-base", 6.0)])
+def test_sample_schedule_is_the_release_schedulers(tiny_set, version, shift):
+    """Turbo / Base: FlowMatchEulerDiscreteScheduler with use_dynamic_shifting false and the release's
+    static shift, on the pipeline's linspace(1, 1/n, n) sigmas."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from library.models import flow_matching as fm
+
+    family = ZImageFamily(tiny_set["zimage"], model_version=version)
+    ours = fm.inference_sigmas(8, 4096, family.arch, sampling=family.inference_sampling())
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift, use_dynamic_shifting=False)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 8, 8))
+    assert float((ours - scheduler.sigmas).abs().max()) < 1e-6
+    assert family.model_version(None) == version
+
+
+@pytest.mark.parametrize("preset", ["zimage-turbo", "zimage-base"])
+def test_memory_planner_plans_the_released_sizes_on_meta(preset, capsys):
+    """The planner's forward runs on meta (no caption mask to read there): it plans both presets."""
+    from tools import plan_memory
+
+    assert plan_memory.main(["--preset", preset, "--vram", "16"]) == 0
+    assert "fits with blocks_to_swap" in capsys.readouterr().out
