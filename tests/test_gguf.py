@@ -150,10 +150,10 @@ def test_loaded_weights_are_ggufs_dequantization_and_the_rest_loads_as_usual(flu
             assert value.dtype == torch.float32 and torch.equal(value, reader.get(key))
 
 
-def dequantized_twin(model: nn.Module) -> Flux:
+def dequantized_twin(model: nn.Module) -> nn.Module:
     """The same model with every GGUFLinear replaced by an nn.Linear holding its float32 weight."""
     with torch.device("meta"):
-        twin = Flux(model.config)
+        twin = type(model)(model.config)
     sd = {}
     for key, value in model.state_dict().items():
         layer = model.get_submodule(key.rsplit(".", 1)[0])
@@ -174,7 +174,7 @@ def test_forward_and_input_grads_equal_the_dequantized_float32_model(flux_gguf, 
         m(**{**inputs, "img": img}).square().mean().backward()
         grads.append(img.grad)
     assert torch.equal(grads[0], grads[1])
-    # A ComfyUI prefix is read as it is for fp8 files
+    # The ComfyUI prefix (model.diffusion_model.) is read too, as for safetensors files
     prefixed, _ = tiny_gguf(tiny_set, tmp_path / "prefixed.gguf", prefix="model.diffusion_model.")
     assert torch.equal(run(load_flux(prefixed).eval(), inputs), run(twin, inputs))
 
@@ -248,3 +248,75 @@ def test_planned_weight_bytes_are_the_buffers_bytes(flux_gguf, tiny_set):
     reader = CheckpointReader(path)
     stored = sum(reader.numel([k]) * (GGUF_TYPES[t].bytes_per_parameter if (t := types.get(k)) else 4) for k in reader.keys())
     assert module_bytes(loaded) == stored  # 34/32 bytes per Q8_0 weight, 144/256 per Q4_K, 4 per F32
+
+
+def test_plan_memory_plans_a_gguf_file_in_its_stored_layout_only(flux_gguf, tiny_set, tmp_path, capsys):
+    from tests.test_memory_plan import write_config
+    from tools import plan_memory
+
+    config = write_config(tmp_path / "gguf.toml", model_type="flux", pretrained_model_name_or_path=flux_gguf[0],
+                          ae=tiny_set["flux_vae_single"], clip_l=tiny_set["clip_l"], t5xxl=tiny_set["t5xxl"],
+                          dataset_config=tiny_set["dataset_config"], output_dir=str(tmp_path / "out"))
+    assert plan_memory.main(["--config_file", config, "--vram", "12"]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if "gradient_checkpointing=" in line]
+    assert rows == ["gguf_q8_0+q4_k", "gguf_q8_0+q4_k"]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0"])
+def test_a_preset_planned_as_gguf_holds_its_types_bytes_per_weight(qtype):
+    from library.models.registry import arch_spec
+    from library.precision.fp8 import is_high_precision
+    from library.precision.gguf_weights import prepare_gguf_like
+    from library.training.memory_plan import module_bytes
+    from tests.test_merge_convert import FLUX_CFG
+
+    with torch.device("meta"):
+        model = prepare_gguf_like(Flux(FLUX_CFG), qtype, arch_spec("flux").fp8)
+    kind, rules = GGUF_TYPES[qtype], arch_spec("flux").fp8
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
+    expected = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, GGUFLinear))
+                and not is_high_precision(n, rules) and m.in_features % kind.block == 0}
+    assert set(layers) == expected and layers
+    for layer in layers.values():
+        weights = layer.in_features * layer.out_features
+        assert module_bytes(layer) == weights * kind.bytes_per_parameter + 4 * layer.out_features  # + the f32 bias
+    assert {q: GGUF_TYPES[q].bytes_per_parameter for q in GGUF_TYPES} == {
+        "Q8_0": 1.0625, "Q4_0": 0.5625, "Q4_1": 0.625, "Q5_0": 0.6875, "Q5_1": 0.75, "Q4_K": 0.5625, "Q5_K": 0.6875,
+        "Q6_K": 0.8203125}
+
+
+def test_plan_memory_refuses_a_gguf_type_it_cannot_read_in_one_line(capsys):
+    from tools import plan_memory
+
+    line = one_error_line(capsys, plan_memory.main(["--preset", "flux1-dev", "--gguf", "Q2_K"]))
+    assert line == "error: --gguf Q2_K: not a GGUF block type we read (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)"
+
+
+def test_merge_lora_refuses_a_gguf_base_in_one_line(flux_gguf, tmp_path, capsys):
+    from tests.test_merge_convert import merge
+
+    net = lora(load_flux(flux_gguf[0]), "flux", rank=4, alpha=4.0, seed=1)
+    net.save(str(tmp_path / "l.safetensors"))
+    capsys.readouterr()
+    line = one_error_line(capsys, merge("--model", flux_gguf[0], "--lora", tmp_path / "l.safetensors",
+                                        "--save_to", tmp_path / "m.safetensors"))
+    assert "flux1-tiny-Q8_0.gguf: a GGUF base; merge_lora does not write GGUF files" in line, line
+
+
+def test_a_qwen_image_gguf_with_diffusers_names_loads_and_computes_as_its_dequantized_twin(tiny_set, tmp_path):
+    from library.models.qwen_image.model import load_qwen_image
+    from tests.test_merge_convert import qwen_inputs
+
+    model = load_qwen_image(tiny_set["qwen_image"])
+    types = {f"{n}.weight": "Q6_K" if m.in_features % 256 == 0 else "Q8_0" for n, m in model.named_modules()
+             if type(m) is nn.Linear and n.startswith("transformer_blocks.")}
+    sd = dict(model.state_dict())
+    for i, key in enumerate(k for k, t in types.items() if t == "Q6_K"):  # gguf cannot quantize K-quants
+        sd[key] = random_blocks("Q6_K", *sd[key].shape, seed=20 + i, scale=1e-3)
+    path = write_gguf(sd, tmp_path / "qwen-image-tiny.gguf", types)
+    # The tiny head dim (32) has no released RoPE axes to infer: the config is given, as a folder's config.json would
+    loaded = load_qwen_image(path, config=model.config).eval()
+    layers = {n: m.qtype for n, m in loaded.named_modules() if isinstance(m, GGUFLinear)}
+    assert {f"{n}.weight": t for n, t in layers.items()} == types and set(layers.values()) == {"Q8_0", "Q6_K"}
+    inputs = {**qwen_inputs(), "txt": torch.randn(1, 8, model.config.joint_attention_dim)}
+    assert torch.equal(run(loaded, inputs), run(dequantized_twin(loaded), inputs))
