@@ -1,8 +1,12 @@
 """Checkpoint I/O shared by every model: safetensors reading tensor by tensor, streaming loads
 into modules built on the `meta` device, and atomic writes.
 
-Only safetensors files are read (no pickle). A checkpoint is a single `.safetensors` file, a
-sharded set with a `*.safetensors.index.json`, or a folder holding either.
+Only safetensors and GGUF files are read (no pickle). A checkpoint is a single `.safetensors` file, a
+sharded set with a `*.safetensors.index.json`, a folder holding either, or a single `.gguf` file
+(the transformers people run with ComfyUI-GGUF). A GGUF file reads through the same CheckpointReader:
+keys, shapes in torch order, its ggml type names as dtype names ("F32", "BF16", "Q8_0", "Q4_K", ...)
+and, for block-quantized types, the packed blocks as uint8 [*rows, bytes per row]
+(library/precision/gguf_weights.py turns them into weights).
 
 Every file written here gets the mode the umask gives an ordinary file (0644 under umask 022), so
 other users (a ComfyUI container) can read it; a full disk is one error naming the file; a lock file
@@ -44,8 +48,12 @@ class LockedError(OSError):
     """Another live process holds the lock file; the message names it, its pid and host."""
 
 
+GGUF_SUFFIX = ".gguf"
+
+
 def safetensors_files(path: str) -> list[str]:
-    """The .safetensors files that make up the checkpoint at `path` (file, index or folder)."""
+    """The .safetensors files that make up the checkpoint at `path` (file, index or folder), or
+    the one .gguf file it is."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or folder")
     if os.path.isfile(path):
@@ -53,8 +61,8 @@ def safetensors_files(path: str) -> list[str]:
             with open(path) as f:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
             return [os.path.join(os.path.dirname(path), s) for s in shards]
-        if not path.endswith(".safetensors"):
-            raise CheckpointError(f"{path}: expected a .safetensors file (other formats are not loaded)")
+        if not path.endswith((".safetensors", GGUF_SUFFIX)):
+            raise CheckpointError(f"{path}: expected a .safetensors or .gguf file (other formats are not loaded)")
         return [path]
     indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
     if indexes:
@@ -102,6 +110,44 @@ def _read_header(path: str) -> tuple[dict, dict[str, str], int]:
     return header, metadata, 8 + length
 
 
+def _gguf_value(field):
+    """A GGUF metadata value as the string a safetensors header would hold (lists as JSON)."""
+    value = field.contents()
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _read_gguf_header(path: str) -> tuple[dict, dict[str, str], int]:
+    """(tensor entries, metadata, 0) of a GGUF file, in _read_header's form: shapes in torch order
+    (ggml stores them innermost first), data offsets from the start of the file, and for
+    block-quantized types the packed shape [*rows, row bytes] under "packed". ComfyUI-GGUF's
+    `comfy.gguf.orig_shape.<name>` (a tensor reshaped to fit ggml's 4 dimensions) gives the shape."""
+    from gguf import GGML_QUANT_SIZES, GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError) as e:  # the package's parse errors: bad magic, truncation
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+    if reader.byte_order != "I":
+        raise CheckpointError(f"{path}: a big-endian GGUF file; only little-endian files are read")
+    size = os.path.getsize(path)
+    metadata = {name: _gguf_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    entries = {}
+    for t in reader.tensors:
+        stored = [int(n) for n in reversed(t.shape.tolist())]
+        name, kind = t.tensor_type.name, t.tensor_type
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        entry = {"dtype": name, "shape": stored, "data_offsets": [t.data_offset, t.data_offset + t.n_bytes]}
+        if name not in ST_DTYPES:
+            entry["packed"] = [*stored[:-1], stored[-1] // block * block_bytes] if stored else [block_bytes]
+        orig = metadata.get(f"comfy.gguf.orig_shape.{t.name}")
+        if orig is not None:
+            entry["shape"] = [int(n) for n in json.loads(orig)]
+        if t.data_offset + t.n_bytes > size:
+            raise CheckpointError(f"{path}: tensor '{t.name}' ({name} {stored}) ends past the end of the file (truncated)")
+        entries[t.name] = entry
+    return entries, metadata, 0
+
+
 class CheckpointReader:
     """Read-only view of one checkpoint's tensors across its shards, one tensor at a time.
 
@@ -114,7 +160,7 @@ class CheckpointReader:
         self.files = safetensors_files(path)
         self._headers, self._where = [], {}
         for i, f in enumerate(self.files):
-            entries, metadata, data_start = _read_header(f)
+            entries, metadata, data_start = _read_gguf_header(f) if f.endswith(GGUF_SUFFIX) else _read_header(f)
             self._headers.append((entries, data_start))
             if i == 0:
                 self.metadata: dict[str, str] = dict(metadata)
@@ -141,15 +187,23 @@ class CheckpointReader:
         return sum(math.prod(self.shape(k)) for k in (self.keys() if keys is None else keys))
 
     def dtype_name(self, key: str) -> str:
-        """safetensors dtype string of a tensor ("BF16", "F8_E4M3", ...) without reading it."""
+        """safetensors dtype string of a tensor ("BF16", "F8_E4M3", ...), or a GGUF file's ggml type
+        name ("F32", "Q8_0", "Q4_K", ...), without reading it."""
         return self._entry(key)["dtype"]
+
+    def is_block_quantized(self, key: str) -> bool:
+        """A GGUF tensor stored in ggml blocks (Q8_0, Q4_K, ...): get() gives its packed bytes."""
+        return "packed" in self._entry(key)
 
     def get(self, key: str) -> torch.Tensor:
         i = self._where[key]
         entries, data_start = self._headers[i]
         entry = entries[key]
         begin, end = entry["data_offsets"]
-        out = torch.empty(entry["shape"], dtype=ST_DTYPES[entry["dtype"]])
+        if "packed" in entry:  # ggml blocks: uint8 [*rows, bytes per row], as stored
+            out = torch.empty(entry["packed"], dtype=torch.uint8)
+        else:
+            out = torch.empty(entry["shape"], dtype=ST_DTYPES[entry["dtype"]])
         if out.numel() * out.element_size() != end - begin:
             raise CheckpointError(f"{self.files[i]}: tensor '{key}' holds {end - begin} bytes, not "
                                   f"{out.numel() * out.element_size()} for {entry['dtype']} {entry['shape']}")

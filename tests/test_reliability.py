@@ -184,7 +184,7 @@ def checkpoint_missing(ts, tmp):
 
 def checkpoint_not_safetensors(ts, tmp):
     (tmp / "flux1-dev.ckpt").write_bytes(b"PK\x03\x04")
-    return ["--pretrained_model_name_or_path", str(tmp / "flux1-dev.ckpt")], ["flux1-dev.ckpt: expected a .safetensors file"]
+    return ["--pretrained_model_name_or_path", str(tmp / "flux1-dev.ckpt")], ["flux1-dev.ckpt: expected a .safetensors or .gguf file"]
 
 
 def qwen_image_folder_as_flux(ts, tmp):

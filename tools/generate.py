@@ -143,8 +143,8 @@ def generate(args) -> list[str]:
     texts = [(encode_one(p.prompt, p.control_images), encode_one(p.negative, p.control_images) if family.true_cfg else None)
              for p in prompts]
     del encode  # text encoders are freed before the transformer is loaded
-    # A pre-quantized file (ours, ComfyUI's fp8 / scaled fp8) is used as it is stored, whatever --base_precision says.
-    base_precision = family.stored_fp8_layout() or args.base_precision
+    # A pre-quantized file (ours, ComfyUI's fp8 / scaled fp8, GGUF) is used as it is stored, whatever --base_precision says.
+    base_precision = family.stored_layout() or args.base_precision
     model = family.load_transformer(PRECISION_DTYPES[args.dtype], base_precision).requires_grad_(False).eval()
     for spec in loras:  # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it)
         network = network_from_file(model, family.arch, spec.path, multiplier=spec.ratio)  # LoRA, DoRA or LyCORIS: the modules the file names

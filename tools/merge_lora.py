@@ -102,6 +102,7 @@ from safetensors import safe_open  # noqa: E402
 
 from library.precision import fp8  # noqa: E402
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint  # noqa: E402
+from library.precision.gguf_weights import is_gguf  # noqa: E402
 from library.io import ST_DTYPES, CheckpointError, CheckpointReader, atomic_folder, atomic_path, component_folder  # noqa: E402
 from library.models.llm import checkpoint_key_to_llm  # noqa: E402
 from library.models.registry import FAMILIES, arch_specs  # noqa: E402
@@ -232,6 +233,9 @@ def open_base(path: str) -> Base:
     """Detect family and naming of the checkpoint at `path` from its tensor names."""
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
+    if is_gguf(reader):  # its block types would need a GGUF writer and re-quantization, not done yet
+        raise CheckpointError(f"{path}: a GGUF base; merge_lora does not write GGUF files: merge into the bf16 "
+                              f"checkpoint, or load the LoRA beside the .gguf (ComfyUI-GGUF applies LoRAs at runtime)")
     keys = reader.keys()
     base = _family_base(path, reader, keys)
     if base is None and any(checkpoint_key_to_llm(k) and checkpoint_key_to_llm(k).startswith("model.layers.") for k in keys):

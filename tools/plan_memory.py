@@ -4,6 +4,7 @@
     python tools/plan_memory.py --preset NAME --vram 16          # a released model, no files (--help: the names)
     python tools/plan_memory.py --preset NAME --vram 24 --resolution 1328 --batch_size 1
     python tools/plan_memory.py --preset NAME --vram 48 --references 3   # an edit model, 3 references per image
+    python tools/plan_memory.py --preset NAME --vram 12 --gguf Q4_K      # a ComfyUI-GGUF base of that type
 
 Everything is simulated on `meta` (library/training/memory_plan.py): no weight is read, the files'
 headers give the shapes. With a config file the run's own settings are planned (its base precision,
@@ -12,7 +13,8 @@ per image of its control_directory); then, for the card, every base precision x 
 gets the fewest blocks_to_swap that fit. A card fits a plan when the peak stays under 95% of (its
 memory - the CUDA context, ~0.6 GiB). The presets (each family's spec: planner.presets) are the
 released models' configs and text-encoder sizes; an edit model is planned with one reference per
-image unless --references says otherwise.
+image unless --references says otherwise. A pre-quantized base (an fp8 or GGUF file, or a preset with
+--gguf) is planned as it is stored: its layout is the one base precision tried.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=None)
     p.add_argument("--references", type=int, default=None,
                    help="reference images per image of an edit model (default: the dataset's control_directory; 1)")
+    p.add_argument("--gguf", metavar="TYPE", default=None,
+                   help="with --preset: plan the base as a GGUF file of this block type (Q8_0, Q6_K, Q5_K, Q4_K, ...)")
     return p
 
 
@@ -64,7 +68,7 @@ class PresetFamily:
     """A family whose transformer is a released model's config built on meta (no files): what the
     family would read from its files comes from the preset."""
 
-    def __new__(cls, name: str):
+    def __new__(cls, name: str, gguf: str | None = None):
         from library.models.family import family_class
         from library.models.registry import spec_of
         from library.models.spec import load_symbol
@@ -78,12 +82,18 @@ class PresetFamily:
                 for attribute, value in preset.attributes.items():
                     setattr(self, attribute, value)
 
+            def stored_layout(self):
+                return f"gguf_{gguf.lower()}" if gguf else None
+
             def load_transformer(self, dtype, base_precision="bf16", read_weights=False):
                 from library.precision.fp8 import prepare_fp8
+                from library.precision.gguf_weights import prepare_gguf_like
 
                 with torch.device("meta"):
                     model = load_symbol(planner.transformer)(load_symbol(preset.transformer))
-                if base_precision != "bf16":
+                if gguf:  # the file's layout, whatever base precision is asked for (as the loaders do)
+                    prepare_gguf_like(model, gguf, arch_spec(self.arch).fp8)
+                elif base_precision != "bf16":
                     prepare_fp8(model, base_precision, arch_spec(self.arch).fp8)
                 model.to(dtype)
                 model.compute_dtype = dtype
@@ -124,13 +134,18 @@ def plan_run(family, args, width: int, height: int, batch: int, references: int 
 
 
 def setting_plans(family, args, width: int, height: int, batch: int, references: int | None = None) -> dict:
-    """{(base precision, checkpointing): TrainingPlan} for bf16 / fp8_scaled x checkpointing off / on."""
+    """{(base precision, checkpointing): TrainingPlan} for bf16 / fp8_scaled x checkpointing off / on; a
+    pre-quantized base (family.stored_layout()) only in its stored layout, which the loader always uses."""
+    from library.precision.stored_layouts import config_precision
+
     count, tokens = references_and_tokens(family, args, references, width, height)
+    stored = family.stored_layout()
     plans = {}
-    for base in ("bf16", "fp8_scaled"):
+    for base in (stored,) if stored else ("bf16", "fp8_scaled"):
         for ckpt in (False, True):
             trial = copy.copy(args)
-            trial.fp8_base, trial.fp8_scaled, trial.gradient_checkpointing = base != "bf16", True, ckpt
+            wanted = config_precision(base) if stored else base
+            trial.fp8_base, trial.fp8_scaled, trial.gradient_checkpointing = wanted != "bf16", wanted != "fp8", ckpt
             plans[base, ckpt] = training_plan(family, trial, width, height, batch, tokens, count)
     return plans
 
@@ -177,8 +192,14 @@ def check_references(family, count: int, where: str) -> None:
 
 def what_to_plan(cli) -> tuple:
     """(family, run config, (width, height), batch, references per image) from the command line."""
+    if cli.gguf and not cli.preset:
+        raise ValueError("--gguf plans a preset as a GGUF file; with --config_file the file's own layout is planned")
     if cli.preset:
-        family = PresetFamily(cli.preset)
+        from library.precision.gguf_weights import GGUF_TYPES
+
+        if cli.gguf and cli.gguf.upper() not in GGUF_TYPES:
+            raise ValueError(f"--gguf {cli.gguf}: not a GGUF block type we read ({', '.join(GGUF_TYPES)})")
+        family = PresetFamily(cli.preset, cli.gguf.upper() if cli.gguf else None)
         side = cli.resolution or 1024
         references = family.plan_controls if cli.references is None else cli.references
         check_references(family, references, "--references")

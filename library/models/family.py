@@ -140,14 +140,14 @@ class DiffusionFamily:
         the text cache key and passed to load_text_encoder)."""
         return {}
 
-    def stored_fp8_layout(self) -> str | None:
-        """"fp8" / "fp8_scaled" / "fp8_tensor_scaled" when the transformer checkpoint is pre-quantized
-        (used as it is), else None."""
+    def stored_layout(self) -> str | None:
+        """"fp8" / "fp8_scaled" / "fp8_tensor_scaled" / "gguf_q8_0" ... when the transformer checkpoint
+        is pre-quantized (used as it is), else None."""
         from library.io import CheckpointReader, component_folder
-        from library.precision.fp8_checkpoints import fp8_checkpoint_layout
+        from library.precision.stored_layouts import stored_layout
 
         path = component_folder(self.model_path, "transformer")
-        return fp8_checkpoint_layout(CheckpointReader(path), path)
+        return stored_layout(CheckpointReader(path), path)
 
     def model_version(self, model: nn.Module) -> str:
         """The base model's name for LoRA metadata (modelspec-style: the release, e.g. its "-dev")."""

@@ -183,7 +183,7 @@ def compute_dtype(args) -> torch.dtype:
 def base_precision(args) -> str:
     """How the frozen base is stored: bf16 (i.e. the compute dtype), fp8 or fp8_scaled. A pre-quantized
     checkpoint is used as it is stored: DiffusionTask.metadata() names its layout instead
-    (fp8_checkpoints.CONFIG_PRECISION: e.g. ComfyUI's fp8_tensor_scaled needs fp8_scaled)."""
+    (stored_layouts.config_precision: e.g. ComfyUI's fp8_tensor_scaled needs fp8_scaled, GGUF bf16)."""
     return ("fp8_scaled" if args.fp8_scaled else "fp8") if args.fp8_base else "bf16"
 
 

@@ -77,17 +77,16 @@ class DiffusionTask:
 
     # -- setup ---------------------------------------------------------------------------------
     def _check_stored_precision(self):
-        """A pre-quantized fp8 checkpoint is trained on as it is stored; the config must say so, and
-        the LoRA's metadata names the stored layout (base_precision()), the base really trained on."""
-        from library.precision.fp8_checkpoints import CONFIG_PRECISION
+        """A pre-quantized checkpoint (fp8, GGUF) is trained on as it is stored; the config must say so,
+        and the LoRA's metadata names the stored layout (base_precision()), the base really trained on."""
+        from library.precision.stored_layouts import config_precision, config_settings
 
-        self.stored_precision = stored = self.family.stored_fp8_layout()
+        self.stored_precision = stored = self.family.stored_layout()
         wanted = base_precision(self.args)
-        if stored and CONFIG_PRECISION[stored] != wanted:
+        if stored and config_precision(stored) != wanted:
             raise ConfigError(f"{self.args.pretrained_model_name_or_path}: the checkpoint stores a pre-quantized {stored} "
-                              f"base (used as it is), but the config asks for {wanted}; set fp8_base = true and "
-                              f"fp8_scaled = {str(CONFIG_PRECISION[stored] == 'fp8_scaled').lower()} (what {stored} "
-                              f"files need), or give the bf16 checkpoint")
+                              f"base (used as it is), but the config asks for {wanted}; set {config_settings(stored)} "
+                              f"(what {stored} files need), or give the bf16 checkpoint")
 
     def _read_images(self) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every

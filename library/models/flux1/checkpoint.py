@@ -20,7 +20,7 @@ import torch
 
 from library.models.flux1.model import Flux, FluxConfig
 from library.models.flux1.spec import FP8
-from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
+from library.precision.stored_layouts import read_stored_layout, stored_converter
 from library.io import (
     CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, save_diffusers_folder,
     save_with_config, state_and_config,
@@ -363,13 +363,14 @@ def load_flux(
         raise ValueError(f"load_flux dtype must be float32/bfloat16/float16 (fp8 goes through convert=), got {dtype}")
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
-    fp8_file = read_fp8_checkpoint(reader, path)  # a pre-quantized file is used as it is
+    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
     keys = reader.keys()
     _refuse_other_family(path, keys)
     prefix = _bfl_prefix(keys)
-    if fp8_file and prefix is None:
-        raise CheckpointError(f"{path}: an fp8 FLUX checkpoint must use BFL key names (diffusers folders fuse and "
-                              f"split rows, which fp8 block scales do not survive); merge into the BFL file instead")
+    if stored and prefix is None:
+        raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) FLUX checkpoint must use BFL key names "
+                              f"(diffusers folders fuse and split rows, which stored scales do not survive); merge "
+                              f"into the BFL file instead")
 
     if prefix is not None:
         if config is None and "flux_config" in reader.metadata:
@@ -395,8 +396,8 @@ def load_flux(
 
     with torch.device("meta"):
         model = Flux(config)
-    if fp8_file:  # the file's own fp8 layout wins over a requested base precision
-        prepare = lambda m: prequantized_converter(m, fp8_file, FP8, dtype, reader, path)  # noqa: E731
+    if stored:  # the file's own layout wins over a requested base precision
+        prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
     if hook is not None and not isinstance(hook, torch.nn.Module):  # prepare_fp8 returns the model itself
         if convert is not None:

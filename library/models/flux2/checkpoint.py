@@ -33,7 +33,7 @@ from library.models.flux1.checkpoint import (
 )
 from library.models.flux2.model import Flux2, Flux2Config
 from library.models.flux2.spec import FP8
-from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
+from library.precision.stored_layouts import read_stored_layout, stored_converter
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
 CLASS_NAME = "Flux2Transformer2DModel"
@@ -310,7 +310,7 @@ def load_flux2(
         raise ValueError(f"load_flux2 dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
-    fp8_file = read_fp8_checkpoint(reader, path)  # a pre-quantized file is used as it is
+    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
     keys = reader.keys()
     class_name = _diffusers_class(path)
     if class_name not in (None, CLASS_NAME):
@@ -324,9 +324,9 @@ def load_flux2(
         source = reader
         rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
     elif FLUX2_MARKERS[1] in keys:
-        if fp8_file:
-            raise CheckpointError(f"{path}: an fp8 FLUX.2 checkpoint must use BFL key names (diffusers folders split "
-                                  f"the fused qkv rows, which fp8 block scales do not survive)")
+        if stored:
+            raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) FLUX.2 checkpoint must use BFL key names "
+                                  f"(diffusers folders split the fused qkv rows, which stored scales do not survive)")
         config, source = _diffusers_source(path, reader, config)
         rename = lambda key: key  # noqa: E731
     else:
@@ -335,8 +335,8 @@ def load_flux2(
 
     with torch.device("meta"):
         model = Flux2(config)
-    if fp8_file:  # the file's own fp8 layout wins over a requested base precision
-        prepare = lambda m: prequantized_converter(m, fp8_file, FP8, dtype, reader, path)  # noqa: E731
+    if stored:  # the file's own layout wins over a requested base precision
+        prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
     if hook is not None and not isinstance(hook, torch.nn.Module):  # prepare_fp8 returns the model itself
         if convert is not None:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from library.models import core
 from library.models.qwen_image.spec import FP8
-from library.precision.fp8_checkpoints import prequantized_converter, read_fp8_checkpoint
+from library.precision.stored_layouts import read_stored_layout, stored_converter
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_diffusers_folder
 
 # ----------------------------------------------------------------------------------------------
@@ -436,13 +436,13 @@ def load_qwen_image(
         raise ValueError(f"dtype {dtype} is not a compute dtype (float32/bfloat16/float16); fp8 goes through convert")
     path, file_config = _resolve(path)
     reader = CheckpointReader(path)
-    fp8_file = read_fp8_checkpoint(reader, path)  # a pre-quantized file is used as it is
+    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
     prefix = _transformer_prefix(reader.keys())
     config = config or file_config or infer_config(reader, prefix)
     with torch.device("meta"):
         model = QwenImage(config)
-    if fp8_file:  # the file's own fp8 layout wins over a requested base precision
-        prepare = lambda m: prequantized_converter(m, fp8_file, FP8, dtype, reader, path)  # noqa: E731
+    if stored:  # the file's own layout wins over a requested base precision
+        prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
     hook = prepare(model) if prepare is not None else None
     if hook is not None and not isinstance(hook, nn.Module):  # prepare_fp8 returns the model itself
         if convert is not None:

@@ -1,0 +1,61 @@
+"""Transformer files stored quantized are trained on as they are stored: fp8 files
+(fp8_checkpoints.py: ours, ComfyUI's scaled fp8, musubi-tuner's) and GGUF files (gguf_weights.py:
+ComfyUI-GGUF's). The family loaders ask here, one call for every stored format, so a new format
+needs no loader change:
+
+    stored = read_stored_layout(reader, path)   # None: a bf16 / fp16 / fp32 file
+    if stored:
+        prepare = lambda model: stored_converter(model, stored, rules, dtype, reader, path)
+
+`stored.layout` names the base in a LoRA's metadata (ss_base_precision: "fp8_tensor_scaled",
+"gguf_q8_0", "gguf_q4_k+q6_k", ...), so that inference can match training.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from library.io import CheckpointReader
+from library.precision.fp8 import KeepRules
+from library.precision.fp8_checkpoints import CONFIG_PRECISION, Fp8Checkpoint, prequantized_converter, read_fp8_checkpoint
+from library.precision.gguf_weights import GgufCheckpoint, gguf_converter, is_gguf, read_gguf_checkpoint
+
+StoredLayout = Fp8Checkpoint | GgufCheckpoint
+
+
+def read_stored_layout(reader: CheckpointReader, path: str | None = None) -> StoredLayout | None:
+    """How the transformer file stores its weights when it is pre-quantized (None: in high precision).
+    Layouts we cannot use raise CheckpointError naming the tensor that shows them."""
+    return read_gguf_checkpoint(reader, path) if is_gguf(reader) else read_fp8_checkpoint(reader, path)
+
+
+def stored_layout(reader: CheckpointReader, path: str | None = None) -> str | None:
+    """The layout name ("fp8_scaled", "gguf_q8_0", ...) of a pre-quantized transformer file, else None."""
+    info = read_stored_layout(reader, path)
+    return info.layout if info else None
+
+
+def stored_converter(model: nn.Module, info: StoredLayout, rules: KeepRules, dtype: torch.dtype,
+                     reader: CheckpointReader, source: str):
+    """The `prepare` hook's work on the meta `model` for a stored layout: swap in the layers that hold
+    the file's weights as stored (FP8Linear, GGUFLinear) and return the per-tensor convert hook. fp8
+    layers follow the architecture's keep `rules`; GGUF ones the file (each Linear it stores in blocks)."""
+    if isinstance(info, GgufCheckpoint):
+        return gguf_converter(model, info, dtype)
+    return prequantized_converter(model, info, rules, dtype, reader, source)
+
+
+def config_precision(layout: str) -> str:
+    """The base precision a training config must ask for (config.base_precision) to train on a file
+    of `layout`: fp8 files the matching fp8 setting; GGUF files none ("bf16": fp8_base = false), since
+    the file's blocks are the base and are never quantized again."""
+    return CONFIG_PRECISION.get(layout, "bf16")
+
+
+def config_settings(layout: str) -> str:
+    """The config keys that give config_precision(layout), as a user writes them."""
+    needed = config_precision(layout)
+    if needed == "bf16":
+        return "fp8_base = false"
+    return f"fp8_base = true and fp8_scaled = {str(needed == 'fp8_scaled').lower()}"
