@@ -29,7 +29,7 @@ from library.io import (
     save_with_config, state_and_config,
 )
 from library.models.zimage.model import ZImage, ZImageConfig
-from library.precision.fp8_checkpoints import read_fp8_checkpoint
+from library.precision.stored_layouts import read_stored_layout
 
 CLASS_NAME = "ZImageTransformer2DModel"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain
@@ -313,9 +313,9 @@ def load_zimage(
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
     config, source = _source(path, reader, config)
-    if read_fp8_checkpoint(reader, path) is not None:
-        raise CheckpointError(f"{path}: a pre-quantized fp8 Z-Image file is not read yet; load a bf16 one with "
-                              f"prepare=fp8_prepare(...) to quantize while loading")
+    if (stored := read_stored_layout(reader, path)) is not None:  # the fused qkv's stored scales are not split yet
+        raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) Z-Image file is not read yet; load a bf16 "
+                              f"one with prepare=fp8_prepare(...) to quantize while loading")
     with torch.device("meta"):
         model = ZImage(config)
     hook = prepare(model) if prepare is not None else None
