@@ -274,3 +274,14 @@ def test_bf16_positions_and_sinusoids_stay_float32():
         expected = reference(**x)
     assert out.dtype == torch.bfloat16
     assert ((out.float() - expected).norm() / expected.norm()).item() < 0.05
+
+
+def test_block_swap_gives_the_same_output():
+    from library.models.block_swap import enable_block_swap
+
+    model = randomize(Chroma(tiny_chroma_config())).requires_grad_(False)
+    x = inputs(3, 5, TEXT_MASK)
+    with torch.no_grad():
+        expected = model(**x)
+        assert enable_block_swap(model, 3, "cpu") is model.block_swap is not None  # the last 3 of 4 blocks
+        assert torch.equal(model(**x), expected)

@@ -282,7 +282,8 @@ class Chroma(nn.Module):
         mask = _key_mask(txt_mask, img.shape[0], img.shape[1], txt.shape[1], img.device)
 
         # Every modulation vector at once: float32 sinusoids, cast to compute_dtype before the MLP.
-        mods = self.distilled_guidance_layer(approximator_input(timesteps, cfg.modulation_rows, cfg.approximator_in_dim).to(dtype))
+        sinusoids = approximator_input(timesteps, cfg.modulation_rows, cfg.approximator_in_dim)
+        mods = self.distilled_guidance_layer(sinusoids.to(dtype))  # [B, rows, h]
 
         img = self.img_in(img.to(dtype))
         txt = self.txt_in(txt.to(dtype))
@@ -292,7 +293,8 @@ class Chroma(nn.Module):
             img, txt = run_block(block, ckpt, img, txt, img_mods, txt_mods, cos, sin, mask, swap=swap, index=i)
         x = torch.cat((txt, img), dim=1)
         for i, block in enumerate(self.single_blocks):
-            x = run_block(block, ckpt, x, self._rows(mods, f"single_blocks.{i}"), cos, sin, mask, swap=swap, index=depth + i)
+            single_mods = self._rows(mods, f"single_blocks.{i}")
+            x = run_block(block, ckpt, x, single_mods, cos, sin, mask, swap=swap, index=depth + i)
         return self.final_layer(x[:, txt.shape[1] :], self._rows(mods, "final_layer"))
 
     def _rows(self, mods: torch.Tensor, name: str) -> torch.Tensor:
