@@ -48,13 +48,15 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
         "qwen_image_edit": "qwen_image_edit/transformer", "qwen_image_edit_2511": "qwen_image_edit_2511/transformer",
         "qwen_image_edit_text_encoder": "qwen_image_edit/text_encoder", "qwen_image_edit_processor": "qwen_image_edit/processor",
         "flux2_dev_text_encoder": "flux2/dev/text_encoder", "flux2_dev_tokenizer": "flux2/dev/tokenizer",
+        "chroma_bfl": "chroma/chroma-tiny.safetensors", "chroma_diffusers": "chroma/diffusers/transformer",
+        "chroma_t5xxl": "chroma/t5xxl",
     }
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["paths"] == expected and manifest["seed"] == 0
     assert all(os.path.exists(p) for p in paths.values())
     total = sum(manifest["bytes"].values())
-    assert 1_000_000 < total < 20_000_000, total  # a few MB (about 14 with FLUX.2, 17.6 with Qwen-Image-Edit, 19.4 with [dev]'s Mistral3)
+    assert 1_000_000 < total < 25_000_000, total  # a few MB (about 14 with FLUX.2, 17.6 with Qwen-Image-Edit, 19.4 with [dev]'s Mistral3, 22.1 with Chroma)
     # Real layouts: BFL keys in the single file, diffusers keys in the folder.
     assert "double_blocks.0.img_attn.qkv.weight" in CheckpointReader(paths["flux_bfl"])
     assert "transformer_blocks.0.attn.to_q.weight" in CheckpointReader(paths["flux_diffusers"])
@@ -66,6 +68,7 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
     assert "single_stream_modulation.linear.weight" in CheckpointReader(paths["flux2_diffusers"])
     assert "guidance_in.in_layer.weight" in CheckpointReader(paths["flux2_dev_tiny"])
     assert "language_model.model.layers.30.self_attn.q_proj.weight" in CheckpointReader(paths["flux2_dev_text_encoder"])
+    assert "distilled_guidance_layer.in_proj.weight" in CheckpointReader(paths["chroma_bfl"])
     assert "bn.running_var" in CheckpointReader(paths["flux2_vae"])  # AutoencoderKLFlux2's BatchNorm statistics
 
 

@@ -34,15 +34,15 @@ from library.models.flux1.checkpoint import (  # FLUX.1's name map and row-joini
     default_axes_dim,
     flux_diffusers_module_map,
 )
+from library.models.spec import load_symbol
 from library.precision.fp8_checkpoints import read_fp8_checkpoint
 
 DIFFUSERS_CLASS = "ChromaTransformer2DModel"
 APPROXIMATOR = "distilled_guidance_layer."
 MARKER = APPROXIMATOR + "in_proj.weight"  # the key that tells a Chroma file from a FLUX.1 one
 
-# The Linears an fp8 base keeps in bf16 (re.fullmatch over module names), as FLUX.1 keeps its
-# embedders and final layer: the approximator makes every modulation vector of the model.
-HIGH_PRECISION_MODULES = [r"img_in", r"txt_in", r"distilled_guidance_layer\..*", r"final_layer\..*"]
+# The Linears an fp8 base keeps in bf16 (re.fullmatch over module names): the spec's fp8 rules.
+HIGH_PRECISION_MODULES = list(load_symbol("library.models.chroma.spec:FP8").keep)
 
 # FLUX.1 rows that Chroma pruned (its modulation Linears and the embedders the approximator replaced).
 _PRUNED = ("_mod.lin", "modulation.lin", "time_in.", "vector_in.", "final_layer.adaLN_modulation")
@@ -143,6 +143,27 @@ def config_from_bfl_shapes(shapes: dict[str, tuple[int, ...]], source: str = "ch
         approximator_hidden=approximator_hidden,
         approximator_layers=_block_count(shapes, APPROXIMATOR + "layers."),
     )
+
+
+def config_from_diffusers_shapes(keys: list[str], shape: Callable[[str], tuple], source: str = "checkpoint") -> ChromaConfig:
+    """ChromaConfig from a diffusers-named state dict's shapes alone (tools/merge_lora.py reads a folder
+    by its header): every width the name map needs; heads as the released head_dim 128 where it divides."""
+    def need(key):
+        if key not in keys:
+            raise CheckpointError(f"{source}: cannot infer the Chroma config, key '{key}' is missing")
+        return shape(key)
+
+    hidden, in_channels = need("x_embedder.weight")
+    depth, single = _block_count(keys, "transformer_blocks."), _block_count(keys, "single_transformer_blocks.")
+    mlp = need("transformer_blocks.0.ff.net.0.proj.weight")[0] if depth else need("single_transformer_blocks.0.proj_mlp.weight")[0]
+    head_dim = 128 if hidden % 128 == 0 else hidden
+    approximator_hidden, approximator_in = need(MARKER)
+    return ChromaConfig(
+        in_channels=in_channels, context_in_dim=need("context_embedder.weight")[1], hidden_size=hidden,
+        mlp_ratio=mlp / hidden, num_heads=hidden // head_dim, depth=depth, depth_single=single, axes_dim=(head_dim,),
+        approximator_in_dim=approximator_in, approximator_hidden=approximator_hidden,
+        approximator_layers=_block_count(keys, APPROXIMATOR + "layers."),
+    )  # fmt: skip
 
 
 def config_from_diffusers(cfg: dict, source: str = "config.json") -> ChromaConfig:

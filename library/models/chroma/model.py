@@ -46,7 +46,7 @@ from library.models.flux1.model import (  # the layers Chroma shares with FLUX.1
     split_heads,
 )
 
-__all__ = ["ChromaConfig", "CHROMA", "Chroma", "make_img_ids", "make_txt_ids", "modulation_rows"]
+__all__ = ["ChromaConfig", "CHROMA", "Chroma", "make_img_ids", "make_txt_ids", "modulation_rows", "random_inputs"]
 
 
 @dataclass(frozen=True)
@@ -319,3 +319,14 @@ def _key_mask(txt_mask: torch.Tensor | None, batch: int, img_len: int, txt_len: 
         raise ValueError(f"txt_mask must be [B, T] = {(batch, txt_len)}, got {tuple(txt_mask.shape)}")
     keys = torch.cat((txt_mask.to(device) != 0, torch.ones(batch, img_len, dtype=torch.bool, device=device)), dim=1)
     return keys[:, None, None, :]
+
+
+def random_inputs(config: ChromaConfig, h: int, w: int, text_len: int, generator: torch.Generator):
+    """The conditioning of one forward at an h x w patch grid with random text (tools/precision_doctor.py):
+    text embeddings N(0, 1), every text token attended (no padding), positions as the pipeline's."""
+    from library.models.spec import RandomInputs
+
+    fixed = dict(img_ids=make_img_ids(1, h, w), txt=torch.randn(1, text_len, config.context_in_dim, generator=generator),
+                 txt_ids=make_txt_ids(1, text_len), txt_mask=torch.ones(1, text_len, dtype=torch.bool))
+    positions = torch.cat([fixed["txt_ids"], fixed["img_ids"]], dim=1)
+    return RandomInputs(fixed, positions, tuple(config.axes_dim), float(config.theta))

@@ -11,9 +11,12 @@ The encoder itself is library/models/text_encoders.py's T5TextEncoder (load_t5).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from library.models.text_encoders import T5TextEncoder
+from library.io import component_folder
+from library.models.text_encoders import T5TextEncoder, load_t5
 
 T5_MAX_LENGTH = 512
 
@@ -38,3 +41,36 @@ def encode_chroma_prompts(
     token_mask = tokens.attention_mask.to(device)
     hidden = t5.model(tokens.input_ids.to(device), attention_mask=token_mask).last_hidden_state.float()
     return hidden, chroma_text_mask(token_mask)
+
+
+def per_caption(hidden: torch.Tensor, mask: torch.Tensor) -> list[dict]:
+    """Encoder output [B, L, D] + text mask [B, L] -> per caption the attended prefix (its tokens, EOS
+    and the one unmasked padding token), float32 and bool, as cached. The positions cut off are masked
+    keys whose own outputs nobody reads, so the image prediction is the same; a batch is zero-padded
+    again with the mask False there (library/data/dataset.py collate_batch)."""
+    return [{"t5": h[: int(m.sum())], "mask": m[: int(m.sum())]} for h, m in zip(hidden, mask)]
+
+
+def t5_paths(path: str) -> tuple[str, str | None]:
+    """(weights, tokenizer folder or None: beside the weights as load_t5 looks) of T5-XXL given as an HF
+    folder, a t5xxl_*.safetensors file, or a Chroma diffusers repo (text_encoder/ with tokenizer/ beside
+    it: Chroma's repos name them so, FLUX.1's text_encoder_2/ + tokenizer_2/)."""
+    path = component_folder(path, "text_encoder")
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    sibling = os.path.join(os.path.dirname(folder.rstrip("/")), "tokenizer")
+    own = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
+    return path, sibling if not own and os.path.isfile(os.path.join(sibling, "tokenizer_config.json")) else None
+
+
+def t5_tokenizer(path: str):
+    """The tokenizer alone (the dataset check counts caption tokens with it)."""
+    from library.models.text_encoders import _load_tokenizer
+
+    weights, tokenizer = t5_paths(path)
+    return _load_tokenizer(weights, tokenizer, "tokenizer_2")
+
+
+def load_chroma_t5(path: str, dtype: torch.dtype = torch.float32, fp8: str | None = None) -> T5TextEncoder:
+    """T5-XXL (weights in `dtype`, or fp8 / fp8_scaled Linears) from any layout t5_paths reads."""
+    weights, tokenizer = t5_paths(path)
+    return load_t5(weights, tokenizer, dtype=dtype, fp8=fp8)
