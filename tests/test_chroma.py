@@ -6,11 +6,12 @@ import os
 import pytest
 import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from library.io import CheckpointError
 from library.models.chroma.checkpoint import (
-    chroma_to_diffusers_state_dict, diffusers_to_chroma_state_dict, load_chroma, save_chroma_bfl,
+    chroma_to_diffusers_state_dict, diffusers_config, diffusers_to_chroma_state_dict, load_chroma, save_chroma_bfl,
+    save_chroma_diffusers,
 )
 from library.models.chroma.model import CHROMA, Chroma, ChromaConfig, make_img_ids, make_txt_ids, modulation_rows
 from library.models.chroma.text_encoder import chroma_text_mask, encode_chroma_prompts
@@ -285,3 +286,182 @@ def test_block_swap_gives_the_same_output():
         expected = model(**x)
         assert enable_block_swap(model, 3, "cpu") is model.block_swap is not None  # the last 3 of 4 blocks
         assert torch.equal(model(**x), expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# The registered family: training, LoRA files in diffusers, merging, sampling and generate.py
+
+
+def read_losses(out, name):
+    import csv
+
+    with open(os.path.join(out, f"{name}_log.csv")) as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_set, tmp_path_factory):
+    """Two steps from configs/chroma.toml's settings (fp8_scaled base, fp32 compute) on the tiny set,
+    with a final true-CFG sample: the output folder."""
+    import train_lora
+
+    out = tmp_path_factory.mktemp("chroma_run")
+    code = train_lora.main([
+        "--model_type", "chroma", "--pretrained_model_name_or_path", tiny_set["chroma_bfl"], "--ae", tiny_set["flux_vae"],
+        "--t5xxl", tiny_set["chroma_t5xxl"], "--t5xxl_max_token_length", "32", "--dataset_config", tiny_set["dataset_config"],
+        "--sample_prompts", tiny_set["sample_prompts"], "--output_dir", str(out), "--output_name", "chroma",
+        "--max_train_steps", "2", "--mixed_precision", "no", "--fp8_base", "--fp8_scaled", "--network_dim", "4",
+        "--network_alpha", "4", "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--sample_at_first", "false",
+        "--save_every_n_steps", "0",
+    ])  # fmt: skip
+    assert code == 0
+    return out
+
+
+def test_chroma_lora_trains_saves_and_samples(trained):
+    from safetensors import safe_open
+
+    losses = read_losses(trained, "chroma")
+    print(f"Chroma tiny training loss: {losses}")
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    with safe_open(str(trained / "chroma.safetensors"), "pt") as f:
+        keys, metadata = list(f.keys()), f.metadata()
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in keys
+    assert "lora_unet_single_blocks_1_linear2.lora_up.weight" in keys
+    assert not any("_mod" in k or "distilled" in k or "_in." in k for k in keys)  # no modulation, approximator, embedders
+    assert metadata["ss_base_model_version"] == "chroma" and metadata["ss_timestep_sampling"] == "flux_shift"
+    assert (trained / "chroma_final_00.png").stat().st_size > 0
+
+
+def test_lora_tools_tell_a_chroma_lora_from_flux(trained):
+    from tools import lora_info
+    from tools.convert_lora import detect_arch
+
+    path = str(trained / "chroma.safetensors")
+    info = lora_info.read_info(path)
+    assert info["arch"] == "chroma" and info["fits"].startswith("a chroma model of width 64")
+    tensors = dict(load_file(path))
+    assert detect_arch(tensors, {"ss_base_model_version": "chroma"}) == "chroma"
+    assert detect_arch(tensors, {}) == "flux"  # FLUX.1's names and shapes alone: FLUX.1's (--model_type settles it)
+    assert detect_arch({"lora_unet_distilled_guidance_layer_in_proj.lora_down.weight": torch.zeros(1, 1)}, {}) == "chroma"
+
+
+def lora_outputs(ours, theirs, seed=2):
+    """(our Chroma, diffusers ChromaTransformer2DModel) on the same packed latents and masked text."""
+    g = torch.Generator().manual_seed(seed)
+    h, w, t = 3, 4, 6
+    img = torch.randn(1, h * w, 64, generator=g)
+    txt = torch.randn(1, t, 32, generator=g)
+    mask = torch.tensor([[True] * 4 + [False] * 2])
+    with torch.no_grad():
+        mine = ours(img, make_img_ids(1, h, w), txt, make_txt_ids(1, t), torch.tensor([0.6]), mask)
+        full = torch.cat((mask, torch.ones(1, h * w, dtype=torch.bool)), dim=1)
+        reference = theirs(hidden_states=img, encoder_hidden_states=txt, timestep=torch.tensor([0.6]),
+                           img_ids=ChromaPipeline._prepare_latent_image_ids(1, h, w, "cpu", torch.float32),
+                           txt_ids=torch.zeros(t, 3), attention_mask=full, return_dict=False)[0]  # fmt: skip
+    return mine, reference
+
+
+def test_lora_converted_to_diffusers_loads_in_chroma_pipeline_with_our_output(tiny_set, tmp_path):
+    """A kohya LoRA of ours (random, as large as the weights), converted with convert_lora --to diffusers,
+    loads in ChromaPipeline.load_lora_weights (FluxLoraLoaderMixin) and gives our runtime output."""
+    from peft.tuners.lora import LoraLayer
+
+    from networks.lora import LoRANetwork
+    from tools import convert_lora
+
+    ours = randomize(load_chroma(tiny_set["chroma_bfl"]))
+    folder = tmp_path / "transformer"
+    save_chroma_diffusers(ours, ours.config, str(folder))
+    theirs = ChromaTransformer2DModel.from_pretrained(folder).eval()
+    base, base_reference = lora_outputs(ours, theirs)
+    assert (base - base_reference).abs().max().item() <= 1e-5
+
+    torch.manual_seed(3)
+    net = LoRANetwork(ours, "chroma", rank=4, alpha=2)
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.lora_up.weight.normal_(0, 1.0)
+    net.save(str(tmp_path / "kohya.safetensors"))
+    net.apply()
+    with_lora, _ = lora_outputs(ours, theirs)
+    assert ((with_lora - base).norm() / base.norm()).item() > 0.5  # the LoRA changes the output a lot
+
+    diffusers_file = str(tmp_path / "diffusers.safetensors")
+    assert convert_lora.main([str(tmp_path / "kohya.safetensors"), diffusers_file, "--to", "diffusers", "--model_type", "chroma"]) == 0
+    pipe = ChromaPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=theirs)
+    pipe.load_lora_weights(diffusers_file)
+    # qkv split into to_q/to_k/to_v and add_*_proj, linear1 into to_q/to_k/to_v/proj_mlp: 2 x 12 + 2 x 5 layers
+    assert sum(isinstance(m, LoraLayer) for m in theirs.modules()) == 34
+    _, reference = lora_outputs(ours, theirs)
+    relative = ((with_lora - reference).norm() / with_lora.norm()).item()
+    print(f"Chroma LoRA in diffusers: relative error {relative:.3g}, max abs {(with_lora - reference).abs().max().item():.3g}")
+    assert relative <= 1e-5
+
+
+@pytest.mark.parametrize("base_key", ["chroma_bfl", "chroma_diffusers"])
+def test_merged_checkpoint_equals_runtime_lora(tiny_set, trained, tmp_path, base_key):
+    """merge_lora.py takes a Chroma base (told from FLUX.1's by its approximator) in both layouts."""
+    from networks.lora import LoRANetwork
+    from tools import merge_lora
+
+    lora = str(trained / "chroma.safetensors")
+    assert merge_lora.open_base(tiny_set[base_key]).family == "chroma"
+    out = str(tmp_path / ("merged.safetensors" if base_key == "chroma_bfl" else "merged"))
+    assert merge_lora.main(["--model", tiny_set[base_key], "--lora", f"{lora}:0.7", "--save_to", out]) == 0
+    x = inputs(3, 4, TEXT_MASK)
+    with torch.no_grad():
+        model = load_chroma(tiny_set["chroma_bfl"])
+        LoRANetwork.from_weights(model, "chroma", lora, multiplier=0.7).apply()
+        runtime = model(**x)
+        merged = load_chroma(out)(**x)
+    assert (merged - runtime).abs().max().item() <= 1e-5
+
+
+def test_sampling_matches_chroma_pipeline_euler_steps(tiny_set):
+    """sample_latents (true CFG, the FLUX.1-dev resolution shift) equals ChromaPipeline's Euler steps on
+    the same weights, noise and prompt embeddings (the cached attended prefix: an all-True mask, which
+    the pipeline's float mask leaves unchanged)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from library.models.chroma.family import ChromaFamily
+    from library.models.family import stack_text
+    from library.models.vae import pack_latents
+
+    family = ChromaFamily(tiny_set["chroma_bfl"], tiny_set["flux_vae"], t5xxl=tiny_set["chroma_t5xxl"])
+    encode = family.load_text_encoder("fp32", t5_max_length=32)
+    text, negative = stack_text(encode(["a red cat on a chair"])), stack_text(encode(["blurry"]))
+    model = family.load_transformer(torch.float32)
+    width, height, steps, guidance, seed = 64, 48, 3, 4.0, 7
+    ours = family.sample_latents(model, text, width, height, steps, seed, guidance, negative)
+
+    reference = ChromaTransformer2DModel(**{k: v for k, v in diffusers_config(model.config).items() if not k.startswith("_")})
+    reference.load_state_dict(chroma_to_diffusers_state_dict(model.state_dict(), model.config))
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)  # FLUX.1-dev's, ai-toolkit's Chroma
+    pipe = ChromaPipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=reference.eval())
+    noise = family.initial_noise(1, height // 8, width // 8, torch.Generator().manual_seed(seed))
+    theirs = pipe(prompt_embeds=text["t5"], prompt_attention_mask=text["mask"].float(), negative_prompt_embeds=negative["t5"],
+                  negative_prompt_attention_mask=negative["mask"].float(), latents=pack_latents(noise), height=height,
+                  width=width, num_inference_steps=steps, guidance_scale=guidance, output_type="latent").images
+    ours_packed = pack_latents(ours)
+    relative = ((ours_packed - theirs).norm() / theirs.norm()).item()
+    print(f"Chroma sampling vs ChromaPipeline ({steps} Euler steps, CFG {guidance}): relative {relative:.3g}, "
+          f"max abs {(ours_packed - theirs).abs().max().item():.3g}")
+    assert relative <= 1e-5
+    unguided = pack_latents(family.sample_latents(model, text, width, height, steps, seed, 1.0, negative))
+    assert ((unguided - theirs).norm() / theirs.norm()).item() > 100 * relative  # the negative prompt mattered
+
+
+def test_generate_renders_with_negative_prompt_and_lora(tiny_set, trained, tmp_path):
+    from tools import generate
+
+    code = generate.main([
+        "--model_type", "chroma", "--model", tiny_set["chroma_bfl"], "--ae", tiny_set["flux_vae"],
+        "--t5xxl", tiny_set["chroma_t5xxl"], "--prompt", "a red cat --w 64 --h 48 --s 2 --g 4 --n blurry",
+        "--dtype", "fp32", "--text_encoder_precision", "fp32", "--lora", f"{trained / 'chroma.safetensors'}:0.8",
+        "--out", str(tmp_path), "--device", "cpu",
+    ])  # fmt: skip
+    assert code == 0
+    (png,) = tmp_path.glob("*.png")
+    assert png.stat().st_size > 0
