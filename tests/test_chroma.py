@@ -388,7 +388,8 @@ def test_lora_converted_to_diffusers_loads_in_chroma_pipeline_with_our_output(ti
     assert ((with_lora - base).norm() / base.norm()).item() > 0.5  # the LoRA changes the output a lot
 
     diffusers_file = str(tmp_path / "diffusers.safetensors")
-    assert convert_lora.main([str(tmp_path / "kohya.safetensors"), diffusers_file, "--to", "diffusers", "--model_type", "chroma"]) == 0
+    kohya_file = str(tmp_path / "kohya.safetensors")
+    assert convert_lora.main([kohya_file, diffusers_file, "--to", "diffusers", "--model_type", "chroma"]) == 0
     pipe = ChromaPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=theirs)
     pipe.load_lora_weights(diffusers_file)
     # qkv split into to_q/to_k/to_v and add_*_proj, linear1 into to_q/to_k/to_v/proj_mlp: 2 x 12 + 2 x 5 layers
@@ -465,3 +466,21 @@ def test_generate_renders_with_negative_prompt_and_lora(tiny_set, trained, tmp_p
     assert code == 0
     (png,) = tmp_path.glob("*.png")
     assert png.stat().st_size > 0
+
+
+def test_memory_planner_takes_a_chroma_config_and_the_preset(tiny_set, tmp_path, capsys):
+    from library.models.chroma.family import ChromaFamily
+    from tools import plan_memory
+
+    config = tmp_path / "tiny.toml"
+    config.write_text("\n".join(f'{k} = "{v}"' for k, v in {
+        "model_type": "chroma", "pretrained_model_name_or_path": tiny_set["chroma_bfl"], "ae": tiny_set["flux_vae"],
+        "t5xxl": tiny_set["chroma_t5xxl"], "dataset_config": tiny_set["dataset_config"],
+        "output_dir": tmp_path / "out"}.items()))  # fmt: skip
+    assert plan_memory.main(["--config_file", str(config), "--vram", "12"]) == 0
+    assert "fits with blocks_to_swap = 0" in capsys.readouterr().out
+    assert plan_memory.main(["--preset", "chroma", "--vram", "24", "--resolution", "1024"]) == 0
+    assert f"base {8_899_983_424 * 2 / 2**30:.2f}" in capsys.readouterr().out  # bf16 base: 2 bytes a weight (test_released_size_on_meta)
+    limit = ChromaFamily(tiny_set["chroma_bfl"], t5xxl=tiny_set["chroma_t5xxl"]).caption_token_limit(
+        type("Args", (), {"t5xxl_max_token_length": None})())
+    assert limit.max_tokens == 512 and limit.count("a cat") >= 2  # the words and </s>
