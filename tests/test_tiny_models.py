@@ -50,6 +50,8 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
         "flux2_dev_text_encoder": "flux2/dev/text_encoder", "flux2_dev_tokenizer": "flux2/dev/tokenizer",
         "zimage": "zimage/zimage-tiny.safetensors", "zimage_diffusers": "zimage/transformer",
         "zimage_text_encoder": "zimage/text_encoder", "zimage_tokenizer": "zimage/tokenizer",
+        "chroma_bfl": "chroma/chroma-tiny.safetensors", "chroma_diffusers": "chroma/diffusers/transformer",
+        "chroma_t5xxl": "chroma/t5xxl",
     }
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)
@@ -57,8 +59,8 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
     assert all(os.path.exists(p) for p in paths.values())
     total = sum(manifest["bytes"].values())
     # a few MB (about 14 with FLUX.2, 17.6 with Qwen-Image-Edit, 19.4 with [dev]'s Mistral3, 25.4 with Z-Image: its
-    # timestep MLP is 1024 wide at any model width, 2.8 MB per transformer copy, written in two layouts)
-    assert 1_000_000 < total < 30_000_000, total
+    # timestep MLP is 1024 wide at any model width, 2.8 MB per transformer copy, written in two layouts; 28.1 with Chroma)
+    assert 1_000_000 < total < 32_000_000, total
     # Real layouts: BFL keys in the single file, diffusers keys in the folder.
     assert "double_blocks.0.img_attn.qkv.weight" in CheckpointReader(paths["flux_bfl"])
     assert "transformer_blocks.0.attn.to_q.weight" in CheckpointReader(paths["flux_diffusers"])
@@ -70,6 +72,7 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
     assert "single_stream_modulation.linear.weight" in CheckpointReader(paths["flux2_diffusers"])
     assert "guidance_in.in_layer.weight" in CheckpointReader(paths["flux2_dev_tiny"])
     assert "language_model.model.layers.30.self_attn.q_proj.weight" in CheckpointReader(paths["flux2_dev_text_encoder"])
+    assert "distilled_guidance_layer.in_proj.weight" in CheckpointReader(paths["chroma_bfl"])
     assert "bn.running_var" in CheckpointReader(paths["flux2_vae"])  # AutoencoderKLFlux2's BatchNorm statistics
 
 

@@ -221,7 +221,10 @@ def _family_base(path: str, reader: CheckpointReader, keys: list[str]) -> Base |
     families = {}
     for model_type in FAMILIES:  # each architecture once (a variant reads its base's checkpoints)
         families.setdefault(family_class(model_type).arch, family_class(model_type))
-    for arch, family in families.items():
+    # Architectures that share another's names (their spec's lora_files.names_of) ask first: their
+    # checkpoints carry their base's names too, and each tells its own apart (as lora_info orders them).
+    shares = lambda arch: getattr(arch_spec(arch).lora_files, "names_of", None) is not None  # noqa: E731
+    for arch, family in sorted(families.items(), key=lambda item: not shares(item[0])):
         if (names := family.checkpoint_names(keys, reader.shape)) is not None:
             prefix = names.prefix
             to_model = lambda k: k[len(prefix) :] if k.startswith(prefix) else None  # noqa: E731

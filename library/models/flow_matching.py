@@ -66,7 +66,8 @@ def family_mu(arch: str, image_seq_len: int, steps: int) -> float:
 
 
 def _shift_method(method: str) -> Sampling:
-    """The Sampling whose method is `method` (a resolution shift named after an architecture)."""
+    """The Sampling whose method is `method` (a resolution shift named after an architecture); the
+    specs that share a method share its constants (tests/test_family_spec.py), so the first one's."""
     return next(s.sampling for s in arch_specs().values() if s.sampling and s.sampling.method == method)
 
 

@@ -20,6 +20,7 @@ FAMILIES = {
     "flux2": "library.models.flux2.family:Flux2Family",
     "qwen_image_edit": "library.models.qwen_image.edit_family:QwenImageEditFamily",
     "zimage": "library.models.zimage.family:ZImageFamily",
+    "chroma": "library.models.chroma.family:ChromaFamily",
 }
 
 BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")  # how the frozen base is stored
@@ -69,5 +70,7 @@ def spec_of(model_type: str):
 
 
 # timestep_sampling values (library/models/flow_matching.py implements them): the generic draws, then
-# each architecture's resolution shift (its spec's sampling.method: flux_shift, qwen_shift, ...).
-SAMPLING_METHODS = ("uniform", "sigmoid", "shift") + tuple(s.sampling.method for s in arch_specs().values() if s.sampling)
+# each architecture's resolution shift (its spec's sampling.method: flux_shift, qwen_shift, ...), each
+# once: an architecture whose released scheduler shifts with another's constants names that method.
+SAMPLING_METHODS = ("uniform", "sigmoid", "shift") + tuple(dict.fromkeys(
+    s.sampling.method for s in arch_specs().values() if s.sampling))
