@@ -5,6 +5,7 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --work /tmp/fullsize --skip-write
     python bench/bench_full_pipeline_cpu.py --family qwen_image --work /tmp/fullqwen --qwen-blocks 6
     python bench/bench_full_pipeline_cpu.py --family flux2 --work /tmp/fullklein       # klein 4B, ~16 GB
+    python bench/bench_full_pipeline_cpu.py --family zimage --work /tmp/fullzimage     # Z-Image-Turbo, ~20 GB
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
