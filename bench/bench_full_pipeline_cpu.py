@@ -5,6 +5,7 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --work /tmp/fullsize --skip-write
     python bench/bench_full_pipeline_cpu.py --family qwen_image --work /tmp/fullqwen --qwen-blocks 6
     python bench/bench_full_pipeline_cpu.py --family flux2 --work /tmp/fullklein       # klein 4B, ~16 GB
+    python bench/bench_full_pipeline_cpu.py --family zimage --work /tmp/fullzimage     # Z-Image-Turbo, ~20 GB
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -64,8 +65,11 @@ PHASES = (("vae caching", "latents:"), ("text caching", "captions:"), ("transfor
 # Random full-size files, tensor by tensor
 
 
+ONES = ("cap_embedder.0.weight",)  # norm scales whose names do not say so (Z-Image's caption RMSNorm)
+
+
 def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    if len(shape) == 1 and ("norm" in name or name.endswith(("scale", ".g", "running_var"))):
+    if len(shape) == 1 and ("norm" in name or name.endswith(("scale", ".g", "running_var")) or name in ONES):
         return torch.ones(shape, dtype=torch.bfloat16)
     return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
 
@@ -78,6 +82,26 @@ def write_random(path: str, shapes: dict[str, tuple[int, ...]], seed: int, metad
     write_safetensors_streaming(tmp, entries, tensors, metadata or {"format": "pt"})
     os.replace(tmp, path)
     print(f"wrote {path}: {sum(e.nbytes for e in entries) / GiB:.2f} GiB", flush=True)
+
+
+def write_random_sharded(folder: str, stem: str, shapes: dict[str, tuple[int, ...]], seed: int, shards: int):
+    """<folder>/<stem>-0000i-of-0000n.safetensors + <stem>.safetensors.index.json, as the released
+    repos shard (keys in order, cut into `shards` files of about equal bytes); tensor by tensor."""
+    os.makedirs(folder, exist_ok=True)
+    total = sum(Entry(k, torch.bfloat16, tuple(s)).nbytes for k, s in shapes.items())
+    groups, size = [[]], 0
+    for key, shape in shapes.items():
+        if size >= total * len(groups) / shards and len(groups) < shards:
+            groups.append([])
+        groups[-1].append(key)
+        size += Entry(key, torch.bfloat16, tuple(shape)).nbytes
+    weight_map = {}
+    for i, keys in enumerate(groups):
+        name = f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        write_random(os.path.join(folder, name), {k: shapes[k] for k in keys}, seed * 100 + i)
+        weight_map.update({k: name for k in keys})
+    with open(os.path.join(folder, f"{stem}.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
 def meta_shapes(build) -> dict[str, tuple[int, ...]]:
@@ -167,11 +191,8 @@ def write_flux2_files(work: str):
     Qwen3-4B text encoder as an HF folder without lm_head (tied, as released; 4.02 B), the
     AutoencoderKLFlux2 VAE as a diffusers folder, and the small klein tokenizer (valid ids)."""
     from diffusers import AutoencoderKLFlux2
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from library.models.flux2.model import FLUX2_KLEIN_4B, Flux2
-    from library.models.llm import QWEN3_4B
-    from library.models.tiny_files import build_qwen3_tokenizer
 
     os.makedirs(work, exist_ok=True)
     write_random(os.path.join(work, "flux-2-klein-4b.safetensors"), meta_shapes(lambda: Flux2(FLUX2_KLEIN_4B)), 1,
@@ -184,15 +205,64 @@ def write_flux2_files(work: str):
                  {k: tuple(v.shape) for k, v in vae.state_dict().items() if not k.endswith("num_batches_tracked")}, 2)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"_class_name": "AutoencoderKLFlux2", **{k: v for k, v in vae.config.items() if not k.startswith("_")}}, f)
+    write_qwen3_4b_folder(work)
+
+
+def write_qwen3_4b_folder(work: str, shards: int = 1):
+    """<work>/text_encoder (Qwen3-4B as an HF folder without lm_head: tied, as released; 4.02 B) and
+    <work>/tokenizer (the small Qwen3 tokenizer with its chat template: valid ids)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from library.models.llm import QWEN3_4B
+    from library.models.tiny_files import build_qwen3_tokenizer
+
     tokenizer, folder = build_qwen3_tokenizer(), os.path.join(work, "text_encoder")
     os.makedirs(folder, exist_ok=True)
     hf = {**QWEN3_4B.to_hf(), "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
           "pad_token_id": tokenizer.pad_token_id}
     shapes = meta_shapes(lambda: Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in hf.items() if k != "architectures"})))
-    write_random(os.path.join(folder, "model.safetensors"), {k: v for k, v in shapes.items() if k != "lm_head.weight"}, 3)
+    shapes = {k: v for k, v in shapes.items() if k != "lm_head.weight"}
+    if shards > 1:
+        write_random_sharded(folder, "model", shapes, 3, shards)
+    else:
+        write_random(os.path.join(folder, "model.safetensors"), shapes, 3)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
     save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
+
+
+def write_zimage_files(work: str, single_file: bool = False):
+    """Z-Image-Turbo at its released size, laid out as the Tongyi-MAI repo: transformer/ (config.json +
+    3 bf16 shards with the index; 6.15 B parameters, 11.46 GiB) or, with single_file, ComfyUI's
+    z_image_turbo_bf16.safetensors (fused qkv, `model.diffusion_model.` names), text_encoder/ (Qwen3-4B,
+    36 layers of which the loader reads 35, 3 shards), tokenizer/, scheduler/ (shift 3.0: Turbo), and
+    FLUX.1's VAE as ae.safetensors (the repo's vae/ is the same AutoencoderKL)."""
+    from library.models.zimage.checkpoint import diffusers_config, single_file_key
+    from library.models.zimage.model import ZIMAGE_TURBO, ZImage
+
+    os.makedirs(work, exist_ok=True)
+    shapes = meta_shapes(lambda: ZImage(ZIMAGE_TURBO))
+    if single_file:
+        sf = {}
+        for key, shape in shapes.items():
+            if key.endswith(".attention.to_k.weight") or key.endswith(".attention.to_v.weight"):
+                continue
+            if key.endswith(".attention.to_q.weight"):
+                sf["model.diffusion_model." + key[: -len(".to_q.weight")] + ".qkv.weight"] = (3 * shape[0], *shape[1:])
+            else:
+                sf["model.diffusion_model." + single_file_key(key)] = shape
+        write_random(os.path.join(work, "z_image_turbo_bf16.safetensors"), sf, 1, metadata={})
+    else:
+        folder = os.path.join(work, "transformer")
+        write_random_sharded(folder, "diffusion_pytorch_model", shapes, 1, 3)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(diffusers_config(ZIMAGE_TURBO), f, indent=2)
+    os.makedirs(os.path.join(work, "scheduler"), exist_ok=True)
+    with open(os.path.join(work, "scheduler", "scheduler_config.json"), "w") as f:
+        json.dump({"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0,
+                   "use_dynamic_shifting": False}, f, indent=2)
+    write_flux_vae(work)
+    write_qwen3_4b_folder(work, shards=3)
 
 
 # How the pipeline benches train (bench/bench_planner_cpu.py too): fp8_scaled base, bf16 compute,
@@ -209,7 +279,7 @@ max_train_steps = 2
 """
 
 
-def write_run_config(work: str, family: str = "flux") -> str:
+def write_run_config(work: str, family: str = "flux", single_file: bool = False) -> str:
     from PIL import Image
 
     images = os.path.join(work, "images")
@@ -222,7 +292,8 @@ def write_run_config(work: str, family: str = "flux") -> str:
         f.write(f'[[datasets]]\nresolution = 256\nbatch_size = 1\n[[datasets.subsets]]\nimage_dir = "{images}"\n')
     with open(os.path.join(work, "prompts.txt"), "w") as f:
         f.write("a red square --w 256 --h 256 --s 4 --d 7\n")
-    models = {  # what differs between the two families; the run settings below are shared
+    transformer = f"{work}/z_image_turbo_bf16.safetensors" if single_file else work  # work: the repo layout
+    models = {  # what differs between the families; the run settings below are shared
         "qwen_image": f'''model_type = "qwen_image"
 pretrained_model_name_or_path = "{work}/transformer"
 ae = "{work}/vae"
@@ -234,6 +305,13 @@ pretrained_model_name_or_path = "{work}/flux-2-klein-4b.safetensors"
 ae = "{work}/vae"
 text_encoder = "{work}"
 output_name = "full_klein4b"
+''',
+        "zimage": f'''model_type = "zimage"
+pretrained_model_name_or_path = "{transformer}"
+ae = "{work}/ae.safetensors"
+text_encoder = "{work}"
+output_name = "full_zimage"
+timestep_sampling = "zimage_shift"
 ''',
         "flux": f'''model_type = "flux"
 pretrained_model_name_or_path = "{work}/flux1-dev.safetensors"
@@ -327,8 +405,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--work", default="/tmp/fullsize")
     p.add_argument("--skip-write", action="store_true")
-    p.add_argument("--family", choices=["flux", "qwen_image", "flux2"], default="flux",
-                   help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole")
+    p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage"], default="flux",
+                   help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
+                        "zimage: Z-Image-Turbo, whole")
+    p.add_argument("--single-file", action="store_true",
+                   help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
     args = p.parse_args(argv)
     if not args.skip_write:
@@ -337,10 +418,12 @@ def main(argv=None):
             write_files(args.work)
         elif args.family == "flux2":
             write_flux2_files(args.work)
+        elif args.family == "zimage":
+            write_zimage_files(args.work, args.single_file)
         else:
             write_qwen_files(args.work, args.qwen_blocks)
         print(f"files written in {time.time() - t:.0f} s", flush=True)
-    result = run_trainer(write_run_config(args.work, args.family))
+    result = run_trainer(write_run_config(args.work, args.family, args.single_file))
     rows = phase_peaks(result)
     print(f"\ntrain_lora.py exit {result['code']} after {result['seconds']:.0f} s")
     print(f"{'phase':18s} {'seconds':>8s} {'VmRSS':>7s} {'RssAnon':>8s} {'RssFile':>8s}  (peak GiB)")
