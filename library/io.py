@@ -227,6 +227,19 @@ def _few(keys) -> str:
     return ", ".join(keys[:5]) + (f" ... ({len(keys)} in all)" if len(keys) > 5 else "")
 
 
+def prepared_convert(model: nn.Module, prepare, convert, loader: str):
+    """The convert hook a checkpoint loader streams with: `prepare(model)`'s result where that is a
+    hook (fp8_load_converter, a stored layout's converter: they need the prepared model), else
+    `convert`. prepare_fp8 returns the model itself, which is no hook. `loader` names the function in
+    the error for a hook given both ways."""
+    hook = prepare(model) if prepare is not None else None
+    if hook is None or isinstance(hook, nn.Module):
+        return convert
+    if convert is not None:
+        raise ValueError(f"{loader}: give the convert hook either as convert= or as prepare's result, not both")
+    return hook
+
+
 def load_streaming(
     model: nn.Module,
     reader: CheckpointReader,

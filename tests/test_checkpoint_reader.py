@@ -63,3 +63,16 @@ def test_batchnorm_step_counter_may_be_absent_but_nothing_else(tmp_path):
     save_file({k: v for k, v in state.items() if k != "1.running_mean"}, tmp_path / "no_mean.safetensors")
     with pytest.raises(CheckpointError, match="missing keys: 1.running_mean"):
         load_streaming(build(), CheckpointReader(str(tmp_path / "no_mean.safetensors")), rename=lambda k: k)
+
+
+def test_prepared_convert_takes_prepares_hook_or_the_convert_given_never_both():
+    """The loaders' one rule (library/io.py prepared_convert): prepare's hook is the convert hook;
+    prepare returning the model (prepare_fp8) is no hook; a hook given both ways is refused."""
+    from library.io import prepared_convert
+
+    model, hook, convert = torch.nn.Linear(2, 2), (lambda key, t: {key: t}), (lambda key, t: {key: t})
+    assert prepared_convert(model, lambda m: hook, None, "load_x") is hook
+    assert prepared_convert(model, lambda m: m, convert, "load_x") is convert
+    assert prepared_convert(model, None, convert, "load_x") is convert
+    with pytest.raises(ValueError, match="load_x: give the convert hook either as convert= or as prepare's result"):
+        prepared_convert(model, lambda m: hook, convert, "load_x")

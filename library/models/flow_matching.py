@@ -59,12 +59,6 @@ def resolution_mu(sampling: Sampling, image_seq_len: int, steps: int | None = No
     return load_symbol(sampling.mu)(image_seq_len, sampling.train_mu_steps if steps is None else steps)
 
 
-def family_mu(arch: str, image_seq_len: int, steps: int) -> float:
-    """The resolution shift mu of an architecture's released scheduler for this token count and
-    step count (the step count matters only where its mu depends on it)."""
-    return resolution_mu(sampling_of(arch), image_seq_len, steps)
-
-
 def _shift_method(method: str) -> Sampling:
     """The Sampling whose method is `method` (a resolution shift named after an architecture); the
     specs that share a method share its constants (tests/test_family_spec.py), so the first one's."""

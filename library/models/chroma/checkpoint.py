@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, save_diffusers_folder,
-    save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
+    save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.chroma.model import Chroma, ChromaConfig
 from library.models.flux1.checkpoint import (  # FLUX.1's name map and row-joining view, unchanged
@@ -300,11 +300,7 @@ def load_chroma(
 
     with torch.device("meta"):
         model = Chroma(config)
-    hook = prepare(model) if prepare is not None else None
-    if hook is not None and not isinstance(hook, torch.nn.Module):  # prepare_fp8 returns the model itself
-        if convert is not None:
-            raise ValueError("load_chroma: give the convert hook either as convert= or as prepare's result, not both")
-        convert = hook
+    convert = prepared_convert(model, prepare, convert, "load_chroma")
     if read_weights:
         load_streaming(model, source, rename, dtype=dtype, convert=convert)
     else:  # the memory planner: the model as it would load, on meta, from the file's header alone

@@ -22,8 +22,8 @@ from library.models.flux1.model import Flux, FluxConfig
 from library.models.flux1.spec import FP8
 from library.precision.stored_layouts import read_stored_layout, stored_converter
 from library.io import (
-    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, save_diffusers_folder,
-    save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
+    save_diffusers_folder, save_with_config, state_and_config,
 )
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
@@ -398,11 +398,7 @@ def load_flux(
         model = Flux(config)
     if stored:  # the file's own layout wins over a requested base precision
         prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
-    hook = prepare(model) if prepare is not None else None
-    if hook is not None and not isinstance(hook, torch.nn.Module):  # prepare_fp8 returns the model itself
-        if convert is not None:
-            raise ValueError("load_flux: give the convert hook either as convert= or as prepare's result, not both")
-        convert = hook
+    convert = prepared_convert(model, prepare, convert, "load_flux")
     if read_weights:
         load_streaming(model, source, rename, dtype=dtype, convert=convert)
     else:  # the memory planner: the model as it would load, on meta, from the file's header alone

@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, save_diffusers_folder,
-    save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
+    save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.flux1.checkpoint import (
     RowMap,
@@ -337,11 +337,7 @@ def load_flux2(
         model = Flux2(config)
     if stored:  # the file's own layout wins over a requested base precision
         prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
-    hook = prepare(model) if prepare is not None else None
-    if hook is not None and not isinstance(hook, torch.nn.Module):  # prepare_fp8 returns the model itself
-        if convert is not None:
-            raise ValueError("load_flux2: give the convert hook either as convert= or as prepare's result, not both")
-        convert = hook
+    convert = prepared_convert(model, prepare, convert, "load_flux2")
     if read_weights:
         load_streaming(model, source, rename, dtype=dtype, convert=convert)
     else:

@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from library.models import core
 from library.models.qwen_image.spec import FP8
 from library.precision.stored_layouts import read_stored_layout, stored_converter
-from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, save_diffusers_folder
+from library.io import (
+    CheckpointError, CheckpointReader, component_folder, load_streaming, prepared_convert, save_diffusers_folder,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -443,11 +445,7 @@ def load_qwen_image(
         model = QwenImage(config)
     if stored:  # the file's own layout wins over a requested base precision
         prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
-    hook = prepare(model) if prepare is not None else None
-    if hook is not None and not isinstance(hook, nn.Module):  # prepare_fp8 returns the model itself
-        if convert is not None:
-            raise ValueError("load_qwen_image: give the convert hook as convert= or as prepare's result, not both")
-        convert = hook
+    convert = prepared_convert(model, prepare, convert, "load_qwen_image")
     if read_weights:
         rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
         load_streaming(model, reader, rename, dtype=dtype, convert=convert)

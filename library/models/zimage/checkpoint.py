@@ -25,8 +25,8 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, save_diffusers_folder,
-    save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
+    save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.zimage.model import ZImage, ZImageConfig
 from library.precision.stored_layouts import read_stored_layout
@@ -318,11 +318,7 @@ def load_zimage(
                               f"one with prepare=fp8_prepare(...) to quantize while loading")
     with torch.device("meta"):
         model = ZImage(config)
-    hook = prepare(model) if prepare is not None else None
-    if hook is not None and not isinstance(hook, torch.nn.Module):  # prepare_fp8 returns the model itself
-        if convert is not None:
-            raise ValueError("load_zimage: give the convert hook either as convert= or as prepare's result, not both")
-        convert = hook
+    convert = prepared_convert(model, prepare, convert, "load_zimage")
     if read_weights:
         load_streaming(model, source, lambda key: key, dtype=dtype, convert=convert)
     else:
