@@ -4,7 +4,8 @@ As diffusers' ZImagePipeline.encode_prompt / _encode_prompt:
 - each prompt becomes one user message rendered by the tokenizer's chat template with
   add_generation_prompt=True and enable_thinking=True (Qwen3's template then adds nothing after
   `<|im_start|>assistant\\n`: no empty think block, unlike FLUX.2 [klein]'s enable_thinking=False);
-- tokens are padded to max_length 512 (right, Qwen3's side) and truncated there;
+- tokens are padded to max_length 512 (right, Qwen3's side) and truncated there
+  (we run only the longest prompt's real tokens: the pads never reach a real token and are dropped);
 - the model runs with the padding mask and positions 0..L-1 (transformers' default when given none);
 - the hidden state is hidden_states[-2]: the output of the second-to-last decoder layer (layer 35 of
   Qwen3-4B's 36), before any final norm;
@@ -66,11 +67,15 @@ class ZImageTextEncoder:
         ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device).bool()  # [B, L]
         if not torch.equal(mask, mask.cumsum(1) == torch.arange(1, ids.shape[1] + 1, device=device)):
             raise ValueError("ZImageTextEncoder: the tokenizer must pad on the right (Qwen3's), real tokens first")
-        positions = torch.arange(ids.shape[1], device=device)  # transformers' default: pads keep their index
+        # Only the longest prompt's real tokens run: the pipeline drops every pad's output, and a real
+        # token (causal attention, pads on the right) never sees a pad, so the 512-token run it makes
+        # gives those tokens the same values (up to summation order) at a fraction of the cost: a
+        # 30-token caption runs 30 positions, not 512 (Qwen3-4B on a CPU: ~17x less time).
+        length = int(mask.sum(1).max())
+        ids, mask = ids[:, :length], mask[:, :length]
+        positions = torch.arange(length, device=device)  # transformers' default: 0..L-1
         (hidden,) = self.llm.selected_hidden_states(ids, mask, (self.layer,), position_ids=positions)
-        length = int(mask.sum(1).max())  # the pads are dropped: keep the longest prompt's real tokens
-        mask = mask[:, :length]
-        return (hidden[:, :length].float() * mask[..., None]), mask
+        return (hidden.float() * mask[..., None]), mask
 
     def encode_list(self, prompts: list[str]) -> list[torch.Tensor]:
         """[n_i, D] float32 per prompt: ZImagePipeline._encode_prompt's return value."""
