@@ -57,3 +57,36 @@ def write_krea2(out: str, seed: int) -> dict[str, str]:
     save_krea2_single_file(model, paths["krea2"], config)
     save_krea2_diffusers(model, config, paths["krea2_diffusers"])
     return paths
+
+
+def write_krea2_text_encoder(out: str, seed: int) -> dict[str, str]:
+    """The pipeline folder's text side as diffusers saves Krea2Pipeline: text_encoder/ (a transformers
+    Qwen3VLModel: a tiny vision tower and a Qwen3 language model of width lm_hidden, 4 layers, explicit
+    head_dim 16, interleaved M-RoPE sections (2, 3, 3)), tokenizer/ (the Qwen2-style tokenizer: the
+    template prefix is 34 tokens and the suffix 5, as with Qwen3-VL's) and model_index.json with the
+    pipeline's text_encoder_select_layers (TEXT_TAPS)."""
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    from library.models.tiny_files import build_qwen_tokenizer, round_up, save_tokenizer, write_json
+
+    tokenizer = build_qwen_tokenizer()
+    seed_component(seed, 31)
+    h = TINY["lm_hidden"]
+    text = {"vocab_size": round_up(len(tokenizer)), "hidden_size": h, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 2 * h, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 2048, "pad_token_id": tokenizer.pad_token_id,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                                "rope_theta": 5000000.0}}
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": h,
+              "num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
+    model = Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision))  # text-only: no vision tokens
+    root = os.path.join(out, "krea2")
+    folder, tok_folder = os.path.join(root, "text_encoder"), os.path.join(root, "tokenizer")
+    model.save_pretrained(folder, safe_serialization=True)
+    save_tokenizer(tokenizer, tok_folder)
+    write_json(os.path.join(root, "model_index.json"), {
+        "_class_name": "Krea2Pipeline", "is_distilled": False, "patch_size": 2, "text_encoder_select_layers": list(TEXT_TAPS),
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers", "Qwen3VLModel"],
+        "tokenizer": ["transformers", "Qwen2TokenizerFast"], "transformer": ["diffusers", "Krea2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage"]})
+    return {"krea2_text_encoder": folder, "krea2_tokenizer": tok_folder}
