@@ -154,6 +154,21 @@ def test_wrong_file_is_one_error_naming_it(tiny_files, tmp_path):
         load_krea2(wrong)
 
 
+def test_fp8_prepare_hook_quantizes_the_blocks_only(tiny_files):
+    from library.models.family import fp8_prepare
+    from library.precision.fp8 import FP8Linear
+
+    model = load_krea2(tiny_files["krea2"], dtype=torch.bfloat16, prepare=fp8_prepare("fp8_scaled", "krea2"))
+    assert isinstance(model.blocks[0].attn.wk, FP8Linear) and isinstance(model.blocks[1].mlp.down, FP8Linear)
+    kept = (model.first, model.tmlp[0], model.tproj[1], model.txtmlp[1], model.last.linear,
+            model.txtfusion.projector, model.txtfusion.layerwise_blocks[0].attn.wq)
+    assert all(type(m) is torch.nn.Linear for m in kept)
+    reference = load_krea2(tiny_files["krea2"])
+    x = inputs(3, 4, (6,))
+    want, got = ours_velocity(reference, *x), ours_velocity(model, *x).float()
+    assert ((got - want).norm() / want.norm()).item() < 0.1
+
+
 def test_gradient_checkpointing_block_swap_and_meta():
     from library.models.block_swap import enable_block_swap
 

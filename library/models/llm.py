@@ -166,7 +166,7 @@ QWEN3_8B = LLMConfig(
 )
 
 # The language model of Qwen/Qwen3-VL-4B-Instruct (its config.json text_config: Qwen3 layers, interleaved
-# M-RoPE sections (24, 20, 20), theta 5e6), the Krea 2 text encoder: for a single file without config.json.
+# M-RoPE sections (24, 20, 20), theta 5e6), as a diffusion text encoder reads a single file without config.json.
 QWEN3_VL_4B = LLMConfig(
     vocab_size=151936, hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=9728,
     rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=False,
