@@ -155,3 +155,19 @@ def test_version_from_the_files(tiny_set, tmp_path):
     assert Krea2Family(str(turbo)).version == "krea2-turbo"
     with pytest.raises(ValueError, match="model_version 'krea2-dev': expected krea2-raw or krea2-turbo"):
         Krea2Family(str(turbo), model_version="krea2-dev")
+
+
+def test_kohya_diffusers_kohya_round_trip_and_lora_info(trained, tmp_path):
+    """convert_lora kohya -> diffusers -> kohya gives back the tensors (a rename, nothing fused), and
+    lora_info names the architecture and block counts in both namings."""
+    from tools import convert_lora, lora_info
+
+    lora, there, back = trained / "krea2.safetensors", tmp_path / "d.safetensors", tmp_path / "k.safetensors"
+    assert convert_lora.main([str(lora), str(there), "--to", "diffusers"]) == 0
+    assert convert_lora.main([str(there), str(back), "--to", "kohya"]) == 0
+    a, b = load_file(lora), load_file(back)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for path in (lora, there):
+        modules = lora_info._modules(list(load_file(path)))
+        assert lora_info.arch_of(modules)[0] == "krea2"
+        assert lora_info.block_counts(modules, "krea2") == {"block": 2, "layerwise": 2, "refiner": 2}

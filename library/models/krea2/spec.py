@@ -51,7 +51,7 @@ LORA_FILES = S.LoRAFiles(
     module_map="library.models.krea2.lora_files:module_map_of_lora",
     info_markers=(("krea2", r"(^|_)blocks_\d+_(attn_(wq|wk|wv|wo|gate)|mlp_(gate|up|down))$|txtfusion_|tproj_1|txtmlp_"),
                   ("diffusers", r"transformer_blocks_\d+_(attn_to_gate|ff_(gate|up|down))$|text_fusion_|time_mod_proj")),
-    info_blocks=(("block", r"(?:^|_unet_|model_)(?:transformer_)?blocks_(\d+)_"),
+    info_blocks=(("block", r"(?:^|_unet_|model_|^transformer_)(?:transformer_)?blocks_(\d+)_"),
                  ("layerwise", r"layerwise_blocks_(\d+)_"), ("refiner", r"refiner_blocks_(\d+)_")),
     width_modules=r"(?<!layerwise_)(?<!refiner_)blocks_\d+_(attn_(wq|wk|wv|gate|to_q|to_k|to_v|to_gate)|mlp_(gate|up)|ff_(gate|up))",
     releases=(S.Release("Krea 2 (Raw / Turbo)", 6144, {"block": 28, "layerwise": 2, "refiner": 2}),),
