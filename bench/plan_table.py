@@ -1,7 +1,7 @@
 """The README's "what fits" table: for each full-size preset and card size, the training settings
 the planner (tools/plan_memory.py) finds that fit, at 1024x1024, batch 1, LoRA rank 16, AdamW.
 
-    python bench/plan_table.py [--resolution 1024] [--cards 12,16,24,32,48,80]
+    python bench/plan_table.py [--resolution 1024] [--cards 12,16,24,32,48,80] [--presets flux1-dev,qwen-image]
 """
 
 import argparse
@@ -34,9 +34,10 @@ def main():
     p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--resolution", type=int, default=1024)
     p.add_argument("--cards", default="12,16,24,32,48,80")
+    p.add_argument("--presets", default="flux1-dev,flux1-schnell,qwen-image", help="tools/plan_memory.py --preset names")
     args = p.parse_args()
     cards = [float(c) for c in args.cards.split(",")]
-    presets = ("flux1-dev", "flux1-schnell", "qwen-image")
+    presets = tuple(args.presets.split(","))
     plans = {}
     for preset in presets:
         family = PresetFamily(preset)

@@ -99,13 +99,17 @@ def rope_tables(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: floa
         return angles.cos().float(), angles.sin().float()
 
 
-def mrope_tables(positions: torch.Tensor, head_dim: int, theta: float, sections: tuple[int, ...]):
-    """cos/sin tables for multimodal RoPE (Qwen2-VL / Qwen2.5-VL M-RoPE).
+def mrope_tables(positions: torch.Tensor, head_dim: int, theta: float, sections: tuple[int, ...],
+                 interleaved: bool = False):
+    """cos/sin tables for multimodal RoPE (Qwen2-VL / Qwen2.5-VL M-RoPE, Qwen3-VL's interleaved one).
 
     Unlike rope_tables' axes, which each own a frequency band of their own width, M-RoPE keeps the
-    1-D frequencies theta ** (-2j / head_dim) and lets each band of `sections` (e.g. (16, 24, 24)
-    for head_dim 128) rotate by a different position axis: band i by positions[..., i] (time,
-    height, width). Text tokens carry equal ids on all axes, which gives plain 1-D RoPE.
+    1-D frequencies theta ** (-2j / head_dim) and lets each frequency turn with one position axis
+    (time, height, width). Contiguous (Qwen2.5-VL): band i of `sections` (e.g. (16, 24, 24) for
+    head_dim 128) by positions[..., i]. Interleaved (Qwen3-VL, sections (24, 20, 20)): frequency j by
+    height when j % 3 == 1 and j < 3 sections[1], by width when j % 3 == 2 and j < 3 sections[2], else by
+    time (transformers' recomposition_frequencies). Either way, text tokens carry equal ids on all
+    axes, which gives plain 1-D RoPE.
     positions: int64 [..., L, len(sections)]. Returns (cos, sin) float32 [..., L, head_dim // 2].
     """
     if positions.is_floating_point():
@@ -116,8 +120,14 @@ def mrope_tables(positions: torch.Tensor, head_dim: int, theta: float, sections:
     dtype = _angle_dtype(positions.device)
     with autocast_off(positions.device.type):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=dtype, device=positions.device) / head_dim))
-        axis = torch.repeat_interleave(torch.arange(len(sections), device=positions.device),
-                                       torch.tensor(sections, device=positions.device))  # [head_dim / 2]
+        if interleaved:
+            j = torch.arange(head_dim // 2, device=positions.device)
+            axis = torch.zeros_like(j)
+            for a in (1, 2):
+                axis[(j % 3 == a) & (j < 3 * sections[a])] = a  # [head_dim / 2]
+        else:
+            axis = torch.repeat_interleave(torch.arange(len(sections), device=positions.device),
+                                           torch.tensor(sections, device=positions.device))  # [head_dim / 2]
         angles = positions.to(dtype)[..., axis] * inv_freq  # frequency j turns with axis[j]'s position
         return angles.cos().float(), angles.sin().float()
 

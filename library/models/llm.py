@@ -57,6 +57,7 @@ class LLMConfig:
     # Qwen2.5-VL's M-RoPE: frequency bands rotated by (time, height, width) ids when 3-axis
     # positions are given (image tokens); () = 1-D RoPE only. Text-only input never needs it.
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False  # Qwen3-VL: the axes' frequencies interleaved (core.mrope_tables)
 
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
@@ -81,7 +82,7 @@ class LLMConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):  # mrope: 1-D RoPE for text, 3-axis for image tokens
             raise ValueError(f"config.json: rope type '{rope_type}' is not supported (expected default or mrope)")
-        is_qwen3 = model_type == "qwen3"
+        is_qwen3 = model_type in ("qwen3", "qwen3_vl_text")  # Qwen3-VL's language model is Qwen3 (QK norm, no bias)
         # transformers' Llama, Mistral, Qwen2 and Qwen3 attention all take an explicit head_dim when given
         # (Mistral Small 3.1: 128, where 5120 / 32 heads would give 160)
         head_dim = config.get("head_dim") or 0
@@ -109,6 +110,7 @@ class LLMConfig:
             qk_norm=is_qwen3,
             # Qwen2.5-VL configs name the sections under rope type "mrope" or (transformers >= 4.5x) "default"
             mrope_section=tuple(rope.get("mrope_section") or ()),
+            mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
         )
 
     def to_hf(self) -> dict:
@@ -161,6 +163,14 @@ QWEN3_8B = LLMConfig(
     vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=12288,
     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=False,
     max_position_embeddings=40960, head_dim=128, qk_norm=True,
+)
+
+# The language model of Qwen/Qwen3-VL-4B-Instruct (its config.json text_config: Qwen3 layers, interleaved
+# M-RoPE sections (24, 20, 20), theta 5e6), as a diffusion text encoder reads a single file without config.json.
+QWEN3_VL_4B = LLMConfig(
+    vocab_size=151936, hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=9728,
+    rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=False,
+    max_position_embeddings=262144, head_dim=128, qk_norm=True, mrope_section=(24, 20, 20), mrope_interleaved=True,
 )
 
 # The language model of Mistral Small 3.1 24B (Mistral3ForConditionalGeneration's text_config), as a
@@ -269,7 +279,8 @@ class LLM(nn.Module):
         if position_ids.dim() == 3:
             if not self.config.mrope_section:
                 raise ValueError("3-axis position ids need an M-RoPE model (config mrope_section, e.g. Qwen2.5-VL)")
-            return core.mrope_tables(position_ids, self.config.head_dim, self.config.rope_theta, self.config.mrope_section)
+            return core.mrope_tables(position_ids, self.config.head_dim, self.config.rope_theta, self.config.mrope_section,
+                                     self.config.mrope_interleaved)
         return core.rope_tables(position_ids, (self.config.head_dim,), self.config.rope_theta)
 
     def _embed(self, input_ids, attention_mask, position_ids, inputs_embeds=None):
@@ -356,12 +367,14 @@ VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_to
 
 def checkpoint_key_to_llm(key: str, tie_word_embeddings: bool = False) -> str | None:
     """Checkpoint key -> LLM key, or None to skip. Accepts plain HF causal-LM keys and the
-    Qwen2.5-VL / Mistral3 layouts (`model.language_model.*` of transformers >= 4.52, `language_model.model.*`
-    / `language_model.lm_head.*` of LLaVA-style exports and the released Mistral Small 3.1 files);
+    Qwen2.5-VL / Qwen3-VL / Mistral3 layouts (`model.language_model.*` of transformers >= 4.52,
+    `language_model.*` of a saved Qwen3VLModel, `language_model.model.*` / `language_model.lm_head.*`
+    of LLaVA-style exports and the released Mistral Small 3.1 files);
     vision tower and multimodal projector keys are skipped (never read)."""
     if key.startswith(VISION_PREFIXES):
         return None
-    for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")):
+    for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                     ("language_model.", "model.")):  # the last: Qwen3VLModel's own files (no `model.`, no head)
         if key.startswith(old):
             key = new + key[len(old) :]
             break

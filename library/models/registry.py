@@ -21,6 +21,7 @@ FAMILIES = {
     "qwen_image_edit": "library.models.qwen_image.edit_family:QwenImageEditFamily",
     "zimage": "library.models.zimage.family:ZImageFamily",
     "chroma": "library.models.chroma.family:ChromaFamily",
+    "krea2": "library.models.krea2.family:Krea2Family",
 }
 
 BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")  # how the frozen base is stored

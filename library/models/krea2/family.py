@@ -1,0 +1,201 @@
+"""Krea 2 (Raw, Turbo) as a diffusion family: the single-stream MMDiT with the released single
+file's names (model.py, loaded by checkpoint.py), Qwen-Image's VAE (the same AutoencoderKLQwenImage:
+qwen_image/vae.py) and Qwen3-VL-4B text, 12 tapped layers per token with a padding mask (text_encoder.py).
+
+Raw and Turbo share the transformer config and differ in weights and in how Krea2Pipeline samples
+them: Raw over 28 steps with CFG 4.5 in Krea's convention (pred = cond + g (cond - uncond), i.e.
+standard CFG at 1 + g) and the resolution-aware shift; Turbo (is_distilled) over 8 steps, guidance 0,
+a fixed mu 1.15. LoRAs train on Raw and run on either (musubi-tuner's recommended workflow: train
+Raw, infer Turbo); training on Turbo takes a de-distillation adapter merged into the frozen base
+(`base_loras`, as ai-toolkit's "assistant LoRA"). The version comes from `model_version`, else the
+pipeline folder's model_index.json `is_distilled`, else a file name with "turbo" in it (the released
+turbo.safetensors), else Raw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from functools import cached_property
+
+import torch
+
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+
+RAW, TURBO = "krea2-raw", "krea2-turbo"
+TURBO_MU = 1.15  # Krea2Pipeline's fixed mu for the distilled checkpoint
+SAMPLE_DEFAULTS = {RAW: (4.5, 28), TURBO: (0.0, 8)}  # Krea2Pipeline: (guidance_scale, num_inference_steps)
+
+
+class Krea2Family(DiffusionFamily):
+    """Krea 2: original module names, the Qwen-Image VAE, Qwen3-VL text (12 layers per token) with a
+    mask, CFG for Raw only."""
+
+    name = "krea2"
+    text_path_keys = ("text_encoder",)
+    # Raw's pipeline call (what LoRAs train on); an instance of Turbo takes Turbo's (8 steps, no CFG).
+    sample_guidance, sample_steps = SAMPLE_DEFAULTS[RAW]
+    true_cfg = True  # a negative prompt is encoded for samples; guided_velocity runs it when guidance > 0
+
+    def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
+        super().__init__(model_path, vae_path, **text_paths)
+        if model_version is not None and model_version not in SAMPLE_DEFAULTS:
+            raise ValueError(f"model_version {model_version!r}: expected {RAW} or {TURBO}")
+        self._version = model_version
+        self.sample_guidance, self.sample_steps = SAMPLE_DEFAULTS[self.version]
+
+    @classmethod
+    def from_args(cls, args) -> "Krea2Family":
+        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
+                   **{k: getattr(args, k) for k in cls.text_path_keys})
+
+    # -- the release ---------------------------------------------------------------------------
+    def pipeline_index(self) -> dict:
+        """The pipeline folder's model_index.json (Krea2Pipeline's is_distilled, text_encoder_select_layers), or {}."""
+        folder = self.model_path if os.path.isdir(self.model_path) else os.path.dirname(self.model_path)
+        for candidate in (folder, os.path.dirname(folder.rstrip("/"))):
+            path = os.path.join(candidate, "model_index.json")
+            if os.path.isfile(path):
+                with open(path) as f:
+                    return json.load(f)
+        return {}
+
+    @cached_property
+    def version(self) -> str:
+        if self._version is not None:
+            return self._version
+        index = self.pipeline_index()
+        if "is_distilled" in index:
+            return TURBO if index["is_distilled"] else RAW
+        return TURBO if "turbo" in os.path.basename(self.model_path.rstrip("/")).lower() else RAW
+
+    def model_version(self, model) -> str:
+        return self.version
+
+    def inference_sampling(self):
+        """Turbo samples with the fixed mu 1.15 (a constant shift e^1.15); Raw with the spec's line."""
+        from library.models.flow_matching import sampling_of
+
+        if self.version != TURBO:
+            return None
+        return dataclasses.replace(sampling_of(self.arch), mu=None, shift=math.exp(TURBO_MU))
+
+    # -- loading -------------------------------------------------------------------------------
+    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
+        from library.models.krea2.checkpoint import load_krea2
+
+        return load_krea2(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
+                          read_weights=read_weights)
+
+    def model_files(self) -> list[ModelFile]:
+        from library.models.vae import vae_markers
+
+        return [
+            ModelFile("ae", self.vae_path, "a Qwen-Image VAE (16 latent channels, 3-D convolutions)", "vae",
+                      vae_markers(self.latent_channels, video=True)),
+            ModelFile("text_encoder", self.text_paths["text_encoder"], "a Qwen3-VL language model", "text_encoder",
+                      {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None}),
+        ]
+
+    def load_vae(self, dtype=torch.float32):
+        from library.models.qwen_image.vae import load_qwen_image_vae
+
+        return load_qwen_image_vae(self.vae_path, dtype)
+
+    def vae_on_meta(self):
+        from library.models.qwen_image.vae import QwenImageVAE
+        from library.models.vae import vae_on_meta
+
+        return vae_on_meta(QwenImageVAE, self.vae_path)
+
+    def text_on_meta(self, model, batch, tokens):
+        # No mask: every planned caption is `tokens` long (the forward then reads nothing on the host).
+        cfg = model.config
+        return {"embeds": torch.empty(batch, tokens, cfg.num_text_layers, cfg.text_hidden_dim, device="meta")}
+
+    @cached_property
+    def taps(self) -> tuple[int, ...]:
+        """text_encoder_select_layers: the pipeline folder's, else the released ones."""
+        from library.models.krea2.text_encoder import KREA2_TAPS, pipeline_taps
+
+        return pipeline_taps(self.text_paths.get("text_encoder"), self.model_path) or KREA2_TAPS
+
+    def load_text_encoder(self, precision="bf16", device=None):
+        from library.models.krea2.text_encoder import load_krea2_text_encoder
+        from library.models.text_encoders import encoder_precision
+
+        layers = self.load_transformer(torch.float32, read_weights=False).config.num_text_layers  # headers only
+        if layers != len(self.taps):
+            raise ValueError(f"{self.model_path}: the transformer takes {layers} text layers per token, the text "
+                             f"encoder taps {len(self.taps)} ({list(self.taps)}: model_index.json or Krea 2's)")
+        dtype, fp8 = encoder_precision(precision)
+        encoder = load_krea2_text_encoder(self.text_paths["text_encoder"], dtype=dtype, taps=self.taps, fp8=fp8)
+        encoder.llm.to(device)
+
+        def encode(captions: list[str]) -> list[dict]:
+            embeds, mask = encoder.encode(captions)  # [B, T, taps, D] float32, mask [B, T] bool (real tokens first)
+            return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]
+
+        return encode
+
+    def text_encoder_params(self) -> int:
+        """The embeddings, the decoder layers up to the deepest tap and the final norm (no head, no vision)."""
+        from library.io import CheckpointReader, component_folder
+        from library.models.llm import _kept_layer_key, checkpoint_key_to_llm
+
+        reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
+        used = [k for k in reader.keys() if (name := _kept_layer_key(checkpoint_key_to_llm(k, True), max(self.taps)))
+                is not None and not name.startswith("lm_head.")]
+        return reader.numel(used)
+
+    def text_encoding_constants(self) -> dict:
+        from library.models.krea2 import text_encoder as te
+
+        return {"prefix": te.KREA2_PROMPT_PREFIX, "suffix": te.KREA2_PROMPT_SUFFIX, "drop": te.KREA2_DROP_TOKENS,
+                "max_length": te.KREA2_MAX_SEQUENCE_LENGTH, "taps": list(self.taps)}
+
+    def caption_token_limit(self, args):
+        """The pipeline cuts the template prefix + caption at 541 tokens (512 kept after the prefix,
+        the 5-token suffix included)."""
+        from library.data.check import TokenLimit
+        from library.io import component_folder
+        from library.models.krea2 import text_encoder as te
+        from library.models.text_encoders import _load_tokenizer
+
+        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer")
+        limit = te.KREA2_MAX_SEQUENCE_LENGTH + te.KREA2_DROP_TOKENS - te.KREA2_SUFFIX_TOKENS
+        return TokenLimit("Qwen3-VL", limit, lambda text: len(tokenizer(te.KREA2_PROMPT_PREFIX + text, verbose=False).input_ids))
+
+    @classmethod
+    def checkpoint_names(cls, keys, shape):
+        """Our (the single file's) names, plain or behind a ComfyUI prefix, or a diffusers folder's
+        (renamed through the module map; nothing is fused)."""
+        from library.models.krea2.checkpoint import DIFFUSERS_MARKER, MARKER, PREFIXES, config_from_shapes, original_key
+        from library.models.krea2.lora_files import module_map_of_config
+
+        prefix = next((p for p in PREFIXES if p + MARKER in keys), None)
+        if prefix is not None:
+            return CheckpointNames("krea2", prefix)
+        if DIFFUSERS_MARKER in keys:
+            shapes = {original_key(k): shape(k) for k in keys}
+            return CheckpointNames("diffusers", "", module_map_of_config(config_from_shapes(shapes)), native=False)
+        return None
+
+    # -- the denoiser --------------------------------------------------------------------------
+    def predict(self, model, x_t, sigmas, text, h, w, guidance):
+        """Captions of a batch differ in length: the cached ones are stacked to the longest with the
+        mask (collate pads them); the padded tokens are hidden from every query."""
+        device = x_t.device
+        mask = text.get("mask")
+        return model(img=x_t, txt=text["embeds"].to(device), timesteps=sigmas, h=h, w=w,
+                     txt_mask=None if mask is None else mask.to(device).bool())
+
+    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance):
+        """Krea2Pipeline: CFG when guidance > 0, pred = cond + g (cond - uncond), in float32."""
+        cond = self.predict(model, x, s, text, h, w, guidance).float()
+        if negative_text is None or guidance is None or guidance <= 0.0:
+            return cond
+        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
+        return cond + guidance * (cond - uncond)
