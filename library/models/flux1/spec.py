@@ -131,6 +131,7 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
+    gguf_arch="flux",  # ComfyUI-GGUF: double_blocks.0.img_attn.proj.weight -> "flux" (tools/convert.py ModelFlux)
     sampling=SAMPLING,
     transformer=S.TransformerHooks(load="library.models.flux1.checkpoint:load_flux",
                                    random_inputs="library.models.flux1.model:random_inputs"),
