@@ -5,9 +5,9 @@ The layout is what city96's tools produce (ComfyUI-GGUF tools/convert.py, then i
 quantize patch): `general.architecture` the family's ComfyUI-GGUF name (its spec's gguf_arch),
 the checkpoint's key names without the ComfyUI `model.diffusion_model.` prefix, and per tensor:
   - 1-D tensors and tensors of at most 1024 elements: F32 (convert.py's rule);
-  - Linear weights the architecture quantizes (the Linears its fp8 keep rules do not keep: for
-    FLUX.1 exactly the patch's list of unquantized txt_in, img_in, time_in, vector_in, guidance_in,
-    final_layer) whose rows divide into the type's blocks: the block type asked for;
+  - Linear weights the architecture quantizes (the Linears its fp8 keep rules do not keep, which
+    match the patch's list of unquantized tensors where its spec's gguf_arch comment says so) whose
+    rows divide into the type's blocks: the block type asked for;
   - the other tensors: BF16 from a bf16 source, F16 otherwise (convert.py's output types, which the
     quantize step leaves alone; llama.cpp falls back to F16 where a row does not divide into blocks).
 Block types: the ones `gguf.quants.quantize` (gguf 0.19) implements: Q8_0, Q5_1, Q5_0, Q4_1, Q4_0.
