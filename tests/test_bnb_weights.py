@@ -150,14 +150,16 @@ def test_forward_and_input_grads_equal_the_dequantized_float32_model(loaded, tin
     assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
 
 
-def test_gradients_reach_the_lora_only_and_block_swap_gives_the_same_bits(tiny_set):
+def test_gradients_reach_the_lora_only_and_block_swap_and_checkpointing_give_the_same_bits(tiny_set):
     path = tiny_set["flux_bfl"]
     results = []
-    for swap in (0, 2):
+    for swap, checkpointing in ((0, False), (2, False), (0, True)):
         model = load_flux(path, prepare=fp8_prepare("nf4", "flux")).requires_grad_(False)
+        model.gradient_checkpointing = checkpointing  # the recompute unpacks the saved codes again
         inputs = flux_inputs_for(model)
         net = lora(model, "flux", rank=4, alpha=4.0, seed=1)
         net.apply()
+        net.train()
         if swap:
             enable_block_swap(model, swap, "cpu")
         model(**inputs).square().mean().backward()
@@ -165,7 +167,8 @@ def test_gradients_reach_the_lora_only_and_block_swap_gives_the_same_bits(tiny_s
         grads = {n: p.grad for n, p in net.named_parameters()}
         assert sum(g is not None and g.abs().sum() > 0 for g in grads.values()) > len(grads) // 2
         results.append(grads)
-    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0] if results[0][k] is not None)
+    for other in results[1:]:
+        assert all(torch.equal(results[0][k], other[k]) for k in results[0] if results[0][k] is not None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,3 +234,19 @@ def test_lycoris_wraps_every_target_of_a_quantized_base(loaded, tiny_set, tmp_pa
         assert (run(model, inputs) - run(twin, inputs)).abs().max() < 1e-5
     finally:
         net.remove(), twin_net.remove()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_planner_holds_the_formats_bytes_for_a_full_size_preset(mode):
+    """FLUX.1-dev on meta as the planner builds it: the base is the bf16 one less 2 bytes per weight of
+    every Linear fp8's keep rules quantize, plus that Linear's stored bytes (bytes_per_weight)."""
+    from library.training.memory_plan import module_bytes
+    from tools.plan_memory import PresetFamily
+
+    family = PresetFamily("flux1-dev")
+    bf16, quantized = (family.load_transformer(torch.bfloat16, p) for p in ("bf16", mode))
+    layers = [m for m in quantized.modules() if isinstance(m, bnb._BnbLinear)]
+    weights = sum(m.in_features * m.out_features for m in layers)
+    stored = sum(m.in_features * m.out_features * bnb.bytes_per_weight(mode, m.out_features, m.in_features) for m in layers)
+    assert module_bytes(quantized) == module_bytes(bf16) - 2 * weights + stored
+    assert weights / sum(p.numel() for p in bf16.parameters()) > 0.99  # nearly every weight is quantized

@@ -160,11 +160,12 @@ class _DequantizedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        stored = ctx.saved_tensors  # once: under activation checkpointing a second unpack is an error
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w = ctx.dequantize(*ctx.saved_tensors)
+            w = ctx.dequantize(*stored)
             grad_x = grad_out.to(w.dtype) @ w
-        return (grad_x, None, None) + (None,) * len(ctx.saved_tensors)
+        return (grad_x, None, None) + (None,) * len(stored)
 
 
 class _BnbLinear(nn.Module):
