@@ -8,9 +8,10 @@ ComfyUI loads. This module only adapts LyCORIS to our models and trainer:
 - Targets: unless a LyCORIS `preset` is given, the network adapts exactly the modules our LoRA
   would (the targets of the architecture's spec + its selection args: networks.lora.lora_targets),
   handed to LyCORIS as a preset of exact module names.
-- fp8 bases: LyCORIS wraps only `nn.Linear` (and a class literally named `Fp8Linear` with
-  per-channel scales). Our FP8Linear is neither, so while LyCORIS builds its modules each target
-  FP8Linear is shown to it as an `FP8LinearView`: an nn.Linear subclass with no parameters whose
+- quantized bases (fp8, GGUF, nf4 / int8): LyCORIS wraps only `nn.Linear` (and a class literally
+  named `Fp8Linear` with per-channel scales). Our FP8Linear (GGUFLinear, NF4Linear, Int8Linear) is
+  neither, so while LyCORIS builds its modules each such target is shown to it as an
+  `FP8LinearView`: an nn.Linear subclass with no parameters whose
   `weight` is the dequantized float32 weight (a fresh tensor without grad, for weight-decomposed
   algos and merging) and whose forward is the FP8Linear's. LyCORIS treats a non-`Linear` linear
   class as quantized and runs it in bypass mode (base output + delta(x)), so the fp8 codes are
@@ -34,7 +35,6 @@ import torch.nn as nn
 
 from library.io import CheckpointError, CheckpointReader, save_safetensors
 from library.models.registry import arch_specs
-from library.precision.fp8 import FP8Linear
 from networks.lora import LoRANetwork, _as_bool, _as_float, _as_int, lora_targets
 from networks.lora_files import build_metadata, tensor_hash
 
@@ -59,10 +59,11 @@ _PRESET_NAME = "_networks_lycoris_targets"  # our per-network preset, registered
 
 
 class FP8LinearView(nn.Linear):
-    """An nn.Linear face of an FP8Linear for LyCORIS: no parameters of its own, `weight` is the
-    dequantized float32 weight (no grad), forward is the FP8Linear's (fp8 codes, no base grad)."""
+    """An nn.Linear face of a quantized Linear (FP8Linear, ...) for LyCORIS: no parameters of its
+    own, `weight` is the dequantized float32 weight (no grad), forward is the layer's (its stored
+    codes, no base grad)."""
 
-    def __init__(self, layer: FP8Linear):
+    def __init__(self, layer: nn.Module):
         nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a weight
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self._layer = [layer]  # a list: not a submodule
@@ -76,7 +77,13 @@ class FP8LinearView(nn.Linear):
         return self._layer[0].bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return FP8Linear.forward(self._layer[0], x)  # the class forward: the instance one is patched
+        return type(self._layer[0]).forward(self._layer[0], x)  # the class forward: the instance one is patched
+
+
+def is_quantized_linear(module: nn.Module) -> bool:
+    """A Linear whose weight is stored quantized (FP8Linear, GGUFLinear, NF4Linear, Int8Linear): it
+    computes like a Linear and gives its weight through dequantized_weight(dtype), but is no nn.Linear."""
+    return not isinstance(module, nn.Linear) and callable(getattr(module, "dequantized_weight", None))
 
 
 @contextlib.contextmanager
@@ -85,7 +92,7 @@ def _fp8_views(model: nn.Module):
     {view: fp8 layer}. The model tree is restored on exit, whatever happens."""
     swapped = []
     for path, module in list(model.named_modules()):
-        if isinstance(module, FP8Linear):
+        if is_quantized_linear(module):
             parent_path, _, name = path.rpartition(".")
             parent = model.get_submodule(parent_path)
             view = FP8LinearView(module)
@@ -169,7 +176,7 @@ class LycorisNetwork(nn.Module):
         self.alpha = float(self.rank if alpha is None or alpha == 0 else alpha)
         self.network_args = dict(network_args or {})
         self._model = [model]
-        self._fp8_targets: dict[nn.Module, FP8Linear] = {}  # LyCORIS module -> the FP8Linear it wraps
+        self._fp8_targets: dict[nn.Module, nn.Module] = {}  # LyCORIS module -> the quantized Linear it wraps
         self._applied = False
         unknown = sorted(k for k in self.network_args if k not in LYCORIS_ARGS | SELECTION_ARGS)
         if unknown:
@@ -315,7 +322,7 @@ def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], mul
     with _quiet_lycoris():
         for name in names:
             target = by_name[name]
-            base = FP8LinearView(target) if isinstance(target, FP8Linear) else target
+            base = FP8LinearView(target) if is_quantized_linear(target) else target
             algo, params = get_module(tensors, name)
             module = make_module(algo, params, name, base) if algo is not None else None
             if module is None:

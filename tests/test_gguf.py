@@ -300,7 +300,7 @@ def test_merge_lora_refuses_a_gguf_base_in_one_line(flux_gguf, tmp_path, capsys)
     capsys.readouterr()
     line = one_error_line(capsys, merge("--model", flux_gguf[0], "--lora", tmp_path / "l.safetensors",
                                         "--save_to", tmp_path / "m.safetensors"))
-    assert "flux1-tiny-Q8_0.gguf: a GGUF base; merge_lora does not write GGUF files" in line, line
+    assert "flux1-tiny-Q8_0.gguf: a GGUF base; merge_lora reads bf16 / fp16 / fp32 / fp8 bases" in line, line
 
 
 def test_a_qwen_image_gguf_with_diffusers_names_loads_and_computes_as_its_dequantized_twin(tiny_set, tmp_path):

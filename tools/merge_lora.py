@@ -1,7 +1,7 @@
 """Merge LoRAs into a base checkpoint, one tensor at a time, and save it in the base's own layout.
 
     python tools/merge_lora.py --model BASE --lora a.safetensors:0.8 b.safetensors:1.0 --save_to OUT \
-        [--save_precision fp32|bf16|fp16|fp8] [--fp8_layout comfy|plain|block64] [--stochastic_rounding] [--seed N]
+        [--save_precision fp32|bf16|fp16|fp8|gguf_q8_0|...] [--fp8_layout comfy|plain|block64] [--stochastic_rounding] [--seed N]
         [--allow_unmatched]
 
 BASE: a diffusion transformer's single file (ComfyUI prefixes too; bf16, fp8 or scaled fp8) or
@@ -51,6 +51,14 @@ Another fp8 layout is refused (it would re-round every weight). Keys outside the
 encoders and VAE bundled in a ComfyUI checkpoint) are copied as they are. fp8 bases only in the model's
 own names (BFL names, not a diffusers folder's split rows).
 
+GGUF (`--save_precision gguf_q8_0`, `gguf_q5_1`, `gguf_q5_0`, `gguf_q4_1`, `gguf_q4_0`: the block types
+the `gguf` package can quantize; it only dequantizes the K-quants): one .gguf file in ComfyUI-GGUF's
+layout for the family (library/precision/gguf_writer.py: its general.architecture, the base's key names
+without the ComfyUI prefix, the block type for the Linears the architecture quantizes, F32 for 1-D and
+small tensors, BF16 / F16 for the rest), each merged weight quantized from float32 by gguf and written
+before the next is read. From a bf16 / fp16 / fp32 single file of a family with a ComfyUI-GGUF name
+(its spec's gguf_arch); keys outside the transformer are left out, as ComfyUI-GGUF's convert.py does.
+
 Errors (bad ratio, missing file, LoRA for another model, shape mismatch, unmatched modules without
 --allow_unmatched, fp8 layout change) are one line on stderr, exit status 2, and no output is left behind.
 """
@@ -76,6 +84,7 @@ from library.models.registry import arch_spec  # noqa: E402
 
 FP8_PRECISIONS = ("fp8", "fp8_scaled")  # --save_precision values stored as float8_e4m3fn
 FP8_LAYOUTS = {"comfy": "fp8_tensor_scaled", "plain": "fp8", "block64": "fp8_scaled"}  # --fp8_layout -> fp8.MODES
+GGUF_PRECISIONS = ("gguf_q8_0", "gguf_q5_1", "gguf_q5_0", "gguf_q4_1", "gguf_q4_0")  # gguf_writer.WRITE_TYPES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="base checkpoint: file or folder")
     parser.add_argument("--lora", required=True, nargs="+", help="LoRA files as path[:ratio]")
     parser.add_argument("--save_to", required=True, help="output file (file base) or folder (folder base)")
-    parser.add_argument("--save_precision", choices=[*PRECISION_NAMES, *FP8_PRECISIONS], default=None,
+    parser.add_argument("--save_precision", choices=[*PRECISION_NAMES, *FP8_PRECISIONS, *GGUF_PRECISIONS], default=None,
                         help="default: keep each tensor's dtype")
     parser.add_argument("--fp8_layout", choices=list(FP8_LAYOUTS), default=None,
                         help="with --save_precision fp8: comfy (ComfyUI scaled fp8; default for single files), plain, block64")
@@ -103,6 +112,7 @@ from safetensors import safe_open  # noqa: E402
 from library.precision import fp8  # noqa: E402
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint  # noqa: E402
 from library.precision.gguf_weights import is_gguf  # noqa: E402
+from library.precision.gguf_writer import GgufEntry, output_type, save_precision_type, write_gguf_streaming  # noqa: E402
 from library.io import ST_DTYPES, CheckpointError, CheckpointReader, atomic_folder, atomic_path, component_folder  # noqa: E402
 from library.models.llm import checkpoint_key_to_llm  # noqa: E402
 from library.models.registry import FAMILIES, arch_specs  # noqa: E402
@@ -119,7 +129,7 @@ from networks.lora_files import (  # noqa: E402
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas  # noqa: E402
 from tools.cli import LoRASpec, parse_lora_spec  # noqa: E402,F401 (parse_lora_spec: merge_lora's callers use it)
 
-PRECISIONS = {**PRECISION_DTYPES, **dict.fromkeys(FP8_PRECISIONS, fp8.FP8_DTYPE)}
+PRECISIONS = {**PRECISION_DTYPES, **dict.fromkeys(FP8_PRECISIONS, fp8.FP8_DTYPE), **dict.fromkeys(GGUF_PRECISIONS)}
 FP8_MODES = tuple(FP8_LAYOUTS.values())
 COMFY_MARKER_VALUE = torch.zeros(2, dtype=fp8.FP8_DTYPE)  # 2 elements: ComfyUI's "no fp8 matmul"
 HIGH_PRECISION_DTYPE = torch.bfloat16  # fp8 modes: everything that is not an fp8 Linear weight
@@ -236,9 +246,10 @@ def open_base(path: str) -> Base:
     """Detect family and naming of the checkpoint at `path` from its tensor names."""
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
-    if is_gguf(reader):  # its block types would need a GGUF writer and re-quantization, not done yet
-        raise CheckpointError(f"{path}: a GGUF base; merge_lora does not write GGUF files: merge into the bf16 "
-                              f"checkpoint, or load the LoRA beside the .gguf (ComfyUI-GGUF applies LoRAs at runtime)")
+    if is_gguf(reader):  # merging into its blocks would re-quantize every merged weight from rounded values
+        raise CheckpointError(f"{path}: a GGUF base; merge_lora reads bf16 / fp16 / fp32 / fp8 bases: merge into the "
+                              f"bf16 checkpoint (--save_precision gguf_q8_0 ... writes a GGUF), or load the LoRA beside "
+                              f"the .gguf (ComfyUI-GGUF applies LoRAs at runtime)")
     keys = reader.keys()
     base = _family_base(path, reader, keys)
     if base is None and any(checkpoint_key_to_llm(k) and checkpoint_key_to_llm(k).startswith("model.layers.") for k in keys):
@@ -556,6 +567,42 @@ def _write_index(plan: Plan, out: str):
         f.write("\n")
 
 
+def write_merged_gguf(plan: Plan, specs: list[LoRASpec], out: str, qtype: str) -> None:
+    """The merged transformer as one GGUF file `out` in ComfyUI-GGUF's layout (module docstring);
+    `plan` yields float32 tensors (precision "fp32"), each encoded as it comes."""
+    base, rules = plan.base, arch_spec(plan.base.family).fp8
+    keys = [k for k in base.reader.keys() if base.to_model(k)]
+    entries = []
+    for key in keys:
+        name, shape = base.to_model(key), tuple(base.reader.shape(key))
+        module = base.fp8_name(name[: -len(".weight")]) if name.endswith(".weight") and len(shape) == 2 else None
+        entries.append(GgufEntry(name, shape, output_type(module, shape, base.reader.dtype_name(key), qtype, rules)))
+    tensors = ((base.to_model(key), tensor) for key, tensor in plan.tensors(keys))
+    metadata = _metadata(base, os.path.basename(base.reader.files[0]), specs, f"gguf_{qtype.lower()}")
+    write_gguf_streaming(out, arch_spec(base.family).gguf_arch, qtype, entries, tensors, metadata)
+
+
+def _check_gguf_output(base: Base, save_precision: str, fp8_layout: str | None, stochastic_rounding: bool) -> None:
+    """A GGUF output needs a single high-precision file of a family ComfyUI-GGUF names, in its names."""
+    arch = None if base.family == "llm" else arch_spec(base.family).gguf_arch
+    named = [spec.title for name, spec in arch_specs().items() if spec.gguf_arch]
+    if arch is None:
+        raise ValueError(f"--save_precision {save_precision}: ComfyUI-GGUF has no layout for a {base.family} base "
+                         f"({base.path}); GGUF is written for {', '.join(named)}")
+    if base.is_folder or not base.native:
+        raise ValueError(f"--save_precision {save_precision}: GGUF is written from a single file in the names "
+                         f"ComfyUI-GGUF reads ({base.naming} names of {base.path} are not); give the single-file checkpoint")
+    if base.fp8 is not None:
+        raise ValueError(f"--save_precision {save_precision}: {base.path} is a pre-quantized {base.fp8.layout} base; "
+                         f"quantizing its fp8 values again compounds their rounding: give the bf16 / fp16 / fp32 file")
+    if fp8_layout is not None or stochastic_rounding:
+        raise ValueError(f"--save_precision {save_precision}: --fp8_layout and --stochastic_rounding are for fp8 outputs")
+    unreadable = [k for k in base.reader.keys() if base.to_model(k) and not ST_DTYPES[base.reader.dtype_name(k)].is_floating_point]
+    if unreadable:
+        raise ValueError(f"--save_precision {save_precision}: '{unreadable[0]}' is {base.reader.dtype_name(unreadable[0])}; "
+                         f"GGUF is written from float tensors")
+
+
 # ----------------------------------------------------------------------------------------------
 # Command line
 
@@ -592,7 +639,10 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
     if save_precision is not None and save_precision not in PRECISIONS:
         raise ValueError(f"--save_precision {save_precision!r}: expected one of {', '.join(PRECISIONS)}")
     base = open_base(model)
-    precision = _output_precision(base, save_precision, fp8_layout)
+    qtype = save_precision_type(save_precision)
+    if qtype:
+        _check_gguf_output(base, save_precision, fp8_layout, stochastic_rounding)
+    precision = "fp32" if qtype else _output_precision(base, save_precision, fp8_layout)  # GGUF: from float32
     fp8_out = base.fp8 is not None and precision in (None, base.fp8.layout) or precision in FP8_MODES
     if stochastic_rounding and not fp8_out:
         raise ValueError(f"--stochastic_rounding needs --save_precision fp8 (or an fp8 base kept in its layout), "
@@ -613,7 +663,10 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
     plan = (Plan if base.fp8 is None else Fp8BasePlan)(base, precision, deltas, stochastic_rounding, seed)
     # Built beside save_to and renamed into place (an old save_to is replaced), with the umask's mode.
     with (atomic_folder if base.is_folder else atomic_path)(save_to) as tmp:
-        write_merged(plan, loras, tmp)
+        if qtype:
+            write_merged_gguf(plan, loras, tmp, qtype)
+        else:
+            write_merged(plan, loras, tmp)
     return plan
 
 
@@ -627,8 +680,9 @@ def main(argv=None) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     merged = sum(len(v) for v in plan.deltas.values())
+    saved = args.save_precision if save_precision_type(args.save_precision) else plan.precision or "dtypes as input"
     print(f"merged {merged} LoRA modules ({len(specs)} files) into {len(plan.deltas)} {plan.base.family} weights -> "
-          f"{args.save_to} ({plan.precision or 'dtypes as input'})")  # fmt: skip
+          f"{args.save_to} ({saved})")  # fmt: skip
     return 0
 
 

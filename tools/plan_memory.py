@@ -86,15 +86,15 @@ class PresetFamily:
                 return f"gguf_{gguf.lower()}" if gguf else None
 
             def load_transformer(self, dtype, base_precision="bf16", read_weights=False):
-                from library.precision.fp8 import prepare_fp8
+                from library.models.family import fp8_prepare
                 from library.precision.gguf_weights import prepare_gguf_like
 
                 with torch.device("meta"):
                     model = load_symbol(planner.transformer)(load_symbol(preset.transformer))
                 if gguf:  # the file's layout, whatever base precision is asked for (as the loaders do)
                     prepare_gguf_like(model, gguf, arch_spec(self.arch).fp8)
-                elif base_precision != "bf16":
-                    prepare_fp8(model, base_precision, arch_spec(self.arch).fp8)
+                elif base_precision != "bf16":  # fp8 / nf4 / int8 layers on meta, as the loaders prepare them
+                    fp8_prepare(base_precision, self.arch)(model)
                 model.to(dtype)
                 model.compute_dtype = dtype
                 return model
@@ -133,19 +133,24 @@ def plan_run(family, args, width: int, height: int, batch: int, references: int 
     return [caching, training, sampling_phase(family, args, width, height, tokens, count)]
 
 
-def setting_plans(family, args, width: int, height: int, batch: int, references: int | None = None) -> dict:
-    """{(base precision, checkpointing): TrainingPlan} for bf16 / fp8_scaled x checkpointing off / on; a
+# The base precisions a card is planned with (the stored layout alone for a pre-quantized file).
+PLANNED_PRECISIONS = ("bf16", "fp8_scaled", "nf4", "int8")
+
+
+def setting_plans(family, args, width: int, height: int, batch: int, references: int | None = None,
+                  bases: tuple[str, ...] = PLANNED_PRECISIONS) -> dict:
+    """{(base precision, checkpointing): TrainingPlan} for each of `bases` x checkpointing off / on; a
     pre-quantized base (family.stored_layout()) only in its stored layout, which the loader always uses."""
     from library.precision.stored_layouts import config_precision
 
     count, tokens = references_and_tokens(family, args, references, width, height)
     stored = family.stored_layout()
     plans = {}
-    for base in (stored,) if stored else ("bf16", "fp8_scaled"):
+    for base in (stored,) if stored else bases:
         for ckpt in (False, True):
             trial = copy.copy(args)
-            wanted = config_precision(base) if stored else base
-            trial.fp8_base, trial.fp8_scaled, trial.gradient_checkpointing = wanted != "bf16", wanted != "fp8", ckpt
+            trial.base_precision = config_precision(base) if stored else base
+            trial.gradient_checkpointing = ckpt
             plans[base, ckpt] = training_plan(family, trial, width, height, batch, tokens, count)
     return plans
 

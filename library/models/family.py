@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from library.models import flow_matching as fm
-from library.models.registry import BASE_PRECISIONS, FAMILIES, arch_spec  # noqa: F401  (their importers find them here too)
+from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, arch_spec  # noqa: F401  (their importers find them here too)
 from library.models.vae import pack_latents, unpack_latents
 
 
@@ -50,14 +50,19 @@ def file_fingerprint(*paths: str | None) -> str:
 
 
 def fp8_prepare(mode: str | None, arch: str):
-    """The `prepare` hook of the checkpoint loaders: on the meta-built model, swap the Linears that
-    arch's fp8 rules (its spec) do not keep for FP8Linear and return the per-tensor quantizing
-    converter (quantization while loading)."""
+    """The `prepare` hook of the checkpoint loaders for a base precision (BASE_PRECISIONS): on the
+    meta-built model, swap the Linears that arch's fp8 keep rules (its spec) do not keep for FP8Linear
+    (fp8, fp8_scaled) or bitsandbytes' NF4Linear / Int8Linear (nf4, nf4_dq, int8), and return the
+    per-tensor quantizing converter (quantization while loading)."""
     if mode in (None, "bf16"):
         return None
+    rules = arch_spec(arch).fp8
+    if mode in LOWBIT_PRECISIONS:
+        from library.precision.bnb_weights import bnb_load_converter, prepare_bnb
+
+        return lambda model: bnb_load_converter(prepare_bnb(model, mode, rules))
     from library.precision.fp8 import fp8_load_converter, prepare_fp8
 
-    rules = arch_spec(arch).fp8
     return lambda model: fp8_load_converter(prepare_fp8(model, mode, rules))
 
 

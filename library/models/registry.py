@@ -24,7 +24,10 @@ FAMILIES = {
     "krea2": "library.models.krea2.family:Krea2Family",
 }
 
-BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")  # how the frozen base is stored
+# How the frozen base is stored (config base_precision): the compute dtype, fp8 (library/precision/fp8.py),
+# or bitsandbytes' 4- and 8-bit formats (library/precision/bnb_weights.py).
+LOWBIT_PRECISIONS = ("nf4", "nf4_dq", "int8")
+BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled", *LOWBIT_PRECISIONS)
 
 # Architectures that are not a diffusion family but have the same kind of facts (LoRA targets, key
 # names): arch -> the module holding its SPEC.

@@ -234,6 +234,9 @@ class ArchSpec:
     lora: object = None  # LoRA targets and key names (section above)
     lora_files: object = None  # converters' key tables
     fp8: object = None  # keep-high-precision rules
+    # ComfyUI-GGUF's general.architecture for this transformer's files (what its convert.py detects
+    # from the key names; merge_lora --save_precision gguf_* writes it); None: not written as GGUF.
+    gguf_arch: str | None = None
     sampling: object = None  # timestep sampling and shift defaults (diffusion architectures)
     transformer: object = None  # loading and driving the transformer from a checkpoint
     config_keys: tuple = ()  # ConfigKey of the family's own training-config keys

@@ -192,6 +192,23 @@ def stochastic_round_to_fp8(x: torch.Tensor, generator: torch.Generator | None =
 # The layer
 
 
+def apply_keeping_dtypes(module: nn.Module, fn, names: tuple[str, ...], apply) -> nn.Module:
+    """nn.Module._apply for a layer whose stored buffers `names` (codes and their scales) keep their
+    dtypes: model.to(bf16) must not turn them into something else; device moves (and to_empty) still
+    apply. `apply()` runs the module's own _apply on everything else. A zero-size probe tells what fn
+    would do to a dtype."""
+    held = {k: module._buffers[k] for k in names if module._buffers.get(k) is not None}
+    for k in held:
+        module._buffers[k] = None
+    try:
+        apply()
+    finally:
+        for k, t in held.items():
+            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            module._buffers[k] = fn(t) if probe.dtype == t.dtype else t.to(probe.device)
+    return module
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """y = x @ dequant(q)^T + b whose backward re-dequantizes the weight instead of keeping it:
     autograd would otherwise save every layer's dequantized copy until backward, holding the
@@ -264,18 +281,7 @@ class FP8Linear(nn.Module):
             return _FP8LinearFunction.apply(x.to(dtype), self.weight, self.weight_scale, bias, dtype)
 
     def _apply(self, fn, recurse=True):
-        # model.to(bf16) must not turn the fp8 codes or their scales into something else; device
-        # moves (and to_empty) still apply. A zero-size probe tells what fn would do to the dtype.
-        held = {k: self._buffers[k] for k in ("weight", "weight_scale") if self._buffers.get(k) is not None}
-        for k in held:
-            self._buffers[k] = None
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for k, t in held.items():
-                probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
-                self._buffers[k] = fn(t) if probe.dtype == t.dtype else t.to(probe.device)
-        return self
+        return apply_keeping_dtypes(self, fn, ("weight", "weight_scale"), lambda: super(FP8Linear, self)._apply(fn, recurse))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "weight"

@@ -21,7 +21,7 @@ from typing import Any
 import toml
 
 from library.errors import ConfigError
-from library.models.registry import FAMILIES, SAMPLING_METHODS, arch_specs
+from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, SAMPLING_METHODS, arch_specs
 from library.text_files import read_utf8
 
 PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (PRECISION_DTYPES below)
@@ -101,7 +101,10 @@ SCHEMA: dict[str, Arg] = {
     "weight_decay_1d": A(bool, False, "also apply weight decay to 1-D parameters (biases, norms)"),
     # precision and speed
     "mixed_precision": A(str, "bf16", "compute dtype", ("no", "fp16", "bf16")),
-    "fp8_base": A(bool, False, "store base Linear weights in float8_e4m3fn"),
+    "base_precision": A(str, None, "how the frozen base's Linears are stored: bf16 (the compute dtype), fp8, fp8_scaled, "
+                                   "nf4 / nf4_dq (4-bit NormalFloat, dq: double-quantized statistics), int8 (row-wise); "
+                                   "unset: from fp8_base / fp8_scaled", BASE_PRECISIONS),
+    "fp8_base": A(bool, False, "store base Linear weights in float8_e4m3fn (base_precision says it too)"),
     "fp8_scaled": A(bool, True, "with fp8_base: per-block absmax scales (False = plain cast, as sd-scripts); "
                                 "a pre-quantized scaled file (ours, ComfyUI's per-tensor scaled) needs True"),
     "gradient_checkpointing": A(bool, False, "per-block activation checkpointing"),
@@ -133,7 +136,7 @@ SCHEMA: dict[str, Arg] = {
     "sample_every_n_steps": A(int, 0, "render samples every N steps (0 = off)"),
     "sample_every_n_epochs": A(int, 0, "render samples every N epochs (0 = off)"),
     "sample_at_first": A(bool, False, "render samples before training"),
-    "sample_bf16_reference": A(bool, None, "with fp8_base: also render each sample on a bf16 base, side by side "
+    "sample_bf16_reference": A(bool, None, "on an fp8 / nf4 / int8 base: also render each sample on a bf16 base, side by side "
                                            "(unset: on, unless the memory plan says that copy does not fit the card)"),
     "logging_dir": A(str, None, "TensorBoard log folder (CSV is always written)"),
     # validation (diffusion; the held-out images are chosen in the dataset TOML)
@@ -180,11 +183,37 @@ def compute_dtype(args) -> torch.dtype:
     return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.mixed_precision]
 
 
-def base_precision(args) -> str:
-    """How the frozen base is stored: bf16 (i.e. the compute dtype), fp8 or fp8_scaled. A pre-quantized
-    checkpoint is used as it is stored: DiffusionTask.metadata() names its layout instead
-    (stored_layouts.config_precision: e.g. ComfyUI's fp8_tensor_scaled needs fp8_scaled, GGUF bf16)."""
+def _fp8_keys_precision(args) -> str:
     return ("fp8_scaled" if args.fp8_scaled else "fp8") if args.fp8_base else "bf16"
+
+
+def base_precision(args) -> str:
+    """How the frozen base is stored: bf16 (i.e. the compute dtype), fp8, fp8_scaled, nf4, nf4_dq or
+    int8 (the base_precision key, else the fp8_base / fp8_scaled keys). A pre-quantized checkpoint is
+    used as it is stored: DiffusionTask.metadata() names its layout instead
+    (stored_layouts.config_precision: e.g. ComfyUI's fp8_tensor_scaled needs fp8_scaled, GGUF bf16)."""
+    return getattr(args, "base_precision", None) or _fp8_keys_precision(args)
+
+
+def _validate_base_precision(args, origins: dict[str, str], where: str) -> None:
+    """base_precision and the older fp8_base / fp8_scaled keys must not ask for two different bases.
+    Then the fp8 keys are set to match base_precision (so a state saved with either spelling resumes)."""
+    chosen = args.base_precision
+    if chosen is None:
+        return
+    fp8_keys = [k for k in ("fp8_base", "fp8_scaled") if k in origins]
+    said = _fp8_keys_precision(args)
+    conflict = (args.fp8_base and said != chosen) or (chosen in ("fp8", "fp8_scaled") and (
+        ("fp8_base" in origins and not args.fp8_base) or ("fp8_scaled" in origins and args.fp8_scaled != (chosen == "fp8_scaled"))))
+    if conflict:
+        given = " and ".join(f"{k} = {str(getattr(args, k)).lower()}" for k in fp8_keys)
+        raise ConfigError(f"{_blame(origins, where, 'base_precision', *fp8_keys)}: base_precision = \"{chosen}\" and {given} "
+                          f"ask for two different bases ({chosen} vs {said}); set base_precision alone (fp8_base / "
+                          f"fp8_scaled are its older spelling)")
+    if chosen in ("fp8", "fp8_scaled"):
+        args.fp8_base, args.fp8_scaled = True, chosen == "fp8_scaled"
+    else:
+        args.fp8_base = False
 
 
 def _coerce(key: str, value: Any, where: str) -> Any:
@@ -371,9 +400,11 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         raise ConfigError(f"{where}: key 'train_data' is required for model_type llm")
     if args.pretrain and args.model_type != "llm":
         raise ConfigError(f"{_blame(origins, where, 'pretrain', 'model_type')}: key 'pretrain' is only for model_type llm")
-    if args.pretrain and args.fp8_base:
-        raise ConfigError(f"{_blame(origins, where, 'pretrain', 'fp8_base')}: 'pretrain' trains the base weights, which "
-                          f"cannot be stored in fp8 ('fp8_base')")
+    _validate_base_precision(args, origins, where)
+    if args.pretrain and base_precision(args) != "bf16":
+        key = "base_precision" if args.base_precision else "fp8_base"
+        raise ConfigError(f"{_blame(origins, where, 'pretrain', key)}: 'pretrain' trains the base weights, which "
+                          f"cannot be stored in {base_precision(args)} ('{key}')")
     if "scaled_residual_init" in origins and not args.pretrain:  # it would be ignored: say so
         raise ConfigError(f"{origins['scaled_residual_init']}: key 'scaled_residual_init' is for llm pretraining "
                           f"(pretrain = true)")

@@ -292,7 +292,7 @@ class LLMTask:
     # -- metadata ------------------------------------------------------------------------------
     def metadata(self) -> dict:
         c, args = self.model.config, self.args
-        precision = (base_precision(args) if args.fp8_base
+        precision = (base_precision(args) if base_precision(args) != "bf16"
                      else {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.weights_dtype])
         return {
             "base_model_version": f"llm-{c.num_layers}x{c.hidden_size}" + ("-scratch" if self.from_scratch else ""),

@@ -263,8 +263,10 @@ def caching_phase(family, args, width: int, height: int, references: int = 0) ->
 
 def renders_bf16_reference(args) -> bool:
     """Whether samples also render on a bf16 copy of the base (DiffusionTask.render_samples): on an
-    fp8 base, unless sample_bf16_reference is false (unset counts as on; settle_bf16_reference)."""
-    return bool(args.fp8_base) and getattr(args, "sample_bf16_reference", True) is not False
+    fp8 / nf4 / int8 base, unless sample_bf16_reference is false (unset counts as on; settle_bf16_reference)."""
+    from library.training.config import base_precision
+
+    return base_precision(args) != "bf16" and getattr(args, "sample_bf16_reference", True) is not False
 
 
 def _bf16_reference_bytes(family, args, lora: int) -> int:

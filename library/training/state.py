@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from library.io import CheckpointError, CheckpointReader, atomic_folder, save_safetensors
+from library.models.registry import LOWBIT_PRECISIONS
 
 # Settings a resumed run must share with the run that wrote the state.
 RUN_IDENTITY = (
@@ -37,6 +38,8 @@ PROGRESS_KEYS = ("step", "epoch", "batches_done", "scheduler", "run")
 def run_digest(args) -> dict:
     identity = {k: getattr(args, k) for k in RUN_IDENTITY}
     identity["base_model"] = os.path.basename(os.path.normpath(args.pretrained_model_name_or_path or ""))
+    if getattr(args, "base_precision", None) in LOWBIT_PRECISIONS:  # fp8 and bf16 are in fp8_base / fp8_scaled
+        identity["base_precision"] = args.base_precision  # (so states written before the key still resume)
     if args.ema_decay:  # only with EMA on, so states written without these keys still resume without EMA
         identity.update({k: getattr(args, k) for k in EMA_IDENTITY})
         if args.ema_warmup:  # likewise: the warmup's shape only where there is a warmup

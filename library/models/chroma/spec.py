@@ -97,6 +97,7 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
+    gguf_arch="flux",  # ComfyUI-GGUF names BFL block keys "flux" (convert.py ModelFlux); ComfyUI tells Chroma by its keys
     sampling=SAMPLING,
     transformer=S.TransformerHooks(load="library.models.chroma.checkpoint:load_chroma",
                                    random_inputs="library.models.chroma.model:random_inputs"),

@@ -131,6 +131,9 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
+    # ComfyUI-GGUF: double_blocks.0.img_attn.proj.weight -> "flux" (tools/convert.py ModelFlux). Its llama.cpp
+    # patch leaves txt_in, img_in, time_in, vector_in, guidance_in, final_layer unquantized: FP8.keep exactly.
+    gguf_arch="flux",
     sampling=SAMPLING,
     transformer=S.TransformerHooks(load="library.models.flux1.checkpoint:load_flux",
                                    random_inputs="library.models.flux1.model:random_inputs"),

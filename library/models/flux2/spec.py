@@ -102,6 +102,7 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
+    gguf_arch="flux",  # ComfyUI-GGUF names BFL block keys "flux" (convert.py ModelFlux); ComfyUI tells FLUX.2 by its keys
     sampling=SAMPLING,
     transformer=S.TransformerHooks(load="library.models.flux2.checkpoint:load_flux2",
                                    random_inputs="library.models.flux2.model:random_inputs"),

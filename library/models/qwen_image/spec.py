@@ -87,6 +87,7 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
+    gguf_arch="qwen_image",  # ComfyUI-GGUF's loader IMG_ARCH_LIST name for Qwen-Image files
     sampling=SAMPLING,
     transformer=S.TransformerHooks(load="library.models.qwen_image.model:load_qwen_image",
                                    random_inputs="library.models.qwen_image.model:random_inputs"),

@@ -1,0 +1,333 @@
+"""nf4 and int8 base weights through bitsandbytes: the frozen transformer's Linears stored in 4 or
+8 bits (diffusers' QLoRA recipe, OneTrainer, SimpleTuner), dequantized per forward to the compute
+dtype, so a LoRA trains over the base an 8-12 GB card can hold.
+
+Formats (base_precision; bytes per weight on a Linear of 3072 inputs):
+  nf4     QLoRA's 4-bit NormalFloat: two codes per byte, blocks of 64 consecutive weights (of the
+          row-major weight, so along `in`) with one float32 absmax each: 0.5 + 4/64 = 0.5625.
+  nf4_dq  nf4 with QLoRA's double quantization: the absmaxes minus their float32 mean stored as
+          uint8 codes of bitsandbytes' dynamic map, in blocks of 256 with one float32 scale each:
+          0.5 + 1/64 + 4/(64 * 256) = 0.5159 (+ 4 bytes per layer).
+  int8    row-wise absmax int8, weight-only: one float32 absmax per output row: 1 + 4/3072 = 1.0013.
+
+Everything numeric is bitsandbytes' own functional API (0.50; its CPU backend runs all of it):
+quantize_4bit / dequantize_4bit (nf4: float32 code[q] * absmax, rounded once to the compute dtype;
+the CPU kernel writing bf16 gives exactly its float32 result rounded once, tests/test_bnb_weights.py),
+int8_vectorwise_quant / int8_vectorwise_dequant (float32 q * absmax * (1/127), then one cast to the
+compute dtype). Quantization reads the source weight in float32 (a bf16 file's values exactly).
+
+Why int8 is weight-only and not LLM.int8() (bitsandbytes' Linear8bitLt with its outlier matmul):
+LLM.int8() also quantizes the activations per row and runs an int8 matmul, keeping the input columns
+with an outlier above a threshold (6.0) in fp16. For a frozen base under a LoRA that buys nothing and
+costs three things: (1) the base's output gains activation-quantization noise the deployed bf16 /
+int8-weight base does not have, and which columns count as outliers changes with every batch, so the
+LoRA trains against a moving base; (2) the input gradient the LoRA needs is a float matmul with the
+dequantized weight anyway (bitsandbytes' own backward does that); (3) the int8 matmul is CUDA-only
+(on CPU only with AVX-512), so CPU and GPU would compute different bases. Weight-only int8 is
+x @ dequant(W)^T in the compute dtype: the same numbers everywhere, exactly testable, and the memory
+saving (1 byte per weight) is the same.
+
+The layers keep the packed bytes and their statistics as buffers: `.to(device)` and block swap move
+them, `model.to(bf16)` leaves their dtypes alone, they never train. Backward re-dequantizes (as
+fp8.py's FP8Linear does) so no dequantized copy lives between forward and backward. Which Linears
+are quantized: the architecture's fp8 keep rules (its spec's FP8Rules), the same as fp8.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from library.io import CheckpointError
+from library.precision.autocast import autocast_off
+from library.precision.fp8 import KeepRules, apply_keeping_dtypes, is_high_precision
+
+MODES = ("nf4", "nf4_dq", "int8")
+NF4_BLOCK = 64  # weights per absmax (QLoRA's and bitsandbytes' default)
+NESTED_BLOCK = 256  # absmaxes per scale under double quantization (what quantize_4bit uses)
+INT8_MAX = 127
+
+
+def _bnb():
+    """bitsandbytes.functional, imported on first use (it loads its native library)."""
+    import bitsandbytes.functional as bnbf
+
+    return bnbf
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"bitsandbytes base precision must be one of {MODES}, got {mode!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantization and dequantization (bitsandbytes' functional API)
+
+
+def nf4_shapes(out_features: int, in_features: int, double_quant: bool) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The stored tensors of an nf4 weight: name -> (shape, dtype), as quantize_4bit returns them."""
+    n = out_features * in_features
+    blocks = -(-n // NF4_BLOCK)
+    shapes = {"weight": (((n + 1) // 2, 1), torch.uint8)}
+    if not double_quant:
+        return {**shapes, "weight_absmax": ((blocks,), torch.float32)}
+    return {**shapes, "weight_absmax": ((blocks,), torch.uint8), "weight_absmax_scale": ((-(-blocks // NESTED_BLOCK),), torch.float32),
+            "weight_absmax_offset": ((), torch.float32)}
+
+
+def int8_shapes(out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {"weight": ((out_features, in_features), torch.int8), "weight_absmax": ((out_features,), torch.float32)}
+
+
+def quantize_nf4(w: torch.Tensor, double_quant: bool = False) -> dict[str, torch.Tensor]:
+    """w [out, in] (any float dtype, read as float32) -> the stored nf4 tensors (nf4_shapes)."""
+    _check_weight(w)
+    packed, state = _bnb().quantize_4bit(w.detach().float(), blocksize=NF4_BLOCK, quant_type="nf4",
+                                         compress_statistics=double_quant)
+    if not double_quant:
+        return {"weight": packed, "weight_absmax": state.absmax}
+    if state.state2.blocksize != NESTED_BLOCK or not torch.equal(state.state2.code, _dynamic_map(w.device)):
+        raise RuntimeError("bitsandbytes' double quantization changed (block or map); nf4_dq cannot be stored")
+    return {"weight": packed, "weight_absmax": state.absmax, "weight_absmax_scale": state.state2.absmax,
+            "weight_absmax_offset": state.offset.reshape(())}
+
+
+def quantize_int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """w [out, in] -> {"weight": int8 [out, in], "weight_absmax": float32 [out]}: bitsandbytes'
+    int8_vectorwise_quant on the float32 weight (so q = round(w * 127 / absmax) is computed in
+    float32), without outlier columns. An all-zero row has absmax 0, where bitsandbytes divides by
+    zero: its codes are set to 0 (dequantized 0 * 0 = 0, the row's value)."""
+    _check_weight(w)
+    q, absmax, _ = _bnb().int8_vectorwise_quant(w.detach().float(), threshold=0.0)
+    q[absmax == 0] = 0
+    return {"weight": q, "weight_absmax": absmax}
+
+
+def _check_weight(w: torch.Tensor) -> None:
+    if w.dim() != 2:
+        raise ValueError(f"bitsandbytes quantization: expected a 2-D Linear weight [out, in], got shape {tuple(w.shape)}")
+    if not w.is_floating_point() or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"bitsandbytes quantization: weight is {w.dtype}; give bf16/fp16/fp32 weights "
+                         f"(re-quantizing an fp8 weight compounds its error)")
+
+
+_DYNAMIC_MAPS: dict[torch.device, torch.Tensor] = {}
+
+
+def _dynamic_map(device) -> torch.Tensor:
+    """bitsandbytes' signed dynamic map (the codes of double-quantized absmaxes), float32 [256]."""
+    device = torch.device(device)
+    if device not in _DYNAMIC_MAPS:
+        _DYNAMIC_MAPS[device] = _bnb().create_dynamic_map(signed=True).to(device)
+    return _DYNAMIC_MAPS[device]
+
+
+def dequantize_nf4(shape, dtype: torch.dtype, weight: torch.Tensor, absmax: torch.Tensor,
+                   absmax_scale: torch.Tensor | None = None, absmax_offset: torch.Tensor | None = None) -> torch.Tensor:
+    """The [out, in] weight in `dtype` (bf16 / fp16 / fp32) through bitsandbytes' dequantize_4bit.
+    Double quantization: the absmaxes are first dequantized by bitsandbytes (float32) and offset."""
+    QuantState = _bnb().QuantState
+    nested = {}
+    if absmax_scale is not None:
+        state2 = QuantState(absmax=absmax_scale, code=_dynamic_map(absmax.device), blocksize=NESTED_BLOCK, dtype=torch.float32)
+        nested = {"offset": absmax_offset, "state2": state2}
+    state = QuantState(absmax=absmax, shape=torch.Size(shape), dtype=dtype, blocksize=NF4_BLOCK, quant_type="nf4", **nested)
+    return _bnb().dequantize_4bit(weight, state)
+
+
+def dequantize_int8(shape, dtype: torch.dtype, weight: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """The weight in `dtype`: bitsandbytes' int8_vectorwise_dequant (float32), cast once."""
+    return _bnb().int8_vectorwise_dequant(weight, absmax).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The layers
+
+
+class _DequantizedLinearFunction(torch.autograd.Function):
+    """y = x @ dequantize(*stored)^T + b whose backward dequantizes again instead of keeping the
+    weight (autograd would otherwise hold every layer's dequantized copy until backward: the whole
+    base in the compute dtype). Only the stored tensors (resident anyway) are saved; no base grad."""
+
+    @staticmethod
+    def forward(ctx, x, bias, dequantize, *stored):
+        ctx.save_for_backward(*stored)
+        ctx.dequantize = dequantize
+        return F.linear(x, dequantize(*stored), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        stored = ctx.saved_tensors  # once: under activation checkpointing a second unpack is an error
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            w = ctx.dequantize(*stored)
+            grad_x = grad_out.to(w.dtype) @ w
+        return (grad_x, None, None) + (None,) * len(stored)
+
+
+class _BnbLinear(nn.Module):
+    """A frozen Linear whose weight is stored in a bitsandbytes format (NF4Linear, Int8Linear).
+
+    State dict: the stored tensors (`weight` and its statistics, buffers of the format's shapes and
+    dtypes) and `bias` (high precision, frozen). forward dequantizes to the input's dtype (or the
+    autocast dtype) and runs F.linear: gradients reach the input (a LoRA sits on top), never the
+    base. compute_dtype: None follows the input; a dtype makes the layer cast its input to it."""
+
+    mode: str
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, stored: dict, device=None,
+                 bias_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype: torch.dtype | None = None
+        self.stored_names = tuple(stored)
+        for name, (shape, dtype) in stored.items():
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device))
+        b = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device), requires_grad=False)
+        self.bias = b if bias else None
+
+    def _dequantizer(self, dtype: torch.dtype):
+        """f(*stored) -> the weight in `dtype` (no tensor is held: block swap reloads the stored ones)."""
+        raise NotImplementedError
+
+    def _stored(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.stored_names]
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._dequantizer(dtype)(*self._stored())
+
+    def load_quantized(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name in self.stored_names:
+            setattr(self, name, tensors[name])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
+        autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)  # meta: the planner
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
+            return _DequantizedLinearFunction.apply(x.to(dtype), bias, self._dequantizer(dtype), *self._stored())
+
+    def _apply(self, fn, recurse=True):
+        return apply_keeping_dtypes(self, fn, self.stored_names, lambda: super(_BnbLinear, self)._apply(fn, recurse))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in self.stored_names:
+            key, want = prefix + name, self._buffers[name].dtype
+            if key in state_dict and state_dict[key].dtype != want:
+                raise CheckpointError(f"'{key}': {type(self).__name__} ({self.mode}) expects {want}, got "
+                                      f"{state_dict[key].dtype}; load high-precision checkpoints through bnb_load_converter")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}, mode={self.mode}"
+
+
+class NF4Linear(_BnbLinear):
+    """nf4 (double_quant=False) or nf4_dq storage: the buffers of nf4_shapes."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, double_quant: bool = False,
+                 device=None, bias_dtype: torch.dtype = torch.float32):
+        self.mode = "nf4_dq" if double_quant else "nf4"
+        super().__init__(in_features, out_features, bias, nf4_shapes(out_features, in_features, double_quant),
+                         device, bias_dtype)
+
+    def _dequantizer(self, dtype):
+        return partial(dequantize_nf4, (self.out_features, self.in_features), dtype)
+
+
+class Int8Linear(_BnbLinear):
+    """Row-wise absmax int8 storage: `weight` int8 [out, in], `weight_absmax` float32 [out]."""
+
+    mode = "int8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 bias_dtype: torch.dtype = torch.float32):
+        super().__init__(in_features, out_features, bias, int8_shapes(out_features, in_features), device, bias_dtype)
+
+    def _dequantizer(self, dtype):
+        return partial(dequantize_int8, (self.out_features, self.in_features), dtype)
+
+
+def quantize(w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
+    """The stored tensors of `w` in `mode` (nf4 / nf4_dq / int8), by buffer name."""
+    _check_mode(mode)
+    return quantize_int8(w) if mode == "int8" else quantize_nf4(w, double_quant=mode == "nf4_dq")
+
+
+def empty_layer(in_features: int, out_features: int, bias: bool, mode: str, device=None) -> _BnbLinear:
+    _check_mode(mode)
+    if mode == "int8":
+        return Int8Linear(in_features, out_features, bias, device=device)
+    return NF4Linear(in_features, out_features, bias, double_quant=mode == "nf4_dq", device=device)
+
+
+def from_linear(linear: nn.Linear, mode: str) -> _BnbLinear:
+    """Quantize a loaded nn.Linear, or mirror a `meta` one with meta tensors of the stored shapes."""
+    layer = empty_layer(linear.in_features, linear.out_features, linear.bias is not None, mode, device="meta")
+    if not linear.weight.is_meta:
+        layer.load_quantized(quantize(linear.weight, mode))
+    if linear.bias is not None:
+        layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+    return layer
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole models
+
+
+def prepare_bnb(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
+    """Replace every nn.Linear that `rules` (the architecture's fp8 keep rules) does not keep in high
+    precision by an NF4Linear / Int8Linear, in place. On a `meta` model the layers hold meta tensors
+    for load_streaming(convert=bnb_load_converter(model)) to fill; on a loaded model the weights are
+    quantized here. Returns the model."""
+    _check_mode(mode)
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            # Exact nn.Linear only: subclasses (e.g. nn.MultiheadAttention's out_proj) may read .weight directly.
+            if type(child) is nn.Linear and not is_high_precision(name, rules):
+                setattr(parent, child_name, from_linear(child, mode))
+    return model
+
+
+class BnbLoadConverter:
+    """load_streaming(convert=...) hook: `X.weight` of every NF4Linear / Int8Linear X is quantized as
+    it is read into X's stored tensors; all other tensors pass through. keep_dtype(key) is True for
+    those weights, so they arrive in the file's dtype (quantized from it, never via a narrower cast).
+    Peak memory: the quantized model so far plus one weight in float32."""
+
+    def __init__(self, model: nn.Module):
+        if not isinstance(model, nn.Module):
+            raise TypeError("bnb_load_converter(model): pass the model prepared by prepare_bnb")
+        self.modes = {f"{name}.weight": m.mode for name, m in model.named_modules() if isinstance(m, _BnbLinear)}
+
+    def keep_dtype(self, key: str) -> bool:
+        return key in self.modes
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if key not in self.modes:
+            return {key: tensor}
+        if not tensor.is_floating_point() or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise CheckpointError(f"'{key}' is {tensor.dtype}: {self.modes[key]} quantizes bf16/fp16/fp32 weights "
+                                  f"(re-quantizing a quantized weight compounds its error); give a bf16/fp16/fp32 checkpoint")
+        stem = key[: -len("weight")]
+        return {stem + name: t for name, t in quantize(tensor, self.modes[key]).items()}
+
+
+def bnb_load_converter(model: nn.Module) -> BnbLoadConverter:
+    """The load_streaming convert hook for a model prepared by prepare_bnb."""
+    return BnbLoadConverter(model)
+
+
+def bytes_per_weight(mode: str, out_features: int = 3072, in_features: int = 3072) -> float:
+    """Stored bytes (codes and statistics) per weight of an [out, in] Linear in `mode`."""
+    _check_mode(mode)
+    shapes = int8_shapes(out_features, in_features) if mode == "int8" else nf4_shapes(out_features, in_features, mode == "nf4_dq")
+    total = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in shapes.values())
+    return total / (out_features * in_features)
