@@ -133,8 +133,12 @@ def plan_run(family, args, width: int, height: int, batch: int, references: int 
     return [caching, training, sampling_phase(family, args, width, height, tokens, count)]
 
 
-# The base precisions a card is planned with (the stored layout alone for a pre-quantized file).
-PLANNED_PRECISIONS = ("bf16", "fp8_scaled", "nf4", "int8")
+# The base precisions a card is planned with (the stored layout alone for a pre-quantized file); the
+# 4- and 8-bit integer ones only on cards under LOWBIT_BELOW_GIB, where fp8 often needs block swap
+# (each is one more full-size simulation; a larger card's user can still plan one via base_precision).
+PLANNED_PRECISIONS = ("bf16", "fp8_scaled")
+LOWBIT_PRECISIONS = ("nf4", "int8")
+LOWBIT_BELOW_GIB = 16
 
 
 def setting_plans(family, args, width: int, height: int, batch: int, references: int | None = None,
@@ -163,8 +167,8 @@ def fewest_swaps(plan, vram_gib: float) -> int | None:
 def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib: float,
                      references: int | None = None) -> list[tuple]:
     """(base precision, checkpointing, fewest blocks_to_swap that fits or None, its training peak)."""
-    rows = []
-    for (base, ckpt), plan in setting_plans(family, args, width, height, batch, references).items():
+    rows, bases = [], PLANNED_PRECISIONS + (LOWBIT_PRECISIONS if vram_gib < LOWBIT_BELOW_GIB else ())
+    for (base, ckpt), plan in setting_plans(family, args, width, height, batch, references, bases).items():
         fit = fewest_swaps(plan, vram_gib)
         rows.append((base, ckpt, fit, plan.phase(fit or 0).peak))
     return rows
