@@ -52,8 +52,9 @@ ZIMAGE_OMNI = dataclasses.replace(ZIMAGE_BASE, siglip_feat_dim=1152)
 
 @dataclasses.dataclass
 class Piece:
-    """One piece of a row's stream before padding: features [n, dim] (embedded, real tokens only),
-    positions [n or round_up(n), 3] int64 (missing pad rows are (0, 0, 0)), whether it is the target's."""
+    """One piece of a row's stream before embedding and padding: its input features [n, in_dim] (real
+    tokens only), positions [n or round_up(n), 3] int64 (missing pad rows are (0, 0, 0)), and whether
+    it is the noisy target's."""
 
     feats: torch.Tensor
     positions: torch.Tensor
@@ -91,23 +92,26 @@ def siglip_tokens(features: torch.Tensor) -> torch.Tensor:
     return features.permute(2, 0, 1).reshape(h * w, c)
 
 
-def padded_stream(rows: list[list[Piece]], pad_token: torch.Tensor, cfg: ZImageConfig):
-    """Each row's pieces padded to multiples of 32 with pad_token, rows padded to the longest:
-    (x [B, L, dim], cos, sin [B, L, head_dim / 2] float32, mask [B, L] bool or None (all as long),
-    noisy [B, L, 1] bool, lengths: each row's token count)."""
-    feats, positions, noisy = [], [], []
+def padded_stream(rows: list[list[Piece]], embedder: nn.Module, pad_token: torch.Tensor, cfg: ZImageConfig):
+    """Each row's pieces padded to multiples of 32 and embedded, the pads then replaced by pad_token;
+    rows padded to the longest: (x [B, L, dim], cos, sin [B, L, head_dim / 2] float32, mask [B, L] bool
+    or None (all as long), noisy [B, L, 1] bool, lengths: each row's token count). The whole batch is
+    embedded in one call, pads included, as diffusers does: a GEMM's rounding depends on its row count."""
+    raw, is_pad, positions, noisy = [], [], [], []
     for pieces in rows:
-        row_feats, row_pos, row_noisy = [], [], []
+        row_pos, row_noisy = [], []
         for p in pieces:
             n = p.feats.shape[0]
             pads = round_up(n) - n if n else SEQ_MULTIPLE  # an empty piece (the target's SigLIP): one block of pads
-            row_feats += [p.feats, pad_token.to(p.feats.dtype).expand(pads, -1)]
+            raw += [p.feats, p.feats.new_zeros(pads, p.feats.shape[1])]
+            is_pad.append(torch.arange(n + pads, device=p.feats.device) >= n)
             row_pos += [p.positions, p.positions.new_zeros(n + pads - p.positions.shape[0], 3)]  # pads at (0, 0, 0)
             row_noisy.append(torch.full((n + pads,), p.noisy, device=p.feats.device))
-        feats.append(torch.cat(row_feats))
         positions.append(torch.cat(row_pos))
         noisy.append(torch.cat(row_noisy))
-    return pad_rows(feats, positions, noisy, cfg)
+    embedded = embedder(torch.cat(raw))
+    embedded = torch.where(torch.cat(is_pad)[:, None], pad_token.to(embedded.dtype), embedded)
+    return pad_rows(list(embedded.split([n.shape[0] for n in noisy])), positions, noisy, cfg)
 
 
 def pad_rows(feats: list[torch.Tensor], positions: list[torch.Tensor], noisy: list[torch.Tensor], cfg: ZImageConfig):
@@ -162,38 +166,37 @@ class ZImageOmni(ZImage):
         grids = [(r.shape[2] // cfg.patch_size, r.shape[3] // cfg.patch_size) for r in references] + [(h, w)]
         tokens = [to_patch_order(pack_latents(r.to(device, dtype)), cfg.in_channels, cfg.patch_size) for r in references]
         tokens.append(to_patch_order(img.to(dtype), cfg.in_channels, cfg.patch_size))
-        embedder = self.all_x_embedder[cfg.patch_key]
         cap_rows, img_rows, sig_rows = [], [], []
         for i in range(b):
             lengths = [c.shape[0] for c in captions[i]]
             ends = [1 + sum(lengths[: j + 1]) + 2 * j for j in range(len(lengths))]  # end_j: after segment j
-            segments = self.cap_embedder(torch.cat(captions[i]).to(device, dtype)).split(lengths)
             positions = caption_positions(lengths, device).split([round_up(n) for n in lengths])
             # The references' segments are clean, the last two (the prompt's, the closing one) the target's.
-            cap_rows.append([Piece(s, p, j >= n_ref) for j, (s, p) in enumerate(zip(segments, positions))])
-            img_rows.append([Piece(embedder(tok[i]), grid_positions(gh, gw, ends[j], device), j == n_ref)
+            cap_rows.append([Piece(c.to(device, dtype), p, j >= n_ref) for j, (c, p) in enumerate(zip(captions[i], positions))])
+            img_rows.append([Piece(tok[i], grid_positions(gh, gw, ends[j], device), j == n_ref)
                              for j, (tok, (gh, gw)) in enumerate(zip(tokens, grids))])
             if n_ref:
-                sig_rows.append([Piece(self.siglip_embedder(siglip_tokens(s.to(device, dtype))),
+                sig_rows.append([Piece(siglip_tokens(s.to(device, dtype)),
                                        grid_positions(s.shape[0], s.shape[1], ends[j] + 1, device, *references[j].shape[2:]),
                                        False) for j, s in enumerate(siglip[i])])
-                sig_rows[-1].append(Piece(t_noisy.new_zeros(0, cfg.dim), t_noisy.new_zeros(0, 3).long(), True))  # target: pads
+                empty = Piece(img.new_zeros(0, cfg.siglip_feat_dim, dtype=dtype), torch.zeros(0, 3, dtype=torch.long, device=device), True)
+                sig_rows[-1].append(empty)  # the target's: one block of pad tokens
         return self._run(img_rows, cap_rows, sig_rows, t_noisy, t_clean, grids)
 
     def _run(self, img_rows, cap_rows, sig_rows, t_noisy, t_clean, grids) -> torch.Tensor:
         """Refine each stream, join each row's [captions | images | SigLIP], run the main layers."""
         cfg, ckpt, swap = self.config, self.gradient_checkpointing, self.block_swap
         n_ref, n_refine = len(self.noise_refiner), len(self.context_refiner)
-        x, x_cos, x_sin, x_mask, x_noisy, x_len = padded_stream(img_rows, self.x_pad_token, cfg)
+        x, x_cos, x_sin, x_mask, x_noisy, x_len = padded_stream(img_rows, self.all_x_embedder[cfg.patch_key], self.x_pad_token, cfg)
         times = TokenTimes(t_noisy, t_clean, x_noisy)
         for i, block in enumerate(self.noise_refiner):
             x = run_block(block, ckpt, x, x_cos, x_sin, x_mask, times, swap=swap, index=i)
-        cap, c_cos, c_sin, c_mask, c_noisy, c_len = padded_stream(cap_rows, self.cap_pad_token, cfg)
+        cap, c_cos, c_sin, c_mask, c_noisy, c_len = padded_stream(cap_rows, self.cap_embedder, self.cap_pad_token, cfg)
         for i, block in enumerate(self.context_refiner):
             cap = run_block(block, ckpt, cap, c_cos, c_sin, c_mask, swap=swap, index=n_ref + i)
         streams = [(cap, c_cos, c_sin, c_noisy, c_len), (x, x_cos, x_sin, x_noisy, x_len)]
         if sig_rows:
-            sig, s_cos, s_sin, s_mask, s_noisy, s_len = padded_stream(sig_rows, self.siglip_pad_token, cfg)
+            sig, s_cos, s_sin, s_mask, s_noisy, s_len = padded_stream(sig_rows, self.siglip_embedder, self.siglip_pad_token, cfg)
             for i, block in enumerate(self.siglip_refiner):
                 sig = run_block(block, ckpt, sig, s_cos, s_sin, s_mask, swap=swap, index=n_ref + n_refine + i)
             streams.append((sig, s_cos, s_sin, s_noisy, s_len))
