@@ -124,3 +124,113 @@ def test_wrong_segment_count_is_one_error(pair):
     target, refs, caps, sig, sigmas = omni_inputs(*CASES[1])
     with pytest.raises(ValueError, match="1 reference\\(s\\) need 3 caption segment"):
         ours_omni(pair[1], target, refs, [row[:2] for row in caps], sig, sigmas)
+
+
+# ----------------------------------------------------------------------------------------------
+# The conditioning and sampling against ZImageOmniPipeline on the tiny Omni repo
+
+
+@pytest.fixture(scope="module")
+def omni_pipeline(tiny_set):
+    """ZImageOmniPipeline from the tiny repo's components (the tiny FLUX.1 VAE in bf16: the pipeline
+    encodes condition images in bf16) and our family on the same files."""
+    import os
+
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImageOmniPipeline
+    from transformers import AutoTokenizer, Qwen3ForCausalLM, Siglip2ImageProcessor, Siglip2VisionModel
+
+    from library.models.flux1.vae import load_flux_vae
+
+    root = tiny_set["zimage_omni"]
+    pipe = ZImageOmniPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(os.path.join(root, "scheduler")),
+        vae=load_flux_vae(tiny_set["flux_vae"], torch.bfloat16).vae,
+        text_encoder=Qwen3ForCausalLM.from_pretrained(os.path.join(root, "text_encoder")).eval(),
+        tokenizer=AutoTokenizer.from_pretrained(os.path.join(root, "tokenizer")),
+        transformer=ZImageTransformer2DModel.from_pretrained(os.path.join(root, "transformer")).eval(),
+        siglip=Siglip2VisionModel.from_pretrained(os.path.join(root, "siglip")).eval(),
+        siglip_processor=Siglip2ImageProcessor.from_pretrained(os.path.join(root, "siglip_processor")))
+    family = ZImageOmniFamily(root, tiny_set["flux_vae"], text_encoder=root)
+    return pipe, family, family.load_text_encoder("fp32")
+
+
+def picture(w, h, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray((torch.rand(h, w, 3, generator=g) * 255).to(torch.uint8).numpy())
+
+
+def test_omni_conditioning_matches_the_pipeline(omni_pipeline):
+    """encode_prompt with two condition images (segments, hidden_states[-2], real tokens) and
+    prepare_siglip_embeds, against our encoder; the vision markers are one token each."""
+    pipe, family, encode = omni_pipeline
+    assert len(pipe.tokenizer("<|vision_start|><|vision_end|>").input_ids) == 2
+    prompts = ["make the cube red", "a much longer instruction: paint the left shape blue and the right one green"]
+    theirs, negative = pipe.encode_prompt(list(prompts), device="cpu", do_classifier_free_guidance=True, num_condition_images=2)
+    images = [picture(40, 56), picture(72, 24, 1)]
+    ours = encode(prompts + [""], [images, images, images])
+    for expected, entry in zip(theirs + negative[:1], ours):
+        got = entry["embeds"].split(entry["segments"].tolist())
+        assert [s.shape for s in got] == [s.shape for s in expected] and len(got) == 4
+        assert max((a - b).abs().max().item() for a, b in zip(got, expected)) < 1e-5
+    siglip = pipe.prepare_siglip_embeds(images, 1, "cpu", torch.float32)[0]
+    grids = ours[0]["siglip"].split([h * w for h, w in ours[0]["siglip_grid"].tolist()])
+    for expected, flat, (h, w) in zip(siglip, grids, ours[0]["siglip_grid"].tolist()):
+        assert expected.shape == (h, w, SIGLIP_HIDDEN)
+        assert (flat.view(h, w, -1) - expected).abs().max().item() < 1e-6
+
+
+def test_siglip_sees_large_images_at_the_pipelines_area():
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    from library.models.zimage.omni_encoder import siglip_view
+
+    large = picture(1100, 1000)
+    expected = Flux2ImageProcessor._resize_to_target_area(large, 1024 * 1024)
+    assert siglip_view(large).size == expected.size and siglip_view(large).tobytes() == expected.tobytes()
+    small = picture(64, 48)
+    assert siglip_view(small) is small
+
+
+@torch.no_grad()
+def test_omni_sampling_matches_the_pipeline(omni_pipeline, tmp_path):
+    """Three Euler steps with CFG 5 on an 80x64 target and one reference: ZImageOmniPipeline
+    (output_type latent) against our family's sample_latents with our conditioning; our reference
+    pixels and latents against the pipeline's."""
+    from library.data.controls import reference_images
+    from library.models.family import stack_text
+
+    pipe, family, encode = omni_pipeline
+    image = picture(80, 64, 3)  # the pipeline takes at least 64 pixels a side
+    captured = {}
+    real = pipe.prepare_image_latents
+
+    def capture(images, *args, **kwargs):
+        captured["pixels"], captured["latents"] = images[0], real(images, *args, **kwargs)[0]
+        return [list(captured["latents"])]  # batch 1
+
+    pipe.prepare_image_latents = capture
+    expected = pipe(image=[image], prompt="make the shape red", height=64, width=80, num_inference_steps=3,
+                    guidance_scale=5.0, generator=torch.Generator().manual_seed(7), output_type="latent").images
+    path = tmp_path / "ref.png"
+    image.save(path)
+    pixels = reference_images([str(path)], family.control_bucket, 80, 64)[0]
+    assert torch.equal(pixels, captured["pixels"].float())  # the same [-1, 1] reference
+    vae = family.load_vae(torch.bfloat16)
+    ref_latent = captured["latents"][0].squeeze(1)[None].float()  # [1, 16, 8, 10]
+    assert (vae.encode(pixels) - ref_latent).abs().max().item() < 2e-2  # bf16 VAE; the pipeline rounds to bf16 after the scale
+
+    model = family.load_transformer(torch.float32)
+    text = stack_text(encode(["make the shape red"], [[image]]))
+    negative = stack_text(encode([""], [[image]]))
+    ours = family.sample_latents(model, text, 80, 64, 3, 7, 5.0, negative, control=[ref_latent])
+    diff = (ours - expected).abs().max().item()
+    print(f"Z-Image Omni 3 CFG steps vs ZImageOmniPipeline: max abs diff {diff:.2e} (latents up to {expected.abs().max():.2f})")
+    assert ours.shape == expected.shape and diff < 1e-4
+
+
+def test_fp8_base_keeps_the_siglip_embedder(tiny_set):
+    from library.precision.fp8 import FP8Linear
+
+    model = ZImageOmniFamily(tiny_set["zimage_omni"]).load_transformer(torch.float32, "fp8_scaled")
+    assert type(model.siglip_embedder[1]) is torch.nn.Linear
+    assert isinstance(model.siglip_refiner[0].attention.to_q, FP8Linear)
