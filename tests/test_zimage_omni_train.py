@@ -43,7 +43,7 @@ def trained(tiny_set, tmp_path_factory):
             "--dataset_config", data["edit_dataset_config"], "--sample_prompts", str(prompts),
             "--output_dir", str(out), "--output_name", "omni", "--max_train_steps", "3", "--optimizer_type", "AdamW",
             "--learning_rate", "3e-3", "--mixed_precision", "no", "--save_every_n_steps", "0",
-            "--sample_every_n_steps", "3", "--sample_at_first", "false", "--validate_every_n_steps", "0", "--save_state", "false",
+            "--sample_every_n_steps", "0", "--validate_every_n_steps", "0", "--save_state", "false",
             "--cache_latents_to_disk", "false", "--cache_text_encoder_outputs_to_disk", "false",
             "--network_dim", "4", "--network_alpha", "4", "--lr_warmup_steps", "0"])
     assert code == 0
@@ -111,3 +111,21 @@ def test_generate_renders_with_a_reference(tiny_set, trained, tmp_path):
                           "--lora", f"{trained[0] / 'omni.safetensors'}:0.8"])
     assert code == 0
     assert len([p for p in os.listdir(out) if p.endswith(".png")]) == 1
+
+
+def test_planner_preset_counts_references():
+    """The zimage-omni preset (6.51 B transformer on meta) plans one step with and without a reference:
+    a reference adds its latent tokens, one caption segment and 256 SigLIP tokens to every block, and
+    its SigLIP refiner blocks are in the swap order. (tools/plan_memory.py --preset zimage-omni --vram 24
+    --references 2: training peak 15.1 GiB fp8_scaled with checkpointing, 21.0 GiB bf16.)"""
+    from library.training.memory_plan import text_tokens_for, training_plan
+    from tools.plan_memory import PresetFamily, default_args
+
+    family = PresetFamily("zimage-omni")
+    args = default_args("zimage_omni")
+    plans = [training_plan(family, args, 256, 256, 1, text_tokens_for(family, args, n, 256, 256), references=n)
+             for n in (0, 1)]
+    assert len(plans[0].block_bytes) == 2 + 2 + 2 + 30  # noise, context, SigLIP refiners, main layers
+    print("zimage-omni activations at 256 px without / with a reference (MiB):",
+          [round(p.activations / 2**20) for p in plans])
+    assert plans[1].activations > 1.5 * plans[0].activations
