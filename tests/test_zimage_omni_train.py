@@ -41,7 +41,7 @@ def trained(tiny_set, tmp_path_factory):
             "--config_file", os.path.join(ROOT, "configs", "zimage_omni.toml"),
             "--pretrained_model_name_or_path", root, "--ae", tiny_set["flux_vae"], "--text_encoder", root,
             "--dataset_config", data["edit_dataset_config"], "--sample_prompts", str(prompts),
-            "--output_dir", str(out), "--output_name", "omni", "--max_train_steps", "3", "--optimizer_type", "AdamW",
+            "--output_dir", str(out), "--logging_dir", str(out / "logs"), "--output_name", "omni", "--max_train_steps", "3", "--optimizer_type", "AdamW",
             "--learning_rate", "3e-3", "--mixed_precision", "no", "--save_every_n_steps", "0",
             "--sample_every_n_steps", "0", "--validate_every_n_steps", "0", "--save_state", "false",
             "--cache_latents_to_disk", "false", "--cache_text_encoder_outputs_to_disk", "false",
