@@ -20,6 +20,7 @@ FAMILIES = {
     "flux2": "library.models.flux2.family:Flux2Family",
     "qwen_image_edit": "library.models.qwen_image.edit_family:QwenImageEditFamily",
     "zimage": "library.models.zimage.family:ZImageFamily",
+    "zimage_omni": "library.models.zimage.omni_family:ZImageOmniFamily",
     "chroma": "library.models.chroma.family:ChromaFamily",
     "krea2": "library.models.krea2.family:Krea2Family",
 }

@@ -297,6 +297,7 @@ def load_zimage(
     convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
     prepare: Callable[[ZImage], Callable | None] | None = None,
     read_weights: bool = True,
+    model_class: type[ZImage] = ZImage,
 ) -> ZImage:
     """Load a Z-Image transformer from a diffusers folder (the pipeline folder with `transformer/`,
     or the transformer folder itself; sharded or not) or a single file in the ComfyUI / original
@@ -306,7 +307,8 @@ def load_zimage(
     the `zimage_config` metadata or the key shapes say. convert / prepare are the per-tensor and
     meta-model hooks, as for the other families (fp8 quantized while loading: `prepare=fp8_prepare(mode,
     arch)`). read_weights=False gives the meta model as it would load, from the headers alone (the
-    memory planner). The model is built on `meta` and filled one tensor at a time.
+    memory planner). The model is built on `meta` and filled one tensor at a time. model_class: the
+    ZImage class to build (omni.py's ZImageOmni for an Omni checkpoint's omni forward).
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"load_zimage dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
@@ -317,7 +319,7 @@ def load_zimage(
         raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) Z-Image file is not read yet; load a bf16 "
                               f"one with prepare=fp8_prepare(...) to quantize while loading")
     with torch.device("meta"):
-        model = ZImage(config)
+        model = model_class(config)
     convert = prepared_convert(model, prepare, convert, "load_zimage")
     if read_weights:
         load_streaming(model, source, lambda key: key, dtype=dtype, convert=convert)

@@ -23,8 +23,9 @@ and reorders them to Z-Image's (ph, pw, c) at entry and back at exit.
 Precision (shared/DESIGN.md): inputs are cast to `compute_dtype` at entry; positions are int64 and
 become float32 RoPE tables outside autocast (core.rope_tables); the timestep is embedded in float32
 and only then cast. The Omni variant (SigLIP image features, several images per prompt) adds
-`siglip_embedder` / `siglip_refiner` / `siglip_pad_token`, built when `siglip_feat_dim` is set so that
-its files load; its multi-image forward is not implemented here (its text-to-image path is this one).
+`siglip_embedder` / `siglip_refiner` / `siglip_pad_token`, built when `siglip_feat_dim` is set; this
+forward is diffusers' basic (text-to-image) mode, which ignores them; omni.py's ZImageOmni runs its
+multi-image mode.
 """
 
 from __future__ import annotations
@@ -121,9 +122,27 @@ class ScaleGate:
 
 
 def split_scale_gate(params: torch.Tensor) -> tuple[ScaleGate, ScaleGate]:
-    """[B, 4 dim] -> (attention, feed-forward) ScaleGates, rows (scale, gate, scale, gate)."""
-    s1, g1, s2, g2 = params[:, None].chunk(4, dim=-1)
+    """[B, 1 or L, 4 dim] -> (attention, feed-forward) ScaleGates, rows (scale, gate, scale, gate)."""
+    s1, g1, s2, g2 = params.chunk(4, dim=-1)
     return ScaleGate(s1, g1), ScaleGate(s2, g2)
+
+
+@dataclass
+class TokenTimes:
+    """Omni's conditioning of a modulated layer: two timestep embeddings, the noisy target's and the
+    clean references' (t = 1), and which tokens take the noisy one (diffusers' noise_mask)."""
+
+    noisy: torch.Tensor  # [B, adaln_dim]
+    clean: torch.Tensor  # [B, adaln_dim]
+    noisy_tokens: torch.Tensor  # [B, L, 1] bool
+
+
+def per_token(layer: nn.Module, adaln: torch.Tensor | TokenTimes) -> torch.Tensor:
+    """layer(adaln) as [B, 1, out] (one timestep for every token), or per token [B, L, out] for
+    TokenTimes: the noisy embedding's output where noisy_tokens, the clean one's elsewhere."""
+    if isinstance(adaln, TokenTimes):
+        return torch.where(adaln.noisy_tokens, layer(adaln.noisy)[:, None], layer(adaln.clean)[:, None])
+    return layer(adaln)[:, None]
 
 
 class Attention(nn.Module):
@@ -173,11 +192,12 @@ class ZImageBlock(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.Linear(cfg.adaln_dim, 4 * d)) if modulation else None
 
     def forward(self, x, cos, sin, mask=None, adaln=None):
-        """x [B, L, dim]; adaln [B, adaln_dim] (the timestep embedding) for a modulated block."""
+        """x [B, L, dim]; adaln for a modulated block: [B, adaln_dim] (the timestep embedding) or
+        Omni's TokenTimes (one of two embeddings per token)."""
         if self.adaLN_modulation is None:
             x = x + self.attention_norm2(self.attention(self.attention_norm1(x), cos, sin, mask))
             return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
-        attn, ffn = split_scale_gate(self.adaLN_modulation(adaln))
+        attn, ffn = split_scale_gate(per_token(self.adaLN_modulation, adaln))
         x = x + attn.gated(self.attention_norm2(self.attention(attn.modulate(self.attention_norm1(x)), cos, sin, mask)))
         return x + ffn.gated(self.ffn_norm2(self.feed_forward(ffn.modulate(self.ffn_norm1(x)))))
 
@@ -203,7 +223,7 @@ class FinalLayer(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(cfg.adaln_dim, cfg.dim))
 
     def forward(self, x, adaln):
-        return self.linear(self.norm_final(x) * (1.0 + self.adaLN_modulation(adaln))[:, None])
+        return self.linear(self.norm_final(x) * (1.0 + per_token(self.adaLN_modulation, adaln)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,7 +280,7 @@ class ZImage(nn.Module):
         self.cap_pad_token = nn.Parameter(torch.zeros(1, cfg.dim))
         self.noise_refiner = nn.ModuleList(ZImageBlock(cfg, modulation=True) for _ in range(cfg.n_refiner_layers))
         self.context_refiner = nn.ModuleList(ZImageBlock(cfg, modulation=False) for _ in range(cfg.n_refiner_layers))
-        if cfg.siglip_feat_dim is not None:  # Omni: loads and counts; the forward below does not use it
+        if cfg.siglip_feat_dim is not None:  # Omni: used by omni.py's forward, not by the one below
             self.siglip_embedder = nn.Sequential(RMSNorm(cfg.siglip_feat_dim, cfg.norm_eps),
                                                  nn.Linear(cfg.siglip_feat_dim, cfg.dim))
             self.siglip_refiner = nn.ModuleList(ZImageBlock(cfg, modulation=False) for _ in range(cfg.n_refiner_layers))

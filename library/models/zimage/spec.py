@@ -48,12 +48,14 @@ LORA_FILES = S.LoRAFiles(
 
 
 # -- fp8: modules kept in high precision (library/precision/fp8.py)
-# The embedders (patches, caption, timestep) and the final layer stay bf16, as for every family (Omni's
-# siglip_embedder joins them with an Omni preset: a rule must match a released model's Linear); the
-# blocks' adaLN Linears are the per-block modulation (quantized while
+# The embedders (patches, caption, timestep) and the final layer stay bf16, as for every family; so
+# does Omni's siglip_embedder (RMSNorm + Linear 1152 -> 3840): it is the SigLIP features' input
+# projection, the caption embedder's counterpart (one Linear of 4.4 M weights that every SigLIP token
+# passes, ahead of every block). The blocks' adaLN Linears are the per-block modulation (quantized while
 # fp8.QUANTIZE_MODULATION, as FLUX.1's: measured there).
 FP8 = S.FP8Rules(
-    keep=(r"all_x_embedder\..*", r"cap_embedder\..*", r"t_embedder\..*", r"all_final_layer\..*"),
+    keep=(r"all_x_embedder\..*", r"cap_embedder\..*", r"t_embedder\..*", r"all_final_layer\..*",
+          r"siglip_embedder\..*"),
     modulation=(r".*\.adaLN_modulation\.0",),
 )
 
@@ -74,14 +76,20 @@ SAMPLING = S.Sampling(method="zimage_shift", shift=3.0, train_shift=2.0)
 # The text encoder as load_zimage_text_encoder reads Qwen3-4B: the embeddings, 35 of 36 decoder
 # layers (hidden_states[-2]) and the final norm, no head (tied embeddings: none in the files).
 _QWEN3_4B_35_LAYERS = 3_921_537_280
+# Omni's SigLIP2 so400m vision model (Siglip2VisionModel: hidden 1152, 27 layers, 4304 MLP, patch 16,
+# 256 positions, its pooling head included as from_pretrained builds it), counted on meta.
+_SIGLIP2_SO400M = 427_888_064
 PLANNER = S.Planner(
-    transformer="library.models.zimage.model:ZImage",
+    transformer="library.models.zimage.omni:zimage_transformer",  # ZImage, or ZImageOmni with the SigLIP branch
     text_tokens=512,
     presets={
         "zimage-turbo": S.PlannerPreset("zimage", "library.models.zimage.model:ZIMAGE_TURBO",
                                         {"text_encoder": _QWEN3_4B_35_LAYERS}, attributes={"version": "zimage-turbo"}),
         "zimage-base": S.PlannerPreset("zimage", "library.models.zimage.model:ZIMAGE_BASE",
                                        {"text_encoder": _QWEN3_4B_35_LAYERS}, attributes={"version": "zimage-base"}),
+        # one reference per image unless --references says otherwise (each: its latents + 256 SigLIP tokens)
+        "zimage-omni": S.PlannerPreset("zimage_omni", "library.models.zimage.omni:ZIMAGE_OMNI",
+                                       {"text_encoder": _QWEN3_4B_35_LAYERS, "siglip": _SIGLIP2_SO400M}),
     },
 )
 
@@ -89,6 +97,7 @@ PLANNER = S.Planner(
 # -- tiny models (tests, quickstart); FLUX.1's tiny VAE is the VAE (the same AutoencoderKL)
 TINY = S.TinySpec(writers=(
     "library.models.zimage.tiny:write_zimage", "library.models.zimage.tiny:write_zimage_text_encoder",
+    "library.models.zimage.tiny:write_zimage_omni",
 ), transformer="zimage")
 
 
@@ -97,6 +106,8 @@ CONFIG_KEYS = (
     S.ConfigKey("text_encoder", str, "Qwen3-4B (the repo's text_encoder/ folder or a single file, tokenizer/ beside it)"),
     S.ConfigKey("model_version", str, "zimage: zimage-turbo or zimage-base (default: the pipeline folder's "
                                       "scheduler shift, 3.0 Turbo / 6.0 Base; Turbo for a single file)"),
+    S.ConfigKey("siglip", str, "zimage_omni: the SigLIP2 vision model folder with its preprocessor_config.json "
+                               "(default: the Omni repo's siglip/ and siglip_processor/)"),
 )
 
 
