@@ -465,10 +465,14 @@ def write_text(path: str, text: str):
 # -- transformer files in their two release layouts ----------------------------------------------
 
 
-def check_keys_and_shapes(reader: CheckpointReader, expected: dict[str, torch.Tensor], what) -> None:
+def check_keys_and_shapes(reader: CheckpointReader, expected: dict[str, torch.Tensor], what,
+                          extra: Callable[[str], bool] = lambda key: False) -> None:
     """Every tensor of `reader` expected, of the expected shape, and none missing (each named in the
-    error; `what` says what was expected, e.g. the config)."""
+    error; `what` says what was expected, e.g. the config). `extra(key)`: tensors a stored layout
+    carries beside the model's own (fp8 scales, markers), not checked here."""
     for key in reader.keys():
+        if extra(key):
+            continue
         if key not in expected:
             raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: unexpected key '{key}' for {what}")
         found, want = reader.shape(key), tuple(expected[key].shape)

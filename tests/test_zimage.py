@@ -297,12 +297,3 @@ def test_sigma_in_velocity_out_is_what_the_pipeline_samples_with():
     # Measured 5.7e-5 (latents ~1.1): the pipeline's t = (1000 - 1000 sigma) / 1000 is 1 - sigma to within
     # 3e-8 in float32 (up to 3e-5 rad in the 1000 t embedding), and these random weights amplify it.
     assert diff <= 2e-4
-
-
-def test_prequantized_fp8_file_is_refused_in_one_line(tiny_files, tmp_path):
-    sd = load_file(tiny_files["zimage"])
-    sd["layers.0.feed_forward.w1.weight"] = sd["layers.0.feed_forward.w1.weight"].to(torch.float8_e4m3fn)
-    path = str(tmp_path / "fp8.safetensors")
-    save_file(sd, path)
-    with pytest.raises(CheckpointError, match=r"fp8\.safetensors: a pre-quantized \(fp8\) Z-Image file is not read yet"):
-        load_zimage(path)

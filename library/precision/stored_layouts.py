@@ -46,6 +46,15 @@ def stored_converter(model: nn.Module, info: StoredLayout, rules: KeepRules, dty
     return prequantized_converter(model, info, rules, dtype, reader, source)
 
 
+def stored_extras(info: StoredLayout | None):
+    """key -> True for the tensors of a stored file (keys without its prefix) that are no tensor of the
+    high-precision model: fp8 scales, ComfyUI's marker and activation scales. A loader's key check
+    skips them; GGUF files store only the model's own tensors."""
+    if not isinstance(info, Fp8Checkpoint):
+        return lambda key: False
+    return lambda key: info.is_dropped(key) or key.endswith(".weight_scale")
+
+
 def config_precision(layout: str) -> str:
     """The base precision a training config must ask for (config.base_precision) to train on a file
     of `layout`: fp8 files the matching fp8 setting; GGUF files none ("bf16": fp8_base = false), since

@@ -34,15 +34,12 @@ from library.models.flux1.checkpoint import (  # FLUX.1's name map and row-joini
     default_axes_dim,
     flux_diffusers_module_map,
 )
-from library.models.spec import load_symbol
-from library.precision.fp8_checkpoints import read_fp8_checkpoint
+from library.models.chroma.spec import FP8
+from library.precision.stored_layouts import read_stored_layout, stored_converter, stored_extras
 
 DIFFUSERS_CLASS = "ChromaTransformer2DModel"
 APPROXIMATOR = "distilled_guidance_layer."
 MARKER = APPROXIMATOR + "in_proj.weight"  # the key that tells a Chroma file from a FLUX.1 one
-
-# The Linears an fp8 base keeps in bf16 (re.fullmatch over module names): the spec's fp8 rules.
-HIGH_PRECISION_MODULES = list(load_symbol("library.models.chroma.spec:FP8").keep)
 
 # FLUX.1 rows that Chroma pruned (its modulation Linears and the embedders the approximator replaced).
 _PRUNED = ("_mod.lin", "modulation.lin", "time_in.", "vector_in.", "final_layer.adaLN_modulation")
@@ -262,6 +259,8 @@ def load_chroma(
     prepare: called on the meta-device model before loading (e.g. to swap Linears for FP8Linear);
         a callable it returns becomes the convert hook, as in flux1's load_flux.
     read_weights: False builds the model on `meta` from the header alone (the memory planner).
+    A pre-quantized single file (ComfyUI's scaled fp8 / comfy_quant, musubi-tuner's or our fp8, a
+    ComfyUI-GGUF file) is used as it is stored (precision/stored_layouts.py), whatever `prepare` asks.
     The model is built on `meta` and filled one tensor (diffusers: one module) at a time.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -271,10 +270,11 @@ def load_chroma(
     keys = reader.keys()
     prefix = _bfl_prefix(keys)
     _refuse_other_models(path, keys, prefix)
-    if read_fp8_checkpoint(reader, path):
-        # Pre-quantized files need Chroma's keep rules (HIGH_PRECISION_MODULES above) in the fp8 loader.
-        raise CheckpointError(f"{path}: fp8 Chroma checkpoints are not read yet; load a bf16/fp32 file "
-                              f"(fp8 quantization on load works through prepare=)")
+    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
+    if stored and prefix is None:
+        raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) Chroma checkpoint must use BFL key names "
+                              f"(diffusers folders split the fused qkv / linear1 rows, which stored scales do not "
+                              f"survive); use the single file")
 
     if prefix is not None:
         if config is None and "chroma_config" in reader.metadata:
@@ -283,7 +283,7 @@ def load_chroma(
             config = config_from_bfl_shapes({k[len(prefix) :]: reader.shape(k) for k in keys if k.startswith(prefix)}, path)
         with torch.device("meta"):
             expected = Chroma(config).state_dict()
-        check_keys_and_shapes(_Prefixed(reader, prefix), expected, config)
+        check_keys_and_shapes(_Prefixed(reader, prefix), expected, config, stored_extras(stored))
         source = reader
         rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
     else:
@@ -300,6 +300,8 @@ def load_chroma(
 
     with torch.device("meta"):
         model = Chroma(config)
+    if stored:  # the file's own layout wins over a requested base precision
+        prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
     convert = prepared_convert(model, prepare, convert, "load_chroma")
     if read_weights:
         load_streaming(model, source, rename, dtype=dtype, convert=convert)

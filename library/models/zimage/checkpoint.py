@@ -13,11 +13,17 @@ oracle is diffusers' convert_z_image_transformer_checkpoint_to_diffusers (loader
   <block>.attention.q_norm.weight, k_norm.weight                                  <block>.attention.norm_q.weight, norm_k.weight
   norm_final.weight (some files; the final LayerNorm has no weight)               dropped
   everything else (t_embedder, cap_embedder, pad tokens, norms, feed_forward)     the same
+
+Pre-quantized files (ComfyUI's scaled fp8 and comfy_quant, musubi-tuner's and our fp8 layouts, city96's
+ComfyUI-GGUF files, whose convert.py keeps these single-file names) load as stored, through
+precision/stored_layouts.py like every family's; the fused qkv's stored tensors are split as
+_SingleFileView says, so the split is exact whatever the layout.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Callable
@@ -29,7 +35,8 @@ from library.io import (
     save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.zimage.model import ZImage, ZImageConfig
-from library.precision.stored_layouts import read_stored_layout
+from library.models.zimage.spec import FP8
+from library.precision.stored_layouts import read_stored_layout, stored_converter, stored_extras
 
 CLASS_NAME = "ZImageTransformer2DModel"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain
@@ -43,14 +50,20 @@ DROPPED = ("norm_final.weight",)
 # ----------------------------------------------------------------------------------------------
 # The name map
 
-# (single-file, diffusers) name pieces, applied as whole-key prefixes (the embedders) or suffixes.
+# (single-file, diffusers) module-name pieces, applied as whole-name prefixes (the embedders) or as
+# module-name endings, whatever tensor of the module follows (weight, bias, and a pre-quantized file's
+# scale_weight / weight_scale / comfy_quant ...).
 _PREFIXES = (("x_embedder.", "all_x_embedder.2-1."), ("final_layer.", "all_final_layer.2-1."))
-_SUFFIXES = (
-    (".attention.out.weight", ".attention.to_out.0.weight"),
-    (".attention.q_norm.weight", ".attention.norm_q.weight"),
-    (".attention.k_norm.weight", ".attention.norm_k.weight"),
+_MODULES = (
+    (".attention.out", ".attention.to_out.0"),
+    (".attention.q_norm", ".attention.norm_q"),
+    (".attention.k_norm", ".attention.norm_k"),
 )
-QKV, QKV_PARTS = ".attention.qkv.weight", (".attention.to_q.weight", ".attention.to_k.weight", ".attention.to_v.weight")
+QKV_MODULE, QKV_PART_MODULES = ".attention.qkv", (".attention.to_q", ".attention.to_k", ".attention.to_v")
+QKV, QKV_PARTS = QKV_MODULE + ".weight", tuple(m + ".weight" for m in QKV_PART_MODULES)
+# Tensors of a fused qkv that describe the whole layer, not its rows: each part gets the same one
+# (ComfyUI's per-layer format JSON and activation scales; a one-number weight scale, by its size).
+_PER_LAYER = ("comfy_quant", "scale_input", "input_scale")
 
 
 def diffusers_key(key: str) -> str:
@@ -58,9 +71,10 @@ def diffusers_key(key: str) -> str:
     for old, new in _PREFIXES:
         if key.startswith(old):
             return new + key[len(old) :]
-    for old, new in _SUFFIXES:
-        if key.endswith(old):
-            return key[: -len(old)] + new
+    module, dot, leaf = key.rpartition(".")
+    for old, new in _MODULES:
+        if module.endswith(old):
+            return module[: -len(old)] + new + dot + leaf
     return key
 
 
@@ -69,9 +83,10 @@ def single_file_key(key: str) -> str:
     for old, new in _PREFIXES:
         if key.startswith(new):
             return old + key[len(new) :]
-    for old, new in _SUFFIXES:
-        if key.endswith(new):
-            return key[: -len(new)] + old
+    module, dot, leaf = key.rpartition(".")
+    for old, new in _MODULES:
+        if module.endswith(new):
+            return module[: -len(new)] + old + dot + leaf
     return key
 
 
@@ -100,21 +115,34 @@ def from_single_file_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.
 
 
 class _SingleFileView:
-    """A CheckpointReader view of a single-file checkpoint under our names: the fused qkv appears as
-    to_q / to_k / to_v, listed together and read once (the last fused tensor is kept for its siblings)."""
+    """A CheckpointReader view of a single-file checkpoint under our names, prefix stripped: every
+    tensor of a fused `attention.qkv` appears as to_q / to_k / to_v, the three listed together and
+    the fused tensor read once (the last one is kept for its siblings).
+
+    How a fused tensor splits, so that a pre-quantized file stays the very weights it stores: rows
+    (weights in any dtype, GGUF blocks: each row's blocks run along the input, so a row split cuts no
+    block; per-row and per-64-column fp8 scales) in three equal parts; what describes the whole layer
+    (ComfyUI's one float32 scale per tensor, its comfy_quant JSON, activation scales) to every part
+    unchanged: q, k and v then dequantize to the rows the fused weight dequantizes to, bit for bit."""
 
     def __init__(self, reader: CheckpointReader, prefix: str):
-        self.reader, self.path, self.sources = reader, reader.path, {}
+        self.reader, self.path, self.files, self.metadata = reader, reader.path, reader.files, reader.metadata
+        self.sources: dict[str, tuple[str, int | None]] = {}  # our key -> (file key, part: None whole, 0/1/2 rows)
         for key in reader.keys():
             name = key[len(prefix) :] if key.startswith(prefix) else None
             if name is None or name in DROPPED:
                 continue
-            if name.endswith(QKV):
-                for i, part in enumerate(QKV_PARTS):
-                    self.sources[name[: -len(QKV)] + part] = (key, i)
+            module, _, leaf = name.rpartition(".")
+            if module.endswith(QKV_MODULE):
+                block = module[: -len(QKV_MODULE)]
+                for i, part in enumerate(QKV_PART_MODULES):
+                    self.sources[f"{block}{part}.{leaf}"] = (key, None if self._per_layer(key, leaf) else i)
             else:
                 self.sources[diffusers_key(name)] = (key, None)
         self._fused: tuple[str, torch.Tensor] | None = None
+
+    def _per_layer(self, key: str, leaf: str) -> bool:
+        return leaf in _PER_LAYER or (leaf not in ("weight", "bias") and math.prod(self.reader.shape(key)) == 1)
 
     def keys(self) -> list[str]:
         return list(self.sources)
@@ -125,7 +153,21 @@ class _SingleFileView:
     def shape(self, key: str) -> tuple[int, ...]:
         source, part = self.sources[key]
         shape = self.reader.shape(source)
-        return shape if part is None else (shape[0] // 3, *shape[1:])
+        if part is None:
+            return shape
+        if not shape or shape[0] % 3:
+            raise CheckpointError(f"{self.path}: {self.file_of(key)}: key '{source}' has shape {shape}, not three "
+                                  f"equal q / k / v row blocks")
+        return (shape[0] // 3, *shape[1:])
+
+    def numel(self, keys=None) -> int:
+        return sum(math.prod(self.shape(k)) for k in (self.keys() if keys is None else keys))
+
+    def dtype_name(self, key: str) -> str:
+        return self.reader.dtype_name(self.sources[key][0])
+
+    def is_block_quantized(self, key: str) -> bool:
+        return self.reader.is_block_quantized(self.sources[key][0])
 
     def file_of(self, key: str) -> str:
         return self.reader.file_of(self.sources[key][0])
@@ -134,13 +176,14 @@ class _SingleFileView:
         source, part = self.sources[key]
         if part is None:
             return self.reader.get(source)
+        rows = self.shape(key)[0]  # checks the split first
         if self._fused is None or self._fused[0] != source:
             self._fused = (source, self.reader.get(source))
-        fused = self._fused[1]
-        if fused.shape[0] % 3:
-            raise CheckpointError(f"{self.path}: {self.file_of(key)}: key '{source}' has {fused.shape[0]} rows, "
-                                  f"not three equal q / k / v parts")
-        return fused.chunk(3, dim=0)[part].clone()  # its own memory: the fused tensor is let go
+        return self._fused[1][part * rows : (part + 1) * rows].clone()  # its own memory: the fused tensor is let go
+
+    def items(self):
+        for key in self.sources:
+            yield key, self.get(key)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,7 +309,8 @@ def _diffusers_config_json(path: str) -> dict | None:
 
 
 def _source(path: str, reader: CheckpointReader, config: ZImageConfig | None):
-    """(config, a reader under our names) for either layout; the wrong file is one CheckpointError."""
+    """(config, a reader under our names, its stored layout or None) for either layout; the wrong file
+    is one CheckpointError."""
     keys = reader.keys()
     diffusers_json = _diffusers_config_json(path)
     prefix = None if DIFFUSERS_MARKER in keys else _single_file_prefix(keys)
@@ -278,16 +322,22 @@ def _source(path: str, reader: CheckpointReader, config: ZImageConfig | None):
         raise CheckpointError(f"{path}: not a Z-Image transformer (no key '{MARKER}' with '{DIFFUSERS_MARKER}' "
                               f"(diffusers) or '{SINGLE_FILE_MARKER}' (single file), under any of the prefixes "
                               f"{[p for p in PREFIXES if p]} or none)")
+    # A pre-quantized file (fp8, GGUF) is used as it is. Checked on the file's own keys first (an error
+    # names the key as the file has it), then read under our names (the fused qkv's scales split).
+    stored = read_stored_layout(reader, path)
+    if stored is not None and source is not reader:
+        stored = read_stored_layout(source, path)
     if config is None and diffusers_json is not None:
         config = config_from_diffusers(diffusers_json, os.path.join(path, "config.json"))
     if config is None and CONFIG_KEY in reader.metadata:
         config = zimage_config_from_json(reader.metadata[CONFIG_KEY])
     if config is None:
-        config = config_from_shapes({k: source.shape(k) for k in source.keys()}, path)
+        extra = stored_extras(stored)
+        config = config_from_shapes({k: source.shape(k) for k in source.keys() if not extra(k)}, path)
     with torch.device("meta"):
         expected = ZImage(config).state_dict()
-    check_keys_and_shapes(source, expected, config)  # every key named with its file, before any read
-    return config, source
+    check_keys_and_shapes(source, expected, config, stored_extras(stored))  # every key named with its file, before any read
+    return config, source, stored
 
 
 def load_zimage(
@@ -306,20 +356,20 @@ def load_zimage(
     dtype casts floating weights on read and becomes compute_dtype. config overrides what config.json,
     the `zimage_config` metadata or the key shapes say. convert / prepare are the per-tensor and
     meta-model hooks, as for the other families (fp8 quantized while loading: `prepare=fp8_prepare(mode,
-    arch)`). read_weights=False gives the meta model as it would load, from the headers alone (the
-    memory planner). The model is built on `meta` and filled one tensor at a time. model_class: the
-    ZImage class to build (omni.py's ZImageOmni for an Omni checkpoint's omni forward).
+    arch)`); a pre-quantized file (fp8, GGUF) is used as it is stored, whatever `prepare` asks.
+    read_weights=False gives the meta model as it would load, from the headers alone (the memory
+    planner). The model is built on `meta` and filled one tensor at a time. model_class: the ZImage
+    class to build (omni.py's ZImageOmni for an Omni checkpoint's omni forward).
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"load_zimage dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
-    config, source = _source(path, reader, config)
-    if (stored := read_stored_layout(reader, path)) is not None:  # the fused qkv's stored scales are not split yet
-        raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) Z-Image file is not read yet; load a bf16 "
-                              f"one with prepare=fp8_prepare(...) to quantize while loading")
+    config, source, stored = _source(path, reader, config)
     with torch.device("meta"):
         model = model_class(config)
+    if stored:  # the file's own layout wins over a requested base precision
+        prepare = lambda m: stored_converter(m, stored, FP8, dtype, source, path)  # noqa: E731
     convert = prepared_convert(model, prepare, convert, "load_zimage")
     if read_weights:
         load_streaming(model, source, lambda key: key, dtype=dtype, convert=convert)
