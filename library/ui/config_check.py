@@ -1,0 +1,129 @@
+"""A job's config, checked as train_lora.py checks it, in a helper process (it imports torch; the UI
+process does not).
+
+The helper (`python -m library.ui.config_check WORKDIR`) reads one JSON request per line on stdin,
+{"toml": text, "output_dir": folder}, and answers one JSON line: {"ok": true, "settings": {...},
+"max_steps": N} or {"ok": false, "key": "network_dim" or null, "error": "one line"}. It runs
+library.training.config.load_config on the text (the schema, types, choices and combinations that
+train_lora.py enforces, the optimizer class) and then the family's check of its model files (their
+headers only), with relative paths resolved against WORKDIR, where the jobs run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KEY_IN_ERROR = re.compile(r"key '([A-Za-z0-9_]+)'|--([A-Za-z0-9_]+)")
+
+
+def error_key(message: str) -> str | None:
+    """The config key an error line names (ConfigError says "key 'x'"), or None."""
+    match = KEY_IN_ERROR.search(message)
+    return (match.group(1) or match.group(2)) if match else None
+
+
+# -- the helper process ------------------------------------------------------------------------
+
+def check(text: str, output_dir: str) -> dict:
+    import toml
+
+    from library.training.config import ConfigError, _flatten, load_config
+
+    try:
+        settings = _flatten(toml.loads(text), "config")
+    except toml.TomlDecodeError as e:
+        return {"ok": False, "key": None, "error": f"config: not valid TOML: {e}"}
+    except ConfigError as e:
+        return {"ok": False, "key": error_key(str(e)), "error": str(e)}
+    settings["output_dir"] = output_dir  # the job's folder replaces it
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "config.toml")
+        with open(path, "w", encoding="utf-8") as f:
+            toml.dump(settings, f)
+        try:
+            args = load_config(["--config_file", path])
+            if args.model_type != "llm":
+                from library.models.family import get_family
+
+                get_family(args).check_model_files()
+        except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
+            message = str(e).replace(path, "config")
+            return {"ok": False, "key": error_key(message), "error": message.splitlines()[0] if message else repr(e)}
+    max_steps = None if args.max_train_epochs else args.max_train_steps
+    return {"ok": True, "settings": settings, "max_steps": max_steps}
+
+
+def serve(workdir: str) -> None:
+    os.chdir(workdir)
+    answers = sys.stdout
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # a library's print must not break the protocol
+                answer = check(request["toml"], request["output_dir"])
+        except Exception as e:  # an unforeseen failure is the config's answer, not the helper's death
+            answer = {"ok": False, "key": None, "error": f"config check failed: {type(e).__name__}: {e}"}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+# -- the UI's side -----------------------------------------------------------------------------
+
+class ConfigChecker:
+    """The helper process, started on first use (or ahead with start()) and restarted if it died."""
+
+    def __init__(self, workdir: str, python: str = sys.executable):
+        self.workdir, self.python = workdir, python
+        self.process: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        with self.lock:
+            self._ensure()
+
+    def _ensure(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+            self.process = subprocess.Popen([self.python, "-m", "library.ui.config_check", self.workdir],
+                                            cwd=self.workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.DEVNULL, text=True, bufsize=1)
+
+    def check(self, text: str, output_dir: str) -> dict:
+        with self.lock:
+            for attempt in (1, 2):  # a helper that died (killed, out of memory) is started once more
+                self._ensure()
+                try:
+                    self.process.stdin.write(json.dumps({"toml": text, "output_dir": output_dir}) + "\n")
+                    self.process.stdin.flush()
+                    line = self.process.stdout.readline()
+                except (BrokenPipeError, OSError):
+                    line = ""
+                if line:
+                    return json.loads(line)
+                self.process.kill()
+                self.process.wait()
+                self.process = None
+        return {"ok": False, "key": None, "error": "the config checker process exited; see the UI's terminal"}
+
+    def close(self) -> None:
+        with self.lock:
+            if self.process is not None and self.process.poll() is None:
+                self.process.stdin.close()
+                try:
+                    self.process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait()
+            self.process = None
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
