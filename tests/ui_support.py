@@ -39,3 +39,60 @@ def wait_for(condition, timeout: float, what: str, every: float = 0.2):
             return value
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WebUIProcess:
+    """tools/webui.py as a subprocess on a free port, its jobs in `jobs_dir`, reading under `roots`."""
+
+    def __init__(self, jobs_dir: str, roots: list[str], log_path: str):
+        import subprocess
+        import sys
+
+        self.jobs_dir, self.roots, self.log_path = jobs_dir, roots, log_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, os.path.join(ROOT, "tools", "webui.py"), "--port", str(self.port),
+                   "--jobs_dir", jobs_dir]
+        for root in roots:
+            command += ["--root", root]
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL)
+        wait_for(self._ready, 180, f"the web UI at {self.url} (log: {log_path})", every=0.5)
+
+    def _ready(self) -> bool:
+        import urllib.request
+
+        if self.process.poll() is not None:
+            with open(self.log_path) as f:
+                raise AssertionError(f"tools/webui.py exited with {self.process.returncode}:\n{f.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(self.url + "/config", timeout=5) as answer:
+                return answer.status == 200
+        except OSError:
+            return False
+
+    def client(self):
+        from gradio_client import Client
+
+        return Client(self.url, verbose=False)
+
+    def stop(self, kill: bool = False) -> None:
+        if self.process.poll() is None:
+            self.process.kill() if kill else self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+def job_pid(jobs_dir: str, job_id: int) -> int | None:
+    import sqlite3
+
+    with sqlite3.connect(os.path.join(jobs_dir, "jobs.sqlite")) as db:
+        return db.execute("SELECT pid FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]

@@ -30,6 +30,14 @@ def error_key(message: str) -> str | None:
     return (match.group(1) or match.group(2)) if match else None
 
 
+def file_key(args, message: str) -> str | None:
+    """The model-file key whose path a model-file error names (those errors name the file, not the key)."""
+    from library.models.family import family_class
+
+    keys = family_class(args.model_type).required_paths() if args.model_type != "llm" else ()
+    return next((k for k in keys if getattr(args, k) and str(getattr(args, k)) in message), None)
+
+
 # -- the helper process ------------------------------------------------------------------------
 
 def check(text: str, output_dir: str) -> dict:
@@ -48,6 +56,7 @@ def check(text: str, output_dir: str) -> dict:
         path = os.path.join(tmp, "config.toml")
         with open(path, "w", encoding="utf-8") as f:
             toml.dump(settings, f)
+        args = None
         try:
             args = load_config(["--config_file", path])
             if args.model_type != "llm":
@@ -56,7 +65,8 @@ def check(text: str, output_dir: str) -> dict:
                 get_family(args).check_model_files()
         except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
             message = str(e).replace(path, "config")
-            return {"ok": False, "key": error_key(message), "error": message.splitlines()[0] if message else repr(e)}
+            key = error_key(message) or (file_key(args, message) if args else None)
+            return {"ok": False, "key": key, "error": message.splitlines()[0] if message else repr(e)}
     max_steps = None if args.max_train_epochs else args.max_train_steps
     return {"ok": True, "settings": settings, "max_steps": max_steps}
 
