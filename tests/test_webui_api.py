@@ -62,7 +62,7 @@ def test_a_bad_config_is_refused_with_the_error_at_its_field(client, tiny_toml):
     assert client.predict(api_name="/list_jobs")["data"] == []  # nothing was queued
 
     answer, *_ = client.predict(tiny_toml, *EMPTY_FORM, api_name="/validate")
-    assert answer == {"ok": True, "key": None, "error": None, "max_steps": 6} or answer["ok"] is True
+    assert answer["ok"] is True and answer["max_steps"] == 6, answer
 
 
 def test_create_queue_stop_resume_compare_and_delete(client, server, tiny_toml):

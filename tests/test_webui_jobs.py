@@ -132,3 +132,19 @@ def pending_signals(pid: int) -> set[int]:
     with open(f"/proc/{pid}/status") as f:
         mask = next(int(line.split()[1], 16) for line in f if line.startswith("ShdPnd:"))
     return {n + 1 for n in range(64) if mask >> n & 1}
+
+
+def test_a_run_that_ended_while_no_ui_watched_gets_its_outcome_from_its_log(tmp_path):
+    store = JobStore(str(tmp_path / "jobs"))
+    for text in ("training: 100%|##| 5/5 [00:01<00:00]\nsaved /x/lora.safetensors after 5 steps in 1.0 s\n",
+                 "training:  40%|#  | 2/5 [00:01<00:02]SIGINT: saved /x/lora-step000002.safetensors and state "
+                 "/x/lora-state at step 2; continue with --resume /x/lora-state\n"):
+        job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+        store.claim_next("cpu")
+        with open(job.log_path, "w") as f:
+            f.write(text)
+        store.update(job.id, pid=2**22 + 7, pid_started=1)  # no such process
+    Runner(store, str(tmp_path)).recover()
+    done, stopped = store.list()
+    assert done.state == "done" and stopped.state == "stopped"
+    assert stopped.message.startswith("stopped at step 2")

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
               f"anyone who reaches it can start processes and read files under the roots", file=sys.stderr)
         return 2
     os.chdir(ROOT)  # jobs run here: a config's relative paths mean what they mean on the command line
-    from library.ui.app import build_app
+    from library.ui.app import CSS, build_app
     from library.ui.handlers import WebUI
 
     roots = args.root or ["configs", "tiny_models", "out"]
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     print(f"lora trainer UI on http://{args.host}:{args.port}" + (" (password required)" if auth else ""), flush=True)
     try:
         app.launch(server_name=args.host, server_port=args.port, auth=auth, allowed_paths=ui.roots.roots,
-                   show_error=True, quiet=True, footer_links=["api"], css=".field-error{color:#c62828}")
+                   show_error=True, quiet=True, footer_links=["api"], css=CSS)
     finally:
         ui.close()
     return 0

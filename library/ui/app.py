@@ -19,6 +19,10 @@ LABELS = {
     "sample_prompts": "sample prompts file", "sample_every_n_steps": "sample every N steps",
 }
 REFRESH_SECONDS = 2.0
+# Field errors in red; galleries keep thumbnails small (gradio widens the columns to fill the row
+# when there are fewer images than columns: two samples would each take half the page).
+CSS = (".field-error{color:#c62828} #samples .grid-container, #dataset-images .grid-container"
+       "{grid-template-columns:repeat(auto-fill,minmax(180px,260px)) !important}")
 
 
 def presets() -> list[str]:
@@ -162,8 +166,8 @@ def live_tab(ui: WebUI, job_id) -> None:
         loss = gr.LinePlot(x="step", y="value", color="series", title="loss / val_loss", elem_id="plot-loss")
         lr = gr.LinePlot(x="step", y="value", color="series", title="lr per group", elem_id="plot-lr")
         dlr = gr.LinePlot(x="step", y="value", color="series", title="d*lr per group (Prodigy)", elem_id="plot-dlr")
-    samples = gr.Gallery(label="samples by step (each: bf16 base | fp8 base, side by side)", columns=4,
-                         object_fit="contain", height=360, elem_id="samples")
+    samples = gr.Gallery(label="samples by step, with their prompt (each: bf16 base | fp8 base, side by side)",
+                         columns=6, object_fit="contain", height=300, allow_preview=False, elem_id="samples")
     log = gr.Textbox(label="log (tail)", lines=12, max_lines=12, elem_id="log-tail")
 
     def on_live(j):
@@ -198,8 +202,8 @@ def planner_tab(ui: WebUI, form: dict) -> None:
                 "counted), and the settings to apply to the job form.")
     with gr.Row():
         source = gr.Radio(["preset", "the job form's config"], value="preset", label="plan")
-        preset = gr.Dropdown(presets(), value="flux1-dev", label="released model (preset)")
-        vram = gr.Number(24, label="card memory (GiB)")
+        preset = gr.Dropdown(presets(), value=presets()[0], label="released model (preset)")
+        vram = gr.Number(24, label="card memory (GiB)", elem_id="plan-vram")
         resolution = gr.Number(1024, label="resolution (px)", precision=0)
         batch = gr.Number(1, label="batch size", precision=0)
     run = gr.Button("Plan", variant="primary", elem_id="plan-run")
@@ -238,7 +242,8 @@ def dataset_tab(ui: WebUI) -> None:
         buckets = gr.BarPlot(x="bucket", y="images", title="bucket histogram")
         problems = gr.Dataframe(label="problems, one per image and why (an error stops training; a warning trains anyway)",
                                 interactive=False)
-    images = gr.Gallery(label="images with captions (click one to edit its caption)", columns=6, height=300)
+    images = gr.Gallery(label="images with captions (click one to edit its caption)", columns=6, height=300,
+                        allow_preview=False, elem_id="dataset-images")
     picked = gr.Textbox(label="image", interactive=False)
     caption = gr.Textbox(label="caption", lines=2)
     save = gr.Button("Save caption")

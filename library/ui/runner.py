@@ -93,6 +93,10 @@ class Runner:
                 attached.setdefault(job.device or self.devices[0], []).append(job)
                 continue
             step = run_files.last_step(job.csv_path)
+            ended = outcome(job, None)  # it may have finished (or stopped cleanly) while no UI watched
+            if ended["state"] in ("done", "stopped"):
+                self.store.update(job.id, **ended, finished=time.time(), last_step=step, pid=None)
+                continue
             saved = run_files.state_step(job.state_dir)
             where = f"; resume continues from the state at step {saved}" if saved is not None else "; no state saved: retry"
             self.store.update(job.id, state="interrupted", finished=time.time(), last_step=step, pid=None,
