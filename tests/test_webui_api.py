@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 
 import pytest
 import toml
@@ -65,6 +66,34 @@ def test_a_bad_config_is_refused_with_the_error_at_its_field(client, tiny_toml):
     assert answer["ok"] is True and answer["max_steps"] == 6, answer
 
 
+def test_two_tabs_queuing_at_once_keep_the_queue_consistent(server, tiny_set):
+    text = toml.dumps(tiny_job_settings(tiny_set, steps=1))
+    answers: list[dict] = []
+    tabs = [server.client(), server.client()]  # two sessions, as two browser tabs
+    before = {row[0] for row in tabs[0].predict(api_name="/list_jobs")["data"]}
+
+    def queue_three(tab, name):
+        for i in range(3):
+            answers.append(tab.predict(f"{name}-{i}", text, *[None] * 11, api_name="/create_and_queue")[0])
+
+    threads = [threading.Thread(target=queue_three, args=(tab, f"tab{n}")) for n, tab in enumerate(tabs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(a["ok"] for a in answers), answers
+    ids = sorted(a["job_id"] for a in answers)
+    assert len(set(ids)) == 6 and not set(ids) & before and len({a["output_dir"] for a in answers}) == 6
+    rows = [row for row in tabs[0].predict(api_name="/list_jobs")["data"] if row[0] in ids]
+    states = [row[2] for row in rows]
+    assert sorted(row[0] for row in rows) == ids and set(states) <= {"queued", "running", "done"}
+    assert states.count("running") <= 1  # one job at a time on the one device
+    for job_id in ids:  # end them: the queued ones go back to draft, a running one stops
+        tabs[1].predict(str(job_id), api_name="/stop_job")
+    wait_for(lambda: not {r[2] for r in tabs[0].predict(api_name="/list_jobs")["data"]} & {"running", "stopping"},
+             180, "every job to end")
+
+
 def test_create_queue_stop_resume_compare_and_delete(client, server, tiny_toml):
     answer, *_ = client.predict("api job", tiny_toml, *form(max_train_steps="8"), api_name="/create_job")
     assert answer["ok"] and answer["state"] == "draft", answer
@@ -89,6 +118,12 @@ def test_create_queue_stop_resume_compare_and_delete(client, server, tiny_toml):
 
     info = client.predict(lora, api_name="/lora_info")
     assert "rank" in info.lower() and "8" in info, info
+    converted = client.predict(lora, "as_diffusers.safetensors", "diffusers", api_name="/convert_lora")
+    assert os.path.isfile(os.path.join(server.jobs_dir, "tools", "as_diffusers.safetensors")), converted
+    resized = client.predict(lora, "/etc/r4.safetensors", 4, api_name="/resize_lora")
+    assert "outside the folders" in resized and not os.path.exists("/etc/r4.safetensors")
+    output, image = client.predict(str(job_id), lora, 0.8, "a red circle", 64, 2, 0, api_name="/generate")
+    assert image and Image.open(image).size == (64, 64), output
 
     assert client.predict(str(job_id), api_name="/resume_job")[0]["state"] == "queued"
     view = wait_for(lambda: (v := live(client, job_id))["state"] in ("done", "failed") and v, 240, "the resumed run")
@@ -156,3 +191,23 @@ def test_the_ui_process_never_loads_torch(server, client):
         maps = f.read()
     assert "libtorch" not in maps and "/torch/" not in maps
     assert "gradio" in maps or "python" in maps  # the right process
+
+
+def test_another_address_needs_a_password_and_gets_it(tiny_set, tmp_path, capsys):
+    from tools.webui import main
+
+    assert main(["--host", "0.0.0.0", "--jobs_dir", str(tmp_path / "refused")]) == 2
+    assert "give --password" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+    # 127.0.0.2: another address than 127.0.0.1, still this machine's loopback
+    ui = WebUIProcess(str(tmp_path / "jobs"), [tiny_set["root"]], str(tmp_path / "webui.log"), host="127.0.0.2",
+                      password="s3cret")
+    try:
+        import urllib.error
+        import urllib.request
+
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(ui.url + "/config", timeout=10)
+        assert refused.value.code == 401
+        assert ui.client().predict(api_name="/list_jobs")["data"] == []  # with the password
+    finally:
+        ui.stop()

@@ -148,3 +148,21 @@ def test_a_run_that_ended_while_no_ui_watched_gets_its_outcome_from_its_log(tmp_
     done, stopped = store.list()
     assert done.state == "done" and stopped.state == "stopped"
     assert stopped.message.startswith("stopped at step 2")
+
+
+def test_retry_starts_over_keeping_only_the_config(tmp_path):
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    for name in ("config.toml", "lora-step000002.safetensors", "lora_log.csv"):
+        open(os.path.join(job.output_dir, name), "w").close()
+    os.makedirs(job.state_dir)
+    store.update(job.id, state="stopped", resume=job.state_dir, last_step=2)
+    with pytest.raises(JobError, match="is stopped: cannot stop"):
+        actions.stop(store, job.id)
+    retried = actions.retry(store, job.id)
+    assert retried.state == "queued" and retried.resume is None and retried.last_step == 0
+    assert os.listdir(job.output_dir) == ["config.toml"]
+    with pytest.raises(JobError, match="no saved state"):
+        store.update(job.id, state="failed")
+        actions.resume(store, job.id)

@@ -52,15 +52,16 @@ def free_port() -> int:
 class WebUIProcess:
     """tools/webui.py as a subprocess on a free port, its jobs in `jobs_dir`, reading under `roots`."""
 
-    def __init__(self, jobs_dir: str, roots: list[str], log_path: str):
+    def __init__(self, jobs_dir: str, roots: list[str], log_path: str, host: str = "127.0.0.1",
+                 password: str | None = None):
         import subprocess
         import sys
 
-        self.jobs_dir, self.roots, self.log_path = jobs_dir, roots, log_path
+        self.jobs_dir, self.roots, self.log_path, self.password = jobs_dir, roots, log_path, password
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         command = [sys.executable, os.path.join(ROOT, "tools", "webui.py"), "--port", str(self.port),
-                   "--jobs_dir", jobs_dir]
+                   "--jobs_dir", jobs_dir, "--host", host] + (["--password", password] if password else [])
         for root in roots:
             command += ["--root", root]
         with open(log_path, "ab") as log:
@@ -69,6 +70,7 @@ class WebUIProcess:
         wait_for(self._ready, 180, f"the web UI at {self.url} (log: {log_path})", every=0.5)
 
     def _ready(self) -> bool:
+        import urllib.error
         import urllib.request
 
         if self.process.poll() is not None:
@@ -77,13 +79,15 @@ class WebUIProcess:
         try:
             with urllib.request.urlopen(self.url + "/config", timeout=5) as answer:
                 return answer.status == 200
+        except urllib.error.HTTPError as e:  # up, behind its password
+            return e.code == 401 and self.password is not None
         except OSError:
             return False
 
     def client(self):
         from gradio_client import Client
 
-        return Client(self.url, verbose=False)
+        return Client(self.url, verbose=False, auth=("admin", self.password) if self.password else None)
 
     def stop(self, kill: bool = False) -> None:
         if self.process.poll() is None:

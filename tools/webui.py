@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user", default="admin", help="the user name with --password")
     p.add_argument("--password", default=os.environ.get("LORA_WEBUI_PASSWORD"),
                    help="require this password (also LORA_WEBUI_PASSWORD)")
-    p.add_argument("--jobs_dir", default="runs/webui", help="the queue's database and the jobs' output folders")
+    p.add_argument("--jobs_dir", default=None,
+                   help="the queue's database and the jobs' output folders (default: runs/webui in the repository)")
     p.add_argument("--root", action="append", default=None,
                    help="a folder the pages may read files from and write to (repeatable; default: configs, "
                         "tiny_models, out)")
@@ -46,12 +47,16 @@ def main(argv=None) -> int:
         print(f"error: --host {args.host} serves the UI to other machines: give --password (or LORA_WEBUI_PASSWORD); "
               f"anyone who reaches it can start processes and read files under the roots", file=sys.stderr)
         return 2
-    os.chdir(ROOT)  # jobs run here: a config's relative paths mean what they mean on the command line
+    # Folders given on the command line are the caller's; the defaults are the repository's, where
+    # jobs run (a config's relative paths mean there what they mean to train_lora.py run from it).
+    jobs_dir = os.path.abspath(args.jobs_dir) if args.jobs_dir else os.path.join(ROOT, "runs", "webui")
+    roots = [os.path.abspath(r) for r in args.root] if args.root else [
+        os.path.join(ROOT, r) for r in ("configs", "tiny_models", "out")]
+    os.chdir(ROOT)
     from library.ui.app import CSS, build_app
     from library.ui.handlers import WebUI
 
-    roots = args.root or ["configs", "tiny_models", "out"]
-    ui = WebUI(args.jobs_dir, ROOT, roots, tuple(args.device or ["default"]))
+    ui = WebUI(jobs_dir, ROOT, roots, tuple(args.device or ["default"]))
     ui.start()
     app = build_app(ui)
     auth = (args.user, args.password) if args.password else None

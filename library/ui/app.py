@@ -170,18 +170,23 @@ def live_tab(ui: WebUI, job_id) -> None:
                          columns=6, object_fit="contain", height=300, allow_preview=False, elem_id="samples")
     log = gr.Textbox(label="log (tail)", lines=12, max_lines=12, elem_id="log-tail")
 
-    def on_live(j):
+    shown = gr.State(None)  # the signature of what this page shows (handlers.live_signature)
+
+    def on_live(j, last):
         if j in (None, ""):
-            return [gr.update()] * 6
+            return [gr.update()] * 6 + [None]
         try:
+            signature = ui.live_signature(j)
+            if signature == last:  # nothing new: no data sent, no chart redrawn
+                return [gr.update()] * 6 + [last]
             view = ui.live(j)
         except (JobError, ValueError):
-            return ["no such job"] + [gr.update()] * 5
-        return view["status"], view["loss"], view["lr"], view["dlr"], view["samples"], view["log"]
+            return ["no such job"] + [gr.update()] * 5 + [None]
+        return view["status"], view["loss"], view["lr"], view["dlr"], view["samples"], view["log"], signature
 
-    outputs = [status, loss, lr, dlr, samples, log]
-    job_id.change(on_live, [job_id], outputs, api_name=False)
-    gr.Timer(REFRESH_SECONDS).tick(on_live, [job_id], outputs, api_name=False)
+    outputs = [status, loss, lr, dlr, samples, log, shown]
+    job_id.change(on_live, [job_id, shown], outputs, api_name=False)
+    gr.Timer(REFRESH_SECONDS).tick(on_live, [job_id, shown], outputs, api_name=False)
     gr.Button(visible=False).click(lambda j: {k: (v.to_dict("records") if hasattr(v, "to_dict") else v)
                                               for k, v in ui.live(j).items()},
                                    [job_id], [gr.JSON(visible=False)], api_name="live")

@@ -192,6 +192,19 @@ class WebUI:
             "step": bar.step, "total": bar.total, "peak_rss": job.peak_rss, "state": job.state,
         }
 
+    def live_signature(self, job_id) -> tuple:
+        """What the live view shows changes only when this does (the job's row, the CSV, the log, the
+        samples): the page redraws nothing while it stays the same."""
+        job = self.store.get(int(job_id))
+        stats = []
+        for path in (job.csv_path, job.log_path, job.output_dir):
+            try:
+                info = os.stat(path)
+                stats.append((info.st_size, info.st_mtime_ns))
+            except OSError:
+                stats.append(None)
+        return (job.id, job.state, job.message, job.last_step, job.peak_rss, job.peak_vram, *stats)
+
     def _sample_prompts(self, job) -> str | None:
         path = toml.loads(job.config).get("sample_prompts")
         if not path:

@@ -65,7 +65,7 @@ class Runner:
     device (if its process is still there), then takes queued jobs in order."""
 
     def __init__(self, store: JobStore, workdir: str, devices: tuple[str, ...] = ("cpu",),
-                 python: str = sys.executable, poll: float = 0.5):
+                 python: str = sys.executable, poll: float = 1.0):
         self.store, self.workdir, self.devices, self.python, self.poll = store, workdir, devices, python, poll
         self.closing = threading.Event()
         self.threads: list[threading.Thread] = []
@@ -153,7 +153,8 @@ class Runner:
             if job.device and job.device.startswith("cuda") and time.time() - vram_checked > 2:
                 values["peak_vram"] = max(current.peak_vram, gpu_memory(job.pid))
                 vram_checked = time.time()
-            self.store.update(job.id, **values)
+            # Written only when changed: each write is a SQLite commit (an fsync) beside the trainer.
+            self.store.update(job.id, **{k: v for k, v in values.items() if getattr(current, k) != v})
             if not alive:
                 break
             if current.state == "stopping" and not signalled:
