@@ -51,7 +51,8 @@ def build_app(ui: WebUI) -> gr.Blocks:
     return app
 
 
-def jobs_tab(ui: WebUI):
+def job_form(ui: WebUI):
+    """The config picker, the form's fields (each with its error line below it) and the TOML editor."""
     configs = ui.roots.listing((".toml",))
     with gr.Row():
         with gr.Column(scale=3):
@@ -84,6 +85,11 @@ def jobs_tab(ui: WebUI):
             text = gr.Textbox(label="the full config (TOML; the form's filled fields override it)", lines=24,
                               max_lines=40, elem_id="config-toml")
             errors["toml"] = gr.Markdown(visible=False, elem_classes="field-error")
+    return pick, load, name, fields, errors, text
+
+
+def jobs_tab(ui: WebUI):
+    pick, load, name, fields, errors, text = job_form(ui)
     with gr.Row():
         check_button = gr.Button("Validate")
         create_button = gr.Button("Create (draft)")
