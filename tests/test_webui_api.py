@@ -56,8 +56,11 @@ def test_a_bad_config_is_refused_with_the_error_at_its_field(client, tiny_toml):
     assert answer["ok"] is False and answer["error"] == "config: unknown key 'learning_rat'"
     assert notes[-1]["visible"] and "learning_rat" in notes[-1]["value"]  # no such field: shown under the TOML
 
-    answer, *_ = client.predict(tiny_toml, *form(ae="/no/such/ae.safetensors"), api_name="/validate")
-    assert answer["ok"] is False and answer["key"] == "ae" and "/no/such/ae.safetensors" in answer["error"]
+    answer, *_ = client.predict(tiny_toml, *form(ae="/etc/ae.safetensors"), api_name="/validate")
+    assert answer["ok"] is False and answer["key"] == "ae" and "'/etc/ae.safetensors' is outside" in answer["error"]
+    missing = os.path.join(os.path.dirname(toml.loads(tiny_toml)["ae"]), "no_such_ae.safetensors")
+    answer, *_ = client.predict(tiny_toml, *form(ae=missing), api_name="/validate")
+    assert answer["ok"] is False and answer["key"] == "ae" and missing in answer["error"]
     answer, *_ = client.predict("fresh", tiny_toml, *form(max_train_steps="ten"), api_name="/create_and_queue")
     assert answer["ok"] is False and answer["key"] == "max_train_steps"
     assert client.predict(api_name="/list_jobs")["data"] == []  # nothing was queued

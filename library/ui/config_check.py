@@ -2,11 +2,12 @@
 process does not).
 
 The helper (`python -m library.ui.config_check WORKDIR`) reads one JSON request per line on stdin,
-{"toml": text, "output_dir": folder}, and answers one JSON line: {"ok": true, "settings": {...},
+{"toml": text, "output_dir": folder, "roots": [folders]}, and answers one JSON line: {"ok": true, "settings": {...},
 "max_steps": N} or {"ok": false, "key": "network_dim" or null, "error": "one line"}. It runs
 library.training.config.load_config on the text (the schema, types, choices and combinations that
 train_lora.py enforces, the optimizer class) and then the family's check of its model files (their
-headers only), with relative paths resolved against WORKDIR, where the jobs run.
+headers only), with relative paths resolved against WORKDIR, where the jobs run; every file the config
+names must lie under one of the roots (the UI's --root folders).
 """
 
 from __future__ import annotations
@@ -40,7 +41,30 @@ def file_key(args, message: str) -> str | None:
 
 # -- the helper process ------------------------------------------------------------------------
 
-def check(text: str, output_dir: str) -> dict:
+GENERIC_PATH_KEYS = ("pretrained_model_name_or_path", "ae", "dataset_config", "sample_prompts", "network_weights",
+                     "resume", "logging_dir")
+
+
+def outside_roots(args, roots: list[str]) -> dict | None:
+    """The first file key whose path lies outside the roots, as an error answer (None: all inside):
+    a job reads only what the pages may open."""
+    keys = list(GENERIC_PATH_KEYS)
+    if args.model_type != "llm":
+        from library.models.family import family_class
+
+        keys += [k for k in family_class(args.model_type).required_paths() if k not in keys]
+    values = [(k, getattr(args, k)) for k in keys if getattr(args, k, None)]
+    values += [("base_loras", entry.rsplit(":", 1)[0]) for entry in args.base_loras]
+    values += [("train_data", entry) for entry in args.train_data]
+    for key, path in values:
+        real = os.path.realpath(path)
+        if not any(real == root or real.startswith(root + os.sep) for root in roots):
+            return {"ok": False, "key": key, "error": f"config: key '{key}': {path!r} is outside the folders this UI "
+                                                     f"may open; start tools/webui.py with --root FOLDER to add one"}
+    return None
+
+
+def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
     import toml
 
     from library.training.config import ConfigError, _flatten, load_config
@@ -59,6 +83,8 @@ def check(text: str, output_dir: str) -> dict:
         args = None
         try:
             args = load_config(["--config_file", path])
+            if roots is not None and (refused := outside_roots(args, roots)):
+                return refused
             if args.model_type != "llm":
                 from library.models.family import get_family
 
@@ -78,7 +104,7 @@ def serve(workdir: str) -> None:
         request = json.loads(line)
         try:
             with contextlib.redirect_stdout(sys.stderr):  # a library's print must not break the protocol
-                answer = check(request["toml"], request["output_dir"])
+                answer = check(request["toml"], request["output_dir"], request.get("roots"))
         except Exception as e:  # an unforeseen failure is the config's answer, not the helper's death
             answer = {"ok": False, "key": None, "error": f"config check failed: {type(e).__name__}: {e}"}
         answers.write(json.dumps(answer) + "\n")
@@ -106,12 +132,13 @@ class ConfigChecker:
                                             cwd=self.workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             stderr=subprocess.DEVNULL, text=True, bufsize=1)
 
-    def check(self, text: str, output_dir: str) -> dict:
+    def check(self, text: str, output_dir: str, roots: list[str] | None = None) -> dict:
         with self.lock:
             for attempt in (1, 2):  # a helper that died (killed, out of memory) is started once more
                 self._ensure()
                 try:
-                    self.process.stdin.write(json.dumps({"toml": text, "output_dir": output_dir}) + "\n")
+                    request = {"toml": text, "output_dir": output_dir, "roots": roots}
+                    self.process.stdin.write(json.dumps(request) + "\n")
                     self.process.stdin.flush()
                     line = self.process.stdout.readline()
                 except (BrokenPipeError, OSError):

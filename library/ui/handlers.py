@@ -124,7 +124,7 @@ class WebUI:
             settings = self.settings(text, form)
         except (JobError, ValueError) as e:
             return {"ok": False, "key": getattr(e, "key", None), "error": str(e)}
-        answer = self.checker.check(toml.dumps(settings), self.store.root)
+        answer = self.checker.check(toml.dumps(settings), self.store.root, self.roots.roots)
         answer.setdefault("settings", settings)
         return answer
 
