@@ -62,7 +62,15 @@ def alone(settings: dict, out: str, steps: int) -> float:
     return seconds
 
 
-def watched(server: WebUIProcess, settings: dict, steps: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def watched(server: WebUIProcess, settings: dict, steps: int) -> tuple[float, float, float]:
+    """(seconds per step, the UI process's CPU seconds per wall second, the watching client's)."""
     client = server.client()
     answer = client.predict("bench", toml.dumps(settings), *[None] * 11, api_name="/create_and_queue")[0]
     stop = threading.Event()
@@ -75,12 +83,15 @@ def watched(server: WebUIProcess, settings: dict, steps: int) -> float:
             stop.wait(2.0)  # library.ui.app.REFRESH_SECONDS
 
     thread = threading.Thread(target=watch, daemon=True)
+    ui_cpu, client_cpu, wall = cpu_seconds(server.process.pid), time.process_time(), time.perf_counter()
     thread.start()
     try:
-        return step_time(os.path.join(answer["output_dir"], f"{settings['output_name']}_log.csv"), steps)
+        seconds = step_time(os.path.join(answer["output_dir"], f"{settings['output_name']}_log.csv"), steps)
     finally:
         stop.set()
         thread.join()
+    wall = time.perf_counter() - wall
+    return seconds, (cpu_seconds(server.process.pid) - ui_cpu) / wall, (time.process_time() - client_cpu) / wall
 
 
 def main() -> None:
@@ -97,18 +108,23 @@ def main() -> None:
         tiny["root"] = tmp
         settings = tiny_job_settings(tiny, steps=args.steps)
         server = WebUIProcess(os.path.join(tmp, "jobs"), [tmp], os.path.join(tmp, "webui.log"))
-        times = {"alone": [], "watched": []}
+        times = {"alone": [], "watched": [], "ui": [], "client": []}
         try:
             for r in range(args.repeats):
                 times["alone"].append(alone(settings, os.path.join(tmp, f"alone{r}"), args.steps))
-                times["watched"].append(watched(server, settings, args.steps))
-                print(f"run {r}: alone {times['alone'][-1] * 1000:.1f} ms/step, "
-                      f"watched {times['watched'][-1] * 1000:.1f} ms/step", flush=True)
+                seconds, ui, client = watched(server, settings, args.steps)
+                times["watched"].append(seconds)
+                times["ui"].append(ui)
+                times["client"].append(client)
+                print(f"run {r}: alone {times['alone'][-1] * 1000:.1f} ms/step, watched {seconds * 1000:.1f} ms/step; "
+                      f"while watched the UI process used {ui * 100:.1f}% of one core, the watching client "
+                      f"{client * 100:.1f}% (with the CSV poller both runs have)", flush=True)
         finally:
             server.stop()
     a, w = statistics.median(times["alone"]), statistics.median(times["watched"])
     print(f"SUMMARY: median over {args.repeats}: alone {a * 1000:.1f} ms/step, watched by the UI {w * 1000:.1f} ms/step, "
-          f"ratio watched/alone {w / a:.3f}")
+          f"ratio watched/alone {w / a:.3f}; the UI process's CPU while watched {statistics.median(times['ui']) * 100:.1f}% "
+          f"of one core")
 
 
 if __name__ == "__main__":
