@@ -1,4 +1,4 @@
-# `make demo` trains the embedded tiny default; `make test` runs the whole suite.
+# `make demo` trains the embedded tiny default; `make test` runs the whole suite; `make webui` serves the UI.
 # Both create .venv and install requirements.txt on first use (unless a virtualenv is active).
 ifdef VIRTUAL_ENV
 PYTHON := $(VIRTUAL_ENV)/bin/python
@@ -8,7 +8,7 @@ PYTHON := .venv/bin/python
 STAMP := .venv/.lora-trainer-installed
 endif
 
-.PHONY: install demo test
+.PHONY: install demo test webui
 install: $(STAMP)
 
 $(STAMP): requirements.txt
@@ -25,3 +25,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PYTHON) -m pytest
+
+# The web UI on http://127.0.0.1:7860 (tools/webui.py --help: other roots, devices, a password).
+webui: $(STAMP)
+	$(PYTHON) tools/webui.py

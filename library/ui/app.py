@@ -1,0 +1,337 @@
+"""The gradio pages: Jobs (the form, the TOML, the queue and its actions), Live (one job's progress,
+curves, samples, log and memory; two jobs compared), Planner, Dataset and LoRA tools. The logic is
+in library/ui/handlers.py; each action has an api_name, so gradio_client scripts (and the tests)
+drive the same functions the buttons do."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from library.models.registry import FAMILIES, arch_specs
+from library.ui.files import OutsideRoots
+from library.ui.handlers import BASE_PRECISIONS, FORM_KEYS, OPTIMIZERS, WebUI
+from library.ui.jobs import JobError
+
+LABELS = {
+    "model_type": "model type", "pretrained_model_name_or_path": "model file (transformer)", "ae": "VAE (ae)",
+    "dataset_config": "dataset TOML", "network_dim": "rank (network_dim)", "max_train_steps": "steps",
+    "learning_rate": "learning rate", "optimizer_type": "optimizer", "base_precision": "base precision",
+    "sample_prompts": "sample prompts file", "sample_every_n_steps": "sample every N steps",
+}
+REFRESH_SECONDS = 2.0
+# Field errors in red; galleries keep thumbnails small (gradio widens the columns to fill the row
+# when there are fewer images than columns: two samples would each take half the page).
+CSS = (".field-error{color:#c62828} #samples .grid-container, #dataset-images .grid-container"
+       "{grid-template-columns:repeat(auto-fill,minmax(180px,260px)) !important}")
+
+
+def presets() -> list[str]:
+    return sorted(n for s in arch_specs().values() if s.planner for n in s.planner.presets)
+
+
+def error_note(message: str) -> dict:
+    return gr.update(value=f"⚠ {message}" if message else "", visible=bool(message))
+
+
+def build_app(ui: WebUI) -> gr.Blocks:
+    with gr.Blocks(title="LoRA trainer") as app:
+        gr.Markdown("# LoRA trainer\nQueue training jobs, watch them learn, stop and resume them. "
+                    "Each job is a `train_lora.py` process writing to its own folder.")
+        with gr.Tabs():
+            with gr.Tab("Jobs", id="jobs"):
+                form, errors, job_id = jobs_tab(ui)
+            with gr.Tab("Live", id="live"):
+                live_tab(ui, job_id)
+            with gr.Tab("Planner", id="planner"):
+                planner_tab(ui, form)
+            with gr.Tab("Dataset", id="dataset"):
+                dataset_tab(ui)
+            with gr.Tab("LoRA tools", id="tools"):
+                tools_tab(ui)
+    # gradio 6.31's queue loop wakes every 1 ms while idle (~5% of a core here, beside the trainer);
+    # every 20 ms starts an event as soon to a person (bench/RESULTS.md: bench_webui.py).
+    app._queue.sleep_when_free = 0.02
+    app._queue.progress_update_sleep_when_free = 0.1
+    return app
+
+
+def job_form(ui: WebUI):
+    """The config picker, the form's fields (each with its error line below it) and the TOML editor."""
+    configs = ui.roots.listing((".toml",))
+    with gr.Row():
+        with gr.Column(scale=3):
+            with gr.Row():
+                pick = gr.Dropdown(configs, value=None, label="start from a config (configs/ or any TOML under the roots)",
+                                   allow_custom_value=True, scale=3)
+                load = gr.Button("Load", scale=1)
+            name = gr.Textbox(label="job name", placeholder="default: the config's output_name")
+            fields, errors = {}, {}
+            models = ui.roots.listing((".safetensors", ".gguf"), folders=True)
+            datasets, prompt_files = ui.roots.listing((".toml",)), ui.roots.listing((".txt",))
+            with gr.Row():
+                for key in ("model_type", "base_precision", "optimizer_type"):
+                    with gr.Column(min_width=160):
+                        choices = {"model_type": list(FAMILIES), "base_precision": list(BASE_PRECISIONS),
+                                   "optimizer_type": list(OPTIMIZERS)}[key]
+                        fields[key] = gr.Dropdown(choices, value=None, label=LABELS[key],
+                                                  allow_custom_value=key == "optimizer_type")
+                        errors[key] = gr.Markdown(visible=False, elem_classes="field-error")
+            for key, choices in (("pretrained_model_name_or_path", models), ("ae", models),
+                                 ("dataset_config", datasets), ("sample_prompts", prompt_files)):
+                fields[key] = gr.Dropdown(choices, value=None, label=LABELS[key], allow_custom_value=True)
+                errors[key] = gr.Markdown(visible=False, elem_classes="field-error")
+            with gr.Row():
+                for key in ("network_dim", "max_train_steps", "learning_rate", "sample_every_n_steps"):
+                    with gr.Column(min_width=140):
+                        fields[key] = gr.Textbox(label=LABELS[key], placeholder="from the TOML")
+                        errors[key] = gr.Markdown(visible=False, elem_classes="field-error")
+        with gr.Column(scale=2):
+            text = gr.Textbox(label="the full config (TOML; the form's filled fields override it)", lines=24,
+                              max_lines=40, elem_id="config-toml")
+            errors["toml"] = gr.Markdown(visible=False, elem_classes="field-error")
+    return pick, load, name, fields, errors, text
+
+
+def jobs_tab(ui: WebUI):
+    pick, load, name, fields, errors, text = job_form(ui)
+    with gr.Row():
+        check_button = gr.Button("Validate")
+        create_button = gr.Button("Create (draft)")
+        queue_new = gr.Button("Create and queue", variant="primary", elem_id="create-and-queue")
+    answer = gr.JSON(label="result", elem_id="job-result")
+
+    gr.Markdown("## Queue")
+    table = gr.Dataframe(ui.jobs_table(), interactive=False, elem_id="queue-table")
+    with gr.Row():
+        job_id = gr.Dropdown(ui.job_choices(), value=None, label="job", allow_custom_value=True, elem_id="job-pick")
+        buttons = {a: gr.Button(a.capitalize(), elem_id=f"job-{a}") for a in ("queue", "stop", "resume", "retry")}
+        delete = gr.Button("Delete…", variant="stop", elem_id="job-delete")
+    with gr.Row(visible=False) as confirm_row:
+        gr.Markdown("Delete the job and its output folder (LoRAs, samples, state)?")
+        confirm = gr.Button("Yes, delete", variant="stop", elem_id="job-delete-confirm")
+        cancel = gr.Button("No")
+    action_answer = gr.JSON(label="action", elem_id="action-result")
+
+    order = list(FORM_KEYS)
+    form_inputs = [fields[k] for k in order]
+    error_outputs = [errors[k] for k in order] + [errors["toml"]]
+
+    def show_errors(result: dict) -> list:
+        key = result.get("key") if not result.get("ok") else None
+        where = key if key in errors else ("base_precision" if key in ("fp8_base", "fp8_scaled") else "toml")
+        message = result.get("error", "") if not result.get("ok") else ""
+        return [error_note(message if k == where else "") for k in order + ["toml"]]
+
+    def on_load(path):
+        try:
+            loaded, values = ui.load_config(path)
+        except (OutsideRoots, OSError, ValueError) as e:
+            return [gr.update()] + [gr.update()] * len(order) + [error_note(str(e))]
+        return [loaded] + [values[k] for k in order] + [error_note("")]
+
+    load.click(on_load, [pick], [text, *form_inputs, errors["toml"]], api_name="load_config")
+
+    def on_check(text_value, *values):
+        result = ui.check(text_value, dict(zip(order, values)))
+        summary = {k: result[k] for k in ("ok", "key", "error", "max_steps") if k in result}
+        return [summary] + show_errors(result)
+
+    check_button.click(on_check, [text, *form_inputs], [answer, *error_outputs], api_name="validate")
+
+    def creator(queue: bool):
+        def on_create(job_name, text_value, *values):
+            result = ui.create(job_name, text_value, dict(zip(order, values)), queue)
+            summary = {k: v for k, v in result.items() if k != "settings"}
+            return [summary] + show_errors(result) + [ui.jobs_table(), gr.update(choices=ui.job_choices(),
+                                                                                value=str(result.get("job_id", "")) or None)]
+        return on_create
+
+    create_outputs = [answer, *error_outputs, table, job_id]
+    create_button.click(creator(False), [name, text, *form_inputs], create_outputs, api_name="create_job")
+    queue_new.click(creator(True), [name, text, *form_inputs], create_outputs, api_name="create_and_queue")
+
+    for action, button in buttons.items():
+        button.click(lambda j, a=action: (ui.act(a, j), ui.jobs_table()), [job_id], [action_answer, table],
+                     api_name=f"{action}_job")
+    delete.click(lambda: gr.update(visible=True), None, [confirm_row], api_name=False)
+    cancel.click(lambda: gr.update(visible=False), None, [confirm_row], api_name=False)
+
+    def on_delete(j, confirmed=True):
+        return ui.act("delete", j, confirm=confirmed), ui.jobs_table(), gr.update(visible=False), \
+            gr.update(choices=ui.job_choices(), value=None)
+
+    confirm.click(on_delete, [job_id], [action_answer, table, confirm_row, job_id], api_name=False)
+    api_confirm = gr.Checkbox(visible=False)
+    gr.Button(visible=False).click(on_delete, [job_id, api_confirm], [action_answer, table, confirm_row, job_id],
+                                   api_name="delete_job")
+    gr.Button(visible=False).click(ui.jobs_table, None, [table], api_name="list_jobs")
+    timer = gr.Timer(REFRESH_SECONDS)
+    timer.tick(lambda: (ui.jobs_table(), gr.update(choices=ui.job_choices())), None, [table, job_id], api_name=False)
+    return {"text": text, "fields": fields, "order": order}, errors, job_id
+
+
+def live_tab(ui: WebUI, job_id) -> None:
+    status = gr.Markdown("Pick a job in the Jobs tab.", elem_id="live-status")
+    with gr.Row():
+        loss = gr.LinePlot(x="step", y="value", color="series", title="loss / val_loss", elem_id="plot-loss")
+        lr = gr.LinePlot(x="step", y="value", color="series", title="lr per group", elem_id="plot-lr")
+        dlr = gr.LinePlot(x="step", y="value", color="series", title="d*lr per group (Prodigy)", elem_id="plot-dlr")
+    samples = gr.Gallery(label="samples by step, with their prompt (each: bf16 base | fp8 base, side by side)",
+                         columns=6, object_fit="contain", height=300, allow_preview=False, elem_id="samples")
+    log = gr.Textbox(label="log (tail)", lines=12, max_lines=12, elem_id="log-tail")
+
+    shown = gr.State(None)  # the signature of what this page shows (handlers.live_signature)
+
+    def on_live(j, last):
+        if j in (None, ""):
+            return [gr.update()] * 6 + [None]
+        try:
+            signature = ui.live_signature(j)
+            if signature == last:  # nothing new: no data sent, no chart redrawn
+                return [gr.update()] * 6 + [last]
+            view = ui.live(j)
+        except (JobError, ValueError):
+            return ["no such job"] + [gr.update()] * 5 + [None]
+        return view["status"], view["loss"], view["lr"], view["dlr"], view["samples"], view["log"], signature
+
+    outputs = [status, loss, lr, dlr, samples, log, shown]
+    job_id.change(on_live, [job_id, shown], outputs, api_name=False)
+    gr.Timer(REFRESH_SECONDS).tick(on_live, [job_id, shown], outputs, api_name=False)
+    gr.Button(visible=False).click(lambda j: {k: (v.to_dict("records") if hasattr(v, "to_dict") else v)
+                                              for k, v in ui.live(j).items()},
+                                   [job_id], [gr.JSON(visible=False)], api_name="live")
+
+    gr.Markdown("## Compare two jobs")
+    with gr.Row():
+        a = gr.Dropdown(ui.job_choices(), value=None, label="job A", allow_custom_value=True)
+        b = gr.Dropdown(ui.job_choices(), value=None, label="job B", allow_custom_value=True)
+        column = gr.Dropdown(["loss", "val_loss", "lr", "d*lr"], value="loss", label="curve")
+        go = gr.Button("Compare")
+    both = gr.LinePlot(x="step", y="value", color="series", title="two jobs", elem_id="plot-compare")
+    go.click(ui.compare, [a, b, column], [both], api_name="compare")
+    gr.Timer(REFRESH_SECONDS * 5).tick(lambda: [gr.update(choices=ui.job_choices())] * 2, None, [a, b], api_name=False)
+
+
+def planner_tab(ui: WebUI, form: dict) -> None:
+    gr.Markdown("What fits your card (`tools/plan_memory.py`: every component built on `meta`, one training step "
+                "counted), and the settings to apply to the job form.")
+    with gr.Row():
+        source = gr.Radio(["preset", "the job form's config"], value="preset", label="plan")
+        preset = gr.Dropdown(presets(), value=presets()[0], label="released model (preset)")
+        vram = gr.Number(24, label="card memory (GiB)", elem_id="plan-vram")
+        resolution = gr.Number(1024, label="resolution (px)", precision=0)
+        batch = gr.Number(1, label="batch size", precision=0)
+    run = gr.Button("Plan", variant="primary", elem_id="plan-run")
+    suggestion = gr.Markdown(elem_id="plan-suggestion")
+    report = gr.Textbox(label="plan", lines=14, elem_id="plan-report")
+    keys = gr.JSON(label="suggested settings", elem_id="plan-keys")
+    apply = gr.Button("Apply the suggested settings to the job form", elem_id="plan-apply")
+    order, fields = form["order"], form["fields"]
+
+    def on_plan(src, name, gib, side, size, text_value, *values):
+        result = ui.plan(src, name, gib, side, size, text_value, dict(zip(order, values)))
+        best = result["suggested"]
+        note = (f"**Suggested:** " + ", ".join(f"`{k} = {str(v).lower()}`" for k, v in best.items()) if best
+                else "**Nothing fits this card**, even with every block swapped." if result["ok"] else "**Plan failed.**")
+        return note, result["report"], best
+
+    run.click(on_plan, [source, preset, vram, resolution, batch, form["text"], *[fields[k] for k in order]],
+              [suggestion, report, keys], api_name="plan")
+
+    def on_apply(best, text_value, *values):
+        if not best:
+            return [gr.update()] * (1 + len(order))
+        new_text, new_values = ui.apply_plan(text_value, dict(zip(order, values)), best)
+        return [new_text] + [new_values[k] for k in order]
+
+    apply.click(on_apply, [keys, form["text"], *[fields[k] for k in order]], [form["text"], *[fields[k] for k in order]],
+                api_name="apply_plan")
+
+
+def dataset_tab(ui: WebUI) -> None:
+    with gr.Row():
+        path = gr.Dropdown(ui.roots.listing((".toml",)), value=None, label="dataset TOML", allow_custom_value=True, scale=3)
+        check = gr.Button("Check", scale=1)
+    summary = gr.Markdown()
+    with gr.Row():
+        buckets = gr.BarPlot(x="bucket", y="images", title="bucket histogram")
+        problems = gr.Dataframe(label="problems, one per image and why (an error stops training; a warning trains anyway)",
+                                interactive=False)
+    images = gr.Gallery(label="images with captions (click one to edit its caption)", columns=6, height=300,
+                        allow_preview=False, elem_id="dataset-images")
+    picked = gr.Textbox(label="image", interactive=False)
+    caption = gr.Textbox(label="caption", lines=2)
+    save = gr.Button("Save caption")
+    saved = gr.Markdown()
+    shown = gr.State([])
+
+    def on_check(p):
+        try:
+            view = ui.dataset(p)
+        except (OutsideRoots, OSError, ValueError) as e:
+            return f"⚠ {e}", None, None, [], []
+        if not view["ok"]:
+            return f"⚠ {view['error']}", None, None, [], []
+        return view["summary"], view["buckets"], view["problems"], view["images"], view["images"]
+
+    check.click(on_check, [path], [summary, buckets, problems, images, shown], api_name="dataset")
+
+    def on_select(items, event: gr.SelectData):
+        image, text = items[event.index]
+        return image, text
+
+    images.select(on_select, [shown], [picked, caption], api_name=False)
+    save.click(lambda i, c: _saved(ui, i, c), [picked, caption], [saved], api_name="save_caption")
+
+
+def _saved(ui: WebUI, image: str, caption: str) -> str:
+    try:
+        return f"saved {ui.save_caption(image, caption)}"
+    except (OutsideRoots, OSError) as e:
+        return f"⚠ {e}"
+
+
+def tools_tab(ui: WebUI) -> None:
+    loras = ui.roots.listing((".safetensors",))
+    out = gr.Textbox(label="output", lines=12, elem_id="tool-output")
+    with gr.Accordion("lora_info: what a LoRA file holds", open=True):
+        info_path = gr.Dropdown(loras, value=None, label="LoRA", allow_custom_value=True)
+        gr.Button("Inspect").click(lambda p: ui.lora_tool("lora_info", {"lora": p})["output"], [info_path], [out],
+                                   api_name="lora_info")
+    with gr.Accordion("convert / resize", open=False):
+        src = gr.Dropdown(loras, value=None, label="LoRA", allow_custom_value=True)
+        dst = gr.Textbox(label="save to (a name goes to the jobs folder's tools/)")
+        to = gr.Dropdown(["kohya", "diffusers", "peft"], value="diffusers", label="convert to")
+        rank = gr.Number(4, label="new rank", precision=0)
+        with gr.Row():
+            gr.Button("Convert").click(lambda s, d, t: ui.lora_tool("convert_lora", {"lora": s, "save_to": d, "to": t})
+                                       ["output"], [src, dst, to], [out], api_name="convert_lora")
+            gr.Button("Resize").click(lambda s, d, r: ui.lora_tool("resize_lora", {"lora": s, "save_to": d, "new_rank": r})
+                                      ["output"], [src, dst, rank], [out], api_name="resize_lora")
+    with gr.Accordion("merge into a checkpoint", open=False):
+        model = gr.Dropdown(ui.roots.listing((".safetensors",), folders=True), value=None, label="base model", allow_custom_value=True)
+        merge_lora = gr.Dropdown(loras, value=None, label="LoRA", allow_custom_value=True)
+        ratio = gr.Slider(-2, 2, 1.0, step=0.05, label="weight")
+        merged = gr.Textbox(label="save to")
+        precision = gr.Dropdown(["bf16", "fp16", "fp32", "fp8", "fp8_scaled"], value="bf16", label="save precision")
+        gr.Button("Merge").click(lambda m, l, w, s, p: ui.lora_tool("merge_lora", {"model": m, "lora": l, "weight": w,
+                                                                                   "save_to": s, "save_precision": p})
+                                 ["output"], [model, merge_lora, ratio, merged, precision], [out], api_name="merge_lora")
+    with gr.Accordion("generate a test image with a job's models", open=False):
+        job = gr.Dropdown(ui.job_choices(), value=None, label="job (its model files)", allow_custom_value=True)
+        gen_lora = gr.Dropdown(loras, value=None, label="LoRA (empty: none)", allow_custom_value=True)
+        weight = gr.Slider(-2, 2, 1.0, step=0.05, label="LoRA weight")
+        prompt = gr.Textbox(label="prompt")
+        with gr.Row():
+            side = gr.Number(1024, label="size (px)", precision=0)
+            steps = gr.Number(20, label="steps", precision=0)
+            seed = gr.Number(0, label="seed", precision=0)
+        picture = gr.Image(label="image", type="filepath")
+
+        def on_generate(j, lora, w, text, s, n, sd):
+            result = ui.lora_tool("generate", {"job_id": j, "lora": lora, "weight": w, "prompt": text, "width": s,
+                                               "steps": n, "seed": sd})
+            return result["output"], result["image"]
+
+        gr.Button("Generate").click(on_generate, [job, gen_lora, weight, prompt, side, steps, seed], [out, picture],
+                                    api_name="generate")

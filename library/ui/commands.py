@@ -1,0 +1,90 @@
+"""The repository's tools run for the UI's forms: each a subprocess with an argument list (never a
+shell string), in the working folder, returning what it printed. The planner's and the dataset
+checker's outputs are read back into the forms' values."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PLAN_ROW = re.compile(r"^\s+(bf16|fp8_scaled|fp8|\S+)\s+gradient_checkpointing=(true|false)\s*: "
+                      r"(?:fits with blocks_to_swap = (\d+) \(peak ([\d.]+) GiB\)|does not fit)")
+
+
+@dataclass
+class Result:
+    ok: bool
+    output: str  # stdout, then stderr
+    stdout: str = ""
+
+
+def run_tool(script: str, args: list[str], workdir: str, python: str = sys.executable, timeout: float = 900) -> Result:
+    command = [python, os.path.join(ROOT, "tools", script), *map(str, args)]
+    try:
+        done = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return Result(False, f"{script} ran past {timeout:.0f} s and was stopped")
+    output = (done.stdout + ("\n" + done.stderr if done.stderr.strip() else "")).strip()
+    return Result(done.returncode == 0, output, done.stdout)
+
+
+# -- the memory planner ------------------------------------------------------------------------
+
+@dataclass
+class Fit:
+    base: str  # bf16, fp8_scaled, or a pre-quantized file's layout
+    checkpointing: bool
+    blocks_to_swap: int | None  # None: does not fit
+    peak_gib: float | None
+
+
+def plan(workdir: str, vram: float, preset: str | None = None, config_file: str | None = None,
+         resolution: int | None = None, batch_size: int | None = None, python: str = sys.executable) -> tuple[Result, list[Fit]]:
+    args = ["--preset", preset] if preset else ["--config_file", config_file]
+    args += ["--vram", vram]
+    if resolution:
+        args += ["--resolution", int(resolution)]
+    if batch_size:
+        args += ["--batch_size", int(batch_size)]
+    result = run_tool("plan_memory.py", args, workdir, python)
+    fits = []
+    for line in result.output.splitlines():
+        if match := PLAN_ROW.match(line):
+            swap = int(match.group(3)) if match.group(3) is not None else None
+            fits.append(Fit(match.group(1), match.group(2) == "true", swap,
+                            float(match.group(4)) if match.group(4) else None))
+    return result, fits
+
+
+def suggestion(fits: list[Fit]) -> Fit | None:
+    """The setting that fits with the least cost: fewest swapped blocks (each copies weights per
+    step), then no checkpointing (recomputes the forward), then the bf16 base (fp8 loses precision)."""
+    fitting = [f for f in fits if f.blocks_to_swap is not None]
+    return min(fitting, key=lambda f: (f.blocks_to_swap, f.checkpointing, f.base != "bf16"), default=None)
+
+
+def suggested_keys(fit: Fit) -> dict:
+    """The config keys that select a plan's setting."""
+    keys = {"gradient_checkpointing": fit.checkpointing, "blocks_to_swap": fit.blocks_to_swap}
+    if fit.base in ("bf16", "fp8", "fp8_scaled"):
+        keys.update({"fp8_base": fit.base != "bf16", "fp8_scaled": fit.base == "fp8_scaled"})
+    return keys
+
+
+# -- the dataset checker -----------------------------------------------------------------------
+
+def check_dataset(workdir: str, dataset_config: str, python: str = sys.executable) -> tuple[Result, dict | None]:
+    """tools/check_dataset.py --json: per subset its sizes, buckets and problems (None: it failed)."""
+    result = run_tool("check_dataset.py", [dataset_config, "--json"], workdir, python)
+    if not result.ok:
+        return result, None
+    try:
+        return result, json.loads(result.stdout)
+    except ValueError:
+        return Result(False, result.output), None

@@ -1,0 +1,344 @@
+"""What the pages do, apart from their layout (library/ui/app.py): the job form merged into the TOML
+and checked, the queue's actions, the live view's figures, the planner, the dataset view and the
+LoRA tools. Values in, plain values out (strings, dicts, pandas frames), so each is testable alone."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import pandas as pd
+import toml
+
+from library.training.config import SCHEMA, _flatten
+from library.ui import commands, run_files
+from library.ui import runner as actions
+from library.ui.config_check import ConfigChecker
+from library.ui.files import OutsideRoots, Roots
+from library.ui.jobs import ACTIVE, JobError, JobStore
+from library.ui.runner import Runner
+
+# The form's fields: config keys, plus base_precision (fp8_base + fp8_scaled as one choice).
+FORM_KEYS = ("model_type", "pretrained_model_name_or_path", "ae", "dataset_config", "network_dim", "max_train_steps",
+             "learning_rate", "optimizer_type", "base_precision", "sample_prompts", "sample_every_n_steps")
+BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")
+OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy")
+PLOT_COLUMNS = ["step", "value", "series"]
+
+
+def base_precision_of(settings: dict) -> str:
+    if not settings.get("fp8_base"):
+        return "bf16"
+    return "fp8_scaled" if settings.get("fp8_scaled", SCHEMA["fp8_scaled"].default) else "fp8"
+
+
+def form_values(settings: dict) -> dict:
+    """The form's fields from a config's keys."""
+    values = {k: settings.get(k) for k in FORM_KEYS if k != "base_precision"}
+    values.update({k: str(v) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    values["base_precision"] = base_precision_of(settings)
+    return values
+
+
+class FormError(JobError):
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
+
+
+def field_value(key: str, value):
+    """A form field's text as the key's type (the numbers are text fields: empty means "the TOML's")."""
+    kind = SCHEMA[key].type
+    if kind in (int, float) and isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            raise FormError(key, f"form: key '{key}' must be {'an integer' if kind is int else 'a number'}, "
+                                 f"got {value.strip()!r}") from None
+        if kind is int and not number.is_integer():
+            raise FormError(key, f"form: key '{key}' must be an integer, got {value.strip()!r}")
+        return int(number) if kind is int else number
+    return value.strip() if isinstance(value, str) else value
+
+
+def apply_form(settings: dict, form: dict) -> dict:
+    """The config's keys with the form's filled fields over them (an empty field keeps the TOML's)."""
+    out = dict(settings)
+    for key, value in form.items():
+        if value is None or (isinstance(value, str) and not value.strip()):
+            continue
+        if key == "base_precision":
+            out["fp8_base"], out["fp8_scaled"] = value != "bf16", value == "fp8_scaled"
+        else:
+            out[key] = field_value(key, value)
+    return out
+
+
+def frame(rows: list[dict], columns: list[str], series_of=lambda c: c) -> pd.DataFrame:
+    """Long-format rows (step, value, series) of the CSV columns given, for one line per series."""
+    data = [(row["step"], row[c], series_of(c)) for row in rows for c in columns if row.get(c) is not None]
+    return pd.DataFrame(data, columns=PLOT_COLUMNS)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n else "-"
+
+
+class WebUI:
+    def __init__(self, jobs_dir: str, workdir: str, roots: list[str], devices: tuple[str, ...] = ("cpu",),
+                 python: str = sys.executable):
+        self.workdir, self.python = os.path.realpath(workdir), python
+        self.store = JobStore(jobs_dir)
+        self.roots = Roots([*roots, self.store.root], self.workdir)
+        self.runner = Runner(self.store, self.workdir, devices, python)
+        self.checker = ConfigChecker(self.workdir, python)
+
+    def start(self) -> None:
+        self.runner.start()
+        self.checker.start()
+
+    def close(self) -> None:
+        self.runner.close()
+        self.checker.close()
+
+    # -- the job form ------------------------------------------------------------------------
+    def load_config(self, path: str) -> tuple[str, dict]:
+        """A TOML file (inside the roots) as the editor's text and the form's fields."""
+        real = self.roots.resolve(path, "config")
+        with open(real, encoding="utf-8") as f:
+            text = f.read()
+        settings = _flatten(toml.loads(text), path)
+        return text, form_values(settings)
+
+    def settings(self, text: str, form: dict) -> dict:
+        try:
+            return apply_form(_flatten(toml.loads(text or ""), "config"), form)
+        except toml.TomlDecodeError as e:
+            raise JobError(f"config: not valid TOML: {e}") from None
+
+    def check(self, text: str, form: dict) -> dict:
+        """{"ok", "key", "error", "settings", "max_steps"}: the config as train_lora.py would check it."""
+        try:
+            settings = self.settings(text, form)
+        except (JobError, ValueError) as e:
+            return {"ok": False, "key": getattr(e, "key", None), "error": str(e)}
+        answer = self.checker.check(toml.dumps(settings), self.store.root, self.roots.roots)
+        answer.setdefault("settings", settings)
+        return answer
+
+    def create(self, name: str, text: str, form: dict, queue: bool) -> dict:
+        answer = self.check(text, form)
+        if not answer["ok"]:
+            return answer
+        settings = {k: v for k, v in answer["settings"].items() if k != "output_dir"}
+        name = (name or "").strip() or settings.get("output_name") or "job"
+        job = self.store.create(name, settings, answer["max_steps"], queue=queue)
+        return {"ok": True, "job_id": job.id, "state": job.state, "output_dir": job.output_dir}
+
+    # -- queue actions -----------------------------------------------------------------------
+    def act(self, action: str, job_id, confirm: bool = False) -> dict:
+        try:
+            job_id = int(job_id)
+            if action == "delete":
+                if not confirm:
+                    raise JobError(f"job {job_id}: confirm to delete it and its folder")
+                self.store.delete(job_id)
+                return {"ok": True, "job_id": job_id, "state": "deleted"}
+            job = {"queue": actions.queue, "stop": actions.stop, "resume": actions.resume,
+                   "retry": actions.retry}[action](self.store, job_id)
+            return {"ok": True, "job_id": job.id, "state": job.state, "message": job.message}
+        except (JobError, ValueError, TypeError) as e:
+            return {"ok": False, "error": str(e)}
+
+    def jobs_table(self) -> pd.DataFrame:
+        rows = []
+        for job in reversed(self.store.list()):
+            total = f"/{job.max_steps}" if job.max_steps else ""
+            started = time.strftime("%H:%M:%S", time.localtime(job.started)) if job.started else ""
+            rows.append((job.id, job.name, job.state, f"{job.last_step}{total}", started, job.message))
+        return pd.DataFrame(rows, columns=["id", "name", "state", "step", "started", "message"])
+
+    def job_choices(self) -> list[tuple[str, str]]:
+        return [(f"{job.id}: {job.name} ({job.state})", str(job.id)) for job in reversed(self.store.list())]
+
+    # -- the live view -----------------------------------------------------------------------
+    def live(self, job_id) -> dict:
+        """Progress, the CSV's curves, the samples, the log's tail and peak memory of one job."""
+        job = self.store.get(int(job_id))
+        rows = run_files.read_rows(job.csv_path)
+        columns = list(rows[-1]) if rows else []
+        bar = run_files.progress(job.log_path, job.last_step, job.max_steps)
+        if job.state not in ACTIVE:  # the bar of an earlier run would tell an old ETA
+            bar = run_files.Progress(job.last_step, job.max_steps or bar.total)
+        percent = f" ({100 * bar.step / bar.total:.0f}%)" if bar.total else ""
+        timing = f", elapsed {bar.elapsed}, ETA {bar.remaining}" if bar.remaining else ""
+        memory = f"peak RSS {gib(job.peak_rss)}" + (f", peak VRAM {gib(job.peak_vram)} (nvidia-smi, sampled)"
+                                                     if job.peak_vram else "")
+        prompts = run_files.prompts(self._sample_prompts(job))
+        gallery = []
+        for sample in run_files.samples(job.output_dir, job.output_name):
+            prompt = prompts[sample.index] if sample.index < len(prompts) else f"prompt {sample.index}"
+            gallery.append((sample.path, f"{sample.tag}: {prompt}"))
+        return {
+            "status": f"**job {job.id} {job.name}: {job.state}**, step {bar.step}/{bar.total or '?'}{percent}{timing}; "
+                      f"{memory}" + (f"\n\n{job.message}" if job.message else ""),
+            "loss": frame(rows, [c for c in ("loss", "val_loss") if c in columns]),
+            "lr": frame(rows, [c for c in columns if c.startswith("lr/")]),
+            "dlr": frame(rows, [c for c in columns if c.startswith("d*lr/")]),
+            "samples": gallery,
+            "log": "\n".join(run_files.log_lines(job.log_path, 40)),
+            "step": bar.step, "total": bar.total, "peak_rss": job.peak_rss, "state": job.state,
+        }
+
+    def live_signature(self, job_id) -> tuple:
+        """What the live view shows changes only when this does (the job's row, the CSV, the log, the
+        samples): the page redraws nothing while it stays the same."""
+        job = self.store.get(int(job_id))
+        stats = []
+        for path in (job.csv_path, job.log_path, job.output_dir):
+            try:
+                info = os.stat(path)
+                stats.append((info.st_size, info.st_mtime_ns))
+            except OSError:
+                stats.append(None)
+        return (job.id, job.state, job.message, job.last_step, job.peak_rss, job.peak_vram, *stats)
+
+    def _sample_prompts(self, job) -> str | None:
+        path = toml.loads(job.config).get("sample_prompts")
+        if not path:
+            return None
+        try:
+            return self.roots.resolve(path, "sample_prompts")
+        except OutsideRoots:
+            return None
+
+    def compare(self, job_a, job_b, column: str = "loss") -> pd.DataFrame:
+        frames = []
+        for job_id in (job_a, job_b):
+            if job_id in (None, ""):
+                continue
+            job = self.store.get(int(job_id))
+            rows = run_files.read_rows(job.csv_path)
+            picked = [c for c in (rows[-1] if rows else {}) if c == column or c.startswith(column + "/")]
+            frames.append(frame(rows, picked, lambda c, job=job: f"{job.id} {job.name}: {c}"))
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=PLOT_COLUMNS)
+
+    # -- before a run ------------------------------------------------------------------------
+    def plan(self, source: str, preset: str, vram: float, resolution, batch_size, text: str, form: dict) -> dict:
+        config_file = None
+        if source != "preset":
+            with tempfile.NamedTemporaryFile("w", suffix=".toml", dir=self.store.root, delete=False) as f:
+                toml.dump(self.settings(text, form), f)
+                config_file = f.name
+        try:
+            result, fits = commands.plan(self.workdir, float(vram), preset if source == "preset" else None, config_file,
+                                         resolution or None, batch_size or None, self.python)
+        finally:
+            if config_file:
+                os.remove(config_file)
+        best = commands.suggestion(fits)
+        return {"ok": result.ok, "report": result.output, "fits": [vars(f) for f in fits],
+                "suggested": commands.suggested_keys(best) if best else None}
+
+    def apply_plan(self, text: str, form: dict, keys: dict) -> tuple[str, dict]:
+        """The TOML text and form with a plan's suggested keys set."""
+        settings = {**self.settings(text, form), **keys}
+        return toml.dumps(settings), form_values(settings)
+
+    def dataset(self, path: str) -> dict:
+        """check_dataset.py's report (buckets, problems) and the images with their captions."""
+        from library.data.dataset_config import load_dataset_config
+
+        real = self.roots.resolve(path, "dataset config")
+        result, report = commands.check_dataset(self.workdir, real, self.python)
+        if report is None:
+            return {"ok": False, "error": result.output}
+        images, buckets, problems = [], {}, []
+        for spec in load_dataset_config(real).datasets:
+            for subset in spec.subsets:
+                folder = self.roots.resolve(subset.image_dir, "image_dir")
+                for name in sorted(os.listdir(folder)):
+                    if name.lower().endswith((".png", ".jpg", ".jpeg", ".webp", ".bmp")):
+                        image = os.path.join(folder, name)
+                        images.append((image, self._read_caption(image, subset.caption_extension)))
+        for subset in report["subsets"]:
+            for bucket, count in subset["buckets"].items():
+                buckets[bucket] = buckets.get(bucket, 0) + count
+            problems += [(p["severity"], p["kind"], p["message"]) for p in subset["problems"]]
+        return {"ok": True, "images": images,
+                "buckets": pd.DataFrame(sorted(buckets.items()), columns=["bucket", "images"]),
+                "problems": pd.DataFrame(problems, columns=["severity", "kind", "message"]),
+                "summary": f"{sum(s['images'] for s in report['subsets'])} images, "
+                           f"{sum(s['trained'] for s in report['subsets'])} trained; {report['errors']} errors, "
+                           f"{report['warnings']} warnings; {report['token_check']}"}
+
+    @staticmethod
+    def _read_caption(image: str, extension: str) -> str:
+        try:
+            with open(os.path.splitext(image)[0] + extension, encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    def save_caption(self, image: str, caption: str, extension: str = ".txt") -> str:
+        real = self.roots.resolve(image, "image")
+        path = self.roots.resolve(os.path.splitext(real)[0] + extension, "caption")
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(caption.strip() + "\n")
+        os.replace(tmp, path)
+        return path
+
+    # -- after a run: the LoRA tools ---------------------------------------------------------
+    def tool_output(self, path: str, what: str) -> str:
+        """An output path for a tool: inside the roots (default: the jobs folder's tools/)."""
+        if not path:
+            raise OutsideRoots(f"{what}: no path given")
+        if not os.path.isabs(path) and os.sep not in path:
+            os.makedirs(os.path.join(self.store.root, "tools"), exist_ok=True)
+            path = os.path.join(self.store.root, "tools", path)
+        return self.roots.resolve(path, what)
+
+    def lora_tool(self, tool: str, values: dict) -> dict:
+        try:
+            args, output = self._tool_args(tool, values)
+        except (OutsideRoots, JobError, ValueError) as e:
+            return {"ok": False, "output": str(e), "image": None}
+        result = commands.run_tool(f"{tool}.py", args, self.workdir, self.python)
+        image = None
+        if tool == "generate" and result.ok:
+            pngs = [os.path.join(output, f) for f in os.listdir(output) if f.endswith(".png")]
+            image = max(pngs, key=os.path.getmtime) if pngs else None
+        return {"ok": result.ok, "output": result.output, "image": image}
+
+    def _tool_args(self, tool: str, v: dict) -> tuple[list, str | None]:
+        lora = lambda key="lora": self.roots.resolve(v[key], "LoRA")  # noqa: E731
+        if tool == "lora_info":
+            return [lora()], None
+        if tool == "convert_lora":
+            return [lora(), self.tool_output(v["save_to"], "output"), "--to", v["to"]], None
+        if tool == "resize_lora":
+            return ["--lora", lora(), "--save_to", self.tool_output(v["save_to"], "output"),
+                    "--new_rank", int(v["new_rank"])], None
+        if tool == "merge_lora":
+            return ["--model", self.roots.resolve(v["model"], "model"), "--lora", f"{lora()}:{float(v['weight'])}",
+                    "--save_to", self.tool_output(v["save_to"], "output"), "--save_precision", v["save_precision"]], None
+        if tool == "generate":  # with a job's models
+            job = self.store.get(int(v["job_id"]))
+            config = toml.loads(job.config)
+            out = self.tool_output(f"generated-job{job.id}", "output")
+            args = ["--model_type", config["model_type"], "--model", config["pretrained_model_name_or_path"],
+                    "--ae", config["ae"], "--prompt", v["prompt"], "--width", int(v["width"]), "--height",
+                    int(v["width"]), "--steps", int(v["steps"]), "--seed", int(v.get("seed") or 0),
+                    "--base_precision", base_precision_of(config), "--out", out, "--dtype", v.get("dtype", "fp32")]
+            from library.training.config import FAMILY_KEYS
+
+            for key in FAMILY_KEYS:
+                if key in config and FAMILY_KEYS[key].type is not bool:  # generate.py reads these as the config's
+                    args += [f"--{key}", config[key]]
+            if v.get("lora"):
+                args += ["--lora", f"{lora()}:{float(v['weight'])}"]
+            return args, out
+        raise ValueError(f"unknown tool {tool!r}")

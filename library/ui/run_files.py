@@ -1,0 +1,163 @@
+"""What a run has written so far, read without torch: the CSV log's rows, the log's tail and its
+progress bar, the samples by step, the state's step, and the trainer process's memory."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass
+
+TQDM = re.compile(r"(\d+)/(\d+) \[([0-9:]+)<([0-9:?]+)")
+BAR_THEN_TEXT = re.compile(r"(\d+/\d+ \[[^\]\n]*\])(?=\S)")
+SAMPLE_TAG = re.compile(r"_(start|final|step(\d+)|epoch(\d+))_(\d+)\.png$")
+
+
+def read_tail(path: str, size: int = 65536) -> str:
+    """The last `size` bytes of a text file ("" if there is none), as text."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - size))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def log_lines(path: str, count: int = 40) -> list[str]:
+    """The log's last lines; tqdm's redrawn bar (carriage returns) counts once, as its last state."""
+    lines: list[str] = []
+    text = BAR_THEN_TEXT.sub("\\1\n", read_tail(path))  # a message printed right after the bar, on its line
+    for line in text.replace("\r", "\n").split("\n"):
+        line = line.rstrip()
+        if not line:
+            continue
+        if lines and TQDM.search(line) and TQDM.search(lines[-1]):
+            lines[-1] = line
+        else:
+            lines.append(line)
+    return lines[-count:]
+
+
+@dataclass
+class Progress:
+    step: int
+    total: int | None
+    elapsed: str = ""
+    remaining: str = ""
+
+
+def progress(log_path: str, last_step: int, max_steps: int | None) -> Progress:
+    """Steps done and planned, with tqdm's elapsed and remaining time from the log when it has them."""
+    bars = TQDM.findall(read_tail(log_path, 8192))
+    if bars:
+        done, total, elapsed, remaining = bars[-1]
+        return Progress(int(done), int(total), elapsed, remaining)
+    return Progress(last_step, max_steps)
+
+
+def read_rows(csv_path: str) -> list[dict[str, float | None]]:
+    """The CSV log's rows as numbers (an empty cell, e.g. val_loss between validations: None); a
+    half-written last row is left out."""
+    try:
+        with open(csv_path, newline="") as f:
+            rows = list(csv.reader(f))
+    except OSError:
+        return []
+    if not rows:
+        return []
+    header, out = rows[0], []
+    for row in rows[1:]:
+        if len(row) != len(header):
+            continue
+        try:
+            out.append({k: (float(v) if v != "" else None) for k, v in zip(header, row)})
+        except ValueError:
+            continue
+    return out
+
+
+def last_step(csv_path: str) -> int:
+    """The last step the CSV log has (0: none), reading only its head and tail."""
+    try:
+        with open(csv_path, newline="") as f:
+            header = f.readline().strip().split(",")
+    except OSError:
+        return 0
+    if "step" not in header:
+        return 0
+    column = header.index("step")
+    for line in reversed(read_tail(csv_path, 4096).split("\n")[:-1]):  # after the last newline: a row cut short
+        cells = line.split(",")
+        if len(cells) == len(header) and cells[column].isdigit():
+            return int(cells[column])
+    return 0
+
+
+def state_step(state_dir: str) -> int | None:
+    """The step a saved state resumes at (None: no readable state)."""
+    try:
+        with open(os.path.join(state_dir, "train_state.json")) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@dataclass
+class Sample:
+    path: str
+    tag: str  # start, step000060, epoch0001, final
+    step: int | None  # None for start / final: their step is the run's first / last
+    index: int  # the prompt's line
+
+
+def samples(output_dir: str, output_name: str) -> list[Sample]:
+    """The sample PNGs (<name>_<tag>_<NN>.png), in the order they were rendered."""
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(output_dir), glob.escape(output_name) + "_*.png")):
+        match = SAMPLE_TAG.search(path[len(os.path.join(output_dir, output_name)):])
+        if not match:
+            continue  # the LR plot (<name>_lr.png)
+        tag = match.group(1)
+        step = int(match.group(2)) if match.group(2) else None
+        found.append(Sample(path, tag, step, int(match.group(4))))
+    order = {"start": -1, "final": 10**12}
+    return sorted(found, key=lambda s: (order.get(s.tag, s.step if s.step is not None else 0), s.index))
+
+
+def prompts(path: str | None) -> list[str]:
+    """The sample prompt lines (sd-scripts syntax), without their --options, as the samples number them."""
+    if not path:
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except OSError:
+        return []
+    return [line.split(" --")[0] for line in lines]
+
+
+def peak_rss(pid: int) -> int:
+    """The process's peak resident memory in bytes (the kernel's VmHWM: a true peak, not a sample)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def process_started(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (None: no such process, or a zombie):
+    with the pid it names one process, even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] == "Z":  # exited, not yet reaped
+        return None
+    return int(fields[19])

@@ -1,0 +1,203 @@
+"""Runs the queue: per device one train_lora.py process at a time, started with an argument list (no
+shell) in its own session, so it outlives the UI; a restarted UI re-attaches to it.
+
+Stop is train_lora.py's Ctrl-C: SIGINT, after which it saves the LoRA (<name>-stepNNNNNN.safetensors)
+and the state (<name>-state) at the end of the current optimizer step and exits with status 130.
+Resume passes --resume <state>; train_lora.py continues the CSV log from the state's step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from library.ui import run_files
+from library.ui.jobs import ACTIVE, FINISHED, Job, JobError, JobStore
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN_SCRIPT = os.path.join(ROOT, "train_lora.py")
+STOPPED_LINE = re.compile(r"SIG(?:INT|TERM): saved .* at step (\d+)")
+DONE_LINE = re.compile(r"^saved .* after (\d+) steps")
+
+
+# -- queue actions (state changes the UI asks for) -------------------------------------------
+
+def queue(store: JobStore, job_id: int) -> Job:
+    return store.transition(job_id, ("draft",), "queue", state="queued", queued=time.time())
+
+
+def stop(store: JobStore, job_id: int) -> Job:
+    """A queued job goes back to draft; a running one is asked to stop (the runner sends SIGINT)."""
+    job = store.get(job_id)
+    if job.state == "queued":
+        return store.transition(job_id, ("queued",), "stop", state="draft", queued=None)
+    return store.transition(job_id, ("running",), "stop", state="stopping",
+                            message="stopping: the LoRA and state are saved after the current step")
+
+
+def resume(store: JobStore, job_id: int) -> Job:
+    job = store.get(job_id)
+    step = run_files.state_step(job.state_dir)
+    if step is None:
+        raise JobError(f"job {job_id} has no saved state ({job.state_dir}): retry it from the start instead")
+    return store.transition(job_id, FINISHED, "resume", state="queued", queued=time.time(), resume=job.state_dir,
+                            message=f"resumes from the state at step {step}")
+
+
+def retry(store: JobStore, job_id: int) -> Job:
+    """From the start: the job's earlier outputs are removed (its config stays)."""
+    job = store.transition(job_id, FINISHED, "retry", state="draft")
+    store.clear_outputs(job)
+    return store.transition(job_id, ("draft",), "retry", state="queued", queued=time.time(), resume=None,
+                            last_step=0, peak_rss=0, peak_vram=0, message="")
+
+
+# -- the runner ------------------------------------------------------------------------------
+
+class Runner:
+    """One worker thread per device; each first watches the job a previous UI left running on its
+    device (if its process is still there), then takes queued jobs in order."""
+
+    def __init__(self, store: JobStore, workdir: str, devices: tuple[str, ...] = ("cpu",),
+                 python: str = sys.executable, poll: float = 1.0):
+        self.store, self.workdir, self.devices, self.python, self.poll = store, workdir, devices, python, poll
+        self.closing = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        attached = self.recover()
+        for device in self.devices:
+            thread = threading.Thread(target=self._work, args=(device, attached.get(device, [])),
+                                      name=f"runner-{device}", daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def close(self) -> None:
+        """Stops the workers; running trainers go on (a restarted UI re-attaches to them)."""
+        self.closing.set()
+        for thread in self.threads:
+            thread.join(timeout=10)
+
+    def recover(self) -> dict[str, list[Job]]:
+        """Jobs a previous UI left running: re-attached if their trainer still runs, else
+        interrupted, with their last step and the state they can resume from."""
+        attached: dict[str, list[Job]] = {}
+        for job in self.store.with_state(*ACTIVE):
+            if job.pid and run_files.process_started(job.pid) == job.pid_started:
+                attached.setdefault(job.device or self.devices[0], []).append(job)
+                continue
+            step = run_files.last_step(job.csv_path)
+            ended = outcome(job, None)  # it may have finished (or stopped cleanly) while no UI watched
+            if ended["state"] in ("done", "stopped"):
+                self.store.update(job.id, **ended, finished=time.time(), last_step=step, pid=None)
+                continue
+            saved = run_files.state_step(job.state_dir)
+            where = f"; resume continues from the state at step {saved}" if saved is not None else "; no state saved: retry"
+            self.store.update(job.id, state="interrupted", finished=time.time(), last_step=step, pid=None,
+                              message=f"interrupted: the UI restarted and the trainer (pid {job.pid}) was gone; "
+                                      f"last logged step {step}{where}",
+                              resume=job.state_dir if saved is not None else None)
+        return attached
+
+    def _work(self, device: str, attached: list[Job]) -> None:
+        for job in attached:
+            self._watch(job, None)
+        while not self.closing.is_set():
+            job = self.store.claim_next(device)
+            if job is None:
+                self.closing.wait(self.poll)
+                continue
+            try:
+                process = self._launch(job, device)
+            except OSError as e:
+                self.store.update(job.id, state="failed", finished=time.time(), message=f"could not start: {e}")
+                continue
+            self._watch(self.store.get(job.id), process)
+
+    def _launch(self, job: Job, device: str) -> subprocess.Popen:
+        tmp = job.config_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(job.config)
+        os.replace(tmp, job.config_path)
+        command = [self.python, TRAIN_SCRIPT, "--config_file", job.config_path]
+        if job.resume:
+            command += ["--resume", job.resume]
+        env = dict(os.environ)
+        if device.startswith("cuda:"):
+            env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+        with open(job.log_path, "ab") as log:
+            log.write(f"\n$ {' '.join(command)}\n".encode())
+            log.flush()
+            process = subprocess.Popen(command, cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        self.store.update(job.id, pid=process.pid, pid_started=run_files.process_started(process.pid))
+        return process
+
+    def _watch(self, job: Job, process: subprocess.Popen | None) -> None:
+        """Until the trainer exits: its last step, peak memory, and a stop request turned into
+        SIGINT. process None: a re-attached trainer (not our child: its exit status is read from its log)."""
+        signalled, vram_checked = False, 0.0
+        while True:
+            if self.closing.is_set():  # the UI is going away; the trainer goes on and is re-attached later
+                return
+            alive = process.poll() is None if process else run_files.process_started(job.pid) == job.pid_started
+            current = self.store.get(job.id)
+            values = {"last_step": run_files.last_step(job.csv_path),
+                      "peak_rss": max(current.peak_rss, run_files.peak_rss(job.pid))}
+            if job.device and job.device.startswith("cuda") and time.time() - vram_checked > 2:
+                values["peak_vram"] = max(current.peak_vram, gpu_memory(job.pid))
+                vram_checked = time.time()
+            # Written only when changed: each write is a SQLite commit (an fsync) beside the trainer.
+            self.store.update(job.id, **{k: v for k, v in values.items() if getattr(current, k) != v})
+            if not alive:
+                break
+            if current.state == "stopping" and not signalled:
+                os.kill(job.pid, signal.SIGINT)
+                signalled = True
+            time.sleep(self.poll)
+        code = process.returncode if process else None
+        self.store.update(job.id, **outcome(self.store.get(job.id), code), finished=time.time(), pid=None,
+                          exit_code=code)
+
+
+def outcome(job: Job, code: int | None) -> dict:
+    """The finished run's state and message, from its exit status (None: unknown, a re-attached
+    trainer) and the log's last lines."""
+    lines = run_files.log_lines(job.log_path, 20)
+    saved = run_files.state_step(job.state_dir)
+    stopped = next((m for m in map(STOPPED_LINE.search, reversed(lines)) if m), None)
+    if code == 0 or (code is None and any(DONE_LINE.search(line) for line in lines[-3:])):
+        return {"state": "done", "message": lines[-1] if lines else "done", "resume": None}
+    if code == 130 or (code is None and stopped):
+        return {"state": "stopped", "message": f"stopped at step {stopped.group(1) if stopped else saved}: "
+                                               f"LoRA and state saved; resume continues from there",
+                "resume": job.state_dir if saved is not None else None}
+    if job.state == "stopping":  # stopped before training began (train_lora.py's Ctrl-C handler not yet set)
+        return {"state": "stopped", "message": "stopped before the first step: nothing to save; retry to start again",
+                "resume": None}
+    errors = [line for line in lines if line.startswith("error:") or "Error" in line]
+    why = errors[-1] if errors else (lines[-1] if lines else f"exit status {code}")
+    return {"state": "failed", "message": why, "resume": job.state_dir if saved is not None else None}
+
+
+def gpu_memory(pid: int) -> int:
+    """Bytes the process holds on its GPU by nvidia-smi (0 without it): a sample, not a peak."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return 0
+    try:
+        out = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) == 2 and cells[0] == str(pid) and cells[1].isdigit():
+            return int(cells[1]) * 1024 * 1024
+    return 0

@@ -1,0 +1,216 @@
+"""The web UI through gradio_client, against tools/webui.py serving the tiny set: each action the pages
+offer (validate, create, queue, stop, resume, delete, the live view, compare, planner, dataset view,
+captions, lora_info) and the roots that confine what the pages may read."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+
+import pytest
+import toml
+from PIL import Image
+
+from library.ui.handlers import FORM_KEYS
+from tests.test_webui_jobs import pending_signals
+from tests.ui_support import WebUIProcess, job_pid, tiny_job_settings, wait_for
+
+EMPTY_FORM = [None] * len(FORM_KEYS)
+
+
+def form(**values) -> list:
+    return [values.get(k) for k in FORM_KEYS]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_set, tmp_path_factory):
+    root = tmp_path_factory.mktemp("webui")
+    ui = WebUIProcess(str(root / "jobs"), [tiny_set["root"], str(root / "data")], str(root / "webui.log"))
+    yield ui
+    ui.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def tiny_toml(tiny_set):
+    return toml.dumps(tiny_job_settings(tiny_set, steps=6))
+
+
+def live(client, job_id) -> dict:
+    return client.predict(str(job_id), api_name="/live")
+
+
+def test_a_bad_config_is_refused_with_the_error_at_its_field(client, tiny_toml):
+    answer, *notes = client.predict(tiny_toml, *form(network_dim="0"), api_name="/validate")
+    assert answer == {"ok": False, "key": "network_dim", "error": "config: key 'network_dim' must be >= 1, got 0"}
+    shown = {k: n for k, n in zip([*FORM_KEYS, "toml"], notes) if n["visible"]}
+    assert list(shown) == ["network_dim"] and "must be >= 1" in shown["network_dim"]["value"]
+
+    answer, *notes = client.predict(tiny_toml + "\nlearning_rat = 1.0\n", *EMPTY_FORM, api_name="/validate")
+    assert answer["ok"] is False and answer["error"] == "config: unknown key 'learning_rat'"
+    assert notes[-1]["visible"] and "learning_rat" in notes[-1]["value"]  # no such field: shown under the TOML
+
+    answer, *_ = client.predict(tiny_toml, *form(ae="/etc/ae.safetensors"), api_name="/validate")
+    assert answer["ok"] is False and answer["key"] == "ae" and "'/etc/ae.safetensors' is outside" in answer["error"]
+    missing = os.path.join(os.path.dirname(toml.loads(tiny_toml)["ae"]), "no_such_ae.safetensors")
+    answer, *_ = client.predict(tiny_toml, *form(ae=missing), api_name="/validate")
+    assert answer["ok"] is False and answer["key"] == "ae" and missing in answer["error"]
+    answer, *_ = client.predict("fresh", tiny_toml, *form(max_train_steps="ten"), api_name="/create_and_queue")
+    assert answer["ok"] is False and answer["key"] == "max_train_steps"
+    assert client.predict(api_name="/list_jobs")["data"] == []  # nothing was queued
+
+    answer, *_ = client.predict(tiny_toml, *EMPTY_FORM, api_name="/validate")
+    assert answer["ok"] is True and answer["max_steps"] == 6, answer
+
+
+def test_two_tabs_queuing_at_once_keep_the_queue_consistent(server, tiny_set):
+    text = toml.dumps(tiny_job_settings(tiny_set, steps=1))
+    answers: list[dict] = []
+    tabs = [server.client(), server.client()]  # two sessions, as two browser tabs
+    before = {row[0] for row in tabs[0].predict(api_name="/list_jobs")["data"]}
+
+    def queue_three(tab, name):
+        for i in range(3):
+            answers.append(tab.predict(f"{name}-{i}", text, *[None] * 11, api_name="/create_and_queue")[0])
+
+    threads = [threading.Thread(target=queue_three, args=(tab, f"tab{n}")) for n, tab in enumerate(tabs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(a["ok"] for a in answers), answers
+    ids = sorted(a["job_id"] for a in answers)
+    assert len(set(ids)) == 6 and not set(ids) & before and len({a["output_dir"] for a in answers}) == 6
+    rows = [row for row in tabs[0].predict(api_name="/list_jobs")["data"] if row[0] in ids]
+    states = [row[2] for row in rows]
+    assert sorted(row[0] for row in rows) == ids and set(states) <= {"queued", "running", "done"}
+    assert states.count("running") <= 1  # one job at a time on the one device
+    for job_id in ids:  # end them: the queued ones go back to draft, a running one stops
+        tabs[1].predict(str(job_id), api_name="/stop_job")
+    wait_for(lambda: not {r[2] for r in tabs[0].predict(api_name="/list_jobs")["data"]} & {"running", "stopping"},
+             180, "every job to end")
+
+
+def test_create_queue_stop_resume_compare_and_delete(client, server, tiny_toml):
+    answer, *_ = client.predict("api job", tiny_toml, *form(max_train_steps="8"), api_name="/create_job")
+    assert answer["ok"] and answer["state"] == "draft", answer
+    job_id, folder = answer["job_id"], answer["output_dir"]
+    assert os.path.dirname(folder) == os.path.realpath(server.jobs_dir)
+
+    assert client.predict(str(job_id), api_name="/queue_job")[0]["state"] == "queued"
+    log = os.path.join(folder, "train.log")
+    wait_for(lambda: os.path.exists(log) and "training:" in open(log).read(), 240, "the training loop")
+    pid = job_pid(server.jobs_dir, job_id)
+    os.kill(pid, signal.SIGSTOP)  # held at its first steps while the stop is asked for, however fast the machine
+    try:
+        assert client.predict(str(job_id), api_name="/stop_job")[0]["state"] == "stopping"
+        wait_for(lambda: signal.SIGINT in pending_signals(pid), 10, "the runner's SIGINT")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    view = wait_for(lambda: (v := live(client, job_id))["state"] == "stopped" and v, 120, "the clean stop")
+    step = view["step"]
+    assert 1 <= step < 8 and f"stopped at step {step}" in view["status"]
+    lora = os.path.join(folder, f"tiny_flux_lora-step{step:06d}.safetensors")
+    assert os.path.getsize(lora) > 0 and os.path.isdir(os.path.join(folder, "tiny_flux_lora-state"))
+
+    info = client.predict(lora, api_name="/lora_info")
+    assert "rank" in info.lower() and "8" in info, info
+    converted = client.predict(lora, "as_diffusers.safetensors", "diffusers", api_name="/convert_lora")
+    assert os.path.isfile(os.path.join(server.jobs_dir, "tools", "as_diffusers.safetensors")), converted
+    resized = client.predict(lora, "/etc/r4.safetensors", 4, api_name="/resize_lora")
+    assert "outside the folders" in resized and not os.path.exists("/etc/r4.safetensors")
+    output, image = client.predict(str(job_id), lora, 0.8, "a red circle", 64, 2, 0, api_name="/generate")
+    assert image and Image.open(image).size == (64, 64), output
+
+    assert client.predict(str(job_id), api_name="/resume_job")[0]["state"] == "queued"
+    view = wait_for(lambda: (v := live(client, job_id))["state"] in ("done", "failed") and v, 240, "the resumed run")
+    assert view["state"] == "done", view["status"]
+    assert [row["value"] for row in view["loss"] if row["series"] == "loss"] and len(view["loss"]) == 8
+    assert {row["series"] for row in view["dlr"]} == {"d*lr/lora"} and len(view["lr"]) == 8
+    assert view["peak_rss"] > 100 * 2**20 and "peak RSS" in view["status"]
+
+    both = client.predict(str(job_id), str(job_id), "d*lr", api_name="/compare")
+    assert len(both["data"]) == 16 and {r[2] for r in both["data"]} == {f"{job_id} api job: d*lr/lora"}
+
+    refused = client.predict(str(job_id), False, api_name="/delete_job")[0]
+    assert refused["ok"] is False and "confirm" in refused["error"] and os.path.isdir(folder)
+    assert client.predict(str(job_id), True, api_name="/delete_job")[0]["ok"] is True
+    assert not os.path.exists(folder)
+    assert all(row[0] != job_id for row in client.predict(api_name="/list_jobs")["data"])
+
+
+def test_pages_read_only_under_their_roots(client):
+    *_, note = client.predict("/etc/passwd", api_name="/load_config")
+    assert note["visible"] and "outside the folders this UI may open" in note["value"]
+    assert "outside the folders" in client.predict("/etc/hostname", api_name="/lora_info")
+
+
+def test_planner_suggests_settings_and_applies_them_to_the_form(client, tiny_toml):
+    note, report, keys = client.predict("the job form's config", "flux1-dev", 1, 64, 1, tiny_toml, *EMPTY_FORM,
+                                        api_name="/plan")
+    assert "predicted peak device memory" in report and "gradient_checkpointing" in report, report
+    assert keys["blocks_to_swap"] == 0 and "Suggested" in note  # the tiny model fits a 1 GiB card (0.6 of it: the CUDA context)
+    text, *fields = client.predict(keys, tiny_toml, *EMPTY_FORM, api_name="/apply_plan")
+    applied = toml.loads(text)
+    assert {k: applied[k] for k in keys} == keys
+    assert fields[FORM_KEYS.index("base_precision")] == ("fp8_scaled" if keys.get("fp8_scaled") else "bf16")
+
+
+def test_dataset_view_lists_captions_buckets_and_problems(client, tiny_set, server):
+    data = os.path.join(os.path.dirname(server.jobs_dir), "data")
+    shutil.copytree(os.path.dirname(tiny_set["dataset_config"]), data)
+    config = os.path.join(data, "dataset.toml")
+    dataset = toml.load(config)
+    images = os.path.join(data, "images")
+    dataset["datasets"][0]["subsets"][0]["image_dir"] = images
+    with open(config, "w") as f:
+        toml.dump(dataset, f)
+    Image.new("RGB", (8, 8)).save(os.path.join(images, "tiny.png"))  # upscaled, and it has no caption
+    summary, buckets, problems, gallery = client.predict(config, api_name="/dataset")
+    assert summary.startswith("9 images, 9 trained; 1 errors, 1 warnings"), summary
+    assert {row[0]: row[1] for row in buckets["data"]} == {"64x64": 5, "80x48": 4}, buckets
+    assert sorted((row[0], row[1]) for row in problems["data"] if "tiny.png" in row[2]) == [
+        ("error", "caption"), ("warning", "size")], problems
+    captions = [item["caption"] for item in gallery]
+    assert len(captions) == 9 and sum(bool(c) for c in captions) == 8
+
+    first = sorted(f for f in os.listdir(images) if f.endswith(".png"))[0]
+    saved = client.predict(os.path.join(images, first), "an edited caption", api_name="/save_caption")
+    with open(os.path.join(images, os.path.splitext(first)[0] + ".txt")) as f:
+        assert f.read() == "an edited caption\n" and "saved" in saved
+
+
+def test_the_ui_process_never_loads_torch(server, client):
+    """After validating, training, planning and the dataset view (the tests above), the UI's own
+    process has mapped no torch library: those ran in their own processes."""
+    client.predict(api_name="/list_jobs")
+    with open(f"/proc/{server.process.pid}/maps") as f:
+        maps = f.read()
+    assert "libtorch" not in maps and "/torch/" not in maps
+    assert "gradio" in maps or "python" in maps  # the right process
+
+
+def test_another_address_needs_a_password_and_gets_it(tiny_set, tmp_path, capsys):
+    from tools.webui import main
+
+    assert main(["--host", "0.0.0.0", "--jobs_dir", str(tmp_path / "refused")]) == 2
+    assert "give --password" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+    # 127.0.0.2: another address than 127.0.0.1, still this machine's loopback
+    ui = WebUIProcess(str(tmp_path / "jobs"), [tiny_set["root"]], str(tmp_path / "webui.log"), host="127.0.0.2",
+                      password="s3cret")
+    try:
+        import urllib.error
+        import urllib.request
+
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(ui.url + "/config", timeout=10)
+        assert refused.value.code == 401
+        assert ui.client().predict(api_name="/list_jobs")["data"] == []  # with the password
+    finally:
+        ui.stop()

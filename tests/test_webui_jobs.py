@@ -1,0 +1,168 @@
+"""The web UI's job queue and runner (library/ui/jobs.py, runner.py) driving the real train_lora.py on
+the tiny FLUX set: stop = Ctrl-C (LoRA + state saved), resume from that state, re-attach after a UI
+restart, interrupted when the trainer is gone, delete confined to the job's folder."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+
+import pytest
+from safetensors import safe_open
+
+from library.ui import runner as actions
+from library.ui.jobs import JobError, JobStore
+from library.ui.runner import Runner
+from tests.ui_support import tiny_job_settings, wait_for
+
+
+def csv_steps(path: str) -> list[int]:
+    with open(path) as f:
+        return [int(row["step"]) for row in csv.DictReader(f)]
+
+
+def test_claiming_gives_each_queued_job_to_one_worker(tmp_path):
+    store = JobStore(str(tmp_path / "jobs"))
+    ids = [store.create(f"j{i}", {"output_name": "x"}, 1, queue=True).id for i in range(12)]
+    claimed: list[int] = []
+
+    def worker(device):
+        while (job := JobStore(str(tmp_path / "jobs")).claim_next(device)) is not None:
+            claimed.append(job.id)
+
+    threads = [threading.Thread(target=worker, args=(f"d{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(claimed) == ids  # each once, none lost
+    assert {job.state for job in store.list()} == {"running"}
+
+
+def test_each_job_writes_to_its_own_folder_whatever_its_config_says(tmp_path):
+    store = JobStore(str(tmp_path / "jobs"))
+    a = store.create("a", {"output_dir": "/tmp/shared", "output_name": "lora"}, 5)
+    b = store.create("b", {"output_dir": "/tmp/shared", "output_name": "lora"}, 5)
+    assert a.output_dir != b.output_dir
+    assert f'output_dir = "{a.output_dir}"' in a.config and "/tmp/shared" not in a.config
+    assert os.path.dirname(a.output_dir) == store.root
+
+
+def test_delete_removes_only_the_jobs_own_folder(tmp_path):
+    store = JobStore(str(tmp_path / "jobs"))
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("x")
+    job = store.create("a", {"output_name": "lora"}, 5)
+    with sqlite3.connect(store.path) as db:  # a tampered row pointing elsewhere
+        db.execute("UPDATE jobs SET output_dir = ? WHERE id = ?", (str(outside), job.id))
+    with pytest.raises(JobError, match="not deleting"):
+        store.delete(job.id)
+    assert (outside / "keep.txt").exists()
+    store.update(job.id, output_dir=store.job_folder(job.id), state="running")
+    with pytest.raises(JobError, match="stop it before deleting"):
+        store.delete(job.id)
+    store.update(job.id, state="done")
+    store.delete(job.id)
+    assert not os.path.exists(store.job_folder(job.id)) and store.list() == []
+
+
+def test_a_trainer_gone_during_a_restart_is_marked_interrupted_with_its_step(tmp_path):
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with open(job.csv_path, "w") as f:
+        f.write("step,epoch,loss\n1,0,1.5\n2,0,1.4\n3,0,1.")  # a row cut short by the kill
+    store.update(job.id, pid=dead.pid, pid_started=12345)
+    Runner(store, str(tmp_path)).recover()
+    job = store.get(job.id)
+    assert job.state == "interrupted" and job.last_step == 2 and job.resume is None
+    assert "last logged step 2" in job.message and "retry" in job.message
+
+
+def test_stop_resume_and_reattach_with_the_real_trainer(tiny_set, tmp_path):
+    """One job through a UI restart, a clean stop and a resume: two trainer processes in all. The
+    trainer is paused (SIGSTOP) while the UI restarts and asks it to stop, so the stop lands at its
+    first steps however fast the machine is."""
+    store = JobStore(str(tmp_path / "jobs"))
+    steps = 8
+    job = store.create("tiny", tiny_job_settings(tiny_set, steps=steps), steps, queue=True)
+    first = Runner(store, str(tmp_path), poll=0.2)
+    first.start()
+    log = store.get(job.id).log_path
+    wait_for(lambda: os.path.exists(log) and "training:" in open(log).read(), 240, "the training loop")
+    pid = store.get(job.id).pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        first.close()  # the UI goes away: its trainer does not
+        second = Runner(store, str(tmp_path), poll=0.2)
+        second.start()  # re-attaches to the running trainer
+        assert store.get(job.id).state == "running" and store.get(job.id).pid == pid
+        actions.stop(store, job.id)
+        wait_for(lambda: signal.SIGINT in pending_signals(pid), 10, "the runner's SIGINT")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    stopped = wait_for(lambda: (j := store.get(job.id)).state == "stopped" and j, 120, "the clean stop")
+    step = int(stopped.message.split("step ")[1].split(":")[0])
+    assert 1 <= step < steps, stopped.message
+    lora = os.path.join(stopped.output_dir, f"tiny_flux_lora-step{step:06d}.safetensors")
+    with safe_open(lora, "pt") as f:
+        assert f.metadata()["ss_max_train_steps"] == str(step) and len(list(f.keys())) > 0
+    assert stopped.resume == stopped.state_dir and stopped.peak_rss > 100 * 2**20
+
+    actions.resume(store, job.id)
+    done = wait_for(lambda: (j := store.get(job.id)).state in ("done", "failed") and j, 240, "the resumed run")
+    second.close()
+    assert done.state == "done", done.message
+    assert done.exit_code == 0 and done.last_step == steps and os.path.exists(done.lora_path)
+    assert csv_steps(done.csv_path) == list(range(1, steps + 1))  # each step once across the two runs
+    with open(done.log_path) as f:
+        assert f"resumed from {done.state_dir} at step {step}" in f.read()
+
+
+def pending_signals(pid: int) -> set[int]:
+    """The signals waiting for a (stopped) process, from /proc/<pid>/status's ShdPnd mask."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("ShdPnd:"))
+    return {n + 1 for n in range(64) if mask >> n & 1}
+
+
+def test_a_run_that_ended_while_no_ui_watched_gets_its_outcome_from_its_log(tmp_path):
+    store = JobStore(str(tmp_path / "jobs"))
+    for text in ("training: 100%|##| 5/5 [00:01<00:00]\nsaved /x/lora.safetensors after 5 steps in 1.0 s\n",
+                 "training:  40%|#  | 2/5 [00:01<00:02]SIGINT: saved /x/lora-step000002.safetensors and state "
+                 "/x/lora-state at step 2; continue with --resume /x/lora-state\n"):
+        job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+        store.claim_next("cpu")
+        with open(job.log_path, "w") as f:
+            f.write(text)
+        store.update(job.id, pid=2**22 + 7, pid_started=1)  # no such process
+    Runner(store, str(tmp_path)).recover()
+    done, stopped = store.list()
+    assert done.state == "done" and stopped.state == "stopped"
+    assert stopped.message.startswith("stopped at step 2")
+
+
+def test_retry_starts_over_keeping_only_the_config(tmp_path):
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    for name in ("config.toml", "lora-step000002.safetensors", "lora_log.csv"):
+        open(os.path.join(job.output_dir, name), "w").close()
+    os.makedirs(job.state_dir)
+    store.update(job.id, state="stopped", resume=job.state_dir, last_step=2)
+    with pytest.raises(JobError, match="is stopped: cannot stop"):
+        actions.stop(store, job.id)
+    retried = actions.retry(store, job.id)
+    assert retried.state == "queued" and retried.resume is None and retried.last_step == 0
+    assert os.listdir(job.output_dir) == ["config.toml"]
+    with pytest.raises(JobError, match="no saved state"):
+        store.update(job.id, state="failed")
+        actions.resume(store, job.id)

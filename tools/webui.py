@@ -1,0 +1,73 @@
+"""The local web UI: queue training jobs, watch them live (loss, lr, d*lr, samples, memory), stop and
+resume them; the memory planner, the dataset view and the LoRA tools as forms.
+
+    python tools/webui.py                                  # http://127.0.0.1:7860
+    python tools/webui.py --root /data/models --root /data/datasets
+    python tools/webui.py --host 0.0.0.0 --password SECRET # another address needs a password
+
+Jobs are kept in --jobs_dir (a SQLite queue and one folder per job) and run one at a time per
+--device as `train_lora.py` processes, with paths relative to the repository (as on the command line).
+The pages read and write files only under the --root folders (default: configs, tiny_models, out,
+and the jobs folder). A job left running when the UI stops goes on; the next start re-attaches to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (another than 127.0.0.1 needs --password)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--user", default="admin", help="the user name with --password")
+    p.add_argument("--password", default=os.environ.get("LORA_WEBUI_PASSWORD"),
+                   help="require this password (also LORA_WEBUI_PASSWORD)")
+    p.add_argument("--jobs_dir", default=None,
+                   help="the queue's database and the jobs' output folders (default: runs/webui in the repository)")
+    p.add_argument("--root", action="append", default=None,
+                   help="a folder the pages may read files from and write to (repeatable; default: configs, "
+                        "tiny_models, out)")
+    p.add_argument("--device", action="append", default=None,
+                   help="a device to run jobs on, one job at a time each (cpu, cuda:0, cuda:1, ...; default one)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.host not in LOCAL_HOSTS and not args.password:
+        print(f"error: --host {args.host} serves the UI to other machines: give --password (or LORA_WEBUI_PASSWORD); "
+              f"anyone who reaches it can start processes and read files under the roots", file=sys.stderr)
+        return 2
+    # Folders given on the command line are the caller's; the defaults are the repository's, where
+    # jobs run (a config's relative paths mean there what they mean to train_lora.py run from it).
+    jobs_dir = os.path.abspath(args.jobs_dir) if args.jobs_dir else os.path.join(ROOT, "runs", "webui")
+    roots = [os.path.abspath(r) for r in args.root] if args.root else [
+        os.path.join(ROOT, r) for r in ("configs", "tiny_models", "out")]
+    os.chdir(ROOT)
+    from library.ui.app import CSS, build_app
+    from library.ui.handlers import WebUI
+
+    ui = WebUI(jobs_dir, ROOT, roots, tuple(args.device or ["default"]))
+    ui.start()
+    app = build_app(ui)
+    auth = (args.user, args.password) if args.password else None
+    print(f"lora trainer UI on http://{args.host}:{args.port}" + (" (password required)" if auth else ""), flush=True)
+    try:
+        app.launch(server_name=args.host, server_port=args.port, auth=auth, allowed_paths=ui.roots.roots,
+                   show_error=True, quiet=True, footer_links=["api"], css=CSS)
+    finally:
+        ui.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
