@@ -31,6 +31,7 @@ ABBREVIATED = {
                                   ["--model_type", "flux", "--model", "m", "--skip_fp"]),
     "tools/precision_matrix.py": (["--config_file", "c", "--max_items", "2"], ["--config_file", "c", "--max_item", "2"]),
     "tools/resize_lora.py": (["--lora", "l", "--save_to", "o", "--new_rank", "2"], ["--lora", "l", "--save_to", "o", "--new_ran", "2"]),
+    "tools/webui.py": (["--port", "7861", "--host", "127.0.0.1"], ["--por", "7861", "--host", "127.0.0.1"]),
 }
 
 

@@ -1,6 +1,6 @@
 """Imports point one way (shared/DESIGN.md): library/io.py and the other leaf helpers of library/
 at the bottom, then library/precision and library/data (side by side: neither imports the other),
-then library/models, networks/, library/training, train_lora.py and tools/ at the top. A module
+then library/models, networks/, library/training, train_lora.py beside library/ui, and tools/ at the top. A module
 imports only from its own layer or the layers below it, so a layer can be read, tested and
 changed without the ones above it. The project's import graph has no cycles either.
 
@@ -16,7 +16,9 @@ PROJECT = ("library", "networks", "tools", "train_lora")  # top-level names of t
 
 # layer -> rank, bottom first; a module may import its own layer or a lower rank. precision and data
 # share a rank and stay apart: fp8 storage and the training data have nothing to share.
-RANKS = {"io": 0, "precision": 1, "data": 1, "models": 2, "networks": 3, "training": 4, "train_lora": 5, "tools": 6}
+# ui (the web UI) sits beside train_lora: it runs train_lora.py as a subprocess and never imports it.
+RANKS = {"io": 0, "precision": 1, "data": 1, "models": 2, "networks": 3, "training": 4, "train_lora": 5, "ui": 5,
+         "tools": 6}
 
 
 def layer_of(path: str) -> str:
