@@ -11,7 +11,7 @@ import torch
 import train_lora
 from library.models import flow_matching
 from tools.concept_demo import concept_demo
-from tools.learned_base import LEARNED, learned_paths
+from tools.learned_base import LEARNED_ROOT, learned_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 60  # fast settings: AdamW at 3e-3 on the bf16 (fp32-compute) base, rank 8, batch 4 (concept + reg images)
@@ -21,7 +21,7 @@ THRESHOLD = 0.6  # of the trigger prompts rendered with the concept after traini
 KEPT = 0.7  # of the unrelated prompts the base renders right, still right with the LoRA
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(learned_paths()["pretrained_model_name_or_path"]),
-                                reason=f"the learned base is not in {LEARNED} (tools/pretrain_tiny_base.py writes it)")
+                                reason=f"the learned base is not in {LEARNED_ROOT} (tools/pretrain_tiny_base.py writes it)")
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,8 @@
-"""The tiny FLUX.1 base that has learned the synthetic scenes (tools/pretrain_tiny_base.py writes it,
-learned/flux/ ships it): where its files live, and rendering prompts on it and scoring the renders
-with the pixel-space detector (library/data/shape_detector.py). The concept demo
-(tools/concept_demo.py), the pretrainer and tests/test_learning.py share these.
-
-    learned/flux/flux1-learned.safetensors   the transformer, BFL single file (bf16, config in its metadata)
-    learned/flux/ae.safetensors              the VAE, BFL ae.safetensors layout (float32, config in its metadata)
-    learned/flux/clip_l/  learned/flux/t5xxl/   the frozen tiny text encoders (tools/make_tiny_models.py's, seed 0)
+"""The tiny bases that have learned the synthetic scenes (library/data/shapes.py): a family declares one
+in its spec (`learned`: spec.LearnedBase), tools/pretrain_tiny_base.py trains it, learned/<model_type>/
+ships it. Here: where its files live, loading it, rendering prompts on it and scoring the renders with
+the pixel-space detector (library/data/shape_detector.py). The concept demo (tools/concept_demo.py),
+the pretrainer and tests/test_learning.py share these.
 """
 
 from __future__ import annotations
@@ -17,31 +14,49 @@ import torch
 from PIL import Image
 
 from library.data.shape_detector import Detection, detect
+from library.models.registry import FAMILIES, arch_spec, family_folder, spec_of
+from library.models.spec import load_symbol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LEARNED = os.path.join(ROOT, "learned", "flux")
+LEARNED_ROOT = os.path.join(ROOT, "learned")
 IMAGE_SIZE = 64  # the scenes' size: 8 x 8 latents, a 4 x 4 grid of patch tokens
 SAMPLE_STEPS = 8
-T5_TOKENS = 48  # the tiny T5's sequence: the longest caption has 34 tokens (configs/quickstart.toml t5xxl_max_token_length)
 
 
-def learned_paths(folder: str = LEARNED) -> dict[str, str]:
-    """The config keys of the learned base's files in `folder`."""
-    return {"pretrained_model_name_or_path": os.path.join(folder, "flux1-learned.safetensors"),
-            "ae": os.path.join(folder, "ae.safetensors"),
-            "clip_l": os.path.join(folder, "clip_l"), "t5xxl": os.path.join(folder, "t5xxl")}
+def learned_families() -> list[str]:
+    """The model_types with a learned base, one per family folder (a variant shares its base's)."""
+    folders = {}
+    for model_type in FAMILIES:
+        if spec_of(model_type).learned:
+            folders.setdefault(family_folder(model_type), model_type)
+    return list(folders.values())
 
 
-def flux_family(folder: str = LEARNED):
-    from library.models.flux1.family import FluxFamily
+def learned_spec(model_type: str):
+    """The family's spec.LearnedBase; a ValueError naming those that have one."""
+    if model_type not in FAMILIES or not spec_of(model_type).learned:
+        raise ValueError(f"model_type {model_type!r} has no learned tiny base: expected one of {', '.join(learned_families())}")
+    return load_symbol(spec_of(model_type).learned)
 
-    paths = learned_paths(folder)
-    return FluxFamily(paths["pretrained_model_name_or_path"], paths["ae"], clip_l=paths["clip_l"], t5xxl=paths["t5xxl"])
+
+def learned_paths(model_type: str | None = None, folder: str | None = None) -> dict[str, str]:
+    """The training-config keys of the learned base's files (default: the first family's, in learned/<model_type>)."""
+    model_type = model_type or learned_families()[0]
+    folder = folder or os.path.join(LEARNED_ROOT, model_type)
+    return {key: os.path.join(folder, name) for key, name in learned_spec(model_type).files}
+
+
+def learned_family(model_type: str | None = None, folder: str | None = None):
+    """The DiffusionFamily on the learned base's files."""
+    model_type = model_type or learned_families()[0]
+    return load_symbol(learned_spec(model_type).family)(learned_paths(model_type, folder))
 
 
 def encode_prompts(family, prompts: list[str]) -> dict[str, torch.Tensor]:
-    """{"t5": [B, 32, 32], "clip_pooled": [B, 32]} float32, the frozen tiny encoders in float32."""
-    encode = family.load_text_encoder("fp32", torch.device("cpu"), t5_max_length=T5_TOKENS)
+    """{embedding name: [B, ...]} float32, the family's frozen tiny encoders in float32 at the learned
+    base's sequence lengths."""
+    kwargs = dict(load_symbol(arch_spec(family.arch).learned).encode_kwargs)
+    encode = family.load_text_encoder("fp32", torch.device("cpu"), **kwargs)
     per_prompt = encode(prompts)
     return {key: torch.stack([p[key] for p in per_prompt]).float() for key in per_prompt[0]}
 
