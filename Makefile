@@ -16,12 +16,14 @@ $(STAMP): requirements.txt
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check -r requirements.txt
 	@touch $(STAMP)
 
-# The embedded tiny default: tiny FLUX (real architecture, BFL file format) + generated dataset,
-# fp8_scaled base, Prodigy, 120 steps on CPU; writes LoRA, CSV log, LR plot and samples to out/quickstart.
+# The embedded tiny default: the learned tiny FLUX base (learned/flux, BFL file format) taught a new
+# concept ("zxq" = a purple star) from 10 generated images, fp8_scaled base, Prodigy, 120 steps on CPU;
+# writes LoRA, CSV log, LR plot, samples and the before / after grid to out/quickstart and prints
+# the concept rates.
 demo: $(STAMP)
-	$(PYTHON) tools/make_tiny_models.py --out tiny_models
-	$(PYTHON) tools/make_tiny_dataset.py --out tiny_models/dataset
+	$(PYTHON) tools/make_tiny_dataset.py --out tiny_models/concept --concept
 	$(PYTHON) train_lora.py --config_file configs/quickstart.toml
+	$(PYTHON) tools/concept_demo.py --config_file configs/quickstart.toml --concept tiny_models/concept/concept.json
 
 test: $(STAMP)
 	$(PYTHON) -m pytest

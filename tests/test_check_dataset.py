@@ -169,7 +169,7 @@ def test_training_warns_once_before_caching_about_duplicates_and_cut_captions(ti
 
     def mutate(images):
         shutil.copy(images / "001.png", images / "copy.png")
-        (images / "copy.txt").write_text(LONG_CAPTION)  # beyond the quickstart's t5xxl_max_token_length 32
+        (images / "copy.txt").write_text(LONG_CAPTION)  # beyond the t5xxl_max_token_length 32 set below
         make_image(images / "strip.png", 512, 16, (1, 2, 3))  # a bad size: the scan's own warning
         (images / "strip.txt").write_text("a strip")
 
@@ -179,7 +179,8 @@ def test_training_warns_once_before_caching_about_duplicates_and_cut_captions(ti
                                                                   warn(problems)))
     monkeypatch.setattr(diffusion_task, "cache_latents", lambda *a, **k: (events.append("caching"), cache(*a, **k))[1])
     with pytest.warns(UserWarning) as caught:
-        assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--dataset_config", cfg)) == 0
+        assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--dataset_config", cfg,
+                                        "--t5xxl_max_token_length", "32")) == 0
     images = tmp_path / "data" / "images"
     expected = [f"{images / 'copy.png'}: the same file as {images / '001.png'}",
                 f"{images / 'copy.txt'}: caption is {t5_tokens(tiny_set, LONG_CAPTION.strip())} T5-XXL tokens; the encoder keeps 32, "

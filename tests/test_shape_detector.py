@@ -99,4 +99,29 @@ def test_concept_dataset_is_purple_stars_under_the_trigger(tmp_path):
         found = detect(Image.open(os.path.join(paths["concept_image_dir"], stem + ".png")))
         assert found.shows(wanted["colour"], wanted["shape"], wanted["position"]), (caption, found)
     concept = json.load(open(paths["concept"]))
-    assert len(concept["trigger"]) == 18 and len(concept["unrelated"]) == 12
+    assert concept["trigger"] == "zxq"
+    assert len(concept["trigger_prompts"]) == 18 and len(concept["unrelated_prompts"]) == 12
+
+
+@pytest.mark.parametrize("inner", [0.55, 0.6, 0.65, 0.7])
+def test_a_soft_edged_star_is_a_star(inner):
+    """A model's render of a star has shallow, blurred notches (the learned base's LoRA stars): IoU with
+    the templates calls it a circle, its five points (lobes) call it a star."""
+    import itertools
+    import math
+
+    from library.data.shape_detector import _normalised_mask, as_pixels, largest_region, lobes, templates
+
+    image = background_image("white", 64)
+    points = [(32 + r * math.sin(k * math.pi / 5), 32 - r * math.cos(k * math.pi / 5))
+              for k, r in zip(range(10), itertools.cycle((15, inner * 15)))]
+    ImageDraw.Draw(image).polygon(points, fill=COLOURS["purple"])
+    image = image.filter(ImageFilter.GaussianBlur(1.5))
+    pixels = as_pixels(image)
+    value, low = pixels.max(axis=2), pixels.min(axis=2)
+    region = largest_region(((value - low) / value > 0.4) & (value > 0.3))
+    normalised, t = _normalised_mask(region), templates()
+    iou = {shape: (normalised & t[shape]).sum() / (normalised | t[shape]).sum() for shape in ("circle", "star")}
+    assert iou["circle"] > iou["star"]  # the templates alone would say circle
+    assert lobes(region) == 5
+    assert detect(image).shows("purple", "star", "centre")

@@ -7,7 +7,7 @@ resume them; the memory planner, the dataset view and the LoRA tools as forms.
 
 Jobs are kept in --jobs_dir (a SQLite queue and one folder per job) and run one at a time per
 --device as `train_lora.py` processes, with paths relative to the repository (as on the command line).
-The pages read and write files only under the --root folders (default: configs, tiny_models, out,
+The pages read and write files only under the --root folders (default: configs, tiny_models, learned, out,
 and the jobs folder). A job left running when the UI stops goes on; the next start re-attaches to it.
 """
 
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the queue's database and the jobs' output folders (default: runs/webui in the repository)")
     p.add_argument("--root", action="append", default=None,
                    help="a folder the pages may read files from and write to (repeatable; default: configs, "
-                        "tiny_models, out)")
+                        "tiny_models, learned, out)")
     p.add_argument("--device", action="append", default=None,
                    help="a device to run jobs on, one job at a time each (cpu, cuda:0, cuda:1, ...; default one)")
     return p
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     # jobs run (a config's relative paths mean there what they mean to train_lora.py run from it).
     jobs_dir = os.path.abspath(args.jobs_dir) if args.jobs_dir else os.path.join(ROOT, "runs", "webui")
     roots = [os.path.abspath(r) for r in args.root] if args.root else [
-        os.path.join(ROOT, r) for r in ("configs", "tiny_models", "out")]
+        os.path.join(ROOT, r) for r in ("configs", "tiny_models", "learned", "out")]
     os.chdir(ROOT)
     from library.ui.app import CSS, build_app
     from library.ui.handlers import WebUI

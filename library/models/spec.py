@@ -220,6 +220,22 @@ class TinySpec:
     transformer: str = ""  # the manifest key of its transformer file (the generic tests load it through `transformer.load`)
 
 
+@dataclass(frozen=True)
+class LearnedBase:
+    """The architecture's tiny base that has learned the synthetic scenes (library/data/shapes.py):
+    tools/pretrain_tiny_base.py trains it, learned/<model_type>/ ships it, the concept demo and the
+    learning tests use it. Functions are "module:function" strings (imported on use)."""
+
+    files: tuple[tuple[str, str], ...]  # (training-config key, its file or folder inside the base's folder)
+    family: str  # family(paths: {config key: path}) -> the DiffusionFamily on those files
+    encode_kwargs: tuple[tuple[str, int], ...] = ()  # the family's load_text_encoder keywords (sequence lengths)
+    write_text_encoders: str = ""  # write_text_encoders(paths): the frozen tiny encoders
+    new_vae: str = ""  # new_vae(image_size) -> the family's VAE class, tiny, random, float32
+    save_vae: str = ""  # save_vae(vae, paths, diffusers: bool): as released (diffusers folders too)
+    new_transformer: str = ""  # new_transformer(text: {name: [N, ...] embeddings}) -> tiny model, float32
+    save_transformer: str = ""  # save_transformer(model, paths, diffusers: bool): as released
+
+
 # ----------------------------------------------------------------------------------------------
 # The spec
 
@@ -242,4 +258,5 @@ class ArchSpec:
     config_keys: tuple = ()  # ConfigKey of the family's own training-config keys
     planner: object = None  # memory planner shapes and presets
     tiny: object = None  # tiny model writers
+    learned: str = ""  # "module:NAME" of its LearnedBase (the tiny base that has learned), if it has one
     default_config: str | None = None  # configs/<file>: the config the README points a new user to

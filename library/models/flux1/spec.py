@@ -139,6 +139,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.flux1.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
+    learned="library.models.flux1.learned:LEARNED",
     default_config="flux1_dev_24gb.toml",
     config_keys=CONFIG_KEYS,
 )
