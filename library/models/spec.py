@@ -218,6 +218,15 @@ class TinySpec:
     writers: tuple[str, ...] = ()
     dims: tuple[tuple[str, int], ...] = ()
     transformer: str = ""  # the manifest key of its transformer file (the generic tests load it through `transformer.load`)
+    # A training config on the tiny set (tools/make_tiny_models.py tiny_config: the precision matrix's
+    # tests and bench): config key -> the manifest key of the file it names (the transformer aside),
+    # and the other keys such a config sets (short T5 captions).
+    config_files: dict[str, str] = field(default_factory=dict)
+    config_values: dict[str, object] = field(default_factory=dict)
+    # "module:function" (folder, hidden, depth, seed) -> path: the transformer at width `hidden` (heads
+    # of 128, the released RoPE axes) with `depth` setting its block counts, random N(0, 0.02) weights
+    # and the tiny encoders' context widths, in its own file format (bench/bench_precision_matrix.py).
+    sized: str = ""
 
 
 # ----------------------------------------------------------------------------------------------

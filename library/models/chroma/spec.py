@@ -79,7 +79,8 @@ PLANNER = S.Planner(
 
 # -- tiny models (tests, quickstart); the VAE is FLUX.1's tiny one (flux1/tiny.py writes it)
 TINY = S.TinySpec(writers=("library.models.chroma.tiny:write_chroma", "library.models.chroma.tiny:write_t5"),
-                  transformer="chroma_bfl")
+                  transformer="chroma_bfl", config_files={"ae": "flux_vae_single", "t5xxl": "chroma_t5xxl"},
+                  config_values={"t5xxl_max_token_length": 32}, sized="library.models.chroma.tiny:write_sized_chroma")
 
 
 # -- the training config's keys of its text encoder files (library/training/config.py); FLUX.1 reads

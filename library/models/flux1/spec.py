@@ -112,7 +112,8 @@ PLANNER = S.Planner(
 TINY = S.TinySpec(writers=(
     "library.models.flux1.tiny:write_flux", "library.models.flux1.tiny:write_flux_vae",
     "library.models.flux1.tiny:write_clip", "library.models.flux1.tiny:write_t5",
-), transformer="flux_bfl")
+), transformer="flux_bfl", config_files={"ae": "flux_vae_single", "clip_l": "clip_l", "t5xxl": "t5xxl"},
+    config_values={"t5xxl_max_token_length": 32}, sized="library.models.flux1.tiny:write_sized_flux")
 
 
 # -- the training config's keys of its text encoder files (library/training/config.py)

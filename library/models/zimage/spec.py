@@ -98,7 +98,8 @@ PLANNER = S.Planner(
 TINY = S.TinySpec(writers=(
     "library.models.zimage.tiny:write_zimage", "library.models.zimage.tiny:write_zimage_text_encoder",
     "library.models.zimage.tiny:write_zimage_omni",
-), transformer="zimage")
+), transformer="zimage", config_files={"ae": "flux_vae_single", "text_encoder": "zimage_text_encoder"},
+    sized="library.models.zimage.tiny:write_sized_zimage")
 
 
 # -- the training config's keys of its text encoder files and version (library/training/config.py)
