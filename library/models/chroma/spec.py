@@ -28,6 +28,7 @@ LORA = S.LoRATargets(
 _FLUX1_FILES = S.load_symbol("library.models.flux1.spec:LORA_FILES")
 LORA_FILES = S.LoRAFiles(
     markers=("distilled_guidance_layer_",),
+    layouts=("kohya", "diffusers", "comfy"),  # ComfyUI's Chroma keeps the BFL names our kohya files have
     names_of="flux",
     recognise="library.models.chroma.lora_files:is_own_lora",
     block_pattern=_FLUX1_FILES.block_pattern,

@@ -46,6 +46,7 @@ LORA = S.LoRATargets(
 # FLUX.2 keeps these BFL block names (its spec: names_of="flux").
 LORA_FILES = S.LoRAFiles(
     markers=("double_blocks_", "single_blocks_", "single_transformer_blocks_", "_ff_net_", "_ff_context_", "_norm1_linear"),
+    layouts=("kohya", "diffusers", "comfy"),  # ComfyUI's FLUX.1 has the BFL names our kohya files have
     # single_transformer_blocks first: findall takes the first alternative that matches at a position.
     block_pattern=r"(single_transformer_blocks|double_blocks|single_blocks|transformer_blocks)[._](\d+)[._]",
     module_paths="library.models.flux1.lora_files:module_paths",
