@@ -2,7 +2,9 @@
 signature next to the flat weight-quantization one, and train-on-what-you-deploy for the bug.
 
 The bases use the doctor tests' "realistic" init (sharp, position-local attention), so rounded
-positions visibly matter at a 48 x 48 patch grid (768 px), where e4m3 keeps only part of 0..47."""
+positions visibly matter at a 48 x 48 patch grid (768 px), where e4m3 keeps only part of 0..47.
+The newer families (Z-Image, Chroma, Krea 2) run a one-LoRA matrix on their session tiny set, the
+config from their spec alone."""
 
 import csv
 import os
@@ -65,3 +67,34 @@ def test_bad_row_is_one_line_exit_2(tiny_set, tmp_path, capsys):
     assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "m"), "--rows", "fp16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "row 'fp16': expected one of" in err[0]
+
+
+@pytest.mark.parametrize("family", ["zimage", "chroma", "krea2"])
+def test_a_tiny_matrix_runs_on_the_families_tiny_set(tiny_set, tmp_path, family):
+    """Every deploy column for one given LoRA (random, rank 4: no training) on the family's tiny set at
+    128 px, one image, one sigma: the config comes from the family's spec (TINY.config_files) through
+    tools/make_tiny_models.py, and nothing here names more than the family."""
+    from library.models.registry import spec_of
+    from library.models.spec import load_symbol
+    from tests.test_merge_convert import lora
+    from tools.make_tiny_models import tiny_config
+
+    spec = spec_of(family)
+    model = load_symbol(spec.transformer.load)(tiny_set[spec.tiny.transformer])
+    lora(model, spec.arch, rank=4, alpha=4.0, seed=1).save(str(tmp_path / "lora.safetensors"))
+    config = tmp_path / "train.toml"
+    config.write_text(tiny_config(family, tiny_set, mixed_precision="no", output_dir=str(tmp_path / "unused"), seed=42))
+    out = tmp_path / "matrix"
+    assert precision_matrix.main(["--config_file", str(config), "--out", str(out), "--resolution", "128",
+                                  "--max_items", "1", "--sigmas", "0.5", "--rows", "bf16",
+                                  "--loras", f"bf16={tmp_path / 'lora.safetensors'}"], log=print) == 0
+    with open(out / "matrix.csv") as f:
+        cell = {r["deployed_on"]: {k: float(v) for k, v in r.items() if k not in ("trained_on", "deployed_on")}
+                for r in csv.DictReader(f)}
+    assert set(cell) == set(precision_matrix.DEPLOYED_ON)
+    assert cell["bf16+lora"]["effect_kept"] == pytest.approx(1.0) and cell["bf16+lora"]["effect_error"] == 0.0
+    # the LoRA at runtime on an fp8 base keeps its effect, with the error the base's rounding gives it
+    for deploy in ("fp8+lora", "fp8_scaled+lora"):
+        kept, error = cell[deploy]["effect_kept"], cell[deploy]["effect_error"]
+        assert 0.9 < kept < 1.1 and 0.0 < error < 0.2, (deploy, cell[deploy])
+    assert all(0.0 < c["val_loss"] < 10.0 for c in cell.values())

@@ -1,7 +1,7 @@
-"""Convert a diffusion family's LoRA between kohya and diffusers/PEFT layouts, and an LLM LoRA
-between a kohya file and a PEFT adapter folder.
+"""Convert a diffusion family's LoRA between kohya, diffusers/PEFT and ComfyUI layouts, and an LLM
+LoRA between a kohya file and a PEFT adapter folder.
 
-    python tools/convert_lora.py IN OUT --to kohya|diffusers|peft [--model_type TYPE] [--alpha X]
+    python tools/convert_lora.py IN OUT --to kohya|diffusers|comfy|peft [--model_type TYPE] [--alpha X]
 
 The source layout (kohya `lora_unet_*`, PEFT `transformer.*.lora_A/B`, ComfyUI `diffusion_model.*`)
 and the architecture are told from the tensor names: each architecture's spec lists the names only
@@ -15,6 +15,12 @@ as attention projections.
   output rows (the down matrix is shared) or joined back, through the family's module map
   (LORA_FILES.module_map), sized from the LoRA's own block indices and shapes.
 - Models with diffusers names: the module names are the same; only the prefix changes.
+- --to comfy (the families whose spec lists the layout): `diffusion_model.<path>.lora_A/B` as
+  ai-toolkit writes it, alpha folded as for diffusers, each path one that ComfyUI's LoRA key map
+  (comfy/lora.py model_lora_keys_unet) takes: the BFL names for models with them, else ours (for a
+  model whose ComfyUI twin fuses q / k / v, ComfyUI patches them into the fused rows). A LoRA in
+  ComfyUI's own names of such a model (kohya or dotted) reads as ours, a fused module split by rows
+  (the spec's LORA_FILES.comfy_map).
 
 Alpha: a kohya file stores it per module (`.alpha`); a diffusers/PEFT file written by diffusers
 stores its adapter config in the safetensors header (`lora_adapter_metadata`, lora_alpha /
@@ -52,7 +58,8 @@ def build_parser() -> Parser:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("input", help="LoRA .safetensors (kohya, PEFT/diffusers or ComfyUI) or PEFT adapter folder (LLM)")
     parser.add_argument("output", help="converted LoRA .safetensors, or the PEFT adapter folder for --to peft")
-    parser.add_argument("--to", required=True, choices=["kohya", "diffusers", "peft"], help="peft: LLM LoRAs only")
+    parser.add_argument("--to", required=True, choices=["kohya", "diffusers", "comfy", "peft"],
+                        help="comfy: ComfyUI's diffusion_model.* (the families that list it); peft: LLM LoRAs only")
     parser.add_argument("--model_type", choices=[*FAMILIES, *OTHER_ARCHS], default=None,
                         help="default: told from the names (where two architectures share names, also metadata "
                              "and shapes); a variant's LoRA has its base architecture's layout")
@@ -84,7 +91,7 @@ from networks.lycoris_network import is_lycoris_file  # noqa: E402
 
 FOLDED_MARK = "lora_alpha_folded"  # header entry of our diffusers output: alpha/rank is inside lora_B
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
-LAYOUT_ADVICE = {"diffusers": "--to diffusers", "peft": "--to peft (a PEFT adapter folder)"}
+LAYOUT_ADVICE = {"diffusers": "--to diffusers", "comfy": "--to comfy", "peft": "--to peft (a PEFT adapter folder)"}
 
 
 def lora_files() -> dict[str, LoRAFiles]:
@@ -161,6 +168,10 @@ def read_source(path: str, model_type: str | None):
     counts = block_counts(tensors, files.block_pattern)
     paths = load_symbol(files.module_paths)(counts)
     weights, _ = parse_lora(tensors, metadata, paths if fmt == "kohya" else None, source=path, adapter_config=adapter_config)
+    if files.comfy_map:  # modules in ComfyUI's own names -> ours (a fused one split by rows)
+        comfy_map = load_symbol(files.comfy_map)(weights, counts)
+        named = {p: w for p, w in weights.items() if p in comfy_map}
+        weights = {**{p: w for p, w in weights.items() if p not in named}, **bfl_to_diffusers(named, comfy_map)}
     known = fmt != "peft" or any(k.endswith(".alpha") for k in tensors) or ADAPTER_METADATA_KEY in metadata
     known = known or metadata.get(FOLDED_MARK) == "true" or (adapter_config or {}).get("lora_alpha") is not None
     return weights, metadata, fmt, model_type, known, counts
@@ -183,9 +194,9 @@ def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAW
 
 
 def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alpha: float | None = None) -> dict:
-    """Convert `src` to layout `to` ("kohya" | "diffusers" | "peft") at `dst`; returns what was done."""
-    if to not in ("kohya", "diffusers", "peft"):
-        raise ValueError(f"--to {to!r}: expected kohya, diffusers or peft")
+    """Convert `src` to layout `to` ("kohya" | "diffusers" | "comfy" | "peft") at `dst`; returns what was done."""
+    if to not in ("kohya", "diffusers", "comfy", "peft"):
+        raise ValueError(f"--to {to!r}: expected kohya, diffusers, comfy or peft")
     if alpha is not None and (to != "kohya" or not alpha > 0):
         raise ValueError(f"--alpha {alpha}: only for --to kohya, and must be > 0 (diffusers output has alpha folded in)")
     weights, metadata, fmt, model_type, known, counts = read_source(src, model_type and lora_arch(model_type))
@@ -200,7 +211,7 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     if files.module_map:
         module_map = load_symbol(files.module_map)(weights, counts)
         bfl_named = all(p in module_map for p in weights)
-        if to == "kohya" and not bfl_named:
+        if to in ("kohya", "comfy") and not bfl_named:  # ComfyUI's models have the BFL names
             weights = diffusers_to_bfl(weights, module_map)
         elif to == "diffusers" and bfl_named:
             weights = bfl_to_diffusers(weights, module_map)
@@ -212,7 +223,8 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     elif to == "peft":
         write_peft_folder(weights, dst, dtype=dtype, metadata=header, base_model=metadata.get("ss_sd_model_name"))
     else:
-        write_peft(weights, dst, prefix="transformer", dtype=dtype, metadata={**header, FOLDED_MARK: "true"})
+        prefix = "diffusion_model" if to == "comfy" else "transformer"
+        write_peft(weights, dst, prefix=prefix, dtype=dtype, metadata={**header, FOLDED_MARK: "true"})
     return {"from": fmt, "to": to, "model_type": model_type, "modules": len(weights), "scale_known": known}
 
 

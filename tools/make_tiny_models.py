@@ -19,6 +19,7 @@ are float32 so that parity tests can compare at 1e-5.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -71,6 +72,19 @@ def make_tiny_models(out_dir: str, seed: int = 0) -> dict[str, str]:
     }
     write_json(os.path.join(out_dir, "manifest.json"), manifest)
     return paths
+
+
+def tiny_config(model_type: str, paths: dict[str, str], transformer: str | None = None, **values) -> str:
+    """The TOML text of a training config on the tiny set for `model_type`, from its spec's
+    TINY.config_files / config_values: the files as `paths` (make_tiny_models' answer, with the
+    dataset's) holds them, `transformer` (default: the set's own) and any further `values`."""
+    from library.models.registry import spec_of
+
+    tiny = spec_of(model_type).tiny
+    keys = {"model_type": model_type, "pretrained_model_name_or_path": transformer or paths[tiny.transformer],
+            **{key: paths[name] for key, name in tiny.config_files.items()}, **tiny.config_values,
+            "dataset_config": paths["dataset_config"], **values}
+    return "".join(f"{key} = {json.dumps(value)}\n" for key, value in keys.items())
 
 
 def _size(path: str) -> int:

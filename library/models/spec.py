@@ -76,7 +76,12 @@ class LoRAFiles:
     block_pattern: str = ""  # regex, groups (block kind, index): the blocks a LoRA names
     module_paths: str | None = None  # "module:function" (block counts) -> every Linear path (resolves kohya names)
     module_map: str | None = None  # "module:function" (weights, block counts) -> BFL <-> diffusers module map from the LoRA's shapes
-    layouts: tuple[str, ...] = ("kohya", "diffusers")  # the layouts --to writes ("peft": a PEFT adapter folder)
+    layouts: tuple[str, ...] = ("kohya", "diffusers")  # the layouts --to writes ("peft": a PEFT adapter folder,
+    #   "comfy": `diffusion_model.<the module path ComfyUI's key map takes>.lora_A/B`, alpha folded)
+    # "module:function" (weights, block counts) -> {module path in ComfyUI's own model: [(our module path, row0,
+    # row1)]} where ComfyUI's model names or fuses modules otherwise than ours (a fused attention qkv): a LoRA in
+    # ComfyUI's names reads as ours, a fused module split by rows (its module_paths lists those names too)
+    comfy_map: str | None = None
     diffusers_lokr: str | None = None  # the name diffusers' LoKr loader knows the model by, when it loads LoKr for it
     # lora_info
     info_markers: tuple[tuple[str, str], ...] = ()  # (naming, regex): a module name matching it is this arch's
@@ -218,6 +223,15 @@ class TinySpec:
     writers: tuple[str, ...] = ()
     dims: tuple[tuple[str, int], ...] = ()
     transformer: str = ""  # the manifest key of its transformer file (the generic tests load it through `transformer.load`)
+    # A training config on the tiny set (tools/make_tiny_models.py tiny_config: the precision matrix's
+    # tests and bench): config key -> the manifest key of the file it names (the transformer aside),
+    # and the other keys such a config sets (short T5 captions).
+    config_files: dict[str, str] = field(default_factory=dict)
+    config_values: dict[str, object] = field(default_factory=dict)
+    # "module:function" (folder, hidden, depth, seed) -> path: the transformer at width `hidden` (heads
+    # of 128, the released RoPE axes) with `depth` setting its block counts, random N(0, 0.02) weights
+    # and the tiny encoders' context widths, in its own file format (bench/bench_precision_matrix.py).
+    sized: str = ""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,18 @@ TINY = {
     "latent_channels": 16,
 }
 
+def random_init(model: torch.nn.Module, seed: int, std: float = 0.02) -> torch.nn.Module:
+    """Every matrix N(0, std), biases zero, norm scales as built (the mid-size random transformers)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            elif name.endswith("bias"):
+                p.zero_()
+    return model
+
+
 # A small corpus: the tokenizers learn whole words of a text encoder's ChatML prompt template (the
 # first entry, whose system prefix must split into the tokens its pipeline drops) and some captions.
 CORPUS = [

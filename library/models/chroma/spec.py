@@ -28,6 +28,7 @@ LORA = S.LoRATargets(
 _FLUX1_FILES = S.load_symbol("library.models.flux1.spec:LORA_FILES")
 LORA_FILES = S.LoRAFiles(
     markers=("distilled_guidance_layer_",),
+    layouts=("kohya", "diffusers", "comfy"),  # ComfyUI's Chroma keeps the BFL names our kohya files have
     names_of="flux",
     recognise="library.models.chroma.lora_files:is_own_lora",
     block_pattern=_FLUX1_FILES.block_pattern,
@@ -79,7 +80,8 @@ PLANNER = S.Planner(
 
 # -- tiny models (tests, quickstart); the VAE is FLUX.1's tiny one (flux1/tiny.py writes it)
 TINY = S.TinySpec(writers=("library.models.chroma.tiny:write_chroma", "library.models.chroma.tiny:write_t5"),
-                  transformer="chroma_bfl")
+                  transformer="chroma_bfl", config_files={"ae": "flux_vae_single", "t5xxl": "chroma_t5xxl"},
+                  config_values={"t5xxl_max_token_length": 32}, sized="library.models.chroma.tiny:write_sized_chroma")
 
 
 # -- the training config's keys of its text encoder files (library/training/config.py); FLUX.1 reads

@@ -42,3 +42,18 @@ def write_t5(out: str, seed: int) -> dict[str, str]:
     folder = os.path.join(out, "chroma", "t5xxl")
     write_t5_encoder(folder, seed, 22)
     return {"chroma_t5xxl": folder}
+
+
+def write_sized_chroma(folder: str, hidden: int, depth: int, seed: int) -> str:
+    """Chroma at width `hidden` (heads of 128, RoPE axes (16, 56, 56)), `depth` double and single blocks,
+    a 2-layer approximator of width `hidden` (the released one is 5 x 5120 wide), random N(0, 0.02),
+    the tiny T5's width: a BFL-style single file (the spec's TINY.sized)."""
+    from library.models.chroma.checkpoint import save_chroma_bfl
+    from library.models.chroma.model import Chroma, ChromaConfig
+    from library.models.tiny_files import random_init
+
+    config = ChromaConfig(context_in_dim=TINY["t5_d_model"], hidden_size=hidden, num_heads=hidden // 128, depth=depth,
+                          depth_single=depth, approximator_hidden=hidden, approximator_layers=2)
+    path = os.path.join(folder, "chroma_sized.safetensors")
+    save_chroma_bfl(random_init(Chroma(config), seed), path, config)
+    return path

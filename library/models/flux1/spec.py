@@ -46,6 +46,7 @@ LORA = S.LoRATargets(
 # FLUX.2 keeps these BFL block names (its spec: names_of="flux").
 LORA_FILES = S.LoRAFiles(
     markers=("double_blocks_", "single_blocks_", "single_transformer_blocks_", "_ff_net_", "_ff_context_", "_norm1_linear"),
+    layouts=("kohya", "diffusers", "comfy"),  # ComfyUI's FLUX.1 has the BFL names our kohya files have
     # single_transformer_blocks first: findall takes the first alternative that matches at a position.
     block_pattern=r"(single_transformer_blocks|double_blocks|single_blocks|transformer_blocks)[._](\d+)[._]",
     module_paths="library.models.flux1.lora_files:module_paths",
@@ -112,7 +113,8 @@ PLANNER = S.Planner(
 TINY = S.TinySpec(writers=(
     "library.models.flux1.tiny:write_flux", "library.models.flux1.tiny:write_flux_vae",
     "library.models.flux1.tiny:write_clip", "library.models.flux1.tiny:write_t5",
-), transformer="flux_bfl")
+), transformer="flux_bfl", config_files={"ae": "flux_vae_single", "clip_l": "clip_l", "t5xxl": "t5xxl"},
+    config_values={"t5xxl_max_token_length": 32}, sized="library.models.flux1.tiny:write_sized_flux")
 
 
 # -- the training config's keys of its text encoder files (library/training/config.py)

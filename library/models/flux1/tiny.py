@@ -68,3 +68,17 @@ def write_t5(out: str, seed: int) -> dict[str, str]:
     folder = os.path.join(out, "flux", "t5xxl")
     write_t5_encoder(folder, seed, 4)
     return {"t5xxl": folder}
+
+
+def write_sized_flux(folder: str, hidden: int, depth: int, seed: int) -> str:
+    """FLUX.1-dev at width `hidden` (heads of 128, RoPE axes (16, 56, 56)), `depth` double and single
+    blocks, random N(0, 0.02), the tiny CLIP / T5 widths: a BFL single file (the spec's TINY.sized)."""
+    from library.models.flux1.checkpoint import save_flux_bfl
+    from library.models.flux1.model import Flux, FluxConfig
+    from library.models.tiny_files import random_init
+
+    config = FluxConfig(vec_in_dim=TINY["clip_hidden"], context_in_dim=TINY["t5_d_model"], hidden_size=hidden,
+                        num_heads=hidden // 128, depth=depth, depth_single=depth, guidance_embed=True)
+    path = os.path.join(folder, "flux_sized.safetensors")
+    save_flux_bfl(random_init(Flux(config), seed), path, config)
+    return path

@@ -97,7 +97,8 @@ PLANNER = S.Planner(
 # -- tiny models (tests, quickstart); Qwen-Image's tiny VAE is the VAE (the same AutoencoderKLQwenImage)
 TINY = S.TinySpec(writers=(
     "library.models.krea2.tiny:write_krea2", "library.models.krea2.tiny:write_krea2_text_encoder",
-), transformer="krea2")
+), transformer="krea2", config_files={"ae": "qwen_image_vae", "text_encoder": "krea2_text_encoder"},
+    sized="library.models.krea2.tiny:write_sized_krea2")
 
 
 # -- the training config's keys of its text encoder files and version (library/training/config.py)

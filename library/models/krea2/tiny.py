@@ -11,6 +11,7 @@ Seed offset 30 is this family's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -90,3 +91,20 @@ def write_krea2_text_encoder(out: str, seed: int) -> dict[str, str]:
         "tokenizer": ["transformers", "Qwen2TokenizerFast"], "transformer": ["diffusers", "Krea2Transformer2DModel"],
         "vae": ["diffusers", "AutoencoderKLQwenImage"]})
     return {"krea2_text_encoder": folder, "krea2_tokenizer": tok_folder}
+
+
+def write_sized_krea2(folder: str, hidden: int, depth: int, seed: int) -> str:
+    """Krea 2 at width `hidden` (heads of 128, a key-value head per 4, RoPE axes (32, 48, 48)), 2 x `depth`
+    main blocks, the MLP 8/3 wide, the tiny text fusion above, every matrix N(0, 0.02) and the norm scales
+    N(0, 0.1) as random_krea2 draws them: a single file in the released layout (the spec's TINY.sized)."""
+    from library.models.krea2.checkpoint import save_krea2_single_file
+    from library.models.tiny_files import random_init
+
+    heads = hidden // 128
+    config = dataclasses.replace(tiny_config(), num_layers=2 * depth, attention_head_dim=128, num_attention_heads=heads,
+                                 num_key_value_heads=max(1, heads // 4), intermediate_size=8 * hidden // 3,
+                                 axes_dims_rope=(32, 48, 48))
+    torch.manual_seed(seed)
+    path = os.path.join(folder, "krea2_sized.safetensors")
+    save_krea2_single_file(random_init(random_krea2(config), seed), path, config)
+    return path

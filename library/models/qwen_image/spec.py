@@ -67,7 +67,8 @@ TINY = S.TinySpec(writers=(
     "library.models.qwen_image.tiny:write_qwen_image", "library.models.qwen_image.tiny:write_qwen_vae",
     "library.models.qwen_image.tiny:write_qwen_text_encoder", "library.models.qwen_image.tiny:write_qwen_image_edit",
     "library.models.qwen_image.tiny:write_qwen_vl_text_encoder",
-), transformer="qwen_image")
+), transformer="qwen_image", config_files={"ae": "qwen_image_vae", "text_encoder": "qwen_image_text_encoder"},
+    sized="library.models.qwen_image.tiny:write_sized_qwen_image")
 
 
 # -- the training config's keys of its text encoder files and edit version (library/training/config.py)

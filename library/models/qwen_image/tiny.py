@@ -129,3 +129,15 @@ def write_qwen_vl_text_encoder(out: str, seed: int) -> dict[str, str]:
     save_vl_processor(processor, TINY_IMAGE_PROCESSOR, "Qwen2_5_VLProcessor", tokenizer)
     return {"qwen_image_edit_text_encoder": folder, "qwen_image_edit_processor": processor}
 
+
+def write_sized_qwen_image(folder: str, hidden: int, depth: int, seed: int) -> str:
+    """Qwen-Image at width `hidden` (heads of 128, RoPE axes (16, 56, 56)), 2 x `depth` blocks, random
+    N(0, 0.02), the tiny text encoder's width: a diffusers transformer folder (the spec's TINY.sized)."""
+    from library.models.qwen_image.model import QwenImage, QwenImageConfig, save_qwen_image_diffusers
+    from library.models.tiny_files import random_init
+
+    config = QwenImageConfig(num_layers=2 * depth, num_attention_heads=hidden // 128,
+                             joint_attention_dim=TINY["lm_hidden"])
+    path = os.path.join(folder, "qwen_image_sized")
+    save_qwen_image_diffusers(random_init(QwenImage(config), seed).state_dict(), config, path)
+    return path

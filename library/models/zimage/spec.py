@@ -30,12 +30,15 @@ LORA = S.LoRATargets(
 
 
 # -- LoRA files: converters' and inspectors' key tables (tools/)
-# diffusers module names in every layout (kohya lora_unet_*, PEFT transformer.*, ComfyUI / ai-toolkit
-# diffusion_model.*, which ComfyUI maps onto its fused qkv through its z_image_to_diffusers table):
-# converting changes the prefix only.
+# diffusers module names in every layout we write (kohya lora_unet_*, PEFT transformer.*, ComfyUI /
+# ai-toolkit diffusion_model.*, which ComfyUI maps onto its fused qkv through its z_image_to_diffusers
+# table; it takes lora_unet_ names only in its own module names): converting changes the prefix only.
+# LoRAs in ComfyUI's own names (fused attention.qkv ...) read through comfy_map (lora_files.py).
 LORA_FILES = S.LoRAFiles(
     markers=("_attention_to_q", "_attention_to_k", "_attention_to_v", "_attention_to_out_0", "_feed_forward_w",
-             "noise_refiner_", "context_refiner_"),
+             "noise_refiner_", "context_refiner_", "_attention_qkv"),
+    layouts=("kohya", "diffusers", "comfy"),
+    comfy_map="library.models.zimage.lora_files:comfy_module_map",
     block_pattern=r"(noise_refiner|context_refiner|layers)[._](\d+)[._]",
     module_paths="library.models.zimage.lora_files:module_paths",
     diffusers_lokr="Z-Image",  # diffusers' ZImageLoraLoaderMixin converts LoKr files too
@@ -98,7 +101,8 @@ PLANNER = S.Planner(
 TINY = S.TinySpec(writers=(
     "library.models.zimage.tiny:write_zimage", "library.models.zimage.tiny:write_zimage_text_encoder",
     "library.models.zimage.tiny:write_zimage_omni",
-), transformer="zimage")
+), transformer="zimage", config_files={"ae": "flux_vae_single", "text_encoder": "zimage_text_encoder"},
+    sized="library.models.zimage.tiny:write_sized_zimage")
 
 
 # -- the training config's keys of its text encoder files and version (library/training/config.py)

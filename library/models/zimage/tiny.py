@@ -126,3 +126,18 @@ def write_zimage_omni(out: str, seed: int) -> dict[str, str]:
         "tokenizer": ["transformers", "Qwen2Tokenizer"], "transformer": ["diffusers", "ZImageTransformer2DModel"],
         "siglip": ["transformers", "Siglip2VisionModel"], "siglip_processor": ["transformers", "Siglip2ImageProcessor"]})
     return {"zimage_omni": root}
+
+
+def write_sized_zimage(folder: str, hidden: int, depth: int, seed: int) -> str:
+    """Z-Image at width `hidden` (heads of 128, RoPE axes (32, 48, 48)), 2 x `depth` main blocks and one
+    refiner of each kind, random N(0, 0.02), the tiny text encoder's width: a single file in ComfyUI's
+    layout with its config (the spec's TINY.sized)."""
+    from library.models.tiny_files import random_init
+    from library.models.zimage.checkpoint import save_zimage_single_file
+    from library.models.zimage.model import ZImage, ZImageConfig
+
+    config = ZImageConfig(in_channels=TINY["latent_channels"], dim=hidden, n_layers=2 * depth, n_refiner_layers=1,
+                          n_heads=hidden // 128, cap_feat_dim=TINY["lm_hidden"])
+    path = os.path.join(folder, "zimage_sized.safetensors")
+    save_zimage_single_file(random_init(ZImage(config), seed), path, config)
+    return path
