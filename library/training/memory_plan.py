@@ -285,7 +285,7 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     bf16 copy of the base and its LoRA load beside it; then the VAE loads, encodes the prompt's
     references and stays through every forward (batch 1 at the sample size) and the decode."""
     from library.models.family import control_kwargs
-    from library.models.vae import pack_latents
+    from library.models.latents import pack_latents
 
     model, network = _meta_model_and_network(family, args)
     lora = tensor_bytes(network.state_dict().values())
