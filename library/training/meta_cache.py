@@ -51,7 +51,8 @@ def _key_of(x):
 
 def _describe(out, inputs: list) -> tuple:
     """(leaves, spec) to rebuild `out`: tensors as (shape, stride, dtype, offset, storage bytes,
-    index of the storage among the outputs'), other leaves as themselves."""
+    index of the storage among the outputs', plain: torch.empty_strided makes exactly this one),
+    other leaves as themselves."""
     leaves, spec = tree_flatten(out)
     taken = [t.untyped_storage() for t in inputs if isinstance(t, torch.Tensor)]
     storages, described = [], []
