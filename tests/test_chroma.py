@@ -427,7 +427,7 @@ def test_sampling_matches_chroma_pipeline_euler_steps(tiny_set):
 
     from library.models.chroma.family import ChromaFamily
     from library.models.family import stack_text
-    from library.models.vae import pack_latents
+    from library.models.latents import pack_latents
 
     family = ChromaFamily(tiny_set["chroma_bfl"], tiny_set["flux_vae"], t5xxl=tiny_set["chroma_t5xxl"])
     encode = family.load_text_encoder("fp32", t5_max_length=32)

@@ -97,3 +97,22 @@ def test_help_and_bad_flags_are_answered_before_torch_loads():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout) == {script: [0, 2, []] for script in scripts}
+
+
+# The LoRA tools' modules as their real runs import them (after parsing): torch, our library, no
+# diffusers or transformers (seconds of start-up each; library/models/latents.py keeps the latent
+# packing the families import out of library/models/vae.py, which loads diffusers).
+LORA_TOOLS = ("lora_info", "convert_lora", "resize_lora", "combine_loras", "merge_lora", "extract_lora")
+IMPORT_ONLY = """
+import importlib, json, sys
+for name in sys.argv[1:]:
+    importlib.import_module("tools." + name)
+print(json.dumps(sorted(m for m in ("diffusers", "transformers") if m in sys.modules)))
+"""
+
+
+def test_lora_tools_run_without_loading_diffusers_or_transformers():
+    done = subprocess.run([sys.executable, "-c", IMPORT_ONLY, *LORA_TOOLS], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == []

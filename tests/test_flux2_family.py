@@ -12,7 +12,7 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 from library.models.family import family_class
 from library.models.flux2.family import Flux2Family
 from library.models.flux2.vae import load_flux2_vae
-from library.models.vae import pack_latents, unpack_latents
+from library.models.latents import pack_latents, unpack_latents
 
 # FLUX.2 scheduler_config.json (klein and dev): dynamic shifting with the pipeline's mu, exponential.
 FLUX2_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,

@@ -20,7 +20,7 @@ from library.training import fsdp
 from library.training.config import ConfigError
 from library.training.fsdp import check_fsdp, fp8_buffers_to_parameters
 from networks.lora import LoRANetwork
-from tests.test_train_lora import ROOT, flux_args, free_port
+from tests.test_train_lora import ROOT, flux_args, free_port, train_single
 from library.models.registry import arch_spec
 
 
@@ -44,10 +44,10 @@ def write_datasets(tiny_set, tmp_path, validation: bool):
             f'image_dir = "{tiny_set["image_dir"]}"\n' + extra)
 
 
-def run_single_and_fsdp(tmp_path, single: list[str], multi: list[str]) -> str:
-    """1 plain process, then 2 gloo processes through configs/accelerate/fsdp.yaml; their output."""
+def run_single_and_fsdp(single: list[str], multi: list[str], monkeypatch) -> str:
+    """1 plain process (this one), then 2 gloo processes through configs/accelerate/fsdp.yaml; their output."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "train_lora.py", *single], cwd=ROOT, env=env, check=True, capture_output=True)
+    train_single(single, monkeypatch)
     run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                           os.path.join(ROOT, "configs", "accelerate", "fsdp.yaml"), "--num_processes", "2",
                           "--mixed_precision", "no", "--main_process_port", free_port(), "train_lora.py", *multi],
@@ -64,13 +64,13 @@ def assert_same_lora(a_path, b_path):
     assert sorted(a) == sorted(b) and up > 1e-3 and diff <= 0.02 * up, (diff, up)
 
 
-def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_batch(tiny_set, tmp_path):
+def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_batch(tiny_set, tmp_path, monkeypatch):
     write_datasets(tiny_set, tmp_path, validation=True)
     common = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",
               "--sample_prompts", "", "--validate_every_n_steps", "2"]  # quickstart: fp8_scaled base, fp32 compute
     single = flux_args(tiny_set, tmp_path / "single", "--dataset_config", str(tmp_path / "ds2.toml"), *common)
     multi = flux_args(tiny_set, tmp_path / "multi", "--dataset_config", str(tmp_path / "ds1.toml"), *common)
-    output = run_single_and_fsdp(tmp_path, single, multi)
+    output = run_single_and_fsdp(single, multi, monkeypatch)
 
     # Each process holds half of the base: the whole is what the fp8_scaled base weighs unsharded.
     # (The two processes share one pipe: both lines can land on one, so the pattern stops at "(".)
@@ -89,7 +89,7 @@ def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_ba
     LoRANetwork(base, "flux", 8, 8.0).load_weights(str(multi_out / "tiny_flux_lora.safetensors"))  # a normal file
 
 
-def test_qwen_image_under_fsdp_equals_one_process(tiny_set, tmp_path):
+def test_qwen_image_under_fsdp_equals_one_process(tiny_set, tmp_path, monkeypatch):
     """Qwen-Image's last block leaves LoRAs without a gradient (its text stream feeds nothing)."""
     write_datasets(tiny_set, tmp_path, validation=False)
     args = ["--model_type", "qwen_image", "--pretrained_model_name_or_path", tiny_set["qwen_image"],
@@ -97,8 +97,8 @@ def test_qwen_image_under_fsdp_equals_one_process(tiny_set, tmp_path):
             "--output_name", "qwen", "--max_train_steps", "2", "--mixed_precision", "no", "--fp8_base",
             "--network_dim", "4", "--optimizer_type", "AdamW", "--learning_rate", "1e-3"]
     single, multi = tmp_path / "single", tmp_path / "multi"
-    run_single_and_fsdp(tmp_path, [*args, "--dataset_config", str(tmp_path / "ds2.toml"), "--output_dir", str(single)],
-                        [*args, "--dataset_config", str(tmp_path / "ds1.toml"), "--output_dir", str(multi)])
+    run_single_and_fsdp([*args, "--dataset_config", str(tmp_path / "ds2.toml"), "--output_dir", str(single)],
+                        [*args, "--dataset_config", str(tmp_path / "ds1.toml"), "--output_dir", str(multi)], monkeypatch)
     assert read_log(multi, "loss", "qwen") == pytest.approx(read_log(single, "loss", "qwen"), abs=1e-5)
     assert_same_lora(single / "qwen.safetensors", multi / "qwen.safetensors")
 

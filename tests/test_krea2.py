@@ -13,7 +13,7 @@ from library.io import CheckpointError
 from library.models.krea2.checkpoint import diffusers_config, load_krea2, to_diffusers_state_dict
 from library.models.krea2.model import KREA2_CONFIGS, Krea2, joint_positions
 from library.models.krea2.tiny import random_krea2, tiny_config, write_krea2
-from library.models.vae import pack_latents, unpack_latents
+from library.models.latents import pack_latents, unpack_latents
 
 C = 16  # latent channels
 

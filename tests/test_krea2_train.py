@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import train_lora
 from library.models.krea2.family import Krea2Family
-from library.models.vae import pack_latents, unpack_latents
+from library.models.latents import pack_latents, unpack_latents
 from networks.lora import LoRANetwork
 
 

@@ -202,7 +202,7 @@ def test_qwen_image_edit_lora_loads_in_edit_plus_pipeline_with_our_output(tmp_pa
 
     from library.models.qwen_image.edit import TRANSFORMER_FLAGS
     from library.models.qwen_image.edit_family import QwenImageEditFamily
-    from library.models.vae import pack_latents
+    from library.models.latents import pack_latents
 
     config = dataclasses.replace(QWEN_TINY, **TRANSFORMER_FLAGS["qwen-image-edit-2511"])
     theirs = QwenImageTransformer2DModel(**{k: v for k, v in config.to_diffusers().items() if not k.startswith("_")})

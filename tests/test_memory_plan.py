@@ -12,8 +12,9 @@ import toml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A mid-width FLUX (hidden 1536, 2 double + 2 single blocks, ~250 M parameters) trained one LoRA step
-# by the family's own training_loss, as train_lora.py does. Prints "planned measured" in bytes:
-# the planner's training peak, and the process's peak RSS during the steps above its RSS just before
+# by the family's own training_loss, as train_lora.py does (the optimizer's state made first, as in
+# every step after the first). Prints "planned measured" in bytes:
+# the planner's training peak, and the process's peak RSS during the step above its RSS just before
 # the model exists (a model quantized in memory starts in fp32: that is not the step, so the peak is reset).
 STEP = textwrap.dedent("""
     import ctypes, sys, torch
@@ -52,10 +53,12 @@ STEP = textwrap.dedent("""
     model.gradient_checkpointing = ckpt
     net = LoRANetwork(model, "flux", 16, 16); net.apply(); net.train()
     opt = torch.optim.AdamW(net.trainable_parameters(), lr=1e-4)
+    for p in net.trainable_parameters():  # the optimizer's state exists from the first step on: make it now
+        p.grad = torch.zeros_like(p)
+    opt.step(); opt.zero_grad(set_to_none=True)
     open("/proc/self/clear_refs", "w").write("5")  # peak RSS := now: building the fp32 model to quantize is not the step
-    for _ in range(2):
-        loss, _ = family.training_loss(model, latents, text, args, gens)
-        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    loss, _ = family.training_loss(model, latents, text, args, gens)  # one step, as a later step runs
+    loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
     print(planned, peak - before)
 """)
@@ -111,6 +114,37 @@ def tiny_flux(tiny_set):
     from library.models.flux1.family import FluxFamily
 
     return FluxFamily(tiny_set["flux_bfl"], tiny_set["flux_vae_single"], clip_l=tiny_set["clip_l"], t5xxl=tiny_set["t5xxl"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The memoized meta kernels (library/training/meta_cache.py)
+
+
+def test_a_repeated_meta_op_is_answered_with_a_fresh_tensor_of_the_same_layout_and_views_always_run():
+    import torch
+
+    from library.training.meta_cache import MetaKernelCache
+
+    cache, aten = MetaKernelCache(), torch.ops.aten
+    x = torch.empty(4, 6, device="meta")
+    first, again = (cache(aten.mm.default, (x, torch.empty(6, 8, device="meta")), {}) for _ in range(2))
+    assert (cache.misses, cache.hits) == (1, 1)
+    assert (again.shape, again.stride(), again.dtype) == (first.shape, first.stride(), first.dtype) == ((4, 8), (8, 1), torch.float32)
+    assert again.untyped_storage() is not first.untyped_storage() and again.untyped_storage().nbytes() == 4 * 8 * 4
+    half = cache(aten.mm.default, (x.half(), torch.empty(6, 8, device="meta", dtype=torch.half)), {})
+    assert half.dtype == torch.half and cache.misses == 2  # another dtype: another key
+    views = [cache(aten.view.default, (x, [24]), {}) for _ in range(2)]
+    assert all(v.untyped_storage() is x.untyped_storage() for v in views) and cache.hits == 1
+
+
+def test_the_memoized_plan_equals_the_plan_of_the_meta_kernels_themselves(tiny_set, monkeypatch):
+    from library.training import memory_plan
+    from tools import plan_memory
+
+    family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
+    plans = [memory_plan.training_plan(family, args, 64, 64, 1, 8) for _ in range(2)]  # the second from the cache
+    monkeypatch.setattr(memory_plan, "META_KERNELS", lambda func, args, kwargs: func(*args, **kwargs))
+    assert plans[0] == plans[1] == memory_plan.training_plan(family, args, 64, 64, 1, 8)
 
 
 def test_caching_plans_the_vae_batch_that_cache_latents_encodes(tiny_set):

@@ -19,7 +19,16 @@ from tools import precision_matrix
 ROWS = ("bf16", "fp8+posbug")
 
 
-def write_config(tmp_path, tiny_set, family: str) -> str:
+@pytest.fixture(scope="module")
+def two_images(tmp_path_factory) -> str:
+    """A 2-image dataset (its TOML) for the trained rows: every row caches and trains on all of its
+    images at 768 px, and 2 show the signatures as well as the session set's 8."""
+    from tools.make_tiny_dataset import make_tiny_dataset
+
+    return make_tiny_dataset(str(tmp_path_factory.mktemp("two_images")), count=2)["dataset_config"]
+
+
+def write_config(tmp_path, tiny_set, family: str, dataset_config: str | None = None) -> str:
     if family == "flux":
         model = str(tmp_path / "flux.safetensors")
         save_flux_bfl(tiny_flux(), model)
@@ -32,15 +41,15 @@ def write_config(tmp_path, tiny_set, family: str) -> str:
         paths = (f'model_type = "qwen_image"\npretrained_model_name_or_path = "{model}"\n'
                  f'ae = "{tiny_set["qwen_image_vae"]}"\ntext_encoder = "{tiny_set["qwen_image_text_encoder"]}"\n')
     config = tmp_path / "train.toml"
-    config.write_text(paths + f'dataset_config = "{tiny_set["dataset_config"]}"\nmixed_precision = "no"\n'
+    config.write_text(paths + f'dataset_config = "{dataset_config or tiny_set["dataset_config"]}"\nmixed_precision = "no"\n'
                       'network_dim = 8\nnetwork_alpha = 8\noptimizer_type = "AdamW"\nlearning_rate = 3e-3\n'
                       f'output_dir = "{tmp_path / "unused"}"\nseed = 42\n')
     return str(config)
 
 
 @pytest.mark.parametrize("family, spread", [("flux", "region_ratio"), ("qwen_image", "border_centre")])
-def test_matrix_shape_and_the_position_bug_signature(tiny_set, tmp_path, family, spread):
-    config = write_config(tmp_path, tiny_set, family)
+def test_matrix_shape_and_the_position_bug_signature(tiny_set, two_images, tmp_path, family, spread):
+    config = write_config(tmp_path, tiny_set, family, two_images)
     out = tmp_path / "matrix"
     assert precision_matrix.main(["--config_file", config, "--out", str(out), "--steps", "6", "--resolution", "768",
                                   "--max_items", "1", "--sigmas", "0.5", "--rows", ",".join(ROWS)], log=print) == 0

@@ -231,7 +231,7 @@ def test_family_predict_matches_pipeline_call(tmp_path):
     """predict(control=[...]) = the transformer on [target, conditions] with img_shapes listing
     all, the output cut to the target's tokens, as QwenImageEditPlusPipeline does."""
     from library.models.qwen_image.edit_family import QwenImageEditFamily
-    from library.models.vae import pack_latents
+    from library.models.latents import pack_latents
 
     ref = save_reference(EDIT_2511, tmp_path)
     family = QwenImageEditFamily(str(tmp_path))

@@ -18,7 +18,7 @@ from library.models.flux1.vae import load_flux_vae
 from library.models.qwen_image.text_encoder import load_qwen_image_text_encoder
 from library.models.qwen_image.vae import load_qwen_image_vae
 from library.models.text_encoders import load_clip_l, load_t5
-from library.models.vae import pack_latents, unpack_latents
+from library.models.latents import pack_latents, unpack_latents
 from library.models.flux1.tiny import write_flux_vae
 from tools import make_tiny_models as tiny
 

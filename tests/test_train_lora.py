@@ -85,10 +85,22 @@ def write_ddp_datasets(tiny_set, tmp_path):
         )
 
 
-def run_single_and_ddp(single: list[str], multi: list[str]):
-    """1 plain process, then 2 gloo DDP processes (torch.distributed.run) on the CPU."""
+def train_single(argv: list[str], monkeypatch):
+    """The one-process reference run, in this process (no interpreter to start): on the CPU with one
+    thread, as the processes it is compared with run."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert train_lora.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_single_and_ddp(single: list[str], multi: list[str], monkeypatch):
+    """1 plain process (this one), then 2 gloo DDP processes (torch.distributed.run) on the CPU."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "train_lora.py", *single], cwd=ROOT, env=env, check=True, capture_output=True)
+    train_single(single, monkeypatch)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
                           "train_lora.py", *multi], cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 0, [l for l in run.stderr.splitlines() if "error" in l.lower()][:5]
@@ -102,19 +114,19 @@ def assert_close_loras(a_path, b_path):
     assert sorted(a) == sorted(b) and up > 1e-3 and diff <= 0.02 * up, (diff, up)
 
 
-def test_two_ddp_processes_equal_one_process_with_doubled_batch(tiny_set, tmp_path):
+def test_two_ddp_processes_equal_one_process_with_doubled_batch(tiny_set, tmp_path, monkeypatch):
     write_ddp_datasets(tiny_set, tmp_path)
     common = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",
               "--sample_prompts", ""]
     single = flux_args(tiny_set, tmp_path / "single", "--dataset_config", str(tmp_path / "ds2.toml"), *common)
     multi = flux_args(tiny_set, tmp_path / "multi", "--dataset_config", str(tmp_path / "ds1.toml"), *common)
-    run_single_and_ddp(single, multi)
+    run_single_and_ddp(single, multi, monkeypatch)
     assert read_losses(tmp_path / "multi") == pytest.approx(read_losses(tmp_path / "single"), abs=1e-6)
     assert_close_loras(tmp_path / "single" / "tiny_flux_lora.safetensors",
                        tmp_path / "multi" / "tiny_flux_lora.safetensors")
 
 
-def test_qwen_image_under_ddp_equals_one_process(tiny_set, tmp_path):
+def test_qwen_image_under_ddp_equals_one_process(tiny_set, tmp_path, monkeypatch):
     """Qwen-Image's last block leaves LoRAs without a gradient (its text stream feeds nothing): DDP
     must not wait for their reduction ("Expected to have finished reduction" without the fix)."""
     from tests.test_captions import qwen_args
@@ -123,7 +135,7 @@ def test_qwen_image_under_ddp_equals_one_process(tiny_set, tmp_path):
     single, multi = tmp_path / "single", tmp_path / "multi"
     common = ["--output_name", "qwen", "--max_train_steps", "2", "--sample_prompts", ""]
     run_single_and_ddp(qwen_args(tiny_set, single, *common, "--dataset_config", str(tmp_path / "ds2.toml")),
-                       qwen_args(tiny_set, multi, *common, "--dataset_config", str(tmp_path / "ds1.toml")))
+                       qwen_args(tiny_set, multi, *common, "--dataset_config", str(tmp_path / "ds1.toml")), monkeypatch)
     assert read_losses(multi, "qwen") == pytest.approx(read_losses(single, "qwen"), abs=1e-5)
     assert_close_loras(single / "qwen.safetensors", multi / "qwen.safetensors")
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 import train_lora
 from library.models.flux1.family import FluxFamily
 from library.models.qwen_image.family import QwenImageFamily
-from library.models.vae import pack_latents
+from library.models.latents import pack_latents
 from library.models import flow_matching as fm
 from library.training.config import load_config
 

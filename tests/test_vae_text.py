@@ -21,7 +21,7 @@ from library.models.qwen_image.text_encoder import (
 )
 from library.models.qwen_image.vae import QwenImageVAE
 from library.models.text_encoders import load_clip_l, load_t5
-from library.models.vae import pack_latents, unpack_latents
+from library.models.latents import pack_latents, unpack_latents
 from library.models.flux1 import tiny
 from library.models.qwen_image.tiny import write_qwen_text_encoder
 

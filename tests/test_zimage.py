@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import library.models.zimage.model as zimage_model
 from library.io import CheckpointError
-from library.models.vae import pack_latents, unpack_latents
+from library.models.latents import pack_latents, unpack_latents
 from library.models.zimage.checkpoint import (
     diffusers_config,
     from_single_file_state_dict,

@@ -11,7 +11,7 @@ from diffusers import ZImageTransformer2DModel
 from PIL import Image
 
 import library.models.zimage.omni as omni
-from library.models.vae import pack_latents, unpack_latents
+from library.models.latents import pack_latents, unpack_latents
 from library.models.zimage.checkpoint import diffusers_config
 from library.models.zimage.omni import ZIMAGE_OMNI, ZImageOmni, zimage_transformer
 from library.models.zimage.omni_family import ZImageOmniFamily

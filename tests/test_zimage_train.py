@@ -63,7 +63,7 @@ def test_converted_lora_loads_in_zimage_pipeline_and_matches_runtime(tiny_set, t
     calls it (one [C, 1, H, W] latent per prompt, t = 1 - sigma, the output negated)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 
-    from library.models.vae import pack_latents, unpack_latents
+    from library.models.latents import pack_latents, unpack_latents
     from tools import convert_lora
 
     lora = trained / "zimage.safetensors"

@@ -125,10 +125,14 @@ def references_and_tokens(family, args, references: int | None, width: int, heig
     return count, text_tokens_for(family, args, count, width, height)
 
 
-def plan_run(family, args, width: int, height: int, batch: int, references: int | None = None) -> list:
-    """The three phases of this run (caching, training, sampling); references: per image (edit families)."""
+def plan_run(family, args, width: int, height: int, batch: int, references: int | None = None,
+             planned: dict | None = None) -> list:
+    """The three phases of this run (caching, training, sampling); references: per image (edit families).
+    planned: setting_plans' answers for the same card; the run's training step is taken from them
+    where one of them is the same step (a full-size step is seconds of simulation)."""
     count, tokens = references_and_tokens(family, args, references, width, height)
-    training = training_plan(family, args, width, height, batch, tokens, count).phase(args.blocks_to_swap)
+    same = next((plan for setting, plan in (planned or {}).items() if same_step(args, setting_args(family, args, *setting))), None)
+    training = (same or training_plan(family, args, width, height, batch, tokens, count)).phase(args.blocks_to_swap)
     caching = caching_phase(family, args, width, height, count)
     return [caching, training, sampling_phase(family, args, width, height, tokens, count)]
 
@@ -145,18 +149,32 @@ def setting_plans(family, args, width: int, height: int, batch: int, references:
                   bases: tuple[str, ...] = PLANNED_PRECISIONS) -> dict:
     """{(base precision, checkpointing): TrainingPlan} for each of `bases` x checkpointing off / on; a
     pre-quantized base (family.stored_layout()) only in its stored layout, which the loader always uses."""
-    from library.precision.stored_layouts import config_precision
-
     count, tokens = references_and_tokens(family, args, references, width, height)
     stored = family.stored_layout()
-    plans = {}
-    for base in (stored,) if stored else bases:
-        for ckpt in (False, True):
-            trial = copy.copy(args)
-            trial.base_precision = config_precision(base) if stored else base
-            trial.gradient_checkpointing = ckpt
-            plans[base, ckpt] = training_plan(family, trial, width, height, batch, tokens, count)
-    return plans
+    return {(base, ckpt): training_plan(family, setting_args(family, args, base, ckpt), width, height, batch, tokens, count)
+            for base in ((stored,) if stored else bases) for ckpt in (False, True)}
+
+
+def setting_args(family, args, base: str, ckpt: bool):
+    """args with this base precision (a pre-quantized base: the setting its stored layout needs) and checkpointing."""
+    from library.precision.stored_layouts import config_precision
+
+    trial = copy.copy(args)
+    trial.base_precision = config_precision(base) if family.stored_layout() else base
+    trial.gradient_checkpointing = ckpt
+    return trial
+
+
+def same_step(a, b) -> bool:
+    """Whether two configs plan the same training step: equal keys, the base precision as the trainer
+    reads it (library.training.config.base_precision: base_precision, else fp8_base / fp8_scaled)."""
+    from library.training.config import base_precision
+
+    def step(args):
+        keys = {k: v for k, v in vars(args).items() if k not in ("base_precision", "fp8_base", "fp8_scaled")}
+        return keys, base_precision(args)
+
+    return step(a) == step(b)
 
 
 def fewest_swaps(plan, vram_gib: float) -> int | None:
@@ -164,11 +182,19 @@ def fewest_swaps(plan, vram_gib: float) -> int | None:
     return next((n for n in range(len(plan.block_bytes)) if plan.phase(n).peak <= usable(vram_gib)), None)
 
 
+def card_plans(family, args, width: int, height: int, batch: int, vram_gib: float, references: int | None = None) -> dict:
+    """setting_plans for the base precisions planned on a card of vram_gib."""
+    bases = PLANNED_PRECISIONS + (LOWBIT_PRECISIONS if vram_gib < LOWBIT_BELOW_GIB else ())
+    return setting_plans(family, args, width, height, batch, references, bases)
+
+
 def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib: float,
-                     references: int | None = None) -> list[tuple]:
-    """(base precision, checkpointing, fewest blocks_to_swap that fits or None, its training peak)."""
-    rows, bases = [], PLANNED_PRECISIONS + (LOWBIT_PRECISIONS if vram_gib < LOWBIT_BELOW_GIB else ())
-    for (base, ckpt), plan in setting_plans(family, args, width, height, batch, references, bases).items():
+                     references: int | None = None, planned: dict | None = None) -> list[tuple]:
+    """(base precision, checkpointing, fewest blocks_to_swap that fits or None, its training peak);
+    planned: card_plans' answer where already planned."""
+    rows = []
+    planned = planned or card_plans(family, args, width, height, batch, vram_gib, references)
+    for (base, ckpt), plan in planned.items():
         fit = fewest_swaps(plan, vram_gib)
         rows.append((base, ckpt, fit, plan.phase(fit or 0).peak))
     return rows
@@ -243,14 +269,15 @@ def main(argv=None) -> int:
     refs = f", {references} reference(s) per image" if family.max_controls else ""
     print(f"{args.preset or args.config_file}: {width}x{height}, batch {batch}{refs}, LoRA rank {run.network_dim}, "
           f"{run.optimizer_type}; predicted peak device memory (tensors; add ~0.6 GiB of CUDA context):")
-    phases = plan_run(family, run, width, height, batch, references)
+    planned = card_plans(family, run, width, height, batch, args.vram, references)
+    phases = plan_run(family, run, width, height, batch, references, planned)
     for phase in phases:
         print("  " + phase.row())
     if "bf16 reference (base, lora)" in phases[-1].parts and phases[-1].peak > usable(args.vram):
         print(f"  sampling with the bf16 reference base does not fit a {args.vram:g} GiB card: train_lora.py turns "
               f"sample_bf16_reference off (unless the config sets it true)")
     print(f"\nOn a {args.vram:g} GiB card (usable {usable(args.vram) / GiB:.1f} GiB), training:")
-    for base, ckpt, fit, peak in fitting_settings(family, run, width, height, batch, args.vram, references):
+    for base, ckpt, fit, peak in fitting_settings(family, run, width, height, batch, args.vram, references, planned):
         what = "does not fit" if fit is None else f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)"
         print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {what}")
     return 0

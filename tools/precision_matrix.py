@@ -72,7 +72,7 @@ from library.data.dataset import ImageDataset  # noqa: E402
 from library.data.dataset_config import load_dataset_config  # noqa: E402
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
 from library.models.family import get_family  # noqa: E402
-from library.models.vae import pack_latents  # noqa: E402
+from library.models.latents import pack_latents  # noqa: E402
 from library.models import precision_doctor as precision  # noqa: E402
 from library.precision.fp8 import FP8_DTYPE  # noqa: E402
 from library.models import flow_matching as fm  # noqa: E402

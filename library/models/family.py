@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from library.models import flow_matching as fm
 from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, arch_spec  # noqa: F401  (their importers find them here too)
-from library.models.vae import pack_latents, unpack_latents
+from library.models.latents import pack_latents, unpack_latents
 
 
 def file_fingerprint(*paths: str | None) -> str:

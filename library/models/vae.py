@@ -1,6 +1,7 @@
-"""The generic parts of the VAEs (diffusers models, not reimplemented): latent packing, the loader,
-and the wrapper of a plain diffusers AutoencoderKL. Each family's own VAE wrapper, with its released
-config and its normalisation, lives in its folder (library/models/<family>/vae.py) and builds on these.
+"""The generic parts of the VAEs (diffusers models, not reimplemented): the loader and the wrapper
+of a plain diffusers AutoencoderKL. Each family's own VAE wrapper, with its released config and its
+normalisation, lives in its folder (library/models/<family>/vae.py) and builds on these. Latent
+packing (pure torch, no diffusers) is in library/models/latents.py.
 
 A wrapper takes images [B, 3, H, W] in [-1, 1] and returns normalised latents [B, C, H/8, W/8]
 (C = the VAE's latent channels) as float32, whatever dtype the VAE runs in (`dtype`, float32 by
@@ -30,40 +31,6 @@ from diffusers import AutoencoderKL
 from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming
-
-# ----------------------------------------------------------------------------------------------
-# Latent packing (2x2 patches -> tokens), identical to diffusers' pipelines' _pack_latents/_unpack_latents
-
-
-def pack_latents(z: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] -> [B, (H/2)*(W/2), 4C]; feature order (c, ph, pw) as in diffusers/BFL."""
-    b, c, h, w = z.shape
-    if h % 2 or w % 2:
-        raise ValueError(f"pack_latents: latent height and width must be even, got {h}x{w}")
-    z = z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return z.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """[B, (h/2)*(w/2), 4C] -> [B, C, h, w]; h, w are the latent (not pixel) height and width."""
-    b, n, c4 = x.shape
-    if n != (h // 2) * (w // 2) or c4 % 4:
-        raise ValueError(f"unpack_latents: {n} tokens of width {c4} do not fit a {h}x{w} latent")
-    x = x.view(b, h // 2, w // 2, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, c4 // 4, h, w)
-
-
-def patchify(z: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] -> [B, 4C, H/2, W/2], channel order (c, ph, pw), as diffusers' _patchify_latents."""
-    b, c, h, w = z.shape
-    return z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
-
-
-def unpatchify(p: torch.Tensor) -> torch.Tensor:
-    """[B, 4C, h, w] -> [B, C, 2h, 2w], the inverse of patchify."""
-    b, c4, h, w = p.shape
-    return p.view(b, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c4 // 4, h * 2, w * 2)
-
 
 # ----------------------------------------------------------------------------------------------
 # File checks

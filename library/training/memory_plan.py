@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from library.models.registry import spec_of
+from library.training.meta_cache import META_KERNELS
 
 GiB = 2**30
 
@@ -80,7 +81,9 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        # On meta, the kernels' answers are memoized (meta_cache.py): the same block ops recur per
+        # block and per planned setting; the outputs' storages are new either way.
+        out = META_KERNELS(func, args, kwargs or {}) if self.device_type == "meta" else func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 self.track(t)
@@ -285,7 +288,7 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     bf16 copy of the base and its LoRA load beside it; then the VAE loads, encodes the prompt's
     references and stays through every forward (batch 1 at the sample size) and the decode."""
     from library.models.family import control_kwargs
-    from library.models.vae import pack_latents
+    from library.models.latents import pack_latents
 
     model, network = _meta_model_and_network(family, args)
     lora = tensor_bytes(network.state_dict().values())

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from library.models.flux1.family import FluxFamily
-from library.models.vae import pack_latents
+from library.models.latents import pack_latents
 
 
 class FluxKontextFamily(FluxFamily):

@@ -182,7 +182,7 @@ class Flux2Family(DiffusionFamily):
 
     def initial_noise(self, batch, lh, lw, generator):
         # Flux2Pipeline.prepare_latents draws [B, 4C, lh/2, lw/2] (patchified), then packs.
-        from library.models.vae import unpatchify
+        from library.models.latents import unpatchify
 
         return unpatchify(torch.randn(batch, 4 * self.latent_channels, lh // 2, lw // 2, generator=generator,
                                       dtype=torch.float32))

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from diffusers import AutoencoderKLFlux2
 
-from library.models.vae import frozen_in, load_vae, patchify, unpatchify
+from library.models.latents import patchify, unpatchify
+from library.models.vae import frozen_in, load_vae
 
 # AutoencoderKLFlux2's constructor defaults follow the released VAE (a config.json beside the
 # weights, as in the released repositories, wins).

@@ -32,7 +32,7 @@ from library.models.family import fp8_prepare
 from library.models.qwen_image.edit import (EDIT, SIZE_MULTIPLE, TRANSFORMER_FLAGS, VL_TOKEN_PIXELS, area_size,
                                             check_version, edit_sizes, resize_condition, version_from_flags)
 from library.models.qwen_image.family import QwenImageFamily, per_caption
-from library.models.vae import pack_latents
+from library.models.latents import pack_latents
 
 
 class QwenImageEditFamily(QwenImageFamily):

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from library.models.core import rope_tables, run_block, timestep_embedding
-from library.models.vae import pack_latents
+from library.models.latents import pack_latents
 from library.models.zimage.model import (
     SEQ_MULTIPLE, TIME_DIM, ZIMAGE_BASE, TokenTimes, ZImage, ZImageConfig, from_patch_order, round_up, to_patch_order,
 )
