@@ -72,15 +72,25 @@ def wanted_of(concept: dict, prompts: list[str]) -> list[dict[str, str]]:
     return wanted
 
 
-def renders_with_and_without(family, precision: str, lora: str, text: dict, seed: int):
-    """(renders without the LoRA, renders with it) on the base loaded in `precision`, float32 compute."""
+def render_and_score(family, model, vae, text: dict, wanted: list[dict[str, str]], seed: int):
+    """Render each prompt of `text` (encode_prompts) on `model` as it is (a LoRA applied or merged, a
+    patched RoPE: whatever the caller set up) and read every render with the shape detector:
+    (images, whether each shows the colour and shape `wanted` of its prompt). tools/precision_matrix.py
+    scores its cells with it."""
+    images = render(family, model, vae, text, seed)
+    return images, scores(images, wanted)[1]
+
+
+def renders_with_and_without(family, precision: str, lora: str, text: dict, wanted: list, seed: int):
+    """((renders, hits) without the LoRA, (renders, hits) with it) on the base loaded in `precision`,
+    float32 compute."""
     from networks.factory import network_from_file
 
     model = family.load_transformer(torch.float32, precision).requires_grad_(False).eval()
     vae = family.load_vae(torch.float32)
-    before = render(family, model, vae, text, seed)
+    before = render_and_score(family, model, vae, text, wanted, seed)
     network_from_file(model, family.arch, lora).apply()
-    return before, render(family, model, vae, text, seed)
+    return before, render_and_score(family, model, vae, text, wanted, seed)
 
 
 def concept_demo(config_file: str, concept_path: str, lora: str | None = None, grid_path: str | None = None,
@@ -102,8 +112,7 @@ def concept_demo(config_file: str, concept_path: str, lora: str | None = None, g
     shown += [n + i for i in range(min(GRID_COLUMNS, len(concept["unrelated_prompts"])))]
     results, rows = {}, []
     for precision in dict.fromkeys(("bf16", base_precision(args))):
-        before, after = renders_with_and_without(family, precision, lora, text, seed)
-        hits_before, hits_after = scores(before, wanted)[1], scores(after, wanted)[1]
+        (before, hits_before), (after, hits_after) = renders_with_and_without(family, precision, lora, text, wanted, seed)
         results[precision] = {"before": sum(hits_before[:n]), "after": sum(hits_after[:n]), "trigger_prompts": n,
                               "unrelated_kept": sum(a for b, a in zip(hits_before[n:], hits_after[n:]) if b),
                               "unrelated_right_before": sum(hits_before[n:]), "unrelated_prompts": len(prompts) - n}

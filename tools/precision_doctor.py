@@ -219,11 +219,13 @@ def in_memory_variant(fp32_model: nn.Module, arch: str, mode: str, lora=None, se
     return apply_runtime_lora(model, lora) if how == "lora" else model
 
 
-def disk_variant(path: str, arch: str, mode: str, lora=None, seed: int = 0, device="cpu") -> nn.Module:
-    """Load `mode` from the checkpoint at `path` (fp8 quantized tensor by tensor while loading)."""
+def disk_variant(path: str, arch: str, mode: str, lora=None, seed: int = 0, device="cpu",
+                 dtype: torch.dtype | None = None) -> nn.Module:
+    """Load `mode` from the checkpoint at `path` (fp8 quantized tensor by tensor while loading).
+    dtype: the high-precision weights' and compute dtype (default: float32 for "fp32", else bfloat16)."""
     load = _loader(arch)
     precision_name, _, how = mode.partition("+")
-    dtype = torch.float32 if precision_name == "fp32" else torch.bfloat16
+    dtype = dtype or (torch.float32 if precision_name == "fp32" else torch.bfloat16)
     prepare = fp8_prepare(precision_name if precision_name.startswith("fp8") else None, arch)
     if how.startswith("merge"):
         deltas = {p: w.delta() for p, w in lora.items()}

@@ -2,23 +2,34 @@
 
     python tools/precision_matrix.py --config_file my_run.toml --out matrix/ [--steps 200] \
         [--resolution 1024] [--loras bf16=a.safetensors,fp8=b.safetensors,fp8_scaled=c.safetensors] \
-        [--max_items 8] [--sigmas 0.1,0.3,0.5,0.7,0.9]
+        [--rows bf16,fp8_scaled,nf4,gguf_q4_0] [--columns bf16+lora,nf4+lora,gguf_q4_0+lora,...] \
+        [--max_items 8] [--sigmas 0.1,0.3,0.5,0.7,0.9] [--dtype bf16|fp32] [--concept concept.json|none]
 
 Rows (trained on): the same training config run once per base precision, same seed and steps:
 bf16 (the high-precision base), fp8 (plain cast), fp8_scaled, and fp8+posbug: the fp8 base with
 the bug users hit (positions cast to the weight dtype before RoPE), as a buggy trainer would train.
---loras takes existing files instead of training (missing rows are trained).
+More rows (--rows): nf4 / nf4_dq / int8 (bitsandbytes' layers, base_precision), and gguf_q8_0 /
+gguf_q4_0 (the base transformer written as a GGUF file by our writer, OUT/bases/, and trained over as
+stored). The 4-bit GGUF is Q4_0, not Q4_K: a K-quant block spans 256 weights of a row and most Linears
+of the tiny bases are 128 wide, so a Q4_K file would hold Q4_K in few layers (llama.cpp falls back to
+Q5_0 for the rest). --loras takes existing files instead of training (missing rows are trained).
 
 Columns (deployed on): the LoRA at runtime on bf16 / fp8 / fp8_scaled bases, merged into fp8 and
 fp8_scaled (round to nearest: merge_rtn; stochastic rounding: merge_sr), and fp8+lora+posbug (a
-runtime LoRA on an fp8 base whose inference code has the position bug).
+runtime LoRA on an fp8 base whose inference code has the position bug). More (--columns): the LoRA at
+runtime on nf4 / nf4_dq / int8 and on the GGUF bases (gguf_q8_0+lora, gguf_q4_0+lora), and merged
+into a GGUF (gguf_q8_0+merge: merge_lora of the bf16 base and the LoRA, quantized as the GGUF base is;
+ComfyUI-GGUF itself applies LoRAs at runtime, and merging into a GGUF file's blocks would re-round them).
 
 Each cell, on the same images with fixed noise at fixed sigmas (comparable between cells and runs):
 - val_loss: the flow-matching loss (mean over images and sigmas);
 - border_centre / region_ratio: where the prediction's error against the same LoRA on bf16 sits
   (library.models.precision_doctor.map_ratios: ~1 = flat weight-quantization error; high = position damage);
 - effect_kept: |pred with LoRA - pred without| on the deploy base / the same on bf16 (1 = all of the
-  LoRA's effect survives), and effect_error: |effect - bf16 effect| / |bf16 effect|.
+  LoRA's effect survives), and effect_error: |effect - bf16 effect| / |bf16 effect|;
+- concept_rate, when the dataset is a concept (the concept.json of tools/make_tiny_dataset.py --concept
+  beside the dataset TOML, or --concept): the share of the trigger prompts that render the concept's
+  colour and shape on that base with the LoRA (tools/concept_demo.render_and_score), NaN otherwise.
 
 Writes OUT/matrix.csv, OUT/matrix.md (tables) and OUT/matrix.png (per-token error heatmaps, rows =
 trained on, columns = deployed on). Exit 2 with one line on bad input.
@@ -38,12 +49,19 @@ if __package__ in (None, ""):
 
 from tools.cli import Parser, check_command_line  # noqa: E402
 
-TRAINED_ON = ("bf16", "fp8", "fp8_scaled", "fp8+posbug")
+DEFAULT_ROWS = ("bf16", "fp8", "fp8_scaled", "fp8+posbug")
+LOWBIT = ("nf4", "nf4_dq", "int8")  # bitsandbytes' layers, quantized while loading (base_precision)
+GGUF_BASES = {"gguf_q8_0": "Q8_0", "gguf_q4_0": "Q4_0"}  # written from the base by gguf_writer (OUT/bases/)
+TRAINED_ON = DEFAULT_ROWS + LOWBIT + tuple(GGUF_BASES)
 TRAIN_FLAGS = {"bf16": ["--fp8_base", "false"], "fp8": ["--fp8_base", "true", "--fp8_scaled", "false"],
                "fp8_scaled": ["--fp8_base", "true", "--fp8_scaled", "true"]}
 TRAIN_FLAGS["fp8+posbug"] = TRAIN_FLAGS["fp8"]
+TRAIN_FLAGS.update({m: ["--fp8_base", "false", "--fp8_scaled", "false", "--base_precision", m] for m in LOWBIT})
+TRAIN_FLAGS.update({g: ["--fp8_base", "false", "--fp8_scaled", "false"] for g in GGUF_BASES})  # + the file as the base
 DEPLOYED_ON = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr",
-               "fp8_scaled+merge_rtn", "fp8_scaled+merge_sr", "fp8+lora+posbug")
+               "fp8_scaled+merge_rtn", "fp8_scaled+merge_sr", "fp8+lora+posbug")  # the default columns
+DEPLOYABLE = DEPLOYED_ON + tuple(f"{m}+lora" for m in LOWBIT) + tuple(f"{g}+{how}" for g in GGUF_BASES for how in ("lora", "merge"))
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="max_train_steps of each row (default: the config's)")
     p.add_argument("--resolution", type=int, default=None, help="train and evaluate at this square size (default: the dataset's)")
     p.add_argument("--loras", default="", help="trained_on=path,... to take instead of training (rows: " + ", ".join(TRAINED_ON) + ")")
-    p.add_argument("--rows", default=",".join(TRAINED_ON), help="which rows")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help="which rows, of " + ", ".join(TRAINED_ON))
+    p.add_argument("--columns", default=",".join(DEPLOYED_ON), help="which deploy columns (bf16+lora always), of " + ", ".join(DEPLOYABLE))
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES),
+                   help="the high-precision weights' and compute dtype of every base (fp32: faster on a CPU)")
+    p.add_argument("--concept", default=None, help="concept.json whose trigger prompts give concept_rate (default: the one "
+                                                   "beside the dataset TOML, if any; none: no concept_rate)")
     p.add_argument("--max_items", type=int, default=8, help="images evaluated")
     p.add_argument("--sigmas", default="0.1,0.3,0.5,0.7,0.9")
     p.add_argument("--seed", type=int, default=0, help="noise seed of the evaluation")
@@ -78,13 +101,91 @@ from library.precision.fp8 import FP8_DTYPE  # noqa: E402
 from library.models import flow_matching as fm  # noqa: E402
 from library.training.config import ConfigError, load_config  # noqa: E402
 from library.training.state import sample_seed  # noqa: E402
-from tools.precision_doctor import disk_variant, read_lora_for  # noqa: E402
+from library.models.family import fp8_prepare  # noqa: E402
+from library.models.registry import arch_spec  # noqa: E402
+from library.models.spec import load_symbol  # noqa: E402
+from tools.precision_doctor import apply_runtime_lora, disk_variant, read_lora_for  # noqa: E402
 
 
 def base_of(deploy: str) -> str:
     """The same base without the LoRA: 'fp8_scaled+merge_sr' -> 'fp8_scaled', '+posbug' kept."""
     precision_name = deploy.split("+")[0]
     return precision_name + ("+posbug" if deploy.endswith("+posbug") else "")
+
+
+class Bases:
+    """Every base a row trains on or a column deploys on, loaded from the config's checkpoint one at a
+    time: bf16 / fp8 / fp8_scaled (tools/precision_doctor.disk_variant: quantized while loading, LoRA
+    merged on the way), nf4 / int8 (bitsandbytes' layers while loading), and GGUF files written once
+    from the checkpoint into OUT/bases/ (loaded as stored: GGUFLinear)."""
+
+    def __init__(self, model_path: str, arch: str, dtype: torch.dtype, out: str, seed: int):
+        self.model_path, self.arch, self.dtype, self.seed = model_path, arch, dtype, seed
+        self.folder, self.files = os.path.join(out, "bases"), {}
+
+    def gguf(self, name: str, lora_path: str | None = None) -> str:
+        """The GGUF file of base `name` (gguf_q8_0 ...): the checkpoint quantized by merge_lora's GGUF
+        writer, with the LoRA at lora_path merged in first when given (written once per run)."""
+        from library.lora_spec import LoRASpec
+        from tools.merge_lora import merge_lora
+
+        key = (name, lora_path)
+        if key not in self.files:
+            stem = os.path.splitext(os.path.basename(self.model_path))[0]
+            merged = sum(1 for _, lora in self.files if lora)  # rows' LoRAs are all "lora.safetensors": numbered
+            path = os.path.join(self.folder, f"{stem}-{name}" + (f"+lora{merged + 1}" if lora_path else "") + ".gguf")
+            os.makedirs(self.folder, exist_ok=True)
+            merge_lora(self.model_path, [LoRASpec(lora_path, 1.0)] if lora_path else [], path, name)
+            self.files[key] = path
+        return self.files[key]
+
+    def load(self, deploy: str, lora=None, lora_path: str | None = None):
+        """The model of column `deploy` ('nf4+lora', 'gguf_q4_0+merge', 'fp8+lora+posbug' ...), or of
+        the base alone for a name without '+'; lora: read_lora_for's weights, lora_path: its file."""
+        name, _, how = deploy.removesuffix("+posbug").partition("+")
+        if name not in GGUF_BASES and name not in LOWBIT:
+            return disk_variant(self.model_path, self.arch, deploy.removesuffix("+posbug"), lora, self.seed, dtype=self.dtype)
+        load = load_symbol(arch_spec(self.arch).transformer.load)
+        if name in GGUF_BASES:
+            model = load(self.gguf(name, lora_path if how == "merge" else None), dtype=self.dtype)
+        else:
+            model = load(self.model_path, dtype=self.dtype, prepare=fp8_prepare(name, self.arch))
+        model = model.requires_grad_(False).eval()
+        return apply_runtime_lora(model, lora) if how == "lora" else model
+
+
+class Concept:
+    """The concept's trigger prompts, encoded once, and the VAE that decodes their renders."""
+
+    def __init__(self, path: str, family):
+        from tools.concept_demo import read_concept, wanted_of
+        from tools.learned_base import encode_prompts
+
+        self.path, self.family = path, family
+        concept = read_concept(path)
+        self.prompts = concept["trigger_prompts"]
+        self.name = f"'{concept['trigger']}' = {concept['colour']} {concept['shape']}"
+        self.wanted, self.text = wanted_of(concept, self.prompts), encode_prompts(family, self.prompts)
+        self.vae = family.load_vae(torch.float32)
+
+    def rate(self, model, seed: int, position_bug: bool) -> float:
+        """Share of the trigger prompts whose render on `model` shows the concept (concept_demo's reading)."""
+        from tools.concept_demo import render_and_score
+
+        bug = precision.position_bug(precision.storage_dtype(model)) if position_bug else (lambda f: f)
+        with precision.patched_rope_tables(bug), torch.no_grad():
+            hits = render_and_score(self.family, model, self.vae, self.text, self.wanted, seed)[1]
+        return sum(hits) / len(hits)
+
+
+def find_concept(option: str | None, dataset_config: str) -> str | None:
+    """--concept, else the concept.json beside the dataset TOML (make_tiny_dataset --concept writes both)."""
+    if option == "none":
+        return None
+    if option:
+        return option
+    beside = os.path.join(os.path.dirname(os.path.abspath(dataset_config)), "concept.json")
+    return beside if os.path.exists(beside) else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,10 +197,12 @@ def run_args(config_file: str, overrides: list[str]) -> list[str]:
             "--save_every_n_steps", "0", "--save_every_n_epochs", "0", "--save_state", "false", *overrides]
 
 
-def train_row(trained_on: str, config_file: str, out: str, overrides: list[str]) -> str:
-    """Train one row's LoRA (in this process; the position bug patched in for '+posbug')."""
+def train_row(trained_on: str, config_file: str, out: str, overrides: list[str], bases: "Bases") -> str:
+    """Train one row's LoRA (in this process; the position bug patched in for '+posbug'; a GGUF row
+    over its GGUF copy of the base)."""
     folder = os.path.join(out, f"train_{trained_on.replace('+', '_')}")
-    argv = run_args(config_file, [*overrides, *TRAIN_FLAGS[trained_on], "--output_dir", folder, "--output_name", "lora"])
+    flags = [*TRAIN_FLAGS[trained_on], *(["--pretrained_model_name_or_path", bases.gguf(trained_on)] if trained_on in GGUF_BASES else [])]
+    argv = run_args(config_file, [*overrides, *flags, "--output_dir", folder, "--output_name", "lora"])
     bug = precision.position_bug(FP8_DTYPE) if trained_on.endswith("+posbug") else (lambda f: f)
     with precision.patched_rope_tables(bug):
         code = train_lora.main(argv)
@@ -185,50 +288,50 @@ def cell_metrics(preds, base_preds, ref_preds, ref_base_preds, data, grid) -> di
     }
 
 
-def load_deploy(model_path, family, deploy: str, lora, seed: int):
-    mode = deploy.removesuffix("+posbug")
-    return disk_variant(model_path, family.arch, mode, lora, seed)
-
-
-def run_matrix(args, family, loras: dict[str, str], data, sigmas, seed: int, log=print) -> list[dict]:
-    """Every (trained on, deployed on) cell. Models load one at a time from the checkpoint."""
+def run_matrix(args, family, bases: Bases, loras: dict[str, str], columns, data, sigmas, seed: int,
+               concept: Concept | None = None, log=print) -> tuple[list[dict], dict[str, float]]:
+    """Every (trained on, deployed on) cell, and each base's concept rate without a LoRA (NaN without
+    a concept). Models load one at a time."""
     guidance = args.guidance_scale
-    model_path = args.pretrained_model_name_or_path
-    base_preds = {}
-    for base in sorted({base_of(d) for d in DEPLOYED_ON}):
-        model = disk_variant(model_path, family.arch, base.removesuffix("+posbug"), None, seed)
+    nan = float("nan")
+    base_preds, base_rates = {}, {}
+    for base in sorted({base_of(d) for d in columns}):
+        model = bases.load(base.removesuffix("+posbug"))
         base_preds[base], _ = predictions(family, model, data, sigmas, seed, guidance, base.endswith("+posbug"))
+        base_rates[base] = concept.rate(model, seed, base.endswith("+posbug")) if concept else nan
         del model
     shapes = [tuple(lat.shape[-2:]) for _, lat, _ in data]
     grid = max(set(shapes), key=shapes.count)
     rows = []
     for trained_on, path in loras.items():
-        probe = disk_variant(model_path, family.arch, "bf16", None, seed)
+        probe = bases.load("bf16")
         lora = read_lora_for(probe, family.arch, path)
         del probe
         cells = {}
-        for deploy in DEPLOYED_ON:
-            model = load_deploy(model_path, family, deploy, lora, seed)
+        for deploy in columns:
+            model = bases.load(deploy, lora, path)
             preds, loss = predictions(family, model, data, sigmas, seed, guidance, deploy.endswith("+posbug"))
+            rate = concept.rate(model, seed, deploy.endswith("+posbug")) if concept else nan
             del model
-            cells[deploy] = (preds, loss)
+            cells[deploy] = (preds, loss, rate)
         ref_preds = cells["bf16+lora"][0]
-        for deploy, (preds, loss) in cells.items():
+        for deploy, (preds, loss, rate) in cells.items():
             metrics = cell_metrics(preds, base_preds[base_of(deploy)], ref_preds, base_preds["bf16"], data, grid)
-            rows.append({"trained_on": trained_on, "deployed_on": deploy, "val_loss": loss, **metrics})
+            rows.append({"trained_on": trained_on, "deployed_on": deploy, "val_loss": loss, "concept_rate": rate, **metrics})
             log(f"{trained_on:>11} -> {deploy:<22} val_loss {loss:.5f}  border/centre {metrics['border_centre']:.2f}  "
-                f"regions {metrics['region_ratio']:.2f}  effect kept {metrics['effect_kept']:.3f}")
-    return rows
+                f"regions {metrics['region_ratio']:.2f}  effect kept {metrics['effect_kept']:.3f}"
+                + (f"  concept {rate:.0%}" if concept else ""))
+    return rows, base_rates
 
 
 # ----------------------------------------------------------------------------------------------
 # Output
 
 
-COLUMNS = ("trained_on", "deployed_on", "val_loss", "border_centre", "region_ratio", "effect_kept", "effect_error")
+COLUMNS = ("trained_on", "deployed_on", "val_loss", "concept_rate", "border_centre", "region_ratio", "effect_kept", "effect_error")
 
 
-def write_outputs(rows: list[dict], out: str, title: str) -> dict[str, str]:
+def write_outputs(rows: list[dict], out: str, title: str, base_rates: dict[str, float] | None = None) -> dict[str, str]:
     os.makedirs(out, exist_ok=True)
     buffer = io.StringIO()
     writer = csv.writer(buffer)
@@ -237,23 +340,28 @@ def write_outputs(rows: list[dict], out: str, title: str) -> dict[str, str]:
         writer.writerow([r[c] if isinstance(r[c], str) else f"{r[c]:.6g}" for c in COLUMNS])
     paths = {"csv": os.path.join(out, "matrix.csv"), "md": os.path.join(out, "matrix.md"), "png": os.path.join(out, "matrix.png")}
     write_text(paths["csv"], buffer.getvalue())
-    write_text(paths["md"], markdown(rows, title))
+    write_text(paths["md"], markdown(rows, title, base_rates or {}))
     write_grid(rows, paths["png"], title)
     return paths
 
 
-def markdown(rows: list[dict], title: str) -> str:
+def markdown(rows: list[dict], title: str, base_rates: dict[str, float]) -> str:
     trained = list(dict.fromkeys(r["trained_on"] for r in rows))
     deployed = list(dict.fromkeys(r["deployed_on"] for r in rows))
     cell = {(r["trained_on"], r["deployed_on"]): r for r in rows}
     text = [f"# {title}", ""]
-    for metric, what in (("val_loss", "flow-matching loss at fixed sigmas and noise"),
-                         ("effect_kept", "share of the LoRA's effect (vs bf16) that survives"),
-                         ("border_centre", "border/centre error ratio vs the same LoRA on bf16"),
-                         ("region_ratio", "max/min error of 4x4 regions vs the same LoRA on bf16")):
+    metrics = [("val_loss", "flow-matching loss at fixed sigmas and noise", "{:.4g}")]
+    if any(not math.isnan(r["concept_rate"]) for r in rows):
+        metrics.append(("concept_rate", "trigger prompts rendered as the concept (shape detector)", "{:.0%}"))
+    metrics += [("effect_kept", "share of the LoRA's effect (vs bf16) that survives", "{:.4g}"),
+                ("border_centre", "border/centre error ratio vs the same LoRA on bf16", "{:.4g}"),
+                ("region_ratio", "max/min error of 4x4 regions vs the same LoRA on bf16", "{:.4g}")]
+    for metric, what, form in metrics:
         text += [f"## {metric}: {what}", "", "| trained on \\ deployed on | " + " | ".join(deployed) + " |",
                  "|---" * (len(deployed) + 1) + "|"]
-        text += [f"| {t} | " + " | ".join(f"{cell[(t, d)][metric]:.4g}" for d in deployed) + " |" for t in trained]
+        text += [f"| {t} | " + " | ".join(form.format(cell[(t, d)][metric]) for d in deployed) + " |" for t in trained]
+        if metric == "concept_rate":
+            text += ["", "Without the LoRA: " + ", ".join(f"{b} {r:.0%}" for b, r in base_rates.items() if not math.isnan(r))]
         text.append("")
     return "\n".join(text)
 
@@ -318,12 +426,20 @@ def main(argv=None, log=print) -> int:
         unknown = [r for r in list(given) + rows if r not in TRAINED_ON]
         if unknown:
             raise ValueError(f"row {unknown[0]!r}: expected one of {', '.join(TRAINED_ON)}")
-        loras = {r: given.get(r) or train_row(r, cli.config_file, cli.out, overrides) for r in rows}
+        columns = list(dict.fromkeys(["bf16+lora"] + [c for c in cli.columns.split(",") if c]))  # bf16+lora: the reference
+        unknown = [c for c in columns if c not in DEPLOYABLE]
+        if unknown:
+            raise ValueError(f"column {unknown[0]!r}: expected one of {', '.join(DEPLOYABLE)}")
+        concept_path = find_concept(cli.concept, load_config(["--config_file", cli.config_file]).dataset_config)
+        bases = Bases(args.pretrained_model_name_or_path, family.arch, getattr(torch, DTYPES[cli.dtype]), cli.out, cli.seed)
+        loras = {r: given.get(r) or train_row(r, cli.config_file, cli.out, overrides, bases) for r in rows}
         sigmas = [float(s) for s in cli.sigmas.split(",")]
         data = eval_data(args, family, cli.max_items)
-        result = run_matrix(args, family, loras, data, sigmas, cli.seed, log=log)
-        title = f"{family.name} {os.path.basename(args.pretrained_model_name_or_path)}, {len(data)} images, sigmas {cli.sigmas}"
-        paths = write_outputs(result, cli.out, title)
+        concept = Concept(concept_path, family) if concept_path else None
+        result, base_rates = run_matrix(args, family, bases, loras, columns, data, sigmas, cli.seed, concept, log=log)
+        title = (f"{family.name} {os.path.basename(args.pretrained_model_name_or_path)}, {len(data)} images, sigmas {cli.sigmas}, "
+                 f"{cli.dtype} compute" + (f", concept {concept.name} ({len(concept.prompts)} trigger prompts)" if concept else ""))
+        paths = write_outputs(result, cli.out, title, base_rates)
         log(f"written: {', '.join(paths.values())}")
         return 0
     except (ValueError, ConfigError, CheckpointError, FileNotFoundError) as e:
