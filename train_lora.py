@@ -141,7 +141,7 @@ def build_task(args, accelerator) -> Task:
     return DiffusionTask(args, accelerator)
 
 
-def lora_metadata(args, task, step: int, epoch: int, started: float) -> dict:
+def lora_metadata(args, task, step: int, max_steps: int, epoch: int, started: float) -> dict:
     from networks.lora_files import build_metadata
 
     facts = task.metadata()
@@ -150,7 +150,7 @@ def lora_metadata(args, task, step: int, epoch: int, started: float) -> dict:
         network_args=parse_kv_literals(args.network_args, "network_args", "config"),
         base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
         base_precision=facts["base_precision"], base_loras=facts.get("base_loras"), mixed_precision=args.mixed_precision, resolution=facts["resolution"],
-        steps=step, epochs=epoch, batch_size=facts["batch_size"], optimizer=args.optimizer_type
+        steps=step, max_steps=max_steps, epochs=epoch, batch_size=facts["batch_size"], optimizer=args.optimizer_type
         + (f" ({' '.join(args.optimizer_args)})" if args.optimizer_args else ""),
         lr=args.learning_rate, lr_scheduler=args.lr_scheduler, timestep_sampling=facts["timestep_sampling"],
         shift=args.discrete_flow_shift, guidance=args.guidance_scale, seed=args.seed, dataset=facts["dataset"],
@@ -172,8 +172,9 @@ class Saver:
     """Writes LoRAs (atomically, with metadata; with EMA also <name>_ema.safetensors) and states;
     keeps the newest N intermediates, counting those a resumed run wrote before."""
 
-    def __init__(self, args, task, accelerator, started: float, ema: TrainableEMA | None = None):
+    def __init__(self, args, task, accelerator, started: float, max_steps: int, ema: TrainableEMA | None = None):
         self.args, self.task, self.accelerator, self.started, self.ema = args, task, accelerator, started, ema
+        self.max_steps = max_steps  # as planned (max_train_epochs counted in); a Ctrl-C save has trained fewer
         # An intermediate save: <name>-stepNNNNNN and <name>-stepNNNNNN_ema, as .safetensors files
         # and/or folders (PEFT adapters, pretrained models).
         self.numbered = re.compile(re.escape(args.output_name) + r"-step(\d+)(_ema)?(\.safetensors)?")
@@ -182,7 +183,7 @@ class Saver:
         name = self.args.output_name + ("" if final else f"-step{step:06d}")
         path = os.path.join(self.args.output_dir, name + ".safetensors")
         if self.accelerator.is_main_process:
-            metadata = lora_metadata(self.args, self.task, step, epoch, self.started)
+            metadata = lora_metadata(self.args, self.task, step, self.max_steps, epoch, self.started)
             # A task may write a folder (PEFT adapter, pretrained model) and/or the file: it says which.
             dtype = PRECISION_DTYPES[self.args.save_precision]
             written = self.task.save(path, metadata, dtype) or [path]  # the raw weights, always
@@ -278,7 +279,7 @@ class Trainer:
         # A resumed run continues the log from its state's step (rows after it, logged before a kill, go).
         self.logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator,
                                append=bool(args.resume), resumed_step=self.step)
-        self.saver = Saver(args, task, accelerator, self.started, self.ema)
+        self.saver = Saver(args, task, accelerator, self.started, self.max_steps, self.ema)
 
     def resume(self, folder: str, state: SavedState):
         self.task.load_trainable_tensors(state.trainable)

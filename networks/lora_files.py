@@ -568,7 +568,8 @@ METADATA_KEYS = {
     "base_loras": "ss_base_loras",  # LoRAs merged into the frozen base while training (not in this file)
     "mixed_precision": "ss_mixed_precision",
     "resolution": "ss_resolution",
-    "steps": "ss_max_train_steps",
+    "steps": "ss_steps",  # optimizer steps trained (fewer than max_steps after a Ctrl-C)
+    "max_steps": "ss_max_train_steps",  # as configured
     "epochs": "ss_num_epochs",
     "batch_size": "ss_total_batch_size",
     "optimizer": "ss_optimizer",

@@ -317,7 +317,7 @@ def test_kohya_save_load_round_trip_is_bytes_equal(tmp_path):
     net = LoRANetwork(model, "flux", rank=4, alpha=1, network_args={"attn_dim": 8})
     randomize(net)
     path = str(tmp_path / "lora.safetensors")
-    net.save(path, dtype=torch.bfloat16, metadata=lf.build_metadata(steps=10, base_model="/abs/dir/flux1-dev.safetensors"))
+    net.save(path, dtype=torch.bfloat16, metadata=lf.build_metadata(steps=10, max_steps=12, base_model="/abs/dir/flux1-dev.safetensors"))
     with safe_open(path, "pt") as f:
         keys, meta = set(f.keys()), f.metadata()
         stored = {k: f.get_tensor(k) for k in keys}
@@ -325,7 +325,7 @@ def test_kohya_save_load_round_trip_is_bytes_equal(tmp_path):
     assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in keys
     assert stored["lora_unet_single_blocks_1_linear2.alpha"].dtype == torch.float32
     assert stored["lora_unet_single_blocks_1_linear2.lora_up.weight"].dtype == torch.bfloat16
-    assert meta["ss_network_dim"] == "4" and meta["ss_network_alpha"] == "1.0" and meta["ss_max_train_steps"] == "10"
+    assert meta["ss_network_dim"] == "4" and meta["ss_network_alpha"] == "1.0" and (meta["ss_steps"], meta["ss_max_train_steps"]) == ("10", "12")
     assert meta["ss_sd_model_name"] == "flux1-dev.safetensors" and json.loads(meta["ss_network_args"]) == {"attn_dim": 8}
     assert meta["sshs_model_hash"] == lf.tensor_hash(stored)
 

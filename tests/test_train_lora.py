@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 import train_lora
@@ -155,7 +156,9 @@ def test_interrupt_saves_and_resume_is_bit_identical(tiny_set, tmp_path, monkeyp
     monkeypatch.setattr(DiffusionTask, "after_step", after_step)
     interrupted = tmp_path / "interrupted"
     assert train_lora.main(flux_args(tiny_set, interrupted, *steps)) == 130
-    assert (interrupted / "tiny_flux_lora-step000004.safetensors").exists()
+    with safe_open(str(interrupted / "tiny_flux_lora-step000004.safetensors"), "pt") as f:
+        meta = f.metadata()  # sd-scripts' keys: the steps trained, and the steps the run was set to
+    assert (meta["ss_steps"], meta["ss_max_train_steps"]) == ("4", "9"), meta
     state = interrupted / "tiny_flux_lora-state"
     assert (state / "train_state.json").exists()
     monkeypatch.undo()

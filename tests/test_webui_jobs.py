@@ -114,7 +114,8 @@ def test_stop_resume_and_reattach_with_the_real_trainer(tiny_set, tmp_path):
     assert 1 <= step < steps, stopped.message
     lora = os.path.join(stopped.output_dir, f"tiny_flux_lora-step{step:06d}.safetensors")
     with safe_open(lora, "pt") as f:
-        assert f.metadata()["ss_max_train_steps"] == str(step) and len(list(f.keys())) > 0
+        meta = f.metadata()  # the steps it trained, and the steps it was asked for
+        assert meta["ss_steps"] == str(step) and meta["ss_max_train_steps"] == str(steps) and len(list(f.keys())) > 0
     assert stopped.resume == stopped.state_dir and stopped.peak_rss > 100 * 2**20
 
     actions.resume(store, job.id)
