@@ -461,6 +461,10 @@ def main(argv=None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the loop (loading, caching) or a second one inside it
+        print("interrupted: stopped before a LoRA was saved (cache files are written whole; a rerun reuses them)",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -170,6 +170,24 @@ def test_interrupt_saves_and_resume_is_bit_identical(tiny_set, tmp_path, monkeyp
     assert read_losses(interrupted) == read_losses(tmp_path / "straight")
 
 
+def test_ctrl_c_before_the_loop_exits_130_in_one_line(tiny_set, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the models load or the caches fill (before Interrupts is installed) ends the run
+    with one line and exit status 130, as inside the loop, not a traceback."""
+    from library.training.diffusion_task import DiffusionTask
+
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DiffusionTask, "__init__", interrupted)
+    try:
+        code = train_lora.main(flux_args(tiny_set, tmp_path / "run", "--sample_prompts", ""))
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C before the training loop escaped main() as a traceback")
+    assert code == 130
+    assert capsys.readouterr().err.strip().startswith("interrupted: stopped before a LoRA was saved")
+    assert not (tmp_path / "run" / "tiny_flux_lora.safetensors").exists()
+
+
 def test_resume_from_another_run_config_is_refused(tiny_set, tmp_path):
     out = tmp_path / "run"
     args = ["--max_train_steps", "2", "--save_state", "true", "--sample_prompts", ""]
