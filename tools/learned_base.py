@@ -54,11 +54,19 @@ def learned_family(model_type: str | None = None, folder: str | None = None):
 
 def encode_prompts(family, prompts: list[str]) -> dict[str, torch.Tensor]:
     """{embedding name: [B, ...]} float32, the family's frozen tiny encoders in float32 at the learned
-    base's sequence lengths."""
+    base's sequence lengths. Families that cache each caption at its own length (Qwen-Image: embeds
+    [T, D] and a mask [T]) are padded at the end to the longest with zeros (mask False), as the
+    trainer's collate does."""
     kwargs = dict(load_symbol(arch_spec(family.arch).learned).encode_kwargs)
     encode = family.load_text_encoder("fp32", torch.device("cpu"), **kwargs)
     per_prompt = encode(prompts)
-    return {key: torch.stack([p[key] for p in per_prompt]).float() for key in per_prompt[0]}
+    return {key: padded_stack([p[key] for p in per_prompt]).float() for key in per_prompt[0]}
+
+
+def padded_stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[B, T_max, ...] from tensors [T_i, ...], zero-padded along the first axis (equal lengths: a plain stack)."""
+    longest = max(t.shape[0] for t in tensors) if tensors[0].dim() else 0
+    return torch.stack([torch.cat([t, t.new_zeros((longest - t.shape[0], *t.shape[1:]))]) if t.dim() else t for t in tensors])
 
 
 def to_images(pixels: torch.Tensor) -> list[Image.Image]:

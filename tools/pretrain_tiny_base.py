@@ -3,7 +3,7 @@ prompts like "a big red circle on the left, white background" render recognisabl
 learned, for the tests and the demo that check a LoRA teaches what a person sees. What the base is
 (sizes, file formats) is the family's spec.LearnedBase (its folder's learned.py).
 
-    python tools/pretrain_tiny_base.py [--model_type T] [--out learned/T] [--seed 0] [--vae_steps 1500] [--dit_steps 2000]
+    python tools/pretrain_tiny_base.py [--model_type T] [--out learned/T] [--seed 0] [--vae_steps N] [--dit_steps 2000]
 
 1. The frozen text encoders: the family's tiny ones (make_tiny_models' seeds), written to OUT.
 2. A tiny VAE of the family's released architecture (small channels), trained on every scene, the
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model_type", default=None, help="the family (default: the first with a learned base)")
     p.add_argument("--out", default=None, help="output folder (default: learned/MODEL_TYPE)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vae_steps", type=int, default=1500)
+    p.add_argument("--vae_steps", type=int, default=None, help="default: the family's (LearnedBase.vae_steps)")
     p.add_argument("--dit_steps", type=int, default=2000)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
@@ -97,11 +97,11 @@ def train_vae(learned, pixels: torch.Tensor, steps: int, batch: int, seed: int):
     """The family's tiny VAE (float32) fitted to `pixels`; its latents normalised."""
     torch.manual_seed(seed * 1000 + 101)
     vae = load_symbol(learned.new_vae)(IMAGE_SIZE)
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=1.5e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=learned.vae_lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed * 1000 + 102)
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, steps, 1.5e-3)
+            group["lr"] = cosine_lr(step, steps, learned.vae_lr)
         x = pixels[torch.randint(len(pixels), (batch,), generator=gen)]
         posterior = vae.encode(x).latent_dist
         z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen)
@@ -169,7 +169,7 @@ def clock(started: tuple[float, float]) -> str:
     return f"{time.time() - started[0]:.0f} s wall, {time.process_time() - started[1]:.0f} s CPU"
 
 
-def pretrain(model_type: str, out: str, seed: int = 0, vae_steps: int = 800, dit_steps: int = 2500, batch: int = 32,
+def pretrain(model_type: str, out: str, seed: int = 0, vae_steps: int | None = None, dit_steps: int = 2500, batch: int = 32,
              diffusers: bool = False, reuse_vae: bool = False) -> dict[str, str]:
     started = (time.time(), time.process_time())
     os.makedirs(out, exist_ok=True)
@@ -178,7 +178,7 @@ def pretrain(model_type: str, out: str, seed: int = 0, vae_steps: int = 800, dit
     every = scene_pixels(all_scenes(shapes=SHAPES, colours=tuple(COLOURS)), rng)  # drawn anyway: rng's state
     if not reuse_vae:
         load_symbol(learned.write_text_encoders)(paths)
-        vae = train_vae(learned, every, vae_steps, VAE_BATCH, seed)
+        vae = train_vae(learned, every, vae_steps or learned.vae_steps, VAE_BATCH, seed)
         load_symbol(learned.save_vae)(vae, paths, diffusers)
         print(f"vae: {clock(started)}; shift {vae.config.shift_factor}, scale {vae.config.scaling_factor}")
 

@@ -248,6 +248,9 @@ class LearnedBase:
     save_vae: str = ""  # save_vae(vae, paths, diffusers: bool): as released (diffusers folders too)
     new_transformer: str = ""  # new_transformer(text: {name: [N, ...] embeddings}) -> tiny model, float32
     save_transformer: str = ""  # save_transformer(model, paths, diffusers: bool): as released
+    config: str = ""  # configs/<file>: the quickstart that teaches this base the concept ("zxq" = a purple star)
+    vae_lr: float = 1.5e-3  # the pretrainer's peak learning rate for the VAE (cosine schedule)
+    vae_steps: int = 1500  # the pretrainer's VAE steps (batch 16) unless --vae_steps says otherwise
 
 
 # ----------------------------------------------------------------------------------------------

@@ -75,4 +75,5 @@ LEARNED = S.LearnedBase(
     family=_HERE + "family", encode_kwargs=(("t5_max_length", T5_TOKENS),),
     write_text_encoders=_HERE + "write_text_encoders", new_vae=_HERE + "new_vae", save_vae=_HERE + "save_vae",
     new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
+    config="quickstart.toml",
 )

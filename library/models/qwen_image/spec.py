@@ -94,6 +94,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.qwen_image.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
+    learned="library.models.qwen_image.learned:LEARNED",
     default_config="qwen_image.toml",
     config_keys=CONFIG_KEYS,
 )

@@ -1,0 +1,53 @@
+"""Each family's learned-base writers (spec.LearnedBase, its folder's learned.py) write files its own
+loaders read back as trained: the VAE's latent normalisation as the pretrainer set it, the transformer's
+weights (bf16, as released), the quickstart config pointing at the shipped files."""
+
+import os
+
+import pytest
+import torch
+
+from library.models.spec import load_symbol
+from library.training.config import load_config
+from tools.learned_base import IMAGE_SIZE, learned_families, learned_family, learned_paths, learned_spec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("model_type", learned_families())
+def test_saved_vae_normalises_latents_as_the_pretrainer_set_them(model_type, tmp_path):
+    """The pretrainer sets latents = (z - shift) * scale (z: the posterior's mode); every family's
+    saved VAE, loaded by the family, encodes to exactly that (Qwen-Image: as latents_mean / latents_std)."""
+    learned, paths = learned_spec(model_type), learned_paths(model_type, str(tmp_path))
+    torch.manual_seed(0)
+    vae = load_symbol(learned.new_vae)(IMAGE_SIZE).eval()
+    vae.register_to_config(shift_factor=0.25, scaling_factor=2.5)
+    load_symbol(learned.save_vae)(vae, paths, False)
+    images = torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE) * 2 - 1
+    with torch.no_grad():
+        expected = (vae.encode(images).latent_dist.mode() - 0.25) * 2.5
+    latents = learned_family(model_type, str(tmp_path)).load_vae(torch.float32).encode(images)
+    torch.testing.assert_close(latents, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", learned_families())
+def test_saved_transformer_loads_with_its_trained_weights(model_type, tmp_path):
+    learned, paths = learned_spec(model_type), learned_paths(model_type, str(tmp_path))
+    family = learned_family(model_type, str(tmp_path))
+    shipped = learned_family(model_type)  # new_transformer sizes the model from the text widths
+    text = shipped.text_on_meta(shipped.load_transformer(torch.float32, read_weights=False), 1, 4)
+    torch.manual_seed(0)
+    model = load_symbol(learned.new_transformer)(text)
+    load_symbol(learned.save_transformer)(model, paths, False)
+    loaded = family.load_transformer(torch.float32).state_dict()
+    for name, weight in model.state_dict().items():
+        assert torch.equal(loaded[name], weight.to(torch.bfloat16).float()), name
+
+
+@pytest.mark.parametrize("model_type", learned_families())
+def test_quickstart_config_trains_the_shipped_base(model_type):
+    args = load_config(["--config_file", os.path.join(ROOT, "configs", learned_spec(model_type).config)])
+    assert args.model_type == model_type
+    for key, path in learned_paths(model_type).items():
+        assert os.path.normpath(os.path.join(ROOT, getattr(args, key))) == os.path.normpath(path), key
+        assert os.path.exists(path), f"{path}: the learned base is shipped (tools/pretrain_tiny_base.py writes it)"
