@@ -54,7 +54,7 @@ def learned_family(model_type: str | None = None, folder: str | None = None):
 
 def encode_prompts(family, prompts: list[str]) -> dict[str, torch.Tensor]:
     """{embedding name: [B, ...]} float32, the family's frozen tiny encoders in float32 at the learned
-    base's sequence lengths. Families that cache each caption at its own length (Qwen-Image: embeds
+    base's sequence lengths. Families that cache each caption at its own length (embeds
     [T, D] and a mask [T]) are padded at the end to the longest with zeros (mask False), as the
     trainer's collate does."""
     kwargs = dict(load_symbol(arch_spec(family.arch).learned).encode_kwargs)
