@@ -1,0 +1,69 @@
+"""Ideogram 4's tiny real-format files for tests: a diffusers transformer folder in fp32 or in the
+released BFL layouts (fp8r, nvfp4), and the original single-file layout (fused `attention.qkv`,
+`attention.o`, under a prefix). Which Linears are quantized: every Linear of the blocks (attention,
+feed-forward, adaLN), as BFL's quantizer leaves embedders and the final layer in high precision."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from library.io import save_safetensors
+from library.models.ideogram4.model import Ideogram4, Ideogram4Config
+from library.precision.bfl_weights import quantize_fp8r, quantize_nvfp4
+
+QUANTIZED = re.compile(r"layers\.\d+\..*\.weight")
+QUANTIZERS = {"fp8r": quantize_fp8r, "nvfp4": quantize_nvfp4}
+
+
+def tiny_config() -> Ideogram4Config:
+    """2 heads of 64 (M-RoPE sections (6, 5, 5) over 32 frequencies), 2 blocks, 48 text features;
+    every Linear width divisible by 16 (nvfp4's block)."""
+    return Ideogram4Config(in_channels=128, num_layers=2, attention_head_dim=64, num_attention_heads=2,
+                           intermediate_size=96, adaln_dim=32, llm_features_dim=48, mrope_section=(6, 5, 5))
+
+
+def random_ideogram4(config: Ideogram4Config, seed: int = 0) -> Ideogram4:
+    g = torch.Generator().manual_seed(seed)
+    model = Ideogram4(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def quantized(sd: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """`sd` as a file of `layout` ("fp32", "fp8r", "nvfp4") stores it: each blocks' Linear weight
+    replaced by its quantized tensors."""
+    if layout == "fp32":
+        return dict(sd)
+    out = {}
+    for key, tensor in sd.items():
+        if QUANTIZED.fullmatch(key) and tensor.dim() == 2:
+            out.update({f"{key[: -len('.weight')]}.{leaf}": t for leaf, t in QUANTIZERS[layout](tensor).items()})
+        else:
+            out[key] = tensor
+    return out
+
+
+def stored_state_dict(model: Ideogram4, layout: str) -> dict[str, torch.Tensor]:
+    """The diffusers folder's tensors of `model` in `layout`."""
+    return quantized({k: v.detach().clone() for k, v in model.state_dict().items()}, layout)
+
+
+def original_state_dict(model: Ideogram4, layout: str) -> dict[str, torch.Tensor]:
+    """The original single-file tensors: q, k, v rows stacked in `attention.qkv` (quantized as one
+    Linear, one global nvfp4 scale), `attention.to_out.0` named `attention.o`."""
+    sd, out = {k: v.detach().clone() for k, v in model.state_dict().items()}, {}
+    for key, tensor in sd.items():
+        if m := re.fullmatch(r"(layers\.\d+\.attention)\.to_q\.weight", key):
+            out[f"{m.group(1)}.qkv.weight"] = torch.cat([sd[f"{m.group(1)}.{p}.weight"] for p in ("to_q", "to_k", "to_v")])
+        elif not re.search(r"\.attention\.to_[kv]\.", key):
+            out[key.replace(".attention.to_out.0.", ".attention.o.")] = tensor
+    return quantized(out, layout)
+
+
+def write_single_file(sd: dict[str, torch.Tensor], path: str, prefix: str = "") -> str:
+    save_safetensors({prefix + k: v.contiguous() for k, v in sd.items()}, path)
+    return path
