@@ -67,3 +67,41 @@ def original_state_dict(model: Ideogram4, layout: str) -> dict[str, torch.Tensor
 def write_single_file(sd: dict[str, torch.Tensor], path: str, prefix: str = "") -> str:
     save_safetensors({prefix + k: v.contiguous() for k, v in sd.items()}, path)
     return path
+
+
+# A Qwen3-VL-style chat template for the tiny tokenizer (the released tokenizer carries Qwen3-VL's own;
+# the encoder and the pipeline both apply whichever the tokenizer has).
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% for c in m.content %}{{ c.text }}{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_TAPS = (0, 1, 3)  # decoder layers of the tiny 4-layer encoder; 3 is the last (tapped before the final norm)
+
+
+def write_ideogram4_text_encoder(out: str, seed: int) -> dict[str, str]:
+    """text_encoder/ (a transformers Qwen3VLModel: a tiny vision tower and a Qwen3 language model of
+    width lm_hidden, 4 layers, head_dim 16, interleaved M-RoPE (2, 3, 3)) and tokenizer/ (the tiny
+    Qwen2-style tokenizer with TINY_CHAT_TEMPLATE). Seed offset 41 is this family's."""
+    import os
+
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    from library.models.tiny_files import TINY, build_qwen_tokenizer, round_up, save_tokenizer, seed_component
+
+    tokenizer = build_qwen_tokenizer()
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    seed_component(seed, 41)
+    h = TINY["lm_hidden"]
+    text = {"vocab_size": round_up(len(tokenizer)), "hidden_size": h, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 2 * h, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 2048, "pad_token_id": tokenizer.pad_token_id,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                                "rope_theta": 5000000.0}}
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": h,
+              "num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
+    model = Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision))
+    root = os.path.join(out, "ideogram4")
+    folder, tok_folder = os.path.join(root, "text_encoder"), os.path.join(root, "tokenizer")
+    model.save_pretrained(folder, safe_serialization=True)
+    save_tokenizer(tokenizer, tok_folder)
+    return {"ideogram4_text_encoder": folder, "ideogram4_tokenizer": tok_folder}
