@@ -1,5 +1,5 @@
 """Black Forest Labs' pre-quantized layouts, "fp8r" and "nvfp4", used as the base as they are stored:
-the only form Ideogram 4's weights are released in. Read exactly as diffusers reads them
+the only form some models' weights are released in. Read exactly as diffusers reads them
 (quantizers/bfl/: BFLQuantizer.maybe_update_state_dict, utils.dequantize_fp8r / dequantize_nvfp4,
 BFLQuantizationConfig's docstring), and dequantized per layer and per forward to the compute dtype,
 as diffusers' BFLFP8RLinear / BFLNVFP4Linear do off their fused-kernel paths.

@@ -1,6 +1,6 @@
 """Transformer files stored quantized are trained on as they are stored: fp8 files
 (fp8_checkpoints.py: ours, ComfyUI's scaled fp8, musubi-tuner's), GGUF files (gguf_weights.py:
-ComfyUI-GGUF's) and BFL's fp8r / nvfp4 files (bfl_weights.py: Ideogram 4's releases). The family loaders ask here, one call for every stored format, so a new format
+ComfyUI-GGUF's) and BFL's fp8r / nvfp4 files (bfl_weights.py: diffusers' BFL quantizer layouts). The family loaders ask here, one call for every stored format, so a new format
 needs no loader change:
 
     stored = read_stored_layout(reader, path)   # None: a bf16 / fp16 / fp32 file

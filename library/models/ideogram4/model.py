@@ -276,4 +276,7 @@ def random_inputs(config: Ideogram4Config, h: int, w: int, text_len: int, genera
     mask = torch.arange(text_len)[None] >= text_len - real
     txt = torch.randn(1, text_len, config.llm_features_dim, generator=generator)
     fixed = dict(txt=txt, txt_mask=mask, h=h, w=w)
-    return RandomInputs(fixed, joint_positions(mask, h, w), (config.attention_head_dim,), float(config.rope_theta))
+    # The doctor records core.rope_tables calls; this model computes its M-RoPE tables itself (float32 from
+    # int64 positions outside autocast, mrope_tables_f32), so it sees none: axes_dim names the sections' widths.
+    axes = tuple(2 * s for s in config.mrope_section)
+    return RandomInputs(fixed, joint_positions(mask, h, w), axes, float(config.rope_theta))

@@ -43,3 +43,8 @@ def training_sigmas(batch: int, height: int, width: int, generator: torch.Genera
     """[batch] float32 sigmas drawn from the pipeline's logit-normal law at this resolution (pixels)."""
     n = torch.randn(batch, generator=generator, dtype=torch.float64)
     return _clamp_sigma(torch.special.expit(resolution_mu(height, width, base_mu) + std * n)).to(torch.float32)
+
+
+def token_mu(image_seq_len: int, steps: int | None = None) -> float:
+    """resolution_mu in image tokens (16 x 16 pixels each): 0.5 ln(tokens / 1024); no step dependence."""
+    return BASE_MU + 0.5 * math.log(image_seq_len / 1024)

@@ -105,3 +105,44 @@ def write_ideogram4_text_encoder(out: str, seed: int) -> dict[str, str]:
     model.save_pretrained(folder, safe_serialization=True)
     save_tokenizer(tokenizer, tok_folder)
     return {"ideogram4_text_encoder": folder, "ideogram4_tokenizer": tok_folder}
+
+
+TINY_TEXT_FEATURES = 2 * 32  # the tiny encoder's taps (0, 3) x its width (family.taps)
+
+
+def write_ideogram4(out: str, seed: int) -> dict[str, str]:
+    """The tiny set's transformer as released: a diffusers folder in BFL nvfp4, with the unconditional
+    transformer beside it (fp8r), under ideogram4/ (the text encoder's writer fills the same folder)."""
+    import dataclasses
+    import os
+
+    from library.models.ideogram4.checkpoint import save_ideogram4_diffusers
+    from library.models.tiny_files import seed_component
+
+    seed_component(seed, 40)
+    config = dataclasses.replace(tiny_config(), llm_features_dim=TINY_TEXT_FEATURES)
+    root = os.path.join(out, "ideogram4")
+    save_ideogram4_diffusers(stored_state_dict(random_ideogram4(config, seed), "nvfp4"), config,
+                             os.path.join(root, "transformer"))
+    save_ideogram4_diffusers(stored_state_dict(random_ideogram4(config, seed + 1), "fp8r"), config,
+                             os.path.join(root, "unconditional_transformer"))
+    return {"ideogram4": os.path.join(root, "transformer"),
+            "ideogram4_unconditional": os.path.join(root, "unconditional_transformer")}
+
+
+def write_sized_ideogram4(folder: str, hidden: int, depth: int, seed: int) -> str:
+    """Ideogram 4 at width `hidden` (heads of 128, M-RoPE (20, 20, 20)), 2 x `depth` blocks, the MLP
+    8/3 wide, random N(0, 0.02) weights, as a float32 diffusers folder (the spec's TINY.sized)."""
+    import dataclasses
+    import os
+
+    from library.models.ideogram4.checkpoint import save_ideogram4_diffusers
+    from library.models.tiny_files import random_init
+
+    config = dataclasses.replace(tiny_config(), num_layers=2 * depth, attention_head_dim=128,
+                                 num_attention_heads=hidden // 128, intermediate_size=8 * hidden // 3,
+                                 mrope_section=(20, 20, 20), llm_features_dim=TINY_TEXT_FEATURES)
+    torch.manual_seed(seed)
+    path = os.path.join(folder, "ideogram4_sized")
+    save_ideogram4_diffusers(random_init(Ideogram4(config), seed).state_dict(), config, path)
+    return path

@@ -36,9 +36,12 @@ class Ideogram4VAE:
     """encode: images [B, 3, H, W] in [-1, 1] -> float32 latents [B, 32, H/8, W/8] (normalised as above);
     decode: the inverse, images float32 clamped to [-1, 1]."""
 
+    diffusers_class = AutoencoderKLFlux2
+    default_config: dict = {}  # AutoencoderKLFlux2's defaults are the released VAE's (a config.json beside it wins)
+
     def __init__(self, vae: str | AutoencoderKLFlux2, dtype: torch.dtype = torch.float32, config: dict | None = None):
         if isinstance(vae, str):
-            vae = load_vae(AutoencoderKLFlux2, vae, {}, dtype, config)
+            vae = load_vae(self.diffusers_class, vae, self.default_config, dtype, config)
         self.vae, self.dtype = frozen_in(vae, dtype), dtype
         self.latent_channels = int(vae.config.latent_channels)
         self.bn_mean = vae.bn.running_mean.float()  # [4C] float32, per token feature in (ph, pw, c) order

@@ -1,0 +1,87 @@
+"""Ideogram 4 as a trainable family on the tiny models: train_lora.py trains a LoRA over the released
+(BFL nvfp4) base from the family's defaults, records the stored layout in the LoRA's metadata, samples;
+the LoRA converted with tools/convert_lora.py --to diffusers loads in Ideogram4Pipeline
+(load_lora_weights) over diffusers' BFL-loaded transformer and gives our runtime output."""
+
+import csv
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import train_lora
+from library.models.ideogram4.family import Ideogram4Family
+from library.models.ideogram4.vae import from_ideogram_tokens, to_ideogram_tokens
+from library.models.latents import pack_latents
+from networks.lora import LoRANetwork
+
+from tests.test_ideogram4_files import reference
+
+
+def read_losses(out, name):
+    with open(os.path.join(out, f"{name}_log.csv")) as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_set, tmp_path_factory):
+    """Four steps from ideogram4's defaults (ideogram4_shift), samples at the end: the output folder."""
+    out = tmp_path_factory.mktemp("ideogram4_run")
+    args = ["--model_type", "ideogram4", "--pretrained_model_name_or_path", tiny_set["ideogram4"],
+            "--ae", tiny_set["flux2_vae"], "--text_encoder", tiny_set["ideogram4_text_encoder"],
+            "--dataset_config", tiny_set["dataset_config"], "--output_dir", str(out), "--output_name", "ideogram4",
+            "--max_train_steps", "4", "--mixed_precision", "no", "--network_dim", "4", "--network_alpha", "4",
+            "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0",
+            "--sample_prompts", tiny_set["sample_prompts"]]
+    assert train_lora.main(args) == 0
+    return out
+
+
+def test_ideogram4_lora_trains_over_nvfp4_and_records_the_layout(trained):
+    losses = read_losses(trained, "ideogram4")
+    print("ideogram4 tiny losses", losses)
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    names = {k.split(".")[0] for k in load_file(trained / "ideogram4.safetensors")}
+    assert "lora_unet_layers_0_attention_to_q" in names and "lora_unet_layers_1_feed_forward_w2" in names
+    assert len(names) == 2 * 7  # q, k, v, out, w1, w2, w3 per block
+    with safe_open(str(trained / "ideogram4.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_base_precision"] == "bfl_nvfp4" and meta["ss_timestep_sampling"] == "ideogram4_shift"
+    assert any(p.endswith(".png") for p in os.listdir(trained))
+
+
+@torch.no_grad()
+def test_converted_lora_loads_in_the_pipeline_and_matches_runtime(tiny_set, trained, tmp_path):
+    from diffusers import FlowMatchEulerDiscreteScheduler, Ideogram4Pipeline
+
+    from tools import convert_lora
+
+    from tests.test_ideogram4 import diffusers_velocity
+
+    lora = trained / "ideogram4.safetensors"
+    converted = tmp_path / "diffusers.safetensors"
+    assert convert_lora.main([str(lora), str(converted), "--to", "diffusers"]) == 0
+    assert all(k.startswith("transformer.") for k in load_file(converted))
+
+    g = torch.Generator().manual_seed(0)
+    latents, txt, sigma = torch.randn(1, 32, 4, 6, generator=g), torch.randn(1, 5, 64, generator=g), torch.tensor([0.4])
+    family = Ideogram4Family(tiny_set["ideogram4"], tiny_set["flux2_vae"], text_encoder=tiny_set["ideogram4_text_encoder"])
+    model = family.load_transformer(torch.float32)
+    x = pack_latents(latents)
+    base = family.predict(model, x, sigma, {"embeds": txt}, 2, 3, None)
+    LoRANetwork.from_weights(model, "ideogram4", str(lora)).apply()
+    ours = family.predict(model, x, sigma, {"embeds": txt}, 2, 3, None)
+
+    theirs_model = reference(tiny_set["ideogram4"], "nvfp4")
+    pipe = Ideogram4Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
+                             transformer=theirs_model, unconditional_transformer=None)
+    pipe.load_lora_weights(str(converted))
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    theirs = from_ideogram_tokens(diffusers_velocity(theirs_model, to_ideogram_tokens(x), txt, mask, sigma, 2, 3))
+    rel = ((theirs - ours).norm() / ours.norm()).item()
+    effect = ((ours - base).norm() / base.norm()).item()
+    print(f"Ideogram 4 load_lora_weights: relative error {rel:.2e}, LoRA effect {effect:.2e}")
+    assert effect > 1e-4, effect
+    assert rel < 1e-5, rel
