@@ -245,14 +245,17 @@ class Ideogram4(nn.Module):
         if n_img != h * w:
             raise ValueError(f"Ideogram 4: {n_img} image tokens do not fit an {h} x {w} patch grid")
         n_txt = txt.shape[1]
+        key_mask = None  # None: every token real, nothing read on the host (the planner runs this on meta)
+        if txt_mask is not None and n_txt and not bool(txt_mask.all()):  # one host sync; all real: fused kernels
+            key_mask = torch.cat((txt_mask.bool(), txt_mask.new_ones(b, n_img, dtype=torch.bool)), dim=1)
         mask = torch.ones(b, n_txt, dtype=torch.bool, device=img.device) if txt_mask is None else txt_mask.bool()
-        key_mask = None
-        if n_txt and not bool(mask.all()):  # one host sync; all real: no mask (fused kernels)
-            key_mask = torch.cat((mask, mask.new_ones(b, n_img)), dim=1)
 
         adaln = self.conditioning(timesteps)
-        text = self.llm_cond_proj(self.llm_cond_norm(txt.to(dtype) * mask[..., None].to(dtype)))
-        text = text * mask[..., None].to(dtype) + self.embed_image_indicator.weight[0].to(dtype)
+        text = txt.to(dtype) if key_mask is None else txt.to(dtype) * mask[..., None].to(dtype)
+        text = self.llm_cond_proj(self.llm_cond_norm(text))
+        if key_mask is not None:
+            text = text * mask[..., None].to(dtype)
+        text = text + self.embed_image_indicator.weight[0].to(dtype)
         image = self.input_proj(img.to(dtype)) + self.embed_image_indicator.weight[1].to(dtype)
         x = torch.cat((text, image), dim=1)
         cos, sin = mrope_tables_f32(joint_positions(mask, h, w), cfg.attention_head_dim, cfg.rope_theta,
