@@ -87,3 +87,38 @@ def test_converted_lora_loads_in_the_pipeline_and_matches_runtime(tiny_set, trai
     print(f"Ideogram 4 load_lora_weights: relative error {rel:.2e}, LoRA effect {effect:.2e}")
     assert effect > 1e-4, effect
     assert rel < 1e-5, rel
+
+
+@torch.no_grad()
+def test_family_sampler_is_the_pipelines(tiny_set, monkeypatch):
+    """Ideogram4Family.sample_latents (text from our encoder, the released nvfp4 transformer and the fp8r
+    unconditional one beside it) against Ideogram4Pipeline from the same seed: the same latents."""
+    import diffusers.pipelines.ideogram4.pipeline_ideogram4 as module
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Ideogram4Pipeline
+    from transformers import AutoTokenizer, Qwen3VLModel
+
+    from library.models.latents import unpack_latents
+
+    family = Ideogram4Family(tiny_set["ideogram4"], tiny_set["flux2_vae"], text_encoder=tiny_set["ideogram4_text_encoder"])
+    model = family.load_transformer(torch.float32)
+    encode = family.load_text_encoder("fp32")
+    prompts = ["a red chair by the sea", "a dog"]
+    per_caption = encode(prompts)
+    length = max(c["embeds"].shape[0] for c in per_caption)
+    embeds = torch.stack([torch.cat([c["embeds"], c["embeds"].new_zeros(length - len(c["embeds"]), 64)]) for c in per_caption])
+    mask = torch.stack([torch.arange(length) < len(c["embeds"]) for c in per_caption])
+    ours = family.sample_latents(model, {"embeds": embeds, "mask": mask}, 48, 32, 3, 11, 4.0)
+
+    monkeypatch.setattr(module, "QWEN3_VL_ACTIVATION_LAYERS", family.taps(64))
+    folder = os.path.dirname(tiny_set["ideogram4_text_encoder"])
+    pipe = Ideogram4Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=AutoencoderKLFlux2.from_pretrained(tiny_set["flux2_vae"]),
+                             text_encoder=Qwen3VLModel.from_pretrained(os.path.join(folder, "text_encoder")).eval(),
+                             tokenizer=AutoTokenizer.from_pretrained(os.path.join(folder, "tokenizer")),
+                             transformer=reference(tiny_set["ideogram4"], "nvfp4"),
+                             unconditional_transformer=reference(family.unconditional, "fp8r"))
+    tokens = pipe(prompts, height=32, width=48, num_inference_steps=3, guidance_scale=None, guidance_schedule=[4.0] * 3,
+                  max_sequence_length=40, generator=torch.Generator().manual_seed(11), output_type="latent").images
+    theirs = unpack_latents(from_ideogram_tokens(tokens), 4, 6)
+    diff = (ours - theirs).abs().max().item()
+    print(f"Ideogram 4 family sampler vs pipeline: max abs diff {diff:.2e} (latents up to {theirs.abs().max():.1f})")
+    assert diff <= 1e-5 * theirs.abs().max()
