@@ -122,3 +122,16 @@ def test_family_sampler_is_the_pipelines(tiny_set, monkeypatch):
     diff = (ours - theirs).abs().max().item()
     print(f"Ideogram 4 family sampler vs pipeline: max abs diff {diff:.2e} (latents up to {theirs.abs().max():.1f})")
     assert diff <= 1e-5 * theirs.abs().max()
+
+
+def test_generate_renders_with_the_tiny_model(tiny_set, trained, tmp_path):
+    from tools import generate
+
+    out = tmp_path / "gen"
+    code = generate.main(["--model_type", "ideogram4", "--model", tiny_set["ideogram4"], "--ae", tiny_set["flux2_vae"],
+                          "--text_encoder", tiny_set["ideogram4_text_encoder"], "--prompt", "a red square --s 3",
+                          "--width", "64", "--height", "48", "--dtype", "fp32", "--out", str(out),
+                          "--lora", f"{trained / 'ideogram4.safetensors'}:0.8"])
+    assert code == 0
+    pngs = [p for p in os.listdir(out) if p.endswith(".png")]
+    assert len(pngs) == 1 and (out / pngs[0]).stat().st_size > 0
