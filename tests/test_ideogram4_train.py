@@ -135,3 +135,12 @@ def test_generate_renders_with_the_tiny_model(tiny_set, trained, tmp_path):
     assert code == 0
     pngs = [p for p in os.listdir(out) if p.endswith(".png")]
     assert len(pngs) == 1 and (out / pngs[0]).stat().st_size > 0
+
+
+def test_merge_into_the_quantized_base_is_refused_in_one_line(tiny_set, trained, tmp_path, capsys):
+    from tools import merge_lora
+
+    code = merge_lora.main(["--model", tiny_set["ideogram4"], "--lora", str(trained / "ideogram4.safetensors"),
+                            "--save_to", str(tmp_path / "merged")])
+    assert code == 2 and "a BFL fp8r / nvfp4 base" in capsys.readouterr().err
+    assert not (tmp_path / "merged").exists()
