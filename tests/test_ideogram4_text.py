@@ -50,3 +50,13 @@ def test_too_long_prompt_is_an_error_as_in_the_pipeline(tiny_files):
     ours = load_ideogram4_text_encoder(os.path.dirname(tiny_files["ideogram4_text_encoder"]), taps=TINY_TAPS, max_length=8)
     with pytest.raises(ValueError, match="exceeds max_sequence_length=8"):
         ours.encode(PROMPTS)
+
+
+def test_caption_token_limit_counts_the_chat_prompt(tiny_files):
+    from library.models.ideogram4.family import Ideogram4Family
+    from library.models.ideogram4.text_encoder import load_ideogram4_text_encoder
+
+    folder = os.path.dirname(tiny_files["ideogram4_text_encoder"])
+    limit = Ideogram4Family("unused", text_encoder=folder).caption_token_limit(None)
+    ours = load_ideogram4_text_encoder(folder, taps=TINY_TAPS, max_length=40)
+    assert limit.max_tokens == 2048 and limit.count(PROMPTS[0]) == len(ours.token_ids([PROMPTS[0]])[0])

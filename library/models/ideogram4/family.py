@@ -109,6 +109,18 @@ class Ideogram4Family(DiffusionFamily):
 
         return {"taps": list(te.IDEOGRAM4_TAPS), "max_length": te.IDEOGRAM4_MAX_SEQUENCE_LENGTH, "template": "chat"}
 
+    def caption_token_limit(self, args):
+        """The pipeline takes up to 2048 tokens of the chat-formatted caption and refuses longer ones
+        (so does our encoder, while caching): the dataset check names them first."""
+        from library.data.check import TokenLimit
+        from library.io import component_folder
+        from library.models.ideogram4 import text_encoder as te
+        from library.models.text_encoders import _load_tokenizer
+
+        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer")
+        return TokenLimit("Qwen3-VL", te.IDEOGRAM4_MAX_SEQUENCE_LENGTH,
+                          lambda text: len(tokenizer(te.chat_prompt(tokenizer, text), add_special_tokens=False).input_ids))
+
     @classmethod
     def checkpoint_names(cls, keys, shape):
         """diffusers' names, plain or under a prefix (the original single file's qkv is fused: those
