@@ -144,3 +144,35 @@ def test_merge_into_the_quantized_base_is_refused_in_one_line(tiny_set, trained,
                             "--save_to", str(tmp_path / "merged")])
     assert code == 2 and "a BFL fp8r / nvfp4 base" in capsys.readouterr().err
     assert not (tmp_path / "merged").exists()
+
+
+def test_ai_toolkit_lora_reads_as_diffusers_converter_reads_it(tmp_path):
+    """An ai-toolkit LoRA (diffusion_model. prefix, q / k / v fused in attention.qkv, attention.o):
+    convert_lora --to diffusers gives per module the delta diffusers' own converter
+    (_convert_non_diffusers_ideogram4_lora_to_diffusers, what load_lora_weights runs) gives."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ideogram4_lora_to_diffusers
+    from safetensors.torch import save_file
+
+    from tools import convert_lora
+
+    g, d, r = torch.Generator().manual_seed(3), 128, 4
+    shapes = {"attention.qkv": (3 * d, d), "attention.o": (d, d), "feed_forward.w1": (96, d), "feed_forward.w2": (d, 96)}
+    src = {}
+    for i in range(2):
+        for module, (rows, cols) in shapes.items():
+            base = f"diffusion_model.layers.{i}.{module}"
+            src[f"{base}.lora_A.weight"] = torch.randn(r, cols, generator=g)
+            src[f"{base}.lora_B.weight"] = torch.randn(rows, r, generator=g)
+    save_file(src, str(tmp_path / "aitk.safetensors"))
+    assert convert_lora.main([str(tmp_path / "aitk.safetensors"), str(tmp_path / "ours.safetensors"), "--to", "diffusers",
+                              "--model_type", "ideogram4"]) == 0
+    ours = load_file(tmp_path / "ours.safetensors")
+    theirs = _convert_non_diffusers_ideogram4_lora_to_diffusers(dict(src))
+
+    def deltas(sd, prefix):
+        mods = {k[len(prefix):].rsplit(".lora_A", 1)[0] for k in sd if ".lora_A" in k}
+        return {m: sd[f"{prefix}{m}.lora_B.weight"].float() @ sd[f"{prefix}{m}.lora_A.weight"].float() for m in mods}
+
+    a, b = deltas(ours, "transformer."), deltas(theirs, "transformer.")
+    assert set(a) == set(b) and len(a) == 2 * 6  # q, k, v, out, w1, w2 (no w3 given) per block
+    assert all(torch.allclose(a[m], b[m], rtol=1e-5, atol=1e-5) for m in a)

@@ -18,7 +18,29 @@ def module_paths(counts: dict[str, int]) -> list[str]:
                              mrope_section=(6, 5, 5))
     with torch.device("meta"):
         model = Ideogram4(config)
-    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    paths = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    original = [f"layers.{i}.attention.{m}" for i in range(config.num_layers) for m in ("qkv", "o")]
+    return paths + original  # the original / ai-toolkit names (comfy_module_map reads them as ours)
+
+
+QKV, OUT = ".attention.qkv", ".attention.o"
+QKV_PARTS = (".attention.to_q", ".attention.to_k", ".attention.to_v")
+
+
+def comfy_module_map(weights: dict, counts: dict[str, int]) -> dict[str, list[tuple[str, int, int]]]:
+    """{original module path: [(our module path, row0, row1)]} for the modules of `weights` named as the
+    original model and ai-toolkit's `diffusion_model.` LoRAs name them (diffusers'
+    _convert_non_diffusers_ideogram4_lora_to_diffusers): a fused attention.qkv splits into to_q / to_k /
+    to_v by thirds of its rows, attention.o is to_out.0."""
+    out = {}
+    for path, w in weights.items():
+        rows = w.up.shape[0]
+        if path.endswith(QKV):
+            block, third = path[: -len(QKV)], rows // 3
+            out[path] = [(block + part, i * third, (i + 1) * third) for i, part in enumerate(QKV_PARTS)]
+        elif path.endswith(OUT):
+            out[path] = [(path[: -len(OUT)] + ".attention.to_out.0", 0, rows)]
+    return out
 
 
 METADATA_KEYS = ("ss_base_model_version", "modelspec.architecture")
