@@ -176,3 +176,14 @@ def test_ai_toolkit_lora_reads_as_diffusers_converter_reads_it(tmp_path):
     a, b = deltas(ours, "transformer."), deltas(theirs, "transformer.")
     assert set(a) == set(b) and len(a) == 2 * 6  # q, k, v, out, w1, w2 (no w3 given) per block
     assert all(torch.allclose(a[m], b[m], rtol=1e-5, atol=1e-5) for m in a)
+
+
+def test_planner_reads_the_stored_layout_from_the_files(tiny_set, tmp_path, capsys):
+    from tools import plan_memory
+
+    config = tmp_path / "plan.toml"
+    config.write_text(f'[model]\nmodel_type = "ideogram4"\npretrained_model_name_or_path = "{tiny_set["ideogram4"]}"\n'
+                      f'ae = "{tiny_set["flux2_vae"]}"\ntext_encoder = "{tiny_set["ideogram4_text_encoder"]}"\n'
+                      f'[data]\ndataset_config = "{tiny_set["dataset_config"]}"\n')
+    assert plan_memory.main(["--config_file", str(config), "--vram", "1", "--resolution", "256"]) == 0
+    assert "bfl_nvfp4  gradient_checkpointing=true : fits" in capsys.readouterr().out

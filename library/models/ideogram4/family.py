@@ -104,6 +104,18 @@ class Ideogram4Family(DiffusionFamily):
                              f"no set of layers of a {config.hidden_size}-wide, {config.num_layers}-layer encoder gives")
         return taps
 
+    def text_encoder_params(self) -> int:
+        """The embeddings and the decoder layers up to the deepest tap (all 36 released), no head, no vision."""
+        from library.io import CheckpointReader, component_folder
+        from library.models.llm import _kept_layer_key, checkpoint_key_to_llm
+
+        reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
+        features = self.load_transformer(torch.float32, read_weights=False).config.llm_features_dim
+        keep = max(self.taps(features)) + 1
+        used = [k for k in reader.keys() if (name := _kept_layer_key(checkpoint_key_to_llm(k, True), keep)) is not None
+                and not name.startswith("lm_head.")]
+        return reader.numel(used)
+
     def text_encoding_constants(self) -> dict:
         from library.models.ideogram4 import text_encoder as te
 
