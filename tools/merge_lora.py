@@ -111,6 +111,7 @@ from safetensors import safe_open  # noqa: E402
 
 from library.precision import fp8  # noqa: E402
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint  # noqa: E402
+from library.precision.bfl_weights import is_bfl  # noqa: E402
 from library.precision.gguf_weights import is_gguf  # noqa: E402
 from library.precision.gguf_writer import GgufEntry, output_type, save_precision_type, write_gguf_streaming  # noqa: E402
 from library.io import ST_DTYPES, CheckpointError, CheckpointReader, atomic_folder, atomic_path, component_folder  # noqa: E402
@@ -250,6 +251,9 @@ def open_base(path: str) -> Base:
         raise CheckpointError(f"{path}: a GGUF base; merge_lora reads bf16 / fp16 / fp32 / fp8 bases: merge into the "
                               f"bf16 checkpoint (--save_precision gguf_q8_0 ... writes a GGUF), or load the LoRA beside "
                               f"the .gguf (ComfyUI-GGUF applies LoRAs at runtime)")
+    if is_bfl(reader):  # nvfp4 / fp8r: re-quantizing every merged weight would round it again
+        raise CheckpointError(f"{path}: a BFL fp8r / nvfp4 base; merge_lora reads bf16 / fp16 / fp32 / fp8 bases: "
+                              f"load the LoRA beside it (diffusers' load_lora_weights, generate.py --lora) instead")
     keys = reader.keys()
     base = _family_base(path, reader, keys)
     if base is None and any(checkpoint_key_to_llm(k) and checkpoint_key_to_llm(k).startswith("model.layers.") for k in keys):

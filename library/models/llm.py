@@ -319,9 +319,11 @@ class LLM(nn.Module):
             states[-1] = x
         return x, states
 
-    def selected_hidden_states(self, input_ids, attention_mask, indices, position_ids=None) -> list[torch.Tensor]:
+    def selected_hidden_states(self, input_ids, attention_mask, indices, position_ids=None,
+                               final_norm: bool = True) -> list[torch.Tensor]:
         """transformers' `output_hidden_states[k]` for each k in indices (0 = embeddings, k = layer
-        k's output, num_layers = the last layer after the final norm), each [B, L, D] compute_dtype.
+        k's output, num_layers = the last layer after the final norm; final_norm=False: before it,
+        as a pipeline that runs the decoder layers itself taps it), each [B, L, D] compute_dtype.
         Only the layers up to max(indices) run (e.g. 9, 18, 27 of Qwen3's 36).
         position_ids [B, L] or [L] int64: None derives them from the mask (position_ids_from_mask);
         pass torch.arange(L) to match a transformers call that gave none (pads then keep their index)."""
@@ -332,7 +334,7 @@ class LLM(nn.Module):
         states = {0: x}
         for i, layer in enumerate(self.model.layers[: max(indices)], start=1):
             x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask, visible)
-            states[i] = self.model.norm(x) if i == n else x
+            states[i] = self.model.norm(x) if i == n and final_norm else x
         return [states[k] for k in indices]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

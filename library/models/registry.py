@@ -23,6 +23,7 @@ FAMILIES = {
     "zimage_omni": "library.models.zimage.omni_family:ZImageOmniFamily",
     "chroma": "library.models.chroma.family:ChromaFamily",
     "krea2": "library.models.krea2.family:Krea2Family",
+    "ideogram4": "library.models.ideogram4.family:Ideogram4Family",
 }
 
 # How the frozen base is stored (config base_precision): the compute dtype, fp8 (library/precision/fp8.py),

@@ -1,6 +1,6 @@
 """Transformer files stored quantized are trained on as they are stored: fp8 files
-(fp8_checkpoints.py: ours, ComfyUI's scaled fp8, musubi-tuner's) and GGUF files (gguf_weights.py:
-ComfyUI-GGUF's). The family loaders ask here, one call for every stored format, so a new format
+(fp8_checkpoints.py: ours, ComfyUI's scaled fp8, musubi-tuner's), GGUF files (gguf_weights.py:
+ComfyUI-GGUF's) and BFL's fp8r / nvfp4 files (bfl_weights.py: diffusers' BFL quantizer layouts). The family loaders ask here, one call for every stored format, so a new format
 needs no loader change:
 
     stored = read_stored_layout(reader, path)   # None: a bf16 / fp16 / fp32 file
@@ -8,7 +8,7 @@ needs no loader change:
         prepare = lambda model: stored_converter(model, stored, rules, dtype, reader, path)
 
 `stored.layout` names the base in a LoRA's metadata (ss_base_precision: "fp8_tensor_scaled",
-"gguf_q8_0", "gguf_q4_k+q6_k", ...), so that inference can match training.
+"gguf_q8_0", "gguf_q4_k+q6_k", "bfl_nvfp4", ...), so that inference can match training.
 """
 
 from __future__ import annotations
@@ -17,17 +17,20 @@ import torch
 import torch.nn as nn
 
 from library.io import CheckpointReader
+from library.precision.bfl_weights import BflCheckpoint, bfl_converter, read_bfl_checkpoint
 from library.precision.fp8 import KeepRules
 from library.precision.fp8_checkpoints import CONFIG_PRECISION, Fp8Checkpoint, prequantized_converter, read_fp8_checkpoint
 from library.precision.gguf_weights import GgufCheckpoint, gguf_converter, is_gguf, read_gguf_checkpoint
 
-StoredLayout = Fp8Checkpoint | GgufCheckpoint
+StoredLayout = Fp8Checkpoint | GgufCheckpoint | BflCheckpoint
 
 
 def read_stored_layout(reader: CheckpointReader, path: str | None = None) -> StoredLayout | None:
     """How the transformer file stores its weights when it is pre-quantized (None: in high precision).
     Layouts we cannot use raise CheckpointError naming the tensor that shows them."""
-    return read_gguf_checkpoint(reader, path) if is_gguf(reader) else read_fp8_checkpoint(reader, path)
+    if is_gguf(reader):
+        return read_gguf_checkpoint(reader, path)
+    return read_bfl_checkpoint(reader, path) or read_fp8_checkpoint(reader, path)
 
 
 def stored_layout(reader: CheckpointReader, path: str | None = None) -> str | None:
@@ -43,6 +46,8 @@ def stored_converter(model: nn.Module, info: StoredLayout, rules: KeepRules, dty
     layers follow the architecture's keep `rules`; GGUF ones the file (each Linear it stores in blocks)."""
     if isinstance(info, GgufCheckpoint):
         return gguf_converter(model, info, dtype)
+    if isinstance(info, BflCheckpoint):  # like GGUF: the file says which Linears it stores quantized
+        return bfl_converter(model, info, dtype)
     return prequantized_converter(model, info, rules, dtype, reader, source)
 
 
@@ -50,6 +55,8 @@ def stored_extras(info: StoredLayout | None):
     """key -> True for the tensors of a stored file (keys without its prefix) that are no tensor of the
     high-precision model: fp8 scales, ComfyUI's marker and activation scales. A loader's key check
     skips them; GGUF files store only the model's own tensors."""
+    if isinstance(info, BflCheckpoint):
+        return info.is_dropped
     if not isinstance(info, Fp8Checkpoint):
         return lambda key: False
     return lambda key: info.is_dropped(key) or key.endswith(".weight_scale")
@@ -58,7 +65,7 @@ def stored_extras(info: StoredLayout | None):
 def config_precision(layout: str) -> str:
     """The base precision a training config must ask for (config.base_precision) to train on a file
     of `layout`: fp8 files the matching fp8 setting; GGUF files none ("bf16": fp8_base = false), since
-    the file's blocks are the base and are never quantized again."""
+    the file's blocks are the base and are never quantized again (BFL's fp8r / nvfp4 likewise)."""
     return CONFIG_PRECISION.get(layout, "bf16")
 
 

@@ -1,0 +1,57 @@
+"""Ideogram 4 LoRA files: the module paths tools/convert_lora.py resolves kohya names against (through
+the spec's LORA_FILES). The model has diffusers' names, so the kohya and diffusers layouts name the
+same modules and converting changes the prefix only. (ai-toolkit's `diffusion_model.` files fuse
+q, k, v in `attention.qkv`: diffusers' Ideogram4LoraLoaderMixin splits them on load.)"""
+
+from __future__ import annotations
+
+import torch
+
+from library.models.ideogram4.model import Ideogram4, Ideogram4Config
+
+
+def module_paths(counts: dict[str, int]) -> list[str]:
+    """Every Linear path of an Ideogram 4 model with as many blocks as the LoRA names (tiny widths:
+    only the names matter)."""
+    config = Ideogram4Config(num_layers=counts.get("layers", 0), attention_head_dim=64, num_attention_heads=1,
+                             intermediate_size=8, adaln_dim=8, llm_features_dim=8, in_channels=8,
+                             mrope_section=(6, 5, 5))
+    with torch.device("meta"):
+        model = Ideogram4(config)
+    paths = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    original = [f"layers.{i}.attention.{m}" for i in range(config.num_layers) for m in ("qkv", "o")]
+    return paths + original  # the original / ai-toolkit names (comfy_module_map reads them as ours)
+
+
+QKV, OUT = ".attention.qkv", ".attention.o"
+QKV_PARTS = (".attention.to_q", ".attention.to_k", ".attention.to_v")
+
+
+def comfy_module_map(weights: dict, counts: dict[str, int]) -> dict[str, list[tuple[str, int, int]]]:
+    """{original module path: [(our module path, row0, row1)]} for the modules of `weights` named as the
+    original model and ai-toolkit's `diffusion_model.` LoRAs name them (diffusers'
+    _convert_non_diffusers_ideogram4_lora_to_diffusers): a fused attention.qkv splits into to_q / to_k /
+    to_v by thirds of its rows, attention.o is to_out.0."""
+    out = {}
+    for path, w in weights.items():
+        rows = w.up.shape[0]
+        if path.endswith(QKV):
+            block, third = path[: -len(QKV)], rows // 3
+            out[path] = [(block + part, i * third, (i + 1) * third) for i, part in enumerate(QKV_PARTS)]
+        elif path.endswith(OUT):
+            out[path] = [(path[: -len(OUT)] + ".attention.to_out.0", 0, rows)]
+    return out
+
+
+METADATA_KEYS = ("ss_base_model_version", "modelspec.architecture")
+
+
+def is_own_lora(tensors: dict, metadata: dict[str, str]) -> bool:
+    """True for an Ideogram 4 LoRA among those with Z-Image's block names: a module only Ideogram 4 has
+    (spec LORA_FILES.markers), else metadata naming it (our LoRAs record ss_base_model_version)."""
+    from library.models.ideogram4.spec import LORA_FILES
+
+    flat = [k.replace(".", "_") for k in tensors]
+    if any(m in k for k in flat for m in LORA_FILES.markers):
+        return True
+    return any(metadata.get(key, "").lower().startswith("ideogram4") for key in METADATA_KEYS)
