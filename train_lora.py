@@ -293,13 +293,22 @@ class Trainer:
         self.accelerator.print(f"resumed from {folder} at step {self.step} (epoch {self.epoch})")
 
     def run(self) -> int:
-        args, task = self.args, self.task
+        args = self.args
         if self.step >= self.max_steps:  # resumed at the end: the run that wrote the state saved its LoRA
             self.accelerator.print(f"nothing to train: {args.resume} is at step {self.step}, max_train_steps is "
                                    f"{self.max_steps}")
             self.accelerator.end_training()
             return 0
+        # Kept until the final LoRA and state are written: a Ctrl-C there lets them finish (and skips
+        # the final samples) rather than leaving a run that trained every step without its LoRA.
         self.interrupts = Interrupts()
+        try:
+            return self.train_and_save()
+        finally:
+            self.interrupts.close()
+
+    def train_and_save(self) -> int:
+        args, task = self.args, self.task
         self.progress_bar = tqdm(total=self.max_steps, initial=self.step, desc="training",
                                  disable=not self.accelerator.is_local_main_process)
         self.module.train()  # the LoRA network: its dropouts act from here; the frozen base stays in eval
@@ -319,15 +328,17 @@ class Trainer:
             self.accelerator.end_training()
             return stop.code
         finally:
-            self.interrupts.close()
             self.progress_bar.close()
         path = self.saver.lora(self.step, self.epoch, final=True)
         if args.save_state:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
         if self.accelerator.is_main_process:
             plot_runs([self.logger.path], os.path.join(args.output_dir, f"{args.output_name}_lr.png"))
-        with self.sampling():  # the final samples (llm: the final eval)
-            tracking.log_sample_images(self.accelerator, task.finish(args.output_dir) or [], self.step)
+        if self.interrupts.requested:
+            self.accelerator.print(f"{self.interrupts.requested} after the last step: final samples skipped")
+        else:
+            with self.sampling():  # the final samples (llm: the final eval)
+                tracking.log_sample_images(self.accelerator, task.finish(args.output_dir) or [], self.step)
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         self.accelerator.print(f"saved {path} after {self.step} steps in {time.time() - self.started:.1f} s")
@@ -462,7 +473,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before the loop (loading, caching) or a second one inside it
-        print("interrupted: stopped before a LoRA was saved (cache files are written whole; a rerun reuses them)",
+        print("interrupted: stopped before the next save (cache files are written whole; a rerun reuses them)",
               file=sys.stderr)
         return 130
 

@@ -184,8 +184,28 @@ def test_ctrl_c_before_the_loop_exits_130_in_one_line(tiny_set, tmp_path, monkey
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C before the training loop escaped main() as a traceback")
     assert code == 130
-    assert capsys.readouterr().err.strip().startswith("interrupted: stopped before a LoRA was saved")
+    assert capsys.readouterr().err.strip().startswith("interrupted: stopped before the next save")
     assert not (tmp_path / "run" / "tiny_flux_lora.safetensors").exists()
+
+
+def test_ctrl_c_while_the_final_lora_is_saved_lets_it_finish(tiny_set, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C after the last step (here: as the final LoRA is written) is still train_lora's: the
+    LoRA and state are written whole, the final samples are skipped, and the run ends done (0). The
+    web UI's stop can land there on a fast machine; it once left exit 130 and no final LoRA."""
+    save = train_lora.Saver.lora
+
+    def lora(self, step, epoch, final=False):
+        if final:
+            os.kill(os.getpid(), signal.SIGINT)
+        return save(self, step, epoch, final)
+
+    monkeypatch.setattr(train_lora.Saver, "lora", lora)
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_state", "true")) == 0
+    assert "final samples skipped" in capsys.readouterr().out
+    assert (out / "tiny_flux_lora.safetensors").exists() and (out / "tiny_flux_lora-state" / "train_state.json").exists()
+    assert [p.name for p in out.rglob("*.png")] == ["tiny_flux_lora_lr.png"]  # no final samples
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_resume_from_another_run_config_is_refused(tiny_set, tmp_path):

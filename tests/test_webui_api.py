@@ -15,7 +15,7 @@ from PIL import Image
 
 from library.ui.handlers import FORM_KEYS
 from tests.test_webui_jobs import pending_signals
-from tests.ui_support import WebUIProcess, job_pid, tiny_job_settings, wait_for
+from tests.ui_support import WebUIProcess, job_pid, mark_to_pause, pause_hook_env, paused, tiny_job_settings, wait_for
 
 EMPTY_FORM = [None] * len(FORM_KEYS)
 
@@ -27,7 +27,8 @@ def form(**values) -> list:
 @pytest.fixture(scope="module")
 def server(tiny_set, tmp_path_factory):
     root = tmp_path_factory.mktemp("webui")
-    ui = WebUIProcess(str(root / "jobs"), [tiny_set["root"], str(root / "data")], str(root / "webui.log"))
+    ui = WebUIProcess(str(root / "jobs"), [tiny_set["root"], str(root / "data")], str(root / "webui.log"),
+                      env=pause_hook_env(root))
     yield ui
     ui.stop()
 
@@ -103,19 +104,20 @@ def test_create_queue_stop_resume_compare_and_delete(client, server, tiny_toml):
     job_id, folder = answer["job_id"], answer["output_dir"]
     assert os.path.dirname(folder) == os.path.realpath(server.jobs_dir)
 
+    mark_to_pause(folder)
     assert client.predict(str(job_id), api_name="/queue_job")[0]["state"] == "queued"
     log = os.path.join(folder, "train.log")
-    wait_for(lambda: os.path.exists(log) and "training:" in open(log).read(), 240, "the training loop")
+    wait_for(lambda: os.path.exists(log) and job_pid(server.jobs_dir, job_id), 60, "the trainer's start")
     pid = job_pid(server.jobs_dir, job_id)
-    os.kill(pid, signal.SIGSTOP)  # held at its first steps while the stop is asked for, however fast the machine
-    try:
+    try:  # the server's trainers pause at step 2 (ui_support.pause_at_step_2), however fast the machine
+        wait_for(lambda: paused(pid, log), 240, "the trainer's pause at step 2")
         assert client.predict(str(job_id), api_name="/stop_job")[0]["state"] == "stopping"
         wait_for(lambda: signal.SIGINT in pending_signals(pid), 10, "the runner's SIGINT")
     finally:
         os.kill(pid, signal.SIGCONT)
     view = wait_for(lambda: (v := live(client, job_id))["state"] == "stopped" and v, 120, "the clean stop")
     step = view["step"]
-    assert 1 <= step < 8 and f"stopped at step {step}" in view["status"]
+    assert step == 2 and f"stopped at step {step}" in view["status"], view["status"]
     lora = os.path.join(folder, f"tiny_flux_lora-step{step:06d}.safetensors")
     assert os.path.getsize(lora) > 0 and os.path.isdir(os.path.join(folder, "tiny_flux_lora-state"))
 

@@ -9,7 +9,7 @@ import signal
 
 import toml
 
-from tests.ui_support import WebUIProcess, job_pid, tiny_job_settings, wait_for
+from tests.ui_support import WebUIProcess, job_pid, mark_to_pause, pause_hook_env, paused, tiny_job_settings, wait_for
 
 
 def csv_steps(path: str) -> list[int]:
@@ -19,16 +19,19 @@ def csv_steps(path: str) -> list[int]:
 
 def test_killing_the_ui_during_a_job_keeps_its_files_and_the_job_finishes(tiny_set, tmp_path):
     jobs = str(tmp_path / "jobs")
-    server = WebUIProcess(jobs, [tiny_set["root"]], str(tmp_path / "webui.log"))
+    server = WebUIProcess(jobs, [tiny_set["root"]], str(tmp_path / "webui.log"), env=pause_hook_env(tmp_path))
     steps = 6
     text = toml.dumps(tiny_job_settings(tiny_set, steps=steps))
-    answer = server.client().predict("killed", text, *[None] * 11, api_name="/create_and_queue")[0]
+    client = server.client()
+    answer = client.predict("killed", text, *[None] * 11, api_name="/create_job")[0]
     folder, job_id = answer["output_dir"], answer["job_id"]
+    mark_to_pause(folder)
+    assert client.predict(str(job_id), api_name="/queue_job")[0]["state"] == "queued"
     log = os.path.join(folder, "train.log")
-    wait_for(lambda: os.path.exists(log) and "training:" in open(log).read(), 240, "the training loop")
+    wait_for(lambda: os.path.exists(log) and job_pid(jobs, job_id), 60, "the trainer's start")
     pid = job_pid(jobs, job_id)
-    os.kill(pid, signal.SIGSTOP)  # held while no UI runs, so the new UI finds it running
-    try:
+    try:  # it pauses itself at step 2 (held while no UI runs, so the new UI finds it running)
+        wait_for(lambda: paused(pid, log), 240, "the trainer's pause at step 2")
         server.stop(kill=True)
         assert os.path.exists(f"/proc/{pid}"), "the trainer died with the UI"
         server = WebUIProcess(jobs, [tiny_set["root"]], str(tmp_path / "webui2.log"))

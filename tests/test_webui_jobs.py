@@ -18,7 +18,7 @@ from safetensors import safe_open
 from library.ui import runner as actions
 from library.ui.jobs import JobError, JobStore
 from library.ui.runner import Runner
-from tests.ui_support import tiny_job_settings, wait_for
+from tests.ui_support import mark_to_pause, pause_hook_env, paused, tiny_job_settings, wait_for
 
 
 def csv_steps(path: str) -> list[int]:
@@ -87,20 +87,22 @@ def test_a_trainer_gone_during_a_restart_is_marked_interrupted_with_its_step(tmp
     assert "last logged step 2" in job.message and "retry" in job.message
 
 
-def test_stop_resume_and_reattach_with_the_real_trainer(tiny_set, tmp_path):
+def test_stop_resume_and_reattach_with_the_real_trainer(tiny_set, tmp_path, monkeypatch):
     """One job through a UI restart, a clean stop and a resume: two trainer processes in all. The
-    trainer is paused (SIGSTOP) while the UI restarts and asks it to stop, so the stop lands at its
-    first steps however fast the machine is."""
+    trainer pauses itself after step 2 while the UI restarts and asks it to stop, so the stop lands
+    at step 2 however fast the machine is."""
     store = JobStore(str(tmp_path / "jobs"))
     steps = 8
     job = store.create("tiny", tiny_job_settings(tiny_set, steps=steps), steps, queue=True)
+    monkeypatch.setenv("PYTHONPATH", pause_hook_env(tmp_path)["PYTHONPATH"])  # the runner's trainers inherit it
+    mark_to_pause(store.job_folder(job.id))
     first = Runner(store, str(tmp_path), poll=0.2)
     first.start()
-    log = store.get(job.id).log_path
-    wait_for(lambda: os.path.exists(log) and "training:" in open(log).read(), 240, "the training loop")
+    wait_for(lambda: store.get(job.id).pid, 60, "the trainer's start")
     pid = store.get(job.id).pid
-    os.kill(pid, signal.SIGSTOP)
+    log = store.get(job.id).log_path
     try:
+        wait_for(lambda: paused(pid, log), 240, "the trainer's pause at step 2")
         first.close()  # the UI goes away: its trainer does not
         second = Runner(store, str(tmp_path), poll=0.2)
         second.start()  # re-attaches to the running trainer
@@ -110,8 +112,8 @@ def test_stop_resume_and_reattach_with_the_real_trainer(tiny_set, tmp_path):
     finally:
         os.kill(pid, signal.SIGCONT)
     stopped = wait_for(lambda: (j := store.get(job.id)).state == "stopped" and j, 120, "the clean stop")
-    step = int(stopped.message.split("step ")[1].split(":")[0])
-    assert 1 <= step < steps, stopped.message
+    assert stopped.message.startswith("stopped at step 2:"), (stopped.message, open(log).read()[-4000:])
+    step = 2
     lora = os.path.join(stopped.output_dir, f"tiny_flux_lora-step{step:06d}.safetensors")
     with safe_open(lora, "pt") as f:
         meta = f.metadata()  # the steps it trained, and the steps it was asked for

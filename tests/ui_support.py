@@ -49,11 +49,70 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A sitecustomize that makes a train_lora.py run pause itself (SIGSTOP) when its progress bar reaches
+# step 2, if a file `pause_at_step_2` lies beside its config (a job's folder) and it is not a resume:
+# a test can then stop it, restart the UI around it, ... at a known step however fast or loaded the
+# machine. (Pausing it from the test once the bar showed in the log let a fast machine run all its
+# steps first.) Python imports it from PYTHONPATH in every child process; unmarked runs are untouched.
+PAUSE_AT_STEP_2 = """
+import os, signal, sys
+
+
+def marked():
+    argv = sys.argv
+    if not argv or not argv[0].endswith("train_lora.py") or "--resume" in argv or "--config_file" not in argv:
+        return False
+    config = argv[argv.index("--config_file") + 1]
+    return os.path.exists(os.path.join(os.path.dirname(config), "pause_at_step_2"))
+
+
+if marked():
+    from tqdm import std
+    update = std.tqdm.update
+
+    def update_then_pause(self, n=1):
+        shown = update(self, n)
+        if self.n == 2 and self.desc.startswith("training"):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return shown
+
+    std.tqdm.update = update_then_pause
+"""
+
+
+def pause_hook_env(folder) -> dict:
+    """os.environ plus the PYTHONPATH under which marked train_lora.py runs pause after step 2."""
+    hook = os.path.join(str(folder), "pause_hook")
+    os.makedirs(hook, exist_ok=True)
+    with open(os.path.join(hook, "sitecustomize.py"), "w") as f:
+        f.write(PAUSE_AT_STEP_2)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [hook, os.environ.get("PYTHONPATH")]))}
+
+
+def mark_to_pause(job_folder: str) -> None:
+    """The job's trainer (started later, under pause_hook_env) pauses after its step 2."""
+    os.makedirs(job_folder, exist_ok=True)
+    open(os.path.join(job_folder, "pause_at_step_2"), "w").close()
+
+
+def paused(pid: int, log_path: str) -> bool:
+    """Whether the trainer is stopped (SIGSTOP); an AssertionError with its log's tail if it exited."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]  # R running, S sleeping, T stopped, Z exited
+    except OSError:
+        state = "gone"
+    if state in ("Z", "gone"):
+        with open(log_path, errors="replace") as f:
+            raise AssertionError(f"the trainer {pid} exited before its pause:\n{f.read()[-3000:]}")
+    return state == "T"
+
+
 class WebUIProcess:
     """tools/webui.py as a subprocess on a free port, its jobs in `jobs_dir`, reading under `roots`."""
 
     def __init__(self, jobs_dir: str, roots: list[str], log_path: str, host: str = "127.0.0.1",
-                 password: str | None = None):
+                 password: str | None = None, env: dict | None = None):
         import subprocess
         import sys
 
@@ -66,7 +125,7 @@ class WebUIProcess:
             command += ["--root", root]
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL)
+                                            stdin=subprocess.DEVNULL, env=env)
         wait_for(self._ready, 180, f"the web UI at {self.url} (log: {log_path})", every=0.5)
 
     def _ready(self) -> bool:
