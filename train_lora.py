@@ -35,6 +35,7 @@ from library.training import fsdp, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
 from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals  # noqa: E402
 from library.training.ema import TrainableEMA  # noqa: E402
+from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
 from library.training.state import SavedState, load_state, restore_rng, save_state  # noqa: E402
 from library.training.task import Task  # noqa: E402
@@ -458,6 +459,7 @@ class Trainer:
 
 
 def train(args) -> int:
+    return_freed_buffers()  # host RSS follows the live tensors (loading, CPU steps), not glibc's free lists
     accelerator = make_accelerator(args)
     with output_lock(args, accelerator):
         return Trainer(args, accelerator).run()

@@ -29,7 +29,6 @@ not the resident weights or the optimizer state.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import platform
 import re
@@ -55,6 +54,7 @@ from networks.lora import LoRANetwork  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_flops import count_step, matmul_peak  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
+from library.training.host_memory import return_freed_buffers  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GiB, MiB = 2**30, 2**20
@@ -66,10 +66,7 @@ GiB, MiB = 2**30, 2**20
 def pin_malloc_threshold(threshold: int = 64 * 1024) -> bool:
     """glibc: allocations above `threshold` are mmapped and unmapped on free, so RSS tracks live
     tensors (the default threshold grows up to 32 MiB and then keeps freed memory in the heap)."""
-    try:
-        return ctypes.CDLL("libc.so.6").mallopt(-3, threshold) == 1  # M_MMAP_THRESHOLD
-    except OSError:
-        return False
+    return return_freed_buffers(threshold)
 
 
 def rss_bytes() -> int:

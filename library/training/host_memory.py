@@ -1,0 +1,26 @@
+"""Host memory that follows the live tensors (glibc).
+
+glibc serves an allocation above its mmap threshold with its own mapping, unmapped on free; smaller
+ones come from heap arenas, which keep freed blocks for reuse. The threshold starts at 128 KiB and
+rises (up to 32 MiB) each time a mapped block is freed, so after a few steps a training process's
+activation and per-layer dequantization buffers (MBs each at full size) live in the heap, and the
+arenas' free holes grow the RSS by ~50 MB per block per step: a full-size Z-Image step on the CPU
+measured 10.2 GiB against 8.1 planned (bench/RESULTS.md). Pinning the threshold keeps buffers above it
+mapped, so RSS falls back when they are freed. Buffers below 1 MiB (every tensor of a tiny model)
+stay on the heap, where reuse is cheaper than a fresh mapping's page faults.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+
+
+def return_freed_buffers(threshold: int = 1 << 20) -> bool:
+    """Allocations of `threshold` bytes or more get their own mapping, unmapped on free (glibc's
+    mallopt; setting it also stops the threshold's growth). False where libc has no mallopt."""
+    try:
+        return ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold) == 1
+    except (OSError, AttributeError):
+        return False
