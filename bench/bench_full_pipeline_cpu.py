@@ -6,6 +6,7 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --family qwen_image --work /tmp/fullqwen --qwen-blocks 6
     python bench/bench_full_pipeline_cpu.py --family flux2 --work /tmp/fullklein       # klein 4B, ~16 GB
     python bench/bench_full_pipeline_cpu.py --family zimage --work /tmp/fullzimage     # Z-Image-Turbo, ~20 GB
+    python bench/bench_full_pipeline_cpu.py --family chroma --work /tmp/fullchroma     # Chroma1-HD, ~28 GB
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -121,28 +122,48 @@ def write_flux_vae(work: str):
 
 
 def write_files(work: str):
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     os.makedirs(work, exist_ok=True)
     write_random(os.path.join(work, "flux1-dev.safetensors"), meta_shapes(lambda: Flux(FLUX_DEV)), 1, metadata={})
     write_flux_vae(work)
-
-    clip_tok, t5_tok = build_clip_tokenizer(), build_t5_tokenizer()
+    clip_tok = build_clip_tokenizer()
     clip = CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768,
                           num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
                           bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
                           pad_token_id=clip_tok.pad_token_id)
+    write_hf_encoder(work, "clip_l", clip, CLIPTextModel, clip_tok, "text_model.", "position_ids", 3)
+    write_t5xxl_folder(work)
+
+
+def write_t5xxl_folder(work: str):
+    """<work>/t5xxl: the T5-XXL encoder (4.76 B) as an HF folder with the small T5 tokenizer."""
+    from transformers import T5Config, T5EncoderModel
+
     t5 = T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                   feed_forward_proj="gated-gelu", tie_word_embeddings=False, pad_token_id=0, eos_token_id=1)
-    for name, config, cls, tok, prefix, skip in (("clip_l", clip, CLIPTextModel, clip_tok, "text_model.", "position_ids"),
-                                                 ("t5xxl", t5, T5EncoderModel, t5_tok, "", "encoder.embed_tokens.weight")):
-        folder = os.path.join(work, name)
-        os.makedirs(folder, exist_ok=True)
-        shapes = {prefix + k: s for k, s in meta_shapes(lambda: cls(config)).items() if not k.endswith(skip)}
-        write_random(os.path.join(folder, "model.safetensors"), shapes, 3 if name == "clip_l" else 4)
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump({"architectures": [cls.__name__], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
-        save_tokenizer(tok, folder)
+    write_hf_encoder(work, "t5xxl", t5, T5EncoderModel, build_t5_tokenizer(), "", "encoder.embed_tokens.weight", 4)
+
+
+def write_hf_encoder(work: str, name: str, config, cls, tokenizer, prefix: str, skip: str, seed: int):
+    folder = os.path.join(work, name)
+    os.makedirs(folder, exist_ok=True)
+    shapes = {prefix + k: s for k, s in meta_shapes(lambda: cls(config)).items() if not k.endswith(skip)}
+    write_random(os.path.join(folder, "model.safetensors"), shapes, seed)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": [cls.__name__], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
+    save_tokenizer(tokenizer, folder)
+
+
+def write_chroma_files(work: str):
+    """Chroma1-HD at its released size: the BFL-style single file people download for ComfyUI (8.9 B,
+    bf16, no metadata: the loader reads the config from the shapes), FLUX.1's ae.safetensors, T5-XXL."""
+    from library.models.chroma.model import CHROMA, Chroma
+
+    os.makedirs(work, exist_ok=True)
+    write_random(os.path.join(work, "Chroma1-HD.safetensors"), meta_shapes(lambda: Chroma(CHROMA)), 1, metadata={})
+    write_flux_vae(work)
+    write_t5xxl_folder(work)
 
 
 def write_qwen_transformer_and_vae(work: str, config):
@@ -313,6 +334,12 @@ text_encoder = "{work}"
 output_name = "full_zimage"
 timestep_sampling = "zimage_shift"
 ''',
+        "chroma": f'''model_type = "chroma"
+pretrained_model_name_or_path = "{work}/Chroma1-HD.safetensors"
+ae = "{work}/ae.safetensors"
+t5xxl = "{work}/t5xxl"
+output_name = "full_chroma"
+''',
         "flux": f'''model_type = "flux"
 pretrained_model_name_or_path = "{work}/flux1-dev.safetensors"
 ae = "{work}/ae.safetensors"
@@ -405,9 +432,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--work", default="/tmp/fullsize")
     p.add_argument("--skip-write", action="store_true")
-    p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage"], default="flux",
+    p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma"], default="flux",
                    help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
-                        "zimage: Z-Image-Turbo, whole")
+                        "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole")
     p.add_argument("--single-file", action="store_true",
                    help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
@@ -423,6 +450,8 @@ def main(argv=None):
             write_flux2_files(args.work)
         elif args.family == "zimage":
             write_zimage_files(args.work, args.single_file)
+        elif args.family == "chroma":
+            write_chroma_files(args.work)
         else:
             write_qwen_files(args.work, args.qwen_blocks)
         print(f"files written in {time.time() - t:.0f} s", flush=True)
