@@ -87,6 +87,9 @@ def import_sd_scripts(root: str):
     """(flux_models, lora_flux) from an sd-scripts checkout, our `library`/`networks` kept intact."""
     import diffusers  # noqa: F401  (probes torchvision at import: must not see the stub)
     import transformers  # noqa: F401
+    # diffusers loads its models lazily; the first AutoencoderKL import pulls in bitsandbytes, whose op
+    # registration inspects the calling modules and fails on their namespace `networks`: load it first.
+    from diffusers import AutoencoderKL  # noqa: F401
 
     stubs = [n for n in ("torchvision", "cv2") if importlib.util.find_spec(n) is None]
     for name in stubs:
