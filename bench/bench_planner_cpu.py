@@ -32,7 +32,6 @@ allocator's slack that the RSS holds; the dispatch mode adds ~2 MB to the RSS).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
@@ -45,6 +44,7 @@ sys.path.insert(0, ROOT)
 
 from bench.bench_full_pipeline_cpu import (  # noqa: E402
     RUN_SETTINGS, GiB, meta_shapes, write_flux_vae, write_qwen_transformer_and_vae, write_random)
+from library.training.host_memory import return_freed_buffers  # noqa: E402
 
 FLUX_SIDE, EDIT_SIDE = 384, 256
 
@@ -153,7 +153,7 @@ def count_live_tensors(owner, name: str, marks: dict) -> None:
 
 def child(config: str, marks_path: str, live_tensors: bool = False) -> None:
     """train_lora.py on `config` with its phases wrapped; writes {phase: {start, peak}} (bytes)."""
-    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: freed tensors leave the RSS at once
+    return_freed_buffers(65536)  # freed tensors leave the RSS at once
     torch.set_num_threads(2)
     import matplotlib.pyplot  # noqa: F401  (plot_lr loads it before the final samples: in every baseline instead)
 

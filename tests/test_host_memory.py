@@ -14,8 +14,9 @@ import train_lora
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A training step's pattern: per block a temporary (4-6 MiB, freed at once) and an activation kept for
-# the backward (1-2 MiB, freed at the step's end). Live at the peak: ~30 MiB of activations + 6.
+# A training step's pattern after a first large block was freed: per block a temporary (4-6 MiB, freed at
+# once) and an activation kept for the backward (1-2 MiB, freed at the step's end). Live at the peak:
+# ~30 MiB of activations + 6.
 STEPS = """
 import sys, torch
 sys.path.insert(0, {root!r})
@@ -25,6 +26,9 @@ if {pinned}:
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
+# glibc raises its threshold to a freed mapped block's size: after this one (as after a model's load),
+# by default every step buffer below 31 MiB comes from the heap.
+torch.ones(31 << 18).sum()  # 31 MiB, mapped, freed
 start, peak = rss(), 0.0
 for step in range(4):
     saved = []
@@ -50,8 +54,8 @@ def rss_growth(pinned: bool) -> tuple[float, float]:
 def test_pinned_threshold_returns_freed_step_buffers_to_the_os():
     peak, after = rss_growth(pinned=True)
     default_peak, default_after = rss_growth(pinned=False)
-    assert peak < 45 and after < 10, (peak, after)  # the live tensors, then back
-    assert default_after > 40 and default_peak > peak + 15, (default_peak, default_after)  # what it fixes
+    assert peak < 45 and after < 8, (peak, after)  # the live tensors, then back
+    assert default_after > 25, (default_peak, default_after)  # what it fixes: freed buffers kept by the heap
 
 
 def test_train_lora_pins_it_before_anything_loads(monkeypatch):

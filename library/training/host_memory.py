@@ -4,7 +4,7 @@ glibc serves an allocation above its mmap threshold with its own mapping, unmapp
 ones come from heap arenas, which keep freed blocks for reuse. The threshold starts at 128 KiB and
 rises (up to 32 MiB) each time a mapped block is freed, so after a few steps a training process's
 activation and per-layer dequantization buffers (MBs each at full size) live in the heap, and the
-arenas' free holes grow the RSS by ~50 MB per block per step: a full-size Z-Image step on the CPU
+arenas' free holes grow the RSS by ~50 MB per block per step: a full-size 6 B model's CPU step
 measured 10.2 GiB against 8.1 planned (bench/RESULTS.md). Pinning the threshold keeps buffers above it
 mapped, so RSS falls back when they are freed. Buffers below 1 MiB (every tensor of a tiny model)
 stay on the heap, where reuse is cheaper than a fresh mapping's page faults.
