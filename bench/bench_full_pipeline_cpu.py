@@ -374,8 +374,11 @@ def read_status(pid: int) -> dict[str, int]:
 
 
 def run_trainer(config: str) -> dict:
+    # glibc maps every buffer of 1 MiB or more and unmaps it on free, so RSS follows the live tensors
+    # (library/training/host_memory.py): what the planner predicts; its default heap kept ~2 GiB more.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_lora.py"), "--config_file", config], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     start, samples, lines = time.time(), [], []
 
     def monitor():
