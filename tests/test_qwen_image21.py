@@ -2,6 +2,8 @@
 prompts with and without padding, square / non-square / thin grids, condition images at their
 slots), the released size on `meta`, gradient checkpointing."""
 
+import os
+
 import pytest
 import torch
 from diffusers import QwenImage21Transformer2DModel
@@ -111,3 +113,85 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model(img, txt, torch.tensor([0.3, 0.9]), 2, 4, txt_mask=mask).square().mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.equal(grads[0], grads[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: the diffusers folder and the ComfyUI single file
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    from library.models.qwen_image21.tiny import write_qwen_image21
+
+    return write_qwen_image21(str(tmp_path_factory.mktemp("qi21")), seed=0)
+
+
+def test_both_layouts_load_identical_weights(tiny_files):
+    from safetensors import safe_open
+
+    from library.models.qwen_image21.checkpoint import load_qwen_image21
+
+    folder, single = load_qwen_image21(tiny_files["qwen_image21"]), load_qwen_image21(tiny_files["qwen_image21_comfy"])
+    a, b = folder.state_dict(), single.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert folder.config == single.config and folder.config.num_layers == 2
+    with safe_open(tiny_files["qwen_image21_comfy"], "pt") as f:  # really the fused ComfyUI names
+        keys = set(f.keys())
+    assert "model.diffusion_model.transformer_blocks.0.img_mlp.gate_up.weight" in keys
+    assert not any(k.endswith("img_mlp.proj.weight") for k in keys)
+
+
+def test_single_file_reads_as_diffusers_converter_reads_it(tiny_files):
+    """diffusers' own single-file conversion of our ComfyUI file gives the diffusers folder's tensors."""
+    from diffusers.loaders.single_file_utils import convert_qwen_image21_transformer_checkpoint_to_diffusers
+    from safetensors.torch import load_file
+
+    converted = convert_qwen_image21_transformer_checkpoint_to_diffusers(load_file(tiny_files["qwen_image21_comfy"]))
+    folder = load_file(os.path.join(tiny_files["qwen_image21"], "diffusion_pytorch_model.safetensors"))
+    assert converted.keys() == folder.keys() and all(torch.equal(converted[k], folder[k]) for k in folder)
+
+
+def test_loaded_folder_matches_diffusers_from_pretrained(tiny_files):
+    from library.models.qwen_image21.checkpoint import load_qwen_image21
+
+    reference = QwenImage21Transformer2DModel.from_pretrained(tiny_files["qwen_image21"]).eval()
+    ours = load_qwen_image21(tiny_files["qwen_image21_comfy"]).eval()
+    g = torch.Generator().manual_seed(5)
+    txt, img = torch.randn(1, 6, 32, generator=g), torch.randn(1, 16, 16, generator=g)
+    img_mask = torch.cat([torch.zeros(6, dtype=torch.bool), torch.ones(4, dtype=torch.bool)])[None]
+    with torch.no_grad():
+        expected = reference(img, txt, torch.tensor([0.4]), [[(1, 4, 4)]], img_mask, return_dict=False)[0]
+        out = ours(img, txt, torch.tensor([0.4]), 4, 4)
+    assert (out - expected[:, -16:]).abs().max().item() <= 1e-5
+
+
+def test_meta_load_reads_no_weights(tiny_files):
+    from library.models.qwen_image21.checkpoint import load_qwen_image21
+
+    model = load_qwen_image21(tiny_files["qwen_image21_comfy"], dtype=torch.bfloat16, read_weights=False)
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.compute_dtype == torch.bfloat16
+
+
+def test_wrong_file_is_one_error_naming_the_key(tiny_files, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from library.io import CheckpointError
+    from library.models.qwen_image21.checkpoint import load_qwen_image21
+
+    other = tmp_path / "other.safetensors"
+    save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(2, 2)}, str(other))
+    with pytest.raises(CheckpointError, match="txt_in.text_norm.weight") as e:
+        load_qwen_image21(str(other))
+    assert "\n" not in str(e.value)
+    from safetensors import safe_open
+
+    with safe_open(tiny_files["qwen_image21_comfy"], "pt") as f:
+        metadata = f.metadata()  # the config: the shapes are checked against it
+    sd = load_file(tiny_files["qwen_image21_comfy"])
+    sd["model.diffusion_model.transformer_blocks.1.attn.to_q.weight"] = torch.zeros(3, 3)
+    broken = tmp_path / "broken.safetensors"
+    save_file(sd, str(broken), metadata=metadata)
+    with pytest.raises(CheckpointError, match=r"transformer_blocks\.1\.attn\.to_q\.weight' has shape \(3, 3\)") as e:
+        load_qwen_image21(str(broken))
+    assert "\n" not in str(e.value)
