@@ -157,7 +157,7 @@ def test_loaded_folder_matches_diffusers_from_pretrained(tiny_files):
     reference = QwenImage21Transformer2DModel.from_pretrained(tiny_files["qwen_image21"]).eval()
     ours = load_qwen_image21(tiny_files["qwen_image21_comfy"]).eval()
     g = torch.Generator().manual_seed(5)
-    txt, img = torch.randn(1, 6, 32, generator=g), torch.randn(1, 16, 16, generator=g)
+    txt, img = torch.randn(1, 6, 32, generator=g), torch.randn(1, 16, 64, generator=g)
     img_mask = torch.cat([torch.zeros(6, dtype=torch.bool), torch.ones(4, dtype=torch.bool)])[None]
     with torch.no_grad():
         expected = reference(img, txt, torch.tensor([0.4]), [[(1, 4, 4)]], img_mask, return_dict=False)[0]

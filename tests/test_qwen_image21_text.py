@@ -18,7 +18,7 @@ def tiny_files(tmp_path_factory):
     return {**write_qwen_image21_text_encoder(out, 0), **write_qwen_image21_vae(out, 0), "root": out + "/qwen_image21"}
 
 
-def pipeline(tiny_files, vae=None):
+def pipeline(tiny_files, vae=None, transformer=None):
     """QwenImage21Pipeline with the tiny text side. Its Qwen3VLProcessor is built by hand: transformers
     checks the video processor's class, which needs torchvision (not installed; text never uses it)."""
     from diffusers import QwenImage21Pipeline
@@ -35,7 +35,8 @@ def pipeline(tiny_files, vae=None):
                                      chat_template=tokenizer.chat_template)
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
-    return QwenImage21Pipeline(scheduler=None, vae=vae, text_encoder=text_encoder, processor=processor, transformer=None)
+    return QwenImage21Pipeline(scheduler=None, vae=vae, text_encoder=text_encoder, processor=processor,
+                               transformer=transformer)
 
 
 def test_encode_prompt_matches_pipeline(tiny_files):
@@ -76,9 +77,9 @@ def test_vae_matches_the_pipelines_encode_and_decode(tiny_files):
     rgba = torch.cat([rgb, torch.ones_like(rgb[:, :1])], 1)[:, :, None]  # an opaque picture, preprocessed
     fake = SimpleNamespace(vae=reference, latent_channels=reference.config.z_dim)
     with torch.no_grad():
-        expected = QwenImage21Pipeline._encode_vae_image(fake, rgba, None)[:, :, 0]  # [1, 16, 4, 6]
+        expected = QwenImage21Pipeline._encode_vae_image(fake, rgba, None)[:, :, 0]  # [1, 64, 4, 6]
         latents = ours.encode(rgb)
-        assert latents.shape == (1, 16, 4, 6) and torch.equal(latents, expected)
+        assert latents.shape == (1, 64, 4, 6) and torch.equal(latents, expected)
         std = torch.tensor(reference.config.latents_std).view(1, -1, 1, 1, 1)
         mean = torch.tensor(reference.config.latents_mean).view(1, -1, 1, 1, 1)
         image = reference.decode(latents[:, :, None] * std + mean, return_dict=False)[0][:, :, 0]  # as __call__

@@ -202,7 +202,8 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     network.train()
     lora = [p for p in network.parameters() if p.requires_grad]
     optimizer = _optimizer_bytes(network, args)
-    latents = torch.empty(batch, family.latent_channels, height // 8, width // 8, device="meta")
+    down = family.vae_downsample
+    latents = torch.empty(batch, family.latent_channels, height // down, width // down, device="meta")
     # Edit families: the references (at the target's size) add their tokens to every block.
     count = family.plan_controls if references is None else references
     control = [torch.empty_like(latents) for _ in range(count)]
@@ -295,13 +296,15 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     blocks = [module_bytes(b) for b in model.swappable_blocks()]
     resident = resident_parts(module_bytes(model), blocks, lora, _optimizer_bytes(network, args), args.blocks_to_swap)
     count = family.plan_controls if references is None else references
-    latents = torch.empty(1, family.latent_channels, height // 8, width // 8, device="meta")
+    down = family.vae_downsample
+    latents = torch.empty(1, family.latent_channels, height // down, width // down, device="meta")
     text = family.text_on_meta(model, 1, text_tokens)
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
         for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
             live.ignore(t)  # counted in `resident`
         control = control_kwargs([torch.empty_like(latents) for _ in range(count)])
-        family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // 16, width // 16, None,
+        family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // (down * family.patch),
+                       width // (down * family.patch), None,
                        **control)
     vae = family.vae_on_meta()
     phase = Phase("sampling", {"resident (base, lora, optimizer)": sum(resident.values())})

@@ -4,8 +4,8 @@
   qwen_image21/qwen_image21-tiny.safetensors   the same weights as the ComfyUI single file
                                                (`model.diffusion_model.`, img_mlp.gate_up fused)
 
-The transformer's text width is the text encoders' (TINY lm_hidden = 32); latents enter unpatched, so
-in_channels is the tiny VAE's latent channels (16). Seed offsets 50-59 are this family's.
+The transformer's text width is the text encoders' (TINY lm_hidden = 32); latents enter unpatched with
+the released 64 channels (the family's latent_channels), the tiny VAE's z_dim too. Seed offsets 50-59 are this family's.
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ import torch
 
 from library.models.tiny_files import TINY, seed_component
 
+LATENT_CHANNELS = 64  # the released VAE's z_dim (QwenImage21Family.latent_channels)
+
 
 def tiny_config():
-    """width 64 = 2 heads x 32, RoPE axes (8, 12, 12), 2 blocks, MLP 3 x 64, text width 32, 16 channels."""
+    """width 64 = 2 heads x 32, RoPE axes (8, 12, 12), 2 blocks, MLP 3 x 64, text width 32, 64 channels."""
     from library.models.qwen_image21.model import QwenImage21Config
 
     return QwenImage21Config(
-        in_channels=TINY["latent_channels"], out_channels=TINY["latent_channels"], num_layers=2,
+        in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_layers=2,
         attention_head_dim=TINY["dit_hidden"] // TINY["dit_heads"], num_attention_heads=TINY["dit_heads"],
         context_in_dim=TINY["lm_hidden"], axes_dims_rope=TINY["axes"],
     )  # fmt: skip
@@ -108,11 +110,11 @@ def write_qwen_image21_text_encoder(out: str, seed: int) -> dict[str, str]:
 
 def write_qwen_image21_vae(out: str, seed: int) -> dict[str, str]:
     """A tiny AutoencoderKLQwenImage21 folder: 16x spatial (four downsamplings), RGBA in and out,
-    TINY latent_channels channels with per-channel statistics (not 0 / 1, so the normalisation counts)."""
+    the released 64 latent channels with per-channel statistics (not 0 / 1, so the normalisation counts)."""
     from diffusers import AutoencoderKLQwenImage21
 
     seed_component(seed, 52)
-    z = TINY["latent_channels"]
+    z = LATENT_CHANNELS
     g = torch.Generator().manual_seed(seed * 1000 + 52)
     mean = (torch.randn(z, generator=g) * 0.5).tolist()
     std = (torch.rand(z, generator=g) * 2 + 0.5).tolist()

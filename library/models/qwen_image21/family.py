@@ -1,0 +1,164 @@
+"""Qwen-Image-2.1 as a diffusion family: the single-stream block-causal transformer with diffusers names
+(model.py, loaded by checkpoint.py), the RGBA 16x VAE with 64 latent channels (vae.py, diffusers'
+AutoencoderKLQwenImage21), Qwen3-VL-8B text on our LLM core with a padding mask (text_encoder.py), and
+true CFG with a negative prompt at inference (QwenImage21Pipeline: 40 steps, no norm rescale).
+
+Latents enter the transformer unpatched (one token per latent pixel, row-major: the pipeline's
+_pack_latents), so `patch` is 1 and a token is 16 px, as a 2 x 2 patch of an 8x VAE: the training draw's
+resolution shift counts h*w latent pixels (4096 at 1024 px). loss_at and sample_latents lay latents out
+as these tokens; predict also takes the 2 x 2-packed layout the shared tools build (pack_latents, with
+h, w the latent's size), and answers in it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from library.models import flow_matching as fm
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.latents import pack_latents, unpack_latents
+
+SAMPLE_STEPS = 40  # QwenImage21Pipeline's num_inference_steps default
+SAMPLE_GUIDANCE = 4.0  # a true_cfg_scale for samples with a negative prompt (the pipeline's default 1.0 runs none)
+
+
+def to_tokens(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, H*W, C], one token per latent pixel, row-major (QwenImage21Pipeline._pack_latents)."""
+    return latents.flatten(2).transpose(1, 2)
+
+
+def from_tokens(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of to_tokens: [B, h*w, C] -> [B, C, h, w]."""
+    return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], h, w)
+
+
+class QwenImage21Family(DiffusionFamily):
+    """Qwen-Image-2.1: diffusers module names, Qwen3-VL-8B text with a padding mask, true CFG."""
+
+    name = "qwen_image21"
+    text_path_keys = ("text_encoder",)
+    sample_guidance, sample_steps = SAMPLE_GUIDANCE, SAMPLE_STEPS
+    true_cfg = True
+    vae_downsample = 16
+    patch = 1  # the transformer takes latent pixels
+    latent_channels = 64
+
+    def model_version(self, model) -> str:
+        return "qwen-image-2.1"
+
+    # -- loading -------------------------------------------------------------------------------
+    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
+        from library.models.qwen_image21.checkpoint import load_qwen_image21
+
+        return load_qwen_image21(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
+                                 read_weights=read_weights)
+
+    def model_files(self) -> list[ModelFile]:
+        return [
+            # AutoencoderKLQwenImage21 stores its causal convolutions' kernels as 3 x 3 (one frame).
+            ModelFile("ae", self.vae_path, "a Qwen-Image-2.1 VAE (RGBA in, 64 latent channels)", "vae",
+                      {"encoder.conv_out.weight": (2 * self.latent_channels, None, 3, 3),
+                       "encoder.conv_in.weight": (None, 4, 3, 3)}),
+            ModelFile("text_encoder", self.text_paths["text_encoder"], "a Qwen3-VL language model", "text_encoder",
+                      {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None}),
+        ]
+
+    def load_vae(self, dtype=torch.float32):
+        from library.models.qwen_image21.vae import load_qwen_image21_vae
+
+        return load_qwen_image21_vae(self.vae_path, dtype)
+
+    def vae_on_meta(self):
+        from library.models.qwen_image21.vae import QwenImage21VAE
+        from library.models.vae import vae_on_meta
+
+        return vae_on_meta(QwenImage21VAE, self.vae_path)
+
+    def text_on_meta(self, model, batch, tokens):
+        # No mask: every planned caption is `tokens` long (the forward then reads nothing on the host).
+        return {"embeds": torch.empty(batch, tokens, model.config.context_in_dim, device="meta")}
+
+    def load_text_encoder(self, precision="bf16", device=None):
+        from library.models.qwen_image21.text_encoder import load_qwen_image21_text_encoder
+        from library.models.text_encoders import encoder_precision
+
+        dtype, fp8 = encoder_precision(precision)
+        encoder = load_qwen_image21_text_encoder(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8)
+        encoder.llm.to(device)
+
+        def encode(captions: list[str]) -> list[dict]:
+            embeds, mask = encoder.encode(captions)  # [B, T, D] float32, mask [B, T] bool (real tokens first)
+            return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]
+
+        return encode
+
+    def text_encoder_params(self) -> int:
+        """The embeddings and every decoder layer with the final norm (no head, no vision tower)."""
+        from library.io import CheckpointReader, component_folder
+        from library.models.llm import checkpoint_key_to_llm
+
+        reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
+        used = [k for k in reader.keys() if (name := checkpoint_key_to_llm(k, True)) is not None
+                and not name.startswith("lm_head.")]
+        return reader.numel(used)
+
+    def text_encoding_constants(self) -> dict:
+        from library.models.qwen_image21 import text_encoder as te
+
+        return {"template": te.QWEN_IMAGE21_TEMPLATE, "system_turn": te.QWEN_IMAGE21_SYSTEM_TURN, "layer": "last, unnormed"}
+
+    @classmethod
+    def checkpoint_names(cls, keys, shape):
+        """diffusers names (the model's own), plain or behind a ComfyUI prefix; `txt_in.text_norm` is
+        Qwen-Image-2.1's alone (diffusers' detection key). A ComfyUI file's fused img_mlp.gate_up is no
+        LoRA target name of ours: merging into one goes through the diffusers folder."""
+        from library.models.qwen_image21.checkpoint import MARKER, PREFIXES
+
+        prefix = next((p for p in PREFIXES if p + MARKER in keys), None)
+        return None if prefix is None else CheckpointNames("diffusers", prefix)
+
+    # -- the denoiser --------------------------------------------------------------------------
+    def predict(self, model, x_t, sigmas, text, h, w, guidance):
+        """x_t [B, h*w, C]: the latent's h x w pixels as tokens. The shared tools' 2 x 2-packed latents
+        ([B, h*w / 4, 4C], pack_latents) are taken too and answered in their layout."""
+        packed = x_t.shape[1] != h * w
+        img = to_tokens(unpack_latents(x_t, h, w)) if packed else x_t
+        mask = text.get("mask")
+        out = model(img=img, txt=text["embeds"].to(x_t.device), timesteps=sigmas, h=h, w=w,
+                    txt_mask=None if mask is None else mask.to(x_t.device).bool())
+        return pack_latents(from_tokens(out, h, w)) if packed else out
+
+    def loss_at(self, model, latents, text, noise, sigmas, guidance, weighting="none", loss_type="l2", huber_c=0.1,
+                mask=None, sample_weights=None, control=None):
+        """The shared flow-matching loss (DiffusionFamily.loss_at) on latent-pixel tokens."""
+        h, w = latents.shape[2], latents.shape[3]
+        pred = self.predict(model, to_tokens(fm.noisy_input(latents, noise, sigmas)), sigmas, text, h, w, guidance)
+        target = to_tokens(fm.flow_target(latents, noise))
+        if mask is not None:  # one weight per latent element, laid out like the latents
+            mask = to_tokens(mask.expand_as(latents))
+        weights = fm.loss_weighting(sigmas, weighting)
+        if sample_weights is not None:
+            weights = sample_weights.float() if weights is None else weights * sample_weights.float()
+        return fm.flow_loss(pred, target, weights, loss_type, huber_c, mask)
+
+    @torch.no_grad()
+    def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None):
+        """Euler flow-matching sampling (DiffusionFamily.sample_latents) on latent-pixel tokens; returns
+        latents [B, 64, height/16, width/16] float32."""
+        h, w = height // self.vae_downsample, width // self.vae_downsample
+        batch, device = next(iter(text.values())).shape[0], next(iter(text.values())).device
+        noise = self.initial_noise(batch, h, w, torch.Generator("cpu").manual_seed(seed)).to(device)
+        sigmas = fm.inference_sigmas(steps, h * w, self.arch, dynamic_shift=True, sampling=None)
+
+        def velocity(x, s):
+            return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance)
+
+        return from_tokens(fm.euler_sample(velocity, to_tokens(noise), sigmas), h, w)
+
+    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance):
+        """QwenImage21Pipeline: neg + g (cond - neg) when g > 1 and a negative prompt is given (no rescale)."""
+        cond = self.predict(model, x, s, text, h, w, guidance).float()
+        if negative_text is None or guidance is None or guidance <= 1.0:
+            return cond
+        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
+        return uncond + guidance * (cond - uncond)

@@ -1,0 +1,91 @@
+"""Qwen-Image-2.1 as a trainable family on the tiny models: train_lora.py trains from the family's
+defaults (flux_shift: the pipeline's mu line) and saves a kohya LoRA with diffusers module names; the
+LoRA converted with tools/convert_lora.py --to diffusers loads in QwenImage21Pipeline (load_lora_weights)
+and gives our runtime output; merge_lora merges it into both checkpoint layouts; generate.py renders;
+the sample schedule is the pipeline's."""
+
+import csv
+import os
+
+import numpy as np
+import torch
+import pytest
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import train_lora
+from library.models.qwen_image21.family import QwenImage21Family
+from networks.lora import LoRANetwork
+
+
+def read_losses(out, name):
+    with open(os.path.join(out, f"{name}_log.csv")) as f:
+        return [float(r["loss"]) for r in csv.DictReader(f)]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_set, tmp_path_factory):
+    """Four steps from qwen_image21's defaults, samples at the end: the output folder."""
+    out = tmp_path_factory.mktemp("qi21_run")
+    args = ["--model_type", "qwen_image21", "--pretrained_model_name_or_path", tiny_set["qwen_image21"],
+            "--ae", tiny_set["qwen_image21_vae"], "--text_encoder", tiny_set["qwen_image21_text_encoder"],
+            "--dataset_config", tiny_set["dataset_config"], "--output_dir", str(out), "--output_name", "qi21",
+            "--max_train_steps", "4", "--mixed_precision", "no", "--network_dim", "4", "--network_alpha", "4",
+            "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0",
+            "--sample_prompts", tiny_set["sample_prompts"]]
+    assert train_lora.main(args) == 0
+    return out
+
+
+def test_qwen_image21_lora_trains_saves_and_samples(trained):
+    losses = read_losses(trained, "qi21")
+    print("qwen_image21 tiny losses", losses)
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    names = {k.split(".")[0] for k in load_file(trained / "qi21.safetensors")}
+    # diffusers module paths as kohya names: 2 blocks x (4 attention + 3 SwiGLU) Linears by default
+    assert "lora_unet_transformer_blocks_0_attn_to_q" in names and "lora_unet_transformer_blocks_1_img_mlp_gate_layer" in names
+    assert len(names) == 14 and not any("modulation" in n or "img_in" in n for n in names)
+    with safe_open(str(trained / "qi21.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_base_model_version"] == "qwen-image-2.1" and meta["ss_timestep_sampling"] == "flux_shift"
+    assert (trained / "qi21_final_00.png").stat().st_size > 0
+
+
+def runtime_velocity(model, tokens, txt, sigma, h, w):
+    return model(tokens, txt, sigma, h, w)
+
+
+@torch.no_grad()
+def test_converted_lora_loads_in_the_pipeline_and_matches_runtime(tiny_set, trained, tmp_path):
+    """convert_lora --to diffusers -> QwenImage21Pipeline.load_lora_weights on diffusers' transformer with
+    the same weights: its velocity equals ours with the runtime (unmerged) LoRA."""
+    from diffusers import QwenImage21Transformer2DModel
+    from tests.test_qwen_image21_text import pipeline
+
+    from tools import convert_lora
+
+    lora = trained / "qi21.safetensors"
+    converted = tmp_path / "diffusers.safetensors"
+    assert convert_lora.main([str(lora), str(converted), "--to", "diffusers"]) == 0
+    assert all(k.startswith("transformer.") for k in load_file(converted))
+
+    g = torch.Generator().manual_seed(0)
+    h, w = 4, 6
+    tokens, txt, sigma = torch.randn(1, h * w, 64, generator=g), torch.randn(1, 5, 32, generator=g), torch.tensor([0.4])
+    model = QwenImage21Family(tiny_set["qwen_image21"]).load_transformer(torch.float32)
+    base = runtime_velocity(model, tokens, txt, sigma, h, w)
+    LoRANetwork.from_weights(model, "qwen_image21", str(lora)).apply()
+    ours = runtime_velocity(model, tokens, txt, sigma, h, w)
+
+    reference = QwenImage21Transformer2DModel.from_pretrained(tiny_set["qwen_image21"]).eval()
+    pipe = pipeline({"qwen_image21_text_encoder": tiny_set["qwen_image21_text_encoder"],
+                     "qwen_image21_processor": os.path.join(os.path.dirname(tiny_set["qwen_image21"]), "processor")},
+                    transformer=reference)
+    pipe.load_lora_weights(str(converted))
+    img_mask = torch.cat([torch.zeros(5, dtype=torch.bool), torch.ones(h * w // 4, dtype=torch.bool)])[None]
+    theirs = reference(tokens, txt, sigma, [[(1, h, w)]], img_mask, return_dict=False)[0][:, -h * w:]
+    rel = ((theirs - ours).norm() / ours.norm()).item()
+    effect = ((ours - base).norm() / base.norm()).item()
+    print(f"Qwen-Image-2.1 load_lora_weights: relative error {rel:.2e}, LoRA effect {effect:.2e}")
+    assert effect > 1e-4, effect  # the LoRA does something, so the comparison means something
+    assert rel < 1e-5, rel
