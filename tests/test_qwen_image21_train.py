@@ -89,3 +89,67 @@ def test_converted_lora_loads_in_the_pipeline_and_matches_runtime(tiny_set, trai
     print(f"Qwen-Image-2.1 load_lora_weights: relative error {rel:.2e}, LoRA effect {effect:.2e}")
     assert effect > 1e-4, effect  # the LoRA does something, so the comparison means something
     assert rel < 1e-5, rel
+
+
+@torch.no_grad()
+def test_merge_lora_into_both_layouts_equals_the_runtime_lora(tiny_set, trained, tmp_path):
+    from library.models.qwen_image21.checkpoint import load_qwen_image21
+    from tools import merge_lora
+
+    lora = trained / "qi21.safetensors"
+    g = torch.Generator().manual_seed(1)
+    h, w = 2, 6
+    tokens, txt, sigma = torch.randn(1, h * w, 64, generator=g), torch.randn(1, 4, 32, generator=g), torch.tensor([0.7])
+    model = load_qwen_image21(tiny_set["qwen_image21"])
+    LoRANetwork.from_weights(model, "qwen_image21", str(lora), multiplier=0.8).apply()
+    want = runtime_velocity(model, tokens, txt, sigma, h, w)
+    for name, base in (("folder", tiny_set["qwen_image21"]), ("single.safetensors", tiny_set["qwen_image21_comfy"])):
+        merged = tmp_path / name
+        assert merge_lora.main(["--model", base, "--lora", f"{lora}:0.8", "--save_to", str(merged)]) == 0
+        got = runtime_velocity(load_qwen_image21(str(merged)), tokens, txt, sigma, h, w)
+        assert ((got - want).norm() / want.norm()).item() < 1e-5, name
+
+
+def test_generate_renders_with_the_tiny_model(tiny_set, trained, tmp_path):
+    from tools import generate
+
+    out = tmp_path / "gen"
+    code = generate.main(["--model_type", "qwen_image21", "--model", tiny_set["qwen_image21_comfy"],
+                          "--ae", tiny_set["qwen_image21_vae"], "--text_encoder", tiny_set["qwen_image21_text_encoder"],
+                          "--prompt", "a red square --s 3", "--width", "64", "--height", "48", "--dtype", "fp32",
+                          "--out", str(out), "--lora", f"{trained / 'qi21.safetensors'}:0.8"])
+    assert code == 0
+    pngs = [p for p in os.listdir(out) if p.endswith(".png")]
+    assert len(pngs) == 1 and (out / pngs[0]).stat().st_size > 0
+
+
+def test_sample_schedule_is_the_pipelines():
+    """QwenImage21Pipeline's schedule: linspace(1, 1/n, n) through FlowMatchEulerDiscreteScheduler with dynamic
+    shifting, mu from its calculate_shift (fallbacks 256, 4096, 0.5, 1.15) for the latent-pixel count."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+    from library.models import flow_matching as fm
+
+    for tokens in (64 * 64, 48 * 80):  # 1024 px; 768 x 1280 px
+        steps = 40
+        ours = fm.inference_sigmas(steps, tokens, "qwen_image21")
+        scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=calculate_shift(tokens))
+        assert float((ours - scheduler.sigmas).abs().max()) < 1e-6
+
+
+def test_kohya_diffusers_kohya_round_trip_and_lora_info(trained, tmp_path):
+    """convert_lora kohya -> diffusers -> kohya gives back the tensors (a prefix change), and lora_info
+    names the architecture and its blocks."""
+    from tools import convert_lora, lora_info
+
+    lora, there, back = trained / "qi21.safetensors", tmp_path / "d.safetensors", tmp_path / "k.safetensors"
+    assert convert_lora.main([str(lora), str(there), "--to", "diffusers"]) == 0
+    assert convert_lora.main([str(there), str(back), "--to", "kohya"]) == 0
+    a, b = load_file(lora), load_file(back)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for path in (lora, there):
+        modules = lora_info._modules(list(load_file(path)))
+        assert lora_info.arch_of(modules)[0] == "qwen_image21"
+        assert lora_info.block_counts(modules, "qwen_image21") == {"block": 2}

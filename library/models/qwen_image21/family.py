@@ -110,12 +110,20 @@ class QwenImage21Family(DiffusionFamily):
     @classmethod
     def checkpoint_names(cls, keys, shape):
         """diffusers names (the model's own), plain or behind a ComfyUI prefix; `txt_in.text_norm` is
-        Qwen-Image-2.1's alone (diffusers' detection key). A ComfyUI file's fused img_mlp.gate_up is no
-        LoRA target name of ours: merging into one goes through the diffusers folder."""
-        from library.models.qwen_image21.checkpoint import MARKER, PREFIXES
+        Qwen-Image-2.1's alone (diffusers' detection key). A ComfyUI file fuses each block's SwiGLU gate and
+        up projections into `img_mlp.gate_up` (gate rows first): the module map names the file's fused
+        module with our two as its row parts, so a LoRA on them merges as one stacked LoRA there."""
+        from library.models.qwen_image21.checkpoint import FUSED, MARKER, PREFIXES
 
         prefix = next((p for p in PREFIXES if p + MARKER in keys), None)
-        return None if prefix is None else CheckpointNames("diffusers", prefix)
+        if prefix is None:
+            return None
+        fused = {}
+        for key in keys:
+            if key.startswith(prefix) and (m := FUSED.fullmatch(key[len(prefix):])):
+                rows = shape(key)[0] // 2
+                fused[m.group(1) + "gate_up"] = [(m.group(1) + "gate_layer", 0, rows), (m.group(1) + "proj", rows, 2 * rows)]
+        return CheckpointNames("diffusers", prefix, fused or None)
 
     # -- the denoiser --------------------------------------------------------------------------
     def predict(self, model, x_t, sigmas, text, h, w, guidance):
