@@ -225,13 +225,14 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     )
 
 
-def _vae_peak(vae, width: int, height: int, batch: int, decode: bool) -> int:
-    """Peak bytes of one VAE encode (images -> latents) or decode, fp32, no grad, on meta."""
+def _vae_peak(vae, width: int, height: int, batch: int, decode: bool, downsample: int = 8) -> int:
+    """Peak bytes of one VAE encode (images -> latents) or decode (latents of a `downsample`x VAE), fp32,
+    no grad, on meta."""
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
         for t in (*vae.vae.parameters(), *vae.vae.buffers()):
             live.track(t)
         if decode:
-            vae.decode(torch.empty(batch, vae.latent_channels, height // 8, width // 8, device="meta"))
+            vae.decode(torch.empty(batch, vae.latent_channels, height // downsample, width // downsample, device="meta"))
         else:
             vae.encode(torch.empty(batch, 3, height, width, device="meta"))
     return live.peak
@@ -312,7 +313,8 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
         phase.parts["bf16 reference (base, lora)"] = _bf16_reference_bytes(family, args, lora)
     phase.parts["vae (weights)"] = module_bytes(vae.vae)
     phase.parts["forward (peak)"] = live.peak
-    vae_peak = phase.parts["vae decode (peak)"] = _vae_peak(vae, width, height, 1, decode=True)
+    vae_peak = _vae_peak(vae, width, height, 1, decode=True, downsample=family.vae_downsample)
+    phase.parts["vae decode (peak)"] = vae_peak
     if count:
         phase.parts["vae encode of references (peak)"] = _vae_peak(vae, width, height, 1, decode=False)
         vae_peak = max(vae_peak, phase.parts["vae encode of references (peak)"])
