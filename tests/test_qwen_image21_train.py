@@ -167,3 +167,28 @@ def test_planner_sizes_the_16x_vae_and_its_tokens(capsys):
     vae = QwenImage21Family("unused").vae_on_meta()
     right, wrong = (_vae_peak(vae, 512, 512, 1, decode=True, downsample=d) / 2**30 for d in (16, 8))
     assert abs(planned - right) < 0.01 and wrong > 3 * right
+
+
+def test_trains_from_configs_qwen_image21_toml(tiny_set, tmp_path):
+    """configs/qwen_image21.toml itself (fp8_scaled base, gradient checkpointing, flux_shift) with the tiny
+    files in its paths: two steps, fp32 compute, AdamW (AdamW8bit needs CUDA), the tiny sample prompts."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "configs", "qwen_image21.toml")) as f:
+        text = f.read()
+    text = (text.replace('"models/Qwen-Image-2.1/vae"', f'"{tiny_set["qwen_image21_vae"]}"')
+                .replace('"models/Qwen-Image-2.1"', f'"{os.path.dirname(tiny_set["qwen_image21"])}"')
+                .replace('"configs/dataset_example.toml"', f'"{tiny_set["dataset_config"]}"'))
+    assert text.count(tiny_set["qwen_image21_vae"]) == 1 and "models/Qwen-Image-2.1" not in text
+    config = tmp_path / "qwen_image21.toml"
+    config.write_text(text)
+    out = tmp_path / "run"
+    assert train_lora.main(["--config_file", str(config), "--output_dir", str(out), "--logging_dir", str(out / "logs"),
+                            "--max_train_steps", "2", "--mixed_precision", "no", "--optimizer_type", "AdamW",
+                            "--network_dim", "4", "--network_alpha", "4", "--sample_every_n_steps", "0",
+                            "--validate_every_n_steps", "0", "--save_every_n_steps", "0", "--save_state", "false",
+                            "--sample_prompts", tiny_set["sample_prompts"]]) == 0  # the config's are 1024 px
+    losses = read_losses(out, "my_qwen_image21_lora")
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    with safe_open(str(out / "my_qwen_image21_lora.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_base_precision"] == "fp8_scaled" and meta["ss_timestep_sampling"] == "flux_shift"
