@@ -18,7 +18,7 @@ def tiny_files(tmp_path_factory):
     return {**write_qwen_image21_text_encoder(out, 0), **write_qwen_image21_vae(out, 0), "root": out + "/qwen_image21"}
 
 
-def pipeline(tiny_files, vae=None, transformer=None):
+def pipeline(tiny_files, vae=None, transformer=None, scheduler=None):
     """QwenImage21Pipeline with the tiny text side. Its Qwen3VLProcessor is built by hand: transformers
     checks the video processor's class, which needs torchvision (not installed; text never uses it)."""
     from diffusers import QwenImage21Pipeline
@@ -35,7 +35,7 @@ def pipeline(tiny_files, vae=None, transformer=None):
                                      chat_template=tokenizer.chat_template)
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
-    return QwenImage21Pipeline(scheduler=None, vae=vae, text_encoder=text_encoder, processor=processor,
+    return QwenImage21Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, processor=processor,
                                transformer=transformer)
 
 
