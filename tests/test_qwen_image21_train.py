@@ -219,3 +219,31 @@ def test_sampling_equals_the_pipelines_denoising_loop(tiny_set):
     rel = ((to_tokens(ours) - theirs).norm() / theirs.norm()).item()
     print(f"Qwen-Image-2.1 sampling vs QwenImage21Pipeline: relative error {rel:.2e}")
     assert ours.shape == (1, 64, 4, 6) and rel < 1e-5
+
+
+def test_a_comfyui_lora_on_the_fused_gate_up_converts_to_ours_by_rows(tmp_path):
+    """A ComfyUI / ai-toolkit LoRA on `diffusion_model.transformer_blocks.N.img_mlp.gate_up` (the released
+    file's fused SwiGLU, gate rows first) converts to kohya gate_layer (the first half of up's rows) and
+    proj (the second half), one shared down; its attention modules convert by name."""
+    from safetensors.torch import save_file
+
+    from tools import convert_lora
+
+    g = torch.Generator().manual_seed(5)
+    down, up = torch.randn(4, 64, generator=g), torch.randn(2 * 192, 4, generator=g)
+    q_down, q_up = torch.randn(4, 64, generator=g), torch.randn(64, 4, generator=g)
+    comfy = tmp_path / "comfy.safetensors"
+    save_file({"diffusion_model.transformer_blocks.1.img_mlp.gate_up.lora_A.weight": down,
+               "diffusion_model.transformer_blocks.1.img_mlp.gate_up.lora_B.weight": up,
+               "diffusion_model.transformer_blocks.1.attn.to_q.lora_A.weight": q_down,
+               "diffusion_model.transformer_blocks.1.attn.to_q.lora_B.weight": q_up}, str(comfy))
+    kohya = tmp_path / "kohya.safetensors"
+    assert convert_lora.main([str(comfy), str(kohya), "--to", "kohya"]) == 0
+    out = load_file(kohya)
+    gate, proj = "lora_unet_transformer_blocks_1_img_mlp_gate_layer", "lora_unet_transformer_blocks_1_img_mlp_proj"
+    scale = lambda name: float(out[f"{name}.alpha"]) / out[f"{name}.lora_down.weight"].shape[0]  # noqa: E731
+    for name, rows in ((gate, slice(0, 192)), (proj, slice(192, 384))):
+        delta = scale(name) * out[f"{name}.lora_up.weight"].float() @ out[f"{name}.lora_down.weight"].float()
+        assert torch.allclose(delta, up[rows] @ down, atol=1e-5), name
+    q = "lora_unet_transformer_blocks_1_attn_to_q"
+    assert torch.allclose(scale(q) * out[f"{q}.lora_up.weight"] @ out[f"{q}.lora_down.weight"], q_up @ q_down, atol=1e-5)

@@ -31,10 +31,12 @@ LORA = S.LoRATargets(
 # diffusers module names in every layout: converting changes the prefix only. The SwiGLU and text
 # projection names are Qwen-Image-2.1's alone (Qwen-Image has img_mlp.net.0.proj / net.2, txt_in a Linear).
 LORA_FILES = S.LoRAFiles(
-    markers=("_img_mlp_gate_layer", "_img_mlp_proj", "_img_mlp_out", "txt_in_in_layer", "txt_in_out_layer"),
+    markers=("_img_mlp_gate_layer", "_img_mlp_proj", "_img_mlp_out", "_img_mlp_gate_up", "txt_in_in_layer",
+             "txt_in_out_layer"),
     block_pattern=r"(transformer_blocks)[._](\d+)[._]",
     module_paths="library.models.qwen_image21.lora_files:module_paths",
-    info_markers=(("diffusers", r"_img_mlp_(gate_layer|proj|out)$|txt_in_(in|out)_layer"),),
+    comfy_map="library.models.qwen_image21.lora_files:comfy_module_map",  # ComfyUI's fused gate_up read as ours
+    info_markers=(("diffusers", r"_img_mlp_(gate_layer|proj|out|gate_up)$|txt_in_(in|out)_layer"),),
     info_blocks=(("block", r"transformer_blocks_(\d+)_"),),
     width_modules=r"attn_to_[qkv]|img_mlp_(proj|gate_layer)",
     releases=(S.Release("Qwen-Image-2.1", 4096, {"block": 32}),),
