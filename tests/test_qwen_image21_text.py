@@ -84,3 +84,32 @@ def test_vae_matches_the_pipelines_encode_and_decode(tiny_files):
         mean = torch.tensor(reference.config.latents_mean).view(1, -1, 1, 1, 1)
         image = reference.decode(latents[:, :, None] * std + mean, return_dict=False)[0][:, :, 0]  # as __call__
         assert torch.equal(ours.decode(latents), image[:, :3])
+
+
+def condition_images():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8)),  # 2 x 3 merged vision tokens
+            Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))]  # 2 x 2
+
+
+def test_encode_prompt_with_condition_images_matches_pipeline(tiny_files, monkeypatch):
+    """Two condition images per prompt: transformers' Qwen3-VL vision tower, its features at the image tokens,
+    M-RoPE ids of the images' grids and the deepstack features added after the first layer, our LLM core for
+    the rest: embeddings and the image-slot mask equal the pipeline's. Without deepstack they differ."""
+    from library.models.qwen_image21.text_encoder import load_qwen_image21_image_text_encoder
+
+    images, prompts = condition_images(), ["make the cat red", "a dog"]
+    with torch.no_grad():
+        expected, _, expected_slots = pipeline(tiny_files).encode_prompt(prompts, image=images, device="cpu")
+    ours = load_qwen_image21_image_text_encoder(tiny_files["root"])
+    embeds, mask, slots = ours.encode_with_images(prompts, [images, images])
+    assert torch.equal(slots, expected_slots.bool()) and slots.sum(1).tolist() == [10, 10]
+    diff, scale = (embeds - expected).abs().max().item(), expected.abs().max().item()
+    print(f"Qwen-Image-2.1 encode_prompt with 2 images: max abs diff {diff:.2e} (values up to {scale:.2e})")
+    assert diff <= 1e-5 * scale
+    forward = ours.llm.selected_hidden_states
+    monkeypatch.setattr(ours.llm, "selected_hidden_states", lambda *a, deepstack=None, **k: forward(*a, **k))
+    assert (ours.encode_with_images(prompts, [images, images])[0] - expected).abs().max() > 1e-3 * scale
