@@ -15,10 +15,25 @@ from __future__ import annotations
 import torch
 
 from library.models import flow_matching as fm
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
 from library.models.latents import pack_latents, unpack_latents
 
 SAMPLE_STEPS = 40  # QwenImage21Pipeline's num_inference_steps default
+REFERENCE_RESOLUTION = 1024  # QwenImage21Pipeline's output_resolution: references are resized to its square's area
+REFERENCE_MULTIPLE = 32  # calculate_dimensions rounds to 32 px: one merged vision token = 2 x 2 latent tokens
+
+
+def reference_size(width: int, height: int, resolution: int = REFERENCE_RESOLUTION) -> tuple[int, int]:
+    """A condition image's size for both the VAE and the vision tower, as QwenImage21Pipeline resizes it once for
+    both: its aspect ratio at resolution^2 pixels, each side a multiple of 32 (diffusers' calculate_dimensions,
+    Python round)."""
+    import math
+
+    ratio = width / height
+    w = math.sqrt(resolution * resolution * ratio)
+    h = w / ratio
+    w, h = round(w / REFERENCE_MULTIPLE) * REFERENCE_MULTIPLE, round(h / REFERENCE_MULTIPLE) * REFERENCE_MULTIPLE
+    return max(w, REFERENCE_MULTIPLE), max(h, REFERENCE_MULTIPLE)
 SAMPLE_GUIDANCE = 4.0  # a true_cfg_scale for samples with a negative prompt (the pipeline's default 1.0 runs none)
 
 
@@ -33,7 +48,9 @@ def from_tokens(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 
 class QwenImage21Family(DiffusionFamily):
-    """Qwen-Image-2.1: diffusers module names, Qwen3-VL-8B text with a padding mask, true CFG."""
+    """Qwen-Image-2.1: diffusers module names, Qwen3-VL-8B text with a padding mask, true CFG; optional
+    reference images (a subset's control_directory, a sample's --ci): the text encoder sees them and their
+    latents take the prompt's image slots in the transformer."""
 
     name = "qwen_image21"
     text_path_keys = ("text_encoder",)
@@ -42,6 +59,28 @@ class QwenImage21Family(DiffusionFamily):
     vae_downsample = 16
     patch = 1  # the transformer takes latent pixels
     latent_channels = 64
+    max_controls = 3  # the pipeline takes any number; three as the Qwen-Image-Edit-Plus releases
+    min_controls = 0  # text-to-image and editing are one model
+    text_sees_controls = True  # encode(captions, reference views): the prompt holds the references' vision tokens
+    reference_resolution = REFERENCE_RESOLUTION  # an instance takes the config's
+
+    def __init__(self, model_path: str, vae_path: str | None = None, reference_resolution: int | None = None,
+                 **text_paths):
+        super().__init__(model_path, vae_path, **text_paths)
+        self.reference_resolution = reference_resolution or REFERENCE_RESOLUTION
+
+    @classmethod
+    def from_args(cls, args) -> "QwenImage21Family":
+        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "reference_resolution", None),
+                   **{k: getattr(args, k) for k in cls.text_path_keys})
+
+    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+        """The pipeline's rule, whatever the target's size: the reference's ratio at reference_resolution^2."""
+        return reference_size(size[0], size[1], self.reference_resolution)
+
+    def reference_text_tokens(self, width: int, height: int) -> int:
+        w, h = reference_size(width, height, self.reference_resolution)
+        return (w // REFERENCE_MULTIPLE) * (h // REFERENCE_MULTIPLE)
 
     def model_version(self, model) -> str:
         return "qwen-image-2.1"
@@ -79,16 +118,28 @@ class QwenImage21Family(DiffusionFamily):
         return {"embeds": torch.empty(batch, tokens, model.config.context_in_dim, device="meta")}
 
     def load_text_encoder(self, precision="bf16", device=None):
-        from library.models.qwen_image21.text_encoder import load_qwen_image21_text_encoder
+        """-> encode(captions, reference_views=None): a caption with references is encoded with their vision
+        tokens (each resized by control_bucket's rule, as the VAE sees it), its `slots` marking them."""
+        from library.models.qwen_image21.text_encoder import load_qwen_image21_image_text_encoder
         from library.models.text_encoders import encoder_precision
 
         dtype, fp8 = encoder_precision(precision)
-        encoder = load_qwen_image21_text_encoder(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8)
+        encoder = load_qwen_image21_image_text_encoder(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8)
         encoder.llm.to(device)
+        encoder.visual.to(device)
 
-        def encode(captions: list[str]) -> list[dict]:
-            embeds, mask = encoder.encode(captions)  # [B, T, D] float32, mask [B, T] bool (real tokens first)
-            return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]
+        def encode(captions: list[str], references: list[list] | None = None) -> list[dict]:
+            out = []
+            for caption, images in zip(captions, references or [[]] * len(captions), strict=True):
+                if images:
+                    sized = [img.resize(reference_size(*img.size, self.reference_resolution)) for img in images]
+                    embeds, mask, slots = encoder.encode_with_images([caption], [sized])
+                else:
+                    embeds, mask = encoder.encode([caption])
+                    slots = torch.zeros_like(mask)
+                n = int(mask[0].sum())  # embeds float32, mask / slots bool, real tokens first
+                out.append({"embeds": embeds[0, :n], "mask": mask[0, :n], "slots": slots[0, :n]})
+            return out
 
         return encode
 
@@ -105,7 +156,8 @@ class QwenImage21Family(DiffusionFamily):
     def text_encoding_constants(self) -> dict:
         from library.models.qwen_image21 import text_encoder as te
 
-        return {"template": te.QWEN_IMAGE21_TEMPLATE, "system_turn": te.QWEN_IMAGE21_SYSTEM_TURN, "layer": "last, unnormed"}
+        return {"template": te.QWEN_IMAGE21_TEMPLATE, "system_turn": te.QWEN_IMAGE21_SYSTEM_TURN, "layer": "last, unnormed",
+                "image_slot": te.IMAGE_SLOT, "reference_resolution": self.reference_resolution}
 
     @classmethod
     def checkpoint_names(cls, keys, shape):
@@ -126,21 +178,33 @@ class QwenImage21Family(DiffusionFamily):
         return CheckpointNames("diffusers", prefix, fused or None)
 
     # -- the denoiser --------------------------------------------------------------------------
-    def predict(self, model, x_t, sigmas, text, h, w, guidance):
+    def predict(self, model, x_t, sigmas, text, h, w, guidance, control=None):
         """x_t [B, h*w, C]: the latent's h x w pixels as tokens. The shared tools' 2 x 2-packed latents
-        ([B, h*w / 4, 4C], pack_latents) are taken too and answered in their layout."""
+        ([B, h*w / 4, 4C], pack_latents) are taken too and answered in their layout. control: the references'
+        latents, each [B, C, H_i, W_i]; they take the prompt's image slots (text["slots"], one layout for the
+        batch: a bucket holds one reference count and size, and the slots precede the caption)."""
         packed = x_t.shape[1] != h * w
         img = to_tokens(unpack_latents(x_t, h, w)) if packed else x_t
         mask = text.get("mask")
+        references = {}
+        if control:
+            slots = text["slots"].to(x_t.device).bool()
+            if not bool((slots == slots[:1]).all()):
+                raise ValueError("qwen_image21: the batch's prompts hold their references' slots at different places")
+            references = dict(control=torch.cat([to_tokens(c.to(x_t.device, img.dtype)) for c in control], dim=1),
+                              control_shapes=[tuple(c.shape[2:]) for c in control], image_slots=slots[0])
+        elif "slots" in text and bool(text["slots"].any()):
+            raise ValueError("qwen_image21: the prompt was encoded with reference images, but none were given")
         out = model(img=img, txt=text["embeds"].to(x_t.device), timesteps=sigmas, h=h, w=w,
-                    txt_mask=None if mask is None else mask.to(x_t.device).bool())
+                    txt_mask=None if mask is None else mask.to(x_t.device).bool(), **references)
         return pack_latents(from_tokens(out, h, w)) if packed else out
 
     def loss_at(self, model, latents, text, noise, sigmas, guidance, weighting="none", loss_type="l2", huber_c=0.1,
                 mask=None, sample_weights=None, control=None):
         """The shared flow-matching loss (DiffusionFamily.loss_at) on latent-pixel tokens."""
         h, w = latents.shape[2], latents.shape[3]
-        pred = self.predict(model, to_tokens(fm.noisy_input(latents, noise, sigmas)), sigmas, text, h, w, guidance)
+        pred = self.predict(model, to_tokens(fm.noisy_input(latents, noise, sigmas)), sigmas, text, h, w, guidance,
+                            **control_kwargs(control))
         target = to_tokens(fm.flow_target(latents, noise))
         if mask is not None:  # one weight per latent element, laid out like the latents
             mask = to_tokens(mask.expand_as(latents))
@@ -159,14 +223,16 @@ class QwenImage21Family(DiffusionFamily):
         sigmas = fm.inference_sigmas(steps, h * w, self.arch, dynamic_shift=True, sampling=None)
 
         def velocity(x, s):
-            return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance)
+            return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **control_kwargs(control))
 
         return from_tokens(fm.euler_sample(velocity, to_tokens(noise), sigmas), h, w)
 
-    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance):
-        """QwenImage21Pipeline: neg + g (cond - neg) when g > 1 and a negative prompt is given (no rescale)."""
-        cond = self.predict(model, x, s, text, h, w, guidance).float()
+    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
+        """QwenImage21Pipeline: neg + g (cond - neg) when g > 1 and a negative prompt is given (no rescale);
+        both passes see the references."""
+        refs = control_kwargs(control)
+        cond = self.predict(model, x, s, text, h, w, guidance, **refs).float()
         if negative_text is None or guidance is None or guidance <= 1.0:
             return cond
-        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
+        uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
         return uncond + guidance * (cond - uncond)

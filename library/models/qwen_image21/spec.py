@@ -86,6 +86,9 @@ TINY = S.TinySpec(writers=(
 # -- the training config's keys of its text encoder files (library/training/config.py)
 CONFIG_KEYS = (
     S.ConfigKey("text_encoder", str, "Qwen3-VL-8B (the repo's text_encoder/ folder, processor/ beside it)"),
+    S.ConfigKey("reference_resolution", int, "qwen_image21: reference images (control_directory, --ci) are resized "
+                                             "to this square's area at their own ratio, for the VAE and the text "
+                                             "encoder alike (QwenImage21Pipeline's output_resolution, default 1024)"),
 )
 
 
