@@ -119,26 +119,38 @@ class QwenImage21Family(DiffusionFamily):
 
     def load_text_encoder(self, precision="bf16", device=None):
         """-> encode(captions, reference_views=None): a caption with references is encoded with their vision
-        tokens (each resized by control_bucket's rule, as the VAE sees it), its `slots` marking them."""
-        from library.models.qwen_image21.text_encoder import load_qwen_image21_image_text_encoder
+        tokens (each resized by control_bucket's rule, as the VAE sees it), its `slots` marking them. The
+        vision tower loads on the first caption with references (text-to-image never reads it)."""
+        from library.models.qwen_image21.text_encoder import load_qwen_image21_text_encoder, with_vision
         from library.models.text_encoders import encoder_precision
 
         dtype, fp8 = encoder_precision(precision)
-        encoder = load_qwen_image21_image_text_encoder(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8)
+        path = self.text_paths["text_encoder"]
+        encoder = load_qwen_image21_text_encoder(path, dtype=dtype, fp8=fp8)
         encoder.llm.to(device)
-        encoder.visual.to(device)
+        vision = []  # the encoder with its vision tower, once needed
+
+        def row(embeds, mask, slots) -> dict:
+            n = int(mask.sum())  # embeds float32, mask / slots bool, real tokens first
+            return {"embeds": embeds[:n], "mask": mask[:n], "slots": slots[:n]}
 
         def encode(captions: list[str], references: list[list] | None = None) -> list[dict]:
-            out = []
-            for caption, images in zip(captions, references or [[]] * len(captions), strict=True):
-                if images:
-                    sized = [img.resize(reference_size(*img.size, self.reference_resolution)) for img in images]
-                    embeds, mask, slots = encoder.encode_with_images([caption], [sized])
-                else:
-                    embeds, mask = encoder.encode([caption])
-                    slots = torch.zeros_like(mask)
-                n = int(mask[0].sum())  # embeds float32, mask / slots bool, real tokens first
-                out.append({"embeds": embeds[0, :n], "mask": mask[0, :n], "slots": slots[0, :n]})
+            references = references or [[]] * len(captions)
+            out: list[dict | None] = [None] * len(captions)
+            plain = [i for i, images in enumerate(references) if not images]
+            if plain:  # captions without references: one batch
+                embeds, mask = encoder.encode([captions[i] for i in plain])
+                for j, i in enumerate(plain):
+                    out[i] = row(embeds[j], mask[j], torch.zeros_like(mask[j]))
+            for i, images in enumerate(references):
+                if not images:
+                    continue
+                if not vision:
+                    vision.append(with_vision(encoder, path, dtype))
+                    vision[0].visual.to(device)
+                sized = [img.resize(reference_size(*img.size, self.reference_resolution)) for img in images]
+                embeds, mask, slots = vision[0].encode_with_images([captions[i]], [sized])
+                out[i] = row(embeds[0], mask[0], slots[0])
             return out
 
         return encode

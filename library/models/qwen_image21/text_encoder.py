@@ -201,19 +201,27 @@ def load_qwen3_vl_vision_tower(path: str, dtype: torch.dtype = torch.float32):
     return visual
 
 
+def with_vision(encoder: QwenImage21TextEncoder, path: str, dtype: torch.dtype = torch.float32,
+                processor: str | None = None) -> QwenImage21ImageTextEncoder:
+    """`encoder` (its language model and tokenizer, shared) with the vision tower and the image processor of
+    the pipeline folder or text encoder folder at `path` (processor/preprocessor_config.json beside it)."""
+    from transformers import Qwen2VLImageProcessor
+
+    from library.io import CheckpointError
+
+    folder = component_folder(path, "text_encoder")
+    candidates = [c for c in (processor, os.path.join(path, "processor"),
+                              os.path.join(os.path.dirname(folder.rstrip("/")), "processor"), folder) if c]
+    found = next((c for c in candidates if os.path.isfile(os.path.join(c, "preprocessor_config.json"))), None)
+    if found is None:
+        raise CheckpointError(f"{path}: reference images need the image processor (preprocessor_config.json) in one "
+                              f"of {candidates}")
+    image_processor = Qwen2VLImageProcessor.from_pretrained(found, local_files_only=True)
+    return QwenImage21ImageTextEncoder(encoder.llm, encoder.tokenizer, load_qwen3_vl_vision_tower(folder, dtype),
+                                       image_processor)
+
+
 def load_qwen_image21_image_text_encoder(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32,
                                          fp8: str | None = None) -> QwenImage21ImageTextEncoder:
     """The text encoder with its vision tower and image processor (processor/ of the pipeline folder)."""
-    from transformers import Qwen2VLImageProcessor
-
-    text = load_qwen_image21_text_encoder(path, tokenizer, dtype, fp8)
-    folder = component_folder(path, "text_encoder")
-    processor = next((c for c in (os.path.join(path, "processor"), os.path.join(os.path.dirname(folder.rstrip("/")), "processor"),
-                                  folder, tokenizer or folder) if os.path.isfile(os.path.join(c, "preprocessor_config.json"))),
-                     None)
-    if processor is None:
-        from library.io import CheckpointError
-
-        raise CheckpointError(f"{path}: no processor/preprocessor_config.json beside the text encoder")
-    image_processor = Qwen2VLImageProcessor.from_pretrained(processor, local_files_only=True)
-    return QwenImage21ImageTextEncoder(text.llm, text.tokenizer, load_qwen3_vl_vision_tower(folder, dtype), image_processor)
+    return with_vision(load_qwen_image21_text_encoder(path, tokenizer, dtype, fp8), path, dtype)
