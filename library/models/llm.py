@@ -320,20 +320,26 @@ class LLM(nn.Module):
         return x, states
 
     def selected_hidden_states(self, input_ids, attention_mask, indices, position_ids=None,
-                               final_norm: bool = True) -> list[torch.Tensor]:
+                               final_norm: bool = True, inputs_embeds=None, deepstack=None) -> list[torch.Tensor]:
         """transformers' `output_hidden_states[k]` for each k in indices (0 = embeddings, k = layer
         k's output, num_layers = the last layer after the final norm; final_norm=False: before it,
         as a pipeline that runs the decoder layers itself taps it), each [B, L, D] compute_dtype.
         Only the layers up to max(indices) run (e.g. 9, 18, 27 of Qwen3's 36).
         position_ids [B, L] or [L] int64: None derives them from the mask (position_ids_from_mask);
-        pass torch.arange(L) to match a transformers call that gave none (pads then keep their index)."""
+        pass torch.arange(L) to match a transformers call that gave none (pads then keep their index).
+        inputs_embeds [B, L, D]: replaces the token lookup (image tokens carrying vision features);
+        deepstack (Qwen3-VL): (positions bool [B, L], [features [N, D] per layer]): after decoder layer j
+        (0-based) the j-th features are added at the N marked positions, as transformers' _deepstack_process."""
         n, have = self.config.num_layers, len(self.model.layers)
         if not indices or any(not 0 <= k <= have for k in indices):
             raise ValueError(f"selected_hidden_states: indices {list(indices)} must lie in 0..{have} (the layers loaded)")
-        x, cos, sin, mask, visible = self._embed(input_ids, attention_mask, position_ids)
+        x, cos, sin, mask, visible = self._embed(input_ids, attention_mask, position_ids, inputs_embeds)
+        where, extra = deepstack if deepstack is not None else (None, [])
         states = {0: x}
         for i, layer in enumerate(self.model.layers[: max(indices)], start=1):
             x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask, visible)
+            if i <= len(extra):
+                x = x.index_put((where,), x[where] + extra[i - 1].to(x.dtype))
             states[i] = self.model.norm(x) if i == n and final_norm else x
         return [states[k] for k in indices]
 

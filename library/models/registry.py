@@ -24,6 +24,7 @@ FAMILIES = {
     "chroma": "library.models.chroma.family:ChromaFamily",
     "krea2": "library.models.krea2.family:Krea2Family",
     "ideogram4": "library.models.ideogram4.family:Ideogram4Family",
+    "qwen_image21": "library.models.qwen_image21.family:QwenImage21Family",
 }
 
 # How the frozen base is stored (config base_precision): the compute dtype, fp8 (library/precision/fp8.py),

@@ -9,7 +9,7 @@ measured 10.2 GiB against 8.1 planned (bench/RESULTS.md). Pinning the threshold 
 mapped, so RSS falls back when they are freed. Buffers below 1 MiB (every tensor of a tiny model)
 stay on the heap, where reuse is cheaper than a fresh mapping's page faults.
 
-The price is those page faults: a mid-size FLUX.1 step on the CPU takes ~25% more CPU time pinned
+The price is those page faults: a mid-size DiT step on the CPU takes ~25% more CPU time pinned
 (5.6 -> 7.0 s, 1 thread). train_lora.py pins it when the model runs on a GPU (the host then only
 loads, caches and stages: RAM follows the tensors at no step cost); a CPU run can ask for it with
 glibc's own variable, MALLOC_MMAP_THRESHOLD_=1048576 (the full-size CPU benches do).

@@ -202,7 +202,8 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     network.train()
     lora = [p for p in network.parameters() if p.requires_grad]
     optimizer = _optimizer_bytes(network, args)
-    latents = torch.empty(batch, family.latent_channels, height // 8, width // 8, device="meta")
+    down = family.vae_downsample
+    latents = torch.empty(batch, family.latent_channels, height // down, width // down, device="meta")
     # Edit families: the references (at the target's size) add their tokens to every block.
     count = family.plan_controls if references is None else references
     control = [torch.empty_like(latents) for _ in range(count)]
@@ -224,13 +225,14 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     )
 
 
-def _vae_peak(vae, width: int, height: int, batch: int, decode: bool) -> int:
-    """Peak bytes of one VAE encode (images -> latents) or decode, fp32, no grad, on meta."""
+def _vae_peak(vae, width: int, height: int, batch: int, decode: bool, downsample: int = 8) -> int:
+    """Peak bytes of one VAE encode (images -> latents) or decode (latents of a `downsample`x VAE), fp32,
+    no grad, on meta."""
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
         for t in (*vae.vae.parameters(), *vae.vae.buffers()):
             live.track(t)
         if decode:
-            vae.decode(torch.empty(batch, vae.latent_channels, height // 8, width // 8, device="meta"))
+            vae.decode(torch.empty(batch, vae.latent_channels, height // downsample, width // downsample, device="meta"))
         else:
             vae.encode(torch.empty(batch, 3, height, width, device="meta"))
     return live.peak
@@ -295,13 +297,15 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     blocks = [module_bytes(b) for b in model.swappable_blocks()]
     resident = resident_parts(module_bytes(model), blocks, lora, _optimizer_bytes(network, args), args.blocks_to_swap)
     count = family.plan_controls if references is None else references
-    latents = torch.empty(1, family.latent_channels, height // 8, width // 8, device="meta")
+    down = family.vae_downsample
+    latents = torch.empty(1, family.latent_channels, height // down, width // down, device="meta")
     text = family.text_on_meta(model, 1, text_tokens)
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
         for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
             live.ignore(t)  # counted in `resident`
         control = control_kwargs([torch.empty_like(latents) for _ in range(count)])
-        family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // 16, width // 16, None,
+        family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // (down * family.patch),
+                       width // (down * family.patch), None,
                        **control)
     vae = family.vae_on_meta()
     phase = Phase("sampling", {"resident (base, lora, optimizer)": sum(resident.values())})
@@ -309,7 +313,8 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
         phase.parts["bf16 reference (base, lora)"] = _bf16_reference_bytes(family, args, lora)
     phase.parts["vae (weights)"] = module_bytes(vae.vae)
     phase.parts["forward (peak)"] = live.peak
-    vae_peak = phase.parts["vae decode (peak)"] = _vae_peak(vae, width, height, 1, decode=True)
+    vae_peak = _vae_peak(vae, width, height, 1, decode=True, downsample=family.vae_downsample)
+    phase.parts["vae decode (peak)"] = vae_peak
     if count:
         phase.parts["vae encode of references (peak)"] = _vae_peak(vae, width, height, 1, decode=False)
         vae_peak = max(vae_peak, phase.parts["vae encode of references (peak)"])

@@ -1,0 +1,250 @@
+"""Qwen-Image-2.1 as a diffusion family: the single-stream block-causal transformer with diffusers names
+(model.py, loaded by checkpoint.py), the RGBA 16x VAE with 64 latent channels (vae.py, diffusers'
+AutoencoderKLQwenImage21), Qwen3-VL-8B text on our LLM core with a padding mask (text_encoder.py), and
+true CFG with a negative prompt at inference (QwenImage21Pipeline: 40 steps, no norm rescale).
+
+Latents enter the transformer unpatched (one token per latent pixel, row-major: the pipeline's
+_pack_latents), so `patch` is 1 and a token is 16 px, as a 2 x 2 patch of an 8x VAE: the training draw's
+resolution shift counts h*w latent pixels (4096 at 1024 px). loss_at and sample_latents lay latents out
+as these tokens; predict also takes the 2 x 2-packed layout the shared tools build (pack_latents, with
+h, w the latent's size), and answers in it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from library.models import flow_matching as fm
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
+from library.models.latents import pack_latents, unpack_latents
+
+SAMPLE_STEPS = 40  # QwenImage21Pipeline's num_inference_steps default
+REFERENCE_RESOLUTION = 1024  # QwenImage21Pipeline's output_resolution: references are resized to its square's area
+REFERENCE_MULTIPLE = 32  # calculate_dimensions rounds to 32 px: one merged vision token = 2 x 2 latent tokens
+
+
+def reference_size(width: int, height: int, resolution: int = REFERENCE_RESOLUTION) -> tuple[int, int]:
+    """A condition image's size for both the VAE and the vision tower, as QwenImage21Pipeline resizes it once for
+    both: its aspect ratio at resolution^2 pixels, each side a multiple of 32 (diffusers' calculate_dimensions,
+    Python round)."""
+    import math
+
+    ratio = width / height
+    w = math.sqrt(resolution * resolution * ratio)
+    h = w / ratio
+    w, h = round(w / REFERENCE_MULTIPLE) * REFERENCE_MULTIPLE, round(h / REFERENCE_MULTIPLE) * REFERENCE_MULTIPLE
+    return max(w, REFERENCE_MULTIPLE), max(h, REFERENCE_MULTIPLE)
+SAMPLE_GUIDANCE = 4.0  # a true_cfg_scale for samples with a negative prompt (the pipeline's default 1.0 runs none)
+
+
+def to_tokens(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, H*W, C], one token per latent pixel, row-major (QwenImage21Pipeline._pack_latents)."""
+    return latents.flatten(2).transpose(1, 2)
+
+
+def from_tokens(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of to_tokens: [B, h*w, C] -> [B, C, h, w]."""
+    return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], h, w)
+
+
+class QwenImage21Family(DiffusionFamily):
+    """Qwen-Image-2.1: diffusers module names, Qwen3-VL-8B text with a padding mask, true CFG; optional
+    reference images (a subset's control_directory, a sample's --ci): the text encoder sees them and their
+    latents take the prompt's image slots in the transformer."""
+
+    name = "qwen_image21"
+    text_path_keys = ("text_encoder",)
+    sample_guidance, sample_steps = SAMPLE_GUIDANCE, SAMPLE_STEPS
+    true_cfg = True
+    vae_downsample = 16
+    patch = 1  # the transformer takes latent pixels
+    latent_channels = 64
+    max_controls = 3  # the pipeline takes any number; three as the Qwen-Image-Edit-Plus releases
+    min_controls = 0  # text-to-image and editing are one model
+    text_sees_controls = True  # encode(captions, reference views): the prompt holds the references' vision tokens
+    reference_resolution = REFERENCE_RESOLUTION  # an instance takes the config's
+
+    def __init__(self, model_path: str, vae_path: str | None = None, reference_resolution: int | None = None,
+                 **text_paths):
+        super().__init__(model_path, vae_path, **text_paths)
+        self.reference_resolution = reference_resolution or REFERENCE_RESOLUTION
+
+    @classmethod
+    def from_args(cls, args) -> "QwenImage21Family":
+        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "reference_resolution", None),
+                   **{k: getattr(args, k) for k in cls.text_path_keys})
+
+    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+        """The pipeline's rule, whatever the target's size: the reference's ratio at reference_resolution^2."""
+        return reference_size(size[0], size[1], self.reference_resolution)
+
+    def reference_text_tokens(self, width: int, height: int) -> int:
+        w, h = reference_size(width, height, self.reference_resolution)
+        return (w // REFERENCE_MULTIPLE) * (h // REFERENCE_MULTIPLE)
+
+    def model_version(self, model) -> str:
+        return "qwen-image-2.1"
+
+    # -- loading -------------------------------------------------------------------------------
+    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
+        from library.models.qwen_image21.checkpoint import load_qwen_image21
+
+        return load_qwen_image21(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
+                                 read_weights=read_weights)
+
+    def model_files(self) -> list[ModelFile]:
+        return [
+            # AutoencoderKLQwenImage21 stores its causal convolutions' kernels as 3 x 3 (one frame).
+            ModelFile("ae", self.vae_path, "a Qwen-Image-2.1 VAE (RGBA in, 64 latent channels)", "vae",
+                      {"encoder.conv_out.weight": (2 * self.latent_channels, None, 3, 3),
+                       "encoder.conv_in.weight": (None, 4, 3, 3)}),
+            ModelFile("text_encoder", self.text_paths["text_encoder"], "a Qwen3-VL language model", "text_encoder",
+                      {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None}),
+        ]
+
+    def load_vae(self, dtype=torch.float32):
+        from library.models.qwen_image21.vae import load_qwen_image21_vae
+
+        return load_qwen_image21_vae(self.vae_path, dtype)
+
+    def vae_on_meta(self):
+        from library.models.qwen_image21.vae import QwenImage21VAE
+        from library.models.vae import vae_on_meta
+
+        return vae_on_meta(QwenImage21VAE, self.vae_path)
+
+    def text_on_meta(self, model, batch, tokens):
+        # No mask: every planned caption is `tokens` long (the forward then reads nothing on the host).
+        return {"embeds": torch.empty(batch, tokens, model.config.context_in_dim, device="meta")}
+
+    def load_text_encoder(self, precision="bf16", device=None):
+        """-> encode(captions, reference_views=None): a caption with references is encoded with their vision
+        tokens (each resized by control_bucket's rule, as the VAE sees it), its `slots` marking them. The
+        vision tower loads on the first caption with references (text-to-image never reads it)."""
+        from library.models.qwen_image21.text_encoder import load_qwen_image21_text_encoder, with_vision
+        from library.models.text_encoders import encoder_precision
+
+        dtype, fp8 = encoder_precision(precision)
+        path = self.text_paths["text_encoder"]
+        encoder = load_qwen_image21_text_encoder(path, dtype=dtype, fp8=fp8)
+        encoder.llm.to(device)
+        vision = []  # the encoder with its vision tower, once needed
+
+        def row(embeds, mask, slots) -> dict:
+            n = int(mask.sum())  # embeds float32, mask / slots bool, real tokens first
+            return {"embeds": embeds[:n], "mask": mask[:n], "slots": slots[:n]}
+
+        def encode(captions: list[str], references: list[list] | None = None) -> list[dict]:
+            references = references or [[]] * len(captions)
+            out: list[dict | None] = [None] * len(captions)
+            plain = [i for i, images in enumerate(references) if not images]
+            if plain:  # captions without references: one batch
+                embeds, mask = encoder.encode([captions[i] for i in plain])
+                for j, i in enumerate(plain):
+                    out[i] = row(embeds[j], mask[j], torch.zeros_like(mask[j]))
+            for i, images in enumerate(references):
+                if not images:
+                    continue
+                if not vision:
+                    vision.append(with_vision(encoder, path, dtype))
+                    vision[0].visual.to(device)
+                sized = [img.resize(reference_size(*img.size, self.reference_resolution)) for img in images]
+                embeds, mask, slots = vision[0].encode_with_images([captions[i]], [sized])
+                out[i] = row(embeds[0], mask[0], slots[0])
+            return out
+
+        return encode
+
+    def text_encoder_params(self) -> int:
+        """The embeddings and every decoder layer with the final norm (no head, no vision tower)."""
+        from library.io import CheckpointReader, component_folder
+        from library.models.llm import checkpoint_key_to_llm
+
+        reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
+        used = [k for k in reader.keys() if (name := checkpoint_key_to_llm(k, True)) is not None
+                and not name.startswith("lm_head.")]
+        return reader.numel(used)
+
+    def text_encoding_constants(self) -> dict:
+        from library.models.qwen_image21 import text_encoder as te
+
+        return {"template": te.QWEN_IMAGE21_TEMPLATE, "system_turn": te.QWEN_IMAGE21_SYSTEM_TURN, "layer": "last, unnormed",
+                "image_slot": te.IMAGE_SLOT, "reference_resolution": self.reference_resolution}
+
+    @classmethod
+    def checkpoint_names(cls, keys, shape):
+        """diffusers names (the model's own), plain or behind a ComfyUI prefix; `txt_in.text_norm` is
+        Qwen-Image-2.1's alone (diffusers' detection key). A ComfyUI file fuses each block's SwiGLU gate and
+        up projections into `img_mlp.gate_up` (gate rows first): the module map names the file's fused
+        module with our two as its row parts, so a LoRA on them merges as one stacked LoRA there."""
+        from library.models.qwen_image21.checkpoint import FUSED, MARKER, PREFIXES
+
+        prefix = next((p for p in PREFIXES if p + MARKER in keys), None)
+        if prefix is None:
+            return None
+        fused = {}
+        for key in keys:
+            if key.startswith(prefix) and (m := FUSED.fullmatch(key[len(prefix):])):
+                rows = shape(key)[0] // 2
+                fused[m.group(1) + "gate_up"] = [(m.group(1) + "gate_layer", 0, rows), (m.group(1) + "proj", rows, 2 * rows)]
+        return CheckpointNames("diffusers", prefix, fused or None)
+
+    # -- the denoiser --------------------------------------------------------------------------
+    def predict(self, model, x_t, sigmas, text, h, w, guidance, control=None):
+        """x_t [B, h*w, C]: the latent's h x w pixels as tokens. The shared tools' 2 x 2-packed latents
+        ([B, h*w / 4, 4C], pack_latents) are taken too and answered in their layout. control: the references'
+        latents, each [B, C, H_i, W_i]; they take the prompt's image slots (text["slots"], one layout for the
+        batch: a bucket holds one reference count and size, and the slots precede the caption)."""
+        packed = x_t.shape[1] != h * w
+        img = to_tokens(unpack_latents(x_t, h, w)) if packed else x_t
+        mask = text.get("mask")
+        references = {}
+        if control:
+            slots = text["slots"].to(x_t.device).bool()
+            if not bool((slots == slots[:1]).all()):
+                raise ValueError("qwen_image21: the batch's prompts hold their references' slots at different places")
+            references = dict(control=torch.cat([to_tokens(c.to(x_t.device, img.dtype)) for c in control], dim=1),
+                              control_shapes=[tuple(c.shape[2:]) for c in control], image_slots=slots[0])
+        elif "slots" in text and bool(text["slots"].any()):
+            raise ValueError("qwen_image21: the prompt was encoded with reference images, but none were given")
+        out = model(img=img, txt=text["embeds"].to(x_t.device), timesteps=sigmas, h=h, w=w,
+                    txt_mask=None if mask is None else mask.to(x_t.device).bool(), **references)
+        return pack_latents(from_tokens(out, h, w)) if packed else out
+
+    def loss_at(self, model, latents, text, noise, sigmas, guidance, weighting="none", loss_type="l2", huber_c=0.1,
+                mask=None, sample_weights=None, control=None):
+        """The shared flow-matching loss (DiffusionFamily.loss_at) on latent-pixel tokens."""
+        h, w = latents.shape[2], latents.shape[3]
+        pred = self.predict(model, to_tokens(fm.noisy_input(latents, noise, sigmas)), sigmas, text, h, w, guidance,
+                            **control_kwargs(control))
+        target = to_tokens(fm.flow_target(latents, noise))
+        if mask is not None:  # one weight per latent element, laid out like the latents
+            mask = to_tokens(mask.expand_as(latents))
+        weights = fm.loss_weighting(sigmas, weighting)
+        if sample_weights is not None:
+            weights = sample_weights.float() if weights is None else weights * sample_weights.float()
+        return fm.flow_loss(pred, target, weights, loss_type, huber_c, mask)
+
+    @torch.no_grad()
+    def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None):
+        """Euler flow-matching sampling (DiffusionFamily.sample_latents) on latent-pixel tokens; returns
+        latents [B, 64, height/16, width/16] float32."""
+        h, w = height // self.vae_downsample, width // self.vae_downsample
+        batch, device = next(iter(text.values())).shape[0], next(iter(text.values())).device
+        noise = self.initial_noise(batch, h, w, torch.Generator("cpu").manual_seed(seed)).to(device)
+        sigmas = fm.inference_sigmas(steps, h * w, self.arch, dynamic_shift=True, sampling=None)
+
+        def velocity(x, s):
+            return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **control_kwargs(control))
+
+        return from_tokens(fm.euler_sample(velocity, to_tokens(noise), sigmas), h, w)
+
+    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
+        """QwenImage21Pipeline: neg + g (cond - neg) when g > 1 and a negative prompt is given (no rescale);
+        both passes see the references."""
+        refs = control_kwargs(control)
+        cond = self.predict(model, x, s, text, h, w, guidance, **refs).float()
+        if negative_text is None or guidance is None or guidance <= 1.0:
+            return cond
+        uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
+        return uncond + guidance * (cond - uncond)

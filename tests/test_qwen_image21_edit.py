@@ -1,0 +1,80 @@
+"""Qwen-Image-2.1 with reference images (its edit use, one model with text-to-image): the family's text
+encoder puts the references' vision tokens in the prompt and their latents take those slots in the
+transformer; sampling with a reference equals QwenImage21Pipeline.__call__(image=[...]); training on paired
+data (control_directory) runs from the defaults and samples with --ci."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import train_lora
+from library.models.family import stack_text
+from library.models.qwen_image21.family import QwenImage21Family, reference_size
+from tools.make_tiny_dataset import make_tiny_edit_dataset
+
+RESOLUTION = 64  # reference_resolution (the pipeline's output_resolution): 64 x 64 references, 4 slots each
+
+
+@pytest.fixture(scope="module")
+def edit_set(tiny_set, tmp_path_factory):
+    return {**tiny_set, **make_tiny_edit_dataset(str(tmp_path_factory.mktemp("qi21_edit")), count=6, size=64)}
+
+
+def family_of(tiny_set):
+    return QwenImage21Family(tiny_set["qwen_image21"], tiny_set["qwen_image21_vae"], reference_resolution=RESOLUTION,
+                             text_encoder=tiny_set["qwen_image21_text_encoder"])
+
+
+def test_reference_size_is_the_pipelines_calculate_dimensions():
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+    for w, h in ((640, 480), (1000, 1500), (64, 64), (333, 777)):
+        expected = calculate_dimensions(1024 * 1024, w / h)[:2]
+        assert reference_size(w, h) == expected, (w, h)
+
+
+@torch.no_grad()
+def test_sampling_with_a_reference_equals_the_pipeline(tiny_set):
+    """One 64 x 64 reference, true CFG 4 (the negative prompt encoded with the reference too), 3 steps."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel, AutoencoderKLQwenImage21
+
+    from library.models.qwen_image21.family import to_tokens
+    from tests.test_qwen_image21_text import pipeline
+
+    rng = np.random.default_rng(1)
+    image = Image.fromarray(rng.integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    family = family_of(tiny_set)
+    encode = family.load_text_encoder("fp32")
+    text, negative = (stack_text(encode([p], [[image]])) for p in ("make the shape red", ""))
+    assert int(text["slots"].sum()) == 4  # (64 / 32)^2 merged vision tokens
+    pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None].float() / 255 * 2 - 1
+    reference = family.load_vae().encode(pixels)  # [1, 64, 4, 4]
+    model = family.load_transformer(torch.float32)
+    ours = family.sample_latents(model, text, 64, 64, 3, 5, 4.0, negative_text=negative, control=[reference])
+
+    pipe = pipeline({"qwen_image21_text_encoder": tiny_set["qwen_image21_text_encoder"],
+                     "qwen_image21_processor": os.path.join(os.path.dirname(tiny_set["qwen_image21"]), "processor")},
+                    vae=AutoencoderKLQwenImage21.from_pretrained(tiny_set["qwen_image21_vae"]).eval(),
+                    transformer=QwenImage21Transformer2DModel.from_pretrained(tiny_set["qwen_image21"]).eval(),
+                    scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True))
+    theirs = pipe(prompt="make the shape red", negative_prompt="", image=[image], true_cfg_scale=4.0, height=64,
+                  width=64, num_inference_steps=3, generator=torch.Generator().manual_seed(5), output_type="latent",
+                  output_resolution=RESOLUTION).images
+    rel = ((to_tokens(ours) - theirs).norm() / theirs.norm()).item()
+    print(f"Qwen-Image-2.1 sampling with a reference vs QwenImage21Pipeline: relative error {rel:.2e}")
+    assert rel < 1e-5
+
+
+def test_trains_on_paired_data_and_samples_with_a_reference(edit_set, tmp_path):
+    out = tmp_path / "run"
+    args = ["--model_type", "qwen_image21", "--pretrained_model_name_or_path", edit_set["qwen_image21"],
+            "--ae", edit_set["qwen_image21_vae"], "--text_encoder", edit_set["qwen_image21_text_encoder"],
+            "--reference_resolution", str(RESOLUTION), "--dataset_config", edit_set["edit_dataset_config"],
+            "--sample_prompts", edit_set["edit_sample_prompts"], "--output_dir", str(out), "--output_name", "edit",
+            "--max_train_steps", "2", "--mixed_precision", "no", "--network_dim", "4", "--network_alpha", "4",
+            "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0"]
+    assert train_lora.main(args) == 0
+    assert (out / "edit.safetensors").stat().st_size > 0 and (out / "edit_final_00.png").stat().st_size > 0
