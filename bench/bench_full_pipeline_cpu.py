@@ -7,6 +7,7 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --family flux2 --work /tmp/fullklein       # klein 4B, ~16 GB
     python bench/bench_full_pipeline_cpu.py --family zimage --work /tmp/fullzimage     # Z-Image-Turbo, ~20 GB
     python bench/bench_full_pipeline_cpu.py --family chroma --work /tmp/fullchroma     # Chroma1-HD, ~28 GB
+    python bench/bench_full_pipeline_cpu.py --family qwen_image21 --work /tmp/fullqi21 # Qwen-Image-2.1, ~30 GB
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -286,6 +287,58 @@ def write_zimage_files(work: str, single_file: bool = False):
     write_qwen3_4b_folder(work, shards=3)
 
 
+def write_qwen_image21_files(work: str):
+    """Qwen-Image-2.1 at its released size, laid out as the Qwen/Qwen-Image-2.1 repo: transformer/
+    (config.json + 3 bf16 shards; 7.12 B), vae/ (AutoencoderKLQwenImage21 at diffusers' defaults = the
+    released RGBA 16x VAE), text_encoder/ (a Qwen3VLForConditionalGeneration folder with Qwen3-VL-8B's
+    config; only the language model's weights are written, 7.57 B: text-to-image never reads the vision
+    tower or lm_head) and processor/ (the small Qwen tokenizer with the vision tokens and chat template)."""
+    from diffusers import AutoencoderKLQwenImage21
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from library.models.qwen_image21.checkpoint import diffusers_config
+    from library.models.qwen_image21.model import QWEN_IMAGE21, QwenImage21
+    from library.models.qwen_image21.text_encoder import QWEN_IMAGE21_TEMPLATE
+    from library.models.qwen_image21.tiny import QWEN3_VL_CHAT_TEMPLATE
+    from library.models.tiny_files import build_qwen_tokenizer, save_vl_processor
+
+    os.makedirs(work, exist_ok=True)
+    folder = os.path.join(work, "transformer")
+    write_random_sharded(folder, "diffusion_pytorch_model", meta_shapes(lambda: QwenImage21(QWEN_IMAGE21)), 1, 3)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(diffusers_config(QWEN_IMAGE21), f, indent=2)
+    with torch.device("meta"):
+        vae = AutoencoderKLQwenImage21()
+    folder = os.path.join(work, "vae")
+    os.makedirs(folder, exist_ok=True)
+    write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
+                 {k: tuple(v.shape) for k, v in vae.state_dict().items()}, 2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"_class_name": "AutoencoderKLQwenImage21", **{k: v for k, v in vae.config.items() if not k.startswith("_")}}, f)
+    tokenizer = build_qwen_tokenizer(vision_templates=(QWEN_IMAGE21_TEMPLATE,))
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
+           ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+           ("vision_end_token_id", "<|vision_end|>"))}
+    text = {"vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 262144, "pad_token_id": tokenizer.pad_token_id, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True,
+                                "rope_theta": 5000000.0}}
+    vision = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 4096,
+              "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24], "patch_size": 16}
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+    shapes = {k: v for k, v in meta_shapes(lambda: Qwen3VLForConditionalGeneration(config)).items()
+              if k.startswith("model.language_model.")}
+    folder = os.path.join(work, "text_encoder")
+    write_random_sharded(folder, "model", shapes, 3, 4)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": ["Qwen3VLForConditionalGeneration"], **config.to_dict(), "torch_dtype": "bfloat16"},
+                  f, indent=2)
+    tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
+    save_vl_processor(os.path.join(work, "processor"), {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+                      "min_pixels": 32 * 32, "max_pixels": 1024 * 1024}, "Qwen3VLProcessor", tokenizer)
+
+
 # How the pipeline benches train (bench/bench_planner_cpu.py too): fp8_scaled base, bf16 compute,
 # checkpointing, rank 16, AdamW, 2 steps.
 RUN_SETTINGS = """fp8_base = true
@@ -339,6 +392,12 @@ pretrained_model_name_or_path = "{work}/Chroma1-HD.safetensors"
 ae = "{work}/ae.safetensors"
 t5xxl = "{work}/t5xxl"
 output_name = "full_chroma"
+''',
+        "qwen_image21": f'''model_type = "qwen_image21"
+pretrained_model_name_or_path = "{work}"
+ae = "{work}/vae"
+text_encoder = "{work}"
+output_name = "full_qwen_image21"
 ''',
         "flux": f'''model_type = "flux"
 pretrained_model_name_or_path = "{work}/flux1-dev.safetensors"
@@ -435,9 +494,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--work", default="/tmp/fullsize")
     p.add_argument("--skip-write", action="store_true")
-    p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma"], default="flux",
+    p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21"], default="flux",
                    help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
-                        "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole")
+                        "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, whole")
     p.add_argument("--single-file", action="store_true",
                    help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
@@ -455,6 +514,8 @@ def main(argv=None):
             write_zimage_files(args.work, args.single_file)
         elif args.family == "chroma":
             write_chroma_files(args.work)
+        elif args.family == "qwen_image21":
+            write_qwen_image21_files(args.work)
         else:
             write_qwen_files(args.work, args.qwen_blocks)
         print(f"files written in {time.time() - t:.0f} s", flush=True)
