@@ -8,6 +8,8 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --family zimage --work /tmp/fullzimage     # Z-Image-Turbo, ~20 GB
     python bench/bench_full_pipeline_cpu.py --family chroma --work /tmp/fullchroma     # Chroma1-HD, ~28 GB
     python bench/bench_full_pipeline_cpu.py --family qwen_image21 --work /tmp/fullqi21 # Qwen-Image-2.1, ~30 GB
+    python bench/bench_full_pipeline_cpu.py --family krea2 --work /tmp/fullkrea2       # Krea 2 Raw, ~32 GB
+    python bench/bench_full_pipeline_cpu.py --family ideogram4 --work /tmp/fullideo4   # Ideogram 4 fp8r, ~26 GB
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -170,8 +172,6 @@ def write_chroma_files(work: str):
 def write_qwen_transformer_and_vae(work: str, config):
     """<work>/transformer (a diffusers folder of the QwenImageConfig `config`) and <work>/vae (the
     Qwen-Image VAE at its released size)."""
-    from diffusers import AutoencoderKLQwenImage
-
     from library.models.qwen_image.model import QwenImage
 
     folder = os.path.join(work, "transformer")
@@ -179,6 +179,13 @@ def write_qwen_transformer_and_vae(work: str, config):
     write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"), meta_shapes(lambda: QwenImage(config)), 1)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config.to_diffusers(), f, indent=2)
+    write_qwen_image_vae(work)
+
+
+def write_qwen_image_vae(work: str):
+    """<work>/vae: the Qwen-Image VAE (AutoencoderKLQwenImage at diffusers' defaults = its released size)."""
+    from diffusers import AutoencoderKLQwenImage
+
     with torch.device("meta"):
         vae = AutoencoderKLQwenImage()
     folder = os.path.join(work, "vae")
@@ -212,13 +219,19 @@ def write_flux2_files(work: str):
     """FLUX.2 [klein] 4B at its released size: the transformer as a BFL single file (3.88 B), the
     Qwen3-4B text encoder as an HF folder without lm_head (tied, as released; 4.02 B), the
     AutoencoderKLFlux2 VAE as a diffusers folder, and the small klein tokenizer (valid ids)."""
-    from diffusers import AutoencoderKLFlux2
-
     from library.models.flux2.model import FLUX2_KLEIN_4B, Flux2
 
     os.makedirs(work, exist_ok=True)
     write_random(os.path.join(work, "flux-2-klein-4b.safetensors"), meta_shapes(lambda: Flux2(FLUX2_KLEIN_4B)), 1,
                  metadata={})
+    write_flux2_vae(work)
+    write_qwen3_4b_folder(work)
+
+
+def write_flux2_vae(work: str):
+    """<work>/vae: FLUX.2's AutoencoderKLFlux2 at diffusers' defaults (its released size)."""
+    from diffusers import AutoencoderKLFlux2
+
     with torch.device("meta"):
         vae = AutoencoderKLFlux2()
     folder = os.path.join(work, "vae")
@@ -227,7 +240,6 @@ def write_flux2_files(work: str):
                  {k: tuple(v.shape) for k, v in vae.state_dict().items() if not k.endswith("num_batches_tracked")}, 2)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"_class_name": "AutoencoderKLFlux2", **{k: v for k, v in vae.config.items() if not k.startswith("_")}}, f)
-    write_qwen3_4b_folder(work)
 
 
 def write_qwen3_4b_folder(work: str, shards: int = 1):
@@ -339,6 +351,113 @@ def write_qwen_image21_files(work: str):
                       "min_pixels": 32 * 32, "max_pixels": 1024 * 1024}, "Qwen3VLProcessor", tokenizer)
 
 
+def write_krea2_files(work: str):
+    """Krea 2 Raw at its released size: raw.safetensors as released (original names, bf16, no metadata:
+    the loader reads the config from the shapes; 12,820,073,036 parameters, 23.9 GiB), the Qwen-Image VAE as
+    vae/, text_encoder/ (a Qwen3VLModel folder with Qwen3-VL-4B's config: only the language model's weights,
+    4.02 B; text never reads the vision tower), tokenizer/ and model_index.json (the released taps)."""
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    from library.models.krea2.model import KREA2_RAW, Krea2
+    from library.models.krea2.text_encoder import KREA2_TAPS
+    from library.models.llm import QWEN3_VL_4B
+    from library.models.tiny_files import build_qwen_tokenizer, write_json
+
+    os.makedirs(work, exist_ok=True)
+    write_random(os.path.join(work, "raw.safetensors"), meta_shapes(lambda: Krea2(KREA2_RAW)), 1, metadata={})
+    write_qwen_image_vae(work)
+    tokenizer = build_qwen_tokenizer()
+    c = QWEN3_VL_4B
+    text = {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "intermediate_size": c.intermediate_size, "rms_norm_eps": c.rms_norm_eps, "tie_word_embeddings": True,
+            "max_position_embeddings": c.max_position_embeddings, "pad_token_id": tokenizer.pad_token_id,
+            "rope_parameters": {"rope_type": "default", "mrope_section": list(c.mrope_section), "mrope_interleaved": True,
+                                "rope_theta": c.rope_theta}}
+    vision = {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2560,
+              "num_position_embeddings": 2304, "deepstack_visual_indexes": [5, 11, 17], "patch_size": 16}
+    config = Qwen3VLConfig(text_config=text, vision_config=vision)
+    shapes = {k: v for k, v in meta_shapes(lambda: Qwen3VLModel(config)).items() if k.startswith("language_model.")}
+    folder = os.path.join(work, "text_encoder")
+    write_random_sharded(folder, "model", shapes, 3, 2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": ["Qwen3VLModel"], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
+    save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
+    write_json(os.path.join(work, "model_index.json"), {
+        "_class_name": "Krea2Pipeline", "is_distilled": False, "patch_size": 2, "text_encoder_select_layers": list(KREA2_TAPS),
+        "text_encoder": ["transformers", "Qwen3VLModel"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+        "transformer": ["diffusers", "Krea2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLQwenImage"]})
+
+
+def write_fp8r_folder(folder: str, shapes: dict[str, tuple[int, ...]], quantized, config: dict, seed: int):
+    """A diffusers folder in BFL's fp8r layout, tensor by tensor: each Linear weight that `quantized` matches
+    drawn in bf16 and stored as its fp8 rows + float32 row scales (bfl_weights.quantize_fp8r), the rest bf16."""
+    from library.precision.bfl_weights import quantize_fp8r
+
+    entries, plan = [], []
+    for key, shape in shapes.items():
+        if quantized.fullmatch(key) and len(shape) == 2:
+            stem = key[: -len(".weight")]
+            entries += [Entry(key, torch.float8_e4m3fn, shape), Entry(stem + ".weight_scale", torch.float32, shape[:1])]
+        else:
+            entries.append(Entry(key, torch.bfloat16, shape))
+        plan.append((key, shape))
+
+    def tensors():
+        generator = torch.Generator().manual_seed(seed)
+        for key, shape in plan:
+            tensor = random_tensor(key, shape, generator)
+            if quantized.fullmatch(key) and len(shape) == 2:
+                q = quantize_fp8r(tensor)
+                yield key, q["weight"]
+                yield key[: -len(".weight")] + ".weight_scale", q["weight_scale"]
+            else:
+                yield key, tensor
+
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "diffusion_pytorch_model.safetensors")
+    write_safetensors_streaming(path + ".tmp", entries, tensors(), {"format": "pt"})
+    os.replace(path + ".tmp", path)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    print(f"wrote {path}: {sum(e.nbytes for e in entries) / GiB:.2f} GiB", flush=True)
+
+
+def write_ideogram4_files(work: str):
+    """Ideogram 4 at its released size and stored layout: transformer/ in BFL fp8r (every Linear of the
+    blocks fp8 with row scales, the rest bf16; 9,279,288,448 parameters), FLUX.2's VAE as vae/,
+    text_encoder/ (a Qwen3VLModel folder with Qwen3-VL-8B's config; only the language model's weights,
+    7.57 B) and tokenizer/ (the small Qwen tokenizer with a chat template). No unconditional_transformer/:
+    a second 9.3 B transformer in the compute dtype does not fit this 24 GiB machine beside the first
+    (the sample then uses the trained transformer without text, as the family says once)."""
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    from library.models.ideogram4.checkpoint import diffusers_config
+    from library.models.ideogram4.model import IDEOGRAM4, Ideogram4
+    from library.models.ideogram4.tiny import QUANTIZED, TINY_CHAT_TEMPLATE
+    from library.models.tiny_files import build_qwen_tokenizer
+
+    write_fp8r_folder(os.path.join(work, "transformer"), meta_shapes(lambda: Ideogram4(IDEOGRAM4)), QUANTIZED,
+                      diffusers_config(IDEOGRAM4), 1)
+    write_flux2_vae(work)
+    tokenizer = build_qwen_tokenizer()
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    text = {"vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 262144, "pad_token_id": tokenizer.pad_token_id, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True,
+                                "rope_theta": 5000000.0}}
+    vision = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 4096,
+              "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24], "patch_size": 16}
+    config = Qwen3VLConfig(text_config=text, vision_config=vision)
+    shapes = {k: v for k, v in meta_shapes(lambda: Qwen3VLModel(config)).items() if k.startswith("language_model.")}
+    folder = os.path.join(work, "text_encoder")
+    write_random_sharded(folder, "model", shapes, 3, 4)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": ["Qwen3VLModel"], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
+    save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
+
+
 # How the pipeline benches train (bench/bench_planner_cpu.py too): fp8_scaled base, bf16 compute,
 # checkpointing, rank 16, AdamW, 2 steps.
 RUN_SETTINGS = """fp8_base = true
@@ -392,6 +511,18 @@ pretrained_model_name_or_path = "{work}/Chroma1-HD.safetensors"
 ae = "{work}/ae.safetensors"
 t5xxl = "{work}/t5xxl"
 output_name = "full_chroma"
+''',
+        "ideogram4": f'''model_type = "ideogram4"
+pretrained_model_name_or_path = "{work}"
+ae = "{work}/vae"
+text_encoder = "{work}"
+output_name = "full_ideogram4"
+''',
+        "krea2": f'''model_type = "krea2"
+pretrained_model_name_or_path = "{work}/raw.safetensors"
+ae = "{work}/vae"
+text_encoder = "{work}"
+output_name = "full_krea2"
 ''',
         "qwen_image21": f'''model_type = "qwen_image21"
 pretrained_model_name_or_path = "{work}"
@@ -494,9 +625,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--work", default="/tmp/fullsize")
     p.add_argument("--skip-write", action="store_true")
-    p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21"], default="flux",
+    p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21", "krea2", "ideogram4"], default="flux",
                    help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
-                        "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, whole")
+                        "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, whole; krea2: Krea 2 Raw, whole; ideogram4: Ideogram 4 (fp8r), whole")
     p.add_argument("--single-file", action="store_true",
                    help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
@@ -516,6 +647,10 @@ def main(argv=None):
             write_chroma_files(args.work)
         elif args.family == "qwen_image21":
             write_qwen_image21_files(args.work)
+        elif args.family == "krea2":
+            write_krea2_files(args.work)
+        elif args.family == "ideogram4":
+            write_ideogram4_files(args.work)
         else:
             write_qwen_files(args.work, args.qwen_blocks)
         print(f"files written in {time.time() - t:.0f} s", flush=True)
