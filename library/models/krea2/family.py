@@ -22,7 +22,7 @@ from functools import cached_property
 
 import torch
 
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
 
 RAW, TURBO = "krea2-raw", "krea2-turbo"
 TURBO_MU = 1.15  # Krea2Pipeline's fixed mu for the distilled checkpoint
@@ -192,10 +192,12 @@ class Krea2Family(DiffusionFamily):
         return model(img=x_t, txt=text["embeds"].to(device), timesteps=sigmas, h=h, w=w,
                      txt_mask=None if mask is None else mask.to(device).bool())
 
-    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance):
-        """Krea2Pipeline: CFG when guidance > 0, pred = cond + g (cond - uncond), in float32."""
-        cond = self.predict(model, x, s, text, h, w, guidance).float()
+    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
+        """Krea2Pipeline: CFG when guidance > 0, pred = cond + g (cond - uncond), in float32. control:
+        the edit variant's references (edit_family.py), in both predictions."""
+        refs = control_kwargs(control)
+        cond = self.predict(model, x, s, text, h, w, guidance, **refs).float()
         if negative_text is None or guidance is None or guidance <= 0.0:
             return cond
-        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
+        uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
         return cond + guidance * (cond - uncond)

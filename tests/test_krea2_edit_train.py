@@ -1,0 +1,78 @@
+"""Krea 2 edit (model_type krea2_edit) end to end on the tiny models: a paired dataset (control_directory)
+trains with the references' latents in every step and saves a LoRA whose base version says edit; the
+sample and tools/generate.py --control_image render with the reference; the references' sizes are
+ai-toolkit's rule."""
+
+import os
+
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+import train_lora
+from library.models.krea2.edit_family import Krea2EditFamily, reference_size
+from tools.make_tiny_dataset import make_tiny_edit_dataset
+
+
+@pytest.fixture(scope="module")
+def edit_set(tiny_set, tmp_path_factory):
+    return {**tiny_set, **make_tiny_edit_dataset(str(tmp_path_factory.mktemp("krea2_edit")), count=4, size=32)}
+
+
+def test_reference_size_is_aitoolkits_rule():
+    assert reference_size(32, 32) == (32, 32)  # small: kept (never upscaled), sides multiples of 16
+    assert reference_size(40, 24) == (32, 32)  # 2.5 and 1.5 sixteens: Python's round (ai-toolkit's) to even
+    assert reference_size(56, 24) == (64, 32)  # 3.5 -> 4
+    assert reference_size(2048, 1024) == (1456, 720)  # 1 MP at 2:1: h sqrt(2^20 / 2) = 724.1 -> 720, w 1448.2 -> 1456
+    assert reference_size(8, 8) == (16, 16)
+    assert reference_size(2048, 2048, resolution=512) == (512, 512)
+
+
+def test_krea2_edit_trains_with_references_and_samples(edit_set, tmp_path, monkeypatch):
+    seen = []
+    real = Krea2EditFamily.predict
+
+    def recording(self, *args, control=None, **kwargs):
+        seen.append([tuple(c.shape) for c in control or []])
+        return real(self, *args, control=control, **kwargs)
+
+    monkeypatch.setattr(Krea2EditFamily, "predict", recording)
+    out = tmp_path / "run"
+    args = [
+        "--config_file", os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "krea2_edit.toml"),
+        "--pretrained_model_name_or_path", edit_set["krea2_diffusers"], "--ae", edit_set["qwen_image_vae"],
+        "--text_encoder", edit_set["krea2_text_encoder"], "--dataset_config", edit_set["edit_dataset_config"],
+        "--sample_prompts", edit_set["edit_sample_prompts"], "--output_dir", str(out), "--output_name", "k2edit",
+        "--max_train_steps", "2", "--mixed_precision", "no", "--network_dim", "4", "--network_alpha", "4",
+        "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0", "--sample_every_n_steps",
+        "0", "--validate_every_n_steps", "0", "--fp8_base", "false", "--gradient_checkpointing", "false",
+        "--save_state", "false", "--reference_kv_cache", "true",
+    ]  # fmt: skip
+    assert train_lora.main(args) == 0
+    train_steps = [s for s in seen[:2]]
+    assert train_steps and all(s == [(s[0][0], 16, 4, 4)] for s in train_steps), seen  # one 32 x 32 reference
+    with safe_open(str(out / "k2edit.safetensors"), "pt") as f:
+        assert f.metadata()["ss_base_model_version"] == "krea2-raw-edit-kv_cache"
+    samples = [p for p in os.listdir(out) if p.endswith(".png")]
+    assert samples, os.listdir(out)
+    with Image.open(out / samples[0]) as sample:
+        assert sample.text["panels"].split(",")[-1] == "reference"
+
+
+def test_generate_takes_the_control_image(edit_set, tmp_path):
+    from tools import generate
+
+    def run(name, *extra):
+        out = tmp_path / name
+        assert generate.main(["--model_type", "krea2_edit", "--model", edit_set["krea2"], "--ae",
+                              edit_set["qwen_image_vae"], "--text_encoder", edit_set["krea2_text_encoder"],
+                              "--prompt", "make the shape red --s 2", "--width", "32", "--height", "32",
+                              "--dtype", "fp32", "--out", str(out), *extra]) == 0
+        (png,) = [p for p in os.listdir(out) if p.endswith(".png")]
+        with Image.open(out / png) as image:
+            return torch.tensor(list(image.getdata()), dtype=torch.float32)
+
+    grey = os.path.join(edit_set["edit_control_dir"], "000.png")
+    plain, with_ref = run("plain"), run("ref", "--control_image", grey)
+    assert (with_ref - plain).abs().mean() > 0.1  # the reference changes the picture (0 if ignored)
