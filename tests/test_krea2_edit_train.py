@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 import train_lora
 from library.models.krea2.edit_family import Krea2EditFamily, reference_size
@@ -29,7 +30,9 @@ def test_reference_size_is_aitoolkits_rule():
     assert reference_size(2048, 2048, resolution=512) == (512, 512)
 
 
-def test_krea2_edit_trains_with_references_and_samples(edit_set, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def trained(edit_set, tmp_path_factory):
+    """Two steps from configs/krea2_edit.toml with kv_cache: (output folder, the references each predict saw)."""
     seen = []
     real = Krea2EditFamily.predict
 
@@ -37,8 +40,7 @@ def test_krea2_edit_trains_with_references_and_samples(edit_set, tmp_path, monke
         seen.append([tuple(c.shape) for c in control or []])
         return real(self, *args, control=control, **kwargs)
 
-    monkeypatch.setattr(Krea2EditFamily, "predict", recording)
-    out = tmp_path / "run"
+    out = tmp_path_factory.mktemp("krea2_edit_run")
     args = [
         "--config_file", os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "krea2_edit.toml"),
         "--pretrained_model_name_or_path", edit_set["krea2_diffusers"], "--ae", edit_set["qwen_image_vae"],
@@ -49,7 +51,14 @@ def test_krea2_edit_trains_with_references_and_samples(edit_set, tmp_path, monke
         "0", "--validate_every_n_steps", "0", "--fp8_base", "false", "--gradient_checkpointing", "false",
         "--save_state", "false", "--reference_kv_cache", "true",
     ]  # fmt: skip
-    assert train_lora.main(args) == 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Krea2EditFamily, "predict", recording)
+        assert train_lora.main(args) == 0
+    return out, seen
+
+
+def test_krea2_edit_trains_with_references_and_samples(trained):
+    out, seen = trained
     train_steps = [s for s in seen[:2]]
     assert train_steps and all(s == [(s[0][0], 16, 4, 4)] for s in train_steps), seen  # one 32 x 32 reference
     with safe_open(str(out / "k2edit.safetensors"), "pt") as f:
@@ -60,7 +69,20 @@ def test_krea2_edit_trains_with_references_and_samples(edit_set, tmp_path, monke
         assert sample.text["panels"].split(",")[-1] == "reference"
 
 
-def test_generate_takes_the_control_image(edit_set, tmp_path):
+def test_generate_takes_the_control_image_and_aitoolkits_lora_layout(edit_set, trained, tmp_path):
+    # ai-toolkit saves Krea 2 LoRAs as diffusion_model.<our module path>.lora_A / lora_B (PEFT names,
+    # alpha = rank): the same LoRA in that layout renders the same picture as our kohya file.
+    from library.models.krea2.lora_files import module_paths
+    from networks.lora_files import peft_state_dict, read_lora, write_lora_tensors
+
+    paths = module_paths({"blocks": 2, "layerwise_blocks": 2, "refiner_blocks": 2})
+    weights, _, fmt = read_lora(str(trained[0] / "k2edit.safetensors"), paths)
+    assert fmt == "kohya"
+    aitk = tmp_path / "aitk.safetensors"
+    write_lora_tensors(peft_state_dict(weights, prefix="diffusion_model"), str(aitk))
+    assert all(k.startswith("diffusion_model.blocks.") or k.startswith("diffusion_model.txtfusion.")
+               for k in load_file(aitk))
+
     from tools import generate
 
     def run(name, *extra):
@@ -76,3 +98,6 @@ def test_generate_takes_the_control_image(edit_set, tmp_path):
     grey = os.path.join(edit_set["edit_control_dir"], "000.png")
     plain, with_ref = run("plain"), run("ref", "--control_image", grey)
     assert (with_ref - plain).abs().mean() > 0.1  # the reference changes the picture (0 if ignored)
+    ours = run("ours", "--control_image", grey, "--lora", f"{trained[0] / 'k2edit.safetensors'}:1.0")
+    theirs = run("theirs", "--control_image", grey, "--lora", f"{aitk}:1.0")
+    assert torch.equal(ours, theirs) and (ours - with_ref).abs().mean() > 0
