@@ -12,13 +12,17 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import train_lora
+from library.models.krea2.edit_encoder import Krea2ImageTextEncoder
 from library.models.krea2.edit_family import Krea2EditFamily, reference_size
+from library.models.krea2.tiny import write_krea2_edit_text_encoder
 from tools.make_tiny_dataset import make_tiny_edit_dataset
 
 
 @pytest.fixture(scope="module")
 def edit_set(tiny_set, tmp_path_factory):
-    return {**tiny_set, **make_tiny_edit_dataset(str(tmp_path_factory.mktemp("krea2_edit")), count=4, size=32)}
+    """The paired set and a tiny Qwen3-VL with its vision tower and image processor (the captions see the references)."""
+    out = str(tmp_path_factory.mktemp("krea2_edit"))
+    return {**tiny_set, **make_tiny_edit_dataset(out, count=4, size=32), **write_krea2_edit_text_encoder(out, 0)}
 
 
 def test_reference_size_is_aitoolkits_rule():
@@ -44,16 +48,25 @@ def trained(edit_set, tmp_path_factory):
     args = [
         "--config_file", os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "krea2_edit.toml"),
         "--pretrained_model_name_or_path", edit_set["krea2_diffusers"], "--ae", edit_set["qwen_image_vae"],
-        "--text_encoder", edit_set["krea2_text_encoder"], "--dataset_config", edit_set["edit_dataset_config"],
+        "--text_encoder", edit_set["krea2_edit_text_encoder"], "--dataset_config", edit_set["edit_dataset_config"],
         "--sample_prompts", edit_set["edit_sample_prompts"], "--output_dir", str(out), "--output_name", "k2edit",
         "--max_train_steps", "2", "--mixed_precision", "no", "--network_dim", "4", "--network_alpha", "4",
         "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0", "--sample_every_n_steps",
         "0", "--validate_every_n_steps", "0", "--fp8_base", "false", "--gradient_checkpointing", "false",
         "--save_state", "false", "--reference_kv_cache", "true",
     ]  # fmt: skip
+    encoded = []  # (captions, references per caption) the text encoder saw with images
+    real_encode = Krea2ImageTextEncoder.encode_with_images
+
+    def encoding(self, prompts, images):
+        encoded.append((list(prompts), [len(i) for i in images]))
+        return real_encode(self, prompts, images)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Krea2EditFamily, "predict", recording)
+        patch.setattr(Krea2ImageTextEncoder, "encode_with_images", encoding)
         assert train_lora.main(args) == 0
+    assert encoded and all(n == 1 for _, counts in encoded for n in counts), encoded  # captions saw their reference
     return out, seen
 
 
@@ -88,7 +101,7 @@ def test_generate_takes_the_control_image_and_aitoolkits_lora_layout(edit_set, t
     def run(name, *extra):
         out = tmp_path / name
         assert generate.main(["--model_type", "krea2_edit", "--model", edit_set["krea2"], "--ae",
-                              edit_set["qwen_image_vae"], "--text_encoder", edit_set["krea2_text_encoder"],
+                              edit_set["qwen_image_vae"], "--text_encoder", edit_set["krea2_edit_text_encoder"],
                               "--prompt", "make the shape red --s 2", "--width", "32", "--height", "32",
                               "--dtype", "fp32", "--out", str(out), *extra]) == 0
         (png,) = [p for p in os.listdir(out) if p.endswith(".png")]

@@ -340,7 +340,7 @@ class LLM(nn.Module):
         for i, layer in enumerate(self.model.layers[: max(indices)], start=1):
             x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask, visible)
             # transformers records a layer's output before its deepstack addition (hidden_states[i] of
-            # Qwen3-VL); the next layer gets the sum. Krea 2's taps 1..3 differ at image tokens otherwise.
+            # Qwen3-VL); the next layer gets the sum. A tap of an early layer reads it there.
             states[i] = self.model.norm(x) if i == n and final_norm else x
             if i <= len(extra):
                 x = x.index_put((where,), x[where] + extra[i - 1].to(x.dtype))

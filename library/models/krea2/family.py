@@ -122,7 +122,8 @@ class Krea2Family(DiffusionFamily):
 
         return pipeline_taps(self.text_paths.get("text_encoder"), self.model_path) or KREA2_TAPS
 
-    def load_text_encoder(self, precision="bf16", device=None):
+    def text_encoder(self, precision="bf16", device=None):
+        """The Krea2TextEncoder on `device`, its taps checked against the transformer's text layers."""
         from library.models.krea2.text_encoder import load_krea2_text_encoder
         from library.models.text_encoders import encoder_precision
 
@@ -133,10 +134,13 @@ class Krea2Family(DiffusionFamily):
         dtype, fp8 = encoder_precision(precision)
         encoder = load_krea2_text_encoder(self.text_paths["text_encoder"], dtype=dtype, taps=self.taps, fp8=fp8)
         encoder.llm.to(device)
+        return encoder
+
+    def load_text_encoder(self, precision="bf16", device=None):
+        encoder = self.text_encoder(precision, device)
 
         def encode(captions: list[str]) -> list[dict]:
-            embeds, mask = encoder.encode(captions)  # [B, T, taps, D] float32, mask [B, T] bool (real tokens first)
-            return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]
+            return per_caption(*encoder.encode(captions))
 
         return encode
 
@@ -201,3 +205,8 @@ class Krea2Family(DiffusionFamily):
             return cond
         uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
         return cond + guidance * (cond - uncond)
+
+
+def per_caption(embeds: torch.Tensor, mask: torch.Tensor) -> list[dict]:
+    """[B, T, taps, D] float32 and mask [B, T] bool (real tokens first) -> each caption's real tokens."""
+    return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]
