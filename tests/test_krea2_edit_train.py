@@ -111,6 +111,18 @@ def test_generate_takes_the_control_image_and_aitoolkits_lora_layout(edit_set, t
     grey = os.path.join(edit_set["edit_control_dir"], "000.png")
     plain, with_ref = run("plain"), run("ref", "--control_image", grey)
     assert (with_ref - plain).abs().mean() > 0.1  # the reference changes the picture (0 if ignored)
+    isolated = run("kv", "--control_image", grey, "--reference_kv_cache", "true")
+    assert (isolated - with_ref).abs().max() > 0  # the kv_cache mask reaches sampling
     ours = run("ours", "--control_image", grey, "--lora", f"{trained[0] / 'k2edit.safetensors'}:1.0")
     theirs = run("theirs", "--control_image", grey, "--lora", f"{aitk}:1.0")
     assert torch.equal(ours, theirs) and (ours - with_ref).abs().mean() > 0
+
+
+def test_generate_reads_reference_kv_cache_as_true_or_false():
+    from tools import generate
+
+    parse = generate.build_parser().parse_args
+    base = ["--model_type", "krea2_edit", "--model", "m", "--ae", "a"]
+    assert parse(base).reference_kv_cache is False
+    assert parse([*base, "--reference_kv_cache", "false"]).reference_kv_cache is False
+    assert parse([*base, "--reference_kv_cache", "true"]).reference_kv_cache is True
