@@ -126,7 +126,7 @@ def test_control_directory_must_be_a_folder_and_a_family_must_take_references(tm
         check_family_takes(items, "flux", 0)
 
 
-@pytest.mark.parametrize("name", ["dataset_kontext", "dataset_qwen_image_edit"])
+@pytest.mark.parametrize("name", ["dataset_kontext", "dataset_qwen_image_edit", "dataset_krea2_edit"])
 def test_edit_dataset_examples_parse_with_their_folders(tmp_path, monkeypatch, name):
     from library.data.dataset_config import load_dataset_config
 

@@ -31,6 +31,12 @@ from library.training.config import FAMILY_KEYS, PRECISION_NAMES  # noqa: E402
 from tools.cli import check_command_line  # noqa: E402
 
 
+def _true_or_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"takes true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--model_type", required=True, choices=tuple(FAMILIES))
@@ -38,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "file, fp8 and scaled fp8 ones used as they are)")
     p.add_argument("--ae", required=True, help="VAE")
     for key, arg in FAMILY_KEYS.items():  # each family's text encoder files and options, as in training configs
-        p.add_argument(f"--{key}", type=arg.type, default=arg.default, help=arg.help)
+        kind = _true_or_false if arg.type is bool else arg.type  # bool("false") would be True
+        p.add_argument(f"--{key}", type=kind, default=arg.default, help=arg.help)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (sd-scripts flags allowed); repeatable")
     p.add_argument("--prompt_file", help="prompt file, one per line, sd-scripts syntax")
     p.add_argument("--control_image", action="append", default=[],

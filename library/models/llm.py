@@ -329,7 +329,8 @@ class LLM(nn.Module):
         pass torch.arange(L) to match a transformers call that gave none (pads then keep their index).
         inputs_embeds [B, L, D]: replaces the token lookup (image tokens carrying vision features);
         deepstack (Qwen3-VL): (positions bool [B, L], [features [N, D] per layer]): after decoder layer j
-        (0-based) the j-th features are added at the N marked positions, as transformers' _deepstack_process."""
+        (0-based) the j-th features are added at the N marked positions, as transformers' _deepstack_process;
+        the returned state of that layer is its output before the addition, as transformers records it."""
         n, have = self.config.num_layers, len(self.model.layers)
         if not indices or any(not 0 <= k <= have for k in indices):
             raise ValueError(f"selected_hidden_states: indices {list(indices)} must lie in 0..{have} (the layers loaded)")
@@ -338,9 +339,11 @@ class LLM(nn.Module):
         states = {0: x}
         for i, layer in enumerate(self.model.layers[: max(indices)], start=1):
             x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask, visible)
+            # transformers records a layer's output before its deepstack addition (hidden_states[i] of
+            # Qwen3-VL); the next layer gets the sum. A tap of an early layer reads it there.
+            states[i] = self.model.norm(x) if i == n and final_norm else x
             if i <= len(extra):
                 x = x.index_put((where,), x[where] + extra[i - 1].to(x.dtype))
-            states[i] = self.model.norm(x) if i == n and final_norm else x
         return [states[k] for k in indices]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

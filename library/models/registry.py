@@ -23,6 +23,7 @@ FAMILIES = {
     "zimage_omni": "library.models.zimage.omni_family:ZImageOmniFamily",
     "chroma": "library.models.chroma.family:ChromaFamily",
     "krea2": "library.models.krea2.family:Krea2Family",
+    "krea2_edit": "library.models.krea2.edit_family:Krea2EditFamily",
     "ideogram4": "library.models.ideogram4.family:Ideogram4Family",
     "qwen_image21": "library.models.qwen_image21.family:QwenImage21Family",
 }

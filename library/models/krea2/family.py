@@ -22,7 +22,7 @@ from functools import cached_property
 
 import torch
 
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
 
 RAW, TURBO = "krea2-raw", "krea2-turbo"
 TURBO_MU = 1.15  # Krea2Pipeline's fixed mu for the distilled checkpoint
@@ -122,7 +122,8 @@ class Krea2Family(DiffusionFamily):
 
         return pipeline_taps(self.text_paths.get("text_encoder"), self.model_path) or KREA2_TAPS
 
-    def load_text_encoder(self, precision="bf16", device=None):
+    def text_encoder(self, precision="bf16", device=None):
+        """The Krea2TextEncoder on `device`, its taps checked against the transformer's text layers."""
         from library.models.krea2.text_encoder import load_krea2_text_encoder
         from library.models.text_encoders import encoder_precision
 
@@ -133,10 +134,13 @@ class Krea2Family(DiffusionFamily):
         dtype, fp8 = encoder_precision(precision)
         encoder = load_krea2_text_encoder(self.text_paths["text_encoder"], dtype=dtype, taps=self.taps, fp8=fp8)
         encoder.llm.to(device)
+        return encoder
+
+    def load_text_encoder(self, precision="bf16", device=None):
+        encoder = self.text_encoder(precision, device)
 
         def encode(captions: list[str]) -> list[dict]:
-            embeds, mask = encoder.encode(captions)  # [B, T, taps, D] float32, mask [B, T] bool (real tokens first)
-            return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]
+            return per_caption(*encoder.encode(captions))
 
         return encode
 
@@ -192,10 +196,17 @@ class Krea2Family(DiffusionFamily):
         return model(img=x_t, txt=text["embeds"].to(device), timesteps=sigmas, h=h, w=w,
                      txt_mask=None if mask is None else mask.to(device).bool())
 
-    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance):
-        """Krea2Pipeline: CFG when guidance > 0, pred = cond + g (cond - uncond), in float32."""
-        cond = self.predict(model, x, s, text, h, w, guidance).float()
+    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
+        """Krea2Pipeline: CFG when guidance > 0, pred = cond + g (cond - uncond), in float32. control:
+        the edit variant's references (edit_family.py), in both predictions."""
+        refs = control_kwargs(control)
+        cond = self.predict(model, x, s, text, h, w, guidance, **refs).float()
         if negative_text is None or guidance is None or guidance <= 0.0:
             return cond
-        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
+        uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
         return cond + guidance * (cond - uncond)
+
+
+def per_caption(embeds: torch.Tensor, mask: torch.Tensor) -> list[dict]:
+    """[B, T, taps, D] float32 and mask [B, T] bool (real tokens first) -> each caption's real tokens."""
+    return [{"embeds": e[: int(m.sum())], "mask": m[: int(m.sum())]} for e, m in zip(embeds, mask)]

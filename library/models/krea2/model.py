@@ -15,6 +15,10 @@ What Krea 2 is (diffusers' Krea2Transformer2DModel, models/transformers/transfor
   `tproj` (GELU, Linear to 6 widths) gives every block its modulation, to which each block adds its
   own learned `mod.lin` [6 * width] (pre-scale, pre-shift, pre-gate, post-scale, post-shift,
   post-gate). The final layer adds its `modulation.lin` [2, width] (scale, shift) to tmlp's output.
+- Edit (ai-toolkit's `edit: true`, ComfyUI-Krea2-Ostris-Edit): clean reference latents join the
+  sequence after the target as [text, target, references], reference i's patches at (i + 1, r, c);
+  every block modulates them with tproj(tmlp(t = 0)) (Kontext's "index_timestep_zero"); with
+  kv_cache a reference query attends only to reference keys. The output is the target's tokens.
 - The output is the velocity noise - x0 (the pipeline's scheduler steps x + (s' - s) v): no
   conversion. Tokens are 2 x 2 patches with features (c, ph, pw): the shared pack_latents layout.
 
@@ -121,17 +125,17 @@ class Attention(nn.Module):
         self.qknorm = QKNorm(head_dim, eps)
         self.wo = nn.Linear(dim, dim, bias=False)
 
-    def forward(self, x, cos=None, sin=None, key_mask=None):
-        """x [B, L, dim]; cos/sin float32 [L, head_dim/2] or None (no RoPE); key_mask bool [B, L]
-        (True = a real key) or None (every key real)."""
+    def forward(self, x, cos=None, sin=None, mask=None):
+        """x [B, L, dim]; cos/sin float32 [L, head_dim/2] or None (no RoPE); mask bool [B, L]
+        (True = a real key), [B or 1, L, L] (query, key; True = attend) or None (all attend all)."""
         q = self.qknorm.qnorm(self.wq(x).unflatten(-1, (self.heads, -1))).transpose(1, 2)  # [B, H, L, D]
         k = self.qknorm.knorm(self.wk(x).unflatten(-1, (self.kv_heads, -1))).transpose(1, 2)  # [B, Hkv, L, D]
         v = self.wv(x).unflatten(-1, (self.kv_heads, -1)).transpose(1, 2)
         if cos is not None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = None
-        if key_mask is not None:
-            mask = key_mask[:, None, None, :]  # [B, 1, 1, L]: padded keys hidden from every query
+        if mask is not None:
+            # [B, 1, 1, L]: padded keys hidden from every query; [B, 1, L, L]: per query (references)
+            mask = mask[:, None, None, :] if mask.dim() == 2 else mask[:, None]
             # With a mask SDPA's efficient kernels refuse enable_gqa (math would build [B, H, L, L]):
             # repeat the key / value heads instead, as diffusers does (the same values).
             k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
@@ -163,7 +167,7 @@ class TextFusionBlock(nn.Module):
         self.mlp = SwiGLU(d, cfg.text_intermediate_size)
 
     def forward(self, x, key_mask=None):
-        x = x + self.attn(self.prenorm(x), key_mask=key_mask)
+        x = x + self.attn(self.prenorm(x), mask=key_mask)
         return x + self.mlp(self.postnorm(x))
 
 
@@ -200,11 +204,25 @@ class SingleStreamBlock(nn.Module):
         self.attn = Attention(d, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.norm_eps)
         self.mlp = SwiGLU(d, cfg.intermediate_size)
 
-    def forward(self, x, tvec, cos, sin, key_mask=None):
-        """x [B, L, dim]; tvec [B, 1, 6 dim] (tproj's output, shared by every block)."""
-        m = BlockModulation(*(tvec + self.mod.lin.to(tvec.dtype)).chunk(6, dim=-1))
-        x = x + m.pregate * self.attn((1 + m.prescale) * self.prenorm(x) + m.preshift, cos, sin, key_mask)
-        return x + m.postgate * self.mlp((1 + m.postscale) * self.postnorm(x) + m.postshift)
+    def modulation(self, tvec: torch.Tensor) -> BlockModulation:
+        return BlockModulation(*(tvec + self.mod.lin.to(tvec.dtype)).chunk(6, dim=-1))
+
+    def forward(self, x, tvec, cos, sin, mask=None, ref_tvec=None, n_refs: int = 0):
+        """x [B, L, dim]; tvec [B, 1, 6 dim] (tproj's output, shared by every block). With n_refs > 0
+        the last n_refs tokens are clean references, modulated by ref_tvec (tproj at t = 0) instead."""
+        m = self.modulation(tvec)
+        if n_refs == 0:
+            x = x + m.pregate * self.attn((1 + m.prescale) * self.prenorm(x) + m.preshift, cos, sin, mask)
+            return x + m.postgate * self.mlp((1 + m.postscale) * self.postnorm(x) + m.postshift)
+        r, split = self.modulation(ref_tvec), x.shape[1] - n_refs
+
+        def spans(h, f):  # f(modulation, tokens) on [text, target] with m and on the references with r
+            return torch.cat((f(m, h[:, :split]), f(r, h[:, split:])), dim=1)
+
+        y = spans(self.prenorm(x), lambda s, h: (1 + s.prescale) * h + s.preshift)
+        x = x + spans(self.attn(y, cos, sin, mask), lambda s, h: s.pregate * h)
+        y = spans(self.postnorm(x), lambda s, h: (1 + s.postscale) * h + s.postshift)
+        return x + spans(self.mlp(y), lambda s, h: s.postgate * h)
 
 
 class LastLayer(nn.Module):
@@ -234,6 +252,49 @@ def joint_positions(text_len: int, h: int, w: int, device=None) -> torch.Tensor:
     image = torch.stack((torch.zeros_like(rows), rows, cols), dim=-1).reshape(h * w, 3)
     return torch.cat((torch.zeros(text_len, 3, dtype=torch.int64, device=device), image))
 
+
+def reference_positions(grids: list[tuple[int, int]], device=None) -> torch.Tensor:
+    """[sum of h*w, 3] int64: patch (r, c) of the i-th reference's h x w grid at (i + 1, r, c), the
+    references in order. ai-toolkit's Krea 2 edit (pack_ref_latents) places references on the first
+    axis, which the text and the target keep at 0 (ComfyUI's Kontext "index" placement)."""
+    parts = []
+    for i, (h, w) in enumerate(grids):
+        grid = joint_positions(0, h, w, device)
+        grid[:, 0] = i + 1
+        parts.append(grid)
+    return torch.cat(parts) if parts else torch.zeros(0, 3, dtype=torch.int64, device=device)
+
+
+@dataclass
+class References:
+    """Clean reference latents riding after the target's tokens (ai-toolkit's Krea 2 edit scheme,
+    model_kwargs edit: true). Every sample of a batch has the same references' grids (one layout per
+    bucket), so the positions are shared.
+
+    tokens [B, R, in_channels]: each reference packed as pack_latents packs the target, concatenated.
+    positions [R, 3] int64: reference_positions of their grids.
+    isolate: ai-toolkit's kv_cache (isolate_refs): reference queries attend only to reference keys, so
+        their states never depend on the target or the timestep (cacheable across sampling steps); the
+        text and target still attend to everything. A LoRA trained with it should sample with it.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    isolate: bool = False
+
+
+def joint_attention_mask(key_mask: torch.Tensor | None, n_txt: int, n_img: int, n_refs: int, isolate: bool,
+                         device) -> torch.Tensor | None:
+    """The blocks' mask over [text, target, references]: None (all attend all), the key mask [B, L]
+    (padded text keys hidden), or with `isolate` [B or 1, L, L] (query, key) where a reference query
+    sees only reference keys."""
+    if key_mask is not None:
+        key_mask = torch.cat((key_mask, key_mask.new_ones(key_mask.shape[0], n_img + n_refs)), dim=1)
+    if not (isolate and n_refs):
+        return key_mask
+    is_ref = torch.arange(n_txt + n_img + n_refs, device=device) >= n_txt + n_img
+    allowed = (~is_ref[:, None] | is_ref[None, :])[None]  # [1, L, L]
+    return allowed if key_mask is None else allowed & key_mask[:, None, :]
 
 # ----------------------------------------------------------------------------------------------
 # Model
@@ -278,6 +339,7 @@ class Krea2(nn.Module):
         h: int,
         w: int,
         txt_mask: torch.Tensor | None = None,
+        refs: References | None = None,
     ) -> torch.Tensor:
         """Predict the flow velocity (noise - x0) for packed latents.
 
@@ -286,6 +348,9 @@ class Krea2(nn.Module):
         txt_mask [B, T] bool (True = real token), None: every token real. Padded tokens are hidden
             as keys everywhere and dropped at the output, so only the real tokens count.
         timesteps [B]: sigma in [0, 1] (1 = pure noise), embedded in float32.
+        refs: clean reference tokens (the edit scheme) or None. They join the sequence after the
+            target, modulated in every block as at t = 0 (the final layer never sees them: the output
+            is the target's only).
         Returns [B, h*w, 64] in compute_dtype.
         """
         cfg, dtype = self.config, self.compute_dtype
@@ -301,13 +366,22 @@ class Krea2(nn.Module):
         tvec = self.tproj(t)  # [B, 1, 6 dim]
         text = self.text_features(txt.to(dtype), key_mask)
         x = torch.cat((text, self.first(img.to(dtype))), dim=1)  # [text, image]
-        cos, sin = rope_tables(joint_positions(n_txt, h, w, img.device), cfg.axes_dims_rope, cfg.rope_theta)  # float32
-        joint_mask = None if key_mask is None else torch.cat((key_mask, key_mask.new_ones(b, n_img)), dim=1)
+        positions = joint_positions(n_txt, h, w, img.device)
+        n_refs, ref_tvec = 0, None
+        if refs is not None and refs.tokens.shape[1]:
+            n_refs = refs.tokens.shape[1]
+            x = torch.cat((x, self.first(refs.tokens.to(dtype))), dim=1)  # [text, image, references]
+            positions = torch.cat((positions, refs.positions.to(img.device)))
+            t0 = timestep_embedding(torch.zeros_like(timesteps), cfg.timestep_embed_dim, time_factor=TIME_FACTOR)
+            ref_tvec = self.tproj(self.tmlp(t0.to(dtype))[:, None])  # the references' clean time
+        cos, sin = rope_tables(positions, cfg.axes_dims_rope, cfg.rope_theta)  # float32
+        isolate = refs is not None and refs.isolate
+        joint_mask = joint_attention_mask(key_mask, n_txt, n_img, n_refs, isolate, img.device)
 
         ckpt, swap, first = self.gradient_checkpointing, self.block_swap, self.n_text_blocks
         for i, block in enumerate(self.blocks):
-            x = run_block(block, ckpt, x, tvec, cos, sin, joint_mask, swap=swap, index=first + i)
-        return self.last(x[:, n_txt:], t)
+            x = run_block(block, ckpt, x, tvec, cos, sin, joint_mask, ref_tvec, n_refs, swap=swap, index=first + i)
+        return self.last(x[:, n_txt : n_txt + n_img], t)
 
     @property
     def n_text_blocks(self) -> int:

@@ -90,6 +90,9 @@ PLANNER = S.Planner(
                                      {"text_encoder": _QWEN3_VL_4B_35_LAYERS}, attributes={"version": "krea2-raw"}),
         "krea2-turbo": S.PlannerPreset("krea2", "library.models.krea2.model:KREA2_TURBO",
                                        {"text_encoder": _QWEN3_VL_4B_35_LAYERS}, attributes={"version": "krea2-turbo"}),
+        # ai-toolkit's edit scheme on Raw: one reference at the target's size (plan_controls)
+        "krea2-edit": S.PlannerPreset("krea2_edit", "library.models.krea2.model:KREA2_RAW",
+                                      {"text_encoder": _QWEN3_VL_4B_35_LAYERS}, attributes={"version": "krea2-raw"}),
     },
 )
 
@@ -107,6 +110,12 @@ CONFIG_KEYS = (
                                      "ComfyUI's qwen3vl_4b_bf16.safetensors with the tokenizer files beside it)"),
     S.ConfigKey("model_version", str, "krea2: krea2-raw or krea2-turbo (default: the pipeline folder's "
                                       "model_index.json is_distilled, else turbo when the file name says so)"),
+    S.ConfigKey("reference_resolution", int, "krea2_edit: reference images (control_directory, --ci) keep their "
+                "aspect and are scaled down to at most this^2 pixels, sides multiples of 16 (default 1024: "
+                "ai-toolkit's control_image_max_pixels)"),
+    S.ConfigKey("reference_kv_cache", bool, "krea2_edit: reference tokens attend only to each other (ai-toolkit's "
+                "model_kwargs kv_cache), for kv-cached inference in ComfyUI; recorded in the LoRA's metadata",
+                default=False),
 )
 
 

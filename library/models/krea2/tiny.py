@@ -108,3 +108,35 @@ def write_sized_krea2(folder: str, hidden: int, depth: int, seed: int) -> str:
     path = os.path.join(folder, "krea2_sized.safetensors")
     save_krea2_single_file(random_init(random_krea2(config), seed), path, config)
     return path
+
+
+def write_krea2_edit_text_encoder(out: str, seed: int) -> dict[str, str]:
+    """A Qwen3-VL-4B-Instruct-like download at tiny size for the edit prompts (tests/test_krea2_edit_text.py;
+    not in the shared set): a Qwen3VLForConditionalGeneration (a vision tower of patch 16, merge 2, one
+    deepstack layer; the language model as write_krea2_text_encoder's, 4 layers) with the Qwen2-style
+    tokenizer that has the vision tokens (the template prefix still 34 tokens, the suffix 5) and the
+    image processor's files in the same folder, as ai-toolkit loads it (AutoProcessor from that repo)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from library.models.krea2.text_encoder import KREA2_PROMPT_PREFIX, KREA2_PROMPT_SUFFIX
+    from library.models.tiny_files import build_qwen_tokenizer, round_up, save_vl_processor
+
+    tokenizer = build_qwen_tokenizer(vision_templates=(KREA2_PROMPT_PREFIX + "{}" + KREA2_PROMPT_SUFFIX,))
+    seed_component(seed, 32)
+    h = TINY["lm_hidden"]
+    text = {"vocab_size": round_up(len(tokenizer)), "hidden_size": h, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 2 * h, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 2048, "pad_token_id": tokenizer.pad_token_id,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                                "rope_theta": 5000000.0}}
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": h,
+              "num_position_embeddings": 16, "deepstack_visual_indexes": [0], "patch_size": 16}
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
+           ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+           ("vision_end_token_id", "<|vision_end|>"))}
+    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision, **ids))
+    folder = os.path.join(out, "krea2_edit", "text_encoder")
+    model.save_pretrained(folder, safe_serialization=True)
+    save_vl_processor(folder, {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 32 * 32,
+                               "max_pixels": 256 * 256}, "Qwen3VLProcessor", tokenizer)
+    return {"krea2_edit_text_encoder": folder}

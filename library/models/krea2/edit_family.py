@@ -1,0 +1,119 @@
+"""Krea 2 edit (model_type krea2_edit): Krea 2 Raw / Turbo trained and sampled with reference images,
+as ai-toolkit trains it (`arch: krea2`, `model_kwargs: edit: true`) and ComfyUI runs it
+(ComfyUI-Krea2-Ostris-Edit). There is no released edit checkpoint: the LoRA learns the editing on the
+text-to-image weights, so everything but `predict`, the references' sizes and the caption encoding
+is Krea 2's (family.py).
+
+The references (a subset's control_directory, a sample prompt's --ci) enter the transformer as clean
+tokens after the target (model.py References): reference i at positions (i + 1, r, c), modulated at
+t = 0, the loss on the target's tokens only. A reference keeps its own aspect ratio and is scaled
+down (never up) to at most `reference_resolution`^2 pixels (ai-toolkit's control_image_max_pixels,
+1024^2), each side rounded to a multiple of 16 (VAE 8 x patch 2), whatever the target's size.
+The captions are encoded with their references too (edit_encoder.py: ai-toolkit's "Picture i:" slots,
+each reference at <= 384^2 pixels; the vision tower from the text encoder folder, the image processor's
+preprocessor_config.json beside it or in processor/), so a text cache entry is per (caption,
+references). `reference_kv_cache` (ai-toolkit's model_kwargs kv_cache) trains the asymmetric mask
+where reference queries see only reference keys, which ComfyUI's kv_cache toggle needs at inference;
+it is recorded in the LoRA's metadata (ss_base_model_version krea2-raw-edit-kv_cache).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from library.models.krea2.family import Krea2Family
+from library.models.latents import pack_latents
+
+REFERENCE_RESOLUTION = 1024  # ai-toolkit's control_image_max_pixels default: 1024 * 1024
+SIZE_MULTIPLE = 16  # its get_bucket_divisibility: VAE 8 x patch 2
+
+
+def reference_size(width: int, height: int, resolution: int = REFERENCE_RESOLUTION) -> tuple[int, int]:
+    """(w, h) ai-toolkit encodes a reference of width x height at (_encode_ref_latents): scaled down to
+    resolution^2 pixels when larger (aspect kept), then each side round(side / 16) * 16, at least 16."""
+    w, h = float(width), float(height)
+    budget = resolution * resolution
+    if width * height > budget:
+        ratio = height / width
+        h = math.sqrt(budget * ratio)
+        w = h / ratio
+    return max(SIZE_MULTIPLE, round(w / SIZE_MULTIPLE) * SIZE_MULTIPLE), max(SIZE_MULTIPLE, round(h / SIZE_MULTIPLE) * SIZE_MULTIPLE)
+
+
+class Krea2EditFamily(Krea2Family):
+    """Krea 2 with reference images (ai-toolkit's edit scheme): predict takes their latents."""
+
+    name = "krea2_edit"
+    arch = "krea2"  # Krea 2's transformer: its LoRA targets, fp8 rules and flow-matching constants
+    max_controls = 4  # ai-toolkit takes any number (each a further frame on the first RoPE axis)
+    min_controls = 0  # none: the text-to-image forward exactly
+    plan_controls = 1
+    text_sees_controls = True  # encode(captions, condition_images): ai-toolkit shows them to Qwen3-VL
+    reference_resolution = REFERENCE_RESOLUTION  # an instance takes the config's (a planner preset keeps these)
+    reference_kv_cache = False
+
+    def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None,
+                 reference_resolution: int | None = None, reference_kv_cache: bool = False, **text_paths):
+        super().__init__(model_path, vae_path, model_version, **text_paths)
+        self.reference_resolution = reference_resolution or REFERENCE_RESOLUTION
+        self.reference_kv_cache = bool(reference_kv_cache)
+
+    @classmethod
+    def from_args(cls, args) -> "Krea2EditFamily":
+        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
+                   getattr(args, "reference_resolution", None), getattr(args, "reference_kv_cache", False),
+                   **{k: getattr(args, k) for k in cls.text_path_keys})
+
+    def model_version(self, model) -> str:
+        """krea2-raw-edit (or -turbo-): the LoRA's ss_base_model_version; "-kv_cache" when trained with it."""
+        return f"{self.version}-edit" + ("-kv_cache" if self.reference_kv_cache else "")
+
+    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+        """ai-toolkit's rule, whatever the target's size (its references keep their own size)."""
+        return reference_size(size[0], size[1], self.reference_resolution)
+
+    def load_text_encoder(self, precision="bf16", device=None):
+        """-> encode(captions, condition_images=None): condition_images[i] is caption i's references (PIL,
+        any size: edit_encoder resizes them to ai-toolkit's <= 384^2). The vision tower loads on the first
+        caption with references (a batch without any encodes as text only)."""
+        from library.models.krea2.edit_encoder import with_vision
+        from library.models.krea2.family import per_caption
+        from library.models.text_encoders import encoder_precision
+
+        encoder, vision = self.text_encoder(precision, device), None
+
+        def encode(captions: list[str], condition_images: list[list] | None = None) -> list[dict]:
+            nonlocal vision
+            images = condition_images or [[] for _ in captions]
+            if not any(images):
+                return per_caption(*encoder.encode(captions))
+            if vision is None:
+                vision = with_vision(encoder, self.text_paths["text_encoder"], encoder_precision(precision)[0])
+                vision.visual.to(device)
+            return per_caption(*vision.encode_with_images(captions, images))
+
+        return encode
+
+    def reference_text_tokens(self, width: int, height: int) -> int:
+        """Qwen3-VL sees a reference at <= 384^2 pixels, one token per 32 x 32 (16-pixel patches merged 2 x 2)."""
+        from library.models.krea2.edit_encoder import vlm_size
+
+        w, h = vlm_size(width, height)
+        return max(1, round(w / 32)) * max(1, round(h / 32))
+
+    def predict(self, model, x_t, sigmas, text, h, w, guidance, control: list[torch.Tensor] | None = None):
+        """x_t: packed noisy target [B, h*w, 64]; control: the references' latents, each unpacked
+        [B, 16, H_i, W_i] float32 (VAE-normalized as the target's), or None. Returns the target's
+        velocity [B, h*w, 64]."""
+        from library.models.krea2.model import References, reference_positions
+
+        if not control:
+            return super().predict(model, x_t, sigmas, text, h, w, guidance)
+        device, mask = x_t.device, text.get("mask")
+        tokens = torch.cat([pack_latents(c.to(device, x_t.dtype)) for c in control], dim=1)
+        grids = [(c.shape[2] // 2, c.shape[3] // 2) for c in control]
+        refs = References(tokens, reference_positions(grids, device), isolate=self.reference_kv_cache)
+        return model(img=x_t, txt=text["embeds"].to(device), timesteps=sigmas, h=h, w=w,
+                     txt_mask=None if mask is None else mask.to(device).bool(), refs=refs)

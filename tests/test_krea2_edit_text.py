@@ -1,0 +1,76 @@
+"""Krea 2 edit prompts with reference images (library/models/krea2/edit_encoder.py) against what ai-toolkit
+computes (its encode_krea_prompt with images): transformers' Qwen3VLForConditionalGeneration called with the
+processor's input_ids + the suffix, pixel_values, image_grid_thw and mm_token_type_ids, output_hidden_states,
+the taps stacked and the 34 prefix tokens dropped, on a tiny Qwen3-VL with a vision tower and deepstack."""
+
+import pytest
+import torch
+from PIL import Image
+
+from library.models.krea2.edit_encoder import edit_prompt, vlm_size, with_vision
+from library.models.krea2.text_encoder import KREA2_DROP_TOKENS, load_krea2_text_encoder
+from library.models.krea2.tiny import TEXT_TAPS, write_krea2_edit_text_encoder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_krea2_edit_text_encoder(str(tmp_path_factory.mktemp("k2e_text")), 0)["krea2_edit_text_encoder"]
+
+
+@pytest.fixture(scope="module")
+def encoder(folder):
+    return with_vision(load_krea2_text_encoder(folder, taps=TEXT_TAPS), folder)
+
+
+def pictures():
+    g = torch.Generator().manual_seed(0)
+    a = Image.fromarray((torch.rand(64, 96, 3, generator=g) * 255).to(torch.uint8).numpy())
+    b = Image.fromarray((torch.rand(48, 48, 3, generator=g) * 255).to(torch.uint8).numpy())
+    return [a, b]
+
+
+def aitoolkit_states(folder, inputs):
+    """ai-toolkit's call: qwen(input_ids, attention_mask, output_hidden_states=True, **vision inputs) with
+    mm_token_type_ids zero over the appended suffix; hidden_states[taps] stacked, the prefix dropped."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    ids = inputs["input_ids"]
+    types = torch.cat((inputs["mm_token_type_ids"], torch.zeros(1, ids.shape[1] - inputs["mm_token_type_ids"].shape[1],
+                                                                 dtype=torch.long)), dim=1)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True,
+                    pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"], mm_token_type_ids=types)
+    return torch.stack([out.hidden_states[i] for i in TEXT_TAPS], dim=2)[0, KREA2_DROP_TOKENS:]
+
+
+def test_vlm_size_is_aitoolkits():
+    assert vlm_size(1024, 1024) == (384, 384)
+    assert vlm_size(2048, 1024) == (543, 272)  # sqrt(384^2 / 2^21) = 0.2652: 543.1, 271.5 -> round half even 272
+    assert vlm_size(200, 100) == (200, 100)  # never upscaled
+    assert vlm_size(4000, 20) == (4000, 28)  # a side at least 28 (80,000 pixels: not scaled)
+    assert edit_prompt("x", 2).endswith("Picture 1: <|vision_start|><|image_pad|><|vision_end|>Picture 2: "
+                                        "<|vision_start|><|image_pad|><|vision_end|>x")
+
+
+def test_prompt_with_references_matches_transformers(folder, encoder):
+    images = pictures()
+    ours = encoder.encode_one("make the shape red", images)
+    theirs = aitoolkit_states(folder, encoder.vl_inputs("make the shape red", images))
+    assert ours.shape == theirs.shape and ours.shape[1] == len(TEXT_TAPS)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    inputs = encoder.vl_inputs("x", images)
+    image_tokens = int((inputs["input_ids"] == encoder.image_token_id).sum())
+    assert image_tokens == int(inputs["image_grid_thw"].prod(-1).sum()) // 4 > 0  # merged 2 x 2 patches
+
+
+def test_batch_with_and_without_references(encoder):
+    images = pictures()
+    embeds, mask = encoder.encode_with_images(["make the shape red", "a cat"], [images[:1], []])
+    alone = encoder.encode_one("make the shape red", images[:1])
+    text, text_mask = encoder.encode(["a cat"])
+    n = int(mask[0].sum())
+    assert n == alone.shape[0] and torch.equal(embeds[0, :n], alone)
+    m = int(text_mask[0].sum())
+    assert int(mask[1].sum()) == m and torch.equal(embeds[1, :m], text[0, :m])
+    assert (alone[: m] - text[0, :m]).abs().max() > 1e-4  # the references change the conditioning

@@ -1,0 +1,128 @@
+"""Krea 2 edit (model_type krea2_edit) end to end on the tiny models: a paired dataset (control_directory)
+trains with the references' latents in every step and saves a LoRA whose base version says edit; the
+sample and tools/generate.py --control_image render with the reference; the references' sizes are
+ai-toolkit's rule."""
+
+import os
+
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import train_lora
+from library.models.krea2.edit_encoder import Krea2ImageTextEncoder
+from library.models.krea2.edit_family import Krea2EditFamily, reference_size
+from library.models.krea2.tiny import write_krea2_edit_text_encoder
+from tools.make_tiny_dataset import make_tiny_edit_dataset
+
+
+@pytest.fixture(scope="module")
+def edit_set(tiny_set, tmp_path_factory):
+    """The paired set and a tiny Qwen3-VL with its vision tower and image processor (the captions see the references)."""
+    out = str(tmp_path_factory.mktemp("krea2_edit"))
+    return {**tiny_set, **make_tiny_edit_dataset(out, count=4, size=32), **write_krea2_edit_text_encoder(out, 0)}
+
+
+def test_reference_size_is_aitoolkits_rule():
+    assert reference_size(32, 32) == (32, 32)  # small: kept (never upscaled), sides multiples of 16
+    assert reference_size(40, 24) == (32, 32)  # 2.5 and 1.5 sixteens: Python's round (ai-toolkit's) to even
+    assert reference_size(56, 24) == (64, 32)  # 3.5 -> 4
+    assert reference_size(2048, 1024) == (1456, 720)  # 1 MP at 2:1: h sqrt(2^20 / 2) = 724.1 -> 720, w 1448.2 -> 1456
+    assert reference_size(8, 8) == (16, 16)
+    assert reference_size(2048, 2048, resolution=512) == (512, 512)
+
+
+@pytest.fixture(scope="module")
+def trained(edit_set, tmp_path_factory):
+    """Two steps from configs/krea2_edit.toml with kv_cache: (output folder, the references each predict saw)."""
+    seen = []
+    real = Krea2EditFamily.predict
+
+    def recording(self, *args, control=None, **kwargs):
+        seen.append([tuple(c.shape) for c in control or []])
+        return real(self, *args, control=control, **kwargs)
+
+    out = tmp_path_factory.mktemp("krea2_edit_run")
+    args = [
+        "--config_file", os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "krea2_edit.toml"),
+        "--pretrained_model_name_or_path", edit_set["krea2_diffusers"], "--ae", edit_set["qwen_image_vae"],
+        "--text_encoder", edit_set["krea2_edit_text_encoder"], "--dataset_config", edit_set["edit_dataset_config"],
+        "--sample_prompts", edit_set["edit_sample_prompts"], "--output_dir", str(out), "--output_name", "k2edit",
+        "--max_train_steps", "2", "--mixed_precision", "no", "--network_dim", "4", "--network_alpha", "4",
+        "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0", "--sample_every_n_steps",
+        "0", "--validate_every_n_steps", "0", "--fp8_base", "false", "--gradient_checkpointing", "false",
+        "--save_state", "false", "--reference_kv_cache", "true",
+    ]  # fmt: skip
+    encoded = []  # (captions, references per caption) the text encoder saw with images
+    real_encode = Krea2ImageTextEncoder.encode_with_images
+
+    def encoding(self, prompts, images):
+        encoded.append((list(prompts), [len(i) for i in images]))
+        return real_encode(self, prompts, images)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Krea2EditFamily, "predict", recording)
+        patch.setattr(Krea2ImageTextEncoder, "encode_with_images", encoding)
+        assert train_lora.main(args) == 0
+    assert encoded and all(n == 1 for _, counts in encoded for n in counts), encoded  # captions saw their reference
+    return out, seen
+
+
+def test_krea2_edit_trains_with_references_and_samples(trained):
+    out, seen = trained
+    train_steps = [s for s in seen[:2]]
+    assert train_steps and all(s == [(s[0][0], 16, 4, 4)] for s in train_steps), seen  # one 32 x 32 reference
+    with safe_open(str(out / "k2edit.safetensors"), "pt") as f:
+        assert f.metadata()["ss_base_model_version"] == "krea2-raw-edit-kv_cache"
+    samples = [p for p in os.listdir(out) if p.endswith(".png")]
+    assert samples, os.listdir(out)
+    with Image.open(out / samples[0]) as sample:
+        assert sample.text["panels"].split(",")[-1] == "reference"
+
+
+def test_generate_takes_the_control_image_and_aitoolkits_lora_layout(edit_set, trained, tmp_path):
+    # ai-toolkit saves Krea 2 LoRAs as diffusion_model.<our module path>.lora_A / lora_B (PEFT names,
+    # alpha = rank): the same LoRA in that layout renders the same picture as our kohya file.
+    from library.models.krea2.lora_files import module_paths
+    from networks.lora_files import peft_state_dict, read_lora, write_lora_tensors
+
+    paths = module_paths({"blocks": 2, "layerwise_blocks": 2, "refiner_blocks": 2})
+    weights, _, fmt = read_lora(str(trained[0] / "k2edit.safetensors"), paths)
+    assert fmt == "kohya"
+    aitk = tmp_path / "aitk.safetensors"
+    write_lora_tensors(peft_state_dict(weights, prefix="diffusion_model"), str(aitk))
+    assert all(k.startswith("diffusion_model.blocks.") or k.startswith("diffusion_model.txtfusion.")
+               for k in load_file(aitk))
+
+    from tools import generate
+
+    def run(name, *extra):
+        out = tmp_path / name
+        assert generate.main(["--model_type", "krea2_edit", "--model", edit_set["krea2"], "--ae",
+                              edit_set["qwen_image_vae"], "--text_encoder", edit_set["krea2_edit_text_encoder"],
+                              "--prompt", "make the shape red --s 2", "--width", "32", "--height", "32",
+                              "--dtype", "fp32", "--out", str(out), *extra]) == 0
+        (png,) = [p for p in os.listdir(out) if p.endswith(".png")]
+        with Image.open(out / png) as image:
+            return torch.tensor(list(image.getdata()), dtype=torch.float32)
+
+    grey = os.path.join(edit_set["edit_control_dir"], "000.png")
+    plain, with_ref = run("plain"), run("ref", "--control_image", grey)
+    assert (with_ref - plain).abs().mean() > 0.1  # the reference changes the picture (0 if ignored)
+    isolated = run("kv", "--control_image", grey, "--reference_kv_cache", "true")
+    assert (isolated - with_ref).abs().max() > 0  # the kv_cache mask reaches sampling
+    ours = run("ours", "--control_image", grey, "--lora", f"{trained[0] / 'k2edit.safetensors'}:1.0")
+    theirs = run("theirs", "--control_image", grey, "--lora", f"{aitk}:1.0")
+    assert torch.equal(ours, theirs) and (ours - with_ref).abs().mean() > 0
+
+
+def test_generate_reads_reference_kv_cache_as_true_or_false():
+    from tools import generate
+
+    parse = generate.build_parser().parse_args
+    base = ["--model_type", "krea2_edit", "--model", "m", "--ae", "a"]
+    assert parse(base).reference_kv_cache is False
+    assert parse([*base, "--reference_kv_cache", "false"]).reference_kv_cache is False
+    assert parse([*base, "--reference_kv_cache", "true"]).reference_kv_cache is True
