@@ -185,7 +185,9 @@ def test_gradient_checkpointing_block_swap_and_meta():
     want = ours_velocity(model, latents, txt, mask, sigmas)
     model.requires_grad_(False)
     swap = enable_block_swap(model, 5, "cpu")  # all but the first layerwise text block
-    assert torch.equal(ours_velocity(model, latents, txt, mask, sigmas), want)
+    # Not bit-exact on every CPU: the swapped weights are new buffers, whose alignment can pick another GEMM
+    # kernel (last-ulp differences seen on one machine); a wrong block order would be off by O(1).
+    torch.testing.assert_close(ours_velocity(model, latents, txt, mask, sigmas), want, rtol=1e-5, atol=1e-5)
     assert [i for op, i in swap.log if op == "load"] == [1, 2, 3, 4, 5]
     with torch.device("meta"):
         out = Krea2(tiny_config())(torch.empty(2, 12, 64), torch.empty(2, 5, 3, 32), torch.empty(2), 3, 4)

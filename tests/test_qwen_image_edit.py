@@ -128,8 +128,6 @@ def test_additional_t_cond_matches_diffusers(tmp_path):
 def test_version_from_transformer_flags():
     assert version_from_flags({"zero_cond_t": True}) == EDIT_2511
     assert version_from_flags({}) == EDIT_2509
-    with pytest.raises(ValueError, match="use_layer3d_rope"):
-        QwenImageConfig.from_diffusers({"use_layer3d_rope": True})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def latent_entry(item: ImageItem) -> str:
     """The subset's inputs of a latent entry: flip_aug, the mask, the references and their sizes."""
     mask = _beside(item, [item.mask_path] if item.mask_path else [])
     return _entry_tag(item.subset.flip_aug, item.subset.alpha_mask, mask, _beside(item, item.control_paths),
-                      item.control_buckets)
+                      item.control_buckets, *([_beside(item, item.layer_paths)] if item.layer_paths else []))
 
 
 def text_entry(item: ImageItem, with_references: bool) -> str:
@@ -81,6 +81,8 @@ def latent_hash(item: ImageItem, model_key: str) -> str:
     h.update(f"|{model_key}|{item.bucket[0]}x{item.bucket[1]}|flip={item.subset.flip_aug}|{PREPROCESS_VERSION}".encode())
     if item.masked:  # a changed mask file recomputes the entry
         h.update(f"|{mask_source_hash(item.mask_path, item.subset.alpha_mask)}".encode())
+    for path in item.layer_paths:  # layered targets: each layer is a frame of the latents
+        _hash_file(h, path, b"|layer|")
     for path, (w, hh) in zip(item.control_paths, item.control_buckets):  # references are cached with it
         _hash_file(h, path, b"|control|")
         h.update(f"|{w}x{hh}".encode())
@@ -112,8 +114,9 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
                           lambda item: latent_hash(item, model_key) if to_disk else "")
     groups: dict[tuple, list] = {}  # a batch must hold one size; flipped latents only where needed
     for t in todo:
-        groups.setdefault((t[0].bucket, tuple(t[0].control_buckets), t[0].subset.flip_aug), []).append(t)
-    for (_, control_buckets, flip_aug), group in groups.items():
+        groups.setdefault((t[0].bucket, tuple(t[0].control_buckets), t[0].subset.flip_aug, len(t[0].layer_paths)),
+                          []).append(t)
+    for (_, control_buckets, flip_aug, _), group in groups.items():
         for start in range(0, len(group), batch_size):
             chunk = group[start : start + batch_size]
             encoded = {}
@@ -148,10 +151,22 @@ def _stale_entries(items: list[ImageItem], attr: str, to_disk: bool, path_of: Ca
 
 
 def _encode_images(encode_fn, chunk, flip: bool, control: int | None = None) -> torch.Tensor:
-    """The chunk's images (or their reference number `control`) encoded."""
-    images = torch.stack([load_image(item.image_path, item.bucket, flip) if control is None
-                          else load_image(item.control_paths[control], item.control_buckets[control], flip)
-                          for item, _, _ in chunk])
+    """The chunk's images (or their reference number `control`) encoded. Layered targets (library/data/
+    layers.py) are RGBA, and each frame (the composite, then every layer) is encoded on its own:
+    latents [B, C, 1 + layers, h, w]."""
+    layered = bool(chunk[0][0].layer_paths)
+    mode = "RGBA" if layered else "RGB"
+    if control is None and layered:
+        frames = [[item.image_path, *item.layer_paths] for item, _, _ in chunk]
+        return torch.stack([_encode(encode_fn, [(paths[f], item.bucket) for paths, (item, _, _) in zip(frames, chunk)],
+                                    flip, mode) for f in range(len(frames[0]))], dim=2)
+    sources = [(item.image_path, item.bucket) if control is None
+               else (item.control_paths[control], item.control_buckets[control]) for item, _, _ in chunk]
+    return _encode(encode_fn, sources, flip, mode)
+
+
+def _encode(encode_fn, sources: list[tuple[str, tuple[int, int]]], flip: bool, mode: str) -> torch.Tensor:
+    images = torch.stack([load_image(path, bucket, flip, mode) for path, bucket in sources])
     with torch.no_grad():
         return encode_fn(images).detach().cpu()
 

@@ -32,7 +32,7 @@ from PIL import Image
 
 from library.data.captions import fixed_caption
 from library.data.controls import check_control_count, control_files, find_controls
-from library.data.image_folders import _image_files, bad_size, dataset_buckets, image_bucket, read_caption
+from library.data.image_folders import bad_size, subset_images, dataset_buckets, image_bucket, read_caption
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import IMAGE_EXTENSIONS, WIDE_GREY_MODES, load_rgb, verified_image_size
 from library.data.masks import find_mask, has_alpha
@@ -176,7 +176,7 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
 def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None) -> list[str]:
     """Fill `report` for one subset; returns the readable images' paths (for the duplicate check)."""
     try:
-        paths = _image_files(subset.image_dir)
+        paths = subset_images(subset)[0]  # multiple_target: the layer files are not images of their own
     except ValueError as e:  # no folder, no images, or two images of one name (then check them anyway)
         report.add("error", "folder", str(e))
         if not os.path.isdir(subset.image_dir):

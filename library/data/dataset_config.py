@@ -29,6 +29,7 @@ SUBSET_KEYS = (
     "keep_tokens", "keep_tokens_separator", "caption_separator", "caption_dropout_rate",
     "caption_dropout_every_n_epochs", "caption_tag_dropout_rate", "caption_variants", "flip_aug",
     "alpha_mask", "mask_dir", "is_reg", "control_directory", "skip_bad_size_images",
+    "multiple_target",
 )
 # Keys a [[datasets]] table may hold (they may also sit in [general]).
 DATASET_KEYS = (
@@ -43,7 +44,7 @@ KEY_TYPES = {
     "shuffle_caption": bool, "keep_tokens": int, "caption_dropout_rate": float, "flip_aug": bool,
     "keep_tokens_separator": str, "caption_separator": str, "caption_dropout_every_n_epochs": int,
     "caption_tag_dropout_rate": float, "caption_variants": int, "alpha_mask": bool, "mask_dir": str, "is_reg": bool,
-    "control_directory": str, "skip_bad_size_images": bool,
+    "control_directory": str, "skip_bad_size_images": bool, "multiple_target": bool,
 }
 # sd-scripts' defaults, except caption_extension: sd-scripts defaults to ".caption" but nearly
 # every dataset in use ships ".txt" files, so ".txt" is the default here.
@@ -56,7 +57,7 @@ DEFAULTS = {
     "keep_tokens": 0, "caption_dropout_rate": 0.0, "flip_aug": False,
     "keep_tokens_separator": "", "caption_separator": ",", "caption_dropout_every_n_epochs": 0,
     "caption_tag_dropout_rate": 0.0, "caption_variants": 8, "alpha_mask": False, "mask_dir": None, "is_reg": False,
-    "control_directory": None, "skip_bad_size_images": False,
+    "control_directory": None, "skip_bad_size_images": False, "multiple_target": False,
 }
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string",
                "resolution": "an integer or [width, height]"}
@@ -86,6 +87,8 @@ class SubsetSpec:
     control_directory: str | None = None
     # library/data/dataset.py bad_size: images below min_bucket_reso or beyond the buckets' aspect ratio
     skip_bad_size_images: bool = False  # leave them out (they are always warned about)
+    # library/data/layers.py: layered targets, a composite + its numbered layer images (musubi-tuner's name)
+    multiple_target: bool = False
 
 
 @dataclass
@@ -190,6 +193,9 @@ def _parse_subset(source: str, general: dict, dataset: dict, subset: dict, secti
         raise ValueError(f"{where} key 'mask_dir' {spec.mask_dir!r} is not a folder")
     if spec.control_directory is not None and not os.path.isdir(spec.control_directory):
         raise ValueError(f"{where} key 'control_directory' {spec.control_directory!r} is not a folder")
+    if spec.multiple_target and (spec.control_directory or spec.alpha_mask or spec.mask_dir):
+        raise ValueError(f"{where} key 'multiple_target' (layered targets: library/data/layers.py) takes no "
+                         f"control_directory, alpha_mask or mask_dir (the composite is the reference; alpha is trained)")
     if spec.is_reg and section.startswith("validation_datasets"):
         raise ValueError(f"{where} key 'is_reg' is for training subsets; validation datasets hold no regularization images")
     if not spec.caption_separator:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from library.data.controls import check_control_count, control_files, find_controls, scan_controls
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import IMAGE_EXTENSIONS, verified_image_size
+from library.data.layers import check_layers, split_layers
 from library.data.masks import find_mask, warn_missing_alpha
 from library.io import read_utf8
 
@@ -38,6 +39,7 @@ class ImageItem:
     mask_path: str | None = None  # mask_dir's file for it (library/data/masks.py)
     control_paths: list[str] = field(default_factory=list)  # reference images (library/data/controls.py)
     control_buckets: list[tuple[int, int]] = field(default_factory=list)  # (w, h) each reference is encoded at
+    layer_paths: list[str] = field(default_factory=list)  # multiple_target: its layers (library/data/layers.py)
     subset_index: int = 0  # its subset's place in its dataset: one image in two subsets is two samples
 
     @property
@@ -116,8 +118,9 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
     first = len(blueprint.datasets) if held_out_sets else 0
     for di, ds in enumerate(datasets, start=first):
         buckets = dataset_buckets(ds)
+        first_layered = None  # (path, layer count) of the dataset's first layered image
         for si, subset in enumerate(ds.subsets):
-            paths = _image_files(subset.image_dir)
+            paths, layers = subset_images(subset)
             if subset.alpha_mask:
                 warn_missing_alpha(paths, subset)
             controls = control_files(subset.control_directory) if subset.control_directory else None
@@ -131,6 +134,10 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                         path, subset.control_directory, controls, bucket, control_bucket or (lambda b, _: b))
                     first_paired = first_paired or item
                     check_control_count(item, first_paired)
+                if subset.multiple_target:  # the composite is its own reference (the condition image)
+                    check_layers(path, layers.get(path), first_layered)
+                    first_layered = first_layered or (path, len(layers[path]))
+                    item.layer_paths, item.control_paths, item.control_buckets = layers[path], [path], [bucket]
                 items.append(item)
     return items
 
@@ -217,6 +224,13 @@ def _usable_images(paths: list[str], ds: DatasetSpec, subset: SubsetSpec) -> lis
         raise ValueError(f"{subset.image_dir}: every image was skipped (skip_bad_size_images): none is at least "
                          f"{name} {min_side} per side within max_bucket_reso / min_bucket_reso = {max_aspect:.1f}")
     return usable
+
+
+def subset_images(subset: SubsetSpec) -> tuple[list[str], dict[str, list[str]]]:
+    """(the subset's training images, image -> its layer files): with multiple_target the numbered
+    layer files beside an image are its layers, not images of their own (library/data/layers.py)."""
+    paths = _image_files(subset.image_dir)
+    return split_layers(paths) if subset.multiple_target else (paths, {})
 
 
 def _image_files(folder: str) -> list[str]:

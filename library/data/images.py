@@ -32,12 +32,13 @@ def to_8_bit(img: Image.Image, path: str) -> Image.Image:
     return Image.fromarray(((values + 128) // 257).astype(np.uint8))
 
 
-def load_rgb(path: str) -> Image.Image:
-    """The image at `path` as displayed (EXIF rotation applied), as 8-bit RGB. Pixels that do not
-    decode (a truncated file, whose header still verifies) are one ValueError naming the file."""
+def load_rgb(path: str, mode: str = "RGB") -> Image.Image:
+    """The image at `path` as displayed (EXIF rotation applied), as 8-bit RGB (mode "RGBA": with its
+    alpha, 255 where it has none). Pixels that do not decode (a truncated file, whose header still
+    verifies) are one ValueError naming the file."""
     try:
         with Image.open(path) as img:
-            return to_8_bit(ImageOps.exif_transpose(img), path).convert("RGB")
+            return to_8_bit(ImageOps.exif_transpose(img), path).convert(mode)
     except ValueError:  # to_8_bit's, naming the file already
         raise
     except Exception as e:  # PIL raises many kinds for broken files
@@ -71,10 +72,11 @@ def verified_image_size(path: str) -> tuple[int, int]:
     return (h, w) if rotated else (w, h)
 
 
-def load_image(path: str, bucket: tuple[int, int], flip: bool = False) -> torch.Tensor:
-    """The image fitted to `bucket` (fit_to_bucket). Returns float32 [3, H, W] in [-1, 1]."""
-    img = fit_to_bucket(load_rgb(path), bucket, flip)
-    pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())  # [H, W, 3] uint8
+def load_image(path: str, bucket: tuple[int, int], flip: bool = False, mode: str = "RGB") -> torch.Tensor:
+    """The image fitted to `bucket` (fit_to_bucket). Returns float32 [3, H, W] in [-1, 1]
+    ([4, H, W] for mode "RGBA": layered targets, library/data/layers.py)."""
+    img = fit_to_bucket(load_rgb(path, mode), bucket, flip)
+    pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())  # [H, W, 3 or 4] uint8
     return pixels.permute(2, 0, 1).float() / 127.5 - 1.0
 
 

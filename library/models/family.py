@@ -230,6 +230,15 @@ class DiffusionFamily:
         return {}
 
     # -- the denoiser --------------------------------------------------------------------------
+    def pack_target(self, latents: torch.Tensor) -> torch.Tensor:
+        """A training target's latents -> the tokens predict takes: [B, C, H, W] -> [B, H*W/4, 4C]
+        (a layered family's frames [B, C, F, H, W]: packed frame after frame)."""
+        return pack_latents(latents)
+
+    def target_on_meta(self, batch: int, lh: int, lw: int) -> torch.Tensor:
+        """A training batch's latents at lh x lw on meta (the memory planner)."""
+        return torch.empty(batch, self.latent_channels, lh, lw, device="meta")
+
     def predict(self, model: nn.Module, x_t: torch.Tensor, sigmas: torch.Tensor, text: dict, h: int, w: int,
                 guidance: float | None, control: list[torch.Tensor] | None = None) -> torch.Tensor:
         """x_t: packed latents [B, h*w, 4C] float32 (h, w in patches); sigmas [B] float32;
@@ -245,9 +254,10 @@ class DiffusionFamily:
         generator per sample draws its noise and sigma, so a sample's draw does not depend on its
         batch position or process. mask: [B, 1, H/8, W/8] loss masks; sample_weights: [B] (e.g.
         prior_loss_weight on regularization images); control: reference latents (edit families).
-        Returns the scalar float32 loss and the sigmas."""
-        b, _, lh, lw = latents.shape
-        h, w = lh // self.patch, lw // self.patch
+        Layered targets: latents [B, C, F, H/8, W/8] (pack_target). Returns the scalar float32 loss
+        and the sigmas."""
+        lh, lw = latents.shape[-2:]
+        h, w = lh // self.patch, lw // self.patch  # one frame's patch grid: the shift's token count
         method = args.timestep_sampling or fm.sampling_of(self.arch).method
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=torch.float32) for g in generators])
         sigmas = torch.cat([
@@ -267,12 +277,12 @@ class DiffusionFamily:
         """The flow-matching loss at given noise (float32, latents' shape) and sigmas (float32 [B]),
         all on the latents' device: scalar float32. training_loss draws them; validation fixes them.
         Only the target's tokens are in the loss (predict returns no reference tokens)."""
-        h, w = latents.shape[2] // self.patch, latents.shape[3] // self.patch
-        x_t = pack_latents(fm.noisy_input(latents, noise, sigmas))
+        h, w = latents.shape[-2] // self.patch, latents.shape[-1] // self.patch
+        x_t = self.pack_target(fm.noisy_input(latents, noise, sigmas))
         pred = self.predict(model, x_t, sigmas, text, h, w, guidance, **control_kwargs(control))
-        target = pack_latents(fm.flow_target(latents, noise))
+        target = self.pack_target(fm.flow_target(latents, noise))
         if mask is not None:  # one weight per latent element, packed like the latents
-            mask = pack_latents(mask.expand_as(latents))
+            mask = self.pack_target(mask.expand_as(latents))
         weights = fm.loss_weighting(sigmas, weighting)
         if sample_weights is not None:
             weights = sample_weights.float() if weights is None else weights * sample_weights.float()

@@ -19,6 +19,7 @@ FAMILIES = {
     "flux_kontext": "library.models.flux1.kontext:FluxKontextFamily",
     "flux2": "library.models.flux2.family:Flux2Family",
     "qwen_image_edit": "library.models.qwen_image.edit_family:QwenImageEditFamily",
+    "qwen_image_layered": "library.models.qwen_image.layered:QwenImageLayeredFamily",
     "zimage": "library.models.zimage.family:ZImageFamily",
     "zimage_omni": "library.models.zimage.omni_family:ZImageOmniFamily",
     "chroma": "library.models.chroma.family:ChromaFamily",

@@ -203,10 +203,11 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     lora = [p for p in network.parameters() if p.requires_grad]
     optimizer = _optimizer_bytes(network, args)
     down = family.vae_downsample
-    latents = torch.empty(batch, family.latent_channels, height // down, width // down, device="meta")
+    latents = family.target_on_meta(batch, height // down, width // down)
     # Edit families: the references (at the target's size) add their tokens to every block.
     count = family.plan_controls if references is None else references
-    control = [torch.empty_like(latents) for _ in range(count)]
+    control = [torch.empty(batch, family.latent_channels, height // down, width // down, device="meta")
+               for _ in range(count)]
     text = family.text_on_meta(model, batch, text_tokens)
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]
     with LiveBytes() as live, fused_attention_on_meta():
@@ -290,7 +291,6 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     bf16 copy of the base and its LoRA load beside it; then the VAE loads, encodes the prompt's
     references and stays through every forward (batch 1 at the sample size) and the decode."""
     from library.models.family import control_kwargs
-    from library.models.latents import pack_latents
 
     model, network = _meta_model_and_network(family, args)
     lora = tensor_bytes(network.state_dict().values())
@@ -298,13 +298,14 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     resident = resident_parts(module_bytes(model), blocks, lora, _optimizer_bytes(network, args), args.blocks_to_swap)
     count = family.plan_controls if references is None else references
     down = family.vae_downsample
-    latents = torch.empty(1, family.latent_channels, height // down, width // down, device="meta")
+    latents = family.target_on_meta(1, height // down, width // down)
     text = family.text_on_meta(model, 1, text_tokens)
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
         for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
             live.ignore(t)  # counted in `resident`
-        control = control_kwargs([torch.empty_like(latents) for _ in range(count)])
-        family.predict(model, pack_latents(latents), torch.ones(1, device="meta"), text, height // (down * family.patch),
+        control = control_kwargs([torch.empty(1, family.latent_channels, height // down, width // down, device="meta")
+                                  for _ in range(count)])
+        family.predict(model, family.pack_target(latents), torch.ones(1, device="meta"), text, height // (down * family.patch),
                        width // (down * family.patch), None,
                        **control)
     vae = family.vae_on_meta()

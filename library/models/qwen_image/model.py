@@ -52,6 +52,9 @@ class QwenImageConfig:
     zero_cond_t: bool = False
     # Qwen-Image-Layered: a learned 2-row embedding (`additional_t_cond` 0/1) added to the timestep's.
     use_additional_t_cond: bool = False
+    # Qwen-Image-Layered: image i of a sample takes frame position i, the last (the condition image)
+    # frame -1, and the text starts after max(h//2, w//2, images - 1) (diffusers' QwenEmbedLayer3DRope).
+    use_layer3d_rope: bool = False
     rope_theta: float = 10000.0  # fixed in diffusers (QwenEmbedRope(theta=10000)), not in its config
 
     @property
@@ -65,15 +68,9 @@ class QwenImageConfig:
                 f"axes_dims_rope {self.axes_dims_rope} must sum to attention_head_dim {self.attention_head_dim}"
             )
 
-    # Flags of the diffusers class that change the architecture; we implement the default only.
-    _UNSUPPORTED = {"use_layer3d_rope": False}
-
     @classmethod
     def from_diffusers(cls, config: dict, source: str = "config") -> "QwenImageConfig":
-        """From a diffusers config.json dict. Variants we do not implement (layered 3-D RoPE) raise."""
-        for flag, default in cls._UNSUPPORTED.items():
-            if config.get(flag, default) != default:
-                raise CheckpointError(f"{source}: {flag}={config[flag]!r} is not supported (expected {default!r})")
+        """From a diffusers config.json dict."""
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in config.items() if k in names}
         if kwargs.get("out_channels") is None:
@@ -84,7 +81,7 @@ class QwenImageConfig:
         d = {k: v for k, v in asdict(self).items() if k != "rope_theta"}
         d["axes_dims_rope"] = list(self.axes_dims_rope)
         return {"_class_name": "QwenImageTransformer2DModel", "_diffusers_version": _diffusers_version(),
-                **d, "guidance_embeds": False, **self._UNSUPPORTED}
+                **d, "guidance_embeds": False}
 
 
 QWEN_IMAGE = QwenImageConfig()
@@ -122,18 +119,22 @@ def _images_of(shape) -> list[tuple[int, int, int]]:
     return [tuple(s) for s in shape]
 
 
-def joint_positions(img_shapes: list, text_len: int) -> torch.Tensor:
+def joint_positions(img_shapes: list, text_len: int, layer3d: bool = False) -> torch.Tensor:
     """int64 [B, text_len + L, 3] ids for the joint sequence [text, image].
 
     Images of a sample take frame index 0, 1, ... in order; text token j gets id max_index + j on
     every axis, where max_index = max(h//2, w//2) over the sample's images (diffusers' txt_freqs).
-    Unlike diffusers, which uses the first sample's shapes for the whole batch, each sample here
-    gets its own ids (identical when all shapes agree)."""
+    layer3d (Qwen-Image-Layered): the last image is the condition image at frame -1, and max_index
+    is at least the number of images before it. Unlike diffusers, which uses the first sample's
+    shapes for the whole batch, each sample here gets its own ids (identical when all shapes agree)."""
     per_sample = []
     for shape in img_shapes:
         images = _images_of(shape)
-        img = torch.cat([image_positions(f, h, w, i) for i, (f, h, w) in enumerate(images)])
+        frames = [-1 if layer3d and i == len(images) - 1 else i for i in range(len(images))]
+        img = torch.cat([image_positions(f, h, w, k) for k, (f, h, w) in zip(frames, images)])
         start = max(max(h // 2, w // 2) for _, h, w in images)
+        if layer3d:
+            start = max(start, len(images) - 1)
         txt = (start + torch.arange(text_len, dtype=torch.int64))[:, None].expand(text_len, 3)
         per_sample.append(torch.cat([txt, img]))
     if len({p.shape[0] for p in per_sample}) != 1:
@@ -317,7 +318,7 @@ class QwenImage(nn.Module):
 
     def rope(self, img_shapes: list, text_len: int, device: torch.device):
         """float32 cos/sin [B, T + L, head_dim / 2] from int64 ids (angles in float64)."""
-        positions = joint_positions(img_shapes, text_len).to(device)
+        positions = joint_positions(img_shapes, text_len, self.config.use_layer3d_rope).to(device)
         return core.rope_tables(positions, self.config.axes_dims_rope, self.config.rope_theta)
 
     def forward(self, img, txt, txt_mask, timesteps, img_shapes, additional_t_cond=None):
@@ -391,7 +392,8 @@ def infer_config(reader: CheckpointReader, prefix: str = "") -> QwenImageConfig:
         num_attention_heads=dim // head_dim,
         joint_attention_dim=joint_dim,
         use_additional_t_cond=prefix + "time_text_embed.addition_t_embedding.weight" in reader,
-    )  # zero_cond_t changes no tensor: a single Edit-2511 file needs config= (the family's model_version)
+    )  # zero_cond_t and use_layer3d_rope change no tensor: a single Edit-2511 or Layered file needs
+    # config= (the family's model_version / model_type)
 
 
 def _resolve(path: str) -> tuple[str, QwenImageConfig | None]:

@@ -1,4 +1,4 @@
-"""Qwen-Image and Qwen-Image-Edit (2509, 2511): the architecture's facts (library/models/spec.py)."""
+"""Qwen-Image, Qwen-Image-Edit (2509, 2511) and Qwen-Image-Layered: the architecture's facts (library/models/spec.py)."""
 
 from library.models import spec as S
 
@@ -58,6 +58,10 @@ PLANNER = S.Planner(
         "qwen-image-edit": S.PlannerPreset("qwen_image_edit", "library.models.qwen_image.model:QWEN_IMAGE",
                                            {"text_encoder": 8_292_166_656},
                                            attributes={"version": "qwen-image-edit-2509"}),
+        # Layered: Qwen-Image's transformer (the flags add no weight) on the composite + 4 layers + the
+        # condition image: six frames' tokens; Qwen2.5-VL-7B's language model (the text sees no image).
+        "qwen-image-layered": S.PlannerPreset("qwen_image_layered", "library.models.qwen_image.layered:QWEN_IMAGE_LAYERED",
+                                              {"text_encoder": 7_615_616_512}),
     },
 )
 
@@ -66,7 +70,7 @@ PLANNER = S.Planner(
 TINY = S.TinySpec(writers=(
     "library.models.qwen_image.tiny:write_qwen_image", "library.models.qwen_image.tiny:write_qwen_vae",
     "library.models.qwen_image.tiny:write_qwen_text_encoder", "library.models.qwen_image.tiny:write_qwen_image_edit",
-    "library.models.qwen_image.tiny:write_qwen_vl_text_encoder",
+    "library.models.qwen_image.tiny:write_qwen_vl_text_encoder", "library.models.qwen_image.tiny:write_qwen_image_layered",
 ), transformer="qwen_image", config_files={"ae": "qwen_image_vae", "text_encoder": "qwen_image_text_encoder"},
     sized="library.models.qwen_image.tiny:write_sized_qwen_image")
 
@@ -78,6 +82,8 @@ CONFIG_KEYS = (
     S.ConfigKey("model_version", str, "qwen_image_edit: qwen-image-edit, qwen-image-edit-2509 or qwen-image-edit-2511 "
                                       "(default: the transformer config.json's flags, 2509 without zero_cond_t; "
                                       "needed for a single transformer file)"),
+    S.ConfigKey("layers", int, "qwen_image_layered: layers a sample (--ci image) is decomposed into (the pipeline's "
+                               "`layers`, default 4; training takes each image's own layer files)"),
 )
 
 

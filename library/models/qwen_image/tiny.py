@@ -11,6 +11,8 @@
                                        tokens, the pipelines' drop index, as with the real one)
   qwen_image_edit/processor/           Qwen2VLImageProcessor preprocessor_config.json + tokenizer
   qwen_image_edit_2511/transformer/    Edit-2511 transformer (zero_cond_t)
+  qwen_image_layered/transformer/      Qwen-Image-Layered transformer (use_layer3d_rope, use_additional_t_cond)
+  qwen_image_layered/vae/              its RGBA AutoencoderKLQwenImage (input_channels 4)
 
 LM hidden == joint_attention_dim, 16 latent channels (64 packed).
 """
@@ -91,6 +93,33 @@ def write_qwen_image_edit(out: str, seed: int) -> dict[str, str]:
         paths[name] = folder = os.path.join(out, name, "transformer")
         save_qwen_image_diffusers(QwenImage(config).state_dict(), config, folder)
     return paths
+
+
+def write_qwen_image_layered(out: str, seed: int) -> dict[str, str]:
+    """Qwen-Image-Layered: the transformer with its release's flags and the RGBA VAE (text encoder:
+    Qwen-Image's)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    from library.models.qwen_image.layered import LAYERED_FLAGS, LAYERED_VAE_CONFIG
+    from library.models.qwen_image.model import QwenImage, QwenImageConfig, save_qwen_image_diffusers
+
+    seed_component(seed, 15)
+    config = QwenImageConfig(
+        in_channels=4 * TINY["latent_channels"], out_channels=TINY["latent_channels"], num_layers=2,
+        attention_head_dim=sum(TINY["axes"]), num_attention_heads=TINY["dit_heads"],
+        joint_attention_dim=TINY["lm_hidden"], axes_dims_rope=TINY["axes"], **LAYERED_FLAGS,
+    )
+    folder = os.path.join(out, "qwen_image_layered", "transformer")
+    save_qwen_image_diffusers(QwenImage(config).state_dict(), config, folder)
+    seed_component(seed, 16)
+    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=TINY["latent_channels"], **LAYERED_VAE_CONFIG)
+    vae_folder = os.path.join(out, "qwen_image_layered", "vae")
+    os.makedirs(vae_folder, exist_ok=True)
+    vae_config = {k: v for k, v in vae.config.items() if not k.startswith("_")}
+    save_safetensors(vae.state_dict(), os.path.join(vae_folder, "diffusion_pytorch_model.safetensors"),
+                     metadata={"format": "pt"})
+    write_json(os.path.join(vae_folder, "config.json"), {"_class_name": "AutoencoderKLQwenImage", **vae_config})
+    return {"qwen_image_layered": folder, "qwen_image_layered_vae": vae_folder}
 
 
 # A tiny Qwen2.5-VL vision tower: the real patch (14), temporal patch (2) and merge (2) sizes, so the

@@ -1,0 +1,44 @@
+"""Layered targets (a layer-decomposition model: model_type names one), musubi-tuner's `multiple_target = true` layout: beside each
+captioned image, its layers, numbered in the same folder:
+
+    image_dir/poster.png  poster.txt           the image to decompose (the composite) and its caption
+    image_dir/poster_1.png, poster_2.png, ...  its layers in order (RGBA; numbering may start at 0 or 1)
+
+A training target is then the composite followed by its layers, every frame encoded on its own as
+RGBA (an RGB image gets alpha 255, as musubi-tuner and the pipeline's `convert("RGBA")` give it),
+cached as latents [C, 1 + layers, h, w]. The composite is also the sample's reference image (the
+condition the pipeline decomposes), so the item's control_paths is the composite itself. Every
+image of a dataset needs the same layer count (a batch stacks them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_NUMBERED = re.compile(r"(.+)_(\d+)")
+
+
+def split_layers(paths: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """(the composites, composite -> its layer files in numeric order) of a subset's image files:
+    a file named <stem>_<n> beside an image named <stem> is one of its layers."""
+    by_stem = {os.path.splitext(p)[0]: p for p in paths}
+    numbered: dict[str, list[tuple[int, str]]] = {}
+    for p in paths:
+        m = _NUMBERED.fullmatch(os.path.splitext(p)[0])
+        if m and m.group(1) in by_stem:
+            numbered.setdefault(by_stem[m.group(1)], []).append((int(m.group(2)), p))
+    layer_files = {p for group in numbered.values() for _, p in group}
+    composites = [p for p in paths if p not in layer_files]
+    return composites, {c: [p for _, p in sorted(group)] for c, group in numbered.items()}
+
+
+def check_layers(path: str, layers: list[str] | None, first: tuple[str, int] | None) -> None:
+    """A composite has layers, as many as the first composite of its dataset (first: (path, count))."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if not layers:
+        raise ValueError(f"{path}: no layer images beside it (multiple_target = true expects '{stem}_1.png', "
+                         f"'{stem}_2.png', ... in the same folder)")
+    if first is not None and len(layers) != first[1]:
+        raise ValueError(f"{path}: {len(layers)} layer image(s), but {os.path.basename(first[0])} of the same dataset "
+                         f"has {first[1]}; every image of a dataset needs the same number of layers")

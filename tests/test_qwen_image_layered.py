@@ -1,0 +1,184 @@
+"""Qwen-Image-Layered: the transformer (3-D layer RoPE + additional_t_cond) against diffusers'
+QwenImageTransformer2DModel(use_layer3d_rope=True) on the same weights, in float32."""
+
+import os
+
+import pytest
+import torch
+from diffusers import QwenImageTransformer2DModel
+
+from library.models.qwen_image.model import QwenImageConfig, joint_positions, load_qwen_image
+from tests.test_qwen_image import randomize_
+
+TEXT = 7
+
+
+def layered_reference(tmp_path) -> QwenImageTransformer2DModel:
+    config = QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+                             axes_dims_rope=(8, 12, 12), use_additional_t_cond=True, use_layer3d_rope=True)
+    ref = QwenImageTransformer2DModel(**{k: v for k, v in config.to_diffusers().items() if not k.startswith("_")})
+    randomize_(ref, torch.Generator().manual_seed(4))
+    ref.save_pretrained(tmp_path)
+    return ref
+
+
+@pytest.mark.parametrize("frames, h, w", [(3, 4, 6), (6, 2, 2)])  # (6, 2, 2): the text starts after the layer count
+def test_layered_transformer_matches_diffusers(tmp_path, frames, h, w):
+    """frames noisy layers (the composite first) then the condition image, as the pipeline lays them out."""
+    ref = layered_reference(tmp_path)
+    ours = load_qwen_image(str(tmp_path))
+    assert ours.config.use_layer3d_rope and ours.config.use_additional_t_cond
+    g = torch.Generator().manual_seed(6)
+    tokens = (frames + 1) * h * w
+    img, txt = torch.randn(2, tokens, 64, generator=g), torch.randn(2, TEXT, 32, generator=g)
+    mask = torch.arange(TEXT)[None] < torch.tensor([[TEXT], [4]])
+    shapes, sigma, cond = [[(1, h, w)] * (frames + 1)] * 2, torch.tensor([0.3, 0.7]), torch.zeros(2, dtype=torch.long)
+    with torch.no_grad():
+        expected = ref(hidden_states=img, encoder_hidden_states=txt, encoder_hidden_states_mask=mask, timestep=sigma,
+                       img_shapes=shapes, additional_t_cond=cond, return_dict=False)[0]
+        got = ours(img, txt, mask, sigma, shapes, additional_t_cond=cond)
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+def test_layered_positions():
+    """The condition image (last) sits at frame -1; text starts at max(h//2, w//2, images - 1)."""
+    ids = joint_positions([[(1, 2, 2)] * 4], text_len=2, layer3d=True)[0]
+    text, img = ids[:2], ids[2:]
+    assert img[:, 0].tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [-1] * 4
+    assert text[:, 0].tolist() == [3, 4]  # 4 images: max(1, 3)
+    plain = joint_positions([[(1, 2, 2)] * 4], text_len=2)[0]
+    assert plain[2:, 0].tolist()[-4:] == [3] * 4 and plain[:2, 0].tolist() == [1, 2]
+
+
+class _Dtype(torch.nn.Module):
+    """Stands in for the pipeline's text encoder: the prompt embeddings are given, it only reads .dtype."""
+
+    dtype = torch.float32
+
+
+def layered_pipeline(tiny_set):
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageLayeredPipeline
+
+    from library.models.qwen_image.spec import SAMPLING  # Qwen-Image's scheduler_config.json
+
+    line = SAMPLING.mu
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, time_shift_type="exponential", shift_terminal=SAMPLING.shift_terminal,
+        base_image_seq_len=line.base_seq_len, max_image_seq_len=line.max_seq_len, base_shift=line.base_shift,
+        max_shift=line.max_shift)
+    return QwenImageLayeredPipeline(
+        scheduler=scheduler, vae=AutoencoderKLQwenImage.from_pretrained(tiny_set["qwen_image_layered_vae"]).eval(),
+        text_encoder=_Dtype(), tokenizer=None, processor=None,
+        transformer=QwenImageTransformer2DModel.from_pretrained(tiny_set["qwen_image_layered"]).eval())
+
+
+def family_of(tiny_set, layers=3):
+    from library.models.qwen_image.layered import QwenImageLayeredFamily
+
+    return QwenImageLayeredFamily(tiny_set["qwen_image_layered"], tiny_set["qwen_image_layered_vae"], layers,
+                                  text_encoder=tiny_set["qwen_image_text_encoder"])
+
+
+@torch.no_grad()
+def test_sampling_equals_the_pipeline(tiny_set, monkeypatch):
+    """QwenImageLayeredPipeline at 64 x 64 (its size rule patched down from 640^2), 3 layers, true CFG 4 with
+    cfg_normalize (the release's example), 3 steps: our latents, composite first, equal its packed output."""
+    import numpy as np
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_layered as layered_pipe
+    from PIL import Image
+
+    from library.models.qwen_image.layered import pack_frames
+
+    monkeypatch.setattr(layered_pipe, "calculate_dimensions", lambda area, ratio: (64, 64))
+    # Its text encoder is a stand-in (the embeddings are given): the device is the CPU's.
+    monkeypatch.setattr(layered_pipe.QwenImageLayeredPipeline, "_execution_device", property(lambda _: torch.device("cpu")))
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 64, 4), dtype=np.uint8), "RGBA")
+    g = torch.Generator().manual_seed(2)
+    text = {"embeds": torch.randn(1, TEXT, 32, generator=g), "mask": torch.ones(1, TEXT, dtype=torch.bool)}
+    negative = {"embeds": torch.randn(1, 4, 32, generator=g), "mask": torch.ones(1, 4, dtype=torch.bool)}
+    family = family_of(tiny_set)
+    pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1)[None].float() / 255 * 2 - 1
+    vae = family.load_vae()
+    condition = vae.encode(pixels)
+    ours = family.sample_latents(family.load_transformer(torch.float32), text, 64, 64, 3, 5, 4.0,
+                                 negative_text=negative, control=[condition])
+    assert ours.shape == (1, 16, 4, 8, 8)
+
+    pipe = layered_pipeline(tiny_set)
+    expected_condition = pipe._encode_vae_image(pipe.image_processor.preprocess(image, 64, 64)[:, :, None], None)
+    assert (condition - expected_condition[:, :, 0]).abs().max().item() <= 1e-6
+    final = {}
+
+    def keep_latents(pipe, step, t, tensors):  # its output_type="latent" return fails (diffusers 0.42.1: `images` unset)
+        final["latents"] = tensors["latents"]
+        return {}
+
+    pipe(image=image, prompt="x", prompt_embeds=text["embeds"], negative_prompt_embeds=negative["embeds"],
+         true_cfg_scale=4.0, layers=3, num_inference_steps=3, generator=torch.Generator().manual_seed(5),
+         output_type="pil", cfg_normalize=True, callback_on_step_end=keep_latents)
+    theirs = final["latents"]
+    rel = ((pack_frames(ours) - theirs).norm() / theirs.norm()).item()
+    print(f"Qwen-Image-Layered sampling vs QwenImageLayeredPipeline: relative error {rel:.2e}")
+    assert rel < 1e-5
+
+
+@pytest.fixture(scope="module")
+def layered_set(tiny_set, tmp_path_factory):
+    from tools.make_tiny_dataset import make_tiny_layered_dataset
+
+    return {**tiny_set, **make_tiny_layered_dataset(str(tmp_path_factory.mktemp("layered")), count=4, size=64)}
+
+
+def test_trains_on_layered_targets_and_decomposes_a_sample(layered_set, tmp_path):
+    """multiple_target data: each composite's latents are 3 frames (composite, background, shape), its
+    reference the composite itself; the sample decomposes --ci into layers=2 frames beside the composite."""
+    import train_lora
+    from PIL import Image
+
+    out = tmp_path / "run"
+    args = ["--model_type", "qwen_image_layered", "--pretrained_model_name_or_path", layered_set["qwen_image_layered"],
+            "--ae", layered_set["qwen_image_layered_vae"], "--text_encoder", layered_set["qwen_image_text_encoder"],
+            "--layers", "2", "--dataset_config", layered_set["layered_dataset_config"],
+            "--sample_prompts", layered_set["layered_sample_prompts"], "--output_dir", str(out), "--output_name", "lay",
+            "--max_train_steps", "2", "--mixed_precision", "no", "--network_dim", "4", "--network_alpha", "4",
+            "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0"]
+    assert train_lora.main(args) == 0
+    assert (out / "lay.safetensors").stat().st_size > 0
+    with Image.open(out / "lay_final_00.png") as sample:  # 3 frames then the reference, 64 px each
+        assert sample.width == 4 * 64
+
+
+def test_layer_files_are_found_beside_their_composite_and_checked(tmp_path):
+    from library.data.layers import check_layers, split_layers
+
+    names = ["a.png", "a_1.png", "a_2.png", "a_10.png", "b_0.png", "b.png", "c_1.png", "lone_x.png"]
+    composites, layers = split_layers([str(tmp_path / n) for n in names])
+    assert sorted(os.path.basename(p) for p in composites) == ["a.png", "b.png", "c_1.png", "lone_x.png"]
+    assert [os.path.basename(p) for p in layers[str(tmp_path / "a.png")]] == ["a_1.png", "a_2.png", "a_10.png"]
+    assert [os.path.basename(p) for p in layers[str(tmp_path / "b.png")]] == ["b_0.png"]
+    with pytest.raises(ValueError, match="c_1.png: no layer images beside it .*'c_1_1.png'"):
+        check_layers(str(tmp_path / "c_1.png"), layers.get(str(tmp_path / "c_1.png")), None)
+    with pytest.raises(ValueError, match="b.png: 1 layer image.*a.png of the same dataset has 3"):
+        check_layers(str(tmp_path / "b.png"), layers[str(tmp_path / "b.png")], (str(tmp_path / "a.png"), 3))
+
+
+def test_cached_latents_are_the_frames_encoded_one_by_one(layered_set):
+    """Each frame is encoded alone as RGBA (the transparent shape layer keeps its alpha); the composite is
+    also the reference (control_0), encoded the same way."""
+    from library.data.caches import cache_latents, read_cache
+    from library.data.dataset_config import load_dataset_config
+    from library.data.image_folders import scan_images
+    from library.data.images import load_image
+
+    family = family_of(layered_set)
+    vae = family.load_vae()
+    items = scan_images(load_dataset_config(layered_set["layered_dataset_config"]))
+    assert len(items) == 4 and all(len(it.layer_paths) == 2 and it.control_paths == [it.image_path] for it in items)
+    assert cache_latents(items, vae.encode, "layered", to_disk=False) == 4
+    cached = read_cache(items[0].latent_cache)
+    assert cached["latents"].shape == (16, 3, 8, 8)
+    shape_layer = load_image(items[0].layer_paths[1], items[0].bucket, mode="RGBA")
+    assert shape_layer.shape[0] == 4 and shape_layer[3].min() == -1  # transparent around the shape
+    alone = vae.encode(shape_layer[None])[0].to(cached["latents"].dtype)
+    assert torch.equal(cached["latents"][:, 2], alone)
+    assert torch.equal(cached["control_0"], cached["latents"][:, 0])
