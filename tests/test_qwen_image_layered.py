@@ -129,23 +129,66 @@ def layered_set(tiny_set, tmp_path_factory):
     return {**tiny_set, **make_tiny_layered_dataset(str(tmp_path_factory.mktemp("layered")), count=4, size=64)}
 
 
-def test_trains_on_layered_targets_and_decomposes_a_sample(layered_set, tmp_path):
-    """multiple_target data: each composite's latents are 3 frames (composite, background, shape), its
-    reference the composite itself; the sample decomposes --ci into layers=2 frames beside the composite."""
-    import train_lora
-    from PIL import Image
-
-    out = tmp_path / "run"
-    args = ["--model_type", "qwen_image_layered", "--pretrained_model_name_or_path", layered_set["qwen_image_layered"],
+def train_args(layered_set, out) -> list[str]:
+    return ["--model_type", "qwen_image_layered", "--pretrained_model_name_or_path", layered_set["qwen_image_layered"],
             "--ae", layered_set["qwen_image_layered_vae"], "--text_encoder", layered_set["qwen_image_text_encoder"],
             "--layers", "2", "--dataset_config", layered_set["layered_dataset_config"],
             "--sample_prompts", layered_set["layered_sample_prompts"], "--output_dir", str(out), "--output_name", "lay",
             "--max_train_steps", "2", "--mixed_precision", "no", "--network_dim", "4", "--network_alpha", "4",
             "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0"]
-    assert train_lora.main(args) == 0
-    assert (out / "lay.safetensors").stat().st_size > 0
-    with Image.open(out / "lay_final_00.png") as sample:  # 3 frames then the reference, 64 px each
+
+
+@pytest.fixture(scope="module")
+def trained(layered_set, tmp_path_factory):
+    """Two steps on multiple_target data, a sample at the end: the output folder."""
+    import train_lora
+
+    out = tmp_path_factory.mktemp("layered_run")
+    assert train_lora.main(train_args(layered_set, out)) == 0
+    return out
+
+
+def test_trains_on_layered_targets_and_decomposes_a_sample(trained):
+    """multiple_target data: each composite's latents are 3 frames (composite, background, shape), its
+    reference the composite itself; the sample decomposes --ci into layers=2 frames beside the composite."""
+    from PIL import Image
+    from safetensors import safe_open
+
+    with safe_open(str(trained / "lay.safetensors"), "pt") as f:
+        meta, names = f.metadata(), {k.split(".")[0] for k in f.keys()}
+    assert meta["ss_base_model_version"] == "qwen-image-layered"
+    assert "lora_unet_transformer_blocks_0_attn_to_q" in names  # Qwen-Image's names: its LoRA files and tools
+    with Image.open(trained / "lay_final_00.png") as sample:  # 3 frames then the reference, 64 px each
         assert sample.width == 4 * 64
+
+
+@torch.no_grad()
+def test_converted_lora_loads_in_the_layered_pipeline_and_matches_runtime(layered_set, trained, tmp_path):
+    """convert_lora --to diffusers -> QwenImageLayeredPipeline.load_lora_weights: diffusers' transformer
+    on layered inputs (3 frames + the condition, is_rgb 0) equals ours with the runtime LoRA."""
+    from networks.lora import LoRANetwork
+    from tools import convert_lora
+
+    lora, converted = trained / "lay.safetensors", tmp_path / "diffusers.safetensors"
+    assert convert_lora.main([str(lora), str(converted), "--to", "diffusers"]) == 0
+    g = torch.Generator().manual_seed(0)
+    shapes = [[(1, 2, 3)] * 4]
+    img, txt = torch.randn(1, 24, 64, generator=g), torch.randn(1, 5, 32, generator=g)
+    sigma, rgba = torch.tensor([0.4]), torch.zeros(1, dtype=torch.long)
+    model = family_of(layered_set).load_transformer(torch.float32)
+    base = model(img, txt, None, sigma, shapes, additional_t_cond=rgba)
+    LoRANetwork.from_weights(model, "qwen_image", str(lora)).apply()
+    ours = model(img, txt, None, sigma, shapes, additional_t_cond=rgba)
+
+    pipe = layered_pipeline(layered_set)
+    pipe.load_lora_weights(str(converted))
+    theirs = pipe.transformer(hidden_states=img, encoder_hidden_states=txt, timestep=sigma, img_shapes=shapes,
+                              additional_t_cond=rgba, return_dict=False)[0]
+    rel = ((theirs - ours).norm() / ours.norm()).item()
+    effect = ((ours - base).norm() / base.norm()).item()
+    print(f"Qwen-Image-Layered load_lora_weights: relative error {rel:.2e}, LoRA effect {effect:.2e}")
+    assert effect > 1e-4, effect
+    assert rel < 1e-5, rel
 
 
 def test_layer_files_are_found_beside_their_composite_and_checked(tmp_path):
@@ -182,3 +225,25 @@ def test_cached_latents_are_the_frames_encoded_one_by_one(layered_set):
     alone = vae.encode(shape_layer[None])[0].to(cached["latents"].dtype)
     assert torch.equal(cached["latents"][:, 2], alone)
     assert torch.equal(cached["control_0"], cached["latents"][:, 0])
+
+
+def test_generate_decomposes_an_image_into_rgba_layers(layered_set, trained, tmp_path):
+    """generate.py --ci composite --layers 2: the preview strip and each layer as an RGBA PNG."""
+    from PIL import Image
+
+    from tools import generate
+
+    out = tmp_path / "gen"
+    composite = os.path.join(layered_set["layered_image_dir"], "000.png")
+    code = generate.main(["--model_type", "qwen_image_layered", "--model", layered_set["qwen_image_layered"],
+                          "--ae", layered_set["qwen_image_layered_vae"], "--text_encoder",
+                          layered_set["qwen_image_text_encoder"], "--layers", "2", "--prompt",
+                          f"a shape on a background --ci {composite} --s 3 --w 64 --h 64", "--dtype", "fp32",
+                          "--out", str(out), "--lora", f"{trained / 'lay.safetensors'}:0.8"])
+    assert code == 0
+    pngs = sorted(p for p in os.listdir(out) if p.endswith(".png"))
+    assert len(pngs) == 4, pngs  # the strip, then the composite and 2 layers
+    with Image.open(out / pngs[0]) as strip:
+        assert strip.size == (3 * 64, 64)
+    with Image.open(out / [p for p in pngs if p.endswith("_layer2.png")][0]) as layer:
+        assert layer.mode == "RGBA" and layer.size == (64, 64)

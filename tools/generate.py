@@ -173,15 +173,21 @@ def generate(args) -> list[str]:
                                         prompt.guidance, to_device(negative), control=control)
         image = to_pil(vae.decode(latents)[0])
         path = os.path.join(args.out, f"{first + i:03d}_{seed}.png")
-        save_png(image, path, {
+        info = {
             "prompt": prompt.prompt, "negative": prompt.negative, "size": f"{prompt.width}x{prompt.height}",
             "steps": prompt.steps, "seed": seed, "guidance": prompt.guidance, "model": os.path.basename(args.model),
             "base_precision": base_precision, "dtype": args.dtype,
             "loras": ",".join(f"{os.path.basename(spec.path)}:{spec.ratio}" for spec in loras),
             "control_images": ",".join(os.path.basename(p) for p in prompt.control_images),
-        })
+        }
+        save_png(image, path, info)
+        # A layered family's latents are frames [B, C, F, h, w]: besides the preview strip, each frame
+        # (the composite, then every layer) as the RGBA PNG its VAE decodes.
+        frames = vae.decode_rgba(latents) if latents.dim() == 5 else []
+        for k, frame in enumerate(frames):
+            save_png(to_pil(frame[0]), os.path.join(args.out, f"{first + i:03d}_{seed}_layer{k}.png"), info)
         written.append(path)
-        print(f"wrote {path}")
+        print(f"wrote {path}" + (f" and its {len(frames)} RGBA frames (_layer0 = the composite)" if frames else ""))
     return written
 
 

@@ -81,7 +81,7 @@ def load_image(path: str, bucket: tuple[int, int], flip: bool = False, mode: str
 
 
 def to_pil(image: torch.Tensor) -> Image.Image:
-    """[3, H, W] float in [-1, 1] -> RGB PIL image."""
+    """[3, H, W] float in [-1, 1] -> RGB PIL image ([4, H, W] -> RGBA)."""
     array = ((image.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
     return Image.fromarray(np.ascontiguousarray(array.permute(1, 2, 0).numpy()))
 

@@ -61,7 +61,7 @@ PLANNER = S.Planner(
         # Layered: Qwen-Image's transformer (the flags add no weight) on the composite + 4 layers + the
         # condition image: six frames' tokens; Qwen2.5-VL-7B's language model (the text sees no image).
         "qwen-image-layered": S.PlannerPreset("qwen_image_layered", "library.models.qwen_image.layered:QWEN_IMAGE_LAYERED",
-                                              {"text_encoder": 7_615_616_512}),
+                                              {"text_encoder": 7_615_616_512}, attributes={"layers": 4}),
     },
 )
 
