@@ -247,3 +247,48 @@ def test_generate_decomposes_an_image_into_rgba_layers(layered_set, trained, tmp
         assert strip.size == (3 * 64, 64)
     with Image.open(out / [p for p in pngs if p.endswith("_layer2.png")][0]) as layer:
         assert layer.mode == "RGBA" and layer.size == (64, 64)
+
+
+@torch.no_grad()
+def test_single_file_and_merged_folder_load_as_layered(layered_set, trained, tmp_path):
+    """A ComfyUI-style single file (prefixed keys, no config.json) gets the Layered flags from the model_type;
+    merge_lora into the diffusers folder keeps them (its config.json) and equals the runtime LoRA."""
+    from library.io import save_safetensors
+    from library.models.qwen_image.layered import QwenImageLayeredFamily
+    from networks.lora import LoRANetwork
+    from tools import merge_lora
+
+    # A single file's config comes from its shapes: head dim 128 (the release's RoPE axes 16, 56, 56).
+    from library.models.qwen_image.layered import LAYERED_FLAGS
+    from library.models.qwen_image.model import QwenImage, QwenImageConfig, load_qwen_image
+
+    config = QwenImageConfig(num_layers=1, num_attention_heads=1, joint_attention_dim=32, **LAYERED_FLAGS)
+    single = tmp_path / "qwen_image_layered_bf16.safetensors"
+    save_safetensors({"model.diffusion_model." + k: v for k, v in QwenImage(config).state_dict().items()}, str(single))
+    g = torch.Generator().manual_seed(3)
+    img, txt, sigma = torch.randn(1, 16, 64, generator=g), torch.randn(1, 5, 32, generator=g), torch.tensor([0.6])
+    rgba = torch.zeros(1, dtype=torch.long)
+
+    def velocity(model):
+        return model(img, txt, None, sigma, [[(1, 2, 2)] * 4], additional_t_cond=rgba)
+
+    from_file = QwenImageLayeredFamily(str(single), text_encoder="unused").load_transformer(torch.float32)
+    assert from_file.config == config
+    assert torch.equal(velocity(from_file), velocity(load_qwen_image(str(single), config=config)))
+
+    folder = layered_set["qwen_image_layered"]
+    lora = trained / "lay.safetensors"
+    runtime = family_of(layered_set).load_transformer(torch.float32)
+    LoRANetwork.from_weights(runtime, "qwen_image", str(lora), multiplier=0.8).apply()
+    merged = tmp_path / "merged"
+    assert merge_lora.main(["--model", folder, "--lora", f"{lora}:0.8", "--save_to", str(merged)]) == 0
+    got = velocity(QwenImageLayeredFamily(str(merged), text_encoder="unused").load_transformer(torch.float32))
+    ref = velocity(runtime)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_a_plain_qwen_image_folder_is_refused(tiny_set):
+    from library.models.qwen_image.layered import QwenImageLayeredFamily
+
+    with pytest.raises(ValueError, match="use_layer3d_rope is False; a Qwen-Image-Layered transformer"):
+        QwenImageLayeredFamily(tiny_set["qwen_image"], text_encoder="unused").load_transformer(torch.float32)
