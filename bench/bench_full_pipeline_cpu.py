@@ -10,6 +10,8 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --family qwen_image21 --work /tmp/fullqi21 # Qwen-Image-2.1, ~30 GB
     python bench/bench_full_pipeline_cpu.py --family krea2 --work /tmp/fullkrea2       # Krea 2 Raw, ~32 GB
     python bench/bench_full_pipeline_cpu.py --family ideogram4 --work /tmp/fullideo4   # Ideogram 4 fp8r, ~26 GB
+    python bench/bench_full_pipeline_cpu.py --family qwen_image_layered --work /tmp/fulllayered --qwen-blocks 6
+        # Qwen-Image-Layered as Qwen-Image (full width, 6 blocks), its RGBA VAE, composites with 2 layers
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -169,9 +171,9 @@ def write_chroma_files(work: str):
     write_t5xxl_folder(work)
 
 
-def write_qwen_transformer_and_vae(work: str, config):
+def write_qwen_transformer_and_vae(work: str, config, vae_config: dict | None = None):
     """<work>/transformer (a diffusers folder of the QwenImageConfig `config`) and <work>/vae (the
-    Qwen-Image VAE at its released size)."""
+    Qwen-Image VAE at its released size; vae_config: constructor arguments that differ)."""
     from library.models.qwen_image.model import QwenImage
 
     folder = os.path.join(work, "transformer")
@@ -179,15 +181,15 @@ def write_qwen_transformer_and_vae(work: str, config):
     write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"), meta_shapes(lambda: QwenImage(config)), 1)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config.to_diffusers(), f, indent=2)
-    write_qwen_image_vae(work)
+    write_qwen_image_vae(work, vae_config)
 
 
-def write_qwen_image_vae(work: str):
+def write_qwen_image_vae(work: str, config: dict | None = None):
     """<work>/vae: the Qwen-Image VAE (AutoencoderKLQwenImage at diffusers' defaults = its released size)."""
     from diffusers import AutoencoderKLQwenImage
 
     with torch.device("meta"):
-        vae = AutoencoderKLQwenImage()
+        vae = AutoencoderKLQwenImage(**(config or {}))
     folder = os.path.join(work, "vae")
     os.makedirs(folder, exist_ok=True)
     write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
@@ -196,13 +198,16 @@ def write_qwen_image_vae(work: str):
         json.dump({"_class_name": "AutoencoderKLQwenImage", **{k: v for k, v in vae.config.items() if not k.startswith("_")}}, f)
 
 
-def write_qwen_files(work: str, blocks: int):
+def write_qwen_files(work: str, blocks: int, layered: bool = False):
+    """Qwen-Image (or Qwen-Image-Layered: its transformer flags and the RGBA VAE) at full width, `blocks` blocks."""
     from library.models.llm import QWEN2_5_7B
+    from library.models.qwen_image.layered import LAYERED_VAE_CONFIG, QWEN_IMAGE_LAYERED
     from library.models.qwen_image.model import QWEN_IMAGE
     from library.models.tiny_files import build_qwen_tokenizer
 
     os.makedirs(work, exist_ok=True)
-    write_qwen_transformer_and_vae(work, dataclasses.replace(QWEN_IMAGE, num_layers=blocks))
+    write_qwen_transformer_and_vae(work, dataclasses.replace(QWEN_IMAGE_LAYERED if layered else QWEN_IMAGE,
+                                                             num_layers=blocks), LAYERED_VAE_CONFIG if layered else {})
     tokenizer, folder = build_qwen_tokenizer(), os.path.join(work, "text_encoder")
     os.makedirs(folder, exist_ok=True)
     hf = {**QWEN2_5_7B.to_hf(), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
@@ -485,6 +490,14 @@ def write_run_config(work: str, family: str = "flux", single_file: bool = False,
         f.write(f'[[datasets]]\nresolution = 256\nbatch_size = 1\n[[datasets.subsets]]\nimage_dir = "{images}"\n')
     with open(os.path.join(work, "prompts.txt"), "w") as f:
         f.write("a red square --w 256 --h 256 --s 4 --d 7\n")
+    if family == "qwen_image_layered":  # each image with 2 RGBA layers beside it; the sample decomposes image 0
+        for i in range(2):
+            Image.new("RGBA", (256, 256), (240, 240, 240, 255)).save(os.path.join(images, f"{i}_1.png"))
+            Image.new("RGBA", (256, 256), (200, 40, 40, 128)).save(os.path.join(images, f"{i}_2.png"))
+        with open(os.path.join(work, "dataset.toml"), "a") as f:
+            f.write("multiple_target = true\n")
+        with open(os.path.join(work, "prompts.txt"), "w") as f:
+            f.write(f"a red square --ci {images}/0.png --w 256 --h 256 --s 4 --d 7\n")
     transformer = f"{work}/z_image_turbo_bf16.safetensors" if single_file else work  # work: the repo layout
     models = {  # what differs between the families; the run settings below are shared
         "qwen_image": f'''model_type = "qwen_image"
@@ -492,6 +505,13 @@ pretrained_model_name_or_path = "{work}/transformer"
 ae = "{work}/vae"
 text_encoder = "{work}/text_encoder"
 output_name = "full_qwen"
+''',
+        "qwen_image_layered": f'''model_type = "qwen_image_layered"
+pretrained_model_name_or_path = "{work}/transformer"
+ae = "{work}/vae"
+text_encoder = "{work}/text_encoder"
+layers = 2
+output_name = "full_layered"
 ''',
         "flux2": f'''model_type = "flux2"
 pretrained_model_name_or_path = "{work}/flux-2-klein-4b.safetensors"
@@ -538,6 +558,9 @@ t5xxl = "{work}/t5xxl"
 output_name = "full_flux"
 ''',
     }
+    settings = RUN_SETTINGS.replace('mixed_precision = "bf16"', f'mixed_precision = "{mixed_precision}"')
+    if family == "ideogram4":  # its released files are pre-quantized (BFL fp8r): used as stored, no fp8_base
+        settings = settings.replace("fp8_base = true\nfp8_scaled = true\n", "fp8_base = false\n")
     config = os.path.join(work, "train.toml")
     with open(config, "w") as f:
         f.write(models[family] + f"""dataset_config = "{work}/dataset.toml"
@@ -545,7 +568,7 @@ sample_prompts = "{work}/prompts.txt"
 sample_bf16_reference = false
 output_dir = "{work}/out"
 text_encoder_precision = "bf16"
-""" + RUN_SETTINGS.replace('mixed_precision = "bf16"', f'mixed_precision = "{mixed_precision}"'))
+""" + settings)
     return config
 
 
@@ -625,9 +648,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--work", default="/tmp/fullsize")
     p.add_argument("--skip-write", action="store_true")
-    p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21", "krea2", "ideogram4"], default="flux",
+    p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21", "krea2", "ideogram4", "qwen_image_layered"], default="flux",
                    help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
-                        "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, whole; krea2: Krea 2 Raw, whole; ideogram4: Ideogram 4 (fp8r), whole")
+                        "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, whole; krea2: Krea 2 Raw, whole; ideogram4: Ideogram 4 (fp8r), whole; qwen_image_layered: --qwen-blocks of 60, RGBA VAE, 2 layers")
     p.add_argument("--single-file", action="store_true",
                    help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
@@ -652,7 +675,7 @@ def main(argv=None):
         elif args.family == "ideogram4":
             write_ideogram4_files(args.work)
         else:
-            write_qwen_files(args.work, args.qwen_blocks)
+            write_qwen_files(args.work, args.qwen_blocks, layered=args.family == "qwen_image_layered")
         print(f"files written in {time.time() - t:.0f} s", flush=True)
     result = run_trainer(write_run_config(args.work, args.family, args.single_file, args.mixed_precision))
     rows = phase_peaks(result)
