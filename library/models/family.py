@@ -235,6 +235,10 @@ class DiffusionFamily:
         (a layered family's frames [B, C, F, H, W]: packed frame after frame)."""
         return pack_latents(latents)
 
+    def unpack_target(self, tokens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The inverse of pack_target: tokens -> latents of `shape`."""
+        return unpack_latents(tokens, shape[-2], shape[-1])
+
     def target_on_meta(self, batch: int, lh: int, lw: int) -> torch.Tensor:
         """A training batch's latents at lh x lw on meta (the memory planner)."""
         return torch.empty(batch, self.latent_channels, lh, lw, device="meta")
@@ -307,11 +311,12 @@ class DiffusionFamily:
         def velocity(x, s):
             return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **control_kwargs(control))
 
-        return unpack_latents(fm.euler_sample(velocity, pack_latents(noise), sigmas), lh, lw)
+        return self.unpack_target(fm.euler_sample(velocity, self.pack_target(noise), sigmas), noise.shape)
 
     def initial_noise(self, batch: int, lh: int, lw: int, generator: torch.Generator) -> torch.Tensor:
-        """Sampling's starting noise [B, C, lh, lw] float32, drawn in the order the family's diffusers
-        pipeline draws it (the same seed on a CPU generator gives the pipeline's noise)."""
+        """Sampling's starting noise [B, C, lh, lw] float32 (a layered family's [B, C, F, lh, lw]), drawn
+        in the order the family's diffusers pipeline draws it (the same seed on a CPU generator gives the
+        pipeline's noise)."""
         return torch.randn(batch, self.latent_channels, lh, lw, generator=generator, dtype=torch.float32)
 
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):

@@ -21,14 +21,10 @@ encoded with the same references, as the pipelines do.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 from functools import cached_property
 
 import torch
 
-from library.models.family import fp8_prepare
 from library.models.qwen_image.edit import (EDIT, SIZE_MULTIPLE, TRANSFORMER_FLAGS, VL_TOKEN_PIXELS, area_size,
                                             check_version, edit_sizes, resize_condition, version_from_flags)
 from library.models.qwen_image.family import QwenImageFamily, per_caption
@@ -56,22 +52,11 @@ class QwenImageEditFamily(QwenImageFamily):
         return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
                    **{k: getattr(args, k) for k in cls.text_path_keys})
 
-    def _transformer_config(self) -> tuple[str, dict | None]:
-        """(transformer path, its config.json dict or None for a single file)."""
-        from library.io import component_folder
-
-        path = component_folder(self.model_path, "transformer")
-        config_file = os.path.join(path, "config.json")
-        if not (os.path.isdir(path) and os.path.isfile(config_file)):
-            return path, None
-        with open(config_file) as f:
-            return path, json.load(f)
-
     @cached_property
     def version(self) -> str:
         """model_version, checked against the transformer's config flags, else the flags' version
         (read once: the text encoder asks for every caption batch)."""
-        path, config = self._transformer_config()
+        path, config = self.transformer_config()
         if config is None:
             if self._version is None:
                 raise ValueError(f"{path}: a single transformer file has no config.json; set model_version "
@@ -116,17 +101,7 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         """The transformer; a single file gets the version's config flags (its shapes give the rest)."""
-        from library.io import CheckpointReader
-        from library.models.qwen_image.model import _transformer_prefix, infer_config, load_qwen_image
-
-        path, config = self._transformer_config()
-        flags = TRANSFORMER_FLAGS[self.version]
-        model_config = None
-        if config is None:
-            reader = CheckpointReader(path)
-            model_config = dataclasses.replace(infer_config(reader, _transformer_prefix(reader.keys())), **flags)
-        return load_qwen_image(path, dtype=dtype, config=model_config, prepare=fp8_prepare(base_precision, self.arch),
-                               read_weights=read_weights)
+        return self.load_flagged_transformer(TRANSFORMER_FLAGS[self.version], dtype, base_precision, read_weights)
 
     def load_text_encoder(self, precision="bf16", device=None):
         """-> encode(captions, condition_images): condition_images[i] is sample i's list of PIL

@@ -3,6 +3,9 @@ Qwen2.5-VL text on our LLM core with a padding mask, and true CFG with norm resc
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
@@ -44,6 +47,34 @@ class QwenImageFamily(DiffusionFamily):
 
         return load_qwen_image(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
                          read_weights=read_weights)
+
+    def transformer_config(self) -> tuple[str, dict | None]:
+        """(transformer path, its config.json dict or None for a single file)."""
+        from library.io import component_folder
+
+        path = component_folder(self.model_path, "transformer")
+        config_file = os.path.join(path, "config.json")
+        if not (os.path.isdir(path) and os.path.isfile(config_file)):
+            return path, None
+        with open(config_file) as f:
+            return path, json.load(f)
+
+    def load_flagged_transformer(self, flags: dict, dtype, base_precision="bf16", read_weights=True):
+        """The transformer of a variant whose config flags (zero_cond_t, use_layer3d_rope, ...) change no
+        tensor: a folder's config.json gives them, a single file (ComfyUI's) gets `flags`, its shapes
+        the rest."""
+        import dataclasses
+
+        from library.io import CheckpointReader
+        from library.models.qwen_image.model import _transformer_prefix, infer_config, load_qwen_image
+
+        path, config = self.transformer_config()
+        model_config = None
+        if config is None:
+            reader = CheckpointReader(path)
+            model_config = dataclasses.replace(infer_config(reader, _transformer_prefix(reader.keys())), **flags)
+        return load_qwen_image(path, dtype=dtype, config=model_config, prepare=fp8_prepare(base_precision, self.arch),
+                               read_weights=read_weights)
 
     def model_files(self) -> list[ModelFile]:
         from library.models.vae import vae_markers
@@ -95,11 +126,12 @@ class QwenImageFamily(DiffusionFamily):
     def predict(self, model, x_t, sigmas, text, h, w, guidance):
         return self.transformer_call(model, x_t, [(1, h, w)] * x_t.shape[0], sigmas, text)
 
-    def transformer_call(self, model, img, img_shapes, sigmas, text):
-        """One transformer call on image tokens img [B, L, 64] laid out as img_shapes (per sample)."""
+    def transformer_call(self, model, img, img_shapes, sigmas, text, **inputs):
+        """One transformer call on image tokens img [B, L, 64] laid out as img_shapes (per sample);
+        inputs: the variant's other model inputs (Layered's additional_t_cond)."""
         device = img.device
         return model(img=img, txt=text["embeds"].to(device), txt_mask=text["mask"].to(device).bool(),
-                     timesteps=sigmas, img_shapes=img_shapes)
+                     timesteps=sigmas, img_shapes=img_shapes, **inputs)
 
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
         refs = control_kwargs(control)  # Qwen-Image-Edit: both passes see the condition latents

@@ -23,10 +23,7 @@ import math
 
 import torch
 
-from library.models.family import control_kwargs
-from library.models.flow_matching import euler_sample, inference_sigmas
 from library.models.latents import pack_latents, unpack_latents
-from library.models.qwen_image.edit_family import QwenImageEditFamily
 from library.models.qwen_image.family import QwenImageFamily
 from library.models.qwen_image.model import QWEN_IMAGE
 from library.models.qwen_image.vae import QwenImageVAE
@@ -121,23 +118,13 @@ class QwenImageLayeredFamily(QwenImageFamily):
 
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         """A folder's config.json must have the Layered flags; a single file (ComfyUI's
-        qwen_image_layered_bf16.safetensors) gets them, its shapes give the rest."""
-        from library.io import CheckpointReader
-        from library.models.family import fp8_prepare
-        from library.models.qwen_image.model import _transformer_prefix, infer_config, load_qwen_image
-
-        path, config = QwenImageEditFamily._transformer_config(self)
-        model_config = None
-        if config is None:
-            reader = CheckpointReader(path)
-            model_config = dataclasses.replace(infer_config(reader, _transformer_prefix(reader.keys())), **LAYERED_FLAGS)
-        else:
-            for flag in LAYERED_FLAGS:
-                if not config.get(flag, False):
-                    raise ValueError(f"{path}/config.json: {flag} is {config.get(flag, False)!r}; a Qwen-Image-Layered "
-                                     f"transformer has {flag}=true (model_type qwen_image_layered)")
-        return load_qwen_image(path, dtype=dtype, config=model_config, prepare=fp8_prepare(base_precision, self.arch),
-                               read_weights=read_weights)
+        qwen_image_layered_bf16.safetensors) gets them."""
+        path, config = self.transformer_config()
+        for flag in LAYERED_FLAGS if config is not None else ():
+            if not config.get(flag, False):
+                raise ValueError(f"{path}/config.json: {flag} is {config.get(flag, False)!r}; a Qwen-Image-Layered "
+                                 f"transformer has {flag}=true (model_type qwen_image_layered)")
+        return self.load_flagged_transformer(LAYERED_FLAGS, dtype, base_precision, read_weights)
 
     def load_vae(self, dtype=torch.float32):
         return LayeredVAE(self.vae_path, dtype)
@@ -154,8 +141,19 @@ class QwenImageLayeredFamily(QwenImageFamily):
     def pack_target(self, latents: torch.Tensor) -> torch.Tensor:
         return pack_frames(latents) if latents.dim() == 5 else pack_latents(latents)
 
+    def unpack_target(self, tokens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        return unpack_frames(tokens, shape[2], shape[-2], shape[-1]) if len(shape) == 5 else unpack_latents(
+            tokens, shape[-2], shape[-1])
+
     def target_on_meta(self, batch: int, lh: int, lw: int) -> torch.Tensor:
         return torch.empty(batch, self.latent_channels, 1 + self.layers, lh, lw, device="meta")
+
+    def initial_noise(self, batch: int, lh: int, lw: int, generator: torch.Generator) -> torch.Tensor:
+        """[B, 16, 1 + layers, lh, lw], drawn as the pipeline draws [B, 1 + layers, 16, lh, lw]. Sampling
+        (the base class's loop) then runs at one frame's token count, which is the condition's: a --ci
+        image is fitted to the sample's size (control_bucket), so mu = sqrt(condition tokens / 256)."""
+        shape = (batch, 1 + self.layers, self.latent_channels, lh, lw)
+        return torch.randn(shape, generator=generator, dtype=torch.float32).transpose(1, 2)
 
     def predict(self, model, x_t, sigmas, text, h, w, guidance, control: list[torch.Tensor] | None = None):
         """x_t: the packed noisy frames [B, F*h*w, 64] (h, w: one frame's patch grid); control: [the
@@ -163,32 +161,8 @@ class QwenImageLayeredFamily(QwenImageFamily):
         if not control or len(control) != 1:
             raise ValueError("qwen_image_layered: predict needs the image to decompose (control=[latents])")
         (cond,) = control
-        frames = x_t.shape[1] // (h * w)
-        shapes = [(1, h, w)] * frames + [(1, cond.shape[2] // self.patch, cond.shape[3] // self.patch)]
+        shapes = [(1, h, w)] * (x_t.shape[1] // (h * w)) + [(1, cond.shape[2] // self.patch, cond.shape[3] // self.patch)]
         img = torch.cat([x_t, pack_latents(cond.to(x_t.device, x_t.dtype))], dim=1)
         rgba = torch.zeros(x_t.shape[0], dtype=torch.long, device=x_t.device)  # is_rgb = 0, as the pipeline
-        device = x_t.device
-        pred = model(img=img, txt=text["embeds"].to(device), txt_mask=text["mask"].to(device).bool(),
-                     timesteps=sigmas, img_shapes=[shapes] * x_t.shape[0], additional_t_cond=rgba)
+        pred = self.transformer_call(model, img, [shapes] * x_t.shape[0], sigmas, text, additional_t_cond=rgba)
         return pred[:, : x_t.shape[1]]
-
-    @torch.no_grad()
-    def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None):
-        """The pipeline's loop: noise [B, 1 + layers, 16, h, w] drawn in its order, the schedule at the
-        condition's token count. Returns latents [B, 16, 1 + layers, h, w] float32 (the composite first)."""
-        if not control:
-            raise ValueError("qwen_image_layered: a sample needs the image to decompose (--ci path)")
-        lh, lw = height // self.vae_downsample, width // self.vae_downsample
-        h, w = lh // self.patch, lw // self.patch
-        batch = next(iter(text.values())).shape[0]
-        device = next(iter(text.values())).device
-        frames = 1 + self.layers
-        gen = torch.Generator("cpu").manual_seed(seed)
-        noise = torch.randn(batch, frames, self.latent_channels, lh, lw, generator=gen).transpose(1, 2).to(device)
-        cond_tokens = (control[0].shape[2] // self.patch) * (control[0].shape[3] // self.patch)
-        sigmas = inference_sigmas(steps, cond_tokens, self.arch, sampling=SAMPLING)
-
-        def velocity(x, s):
-            return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **control_kwargs(control))
-
-        return unpack_frames(euler_sample(velocity, pack_frames(noise), sigmas), frames, lh, lw)

@@ -43,30 +43,41 @@ def build_edit_tokenizer():
     return build_qwen_tokenizer(vision_templates=(EDIT_PLUS_PROMPT_TEMPLATE,))
 
 
-def write_qwen_image(out: str, seed: int) -> dict[str, str]:
+def write_tiny_transformer(folder: str, **flags) -> None:
+    """A tiny Qwen-Image transformer (diffusers folder) with a variant's config flags, drawn from torch's
+    current seed (seed_component first)."""
     from library.models.qwen_image.model import QwenImage, QwenImageConfig, save_qwen_image_diffusers
 
-    seed_component(seed, 5)
     config = QwenImageConfig(
         in_channels=4 * TINY["latent_channels"], out_channels=TINY["latent_channels"], num_layers=2,
         attention_head_dim=sum(TINY["axes"]), num_attention_heads=TINY["dit_heads"],
-        joint_attention_dim=TINY["lm_hidden"], axes_dims_rope=TINY["axes"],
+        joint_attention_dim=TINY["lm_hidden"], axes_dims_rope=TINY["axes"], **flags,
     )
-    folder = os.path.join(out, "qwen_image", "transformer")
     save_qwen_image_diffusers(QwenImage(config).state_dict(), config, folder)
+
+
+def write_tiny_vae(folder: str, **config) -> None:
+    """A tiny AutoencoderKLQwenImage diffusers folder (config: constructor arguments of a variant)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=TINY["latent_channels"], **config)
+    os.makedirs(folder, exist_ok=True)
+    saved = {k: v for k, v in vae.config.items() if not k.startswith("_")}  # "_use_default_values" is a set
+    save_safetensors(vae.state_dict(), os.path.join(folder, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+    write_json(os.path.join(folder, "config.json"), {"_class_name": "AutoencoderKLQwenImage", **saved})
+
+
+def write_qwen_image(out: str, seed: int) -> dict[str, str]:
+    seed_component(seed, 5)
+    folder = os.path.join(out, "qwen_image", "transformer")
+    write_tiny_transformer(folder)
     return {"qwen_image": folder}
 
 
 def write_qwen_vae(out: str, seed: int) -> dict[str, str]:
-    from diffusers import AutoencoderKLQwenImage
-
     seed_component(seed, 6)
-    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=TINY["latent_channels"])
     folder = os.path.join(out, "qwen_image", "vae")
-    os.makedirs(folder, exist_ok=True)
-    config = {k: v for k, v in vae.config.items() if not k.startswith("_")}  # "_use_default_values" is a set
-    save_safetensors(vae.state_dict(), os.path.join(folder, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
-    write_json(os.path.join(folder, "config.json"), {"_class_name": "AutoencoderKLQwenImage", **config})
+    write_tiny_vae(folder)
     return {"qwen_image_vae": folder}
 
 
@@ -80,45 +91,25 @@ def write_qwen_image_edit(out: str, seed: int) -> dict[str, str]:
     """Qwen-Image-Edit transformers, each with its release's config.json flags: qwen_image_edit/
     (Edit and Edit-2509 share theirs) and qwen_image_edit_2511/ (zero_cond_t)."""
     from library.models.qwen_image.edit import EDIT, EDIT_2511, TRANSFORMER_FLAGS
-    from library.models.qwen_image.model import QwenImage, QwenImageConfig, save_qwen_image_diffusers
 
     paths = {}
     for name, version, offset in (("qwen_image_edit", EDIT, 13), ("qwen_image_edit_2511", EDIT_2511, 14)):
         seed_component(seed, offset)
-        config = QwenImageConfig(
-            in_channels=4 * TINY["latent_channels"], out_channels=TINY["latent_channels"], num_layers=2,
-            attention_head_dim=sum(TINY["axes"]), num_attention_heads=TINY["dit_heads"],
-            joint_attention_dim=TINY["lm_hidden"], axes_dims_rope=TINY["axes"], **TRANSFORMER_FLAGS[version],
-        )
         paths[name] = folder = os.path.join(out, name, "transformer")
-        save_qwen_image_diffusers(QwenImage(config).state_dict(), config, folder)
+        write_tiny_transformer(folder, **TRANSFORMER_FLAGS[version])
     return paths
 
 
 def write_qwen_image_layered(out: str, seed: int) -> dict[str, str]:
     """Qwen-Image-Layered: the transformer with its release's flags and the RGBA VAE (text encoder:
     Qwen-Image's)."""
-    from diffusers import AutoencoderKLQwenImage
-
     from library.models.qwen_image.layered import LAYERED_FLAGS, LAYERED_VAE_CONFIG
-    from library.models.qwen_image.model import QwenImage, QwenImageConfig, save_qwen_image_diffusers
 
+    folder, vae_folder = (os.path.join(out, "qwen_image_layered", part) for part in ("transformer", "vae"))
     seed_component(seed, 15)
-    config = QwenImageConfig(
-        in_channels=4 * TINY["latent_channels"], out_channels=TINY["latent_channels"], num_layers=2,
-        attention_head_dim=sum(TINY["axes"]), num_attention_heads=TINY["dit_heads"],
-        joint_attention_dim=TINY["lm_hidden"], axes_dims_rope=TINY["axes"], **LAYERED_FLAGS,
-    )
-    folder = os.path.join(out, "qwen_image_layered", "transformer")
-    save_qwen_image_diffusers(QwenImage(config).state_dict(), config, folder)
+    write_tiny_transformer(folder, **LAYERED_FLAGS)
     seed_component(seed, 16)
-    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=TINY["latent_channels"], **LAYERED_VAE_CONFIG)
-    vae_folder = os.path.join(out, "qwen_image_layered", "vae")
-    os.makedirs(vae_folder, exist_ok=True)
-    vae_config = {k: v for k, v in vae.config.items() if not k.startswith("_")}
-    save_safetensors(vae.state_dict(), os.path.join(vae_folder, "diffusion_pytorch_model.safetensors"),
-                     metadata={"format": "pt"})
-    write_json(os.path.join(vae_folder, "config.json"), {"_class_name": "AutoencoderKLQwenImage", **vae_config})
+    write_tiny_vae(vae_folder, **LAYERED_VAE_CONFIG)
     return {"qwen_image_layered": folder, "qwen_image_layered_vae": vae_folder}
 
 
