@@ -222,6 +222,60 @@ class CheckpointReader:
             yield k, self.get(k)
 
 
+class RowSplitView:
+    """A CheckpointReader seen under a family's own names, where a fused Linear of the file (Z-Image's
+    and Ideogram 4's attention qkv, Qwen-Image-2.1's gate_up) is read as `parts` equal row blocks. A
+    subclass fills `sources`: our key -> (file key, None for the whole tensor, or i for its i-th row
+    block); a tensor that describes the whole fused layer (a per-tensor scale) maps whole to every part.
+    Splitting rows keeps a pre-quantized file's weights exact: GGUF blocks and fp8 row / 64-column scales
+    run along the input. A fused tensor is read once for all its parts (the last one is kept)."""
+
+    parts: int
+    part_names: str  # what the parts are ("q / k / v"), for the error naming a bad shape
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader, self.path, self.files, self.metadata = reader, reader.path, reader.files, reader.metadata
+        self.sources: dict[str, tuple[str, int | None]] = {}
+        self._fused: tuple[str, torch.Tensor] | None = None
+
+    def keys(self) -> list[str]:
+        return list(self.sources)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.sources
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        source, part = self.sources[key]
+        shape = self.reader.shape(source)
+        if part is None:
+            return shape
+        if not shape or shape[0] % self.parts:
+            raise CheckpointError(f"{self.path}: {self.file_of(key)}: key '{source}' has shape {shape}, not "
+                                  f"{self.parts} equal {self.part_names} row blocks")
+        return (shape[0] // self.parts, *shape[1:])
+
+    def numel(self, keys=None) -> int:
+        return sum(math.prod(self.shape(k)) for k in (self.keys() if keys is None else keys))
+
+    def dtype_name(self, key: str) -> str:
+        return self.reader.dtype_name(self.sources[key][0])
+
+    def is_block_quantized(self, key: str) -> bool:
+        return self.reader.is_block_quantized(self.sources[key][0])
+
+    def file_of(self, key: str) -> str:
+        return self.reader.file_of(self.sources[key][0])
+
+    def get(self, key: str) -> torch.Tensor:
+        source, part = self.sources[key]
+        if part is None:
+            return self.reader.get(source)
+        rows = self.shape(key)[0]  # checks the split first
+        if self._fused is None or self._fused[0] != source:
+            self._fused = (source, self.reader.get(source))
+        return self._fused[1][part * rows : (part + 1) * rows].clone()  # its own memory: the fused tensor is let go
+
+
 def _few(keys) -> str:
     keys = sorted(keys)
     return ", ".join(keys[:5]) + (f" ... ({len(keys)} in all)" if len(keys) > 5 else "")

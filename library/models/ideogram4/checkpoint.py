@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from library.io import CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, \
+from library.io import CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, load_streaming, \
     prepared_convert, save_diffusers_folder
 from library.models.ideogram4.model import Ideogram4, Ideogram4Config
 from library.precision.bfl_weights import bfl_converter, read_bfl_checkpoint
@@ -36,50 +36,25 @@ FUSED = re.compile(r"(layers\.\d+\.attention)\.qkv\.(weight|weight_scale|weight_
 SPLIT = ("to_q", "to_k", "to_v")
 
 
-class _View:
+class _View(RowSplitView):
     """A CheckpointReader view of one layout under our names: the prefix stripped, `attention.o`
-    read as `attention.to_out.0`, `attention.qkv.*` as its three row blocks."""
+    read as `attention.to_out.0`, `attention.qkv.*` as its three row blocks (a one-number scale,
+    shape (), whole to each)."""
+
+    parts, part_names = 3, "q / k / v"
 
     def __init__(self, reader: CheckpointReader, prefix: str):
-        self.reader, self.path, self.metadata, self.files = reader, reader.path, reader.metadata, reader.files
-        self.sources: dict[str, tuple[str, int | None]] = {}  # our key -> (file key, third of qkv or None)
+        super().__init__(reader)
         for key in reader.keys():
             if not key.startswith(prefix):
                 continue
             name = key[len(prefix) :]
             if m := FUSED.fullmatch(name):
+                whole = len(reader.shape(key)) == 0
                 for i, proj in enumerate(SPLIT):
-                    self.sources[f"{m.group(1)}.{proj}.{m.group(2)}"] = (key, i)
+                    self.sources[f"{m.group(1)}.{proj}.{m.group(2)}"] = (key, None if whole else i)
                 continue
             self.sources[re.sub(r"\.attention\.o\.", ".attention.to_out.0.", name)] = (key, None)
-
-    def keys(self) -> list[str]:
-        return list(self.sources)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.sources
-
-    def _split(self, key: str) -> bool:
-        file_key, third = self.sources[key]
-        return third is not None and len(self.reader.shape(file_key)) > 0
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        shape = self.reader.shape(self.sources[key][0])
-        return (shape[0] // 3, *shape[1:]) if self._split(key) else shape
-
-    def dtype_name(self, key: str) -> str:
-        return self.reader.dtype_name(self.sources[key][0])
-
-    def numel(self, keys=None) -> int:
-        return sum(torch.Size(self.shape(k)).numel() for k in (self.keys() if keys is None else keys))
-
-    def file_of(self, key: str) -> str:
-        return self.reader.file_of(self.sources[key][0])
-
-    def get(self, key: str) -> torch.Tensor:
-        file_key, third = self.sources[key]
-        tensor = self.reader.get(file_key)
-        return tensor.chunk(3, dim=0)[third].contiguous() if self._split(key) else tensor
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
+    CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
     save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.qwen_image21.model import QwenImage21, QwenImage21Config
@@ -44,7 +44,7 @@ _BLOCK = re.compile(r"transformer_blocks\.(\d+)\.")
 _PER_LAYER = ("comfy_quant", "scale_input", "input_scale")
 
 
-class _View:
+class _View(RowSplitView):
     """A CheckpointReader view under our names: the prefix dropped (a ComfyUI file's other keys, e.g. a
     VAE's, are not read), every tensor of a fused `img_mlp.gate_up` read as gate_layer (first half of the
     rows) and proj (second half).
@@ -54,9 +54,10 @@ class _View:
     per-64-column fp8 scales) in two equal halves; what describes the whole layer (ComfyUI's one float32
     scale per tensor, its comfy_quant JSON, activation scales) to both halves unchanged."""
 
+    parts, part_names = 2, "gate / up"
+
     def __init__(self, reader: CheckpointReader, prefix: str):
-        self.reader, self.path, self.files, self.metadata = reader, reader.path, reader.files, reader.metadata
-        self.sources: dict[str, tuple[str, int | None]] = {}  # our key -> (file key, half: None whole, 0 / 1 rows)
+        super().__init__(reader)
         for key in reader.keys():
             if not key.startswith(prefix):
                 continue
@@ -68,51 +69,9 @@ class _View:
                 self.sources[f"{m.group(1)}proj.{leaf}"] = (key, None if whole else 1)
             else:
                 self.sources[name] = (key, None)
-        self._fused: tuple[str, torch.Tensor] | None = None
 
     def _per_layer(self, key: str, leaf: str) -> bool:
         return leaf in _PER_LAYER or (leaf not in ("weight", "bias") and math.prod(self.reader.shape(key)) == 1)
-
-    def keys(self) -> list[str]:
-        return list(self.sources)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.sources
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        source, half = self.sources[key]
-        shape = self.reader.shape(source)
-        if half is None:
-            return shape
-        if not shape or shape[0] % 2:
-            raise CheckpointError(f"{self.path}: {self.file_of(key)}: key '{source}' has shape {shape}, not two equal "
-                                  f"gate / up row halves")
-        return (shape[0] // 2, *shape[1:])
-
-    def numel(self, keys=None) -> int:
-        return sum(math.prod(self.shape(k)) for k in (self.keys() if keys is None else keys))
-
-    def dtype_name(self, key: str) -> str:
-        return self.reader.dtype_name(self.sources[key][0])
-
-    def is_block_quantized(self, key: str) -> bool:
-        return self.reader.is_block_quantized(self.sources[key][0])
-
-    def file_of(self, key: str) -> str:
-        return self.reader.file_of(self.sources[key][0])
-
-    def get(self, key: str) -> torch.Tensor:
-        source, half = self.sources[key]
-        if half is None:
-            return self.reader.get(source)
-        rows = self.shape(key)[0]  # checks the split first
-        if self._fused is None or self._fused[0] != source:
-            self._fused = (source, self.reader.get(source))  # read once for both halves
-        return self._fused[1][half * rows : (half + 1) * rows].clone()  # its own memory: the fused one is let go
-
-    def items(self):
-        for key in self.sources:
-            yield key, self.get(key)
 
 
 # ----------------------------------------------------------------------------------------------

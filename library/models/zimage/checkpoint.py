@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
+    CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
     save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.zimage.model import ZImage, ZImageConfig
@@ -114,20 +114,17 @@ def from_single_file_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-class _SingleFileView:
+class _SingleFileView(RowSplitView):
     """A CheckpointReader view of a single-file checkpoint under our names, prefix stripped: every
-    tensor of a fused `attention.qkv` appears as to_q / to_k / to_v, the three listed together and
-    the fused tensor read once (the last one is kept for its siblings).
+    tensor of a fused `attention.qkv` appears as to_q / to_k / to_v (library/io.py RowSplitView: rows
+    in three equal parts, a pre-quantized file's weights exact). What describes the whole layer
+    (ComfyUI's one float32 scale per tensor, its comfy_quant JSON, activation scales) goes to every
+    part unchanged: q, k and v then dequantize to the rows the fused weight dequantizes to, bit for bit."""
 
-    How a fused tensor splits, so that a pre-quantized file stays the very weights it stores: rows
-    (weights in any dtype, GGUF blocks: each row's blocks run along the input, so a row split cuts no
-    block; per-row and per-64-column fp8 scales) in three equal parts; what describes the whole layer
-    (ComfyUI's one float32 scale per tensor, its comfy_quant JSON, activation scales) to every part
-    unchanged: q, k and v then dequantize to the rows the fused weight dequantizes to, bit for bit."""
+    parts, part_names = 3, "q / k / v"
 
     def __init__(self, reader: CheckpointReader, prefix: str):
-        self.reader, self.path, self.files, self.metadata = reader, reader.path, reader.files, reader.metadata
-        self.sources: dict[str, tuple[str, int | None]] = {}  # our key -> (file key, part: None whole, 0/1/2 rows)
+        super().__init__(reader)
         for key in reader.keys():
             name = key[len(prefix) :] if key.startswith(prefix) else None
             if name is None or name in DROPPED:
@@ -139,51 +136,9 @@ class _SingleFileView:
                     self.sources[f"{block}{part}.{leaf}"] = (key, None if self._per_layer(key, leaf) else i)
             else:
                 self.sources[diffusers_key(name)] = (key, None)
-        self._fused: tuple[str, torch.Tensor] | None = None
 
     def _per_layer(self, key: str, leaf: str) -> bool:
         return leaf in _PER_LAYER or (leaf not in ("weight", "bias") and math.prod(self.reader.shape(key)) == 1)
-
-    def keys(self) -> list[str]:
-        return list(self.sources)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.sources
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        source, part = self.sources[key]
-        shape = self.reader.shape(source)
-        if part is None:
-            return shape
-        if not shape or shape[0] % 3:
-            raise CheckpointError(f"{self.path}: {self.file_of(key)}: key '{source}' has shape {shape}, not three "
-                                  f"equal q / k / v row blocks")
-        return (shape[0] // 3, *shape[1:])
-
-    def numel(self, keys=None) -> int:
-        return sum(math.prod(self.shape(k)) for k in (self.keys() if keys is None else keys))
-
-    def dtype_name(self, key: str) -> str:
-        return self.reader.dtype_name(self.sources[key][0])
-
-    def is_block_quantized(self, key: str) -> bool:
-        return self.reader.is_block_quantized(self.sources[key][0])
-
-    def file_of(self, key: str) -> str:
-        return self.reader.file_of(self.sources[key][0])
-
-    def get(self, key: str) -> torch.Tensor:
-        source, part = self.sources[key]
-        if part is None:
-            return self.reader.get(source)
-        rows = self.shape(key)[0]  # checks the split first
-        if self._fused is None or self._fused[0] != source:
-            self._fused = (source, self.reader.get(source))
-        return self._fused[1][part * rows : (part + 1) * rows].clone()  # its own memory: the fused tensor is let go
-
-    def items(self):
-        for key in self.sources:
-            yield key, self.get(key)
 
 
 # ----------------------------------------------------------------------------------------------
