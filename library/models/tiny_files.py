@@ -317,6 +317,23 @@ def vision_token_ids(tokenizer) -> dict[str, int]:
             ("vision_end_token_id", "<|vision_end|>"))}
 
 
+def tiny_qwen3_vl_config(tokenizer, layers: int, images: bool = False):
+    """A tiny transformers Qwen3VLConfig: a Qwen3 language model of width lm_hidden with explicit head_dim 16
+    and interleaved M-RoPE sections (2, 3, 3), and a one-block vision tower with a deepstack tap. images: the
+    tower takes pictures (16 px patches) and the config numbers the tokenizer's vision tokens."""
+    from transformers import Qwen3VLConfig
+
+    h = TINY["lm_hidden"]
+    text = {"vocab_size": round_up(len(tokenizer)), "hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 2 * h, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 2048, "pad_token_id": tokenizer.pad_token_id,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                                "rope_theta": 5000000.0}}
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": h,
+              "num_position_embeddings": 16, "deepstack_visual_indexes": [0], **({"patch_size": 16} if images else {})}
+    return Qwen3VLConfig(text_config=text, vision_config=vision, **(vision_token_ids(tokenizer) if images else {}))
+
+
 def save_vl_processor(folder: str, settings: dict, processor_class: str, tokenizer) -> None:
     """A Qwen-VL processor's files: preprocessor_config.json (Qwen2VLImageProcessor with `settings`,
     naming `processor_class` as the released ones do) and the tokenizer."""

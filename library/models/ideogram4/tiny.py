@@ -84,22 +84,14 @@ def write_ideogram4_text_encoder(out: str, seed: int) -> dict[str, str]:
     Qwen2-style tokenizer with TINY_CHAT_TEMPLATE). Seed offset 41 is this family's."""
     import os
 
-    from transformers import Qwen3VLConfig, Qwen3VLModel
+    from transformers import Qwen3VLModel
 
-    from library.models.tiny_files import TINY, build_qwen_tokenizer, round_up, save_tokenizer, seed_component
+    from library.models.tiny_files import build_qwen_tokenizer, save_tokenizer, seed_component, tiny_qwen3_vl_config
 
     tokenizer = build_qwen_tokenizer()
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     seed_component(seed, 41)
-    h = TINY["lm_hidden"]
-    text = {"vocab_size": round_up(len(tokenizer)), "hidden_size": h, "num_hidden_layers": 4, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 2 * h, "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 2048, "pad_token_id": tokenizer.pad_token_id,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
-                                "rope_theta": 5000000.0}}
-    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": h,
-              "num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
-    model = Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision))
+    model = Qwen3VLModel(tiny_qwen3_vl_config(tokenizer, 4))
     root = os.path.join(out, "ideogram4")
     folder, tok_folder = os.path.join(root, "text_encoder"), os.path.join(root, "tokenizer")
     model.save_pretrained(folder, safe_serialization=True)

@@ -66,21 +66,13 @@ def write_krea2_text_encoder(out: str, seed: int) -> dict[str, str]:
     head_dim 16, interleaved M-RoPE sections (2, 3, 3)), tokenizer/ (the Qwen2-style tokenizer: the
     template prefix is 34 tokens and the suffix 5, as with Qwen3-VL's) and model_index.json with the
     pipeline's text_encoder_select_layers (TEXT_TAPS)."""
-    from transformers import Qwen3VLConfig, Qwen3VLModel
+    from transformers import Qwen3VLModel
 
-    from library.models.tiny_files import build_qwen_tokenizer, round_up, save_tokenizer, write_json
+    from library.models.tiny_files import build_qwen_tokenizer, save_tokenizer, tiny_qwen3_vl_config, write_json
 
     tokenizer = build_qwen_tokenizer()
     seed_component(seed, 31)
-    h = TINY["lm_hidden"]
-    text = {"vocab_size": round_up(len(tokenizer)), "hidden_size": h, "num_hidden_layers": 4, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 2 * h, "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 2048, "pad_token_id": tokenizer.pad_token_id,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
-                                "rope_theta": 5000000.0}}
-    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": h,
-              "num_position_embeddings": 16, "deepstack_visual_indexes": [0]}
-    model = Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=vision))  # text-only: no vision tokens
+    model = Qwen3VLModel(tiny_qwen3_vl_config(tokenizer, 4))  # text-only: no vision tokens
     root = os.path.join(out, "krea2")
     folder, tok_folder = os.path.join(root, "text_encoder"), os.path.join(root, "tokenizer")
     model.save_pretrained(folder, safe_serialization=True)
@@ -116,25 +108,14 @@ def write_krea2_edit_text_encoder(out: str, seed: int) -> dict[str, str]:
     deepstack layer; the language model as write_krea2_text_encoder's, 4 layers) with the Qwen2-style
     tokenizer that has the vision tokens (the template prefix still 34 tokens, the suffix 5) and the
     image processor's files in the same folder, as ai-toolkit loads it (AutoProcessor from that repo)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
     from library.models.krea2.text_encoder import KREA2_PROMPT_PREFIX, KREA2_PROMPT_SUFFIX
-    from library.models.tiny_files import build_qwen_tokenizer, round_up, save_vl_processor
+    from library.models.tiny_files import build_qwen_tokenizer, save_vl_processor, tiny_qwen3_vl_config
 
     tokenizer = build_qwen_tokenizer(vision_templates=(KREA2_PROMPT_PREFIX + "{}" + KREA2_PROMPT_SUFFIX,))
     seed_component(seed, 32)
-    h = TINY["lm_hidden"]
-    text = {"vocab_size": round_up(len(tokenizer)), "hidden_size": h, "num_hidden_layers": 4, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 2 * h, "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 2048, "pad_token_id": tokenizer.pad_token_id,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
-                                "rope_theta": 5000000.0}}
-    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": h,
-              "num_position_embeddings": 16, "deepstack_visual_indexes": [0], "patch_size": 16}
-    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
-           ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
-           ("vision_end_token_id", "<|vision_end|>"))}
-    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision, **ids))
+    model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(tokenizer, 4, images=True))
     folder = os.path.join(out, "krea2_edit", "text_encoder")
     model.save_pretrained(folder, safe_serialization=True)
     save_vl_processor(folder, {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 32 * 32,

@@ -77,25 +77,14 @@ def write_qwen_image21_text_encoder(out: str, seed: int) -> dict[str, str]:
     width lm_hidden, 3 layers, head_dim 16, interleaved M-RoPE sections (2, 3, 3)) and processor/ (a
     Qwen3VLProcessor's files: Qwen2VLImageProcessor settings and the Qwen2-style tokenizer with the vision
     tokens, trained on the template, with the chat template above)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
     from library.models.qwen_image21.text_encoder import QWEN_IMAGE21_TEMPLATE
-    from library.models.tiny_files import build_qwen_tokenizer, round_up, save_vl_processor
+    from library.models.tiny_files import build_qwen_tokenizer, save_vl_processor, tiny_qwen3_vl_config
 
     tokenizer = build_qwen_tokenizer(vision_templates=(QWEN_IMAGE21_TEMPLATE,))
     seed_component(seed, 51)
-    h = TINY["lm_hidden"]
-    text = {"vocab_size": round_up(len(tokenizer)), "hidden_size": h, "num_hidden_layers": 3, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 2 * h, "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 2048, "pad_token_id": tokenizer.pad_token_id,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
-                                "rope_theta": 5000000.0}}
-    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": h,
-              "num_position_embeddings": 16, "deepstack_visual_indexes": [0], "patch_size": 16}
-    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
-           ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
-           ("vision_end_token_id", "<|vision_end|>"))}
-    model = Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text, vision_config=vision, **ids))
+    model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(tokenizer, 3, images=True))
     root = os.path.join(out, "qwen_image21")
     folder, processor_folder = os.path.join(root, "text_encoder"), os.path.join(root, "processor")
     model.save_pretrained(folder, safe_serialization=True)
