@@ -223,8 +223,8 @@ class CheckpointReader:
 
 
 class RowSplitView:
-    """A CheckpointReader seen under a family's own names, where a fused Linear of the file (Z-Image's
-    and Ideogram 4's attention qkv, Qwen-Image-2.1's gate_up) is read as `parts` equal row blocks. A
+    """A CheckpointReader seen under a family's own names, where a fused Linear of the file (an attention
+    qkv, an MLP gate_up) is read as `parts` equal row blocks. A
     subclass fills `sources`: our key -> (file key, None for the whole tensor, or i for its i-th row
     block); a tensor that describes the whole fused layer (a per-tensor scale) maps whole to every part.
     Splitting rows keeps a pre-quantized file's weights exact: GGUF blocks and fp8 row / 64-column scales
