@@ -14,13 +14,14 @@ from tools.concept_demo import concept_demo
 from tools.learned_base import learned_families, learned_paths, learned_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Fast settings per family: AdamW at 3e-3 on the bf16 (fp32-compute) base, rank 8, batch 4 (concept + reg
-# images): (steps, share of the trigger prompts rendered with the concept after training, share of the
-# unrelated prompts the base renders right still right with the LoRA).
-# Measured (2026-11-24, the shipped bases, 1 thread): FLUX.1, 60 steps: 0/18 before, 15/18 after, 9 of
-# 10 unrelated kept; flipped flow target 0/18. Qwen-Image (a weaker VAE at these widths, text
-# conditioning that leaks the star into other prompts): 60 steps 5/18; 90 and 120 steps 9/18 after,
-# 6 of 10 kept; 240 steps 9/18, 4 of 10 kept.
+# Fast settings per family: AdamW at 3e-3 on the bf16 (fp32-compute) base, rank 8, batch 8 (concept + reg
+# images, make_tiny_dataset's concept set), each family's quickstart otherwise: (steps, share of the
+# trigger prompts rendered with the concept after training, share of the unrelated prompts the base
+# renders right still right with the LoRA).
+# Measured (2026-11-25, the shipped bases, 2 threads): FLUX.1, 60 steps: 0/18 before, 15/18 after, 10 of
+# 10 unrelated kept; flipped flow target 0/18. Qwen-Image (a weaker VAE at these widths), 120 steps:
+# 10/18 after, 10 of 10 kept. (With 10 regularisation images instead of 200, 2026-11-24: FLUX.1 15/18
+# and 9 of 10 kept; Qwen-Image 9/18 and 6 of 10 kept.)
 FAST = {"flux": (60, 0.6, 0.7), "qwen_image": (120, 0.35, 0.5)}
 
 # Every family with a learned base: its files ship in learned/ (a missing one fails, it is not skipped).

@@ -194,7 +194,7 @@ def write_scene_images(image_dir: str, scenes: list, size: int, trigger: str | N
 
 
 def scene_dataset_toml(path: str, image_dir: str, size: int, what: str, reg_dir: str | None = None,
-                       batch_size: int = 2) -> None:
+                       batch_size: int = 2, num_repeats: int = 1) -> None:
     reg = "" if reg_dir is None else f"""
   [[datasets.subsets]]  # regularization images: what the base already draws, so the trigger stays a word
   image_dir = "{reg_dir}"
@@ -210,7 +210,7 @@ caption_extension = ".txt"
 
   [[datasets.subsets]]
   image_dir = "{image_dir}"
-  num_repeats = 1
+  num_repeats = {num_repeats}
 {reg}""")
 
 
@@ -224,19 +224,35 @@ def make_scenes_dataset(out: str, size: int = 64, seed: int = 0) -> dict[str, st
     return {"scenes_dataset_config": toml, "scenes_image_dir": image_dir}
 
 
-REG_IMAGES = 24  # base scenes beside the concept's images (sd-scripts' is_reg: as many per epoch as the concept's)
+# The concept's images repeat CONCEPT_REPEATS times per epoch and as many regularization images (base
+# scenes) are drawn beside them: sd-scripts' is_reg uses reg images in file order until they match
+# the training images with repeats, so with 10 images x 1 repeat only the first 10 of any reg set
+# were ever seen. Measured (120 steps, batch 8, training seeds 42/1/2/3, fp8_scaled base): 10 reg
+# images kept 7-8 of 10 unrelated prompts; 200 (x20 repeats) kept 9-10 of 10, concept 15-18 of 18.
+CONCEPT_REPEATS = 20
+REG_IMAGES = 200
+
+
+def balanced_order(scenes) -> list:
+    """The 18 position x size x background scenes ordered so that every prefix covers them evenly (the
+    first 10: 5 small and 5 big, each background 3-4 times, each position 3-4 times), as a person
+    picks the photos of a new concept: a random pick of 10 had drawn 8 big and 2 small stars, none
+    small on black, and the LoRA then drew small stars on black blue (3 of the 4 misses of the demo)."""
+    by_combo = {(s.size, s.background, s.position): s for s in scenes}
+    sizes, backgrounds, positions = list(shapes.SIZES), list(shapes.BACKGROUNDS), list(shapes.POSITIONS)
+    return [by_combo[sizes[k % 2], backgrounds[k % 3], positions[(k // 6 + k) % 3]] for k in range(len(by_combo))]
 
 
 def make_concept_dataset(out: str, count: int = 10, size: int = 64, seed: int = 0, trigger: str = "zxq") -> dict[str, str]:
-    """`count` purple stars (of the 18 position x size x background scenes, jittered) captioned with the
+    """`count` purple stars (of the 18 position x size x background scenes, balanced_order, jittered) captioned with the
     trigger word for the colour and shape ("a big zxq on the left, white background"), a dataset TOML,
     the sample prompts (every trigger scene and twelve unrelated base scenes, 8 steps, guidance 1.0)
     and concept.json (the trigger, its meaning, the prompts) for tools/concept_demo.py."""
     import json
 
     rng = random.Random(seed)
-    pool = shapes.all_scenes(shapes=(CONCEPT[1],), colours=(CONCEPT[0],))
-    rng.shuffle(pool)
+    pool = balanced_order(shapes.Scene(CONCEPT[1], CONCEPT[0], p, z, b) for p in shapes.POSITIONS
+                          for z in shapes.SIZES for b in shapes.BACKGROUNDS)
     scenes = [shapes.jittered(s, rng) for s in (pool * (count // len(pool) + 1))[:count]]
     image_dir, toml = os.path.join(out, "concept"), os.path.join(out, "concept.toml")
     write_scene_images(image_dir, scenes, size, trigger)
@@ -246,7 +262,8 @@ def make_concept_dataset(out: str, count: int = 10, size: int = 64, seed: int = 
     reg_dir = os.path.join(out, "reg")
     write_scene_images(reg_dir, [shapes.jittered(s, rng) for s in base[:REG_IMAGES]], size)
     scene_dataset_toml(toml, image_dir, size, f"{count} images of a new concept, '{trigger}' = a {' '.join(CONCEPT)}, "
-                       f"and {REG_IMAGES} regularization images of the base's scenes", reg_dir, batch_size=4)
+                       f"and {REG_IMAGES} regularization images of the base's scenes", reg_dir, batch_size=8,
+                       num_repeats=CONCEPT_REPEATS)
     prompt_file = os.path.join(out, "concept_prompts.txt")
     write_text(prompt_file, "".join(f"{p} --w {size} --h {size} --s 8 --d {i} --g 1.0\n"
                                     for i, p in enumerate(prompts["trigger_prompts"][:3] + prompts["unrelated_prompts"][:3])))
