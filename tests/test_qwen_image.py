@@ -297,3 +297,40 @@ def test_fp8_scaled_load_through_prepare_hook(reference, inputs):
         got = model(img, txt, mask, sigma, IMG_SHAPES).float()
     relative = ((got - expected).norm() / expected.norm()).item()
     assert relative <= 0.04, relative  # measured 1.3% (bf16 alone: 0.6%)
+
+
+def test_pretraining_vae_computes_what_the_released_class_computes():
+    """learned.ImageQwenVAE (the pretrainer's: no frame cache, Conv3d on one frame as its last time tap,
+    F.normalize as x * rsqrt(sum x^2)) equals diffusers' AutoencoderKLQwenImage on the same weights:
+    the encoder's posterior, the decoded images and every parameter's gradient of a reconstruction loss
+    (the other time taps get none in either)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    from library.models.qwen_image.learned import VAE_CONFIG, ImageQwenVAE
+
+    torch.manual_seed(0)
+    fast = ImageQwenVAE(**VAE_CONFIG)
+    released = AutoencoderKLQwenImage(**VAE_CONFIG)
+    released.load_state_dict(fast.state_dict())
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    noise = torch.randn(2, VAE_CONFIG["z_dim"], 4, 4)
+
+    def step(vae, frames: bool):
+        vae.zero_grad()
+        posterior = vae.encode(x[:, :, None] if frames else x).latent_dist
+        mean, std = (posterior.mean[:, :, 0], posterior.std[:, :, 0]) if frames else (posterior.mean, posterior.std)
+        decoded = vae.decode((mean + std * noise)[:, :, None] if frames else mean + std * noise).sample
+        decoded = decoded[:, :, 0] if frames else decoded
+        (decoded - x).pow(2).mean().backward()
+        return mean.detach(), decoded.detach(), {n: p.grad for n, p in vae.named_parameters()}
+
+    mean_f, decoded_f, grads_f = step(fast, False)
+    mean_r, decoded_r, grads_r = step(released, True)
+    torch.testing.assert_close(mean_f, mean_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(decoded_f, decoded_r, rtol=1e-5, atol=1e-5)
+    assert grads_f.keys() == grads_r.keys()
+    for name in grads_r:
+        if grads_r[name] is None:
+            assert grads_f[name] is None, name
+        else:
+            torch.testing.assert_close(grads_f[name], grads_r[name], rtol=1e-4, atol=1e-7, msg=name)
