@@ -19,9 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # trigger prompts rendered with the concept after training, share of the unrelated prompts the base
 # renders right still right with the LoRA).
 # Measured (2026-11-25, the shipped bases, 2 threads): FLUX.1, 60 steps: 0/18 before, 15/18 after, 10 of
-# 10 unrelated kept; flipped flow target 0/18. Qwen-Image (a weaker VAE at these widths), 120 steps:
-# 10/18 after, 10 of 10 kept. (With 10 regularisation images instead of 200, 2026-11-24: FLUX.1 15/18
-# and 9 of 10 kept; Qwen-Image 9/18 and 6 of 10 kept.)
+# 10 unrelated kept; flipped flow target 0/18. Qwen-Image (a weaker VAE at these widths; the base
+# regenerated 2026-11-25), 120 steps: 13/18 after, 8 of 10 kept. (With 10 regularisation images instead
+# of 200 and the previous Qwen-Image base, 2026-11-24: FLUX.1 15/18 and 9 of 10 kept; Qwen-Image 9/18
+# and 6 of 10 kept.)
 FAST = {"flux": (60, 0.6, 0.7), "qwen_image": (120, 0.35, 0.5)}
 
 # Every family with a learned base: its files ship in learned/ (a missing one fails, it is not skipped).
