@@ -6,6 +6,7 @@ scaled by prior_loss_weight; both run through train_lora.py on tiny FLUX and Qwe
 
 import os
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -168,10 +169,17 @@ def test_reg_repeats_are_balanced_to_the_training_images_as_sd_scripts(tmp_path,
     bp = blueprint([{"image_dir": str(tmp_path / "train"), "num_repeats": train[1], "class_tokens": "sks dog"},
                     {"image_dir": str(tmp_path / "reg"), "num_repeats": reg[1], "class_tokens": "dog", "is_reg": True}],
                    validation_split=0.0)
-    ds = D.ImageDataset(bp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = D.ImageDataset(bp)
     reg_items = [it for it in ds.items if it.subset.is_reg]
     counts = [sum(1 for e in ds.entries if ds.items[e] is it) for it in reg_items]
     assert counts == expected
+    unused_lines = [str(w.message) for w in caught if "regularization images are not used" in str(w.message)]
+    assert unused_lines == ([f"dataset 0: {counts.count(0)} of {len(counts)} regularization images are not used "
+                             f"(first: {reg_items[counts.index(0)].image_path}); reg images are used in file order until "
+                             f"they match the {train[0] * train[1]} training images x num_repeats per epoch: raise the "
+                             f"training subsets' num_repeats to use more"] if 0 in counts else [])
     assert counts == [balance_reg_repeats(train[0] * train[1], reg_items)[id(it)] for it in reg_items]
     assert all(ds[(e, 0)]["is_reg"] == ds.items[ds.entries[e]].subset.is_reg for e in range(len(ds)))
 

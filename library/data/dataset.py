@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 
 import torch
 
@@ -174,7 +175,15 @@ def _reg_repeats(items: list[ImageItem]) -> dict[int, int]:
     for di in sorted({item.dataset_index for item in items}):
         in_dataset = [item for item in items if item.dataset_index == di]
         train = sum(item.subset.num_repeats for item in in_dataset if not item.subset.is_reg)
-        out.update(balance_reg_repeats(train, [item for item in in_dataset if item.subset.is_reg]))
+        reg_items = [item for item in in_dataset if item.subset.is_reg]
+        balanced = balance_reg_repeats(train, reg_items)
+        unused = [item for item in reg_items if balanced[id(item)] == 0]
+        if unused:  # sd-scripts says so too: a silent cap hid 14 of the concept demo's 24 reg images
+            warnings.warn(f"dataset {di}: {len(unused)} of {len(reg_items)} regularization images are not used "
+                          f"(first: {unused[0].image_path}); reg images are used in file order until they match the "
+                          f"{train} training images x num_repeats per epoch: raise the training subsets' num_repeats "
+                          f"to use more", stacklevel=2)
+        out.update(balanced)
     return out
 
 
