@@ -19,8 +19,8 @@ learned, for the tests and the demo that check a LoRA teaches what a person sees
 Writes the family's files into OUT (as released: a single file where the family ships one), and with
 --diffusers OUT/diffusers/{transformer,vae}/. Deterministic from --seed on a given number of threads
 (--threads; float sums depend on the split) and a given CPU: another CPU's kernels sum in another
-order, and thousands of steps later the weights differ (of similar quality: the shipped learned/flux
-scores 195/216, its rerun on another 2-core machine 182/216).
+order, and thousands of steps later the weights differ, of similar quality (the README gives the
+shipped bases' scores and a rerun's).
 """
 
 from __future__ import annotations
