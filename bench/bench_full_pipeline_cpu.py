@@ -160,6 +160,31 @@ def write_hf_encoder(work: str, name: str, config, cls, tokenizer, prefix: str, 
     save_tokenizer(tokenizer, folder)
 
 
+# Qwen3-VL-8B's language model and vision tower (Qwen-Image-2.1's and Ideogram 4's text encoder); the
+# pad token comes from the tokenizer written beside it.
+QWEN3_VL_8B_TEXT = {
+    "vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True, "rope_theta": 5000000.0}}
+QWEN3_VL_8B_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 4096,
+                      "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24], "patch_size": 16}
+
+
+def write_qwen3_vl_folder(folder: str, text: dict, vision: dict, tokenizer, shards: int, conditional: bool = False, **ids):
+    """A Qwen3-VL text-encoder folder (Qwen3VLModel, or Qwen3VLForConditionalGeneration when `conditional`)
+    with random bf16 weights for the language model only (text-to-image never reads the vision tower or
+    lm_head), in `shards` shards, and its config.json."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLModel
+
+    config = Qwen3VLConfig(text_config={**text, "pad_token_id": tokenizer.pad_token_id}, vision_config=vision, **ids)
+    cls, prefix = (Qwen3VLForConditionalGeneration, "model.language_model.") if conditional else (Qwen3VLModel, "language_model.")
+    shapes = {k: v for k, v in meta_shapes(lambda: cls(config)).items() if k.startswith(prefix)}
+    write_random_sharded(folder, "model", shapes, 3, shards)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": [cls.__name__], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
+
+
 def write_chroma_files(work: str):
     """Chroma1-HD at its released size: the BFL-style single file people download for ComfyUI (8.9 B,
     bf16, no metadata: the loader reads the config from the shapes), FLUX.1's ae.safetensors, T5-XXL."""
@@ -311,7 +336,6 @@ def write_qwen_image21_files(work: str):
     config; only the language model's weights are written, 7.57 B: text-to-image never reads the vision
     tower or lm_head) and processor/ (the small Qwen tokenizer with the vision tokens and chat template)."""
     from diffusers import AutoencoderKLQwenImage21
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     from library.models.qwen_image21.checkpoint import diffusers_config
     from library.models.qwen_image21.model import QWEN_IMAGE21, QwenImage21
@@ -336,21 +360,8 @@ def write_qwen_image21_files(work: str):
     ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
            ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
            ("vision_end_token_id", "<|vision_end|>"))}
-    text = {"vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 262144, "pad_token_id": tokenizer.pad_token_id, "tie_word_embeddings": False,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True,
-                                "rope_theta": 5000000.0}}
-    vision = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 4096,
-              "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24], "patch_size": 16}
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
-    shapes = {k: v for k, v in meta_shapes(lambda: Qwen3VLForConditionalGeneration(config)).items()
-              if k.startswith("model.language_model.")}
-    folder = os.path.join(work, "text_encoder")
-    write_random_sharded(folder, "model", shapes, 3, 4)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump({"architectures": ["Qwen3VLForConditionalGeneration"], **config.to_dict(), "torch_dtype": "bfloat16"},
-                  f, indent=2)
+    write_qwen3_vl_folder(os.path.join(work, "text_encoder"), QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, tokenizer, 4,
+                          conditional=True, **ids)
     tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
     save_vl_processor(os.path.join(work, "processor"), {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
                       "min_pixels": 32 * 32, "max_pixels": 1024 * 1024}, "Qwen3VLProcessor", tokenizer)
@@ -361,7 +372,6 @@ def write_krea2_files(work: str):
     the loader reads the config from the shapes; 12,820,073,036 parameters, 23.9 GiB), the Qwen-Image VAE as
     vae/, text_encoder/ (a Qwen3VLModel folder with Qwen3-VL-4B's config: only the language model's weights,
     4.02 B; text never reads the vision tower), tokenizer/ and model_index.json (the released taps)."""
-    from transformers import Qwen3VLConfig, Qwen3VLModel
 
     from library.models.krea2.model import KREA2_RAW, Krea2
     from library.models.krea2.text_encoder import KREA2_TAPS
@@ -376,17 +386,12 @@ def write_krea2_files(work: str):
     text = {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
             "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
             "intermediate_size": c.intermediate_size, "rms_norm_eps": c.rms_norm_eps, "tie_word_embeddings": True,
-            "max_position_embeddings": c.max_position_embeddings, "pad_token_id": tokenizer.pad_token_id,
+            "max_position_embeddings": c.max_position_embeddings,
             "rope_parameters": {"rope_type": "default", "mrope_section": list(c.mrope_section), "mrope_interleaved": True,
                                 "rope_theta": c.rope_theta}}
     vision = {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2560,
               "num_position_embeddings": 2304, "deepstack_visual_indexes": [5, 11, 17], "patch_size": 16}
-    config = Qwen3VLConfig(text_config=text, vision_config=vision)
-    shapes = {k: v for k, v in meta_shapes(lambda: Qwen3VLModel(config)).items() if k.startswith("language_model.")}
-    folder = os.path.join(work, "text_encoder")
-    write_random_sharded(folder, "model", shapes, 3, 2)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump({"architectures": ["Qwen3VLModel"], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
+    write_qwen3_vl_folder(os.path.join(work, "text_encoder"), text, vision, tokenizer, 2)
     save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
     write_json(os.path.join(work, "model_index.json"), {
         "_class_name": "Krea2Pipeline", "is_distilled": False, "patch_size": 2, "text_encoder_select_layers": list(KREA2_TAPS),
@@ -435,7 +440,6 @@ def write_ideogram4_files(work: str):
     7.57 B) and tokenizer/ (the small Qwen tokenizer with a chat template). No unconditional_transformer/:
     a second 9.3 B transformer in the compute dtype does not fit this 24 GiB machine beside the first
     (the sample then uses the trained transformer without text, as the family says once)."""
-    from transformers import Qwen3VLConfig, Qwen3VLModel
 
     from library.models.ideogram4.checkpoint import diffusers_config
     from library.models.ideogram4.model import IDEOGRAM4, Ideogram4
@@ -447,19 +451,7 @@ def write_ideogram4_files(work: str):
     write_flux2_vae(work)
     tokenizer = build_qwen_tokenizer()
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
-    text = {"vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 262144, "pad_token_id": tokenizer.pad_token_id, "tie_word_embeddings": False,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True,
-                                "rope_theta": 5000000.0}}
-    vision = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 4096,
-              "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24], "patch_size": 16}
-    config = Qwen3VLConfig(text_config=text, vision_config=vision)
-    shapes = {k: v for k, v in meta_shapes(lambda: Qwen3VLModel(config)).items() if k.startswith("language_model.")}
-    folder = os.path.join(work, "text_encoder")
-    write_random_sharded(folder, "model", shapes, 3, 4)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump({"architectures": ["Qwen3VLModel"], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
+    write_qwen3_vl_folder(os.path.join(work, "text_encoder"), QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, tokenizer, 4)
     save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
 
 
