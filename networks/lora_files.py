@@ -565,6 +565,7 @@ METADATA_KEYS = {
     "base_model_version": "ss_base_model_version",
     "base_model": "ss_sd_model_name",
     "base_precision": "ss_base_precision",
+    "fp8_compute": "ss_fp8_compute",  # the base's Linears ran as fp8 GEMMs (library/precision/fp8_compute.py)
     "base_loras": "ss_base_loras",  # LoRAs merged into the frozen base while training (not in this file)
     "mixed_precision": "ss_mixed_precision",
     "resolution": "ss_resolution",

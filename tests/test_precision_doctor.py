@@ -7,6 +7,7 @@ as trained DiT heads are: only then do positions shape the output. The grid is 4
 positions exceed 16, where float8_e4m3fn stops holding integers exactly.
 """
 
+import copy
 import json
 import os
 
@@ -216,6 +217,24 @@ def test_plain_fp8_layers_err_more_than_scaled_and_bf16_floor_is_reported(result
     assert qwen["fp8"]["first_layer_over_threshold"] is not None
 
 
+def test_fp8_compute_mode_runs_fp8_gemms_and_reports_a_flat_error_above_fp8_scaled():
+    """The doctor's fp8_compute mode: the fp8_scaled base requantized per row with activations in e4m3
+    (FP8ComputeLinear layers), a flat error map, a larger error than fp8_scaled's storage alone."""
+    from library.precision.fp8_compute import FP8ComputeLinear
+
+    torch.manual_seed(0)
+    flux = tiny_flux()
+    variant = doctor.in_memory_variant(flux, "flux", "fp8_compute")
+    assert any(isinstance(m, FP8ComputeLinear) for m in variant.modules())
+    modes = run("flux", flux, False, ("bf16", "fp8_scaled", "fp8_compute"))["modes"]
+    scaled, computed = modes["fp8_scaled"]["output_error"], modes["fp8_compute"]["output_error"]
+    print(f"flux output error: fp8_scaled {scaled:.4f}, fp8_compute {computed:.4f}")
+    assert scaled < computed < 0.2
+    assert modes["fp8_compute"]["map"]["border_centre_ratio"] < 1.5
+    with pytest.raises(ValueError, match="computes in bfloat16"):
+        doctor._finish(copy.deepcopy(variant), torch.float32, "cpu", "fp8_compute")
+
+
 # ----------------------------------------------------------------------------------------------
 # (d) LoRA survival
 
@@ -290,7 +309,7 @@ def test_cli_writes_report_json_and_heatmaps_for_a_tiny_flux_file(tmp_path, caps
     assert data["lora_survival"]["summary"]["fp8 into_fp8_nearest"]["median_kept"] < 0.5
     assert (out / "report.txt").read_text() in printed
     pngs = sorted(p.name for p in out.iterdir() if p.suffix == ".png")
-    assert len(pngs) == len(data["maps"]) == 8 and "heatmap_fp8_merge_sr.png" in pngs
+    assert len(pngs) == len(data["maps"]) == 10 and "heatmap_fp8_merge_sr.png" in pngs
     assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     assert not [p for p in os.listdir(out) if p.endswith(".tmp")]
 

@@ -78,6 +78,28 @@ def test_bad_row_is_one_line_exit_2(tiny_set, tmp_path, capsys):
     assert len(err) == 1 and "row 'fp16': expected one of" in err[0]
 
 
+def test_fp8_compute_row_and_column_need_bf16_then_run(tiny_set, tmp_path, capsys):
+    """The fp8_compute row (trained with fp8_compute = true) and column (fp8_scaled base run as fp8 GEMMs):
+    refused in one line unless the config and --dtype compute in bf16; then the cell keeps the LoRA."""
+    config = write_config(tmp_path, tiny_set, "flux")
+    base = ["--config_file", config, "--out", str(tmp_path / "m"), "--steps", "2", "--max_items", "1", "--sigmas", "0.5",
+            "--rows", "fp8_compute", "--columns", "fp8_compute+lora"]
+    assert precision_matrix.main(base) == 2
+    assert "needs mixed_precision = \"bf16\"" in capsys.readouterr().err
+    with open(config) as f:
+        text = f.read()
+    with open(config, "w") as f:
+        f.write(text.replace('mixed_precision = "no"', 'mixed_precision = "bf16"'))
+    assert precision_matrix.main(base + ["--dtype", "fp32"]) == 2
+    assert "pass --dtype bf16" in capsys.readouterr().err
+    assert precision_matrix.main(base, log=print) == 0
+    with open(tmp_path / "m" / "matrix.csv") as f:
+        cell = {r["deployed_on"]: {k: float(v) for k, v in r.items() if k not in ("trained_on", "deployed_on")}
+                for r in csv.DictReader(f)}
+    assert set(cell) == {"bf16+lora", "fp8_compute+lora"}
+    assert 0.8 < cell["fp8_compute+lora"]["effect_kept"] < 1.2 and cell["fp8_compute+lora"]["effect_error"] > 0
+
+
 @pytest.mark.parametrize("family", ["zimage", "chroma", "krea2"])
 def test_a_tiny_matrix_runs_on_the_families_tiny_set(tiny_set, tmp_path, family):
     """Every deploy column for one given LoRA (random, rank 4: no training) on the family's tiny set at

@@ -7,8 +7,10 @@ weight quantization or from a LoRA merged into fp8 weights.
 
 The same random inputs (packed latents for the resolution, random text embeddings of the model's
 context width and whatever else the architecture takes: a pooled vector, a text mask) go through the base in
-bf16 (the reference), fp32 (the bf16 floor), plain fp8 and fp8_scaled at a few sigmas. With
---lora, also bf16 + LoRA (the LoRA reference), fp8 / fp8_scaled + LoRA at runtime (unmerged), and
+bf16 (the reference), fp32 (the bf16 floor), plain fp8, fp8_scaled and fp8_compute (the fp8_scaled
+base run as fp8 GEMMs, train_lora's fp8_compute = true: library/precision/fp8_compute.py) at a few
+sigmas. With --lora, also bf16 + LoRA (the LoRA reference), fp8 / fp8_scaled / fp8_compute + LoRA at
+runtime (unmerged), and
 the LoRA merged into plain fp8: in float32 then rounded to nearest ("merge_rtn") or
 stochastically ("merge_sr"), or added to the fp8 weights ("merge_into_fp8").
 
@@ -41,8 +43,10 @@ from library.models.registry import FAMILIES, arch_spec  # noqa: E402
 # A variant is checked as the transformer of its architecture (lora_arch): an edit model on
 # target-only inputs, whose reference tokens go through the same layers (and, where they only add a
 # first-axis position, positions exact in every dtype), so the same fp8 damage shows.
-BASE_MODES = ("fp32", "bf16", "fp8", "fp8_scaled")
-LORA_MODES = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr", "fp8+merge_into_fp8")
+BASE_MODES = ("fp32", "bf16", "fp8", "fp8_scaled", "fp8_compute")
+LORA_MODES = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8_compute+lora", "fp8+merge_rtn", "fp8+merge_sr",
+              "fp8+merge_into_fp8")
+COMPUTED = {"fp8_compute": "fp8_scaled"}  # a mode run as fp8 GEMMs -> how its weights are stored
 VAE_PATCH = 16  # pixels per packed token: 8x VAE downsampling x 2x2 patches
 
 
@@ -78,6 +82,7 @@ from library.precision.fp8 import (  # noqa: E402
     FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,
 )
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
+from library.precision.fp8_compute import enable_fp8_compute  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from networks.lora import LoRAModule, diffusers_module_map  # noqa: E402
 from networks.lora_files import LoRAWeights, diffusers_to_bfl, read_lora  # noqa: E402
@@ -189,15 +194,20 @@ class MergingConverter:
 # Model variants: mode name -> a function that builds that model
 
 
-def _finish(model: nn.Module, dtype: torch.dtype, device) -> nn.Module:
+def _finish(model: nn.Module, dtype: torch.dtype, device, precision_name: str = "") -> nn.Module:
     model = model.to(device=device, dtype=dtype).eval()  # FP8Linear keeps its fp8 codes and bf16 scales
     model.compute_dtype = dtype
+    if precision_name in COMPUTED:
+        if dtype != torch.bfloat16:  # FP8ComputeLinear would fall back to the dequantized matmul
+            raise ValueError(f"{precision_name} computes in bfloat16, not {dtype}")
+        enable_fp8_compute(model)
     return model
 
 
 def in_memory_variant(fp32_model: nn.Module, arch: str, mode: str, lora=None, seed: int = 0, device="cpu") -> nn.Module:
     """Build `mode` from an fp32 model in memory (a copy; tests and tiny models)."""
-    precision_name, _, how = mode.partition("+")
+    computed, _, how = mode.partition("+")
+    precision_name = COMPUTED.get(computed, computed)
     model = copy.deepcopy(fp32_model)
     deltas = {p: w.delta() for p, w in (lora or {}).items()} if how.startswith("merge") else {}
     if precision_name == "fp32":
@@ -215,7 +225,7 @@ def in_memory_variant(fp32_model: nn.Module, arch: str, mode: str, lora=None, se
         for p, d in deltas.items():
             if isinstance(modules[p], FP8Linear):
                 modules[p].weight, modules[p].weight_scale = merged_codes(originals[p], d, precision_name, how, gen)
-    model = _finish(model, torch.bfloat16, device)
+    model = _finish(model, torch.bfloat16, device, computed)
     return apply_runtime_lora(model, lora) if how == "lora" else model
 
 
@@ -224,7 +234,8 @@ def disk_variant(path: str, arch: str, mode: str, lora=None, seed: int = 0, devi
     """Load `mode` from the checkpoint at `path` (fp8 quantized tensor by tensor while loading).
     dtype: the high-precision weights' and compute dtype (default: float32 for "fp32", else bfloat16)."""
     load = _loader(arch)
-    precision_name, _, how = mode.partition("+")
+    computed, _, how = mode.partition("+")
+    precision_name = COMPUTED.get(computed, computed)
     dtype = dtype or (torch.float32 if precision_name == "fp32" else torch.bfloat16)
     prepare = fp8_prepare(precision_name if precision_name.startswith("fp8") else None, arch)
     if how.startswith("merge"):
@@ -232,7 +243,7 @@ def disk_variant(path: str, arch: str, mode: str, lora=None, seed: int = 0, devi
         gen, rules = torch.Generator().manual_seed(seed), arch_spec(arch).fp8
         prepare = lambda m: MergingConverter(fp8_load_converter(prepare_fp8(m, precision_name, rules)), deltas,  # noqa: E731
                                              precision_name, how, gen)
-    model = _finish(load(path, dtype=dtype, prepare=prepare), dtype, device)
+    model = _finish(load(path, dtype=dtype, prepare=prepare), dtype, device, computed)
     return apply_runtime_lora(model, lora) if how == "lora" else model
 
 

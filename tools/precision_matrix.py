@@ -8,7 +8,8 @@
 Rows (trained on): the same training config run once per base precision, same seed and steps:
 bf16 (the high-precision base), fp8 (plain cast), fp8_scaled, and fp8+posbug: the fp8 base with
 the bug users hit (positions cast to the weight dtype before RoPE), as a buggy trainer would train.
-More rows (--rows): nf4 / nf4_dq / int8 (bitsandbytes' layers, base_precision), and gguf_q8_0 /
+More rows (--rows): fp8_compute (the fp8_scaled base run as fp8 GEMMs, train_lora's fp8_compute = true;
+the config must compute in bf16, and --dtype bf16), nf4 / nf4_dq / int8 (bitsandbytes' layers, base_precision), and gguf_q8_0 /
 gguf_q4_0 (the base transformer written as a GGUF file by our writer, OUT/bases/, and trained over as
 stored). The 4-bit GGUF is Q4_0, not Q4_K: a K-quant block spans 256 weights of a row and most Linears
 of the tiny bases are 128 wide, so a Q4_K file would hold Q4_K in few layers (llama.cpp falls back to
@@ -17,7 +18,8 @@ Q5_0 for the rest). --loras takes existing files instead of training (missing ro
 Columns (deployed on): the LoRA at runtime on bf16 / fp8 / fp8_scaled bases, merged into fp8 and
 fp8_scaled (round to nearest: merge_rtn; stochastic rounding: merge_sr), and fp8+lora+posbug (a
 runtime LoRA on an fp8 base whose inference code has the position bug). More (--columns): the LoRA at
-runtime on nf4 / nf4_dq / int8 and on the GGUF bases (gguf_q8_0+lora, gguf_q4_0+lora), and merged
+runtime on fp8_compute (fp8_compute+lora: ComfyUI's fp8 matmul in kind, per-row scales; --dtype bf16),
+on nf4 / nf4_dq / int8 and on the GGUF bases (gguf_q8_0+lora, gguf_q4_0+lora), and merged
 into a GGUF (gguf_q8_0+merge: merge_lora of the bf16 base and the LoRA, quantized as the GGUF base is;
 ComfyUI-GGUF itself applies LoRAs at runtime, and merging into a GGUF file's blocks would re-round them).
 
@@ -52,15 +54,17 @@ from tools.cli import Parser, check_command_line  # noqa: E402
 DEFAULT_ROWS = ("bf16", "fp8", "fp8_scaled", "fp8+posbug")
 LOWBIT = ("nf4", "nf4_dq", "int8")  # bitsandbytes' layers, quantized while loading (base_precision)
 GGUF_BASES = {"gguf_q8_0": "Q8_0", "gguf_q4_0": "Q4_0"}  # written from the base by gguf_writer (OUT/bases/)
-TRAINED_ON = DEFAULT_ROWS + LOWBIT + tuple(GGUF_BASES)
+COMPUTED = ("fp8_compute",)  # the fp8_scaled base run as fp8 GEMMs (bf16 only)
+TRAINED_ON = DEFAULT_ROWS + COMPUTED + LOWBIT + tuple(GGUF_BASES)
 TRAIN_FLAGS = {"bf16": ["--fp8_base", "false"], "fp8": ["--fp8_base", "true", "--fp8_scaled", "false"],
                "fp8_scaled": ["--fp8_base", "true", "--fp8_scaled", "true"]}
 TRAIN_FLAGS["fp8+posbug"] = TRAIN_FLAGS["fp8"]
+TRAIN_FLAGS["fp8_compute"] = TRAIN_FLAGS["fp8_scaled"] + ["--fp8_compute", "true"]
 TRAIN_FLAGS.update({m: ["--fp8_base", "false", "--fp8_scaled", "false", "--base_precision", m] for m in LOWBIT})
 TRAIN_FLAGS.update({g: ["--fp8_base", "false", "--fp8_scaled", "false"] for g in GGUF_BASES})  # + the file as the base
 DEPLOYED_ON = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr",
                "fp8_scaled+merge_rtn", "fp8_scaled+merge_sr", "fp8+lora+posbug")  # the default columns
-DEPLOYABLE = DEPLOYED_ON + tuple(f"{m}+lora" for m in LOWBIT) + tuple(f"{g}+{how}" for g in GGUF_BASES for how in ("lora", "merge"))
+DEPLOYABLE = DEPLOYED_ON + tuple(f"{m}+lora" for m in COMPUTED + LOWBIT) + tuple(f"{g}+{how}" for g in GGUF_BASES for how in ("lora", "merge"))
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
@@ -411,6 +415,15 @@ def resized_dataset(dataset_config: str, resolution: int, out: str) -> str:
     return path
 
 
+def check_computed(rows: list[str], columns: list[str], dtype: str, mixed_precision: str, config_file: str) -> None:
+    """fp8_compute runs in bf16 only: its row trains with the config's mixed_precision, its column with --dtype."""
+    if any(r in COMPUTED for r in rows) and mixed_precision != "bf16":
+        raise ValueError(f"{config_file}: row fp8_compute trains with fp8_compute = true, which needs mixed_precision = "
+                         f"\"bf16\" (got \"{mixed_precision}\"); train every row in bf16 for a fair comparison")
+    if any(c.split("+")[0] in COMPUTED for c in rows + columns) and dtype != "bf16":
+        raise ValueError(f"fp8_compute computes in bf16: pass --dtype bf16 (got {dtype})")
+
+
 def main(argv=None, log=print) -> int:
     try:
         cli = build_parser().parse_args(argv)
@@ -430,6 +443,7 @@ def main(argv=None, log=print) -> int:
         unknown = [c for c in columns if c not in DEPLOYABLE]
         if unknown:
             raise ValueError(f"column {unknown[0]!r}: expected one of {', '.join(DEPLOYABLE)}")
+        check_computed(rows, columns, cli.dtype, args.mixed_precision, cli.config_file)
         concept_path = find_concept(cli.concept, load_config(["--config_file", cli.config_file]).dataset_config)
         bases = Bases(args.pretrained_model_name_or_path, family.arch, getattr(torch, DTYPES[cli.dtype]), cli.out, cli.seed)
         loras = {r: given.get(r) or train_row(r, cli.config_file, cli.out, overrides, bases) for r in rows}

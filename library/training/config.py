@@ -107,6 +107,8 @@ SCHEMA: dict[str, Arg] = {
     "fp8_base": A(bool, False, "store base Linear weights in float8_e4m3fn (base_precision says it too)"),
     "fp8_scaled": A(bool, True, "with fp8_base: per-block absmax scales (False = plain cast, as sd-scripts); "
                                 "a pre-quantized scaled file (ours, ComfyUI's per-tensor scaled) needs True"),
+    "fp8_compute": A(bool, False, "run the fp8 base's Linears as fp8 GEMMs (torch._scaled_mm, per-row scales; "
+                                  "GPUs of compute capability >= 8.9, or the CPU); needs an fp8 base and bf16"),
     "gradient_checkpointing": A(bool, False, "per-block activation checkpointing"),
     "blocks_to_swap": A(int, 0, "keep the last N transformer blocks' frozen weights in CPU memory, copied in per use"),
     "allow_tf32": A(bool, True, "TF32 matmuls on CUDA"),
@@ -369,6 +371,22 @@ def _blame(origins: dict[str, str], where: str, *keys: str) -> str:
     return " and ".join(dict.fromkeys(origins.get(key, where) for key in keys))
 
 
+def _validate_fp8_compute(args, origins: dict[str, str], where: str) -> None:
+    """fp8_compute runs the base's fp8 codes as fp8 GEMMs with bf16 outputs: it needs both."""
+    if not args.fp8_compute:
+        return
+    if args.model_type == "llm":
+        raise ConfigError(f"{_blame(origins, where, 'fp8_compute', 'model_type')}: key 'fp8_compute' is for the "
+                          f"diffusion transformers ({', '.join(FAMILIES)}), not llm")
+    if base_precision(args) not in ("fp8", "fp8_scaled"):
+        key = "base_precision" if args.base_precision else "fp8_base"
+        raise ConfigError(f"{_blame(origins, where, 'fp8_compute', key)}: fp8_compute needs an fp8 base "
+                          f"(base_precision = \"fp8_scaled\" or \"fp8\"), got {base_precision(args)}")
+    if args.mixed_precision != "bf16":
+        raise ConfigError(f"{_blame(origins, where, 'fp8_compute', 'mixed_precision')}: fp8_compute gives bf16 outputs; "
+                          f"it needs mixed_precision = \"bf16\", got \"{args.mixed_precision}\"")
+
+
 def _validate_base_loras(args, origins: dict[str, str], where: str) -> None:
     """Each base_loras entry parses as path[:ratio] and names a file (before minutes of caching)."""
     from library.lora_spec import parse_lora_spec
@@ -437,6 +455,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' needs network_module "
                           f"networks.lora (LyCORIS files have no PEFT LoRA form)")
     _validate_ema(args, origins, where)
+    _validate_fp8_compute(args, origins, where)
     _validate_base_loras(args, origins, where)
     from library.training.tracking import check_trackers
 

@@ -68,6 +68,8 @@ class DiffusionTask:
         self._settle_bf16_reference()  # before minutes of caching
         self._fill_caches()  # also encodes the sample prompts, then frees the encoders
         self.base = self._load_base()
+        if args.fp8_compute:
+            self._enable_fp8_compute()
         self.base.gradient_checkpointing = args.gradient_checkpointing
         self.network = self._make_network()  # on the CPU base: DoRA's norms read the weights
         self._to_device(self.base)
@@ -180,6 +182,16 @@ class DiffusionTask:
         self.accelerator.print(f"base_loras: {len(self.args.base_loras)} merged into the frozen base")
         return base.requires_grad_(False).eval()
 
+    def _enable_fp8_compute(self):
+        """Before the LoRA wraps the base's Linears (library/precision/fp8_compute.py)."""
+        from library.precision.fp8_compute import enable_fp8_compute, fp8_gemm_available
+
+        if not fp8_gemm_available(self.device):
+            raise ConfigError(f"fp8_compute: {self.device} has no fp8 GEMMs (CUDA compute capability >= 8.9: Ada, Hopper, "
+                              f"Blackwell); set fp8_compute = false")
+        turned = enable_fp8_compute(self.base)
+        self.accelerator.print(f"fp8_compute: {turned} base Linears run as fp8 GEMMs (per-row scales), the LoRA in bf16")
+
     def _to_device(self, base: nn.Module) -> nn.Module:
         """Swapped blocks' weights move to pinned CPU memory first, so the base is never on the
         device whole (a 24 GB card could not hold it). Under FSDP the base is sharded over the
@@ -289,6 +301,7 @@ class DiffusionTask:
             "base_model_version": self.family.model_version(self.base),
             # bf16 / fp8 / fp8_scaled, or the layout of a pre-quantized file (e.g. fp8_tensor_scaled)
             "base_precision": self.stored_precision or base_precision(args),
+            "fp8_compute": "true" if args.fp8_compute else None,
             "resolution": ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in datasets),
             "batch_size": datasets[0].batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps,
             "timestep_sampling": args.timestep_sampling or sampling_of(self.family.arch).method,

@@ -1,0 +1,142 @@
+"""fp8 compute (`fp8_compute = true`): the frozen base's fp8 Linears run as real fp8 GEMMs
+(torch._scaled_mm), in forward and in the activation-gradient backward; the LoRA path beside them
+stays in the compute dtype (bf16). A GPU with fp8 tensor cores runs these GEMMs at about twice its
+bf16 rate; the base weights are fp8 already, so only the activations are quantized per call.
+
+The recipe is torchao's "rowwise" float8 recipe for a frozen weight, every operand float8_e4m3fn:
+- weight W [N, K] = q * s_w[:, None]: one fp32 scale per output row, the form _scaled_mm's row-wise
+  mode multiplies in its epilogue (block scales along K would need one GEMM per block). "fp8" layers
+  use their codes with scale 1, "fp8_tensor_scaled" ones their codes with the tensor's scale on
+  every row; "fp8_scaled" layers (a scale per 64 input columns) are requantized once, at enable time,
+  to a bf16 scale per row (absmax / 448 rounded up, the fp8_scaled layout's [out, 1] form), from
+  their dequantized float32 values: same memory, a coarser grid (rowwise_requantization_error).
+- activation x [M, K]: e4m3 with one fp32 scale per row (token), absmax / 448, computed in float32
+  each call.
+- forward: y = (xq @ q^T) * s_x[:, None] * s_w[None, :] in float32 accumulation, rounded once to bf16,
+  plus the bias in bf16.
+- backward (input gradient only; the base never trains): dx = g @ W = (g * s_w[None, :]) @ q, with
+  g * s_w quantized per row to e4m3 like x, and q as a column-major copy (_scaled_mm's second
+  operand must be column-major; the transposed codes live only during the call).
+
+Where it runs: the CPU (PyTorch's reference kernels: exact to the recipe, not fast; the tests' oracle
+is an explicit float64 product of the same codes) and CUDA devices with fp8 tensor cores (compute
+capability 8.9 and up). Layers whose in- or out-features are not multiples of 16 (cuBLASLt's fp8
+rule), and any call in another compute dtype than bf16, keep FP8Linear's dequantize-then-matmul path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from library.precision.autocast import autocast_off
+from library.precision.fp8 import FP8_DTYPE, FP8_MAX, SCALE_DTYPE, FP8Linear, _round_up_to_bf16, dequantize_weight
+
+COMPUTE_DTYPE = torch.bfloat16  # _scaled_mm's row-wise output dtype on CUDA
+ALIGN = 16  # in- and out-features must be multiples of this for an fp8 GEMM on CUDA
+
+
+def fp8_gemm_available(device: torch.device | str) -> bool:
+    """True where torch._scaled_mm runs: the CPU, and CUDA devices of compute capability >= 8.9."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return False
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [M, K] (any float dtype) -> (e4m3 codes [M, K], float32 scales [M, 1]), t ~= codes * scales.
+    Computed in float32; an all-zero row gets the smallest normal scale (its codes are 0)."""
+    t32 = t.float()
+    scale = (t32.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return (t32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+class _RowwiseFP8Matmul(torch.autograd.Function):
+    """x [M, K] bf16 @ (q [N, K] e4m3 * s_w [N] fp32)^T -> [M, N] bf16, both GEMMs in fp8. Saves only
+    the codes and scales (resident anyway), never x: the base gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, q, s_w):
+        xq, s_x = quantize_rows(x)
+        ctx.save_for_backward(q, s_w)
+        return torch._scaled_mm(xq, q.t(), scale_a=s_x, scale_b=s_w[None, :], out_dtype=COMPUTE_DTYPE)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        q, s_w = ctx.saved_tensors
+        gq, s_g = quantize_rows(grad_out.float() * s_w[None, :])
+        ones = torch.ones(1, q.shape[1], dtype=torch.float32, device=q.device)
+        grad_x = torch._scaled_mm(gq, q.t().contiguous().t(), scale_a=s_g, scale_b=ones, out_dtype=COMPUTE_DTYPE)
+        return grad_x, None, None
+
+
+def rowwise_fp8_linear(x: torch.Tensor, q: torch.Tensor, s_w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, q * s_w[:, None], bias) as fp8 GEMMs (forward and input-gradient backward), in bf16."""
+    y = _RowwiseFP8Matmul.apply(x.reshape(-1, x.shape[-1]), q, s_w).reshape(*x.shape[:-1], q.shape[0])
+    return y if bias is None else y + bias.to(COMPUTE_DTYPE)
+
+
+class FP8ComputeLinear(FP8Linear):
+    """An FP8Linear whose bf16 calls run as fp8 GEMMs (rowwise_fp8_linear); the same buffers, state
+    dict keys and dequantized_weight (merges, DoRA and the planner see an FP8Linear). Made by
+    enable_fp8_compute, never built directly."""
+
+    def row_scales(self) -> torch.Tensor:
+        """float32 [out]: the scale of each output row of the codes."""
+        if self.weight_scale is None:
+            return torch.ones(self.out_features, dtype=torch.float32, device=self.weight.device)
+        return self.weight_scale.float().reshape(-1).expand(self.out_features).contiguous()  # [out, 1] or 0-dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
+        autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
+        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        if dtype != COMPUTE_DTYPE or x.device.type == "meta":
+            return super().forward(x)
+        with autocast_off(x.device.type):
+            return rowwise_fp8_linear(x.to(dtype), self.weight, self.row_scales(), self.bias)
+
+
+def rowwise_requantize(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_scaled codes with block scales -> the same layout with one bf16 scale per row ([out, 1]):
+    dequantized in float32, absmax / 448 per row rounded up to bf16, quantized to nearest."""
+    w32 = dequantize_weight(q, scale, torch.float32)
+    row = _round_up_to_bf16((w32.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(SCALE_DTYPE).tiny))
+    return (w32 / row.float()).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), row
+
+
+def rowwise_requantization_error(q: torch.Tensor, scale: torch.Tensor) -> float:
+    """||W_rowwise - W_blocks|| / ||W_blocks|| of one fp8_scaled layer (the precision doctor's figure)."""
+    before = dequantize_weight(q, scale, torch.float32).double()
+    after = dequantize_weight(*rowwise_requantize(q, scale), torch.float32).double()
+    norm = before.norm().item()
+    return (after - before).norm().item() / norm if norm else 0.0
+
+
+def eligible(layer: FP8Linear) -> bool:
+    return layer.in_features % ALIGN == 0 and layer.out_features % ALIGN == 0
+
+
+@torch.no_grad()
+def enable_fp8_compute(model: nn.Module) -> int:
+    """Turn every eligible FP8Linear of `model` into an FP8ComputeLinear, in place (before LoRA is
+    applied: LoRA wraps the layer's forward). fp8_scaled block codes are requantized per row here;
+    on `meta` only the scale's shape changes. Returns the number of layers turned."""
+    turned = 0
+    for layer in model.modules():
+        if type(layer) is not FP8Linear or not eligible(layer):
+            continue
+        if layer.mode == "fp8_scaled" and layer.weight_scale.shape[1] != 1:
+            if layer.weight.is_meta:
+                layer.weight_scale = torch.empty(layer.out_features, 1, dtype=SCALE_DTYPE, device="meta")
+            else:
+                layer.weight, layer.weight_scale = rowwise_requantize(layer.weight, layer.weight_scale)
+        layer.__class__ = FP8ComputeLinear
+        turned += 1
+    return turned

@@ -1,0 +1,160 @@
+"""fp8 compute (library/precision/fp8_compute.py) on the CPU, PyTorch's reference _scaled_mm: the
+forward and the input-gradient backward equal an explicit float64 product of the same e4m3 codes to
+one bf16 rounding; against the dequantize-then-matmul path they differ by the activations' e4m3
+rounding (a few percent, never zero: the fp8 path really runs); a LoRA trains on top; the config
+refuses what it cannot run."""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+
+import train_lora
+from library.precision.fp8 import FP8Linear
+from library.precision.fp8_compute import (FP8ComputeLinear, enable_fp8_compute, quantize_rows, rowwise_requantization_error,
+                                           rowwise_requantize)
+from tests.test_train_lora import flux_args, read_losses
+
+MODES = ("fp8", "fp8_scaled", "fp8_tensor_scaled")
+BF16_HALF_ULP = 2.0 ** -8  # round to nearest bf16 (8 significant bits): |error| <= 2^-8 |value|
+
+
+def layer(mode: str, out_features: int = 96, in_features: int = 192, bias: bool = False, seed: int = 0) -> FP8Linear:
+    gen = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen) * 0.02)
+        linear.weight[:, 3] *= 10  # an outlier input column: per-row scales must cope
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=gen))
+    return FP8Linear.from_linear(linear, mode)
+
+
+def computed(mode: str, **kw) -> FP8Linear:
+    model = nn.Sequential(layer(mode, **kw))
+    assert enable_fp8_compute(model) == 1
+    return model[0]
+
+
+def within_one_bf16_rounding(y: torch.Tensor, exact: torch.Tensor) -> bool:
+    """|y - exact| <= half a bf16 step, plus what the float32 accumulation before the rounding may add
+    (1e-6 of the largest output: it shows only where a sum nearly cancels)."""
+    slack = 1e-6 * exact.abs().max().item()
+    return bool(((y.double() - exact).abs() <= exact.abs() * BF16_HALF_ULP + slack).all())
+
+
+def inputs(seed: int = 1, shape=(3, 17, 192)) -> torch.Tensor:
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    x[0, 0] = 0  # an all-zero token
+    return x.requires_grad_(True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forward_is_the_fp8_product_of_the_same_codes_rounded_once_to_bf16(mode):
+    lin = computed(mode)
+    x = inputs()
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 17, 96)
+    xq, s_x = quantize_rows(x.detach().reshape(-1, 192))
+    w = lin.weight.double() * lin.row_scales().double()[:, None]
+    exact = (xq.double() * s_x.double()) @ w.t()
+    assert within_one_bf16_rounding(y.reshape(-1, 96), exact)
+    assert (y[0, 0] == 0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_backward_is_the_fp8_product_of_the_scaled_gradient_codes_and_the_base_gets_none(mode):
+    lin = computed(mode)
+    x = inputs()
+    g = torch.randn(3, 17, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    lin(x).backward(g)
+    s_w = lin.row_scales().double()
+    gq, s_g = quantize_rows(g.reshape(-1, 96).float() * s_w.float()[None, :])
+    exact = (gq.double() * s_g.double()) @ lin.weight.double()
+    assert x.grad.dtype == torch.bfloat16
+    assert within_one_bf16_rounding(x.grad.reshape(-1, 192), exact)
+    assert all(not p.requires_grad for p in lin.parameters())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_against_dequantize_then_matmul_the_error_is_the_activations_e4m3_rounding(mode):
+    """Relative error of output and input gradient vs FP8Linear's bf16 path on the same codes: a few
+    percent (e4m3 keeps 4 significant bits), and not zero (a silent fallback would give 0)."""
+    lin = computed(mode)
+    reference = FP8Linear(192, 96, bias=False, mode=lin.mode)
+    reference.weight, reference.weight_scale = lin.weight, lin.weight_scale
+    x, x_ref = inputs(), inputs()
+    g = torch.randn(3, 17, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    y, y_ref = lin(x), reference(x_ref)
+    y.backward(g), y_ref.backward(g)
+    for a, b in ((y, y_ref), (x.grad, x_ref.grad)):
+        rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+        assert 0.005 < rel < 0.05, rel
+
+
+def test_bias_is_added_in_bf16_and_autocast_bf16_takes_the_fp8_path():
+    lin = computed("fp8_scaled", bias=True)
+    x = inputs().detach()
+    without = lin(x) - lin.bias.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x.float())
+    assert y.dtype == torch.bfloat16
+    assert ((y.double() - without.double() - lin.bias.double()).abs() <= y.double().abs() * 2 * BF16_HALF_ULP + 1e-2).all()
+
+
+def test_other_compute_dtypes_keep_the_dequantize_then_matmul_path():
+    lin = computed("fp8_scaled")
+    reference = FP8Linear(192, 96, bias=False, mode="fp8_scaled")
+    reference.weight, reference.weight_scale = lin.weight, lin.weight_scale
+    x = torch.randn(5, 192)
+    assert torch.equal(lin(x), reference(x))
+
+
+def test_enable_turns_the_aligned_fp8_linears_and_requantizes_block_scales_per_row():
+    model = nn.Sequential(layer("fp8_scaled"), layer("fp8_scaled", out_features=40), nn.Linear(8, 8), layer("fp8"))
+    q, scale = model[0].weight.clone(), model[0].weight_scale.clone()
+    keys = list(model.state_dict())
+    assert enable_fp8_compute(model) == 2
+    assert [type(m) for m in model] == [FP8ComputeLinear, FP8Linear, nn.Linear, FP8ComputeLinear]
+    assert model[0].weight_scale.shape == (96, 1) and model[0].weight_scale.dtype == torch.bfloat16
+    assert list(model.state_dict()) == keys and model[1].weight_scale.shape == (40, 3)
+    assert torch.equal(model[0].weight, rowwise_requantize(q, scale)[0])
+    error = rowwise_requantization_error(q, scale)
+    assert 0.005 < error < 0.05, error  # the outlier column makes the per-row grid coarser than the blocks'
+    assert enable_fp8_compute(model) == 0  # idempotent
+
+
+def test_enable_on_meta_changes_only_the_scale_shape():
+    with torch.device("meta"):
+        model = nn.Sequential(FP8Linear(192, 96, mode="fp8_scaled"))
+    assert enable_fp8_compute(model) == 1
+    assert model[0].weight.is_meta and model[0].weight_scale.shape == (96, 1)
+
+
+def test_a_lora_trains_on_an_fp8_compute_base_and_its_file_says_so(tiny_set, tmp_path):
+    """The tiny FLUX quickstart, 6 steps, fp8_scaled base, bf16 compute: with fp8_compute the losses
+    follow the dequantize-then-matmul run's to within a few percent, are not the same numbers (the
+    fp8 GEMMs ran) and the LoRA's header records it."""
+    common = ("--mixed_precision", "bf16", "--max_train_steps", "6", "--optimizer_type", "AdamW", "--optimizer_args",
+              "--learning_rate", "3e-3", "--sample_prompts", "")
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "bf16", *common)) == 0
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "fp8", *common, "--fp8_compute", "true")) == 0
+    plain, fp8 = read_losses(tmp_path / "bf16"), read_losses(tmp_path / "fp8")
+    assert plain != fp8
+    assert all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(fp8, plain)), (fp8, plain)
+    with safe_open(os.path.join(tmp_path / "fp8", "tiny_flux_lora.safetensors"), "pt") as f:
+        assert f.metadata()["ss_fp8_compute"] == "true"
+    with safe_open(os.path.join(tmp_path / "bf16", "tiny_flux_lora.safetensors"), "pt") as f:
+        assert "ss_fp8_compute" not in f.metadata()
+
+
+@pytest.mark.parametrize("extra, named", [
+    (("--fp8_base", "false"), "fp8_compute needs an fp8 base"),
+    (("--mixed_precision", "no"), "it needs mixed_precision = \"bf16\""),
+])
+def test_config_refuses_fp8_compute_without_an_fp8_base_or_bf16(tiny_set, tmp_path, capsys, extra, named):
+    code = train_lora.main(flux_args(tiny_set, tmp_path, "--fp8_compute", "true", *extra))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and named in err and "fp8_compute" in err and len(err.splitlines()) == 1
