@@ -13,7 +13,9 @@ Both get the same inputs (256 image tokens = a 256x256 image, 64 text tokens, ba
 MSE loss against a fixed random target. Runs alternate (ours, ref, ours, ref, ...) after warmup, so slow
 drift of a shared machine hits both; the median time ratio ours/ref is reported.
 Then the fp8 cost: our step on a bf16/fp32 base against the same base quantized by library.precision.fp8
-(`fp8` plain cast, `fp8_scaled` block-scaled), alternating the three.
+(`fp8` plain cast, `fp8_scaled` block-scaled), and with --dtype bf16 `fp8_compute` (the fp8_scaled base
+run as fp8 GEMMs, library/precision/fp8_compute.py; on the CPU PyTorch's reference kernels: the
+ratio means something on a GPU of compute capability >= 8.9 only), alternating them.
 
 Memory: on CUDA, torch.cuda.max_memory_allocated above the allocation before the step. On CPU, the
 peak resident set (/proc/self/statm sampled every 2 ms by a thread) above the RSS before the step,
@@ -48,6 +50,7 @@ from library.models.qwen_image.family import QwenImageFamily  # noqa: E402
 from library.models.flux1.model import Flux, FluxConfig  # noqa: E402
 from library.models.flux1.checkpoint import _norm_names, flux_diffusers_module_map  # noqa: E402
 from library.precision.fp8 import bytes_per_parameter, fp8_load_converter, prepare_fp8  # noqa: E402
+from library.precision.fp8_compute import enable_fp8_compute, fp8_gemm_available  # noqa: E402
 from library.models.qwen_image.model import QwenImage, QwenImageConfig  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
 
@@ -393,6 +396,9 @@ def compare_fp8(family: str, size: str, args, dtype, device) -> dict:
     base = build_ours(family, size, args, dtype, device)
     x = make_inputs(family, base.config, args.image_tokens, args.text_tokens, args.batch, device)
     models = {args.dtype: base, **{mode: fp8_twin(base, family, mode) for mode in ("fp8", "fp8_scaled")}}
+    if dtype == torch.bfloat16 and fp8_gemm_available(device):
+        models["fp8_compute"] = fp8_twin(base, family, "fp8_scaled")
+        enable_fp8_compute(models["fp8_compute"])
     steps, sizes = {}, {}
     for name, model in models.items():
         model.train()
@@ -468,7 +474,8 @@ def main(argv=None):
                 summary.append(f"{family}/{size} ours/ref time {r['time_ratio']:.2f} mem {r['mem_ratio']:.2f}")
             if not args.skip_fp8:
                 r = compare_fp8(family, size, args, dtype, device)
-                summary.append(f"{family}/{size} fp8 x{r['fp8']:.2f} fp8_scaled x{r['fp8_scaled']:.2f}")
+                summary.append(f"{family}/{size} fp8 x{r['fp8']:.2f} fp8_scaled x{r['fp8_scaled']:.2f}"
+                               + (f" fp8_compute x{r['fp8_compute']:.2f}" if "fp8_compute" in r else ""))
     print(f"SUMMARY ({args.dtype}, {device}, compile {args.compile}, {time.time() - start:.0f} s): " + "; ".join(summary))
 
 

@@ -2,7 +2,7 @@
 # The GPU rows of bench/RESULTS.md (issue 16), run from the repository root on a CUDA machine:
 #   bash bench/gpu_bench.sh checks steps compile peers     # any subset, in that order
 # checks   CUDA correctness: block swap / fp8 tests with CUDA visible, and the quickstart trained on the GPU
-# steps    one LoRA step, ours vs diffusers + peft, and bf16 vs fp8 / fp8_scaled base, eager
+# steps    one LoRA step, ours vs diffusers + peft, and bf16 vs fp8 / fp8_scaled / fp8_compute base, eager
 # compile  the same with every block torch.compile'd (train_lora.py's torch_compile)
 # peers    ours vs sd-scripts (FLUX.1) and musubi-tuner (Qwen-Image): $SD_SCRIPTS, $MUSUBI checkouts
 # All at 1024 px (4096 image tokens), 512 text tokens, full-width blocks (FLUX 2 double + 4 single,
@@ -16,7 +16,7 @@ SHAPE="--image-tokens 4096 --text-tokens 512 --double 2 --single 4 --qwen-blocks
 for part in "$@"; do
   case $part in
     checks)
-      $PY -m pytest -x -q -p no:warnings tests/test_block_swap.py tests/test_fp8.py 2>&1 | tail -5 | tee "$LOGS/checks.log"
+      $PY -m pytest -x -q -p no:warnings tests/test_block_swap.py tests/test_fp8.py tests/test_fp8_compute.py 2>&1 | tail -5 | tee "$LOGS/checks.log"
       $PY tools/make_tiny_models.py --out tiny_models >/dev/null && $PY tools/make_tiny_dataset.py --out tiny_models/dataset >/dev/null
       $PY train_lora.py --config_file configs/quickstart.toml --output_dir /tmp/qs 2>&1 | tr '\r' '\n' | grep -v "it/s\]" \
         | tail -15 | tee -a "$LOGS/checks.log"

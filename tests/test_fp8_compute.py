@@ -158,3 +158,21 @@ def test_config_refuses_fp8_compute_without_an_fp8_base_or_bf16(tiny_set, tmp_pa
     code = train_lora.main(flux_args(tiny_set, tmp_path, "--fp8_compute", "true", *extra))
     err = capsys.readouterr().err.strip()
     assert code == 2 and named in err and "fp8_compute" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs a GPU with fp8 tensor cores (bench/gpu_bench.sh checks runs it there)")
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_fp8_gemms_equal_the_same_oracle(mode):
+    """cuBLASLt's row-wise fp8 GEMMs: forward and input gradient within one bf16 rounding of the float64
+    product of the same codes (the CPU tests' oracle)."""
+    lin = computed(mode).cuda()
+    x = inputs().detach().cuda().requires_grad_(True)
+    g = torch.randn(3, 17, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
+    y = lin(x)
+    y.backward(g)
+    s_w = lin.row_scales().double()
+    xq, s_x = quantize_rows(x.detach().reshape(-1, 192))
+    assert within_one_bf16_rounding(y.reshape(-1, 96).cpu(), ((xq.double() * s_x.double()) @ (lin.weight.double() * s_w[:, None]).t()).cpu())
+    gq, s_g = quantize_rows(g.reshape(-1, 96).float() * s_w.float()[None, :])
+    assert within_one_bf16_rounding(x.grad.reshape(-1, 192).cpu(), ((gq.double() * s_g.double()) @ lin.weight.double()).cpu())
