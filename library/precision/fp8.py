@@ -147,7 +147,9 @@ def _pair_table(dtype: torch.dtype) -> torch.Tensor:
 
 def fp8_to(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q.to(dtype), bit for bit, for a float8_e4m3fn tensor: by table on the CPU, natively elsewhere."""
-    usable = (CPU_TABLE and q.device.type == "cpu" and q.dtype == FP8_DTYPE and dtype.itemsize in (2, 4) and dtype.is_floating_point
+    # Under torch.compile the native cast (inductor fuses it into the dequantizing multiply; the table's
+    # storage checks would break the graph).
+    usable = (CPU_TABLE and not torch.compiler.is_compiling() and q.device.type == "cpu" and q.dtype == FP8_DTYPE and dtype.itemsize in (2, 4) and dtype.is_floating_point
               and q.dim() > 0 and q.shape[-1] % 2 == 0 and q.is_contiguous() and q.storage_offset() % 2 == 0)
     if not usable:
         return q.to(dtype)

@@ -439,9 +439,6 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if args.blocks_to_swap and args.model_type == "llm":
         raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap', 'model_type')}: key 'blocks_to_swap' is for the "
                           f"diffusion transformers ({', '.join(FAMILIES)}), not llm")
-    if args.blocks_to_swap and args.torch_compile:  # compiled blocks would guard on the swapped tensors
-        raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap', 'torch_compile')}: blocks_to_swap and torch_compile "
-                          f"cannot be combined yet; turn one off")
     if args.validate_every_n_steps < 0:
         raise ConfigError(f"{_blame(origins, where, 'validate_every_n_steps')}: key 'validate_every_n_steps' must be >= 0, "
                           f"got {args.validate_every_n_steps}")
