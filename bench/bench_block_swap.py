@@ -8,6 +8,11 @@ torch.cuda.max_memory_allocated during the steps, and the bytes copied per step.
 
     python bench/bench_block_swap.py --family flux --base fp8_scaled --swaps 0,8,16,30 --res 1024
     python bench/bench_block_swap.py --family qwen_image --base fp8_scaled --swaps 0,20,40 --res 1024
+    python bench/bench_block_swap.py --family flux --swaps 0,16 --compile [--fp8_compute]
+
+--compile compiles every block (train_lora.py's torch_compile) once, before the first setting; the
+swap settings then run the same compiled blocks. --fp8_compute runs the fp8 base's Linears as fp8
+GEMMs (library/precision/fp8_compute.py; --base fp8 / fp8_scaled).
 
 Weights are random (normal, std 0.02) and built straight on the device; swapped blocks go to
 pinned CPU memory. Needs CUDA (on CPU the same code runs, but there is nothing to overlap).
@@ -101,18 +106,28 @@ def main(argv=None):
     p.add_argument("--res", type=int, default=1024)
     p.add_argument("--steps", type=int, default=4, help="timed steps per setting (after 1 warmup)")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--compile", action="store_true", help="torch.compile every block (as torch_compile = true)")
+    p.add_argument("--fp8_compute", action="store_true", help="fp8 GEMMs for the fp8 base (as fp8_compute = true)")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     model = random_model(args.family, args.base, device)
+    if args.fp8_compute:
+        from library.precision.fp8_compute import enable_fp8_compute
+
+        print(f"fp8_compute: {enable_fp8_compute(model)} Linears")
     net = LoRANetwork(model, args.family, rank=args.rank, alpha=args.rank)
     net.apply()
+    if args.compile:
+        for block in model.swappable_blocks():
+            block.compile()
     net.to(device).train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-5)
     inputs, tokens = inputs_for(args.family, args.res, device)
     with torch.no_grad():
         target = torch.randn_like(model(**inputs).float())
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    print(f"{args.family} {args.base} base: {weights / GiB:.2f} GiB of weights, {tokens} image tokens "
+    print(f"{args.family} {args.base} base{' (fp8 compute)' if args.fp8_compute else ''}"
+          f"{', compiled' if args.compile else ''}: {weights / GiB:.2f} GiB of weights, {tokens} image tokens "
           f"({args.res}px), LoRA {sum(p.numel() for p in net.parameters()) / 1e6:.1f} M params, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name(device)}")
     rows, reference = [], None

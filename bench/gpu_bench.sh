@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU rows of bench/RESULTS.md (issue 16), run from the repository root on a CUDA machine:
-#   bash bench/gpu_bench.sh checks steps compile peers     # any subset, in that order
+#   bash bench/gpu_bench.sh checks steps compile swap peers     # any subset, in that order
 # checks   CUDA correctness: block swap / fp8 tests with CUDA visible, and the quickstart trained on the GPU
 # steps    one LoRA step, ours vs diffusers + peft, and bf16 vs fp8 / fp8_scaled / fp8_compute base, eager
 # compile  the same with every block torch.compile'd (train_lora.py's torch_compile)
+# swap     block swap overhead, eager and compiled (FLUX.1-dev 0/16/30 and Qwen-Image 0/20/40 blocks, fp8_scaled)
 # peers    ours vs sd-scripts (FLUX.1) and musubi-tuner (Qwen-Image): $SD_SCRIPTS, $MUSUBI checkouts
 # All at 1024 px (4096 image tokens), 512 text tokens, full-width blocks (FLUX 2 double + 4 single,
 # Qwen-Image 4 blocks), bf16, gradient checkpointing, rank 16. Logs go to $LOGS (default bench/gpu_logs).
@@ -27,9 +28,14 @@ for part in "$@"; do
       $PY bench/bench_train_step.py --device cuda --dtype bf16 --sizes mid --checkpointing --mfu --compile $SHAPE \
         --families ${COMPILE_FAMILIES:-flux,qwen_image} 2>&1 \
         | grep --line-buffered -v Warning | tee "$LOGS/steps_compile.log" ;;
+    swap)
+      for c in "" "--compile"; do
+        $PY bench/bench_block_swap.py --family flux --swaps 0,16,30 $c 2>&1 | grep -v Warning | tee -a "$LOGS/swap.log"
+        $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20,40 $c 2>&1 | grep -v Warning | tee -a "$LOGS/swap.log"
+      done ;;
     peers)
       $PY bench/bench_peers.py --device cuda --sizes mid --gemm 8192 --sd_scripts "$SD_SCRIPTS" --musubi "$MUSUBI" $SHAPE 2>&1 \
         | tee "$LOGS/peers.log" ;;
-    *) echo "unknown part $part (checks, steps, compile, peers)"; exit 2 ;;
+    *) echo "unknown part $part (checks, steps, compile, swap, peers)"; exit 2 ;;
   esac
 done
