@@ -316,6 +316,7 @@ class Trainer:
         try:
             if args.sample_at_first and self.step == 0:
                 self.render_samples("start")
+            self.clock = tracking.StepClock()
             while self.step < self.max_steps:
                 self.run_epoch()
                 if self.batches_done == 0:  # the epoch ran to its end
@@ -324,6 +325,7 @@ class Trainer:
                         self.save_intermediate()
                     if args.sample_every_n_epochs and self.epoch % args.sample_every_n_epochs == 0:
                         self.render_samples(f"epoch{self.epoch:04d}")
+                    self.clock.restart()
         except StopTraining as stop:
             self.accelerator.print(str(stop), file=sys.stderr) if stop.code else self.accelerator.print(str(stop))
             self.accelerator.end_training()
@@ -387,7 +389,7 @@ class Trainer:
         args, accelerator = self.args, self.accelerator
         accumulation, total = args.gradient_accumulation_steps, self.task.batches_per_epoch()
         losses = []
-        for batch in self.task.epoch_batches(self.epoch, skip=self.batches_done):
+        for batch in self.clock.batches(self.task.epoch_batches(self.epoch, skip=self.batches_done)):
             step_start = self.batches_done - self.batches_done % accumulation
             micro_batches = min(accumulation, total - step_start)
             last = self.batches_done == step_start + micro_batches - 1
@@ -432,12 +434,14 @@ class Trainer:
         """After an optimizer step: validate (when due), log (with the lr this step used),
         schedule, sample, save, and honour Ctrl-C / SIGTERM."""
         args = self.args
-        extras = self.task.step_extras()
+        extras = self.task.step_extras() or {}
+        timing = self.clock.lap()  # before validation: a step's time is its training
         if self.task.validation_size():  # a val_loss column from the first row on, empty between validations
             extras["val_loss"] = None
             if self.validation_due(self.step + 1):
                 with self.evaluating():
                     self.val_loss = extras["val_loss"] = self.task.validation_loss()
+        extras.update(timing)
         values = {"loss": loss}
         if self.accelerator.is_main_process:
             values = self.logger.log(self.step + 1, self.epoch, loss, self.optimizer, extras)
@@ -456,6 +460,7 @@ class Trainer:
             folder = self.saver.state(self.optimizer, self.scheduler, self.progress())
             raise StopTraining(f"{self.interrupts.requested}: saved {path} and state {folder} at step {self.step}; "
                                f"continue with --resume {folder}", code=130)
+        self.clock.restart()
 
 
 def train(args) -> int:

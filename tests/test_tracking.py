@@ -1,8 +1,10 @@
 """Trackers (library/training/tracking.py): sample images reach TensorBoard beside the scalars, at
 the step they were rendered, equal to the PNGs on disk; log_with is checked when the config loads."""
 
+import csv
 import glob
 import os
+import time
 
 import numpy as np
 import pytest
@@ -70,3 +72,46 @@ def test_wandb_gets_pil_images_and_tensorboard_nhwc_arrays(tmp_path):
     assert wb_step == 7 and wb_values["samples/00"][0].size == (24, 16)
     assert tracking.trackers(None, None) == [] and tracking.trackers(None, "x") == ["tensorboard"]
     assert tracking.trackers("all", "x") == ["tensorboard", "wandb"]
+
+
+def test_each_step_logs_its_time_and_the_data_loaders_share_of_it(tiny_set, tmp_path, monkeypatch, capsys):
+    """step_s and data_wait_s per log row (CSV and trackers); a data loader made slow by 0.1 s a batch
+    shows as at least that much wait per step, and the run's summary line gives the wait's share."""
+    from library.training.diffusion_task import DiffusionTask
+
+    slow = DiffusionTask.epoch_batches
+
+    def epoch_batches(self, epoch, skip=0):
+        for batch in slow(self, epoch, skip):
+            time.sleep(0.1)
+            yield batch
+
+    monkeypatch.setattr(DiffusionTask, "epoch_batches", epoch_batches)
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "3", "--sample_prompts", "")) == 0
+    with open(out / "tiny_flux_lora_log.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3
+    for row in rows:
+        step, wait = float(row["step_s"]), float(row["data_wait_s"])
+        assert 0.1 <= wait < step, row
+    share = next(line for line in capsys.readouterr().out.splitlines() if "waiting for data" in line)
+    assert "s per step (median)" in share and share.endswith("of the steps' time")
+
+
+def test_step_clock_counts_only_the_time_blocked_on_the_iterable():
+    clock = tracking.StepClock()
+
+    def items():
+        time.sleep(0.05)
+        yield 1
+        yield 2
+
+    got = []
+    for item in clock.batches(items()):
+        got.append(item)
+        time.sleep(0.05)  # work on the batch: not waiting
+    lap = clock.lap()
+    assert got == [1, 2] and 0.05 <= lap["data_wait_s"] < 0.09 and lap["step_s"] >= 0.15
+    clock.restart()
+    assert clock.lap()["data_wait_s"] == 0.0

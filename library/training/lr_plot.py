@@ -14,6 +14,7 @@ import csv
 import glob
 import math
 import os
+import statistics
 
 # library.io and matplotlib (seconds to load) are imported in plot(), so tools/plot_lr.py answers
 # --help and a bad flag at once.
@@ -73,6 +74,11 @@ def summarize(name: str, log: dict[str, list[float]]) -> list[str]:
             )
     loss = log["loss"]
     lines.append(f"{name}: loss first {loss[0]:.4f}, last {loss[-1]:.4f}, steps {int(log['step'][-1])}")
+    _, seconds = measured(log, "step_s")
+    _, waits = measured(log, "data_wait_s")
+    if seconds and len(waits) == len(seconds) and sum(seconds) > 0:
+        lines.append(f"{name}: {statistics.median(seconds):.3g} s per step (median), waiting for data "
+                     f"{sum(waits) / sum(seconds):.1%} of the steps' time")
     steps, vals = measured(log, "val_loss")
     if vals:
         lines.append(f"{name}: val_loss first {vals[0]:.4f} (step {int(steps[0])}), last {vals[-1]:.4f} "

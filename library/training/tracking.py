@@ -2,7 +2,7 @@
 
     log_with = "tensorboard" | "wandb" | "all"      # sd-scripts' key; unset: TensorBoard when logging_dir is set
 
-Scalars (loss, lr, d*lr, val_loss) go through accelerator.log from the LR logger; sample images are
+Scalars (loss, lr, d*lr, val_loss, step_s and data_wait_s from StepClock) go through accelerator.log from the LR logger; sample images are
 logged here beside them, one image per prompt under `samples/NN` at the step they were rendered, so
 a run is watched in one place. The images are the PNGs the task wrote (side by side with the bf16
 reference on an fp8 base), read back, so the tracker shows exactly what is on disk.
@@ -11,6 +11,7 @@ reference on an fp8 base), read back, so the tracker shows exactly what is on di
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import numpy as np
 from PIL import Image
@@ -50,3 +51,31 @@ def log_sample_images(accelerator, paths: list[str], step: int) -> None:
                 tracker.log_images({key: np.asarray(image)[None]}, step=step, dataformats="NHWC")
             elif tracker.name == "wandb":
                 tracker.log_images({key: [image]}, step=step)
+
+
+class StepClock:
+    """Per optimizer step: its wall seconds (step_s, from the end of the previous step's logging and
+    saving to this step's log row, so samples and saves do not count) and, of those, the seconds spent
+    waiting for the data loader (data_wait_s: a GPU starved of batches shows here, not in the step's
+    compute). On CUDA the loss's .item() in the log row synchronises, so step_s is the device's time."""
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self):
+        self.started, self.wait = time.perf_counter(), 0.0
+
+    def batches(self, iterable):
+        """Yield iterable's items, adding the time blocked on each to this step's wait."""
+        items = iter(iterable)
+        while True:
+            asked = time.perf_counter()
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            self.wait += time.perf_counter() - asked
+            yield item
+
+    def lap(self) -> dict[str, float]:
+        return {"step_s": round(time.perf_counter() - self.started, 6), "data_wait_s": round(self.wait, 6)}
