@@ -106,6 +106,7 @@ def main(argv=None):
     p.add_argument("--res", type=int, default=1024)
     p.add_argument("--steps", type=int, default=4, help="timed steps per setting (after 1 warmup)")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--prefetch", type=int, default=1, help="block_swap_prefetch: swapped blocks copied ahead of use")
     p.add_argument("--compile", action="store_true", help="torch.compile every block (as torch_compile = true)")
     p.add_argument("--fp8_compute", action="store_true", help="fp8 GEMMs for the fp8 base (as fp8_compute = true)")
     args = p.parse_args(argv)
@@ -127,12 +128,12 @@ def main(argv=None):
         target = torch.randn_like(model(**inputs).float())
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     print(f"{args.family} {args.base} base{' (fp8 compute)' if args.fp8_compute else ''}"
-          f"{', compiled' if args.compile else ''}: {weights / GiB:.2f} GiB of weights, {tokens} image tokens "
+          f"{', compiled' if args.compile else ''}, prefetch {args.prefetch}: {weights / GiB:.2f} GiB of weights, {tokens} image tokens "
           f"({args.res}px), LoRA {sum(p.numel() for p in net.parameters()) / 1e6:.1f} M params, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name(device)}")
     rows, reference = [], None
     for n in [int(s) for s in args.swaps.split(",")]:
-        swap = enable_block_swap(model, n, device)
+        swap = enable_block_swap(model, n, device, args.prefetch)
         torch.cuda.empty_cache()
         moved = 0 if swap is None else sum(h.numel() * h.element_size() for hs in swap.homes.values() for h in hs)
         run_setting(model, net, optimizer, inputs, target, 1, device)  # warmup

@@ -4,7 +4,8 @@
 # checks   CUDA correctness: block swap / fp8 tests with CUDA visible, and the quickstart trained on the GPU
 # steps    one LoRA step, ours vs diffusers + peft, and bf16 vs fp8 / fp8_scaled / fp8_compute base, eager
 # compile  the same with every block torch.compile'd (train_lora.py's torch_compile)
-# swap     block swap overhead, eager and compiled (FLUX.1-dev 0/16/30 and Qwen-Image 0/20/40 blocks, fp8_scaled)
+# swap     block swap overhead, eager and compiled (FLUX.1-dev 0/16/30 and Qwen-Image 0/20/40 blocks, fp8_scaled),
+#          and Qwen-Image with block_swap_prefetch 2 and 4
 # peers    ours vs sd-scripts (FLUX.1) and musubi-tuner (Qwen-Image): $SD_SCRIPTS, $MUSUBI checkouts
 # All at 1024 px (4096 image tokens), 512 text tokens, full-width blocks (FLUX 2 double + 4 single,
 # Qwen-Image 4 blocks), bf16, gradient checkpointing, rank 16. Logs go to $LOGS (default bench/gpu_logs).
@@ -32,6 +33,9 @@ for part in "$@"; do
       for c in "" "--compile"; do
         $PY bench/bench_block_swap.py --family flux --swaps 0,16,30 $c 2>&1 | grep -v Warning | tee -a "$LOGS/swap.log"
         $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20,40 $c 2>&1 | grep -v Warning | tee -a "$LOGS/swap.log"
+      done
+      for p in 2 4; do  # deeper prefetch for Qwen-Image's large blocks
+        $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20,40 --prefetch $p 2>&1 | grep -v Warning | tee -a "$LOGS/swap.log"
       done ;;
     peers)
       $PY bench/bench_peers.py --device cuda --sizes mid --gemm 8192 --sd_scripts "$SD_SCRIPTS" --musubi "$MUSUBI" $SHAPE 2>&1 \

@@ -98,6 +98,47 @@ def test_each_step_moves_every_swapped_block_in_twice_in_run_order_and_reverse()
     assert swap.log == forward
 
 
+def test_a_deeper_prefetch_loads_earlier_holds_at_most_p_plus_one_and_changes_nothing():
+    """block_swap_prefetch = 2: block 1 and 2 start coming in before block 0 (never swapped) runs, each
+    block waits for nothing it did not ask for, at most 3 swapped blocks are on the device, and loss and
+    LoRA gradients are bit-identical to the resident model's."""
+    model, family, inputs = tiny_qwen()  # 4 blocks, the last 3 swapped
+    reference = copy.deepcopy(model)
+    model, net = with_lora(model, family, "fp8_scaled")
+    reference, ref_net = with_lora(reference, family, "fp8_scaled")
+    ref_net.load_state_dict(net.state_dict())
+    swap = enable_block_swap(model, 3, "cpu", prefetch=2)
+    held = []
+
+    def watching(method):
+        def call(i):
+            method(i)
+            held.append(len(swap.resident) + len(swap.pending))  # after the prefetches it started
+        return call
+
+    swap.before_forward, swap.enter_backward = watching(swap.before_forward), watching(swap.enter_backward)
+    for _ in range(2):
+        loss, grads = step(model, net, inputs)
+        ref_loss, ref_grads = step(reference, ref_net, inputs)
+        assert torch.equal(loss, ref_loss)
+        assert all((grads[k] is None and ref_grads[k] is None) or torch.equal(grads[k], ref_grads[k]) for k in grads)
+    first = swap.log[:swap.log.index(("release", 1))]
+    assert first == [("load", 1), ("load", 2), ("load", 3)]  # 3 asked while 1 ran: before 1 was released
+    assert max(held) <= 3 and max(held) == 3
+    assert not swap.resident and not swap.pending
+    with pytest.raises(ValueError, match="block_swap_prefetch must be >= 1, got 0"):
+        enable_block_swap(model, 2, "cpu", prefetch=0)
+
+
+def test_the_planner_counts_prefetch_plus_one_swapped_blocks():
+    from library.training.memory_plan import resident_parts
+
+    blocks = [10, 20, 30, 40]
+    assert resident_parts(100, blocks, 1, 2, 2)["swap buffers"] == 2 * 40
+    assert resident_parts(100, blocks, 1, 2, 2, prefetch=3)["swap buffers"] == 4 * 40
+    assert resident_parts(100, blocks, 1, 2, 0, prefetch=3)["swap buffers"] == 0
+
+
 def test_swapped_weights_are_not_resident_between_uses():
     model, family, inputs = tiny_flux()  # blocks: double 0, 1, single 2, 3; the last 3 swapped
     model, net = with_lora(model, family, "fp8_scaled")
@@ -161,7 +202,8 @@ def test_blocks_to_swap_config_errors_are_one_line(tiny_set, tmp_path, capsys):
     from test_train_lora import flux_args
 
     for extra, message in ((["--blocks_to_swap", "4"], "blocks_to_swap must be between 1 and 3 for this model (4 blocks), got 4"),
-                           (["--blocks_to_swap", "-1"], "key 'blocks_to_swap' must be >= 0, got -1")):
+                           (["--blocks_to_swap", "-1"], "key 'blocks_to_swap' must be >= 0, got -1"),
+                           (["--block_swap_prefetch", "0"], "key 'block_swap_prefetch' must be >= 1, got 0")):
         assert train_lora.main(flux_args(tiny_set, tmp_path / "bad", "--max_train_steps", "1", *extra)) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err

@@ -1,12 +1,16 @@
 """Block swap (sd-scripts / musubi-tuner `blocks_to_swap`): the frozen weights of the last N
 transformer blocks live in (pinned) CPU memory and are copied to the device just before each use.
 
-One step, for blocks s..n-1 swapped (at most two of them on the device at any time):
-  forward   before block i: wait for i's copy, start copying i+1 (a side CUDA stream, so the copy
-            overlaps block i's compute); after block i: release i.
+One step, for blocks s..n-1 swapped and a prefetch depth p (default 1: at most p + 1 swapped blocks
+on the device at any time):
+  forward   before block i: wait for i's copy, start copying i+1 .. i+p (a side CUDA stream, so the
+            copies overlap the compute of block i and of the blocks before it: with p > 1 the first
+            swapped blocks start coming in while the resident ones run); after block i: release i.
   backward  an identity autograd node at block i's outputs fires before block i's backward (and
-            before its checkpoint recompute): release i+1, wait for i, start copying i-1. Whatever
-            is still resident when backward ends is released by an engine callback.
+            before its checkpoint recompute): release i+1, wait for i, start copying i-1 .. i-p.
+            Whatever is still resident when backward ends is released by an engine callback.
+A deeper prefetch hides the copies of large blocks (Qwen-Image's) behind more compute, for p - 1 more
+blocks of device memory (tools/plan_memory.py counts them).
 Only frozen tensors move (base parameters and buffers: bf16 weights, fp8 codes and scales); the
 LoRA lives outside the block tree (it patches forwards), so it and its optimizer state never move.
 
@@ -57,12 +61,14 @@ def _frozen_tensors(block: nn.Module) -> list[tuple[nn.Module, str]]:
 class BlockSwap:
     """Swaps blocks[first:] of a model whose blocks run in list order (see module docstring)."""
 
-    def __init__(self, blocks: list[nn.Module], blocks_to_swap: int, device: torch.device | str):
+    def __init__(self, blocks: list[nn.Module], blocks_to_swap: int, device: torch.device | str, prefetch: int = 1):
         n = len(blocks)
         if not 0 < blocks_to_swap < n:
             raise ValueError(f"blocks_to_swap must be between 1 and {n - 1} for this model ({n} blocks), "
                              f"got {blocks_to_swap}")
-        self.device = torch.device(device)
+        if prefetch < 1:
+            raise ValueError(f"block_swap_prefetch must be >= 1, got {prefetch}")
+        self.device, self.prefetch = torch.device(device), prefetch
         self.first = n - blocks_to_swap
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -145,9 +151,10 @@ class BlockSwap:
 
     # -- the schedule -------------------------------------------------------------------------
     def before_forward(self, i: int):
-        """Called for every block index before the block runs: block i resident, i+1 on its way."""
+        """Called for every block index before the block runs: block i resident, i+1 .. i+p on their way."""
         self._wait(i)
-        self._start_load(i + 1)
+        for j in range(i + 1, i + 1 + self.prefetch):
+            self._start_load(j)
 
     def after_forward(self, i: int, out):
         """Called with block i's outputs; returns them (wrapped for backward when they need it)."""
@@ -168,20 +175,22 @@ class BlockSwap:
             if j > i:  # backward runs blocks in reverse: everything after i is done
                 self._release(j)
         self._wait(i)
-        self._start_load(i - 1)
+        for j in range(i - 1, i - 1 - self.prefetch, -1):
+            self._start_load(j)
 
     def _end_backward(self):
         self.in_backward = False
         self.release_all()
 
 
-def enable_block_swap(model: nn.Module, blocks_to_swap: int, device) -> BlockSwap | None:
-    """Swap the last `blocks_to_swap` blocks of `model` (its `swappable_blocks()` in run order).
-    Call before moving the model to the device: swapped weights then never touch it whole."""
+def enable_block_swap(model: nn.Module, blocks_to_swap: int, device, prefetch: int = 1) -> BlockSwap | None:
+    """Swap the last `blocks_to_swap` blocks of `model` (its `swappable_blocks()` in run order), copying
+    `prefetch` of them ahead of use. Call before moving the model to the device: swapped weights then
+    never touch it whole."""
     if getattr(model, "block_swap", None) is not None:
         model.block_swap.restore()
     if not blocks_to_swap:
         model.block_swap = None
         return None
-    model.block_swap = BlockSwap(list(model.swappable_blocks()), blocks_to_swap, device)
+    model.block_swap = BlockSwap(list(model.swappable_blocks()), blocks_to_swap, device, prefetch)
     return model.block_swap

@@ -111,6 +111,8 @@ SCHEMA: dict[str, Arg] = {
                                   "GPUs of compute capability >= 8.9, or the CPU); needs an fp8 base and bf16"),
     "gradient_checkpointing": A(bool, False, "per-block activation checkpointing"),
     "blocks_to_swap": A(int, 0, "keep the last N transformer blocks' frozen weights in CPU memory, copied in per use"),
+    "block_swap_prefetch": A(int, 1, "swapped blocks copied ahead of their use (each one more block of device memory; "
+                                     "deeper hides large blocks' copies behind more compute)"),
     "allow_tf32": A(bool, True, "TF32 matmuls on CUDA"),
     "torch_compile": A(bool, False, "torch.compile each transformer block"),
     "seed": A(int, 42, "random seed"),
@@ -436,6 +438,9 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if args.blocks_to_swap < 0:
         raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap')}: key 'blocks_to_swap' must be >= 0, "
                           f"got {args.blocks_to_swap}")
+    if args.block_swap_prefetch < 1:
+        raise ConfigError(f"{_blame(origins, where, 'block_swap_prefetch')}: key 'block_swap_prefetch' must be >= 1, "
+                          f"got {args.block_swap_prefetch}")
     if args.blocks_to_swap and args.model_type == "llm":
         raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap', 'model_type')}: key 'blocks_to_swap' is for the "
                           f"diffusion transformers ({', '.join(FAMILIES)}), not llm")

@@ -201,7 +201,7 @@ class DiffusionTask:
         if fsdp.uses_fsdp(self.accelerator):
             return fsdp.shard_base(base, self.accelerator)
         try:
-            enable_block_swap(base, self.args.blocks_to_swap, self.device)
+            enable_block_swap(base, self.args.blocks_to_swap, self.device, self.args.block_swap_prefetch)
         except ValueError as e:
             raise ConfigError(f"{self.args.pretrained_model_name_or_path}: {e}") from None
         return base.to(self.device)

@@ -9,8 +9,8 @@ reports for the same step, minus the allocator's rounding. Where the meta run di
 device, the plan says how it models it:
 - attention: meta SDPA takes the math path ([B, H, L, L] scores); the plan runs the fused kernels'
   ops instead (flash without a mask, memory-efficient with one), as CUDA and CPU SDPA do;
-- block swap: swapped blocks' weights are counted off the device and two of them back (the
-  schedule of library/models/block_swap.py keeps at most two resident);
+- block swap: swapped blocks' weights are counted off the device and block_swap_prefetch + 1 of them
+  back (the schedule of library/models/block_swap.py keeps at most that many resident);
 - optimizer state: bytes per LoRA parameter of the optimizer (AdamW 8, AdamW8bit 2, Prodigy 16, ...),
   added at the end of the step where the real optimizer allocates it.
 Phases: caching (the VAE encoding vae_batch_size images of the largest bucket, as cache_latents
@@ -167,18 +167,20 @@ def _optimizer_bytes(network: nn.Module, args) -> int:
     return trainable * OPTIMIZER_STATE_BYTES.get(args.optimizer_type.lower().rsplit(".", 1)[-1], 8)
 
 
-def resident_parts(base: int, block_bytes: list[int], lora: int, optimizer: int, blocks_to_swap: int) -> dict[str, int]:
+def resident_parts(base: int, block_bytes: list[int], lora: int, optimizer: int, blocks_to_swap: int,
+                   prefetch: int = 1) -> dict[str, int]:
     """What stays on the device between steps: the base less its swapped blocks (counted off the
-    device, two of them back: the schedule of library/models/block_swap.py), the LoRA, its optimizer state."""
+    device, prefetch + 1 of them back: the schedule of library/models/block_swap.py), the LoRA, its
+    optimizer state."""
     swapped = block_bytes[len(block_bytes) - blocks_to_swap:] if blocks_to_swap else []
-    return {"base": base - sum(swapped), "swap buffers": 2 * max(swapped, default=0), "lora": lora,
+    return {"base": base - sum(swapped), "swap buffers": (prefetch + 1) * max(swapped, default=0), "lora": lora,
             "optimizer": optimizer}
 
 
 @dataclass
 class TrainingPlan:
     """One simulated training step without swapping; any blocks_to_swap is derived from it (the
-    swap changes only which weights are resident: its schedule keeps two swapped blocks on the device)."""
+    swap changes only which weights are resident: its schedule keeps prefetch + 1 swapped blocks on the device)."""
     base: int  # every weight of the transformer, bytes
     block_bytes: list[int]  # per block in run order
     lora: int
@@ -186,9 +188,10 @@ class TrainingPlan:
     optimizer: int
     activations: int  # the step's peak above everything resident (activations, LoRA grads, temporaries)
     inputs: int
+    prefetch: int = 1  # block_swap_prefetch
 
     def phase(self, blocks_to_swap: int = 0) -> Phase:
-        parts = {**resident_parts(self.base, self.block_bytes, self.lora, self.optimizer, blocks_to_swap),
+        parts = {**resident_parts(self.base, self.block_bytes, self.lora, self.optimizer, blocks_to_swap, self.prefetch),
                  "activations + lora grads (peak)": self.activations}
         return Phase("training", parts, sum(parts.values()) + self.inputs)
 
@@ -223,6 +226,7 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
         base=module_bytes(model), block_bytes=[module_bytes(b) for b in model.swappable_blocks()],
         lora=tensor_bytes(network.state_dict().values()), lora_grads=tensor_bytes(lora), optimizer=optimizer,
         activations=live.peak - resident, inputs=tensor_bytes([latents, *control, *text.values()]),
+        prefetch=args.block_swap_prefetch,
     )
 
 
@@ -282,7 +286,7 @@ def _bf16_reference_bytes(family, args, lora: int) -> int:
 
     model = family.load_transformer(compute_dtype(args), "bf16", read_weights=False)
     blocks = [module_bytes(b) for b in model.swappable_blocks()]
-    return sum(resident_parts(module_bytes(model), blocks, lora, 0, args.blocks_to_swap).values())
+    return sum(resident_parts(module_bytes(model), blocks, lora, 0, args.blocks_to_swap, args.block_swap_prefetch).values())
 
 
 def sampling_phase(family, args, width: int, height: int, text_tokens: int, references: int | None = None) -> Phase:
@@ -295,7 +299,8 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     model, network = _meta_model_and_network(family, args)
     lora = tensor_bytes(network.state_dict().values())
     blocks = [module_bytes(b) for b in model.swappable_blocks()]
-    resident = resident_parts(module_bytes(model), blocks, lora, _optimizer_bytes(network, args), args.blocks_to_swap)
+    resident = resident_parts(module_bytes(model), blocks, lora, _optimizer_bytes(network, args), args.blocks_to_swap,
+                              args.block_swap_prefetch)
     count = family.plan_controls if references is None else references
     down = family.vae_downsample
     latents = family.target_on_meta(1, height // down, width // down)
