@@ -9,7 +9,7 @@ on the device at any time):
   backward  an identity autograd node at block i's outputs fires before block i's backward (and
             before its checkpoint recompute): release i+1, wait for i, start copying i-1 .. i-p.
             Whatever is still resident when backward ends is released by an engine callback.
-A deeper prefetch hides the copies of large blocks (Qwen-Image's) behind more compute, for p - 1 more
+A deeper prefetch hides the copies of large blocks behind more compute, for p - 1 more
 blocks of device memory (tools/plan_memory.py counts them).
 Only frozen tensors move (base parameters and buffers: bf16 weights, fp8 codes and scales); the
 LoRA lives outside the block tree (it patches forwards), so it and its optimizer state never move.
