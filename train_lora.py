@@ -434,7 +434,7 @@ class Trainer:
         """After an optimizer step: validate (when due), log (with the lr this step used),
         schedule, sample, save, and honour Ctrl-C / SIGTERM."""
         args = self.args
-        extras = self.task.step_extras() or {}
+        extras = self.task.step_extras()
         timing = self.clock.lap()  # before validation: a step's time is its training
         if self.task.validation_size():  # a val_loss column from the first row on, empty between validations
             extras["val_loss"] = None

@@ -97,12 +97,13 @@ def _round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
     return torch.where(below, bumped, y)
 
 
-def quantize_weight(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def quantize_weight(w: torch.Tensor, mode: str, per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """w [out, in] (bf16/fp16/fp32) -> (q float8_e4m3fn [out, in], scale bf16 [out, in/64] or None).
 
     Computed in fp32 from the source values (never from an fp8 tensor). "fp8" is a plain cast,
     clamped to +-448; "fp8_scaled" divides each block by its bf16 scale (absmax / 448 rounded up);
-    "fp8_tensor_scaled" divides by one fp32 scale absmax / 448 (ComfyUI's choice), scale 0-dim fp32."""
+    "fp8_tensor_scaled" divides by one fp32 scale absmax / 448 (ComfyUI's choice), scale 0-dim fp32.
+    per_row: "fp8_scaled" with one block per row (scale [out, 1]: the layout fp8 GEMMs take)."""
     _check_mode(mode)
     if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise ValueError(f"quantize_weight: weight is already {w.dtype}; re-quantizing fp8 compounds its error")
@@ -115,7 +116,7 @@ def quantize_weight(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Ten
         scale = (w32.abs().amax() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # fp32, 0-dim
         return (w32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
     out_features, in_features = w.shape
-    rows, blocks = scale_shape(out_features, in_features)
+    rows, blocks = (out_features, 1) if per_row else scale_shape(out_features, in_features)
     w32 = w32.reshape(rows, blocks, in_features // blocks)
     # Zero blocks get the tiniest normal scale instead of 0: 0 / tiny = 0, never 0 / 0.
     absmax = w32.abs().amax(-1)  # fp32 [out, blocks]
@@ -271,11 +272,15 @@ class FP8Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_weight(self.weight, self.weight_scale, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_and_dtype(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """(x in the layer's compute_dtype if set, the dtype the matmul runs in: autocast's or x's)."""
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
         autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)  # meta: the planner
-        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        return x, torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, dtype = self.input_and_dtype(x)
         bias = None if self.bias is None else self.bias.to(dtype)
         # The weight is dequantized to the compute dtype inside the function, in forward and
         # again in backward; autocast is off inside so the matmul runs in exactly that dtype.

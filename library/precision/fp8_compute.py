@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from library.precision.autocast import autocast_off
-from library.precision.fp8 import FP8_DTYPE, FP8_MAX, SCALE_DTYPE, FP8Linear, _round_up_to_bf16, dequantize_weight
+from library.precision.fp8 import FP8_DTYPE, FP8_MAX, SCALE_DTYPE, FP8Linear, dequantize_weight, quantize_weight
 
 COMPUTE_DTYPE = torch.bfloat16  # _scaled_mm's row-wise output dtype on CUDA
 ALIGN = 16  # in- and out-features must be multiples of this for an fp8 GEMM on CUDA
@@ -93,10 +93,7 @@ class FP8ComputeLinear(FP8Linear):
         return self.weight_scale.float().reshape(-1).expand(self.out_features).contiguous()  # [out, 1] or 0-dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compute_dtype is not None:
-            x = x.to(self.compute_dtype)
-        autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
-        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        x, dtype = self.input_and_dtype(x)
         if dtype != COMPUTE_DTYPE or x.device.type == "meta":
             return super().forward(x)
         with autocast_off(x.device.type):
@@ -106,9 +103,7 @@ class FP8ComputeLinear(FP8Linear):
 def rowwise_requantize(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_scaled codes with block scales -> the same layout with one bf16 scale per row ([out, 1]):
     dequantized in float32, absmax / 448 per row rounded up to bf16, quantized to nearest."""
-    w32 = dequantize_weight(q, scale, torch.float32)
-    row = _round_up_to_bf16((w32.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(SCALE_DTYPE).tiny))
-    return (w32 / row.float()).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), row
+    return quantize_weight(dequantize_weight(q, scale, torch.float32), "fp8_scaled", per_row=True)
 
 
 def rowwise_requantization_error(q: torch.Tensor, scale: torch.Tensor) -> float:
