@@ -9,7 +9,7 @@ import torch
 
 from library.models.spec import load_symbol
 from library.training.config import load_config
-from tools.learned_base import IMAGE_SIZE, learned_families, learned_family, learned_paths, learned_spec
+from tools.learned_base import IMAGE_SIZE, encode_prompts, learned_families, learned_family, learned_paths, learned_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,3 +51,34 @@ def test_quickstart_config_trains_the_shipped_base(model_type):
     for key, path in learned_paths(model_type).items():
         assert os.path.normpath(os.path.join(ROOT, getattr(args, key))) == os.path.normpath(path), key
         assert os.path.exists(path), f"{path}: the learned base is shipped (tools/pretrain_tiny_base.py writes it)"
+
+
+def test_pretrainer_compiles_the_transformer_blocks_and_the_vae_where_its_family_asks(monkeypatch, capsys):
+    """tools/pretrain_tiny_base.py: the transformer's blocks under torch.compile, the VAE's loss only
+    where the family's LearnedBase.compile_vae says (the compile repays itself there); --eager, or no C++
+    compiler (one line said), trains eager. torch.compile is recorded here, not run (CI has no time
+    for inductor)."""
+    from tools import pretrain_tiny_base as pretrainer
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(fn) or fn)
+    model_type = next(t for t in learned_families() if learned_spec(t).compile_vae)
+    learned, family = learned_spec(model_type), learned_family(model_type)
+    pixels = torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE) * 2 - 1
+    pretrainer.train_vae(learned, pixels, 1, 2, 0, compile=True)
+    assert compiled == [pretrainer.vae_loss]
+    text = encode_prompts(family, ["a red circle", "a blue square"])
+    latents = family.load_vae(torch.float32).encode(pixels)
+    compiled.clear()
+    model = pretrainer.train_transformer(family, learned, latents, text, torch.arange(2), 1, 2, 0, compile=True)
+    assert len(compiled) == len(model.swappable_blocks()) > 0
+    compiled.clear()
+    pretrainer.train_transformer(family, learned, latents, text, torch.arange(2), 1, 2, 0, compile=False)
+    assert compiled == []
+
+    assert not pretrainer.use_compile(eager=True)
+    monkeypatch.setattr(pretrainer, "cpp_compiler", lambda: None)
+    assert not pretrainer.use_compile(eager=False)
+    assert "no C++ compiler for torch.compile" in capsys.readouterr().out
+    monkeypatch.setattr(pretrainer, "cpp_compiler", lambda: "g++")
+    assert pretrainer.use_compile(eager=False)

@@ -16,11 +16,15 @@ learned, for the tests and the demo that check a LoRA teaches what a person sees
    LoRA teaches them.
 4. The score: every base caption rendered (8 Euler steps, guidance 1.0) and read by the detector.
 
+Speed (a 2-core CPU): the transformer's blocks run under torch.compile, the VAE's loss too where the
+family's LearnedBase.compile_vae says (its fused norms repay the compile), both with fused AdamW;
+--eager, or a machine without a C++ compiler, trains eager (bench/RESULTS.md, "The pretrainer compiled").
+
 Writes the family's files into OUT (as released: a single file where the family ships one), and with
 --diffusers OUT/diffusers/{transformer,vae}/. Deterministic from --seed on a given number of threads
-(--threads; float sums depend on the split) and a given CPU: another CPU's kernels sum in another
-order, and thousands of steps later the weights differ, of similar quality (the README gives the
-shipped bases' scores and a rerun's).
+(--threads; float sums depend on the split), a given CPU and --eager or not: other kernels sum in
+another order, and thousands of steps later the weights differ, of similar quality (the README gives
+the shipped bases' scores and reruns').
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--diffusers", action="store_true", help="also write diffusers folders (transformer/, vae/)")
+    p.add_argument("--eager", action="store_true", help="no torch.compile (the transformer's blocks; the VAE where "
+                                                        "LearnedBase.compile_vae): slower, other weights at rounding")
     p.add_argument("--reuse_vae", action="store_true", help="keep OUT/ae.safetensors (and the encoders) and train "
                                                             "the transformer only")
     return p
@@ -95,19 +101,49 @@ def shape_weighted_mse(decoded: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return (weight * (decoded - target) ** 2).mean() / weight.mean()
 
 
-def train_vae(learned, pixels: torch.Tensor, steps: int, batch: int, seed: int):
-    """The family's tiny VAE (float32) fitted to `pixels`; its latents normalised."""
+def vae_loss(vae, x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Reconstruction of x through a latent sampled with `noise` (the posterior's shape), plus a small KL."""
+    posterior = vae.encode(x).latent_dist
+    z = posterior.mean + posterior.std * noise
+    return shape_weighted_mse(vae.decode(z).sample, x) + KL_WEIGHT * posterior.kl().mean()
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler torch.compile's CPU backend (inductor) would use, or None without one."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return get_cpp_compiler()
+    except Exception:  # inductor raises its own errors when none is found
+        return None
+
+
+def use_compile(eager: bool) -> bool:
+    """torch.compile unless --eager or without a C++ compiler (said in one line: the run goes on eager)."""
+    if eager:
+        return False
+    if cpp_compiler() is None:
+        print("no C++ compiler for torch.compile (g++, or $CXX): training eager, slower, the weights other than the "
+              "shipped ones at rounding", flush=True)
+        return False
+    return True
+
+
+def train_vae(learned, pixels: torch.Tensor, steps: int, batch: int, seed: int, compile: bool = False):
+    """The family's tiny VAE (float32) fitted to `pixels`; its latents normalised. compile: the loss
+    (forward; autograd compiles the backward) under torch.compile, the same sums in fused kernels."""
     torch.manual_seed(seed * 1000 + 101)
     vae = load_symbol(learned.new_vae)(IMAGE_SIZE)
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=learned.vae_lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=learned.vae_lr, weight_decay=0.0, fused=True)
     gen = torch.Generator().manual_seed(seed * 1000 + 102)
+    with torch.no_grad():
+        latent_shape = (batch, *vae.encode(pixels[:1]).latent_dist.mean.shape[1:])
+    loss_of = torch.compile(vae_loss) if compile else vae_loss
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, steps, learned.vae_lr)
         x = pixels[torch.randint(len(pixels), (batch,), generator=gen)]
-        posterior = vae.encode(x).latent_dist
-        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen)
-        loss = shape_weighted_mse(vae.decode(z).sample, x) + KL_WEIGHT * posterior.kl().mean()
+        loss = loss_of(vae, x, torch.randn(latent_shape, generator=gen))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -122,15 +158,19 @@ def train_vae(learned, pixels: torch.Tensor, steps: int, batch: int, seed: int):
 
 
 def train_transformer(family, learned, latents: torch.Tensor, text: dict, caption_of: torch.Tensor, steps: int,
-                      batch: int, seed: int):
+                      batch: int, seed: int, compile: bool = False):
     """The family's tiny transformer (float32) trained on (latents [N, C, 8, 8], caption_of [N] -> text rows)
-    with the trainer's loss: the family's default timestep sampling, guidance 1.0."""
+    with the trainer's loss: the family's default timestep sampling, guidance 1.0. compile: each block
+    under torch.compile, as the trainer's torch_compile does."""
     from library.models import flow_matching as fm
 
     torch.manual_seed(seed * 1000 + 201)
     model = load_symbol(learned.new_transformer)(text)
+    if compile:
+        for block in model.swappable_blocks():
+            block.compile()
     method = sampling_of(family.arch).method
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
     gen = torch.Generator().manual_seed(seed * 1000 + 202)
     tokens = (latents.shape[2] // 2) * (latents.shape[3] // 2)  # 2 x 2 latent patches per token
     for step in range(steps):
@@ -172,15 +212,16 @@ def clock(started: tuple[float, float]) -> str:
 
 
 def pretrain(model_type: str, out: str, seed: int = 0, vae_steps: int | None = None, dit_steps: int = 2500, batch: int = 32,
-             diffusers: bool = False, reuse_vae: bool = False) -> dict[str, str]:
+             diffusers: bool = False, reuse_vae: bool = False, eager: bool = False) -> dict[str, str]:
     started = (time.time(), time.process_time())
     os.makedirs(out, exist_ok=True)
     learned, paths = learned_spec(model_type), learned_paths(model_type, out)
     rng = random.Random(seed)
     every = scene_pixels(all_scenes(shapes=SHAPES, colours=tuple(COLOURS)), rng)  # drawn anyway: rng's state
+    compile = use_compile(eager)
     if not reuse_vae:
         load_symbol(learned.write_text_encoders)(paths)
-        vae = train_vae(learned, every, vae_steps or learned.vae_steps, VAE_BATCH, seed)
+        vae = train_vae(learned, every, vae_steps or learned.vae_steps, VAE_BATCH, seed, compile and learned.compile_vae)
         load_symbol(learned.save_vae)(vae, paths, diffusers)
         print(f"vae: {clock(started)}; shift {vae.config.shift_factor}, scale {vae.config.scaling_factor}")
 
@@ -191,7 +232,7 @@ def pretrain(model_type: str, out: str, seed: int = 0, vae_steps: int | None = N
     latents = torch.cat([wrapper.encode(pixels[i: i + 256]) for i in range(0, len(pixels), 256)])  # float32
     text = encode_prompts(family, [s.caption() for s in base])
     caption_of = torch.arange(len(base)).repeat_interleave(JITTERS)
-    model = train_transformer(family, learned, latents, text, caption_of, dit_steps, batch, seed)
+    model = train_transformer(family, learned, latents, text, caption_of, dit_steps, batch, seed, compile)
     load_symbol(learned.save_transformer)(model, paths, diffusers)
     print(f"pretrained in {clock(started)}")
     score_base(model_type, out, seed)
@@ -207,7 +248,8 @@ def main(argv=None):
         print(one_line(e), file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    pretrain(model_type, args.out or os.path.join(LEARNED_ROOT, model_type), args.seed, args.vae_steps, args.dit_steps, args.batch, args.diffusers, args.reuse_vae)
+    pretrain(model_type, args.out or os.path.join(LEARNED_ROOT, model_type), args.seed, args.vae_steps, args.dit_steps,
+             args.batch, args.diffusers, args.reuse_vae, args.eager)
     return 0
 
 

@@ -251,6 +251,7 @@ class LearnedBase:
     config: str = ""  # configs/<file>: the quickstart that teaches this base the concept ("zxq" = a purple star)
     vae_lr: float = 1.5e-3  # the pretrainer's peak learning rate for the VAE (cosine schedule)
     vae_steps: int = 1500  # the pretrainer's VAE steps (batch 16) unless --vae_steps says otherwise
+    compile_vae: bool = False  # the pretrainer's VAE step under torch.compile (CPU: where fused kernels repay the compile)
 
 
 # ----------------------------------------------------------------------------------------------
