@@ -130,15 +130,16 @@ def use_compile(eager: bool) -> bool:
 
 
 def train_vae(learned, pixels: torch.Tensor, steps: int, batch: int, seed: int, compile: bool = False):
-    """The family's tiny VAE (float32) fitted to `pixels`; its latents normalised. compile: the loss
-    (forward; autograd compiles the backward) under torch.compile, the same sums in fused kernels."""
+    """The family's tiny VAE (float32) fitted to `pixels`; its latents normalised. compile (where the
+    family's LearnedBase.compile_vae asks for it): the loss (forward; autograd compiles the backward)
+    under torch.compile, the same sums in fused kernels."""
     torch.manual_seed(seed * 1000 + 101)
     vae = load_symbol(learned.new_vae)(IMAGE_SIZE)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=learned.vae_lr, weight_decay=0.0, fused=True)
     gen = torch.Generator().manual_seed(seed * 1000 + 102)
     with torch.no_grad():
         latent_shape = (batch, *vae.encode(pixels[:1]).latent_dist.mean.shape[1:])
-    loss_of = torch.compile(vae_loss) if compile else vae_loss
+    loss_of = torch.compile(vae_loss) if compile and learned.compile_vae else vae_loss
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, steps, learned.vae_lr)
@@ -211,7 +212,7 @@ def clock(started: tuple[float, float]) -> str:
     return f"{time.time() - started[0]:.0f} s wall, {time.process_time() - started[1]:.0f} s CPU"
 
 
-def pretrain(model_type: str, out: str, seed: int = 0, vae_steps: int | None = None, dit_steps: int = 2500, batch: int = 32,
+def pretrain(model_type: str, out: str, seed: int = 0, vae_steps: int | None = None, dit_steps: int = 2000, batch: int = 32,
              diffusers: bool = False, reuse_vae: bool = False, eager: bool = False) -> dict[str, str]:
     started = (time.time(), time.process_time())
     os.makedirs(out, exist_ok=True)
@@ -221,7 +222,7 @@ def pretrain(model_type: str, out: str, seed: int = 0, vae_steps: int | None = N
     compile = use_compile(eager)
     if not reuse_vae:
         load_symbol(learned.write_text_encoders)(paths)
-        vae = train_vae(learned, every, vae_steps or learned.vae_steps, VAE_BATCH, seed, compile and learned.compile_vae)
+        vae = train_vae(learned, every, vae_steps or learned.vae_steps, VAE_BATCH, seed, compile)
         load_symbol(learned.save_vae)(vae, paths, diffusers)
         print(f"vae: {clock(started)}; shift {vae.config.shift_factor}, scale {vae.config.scaling_factor}")
 
