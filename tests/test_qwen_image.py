@@ -4,6 +4,8 @@ Tiny random models with the real architecture: 2 blocks, 2 heads x 32, RoPE axes
 joint_attention_dim 32; latents of 16 x 24 patches, 9 text tokens, sample 0 padded to 5.
 """
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -297,6 +299,24 @@ def test_fp8_scaled_load_through_prepare_hook(reference, inputs):
         got = model(img, txt, mask, sigma, IMG_SHAPES).float()
     relative = ((got - expected).norm() / expected.norm()).item()
     assert relative <= 0.04, relative  # measured 1.3% (bf16 alone: 0.6%)
+
+
+def test_pretraining_vae_starts_each_one_frame_kernel_at_conv2d_init():
+    """The pretrainer's fresh VAE (learned.new_vae): each causal Conv3d's last time tap, the 2-D kernel
+    its one frame meets, is drawn as nn.Conv2d's (kaiming-uniform, bound 1/sqrt(C x 3 x 3)), not
+    Conv3d's sqrt(3) smaller one (fan-in C x 3 x 3 x 3), which fitted slower."""
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
+
+    from library.models.qwen_image.learned import new_vae
+
+    torch.manual_seed(0)
+    convs = [m for m in new_vae(64).modules() if isinstance(m, QwenImageCausalConv3d) and m.kernel_size == (3, 3, 3)]
+    assert len(convs) > 10
+    for conv in convs:
+        bound = 1 / math.sqrt(conv.in_channels * 9)  # nn.Conv2d's weight and bias bound
+        tap = conv.weight[:, :, -1].abs().max().item()
+        assert bound / math.sqrt(3) * 1.2 < tap <= bound * (1 + 1e-6), (conv, tap, bound)
+        assert conv.bias.abs().max().item() <= bound * (1 + 1e-6)
 
 
 def test_pretraining_vae_computes_what_the_released_class_computes():
