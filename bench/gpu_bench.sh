@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU rows of bench/RESULTS.md (issue 16), run from the repository root on a CUDA machine:
-#   bash bench/gpu_bench.sh checks steps compile swap peers     # any subset, in that order
+#   bash bench/gpu_bench.sh checks steps compile swap peers caching     # any subset, in that order
 # checks   CUDA correctness: block swap / fp8 tests with CUDA visible, and the quickstart trained on the GPU
 # steps    one LoRA step, ours vs diffusers + peft, and bf16 vs fp8 / fp8_scaled / fp8_compute base, eager
 # compile  the same with every block torch.compile'd (train_lora.py's torch_compile)
 # swap     block swap overhead, eager and compiled (FLUX.1-dev 0/16/30 and Qwen-Image 0/20/40 blocks, fp8_scaled),
 #          and Qwen-Image with block_swap_prefetch 2 and 4
 # peers    ours vs sd-scripts (FLUX.1) and musubi-tuner (Qwen-Image): $SD_SCRIPTS, $MUSUBI checkouts
+# caching  latent caching images/s of 16 photo JPEGs with FLUX.1's VAE on the GPU, loading ahead in 0-8 threads
 # All at 1024 px (4096 image tokens), 512 text tokens, full-width blocks (FLUX 2 double + 4 single,
 # Qwen-Image 4 blocks), bf16, gradient checkpointing, rank 16. Logs go to $LOGS (default bench/gpu_logs).
 set -o pipefail
@@ -40,6 +41,8 @@ for part in "$@"; do
     peers)
       $PY bench/bench_peers.py --device cuda --sizes mid --gemm 8192 --sd_scripts "$SD_SCRIPTS" --musubi "$MUSUBI" $SHAPE 2>&1 \
         | tee "$LOGS/peers.log" ;;
-    *) echo "unknown part $part (checks, steps, compile, swap, peers)"; exit 2 ;;
+    caching)
+      $PY bench/bench_caching.py --device cuda --vae flux --workers 0,2,4,8 2>&1 | tee "$LOGS/caching.log" ;;
+    *) echo "unknown part $part (checks, steps, compile, swap, peers, caching)"; exit 2 ;;
   esac
 done

@@ -145,3 +145,59 @@ def test_ci_flags_keep_their_order_and_a_missing_file_is_an_error(tmp_path):
     assert p.control_images == (b, a) and p.width == 32 and p.prompt == "make it red"
     with pytest.raises(ValueError, match=r"p.txt:2: --ci '.*missing.png' is not an image file"):
         parse_prompt_line(f"x --ci {tmp_path / 'missing.png'}", "p.txt:2")
+
+
+def paired_images(tmp_path, count: int) -> None:
+    """`count` targets with a reference each, every image its own colour and left / right halves
+    (so a flipped latent differs from the unflipped one)."""
+    for i in range(count):
+        for folder, shade in (("img", 0), ("ctrl", 100)):
+            img = Image.new("RGB", (32, 32), (10 * i, shade, 50))
+            img.paste((255 - 10 * i, 200, shade), (16, 0, 32, 32))
+            os.makedirs(tmp_path / folder, exist_ok=True)
+            img.save(tmp_path / folder / f"{i:02d}.png")
+
+
+def test_latent_caching_loads_ahead_in_threads_and_caches_the_same(tmp_path):
+    """cache_latents' load_workers read the next batches while the VAE encodes this one; the cached
+    targets, flipped targets and references equal the one-batch-at-a-time loop's, in order."""
+    paired_images(tmp_path, 7)
+    cached = {}
+    for workers in (0, 3):
+        ds = D.ImageDataset(paired_blueprint(tmp_path, flip_aug=True))
+        enc = CountingEncoder()
+        assert caches.cache_latents(ds.items, enc.latents, "k", batch_size=2, to_disk=False, load_workers=workers) == 7
+        assert enc.images == 7 * 4  # target, reference, both flipped
+        cached[workers] = [item.latent_cache for item in ds.items]
+    assert [sorted(c) for c in cached[3]] == [["control_0", "control_0_flipped", "latents", "latents_flipped"]] * 7
+    for one, ahead in zip(cached[0], cached[3]):
+        for name in one:
+            assert torch.equal(one[name], ahead[name]), name
+    assert not torch.equal(cached[3][0]["latents"], cached[3][0]["latents_flipped"])
+
+
+def test_latent_caching_overlaps_loading_the_next_batch_with_encoding_this_one(tmp_path, monkeypatch):
+    """The first batch's encode waits (up to 10 s) for the second batch's images to start loading:
+    with loading ahead they do at once; loading in turn (load_workers 0) never would."""
+    import threading
+
+    paired_images(tmp_path, 4)
+    second_batch_loading = threading.Event()
+    load = caches.load_image
+
+    def loading(path, *args, **kwargs):
+        if os.path.basename(path) in ("02.png", "03.png"):
+            second_batch_loading.set()
+        return load(path, *args, **kwargs)
+
+    monkeypatch.setattr(caches, "load_image", loading)
+    overlapped = []
+
+    def encode(images):
+        if not overlapped:
+            overlapped.append(second_batch_loading.wait(timeout=10))
+        return images[:, :, ::8, ::8]
+
+    ds = D.ImageDataset(paired_blueprint(tmp_path))
+    caches.cache_latents(ds.items, encode, "k", batch_size=2, to_disk=False, load_workers=2)
+    assert overlapped == [True]

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from typing import Callable
 
 import torch
@@ -22,6 +25,7 @@ from library.io import CheckpointReader, save_safetensors
 # Part of every latent cache hash: bump it when resize/crop changes so old caches are redone.
 PREPROCESS_VERSION = "resize-crop-v1"
 CACHE_DTYPE = torch.bfloat16  # what cache files hold; samples are float32
+LOAD_WORKERS = min(4, os.cpu_count() or 1)  # threads loading images ahead of the VAE (cache_latents)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -102,13 +106,15 @@ def text_hash(item: ImageItem, model_key: str, with_references: bool = False) ->
 
 
 def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], torch.Tensor], model_key: str,
-                  *, batch_size: int = 4, to_disk: bool = True) -> int:
+                  *, batch_size: int = 4, to_disk: bool = True, load_workers: int = LOAD_WORKERS) -> int:
     """Encode every image whose cache is missing or stale; returns how many images were encoded.
 
     encode_fn: float32 images [B,3,H,W] in [-1,1] -> latents [B,C,h,w] (any float dtype; stored
     as bf16). With flip_aug the mirrored image is encoded too ("latents_flipped"). Reference images
     are encoded into the same file ("control_<k>", "control_<k>_flipped").
-    to_disk=False keeps the bf16 tensors in memory instead of writing files."""
+    to_disk=False keeps the bf16 tensors in memory instead of writing files.
+    load_workers: threads that read, resize and crop the next batches while encode_fn runs on this one
+    (0: each batch loaded when its turn comes); the files written are the same."""
     todo = _stale_entries(items, "latent_cache", to_disk,
                           lambda item: cache_path(item, f"{model_key}_{latent_entry(item)}_{item.bucket[0]}x{item.bucket[1]}"),
                           lambda item: latent_hash(item, model_key) if to_disk else "")
@@ -116,22 +122,35 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
     for t in todo:
         groups.setdefault((t[0].bucket, tuple(t[0].control_buckets), t[0].subset.flip_aug, len(t[0].layer_paths)),
                           []).append(t)
-    for (_, control_buckets, flip_aug, _), group in groups.items():
-        for start in range(0, len(group), batch_size):
-            chunk = group[start : start + batch_size]
-            encoded = {}
-            for flip in (False, True) if flip_aug else (False,):
-                suffix = "_flipped" if flip else ""
-                encoded["latents" + suffix] = _encode_images(encode_fn, chunk, flip)
-                for k in range(len(control_buckets)):
-                    encoded[f"control_{k}{suffix}"] = _encode_images(encode_fn, chunk, flip, control=k)
-            for i, (item, path, digest) in enumerate(chunk):
-                tensors = {k: v[i].to(CACHE_DTYPE) for k, v in encoded.items()}
-                if item.masked:  # float32: a mask is small and its weights should be exact
-                    for suffix, flip in (("", False), ("_flipped", True)) if flip_aug else (("", False),):
-                        tensors["mask" + suffix] = load_mask(item.image_path, item.mask_path, item.bucket, flip)
-                item.latent_cache = _store(tensors, path, digest, to_disk, model_key)
+    chunks = [(group[start: start + batch_size], len(control_buckets), flip_aug)
+              for (_, control_buckets, flip_aug, _), group in groups.items() for start in range(0, len(group), batch_size)]
+    for (chunk, _, flip_aug), pixels in prefetched(chunks, lambda job: _load_chunk(*job), load_workers):
+        encoded = {name: _encode(encode_fn, frames, layered) for name, (frames, layered) in pixels.items()}
+        for i, (item, path, digest) in enumerate(chunk):
+            tensors = {k: v[i].to(CACHE_DTYPE) for k, v in encoded.items()}
+            if item.masked:  # float32: a mask is small and its weights should be exact
+                for suffix, flip in (("", False), ("_flipped", True)) if flip_aug else (("", False),):
+                    tensors["mask" + suffix] = load_mask(item.image_path, item.mask_path, item.bucket, flip)
+            item.latent_cache = _store(tensors, path, digest, to_disk, model_key)
     return len(todo)
+
+
+def prefetched(jobs: list, load: Callable, workers: int):
+    """(job, load(job)) in the order of `jobs`, with up to `workers` jobs loading ahead in threads while
+    the caller works on the current one (image decoding and resizing release the GIL). On a GPU the
+    VAE encodes a megapixel image in tens of milliseconds and decoding a photo takes about 0.1 s
+    (bench/bench_caching.py), so a caching loop that loads in turn waits on the loading."""
+    if workers <= 0:
+        for job in jobs:
+            yield job, load(job)
+        return
+    waiting = iter(jobs)
+    with ThreadPoolExecutor(workers) as pool:
+        pending = deque((job, pool.submit(load, job)) for job in islice(waiting, workers))
+        while pending:
+            current, future = pending.popleft()
+            pending.extend((job, pool.submit(load, job)) for job in islice(waiting, 1))
+            yield current, future.result()
 
 
 def _stale_entries(items: list[ImageItem], attr: str, to_disk: bool, path_of: Callable[[ImageItem], str],
@@ -150,25 +169,36 @@ def _stale_entries(items: list[ImageItem], attr: str, to_disk: bool, path_of: Ca
     return todo
 
 
-def _encode_images(encode_fn, chunk, flip: bool, control: int | None = None) -> torch.Tensor:
-    """The chunk's images (or their reference number `control`) encoded. Layered targets (library/data/
-    layers.py) are RGBA, and each frame (the composite, then every layer) is encoded on its own:
-    latents [B, C, 1 + layers, h, w]."""
+def _load_chunk(chunk, n_controls: int, flip_aug: bool) -> dict[str, tuple[list[torch.Tensor], bool]]:
+    """The chunk's pixels by cache entry name ("latents", "control_<k>", each also "_flipped" with
+    flip_aug): (batches to encode, layered). Layered targets (library/data/layers.py) are RGBA, and
+    each frame (the composite, then every layer) is a batch of its own: their latents are stacked
+    [B, C, 1 + layers, h, w]."""
+    pixels = {}
+    for flip in (False, True) if flip_aug else (False,):
+        suffix = "_flipped" if flip else ""
+        pixels["latents" + suffix] = _load_images(chunk, flip)
+        for k in range(n_controls):
+            pixels[f"control_{k}{suffix}"] = _load_images(chunk, flip, control=k)
+    return pixels
+
+
+def _load_images(chunk, flip: bool, control: int | None = None) -> tuple[list[torch.Tensor], bool]:
     layered = bool(chunk[0][0].layer_paths)
     mode = "RGBA" if layered else "RGB"
     if control is None and layered:
         frames = [[item.image_path, *item.layer_paths] for item, _, _ in chunk]
-        return torch.stack([_encode(encode_fn, [(paths[f], item.bucket) for paths, (item, _, _) in zip(frames, chunk)],
-                                    flip, mode) for f in range(len(frames[0]))], dim=2)
+        return [torch.stack([load_image(paths[f], item.bucket, flip, mode) for paths, (item, _, _) in zip(frames, chunk)])
+                for f in range(len(frames[0]))], True
     sources = [(item.image_path, item.bucket) if control is None
                else (item.control_paths[control], item.control_buckets[control]) for item, _, _ in chunk]
-    return _encode(encode_fn, sources, flip, mode)
+    return [torch.stack([load_image(path, bucket, flip, mode) for path, bucket in sources])], False
 
 
-def _encode(encode_fn, sources: list[tuple[str, tuple[int, int]]], flip: bool, mode: str) -> torch.Tensor:
-    images = torch.stack([load_image(path, bucket, flip, mode) for path, bucket in sources])
+def _encode(encode_fn, frames: list[torch.Tensor], layered: bool) -> torch.Tensor:
     with torch.no_grad():
-        return encode_fn(images).detach().cpu()
+        latents = [encode_fn(images).detach().cpu() for images in frames]
+    return torch.stack(latents, dim=2) if layered else latents[0]
 
 
 def cache_text(items: list[ImageItem], encode_fn: Callable[..., list[dict[str, torch.Tensor]]],
