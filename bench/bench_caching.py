@@ -117,7 +117,8 @@ if importlib.util.find_spec("torchvision") is None:  # sd-scripts' train_util bu
     transforms = module("torchvision.transforms")
     module("torchvision").transforms = transforms
     transforms.Compose = lambda steps: (lambda x: [x := f(x) for f in steps][-1])
-    transforms.ToTensor = lambda: (lambda a: torch.from_numpy(a.transpose(2, 0, 1).copy()).float().div(255))  # as torchvision's
+    # ToTensor as torchvision's: HWC uint8 -> CHW float / 255
+    transforms.ToTensor = lambda: (lambda a: torch.from_numpy(a.transpose(2, 0, 1).copy()).float().div(255))
     transforms.Normalize = lambda mean, std: (lambda t: t.sub(mean[0]).div(std[0]))
     print("torchvision: ToTensor and Normalize stood in (torchvision's arithmetic)")
 import library  # theirs

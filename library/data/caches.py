@@ -123,7 +123,8 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
         groups.setdefault((t[0].bucket, tuple(t[0].control_buckets), t[0].subset.flip_aug, len(t[0].layer_paths)),
                           []).append(t)
     chunks = [(group[start: start + batch_size], len(control_buckets), flip_aug)
-              for (_, control_buckets, flip_aug, _), group in groups.items() for start in range(0, len(group), batch_size)]
+              for (_, control_buckets, flip_aug, _), group in groups.items()
+              for start in range(0, len(group), batch_size)]
     for (chunk, _, flip_aug), pixels in prefetched(chunks, lambda job: _load_chunk(*job), load_workers):
         encoded = {name: _encode(encode_fn, frames, layered) for name, (frames, layered) in pixels.items()}
         for i, (item, path, digest) in enumerate(chunk):
@@ -188,8 +189,8 @@ def _load_images(chunk, flip: bool, control: int | None = None) -> tuple[list[to
     mode = "RGBA" if layered else "RGB"
     if control is None and layered:
         frames = [[item.image_path, *item.layer_paths] for item, _, _ in chunk]
-        return [torch.stack([load_image(paths[f], item.bucket, flip, mode) for paths, (item, _, _) in zip(frames, chunk)])
-                for f in range(len(frames[0]))], True
+        return [torch.stack([load_image(paths[f], item.bucket, flip, mode)
+                             for paths, (item, _, _) in zip(frames, chunk)]) for f in range(len(frames[0]))], True
     sources = [(item.image_path, item.bucket) if control is None
                else (item.control_paths[control], item.control_buckets[control]) for item, _, _ in chunk]
     return [torch.stack([load_image(path, bucket, flip, mode) for path, bucket in sources])], False
