@@ -168,10 +168,22 @@ class LoRAModule(nn.Module):
             mask_shape = (lx.shape[0],) + (1,) * (lx.dim() - 2) + (self.rank,)
             lx = lx * (torch.rand(mask_shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
             scale = scale / (1.0 - self.rank_dropout)
-        lx = self.lora_up(lx)
         if self.dora_scale is not None:
-            return out + self._dora_delta(out, lx, scale)
-        return out + (lx * (self.multiplier * scale)).to(out.dtype)  # back to the base output dtype
+            return out + self._dora_delta(out, self.lora_up(lx), scale)
+        return self._add_up(out, lx, self.multiplier * scale)
+
+    def _add_up(self, out: torch.Tensor, lx: torch.Tensor, factor: float) -> torch.Tensor:
+        """out + factor * lora_up(lx), in the base output's dtype. Where out, lx and the up weight meet in
+        one dtype (autocast's, or no autocast and all float32), the factor goes on the rank-r side and the
+        sum into the up GEMM (torch.addmm): one pass over the [tokens, out] output instead of four (GEMM,
+        scale, cast, add) with their temporaries, and no [tokens, out] multiply in backward."""
+        device = out.device.type
+        autocast = device != "meta" and torch.is_autocast_enabled(device)  # meta (the planner) has no autocast
+        dtype = torch.get_autocast_dtype(device) if autocast else self.lora_up.weight.dtype
+        if out.dtype != dtype or lx.dtype != dtype:
+            return out + (self.lora_up(lx) * factor).to(out.dtype)  # back to the base output dtype
+        fused = torch.addmm(out.reshape(-1, out.shape[-1]), (lx * factor).reshape(-1, lx.shape[-1]), self.lora_up.weight.t())
+        return fused.view(out.shape)
 
     def _dora_delta(self, out: torch.Tensor, lx: torch.Tensor, scale: float) -> torch.Tensor:
         """multiplier * ((g - 1) * W x + g * s * BAx), g = m / ||W + s*BA|| per output row, the

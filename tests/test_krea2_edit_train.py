@@ -50,6 +50,7 @@ def trained(edit_set, tmp_path_factory):
         "--pretrained_model_name_or_path", edit_set["krea2_diffusers"], "--ae", edit_set["qwen_image_vae"],
         "--text_encoder", edit_set["krea2_edit_text_encoder"], "--dataset_config", edit_set["edit_dataset_config"],
         "--sample_prompts", edit_set["edit_sample_prompts"], "--output_dir", str(out), "--output_name", "k2edit",
+        "--logging_dir", str(out / "logs"),  # the config's is relative to the working directory
         "--max_train_steps", "2", "--mixed_precision", "no", "--network_dim", "4", "--network_alpha", "4",
         "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0", "--sample_every_n_steps",
         "0", "--validate_every_n_steps", "0", "--fp8_base", "false", "--gradient_checkpointing", "false",
