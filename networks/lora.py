@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from library.io import CheckpointError
 from library.models.registry import arch_specs
 from library.models.spec import LoRATargets, load_symbol
+from library.precision.autocast import autocast_dtype
 from networks.lora_files import (
     LoRAWeights,
     build_metadata,
@@ -158,7 +159,8 @@ class LoRAModule(nn.Module):
         if training and self.module_dropout and torch.rand(()) < self.module_dropout:
             return out
         # Branch dtype: x -> LoRA weight dtype (float32 by default) unless autocast picks it.
-        if x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):  # meta: the memory planner
+        autocast = autocast_dtype(x.device.type)
+        if autocast is None:
             x = x.to(self.lora_down.weight.dtype)
         lx = self.lora_down(x)
         if training and self.dropout:
@@ -170,20 +172,17 @@ class LoRAModule(nn.Module):
             scale = scale / (1.0 - self.rank_dropout)
         if self.dora_scale is not None:
             return out + self._dora_delta(out, self.lora_up(lx), scale)
-        return self._add_up(out, lx, self.multiplier * scale)
+        return self._add_up(out, lx, self.multiplier * scale, autocast or self.lora_up.weight.dtype)
 
-    def _add_up(self, out: torch.Tensor, lx: torch.Tensor, factor: float) -> torch.Tensor:
+    def _add_up(self, out: torch.Tensor, lx: torch.Tensor, factor: float, dtype: torch.dtype) -> torch.Tensor:
         """out + factor * lora_up(lx), in the base output's dtype. Where out, lx and the up weight meet in
-        one dtype (autocast's, or no autocast and all float32), the factor goes on the rank-r side and the
+        `dtype` (autocast's, or no autocast and all float32), the factor goes on the rank-r side and the
         sum into the up GEMM (torch.addmm): one pass over the [tokens, out] output instead of four (GEMM,
         scale, cast, add) with their temporaries, and no [tokens, out] multiply in backward."""
-        device = out.device.type
-        autocast = device != "meta" and torch.is_autocast_enabled(device)  # meta (the planner) has no autocast
-        dtype = torch.get_autocast_dtype(device) if autocast else self.lora_up.weight.dtype
         if out.dtype != dtype or lx.dtype != dtype:
             return out + (self.lora_up(lx) * factor).to(out.dtype)  # back to the base output dtype
-        fused = torch.addmm(out.reshape(-1, out.shape[-1]), (lx * factor).reshape(-1, lx.shape[-1]), self.lora_up.weight.t())
-        return fused.view(out.shape)
+        rows = (lx * factor).reshape(-1, lx.shape[-1])
+        return torch.addmm(out.reshape(-1, out.shape[-1]), rows, self.lora_up.weight.t()).view(out.shape)
 
     def _dora_delta(self, out: torch.Tensor, lx: torch.Tensor, scale: float) -> torch.Tensor:
         """multiplier * ((g - 1) * W x + g * s * BAx), g = m / ||W + s*BA|| per output row, the

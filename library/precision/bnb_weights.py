@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError
-from library.precision.autocast import autocast_off
+from library.precision.autocast import autocast_dtype, autocast_off
 from library.precision.fp8 import KeepRules, apply_keeping_dtypes, is_high_precision
 
 MODES = ("nf4", "nf4_dq", "int8")
@@ -206,8 +206,7 @@ class _BnbLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
-        autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)  # meta: the planner
-        dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        dtype = autocast_dtype(x.device.type) or x.dtype
         bias = None if self.bias is None else self.bias.to(dtype)
         with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
             return _DequantizedLinearFunction.apply(x.to(dtype), bias, self._dequantizer(dtype), *self._stored())

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError, CheckpointReader
-from library.precision.autocast import autocast_off
+from library.precision.autocast import autocast_dtype, autocast_off
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -276,8 +276,7 @@ class FP8Linear(nn.Module):
         """(x in the layer's compute_dtype if set, the dtype the matmul runs in: autocast's or x's)."""
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
-        autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)  # meta: the planner
-        return x, torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+        return x, autocast_dtype(x.device.type) or x.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, dtype = self.input_and_dtype(x)
