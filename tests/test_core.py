@@ -156,6 +156,28 @@ def test_apply_rope_interleaved_equals_diffusers_apply_rotary_emb():
     assert (ours - theirs).abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rope_complex_multiply_equals_the_real_rotation(monkeypatch, dtype):
+    """Eager interleaved RoPE is one complex64 multiply; under torch.compile (no complex codegen) it is
+    the real formula. Both must give the same bits, forward and backward, in float32 and bf16."""
+    x = torch.randn(2, 3, 20, 128, dtype=dtype)
+    cos, sin = core.rope_tables(torch.stack([flux_img_ids(4, 5)] * 2), FLUX_AXES, FLUX_THETA)  # [2, 20, 64]
+    grad = torch.randn_like(x)
+    results = []
+    for compiling in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda c=compiling: c)
+        assert core._complex_rotation(x.float()) is not compiling
+        xg = x.clone().requires_grad_(True)
+        out = core.apply_rope(xg, cos, sin, interleaved=True)
+        out.backward(grad)
+        assert out.dtype == dtype
+        results.append((out, xg.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    odd = torch.randn(2, 3, 20, 129)[..., 1:]  # odd strides: view_as_complex cannot take it, the real path does
+    assert not core._complex_rotation(odd) and torch.equal(
+        core.apply_rope(odd, cos, sin), core.apply_rope(odd.contiguous(), cos, sin))
+
+
 def test_apply_rope_halves_equals_transformers_apply_rotary_pos_emb():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
