@@ -135,13 +135,20 @@ def test_rms_norm_bf16_input_matches_float64_reference():
     assert (out32.double() - ref32).abs().max().item() <= 1e-5
 
 
-def test_layer_norm_no_affine_bf16_input_matches_float64_reference():
-    x = (5.0 + 3.0 * torch.randn(4, 3072)).to(torch.bfloat16)
-    out = core.LayerNormNoAffine(3072)(x)
-    x64 = x.double()
+@pytest.mark.parametrize("offset", [5.0, 200.0])  # at 200 a bf16 mean would be off by up to 0.5
+def test_layer_norm_no_affine_bf16_input_matches_float64_reference(offset):
+    """bf16 in, bf16 out (also under autocast), statistics and gradients as float32 math gives them."""
+    x = (offset + 3.0 * torch.randn(4, 3072)).to(torch.bfloat16).requires_grad_(True)
+    grad = torch.randn(4, 3072, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = core.LayerNormNoAffine(3072)(x)
+    out.backward(grad)
+    x64 = x.detach().double().requires_grad_(True)
     ref = (x64 - x64.mean(-1, keepdim=True)) / torch.sqrt(x64.var(-1, unbiased=False, keepdim=True) + 1e-6)
-    assert out.dtype == torch.bfloat16
+    ref.backward(grad.double())
+    assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
     assert (out.double() - ref).abs().max().item() <= 2**-8 * ref.abs().max().item()
+    assert (x.grad.double() - x64.grad).abs().max().item() <= 2**-7 * x64.grad.abs().max().item()
     out32 = core.LayerNormNoAffine(3072)(x.float())
     assert (out32.double() - ref).abs().max().item() <= 1e-5
 

@@ -279,7 +279,7 @@ class OutputNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         scale = self.linear(F.silu(temb))[:, None]
-        return F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * (1 + scale)
+        return core.layer_norm(x, self.eps) * (1 + scale)
 
 
 # ----------------------------------------------------------------------------------------------
