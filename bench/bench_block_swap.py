@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from library.models.block_swap import enable_block_swap  # noqa: E402
+from library.models.core import compile_block  # noqa: E402
 from library.models.flux1.model import FLUX_DEV, Flux, make_img_ids, make_txt_ids  # noqa: E402
 from library.models.qwen_image.model import QWEN_IMAGE, QwenImage  # noqa: E402
 from library.precision.fp8 import FP8Linear, prepare_fp8, quantize_weight  # noqa: E402
@@ -120,7 +121,7 @@ def main(argv=None):
     net.apply()
     if args.compile:
         for block in model.swappable_blocks():
-            block.compile()
+            compile_block(block)
     net.to(device).train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-5)
     inputs, tokens = inputs_for(args.family, args.res, device)

@@ -32,6 +32,9 @@ Precision as each trainer runs it:
               forward); ours fp8_scaled. sd-scripts has no scaled fp8 for FLUX.1: no row.
 Step-0 check: both LoRAs start with up = 0, so before any update the two predictions must agree up to
 rounding; the max |ours - theirs| and the relative step-0 loss difference are printed.
+--compile: then (after the eager step-0 check) both sides torch.compile'd as their trainers do it
+(compile_both); the warm-up steps compile. Every non-tiny comparison ends the run with a line
+`headline: <family> <precision> <eager|compiled>: ours/<peer> <ratio>, MFU <percent>%`.
 
 MFU: the step's matmul FLOPs counted from shapes (bench/step_flops.py) over the fastest step time,
 divided by this CPU's best large-GEMM FLOP/s in the compute dtype (bf16 for bf16/fp8 steps): the best
@@ -71,6 +74,7 @@ PRECISIONS = ("fp32", "bf16", "fp8", "fp8_scaled")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SIGMA = 0.5  # 500 and 0.5 are exact in bf16: sd-scripts' bf16 timestep round trip loses nothing
 PEER = {"flux": "sd-scripts", "qwen_image": "musubi-tuner"}
+FAMILY_NAME = {"flux": "flux1", "qwen_image": "qwen_image"}  # the headline lines' family names (issue 29)
 
 # ----------------------------------------------------------------------------------------------
 # Importing their code
@@ -119,7 +123,8 @@ def import_musubi(root: str):
     model = importlib.import_module("musubi_tuner.qwen_image.qwen_image_model")
     lora = importlib.import_module("musubi_tuner.networks.lora_qwen_image")
     fp8 = importlib.import_module("musubi_tuner.modules.fp8_optimization_utils")
-    return model, lora, fp8
+    utils = importlib.import_module("musubi_tuner.utils.model_utils")
+    return model, lora, fp8, utils
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,6 +203,23 @@ def their_forward(family: str, model, x: dict, precision: str):
                  timestep=x["sigmas"], img_shapes=[[(1, x["h"], x["w"])]] * b, txt_seq_lens=[T] * b)
 
 
+def compile_both(family: str, ours, theirs, peer):
+    """torch.compile as each trainer does it (after the LoRA is applied and checkpointing is on):
+    ours each block in place (train_lora.py's torch_compile: nn.Module.compile of swappable_blocks());
+    musubi-tuner each block (its --compile: model_utils.compile_transformer, inductor, mode default,
+    dynamic auto); sd-scripts the whole model (its --torch_compile: accelerate's dynamo_backend,
+    inductor). Returns their model to call."""
+    from library.models.core import compile_block
+
+    for block in ours.swappable_blocks():
+        compile_block(block)
+    if family == "flux":
+        return torch.compile(theirs, backend="inductor")
+    options = argparse.Namespace(compile_backend="inductor", compile_mode="default", compile_dynamic=None,
+                                 compile_fullgraph=False, compile_cache_size_limit=None)
+    return peer["utils"].compile_transformer(options, theirs, [theirs.transformer_blocks], disable_linear=False)
+
+
 # ----------------------------------------------------------------------------------------------
 # One comparison
 
@@ -260,6 +282,9 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
         p_ours, p_theirs = fwd_ours().float(), fwd_theirs().float()
     diff = (p_ours - p_theirs).abs().max().item()
     rel = ((p_ours - p_theirs).norm() / p_ours.norm()).item()
+    if args.compile:  # after the eager step-0 check: the steps below compile at their first (warm-up) call
+        theirs = compile_both(family, ours, theirs, peer)
+        fwd_theirs = lambda: their_forward(family, theirs, x, precision)  # noqa: E731
     steps = {"ours": make_step(fwd_ours, our_params, x["target"], precision, args.device),
              "theirs": make_step(fwd_theirs, their_params, x["target"], precision, args.device)}
     peak_dtype = "fp32" if precision == "fp32" else "bf16"
@@ -284,7 +309,10 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
           f"{flops / best_o / peak:.1%} theirs {flops / best_t / peak:.1%}; at the median step ours "
           f"{flops / t_o / peak:.1%} theirs {flops / t_t / peak:.1%}")
     del steps, network
-    return {"time": t_o / t_t, "mem": m_o / max(m_t, 1), "loss": abs(l_o - l_t) / l_t, "diff": diff,
+    mode = "compiled" if args.compile else "eager"
+    headline = (f"headline: {FAMILY_NAME[family]} {precision} {mode}: ours/{PEER[family]} {t_o / t_t:.2f}, "
+                f"MFU {100 * flops / best_o / peak:.0f}%")
+    return {"headline": headline, "time": t_o / t_t, "mem": m_o / max(m_t, 1), "loss": abs(l_o - l_t) / l_t, "diff": diff,
             "mfu_ours": flops / best_o / peak, "mfu_theirs": flops / best_t / peak, "t_ours": t_o, "t_theirs": t_t}
 
 
@@ -322,6 +350,8 @@ def main(argv=None):
     p.add_argument("--tiny-reps", type=int, default=10)
     p.add_argument("--gemm", type=int, default=4096, help="matrix size of the peak GEMM")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile both sides as their trainers do (see compile_both); the warm-up steps compile")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU: peak from a bf16/fp32 GEMM on it)")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
@@ -339,15 +369,15 @@ def main(argv=None):
     if "qwen_image" in families:
         if not args.musubi:
             raise SystemExit("--musubi DIR is needed for the Qwen-Image comparison (a kohya-ss/musubi-tuner checkout)")
-        model, lora, fp8 = import_musubi(os.path.abspath(args.musubi))
-        peers["qwen_image"] = {"model": model, "lora": lora, "fp8": fp8}
+        model, lora, fp8, utils = import_musubi(os.path.abspath(args.musubi))
+        peers["qwen_image"] = {"model": model, "lora": lora, "fp8": fp8, "utils": utils}
     pinned = pin_malloc_threshold() if args.device.type == "cpu" else False
     gpu = f"; GPU {torch.cuda.get_device_name()}" if args.device.type == "cuda" else ""
     print(f"machine: {machine_summary()}{gpu}; load average {os.getloadavg()[0]:.1f}; memory: "
           f"{memory_method(args.device)}{' (malloc mmap threshold pinned)' if pinned else ''}; "
           f"checkpointing {'on' if args.checkpointing else 'off'}")
     peaks = measure_peaks(args)
-    summary, start, reps, threads = [], time.time(), args.reps, torch.get_num_threads()
+    summary, headlines, start, reps, threads = [], [], time.time(), args.reps, torch.get_num_threads()
     for size in args.sizes.split(","):
         args.reps = args.tiny_reps if size == "tiny" else reps
         # Toy ops take microseconds: on a shared machine more threads only add OpenMP sync stalls.
@@ -358,8 +388,11 @@ def main(argv=None):
                     r = compare(family, size, precision, args, peers[family], peaks)
                     summary.append(f"{family}/{size}/{precision} time {r['time']:.2f} mem {r['mem']:.2f} "
                                    f"loss0 {r['loss']:.0e} mfu {r['mfu_ours']:.0%}/{r['mfu_theirs']:.0%}")
+                    if size != "tiny":
+                        headlines.append(r["headline"])
     print(f"load average at end {os.getloadavg()[0]:.1f}")
     print(f"SUMMARY (ours/theirs, {time.time() - start:.0f} s): " + "; ".join(summary))
+    print("\n".join(headlines))  # RESULTS.md's performance section opens with these (from a GPU run)
 
 
 if __name__ == "__main__":

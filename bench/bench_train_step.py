@@ -323,11 +323,14 @@ def ref_forward(family: str, model, x: dict, dtype: torch.dtype) -> torch.Tensor
 
 
 def compile_blocks(model):
-    """torch.compile each transformer block in place, as train_lora.py's torch_compile does (ours:
-    double/single_blocks, transformer_blocks; diffusers: transformer_blocks, single_transformer_blocks)."""
+    """torch.compile each transformer block, as train_lora.py's torch_compile does (core.compile_block: in
+    place, and the checkpointed call as one region, which only our run_block uses; ours: double/single_blocks,
+    transformer_blocks; diffusers: transformer_blocks, single_transformer_blocks)."""
+    from library.models.core import compile_block
+
     for name in ("double_blocks", "single_blocks", "transformer_blocks", "single_transformer_blocks"):
         for block in getattr(model, name, []):
-            block.compile()
+            compile_block(block)
 
 
 def mfu(family: str, cfg, args, seconds: float) -> float:

@@ -6,7 +6,8 @@
 # compile  the same with every block torch.compile'd (train_lora.py's torch_compile)
 # swap     block swap overhead, eager and compiled (FLUX.1-dev 0/16/30 and Qwen-Image 0/20/40 blocks, fp8_scaled),
 #          and Qwen-Image with block_swap_prefetch 2 and 4
-# peers    ours vs sd-scripts (FLUX.1) and musubi-tuner (Qwen-Image): $SD_SCRIPTS, $MUSUBI checkouts
+# peers    ours vs sd-scripts (FLUX.1) and musubi-tuner (Qwen-Image): $SD_SCRIPTS, $MUSUBI checkouts; eager and
+#          compiled (--compile), every precision; prints the `headline:` lines RESULTS.md opens with
 # caching  latent caching images/s of 16 photo JPEGs with FLUX.1's VAE on the GPU, loading ahead in 0-8 threads
 # All at 1024 px (4096 image tokens), 512 text tokens, full-width blocks (FLUX 2 double + 4 single,
 # Qwen-Image 4 blocks), bf16, gradient checkpointing, rank 16. Logs go to $LOGS (default bench/gpu_logs).
@@ -38,9 +39,12 @@ for part in "$@"; do
       for p in 2 4; do  # deeper prefetch for Qwen-Image's large blocks
         $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20,40 --prefetch $p 2>&1 | grep -v Warning | tee -a "$LOGS/swap.log"
       done ;;
-    peers)
-      $PY bench/bench_peers.py --device cuda --sizes mid --gemm 8192 --sd_scripts "$SD_SCRIPTS" --musubi "$MUSUBI" $SHAPE 2>&1 \
-        | tee "$LOGS/peers.log" ;;
+    peers)  # eager, then both sides compiled as their trainers do; each run ends with RESULTS.md's headline lines
+      for c in "" "--compile"; do
+        $PY bench/bench_peers.py --device cuda --sizes mid --gemm 8192 --sd_scripts "$SD_SCRIPTS" --musubi "$MUSUBI" $SHAPE $c 2>&1 \
+          | grep --line-buffered -v Warning | tee -a "$LOGS/peers.log"
+      done
+      grep "^headline:" "$LOGS/peers.log" ;;
     caching)
       $PY bench/bench_caching.py --device cuda --vae flux --workers 0,2,4,8 2>&1 | tee "$LOGS/caching.log" ;;
     *) echo "unknown part $part (checks, steps, compile, swap, peers, caching)"; exit 2 ;;

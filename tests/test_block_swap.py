@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from library.models.block_swap import enable_block_swap
+from library.models import core
+from library.models.core import compile_block
 from library.precision.fp8 import quantize_module
 from networks.lora import LoRANetwork
 from library.models.registry import arch_spec
@@ -211,7 +213,8 @@ def test_blocks_to_swap_config_errors_are_one_line(tiny_set, tmp_path, capsys):
 
 @pytest.mark.parametrize("make", [tiny_flux, tiny_qwen])
 def test_compiled_blocks_swap_bit_for_bit_without_recompiling(make, base="fp8_scaled"):
-    """torch.compile'd blocks (train_lora's torch_compile: each block's nn.Module.compile) with block swap:
+    """torch.compile'd blocks (train_lora's torch_compile: core.compile_block, the block and its checkpointed
+    call compiled) with block swap:
     the same loss and LoRA gradients as the same compiled blocks resident, three steps, checkpointing
     on, an fp8_scaled base, no recompilation and no graph break (fp8_to's CPU table broke the graph
     on its storage checks until it stepped aside under compile). The swap reloads weights into the same tensor objects
@@ -231,7 +234,7 @@ def test_compiled_blocks_swap_bit_for_bit_without_recompiling(make, base="fp8_sc
     for m in (model, reference):
         m.gradient_checkpointing = True
         for block in m.swappable_blocks():
-            block.compile(backend="aot_eager")
+            compile_block(block, backend="aot_eager")
     counters.clear()
     for _ in range(3):
         loss, grads = step(model, net, inputs)
@@ -241,6 +244,41 @@ def test_compiled_blocks_swap_bit_for_bit_without_recompiling(make, base="fp8_sc
     assert sum(counters["recompiles"].values()) == 0 and sum(counters["graph_break"].values()) == 0
     assert counters["stats"]["unique_graphs"] > 0  # the blocks did run compiled
     assert not swap.resident and ("load", swap.first) in swap.log
+
+
+@pytest.mark.parametrize("make", [tiny_flux, tiny_qwen])
+def test_a_compiled_checkpointed_block_is_one_region_and_trains_like_eager(make, monkeypatch):
+    """compile_block compiles the checkpointed call with the checkpoint inside (the recompute fuses into
+    the compiled backward): the checkpointed training step goes through that region, never the eager
+    checkpoint (which would run the compiled forward again), and gives eager's loss and LoRA gradients;
+    without grad the block's own compiled call runs. Backend aot_eager (no C++ build)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model, family, inputs = make()
+    eager = copy.deepcopy(model)
+    model, net = with_lora(model, family, "fp32")
+    eager, eager_net = with_lora(eager, family, "fp32")
+    eager_net.load_state_dict(net.state_dict())
+    for m in (model, eager):
+        m.gradient_checkpointing = True
+    for block in model.swappable_blocks():
+        compile_block(block, backend="aot_eager")
+    counters.clear()
+    loss, grads = step(eager, eager_net, inputs)
+    monkeypatch.setattr(core, "checkpoint", lambda *a, **k: pytest.fail("the eager checkpoint ran"))
+    for _ in range(2):
+        compiled_loss, compiled_grads = step(model, net, inputs)
+        torch.testing.assert_close(compiled_loss, loss, rtol=1e-6, atol=1e-7)
+        for k, g in grads.items():  # (the compiled graph gives zeros where eager's unused text stream gives None)
+            zero = torch.zeros_like(dict(net.named_parameters())[k])
+            torch.testing.assert_close(compiled_grads[k] if compiled_grads[k] is not None else zero,
+                                       g if g is not None else zero, rtol=1e-5, atol=1e-7)
+    assert sum(counters["graph_break"].values()) == 0 and sum(counters["recompiles"].values()) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs), eager(**inputs), rtol=1e-6, atol=1e-6)
+    assert all(b._compiled_call_impl is not None for b in model.swappable_blocks())
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -64,7 +64,7 @@ def test_compile_compiles_every_block_the_model_lists():
 
     model = released_models_on_meta(DIFFUSION_ARCHS[0])[0]
     DiffusionTask._compile_blocks(type("Task", (), {"base": model})())
-    assert all(b._compiled_call_impl is not None for b in model.swappable_blocks())
+    assert all(b._compiled_call_impl is not None and b._compiled_checkpoint is not None for b in model.swappable_blocks())
 
 
 def test_sampling_methods_are_the_generic_draws_and_each_specs_own():

@@ -21,6 +21,7 @@ from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset,
 from library.data.image_folders import scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, encode_prompts, reference_images
 from library.data.dataset_config import load_dataset_config
+from library.models.core import compile_block
 from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
 from library.training import fsdp, memory_plan
@@ -221,12 +222,12 @@ class DiffusionTask:
         return network
 
     def _compile_blocks(self):
-        """Compile each transformer block in place (nn.Module.compile keeps the module tree and
-        its names, so LoRA files and state dicts are unchanged); after the LoRA is applied, so
-        the compiled forward includes it. The blocks are the model's swappable_blocks(): every
-        family's transformer lists its repeated blocks there, in run order."""
+        """Compile each transformer block (core.compile_block: in place, so LoRA files and state dicts
+        are unchanged, and its checkpointed call as one region); after the LoRA is applied, so the
+        compiled forward includes it. The blocks are the model's swappable_blocks(): every family's
+        transformer lists its repeated blocks there, in run order."""
         for block in self.base.swappable_blocks():
-            block.compile()
+            compile_block(block)
 
     # -- what the loop uses --------------------------------------------------------------------
     def param_groups(self, lr: float) -> list[dict]:
