@@ -31,6 +31,7 @@ not the resident weights or the optimizer state.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import re
@@ -138,22 +139,35 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize()
 
 
+CPU_MEMORY_ROUNDS = 2
+
+
 def alternate(steps: dict, warmup: int, reps: int, device: torch.device) -> dict[str, dict]:
     """Run each step `warmup` times, then `reps` rounds of all steps in turn. Returns per name the
-    step times (s), peak memory growths (bytes) and the first loss."""
+    step times (s), peak memory growths (bytes) and the first loss. On CUDA each timed step also reads
+    the allocator's peak; on the CPU the RSS sampling thread would compete with the step for the cores
+    and the GIL (it slowed a 2-core mid step by up to 20%), so the timed rounds run without it and
+    CPU_MEMORY_ROUNDS more rounds sample the memory."""
     results = {name: {"times": [], "peaks": [], "loss": None} for name in steps}
     for _ in range(warmup):
         for name, step in steps.items():
             loss = step()
             results[name]["loss"] = results[name]["loss"] if results[name]["loss"] is not None else loss
+    sample_while_timing = device.type == "cuda"
     for _ in range(reps):
         for name, step in steps.items():
-            with PeakMemory(device) as mem:
+            with PeakMemory(device) if sample_while_timing else contextlib.nullcontext() as mem:
                 start = time.perf_counter()
                 step()
                 synchronize(device)
                 elapsed = time.perf_counter() - start
             results[name]["times"].append(elapsed)
+            if sample_while_timing:
+                results[name]["peaks"].append(mem.peak)
+    for _ in range(0 if sample_while_timing else CPU_MEMORY_ROUNDS):
+        for name, step in steps.items():
+            with PeakMemory(device) as mem:
+                step()
             results[name]["peaks"].append(mem.peak)
     return results
 

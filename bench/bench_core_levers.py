@@ -1,0 +1,148 @@
+"""The model core's speed levers, each off and on in one process (issue 29).
+
+Our training step (FLUX.1 / Qwen-Image widths, LoRA rank 16 on the default targets, gradient
+checkpointing, bf16 under autocast as train_lora.py runs it, AdamW) with a lever as it was before
+against as it is now; after warm-up the two alternate, and the median ratio now/before and the step
+memory (bench_train_step.PeakMemory) are printed.
+
+  rope       core.apply_rope rotates interleaved pairs as one complex multiply; before: the real formula
+             (what it still runs under torch.compile)
+  layernorm  core.layer_norm takes bf16 as it is (PyTorch accumulates in float32); before: a float32
+             copy in and a cast out
+  compile    torch_compile's core.compile_block (the checkpointed call compiled as one region, with the
+             checkpoint inside); before: each block compiled in place and checkpointed from outside.
+             Two models of the same seed, both compiled (inductor) in the warm-up steps.
+
+"Before" is the old code path patched in for that run only; the same model serves both sides of rope and
+layernorm, whose step-0 losses (no step taken) are printed for both sides: equal up to rounding, the
+levers change no math.
+
+    python bench/bench_core_levers.py                                   # CPU, mid, all levers
+    python bench/bench_core_levers.py --device cuda --image-tokens 4096 --text-tokens 512 --double 2 --single 4 --qwen-blocks 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH)
+sys.path.insert(0, os.path.dirname(BENCH))
+
+from bench_train_step import (  # noqa: E402
+    MiB, add_our_lora, alternate, build_ours, machine_summary, make_inputs, make_step, median, our_forward,
+    pin_malloc_threshold,
+)
+from library.models import core  # noqa: E402
+
+LEVERS = ("rope", "layernorm", "compile")
+
+
+@contextlib.contextmanager
+def patched(obj, name: str, value):
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
+def layer_norm_with_copy(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """core.layer_norm before: the float32 copy in, the cast out."""
+    return F.layer_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def before(lever: str):
+    """The old path of `lever`, patched in for one run (rope, layernorm)."""
+    if lever == "rope":
+        return patched(core, "_complex_rotation", lambda x32: False)
+    return patched(core, "layer_norm", layer_norm_with_copy)
+
+
+def trained_model(family: str, args):
+    """(step, loss, model) for our mid model with a fresh LoRA, checkpointing on, frozen base in train
+    mode; loss() is the step's loss without a step."""
+    model = build_ours(family, "mid", args, torch.bfloat16, args.device).requires_grad_(False).train()
+    model.compute_dtype = torch.bfloat16
+    model.gradient_checkpointing = True
+    x = make_inputs(family, model.config, args.image_tokens, args.text_tokens, 1, args.device)
+    _, params = add_our_lora(model, family, args.rank)
+
+    def forward():
+        with torch.autocast(args.device.type, dtype=torch.bfloat16):
+            return our_forward(family, model, x)
+
+    def loss() -> float:
+        with torch.no_grad():
+            return F.mse_loss(forward().float(), x["target"]).item()
+
+    return make_step(forward, params, x["target"]), loss, model
+
+
+def compare(family: str, lever: str, args) -> float:
+    if lever == "compile":
+        step_before, _, old = trained_model(family, args)
+        step_now, _, new = trained_model(family, args)
+        for block in old.swappable_blocks():
+            block.compile()  # the block alone; run_block checkpoints it from outside
+        for block in new.swappable_blocks():
+            core.compile_block(block)
+        steps = {"before": step_before, "now": step_now}
+    else:
+        step, loss, _ = trained_model(family, args)
+        with before(lever):
+            loss_before = loss()
+        print(f"[{family} {lever}] step-0 loss before {loss_before:.6f} now {loss():.6f}")
+
+        def step_before():
+            with before(lever):
+                return step()
+
+        steps = {"before": step_before, "now": step}
+    res = alternate(steps, args.warmup, args.reps, args.device)
+    t_b, t_n = median(res["before"]["times"]), median(res["now"]["times"])
+    m_b, m_n = median(res["before"]["peaks"]), median(res["now"]["peaks"])
+    first = (f"; first step losses (two models) {res['before']['loss']:.6f} / {res['now']['loss']:.6f}"
+             if lever == "compile" else "")
+    print(f"[{family} {lever}] before {t_b:.4f} s  now {t_n:.4f} s  now/before x{t_n / t_b:.3f}; step memory "
+          f"{m_b / MiB:.0f} -> {m_n / MiB:.0f} MiB{first}", flush=True)
+    return t_n / t_b
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--families", default="flux,qwen_image")
+    p.add_argument("--levers", default=",".join(LEVERS))
+    p.add_argument("--double", type=int, default=1, help="FLUX: double blocks at width 3072")
+    p.add_argument("--single", type=int, default=1, help="FLUX: single blocks at width 3072")
+    p.add_argument("--qwen-blocks", type=int, default=2)
+    p.add_argument("--image-tokens", type=int, default=256)
+    p.add_argument("--text-tokens", type=int, default=64)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    args.device = torch.device(args.device)
+    unknown = set(args.levers.split(",")) - set(LEVERS)
+    if unknown:
+        raise SystemExit(f"--levers: unknown {sorted(unknown)}; expected some of {', '.join(LEVERS)}")
+    if args.device.type == "cpu":
+        pin_malloc_threshold()
+    print(f"machine: {machine_summary()}; {args.image_tokens} + {args.text_tokens} tokens, bf16 autocast, checkpointing")
+    summary = []
+    for family in args.families.split(","):
+        for lever in args.levers.split(","):
+            summary.append(f"{family} {lever} x{compare(family, lever, args):.3f}")
+    print("SUMMARY (now/before): " + "; ".join(summary))
+
+
+if __name__ == "__main__":
+    main()
