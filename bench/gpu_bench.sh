@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU rows of bench/RESULTS.md (issue 16), run from the repository root on a CUDA machine:
-#   bash bench/gpu_bench.sh checks steps compile swap peers caching     # any subset, in that order
+#   bash bench/gpu_bench.sh checks steps compile swap peers caching levers     # any subset, in that order
 # checks   CUDA correctness: block swap / fp8 tests with CUDA visible, and the quickstart trained on the GPU
 # steps    one LoRA step, ours vs diffusers + peft, and bf16 vs fp8 / fp8_scaled / fp8_compute base, eager
 # compile  the same with every block torch.compile'd (train_lora.py's torch_compile)
@@ -9,6 +9,7 @@
 # peers    ours vs sd-scripts (FLUX.1) and musubi-tuner (Qwen-Image): $SD_SCRIPTS, $MUSUBI checkouts; eager and
 #          compiled (--compile), every precision; prints the `headline:` lines RESULTS.md opens with
 # caching  latent caching images/s of 16 photo JPEGs with FLUX.1's VAE on the GPU, loading ahead in 0-8 threads
+# levers   the core's speed levers off and on (complex RoPE, LayerNorm without the copy, the compiled checkpoint region)
 # All at 1024 px (4096 image tokens), 512 text tokens, full-width blocks (FLUX 2 double + 4 single,
 # Qwen-Image 4 blocks), bf16, gradient checkpointing, rank 16. Logs go to $LOGS (default bench/gpu_logs).
 set -o pipefail
@@ -47,6 +48,9 @@ for part in "$@"; do
       grep "^headline:" "$LOGS/peers.log" ;;
     caching)
       $PY bench/bench_caching.py --device cuda --vae flux --workers 0,2,4,8 2>&1 | tee "$LOGS/caching.log" ;;
-    *) echo "unknown part $part (checks, steps, compile, swap, peers, caching)"; exit 2 ;;
+    levers)
+      $PY bench/bench_core_levers.py --device cuda --image-tokens 4096 --text-tokens 512 --double 2 --single 4 \
+        --qwen-blocks 4 --reps 7 2>&1 | grep --line-buffered -v Warning | tee "$LOGS/levers.log" ;;
+    *) echo "unknown part $part (checks, steps, compile, swap, peers, caching, levers)"; exit 2 ;;
   esac
 done
