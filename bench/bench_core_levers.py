@@ -70,7 +70,6 @@ def trained_model(family: str, args):
     """(step, loss, model) for our mid model with a fresh LoRA, checkpointing on, frozen base in train
     mode; loss() is the step's loss without a step."""
     model = build_ours(family, "mid", args, torch.bfloat16, args.device).requires_grad_(False).train()
-    model.compute_dtype = torch.bfloat16
     model.gradient_checkpointing = True
     x = make_inputs(family, model.config, args.image_tokens, args.text_tokens, 1, args.device)
     _, params = add_our_lora(model, family, args.rank)

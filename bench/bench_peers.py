@@ -205,7 +205,7 @@ def their_forward(family: str, model, x: dict, precision: str):
 
 def compile_both(family: str, ours, theirs, peer):
     """torch.compile as each trainer does it (after the LoRA is applied and checkpointing is on):
-    ours each block in place (train_lora.py's torch_compile: nn.Module.compile of swappable_blocks());
+    ours each block and its checkpointed call (train_lora.py's torch_compile: core.compile_block);
     musubi-tuner each block (its --compile: model_utils.compile_transformer, inductor, mode default,
     dynamic auto); sd-scripts the whole model (its --torch_compile: accelerate's dynamo_backend,
     inductor). Returns their model to call."""

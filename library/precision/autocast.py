@@ -18,6 +18,14 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+def matmul_input(x: torch.Tensor, compute_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.dtype]:
+    """A quantized Linear's input and the dtype its own matmul runs in: x in the layer's compute_dtype
+    when set, the matmul in autocast's dtype while autocast is on, else in x's."""
+    if compute_dtype is not None:
+        x = x.to(compute_dtype)
+    return x, autocast_dtype(x.device.type) or x.dtype
+
+
 def autocast_off(device_type: str):
     """Autocast disabled for a block of float32 math; `meta` (the memory planner) has no autocast."""
     return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError, CheckpointReader
-from library.precision.autocast import autocast_dtype, autocast_off
+from library.precision.autocast import autocast_off, matmul_input
 from library.precision.fp8 import apply_keeping_dtypes
 from library.precision.fp8_checkpoints import diffusion_model_prefix
 
@@ -134,9 +134,7 @@ class BFLLinear(nn.Module):
         return dequantize(self.kind, self.weight, self.weight_scale, self.weight_scale_2, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compute_dtype is not None:
-            x = x.to(self.compute_dtype)
-        dtype = autocast_dtype(x.device.type) or x.dtype
+        x, dtype = matmul_input(x, self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         with autocast_off(x.device.type):
             return _BFLLinearFunction.apply(x.to(dtype), self.weight, self.weight_scale, self.weight_scale_2, bias,

@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError
-from library.precision.autocast import autocast_dtype, autocast_off
+from library.precision.autocast import autocast_off, matmul_input
 from library.precision.fp8 import KeepRules, apply_keeping_dtypes, is_high_precision
 
 MODES = ("nf4", "nf4_dq", "int8")
@@ -204,9 +204,7 @@ class _BnbLinear(nn.Module):
             setattr(self, name, tensors[name])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compute_dtype is not None:
-            x = x.to(self.compute_dtype)
-        dtype = autocast_dtype(x.device.type) or x.dtype
+        x, dtype = matmul_input(x, self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
             return _DequantizedLinearFunction.apply(x.to(dtype), bias, self._dequantizer(dtype), *self._stored())

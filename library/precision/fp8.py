@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError, CheckpointReader
-from library.precision.autocast import autocast_dtype, autocast_off
+from library.precision.autocast import autocast_off, matmul_input
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -274,9 +274,7 @@ class FP8Linear(nn.Module):
 
     def input_and_dtype(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
         """(x in the layer's compute_dtype if set, the dtype the matmul runs in: autocast's or x's)."""
-        if self.compute_dtype is not None:
-            x = x.to(self.compute_dtype)
-        return x, autocast_dtype(x.device.type) or x.dtype
+        return matmul_input(x, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, dtype = self.input_and_dtype(x)

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import GGUF_SUFFIX, CheckpointError, CheckpointReader
-from library.precision.autocast import autocast_dtype, autocast_off
+from library.precision.autocast import autocast_off, matmul_input
 from library.precision.fp8_checkpoints import diffusion_model_prefix
 
 QK_K = 256  # weights per K-quant super-block
@@ -217,9 +217,7 @@ class GGUFLinear(nn.Module):
         return dequantize(self.weight, self.qtype, (self.out_features, self.in_features), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compute_dtype is not None:
-            x = x.to(self.compute_dtype)
-        dtype = autocast_dtype(x.device.type) or x.dtype
+        x, dtype = matmul_input(x, self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         shape = (self.out_features, self.in_features)
         with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
