@@ -12,6 +12,8 @@ memory (bench_train_step.PeakMemory) are printed.
   compile    torch_compile's core.compile_block (the checkpointed call compiled as one region, with the
              checkpoint inside); before: each block compiled in place and checkpointed from outside.
              Two models of the same seed, both compiled (inductor) in the warm-up steps.
+  tail       core.residual_projection: in checkpointing's recompute the block's last projection into the
+             residual runs its base GEMM on one token (its output is saved by nothing); before: in full
 
 "Before" is the old code path patched in for that run only; the same model serves both sides of rope and
 layernorm, whose step-0 losses (no step taken) are printed for both sides: equal up to rounding, the
@@ -41,7 +43,7 @@ from bench_train_step import (  # noqa: E402
 )
 from library.models import core  # noqa: E402
 
-LEVERS = ("rope", "layernorm", "compile")
+LEVERS = ("rope", "layernorm", "compile", "tail")
 
 
 @contextlib.contextmanager
@@ -60,9 +62,11 @@ def layer_norm_with_copy(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def before(lever: str):
-    """The old path of `lever`, patched in for one run (rope, layernorm)."""
+    """The old path of `lever`, patched in for one run (rope, layernorm, tail)."""
     if lever == "rope":
         return patched(core, "_complex_rotation", lambda x32: False)
+    if lever == "tail":
+        return patched(core, "recomputing", lambda: False)
     return patched(core, "layer_norm", layer_norm_with_copy)
 
 

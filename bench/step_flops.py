@@ -10,7 +10,9 @@ elementwise and left out, as MFU conventionally does):
   forward (dQ, dK, dV, dP);
 - LoRA: forward 2 M r (K + N); backward the two weight gradients (2 M r K + 2 M N r), the gradient of
   down(x) (2 M N r) and, where the input needs one, the input gradient (2 M r K);
-- gradient checkpointing: each block's forward once more during backward.
+- gradient checkpointing: each block's forward once more during backward, except the base GEMM of the
+  block's last projection into the residual where nothing saves its output (core.residual_projection:
+  an untrained gate), which the recompute runs for one token per batch row.
 Ops whose output never reaches the loss (Qwen-Image's last text stream after attention) have no
 backward. `count_step` is checked against torch.utils.flop_counter on the real step
 (bench_peers.py --check-flops, tests/test_step_flops.py).
@@ -35,6 +37,7 @@ class Mat:
     grad_in: bool = True  # its input needs a gradient
     backward: bool = True  # its output reaches the loss
     ckpt: bool = False  # inside a checkpointed block (forward recomputed)
+    recompute_rows: int | None = None  # rows of the base GEMM recomputed, when not M (core.residual_projection)
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,9 @@ def _mat_flops(m: Mat, rank: int) -> dict[str, float]:
         bwd += 2 * m.M * m.K * m.N if m.grad_in else 0
         if m.lora:
             bwd += 2 * m.M * rank * m.K + 4 * m.M * m.N * rank + (2 * m.M * rank * m.K if m.grad_in else 0)
-    return {"forward": fwd, "backward": bwd, "recompute": fwd if m.ckpt else 0.0}
+    rows = m.M if m.recompute_rows is None else m.recompute_rows
+    recompute = fwd - 2 * (m.M - rows) * m.K * m.N if m.ckpt else 0.0
+    return {"forward": fwd, "backward": bwd, "recompute": recompute}
 
 
 def _attn_flops(a: Attn) -> dict[str, float]:
@@ -97,8 +102,10 @@ def flux_ops(cfg, batch: int, img: int, txt: int, ckpt: bool, modulation_lora: b
     return ops
 
 
-def qwen_ops(cfg, batch: int, img: int, txt: int, ckpt: bool) -> list:
-    """Qwen-Image with musubi-tuner's default targets: the blocks' attention and MLP Linears."""
+def qwen_ops(cfg, batch: int, img: int, txt: int, ckpt: bool, tail_skipped: bool = True) -> list:
+    """Qwen-Image with musubi-tuner's default targets: the blocks' attention and MLP Linears.
+    tail_skipped: the recompute runs the MLP output's base GEMM for one token (ours; the peers' run it
+    in full)."""
     h, B, S, n = cfg.inner_dim, batch, img + txt, cfg.num_layers
     out = cfg.patch_size**2 * cfg.out_channels
     ops = [Mat(B * img, cfg.in_channels, h, grad_in=False), Mat(B * txt, cfg.joint_attention_dim, h, grad_in=False),
@@ -110,14 +117,17 @@ def qwen_ops(cfg, batch: int, img: int, txt: int, ckpt: bool) -> list:
             ops += [Mat(M, h, h, True, grad_in=i > 0, ckpt=ckpt) for _ in range(3)]  # q, k, v
             ops += [Mat(M, h, h, True, backward=reaches_loss, ckpt=ckpt),  # to_out / to_add_out
                     Mat(M, h, 4 * h, True, backward=reaches_loss, ckpt=ckpt),
-                    Mat(M, 4 * h, h, True, backward=reaches_loss, ckpt=ckpt)]
+                    Mat(M, 4 * h, h, True, backward=reaches_loss, ckpt=ckpt, recompute_rows=B if tail_skipped else None)]
         ops.append(Attn(B, S, cfg.num_attention_heads, cfg.attention_head_dim, ckpt))
     ops += [Mat(B, h, 2 * h, grad_in=False), Mat(B * img, h, out)]  # norm_out.linear, proj_out
     return ops
 
 
-def count_step(family: str, cfg, batch: int, img: int, txt: int, rank: int, ckpt: bool) -> dict[str, float]:
-    ops = flux_ops(cfg, batch, img, txt, ckpt) if family == "flux" else qwen_ops(cfg, batch, img, txt, ckpt)
+def count_step(family: str, cfg, batch: int, img: int, txt: int, rank: int, ckpt: bool,
+               tail_skipped: bool = True) -> dict[str, float]:
+    """tail_skipped=False: the step of a trainer whose recompute runs every GEMM in full (the peers)."""
+    ops = (flux_ops(cfg, batch, img, txt, ckpt) if family == "flux"
+           else qwen_ops(cfg, batch, img, txt, ckpt, tail_skipped))
     return count(ops, rank)
 
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError
+from library.models import core
 from library.models.registry import arch_specs
 from library.models.spec import LoRATargets, load_symbol
 from library.precision.autocast import autocast_dtype
@@ -141,6 +142,7 @@ class LoRAModule(nn.Module):
         self._original_forward = self.base.__dict__.get("forward", None) or type(self.base).forward.__get__(self.base)
         self._had_instance_forward = "forward" in self.base.__dict__
         self.base.forward = self.forward
+        self.base.forward_without_base_output = self.forward_without_base_output
 
     def remove_from_base(self):
         if not self.applied:
@@ -149,10 +151,20 @@ class LoRAModule(nn.Module):
             self.base.forward = self._original_forward
         else:
             del self.base.forward
+        self.base.__dict__.pop("forward_without_base_output", None)  # (another network may have taken it)
         self._original_forward = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self._original_forward(x)
+        return self._adapted(x, self._original_forward(x))
+
+    def forward_without_base_output(self, x: torch.Tensor) -> torch.Tensor:
+        """core.residual_projection's call in checkpointing's recompute: this module's path in full, the
+        base on one token (its output values are not used there, what it saves is)."""
+        if self.dora_scale is not None or self._had_instance_forward:  # DoRA's delta reads the base output
+            return self.forward(x)
+        return self._adapted(x, core.on_one_token(self._original_forward, x))
+
+    def _adapted(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         training = self.training
         if not self.enabled or self.multiplier == 0:
             return out

@@ -13,8 +13,10 @@ for every model (see shared/DESIGN.md, "Precision: what breaks and why"):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -276,9 +278,11 @@ class FeedForward(nn.Module):
         self.net = nn.ModuleList([_GeluProj(dim, hidden, bias), nn.Identity(), nn.Linear(hidden, dim, bias=bias)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.net:
-            x = layer(x)
-        return x
+        return self.net[2](self.hidden(x))
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The activations the output projection `net.2` reads."""
+        return self.net[1](self.net[0](x))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,6 +302,16 @@ class Modulation:
 
     def gated(self, y: torch.Tensor) -> torch.Tensor:
         return self.gate * y
+
+    def gated_projection(self, proj: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """gate * proj(h), the block's last step into the residual (see residual_projection)."""
+        return self.gate * residual_projection(proj, h, self.gate.requires_grad)
+
+    def gated_mlp(self, mlp: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        """gate * mlp(x) for an nn.Sequential MLP whose last layer projects into the residual."""
+        for i in range(len(mlp) - 1):  # (slicing would build a new instance of mlp's own class)
+            x = mlp[i](x)
+        return self.gated_projection(mlp[-1], x)
 
 
 def split_modulation(params: torch.Tensor, count: int) -> list[Modulation]:
@@ -342,6 +356,63 @@ def compile_block(block: nn.Module, **options):
                                                **options)
 
 
+_recompute = threading.local()
+
+
+def recomputing() -> bool:
+    """True while non-reentrant checkpointing reruns a block's forward in backward (run_block's)."""
+    return getattr(_recompute, "active", False)
+
+
+@contextlib.contextmanager
+def _recomputing_flag():
+    previous, _recompute.active = recomputing(), True
+    try:
+        yield
+    finally:
+        _recompute.active = previous
+
+
+def _checkpoint_contexts():
+    return contextlib.nullcontext(), _recomputing_flag()  # (original forward, recompute)
+
+
+def on_one_token(forward, h: torch.Tensor) -> torch.Tensor:
+    """forward(h) computed for the first token only and broadcast over the others: what a layer saves for
+    backward that does not depend on its input (a frozen Linear's weight) is saved as in the full call."""
+    if h.stride() != _row_major_strides(h.shape):  # F.linear folds a row-major input into one GEMM, saving
+        return forward(h)  # the [in, out] weight; other strides it may run batched, saving a broadcast one
+    one = h[..., :1, :].clone(memory_format=torch.contiguous_format)
+    return forward(one).expand(*h.shape[:-1], -1)
+
+
+def _row_major_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def residual_projection(proj: nn.Module, h: torch.Tensor, output_needed: bool) -> torch.Tensor:
+    """proj(h) for the block's last projection into the residual stream, `x + gate * proj(h)`.
+
+    In checkpointing's recompute only the tensors autograd saves matter, and proj's output is saved by
+    nothing downstream when the gate needs no gradient (the multiply saves the gate alone; the add
+    nothing): there the base GEMM runs on one token (on_one_token) while an adapter's own path (LoRA
+    down saves h) runs in full. That skips the MLP's / single block's output GEMM, about a third of the
+    recomputed forward's GEMM work. `output_needed` (the gate needs a gradient): computed in full. An
+    adapter that does not offer `forward_without_base_output` is computed in full too."""
+    if output_needed or torch.compiler.is_compiling() or not recomputing():
+        return proj(h)
+    without_base = getattr(proj, "forward_without_base_output", None)
+    if without_base is not None and getattr(proj.forward, "__self__", None) is getattr(without_base, "__self__", 0):
+        return without_base(h)
+    if "forward" in vars(proj):  # wrapped by something that does not say what it saves
+        return proj(h)
+    return on_one_token(proj, h)
+
+
 def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: int = 0, **kwargs):
     """Call a block, through non-reentrant activation checkpointing when training with it on.
     swap: the model's BlockSwap (library/models/block_swap.py) or None; `index` is the block's
@@ -353,7 +424,7 @@ def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: i
         if compiled is not None:
             out = compiled(*args, **kwargs)
         else:
-            out = checkpoint(block, *args, use_reentrant=False, **kwargs)
+            out = checkpoint(block, *args, use_reentrant=False, context_fn=_checkpoint_contexts, **kwargs)
     else:
         out = block(*args, **kwargs)
     return out if swap is None else swap.after_forward(index, out)

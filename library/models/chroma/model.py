@@ -195,9 +195,9 @@ class DoubleStreamBlock(nn.Module):
         txt_attn, img_attn = out.split((txt.shape[1], img.shape[1]), dim=1)
 
         img = img + img_mod1.gate * self.img_attn.proj(img_attn)
-        img = img + img_mod2.gate * self.img_mlp(img_mod2.modulate(self.img_norm2(img)))
+        img = img + img_mod2.gated_mlp(self.img_mlp, img_mod2.modulate(self.img_norm2(img)))
         txt = txt + txt_mod1.gate * self.txt_attn.proj(txt_attn)
-        txt = txt + txt_mod2.gate * self.txt_mlp(txt_mod2.modulate(self.txt_norm2(txt)))
+        txt = txt + txt_mod2.gated_mlp(self.txt_mlp, txt_mod2.modulate(self.txt_norm2(txt)))
         return img, txt
 
 
@@ -219,7 +219,7 @@ class SingleStreamBlock(nn.Module):
         q, k, v = split_heads(qkv, self.num_heads)
         q, k = self.norm(q, k)
         attn = masked_rope_attention(q, k, v, cos, sin, mask)
-        return x + mod.gate * self.linear2(torch.cat((attn, F.gelu(mlp, approximate="tanh")), dim=-1))
+        return x + mod.gated_projection(self.linear2, torch.cat((attn, F.gelu(mlp, approximate="tanh")), dim=-1))
 
 
 class LastLayer(nn.Module):

@@ -129,9 +129,9 @@ class DoubleStreamBlock(nn.Module):
         txt_attn, img_attn = rope_attention(q, k, v, cos, sin).split((txt.shape[1], img.shape[1]), dim=1)
 
         img = img + img_mod1.gate * self.img_attn.proj(img_attn)
-        img = img + img_mod2.gate * self.img_mlp(img_mod2.modulate(self.img_norm2(img)))
+        img = img + img_mod2.gated_mlp(self.img_mlp, img_mod2.modulate(self.img_norm2(img)))
         txt = txt + txt_mod1.gate * self.txt_attn.proj(txt_attn)
-        txt = txt + txt_mod2.gate * self.txt_mlp(txt_mod2.modulate(self.txt_norm2(txt)))
+        txt = txt + txt_mod2.gated_mlp(self.txt_mlp, txt_mod2.modulate(self.txt_norm2(txt)))
         return img, txt
 
 
@@ -153,8 +153,7 @@ class SingleStreamBlock(nn.Module):
         qkv, mlp = self.linear1(mod.modulate(self.pre_norm(x))).split((3 * x.shape[-1], 2 * self.mlp_hidden), dim=-1)
         q, k, v = split_heads(qkv, self.num_heads)
         q, k = self.norm(q, k)
-        out = self.linear2(torch.cat((rope_attention(q, k, v, cos, sin), swiglu(mlp)), dim=-1))
-        return x + mod.gate * out
+        return x + mod.gated_projection(self.linear2, torch.cat((rope_attention(q, k, v, cos, sin), swiglu(mlp)), dim=-1))
 
 
 # ----------------------------------------------------------------------------------------------

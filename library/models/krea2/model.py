@@ -36,7 +36,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from library.models.core import apply_rope, attention, rms_norm, rope_tables, run_block, timestep_embedding
+from library.models.core import (
+    apply_rope, attention, residual_projection, rms_norm, rope_tables, run_block, timestep_embedding,
+)
 
 TIME_FACTOR = 1000.0  # sigma is embedded as 1000 sigma
 
@@ -153,7 +155,11 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(self.hidden(x))
+
+    def hidden(self, x):
+        """The activations the output projection `down` reads."""
+        return F.silu(self.gate(x)) * self.up(x)
 
 
 class TextFusionBlock(nn.Module):
@@ -213,7 +219,8 @@ class SingleStreamBlock(nn.Module):
         m = self.modulation(tvec)
         if n_refs == 0:
             x = x + m.pregate * self.attn((1 + m.prescale) * self.prenorm(x) + m.preshift, cos, sin, mask)
-            return x + m.postgate * self.mlp((1 + m.postscale) * self.postnorm(x) + m.postshift)
+            h = self.mlp.hidden((1 + m.postscale) * self.postnorm(x) + m.postshift)
+            return x + m.postgate * residual_projection(self.mlp.down, h, m.postgate.requires_grad)
         r, split = self.modulation(ref_tvec), x.shape[1] - n_refs
 
         def spans(h, f):  # f(modulation, tokens) on [text, target] with m and on the references with r
@@ -222,7 +229,8 @@ class SingleStreamBlock(nn.Module):
         y = spans(self.prenorm(x), lambda s, h: (1 + s.prescale) * h + s.preshift)
         x = x + spans(self.attn(y, cos, sin, mask), lambda s, h: s.pregate * h)
         y = spans(self.postnorm(x), lambda s, h: (1 + s.postscale) * h + s.postshift)
-        return x + spans(self.mlp(y), lambda s, h: s.postgate * h)
+        needed = m.postgate.requires_grad or r.postgate.requires_grad
+        return x + spans(residual_projection(self.mlp.down, self.mlp.hidden(y), needed), lambda s, h: s.postgate * h)
 
 
 class LastLayer(nn.Module):

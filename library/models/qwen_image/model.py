@@ -216,6 +216,10 @@ class SplitModulation:
         n = self.split
         return torch.cat([self.target.gated(y[:, :n]), self.condition.gated(y[:, n:])], dim=1)
 
+    def gated_projection(self, proj: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        needed = self.target.gate.requires_grad or self.condition.gate.requires_grad
+        return self.gated(core.residual_projection(proj, h, needed))
+
 
 class JointAttention(nn.Module):
     """Image (`to_*`) and text (`add_*`) projections, QK RMSNorm, RoPE, one joint SDPA over
@@ -280,8 +284,8 @@ class QwenImageBlock(nn.Module):
         img = img + img_attn_mod.gated(img_out)
         txt = txt + txt_attn_mod.gated(txt_out)
 
-        img = img + img_mlp_mod.gated(self.img_mlp(img_mlp_mod.modulate(self.img_norm2(img))))
-        txt = txt + txt_mlp_mod.gated(self.txt_mlp(txt_mlp_mod.modulate(self.txt_norm2(txt))))
+        img = img + img_mlp_mod.gated_projection(self.img_mlp.net[2], self.img_mlp.hidden(img_mlp_mod.modulate(self.img_norm2(img))))
+        txt = txt + txt_mlp_mod.gated_projection(self.txt_mlp.net[2], self.txt_mlp.hidden(txt_mlp_mod.modulate(self.txt_norm2(txt))))
         return img, txt
 
 

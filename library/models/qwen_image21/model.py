@@ -239,7 +239,11 @@ class SwiGLUFeedForward(nn.Module):
         self.gate_layer = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.silu(self.gate_layer(x)) * self.proj(x))
+        return self.out(self.hidden(x))
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The activations the output projection `out` reads."""
+        return F.silu(self.gate_layer(x)) * self.proj(x)
 
 
 def _per_token(prefix: torch.Tensor, target: torch.Tensor, prefix_len: int, x: torch.Tensor) -> torch.Tensor:
@@ -265,7 +269,9 @@ class QwenImage21Block(nn.Module):
         gate1 = torch.cat((g1p.tanh().expand(x.shape[0], p, -1), g1t.tanh().expand(x.shape[0], n, -1)), dim=1)
         x = x + gate1 * self.attn(_per_token(s1p, s1t, p, self.img_norm1(x)), cos, sin, layout)
         gate2 = torch.cat((g2p.tanh().expand(x.shape[0], p, -1), g2t.tanh().expand(x.shape[0], n, -1)), dim=1)
-        x = x + gate2 * self.img_mlp(_per_token(s2p, s2t, p, self.img_norm2(x)))
+        h = self.img_mlp.hidden(_per_token(s2p, s2t, p, self.img_norm2(x)))
+        # The float16 clip below saves x for its backward: the projection's output is needed there.
+        x = x + gate2 * core.residual_projection(self.img_mlp.out, h, gate2.requires_grad or x.dtype == torch.float16)
         return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
 

@@ -1,0 +1,135 @@
+"""core.residual_projection: in checkpointing's recompute the block's last projection into the residual
+(`x + gate * proj(h)`) runs its base GEMM on one token, since nothing saves its output there.
+
+The oracle is autograd itself: the LoRA gradients with the skip equal those without it bit for bit (a
+wrong value saved in the recompute would change them; a changed save order fails checkpoint's own
+check), and torch's FLOP counter sees the skipped GEMM gone from backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from library.models import core
+from library.models.registry import FAMILIES, arch_specs
+from library.models.spec import load_symbol
+from library.precision.fp8 import quantize_module
+from networks.lora import LoRANetwork
+
+DIFFUSION_ARCHS = sorted({arch_specs()[a].arch for a in arch_specs()} - {"llm"})
+# Families whose blocks end in `x + gate * proj(h)` with an untrained gate by default; FLUX.1 trains its
+# modulation by default (sd-scripts' targets), Z-Image and Ideogram-4 norm the projection's output.
+SKIPPING = {"chroma", "flux2", "krea2", "qwen_image", "qwen_image21"}
+
+
+def tiny_model(arch: str, tiny_set):
+    from tools import precision_doctor as doctor
+
+    model = doctor.disk_variant(tiny_set[arch_specs()[arch].tiny.transformer], arch, "fp32")
+    inputs = doctor.make_inputs(arch, model.config, 64, 48, seed=0, text_len=8)
+    return model.requires_grad_(False).train(), inputs.make_kwargs(0.5)
+
+
+def with_lora(model, arch: str, network_args=None, seed: int = 0):
+    torch.manual_seed(seed)
+    net = LoRANetwork(model, arch, rank=4, alpha=2.0, network_args=network_args)
+    for m in net.lora_modules():  # a non-zero LoRA, so every path carries gradient
+        torch.nn.init.normal_(m.lora_up.weight, std=0.1)
+    net.apply()
+    return net
+
+
+def lora_grads(model, net, kwargs, skip: bool, autocast: bool = False, monkeypatch=None):
+    """(LoRA gradients, base GEMMs skipped) of one checkpointed step, with the skip on or patched off."""
+    skipped = []
+    real = core.on_one_token
+    monkeypatch.setattr(core, "on_one_token", lambda f, h: skipped.append(h.shape) or real(f, h))
+    if not skip:
+        monkeypatch.setattr(core, "recomputing", lambda: False)
+    net.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = model(**kwargs)
+    out.float().square().mean().backward()
+    monkeypatch.undo()
+    return {n: p.grad for n, p in net.named_parameters()}, skipped
+
+
+def assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] is None and b[k] is None) or torch.equal(a[k], b[k]), k
+    assert sum(g is not None for g in a.values()) > len(a) // 2
+
+
+@pytest.mark.parametrize("arch", DIFFUSION_ARCHS)
+def test_every_family_trains_the_same_bits_with_the_skip(arch, tiny_set, monkeypatch):
+    model, kwargs = tiny_model(arch, tiny_set)
+    model.gradient_checkpointing = True
+    net = with_lora(model, arch)
+    with_skip, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+    without, none = lora_grads(model, net, kwargs, False, monkeypatch=monkeypatch)
+    assert_same(with_skip, without)
+    assert not none
+    # Every skip is in the recompute (never the forward) of a block's last projection.
+    assert bool(skipped) == (arch in SKIPPING), skipped
+
+
+def test_bf16_autocast_and_a_trained_gate(tiny_set, monkeypatch):
+    """Under bf16 autocast the same bits; with the modulation trained the gate needs the projection's
+    output (FLUX.1's default targets: the generic test above), and DoRA's delta reads it: nothing is
+    skipped."""
+    model, kwargs = tiny_model("qwen_image", tiny_set)
+    model.gradient_checkpointing = True
+    net = with_lora(model, "qwen_image")
+    with_skip, skipped = lora_grads(model, net, kwargs, True, autocast=True, monkeypatch=monkeypatch)
+    assert skipped
+    assert_same(with_skip, lora_grads(model, net, kwargs, False, autocast=True, monkeypatch=monkeypatch)[0])
+    for args in ({"train_modulation": True}, {"dora": True}):  # DoRA's delta reads the base output
+        net.remove()
+        net = with_lora(model, "qwen_image", args)
+        grads, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+        assert not skipped, args
+        assert_same(grads, lora_grads(model, net, kwargs, False, monkeypatch=monkeypatch)[0])
+
+
+@pytest.mark.parametrize("base", ["fp8", "fp8_scaled"])
+def test_a_quantized_base_and_a_tail_without_lora(base, tiny_set, monkeypatch):
+    """The tail's own Linear (no adapter on it) runs on one token in the recompute too: an fp8 base
+    saves its codes, which do not depend on the token count."""
+    model, kwargs = tiny_model("qwen_image", tiny_set)
+    model = quantize_module(model, base, arch_specs()["qwen_image"].fp8)
+    model.gradient_checkpointing = True
+    net = with_lora(model, "qwen_image")
+    for module in net.lora_modules():
+        if module.name.endswith("_net_2"):
+            module.remove_from_base()
+    with_skip, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+    assert skipped
+    assert_same(with_skip, lora_grads(model, net, kwargs, False, monkeypatch=monkeypatch)[0])
+
+
+def test_the_recompute_no_longer_runs_the_tail_gemm(tiny_set):
+    """torch's FLOP counter over backward: the skipped GEMMs are the tails' forward, less one token."""
+    model, kwargs = tiny_model("qwen_image", tiny_set)
+    model.gradient_checkpointing = True
+    net = with_lora(model, "qwen_image")
+
+    def backward_flops(skip: bool) -> int:
+        out = model(**kwargs).float().square().mean()
+        saved = core.recomputing
+        core.recomputing = saved if skip else (lambda: False)
+        try:
+            with FlopCounterMode(display=False) as counter:
+                out.backward()
+        finally:
+            core.recomputing = saved
+        return counter.get_total_flops()
+
+    tails = [m for name, m in model.named_modules() if name.endswith("mlp.net.2")]
+    tokens = {id(m): 0 for m in tails}
+    hooks = [m.register_forward_hook(lambda m, i, o: tokens.__setitem__(id(m), i[0].shape[:-1].numel())) for m in tails]
+    full = backward_flops(False)
+    for h in hooks:
+        h.remove()
+    gemm = sum(2 * (tokens[id(m)] - 1) * m.in_features * m.out_features for m in tails)  # B = 1
+    assert gemm > 0 and full - backward_flops(True) == gemm
