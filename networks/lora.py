@@ -160,8 +160,8 @@ class LoRAModule(nn.Module):
     def forward_without_base_output(self, x: torch.Tensor) -> torch.Tensor:
         """core.residual_projection's call in checkpointing's recompute: this module's path in full, the
         base on one token (its output values are not used there, what it saves is)."""
-        if self.dora_scale is not None or self._had_instance_forward:  # DoRA's delta reads the base output
-            return self.forward(x)
+        if self.dora_scale is not None or self._had_instance_forward or not core.saves_only_weights(self.base):
+            return self.forward(x)  # DoRA's delta reads the base output; an unknown base may save x
         return self._adapted(x, core.on_one_token(self._original_forward, x))
 
     def _adapted(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -133,3 +133,18 @@ def test_the_recompute_no_longer_runs_the_tail_gemm(tiny_set):
         h.remove()
     gemm = sum(2 * (tokens[id(m)] - 1) * m.in_features * m.out_features for m in tails)  # B = 1
     assert gemm > 0 and full - backward_flops(True) == gemm
+
+
+def test_the_llm_decoder_layer_skips_its_down_projection(monkeypatch):
+    """The decoder layer's MLP output only meets the residual add: down_proj is a tail too."""
+    from library.models.llm import LLM, LLMConfig
+
+    torch.manual_seed(0)
+    model = LLM(LLMConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                          intermediate_size=48)).requires_grad_(False).train()
+    model.gradient_checkpointing = True
+    net = with_lora(model, "llm")
+    kwargs = {"input_ids": torch.randint(0, 64, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.long)}
+    with_skip, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+    assert len(skipped) == 2
+    assert_same(with_skip, lora_grads(model, net, kwargs, False, monkeypatch=monkeypatch)[0])

@@ -251,7 +251,11 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.hidden(x))
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The activations the output projection `down_proj` reads."""
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
 
 
 class GeluMLP(nn.Sequential):
@@ -402,15 +406,24 @@ def residual_projection(proj: nn.Module, h: torch.Tensor, output_needed: bool) -
     nothing): there the base GEMM runs on one token (on_one_token) while an adapter's own path (LoRA
     down saves h) runs in full. That skips the MLP's / single block's output GEMM, about a third of the
     recomputed forward's GEMM work. `output_needed` (the gate needs a gradient): computed in full. An
-    adapter that does not offer `forward_without_base_output` is computed in full too."""
+    adapter that does not offer `forward_without_base_output`, and a layer not known to save only its
+    weights (saves_only_weights), are computed in full too. A residual without a gate is the same case:
+    pass output_needed=False."""
     if output_needed or torch.compiler.is_compiling() or not recomputing():
         return proj(h)
     without_base = getattr(proj, "forward_without_base_output", None)
     if without_base is not None and getattr(proj.forward, "__self__", None) is getattr(without_base, "__self__", 0):
         return without_base(h)
-    if "forward" in vars(proj):  # wrapped by something that does not say what it saves
+    if "forward" in vars(proj) or not saves_only_weights(proj):  # wrapped, or a layer that may save h
         return proj(h)
     return on_one_token(proj, h)
+
+
+def saves_only_weights(layer: nn.Module) -> bool:
+    """Whether `layer`'s backward keeps only its frozen weights, never its input: nn.Linear's own forward
+    (the weight, or autocast's copy of it) and the quantized Linears that say so."""
+    known = type(layer).forward is nn.Linear.forward or getattr(layer, "backward_saves_weights_only", False)
+    return known and not any(p.requires_grad for p in layer.parameters())
 
 
 def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: int = 0, **kwargs):

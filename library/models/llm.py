@@ -227,7 +227,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, mask, visible=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, visible)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.mlp.hidden(self.post_attention_layernorm(x))
+        return x + core.residual_projection(self.mlp.down_proj, h, output_needed=False)  # the add saves nothing
 
 
 class Decoder(nn.Module):

@@ -108,6 +108,8 @@ class BFLLinear(nn.Module):
     Buffers (never trained; `model.to(dtype)` leaves fp8 / uint8 alone): `weight`, `weight_scale`,
     and for nvfp4 `weight_scale_2`. forward dequantizes to the input's (or autocast's) dtype."""
 
+    backward_saves_weights_only = True  # its autograd Function keeps the stored tensors, never x
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, kind: str = "fp8r", device=None):
         super().__init__()
         if kind not in WEIGHT_DTYPES or (kind == "nvfp4" and in_features % NVFP4_BLOCK):

@@ -176,6 +176,8 @@ class _BnbLinear(nn.Module):
     autocast dtype) and runs F.linear: gradients reach the input (a LoRA sits on top), never the
     base. compute_dtype: None follows the input; a dtype makes the layer cast its input to it."""
 
+    backward_saves_weights_only = True  # its autograd Function keeps the stored tensors, never x
+
     mode: str
 
     def __init__(self, in_features: int, out_features: int, bias: bool, stored: dict, device=None,

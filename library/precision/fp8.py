@@ -243,6 +243,8 @@ class FP8Linear(nn.Module):
     compute_dtype: None follows the input; a dtype makes the layer cast its input to it.
     """
 
+    backward_saves_weights_only = True  # its autograd Function keeps the stored tensors, never x
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, mode: str = "fp8_scaled",
                  device=None, bias_dtype: torch.dtype = torch.float32):
         super().__init__()

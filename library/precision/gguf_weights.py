@@ -195,6 +195,8 @@ class GGUFLinear(nn.Module):
     forward dequantizes to the input's dtype (or the autocast dtype) and runs F.linear: gradients
     reach the input (a LoRA sits on top), never the base. compute_dtype: None follows the input."""
 
+    backward_saves_weights_only = True  # its autograd Function keeps the stored tensors, never x
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, qtype: str = "Q8_0",
                  device=None, bias_dtype: torch.dtype = torch.float32):
         super().__init__()
