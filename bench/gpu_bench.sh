@@ -9,7 +9,8 @@
 # peers    ours vs sd-scripts (FLUX.1) and musubi-tuner (Qwen-Image): $SD_SCRIPTS, $MUSUBI checkouts; eager and
 #          compiled (--compile), every precision; prints the `headline:` lines RESULTS.md opens with
 # caching  latent caching images/s of 16 photo JPEGs with FLUX.1's VAE on the GPU, loading ahead in 0-8 threads
-# levers   the core's speed levers off and on (complex RoPE, LayerNorm without the copy, the compiled checkpoint region)
+# levers   the core's speed levers off and on (complex RoPE, LayerNorm without the copy, the compiled checkpoint region,
+#          the recompute without the last projection's GEMM)
 # All at 1024 px (4096 image tokens), 512 text tokens, full-width blocks (FLUX 2 double + 4 single,
 # Qwen-Image 4 blocks), bf16, gradient checkpointing, rank 16. Logs go to $LOGS (default bench/gpu_logs).
 set -o pipefail
