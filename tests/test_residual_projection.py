@@ -148,3 +148,19 @@ def test_the_llm_decoder_layer_skips_its_down_projection(monkeypatch):
     with_skip, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
     assert len(skipped) == 2
     assert_same(with_skip, lora_grads(model, net, kwargs, False, monkeypatch=monkeypatch)[0])
+
+
+def test_qwen_image_edit_split_modulation(tiny_set, monkeypatch):
+    """zero_cond_t (Edit-2511): the image stream's gate is split at the target's tokens; the condition
+    image's tokens take the t = 0 modulation. Same bits, and the split tail is skipped too."""
+    import dataclasses
+
+    model, kwargs = tiny_model("qwen_image", tiny_set)
+    model.config = dataclasses.replace(model.config, zero_cond_t=True)
+    shape = kwargs["img_shapes"][0]
+    kwargs = dict(kwargs, img=torch.cat([kwargs["img"]] * 2, dim=1), img_shapes=[[tuple(shape)] * 2])
+    model.gradient_checkpointing = True
+    net = with_lora(model, "qwen_image")
+    with_skip, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+    assert any(s[-2] == kwargs["img"].shape[1] for s in skipped), skipped  # the split image stream's tail
+    assert_same(with_skip, lora_grads(model, net, kwargs, False, monkeypatch=monkeypatch)[0])
