@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib
 import importlib.machinery
 import importlib.util
@@ -294,9 +295,10 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
     t_o, t_t = median(res["ours"]["times"]), median(res["theirs"]["times"])
     m_o, m_t = median(res["ours"]["peaks"]), median(res["theirs"]["peaks"])
     l_o, l_t = res["ours"]["loss"], res["theirs"]["loss"]
-    counted = (count_step(family, ours.config, args.batch, args.image_tokens, args.text_tokens, args.rank,
-                          args.checkpointing, tail_skipped=ours_side)["total"] for ours_side in (True, False))
-    flops, flops_t = counted  # theirs recompute every GEMM in full (see step_flops.count_step)
+    counted = functools.partial(count_step, family, ours.config, args.batch, args.image_tokens, args.text_tokens,
+                                args.rank, args.checkpointing)
+    flops = counted(tail_skipped=True)["total"]
+    flops_t = counted(tail_skipped=False)["total"]  # theirs recompute every GEMM in full
     n_o, n_t = sum(p.numel() for p in our_params), sum(p.numel() for p in their_params)
     print(f"[{family} {size} {precision}] {PEER[family]}; LoRA params ours {n_o:,} ({len(our_params) // 2}), "
           f"theirs {n_t:,} ({len(their_params) // 2}); step-0 prediction max|ours-theirs| {diff:.2e} "

@@ -153,7 +153,8 @@ class SingleStreamBlock(nn.Module):
         qkv, mlp = self.linear1(mod.modulate(self.pre_norm(x))).split((3 * x.shape[-1], 2 * self.mlp_hidden), dim=-1)
         q, k, v = split_heads(qkv, self.num_heads)
         q, k = self.norm(q, k)
-        return x + mod.gated_projection(self.linear2, torch.cat((rope_attention(q, k, v, cos, sin), swiglu(mlp)), dim=-1))
+        h = torch.cat((rope_attention(q, k, v, cos, sin), swiglu(mlp)), dim=-1)
+        return x + mod.gated_projection(self.linear2, h)
 
 
 # ----------------------------------------------------------------------------------------------

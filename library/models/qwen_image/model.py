@@ -284,8 +284,10 @@ class QwenImageBlock(nn.Module):
         img = img + img_attn_mod.gated(img_out)
         txt = txt + txt_attn_mod.gated(txt_out)
 
-        img = img + img_mlp_mod.gated_projection(self.img_mlp.net[2], self.img_mlp.hidden(img_mlp_mod.modulate(self.img_norm2(img))))
-        txt = txt + txt_mlp_mod.gated_projection(self.txt_mlp.net[2], self.txt_mlp.hidden(txt_mlp_mod.modulate(self.txt_norm2(txt))))
+        img_h = self.img_mlp.hidden(img_mlp_mod.modulate(self.img_norm2(img)))
+        img = img + img_mlp_mod.gated_projection(self.img_mlp.net[2], img_h)
+        txt_h = self.txt_mlp.hidden(txt_mlp_mod.modulate(self.txt_norm2(txt)))
+        txt = txt + txt_mlp_mod.gated_projection(self.txt_mlp.net[2], txt_h)
         return img, txt
 
 
