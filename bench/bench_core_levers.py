@@ -14,6 +14,9 @@ memory (bench_train_step.PeakMemory) are printed.
              Two models of the same seed, both compiled (inductor) in the warm-up steps.
   tail       core.residual_projection: in checkpointing's recompute the block's last projection into the
              residual runs its base GEMM on one token (its output is saved by nothing); before: in full
+  save       checkpoint_saves_projections (core.SAVE_PROJECTIONS): where the gates train (FLUX.1) the
+             forward keeps those projections' base outputs and the recompute skips their GEMMs; before:
+             plain checkpointing (Qwen-Image's gates do not train: nothing changes there)
 
 "Before" is the old code path patched in for that run only; the same model serves both sides of rope and
 layernorm, whose step-0 losses (no step taken) are printed for both sides: equal up to rounding, the
@@ -43,7 +46,7 @@ from bench_train_step import (  # noqa: E402
 )
 from library.models import core  # noqa: E402
 
-LEVERS = ("rope", "layernorm", "compile", "tail")
+LEVERS = ("rope", "layernorm", "compile", "tail", "save")
 
 
 @contextlib.contextmanager
@@ -61,8 +64,10 @@ def layer_norm_with_copy(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.layer_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def before(lever: str):
-    """The old path of `lever`, patched in for one run (rope, layernorm, tail)."""
+def before(lever: str, model):
+    """The old path of `lever`, patched in for one run (rope, layernorm, tail, save)."""
+    if lever == "save":
+        return patched(model, "gradient_checkpointing", True)
     if lever == "rope":
         return patched(core, "_complex_rotation", lambda x32: False)
     if lever == "tail":
@@ -70,11 +75,11 @@ def before(lever: str):
     return patched(core, "layer_norm", layer_norm_with_copy)
 
 
-def trained_model(family: str, args):
+def trained_model(family: str, args, checkpointing=True):
     """(step, loss, model) for our mid model with a fresh LoRA, checkpointing on, frozen base in train
     mode; loss() is the step's loss without a step."""
     model = build_ours(family, "mid", args, torch.bfloat16, args.device).requires_grad_(False).train()
-    model.gradient_checkpointing = True
+    model.gradient_checkpointing = checkpointing
     x = make_inputs(family, model.config, args.image_tokens, args.text_tokens, 1, args.device)
     _, params = add_our_lora(model, family, args.rank)
 
@@ -99,13 +104,13 @@ def compare(family: str, lever: str, args) -> float:
             core.compile_block(block)
         steps = {"before": step_before, "now": step_now}
     else:
-        step, loss, _ = trained_model(family, args)
-        with before(lever):
+        step, loss, model = trained_model(family, args, core.SAVE_PROJECTIONS if lever == "save" else True)
+        with before(lever, model):
             loss_before = loss()
         print(f"[{family} {lever}] step-0 loss before {loss_before:.6f} now {loss():.6f}")
 
         def step_before():
-            with before(lever):
+            with before(lever, model):
                 return step()
 
         steps = {"before": step_before, "now": step}

@@ -68,6 +68,7 @@ from bench_train_step import (  # noqa: E402
     MiB, PeakMemory, add_our_lora, alternate, build_ours, flux_config, fp8_twin, machine_summary, median,
     memory_method, our_forward, pin_malloc_threshold, qwen_config,
 )
+from library.models.core import checkpointing  # noqa: E402
 from library.models.flux1.model import make_img_ids  # noqa: E402
 from step_flops import count_step, matmul_peak  # noqa: E402
 
@@ -267,7 +268,7 @@ def build_pair(family: str, size: str, precision: str, args, peer):
     for model in (ours, theirs):  # frozen base, as both trainers load it; train mode: sd-scripts and
         model.requires_grad_(False).train()  # musubi checkpoint only while training
     if args.checkpointing:
-        ours.gradient_checkpointing = True
+        ours.gradient_checkpointing = checkpointing(True, args.save_projections)
         theirs.enable_gradient_checkpointing()
     return ours, theirs
 
@@ -297,7 +298,7 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
     l_o, l_t = res["ours"]["loss"], res["theirs"]["loss"]
     counted = functools.partial(count_step, family, ours.config, args.batch, args.image_tokens, args.text_tokens,
                                 args.rank, args.checkpointing)
-    flops = counted(tail_skipped=True)["total"]
+    flops = counted(tail_skipped=args.save_projections or None)["total"]  # ours as configured
     flops_t = counted(tail_skipped=False)["total"]  # theirs recompute every GEMM in full
     n_o, n_t = sum(p.numel() for p in our_params), sum(p.numel() for p in their_params)
     print(f"[{family} {size} {precision}] {PEER[family]}; LoRA params ours {n_o:,} ({len(our_params) // 2}), "
@@ -353,6 +354,8 @@ def main(argv=None):
     p.add_argument("--tiny-reps", type=int, default=10)
     p.add_argument("--gemm", type=int, default=4096, help="matrix size of the peak GEMM")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    p.add_argument("--save-projections", action="store_true",
+                   help="ours with checkpoint_saves_projections (the recompute skips the tails the trained gates need)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile both sides as their trainers do (see compile_both); the warm-up steps compile")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU: peak from a bf16/fp32 GEMM on it)")
@@ -378,7 +381,8 @@ def main(argv=None):
     gpu = f"; GPU {torch.cuda.get_device_name()}" if args.device.type == "cuda" else ""
     print(f"machine: {machine_summary()}{gpu}; load average {os.getloadavg()[0]:.1f}; memory: "
           f"{memory_method(args.device)}{' (malloc mmap threshold pinned)' if pinned else ''}; "
-          f"checkpointing {'on' if args.checkpointing else 'off'}")
+          f"checkpointing {'on' if args.checkpointing else 'off'}"
+          f"{' (ours: checkpoint_saves_projections)' if args.checkpointing and args.save_projections else ''}")
     peaks = measure_peaks(args)
     summary, headlines, start, reps, threads = [], [], time.time(), args.reps, torch.get_num_threads()
     for size in args.sizes.split(","):

@@ -77,10 +77,14 @@ def count(ops: list, rank: int) -> dict[str, float]:
     return total
 
 
-def flux_ops(cfg, batch: int, img: int, txt: int, ckpt: bool, modulation_lora: bool = True) -> list:
+def flux_ops(cfg, batch: int, img: int, txt: int, ckpt: bool, modulation_lora: bool = True,
+             tail_skipped: bool = False) -> list:
     """FLUX.1 (BFL layout) with our default LoRA targets (sd-scripts' lora_flux default): every
-    Linear of the double and single blocks, modulation included; embedders and final layer none."""
+    Linear of the double and single blocks, modulation included; embedders and final layer none.
+    tail_skipped: the recompute runs the MLP outputs' and linear2's base GEMMs for one token (ours with
+    checkpoint_saves_projections; by default the trained gates need them recomputed in full)."""
     h, m, B, S = cfg.hidden_size, cfg.mlp_hidden, batch, img + txt
+    tail_rows = B if tail_skipped else None
     ops = [Mat(B * img, cfg.in_channels, h, grad_in=False), Mat(B * txt, cfg.context_in_dim, h, grad_in=False),
            Mat(B, 256, h, grad_in=False), Mat(B, h, h, grad_in=False),
            Mat(B, cfg.vec_in_dim, h, grad_in=False), Mat(B, h, h, grad_in=False)]
@@ -91,12 +95,12 @@ def flux_ops(cfg, batch: int, img: int, txt: int, ckpt: bool, modulation_lora: b
             ops += [Mat(B, h, 6 * h, modulation_lora, grad_in=False, ckpt=ckpt),
                     # block 0's input is modulated by LoRA'd shift/scale: it needs a gradient too
                     Mat(M, h, 3 * h, True, grad_in=i > 0 or modulation_lora, ckpt=ckpt), Mat(M, h, h, True, ckpt=ckpt),
-                    Mat(M, h, m, True, ckpt=ckpt), Mat(M, m, h, True, ckpt=ckpt)]
+                    Mat(M, h, m, True, ckpt=ckpt), Mat(M, m, h, True, ckpt=ckpt, recompute_rows=tail_rows)]
         ops.append(Attn(B, S, cfg.num_heads, cfg.head_dim, ckpt))
     for j in range(cfg.depth_single):
         first = cfg.depth == 0 and j == 0
         ops += [Mat(B, h, 3 * h, modulation_lora, grad_in=False, ckpt=ckpt),
-                Mat(B * S, h, 3 * h + m, True, grad_in=not first or modulation_lora, ckpt=ckpt), Mat(B * S, h + m, h, True, ckpt=ckpt),
+                Mat(B * S, h, 3 * h + m, True, grad_in=not first or modulation_lora, ckpt=ckpt), Mat(B * S, h + m, h, True, ckpt=ckpt, recompute_rows=tail_rows),
                 Attn(B, S, cfg.num_heads, cfg.head_dim, ckpt)]
     ops += [Mat(B, h, 2 * h, grad_in=False), Mat(B * img, h, cfg.in_channels)]  # final adaLN, linear
     return ops
@@ -124,10 +128,13 @@ def qwen_ops(cfg, batch: int, img: int, txt: int, ckpt: bool, tail_skipped: bool
 
 
 def count_step(family: str, cfg, batch: int, img: int, txt: int, rank: int, ckpt: bool,
-               tail_skipped: bool = True) -> dict[str, float]:
-    """tail_skipped=False: the step of a trainer whose recompute runs every GEMM in full (the peers)."""
-    ops = (flux_ops(cfg, batch, img, txt, ckpt) if family == "flux"
-           else qwen_ops(cfg, batch, img, txt, ckpt, tail_skipped))
+               tail_skipped: bool | None = None) -> dict[str, float]:
+    """tail_skipped: whether the recompute runs the blocks' last projections for one token; None: as
+    ours does by default (Qwen-Image yes; FLUX.1 only with checkpoint_saves_projections); False: a
+    trainer whose recompute runs every GEMM in full (the peers)."""
+    if family == "flux":
+        return count(flux_ops(cfg, batch, img, txt, ckpt, tail_skipped=bool(tail_skipped)), rank)
+    ops = qwen_ops(cfg, batch, img, txt, ckpt, tail_skipped is not False)
     return count(ops, rank)
 
 

@@ -142,7 +142,7 @@ class LoRAModule(nn.Module):
         self._original_forward = self.base.__dict__.get("forward", None) or type(self.base).forward.__get__(self.base)
         self._had_instance_forward = "forward" in self.base.__dict__
         self.base.forward = self.forward
-        self.base.forward_without_base_output = self.forward_without_base_output
+        self.base.forward_with_base_output = self.forward_with_base_output
 
     def remove_from_base(self):
         if not self.applied:
@@ -151,18 +151,18 @@ class LoRAModule(nn.Module):
             self.base.forward = self._original_forward
         else:
             del self.base.forward
-        self.base.__dict__.pop("forward_without_base_output", None)  # (another network may have taken it)
+        self.base.__dict__.pop("forward_with_base_output", None)  # (another network may have taken it)
         self._original_forward = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._adapted(x, self._original_forward(x))
 
-    def forward_without_base_output(self, x: torch.Tensor) -> torch.Tensor:
-        """core.residual_projection's call in checkpointing's recompute: this module's path in full, the
-        base on one token (its output values are not used there, what it saves is)."""
+    def forward_with_base_output(self, x: torch.Tensor, base_call) -> torch.Tensor:
+        """core.residual_projection's call in checkpointing: this module's path in full on the base output
+        that base_call(original forward, x) gives (the base on one token, or kept from the forward)."""
         if self.dora_scale is not None or self._had_instance_forward or not core.saves_only_weights(self.base):
             return self.forward(x)  # DoRA's delta reads the base output; an unknown base may save x
-        return self._adapted(x, core.on_one_token(self._original_forward, x))
+        return self._adapted(x, base_call(self._original_forward, x))
 
     def _adapted(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         training = self.training

@@ -303,3 +303,21 @@ def test_plan_memory_refuses_a_bad_value_in_one_line_before_planning(argv, messa
     monkeypatch.setattr(plan_memory, "plan_run", planned)
     line = one_error_line(capsys, plan_memory.main(argv))
     assert line.startswith(f"error: {message}"), line
+
+
+def test_the_plan_counts_the_projections_checkpointing_saves(tiny_set):
+    """checkpoint_saves_projections keeps each block's last projection output (FLUX.1's gates train) from
+    the forward to its block's recompute: the planned step grows, by at most those tensors (one
+    [tokens, hidden] per stream and block in bf16; the last block's is taken back before the peak)."""
+    import copy
+
+    from library.training import memory_plan
+    from tools import plan_memory
+
+    family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
+    saving = copy.copy(args)
+    saving.checkpoint_saves_projections = True
+    plain, saved = (memory_plan.training_plan(family, a, 256, 256, 1, 8).phase(0).peak for a in (args, saving))
+    model = memory_plan._meta_model_and_network(family, args)[0]
+    tokens = (len(model.double_blocks) + len(model.single_blocks)) * ((256 // 16) ** 2 + 8)
+    assert 0 < saved - plain <= tokens * model.config.hidden_size * 2

@@ -164,3 +164,81 @@ def test_qwen_image_edit_split_modulation(tiny_set, monkeypatch):
     with_skip, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
     assert any(s[-2] == kwargs["img"].shape[1] for s in skipped), skipped  # the split image stream's tail
     assert_same(with_skip, lora_grads(model, net, kwargs, False, monkeypatch=monkeypatch)[0])
+
+
+def tail_modules(model) -> list:
+    """The blocks' last projections into the residual (FLUX.1: MLP out, linear2; Qwen-Image: MLP out)."""
+    return [m for name, m in model.named_modules() if name.endswith(("mlp.2", "mlp.net.2", "linear2"))]
+
+
+@pytest.mark.parametrize("arch", ["flux", "qwen_image"])
+def test_saved_projections_train_the_same_bits(arch, tiny_set, monkeypatch):
+    """checkpoint_saves_projections: where the gate trains (train_modulation; FLUX.1's default targets),
+    the forward keeps the tail's base output and the recompute runs the base on one token. The LoRA
+    gradients equal plain checkpointing's bit for bit, and every stashed output is taken back."""
+    model, kwargs = tiny_model(arch, tiny_set)
+    net = with_lora(model, arch, {"train_modulation": True})
+    model.gradient_checkpointing = True
+    plain, none = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+    assert not none  # the trained gate needs the output: plain checkpointing recomputes it in full
+    stashes = []
+    real = core._checkpoint_contexts
+    monkeypatch.setattr(core, "_checkpoint_contexts", lambda save: real(save) if stashes.append(save) else real(save))
+    model.gradient_checkpointing = core.checkpointing(True, save_projections=True)
+    saved, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+    assert_same(saved, plain)
+    assert stashes and all(stashes)
+    assert len(skipped) == len(tail_modules(model)), skipped
+
+
+def test_saved_projections_leave_the_recompute(tiny_set):
+    """torch's FLOP counter over backward: with the gate trained, saving drops the tail GEMMs (less one
+    token each) from the recompute, as the skip does for an untrained gate."""
+    model, kwargs = tiny_model("flux", tiny_set)
+    net = with_lora(model, "flux")  # FLUX.1's default targets train the modulation
+
+    def backward_flops(mode) -> int:
+        model.gradient_checkpointing = mode
+        out = model(**kwargs).float().square().mean()
+        with FlopCounterMode(display=False) as counter:
+            out.backward()
+        return counter.get_total_flops()
+
+    tails = tail_modules(model)
+    tokens = {}
+    hooks = [m.register_forward_hook(lambda m, i, o: tokens.__setitem__(id(m), i[0].shape[:-1].numel())) for m in tails]
+    full = backward_flops(True)
+    for h in hooks:
+        h.remove()
+    gemm = sum(2 * (tokens[id(m)] - 1) * m.in_features * m.out_features for m in tails)  # B = 1
+    assert net and gemm > 0 and full - backward_flops(core.SAVE_PROJECTIONS) == gemm
+
+
+def test_train_lora_with_saved_projections_trains_the_same_lora(tiny_set, tmp_path, monkeypatch):
+    """The config key end to end (FLUX.1's quickstart, its gates trained): 3 steps with
+    checkpoint_saves_projections give the losses and LoRA of plain checkpointing bit for bit."""
+    import train_lora
+    from safetensors.torch import load_file
+
+    from tests.test_train_lora import flux_args, read_losses
+
+    stashes, real = [], core._saved_output
+    monkeypatch.setattr(core, "_saved_output", lambda stash: stashes.append(stash) or real(stash))
+    common = ("--max_train_steps", "3", "--sample_prompts", "", "--gradient_checkpointing", "true")
+    for name, extra in (("plain", ()), ("saved", ("--checkpoint_saves_projections", "true"))):
+        assert train_lora.main(flux_args(tiny_set, tmp_path / name, *common, *extra)) == 0
+        assert bool(stashes) == (name == "saved")
+    assert read_losses(tmp_path / "plain") == read_losses(tmp_path / "saved")
+    plain, saved = (load_file(str(tmp_path / n / "tiny_flux_lora.safetensors")) for n in ("plain", "saved"))
+    assert plain.keys() == saved.keys() and all(torch.equal(plain[k], saved[k]) for k in plain)
+
+
+def test_config_refuses_saved_projections_without_checkpointing(tiny_set, tmp_path, capsys):
+    import train_lora
+
+    from tests.test_train_lora import flux_args
+
+    code = train_lora.main(flux_args(tiny_set, tmp_path, "--checkpoint_saves_projections", "true"))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "checkpoint_saves_projections" in err and "gradient_checkpointing" in err
+    assert len(err.splitlines()) == 1

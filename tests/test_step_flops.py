@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from step_flops import Attn, _attn_flops, count_step, flux_ops, measured_flops, qwen_ops  # noqa: E402
 
+from library.models import core  # noqa: E402
 from library.models.flux1.family import FluxFamily  # noqa: E402
 from library.models.flux1.model import Flux, FluxConfig  # noqa: E402
 from library.models.qwen_image.family import QwenImageFamily  # noqa: E402
@@ -54,19 +55,22 @@ def _step(family: str, model):
     return step
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("family,blocks", [("flux", (2, 2)), ("flux", (0, 1)), ("qwen_image", (2, 0))])
+@pytest.mark.parametrize("family,blocks,checkpointing", [
+    (family, blocks, checkpointing)
+    for family, blocks in (("flux", (2, 2)), ("flux", (0, 1)), ("qwen_image", (2, 0)))
+    for checkpointing in (False, True) + ((core.SAVE_PROJECTIONS,) if family == "flux" else ())  # FLUX.1's gates train
+])
 def test_count_matches_torch_flop_counter(family, blocks, checkpointing):
     model = _model(family, blocks).requires_grad_(False)
     model.gradient_checkpointing = checkpointing
     step = _step(family, model)
     step()  # warm
-    ops = flux_ops(model.config, 1, L, T, checkpointing) if family == "flux" else qwen_ops(model.config, 1, L, T,
-                                                                                           checkpointing)
+    ckpt, saved = bool(checkpointing), checkpointing == core.SAVE_PROJECTIONS
+    ops = flux_ops(model.config, 1, L, T, ckpt) if family == "flux" else qwen_ops(model.config, 1, L, T, ckpt)
     attention = sum(sum(_attn_flops(op).values()) for op in ops if isinstance(op, Attn))
-    counted = count_step(family, model.config, 1, L, T, RANK, checkpointing)
+    counted = count_step(family, model.config, 1, L, T, RANK, ckpt, tail_skipped=saved or None)
     assert counted["total"] - attention == measured_flops(step)
-    assert (counted["recompute"] > 0) == checkpointing
+    assert (counted["recompute"] > 0) == ckpt
 
 
 def test_attention_and_lora_terms_by_hand():

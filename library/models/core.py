@@ -13,6 +13,7 @@ for every model (see shared/DESIGN.md, "Precision: what breaks and why"):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import math
@@ -360,7 +361,17 @@ def compile_block(block: nn.Module, **options):
                                                **options)
 
 
-_recompute = threading.local()
+_recompute = threading.local()  # .active: in a recompute; .stash: this call's saved projections or None
+
+# run_block's use_checkpoint (a model's gradient_checkpointing) set to this: checkpointing that keeps
+# the outputs of the blocks' last projections into the residual (residual_projection) from the forward
+# instead of recomputing them, where a trained gate needs them.
+SAVE_PROJECTIONS = "save_projections"
+
+
+def checkpointing(enabled: bool, save_projections: bool = False) -> bool | str:
+    """A model's gradient_checkpointing value for the config's two keys."""
+    return SAVE_PROJECTIONS if enabled and save_projections else enabled
 
 
 def recomputing() -> bool:
@@ -369,33 +380,44 @@ def recomputing() -> bool:
 
 
 @contextlib.contextmanager
-def _recomputing_flag():
-    previous, _recompute.active = recomputing(), True
+def _checkpoint_pass(recompute: bool, stash: collections.deque | None):
+    previous = recomputing(), getattr(_recompute, "stash", None)
+    _recompute.active, _recompute.stash = recompute, stash
     try:
         yield
     finally:
-        _recompute.active = previous
+        _recompute.active, _recompute.stash = previous
 
 
-def _checkpoint_contexts():
-    return contextlib.nullcontext(), _recomputing_flag()  # (original forward, recompute)
+def _checkpoint_contexts(save_projections: bool = False):
+    """(original forward, recompute) contexts of one checkpointed call; both passes share its stash."""
+    stash = collections.deque() if save_projections else None
+    return _checkpoint_pass(False, stash), _checkpoint_pass(True, stash)
 
 
 def on_one_token(forward, h: torch.Tensor) -> torch.Tensor:
     """forward(h) computed for the first token only and broadcast over the others: what a layer saves for
     backward that does not depend on its input (a frozen Linear's weight) is saved as in the full call."""
-    if h.stride() != _row_major_strides(h.shape):  # F.linear folds a row-major input into one GEMM, saving
-        return forward(h)  # the [in, out] weight; other strides it may run batched, saving a broadcast one
+    if not h.is_contiguous():  # F.linear folds a contiguous input into one GEMM, saving the [in, out]
+        return forward(h)  # weight; other strides it may run batched, saving a broadcast one
     one = h[..., :1, :].clone(memory_format=torch.contiguous_format)
     return forward(one).expand(*h.shape[:-1], -1)
 
 
-def _row_major_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
+def _saved_output(stash: collections.deque):
+    """A base call (forward, h) -> output for a projection whose output autograd saves: the original
+    forward keeps it in `stash`, the recompute takes it back and runs the base on one token only for
+    what the base saves (its weights), in the same order as the forward did."""
+
+    def call(forward, h: torch.Tensor) -> torch.Tensor:
+        if not recomputing():
+            out = forward(h)
+            stash.append(out.detach())
+            return out
+        on_one_token(forward, h)
+        return stash.popleft()
+
+    return call
 
 
 def residual_projection(proj: nn.Module, h: torch.Tensor, output_needed: bool) -> torch.Tensor:
@@ -405,18 +427,27 @@ def residual_projection(proj: nn.Module, h: torch.Tensor, output_needed: bool) -
     nothing downstream when the gate needs no gradient (the multiply saves the gate alone; the add
     nothing): there the base GEMM runs on one token (on_one_token) while an adapter's own path (LoRA
     down saves h) runs in full. That skips the MLP's / single block's output GEMM, about a third of the
-    recomputed forward's GEMM work. `output_needed` (the gate needs a gradient): computed in full. An
-    adapter that does not offer `forward_without_base_output`, and a layer not known to save only its
-    weights (saves_only_weights), are computed in full too. A residual without a gate is the same case:
-    pass output_needed=False."""
-    if output_needed or torch.compiler.is_compiling() or not recomputing():
+    recomputed forward's GEMM work. `output_needed` (the gate needs a gradient): computed in full, or
+    with SAVE_PROJECTIONS checkpointing the base output is kept from the forward (one [tokens, out]
+    tensor per projection until the block's recompute) and the recompute skips the same GEMM. An
+    adapter that does not offer `forward_with_base_output`, a layer not known to save only its
+    weights (saves_only_weights) and a non-contiguous h are computed in full. A residual without a
+    gate is the same case: pass output_needed=False."""
+    if torch.compiler.is_compiling() or not h.is_contiguous():
         return proj(h)
-    without_base = getattr(proj, "forward_without_base_output", None)
-    if without_base is not None and getattr(proj.forward, "__self__", None) is getattr(without_base, "__self__", 0):
-        return without_base(h)
+    stash = getattr(_recompute, "stash", None)
+    if output_needed and stash is not None:
+        base_call = _saved_output(stash)
+    elif not output_needed and recomputing():
+        base_call = on_one_token
+    else:
+        return proj(h)
+    with_base = getattr(proj, "forward_with_base_output", None)
+    if with_base is not None and getattr(proj.forward, "__self__", None) is getattr(with_base, "__self__", 0):
+        return with_base(h, base_call)
     if "forward" in vars(proj) or not saves_only_weights(proj):  # wrapped, or a layer that may save h
         return proj(h)
-    return on_one_token(proj, h)
+    return base_call(proj, h)
 
 
 def saves_only_weights(layer: nn.Module) -> bool:
@@ -437,7 +468,8 @@ def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: i
         if compiled is not None:
             out = compiled(*args, **kwargs)
         else:
-            out = checkpoint(block, *args, use_reentrant=False, context_fn=_checkpoint_contexts, **kwargs)
+            contexts = functools.partial(_checkpoint_contexts, use_checkpoint == SAVE_PROJECTIONS)
+            out = checkpoint(block, *args, use_reentrant=False, context_fn=contexts, **kwargs)
     else:
         out = block(*args, **kwargs)
     return out if swap is None else swap.after_forward(index, out)

@@ -21,7 +21,7 @@ from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset,
 from library.data.image_folders import scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, encode_prompts, reference_images
 from library.data.dataset_config import load_dataset_config
-from library.models.core import compile_block
+from library.models.core import checkpointing, compile_block
 from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
 from library.training import fsdp, memory_plan
@@ -71,7 +71,7 @@ class DiffusionTask:
         self.base = self._load_base()
         if args.fp8_compute:
             self._enable_fp8_compute()
-        self.base.gradient_checkpointing = args.gradient_checkpointing
+        self.base.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections)
         self.network = self._make_network()  # on the CPU base: DoRA's norms read the weights
         self._to_device(self.base)
         if args.torch_compile:

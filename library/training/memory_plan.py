@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from library.models.core import checkpointing
 from library.models.registry import spec_of
 from library.training.meta_cache import META_KERNELS
 
@@ -201,7 +202,7 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     """One training step of `family` under `args` (the train_lora config) at width x height, on meta.
     references: reference images per sample of an edit family (default: family.plan_controls)."""
     model, network = _meta_model_and_network(family, args)
-    model.gradient_checkpointing = args.gradient_checkpointing
+    model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections)
     network.train()
     lora = [p for p in network.parameters() if p.requires_grad]
     optimizer = _optimizer_bytes(network, args)
