@@ -315,7 +315,7 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
     del steps, network
     mode = "compiled" if args.compile else "eager"
     headline = (f"headline: {FAMILY_NAME[family]} {precision} {mode}: ours/{PEER[family]} {t_o / t_t:.2f}, "
-                f"MFU {100 * flops / best_o / peak:.0f}%")
+                f"MFU {100 * flops / best_o / peak:.0f}%{' (checkpoint_saves_projections)' if args.save_projections else ''}")
     return {"headline": headline, "time": t_o / t_t, "mem": m_o / max(m_t, 1), "loss": abs(l_o - l_t) / l_t, "diff": diff,
             "mfu_ours": flops / best_o / peak, "mfu_theirs": flops_t / best_t / peak, "t_ours": t_o, "t_theirs": t_t}
 

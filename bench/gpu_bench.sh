@@ -7,10 +7,11 @@
 # swap     block swap overhead, eager and compiled (FLUX.1-dev 0/16/30 and Qwen-Image 0/20/40 blocks, fp8_scaled),
 #          and Qwen-Image with block_swap_prefetch 2 and 4
 # peers    ours vs sd-scripts (FLUX.1) and musubi-tuner (Qwen-Image): $SD_SCRIPTS, $MUSUBI checkouts; eager and
-#          compiled (--compile), every precision; prints the `headline:` lines RESULTS.md opens with
+#          compiled (--compile), every precision, and FLUX.1 eager with checkpoint_saves_projections; prints the
+#          `headline:` lines RESULTS.md opens with
 # caching  latent caching images/s of 16 photo JPEGs with FLUX.1's VAE on the GPU, loading ahead in 0-8 threads
 # levers   the core's speed levers off and on (complex RoPE, LayerNorm without the copy, the compiled checkpoint region,
-#          the recompute without the last projection's GEMM)
+#          the recompute without the last projection's GEMM, checkpoint_saves_projections)
 # All at 1024 px (4096 image tokens), 512 text tokens, full-width blocks (FLUX 2 double + 4 single,
 # Qwen-Image 4 blocks), bf16, gradient checkpointing, rank 16. Logs go to $LOGS (default bench/gpu_logs).
 set -o pipefail
@@ -46,6 +47,9 @@ for part in "$@"; do
         $PY bench/bench_peers.py --device cuda --sizes mid --gemm 8192 --sd_scripts "$SD_SCRIPTS" --musubi "$MUSUBI" $SHAPE $c 2>&1 \
           | grep --line-buffered -v Warning | tee -a "$LOGS/peers.log"
       done
+      # FLUX.1 eager with checkpoint_saves_projections (its trained gates keep the tails' outputs)
+      $PY bench/bench_peers.py --device cuda --sizes mid --gemm 8192 --families flux --sd_scripts "$SD_SCRIPTS" $SHAPE \
+        --save-projections 2>&1 | grep --line-buffered -v Warning | tee -a "$LOGS/peers.log"
       grep "^headline:" "$LOGS/peers.log" ;;
     caching)
       $PY bench/bench_caching.py --device cuda --vae flux --workers 0,2,4,8 2>&1 | tee "$LOGS/caching.log" ;;
