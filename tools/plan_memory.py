@@ -254,6 +254,28 @@ def what_to_plan(cli) -> tuple:
     return family, run, size, cli.batch_size or max(d.batch_size for d in blueprint.datasets), references
 
 
+def saved_projections_rows(family, args, width: int, height: int, batch: int, vram_gib: float,
+                           references: int | None, planned: dict) -> list[str]:
+    """What checkpoint_saves_projections (unset in args) would cost on this card, per base precision with
+    checkpointing: one more plan each; none where the first keeps nothing (no trained gate)."""
+    if args.checkpoint_saves_projections:
+        return []  # the rows above already plan it
+    count, tokens = references_and_tokens(family, args, references, width, height)
+    rows = []
+    for base in [base for base, ckpt in planned if ckpt]:
+        trial = setting_args(family, args, base, True)
+        trial.checkpoint_saves_projections = True
+        plan = training_plan(family, trial, width, height, batch, tokens, count)
+        extra = plan.phase(0).peak - planned[(base, True)].phase(0).peak
+        if extra <= 0:
+            return []
+        fit = fewest_swaps(plan, vram_gib)
+        what = "does not fit" if fit is None else f"fits with blocks_to_swap = {fit} (peak {plan.phase(fit).peak / GiB:.1f} GiB)"
+        rows.append(f"  {base:10s} gradient_checkpointing=true with checkpoint_saves_projections = true "
+                    f"(+{extra / GiB:.2f} GiB, less recompute): {what}")
+    return rows
+
+
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
@@ -280,6 +302,8 @@ def main(argv=None) -> int:
     for base, ckpt, fit, peak in fitting_settings(family, run, width, height, batch, args.vram, references, planned):
         what = "does not fit" if fit is None else f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)"
         print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {what}")
+    for row in saved_projections_rows(family, run, width, height, batch, args.vram, references, planned):
+        print(row)
     return 0
 
 
