@@ -233,12 +233,16 @@ def test_train_lora_with_saved_projections_trains_the_same_lora(tiny_set, tmp_pa
     assert plain.keys() == saved.keys() and all(torch.equal(plain[k], saved[k]) for k in plain)
 
 
-def test_config_refuses_saved_projections_without_checkpointing(tiny_set, tmp_path, capsys):
+@pytest.mark.parametrize("extra, named", [
+    ((), "needs gradient_checkpointing = true"),
+    (("--gradient_checkpointing", "true", "--torch_compile", "true"), "with torch_compile the compiled region"),
+])
+def test_config_refuses_saved_projections_without_eager_checkpointing(tiny_set, tmp_path, capsys, extra, named):
     import train_lora
 
     from tests.test_train_lora import flux_args
 
-    code = train_lora.main(flux_args(tiny_set, tmp_path, "--checkpoint_saves_projections", "true"))
+    code = train_lora.main(flux_args(tiny_set, tmp_path, "--checkpoint_saves_projections", "true", *extra))
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "checkpoint_saves_projections" in err and "gradient_checkpointing" in err
+    assert code == 2 and "checkpoint_saves_projections" in err and named in err
     assert len(err.splitlines()) == 1

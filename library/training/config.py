@@ -466,6 +466,10 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if args.checkpoint_saves_projections and not args.gradient_checkpointing:
         raise ConfigError(f"{origins.get('checkpoint_saves_projections', where)}: key 'checkpoint_saves_projections' "
                           f"needs gradient_checkpointing = true (it changes what the recompute runs)")
+    if args.checkpoint_saves_projections and args.torch_compile:
+        raise ConfigError(f"{_blame(origins, where, 'checkpoint_saves_projections', 'torch_compile')}: key "
+                          f"'checkpoint_saves_projections' is for eager blocks; with torch_compile the compiled "
+                          f"region plans its own recompute (set one of them false)")
     _validate_base_loras(args, origins, where)
     from library.training.tracking import check_trackers
 
