@@ -32,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train_step import GiB, machine_summary, pin_malloc_threshold, status_bytes  # noqa: E402
 
+from library.models.core import checkpointing  # noqa: E402
 from library.models.flux1.family import FluxFamily  # noqa: E402
 from library.models.flux1.model import FLUX_DEV, Flux  # noqa: E402
 from library.precision.fp8 import FP8Linear, bytes_per_parameter, prepare_fp8, quantize_weight  # noqa: E402
@@ -96,9 +97,10 @@ def build(args) -> Flux:
     prepare_fp8(model, args.mode, arch_spec("flux").fp8)
     count = materialize(model, args.mode, torch.bfloat16, args.seed)
     model.compute_dtype = DTYPES[args.compute]
-    model.gradient_checkpointing = True
+    model.gradient_checkpointing = checkpointing(True, args.save_projections)
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, FP8Linear))
-    log(f"built {cfg.depth}+{cfg.depth_single} blocks: {count} FP8Linear ({args.mode}) holding {weights / 1e9:.2f} B weights")
+    log(f"built {cfg.depth}+{cfg.depth_single} blocks: {count} FP8Linear ({args.mode}) holding {weights / 1e9:.2f} B weights; "
+        f"checkpointing {model.gradient_checkpointing}")
     return model
 
 
@@ -174,6 +176,8 @@ def main(argv=None):
     p.add_argument("--image-tokens", type=int, default=256)
     p.add_argument("--text-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-projections", action="store_true", help="checkpoint_saves_projections (the trained gates' "
+                                                                      "projections kept from the forward)")
     args = p.parse_args(argv)
     pin_malloc_threshold()
     log(f"machine: {machine_summary()}")
@@ -188,6 +192,7 @@ def main(argv=None):
     log(f"bytes per base parameter {bytes_per_parameter(model):.4f}; "
         f"base {sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())) / GiB:.2f} GiB")
 
+    torch.manual_seed(args.seed)  # the LoRA's init: runs with other settings get the same LoRA
     network = LoRANetwork(model, "flux", args.rank, alpha=args.rank)
     network.apply()
     params = network.trainable_parameters()
@@ -221,7 +226,7 @@ def main(argv=None):
     print()
     print(f"compute {args.compute}, base {args.mode}, {args.double}+{args.single} blocks, rank {args.rank}, "
           f"{args.image_tokens}+{args.text_tokens} tokens, batch 1, gradient checkpointing on; loss {loss.item():.4f}, "
-          f"LoRA grad norm {grad_norm:.3e}; VmHWM reset per phase: {can_reset}")
+          f"LoRA grad norm {grad_norm:.9e}; VmHWM reset per phase: {can_reset}")
     print(f"{'phase':10s} {'seconds':>8s} {'peak RSS GiB':>13s} {'RSS after GiB':>14s}")
     for name, (sec, pk, rss) in phases.items():
         print(f"{name:10s} {sec:8.1f} {pk:13.2f} {rss:14.2f}")
