@@ -254,6 +254,11 @@ def what_to_plan(cli) -> tuple:
     return family, run, size, cli.batch_size or max(d.batch_size for d in blueprint.datasets), references
 
 
+def fit_text(fit: int | None, peak: int) -> str:
+    """A card row's verdict, as the web UI reads it (library/ui/commands.py PLAN_ROW)."""
+    return "does not fit" if fit is None else f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)"
+
+
 def saved_projections_rows(family, args, width: int, height: int, batch: int, vram_gib: float,
                            references: int | None, planned: dict) -> list[str]:
     """What checkpoint_saves_projections (unset in args) would cost on this card, per base precision with
@@ -270,9 +275,8 @@ def saved_projections_rows(family, args, width: int, height: int, batch: int, vr
         if extra <= 0:
             return []
         fit = fewest_swaps(plan, vram_gib)
-        what = "does not fit" if fit is None else f"fits with blocks_to_swap = {fit} (peak {plan.phase(fit).peak / GiB:.1f} GiB)"
         rows.append(f"  {base:10s} gradient_checkpointing=true with checkpoint_saves_projections = true "
-                    f"(+{extra / GiB:.2f} GiB, less recompute): {what}")
+                    f"(+{extra / GiB:.2f} GiB, less recompute): {fit_text(fit, plan.phase(fit or 0).peak)}")
     return rows
 
 
@@ -300,8 +304,7 @@ def main(argv=None) -> int:
               f"sample_bf16_reference off (unless the config sets it true)")
     print(f"\nOn a {args.vram:g} GiB card (usable {usable(args.vram) / GiB:.1f} GiB), training:")
     for base, ckpt, fit, peak in fitting_settings(family, run, width, height, batch, args.vram, references, planned):
-        what = "does not fit" if fit is None else f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)"
-        print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {what}")
+        print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {fit_text(fit, peak)}")
     for row in saved_projections_rows(family, run, width, height, batch, args.vram, references, planned):
         print(row)
     return 0
