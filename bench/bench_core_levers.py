@@ -17,6 +17,9 @@ memory (bench_train_step.PeakMemory) are printed.
   save       checkpoint_saves_projections (core.SAVE_PROJECTIONS): where the gates train (FLUX.1) the
              forward keeps those projections' base outputs and the recompute skips their GEMMs; before:
              plain checkpointing (Qwen-Image's gates do not train: nothing changes there)
+  save_compiled  the same under torch_compile (core.compile_block's saving region: its checkpoint
+             policy keeps the marked projection outputs); before: the plain compiled region. One
+             model, both regions compiled (inductor) in the warm-up steps.
 
 "Before" is the old code path patched in for that run only; the same model serves both sides of rope and
 layernorm, whose step-0 losses (no step taken) are printed for both sides: equal up to rounding, the
@@ -46,7 +49,7 @@ from bench_train_step import (  # noqa: E402
 )
 from library.models import core  # noqa: E402
 
-LEVERS = ("rope", "layernorm", "compile", "tail", "save")
+LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled")
 
 
 @contextlib.contextmanager
@@ -66,7 +69,7 @@ def layer_norm_with_copy(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def before(lever: str, model):
     """The old path of `lever`, patched in for one run (rope, layernorm, tail, save)."""
-    if lever == "save":
+    if lever in ("save", "save_compiled"):
         return patched(model, "gradient_checkpointing", True)
     if lever == "rope":
         return patched(core, "_complex_rotation", lambda x32: False)
@@ -104,7 +107,11 @@ def compare(family: str, lever: str, args) -> float:
             core.compile_block(block)
         steps = {"before": step_before, "now": step_now}
     else:
-        step, loss, model = trained_model(family, args, core.SAVE_PROJECTIONS if lever == "save" else True)
+        saving = lever in ("save", "save_compiled")
+        step, loss, model = trained_model(family, args, core.SAVE_PROJECTIONS if saving else True)
+        if lever == "save_compiled":
+            for block in model.swappable_blocks():
+                core.compile_block(block)
         with before(lever, model):
             loss_before = loss()
         print(f"[{family} {lever}] step-0 loss before {loss_before:.6f} now {loss():.6f}")

@@ -47,9 +47,11 @@ for part in "$@"; do
         $PY bench/bench_peers.py --device cuda --sizes mid --gemm 8192 --sd_scripts "$SD_SCRIPTS" --musubi "$MUSUBI" $SHAPE $c 2>&1 \
           | grep --line-buffered -v Warning | tee -a "$LOGS/peers.log"
       done
-      # FLUX.1 eager with checkpoint_saves_projections (its trained gates keep the tails' outputs)
-      $PY bench/bench_peers.py --device cuda --sizes mid --gemm 8192 --families flux --sd_scripts "$SD_SCRIPTS" $SHAPE \
-        --save-projections 2>&1 | grep --line-buffered -v Warning | tee -a "$LOGS/peers.log"
+      # FLUX.1 eager and compiled with checkpoint_saves_projections (its trained gates keep the tails' outputs)
+      for c in "" "--compile"; do
+        $PY bench/bench_peers.py --device cuda --sizes mid --gemm 8192 --families flux --sd_scripts "$SD_SCRIPTS" $SHAPE \
+          --save-projections $c 2>&1 | grep --line-buffered -v Warning | tee -a "$LOGS/peers.log"
+      done
       grep "^headline:" "$LOGS/peers.log" ;;
     caching)
       $PY bench/bench_caching.py --device cuda --vae flux --workers 0,2,4,8 2>&1 | tee "$LOGS/caching.log" ;;

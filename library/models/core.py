@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from library.precision.autocast import autocast_off
 
@@ -355,10 +356,48 @@ def compile_block(block: nn.Module, **options):
     (nn.Module.compile: names and state dict unchanged), and the checkpointed call as one compiled
     region, checkpoint included, so the partitioner plans forward, recompute and backward together: the
     recompute fuses into the backward graph instead of running the compiled forward again (the mid
-    3072-wide bf16 CPU step x0.90-0.96, activation memory per block unchanged; bench/RESULTS.md)."""
+    3072-wide bf16 CPU step x0.90-0.96, activation memory per block unchanged; bench/RESULTS.md).
+    For SAVE_PROJECTIONS checkpointing a second region (compiled on first use) has the checkpoint keep
+    the marked projection outputs (_keep_marked_gemms); the partitioner then drops their GEMMs from the
+    recompute, as the eager stash does."""
     block.compile(**options)
-    block._compiled_checkpoint = torch.compile(functools.partial(checkpoint, block._call_impl, use_reentrant=False),
-                                               **options)
+    logging.getLogger("torch._higher_order_ops.wrap").addFilter(_without_context_fn_warning)
+    call = functools.partial(checkpoint, block._call_impl, use_reentrant=False)
+    block._compiled_checkpoint = torch.compile(call, **options)
+    block._compiled_saving_checkpoint = torch.compile(functools.partial(call, context_fn=_SAVING_CONTEXTS),
+                                                      **options)
+
+
+# Compiled SAVE_PROJECTIONS: residual_projection runs the base call of a projection whose output a trained
+# gate needs under this torch.fx annotation; the selective-checkpoint policy saves the GEMMs made there
+# (the [tokens, out] output; the rest of the call, e.g. an fp8 weight's dequantization, is recomputed)
+# and lets the partitioner recompute everything else, as plain checkpointing does.
+_KEEP_OUTPUT = "residual_projection_keeps_output"
+_GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+          torch.ops.aten.baddbmm.default, torch.ops.aten._scaled_mm.default)
+
+
+def _keep_marked_gemms(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in _GEMMS and torch.fx.traceback.get_current_meta().get("custom", {}).get(_KEEP_OUTPUT):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_SAVING_CONTEXTS = functools.partial(create_selective_checkpoint_contexts, _keep_marked_gemms)
+
+
+def _without_context_fn_warning(record: logging.LogRecord) -> bool:
+    """torch warns once that a compiled checkpoint with a context_fn must hold no in-place op; the blocks'
+    regions hold none on a saved tensor (their gradients are compared in tests/test_residual_projection.py),
+    so a user would read three lines about nothing."""
+    return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+def _marked_output(forward, h: torch.Tensor) -> torch.Tensor:
+    """The base call (forward, h) -> output of a compiled SAVE_PROJECTIONS region: marked for
+    _keep_marked_gemms (outside that region the mark is inert metadata)."""
+    with torch.fx.traceback.annotate({_KEEP_OUTPUT: True}):
+        return forward(h)
 
 
 _recompute = threading.local()  # .active: in a recompute; .stash: this call's saved projections or None
@@ -429,15 +468,19 @@ def residual_projection(proj: nn.Module, h: torch.Tensor, output_needed: bool) -
     down saves h) runs in full. That skips the MLP's / single block's output GEMM, about a third of the
     recomputed forward's GEMM work. `output_needed` (the gate needs a gradient): computed in full, or
     with SAVE_PROJECTIONS checkpointing the base output is kept from the forward (one [tokens, out]
-    tensor per projection until the block's recompute) and the recompute skips the same GEMM. An
+    tensor per projection until the block's recompute) and the recompute skips the same GEMM (compiled:
+    the base call is marked for the region's checkpoint policy, compile_block). An
     adapter that does not offer `forward_with_base_output`, a layer not known to save only its
     weights (saves_only_weights) and a non-contiguous h are computed in full. A residual without a
     gate is the same case: pass output_needed=False."""
-    if torch.compiler.is_compiling() or not h.is_contiguous():
+    if torch.compiler.is_compiling():  # the partitioner recomputes only what backward reads
+        if not output_needed:
+            return proj(h)
+        base_call = _marked_output  # kept where the region's checkpoint saves marked outputs
+    elif not h.is_contiguous():
         return proj(h)
-    stash = getattr(_recompute, "stash", None)
-    if output_needed and stash is not None:
-        base_call = _saved_output(stash)
+    elif output_needed and getattr(_recompute, "stash", None) is not None:
+        base_call = _saved_output(_recompute.stash)
     elif not output_needed and recomputing():
         base_call = on_one_token
     else:
@@ -466,7 +509,8 @@ def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: i
     if use_checkpoint and torch.is_grad_enabled():
         compiled = getattr(block, "_compiled_checkpoint", None)  # compile_block's
         if compiled is not None:
-            out = compiled(*args, **kwargs)
+            saving = use_checkpoint == SAVE_PROJECTIONS
+            out = (block._compiled_saving_checkpoint if saving else compiled)(*args, **kwargs)
         else:
             contexts = functools.partial(_checkpoint_contexts, use_checkpoint == SAVE_PROJECTIONS)
             out = checkpoint(block, *args, use_reentrant=False, context_fn=contexts, **kwargs)

@@ -114,7 +114,7 @@ SCHEMA: dict[str, Arg] = {
                                                    "into the residual from the forward where a trained gate needs "
                                                    "it (modulation among the LoRA targets) instead of recomputing "
                                                    "it: step FLOPs x0.88-0.90 there for one [tokens, width] activation "
-                                                   "per stream and block (the planner counts it); eager blocks only"),
+                                                   "per stream and block (the planner counts it); eager or torch_compile"),
     "blocks_to_swap": A(int, 0, "keep the last N transformer blocks' frozen weights in CPU memory, copied in per use"),
     "block_swap_prefetch": A(int, 1, "swapped blocks copied ahead of their use (each one more block of device memory; "
                                      "deeper hides large blocks' copies behind more compute)"),
@@ -466,10 +466,6 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if args.checkpoint_saves_projections and not args.gradient_checkpointing:
         raise ConfigError(f"{origins.get('checkpoint_saves_projections', where)}: key 'checkpoint_saves_projections' "
                           f"needs gradient_checkpointing = true (it changes what the recompute runs)")
-    if args.checkpoint_saves_projections and args.torch_compile:
-        raise ConfigError(f"{_blame(origins, where, 'checkpoint_saves_projections', 'torch_compile')}: key "
-                          f"'checkpoint_saves_projections' is for eager blocks; with torch_compile the compiled "
-                          f"region plans its own recompute (set one of them false)")
     _validate_base_loras(args, origins, where)
     from library.training.tracking import check_trackers
 
