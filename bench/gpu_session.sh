@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# One call on a lent GPU (the device tool's `run`), from the repository root, after bench/gpu_prepare.sh
+# here and with its folders carried (carry [".whl", ".peers"]):
+#   bash bench/gpu_session.sh PLAN [SECONDS]
+# PLAN headline  issue 29's `headline:` lines, most wanted first: ours vs sd-scripts (FLUX.1, ours with
+#                checkpoint_saves_projections) and musubi-tuner (Qwen-Image), bf16 eager, bf16 compiled,
+#                fp8 eager, fp8 compiled (FLUX.1 fp8: sd-scripts' fp8_base; Qwen-Image fp8_scaled)
+#      rest      CUDA checks (tests, the quickstart), FLUX.1 without the key (eager and compiled), the core
+#                levers, block swap eager / compiled / with prefetch
+# SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
+# with under 45 s left is skipped and said so. Logs go to $OUT (the device tool brings back 8 files at
+# most: these are 6) or bench/gpu_logs; session.log ends with every headline line of the call.
+# Settings as bench/gpu_bench.sh: 1024 px (4096 image + 512 text tokens), full-width blocks (FLUX.1 2 double
+# + 4 single, Qwen-Image 4), bf16 autocast, gradient checkpointing, rank 16.
+set -o pipefail
+plan=${1:?usage: bash bench/gpu_session.sh headline|rest [SECONDS]}
+budget=${2:-540}
+start=$SECONDS
+LOGS=${OUT:-bench/gpu_logs}
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && [ -z "${PYTHON:-}" ]; then  # the device's torch stays; what else it lacks comes as wheels
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheel install failed" | tee -a "$LOGS/session.log"; exit 1; }
+    export PYTHONPATH=/tmp/site
+fi
+PY=${PYTHON:-python3}
+# A smoke test here: PYTHON=.venv/bin/python DEVICE=cpu SHAPE="--image-tokens 64 --text-tokens 16 --double 1
+# --single 1 --qwen-blocks 1 --warmup 1 --reps 1" GEMM=1024 bash bench/gpu_session.sh headline 1800
+DEVICE=${DEVICE:-cuda}
+SHAPE=${SHAPE:-"--image-tokens 4096 --text-tokens 512 --double 2 --single 4 --qwen-blocks 4 --warmup 2 --reps 3"}
+PEERS="--device $DEVICE --sizes mid --gemm ${GEMM:-8192} --sd_scripts .peers/sd-scripts --musubi .peers/musubi-tuner $SHAPE"
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"
+    $PY -c "import torch, diffusers, transformers, peft; print('torch', torch.__version__, 'diffusers', diffusers.__version__,
+        'transformers', transformers.__version__, 'peft', peft.__version__)"
+    echo "plan $plan, budget ${budget} s"
+} 2>&1 | tee -a "$LOGS/session.log"
+
+# step LOG LIMIT COMMAND...: COMMAND under min(LIMIT, time left), its output appended to LOGS/LOG
+step() {
+    local log=$1 limit=$2
+    shift 2
+    local left=$((budget - (SECONDS - start) - 5))
+    if ((left < 45)); then
+        echo "skipped (${left} s left): $*" | tee -a "$LOGS/session.log"
+        return
+    fi
+    ((limit > left)) && limit=$left
+    echo "== at $((SECONDS - start)) s, limit $limit s: $*" | tee -a "$LOGS/session.log" "$LOGS/$log"
+    timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v Warning >>"$LOGS/$log"
+    echo "== rc ${PIPESTATUS[0]} at $((SECONDS - start)) s" | tee -a "$LOGS/session.log" "$LOGS/$log"
+}
+
+case $plan in
+    headline)
+        step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections
+        for family in flux qwen_image; do  # one run each: a compile that outlasts its limit costs one line
+            step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families $family --precisions bf16 \
+                --save-projections --compile
+        done
+        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections
+        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled
+        step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections --compile
+        step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled --compile
+        ;;
+    rest)
+        step checks.log 120 $PY -m pytest -x -q -p no:cacheprovider tests/test_block_swap.py tests/test_fp8.py \
+            tests/test_fp8_compute.py tests/test_residual_projection.py
+        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions bf16
+        step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families flux --precisions bf16 --compile
+        step levers.log 240 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7
+        for c in "" "--compile"; do
+            step swap.log 150 $PY bench/bench_block_swap.py --family flux --swaps 0,16,30 $c
+            step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20,40 $c
+        done
+        step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20,40 --prefetch 2
+        ;;
+    *)
+        echo "unknown plan $plan (headline, rest)"
+        exit 2
+        ;;
+esac
+grep -h "^headline:" "$LOGS"/peers_*.log 2>/dev/null | tee -a "$LOGS/session.log"
+echo "done at $((SECONDS - start)) s" | tee -a "$LOGS/session.log"
