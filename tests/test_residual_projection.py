@@ -224,13 +224,12 @@ def graph_gemm_flops(gm) -> int:
     return total
 
 
-@pytest.mark.parametrize("base", ["fp32", "fp8_scaled"])
-def test_compiled_saved_projections_leave_the_recompute(base, tiny_set):
+def test_compiled_saved_projections_leave_the_recompute(tiny_set):
     """compile_block's saving region (torch_compile with checkpoint_saves_projections): the checkpoint
     policy keeps the marked base GEMMs' outputs, so the compiled backward graphs hold exactly the tail
     GEMMs fewer than the plain compiled region's (in full: the partitioner needs no one-token run),
     with the same LoRA gradients bit for bit, and no graph break. The backends are aot_eager's with the
-    backward graphs recorded (train_lora: inductor on the same graphs). On an fp8_scaled base the
+    backward graphs recorded (train_lora: inductor on the same graphs). On this fp8_scaled base the
     weight's dequantization around the marked GEMM is recomputed, never saved (same GEMM count)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
@@ -244,8 +243,7 @@ def test_compiled_saved_projections_leave_the_recompute(base, tiny_set):
 
     backend = aot_autograd(fw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward), bw_compiler=counted)
     model, kwargs = tiny_model("flux", tiny_set)
-    if base != "fp32":
-        model = quantize_module(model, base, arch_specs()["flux"].fp8)
+    model = quantize_module(model, "fp8_scaled", arch_specs()["flux"].fp8)
     net = with_lora(model, "flux")  # FLUX.1's default targets train the modulation
     tails = tail_modules(model)
     tokens = {}
