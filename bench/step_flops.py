@@ -132,9 +132,8 @@ def count_step(family: str, cfg, batch: int, img: int, txt: int, rank: int, ckpt
     """tail_skipped: whether the recompute runs the blocks' last projections for one token; None: as
     ours does by default (Qwen-Image yes; FLUX.1 only with checkpoint_saves_projections); False: a
     trainer whose recompute runs every GEMM in full (the peers)."""
-    if family == "flux":
-        return count(flux_ops(cfg, batch, img, txt, ckpt, tail_skipped=bool(tail_skipped)), rank)
-    ops = qwen_ops(cfg, batch, img, txt, ckpt, tail_skipped is not False)
+    ops = (flux_ops(cfg, batch, img, txt, ckpt, tail_skipped=bool(tail_skipped)) if family == "flux"
+           else qwen_ops(cfg, batch, img, txt, ckpt, tail_skipped is not False))
     return count(ops, rank)
 
 

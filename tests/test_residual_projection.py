@@ -108,6 +108,18 @@ def test_a_quantized_base_and_a_tail_without_lora(base, tiny_set, monkeypatch):
     assert_same(with_skip, lora_grads(model, net, kwargs, False, monkeypatch=monkeypatch)[0])
 
 
+def tail_gemm_flops(model, kwargs, tails: list, tokens_less: int) -> int:
+    """FLOPs of the tails' base GEMMs in one forward (B = 1), each run for `tokens_less` tokens fewer
+    (1: what the one-token run leaves); their token counts from an eager no-grad forward."""
+    tokens = {}
+    hooks = [m.register_forward_hook(lambda m, i, o: tokens.__setitem__(m, i[0].shape[:-1].numel())) for m in tails]
+    with torch.no_grad():
+        model(**kwargs)
+    for h in hooks:
+        h.remove()
+    return sum(2 * (tokens[m] - tokens_less) * m.in_features * m.out_features for m in tails)
+
+
 def test_the_recompute_no_longer_runs_the_tail_gemm(tiny_set):
     """torch's FLOP counter over backward: the skipped GEMMs are the tails' forward, less one token."""
     model, kwargs = tiny_model("qwen_image", tiny_set)
@@ -126,13 +138,8 @@ def test_the_recompute_no_longer_runs_the_tail_gemm(tiny_set):
         return counter.get_total_flops()
 
     tails = [m for name, m in model.named_modules() if name.endswith("mlp.net.2")]
-    tokens = {id(m): 0 for m in tails}
-    hooks = [m.register_forward_hook(lambda m, i, o: tokens.__setitem__(id(m), i[0].shape[:-1].numel())) for m in tails]
-    full = backward_flops(False)
-    for h in hooks:
-        h.remove()
-    gemm = sum(2 * (tokens[id(m)] - 1) * m.in_features * m.out_features for m in tails)  # B = 1
-    assert gemm > 0 and full - backward_flops(True) == gemm
+    gemm = tail_gemm_flops(model, kwargs, tails, tokens_less=1)
+    assert gemm > 0 and backward_flops(False) - backward_flops(True) == gemm
 
 
 def test_the_llm_decoder_layer_skips_its_down_projection(monkeypatch):
@@ -204,14 +211,8 @@ def test_saved_projections_leave_the_recompute(tiny_set):
             out.backward()
         return counter.get_total_flops()
 
-    tails = tail_modules(model)
-    tokens = {}
-    hooks = [m.register_forward_hook(lambda m, i, o: tokens.__setitem__(id(m), i[0].shape[:-1].numel())) for m in tails]
-    full = backward_flops(True)
-    for h in hooks:
-        h.remove()
-    gemm = sum(2 * (tokens[id(m)] - 1) * m.in_features * m.out_features for m in tails)  # B = 1
-    assert net and gemm > 0 and full - backward_flops(core.SAVE_PROJECTIONS) == gemm
+    gemm = tail_gemm_flops(model, kwargs, tail_modules(model), tokens_less=1)
+    assert net and gemm > 0 and backward_flops(True) - backward_flops(core.SAVE_PROJECTIONS) == gemm
 
 
 def graph_gemm_flops(gm) -> int:
@@ -245,13 +246,7 @@ def test_compiled_saved_projections_leave_the_recompute(tiny_set):
     model, kwargs = tiny_model("flux", tiny_set)
     model = quantize_module(model, "fp8_scaled", arch_specs()["flux"].fp8)
     net = with_lora(model, "flux")  # FLUX.1's default targets train the modulation
-    tails = tail_modules(model)
-    tokens = {}
-    hooks = [m.register_forward_hook(lambda m, i, o: tokens.__setitem__(id(m), i[0].shape[:-1].numel())) for m in tails]
-    with torch.no_grad():
-        model(**kwargs)  # eager, for the tails' token counts
-    for h in hooks:
-        h.remove()
+    gemm = tail_gemm_flops(model, kwargs, tail_modules(model), tokens_less=0)  # eager, before compiling
     for block in model.swappable_blocks():
         core.compile_block(block, backend=backend, dynamic=False)  # (two modes, one process: static shapes)
 
@@ -266,7 +261,6 @@ def test_compiled_saved_projections_leave_the_recompute(tiny_set):
     counters.clear()
     full, plain = step(True)
     saved_flops, saved = step(core.SAVE_PROJECTIONS)
-    gemm = sum(2 * tokens[id(m)] * m.in_features * m.out_features for m in tails)  # B = 1
     assert gemm > 0 and full - saved_flops == gemm
     assert_same(saved, plain)
     assert not counters["graph_break"], dict(counters["graph_break"])

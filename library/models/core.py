@@ -507,12 +507,12 @@ def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: i
     if swap is not None:
         swap.before_forward(index)
     if use_checkpoint and torch.is_grad_enabled():
-        compiled = getattr(block, "_compiled_checkpoint", None)  # compile_block's
-        if compiled is not None:
-            saving = use_checkpoint == SAVE_PROJECTIONS
-            out = (block._compiled_saving_checkpoint if saving else compiled)(*args, **kwargs)
+        saving = use_checkpoint == SAVE_PROJECTIONS
+        if hasattr(block, "_compiled_checkpoint"):  # compile_block's
+            compiled = block._compiled_saving_checkpoint if saving else block._compiled_checkpoint
+            out = compiled(*args, **kwargs)
         else:
-            contexts = functools.partial(_checkpoint_contexts, use_checkpoint == SAVE_PROJECTIONS)
+            contexts = functools.partial(_checkpoint_contexts, saving)
             out = checkpoint(block, *args, use_reentrant=False, context_fn=contexts, **kwargs)
     else:
         out = block(*args, **kwargs)
