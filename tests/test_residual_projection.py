@@ -14,7 +14,7 @@ from library.models import core
 from library.models.registry import FAMILIES, arch_specs
 from library.models.spec import load_symbol
 from library.precision.fp8 import quantize_module
-from networks.lora import LoRANetwork
+from networks.lora import LoRAModule, LoRANetwork
 
 DIFFUSION_ARCHS = sorted({arch_specs()[a].arch for a in arch_specs()} - {"llm"})
 # Families whose blocks end in `x + gate * proj(h)` with an untrained gate by default; FLUX.1 trains its
@@ -223,6 +223,43 @@ def graph_gemm_flops(gm) -> int:
             out, a = node.meta["val"], node.args[-2].meta["val"]
             total += 2 * out.numel() * a.shape[-1]
     return total
+
+
+class _OwnBaseOutput(torch.nn.Linear):
+    """A layer that offers forward_with_base_output as its own class's method (LoRA sets it per instance)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+    def forward_with_base_output(self, x, base_call):
+        return base_call(super().forward, x) * 2
+
+
+@pytest.mark.parametrize("owner", ["lora", "class"])
+def test_compiled_region_marks_the_base_call(owner):
+    """Under torch.compile residual_projection routes a needed output through the adapter's
+    forward_with_base_output, so the base GEMM carries the mark that compile_block's saving policy keeps:
+    the check that the adapter owns the forward held in eager but read False under dynamo (torch 2.11
+    for LoRA's instance routing, 2.13 for a class's own method), and nothing was kept."""
+    torch.manual_seed(0)
+    if owner == "class":
+        proj = _OwnBaseOutput(8, 8).requires_grad_(False)
+    else:
+        proj = torch.nn.Linear(8, 8).requires_grad_(False)
+        adapter = LoRAModule("proj", proj, rank=2)  # routes proj's calls by an instance forward
+        torch.nn.init.normal_(adapter.lora_up.weight)
+        adapter.apply_to_base()
+    marked = []
+
+    def backend(gm, example_inputs):
+        marked.extend(n for n in gm.graph.nodes if n.meta.get("custom", {}).get(core._KEEP_OUTPUT))
+        return gm.forward
+
+    h = torch.randn(4, 8)
+    eager = core.residual_projection(proj, h, True)
+    compiled = torch.compile(core.residual_projection, backend=backend, fullgraph=True)(proj, h, True)
+    torch._dynamo.reset()
+    assert marked and torch.equal(compiled, eager)
 
 
 def test_compiled_saved_projections_leave_the_recompute(tiny_set):

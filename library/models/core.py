@@ -19,6 +19,7 @@ import functools
 import logging
 import math
 import threading
+import types
 from dataclasses import dataclass
 
 import torch
@@ -486,11 +487,20 @@ def residual_projection(proj: nn.Module, h: torch.Tensor, output_needed: bool) -
     else:
         return proj(h)
     with_base = getattr(proj, "forward_with_base_output", None)
-    if with_base is not None and getattr(proj.forward, "__self__", None) is getattr(with_base, "__self__", 0):
+    if with_base is not None and _same_owner(proj.forward, with_base):
         return with_base(h, base_call)
     if "forward" in vars(proj) or not saves_only_weights(proj):  # wrapped, or a layer that may save h
         return proj(h)
     return base_call(proj, h)
+
+
+def _same_owner(forward, with_base) -> bool:
+    """Whether proj's forward and its forward_with_base_output are methods of one object (the adapter
+    that routes proj's calls now, or proj itself). Written without getattr's default: under torch 2.11's
+    dynamo `getattr(method, "__self__", None) is getattr(other, "__self__", 0)` is False for the same
+    owner, and 2.13's for a class's own methods, so a compiled region lost the marked base call."""
+    return (isinstance(forward, types.MethodType) and isinstance(with_base, types.MethodType)
+            and forward.__self__ is with_base.__self__)
 
 
 def saves_only_weights(layer: nn.Module) -> bool:
