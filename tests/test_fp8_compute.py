@@ -13,12 +13,16 @@ from safetensors import safe_open
 
 import train_lora
 from library.precision.fp8 import FP8Linear
-from library.precision.fp8_compute import (FP8ComputeLinear, enable_fp8_compute, quantize_rows, rowwise_requantization_error,
-                                           rowwise_requantize)
+from library.precision import fp8_compute
+from library.precision.fp8_compute import (FP8ComputeLinear, enable_fp8_compute, fp8_gemm_available, quantize_rows,
+                                           rowwise_requantization_error, rowwise_requantize)
 from tests.test_train_lora import flux_args, read_losses
 
 MODES = ("fp8", "fp8_scaled", "fp8_tensor_scaled")
 BF16_HALF_ULP = 2.0 ** -8  # round to nearest bf16 (8 significant bits): |error| <= 2^-8 |value|
+# torch 2.11's CPU _scaled_mm takes one scale per tensor (the GPU session's torch): the CPU GEMM tests
+# need 2.13's per-row scales; the refusal test below covers the other case.
+cpu_rowwise = pytest.mark.skipif(not fp8_gemm_available("cpu"), reason="this torch's CPU _scaled_mm takes no per-row scales")
 
 
 def layer(mode: str, out_features: int = 96, in_features: int = 192, bias: bool = False, seed: int = 0) -> FP8Linear:
@@ -51,6 +55,7 @@ def inputs(seed: int = 1, shape=(3, 17, 192)) -> torch.Tensor:
     return x.requires_grad_(True)
 
 
+@cpu_rowwise
 @pytest.mark.parametrize("mode", MODES)
 def test_forward_is_the_fp8_product_of_the_same_codes_rounded_once_to_bf16(mode):
     lin = computed(mode)
@@ -64,6 +69,7 @@ def test_forward_is_the_fp8_product_of_the_same_codes_rounded_once_to_bf16(mode)
     assert (y[0, 0] == 0).all()
 
 
+@cpu_rowwise
 @pytest.mark.parametrize("mode", MODES)
 def test_backward_is_the_fp8_product_of_the_scaled_gradient_codes_and_the_base_gets_none(mode):
     lin = computed(mode)
@@ -78,6 +84,7 @@ def test_backward_is_the_fp8_product_of_the_scaled_gradient_codes_and_the_base_g
     assert all(not p.requires_grad for p in lin.parameters())
 
 
+@cpu_rowwise
 @pytest.mark.parametrize("mode", MODES)
 def test_against_dequantize_then_matmul_the_error_is_the_activations_e4m3_rounding(mode):
     """Relative error of output and input gradient vs FP8Linear's bf16 path on the same codes: a few
@@ -94,6 +101,7 @@ def test_against_dequantize_then_matmul_the_error_is_the_activations_e4m3_roundi
         assert 0.005 < rel < 0.05, rel
 
 
+@cpu_rowwise
 def test_bias_is_added_in_bf16_and_autocast_bf16_takes_the_fp8_path():
     lin = computed("fp8_scaled", bias=True)
     x = inputs().detach()
@@ -133,6 +141,7 @@ def test_enable_on_meta_changes_only_the_scale_shape():
     assert model[0].weight.is_meta and model[0].weight_scale.shape == (96, 1)
 
 
+@cpu_rowwise
 def test_a_lora_trains_on_an_fp8_compute_base_and_its_file_says_so(tiny_set, tmp_path):
     """The tiny FLUX quickstart, 6 steps, fp8_scaled base, bf16 compute: with fp8_compute the losses
     follow the dequantize-then-matmul run's to within a few percent, are not the same numbers (the
@@ -158,6 +167,24 @@ def test_config_refuses_fp8_compute_without_an_fp8_base_or_bf16(tiny_set, tmp_pa
     code = train_lora.main(flux_args(tiny_set, tmp_path, "--fp8_compute", "true", *extra))
     err = capsys.readouterr().err.strip()
     assert code == 2 and named in err and "fp8_compute" in err and len(err.splitlines()) == 1
+
+
+def test_config_refuses_fp8_compute_where_scaled_mm_takes_no_row_scales(tiny_set, tmp_path, capsys, monkeypatch):
+    """A torch whose _scaled_mm refuses per-row scales on this device (2.11 on the CPU): one line and
+    exit 2 before any step, not an internal assert from the first GEMM."""
+    def per_tensor_only(*args, **kwargs):
+        raise RuntimeError("Now _scaled_mm only supports per-tensor scaling for CPU backend.")
+
+    monkeypatch.setattr(torch, "_scaled_mm", per_tensor_only)
+    fp8_compute._rowwise_scaled_mm_runs.cache_clear()
+    try:
+        code = train_lora.main(flux_args(tiny_set, tmp_path, "--fp8_compute", "true", "--mixed_precision", "bf16"))
+    finally:
+        monkeypatch.undo()
+        fp8_compute._rowwise_scaled_mm_runs.cache_clear()
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "per-row scales" in err and "fp8_compute = false" in err and len(err.splitlines()) == 1, err
+    assert not list(tmp_path.glob("*.safetensors"))
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),

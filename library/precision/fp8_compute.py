@@ -19,12 +19,14 @@ The recipe is torchao's "rowwise" float8 recipe for a frozen weight, every opera
   operand must be column-major; the transposed codes live only during the call).
 
 Where it runs: the CPU (PyTorch's reference kernels: exact to the recipe, not fast; the tests' oracle
-is an explicit float64 product of the same codes) and CUDA devices with fp8 tensor cores (compute
-capability 8.9 and up). Layers whose in- or out-features are not multiples of 16 (cuBLASLt's fp8
+is an explicit float64 product of the same codes; torch 2.13's take per-row scales, 2.11's do not) and
+CUDA devices with fp8 tensor cores (compute capability 8.9 and up). Layers whose in- or out-features are not multiples of 16 (cuBLASLt's fp8
 rule), and any call in another compute dtype than bf16, keep FP8Linear's dequantize-then-matmul path.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
@@ -37,13 +39,24 @@ ALIGN = 16  # in- and out-features must be multiples of this for an fp8 GEMM on 
 
 
 def fp8_gemm_available(device: torch.device | str) -> bool:
-    """True where torch._scaled_mm runs: the CPU, and CUDA devices of compute capability >= 8.9."""
+    """True where torch._scaled_mm runs with per-row scales: CUDA devices of compute capability >= 8.9,
+    and the CPU where this torch's reference kernel takes them (2.13 does, 2.11 only one scale per
+    tensor), which a 16 x 16 call finds out once."""
     device = torch.device(device)
-    if device.type == "cpu":
-        return True
     if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    return False
+        return torch.cuda.get_device_capability(device) >= (8, 9) and _rowwise_scaled_mm_runs(str(device))
+    return device.type == "cpu" and _rowwise_scaled_mm_runs("cpu")
+
+
+@functools.cache
+def _rowwise_scaled_mm_runs(device: str) -> bool:
+    codes = torch.zeros(16, 16, device=device).to(FP8_DTYPE)
+    ones = torch.ones(16, 1, device=device)
+    try:
+        torch._scaled_mm(codes, codes.t(), scale_a=ones, scale_b=ones.t(), out_dtype=COMPUTE_DTYPE)
+    except RuntimeError:
+        return False
+    return True
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

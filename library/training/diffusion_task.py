@@ -188,8 +188,9 @@ class DiffusionTask:
         from library.precision.fp8_compute import enable_fp8_compute, fp8_gemm_available
 
         if not fp8_gemm_available(self.device):
-            raise ConfigError(f"fp8_compute: {self.device} has no fp8 GEMMs (CUDA compute capability >= 8.9: Ada, Hopper, "
-                              f"Blackwell); set fp8_compute = false")
+            raise ConfigError(f"fp8_compute: {self.device} has no fp8 GEMMs with per-row scales under torch {torch.__version__} "
+                              f"(CUDA compute capability >= 8.9: Ada, Hopper, Blackwell; the CPU from torch 2.13); "
+                              f"set fp8_compute = false")
         turned = enable_fp8_compute(self.base)
         self.accelerator.print(f"fp8_compute: {turned} base Linears run as fp8 GEMMs (per-row scales), the LoRA in bf16")
 
