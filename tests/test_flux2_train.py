@@ -140,5 +140,5 @@ def test_precision_doctor_runs_on_flux2_with_the_lora(tiny_set, trained, tmp_pat
         "--resolution", "64x48", "--timesteps", "0.7", "--text_len", "8", "--out", str(out), "--device", "cpu"])
     assert rc == 0 and "== LoRA ==" in capsys.readouterr().out
     data = json.loads((out / "report.json").read_text())
-    assert data["grid"] == [3, 4] and set(data["modes"]) == set(precision_doctor.BASE_MODES) | set(precision_doctor.LORA_MODES)
+    assert data["grid"] == [3, 4] and set(data["modes"]) == set(precision_doctor.report_modes("cpu", with_lora=True))
     assert "NaN" not in json.dumps(data) and "lora_effect" in data  # every mode measured, the LoRA's survival too

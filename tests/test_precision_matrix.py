@@ -78,9 +78,10 @@ def test_bad_row_is_one_line_exit_2(tiny_set, tmp_path, capsys):
     assert len(err) == 1 and "row 'fp16': expected one of" in err[0]
 
 
-def test_fp8_compute_row_and_column_need_bf16_then_run(tiny_set, tmp_path, capsys):
+def test_fp8_compute_row_and_column_need_bf16_then_run(tiny_set, tmp_path, capsys, monkeypatch):
     """The fp8_compute row (trained with fp8_compute = true) and column (fp8_scaled base run as fp8 GEMMs):
-    refused in one line unless the config and --dtype compute in bf16; then the cell keeps the LoRA."""
+    refused in one line unless the config and --dtype compute in bf16, and on a torch whose CPU
+    _scaled_mm takes no per-row scales (2.11), before any training; then the cell keeps the LoRA."""
     config = write_config(tmp_path, tiny_set, "flux")
     base = ["--config_file", config, "--out", str(tmp_path / "m"), "--steps", "2", "--max_items", "1", "--sigmas", "0.5",
             "--rows", "fp8_compute", "--columns", "fp8_compute+lora"]
@@ -92,6 +93,13 @@ def test_fp8_compute_row_and_column_need_bf16_then_run(tiny_set, tmp_path, capsy
         f.write(text.replace('mixed_precision = "no"', 'mixed_precision = "bf16"'))
     assert precision_matrix.main(base + ["--dtype", "fp32"]) == 2
     assert "pass --dtype bf16" in capsys.readouterr().err
+    with monkeypatch.context() as patch:
+        patch.setattr(precision_matrix, "fp8_gemm_available", lambda device: False)
+        assert precision_matrix.main(base) == 2
+    assert "no CPU fp8 GEMMs with per-row scales" in capsys.readouterr().err
+    assert not any(p.startswith("train_") for p in os.listdir(tmp_path / "m"))  # refused before training
+    if not precision_matrix.fp8_gemm_available("cpu"):
+        pytest.skip("this torch's CPU _scaled_mm takes no per-row scales")
     assert precision_matrix.main(base, log=print) == 0
     with open(tmp_path / "m" / "matrix.csv") as f:
         cell = {r["deployed_on"]: {k: float(v) for k, v in r.items() if k not in ("trained_on", "deployed_on")}

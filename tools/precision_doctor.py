@@ -82,7 +82,7 @@ from library.precision.fp8 import (  # noqa: E402
     FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,
 )
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
-from library.precision.fp8_compute import enable_fp8_compute  # noqa: E402
+from library.precision.fp8_compute import enable_fp8_compute, fp8_gemm_available  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from networks.lora import LoRAModule, diffusers_module_map  # noqa: E402
 from networks.lora_files import LoRAWeights, diffusers_to_bfl, read_lora  # noqa: E402
@@ -412,7 +412,9 @@ def run_doctor(model_path: str, arch: str, lora_spec: str | None = None, resolut
         survival = survival_table(first, lora, arch, seed)
     held = [first]
     del first
-    modes = [m for m in BASE_MODES if not (skip_fp32 and m == "fp32")] + (list(LORA_MODES) if lora else [])
+    modes = report_modes(device, skip_fp32, lora is not None)
+    if not fp8_gemm_available(device):  # e.g. an RTX 3090, or the CPU under torch 2.11: report the rest
+        log(f"skipped: the fp8_compute modes ({device} has no fp8 GEMMs with per-row scales under torch {torch.__version__})")
     models = {m: (lambda m=m: held.pop() if m == "bf16" and held else disk_variant(model_path, arch, m, lora, seed, device))
               for m in modes}
     result = precision.diagnose(models, inputs, timesteps, threshold, max_tokens, inject_position_bug, log=log)
@@ -422,6 +424,12 @@ def run_doctor(model_path: str, arch: str, lora_spec: str | None = None, resolut
     log(write_report(result, out))
     log(f"written: {out}/report.txt, report.json, {len(result['maps'])} heatmaps")
     return result
+
+
+def report_modes(device: str, skip_fp32: bool = False, with_lora: bool = False) -> list[str]:
+    """The modes run_doctor diagnoses: the fp8_compute ones only where `device` has fp8 GEMMs with per-row scales."""
+    modes = [m for m in BASE_MODES if not (skip_fp32 and m == "fp32")] + (list(LORA_MODES) if with_lora else [])
+    return [m for m in modes if m.split("+")[0] not in COMPUTED or fp8_gemm_available(device)]
 
 
 def parse_resolution(text: str) -> tuple[int, int]:

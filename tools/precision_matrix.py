@@ -102,6 +102,7 @@ from library.models.family import get_family  # noqa: E402
 from library.models.latents import pack_latents  # noqa: E402
 from library.models import precision_doctor as precision  # noqa: E402
 from library.precision.fp8 import FP8_DTYPE  # noqa: E402
+from library.precision.fp8_compute import fp8_gemm_available  # noqa: E402
 from library.models import flow_matching as fm  # noqa: E402
 from library.training.config import ConfigError, load_config  # noqa: E402
 from library.training.state import sample_seed  # noqa: E402
@@ -422,6 +423,9 @@ def check_computed(rows: list[str], columns: list[str], dtype: str, mixed_precis
                          f"\"bf16\" (got \"{mixed_precision}\"); train every row in bf16 for a fair comparison")
     if any(c.split("+")[0] in COMPUTED for c in rows + columns) and dtype != "bf16":
         raise ValueError(f"fp8_compute computes in bf16: pass --dtype bf16 (got {dtype})")
+    if any(c.split("+")[0] in COMPUTED for c in rows + columns) and not fp8_gemm_available("cpu"):  # (the matrix's device)
+        raise ValueError(f"fp8_compute: torch {torch.__version__} has no CPU fp8 GEMMs with per-row scales (2.13 has); "
+                         f"drop the fp8_compute row and column")
 
 
 def main(argv=None, log=print) -> int:
