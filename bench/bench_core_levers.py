@@ -20,6 +20,10 @@ memory (bench_train_step.PeakMemory) are printed.
   save_compiled  the same under torch_compile (core.compile_block's saving region: its checkpoint
              policy keeps the marked projection outputs); before: the plain compiled region. One
              model, both regions compiled (inductor) in the warm-up steps.
+  quantized_compiled  an fp8_scaled base under torch_compile without checkpointing: core.compile_block
+             lets the partitioner recompute the dequantized weights for backward
+             (_keeping_weights_quantized); before: its default, which saves them (the base in bf16 for
+             the step). Two models of the same seed, both compiled (inductor) in the warm-up steps.
 
 "Before" is the old code path patched in for that run only; the same model serves both sides of rope and
 layernorm, whose step-0 losses (no step taken) are printed for both sides: equal up to rounding, the
@@ -44,12 +48,12 @@ sys.path.insert(0, BENCH)
 sys.path.insert(0, os.path.dirname(BENCH))
 
 from bench_train_step import (  # noqa: E402
-    MiB, add_our_lora, alternate, build_ours, machine_summary, make_inputs, make_step, median, our_forward,
+    MiB, add_our_lora, alternate, build_ours, fp8_twin, machine_summary, make_inputs, make_step, median, our_forward,
     pin_malloc_threshold,
 )
 from library.models import core  # noqa: E402
 
-LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled")
+LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "quantized_compiled")
 
 
 @contextlib.contextmanager
@@ -78,10 +82,11 @@ def before(lever: str, model):
     return patched(core, "layer_norm", layer_norm_with_copy)
 
 
-def trained_model(family: str, args, checkpointing=True):
+def trained_model(family: str, args, checkpointing=True, fp8: str | None = None):
     """(step, loss, model) for our mid model with a fresh LoRA, checkpointing on, frozen base in train
-    mode; loss() is the step's loss without a step."""
-    model = build_ours(family, "mid", args, torch.bfloat16, args.device).requires_grad_(False).train()
+    mode (fp8: quantized so); loss() is the step's loss without a step."""
+    model = build_ours(family, "mid", args, torch.bfloat16, args.device)
+    model = (fp8_twin(model, family, fp8) if fp8 else model).requires_grad_(False).train()
     model.gradient_checkpointing = checkpointing
     x = make_inputs(family, model.config, args.image_tokens, args.text_tokens, 1, args.device)
     _, params = add_our_lora(model, family, args.rank)
@@ -106,6 +111,15 @@ def compare(family: str, lever: str, args) -> float:
         for block in new.swappable_blocks():
             core.compile_block(block)
         steps = {"before": step_before, "now": step_now}
+    elif lever == "quantized_compiled":
+        step_before, _, old = trained_model(family, args, False, "fp8_scaled")
+        step_now, _, new = trained_model(family, args, False, "fp8_scaled")
+        with patched(core, "_keeping_weights_quantized", lambda compiled: compiled):
+            for block in old.swappable_blocks():  # (an option at its default: dynamo would otherwise reuse
+                core.compile_block(block, options={"epilogue_fusion": True})  # one model's code for both)
+        for block in new.swappable_blocks():
+            core.compile_block(block)
+        steps = {"before": step_before, "now": step_now}
     else:
         saving = lever in ("save", "save_compiled")
         step, loss, model = trained_model(family, args, core.SAVE_PROJECTIONS if saving else True)
@@ -125,7 +139,7 @@ def compare(family: str, lever: str, args) -> float:
     t_b, t_n = median(res["before"]["times"]), median(res["now"]["times"])
     m_b, m_n = median(res["before"]["peaks"]), median(res["now"]["peaks"])
     first = (f"; first step losses (two models) {res['before']['loss']:.6f} / {res['now']['loss']:.6f}"
-             if lever == "compile" else "")
+             if lever in ("compile", "quantized_compiled") else "")
     print(f"[{family} {lever}] before {t_b:.4f} s  now {t_n:.4f} s  now/before x{t_n / t_b:.3f}; step memory "
           f"{m_b / MiB:.0f} -> {m_n / MiB:.0f} MiB{first}", flush=True)
     return t_n / t_b
