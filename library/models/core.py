@@ -375,7 +375,7 @@ def _keeping_weights_quantized(compiled):
     """A quantized block's own compiled call (no checkpointing) with the partitioner free to recompute
     what backward's GEMMs read: by default it saves every dequantized weight for the input-gradient GEMM
     (an op's output "materialized in backward" is never recomputed), which eager's autograd Functions
-    avoid, so the compiled step held the base in the compute dtype (tiny FLUX.1 fp8_scaled: 878 KB saved
+    avoid, so the compiled step held the base in the compute dtype (a tiny fp8_scaled model: 878 KB saved
     against 378 KB eager; 191 KB with this). The checkpointed regions are unaffected: their policy rules."""
 
     def call(*args, **kwargs):
