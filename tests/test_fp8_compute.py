@@ -187,7 +187,7 @@ def test_config_refuses_fp8_compute_where_scaled_mm_takes_no_row_scales(tiny_set
     assert not list(tmp_path.glob("*.safetensors"))
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+@pytest.mark.skipif(not fp8_gemm_available("cuda"),
                     reason="needs a GPU with fp8 tensor cores (bench/gpu_bench.sh checks runs it there)")
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_fp8_gemms_equal_the_same_oracle(mode):

@@ -21,6 +21,7 @@ from library.precision.fp8 import FP8Linear, is_high_precision, quantize_weight
 from library.models.qwen_image.model import QwenImage, QwenImageConfig
 from networks.lora import LoRAModule, LoRANetwork
 from tools import precision_doctor as doctor
+from tests.test_fp8_compute import cpu_rowwise
 from library.models.registry import arch_spec
 
 GRID_PX = 48 * 16  # 48 x 48 patches
@@ -217,7 +218,7 @@ def test_plain_fp8_layers_err_more_than_scaled_and_bf16_floor_is_reported(result
     assert qwen["fp8"]["first_layer_over_threshold"] is not None
 
 
-@pytest.mark.skipif(not doctor.fp8_gemm_available("cpu"), reason="this torch's CPU _scaled_mm takes no per-row scales")
+@cpu_rowwise
 def test_fp8_compute_mode_runs_fp8_gemms_and_reports_a_flat_error_above_fp8_scaled():
     """The doctor's fp8_compute mode: the fp8_scaled base requantized per row with activations in e4m3
     (FP8ComputeLinear layers), a flat error map, a larger error than fp8_scaled's storage alone."""

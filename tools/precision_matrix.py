@@ -421,9 +421,10 @@ def check_computed(rows: list[str], columns: list[str], dtype: str, mixed_precis
     if any(r in COMPUTED for r in rows) and mixed_precision != "bf16":
         raise ValueError(f"{config_file}: row fp8_compute trains with fp8_compute = true, which needs mixed_precision = "
                          f"\"bf16\" (got \"{mixed_precision}\"); train every row in bf16 for a fair comparison")
-    if any(c.split("+")[0] in COMPUTED for c in rows + columns) and dtype != "bf16":
+    computed = any(c.split("+")[0] in COMPUTED for c in rows + columns)
+    if computed and dtype != "bf16":
         raise ValueError(f"fp8_compute computes in bf16: pass --dtype bf16 (got {dtype})")
-    if any(c.split("+")[0] in COMPUTED for c in rows + columns) and not fp8_gemm_available("cpu"):  # (the matrix's device)
+    if computed and not fp8_gemm_available("cpu"):  # (the matrix's device)
         raise ValueError(f"fp8_compute: torch {torch.__version__} has no CPU fp8 GEMMs with per-row scales (2.13 has); "
                          f"drop the fp8_compute row and column")
 

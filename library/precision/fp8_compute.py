@@ -20,8 +20,9 @@ The recipe is torchao's "rowwise" float8 recipe for a frozen weight, every opera
 
 Where it runs: the CPU (PyTorch's reference kernels: exact to the recipe, not fast; the tests' oracle
 is an explicit float64 product of the same codes; torch 2.13's take per-row scales, 2.11's do not) and
-CUDA devices with fp8 tensor cores (compute capability 8.9 and up). Layers whose in- or out-features are not multiples of 16 (cuBLASLt's fp8
-rule), and any call in another compute dtype than bf16, keep FP8Linear's dequantize-then-matmul path.
+CUDA devices with fp8 tensor cores (compute capability 8.9 and up). Layers whose in- or out-features
+are not multiples of 16 (cuBLASLt's fp8 rule), and any call in another compute dtype than bf16, keep
+FP8Linear's dequantize-then-matmul path.
 """
 
 from __future__ import annotations
