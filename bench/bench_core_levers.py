@@ -20,6 +20,10 @@ memory (bench_train_step.PeakMemory) are printed.
   save_compiled  the same under torch_compile (core.compile_block's saving region: its checkpoint
              policy keeps the marked projection outputs); before: the plain compiled region. One
              model, both regions compiled (inductor) in the warm-up steps.
+  attention  checkpoint_saves_attention (core.Checkpointing(attention=True)): the forward keeps each
+             attention kernel's outputs and the recompute runs no attention; before: plain checkpointing
+  attention_compiled  the same under torch_compile (compile_block's region that keeps attention); before:
+             the plain compiled region. One model, both regions compiled (inductor) in the warm-up steps.
   quantized_compiled  an fp8_scaled base under torch_compile without checkpointing: core.compile_block
              lets the partitioner recompute the dequantized weights for backward
              (_keeping_weights_quantized); before: its default, which saves them (the base in bf16 for
@@ -53,7 +57,12 @@ from bench_train_step import (  # noqa: E402
 )
 from library.models import core  # noqa: E402
 
-LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "quantized_compiled")
+LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
+          "quantized_compiled")
+# the checkpointing each checkpointing lever's "now" side runs (its "before": plain checkpointing)
+KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS,
+           "attention": core.checkpointing(True, save_attention=True),
+           "attention_compiled": core.checkpointing(True, save_attention=True)}
 
 
 @contextlib.contextmanager
@@ -73,7 +82,7 @@ def layer_norm_with_copy(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def before(lever: str, model):
     """The old path of `lever`, patched in for one run (rope, layernorm, tail, save)."""
-    if lever in ("save", "save_compiled"):
+    if lever in KEEPING:
         return patched(model, "gradient_checkpointing", True)
     if lever == "rope":
         return patched(core, "_complex_rotation", lambda x32: False)
@@ -121,9 +130,8 @@ def compare(family: str, lever: str, args) -> float:
             core.compile_block(block)
         steps = {"before": step_before, "now": step_now}
     else:
-        saving = lever in ("save", "save_compiled")
-        step, loss, model = trained_model(family, args, core.SAVE_PROJECTIONS if saving else True)
-        if lever == "save_compiled":
+        step, loss, model = trained_model(family, args, KEEPING.get(lever, True))
+        if lever.endswith("_compiled"):
             for block in model.swappable_blocks():
                 core.compile_block(block)
         with before(lever, model):

@@ -268,7 +268,7 @@ def build_pair(family: str, size: str, precision: str, args, peer):
     for model in (ours, theirs):  # frozen base, as both trainers load it; train mode: sd-scripts and
         model.requires_grad_(False).train()  # musubi checkpoint only while training
     if args.checkpointing:
-        ours.gradient_checkpointing = checkpointing(True, args.save_projections)
+        ours.gradient_checkpointing = checkpointing(True, args.save_projections, args.save_attention)
         theirs.enable_gradient_checkpointing()
     return ours, theirs
 
@@ -298,8 +298,10 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
     l_o, l_t = res["ours"]["loss"], res["theirs"]["loss"]
     counted = functools.partial(count_step, family, ours.config, args.batch, args.image_tokens, args.text_tokens,
                                 args.rank, args.checkpointing)
-    flops = counted(tail_skipped=args.save_projections or None)["total"]  # ours as configured
-    kept = flops < counted(tail_skipped=None)["total"]  # the key changed ours (the family's gates train)
+    kept_attention = args.checkpointing and args.save_attention
+    flops = counted(tail_skipped=args.save_projections or None, attention_kept=kept_attention)["total"]  # ours as run
+    kept = counted(tail_skipped=args.save_projections or None)["total"] < counted(tail_skipped=None)["total"]
+    keys = [k for k, on in (("checkpoint_saves_projections", kept), ("checkpoint_saves_attention", kept_attention)) if on]
     flops_t = counted(tail_skipped=False)["total"]  # theirs recompute every GEMM in full
     n_o, n_t = sum(p.numel() for p in our_params), sum(p.numel() for p in their_params)
     print(f"[{family} {size} {precision}] {PEER[family]}; LoRA params ours {n_o:,} ({len(our_params) // 2}), "
@@ -316,7 +318,7 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
     del steps, network
     mode = "compiled" if args.compile else "eager"
     headline = (f"headline: {FAMILY_NAME[family]} {precision} {mode}: ours/{PEER[family]} {t_o / t_t:.2f}, "
-                f"MFU {100 * flops / best_o / peak:.0f}%{' (checkpoint_saves_projections)' if kept else ''}")
+                f"MFU {100 * flops / best_o / peak:.0f}%{' (' + ', '.join(keys) + ')' if keys else ''}")
     return {"headline": headline, "time": t_o / t_t, "mem": m_o / max(m_t, 1), "loss": abs(l_o - l_t) / l_t, "diff": diff,
             "mfu_ours": flops / best_o / peak, "mfu_theirs": flops_t / best_t / peak, "t_ours": t_o, "t_theirs": t_t}
 
@@ -357,6 +359,8 @@ def main(argv=None):
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     p.add_argument("--save-projections", action="store_true",
                    help="ours with checkpoint_saves_projections (the recompute skips the tails the trained gates need)")
+    p.add_argument("--save-attention", action="store_true",
+                   help="ours with checkpoint_saves_attention (the recompute runs no attention)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile both sides as their trainers do (see compile_both); the warm-up steps compile")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU: peak from a bf16/fp32 GEMM on it)")
@@ -383,7 +387,8 @@ def main(argv=None):
     print(f"machine: {machine_summary()}{gpu}; load average {os.getloadavg()[0]:.1f}; memory: "
           f"{memory_method(args.device)}{' (malloc mmap threshold pinned)' if pinned else ''}; "
           f"checkpointing {'on' if args.checkpointing else 'off'}"
-          f"{' (ours: checkpoint_saves_projections)' if args.checkpointing and args.save_projections else ''}")
+          f"{' (ours: checkpoint_saves_projections)' if args.checkpointing and args.save_projections else ''}"
+          f"{' (ours: checkpoint_saves_attention)' if args.checkpointing and args.save_attention else ''}")
     peaks = measure_peaks(args)
     summary, headlines, start, reps, threads = [], [], time.time(), args.reps, torch.get_num_threads()
     for size in args.sizes.split(","):

@@ -3,10 +3,12 @@
 # here and with its folders carried (carry [".whl", ".peers"]):
 #   bash bench/gpu_session.sh PLAN [SECONDS]
 # PLAN headline  issue 29's `headline:` lines, most wanted first: ours vs sd-scripts (FLUX.1, ours with
-#                checkpoint_saves_projections) and musubi-tuner (Qwen-Image), bf16 eager, bf16 compiled,
-#                fp8 eager, fp8 compiled (FLUX.1 fp8: sd-scripts' fp8_base; Qwen-Image fp8_scaled)
-#      rest      CUDA checks (tests, the quickstart), FLUX.1 without the key (eager and compiled), the core
-#                levers, block swap eager / compiled / with prefetch
+#                checkpoint_saves_projections) and musubi-tuner (Qwen-Image), ours with
+#                checkpoint_saves_attention, bf16 eager, bf16 compiled, fp8 eager, fp8 compiled (FLUX.1 fp8:
+#                sd-scripts' fp8_base; Qwen-Image fp8_scaled)
+#      rest      CUDA checks (tests, the quickstart), FLUX.1 without the keys (eager and compiled), the core
+#                levers (the two that keep attention in their own step), block swap eager / compiled / with
+#                prefetch
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
 # with under 45 s left is skipped and said so. Logs go to $OUT (the device tool brings back 8 files at
 # most: these are 6) or bench/gpu_logs; session.log ends with every headline line of the call.
@@ -30,6 +32,7 @@ PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 SHAPE=${SHAPE:-"--image-tokens 4096 --text-tokens 512 --double 2 --single 4 --qwen-blocks 4 --warmup 2 --reps 3"}
 PEERS="--device $DEVICE --sizes mid --gemm ${GEMM:-8192} --sd_scripts .peers/sd-scripts --musubi .peers/musubi-tuner $SHAPE"
+KEEP="--save-attention"  # the headline's: ours in its fastest documented setting
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"
     $PY -c "import torch, diffusers, transformers, peft; print('torch', torch.__version__, 'diffusers', diffusers.__version__,
@@ -54,22 +57,25 @@ step() {
 
 case $plan in
     headline)
-        step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections
+        step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP
         for family in flux qwen_image; do  # one run each: a compile that outlasts its limit costs one line
             step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families $family --precisions bf16 \
-                --save-projections --compile
+                --save-projections $KEEP --compile
         done
-        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections
-        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled
-        step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections --compile
-        step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled --compile
+        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections $KEEP
+        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP
+        step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections $KEEP --compile
+        step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP --compile
         ;;
     rest)
         step checks.log 120 $PY -m pytest -x -q -p no:cacheprovider tests/test_block_swap.py tests/test_fp8.py \
             tests/test_fp8_compute.py tests/test_residual_projection.py
         step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions bf16
         step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families flux --precisions bf16 --compile
-        step levers.log 240 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7
+        step levers.log 240 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 \
+            --levers rope,layernorm,compile,tail,save,save_compiled,quantized_compiled
+        step levers.log 150 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 \
+            --levers attention,attention_compiled
         for c in "" "--compile"; do
             step swap.log 150 $PY bench/bench_block_swap.py --family flux --swaps 0,16,30 $c
             step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20,40 $c

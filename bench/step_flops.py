@@ -78,12 +78,14 @@ def count(ops: list, rank: int) -> dict[str, float]:
 
 
 def flux_ops(cfg, batch: int, img: int, txt: int, ckpt: bool, modulation_lora: bool = True,
-             tail_skipped: bool = False) -> list:
+             tail_skipped: bool = False, attention_kept: bool = False) -> list:
     """FLUX.1 (BFL layout) with our default LoRA targets (sd-scripts' lora_flux default): every
     Linear of the double and single blocks, modulation included; embedders and final layer none.
     tail_skipped: the recompute runs the MLP outputs' and linear2's base GEMMs for one token (ours with
-    checkpoint_saves_projections; by default the trained gates need them recomputed in full)."""
+    checkpoint_saves_projections; by default the trained gates need them recomputed in full).
+    attention_kept: the recompute runs no attention (checkpoint_saves_attention)."""
     h, m, B, S = cfg.hidden_size, cfg.mlp_hidden, batch, img + txt
+    attn_ckpt = ckpt and not attention_kept
     tail_rows = B if tail_skipped else None
     ops = [Mat(B * img, cfg.in_channels, h, grad_in=False), Mat(B * txt, cfg.context_in_dim, h, grad_in=False),
            Mat(B, 256, h, grad_in=False), Mat(B, h, h, grad_in=False),
@@ -96,20 +98,21 @@ def flux_ops(cfg, batch: int, img: int, txt: int, ckpt: bool, modulation_lora: b
                     # block 0's input is modulated by LoRA'd shift/scale: it needs a gradient too
                     Mat(M, h, 3 * h, True, grad_in=i > 0 or modulation_lora, ckpt=ckpt), Mat(M, h, h, True, ckpt=ckpt),
                     Mat(M, h, m, True, ckpt=ckpt), Mat(M, m, h, True, ckpt=ckpt, recompute_rows=tail_rows)]
-        ops.append(Attn(B, S, cfg.num_heads, cfg.head_dim, ckpt))
+        ops.append(Attn(B, S, cfg.num_heads, cfg.head_dim, attn_ckpt))
     for j in range(cfg.depth_single):
         first = cfg.depth == 0 and j == 0
         ops += [Mat(B, h, 3 * h, modulation_lora, grad_in=False, ckpt=ckpt),
                 Mat(B * S, h, 3 * h + m, True, grad_in=not first or modulation_lora, ckpt=ckpt), Mat(B * S, h + m, h, True, ckpt=ckpt, recompute_rows=tail_rows),
-                Attn(B, S, cfg.num_heads, cfg.head_dim, ckpt)]
+                Attn(B, S, cfg.num_heads, cfg.head_dim, attn_ckpt)]
     ops += [Mat(B, h, 2 * h, grad_in=False), Mat(B * img, h, cfg.in_channels)]  # final adaLN, linear
     return ops
 
 
-def qwen_ops(cfg, batch: int, img: int, txt: int, ckpt: bool, tail_skipped: bool = True) -> list:
+def qwen_ops(cfg, batch: int, img: int, txt: int, ckpt: bool, tail_skipped: bool = True,
+             attention_kept: bool = False) -> list:
     """Qwen-Image with musubi-tuner's default targets: the blocks' attention and MLP Linears.
     tail_skipped: the recompute runs the MLP output's base GEMM for one token (ours; the peers' run it
-    in full)."""
+    in full). attention_kept: the recompute runs no attention (checkpoint_saves_attention)."""
     h, B, S, n = cfg.inner_dim, batch, img + txt, cfg.num_layers
     out = cfg.patch_size**2 * cfg.out_channels
     ops = [Mat(B * img, cfg.in_channels, h, grad_in=False), Mat(B * txt, cfg.joint_attention_dim, h, grad_in=False),
@@ -122,18 +125,19 @@ def qwen_ops(cfg, batch: int, img: int, txt: int, ckpt: bool, tail_skipped: bool
             ops += [Mat(M, h, h, True, backward=reaches_loss, ckpt=ckpt),  # to_out / to_add_out
                     Mat(M, h, 4 * h, True, backward=reaches_loss, ckpt=ckpt),
                     Mat(M, 4 * h, h, True, backward=reaches_loss, ckpt=ckpt, recompute_rows=B if tail_skipped else None)]
-        ops.append(Attn(B, S, cfg.num_attention_heads, cfg.attention_head_dim, ckpt))
+        ops.append(Attn(B, S, cfg.num_attention_heads, cfg.attention_head_dim, ckpt and not attention_kept))
     ops += [Mat(B, h, 2 * h, grad_in=False), Mat(B * img, h, out)]  # norm_out.linear, proj_out
     return ops
 
 
 def count_step(family: str, cfg, batch: int, img: int, txt: int, rank: int, ckpt: bool,
-               tail_skipped: bool | None = None) -> dict[str, float]:
+               tail_skipped: bool | None = None, attention_kept: bool = False) -> dict[str, float]:
     """tail_skipped: whether the recompute runs the blocks' last projections for one token; None: as
     ours does by default (Qwen-Image yes; FLUX.1 only with checkpoint_saves_projections); False: a
-    trainer whose recompute runs every GEMM in full (the peers)."""
-    ops = (flux_ops(cfg, batch, img, txt, ckpt, tail_skipped=bool(tail_skipped)) if family == "flux"
-           else qwen_ops(cfg, batch, img, txt, ckpt, tail_skipped is not False))
+    trainer whose recompute runs every GEMM in full (the peers). attention_kept: ours with
+    checkpoint_saves_attention (no attention in the recompute)."""
+    ops = (flux_ops(cfg, batch, img, txt, ckpt, tail_skipped=bool(tail_skipped), attention_kept=attention_kept)
+           if family == "flux" else qwen_ops(cfg, batch, img, txt, ckpt, tail_skipped is not False, attention_kept))
     return count(ops, rank)
 
 

@@ -311,30 +311,39 @@ def test_compiled_saved_projections_leave_the_recompute(tiny_set, monkeypatch):
 
 
 def test_train_lora_with_saved_projections_trains_the_same_lora(tiny_set, tmp_path, monkeypatch):
-    """The config key end to end (FLUX.1's quickstart, its gates trained): 3 steps with
-    checkpoint_saves_projections give the losses and LoRA of plain checkpointing bit for bit."""
+    """The config keys end to end (FLUX.1's quickstart, its gates trained): 3 steps with
+    checkpoint_saves_projections, and with checkpoint_saves_attention too, give the losses and LoRA of
+    plain checkpointing bit for bit."""
     import train_lora
     from safetensors.torch import load_file
 
     from tests.test_train_lora import flux_args, read_losses
 
-    stashes, real = [], core._saved_output
-    monkeypatch.setattr(core, "_saved_output", lambda stash: stashes.append(stash) or real(stash))
+    modes, real = [], core._checkpoint_contexts
+    monkeypatch.setattr(core, "_checkpoint_contexts", lambda keep: modes.append(keep) or real(keep))
     common = ("--max_train_steps", "3", "--sample_prompts", "", "--gradient_checkpointing", "true")
-    for name, extra in (("plain", ()), ("saved", ("--checkpoint_saves_projections", "true"))):
+    runs = {"plain": ((), core.Checkpointing()),
+            "saved": (("--checkpoint_saves_projections", "true"), core.SAVE_PROJECTIONS),
+            "both": (("--checkpoint_saves_projections", "true", "--checkpoint_saves_attention", "true"),
+                      core.Checkpointing(True, True))}
+    for name, (extra, keep) in runs.items():
+        modes.clear()
         assert train_lora.main(flux_args(tiny_set, tmp_path / name, *common, *extra)) == 0
-        assert bool(stashes) == (name == "saved")
-    assert read_losses(tmp_path / "plain") == read_losses(tmp_path / "saved")
-    plain, saved = (load_file(str(tmp_path / n / "tiny_flux_lora.safetensors")) for n in ("plain", "saved"))
-    assert plain.keys() == saved.keys() and all(torch.equal(plain[k], saved[k]) for k in plain)
+        assert modes and set(modes) == {keep}
+    lora = {n: load_file(str(tmp_path / n / "tiny_flux_lora.safetensors")) for n in runs}
+    for name in ("saved", "both"):
+        assert read_losses(tmp_path / "plain") == read_losses(tmp_path / name)
+        assert lora["plain"].keys() == lora[name].keys()
+        assert all(torch.equal(lora["plain"][k], lora[name][k]) for k in lora["plain"])
 
 
-def test_config_refuses_saved_projections_without_checkpointing(tiny_set, tmp_path, capsys):
+@pytest.mark.parametrize("key", ["checkpoint_saves_projections", "checkpoint_saves_attention"])
+def test_config_refuses_saved_projections_without_checkpointing(key, tiny_set, tmp_path, capsys):
     import train_lora
 
     from tests.test_train_lora import flux_args
 
-    code = train_lora.main(flux_args(tiny_set, tmp_path, "--checkpoint_saves_projections", "true"))
+    code = train_lora.main(flux_args(tiny_set, tmp_path, f"--{key}", "true"))
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "checkpoint_saves_projections" in err and "needs gradient_checkpointing = true" in err
+    assert code == 2 and key in err and "needs gradient_checkpointing = true" in err
     assert len(err.splitlines()) == 1

@@ -82,3 +82,15 @@ def test_attention_and_lora_terms_by_hand():
     # QK^T and PV: 2 * (2 * B H S S D) = 4 * 1 * 2 * 4 * 4 * 8; backward twice that; recompute once more.
     assert count([Attn(1, 4, 2, 8, ckpt=True)], 1) == {"forward": 1024, "backward": 2048, "recompute": 1024,
                                                         "total": 4096}
+
+
+@pytest.mark.parametrize("family,blocks", [("flux", (2, 2)), ("qwen_image", (2, 0))])
+def test_kept_attention_leaves_the_recompute_only(family, blocks):
+    """checkpoint_saves_attention: the count drops each block's attention forward from the recompute, and
+    nothing else."""
+    cfg = _model(family, blocks).config
+    ops = flux_ops(cfg, 1, L, T, True) if family == "flux" else qwen_ops(cfg, 1, L, T, True)
+    attention = sum(_attn_flops(op)["forward"] for op in ops if isinstance(op, Attn))
+    plain, kept = (count_step(family, cfg, 1, L, T, RANK, True, attention_kept=k) for k in (False, True))
+    assert attention > 0 and plain["recompute"] - kept["recompute"] == attention
+    assert (plain["forward"], plain["backward"]) == (kept["forward"], kept["backward"])

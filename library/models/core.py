@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from library.precision.autocast import autocast_off
@@ -230,14 +232,59 @@ def attention(
     gqa = k.shape[1] != q.shape[1]
     if mask is None and causal and q.shape[-2] == k.shape[-2]:
         # No padding: let SDPA build causality itself, which keeps the flash kernel eligible on CUDA.
-        out = sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
+        with _kept_attention():
+            out = sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
         return out.transpose(1, 2).flatten(2)
     if mask is not None and mask.dim() == 2:
         mask = attention_mask(mask, q.shape[-2], k.shape[-2], causal, q.device)
     elif causal and mask is None:  # Lq != Lk (a query suffix): causality aligned to the end
         mask = attention_mask(None, q.shape[-2], k.shape[-2], True, q.device)
-    out = sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    with _kept_attention():
+        out = sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)
+
+
+# SDPA's fused kernels (CPU, CUDA flash / memory-efficient / cuDNN, other backends): what autograd records
+# for one attention call, outputs (out, log-sum-exp, ...) that its backward reads. The math fallback
+# (e.g. an additive float mask on CPU) is many ops and is recomputed.
+ATTENTION_KERNELS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_fused_attention_overrideable")
+    if hasattr(torch.ops.aten, name))
+
+
+class _AttentionStash(TorchDispatchMode):
+    """Around one eager attention call in a checkpointed block that keeps attention (Checkpointing):
+    the forward appends the fused kernel's outputs to the block's stash, the recompute takes them back
+    instead of running the kernel. Below autograd, so the recomputed node saves the recomputed q, k, v
+    and the kept outputs, as the forward's did."""
+
+    def __init__(self, stash: collections.deque, recompute: bool):
+        super().__init__()
+        self.stash, self.recompute = stash, recompute
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in ATTENTION_KERNELS:
+            return func(*args, **(kwargs or {}))
+        if self.recompute:  # a fresh alias each time: autograd attaches the new node's history to it
+            return _detached(self.stash.popleft())
+        out = func(*args, **(kwargs or {}))
+        self.stash.append(_detached(out))
+        return out
+
+
+def _detached(out):
+    return tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+
+
+def _kept_attention():
+    """The attention stash of the checkpointed call running now (eager), else nothing to do."""
+    stash = getattr(_recompute, "attention", None)
+    if stash is None or torch.compiler.is_compiling():  # compiled: the region's checkpoint policy keeps it
+        return contextlib.nullcontext()
+    return _AttentionStash(stash, recomputing())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,23 +399,51 @@ def timestep_embedding(
 # Gradient checkpointing
 
 
+# .active: in a recompute; .stash / .attention: this call's kept projections / attention outputs, or None
+_recompute = threading.local()
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """run_block's use_checkpoint (a model's gradient_checkpointing) for checkpointing that keeps some
+    tensors from the forward instead of recomputing them. projections: the outputs of the blocks' last
+    projections into the residual where a trained gate needs them (residual_projection); attention: each
+    attention kernel's outputs (out and its log-sum-exp, [tokens, width] and [heads, tokens] per call), so
+    the recompute runs no attention kernel (its q, k, v are still recomputed: its backward reads them)."""
+
+    projections: bool = False
+    attention: bool = False
+
+
+SAVE_PROJECTIONS = Checkpointing(projections=True)
+
+
+def checkpointing(enabled: bool, save_projections: bool = False, save_attention: bool = False) -> bool | Checkpointing:
+    """A model's gradient_checkpointing value for the config's keys."""
+    if enabled and (save_projections or save_attention):
+        return Checkpointing(save_projections, save_attention)
+    return enabled
+
+
 def compile_block(block: nn.Module, **options):
     """torch.compile a block for run_block: its own call (no grad, or checkpointing off) in place
     (nn.Module.compile: names and state dict unchanged), and the checkpointed call as one compiled
     region, checkpoint included, so the partitioner plans forward, recompute and backward together: the
     recompute fuses into the backward graph instead of running the compiled forward again (the mid
     3072-wide bf16 CPU step x0.90-0.96, activation memory per block unchanged; bench/RESULTS.md).
-    For SAVE_PROJECTIONS checkpointing a second region (compiled on first use) has the checkpoint keep
-    the marked projection outputs (_keep_marked_gemms); the partitioner then drops their GEMMs from the
-    recompute, as the eager stash does."""
+    For Checkpointing that keeps tensors, a region per kind (compiled on first use) has the checkpoint
+    carry a selective policy (_keeping) that saves them; the partitioner then drops their ops from the
+    recompute, as the eager stashes do."""
     block.compile(**options)
     if any(getattr(m, "backward_saves_weights_only", False) for m in block.modules()):
         block._compiled_call_impl = _keeping_weights_quantized(block._compiled_call_impl)
     logging.getLogger("torch._higher_order_ops.wrap").addFilter(_without_context_fn_warning)
     call = functools.partial(checkpoint, block._call_impl, use_reentrant=False)
     block._compiled_checkpoint = torch.compile(call, **options)
-    block._compiled_saving_checkpoint = torch.compile(functools.partial(call, context_fn=_SAVING_CONTEXTS),
-                                                      **options)
+    block._compiled_keeping_checkpoints = {
+        keep: torch.compile(functools.partial(call, context_fn=functools.partial(
+            create_selective_checkpoint_contexts, functools.partial(_keeping, keep))), **options)
+        for keep in (Checkpointing(True, False), Checkpointing(False, True), Checkpointing(True, True))}
 
 
 def _keeping_weights_quantized(compiled):
@@ -385,22 +460,22 @@ def _keeping_weights_quantized(compiled):
     return call
 
 
-# Compiled SAVE_PROJECTIONS: residual_projection runs the base call of a projection whose output a trained
-# gate needs under this torch.fx annotation; the selective-checkpoint policy saves the GEMMs made there
-# (the [tokens, out] output; the rest of the call, e.g. an fp8 weight's dequantization, is recomputed)
-# and lets the partitioner recompute everything else, as plain checkpointing does.
+# A compiled region that keeps projections: residual_projection runs the base call of a projection whose
+# output a trained gate needs under this torch.fx annotation; the selective-checkpoint policy saves the
+# GEMMs made there (the [tokens, out] output; the rest of the call, e.g. an fp8 weight's dequantization,
+# is recomputed). One that keeps attention saves the fused attention kernels' outputs. Everything else
+# the partitioner may recompute, as plain checkpointing does.
 _KEEP_OUTPUT = "residual_projection_keeps_output"
 _GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
           torch.ops.aten.baddbmm.default, torch.ops.aten._scaled_mm.default)
 
 
-def _keep_marked_gemms(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in _GEMMS and torch.fx.traceback.get_current_meta().get("custom", {}).get(_KEEP_OUTPUT):
+def _keeping(keep: Checkpointing, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if keep.attention and op in ATTENTION_KERNELS:
+        return CheckpointPolicy.MUST_SAVE
+    if keep.projections and op in _GEMMS and torch.fx.traceback.get_current_meta().get("custom", {}).get(_KEEP_OUTPUT):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_SAVING_CONTEXTS = functools.partial(create_selective_checkpoint_contexts, _keep_marked_gemms)
 
 
 def _without_context_fn_warning(record: logging.LogRecord) -> bool:
@@ -411,23 +486,10 @@ def _without_context_fn_warning(record: logging.LogRecord) -> bool:
 
 
 def _marked_output(forward, h: torch.Tensor) -> torch.Tensor:
-    """The base call (forward, h) -> output of a compiled SAVE_PROJECTIONS region: marked for
-    _keep_marked_gemms (outside that region the mark is inert metadata)."""
+    """The base call (forward, h) -> output in a compiled region: marked for _keeping (outside a region
+    that keeps projections the mark is inert metadata)."""
     with torch.fx.traceback.annotate({_KEEP_OUTPUT: True}):
         return forward(h)
-
-
-_recompute = threading.local()  # .active: in a recompute; .stash: this call's saved projections or None
-
-# run_block's use_checkpoint (a model's gradient_checkpointing) set to this: checkpointing that keeps
-# the outputs of the blocks' last projections into the residual (residual_projection) from the forward
-# instead of recomputing them, where a trained gate needs them.
-SAVE_PROJECTIONS = "save_projections"
-
-
-def checkpointing(enabled: bool, save_projections: bool = False) -> bool | str:
-    """A model's gradient_checkpointing value for the config's two keys."""
-    return SAVE_PROJECTIONS if enabled and save_projections else enabled
 
 
 def recomputing() -> bool:
@@ -436,19 +498,20 @@ def recomputing() -> bool:
 
 
 @contextlib.contextmanager
-def _checkpoint_pass(recompute: bool, stash: collections.deque | None):
-    previous = recomputing(), getattr(_recompute, "stash", None)
-    _recompute.active, _recompute.stash = recompute, stash
+def _checkpoint_pass(recompute: bool, stash: collections.deque | None, attention: collections.deque | None):
+    previous = recomputing(), getattr(_recompute, "stash", None), getattr(_recompute, "attention", None)
+    _recompute.active, _recompute.stash, _recompute.attention = recompute, stash, attention
     try:
         yield
     finally:
-        _recompute.active, _recompute.stash = previous
+        _recompute.active, _recompute.stash, _recompute.attention = previous
 
 
-def _checkpoint_contexts(save_projections: bool = False):
-    """(original forward, recompute) contexts of one checkpointed call; both passes share its stash."""
-    stash = collections.deque() if save_projections else None
-    return _checkpoint_pass(False, stash), _checkpoint_pass(True, stash)
+def _checkpoint_contexts(keep: Checkpointing = Checkpointing()):
+    """(original forward, recompute) contexts of one checkpointed call; both passes share its stashes."""
+    stash = collections.deque() if keep.projections else None
+    attention = collections.deque() if keep.attention else None
+    return _checkpoint_pass(False, stash, attention), _checkpoint_pass(True, stash, attention)
 
 
 def on_one_token(forward, h: torch.Tensor) -> torch.Tensor:
@@ -533,12 +596,13 @@ def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: i
     if swap is not None:
         swap.before_forward(index)
     if use_checkpoint and torch.is_grad_enabled():
-        saving = use_checkpoint == SAVE_PROJECTIONS
+        keep = use_checkpoint if isinstance(use_checkpoint, Checkpointing) else Checkpointing()
         if hasattr(block, "_compiled_checkpoint"):  # compile_block's
-            compiled = block._compiled_saving_checkpoint if saving else block._compiled_checkpoint
+            keeping = keep.projections or keep.attention
+            compiled = block._compiled_keeping_checkpoints[keep] if keeping else block._compiled_checkpoint
             out = compiled(*args, **kwargs)
         else:
-            contexts = functools.partial(_checkpoint_contexts, saving)
+            contexts = functools.partial(_checkpoint_contexts, keep)
             out = checkpoint(block, *args, use_reentrant=False, context_fn=contexts, **kwargs)
     else:
         out = block(*args, **kwargs)

@@ -115,6 +115,10 @@ SCHEMA: dict[str, Arg] = {
                                                    "it (modulation among the LoRA targets) instead of recomputing "
                                                    "it: step FLOPs x0.88-0.90 there for one [tokens, width] activation "
                                                    "per stream and block (the planner counts it); eager or torch_compile"),
+    "checkpoint_saves_attention": A(bool, False, "with gradient_checkpointing: keep each attention kernel's output "
+                                                 "(and its log-sum-exp) from the forward, so the recompute runs no "
+                                                 "attention: one [tokens, width] activation per attention call and "
+                                                 "block (the planner counts it); eager or torch_compile"),
     "blocks_to_swap": A(int, 0, "keep the last N transformer blocks' frozen weights in CPU memory, copied in per use"),
     "block_swap_prefetch": A(int, 1, "swapped blocks copied ahead of their use (each one more block of device memory; "
                                      "deeper hides large blocks' copies behind more compute)"),
@@ -463,9 +467,10 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
                           f"networks.lora (LyCORIS files have no PEFT LoRA form)")
     _validate_ema(args, origins, where)
     _validate_fp8_compute(args, origins, where)
-    if args.checkpoint_saves_projections and not args.gradient_checkpointing:
-        raise ConfigError(f"{origins.get('checkpoint_saves_projections', where)}: key 'checkpoint_saves_projections' "
-                          f"needs gradient_checkpointing = true (it changes what the recompute runs)")
+    for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):
+        if getattr(args, key) and not args.gradient_checkpointing:
+            raise ConfigError(f"{origins.get(key, where)}: key '{key}' needs gradient_checkpointing = true "
+                              f"(it changes what the recompute runs)")
     _validate_base_loras(args, origins, where)
     from library.training.tracking import check_trackers
 

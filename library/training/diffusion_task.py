@@ -71,7 +71,8 @@ class DiffusionTask:
         self.base = self._load_base()
         if args.fp8_compute:
             self._enable_fp8_compute()
-        self.base.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections)
+        self.base.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
+                                                         args.checkpoint_saves_attention)
         self.network = self._make_network()  # on the CPU base: DoRA's norms read the weights
         self._to_device(self.base)
         if args.torch_compile:

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.data.text_corpus import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
+from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
@@ -86,7 +87,8 @@ class LLMTask:
         self.model, self.from_scratch = self._load_model(path)
         self._check_context()
         self.train_set, self.val_set = self._load_data()
-        self.model.gradient_checkpointing = args.gradient_checkpointing
+        self.model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
+                                                          args.checkpoint_saves_attention)
         self.network = None
         if args.pretrain:
             self.model.requires_grad_(True).train()

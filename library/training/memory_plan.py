@@ -202,7 +202,8 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     """One training step of `family` under `args` (the train_lora config) at width x height, on meta.
     references: reference images per sample of an edit family (default: family.plan_controls)."""
     model, network = _meta_model_and_network(family, args)
-    model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections)
+    model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
+                                                 args.checkpoint_saves_attention)
     network.train()
     lora = [p for p in network.parameters() if p.requires_grad]
     optimizer = _optimizer_bytes(network, args)
