@@ -483,6 +483,7 @@ def test_memory_planner_takes_a_chroma_config_and_the_preset(tiny_set, tmp_path,
     out = capsys.readouterr().out
     assert f"base {8_899_983_424 * 2 / 2**30:.2f}" in out  # bf16 base: 2 bytes a weight (test_released_size_on_meta)
     assert "checkpoint_saves_projections" not in out  # Chroma's gates do not train: nothing to keep
+    assert "with checkpoint_saves_attention = true (+" in out  # attention is kept in any family
     limit = ChromaFamily(tiny_set["chroma_bfl"], t5xxl=tiny_set["chroma_t5xxl"]).caption_token_limit(
         type("Args", (), {"t5xxl_max_token_length": None})())
     assert limit.max_tokens == 512 and limit.count("a cat") >= 2  # the words and </s>

@@ -259,10 +259,10 @@ def test_plan_memory_plans_a_gguf_file_in_its_stored_layout_only(flux_gguf, tiny
                           dataset_config=tiny_set["dataset_config"], output_dir=str(tmp_path / "out"))
     assert plan_memory.main(["--config_file", config, "--vram", "12"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "gradient_checkpointing=" in line]
-    rows = [line.split()[0] for line in lines if "checkpoint_saves_projections" not in line]
+    rows = [line.split()[0] for line in lines if "with checkpoint_saves" not in line]
     assert rows == ["gguf_q8_0+q4_k", "gguf_q8_0+q4_k"]
-    saved = [line.split()[0] for line in lines if "checkpoint_saves_projections" in line]  # FLUX.1's gates train
-    assert saved == ["gguf_q8_0+q4_k"]
+    for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):  # (FLUX.1's gates train)
+        assert [line.split()[0] for line in lines if key in line] == ["gguf_q8_0+q4_k"]
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0"])

@@ -106,9 +106,10 @@ def test_a_full_size_preset_needs_swap_on_a_small_card(capsys):
     n_bf16, n_fp8 = (int(line.split("blocks_to_swap = ")[1].split()[0]) for line in (bf16, fp8))
     assert 0 < n_fp8 < n_bf16  # 11.9 B parameters: 22 GiB in bf16, 11.5 GiB in fp8 on a 12 GiB card
     # FLUX.1 trains its gates: the rows with checkpoint_saves_projections, each needing at least as much swap
-    saved = [line for line in out.splitlines() if "checkpoint_saves_projections = true (+" in line]
-    assert [line.split()[0] for line in saved] == ["bf16", "fp8_scaled", "nf4", "int8"]  # (low-bit under 16 GiB)
-    assert all(int(line.split("blocks_to_swap = ")[1].split()[0]) >= n for line, n in zip(saved, (n_bf16, n_fp8)))
+    for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):  # (and attention, as any family)
+        saved = [line for line in out.splitlines() if f"{key} = true (+" in line]
+        assert [line.split()[0] for line in saved] == ["bf16", "fp8_scaled", "nf4", "int8"]  # (low-bit under 16 GiB)
+        assert all(int(line.split("blocks_to_swap = ")[1].split()[0]) >= n for line, n in zip(saved, (n_bf16, n_fp8)))
 
 
 # ----------------------------------------------------------------------------------------------

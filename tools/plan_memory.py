@@ -259,24 +259,31 @@ def fit_text(fit: int | None, peak: int) -> str:
     return "does not fit" if fit is None else f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)"
 
 
-def saved_projections_rows(family, args, width: int, height: int, batch: int, vram_gib: float,
-                           references: int | None, planned: dict) -> list[str]:
-    """What checkpoint_saves_projections (unset in args) would cost on this card, per base precision with
-    checkpointing: one more plan each; none where the first keeps nothing (no trained gate)."""
-    if args.checkpoint_saves_projections:
-        return []  # the rows above already plan it
+# The checkpointing keys that keep tensors from the forward for less recompute, and what each buys.
+KEEPING_KEYS = (("checkpoint_saves_projections", "less recompute"),
+                ("checkpoint_saves_attention", "no attention in the recompute"))
+
+
+def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib: float,
+                     references: int | None, planned: dict) -> list[str]:
+    """What each of KEEPING_KEYS (unset in args) would cost on this card, per base precision with
+    checkpointing: one more plan each; none for a key that keeps nothing here (projections where no gate
+    trains)."""
     count, tokens = references_and_tokens(family, args, references, width, height)
     rows = []
-    for base in [base for base, ckpt in planned if ckpt]:
-        trial = setting_args(family, args, base, True)
-        trial.checkpoint_saves_projections = True
-        plan = training_plan(family, trial, width, height, batch, tokens, count)
-        extra = plan.phase(0).peak - planned[(base, True)].phase(0).peak
-        if extra <= 0:
-            return []
-        fit = fewest_swaps(plan, vram_gib)
-        rows.append(f"  {base:10s} gradient_checkpointing=true with checkpoint_saves_projections = true "
-                    f"(+{extra / GiB:.2f} GiB, less recompute): {fit_text(fit, plan.phase(fit or 0).peak)}")
+    for key, gain in KEEPING_KEYS:
+        if getattr(args, key):
+            continue  # the rows above already plan it
+        for base in [base for base, ckpt in planned if ckpt]:
+            trial = setting_args(family, args, base, True)
+            setattr(trial, key, True)
+            plan = training_plan(family, trial, width, height, batch, tokens, count)
+            extra = plan.phase(0).peak - planned[(base, True)].phase(0).peak
+            if extra <= 0:
+                break
+            fit = fewest_swaps(plan, vram_gib)
+            rows.append(f"  {base:10s} gradient_checkpointing=true with {key} = true "
+                        f"(+{extra / GiB:.2f} GiB, {gain}): {fit_text(fit, plan.phase(fit or 0).peak)}")
     return rows
 
 
@@ -305,7 +312,7 @@ def main(argv=None) -> int:
     print(f"\nOn a {args.vram:g} GiB card (usable {usable(args.vram) / GiB:.1f} GiB), training:")
     for base, ckpt, fit, peak in fitting_settings(family, run, width, height, batch, args.vram, references, planned):
         print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {fit_text(fit, peak)}")
-    for row in saved_projections_rows(family, run, width, height, batch, args.vram, references, planned):
+    for row in kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned):
         print(row)
     return 0
 
