@@ -59,7 +59,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CUDA: the
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make", [tiny_flux, tiny_qwen])
 @pytest.mark.parametrize("base", ["fp32", "fp8_scaled"])
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True, core.checkpointing(True, True, True)],
+                         ids=["plain", "checkpointing", "keeping"])  # keeping: projections and attention kept
 def test_swapping_gives_the_same_loss_and_lora_gradients_bit_for_bit(make, base, checkpointing, device):
     model, family, inputs = make()
     reference = copy.deepcopy(model)

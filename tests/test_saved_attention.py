@@ -10,6 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from library.models import core
+from library.models.registry import arch_specs
+from library.precision.fp8 import quantize_module
 from tests.test_residual_projection import DIFFUSION_ARCHS, assert_same, tiny_model, with_lora
 
 KEEP_ATTENTION = core.checkpointing(True, save_attention=True)
@@ -49,9 +51,13 @@ def test_kept_attention_trains_the_same_bits(arch, tiny_set):
     assert 0 < recomputed <= calls and rerun == 0  # plain: again in the recompute (checkpointed blocks); kept: none
 
 
-def test_kept_attention_with_kept_projections(tiny_set):
-    """Both keys (FLUX.1's gates train, so projections are kept too): the two stashes in one recompute."""
+@pytest.mark.parametrize("base", ["fp32", "fp8_scaled"])
+def test_kept_attention_with_kept_projections(base, tiny_set):
+    """Both keys (FLUX.1's gates train, so projections are kept too): the two stashes in one recompute,
+    on a full-precision and an fp8_scaled base (its Linears' own autograd Functions in the recompute)."""
     model, kwargs = tiny_model("flux", tiny_set)
+    if base != "fp32":
+        model = quantize_module(model, base, arch_specs()["flux"].fp8)
     net = with_lora(model, "flux")
     plain = step(model, net, kwargs, True)[0]
     kept, _, rerun = step(model, net, kwargs, core.checkpointing(True, True, True))
