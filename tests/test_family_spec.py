@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from library.models import core
 from library.models import flow_matching as fm
 from library.models.registry import FAMILIES, SAMPLING_METHODS, arch_specs, spec_of
 from library.models.spec import ConfigKey, load_symbol
@@ -64,7 +65,8 @@ def test_compile_compiles_every_block_the_model_lists():
 
     model = released_models_on_meta(DIFFUSION_ARCHS[0])[0]
     DiffusionTask._compile_blocks(type("Task", (), {"base": model})())
-    assert all(b._compiled_call_impl is not None and b._compiled_checkpoint is not None for b in model.swappable_blocks())
+    assert all(b._compiled_call_impl is not None and b._compiled_checkpoints[core.Checkpointing()] is not None
+               for b in model.swappable_blocks())
 
 
 def test_sampling_methods_are_the_generic_draws_and_each_specs_own():

@@ -281,8 +281,10 @@ def _detached(out):
 
 def _kept_attention():
     """The attention stash of the checkpointed call running now (eager), else nothing to do."""
+    if torch.compiler.is_compiling():  # compiled: the region's checkpoint policy keeps it
+        return contextlib.nullcontext()
     stash = getattr(_recompute, "attention", None)
-    if stash is None or torch.compiler.is_compiling():  # compiled: the region's checkpoint policy keeps it
+    if stash is None:
         return contextlib.nullcontext()
     return _AttentionStash(stash, recomputing())
 
@@ -431,16 +433,15 @@ def compile_block(block: nn.Module, **options):
     region, checkpoint included, so the partitioner plans forward, recompute and backward together: the
     recompute fuses into the backward graph instead of running the compiled forward again (the mid
     3072-wide bf16 CPU step x0.90-0.96, activation memory per block unchanged; bench/RESULTS.md).
-    For Checkpointing that keeps tensors, a region per kind (compiled on first use) has the checkpoint
-    carry a selective policy (_keeping) that saves them; the partitioner then drops their ops from the
-    recompute, as the eager stashes do."""
+    One region per Checkpointing (each compiled on first use): plain checkpointing's, and for each kind
+    that keeps tensors one whose checkpoint carries a selective policy (_keeping) that saves them; the
+    partitioner then drops their ops from the recompute, as the eager stashes do."""
     block.compile(**options)
     if any(getattr(m, "backward_saves_weights_only", False) for m in block.modules()):
         block._compiled_call_impl = _keeping_weights_quantized(block._compiled_call_impl)
     logging.getLogger("torch._higher_order_ops.wrap").addFilter(_without_context_fn_warning)
     call = functools.partial(checkpoint, block._call_impl, use_reentrant=False)
-    block._compiled_checkpoint = torch.compile(call, **options)
-    block._compiled_keeping_checkpoints = {
+    block._compiled_checkpoints = {Checkpointing(): torch.compile(call, **options)} | {
         keep: torch.compile(functools.partial(call, context_fn=functools.partial(
             create_selective_checkpoint_contexts, functools.partial(_keeping, keep))), **options)
         for keep in (Checkpointing(True, False), Checkpointing(False, True), Checkpointing(True, True))}
@@ -597,10 +598,8 @@ def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: i
         swap.before_forward(index)
     if use_checkpoint and torch.is_grad_enabled():
         keep = use_checkpoint if isinstance(use_checkpoint, Checkpointing) else Checkpointing()
-        if hasattr(block, "_compiled_checkpoint"):  # compile_block's
-            keeping = keep.projections or keep.attention
-            compiled = block._compiled_keeping_checkpoints[keep] if keeping else block._compiled_checkpoint
-            out = compiled(*args, **kwargs)
+        if hasattr(block, "_compiled_checkpoints"):  # compile_block's
+            out = block._compiled_checkpoints[keep](*args, **kwargs)
         else:
             contexts = functools.partial(_checkpoint_contexts, keep)
             out = checkpoint(block, *args, use_reentrant=False, context_fn=contexts, **kwargs)
