@@ -437,6 +437,46 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if "scaled_residual_init" in origins and not args.pretrain:  # it would be ignored: say so
         raise ConfigError(f"{origins['scaled_residual_init']}: key 'scaled_residual_init' is for llm pretraining "
                           f"(pretrain = true)")
+    _validate_counts(args, origins, where)
+    if args.save_format.startswith("peft") and (args.model_type != "llm" or args.pretrain):
+        raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' is for LLM LoRAs "
+                          f"(model_type llm without pretrain); diffusion LoRAs convert with tools/convert_lora.py --to diffusers")
+    if args.save_format.startswith("peft") and args.network_module != "networks.lora":
+        raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' needs network_module "
+                          f"networks.lora (LyCORIS files have no PEFT LoRA form)")
+    _validate_ema(args, origins, where)
+    _validate_fp8_compute(args, origins, where)
+    for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):
+        if getattr(args, key) and not args.gradient_checkpointing:
+            raise ConfigError(f"{origins.get(key, where)}: key '{key}' needs gradient_checkpointing = true "
+                              f"(it changes what the recompute runs)")
+    _validate_base_loras(args, origins, where)
+    from library.training.tracking import check_trackers
+
+    if problem := check_trackers(args.log_with, args.logging_dir):
+        raise ConfigError(f"{origins.get('log_with', where)}: {problem}")
+    if args.learning_rate <= 0:
+        raise ConfigError(f"{_blame(origins, where, 'learning_rate')}: key 'learning_rate' must be > 0, got {args.learning_rate}")
+    if args.model_type != "llm":
+        from library.models.family import family_class
+
+        missing = [k for k in family_class(args.model_type).required_paths() if getattr(args, k) is None]
+        if missing:
+            raise ConfigError(f"{where}: key '{missing[0]}' is required for model_type {args.model_type} "
+                              f"(missing: {', '.join(missing)})")
+    parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", where))
+    parse_kv_literals(args.network_args, "network_args", origins.get("network_args", where))
+    from networks.factory import check_network_module
+
+    try:  # an unknown value used to train a plain LoRA silently
+        check_network_module(args.network_module)
+    except ValueError as e:
+        raise ConfigError(f"{origins.get('network_module', where)}: {e}") from None
+    _validate_output(args, origins, where)
+
+
+def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
+    """Counts, sizes and intervals in range, and the keys that only one kind of model reads."""
     for key in ("network_dim", "max_train_steps", "gradient_accumulation_steps", "text_encoder_batch_size",
                 "vae_batch_size"):
         if getattr(args, key) < 1:
@@ -459,44 +499,14 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if args.model_type == "llm" and args.validate_every_n_steps:
         raise ConfigError(f"{_blame(origins, where, 'validate_every_n_steps', 'model_type')}: key 'validate_every_n_steps' "
                           f"is for image training; llm uses val_fraction and eval_every_n_steps")
-    if args.save_format.startswith("peft") and (args.model_type != "llm" or args.pretrain):
-        raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' is for LLM LoRAs "
-                          f"(model_type llm without pretrain); diffusion LoRAs convert with tools/convert_lora.py --to diffusers")
-    if args.save_format.startswith("peft") and args.network_module != "networks.lora":
-        raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' needs network_module "
-                          f"networks.lora (LyCORIS files have no PEFT LoRA form)")
-    _validate_ema(args, origins, where)
-    _validate_fp8_compute(args, origins, where)
-    for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):
-        if getattr(args, key) and not args.gradient_checkpointing:
-            raise ConfigError(f"{origins.get(key, where)}: key '{key}' needs gradient_checkpointing = true "
-                              f"(it changes what the recompute runs)")
-    _validate_base_loras(args, origins, where)
-    from library.training.tracking import check_trackers
 
-    if problem := check_trackers(args.log_with, args.logging_dir):
-        raise ConfigError(f"{origins.get('log_with', where)}: {problem}")
-    if args.learning_rate <= 0:
-        raise ConfigError(f"{_blame(origins, where, 'learning_rate')}: key 'learning_rate' must be > 0, got {args.learning_rate}")
+
+def _validate_output(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
+    """output_name and output_dir, found now rather than when the first file is written."""
     name = args.output_name  # it names files and a state folder in output_dir: one plain name, found now
     if name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0")):
         raise ConfigError(f"{_blame(origins, where, 'output_name')}: key 'output_name' must be a plain file name (not empty, "
                           f"no path separator, not '.' or '..'), got {name!r}")
-    if args.model_type != "llm":
-        from library.models.family import family_class
-
-        missing = [k for k in family_class(args.model_type).required_paths() if getattr(args, k) is None]
-        if missing:
-            raise ConfigError(f"{where}: key '{missing[0]}' is required for model_type {args.model_type} "
-                              f"(missing: {', '.join(missing)})")
-    parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", where))
-    parse_kv_literals(args.network_args, "network_args", origins.get("network_args", where))
-    from networks.factory import check_network_module
-
-    try:  # an unknown value used to train a plain LoRA silently
-        check_network_module(args.network_module)
-    except ValueError as e:
-        raise ConfigError(f"{origins.get('network_module', where)}: {e}") from None
     if args.output_dir:
         where = origins.get("output_dir", where)
         parent = os.path.abspath(args.output_dir)
