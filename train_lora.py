@@ -7,7 +7,8 @@
 The story, top to bottom: read the config -> set up accelerate -> build the task (models, data,
 caches, LoRA network) -> optimizer and scheduler -> the loop (loss, backward, clip, step, log,
 sample, save) -> the final LoRA. Ctrl-C / SIGTERM save the LoRA and the state before exiting; a
-non-finite loss stops the run after saving the last good LoRA.
+non-finite gradient norm stops the run before its update, with the LoRA saved; a non-finite loss
+or non-finite weights at a save stop it without calling the weights good.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import signal
 import sys
 import time
 
+from library.errors import one_line_warnings
 from library.training.config import build_parser
 
 # The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
 if __name__ == "__main__":
     build_parser().parse_args()
+    one_line_warnings()
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -147,7 +150,8 @@ def lora_metadata(args, task, step: int, max_steps: int, epoch: int, started: fl
 
     facts = task.metadata()
     return build_metadata(
-        network_module=args.network_module, network_dim=args.network_dim, network_alpha=args.network_alpha,
+        network_module=args.network_module, network_dim=args.network_dim,
+        network_alpha=facts.get("network_alpha") or args.network_alpha,
         network_args=parse_kv_literals(args.network_args, "network_args", "config"),
         base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
         base_precision=facts["base_precision"], fp8_compute=facts.get("fp8_compute"), base_loras=facts.get("base_loras"), mixed_precision=args.mixed_precision, resolution=facts["resolution"],
@@ -180,7 +184,7 @@ class Saver:
         # and/or folders (PEFT adapters, pretrained models).
         self.numbered = re.compile(re.escape(args.output_name) + r"-step(\d+)(_ema)?(\.safetensors)?")
 
-    def lora(self, step: int, epoch: int, final: bool = False) -> str:
+    def lora(self, step: int, epoch: int, final: bool = False, prune: bool = True) -> str:
         name = self.args.output_name + ("" if final else f"-step{step:06d}")
         path = os.path.join(self.args.output_dir, name + ".safetensors")
         if self.accelerator.is_main_process:
@@ -193,7 +197,7 @@ class Saver:
                 ema_path = os.path.join(self.args.output_dir, name + "_ema.safetensors")
                 with self.ema.swapped_in():  # the same writer, so the same format and keys
                     written += self.task.save(ema_path, {**metadata, **ema_metadata(self.args)}, dtype) or [ema_path]
-            if not final:
+            if not final and prune:
                 self._prune(step)
         return path
 
@@ -323,10 +327,13 @@ class Trainer:
                     self.epoch += 1
                     if args.save_every_n_epochs and self.epoch % args.save_every_n_epochs == 0 and self.step < self.max_steps:
                         self.save_intermediate()
-                    if args.sample_every_n_epochs and self.epoch % args.sample_every_n_epochs == 0:
+                    if (args.sample_every_n_epochs and self.epoch % args.sample_every_n_epochs == 0
+                            and self.step < self.max_steps):  # the last epoch's are the final samples
                         self.render_samples(f"epoch{self.epoch:04d}")
                     self.clock.restart()
+            self.check_finite()  # the last update's weights, before they are saved as the result
         except StopTraining as stop:
+            self.progress_bar.close()  # the bar's line ends before the message
             self.accelerator.print(str(stop), file=sys.stderr) if stop.code else self.accelerator.print(str(stop))
             self.accelerator.end_training()
             return stop.code
@@ -349,6 +356,7 @@ class Trainer:
 
     def save_intermediate(self):
         """A step or epoch save: the LoRA, and with save_state the state to resume from it."""
+        self.check_finite()
         self.saver.lora(self.step, self.epoch)
         if self.args.save_state:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
@@ -397,25 +405,53 @@ class Trainer:
             with contextlib.nullcontext() if last else accelerator.no_sync(self.module):
                 loss = self.module(*self.task.batch_inputs(batch, self.step))
                 if not torch.isfinite(loss.detach()):
-                    path = self.saver.lora(self.step, self.epoch, final=True)
-                    raise StopTraining(f"error: loss is {loss.item()} at step {self.step + 1} (epoch {self.epoch}); "
-                                       f"the last good LoRA (step {self.step}) is saved at {path}", code=3)
+                    raise StopTraining(self.diverged(f"loss is {loss.item()}"), code=3)
                 accelerator.backward(loss / micro_batches)
             self.batches_done += 1
             losses.append(loss.detach())
             if not last:
                 continue
             if args.max_grad_norm:
-                accelerator.clip_grad_norm_(self.task.trainable_parameters(), args.max_grad_norm)
+                norm = accelerator.clip_grad_norm_(self.task.trainable_parameters(), args.max_grad_norm)
+                # fp16's grad scaler expects inf gradients (it skips those steps); otherwise the update
+                # would make every weight it touches inf or NaN: stop before it, with weights that were fine.
+                if accelerator.scaler is None and norm is not None and not torch.isfinite(norm):
+                    path = self.saver.lora(self.step, self.epoch, final=True)
+                    raise StopTraining(f"error: the gradient norm is {norm.item()} at step {self.step + 1} (epoch "
+                                       f"{self.epoch}), not applied: the LoRA of step {self.step} (its loss was "
+                                       f"finite) is saved at {path}", code=3)
             stepped = self.optimizer_step()
             self.optimizer.zero_grad(set_to_none=True)
             if self.ema is not None and stepped:  # per optimizer step; every rank averages the same (all-reduced) weights
                 self.ema.update(self.step + 1)
             self.finish_step(accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item())
             losses = []
-            if self.step >= self.max_steps:
+            if self.step >= self.max_steps and self.batches_done < total:  # at the epoch's end: it counts as run
                 return
         self.batches_done = 0
+
+    def diverged(self, what: str | None = None) -> str:
+        """The stop line for a non-finite loss (`what`) or non-finite weights found at a save. The
+        weights that gave a non-finite loss are the last update's, so they are not called good:
+        kept (as an intermediate save, none pruned) only where finite."""
+        saves = self.saver.intermediate_saves()
+        earlier = sorted(s for s in saves if s < self.step)
+        before = (f"the last save before it: step {earlier[-1]}, {saves[earlier[-1]][0]}" if earlier
+                  else "no save before it (save_every_n_steps keeps some)")
+        lead = f"error: {what} at step {self.step + 1} (epoch {self.epoch}); the" if what else "error: the"
+        if not self.weights_finite():
+            return f"{lead} LoRA's weights are no longer finite after step {self.step}: not saved; {before}"
+        path = self.saver.lora(self.step, self.epoch, prune=False)
+        return (f"{lead} LoRA of step {self.step} gave it (its weights are finite: check it before use) and "
+                f"is saved at {path}; {before}")
+
+    def weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(t).all()) for t in self.task.trainable_tensors().values())
+
+    def check_finite(self):
+        """Before a save: an update can make the weights inf or NaN with its own loss still finite."""
+        if not self.weights_finite():
+            raise StopTraining(self.diverged(), code=3)
 
     def optimizer_step(self) -> bool:
         """optimizer.step(); False where fp16's grad scaler skipped it (an inf/NaN gradient: the
@@ -456,6 +492,7 @@ class Trainer:
         if args.save_every_n_steps and self.step % args.save_every_n_steps == 0 and self.step < self.max_steps:
             self.save_intermediate()
         if self.interrupts.requested:
+            self.check_finite()
             path = self.saver.lora(self.step, self.epoch)
             folder = self.saver.state(self.optimizer, self.scheduler, self.progress())
             raise StopTraining(f"{self.interrupts.requested}: saved {path} and state {folder} at step {self.step}; "

@@ -53,6 +53,20 @@ def check_network_module(name: str) -> None:
         raise ValueError(f"network_module '{name}' is not supported (supported: {', '.join(NETWORK_MODULES)})")
 
 
+def check_network_args(name: str, arch: str, args: dict) -> None:
+    """network_args named and typed for the network type and arch, without a model (a ValueError
+    naming the bad one): the config check runs it before minutes of caching."""
+    check_network_module(name)
+    if name == "lycoris.kohya":
+        from networks.lycoris_network import check_lycoris_args
+
+        check_lycoris_args(args)
+    else:
+        from networks.lora import check_lora_args
+
+        check_lora_args(arch, args)
+
+
 def network_class(name: str):
     check_network_module(name)
     if name == "lycoris.kohya":

@@ -234,6 +234,20 @@ class LoRAModule(nn.Module):
 # network_args parsing (values may arrive as strings from `key=value` command lines)
 
 
+def check_lora_args(arch: str, args: dict) -> None:
+    """network_args keys known to this architecture's LoRA, and none it refuses; needs no model, so
+    the config check finds a bad one before caching."""
+    spec = lora_targets(arch)
+    known = (COMMON_ARGS | set(spec.block_args) | set(spec.extra_args) | set(spec.refused_args)
+             | {f"{t}_dim" for t in list(spec.targets) + list(spec.type_groups)})
+    unknown = sorted(k for k in args if k not in known)
+    if unknown:
+        raise ValueError(f"network_args: unknown key '{unknown[0]}' for family '{arch}' (known: {', '.join(sorted(known))})")
+    for key, why in spec.refused_args.items():
+        if _as_bool(key, args.get(key, False)):
+            raise ValueError(f"network_args '{key}=true' is not supported: {why}")
+
+
 def _as_float(key, value):
     try:
         return None if value is None else float(value)
@@ -358,17 +372,7 @@ class LoRANetwork(nn.Module):
         return lora
 
     def _check_args(self, args: dict) -> dict:
-        spec = self.spec
-        known = (COMMON_ARGS | set(spec.block_args) | set(spec.extra_args) | set(spec.refused_args)
-                 | {f"{t}_dim" for t in list(spec.targets) + list(spec.type_groups)})
-        unknown = sorted(k for k in args if k not in known)
-        if unknown:
-            raise ValueError(
-                f"network_args: unknown key '{unknown[0]}' for family '{self.arch}' (known: {', '.join(sorted(known))})"
-            )
-        for key, why in spec.refused_args.items():
-            if _as_bool(key, args.get(key, False)):
-                raise ValueError(f"network_args '{key}=true' is not supported: {why}")
+        check_lora_args(self.arch, args)
         return args
 
     def _candidates(self, model):

@@ -116,6 +116,15 @@ def _quiet_lycoris():
         logger.setLevel(level)
 
 
+def check_lycoris_args(args: dict) -> None:
+    """network_args keys LyCORIS or our selection reads, with values of its types; needs no model."""
+    unknown = sorted(k for k in args if k not in LYCORIS_ARGS | SELECTION_ARGS)
+    if unknown:
+        raise ValueError(f"network_args: unknown key '{unknown[0]}' for lycoris.kohya "
+                         f"(known: {', '.join(sorted(LYCORIS_ARGS | SELECTION_ARGS))})")
+    _typed_lycoris_args(args)
+
+
 def _typed_lycoris_args(args: dict) -> dict:
     """The LYCORIS_ARGS of `args`, each checked and converted to the type LyCORIS reads; a bad value
     is a ValueError naming the key, the value and what is allowed."""
@@ -178,10 +187,7 @@ class LycorisNetwork(nn.Module):
         self._model = [model]
         self._fp8_targets: dict[nn.Module, nn.Module] = {}  # LyCORIS module -> the quantized Linear it wraps
         self._applied = False
-        unknown = sorted(k for k in self.network_args if k not in LYCORIS_ARGS | SELECTION_ARGS)
-        if unknown:
-            raise ValueError(f"network_args: unknown key '{unknown[0]}' for lycoris.kohya "
-                             f"(known: {', '.join(sorted(LYCORIS_ARGS | SELECTION_ARGS))})")
+        check_lycoris_args(self.network_args)
         self._add_all(self._build(model))
         self.eval()
 

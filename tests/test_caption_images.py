@@ -155,6 +155,11 @@ def not_a_model(tiny_set, tmp_path):
     return ["--model", str(tmp_path), "--images", str(tmp_path / "images")], [f"{tmp_path}: no config.json"]
 
 
+def missing_model(tiny_set, tmp_path):  # a Hub name where a downloaded folder belongs: the old line said "no config.json"
+    return (["--model", "Qwen2.5-VL-7B-Instruct", "--images", str(tmp_path / "images")],
+            ["Qwen2.5-VL-7B-Instruct: no such folder; --model is a downloaded"])
+
+
 def corrupt_image(tiny_set, tmp_path):
     (tmp_path / "images" / "img1.png").write_bytes(b"\x89PNG\r\n\x1a\nnot an image")
     return [*qwen2_5_vl_args(tiny_set), "--images", str(tmp_path / "images")], ["img1.png: cannot be read as an image"]
@@ -175,7 +180,7 @@ def no_new_tokens(tiny_set, tmp_path):
             ["--max_new_tokens and --batch_size must be >= 1, got 0, 1"])
 
 
-@pytest.mark.parametrize("case", [not_a_model, corrupt_image, no_images, not_a_captioner, no_new_tokens])
+@pytest.mark.parametrize("case", [not_a_model, missing_model, corrupt_image, no_images, not_a_captioner, no_new_tokens])
 def test_bad_input_is_one_line_exit_2_and_no_caption(tiny_set, tmp_path, capsys, case):
     make_images(tmp_path / "images", 2)
     argv, fragments = case(tiny_set, tmp_path)

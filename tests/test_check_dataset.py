@@ -18,6 +18,8 @@ from tests.test_reliability import copy_dataset, files_under, flux_args, one_err
 from tests.test_reliability_inputs import MID_GREY_16, png16
 from tools import check_dataset
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 LONG_CAPTION = "a very long caption " * 10  # 40 words: beyond the 16 tokens the fixture's tokenizer limit keeps
 
 
@@ -158,7 +160,10 @@ def test_check_tool_bad_input_is_one_line_exit_2(tmp_path, capsys):
     for argv, fragment in (([str(tmp_path / "bad.toml")], "unknown key 'bogus'"),
                            ([str(tmp_path / "none.toml")], "no such dataset config file"),
                            ([], "no dataset: give a dataset TOML or --config_file"),
-                           ([str(tmp_path / "bad.toml"), "--max_tokens", "5"], "--max_tokens needs --tokenizer")):
+                           ([str(tmp_path / "bad.toml"), "--max_tokens", "5"], "--max_tokens needs --tokenizer"),
+                           # the old line: "no tokenizer found in ['models', 'tokenizer']; pass tokenizer=<folder>"
+                           (["--config_file", os.path.join(ROOT, "configs", "qwen_image.toml")],
+                            "error: models/Qwen-Image: no such file or folder")):
         line = one_error_line(capsys, check_dataset.main(argv))
         assert fragment in line, line
 

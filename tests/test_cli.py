@@ -116,3 +116,19 @@ def test_lora_tools_run_without_loading_diffusers_or_transformers():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "0"], "--size 0: the side must be a multiple of 16"),  # was PIL's "cannot write empty image"
+    (["--count", "-3"], "--count -3: must be >= 1"),  # was "wrote -3 images" (and 13 written)
+    (["--count", "0"], "--count 0: must be >= 1"),  # was 8 written
+    (["--edit", "--concept"], "not allowed with argument"),  # was one of the two, silently
+    (["--concept", "--trigger", ""], "--trigger '': one word"),
+])
+def test_make_tiny_dataset_refuses_a_bad_value_in_one_line(tmp_path, capsys, argv, message):
+    from tools import make_tiny_dataset
+
+    assert make_tiny_dataset.main(["--out", str(tmp_path / "d"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "d").exists()

@@ -144,6 +144,20 @@ def test_buckets_are_step_multiples_within_limits_and_area():
     assert len(buckets) == 17  # 13 widths 256..1024, mirrored, the square counted once
 
 
+def test_buckets_stay_on_the_step_grid_with_a_max_off_it():
+    """The old line clamped sides to max_bucket_reso itself: 100 made 32x100 buckets (a 96 px latent,
+    4 pixels silently cropped)."""
+    buckets = image_folders.make_buckets((96, 96), 32, 100, 16)
+    assert all(w % 16 == 0 and h % 16 == 0 and max(w, h) <= 96 for w, h in buckets) and (32, 96) in buckets
+
+
+def test_bucket_limits_that_leave_no_bucket_are_one_line_naming_the_file(tmp_path):
+    """The old line got as far as 'min() arg is an empty sequence' when the first image was sized."""
+    msg = config_error(tmp_path, '[[datasets]]\nresolution = 64\nenable_bucket = true\nmin_bucket_reso = 64\n'
+                                 'max_bucket_reso = 128\nbucket_reso_steps = 48\n[[datasets.subsets]]\nimage_dir = "a"\n')
+    assert "no bucket fits: no multiple of bucket_reso_steps 48 within [min_bucket_reso, max_bucket_reso] = [64, 128]" in msg
+
+
 def test_image_goes_to_the_bucket_with_the_closest_aspect_ratio(tmp_path):
     make_image(tmp_path / "img" / "wide.png", 800, 400)  # 2:1 -> 704x320 (2.2) beats 640x384 (1.67)
     make_image(tmp_path / "img" / "tall.png", 300, 600)

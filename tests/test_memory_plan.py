@@ -294,6 +294,8 @@ def test_train_lora_renders_no_bf16_reference_that_does_not_fit_and_says_so(tiny
     (["--preset", "flux1-dev", "--resolution", "1000"],
      "--resolution 1000: the side must be a multiple of 16 (the VAE's 8 x the 2x2 patch), e.g. 992 or 1008"),
     (["--preset", "flux1-dev", "--batch_size", "0"], "--batch_size 0: must be >= 1"),
+    (["--preset", "flux1-dev", "--resolution", "32768"], "--resolution 32768: the side must be 16 to 16384 pixels"),
+    (["--preset", "flux1-dev", "--resolution", "0"], "--resolution 0: the side must be 16 to 16384 pixels"),
     (["--preset", "qwen-image-edit", "--references", "4"],
      "--references: 4 reference image(s), but qwen_image_edit takes 1 to 3 per image"),
     (["--preset", "flux1-dev", "--references", "1"], "--references: 1 reference image(s), but flux takes none"),
@@ -326,3 +328,24 @@ def test_the_plan_counts_the_projections_checkpointing_saves(tiny_set):
     model = memory_plan._meta_model_and_network(family, args)[0]
     tokens = (len(model.double_blocks) + len(model.single_blocks)) * ((256 // 16) ** 2 + 8)
     assert 0 < saved - plain <= tokens * model.config.hidden_size * 2
+
+
+def test_plan_memory_plans_the_shipped_qwen_image_quickstart(capsys):
+    """Its text_encoder is the repository folder (text_encoder/ and tokenizer/ inside): the old line
+    read the folder itself as a checkpoint, a traceback ending 'folder holds no .safetensors file'."""
+    from tools import plan_memory
+
+    assert plan_memory.main(["--config_file", os.path.join(ROOT, "configs", "quickstart_qwen_image.toml"),
+                             "--vram", "16"]) == 0
+    assert "fits with blocks_to_swap = 0" in capsys.readouterr().out
+
+
+def test_plan_memory_with_a_missing_model_file_is_one_line_before_any_plan(capsys):
+    """The old line printed the plan's header, then a traceback ending in the CheckpointError."""
+    from tests.test_reliability import one_error_line
+    from tools import plan_memory
+
+    line = one_error_line(capsys, plan_memory.main(["--config_file", os.path.join(ROOT, "configs", "chroma.toml"),
+                                                    "--vram", "16"]))
+    assert line == "error: models/Chroma1-HD.safetensors: no such file or folder", line
+    assert capsys.readouterr().out == ""

@@ -2,8 +2,8 @@
 value and what was expected, exit status 2, and nothing (no LoRA, no half-written or temporary
 file) left in the output folder. Also: the image caches are redone for exactly the edited entries.
 
-Covered elsewhere, not repeated here: a NaN loss stops after saving the last good LoRA
-(tests/test_train_lora.py::test_nan_loss_stops_after_saving_last_good_lora); the merge tool's own
+Covered elsewhere, not repeated here: a diverged run stops without saving broken weights as good
+(tests/test_train_lora.py::test_a_diverged_run_never_saves_broken_weights_as_good); the merge tool's own
 error table on toy models (tests/test_merge_convert.py); crash safety of saves
 (tests/test_crash_safety.py).
 """
@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import library.io
@@ -292,6 +293,19 @@ def test_network_weights_of_another_rank_is_refused(trained, tiny_set, tmp_path,
     assert ("tiny_flux_lora.safetensors: LoRA module 'double_blocks.0.img_attn.proj' has down (8, 64) / up (64, 8), "
             "the network expects (4, 64) / (64, 4)") in line, line
     assert files_under(out) == []
+
+
+def test_network_weights_alpha_is_kept_and_the_header_says_so(trained, tiny_set, tmp_path, capsys):
+    """The file's alpha wins (sd-scripts too); the old line still wrote the config's network_alpha
+    into ss_network_alpha, a header that contradicts its .alpha tensors."""
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert train_lora.main(flux_args(tiny_set, out, "--network_dim", "8", "--network_alpha", "2", "--max_train_steps", "1",
+                                     "--network_weights", str(trained / "tiny_flux_lora.safetensors"))) == 0
+    assert "network_weights: its alpha (8) is kept" in capsys.readouterr().out
+    with safe_open(str(out / "tiny_flux_lora.safetensors"), "pt") as f:
+        assert f.metadata()["ss_network_alpha"] == "8"
+        assert {float(f.get_tensor(k)) for k in f.keys() if k.endswith(".alpha")} == {8.0}
 
 
 def test_resume_from_a_state_of_another_run_config_is_refused(trained, tiny_set, tmp_path, capsys):

@@ -218,6 +218,40 @@ def test_prompt_file_with_invalid_utf8_names_the_file_and_offset(tmp_path):
     assert str(e.value).startswith(f"{path}: prompt file is not valid UTF-8: byte 0xe9 at offset 18"), str(e.value)
 
 
+def test_sd_scripts_json_and_toml_prompt_files_are_read_as_prompts(tmp_path):
+    """The old line read a .json or .toml prompt file line by line: '[' and '{"prompt": ...' were
+    rendered as prompts."""
+    from library.data.prompts import SamplePrompt, read_prompt_file
+
+    (tmp_path / "p.json").write_text('[{"prompt": "a zxq star", "width": 64, "height": 64, "sample_steps": 4, '
+                                     '"seed": 1, "scale": 2.0, "negative_prompt": "blurry"},\n "a red circle --w 64 --h 64"]')
+    assert read_prompt_file(str(tmp_path / "p.json")) == [
+        SamplePrompt("a zxq star", 64, 64, 4, 1, 2.0, "blurry"), SamplePrompt("a red circle", 64, 64)]
+    (tmp_path / "p.toml").write_text('[prompt]\nwidth = 64\nheight = 64\nsample_steps = 4\n[[prompt.subset]]\n'
+                                     'prompt = "a zxq star"\nguidance_scale = 3.0\n[[prompt.subset]]\nprompt = "a square"\n'
+                                     'seed = 5\nheight = 128\n')
+    assert read_prompt_file(str(tmp_path / "p.toml")) == [
+        SamplePrompt("a zxq star", 64, 64, 4, None, 3.0), SamplePrompt("a square", 64, 128, 4, 5)]
+
+
+@pytest.mark.parametrize("name, content, fragment", [
+    ("p.json", '[{"prompt": "x", "sample_sampler": "euler"}]', "p.json: prompt 0: key 'sample_sampler' is not read"),
+    ("p.json", '[{"prompt": "x",', "p.json: not valid JSON"),
+    ("p.json", '{"prompt": "x"}', "p.json: expected a list of prompts"),
+    ("p.json", '[{"prompt": "x", "width": 60}]', "p.json: prompt 0: width 60 must be a multiple of 16"),
+    ("p.json", '[{"prompt": "x", "seed": "a"}]', "p.json: prompt 0: key 'seed' needs int, got 'a'"),
+    ("p.json", '[{"width": 64}]', "p.json: prompt 0: empty prompt"),
+    ("p.toml", 'prompt = "x"\n', "p.toml: expected a [prompt] table with [[prompt.subset]] entries"),
+])
+def test_a_bad_structured_prompt_file_is_one_line_naming_file_and_entry(tmp_path, name, content, fragment):
+    from library.data.prompts import read_prompt_file
+
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError) as e:
+        read_prompt_file(str(tmp_path / name))
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("content, fragment", [
     (b"learning_rate = 1e-4\n# caf\xe9\n", "config file is not valid UTF-8: byte 0xe9 at offset 26"),
     (b"learning_rate = = 1e-4\n", "not valid TOML"),

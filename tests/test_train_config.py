@@ -193,3 +193,83 @@ def test_scaled_residual_init_outside_pretraining_is_named(tmp_path):
     cfg = write(tmp_path, BASE + "scaled_residual_init = false\n")
     with pytest.raises(ConfigError, match=r"train\.toml: key 'scaled_residual_init' is for llm pretraining"):
         load_config(["--config_file", cfg])
+
+
+FLUX = ('model_type = "flux"\npretrained_model_name_or_path = "m"\nae = "a"\nclip_l = "c"\nt5xxl = "t"\n'
+        'dataset_config = "d.toml"\n')
+
+
+def test_a_key_in_two_tables_is_refused_naming_both(tmp_path):
+    """The old line let the later table win without a word (TOML refuses a repeat only within one table)."""
+    cfg = write(tmp_path, BASE + "[network]\nnetwork_dim = 4\n[output]\nnetwork_dim = 8\n")
+    with pytest.raises(ConfigError, match=r"train\.toml: key 'network_dim' given twice \(in \[network\] and in \[output\]\)"):
+        load_config(["--config_file", cfg])
+    cfg = write(tmp_path, "learning_rate = 1e-3\n" + BASE + "[optimizer]\nlearning_rate = 5e-2\n")
+    with pytest.raises(ConfigError, match=r"'learning_rate' given twice \(in the top level and in \[optimizer\]\)"):
+        load_config(["--config_file", cfg])
+
+
+@pytest.mark.parametrize("key, value, problem", [
+    ("max_grad_norm", "-1.0", "must be >= 0, got -1"),  # clip_grad_norm_ would flip the gradient
+    ("save_last_n_saves", "-1", "must be >= 0, got -1"),  # [:-keep] would delete each save as written
+    ("max_train_epochs", "0", "must be >= 1, got 0"),  # silently fell back to max_train_steps
+    ("save_every_n_steps", "-2", "must be >= 0"),
+    ("learning_rate", "inf", "must be > 0 and finite, got inf"),
+    ("learning_rate", "nan", "must be > 0 and finite, got nan"),
+    ("network_dropout", "1.5", r"must be in \[0, 1\), got 1.5"),
+    ("lr_scheduler_num_cycles", "0", "must be >= 1"),
+    ("discrete_flow_shift", "-1", "must be > 0"),
+    ("max_data_loader_n_workers", "-1", "must be >= 0"),
+    ("guidance_scale", "nan", "must be >= 0 and finite, got nan"),
+    ("ema_inv_gamma", "inf", "must be a finite number, got inf"),
+])
+def test_numbers_out_of_range_are_refused(tmp_path, key, value, problem):
+    cfg = write(tmp_path, FLUX + f"{key} = {value}\n")
+    with pytest.raises(ConfigError, match=rf"train\.toml: key '{key}' {problem}"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("config, line, message", [
+    (FLUX, "batch_size = 4", "key 'batch_size' is read by model_type llm, not by model_type flux "
+                             r"\(the batch size of images is the dataset TOML's batch_size\)"),
+    (FLUX, 'train_data = ["x.txt"]', "key 'train_data' is read by model_type llm"),
+    (FLUX, 'text_encoder = "q"', "key 'text_encoder' is read by model_type .*qwen_image.*, not by model_type flux"),
+    (BASE, 'timestep_sampling = "shift"', "key 'timestep_sampling' is read by the diffusion models, not by model_type llm"),
+    (BASE, 'clip_l = "c"', "key 'clip_l' is read by the diffusion models"),
+])
+def test_a_key_the_model_type_never_reads_is_refused(tmp_path, config, line, message):
+    """The old line ignored them: batch_size = 8 on a FLUX run trained the dataset's batch size."""
+    cfg = write(tmp_path, config + line + "\n")
+    with pytest.raises(ConfigError, match=rf"train\.toml: {message}"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+
+
+def test_a_foreign_key_at_its_default_is_let_through(tmp_path):
+    cfg = write(tmp_path, FLUX + "batch_size = 8\nblocks_to_swap = 0\n")
+    assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path)]).batch_size == 8
+    cfg = write(tmp_path, BASE + "blocks_to_swap = 0\nvalidate_every_n_steps = 0\n")
+    load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("lines, message", [
+    ("lr_warmup_steps = 2", "key 'lr_warmup_steps' does nothing with lr_scheduler = \"constant\""),
+    ("sample_every_n_steps = 10", "key 'sample_every_n_steps' renders the prompts of sample_prompts, which is not set"),
+    ("sample_at_first = true", "key 'sample_at_first' renders the prompts of sample_prompts"),
+    ('network_weights = "/nonexistent/lora.safetensors"', "key 'network_weights' = /nonexistent/lora.safetensors: no such file or folder"),
+    ('sample_prompts = "/nonexistent/prompts.txt"', "key 'sample_prompts' = /nonexistent/prompts.txt: no such file or folder"),
+])
+def test_keys_that_would_do_nothing_or_fail_after_caching_are_refused_first(tmp_path, lines, message):
+    cfg = write(tmp_path, FLUX + lines + "\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+
+
+def test_sampling_keys_with_prompts_blanked_are_an_explicit_no(tmp_path):
+    cfg = write(tmp_path, FLUX + 'sample_at_first = true\nsample_prompts = ""\nlr_scheduler = "constant_with_warmup"\n'
+                                 "lr_warmup_steps = 2\n")
+    load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+
+
+def test_a_folder_given_as_the_config_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"is a folder; expected a training config \(\.toml\) file"):
+        load_config(["--config_file", str(tmp_path)])

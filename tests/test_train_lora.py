@@ -244,6 +244,11 @@ def test_epoch_save_with_save_state_writes_a_state_that_resumes(tiny_set, tmp_pa
     a, b = load_file(straight / "tiny_flux_lora.safetensors"), load_file(resumed / "tiny_flux_lora.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert read_losses(resumed) == read_losses(straight)[1:]
+    # The header counts the epochs run: the old line left the last one out when the run ended with it.
+    batch = load_dataset_config(tiny_set["dataset_config"]).datasets[0].batch_size
+    with safe_open(str(straight / "tiny_flux_lora.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_num_epochs"] == "2" and meta["ss_total_batch_size"] == str(min(batch, 8) * 8), meta
 
 
 class Killed(Exception):
@@ -286,7 +291,30 @@ def test_resume_after_a_kill_logs_each_step_once(killed_and_resumed):
         assert [int(row["step"]) for row in csv.DictReader(f)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_nan_loss_stops_after_saving_last_good_lora(tiny_set, tmp_path, monkeypatch, capsys):
+class _InfGradient(torch.autograd.Function):
+    """The identity forward; an inf gradient backward (a finite loss whose update would poison the LoRA)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+@pytest.mark.parametrize("poison, clip, expected", [
+    # a NaN loss on finite weights: they are kept under their step's name, not as the result
+    ("nan_loss", "1.0", "the LoRA of step 2 gave it (its weights are finite: check it before use)"),
+    # an inf gradient, clipped: stopped before the update, so the weights that gave a finite loss are saved
+    ("inf_grad", "1.0", "the gradient norm is"),
+    # an inf gradient, unclipped: the update makes the weights NaN and the next loss shows it
+    ("inf_grad", "0", "the LoRA's weights are no longer finite after step 3: not saved"),
+])
+def test_a_diverged_run_never_saves_broken_weights_as_good(tiny_set, tmp_path, monkeypatch, capsys, poison, clip,
+                                                           expected):
+    """The old line saved the current weights as the result ("the last good LoRA") on any NaN loss:
+    after an unclipped inf gradient that file was all NaN."""
     from library.models.family import DiffusionFamily
 
     real = DiffusionFamily.training_loss
@@ -295,14 +323,27 @@ def test_nan_loss_stops_after_saving_last_good_lora(tiny_set, tmp_path, monkeypa
     def poisoned(self, *a, **k):
         loss, sigmas = real(self, *a, **k)
         calls["n"] += 1
-        return (loss * float("nan") if calls["n"] == 3 else loss), sigmas
+        if calls["n"] == 3:
+            loss = loss * float("nan") if poison == "nan_loss" else _InfGradient.apply(loss)
+        return loss, sigmas
 
     monkeypatch.setattr(DiffusionFamily, "training_loss", poisoned)
     out = tmp_path / "run"
-    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "6", "--sample_prompts", "")) == 3
+    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "6", "--sample_prompts", "",
+                                     "--save_every_n_steps", "1", "--max_grad_norm", clip))
     err = capsys.readouterr().err
-    assert "loss is nan at step 3" in err and "last good LoRA (step 2)" in err
-    assert (out / "tiny_flux_lora.safetensors").exists()
+    assert code == 3 and expected in err, err
+    assert "last good" not in err
+    final = out / "tiny_flux_lora.safetensors"
+    if (poison, clip) == ("inf_grad", "1.0"):  # the one case where the weights are known good
+        assert "step 3 (epoch 0), not applied: the LoRA of step 2 (its loss was finite)" in err
+        assert final.exists()
+    else:
+        assert not final.exists()
+    for path in out.glob("*.safetensors"):  # nothing written holds a non-finite value
+        assert all(torch.isfinite(t).all() for t in load_file(path).values()), path
+    if clip == "0":
+        assert "the last save before it: step 2" in err and not (out / "tiny_flux_lora-step000003.safetensors").exists()
 
 
 def test_qwen_image_lora_trains_from_diffusers_folders(tiny_set, tmp_path):

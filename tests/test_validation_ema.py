@@ -182,3 +182,31 @@ def test_val_loss_of_unchanged_weights_is_the_same_number(tiny_set, tmp_path, mo
     assert train_lora.main(validating_run(tiny_set, out, "--max_train_steps", "4", "--network_dropout", "0.5")) == 0
     assert len(pairs) == 2 and all(a == b for a, b in pairs), pairs
     assert pairs[0][0] != pairs[1][0]  # the weights did change between the validations
+
+
+def test_validate_every_n_steps_without_held_out_images_stops_before_caching(tiny_set, tmp_path, monkeypatch, capsys):
+    """The old line found it after the latents and captions were cached (minutes on a real set)."""
+    from library.training.diffusion_task import DiffusionTask
+
+    def no_caching(self):
+        raise AssertionError("cached before the refusal")
+
+    monkeypatch.setattr(DiffusionTask, "_fill_caches", no_caching)
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--validate_every_n_steps", "2")) == 2
+    assert "validate_every_n_steps is set but no image is held out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--network_args", "bogus=3"], "network_args: unknown key 'bogus' for family 'flux'"),
+    (["--network_module", "lycoris.kohya", "--network_args", "algo=bogus"], "network_args 'algo': 'bogus' is not a LyCORIS algo"),
+])
+def test_bad_network_args_stop_before_caching(tiny_set, tmp_path, monkeypatch, capsys, extra, message):
+    """The old line built the network after the caches: minutes on a real set before the one line."""
+    from library.training.diffusion_task import DiffusionTask
+
+    def no_caching(self):
+        raise AssertionError("cached before the refusal")
+
+    monkeypatch.setattr(DiffusionTask, "_fill_caches", no_caching)
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "out", *extra)) == 2
+    assert message in capsys.readouterr().err

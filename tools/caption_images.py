@@ -166,6 +166,9 @@ class Captioner:
 def model_kind(path: str) -> str:
     """config.json's model_type, one of MODEL_CLASSES."""
     config_file = os.path.join(path, "config.json")
+    if not os.path.exists(path):  # a model name where a downloaded folder belongs
+        raise CheckpointError(f"{path}: no such folder; --model is a downloaded Qwen2.5-VL or Qwen3-VL model folder "
+                              f"(Hugging Face layout)")
     if not os.path.isfile(config_file):
         raise CheckpointError(f"{path}: no config.json; expected a Qwen2.5-VL or Qwen3-VL model folder (Hugging Face layout)")
     with open(config_file) as f:

@@ -19,6 +19,7 @@ import re
 import sys
 from typing import Callable
 
+from library.errors import one_line_warnings
 from library.lora_spec import MAX_LORA_RATIO, LoRASpec, parse_lora_spec  # noqa: F401  (the tools' --lora: one parser)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +42,9 @@ def one_line(error: Exception) -> str:
 
 def check_command_line(build_parser: Callable[[], argparse.ArgumentParser]) -> None:
     """A script run from the shell calls this before its heavy imports: --help prints and exits 0, a
-    bad flag prints one line and exits 2. main() parses the same arguments again afterwards."""
+    bad flag prints one line and exits 2. main() parses the same arguments again afterwards. Its
+    warnings print as one line each from here on."""
+    one_line_warnings()
     try:
         build_parser().parse_args()
     except ValueError as e:  # Parser's errors (a plain argparse parser exits by itself)

@@ -27,22 +27,36 @@ from PIL import Image, ImageDraw
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import check_command_line  # noqa: E402
+from tools.cli import Parser, check_command_line, one_line  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--count", type=int, default=None, help="images (default 8; --concept: 10)")
-    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--size", type=int, default=64, help="image side in pixels (a multiple of 16)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--edit", action="store_true", help="a paired edit task (grey shape -> red shape) instead")
-    p.add_argument("--layered", action="store_true", help="composites and their RGBA layers (background, shape) "
-                   "in musubi-tuner's multiple_target layout instead")
-    p.add_argument("--scenes", action="store_true", help="every base scene of the learned tiny base instead")
-    p.add_argument("--concept", action="store_true", help="a new concept (purple stars) under a trigger word instead")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--edit", action="store_true", help="a paired edit task (grey shape -> red shape) instead")
+    kind.add_argument("--layered", action="store_true", help="composites and their RGBA layers (background, shape) "
+                      "in musubi-tuner's multiple_target layout instead")
+    kind.add_argument("--scenes", action="store_true", help="every base scene of the learned tiny base instead")
+    kind.add_argument("--concept", action="store_true", help="a new concept (purple stars) under a trigger word instead")
     p.add_argument("--trigger", default="zxq", help="--concept: the trigger word")
     return p
+
+
+def bad_value(args) -> str | None:
+    """The first argument that cannot make a dataset, as one line (None: all can)."""
+    if args.count is not None and args.count < 1:
+        return f"--count {args.count}: must be >= 1"
+    if args.size < 16 or args.size % 16:
+        return f"--size {args.size}: the side must be a multiple of 16 and >= 16 (the VAE's 8 x the 2x2 patch)"
+    if not args.trigger.strip() or any(c.isspace() for c in args.trigger):
+        return f"--trigger {args.trigger!r}: one word (it is the caption's trigger)"
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        return f"--out {args.out}: is a file, not a folder"
+    return None
 
 
 # The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
@@ -265,8 +279,19 @@ def make_text_corpus(out: str, max_chars: int = 200_000) -> dict[str, str]:
     return {"corpus": corpus, "llm_scratch": scratch}
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        if problem := bad_value(args):
+            raise ValueError(problem)
+        write(args)
+    except (ValueError, OSError) as e:  # OSError: an --out under a file, a full disk
+        print(one_line(e), file=sys.stderr)
+        return 2
+    return 0
+
+
+def write(args) -> None:
     args.count = args.count or (10 if args.concept else 8)
     if args.concept:
         paths = make_concept_dataset(args.out, args.count, args.size, args.seed, args.trigger)
@@ -292,4 +317,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

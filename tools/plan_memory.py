@@ -200,13 +200,18 @@ def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib
     return rows
 
 
+MAX_SIDE = 16384  # beyond it the resolution shift's exp(mu) overflows a float; no family trains near it
+
+
 def bad_value(cli) -> str | None:
     """The first command-line number that cannot be planned, as one line (None: all can)."""
     if not 0 < cli.vram < math.inf:
         return f"--vram {cli.vram:g}: the card's memory in GiB must be a number > 0"
     if cli.batch_size is not None and cli.batch_size < 1:
         return f"--batch_size {cli.batch_size}: must be >= 1"
-    if cli.resolution is not None and (cli.resolution < 16 or cli.resolution % 16):
+    if cli.resolution is not None and not 16 <= cli.resolution <= MAX_SIDE:
+        return f"--resolution {cli.resolution}: the side must be 16 to {MAX_SIDE} pixels"
+    if cli.resolution is not None and cli.resolution % 16:
         near = max(16, cli.resolution // 16 * 16)
         return (f"--resolution {cli.resolution}: the side must be a multiple of 16 (the VAE's 8 x the 2x2 patch), "
                 f"e.g. {near}" + (f" or {near + 16}" if near < cli.resolution else ""))
@@ -246,6 +251,7 @@ def what_to_plan(cli) -> tuple:
 
     run = load_config(["--config_file", cli.config_file])
     family = get_family(run)
+    family.check_model_files()  # from the headers: a missing or wrong file is one line before any plan
     blueprint = load_dataset_config(run.dataset_config)
     size = max((d.resolution for d in blueprint.datasets), key=lambda r: r[0] * r[1])
     size = (cli.resolution, cli.resolution) if cli.resolution else size
@@ -295,10 +301,16 @@ def main(argv=None) -> int:
     try:
         if problem := bad_value(args):
             raise ValueError(problem)
-        family, run, (width, height), batch, references = what_to_plan(args)
-    except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
+        report(args, *what_to_plan(args))
+    except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors; a file read while planning
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def report(args, family, run, size: tuple[int, int], batch: int, references: int) -> None:
+    """The plan's phases, then what fits the card, printed."""
+    width, height = size
     refs = f", {references} reference(s) per image" if family.max_controls else ""
     print(f"{args.preset or args.config_file}: {width}x{height}, batch {batch}{refs}, LoRA rank {run.network_dim}, "
           f"{run.optimizer_type}; predicted peak device memory (tensors; add ~0.6 GiB of CUDA context):")
@@ -314,7 +326,6 @@ def main(argv=None) -> int:
         print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {fit_text(fit, peak)}")
     for row in kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned):
         print(row)
-    return 0
 
 
 if __name__ == "__main__":

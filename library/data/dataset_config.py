@@ -12,6 +12,7 @@ the section, the key and the value. configs/dataset_example.toml documents every
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -232,6 +233,26 @@ def _check_dataset_values(source: str, d: DatasetSpec):
     if d.enable_bucket and (min(d.resolution) < d.min_bucket_reso or max(d.resolution) > d.max_bucket_reso):
         raise ValueError(f"{source}: [datasets] resolution {list(d.resolution)} must lie within "
                          f"[min_bucket_reso, max_bucket_reso] = [{d.min_bucket_reso}, {d.max_bucket_reso}]")
+    if d.enable_bucket and not make_buckets(d.resolution, d.min_bucket_reso, d.max_bucket_reso, d.bucket_reso_steps):
+        raise ValueError(f"{source}: [datasets] no bucket fits: no multiple of bucket_reso_steps {d.bucket_reso_steps} "
+                         f"within [min_bucket_reso, max_bucket_reso] = [{d.min_bucket_reso}, {d.max_bucket_reso}] "
+                         f"makes a side of an area up to resolution {list(d.resolution)}'s")
+
+
+def make_buckets(resolution: tuple[int, int], min_reso: int, max_reso: int, step: int) -> list[tuple[int, int]]:
+    """Every (w, h) with both sides multiples of `step` within [min_reso, max_reso] that is the
+    largest such height for its width under the area w*h <= resolution area, plus the square."""
+    area = resolution[0] * resolution[1]
+    lo, hi = math.ceil(min_reso / step) * step, max_reso // step * step  # sides inside the range, on the grid
+    side = min(hi, int(math.sqrt(area)) // step * step)
+    buckets = {(side, side)} if side >= lo else set()
+    for w in range(lo, hi + 1, step):
+        h = min(hi, area // w // step * step)
+        if h >= lo:
+            buckets.update({(w, h), (h, w)})
+    return sorted(buckets)
+
+
 
 
 def _check_table(source: str, section: str, table):

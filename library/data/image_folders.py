@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from library.data.controls import check_control_count, control_files, find_controls, scan_controls
-from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
+from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec, make_buckets
 from library.data.images import IMAGE_EXTENSIONS, verified_image_size
 from library.data.layers import check_layers, split_layers
 from library.data.masks import find_mask, warn_missing_alpha
@@ -48,21 +48,7 @@ class ImageItem:
 
 
 # ----------------------------------------------------------------------------------------------
-# Aspect-ratio buckets (the idea of sd-scripts' BucketManager)
-
-
-def make_buckets(resolution: tuple[int, int], min_reso: int, max_reso: int, step: int) -> list[tuple[int, int]]:
-    """Every (w, h) with both sides multiples of `step` within [min_reso, max_reso] that is the
-    largest such height for its width under the area w*h <= resolution area, plus the square."""
-    area = resolution[0] * resolution[1]
-    lo = math.ceil(min_reso / step) * step
-    side = min(max_reso, int(math.sqrt(area)) // step * step)
-    buckets = {(side, side)} if side >= lo else set()
-    for w in range(lo, max_reso + 1, step):
-        h = min(max_reso, area // w // step * step)
-        if h >= lo:
-            buckets.update({(w, h), (h, w)})
-    return sorted(buckets)
+# Aspect-ratio buckets (the idea of sd-scripts' BucketManager; the bucket list itself: dataset_config.make_buckets)
 
 
 def bucket_for(size: tuple[int, int], buckets: list[tuple[int, int]]) -> tuple[int, int]:

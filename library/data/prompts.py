@@ -6,12 +6,22 @@ Flags: --w width, --h height, --s steps, --d seed, --g guidance (the embedded gu
 guidance-distilled model, the CFG scale of a true-CFG one), --n negative prompt, --ci a reference (control) image for edit
 models (musubi-tuner's flag; repeat it for several, in order). Lines starting with # and blank lines are
 skipped. An unknown flag or a bad value is an error naming the file and line.
+
+sd-scripts' structured files load too: a `.json` list of prompt objects (or prompt lines), and a
+`.toml` with a [prompt] table of defaults and its [[prompt.subset]] entries. Their keys: prompt,
+negative_prompt, width, height, sample_steps, seed, guidance_scale (--g), scale (sd-scripts' --l: taken
+as the guidance where guidance_scale is not given: the one number a family samples with) and
+controlnet_image (--ci). Any other key (sample_sampler, ...) is an error naming it: we sample with the
+family's own flow-matching sampler, and a setting read and ignored would lie.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+
+import toml
 from dataclasses import dataclass, replace
 
 from library.text_files import read_utf8
@@ -34,15 +44,10 @@ FLAGS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("
 
 def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = None) -> SamplePrompt:
     parts = re.split(r"\s--(?=\S)", " " + line.strip())
-    prompt = parts[0].strip()
-    if not prompt:
-        raise ValueError(f"{where}: empty prompt")
     fields, controls = {}, []
     for part in parts[1:]:
         flag, _, value = part.partition(" ")
         if flag == "ci":
-            if not os.path.isfile(value.strip()):
-                raise ValueError(f"{where}: --ci {value.strip()!r} is not an image file")
             controls.append(value.strip())
             continue
         if flag not in FLAGS:
@@ -52,6 +57,15 @@ def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = Non
             fields[name] = kind(value.strip())
         except ValueError:
             raise ValueError(f"{where}: flag '--{flag}' needs {kind.__name__}, got {value.strip()!r}") from None
+    return _checked(parts[0].strip(), fields, controls, where, defaults)
+
+
+def _checked(prompt: str, fields: dict, controls: list[str], where: str, defaults: SamplePrompt | None) -> SamplePrompt:
+    if not prompt:
+        raise ValueError(f"{where}: empty prompt")
+    for path in controls:
+        if not os.path.isfile(path):
+            raise ValueError(f"{where}: --ci {path!r} is not an image file")
     for side in ("width", "height"):
         if side in fields and (fields[side] < 16 or fields[side] % 16):
             raise ValueError(f"{where}: {side} {fields[side]} must be a multiple of 16 and >= 16")
@@ -62,16 +76,77 @@ def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = Non
     return replace(defaults or SamplePrompt(prompt), prompt=prompt, **fields)
 
 
+# sd-scripts' prompt-object keys -> (our field, type); "scale" is handled beside guidance_scale.
+DICT_KEYS = {"width": ("width", int), "height": ("height", int), "sample_steps": ("steps", int), "seed": ("seed", int),
+             "guidance_scale": ("guidance", float), "negative_prompt": ("negative", str)}
+
+
+def prompt_from_dict(entry: dict, where: str, defaults: SamplePrompt | None = None) -> SamplePrompt:
+    """One sd-scripts prompt object (a .json entry, a .toml subset merged over its defaults)."""
+    known = {*DICT_KEYS, "prompt", "scale", "controlnet_image"}
+    if unknown := sorted(k for k in entry if k not in known):
+        raise ValueError(f"{where}: key '{unknown[0]}' is not read (known: {', '.join(sorted(known))})")
+    fields = {}
+    for key, (name, kind) in DICT_KEYS.items():
+        value = entry.get(key)
+        if value is None:
+            continue
+        if kind is not str and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                or (kind is int and value != int(value))):
+            raise ValueError(f"{where}: key '{key}' needs {kind.__name__}, got {value!r}")
+        fields[name] = kind(value)
+    if "guidance" not in fields and isinstance(entry.get("scale"), (int, float)):
+        fields["guidance"] = float(entry["scale"])
+    image = entry.get("controlnet_image")
+    controls = [image] if isinstance(image, str) else list(image or [])
+    prompt = entry.get("prompt")
+    return _checked(prompt.strip() if isinstance(prompt, str) else "", fields, controls, where, defaults)
+
+
 def read_prompt_file(path: str, defaults: SamplePrompt | None = None) -> list[SamplePrompt]:
+    """A prompt file: sd-scripts' text lines, or its .json / .toml prompt objects (by extension)."""
     try:
-        lines = read_utf8(path, "prompt file").splitlines()
+        text = read_utf8(path, "prompt file")
     except OSError as e:
         raise ValueError(f"{path}: cannot read prompt file ({e.strerror})") from None
-    prompts = [
-        parse_prompt_line(line, f"{path}:{i}", defaults)
-        for i, line in enumerate(lines, 1)
-        if line.strip() and not line.lstrip().startswith("#")
-    ]
+    kind = os.path.splitext(path)[1].lower()
+    if kind in (".json", ".toml"):
+        prompts = _structured_prompts(text, path, kind, defaults)
+    else:
+        prompts = [
+            parse_prompt_line(line, f"{path}:{i}", defaults)
+            for i, line in enumerate(text.splitlines(), 1)
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
+
+
+def _structured_prompts(text: str, path: str, kind: str, defaults: SamplePrompt | None) -> list[SamplePrompt]:
+    """sd-scripts' load_prompts: a JSON list (objects or prompt lines), or a TOML [prompt] table whose
+    keys are the defaults of its [[prompt.subset]] entries."""
+    try:
+        data = json.loads(text) if kind == ".json" else _toml_subsets(text, path)
+    except (json.JSONDecodeError, toml.TomlDecodeError) as e:
+        raise ValueError(f"{path}: not valid {kind[1:].upper()}: {e}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of prompts (objects or lines)")
+    prompts = []
+    for i, entry in enumerate(data):
+        where = f"{path}: prompt {i}"
+        if isinstance(entry, str):
+            prompts.append(parse_prompt_line(entry, where, defaults))
+        elif isinstance(entry, dict):
+            prompts.append(prompt_from_dict(entry, where, defaults))
+        else:
+            raise ValueError(f"{where}: expected an object or a prompt line, got {type(entry).__name__}")
+    return prompts
+
+
+def _toml_subsets(text: str, path: str) -> list:
+    table = toml.loads(text).get("prompt")
+    if not isinstance(table, dict) or not isinstance(table.get("subset"), list):
+        raise ValueError(f"{path}: expected a [prompt] table with [[prompt.subset]] entries (sd-scripts' layout)")
+    shared = {k: v for k, v in table.items() if k != "subset"}
+    return [{**shared, **subset} if isinstance(subset, dict) else subset for subset in table["subset"]]

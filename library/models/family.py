@@ -192,9 +192,12 @@ class DiffusionFamily:
     def text_encoder_params(self) -> int:
         """Parameters load_text_encoder reads (the memory planner's caching phase, from the files'
         headers): every tensor of the text encoder files, unless the family reads fewer."""
-        from library.io import CheckpointReader
+        from library.io import CheckpointReader, component_folder
 
-        return sum(CheckpointReader(p).numel() for p in self.text_paths.values() if p)
+        # A key's path may be a pipeline folder holding the component under the key's name (a
+        # text_encoder key naming the whole repository, its text_encoder/ and tokenizer/ inside), as
+        # the loaders take it.
+        return sum(CheckpointReader(component_folder(p, key)).numel() for key, p in self.text_paths.items() if p)
 
     def text_on_meta(self, model: nn.Module, batch: int, tokens: int) -> dict:
         """The cached text a training batch carries (float32, as encode gives it, `tokens` long),

@@ -107,6 +107,8 @@ def _load_tokenizer(weights_path: str, tokenizer: str | None, sibling: str):
     """The tokenizer: `tokenizer` path if given, else the weights folder itself when it holds one,
     else `sibling` next to it (diffusers repo layout: text_encoder/ + tokenizer/)."""
     if tokenizer is None:
+        if not os.path.exists(weights_path):  # before looking beside it: the path itself is the mistake
+            raise CheckpointError(f"{weights_path}: no such file or folder")
         folder = weights_path if os.path.isdir(weights_path) else os.path.dirname(weights_path)
         candidates = [folder, os.path.join(os.path.dirname(folder.rstrip("/")), sibling)]
         found = [c for c in candidates if os.path.isfile(os.path.join(c, "tokenizer_config.json"))]

@@ -254,6 +254,8 @@ def read_toml(path: str) -> dict:
         text = read_utf8(path, "config file")
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a folder; expected a training config (.toml) file") from None
     except ValueError as e:  # not UTF-8: read_utf8 names the file and the byte
         raise ConfigError(str(e)) from None
     try:
@@ -264,17 +266,23 @@ def read_toml(path: str) -> dict:
 
 def _flatten(config: dict, where: str) -> dict:
     """Accept keys at top level or grouped in tables ([model], [network], ...): group names are
-    for readability only; every leaf key must be a schema key."""
-    flat = {}
+    for readability only; every leaf key must be a schema key, set once in the whole file (TOML
+    itself refuses a key twice only within one table; across tables the last one would win)."""
+    flat, tables = {}, {}
+    for key, value, table in _leaves(config, ""):
+        if key in flat:
+            raise ConfigError(f"{where}: key '{key}' given twice (in {tables[key]} and in {table})")
+        flat[key], tables[key] = value, table
+    return flat
+
+
+def _leaves(config: dict, table: str):
+    """(key, value, "[table]" or "the top level") for every non-table value, in file order."""
     for key, value in config.items():
         if isinstance(value, dict):
-            for k, v in _flatten(value, where).items():
-                flat[k] = v
-        elif key in flat:
-            raise ConfigError(f"{where}: key '{key}' given twice")
+            yield from _leaves(value, f"{table}.{key}" if table else key)
         else:
-            flat[key] = value
-    return flat
+            yield key, value, f"[{table}]" if table else "the top level"
 
 
 def _parse_cli_value(key: str, text: str) -> Any:
@@ -455,8 +463,6 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
 
     if problem := check_trackers(args.log_with, args.logging_dir):
         raise ConfigError(f"{origins.get('log_with', where)}: {problem}")
-    if args.learning_rate <= 0:
-        raise ConfigError(f"{_blame(origins, where, 'learning_rate')}: key 'learning_rate' must be > 0, got {args.learning_rate}")
     if args.model_type != "llm":
         from library.models.family import family_class
 
@@ -472,33 +478,102 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         check_network_module(args.network_module)
     except ValueError as e:
         raise ConfigError(f"{origins.get('network_module', where)}: {e}") from None
+    _validate_input_paths(args, origins, where)
     _validate_output(args, origins, where)
 
 
+# Each number key's allowed range, checked on every run (a key the run does not read included: it is
+# refused elsewhere). Floats must also be finite. sd-scripts takes most of these unchecked; some then
+# run wrong without a word: a negative max_grad_norm flips the gradient (clip_grad_norm_ scales by
+# it), a negative save_last_n_saves deletes each save as it is written.
+RANGES = {
+    ">= 1": ("network_dim", "max_train_steps", "max_train_epochs", "gradient_accumulation_steps",
+             "text_encoder_batch_size", "vae_batch_size", "block_swap_prefetch", "lr_scheduler_num_cycles",
+             "max_length", "stride", "batch_size", "sample_max_new_tokens"),
+    ">= 0": ("blocks_to_swap", "validate_every_n_steps", "save_every_n_steps", "save_every_n_epochs",
+             "save_last_n_saves", "sample_every_n_steps", "sample_every_n_epochs", "max_grad_norm",
+             "lr_warmup_steps", "max_data_loader_n_workers", "ema_start_step", "prior_loss_weight", "eval_every_n_steps",
+             "guidance_scale", "temperature", "top_k"),
+    "> 0": ("learning_rate", "discrete_flow_shift", "sigmoid_scale", "huber_c", "lr_scheduler_power"),
+    "in [0, 1)": ("network_dropout", "val_fraction"),
+}
+_IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+             "in [0, 1)": lambda v: 0 <= v < 1}
+# What only an llm run reads; a diffusion run reads each family's own keys (its spec's config_keys)
+# and these.
+LLM_KEYS = ("train_data", "max_length", "stride", "val_fraction", "eval_every_n_steps", "sample_prompt",
+            "sample_max_new_tokens", "temperature", "top_k", "batch_size", "pretrain", "scaled_residual_init")
+DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
+                  "sample_prompts", "sample_bf16_reference", "timestep_sampling", "discrete_flow_shift",
+                  "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "guidance_scale", "prior_loss_weight",
+                  "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
+                  "validate_every_n_steps")
+
+
 def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
-    """Counts, sizes and intervals in range, and the keys that only one kind of model reads."""
-    for key in ("network_dim", "max_train_steps", "gradient_accumulation_steps", "text_encoder_batch_size",
-                "vae_batch_size"):
-        if getattr(args, key) < 1:
-            raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be >= 1, got {getattr(args, key)}")
+    """Numbers in range (RANGES), and no key set that this model_type does not read."""
     if not 0 <= args.network_alpha < math.inf:  # a negative alpha flips the update's sign (sd-scripts takes it)
         raise ConfigError(f"{_blame(origins, where, 'network_alpha')}: key 'network_alpha' must be > 0 (or 0 for alpha = rank), "
                           f"got {args.network_alpha:g}")
-    if args.blocks_to_swap < 0:
-        raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap')}: key 'blocks_to_swap' must be >= 0, "
-                          f"got {args.blocks_to_swap}")
-    if args.block_swap_prefetch < 1:
-        raise ConfigError(f"{_blame(origins, where, 'block_swap_prefetch')}: key 'block_swap_prefetch' must be >= 1, "
-                          f"got {args.block_swap_prefetch}")
-    if args.blocks_to_swap and args.model_type == "llm":
-        raise ConfigError(f"{_blame(origins, where, 'blocks_to_swap', 'model_type')}: key 'blocks_to_swap' is for the "
-                          f"diffusion transformers ({', '.join(FAMILIES)}), not llm")
-    if args.validate_every_n_steps < 0:
-        raise ConfigError(f"{_blame(origins, where, 'validate_every_n_steps')}: key 'validate_every_n_steps' must be >= 0, "
-                          f"got {args.validate_every_n_steps}")
-    if args.model_type == "llm" and args.validate_every_n_steps:
-        raise ConfigError(f"{_blame(origins, where, 'validate_every_n_steps', 'model_type')}: key 'validate_every_n_steps' "
-                          f"is for image training; llm uses val_fraction and eval_every_n_steps")
+    for rule, keys in RANGES.items():
+        for key in keys:
+            value = getattr(args, key)
+            if value is not None and not (_IN_RANGE[rule](value) and math.isfinite(value)):
+                raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be {rule}"
+                                  f"{'' if math.isfinite(value) else ' and finite'}, got {value:g}")
+    for key, arg in SCHEMA.items():  # the rest: any finite number
+        if arg.type is float and getattr(args, key) is not None and not math.isfinite(getattr(args, key)):
+            raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be a finite number, got {getattr(args, key)}")
+    _validate_unread_keys(args, origins)
+    _validate_idle_keys(args, origins, where)
+
+
+def _validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> None:
+    """A key the model_type never reads would be ignored without a word (batch_size on an image
+    model's run is the llm's, not the images'; the dataset TOML sets those). Set to its default, it changes
+    nothing either way and is let through (a UI may write every key)."""
+    if args.model_type == "llm":
+        foreign = {k: "the diffusion models" for k in (*DIFFUSION_KEYS, *FAMILY_KEYS)}
+    else:
+        from library.models.registry import spec_of
+
+        own = {k.key for k in spec_of(args.model_type).config_keys}
+        foreign = {k: "model_type llm" for k in LLM_KEYS}
+        foreign.update({k: _readers(k) for k in FAMILY_KEYS if k not in own})
+    for key in origins:
+        if key in foreign and getattr(args, key) != SCHEMA[key].default:
+            extra = " (the batch size of images is the dataset TOML's batch_size)" if key == "batch_size" else ""
+            raise ConfigError(f"{origins[key]}: key '{key}' is read by {foreign[key]}, not by model_type "
+                              f"{args.model_type}{extra}")
+
+
+def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
+    """Keys set where another key's value makes them do nothing."""
+    if args.lr_warmup_steps and args.lr_scheduler == "constant":  # diffusers' constant ignores it (sd-scripts refuses)
+        raise ConfigError(f"{_blame(origins, where, 'lr_warmup_steps', 'lr_scheduler')}: key 'lr_warmup_steps' does "
+                          f"nothing with lr_scheduler = \"constant\"; use \"constant_with_warmup\" (or another schedule)")
+    sampling = [k for k in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first") if getattr(args, k)]
+    if args.model_type != "llm" and sampling and args.sample_prompts is None:  # "" is an explicit "no samples"
+        raise ConfigError(f"{_blame(origins, where, sampling[0])}: key '{sampling[0]}' renders the prompts of "
+                          f"sample_prompts, which is not set (a prompt file, or \"\" for no samples)")
+
+
+def _readers(key: str) -> str:
+    """The model_types whose families declare `key`, for an error line."""
+    from library.models.registry import spec_of
+
+    return "model_type " + ", ".join(t for t in FAMILIES if key in {k.key for k in spec_of(t).config_keys})
+
+
+def _validate_input_paths(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
+    """Files the run reads only after caching (or after loading the models): missing, found now."""
+    for key, kind in (("network_weights", "a LoRA file or PEFT adapter folder"), ("sample_prompts", "a prompt file")):
+        path = getattr(args, key)
+        if path and not os.path.exists(path):
+            raise ConfigError(f"{origins.get(key, where)}: key '{key}' = {path}: no such file or folder (expected {kind})")
+    if args.sample_prompts and os.path.isdir(args.sample_prompts):
+        raise ConfigError(f"{origins.get('sample_prompts', where)}: key 'sample_prompts': '{args.sample_prompts}' is a "
+                          f"folder; expected a prompt file")
 
 
 def _validate_output(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:

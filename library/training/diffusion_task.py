@@ -28,7 +28,7 @@ from library.training import fsdp, memory_plan
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
 from library.training.state import sample_seed
 from library.training.validation import validation_loss
-from networks.factory import build_network
+from networks.factory import build_network, check_network_args
 
 
 
@@ -60,10 +60,17 @@ class DiffusionTask:
         self.device = accelerator.device
         self.family = get_family(args)
         self.family.check_model_files()  # from the headers: a wrong file stops the run now, not after caching
+        try:  # here, not in the config check: the network modules (and LyCORIS) import torch, the web UI does not
+            check_network_args(args.network_module, self.family.arch, lora_network_args(args))
+        except ValueError as e:
+            raise ConfigError(f"{args.config_file or 'command line'}: {e}") from None
         self._check_stored_precision()
         self.compute_dtype = compute_dtype(args)
         self.blueprint = load_dataset_config(args.dataset_config)
         self.dataset, self.validation_set = self._read_images()
+        if args.validate_every_n_steps and not self.validation_set:  # said before minutes of caching
+            raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
+                              f"validation_split or add [[validation_datasets]]")
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
         self.prompts = self._read_prompts()
         self._settle_bf16_reference()  # before minutes of caching
@@ -221,6 +228,10 @@ class DiffusionTask:
         if self.args.network_weights:
             counts = network.load_weights(self.args.network_weights, strict=False)
             self.accelerator.print(f"network_weights: {network.describe_loaded(counts)}")
+            self.loaded_alpha = loaded_alpha(network, self.args)
+            if self.loaded_alpha:
+                self.accelerator.print(f"network_weights: its alpha ({self.loaded_alpha}) is kept; network_alpha "
+                                       f"applies only to modules the file lacks")
         return network
 
     def _compile_blocks(self):
@@ -306,11 +317,21 @@ class DiffusionTask:
             "base_precision": self.stored_precision or base_precision(args),
             "fp8_compute": "true" if args.fp8_compute else None,
             "resolution": ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in datasets),
-            "batch_size": datasets[0].batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps,
+            "batch_size": self._total_batch_size(),
             "timestep_sampling": args.timestep_sampling or sampling_of(self.family.arch).method,
             "dataset": self._dataset_summary(),
             "base_loras": base_loras_metadata(base_lora_specs(args.base_loras)) if args.base_loras else None,
+            "network_alpha": getattr(self, "loaded_alpha", None),
         }
+
+    def _total_batch_size(self) -> str:
+        """Images per optimizer step (ss_total_batch_size): each dataset's batch (no more than its
+        images) x processes x accumulation; datasets of different batches are listed each."""
+        per_step = self.accelerator.num_processes * self.args.gradient_accumulation_steps
+        images = [sum(1 for it in self.dataset.items if it.subset in d.subsets) for d in self.blueprint.datasets]
+        sizes = dict.fromkeys(min(d.batch_size, n or d.batch_size) * per_step
+                              for d, n in zip(self.blueprint.datasets, images))
+        return ",".join(str(size) for size in sizes)
 
     def _dataset_summary(self) -> list[dict]:
         return [
@@ -358,3 +379,14 @@ class DiffusionTask:
             save_side_by_side(images, path, prompt.prompt)
             written.append(path)
         return written
+
+
+def loaded_alpha(network: nn.Module, args) -> str | None:
+    """The alpha the header records after network_weights: the file's alphas win (as in sd-scripts),
+    so a config network_alpha that differs would make the header contradict the tensors. None: the
+    config's alpha is the network's."""
+    alphas = {float(t) for k, t in network.state_dict().items() if k.endswith(".alpha")}
+    configured = float(args.network_alpha or args.network_dim)
+    if alphas <= {configured}:
+        return None
+    return f"{alphas.pop():g}" if len(alphas) == 1 else "Dynamic"
