@@ -164,8 +164,51 @@ def test_retry_starts_over_keeping_only_the_config(tmp_path):
     with pytest.raises(JobError, match="is stopped: cannot stop"):
         actions.stop(store, job.id)
     retried = actions.retry(store, job.id)
-    assert retried.state == "queued" and retried.resume is None and retried.last_step == 0
+    assert retried.state == "queued" and retried.resume is None and retried.last_step == 0 and retried.device is None
     assert os.listdir(job.output_dir) == ["config.toml"]
     with pytest.raises(JobError, match="no saved state"):
         store.update(job.id, state="failed")
         actions.resume(store, job.id)
+
+
+FAKE_TRAINER = """
+import signal, sys, time
+log = open(sys.argv[1], "a")
+def on_int(*_):
+    log.write("SIGINT: saved /x/lora-step000002.safetensors and state /x/lora-state at step 2\\n")
+    log.close()
+    sys.exit(130)
+signal.signal(signal.SIGINT, on_int)
+log.write("started\\n"); log.flush()
+time.sleep(120)
+"""
+
+
+def test_a_restart_with_another_device_list_still_watches_and_runs_the_old_devices_jobs(tmp_path):
+    """A UI restarted with --device cpu after running on cuda:7: the trainer left running there is
+    watched (Stop reaches it; its end is recorded), and a job queued for cuda:7 runs on cpu after it."""
+    store = JobStore(str(tmp_path / "jobs"))
+    orphan = store.create("orphan", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cuda:7")
+    trainer = subprocess.Popen([sys.executable, "-c", FAKE_TRAINER, orphan.log_path], start_new_session=True)
+    wait_for(lambda: os.path.exists(orphan.log_path), 30, "the fake trainer's start")
+    from library.ui import run_files
+
+    store.update(orphan.id, pid=trainer.pid, pid_started=run_files.process_started(trainer.pid))
+    waiting = store.create("retried", {"output_name": "lora"}, 5, queue=True)
+    store.update(waiting.id, device="cuda:7")  # queued (or retried) for a device no longer served
+    runner = Runner(store, str(tmp_path), devices=("cpu",), python="/bin/true", poll=0.1)
+    runner.start()
+    try:
+        assert store.get(orphan.id).state == "running"
+        assert store.get(waiting.id).state == "queued"  # not beside the re-attached trainer
+        actions.stop(store, orphan.id)
+        assert trainer.wait(timeout=10) == 130  # the watcher sent SIGINT
+        stopped = wait_for(lambda: (j := store.get(orphan.id)).state == "stopped" and j, 10, "the orphan's end")
+        assert stopped.message.startswith("stopped at step 2") and stopped.pid is None
+        done = wait_for(lambda: (j := store.get(waiting.id)).state == "done" and j, 10, "the queued job on cpu")
+        assert done.device == "cpu"
+    finally:
+        runner.close()
+        if trainer.poll() is None:
+            trainer.kill()

@@ -172,11 +172,14 @@ class JobStore:
             db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*values.values(), int(job_id)))
         return self.get(job_id)
 
-    def claim_next(self, device: str) -> Job | None:
-        """The oldest queued job (for this device or any), now running on `device`; None if none."""
+    def claim_next(self, device: str, served: tuple[str, ...] = ()) -> Job | None:
+        """The oldest queued job for this device, for any, or for a device no longer `served` (a UI
+        restarted with another --device list), now running on `device`; None if none."""
+        others = ", ".join("?" * len(served))
+        gone = f" OR device NOT IN ({others})" if served else ""
         with self._transaction() as db:
-            row = db.execute("SELECT id FROM jobs WHERE state = 'queued' AND (device IS NULL OR device = ?) "
-                             "ORDER BY queued, id LIMIT 1", (device,)).fetchone()
+            row = db.execute(f"SELECT id FROM jobs WHERE state = 'queued' AND (device IS NULL OR device = ?{gone}) "
+                             "ORDER BY queued, id LIMIT 1", (device, *served)).fetchone()
             if row is None:
                 return None
             db.execute("UPDATE jobs SET state = 'running', device = ?, started = ?, finished = NULL, pid = NULL, "

@@ -47,7 +47,7 @@ def resume(store: JobStore, job_id: int) -> Job:
     if step is None:
         raise JobError(f"job {job_id} has no saved state ({job.state_dir}): retry it from the start instead")
     return store.transition(job_id, FINISHED, "resume", state="queued", queued=time.time(), resume=job.state_dir,
-                            message=f"resumes from the state at step {step}")
+                            device=None, message=f"resumes from the state at step {step}")
 
 
 def retry(store: JobStore, job_id: int) -> Job:
@@ -55,14 +55,16 @@ def retry(store: JobStore, job_id: int) -> Job:
     job = store.transition(job_id, FINISHED, "retry", state="draft")
     store.clear_outputs(job)
     return store.transition(job_id, ("draft",), "retry", state="queued", queued=time.time(), resume=None,
-                            last_step=0, peak_rss=0, peak_vram=0, message="")
+                            device=None, last_step=0, peak_rss=0, peak_vram=0, message="")
 
 
 # -- the runner ------------------------------------------------------------------------------
 
 class Runner:
-    """One worker thread per device; each first watches the job a previous UI left running on its
-    device (if its process is still there), then takes queued jobs in order."""
+    """One worker thread per device, taking queued jobs in order. A job a previous UI left running
+    (its process still there) gets a watcher thread of its own, whatever device it ran on: the
+    device list may have changed since. The worker of its device (or the first device, if its own is
+    no longer served) waits for it to end before starting another job there."""
 
     def __init__(self, store: JobStore, workdir: str, devices: tuple[str, ...] = ("cpu",),
                  python: str = sys.executable, poll: float = 1.0):
@@ -71,9 +73,15 @@ class Runner:
         self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        attached = self.recover()
+        watchers: dict[str, list[threading.Thread]] = {}
+        for device, jobs in self.recover().items():
+            for job in jobs:
+                watcher = threading.Thread(target=self._watch, args=(job, None), name=f"watch-job{job.id}", daemon=True)
+                watcher.start()
+                watchers.setdefault(device, []).append(watcher)
+                self.threads.append(watcher)
         for device in self.devices:
-            thread = threading.Thread(target=self._work, args=(device, attached.get(device, [])),
+            thread = threading.Thread(target=self._work, args=(device, watchers.get(device, [])),
                                       name=f"runner-{device}", daemon=True)
             thread.start()
             self.threads.append(thread)
@@ -85,12 +93,14 @@ class Runner:
             thread.join(timeout=10)
 
     def recover(self) -> dict[str, list[Job]]:
-        """Jobs a previous UI left running: re-attached if their trainer still runs, else
-        interrupted, with their last step and the state they can resume from."""
+        """Jobs a previous UI left running, by the served device whose worker waits for them:
+        re-attached if their trainer still runs, else interrupted, with their last step and the
+        state they can resume from."""
         attached: dict[str, list[Job]] = {}
         for job in self.store.with_state(*ACTIVE):
             if job.pid and run_files.process_started(job.pid) == job.pid_started:
-                attached.setdefault(job.device or self.devices[0], []).append(job)
+                device = job.device if job.device in self.devices else self.devices[0]
+                attached.setdefault(device, []).append(job)
                 continue
             step = run_files.last_step(job.csv_path)
             ended = outcome(job, None)  # it may have finished (or stopped cleanly) while no UI watched
@@ -105,11 +115,12 @@ class Runner:
                               resume=job.state_dir if saved is not None else None)
         return attached
 
-    def _work(self, device: str, attached: list[Job]) -> None:
-        for job in attached:
-            self._watch(job, None)
+    def _work(self, device: str, watchers: list[threading.Thread]) -> None:
+        for watcher in watchers:  # one job at a time per device: a re-attached one first
+            while watcher.is_alive() and not self.closing.is_set():
+                watcher.join(self.poll)
         while not self.closing.is_set():
-            job = self.store.claim_next(device)
+            job = self.store.claim_next(device, self.devices)
             if job is None:
                 self.closing.wait(self.poll)
                 continue
