@@ -7,7 +7,9 @@ The helper (`python -m library.ui.config_check WORKDIR`) reads one JSON request 
 library.training.config.load_config on the text (the schema, types, choices and combinations that
 train_lora.py enforces, the optimizer class) and then the family's check of its model files (their
 headers only), with relative paths resolved against WORKDIR, where the jobs run; every file the config
-names must lie under one of the roots (the UI's --root folders).
+names, and every folder its dataset TOML names, must lie under one of the roots (the UI's --root folders),
+and the files and folders train_lora.py opens first (dataset, prompts, resume state, initial weights)
+must be there.
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ GENERIC_PATH_KEYS = ("pretrained_model_name_or_path", "ae", "dataset_config", "s
                      "resume", "logging_dir")
 
 
+def inside(path: str, roots: list[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(real == root or real.startswith(root + os.sep) for root in roots)
+
+
+def refusal(key: str, message: str) -> dict:
+    return {"ok": False, "key": key, "error": f"config: key '{key}': {message}"}
+
+
 def outside_roots(args, roots: list[str]) -> dict | None:
     """The first file key whose path lies outside the roots, as an error answer (None: all inside):
     a job reads only what the pages may open."""
@@ -57,11 +68,66 @@ def outside_roots(args, roots: list[str]) -> dict | None:
     values += [("base_loras", entry.rsplit(":", 1)[0]) for entry in args.base_loras]
     values += [("train_data", entry) for entry in args.train_data]
     for key, path in values:
-        real = os.path.realpath(path)
-        if not any(real == root or real.startswith(root + os.sep) for root in roots):
-            return {"ok": False, "key": key, "error": f"config: key '{key}': {path!r} is outside the folders this UI "
-                                                     f"may open; start tools/webui.py with --root FOLDER to add one"}
+        if not inside(path, roots):
+            return refusal(key, f"{path!r} is outside the folders this UI may open; start tools/webui.py with "
+                                f"--root FOLDER to add one")
     return None
+
+
+# The files and folders train_lora.py opens before its first step: refused now, not seconds after queuing.
+MUST_BE_FILES = ("dataset_config", "sample_prompts")
+
+
+def missing_paths(args) -> dict | None:
+    """The first path key that names nothing usable (None: all there)."""
+    wanted = [(k, "a file", os.path.isfile) for k in MUST_BE_FILES]
+    wanted.append(("resume", "a state folder", os.path.isdir))
+    # an LLM's initial weights may be a PEFT adapter folder; a diffusion LoRA is a .safetensors file
+    wanted.append(("network_weights", "a file or folder" if args.model_type == "llm" else "a file",
+                   os.path.exists if args.model_type == "llm" else os.path.isfile))
+    for key, what, test in wanted:
+        path = getattr(args, key, None)
+        if path and not test(path):
+            found = "a folder" if os.path.isdir(path) else "a file" if os.path.exists(path) else "nothing"
+            return refusal(key, f"{path!r} must be {what}; found {found} there")
+    return None
+
+
+def dataset_outside_roots(args, roots: list[str]) -> dict | None:
+    """The dataset TOML's folders (images, masks, control images, caches) outside the roots, as an error
+    answer under dataset_config (None: all inside): a job's dataset reads and writes only there."""
+    from library.data.dataset_config import load_dataset_config
+
+    if not args.dataset_config:
+        return None
+    try:
+        blueprint = load_dataset_config(args.dataset_config)
+    except ValueError as e:
+        return {"ok": False, "key": "dataset_config", "error": str(e).splitlines()[0]}
+    for spec in [*blueprint.datasets, *blueprint.validation_datasets]:
+        folders = [("cache_dir", spec.cache_dir)]
+        for subset in spec.subsets:
+            folders += [("image_dir", subset.image_dir), ("mask_dir", subset.mask_dir),
+                        ("control_directory", subset.control_directory)]
+        for key, path in folders:
+            if path and not inside(path, roots):
+                return refusal("dataset_config", f"{args.dataset_config}: {key} {path!r} is outside the folders this "
+                                                 f"UI may open; start tools/webui.py with --root FOLDER to add one")
+    return None
+
+
+def not_an_optimizer(args) -> dict | None:
+    """load_config imports optimizer_type's module.Class; it must also be an optimizer class (not,
+    say, os.system), or the run fails after loading the models."""
+    import torch
+
+    from library.training.optim import optimizer_class
+
+    found = optimizer_class(args.optimizer_type)
+    if isinstance(found, type) and issubclass(found, torch.optim.Optimizer):
+        return None
+    return refusal("optimizer_type", f"{args.optimizer_type!r} is not an optimizer class (a torch.optim.Optimizer "
+                                     f"subclass)")
 
 
 def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
@@ -83,7 +149,9 @@ def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
         args = None
         try:
             args = load_config(["--config_file", path])
-            if roots is not None and (refused := outside_roots(args, roots)):
+            refused = (roots is not None and outside_roots(args, roots)) or missing_paths(args) or \
+                not_an_optimizer(args) or (roots is not None and dataset_outside_roots(args, roots))
+            if refused:
                 return refused
             if args.model_type != "llm":
                 from library.models.family import get_family

@@ -1,0 +1,62 @@
+"""What Validate / Create refuse before a job is queued (library/ui/config_check.py, called in this
+process): the files train_lora.py opens first, the optimizer class, and the dataset's folders outside
+the UI's roots; each refusal is one line under its field."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import toml
+
+from library.ui.config_check import check
+from tests.ui_support import tiny_job_settings
+
+
+@pytest.fixture()
+def checked(tiny_set, tmp_path):
+    roots = [os.path.realpath(tiny_set["root"]), os.path.realpath(str(tmp_path))]
+
+    def run(**changes) -> dict:
+        settings = tiny_job_settings(tiny_set, steps=2)
+        settings.update(changes)
+        return check(toml.dumps(settings), str(tmp_path / "out"), roots)
+
+    return run
+
+
+def test_a_config_whose_first_files_are_missing_is_refused_at_its_field(checked, tiny_set, tmp_path):
+    missing = str(tmp_path / "nope.toml")
+    cases = {"dataset_config": (missing, "must be a file; found nothing"),
+             "sample_prompts": (missing, "must be a file; found nothing"),
+             "resume": (str(tmp_path / "no-state"), "must be a state folder; found nothing"),
+             "network_weights": (str(tmp_path / "w.safetensors"), "must be a file; found nothing")}
+    for key, (path, expected) in cases.items():
+        answer = checked(**{key: path})
+        assert answer == {"ok": False, "key": key, "error": f"config: key '{key}': {path!r} {expected} there"}, answer
+    answer = checked(dataset_config=str(tmp_path))
+    assert answer["key"] == "dataset_config" and "found a folder there" in answer["error"]
+    assert checked()["ok"] is True
+
+
+def test_an_optimizer_type_that_is_not_an_optimizer_class_is_refused(checked):
+    answer = checked(optimizer_type="os.system")
+    assert answer == {"ok": False, "key": "optimizer_type", "error": "config: key 'optimizer_type': 'os.system' is "
+                                                                     "not an optimizer class (a torch.optim.Optimizer subclass)"}
+    assert checked(optimizer_type="torch.optim.SGD")["ok"] is True
+
+
+def test_a_dataset_reading_outside_the_roots_is_refused(checked, tiny_set, tmp_path):
+    dataset = toml.load(tiny_set["dataset_config"])
+    for key, value in (("image_dir", "/etc"), ("control_directory", "/etc"), ("mask_dir", "/usr")):
+        changed = toml.load(tiny_set["dataset_config"])
+        changed["datasets"][0]["subsets"][0][key] = value
+        path = tmp_path / f"dataset_{key}.toml"
+        path.write_text(toml.dumps(changed))
+        answer = checked(dataset_config=str(path))
+        assert answer["ok"] is False and answer["key"] == "dataset_config", answer
+        assert f"{key} {value!r} is outside the folders" in answer["error"] and "\n" not in answer["error"]
+    dataset["datasets"][0]["cache_dir"] = "/var/tmp/caches"  # written to by the trainer
+    path = tmp_path / "dataset_cache.toml"
+    path.write_text(toml.dumps(dataset))
+    assert "cache_dir '/var/tmp/caches' is outside" in checked(dataset_config=str(path))["error"]
