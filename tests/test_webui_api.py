@@ -183,7 +183,7 @@ def test_dataset_view_lists_captions_buckets_and_problems(client, tiny_set, serv
     assert len(captions) == 9 and sum(bool(c) for c in captions) == 8
 
     first = sorted(f for f in os.listdir(images) if f.endswith(".png"))[0]
-    saved = client.predict(os.path.join(images, first), "an edited caption", api_name="/save_caption")
+    saved = client.predict(config, os.path.join(images, first), "an edited caption", api_name="/save_caption")
     with open(os.path.join(images, os.path.splitext(first)[0] + ".txt")) as f:
         assert f.read() == "an edited caption\n" and "saved" in saved
 

@@ -281,13 +281,13 @@ def dataset_tab(ui: WebUI) -> None:
         return image, text
 
     images.select(on_select, [shown], [picked, caption], api_name=False)
-    save.click(lambda i, c: _saved(ui, i, c), [picked, caption], [saved], api_name="save_caption")
+    save.click(lambda d, i, c: _saved(ui, d, i, c), [path, picked, caption], [saved], api_name="save_caption")
 
 
-def _saved(ui: WebUI, image: str, caption: str) -> str:
+def _saved(ui: WebUI, dataset: str, image: str, caption: str) -> str:
     try:
-        return f"saved {ui.save_caption(image, caption)}"
-    except (OutsideRoots, OSError) as e:
+        return f"saved {ui.save_caption(dataset, image, caption)}"
+    except (OutsideRoots, OSError, ValueError) as e:
         return f"⚠ {e}"
 
 

@@ -26,6 +26,7 @@ FORM_KEYS = ("model_type", "pretrained_model_name_or_path", "ae", "dataset_confi
 BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy")
 PLOT_COLUMNS = ["step", "value", "series"]
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
 def base_precision_of(settings: dict) -> str:
@@ -249,20 +250,12 @@ class WebUI:
 
     def dataset(self, path: str) -> dict:
         """check_dataset.py's report (buckets, problems) and the images with their captions."""
-        from library.data.dataset_config import load_dataset_config
-
         real = self.roots.resolve(path, "dataset config")
         result, report = commands.check_dataset(self.workdir, real, self.python)
         if report is None:
             return {"ok": False, "error": result.output}
-        images, buckets, problems = [], {}, []
-        for spec in load_dataset_config(real).datasets:
-            for subset in spec.subsets:
-                folder = self.roots.resolve(subset.image_dir, "image_dir")
-                for name in sorted(os.listdir(folder)):
-                    if name.lower().endswith((".png", ".jpg", ".jpeg", ".webp", ".bmp")):
-                        image = os.path.join(folder, name)
-                        images.append((image, self._read_caption(image, subset.caption_extension)))
+        images = [(image, self._read_caption(image, extension)) for image, extension in self._images(real)]
+        buckets, problems = {}, []
         for subset in report["subsets"]:
             for bucket, count in subset["buckets"].items():
                 buckets[bucket] = buckets.get(bucket, 0) + count
@@ -274,6 +267,19 @@ class WebUI:
                            f"{sum(s['trained'] for s in report['subsets'])} trained; {report['errors']} errors, "
                            f"{report['warnings']} warnings; {report['token_check']}"}
 
+    def _images(self, dataset_config: str) -> list[tuple[str, str]]:
+        """The dataset's images (real paths, under the roots) with their subset's caption extension."""
+        from library.data.dataset_config import load_dataset_config
+
+        found = []
+        for spec in load_dataset_config(dataset_config).datasets:
+            for subset in spec.subsets:
+                folder = self.roots.resolve(subset.image_dir, "image_dir")
+                for name in sorted(os.listdir(folder)):
+                    if name.lower().endswith(IMAGE_SUFFIXES):
+                        found.append((os.path.join(folder, name), subset.caption_extension))
+        return found
+
     @staticmethod
     def _read_caption(image: str, extension: str) -> str:
         try:
@@ -282,8 +288,13 @@ class WebUI:
         except OSError:
             return ""
 
-    def save_caption(self, image: str, caption: str, extension: str = ".txt") -> str:
+    def save_caption(self, dataset: str, image: str, caption: str) -> str:
+        """The caption of one of the dataset's images, in the file training reads (its subset's
+        caption_extension); anything that is not one of its images is refused."""
         real = self.roots.resolve(image, "image")
+        extension = dict(self._images(self.roots.resolve(dataset, "dataset config"))).get(real)
+        if extension is None:
+            raise ValueError(f"image {image!r} is not an image of the dataset {dataset!r}: pick one in its gallery")
         path = self.roots.resolve(os.path.splitext(real)[0] + extension, "caption")
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:

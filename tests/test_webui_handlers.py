@@ -1,0 +1,52 @@
+"""The pages' handlers (library/ui/handlers.py) called in this process, without a server: what they
+write, and the one clear line they answer to bad input."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import toml
+
+from library.ui.handlers import WebUI
+
+
+@pytest.fixture()
+def ui(tmp_path):
+    (tmp_path / "data").mkdir()
+    return WebUI(str(tmp_path / "jobs"), str(tmp_path), [str(tmp_path / "data")])
+
+
+@pytest.fixture()
+def caption_dataset(tiny_set, tmp_path) -> str:
+    """A copy of the tiny dataset whose captions are .caption files."""
+    images = tmp_path / "data" / "images"
+    shutil.copytree(tiny_set["image_dir"], images)
+    for name in os.listdir(images):
+        if name.endswith(".txt"):
+            os.rename(images / name, images / (name[:-4] + ".caption"))
+    dataset = toml.load(tiny_set["dataset_config"])
+    dataset["datasets"][0]["subsets"][0].update(image_dir=str(images), caption_extension=".caption")
+    path = tmp_path / "data" / "dataset.toml"
+    path.write_text(toml.dumps(dataset))
+    return str(path)
+
+
+def test_a_caption_is_saved_with_the_datasets_caption_extension(ui, caption_dataset):
+    images = os.path.join(os.path.dirname(caption_dataset), "images")
+    first = sorted(f for f in os.listdir(images) if f.endswith(".png"))[0]
+    saved = ui.save_caption(caption_dataset, os.path.join(images, first), "an edited caption")
+    stem = os.path.join(images, os.path.splitext(first)[0])
+    assert saved == stem + ".caption" and not os.path.exists(stem + ".txt")
+    with open(saved) as f:
+        assert f.read() == "an edited caption\n"
+
+
+def test_save_caption_refuses_what_is_not_an_image_of_the_dataset(ui, caption_dataset, tmp_path):
+    prompts = tmp_path / "data" / "sample_prompts.toml"  # its "caption" would overwrite sample_prompts.caption
+    prompts.write_text("x = 1\n")
+    for image in (str(prompts), os.path.join(os.path.dirname(caption_dataset), "images", "missing.png")):
+        with pytest.raises(ValueError, match=f"image '{image}' is not an image of the dataset"):
+            ui.save_caption(caption_dataset, image, "overwritten")
+    assert not (tmp_path / "data" / "sample_prompts.caption").exists()
