@@ -161,7 +161,7 @@ def test_planner_suggests_settings_and_applies_them_to_the_form(client, tiny_tom
     text, *fields = client.predict(keys, tiny_toml, *EMPTY_FORM, api_name="/apply_plan")
     applied = toml.loads(text)
     assert {k: applied[k] for k in keys} == keys
-    assert fields[FORM_KEYS.index("base_precision")] == ("fp8_scaled" if keys.get("fp8_scaled") else "bf16")
+    assert fields[FORM_KEYS.index("base_precision")] == keys["base_precision"]
 
 
 def test_dataset_view_lists_captions_buckets_and_problems(client, tiny_set, server):

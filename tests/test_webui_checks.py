@@ -60,3 +60,16 @@ def test_a_dataset_reading_outside_the_roots_is_refused(checked, tiny_set, tmp_p
     path = tmp_path / "dataset_cache.toml"
     path.write_text(toml.dumps(dataset))
     assert "cache_dir '/var/tmp/caches' is outside" in checked(dataset_config=str(path))["error"]
+
+
+def test_the_forms_base_precision_reads_and_writes_the_base_precision_key(checked, tiny_set):
+    from library.ui.handlers import BASE_PRECISIONS, apply_form, form_values
+
+    assert {"nf4", "nf4_dq", "int8"} <= set(BASE_PRECISIONS)  # the dropdown's choices
+    assert form_values({"base_precision": "int8"})["base_precision"] == "int8"
+    assert form_values({"fp8_base": True, "fp8_scaled": False})["base_precision"] == "fp8"  # the older keys
+    # fp8_scaled picked over a config saying base_precision = "fp8" (and the older keys): one key, no conflict
+    written = apply_form({"base_precision": "fp8", "fp8_base": True, "fp8_scaled": False},
+                         {"base_precision": "fp8_scaled"})
+    assert written == {"base_precision": "fp8_scaled"}
+    assert checked(**written)["ok"] is True

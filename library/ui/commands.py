@@ -11,6 +11,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from library.models.registry import BASE_PRECISIONS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLAN_ROW = re.compile(r"^\s+(bf16|fp8_scaled|fp8|\S+)\s+gradient_checkpointing=(true|false)\s*: "
                       r"(?:fits with blocks_to_swap = (\d+) \(peak ([\d.]+) GiB\)|does not fit)")
@@ -72,8 +74,8 @@ def suggestion(fits: list[Fit]) -> Fit | None:
 def suggested_keys(fit: Fit) -> dict:
     """The config keys that select a plan's setting."""
     keys = {"gradient_checkpointing": fit.checkpointing, "blocks_to_swap": fit.blocks_to_swap}
-    if fit.base in ("bf16", "fp8", "fp8_scaled"):
-        keys.update({"fp8_base": fit.base != "bf16", "fp8_scaled": fit.base == "fp8_scaled"})
+    if fit.base in BASE_PRECISIONS:
+        keys["base_precision"] = fit.base
     return keys
 
 

@@ -12,6 +12,7 @@ import time
 import pandas as pd
 import toml
 
+from library.models.registry import BASE_PRECISIONS  # noqa: F401 (the form's choices, for app.py)
 from library.training.config import SCHEMA, _flatten
 from library.ui import commands, run_files
 from library.ui import runner as actions
@@ -20,16 +21,22 @@ from library.ui.files import OutsideRoots, Roots
 from library.ui.jobs import ACTIVE, JobError, JobStore
 from library.ui.runner import Runner
 
-# The form's fields: config keys, plus base_precision (fp8_base + fp8_scaled as one choice).
+# The form's fields: config keys.
 FORM_KEYS = ("model_type", "pretrained_model_name_or_path", "ae", "dataset_config", "network_dim", "max_train_steps",
              "learning_rate", "optimizer_type", "base_precision", "sample_prompts", "sample_every_n_steps")
-BASE_PRECISIONS = ("bf16", "fp8", "fp8_scaled")
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy")
 PLOT_COLUMNS = ["step", "value", "series"]
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
+# The keys base_precision replaces: the form writes base_precision alone, so they cannot contradict it.
+FP8_KEYS = ("fp8_base", "fp8_scaled")
+
+
 def base_precision_of(settings: dict) -> str:
+    """The base_precision key, else what the older fp8_base / fp8_scaled keys say."""
+    if settings.get("base_precision"):
+        return settings["base_precision"]
     if not settings.get("fp8_base"):
         return "bf16"
     return "fp8_scaled" if settings.get("fp8_scaled", SCHEMA["fp8_scaled"].default) else "fp8"
@@ -71,9 +78,9 @@ def apply_form(settings: dict, form: dict) -> dict:
         if value is None or (isinstance(value, str) and not value.strip()):
             continue
         if key == "base_precision":
-            out["fp8_base"], out["fp8_scaled"] = value != "bf16", value == "fp8_scaled"
-        else:
-            out[key] = field_value(key, value)
+            for old in FP8_KEYS:
+                out.pop(old, None)
+        out[key] = field_value(key, value)
     return out
 
 
@@ -245,7 +252,10 @@ class WebUI:
 
     def apply_plan(self, text: str, form: dict, keys: dict) -> tuple[str, dict]:
         """The TOML text and form with a plan's suggested keys set."""
-        settings = {**self.settings(text, form), **keys}
+        settings = self.settings(text, form)
+        if "base_precision" in keys:
+            settings = {k: v for k, v in settings.items() if k not in FP8_KEYS}
+        settings.update(keys)
         return toml.dumps(settings), form_values(settings)
 
     def dataset(self, path: str) -> dict:
