@@ -50,3 +50,25 @@ def test_save_caption_refuses_what_is_not_an_image_of_the_dataset(ui, caption_da
         with pytest.raises(ValueError, match=f"image '{image}' is not an image of the dataset"):
             ui.save_caption(caption_dataset, image, "overwritten")
     assert not (tmp_path / "data" / "sample_prompts.caption").exists()
+
+
+def finished_job(ui):
+    job = ui.store.create("a", {"output_name": "lora"}, 5, queue=True)
+    ui.store.claim_next("cpu")
+    ui.store.update(job.id, state="failed", message="boom")
+    return job
+
+
+def test_retrying_a_job_whose_folder_was_removed_or_replaced(ui):
+    job = finished_job(ui)
+    shutil.rmtree(job.output_dir)
+    assert ui.act("retry", job.id) == {"ok": True, "job_id": job.id, "state": "queued", "message": ""}
+    assert os.path.isdir(job.output_dir)  # made again: the trainer's config goes there at launch
+
+    other = finished_job(ui)
+    shutil.rmtree(other.output_dir)
+    open(other.output_dir, "w").close()  # a file where its folder was: it cannot be cleared
+    answer = ui.act("retry", other.id)
+    assert answer == {"ok": False, "error": f"job {other.id}: its output folder {other.output_dir!r} is not a folder; "
+                                            f"remove what is there"}
+    assert ui.store.get(other.id).state == "failed"  # left as it was

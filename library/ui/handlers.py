@@ -159,6 +159,8 @@ class WebUI:
             return {"ok": True, "job_id": job.id, "state": job.state, "message": job.message}
         except (JobError, ValueError, TypeError) as e:
             return {"ok": False, "error": str(e)}
+        except OSError as e:  # the job's folder, changed by hand
+            return {"ok": False, "error": f"job {job_id}: cannot {action}: {e.strerror}: {e.filename}"}
 
     def jobs_table(self) -> pd.DataFrame:
         rows = []

@@ -144,6 +144,8 @@ class JobStore:
             folder = self.job_folder(job_id)
             config = toml.dumps({**settings, "output_dir": folder})
             db.execute("UPDATE jobs SET output_dir = ?, config = ? WHERE id = ?", (folder, config, job_id))
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise JobError(f"job {job.id}: its output folder {folder!r} is not a folder; remove what is there")
         os.makedirs(folder, exist_ok=True)
         return self.get(job_id)
 
@@ -201,10 +203,14 @@ class JobStore:
             shutil.rmtree(folder)
 
     def clear_outputs(self, job: Job) -> None:
-        """Everything in the job's folder but its config (a retry starts from nothing)."""
+        """Everything in the job's folder but its config (a retry starts from nothing); a removed
+        folder is made again (the config is written into it at launch)."""
         folder = self.job_folder(job.id)
         if os.path.realpath(job.output_dir) != folder:
             raise JobError(f"job {job.id}: its output folder {job.output_dir!r} is not {folder!r}; not clearing it")
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise JobError(f"job {job.id}: its output folder {folder!r} is not a folder; remove what is there")
+        os.makedirs(folder, exist_ok=True)
         for entry in os.listdir(folder):
             path = os.path.join(folder, entry)
             if entry == "config.toml":
