@@ -137,7 +137,8 @@ def test_create_queue_stop_resume_compare_and_delete(client, server, tiny_toml):
     assert {row["series"] for row in view["dlr"]} == {"d*lr/lora"} and len(view["lr"]) == 8
     assert view["peak_rss"] > 100 * 2**20 and "peak RSS" in view["status"]
 
-    both = client.predict(str(job_id), str(job_id), "d*lr", api_name="/compare")
+    both, note = client.predict(str(job_id), str(job_id), "d*lr", api_name="/compare")
+    assert not note["visible"]
     assert len(both["data"]) == 16 and {r[2] for r in both["data"]} == {f"{job_id} api job: d*lr/lora"}
 
     refused = client.predict(str(job_id), False, api_name="/delete_job")[0]
@@ -151,6 +152,22 @@ def test_pages_read_only_under_their_roots(client):
     *_, note = client.predict("/etc/passwd", api_name="/load_config")
     assert note["visible"] and "outside the folders this UI may open" in note["value"]
     assert "outside the folders" in client.predict("/etc/hostname", api_name="/lora_info")
+
+
+def test_bad_job_ids_and_config_files_get_one_line(client, tiny_set):
+    _, note = client.predict("abc", None, "loss", api_name="/compare")
+    assert note["visible"] and note["value"] == "⚠ job 'abc': not a job number; pick a job in the list"
+    _, note = client.predict("9999", None, "loss", api_name="/compare")
+    assert note["value"] == "⚠ job 9999: no such job"
+    assert client.predict("abc", api_name="/stop_job")[0] == {
+        "ok": False, "error": "job 'abc': not a job number; pick a job in the list"}
+    images = tiny_set["image_dir"]
+    png = os.path.join(images, sorted(f for f in os.listdir(images) if f.endswith(".png"))[0])
+    txt = os.path.splitext(png)[0] + ".txt"
+    for path, expected in ((png, f"{png}: config file is not valid UTF-8"), (txt, f"{txt}: not valid TOML"),
+                           (images, f"config {images!r} is a folder: pick a .toml file")):
+        *_, note = client.predict(path, api_name="/load_config")
+        assert note["visible"] and note["value"].startswith(f"⚠ {expected}") and "\n" not in note["value"], note
 
 
 def test_planner_suggests_settings_and_applies_them_to_the_form(client, tiny_toml):

@@ -72,3 +72,19 @@ def test_retrying_a_job_whose_folder_was_removed_or_replaced(ui):
     assert answer == {"ok": False, "error": f"job {other.id}: its output folder {other.output_dir!r} is not a folder; "
                                             f"remove what is there"}
     assert ui.store.get(other.id).state == "failed"  # left as it was
+
+
+def test_the_planner_and_the_lora_tools_answer_bad_fields_in_one_line(ui, tmp_path):
+    def report(vram=24, resolution=1024, batch=1, source="preset", text=""):
+        answer = ui.plan(source, "flux1-dev", vram, resolution, batch, text, {})
+        assert answer["ok"] is False and answer["suggested"] is None
+        return answer["report"]
+
+    assert report(vram=None) == "card memory (GiB): give a number > 0, got None"
+    assert report(resolution=0) == "resolution (px): give a whole number >= 64, got 0"  # not the preset's default
+    assert report(batch=0) == "batch size: give a whole number >= 1, got 0"
+    assert report(source="the job form's config", text="x = ").startswith("config: not valid TOML")
+    lora = str(tmp_path / "data" / "a.safetensors")
+    for rank in (None, "", 2.5, 2**70):
+        answer = ui.lora_tool("resize_lora", {"lora": lora, "save_to": "r.safetensors", "new_rank": rank})
+        assert answer == {"ok": False, "output": f"new rank: give a whole number >= 1, got {rank!r}", "image": None}

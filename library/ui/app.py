@@ -208,7 +208,15 @@ def live_tab(ui: WebUI, job_id) -> None:
         column = gr.Dropdown(["loss", "val_loss", "lr", "d*lr"], value="loss", label="curve")
         go = gr.Button("Compare")
     both = gr.LinePlot(x="step", y="value", color="series", title="two jobs", elem_id="plot-compare")
-    go.click(ui.compare, [a, b, column], [both], api_name="compare")
+    refused = gr.Markdown(visible=False, elem_classes="field-error")
+
+    def on_compare(job_a, job_b, curve):
+        try:
+            return ui.compare(job_a, job_b, curve), error_note("")
+        except JobError as e:
+            return gr.update(), error_note(str(e))
+
+    go.click(on_compare, [a, b, column], [both, refused], api_name="compare")
     gr.Timer(REFRESH_SECONDS * 5).tick(lambda: [gr.update(choices=ui.job_choices())] * 2, None, [a, b], api_name=False)
 
 

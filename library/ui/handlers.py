@@ -13,6 +13,7 @@ import pandas as pd
 import toml
 
 from library.models.registry import BASE_PRECISIONS  # noqa: F401 (the form's choices, for app.py)
+from library.text_files import read_utf8
 from library.training.config import SCHEMA, _flatten
 from library.ui import commands, run_files
 from library.ui import runner as actions
@@ -26,6 +27,7 @@ FORM_KEYS = ("model_type", "pretrained_model_name_or_path", "ae", "dataset_confi
              "learning_rate", "optimizer_type", "base_precision", "sample_prompts", "sample_every_n_steps")
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy")
 PLOT_COLUMNS = ["step", "value", "series"]
+MAX_INT = 2**62  # beyond any real count, and inside SQLite's (and torch's) 64-bit integers
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
@@ -84,6 +86,27 @@ def apply_form(settings: dict, form: dict) -> dict:
     return out
 
 
+def job_number(job_id) -> int:
+    """A job id from a page's field (text, a number or a dropdown's value), or JobError."""
+    try:
+        return int(str(job_id).strip())
+    except ValueError:
+        raise JobError(f"job {job_id!r}: not a job number; pick a job in the list") from None
+
+
+def whole_number(value, what: str, least: int = 1) -> int:
+    """A form's whole number (a gradio Number sends None when empty), or ValueError naming the field."""
+    if isinstance(value, str):
+        value = value.strip()
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: give a whole number >= {least}, got {value!r}") from None
+    if not number.is_integer() or number < least or number > MAX_INT:
+        raise ValueError(f"{what}: give a whole number >= {least}, got {value!r}")
+    return int(number)
+
+
 def frame(rows: list[dict], columns: list[str], series_of=lambda c: c) -> pd.DataFrame:
     """Long-format rows (step, value, series) of the CSV columns given, for one line per series."""
     data = [(row["step"], row[c], series_of(c)) for row in rows for c in columns if row.get(c) is not None]
@@ -115,9 +138,13 @@ class WebUI:
     def load_config(self, path: str) -> tuple[str, dict]:
         """A TOML file (inside the roots) as the editor's text and the form's fields."""
         real = self.roots.resolve(path, "config")
-        with open(real, encoding="utf-8") as f:
-            text = f.read()
-        settings = _flatten(toml.loads(text), path)
+        if os.path.isdir(real):
+            raise ValueError(f"config {path!r} is a folder: pick a .toml file")
+        text = read_utf8(real, "config file")  # not UTF-8 (a picture): one line naming the file
+        try:
+            settings = _flatten(toml.loads(text), path)
+        except toml.TomlDecodeError as e:
+            raise ValueError(f"{path}: not valid TOML: {e}") from None
         return text, form_values(settings)
 
     def settings(self, text: str, form: dict) -> dict:
@@ -148,7 +175,7 @@ class WebUI:
     # -- queue actions -----------------------------------------------------------------------
     def act(self, action: str, job_id, confirm: bool = False) -> dict:
         try:
-            job_id = int(job_id)
+            job_id = job_number(job_id)
             if action == "delete":
                 if not confirm:
                     raise JobError(f"job {job_id}: confirm to delete it and its folder")
@@ -176,7 +203,7 @@ class WebUI:
     # -- the live view -----------------------------------------------------------------------
     def live(self, job_id) -> dict:
         """Progress, the CSV's curves, the samples, the log's tail and peak memory of one job."""
-        job = self.store.get(int(job_id))
+        job = self.store.get(job_number(job_id))
         rows = run_files.read_rows(job.csv_path)
         columns = list(rows[-1]) if rows else []
         bar = run_files.progress(job.log_path, job.last_step, job.max_steps)
@@ -205,7 +232,7 @@ class WebUI:
     def live_signature(self, job_id) -> tuple:
         """What the live view shows changes only when this does (the job's row, the CSV, the log, the
         samples): the page redraws nothing while it stays the same."""
-        job = self.store.get(int(job_id))
+        job = self.store.get(job_number(job_id))
         stats = []
         for path in (job.csv_path, job.log_path, job.output_dir):
             try:
@@ -229,7 +256,7 @@ class WebUI:
         for job_id in (job_a, job_b):
             if job_id in (None, ""):
                 continue
-            job = self.store.get(int(job_id))
+            job = self.store.get(job_number(job_id))
             rows = run_files.read_rows(job.csv_path)
             picked = [c for c in (rows[-1] if rows else {}) if c == column or c.startswith(column + "/")]
             frames.append(frame(rows, picked, lambda c, job=job: f"{job.id} {job.name}: {c}"))
@@ -237,20 +264,37 @@ class WebUI:
 
     # -- before a run ------------------------------------------------------------------------
     def plan(self, source: str, preset: str, vram: float, resolution, batch_size, text: str, form: dict) -> dict:
+        """plan_memory.py's report and the setting it suggests; bad input is the report's one line."""
+        try:
+            vram = float(vram)
+            if not 0 < vram < 1e6:
+                raise ValueError
+        except (TypeError, ValueError):
+            return self._plan_refused(f"card memory (GiB): give a number > 0, got {vram!r}")
+        try:
+            resolution = whole_number(resolution, "resolution (px)", 64) if resolution not in (None, "") else None
+            batch_size = whole_number(batch_size, "batch size") if batch_size not in (None, "") else None
+            settings = self.settings(text, form) if source != "preset" else None
+        except (JobError, ValueError) as e:
+            return self._plan_refused(str(e))
         config_file = None
-        if source != "preset":
+        if settings is not None:
             with tempfile.NamedTemporaryFile("w", suffix=".toml", dir=self.store.root, delete=False) as f:
-                toml.dump(self.settings(text, form), f)
+                toml.dump(settings, f)
                 config_file = f.name
         try:
-            result, fits = commands.plan(self.workdir, float(vram), preset if source == "preset" else None, config_file,
-                                         resolution or None, batch_size or None, self.python)
+            result, fits = commands.plan(self.workdir, vram, preset if source == "preset" else None, config_file,
+                                         resolution, batch_size, self.python)
         finally:
             if config_file:
                 os.remove(config_file)
         best = commands.suggestion(fits)
         return {"ok": result.ok, "report": result.output, "fits": [vars(f) for f in fits],
                 "suggested": commands.suggested_keys(best) if best else None}
+
+    @staticmethod
+    def _plan_refused(message: str) -> dict:
+        return {"ok": False, "report": message, "fits": [], "suggested": None}
 
     def apply_plan(self, text: str, form: dict, keys: dict) -> tuple[str, dict]:
         """The TOML text and form with a plan's suggested keys set."""
@@ -327,7 +371,7 @@ class WebUI:
     def lora_tool(self, tool: str, values: dict) -> dict:
         try:
             args, output = self._tool_args(tool, values)
-        except (OutsideRoots, JobError, ValueError) as e:
+        except (OutsideRoots, JobError, ValueError) as e:  # a field's bad value: one line
             return {"ok": False, "output": str(e), "image": None}
         result = commands.run_tool(f"{tool}.py", args, self.workdir, self.python)
         image = None
@@ -344,17 +388,18 @@ class WebUI:
             return [lora(), self.tool_output(v["save_to"], "output"), "--to", v["to"]], None
         if tool == "resize_lora":
             return ["--lora", lora(), "--save_to", self.tool_output(v["save_to"], "output"),
-                    "--new_rank", int(v["new_rank"])], None
+                    "--new_rank", whole_number(v["new_rank"], "new rank")], None
         if tool == "merge_lora":
             return ["--model", self.roots.resolve(v["model"], "model"), "--lora", f"{lora()}:{float(v['weight'])}",
                     "--save_to", self.tool_output(v["save_to"], "output"), "--save_precision", v["save_precision"]], None
         if tool == "generate":  # with a job's models
-            job = self.store.get(int(v["job_id"]))
+            job = self.store.get(job_number(v["job_id"]))
             config = toml.loads(job.config)
             out = self.tool_output(f"generated-job{job.id}", "output")
             args = ["--model_type", config["model_type"], "--model", config["pretrained_model_name_or_path"],
-                    "--ae", config["ae"], "--prompt", v["prompt"], "--width", int(v["width"]), "--height",
-                    int(v["width"]), "--steps", int(v["steps"]), "--seed", int(v.get("seed") or 0),
+                    "--ae", config["ae"], "--prompt", v["prompt"], "--width", whole_number(v["width"], "size (px)"),
+                    "--height", whole_number(v["width"], "size (px)"), "--steps", whole_number(v["steps"], "steps"),
+                    "--seed", whole_number(v.get("seed") or 0, "seed", 0),
                     "--base_precision", base_precision_of(config), "--out", out, "--dtype", v.get("dtype", "fp32")]
             from library.training.config import FAMILY_KEYS
 
