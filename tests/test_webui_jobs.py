@@ -212,3 +212,13 @@ def test_a_restart_with_another_device_list_still_watches_and_runs_the_old_devic
         runner.close()
         if trainer.poll() is None:
             trainer.kill()
+
+
+def test_a_trainer_killed_by_a_signal_says_so_not_its_progress_bar(tmp_path):
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    with open(job.log_path, "w") as f:
+        f.write("training:  40%|#  | 2/5 [00:01<00:02, 1.2it/s]")
+    ended = actions.outcome(store.get(job.id), -signal.SIGKILL)
+    assert ended["state"] == "failed"
+    assert ended["message"] == "killed by signal 9 (SIGKILL: out of memory? the kernel's OOM killer sends it)"

@@ -195,9 +195,20 @@ def outcome(job: Job, code: int | None) -> dict:
     if job.state == "stopping":  # stopped before training began (train_lora.py's Ctrl-C handler not yet set)
         return {"state": "stopped", "message": "stopped before the first step: nothing to save; retry to start again",
                 "resume": None}
+    if code is not None and code < 0:  # killed: its log's last line is whatever it printed before
+        return {"state": "failed", "message": killed_by(-code), "resume": job.state_dir if saved is not None else None}
     errors = [line for line in lines if line.startswith("error:") or "Error" in line]
     why = errors[-1] if errors else (lines[-1] if lines else f"exit status {code}")
     return {"state": "failed", "message": why, "resume": job.state_dir if saved is not None else None}
+
+
+def killed_by(number: int) -> str:
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = "unknown signal"
+    why = "out of memory? the kernel's OOM killer sends it" if number == signal.SIGKILL else "sent by another process"
+    return f"killed by signal {number} ({name}: {why})"
 
 
 def gpu_memory(pid: int) -> int:
