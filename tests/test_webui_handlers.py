@@ -15,7 +15,9 @@ from library.ui.handlers import WebUI
 @pytest.fixture()
 def ui(tmp_path):
     (tmp_path / "data").mkdir()
-    return WebUI(str(tmp_path / "jobs"), str(tmp_path), [str(tmp_path / "data")])
+    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [str(tmp_path / "data")])
+    yield ui
+    ui.close()  # its config checker process, if a test started it
 
 
 @pytest.fixture()
@@ -88,3 +90,13 @@ def test_the_planner_and_the_lora_tools_answer_bad_fields_in_one_line(ui, tmp_pa
     for rank in (None, "", 2.5, 2**70):
         answer = ui.lora_tool("resize_lora", {"lora": lora, "save_to": "r.safetensors", "new_rank": rank})
         assert answer == {"ok": False, "output": f"new rank: give a whole number >= 1, got {rank!r}", "image": None}
+
+
+def test_huge_integers_are_refused_under_their_field(ui):
+    answer = ui.create("big", "", {"max_train_steps": "1e30"}, queue=True)
+    assert answer == {"ok": False, "key": "max_train_steps",
+                      "error": f"config: key 'max_train_steps' must be between -1000000000000000 and 1000000000000000, "
+                               f"got {int(1e30)}"}
+    answer = ui.check("seed = 99999999999999999999\n", {})
+    assert answer["key"] == "seed" and answer["error"].endswith("got 99999999999999999999")
+    assert ui.store.list() == []

@@ -27,7 +27,7 @@ FORM_KEYS = ("model_type", "pretrained_model_name_or_path", "ae", "dataset_confi
              "learning_rate", "optimizer_type", "base_precision", "sample_prompts", "sample_every_n_steps")
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy")
 PLOT_COLUMNS = ["step", "value", "series"]
-MAX_INT = 2**62  # beyond any real count, and inside SQLite's (and torch's) 64-bit integers
+MAX_INT = 10**15  # beyond any real count or seed, and well inside SQLite's (and torch's) 64-bit integers
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
@@ -71,6 +71,15 @@ def field_value(key: str, value):
             raise FormError(key, f"form: key '{key}' must be an integer, got {value.strip()!r}")
         return int(number) if kind is int else number
     return value.strip() if isinstance(value, str) else value
+
+
+def out_of_range(settings: dict) -> FormError | None:
+    """The first integer key past MAX_INT (from the form or the TOML), which would reach the queue's
+    database and the trainer as a raw overflow, as the error to show under its field."""
+    for key, value in settings.items():
+        if key in SCHEMA and SCHEMA[key].type is int and isinstance(value, int) and abs(value) > MAX_INT:
+            return FormError(key, f"config: key '{key}' must be between {-MAX_INT} and {MAX_INT}, got {value}")
+    return None
 
 
 def apply_form(settings: dict, form: dict) -> dict:
@@ -157,6 +166,8 @@ class WebUI:
         """{"ok", "key", "error", "settings", "max_steps"}: the config as train_lora.py would check it."""
         try:
             settings = self.settings(text, form)
+            if too_big := out_of_range(settings):
+                raise too_big
         except (JobError, ValueError) as e:
             return {"ok": False, "key": getattr(e, "key", None), "error": str(e)}
         answer = self.checker.check(toml.dumps(settings), self.store.root, self.roots.roots)
