@@ -27,6 +27,7 @@ def form(**values) -> list:
 @pytest.fixture(scope="module")
 def server(tiny_set, tmp_path_factory):
     root = tmp_path_factory.mktemp("webui")
+    (root / "data").mkdir()  # a --root must exist; the dataset test fills it
     ui = WebUIProcess(str(root / "jobs"), [tiny_set["root"], str(root / "data")], str(root / "webui.log"),
                       env=pause_hook_env(root))
     yield ui
@@ -183,7 +184,7 @@ def test_planner_suggests_settings_and_applies_them_to_the_form(client, tiny_tom
 
 def test_dataset_view_lists_captions_buckets_and_problems(client, tiny_set, server):
     data = os.path.join(os.path.dirname(server.jobs_dir), "data")
-    shutil.copytree(os.path.dirname(tiny_set["dataset_config"]), data)
+    shutil.copytree(os.path.dirname(tiny_set["dataset_config"]), data, dirs_exist_ok=True)
     config = os.path.join(data, "dataset.toml")
     dataset = toml.load(config)
     images = os.path.join(data, "images")

@@ -25,9 +25,10 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    summary = __doc__.split("\n\n")[0].replace("\n", " ")  # the first paragraph, whole
+    p = argparse.ArgumentParser(description=summary, allow_abbrev=False)
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (another than 127.0.0.1 needs --password)")
-    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--port", type=int, default=7860, help="the port to serve on (1-65535)")
     p.add_argument("--user", default="admin", help="the user name with --password")
     p.add_argument("--password", default=os.environ.get("LORA_WEBUI_PASSWORD"),
                    help="require this password (also LORA_WEBUI_PASSWORD)")
@@ -41,22 +42,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def start_up_problem(args, jobs_dir: str, roots: list[str]) -> str | None:
+    """What stops the UI from starting, in one line (None: nothing), before anything is made."""
+    if args.host not in LOCAL_HOSTS and not args.password:
+        return (f"--host {args.host} serves the UI to other machines: give --password (or LORA_WEBUI_PASSWORD); "
+                f"anyone who reaches it can start processes and read files under the roots")
+    if not 1 <= args.port <= 65535:
+        return f"--port {args.port}: a port is 1 to 65535"
+    if os.path.exists(jobs_dir) and not os.path.isdir(jobs_dir):
+        return f"--jobs_dir {jobs_dir}: not a folder (the queue's database and the jobs' folders go there)"
+    for root in roots:
+        if not os.path.isdir(root):
+            return f"--root {root}: no such folder"
+    return port_in_use(args.host, args.port)
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, port))
+    except OSError as e:
+        return f"--port {port}: cannot serve on {host}:{port} ({e.strerror}; another UI?): pick another --port"
+    return None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.host not in LOCAL_HOSTS and not args.password:
-        print(f"error: --host {args.host} serves the UI to other machines: give --password (or LORA_WEBUI_PASSWORD); "
-              f"anyone who reaches it can start processes and read files under the roots", file=sys.stderr)
-        return 2
     # Folders given on the command line are the caller's; the defaults are the repository's, where
     # jobs run (a config's relative paths mean there what they mean to train_lora.py run from it).
     jobs_dir = os.path.abspath(args.jobs_dir) if args.jobs_dir else os.path.join(ROOT, "runs", "webui")
     roots = [os.path.abspath(r) for r in args.root] if args.root else [
         os.path.join(ROOT, r) for r in ("configs", "tiny_models", "learned", "out")]
+    if problem := start_up_problem(args, jobs_dir, roots if args.root else []):  # default roots may not exist yet
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     os.chdir(ROOT)
     from library.ui.app import CSS, build_app
     from library.ui.handlers import WebUI
 
-    ui = WebUI(jobs_dir, ROOT, roots, tuple(args.device or ["default"]))
+    try:
+        ui = WebUI(jobs_dir, ROOT, roots, tuple(args.device or ["default"]))
+    except OSError as e:  # e.g. a jobs folder it may not write
+        print(f"error: --jobs_dir {jobs_dir}: {e.strerror}: {e.filename}", file=sys.stderr)
+        return 2
     ui.start()
     app = build_app(ui)
     auth = (args.user, args.password) if args.password else None
@@ -64,6 +94,9 @@ def main(argv=None) -> int:
     try:
         app.launch(server_name=args.host, server_port=args.port, auth=auth, allowed_paths=ui.roots.roots,
                    show_error=True, quiet=True, footer_links=["api"], css=CSS)
+    except OSError:  # taken between the check above and now
+        print(f"error: --port {args.port}: cannot serve on {args.host}:{args.port}: pick another --port", file=sys.stderr)
+        return 2
     finally:
         ui.close()
     return 0

@@ -1,0 +1,31 @@
+"""tools/webui.py refuses a start it cannot make with one line naming the option, before it makes
+anything (no queue, no runner, no server)."""
+
+from __future__ import annotations
+
+import socket
+
+from tools.webui import build_parser, main
+
+
+def test_bad_start_up_options_get_one_line_naming_the_option(tmp_path, capsys):
+    jobs = str(tmp_path / "jobs")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = {("--port", str(port)): f"error: --port {port}: cannot serve on 127.0.0.1:{port} (Address already "
+                                        f"in use; another UI?): pick another --port",
+                 ("--port", "99999"): "error: --port 99999: a port is 1 to 65535",
+                 ("--jobs_dir", "/etc/passwd"): "error: --jobs_dir /etc/passwd: not a folder (the queue's database "
+                                                "and the jobs' folders go there)",
+                 ("--root", "/nonexistent"): "error: --root /nonexistent: no such folder"}
+        for option, expected in cases.items():
+            argv = ["--jobs_dir", jobs, "--root", str(tmp_path), *option]
+            assert main(argv) == 2
+            assert capsys.readouterr().err == expected + "\n"
+    assert not (tmp_path / "jobs").exists()
+
+
+def test_help_gives_the_whole_first_paragraph():
+    assert build_parser().description.endswith("the memory planner, the dataset view and the LoRA tools as forms.")
