@@ -95,6 +95,7 @@ KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_tran
 PEFT_PREFIXES = ("transformer.", "diffusion_model.", "base_model.model.", "unet.", "model.diffusion_model.")
 COMFY_PREFIXES = ("diffusion_model.", "model.diffusion_model.", "transformer.")
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors header entry (PEFT config json)
+FOLDED_MARK = "lora_alpha_folded"  # header entry of our PEFT-layout outputs: alpha / rank is inside lora_B
 
 _PART_OF_SUFFIX = {
     ".lora_down.weight": "down",
@@ -257,6 +258,17 @@ def read_lora_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str
     return dict(reader.items()), reader.metadata, config
 
 
+def peft_alpha_known(keys, metadata: dict[str, str], adapter_config: dict | None = None) -> bool:
+    """False for a PEFT file that stores its alpha nowhere (no `.alpha` tensors, no adapter config in
+    the header or the folder, not marked alpha-folded): loaders then take alpha = rank (scale 1),
+    which is right only by luck, so the tools warn."""
+    keys = list(keys)
+    if not any(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys):
+        return True  # kohya / ComfyUI layouts carry .alpha (or mean alpha = rank by their own convention)
+    return (any(k.endswith(".alpha") for k in keys) or ADAPTER_METADATA_KEY in metadata
+            or metadata.get(FOLDED_MARK) == "true" or (adapter_config or {}).get("lora_alpha") is not None)
+
+
 def read_lora(path: str, module_paths=None):
     """Read a LoRA safetensors file or PEFT adapter folder -> (weights, metadata, format); see
     `parse_lora` for the keys."""
@@ -323,7 +335,8 @@ def write_kohya(weights, path, dtype=torch.float32, metadata=None, prefix="lora_
 
 
 def write_peft(weights, path, prefix="transformer", dtype=torch.float32, metadata=None):
-    write_lora_tensors(peft_state_dict(weights, prefix, dtype), path, metadata)
+    """PEFT tensors with alpha / rank folded into lora_B, and the header saying so (FOLDED_MARK)."""
+    write_lora_tensors(peft_state_dict(weights, prefix, dtype), path, {**(metadata or {}), FOLDED_MARK: "true"})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -451,3 +451,40 @@ def test_lora_info_names_released_sizes_dora_and_lycoris(tmp_path):
     _lokr(tmp_path / "k.safetensors")
     got = info(tmp_path / "k.safetensors")
     assert (got["format"], got["network"], got["ranks"], got["alphas"]) == ("lycoris", "LoKr", {}, {"1": 1})
+
+
+# ----------------------------------------------------------------------------------------------
+# PEFT adapters: the alpha lives in adapter_config.json
+
+
+def test_resize_and_combine_apply_a_peft_adapters_lora_alpha(tiny_set, tmp_path, capsys):
+    """r 4, lora_alpha 2 in adapter_config.json only: the output deltas are the adapter's (scale 0.5), for
+    the folder and for its adapter_model.safetensors; a PEFT file without any alpha gets a warning."""
+    from tools import combine_loras
+
+    model, family, _ = load_model(tiny_set["llm"])
+    torch.manual_seed(3)
+    net = LoRANetwork(model, family, rank=4, alpha=2.0)
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.lora_up.weight.normal_(0, 0.2)
+    net.save_peft(str(tmp_path / "adapter"))
+    expected = {p: w.delta() for p, w in net.lora_weights().items()}
+    for source in (tmp_path / "adapter", tmp_path / "adapter" / "adapter_model.safetensors"):
+        for i, argv in enumerate((["--new_rank", "4"], None)):
+            out = tmp_path / f"out{i}.safetensors"
+            if argv is None:
+                assert combine_loras.main(["--lora", str(source), "--save_to", str(out)]) == 0
+            else:
+                assert resize_lora.main(["--lora", str(source), "--save_to", str(out), *argv]) == 0
+            got = deltas(out)
+            assert set(got) == set(expected)
+            assert max(rel(got[p], expected[p]) for p in expected) <= 1e-5, (source, argv)
+    assert "warning" not in capsys.readouterr().err
+    bare = {k: v for k, v in lf.read_lora_tensors(str(tmp_path / "adapter"))[0].items()}
+    save_file(bare, str(tmp_path / "bare.safetensors"))
+    assert combine_loras.main(["--lora", str(tmp_path / "bare.safetensors"), "--save_to", str(tmp_path / "o.safetensors")]) == 0
+    assert "bare.safetensors: PEFT file without 'lora_adapter_metadata' or alphas" in capsys.readouterr().err
+    assert resize_lora.main(["--lora", str(tmp_path / "adapter"), "--save_to",
+                             str(tmp_path / "adapter" / "adapter_model.safetensors")]) == 2  # fmt: skip
+    assert "is one of the inputs" in capsys.readouterr().err

@@ -77,11 +77,13 @@ from library.models.registry import arch_spec, arch_specs  # noqa: E402
 from library.models.spec import LoRAFiles, load_symbol  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
+    FOLDED_MARK,
     LoRAWeights,
     bfl_to_diffusers,
     detect_format,
     diffusers_to_bfl,
     parse_lora,
+    peft_alpha_known,
     read_lora_tensors,
     write_kohya,
     write_peft,
@@ -89,7 +91,6 @@ from networks.lora_files import (  # noqa: E402
 )
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
 
-FOLDED_MARK = "lora_alpha_folded"  # header entry of our diffusers output: alpha/rank is inside lora_B
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
 LAYOUT_ADVICE = {"diffusers": "--to diffusers", "comfy": "--to comfy", "peft": "--to peft (a PEFT adapter folder)"}
 
@@ -172,9 +173,7 @@ def read_source(path: str, model_type: str | None):
         comfy_map = load_symbol(files.comfy_map)(weights, counts)
         named = {p: w for p, w in weights.items() if p in comfy_map}
         weights = {**{p: w for p, w in weights.items() if p not in named}, **bfl_to_diffusers(named, comfy_map)}
-    known = fmt != "peft" or any(k.endswith(".alpha") for k in tensors) or ADAPTER_METADATA_KEY in metadata
-    known = known or metadata.get(FOLDED_MARK) == "true" or (adapter_config or {}).get("lora_alpha") is not None
-    return weights, metadata, fmt, model_type, known, counts
+    return weights, metadata, fmt, model_type, peft_alpha_known(tensors, metadata, adapter_config), counts
 
 
 def lycoris_refusal() -> str:

@@ -66,7 +66,7 @@ import torch  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
 from networks.lora import lora_targets  # noqa: E402
-from networks.lora_files import LoRAWeights, build_metadata, write_kohya, write_peft  # noqa: E402
+from networks.lora_files import FOLDED_MARK, LoRAWeights, build_metadata, write_kohya, write_peft  # noqa: E402
 from networks.lora_svd import factors, rank_for_energy, svd_lowrank_of_matrix, svd_of_matrix  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import check_output_path, one_line, save_dtype  # noqa: E402
@@ -146,7 +146,7 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
     metadata["lora_extracted"] = json.dumps({"base": os.path.basename(base.path), "tuned": os.path.basename(other.path),
                                              "rank": rank, "energy": energy, "family": base.family})  # fmt: skip
     if not base.native:  # diffusers names of a BFL-named model: PEFT, as diffusers writes it
-        write_peft(weights, save_to, prefix="transformer", dtype=dtype, metadata={**metadata, "lora_alpha_folded": "true"})
+        write_peft(weights, save_to, prefix="transformer", dtype=dtype, metadata={**metadata, FOLDED_MARK: "true"})
     else:
         write_kohya(weights, save_to, dtype, metadata, prefix=lora_targets(base.family).kohya_prefix)
     return {"modules": rows, "skipped": skipped, "other_changed": other_changed, "family": base.family}

@@ -20,22 +20,25 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.io import CheckpointError, CheckpointReader  # noqa: E402
+from library.io import CheckpointError  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
     COMFY_PREFIXES,
+    FOLDED_MARK,
     PEFT_PREFIXES,
+    PEFT_WEIGHTS_FILE,
     LoRAWeights,
     _split_key,
     parse_lora,
+    peft_alpha_known,
     peft_state_dict,
+    read_lora_tensors,
     write_lora_tensors,
 )
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
 from tools.cli import LoRASpec, Parser, one_line, parse_lora_spec  # noqa: E402,F401  (the LoRA tools' parser, error line, --lora)
 
-FOLDED_MARK = "lora_alpha_folded"  # same header entry as tools/convert_lora.py: alpha/rank is inside lora_B
 DROPPED_METADATA = ("sshs_model_hash", "sshs_legacy_hash", ADAPTER_METADATA_KEY, FOLDED_MARK)
 @dataclass
 class LoRAFile:
@@ -52,21 +55,25 @@ class LoRAFile:
 
 
 def read_lora_file(path: str, tool: str) -> LoRAFile:
-    """Read a down/up LoRA (kohya, PEFT/diffusers, ComfyUI; DoRA included). LyCORIS files are
-    refused with one line naming `tool`."""
-    reader = CheckpointReader(path)
-    tensors = dict(reader.items())
+    """Read a down/up LoRA (kohya, PEFT/diffusers, ComfyUI; DoRA included) or a PEFT adapter folder
+    (its adapter_config.json gives the alphas, also when `path` is the folder's
+    adapter_model.safetensors). LyCORIS files are refused with one line naming `tool`; a PEFT file
+    whose alpha is stored nowhere is read as alpha = rank with a warning, as convert_lora does."""
+    tensors, metadata, adapter_config = read_lora_tensors(path)
     if is_lycoris_file(tensors):
         raise CheckpointError(f"{path}: a LyCORIS file (LoKr / LoHa / ...): {tool} works on LoRA (down/up) files only; "
                               "merge it into the base with tools/merge_lora.py instead")  # fmt: skip
-    weights, fmt = parse_lora(tensors, reader.metadata, None, source=path)
+    weights, fmt = parse_lora(tensors, metadata, None, source=path, adapter_config=adapter_config)
+    if not peft_alpha_known(tensors, metadata, adapter_config):
+        print(f"warning: {path}: PEFT file without '{ADAPTER_METADATA_KEY}' or alphas: the scale is unknown; "
+              "reading it as alpha = rank (scale 1), which is what diffusers assumes", file=sys.stderr)  # fmt: skip
     prefix = ""
     if fmt != "kohya":
         modules = list(dict.fromkeys(_split_key(k)[0] for k in tensors))
         prefixes = PEFT_PREFIXES if fmt == "peft" else COMFY_PREFIXES
         prefix = next((p for p in prefixes if all(m.startswith(p) for m in modules)), "")
     dtype = next(iter(weights.values())).down.dtype
-    return LoRAFile(path, weights, dict(reader.metadata), fmt, prefix, dtype)
+    return LoRAFile(path, weights, dict(metadata), fmt, prefix, dtype)
 
 
 def layout_tensors(weights: dict[str, LoRAWeights], fmt: str, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -102,11 +109,14 @@ def save_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
     return PRECISION_DTYPES[name]
 
 
-def check_output_path(path: str, *inputs: str) -> None:
+def check_output_path(path: str, *inputs: str, flag: str = "--save_to") -> None:
+    """The output is a .safetensors file that is none of the inputs (a PEFT adapter folder input
+    counts with its adapter_model.safetensors)."""
     if not path.endswith(".safetensors"):
-        raise ValueError(f"--save_to {path}: expected a .safetensors file (only safetensors is written)")
-    if os.path.exists(path) and any(os.path.exists(i) and os.path.samefile(path, i) for i in inputs):
-        raise ValueError(f"--save_to {path}: is one of the inputs; write the result elsewhere")
+        raise ValueError(f"{flag} {path}: expected a .safetensors file (only safetensors is written)")
+    files = [f for i in inputs for f in (i, os.path.join(i, PEFT_WEIGHTS_FILE)) if os.path.exists(f)]
+    if os.path.exists(path) and any(os.path.samefile(path, f) for f in files):
+        raise ValueError(f"{flag} {path}: is one of the inputs; write the result elsewhere")
 
 
 # ----------------------------------------------------------------------------------------------
