@@ -438,6 +438,29 @@ def test_errors_are_one_line_exit_2_and_leave_no_output(flux_bfl, tmp_path, caps
     assert set(os.listdir(tmp_path)) == before  # no output, no temporary file
 
 
+def test_merge_save_to_is_never_a_lora_and_its_extension_names_the_format(flux_bfl, tmp_path, capsys):
+    """--save_to the LoRA itself is refused (it used to be overwritten by the merged model); a GGUF
+    output needs a .gguf name and a safetensors output a .safetensors name."""
+    import shutil
+
+    root, *_ = flux_bfl
+    lora_path = tmp_path / "a.safetensors"
+    shutil.copy(root / "a.safetensors", lora_path)
+    before = lora_path.read_bytes()
+    cases = [
+        ([lora_path], f"--save_to {lora_path}: is one of the --lora inputs; write the merge elsewhere"),
+        ([tmp_path / "m.safetensors", "--save_precision", "gguf_q8_0"], "expected a .gguf name (a GGUF file is written)"),
+        ([tmp_path / "m.gguf"], "expected a .safetensors name (a safetensors file is written)"),
+        ([tmp_path / "m.gguf", "--save_precision", "bf16"], "expected a .safetensors name (a safetensors file is written)"),
+    ]
+    for argv, message in cases:
+        capsys.readouterr()
+        assert merge("--model", root / "base.safetensors", "--lora", f"{lora_path}:0.5", "--save_to", *argv) == 2
+        line = only_line(capsys.readouterr().err)
+        assert line.startswith("error: ") and message in line, line
+    assert lora_path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["a.safetensors"]
+
+
 def test_unmatched_modules_are_listed_and_skipped_with_allow_unmatched(flux_bfl, tmp_path, capsys):
     root, model, a, _ = flux_bfl
     partly = _partly_matching_lora(tmp_path, root)
@@ -547,3 +570,4 @@ def test_convert_errors_are_one_line_exit_2(tmp_path, capsys):
     assert convert(tmp_path / "attn.safetensors", tmp_path / "o.safetensors", "--to", "diffusers", "--alpha", "4") == 2
     assert "--alpha" in only_line(capsys.readouterr().err)
     assert not os.path.exists(tmp_path / "o.safetensors")
+

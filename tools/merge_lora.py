@@ -60,7 +60,9 @@ before the next is read. From a bf16 / fp16 / fp32 single file of a family with 
 (its spec's gguf_arch); keys outside the transformer are left out, as ComfyUI-GGUF's convert.py does.
 
 Errors (bad ratio, missing file, LoRA for another model, shape mismatch, unmatched modules without
---allow_unmatched, fp8 layout change) are one line on stderr, exit status 2, and no output is left behind.
+--allow_unmatched, fp8 layout change, --save_to naming an input or a file name whose extension is not
+the format written: .gguf for GGUF, else .safetensors) are one line on stderr, exit status 2, and no
+output is left behind.
 """
 
 from __future__ import annotations
@@ -636,6 +638,23 @@ def _output_precision(base: Base, save_precision: str | None, fp8_layout: str | 
     return FP8_LAYOUTS[fp8_layout]
 
 
+def _check_save_to(save_to: str, model: str, base: Base, loras: list[LoRASpec], qtype: str | None) -> None:
+    """The output is neither the base nor a LoRA (a PEFT folder counts with its weights file), and a
+    file output's extension says what is written (.gguf for GGUF, else .safetensors)."""
+    if os.path.exists(save_to) and os.path.realpath(save_to) in (os.path.realpath(model), os.path.realpath(base.path)):
+        raise ValueError(f"--save_to {save_to}: is the base checkpoint itself; write the merge elsewhere")
+    inputs = [f for s in loras for f in (s.path, os.path.join(s.path, "adapter_model.safetensors")) if os.path.exists(f)]
+    if os.path.exists(save_to) and any(os.path.samefile(save_to, f) for f in inputs):
+        raise ValueError(f"--save_to {save_to}: is one of the --lora inputs; write the merge elsewhere")
+    if os.path.exists(save_to) and os.path.isdir(save_to) != base.is_folder:
+        kind = "folder" if base.is_folder else "file"
+        raise ValueError(f"--save_to {save_to}: exists and is not a {kind} like the base {base.path}")
+    suffix = ".gguf" if qtype else ".safetensors"
+    if not base.is_folder and not save_to.endswith(suffix):
+        written = "a GGUF file" if qtype else "a safetensors file"
+        raise ValueError(f"--save_to {save_to}: expected a {suffix} name ({written} is written)")
+
+
 def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: str | None = None,
                stochastic_rounding: bool = False, seed: int = 0, allow_unmatched: bool = False,
                fp8_layout: str | None = None) -> Plan:
@@ -655,11 +674,7 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
         raise ValueError(f"--save_precision {save_precision} --fp8_layout {fp8_layout}: {base.path} is a pre-quantized "
                          f"{base.fp8.layout} base; another fp8 layout would re-round all its weights: leave them out "
                          f"(keeps {base.fp8.layout}, re-quantizes only merged weights) or give bf16 / fp16 / fp32")
-    if os.path.exists(save_to) and os.path.realpath(save_to) in (os.path.realpath(model), os.path.realpath(base.path)):
-        raise ValueError(f"--save_to {save_to}: is the base checkpoint itself; write the merge elsewhere")
-    if os.path.exists(save_to) and os.path.isdir(save_to) != base.is_folder:
-        kind = "folder" if base.is_folder else "file"
-        raise ValueError(f"--save_to {save_to}: exists and is not a {kind} like the base {base.path}")
+    _check_save_to(save_to, model, base, loras, qtype)
     deltas: dict[str, list[tuple[float, LoRAWeights]]] = {}
     for spec in loras:
         for key, w in lora_deltas(base, spec, allow_unmatched).items():
