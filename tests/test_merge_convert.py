@@ -571,3 +571,28 @@ def test_convert_errors_are_one_line_exit_2(tmp_path, capsys):
     assert "--alpha" in only_line(capsys.readouterr().err)
     assert not os.path.exists(tmp_path / "o.safetensors")
 
+
+def test_convert_never_overwrites_its_input_and_writes_safetensors_names_only(flux_bfl, tmp_path, capsys):
+    import shutil
+
+    root, *_ = flux_bfl
+    src = tmp_path / "a.safetensors"
+    shutil.copy(root / "a.safetensors", src)
+    before = src.read_bytes()
+    llm = _foreign_lora(tmp_path)  # a kohya LLM LoRA: converts to a PEFT folder
+    cases = [
+        ([src, src, "--to", "diffusers"], f"output {src}: is one of the inputs; write the result elsewhere"),
+        ([src, tmp_path / "a.txt", "--to", "comfy"], f"output {tmp_path / 'a.txt'}: expected a .safetensors file"),
+        ([llm, tmp_path / "p.safetensors", "--to", "peft"], "--to peft writes a PEFT adapter folder; expected a folder name"),
+        ([llm, tmp_path, "--to", "peft"], f"output {tmp_path}: is or holds the input {llm}"),
+    ]
+    for argv, message in cases:
+        capsys.readouterr()
+        assert convert(*argv) == 2
+        line = only_line(capsys.readouterr().err)
+        assert line.startswith("error: ") and message in line, line
+    assert src.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["a.safetensors", "llm_lora.safetensors"]
+    assert convert(llm, tmp_path / "adapter", "--to", "peft") == 0
+    capsys.readouterr()
+    assert convert(tmp_path / "adapter", tmp_path / "adapter" / "adapter_model.safetensors", "--to", "kohya") == 2
+    assert "is one of the inputs" in only_line(capsys.readouterr().err)

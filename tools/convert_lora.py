@@ -90,6 +90,7 @@ from networks.lora_files import (  # noqa: E402
     write_peft_folder,
 )
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
+from tools.lora_common import check_output_path  # noqa: E402
 
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
 LAYOUT_ADVICE = {"diffusers": "--to diffusers", "comfy": "--to comfy", "peft": "--to peft (a PEFT adapter folder)"}
@@ -192,12 +193,27 @@ def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAW
             for p, w in weights.items()}
 
 
+def check_destination(src: str, dst: str, to: str) -> None:
+    """`dst` never replaces or holds the input: a .safetensors file that is not `src` (nor the
+    weights of a PEFT folder `src`), or for --to peft a folder that neither is `src` nor contains it
+    (the folder is replaced whole)."""
+    if to != "peft":
+        check_output_path(dst, src, flag="output")
+        return
+    if dst.endswith((".safetensors", ".gguf")) or (os.path.exists(dst) and not os.path.isdir(dst)):
+        raise ValueError(f"output {dst}: --to peft writes a PEFT adapter folder; expected a folder name, not a file")
+    inside = os.path.realpath(src) + os.sep
+    if inside.startswith(os.path.realpath(dst) + os.sep):
+        raise ValueError(f"output {dst}: is or holds the input {src}; write the PEFT folder elsewhere")
+
+
 def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alpha: float | None = None) -> dict:
     """Convert `src` to layout `to` ("kohya" | "diffusers" | "comfy" | "peft") at `dst`; returns what was done."""
     if to not in ("kohya", "diffusers", "comfy", "peft"):
         raise ValueError(f"--to {to!r}: expected kohya, diffusers, comfy or peft")
     if alpha is not None and (to != "kohya" or not alpha > 0):
         raise ValueError(f"--alpha {alpha}: only for --to kohya, and must be > 0 (diffusers output has alpha folded in)")
+    check_destination(src, dst, to)
     weights, metadata, fmt, model_type, known, counts = read_source(src, model_type and lora_arch(model_type))
     files = lora_files()[model_type]
     if to not in files.layouts:
