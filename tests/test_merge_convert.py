@@ -596,3 +596,24 @@ def test_convert_never_overwrites_its_input_and_writes_safetensors_names_only(fl
     capsys.readouterr()
     assert convert(tmp_path / "adapter", tmp_path / "adapter" / "adapter_model.safetensors", "--to", "kohya") == 2
     assert "is one of the inputs" in only_line(capsys.readouterr().err)
+
+
+def test_a_lora_under_model_diffusion_model_is_a_lora_not_a_lycoris_full_file(flux_bfl, tmp_path):
+    """`.diffusion_model` starts with `.diff`, LyCORIS' full-weight key: a ComfyUI-layout LoRA under
+    `model.diffusion_model.` reads as a LoRA in every tool (it was taken for a LyCORIS file)."""
+    from tools import lora_info, resize_lora
+
+    root, _, a, _ = flux_bfl
+    tensors = {f"model.diffusion_model.{p}.{part}": t for p, w in a.lora_weights().items()
+               for part, t in (("lora_down.weight", w.down), ("lora_up.weight", w.up), ("alpha", torch.tensor(w.alpha)))}
+    src = tmp_path / "mdm.safetensors"
+    save_file(tensors, str(src))
+    got = lora_info.read_info(str(src))
+    assert (got["format"], got["network"], got["arch"]) == ("comfy", "LoRA", "flux")
+    assert convert(src, tmp_path / "k.safetensors", "--to", "kohya") == 0
+    deltas_match(a.lora_weights(), lf.read_lora(str(tmp_path / "k.safetensors"), module_paths=list(a.lora_weights()))[0])
+    assert resize_lora.main(["--lora", str(src), "--save_to", str(tmp_path / "r.safetensors"), "--new_rank", "4"]) == 0
+    deltas_match(a.lora_weights(), lf.read_lora(str(tmp_path / "r.safetensors"))[0], tol=1e-5)
+    assert merge("--model", root / "base.safetensors", "--lora", src, "--save_to", tmp_path / "m.safetensors") == 0
+    assert merge("--model", root / "base.safetensors", "--lora", root / "a.safetensors", "--save_to", tmp_path / "n.safetensors") == 0
+    assert all(torch.equal(t, read_all(tmp_path / "n.safetensors")[k]) for k, t in read_all(tmp_path / "m.safetensors").items())

@@ -55,16 +55,15 @@ import torch  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.models.registry import arch_specs  # noqa: E402
 from networks.lora_files import ADAPTER_METADATA_KEY, METADATA_KEYS, _split_key, detect_format, lora_reader, parse_lora  # noqa: E402
-from networks.lycoris_network import is_lycoris_file  # noqa: E402
+from networks.lycoris_network import is_lycoris_file, lycoris_kind  # noqa: E402
 from tools.convert_lora import lora_files, variant_of  # noqa: E402
 from tools.lora_common import FOLDED_MARK, one_line  # noqa: E402
 
-LYCORIS_TYPES = {".lokr_": "LoKr", ".hada_": "LoHa", ".oft_": "OFT", ".diff": "full", ".on_input": "(IA)^3"}
 DORA_KEYS = (".dora_scale", ".lora_magnitude_vector")
 
 
 def network_type(keys: list[str]) -> str:
-    kinds = sorted({name for part, name in LYCORIS_TYPES.items() if any(part in k for k in keys)})
+    kinds = sorted({kind for k in keys if (kind := lycoris_kind(k))})
     base = " + ".join(kinds) if kinds else "LoRA"
     if any(k.endswith(DORA_KEYS) for k in keys):
         return f"{base} + DoRA" if kinds else "DoRA"
