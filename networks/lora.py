@@ -33,7 +33,9 @@ from networks.lora_files import (
     kohya_name,
     parse_lora,
     peft_target_modules,
-    read_lora,
+    read_lora_tensors,
+    split_text_encoders,
+    text_encoder_note,
     write_kohya,
     write_peft_folder,
 )
@@ -516,10 +518,7 @@ class LoRANetwork(nn.Module):
         name = source if isinstance(source, str) else "state dict"
         linears = {p: m for p, m in self._model[0].named_modules()
                    if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, LoRAModule)}
-        if isinstance(source, str):
-            weights, _, _ = read_lora(source, module_paths=linears)
-        else:
-            weights, _ = parse_lora(dict(source), None, module_paths=linears)
+        weights = self._read(source, name, linears)
         if self.spec.diffusers_module_map and any(p.startswith(self.spec.diffusers_blocks) for p in weights):
             weights = diffusers_to_bfl(weights, self._module_map())
         by_path = {m.name: m for m in self.lora_modules()}
@@ -546,6 +545,21 @@ class LoRANetwork(nn.Module):
                 m.dora_scale.copy_(w.magnitude.reshape(-1, 1))
             m.set_alpha(w.alpha)
         return {"loaded": len(weights), "added": len(set(weights) - set(by_path)), "missing": len(missing)}
+
+    @staticmethod
+    def _read(source, name: str, linears) -> dict[str, LoRAWeights]:
+        """{module path: LoRAWeights} of a file or state dict; a diffusion LoRA's text-encoder modules
+        (sd-scripts' lora_te1_ / lora_te3_) are left out with a warning: this network adapts the denoiser."""
+        tensors, metadata, config = read_lora_tensors(source) if isinstance(source, str) else (dict(source), None, None)
+        tensors, te = split_text_encoders(tensors)
+        if te:
+            warnings.warn(f"{name}: left out {text_encoder_note(te)}: they adapt the text encoders, not this "
+                          f"network's model", stacklevel=4)  # fmt: skip
+        try:
+            weights, _ = parse_lora(tensors, metadata, module_paths=linears, source=name, adapter_config=config)
+        except CheckpointError as e:
+            raise CheckpointError(str(e) if str(e).startswith(f"{name}:") else f"{name}: {e}") from None
+        return weights
 
     @staticmethod
     def describe_loaded(counts: dict) -> str:

@@ -91,7 +91,11 @@ def merge_into_weight(weight: torch.Tensor, loras) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # Key layouts
 
-KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_transformer_")
+# kohya name prefixes: lora_unet_ (the denoiser), lora_te_ (a lone text encoder: our LLM LoRAs), lora_te1_ /
+# lora_te2_ / lora_te3_ (a diffusion model's text encoders: sd-scripts' networks write CLIP-L as lora_te1_
+# and T5-XXL as lora_te3_, SDXL CLIP-G as lora_te2_), lora_transformer_ (OneTrainer, SimpleTuner).
+KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "lora_transformer_")
+TEXT_ENCODER_PREFIXES = {"lora_te1_": "CLIP-L", "lora_te2_": "CLIP-G", "lora_te3_": "T5-XXL"}
 PEFT_PREFIXES = ("transformer.", "diffusion_model.", "base_model.model.", "unet.", "model.diffusion_model.")
 COMFY_PREFIXES = ("diffusion_model.", "model.diffusion_model.", "transformer.")
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors header entry (PEFT config json)
@@ -152,13 +156,34 @@ def detect_format(keys) -> str:
         if other:
             raise CheckpointError(f"LoRA key '{other[0]}' mixes with PEFT keys like '{peft[0]}'")
         return "peft"
-    modules = {_split_key(k)[0] for k in keys}
-    if all("." not in m and m.startswith(KOHYA_PREFIXES) for m in modules):
+    modules = sorted({_split_key(k)[0] for k in keys})
+    kohya = [m for m in modules if "." not in m and m.startswith(KOHYA_PREFIXES)]
+    dotted = [m for m in modules if "." in m]
+    if len(kohya) == len(modules):
         return "kohya"
-    if all("." in m for m in modules):
+    if len(dotted) == len(modules):
         return "comfy"
-    odd = sorted(m for m in modules if "." not in m)[0]
-    raise CheckpointError(f"LoRA module '{odd}' is neither kohya (lora_unet_...) nor dotted like the others")
+    odd = [m for m in modules if m not in kohya and m not in dotted]
+    if odd:  # the offender: a kohya-style name of no known prefix
+        raise CheckpointError(f"LoRA module '{odd[0]}' is neither kohya (a name starting with "
+                              f"{', '.join(KOHYA_PREFIXES)}) nor a dotted module path")
+    raise CheckpointError(f"LoRA module '{dotted[0]}' is a dotted path while '{kohya[0]}' is a kohya name: one layout per file")
+
+
+def split_text_encoders(tensors: dict) -> tuple[dict, dict]:
+    """(the denoiser's tensors, the text encoders' tensors: TEXT_ENCODER_PREFIXES) of a LoRA file.
+    sd-scripts trains CLIP-L / T5-XXL beside a transformer into one file; no transformer tool
+    applies them, so callers keep them aside and say so (text_encoder_note)."""
+    te = {k: v for k, v in tensors.items() if k.startswith(tuple(TEXT_ENCODER_PREFIXES))}
+    return {k: v for k, v in tensors.items() if k not in te}, te
+
+
+def text_encoder_note(te_tensors) -> str:
+    """'3 text-encoder modules (CLIP-L lora_te1_ x2, T5-XXL lora_te3_ x1)' for split_text_encoders' second part."""
+    modules = {k.split(".")[0] for k in te_tensors}
+    counts = [f"{enc} {p} x{sum(m.startswith(p) for m in modules)}" for p, enc in TEXT_ENCODER_PREFIXES.items()
+              if any(m.startswith(p) for m in modules)]
+    return f"{len(modules)} text-encoder modules ({', '.join(counts)})"
 
 
 # ----------------------------------------------------------------------------------------------

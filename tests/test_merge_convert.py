@@ -617,3 +617,43 @@ def test_a_lora_under_model_diffusion_model_is_a_lora_not_a_lycoris_full_file(fl
     assert merge("--model", root / "base.safetensors", "--lora", src, "--save_to", tmp_path / "m.safetensors") == 0
     assert merge("--model", root / "base.safetensors", "--lora", root / "a.safetensors", "--save_to", tmp_path / "n.safetensors") == 0
     assert all(torch.equal(t, read_all(tmp_path / "n.safetensors")[k]) for k, t in read_all(tmp_path / "m.safetensors").items())
+
+
+def _with_text_encoders(root, tmp_path, prefixes=("lora_te1_", "lora_te3_")):
+    """a.safetensors plus sd-scripts' FLUX.1 text-encoder modules (lora_flux.py: lora_te1_ CLIP-L, lora_te3_ T5-XXL)."""
+    tensors = read_all(root / "a.safetensors")
+    names = {"lora_te1_": "lora_te1_text_model_encoder_layers_0_self_attn_q_proj",
+             "lora_te3_": "lora_te3_encoder_block_0_layer_0_SelfAttention_q"}
+    for p in prefixes:
+        tensors.update({f"{names[p]}.lora_down.weight": torch.randn(4, 32), f"{names[p]}.lora_up.weight": torch.randn(32, 4),
+                        f"{names[p]}.alpha": torch.tensor(2.0)})
+    path = tmp_path / f"te{len(prefixes)}.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+def test_sd_scripts_text_encoder_modules_are_named_kept_by_kohya_and_skipped_by_merge(flux_bfl, tmp_path, capsys):
+    from tools import lora_info
+
+    root, model, a, _ = flux_bfl
+    both, clip_only = _with_text_encoders(root, tmp_path), _with_text_encoders(root, tmp_path, ("lora_te1_",))
+    got = lora_info.read_info(str(both))
+    assert got["arch"] == "flux" and got["text_encoders"] == "2 text-encoder modules (CLIP-L lora_te1_ x1, T5-XXL lora_te3_ x1)"
+    capsys.readouterr()
+    assert convert(clip_only, tmp_path / "d.safetensors", "--to", "diffusers") == 0  # CLIP-L is no LLM module
+    assert "left out 1 text-encoder modules (CLIP-L lora_te1_ x1)" in only_line(capsys.readouterr().err)
+    assert convert(both, tmp_path / "k.safetensors", "--to", "kohya") == 0
+    kept = read_all(tmp_path / "k.safetensors")
+    assert torch.equal(kept["lora_te3_encoder_block_0_layer_0_SelfAttention_q.lora_up.weight"],
+                       read_all(both)["lora_te3_encoder_block_0_layer_0_SelfAttention_q.lora_up.weight"])
+    assert merge("--model", root / "base.safetensors", "--lora", both, "--save_to", tmp_path / "m.safetensors") == 0
+    assert "skipped 2 text-encoder modules (CLIP-L lora_te1_ x1, T5-XXL lora_te3_ x1)" in only_line(capsys.readouterr().err)
+    assert (run(load_flux(str(tmp_path / "m.safetensors")), flux_inputs()) - runtime_output(model, [(a, 1.0)], flux_inputs())).abs().max() <= 1e-5
+    with pytest.warns(UserWarning, match="left out 2 text-encoder modules"):
+        net = LoRANetwork.from_weights(Flux(FLUX_CFG), "flux", str(both))
+    deltas_match(a.lora_weights(), net.lora_weights())
+    tensors = read_all(both)
+    tensors["lora_te9_x.lora_down.weight"], tensors["lora_te9_x.lora_up.weight"] = torch.randn(1, 4), torch.randn(4, 1)
+    save_file(tensors, str(tmp_path / "odd.safetensors"))
+    assert convert(tmp_path / "odd.safetensors", tmp_path / "o.safetensors", "--to", "kohya") == 2
+    assert "LoRA module 'lora_te9_x' is neither kohya" in only_line(capsys.readouterr().err)

@@ -78,14 +78,18 @@ from library.models.spec import LoRAFiles, load_symbol  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
     FOLDED_MARK,
+    TEXT_ENCODER_PREFIXES,
     LoRAWeights,
     bfl_to_diffusers,
     detect_format,
     diffusers_to_bfl,
+    kohya_state_dict,
     parse_lora,
     peft_alpha_known,
     read_lora_tensors,
-    write_kohya,
+    split_text_encoders,
+    text_encoder_note,
+    write_lora_tensors,
     write_peft,
     write_peft_folder,
 )
@@ -116,7 +120,9 @@ def _title_list(titles: list[str]) -> str:
 
 def base_arch_of_names(keys) -> str:
     """The base architecture whose names the keys have (a variant sharing them: `variant_of`)."""
-    flat = [k.replace(".", "_") for k in keys]
+    flat = [k.replace(".", "_") for k in keys if not k.startswith(tuple(TEXT_ENCODER_PREFIXES))]  # CLIP / T5: no arch
+    if not flat:
+        raise CheckpointError("LoRA holds text-encoder modules only (lora_te1_ / lora_te2_ / lora_te3_), no transformer's")
     groups = _marker_groups(lora_files())
     found = {}  # base arch -> the first name only it has
     for arch, (markers, _) in groups.items():
@@ -160,10 +166,14 @@ def block_counts(keys, pattern: str) -> dict[str, int]:
 
 
 def read_source(path: str, model_type: str | None):
-    """-> (weights by dotted module path, metadata, format, model type (its arch), alpha known?, block counts)."""
+    """-> (weights by dotted module path, metadata, format, model type (its arch), alpha known?, block
+    counts, the text encoders' tensors as read: split_text_encoders)."""
     tensors, metadata, adapter_config = read_lora_tensors(path)  # a file, or a PEFT adapter folder
     if is_lycoris_file(tensors):
         raise CheckpointError(f"{path}: {lycoris_refusal()}")
+    tensors, te = split_text_encoders(tensors)
+    if te and not tensors:
+        raise CheckpointError(f"{path}: holds only {text_encoder_note(te)}; convert_lora converts a transformer's LoRA")
     fmt = detect_format(tensors)
     model_type = model_type or detect_arch(tensors, metadata)
     files = lora_files()[model_type]
@@ -174,7 +184,7 @@ def read_source(path: str, model_type: str | None):
         comfy_map = load_symbol(files.comfy_map)(weights, counts)
         named = {p: w for p, w in weights.items() if p in comfy_map}
         weights = {**{p: w for p, w in weights.items() if p not in named}, **bfl_to_diffusers(named, comfy_map)}
-    return weights, metadata, fmt, model_type, peft_alpha_known(tensors, metadata, adapter_config), counts
+    return weights, metadata, fmt, model_type, peft_alpha_known(tensors, metadata, adapter_config), counts, te
 
 
 def lycoris_refusal() -> str:
@@ -214,7 +224,10 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     if alpha is not None and (to != "kohya" or not alpha > 0):
         raise ValueError(f"--alpha {alpha}: only for --to kohya, and must be > 0 (diffusers output has alpha folded in)")
     check_destination(src, dst, to)
-    weights, metadata, fmt, model_type, known, counts = read_source(src, model_type and lora_arch(model_type))
+    weights, metadata, fmt, model_type, known, counts, te = read_source(src, model_type and lora_arch(model_type))
+    if te and to != "kohya":
+        print(f"warning: {src}: left out {text_encoder_note(te)}: --to {to} holds the transformer's modules only "
+              "(--to kohya keeps them)", file=sys.stderr)  # fmt: skip
     files = lora_files()[model_type]
     if to not in files.layouts:
         want = " or ".join(LAYOUT_ADVICE[layout] for layout in files.layouts if layout != "kohya")
@@ -234,7 +247,8 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     header["lora_converted_from"] = fmt
     if to == "kohya":
         prefix = arch_spec(model_type).lora.kohya_prefix  # what networks/lora.py writes
-        write_kohya(with_alpha(weights, alpha) if alpha else weights, dst, dtype=dtype, metadata=header, prefix=prefix)
+        tensors = kohya_state_dict(with_alpha(weights, alpha) if alpha else weights, dtype, prefix)
+        write_lora_tensors({**tensors, **te}, dst, header)  # text-encoder modules as they were
     elif to == "peft":
         write_peft_folder(weights, dst, dtype=dtype, metadata=header, base_model=metadata.get("ss_sd_model_name"))
     else:

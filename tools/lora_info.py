@@ -54,7 +54,17 @@ import torch  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
 from library.models.registry import arch_specs  # noqa: E402
-from networks.lora_files import ADAPTER_METADATA_KEY, METADATA_KEYS, _split_key, detect_format, lora_reader, parse_lora  # noqa: E402
+from networks.lora_files import (  # noqa: E402
+    ADAPTER_METADATA_KEY,
+    METADATA_KEYS,
+    TEXT_ENCODER_PREFIXES,
+    _split_key,
+    detect_format,
+    lora_reader,
+    parse_lora,
+    split_text_encoders,
+    text_encoder_note,
+)
 from networks.lycoris_network import is_lycoris_file, lycoris_kind  # noqa: E402
 from tools.convert_lora import lora_files, variant_of  # noqa: E402
 from tools.lora_common import FOLDED_MARK, one_line  # noqa: E402
@@ -154,8 +164,9 @@ def read_info(path: str) -> dict:
     reader, adapter_config = lora_reader(path)  # a PEFT adapter folder: its alphas are in adapter_config.json
     keys, metadata = reader.keys(), dict(reader.metadata)
     fmt = layout(keys)
+    _, te = split_text_encoders(dict.fromkeys(keys))
     modules = _modules(keys)
-    arch, naming = arch_of(modules)
+    arch, naming = arch_of([m for m in modules if not m.startswith(tuple(TEXT_ENCODER_PREFIXES))])  # CLIP / T5: no arch
     if any(f.names_of == arch for f in lora_files().values()):  # names shared: shapes and metadata tell (headers only)
         shapes = {k: torch.empty(reader.shape(k), device="meta") for k in keys}
         arch = variant_of(arch, shapes, metadata)
@@ -178,7 +189,7 @@ def read_info(path: str) -> dict:
         "modules": len(modules), "ranks": {str(k): v for k, v in sorted(ranks.items())},
         "alphas": dict(alphas), "alpha_source": _alpha_source(keys, metadata, adapter_config),
         "dtypes": dict(Counter(reader.dtype_name(k) for k in keys)), "width": width, "blocks": counts,
-        "fits": fits(arch, width, counts), "training": training,
+        "fits": fits(arch, width, counts), "text_encoders": text_encoder_note(te) if te else None, "training": training,
         "metadata": {k: v for k, v in metadata.items() if k not in METADATA_KEYS.values()},
     }
 
@@ -199,6 +210,8 @@ def text_report(info: dict) -> str:
     lines = [f"{info['file']}: {info['network']} in {info['format']} layout, {info['bytes'] / 2**20:.1f} MiB",
              f"arch: {info['arch']}" + (f" ({info['naming']} names)" if info["naming"] else ""),
              f"fits: {info['fits']}"]  # fmt: skip
+    if info["text_encoders"]:
+        lines.append(f"text encoders: {info['text_encoders']} (sd-scripts' names; transformer tools leave them out)")
     if "checked" in info:
         lines.append(f"checked: {info['checked']}")
     lines += [f"modules: {info['modules']}", "ranks: " + (", ".join(f"{r} x{n}" for r, n in info["ranks"].items()) or "n/a (LyCORIS factors)"),

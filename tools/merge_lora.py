@@ -128,6 +128,8 @@ from networks.lora_files import (  # noqa: E402
     merge_into_weight,
     parse_lora,
     read_lora_tensors,
+    split_text_encoders,
+    text_encoder_note,
 )
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas  # noqa: E402
 from tools.cli import LoRASpec, parse_lora_spec  # noqa: E402,F401 (parse_lora_spec: merge_lora's callers use it)
@@ -305,6 +307,12 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges)."""
     name = os.path.basename(spec.path)
     tensors, metadata, adapter_config = read_lora_tensors(spec.path)  # a file, or a PEFT adapter folder
+    tensors, te = split_text_encoders(tensors)
+    if te and not tensors:
+        raise CheckpointError(f"{spec.path}: holds only {text_encoder_note(te)}; merge_lora merges into the transformer")
+    if te:  # sd-scripts' files: CLIP-L / T5-XXL modules beside the transformer's
+        print(f"warning: {name}: skipped {text_encoder_note(te)}: they adapt the text encoders, not the transformer "
+              f"merged here", file=sys.stderr)  # fmt: skip
     if is_lycoris_file(tensors):  # LoKr, LoHa, ...: kohya names only, no BFL <-> diffusers translation
         weights, fmt = lycoris_deltas(tensors), "kohya"
     else:
