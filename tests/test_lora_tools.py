@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from library.models.flux1.checkpoint import load_flux
+from library.models.llm import load_llm
+from library.models.qwen_image.model import load_qwen_image
 from networks import lora_files as lf
 from networks.lora import LoRANetwork
 from tools import resize_lora
@@ -336,7 +338,7 @@ def test_combine_by_svd_is_the_best_low_rank_approximation_of_the_sum(two_flux_l
     assert min(r["fro_retained"] for r in rows) < 1.0
 
 
-def test_combine_errors_are_one_line(two_flux_loras, tmp_path, capsys):
+def test_combine_errors_are_one_line(two_flux_loras, tiny_set, tmp_path, capsys):
     from tools import combine_loras
 
     root, model, _, _, (a, _) = two_flux_loras
@@ -347,11 +349,17 @@ def test_combine_errors_are_one_line(two_flux_loras, tmp_path, capsys):
     diffusers = lf.bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(2, 2, 64, 256, 64, True))
     lf.write_peft(diffusers, str(tmp_path / "diffusers.safetensors"))
     _lokr(tmp_path / "k.safetensors")
+    random_lora(tiny_set["llm"], tmp_path / "llm.safetensors", rank=2, family="llm", loader=load_llm)
+    random_lora(tiny_set["qwen_image"], tmp_path / "qwen.safetensors", rank=2, family="qwen_image", loader=load_qwen_image)
     cases = [
         ([str(tmp_path / "dora.safetensors")], "a DoRA file (dora_scale / lora_magnitude_vector): its delta is not additive"),
         ([str(root / "a.safetensors"), str(tmp_path / "diffusers.safetensors")], "convert one with tools/convert_lora.py first"),
         ([str(tmp_path / "k.safetensors")], "a LyCORIS file (LoKr / LoHa / ...): combine_loras works on LoRA"),
         ([str(root / "a.safetensors"), "--mode", "svd"], "--mode svd needs --rank R >= 1"),
+        ([str(root / "a.safetensors"), str(tmp_path / "llm.safetensors")],
+         f"{root / 'a.safetensors'} (for FLUX.1) and {tmp_path / 'llm.safetensors'} (for LLM) are LoRAs of different models"),
+        ([str(root / "a.safetensors"), str(tmp_path / "qwen.safetensors")],
+         f"{root / 'a.safetensors'} (for FLUX.1) and {tmp_path / 'qwen.safetensors'} (for Qwen-Image) are LoRAs of different"),
     ]
     for argv, message in cases:
         assert combine_loras.main(["--save_to", str(tmp_path / "o.safetensors"), "--lora"] + argv) == 2

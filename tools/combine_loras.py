@@ -52,7 +52,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
-from library.models.registry import arch_specs  # noqa: E402
+from library.models.registry import arch_spec, arch_specs  # noqa: E402
 from networks.lora_files import LoRAWeights, kohya_name  # noqa: E402
 from networks.lora_svd import factors, svd_of_product  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
@@ -90,6 +90,24 @@ def _check_naming(loras: list[LoRAFile], names: list[dict[str, LoRAWeights]]) ->
                                   "convert one with tools/convert_lora.py first")
 
 
+def _check_architectures(loras: list[LoRAFile]) -> None:
+    """Every input whose architecture its names tell (tools/convert_lora.py detect_arch) is of one
+    model: deltas of two models added module by module would make a file that fits neither."""
+    from tools.convert_lora import detect_arch
+
+    known = []
+    for lora in loras:
+        try:
+            known.append((lora, detect_arch(lora.shapes, lora.metadata)))
+        except CheckpointError:  # e.g. attention projections only: no architecture to compare
+            continue
+    for lora, arch in known[1:]:
+        if arch != known[0][1]:
+            first, first_arch = known[0]
+            raise CheckpointError(f"{first.path} (for {arch_spec(first_arch).title}) and {lora.path} (for "
+                                  f"{arch_spec(arch).title}) are LoRAs of different models: combine_loras combines one model's")
+
+
 def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeights]]], LoRAFile, str, str]:
     """{module name: [(ratio, LoRA)]} in a common naming, the first file, and the output (fmt, prefix)."""
     loras = [read_lora_file(s.path, "combine_loras") for s in specs]
@@ -97,6 +115,7 @@ def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeigh
         if lora.has_dora:
             raise CheckpointError(f"{lora.path}: a DoRA file (dora_scale / lora_magnitude_vector): its delta is not "
                                   "additive, so it cannot be combined; merge it into the base with tools/merge_lora.py")  # fmt: skip
+    _check_architectures(loras)
     kohya = any(lora.fmt == "kohya" for lora in loras)
     names = [_kohya_named(lora) if kohya else lora.weights for lora in loras]
     _check_naming(loras, names)

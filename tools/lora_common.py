@@ -48,6 +48,7 @@ class LoRAFile:
     fmt: str  # "kohya" | "peft" | "comfy"
     prefix: str  # stripped from dotted names ("" for kohya)
     dtype: torch.dtype
+    shapes: dict[str, torch.Tensor] | None = None  # key -> meta tensor of the file's shape (tells the architecture)
 
     @property
     def has_dora(self) -> bool:
@@ -73,7 +74,8 @@ def read_lora_file(path: str, tool: str) -> LoRAFile:
         prefixes = PEFT_PREFIXES if fmt == "peft" else COMFY_PREFIXES
         prefix = next((p for p in prefixes if all(m.startswith(p) for m in modules)), "")
     dtype = next(iter(weights.values())).down.dtype
-    return LoRAFile(path, weights, dict(metadata), fmt, prefix, dtype)
+    shapes = {k: torch.empty(t.shape, device="meta") for k, t in tensors.items()}
+    return LoRAFile(path, weights, dict(metadata), fmt, prefix, dtype, shapes)
 
 
 def layout_tensors(weights: dict[str, LoRAWeights], fmt: str, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
