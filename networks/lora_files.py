@@ -152,7 +152,7 @@ def detect_format(keys) -> str:
         raise CheckpointError("LoRA file holds no tensors")
     peft = [k for k in keys if k.endswith((".lora_A.weight", ".lora_B.weight"))]
     if peft:
-        other = [k for k in keys if k not in peft and not k.endswith((".alpha", ".lora_magnitude_vector"))]
+        other = [k for k in keys if k not in peft and not k.endswith((".alpha", ".lora_magnitude_vector", ".dora_scale"))]
         if other:
             raise CheckpointError(f"LoRA key '{other[0]}' mixes with PEFT keys like '{peft[0]}'")
         return "peft"
@@ -333,6 +333,19 @@ def peft_state_dict(weights: dict[str, LoRAWeights], prefix="transformer", dtype
         out[f"{head}{path}.lora_B.weight"] = (w.up.detach().float() * w.scale).to(dtype)
         if w.magnitude is not None:  # PEFT's DoRA magnitude [out]; its norm uses the same folded B
             out[f"{head}{path}.lora_magnitude_vector"] = w.magnitude.detach().reshape(-1).to(dtype)
+    return out
+
+
+def comfy_state_dict(weights: dict[str, LoRAWeights], dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """ComfyUI's dotted layout: `diffusion_model.<path>.lora_A.weight` / `.lora_B.weight` with the scale
+    folded in (peft_state_dict), a DoRA magnitude as `.dora_scale` [out, 1]: comfy/lora.py load_lora
+    reads `{name}.dora_scale` (per output row when its first dim is out), not PEFT's lora_magnitude_vector."""
+    out = {}
+    for key, tensor in peft_state_dict(weights, "diffusion_model", dtype).items():
+        if key.endswith(".lora_magnitude_vector"):
+            out[key[: -len(".lora_magnitude_vector")] + ".dora_scale"] = tensor.reshape(-1, 1)
+        else:
+            out[key] = tensor
     return out
 
 

@@ -70,14 +70,16 @@ def z_image_diffusers_map(n_layers: int, dim: int, n_refiner_layers: int = 2) ->
 
 
 def load_lora(tensors: dict[str, torch.Tensor], names: dict) -> tuple[dict, set[str]]:
-    """-> ({target: (up, down, alpha or None)}, the file keys ComfyUI would report as not loaded)."""
+    """-> ({target: (up, down, alpha or None, dora_scale or None)}, the file keys ComfyUI would report
+    as not loaded). `x.dora_scale` is the only DoRA magnitude name ComfyUI's load_lora reads."""
     patches, loaded = {}, set()
     for x, target in names.items():
-        alpha = tensors.get(f"{x}.alpha")
+        alpha, dora = tensors.get(f"{x}.alpha"), tensors.get(f"{x}.dora_scale")
+        loaded |= {k for k in (f"{x}.alpha", f"{x}.dora_scale") if k in tensors}
         for up, down in _PAIRS:
             if x + up in tensors:
-                patches[target] = (tensors[x + up], tensors[x + down], None if alpha is None else float(alpha))
-                loaded |= {x + up, x + down} | ({f"{x}.alpha"} if alpha is not None else set())
+                patches[target] = (tensors[x + up], tensors[x + down], None if alpha is None else float(alpha), dora)
+                loaded |= {x + up, x + down}
                 break
     return patches, set(tensors) - loaded
 
@@ -86,7 +88,8 @@ def patched(state_dict: dict[str, torch.Tensor], patches: dict) -> dict[str, tor
     """ComfyUI's weights (keys without `diffusion_model.`) after the LoRA at strength 1, float32; a
     target the model lacks is an error here (ComfyUI skips it silently)."""
     out = {k: v.float().clone() for k, v in state_dict.items()}
-    for target, (up, down, alpha) in patches.items():
+    for target, (up, down, alpha, dora) in patches.items():
+        assert dora is None, "DoRA is not restated here (only which keys ComfyUI reads)"
         key, rows = (target, None) if isinstance(target, str) else target
         key = key.removeprefix("diffusion_model.")
         weight = out[key] if rows is None else out[key].narrow(*rows)

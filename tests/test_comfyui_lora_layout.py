@@ -129,3 +129,25 @@ def test_bfl_named_lora_kohya_and_comfy_load_every_key_as_our_merge(tiny_set, tm
         patches, not_loaded = comfy.load_lora(load_file(path), comfy.key_map(comfy_sd))
         assert not not_loaded and len(patches) == len(net.lora_weights())
         assert max_diff(comfy.patched(comfy_sd, patches), ours) <= 1e-6
+
+
+def test_dora_for_comfyui_has_its_magnitude_as_dora_scale_per_output_row(tiny_set, tmp_path):
+    """ComfyUI reads a DoRA magnitude only as `<name>.dora_scale` ([out, 1] on the output axis, as our kohya
+    files write it); --to comfy wrote PEFT's lora_magnitude_vector, which ComfyUI leaves unloaded."""
+    model = load_flux(tiny_set["flux_bfl"]).float()
+    net = lora(model, "flux", rank=4, alpha=2.0, seed=6, dora=True)
+    kohya, comfy_file, back = (str(tmp_path / f"{n}.safetensors") for n in ("kohya", "comfy", "back"))
+    net.save(kohya)
+    save_flux_bfl(model, str(tmp_path / "single.safetensors"), model.config)
+    comfy_sd = load_file(str(tmp_path / "single.safetensors"))
+    assert convert_lora.main([kohya, comfy_file, "--to", "comfy"]) == 0
+    tensors = load_file(comfy_file)
+    patches, not_loaded = comfy.load_lora(tensors, comfy.key_map(comfy_sd))
+    assert not not_loaded and len(patches) == len(net.lora_weights())
+    for target, (up, _, _, dora) in patches.items():
+        assert dora is not None and tuple(dora.shape) == (up.shape[0], 1), target
+    assert convert_lora.main([comfy_file, back, "--to", "kohya"]) == 0
+    read_back, _, _ = read_lora(back, module_paths=dict(model.named_modules()))
+    for path, w in net.lora_weights().items():
+        assert torch.equal(read_back[path].magnitude, w.magnitude.reshape(-1)), path
+        assert (read_back[path].delta() - w.delta()).abs().max().item() <= 1e-6, path

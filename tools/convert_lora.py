@@ -36,8 +36,8 @@ what PeftModel.from_pretrained, vLLM and llama.cpp's convert_lora_to_gguf.py rea
 the PEFT config carries lora_alpha (the most common alpha) and r, with rank_pattern / alpha_pattern
 for modules that differ, so kohya -> PEFT -> kohya gives back the same tensors bit for bit.
 
-DoRA: the magnitude travels along (`dora_scale` [out, 1] in kohya files, `lora_magnitude_vector`
-[out] in diffusers/PEFT files); it is per output row, so fused modules split and join exactly
+DoRA: the magnitude travels along (`dora_scale` [out, 1] in kohya and ComfyUI files, which is what
+ComfyUI reads, `lora_magnitude_vector` [out] in diffusers/PEFT files); it is per output row, so fused modules split and join exactly
 (joining needs every part). LyCORIS files (LoKr, LoHa, ...) are refused with the reason.
 """
 
@@ -81,6 +81,7 @@ from networks.lora_files import (  # noqa: E402
     TEXT_ENCODER_PREFIXES,
     LoRAWeights,
     bfl_to_diffusers,
+    comfy_state_dict,
     detect_format,
     diffusers_to_bfl,
     kohya_state_dict,
@@ -251,9 +252,10 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
         write_lora_tensors({**tensors, **te}, dst, header)  # text-encoder modules as they were
     elif to == "peft":
         write_peft_folder(weights, dst, dtype=dtype, metadata=header, base_model=metadata.get("ss_sd_model_name"))
+    elif to == "comfy":  # as diffusers' but DoRA's magnitude named and shaped as ComfyUI reads it
+        write_lora_tensors(comfy_state_dict(weights, dtype), dst, {**header, FOLDED_MARK: "true"})
     else:
-        prefix = "diffusion_model" if to == "comfy" else "transformer"
-        write_peft(weights, dst, prefix=prefix, dtype=dtype, metadata={**header, FOLDED_MARK: "true"})
+        write_peft(weights, dst, prefix="transformer", dtype=dtype, metadata={**header, FOLDED_MARK: "true"})
     return {"from": fmt, "to": to, "model_type": model_type, "modules": len(weights), "scale_known": known}
 
 
