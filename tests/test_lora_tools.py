@@ -55,6 +55,9 @@ def test_resize_to_the_same_rank_is_lossless(flux_lora, tmp_path):
     assert set(before) == set(after) and len(before) == 26  # 2 double + 2 single blocks, modulation on
     worst = max(rel(after[n], before[n]) for n in before)
     assert worst <= 1e-6, worst
+    assert resize_lora.main(["--lora", str(flux_lora), "--save_to", str(tmp_path / "cap.safetensors"), "--new_rank", "16"]) == 0
+    meta = read_lora_file(str(tmp_path / "cap.safetensors"), "test").metadata  # rank 16 asked, 8 written
+    assert meta["ss_network_dim"] == "8" and meta["ss_training_comment"].startswith("dimension is resized from 8 to 8;")
     alphas = {w.alpha for w in read_lora_file(str(out), "test").weights.values()}
     assert alphas == {4.0}  # scale 4 / 8 kept at rank 8
 

@@ -118,10 +118,11 @@ def resize_lora(src: str, dst: str, new_rank: int, method: str | None = None, pa
     if method:
         metadata.update(ss_network_dim="Dynamic", ss_network_alpha="Dynamic",
                         ss_training_comment=f"Dynamic resize with {method}: {param} from {old_dim}; {comment}")
-    else:
-        alphas = {r["alpha"] for r in rows}
-        metadata.update(ss_network_dim=str(new_rank), ss_network_alpha=str(alphas.pop()) if len(alphas) == 1 else "Dynamic",
-                        ss_training_comment=f"dimension is resized from {old_dim} to {new_rank}; {comment}")
+    else:  # the ranks written: --new_rank above a module's rank keeps that rank
+        alphas, ranks = {r["alpha"] for r in rows}, {r["new_rank"] for r in rows}
+        dim = str(ranks.pop()) if len(ranks) == 1 else "Dynamic"
+        metadata.update(ss_network_dim=dim, ss_network_alpha=str(alphas.pop()) if len(alphas) == 1 else "Dynamic",
+                        ss_training_comment=f"dimension is resized from {old_dim} to {dim}; {comment}")
     metadata["lora_resized"] = json.dumps({"from": os.path.basename(src), "new_rank": new_rank,
                                            "dynamic_method": method, "dynamic_param": param})  # fmt: skip
     write_lora_file(dst, weights, lora.fmt, lora.prefix, save_dtype(precision, lora.dtype), metadata)
