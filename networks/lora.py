@@ -30,6 +30,7 @@ from networks.lora_files import (
     LoRAWeights,
     build_metadata,
     diffusers_to_bfl,
+    is_lycoris_file,
     kohya_name,
     parse_lora,
     peft_target_modules,
@@ -551,14 +552,14 @@ class LoRANetwork(nn.Module):
         """{module path: LoRAWeights} of a file or state dict; a diffusion LoRA's text-encoder modules
         (sd-scripts' lora_te1_ / lora_te3_) are left out with a warning: this network adapts the denoiser."""
         tensors, metadata, config = read_lora_tensors(source) if isinstance(source, str) else (dict(source), None, None)
+        if is_lycoris_file(tensors):
+            raise CheckpointError(f"{name}: a LyCORIS file (LoKr / LoHa / ...); networks.lora reads down/up LoRAs: "
+                                  f"set network_module = \"lycoris.kohya\" to load it")
         tensors, te = split_text_encoders(tensors)
         if te:
             warnings.warn(f"{name}: left out {text_encoder_note(te)}: they adapt the text encoders, not this "
                           f"network's model", stacklevel=4)  # fmt: skip
-        try:
-            weights, _ = parse_lora(tensors, metadata, module_paths=linears, source=name, adapter_config=config)
-        except CheckpointError as e:
-            raise CheckpointError(str(e) if str(e).startswith(f"{name}:") else f"{name}: {e}") from None
+        weights, _ = parse_lora(tensors, metadata, module_paths=linears, source=name, adapter_config=config)
         return weights
 
     @staticmethod

@@ -138,11 +138,17 @@ def resolve_kohya_names(names, module_paths) -> dict[str, str]:
     return resolved
 
 
+def naming(source: str, error: Exception) -> CheckpointError:
+    """`error` as a CheckpointError whose message starts with `source` (the file it is about)."""
+    text = str(error)
+    return CheckpointError(text if text.startswith(f"{source}:") else f"{source}: {text}")
+
+
 def _split_key(key: str) -> tuple[str, str]:
     for suffix, part in _PART_OF_SUFFIX.items():
         if key.endswith(suffix):
             return key[: -len(suffix)], part
-    raise CheckpointError(f"LoRA key '{key}': expected a name ending in {', '.join(_PART_OF_SUFFIX)}")
+    raise CheckpointError(f"LoRA key '{key}': expected a name ending in {', '.join(_PART_OF_SUFFIX)} (is it a LoRA file?)")
 
 
 def detect_format(keys) -> str:
@@ -168,6 +174,23 @@ def detect_format(keys) -> str:
         raise CheckpointError(f"LoRA module '{odd[0]}' is neither kohya (a name starting with "
                               f"{', '.join(KOHYA_PREFIXES)}) nor a dotted module path")
     raise CheckpointError(f"LoRA module '{dotted[0]}' is a dotted path while '{kohya[0]}' is a kohya name: one layout per file")
+
+
+# The last part of a LyCORIS-only tensor name: a prefix (LoKr, LoHa, OFT) or the whole part (full
+# `diff` / `diff_b`, (IA)^3). Matched on that part only: `.diff` is also the start of `.diffusion_model`.
+LYCORIS_KEY_PREFIXES = {"lokr_": "LoKr", "hada_": "LoHa", "oft_": "OFT"}
+LYCORIS_KEY_NAMES = {"diff": "full", "diff_b": "full", "on_input": "(IA)^3"}
+
+
+def lycoris_kind(key: str) -> str | None:
+    """'LoKr', 'LoHa', 'OFT', 'full' or '(IA)^3' for a tensor name of that LyCORIS-only type, else None."""
+    last = key.rsplit(".", 1)[-1]
+    return LYCORIS_KEY_NAMES.get(last) or next((kind for p, kind in LYCORIS_KEY_PREFIXES.items() if last.startswith(p)), None)
+
+
+def is_lycoris_file(tensors) -> bool:
+    """True when the keys are LyCORIS-only types (LoKr, LoHa, (IA)^3, full ...), not plain LoRA."""
+    return any(lycoris_kind(k) for k in tensors)
 
 
 def split_text_encoders(tensors: dict) -> tuple[dict, dict]:
@@ -220,17 +243,20 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
     (prefix stripped), for kohya files when `module_paths` is given; otherwise the kohya names.
     adapter_config: a PEFT folder's adapter_config.json (lora_alpha, alpha_pattern, use_rslora)."""
     metadata = metadata or {}
-    fmt = detect_format(tensors)
-    groups: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        module, part = _split_key(key)
-        groups.setdefault(module, {})[part] = tensor
-    if fmt == "kohya":
-        rename = resolve_kohya_names(groups, module_paths) if module_paths is not None else {m: m for m in groups}
-        prefix = ""
-    else:
-        prefix = _common_prefix(list(groups), PEFT_PREFIXES if fmt == "peft" else COMFY_PREFIXES)
-        rename = {m: m[len(prefix) :] for m in groups}
+    try:  # what the names say (layout, modules): an error here names the file
+        fmt = detect_format(tensors)
+        groups: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            module, part = _split_key(key)
+            groups.setdefault(module, {})[part] = tensor
+        if fmt == "kohya":
+            rename = resolve_kohya_names(groups, module_paths) if module_paths is not None else {m: m for m in groups}
+            prefix = ""
+        else:
+            prefix = _common_prefix(list(groups), PEFT_PREFIXES if fmt == "peft" else COMFY_PREFIXES)
+            rename = {m: m[len(prefix) :] for m in groups}
+    except CheckpointError as e:
+        raise naming(source, e) from None
     default_alpha, alpha_pattern, rslora = _peft_alphas(metadata, prefix, adapter_config) if fmt == "peft" else (None, {}, False)
     weights = {}
     for module, parts in groups.items():
@@ -298,10 +324,7 @@ def read_lora(path: str, module_paths=None):
     """Read a LoRA safetensors file or PEFT adapter folder -> (weights, metadata, format); see
     `parse_lora` for the keys."""
     tensors, metadata, config = read_lora_tensors(path)
-    try:
-        weights, fmt = parse_lora(tensors, metadata, module_paths, source=os.path.basename(path), adapter_config=config)
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}") from None
+    weights, fmt = parse_lora(tensors, metadata, module_paths, source=path, adapter_config=config)
     return weights, metadata, fmt
 
 

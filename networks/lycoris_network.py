@@ -36,7 +36,7 @@ import torch.nn as nn
 from library.io import CheckpointError, CheckpointReader, save_safetensors
 from library.models.registry import arch_specs
 from networks.lora import LoRANetwork, _as_bool, _as_float, _as_int, lora_targets
-from networks.lora_files import build_metadata, tensor_hash
+from networks.lora_files import build_metadata, is_lycoris_file, lycoris_kind, tensor_hash  # noqa: F401 (the tools import them from here)
 
 # network_args LyCORIS' create_network reads (lycoris-lora 4.1.3, lycoris/kohya.py), passed as given.
 LYCORIS_ARGS = {
@@ -54,10 +54,6 @@ LYCORIS_BOOL_ARGS = LYCORIS_ARGS - LYCORIS_INT_ARGS - LYCORIS_FLOAT_ARGS - {"alg
 # these and every architecture's block_args (its spec's LORA).
 SELECTION_ARGS = {"train_blocks", "train_modulation", "include_patterns", "exclude_patterns"}
 SELECTION_ARGS |= {key for spec in arch_specs().values() if spec.lora for key in spec.lora.block_args}
-# The last part of a LyCORIS-only tensor name: a prefix (LoKr, LoHa, OFT) or the whole part (full
-# `diff` / `diff_b`, (IA)^3). Matched on that part only: `.diff` is also the start of `.diffusion_model`.
-LYCORIS_KEY_PREFIXES = {"lokr_": "LoKr", "hada_": "LoHa", "oft_": "OFT"}
-LYCORIS_KEY_NAMES = {"diff": "full", "diff_b": "full", "on_input": "(IA)^3"}
 _PRESET_NAME = "_networks_lycoris_targets"  # our per-network preset, registered only while building
 
 
@@ -343,15 +339,6 @@ def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], mul
     return modules
 
 
-def lycoris_kind(key: str) -> str | None:
-    """'LoKr', 'LoHa', 'OFT', 'full' or '(IA)^3' for a tensor name of that LyCORIS-only type, else None."""
-    last = key.rsplit(".", 1)[-1]
-    return LYCORIS_KEY_NAMES.get(last) or next((kind for p, kind in LYCORIS_KEY_PREFIXES.items() if last.startswith(p)), None)
-
-
-def is_lycoris_file(tensors) -> bool:
-    """True when the keys are LyCORIS-only types (LoKr, LoHa, (IA)^3, full ...), not plain LoRA."""
-    return any(lycoris_kind(k) for k in tensors)
 
 
 

@@ -499,3 +499,21 @@ def test_resize_and_combine_apply_a_peft_adapters_lora_alpha(tiny_set, tmp_path,
     assert resize_lora.main(["--lora", str(tmp_path / "adapter"), "--save_to",
                              str(tmp_path / "adapter" / "adapter_model.safetensors")]) == 2  # fmt: skip
     assert "is one of the inputs" in capsys.readouterr().err
+
+
+def test_a_file_that_is_no_lora_is_named_in_the_error(flux_lora, tiny_set, tmp_path, capsys):
+    from tests.test_reliability import one_error_line
+    from tools import lora_info, merge_lora
+
+    save_file({}, str(tmp_path / "empty.safetensors"))
+    capsys.readouterr()
+    line = one_error_line(capsys, merge_lora.main(["--model", tiny_set["flux_bfl"], "--lora", str(flux_lora),
+                                                   str(tmp_path / "empty.safetensors"), "--save_to", str(tmp_path / "m.safetensors")]))  # fmt: skip
+    assert line == f"error: {tmp_path / 'empty.safetensors'}: LoRA file holds no tensors"
+    line = one_error_line(capsys, lora_info.main([tiny_set["flux_bfl"]]))  # a base model, not a LoRA
+    assert line.startswith(f"error: {tiny_set['flux_bfl']}: LoRA key ") and line.endswith("(is it a LoRA file?)")
+    _lokr(tmp_path / "k.safetensors")
+    net = LoRANetwork(load_flux(tiny_set["flux_bfl"]), "flux", rank=4)
+    with pytest.raises(lf.CheckpointError, match=f'{tmp_path / "k.safetensors"}: a LyCORIS file .* set network_module = "lycoris.kohya"'):
+        net.load_weights(str(tmp_path / "k.safetensors"), strict=False)
+

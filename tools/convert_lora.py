@@ -85,6 +85,7 @@ from networks.lora_files import (  # noqa: E402
     detect_format,
     diffusers_to_bfl,
     kohya_state_dict,
+    naming,
     parse_lora,
     peft_alpha_known,
     read_lora_tensors,
@@ -175,8 +176,11 @@ def read_source(path: str, model_type: str | None):
     tensors, te = split_text_encoders(tensors)
     if te and not tensors:
         raise CheckpointError(f"{path}: holds only {text_encoder_note(te)}; convert_lora converts a transformer's LoRA")
-    fmt = detect_format(tensors)
-    model_type = model_type or detect_arch(tensors, metadata)
+    try:
+        fmt = detect_format(tensors)
+        model_type = model_type or detect_arch(tensors, metadata)
+    except CheckpointError as e:
+        raise naming(path, e) from None
     files = lora_files()[model_type]
     counts = block_counts(tensors, files.block_pattern)
     paths = load_symbol(files.module_paths)(counts)

@@ -61,6 +61,7 @@ from networks.lora_files import (  # noqa: E402
     _split_key,
     detect_format,
     lora_reader,
+    naming,
     parse_lora,
     split_text_encoders,
     text_encoder_note,
@@ -160,7 +161,14 @@ def _alpha_source(keys: list[str], metadata: dict[str, str], adapter_config: dic
 
 
 def read_info(path: str) -> dict:
-    """Everything lora_info prints, as a dict (the --json output)."""
+    """Everything lora_info prints, as a dict (the --json output); errors name the file."""
+    try:
+        return _read_info(path)
+    except CheckpointError as e:
+        raise naming(path, e) from None
+
+
+def _read_info(path: str) -> dict:
     reader, adapter_config = lora_reader(path)  # a PEFT adapter folder: its alphas are in adapter_config.json
     keys, metadata = reader.keys(), dict(reader.metadata)
     fmt = layout(keys)
