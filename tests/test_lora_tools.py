@@ -517,3 +517,25 @@ def test_a_file_that_is_no_lora_is_named_in_the_error(flux_lora, tiny_set, tmp_p
     with pytest.raises(lf.CheckpointError, match=f'{tmp_path / "k.safetensors"}: a LyCORIS file .* set network_module = "lycoris.kohya"'):
         net.load_weights(str(tmp_path / "k.safetensors"), strict=False)
 
+
+def test_extract_records_the_base_version_and_merge_refuses_another_architectures_lora(tiny_set, tmp_path, capsys):
+    """A LoRA extracted from Chroma says "chroma" (it read as FLUX.1, the names are the same); merge
+    refuses a LoRA whose ss_base_model_version is another architecture's (Chroma into FLUX.1: every
+    name and shape fits) and warns for another release of the base's own (schnell into dev)."""
+    from tests.test_reliability import one_error_line
+    from tools import extract_lora, merge_lora
+
+    _, _, _, net, merged = _lora_and_merge(tiny_set, "chroma_bfl", tmp_path)
+    out = tmp_path / "extracted.safetensors"
+    assert extract_lora.main(["--model", tiny_set["chroma_bfl"], "--tuned", str(merged), "--save_to", str(out), "--rank", "4"]) == 0
+    assert read_lora_file(str(out), "test").metadata["ss_base_model_version"] == "chroma"
+    flux = LoRANetwork(load_flux(tiny_set["flux_bfl"]), "flux", rank=2)
+    flux.save(str(tmp_path / "schnell.safetensors"), metadata={"ss_base_model_version": "flux1-schnell"})
+    flux.save(str(tmp_path / "chroma_meta.safetensors"), metadata={"ss_base_model_version": "chroma"})
+    capsys.readouterr()
+    line = one_error_line(capsys, merge_lora.main(["--model", tiny_set["flux_bfl"], "--lora", str(tmp_path / "chroma_meta.safetensors"),
+                                                   "--save_to", str(tmp_path / "m.safetensors")]))  # fmt: skip
+    assert line.startswith(f"error: {tmp_path / 'chroma_meta.safetensors'}: a Chroma LoRA (ss_base_model_version 'chroma') and the base ")
+    assert merge_lora.main(["--model", tiny_set["flux_bfl"], "--lora", str(tmp_path / "schnell.safetensors"),
+                            "--save_to", str(tmp_path / "m.safetensors")]) == 0  # fmt: skip
+    assert "trained on 'flux1-schnell' (ss_base_model_version), merged into 'flux1-dev'" in capsys.readouterr().err

@@ -142,7 +142,8 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
         raise CheckpointError(f"--tuned {tuned}: no LoRA target weight differs from the base {model}")
     other_changed = _other_changed(base, other, {base.weight_key[p] for p in targets})
     metadata = build_metadata(network_module="networks.lora", network_dim=rank if energy is None else "Dynamic",
-                              network_alpha=rank if energy is None else "Dynamic", base_model=base.path)
+                              network_alpha=rank if energy is None else "Dynamic", base_model=base.path,
+                              base_model_version=base.version)  # what train_lora.py writes: merge checks it
     metadata["lora_extracted"] = json.dumps({"base": os.path.basename(base.path), "tuned": os.path.basename(other.path),
                                              "rank": rank, "energy": energy, "family": base.family})  # fmt: skip
     if not base.native:  # diffusers names of a BFL-named model: PEFT, as diffusers writes it

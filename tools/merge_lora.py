@@ -220,6 +220,20 @@ class Base:
     def _native_owner(self) -> dict[str, str]:
         return {other: own for own, parts in self.module_map.items() for other, _, _ in parts}
 
+    @functools.cached_property
+    def version(self) -> str | None:
+        """The release the family names this checkpoint (model_version: what train_lora.py writes as
+        ss_base_model_version), from the model built on meta; None for an LLM or a base it cannot build."""
+        from library.models.family import family_class
+
+        if self.family == "llm" or self.family not in FAMILIES:
+            return None
+        try:
+            family = family_class(self.family)(self.path)
+            return family.model_version(family.load_transformer(torch.float32, read_weights=False))
+        except (ValueError, OSError, KeyError, RuntimeError):  # CheckpointError is a ValueError
+            return None
+
     def alternate_paths(self) -> list[str]:
         """Module paths in the other naming of module_map, so LoRAs in either naming resolve."""
         if self.module_map is None:
@@ -302,11 +316,35 @@ def _to_base_naming(base: Base, weights: dict[str, LoRAWeights]) -> dict[str, Lo
     return {**own, **convert(foreign, base.module_map)}
 
 
+def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str, str]) -> None:
+    """A LoRA whose ss_base_model_version names another architecture than the base's is refused, even
+    where the two share every name and shape (an architecture whose spec sets names_of): its deltas
+    were learned on other weights. Another release of the base's own architecture (a distilled and a
+    guidance-embedded release) is a warning: LoRAs are commonly moved between those. A version that
+    begins the base's (sd-scripts writes the family's stem) matches any of its releases."""
+    from tools.convert_lora import detect_arch
+
+    wanted = metadata.get("ss_base_model_version")
+    if not wanted or base.version is None or base.version.startswith(wanted):
+        return
+    try:
+        arch = detect_arch(tensors, metadata)
+    except CheckpointError:  # the names tell no architecture: the shapes decide
+        arch = None
+    if arch is not None and arch != base.family:
+        raise CheckpointError(f"{spec.path}: a {arch_spec(arch).title} LoRA (ss_base_model_version '{wanted}') and the "
+                              f"base {base.path} is {arch_spec(base.family).title} ('{base.version}'): its deltas were "
+                              f"learned on other weights; merge it into a {arch_spec(arch).title} checkpoint")
+    print(f"warning: {os.path.basename(spec.path)}: trained on '{wanted}' (ss_base_model_version), merged into "
+          f"'{base.version}' ({base.path}): the same architecture, another release", file=sys.stderr)
+
+
 def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta]:
     """One LoRA file -> {checkpoint weight key: LoRAWeights or LycorisDelta}, checked against the
     base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges)."""
     name = os.path.basename(spec.path)
     tensors, metadata, adapter_config = read_lora_tensors(spec.path)  # a file, or a PEFT adapter folder
+    _check_version(base, spec, tensors, metadata)
     tensors, te = split_text_encoders(tensors)
     if te and not tensors:
         raise CheckpointError(f"{spec.path}: holds only {text_encoder_note(te)}; merge_lora merges into the transformer")
