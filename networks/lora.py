@@ -27,6 +27,7 @@ from library.models.registry import arch_specs
 from library.models.spec import LoRATargets, load_symbol
 from library.precision.autocast import autocast_dtype
 from networks.lora_files import (
+    CONVERT_ADVICE,
     LoRAWeights,
     build_metadata,
     diffusers_to_bfl,
@@ -525,7 +526,7 @@ class LoRANetwork(nn.Module):
         by_path = {m.name: m for m in self.lora_modules()}
         foreign = [p for p in weights if p not in linears]
         if foreign:
-            raise CheckpointError(f"{name}: LoRA module '{foreign[0]}' is not a Linear of this {self.arch} model")
+            raise CheckpointError(f"{name}: LoRA module '{foreign[0]}' is not a Linear of this {self.arch} model ({CONVERT_ADVICE})")
         missing = [p for p in by_path if p not in weights]
         if strict and missing:
             raise CheckpointError(f"{name}: no weights for LoRA module '{missing[0]}' ({len(missing)} missing)")

@@ -98,6 +98,9 @@ KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_
 TEXT_ENCODER_PREFIXES = {"lora_te1_": "CLIP-L", "lora_te2_": "CLIP-G", "lora_te3_": "T5-XXL"}
 PEFT_PREFIXES = ("transformer.", "diffusion_model.", "base_model.model.", "unet.", "model.diffusion_model.")
 COMFY_PREFIXES = ("diffusion_model.", "model.diffusion_model.", "transformer.")
+# Where a reader of the model's own names gives up: convert_lora reads every layout it knows (other
+# trainers' prefixes, the other naming of a model, ComfyUI's fused modules) and writes ours.
+CONVERT_ADVICE = "another trainer's names convert to ours with tools/convert_lora.py IN OUT --to kohya"
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors header entry (PEFT config json)
 FOLDED_MARK = "lora_alpha_folded"  # header entry of our PEFT-layout outputs: alpha / rank is inside lora_B
 
@@ -133,7 +136,8 @@ def resolve_kohya_names(names, module_paths) -> dict[str, str]:
         prefix = next((p for p in KOHYA_PREFIXES if name.startswith(p)), None)
         flat = name[len(prefix) :] if prefix else None
         if flat not in by_flat:
-            raise CheckpointError(f"LoRA module '{name}' matches no module of the model (expected lora_unet_<module path>)")
+            raise CheckpointError(f"LoRA module '{name}' matches no module of the model (expected lora_unet_<module path>; "
+                                  f"{CONVERT_ADVICE})")
         resolved[name] = by_flat[flat]
     return resolved
 

@@ -657,3 +657,16 @@ def test_sd_scripts_text_encoder_modules_are_named_kept_by_kohya_and_skipped_by_
     save_file(tensors, str(tmp_path / "odd.safetensors"))
     assert convert(tmp_path / "odd.safetensors", tmp_path / "o.safetensors", "--to", "kohya") == 2
     assert "LoRA module 'lora_te9_x' is neither kohya" in only_line(capsys.readouterr().err)
+
+
+def test_the_runtime_reader_sends_other_trainers_names_to_convert_lora(flux_bfl, tmp_path):
+    """OneTrainer / SimpleTuner name FLUX.1 modules `lora_transformer_<diffusers path>`: convert_lora reads
+    them, the network's reader (generate, network_weights) does not and says to convert (bug bash #8:
+    one reader for every tool is left for later)."""
+    root, _, a, _ = flux_bfl
+    diffusers = lf.bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(1, 1, 64, 256))
+    lf.write_kohya(diffusers, str(tmp_path / "ot.safetensors"), prefix="lora_transformer")
+    with pytest.raises(CheckpointError, match=r"lora_transformer_.* tools/convert_lora.py IN OUT --to kohya"):
+        LoRANetwork.from_weights(Flux(FLUX_CFG), "flux", str(tmp_path / "ot.safetensors"))
+    assert convert(tmp_path / "ot.safetensors", tmp_path / "k.safetensors", "--to", "kohya") == 0
+    deltas_match(a.lora_weights(), LoRANetwork.from_weights(Flux(FLUX_CFG), "flux", str(tmp_path / "k.safetensors")).lora_weights())

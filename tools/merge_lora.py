@@ -121,6 +121,7 @@ from library.models.llm import checkpoint_key_to_llm  # noqa: E402
 from library.models.registry import FAMILIES, arch_specs  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from networks.lora_files import (  # noqa: E402
+    CONVERT_ADVICE,
     KOHYA_PREFIXES,
     LoRAWeights,
     bfl_to_diffusers,
@@ -373,11 +374,12 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
         first = unmatched[0] if unmatched else "(none)"
         raise CheckpointError(
             f"{spec.path}: no LoRA module matches a weight of the {base.family} checkpoint {base.path} "
-            f"(first: '{first}'): is it a LoRA for another model?"
+            f"(first: '{first}'): is it a LoRA for another model? ({CONVERT_ADVICE} first)"
         )
     if unmatched and not allow_unmatched:
         shown = ", ".join(unmatched[:5]) + (f" ... ({len(unmatched)} in all)" if len(unmatched) > 5 else "")
-        raise CheckpointError(f"{spec.path}: LoRA modules match no weight of {base.path}: {shown} (--allow_unmatched skips them)")
+        raise CheckpointError(f"{spec.path}: LoRA modules match no weight of {base.path}: {shown} (--allow_unmatched skips "
+                              f"them; {CONVERT_ADVICE} first)")
     if unmatched:
         print(f"warning: {name}: skipped {len(unmatched)} unmatched LoRA modules: {', '.join(unmatched)}", file=sys.stderr)
     for key, w in matched.items():
