@@ -345,7 +345,6 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges)."""
     name = os.path.basename(spec.path)
     tensors, metadata, adapter_config = read_lora_tensors(spec.path)  # a file, or a PEFT adapter folder
-    _check_version(base, spec, tensors, metadata)
     tensors, te = split_text_encoders(tensors)
     if te and not tensors:
         raise CheckpointError(f"{spec.path}: holds only {text_encoder_note(te)}; merge_lora merges into the transformer")
@@ -376,6 +375,7 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
             f"{spec.path}: no LoRA module matches a weight of the {base.family} checkpoint {base.path} "
             f"(first: '{first}'): is it a LoRA for another model? ({CONVERT_ADVICE} first)"
         )
+    _check_version(base, spec, tensors, metadata)  # names fit: does the LoRA say it was trained on this model?
     if unmatched and not allow_unmatched:
         shown = ", ".join(unmatched[:5]) + (f" ... ({len(unmatched)} in all)" if len(unmatched) > 5 else "")
         raise CheckpointError(f"{spec.path}: LoRA modules match no weight of {base.path}: {shown} (--allow_unmatched skips "
