@@ -487,7 +487,8 @@ class Trainer:
         self.progress_bar.set_postfix(progress_postfix({**values, "val_loss": self.val_loss}))
         with self.evaluating():
             self.task.after_step(self.step, args.output_dir)
-        if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0:
+        if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0 and self.step < self.max_steps:
+            # (the last step's samples are the final ones, rendered after the final save)
             self.render_samples(f"step{self.step:06d}")
         if args.save_every_n_steps and self.step % args.save_every_n_steps == 0 and self.step < self.max_steps:
             self.save_intermediate()

@@ -216,7 +216,7 @@ def test_ema_file_loads_through_our_loader_with_the_ema_output(tiny_set, straigh
     network.remove()
 
 
-def test_resumed_ema_is_bit_identical(tiny_set, tmp_path, straight_run):
+def test_resumed_ema_is_bit_identical(tiny_set, tmp_path, straight_run, capsys):
     out = tmp_path / "resumed"
     assert train_lora.main(straight_args(tiny_set, out, "--max_train_steps", "4")) == 0
     state = load_file(str(out / "tiny_flux_lora-state" / "ema.safetensors"))
@@ -226,6 +226,12 @@ def test_resumed_ema_is_bit_identical(tiny_set, tmp_path, straight_run):
     for name in ("tiny_flux_lora_ema.safetensors", "tiny_flux_lora.safetensors"):
         a, b = load_file(str(out / name)), load_file(str(straight_run[0] / name))
         assert all(torch.equal(a[k], b[k]) for k in b), name
+    # The other way round: a state with an EMA resumed without one. The old line dropped the EMA and
+    # left the step-4 _ema file beside a later LoRA.
+    capsys.readouterr()
+    assert train_lora.main(flux_args(tiny_set, out, *ADAMW, "--save_every_n_steps", "3", "--save_state", "true",
+                                     "--max_train_steps", "6", "--resume", str(out / "tiny_flux_lora-state"))) == 2
+    assert "state was written with ema_decay = 0.5, this run has 0.0" in capsys.readouterr().err
 
 
 def test_resume_with_ema_needs_a_state_with_ema(tiny_set, tmp_path, capsys):

@@ -330,13 +330,18 @@ def test_the_plan_counts_the_projections_checkpointing_saves(tiny_set):
     assert 0 < saved - plain <= tokens * model.config.hidden_size * 2
 
 
-def test_plan_memory_plans_the_shipped_qwen_image_quickstart(capsys):
+def test_plan_memory_plans_the_shipped_qwen_image_quickstart(tmp_path, capsys):
     """Its text_encoder is the repository folder (text_encoder/ and tokenizer/ inside): the old line
     read the folder itself as a checkpoint, a traceback ending 'folder holds no .safetensors file'."""
     from tools import plan_memory
+    from tools.make_tiny_dataset import make_concept_dataset
 
-    assert plan_memory.main(["--config_file", os.path.join(ROOT, "configs", "quickstart_qwen_image.toml"),
-                             "--vram", "16"]) == 0
+    concept = make_concept_dataset(str(tmp_path / "concept"), count=2)  # what `make demo` writes first
+    with open(os.path.join(ROOT, "configs", "quickstart_qwen_image.toml")) as f:
+        text = f.read().replace('"learned/', f'"{ROOT}/learned/')
+    text = text.replace('"tiny_models/concept/concept.toml"', f'"{concept["concept_dataset_config"]}"')
+    (tmp_path / "quickstart_qwen_image.toml").write_text(text)
+    assert plan_memory.main(["--config_file", str(tmp_path / "quickstart_qwen_image.toml"), "--vram", "16"]) == 0
     assert "fits with blocks_to_swap = 0" in capsys.readouterr().out
 
 

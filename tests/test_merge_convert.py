@@ -233,6 +233,11 @@ def test_llm_sharded_folder_merge_equals_unmerged_lora_and_copies_files(tmp_path
     assert {t.dtype for t in merged.values()} == {torch.bfloat16}
     out = run(load_llm(str(tmp_path / "out")), llm_inputs())
     assert (out - expected).abs().max() <= 0.02 * expected.abs().max()  # bf16 storage of the merged fp32 sum
+    # The old line wrote e4m3 + weight_scale, which transformers loads without the scales (logits off ~0.7).
+    for layout in (["--save_precision", "fp8_scaled"], ["--save_precision", "fp8", "--fp8_layout", "block64"]):
+        assert merge("--model", tmp_path / "llm", "--lora", tmp_path / "l.safetensors", "--save_to", tmp_path / "q",
+                     *layout) == 2
+        assert not (tmp_path / "q").exists()
 
 
 # ----------------------------------------------------------------------------------------------

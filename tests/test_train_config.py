@@ -1,6 +1,7 @@
 """The training config schema, optimizer factory and LR tracking (CSV + plot)."""
 
 import csv
+import re
 
 import os
 
@@ -256,7 +257,6 @@ def test_a_foreign_key_at_its_default_is_let_through(tmp_path):
     ("sample_every_n_steps = 10", "key 'sample_every_n_steps' renders the prompts of sample_prompts, which is not set"),
     ("sample_at_first = true", "key 'sample_at_first' renders the prompts of sample_prompts"),
     ('network_weights = "/nonexistent/lora.safetensors"', "key 'network_weights' = /nonexistent/lora.safetensors: no such file or folder"),
-    ('sample_prompts = "/nonexistent/prompts.txt"', "key 'sample_prompts' = /nonexistent/prompts.txt: no such file or folder"),
 ])
 def test_keys_that_would_do_nothing_or_fail_after_caching_are_refused_first(tmp_path, lines, message):
     cfg = write(tmp_path, FLUX + lines + "\n")
@@ -273,3 +273,16 @@ def test_sampling_keys_with_prompts_blanked_are_an_explicit_no(tmp_path):
 def test_a_folder_given_as_the_config_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"is a folder; expected a training config \(\.toml\) file"):
         load_config(["--config_file", str(tmp_path)])
+
+
+@pytest.mark.parametrize("lines, message", [
+    ('pretrain = true\nnetwork_weights = "x"', "key 'network_weights' is read by LoRA training (pretrain = false)"),
+    ("pretrain = true\nnetwork_dim = 32", "key 'network_dim' is read by LoRA training"),
+    ('pretrain = true\nsave_format = "kohya"', "save_format 'kohya' is for LLM LoRAs (model_type llm without pretrain)"),
+    ('sample_prompt = ""', "key 'sample_prompt' must not be empty"),  # crashed at the first eval
+])
+def test_llm_keys_that_pretraining_or_sampling_would_ignore_or_crash_on_are_refused(tmp_path, lines, message):
+    """The old line trained from scratch with the LoRA keys ignored, and crashed on an empty prompt."""
+    cfg = write(tmp_path, BASE + lines + "\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])

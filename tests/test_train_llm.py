@@ -247,3 +247,13 @@ def test_pretraining_init_scales_residual_projections_by_depth(tiny_set, tmp_pat
         if p.dim() == 2:  # 8,192+ samples each: the std is within ~1% of the target
             expected = residual if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
             assert abs(p.std().item() / expected - 1) < 0.05, (name, p.std().item(), expected)
+
+
+def test_a_new_run_starts_its_own_eval_csv(tiny_set, tmp_path):
+    """The old line appended a second run's evals to the first's (its log CSV starts over)."""
+    args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm",
+                    "--max_train_steps", "2", "--eval_every_n_steps", "1", "--sample_max_new_tokens", "1")
+    for _ in range(2):
+        assert train_lora.main(args) == 0
+    with open(tmp_path / "lm_eval.csv") as f:
+        assert [row["step"] for row in csv.DictReader(f)] == ["1", "2", "final"]

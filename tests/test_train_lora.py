@@ -412,3 +412,13 @@ def test_moved_dataset_trains_identically(tiny_set, tmp_path):
                                          "--sample_prompts", "", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3")) == 0
         tensors.append(load_file(out / "tiny_flux_lora.safetensors"))
     assert tensors[0].keys() == tensors[1].keys() and all(torch.equal(tensors[0][k], tensors[1][k]) for k in tensors[0])
+
+
+def test_the_last_step_renders_its_samples_once_as_the_final_ones(tiny_set, tmp_path, monkeypatch):
+    """The old line rendered step 2's samples and then the same images again as the final ones."""
+    from library.training.diffusion_task import DiffusionTask
+
+    tags = []
+    monkeypatch.setattr(DiffusionTask, "render_samples", lambda self, out_dir, tag: tags.append(tag) or [])
+    assert train_lora.main(flux_args(tiny_set, tmp_path, "--max_train_steps", "2", "--sample_every_n_steps", "1")) == 0
+    assert tags == ["step000001", "final"]

@@ -25,7 +25,9 @@ def edit_set(tiny_set, tmp_path_factory):
 
 def edit_args(edit_set, out, *extra):
     return [
-        "--config_file", os.path.join(ROOT, "configs", "quickstart.toml"), "--model_type", "qwen_image_edit",
+        # the Qwen-Image quickstart's keys (a FLUX.1 config's clip_l / t5xxl would be refused: edit reads neither)
+        "--config_file", os.path.join(ROOT, "configs", "quickstart_qwen_image.toml"), "--model_type", "qwen_image_edit",
+        "--timestep_sampling", "shift", "--discrete_flow_shift", "3.0",
         "--pretrained_model_name_or_path", edit_set["qwen_image_edit"], "--ae", edit_set["qwen_image_vae"],
         "--text_encoder", edit_set["qwen_image_edit_text_encoder"],
         "--dataset_config", edit_set["edit_dataset_config"], "--sample_prompts", edit_set["edit_sample_prompts"],

@@ -29,11 +29,13 @@ def test_a_config_whose_first_files_are_missing_is_refused_at_its_field(checked,
     missing = str(tmp_path / "nope.toml")
     cases = {"dataset_config": (missing, "must be a file; found nothing"),
              "sample_prompts": (missing, "must be a file; found nothing"),
-             "resume": (str(tmp_path / "no-state"), "must be a state folder; found nothing"),
-             "network_weights": (str(tmp_path / "w.safetensors"), "must be a file; found nothing")}
+             "resume": (str(tmp_path / "no-state"), "must be a state folder; found nothing")}
     for key, (path, expected) in cases.items():
         answer = checked(**{key: path})
         assert answer == {"ok": False, "key": key, "error": f"config: key '{key}': {path!r} {expected} there"}, answer
+    weights = str(tmp_path / "w.safetensors")  # the config check itself refuses this one (train_lora.py too)
+    assert checked(network_weights=weights) == {"ok": False, "key": "network_weights", "error": (
+        f"config: key 'network_weights' = {weights}: no such file or folder (expected a LoRA file or PEFT adapter folder)")}
     answer = checked(dataset_config=str(tmp_path))
     assert answer["key"] == "dataset_config" and "found a folder there" in answer["error"]
     assert checked()["ok"] is True

@@ -91,9 +91,9 @@ def _check_naming(loras: list[LoRAFile], names: list[dict[str, LoRAWeights]]) ->
 
 
 def _check_architectures(loras: list[LoRAFile]) -> None:
-    """Every input whose architecture its names tell (tools/convert_lora.py detect_arch) is of one
+    """Every input whose architecture its names tell (networks/lora_arch.py detect_arch) is of one
     model: deltas of two models added module by module would make a file that fits neither."""
-    from tools.convert_lora import detect_arch
+    from networks.lora_arch import detect_arch
 
     known = []
     for lora in loras:

@@ -73,12 +73,11 @@ if __name__ == "__main__":
 
 from library.io import CheckpointError  # noqa: E402
 from library.models.family import lora_arch  # noqa: E402
-from library.models.registry import arch_spec, arch_specs  # noqa: E402
-from library.models.spec import LoRAFiles, load_symbol  # noqa: E402
+from library.models.registry import arch_spec  # noqa: E402
+from library.models.spec import load_symbol  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
     FOLDED_MARK,
-    TEXT_ENCODER_PREFIXES,
     LoRAWeights,
     bfl_to_diffusers,
     comfy_state_dict,
@@ -96,62 +95,11 @@ from networks.lora_files import (  # noqa: E402
     write_peft_folder,
 )
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
+from networks.lora_arch import detect_arch, lora_files  # noqa: E402
 from tools.lora_common import check_output_path  # noqa: E402
 
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
 LAYOUT_ADVICE = {"diffusers": "--to diffusers", "comfy": "--to comfy", "peft": "--to peft (a PEFT adapter folder)"}
-
-
-def lora_files() -> dict[str, LoRAFiles]:
-    """arch -> the LoRA file facts of its spec, for every architecture that has them."""
-    return {arch: spec.lora_files for arch, spec in arch_specs().items() if spec.lora_files is not None}
-
-
-def _marker_groups(files: dict[str, LoRAFiles]) -> dict[str, tuple[tuple[str, ...], list[str]]]:
-    """Base arch -> (the markers of it and of the architectures that share its names, their titles)."""
-    groups: dict[str, tuple[tuple[str, ...], list[str]]] = {}
-    for arch, f in files.items():
-        markers, titles = groups.get(f.names_of or arch, ((), []))
-        groups[f.names_of or arch] = (markers + f.markers, titles + [arch_spec(arch).title])
-    return groups
-
-
-def _title_list(titles: list[str]) -> str:
-    return ", ".join(titles[:-1]) + " or " + titles[-1] if len(titles) > 1 else "".join(titles)
-
-
-def base_arch_of_names(keys) -> str:
-    """The base architecture whose names the keys have (a variant sharing them: `variant_of`)."""
-    flat = [k.replace(".", "_") for k in keys if not k.startswith(tuple(TEXT_ENCODER_PREFIXES))]  # CLIP / T5: no arch
-    if not flat:
-        raise CheckpointError("LoRA holds text-encoder modules only (lora_te1_ / lora_te2_ / lora_te3_), no transformer's")
-    groups = _marker_groups(lora_files())
-    found = {}  # base arch -> the first name only it has
-    for arch, (markers, _) in groups.items():
-        hit = next((k for k in flat if any(m in k for m in markers)), None)
-        if hit:
-            found[arch] = hit
-    title = {arch: " / ".join(titles) for arch, (_, titles) in groups.items()}
-    if len(found) > 1:
-        (a, ka), (b, kb) = list(found.items())[:2]
-        raise CheckpointError(f"LoRA names both {title[a]} ('{ka}') and {title[b]} ('{kb}') modules")
-    if not found:
-        raise CheckpointError(f"cannot tell {_title_list(list(title.values()))} by the names (e.g. '{flat[0]}'): pass --model_type")
-    return next(iter(found))
-
-
-def variant_of(arch: str, tensors: dict, metadata: dict[str, str]) -> str:
-    """`arch`, or the architecture sharing its names whose `recognise` claims the LoRA (tensors:
-    key -> tensor; meta tensors do, only shapes are read)."""
-    for other, f in lora_files().items():
-        if f.names_of == arch and load_symbol(f.recognise)(tensors, metadata):
-            return other
-    return arch
-
-
-def detect_arch(tensors: dict, metadata: dict[str, str]) -> str:
-    """The architecture of a LoRA from its names, metadata and shapes."""
-    return variant_of(base_arch_of_names(tensors), tensors, metadata)
 
 
 def block_counts(keys, pattern: str) -> dict[str, int]:

@@ -67,7 +67,7 @@ from networks.lora_files import (  # noqa: E402
     text_encoder_note,
 )
 from networks.lycoris_network import is_lycoris_file, lycoris_kind  # noqa: E402
-from tools.convert_lora import lora_files, variant_of  # noqa: E402
+from networks.lora_arch import lora_files, variant_of  # noqa: E402
 from tools.lora_common import FOLDED_MARK, one_line  # noqa: E402
 
 DORA_KEYS = (".dora_scale", ".lora_magnitude_vector")

@@ -323,7 +323,7 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
     were learned on other weights. Another release of the base's own architecture (a distilled and a
     guidance-embedded release) is a warning: LoRAs are commonly moved between those. A version that
     begins the base's (sd-scripts writes the family's stem) matches any of its releases."""
-    from tools.convert_lora import detect_arch
+    from networks.lora_arch import detect_arch
 
     wanted = metadata.get("ss_base_model_version")
     if not wanted or base.version is None or base.version.startswith(wanted):
@@ -668,6 +668,10 @@ def _output_precision(base: Base, save_precision: str | None, fp8_layout: str | 
     base's own layout for an fp8 base."""
     if fp8_layout is not None and fp8_layout not in FP8_LAYOUTS:
         raise ValueError(f"--fp8_layout {fp8_layout!r}: expected one of {', '.join(FP8_LAYOUTS)}")
+    if "fp8_scaled" in (save_precision, FP8_LAYOUTS.get(fp8_layout)) and base.family == "llm":
+        # transformers loads the e4m3 codes and drops their weight_scale ("UNEXPECTED"): logits off by ~0.7
+        raise ValueError(f"--save_precision {save_precision} --fp8_layout block64: {base.path} is an LLM folder, which "
+                         f"transformers loads without the scales; use bf16, fp16, fp32 or plain fp8")
     if save_precision == "fp8_scaled":
         if fp8_layout not in (None, "block64"):
             raise ValueError(f"--save_precision fp8_scaled is --fp8_layout block64, not {fp8_layout}; use --save_precision fp8")

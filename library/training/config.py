@@ -446,7 +446,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         raise ConfigError(f"{origins['scaled_residual_init']}: key 'scaled_residual_init' is for llm pretraining "
                           f"(pretrain = true)")
     _validate_counts(args, origins, where)
-    if args.save_format.startswith("peft") and (args.model_type != "llm" or args.pretrain):
+    if (args.save_format.startswith("peft") and args.model_type != "llm") or (args.pretrain and args.save_format != "auto"):
         raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' is for LLM LoRAs "
                           f"(model_type llm without pretrain); diffusion LoRAs convert with tools/convert_lora.py --to diffusers")
     if args.save_format.startswith("peft") and args.network_module != "networks.lora":
@@ -503,6 +503,7 @@ _IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v
 # and these.
 LLM_KEYS = ("train_data", "max_length", "stride", "val_fraction", "eval_every_n_steps", "sample_prompt",
             "sample_max_new_tokens", "temperature", "top_k", "batch_size", "pretrain", "scaled_residual_init")
+LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "network_weights", "network_dropout")
 DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
                   "sample_prompts", "sample_bf16_reference", "timestep_sampling", "discrete_flow_shift",
                   "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "guidance_scale", "prior_loss_weight",
@@ -534,6 +535,8 @@ def _validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> 
     nothing either way and is let through (a UI may write every key)."""
     if args.model_type == "llm":
         foreign = {k: "the diffusion models" for k in (*DIFFUSION_KEYS, *FAMILY_KEYS)}
+        if args.pretrain:  # the whole model trains: no LoRA is built, loaded or saved
+            foreign.update({k: "LoRA training (pretrain = false)" for k in LORA_KEYS})
     else:
         from library.models.registry import spec_of
 
@@ -549,6 +552,9 @@ def _validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> 
 
 def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
     """Keys set where another key's value makes them do nothing."""
+    if args.model_type == "llm" and not args.sample_prompt:  # an empty prompt has no token to sample from
+        raise ConfigError(f"{_blame(origins, where, 'sample_prompt')}: key 'sample_prompt' must not be empty "
+                          f"(the LLM's sample at each eval continues it)")
     if args.lr_warmup_steps and args.lr_scheduler == "constant":  # diffusers' constant ignores it (sd-scripts refuses)
         raise ConfigError(f"{_blame(origins, where, 'lr_warmup_steps', 'lr_scheduler')}: key 'lr_warmup_steps' does "
                           f"nothing with lr_scheduler = \"constant\"; use \"constant_with_warmup\" (or another schedule)")
@@ -566,14 +572,13 @@ def _readers(key: str) -> str:
 
 
 def _validate_input_paths(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
-    """Files the run reads only after caching (or after loading the models): missing, found now."""
-    for key, kind in (("network_weights", "a LoRA file or PEFT adapter folder"), ("sample_prompts", "a prompt file")):
-        path = getattr(args, key)
-        if path and not os.path.exists(path):
-            raise ConfigError(f"{origins.get(key, where)}: key '{key}' = {path}: no such file or folder (expected {kind})")
-    if args.sample_prompts and os.path.isdir(args.sample_prompts):
-        raise ConfigError(f"{origins.get('sample_prompts', where)}: key 'sample_prompts': '{args.sample_prompts}' is a "
-                          f"folder; expected a prompt file")
+    """A file the run reads only after caching (and after loading the models): missing, found now.
+    (sample_prompts is read before caching, with the dataset: a config that names files a tool
+    writes later, as the quickstart's, still loads.)"""
+    path = args.network_weights
+    if path and not os.path.exists(path):
+        raise ConfigError(f"{origins.get('network_weights', where)}: key 'network_weights' = {path}: no such file or "
+                          f"folder (expected a LoRA file or PEFT adapter folder)")
 
 
 def _validate_output(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:

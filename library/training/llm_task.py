@@ -104,6 +104,8 @@ class LLMTask:
             self.network.to(self.device)
         self.module = LMLoss(self.model, self.network, self.autocast_dtype)
         self.eval_log = os.path.join(args.output_dir, f"{args.output_name}_eval.csv")
+        if not args.resume and accelerator.is_main_process and os.path.exists(self.eval_log):
+            os.remove(self.eval_log)  # a new run's evals, as its log CSV (appended to, they mixed two runs)
 
     def _load_model(self, path: str) -> tuple[LLM, bool]:
         has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(".safetensors")

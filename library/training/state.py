@@ -81,6 +81,8 @@ def load_state(folder: str, args) -> SavedState:
         raise ValueError(f"{folder}: not a training state (no train_state.json)")
     progress = read_progress(path)
     saved, current = progress.pop("run"), json.loads(json.dumps(run_digest(args), default=str))
+    # A state with an EMA resumed with it off: the EMA would be dropped and its old _ema file left stale.
+    current.update({k: getattr(args, k) for k in EMA_IDENTITY if k in saved and k not in current})
     for key in current:
         if saved.get(key) != current[key]:
             raise ValueError(
