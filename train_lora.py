@@ -27,7 +27,11 @@ from library.training.config import build_parser
 
 # The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
 if __name__ == "__main__":
-    build_parser().parse_args()
+    try:
+        build_parser().parse_args()
+    except ValueError as e:  # ConfigError: an unknown or malformed flag, one line
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     one_line_warnings()
 
 import torch  # noqa: E402

@@ -25,7 +25,7 @@ def _marker_groups(files: dict[str, LoRAFiles]) -> dict[str, tuple[tuple[str, ..
     return groups
 
 
-def _title_list(titles: list[str]) -> str:
+def title_list(titles: list[str]) -> str:
     return ", ".join(titles[:-1]) + " or " + titles[-1] if len(titles) > 1 else "".join(titles)
 
 
@@ -45,7 +45,7 @@ def base_arch_of_names(keys) -> str:
         (a, ka), (b, kb) = list(found.items())[:2]
         raise CheckpointError(f"LoRA names both {title[a]} ('{ka}') and {title[b]} ('{kb}') modules")
     if not found:
-        raise CheckpointError(f"cannot tell {_title_list(list(title.values()))} by the names (e.g. '{flat[0]}'): pass --model_type")
+        raise CheckpointError(f"cannot tell {title_list(list(title.values()))} by the names (e.g. '{flat[0]}'): pass --model_type")
     return next(iter(found))
 
 

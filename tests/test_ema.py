@@ -256,7 +256,7 @@ def test_samples_render_with_ema_weights_and_training_keeps_raw(tiny_set, tmp_pa
     args = flux_args(tiny_set, out, *ADAMW, "--max_train_steps", "4", "--ema_decay", "0.6", "--sample_with_ema",
                      "true", "--sample_every_n_steps", "2", "--sample_prompts", tiny_set["sample_prompts"])
     assert train_lora.main(args) == 0
-    assert sorted(seen) == ["final", "step000002", "step000004"]
+    assert sorted(seen) == ["final", "step000002"]  # step 4's are the final ones
     ema2 = hand_ema(recorded[:3], 0.6)
     assert max_change(seen["step000002"], ema2) < 1e-6 and max_change(ema2, recorded[2]) > 1e-4
     assert max_change(seen["final"], hand_ema(recorded, 0.6)) < 1e-6

@@ -286,3 +286,12 @@ def test_llm_keys_that_pretraining_or_sampling_would_ignore_or_crash_on_are_refu
     cfg = write(tmp_path, BASE + lines + "\n")
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+
+
+def test_a_bad_flag_is_one_line_not_the_usage(capsys):
+    """The old line printed argparse's usage (every key: ~80 lines) above the error."""
+    import train_lora
+
+    assert train_lora.main(["--bogus", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: command line: unrecognized arguments: --bogus 1 (python train_lora.py --help lists the keys)\n"

@@ -257,3 +257,13 @@ def test_a_new_run_starts_its_own_eval_csv(tiny_set, tmp_path):
         assert train_lora.main(args) == 0
     with open(tmp_path / "lm_eval.csv") as f:
         assert [row["step"] for row in csv.DictReader(f)] == ["1", "2", "final"]
+
+
+def test_a_corpus_too_short_for_one_window_names_the_files_and_the_split(tiny_set, tmp_path, capsys):
+    """The old line: 'text has 5 tokens, fewer than max_length + 1 = 33', naming neither file nor key."""
+    short = tmp_path / "short.txt"
+    short.write_text("two words")
+    args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data", str(short))
+    assert train_lora.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"train_data {short}: " in err and "fewer than max_length + 1 = 33" in err, err

@@ -95,7 +95,7 @@ from networks.lora_files import (  # noqa: E402
     write_peft_folder,
 )
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
-from networks.lora_arch import detect_arch, lora_files  # noqa: E402
+from networks.lora_arch import detect_arch, lora_files, title_list  # noqa: E402
 from tools.lora_common import check_output_path  # noqa: E402
 
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
@@ -147,7 +147,7 @@ def lycoris_refusal() -> str:
     not_loaded = [arch_spec(a).title for a, f in files.items() if "diffusers" in f.layouts and not f.diffusers_lokr]
     return ("a LyCORIS file (LoKr/LoHa/...) has no kohya/diffusers LoRA form: its own keys (lora_unet_*.lokr_w1 ...) "
             f"are what ComfyUI and LyCORIS load, and diffusers 0.42.1 loads LoKr only for {' and '.join(loaded)}, "
-            f"not {_title_list(not_loaded)}; merge it with tools/merge_lora.py instead")
+            f"not {title_list(not_loaded)}; merge it with tools/merge_lora.py instead")
 
 
 def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAWeights]:

@@ -297,8 +297,16 @@ def _parse_cli_value(key: str, text: str) -> Any:
         raise ConfigError(f"command line: --{key} must be {spec.type.__name__}, got {text!r}") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose error is one ConfigError line ("command line: ..."), not its usage (80 lines of
+    flags) and the error beneath it."""
+
+    def error(self, message):
+        raise ConfigError(f"command line: {message} (python train_lora.py --help lists the keys)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=f"LoRA training for {', '.join(s.title for s in arch_specs().values())}",
+    p = _Parser(description=f"LoRA training for {', '.join(s.title for s in arch_specs().values())}",
                                 allow_abbrev=False)
     p.add_argument("--config_file", help="training TOML; command-line values override it")
     for key, spec in SCHEMA.items():

@@ -135,6 +135,10 @@ class LLMTask:
         docs = load_text_corpus(args.train_data)
         ids = tokenize_documents(docs, lambda t: self.tokenizer.encode(t, add_special_tokens=False, verbose=False), self.tokenizer.eos_token_id)
         train_ids, val_ids = train_val_split(ids, args.val_fraction)
+        if len(train_ids) < args.max_length + 1:  # named here: the dataset's own error knows no file or key
+            held = f" after val_fraction {args.val_fraction:g} holds out {len(val_ids)}" if len(val_ids) else ""
+            raise ConfigError(f"train_data {', '.join(args.train_data)}: {len(ids)} tokens{held} leave {len(train_ids)} "
+                              f"to train on, fewer than max_length + 1 = {args.max_length + 1}")
         train = TextWindowDataset(train_ids, args.max_length, args.stride)
         val = TextWindowDataset(val_ids, args.max_length, args.max_length) if len(val_ids) > args.max_length + 1 else None
         self.val_ids = torch.as_tensor(val_ids, dtype=torch.long).flatten()  # evaluate() scores all of it
