@@ -239,12 +239,21 @@ def test_wrong_files_are_one_error_naming_the_key(tiny_set, tmp_path):
         load_chroma(str(folder))
 
 
-def test_a_lora_trains_two_steps_on_a_comfyui_scaled_fp8_zimage(tiny_set, tmp_path):
+def test_a_lora_trains_two_steps_on_a_comfyui_scaled_fp8_zimage(tiny_set, tmp_path, monkeypatch):
+    from library.data import images
+
+    panels = []  # the sample's panel labels: the old line said the configured "fp8_scaled", not what loaded
+    real = images.save_side_by_side
+    monkeypatch.setattr(images, "save_side_by_side",
+                        lambda shown, *a, **k: (panels.append([n for n, _ in shown]), real(shown, *a, **k))[1])
     path, _ = write_fp8(tiny_set, "zimage", "comfy_marker", tmp_path / "z_image_tiny_fp8_e4m3fn_scaled.safetensors")
     out = tmp_path / "out"
-    args = train_args(tiny_set, out, "prequant", model=path, extra=("--fp8_base", "true", "--fp8_scaled", "true"))
+    args = train_args(tiny_set, out, "prequant", model=path, extra=(
+        "--fp8_base", "true", "--fp8_scaled", "true", "--sample_prompts", tiny_set["sample_prompts"],
+        "--sample_bf16_reference", "false"))
     with pytest.warns(UserWarning, match="widened"):
         assert train_lora.main(args) == 0
+    assert panels and all(labels == ["fp8_tensor_scaled"] for labels in panels), panels
     with safe_open(str(out / "prequant.safetensors"), framework="pt") as f:
         assert f.metadata()["ss_base_precision"] == "fp8_tensor_scaled"
         assert any(k.startswith("lora_unet_layers_0_attention_to_q.") for k in f.keys())

@@ -351,7 +351,7 @@ class DiffusionTask:
             return []
         from library.data.images import save_side_by_side
 
-        bases = [(base_precision(self.args), self.base)]
+        bases = [(self.stored_precision or base_precision(self.args), self.base)]  # the layout loaded
         if memory_plan.renders_bf16_reference(self.args):
             # The same LoRA on a bf16 copy of the base, streamed from disk for this render only.
             reference = self.family.load_transformer(self.compute_dtype, "bf16").requires_grad_(False).eval()
