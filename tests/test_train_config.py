@@ -200,6 +200,10 @@ FLUX = ('model_type = "flux"\npretrained_model_name_or_path = "m"\nae = "a"\ncli
         'dataset_config = "d.toml"\n')
 
 
+QWEN = ('model_type = "qwen_image"\npretrained_model_name_or_path = "m"\nae = "a"\ntext_encoder = "t"\n'
+        'dataset_config = "d.toml"\n')
+
+
 def test_a_key_in_two_tables_is_refused_naming_both(tmp_path):
     """The old line let the later table win without a word (TOML refuses a repeat only within one table)."""
     cfg = write(tmp_path, BASE + "[network]\nnetwork_dim = 4\n[output]\nnetwork_dim = 8\n")
@@ -237,6 +241,10 @@ def test_numbers_out_of_range_are_refused(tmp_path, key, value, problem):
     (FLUX, 'text_encoder = "q"', "key 'text_encoder' is read by model_type .*qwen_image.*, not by model_type flux"),
     (BASE, 'timestep_sampling = "shift"', "key 'timestep_sampling' is read by the diffusion models, not by model_type llm"),
     (BASE, 'clip_l = "c"', "key 'clip_l' is read by the diffusion models"),
+    # a key of one model_type of a family folder (the old line took every key of the folder)
+    (QWEN, "layers = 3", "key 'layers' is read by model_type qwen_image_layered, not by model_type qwen_image"),
+    (QWEN.replace('"qwen_image"', '"qwen_image_layered"'), 'model_version = "qwen-image-edit-2511"',
+     "key 'model_version' is read by model_type .*qwen_image_edit.*, not by model_type qwen_image_layered"),
 ])
 def test_a_key_the_model_type_never_reads_is_refused(tmp_path, config, line, message):
     """The old line ignored them: batch_size = 8 on a FLUX run trained the dataset's batch size."""

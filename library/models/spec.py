@@ -159,6 +159,7 @@ class ConfigKey:
     type: type  # str, int, float, bool
     help: str
     default: object = None
+    model_types: tuple = ()  # the model_types of the folder that read it (empty: every one); the others refuse it
 
 
 # ----------------------------------------------------------------------------------------------

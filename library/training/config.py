@@ -548,7 +548,7 @@ def _validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> 
     else:
         from library.models.registry import spec_of
 
-        own = {k.key for k in spec_of(args.model_type).config_keys}
+        own = {k.key for k in spec_of(args.model_type).config_keys if not k.model_types or args.model_type in k.model_types}
         foreign = {k: "model_type llm" for k in LLM_KEYS}
         foreign.update({k: _readers(k) for k in FAMILY_KEYS if k not in own})
     for key in origins:
@@ -576,7 +576,8 @@ def _readers(key: str) -> str:
     """The model_types whose families declare `key`, for an error line."""
     from library.models.registry import spec_of
 
-    return "model_type " + ", ".join(t for t in FAMILIES if key in {k.key for k in spec_of(t).config_keys})
+    return "model_type " + ", ".join(t for t in FAMILIES if any(k.key == key and (not k.model_types or t in k.model_types)
+                                                                for k in spec_of(t).config_keys))
 
 
 def _validate_input_paths(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:

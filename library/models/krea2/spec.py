@@ -112,10 +112,10 @@ CONFIG_KEYS = (
                                       "model_index.json is_distilled, else turbo when the file name says so)"),
     S.ConfigKey("reference_resolution", int, "krea2_edit: reference images (control_directory, --ci) keep their "
                 "aspect and are scaled down to at most this^2 pixels, sides multiples of 16 (default 1024: "
-                "ai-toolkit's control_image_max_pixels)"),
+                "ai-toolkit's control_image_max_pixels)", model_types=("krea2_edit",)),
     S.ConfigKey("reference_kv_cache", bool, "krea2_edit: reference tokens attend only to each other (ai-toolkit's "
                 "model_kwargs kv_cache), for kv-cached inference in ComfyUI; recorded in the LoRA's metadata",
-                default=False),
+                default=False, model_types=("krea2_edit",)),
 )
 
 

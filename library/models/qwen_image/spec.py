@@ -81,9 +81,9 @@ CONFIG_KEYS = (
                                      "vision tower, processor/ beside it)"),
     S.ConfigKey("model_version", str, "qwen_image_edit: qwen-image-edit, qwen-image-edit-2509 or qwen-image-edit-2511 "
                                       "(default: the transformer config.json's flags, 2509 without zero_cond_t; "
-                                      "needed for a single transformer file)"),
+                                      "needed for a single transformer file)", model_types=("qwen_image_edit",)),
     S.ConfigKey("layers", int, "qwen_image_layered: layers a sample (--ci image) is decomposed into (the pipeline's "
-                               "`layers`, default 4; training takes each image's own layer files)"),
+                               "`layers`, default 4; training takes each image's own layer files)", model_types=("qwen_image_layered",)),
 )
 
 

@@ -111,7 +111,7 @@ CONFIG_KEYS = (
     S.ConfigKey("model_version", str, "zimage: zimage-turbo or zimage-base (default: the pipeline folder's "
                                       "scheduler shift, 3.0 Turbo / 6.0 Base; Turbo for a single file)"),
     S.ConfigKey("siglip", str, "zimage_omni: the SigLIP2 vision model folder with its preprocessor_config.json "
-                               "(default: the Omni repo's siglip/ and siglip_processor/)"),
+                               "(default: the Omni repo's siglip/ and siglip_processor/)", model_types=("zimage_omni",)),
 )
 
 
