@@ -78,6 +78,20 @@ def test_bad_row_is_one_line_exit_2(tiny_set, tmp_path, capsys):
     assert len(err) == 1 and "row 'fp16': expected one of" in err[0]
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--sigmas", "abc"], "--sigmas 'abc': expected numbers"),  # the old line: after every row had trained
+    (["--sigmas", "2"], "--sigmas '2': each must be in (0, 1]"),  # the old line: a matrix at sigma 2
+    (["--sigmas", "-0.5"], "--sigmas '-0.5': each must be in (0, 1]"),
+    (["--rows", "bf16", "--loras", "nf4=x.safetensors"], "--loras nf4=...: row 'nf4' is not in --rows bf16"),  # was dropped
+])
+def test_bad_sigmas_and_unused_loras_are_one_line_before_training(tiny_set, tmp_path, capsys, extra, message):
+    config = write_config(tmp_path, tiny_set, "flux")
+    assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "m"), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not any(p.startswith("train_") for p in os.listdir(tmp_path / "m"))
+
+
 def test_fp8_compute_row_and_column_need_bf16_then_run(tiny_set, tmp_path, capsys, monkeypatch):
     """The fp8_compute row (trained with fp8_compute = true) and column (fp8_scaled base run as fp8 GEMMs):
     refused in one line unless the config and --dtype compute in bf16, and on a torch whose CPU

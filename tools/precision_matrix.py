@@ -429,6 +429,17 @@ def check_computed(rows: list[str], columns: list[str], dtype: str, mixed_precis
                          f"drop the fp8_compute row and column")
 
 
+def parse_sigmas(text: str) -> list[float]:
+    """--sigmas: comma-separated noise levels in (0, 1] (1 = pure noise)."""
+    try:
+        sigmas = [float(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--sigmas {text!r}: expected numbers separated by commas, e.g. 0.1,0.5,0.9") from None
+    if not sigmas or not all(0 < s <= 1 for s in sigmas):
+        raise ValueError(f"--sigmas {text!r}: each must be in (0, 1]")
+    return sigmas
+
+
 def main(argv=None, log=print) -> int:
     try:
         cli = build_parser().parse_args(argv)
@@ -449,10 +460,13 @@ def main(argv=None, log=print) -> int:
         if unknown:
             raise ValueError(f"column {unknown[0]!r}: expected one of {', '.join(DEPLOYABLE)}")
         check_computed(rows, columns, cli.dtype, args.mixed_precision, cli.config_file)
+        sigmas = parse_sigmas(cli.sigmas)  # before any row trains (minutes)
+        unused = [r for r in given if r not in rows]
+        if unused:
+            raise ValueError(f"--loras {unused[0]}=...: row {unused[0]!r} is not in --rows {cli.rows}; add it there")
         concept_path = find_concept(cli.concept, load_config(["--config_file", cli.config_file]).dataset_config)
         bases = Bases(args.pretrained_model_name_or_path, family.arch, getattr(torch, DTYPES[cli.dtype]), cli.out, cli.seed)
         loras = {r: given.get(r) or train_row(r, cli.config_file, cli.out, overrides, bases) for r in rows}
-        sigmas = [float(s) for s in cli.sigmas.split(",")]
         data = eval_data(args, family, cli.max_items)
         concept = Concept(concept_path, family) if concept_path else None
         result, base_rates = run_matrix(args, family, bases, loras, columns, data, sigmas, cli.seed, concept, log=log)
