@@ -92,6 +92,16 @@ def test_bad_sigmas_and_unused_loras_are_one_line_before_training(tiny_set, tmp_
     assert not any(p.startswith("train_") for p in os.listdir(tmp_path / "m"))
 
 
+def test_an_llm_config_is_refused_as_such(tiny_set, tmp_path, capsys):
+    """The old line blamed sample_prompts, a key the tool itself adds for its training runs."""
+    config = tmp_path / "llm.toml"
+    config.write_text(f'model_type = "llm"\npretrained_model_name_or_path = "{tiny_set["llm"]}"\n'
+                      f'train_data = ["{tiny_set["corpus"]}"]\n')
+    assert precision_matrix.main(["--config_file", str(config), "--out", str(tmp_path / "m")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {config}: model_type llm: the precision matrix is for the "
+                                               f"diffusion models")
+
+
 def test_fp8_compute_row_and_column_need_bf16_then_run(tiny_set, tmp_path, capsys, monkeypatch):
     """The fp8_compute row (trained with fp8_compute = true) and column (fp8_scaled base run as fp8 GEMMs):
     refused in one line unless the config and --dtype compute in bf16, and on a torch whose CPU

@@ -445,8 +445,10 @@ def main(argv=None, log=print) -> int:
         cli = build_parser().parse_args(argv)
         os.makedirs(cli.out, exist_ok=True)
         overrides = ["--max_train_steps", str(cli.steps)] if cli.steps else []
+        base = load_config(["--config_file", cli.config_file])
+        if base.model_type == "llm":  # before run_args' diffusion keys, which an llm config refuses
+            raise ValueError(f"{cli.config_file}: model_type llm: the precision matrix is for the diffusion models")
         if cli.resolution:
-            base = load_config(["--config_file", cli.config_file])
             overrides += ["--dataset_config", resized_dataset(base.dataset_config, cli.resolution, cli.out)]
         args = load_config(run_args(cli.config_file, overrides))
         family = get_family(args)
