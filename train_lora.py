@@ -435,15 +435,15 @@ class Trainer:
         self.batches_done = 0
 
     def diverged(self, what: str | None = None) -> str:
-        """The stop line for a non-finite loss (`what`) or non-finite weights found at a save. The
-        weights that gave a non-finite loss are the last update's, so they are not called good:
-        kept (as an intermediate save, none pruned) only where finite."""
+        """The stop line for a non-finite loss (`what`) or, with `what` None, for the non-finite
+        weights check_finite found. The weights that gave a non-finite loss are the last update's, so
+        they are not called good: kept (as an intermediate save, none pruned) only where finite."""
         saves = self.saver.intermediate_saves()
         earlier = sorted(s for s in saves if s < self.step)
         before = (f"the last save before it: step {earlier[-1]}, {saves[earlier[-1]][0]}" if earlier
                   else "no save before it (save_every_n_steps keeps some)")
         lead = f"error: {what} at step {self.step + 1} (epoch {self.epoch}); the" if what else "error: the"
-        if not self.weights_finite():
+        if what is None or not self.weights_finite():  # (check_finite has just scanned them)
             return f"{lead} LoRA's weights are no longer finite after step {self.step}: not saved; {before}"
         path = self.saver.lora(self.step, self.epoch, prune=False)
         return (f"{lead} LoRA of step {self.step} gave it (its weights are finite: check it before use) and "

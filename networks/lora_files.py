@@ -414,6 +414,12 @@ PEFT_UNSUPPORTED = {"bias": "none", "modules_to_save": None, "lora_bias": False,
                     "trainable_token_indices": None, "target_parameters": None}
 
 
+def input_files(paths) -> list[str]:
+    """The files behind LoRA inputs that exist: each path, and a PEFT adapter folder's weights file
+    (an output must be none of them)."""
+    return [f for p in paths for f in (p, os.path.join(p, PEFT_WEIGHTS_FILE)) if os.path.exists(f)]
+
+
 def peft_folder_of(path: str) -> str | None:
     """The PEFT adapter folder `path` names (the folder, or its adapter_model.safetensors), else None."""
     folder = path if os.path.isdir(path) else os.path.dirname(path) if os.path.basename(path) == PEFT_WEIGHTS_FILE else None

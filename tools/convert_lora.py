@@ -96,7 +96,7 @@ from networks.lora_files import (  # noqa: E402
 )
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
 from networks.lora_arch import detect_arch, lora_files, title_list  # noqa: E402
-from tools.lora_common import check_output_path  # noqa: E402
+from tools.lora_common import check_output_path, warn_unknown_peft_alpha  # noqa: E402
 
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
 LAYOUT_ADVICE = {"diffusers": "--to diffusers", "comfy": "--to comfy", "peft": "--to peft (a PEFT adapter folder)"}
@@ -186,8 +186,7 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
         want = " or ".join(LAYOUT_ADVICE[layout] for layout in files.layouts if layout != "kohya")
         raise ValueError(f"--to {to}: {arch_spec(model_type).title} LoRAs convert with {want} or --to kohya")
     if not known:
-        print(f"warning: {src}: PEFT file without '{ADAPTER_METADATA_KEY}' or alphas: the scale is unknown; "
-              "converting as alpha = rank (scale 1), which is what diffusers assumes", file=sys.stderr)  # fmt: skip
+        warn_unknown_peft_alpha(src, "converting")
     dtype = next(iter(weights.values())).down.dtype
     if files.module_map:
         module_map = load_symbol(files.module_map)(weights, counts)

@@ -27,9 +27,9 @@ from networks.lora_files import (  # noqa: E402
     COMFY_PREFIXES,
     FOLDED_MARK,
     PEFT_PREFIXES,
-    PEFT_WEIGHTS_FILE,
     LoRAWeights,
     _split_key,
+    input_files,
     parse_lora,
     peft_alpha_known,
     peft_state_dict,
@@ -66,8 +66,7 @@ def read_lora_file(path: str, tool: str) -> LoRAFile:
                               "merge it into the base with tools/merge_lora.py instead")  # fmt: skip
     weights, fmt = parse_lora(tensors, metadata, None, source=path, adapter_config=adapter_config)
     if not peft_alpha_known(tensors, metadata, adapter_config):
-        print(f"warning: {path}: PEFT file without '{ADAPTER_METADATA_KEY}' or alphas: the scale is unknown; "
-              "reading it as alpha = rank (scale 1), which is what diffusers assumes", file=sys.stderr)  # fmt: skip
+        warn_unknown_peft_alpha(path, "reading it")
     prefix = ""
     if fmt != "kohya":
         modules = list(dict.fromkeys(_split_key(k)[0] for k in tensors))
@@ -76,6 +75,12 @@ def read_lora_file(path: str, tool: str) -> LoRAFile:
     dtype = next(iter(weights.values())).down.dtype
     shapes = {k: torch.empty(t.shape, device="meta") for k, t in tensors.items()}
     return LoRAFile(path, weights, dict(metadata), fmt, prefix, dtype, shapes)
+
+
+def warn_unknown_peft_alpha(path: str, doing: str) -> None:
+    """The tools' one warning for a PEFT file whose alpha is stored nowhere (peft_alpha_known)."""
+    print(f"warning: {path}: PEFT file without '{ADAPTER_METADATA_KEY}' or alphas: the scale is unknown; "
+          f"{doing} as alpha = rank (scale 1), which is what diffusers assumes", file=sys.stderr)
 
 
 def layout_tensors(weights: dict[str, LoRAWeights], fmt: str, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -116,8 +121,7 @@ def check_output_path(path: str, *inputs: str, flag: str = "--save_to") -> None:
     counts with its adapter_model.safetensors)."""
     if not path.endswith(".safetensors"):
         raise ValueError(f"{flag} {path}: expected a .safetensors file (only safetensors is written)")
-    files = [f for i in inputs for f in (i, os.path.join(i, PEFT_WEIGHTS_FILE)) if os.path.exists(f)]
-    if os.path.exists(path) and any(os.path.samefile(path, f) for f in files):
+    if os.path.exists(path) and any(os.path.samefile(path, f) for f in input_files(inputs)):
         raise ValueError(f"{flag} {path}: is one of the inputs; write the result elsewhere")
 
 

@@ -126,6 +126,7 @@ from networks.lora_files import (  # noqa: E402
     LoRAWeights,
     bfl_to_diffusers,
     diffusers_to_bfl,
+    input_files,
     merge_into_weight,
     parse_lora,
     read_lora_tensors,
@@ -695,8 +696,7 @@ def _check_save_to(save_to: str, model: str, base: Base, loras: list[LoRASpec], 
     file output's extension says what is written (.gguf for GGUF, else .safetensors)."""
     if os.path.exists(save_to) and os.path.realpath(save_to) in (os.path.realpath(model), os.path.realpath(base.path)):
         raise ValueError(f"--save_to {save_to}: is the base checkpoint itself; write the merge elsewhere")
-    inputs = [f for s in loras for f in (s.path, os.path.join(s.path, "adapter_model.safetensors")) if os.path.exists(f)]
-    if os.path.exists(save_to) and any(os.path.samefile(save_to, f) for f in inputs):
+    if os.path.exists(save_to) and any(os.path.samefile(save_to, f) for f in input_files(s.path for s in loras)):
         raise ValueError(f"--save_to {save_to}: is one of the --lora inputs; write the merge elsewhere")
     if os.path.exists(save_to) and os.path.isdir(save_to) != base.is_folder:
         kind = "folder" if base.is_folder else "file"

@@ -466,7 +466,7 @@ def main(argv=None, log=print) -> int:
         unused = [r for r in given if r not in rows]
         if unused:
             raise ValueError(f"--loras {unused[0]}=...: row {unused[0]!r} is not in --rows {cli.rows}; add it there")
-        concept_path = find_concept(cli.concept, load_config(["--config_file", cli.config_file]).dataset_config)
+        concept_path = find_concept(cli.concept, base.dataset_config)
         bases = Bases(args.pretrained_model_name_or_path, family.arch, getattr(torch, DTYPES[cli.dtype]), cli.out, cli.seed)
         loras = {r: given.get(r) or train_row(r, cli.config_file, cli.out, overrides, bases) for r in rows}
         data = eval_data(args, family, cli.max_items)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass, replace
 
 import toml
-from dataclasses import dataclass, replace
 
 from library.text_files import read_utf8
 
