@@ -16,7 +16,8 @@ Read in Comfy-Org/ComfyUI (the stored versions; the `fetch` mirror, a125cd84, pr
 - comfy/lora.py `load_lora` and comfy/weight_adapter/lora.py `LoRAAdapter.load` / `calculate_weight`
   at a125cd84b054a57729b5eecab930ca9408719832: for each key-map name x, `x.alpha`, then the first
   (up, down) pair present of the suffixes below; weight (narrowed to the rows) += alpha / rank * up @
-  down (alpha absent: 1), float32. File keys no name consumed are "lora key not loaded".
+  down (alpha absent: 1), float32; with a `x.dora_scale`, comfy/weight_adapter/base.py `weight_decompose`
+  (below). File keys no name consumed are "lora key not loaded".
 """
 
 from __future__ import annotations
@@ -84,15 +85,31 @@ def load_lora(tensors: dict[str, torch.Tensor], names: dict) -> tuple[dict, set[
     return patches, set(tensors) - loaded
 
 
-def patched(state_dict: dict[str, torch.Tensor], patches: dict) -> dict[str, torch.Tensor]:
-    """ComfyUI's weights (keys without `diffusion_model.`) after the LoRA at strength 1, float32; a
+def patched(state_dict: dict[str, torch.Tensor], patches: dict, strength: float = 1.0) -> dict[str, torch.Tensor]:
+    """ComfyUI's weights (keys without `diffusion_model.`) after the LoRA at `strength`, float32; a
     target the model lacks is an error here (ComfyUI skips it silently)."""
     out = {k: v.float().clone() for k, v in state_dict.items()}
     for target, (up, down, alpha, dora) in patches.items():
-        assert dora is None, "DoRA is not restated here (only which keys ComfyUI reads)"
         key, rows = (target, None) if isinstance(target, str) else target
         key = key.removeprefix("diffusion_model.")
         weight = out[key] if rows is None else out[key].narrow(*rows)
         scale = 1.0 if alpha is None else alpha / down.shape[0]
-        weight += scale * (up.float() @ down.float())
+        diff = up.float() @ down.float()
+        if dora is None:
+            weight += strength * scale * diff
+        else:
+            weight.copy_(weight_decompose(dora.float(), weight, diff, scale, strength))
     return out
+
+
+def weight_decompose(dora_scale: torch.Tensor, weight: torch.Tensor, diff: torch.Tensor, alpha: float,
+                     strength: float) -> torch.Tensor:
+    """comfy/weight_adapter/base.py `weight_decompose` (a125cd84, unchanged through v0.3.77), float32: the
+    output-axis branch (dora_scale [out, 1], our layout) divides by the norm of the base weight W, not of
+    W + dW as DoRA (PEFT, LyCORIS, our merge) does; Comfy-Org/ComfyUI#15458 (open) would change that.
+    The input-axis branch ([1, in]) is not restated: we never write it."""
+    assert dora_scale.shape[0] == weight.shape[0], "input-axis dora_scale is not restated here"
+    calc = weight + alpha * diff
+    norm = weight.norm(dim=1, keepdim=True) + torch.finfo(weight.dtype).eps
+    calc = calc * (dora_scale / norm)
+    return weight + strength * (calc - weight) if strength != 1.0 else calc

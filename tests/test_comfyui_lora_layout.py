@@ -131,6 +131,34 @@ def test_bfl_named_lora_kohya_and_comfy_load_every_key_as_our_merge(tiny_set, tm
         assert max_diff(comfy.patched(comfy_sd, patches), ours) <= 1e-6
 
 
+@pytest.mark.parametrize("strength", [1.0, 0.5])
+def test_comfyui_applies_our_dora_as_ours_but_normalised_by_the_base_weight(tiny_set, tmp_path, strength):
+    """ComfyUI's DoRA math on our kohya DoRA file reads our magnitude on the output axis, our alpha and
+    delta: its weights are W + s (m (W + dW) / ||W|| - W), ours merged with the per-row norm taken of W
+    instead of W + dW (ComfyUI's output-axis branch; docs/configuration.md). Measured on the quickstart
+    DoRA: ||W + dW|| / ||W|| median 1.004 (0.954 to 1.212); concept rate 16/18 ours, 17/18 ComfyUI's."""
+    model = load_flux(tiny_set["flux_bfl"]).float()
+    net = lora(model, "flux", rank=4, alpha=2.0, seed=7, dora=True)
+    with torch.no_grad():  # magnitudes away from ||W|| as training moves them, so a transposed or
+        for m in net.lora_modules():  # mis-scaled dora_scale shows
+            m.dora_scale.mul_(torch.linspace(0.5, 1.5, m.dora_scale.shape[0]).reshape(-1, 1))
+    kohya = str(tmp_path / "kohya.safetensors")
+    net.save(kohya)
+    save_flux_bfl(model, str(tmp_path / "single.safetensors"), model.config)
+    comfy_sd = load_file(str(tmp_path / "single.safetensors"))
+    patches, not_loaded = comfy.load_lora(load_file(kohya), comfy.key_map(comfy_sd))
+    assert not not_loaded and len(patches) == len(net.lora_weights())
+    theirs = comfy.patched(comfy_sd, patches, strength)
+    base = {k: v.float() for k, v in model.state_dict().items()}
+    worst = 0.0
+    for path, w in net.lora_weights().items():
+        weight = base[f"{path}.weight"]
+        ratio = (weight + w.delta()).norm(dim=1, keepdim=True) / weight.norm(dim=1, keepdim=True)
+        ours_at_their_norm = weight + strength * (ratio * w.merged(weight) - weight)
+        worst = max(worst, (theirs[f"{path}.weight"] - ours_at_their_norm).abs().max().item())
+    assert worst <= 1e-5
+
+
 def test_dora_for_comfyui_has_its_magnitude_as_dora_scale_per_output_row(tiny_set, tmp_path):
     """ComfyUI reads a DoRA magnitude only as `<name>.dora_scale` ([out, 1] on the output axis, as our kohya
     files write it); --to comfy wrote PEFT's lora_magnitude_vector, which ComfyUI leaves unloaded."""
