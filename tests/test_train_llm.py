@@ -267,3 +267,45 @@ def test_a_corpus_too_short_for_one_window_names_the_files_and_the_split(tiny_se
     assert train_lora.main(args) == 2
     err = capsys.readouterr().err
     assert f"train_data {short}: " in err and "fewer than max_length + 1 = 33" in err, err
+
+
+def plain_fp8_folder(tiny_set, folder):
+    """The tiny LLM as a plain-fp8 Hugging Face folder: every decoder Linear weight float8_e4m3fn, no
+    scales (embeddings, norms and the head as they were); returns q_proj's stored codes of layer 0."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(tiny_set["llm"], folder)
+    tensors = load_file(os.path.join(tiny_set["llm"], "model.safetensors"))
+    tensors = {k: v.to(torch.float8_e4m3fn) if k.endswith("_proj.weight") else v for k, v in tensors.items()}
+    save_file(tensors, os.path.join(folder, "model.safetensors"), {"format": "pt"})
+    return tensors["model.layers.0.self_attn.q_proj.weight"]
+
+
+def test_a_plain_fp8_folder_trains_as_stored_and_records_fp8(tiny_set, tmp_path):
+    """The old line refused base_precision fp8 ('... is already torch.float8_e4m3fn: re-quantizing fp8
+    compounds error') and, without it, widened the base and recorded ss_base_precision fp32."""
+    from safetensors import safe_open
+
+    from library.training.config import load_config
+
+    codes = plain_fp8_folder(tiny_set, tmp_path / "fp8")
+    args = load_config(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(tmp_path / "fp8"),
+                                "--output_name", "lm", "--max_train_steps", "1", "--eval_every_n_steps", "0",
+                                "--base_precision", "fp8"))
+    trainer = train_lora.Trainer(args)
+    q_proj = trainer.task.model.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.dtype == torch.float8_e4m3fn and torch.equal(q_proj.weight.view(torch.uint8), codes.view(torch.uint8))
+    assert trainer.run() == 0
+    with safe_open(str(tmp_path / "out" / "lm" / "adapter_model.safetensors"), "pt") as f:
+        assert f.metadata()["ss_base_precision"] == "fp8"
+
+
+def test_a_plain_fp8_folder_without_the_fp8_setting_is_refused(tiny_set, tmp_path, capsys):
+    plain_fp8_folder(tiny_set, tmp_path / "fp8")
+    code = train_lora.main(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(tmp_path / "fp8"),
+                                    "--max_train_steps", "1", "--eval_every_n_steps", "0"))
+    assert code == 2
+    assert ("stores a pre-quantized fp8 base (used as it is), but the config asks for bf16; set fp8_base = true and "
+            "fp8_scaled = false") in capsys.readouterr().err

@@ -84,6 +84,7 @@ class LLMTask:
         self.autocast_dtype = self.dtype if args.pretrain else None
         path = args.pretrained_model_name_or_path
         self.tokenizer = load_tokenizer(path)
+        self.stored_precision = None  # a pre-quantized base's layout (_base_prepare)
         self.model, self.from_scratch = self._load_model(path)
         self._check_context()
         self.train_set, self.val_set = self._load_data()
@@ -110,9 +111,7 @@ class LLMTask:
     def _load_model(self, path: str) -> tuple[LLM, bool]:
         has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(".safetensors")
         if has_weights:
-            from library.models.family import fp8_prepare
-
-            return load_llm(path, dtype=self.weights_dtype, prepare=fp8_prepare(base_precision(self.args), "llm")), False
+            return load_llm(path, dtype=self.weights_dtype, prepare=self._base_prepare(path)), False
         if not self.args.pretrain:
             raise ConfigError(f"{path}: no .safetensors weights; a LoRA needs a pretrained model (or set pretrain = true)")
         with open(os.path.join(path, "config.json")) as f:
@@ -123,6 +122,24 @@ class LLMTask:
         model = LLM(config)  # float32 weights and compute_dtype: autocast_dtype picks the matmul dtype
         init_weights(model, scaled_residual=self.args.scaled_residual_init)
         return model, True
+
+    def _base_prepare(self, path: str):
+        """load_llm's prepare hook. A LoRA's frozen base in a pre-quantized file (plain fp8, fp8_scaled,
+        ComfyUI's scaled fp8) is used as it is stored, as a diffusion transformer is: the config must
+        say so and the LoRA's metadata names the stored layout. Pretraining widens such weights (they
+        train in fp32); a bf16 / fp16 / fp32 file gets the config's base precision while loading."""
+        from library.io import CheckpointReader
+        from library.models.family import fp8_prepare
+        from library.models.registry import arch_spec
+        from library.precision.stored_layouts import check_config_precision, read_stored_layout, stored_converter
+
+        reader = CheckpointReader(path)
+        stored = None if self.args.pretrain else read_stored_layout(reader, path)
+        self.stored_precision = stored.layout if stored else None
+        if stored is None:
+            return fp8_prepare(base_precision(self.args), "llm")
+        check_config_precision(path, stored.layout, base_precision(self.args))
+        return lambda model: stored_converter(model, stored, arch_spec("llm").fp8, self.weights_dtype, reader, path)
 
     def _check_context(self):
         limit = self.model.config.max_position_embeddings
@@ -300,7 +317,7 @@ class LLMTask:
     # -- metadata ------------------------------------------------------------------------------
     def metadata(self) -> dict:
         c, args = self.model.config, self.args
-        precision = (base_precision(args) if base_precision(args) != "bf16"
+        precision = self.stored_precision or (base_precision(args) if base_precision(args) != "bf16"
                      else {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.weights_dtype])
         return {
             "base_model_version": f"llm-{c.num_layers}x{c.hidden_size}" + ("-scratch" if self.from_scratch else ""),
