@@ -309,3 +309,16 @@ def test_a_plain_fp8_folder_without_the_fp8_setting_is_refused(tiny_set, tmp_pat
     assert code == 2
     assert ("stores a pre-quantized fp8 base (used as it is), but the config asks for bf16; set fp8_base = true and "
             "fp8_scaled = false") in capsys.readouterr().err
+
+
+def test_val_fraction_0_logs_no_val_loss(tiny_set, tmp_path, capsys):
+    """The old line printed 'val loss nan, perplexity nan' and wrote nan to both CSV columns."""
+    code = train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name",
+                                    "lm", "--val_fraction", "0", "--max_train_steps", "1", "--eval_every_n_steps", "1",
+                                    "--sample_max_new_tokens", "1"))
+    assert code == 0
+    with open(tmp_path / "lm_eval.csv") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == ["step", "sample"] and [row["step"] for row in reader] == ["1", "final"]
+    out = capsys.readouterr().out
+    assert "step 1: no val loss (nothing held out)" in out and "nan" not in out

@@ -169,7 +169,7 @@ SCHEMA: dict[str, Arg] = {
     "train_data": A(list, [], "llm: .txt files or folders"),
     "max_length": A(int, 256, "llm: tokens per window"),
     "stride": A(int, 256, "llm: window stride"),
-    "val_fraction": A(float, 0.1, "llm: share of tokens held out"),
+    "val_fraction": A(float, 0.1, "llm: share of tokens held out (0: evals give the sample alone, no val loss)"),
     "eval_every_n_steps": A(int, 50, "llm: val loss / perplexity / sample interval"),
     "sample_prompt": A(str, "The", "llm: prompt for the sample at each eval"),
     "sample_max_new_tokens": A(int, 40, "llm: sample length"),

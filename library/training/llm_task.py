@@ -3,7 +3,7 @@ the whole model (pretrain = true) from a checkpoint or from a config.json alone 
 
 Data: .txt files -> one token stream (documents joined by EOS) -> train/val split -> sliding
 windows of max_length + 1 tokens. Every eval_every_n_steps: val loss (token-weighted over the
-whole held-out split, `held_out_loss`), perplexity and a sample
+whole held-out split, `held_out_loss`; none when val_fraction holds nothing out), perplexity and a sample
 from sample_prompt (temperature / top-k), printed and written to <output_name>_eval.csv.
 """
 
@@ -234,11 +234,11 @@ class LLMTask:
         # CUDA) is reseeded, so training's random stream goes on after an eval as without it.
         gen = torch.Generator(self.device).manual_seed(self.args.seed)
         with compute_autocast(self.device, self.autocast_dtype):  # the compute training runs in
-            val = self.held_out_loss()
+            val = self.held_out_loss() if len(self.val_ids) > 1 else None  # None: nothing held out
             out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.max_position_embeddings,
                            self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id, generator=gen)
         self.model.train(was_training)
-        return {"val_loss": val, "val_perplexity": perplexity(val) if val == val else float("nan"),
+        return {"val_loss": val, "val_perplexity": None if val is None else perplexity(val),
                 "sample": self.tokenizer.decode(out[0].tolist())}
 
     @torch.no_grad()
@@ -268,13 +268,17 @@ class LLMTask:
     def report_eval(self, step: int | str):
         if not self.accelerator.is_main_process:
             return
+        """Print and log an eval; with nothing held out (val_fraction 0) the sample alone: no val loss
+        is printed, logged or written (the eval CSV then has the columns step and sample only)."""
         result = self.evaluate()
-        self.accelerator.print(f"step {step}: val loss {result['val_loss']:.4f}, perplexity {result['val_perplexity']:.2f}\n"
-                               f"  sample: {result['sample']!r}")
-        header = None if os.path.exists(self.eval_log) else ["step", "val_loss", "val_perplexity", "sample"]
-        append_csv_row(self.eval_log, [step, result["val_loss"], result["val_perplexity"], result["sample"]], header)
-        if self.accelerator.trackers:
-            self.accelerator.log({"val_loss": result["val_loss"], "val_perplexity": result["val_perplexity"]}, step=step)
+        val = result["val_loss"]
+        losses = "no val loss (nothing held out)" if val is None else f"val loss {val:.4f}, perplexity {result['val_perplexity']:.2f}"
+        self.accelerator.print(f"step {step}: {losses}\n  sample: {result['sample']!r}")
+        columns = ["step", "sample"] if val is None else ["step", "val_loss", "val_perplexity", "sample"]
+        row = {"step": step, **result}
+        append_csv_row(self.eval_log, [row[k] for k in columns], None if os.path.exists(self.eval_log) else columns)
+        if self.accelerator.trackers and val is not None:
+            self.accelerator.log({"val_loss": val, "val_perplexity": result["val_perplexity"]}, step=step)
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, path: str, metadata: dict, dtype: torch.dtype) -> list[str]:
