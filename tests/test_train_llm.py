@@ -322,3 +322,12 @@ def test_val_fraction_0_logs_no_val_loss(tiny_set, tmp_path, capsys):
         assert reader.fieldnames == ["step", "sample"] and [row["step"] for row in reader] == ["1", "final"]
     out = capsys.readouterr().out
     assert "step 1: no val loss (nothing held out)" in out and "nan" not in out
+
+
+def test_a_train_data_folder_without_text_is_one_line_naming_it(tiny_set, tmp_path, capsys):
+    """The old line: "error: ['<folder>']: no .txt files found" (a list, no key), after loading the model."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.md").write_text("markdown is not read")
+    args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data", str(tmp_path / "notes"))
+    assert train_lora.main(args) == 2
+    assert capsys.readouterr().err == f"error: train_data {tmp_path / 'notes'}: no .txt file in this folder or its subfolders\n"

@@ -84,10 +84,11 @@ class LLMTask:
         self.autocast_dtype = self.dtype if args.pretrain else None
         path = args.pretrained_model_name_or_path
         self.tokenizer = load_tokenizer(path)
+        documents = load_text_corpus(args.train_data)  # read before the model: a bad train_data entry fails at once
         self.stored_precision = None  # a pre-quantized base's layout (_base_prepare)
         self.model, self.from_scratch = self._load_model(path)
         self._check_context()
-        self.train_set, self.val_set = self._load_data()
+        self.train_set, self.val_set = self._load_data(documents)
         self.model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
                                                           args.checkpoint_saves_attention)
         self.network = None
@@ -147,9 +148,8 @@ class LLMTask:
             raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
                               f"(max_position_embeddings = {limit})")
 
-    def _load_data(self):
+    def _load_data(self, docs: list[str]):
         args = self.args
-        docs = load_text_corpus(args.train_data)
         ids = tokenize_documents(docs, lambda t: self.tokenizer.encode(t, add_special_tokens=False, verbose=False), self.tokenizer.eos_token_id)
         train_ids, val_ids = train_val_split(ids, args.val_fraction)
         if len(train_ids) < args.max_length + 1:  # named here: the dataset's own error knows no file or key
