@@ -331,3 +331,27 @@ def test_a_train_data_folder_without_text_is_one_line_naming_it(tiny_set, tmp_pa
     args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data", str(tmp_path / "notes"))
     assert train_lora.main(args) == 2
     assert capsys.readouterr().err == f"error: train_data {tmp_path / 'notes'}: no .txt file in this folder or its subfolders\n"
+
+
+@pytest.mark.parametrize("beside_tokenizer", [True, False])
+def test_a_gguf_llm_base_is_refused_naming_what_is_read(tiny_set, tmp_path, capsys, beside_tokenizer):
+    """The old line blamed the base ('no .safetensors weights; a LoRA needs a pretrained model (or set
+    pretrain = true)') or, alone, a missing tokenizer.json."""
+    import shutil
+
+    import gguf
+    import numpy as np
+
+    folder = tmp_path / "gg"
+    folder.mkdir()
+    if beside_tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+            shutil.copy(os.path.join(tiny_set["llm"], name), folder)
+    writer = gguf.GGUFWriter(str(folder / "m-Q8_0.gguf"), "qwen2")
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    base = str(folder) if beside_tokenizer else str(folder / "m-Q8_0.gguf")
+    assert train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", base)) == 2
+    assert capsys.readouterr().err == (f"error: pretrained_model_name_or_path {folder / 'm-Q8_0.gguf'}: a llama.cpp GGUF file; "
+                                       f"an LLM base must be a Hugging Face safetensors model (a folder with config.json, "
+                                       f"tokenizer.json and *.safetensors)\n")

@@ -73,6 +73,25 @@ def init_weights(model: LLM, std: float = 0.02, scaled_residual: bool = True):
             nn.init.ones_(p)
 
 
+OTHER_WEIGHT_FORMATS = {".gguf": "a llama.cpp GGUF file", ".bin": "a PyTorch pickle", ".pt": "a PyTorch pickle",
+                        ".pth": "a PyTorch pickle"}
+
+
+def refuse_other_weight_formats(path: str) -> None:
+    """An LLM base is a Hugging Face safetensors model (GGUF is read for diffusion transformers only):
+    a .gguf / .bin file given, or a folder holding such weights and no .safetensors, is one ConfigError
+    before the tokenizer is looked for (which would blame a missing tokenizer.json)."""
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else [os.path.basename(path)]
+    if any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
+        return
+    found = next((n for n in names if os.path.splitext(n)[1].lower() in OTHER_WEIGHT_FORMATS), None)
+    if found:
+        where = os.path.join(path, found) if os.path.isdir(path) else path
+        raise ConfigError(f"pretrained_model_name_or_path {where}: {OTHER_WEIGHT_FORMATS[os.path.splitext(found)[1].lower()]}; "
+                          f"an LLM base must be a Hugging Face safetensors model (a folder with config.json, "
+                          f"tokenizer.json and *.safetensors)")
+
+
 class LLMTask:
     def __init__(self, args, accelerator):
         self.args, self.accelerator, self.device = args, accelerator, accelerator.device
@@ -83,6 +102,7 @@ class LLMTask:
         self.weights_dtype = torch.float32 if args.pretrain else self.dtype
         self.autocast_dtype = self.dtype if args.pretrain else None
         path = args.pretrained_model_name_or_path
+        refuse_other_weight_formats(path)
         self.tokenizer = load_tokenizer(path)
         documents = load_text_corpus(args.train_data)  # read before the model: a bad train_data entry fails at once
         self.stored_precision = None  # a pre-quantized base's layout (_base_prepare)
@@ -110,7 +130,8 @@ class LLMTask:
             os.remove(self.eval_log)  # a new run's evals, as its log CSV (appended to, they mixed two runs)
 
     def _load_model(self, path: str) -> tuple[LLM, bool]:
-        has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(".safetensors")
+        has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(
+            (".safetensors", ".safetensors.index.json"))  # the forms load_llm reads
         if has_weights:
             return load_llm(path, dtype=self.weights_dtype, prepare=self._base_prepare(path)), False
         if not self.args.pretrain:
