@@ -355,3 +355,31 @@ def test_a_gguf_llm_base_is_refused_naming_what_is_read(tiny_set, tmp_path, caps
     assert capsys.readouterr().err == (f"error: pretrained_model_name_or_path {folder / 'm-Q8_0.gguf'}: a llama.cpp GGUF file; "
                                        f"an LLM base must be a Hugging Face safetensors model (a folder with config.json, "
                                        f"tokenizer.json and *.safetensors)\n")
+
+
+def test_documents_and_the_prompt_get_the_tokenizers_bos_as_users_encode_them(tiny_set, tmp_path):
+    """A Llama-style tokenizer (its post-processor puts BOS first): each document is BOS text EOS and
+    the sample prompt starts with BOS, as transformers / PEFT / vLLM encode at inference. The old line
+    encoded with add_special_tokens=False: no BOS anywhere in the stream (0 of 2 documents)."""
+    import shutil
+
+    from library.training.config import load_config
+    from library.training.llm_task import LLMTask
+
+    folder = tmp_path / "llama_style"
+    shutil.copytree(tiny_set["llm"], folder)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    bos = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|im_start|>")
+    tok["post_processor"] = {"type": "TemplateProcessing", "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [bos],
+                             "tokens": ["<|im_start|>"]}}, "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+                             {"Sequence": {"id": "A", "type_id": 0}}], "pair": [{"Sequence": {"id": "A", "type_id": 0}}]}
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    for name, text in (("a.txt", "one two three " * 20), ("b.txt", "four five six " * 20)):
+        (tmp_path / name).write_text(text)
+    args = load_config(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(folder), "--train_data",
+                                str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--val_fraction", "0", "--max_length", "8",
+                                "--stride", "8", "--max_train_steps", "1"))
+    task = LLMTask(args, train_lora.make_accelerator(args))
+    ids, eos = task.train_set.ids.tolist(), task.tokenizer.eos_token_id
+    assert ids[0] == bos and ids.count(bos) == 2 and ids.count(eos) == 2 and ids[ids.index(eos) + 1] == bos
+    assert task.encode("The")[0] == bos and task.encode("The")[-1] != eos

@@ -1,7 +1,8 @@
 """What train_lora.py needs to train a Llama/Qwen2-style LLM: a LoRA on a pretrained model, or
 the whole model (pretrain = true) from a checkpoint or from a config.json alone (random init).
 
-Data: .txt files -> one token stream (documents joined by EOS) -> train/val split -> sliding
+Data: .txt files -> one token stream (each document encoded with the tokenizer's own special tokens,
+e.g. Llama's BOS, and ended by EOS) -> train/val split -> sliding
 windows of max_length + 1 tokens. Every eval_every_n_steps: val loss (token-weighted over the
 whole held-out split, `held_out_loss`; none when val_fraction holds nothing out), perplexity and a sample
 from sample_prompt (temperature / top-k), printed and written to <output_name>_eval.csv.
@@ -171,7 +172,7 @@ class LLMTask:
 
     def _load_data(self, docs: list[str]):
         args = self.args
-        ids = tokenize_documents(docs, lambda t: self.tokenizer.encode(t, add_special_tokens=False, verbose=False), self.tokenizer.eos_token_id)
+        ids = tokenize_documents(docs, self.encode, self.tokenizer.eos_token_id)
         train_ids, val_ids = train_val_split(ids, args.val_fraction)
         if len(train_ids) < args.max_length + 1:  # named here: the dataset's own error knows no file or key
             held = f" after val_fraction {args.val_fraction:g} holds out {len(val_ids)}" if len(val_ids) else ""
@@ -184,6 +185,14 @@ class LLMTask:
             raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length {args.max_length}")
         self.accelerator.print(f"text: {len(ids)} tokens, {len(train)} train windows, {len(val) if val else 0} val windows")
         return train, val
+
+    def encode(self, text: str) -> list[int]:
+        """A document's or the sample prompt's ids as the model's users encode text (transformers, PEFT,
+        vLLM): with the tokenizer's own special tokens (Llama's and Mistral's BOS first; Qwen's add none),
+        less a trailing EOS (a document gets its one EOS from tokenize_documents; a prompt must not end)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=True, verbose=False)
+        eos = self.tokenizer.eos_token_id
+        return ids[:-1] if ids and eos is not None and ids[-1] == eos else ids
 
     # -- what the loop uses --------------------------------------------------------------------
     def param_groups(self, lr: float) -> list[dict]:
@@ -250,7 +259,7 @@ class LLMTask:
     def evaluate(self) -> dict:
         was_training = self.model.training
         self.model.eval()
-        prompt = torch.tensor([self.tokenizer.encode(self.args.sample_prompt, add_special_tokens=False)], device=self.device)
+        prompt = torch.tensor([self.encode(self.args.sample_prompt)], device=self.device)
         # The same sample draw at each eval, from a generator of its own: no global generator (CPU,
         # CUDA) is reseeded, so training's random stream goes on after an eval as without it.
         gen = torch.Generator(self.device).manual_seed(self.args.seed)
