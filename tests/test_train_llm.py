@@ -383,3 +383,19 @@ def test_documents_and_the_prompt_get_the_tokenizers_bos_as_users_encode_them(ti
     ids, eos = task.train_set.ids.tolist(), task.tokenizer.eos_token_id
     assert ids[0] == bos and ids.count(bos) == 2 and ids.count(eos) == 2 and ids[ids.index(eos) + 1] == bos
     assert task.encode("The")[0] == bos and task.encode("The")[-1] != eos
+
+
+def test_a_tokenizer_without_eos_warns_that_documents_run_together(tiny_set, tmp_path):
+    """The old line joined the documents with nothing between them, without a word."""
+    import shutil
+
+    from library.training.config import load_config
+    from library.training.llm_task import LLMTask
+
+    shutil.copytree(tiny_set["llm"], tmp_path / "no_eos")
+    config = json.loads((tmp_path / "no_eos" / "tokenizer_config.json").read_text())
+    (tmp_path / "no_eos" / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "eos_token"}))
+    args = load_config(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(tmp_path / "no_eos"),
+                                "--train_data", tiny_set["corpus"], tiny_set["corpus"], "--max_train_steps", "1"))
+    with pytest.warns(UserWarning, match="the tokenizer names no eos_token, so the 2 documents of train_data run together"):
+        LLMTask(args, train_lora.make_accelerator(args))

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import warnings
 
 import torch
 import torch.nn as nn
@@ -172,7 +173,12 @@ class LLMTask:
 
     def _load_data(self, docs: list[str]):
         args = self.args
-        ids = tokenize_documents(docs, self.encode, self.tokenizer.eos_token_id)
+        eos = self.tokenizer.eos_token_id
+        if eos is None and len(docs) > 1:
+            warnings.warn(f"{args.pretrained_model_name_or_path}: the tokenizer names no eos_token, so the {len(docs)} "
+                          f"documents of train_data run together with no border between them (set eos_token in its "
+                          f"tokenizer_config.json)", stacklevel=2)
+        ids = tokenize_documents(docs, self.encode, eos)
         train_ids, val_ids = train_val_split(ids, args.val_fraction)
         if len(train_ids) < args.max_length + 1:  # named here: the dataset's own error knows no file or key
             held = f" after val_fraction {args.val_fraction:g} holds out {len(val_ids)}" if len(val_ids) else ""
