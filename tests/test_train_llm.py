@@ -399,3 +399,22 @@ def test_a_tokenizer_without_eos_warns_that_documents_run_together(tiny_set, tmp
                                 "--train_data", tiny_set["corpus"], tiny_set["corpus"], "--max_train_steps", "1"))
     with pytest.warns(UserWarning, match="the tokenizer names no eos_token, so the 2 documents of train_data run together"):
         LLMTask(args, train_lora.make_accelerator(args))
+
+
+def test_a_token_id_beyond_the_models_vocab_is_refused_before_training(tiny_set, tmp_path, capsys):
+    """The old line trained until a batch held the token, then died in the embedding ('IndexError: index
+    out of range in self'); 30 added tokens put '<|x29|>' at id 480 of the tiny model's 464."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(tiny_set["llm"], tmp_path / "added")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path / "added")
+    tokenizer.add_tokens([f"<|x{i}|>" for i in range(30)])
+    tokenizer.save_pretrained(tmp_path / "added")
+    (tmp_path / "text.txt").write_text("<|x29|> " + open(tiny_set["corpus"]).read())
+    args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", str(tmp_path / "added"), "--train_data",
+                    str(tmp_path / "text.txt"), "--max_train_steps", "1", "--eval_every_n_steps", "0")
+    assert train_lora.main(args) == 2
+    assert ("the tokenizer gives train_data token id 480 ('<|x29|>'), beyond the model's vocab_size 464"
+            in capsys.readouterr().err)

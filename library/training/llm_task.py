@@ -179,6 +179,12 @@ class LLMTask:
                           f"documents of train_data run together with no border between them (set eos_token in its "
                           f"tokenizer_config.json)", stacklevel=2)
         ids = tokenize_documents(docs, self.encode, eos)
+        vocab = self.model.config.vocab_size
+        if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
+            top = int(ids.max())
+            raise ConfigError(f"{args.pretrained_model_name_or_path}: the tokenizer gives train_data token id {top} "
+                              f"({self.tokenizer.convert_ids_to_tokens(top)!r}), beyond the model's vocab_size {vocab}: "
+                              f"tokenizer.json and config.json are not of one model (or add_tokens left the embedding short)")
         train_ids, val_ids = train_val_split(ids, args.val_fraction)
         if len(train_ids) < args.max_length + 1:  # named here: the dataset's own error knows no file or key
             held = f" after val_fraction {args.val_fraction:g} holds out {len(val_ids)}" if len(val_ids) else ""
