@@ -242,6 +242,14 @@ def test_generate_stops_at_eos_and_crops_context():
     assert no_eos.shape == (1, 6)
 
 
+def test_generate_top_k_over_the_vocab_keeps_every_token():
+    """The old line ran torch.topk(logits, 40) on a 16-token vocab: 'RuntimeError: selected index k out of
+    range' at the first eval of a training run (the default top_k 40 over a vocab under 40), before any save."""
+    draw = lambda k: generate(NextTokenModel(), torch.tensor([[0]]), 6, 4, temperature=50.0, top_k=k,  # noqa: E731
+                              generator=torch.Generator().manual_seed(0))
+    assert torch.equal(draw(40), draw(None)) and torch.equal(draw(16), draw(None))
+
+
 def test_cross_entropy_and_perplexity_of_uniform_logits():
     logits = torch.zeros(2, 5, 50, dtype=torch.bfloat16)
     targets = torch.randint(0, 50, (2, 5))

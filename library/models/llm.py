@@ -516,8 +516,8 @@ def generate(
     finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
         logits = model(idx[:, -context_size:])[:, -1, :].float()  # [B, V] float32
-        if top_k is not None:
-            kth = torch.topk(logits, top_k).values[:, -1:]
+        if top_k is not None:  # a k over the vocab keeps every token, as transformers' TopKLogitsWarper
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if temperature > 0.0:
             idx_next = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1, generator=generator)
