@@ -418,3 +418,17 @@ def test_a_token_id_beyond_the_models_vocab_is_refused_before_training(tiny_set,
     assert train_lora.main(args) == 2
     assert ("the tokenizer gives train_data token id 480 ('<|x29|>'), beyond the model's vocab_size 464"
             in capsys.readouterr().err)
+
+
+def test_an_unset_stride_follows_max_length(tiny_set, tmp_path):
+    """The old default stride 256 with max_length 32 read 32 tokens of every 256 (7/8 of the text never
+    trained: 519 windows of the tiny corpus instead of 4147); with max_length 1024 each token 4 times."""
+    from library.training.config import load_config
+    from library.training.llm_task import LLMTask
+
+    argv = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--max_train_steps", "1")
+    del argv[argv.index("--stride") : argv.index("--stride") + 2]
+    args = load_config(argv)
+    task = LLMTask(args, train_lora.make_accelerator(args))
+    tokens = len(task.train_set.ids)
+    assert task.train_set.stride == 32 and len(task.train_set) == (tokens - 33) // 32 + 1

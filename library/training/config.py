@@ -168,7 +168,7 @@ SCHEMA: dict[str, Arg] = {
     # llm data
     "train_data": A(list, [], "llm: text files, or folders whose .txt files (any case, subfolders too) are read"),
     "max_length": A(int, 256, "llm: tokens per window"),
-    "stride": A(int, 256, "llm: window stride"),
+    "stride": A(int, None, "llm: window stride (unset: max_length, windows that neither overlap nor skip text)"),
     "val_fraction": A(float, 0.1, "llm: share of tokens held out (0: evals give the sample alone, no val loss)"),
     "eval_every_n_steps": A(int, 50, "llm: val loss / perplexity / sample interval"),
     "sample_prompt": A(str, "The", "llm: prompt for the sample at each eval"),
