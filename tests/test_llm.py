@@ -200,6 +200,16 @@ def test_from_hf_refuses_unsupported_rope_scaling():
         LLMConfig.from_hf({**TINY, "model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
 
 
+def test_from_hf_refuses_a_quantized_checkpoints_config():
+    """The old line read the config of an HF fp8 release (Qwen3-8B-FP8: block scales `weight_scale_inv`);
+    train_lora.py then said 'stores a pre-quantized fp8 base ... set fp8_base = true and fp8_scaled = false',
+    and with that 'unexpected keys for this model: ...weight_scale_inv'."""
+    quant = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match=r"^config.json: quantization_config \(quant_method 'fp8'\): a Hugging Face "
+                                         r"quantized checkpoint is not read"):
+        LLMConfig.from_hf({**TINY, "model_type": "qwen3", "quantization_config": quant})
+
+
 # ----------------------------------------------------------------------------------------------
 # Presets
 

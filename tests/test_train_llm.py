@@ -432,3 +432,18 @@ def test_an_unset_stride_follows_max_length(tiny_set, tmp_path):
     task = LLMTask(args, train_lora.make_accelerator(args))
     tokens = len(task.train_set.ids)
     assert task.train_set.stride == 32 and len(task.train_set) == (tokens - 33) // 32 + 1
+
+
+def test_a_quantized_hf_release_is_refused_naming_its_config(tiny_set, tmp_path, capsys):
+    """Before its weights are looked at (the old line: 'stores a pre-quantized fp8 base ... set fp8_base = true
+    and fp8_scaled = false', then 'unexpected keys for this model: ...weight_scale_inv')."""
+    import shutil
+
+    shutil.copytree(tiny_set["llm"], tmp_path / "fp8_release")
+    config = json.loads((tmp_path / "fp8_release" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "fp8_release" / "config.json").write_text(json.dumps(config))
+    args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", str(tmp_path / "fp8_release"), "--max_train_steps", "1")
+    assert train_lora.main(args) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'fp8_release' / 'config.json'}: quantization_config "
+                                              f"(quant_method 'fp8'): a Hugging Face quantized checkpoint is not read")

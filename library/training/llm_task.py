@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from library.data.text_corpus import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
 from library.models.core import checkpointing
-from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
+from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
@@ -135,7 +135,8 @@ class LLMTask:
         has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(
             (".safetensors", ".safetensors.index.json"))  # the forms load_llm reads
         if has_weights:
-            return load_llm(path, dtype=self.weights_dtype, prepare=self._base_prepare(path)), False
+            config = _find_config(path)  # first: its refusals (a quantized release's) come before the weights'
+            return load_llm(path, config, dtype=self.weights_dtype, prepare=self._base_prepare(path)), False
         if not self.args.pretrain:
             raise ConfigError(f"{path}: no .safetensors weights; a LoRA needs a pretrained model (or set pretrain = true)")
         with open(os.path.join(path, "config.json")) as f:
