@@ -503,3 +503,12 @@ def test_corpus_folders_are_read_recursively_with_any_case_extension(tmp_path):
     (tmp_path / "empty" / "sub").mkdir(parents=True)
     with pytest.raises(ConfigError, match=f"^train_data {tmp_path / 'empty'}: no .txt file in this folder or its subfolders$"):
         text_corpus.load_text_corpus([str(tmp_path / "docs"), str(tmp_path / "empty")])
+
+
+def test_a_jsonl_file_in_train_data_is_refused_not_read_as_text(tmp_path):
+    """The old line trained on '{"text": "hello"}' as it stands, keys and quotes included."""
+    from library.errors import ConfigError
+
+    path = write(tmp_path / "data.jsonl", '{"text": "hello"}\n')
+    with pytest.raises(ConfigError, match=f"^train_data {path}: a .jsonl data file would be trained on as raw text"):
+        text_corpus.load_text_corpus([path])

@@ -16,6 +16,9 @@ from library.io import read_utf8
 # LLM text: documents -> one token stream -> fixed windows
 
 
+RECORD_FILES = (".json", ".jsonl", ".parquet", ".arrow")  # records, not text: refused when named as train_data
+
+
 def text_files(folder: str) -> list[str]:
     """Every .txt file (the extension in any case: .TXT too) in `folder` and its subfolders, in path
     order (a folder's own files, then each subfolder's); hidden files and folders ('.name') are skipped."""
@@ -27,9 +30,9 @@ def text_files(folder: str) -> list[str]:
 
 
 def load_text_corpus(paths: str | list[str]) -> list[str]:
-    """The documents (one per file) of train_data: files as given (any name) and the .txt files of
-    folders, searched recursively (text_files). A missing path, a folder without a .txt file and a
-    corpus of empty files are ConfigErrors naming the train_data entry."""
+    """The documents (one per file) of train_data: files as given (any name but a RECORD_FILES one) and
+    the .txt files of folders, searched recursively (text_files). A missing path, a data file, a folder
+    without a .txt file and a corpus of empty files are ConfigErrors naming the train_data entry."""
     entries, files = [paths] if isinstance(paths, str) else paths, []
     for p in entries:
         if os.path.isdir(p):
@@ -38,6 +41,9 @@ def load_text_corpus(paths: str | list[str]) -> list[str]:
                 raise ConfigError(f"train_data {p}: no .txt file in this folder or its subfolders")
             files += found
         elif os.path.isfile(p):
+            if p.lower().endswith(RECORD_FILES):
+                raise ConfigError(f"train_data {p}: a {os.path.splitext(p)[1]} data file would be trained on as raw text "
+                                  f"(its keys and quotes too); give plain text files, one document each")
             files.append(p)
         else:
             raise ConfigError(f"train_data {p}: no such text file or folder")
