@@ -488,3 +488,27 @@ def test_corpus_loading_tokenizing_and_tail_validation_split(tmp_path):
     assert train.tolist() == list(range(90)) and val.tolist() == list(range(90, 100))
     with pytest.raises(ValueError, match="no such text file"):
         text_corpus.load_text_corpus(str(tmp_path / "missing"))
+
+
+def test_corpus_folders_are_read_recursively_with_any_case_extension(tmp_path):
+    """The old line read only the folder's own lower-case *.txt ('c' and 'D' were skipped) and named
+    no folder when it found nothing ("['...']: no .txt files found")."""
+    from library.errors import ConfigError
+
+    write(tmp_path / "docs" / "a.txt", "a")
+    write(tmp_path / "docs" / "part" / "c.txt", "c")
+    write(tmp_path / "docs" / "part" / "D.TXT", "D")
+    write(tmp_path / "docs" / ".git" / "x.txt", "hidden")
+    assert text_corpus.load_text_corpus(str(tmp_path / "docs")) == ["a", "D", "c"]  # path order (sorted names)
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=f"^train_data {tmp_path / 'empty'}: no .txt file in this folder or its subfolders$"):
+        text_corpus.load_text_corpus([str(tmp_path / "docs"), str(tmp_path / "empty")])
+
+
+def test_a_jsonl_file_in_train_data_is_refused_not_read_as_text(tmp_path):
+    """The old line trained on '{"text": "hello"}' as it stands, keys and quotes included."""
+    from library.errors import ConfigError
+
+    path = write(tmp_path / "data.jsonl", '{"text": "hello"}\n')
+    with pytest.raises(ConfigError, match=f"^train_data {path}: a .jsonl data file would be trained on as raw text"):
+        text_corpus.load_text_corpus([path])

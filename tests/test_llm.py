@@ -200,6 +200,16 @@ def test_from_hf_refuses_unsupported_rope_scaling():
         LLMConfig.from_hf({**TINY, "model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
 
 
+def test_from_hf_refuses_a_quantized_checkpoints_config():
+    """The old line read the config of an HF fp8 release (Qwen3-8B-FP8: block scales `weight_scale_inv`);
+    train_lora.py then said 'stores a pre-quantized fp8 base ... set fp8_base = true and fp8_scaled = false',
+    and with that 'unexpected keys for this model: ...weight_scale_inv'."""
+    quant = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match=r"^config.json: quantization_config \(quant_method 'fp8'\): a Hugging Face "
+                                         r"quantized checkpoint is not read"):
+        LLMConfig.from_hf({**TINY, "model_type": "qwen3", "quantization_config": quant})
+
+
 # ----------------------------------------------------------------------------------------------
 # Presets
 
@@ -240,6 +250,14 @@ def test_generate_stops_at_eos_and_crops_context():
     assert batch.tolist() == [[9, 10, 11, 11, 11, 11], [5, 6, 7, 8, 9, 10]]
     no_eos = generate(NextTokenModel(), torch.tensor([[0]]), max_new_tokens=5, context_size=4, top_k=3, temperature=0.5)
     assert no_eos.shape == (1, 6)
+
+
+def test_generate_top_k_over_the_vocab_keeps_every_token():
+    """The old line ran torch.topk(logits, 40) on a 16-token vocab: 'RuntimeError: selected index k out of
+    range' at the first eval of a training run (the default top_k 40 over a vocab under 40), before any save."""
+    draw = lambda k: generate(NextTokenModel(), torch.tensor([[0]]), 6, 4, temperature=50.0, top_k=k,  # noqa: E731
+                              generator=torch.Generator().manual_seed(0))
+    assert torch.equal(draw(40), draw(None)) and torch.equal(draw(16), draw(None))
 
 
 def test_cross_entropy_and_perplexity_of_uniform_logits():

@@ -152,3 +152,27 @@ def test_peft_folder_errors_are_one_line(tmp_path, capsys):
     trained_lora(model).save(str(tmp_path / "k.safetensors"))
     assert convert_lora.main([str(tmp_path / "k.safetensors"), str(tmp_path / "d.safetensors"), "--to", "diffusers"]) == 2
     assert "--to diffusers: LLM LoRAs convert with --to peft" in capsys.readouterr().err
+
+
+def test_merge_lora_into_a_plain_fp8_folder_keeps_it_fp8(tmp_path):
+    """A LoRA trained on a plain-fp8 LLM folder (train_lora.py uses it as stored) merges into it: each
+    merged Linear is the fp32 merge into the widened base, rounded once to float8_e4m3fn. The old line
+    refused every fp8 LLM base ("'...' is stored as F8_E4M3 (14 fp8 tensors): ... give a bf16/fp16/fp32
+    checkpoint")."""
+    from safetensors.torch import save_file
+
+    hf_folder(tmp_path / "wide", False)
+    tensors = load_file(tmp_path / "wide" / "model.safetensors")
+    fp8 = {k: v.to(torch.float8_e4m3fn) if k.endswith("_proj.weight") else v for k, v in tensors.items()}
+    save_file({k: v.float() for k, v in fp8.items()}, tmp_path / "wide" / "model.safetensors", {"format": "pt"})
+    hf_folder(tmp_path / "base", False)
+    save_file(fp8, tmp_path / "base" / "model.safetensors", {"format": "pt"})
+    trained_lora(load_llm(str(tmp_path / "wide"))).save_peft(str(tmp_path / "adapter"))
+    for base in ("wide", "base"):
+        assert merge_lora.main(["--model", str(tmp_path / base), "--lora", str(tmp_path / "adapter"),
+                                "--save_to", str(tmp_path / f"merged_{base}")]) == 0
+    wide, merged = (load_file(tmp_path / f"merged_{b}" / "model.safetensors") for b in ("wide", "base"))
+    assert {k for k, v in merged.items() if v.dtype == torch.float8_e4m3fn} == {k for k in fp8 if k.endswith("_proj.weight")}
+    assert all(torch.equal(merged[k].view(torch.uint8), wide[k].to(torch.float8_e4m3fn).view(torch.uint8)) for k in fp8
+               if k.endswith("_proj.weight"))
+    assert sum(not torch.equal(merged[k].float(), fp8[k].float()) for k in fp8) == 2 * 7  # every adapted Linear

@@ -267,3 +267,183 @@ def test_a_corpus_too_short_for_one_window_names_the_files_and_the_split(tiny_se
     assert train_lora.main(args) == 2
     err = capsys.readouterr().err
     assert f"train_data {short}: " in err and "fewer than max_length + 1 = 33" in err, err
+
+
+def plain_fp8_folder(tiny_set, folder):
+    """The tiny LLM as a plain-fp8 Hugging Face folder: every decoder Linear weight float8_e4m3fn, no
+    scales (embeddings, norms and the head as they were); returns q_proj's stored codes of layer 0."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(tiny_set["llm"], folder)
+    tensors = load_file(os.path.join(tiny_set["llm"], "model.safetensors"))
+    tensors = {k: v.to(torch.float8_e4m3fn) if k.endswith("_proj.weight") else v for k, v in tensors.items()}
+    save_file(tensors, os.path.join(folder, "model.safetensors"), {"format": "pt"})
+    return tensors["model.layers.0.self_attn.q_proj.weight"]
+
+
+def test_a_plain_fp8_folder_trains_as_stored_and_records_fp8(tiny_set, tmp_path):
+    """The old line refused base_precision fp8 ('... is already torch.float8_e4m3fn: re-quantizing fp8
+    compounds error') and, without it, widened the base and recorded ss_base_precision fp32."""
+    from safetensors import safe_open
+
+    from library.training.config import load_config
+
+    codes = plain_fp8_folder(tiny_set, tmp_path / "fp8")
+    args = load_config(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(tmp_path / "fp8"),
+                                "--output_name", "lm", "--max_train_steps", "1", "--eval_every_n_steps", "0",
+                                "--base_precision", "fp8"))
+    trainer = train_lora.Trainer(args)
+    q_proj = trainer.task.model.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.dtype == torch.float8_e4m3fn and torch.equal(q_proj.weight.view(torch.uint8), codes.view(torch.uint8))
+    assert trainer.run() == 0
+    with safe_open(str(tmp_path / "out" / "lm" / "adapter_model.safetensors"), "pt") as f:
+        assert f.metadata()["ss_base_precision"] == "fp8"
+
+
+def test_a_plain_fp8_folder_without_the_fp8_setting_is_refused(tiny_set, tmp_path, capsys):
+    plain_fp8_folder(tiny_set, tmp_path / "fp8")
+    code = train_lora.main(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(tmp_path / "fp8"),
+                                    "--max_train_steps", "1", "--eval_every_n_steps", "0"))
+    assert code == 2
+    assert ("stores a pre-quantized fp8 base (used as it is), but the config asks for bf16; set fp8_base = true and "
+            "fp8_scaled = false") in capsys.readouterr().err
+
+
+def test_val_fraction_0_logs_no_val_loss(tiny_set, tmp_path, capsys):
+    """The old line printed 'val loss nan, perplexity nan' and wrote nan to both CSV columns."""
+    code = train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name",
+                                    "lm", "--val_fraction", "0", "--max_train_steps", "1", "--eval_every_n_steps", "1",
+                                    "--sample_max_new_tokens", "1"))
+    assert code == 0
+    with open(tmp_path / "lm_eval.csv") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == ["step", "sample"] and [row["step"] for row in reader] == ["1", "final"]
+    out = capsys.readouterr().out
+    assert "step 1: no val loss (nothing held out)" in out and "nan" not in out
+
+
+def test_a_train_data_folder_without_text_is_one_line_naming_it(tiny_set, tmp_path, capsys):
+    """The old line: "error: ['<folder>']: no .txt files found" (a list, no key), after loading the model."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.md").write_text("markdown is not read")
+    args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data", str(tmp_path / "notes"))
+    assert train_lora.main(args) == 2
+    assert capsys.readouterr().err == f"error: train_data {tmp_path / 'notes'}: no .txt file in this folder or its subfolders\n"
+
+
+@pytest.mark.parametrize("beside_tokenizer", [True, False])
+def test_a_gguf_llm_base_is_refused_naming_what_is_read(tiny_set, tmp_path, capsys, beside_tokenizer):
+    """The old line blamed the base ('no .safetensors weights; a LoRA needs a pretrained model (or set
+    pretrain = true)') or, alone, a missing tokenizer.json."""
+    import shutil
+
+    import gguf
+    import numpy as np
+
+    folder = tmp_path / "gg"
+    folder.mkdir()
+    if beside_tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+            shutil.copy(os.path.join(tiny_set["llm"], name), folder)
+    writer = gguf.GGUFWriter(str(folder / "m-Q8_0.gguf"), "qwen2")
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    base = str(folder) if beside_tokenizer else str(folder / "m-Q8_0.gguf")
+    assert train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", base)) == 2
+    assert capsys.readouterr().err == (f"error: pretrained_model_name_or_path {folder / 'm-Q8_0.gguf'}: a llama.cpp GGUF file; "
+                                       f"an LLM base must be a Hugging Face safetensors model (a folder with config.json, "
+                                       f"tokenizer.json and *.safetensors)\n")
+
+
+def test_documents_and_the_prompt_get_the_tokenizers_bos_as_users_encode_them(tiny_set, tmp_path):
+    """A Llama-style tokenizer (its post-processor puts BOS first): each document is BOS text EOS and
+    the sample prompt starts with BOS, as transformers / PEFT / vLLM encode at inference. The old line
+    encoded with add_special_tokens=False: no BOS anywhere in the stream (0 of 2 documents)."""
+    import shutil
+
+    from library.training.config import load_config
+    from library.training.llm_task import LLMTask
+
+    folder = tmp_path / "llama_style"
+    shutil.copytree(tiny_set["llm"], folder)
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    bos = next(t["id"] for t in tok["added_tokens"] if t["content"] == "<|im_start|>")
+    tok["post_processor"] = {"type": "TemplateProcessing", "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [bos],
+                             "tokens": ["<|im_start|>"]}}, "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+                             {"Sequence": {"id": "A", "type_id": 0}}], "pair": [{"Sequence": {"id": "A", "type_id": 0}}]}
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    for name, text in (("a.txt", "one two three " * 20), ("b.txt", "four five six " * 20)):
+        (tmp_path / name).write_text(text)
+    args = load_config(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(folder), "--train_data",
+                                str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--val_fraction", "0", "--max_length", "8",
+                                "--stride", "8", "--max_train_steps", "1"))
+    task = LLMTask(args, train_lora.make_accelerator(args))
+    ids, eos = task.train_set.ids.tolist(), task.tokenizer.eos_token_id
+    assert ids[0] == bos and ids.count(bos) == 2 and ids.count(eos) == 2 and ids[ids.index(eos) + 1] == bos
+    assert task.encode("The")[0] == bos and task.encode("The")[-1] != eos
+
+
+def test_a_tokenizer_without_eos_warns_that_documents_run_together(tiny_set, tmp_path):
+    """The old line joined the documents with nothing between them, without a word."""
+    import shutil
+
+    from library.training.config import load_config
+    from library.training.llm_task import LLMTask
+
+    shutil.copytree(tiny_set["llm"], tmp_path / "no_eos")
+    config = json.loads((tmp_path / "no_eos" / "tokenizer_config.json").read_text())
+    (tmp_path / "no_eos" / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "eos_token"}))
+    args = load_config(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(tmp_path / "no_eos"),
+                                "--train_data", tiny_set["corpus"], tiny_set["corpus"], "--max_train_steps", "1"))
+    with pytest.warns(UserWarning, match="the tokenizer names no eos_token, so the 2 documents of train_data run together"):
+        LLMTask(args, train_lora.make_accelerator(args))
+
+
+def test_a_token_id_beyond_the_models_vocab_is_refused_before_training(tiny_set, tmp_path, capsys):
+    """The old line trained until a batch held the token, then died in the embedding ('IndexError: index
+    out of range in self'); 30 added tokens put '<|x29|>' at id 480 of the tiny model's 464."""
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(tiny_set["llm"], tmp_path / "added")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path / "added")
+    tokenizer.add_tokens([f"<|x{i}|>" for i in range(30)])
+    tokenizer.save_pretrained(tmp_path / "added")
+    (tmp_path / "text.txt").write_text("<|x29|> " + open(tiny_set["corpus"]).read())
+    args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", str(tmp_path / "added"), "--train_data",
+                    str(tmp_path / "text.txt"), "--max_train_steps", "1", "--eval_every_n_steps", "0")
+    assert train_lora.main(args) == 2
+    assert ("the tokenizer gives train_data token id 480 ('<|x29|>'), beyond the model's vocab_size 464"
+            in capsys.readouterr().err)
+
+
+def test_an_unset_stride_follows_max_length(tiny_set, tmp_path):
+    """The old default stride 256 with max_length 32 read 32 tokens of every 256 (7/8 of the text never
+    trained: 519 windows of the tiny corpus instead of 4147); with max_length 1024 each token 4 times."""
+    from library.training.config import load_config
+    from library.training.llm_task import LLMTask
+
+    argv = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--max_train_steps", "1")
+    del argv[argv.index("--stride") : argv.index("--stride") + 2]
+    args = load_config(argv)
+    task = LLMTask(args, train_lora.make_accelerator(args))
+    tokens = len(task.train_set.ids)
+    assert task.train_set.stride == 32 and len(task.train_set) == (tokens - 33) // 32 + 1
+
+
+def test_a_quantized_hf_release_is_refused_naming_its_config(tiny_set, tmp_path, capsys):
+    """Before its weights are looked at (the old line: 'stores a pre-quantized fp8 base ... set fp8_base = true
+    and fp8_scaled = false', then 'unexpected keys for this model: ...weight_scale_inv')."""
+    import shutil
+
+    shutil.copytree(tiny_set["llm"], tmp_path / "fp8_release")
+    config = json.loads((tmp_path / "fp8_release" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "fp8_release" / "config.json").write_text(json.dumps(config))
+    args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", str(tmp_path / "fp8_release"), "--max_train_steps", "1")
+    assert train_lora.main(args) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'fp8_release' / 'config.json'}: quantization_config "
+                                              f"(quant_method 'fp8'): a Hugging Face quantized checkpoint is not read")

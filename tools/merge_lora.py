@@ -281,7 +281,8 @@ def open_base(path: str) -> Base:
     if base is None:
         *others, last = [spec.title for spec in arch_specs().values()]
         raise CheckpointError(f"{path}: not a {', '.join(others)} or {last} checkpoint (first key '{sorted(keys)[0]}')")
-    if base.family == "llm" or not base.native:
+    renamed = base.family == "llm" and any(checkpoint_key_to_llm(k) != k for k in keys)  # a VL / LLaVA layout
+    if renamed or not base.native:
         fp8.refuse_fp8_checkpoint(reader, path)  # fp8 bases are read in the model's own names only
     else:
         base.fp8 = read_fp8_checkpoint(reader, path)

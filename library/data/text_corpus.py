@@ -1,4 +1,4 @@
-"""The LLM's training text: .txt documents -> one token stream (documents joined by EOS) -> a
+"""The LLM's training text: .txt documents (folders searched recursively) -> one token stream (documents joined by EOS) -> a
 train / validation split -> fixed windows of max_length + 1 tokens."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from library.errors import ConfigError
 from library.io import read_utf8
 
 
@@ -15,21 +16,40 @@ from library.io import read_utf8
 # LLM text: documents -> one token stream -> fixed windows
 
 
+RECORD_FILES = (".json", ".jsonl", ".parquet", ".arrow")  # records, not text: refused when named as train_data
+
+
+def text_files(folder: str) -> list[str]:
+    """Every .txt file (the extension in any case: .TXT too) in `folder` and its subfolders, in path
+    order (a folder's own files, then each subfolder's); hidden files and folders ('.name') are skipped."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # os.walk descends into these, in order
+        found += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(".txt") and not f.startswith(".")]
+    return found
+
+
 def load_text_corpus(paths: str | list[str]) -> list[str]:
-    """The documents (one per .txt file) from files and/or folders (their *.txt, sorted)."""
-    files = []
-    for p in [paths] if isinstance(paths, str) else paths:
+    """The documents (one per file) of train_data: files as given (any name but a RECORD_FILES one) and
+    the .txt files of folders, searched recursively (text_files). A missing path, a data file, a folder
+    without a .txt file and a corpus of empty files are ConfigErrors naming the train_data entry."""
+    entries, files = [paths] if isinstance(paths, str) else paths, []
+    for p in entries:
         if os.path.isdir(p):
-            files += sorted(os.path.join(p, f) for f in os.listdir(p) if f.endswith(".txt"))
+            found = text_files(p)
+            if not found:
+                raise ConfigError(f"train_data {p}: no .txt file in this folder or its subfolders")
+            files += found
         elif os.path.isfile(p):
+            if p.lower().endswith(RECORD_FILES):
+                raise ConfigError(f"train_data {p}: a {os.path.splitext(p)[1]} data file would be trained on as raw text "
+                                  f"(its keys and quotes too); give plain text files, one document each")
             files.append(p)
         else:
-            raise ValueError(f"{p}: no such text file or folder")
-    if not files:
-        raise ValueError(f"{paths}: no .txt files found")
+            raise ConfigError(f"train_data {p}: no such text file or folder")
     documents = [read_utf8(f) for f in files]
     if not any(d.strip() for d in documents):
-        raise ValueError(f"{paths}: all text files are empty")
+        raise ConfigError(f"train_data {', '.join(entries)}: every text file is empty")
     return documents
 
 

@@ -78,6 +78,11 @@ class LLMConfig:
         if "text_config" in config:  # Qwen2.5-VL (transformers >= 4.52), Mistral3: the language model nested
             model_type = config["text_config"].get("model_type", model_type)  # e.g. mistral3 -> mistral
             config = {**config, **config["text_config"]}
+        quant = config.get("quantization_config")
+        if quant:  # its scales / packed weights would be read as (or next to) plain weights
+            raise ValueError(f"config.json: quantization_config (quant_method {quant.get('quant_method')!r}): a Hugging "
+                             f"Face quantized checkpoint is not read; give the bf16 model (base_precision fp8 / nf4 "
+                             f"quantizes it while loading) or a plain fp8 one")
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "mrope"):  # mrope: 1-D RoPE for text, 3-axis for image tokens
@@ -409,7 +414,10 @@ def _find_config(path: str) -> LLMConfig:
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{path}: no config.json beside the checkpoint; pass config=LLMConfig(...)")
     with open(config_path) as f:
-        return LLMConfig.from_hf(json.load(f))
+        try:
+            return LLMConfig.from_hf(json.load(f))
+        except ValueError as e:  # from_hf says "config.json: ...": name the file itself
+            raise CheckpointError(f"{config_path}: {str(e).removeprefix('config.json: ')}") from None
 
 
 def load_llm(
@@ -516,8 +524,8 @@ def generate(
     finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
         logits = model(idx[:, -context_size:])[:, -1, :].float()  # [B, V] float32
-        if top_k is not None:
-            kth = torch.topk(logits, top_k).values[:, -1:]
+        if top_k is not None:  # a k over the vocab keeps every token, as transformers' TopKLogitsWarper
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if temperature > 0.0:
             idx_next = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1, generator=generator)

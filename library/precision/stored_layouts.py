@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from library.errors import ConfigError
 from library.io import CheckpointReader
 from library.precision.bfl_weights import BflCheckpoint, bfl_converter, read_bfl_checkpoint
 from library.precision.fp8 import KeepRules
@@ -75,3 +76,12 @@ def config_settings(layout: str) -> str:
     if needed == "bf16":
         return "fp8_base = false"
     return f"fp8_base = true and fp8_scaled = {str(needed == 'fp8_scaled').lower()}"
+
+
+def check_config_precision(path: str, layout: str | None, wanted: str) -> None:
+    """ConfigError unless the config's base precision (`wanted`, config.base_precision) is the one a
+    file of `layout` needs: a pre-quantized base is used as it is stored, so the config must say so."""
+    if layout and config_precision(layout) != wanted:
+        raise ConfigError(f"{path}: the checkpoint stores a pre-quantized {layout} base (used as it is), but the "
+                          f"config asks for {wanted}; set {config_settings(layout)} (what {layout} files need), "
+                          f"or give the bf16 checkpoint")

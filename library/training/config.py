@@ -166,10 +166,10 @@ SCHEMA: dict[str, Arg] = {
     "log_prefix": A(str, None, "TensorBoard / wandb run name (default: output_name)"),
     "log_with": A(str, None, "trackers: tensorboard (default with logging_dir), wandb, all", ("tensorboard", "wandb", "all")),
     # llm data
-    "train_data": A(list, [], "llm: .txt files or folders"),
+    "train_data": A(list, [], "llm: text files (not .json/.jsonl/.parquet), or folders whose .txt files (any case, subfolders too) are read"),
     "max_length": A(int, 256, "llm: tokens per window"),
-    "stride": A(int, 256, "llm: window stride"),
-    "val_fraction": A(float, 0.1, "llm: share of tokens held out"),
+    "stride": A(int, None, "llm: window stride (unset: max_length, windows that neither overlap nor skip text)"),
+    "val_fraction": A(float, 0.1, "llm: share of tokens held out (0: evals give the sample alone, no val loss)"),
     "eval_every_n_steps": A(int, 50, "llm: val loss / perplexity / sample interval"),
     "sample_prompt": A(str, "The", "llm: prompt for the sample at each eval"),
     "sample_max_new_tokens": A(int, 40, "llm: sample length"),

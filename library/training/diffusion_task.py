@@ -90,14 +90,10 @@ class DiffusionTask:
     def _check_stored_precision(self):
         """A pre-quantized checkpoint (fp8, GGUF) is trained on as it is stored; the config must say so,
         and the LoRA's metadata names the stored layout (base_precision()), the base really trained on."""
-        from library.precision.stored_layouts import config_precision, config_settings
+        from library.precision.stored_layouts import check_config_precision
 
-        self.stored_precision = stored = self.family.stored_layout()
-        wanted = base_precision(self.args)
-        if stored and config_precision(stored) != wanted:
-            raise ConfigError(f"{self.args.pretrained_model_name_or_path}: the checkpoint stores a pre-quantized {stored} "
-                              f"base (used as it is), but the config asks for {wanted}; set {config_settings(stored)} "
-                              f"(what {stored} files need), or give the bf16 checkpoint")
+        self.stored_precision = self.family.stored_layout()
+        check_config_precision(self.args.pretrained_model_name_or_path, self.stored_precision, base_precision(self.args))
 
     def _read_images(self) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every

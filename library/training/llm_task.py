@@ -1,9 +1,10 @@
 """What train_lora.py needs to train a Llama/Qwen2-style LLM: a LoRA on a pretrained model, or
 the whole model (pretrain = true) from a checkpoint or from a config.json alone (random init).
 
-Data: .txt files -> one token stream (documents joined by EOS) -> train/val split -> sliding
+Data: .txt files -> one token stream (each document encoded with the tokenizer's own special tokens,
+e.g. Llama's BOS, and ended by EOS) -> train/val split -> sliding
 windows of max_length + 1 tokens. Every eval_every_n_steps: val loss (token-weighted over the
-whole held-out split, `held_out_loss`), perplexity and a sample
+whole held-out split, `held_out_loss`; none when val_fraction holds nothing out), perplexity and a sample
 from sample_prompt (temperature / top-k), printed and written to <output_name>_eval.csv.
 """
 
@@ -13,6 +14,7 @@ import json
 import math
 import os
 import random
+import warnings
 
 import torch
 import torch.nn as nn
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 
 from library.data.text_corpus import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
 from library.models.core import checkpointing
-from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
+from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
@@ -73,6 +75,25 @@ def init_weights(model: LLM, std: float = 0.02, scaled_residual: bool = True):
             nn.init.ones_(p)
 
 
+OTHER_WEIGHT_FORMATS = {".gguf": "a llama.cpp GGUF file", ".bin": "a PyTorch pickle", ".pt": "a PyTorch pickle",
+                        ".pth": "a PyTorch pickle"}
+
+
+def refuse_other_weight_formats(path: str) -> None:
+    """An LLM base is a Hugging Face safetensors model (GGUF is read for diffusion transformers only):
+    a .gguf / .bin file given, or a folder holding such weights and no .safetensors, is one ConfigError
+    before the tokenizer is looked for (which would blame a missing tokenizer.json)."""
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else [os.path.basename(path)]
+    if any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
+        return
+    found = next((n for n in names if os.path.splitext(n)[1].lower() in OTHER_WEIGHT_FORMATS), None)
+    if found:
+        where = os.path.join(path, found) if os.path.isdir(path) else path
+        raise ConfigError(f"pretrained_model_name_or_path {where}: {OTHER_WEIGHT_FORMATS[os.path.splitext(found)[1].lower()]}; "
+                          f"an LLM base must be a Hugging Face safetensors model (a folder with config.json, "
+                          f"tokenizer.json and *.safetensors)")
+
+
 class LLMTask:
     def __init__(self, args, accelerator):
         self.args, self.accelerator, self.device = args, accelerator, accelerator.device
@@ -83,10 +104,13 @@ class LLMTask:
         self.weights_dtype = torch.float32 if args.pretrain else self.dtype
         self.autocast_dtype = self.dtype if args.pretrain else None
         path = args.pretrained_model_name_or_path
+        refuse_other_weight_formats(path)
         self.tokenizer = load_tokenizer(path)
+        documents = load_text_corpus(args.train_data)  # read before the model: a bad train_data entry fails at once
+        self.stored_precision = None  # a pre-quantized base's layout (_base_prepare)
         self.model, self.from_scratch = self._load_model(path)
         self._check_context()
-        self.train_set, self.val_set = self._load_data()
+        self.train_set, self.val_set = self._load_data(documents)
         self.model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
                                                           args.checkpoint_saves_attention)
         self.network = None
@@ -108,11 +132,11 @@ class LLMTask:
             os.remove(self.eval_log)  # a new run's evals, as its log CSV (appended to, they mixed two runs)
 
     def _load_model(self, path: str) -> tuple[LLM, bool]:
-        has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(".safetensors")
+        has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(
+            (".safetensors", ".safetensors.index.json"))  # the forms load_llm reads
         if has_weights:
-            from library.models.family import fp8_prepare
-
-            return load_llm(path, dtype=self.weights_dtype, prepare=fp8_prepare(base_precision(self.args), "llm")), False
+            config = _find_config(path)  # first: its refusals (a quantized release's) come before the weights'
+            return load_llm(path, config, dtype=self.weights_dtype, prepare=self._base_prepare(path)), False
         if not self.args.pretrain:
             raise ConfigError(f"{path}: no .safetensors weights; a LoRA needs a pretrained model (or set pretrain = true)")
         with open(os.path.join(path, "config.json")) as f:
@@ -124,16 +148,44 @@ class LLMTask:
         init_weights(model, scaled_residual=self.args.scaled_residual_init)
         return model, True
 
+    def _base_prepare(self, path: str):
+        """load_llm's prepare hook. A LoRA's frozen base in a pre-quantized file (plain fp8, fp8_scaled,
+        ComfyUI's scaled fp8) is used as it is stored, as a diffusion transformer is: the config must
+        say so and the LoRA's metadata names the stored layout. Pretraining widens such weights (they
+        train in fp32); a bf16 / fp16 / fp32 file gets the config's base precision while loading."""
+        from library.io import CheckpointReader
+        from library.models.family import fp8_prepare
+        from library.models.registry import arch_spec
+        from library.precision.stored_layouts import check_config_precision, read_stored_layout, stored_converter
+
+        reader = CheckpointReader(path)
+        stored = None if self.args.pretrain else read_stored_layout(reader, path)
+        self.stored_precision = stored.layout if stored else None
+        if stored is None:
+            return fp8_prepare(base_precision(self.args), "llm")
+        check_config_precision(path, stored.layout, base_precision(self.args))
+        return lambda model: stored_converter(model, stored, arch_spec("llm").fp8, self.weights_dtype, reader, path)
+
     def _check_context(self):
         limit = self.model.config.max_position_embeddings
         if self.args.max_length > limit:
             raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
                               f"(max_position_embeddings = {limit})")
 
-    def _load_data(self):
+    def _load_data(self, docs: list[str]):
         args = self.args
-        docs = load_text_corpus(args.train_data)
-        ids = tokenize_documents(docs, lambda t: self.tokenizer.encode(t, add_special_tokens=False, verbose=False), self.tokenizer.eos_token_id)
+        eos = self.tokenizer.eos_token_id
+        if eos is None and len(docs) > 1:
+            warnings.warn(f"{args.pretrained_model_name_or_path}: the tokenizer names no eos_token, so the {len(docs)} "
+                          f"documents of train_data run together with no border between them (set eos_token in its "
+                          f"tokenizer_config.json)", stacklevel=2)
+        ids = tokenize_documents(docs, self.encode, eos)
+        vocab = self.model.config.vocab_size
+        if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
+            top = int(ids.max())
+            raise ConfigError(f"{args.pretrained_model_name_or_path}: the tokenizer gives train_data token id {top} "
+                              f"({self.tokenizer.convert_ids_to_tokens(top)!r}), beyond the model's vocab_size {vocab}: "
+                              f"tokenizer.json and config.json are not of one model (or add_tokens left the embedding short)")
         train_ids, val_ids = train_val_split(ids, args.val_fraction)
         if len(train_ids) < args.max_length + 1:  # named here: the dataset's own error knows no file or key
             held = f" after val_fraction {args.val_fraction:g} holds out {len(val_ids)}" if len(val_ids) else ""
@@ -146,6 +198,14 @@ class LLMTask:
             raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length {args.max_length}")
         self.accelerator.print(f"text: {len(ids)} tokens, {len(train)} train windows, {len(val) if val else 0} val windows")
         return train, val
+
+    def encode(self, text: str) -> list[int]:
+        """A document's or the sample prompt's ids as the model's users encode text (transformers, PEFT,
+        vLLM): with the tokenizer's own special tokens (Llama's and Mistral's BOS first; Qwen's add none),
+        less a trailing EOS (a document gets its one EOS from tokenize_documents; a prompt must not end)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=True, verbose=False)
+        eos = self.tokenizer.eos_token_id
+        return ids[:-1] if ids and eos is not None and ids[-1] == eos else ids
 
     # -- what the loop uses --------------------------------------------------------------------
     def param_groups(self, lr: float) -> list[dict]:
@@ -212,16 +272,16 @@ class LLMTask:
     def evaluate(self) -> dict:
         was_training = self.model.training
         self.model.eval()
-        prompt = torch.tensor([self.tokenizer.encode(self.args.sample_prompt, add_special_tokens=False)], device=self.device)
+        prompt = torch.tensor([self.encode(self.args.sample_prompt)], device=self.device)
         # The same sample draw at each eval, from a generator of its own: no global generator (CPU,
         # CUDA) is reseeded, so training's random stream goes on after an eval as without it.
         gen = torch.Generator(self.device).manual_seed(self.args.seed)
         with compute_autocast(self.device, self.autocast_dtype):  # the compute training runs in
-            val = self.held_out_loss()
+            val = self.held_out_loss() if len(self.val_ids) > 1 else None  # None: nothing held out
             out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.max_position_embeddings,
                            self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id, generator=gen)
         self.model.train(was_training)
-        return {"val_loss": val, "val_perplexity": perplexity(val) if val == val else float("nan"),
+        return {"val_loss": val, "val_perplexity": None if val is None else perplexity(val),
                 "sample": self.tokenizer.decode(out[0].tolist())}
 
     @torch.no_grad()
@@ -251,13 +311,17 @@ class LLMTask:
     def report_eval(self, step: int | str):
         if not self.accelerator.is_main_process:
             return
+        """Print and log an eval; with nothing held out (val_fraction 0) the sample alone: no val loss
+        is printed, logged or written (the eval CSV then has the columns step and sample only)."""
         result = self.evaluate()
-        self.accelerator.print(f"step {step}: val loss {result['val_loss']:.4f}, perplexity {result['val_perplexity']:.2f}\n"
-                               f"  sample: {result['sample']!r}")
-        header = None if os.path.exists(self.eval_log) else ["step", "val_loss", "val_perplexity", "sample"]
-        append_csv_row(self.eval_log, [step, result["val_loss"], result["val_perplexity"], result["sample"]], header)
-        if self.accelerator.trackers:
-            self.accelerator.log({"val_loss": result["val_loss"], "val_perplexity": result["val_perplexity"]}, step=step)
+        val = result["val_loss"]
+        losses = "no val loss (nothing held out)" if val is None else f"val loss {val:.4f}, perplexity {result['val_perplexity']:.2f}"
+        self.accelerator.print(f"step {step}: {losses}\n  sample: {result['sample']!r}")
+        columns = ["step", "sample"] if val is None else ["step", "val_loss", "val_perplexity", "sample"]
+        row = {"step": step, **result}
+        append_csv_row(self.eval_log, [row[k] for k in columns], None if os.path.exists(self.eval_log) else columns)
+        if self.accelerator.trackers and val is not None:
+            self.accelerator.log({"val_loss": val, "val_perplexity": result["val_perplexity"]}, step=step)
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, path: str, metadata: dict, dtype: torch.dtype) -> list[str]:
@@ -300,7 +364,7 @@ class LLMTask:
     # -- metadata ------------------------------------------------------------------------------
     def metadata(self) -> dict:
         c, args = self.model.config, self.args
-        precision = (base_precision(args) if base_precision(args) != "bf16"
+        precision = self.stored_precision or (base_precision(args) if base_precision(args) != "bf16"
                      else {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.weights_dtype])
         return {
             "base_model_version": f"llm-{c.num_layers}x{c.hidden_size}" + ("-scratch" if self.from_scratch else ""),
