@@ -166,6 +166,10 @@ def _parse_dataset(source: str, general: dict, dataset: dict, section: str = "da
     if not isinstance(subsets, list) or not subsets:
         raise ValueError(f"{source}: [[{section}]] needs at least one [[{section}.subsets]] with an image_dir")
     spec.subsets = [_parse_subset(source, general, dataset, s, f"{section}.subsets") for s in subsets]
+    if all(s.is_reg for s in spec.subsets):  # its entries would be none: the run would loop over empty epochs
+        raise ValueError(f"{source}: [[{section}]] with image_dir {spec.subsets[0].image_dir!r}: every subset has "
+                         f"is_reg = true; regularization images repeat as often as their dataset's training images, "
+                         f"and it has none (add a training subset to this [[datasets]])")
     return spec
 
 
