@@ -253,3 +253,22 @@ def test_edit_families_keep_every_token():
     from library.models.qwen_image.edit_family import QwenImageEditFamily
 
     assert QwenImageEditFamily("unused", model_version=EDIT_2509, text_encoder="unused").caption_token_limit(None) is None
+
+
+def test_layered_images_layer_problems_are_errors_in_the_check_as_in_training(tmp_path):
+    """multiple_target: a missing layer, another layer count and a layer of another size than its composite
+    (fitted to the bucket on its own, it would be cropped out of register) are errors in both."""
+    from library.data.image_folders import scan_images
+    from tools.make_tiny_dataset import make_tiny_layered_dataset
+
+    toml = make_tiny_layered_dataset(str(tmp_path), count=3, size=32)["layered_dataset_config"]
+    folder = tmp_path / "layered_images"
+    (folder / "001_2.png").unlink()
+    Image.new("RGBA", (32, 16)).save(folder / "002_2.png")
+    report = check.check_dataset(load_dataset_config(toml))
+    # was 0 errors: the check did not look at layers, training stopped at 001.png
+    assert found(report) == [("error", "layers", "001.png"), ("error", "layers", "002_2.png")]
+    assert "layer is 32x16, its composite 002.png is 32x32" in report.problems()[1].message
+    (folder / "001_2.png").write_bytes((folder / "000_2.png").read_bytes())
+    with pytest.raises(ValueError, match="002_2.png: layer is 32x16"):  # was trained, scaled to cover 32x32 and cropped out of register
+        scan_images(load_dataset_config(toml))

@@ -5,7 +5,7 @@ Severities:
 - error: training stops on it (scan_images, or caching for pixels it refuses, raises that message
   at the first such file; the check lists them all): an unreadable or undecodable image, a missing,
   empty or non-UTF-8 caption, a missing or mis-sized mask, a missing reference of an edit dataset,
-  two images of one name;
+  a layered image's missing, unreadable or mis-sized layers or another layer count, two images of one name;
 - warning: training goes on with data that is not what it seems: an image of a bad size for the
   buckets (dataset.bad_size: upscaled or cropped, or skipped with skip_bad_size_images), a caption
   longer than the text encoder keeps (TokenLimit: the rest is cut), the same file twice (content
@@ -35,6 +35,7 @@ from library.data.controls import check_control_count, control_files, find_contr
 from library.data.image_folders import bad_size, subset_images, dataset_buckets, image_bucket, read_caption
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import IMAGE_EXTENSIONS, WIDE_GREY_MODES, load_rgb, verified_image_size
+from library.data.layers import check_layers
 from library.data.masks import find_mask, has_alpha
 
 
@@ -51,7 +52,7 @@ class TokenLimit:
 @dataclass
 class Problem:
     severity: str  # "error" | "warning"
-    kind: str  # image, pixels, caption, tokens, size, bucket, mask, reference, duplicate, folder
+    kind: str  # image, pixels, caption, tokens, size, bucket, mask, reference, layers, duplicate, folder
     message: str  # one line naming the file
 
     def line(self) -> str:
@@ -162,9 +163,10 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
     sections = [("datasets", blueprint.datasets), ("validation_datasets", blueprint.validation_datasets)]
     for name, datasets in sections:
         for di, ds in enumerate(datasets, start=1):
+            layered = {}  # the dataset's first composite: every other needs as many layers (as scan_images)
             for si, subset in enumerate(ds.subsets, start=1):
                 report = SubsetReport(f"{name} {di}, subset {si}", subset.image_dir)
-                for path in check_subset(report, ds, subset, limit):
+                for path in check_subset(report, ds, subset, limit, layered):
                     where.setdefault(path, report)
                 subsets.append(report)
     for path, problem in duplicate_problems(where):
@@ -173,10 +175,13 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
                          else token_check)
 
 
-def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None) -> list[str]:
-    """Fill `report` for one subset; returns the readable images' paths (for the duplicate check)."""
+def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None,
+                 layered: dict | None = None) -> list[str]:
+    """Fill `report` for one subset; returns the readable images' paths (for the duplicate check).
+    layered: the dataset's first composite ({"first": (path, layer count)}), shared by its subsets."""
+    layers, layered = {}, {} if layered is None else layered
     try:
-        paths = subset_images(subset)[0]  # multiple_target: the layer files are not images of their own
+        paths, layers = subset_images(subset)  # multiple_target: the layer files are not images of their own
     except ValueError as e:  # no folder, no images, or two images of one name (then check them anyway)
         report.add("error", "folder", str(e))
         if not os.path.isdir(subset.image_dir):
@@ -207,6 +212,12 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         check_mask(report, path, subset, size)
         if controls is not None:
             first_paired = check_references(report, path, subset, controls, first_paired)
+        if subset.multiple_target:
+            try:
+                check_layers(path, layers.get(path), layered.get("first"), size)
+                layered.setdefault("first", (path, len(layers[path])))
+            except ValueError as e:  # no layers, another count, an unreadable layer or one of another size
+                report.add("error", "layers", str(e))
     if paths and not report.trained and readable and subset.skip_bad_size_images:
         report.add("error", "folder", f"{subset.image_dir}: every image is skipped (skip_bad_size_images)")
     return readable

@@ -121,7 +121,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                     first_paired = first_paired or item
                     check_control_count(item, first_paired)
                 if subset.multiple_target:  # the composite is its own reference (the condition image)
-                    check_layers(path, layers.get(path), first_layered)
+                    check_layers(path, layers.get(path), first_layered, size)
                     first_layered = first_layered or (path, len(layers[path]))
                     item.layer_paths, item.control_paths, item.control_buckets = layers[path], [path], [bucket]
                 items.append(item)
