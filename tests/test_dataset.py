@@ -1,5 +1,6 @@
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -179,6 +180,18 @@ def test_bucket_no_upscale_keeps_small_images_small(tmp_path):
     buckets = {os.path.basename(i.image_path): i.bucket for i in ds.items}
     # big: area budget 512^2 -> 724x362 -> rounded down to 16: 720x352
     assert buckets == {"small.png": (96, 48), "big.png": (720, 352)}
+
+
+def test_bucket_no_upscale_neither_warns_about_nor_skips_a_long_image(tmp_path):
+    """Its bucket keeps the image's shape (cropped only by the rounding to bucket_reso_steps): a 5:1 image is
+    no 'bad size', though beyond max_bucket_reso / min_bucket_reso = 4."""
+    make_image(tmp_path / "img" / "long.png", 1000, 200)
+    make_image(tmp_path / "img" / "square.png", 300, 300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # was "1000x200 has aspect ratio 5.0, beyond ... (it is cropped)"
+        ds = D.ImageDataset(blueprint(tmp_path / "img", resolution=512, enable_bucket=True, bucket_no_upscale=True,
+                                      bucket_reso_steps=16, class_tokens="x", skip_bad_size_images=True))
+    assert {os.path.basename(i.image_path): i.bucket for i in ds.items} == {"long.png": (992, 192), "square.png": (288, 288)}
 
 
 def test_resize_center_crop_flip_and_value_range(tmp_path):

@@ -79,10 +79,10 @@ def bad_size(size: tuple[int, int], ds: DatasetSpec) -> str | None:
     """Why an image of `size` (w, h) trains badly in dataset `ds`, or None. A 1x1 image would be
     upscaled to a whole bucket, a 4000x16 strip cropped to its middle 2%: both silently."""
     (w, h), (min_side, name, max_aspect) = size, size_limits(ds)
-    problems = []
-    if min(w, h) < min_side and not (ds.enable_bucket and ds.bucket_no_upscale):  # that never upscales
+    problems, own_shape = [], ds.enable_bucket and ds.bucket_no_upscale  # a bucket of the image's own shape
+    if min(w, h) < min_side and not own_shape:  # that never upscales
         problems.append(f"is smaller than {name} {min_side} (it is upscaled)")
-    if max(w, h) / min(w, h) > max_aspect:
+    if max(w, h) / min(w, h) > max_aspect and not own_shape:  # nor crops beyond rounding to bucket_reso_steps
         problems.append(f"has aspect ratio {max(w, h) / min(w, h):.1f}, beyond max_bucket_reso / min_bucket_reso "
                         f"= {max_aspect:.1f} (it is cropped)")
     return f"{w}x{h} " + " and ".join(problems) if problems else None
