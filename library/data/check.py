@@ -31,7 +31,7 @@ from typing import Callable
 from PIL import Image
 
 from library.data.captions import fixed_caption
-from library.data.controls import check_control_count, control_files, find_controls
+from library.data.controls import check_control_count, control_files, find_controls, target_stems
 from library.data.image_folders import bad_size, subset_images, dataset_buckets, image_bucket, read_caption
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import IMAGE_EXTENSIONS, WIDE_GREY_MODES, load_rgb, verified_image_size
@@ -190,7 +190,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
                  if f.lower().endswith(IMAGE_EXTENSIONS)]
     report.images = len(paths)
     controls = control_files(subset.control_directory) if subset.control_directory else None
-    buckets, readable, first_paired = dataset_buckets(ds), [], None
+    buckets, readable, first_paired, targets = dataset_buckets(ds), [], None, target_stems(paths)
     for path in paths:
         size = check_pixels(report, path)
         if size is None:
@@ -211,7 +211,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         check_caption(report, path, subset, limit)
         check_mask(report, path, subset, size)
         if controls is not None:
-            first_paired = check_references(report, path, subset, controls, first_paired)
+            first_paired = check_references(report, path, subset, controls, first_paired, targets)
         if subset.multiple_target:
             try:
                 check_layers(path, layers.get(path), layered.get("first"), size)
@@ -265,11 +265,11 @@ def check_mask(report: SubsetReport, path: str, subset: SubsetSpec, size: tuple[
         report.note("images without an alpha channel (alpha_mask): trained everywhere", path)
 
 
-def check_references(report: SubsetReport, path: str, subset: SubsetSpec, controls: dict, first):
+def check_references(report: SubsetReport, path: str, subset: SubsetSpec, controls: dict, first, targets=frozenset()):
     """An edit dataset's references of `path`: found, readable, as many as the subset's first
     image has. Returns the subset's first paired image (what the others are compared with)."""
     try:
-        paired = SimpleNamespace(image_path=path, control_paths=find_controls(path, subset.control_directory, controls))
+        paired = SimpleNamespace(image_path=path, control_paths=find_controls(path, subset.control_directory, controls, targets))
         for reference in paired.control_paths:
             verified_image_size(reference)
         check_control_count(paired, first or paired)

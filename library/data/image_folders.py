@@ -16,7 +16,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
-from library.data.controls import check_control_count, control_files, find_controls, scan_controls
+from library.data.controls import check_control_count, control_files, find_controls, scan_controls, target_stems
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec, make_buckets
 from library.data.images import IMAGE_EXTENSIONS, verified_image_size
 from library.data.layers import check_layers, split_layers
@@ -110,6 +110,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
             if subset.alpha_mask:
                 warn_missing_alpha(paths, subset)
             controls = control_files(subset.control_directory) if subset.control_directory else None
+            targets = target_stems(paths)
             first_paired = None  # the subset's first image: every other needs as many references
             for path, size in _usable_images(paths, ds, subset):
                 bucket = image_bucket(path, size, ds, buckets)
@@ -117,7 +118,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                                  mask_path=find_mask(path, subset, size), subset_index=si)
                 if controls is not None:
                     item.control_paths, item.control_buckets = scan_controls(
-                        path, subset.control_directory, controls, bucket, control_bucket or (lambda b, _: b))
+                        path, subset.control_directory, controls, bucket, control_bucket or (lambda b, _: b), targets)
                     first_paired = first_paired or item
                     check_control_count(item, first_paired)
                 if subset.multiple_target:  # the composite is its own reference (the condition image)
@@ -135,8 +136,9 @@ def reference_count(blueprint: DatasetBlueprint) -> int:
     for ds in blueprint.datasets:
         for subset in ds.subsets:
             if subset.control_directory:
-                first = _image_files(subset.image_dir)[0]
-                counts.append(len(find_controls(first, subset.control_directory, control_files(subset.control_directory))))
+                paths = _image_files(subset.image_dir)
+                counts.append(len(find_controls(paths[0], subset.control_directory, control_files(subset.control_directory),
+                                                target_stems(paths))))
     return max(counts)
 
 
