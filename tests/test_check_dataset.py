@@ -272,3 +272,20 @@ def test_layered_images_layer_problems_are_errors_in_the_check_as_in_training(tm
     (folder / "001_2.png").write_bytes((folder / "000_2.png").read_bytes())
     with pytest.raises(ValueError, match="002_2.png: layer is 32x16"):  # was trained, scaled to cover 32x32 and cropped out of register
         scan_images(load_dataset_config(toml))
+
+
+def test_a_numbered_image_with_its_own_caption_is_a_composite_not_a_layer(tmp_path):
+    """multiple_target: as musubi-tuner, a captioned file is an image to decompose; a_1.png was taken as the
+    first of a.png's three layers, and a_1's own layers were dropped, without a word."""
+    from library.data.dataset_config import parse_dataset_config
+    from library.data.image_folders import subset_images
+
+    for name in ("a", "a_1", "a_2", "a_3", "a_1_1", "a_1_2"):
+        Image.new("RGBA", (32, 32)).save(tmp_path / f"{name}.png")
+    for name in ("a", "a_1"):
+        (tmp_path / f"{name}.txt").write_text("a poster")
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [
+        {"image_dir": str(tmp_path), "multiple_target": True}]}]})
+    composites, layers = subset_images(bp.datasets[0].subsets[0])
+    names = {os.path.basename(c): [os.path.basename(p) for p in layers[c]] for c in composites}
+    assert names == {"a.png": ["a_2.png", "a_3.png"], "a_1.png": ["a_1_1.png", "a_1_2.png"]}

@@ -21,14 +21,15 @@ from library.data.images import verified_image_size
 _NUMBERED = re.compile(r"(.+)_(\d+)")
 
 
-def split_layers(paths: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+def split_layers(paths: list[str], captioned=lambda path: False) -> tuple[list[str], dict[str, list[str]]]:
     """(the composites, composite -> its layer files in numeric order) of a subset's image files:
-    a file named <stem>_<n> beside an image named <stem> is one of its layers."""
+    a file named <stem>_<n> beside an image named <stem> is one of its layers, unless it has a caption
+    file of its own (captioned(path)): then it is a composite, as musubi-tuner tells them apart."""
     by_stem = {os.path.splitext(p)[0]: p for p in paths}
     numbered: dict[str, list[tuple[int, str]]] = {}
     for p in paths:
         m = _NUMBERED.fullmatch(os.path.splitext(p)[0])
-        if m and m.group(1) in by_stem:
+        if m and m.group(1) in by_stem and not captioned(p):
             numbered.setdefault(by_stem[m.group(1)], []).append((int(m.group(2)), p))
     layer_files = {p for group in numbered.values() for _, p in group}
     composites = [p for p in paths if p not in layer_files]
