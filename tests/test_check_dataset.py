@@ -289,3 +289,17 @@ def test_a_numbered_image_with_its_own_caption_is_a_composite_not_a_layer(tmp_pa
     composites, layers = subset_images(bp.datasets[0].subsets[0])
     names = {os.path.basename(c): [os.path.basename(p) for p in layers[c]] for c in composites}
     assert names == {"a.png": ["a_2.png", "a_3.png"], "a_1.png": ["a_1_1.png", "a_1_2.png"]}
+
+
+def test_the_validation_split_share_is_counted_as_held_out_not_trained(tmp_path):
+    from library.data.dataset_config import parse_dataset_config
+    from library.data.image_folders import scan_images, split_validation
+
+    for i in range(5):
+        make_image(tmp_path / "a" / f"{i}.png", 32, 32, (40 * i, 0, 0))
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "validation_split": 0.4, "subsets": [
+        {"image_dir": str(tmp_path / "a"), "class_tokens": "x"}]}]})
+    (subset,) = check.check_dataset(bp).subsets
+    train, held_out = split_validation(scan_images(bp), bp)
+    assert (subset.trained, subset.held_out) == (len(train), len(held_out)) == (3, 2)  # was trained 5
+    assert "images: 5, trained: 3, held out for validation: 2\n" in check.report_text(check.check_dataset(bp))

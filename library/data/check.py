@@ -65,6 +65,7 @@ class SubsetReport:
     image_dir: str
     images: int = 0  # image files found
     trained: int = 0  # of them, the ones training uses
+    held_out: int = 0  # of the readable ones, the validation_split share (validation only, never trained on)
     sizes: Counter = field(default_factory=Counter)  # "WxH" -> images (as displayed)
     buckets: Counter = field(default_factory=Counter)  # "WxH" -> images
     tokens: list[int] = field(default_factory=list)  # per caption, when a TokenLimit counted them
@@ -78,7 +79,7 @@ class SubsetReport:
         self.notes.setdefault(what, []).append(path)
 
     def to_json(self) -> dict:
-        return {**{k: getattr(self, k) for k in ("section", "image_dir", "images", "trained", "tokens", "notes")},
+        return {**{k: getattr(self, k) for k in ("section", "image_dir", "images", "trained", "held_out", "tokens", "notes")},
                 "sizes": dict(self.sizes), "buckets": dict(self.buckets), "problems": [asdict(p) for p in self.problems]}
 
 
@@ -220,6 +221,9 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
                 report.add("error", "layers", str(e))
     if paths and not report.trained and readable and subset.skip_bad_size_images:
         report.add("error", "folder", f"{subset.image_dir}: every image is skipped (skip_bad_size_images)")
+    if not subset.is_reg:  # split_validation's count of this subset
+        report.held_out = int(report.trained * ds.validation_split + 1e-9)
+        report.trained -= report.held_out
     return readable
 
 
@@ -287,8 +291,10 @@ def report_text(report: DatasetReport) -> str:
     lines = [f"{report.source}: {len(report.subsets)} subsets; caption tokens: {report.token_check}"]
     for s in report.subsets:
         lines.append(f"{s.section}: {s.image_dir}")
-        lines.append(f"  images: {s.images}, trained: {s.trained}" + (f" ({s.images - s.trained} unreadable or skipped)"
-                                                                      if s.images > s.trained else ""))
+        unused = s.images - s.trained - s.held_out
+        lines.append(f"  images: {s.images}, trained: {s.trained}" + (f", held out for validation: {s.held_out}"
+                                                                      if s.held_out else "")
+                     + (f" ({unused} unreadable or skipped)" if unused else ""))
         if s.sizes:
             lines.append(f"  sizes: {_histogram(s.sizes)}")
             lines.append(f"  buckets: {_histogram(s.buckets)}")
