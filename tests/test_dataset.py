@@ -416,6 +416,8 @@ def test_two_subsets_over_one_folder_keep_their_own_caption_caches(tmp_path):
     ({"shuffle_caption": True, "caption_variants": 2}, {"shuffle_caption": True, "caption_variants": 3}),
     ({}, {"flip_aug": True}),
     ({}, {"alpha_mask": True}),
+    ({}, {"caption_prefix": "ohwx,"}),
+    ({"caption_suffix": ", a"}, {"caption_suffix": ", b"}),
 ])
 def test_subsets_that_differ_in_any_cached_input_get_their_own_cache_files(tmp_path, first, second):
     image = Image.new("RGBA", (32, 32), (0, 0, 0, 255))

@@ -239,13 +239,16 @@ def _image_files(folder: str) -> list[str]:
 
 
 def read_caption(image_path: str, subset: SubsetSpec) -> str:
+    """The image's caption file's text (or its subset's class_tokens), with the subset's caption_prefix
+    and caption_suffix joined by a space as sd-scripts joins them (before shuffling: keep_tokens counts them)."""
     caption_path = os.path.splitext(image_path)[0] + subset.caption_extension
     if os.path.exists(caption_path):
         caption = read_utf8(caption_path, "caption file").strip()
         if not caption:
             raise ValueError(f"{caption_path}: caption file is empty")
-        return caption
-    if subset.class_tokens:
-        return subset.class_tokens
-    raise ValueError(f"{image_path}: no caption file '{os.path.basename(caption_path)}' "
-                     f"and no class_tokens for its subset")
+    elif subset.class_tokens:
+        caption = subset.class_tokens
+    else:
+        raise ValueError(f"{image_path}: no caption file '{os.path.basename(caption_path)}' "
+                         f"and no class_tokens for its subset")
+    return " ".join(part for part in (subset.caption_prefix, caption, subset.caption_suffix) if part)
