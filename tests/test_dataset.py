@@ -503,3 +503,13 @@ def test_corpus_loading_tokenizing_and_tail_validation_split(tmp_path):
     assert train.tolist() == list(range(90)) and val.tolist() == list(range(90, 100))
     with pytest.raises(ValueError, match="no such text file"):
         text_corpus.load_text_corpus(str(tmp_path / "missing"))
+
+
+def test_a_missing_image_dir_names_the_dataset_config_and_where_a_relative_path_is_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [{"image_dir": "data/cats"}]}]},
+                              source="my_dataset.toml")
+    with pytest.raises(ValueError) as e:  # was "data/cats: image_dir does not exist or is not a folder"
+        image_folders.scan_images(bp)
+    assert str(e.value) == (f"my_dataset.toml: data/cats: image_dir does not exist or is not a folder (a relative "
+                            f"image_dir is read from the current folder, {tmp_path})")

@@ -106,7 +106,10 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
         buckets = dataset_buckets(ds)
         first_layered = None  # (path, layer count) of the dataset's first layered image
         for si, subset in enumerate(ds.subsets):
-            paths, layers = subset_images(subset)
+            try:
+                paths, layers = subset_images(subset)
+            except ValueError as e:  # the folder's own problem: said with the dataset config that names it
+                raise ValueError(f"{blueprint.source}: {e}") from None
             if subset.alpha_mask:
                 warn_missing_alpha(paths, subset)
             controls = control_files(subset.control_directory) if subset.control_directory else None
@@ -225,7 +228,8 @@ def subset_images(subset: SubsetSpec) -> tuple[list[str], dict[str, list[str]]]:
 
 def _image_files(folder: str) -> list[str]:
     if not os.path.isdir(folder):
-        raise ValueError(f"{folder}: image_dir does not exist or is not a folder")
+        relative = "" if os.path.isabs(folder) else f" (a relative image_dir is read from the current folder, {os.getcwd()})"
+        raise ValueError(f"{folder}: image_dir does not exist or is not a folder{relative}")
     files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMAGE_EXTENSIONS))
     if not files:
         raise ValueError(f"{folder}: image_dir holds no images ({', '.join(IMAGE_EXTENSIONS)})")
