@@ -105,7 +105,7 @@ def test_check_finds_one_of_each_problem(tmp_path):
     assert truncated.endswith("truncated.jpg: cannot be decoded as an image (OSError: image file is truncated "
                               "(151 bytes not processed))"), truncated
     a, b, val = report.subsets
-    assert (a.images, a.trained, b.images, b.trained, val.images, val.trained) == (13, 11, 2, 2, 1, 1)
+    assert (a.images, a.trained, b.images, b.trained, val.images, val.trained, val.held_out) == (13, 11, 2, 2, 1, 0, 1)
     assert a.buckets == {"80x48": 10, "64x64": 1} and a.sizes == {"64x48": 10, "1x1": 1}  # the 1x1 is upscaled
     notes = {what.split(",")[0]: [os.path.basename(f) for f in files] for what, files in a.notes.items()}
     assert notes == {"CMYK images": ["cmyk.jpg"], "16-bit grey images": ["grey16.png"]}
@@ -303,3 +303,8 @@ def test_the_validation_split_share_is_counted_as_held_out_not_trained(tmp_path)
     train, held_out = split_validation(scan_images(bp), bp)
     assert (subset.trained, subset.held_out) == (len(train), len(held_out)) == (3, 2)  # was trained 5
     assert "images: 5, trained: 3, held out for validation: 2\n" in check.report_text(check.check_dataset(bp))
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [{"image_dir": str(tmp_path / "a")}]}],
+                               "validation_datasets": [{"resolution": 32, "subsets": [
+                                   {"image_dir": str(tmp_path / "a"), "class_tokens": "x"}]}]})
+    held = check.check_dataset(bp).subsets[1]
+    assert (held.trained, held.held_out) == (0, 5)  # a [[validation_datasets]] subset said 'trained: 5'

@@ -169,6 +169,8 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
                 report = SubsetReport(f"{name} {di}, subset {si}", subset.image_dir)
                 for path in check_subset(report, ds, subset, limit, layered):
                     where.setdefault(path, report)
+                if name == "validation_datasets":  # every image of it is held out
+                    report.held_out, report.trained = report.held_out + report.trained, 0
                 subsets.append(report)
     for path, problem in duplicate_problems(where):
         where[path].problems.append(problem)
