@@ -278,7 +278,7 @@ def test_a_numbered_image_with_its_own_caption_is_a_composite_not_a_layer(tmp_pa
     """multiple_target: as musubi-tuner, a captioned file is an image to decompose; a_1.png was taken as the
     first of a.png's three layers, and a_1's own layers were dropped, without a word."""
     from library.data.dataset_config import parse_dataset_config
-    from library.data.image_folders import subset_images
+    from library.data.image_folders import scan_images, subset_images
 
     for name in ("a", "a_1", "a_2", "a_3", "a_1_1", "a_1_2"):
         Image.new("RGBA", (32, 32)).save(tmp_path / f"{name}.png")
@@ -289,6 +289,10 @@ def test_a_numbered_image_with_its_own_caption_is_a_composite_not_a_layer(tmp_pa
     composites, layers = subset_images(bp.datasets[0].subsets[0])
     names = {os.path.basename(c): [os.path.basename(p) for p in layers[c]] for c in composites}
     assert names == {"a.png": ["a_2.png", "a_3.png"], "a_1.png": ["a_1_1.png", "a_1_2.png"]}
+    for name in ("a_2", "a_3", "a_1_1", "a_1_2"):  # a captioning tool run over the folder captions the layers too
+        (tmp_path / f"{name}.txt").write_text("a layer")
+    with pytest.raises(ValueError, match=r"a.png: no layer images beside it .*without caption files: a numbered image"):
+        scan_images(bp)
 
 
 def test_the_validation_split_share_is_counted_as_held_out_not_trained(tmp_path):

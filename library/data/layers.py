@@ -44,7 +44,8 @@ def check_layers(path: str, layers: list[str] | None, first: tuple[str, int] | N
     stem = os.path.splitext(os.path.basename(path))[0]
     if not layers:
         raise ValueError(f"{path}: no layer images beside it (multiple_target = true expects '{stem}_1.png', "
-                         f"'{stem}_2.png', ... in the same folder)")
+                         f"'{stem}_2.png', ... in the same folder, without caption files: a numbered image with a "
+                         f"caption file of its own is an image to decompose, not a layer)")
     if first is not None and len(layers) != first[1]:
         raise ValueError(f"{path}: {len(layers)} layer image(s), but {os.path.basename(first[0])} of the same dataset "
                          f"has {first[1]}; every image of a dataset needs the same number of layers")
