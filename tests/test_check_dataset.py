@@ -274,41 +274,18 @@ def test_layered_images_layer_problems_are_errors_in_the_check_as_in_training(tm
         scan_images(load_dataset_config(toml))
 
 
-def test_a_numbered_image_with_its_own_caption_is_a_composite_not_a_layer(tmp_path):
-    """multiple_target: as musubi-tuner, a captioned file is an image to decompose; a_1.png was taken as the
-    first of a.png's three layers, and a_1's own layers were dropped, without a word."""
+def test_a_numbered_image_with_layers_of_its_own_is_a_composite_not_a_layer(tmp_path):
+    """multiple_target: a_1.png was taken as the first of a.png's three layers, and a_1's own layers
+    (a_1_1.png, a_1_2.png) were dropped, without a word. Captions on layers (a captioning tool run over the
+    folder) change nothing."""
     from library.data.dataset_config import parse_dataset_config
-    from library.data.image_folders import scan_images, subset_images
+    from library.data.image_folders import scan_images
 
     for name in ("a", "a_1", "a_2", "a_3", "a_1_1", "a_1_2"):
         Image.new("RGBA", (32, 32)).save(tmp_path / f"{name}.png")
-    for name in ("a", "a_1"):
         (tmp_path / f"{name}.txt").write_text("a poster")
     bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [
         {"image_dir": str(tmp_path), "multiple_target": True}]}]})
-    composites, layers = subset_images(bp.datasets[0].subsets[0])
-    names = {os.path.basename(c): [os.path.basename(p) for p in layers[c]] for c in composites}
+    items = scan_images(bp)
+    names = {os.path.basename(it.image_path): [os.path.basename(p) for p in it.layer_paths] for it in items}
     assert names == {"a.png": ["a_2.png", "a_3.png"], "a_1.png": ["a_1_1.png", "a_1_2.png"]}
-    for name in ("a_2", "a_3", "a_1_1", "a_1_2"):  # a captioning tool run over the folder captions the layers too
-        (tmp_path / f"{name}.txt").write_text("a layer")
-    with pytest.raises(ValueError, match=r"a.png: no layer images beside it .*without caption files: a numbered image"):
-        scan_images(bp)
-
-
-def test_the_validation_split_share_is_counted_as_held_out_not_trained(tmp_path):
-    from library.data.dataset_config import parse_dataset_config
-    from library.data.image_folders import scan_images, split_validation
-
-    for i in range(5):
-        make_image(tmp_path / "a" / f"{i}.png", 32, 32, (40 * i, 0, 0))
-    bp = parse_dataset_config({"datasets": [{"resolution": 32, "validation_split": 0.4, "subsets": [
-        {"image_dir": str(tmp_path / "a"), "class_tokens": "x"}]}]})
-    (subset,) = check.check_dataset(bp).subsets
-    train, held_out = split_validation(scan_images(bp), bp)
-    assert (subset.trained, subset.held_out) == (len(train), len(held_out)) == (3, 2)  # was trained 5
-    assert "images: 5, trained: 3, held out for validation: 2\n" in check.report_text(check.check_dataset(bp))
-    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [{"image_dir": str(tmp_path / "a")}]}],
-                               "validation_datasets": [{"resolution": 32, "subsets": [
-                                   {"image_dir": str(tmp_path / "a"), "class_tokens": "x"}]}]})
-    held = check.check_dataset(bp).subsets[1]
-    assert (held.trained, held.held_out) == (0, 5)  # a [[validation_datasets]] subset said 'trained: 5'

@@ -221,9 +221,7 @@ def subset_images(subset: SubsetSpec) -> tuple[list[str], dict[str, list[str]]]:
     """(the subset's training images, image -> its layer files): with multiple_target the numbered
     layer files beside an image are its layers, not images of their own (library/data/layers.py)."""
     paths = _image_files(subset.image_dir)
-    if not subset.multiple_target:
-        return paths, {}
-    return split_layers(paths, lambda p: os.path.exists(os.path.splitext(p)[0] + subset.caption_extension))
+    return split_layers(paths) if subset.multiple_target else (paths, {})
 
 
 def _image_files(folder: str) -> list[str]:

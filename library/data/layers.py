@@ -21,15 +21,16 @@ from library.data.images import verified_image_size
 _NUMBERED = re.compile(r"(.+)_(\d+)")
 
 
-def split_layers(paths: list[str], captioned=lambda path: False) -> tuple[list[str], dict[str, list[str]]]:
+def split_layers(paths: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """(the composites, composite -> its layer files in numeric order) of a subset's image files:
-    a file named <stem>_<n> beside an image named <stem> is one of its layers, unless it has a caption
-    file of its own (captioned(path)): then it is a composite, as musubi-tuner tells them apart."""
+    a file named <stem>_<n> beside an image named <stem> is one of its layers, unless it has layers
+    of its own (<stem>_<n>_<k>): then it is a composite too (poster.png, poster_1.png, poster_1_1.png)."""
     by_stem = {os.path.splitext(p)[0]: p for p in paths}
+    matches = {p: m for p in paths if (m := _NUMBERED.fullmatch(os.path.splitext(p)[0])) and m.group(1) in by_stem}
+    bases = {m.group(1) for m in matches.values()}  # the stems that have layers
     numbered: dict[str, list[tuple[int, str]]] = {}
-    for p in paths:
-        m = _NUMBERED.fullmatch(os.path.splitext(p)[0])
-        if m and m.group(1) in by_stem and not captioned(p):
+    for p, m in matches.items():
+        if os.path.splitext(p)[0] not in bases:
             numbered.setdefault(by_stem[m.group(1)], []).append((int(m.group(2)), p))
     layer_files = {p for group in numbered.values() for _, p in group}
     composites = [p for p in paths if p not in layer_files]
@@ -44,8 +45,7 @@ def check_layers(path: str, layers: list[str] | None, first: tuple[str, int] | N
     stem = os.path.splitext(os.path.basename(path))[0]
     if not layers:
         raise ValueError(f"{path}: no layer images beside it (multiple_target = true expects '{stem}_1.png', "
-                         f"'{stem}_2.png', ... in the same folder, without caption files: a numbered image with a "
-                         f"caption file of its own is an image to decompose, not a layer)")
+                         f"'{stem}_2.png', ... in the same folder)")
     if first is not None and len(layers) != first[1]:
         raise ValueError(f"{path}: {len(layers)} layer image(s), but {os.path.basename(first[0])} of the same dataset "
                          f"has {first[1]}; every image of a dataset needs the same number of layers")
