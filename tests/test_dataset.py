@@ -194,6 +194,17 @@ def test_bucket_no_upscale_neither_warns_about_nor_skips_a_long_image(tmp_path):
     assert {os.path.basename(i.image_path): i.bucket for i in ds.items} == {"long.png": (992, 192), "square.png": (288, 288)}
 
 
+def test_bucket_no_upscale_skips_an_image_below_the_bucket_step_with_skip_bad_size_images(tmp_path):
+    make_image(tmp_path / "img" / "icon.png", 100, 40)
+    make_image(tmp_path / "img" / "square.png", 300, 300)
+    keys = dict(resolution=512, enable_bucket=True, bucket_no_upscale=True, bucket_reso_steps=64, class_tokens="x")
+    with pytest.warns(UserWarning, match=r"icon.png: 100x40 has a side below bucket_reso_steps 64 .*; skipped"):
+        ds = D.ImageDataset(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
+    assert [os.path.basename(i.image_path) for i in ds.items] == ["square.png"]  # was an error, skip or not
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="icon.png: image is 100x40, smaller than bucket"):
+        D.ImageDataset(blueprint(tmp_path / "img", **keys))
+
+
 def test_resize_center_crop_flip_and_value_range(tmp_path):
     img = Image.new("RGB", (64, 32), (0, 0, 0))
     img.paste((255, 255, 255), (32, 0, 64, 32))  # right half white

@@ -85,6 +85,9 @@ def bad_size(size: tuple[int, int], ds: DatasetSpec) -> str | None:
     if max(w, h) / min(w, h) > max_aspect and not own_shape:  # nor crops beyond rounding to bucket_reso_steps
         problems.append(f"has aspect ratio {max(w, h) / min(w, h):.1f}, beyond max_bucket_reso / min_bucket_reso "
                         f"= {max_aspect:.1f} (it is cropped)")
+    if own_shape and min(bucket_without_upscale(size, ds.resolution[0] * ds.resolution[1], ds.bucket_reso_steps)) == 0:
+        problems.append(f"has a side below bucket_reso_steps {ds.bucket_reso_steps} at the area budget (no bucket "
+                        f"holds it without upscaling: an error, unless skip_bad_size_images leaves it out)")
     return f"{w}x{h} " + " and ".join(problems) if problems else None
 
 
