@@ -201,6 +201,12 @@ def test_bucket_no_upscale_skips_an_image_below_the_bucket_step_with_skip_bad_si
     with pytest.warns(UserWarning, match=r"icon.png: 100x40 has a side below bucket_reso_steps 64 .*; skipped"):
         ds = D.ImageDataset(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
     assert [os.path.basename(i.image_path) for i in ds.items] == ["square.png"]  # was an error, skip or not
+    os.remove(tmp_path / "img" / "square.png")
+    with pytest.warns(UserWarning), pytest.raises(ValueError) as e:
+        D.ImageDataset(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
+    assert str(e.value) == (f"{tmp_path / 'img'}: every image was skipped (skip_bad_size_images): none is large enough "
+                            f"for a bucket_reso_steps 64 bucket without upscaling")
+    make_image(tmp_path / "img" / "square.png", 300, 300)
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="icon.png: image is 100x40, smaller than bucket"):
         D.ImageDataset(blueprint(tmp_path / "img", **keys))
 

@@ -210,13 +210,17 @@ def _usable_images(paths: list[str], ds: DatasetSpec, subset: SubsetSpec) -> lis
             usable.append((path, size))
     min_side, name, max_aspect = size_limits(ds)
     limits = f"smaller than {name} or beyond max_bucket_reso / min_bucket_reso in aspect ratio"
+    good = f"at least {name} {min_side} per side within max_bucket_reso / min_bucket_reso = {max_aspect:.1f}"
+    trained = "they are trained as they are"
+    if ds.enable_bucket and ds.bucket_no_upscale:  # bad_size's one problem there: no bucket holds them
+        bucket = f"a bucket_reso_steps {ds.bucket_reso_steps} bucket without upscaling"
+        limits, good, trained = f"too small for {bucket}", f"large enough for {bucket}", "the first of them stops the scan"
     if bad:
         outcome = ("skipped (skip_bad_size_images)" if skip
-                   else "they are trained as they are (skip_bad_size_images = true leaves them out)")
+                   else f"{trained} (skip_bad_size_images = true leaves them out)")
         warnings.warn(f"{subset.image_dir}: {bad} of {len(paths)} images are {limits}; {outcome}", stacklevel=2)
     if not usable:
-        raise ValueError(f"{subset.image_dir}: every image was skipped (skip_bad_size_images): none is at least "
-                         f"{name} {min_side} per side within max_bucket_reso / min_bucket_reso = {max_aspect:.1f}")
+        raise ValueError(f"{subset.image_dir}: every image was skipped (skip_bad_size_images): none is {good}")
     return usable
 
 
