@@ -12,7 +12,7 @@ from PIL import Image
 
 import train_lora
 from library.data import check
-from library.data.dataset_config import load_dataset_config
+from library.data.dataset_config import load_dataset_config, parse_dataset_config
 from tests.test_dataset import make_image
 from tests.test_reliability import copy_dataset, files_under, flux_args, one_error_line
 from tests.test_reliability_inputs import MID_GREY_16, png16
@@ -278,7 +278,6 @@ def test_a_numbered_image_with_layers_of_its_own_is_a_composite_not_a_layer(tmp_
     """multiple_target: a_1.png was taken as the first of a.png's three layers, and a_1's own layers
     (a_1_1.png, a_1_2.png) were dropped, without a word. Captions on layers (a captioning tool run over the
     folder) change nothing."""
-    from library.data.dataset_config import parse_dataset_config
     from library.data.image_folders import scan_images
 
     for name in ("a", "a_1", "a_2", "a_3", "a_1_1", "a_1_2"):
@@ -289,3 +288,41 @@ def test_a_numbered_image_with_layers_of_its_own_is_a_composite_not_a_layer(tmp_
     items = scan_images(bp)
     names = {os.path.basename(it.image_path): [os.path.basename(p) for p in it.layer_paths] for it in items}
     assert names == {"a.png": ["a_2.png", "a_3.png"], "a_1.png": ["a_1_1.png", "a_1_2.png"]}
+
+
+def test_with_a_training_config_references_the_family_does_not_take_are_errors_as_in_training(tmp_path):
+    """check_dataset --config_file passes its family's (model_type, min, max) references: an edit dataset
+    checked for a text-to-image family was 0 errors, and training stopped on its first image."""
+    from tools.make_tiny_dataset import make_tiny_edit_dataset, make_tiny_layered_dataset
+
+    edit = load_dataset_config(make_tiny_edit_dataset(str(tmp_path / "e"), count=2, size=32)["edit_dataset_config"])
+    assert found(check.check_dataset(edit)) == []
+    assert found(check.check_dataset(edit, takes=("t2i", 0, 0))) == [("error", "reference", "000.png"),
+                                                                      ("error", "reference", "001.png")]
+    assert "but model_type t2i takes no reference images" in check.check_dataset(edit, takes=("t2i", 0, 0)).problems()[0].message
+    assert found(check.check_dataset(edit, takes=("edit", 1, 3))) == []
+    for i in range(2):
+        make_image(tmp_path / "plain" / f"{i}.png", 32, 32, (90 * i, 0, 0))
+    plain = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [
+        {"image_dir": str(tmp_path / "plain"), "class_tokens": "x"}]}]})
+    assert "needs at least 1 per image" in check.check_dataset(plain, takes=("edit", 1, 3)).problems()[0].message
+    layered = make_tiny_layered_dataset(str(tmp_path / "l"), count=2, size=32)["layered_dataset_config"]
+    assert found(check.check_dataset(load_dataset_config(layered), takes=("layered", 1, 1))) == []  # the composite
+
+
+def test_the_validation_split_share_is_counted_as_held_out_not_trained(tmp_path):
+    from library.data.image_folders import scan_images, split_validation
+
+    for i in range(5):
+        make_image(tmp_path / "a" / f"{i}.png", 32, 32, (40 * i, 0, 0))
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "validation_split": 0.4, "subsets": [
+        {"image_dir": str(tmp_path / "a"), "class_tokens": "x"}]}]})
+    (subset,) = check.check_dataset(bp).subsets
+    train, held_out = split_validation(scan_images(bp), bp)
+    assert (subset.trained, subset.held_out) == (len(train), len(held_out)) == (3, 2)  # was trained 5
+    assert "images: 5, trained: 3, held out for validation: 2\n" in check.report_text(check.check_dataset(bp))
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [{"image_dir": str(tmp_path / "a")}]}],
+                               "validation_datasets": [{"resolution": 32, "subsets": [
+                                   {"image_dir": str(tmp_path / "a"), "class_tokens": "x"}]}]})
+    held = check.check_dataset(bp).subsets[1]
+    assert (held.trained, held.held_out) == (0, 5)  # a [[validation_datasets]] subset said 'trained: 5'

@@ -4,7 +4,8 @@ sizes and buckets, and every problem, each one line naming the file and what was
 Severities:
 - error: training stops on it (scan_images, or caching for pixels it refuses, raises that message
   at the first such file; the check lists them all): an unreadable or undecodable image, a missing,
-  empty or non-UTF-8 caption, a missing or mis-sized mask, a missing reference of an edit dataset,
+  empty or non-UTF-8 caption, a missing or mis-sized mask, a missing reference of an edit dataset (with
+  the training family known: a reference count its model_type does not take),
   a layered image's missing, unreadable or mis-sized layers or another layer count, two images of one name;
 - warning: training goes on with data that is not what it seems: an image of a bad size for the
   buckets (dataset.bad_size: upscaled or cropped, or skipped with skip_bad_size_images), a caption
@@ -31,7 +32,7 @@ from typing import Callable
 from PIL import Image
 
 from library.data.captions import fixed_caption
-from library.data.controls import check_control_count, control_files, find_controls, target_stems
+from library.data.controls import check_control_count, check_family_takes, control_files, find_controls, target_stems
 from library.data.image_folders import bad_size, subset_images, dataset_buckets, image_bucket, read_caption
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import IMAGE_EXTENSIONS, WIDE_GREY_MODES, load_rgb, verified_image_size
@@ -157,9 +158,10 @@ def warn(problems: list[Problem]) -> None:
 
 
 def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
-                  token_check: str = "not counted (no tokenizer)") -> DatasetReport:
+                  token_check: str = "not counted (no tokenizer)", takes: tuple[str, int, int] | None = None) -> DatasetReport:
     """Every subset of the training and validation datasets, checked image by image, plus
-    duplicates across all of them."""
+    duplicates across all of them. takes: (model_type, min_controls, max_controls) of the family that
+    trains on it: reference counts it does not take are errors, as training's check_family_takes."""
     subsets, where = [], {}  # where: image path -> the report of its first subset
     sections = [("datasets", blueprint.datasets), ("validation_datasets", blueprint.validation_datasets)]
     for name, datasets in sections:
@@ -167,7 +169,7 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
             layered = {}  # the dataset's first composite: every other needs as many layers (as scan_images)
             for si, subset in enumerate(ds.subsets, start=1):
                 report = SubsetReport(f"{name} {di}, subset {si}", subset.image_dir)
-                for path in check_subset(report, ds, subset, limit, layered):
+                for path in check_subset(report, ds, subset, limit, layered, takes):
                     where.setdefault(path, report)
                 if name == "validation_datasets":  # every image of it is held out
                     report.held_out, report.trained = report.held_out + report.trained, 0
@@ -179,9 +181,10 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
 
 
 def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None,
-                 layered: dict | None = None) -> list[str]:
+                 layered: dict | None = None, takes: tuple[str, int, int] | None = None) -> list[str]:
     """Fill `report` for one subset; returns the readable images' paths (for the duplicate check).
-    layered: the dataset's first composite ({"first": (path, layer count)}), shared by its subsets."""
+    layered: the dataset's first composite ({"first": (path, layer count)}), shared by its subsets;
+    takes: check_dataset's."""
     layers, layered = {}, {} if layered is None else layered
     try:
         paths, layers = subset_images(subset)  # multiple_target: the layer files are not images of their own
@@ -213,8 +216,16 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         report.sizes["{}x{}".format(*size)] += 1
         check_caption(report, path, subset, limit)
         check_mask(report, path, subset, size)
+        references = [path] if subset.multiple_target else []  # the composite is its own (scan_images)
         if controls is not None:
-            first_paired = check_references(report, path, subset, controls, first_paired, targets)
+            first_paired, references = check_references(report, path, subset, controls, first_paired, targets)
+        if takes is not None and references is not None:
+            try:
+                model_type, fewest, most = takes
+                check_family_takes([SimpleNamespace(image_path=path, control_paths=references, subset=subset)],
+                                   model_type, most, fewest)
+            except ValueError as e:
+                report.add("error", "reference", str(e))
         if subset.multiple_target:
             try:
                 check_layers(path, layers.get(path), layered.get("first"), size)
@@ -273,7 +284,8 @@ def check_mask(report: SubsetReport, path: str, subset: SubsetSpec, size: tuple[
 
 def check_references(report: SubsetReport, path: str, subset: SubsetSpec, controls: dict, first, targets=frozenset()):
     """An edit dataset's references of `path`: found, readable, as many as the subset's first
-    image has. Returns the subset's first paired image (what the others are compared with)."""
+    image has. Returns (the subset's first paired image, what the others are compared with; the
+    reference paths of `path`, None when they are in error)."""
     try:
         paired = SimpleNamespace(image_path=path, control_paths=find_controls(path, subset.control_directory, controls, targets))
         for reference in paired.control_paths:
@@ -281,8 +293,8 @@ def check_references(report: SubsetReport, path: str, subset: SubsetSpec, contro
         check_control_count(paired, first or paired)
     except ValueError as e:
         report.add("error", "reference", str(e))
-        return first
-    return first or paired
+        return first, None
+    return first or paired, paired.control_paths
 
 
 # ----------------------------------------------------------------------------------------------
