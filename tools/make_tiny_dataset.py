@@ -75,7 +75,6 @@ from library.data import shapes  # noqa: E402
 from library.io import write_text  # noqa: E402
 
 
-
 def write_dataset_toml(path: str, what: str, size: int, subsets: list[tuple[str, list[str]]], batch_size: int = 2,
                        general: tuple[str, ...] = ()) -> None:
     """A dataset TOML as these generators write them: `what` follows "make_tiny_dataset.py" in the
