@@ -188,3 +188,20 @@ def test_bad_input_is_one_line_exit_2_and_no_caption(tiny_set, tmp_path, capsys,
     line = one_error_line(capsys, caption_images.main(argv))
     assert all(f in line for f in fragments), line
     assert captions(tmp_path) == {}
+
+
+def test_an_empty_caption_file_is_no_caption_and_gets_one(tmp_path, monkeypatch, capsys):
+    """A placeholder .txt (empty, or blank lines) counted as 'already captioned' and was kept; training then
+    stopped on it ('caption file is empty')."""
+    class Echo:
+        def caption(self, images, prompt):
+            return [f"a {img.width} px wide image" for img in images]
+
+    monkeypatch.setattr(caption_images, "load_captioner", lambda *args: Echo())
+    make_images(tmp_path, 3)
+    (tmp_path / "img0.txt").write_text("\n \n")
+    (tmp_path / "img2.txt").write_text("kept\n")
+    assert caption_images.main(["--model", str(tmp_path), "--images", str(tmp_path)]) == 0
+    assert "3 images, 1 already captioned, 2 to caption" in capsys.readouterr().out  # was 2 already, 1 to caption
+    assert captions(tmp_path) == {"img0.txt": "a 64 px wide image\n", "img2.txt": "kept\n",
+                                  "sub/img1.txt": "a 64 px wide image\n"}

@@ -160,3 +160,18 @@ def test_training_with_caption_dropout_and_shuffle_runs_on_both_families(tiny_se
         names = set(f.keys())
     assert {n.split("@")[-1] for n in names if "@" in n} == {"0", "1", "2"}  # 3 variants beside the caption
     assert any("@" not in n for n in names)
+
+
+def test_caption_prefix_and_suffix_join_every_caption_before_shuffling_as_sd_scripts(tmp_path):
+    """sd-scripts' caption_prefix / caption_suffix (were refused: unknown key): joined with a space, to the
+    caption file's text and to class_tokens; keep_tokens counts the prefix's tags."""
+    ds = dataset(tmp_path, caption="dog, red, grass", caption_prefix="ohwx, photo,", caption_suffix=", sunny",
+                 shuffle_caption=True, keep_tokens=2, caption_variants=4)
+    (item,) = ds.items
+    assert item.caption == "ohwx, photo, dog, red, grass , sunny"
+    assert all(v.startswith("ohwx, photo, ") and sorted(v.split(", ")) == ["dog", "grass", "ohwx", "photo", "red", "sunny"]
+               for v in item.caption_variants)
+    make_image(tmp_path / "bare" / "0.png", 32, 32)
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [
+        {"image_dir": str(tmp_path / "bare"), "class_tokens": "sks dog", "caption_suffix": "in a park"}]}]})
+    assert [item.caption for item in D.ImageDataset(bp).items] == ["sks dog in a park"]

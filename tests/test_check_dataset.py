@@ -12,7 +12,7 @@ from PIL import Image
 
 import train_lora
 from library.data import check
-from library.data.dataset_config import load_dataset_config
+from library.data.dataset_config import load_dataset_config, parse_dataset_config
 from tests.test_dataset import make_image
 from tests.test_reliability import copy_dataset, files_under, flux_args, one_error_line
 from tests.test_reliability_inputs import MID_GREY_16, png16
@@ -105,7 +105,7 @@ def test_check_finds_one_of_each_problem(tmp_path):
     assert truncated.endswith("truncated.jpg: cannot be decoded as an image (OSError: image file is truncated "
                               "(151 bytes not processed))"), truncated
     a, b, val = report.subsets
-    assert (a.images, a.trained, b.images, b.trained, val.images, val.trained) == (13, 11, 2, 2, 1, 1)
+    assert (a.images, a.trained, b.images, b.trained, val.images, val.trained, val.held_out) == (13, 11, 2, 2, 1, 0, 1)
     assert a.buckets == {"80x48": 10, "64x64": 1} and a.sizes == {"64x48": 10, "1x1": 1}  # the 1x1 is upscaled
     notes = {what.split(",")[0]: [os.path.basename(f) for f in files] for what, files in a.notes.items()}
     assert notes == {"CMYK images": ["cmyk.jpg"], "16-bit grey images": ["grey16.png"]}
@@ -253,3 +253,76 @@ def test_edit_families_keep_every_token():
     from library.models.qwen_image.edit_family import QwenImageEditFamily
 
     assert QwenImageEditFamily("unused", model_version=EDIT_2509, text_encoder="unused").caption_token_limit(None) is None
+
+
+def test_layered_images_layer_problems_are_errors_in_the_check_as_in_training(tmp_path):
+    """multiple_target: a missing layer, another layer count and a layer of another size than its composite
+    (fitted to the bucket on its own, it would be cropped out of register) are errors in both."""
+    from library.data.image_folders import scan_images
+    from tools.make_tiny_dataset import make_tiny_layered_dataset
+
+    toml = make_tiny_layered_dataset(str(tmp_path), count=3, size=32)["layered_dataset_config"]
+    folder = tmp_path / "layered_images"
+    (folder / "001_2.png").unlink()
+    Image.new("RGBA", (32, 16)).save(folder / "002_2.png")
+    report = check.check_dataset(load_dataset_config(toml))
+    # was 0 errors: the check did not look at layers, training stopped at 001.png
+    assert found(report) == [("error", "layers", "001.png"), ("error", "layers", "002_2.png")]
+    assert "layer is 32x16, its composite 002.png is 32x32" in report.problems()[1].message
+    (folder / "001_2.png").write_bytes((folder / "000_2.png").read_bytes())
+    with pytest.raises(ValueError, match="002_2.png: layer is 32x16"):  # was trained, scaled to cover 32x32 and cropped out of register
+        scan_images(load_dataset_config(toml))
+
+
+def test_a_numbered_image_with_layers_of_its_own_is_a_composite_not_a_layer(tmp_path):
+    """multiple_target: a_1.png was taken as the first of a.png's three layers, and a_1's own layers
+    (a_1_1.png, a_1_2.png) were dropped, without a word. Captions on layers (a captioning tool run over the
+    folder) change nothing."""
+    from library.data.image_folders import scan_images
+
+    for name in ("a", "a_1", "a_2", "a_3", "a_1_1", "a_1_2"):
+        Image.new("RGBA", (32, 32)).save(tmp_path / f"{name}.png")
+        (tmp_path / f"{name}.txt").write_text("a poster")
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [
+        {"image_dir": str(tmp_path), "multiple_target": True}]}]})
+    items = scan_images(bp)
+    names = {os.path.basename(it.image_path): [os.path.basename(p) for p in it.layer_paths] for it in items}
+    assert names == {"a.png": ["a_2.png", "a_3.png"], "a_1.png": ["a_1_1.png", "a_1_2.png"]}
+
+
+def test_with_a_training_config_references_the_family_does_not_take_are_errors_as_in_training(tmp_path):
+    """check_dataset --config_file passes its family's (model_type, min, max) references: an edit dataset
+    checked for a text-to-image family was 0 errors, and training stopped on its first image."""
+    from tools.make_tiny_dataset import make_tiny_edit_dataset, make_tiny_layered_dataset
+
+    edit = load_dataset_config(make_tiny_edit_dataset(str(tmp_path / "e"), count=2, size=32)["edit_dataset_config"])
+    assert found(check.check_dataset(edit)) == []
+    assert found(check.check_dataset(edit, takes=("t2i", 0, 0))) == [("error", "reference", "000.png"),
+                                                                      ("error", "reference", "001.png")]
+    assert "but model_type t2i takes no reference images" in check.check_dataset(edit, takes=("t2i", 0, 0)).problems()[0].message
+    assert found(check.check_dataset(edit, takes=("edit", 1, 3))) == []
+    for i in range(2):
+        make_image(tmp_path / "plain" / f"{i}.png", 32, 32, (90 * i, 0, 0))
+    plain = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [
+        {"image_dir": str(tmp_path / "plain"), "class_tokens": "x"}]}]})
+    assert "needs at least 1 per image" in check.check_dataset(plain, takes=("edit", 1, 3)).problems()[0].message
+    layered = make_tiny_layered_dataset(str(tmp_path / "l"), count=2, size=32)["layered_dataset_config"]
+    assert found(check.check_dataset(load_dataset_config(layered), takes=("layered", 1, 1))) == []  # the composite
+
+
+def test_the_validation_split_share_is_counted_as_held_out_not_trained(tmp_path):
+    from library.data.image_folders import scan_images, split_validation
+
+    for i in range(5):
+        make_image(tmp_path / "a" / f"{i}.png", 32, 32, (40 * i, 0, 0))
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "validation_split": 0.4, "subsets": [
+        {"image_dir": str(tmp_path / "a"), "class_tokens": "x"}]}]})
+    (subset,) = check.check_dataset(bp).subsets
+    train, held_out = split_validation(scan_images(bp), bp)
+    assert (subset.trained, subset.held_out) == (len(train), len(held_out)) == (3, 2)  # was trained 5
+    assert "images: 5, trained: 3, held out for validation: 2\n" in check.report_text(check.check_dataset(bp))
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [{"image_dir": str(tmp_path / "a")}]}],
+                               "validation_datasets": [{"resolution": 32, "subsets": [
+                                   {"image_dir": str(tmp_path / "a"), "class_tokens": "x"}]}]})
+    held = check.check_dataset(bp).subsets[1]
+    assert (held.trained, held.held_out) == (0, 5)  # a [[validation_datasets]] subset said 'trained: 5'

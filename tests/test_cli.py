@@ -122,6 +122,8 @@ def test_lora_tools_run_without_loading_diffusers_or_transformers():
     (["--size", "0"], "--size 0: the side must be a multiple of 16"),  # was PIL's "cannot write empty image"
     (["--count", "-3"], "--count -3: must be >= 1"),  # was "wrote -3 images" (and 13 written)
     (["--count", "0"], "--count 0: must be >= 1"),  # was 8 written
+    (["--count", "20"], "--count 20: the plain set has 16 different images"),  # was "wrote 20 images" (16 written)
+    (["--layered", "--count", "17"], "--count 17: the layered set has 16"),  # was 17 with duplicates
     (["--edit", "--concept"], "not allowed with argument"),  # was one of the two, silently
     (["--concept", "--trigger", ""], "--trigger '': one word"),
 ])

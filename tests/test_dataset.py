@@ -1,5 +1,6 @@
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -179,6 +180,35 @@ def test_bucket_no_upscale_keeps_small_images_small(tmp_path):
     buckets = {os.path.basename(i.image_path): i.bucket for i in ds.items}
     # big: area budget 512^2 -> 724x362 -> rounded down to 16: 720x352
     assert buckets == {"small.png": (96, 48), "big.png": (720, 352)}
+
+
+def test_bucket_no_upscale_neither_warns_about_nor_skips_a_long_image(tmp_path):
+    """Its bucket keeps the image's shape (cropped only by the rounding to bucket_reso_steps): a 5:1 image is
+    no 'bad size', though beyond max_bucket_reso / min_bucket_reso = 4."""
+    make_image(tmp_path / "img" / "long.png", 1000, 200)
+    make_image(tmp_path / "img" / "square.png", 300, 300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # was "1000x200 has aspect ratio 5.0, beyond ... (it is cropped)"
+        ds = D.ImageDataset(blueprint(tmp_path / "img", resolution=512, enable_bucket=True, bucket_no_upscale=True,
+                                      bucket_reso_steps=16, class_tokens="x", skip_bad_size_images=True))
+    assert {os.path.basename(i.image_path): i.bucket for i in ds.items} == {"long.png": (992, 192), "square.png": (288, 288)}
+
+
+def test_bucket_no_upscale_skips_an_image_below_the_bucket_step_with_skip_bad_size_images(tmp_path):
+    make_image(tmp_path / "img" / "icon.png", 100, 40)
+    make_image(tmp_path / "img" / "square.png", 300, 300)
+    keys = dict(resolution=512, enable_bucket=True, bucket_no_upscale=True, bucket_reso_steps=64, class_tokens="x")
+    with pytest.warns(UserWarning, match=r"icon.png: 100x40 has a side below bucket_reso_steps 64 .*; skipped"):
+        ds = D.ImageDataset(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
+    assert [os.path.basename(i.image_path) for i in ds.items] == ["square.png"]  # was an error, skip or not
+    os.remove(tmp_path / "img" / "square.png")
+    with pytest.warns(UserWarning), pytest.raises(ValueError) as e:
+        D.ImageDataset(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
+    assert str(e.value) == (f"{tmp_path / 'img'}: every image was skipped (skip_bad_size_images): none is large enough "
+                            f"for a bucket_reso_steps 64 bucket without upscaling")
+    make_image(tmp_path / "img" / "square.png", 300, 300)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="icon.png: image is 100x40, smaller than bucket"):
+        D.ImageDataset(blueprint(tmp_path / "img", **keys))
 
 
 def test_resize_center_crop_flip_and_value_range(tmp_path):
@@ -403,6 +433,8 @@ def test_two_subsets_over_one_folder_keep_their_own_caption_caches(tmp_path):
     ({"shuffle_caption": True, "caption_variants": 2}, {"shuffle_caption": True, "caption_variants": 3}),
     ({}, {"flip_aug": True}),
     ({}, {"alpha_mask": True}),
+    ({}, {"caption_prefix": "ohwx,"}),
+    ({"caption_suffix": ", a"}, {"caption_suffix": ", b"}),
 ])
 def test_subsets_that_differ_in_any_cached_input_get_their_own_cache_files(tmp_path, first, second):
     image = Image.new("RGBA", (32, 32), (0, 0, 0, 255))
@@ -512,3 +544,13 @@ def test_a_jsonl_file_in_train_data_is_refused_not_read_as_text(tmp_path):
     path = write(tmp_path / "data.jsonl", '{"text": "hello"}\n')
     with pytest.raises(ConfigError, match=f"^train_data {path}: a .jsonl data file would be trained on as raw text"):
         text_corpus.load_text_corpus([path])
+
+
+def test_a_missing_image_dir_names_the_dataset_config_and_where_a_relative_path_is_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [{"image_dir": "data/cats"}]}]},
+                              source="my_dataset.toml")
+    with pytest.raises(ValueError) as e:  # was "data/cats: image_dir does not exist or is not a folder"
+        image_folders.scan_images(bp)
+    assert str(e.value) == (f"my_dataset.toml: data/cats: image_dir does not exist or is not a folder (a relative "
+                            f"image_dir is read from the current folder, {tmp_path})")

@@ -115,6 +115,22 @@ def test_bad_references_are_one_line_errors_naming_the_file(tmp_path, case, expe
     assert "\n" not in str(e.value)
 
 
+def test_a_numbered_name_that_is_another_target_is_that_targets_reference(tmp_path):
+    """photo.png and photo_1.png are two targets: ctrl/photo_1.png is photo_1's reference, not photo's second."""
+    for name, colour in (("photo", (255, 0, 0)), ("photo_1", (0, 0, 255))):
+        make_image(tmp_path / "img" / f"{name}.png", 32, 32)
+        make_image(tmp_path / "ctrl" / f"{name}.png", 32, 32, colour)
+    ds = D.ImageDataset(paired_blueprint(tmp_path))  # was "has both 'photo.png' and numbered references 'photo_1.png'"
+    assert {os.path.basename(it.image_path): [os.path.basename(p) for p in it.control_paths] for it in ds.items} == {
+        "photo.png": ["photo.png"], "photo_1.png": ["photo_1.png"]}
+    os.remove(tmp_path / "ctrl" / "photo.png")
+    os.rename(tmp_path / "img" / "photo_1.png", tmp_path / "img" / "photo_0.png")
+    os.rename(tmp_path / "ctrl" / "photo_1.png", tmp_path / "ctrl" / "photo_0.png")
+    # photo lacks its reference: was paired silently with photo_0's
+    with pytest.raises(ValueError, match=r"img/photo.png: no reference image in control_directory"):
+        D.ImageDataset(paired_blueprint(tmp_path))
+
+
 def test_control_directory_must_be_a_folder_and_a_family_must_take_references(tmp_path):
     make_image(tmp_path / "img" / "a.png", 32, 32)
     with pytest.raises(ValueError, match=r"paired.toml: .* key 'control_directory' '.*ctrl' is not a folder"):

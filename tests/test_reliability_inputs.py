@@ -361,3 +361,23 @@ def test_full_disk_while_writing_the_llm_eval_log_names_the_file(tmp_path, monke
     with pytest.raises(OSError) as e:
         llm_task.LLMTask.report_eval(task, 1)
     assert str(e.value).startswith(f"{tmp_path / 'eval_log.csv'}: cannot be written, no space left on device"), str(e.value)
+
+
+def test_prompts_without_a_size_sample_at_the_resolution_on_the_16_pixel_grid(tmp_path):
+    """With buckets a dataset's resolution may lie off the 16-pixel grid; a prompt line without --w / --h
+    took it as it was, and the first sample failed (after the caching, or after the training with
+    sample_at_first off): 'pack_latents: latent height and width must be even, got 9x9' for 72."""
+    from types import SimpleNamespace
+
+    from library.data.dataset_config import parse_dataset_config
+    from library.training.diffusion_task import DiffusionTask
+
+    (tmp_path / "p.txt").write_text("a red circle\nwide --w 96\n")
+    bp = parse_dataset_config({"datasets": [{"resolution": [72, 1000], "enable_bucket": True, "min_bucket_reso": 64,
+                                             "max_bucket_reso": 1024, "bucket_reso_steps": 16,
+                                             "subsets": [{"image_dir": str(tmp_path)}]}]})
+    task = SimpleNamespace(args=SimpleNamespace(sample_prompts=str(tmp_path / "p.txt")), blueprint=bp,
+                           family=SimpleNamespace(sample_steps=4, sample_guidance=1.0, name="any", max_controls=0,
+                                                  min_controls=0))
+    prompts = DiffusionTask._read_prompts(task)
+    assert [(p.width, p.height) for p in prompts] == [(64, 992), (96, 992)]  # was (72, 1000), (96, 1000)

@@ -10,8 +10,8 @@ transformers): one caption file per image, beside it, as training reads them.
 weights); its image processor (preprocessor_config.json), tokenizer and chat template come from the same
 folder unless --processor names another. Images are found recursively (.png .jpg .jpeg .webp .bmp); each
 gets `<stem>.txt` (--caption_extension), written atomically, so a run stopped at any point leaves whole
-captions only. Existing captions are kept (--skip_existing, the default): running the same command again
-captions what is left. --overwrite captions everything anew. Ctrl-C finishes the batch in progress,
+captions only. Existing captions are kept (--skip_existing, the default; an empty caption file counts as
+none): running the same command again captions what is left. --overwrite captions everything anew. Ctrl-C finishes the batch in progress,
 writes it and stops (a second Ctrl-C stops at once).
 
 Prompts: --preset tags | sentence | detailed, or --prompt TEXT; --prefix (a trigger word) starts every
@@ -97,6 +97,7 @@ from library.data.images import IMAGE_EXTENSIONS, load_rgb, verified_image_size 
 from library.data.tokenizer import folder_chat_template  # noqa: E402
 from library.data.vlm_inputs import IMAGE_PLACEHOLDER, qwen_vl_inputs  # noqa: E402
 from library.io import CheckpointError, write_text  # noqa: E402
+from library.text_files import read_utf8  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 
 
@@ -117,6 +118,18 @@ def find_images(folder: str) -> list[str]:
 
 def caption_path(image_path: str, extension: str) -> str:
     return os.path.splitext(image_path)[0] + extension
+
+
+def is_captioned(image_path: str, extension: str) -> bool:
+    """Whether the image has a caption file with text in it: an empty one (a placeholder another tool
+    made) is no caption, and training refuses it (library/data/image_folders.read_caption)."""
+    path = caption_path(image_path, extension)
+    if not os.path.exists(path):
+        return False
+    try:
+        return bool(read_utf8(path, "caption file").strip())
+    except ValueError:  # not UTF-8: a person's text, kept (training names it)
+        return True
 
 
 def final_caption(generated: str, prefix: str) -> str:
@@ -244,7 +257,7 @@ def main(argv=None) -> int:
         check_args(args)
         device = device_from_flag(args.device)
         images = find_images(args.images)
-        todo = images if args.overwrite else [p for p in images if not os.path.exists(caption_path(p, args.caption_extension))]
+        todo = images if args.overwrite else [p for p in images if not is_captioned(p, args.caption_extension)]
         print(f"{len(images)} images, {len(images) - len(todo)} already captioned, {len(todo)} to caption")
         if not todo:
             return 0

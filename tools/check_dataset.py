@@ -2,8 +2,9 @@
 problem, each one line naming the file (library/data/check.py says what is an error, a warning, a note).
 
     python tools/check_dataset.py dataset.toml                         # images, captions, masks, references
-    python tools/check_dataset.py --config_file my_run.toml            # its dataset_config, and caption
-                                                                       # tokens against its text encoder
+    python tools/check_dataset.py --config_file my_run.toml            # its dataset_config, caption tokens
+                                                                       # against its text encoder, and the
+                                                                       # reference images its model_type takes
     python tools/check_dataset.py dataset.toml --tokenizer t5xxl --max_tokens 512
     python tools/check_dataset.py dataset.toml --strict --json         # exit 1 on any error or warning
 
@@ -52,13 +53,10 @@ def training_config(path: str):
     return args
 
 
-def token_limit(args, config) -> tuple[object, str]:
+def token_limit(args, config, family) -> tuple[object, str]:
     """(TokenLimit or None, what the report says about caption tokens); config: the training config's
-    arguments, if one was given."""
+    arguments and family its model family, if one was given."""
     if config is not None:
-        from library.models.family import get_family
-
-        family = get_family(config)
         return family.caption_token_limit(config), f"not counted: model_type {family.name}'s text encoder keeps every token"
     if not args.tokenizer:
         return None, "not counted (no tokenizer: pass --config_file or --tokenizer)"
@@ -91,8 +89,14 @@ def main(argv=None) -> int:
         from library.data.dataset_config import load_dataset_config
 
         blueprint = load_dataset_config(dataset)
-        limit, why = token_limit(args, config)
-        report = check_dataset(blueprint, limit, why)
+        family = None
+        if config is not None:
+            from library.models.family import get_family
+
+            family = get_family(config)
+        limit, why = token_limit(args, config, family)
+        takes = (family.name, family.min_controls, family.max_controls) if family else None  # as training checks them
+        report = check_dataset(blueprint, limit, why, takes)
     except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
         print(one_line(e), file=sys.stderr)
         return 2

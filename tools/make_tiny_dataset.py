@@ -46,10 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
+BACKGROUNDS = {"white": (245, 245, 245), "black": (15, 15, 15)}
+SHAPES = ("circle", "square")
+
+
 def bad_value(args) -> str | None:
     """The first argument that cannot make a dataset, as one line (None: all can)."""
     if args.count is not None and args.count < 1:
         return f"--count {args.count}: must be >= 1"
+    plain = len(COLOURS) * len(SHAPES) * len(BACKGROUNDS)  # what the plain and layered sets draw from
+    if (args.layered or not (args.edit or args.scenes or args.concept)) and (args.count or 0) > plain:
+        return f"--count {args.count}: the {'layered' if args.layered else 'plain'} set has {plain} different images at most"
     if args.size < 16 or args.size % 16:
         return f"--size {args.size}: the side must be a multiple of 16 and >= 16 (the VAE's 8 x the 2x2 patch)"
     if not args.trigger.strip() or any(c.isspace() for c in args.trigger):
@@ -65,10 +73,6 @@ if __name__ == "__main__":
 
 from library.data import shapes  # noqa: E402
 from library.io import write_text  # noqa: E402
-
-COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
-BACKGROUNDS = {"white": (245, 245, 245), "black": (15, 15, 15)}
-SHAPES = ("circle", "square")
 
 
 def write_dataset_toml(path: str, what: str, size: int, subsets: list[tuple[str, list[str]]], batch_size: int = 2,
@@ -92,21 +96,32 @@ def draw(shape: str, colour, background, size: tuple[int, int]) -> Image.Image:
     return image
 
 
+def wide_bucket(size: int) -> tuple[int, int] | None:
+    """The landscape image of the plain set: one 16-pixel step wider than `size`, as tall as the area
+    of a size x size image allows on the 16-pixel grid, so it is a bucket of its dataset (80x48 for
+    64; 48x16 for 32); None where no such bucket exists (size 16)."""
+    w = size + 16
+    h = size * size // w // 16 * 16
+    return (w, h) if h else None
+
+
 def make_tiny_dataset(out: str, count: int = 8, size: int = 64, seed: int = 0) -> dict[str, str]:
     rng = random.Random(seed)
     image_dir = os.path.join(out, "images")
     os.makedirs(image_dir, exist_ok=True)
     combos = [(s, c, b) for s in SHAPES for c in COLOURS for b in BACKGROUNDS]
     rng.shuffle(combos)
+    wide = wide_bucket(size)
     for i, (shape, colour, background) in enumerate(combos[:count]):
         # Two aspect ratios, so the quickstart exercises aspect-ratio buckets.
-        dims = (size, size) if i % 2 == 0 else (size + size // 4, size - size // 4)
+        dims = wide if i % 2 and wide else (size, size)
         path = os.path.join(image_dir, f"{i:03d}.png")
         draw(shape, COLOURS[colour], BACKGROUNDS[background], dims).save(path)
         write_text(os.path.join(image_dir, f"{i:03d}.txt"), f"a {colour} {shape} on a {background} background")
     dataset_toml = os.path.join(out, "dataset.toml")
+    smallest = min(32, *(wide or (size,)))  # every image is a bucket of its own size: none is upscaled
     write_dataset_toml(dataset_toml, f": {count} captioned images", size, [("", [f'image_dir = "{image_dir}"', "num_repeats = 1"])],
-                       general=("enable_bucket = true", "min_bucket_reso = 32", f"max_bucket_reso = {2 * size}",
+                       general=("enable_bucket = true", f"min_bucket_reso = {smallest}", f"max_bucket_reso = {2 * size}",
                                 "bucket_reso_steps = 16"))
     prompts = os.path.join(out, "prompts.txt")
     write_text(prompts, f"a red circle on a white background --w {size} --h {size} --s 8 --d 1 --g 1.0\n"
@@ -122,11 +137,13 @@ def make_tiny_edit_dataset(out: str, count: int = 8, size: int = 64, seed: int =
     image_dir, control_dir = os.path.join(out, "edit_images"), os.path.join(out, "edit_control")
     os.makedirs(image_dir, exist_ok=True)
     os.makedirs(control_dir, exist_ok=True)
-    combos = [(s, b) for s in SHAPES for b in BACKGROUNDS]
-    for i in range(count):
-        shape, background = combos[rng.randrange(len(combos))]
-        draw(shape, (128, 128, 128), BACKGROUNDS[background], (size, size)).save(os.path.join(control_dir, f"{i:03d}.png"))
-        draw(shape, COLOURS["red"], BACKGROUNDS[background], (size, size)).save(os.path.join(image_dir, f"{i:03d}.png"))
+    scenes = edit_scenes(count, rng)
+    for i, scene in enumerate(scenes):
+        for folder, colour in ((control_dir, (128, 128, 128)), (image_dir, COLOURS["red"])):
+            image = shapes.background_image(scene.background, size)
+            cx, r = (shapes.POSITIONS[scene.position] + scene.dx) * size, shapes.SIZES[scene.size] * size
+            shapes.fill_shape(ImageDraw.Draw(image), scene.shape, cx, (0.5 + scene.dy) * size, r, colour)
+            image.save(os.path.join(folder, f"{i:03d}.png"))
         write_text(os.path.join(image_dir, f"{i:03d}.txt"), "make the shape red")
     dataset_toml = os.path.join(out, "edit_dataset.toml")
     write_dataset_toml(dataset_toml, f" --edit: {count} (reference, target) pairs", size, [("", [
@@ -138,6 +155,15 @@ def make_tiny_edit_dataset(out: str, count: int = 8, size: int = 64, seed: int =
             "edit_control_dir": control_dir}
 
 
+def edit_scenes(count: int, rng: random.Random) -> list:
+    """`count` different scenes of the edit set (shape x position x size x plain background, 48, in
+    an order drawn from rng; beyond 48 repeated with another jitter): a draw with replacement from 4
+    combinations had made 5 of 8 pairs the same pair."""
+    pool = shapes.all_scenes(shapes=shapes.SHAPES, colours=("red",), backgrounds=tuple(shapes.PLAIN))
+    rng.shuffle(pool)
+    return [shapes.jittered(pool[i % len(pool)], rng) if i >= len(pool) else pool[i] for i in range(count)]
+
+
 def make_tiny_layered_dataset(out: str, count: int = 4, size: int = 64, seed: int = 0) -> dict[str, str]:
     """Decomposition targets in musubi-tuner's multiple_target layout: NNN.png, a shape on a background
     (the composite, captioned), NNN_1.png the background alone (opaque), NNN_2.png the shape alone on a
@@ -147,8 +173,8 @@ def make_tiny_layered_dataset(out: str, count: int = 4, size: int = 64, seed: in
     image_dir = os.path.join(out, "layered_images")
     os.makedirs(image_dir, exist_ok=True)
     combos = [(s, c, b) for s in SHAPES for c in COLOURS for b in BACKGROUNDS]
-    for i in range(count):
-        shape, colour, background = combos[rng.randrange(len(combos))]
+    rng.shuffle(combos)  # drawn without replacement: a draw with it had made 2 pairs of 8 composites the same
+    for i, (shape, colour, background) in enumerate(combos[:count]):
         draw(shape, COLOURS[colour], BACKGROUNDS[background], (size, size)).save(os.path.join(image_dir, f"{i:03d}.png"))
         Image.new("RGBA", (size, size), BACKGROUNDS[background] + (255,)).save(os.path.join(image_dir, f"{i:03d}_1.png"))
         layer = Image.new("RGBA", (size, size), (0, 0, 0, 0))

@@ -32,8 +32,8 @@ from library.data.dataset_config import SubsetSpec
 # where the caption comes from and everything fixed_caption / caption_variants read. They name
 # its text cache file (library/data/caches.py text_entry), so a new key that changes the text
 # belongs here: else two subsets that differ only in it would share one file.
-CAPTION_KEYS = ("caption_extension", "class_tokens", "caption_separator", "keep_tokens", "keep_tokens_separator",
-                "shuffle_caption", "caption_tag_dropout_rate", "caption_variants")
+CAPTION_KEYS = ("caption_extension", "class_tokens", "caption_prefix", "caption_suffix", "caption_separator",
+                "keep_tokens", "keep_tokens_separator", "shuffle_caption", "caption_tag_dropout_rate", "caption_variants")
 
 
 def augments_tags(subset: SubsetSpec) -> bool:

@@ -4,8 +4,9 @@ sizes and buckets, and every problem, each one line naming the file and what was
 Severities:
 - error: training stops on it (scan_images, or caching for pixels it refuses, raises that message
   at the first such file; the check lists them all): an unreadable or undecodable image, a missing,
-  empty or non-UTF-8 caption, a missing or mis-sized mask, a missing reference of an edit dataset,
-  two images of one name;
+  empty or non-UTF-8 caption, a missing or mis-sized mask, a missing reference of an edit dataset (with
+  the training family known: a reference count its model_type does not take),
+  a layered image's missing, unreadable or mis-sized layers or another layer count, two images of one name;
 - warning: training goes on with data that is not what it seems: an image of a bad size for the
   buckets (dataset.bad_size: upscaled or cropped, or skipped with skip_bad_size_images), a caption
   longer than the text encoder keeps (TokenLimit: the rest is cut), the same file twice (content
@@ -31,10 +32,11 @@ from typing import Callable
 from PIL import Image
 
 from library.data.captions import fixed_caption
-from library.data.controls import check_control_count, control_files, find_controls
+from library.data.controls import check_control_count, check_family_takes, control_files, find_controls, target_stems
 from library.data.image_folders import bad_size, subset_images, dataset_buckets, image_bucket, read_caption
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import IMAGE_EXTENSIONS, WIDE_GREY_MODES, load_rgb, verified_image_size
+from library.data.layers import check_layers
 from library.data.masks import find_mask, has_alpha
 
 
@@ -51,7 +53,7 @@ class TokenLimit:
 @dataclass
 class Problem:
     severity: str  # "error" | "warning"
-    kind: str  # image, pixels, caption, tokens, size, bucket, mask, reference, duplicate, folder
+    kind: str  # image, pixels, caption, tokens, size, bucket, mask, reference, layers, duplicate, folder
     message: str  # one line naming the file
 
     def line(self) -> str:
@@ -64,6 +66,7 @@ class SubsetReport:
     image_dir: str
     images: int = 0  # image files found
     trained: int = 0  # of them, the ones training uses
+    held_out: int = 0  # of the readable ones, the validation_split share (validation only, never trained on)
     sizes: Counter = field(default_factory=Counter)  # "WxH" -> images (as displayed)
     buckets: Counter = field(default_factory=Counter)  # "WxH" -> images
     tokens: list[int] = field(default_factory=list)  # per caption, when a TokenLimit counted them
@@ -77,7 +80,7 @@ class SubsetReport:
         self.notes.setdefault(what, []).append(path)
 
     def to_json(self) -> dict:
-        return {**{k: getattr(self, k) for k in ("section", "image_dir", "images", "trained", "tokens", "notes")},
+        return {**{k: getattr(self, k) for k in ("section", "image_dir", "images", "trained", "held_out", "tokens", "notes")},
                 "sizes": dict(self.sizes), "buckets": dict(self.buckets), "problems": [asdict(p) for p in self.problems]}
 
 
@@ -155,17 +158,21 @@ def warn(problems: list[Problem]) -> None:
 
 
 def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
-                  token_check: str = "not counted (no tokenizer)") -> DatasetReport:
+                  token_check: str = "not counted (no tokenizer)", takes: tuple[str, int, int] | None = None) -> DatasetReport:
     """Every subset of the training and validation datasets, checked image by image, plus
-    duplicates across all of them."""
+    duplicates across all of them. takes: (model_type, min_controls, max_controls) of the family that
+    trains on it: reference counts it does not take are errors, as training's check_family_takes."""
     subsets, where = [], {}  # where: image path -> the report of its first subset
     sections = [("datasets", blueprint.datasets), ("validation_datasets", blueprint.validation_datasets)]
     for name, datasets in sections:
         for di, ds in enumerate(datasets, start=1):
+            layered = {}  # the dataset's first composite: every other needs as many layers (as scan_images)
             for si, subset in enumerate(ds.subsets, start=1):
                 report = SubsetReport(f"{name} {di}, subset {si}", subset.image_dir)
-                for path in check_subset(report, ds, subset, limit):
+                for path in check_subset(report, ds, subset, limit, layered, takes):
                     where.setdefault(path, report)
+                if name == "validation_datasets":  # every image of it is held out
+                    report.held_out, report.trained = report.held_out + report.trained, 0
                 subsets.append(report)
     for path, problem in duplicate_problems(where):
         where[path].problems.append(problem)
@@ -173,10 +180,14 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
                          else token_check)
 
 
-def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None) -> list[str]:
-    """Fill `report` for one subset; returns the readable images' paths (for the duplicate check)."""
+def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None,
+                 layered: dict | None = None, takes: tuple[str, int, int] | None = None) -> list[str]:
+    """Fill `report` for one subset; returns the readable images' paths (for the duplicate check).
+    layered: the dataset's first composite ({"first": (path, layer count)}), shared by its subsets;
+    takes: check_dataset's."""
+    layers, layered = {}, {} if layered is None else layered
     try:
-        paths = subset_images(subset)[0]  # multiple_target: the layer files are not images of their own
+        paths, layers = subset_images(subset)  # multiple_target: the layer files are not images of their own
     except ValueError as e:  # no folder, no images, or two images of one name (then check them anyway)
         report.add("error", "folder", str(e))
         if not os.path.isdir(subset.image_dir):
@@ -185,7 +196,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
                  if f.lower().endswith(IMAGE_EXTENSIONS)]
     report.images = len(paths)
     controls = control_files(subset.control_directory) if subset.control_directory else None
-    buckets, readable, first_paired = dataset_buckets(ds), [], None
+    buckets, readable, first_paired, targets = dataset_buckets(ds), [], None, target_stems(paths)
     for path in paths:
         size = check_pixels(report, path)
         if size is None:
@@ -205,10 +216,27 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         report.sizes["{}x{}".format(*size)] += 1
         check_caption(report, path, subset, limit)
         check_mask(report, path, subset, size)
+        references = [path] if subset.multiple_target else []  # the composite is its own (scan_images)
         if controls is not None:
-            first_paired = check_references(report, path, subset, controls, first_paired)
+            first_paired, references = check_references(report, path, subset, controls, first_paired, targets)
+        if takes is not None and references is not None:
+            try:
+                model_type, fewest, most = takes
+                check_family_takes([SimpleNamespace(image_path=path, control_paths=references, subset=subset)],
+                                   model_type, most, fewest)
+            except ValueError as e:
+                report.add("error", "reference", str(e))
+        if subset.multiple_target:
+            try:
+                check_layers(path, layers.get(path), layered.get("first"), size)
+                layered.setdefault("first", (path, len(layers[path])))
+            except ValueError as e:  # no layers, another count, an unreadable layer or one of another size
+                report.add("error", "layers", str(e))
     if paths and not report.trained and readable and subset.skip_bad_size_images:
         report.add("error", "folder", f"{subset.image_dir}: every image is skipped (skip_bad_size_images)")
+    if not subset.is_reg:  # split_validation's count of this subset
+        report.held_out = int(report.trained * ds.validation_split + 1e-9)
+        report.trained -= report.held_out
     return readable
 
 
@@ -254,18 +282,19 @@ def check_mask(report: SubsetReport, path: str, subset: SubsetSpec, size: tuple[
         report.note("images without an alpha channel (alpha_mask): trained everywhere", path)
 
 
-def check_references(report: SubsetReport, path: str, subset: SubsetSpec, controls: dict, first):
+def check_references(report: SubsetReport, path: str, subset: SubsetSpec, controls: dict, first, targets=frozenset()):
     """An edit dataset's references of `path`: found, readable, as many as the subset's first
-    image has. Returns the subset's first paired image (what the others are compared with)."""
+    image has. Returns (the subset's first paired image, what the others are compared with; the
+    reference paths of `path`, None when they are in error)."""
     try:
-        paired = SimpleNamespace(image_path=path, control_paths=find_controls(path, subset.control_directory, controls))
+        paired = SimpleNamespace(image_path=path, control_paths=find_controls(path, subset.control_directory, controls, targets))
         for reference in paired.control_paths:
             verified_image_size(reference)
         check_control_count(paired, first or paired)
     except ValueError as e:
         report.add("error", "reference", str(e))
-        return first
-    return first or paired
+        return first, None
+    return first or paired, paired.control_paths
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,8 +305,10 @@ def report_text(report: DatasetReport) -> str:
     lines = [f"{report.source}: {len(report.subsets)} subsets; caption tokens: {report.token_check}"]
     for s in report.subsets:
         lines.append(f"{s.section}: {s.image_dir}")
-        lines.append(f"  images: {s.images}, trained: {s.trained}" + (f" ({s.images - s.trained} unreadable or skipped)"
-                                                                      if s.images > s.trained else ""))
+        unused = s.images - s.trained - s.held_out
+        lines.append(f"  images: {s.images}, trained: {s.trained}" + (f", held out for validation: {s.held_out}"
+                                                                      if s.held_out else "")
+                     + (f" ({unused} unreadable or skipped)" if unused else ""))
         if s.sizes:
             lines.append(f"  sizes: {_histogram(s.sizes)}")
             lines.append(f"  buckets: {_histogram(s.buckets)}")

@@ -4,7 +4,8 @@ reference image(s) of each target image, matched by file stem:
     image_dir/cat.png  ->  control_directory/cat.png                        (one reference)
                        or  control_directory/cat_0.png, cat_1.png, ...     (several, in order)
 
-Any image extension works on either side. Every target of a subset needs the same number of
+A numbered name that is the stem of another target (photo_1.png beside photo.png) is that target's
+reference. Any image extension works on either side. Every target of a subset needs the same number of
 references (a batch stacks them), and no more than the model takes. How large a reference is
 encoded is the family's rule (DiffusionFamily.control_bucket: by default the target's bucket). The reference latents are cached in the target's latent cache file, and its content
 hash covers the reference files, so changing a reference re-encodes (library/data/caches.py).
@@ -20,16 +21,24 @@ import torch
 from library.data.images import IMAGE_EXTENSIONS, load_image, load_rgb, verified_image_size
 
 
+def target_stems(paths: list[str]) -> frozenset[str]:
+    """The file stems of a subset's images (find_controls' targets)."""
+    return frozenset(os.path.splitext(os.path.basename(p))[0] for p in paths)
+
+
 def control_files(folder: str) -> dict[str, str]:
     """stem -> file name of every image in a control_directory (read once per subset)."""
     return {os.path.splitext(f)[0]: f for f in sorted(os.listdir(folder)) if f.lower().endswith(IMAGE_EXTENSIONS)}
 
 
-def find_controls(image_path: str, folder: str, files: dict[str, str]) -> list[str]:
+def find_controls(image_path: str, folder: str, files: dict[str, str], targets: frozenset[str] = frozenset()) -> list[str]:
     """The reference images of `image_path` in `folder` (its files: control_files), in order.
-    Missing references, both naming forms at once, and gaps in the numbering are errors."""
+    targets: the file stems of the subset's images: `photo_1.png` is the reference of a target
+    `photo_1`, not the second of `photo`. Missing references, both naming forms at once, and gaps in
+    the numbering are errors."""
     stem = os.path.splitext(os.path.basename(image_path))[0]
-    numbered = {int(m.group(1)): f for s, f in files.items() if (m := re.fullmatch(re.escape(stem) + r"_(\d+)", s))}
+    numbered = {int(m.group(1)): f for s, f in files.items()
+                if s not in targets and (m := re.fullmatch(re.escape(stem) + r"_(\d+)", s))}
     expected = f"expected '{stem}.<ext>' or '{stem}_0.<ext>', '{stem}_1.<ext>', ..."
     if stem in files and numbered:
         raise ValueError(f"{image_path}: control_directory {folder} has both '{files[stem]}' and numbered references "
@@ -48,10 +57,10 @@ def find_controls(image_path: str, folder: str, files: dict[str, str]) -> list[s
 
 
 def scan_controls(image_path: str, folder: str, files: dict[str, str], bucket: tuple[int, int],
-                  control_bucket) -> tuple[list[str], list[tuple[int, int]]]:
+                  control_bucket, targets: frozenset[str] = frozenset()) -> tuple[list[str], list[tuple[int, int]]]:
     """(reference paths, the bucket each is encoded at): every reference verified readable;
-    control_bucket(target bucket, reference size) -> (w, h) is the family's rule."""
-    paths = find_controls(image_path, folder, files)
+    control_bucket(target bucket, reference size) -> (w, h) is the family's rule; targets: find_controls'."""
+    paths = find_controls(image_path, folder, files, targets)
     return paths, [tuple(control_bucket(bucket, verified_image_size(p))) for p in paths]
 
 

@@ -30,7 +30,7 @@ SUBSET_KEYS = (
     "keep_tokens", "keep_tokens_separator", "caption_separator", "caption_dropout_rate",
     "caption_dropout_every_n_epochs", "caption_tag_dropout_rate", "caption_variants", "flip_aug",
     "alpha_mask", "mask_dir", "is_reg", "control_directory", "skip_bad_size_images",
-    "multiple_target",
+    "multiple_target", "caption_prefix", "caption_suffix",
 )
 # Keys a [[datasets]] table may hold (they may also sit in [general]).
 DATASET_KEYS = (
@@ -45,7 +45,8 @@ KEY_TYPES = {
     "shuffle_caption": bool, "keep_tokens": int, "caption_dropout_rate": float, "flip_aug": bool,
     "keep_tokens_separator": str, "caption_separator": str, "caption_dropout_every_n_epochs": int,
     "caption_tag_dropout_rate": float, "caption_variants": int, "alpha_mask": bool, "mask_dir": str, "is_reg": bool,
-    "control_directory": str, "skip_bad_size_images": bool, "multiple_target": bool,
+    "control_directory": str, "skip_bad_size_images": bool, "multiple_target": bool, "caption_prefix": str,
+    "caption_suffix": str,
 }
 # sd-scripts' defaults, except caption_extension: sd-scripts defaults to ".caption" but nearly
 # every dataset in use ships ".txt" files, so ".txt" is the default here.
@@ -58,7 +59,8 @@ DEFAULTS = {
     "keep_tokens": 0, "caption_dropout_rate": 0.0, "flip_aug": False,
     "keep_tokens_separator": "", "caption_separator": ",", "caption_dropout_every_n_epochs": 0,
     "caption_tag_dropout_rate": 0.0, "caption_variants": 8, "alpha_mask": False, "mask_dir": None, "is_reg": False,
-    "control_directory": None, "skip_bad_size_images": False, "multiple_target": False,
+    "control_directory": None, "skip_bad_size_images": False, "multiple_target": False, "caption_prefix": None,
+    "caption_suffix": None,
 }
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string",
                "resolution": "an integer or [width, height]"}
@@ -90,6 +92,9 @@ class SubsetSpec:
     skip_bad_size_images: bool = False  # leave them out (they are always warned about)
     # library/data/layers.py: layered targets, a composite + its numbered layer images (musubi-tuner's name)
     multiple_target: bool = False
+    # sd-scripts': text joined before / after every caption of the subset with a space (image_folders.read_caption)
+    caption_prefix: str | None = None
+    caption_suffix: str | None = None
 
 
 @dataclass
@@ -166,6 +171,10 @@ def _parse_dataset(source: str, general: dict, dataset: dict, section: str = "da
     if not isinstance(subsets, list) or not subsets:
         raise ValueError(f"{source}: [[{section}]] needs at least one [[{section}.subsets]] with an image_dir")
     spec.subsets = [_parse_subset(source, general, dataset, s, f"{section}.subsets") for s in subsets]
+    if all(s.is_reg for s in spec.subsets):  # its entries would be none: the run would loop over empty epochs
+        raise ValueError(f"{source}: [[{section}]] with image_dir {spec.subsets[0].image_dir!r}: every subset has "
+                         f"is_reg = true; regularization images repeat as often as their dataset's training images, "
+                         f"and it has none (add a training subset to this [[datasets]])")
     return spec
 
 

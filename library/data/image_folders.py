@@ -16,7 +16,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 
-from library.data.controls import check_control_count, control_files, find_controls, scan_controls
+from library.data.controls import check_control_count, control_files, find_controls, scan_controls, target_stems
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec, make_buckets
 from library.data.images import IMAGE_EXTENSIONS, verified_image_size
 from library.data.layers import check_layers, split_layers
@@ -79,12 +79,15 @@ def bad_size(size: tuple[int, int], ds: DatasetSpec) -> str | None:
     """Why an image of `size` (w, h) trains badly in dataset `ds`, or None. A 1x1 image would be
     upscaled to a whole bucket, a 4000x16 strip cropped to its middle 2%: both silently."""
     (w, h), (min_side, name, max_aspect) = size, size_limits(ds)
-    problems = []
-    if min(w, h) < min_side and not (ds.enable_bucket and ds.bucket_no_upscale):  # that never upscales
+    problems, own_shape = [], ds.enable_bucket and ds.bucket_no_upscale  # a bucket of the image's own shape
+    if min(w, h) < min_side and not own_shape:  # that never upscales
         problems.append(f"is smaller than {name} {min_side} (it is upscaled)")
-    if max(w, h) / min(w, h) > max_aspect:
+    if max(w, h) / min(w, h) > max_aspect and not own_shape:  # nor crops beyond rounding to bucket_reso_steps
         problems.append(f"has aspect ratio {max(w, h) / min(w, h):.1f}, beyond max_bucket_reso / min_bucket_reso "
                         f"= {max_aspect:.1f} (it is cropped)")
+    if own_shape and min(bucket_without_upscale(size, ds.resolution[0] * ds.resolution[1], ds.bucket_reso_steps)) == 0:
+        problems.append(f"has a side below bucket_reso_steps {ds.bucket_reso_steps} at the area budget (no bucket "
+                        f"holds it without upscaling: an error, unless skip_bad_size_images leaves it out)")
     return f"{w}x{h} " + " and ".join(problems) if problems else None
 
 
@@ -106,10 +109,14 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
         buckets = dataset_buckets(ds)
         first_layered = None  # (path, layer count) of the dataset's first layered image
         for si, subset in enumerate(ds.subsets):
-            paths, layers = subset_images(subset)
+            try:
+                paths, layers = subset_images(subset)
+            except ValueError as e:  # the folder's own problem: said with the dataset config that names it
+                raise ValueError(f"{blueprint.source}: {e}") from None
             if subset.alpha_mask:
                 warn_missing_alpha(paths, subset)
             controls = control_files(subset.control_directory) if subset.control_directory else None
+            targets = target_stems(paths)
             first_paired = None  # the subset's first image: every other needs as many references
             for path, size in _usable_images(paths, ds, subset):
                 bucket = image_bucket(path, size, ds, buckets)
@@ -117,11 +124,11 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                                  mask_path=find_mask(path, subset, size), subset_index=si)
                 if controls is not None:
                     item.control_paths, item.control_buckets = scan_controls(
-                        path, subset.control_directory, controls, bucket, control_bucket or (lambda b, _: b))
+                        path, subset.control_directory, controls, bucket, control_bucket or (lambda b, _: b), targets)
                     first_paired = first_paired or item
                     check_control_count(item, first_paired)
                 if subset.multiple_target:  # the composite is its own reference (the condition image)
-                    check_layers(path, layers.get(path), first_layered)
+                    check_layers(path, layers.get(path), first_layered, size)
                     first_layered = first_layered or (path, len(layers[path]))
                     item.layer_paths, item.control_paths, item.control_buckets = layers[path], [path], [bucket]
                 items.append(item)
@@ -135,8 +142,9 @@ def reference_count(blueprint: DatasetBlueprint) -> int:
     for ds in blueprint.datasets:
         for subset in ds.subsets:
             if subset.control_directory:
-                first = _image_files(subset.image_dir)[0]
-                counts.append(len(find_controls(first, subset.control_directory, control_files(subset.control_directory))))
+                paths = _image_files(subset.image_dir)
+                counts.append(len(find_controls(paths[0], subset.control_directory, control_files(subset.control_directory),
+                                                target_stems(paths))))
     return max(counts)
 
 
@@ -202,13 +210,17 @@ def _usable_images(paths: list[str], ds: DatasetSpec, subset: SubsetSpec) -> lis
             usable.append((path, size))
     min_side, name, max_aspect = size_limits(ds)
     limits = f"smaller than {name} or beyond max_bucket_reso / min_bucket_reso in aspect ratio"
+    good = f"at least {name} {min_side} per side within max_bucket_reso / min_bucket_reso = {max_aspect:.1f}"
+    trained = "they are trained as they are"
+    if ds.enable_bucket and ds.bucket_no_upscale:  # bad_size's one problem there: no bucket holds them
+        bucket = f"a bucket_reso_steps {ds.bucket_reso_steps} bucket without upscaling"
+        limits, good, trained = f"too small for {bucket}", f"large enough for {bucket}", "the first of them stops the scan"
     if bad:
         outcome = ("skipped (skip_bad_size_images)" if skip
-                   else "they are trained as they are (skip_bad_size_images = true leaves them out)")
+                   else f"{trained} (skip_bad_size_images = true leaves them out)")
         warnings.warn(f"{subset.image_dir}: {bad} of {len(paths)} images are {limits}; {outcome}", stacklevel=2)
     if not usable:
-        raise ValueError(f"{subset.image_dir}: every image was skipped (skip_bad_size_images): none is at least "
-                         f"{name} {min_side} per side within max_bucket_reso / min_bucket_reso = {max_aspect:.1f}")
+        raise ValueError(f"{subset.image_dir}: every image was skipped (skip_bad_size_images): none is {good}")
     return usable
 
 
@@ -221,7 +233,8 @@ def subset_images(subset: SubsetSpec) -> tuple[list[str], dict[str, list[str]]]:
 
 def _image_files(folder: str) -> list[str]:
     if not os.path.isdir(folder):
-        raise ValueError(f"{folder}: image_dir does not exist or is not a folder")
+        relative = "" if os.path.isabs(folder) else f" (a relative image_dir is read from the current folder, {os.getcwd()})"
+        raise ValueError(f"{folder}: image_dir does not exist or is not a folder{relative}")
     files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMAGE_EXTENSIONS))
     if not files:
         raise ValueError(f"{folder}: image_dir holds no images ({', '.join(IMAGE_EXTENSIONS)})")
@@ -235,13 +248,16 @@ def _image_files(folder: str) -> list[str]:
 
 
 def read_caption(image_path: str, subset: SubsetSpec) -> str:
+    """The image's caption file's text (or its subset's class_tokens), with the subset's caption_prefix
+    and caption_suffix joined by a space as sd-scripts joins them (before shuffling: keep_tokens counts them)."""
     caption_path = os.path.splitext(image_path)[0] + subset.caption_extension
     if os.path.exists(caption_path):
         caption = read_utf8(caption_path, "caption file").strip()
         if not caption:
             raise ValueError(f"{caption_path}: caption file is empty")
-        return caption
-    if subset.class_tokens:
-        return subset.class_tokens
-    raise ValueError(f"{image_path}: no caption file '{os.path.basename(caption_path)}' "
-                     f"and no class_tokens for its subset")
+    elif subset.class_tokens:
+        caption = subset.class_tokens
+    else:
+        raise ValueError(f"{image_path}: no caption file '{os.path.basename(caption_path)}' "
+                         f"and no class_tokens for its subset")
+    return " ".join(part for part in (subset.caption_prefix, caption, subset.caption_suffix) if part)

@@ -16,25 +16,32 @@ from __future__ import annotations
 import os
 import re
 
+from library.data.images import verified_image_size
+
 _NUMBERED = re.compile(r"(.+)_(\d+)")
 
 
 def split_layers(paths: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """(the composites, composite -> its layer files in numeric order) of a subset's image files:
-    a file named <stem>_<n> beside an image named <stem> is one of its layers."""
+    a file named <stem>_<n> beside an image named <stem> is one of its layers, unless it has layers
+    of its own (<stem>_<n>_<k>): then it is a composite too (poster.png, poster_1.png, poster_1_1.png)."""
     by_stem = {os.path.splitext(p)[0]: p for p in paths}
+    matches = {p: m for p in paths if (m := _NUMBERED.fullmatch(os.path.splitext(p)[0])) and m.group(1) in by_stem}
+    bases = {m.group(1) for m in matches.values()}  # the stems that have layers
     numbered: dict[str, list[tuple[int, str]]] = {}
-    for p in paths:
-        m = _NUMBERED.fullmatch(os.path.splitext(p)[0])
-        if m and m.group(1) in by_stem:
+    for p, m in matches.items():
+        if os.path.splitext(p)[0] not in bases:
             numbered.setdefault(by_stem[m.group(1)], []).append((int(m.group(2)), p))
     layer_files = {p for group in numbered.values() for _, p in group}
     composites = [p for p in paths if p not in layer_files]
     return composites, {c: [p for _, p in sorted(group)] for c, group in numbered.items()}
 
 
-def check_layers(path: str, layers: list[str] | None, first: tuple[str, int] | None) -> None:
-    """A composite has layers, as many as the first composite of its dataset (first: (path, count))."""
+def check_layers(path: str, layers: list[str] | None, first: tuple[str, int] | None,
+                 size: tuple[int, int] | None = None) -> None:
+    """A composite has layers, as many as the first composite of its dataset (first: (path, count)),
+    each readable and of the composite's `size` (w, h) when given: every frame is fitted to the
+    composite's bucket on its own, so a layer of another size would be cropped out of register."""
     stem = os.path.splitext(os.path.basename(path))[0]
     if not layers:
         raise ValueError(f"{path}: no layer images beside it (multiple_target = true expects '{stem}_1.png', "
@@ -42,3 +49,8 @@ def check_layers(path: str, layers: list[str] | None, first: tuple[str, int] | N
     if first is not None and len(layers) != first[1]:
         raise ValueError(f"{path}: {len(layers)} layer image(s), but {os.path.basename(first[0])} of the same dataset "
                          f"has {first[1]}; every image of a dataset needs the same number of layers")
+    for layer in layers if size else ():
+        layer_size = verified_image_size(layer)
+        if layer_size != size:
+            raise ValueError(f"{layer}: layer is {layer_size[0]}x{layer_size[1]}, its composite {os.path.basename(path)} "
+                             f"is {size[0]}x{size[1]}; a layer is the composite's whole canvas (transparent where empty)")

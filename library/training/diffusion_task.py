@@ -20,7 +20,7 @@ from library.data.check import training_warnings, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, encode_prompts, reference_images
-from library.data.dataset_config import load_dataset_config
+from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
 from library.models.core import checkpointing, compile_block
 from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
@@ -112,7 +112,9 @@ class DiffusionTask:
     def _read_prompts(self) -> list[SamplePrompt]:
         if not self.args.sample_prompts:
             return []
-        res = self.blueprint.datasets[0].resolution
+        # With buckets a resolution may lie off the 16-pixel grid (72, 1000); a sample needs whole 2x2 latent patches.
+        res = [max(PIXELS_PER_TOKEN_SIDE, side // PIXELS_PER_TOKEN_SIDE * PIXELS_PER_TOKEN_SIDE)
+               for side in self.blueprint.datasets[0].resolution]
         defaults = SamplePrompt("", width=res[0], height=res[1], steps=self.family.sample_steps,
                                 guidance=self.family.sample_guidance)
         prompts = read_prompt_file(self.args.sample_prompts, defaults)

@@ -1,0 +1,37 @@
+"""tools/make_tiny_dataset.py: the sets it writes are what their names say, at every --size."""
+
+import hashlib
+
+import pytest
+
+from library.data.check import check_dataset
+from library.data.dataset_config import load_dataset_config
+from tools.make_tiny_dataset import make_tiny_dataset, make_tiny_edit_dataset, make_tiny_layered_dataset
+
+
+def _digests(folder) -> list[str]:
+    return [hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.png"))]
+
+
+def test_edit_set_writes_as_many_different_pairs_as_asked(tmp_path):
+    paths = make_tiny_edit_dataset(str(tmp_path), count=8, size=32)
+    targets, references = _digests(tmp_path / "edit_images"), _digests(tmp_path / "edit_control")
+    assert len(set(targets)) == 8 and len(set(references)) == 8  # was 4 and 4: 5 of 8 pairs the same pair
+    assert not set(targets) & set(references)
+    report = check_dataset(load_dataset_config(paths["edit_dataset_config"]))
+    assert report.problems() == []  # was 4 "the same file as" warnings per folder
+
+
+@pytest.mark.parametrize("size", [16, 32, 48, 64])
+def test_plain_set_trains_every_image_at_its_own_size(tmp_path, size):
+    report = check_dataset(load_dataset_config(make_tiny_dataset(str(tmp_path), count=4, size=size)["dataset_config"]))
+    # 32 was 40x24 images in 32x32 buckets, "upscaled" x4; 16 was refused (min_bucket_reso 32 > resolution 16)
+    assert [p.line() for p in report.problems()] == []
+    (subset,) = report.subsets
+    assert subset.buckets == subset.sizes and sum(subset.sizes.values()) == 4
+
+
+def test_layered_set_writes_different_composites(tmp_path):
+    make_tiny_layered_dataset(str(tmp_path), count=8, size=32)
+    composites = _digests(tmp_path / "layered_images")[::3]  # NNN.png, NNN_1.png, NNN_2.png
+    assert len(set(composites)) == 8  # was 6: 005 = 000 and 007 = 004
