@@ -200,6 +200,14 @@ def test_from_hf_refuses_unsupported_rope_scaling():
         LLMConfig.from_hf({**TINY, "model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
 
 
+@pytest.mark.parametrize("model_type", ["gemma", "granite", "qwen3_moe", "qwen3_vl_moe"])
+def test_from_hf_refuses_model_types_whose_layers_are_not_llamas(model_type):
+    """The old line read any model_type as Llama (qwen3_moe without its QK norm): a Gemma or Granite
+    folder then loaded name for name and trained a different function without a word."""
+    with pytest.raises(ValueError, match=f"^config.json: model_type '{model_type}' is not supported"):
+        LLMConfig.from_hf({**TINY, "model_type": model_type})
+
+
 def test_from_hf_refuses_a_quantized_checkpoints_config():
     """The old line read the config of an HF fp8 release (Qwen3-8B-FP8: block scales `weight_scale_inv`);
     train_lora.py then said 'stores a pre-quantized fp8 base ... set fp8_base = true and fp8_scaled = false',

@@ -32,6 +32,12 @@ from library.io import CheckpointError, CheckpointReader, load_streaming, save_s
 # Config
 
 
+# config.json model_types read (a nested text_config's first): Gemma and Granite would load name for name
+# into Llama layers and compute something else (scaled embeddings and norms, multipliers); MoEs have experts.
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
 @dataclass(frozen=True)
 class LLMConfig:
     """Architecture of a Llama/Mistral/Qwen2/Qwen3 decoder. Defaults are the Qwen2.5-VL-7B language model.
@@ -78,6 +84,9 @@ class LLMConfig:
         if "text_config" in config:  # Qwen2.5-VL (transformers >= 4.52), Mistral3: the language model nested
             model_type = config["text_config"].get("model_type", model_type)  # e.g. mistral3 -> mistral
             config = {**config, **config["text_config"]}
+        if model_type and (not (model_type in MODEL_TYPES or model_type.startswith(VL_MODEL_TYPES)) or "moe" in model_type):
+            raise ValueError(f"config.json: model_type '{model_type}' is not supported (expected {', '.join(MODEL_TYPES)} "
+                             f"or the language model of a Qwen-VL / Mistral3 config): its layers are not Llama's")
         quant = config.get("quantization_config")
         if quant:  # its scales / packed weights would be read as (or next to) plain weights
             raise ValueError(f"config.json: quantization_config (quant_method {quant.get('quant_method')!r}): a Hugging "
