@@ -326,3 +326,18 @@ def test_the_validation_split_share_is_counted_as_held_out_not_trained(tmp_path)
                                    {"image_dir": str(tmp_path / "a"), "class_tokens": "x"}]}]})
     held = check.check_dataset(bp).subsets[1]
     assert (held.trained, held.held_out) == (0, 5)  # a [[validation_datasets]] subset said 'trained: 5'
+
+
+def test_images_in_subfolders_are_a_warning_of_the_check(tmp_path):
+    """The scan's warning about images below image_dir is in the check's report (the web UI shows it),
+    not only on stderr."""
+    folder = tmp_path / "imgs"
+    for name in ("a.png", "sub/b.png"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (32, 32)).save(folder / name)
+    (folder / "a.txt").write_text("a cat")
+    toml = tmp_path / "d.toml"
+    toml.write_text(f'[[datasets]]\nresolution = 32\n[[datasets.subsets]]\nimage_dir = "{folder}"\n')
+    report = check.check_dataset(load_dataset_config(str(toml)))
+    assert found(report) == [("warning", "folder", "imgs")]
+    assert "1 images are not trained: its subfolders hold 1 (e.g. sub/b.png)" in report.problems()[0].message

@@ -554,3 +554,24 @@ def test_a_missing_image_dir_names_the_dataset_config_and_where_a_relative_path_
         image_folders.scan_images(bp)
     assert str(e.value) == (f"my_dataset.toml: data/cats: image_dir does not exist or is not a folder (a relative "
                             f"image_dir is read from the current folder, {tmp_path})")
+
+
+def test_images_in_subfolders_of_image_dir_are_said_not_trained(tmp_path):
+    """image_dir is read at its top only (as sd-scripts and musubi-tuner read it). The old line said
+    nothing of the images below (a parent of sd-scripts' '10_name' folders trained on none of them
+    and reported only 'holds no images'); the subset's reference and mask folders are not counted."""
+    root = tmp_path / "train"
+    for name in ("10_cats/a.png", "10_cats/b.png", "5_dogs/c.png", ".hidden/d.png"):
+        make_image(root / name, 64, 64)
+    with pytest.raises(ValueError, match=r"holds no images .*; its subfolders hold 3 \(e.g. 10_cats/a.png\), and "
+                                         r"image_dir is not searched recursively: give each folder its own"):
+        image_folders.scan_images(blueprint(root, class_tokens="x"))
+    make_image(root / "top.png", 64, 64)
+    make_image(root / "ctrl" / "top.png", 64, 64)
+    make_image(root / "masks" / "top.png", 64, 64)
+    bp = parse_dataset_config({"datasets": [{"resolution": 64, "subsets": [
+        {"image_dir": str(root), "class_tokens": "x", "control_directory": str(root / "ctrl"),
+         "mask_dir": str(root / "masks")}]}]}, source="test.toml")
+    with pytest.warns(UserWarning, match=r"train: 3 images are not trained: its subfolders hold 3 \(e.g. 10_cats/a.png\)"):
+        items = image_folders.scan_images(bp)
+    assert [os.path.basename(i.image_path) for i in items] == ["top.png"]

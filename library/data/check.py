@@ -187,7 +187,11 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
     takes: check_dataset's."""
     layers, layered = {}, {} if layered is None else layered
     try:
-        paths, layers = subset_images(subset)  # multiple_target: the layer files are not images of their own
+        with warnings.catch_warnings(record=True) as said:  # images in subfolders: this report's warnings
+            warnings.simplefilter("always")
+            paths, layers = subset_images(subset)  # multiple_target: the layer files are not images of their own
+        for w in said:
+            report.add("warning", "folder", str(w.message))
     except ValueError as e:  # no folder, no images, or two images of one name (then check them anyway)
         report.add("error", "folder", str(e))
         if not os.path.isdir(subset.image_dir):

@@ -142,7 +142,7 @@ def reference_count(blueprint: DatasetBlueprint) -> int:
     for ds in blueprint.datasets:
         for subset in ds.subsets:
             if subset.control_directory:
-                paths = _image_files(subset.image_dir)
+                paths = _image_files(subset.image_dir, (subset.control_directory, subset.mask_dir), warn=False)
                 counts.append(len(find_controls(paths[0], subset.control_directory, control_files(subset.control_directory),
                                                 target_stems(paths))))
     return max(counts)
@@ -227,17 +227,27 @@ def _usable_images(paths: list[str], ds: DatasetSpec, subset: SubsetSpec) -> lis
 def subset_images(subset: SubsetSpec) -> tuple[list[str], dict[str, list[str]]]:
     """(the subset's training images, image -> its layer files): with multiple_target the numbered
     layer files beside an image are its layers, not images of their own (library/data/layers.py)."""
-    paths = _image_files(subset.image_dir)
+    paths = _image_files(subset.image_dir, (subset.control_directory, subset.mask_dir))
     return split_layers(paths) if subset.multiple_target else (paths, {})
 
 
-def _image_files(folder: str) -> list[str]:
+def _image_files(folder: str, other_folders=(), warn: bool = True) -> list[str]:
+    """The images at the top of `folder` (image_dir is not searched recursively, as in sd-scripts and
+    musubi-tuner); images in its subfolders other than `other_folders` (the subset's references and
+    masks) are said: with none at the top an error, else (`warn`) a warning (they are not trained)."""
     if not os.path.isdir(folder):
         relative = "" if os.path.isabs(folder) else f" (a relative image_dir is read from the current folder, {os.getcwd()})"
         raise ValueError(f"{folder}: image_dir does not exist or is not a folder{relative}")
     files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMAGE_EXTENSIONS))
+    below, example = _images_in_subfolders(folder, other_folders)
+    not_searched = (f"its subfolders hold {below} (e.g. {example}), and image_dir is not searched recursively: give "
+                    "each folder its own [[datasets.subsets]] (sd-scripts' '<repeats>_<name>' folder: that folder "
+                    "as image_dir, <repeats> as num_repeats)")
     if not files:
-        raise ValueError(f"{folder}: image_dir holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+        raise ValueError(f"{folder}: image_dir holds no images ({', '.join(IMAGE_EXTENSIONS)})"
+                         + (f"; {not_searched}" if below else ""))
+    if below and warn:
+        warnings.warn(f"{folder}: {below} images are not trained: {not_searched}", stacklevel=2)
     stems: dict[str, str] = {}
     for f in files:
         stem = os.path.splitext(f)[0]
@@ -245,6 +255,21 @@ def _image_files(folder: str) -> list[str]:
             raise ValueError(f"{folder}: images '{stems[stem]}' and '{f}' share the name '{stem}'")
         stems[stem] = f
     return [os.path.join(folder, f) for f in files]
+
+
+def _images_in_subfolders(folder: str, other_folders) -> tuple[int, str]:
+    """(how many images the subfolders of `folder` hold, one of them relative to it); hidden folders
+    and `other_folders` (with what is under them) are not counted."""
+    skip = {os.path.realpath(f) for f in other_folders if f}
+    count, example = 0, ""
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.realpath(os.path.join(root, d)) not in skip)
+        if root == folder:
+            continue
+        images = sorted(n for n in names if n.lower().endswith(IMAGE_EXTENSIONS))
+        count += len(images)
+        example = example or (os.path.relpath(os.path.join(root, images[0]), folder) if images else "")
+    return count, example
 
 
 def read_caption(image_path: str, subset: SubsetSpec) -> str:
