@@ -27,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: E402
-from library.training.config import FAMILY_KEYS, PRECISION_NAMES  # noqa: E402
+from library.training.config import FAMILY_KEYS, PRECISION_NAMES, unread_family_keys  # noqa: E402
 from tools.cli import check_command_line  # noqa: E402
 
 
@@ -88,11 +88,26 @@ def check_args(args) -> torch.device:
     missing = [k for k in family_class(args.model_type).text_path_keys if getattr(args, k) is None]
     if missing:
         raise ValueError(f"--{missing[0]} is required for --model_type {args.model_type}")
+    for key, readers in unread_family_keys(args.model_type).items():  # as the training config refuses them
+        if getattr(args, key) != FAMILY_KEYS[key].default:
+            raise ValueError(f"--{key} is read by {readers}, not by --model_type {args.model_type}")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps {args.steps}: expected at least 1")
     if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the models are loaded
         raise ValueError(f"--out {args.out}: is a file, expected a folder (the images are written into it)")
     return device_from_flag(args.device)
+
+
+def check_sample_options(args, family) -> None:
+    """A flag the model would not read (--negative without true CFG, --guidance on a model without
+    guidance, --control_image on a family that takes no references) is refused, not ignored."""
+    unread = family.unread_sample_options()
+    given = {"negative": args.negative != "", "guidance": args.guidance is not None}
+    for flag in unread:
+        if given[flag]:
+            raise ValueError(f"--{flag} is not read: {unread[flag]}")
+    if args.control_image and not family.max_controls:
+        raise ValueError(f"--control_image is not read: model_type {family.name} takes no reference images")
 
 
 def rendered_side(flag: str, value: int, multiple: int) -> int:
@@ -142,6 +157,7 @@ def generate(args) -> list[str]:
         network_module_of_file(spec.path)
     prompts = collect_prompts(args)
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
+    check_sample_options(args, family)
     check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls)
     encode = family.load_text_encoder(args.text_encoder_precision, device, **family.text_options(args))
     def encode_one(text: str, references) -> dict:  # with the references where the text encoder sees them

@@ -546,11 +546,8 @@ def _validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> 
         if args.pretrain:  # the whole model trains: no LoRA is built, loaded or saved
             foreign.update({k: "LoRA training (pretrain = false)" for k in LORA_KEYS})
     else:
-        from library.models.registry import spec_of
-
-        own = {k.key for k in spec_of(args.model_type).config_keys if not k.model_types or args.model_type in k.model_types}
         foreign = {k: "model_type llm" for k in LLM_KEYS}
-        foreign.update({k: _readers(k) for k in FAMILY_KEYS if k not in own})
+        foreign.update(unread_family_keys(args.model_type))
     for key in origins:
         if key in foreign and getattr(args, key) != SCHEMA[key].default:
             extra = " (the batch size of images is the dataset TOML's batch_size)" if key == "batch_size" else ""
@@ -570,6 +567,15 @@ def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where
     if args.model_type != "llm" and sampling and args.sample_prompts is None:  # "" is an explicit "no samples"
         raise ConfigError(f"{_blame(origins, where, sampling[0])}: key '{sampling[0]}' renders the prompts of "
                           f"sample_prompts, which is not set (a prompt file, or \"\" for no samples)")
+
+
+def unread_family_keys(model_type: str) -> dict[str, str]:
+    """The families' keys (FAMILY_KEYS) that a diffusion model_type never reads -> the model_types
+    that do, for an error line (tools/generate.py refuses them as flags too)."""
+    from library.models.registry import spec_of
+
+    own = {k.key for k in spec_of(model_type).config_keys if not k.model_types or model_type in k.model_types}
+    return {k: _readers(k) for k in FAMILY_KEYS if k not in own}
 
 
 def _readers(key: str) -> str:
