@@ -75,7 +75,8 @@ CASES = {
     "lora_text_file": lambda tmp, tiny: text_named_safetensors(tmp),
     "lora_truncated": lambda tmp, tiny: truncated_lora(tmp),
     "steps_0": lambda tmp, tiny: (["--steps", "0"], ["--steps 0: expected at least 1"]),
-    "width_negative": lambda tmp, tiny: (["--width", "-64"], ["--width -64: expected at least 16"]),
+    "width_negative": lambda tmp, tiny: (["--width", "-64"], ["--width -64: expected at least 16 pixels"]),
+    "prompt_width_8": lambda tmp, tiny: (["--prompt", "a cat --w 8"], ["--prompt: width 8: expected at least 16 pixels"]),
     "device_cuda_without_cuda": lambda tmp, tiny: (["--device", "cuda"], ["--device cuda: CUDA is not available"]),
     "t5xxl_missing": lambda tmp, tiny: (["--t5xxl", None], ["--t5xxl is required for --model_type flux"]),
     "out_is_a_file": lambda tmp, tiny: out_is_a_file(tmp),
@@ -103,9 +104,9 @@ def test_generate_bad_input_is_one_error_line_exit_2_and_no_image(tiny_set, tmp_
 def test_generate_numbers_after_existing_images_and_records_the_rendered_size(tiny_set, tmp_path, capsys):
     out = tmp_path / "out"
     for _ in range(2):
-        assert generate.main(generate_args(tiny_set, out, "--width", "70")) == 0
+        with pytest.warns(UserWarning, match="--width 70 is not a multiple of 16: rendering 64"):
+            assert generate.main(generate_args(tiny_set, out, "--width", "70")) == 0
     assert sorted(os.listdir(out)) == ["000_0.png", "001_0.png"]  # the second call keeps the first image
-    assert "note: --width 70 is not a multiple of 16: rendering 64" in capsys.readouterr().err
     with Image.open(out / "001_0.png") as png:
         assert png.size == (64, 64) and png.text["size"] == "64x64"
 

@@ -234,11 +234,24 @@ def test_sd_scripts_json_and_toml_prompt_files_are_read_as_prompts(tmp_path):
         SamplePrompt("a zxq star", 64, 64, 4, None, 3.0), SamplePrompt("a square", 64, 128, 4, 5)]
 
 
+def test_prompt_sizes_round_down_to_16_with_a_warning_as_generate_does(tmp_path):
+    """sd-scripts renders --w 1000 at 992; a prompt file refused it, while generate.py rounded --width."""
+    from library.data.prompts import read_prompt_file
+
+    (tmp_path / "p.txt").write_text("a cat --w 1000 --h 64\n")
+    (tmp_path / "p.json").write_text('[{"prompt": "a cat", "height": 70}]')
+    with pytest.warns(UserWarning, match="p.txt:1: width 1000 is not a multiple of 16: rendering 992"):
+        (cat,) = read_prompt_file(str(tmp_path / "p.txt"))
+    assert (cat.width, cat.height) == (992, 64)
+    with pytest.warns(UserWarning, match="p.json: prompt 0: height 70 is not a multiple of 16: rendering 64"):
+        assert read_prompt_file(str(tmp_path / "p.json"))[0].height == 64
+
+
 @pytest.mark.parametrize("name, content, fragment", [
     ("p.json", '[{"prompt": "x", "sample_sampler": "euler"}]', "p.json: prompt 0: key 'sample_sampler' is not read"),
     ("p.json", '[{"prompt": "x",', "p.json: not valid JSON"),
     ("p.json", '{"prompt": "x"}', "p.json: expected a list of prompts"),
-    ("p.json", '[{"prompt": "x", "width": 60}]', "p.json: prompt 0: width 60 must be a multiple of 16"),
+    ("p.json", '[{"prompt": "x", "width": 8}]', "p.json: prompt 0: width 8: expected at least 16 pixels"),
     ("p.json", '[{"prompt": "x", "seed": "a"}]', "p.json: prompt 0: key 'seed' needs int, got 'a'"),
     ("p.json", '[{"width": 64}]', "p.json: prompt 0: empty prompt"),
     ("p.toml", 'prompt = "x"\n', "p.toml: expected a [prompt] table with [[prompt.subset]] entries"),

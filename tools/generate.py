@@ -10,8 +10,8 @@ LoRA code as the training samples: the way to check a LoRA under the base precis
         # edit models: the reference image(s) (also per prompt: --ci in.png, musubi-tuner's flag)
 
 Writes one PNG per prompt, NNN_SEED.png numbered after the images already in --out, with the
-settings in its text chunks (the size is the one rendered: --width / --height are rounded down to
-a multiple of 16, with a note). LoRAs are applied unmerged (the base is never modified, so an fp8
+settings in its text chunks (the size is the one rendered: --width / --height and a prompt's --w / --h
+are rounded down to a multiple of 16, with a warning, as sd-scripts' samples are). LoRAs are applied unmerged (the base is never modified, so an fp8
 base keeps the LoRA's small deltas intact); a ratio is a finite number in [-100, 100].
 Bad input is one `error: ...` line on stderr and exit status 2 (arguments and LoRA headers are checked
 before any model is loaded).
@@ -76,7 +76,7 @@ import torch  # noqa: E402
 from library.models.family import family_class, stack_text  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
-from library.data.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
+from library.data.prompts import SamplePrompt, parse_prompt_line, read_prompt_file, rendered_side  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import one_line, parse_lora_spec  # noqa: E402
@@ -110,17 +110,6 @@ def check_sample_options(args, family) -> None:
         raise ValueError(f"--control_image is not read: model_type {family.name} takes no reference images")
 
 
-def rendered_side(flag: str, value: int, multiple: int) -> int:
-    """The image side the model renders for --width / --height `value`: rounded down to `multiple`
-    (VAE downsampling x patch size), with a note when that changes it."""
-    if value < multiple:
-        raise ValueError(f"--{flag} {value}: expected at least {multiple} pixels")
-    side = value // multiple * multiple
-    if side != value:
-        print(f"note: --{flag} {value} is not a multiple of {multiple}: rendering {side}", file=sys.stderr)
-    return side
-
-
 def collect_prompts(args) -> list[SamplePrompt]:
     family = family_class(args.model_type)
     guidance = args.guidance if args.guidance is not None else family.sample_guidance
@@ -128,8 +117,8 @@ def collect_prompts(args) -> list[SamplePrompt]:
     for path in args.control_image:
         if not os.path.isfile(path):
             raise ValueError(f"--control_image {path!r} is not an image file")
-    multiple = family.vae_downsample * family.patch  # a prompt's own --w / --h must already be one
-    width, height = rendered_side("width", args.width, multiple), rendered_side("height", args.height, multiple)
+    multiple = family.vae_downsample * family.patch  # a prompt's own --w / --h is rounded alike (to 16)
+    width, height = rendered_side("--width", args.width, multiple), rendered_side("--height", args.height, multiple)
     defaults = SamplePrompt("", width, height, steps, args.seed, guidance, args.negative, tuple(args.control_image))
     prompts = [parse_prompt_line(p, "--prompt", defaults) for p in args.prompt]
     if args.prompt_file:

@@ -2,7 +2,8 @@
 
     a photo of a cat --w 1024 --h 1024 --s 20 --d 42 --g 3.5 --n blurry, lowres
 
-Flags: --w width, --h height, --s steps, --d seed, --g guidance (the embedded guidance of a
+Flags: --w width, --h height (each rounded down to a multiple of 16 with a warning, as sd-scripts'
+samples do: the size a model renders; below 16 is an error), --s steps, --d seed, --g guidance (the embedded guidance of a
 guidance-distilled model, the CFG scale of a true-CFG one), --n negative prompt, --ci a reference (control) image for edit
 models (musubi-tuner's flag; repeat it for several, in order). Lines starting with # and blank lines are
 skipped. An unknown flag or a bad value is an error naming the file and line.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, replace
 
 import toml
@@ -67,13 +69,25 @@ def _checked(prompt: str, fields: dict, controls: list[str], where: str, default
         if not os.path.isfile(path):
             raise ValueError(f"{where}: --ci {path!r} is not an image file")
     for side in ("width", "height"):
-        if side in fields and (fields[side] < 16 or fields[side] % 16):
-            raise ValueError(f"{where}: {side} {fields[side]} must be a multiple of 16 and >= 16")
+        if side in fields:
+            fields[side] = rendered_side(f"{where}: {side}", fields[side])
     if "steps" in fields and fields["steps"] < 1:
         raise ValueError(f"{where}: steps must be >= 1")
     if controls:  # a line's own --ci replace the defaults' (e.g. generate.py --control_image)
         fields["control_images"] = tuple(controls)
     return replace(defaults or SamplePrompt(prompt), prompt=prompt, **fields)
+
+
+def rendered_side(what: str, value: int, multiple: int = 16) -> int:
+    """The image side a model renders for a requested `value` (`what`: how the error names it):
+    rounded down to `multiple` (VAE downsampling x patch, 16 for every family), as sd-scripts'
+    sample images are, with a warning where that changes it; below `multiple` is an error."""
+    if value < multiple:
+        raise ValueError(f"{what} {value}: expected at least {multiple} pixels")
+    side = value // multiple * multiple
+    if side != value:
+        warnings.warn(f"{what} {value} is not a multiple of {multiple}: rendering {side}")
+    return side
 
 
 # sd-scripts' prompt-object keys -> (our field, type); "scale" is handled beside guidance_scale.
