@@ -283,8 +283,9 @@ class Trainer:
                               f"validation_split or add [[validation_datasets]]")
         if state:
             self.resume(args.resume, state)
-        if accelerator.log_with:
-            accelerator.init_trackers(args.log_prefix or args.output_name, config={k: str(v) for k, v in vars(args).items()})
+        # A fresh run gets its own timestamped TensorBoard folder; a resumed one continues its state's.
+        self.log_run = tracking.start_trackers(accelerator, args, state.progress.get("log_run") if state else None,
+                                               self.step)
         # A resumed run continues the log from its state's step (rows after it, logged before a kill, go).
         self.logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator,
                                append=bool(args.resume), resumed_step=self.step)
@@ -366,7 +367,7 @@ class Trainer:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
 
     def progress(self) -> dict:
-        return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done}
+        return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run}
 
     @contextlib.contextmanager
     def evaluating(self):

@@ -15,11 +15,19 @@ from library.training import tracking
 from tests.test_train_lora import flux_args
 
 
-def events(logging_dir):
+def runs(logging_dir) -> dict[str, str]:
+    """{run folder name: the folder of its scalar events} (<logging_dir>/<run>/<project>/, not hparams/)."""
+    found = glob.glob(os.path.join(logging_dir, "*", "*", "events.out.tfevents.*"))
+    return {os.path.relpath(p, logging_dir).split(os.sep)[0]: os.path.dirname(p) for p in found}
+
+
+def events(logging_dir, run=None):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (run,) = {os.path.dirname(p) for p in glob.glob(os.path.join(logging_dir, "*", "events.out.tfevents.*"))}  # not hparams/
-    acc = EventAccumulator(run, size_guidance={"images": 0, "scalars": 0})
+    folders = runs(logging_dir)
+    if run is None:  # the one run
+        (run,) = folders
+    acc = EventAccumulator(folders[run], size_guidance={"images": 0, "scalars": 0})
     acc.Reload()
     return acc
 
@@ -38,6 +46,25 @@ def test_samples_are_logged_to_tensorboard_beside_loss_at_their_step(tiny_set, t
     decoded = np.asarray(Image.open(__import__("io").BytesIO(first[0].encoded_image_string)).convert("RGB"))
     on_disk = np.asarray(Image.open(out / "tiny_flux_lora_step000002_00.png").convert("RGB"))
     assert np.array_equal(decoded, on_disk)
+
+
+def test_each_fresh_run_logs_into_its_own_folder_and_a_resume_continues_its_own(tiny_set, tmp_path, monkeypatch):
+    """Two fresh runs with one logging_dir and output_name wrote into one logs/<output_name>/ folder, which
+    TensorBoard drew as one run with two loss values per step; now each gets <output_name>_<start time>
+    (sd-scripts' log_prefix + YYYYmmddHHMMSS; _2 when the second is taken), and a run resumed from a
+    state continues the folder of the run that wrote it, each step once."""
+    monkeypatch.setattr(tracking.time, "strftime", lambda fmt, *t: "20260105143000")  # both start in one second
+    logs = tmp_path / "logs"
+    common = ("--logging_dir", str(logs), "--sample_prompts", "", "--save_state", "true")
+    for out in ("a", "b"):
+        assert train_lora.main(flux_args(tiny_set, tmp_path / out, "--max_train_steps", "2", *common)) == 0
+    state = tmp_path / "b" / "tiny_flux_lora-state"
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "b", "--max_train_steps", "4", *common,
+                                     "--resume", str(state))) == 0
+    first, second = "tiny_flux_lora_20260105143000", "tiny_flux_lora_20260105143000_2"
+    assert sorted(runs(logs)) == [first, second]
+    assert [e.step for e in events(logs, first).Scalars("loss")] == [1, 2]
+    assert [e.step for e in events(logs, second).Scalars("loss")] == [1, 2, 3, 4]
 
 
 def test_log_with_is_checked_when_the_config_loads(tiny_set, tmp_path, capsys, monkeypatch):

@@ -151,7 +151,7 @@ SCHEMA: dict[str, Arg] = {
     "sample_at_first": A(bool, False, "render samples before training"),
     "sample_bf16_reference": A(bool, None, "on an fp8 / nf4 / int8 base: also render each sample on a bf16 base, side by side "
                                            "(unset: on, unless the memory plan says that copy does not fit the card)"),
-    "logging_dir": A(str, None, "TensorBoard log folder (CSV is always written)"),
+    "logging_dir": A(str, None, "TensorBoard log folder, a timestamped subfolder per run (CSV is always written)"),
     # validation (diffusion; the held-out images are chosen in the dataset TOML)
     "validate_every_n_steps": A(int, 0, "val_loss on the held-out images every N steps; always at the end (0 = end only)"),
     # EMA of the trained weights (library/training/ema.py), saved beside the LoRA as <name>_ema.safetensors
@@ -163,7 +163,9 @@ SCHEMA: dict[str, Arg] = {
     "ema_start_step": A(int, 0, "the EMA equals the raw weights up to this optimizer step, averages after it"),
     "ema_device": A(str, "same", "where the float32 EMA lives: beside the weights, or in CPU memory", ("same", "cpu")),
     "sample_with_ema": A(bool, False, "render samples with the EMA weights (swapped in, then back)"),
-    "log_prefix": A(str, None, "TensorBoard / wandb run name (default: output_name)"),
+    "log_prefix": A(str, None, "each run's TensorBoard folder in logging_dir is log_prefix + its start time "
+                               "(YYYYmmddHHMMSS, as sd-scripts; default: '<output_name>_'; a resume continues its "
+                               "state's); the wandb project (default: output_name)"),
     "log_with": A(str, None, "trackers: tensorboard (default with logging_dir), wandb, all", ("tensorboard", "wandb", "all")),
     # llm data
     "train_data": A(list, [], "llm: .txt files or folders"),
