@@ -3,10 +3,12 @@
     a photo of a cat --w 1024 --h 1024 --s 20 --d 42 --g 3.5 --n blurry, lowres
 
 Flags: --w width, --h height (each rounded down to a multiple of 16 with a warning, as sd-scripts'
-samples do: the size a model renders; below 16 is an error), --s steps, --d seed, --g guidance (the embedded guidance of a
-guidance-distilled model, the CFG scale of a true-CFG one), --n negative prompt, --ci a reference (control) image for edit
-models (musubi-tuner's flag; repeat it for several, in order). Lines starting with # and blank lines are
-skipped. An unknown flag or a bad value is an error naming the file and line.
+samples are: the size a model renders; below 16 is an error), --s steps, --d seed, --g guidance (the
+embedded guidance of a guidance-distilled model, the CFG scale of a true-CFG one), --l sd-scripts' CFG
+scale (the guidance where --g is not given: the one number a family samples with), --n negative prompt,
+--ci a reference (control) image for edit models (musubi-tuner's flag; repeat it for several, in
+order). Flags are read in any case (--W is --w, as in sd-scripts). Lines starting with # and blank
+lines are skipped. An unknown flag or a bad value is an error naming the file and line.
 
 sd-scripts' structured files load too: a `.json` list of prompt objects (or prompt lines), and a
 `.toml` with a [prompt] table of defaults and its [[prompt.subset]] entries. Their keys: prompt,
@@ -41,7 +43,8 @@ class SamplePrompt:
     control_images: tuple[str, ...] = ()  # --ci paths, in order
 
 
-FLAGS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("seed", int), "g": ("guidance", float), "n": ("negative", str)}
+FLAGS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("seed", int), "g": ("guidance", float),
+         "n": ("negative", str), "l": ("scale", float)}
 
 
 def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = None) -> SamplePrompt:
@@ -49,6 +52,7 @@ def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = Non
     fields, controls = {}, []
     for part in parts[1:]:
         flag, _, value = part.partition(" ")
+        flag = flag.lower()  # sd-scripts reads --W as --w
         if flag == "ci":
             controls.append(value.strip())
             continue
@@ -59,6 +63,9 @@ def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = Non
             fields[name] = kind(value.strip())
         except ValueError:
             raise ValueError(f"{where}: flag '--{flag}' needs {kind.__name__}, got {value.strip()!r}") from None
+    scale = fields.pop("scale", None)  # sd-scripts' CFG scale: the guidance where --g is not given, as a .json's
+    if scale is not None:
+        fields.setdefault("guidance", scale)
     return _checked(parts[0].strip(), fields, controls, where, defaults)
 
 
