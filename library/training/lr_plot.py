@@ -52,6 +52,14 @@ def run_name(log_path: str) -> str:
     return os.path.basename(os.path.dirname(os.path.abspath(log_path))) + "/" + os.path.basename(log_path)[: -len("_log.csv")]
 
 
+def run_names(logs: list[str]) -> list[str]:
+    """Each log's run_name; where runs share one (run folders of one name in two places), their paths
+    instead, numbered if still equal (one log given twice): no run replaces another in the plot."""
+    short = [run_name(p) for p in logs]
+    names = [n if short.count(n) == 1 else os.path.relpath(p)[: -len("_log.csv")] for n, p in zip(short, logs)]
+    return [n if names.count(n) == 1 else f"{n} ({names[: i + 1].count(n)})" for i, n in enumerate(names)]
+
+
 def smooth(values: list[float], beta: float) -> list[float]:
     out, avg = [], None
     for v in values:
@@ -144,10 +152,8 @@ def plot_runs(paths: list[str], out: str, log_scale: bool = False, beta: float =
     """Draw the runs (CSV logs or folders holding one) into the PNG `out`, named <folder>/<log stem>;
     prints and returns the summary lines. A log that cannot be read is a ValueError / OSError naming
     it, raised before anything is drawn."""
-    runs = {}
-    for path in paths:
-        log_path = find_log(path)
-        runs[run_name(log_path)] = read_log(log_path)
+    logs = [find_log(path) for path in paths]
+    runs = {name: read_log(log) for name, log in zip(run_names(logs), logs)}
     plot(runs, out, log_scale, beta)
     lines = [line for name, log in runs.items() for line in summarize(name, log)]
     print("\n".join(lines))
