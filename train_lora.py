@@ -44,7 +44,7 @@ from library.training.config import PRECISION_DTYPES, ConfigError, load_config, 
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
-from library.training.state import SavedState, load_state, restore_rng, save_state  # noqa: E402
+from library.training.state import SavedState, load_state, restore_rng, rng_states, save_state  # noqa: E402
 from library.training.task import Task  # noqa: E402
 
 
@@ -386,10 +386,16 @@ class Trainer:
 
     @contextlib.contextmanager
     def sampling(self):
-        """Samples: eval mode, and with sample_with_ema the EMA weights swapped in."""
+        """Samples: eval mode, with sample_with_ema the EMA weights swapped in, and the RNG states put
+        back afterwards (as sd-scripts does): a render that draws from them (a bf16 reference's LoRA
+        init) must not change the dropout draws of the steps after it."""
         use_ema = self.ema is not None and self.args.sample_with_ema
-        with self.evaluating(), self.ema.swapped_in() if use_ema else contextlib.nullcontext():
-            yield
+        rng = rng_states()
+        try:
+            with self.evaluating(), self.ema.swapped_in() if use_ema else contextlib.nullcontext():
+                yield
+        finally:
+            restore_rng(rng)
 
     def run_epoch(self):
         """One pass over the data, resuming after `batches_done` batches; leaves batches_done at
