@@ -8,7 +8,8 @@ The story, top to bottom: read the config -> set up accelerate -> build the task
 caches, LoRA network) -> optimizer and scheduler -> the loop (loss, backward, clip, step, log,
 sample, save) -> the final LoRA. Ctrl-C / SIGTERM save the LoRA and the state before exiting; a
 non-finite gradient norm stops the run before its update, with the LoRA saved; a non-finite loss
-or non-finite weights at a save stop it without calling the weights good.
+or non-finite weights at a save stop it without calling the weights good. A sample render that fails
+(out of memory) is a warning line: the run goes on without those samples.
 """
 
 from __future__ import annotations
@@ -379,9 +380,21 @@ class Trainer:
             self.module.train()
 
     def render_samples(self, tag: str):
-        """Samples to output_dir (the task's files) and to the trackers beside loss and lr."""
-        with self.sampling():
-            paths = self.task.render_samples(self.args.output_dir, tag)
+        """Samples to output_dir (the task's files) and to the trackers beside loss and lr. A render
+        that fails (out of memory, a full disk, a reference image gone) is one warning line and the
+        run goes on without those samples: a preview must not cost the steps since the last save."""
+        failure = None
+        try:
+            with self.sampling():
+                paths = self.task.render_samples(self.args.output_dir, tag)
+        except (RuntimeError, OSError, ValueError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            failure = " ".join(f"{type(e).__name__}: {e}".split())
+        if failure:  # (the failed render's tensors went with its exception)
+            self.accelerator.print(f"warning: samples {tag} at step {self.step} failed and are skipped, training goes "
+                                   f"on: {failure}", file=sys.stderr)
+            if self.accelerator.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return
         tracking.log_sample_images(self.accelerator, paths or [], self.step)
 
     @contextlib.contextmanager

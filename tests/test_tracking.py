@@ -158,3 +158,26 @@ def test_samples_leave_the_training_rng_alone(tiny_set, tmp_path):
     assert train_lora.main(flux_args(tiny_set, tmp_path / "b", *common, "--sample_prompts", "")) == 0
     a, b = (load_file(tmp_path / run / "tiny_flux_lora.safetensors") for run in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_failed_sample_render_is_a_warning_and_training_goes_on(tiny_set, tmp_path, monkeypatch, capsys):
+    """An out-of-memory render at step 1 ended the run there (no LoRA unless a save came before); now it
+    is one warning line, the run trains its 2 steps and saves its LoRA and the final samples."""
+    from library.training.diffusion_task import DiffusionTask
+
+    render = DiffusionTask.render_samples
+
+    def out_of_memory_at_step_1(self, out_dir, tag):
+        if tag == "step000001":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return render(self, out_dir, tag)
+
+    monkeypatch.setattr(DiffusionTask, "render_samples", out_of_memory_at_step_1)
+    (tmp_path / "p.txt").write_text("a red circle --w 32 --h 32 --s 1\n")
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--sample_every_n_steps", "1",
+                                     "--sample_prompts", str(tmp_path / "p.txt"), "--sample_bf16_reference", "false")) == 0
+    assert ("warning: samples step000001 at step 1 failed and are skipped, training goes on: OutOfMemoryError: CUDA out "
+            "of memory. Tried to allocate 2.00 GiB") in capsys.readouterr().err
+    assert sorted(p for p in os.listdir(out) if p.endswith((".png", ".safetensors"))) == [
+        "tiny_flux_lora.safetensors", "tiny_flux_lora_final_00.png", "tiny_flux_lora_lr.png"]
