@@ -509,7 +509,8 @@ class Trainer:
         self.step += 1
         self.progress_bar.update(1)
         self.progress_bar.set_postfix(progress_postfix({**values, "val_loss": self.val_loss}))
-        with self.evaluating():
+        # An LLM's eval and sample: with sample_with_ema on the EMA weights, as its final one.
+        with self.sampling() if self.task.evaluates_after(self.step) else self.evaluating():
             self.task.after_step(self.step, args.output_dir)
         if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0 and self.step < self.max_steps:
             # (the last step's samples are the final ones, rendered after the final save)

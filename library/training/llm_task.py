@@ -244,9 +244,12 @@ class LLMTask:
         return total / count if count else float("nan")
 
     def after_step(self, step: int, output_dir: str):
-        every = self.args.eval_every_n_steps
-        if every and step % every == 0:
+        if self.evaluates_after(step):
             self.report_eval(step)
+
+    def evaluates_after(self, step: int) -> bool:
+        every = self.args.eval_every_n_steps
+        return bool(every) and step % every == 0
 
     def report_eval(self, step: int | str):
         if not self.accelerator.is_main_process:
