@@ -76,6 +76,8 @@ CASES = {
     "lora_truncated": lambda tmp, tiny: truncated_lora(tmp),
     "steps_0": lambda tmp, tiny: (["--steps", "0"], ["--steps 0: expected at least 1"]),
     "width_negative": lambda tmp, tiny: (["--width", "-64"], ["--width -64: expected at least 16 pixels"]),
+    "seed_too_large": lambda tmp, tiny: (["--seed", str(2**64)], [f"--seed {2**64}: expected 0 to 2^64 - 1"]),
+    "prompt_seed_negative": lambda tmp, tiny: (["--prompt", "a cat --d -1"], ["--prompt: seed -1: expected 0 to 2^64 - 1"]),
     "prompt_width_8": lambda tmp, tiny: (["--prompt", "a cat --w 8"], ["--prompt: width 8: expected at least 16 pixels"]),
     "device_cuda_without_cuda": lambda tmp, tiny: (["--device", "cuda"], ["--device cuda: CUDA is not available"]),
     "t5xxl_missing": lambda tmp, tiny: (["--t5xxl", None], ["--t5xxl is required for --model_type flux"]),

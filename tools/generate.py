@@ -76,7 +76,7 @@ import torch  # noqa: E402
 from library.models.family import family_class, stack_text  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
-from library.data.prompts import SamplePrompt, parse_prompt_line, read_prompt_file, rendered_side  # noqa: E402
+from library.data.prompts import SamplePrompt, check_seed, parse_prompt_line, read_prompt_file, rendered_side  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import one_line, parse_lora_spec  # noqa: E402
@@ -93,6 +93,7 @@ def check_args(args) -> torch.device:
             raise ValueError(f"--{key} is read by {readers}, not by --model_type {args.model_type}")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps {args.steps}: expected at least 1")
+    check_seed("--seed", args.seed)
     if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the models are loaded
         raise ValueError(f"--out {args.out}: is a file, expected a folder (the images are written into it)")
     return device_from_flag(args.device)

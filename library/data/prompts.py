@@ -80,9 +80,18 @@ def _checked(prompt: str, fields: dict, controls: list[str], where: str, default
             fields[side] = rendered_side(f"{where}: {side}", fields[side])
     if "steps" in fields and fields["steps"] < 1:
         raise ValueError(f"{where}: steps must be >= 1")
+    if "seed" in fields:
+        check_seed(f"{where}: seed", fields["seed"])
     if controls:  # a line's own --ci replace the defaults' (e.g. generate.py --control_image)
         fields["control_images"] = tuple(controls)
     return replace(defaults or SamplePrompt(prompt), prompt=prompt, **fields)
+
+
+def check_seed(what: str, seed: int) -> None:
+    """A seed a torch generator takes as itself: 0 to 2^64 - 1 (a larger one failed only when the sample
+    rendered; -1 is no 'random' here, as in sd-scripts' --d, which reads digits only)."""
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"{what} {seed}: expected 0 to 2^64 - 1")
 
 
 def rendered_side(what: str, value: int, multiple: int = 16) -> int:
