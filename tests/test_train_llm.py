@@ -267,3 +267,30 @@ def test_a_corpus_too_short_for_one_window_names_the_files_and_the_split(tiny_se
     assert train_lora.main(args) == 2
     err = capsys.readouterr().err
     assert f"train_data {short}: " in err and "fewer than max_length + 1 = 33" in err, err
+
+
+def test_a_resumed_llm_run_logs_each_eval_once(tiny_set, tmp_path, monkeypatch):
+    """Killed after its step-2 eval, resumed from its step-1 state: the eval CSV had step 2 twice
+    (the killed run's and the resumed run's), where the loss CSV drops the killed run's rows."""
+    from library.training.llm_task import LLMTask
+
+    class Killed(Exception):
+        pass
+
+    evaluate = LLMTask.after_step
+
+    def killed_after_step_3(self, step, output_dir):
+        evaluate(self, step, output_dir)
+        if step == 2 and not self.args.resume:
+            raise Killed
+
+    monkeypatch.setattr(LLMTask, "after_step", killed_after_step_3)
+    out = tmp_path / "lm"
+    args = llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm",
+                    "--max_train_steps", "2", "--eval_every_n_steps", "1", "--save_every_n_steps", "1", "--save_state",
+                    "true", "--network_dim", "4")
+    with pytest.raises(Killed):
+        train_lora.main(args)
+    assert train_lora.main(args + ["--resume", str(out / "lm-state")]) == 0
+    with open(out / "lm_eval.csv") as f:
+        assert [row["step"] for row in csv.DictReader(f)] == ["1", "2", "final"]

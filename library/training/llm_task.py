@@ -24,6 +24,8 @@ from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, loa
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
+from library.training.optim import drop_rows_after
+from library.training.state import read_progress
 from networks.factory import build_network
 
 VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmuls tile well
@@ -104,8 +106,11 @@ class LLMTask:
             self.network.to(self.device)
         self.module = LMLoss(self.model, self.network, self.autocast_dtype)
         self.eval_log = os.path.join(args.output_dir, f"{args.output_name}_eval.csv")
-        if not args.resume and accelerator.is_main_process and os.path.exists(self.eval_log):
-            os.remove(self.eval_log)  # a new run's evals, as its log CSV (appended to, they mixed two runs)
+        if accelerator.is_main_process and os.path.exists(self.eval_log):
+            if not args.resume:
+                os.remove(self.eval_log)  # a new run's evals, as its log CSV (appended to, they mixed two runs)
+            else:  # the evals a run killed after its last save logged are logged again
+                drop_rows_after(self.eval_log, read_progress(os.path.join(args.resume, "train_state.json"))["step"])
 
     def _load_model(self, path: str) -> tuple[LLM, bool]:
         has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(".safetensors")
