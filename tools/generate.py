@@ -113,7 +113,7 @@ def check_sample_options(args, family) -> None:
 
 def collect_prompts(args, family) -> list[SamplePrompt]:
     """The prompts with the flags' values as defaults, and the family's where a flag is not given: the
-    instance's, which know the release (Krea 2 Turbo samples with 8 steps and no CFG, Raw with 28 and 4.5)."""
+    instance's, which know the release (a step-distilled one samples with fewer steps and no CFG)."""
     guidance = args.guidance if args.guidance is not None else family.sample_guidance
     steps = args.steps if args.steps is not None else family.sample_steps
     for path in args.control_image:
