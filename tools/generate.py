@@ -99,9 +99,10 @@ def check_args(args) -> torch.device:
     return device_from_flag(args.device)
 
 
-def check_sample_options(args, family) -> None:
+def check_model_options(args, family) -> None:
     """A flag the model would not read (--negative without true CFG, --guidance on a model without
-    guidance, --control_image on a family that takes no references) is refused, not ignored."""
+    guidance, --control_image on a family that takes no references) is refused, not ignored; and
+    --blocks_to_swap is checked against the model's blocks, from its header."""
     unread = family.unread_sample_options()
     given = {"negative": args.negative != "", "guidance": args.guidance is not None}
     for flag in unread:
@@ -109,6 +110,11 @@ def check_sample_options(args, family) -> None:
             raise ValueError(f"--{flag} is not read: {unread[flag]}")
     if args.control_image and not family.max_controls:
         raise ValueError(f"--control_image is not read: model_type {family.name} takes no reference images")
+    if args.blocks_to_swap:  # counted on meta now, not found after the text encoders ran and the model loaded
+        blocks = len(list(family.load_transformer(torch.float32, read_weights=False).swappable_blocks()))
+        if not 0 < args.blocks_to_swap < blocks:
+            raise ValueError(f"--blocks_to_swap {args.blocks_to_swap}: expected 0 (off) or 1 to {blocks - 1} for this "
+                             f"model ({blocks} blocks)")
 
 
 def collect_prompts(args, family) -> list[SamplePrompt]:
@@ -147,7 +153,7 @@ def generate(args) -> list[str]:
     for spec in loras:  # headers only: an unreadable file is named before any model loads
         network_module_of_file(spec.path)
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
-    check_sample_options(args, family)
+    check_model_options(args, family)
     prompts = collect_prompts(args, family)
     check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls)
     encode = family.load_text_encoder(args.text_encoder_precision, device, **family.text_options(args))
