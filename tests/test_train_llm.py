@@ -294,3 +294,24 @@ def test_a_resumed_llm_run_logs_each_eval_once(tiny_set, tmp_path, monkeypatch):
     assert train_lora.main(args + ["--resume", str(out / "lm-state")]) == 0
     with open(out / "lm_eval.csv") as f:
         assert [row["step"] for row in csv.DictReader(f)] == ["1", "2", "final"]
+
+
+def test_llm_evals_reach_tensorboard_at_their_step(tiny_set, tmp_path):
+    """The start and final evals logged their val_loss at step 'start' / 'final': TensorBoard's int(step)
+    raised, so an LLM run with logging_dir ended in 'error: invalid literal for int()' after its LoRA
+    was saved (exit 2). They log at steps 0 and 2 now; the eval CSV keeps its labels."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, logs = tmp_path / "lm", tmp_path / "logs"
+    args = llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm",
+                    "--max_train_steps", "2", "--eval_every_n_steps", "2", "--sample_at_first", "true",
+                    "--network_dim", "4", "--logging_dir", str(logs))
+    assert train_lora.main(args) == 0
+    (events,) = glob.glob(str(logs / "*" / "lm" / "events.out.tfevents.*"))
+    acc = EventAccumulator(os.path.dirname(events))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("val_loss")] == [0, 2, 2]
+    with open(out / "lm_eval.csv") as f:
+        assert [row["step"] for row in csv.DictReader(f)] == ["start", "2", "final"]

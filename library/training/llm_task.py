@@ -106,6 +106,7 @@ class LLMTask:
             self.network.to(self.device)
         self.module = LMLoss(self.model, self.network, self.autocast_dtype)
         self.eval_log = os.path.join(args.output_dir, f"{args.output_name}_eval.csv")
+        self.step = 0  # the last optimizer step done (after_step): the step trackers log an eval at
         if accelerator.is_main_process and os.path.exists(self.eval_log):
             if not args.resume:
                 os.remove(self.eval_log)  # a new run's evals, as its log CSV (appended to, they mixed two runs)
@@ -249,6 +250,7 @@ class LLMTask:
         return total / count if count else float("nan")
 
     def after_step(self, step: int, output_dir: str):
+        self.step = step
         if self.evaluates_after(step):
             self.report_eval(step)
 
@@ -256,16 +258,19 @@ class LLMTask:
         every = self.args.eval_every_n_steps
         return bool(every) and step % every == 0
 
-    def report_eval(self, step: int | str):
+    def report_eval(self, label: int | str):
+        """One eval, printed and written to the eval CSV under `label` (a step, or a sample tag:
+        start, final, ...), and to the trackers at the step it was made after (theirs are numbers)."""
         if not self.accelerator.is_main_process:
             return
         result = self.evaluate()
-        self.accelerator.print(f"step {step}: val loss {result['val_loss']:.4f}, perplexity {result['val_perplexity']:.2f}\n"
+        self.accelerator.print(f"step {label}: val loss {result['val_loss']:.4f}, perplexity {result['val_perplexity']:.2f}\n"
                                f"  sample: {result['sample']!r}")
         header = None if os.path.exists(self.eval_log) else ["step", "val_loss", "val_perplexity", "sample"]
-        append_csv_row(self.eval_log, [step, result["val_loss"], result["val_perplexity"], result["sample"]], header)
+        append_csv_row(self.eval_log, [label, result["val_loss"], result["val_perplexity"], result["sample"]], header)
         if self.accelerator.trackers:
-            self.accelerator.log({"val_loss": result["val_loss"], "val_perplexity": result["val_perplexity"]}, step=step)
+            self.accelerator.log({"val_loss": result["val_loss"], "val_perplexity": result["val_perplexity"]},
+                                 step=self.step)
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, path: str, metadata: dict, dtype: torch.dtype) -> list[str]:
