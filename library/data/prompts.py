@@ -174,6 +174,20 @@ def _structured_prompts(text: str, path: str, kind: str, defaults: SamplePrompt 
     return prompts
 
 
+def prompt_texts(path: str) -> list[str]:
+    """Each prompt's text, in the order the samples number them, read without checking the rest (the
+    web UI's captions): a text file's lines without their --flags, a .json / .toml's prompt entries."""
+    text = read_utf8(path, "prompt file")
+    kind = os.path.splitext(path)[1].lower()
+    if kind not in (".json", ".toml"):
+        lines = [line.strip() for line in text.splitlines()]
+        return [line.split(" --")[0] for line in lines if line and not line.startswith("#")]
+    entries = json.loads(text) if kind == ".json" else _toml_subsets(text, path)
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a list of prompts (objects or lines)")
+    return [str(e.get("prompt", "")) if isinstance(e, dict) else str(e).split(" --")[0] for e in entries]
+
+
 def _toml_subsets(text: str, path: str) -> list:
     table = toml.loads(text).get("prompt")
     if not isinstance(table, dict) or not isinstance(table.get("subset"), list):
