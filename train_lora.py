@@ -8,7 +8,8 @@ The story, top to bottom: read the config -> set up accelerate -> build the task
 caches, LoRA network) -> optimizer and scheduler -> the loop (loss, backward, clip, step, log,
 sample, save) -> the final LoRA. Ctrl-C / SIGTERM save the LoRA and the state before exiting; a
 non-finite gradient norm stops the run before its update, with the LoRA saved; a non-finite loss
-or non-finite weights at a save stop it without calling the weights good.
+or non-finite weights at a save stop it without calling the weights good. A sample render that fails
+(out of memory) is a warning line: the run goes on without those samples.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from library.training.config import PRECISION_DTYPES, ConfigError, load_config, 
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
-from library.training.state import SavedState, load_state, restore_rng, save_state  # noqa: E402
+from library.training.state import SavedState, load_state, restore_rng, rng_states, save_state  # noqa: E402
 from library.training.task import Task  # noqa: E402
 
 
@@ -283,8 +284,9 @@ class Trainer:
                               f"validation_split or add [[validation_datasets]]")
         if state:
             self.resume(args.resume, state)
-        if accelerator.log_with:
-            accelerator.init_trackers(args.log_prefix or args.output_name, config={k: str(v) for k, v in vars(args).items()})
+        # A fresh run gets its own timestamped TensorBoard folder; a resumed one continues its state's.
+        self.log_run = tracking.start_trackers(accelerator, args, state.progress.get("log_run") if state else None,
+                                               self.step)
         # A resumed run continues the log from its state's step (rows after it, logged before a kill, go).
         self.logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator,
                                append=bool(args.resume), resumed_step=self.step)
@@ -366,7 +368,7 @@ class Trainer:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
 
     def progress(self) -> dict:
-        return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done}
+        return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run}
 
     @contextlib.contextmanager
     def evaluating(self):
@@ -378,17 +380,35 @@ class Trainer:
             self.module.train()
 
     def render_samples(self, tag: str):
-        """Samples to output_dir (the task's files) and to the trackers beside loss and lr."""
-        with self.sampling():
-            paths = self.task.render_samples(self.args.output_dir, tag)
+        """Samples to output_dir (the task's files) and to the trackers beside loss and lr. A render
+        that fails (out of memory, a full disk, a reference image gone) is one warning line and the
+        run goes on without those samples: a preview must not cost the steps since the last save."""
+        failure = None
+        try:
+            with self.sampling():
+                paths = self.task.render_samples(self.args.output_dir, tag)
+        except (RuntimeError, OSError, ValueError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            failure = " ".join(f"{type(e).__name__}: {e}".split())
+        if failure:  # (the failed render's tensors went with its exception)
+            self.accelerator.print(f"warning: samples {tag} at step {self.step} failed and are skipped, training goes "
+                                   f"on: {failure}", file=sys.stderr)
+            if self.accelerator.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return
         tracking.log_sample_images(self.accelerator, paths or [], self.step)
 
     @contextlib.contextmanager
     def sampling(self):
-        """Samples: eval mode, and with sample_with_ema the EMA weights swapped in."""
+        """Samples: eval mode, with sample_with_ema the EMA weights swapped in, and the RNG states put
+        back afterwards (as sd-scripts does): a render that draws from them (a bf16 reference's LoRA
+        init) must not change the dropout draws of the steps after it."""
         use_ema = self.ema is not None and self.args.sample_with_ema
-        with self.evaluating(), self.ema.swapped_in() if use_ema else contextlib.nullcontext():
-            yield
+        rng = rng_states()
+        try:
+            with self.evaluating(), self.ema.swapped_in() if use_ema else contextlib.nullcontext():
+                yield
+        finally:
+            restore_rng(rng)
 
     def run_epoch(self):
         """One pass over the data, resuming after `batches_done` batches; leaves batches_done at
@@ -489,7 +509,8 @@ class Trainer:
         self.step += 1
         self.progress_bar.update(1)
         self.progress_bar.set_postfix(progress_postfix({**values, "val_loss": self.val_loss}))
-        with self.evaluating():
+        # An LLM's eval and sample: with sample_with_ema on the EMA weights, as its final one.
+        with self.sampling() if self.task.evaluates_after(self.step) else self.evaluating():
             self.task.after_step(self.step, args.output_dir)
         if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0 and self.step < self.max_steps:
             # (the last step's samples are the final ones, rendered after the final save)

@@ -263,6 +263,21 @@ def test_samples_render_with_ema_weights_and_training_keeps_raw(tiny_set, tmp_pa
     assert_matches(str(out / "tiny_flux_lora.safetensors"), recorded[-1])  # the raw weights came back
 
 
+def test_llm_evals_use_the_ema_weights_as_its_final_one_does(tiny_set, tmp_path):
+    """With sample_with_ema an LLM's eval at each eval_every_n_steps (its sample) ran on the raw weights
+    and its final one on the EMA: at step 2 of 2 the two printed other val_loss numbers for one model."""
+    import csv
+
+    out = tmp_path / "lm"
+    args = llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm",
+                    "--optimizer_type", "AdamW", "--learning_rate", "1e-2", "--network_dim", "4", "--max_train_steps", "2",
+                    "--eval_every_n_steps", "2", "--ema_decay", "0.5", "--sample_with_ema", "true")
+    assert train_lora.main(args) == 0
+    with open(out / "lm_eval.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["2", "final"] and rows[0]["val_loss"] == rows[1]["val_loss"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Other networks and families
 

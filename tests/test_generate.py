@@ -53,23 +53,51 @@ def out_is_a_file(tmp):
     return ["--out", str(tmp / "taken.png")], [f"--out {tmp / 'taken.png'}: is a file, expected a folder"]
 
 
+def schnell_like(tmp, tiny_set):
+    """The tiny FLUX.1 without its guidance embedding: what a schnell checkpoint's header shows."""
+    from safetensors.torch import load_file, save_file
+
+    weights = {k: v for k, v in load_file(tiny_set["flux_bfl"]).items() if not k.startswith("guidance_in.")}
+    save_file(weights, str(tmp / "schnell.safetensors"))
+    return ["--model", str(tmp / "schnell.safetensors"), "--guidance", "3.5"], [
+        "--guidance is not read: ", "schnell.safetensors has no guidance embedding (a FLUX.1 schnell checkpoint)"]
+
+
+def control_image(tmp):
+    Image.new("RGB", (64, 64)).save(tmp / "in.png")
+    return ["--control_image", str(tmp / "in.png")], [
+        "--control_image is not read: model_type flux takes no reference images"]
+
+
 CASES = {
-    "lora_ratio_nan": lambda tmp: lora_ratio(tmp, "nan"),
-    "lora_ratio_huge": lambda tmp: lora_ratio(tmp, "1e30"),
-    "lora_text_file": text_named_safetensors,
-    "lora_truncated": truncated_lora,
-    "steps_0": lambda tmp: (["--steps", "0"], ["--steps 0: expected at least 1"]),
-    "width_negative": lambda tmp: (["--width", "-64"], ["--width -64: expected at least 16"]),
-    "device_cuda_without_cuda": lambda tmp: (["--device", "cuda"], ["--device cuda: CUDA is not available"]),
-    "t5xxl_missing": lambda tmp: (["--t5xxl", None], ["--t5xxl is required for --model_type flux"]),
-    "out_is_a_file": out_is_a_file,
+    "lora_ratio_nan": lambda tmp, tiny: lora_ratio(tmp, "nan"),
+    "lora_ratio_huge": lambda tmp, tiny: lora_ratio(tmp, "1e30"),
+    "lora_text_file": lambda tmp, tiny: text_named_safetensors(tmp),
+    "lora_truncated": lambda tmp, tiny: truncated_lora(tmp),
+    "steps_0": lambda tmp, tiny: (["--steps", "0"], ["--steps 0: expected at least 1"]),
+    "width_negative": lambda tmp, tiny: (["--width", "-64"], ["--width -64: expected at least 16 pixels"]),
+    "seed_too_large": lambda tmp, tiny: (["--seed", str(2**64)], [f"--seed {2**64}: expected 0 to 2^64 - 1"]),
+    "prompt_seed_negative": lambda tmp, tiny: (["--prompt", "a cat --d -1"], ["--prompt: seed -1: expected 0 to 2^64 - 1"]),
+    "blocks_to_swap_too_many": lambda tmp, tiny: (["--blocks_to_swap", "99"], [
+        "--blocks_to_swap 99: expected 0 (off) or 1 to "]),
+    "prompt_width_8": lambda tmp, tiny: (["--prompt", "a cat --w 8"], ["--prompt: width 8: expected at least 16 pixels"]),
+    "device_cuda_without_cuda": lambda tmp, tiny: (["--device", "cuda"], ["--device cuda: CUDA is not available"]),
+    "t5xxl_missing": lambda tmp, tiny: (["--t5xxl", None], ["--t5xxl is required for --model_type flux"]),
+    "out_is_a_file": lambda tmp, tiny: out_is_a_file(tmp),
+    # options the model type never reads: refused as the training config refuses its keys
+    "negative_without_true_cfg": lambda tmp, tiny: (["--negative", "blurry"], [
+        "--negative is not read: model_type flux samples without a negative prompt (no true CFG)"]),
+    "guidance_without_embedding": lambda tmp, tiny: schnell_like(tmp, tiny),
+    "control_image_without_references": lambda tmp, tiny: control_image(tmp),
+    "another_familys_key": lambda tmp, tiny: (["--text_encoder", "te"], [
+        "--text_encoder is read by model_type ", "not by --model_type flux"]),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_generate_bad_input_is_one_error_line_exit_2_and_no_image(tiny_set, tmp_path, capsys, monkeypatch, case):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer with or without a GPU
-    extra, fragments = CASES[case](tmp_path)
+    extra, fragments = CASES[case](tmp_path, tiny_set)
     capsys.readouterr()
     line = one_error_line(capsys, generate.main(generate_args(tiny_set, tmp_path / "out", *extra)))
     for fragment in fragments:
@@ -80,8 +108,16 @@ def test_generate_bad_input_is_one_error_line_exit_2_and_no_image(tiny_set, tmp_
 def test_generate_numbers_after_existing_images_and_records_the_rendered_size(tiny_set, tmp_path, capsys):
     out = tmp_path / "out"
     for _ in range(2):
-        assert generate.main(generate_args(tiny_set, out, "--width", "70")) == 0
+        with pytest.warns(UserWarning, match="--width 70 is not a multiple of 16: rendering 64"):
+            assert generate.main(generate_args(tiny_set, out, "--width", "70")) == 0
     assert sorted(os.listdir(out)) == ["000_0.png", "001_0.png"]  # the second call keeps the first image
-    assert "note: --width 70 is not a multiple of 16: rendering 64" in capsys.readouterr().err
     with Image.open(out / "001_0.png") as png:
         assert png.size == (64, 64) and png.text["size"] == "64x64"
+
+
+def test_flux2_dev_reads_no_negative_and_klein_base_reads_both(tiny_set):
+    from library.models.family import family_class
+
+    flux2 = family_class("flux2")
+    assert set(flux2(tiny_set["flux2_dev_tiny"]).unread_sample_options()) == {"negative"}
+    assert flux2(tiny_set["flux2_tiny"]).unread_sample_options() == {}

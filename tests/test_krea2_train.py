@@ -128,6 +128,22 @@ def test_generate_renders_with_the_tiny_model(tiny_set, trained, tmp_path):
     assert len(pngs) == 1 and (out / pngs[0]).stat().st_size > 0
 
 
+def test_generate_takes_the_releases_sample_defaults(tiny_set, tmp_path):
+    """Without --steps / --guidance, Turbo renders as its pipeline (8 steps, no CFG): generate.py read the
+    class's defaults, Raw's 28 steps at CFG 4.5, whatever model_version said."""
+    from PIL import Image
+
+    from tools import generate
+
+    out = tmp_path / "gen"
+    assert generate.main(["--model_type", "krea2", "--model", tiny_set["krea2"], "--ae", tiny_set["qwen_image_vae"],
+                          "--text_encoder", tiny_set["krea2_text_encoder"], "--model_version", "krea2-turbo",
+                          "--prompt", "a red square", "--width", "32", "--height", "32", "--dtype", "fp32",
+                          "--out", str(out)]) == 0
+    with Image.open(out / "000_0.png") as png:
+        assert (png.text["steps"], png.text["guidance"]) == ("8", "0.0")
+
+
 @pytest.mark.parametrize("version", ["krea2-raw", "krea2-turbo"])
 def test_sample_schedule_is_the_pipelines(tiny_set, version):
     """Krea2Pipeline's schedule: FlowMatchEulerDiscreteScheduler with dynamic shifting on linspace(1, 1/n, n),

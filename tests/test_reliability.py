@@ -176,7 +176,7 @@ def output_dir_cannot_be_created(ts, tmp):
 
 def sample_prompt_bad_flag(ts, tmp):
     (tmp / "prompts.txt").write_text("# samples\na red circle --w 64 --x 3\n")
-    return ["--sample_prompts", str(tmp / "prompts.txt")], ["prompts.txt:2: unknown flag '--x' (allowed: --w, --h, --s, --d, --g, --n, --ci)"]
+    return ["--sample_prompts", str(tmp / "prompts.txt")], ["prompts.txt:2: unknown flag '--x' (allowed: --w, --h, --s, --d, --g, --n, --l, --ci)"]
 
 
 def checkpoint_missing(ts, tmp):

@@ -234,11 +234,34 @@ def test_sd_scripts_json_and_toml_prompt_files_are_read_as_prompts(tmp_path):
         SamplePrompt("a zxq star", 64, 64, 4, None, 3.0), SamplePrompt("a square", 64, 128, 4, 5)]
 
 
+def test_a_prompt_line_reads_sd_scripts_l_scale_and_flags_in_any_case():
+    """sd-scripts' --l (its CFG scale) was an unknown flag in a line while a .json's "scale" was read,
+    and --W 512 was unknown where sd-scripts reads it as --w."""
+    from library.data.prompts import SamplePrompt, parse_prompt_line
+
+    line = parse_prompt_line("a cat --W 512 --H 256 --l 6.5 --S 3 --N blurry", "p.txt:1")
+    assert line == SamplePrompt("a cat", 512, 256, 3, None, 6.5, "blurry")
+    assert parse_prompt_line("a cat --g 3 --l 7", "p.txt:1").guidance == 3.0  # --g wins, as guidance_scale does
+
+
+def test_prompt_sizes_round_down_to_16_with_a_warning_as_generate_does(tmp_path):
+    """sd-scripts renders --w 1000 at 992; a prompt file refused it, while generate.py rounded --width."""
+    from library.data.prompts import read_prompt_file
+
+    (tmp_path / "p.txt").write_text("a cat --w 1000 --h 64\n")
+    (tmp_path / "p.json").write_text('[{"prompt": "a cat", "height": 70}]')
+    with pytest.warns(UserWarning, match="p.txt:1: width 1000 is not a multiple of 16: rendering 992"):
+        (cat,) = read_prompt_file(str(tmp_path / "p.txt"))
+    assert (cat.width, cat.height) == (992, 64)
+    with pytest.warns(UserWarning, match="p.json: prompt 0: height 70 is not a multiple of 16: rendering 64"):
+        assert read_prompt_file(str(tmp_path / "p.json"))[0].height == 64
+
+
 @pytest.mark.parametrize("name, content, fragment", [
     ("p.json", '[{"prompt": "x", "sample_sampler": "euler"}]', "p.json: prompt 0: key 'sample_sampler' is not read"),
     ("p.json", '[{"prompt": "x",', "p.json: not valid JSON"),
     ("p.json", '{"prompt": "x"}', "p.json: expected a list of prompts"),
-    ("p.json", '[{"prompt": "x", "width": 60}]', "p.json: prompt 0: width 60 must be a multiple of 16"),
+    ("p.json", '[{"prompt": "x", "width": 8}]', "p.json: prompt 0: width 8: expected at least 16 pixels"),
     ("p.json", '[{"prompt": "x", "seed": "a"}]', "p.json: prompt 0: key 'seed' needs int, got 'a'"),
     ("p.json", '[{"width": 64}]', "p.json: prompt 0: empty prompt"),
     ("p.toml", 'prompt = "x"\n', "p.toml: expected a [prompt] table with [[prompt.subset]] entries"),

@@ -7,6 +7,7 @@ import os
 import time
 
 import numpy as np
+import torch
 import pytest
 from PIL import Image
 
@@ -15,11 +16,19 @@ from library.training import tracking
 from tests.test_train_lora import flux_args
 
 
-def events(logging_dir):
+def runs(logging_dir) -> dict[str, str]:
+    """{run folder name: the folder of its scalar events} (<logging_dir>/<run>/<project>/, not hparams/)."""
+    found = glob.glob(os.path.join(logging_dir, "*", "*", "events.out.tfevents.*"))
+    return {os.path.relpath(p, logging_dir).split(os.sep)[0]: os.path.dirname(p) for p in found}
+
+
+def events(logging_dir, run=None):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (run,) = {os.path.dirname(p) for p in glob.glob(os.path.join(logging_dir, "*", "events.out.tfevents.*"))}  # not hparams/
-    acc = EventAccumulator(run, size_guidance={"images": 0, "scalars": 0})
+    folders = runs(logging_dir)
+    if run is None:  # the one run
+        (run,) = folders
+    acc = EventAccumulator(folders[run], size_guidance={"images": 0, "scalars": 0})
     acc.Reload()
     return acc
 
@@ -38,6 +47,25 @@ def test_samples_are_logged_to_tensorboard_beside_loss_at_their_step(tiny_set, t
     decoded = np.asarray(Image.open(__import__("io").BytesIO(first[0].encoded_image_string)).convert("RGB"))
     on_disk = np.asarray(Image.open(out / "tiny_flux_lora_step000002_00.png").convert("RGB"))
     assert np.array_equal(decoded, on_disk)
+
+
+def test_each_fresh_run_logs_into_its_own_folder_and_a_resume_continues_its_own(tiny_set, tmp_path, monkeypatch):
+    """Two fresh runs with one logging_dir and output_name wrote into one logs/<output_name>/ folder, which
+    TensorBoard drew as one run with two loss values per step; now each gets <output_name>_<start time>
+    (sd-scripts' log_prefix + YYYYmmddHHMMSS; _2 when the second is taken), and a run resumed from a
+    state continues the folder of the run that wrote it, each step once."""
+    monkeypatch.setattr(tracking.time, "strftime", lambda fmt, *t: "20260105143000")  # both start in one second
+    logs = tmp_path / "logs"
+    common = ("--logging_dir", str(logs), "--sample_prompts", "", "--save_state", "true")
+    for out in ("a", "b"):
+        assert train_lora.main(flux_args(tiny_set, tmp_path / out, "--max_train_steps", "2", *common)) == 0
+    state = tmp_path / "b" / "tiny_flux_lora-state"
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "b", "--max_train_steps", "4", *common,
+                                     "--resume", str(state))) == 0
+    first, second = "tiny_flux_lora_20260105143000", "tiny_flux_lora_20260105143000_2"
+    assert sorted(runs(logs)) == [first, second]
+    assert [e.step for e in events(logs, first).Scalars("loss")] == [1, 2]
+    assert [e.step for e in events(logs, second).Scalars("loss")] == [1, 2, 3, 4]
 
 
 def test_log_with_is_checked_when_the_config_loads(tiny_set, tmp_path, capsys, monkeypatch):
@@ -115,3 +143,41 @@ def test_step_clock_counts_only_the_time_blocked_on_the_iterable():
     assert got == [1, 2] and 0.05 <= lap["data_wait_s"] < 0.09 and lap["step_s"] >= 0.15
     clock.restart()
     assert clock.lap()["data_wait_s"] == 0.0
+
+
+def test_samples_leave_the_training_rng_alone(tiny_set, tmp_path):
+    """A sample's bf16 reference base gets a LoRA network whose init draws from the CPU RNG, which
+    shifted every later module_dropout draw: a run with samples trained other weights than the same run
+    without. Sampling now restores the RNG states (as sd-scripts does), so both end equal."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "p.txt").write_text("a red circle --w 32 --h 32 --s 1\n")
+    common = ("--max_train_steps", "2", "--network_args", "module_dropout=0.5", "--mixed_precision", "no")
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "a", *common, "--sample_prompts", str(tmp_path / "p.txt"),
+                                     "--sample_at_first", "true")) == 0
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "b", *common, "--sample_prompts", "")) == 0
+    a, b = (load_file(tmp_path / run / "tiny_flux_lora.safetensors") for run in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_failed_sample_render_is_a_warning_and_training_goes_on(tiny_set, tmp_path, monkeypatch, capsys):
+    """An out-of-memory render at step 1 ended the run there (no LoRA unless a save came before); now it
+    is one warning line, the run trains its 2 steps and saves its LoRA and the final samples."""
+    from library.training.diffusion_task import DiffusionTask
+
+    render = DiffusionTask.render_samples
+
+    def out_of_memory_at_step_1(self, out_dir, tag):
+        if tag == "step000001":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return render(self, out_dir, tag)
+
+    monkeypatch.setattr(DiffusionTask, "render_samples", out_of_memory_at_step_1)
+    (tmp_path / "p.txt").write_text("a red circle --w 32 --h 32 --s 1\n")
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--sample_every_n_steps", "1",
+                                     "--sample_prompts", str(tmp_path / "p.txt"), "--sample_bf16_reference", "false")) == 0
+    assert ("warning: samples step000001 at step 1 failed and are skipped, training goes on: OutOfMemoryError: CUDA out "
+            "of memory. Tried to allocate 2.00 GiB") in capsys.readouterr().err
+    assert sorted(p for p in os.listdir(out) if p.endswith((".png", ".safetensors"))) == [
+        "tiny_flux_lora.safetensors", "tiny_flux_lora_final_00.png", "tiny_flux_lora_lr.png"]

@@ -157,6 +157,28 @@ def test_plot_lr_overlays_runs_and_summarises(tmp_path):
     assert "b/lora: d*lr/unet: peak 0.001 at step 5, final 0.001" in lines
 
 
+def test_plot_lr_keeps_two_runs_whose_folders_share_a_name(tmp_path, monkeypatch):
+    """x/run and y/run were both 'run/lora': the second replaced the first, one run drawn and summarised."""
+    for parent, loss in (("x", 0.5), ("y", 0.25)):
+        (tmp_path / parent / "run").mkdir(parents=True)
+        (tmp_path / parent / "run" / "lora_log.csv").write_text(f"step,epoch,loss,lr/unet\n1,0,{loss},1e-4\n")
+    monkeypatch.chdir(tmp_path)
+    lines = plot_lr.main(["x/run", "y/run", "x/run", "--out", "plot.png"])
+    assert [line for line in lines if "loss first" in line] == [
+        "x/run/lora (1): loss first 0.5000, last 0.5000, steps 1", "y/run/lora: loss first 0.2500, last 0.2500, steps 1",
+        "x/run/lora (2): loss first 0.5000, last 0.5000, steps 1"]
+
+
+def test_plot_lr_draws_every_log_of_a_folder(tmp_path):
+    """An output_dir with two output_names' logs drew the first alone (a_log.csv), without a word."""
+    for name, loss in (("a", 0.5), ("b", 0.25)):
+        (tmp_path / f"{name}_log.csv").write_text(f"step,epoch,loss,lr/unet\n1,0,{loss},1e-4\n")
+    lines = plot_lr.main([str(tmp_path), "--out", str(tmp_path / "plot.png")])
+    run = tmp_path.name
+    assert [line for line in lines if "loss first" in line] == [
+        f"{run}/a: loss first 0.5000, last 0.5000, steps 1", f"{run}/b: loss first 0.2500, last 0.2500, steps 1"]
+
+
 def test_plot_lr_text_in_a_number_column_is_one_line_naming_file_line_and_column(tmp_path, capsys):
     log = tmp_path / "lora_log.csv"
     log.write_text("step,epoch,loss,lr/unet\n1,0,0.5,1e-4\n2,0,abc,1e-4\n")

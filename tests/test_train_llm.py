@@ -447,3 +447,51 @@ def test_a_quantized_hf_release_is_refused_naming_its_config(tiny_set, tmp_path,
     assert train_lora.main(args) == 2
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'fp8_release' / 'config.json'}: quantization_config "
                                               f"(quant_method 'fp8'): a Hugging Face quantized checkpoint is not read")
+
+
+def test_a_resumed_llm_run_logs_each_eval_once(tiny_set, tmp_path, monkeypatch):
+    """Killed after its step-2 eval, resumed from its step-1 state: the eval CSV had step 2 twice
+    (the killed run's and the resumed run's), where the loss CSV drops the killed run's rows."""
+    from library.training.llm_task import LLMTask
+
+    class Killed(Exception):
+        pass
+
+    evaluate = LLMTask.after_step
+
+    def killed_after_step_3(self, step, output_dir):
+        evaluate(self, step, output_dir)
+        if step == 2 and not self.args.resume:
+            raise Killed
+
+    monkeypatch.setattr(LLMTask, "after_step", killed_after_step_3)
+    out = tmp_path / "lm"
+    args = llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm",
+                    "--max_train_steps", "2", "--eval_every_n_steps", "1", "--save_every_n_steps", "1", "--save_state",
+                    "true", "--network_dim", "4")
+    with pytest.raises(Killed):
+        train_lora.main(args)
+    assert train_lora.main(args + ["--resume", str(out / "lm-state")]) == 0
+    with open(out / "lm_eval.csv") as f:
+        assert [row["step"] for row in csv.DictReader(f)] == ["1", "2", "final"]
+
+
+def test_llm_evals_reach_tensorboard_at_their_step(tiny_set, tmp_path):
+    """The start and final evals logged their val_loss at step 'start' / 'final': TensorBoard's int(step)
+    raised, so an LLM run with logging_dir ended in 'error: invalid literal for int()' after its LoRA
+    was saved (exit 2). They log at steps 0 and 2 now; the eval CSV keeps its labels."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, logs = tmp_path / "lm", tmp_path / "logs"
+    args = llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm",
+                    "--max_train_steps", "2", "--eval_every_n_steps", "2", "--sample_at_first", "true",
+                    "--network_dim", "4", "--logging_dir", str(logs))
+    assert train_lora.main(args) == 0
+    (events,) = glob.glob(str(logs / "*" / "lm" / "events.out.tfevents.*"))
+    acc = EventAccumulator(os.path.dirname(events))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("val_loss")] == [0, 2, 2]
+    with open(out / "lm_eval.csv") as f:
+        assert [row["step"] for row in csv.DictReader(f)] == ["start", "2", "final"]

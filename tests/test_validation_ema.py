@@ -156,9 +156,10 @@ def test_qwen_image_validates(tiny_set, tmp_path):
 
 
 def test_plot_lr_draws_val_loss(straight_run, tmp_path):
-    from library.training.lr_plot import find_log, plot, read_log as read_csv, summarize
+    from library.training.lr_plot import find_logs, plot, read_log as read_csv, summarize
 
-    log = read_csv(find_log(str(straight_run[0])))
+    (path,) = find_logs(str(straight_run[0]))
+    log = read_csv(path)
     drawn = plot({"run": log}, str(tmp_path / "plot.png"), log_scale=False, beta=0.9)
     assert drawn["run val_loss"] == list(val_losses(straight_run[0]).values())
     assert any(line.startswith("run: val_loss first") and "4 validations" in line for line in summarize("run", log))

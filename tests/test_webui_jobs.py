@@ -222,3 +222,18 @@ def test_a_trainer_killed_by_a_signal_says_so_not_its_progress_bar(tmp_path):
     ended = actions.outcome(store.get(job.id), -signal.SIGKILL)
     assert ended["state"] == "failed"
     assert ended["message"] == "killed by signal 9 (SIGKILL: out of memory? the kernel's OOM killer sends it)"
+
+
+def test_sample_captions_read_json_and_toml_prompt_files(tmp_path):
+    """The gallery captioned a .json prompt file's samples with its raw lines ('[{"prompt": "a cat"},');
+    now with each entry's prompt, as training numbers them, and a text file's lines without --flags."""
+    from library.ui import run_files
+
+    (tmp_path / "p.json").write_text('[{"prompt": "a cat", "width": 64},\n "a dog --w 64"]')
+    (tmp_path / "p.toml").write_text('[prompt]\nwidth = 64\n[[prompt.subset]]\nprompt = "a bird"\n')
+    (tmp_path / "p.txt").write_text("# samples\na fish --w 64 --n blurry\n")
+    assert run_files.prompts(str(tmp_path / "p.json")) == ["a cat", "a dog"]
+    assert run_files.prompts(str(tmp_path / "p.toml")) == ["a bird"]
+    assert run_files.prompts(str(tmp_path / "p.txt")) == ["a fish"]
+    (tmp_path / "bad.json").write_text("{")
+    assert run_files.prompts(str(tmp_path / "bad.json")) == [] and run_files.prompts(None) == []

@@ -10,8 +10,8 @@ LoRA code as the training samples: the way to check a LoRA under the base precis
         # edit models: the reference image(s) (also per prompt: --ci in.png, musubi-tuner's flag)
 
 Writes one PNG per prompt, NNN_SEED.png numbered after the images already in --out, with the
-settings in its text chunks (the size is the one rendered: --width / --height are rounded down to
-a multiple of 16, with a note). LoRAs are applied unmerged (the base is never modified, so an fp8
+settings in its text chunks (the size is the one rendered: --width / --height and a prompt's --w / --h
+are rounded down to a multiple of 16, with a warning, as sd-scripts' samples are). LoRAs are applied unmerged (the base is never modified, so an fp8
 base keeps the LoRA's small deltas intact); a ratio is a finite number in [-100, 100].
 Bad input is one `error: ...` line on stderr and exit status 2 (arguments and LoRA headers are checked
 before any model is loaded).
@@ -27,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: E402
-from library.training.config import FAMILY_KEYS, PRECISION_NAMES  # noqa: E402
+from library.training.config import FAMILY_KEYS, PRECISION_NAMES, unread_family_keys  # noqa: E402
 from tools.cli import check_command_line  # noqa: E402
 
 
@@ -76,7 +76,7 @@ import torch  # noqa: E402
 from library.models.family import family_class, stack_text  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
-from library.data.prompts import SamplePrompt, parse_prompt_line, read_prompt_file  # noqa: E402
+from library.data.prompts import SamplePrompt, check_seed, parse_prompt_line, read_prompt_file, rendered_side  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import one_line, parse_lora_spec  # noqa: E402
@@ -88,33 +88,45 @@ def check_args(args) -> torch.device:
     missing = [k for k in family_class(args.model_type).text_path_keys if getattr(args, k) is None]
     if missing:
         raise ValueError(f"--{missing[0]} is required for --model_type {args.model_type}")
+    for key, readers in unread_family_keys(args.model_type).items():  # as the training config refuses them
+        if getattr(args, key) != FAMILY_KEYS[key].default:
+            raise ValueError(f"--{key} is read by {readers}, not by --model_type {args.model_type}")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps {args.steps}: expected at least 1")
+    check_seed("--seed", args.seed)
     if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the models are loaded
         raise ValueError(f"--out {args.out}: is a file, expected a folder (the images are written into it)")
     return device_from_flag(args.device)
 
 
-def rendered_side(flag: str, value: int, multiple: int) -> int:
-    """The image side the model renders for --width / --height `value`: rounded down to `multiple`
-    (VAE downsampling x patch size), with a note when that changes it."""
-    if value < multiple:
-        raise ValueError(f"--{flag} {value}: expected at least {multiple} pixels")
-    side = value // multiple * multiple
-    if side != value:
-        print(f"note: --{flag} {value} is not a multiple of {multiple}: rendering {side}", file=sys.stderr)
-    return side
+def check_model_options(args, family) -> None:
+    """A flag the model would not read (--negative without true CFG, --guidance on a model without
+    guidance, --control_image on a family that takes no references) is refused, not ignored; and
+    --blocks_to_swap is checked against the model's blocks, from its header."""
+    unread = family.unread_sample_options()
+    given = {"negative": args.negative != "", "guidance": args.guidance is not None}
+    for flag in unread:
+        if given[flag]:
+            raise ValueError(f"--{flag} is not read: {unread[flag]}")
+    if args.control_image and not family.max_controls:
+        raise ValueError(f"--control_image is not read: model_type {family.name} takes no reference images")
+    if args.blocks_to_swap:  # counted on meta now, not found after the text encoders ran and the model loaded
+        blocks = len(list(family.load_transformer(torch.float32, read_weights=False).swappable_blocks()))
+        if not 0 < args.blocks_to_swap < blocks:
+            raise ValueError(f"--blocks_to_swap {args.blocks_to_swap}: expected 0 (off) or 1 to {blocks - 1} for this "
+                             f"model ({blocks} blocks)")
 
 
-def collect_prompts(args) -> list[SamplePrompt]:
-    family = family_class(args.model_type)
+def collect_prompts(args, family) -> list[SamplePrompt]:
+    """The prompts with the flags' values as defaults, and the family's where a flag is not given: the
+    instance's, which know the release (a step-distilled one samples with fewer steps and no CFG)."""
     guidance = args.guidance if args.guidance is not None else family.sample_guidance
     steps = args.steps if args.steps is not None else family.sample_steps
     for path in args.control_image:
         if not os.path.isfile(path):
             raise ValueError(f"--control_image {path!r} is not an image file")
-    multiple = family.vae_downsample * family.patch  # a prompt's own --w / --h must already be one
-    width, height = rendered_side("width", args.width, multiple), rendered_side("height", args.height, multiple)
+    multiple = family.vae_downsample * family.patch  # a prompt's own --w / --h is rounded alike (to 16)
+    width, height = rendered_side("--width", args.width, multiple), rendered_side("--height", args.height, multiple)
     defaults = SamplePrompt("", width, height, steps, args.seed, guidance, args.negative, tuple(args.control_image))
     prompts = [parse_prompt_line(p, "--prompt", defaults) for p in args.prompt]
     if args.prompt_file:
@@ -140,8 +152,9 @@ def generate(args) -> list[str]:
     device = check_args(args)
     for spec in loras:  # headers only: an unreadable file is named before any model loads
         network_module_of_file(spec.path)
-    prompts = collect_prompts(args)
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
+    check_model_options(args, family)
+    prompts = collect_prompts(args, family)
     check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls)
     encode = family.load_text_encoder(args.text_encoder_precision, device, **family.text_options(args))
     def encode_one(text: str, references) -> dict:  # with the references where the text encoder sees them

@@ -3,7 +3,7 @@ more training runs from their CSV logs.
 
     python tools/plot_lr.py out/run_a out/run_b/lora_log.csv --out lr.png [--log] [--smooth 0.9]
 
-A run is a `*_log.csv` file or a folder holding one. Top panel: every lr/<group> and
+A run is a `*_log.csv` file; a folder stands for every one it holds. Top panel: every lr/<group> and
 d*lr/<group> column against step, runs overlaid and labelled by run name. Bottom panel: loss,
 raw (faint) and exponentially smoothed, and val_loss (dots, at the steps it was measured) where
 the log has it. Prints a summary line per run. A log that cannot be read (or a cell that is not a

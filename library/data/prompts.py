@@ -2,10 +2,13 @@
 
     a photo of a cat --w 1024 --h 1024 --s 20 --d 42 --g 3.5 --n blurry, lowres
 
-Flags: --w width, --h height, --s steps, --d seed, --g guidance (the embedded guidance of a
-guidance-distilled model, the CFG scale of a true-CFG one), --n negative prompt, --ci a reference (control) image for edit
-models (musubi-tuner's flag; repeat it for several, in order). Lines starting with # and blank lines are
-skipped. An unknown flag or a bad value is an error naming the file and line.
+Flags: --w width, --h height (each rounded down to a multiple of 16 with a warning, as sd-scripts'
+samples are: the size a model renders; below 16 is an error), --s steps, --d seed, --g guidance (the
+embedded guidance of a guidance-distilled model, the CFG scale of a true-CFG one), --l sd-scripts' CFG
+scale (the guidance where --g is not given: the one number a family samples with), --n negative prompt,
+--ci a reference (control) image for edit models (musubi-tuner's flag; repeat it for several, in
+order). Flags are read in any case (--W is --w, as in sd-scripts). Lines starting with # and blank
+lines are skipped. An unknown flag or a bad value is an error naming the file and line.
 
 sd-scripts' structured files load too: a `.json` list of prompt objects (or prompt lines), and a
 `.toml` with a [prompt] table of defaults and its [[prompt.subset]] entries. Their keys: prompt,
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass, replace
 
 import toml
@@ -39,7 +43,8 @@ class SamplePrompt:
     control_images: tuple[str, ...] = ()  # --ci paths, in order
 
 
-FLAGS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("seed", int), "g": ("guidance", float), "n": ("negative", str)}
+FLAGS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("seed", int), "g": ("guidance", float),
+         "n": ("negative", str), "l": ("scale", float)}
 
 
 def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = None) -> SamplePrompt:
@@ -47,6 +52,7 @@ def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = Non
     fields, controls = {}, []
     for part in parts[1:]:
         flag, _, value = part.partition(" ")
+        flag = flag.lower()  # sd-scripts reads --W as --w
         if flag == "ci":
             controls.append(value.strip())
             continue
@@ -57,6 +63,9 @@ def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = Non
             fields[name] = kind(value.strip())
         except ValueError:
             raise ValueError(f"{where}: flag '--{flag}' needs {kind.__name__}, got {value.strip()!r}") from None
+    scale = fields.pop("scale", None)  # sd-scripts' CFG scale: the guidance where --g is not given, as a .json's
+    if scale is not None:
+        fields.setdefault("guidance", scale)
     return _checked(parts[0].strip(), fields, controls, where, defaults)
 
 
@@ -67,13 +76,34 @@ def _checked(prompt: str, fields: dict, controls: list[str], where: str, default
         if not os.path.isfile(path):
             raise ValueError(f"{where}: --ci {path!r} is not an image file")
     for side in ("width", "height"):
-        if side in fields and (fields[side] < 16 or fields[side] % 16):
-            raise ValueError(f"{where}: {side} {fields[side]} must be a multiple of 16 and >= 16")
+        if side in fields:
+            fields[side] = rendered_side(f"{where}: {side}", fields[side])
     if "steps" in fields and fields["steps"] < 1:
         raise ValueError(f"{where}: steps must be >= 1")
+    if "seed" in fields:
+        check_seed(f"{where}: seed", fields["seed"])
     if controls:  # a line's own --ci replace the defaults' (e.g. generate.py --control_image)
         fields["control_images"] = tuple(controls)
     return replace(defaults or SamplePrompt(prompt), prompt=prompt, **fields)
+
+
+def check_seed(what: str, seed: int) -> None:
+    """A seed a torch generator takes as itself: 0 to 2^64 - 1 (a larger one failed only when the sample
+    rendered; -1 is no 'random' here, as in sd-scripts' --d, which reads digits only)."""
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"{what} {seed}: expected 0 to 2^64 - 1")
+
+
+def rendered_side(what: str, value: int, multiple: int = 16) -> int:
+    """The image side a model renders for a requested `value` (`what`: how the error names it):
+    rounded down to `multiple` (VAE downsampling x patch, 16 for every family), as sd-scripts'
+    sample images are, with a warning where that changes it; below `multiple` is an error."""
+    if value < multiple:
+        raise ValueError(f"{what} {value}: expected at least {multiple} pixels")
+    side = value // multiple * multiple
+    if side != value:
+        warnings.warn(f"{what} {value} is not a multiple of {multiple}: rendering {side}")
+    return side
 
 
 # sd-scripts' prompt-object keys -> (our field, type); "scale" is handled beside guidance_scale.
@@ -142,6 +172,20 @@ def _structured_prompts(text: str, path: str, kind: str, defaults: SamplePrompt 
         else:
             raise ValueError(f"{where}: expected an object or a prompt line, got {type(entry).__name__}")
     return prompts
+
+
+def prompt_texts(path: str) -> list[str]:
+    """Each prompt's text, in the order the samples number them, read without checking the rest (the
+    web UI's captions): a text file's lines without their --flags, a .json / .toml's prompt entries."""
+    text = read_utf8(path, "prompt file")
+    kind = os.path.splitext(path)[1].lower()
+    if kind not in (".json", ".toml"):
+        lines = [line.strip() for line in text.splitlines()]
+        return [line.split(" --")[0] for line in lines if line and not line.startswith("#")]
+    entries = json.loads(text) if kind == ".json" else _toml_subsets(text, path)
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a list of prompts (objects or lines)")
+    return [str(e.get("prompt", "")) if isinstance(e, dict) else str(e).split(" --")[0] for e in entries]
 
 
 def _toml_subsets(text: str, path: str) -> list:

@@ -325,6 +325,13 @@ class DiffusionFamily:
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
         return self.predict(model, x, s, text, h, w, guidance, **control_kwargs(control)).float()
 
+    def unread_sample_options(self) -> dict[str, str]:
+        """Sampling options this model never reads ("negative", "guidance") -> why, from the class and
+        the checkpoint's header (no weights): tools/generate.py refuses them as flags."""
+        if self.true_cfg:
+            return {}
+        return {"negative": f"model_type {self.name} samples without a negative prompt (no true CFG)"}
+
     def dynamic_shift(self, model) -> bool:
         return True
 

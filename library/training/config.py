@@ -151,7 +151,7 @@ SCHEMA: dict[str, Arg] = {
     "sample_at_first": A(bool, False, "render samples before training"),
     "sample_bf16_reference": A(bool, None, "on an fp8 / nf4 / int8 base: also render each sample on a bf16 base, side by side "
                                            "(unset: on, unless the memory plan says that copy does not fit the card)"),
-    "logging_dir": A(str, None, "TensorBoard log folder (CSV is always written)"),
+    "logging_dir": A(str, None, "TensorBoard log folder, a timestamped subfolder per run (CSV is always written)"),
     # validation (diffusion; the held-out images are chosen in the dataset TOML)
     "validate_every_n_steps": A(int, 0, "val_loss on the held-out images every N steps; always at the end (0 = end only)"),
     # EMA of the trained weights (library/training/ema.py), saved beside the LoRA as <name>_ema.safetensors
@@ -163,7 +163,9 @@ SCHEMA: dict[str, Arg] = {
     "ema_start_step": A(int, 0, "the EMA equals the raw weights up to this optimizer step, averages after it"),
     "ema_device": A(str, "same", "where the float32 EMA lives: beside the weights, or in CPU memory", ("same", "cpu")),
     "sample_with_ema": A(bool, False, "render samples with the EMA weights (swapped in, then back)"),
-    "log_prefix": A(str, None, "TensorBoard / wandb run name (default: output_name)"),
+    "log_prefix": A(str, None, "each run's TensorBoard folder in logging_dir is log_prefix + its start time "
+                               "(YYYYmmddHHMMSS, as sd-scripts; default: '<output_name>_'; a resume continues its "
+                               "state's); the wandb project (default: output_name)"),
     "log_with": A(str, None, "trackers: tensorboard (default with logging_dir), wandb, all", ("tensorboard", "wandb", "all")),
     # llm data
     "train_data": A(list, [], "llm: text files (not .json/.jsonl/.parquet), or folders whose .txt files (any case, subfolders too) are read"),
@@ -546,11 +548,8 @@ def _validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> 
         if args.pretrain:  # the whole model trains: no LoRA is built, loaded or saved
             foreign.update({k: "LoRA training (pretrain = false)" for k in LORA_KEYS})
     else:
-        from library.models.registry import spec_of
-
-        own = {k.key for k in spec_of(args.model_type).config_keys if not k.model_types or args.model_type in k.model_types}
         foreign = {k: "model_type llm" for k in LLM_KEYS}
-        foreign.update({k: _readers(k) for k in FAMILY_KEYS if k not in own})
+        foreign.update(unread_family_keys(args.model_type))
     for key in origins:
         if key in foreign and getattr(args, key) != SCHEMA[key].default:
             extra = " (the batch size of images is the dataset TOML's batch_size)" if key == "batch_size" else ""
@@ -570,6 +569,15 @@ def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where
     if args.model_type != "llm" and sampling and args.sample_prompts is None:  # "" is an explicit "no samples"
         raise ConfigError(f"{_blame(origins, where, sampling[0])}: key '{sampling[0]}' renders the prompts of "
                           f"sample_prompts, which is not set (a prompt file, or \"\" for no samples)")
+
+
+def unread_family_keys(model_type: str) -> dict[str, str]:
+    """The families' keys (FAMILY_KEYS) that a diffusion model_type never reads -> the model_types
+    that do, for an error line (tools/generate.py refuses them as flags too)."""
+    from library.models.registry import spec_of
+
+    own = {k.key for k in spec_of(model_type).config_keys if not k.model_types or model_type in k.model_types}
+    return {k: _readers(k) for k in FAMILY_KEYS if k not in own}
 
 
 def _readers(key: str) -> str:

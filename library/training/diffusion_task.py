@@ -296,6 +296,9 @@ class DiffusionTask:
     def after_step(self, step: int, output_dir: str):
         pass
 
+    def evaluates_after(self, step: int) -> bool:
+        return False
+
     def save(self, path: str, metadata: dict, dtype: torch.dtype):
         self.network.save(path, dtype=dtype, metadata=metadata)
 

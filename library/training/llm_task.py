@@ -26,6 +26,8 @@ from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss,
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
+from library.training.optim import drop_rows_after
+from library.training.state import read_progress
 from networks.factory import build_network
 
 VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmuls tile well
@@ -128,8 +130,12 @@ class LLMTask:
             self.network.to(self.device)
         self.module = LMLoss(self.model, self.network, self.autocast_dtype)
         self.eval_log = os.path.join(args.output_dir, f"{args.output_name}_eval.csv")
-        if not args.resume and accelerator.is_main_process and os.path.exists(self.eval_log):
-            os.remove(self.eval_log)  # a new run's evals, as its log CSV (appended to, they mixed two runs)
+        self.step = 0  # the last optimizer step done (after_step): the step trackers log an eval at
+        if accelerator.is_main_process and os.path.exists(self.eval_log):
+            if not args.resume:
+                os.remove(self.eval_log)  # a new run's evals, as its log CSV (appended to, they mixed two runs)
+            else:  # the evals a run killed after its last save logged are logged again
+                drop_rows_after(self.eval_log, read_progress(os.path.join(args.resume, "train_state.json"))["step"])
 
     def _load_model(self, path: str) -> tuple[LLM, bool]:
         has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(
@@ -304,24 +310,30 @@ class LLMTask:
         return total / count if count else float("nan")
 
     def after_step(self, step: int, output_dir: str):
-        every = self.args.eval_every_n_steps
-        if every and step % every == 0:
+        self.step = step
+        if self.evaluates_after(step):
             self.report_eval(step)
 
-    def report_eval(self, step: int | str):
+    def evaluates_after(self, step: int) -> bool:
+        every = self.args.eval_every_n_steps
+        return bool(every) and step % every == 0
+
+    def report_eval(self, label: int | str):
+        """One eval, printed and written to the eval CSV under `label` (a step, or a sample tag:
+        start, final, ...), and to the trackers at the step it was made after (theirs are numbers).
+        With nothing held out (val_fraction 0) the sample alone: no val loss is printed, logged or
+        written (the eval CSV then has the columns step and sample only)."""
         if not self.accelerator.is_main_process:
             return
-        """Print and log an eval; with nothing held out (val_fraction 0) the sample alone: no val loss
-        is printed, logged or written (the eval CSV then has the columns step and sample only)."""
         result = self.evaluate()
         val = result["val_loss"]
         losses = "no val loss (nothing held out)" if val is None else f"val loss {val:.4f}, perplexity {result['val_perplexity']:.2f}"
-        self.accelerator.print(f"step {step}: {losses}\n  sample: {result['sample']!r}")
+        self.accelerator.print(f"step {label}: {losses}\n  sample: {result['sample']!r}")
         columns = ["step", "sample"] if val is None else ["step", "val_loss", "val_perplexity", "sample"]
-        row = {"step": step, **result}
+        row = {"step": label, **result}
         append_csv_row(self.eval_log, [row[k] for k in columns], None if os.path.exists(self.eval_log) else columns)
         if self.accelerator.trackers and val is not None:
-            self.accelerator.log({"val_loss": val, "val_perplexity": result["val_perplexity"]}, step=step)
+            self.accelerator.log({"val_loss": val, "val_perplexity": result["val_perplexity"]}, step=self.step)
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, path: str, metadata: dict, dtype: torch.dtype) -> list[str]:

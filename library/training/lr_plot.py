@@ -2,7 +2,7 @@
 training runs, read from their CSV logs and drawn into one PNG: train_lora.py draws its own run's
 at the end, tools/plot_lr.py is the command line over it.
 
-A run is a `*_log.csv` file or a folder holding one. Top panel: every lr/<group> and
+A run is a `*_log.csv` file; a folder stands for every one it holds. Top panel: every lr/<group> and
 d*lr/<group> column against step, runs overlaid and labelled by run name. Bottom panel: loss,
 raw (faint) and exponentially smoothed, and val_loss (dots, at the steps it was measured) where
 the log has it. A summary line per run is printed.
@@ -20,13 +20,14 @@ import statistics
 # --help and a bad flag at once.
 
 
-def find_log(path: str) -> str:
+def find_logs(path: str) -> list[str]:
+    """The file itself, or every *_log.csv in the folder (one per output_name written there)."""
     if os.path.isfile(path):
-        return path
-    logs = sorted(glob.glob(os.path.join(path, "*_log.csv")))
+        return [path]
+    logs = sorted(glob.glob(os.path.join(glob.escape(path), "*_log.csv")))
     if not logs:
         raise ValueError(f"{path}: no *_log.csv file found")
-    return logs[0]
+    return logs
 
 
 def read_log(path: str) -> dict[str, list[float]]:
@@ -50,6 +51,14 @@ def read_log(path: str) -> dict[str, list[float]]:
 def run_name(log_path: str) -> str:
     """'run_a/lora' for run_a/lora_log.csv: the run folder and the log's output name."""
     return os.path.basename(os.path.dirname(os.path.abspath(log_path))) + "/" + os.path.basename(log_path)[: -len("_log.csv")]
+
+
+def run_names(logs: list[str]) -> list[str]:
+    """Each log's run_name; where runs share one (run folders of one name in two places), their paths
+    instead, numbered if still equal (one log given twice): no run replaces another in the plot."""
+    short = [run_name(p) for p in logs]
+    names = [n if short.count(n) == 1 else os.path.relpath(p)[: -len("_log.csv")] for n, p in zip(short, logs)]
+    return [n if names.count(n) == 1 else f"{n} ({names[: i + 1].count(n)})" for i, n in enumerate(names)]
 
 
 def smooth(values: list[float], beta: float) -> list[float]:
@@ -144,10 +153,8 @@ def plot_runs(paths: list[str], out: str, log_scale: bool = False, beta: float =
     """Draw the runs (CSV logs or folders holding one) into the PNG `out`, named <folder>/<log stem>;
     prints and returns the summary lines. A log that cannot be read is a ValueError / OSError naming
     it, raised before anything is drawn."""
-    runs = {}
-    for path in paths:
-        log_path = find_log(path)
-        runs[run_name(log_path)] = read_log(log_path)
+    logs = [log for path in paths for log in find_logs(path)]
+    runs = {name: read_log(log) for name, log in zip(run_names(logs), logs)}
     plot(runs, out, log_scale, beta)
     lines = [line for name, log in runs.items() for line in summarize(name, log)]
     print("\n".join(lines))

@@ -106,6 +106,20 @@ def effective_lrs(optimizer) -> dict[str, float]:
     return out
 
 
+def drop_rows_after(path: str, step: int) -> None:
+    """A resumed run's CSV log (its `step` column) without the rows after the state's `step`: a run
+    killed after its last save logged them, and the resumed run logs those steps again."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows or "step" not in rows[0]:
+        return
+    col = rows[0].index("step")  # a row cut short by a kill has no valid step: it goes too
+    kept = [rows[0]] + [r for r in rows[1:] if len(r) > col and r[col].isdigit() and int(r[col]) <= step]
+    if len(kept) < len(rows):
+        with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+            csv.writer(f).writerows(kept)
+
+
 class LRLogger:
     """Per optimizer step: step, epoch, loss, lr/<group>..., d*lr/<group>... and the extras
     (val_loss: None on steps without validation, an empty cell) to
@@ -123,20 +137,9 @@ class LRLogger:
                 header = f.readline().strip()
             self.columns = header.split(",") if header else None
             if resumed_step is not None and self.columns and (accelerator is None or accelerator.is_main_process):
-                self._drop_rows_after(resumed_step)
+                drop_rows_after(path, resumed_step)
         elif os.path.exists(path):
             os.remove(path)
-
-    def _drop_rows_after(self, step: int):
-        with open(self.path, newline="") as f:
-            rows = list(csv.reader(f))
-        if "step" not in rows[0]:
-            return
-        col = rows[0].index("step")  # a row cut short by a kill has no valid step: it goes too
-        kept = [rows[0]] + [r for r in rows[1:] if len(r) > col and r[col].isdigit() and int(r[col]) <= step]
-        if len(kept) < len(rows):
-            with atomic_path(self.path) as tmp, open(tmp, "w", newline="") as f:
-                csv.writer(f).writerows(kept)
 
     def log(self, step: int, epoch: int, loss: float, optimizer, extra: dict | None = None):
         values = {"step": step, "epoch": epoch, "loss": loss, **effective_lrs(optimizer), **(extra or {})}

@@ -55,10 +55,7 @@ def save_state(folder: str, trainable: dict[str, torch.Tensor], optimizer, sched
             save_safetensors(ema, os.path.join(tmp, "ema.safetensors"))
         with open(os.path.join(tmp, "optimizer.pt"), "wb") as f:  # to a file object a full disk is an OSError
             torch.save(optimizer.state_dict(), f)  # (to a path, a RuntimeError that names nothing)
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-        save_safetensors(rng, os.path.join(tmp, "rng.safetensors"))
+        save_safetensors(rng_states(), os.path.join(tmp, "rng.safetensors"))
         with open(os.path.join(tmp, "train_state.json"), "w") as f:
             json.dump({**progress, "scheduler": scheduler.state_dict(), "run": run_digest(args)}, f, indent=1,
                       default=str)
@@ -128,6 +125,14 @@ def load_ema_state(folder: str) -> dict[str, torch.Tensor]:
     if not os.path.exists(path):  # run_digest already refuses a state written without EMA; this is a damaged one
         raise ValueError(f"{folder}: the state has no ema.safetensors, this run has ema_decay set")
     return read_tensors(path)
+
+
+def rng_states() -> dict[str, torch.Tensor]:
+    """The torch CPU and CUDA RNG states (uint8 tensors), for restore_rng."""
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return rng
 
 
 def restore_rng(rng: dict):

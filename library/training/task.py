@@ -60,6 +60,10 @@ class Task(Protocol):
     def after_step(self, step: int, output_dir: str) -> None:
         """Work after optimizer step `step` (the LLM's periodic evaluation)."""
 
+    def evaluates_after(self, step: int) -> bool:
+        """Whether after_step(step) evaluates and samples (the Trainer then swaps in the EMA weights
+        where sample_with_ema asks, as for render_samples)."""
+
     def render_samples(self, out_dir: str, tag: str) -> list[str]:
         """Samples of the current weights, written to out_dir; the image paths (text: none)."""
 

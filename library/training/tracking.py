@@ -2,6 +2,11 @@
 
     log_with = "tensorboard" | "wandb" | "all"      # sd-scripts' key; unset: TensorBoard when logging_dir is set
 
+Each run logs into its own folder under logging_dir, named as sd-scripts names it: log_prefix (default
+`<output_name>_`) and the start time, e.g. logs/lora_20260105143000/lora/events.*; a resumed run
+continues the folder its state names, from its step (TensorBoard drops what the killed run logged
+after it). Two fresh runs never mix their curves in one TensorBoard run.
+
 Scalars (loss, lr, d*lr, val_loss, step_s and data_wait_s from StepClock) go through accelerator.log from the LR logger; sample images are
 logged here beside them, one image per prompt under `samples/NN` at the step they were rendered, so
 a run is watched in one place. The images are the PNGs the task wrote (side by side with the bf16
@@ -11,6 +16,7 @@ reference on an fp8 base), read back, so the tracker shows exactly what is on di
 from __future__ import annotations
 
 import importlib.util
+import os
 import time
 
 import numpy as np
@@ -34,6 +40,33 @@ def check_trackers(log_with: str | None, logging_dir: str | None) -> str | None:
     if "wandb" in names and importlib.util.find_spec("wandb") is None:
         return f"log_with = '{log_with}' needs the wandb package, which is not installed (pip install wandb; then wandb login)"
     return None
+
+
+def run_folder(logging_dir: str | None, log_prefix: str | None, output_name: str) -> str:
+    """A fresh run's folder name under logging_dir: log_prefix + YYYYmmddHHMMSS (sd-scripts'
+    --log_prefix), log_prefix defaulting to '<output_name>_'; _2, _3, ... after a name already taken."""
+    name = (output_name + "_" if log_prefix is None else log_prefix) + time.strftime("%Y%m%d%H%M%S")
+    taken = lambda n: logging_dir is not None and os.path.exists(os.path.join(logging_dir, n))  # noqa: E731
+    count = 1
+    while taken(name if count == 1 else f"{name}_{count}"):
+        count += 1
+    return name if count == 1 else f"{name}_{count}"
+
+
+def start_trackers(accelerator, args, resumed_run: str | None, step: int) -> str | None:
+    """Start the trackers of a run at optimizer `step` (0: fresh); returns its folder name (see the
+    module's docstring; saved in the state so that a resume continues it), None without trackers."""
+    if not accelerator.log_with:
+        return None
+    run = resumed_run or run_folder(args.logging_dir, args.log_prefix, args.output_name)
+    if args.logging_dir:
+        accelerator.project_configuration.logging_dir = os.path.join(args.logging_dir, run)
+    init_kwargs = {"wandb": {"name": run}}
+    if resumed_run:  # rows after the state's step, logged before a kill, are dropped as the CSV's are
+        init_kwargs["tensorboard"] = {"purge_step": step + 1}
+    accelerator.init_trackers(args.log_prefix or args.output_name, config={k: str(v) for k, v in vars(args).items()},
+                              init_kwargs=init_kwargs)
+    return run
 
 
 def log_sample_images(accelerator, paths: list[str], step: int) -> None:

@@ -127,15 +127,16 @@ def samples(output_dir: str, output_name: str) -> list[Sample]:
 
 
 def prompts(path: str | None) -> list[str]:
-    """The sample prompt lines (sd-scripts syntax), without their --options, as the samples number them."""
+    """The sample prompts' texts as the samples number them (library/data/prompts.py prompt_texts: a
+    text file's lines, a .json / .toml file's prompt entries); [] for a file that cannot be read."""
+    from library.data.prompts import prompt_texts
+
     if not path:
         return []
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
-    except OSError:
+        return prompt_texts(path)
+    except (OSError, ValueError):  # (JSON's and TOML's errors are ValueErrors)
         return []
-    return [line.split(" --")[0] for line in lines]
 
 
 def peak_rss(pid: int) -> int:

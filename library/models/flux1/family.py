@@ -93,12 +93,22 @@ class FluxFamily(DiffusionFamily):
         return encode
 
     def t5_max_length(self) -> int:
-        """512 T5 tokens for dev, 256 for schnell (no guidance embedding), read from the
-        checkpoint's key names or config.json without loading any weights."""
+        """512 T5 tokens for dev, 256 for schnell (no guidance embedding)."""
+        return 512 if self.has_guidance_embedding() else 256
+
+    def has_guidance_embedding(self) -> bool:
+        """dev's guidance embedding, read from the checkpoint's key names or config.json without
+        loading any weights (schnell has none)."""
         from library.io import CheckpointReader, component_folder
 
         keys = CheckpointReader(component_folder(self.model_path, "transformer")).keys()
-        return 512 if any("guidance_in." in k or "guidance_embedder." in k for k in keys) else 256
+        return any("guidance_in." in k or "guidance_embedder." in k for k in keys)
+
+    def unread_sample_options(self) -> dict[str, str]:
+        unread = super().unread_sample_options()
+        if not self.has_guidance_embedding():
+            unread["guidance"] = f"{self.model_path} has no guidance embedding (a FLUX.1 schnell checkpoint)"
+        return unread
 
     def predict(self, model, x_t, sigmas, text, h, w, guidance):
         from library.models.flux1.model import make_img_ids

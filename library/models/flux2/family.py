@@ -148,6 +148,14 @@ class Flux2Family(DiffusionFamily):
         keys = CheckpointReader(component_folder(self.model_path, "transformer")).keys()
         return any("guidance_in." in k or "guidance_embedder." in k for k in keys)
 
+    def unread_sample_options(self) -> dict[str, str]:
+        if self.is_dev():
+            return {"negative": f"{self.model_path} is FLUX.2 [dev]: it samples with its guidance embedding, without CFG"}
+        if self.is_distilled:
+            return dict.fromkeys(("negative", "guidance"), f"{self.model_path} is a step-distilled FLUX.2 [klein]: it "
+                                                           f"samples without CFG")
+        return {}
+
     @cached_property
     def is_distilled(self) -> bool:
         """`is_distilled` of a diffusers pipeline folder's model_index.json (the step-distilled
