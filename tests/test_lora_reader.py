@@ -1,0 +1,331 @@
+"""networks/lora_reader.py, the one LoRA reader: every tool that applies a LoRA (generate's --lora, the
+trainer's network_weights and base_loras, merge_lora into either naming of a checkpoint, the precision
+tools) reads every layout convert_lora reads, and applies the same deltas. Tiny FLUX.1 and Z-Image files
+in each layout are built once per session; each consumer's dense deltas are compared with the LoRA's own
+(float32 math on both sides)."""
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from library.io import CheckpointError
+from library.lora_spec import LoRASpec
+from library.models.flux1.checkpoint import flux_diffusers_module_map, save_flux_bfl, save_flux_diffusers
+from library.models.flux1.model import Flux, FluxConfig
+from library.models.qwen_image.model import QwenImage, QwenImageConfig
+from library.models.zimage.checkpoint import save_zimage_diffusers, save_zimage_single_file
+from library.models.zimage.model import ZImage
+from library.models.zimage.tiny import tiny_config as zimage_config
+from library.training.base_loras import merge_base_loras
+from networks import lora_files as lf
+from networks.factory import network_from_file
+from networks.lora import LoRANetwork
+from tools import convert_lora, merge_lora
+from tools.precision_doctor import read_lora_for
+
+FLUX_CFG = FluxConfig(in_channels=64, vec_in_dim=16, context_in_dim=32, hidden_size=64, num_heads=2, depth=1,
+                      depth_single=1, axes_dim=(4, 14, 14))  # fmt: skip
+TOL = 1e-5  # relative to the largest delta entry: float32, the same products summed in another order
+
+
+def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() == 2 else 10))
+    return model.eval()
+
+
+def random_lora(model, arch: str, **args) -> LoRANetwork:
+    torch.manual_seed(3)
+    net = LoRANetwork(model, arch, rank=4, alpha=2, network_args=args)
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.lora_up.weight.normal_(0, 0.2)
+    return net
+
+
+def dense(weights: dict) -> dict[str, torch.Tensor]:
+    return {p: w.delta() for p, w in weights.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts: our file converted by convert_lora, or renamed as other trainers write it
+
+
+def renamed(src: str, dst: str, rename) -> str:
+    save_file({rename(k): v for k, v in load_file(src).items()}, dst)
+    return dst
+
+
+def with_text_encoder(src: str, dst: str) -> str:
+    """sd-scripts' file: CLIP-L modules beside the transformer's (left out by every consumer)."""
+    tensors = load_file(src)
+    name = "lora_te1_text_model_encoder_layers_0_mlp_fc1"
+    tensors.update({f"{name}.lora_down.weight": torch.ones(4, 8), f"{name}.lora_up.weight": torch.ones(8, 4),
+                    f"{name}.alpha": torch.tensor(4.0)})
+    save_file(tensors, dst)
+    return dst
+
+
+def kohya_of_peft(src: str, dst: str, prefix: str) -> str:
+    """A diffusers file's modules as kohya names (`<prefix>_<diffusers path>`): OneTrainer's
+    lora_transformer_, and diffusers names under lora_unet_ (alpha folded: alpha = rank)."""
+    out = {}
+    for key, v in load_file(src).items():
+        module, part = key.removeprefix("transformer.").rsplit(".lora_", 1)
+        name = lf.kohya_name(module, prefix)
+        out[f"{name}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = v
+        out.setdefault(f"{name}.alpha", torch.tensor(float(v.shape[0] if part.startswith("A") else v.shape[1])))
+    save_file(out, dst)
+    return dst
+
+
+def common_layouts(root, ours: str, model) -> dict[str, str]:
+    files = {"kohya (ours)": ours}
+    for to in ("diffusers", "comfy"):
+        files[to] = str(root / f"{to}.safetensors")
+        assert convert_lora.convert_lora(ours, files[to], to)["to"] == to
+    files["kohya + text encoder (sd-scripts)"] = with_text_encoder(ours, str(root / "te.safetensors"))
+    files["PEFT base_model.model."] = renamed(files["diffusers"], str(root / "peft.safetensors"),
+                                              lambda k: k.replace("transformer.", "base_model.model.", 1))
+    paths = {lf.kohya_name(p): p for p, _ in model.named_modules() if p}  # '_' in names: dotted from the model's
+    files["ComfyUI dotted lora_down"] = renamed(ours, str(root / "comfy_down.safetensors"),
+                                                lambda k: "diffusion_model." + paths[k.split(".")[0]] + k[len(k.split(".")[0]):])
+    return files
+
+
+# ----------------------------------------------------------------------------------------------
+# FLUX.1: BFL-named model (fused qkv, linear1), files in BFL or diffusers names
+
+
+@pytest.fixture(scope="session")
+def flux(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reader_flux")
+    model = randomized(Flux(FLUX_CFG), 1)
+    save_flux_bfl(model, str(root / "base.safetensors"))
+    save_flux_diffusers(model, FLUX_CFG, str(root / "diffusers"))
+    net = random_lora(model, "flux", train_modulation=True)
+    ours = str(root / "ours.safetensors")
+    net.save(ours)
+    files = common_layouts(root, ours, model)
+    files["OneTrainer lora_transformer_ (diffusers names)"] = kohya_of_peft(files["diffusers"], str(root / "ot.safetensors"), "lora_transformer")
+    files["lora_unet_ in diffusers names"] = kohya_of_peft(files["diffusers"], str(root / "ku.safetensors"), "lora_unet")
+    split, split_reference = split_downs_lora(root)
+    cases = {name: (path, dense(net.lora_weights())) for name, path in files.items()}
+    cases["diffusers q / k / v with their own downs"] = (split, split_reference)
+    return {"root": root, "model": model, "cases": cases}
+
+
+def split_downs_lora(root) -> tuple[str, dict[str, torch.Tensor]]:
+    """A diffusers FLUX.1 LoRA as diffusers / ai-toolkit train it: every split module (to_q, to_k, to_v, proj_mlp
+    ...) with its own down, alpha 2 in diffusers' adapter-config header; and the oracle: each module's own
+    delta (alpha / r) B @ A, placed at its rows of the fused BFL module (what diffusers applies, module by module)."""
+    in_features = {p: m.in_features for p, m in Flux(FLUX_CFG).named_modules() if isinstance(m, torch.nn.Linear)}
+    g = torch.Generator().manual_seed(9)
+    tensors, reference = {}, {}
+    for bfl, parts in flux_diffusers_module_map(1, 1, 64, 256, 64, FLUX_CFG.guidance_embed).items():
+        reference[bfl] = torch.zeros(max(end for _, _, end in parts), in_features[bfl])
+        for d in dict.fromkeys(d for d, _, _ in parts):  # a module's rows may be several ranges (norm_out: shift, scale)
+            ranges = [(start, end) for name, start, end in parts if name == d]
+            down = torch.randn(4, in_features[bfl], generator=g)
+            up = torch.randn(sum(end - start for start, end in ranges), 4, generator=g) * 0.2
+            tensors[f"transformer.{d}.lora_A.weight"], tensors[f"transformer.{d}.lora_B.weight"] = down, up
+            delta, row = 0.5 * up @ down, 0  # alpha 2 / rank 4
+            for start, end in ranges:
+                reference[bfl][start:end], row = delta[row : row + end - start], row + end - start
+    path = str(root / "split.safetensors")
+    save_file(tensors, path, metadata={lf.ADAPTER_METADATA_KEY: '{"lora_alpha": 2, "r": 4}'})
+    return path, reference
+
+
+# ----------------------------------------------------------------------------------------------
+# Z-Image: diffusers-named model (split q / k / v); ComfyUI's own names fuse them
+
+
+@pytest.fixture(scope="session")
+def zimage(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reader_zimage")
+    model = randomized(ZImage(zimage_config()), 2)
+    save_zimage_single_file(model, str(root / "base.safetensors"), zimage_config())
+    save_zimage_diffusers(model, zimage_config(), str(root / "diffusers"))
+    net = random_lora(model, "zimage")
+    ours = str(root / "ours.safetensors")
+    net.save(ours)
+    files = common_layouts(root, ours, model)
+    files["ComfyUI's own names (fused qkv, musubi-tuner)"] = comfy_own_zimage(net.lora_weights(), str(root / "own.safetensors"))
+    return {"root": root, "model": model, "cases": {n: (p, dense(net.lora_weights())) for n, p in files.items()}}
+
+
+def comfy_own_zimage(weights: dict, path: str) -> str:
+    """musubi-tuner's convert_z_image_lora_to_comfy.py form: q / k / v fused (downs stacked, ups
+    block-diagonal with each part's scale, alpha = the new rank), out renamed attention.out."""
+    out = {}
+    for p, w in weights.items():
+        if p.endswith((".attention.to_k", ".attention.to_v")):
+            continue
+        if p.endswith(".attention.to_q"):
+            block = p[: -len(".attention.to_q")]
+            parts = [weights[f"{block}.attention.to_{c}"] for c in "qkv"]
+            down = torch.cat([x.down for x in parts])
+            out[f"{block}.attention.qkv"] = lf.LoRAWeights(down, torch.block_diag(*[x.up * x.scale for x in parts]), 12.0)
+        else:
+            out[p.replace("attention.to_out.0", "attention.out")] = w
+    lf.write_kohya(out, path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Consumers: each returns {the model's module path, or the checkpoint's weight name: dense delta}
+
+
+def generate_reads(model, arch, path, root):  # generate.py --lora (and output_error, concept_demo)
+    return dense(network_from_file(model, arch, path).lora_weights())
+
+
+def network_weights_reads(model, arch, path, root):  # the trainer's network_weights: rank 4, default targets
+    net = LoRANetwork(model, arch, rank=4, alpha=2, network_args={"train_modulation": True} if arch == "flux" else {})
+    counts = net.load_weights(path, strict=False)
+    assert counts["loaded"] > 0
+    return {p: d for p, d in dense(net.lora_weights()).items() if d.abs().max() > 0}  # untouched modules: up = 0
+
+
+def base_loras_reads(model, arch, path, root):  # the trainer's base_loras: merged into a copy of the base
+    merged = copy.deepcopy(model)
+    merge_base_loras(merged, arch, [LoRASpec(path, 1.0)])
+    before, after = dict(model.named_modules()), dict(merged.named_modules())
+    return {p: after[p].weight - before[p].weight for p in before
+            if isinstance(before[p], torch.nn.Linear) and not torch.equal(after[p].weight, before[p].weight)}
+
+
+def precision_tools_read(model, arch, path, root):  # precision_doctor / precision_matrix
+    return dense(read_lora_for(model, arch, path))
+
+
+def merge_reads(checkpoint: str):
+    def reads(model, arch, path, root):
+        base = merge_lora.open_base(str(root / checkpoint))
+        return {k.removesuffix(".weight"): w.delta() for k, w in merge_lora.lora_deltas(base, LoRASpec(path, 1.0), False).items()}
+
+    return reads
+
+
+CONSUMERS = {"generate": generate_reads, "network_weights": network_weights_reads, "base_loras": base_loras_reads,
+             "precision_tools": precision_tools_read, "merge_lora": merge_reads("base.safetensors"),
+             "merge_lora into the other naming": merge_reads("diffusers")}  # fmt: skip
+
+
+def expected_in(checkpoint_naming: str, root, reference: dict) -> dict:
+    """The reference deltas named as the consumer names them: the model's modules, or a checkpoint's
+    weights in its naming (rows of fused modules joined or split through the checkpoint's module map)."""
+    if checkpoint_naming is None:
+        return reference
+    base = merge_lora.open_base(str(root / checkpoint_naming))
+    if base.module_map is None:
+        return reference
+    out = {}
+    if base.native:  # the checkpoint fuses modules the model splits (Z-Image's single file)
+        for fused, parts in base.module_map.items():
+            if all(d in reference for d, _, _ in parts):
+                out[fused] = torch.cat([reference[d] for d, _, _ in parts])
+        return {**{p: d for p, d in reference.items() if p not in {d for ps in base.module_map.values() for d, _, _ in ps}}, **out}
+    for own, parts in base.module_map.items():  # the checkpoint splits modules the model fuses (a diffusers folder)
+        for d, start, end in parts if own in reference else ():
+            out[d] = reference[own][start:end] if d not in out else torch.cat([out[d], reference[own][start:end]])
+    return {**{p: d for p, d in reference.items() if p not in base.module_map}, **out}
+
+
+def assert_same_deltas(got: dict, want: dict):
+    assert set(got) == set(want)
+    for p, d in want.items():
+        assert (got[p] - d).abs().max() <= TOL * d.abs().max(), p
+
+
+FLUX_CASES = ["kohya (ours)", "diffusers", "comfy", "kohya + text encoder (sd-scripts)", "PEFT base_model.model.",
+              "ComfyUI dotted lora_down", "OneTrainer lora_transformer_ (diffusers names)", "lora_unet_ in diffusers names",
+              "diffusers q / k / v with their own downs"]  # fmt: skip
+ZIMAGE_CASES = ["kohya (ours)", "diffusers", "comfy", "kohya + text encoder (sd-scripts)", "PEFT base_model.model.",
+                "ComfyUI dotted lora_down", "ComfyUI's own names (fused qkv, musubi-tuner)"]  # fmt: skip
+
+
+def checkpoint_of(consumer: str):
+    return {"merge_lora": "base.safetensors", "merge_lora into the other naming": "diffusers"}.get(consumer)
+
+
+@pytest.mark.filterwarnings("ignore:.*text-encoder")
+@pytest.mark.parametrize("layout", FLUX_CASES)
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_every_consumer_applies_every_flux_layout_exactly(flux, consumer, layout):
+    path, reference = flux["cases"][layout]
+    got = CONSUMERS[consumer](flux["model"], "flux", path, flux["root"])
+    assert_same_deltas(got, expected_in(checkpoint_of(consumer), flux["root"], reference))
+
+
+@pytest.mark.filterwarnings("ignore:.*text-encoder")
+@pytest.mark.parametrize("layout", ZIMAGE_CASES)
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_every_consumer_applies_every_zimage_layout_exactly(zimage, consumer, layout):
+    path, reference = zimage["cases"][layout]
+    got = CONSUMERS[consumer](zimage["model"], "zimage", path, zimage["root"])
+    assert_same_deltas(got, expected_in(checkpoint_of(consumer), zimage["root"], reference))
+
+
+# ----------------------------------------------------------------------------------------------
+# Another family's LoRA: one line saying what tools/lora_info.py says, before any model loads
+
+QWEN_CFG = QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 12, 12))
+
+
+@pytest.fixture(scope="session")
+def qwen_lora(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("reader_qwen") / "qwen_lora.safetensors")
+    random_lora(QwenImage(QWEN_CFG), "qwen_image").save(path)
+    return path
+
+
+def qwen_on_flux(path: str) -> str:
+    from tools import lora_info
+
+    info = lora_info.read_info(path)
+    assert (info["arch"], info["naming"]) == ("qwen_image", "diffusers")
+    return f"{path}: a LoRA for Qwen-Image (tools/lora_info.py: arch qwen_image, diffusers names), not for this FLUX.1 model"
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_every_consumer_names_the_architecture_of_another_familys_lora(flux, qwen_lora, consumer):
+    """The old readers said "LoRA module 'lora_unet_transformer_blocks_0_attn_add_k_proj' matches no module
+    ... convert_lora.py IN OUT --to kohya" (generate, network_weights, base_loras) or "no LoRA module matches
+    ... convert_lora first" (merge_lora): no conversion fixes another model's LoRA."""
+    with pytest.raises(CheckpointError) as error:
+        CONSUMERS[consumer](flux["model"], "flux", qwen_lora, flux["root"])
+    assert str(error.value) == qwen_on_flux(qwen_lora)
+
+
+def test_a_lora_whose_names_tell_no_family_is_read_by_its_modules(flux, tmp_path):
+    """Attention projections alone (`transformer_blocks.0.attn.to_q`: FLUX.1 and Qwen-Image both have them)
+    tell no architecture: the reader does not refuse them, the model's modules decide."""
+    path, reference = flux["cases"]["diffusers"]
+    tensors = {k: v for k, v in load_file(path).items() if k.startswith(tuple(f"transformer.transformer_blocks.0.attn.to_{c}." for c in "qkv"))}
+    save_file(tensors, str(tmp_path / "attn.safetensors"))
+    got = generate_reads(flux["model"], "flux", str(tmp_path / "attn.safetensors"), flux["root"])
+    assert list(got) == ["double_blocks.0.img_attn.qkv"]
+    assert (got["double_blocks.0.img_attn.qkv"] - reference["double_blocks.0.img_attn.qkv"]).abs().max() <= TOL
+
+
+def test_network_weights_rebuilds_a_fused_module_at_the_rank_of_its_split_parts(flux):
+    """q / k / v with their own downs (rank 4 each) are exactly one fused qkv LoRA of rank 12: the network
+    (rank 4) rebuilds those modules at 12 and says so; the old reader stopped with "has down (12, 64) ...
+    the network expects (4, 64)"."""
+    path, _ = flux["cases"]["diffusers q / k / v with their own downs"]
+    net = LoRANetwork(flux["model"], "flux", rank=4, alpha=2)
+    net.apply()
+    counts = net.load_weights(path, strict=False)
+    ranks = {m.name: m.rank for m in net.lora_modules()}
+    assert ranks["double_blocks.0.img_attn.qkv"] == 12 and ranks["double_blocks.0.img_attn.proj"] == 4
+    assert ranks["single_blocks.0.linear1"] == 16  # q, k, v and proj_mlp
+    assert "rebuilt at the rank of their fused / split form in the file" in LoRANetwork.describe_loaded(counts)
+    modules = dict(flux["model"].named_modules())
+    assert modules["double_blocks.0.img_attn.qkv"].forward.__self__ is next(m for m in net.lora_modules() if m.name == "double_blocks.0.img_attn.qkv")
+    net.remove()
