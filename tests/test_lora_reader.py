@@ -293,6 +293,35 @@ def qwen_on_flux(path: str) -> str:
     return f"{path}: a LoRA for Qwen-Image (tools/lora_info.py: arch qwen_image, diffusers names), not for this FLUX.1 model"
 
 
+def test_generate_names_the_architecture_of_another_familys_lora(qwen_lora, tmp_path, capsys):
+    """The old generate loaded the text encoders and the transformer, then said "LoRA module
+    'lora_unet_transformer_blocks_0_attn_add_k_proj' matches no module ... convert_lora ... --to kohya",
+    which no conversion fixes; now the header decides, before any model file is opened (these are missing)."""
+    from tests.test_reliability import one_error_line
+    from tools import generate
+
+    missing = str(tmp_path / "missing.safetensors")
+    code = generate.main(["--model_type", "flux", "--model", missing, "--ae", missing, "--clip_l", missing, "--t5xxl", missing,
+                          "--prompt", "a cat", "--lora", f"{qwen_lora}:0.5", "--out", str(tmp_path / "out")])  # fmt: skip
+    assert one_error_line(capsys, code) == f"error: {qwen_on_flux(qwen_lora)}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_network_weights_and_base_loras_of_another_family_are_refused_before_caching(qwen_lora, flux):
+    from types import SimpleNamespace
+
+    from library.errors import ConfigError
+    from library.training.diffusion_task import DiffusionTask
+
+    ours = flux["cases"]["kohya (ours)"][0]
+    for key, args in (("network_weights", dict(network_weights=qwen_lora, base_loras=[ours])),
+                      ("base_loras", dict(network_weights=ours, base_loras=[f"{qwen_lora}:0.5"]))):
+        task = SimpleNamespace(args=SimpleNamespace(config_file="run.toml", **args), family=SimpleNamespace(arch="flux"))
+        with pytest.raises(ConfigError) as error:
+            DiffusionTask._check_lora_files(task)
+        assert str(error.value) == f"run.toml: key '{key}': {qwen_on_flux(qwen_lora)}"
+
+
 @pytest.mark.parametrize("consumer", CONSUMERS)
 def test_every_consumer_names_the_architecture_of_another_familys_lora(flux, qwen_lora, consumer):
     """The old readers said "LoRA module 'lora_unet_transformer_blocks_0_attn_add_k_proj' matches no module
