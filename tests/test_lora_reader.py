@@ -358,3 +358,13 @@ def test_network_weights_rebuilds_a_fused_module_at_the_rank_of_its_split_parts(
     modules = dict(flux["model"].named_modules())
     assert modules["double_blocks.0.img_attn.qkv"].forward.__self__ is next(m for m in net.lora_modules() if m.name == "double_blocks.0.img_attn.qkv")
     net.remove()
+
+
+def test_precision_tools_refuse_a_dora_file_they_would_apply_as_plain_lora(flux, tmp_path):
+    """read_lora_for dropped the DoRA magnitude and applied up @ down as a plain LoRA (silently another
+    weight: m * (W + dW) / ||W + dW|| is not W + dW); the runtime and merged columns add plain deltas, so it is refused."""
+    net = random_lora(flux["model"], "flux", dora=True)
+    net.save(str(tmp_path / "dora.safetensors"))
+    with pytest.raises(CheckpointError, match=r"dora.safetensors: LoRA module '.*' is DoRA; the precision tools apply "
+                                              r"and merge plain LoRAs"):
+        read_lora_for(flux["model"], "flux", str(tmp_path / "dora.safetensors"))

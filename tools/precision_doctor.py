@@ -125,13 +125,17 @@ def make_inputs(arch: str, config, width: int, height: int, seed: int = 0, text_
 
 def read_lora_for(model: nn.Module, arch: str, path: str, ratio: float = 1.0) -> dict[str, LoRAWeights]:
     """{module path of `model`: LoRAWeights (float32, ratio folded into alpha)} from any layout
-    networks/lora_reader.py reads (the reader every LoRA-applying tool shares)."""
+    networks/lora_reader.py reads (the reader every LoRA-applying tool shares). A DoRA file is refused:
+    the runtime and merged columns here add plain low-rank deltas."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, FP8Linear))}
     read = read_for_model(path, arch, linears, lambda: diffusers_module_map(arch, model.config), strict=True)
     out = {}
     for p, w in read.weights.items():
         if p not in linears:
             raise CheckpointError(f"{path}: LoRA module '{p}' is not a Linear of this {arch} model")
+        if w.magnitude is not None:
+            raise CheckpointError(f"{path}: LoRA module '{p}' is DoRA; the precision tools apply and merge plain LoRAs "
+                                  f"(merge it with tools/merge_lora.py and compare bases instead)")
         m = linears[p]
         if (w.up.shape[0], w.down.shape[1]) != (m.out_features, m.in_features):
             raise CheckpointError(f"{path}: LoRA '{p}' gives a delta {(w.up.shape[0], w.down.shape[1])}, "
