@@ -120,16 +120,21 @@ def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict
                    module_map=None, target_is_key: bool = True, name: str = "LoRA", strict: bool = False) -> LoRARead:
     """A LoRA's tensors -> its modules in the target's names. paths: the target's module paths; module_map:
     its BFL <-> diffusers map, or a function building it (called only when the file names a module outside
-    `paths`); target_is_key: see to_target_names. LyCORIS files are the caller's."""
+    `paths`); None for a target in the model's own names: the architecture's map sized from the LoRA's
+    shapes (LORA_FILES.module_map). target_is_key: see to_target_names. LyCORIS files are the caller's."""
     tensors, te = split_text_encoders(tensors)
     if te and not tensors:  # sd-scripts' text encoders alone: nothing for the model (an empty file is an error below)
         return LoRARead({}, dict(metadata), "kohya", True, te)
     if (error := foreign_arch_error(name, tensors, metadata, arch)) is not None:
         raise CheckpointError(error)
     paths = list(paths)
-    weights, fmt, _, split = lora_in_our_names(tensors, metadata, adapter_config, arch, paths, source=name, strict=strict)
+    weights, fmt, counts, split = lora_in_our_names(tensors, metadata, adapter_config, arch, paths, source=name, strict=strict)
+    other_naming = any(p not in set(paths) for p in weights)
+    files = lora_files().get(arch)
     if callable(module_map):
-        module_map = module_map() if any(p not in set(paths) for p in weights) else None
+        module_map = module_map() if other_naming else None
+    elif module_map is None and target_is_key and other_naming and files and files.module_map:
+        module_map = load_symbol(files.module_map)(weights, counts)  # sized from the LoRA's shapes, as convert_lora does
     try:
         weights, joined = to_target_names(weights, paths, module_map, target_is_key)
     except CheckpointError as e:

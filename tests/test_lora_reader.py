@@ -368,3 +368,19 @@ def test_precision_tools_refuse_a_dora_file_they_would_apply_as_plain_lora(flux,
     with pytest.raises(CheckpointError, match=r"dora.safetensors: LoRA module '.*' is DoRA; the precision tools apply "
                                               r"and merge plain LoRAs"):
         read_lora_for(flux["model"], "flux", str(tmp_path / "dora.safetensors"))
+
+
+def test_merge_reads_a_diffusers_named_lora_into_a_single_file_in_the_models_own_names(tmp_path):
+    """Krea 2's single file has the model's own names and no module map of its own (merge_lora's Base): a
+    diffusers-named LoRA (convert_lora --to diffusers of ours) found no weight ("no LoRA module matches a weight
+    of the krea2 checkpoint"); the reader sizes the architecture's map from the LoRA, as convert_lora does."""
+    from library.models.krea2.checkpoint import save_krea2_single_file
+    from library.models.krea2.tiny import random_krea2, tiny_config
+
+    model = random_krea2(tiny_config()).eval()
+    save_krea2_single_file(model, str(tmp_path / "base.safetensors"), tiny_config())
+    net = random_lora(model, "krea2")
+    net.save(str(tmp_path / "ours.safetensors"))
+    convert_lora.convert_lora(str(tmp_path / "ours.safetensors"), str(tmp_path / "d.safetensors"), "diffusers")
+    got = merge_reads("base.safetensors")(model, "krea2", str(tmp_path / "d.safetensors"), tmp_path)
+    assert_same_deltas(got, dense(net.lora_weights()))
