@@ -221,8 +221,9 @@ def network_weights_missing(ts, tmp):
 def network_weights_of_qwen_image(ts, tmp):
     net = LoRANetwork(load_qwen_image(ts["qwen_image"]), "qwen_image", 4, 4.0)
     net.save(str(tmp / "qwen_lora.safetensors"))
-    return (["--network_weights", str(tmp / "qwen_lora.safetensors")],
-            ["qwen_lora.safetensors: LoRA module 'lora_unet_transformer_blocks_0_", "matches no module of the model"])
+    return (["--network_weights", str(tmp / "qwen_lora.safetensors")],  # from its header, before caching
+            ["key 'network_weights': ", "qwen_lora.safetensors: a LoRA for Qwen-Image (tools/lora_info.py: arch qwen_image, "
+             "diffusers names), not for this FLUX.1 model"])
 
 
 CASES = {
