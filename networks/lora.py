@@ -26,7 +26,7 @@ from library.models import core
 from library.models.registry import arch_specs
 from library.models.spec import LoRATargets, load_symbol
 from library.precision.autocast import autocast_dtype
-from networks.lora_reader import read_for_model
+from networks.lora_reader import read_for_model, text_encoders_only
 from networks.lora_files import (
     LoRAWeights,
     build_metadata,
@@ -561,6 +561,8 @@ class LoRANetwork(nn.Module):
                                   f"set network_module = \"lycoris.kohya\" to load it")
         module_map = self._module_map if self.spec.diffusers_module_map else None
         read = read_for_model(source, self.arch, linears, module_map, name=name, strict=True)
+        if read.text_encoders and not read.weights:
+            raise CheckpointError(text_encoders_only(name, read.text_encoders))
         if read.text_encoders:
             warnings.warn(f"{name}: left out {text_encoder_note(read.text_encoders)}: they adapt the text encoders, "
                           f"not this network's model", stacklevel=4)  # fmt: skip

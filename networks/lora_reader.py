@@ -40,6 +40,7 @@ from networks.lora_files import (
     peft_alpha_known,
     read_lora_tensors,
     split_text_encoders,
+    text_encoder_note,
 )
 
 
@@ -189,6 +190,13 @@ def check_lora_arch(path: str, arch: str) -> None:
     than `arch` is a CheckpointError in one line, before any model loads."""
     reader, _ = lora_reader(path)
     shapes = {k: torch.empty(reader.shape(k), device="meta") for k in reader.keys()}
-    shapes, _ = split_text_encoders(shapes)
+    shapes, te = split_text_encoders(shapes)
+    if te and not shapes:
+        raise CheckpointError(text_encoders_only(path, te))
     if shapes and (error := foreign_arch_error(path, shapes, dict(reader.metadata), arch)) is not None:
         raise CheckpointError(error)
+
+
+def text_encoders_only(name: str, te: dict) -> str:
+    """The line for a LoRA of sd-scripts' text encoders alone: nothing in it adapts the transformer."""
+    return f"{name}: holds only {text_encoder_note(te)}; this LoRA adapts no module of the transformer"

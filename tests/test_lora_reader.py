@@ -384,3 +384,21 @@ def test_merge_reads_a_diffusers_named_lora_into_a_single_file_in_the_models_own
     convert_lora.convert_lora(str(tmp_path / "ours.safetensors"), str(tmp_path / "d.safetensors"), "diffusers")
     got = merge_reads("base.safetensors")(model, "krea2", str(tmp_path / "d.safetensors"), tmp_path)
     assert_same_deltas(got, dense(net.lora_weights()))
+
+
+def test_a_lora_of_text_encoders_alone_is_refused_in_one_line(flux, tmp_path):
+    """sd-scripts can train CLIP-L / T5 alone into a file: the old reader said "LoRA file holds no tensors"
+    (it holds two) after generate had loaded the models. Now the header check (before any model) and the
+    network's reader name what it holds."""
+    from networks.lora_reader import check_lora_arch
+
+    tensors = {k: v for k, v in load_file(flux["cases"]["kohya + text encoder (sd-scripts)"][0]).items()
+               if k.startswith("lora_te1_")}  # fmt: skip
+    save_file(tensors, str(tmp_path / "te.safetensors"))
+    line = f"{tmp_path / 'te.safetensors'}: holds only 1 text-encoder modules (CLIP-L lora_te1_ x1); this LoRA adapts no module of the transformer"
+    with pytest.raises(CheckpointError) as error:
+        check_lora_arch(str(tmp_path / "te.safetensors"), "flux")
+    assert str(error.value) == line
+    with pytest.raises(CheckpointError) as error:
+        network_from_file(flux["model"], "flux", str(tmp_path / "te.safetensors"))
+    assert str(error.value) == line
