@@ -402,3 +402,22 @@ def test_a_lora_of_text_encoders_alone_is_refused_in_one_line(flux, tmp_path):
     with pytest.raises(CheckpointError) as error:
         network_from_file(flux["model"], "flux", str(tmp_path / "te.safetensors"))
     assert str(error.value) == line
+
+
+@pytest.mark.parametrize("to", ["diffusers", "comfy"])
+def test_a_dora_file_in_another_layout_loads_as_the_same_dora(flux, tmp_path, to):
+    """DoRA's magnitude is per output row: split into to_q / to_k / to_v by convert_lora --to diffusers and
+    joined back by the reader, magnitude and down are the same tensors (bitwise) and (alpha / r) up the same
+    within 1e-6 (the diffusers and ComfyUI layouts fold alpha into up)."""
+    net = random_lora(flux["model"], "flux", dora=True)
+    net.save(str(tmp_path / "dora.safetensors"))
+    convert_lora.convert_lora(str(tmp_path / "dora.safetensors"), str(tmp_path / f"{to}.safetensors"), to)
+    path = str(tmp_path / f"{to}.safetensors")
+    resumed = LoRANetwork(flux["model"], "flux", rank=4, alpha=2, network_args={"dora": True})  # network_weights
+    resumed.load_weights(path, strict=False)
+    for loaded in (network_from_file(flux["model"], "flux", path), resumed):  # generate, network_weights
+        got = {m.name: m.weights() for m in loaded.lora_modules()}
+        for module, want in net.lora_weights().items():
+            w = got[module]
+            assert torch.equal(w.magnitude, want.magnitude) and torch.equal(w.down, want.down), module
+            assert (w.up.float() * w.scale - want.up.float() * want.scale).abs().max() <= 1e-6 * want.up.abs().max()
