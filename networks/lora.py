@@ -531,7 +531,7 @@ class LoRANetwork(nn.Module):
         resized = 0
         for path, w in weights.items():
             m = by_path.get(path)
-            if m is not None and path in regrouped and m.rank != w.rank and m.dora_scale is None and w.magnitude is None:
+            if m is not None and path in regrouped and m.rank != w.rank and (m.dora_scale is None) == (w.magnitude is None):
                 m.remove_from_base()  # a rank the fused <-> split conversion set: the module is rebuilt at it
                 m, resized = None, resized + 1
             m = m or self._add(path, linears[path], w.rank, w.alpha, dora=w.magnitude is not None)

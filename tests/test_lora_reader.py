@@ -421,3 +421,23 @@ def test_a_dora_file_in_another_layout_loads_as_the_same_dora(flux, tmp_path, to
             w = got[module]
             assert torch.equal(w.magnitude, want.magnitude) and torch.equal(w.down, want.down), module
             assert (w.up.float() * w.scale - want.up.float() * want.scale).abs().max() <= 1e-6 * want.up.abs().max()
+
+
+def test_network_weights_rebuilds_a_dora_qkv_joined_from_parts_with_their_own_downs(flux, tmp_path):
+    """DoRA normalises per output row, so diffusers' to_q / to_k / to_v DoRA with their own downs is exactly
+    one fused DoRA of the summed rank: the merged qkv weight is the row-concatenation of each part's."""
+    net = random_lora(flux["model"], "flux", dora=True)
+    net.save(str(tmp_path / "dora.safetensors"))
+    convert_lora.convert_lora(str(tmp_path / "dora.safetensors"), str(tmp_path / "d.safetensors"), "diffusers")
+    tensors, g = load_file(str(tmp_path / "d.safetensors")), torch.Generator().manual_seed(4)
+    for c in "kv":  # to_q keeps the shared down, to_k and to_v get their own
+        key = f"transformer.transformer_blocks.0.attn.to_{c}.lora_A.weight"
+        tensors[key] = torch.randn(tensors[key].shape, generator=g)
+    save_file(tensors, str(tmp_path / "own.safetensors"), metadata={lf.FOLDED_MARK: "true"})
+    resumed = LoRANetwork(flux["model"], "flux", rank=4, alpha=2, network_args={"dora": True})
+    assert resumed.load_weights(str(tmp_path / "own.safetensors"), strict=False)["resized"] >= 1
+    qkv = next(m for m in resumed.lora_modules() if m.name == "double_blocks.0.img_attn.qkv")
+    weight = dict(flux["model"].named_modules())["double_blocks.0.img_attn.qkv"].weight
+    parts = lf.parse_lora({k: v for k, v in tensors.items() if ".transformer_blocks.0.attn.to_" in k and "add" not in k})[0]
+    want = torch.cat([parts[f"transformer_blocks.0.attn.to_{c}"].merged(w) for c, w in zip("qkv", weight.chunk(3))])
+    assert qkv.rank == 12 and (qkv.weights().merged(weight) - want).abs().max() <= 1e-5 * want.abs().max()
