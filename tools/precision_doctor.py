@@ -86,7 +86,8 @@ from library.precision.fp8_compute import enable_fp8_compute, fp8_gemm_available
 from tools.devices import device_from_flag  # noqa: E402
 from networks.lora import LoRAModule, diffusers_module_map  # noqa: E402
 from networks.lora_files import LoRAWeights  # noqa: E402
-from networks.lora_reader import read_for_model  # noqa: E402
+from networks.lora_reader import check_lora_arch, read_for_model  # noqa: E402
+from tools.cli import parse_lora_spec  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -462,6 +463,8 @@ def main(argv=None) -> int:
         device = device_from_flag(args.device)
         if not os.path.exists(args.model):
             raise ValueError(f"--model {args.model}: no such file or folder")
+        if args.lora:  # headers only: not a LoRA, or another model's, is named before the model loads
+            check_lora_arch(parse_lora_spec(args.lora).path, lora_arch(args.model_type))
         run_doctor(args.model, lora_arch(args.model_type), args.lora, resolution, args.seed, timesteps, args.out, args.threshold,
                    args.text_len, args.skip_fp32, args.max_tokens,
                    str(device), args.inject_position_bug)
