@@ -441,3 +441,21 @@ def test_network_weights_rebuilds_a_dora_qkv_joined_from_parts_with_their_own_do
     parts = lf.parse_lora({k: v for k, v in tensors.items() if ".transformer_blocks.0.attn.to_" in k and "add" not in k})[0]
     want = torch.cat([parts[f"transformer_blocks.0.attn.to_{c}"].merged(w) for c, w in zip("qkv", weight.chunk(3))])
     assert qkv.rank == 12 and (qkv.weights().merged(weight) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_a_lora_on_comfyuis_fused_gate_up_applies_by_rows_in_every_runtime_consumer(tmp_path):
+    """Qwen-Image-2.1's released file fuses the SwiGLU gate_up (gate rows first); ComfyUI / ai-toolkit LoRAs
+    name it so. convert_lora read it; generate and network_weights said "not a Linear of this model"."""
+    from library.models.qwen_image21.model import QwenImage21
+    from library.models.qwen_image21.tiny import tiny_config as qwen21_config
+
+    model = randomized(QwenImage21(qwen21_config()), 3)
+    gate = dict(model.named_modules())["transformer_blocks.1.img_mlp.gate_layer"]
+    g = torch.Generator().manual_seed(5)
+    down, up = torch.randn(4, gate.in_features, generator=g), torch.randn(2 * gate.out_features, 4, generator=g)
+    save_file({"diffusion_model.transformer_blocks.1.img_mlp.gate_up.lora_A.weight": down,
+               "diffusion_model.transformer_blocks.1.img_mlp.gate_up.lora_B.weight": up}, str(tmp_path / "c.safetensors"))
+    half = gate.out_features
+    want = {"transformer_blocks.1.img_mlp.gate_layer": up[:half] @ down, "transformer_blocks.1.img_mlp.proj": up[half:] @ down}
+    for consumer in ("generate", "network_weights", "base_loras", "precision_tools"):
+        assert_same_deltas(CONSUMERS[consumer](model, "qwen_image21", str(tmp_path / "c.safetensors"), tmp_path), want)
