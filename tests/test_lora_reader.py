@@ -459,3 +459,36 @@ def test_a_lora_on_comfyuis_fused_gate_up_applies_by_rows_in_every_runtime_consu
     want = {"transformer_blocks.1.img_mlp.gate_layer": up[:half] @ down, "transformer_blocks.1.img_mlp.proj": up[half:] @ down}
     for consumer in ("generate", "network_weights", "base_loras", "precision_tools"):
         assert_same_deltas(CONSUMERS[consumer](model, "qwen_image21", str(tmp_path / "c.safetensors"), tmp_path), want)
+
+
+def test_the_refusal_names_what_lora_info_reports_for_every_family(tiny_set, tmp_path):
+    """For each family's tiny LoRA in each layout it writes, every other architecture that refuses it names
+    the arch and naming tools/lora_info.py prints for the file (one word for one thing across the tools);
+    the ones that take it are its own architecture or share its names."""
+    from library.models.registry import arch_specs
+    from library.models.spec import load_symbol
+    from networks.lora_arch import lora_files
+    from networks.lora_reader import check_lora_arch
+    from tools import lora_info
+
+    archs = [a for a, s in arch_specs().items() if s.tiny and s.tiny.transformer]
+    refused = 0
+    for arch in archs:
+        spec = arch_specs()[arch]
+        src = str(tmp_path / f"{arch}.safetensors")
+        LoRANetwork(load_symbol(spec.transformer.load)(tiny_set[spec.tiny.transformer]), arch, rank=2).save(src)
+        files = [src]
+        for layout in set(lora_files()[arch].layouts) - {"kohya", "peft"}:
+            files.append(str(tmp_path / f"{arch}_{layout}.safetensors"))
+            convert_lora.convert_lora(src, files[-1], layout)
+        for path in files:
+            info = lora_info.read_info(path)
+            for target in archs:
+                try:
+                    check_lora_arch(path, target)
+                except CheckpointError as e:
+                    refused += 1
+                    assert f"(tools/lora_info.py: arch {info['arch']}, {info['naming']} names)" in str(e), (target, str(e))
+                else:
+                    assert target == arch or info["arch"] in (target, lora_files()[target].names_of), (path, target)
+    assert refused > len(archs) ** 2  # most pairs are told apart by the names
