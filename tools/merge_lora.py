@@ -11,9 +11,10 @@ how they name the model's modules (DiffusionFamily.checkpoint_names). OUT has th
 file for a file; for a folder, a folder with the same shard names and index plus the folder's small
 files (config.json, tokenizer files) copied. A pipeline folder gives a transformer folder.
 
-Each LoRA is `path[:ratio]` (ratio 1 when left out); any layout networks/lora_files.py reads
-(kohya, PEFT/diffusers, ComfyUI; for an LLM also a PEFT adapter folder, read with its
-adapter_config.json). Where a model's checkpoints come in two namings (BFL names and diffusers'),
+Each LoRA is `path[:ratio]` (ratio 1 when left out); any layout networks/lora_reader.py reads, the
+reader every LoRA-applying tool shares (kohya, OneTrainer's lora_transformer_, PEFT/diffusers, ComfyUI's
+layouts and own names; for an LLM also a PEFT adapter folder, read with its adapter_config.json); a
+LoRA whose names are another model's is refused naming it as tools/lora_info.py does. Where a model's checkpoints come in two namings (BFL names and diffusers'),
 a LoRA may use either whatever the base's naming: fused modules (qkv, linear1) are split or joined by
 row through the family's module map.
 
