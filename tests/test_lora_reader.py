@@ -308,18 +308,22 @@ def test_generate_names_the_architecture_of_another_familys_lora(qwen_lora, tmp_
 
 
 def test_network_weights_and_base_loras_of_another_family_are_refused_before_caching(qwen_lora, flux):
+    """library/training/lora_inputs.py, which both tasks call before the model loads (the diffusion task also
+    before caching); the old runs cached the dataset and loaded the model first."""
     from types import SimpleNamespace
 
     from library.errors import ConfigError
-    from library.training.diffusion_task import DiffusionTask
+    from library.training.lora_inputs import check_lora_inputs
 
     ours = flux["cases"]["kohya (ours)"][0]
-    for key, args in (("network_weights", dict(network_weights=qwen_lora, base_loras=[ours])),
-                      ("base_loras", dict(network_weights=ours, base_loras=[f"{qwen_lora}:0.5"]))):
-        task = SimpleNamespace(args=SimpleNamespace(config_file="run.toml", **args), family=SimpleNamespace(arch="flux"))
+    for key, arch, args in (("network_weights", "flux", dict(network_weights=qwen_lora, base_loras=[ours])),
+                            ("base_loras", "flux", dict(network_weights=ours, base_loras=[f"{qwen_lora}:0.5"])),
+                            ("network_weights", "llm", dict(network_weights=ours))):
         with pytest.raises(ConfigError) as error:
-            DiffusionTask._check_lora_files(task)
-        assert str(error.value) == f"run.toml: key '{key}': {qwen_on_flux(qwen_lora)}"
+            check_lora_inputs(SimpleNamespace(config_file="run.toml", **args), arch)
+        line = qwen_on_flux(qwen_lora) if arch == "flux" else (
+            f"{ours}: a LoRA for FLUX.1 (tools/lora_info.py: arch flux, bfl names), not for this LLM model")
+        assert str(error.value) == f"run.toml: key '{key}': {line}"
 
 
 @pytest.mark.parametrize("consumer", CONSUMERS)

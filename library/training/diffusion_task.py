@@ -26,6 +26,7 @@ from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
 from library.training import fsdp, memory_plan
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
+from library.training.lora_inputs import check_lora_inputs
 from library.training.state import sample_seed
 from library.training.validation import validation_loss
 from networks.factory import build_network, check_network_args
@@ -64,7 +65,7 @@ class DiffusionTask:
             check_network_args(args.network_module, self.family.arch, lora_network_args(args))
         except ValueError as e:
             raise ConfigError(f"{args.config_file or 'command line'}: {e}") from None
-        self._check_lora_files()
+        check_lora_inputs(args, self.family.arch)  # network_weights, base_loras: their headers, before caching
         self._check_stored_precision()
         self.compute_dtype = compute_dtype(args)
         self.blueprint = load_dataset_config(args.dataset_config)
@@ -88,21 +89,6 @@ class DiffusionTask:
         self.module = LoRALoss(self.family, self.base, self.network, args)
 
     # -- setup ---------------------------------------------------------------------------------
-    def _check_lora_files(self):
-        """network_weights and base_loras read from their headers now, not after caching: a file that is
-        not a LoRA, or one of another model (networks/lora_reader.py check_lora_arch), stops the run here."""
-        from library.training.base_loras import base_lora_specs
-        from networks.lora_reader import check_lora_arch
-
-        where = self.args.config_file or "command line"
-        named = [("network_weights", self.args.network_weights)] if self.args.network_weights else []
-        named += [("base_loras", spec.path) for spec in base_lora_specs(self.args.base_loras or [])]
-        for key, path in named:
-            try:
-                check_lora_arch(path, self.family.arch)
-            except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-                raise ConfigError(f"{where}: key '{key}': {e}") from None
-
     def _check_stored_precision(self):
         """A pre-quantized checkpoint (fp8, GGUF) is trained on as it is stored; the config must say so,
         and the LoRA's metadata names the stored layout (base_precision()), the base really trained on."""

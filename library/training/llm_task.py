@@ -24,6 +24,7 @@ from library.models.llm import LLM, LLMConfig, cross_entropy_loss, generate, loa
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
+from library.training.lora_inputs import check_lora_inputs
 from networks.factory import build_network
 
 VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmuls tile well
@@ -83,6 +84,8 @@ class LLMTask:
         self.weights_dtype = torch.float32 if args.pretrain else self.dtype
         self.autocast_dtype = self.dtype if args.pretrain else None
         path = args.pretrained_model_name_or_path
+        if not args.pretrain:
+            check_lora_inputs(args, "llm")  # network_weights: its header, before the model loads
         self.tokenizer = load_tokenizer(path)
         self.model, self.from_scratch = self._load_model(path)
         self._check_context()
