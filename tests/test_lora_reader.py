@@ -5,6 +5,7 @@ in each layout are built once per session; each consumer's dense deltas are comp
 (float32 math on both sides)."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -121,7 +122,7 @@ def flux(tmp_path_factory):
 
 def split_downs_lora(root) -> tuple[str, dict[str, torch.Tensor]]:
     """A diffusers FLUX.1 LoRA as diffusers / ai-toolkit train it: every split module (to_q, to_k, to_v, proj_mlp
-    ...) with its own down, alpha 2 in diffusers' adapter-config header; and the oracle: each module's own
+    ...) with its own down, alpha 2 in diffusers' adapter-config header (pipeline-level keys); and the oracle: each module's own
     delta (alpha / r) B @ A, placed at its rows of the fused BFL module (what diffusers applies, module by module)."""
     in_features = {p: m.in_features for p, m in Flux(FLUX_CFG).named_modules() if isinstance(m, torch.nn.Linear)}
     g = torch.Generator().manual_seed(9)
@@ -136,8 +137,10 @@ def split_downs_lora(root) -> tuple[str, dict[str, torch.Tensor]]:
             delta, row = 0.5 * up @ down, 0  # alpha 2 / rank 4
             for start, end in ranges:
                 reference[bfl][start:end], row = delta[row : row + end - start], row + end - start
-    path = str(root / "split.safetensors")
-    save_file(tensors, path, metadata={lf.ADAPTER_METADATA_KEY: '{"lora_alpha": 2, "r": 4}'})
+    path = str(root / "split.safetensors")  # the adapter config as a pipeline's save_lora_weights writes it
+    modules = sorted(k.removeprefix("transformer.").removesuffix(".lora_A.weight") for k in tensors if k.endswith("lora_A.weight"))
+    config = {"transformer.r": 4, "transformer.lora_alpha": 2, "transformer.target_modules": modules}
+    save_file(tensors, path, metadata={lf.ADAPTER_METADATA_KEY: json.dumps(config)})
     return path, reference
 
 
@@ -496,3 +499,40 @@ def test_the_refusal_names_what_lora_info_reports_for_every_family(tiny_set, tmp
                 else:
                     assert target == arch or info["arch"] in (target, lora_files()[target].names_of), (path, target)
     assert refused > len(archs) ** 2  # most pairs are told apart by the names
+
+
+def test_split_downs_on_our_fused_flux_give_diffusers_output(flux):
+    """The oracle diffusers itself: its FluxTransformer2DModel (the same weights, split to_q / to_k / to_v)
+    with the split-downs file loaded by load_lora_weights (its PEFT layers, alpha from the header) gives the
+    output of our fused model with the file read by generate's reader (rank 12 qkv, 16 linear1). Most of its
+    time alone is importing diffusers' pipelines (~15 s, once per session: test_merge_convert imports them too)."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    from library.models.flux1.model import make_img_ids, make_txt_ids
+
+    path, _ = flux["cases"]["diffusers q / k / v with their own downs"]
+    theirs = FluxTransformer2DModel.from_pretrained(str(flux["root"] / "diffusers")).eval()
+    pipe = FluxPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+                        transformer=theirs)  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    img, txt, y = torch.randn(1, 16, 64, generator=g), torch.randn(1, 8, 32, generator=g), torch.randn(1, 16, generator=g)
+    sigma, img_ids = torch.tensor([0.4]), make_img_ids(1, 4, 4)
+
+    def outputs():
+        with torch.no_grad():
+            mine = flux["model"](img, img_ids, txt, make_txt_ids(1, 8), sigma, y)
+            reference = theirs(hidden_states=img, encoder_hidden_states=txt, pooled_projections=y, timestep=sigma,
+                               img_ids=img_ids[0].float(), txt_ids=torch.zeros(8, 3), return_dict=False)[0]  # fmt: skip
+        return mine, reference
+
+    base, base_reference = outputs()
+    assert (base - base_reference).abs().max() <= 1e-4
+    net = network_from_file(flux["model"], "flux", path)
+    net.apply()
+    pipe.load_lora_weights(path)
+    try:
+        mine, reference = outputs()
+    finally:
+        net.remove()
+    assert (mine - base).abs().max() > 0.1  # the LoRA shows
+    assert (mine - reference).abs().max() <= 1e-4 * reference.abs().max()
