@@ -26,7 +26,6 @@ from library.models import core
 from library.models.registry import arch_specs
 from library.models.spec import LoRATargets, load_symbol
 from library.precision.autocast import autocast_dtype
-from networks.lora_reader import read_for_model, text_encoders_only
 from networks.lora_files import (
     LoRAWeights,
     build_metadata,
@@ -38,6 +37,7 @@ from networks.lora_files import (
     write_kohya,
     write_peft_folder,
 )
+from networks.lora_reader import read_for_model, text_encoders_only
 
 # ----------------------------------------------------------------------------------------------
 # Targets: each architecture's spec (library/models/<folder>/spec.py, LORA) names them: module type
@@ -570,8 +570,8 @@ class LoRANetwork(nn.Module):
 
     @staticmethod
     def describe_loaded(counts: dict) -> str:
-        resized = counts.get("resized") and f", {counts['resized']} rebuilt at the rank of their fused / split form in the file"
-        return (f"{counts['loaded']} LoRA modules loaded ({counts['added']} added for modules the file names{resized or ''}), "
+        resized = f", {counts['resized']} rebuilt at the rank of their fused / split form" if counts.get("resized") else ""
+        return (f"{counts['loaded']} LoRA modules loaded ({counts['added']} added for modules the file names{resized}), "
                 f"{counts['missing']} start from their initial weights")
 
     @classmethod

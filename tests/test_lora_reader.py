@@ -361,7 +361,7 @@ def test_network_weights_rebuilds_a_fused_module_at_the_rank_of_its_split_parts(
     ranks = {m.name: m.rank for m in net.lora_modules()}
     assert ranks["double_blocks.0.img_attn.qkv"] == 12 and ranks["double_blocks.0.img_attn.proj"] == 4
     assert ranks["single_blocks.0.linear1"] == 16  # q, k, v and proj_mlp
-    assert "rebuilt at the rank of their fused / split form in the file" in LoRANetwork.describe_loaded(counts)
+    assert "3 rebuilt at the rank of their fused / split form" in LoRANetwork.describe_loaded(counts)
     modules = dict(flux["model"].named_modules())
     assert modules["double_blocks.0.img_attn.qkv"].forward.__self__ is next(m for m in net.lora_modules() if m.name == "double_blocks.0.img_attn.qkv")
     net.remove()

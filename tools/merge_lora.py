@@ -14,9 +14,9 @@ files (config.json, tokenizer files) copied. A pipeline folder gives a transform
 Each LoRA is `path[:ratio]` (ratio 1 when left out); any layout networks/lora_reader.py reads, the
 reader every LoRA-applying tool shares (kohya, OneTrainer's lora_transformer_, PEFT/diffusers, ComfyUI's
 layouts and own names; for an LLM also a PEFT adapter folder, read with its adapter_config.json); a
-LoRA whose names are another model's is refused naming it as tools/lora_info.py does. Where a model's checkpoints come in two namings (BFL names and diffusers'),
-a LoRA may use either whatever the base's naming: fused modules (qkv, linear1) are split or joined by
-row through the family's module map.
+LoRA whose names are another model's is refused naming it as tools/lora_info.py does. Where a model's
+checkpoints come in two namings (BFL names and diffusers'), a LoRA may use either whatever the base's
+naming: fused modules (qkv, linear1) are split or joined by row through the family's module map.
 
 Streaming: the output header is computed up front from shapes and dtypes, then each tensor is read,
 merged and written before the next is read, so peak memory is about two tensors of the largest size
