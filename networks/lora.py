@@ -27,20 +27,17 @@ from library.models.registry import arch_specs
 from library.models.spec import LoRATargets, load_symbol
 from library.precision.autocast import autocast_dtype
 from networks.lora_files import (
-    CONVERT_ADVICE,
     LoRAWeights,
     build_metadata,
-    diffusers_to_bfl,
     is_lycoris_file,
     kohya_name,
-    parse_lora,
+    lora_reader,
     peft_target_modules,
-    read_lora_tensors,
-    split_text_encoders,
     text_encoder_note,
     write_kohya,
     write_peft_folder,
 )
+from networks.lora_reader import read_for_model, text_encoders_only
 
 # ----------------------------------------------------------------------------------------------
 # Targets: each architecture's spec (library/models/<folder>/spec.py, LORA) names them: module type
@@ -509,29 +506,35 @@ class LoRANetwork(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, source, strict: bool = True):
-        """Load a LoRA (kohya, or peft/comfy with this model's module names; for a model with BFL
-        names also diffusers names, converted to BFL) from a path or a tensor dict. Alphas come from the file.
+        """Load a LoRA from a path or a tensor dict, in any layout networks/lora_reader.py reads (kohya,
+        PEFT/diffusers, ComfyUI; either naming of the architecture, converted to this model's). Alphas
+        come from the file.
 
         The network adapts to the file: a module the file names that the network lacks is added
         (any Linear of the model, at the file's rank), as sd-scripts' files adapt modules our
-        defaults may leave out. strict: every network module must be in the file (resume,
-        reference copies); otherwise modules the file lacks keep their initial weights.
-        A name that is no Linear of the model, or a module of another shape, is an error."""
+        defaults may leave out; a module whose rank a fused <-> split conversion set (parts with their
+        own downs joined: rank summed) is rebuilt at that rank, the only exact form. strict: every
+        network module must be in the file (resume, reference copies); otherwise modules the file
+        lacks keep their initial weights.
+        A name that is no Linear of the model, or a module of another rank or shape, is an error."""
         name = source if isinstance(source, str) else "state dict"
         linears = {p: m for p, m in self._model[0].named_modules()
                    if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, LoRAModule)}
-        weights = self._read(source, name, linears)
-        if self.spec.diffusers_module_map and any(p.startswith(self.spec.diffusers_blocks) for p in weights):
-            weights = diffusers_to_bfl(weights, self._module_map())
+        weights, regrouped = self._read(source, name, linears)
         by_path = {m.name: m for m in self.lora_modules()}
         foreign = [p for p in weights if p not in linears]
         if foreign:
-            raise CheckpointError(f"{name}: LoRA module '{foreign[0]}' is not a Linear of this {self.arch} model ({CONVERT_ADVICE})")
+            raise CheckpointError(f"{name}: LoRA module '{foreign[0]}' is not a Linear of this {self.arch} model")
         missing = [p for p in by_path if p not in weights]
         if strict and missing:
             raise CheckpointError(f"{name}: no weights for LoRA module '{missing[0]}' ({len(missing)} missing)")
+        resized = 0
         for path, w in weights.items():
-            m = by_path.get(path) or self._add(path, linears[path], w.rank, w.alpha, dora=w.magnitude is not None)
+            m = by_path.get(path)
+            if m is not None and path in regrouped and m.rank != w.rank and (m.dora_scale is None) == (w.magnitude is None):
+                m.remove_from_base()  # a rank the fused <-> split conversion set: the module is rebuilt at it
+                m, resized = None, resized + 1
+            m = m or self._add(path, linears[path], w.rank, w.alpha, dora=w.magnitude is not None)
             if (w.magnitude is None) != (m.dora_scale is None):
                 kinds = ("DoRA", "plain LoRA") if w.magnitude is not None else ("plain LoRA", "DoRA")
                 raise CheckpointError(f"{name}: LoRA module '{path}' is {kinds[0]} in the file, {kinds[1]} in the network "
@@ -546,26 +549,29 @@ class LoRANetwork(nn.Module):
             if w.magnitude is not None:
                 m.dora_scale.copy_(w.magnitude.reshape(-1, 1))
             m.set_alpha(w.alpha)
-        return {"loaded": len(weights), "added": len(set(weights) - set(by_path)), "missing": len(missing)}
+        return {"loaded": len(weights), "added": len(set(weights) - set(by_path)), "missing": len(missing),
+                "resized": resized}
 
-    @staticmethod
-    def _read(source, name: str, linears) -> dict[str, LoRAWeights]:
-        """{module path: LoRAWeights} of a file or state dict; a diffusion LoRA's text-encoder modules
-        (sd-scripts' lora_te1_ / lora_te3_) are left out with a warning: this network adapts the denoiser."""
-        tensors, metadata, config = read_lora_tensors(source) if isinstance(source, str) else (dict(source), None, None)
-        if is_lycoris_file(tensors):
+    def _read(self, source, name: str, linears) -> tuple[dict[str, LoRAWeights], set[str]]:
+        """({module path: LoRAWeights}, the modules whose rank a fused <-> split conversion set) of a file
+        or state dict; a diffusion LoRA's text-encoder modules (sd-scripts' lora_te1_ / lora_te3_) are
+        left out with a warning: this network adapts the denoiser."""
+        if is_lycoris_file(lora_reader(source)[0].keys() if isinstance(source, str) else source):
             raise CheckpointError(f"{name}: a LyCORIS file (LoKr / LoHa / ...); networks.lora reads down/up LoRAs: "
                                   f"set network_module = \"lycoris.kohya\" to load it")
-        tensors, te = split_text_encoders(tensors)
-        if te:
-            warnings.warn(f"{name}: left out {text_encoder_note(te)}: they adapt the text encoders, not this "
-                          f"network's model", stacklevel=4)  # fmt: skip
-        weights, _ = parse_lora(tensors, metadata, module_paths=linears, source=name, adapter_config=config)
-        return weights
+        module_map = self._module_map if self.spec.diffusers_module_map else None
+        read = read_for_model(source, self.arch, linears, module_map, name=name, strict=True)
+        if read.text_encoders and not read.weights:
+            raise CheckpointError(text_encoders_only(name, read.text_encoders))
+        if read.text_encoders:
+            warnings.warn(f"{name}: left out {text_encoder_note(read.text_encoders)}: they adapt the text encoders, "
+                          f"not this network's model", stacklevel=4)  # fmt: skip
+        return read.weights, read.regrouped
 
     @staticmethod
     def describe_loaded(counts: dict) -> str:
-        return (f"{counts['loaded']} LoRA modules loaded ({counts['added']} added for modules the file names), "
+        resized = f", {counts['resized']} rebuilt at the rank of their fused / split form" if counts.get("resized") else ""
+        return (f"{counts['loaded']} LoRA modules loaded ({counts['added']} added for modules the file names{resized}), "
                 f"{counts['missing']} start from their initial weights")
 
     @classmethod

@@ -5,6 +5,8 @@ and the merge's version check ask here."""
 
 from __future__ import annotations
 
+import re
+
 from library.io import CheckpointError
 from library.models.registry import arch_spec, arch_specs
 from library.models.spec import LoRAFiles, load_symbol
@@ -61,3 +63,23 @@ def variant_of(arch: str, tensors: dict, metadata: dict[str, str]) -> str:
 def detect_arch(tensors: dict, metadata: dict[str, str]) -> str:
     """The architecture of a LoRA from its names, metadata and shapes."""
     return variant_of(base_arch_of_names(tensors), tensors, metadata)
+
+
+def arch_of(modules: list[str]) -> tuple[str, str | None]:
+    """(arch, naming) of the first architecture with a module matching its info_markers (what
+    tools/lora_info.py reports); those that share another's names are tried before it (their markers are
+    the names only they have). ("unknown", None) when none matches."""
+    files = lora_files()
+    for arch in sorted(files, key=lambda a: files[a].names_of is None):
+        if (names := naming_of(arch, modules)) is not None:
+            return arch, names
+    return "unknown", None
+
+
+def naming_of(arch: str, modules: list[str]) -> str | None:
+    """The naming (bfl, diffusers, ...) of `arch`'s info_markers that a module name matches, else None."""
+    flat = [m.replace(".", "_") for m in modules]
+    for names, pattern in lora_files()[arch].info_markers:
+        if any(re.search(pattern, m) for m in flat):
+            return names
+    return None

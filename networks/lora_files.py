@@ -98,9 +98,9 @@ KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_
 TEXT_ENCODER_PREFIXES = {"lora_te1_": "CLIP-L", "lora_te2_": "CLIP-G", "lora_te3_": "T5-XXL"}
 PEFT_PREFIXES = ("transformer.", "diffusion_model.", "base_model.model.", "unet.", "model.diffusion_model.")
 COMFY_PREFIXES = ("diffusion_model.", "model.diffusion_model.", "transformer.")
-# Where a reader of the model's own names gives up: convert_lora reads every layout it knows (other
-# trainers' prefixes, the other naming of a model, ComfyUI's fused modules) and writes ours.
-CONVERT_ADVICE = "another trainer's names convert to ours with tools/convert_lora.py IN OUT --to kohya"
+# Where a name fits no module: networks/lora_reader.py reads every layout and naming a family knows, so a
+# name it cannot place is most likely another model's.
+NAME_ADVICE = "tools/lora_info.py tells which model a LoRA is for"
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' safetensors header entry (PEFT config json)
 FOLDED_MARK = "lora_alpha_folded"  # header entry of our PEFT-layout outputs: alpha / rank is inside lora_B
 
@@ -120,11 +120,12 @@ def kohya_name(path: str, prefix: str = "lora_unet") -> str:
     return f"{prefix}_{path.replace('.', '_')}"
 
 
-def resolve_kohya_names(names, module_paths) -> dict[str, str]:
+def resolve_kohya_names(names, module_paths, strict: bool = True) -> dict[str, str]:
     """Map kohya module names (any prefix of KOHYA_PREFIXES) back to dotted module paths.
 
     '_' is ambiguous (`img_attn` vs `img.attn`), so the answer comes from the model's own module
-    paths. Raises CheckpointError naming the first name that fits no module."""
+    paths. strict: a name that fits no module is a CheckpointError naming it; otherwise it maps to
+    itself (the caller reports it as a module the model lacks)."""
     by_flat: dict[str, str] = {}
     for path in module_paths:
         flat = path.replace(".", "_")
@@ -135,9 +136,12 @@ def resolve_kohya_names(names, module_paths) -> dict[str, str]:
     for name in names:
         prefix = next((p for p in KOHYA_PREFIXES if name.startswith(p)), None)
         flat = name[len(prefix) :] if prefix else None
+        if flat not in by_flat and not strict:
+            resolved[name] = name
+            continue
         if flat not in by_flat:
             raise CheckpointError(f"LoRA module '{name}' matches no module of the model (expected lora_unet_<module path>; "
-                                  f"{CONVERT_ADVICE})")
+                                  f"{NAME_ADVICE})")
         resolved[name] = by_flat[flat]
     return resolved
 
@@ -240,12 +244,13 @@ def _pattern_alpha(path: str, default, patterns: dict):
 
 
 def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, module_paths=None, source="LoRA",
-               adapter_config: dict | None = None):
+               adapter_config: dict | None = None, strict: bool = True):
     """Tensors of a LoRA file -> (weights, format).
 
     Keys of `weights` are dotted module paths when they can be known: always for peft/comfy files
     (prefix stripped), for kohya files when `module_paths` is given; otherwise the kohya names.
-    adapter_config: a PEFT folder's adapter_config.json (lora_alpha, alpha_pattern, use_rslora)."""
+    adapter_config: a PEFT folder's adapter_config.json (lora_alpha, alpha_pattern, use_rslora).
+    strict: a kohya name that fits none of `module_paths` is an error (else it keeps its kohya name)."""
     metadata = metadata or {}
     try:  # what the names say (layout, modules): an error here names the file
         fmt = detect_format(tensors)
@@ -254,7 +259,7 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
             module, part = _split_key(key)
             groups.setdefault(module, {})[part] = tensor
         if fmt == "kohya":
-            rename = resolve_kohya_names(groups, module_paths) if module_paths is not None else {m: m for m in groups}
+            rename = resolve_kohya_names(groups, module_paths, strict) if module_paths is not None else {m: m for m in groups}
             prefix = ""
         else:
             prefix = _common_prefix(list(groups), PEFT_PREFIXES if fmt == "peft" else COMFY_PREFIXES)

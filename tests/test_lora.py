@@ -376,9 +376,17 @@ def test_load_weights_rejects_foreign_or_misshapen_modules(tmp_path):
     with pytest.raises(CheckpointError, match=r"'lora_te_model_layers_0_self_attn_q_proj' down \(3, 8\) / up \(6, 2\)"):
         net.load_weights(wrong_rank)
     foreign = dict(net.state_dict())
-    foreign["lora_te_model_layers_7_mlp_up_proj.alpha"] = torch.tensor(1.0)
-    with pytest.raises(CheckpointError, match="matches no module"):
+    foreign["lora_te_model_layers_7_mlp_up_proj.alpha"] = torch.tensor(1.0)  # an LLM name (the reader knows them), no tensors
+    with pytest.raises(CheckpointError, match="module 'lora_te_model_layers_7_mlp_up_proj' has no down weight"):
         net.load_weights(foreign)
+    foreign.update({"lora_te_model_layers_7_mlp_up_proj.lora_down.weight": torch.zeros(2, 8),
+                    "lora_te_model_layers_7_mlp_up_proj.lora_up.weight": torch.zeros(8, 2)})
+    with pytest.raises(CheckpointError, match="module 'model.layers.7.mlp.up_proj' is not a Linear of this llm model"):
+        net.load_weights(foreign)  # a layer this model lacks
+    foreign = {**net.state_dict(), "lora_te_vision_proj.lora_down.weight": torch.zeros(2, 8),
+               "lora_te_vision_proj.lora_up.weight": torch.zeros(8, 2)}
+    with pytest.raises(CheckpointError, match="'lora_te_vision_proj' matches no module"):
+        net.load_weights(foreign)  # a name of no LLM
 
 
 def test_resolve_kohya_names_uses_module_paths():

@@ -343,6 +343,16 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert rc == 2 and err.startswith("error: ") and message in err and len(err.splitlines()) == 1
 
 
+def test_cli_lora_of_another_model_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """The old doctor loaded the bf16 model, then said "... convert_lora.py IN OUT --to kohya"."""
+    qwen = str(tmp_path / "qwen.safetensors")
+    LoRANetwork(tiny_qwen(), "qwen_image", 4, 4.0).save(qwen)
+    monkeypatch.setattr(doctor, "disk_variant", lambda *a, **k: pytest.fail("the model loaded before the LoRA was checked"))
+    rc = doctor.main(["--model_type", "flux", "--model", qwen, "--lora", f"{qwen}:0.5", "--out", str(tmp_path / "r")])
+    assert rc == 2 and capsys.readouterr().err.strip() == (
+        f"error: {qwen}: a LoRA for Qwen-Image (tools/lora_info.py: arch qwen_image, diffusers names), not for this FLUX.1 model")
+
+
 @pytest.mark.parametrize("mode", ["fp8", "fp8_scaled"])
 def test_merging_while_loading_from_disk_gives_the_in_memory_merged_codes(tmp_path, mode):
     from library.models.flux1.checkpoint import save_flux_bfl

@@ -92,6 +92,22 @@ def test_bad_sigmas_and_unused_loras_are_one_line_before_training(tiny_set, tmp_
     assert not any(p.startswith("train_") for p in os.listdir(tmp_path / "m"))
 
 
+def test_a_given_lora_of_another_model_is_one_line_before_training(tiny_set, tmp_path, capsys):
+    """--loras files were first read after the other rows had trained (minutes), and then said "convert_lora"."""
+    from library.models.qwen_image.model import load_qwen_image
+    from networks.lora import LoRANetwork
+
+    qwen = str(tmp_path / "qwen_lora.safetensors")
+    LoRANetwork(load_qwen_image(tiny_set["qwen_image"]), "qwen_image", 4, 4.0).save(qwen)
+    config = write_config(tmp_path, tiny_set, "flux")
+    assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "m"), "--rows", "bf16,fp8",
+                                  "--loras", f"fp8={qwen}"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {qwen}: a LoRA for Qwen-Image (tools/lora_info.py: arch qwen_image, diffusers names), "
+                   f"not for this FLUX.1 model"]
+    assert not any(p.startswith("train_") for p in os.listdir(tmp_path / "m"))
+
+
 def test_an_llm_config_is_refused_as_such(tiny_set, tmp_path, capsys):
     """The old line blamed sample_prompts, a key the tool itself adds for its training runs."""
     config = tmp_path / "llm.toml"

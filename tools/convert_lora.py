@@ -44,7 +44,6 @@ ComfyUI reads, `lora_magnitude_vector` [out] in diffusers/PEFT files); it is per
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 if __package__ in (None, ""):  # run as a script: make `library` importable
@@ -85,7 +84,6 @@ from networks.lora_files import (  # noqa: E402
     diffusers_to_bfl,
     kohya_state_dict,
     naming,
-    parse_lora,
     peft_alpha_known,
     read_lora_tensors,
     split_text_encoders,
@@ -94,6 +92,7 @@ from networks.lora_files import (  # noqa: E402
     write_peft,
     write_peft_folder,
 )
+from networks.lora_reader import lora_in_our_names  # noqa: E402
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
 from networks.lora_arch import detect_arch, lora_files, title_list  # noqa: E402
 from tools.lora_common import check_output_path, warn_unknown_peft_alpha  # noqa: E402
@@ -102,22 +101,14 @@ DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "forma
 LAYOUT_ADVICE = {"diffusers": "--to diffusers", "comfy": "--to comfy", "peft": "--to peft (a PEFT adapter folder)"}
 
 
-def block_counts(keys, pattern: str) -> dict[str, int]:
-    """Block kind -> count (highest index + 1) named anywhere in the keys (pattern: the spec's block_pattern)."""
-    counts: dict[str, int] = {}
-    for key in keys:
-        for kind, index in re.findall(pattern, key) if pattern else ():
-            counts[kind] = max(counts.get(kind, 0), int(index) + 1)
-    return counts
-
-
 # ----------------------------------------------------------------------------------------------
 # Conversion
 
 
 def read_source(path: str, model_type: str | None):
     """-> (weights by dotted module path, metadata, format, model type (its arch), alpha known?, block
-    counts, the text encoders' tensors as read: split_text_encoders)."""
+    counts, the text encoders' tensors as read: split_text_encoders). The layouts are read by
+    networks/lora_reader.py, the reader every LoRA-applying tool shares."""
     tensors, metadata, adapter_config = read_lora_tensors(path)  # a file, or a PEFT adapter folder
     if is_lycoris_file(tensors):
         raise CheckpointError(f"{path}: {lycoris_refusal()}")
@@ -125,18 +116,11 @@ def read_source(path: str, model_type: str | None):
     if te and not tensors:
         raise CheckpointError(f"{path}: holds only {text_encoder_note(te)}; convert_lora converts a transformer's LoRA")
     try:
-        fmt = detect_format(tensors)
+        detect_format(tensors)  # a key of no layout is named before the architecture is looked for
         model_type = model_type or detect_arch(tensors, metadata)
     except CheckpointError as e:
         raise naming(path, e) from None
-    files = lora_files()[model_type]
-    counts = block_counts(tensors, files.block_pattern)
-    paths = load_symbol(files.module_paths)(counts)
-    weights, _ = parse_lora(tensors, metadata, paths if fmt == "kohya" else None, source=path, adapter_config=adapter_config)
-    if files.comfy_map:  # modules in ComfyUI's own names -> ours (a fused one split by rows)
-        comfy_map = load_symbol(files.comfy_map)(weights, counts)
-        named = {p: w for p, w in weights.items() if p in comfy_map}
-        weights = {**{p: w for p, w in weights.items() if p not in named}, **bfl_to_diffusers(named, comfy_map)}
+    weights, fmt, counts, _ = lora_in_our_names(tensors, metadata, adapter_config, model_type, source=path)
     return weights, metadata, fmt, model_type, peft_alpha_known(tensors, metadata, adapter_config), counts, te
 
 

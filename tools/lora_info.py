@@ -67,7 +67,7 @@ from networks.lora_files import (  # noqa: E402
     text_encoder_note,
 )
 from networks.lycoris_network import is_lycoris_file, lycoris_kind  # noqa: E402
-from networks.lora_arch import lora_files, variant_of  # noqa: E402
+from networks.lora_arch import arch_of, lora_files, variant_of  # noqa: E402
 from tools.lora_common import FOLDED_MARK, one_line  # noqa: E402
 
 DORA_KEYS = (".dora_scale", ".lora_magnitude_vector")
@@ -88,18 +88,6 @@ def layout(keys: list[str]) -> str:
     if fmt == "peft" and all(k.startswith("transformer.") for k in keys):
         return "diffusers"
     return fmt
-
-
-def arch_of(modules: list[str]) -> tuple[str, str | None]:
-    """(arch, naming) of the first architecture with a module matching its info_markers; those that
-    share another's names are tried before it (their markers are the names only they have)."""
-    flat = [m.replace(".", "_") for m in modules]
-    files = lora_files()
-    for arch in sorted(files, key=lambda a: files[a].names_of is None):
-        for naming, pattern in files[arch].info_markers:
-            if any(re.search(pattern, m) for m in flat):
-                return arch, naming
-    return "unknown", None
 
 
 def block_counts(modules: list[str], arch: str) -> dict[str, int]:

@@ -11,11 +11,12 @@ how they name the model's modules (DiffusionFamily.checkpoint_names). OUT has th
 file for a file; for a folder, a folder with the same shard names and index plus the folder's small
 files (config.json, tokenizer files) copied. A pipeline folder gives a transformer folder.
 
-Each LoRA is `path[:ratio]` (ratio 1 when left out); any layout networks/lora_files.py reads
-(kohya, PEFT/diffusers, ComfyUI; for an LLM also a PEFT adapter folder, read with its
-adapter_config.json). Where a model's checkpoints come in two namings (BFL names and diffusers'),
-a LoRA may use either whatever the base's naming: fused modules (qkv, linear1) are split or joined by
-row through the family's module map.
+Each LoRA is `path[:ratio]` (ratio 1 when left out); any layout networks/lora_reader.py reads, the
+reader every LoRA-applying tool shares (kohya, OneTrainer's lora_transformer_, PEFT/diffusers, ComfyUI's
+layouts and own names; for an LLM also a PEFT adapter folder, read with its adapter_config.json); a
+LoRA whose names are another model's is refused naming it as tools/lora_info.py does. Where a model's
+checkpoints come in two namings (BFL names and diffusers'), a LoRA may use either whatever the base's
+naming: fused modules (qkv, linear1) are split or joined by row through the family's module map.
 
 Streaming: the output header is computed up front from shapes and dtypes, then each tensor is read,
 merged and written before the next is read, so peak memory is about two tensors of the largest size
@@ -121,18 +122,17 @@ from library.models.llm import checkpoint_key_to_llm  # noqa: E402
 from library.models.registry import FAMILIES, arch_specs  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from networks.lora_files import (  # noqa: E402
-    CONVERT_ADVICE,
     KOHYA_PREFIXES,
     LoRAWeights,
     bfl_to_diffusers,
     diffusers_to_bfl,
     input_files,
     merge_into_weight,
-    parse_lora,
     read_lora_tensors,
     split_text_encoders,
     text_encoder_note,
 )
+from networks.lora_reader import lora_for_model  # noqa: E402
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas  # noqa: E402
 from tools.cli import LoRASpec, parse_lora_spec  # noqa: E402,F401 (parse_lora_spec: merge_lora's callers use it)
 
@@ -308,6 +308,18 @@ def _resolve_kohya(names, module_paths) -> dict[str, str | None]:
     return out
 
 
+def _lycoris_weights(base: Base, spec: LoRASpec, tensors: dict) -> tuple[dict[str, LycorisDelta], list[str]]:
+    """A LyCORIS file's modules by the base's module paths, and its names that fit none."""
+    weights = lycoris_deltas(tensors)
+    paths = _resolve_kohya(weights, list(base.weight_key) + base.alternate_paths())
+    unmatched = [n for n, p in paths.items() if p is None]
+    weights = {paths[n]: w for n, w in weights.items() if paths[n] is not None}
+    try:
+        return _to_base_naming(base, weights), unmatched
+    except CheckpointError as e:
+        raise CheckpointError(f"{spec.path}: {e}") from None
+
+
 def _to_base_naming(base: Base, weights: dict[str, LoRAWeights]) -> dict[str, LoRAWeights]:
     """Translate modules named in module_map's other naming to the base's (BFL <-> diffusers)."""
     other = set(base.alternate_paths())
@@ -344,44 +356,35 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
 
 def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta]:
     """One LoRA file -> {checkpoint weight key: LoRAWeights or LycorisDelta}, checked against the
-    base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges)."""
+    base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges). A down/up LoRA is read
+    by networks/lora_reader.py (every layout convert_lora reads, in the base's naming)."""
     name = os.path.basename(spec.path)
     tensors, metadata, adapter_config = read_lora_tensors(spec.path)  # a file, or a PEFT adapter folder
-    tensors, te = split_text_encoders(tensors)
-    if te and not tensors:
+    body, te = split_text_encoders(tensors)
+    if te and not body:
         raise CheckpointError(f"{spec.path}: holds only {text_encoder_note(te)}; merge_lora merges into the transformer")
     if te:  # sd-scripts' files: CLIP-L / T5-XXL modules beside the transformer's
         print(f"warning: {name}: skipped {text_encoder_note(te)}: they adapt the text encoders, not the transformer "
               f"merged here", file=sys.stderr)  # fmt: skip
-    if is_lycoris_file(tensors):  # LoKr, LoHa, ...: kohya names only, no BFL <-> diffusers translation
-        weights, fmt = lycoris_deltas(tensors), "kohya"
+    if is_lycoris_file(body):  # LoKr, LoHa, ...: kohya names only, no BFL <-> diffusers translation
+        weights, unmatched = _lycoris_weights(base, spec, body)
     else:
-        weights, fmt = parse_lora(tensors, metadata, None, source=spec.path, adapter_config=adapter_config)
-    known = list(base.weight_key) + base.alternate_paths()
-    if fmt == "kohya":
-        paths = _resolve_kohya(weights, known)
-    else:
-        known = set(known)
-        paths = {p: (p if p in known else None) for p in weights}
-    unmatched = [n for n, p in paths.items() if p is None]
-    weights = {paths[n]: w for n, w in weights.items() if paths[n] is not None}
-    try:
-        weights = _to_base_naming(base, weights)
-    except CheckpointError as e:
-        raise CheckpointError(f"{spec.path}: {e}") from None
+        weights = lora_for_model(body, metadata, adapter_config, base.family, base.weight_key, base.module_map,
+                                 target_is_key=base.native, name=spec.path).weights
+        unmatched = []
     unmatched += [p for p in weights if p not in base.weight_key]
     matched = {base.weight_key[p]: w for p, w in weights.items() if p in base.weight_key}
     if not matched:
         first = unmatched[0] if unmatched else "(none)"
         raise CheckpointError(
             f"{spec.path}: no LoRA module matches a weight of the {base.family} checkpoint {base.path} "
-            f"(first: '{first}'): is it a LoRA for another model? ({CONVERT_ADVICE} first)"
+            f"(first: '{first}'): is it a LoRA for another model? (tools/lora_info.py tells which)"
         )
     _check_version(base, spec, tensors, metadata)  # names fit: does the LoRA say it was trained on this model?
     if unmatched and not allow_unmatched:
         shown = ", ".join(unmatched[:5]) + (f" ... ({len(unmatched)} in all)" if len(unmatched) > 5 else "")
         raise CheckpointError(f"{spec.path}: LoRA modules match no weight of {base.path}: {shown} (--allow_unmatched skips "
-                              f"them; {CONVERT_ADVICE} first)")
+                              f"them)")
     if unmatched:
         print(f"warning: {name}: skipped {len(unmatched)} unmatched LoRA modules: {', '.join(unmatched)}", file=sys.stderr)
     for key, w in matched.items():

@@ -85,7 +85,9 @@ from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
 from library.precision.fp8_compute import enable_fp8_compute, fp8_gemm_available  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from networks.lora import LoRAModule, diffusers_module_map  # noqa: E402
-from networks.lora_files import LoRAWeights, diffusers_to_bfl, read_lora  # noqa: E402
+from networks.lora_files import LoRAWeights  # noqa: E402
+from networks.lora_reader import check_lora_arch, read_for_model  # noqa: E402
+from tools.cli import parse_lora_spec  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,19 +126,17 @@ def make_inputs(arch: str, config, width: int, height: int, seed: int = 0, text_
 
 def read_lora_for(model: nn.Module, arch: str, path: str, ratio: float = 1.0) -> dict[str, LoRAWeights]:
     """{module path of `model`: LoRAWeights (float32, ratio folded into alpha)} from any layout
-    networks/lora_files.py reads; a LoRA in the architecture's other naming (diffusers names for a
-    model built with BFL names) is converted through its module map."""
+    networks/lora_reader.py reads (the reader every LoRA-applying tool shares). A DoRA file is refused:
+    the runtime and merged columns here add plain low-rank deltas."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, FP8Linear))}
-    module_map = diffusers_module_map(arch, model.config)
-    alternates = sorted({d for parts in module_map.values() for d, _, _ in parts}) if module_map else []
-    weights, _, _ = read_lora(path, module_paths=list(linears) + alternates)
-    foreign = {p: w for p, w in weights.items() if p not in linears and p in alternates}
-    if foreign:
-        weights = {**{p: w for p, w in weights.items() if p not in foreign}, **diffusers_to_bfl(foreign, module_map)}
+    read = read_for_model(path, arch, linears, lambda: diffusers_module_map(arch, model.config), strict=True)
     out = {}
-    for p, w in weights.items():
+    for p, w in read.weights.items():
         if p not in linears:
             raise CheckpointError(f"{path}: LoRA module '{p}' is not a Linear of this {arch} model")
+        if w.magnitude is not None:
+            raise CheckpointError(f"{path}: LoRA module '{p}' is DoRA; the precision tools apply and merge plain LoRAs "
+                                  f"(merge it with tools/merge_lora.py and compare bases instead)")
         m = linears[p]
         if (w.up.shape[0], w.down.shape[1]) != (m.out_features, m.in_features):
             raise CheckpointError(f"{path}: LoRA '{p}' gives a delta {(w.up.shape[0], w.down.shape[1])}, "
@@ -463,6 +463,8 @@ def main(argv=None) -> int:
         device = device_from_flag(args.device)
         if not os.path.exists(args.model):
             raise ValueError(f"--model {args.model}: no such file or folder")
+        if args.lora:  # headers only: not a LoRA, or another model's, is named before the model loads
+            check_lora_arch(parse_lora_spec(args.lora).path, lora_arch(args.model_type))
         run_doctor(args.model, lora_arch(args.model_type), args.lora, resolution, args.seed, timesteps, args.out, args.threshold,
                    args.text_len, args.skip_fp32, args.max_tokens,
                    str(device), args.inject_position_bug)

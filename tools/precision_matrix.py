@@ -109,6 +109,7 @@ from library.training.state import sample_seed  # noqa: E402
 from library.models.family import fp8_prepare  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 from library.models.spec import load_symbol  # noqa: E402
+from networks.lora_reader import check_lora_arch  # noqa: E402
 from tools.precision_doctor import apply_runtime_lora, disk_variant, read_lora_for  # noqa: E402
 
 
@@ -466,6 +467,8 @@ def main(argv=None, log=print) -> int:
         unused = [r for r in given if r not in rows]
         if unused:
             raise ValueError(f"--loras {unused[0]}=...: row {unused[0]!r} is not in --rows {cli.rows}; add it there")
+        for path in given.values():  # headers only: not a LoRA, or another model's, is named before any row trains
+            check_lora_arch(path, family.arch)
         concept_path = find_concept(cli.concept, base.dataset_config)
         bases = Bases(args.pretrained_model_name_or_path, family.arch, getattr(torch, DTYPES[cli.dtype]), cli.out, cli.seed)
         loras = {r: given.get(r) or train_row(r, cli.config_file, cli.out, overrides, bases) for r in rows}

@@ -26,6 +26,7 @@ from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
 from library.training import fsdp, memory_plan
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
+from library.training.lora_inputs import check_lora_inputs
 from library.training.state import sample_seed
 from library.training.validation import validation_loss
 from networks.factory import build_network, check_network_args
@@ -64,6 +65,7 @@ class DiffusionTask:
             check_network_args(args.network_module, self.family.arch, lora_network_args(args))
         except ValueError as e:
             raise ConfigError(f"{args.config_file or 'command line'}: {e}") from None
+        check_lora_inputs(args, self.family.arch)  # network_weights, base_loras: their headers, before caching
         self._check_stored_precision()
         self.compute_dtype = compute_dtype(args)
         self.blueprint = load_dataset_config(args.dataset_config)

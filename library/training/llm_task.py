@@ -26,6 +26,7 @@ from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss,
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
+from library.training.lora_inputs import check_lora_inputs
 from library.training.optim import drop_rows_after
 from library.training.state import read_progress
 from networks.factory import build_network
@@ -107,6 +108,8 @@ class LLMTask:
         self.autocast_dtype = self.dtype if args.pretrain else None
         path = args.pretrained_model_name_or_path
         refuse_other_weight_formats(path)
+        if not args.pretrain:
+            check_lora_inputs(args, "llm")  # network_weights: its header, before the model loads
         self.tokenizer = load_tokenizer(path)
         documents = load_text_corpus(args.train_data)  # read before the model: a bad train_data entry fails at once
         self.stored_precision = None  # a pre-quantized base's layout (_base_prepare)

@@ -1,0 +1,202 @@
+"""The one reader of LoRA files for everything that applies one to a model: generate.py's --lora,
+the trainer's network_weights and base_loras, tools/merge_lora.py, the precision tools, and
+tools/convert_lora.py's input. Every layout networks/lora_files.py parses (kohya `lora_unet_*` /
+OneTrainer's `lora_transformer_*`, diffusers/PEFT `transformer.*`, ComfyUI `diffusion_model.*`, PEFT
+adapter folders) in either naming of the architecture (its spec's LORA_FILES.module_paths list both),
+and ComfyUI's own names of a model that fuses modules ours split (LORA_FILES.comfy_map), become in
+memory `{module path of the target: LoRAWeights}`:
+
+1. kohya names resolved against the target's paths and the architecture's (`lora_in_our_names`);
+2. ComfyUI's own names -> ours, a fused module split by rows (down shared: exact);
+3. the architecture's other naming -> the target's (`to_target_names`, through a module map): a fused
+   module joined from parts that share one down keeps it; parts with their own downs are stacked along
+   the rank with each part's scale folded into a block-diagonal up, so the delta is exact and the
+   rank is the parts' sum (`LoRARead.regrouped`).
+
+A file whose names are another architecture's is refused in one line that says which, as
+tools/lora_info.py reports it (`foreign_arch_error`; `check_lora_arch` does it from the header alone).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from library.io import CheckpointError
+from library.models.registry import arch_spec
+from library.models.spec import load_symbol
+from networks.lora_arch import arch_of, detect_arch, lora_files, naming_of
+from networks.lora_files import (
+    LoRAWeights,
+    _split_key,
+    bfl_to_diffusers,
+    detect_format,
+    diffusers_to_bfl,
+    lora_reader,
+    naming,
+    parse_lora,
+    peft_alpha_known,
+    read_lora_tensors,
+    split_text_encoders,
+    text_encoder_note,
+)
+
+
+@dataclass
+class LoRARead:
+    weights: dict[str, LoRAWeights]  # module path -> LoRA; a path the target lacks is the caller's to report
+    metadata: dict[str, str]
+    fmt: str  # "kohya" | "peft" | "comfy": the layout on disk
+    alpha_known: bool  # False: a PEFT file storing its alpha nowhere (read as alpha = rank)
+    text_encoders: dict[str, torch.Tensor] = field(default_factory=dict)  # sd-scripts' lora_te1_ / lora_te3_, left out
+    # modules whose rank a fused <-> split conversion set: a fused module joined from parts with their own
+    # downs (rank summed), or a part split from a fused module of ComfyUI's (the fused module's rank)
+    regrouped: set[str] = field(default_factory=set)
+
+
+def block_counts(keys, pattern: str) -> dict[str, int]:
+    """Block kind -> count (highest index + 1) named anywhere in the keys (pattern: the spec's block_pattern)."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        for kind, index in re.findall(pattern, key) if pattern else ():
+            counts[kind] = max(counts.get(kind, 0), int(index) + 1)
+    return counts
+
+
+def lora_in_our_names(tensors: dict, metadata: dict[str, str], adapter_config: dict | None, arch: str,
+                      extra_paths=(), source: str = "LoRA", strict: bool = True):
+    """Tensors of one architecture's LoRA -> ({module path: LoRAWeights}, format, block counts, the modules
+    split from ComfyUI's fused ones), in our names or the architecture's other naming (steps 1 and 2 of the
+    module docstring). strict: a kohya name that fits no path is an error; else it stays as the file spells it."""
+    files = lora_files().get(arch)
+    counts = block_counts(tensors, files.block_pattern) if files else {}
+    known = load_symbol(files.module_paths)(counts) if files and files.module_paths else []
+    paths = list(dict.fromkeys([*extra_paths, *known]))
+    try:
+        fmt = detect_format(tensors)
+    except CheckpointError as e:
+        raise naming(source, e) from None
+    weights, _ = parse_lora(tensors, metadata, paths if fmt == "kohya" else None, source=source,
+                            adapter_config=adapter_config, strict=strict)
+    split = {}
+    if files and files.comfy_map:  # modules in ComfyUI's own names -> ours (a fused one split by rows)
+        comfy_map = load_symbol(files.comfy_map)(weights, counts)
+        named = {p: w for p, w in weights.items() if p in comfy_map}
+        split = bfl_to_diffusers(named, comfy_map)
+        weights = {**{p: w for p, w in weights.items() if p not in named}, **split}
+    return weights, fmt, counts, set(split)
+
+
+def to_target_names(weights: dict[str, LoRAWeights], paths, module_map: dict | None, target_is_key: bool = True):
+    """(weights with the modules named in the module map's other naming converted to the target's, the
+    fused modules joined from parts with their own downs). module_map: {key path: [(other path, row0, row1)]};
+    target_is_key: the target names its modules as the map's keys (ours: BFL names), else as its values."""
+    if not module_map:
+        return weights, set()
+    own = set(paths)
+    other = ({d for parts in module_map.values() for d, _, _ in parts} if target_is_key else set(module_map)) - own
+    foreign = {p: w for p, w in weights.items() if p in other}
+    if not foreign:
+        return weights, set()
+    kept = {p: w for p, w in weights.items() if p not in foreign}
+    if not target_is_key:
+        return {**kept, **bfl_to_diffusers(foreign, module_map)}, set()
+    converted = diffusers_to_bfl(foreign, module_map)
+    joined = {p for p, w in converted.items() if w.rank != max(foreign[d].rank for d, _, _ in module_map[p] if d in foreign)}
+    return {**kept, **converted}, joined
+
+
+def read_for_model(source, arch: str, paths, module_map=None, target_is_key: bool = True, name: str | None = None,
+                   strict: bool = False) -> LoRARead:
+    """A LoRA file (path: a .safetensors or PEFT adapter folder) or tensor dict -> its modules in the
+    target's names (lora_for_model)."""
+    name = name or (source if isinstance(source, str) else "state dict")
+    tensors, metadata, config = read_lora_tensors(source) if isinstance(source, str) else (dict(source), {}, None)
+    return lora_for_model(tensors, metadata, config, arch, paths, module_map, target_is_key, name, strict)
+
+
+def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict | None, arch: str, paths,
+                   module_map=None, target_is_key: bool = True, name: str = "LoRA", strict: bool = False) -> LoRARead:
+    """A LoRA's tensors -> its modules in the target's names. paths: the target's module paths; module_map:
+    its BFL <-> diffusers map, or a function building it (called only when the file names a module outside
+    `paths`); None for a target in the model's own names: the architecture's map sized from the LoRA's
+    shapes (LORA_FILES.module_map). target_is_key: see to_target_names. LyCORIS files are the caller's."""
+    tensors, te = split_text_encoders(tensors)
+    if te and not tensors:  # sd-scripts' text encoders alone: nothing for the model (an empty file is an error below)
+        return LoRARead({}, dict(metadata), "kohya", True, te)
+    if (error := foreign_arch_error(name, tensors, metadata, arch)) is not None:
+        raise CheckpointError(error)
+    paths = list(paths)
+    weights, fmt, counts, split = lora_in_our_names(tensors, metadata, adapter_config, arch, paths, source=name, strict=strict)
+    other_naming = any(p not in set(paths) for p in weights)
+    files = lora_files().get(arch)
+    if callable(module_map):
+        module_map = module_map() if other_naming else None
+    elif module_map is None and target_is_key and other_naming and files and files.module_map:
+        module_map = load_symbol(files.module_map)(weights, counts)  # sized from the LoRA's shapes, as convert_lora does
+    try:
+        weights, joined = to_target_names(weights, paths, module_map, target_is_key)
+    except CheckpointError as e:
+        raise naming(name, e) from None
+    alpha_known = peft_alpha_known(tensors, metadata, adapter_config)
+    return LoRARead(weights, dict(metadata), fmt, alpha_known, te, (split & set(weights)) | joined)
+
+
+# ----------------------------------------------------------------------------------------------
+# Another architecture's LoRA
+
+
+def foreign_arch(tensors: dict, metadata: dict[str, str], arch: str) -> str | None:
+    """The architecture a LoRA's names say it is for, when that is not `arch`: names only another
+    architecture has, or a variant sharing `arch`'s names that claims the file (its `recognise`). None
+    when the names fit `arch` or tell nothing (attention projections many models have)."""
+    files = lora_files()
+    if arch not in files:
+        return None
+    try:
+        found = detect_arch(tensors, metadata)
+    except CheckpointError:  # no telling names
+        return None
+    base = lambda a: files[a].names_of or a  # noqa: E731
+    if base(found) != base(arch) or (found != arch and files[found].names_of):
+        return found
+    return None
+
+
+def foreign_arch_error(name: str, tensors: dict, metadata: dict[str, str], arch: str) -> str | None:
+    """One line for a LoRA of another architecture than `arch` (None when it is not one), naming what
+    tools/lora_info.py reports for it."""
+    found = foreign_arch(tensors, metadata, arch)
+    if found is None:
+        return None
+    modules = [_module_name(k) for k in tensors]
+    names = naming_of(found, modules) or arch_of(modules)[1]  # a variant sharing its base's names: the base's naming
+    said = f"arch {found}" + (f", {names} names" if names else "")
+    title, target = arch_spec(found).title, arch_spec(arch).title
+    return f"{name}: a LoRA for {title} (tools/lora_info.py: {said}), not for this {target} model"
+
+
+def _module_name(key: str) -> str:
+    try:
+        return _split_key(key)[0]
+    except CheckpointError:  # a LyCORIS key: `lora_unet_<module>.<part>`
+        return key.split(".")[0]
+
+
+def check_lora_arch(path: str, arch: str) -> None:
+    """From the header alone (names, shapes, metadata): a LoRA file or PEFT folder of another architecture
+    than `arch` is a CheckpointError in one line, before any model loads."""
+    reader, _ = lora_reader(path)
+    shapes = {k: torch.empty(reader.shape(k), device="meta") for k in reader.keys()}
+    shapes, te = split_text_encoders(shapes)
+    if te and not shapes:
+        raise CheckpointError(text_encoders_only(path, te))
+    if shapes and (error := foreign_arch_error(path, shapes, dict(reader.metadata), arch)) is not None:
+        raise CheckpointError(error)
+
+
+def text_encoders_only(name: str, te: dict) -> str:
+    """The line for a LoRA of sd-scripts' text encoders alone: nothing in it adapts the transformer."""
+    return f"{name}: holds only {text_encoder_note(te)}; this LoRA adapts no module of the transformer"

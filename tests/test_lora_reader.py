@@ -1,0 +1,538 @@
+"""networks/lora_reader.py, the one LoRA reader: every tool that applies a LoRA (generate's --lora, the
+trainer's network_weights and base_loras, merge_lora into either naming of a checkpoint, the precision
+tools) reads every layout convert_lora reads, and applies the same deltas. Tiny FLUX.1 and Z-Image files
+in each layout are built once per session; each consumer's dense deltas are compared with the LoRA's own
+(float32 math on both sides)."""
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from library.io import CheckpointError
+from library.lora_spec import LoRASpec
+from library.models.flux1.checkpoint import flux_diffusers_module_map, save_flux_bfl, save_flux_diffusers
+from library.models.flux1.model import Flux, FluxConfig
+from library.models.qwen_image.model import QwenImage, QwenImageConfig
+from library.models.zimage.checkpoint import save_zimage_diffusers, save_zimage_single_file
+from library.models.zimage.model import ZImage
+from library.models.zimage.tiny import tiny_config as zimage_config
+from library.training.base_loras import merge_base_loras
+from networks import lora_files as lf
+from networks.factory import network_from_file
+from networks.lora import LoRANetwork
+from tools import convert_lora, merge_lora
+from tools.precision_doctor import read_lora_for
+
+FLUX_CFG = FluxConfig(in_channels=64, vec_in_dim=16, context_in_dim=32, hidden_size=64, num_heads=2, depth=1,
+                      depth_single=1, axes_dim=(4, 14, 14))  # fmt: skip
+TOL = 1e-5  # relative to the largest delta entry: float32, the same products summed in another order
+
+
+def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() == 2 else 10))
+    return model.eval()
+
+
+def random_lora(model, arch: str, **args) -> LoRANetwork:
+    torch.manual_seed(3)
+    net = LoRANetwork(model, arch, rank=4, alpha=2, network_args=args)
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.lora_up.weight.normal_(0, 0.2)
+    return net
+
+
+def dense(weights: dict) -> dict[str, torch.Tensor]:
+    return {p: w.delta() for p, w in weights.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts: our file converted by convert_lora, or renamed as other trainers write it
+
+
+def renamed(src: str, dst: str, rename) -> str:
+    save_file({rename(k): v for k, v in load_file(src).items()}, dst)
+    return dst
+
+
+def with_text_encoder(src: str, dst: str) -> str:
+    """sd-scripts' file: CLIP-L modules beside the transformer's (left out by every consumer)."""
+    tensors = load_file(src)
+    name = "lora_te1_text_model_encoder_layers_0_mlp_fc1"
+    tensors.update({f"{name}.lora_down.weight": torch.ones(4, 8), f"{name}.lora_up.weight": torch.ones(8, 4),
+                    f"{name}.alpha": torch.tensor(4.0)})
+    save_file(tensors, dst)
+    return dst
+
+
+def kohya_of_peft(src: str, dst: str, prefix: str) -> str:
+    """A diffusers file's modules as kohya names (`<prefix>_<diffusers path>`): OneTrainer's
+    lora_transformer_, and diffusers names under lora_unet_ (alpha folded: alpha = rank)."""
+    out = {}
+    for key, v in load_file(src).items():
+        module, part = key.removeprefix("transformer.").rsplit(".lora_", 1)
+        name = lf.kohya_name(module, prefix)
+        out[f"{name}.lora_{'down' if part.startswith('A') else 'up'}.weight"] = v
+        out.setdefault(f"{name}.alpha", torch.tensor(float(v.shape[0] if part.startswith("A") else v.shape[1])))
+    save_file(out, dst)
+    return dst
+
+
+def common_layouts(root, ours: str, model) -> dict[str, str]:
+    files = {"kohya (ours)": ours}
+    for to in ("diffusers", "comfy"):
+        files[to] = str(root / f"{to}.safetensors")
+        assert convert_lora.convert_lora(ours, files[to], to)["to"] == to
+    files["kohya + text encoder (sd-scripts)"] = with_text_encoder(ours, str(root / "te.safetensors"))
+    files["PEFT base_model.model."] = renamed(files["diffusers"], str(root / "peft.safetensors"),
+                                              lambda k: k.replace("transformer.", "base_model.model.", 1))
+    paths = {lf.kohya_name(p): p for p, _ in model.named_modules() if p}  # '_' in names: dotted from the model's
+    files["ComfyUI dotted lora_down"] = renamed(ours, str(root / "comfy_down.safetensors"),
+                                                lambda k: "diffusion_model." + paths[k.split(".")[0]] + k[len(k.split(".")[0]):])
+    return files
+
+
+# ----------------------------------------------------------------------------------------------
+# FLUX.1: BFL-named model (fused qkv, linear1), files in BFL or diffusers names
+
+
+@pytest.fixture(scope="session")
+def flux(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reader_flux")
+    model = randomized(Flux(FLUX_CFG), 1)
+    save_flux_bfl(model, str(root / "base.safetensors"))
+    save_flux_diffusers(model, FLUX_CFG, str(root / "diffusers"))
+    net = random_lora(model, "flux", train_modulation=True)
+    ours = str(root / "ours.safetensors")
+    net.save(ours)
+    files = common_layouts(root, ours, model)
+    files["OneTrainer lora_transformer_ (diffusers names)"] = kohya_of_peft(files["diffusers"], str(root / "ot.safetensors"), "lora_transformer")
+    files["lora_unet_ in diffusers names"] = kohya_of_peft(files["diffusers"], str(root / "ku.safetensors"), "lora_unet")
+    split, split_reference = split_downs_lora(root)
+    cases = {name: (path, dense(net.lora_weights())) for name, path in files.items()}
+    cases["diffusers q / k / v with their own downs"] = (split, split_reference)
+    return {"root": root, "model": model, "cases": cases}
+
+
+def split_downs_lora(root) -> tuple[str, dict[str, torch.Tensor]]:
+    """A diffusers FLUX.1 LoRA as diffusers / ai-toolkit train it: every split module (to_q, to_k, to_v, proj_mlp
+    ...) with its own down, alpha 2 in diffusers' adapter-config header (pipeline-level keys); and the oracle: each module's own
+    delta (alpha / r) B @ A, placed at its rows of the fused BFL module (what diffusers applies, module by module)."""
+    in_features = {p: m.in_features for p, m in Flux(FLUX_CFG).named_modules() if isinstance(m, torch.nn.Linear)}
+    g = torch.Generator().manual_seed(9)
+    tensors, reference = {}, {}
+    for bfl, parts in flux_diffusers_module_map(1, 1, 64, 256, 64, FLUX_CFG.guidance_embed).items():
+        reference[bfl] = torch.zeros(max(end for _, _, end in parts), in_features[bfl])
+        for d in dict.fromkeys(d for d, _, _ in parts):  # a module's rows may be several ranges (norm_out: shift, scale)
+            ranges = [(start, end) for name, start, end in parts if name == d]
+            down = torch.randn(4, in_features[bfl], generator=g)
+            up = torch.randn(sum(end - start for start, end in ranges), 4, generator=g) * 0.2
+            tensors[f"transformer.{d}.lora_A.weight"], tensors[f"transformer.{d}.lora_B.weight"] = down, up
+            delta, row = 0.5 * up @ down, 0  # alpha 2 / rank 4
+            for start, end in ranges:
+                reference[bfl][start:end], row = delta[row : row + end - start], row + end - start
+    path = str(root / "split.safetensors")  # the adapter config as a pipeline's save_lora_weights writes it
+    modules = sorted(k.removeprefix("transformer.").removesuffix(".lora_A.weight") for k in tensors if k.endswith("lora_A.weight"))
+    config = {"transformer.r": 4, "transformer.lora_alpha": 2, "transformer.target_modules": modules}
+    save_file(tensors, path, metadata={lf.ADAPTER_METADATA_KEY: json.dumps(config)})
+    return path, reference
+
+
+# ----------------------------------------------------------------------------------------------
+# Z-Image: diffusers-named model (split q / k / v); ComfyUI's own names fuse them
+
+
+@pytest.fixture(scope="session")
+def zimage(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reader_zimage")
+    model = randomized(ZImage(zimage_config()), 2)
+    save_zimage_single_file(model, str(root / "base.safetensors"), zimage_config())
+    save_zimage_diffusers(model, zimage_config(), str(root / "diffusers"))
+    net = random_lora(model, "zimage")
+    ours = str(root / "ours.safetensors")
+    net.save(ours)
+    files = common_layouts(root, ours, model)
+    files["ComfyUI's own names (fused qkv, musubi-tuner)"] = comfy_own_zimage(net.lora_weights(), str(root / "own.safetensors"))
+    return {"root": root, "model": model, "cases": {n: (p, dense(net.lora_weights())) for n, p in files.items()}}
+
+
+def comfy_own_zimage(weights: dict, path: str) -> str:
+    """musubi-tuner's convert_z_image_lora_to_comfy.py form: q / k / v fused (downs stacked, ups
+    block-diagonal with each part's scale, alpha = the new rank), out renamed attention.out."""
+    out = {}
+    for p, w in weights.items():
+        if p.endswith((".attention.to_k", ".attention.to_v")):
+            continue
+        if p.endswith(".attention.to_q"):
+            block = p[: -len(".attention.to_q")]
+            parts = [weights[f"{block}.attention.to_{c}"] for c in "qkv"]
+            down = torch.cat([x.down for x in parts])
+            out[f"{block}.attention.qkv"] = lf.LoRAWeights(down, torch.block_diag(*[x.up * x.scale for x in parts]), 12.0)
+        else:
+            out[p.replace("attention.to_out.0", "attention.out")] = w
+    lf.write_kohya(out, path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Consumers: each returns {the model's module path, or the checkpoint's weight name: dense delta}
+
+
+def generate_reads(model, arch, path, root):  # generate.py --lora (and output_error, concept_demo)
+    return dense(network_from_file(model, arch, path).lora_weights())
+
+
+def network_weights_reads(model, arch, path, root):  # the trainer's network_weights: rank 4, default targets
+    net = LoRANetwork(model, arch, rank=4, alpha=2, network_args={"train_modulation": True} if arch == "flux" else {})
+    counts = net.load_weights(path, strict=False)
+    assert counts["loaded"] > 0
+    return {p: d for p, d in dense(net.lora_weights()).items() if d.abs().max() > 0}  # untouched modules: up = 0
+
+
+def base_loras_reads(model, arch, path, root):  # the trainer's base_loras: merged into a copy of the base
+    merged = copy.deepcopy(model)
+    merge_base_loras(merged, arch, [LoRASpec(path, 1.0)])
+    before, after = dict(model.named_modules()), dict(merged.named_modules())
+    return {p: after[p].weight - before[p].weight for p in before
+            if isinstance(before[p], torch.nn.Linear) and not torch.equal(after[p].weight, before[p].weight)}
+
+
+def precision_tools_read(model, arch, path, root):  # precision_doctor / precision_matrix
+    return dense(read_lora_for(model, arch, path))
+
+
+def merge_reads(checkpoint: str):
+    def reads(model, arch, path, root):
+        base = merge_lora.open_base(str(root / checkpoint))
+        return {k.removesuffix(".weight"): w.delta() for k, w in merge_lora.lora_deltas(base, LoRASpec(path, 1.0), False).items()}
+
+    return reads
+
+
+CONSUMERS = {"generate": generate_reads, "network_weights": network_weights_reads, "base_loras": base_loras_reads,
+             "precision_tools": precision_tools_read, "merge_lora": merge_reads("base.safetensors"),
+             "merge_lora into the other naming": merge_reads("diffusers")}  # fmt: skip
+
+
+def expected_in(checkpoint_naming: str, root, reference: dict) -> dict:
+    """The reference deltas named as the consumer names them: the model's modules, or a checkpoint's
+    weights in its naming (rows of fused modules joined or split through the checkpoint's module map)."""
+    if checkpoint_naming is None:
+        return reference
+    base = merge_lora.open_base(str(root / checkpoint_naming))
+    if base.module_map is None:
+        return reference
+    out = {}
+    if base.native:  # the checkpoint fuses modules the model splits (Z-Image's single file)
+        for fused, parts in base.module_map.items():
+            if all(d in reference for d, _, _ in parts):
+                out[fused] = torch.cat([reference[d] for d, _, _ in parts])
+        return {**{p: d for p, d in reference.items() if p not in {d for ps in base.module_map.values() for d, _, _ in ps}}, **out}
+    for own, parts in base.module_map.items():  # the checkpoint splits modules the model fuses (a diffusers folder)
+        for d, start, end in parts if own in reference else ():
+            out[d] = reference[own][start:end] if d not in out else torch.cat([out[d], reference[own][start:end]])
+    return {**{p: d for p, d in reference.items() if p not in base.module_map}, **out}
+
+
+def assert_same_deltas(got: dict, want: dict):
+    assert set(got) == set(want)
+    for p, d in want.items():
+        assert (got[p] - d).abs().max() <= TOL * d.abs().max(), p
+
+
+FLUX_CASES = ["kohya (ours)", "diffusers", "comfy", "kohya + text encoder (sd-scripts)", "PEFT base_model.model.",
+              "ComfyUI dotted lora_down", "OneTrainer lora_transformer_ (diffusers names)", "lora_unet_ in diffusers names",
+              "diffusers q / k / v with their own downs"]  # fmt: skip
+ZIMAGE_CASES = ["kohya (ours)", "diffusers", "comfy", "kohya + text encoder (sd-scripts)", "PEFT base_model.model.",
+                "ComfyUI dotted lora_down", "ComfyUI's own names (fused qkv, musubi-tuner)"]  # fmt: skip
+
+
+def checkpoint_of(consumer: str):
+    return {"merge_lora": "base.safetensors", "merge_lora into the other naming": "diffusers"}.get(consumer)
+
+
+@pytest.mark.filterwarnings("ignore:.*text-encoder")
+@pytest.mark.parametrize("layout", FLUX_CASES)
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_every_consumer_applies_every_flux_layout_exactly(flux, consumer, layout):
+    path, reference = flux["cases"][layout]
+    got = CONSUMERS[consumer](flux["model"], "flux", path, flux["root"])
+    assert_same_deltas(got, expected_in(checkpoint_of(consumer), flux["root"], reference))
+
+
+@pytest.mark.filterwarnings("ignore:.*text-encoder")
+@pytest.mark.parametrize("layout", ZIMAGE_CASES)
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_every_consumer_applies_every_zimage_layout_exactly(zimage, consumer, layout):
+    path, reference = zimage["cases"][layout]
+    got = CONSUMERS[consumer](zimage["model"], "zimage", path, zimage["root"])
+    assert_same_deltas(got, expected_in(checkpoint_of(consumer), zimage["root"], reference))
+
+
+# ----------------------------------------------------------------------------------------------
+# Another family's LoRA: one line saying what tools/lora_info.py says, before any model loads
+
+QWEN_CFG = QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 12, 12))
+
+
+@pytest.fixture(scope="session")
+def qwen_lora(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("reader_qwen") / "qwen_lora.safetensors")
+    random_lora(QwenImage(QWEN_CFG), "qwen_image").save(path)
+    return path
+
+
+def qwen_on_flux(path: str) -> str:
+    from tools import lora_info
+
+    info = lora_info.read_info(path)
+    assert (info["arch"], info["naming"]) == ("qwen_image", "diffusers")
+    return f"{path}: a LoRA for Qwen-Image (tools/lora_info.py: arch qwen_image, diffusers names), not for this FLUX.1 model"
+
+
+def test_generate_names_the_architecture_of_another_familys_lora(qwen_lora, tmp_path, capsys):
+    """The old generate loaded the text encoders and the transformer, then said "LoRA module
+    'lora_unet_transformer_blocks_0_attn_add_k_proj' matches no module ... convert_lora ... --to kohya",
+    which no conversion fixes; now the header decides, before any model file is opened (these are missing)."""
+    from tests.test_reliability import one_error_line
+    from tools import generate
+
+    missing = str(tmp_path / "missing.safetensors")
+    code = generate.main(["--model_type", "flux", "--model", missing, "--ae", missing, "--clip_l", missing, "--t5xxl", missing,
+                          "--prompt", "a cat", "--lora", f"{qwen_lora}:0.5", "--out", str(tmp_path / "out")])  # fmt: skip
+    assert one_error_line(capsys, code) == f"error: {qwen_on_flux(qwen_lora)}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_network_weights_and_base_loras_of_another_family_are_refused_before_caching(qwen_lora, flux):
+    """library/training/lora_inputs.py, which both tasks call before the model loads (the diffusion task also
+    before caching); the old runs cached the dataset and loaded the model first."""
+    from types import SimpleNamespace
+
+    from library.errors import ConfigError
+    from library.training.lora_inputs import check_lora_inputs
+
+    ours = flux["cases"]["kohya (ours)"][0]
+    for key, arch, args in (("network_weights", "flux", dict(network_weights=qwen_lora, base_loras=[ours])),
+                            ("base_loras", "flux", dict(network_weights=ours, base_loras=[f"{qwen_lora}:0.5"])),
+                            ("network_weights", "llm", dict(network_weights=ours))):
+        with pytest.raises(ConfigError) as error:
+            check_lora_inputs(SimpleNamespace(config_file="run.toml", **args), arch)
+        line = qwen_on_flux(qwen_lora) if arch == "flux" else (
+            f"{ours}: a LoRA for FLUX.1 (tools/lora_info.py: arch flux, bfl names), not for this LLM model")
+        assert str(error.value) == f"run.toml: key '{key}': {line}"
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_every_consumer_names_the_architecture_of_another_familys_lora(flux, qwen_lora, consumer):
+    """The old readers said "LoRA module 'lora_unet_transformer_blocks_0_attn_add_k_proj' matches no module
+    ... convert_lora.py IN OUT --to kohya" (generate, network_weights, base_loras) or "no LoRA module matches
+    ... convert_lora first" (merge_lora): no conversion fixes another model's LoRA."""
+    with pytest.raises(CheckpointError) as error:
+        CONSUMERS[consumer](flux["model"], "flux", qwen_lora, flux["root"])
+    assert str(error.value) == qwen_on_flux(qwen_lora)
+
+
+def test_a_lora_whose_names_tell_no_family_is_read_by_its_modules(flux, tmp_path):
+    """Attention projections alone (`transformer_blocks.0.attn.to_q`: FLUX.1 and Qwen-Image both have them)
+    tell no architecture: the reader does not refuse them, the model's modules decide."""
+    path, reference = flux["cases"]["diffusers"]
+    tensors = {k: v for k, v in load_file(path).items() if k.startswith(tuple(f"transformer.transformer_blocks.0.attn.to_{c}." for c in "qkv"))}
+    save_file(tensors, str(tmp_path / "attn.safetensors"))
+    got = generate_reads(flux["model"], "flux", str(tmp_path / "attn.safetensors"), flux["root"])
+    assert list(got) == ["double_blocks.0.img_attn.qkv"]
+    assert (got["double_blocks.0.img_attn.qkv"] - reference["double_blocks.0.img_attn.qkv"]).abs().max() <= TOL
+
+
+def test_network_weights_rebuilds_a_fused_module_at_the_rank_of_its_split_parts(flux):
+    """q / k / v with their own downs (rank 4 each) are exactly one fused qkv LoRA of rank 12: the network
+    (rank 4) rebuilds those modules at 12 and says so; the old reader stopped with "has down (12, 64) ...
+    the network expects (4, 64)"."""
+    path, _ = flux["cases"]["diffusers q / k / v with their own downs"]
+    net = LoRANetwork(flux["model"], "flux", rank=4, alpha=2)
+    net.apply()
+    counts = net.load_weights(path, strict=False)
+    ranks = {m.name: m.rank for m in net.lora_modules()}
+    assert ranks["double_blocks.0.img_attn.qkv"] == 12 and ranks["double_blocks.0.img_attn.proj"] == 4
+    assert ranks["single_blocks.0.linear1"] == 16  # q, k, v and proj_mlp
+    assert "3 rebuilt at the rank of their fused / split form" in LoRANetwork.describe_loaded(counts)
+    modules = dict(flux["model"].named_modules())
+    assert modules["double_blocks.0.img_attn.qkv"].forward.__self__ is next(m for m in net.lora_modules() if m.name == "double_blocks.0.img_attn.qkv")
+    net.remove()
+
+
+def test_precision_tools_refuse_a_dora_file_they_would_apply_as_plain_lora(flux, tmp_path):
+    """read_lora_for dropped the DoRA magnitude and applied up @ down as a plain LoRA (silently another
+    weight: m * (W + dW) / ||W + dW|| is not W + dW); the runtime and merged columns add plain deltas, so it is refused."""
+    net = random_lora(flux["model"], "flux", dora=True)
+    net.save(str(tmp_path / "dora.safetensors"))
+    with pytest.raises(CheckpointError, match=r"dora.safetensors: LoRA module '.*' is DoRA; the precision tools apply "
+                                              r"and merge plain LoRAs"):
+        read_lora_for(flux["model"], "flux", str(tmp_path / "dora.safetensors"))
+
+
+def test_merge_reads_a_diffusers_named_lora_into_a_single_file_in_the_models_own_names(tmp_path):
+    """Krea 2's single file has the model's own names and no module map of its own (merge_lora's Base): a
+    diffusers-named LoRA (convert_lora --to diffusers of ours) found no weight ("no LoRA module matches a weight
+    of the krea2 checkpoint"); the reader sizes the architecture's map from the LoRA, as convert_lora does."""
+    from library.models.krea2.checkpoint import save_krea2_single_file
+    from library.models.krea2.tiny import random_krea2, tiny_config
+
+    model = random_krea2(tiny_config()).eval()
+    save_krea2_single_file(model, str(tmp_path / "base.safetensors"), tiny_config())
+    net = random_lora(model, "krea2")
+    net.save(str(tmp_path / "ours.safetensors"))
+    convert_lora.convert_lora(str(tmp_path / "ours.safetensors"), str(tmp_path / "d.safetensors"), "diffusers")
+    got = merge_reads("base.safetensors")(model, "krea2", str(tmp_path / "d.safetensors"), tmp_path)
+    assert_same_deltas(got, dense(net.lora_weights()))
+
+
+def test_a_lora_of_text_encoders_alone_is_refused_in_one_line(flux, tmp_path):
+    """sd-scripts can train CLIP-L / T5 alone into a file: the old reader said "LoRA file holds no tensors"
+    (it holds two) after generate had loaded the models. Now the header check (before any model) and the
+    network's reader name what it holds."""
+    from networks.lora_reader import check_lora_arch
+
+    tensors = {k: v for k, v in load_file(flux["cases"]["kohya + text encoder (sd-scripts)"][0]).items()
+               if k.startswith("lora_te1_")}  # fmt: skip
+    save_file(tensors, str(tmp_path / "te.safetensors"))
+    line = f"{tmp_path / 'te.safetensors'}: holds only 1 text-encoder modules (CLIP-L lora_te1_ x1); this LoRA adapts no module of the transformer"
+    with pytest.raises(CheckpointError) as error:
+        check_lora_arch(str(tmp_path / "te.safetensors"), "flux")
+    assert str(error.value) == line
+    with pytest.raises(CheckpointError) as error:
+        network_from_file(flux["model"], "flux", str(tmp_path / "te.safetensors"))
+    assert str(error.value) == line
+
+
+@pytest.mark.parametrize("to", ["diffusers", "comfy"])
+def test_a_dora_file_in_another_layout_loads_as_the_same_dora(flux, tmp_path, to):
+    """DoRA's magnitude is per output row: split into to_q / to_k / to_v by convert_lora --to diffusers and
+    joined back by the reader, magnitude and down are the same tensors (bitwise) and (alpha / r) up the same
+    within 1e-6 (the diffusers and ComfyUI layouts fold alpha into up)."""
+    net = random_lora(flux["model"], "flux", dora=True)
+    net.save(str(tmp_path / "dora.safetensors"))
+    convert_lora.convert_lora(str(tmp_path / "dora.safetensors"), str(tmp_path / f"{to}.safetensors"), to)
+    path = str(tmp_path / f"{to}.safetensors")
+    resumed = LoRANetwork(flux["model"], "flux", rank=4, alpha=2, network_args={"dora": True})  # network_weights
+    resumed.load_weights(path, strict=False)
+    for loaded in (network_from_file(flux["model"], "flux", path), resumed):  # generate, network_weights
+        got = {m.name: m.weights() for m in loaded.lora_modules()}
+        for module, want in net.lora_weights().items():
+            w = got[module]
+            assert torch.equal(w.magnitude, want.magnitude) and torch.equal(w.down, want.down), module
+            assert (w.up.float() * w.scale - want.up.float() * want.scale).abs().max() <= 1e-6 * want.up.abs().max()
+
+
+def test_network_weights_rebuilds_a_dora_qkv_joined_from_parts_with_their_own_downs(flux, tmp_path):
+    """DoRA normalises per output row, so diffusers' to_q / to_k / to_v DoRA with their own downs is exactly
+    one fused DoRA of the summed rank: the merged qkv weight is the row-concatenation of each part's."""
+    net = random_lora(flux["model"], "flux", dora=True)
+    net.save(str(tmp_path / "dora.safetensors"))
+    convert_lora.convert_lora(str(tmp_path / "dora.safetensors"), str(tmp_path / "d.safetensors"), "diffusers")
+    tensors, g = load_file(str(tmp_path / "d.safetensors")), torch.Generator().manual_seed(4)
+    for c in "kv":  # to_q keeps the shared down, to_k and to_v get their own
+        key = f"transformer.transformer_blocks.0.attn.to_{c}.lora_A.weight"
+        tensors[key] = torch.randn(tensors[key].shape, generator=g)
+    save_file(tensors, str(tmp_path / "own.safetensors"), metadata={lf.FOLDED_MARK: "true"})
+    resumed = LoRANetwork(flux["model"], "flux", rank=4, alpha=2, network_args={"dora": True})
+    assert resumed.load_weights(str(tmp_path / "own.safetensors"), strict=False)["resized"] >= 1
+    qkv = next(m for m in resumed.lora_modules() if m.name == "double_blocks.0.img_attn.qkv")
+    weight = dict(flux["model"].named_modules())["double_blocks.0.img_attn.qkv"].weight
+    parts = lf.parse_lora({k: v for k, v in tensors.items() if ".transformer_blocks.0.attn.to_" in k and "add" not in k})[0]
+    want = torch.cat([parts[f"transformer_blocks.0.attn.to_{c}"].merged(w) for c, w in zip("qkv", weight.chunk(3))])
+    assert qkv.rank == 12 and (qkv.weights().merged(weight) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_a_lora_on_comfyuis_fused_gate_up_applies_by_rows_in_every_runtime_consumer(tmp_path):
+    """Qwen-Image-2.1's released file fuses the SwiGLU gate_up (gate rows first); ComfyUI / ai-toolkit LoRAs
+    name it so. convert_lora read it; generate and network_weights said "not a Linear of this model"."""
+    from library.models.qwen_image21.model import QwenImage21
+    from library.models.qwen_image21.tiny import tiny_config as qwen21_config
+
+    model = randomized(QwenImage21(qwen21_config()), 3)
+    gate = dict(model.named_modules())["transformer_blocks.1.img_mlp.gate_layer"]
+    g = torch.Generator().manual_seed(5)
+    down, up = torch.randn(4, gate.in_features, generator=g), torch.randn(2 * gate.out_features, 4, generator=g)
+    save_file({"diffusion_model.transformer_blocks.1.img_mlp.gate_up.lora_A.weight": down,
+               "diffusion_model.transformer_blocks.1.img_mlp.gate_up.lora_B.weight": up}, str(tmp_path / "c.safetensors"))
+    half = gate.out_features
+    want = {"transformer_blocks.1.img_mlp.gate_layer": up[:half] @ down, "transformer_blocks.1.img_mlp.proj": up[half:] @ down}
+    for consumer in ("generate", "network_weights", "base_loras", "precision_tools"):
+        assert_same_deltas(CONSUMERS[consumer](model, "qwen_image21", str(tmp_path / "c.safetensors"), tmp_path), want)
+
+
+def test_the_refusal_names_what_lora_info_reports_for_every_family(tiny_set, tmp_path):
+    """For each family's tiny LoRA in each layout it writes, every other architecture that refuses it names
+    the arch and naming tools/lora_info.py prints for the file (one word for one thing across the tools);
+    the ones that take it are its own architecture or share its names."""
+    from library.models.registry import arch_specs
+    from library.models.spec import load_symbol
+    from networks.lora_arch import lora_files
+    from networks.lora_reader import check_lora_arch
+    from tools import lora_info
+
+    archs = [a for a, s in arch_specs().items() if s.tiny and s.tiny.transformer]
+    refused = 0
+    for arch in archs:
+        spec = arch_specs()[arch]
+        src = str(tmp_path / f"{arch}.safetensors")
+        LoRANetwork(load_symbol(spec.transformer.load)(tiny_set[spec.tiny.transformer]), arch, rank=2).save(src)
+        files = [src]
+        for layout in set(lora_files()[arch].layouts) - {"kohya", "peft"}:
+            files.append(str(tmp_path / f"{arch}_{layout}.safetensors"))
+            convert_lora.convert_lora(src, files[-1], layout)
+        for path in files:
+            info = lora_info.read_info(path)
+            for target in archs:
+                try:
+                    check_lora_arch(path, target)
+                except CheckpointError as e:
+                    refused += 1
+                    assert f"(tools/lora_info.py: arch {info['arch']}, {info['naming']} names)" in str(e), (target, str(e))
+                else:
+                    assert target == arch or info["arch"] in (target, lora_files()[target].names_of), (path, target)
+    assert refused > len(archs) ** 2  # most pairs are told apart by the names
+
+
+def test_split_downs_on_our_fused_flux_give_diffusers_output(flux):
+    """The oracle diffusers itself: its FluxTransformer2DModel (the same weights, split to_q / to_k / to_v)
+    with the split-downs file loaded by load_lora_weights (its PEFT layers, alpha from the header) gives the
+    output of our fused model with the file read by generate's reader (rank 12 qkv, 16 linear1). Most of its
+    time alone is importing diffusers' pipelines (~15 s, once per session: test_merge_convert imports them too)."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    from library.models.flux1.model import make_img_ids, make_txt_ids
+
+    path, _ = flux["cases"]["diffusers q / k / v with their own downs"]
+    theirs = FluxTransformer2DModel.from_pretrained(str(flux["root"] / "diffusers")).eval()
+    pipe = FluxPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+                        transformer=theirs)  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    img, txt, y = torch.randn(1, 16, 64, generator=g), torch.randn(1, 8, 32, generator=g), torch.randn(1, 16, generator=g)
+    sigma, img_ids = torch.tensor([0.4]), make_img_ids(1, 4, 4)
+
+    def outputs():
+        with torch.no_grad():
+            mine = flux["model"](img, img_ids, txt, make_txt_ids(1, 8), sigma, y)
+            reference = theirs(hidden_states=img, encoder_hidden_states=txt, pooled_projections=y, timestep=sigma,
+                               img_ids=img_ids[0].float(), txt_ids=torch.zeros(8, 3), return_dict=False)[0]  # fmt: skip
+        return mine, reference
+
+    base, base_reference = outputs()
+    assert (base - base_reference).abs().max() <= 1e-4
+    net = network_from_file(flux["model"], "flux", path)
+    net.apply()
+    pipe.load_lora_weights(path)
+    try:
+        mine, reference = outputs()
+    finally:
+        net.remove()
+    assert (mine - base).abs().max() > 0.1  # the LoRA shows
+    assert (mine - reference).abs().max() <= 1e-4 * reference.abs().max()
