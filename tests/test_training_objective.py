@@ -193,6 +193,9 @@ class FakeTask:
     def after_step(self, step, output_dir):
         pass
 
+    def evaluates_after(self, step):
+        return False
+
     def render_samples(self, out_dir, tag):
         return []
 
