@@ -40,13 +40,13 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
                 p.normal_(0, 0.1, generator=g)
 
 
-def random_lora(model, family: str, **network_args) -> LoRANetwork:
-    """rank 4, alpha 2, up ~ N(0, 1): a delta as large as the weights, so any mistake shows."""
+def random_lora(model, family: str, up_std: float = 1.0, **network_args) -> LoRANetwork:
+    """rank 4, alpha 2, up ~ N(0, up_std): by default a delta as large as the weights, so any mistake shows."""
     torch.manual_seed(3)
     net = LoRANetwork(model, family, rank=4, alpha=2, network_args=network_args)
     with torch.no_grad():
         for m in net.lora_modules():
-            m.lora_up.weight.normal_(0, 1.0)
+            m.lora_up.weight.normal_(0, up_std)
     return net
 
 

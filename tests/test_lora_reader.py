@@ -23,6 +23,7 @@ from library.training.base_loras import merge_base_loras
 from networks import lora_files as lf
 from networks.factory import network_from_file
 from networks.lora import LoRANetwork
+from tests import test_lora_clients as lora_clients
 from tools import convert_lora, merge_lora
 from tools.precision_doctor import read_lora_for
 
@@ -40,12 +41,7 @@ def randomized(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def random_lora(model, arch: str, **args) -> LoRANetwork:
-    torch.manual_seed(3)
-    net = LoRANetwork(model, arch, rank=4, alpha=2, network_args=args)
-    with torch.no_grad():
-        for m in net.lora_modules():
-            m.lora_up.weight.normal_(0, 0.2)
-    return net
+    return lora_clients.random_lora(model, arch, up_std=0.2, **args)
 
 
 def dense(weights: dict) -> dict[str, torch.Tensor]:
@@ -258,21 +254,13 @@ def checkpoint_of(consumer: str):
 
 
 @pytest.mark.filterwarnings("ignore:.*text-encoder")
-@pytest.mark.parametrize("layout", FLUX_CASES)
+@pytest.mark.parametrize("arch, layout", [("flux", c) for c in FLUX_CASES] + [("zimage", c) for c in ZIMAGE_CASES])
 @pytest.mark.parametrize("consumer", CONSUMERS)
-def test_every_consumer_applies_every_flux_layout_exactly(flux, consumer, layout):
-    path, reference = flux["cases"][layout]
-    got = CONSUMERS[consumer](flux["model"], "flux", path, flux["root"])
-    assert_same_deltas(got, expected_in(checkpoint_of(consumer), flux["root"], reference))
-
-
-@pytest.mark.filterwarnings("ignore:.*text-encoder")
-@pytest.mark.parametrize("layout", ZIMAGE_CASES)
-@pytest.mark.parametrize("consumer", CONSUMERS)
-def test_every_consumer_applies_every_zimage_layout_exactly(zimage, consumer, layout):
-    path, reference = zimage["cases"][layout]
-    got = CONSUMERS[consumer](zimage["model"], "zimage", path, zimage["root"])
-    assert_same_deltas(got, expected_in(checkpoint_of(consumer), zimage["root"], reference))
+def test_every_consumer_applies_every_layout_exactly(request, consumer, arch, layout):
+    built = request.getfixturevalue(arch)  # the flux / zimage fixture: model, files and references
+    path, reference = built["cases"][layout]
+    got = CONSUMERS[consumer](built["model"], arch, path, built["root"])
+    assert_same_deltas(got, expected_in(checkpoint_of(consumer), built["root"], reference))
 
 
 # ----------------------------------------------------------------------------------------------
