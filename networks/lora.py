@@ -250,6 +250,42 @@ def check_lora_args(arch: str, args: dict) -> None:
     for key, why in spec.refused_args.items():
         if _as_bool(key, args.get(key, False)):
             raise ValueError(f"network_args '{key}=true' is not supported: {why}")
+    _check_lora_values(spec, args)
+
+
+def _check_lora_values(spec: LoRATargets, args: dict) -> None:
+    """Each value of its type and range (the network reads them after minutes of caching): a rate
+    of 1 or more would divide by zero (rank_dropout) or never train (module_dropout)."""
+    for key in ("dropout", "rank_dropout", "module_dropout"):
+        value = _as_float(key, args.get(key))
+        if value is not None and not 0 <= value < 1:
+            raise ValueError(f"network_args '{key}': expected a probability in [0, 1), got {args[key]!r}")
+    ratio = _as_float("loraplus_lr_ratio", args.get("loraplus_lr_ratio"))
+    if ratio is not None and not ratio > 0:
+        raise ValueError(f"network_args 'loraplus_lr_ratio': expected a number > 0, got {args['loraplus_lr_ratio']!r}")
+    for key in ("dora", "use_dora", "train_modulation"):
+        if key in args:
+            _as_bool(key, args[key])
+    for key in args:
+        if key.endswith("_dim") and _as_int(key, args[key]) < 0:
+            raise ValueError(f"network_args '{key}': expected a rank >= 0 (0 skips the type), got {args[key]!r}")
+    if spec.in_dim_types and args.get("in_dims") is not None:
+        _in_dims(spec, args["in_dims"])
+    for key in spec.block_args:
+        if key in args:
+            parse_indices(key, args[key], None)
+
+
+def _in_dims(spec: LoRATargets, value) -> dict[str, int]:
+    """in_dims "[r1, r2, ...]" (or a list): {type: rank} for the spec's in_dim_types, in order."""
+    values = value if isinstance(value, (list, tuple)) else str(value).strip("[] ").split(",")
+    if len(values) != len(spec.in_dim_types):
+        raise ValueError(f"network_args 'in_dims': expected {len(spec.in_dim_types)} ranks "
+                         f"[{', '.join(spec.in_dim_types)}], got {value!r}")
+    ranks = {t: _as_int("in_dims", v) for t, v in zip(spec.in_dim_types, values)}
+    if any(r < 0 for r in ranks.values()):
+        raise ValueError(f"network_args 'in_dims': expected ranks >= 0, got {value!r}")
+    return ranks
 
 
 def _as_float(key, value):
@@ -287,14 +323,17 @@ def _as_patterns(key, value) -> list[re.Pattern]:
     return compiled
 
 
-def parse_indices(key, value, count: int) -> set[int]:
-    """'0-5,10' / 'all' / 'none' / [0, 3] / 7 -> set of block indices below `count`."""
+def parse_indices(key, value, count: int | None) -> set[int]:
+    """'0-5,10' / 'all' / 'none' (or None) / [0, 3] / 7 -> set of block indices below `count`
+    (None: the format alone is checked, any index >= 0 taken; 'all' is then empty)."""
+    if value is None:
+        return set()
     if isinstance(value, int):
         value = [value]
     if isinstance(value, str):
         text = value.strip().lower()
         if text == "all":
-            return set(range(count))
+            return set(range(count or 0))
         if text in ("none", ""):
             return set()
         value = []
@@ -303,7 +342,7 @@ def parse_indices(key, value, count: int) -> set[int]:
             if not lo.isdigit() or (hi and not hi.isdigit()):
                 raise ValueError(f"network_args '{key}': bad range {part!r} (expected like '0-5,10', 'all' or 'none')")
             value.extend(range(int(lo), int(hi or lo) + 1))
-    bad = [i for i in value if not 0 <= int(i) < count]
+    bad = [i for i in value if isinstance(i, bool) or not 0 <= int(i) < (math.inf if count is None else count)]
     if bad:
         raise ValueError(f"network_args '{key}': index {bad[0]} is out of range, the model has {count} such blocks")
     return {int(i) for i in value}
@@ -398,18 +437,14 @@ class LoRANetwork(nn.Module):
     def _type_ranks(self, args) -> dict[str, tuple[int, bool]]:
         """{module type: (rank, on by default)} from the network rank and network_args."""
         spec, types = self.spec, self.spec.targets
-        dims = {t: int(_as_float(f"{t}_dim", args[f"{t}_dim"])) for t in types if f"{t}_dim" in args}
+        dims = {t: _as_int(f"{t}_dim", args[f"{t}_dim"]) for t in types if f"{t}_dim" in args}
         for group, members in spec.type_groups.items():
             if f"{group}_dim" in args:
                 for t in members:
-                    dims.setdefault(t, int(_as_float(f"{group}_dim", args[f"{group}_dim"])))
+                    dims.setdefault(t, _as_int(f"{group}_dim", args[f"{group}_dim"]))
         in_types = spec.in_dim_types
         if in_types and args.get("in_dims") is not None:
-            values = args["in_dims"]
-            values = [v for v in str(values).strip("[] ").split(",")] if not isinstance(values, (list, tuple)) else values
-            if len(values) != len(in_types):
-                raise ValueError(f"network_args 'in_dims': expected {len(in_types)} ranks [{', '.join(in_types)}], got {args['in_dims']!r}")
-            dims.update({t: int(_as_float("in_dims", v)) for t, v in zip(in_types, values)})
+            dims.update(_in_dims(spec, args["in_dims"]))
         train_mod = _as_bool("train_modulation", args.get("train_modulation", spec.modulation_default))
         ranks = {}
         for t in types:

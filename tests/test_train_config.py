@@ -97,6 +97,13 @@ def test_optimizer_args_are_literals_never_evaluated():
         parse_kv_literals(["x=__import__('os').system('true')"], "optimizer_args", "train.toml")
 
 
+def test_optimizer_args_true_false_none_in_any_case_are_python_values():
+    # 'safeguard_warmup=false' was the string "false", which Prodigy reads as true
+    parsed = parse_kv_literals(["safeguard_warmup=false", "decouple=TRUE", "weight_decay=none", "mode=falsy"],
+                               "optimizer_args", "x")
+    assert parsed == {"safeguard_warmup": False, "decouple": True, "weight_decay": None, "mode": "falsy"}
+
+
 def test_unknown_optimizer_is_an_error():
     p = torch.nn.Parameter(torch.zeros(2, 2))
     with pytest.raises(ConfigError, match="optimizer_type 'Adamm' is unknown"):

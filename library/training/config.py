@@ -349,14 +349,21 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+_WORD_LITERALS = {"true": True, "false": False, "none": None, "null": None}
+
+
 def parse_kv_literals(items: list[str], key: str, where: str) -> dict[str, Any]:
     """['lr=1e-3', 'betas=(0.9,0.99)', 'mode=scaled'] -> dict. Values are Python literals
-    (ast.literal_eval, never eval); a bare word that is not a literal stays a string."""
+    (ast.literal_eval, never eval); true / false / none in any case are True / False / None (TOML's
+    and JSON's spelling: 'false' kept as a string is truthy); another bare word stays a string."""
     out = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"{where}: {key} entry {item!r} must be 'name=value'")
         name, text = (s.strip() for s in item.split("=", 1))
+        if text.lower() in _WORD_LITERALS:
+            out[name] = _WORD_LITERALS[text.lower()]
+            continue
         try:
             out[name] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
