@@ -279,6 +279,29 @@ def test_keys_that_would_do_nothing_or_fail_after_caching_are_refused_first(tmp_
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
 
 
+@pytest.mark.parametrize("lines, message", [
+    ('lr_scheduler = "cosine"\nlr_scheduler_num_cycles = 3',
+     "key 'lr_scheduler_num_cycles' does nothing with lr_scheduler = \"cosine\"; it needs lr_scheduler = \"cosine_with_restarts\""),
+    ('lr_scheduler = "linear"\nlr_scheduler_power = 2.0', "key 'lr_scheduler_power' does nothing with lr_scheduler = \"linear\""),
+    ("discrete_flow_shift = 3.1582", "key 'discrete_flow_shift' does nothing with timestep_sampling unset"),
+    ('timestep_sampling = "flux_shift"\ndiscrete_flow_shift = 2.0', 'key \'discrete_flow_shift\' does nothing with timestep_sampling = "flux_shift"; it needs timestep_sampling = "shift"'),
+    ('timestep_sampling = "uniform"\nsigmoid_scale = 2.0', "key 'sigmoid_scale' does nothing with timestep_sampling = \"uniform\""),
+    ("huber_c = 0.5", "key 'huber_c' does nothing with loss_type = \"l2\""),
+])
+def test_a_scheduler_or_loss_key_that_its_choice_never_reads_is_refused(tmp_path, lines, message):
+    """The old line trained without them: diffusers' get_scheduler passes num_cycles only to
+    cosine_with_restarts and power only to polynomial; the shift, scale and huber_c only act in their mode."""
+    cfg = write(tmp_path, FLUX + lines + "\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    used = {"lr_scheduler_num_cycles": 'lr_scheduler = "cosine_with_restarts"', "lr_scheduler_power": 'lr_scheduler = "polynomial"',
+            "discrete_flow_shift": 'timestep_sampling = "shift"', "sigmoid_scale": 'timestep_sampling = "sigmoid"',
+            "huber_c": 'loss_type = "huber"'}
+    key = re.search(r"key '(\w+)'", message).group(1)
+    line = next(v for v in lines.split("\n") if v.startswith(key))
+    load_config(["--config_file", write(tmp_path, FLUX + used[key] + "\n" + line + "\n"), "--output_dir", str(tmp_path)])
+
+
 def test_sampling_keys_with_prompts_blanked_are_an_explicit_no(tmp_path):
     cfg = write(tmp_path, FLUX + 'sample_at_first = true\nsample_prompts = ""\nlr_scheduler = "constant_with_warmup"\n'
                                  "lr_warmup_steps = 2\n")

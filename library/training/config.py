@@ -565,6 +565,18 @@ def _validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> 
                               f"{args.model_type}{extra}")
 
 
+# key -> (the key whose value decides whether it is read, that test, the value it needs): the
+# schedulers and the loss read these only there (diffusers' get_scheduler drops num_cycles and
+# power elsewhere), as sd-scripts does.
+IDLE_UNLESS = {
+    "lr_scheduler_num_cycles": ("lr_scheduler", lambda v: v == "cosine_with_restarts", 'lr_scheduler = "cosine_with_restarts"'),
+    "lr_scheduler_power": ("lr_scheduler", lambda v: v == "polynomial", 'lr_scheduler = "polynomial"'),
+    "discrete_flow_shift": ("timestep_sampling", lambda v: v == "shift", 'timestep_sampling = "shift"'),
+    "sigmoid_scale": ("timestep_sampling", lambda v: v != "uniform", "a sigmoid draw (any timestep_sampling but uniform)"),
+    "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),
+}
+
+
 def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
     """Keys set where another key's value makes them do nothing."""
     if args.model_type == "llm" and not args.sample_prompt:  # an empty prompt has no token to sample from
@@ -573,6 +585,12 @@ def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where
     if args.lr_warmup_steps and args.lr_scheduler == "constant":  # diffusers' constant ignores it (sd-scripts refuses)
         raise ConfigError(f"{_blame(origins, where, 'lr_warmup_steps', 'lr_scheduler')}: key 'lr_warmup_steps' does "
                           f"nothing with lr_scheduler = \"constant\"; use \"constant_with_warmup\" (or another schedule)")
+    for key, (other, used, needs) in IDLE_UNLESS.items():  # set off its default where nothing reads it
+        if key in origins and getattr(args, key) != SCHEMA[key].default and not used(getattr(args, other)):
+            value = getattr(args, other)
+            shown = f'{other} = "{value}"' if value is not None else f"{other} unset (the model's own)"
+            raise ConfigError(f"{_blame(origins, where, key, other)}: key '{key}' does nothing with {shown}; "
+                              f"it needs {needs}")
     sampling = [k for k in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first") if getattr(args, k)]
     if args.model_type != "llm" and sampling and args.sample_prompts is None:  # "" is an explicit "no samples"
         raise ConfigError(f"{_blame(origins, where, sampling[0])}: key '{sampling[0]}' renders the prompts of "
