@@ -43,8 +43,13 @@ LYCORIS_ARGS = {
     "algo", "conv_dim", "conv_alpha", "dropout", "rank_dropout", "module_dropout", "use_tucker",
     "use_cp", "use_conv_cp", "disable_conv_cp", "use_scalar", "block_size", "train_norm", "constraint",
     "rescaled", "dora_wd", "wd_on_output", "full_matrix", "bypass_mode", "rs_lora",
-    "unbalanced_factorization", "decompose_both", "factor", "preset", "rank_dropout_scale",
-}  # not loraplus_*: our param_groups do not split LyCORIS parameters, so they are refused as unknown
+    "unbalanced_factorization", "decompose_both", "factor", "preset",
+}  # not loraplus_*: our param_groups do not split LyCORIS parameters, so they are refused as unknown;
+# not rank_dropout_scale: its modules take it, but create_network never reads it (it would be dropped)
+# Without a `preset` the targets are our LoRA's, Linear layers named one by one: these would act on
+# no module (convolutions; norm layers), so they need a preset that names such modules.
+PRESET_ONLY_ARGS = {"conv_dim": "convolution layers", "conv_alpha": "convolution layers",
+                    "train_norm": "norm layers"}
 # Their value types: LyCORIS reads them with int() / float() / str_bool (which takes every word but
 # "false" as true) and looks algo up in a dict, so bad values are named here and typed values passed.
 LYCORIS_INT_ARGS = {"conv_dim", "block_size", "factor"}
@@ -121,7 +126,11 @@ def check_lycoris_args(args: dict) -> None:
     if unknown:
         raise ValueError(f"network_args: unknown key '{unknown[0]}' for lycoris.kohya "
                          f"(known: {', '.join(sorted(LYCORIS_ARGS | SELECTION_ARGS))})")
-    _typed_lycoris_args(args)
+    typed = _typed_lycoris_args(args)
+    idle = [k for k, layers in PRESET_ONLY_ARGS.items() if typed.get(k) and "preset" not in args]
+    if idle:
+        raise ValueError(f"network_args '{idle[0]}' acts on {PRESET_ONLY_ARGS[idle[0]]}, and without a LyCORIS "
+                         f"'preset' the targets are the LoRA's Linear layers: give a preset that names them, or leave it out")
 
 
 def _typed_lycoris_args(args: dict) -> dict:

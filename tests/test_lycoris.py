@@ -76,7 +76,12 @@ def test_lokr_adapts_our_lora_targets_with_lycoris_keys():
     ({**LOKR, "dropout": "lots"}, "network_args 'dropout': expected a number, got 'lots'"),
     ({**LOKR, "use_tucker": "maybe"}, "network_args 'use_tucker': expected true/false, got 'maybe'"),
     ({"preset": "atn-mlp"}, "network_args 'preset': 'atn-mlp' is neither a LyCORIS preset (attn-mlp, "),
-], ids=["algo", "factor", "dropout", "use_tucker", "preset"])
+    # accepted and dropped before: create_network (lycoris-lora 4.1.3) never reads rank_dropout_scale,
+    # and our exact-name preset of Linear targets holds no convolution or norm layer
+    ({**LOKR, "rank_dropout_scale": True}, "unknown key 'rank_dropout_scale' for lycoris.kohya"),
+    ({**LOKR, "conv_dim": 8}, "network_args 'conv_dim' acts on convolution layers, and without a LyCORIS 'preset'"),
+    ({**LOKR, "train_norm": "true"}, "network_args 'train_norm' acts on norm layers"),
+], ids=["algo", "factor", "dropout", "use_tucker", "preset", "rank_dropout_scale", "conv_dim", "train_norm"])
 def test_bad_lycoris_args_name_the_key_the_value_and_what_is_allowed(args, message):
     with pytest.raises(ValueError) as raised:
         LycorisNetwork(tiny_flux(), "flux", 4, network_args=args)
