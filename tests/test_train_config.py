@@ -287,6 +287,7 @@ def test_keys_that_would_do_nothing_or_fail_after_caching_are_refused_first(tmp_
     ('timestep_sampling = "flux_shift"\ndiscrete_flow_shift = 2.0', 'key \'discrete_flow_shift\' does nothing with timestep_sampling = "flux_shift"; it needs timestep_sampling = "shift"'),
     ('timestep_sampling = "uniform"\nsigmoid_scale = 2.0', "key 'sigmoid_scale' does nothing with timestep_sampling = \"uniform\""),
     ("huber_c = 0.5", "key 'huber_c' does nothing with loss_type = \"l2\""),
+    ("block_swap_prefetch = 2", "key 'block_swap_prefetch' does nothing with blocks_to_swap = 0"),
 ])
 def test_a_scheduler_or_loss_key_that_its_choice_never_reads_is_refused(tmp_path, lines, message):
     """The old line trained without them: diffusers' get_scheduler passes num_cycles only to
@@ -296,7 +297,7 @@ def test_a_scheduler_or_loss_key_that_its_choice_never_reads_is_refused(tmp_path
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
     used = {"lr_scheduler_num_cycles": 'lr_scheduler = "cosine_with_restarts"', "lr_scheduler_power": 'lr_scheduler = "polynomial"',
             "discrete_flow_shift": 'timestep_sampling = "shift"', "sigmoid_scale": 'timestep_sampling = "sigmoid"',
-            "huber_c": 'loss_type = "huber"'}
+            "huber_c": 'loss_type = "huber"', "block_swap_prefetch": "blocks_to_swap = 2"}
     key = re.search(r"key '(\w+)'", message).group(1)
     line = next(v for v in lines.split("\n") if v.startswith(key))
     load_config(["--config_file", write(tmp_path, FLUX + used[key] + "\n" + line + "\n"), "--output_dir", str(tmp_path)])

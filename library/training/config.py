@@ -574,6 +574,7 @@ IDLE_UNLESS = {
     "discrete_flow_shift": ("timestep_sampling", lambda v: v == "shift", 'timestep_sampling = "shift"'),
     "sigmoid_scale": ("timestep_sampling", lambda v: v != "uniform", "a sigmoid draw (any timestep_sampling but uniform)"),
     "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),
+    "block_swap_prefetch": ("blocks_to_swap", lambda v: v > 0, "blocks_to_swap >= 1 (a diffusion model's)"),
 }
 
 
@@ -588,7 +589,8 @@ def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where
     for key, (other, used, needs) in IDLE_UNLESS.items():  # set off its default where nothing reads it
         if key in origins and getattr(args, key) != SCHEMA[key].default and not used(getattr(args, other)):
             value = getattr(args, other)
-            shown = f'{other} = "{value}"' if value is not None else f"{other} unset (the model's own)"
+            shown = (f"{other} unset (the model's own)" if value is None else
+                     f'{other} = "{value}"' if isinstance(value, str) else f"{other} = {value}")
             raise ConfigError(f"{_blame(origins, where, key, other)}: key '{key}' does nothing with {shown}; "
                               f"it needs {needs}")
     sampling = [k for k in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first") if getattr(args, k)]
