@@ -1,6 +1,7 @@
 """The training config schema, optimizer factory and LR tracking (CSV + plot)."""
 
 import csv
+import importlib
 import re
 
 import os
@@ -102,6 +103,36 @@ def test_optimizer_args_true_false_none_in_any_case_are_python_values():
     parsed = parse_kv_literals(["safeguard_warmup=false", "decouple=TRUE", "weight_decay=none", "mode=falsy"],
                                "optimizer_args", "x")
     assert parsed == {"safeguard_warmup": False, "decouple": True, "weight_decay": None, "mode": "falsy"}
+
+
+@pytest.mark.parametrize("args, message", [
+    ('optimizer_args = ["betas=0.9"]', "optimizer_args (betas=0.9) do not fit AdamW"),
+    ('optimizer_type = "Prodigy"\noptimizer_args = ["d_0=1e-3"]', "optimizer_args (d_0=0.001) do not fit Prodigy"),
+])
+def test_optimizer_args_the_optimizer_refuses_fail_at_the_config_check(tmp_path, args, message):
+    """The old line took them and failed in the Trainer, after caching and loading the models."""
+    cfg = write(tmp_path, BASE + args + "\n")
+    with pytest.raises(ConfigError, match=r"/train\.toml: " + re.escape(message)):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+
+
+CALLED = []
+
+
+def record_call(*args, **kwargs):
+    CALLED.append((args, kwargs))
+
+
+def test_the_early_optimizer_check_calls_only_optimizer_classes():
+    """A module.Class may name any callable (os.system): the config check builds optimizers only."""
+    optim.check_optimizer("tests.test_train_config.record_call", 1e-3, {"command": "x"})
+    assert importlib.import_module("tests.test_train_config").CALLED == []  # (the module optimizer_class imported)
+
+
+def test_weight_decay_1d_is_refused_where_no_pretraining_reads_it(tmp_path):
+    cfg = write(tmp_path, BASE + "weight_decay_1d = true\n")
+    with pytest.raises(ConfigError, match="key 'weight_decay_1d' does nothing with pretrain = False"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
 
 
 def test_unknown_optimizer_is_an_error():

@@ -340,12 +340,13 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         origins[key] = "command line"
     args = argparse.Namespace(**values, config_file=cli.config_file)
     validate(args, cli.config_file or "command line", origins)
-    from library.training.optim import optimizer_class  # here, not at the top: it loads torch
+    from library.training.optim import check_optimizer  # here, not at the top: it loads torch
 
     try:  # fail now, not after minutes of caching
-        optimizer_class(args.optimizer_type)
+        check_optimizer(args.optimizer_type, args.learning_rate,
+                        parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", "defaults")))
     except ConfigError as e:
-        raise ConfigError(f"{origins.get('optimizer_type', 'defaults')}: {e}") from None
+        raise ConfigError(f"{_blame(origins, cli.config_file or 'command line', 'optimizer_type', 'optimizer_args')}: {e}") from None
     return args
 
 
@@ -575,6 +576,7 @@ IDLE_UNLESS = {
     "sigmoid_scale": ("timestep_sampling", lambda v: v != "uniform", "a sigmoid draw (any timestep_sampling but uniform)"),
     "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),
     "block_swap_prefetch": ("blocks_to_swap", lambda v: v > 0, "blocks_to_swap >= 1 (a diffusion model's)"),
+    "weight_decay_1d": ("pretrain", bool, "pretrain = true (a LoRA's parameters are all matrices)"),
 }
 
 
