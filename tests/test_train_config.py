@@ -129,6 +129,15 @@ def test_the_early_optimizer_check_calls_only_optimizer_classes():
     assert importlib.import_module("tests.test_train_config").CALLED == []  # (the module optimizer_class imported)
 
 
+def test_a_warmup_of_steps_and_a_fraction_is_refused(tmp_path):
+    """lr_warmup_steps = 1.5 warmed up for int(1.5) = 1 step (sd-scripts refuses it)."""
+    cfg = write(tmp_path, BASE + 'lr_scheduler = "linear"\nlr_warmup_steps = 1.5\n')
+    with pytest.raises(ConfigError, match=r"train\.toml: key 'lr_warmup_steps' must be a whole number of steps .*got 1\.5"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "0.5"]).lr_warmup_steps == 0.5
+    assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "20"]).lr_warmup_steps == 20
+
+
 def test_weight_decay_1d_is_refused_where_no_pretraining_reads_it(tmp_path):
     cfg = write(tmp_path, BASE + "weight_decay_1d = true\n")
     with pytest.raises(ConfigError, match="key 'weight_decay_1d' does nothing with pretrain = False"):

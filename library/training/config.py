@@ -538,6 +538,9 @@ def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: s
             if value is not None and not (_IN_RANGE[rule](value) and math.isfinite(value)):
                 raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be {rule}"
                                   f"{'' if math.isfinite(value) else ' and finite'}, got {value:g}")
+    if args.lr_warmup_steps >= 1 and not float(args.lr_warmup_steps).is_integer():  # int() would cut it (sd-scripts refuses)
+        raise ConfigError(f"{_blame(origins, where, 'lr_warmup_steps')}: key 'lr_warmup_steps' must be a whole number of "
+                          f"steps (>= 1) or a fraction of max_train_steps (< 1), got {args.lr_warmup_steps:g}")
     for key, arg in SCHEMA.items():  # the rest: any finite number
         if arg.type is float and getattr(args, key) is not None and not math.isfinite(getattr(args, key)):
             raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be a finite number, got {getattr(args, key)}")
