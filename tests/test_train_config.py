@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from library.training import optim
-from library.training.config import ConfigError, load_config, parse_kv_literals
+from library.training.config import ConfigError, load_config, lora_network_args, parse_kv_literals
 from tools import plot_lr
 
 
@@ -136,6 +136,15 @@ def test_a_warmup_of_steps_and_a_fraction_is_refused(tmp_path):
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
     assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "0.5"]).lr_warmup_steps == 0.5
     assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "20"]).lr_warmup_steps == 20
+
+
+def test_network_dropout_and_a_network_args_dropout_are_not_both_taken(tmp_path):
+    """The old line kept network_args' dropout = 0.1 and dropped network_dropout = 0.3 without a word."""
+    cfg = write(tmp_path, BASE + 'network_dropout = 0.3\nnetwork_args = ["dropout=0.1"]\n')
+    with pytest.raises(ConfigError, match=r"train\.toml: network_dropout = 0\.3 and network_args 'dropout=0\.1' set the same"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    args = load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--network_args"])
+    assert lora_network_args(args) == {"dropout": 0.3}
 
 
 def test_weight_decay_1d_is_refused_where_no_pretraining_reads_it(tmp_path):

@@ -376,9 +376,13 @@ def parse_kv_literals(items: list[str], key: str, where: str) -> dict[str, Any]:
 
 def lora_network_args(args) -> dict[str, Any]:
     """network_args of the config as a dict, with network_dropout as the LoRA `dropout` (sd-scripts)."""
-    net_args = parse_kv_literals(args.network_args, "network_args", args.config_file or "command line")
+    where = args.config_file or "command line"
+    net_args = parse_kv_literals(args.network_args, "network_args", where)
+    if args.network_dropout and "dropout" in net_args:  # one would silently win over the other
+        raise ConfigError(f"{where}: network_dropout = {args.network_dropout:g} and network_args 'dropout={net_args['dropout']}' "
+                          f"set the same dropout: keep one")
     if args.network_dropout:
-        net_args.setdefault("dropout", args.network_dropout)
+        net_args["dropout"] = args.network_dropout
     return net_args
 
 
@@ -487,7 +491,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
             raise ConfigError(f"{where}: key '{missing[0]}' is required for model_type {args.model_type} "
                               f"(missing: {', '.join(missing)})")
     parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", where))
-    parse_kv_literals(args.network_args, "network_args", origins.get("network_args", where))
+    lora_network_args(args)  # parses network_args
     from networks.factory import check_network_module
 
     try:  # an unknown value used to train a plain LoRA silently
