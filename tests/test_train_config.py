@@ -147,6 +147,16 @@ def test_network_dropout_and_a_network_args_dropout_are_not_both_taken(tmp_path)
     assert lora_network_args(args) == {"dropout": 0.3}
 
 
+def test_loraplus_with_prodigy_is_refused_before_training(tmp_path):
+    """The old line crashed at the first Prodigy step (after caching): 'Setting different lr values in
+    different parameter groups is only supported for values of 0'."""
+    cfg = write(tmp_path, BASE + 'optimizer_type = "Prodigy"\nlearning_rate = 1.0\nnetwork_args = ["loraplus_lr_ratio=4"]\n')
+    with pytest.raises(ConfigError, match=r"train\.toml: network_args 'loraplus_lr_ratio=4' gives the parameter groups "
+                                          r"different learning rates, which Prodigy does not take"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--optimizer_type", "AdamW"])
+
+
 def test_weight_decay_1d_is_refused_where_no_pretraining_reads_it(tmp_path):
     cfg = write(tmp_path, BASE + "weight_decay_1d = true\n")
     with pytest.raises(ConfigError, match="key 'weight_decay_1d' does nothing with pretrain = False"):

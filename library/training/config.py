@@ -342,11 +342,15 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     validate(args, cli.config_file or "command line", origins)
     from library.training.optim import check_optimizer  # here, not at the top: it loads torch
 
+    ratio = lora_network_args(args).get("loraplus_lr_ratio")
+    group_lrs = f"network_args 'loraplus_lr_ratio={ratio}'" if ratio not in (None, 1, "1") else None
     try:  # fail now, not after minutes of caching
         check_optimizer(args.optimizer_type, args.learning_rate,
-                        parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", "defaults")))
+                        parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", "defaults")),
+                        group_lrs)
     except ConfigError as e:
-        raise ConfigError(f"{_blame(origins, cli.config_file or 'command line', 'optimizer_type', 'optimizer_args')}: {e}") from None
+        keys = ("optimizer_type", "optimizer_args") + (("network_args",) if group_lrs else ())
+        raise ConfigError(f"{_blame(origins, cli.config_file or 'command line', *keys)}: {e}") from None
     return args
 
 
