@@ -257,9 +257,7 @@ def _check_lora_values(spec: LoRATargets, args: dict) -> None:
     """Each value of its type and range (the network reads them after minutes of caching): a rate
     of 1 or more would divide by zero (rank_dropout) or never train (module_dropout)."""
     for key in ("dropout", "rank_dropout", "module_dropout"):
-        value = _as_float(key, args.get(key))
-        if value is not None and not 0 <= value < 1:
-            raise ValueError(f"network_args '{key}': expected a probability in [0, 1), got {args[key]!r}")
+        _as_probability(key, args.get(key))
     ratio = _as_float("loraplus_lr_ratio", args.get("loraplus_lr_ratio"))
     if ratio is not None and not ratio > 0:
         raise ValueError(f"network_args 'loraplus_lr_ratio': expected a number > 0, got {args['loraplus_lr_ratio']!r}")
@@ -293,6 +291,14 @@ def _as_float(key, value):
         return None if value is None else float(value)
     except (TypeError, ValueError):
         raise ValueError(f"network_args '{key}': expected a number, got {value!r}") from None
+
+
+def _as_probability(key, value) -> float | None:
+    """A dropout rate in [0, 1): 1 drops everything (rank_dropout's 1 / (1 - p) divides by zero)."""
+    p = _as_float(key, value)
+    if p is not None and not 0 <= p < 1:
+        raise ValueError(f"network_args '{key}': expected a probability in [0, 1), got {value!r}")
+    return p
 
 
 def _as_int(key, value) -> int:

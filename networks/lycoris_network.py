@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from library.io import CheckpointError, CheckpointReader, save_safetensors
 from library.models.registry import arch_specs
-from networks.lora import LoRANetwork, _as_bool, _as_float, _as_int, lora_targets
+from networks.lora import LoRANetwork, _as_bool, _as_float, _as_int, _as_probability, lora_targets
 from networks.lora_files import build_metadata, is_lycoris_file, lycoris_kind, tensor_hash  # noqa: F401 (the tools import them from here)
 
 # network_args LyCORIS' create_network reads (lycoris-lora 4.1.3, lycoris/kohya.py), passed as given.
@@ -144,7 +144,7 @@ def _typed_lycoris_args(args: dict) -> dict:
         if key in LYCORIS_INT_ARGS:
             typed[key] = _as_int(key, value)
         elif key in LYCORIS_FLOAT_ARGS:
-            typed[key] = _as_float(key, value)
+            typed[key] = (_as_probability if key.endswith("dropout") else _as_float)(key, value)
         elif key in LYCORIS_BOOL_ARGS:
             typed[key] = _as_bool(key, value)
         elif key == "algo" and str(value).lower() not in network_module_dict:

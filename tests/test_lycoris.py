@@ -81,7 +81,8 @@ def test_lokr_adapts_our_lora_targets_with_lycoris_keys():
     ({**LOKR, "rank_dropout_scale": True}, "unknown key 'rank_dropout_scale' for lycoris.kohya"),
     ({**LOKR, "conv_dim": 8}, "network_args 'conv_dim' acts on convolution layers, and without a LyCORIS 'preset'"),
     ({**LOKR, "train_norm": "true"}, "network_args 'train_norm' acts on norm layers"),
-], ids=["algo", "factor", "dropout", "use_tucker", "preset", "rank_dropout_scale", "conv_dim", "train_norm"])
+    ({**LOKR, "dropout": 1.5}, "network_args 'dropout': expected a probability in [0, 1), got 1.5"),  # F.dropout raised at step 1
+], ids=["algo", "factor", "dropout", "use_tucker", "preset", "rank_dropout_scale", "conv_dim", "train_norm", "dropout_range"])
 def test_bad_lycoris_args_name_the_key_the_value_and_what_is_allowed(args, message):
     with pytest.raises(ValueError) as raised:
         LycorisNetwork(tiny_flux(), "flux", 4, network_args=args)
