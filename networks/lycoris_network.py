@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from library.io import CheckpointError, CheckpointReader, save_safetensors
 from library.models.registry import arch_specs
-from networks.lora import LoRANetwork, _as_bool, _as_float, _as_int, _as_probability, lora_targets
+from networks.lora import LoRANetwork, _as_bool, _as_float, _as_int, _as_probability, check_lora_args, lora_targets
 from networks.lora_files import build_metadata, is_lycoris_file, lycoris_kind, tensor_hash  # noqa: F401 (the tools import them from here)
 
 # network_args LyCORIS' create_network reads (lycoris-lora 4.1.3, lycoris/kohya.py), passed as given.
@@ -120,13 +120,16 @@ def _quiet_lycoris():
         logger.setLevel(level)
 
 
-def check_lycoris_args(args: dict) -> None:
-    """network_args keys LyCORIS or our selection reads, with values of its types; needs no model."""
+def check_lycoris_args(args: dict, arch: str | None = None) -> None:
+    """network_args keys LyCORIS or our selection reads, with values of its types; needs no model.
+    arch: the selection args are also checked as our LoRA checks them for that architecture."""
     unknown = sorted(k for k in args if k not in LYCORIS_ARGS | SELECTION_ARGS)
     if unknown:
         raise ValueError(f"network_args: unknown key '{unknown[0]}' for lycoris.kohya "
                          f"(known: {', '.join(sorted(LYCORIS_ARGS | SELECTION_ARGS))})")
     typed = _typed_lycoris_args(args)
+    if arch is not None:
+        check_lora_args(arch, {k: v for k, v in args.items() if k in SELECTION_ARGS})
     idle = [k for k, layers in PRESET_ONLY_ARGS.items() if typed.get(k) and "preset" not in args]
     if idle:
         raise ValueError(f"network_args '{idle[0]}' acts on {PRESET_ONLY_ARGS[idle[0]]}, and without a LyCORIS "
@@ -195,7 +198,7 @@ class LycorisNetwork(nn.Module):
         self._model = [model]
         self._fp8_targets: dict[nn.Module, nn.Module] = {}  # LyCORIS module -> the quantized Linear it wraps
         self._applied = False
-        check_lycoris_args(self.network_args)
+        check_lycoris_args(self.network_args, arch)
         self._add_all(self._build(model))
         self.eval()
 

@@ -70,6 +70,18 @@ def test_lokr_adapts_our_lora_targets_with_lycoris_keys():
         f"lora_unet_single_blocks_{i}_{n}" for i in range(3) for n in ("linear1", "linear2", "modulation_lin")}
 
 
+def test_lycoris_selection_args_are_checked_for_the_arch_without_a_model():
+    """The old line checked only the names of the selection args before caching: a block arg of
+    another family or a bad index range failed when the network was built, after caching."""
+    from networks.factory import check_network_args
+
+    for args, message in (({**LOKR, "block_indices": "0-1"}, "unknown key 'block_indices' for family 'flux'"),
+                          ({**LOKR, "train_double_block_indices": "x"}, "network_args 'train_double_block_indices': bad range")):
+        with pytest.raises(ValueError, match=message):
+            check_network_args("lycoris.kohya", "flux", args)
+    check_network_args("lycoris.kohya", "qwen_image", {**LOKR, "block_indices": "0-1"})
+
+
 @pytest.mark.parametrize("args, message", [
     ({"algo": "foo"}, "network_args 'algo': 'foo' is not a LyCORIS algo (allowed: "),
     ({**LOKR, "factor": "abc"}, "network_args 'factor': expected an integer, got 'abc'"),
