@@ -264,6 +264,11 @@ def _check_lora_values(spec: LoRATargets, args: dict) -> None:
     for key in ("dora", "use_dora", "train_modulation"):
         if key in args:
             _as_bool(key, args[key])
+    if "dora" in args and "use_dora" in args and _as_bool("dora", args["dora"]) != _as_bool("use_dora", args["use_dora"]):
+        raise ValueError(f"network_args 'dora' = {args['dora']!r} and 'use_dora' = {args['use_dora']!r} disagree: give one")
+    _train_blocks(args)
+    for key in ("include_patterns", "exclude_patterns"):
+        _as_patterns(key, args.get(key))
     for key in args:
         if key.endswith("_dim") and _as_int(key, args[key]) < 0:
             raise ValueError(f"network_args '{key}': expected a rank >= 0 (0 skips the type), got {args[key]!r}")
@@ -272,6 +277,13 @@ def _check_lora_values(spec: LoRATargets, args: dict) -> None:
     for key in spec.block_args:
         if key in args:
             parse_indices(key, args[key], None)
+
+
+def _train_blocks(args: dict) -> str:
+    train_blocks = str(args.get("train_blocks", "all")).lower()
+    if train_blocks not in ("all", "double", "single"):
+        raise ValueError(f"network_args 'train_blocks': expected all, double or single, got {train_blocks!r}")
+    return train_blocks
 
 
 def _in_dims(spec: LoRATargets, value) -> dict[str, int]:
@@ -485,9 +497,7 @@ class LoRANetwork(nn.Module):
         for _, _, _, kind, index in candidates:
             count[kind] = max(count.get(kind, 0), index + 1)
         on = {kind: set(range(n)) for kind, n in count.items()}
-        train_blocks = str(args.get("train_blocks", "all")).lower()
-        if train_blocks not in ("all", "double", "single"):
-            raise ValueError(f"network_args 'train_blocks': expected all, double or single, got {train_blocks!r}")
+        train_blocks = _train_blocks(args)
         if train_blocks != "all":
             on = {kind: (s if kind in (train_blocks, "embed") else set()) for kind, s in on.items()}
         for key, kind in self.spec.block_args.items():

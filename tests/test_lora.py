@@ -328,7 +328,8 @@ def test_bad_network_args_raise_naming_the_key(args, message):
 
 
 @pytest.mark.parametrize("args", [{"rank_dropout": 1.0}, {"img_attn_dim": 4.5}, {"train_double_block_indices": "x"},
-                                  {"loraplus_lr_ratio": "many"}, {"train_modulation": "on"}])
+                                  {"loraplus_lr_ratio": "many"}, {"train_modulation": "on"}, {"train_blocks": "both"},
+                                  {"exclude_patterns": "(unclosed"}, {"dora": "true", "use_dora": "false"}])
 def test_network_arg_values_are_checked_without_a_model(args):
     """The config check (before minutes of caching) runs check_lora_args: rank_dropout=1 divided by
     zero at the first step and img_attn_dim=4.5 trained rank 4, both after caching."""
