@@ -159,20 +159,29 @@ class LoRAModule(nn.Module):
         self._original_forward = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dropped():
+            return self._original_forward(x)
         return self._adapted(x, self._original_forward(x))
 
     def forward_with_base_output(self, x: torch.Tensor, base_call) -> torch.Tensor:
         """core.residual_projection's call in checkpointing: this module's path in full on the base output
-        that base_call(original forward, x) gives (the base on one token, or kept from the forward)."""
+        that base_call(original forward, x) gives (the base on one token, or kept from the forward). A
+        module dropped this call (module_dropout; the recompute draws the same) returns the base's own
+        output, in both passes: a kept output stands in for the value, not for its autograd history."""
         if self.dora_scale is not None or self._had_instance_forward or not core.saves_only_weights(self.base):
             return self.forward(x)  # DoRA's delta reads the base output; an unknown base may save x
+        if self._dropped():
+            return self._original_forward(x)
         return self._adapted(x, base_call(self._original_forward, x))
+
+    def _dropped(self) -> bool:
+        """module_dropout's draw for this call: skip the whole branch (training only)."""
+        return bool(self.training and self.module_dropout and self.enabled and self.multiplier != 0
+                    and torch.rand(()) < self.module_dropout)
 
     def _adapted(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         training = self.training
         if not self.enabled or self.multiplier == 0:
-            return out
-        if training and self.module_dropout and torch.rand(()) < self.module_dropout:
             return out
         # Branch dtype: x -> LoRA weight dtype (float32 by default) unless autocast picks it.
         autocast = autocast_dtype(x.device.type)
