@@ -163,6 +163,16 @@ def test_weight_decay_1d_is_refused_where_no_pretraining_reads_it(tmp_path):
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
 
 
+def test_network_args_take_sd_scripts_block_ranges_and_bare_regexes(tmp_path):
+    """'train_double_block_indices=0-5,10' (sd-scripts' syntax, and our LoRA's) was refused as 'not a
+    Python literal' before the network saw it."""
+    cfg = write(tmp_path, FLUX + "network_args = ['train_double_block_indices=0-2,5', 'exclude_patterns=.*_mod\\..*']\n")
+    args = load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    assert lora_network_args(args) == {"train_double_block_indices": "0-2,5", "exclude_patterns": r".*_mod\..*"}
+    with pytest.raises(ConfigError, match="not a Python literal"):  # optimizer_args stay literals
+        parse_kv_literals(["betas=0.9,0.99x"], "optimizer_args", "x")
+
+
 def test_unknown_optimizer_is_an_error():
     p = torch.nn.Parameter(torch.zeros(2, 2))
     with pytest.raises(ConfigError, match="optimizer_type 'Adamm' is unknown"):

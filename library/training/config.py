@@ -357,10 +357,12 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
 _WORD_LITERALS = {"true": True, "false": False, "none": None, "null": None}
 
 
-def parse_kv_literals(items: list[str], key: str, where: str) -> dict[str, Any]:
+def parse_kv_literals(items: list[str], key: str, where: str, any_text: bool = False) -> dict[str, Any]:
     """['lr=1e-3', 'betas=(0.9,0.99)', 'mode=scaled'] -> dict. Values are Python literals
     (ast.literal_eval, never eval); true / false / none in any case are True / False / None (TOML's
-    and JSON's spelling: 'false' kept as a string is truthy); another bare word stays a string."""
+    and JSON's spelling: 'false' kept as a string is truthy); another bare word stays a string.
+    any_text: any other text stays a string too (network_args, which the network checks key by key:
+    sd-scripts' block ranges '0-5,10', a bare regex)."""
     out = {}
     for item in items:
         if "=" not in item:
@@ -372,7 +374,7 @@ def parse_kv_literals(items: list[str], key: str, where: str) -> dict[str, Any]:
         try:
             out[name] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
-            if not text.replace("_", "").replace("-", "").isalnum():
+            if not (any_text or text.replace("_", "").replace("-", "").isalnum()):
                 raise ConfigError(f"{where}: {key} value {item!r} is not a Python literal") from None
             out[name] = text
     return out
@@ -381,7 +383,7 @@ def parse_kv_literals(items: list[str], key: str, where: str) -> dict[str, Any]:
 def lora_network_args(args) -> dict[str, Any]:
     """network_args of the config as a dict, with network_dropout as the LoRA `dropout` (sd-scripts)."""
     where = args.config_file or "command line"
-    net_args = parse_kv_literals(args.network_args, "network_args", where)
+    net_args = parse_kv_literals(args.network_args, "network_args", where, any_text=True)
     if args.network_dropout and "dropout" in net_args:  # one would silently win over the other
         raise ConfigError(f"{where}: network_dropout = {args.network_dropout:g} and network_args 'dropout={net_args['dropout']}' "
                           f"set the same dropout: keep one")
