@@ -399,6 +399,10 @@ def _validate_ema(args, origins: dict[str, str], where: str) -> None:
     if args.ema_start_step < 0:
         raise ConfigError(f"{origins.get('ema_start_step', where)}: key 'ema_start_step' must be >= 0, "
                           f"got {args.ema_start_step}")
+    if args.ema_decay and not args.max_train_epochs and args.ema_start_step >= args.max_train_steps:
+        raise ConfigError(f"{_blame(origins, where, 'ema_start_step', 'max_train_steps')}: key 'ema_start_step' = "
+                          f"{args.ema_start_step} is not before max_train_steps = {args.max_train_steps}: the EMA would "
+                          f"equal the raw weights")
     if not args.ema_decay:  # the EMA keys mean nothing without it: say so instead of ignoring them
         for key in ("ema_warmup", "sample_with_ema", "ema_start_step"):
             if getattr(args, key):
