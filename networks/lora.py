@@ -366,7 +366,7 @@ def parse_indices(key, value, count: int | None) -> set[int]:
         value = []
         for part in text.split(","):
             lo, _, hi = part.strip().partition("-")
-            if not lo.isdigit() or (hi and not hi.isdigit()):
+            if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):  # 5-2 would be empty
                 raise ValueError(f"network_args '{key}': bad range {part!r} (expected like '0-5,10', 'all' or 'none')")
             value.extend(range(int(lo), int(hi or lo) + 1))
     bad = [i for i in value if isinstance(i, bool) or not 0 <= int(i) < (math.inf if count is None else count)]

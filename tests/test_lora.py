@@ -310,6 +310,7 @@ def test_qwen_image_and_llm_targets_and_block_indices():
     ({"exclude_patterns": "(unclosed"}, "bad regex"),
     ({"train_double_block_indices": "0-9"}, "index 3 is out of range"),
     ({"train_double_block_indices": "a-b"}, "bad range"),
+    ({"train_double_block_indices": "0,2-1"}, "bad range '2-1'"),  # selected no block of the range before
     ({"train_blocks": "both"}, "expected all, double or single"),
     ({"dropout": "lots"}, "expected a number"),
     ({"train_blocks": "single", "single_dim": 0, "single_mod_dim": 0}, "select no module"),
