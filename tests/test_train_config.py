@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from library.io import CheckpointError
 from library.training import optim
 from library.training.config import ConfigError, load_config, lora_network_args, parse_kv_literals
 from tools import plot_lr
@@ -403,3 +404,30 @@ def test_a_bad_flag_is_one_line_not_the_usage(capsys):
     assert train_lora.main(["--bogus", "1"]) == 2
     err = capsys.readouterr().err
     assert err == "error: command line: unrecognized arguments: --bogus 1 (python train_lora.py --help lists the keys)\n"
+
+
+def test_resume_refuses_another_schedule_shape_and_takes_older_states(tmp_path):
+    """The scheduler's state holds its step, not its lambda: the old line resumed a state written with
+    lr_warmup_steps = 100 under 10 (the lr jumped from the warmup's 0.3 to the full rate) without a word."""
+    import json
+
+    from library.training.state import SCHEDULE_IDENTITY, load_state, run_digest
+
+    cfg = write(tmp_path, BASE + 'lr_scheduler = "cosine_with_restarts"\nlr_warmup_steps = 100\nlr_scheduler_num_cycles = 2\n')
+    written = load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    state = tmp_path / "state"
+    state.mkdir()
+
+    def write_state(run: dict):
+        (state / "train_state.json").write_text(json.dumps(
+            {"step": 30, "epoch": 0, "batches_done": 30, "scheduler": {}, "run": json.loads(json.dumps(run, default=str))}))
+
+    write_state(run_digest(written))
+    for flag, value in (("--lr_warmup_steps", "10"), ("--lr_scheduler_num_cycles", "3")):
+        resumed = load_config(["--config_file", cfg, "--output_dir", str(tmp_path), flag, value])
+        with pytest.raises(ValueError, match=f"state was written with {flag[2:]} = .*, this run has {value}"):
+            load_state(str(state), resumed)
+    old = {k: v for k, v in run_digest(written).items() if k not in SCHEDULE_IDENTITY}  # a state from before
+    write_state(old)
+    with pytest.raises(CheckpointError, match="trainable.safetensors"):  # past the settings check: the files
+        load_state(str(state), load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "10"]))
