@@ -157,7 +157,7 @@ def lora_metadata(args, task, step: int, max_steps: int, epoch: int, started: fl
     return build_metadata(
         network_module=args.network_module, network_dim=args.network_dim,
         network_alpha=facts.get("network_alpha") or args.network_alpha,
-        network_args=parse_kv_literals(args.network_args, "network_args", "config"),
+        network_args=parse_kv_literals(args.network_args, "network_args", "config", any_text=True),
         base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
         base_precision=facts["base_precision"], fp8_compute=facts.get("fp8_compute"), base_loras=facts.get("base_loras"), mixed_precision=args.mixed_precision, resolution=facts["resolution"],
         steps=step, max_steps=max_steps, epochs=epoch, batch_size=facts["batch_size"], optimizer=args.optimizer_type

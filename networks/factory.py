@@ -60,7 +60,7 @@ def check_network_args(name: str, arch: str, args: dict) -> None:
     if name == "lycoris.kohya":
         from networks.lycoris_network import check_lycoris_args
 
-        check_lycoris_args(args)
+        check_lycoris_args(args, arch)
     else:
         from networks.lora import check_lora_args
 

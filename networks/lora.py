@@ -156,20 +156,29 @@ class LoRAModule(nn.Module):
         self._original_forward = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dropped():
+            return self._original_forward(x)
         return self._adapted(x, self._original_forward(x))
 
     def forward_with_base_output(self, x: torch.Tensor, base_call) -> torch.Tensor:
         """core.residual_projection's call in checkpointing: this module's path in full on the base output
-        that base_call(original forward, x) gives (the base on one token, or kept from the forward)."""
+        that base_call(original forward, x) gives (the base on one token, or kept from the forward). A
+        module dropped this call (module_dropout; the recompute draws the same) returns the base's own
+        output, in both passes: a kept output stands in for the value, not for its autograd history."""
         if self.dora_scale is not None or self._had_instance_forward or not core.saves_only_weights(self.base):
             return self.forward(x)  # DoRA's delta reads the base output; an unknown base may save x
+        if self._dropped():
+            return self._original_forward(x)
         return self._adapted(x, base_call(self._original_forward, x))
+
+    def _dropped(self) -> bool:
+        """module_dropout's draw for this call: skip the whole branch (training only)."""
+        return bool(self.training and self.module_dropout and self.enabled and self.multiplier != 0
+                    and torch.rand(()) < self.module_dropout)
 
     def _adapted(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         training = self.training
         if not self.enabled or self.multiplier == 0:
-            return out
-        if training and self.module_dropout and torch.rand(()) < self.module_dropout:
             return out
         # Branch dtype: x -> LoRA weight dtype (float32 by default) unless autocast picks it.
         autocast = autocast_dtype(x.device.type)
@@ -247,6 +256,52 @@ def check_lora_args(arch: str, args: dict) -> None:
     for key, why in spec.refused_args.items():
         if _as_bool(key, args.get(key, False)):
             raise ValueError(f"network_args '{key}=true' is not supported: {why}")
+    _check_lora_values(spec, args)
+
+
+def _check_lora_values(spec: LoRATargets, args: dict) -> None:
+    """Each value of its type and range (the network reads them after minutes of caching): a rate
+    of 1 or more would divide by zero (rank_dropout) or never train (module_dropout)."""
+    for key in ("dropout", "rank_dropout", "module_dropout"):
+        _as_probability(key, args.get(key))
+    ratio = _as_float("loraplus_lr_ratio", args.get("loraplus_lr_ratio"))
+    if ratio is not None and not ratio > 0:
+        raise ValueError(f"network_args 'loraplus_lr_ratio': expected a number > 0, got {args['loraplus_lr_ratio']!r}")
+    for key in ("dora", "use_dora", "train_modulation"):
+        if key in args:
+            _as_bool(key, args[key])
+    if "dora" in args and "use_dora" in args and _as_bool("dora", args["dora"]) != _as_bool("use_dora", args["use_dora"]):
+        raise ValueError(f"network_args 'dora' = {args['dora']!r} and 'use_dora' = {args['use_dora']!r} disagree: give one")
+    _train_blocks(args)
+    for key in ("include_patterns", "exclude_patterns"):
+        _as_patterns(key, args.get(key))
+    for key in args:
+        if key.endswith("_dim") and _as_int(key, args[key]) < 0:
+            raise ValueError(f"network_args '{key}': expected a rank >= 0 (0 skips the type), got {args[key]!r}")
+    if spec.in_dim_types and args.get("in_dims") is not None:
+        _in_dims(spec, args["in_dims"])
+    for key in spec.block_args:
+        if key in args:
+            parse_indices(key, args[key], None)
+
+
+def _train_blocks(args: dict) -> str:
+    train_blocks = str(args.get("train_blocks", "all")).lower()
+    if train_blocks not in ("all", "double", "single"):
+        raise ValueError(f"network_args 'train_blocks': expected all, double or single, got {train_blocks!r}")
+    return train_blocks
+
+
+def _in_dims(spec: LoRATargets, value) -> dict[str, int]:
+    """in_dims "[r1, r2, ...]" (or a list): {type: rank} for the spec's in_dim_types, in order."""
+    values = value if isinstance(value, (list, tuple)) else str(value).strip("[] ").split(",")
+    if len(values) != len(spec.in_dim_types):
+        raise ValueError(f"network_args 'in_dims': expected {len(spec.in_dim_types)} ranks "
+                         f"[{', '.join(spec.in_dim_types)}], got {value!r}")
+    ranks = {t: _as_int("in_dims", v) for t, v in zip(spec.in_dim_types, values)}
+    if any(r < 0 for r in ranks.values()):
+        raise ValueError(f"network_args 'in_dims': expected ranks >= 0, got {value!r}")
+    return ranks
 
 
 def _as_float(key, value):
@@ -254,6 +309,14 @@ def _as_float(key, value):
         return None if value is None else float(value)
     except (TypeError, ValueError):
         raise ValueError(f"network_args '{key}': expected a number, got {value!r}") from None
+
+
+def _as_probability(key, value) -> float | None:
+    """A dropout rate in [0, 1): 1 drops everything (rank_dropout's 1 / (1 - p) divides by zero)."""
+    p = _as_float(key, value)
+    if p is not None and not 0 <= p < 1:
+        raise ValueError(f"network_args '{key}': expected a probability in [0, 1), got {value!r}")
+    return p
 
 
 def _as_int(key, value) -> int:
@@ -284,23 +347,26 @@ def _as_patterns(key, value) -> list[re.Pattern]:
     return compiled
 
 
-def parse_indices(key, value, count: int) -> set[int]:
-    """'0-5,10' / 'all' / 'none' / [0, 3] / 7 -> set of block indices below `count`."""
+def parse_indices(key, value, count: int | None) -> set[int]:
+    """'0-5,10' / 'all' / 'none' (or None) / [0, 3] / 7 -> set of block indices below `count`
+    (None: the format alone is checked, any index >= 0 taken; 'all' is then empty)."""
+    if value is None:
+        return set()
     if isinstance(value, int):
         value = [value]
     if isinstance(value, str):
         text = value.strip().lower()
         if text == "all":
-            return set(range(count))
+            return set(range(count or 0))
         if text in ("none", ""):
             return set()
         value = []
         for part in text.split(","):
             lo, _, hi = part.strip().partition("-")
-            if not lo.isdigit() or (hi and not hi.isdigit()):
+            if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):  # 5-2 would be empty
                 raise ValueError(f"network_args '{key}': bad range {part!r} (expected like '0-5,10', 'all' or 'none')")
             value.extend(range(int(lo), int(hi or lo) + 1))
-    bad = [i for i in value if not 0 <= int(i) < count]
+    bad = [i for i in value if isinstance(i, bool) or not 0 <= int(i) < (math.inf if count is None else count)]
     if bad:
         raise ValueError(f"network_args '{key}': index {bad[0]} is out of range, the model has {count} such blocks")
     return {int(i) for i in value}
@@ -395,18 +461,14 @@ class LoRANetwork(nn.Module):
     def _type_ranks(self, args) -> dict[str, tuple[int, bool]]:
         """{module type: (rank, on by default)} from the network rank and network_args."""
         spec, types = self.spec, self.spec.targets
-        dims = {t: int(_as_float(f"{t}_dim", args[f"{t}_dim"])) for t in types if f"{t}_dim" in args}
+        dims = {t: _as_int(f"{t}_dim", args[f"{t}_dim"]) for t in types if f"{t}_dim" in args}
         for group, members in spec.type_groups.items():
             if f"{group}_dim" in args:
                 for t in members:
-                    dims.setdefault(t, int(_as_float(f"{group}_dim", args[f"{group}_dim"])))
+                    dims.setdefault(t, _as_int(f"{group}_dim", args[f"{group}_dim"]))
         in_types = spec.in_dim_types
         if in_types and args.get("in_dims") is not None:
-            values = args["in_dims"]
-            values = [v for v in str(values).strip("[] ").split(",")] if not isinstance(values, (list, tuple)) else values
-            if len(values) != len(in_types):
-                raise ValueError(f"network_args 'in_dims': expected {len(in_types)} ranks [{', '.join(in_types)}], got {args['in_dims']!r}")
-            dims.update({t: int(_as_float("in_dims", v)) for t, v in zip(in_types, values)})
+            dims.update(_in_dims(spec, args["in_dims"]))
         train_mod = _as_bool("train_modulation", args.get("train_modulation", spec.modulation_default))
         ranks = {}
         for t in types:
@@ -441,9 +503,7 @@ class LoRANetwork(nn.Module):
         for _, _, _, kind, index in candidates:
             count[kind] = max(count.get(kind, 0), index + 1)
         on = {kind: set(range(n)) for kind, n in count.items()}
-        train_blocks = str(args.get("train_blocks", "all")).lower()
-        if train_blocks not in ("all", "double", "single"):
-            raise ValueError(f"network_args 'train_blocks': expected all, double or single, got {train_blocks!r}")
+        train_blocks = _train_blocks(args)
         if train_blocks != "all":
             on = {kind: (s if kind in (train_blocks, "embed") else set()) for kind, s in on.items()}
         for key, kind in self.spec.block_args.items():

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from library.io import CheckpointError, CheckpointReader, save_safetensors
 from library.models.registry import arch_specs
-from networks.lora import LoRANetwork, _as_bool, _as_float, _as_int, lora_targets
+from networks.lora import LoRANetwork, _as_bool, _as_float, _as_int, _as_probability, check_lora_args, lora_targets
 from networks.lora_files import build_metadata, is_lycoris_file, lycoris_kind, tensor_hash  # noqa: F401 (the tools import them from here)
 
 # network_args LyCORIS' create_network reads (lycoris-lora 4.1.3, lycoris/kohya.py), passed as given.
@@ -43,8 +43,13 @@ LYCORIS_ARGS = {
     "algo", "conv_dim", "conv_alpha", "dropout", "rank_dropout", "module_dropout", "use_tucker",
     "use_cp", "use_conv_cp", "disable_conv_cp", "use_scalar", "block_size", "train_norm", "constraint",
     "rescaled", "dora_wd", "wd_on_output", "full_matrix", "bypass_mode", "rs_lora",
-    "unbalanced_factorization", "decompose_both", "factor", "preset", "rank_dropout_scale",
-}  # not loraplus_*: our param_groups do not split LyCORIS parameters, so they are refused as unknown
+    "unbalanced_factorization", "decompose_both", "factor", "preset",
+}  # not loraplus_*: our param_groups do not split LyCORIS parameters, so they are refused as unknown;
+# not rank_dropout_scale: its modules take it, but create_network never reads it (it would be dropped)
+# Without a `preset` the targets are our LoRA's, Linear layers named one by one: these would act on
+# no module (convolutions; norm layers), so they need a preset that names such modules.
+PRESET_ONLY_ARGS = {"conv_dim": "convolution layers", "conv_alpha": "convolution layers",
+                    "train_norm": "norm layers"}
 # Their value types: LyCORIS reads them with int() / float() / str_bool (which takes every word but
 # "false" as true) and looks algo up in a dict, so bad values are named here and typed values passed.
 LYCORIS_INT_ARGS = {"conv_dim", "block_size", "factor"}
@@ -115,13 +120,20 @@ def _quiet_lycoris():
         logger.setLevel(level)
 
 
-def check_lycoris_args(args: dict) -> None:
-    """network_args keys LyCORIS or our selection reads, with values of its types; needs no model."""
+def check_lycoris_args(args: dict, arch: str | None = None) -> None:
+    """network_args keys LyCORIS or our selection reads, with values of its types; needs no model.
+    arch: the selection args are also checked as our LoRA checks them for that architecture."""
     unknown = sorted(k for k in args if k not in LYCORIS_ARGS | SELECTION_ARGS)
     if unknown:
         raise ValueError(f"network_args: unknown key '{unknown[0]}' for lycoris.kohya "
                          f"(known: {', '.join(sorted(LYCORIS_ARGS | SELECTION_ARGS))})")
-    _typed_lycoris_args(args)
+    typed = _typed_lycoris_args(args)
+    if arch is not None:
+        check_lora_args(arch, {k: v for k, v in args.items() if k in SELECTION_ARGS})
+    idle = [k for k, layers in PRESET_ONLY_ARGS.items() if typed.get(k) and "preset" not in args]
+    if idle:
+        raise ValueError(f"network_args '{idle[0]}' acts on {PRESET_ONLY_ARGS[idle[0]]}, and without a LyCORIS "
+                         f"'preset' the targets are the LoRA's Linear layers: give a preset that names them, or leave it out")
 
 
 def _typed_lycoris_args(args: dict) -> dict:
@@ -135,7 +147,7 @@ def _typed_lycoris_args(args: dict) -> dict:
         if key in LYCORIS_INT_ARGS:
             typed[key] = _as_int(key, value)
         elif key in LYCORIS_FLOAT_ARGS:
-            typed[key] = _as_float(key, value)
+            typed[key] = (_as_probability if key.endswith("dropout") else _as_float)(key, value)
         elif key in LYCORIS_BOOL_ARGS:
             typed[key] = _as_bool(key, value)
         elif key == "algo" and str(value).lower() not in network_module_dict:
@@ -186,7 +198,7 @@ class LycorisNetwork(nn.Module):
         self._model = [model]
         self._fp8_targets: dict[nn.Module, nn.Module] = {}  # LyCORIS module -> the quantized Linear it wraps
         self._applied = False
-        check_lycoris_args(self.network_args)
+        check_lycoris_args(self.network_args, arch)
         self._add_all(self._build(model))
         self.eval()
 

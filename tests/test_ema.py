@@ -327,6 +327,9 @@ def test_ema_for_dora_lycoris_qwen_image_and_llm(kind, tiny_set, tmp_path, recor
     (["--ema_decay", "0.9", "--ema_warmup", "--ema_inv_gamma", "-1"], "key 'ema_inv_gamma' must be > 0, got -1.0"),
     (["--ema_decay", "0.9", "--ema_power", "0.75"], "command line: key 'ema_power' needs ema_warmup = true"),
     (["--ema_decay", "0.9", "--ema_device", "gpu"], "key 'ema_device' must be one of same, cpu"),
+    # the old line trained and saved an _ema file equal to the raw LoRA
+    (["--ema_decay", "0.9", "--ema_start_step", "5", "--max_train_steps", "5"],
+     "command line: key 'ema_start_step' = 5 is not before max_train_steps = 5: the EMA would equal the raw weights"),
 ])
 def test_ema_config_errors_name_the_key(tiny_set, tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):

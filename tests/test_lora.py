@@ -2,6 +2,7 @@
 
 import importlib
 import json
+import re
 
 import pytest
 import torch
@@ -309,13 +310,34 @@ def test_qwen_image_and_llm_targets_and_block_indices():
     ({"exclude_patterns": "(unclosed"}, "bad regex"),
     ({"train_double_block_indices": "0-9"}, "index 3 is out of range"),
     ({"train_double_block_indices": "a-b"}, "bad range"),
+    ({"train_double_block_indices": "0,2-1"}, "bad range '2-1'"),  # selected no block of the range before
     ({"train_blocks": "both"}, "expected all, double or single"),
     ({"dropout": "lots"}, "expected a number"),
     ({"train_blocks": "single", "single_dim": 0, "single_mod_dim": 0}, "select no module"),
+    ({"rank_dropout": 1.0}, "'rank_dropout': expected a probability in [0, 1), got 1.0"),
+    ({"module_dropout": "1"}, "'module_dropout': expected a probability in [0, 1)"),
+    ({"dropout": -0.1}, "'dropout': expected a probability in [0, 1)"),
+    ({"img_attn_dim": "4.5"}, "'img_attn_dim': expected an integer, got '4.5'"),
+    ({"attn_dim": -1}, "'attn_dim': expected a rank >= 0"),
+    ({"in_dims": "[1, 0, 0, 0, 2.5]"}, "'in_dims': expected an integer"),
+    ({"loraplus_lr_ratio": 0}, "'loraplus_lr_ratio': expected a number > 0"),
+    ({"dora": "maybe"}, "'dora': expected true/false"),
 ])
 def test_bad_network_args_raise_naming_the_key(args, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         LoRANetwork(StandIn(flux_names(3, 2)), "flux", rank=4, network_args=args)
+
+
+@pytest.mark.parametrize("args", [{"rank_dropout": 1.0}, {"img_attn_dim": 4.5}, {"train_double_block_indices": "x"},
+                                  {"loraplus_lr_ratio": "many"}, {"train_modulation": "on"}, {"train_blocks": "both"},
+                                  {"exclude_patterns": "(unclosed"}, {"dora": "true", "use_dora": "false"}])
+def test_network_arg_values_are_checked_without_a_model(args):
+    """The config check (before minutes of caching) runs check_lora_args: rank_dropout=1 divided by
+    zero at the first step and img_attn_dim=4.5 trained rank 4, both after caching."""
+    from networks.lora import check_lora_args
+
+    with pytest.raises(ValueError, match=f"network_args '{next(iter(args))}'"):
+        check_lora_args("flux", args)
 
 
 def test_rank_above_a_layer_width_warns_once_naming_the_layer_and_the_effective_rank():

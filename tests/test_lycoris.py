@@ -70,13 +70,31 @@ def test_lokr_adapts_our_lora_targets_with_lycoris_keys():
         f"lora_unet_single_blocks_{i}_{n}" for i in range(3) for n in ("linear1", "linear2", "modulation_lin")}
 
 
+def test_lycoris_selection_args_are_checked_for_the_arch_without_a_model():
+    """The old line checked only the names of the selection args before caching: a block arg of
+    another family or a bad index range failed when the network was built, after caching."""
+    from networks.factory import check_network_args
+
+    for args, message in (({**LOKR, "block_indices": "0-1"}, "unknown key 'block_indices' for family 'flux'"),
+                          ({**LOKR, "train_double_block_indices": "x"}, "network_args 'train_double_block_indices': bad range")):
+        with pytest.raises(ValueError, match=message):
+            check_network_args("lycoris.kohya", "flux", args)
+    check_network_args("lycoris.kohya", "qwen_image", {**LOKR, "block_indices": "0-1"})
+
+
 @pytest.mark.parametrize("args, message", [
     ({"algo": "foo"}, "network_args 'algo': 'foo' is not a LyCORIS algo (allowed: "),
     ({**LOKR, "factor": "abc"}, "network_args 'factor': expected an integer, got 'abc'"),
     ({**LOKR, "dropout": "lots"}, "network_args 'dropout': expected a number, got 'lots'"),
     ({**LOKR, "use_tucker": "maybe"}, "network_args 'use_tucker': expected true/false, got 'maybe'"),
     ({"preset": "atn-mlp"}, "network_args 'preset': 'atn-mlp' is neither a LyCORIS preset (attn-mlp, "),
-], ids=["algo", "factor", "dropout", "use_tucker", "preset"])
+    # accepted and dropped before: create_network (lycoris-lora 4.1.3) never reads rank_dropout_scale,
+    # and our exact-name preset of Linear targets holds no convolution or norm layer
+    ({**LOKR, "rank_dropout_scale": True}, "unknown key 'rank_dropout_scale' for lycoris.kohya"),
+    ({**LOKR, "conv_dim": 8}, "network_args 'conv_dim' acts on convolution layers, and without a LyCORIS 'preset'"),
+    ({**LOKR, "train_norm": "true"}, "network_args 'train_norm' acts on norm layers"),
+    ({**LOKR, "dropout": 1.5}, "network_args 'dropout': expected a probability in [0, 1), got 1.5"),  # F.dropout raised at step 1
+], ids=["algo", "factor", "dropout", "use_tucker", "preset", "rank_dropout_scale", "conv_dim", "train_norm", "dropout_range"])
 def test_bad_lycoris_args_name_the_key_the_value_and_what_is_allowed(args, message):
     with pytest.raises(ValueError) as raised:
         LycorisNetwork(tiny_flux(), "flux", 4, network_args=args)

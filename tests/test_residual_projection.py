@@ -198,6 +198,22 @@ def test_saved_projections_train_the_same_bits(arch, tiny_set, monkeypatch):
     assert len(skipped) == len(tail_modules(model)), skipped
 
 
+def test_saved_projections_with_module_dropout_train_as_without_checkpointing(tiny_set, monkeypatch):
+    """module_dropout returned the kept base output (detached) where the recompute dropped a module:
+    one tensor fewer saved than in the forward, a CheckpointError in backward at the first step."""
+    model, kwargs = tiny_model("flux", tiny_set)
+    net = with_lora(model, "flux", {"train_modulation": True, "module_dropout": 0.3, "rank_dropout": 0.25})
+    net.train()
+    grads = {}
+    for mode in (False, core.checkpointing(True, save_projections=True)):
+        model.gradient_checkpointing = mode
+        torch.manual_seed(3)  # the same draws in both runs (and in the recompute: checkpoint restores the RNG)
+        grads[bool(mode)], _ = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+    dropped = [k for k, g in grads[False].items() if g is None]
+    assert 0 < len(dropped) < len(grads[False]), dropped  # some modules dropped, some trained
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads[True].values(), grads[False].values()))
+
+
 def test_saved_projections_leave_the_recompute(tiny_set):
     """torch's FLOP counter over backward: with the gate trained, saving drops the tail GEMMs (less one
     token each) from the recompute, as the skip does for an untrained gate."""

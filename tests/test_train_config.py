@@ -1,6 +1,7 @@
 """The training config schema, optimizer factory and LR tracking (CSV + plot)."""
 
 import csv
+import importlib
 import re
 
 import os
@@ -8,8 +9,9 @@ import os
 import pytest
 import torch
 
+from library.io import CheckpointError
 from library.training import optim
-from library.training.config import ConfigError, load_config, parse_kv_literals
+from library.training.config import ConfigError, load_config, lora_network_args, parse_kv_literals
 from tools import plot_lr
 
 
@@ -95,6 +97,81 @@ def test_optimizer_args_are_literals_never_evaluated():
     }
     with pytest.raises(ConfigError, match="not a Python literal"):
         parse_kv_literals(["x=__import__('os').system('true')"], "optimizer_args", "train.toml")
+
+
+def test_optimizer_args_true_false_none_in_any_case_are_python_values():
+    # 'safeguard_warmup=false' was the string "false", which Prodigy reads as true
+    parsed = parse_kv_literals(["safeguard_warmup=false", "decouple=TRUE", "weight_decay=none", "mode=falsy"],
+                               "optimizer_args", "x")
+    assert parsed == {"safeguard_warmup": False, "decouple": True, "weight_decay": None, "mode": "falsy"}
+
+
+@pytest.mark.parametrize("args, message", [
+    ('optimizer_args = ["betas=0.9"]', "optimizer_args (betas=0.9) do not fit AdamW"),
+    ('optimizer_type = "Prodigy"\noptimizer_args = ["d_0=1e-3"]', "optimizer_args (d_0=0.001) do not fit Prodigy"),
+])
+def test_optimizer_args_the_optimizer_refuses_fail_at_the_config_check(tmp_path, args, message):
+    """The old line took them and failed in the Trainer, after caching and loading the models."""
+    cfg = write(tmp_path, BASE + args + "\n")
+    with pytest.raises(ConfigError, match=r"/train\.toml: " + re.escape(message)):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+
+
+CALLED = []
+
+
+def record_call(*args, **kwargs):
+    CALLED.append((args, kwargs))
+
+
+def test_the_early_optimizer_check_calls_only_optimizer_classes():
+    """A module.Class may name any callable (os.system): the config check builds optimizers only."""
+    optim.check_optimizer("tests.test_train_config.record_call", 1e-3, {"command": "x"})
+    assert importlib.import_module("tests.test_train_config").CALLED == []  # (the module optimizer_class imported)
+
+
+def test_a_warmup_of_steps_and_a_fraction_is_refused(tmp_path):
+    """lr_warmup_steps = 1.5 warmed up for int(1.5) = 1 step (sd-scripts refuses it)."""
+    cfg = write(tmp_path, BASE + 'lr_scheduler = "linear"\nlr_warmup_steps = 1.5\n')
+    with pytest.raises(ConfigError, match=r"train\.toml: key 'lr_warmup_steps' must be a whole number of steps .*got 1\.5"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "0.5"]).lr_warmup_steps == 0.5
+    assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "20"]).lr_warmup_steps == 20
+
+
+def test_network_dropout_and_a_network_args_dropout_are_not_both_taken(tmp_path):
+    """The old line kept network_args' dropout = 0.1 and dropped network_dropout = 0.3 without a word."""
+    cfg = write(tmp_path, BASE + 'network_dropout = 0.3\nnetwork_args = ["dropout=0.1"]\n')
+    with pytest.raises(ConfigError, match=r"train\.toml: network_dropout = 0\.3 and network_args 'dropout=0\.1' set the same"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    args = load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--network_args"])
+    assert lora_network_args(args) == {"dropout": 0.3}
+
+
+def test_loraplus_with_prodigy_is_refused_before_training(tmp_path):
+    """The old line crashed at the first Prodigy step (after caching): 'Setting different lr values in
+    different parameter groups is only supported for values of 0'."""
+    cfg = write(tmp_path, BASE + 'optimizer_type = "Prodigy"\nlearning_rate = 1.0\nnetwork_args = ["loraplus_lr_ratio=4"]\n')
+    with pytest.raises(ConfigError, match=r"train\.toml: network_args 'loraplus_lr_ratio=4' gives the parameter groups "
+                                          r"different learning rates, which Prodigy does not take"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--optimizer_type", "AdamW"])
+
+
+def test_weight_decay_1d_is_refused_where_no_pretraining_reads_it(tmp_path):
+    cfg = write(tmp_path, BASE + "weight_decay_1d = true\n")
+    with pytest.raises(ConfigError, match="key 'weight_decay_1d' does nothing with pretrain = False"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+
+
+def test_network_args_take_sd_scripts_block_ranges_and_bare_regexes(tmp_path):
+    """'train_double_block_indices=0-5,10' (sd-scripts' syntax, and our LoRA's) was refused as 'not a
+    Python literal' before the network saw it."""
+    cfg = write(tmp_path, FLUX + "network_args = ['train_double_block_indices=0-2,5', 'exclude_patterns=.*_mod\\..*']\n")
+    args = load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    assert lora_network_args(args) == {"train_double_block_indices": "0-2,5", "exclude_patterns": r".*_mod\..*"}
+    with pytest.raises(ConfigError, match="not a Python literal"):  # optimizer_args stay literals
+        parse_kv_literals(["betas=0.9,0.99x"], "optimizer_args", "x")
 
 
 def test_unknown_optimizer_is_an_error():
@@ -294,6 +371,30 @@ def test_keys_that_would_do_nothing_or_fail_after_caching_are_refused_first(tmp_
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
 
 
+@pytest.mark.parametrize("lines, message", [
+    ('lr_scheduler = "cosine"\nlr_scheduler_num_cycles = 3',
+     "key 'lr_scheduler_num_cycles' does nothing with lr_scheduler = \"cosine\"; it needs lr_scheduler = \"cosine_with_restarts\""),
+    ('lr_scheduler = "linear"\nlr_scheduler_power = 2.0', "key 'lr_scheduler_power' does nothing with lr_scheduler = \"linear\""),
+    ("discrete_flow_shift = 3.1582", "key 'discrete_flow_shift' does nothing with timestep_sampling unset"),
+    ('timestep_sampling = "flux_shift"\ndiscrete_flow_shift = 2.0', 'key \'discrete_flow_shift\' does nothing with timestep_sampling = "flux_shift"; it needs timestep_sampling = "shift"'),
+    ('timestep_sampling = "uniform"\nsigmoid_scale = 2.0', "key 'sigmoid_scale' does nothing with timestep_sampling = \"uniform\""),
+    ("huber_c = 0.5", "key 'huber_c' does nothing with loss_type = \"l2\""),
+    ("block_swap_prefetch = 2", "key 'block_swap_prefetch' does nothing with blocks_to_swap = 0"),
+])
+def test_a_scheduler_or_loss_key_that_its_choice_never_reads_is_refused(tmp_path, lines, message):
+    """The old line trained without them: diffusers' get_scheduler passes num_cycles only to
+    cosine_with_restarts and power only to polynomial; the shift, scale and huber_c only act in their mode."""
+    cfg = write(tmp_path, FLUX + lines + "\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    used = {"lr_scheduler_num_cycles": 'lr_scheduler = "cosine_with_restarts"', "lr_scheduler_power": 'lr_scheduler = "polynomial"',
+            "discrete_flow_shift": 'timestep_sampling = "shift"', "sigmoid_scale": 'timestep_sampling = "sigmoid"',
+            "huber_c": 'loss_type = "huber"', "block_swap_prefetch": "blocks_to_swap = 2"}
+    key = re.search(r"key '(\w+)'", message).group(1)
+    line = next(v for v in lines.split("\n") if v.startswith(key))
+    load_config(["--config_file", write(tmp_path, FLUX + used[key] + "\n" + line + "\n"), "--output_dir", str(tmp_path)])
+
+
 def test_sampling_keys_with_prompts_blanked_are_an_explicit_no(tmp_path):
     cfg = write(tmp_path, FLUX + 'sample_at_first = true\nsample_prompts = ""\nlr_scheduler = "constant_with_warmup"\n'
                                  "lr_warmup_steps = 2\n")
@@ -325,3 +426,30 @@ def test_a_bad_flag_is_one_line_not_the_usage(capsys):
     assert train_lora.main(["--bogus", "1"]) == 2
     err = capsys.readouterr().err
     assert err == "error: command line: unrecognized arguments: --bogus 1 (python train_lora.py --help lists the keys)\n"
+
+
+def test_resume_refuses_another_schedule_shape_and_takes_older_states(tmp_path):
+    """The scheduler's state holds its step, not its lambda: the old line resumed a state written with
+    lr_warmup_steps = 100 under 10 (the lr jumped from the warmup's 0.3 to the full rate) without a word."""
+    import json
+
+    from library.training.state import SCHEDULE_IDENTITY, load_state, run_digest
+
+    cfg = write(tmp_path, BASE + 'lr_scheduler = "cosine_with_restarts"\nlr_warmup_steps = 100\nlr_scheduler_num_cycles = 2\n')
+    written = load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    state = tmp_path / "state"
+    state.mkdir()
+
+    def write_state(run: dict):
+        (state / "train_state.json").write_text(json.dumps(
+            {"step": 30, "epoch": 0, "batches_done": 30, "scheduler": {}, "run": json.loads(json.dumps(run, default=str))}))
+
+    write_state(run_digest(written))
+    for flag, value in (("--lr_warmup_steps", "10"), ("--lr_scheduler_num_cycles", "3")):
+        resumed = load_config(["--config_file", cfg, "--output_dir", str(tmp_path), flag, value])
+        with pytest.raises(ValueError, match=f"state was written with {flag[2:]} = .*, this run has {value}"):
+            load_state(str(state), resumed)
+    old = {k: v for k, v in run_digest(written).items() if k not in SCHEDULE_IDENTITY}  # a state from before
+    write_state(old)
+    with pytest.raises(CheckpointError, match="trainable.safetensors"):  # past the settings check: the files
+        load_state(str(state), load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "10"]))

@@ -45,7 +45,9 @@ def test_an_optimizer_type_that_is_not_an_optimizer_class_is_refused(checked):
     answer = checked(optimizer_type="os.system")
     assert answer == {"ok": False, "key": "optimizer_type", "error": "config: key 'optimizer_type': 'os.system' is "
                                                                      "not an optimizer class (a torch.optim.Optimizer subclass)"}
-    assert checked(optimizer_type="torch.optim.SGD")["ok"] is True
+    assert checked(optimizer_type="torch.optim.SGD", optimizer_args=[])["ok"] is True
+    answer = checked(optimizer_type="torch.optim.SGD")  # Prodigy's d0 and d_coef: SGD's constructor refuses them
+    assert answer["ok"] is False and "do not fit torch.optim.SGD" in answer["error"], answer
 
 
 def test_a_dataset_reading_outside_the_roots_is_refused(checked, tiny_set, tmp_path):

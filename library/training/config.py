@@ -342,27 +342,41 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         origins[key] = "command line"
     args = argparse.Namespace(**values, config_file=cli.config_file)
     validate(args, cli.config_file or "command line", origins)
-    from library.training.optim import optimizer_class  # here, not at the top: it loads torch
+    from library.training.optim import check_optimizer  # here, not at the top: it loads torch
 
+    ratio = lora_network_args(args).get("loraplus_lr_ratio")
+    group_lrs = f"network_args 'loraplus_lr_ratio={ratio}'" if ratio not in (None, 1, "1") else None
     try:  # fail now, not after minutes of caching
-        optimizer_class(args.optimizer_type)
+        check_optimizer(args.optimizer_type, args.learning_rate,
+                        parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", "defaults")),
+                        group_lrs)
     except ConfigError as e:
-        raise ConfigError(f"{origins.get('optimizer_type', 'defaults')}: {e}") from None
+        keys = ("optimizer_type", "optimizer_args") + (("network_args",) if group_lrs else ())
+        raise ConfigError(f"{_blame(origins, cli.config_file or 'command line', *keys)}: {e}") from None
     return args
 
 
-def parse_kv_literals(items: list[str], key: str, where: str) -> dict[str, Any]:
+_WORD_LITERALS = {"true": True, "false": False, "none": None, "null": None}
+
+
+def parse_kv_literals(items: list[str], key: str, where: str, any_text: bool = False) -> dict[str, Any]:
     """['lr=1e-3', 'betas=(0.9,0.99)', 'mode=scaled'] -> dict. Values are Python literals
-    (ast.literal_eval, never eval); a bare word that is not a literal stays a string."""
+    (ast.literal_eval, never eval); true / false / none in any case are True / False / None (TOML's
+    and JSON's spelling: 'false' kept as a string is truthy); another bare word stays a string.
+    any_text: any other text stays a string too (network_args, which the network checks key by key:
+    sd-scripts' block ranges '0-5,10', a bare regex)."""
     out = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"{where}: {key} entry {item!r} must be 'name=value'")
         name, text = (s.strip() for s in item.split("=", 1))
+        if text.lower() in _WORD_LITERALS:
+            out[name] = _WORD_LITERALS[text.lower()]
+            continue
         try:
             out[name] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
-            if not text.replace("_", "").replace("-", "").isalnum():
+            if not (any_text or text.replace("_", "").replace("-", "").isalnum()):
                 raise ConfigError(f"{where}: {key} value {item!r} is not a Python literal") from None
             out[name] = text
     return out
@@ -370,9 +384,13 @@ def parse_kv_literals(items: list[str], key: str, where: str) -> dict[str, Any]:
 
 def lora_network_args(args) -> dict[str, Any]:
     """network_args of the config as a dict, with network_dropout as the LoRA `dropout` (sd-scripts)."""
-    net_args = parse_kv_literals(args.network_args, "network_args", args.config_file or "command line")
+    where = args.config_file or "command line"
+    net_args = parse_kv_literals(args.network_args, "network_args", where, any_text=True)
+    if args.network_dropout and "dropout" in net_args:  # one would silently win over the other
+        raise ConfigError(f"{where}: network_dropout = {args.network_dropout:g} and network_args 'dropout={net_args['dropout']}' "
+                          f"set the same dropout: keep one")
     if args.network_dropout:
-        net_args.setdefault("dropout", args.network_dropout)
+        net_args["dropout"] = args.network_dropout
     return net_args
 
 
@@ -383,6 +401,10 @@ def _validate_ema(args, origins: dict[str, str], where: str) -> None:
     if args.ema_start_step < 0:
         raise ConfigError(f"{origins.get('ema_start_step', where)}: key 'ema_start_step' must be >= 0, "
                           f"got {args.ema_start_step}")
+    if args.ema_decay and not args.max_train_epochs and args.ema_start_step >= args.max_train_steps:
+        raise ConfigError(f"{_blame(origins, where, 'ema_start_step', 'max_train_steps')}: key 'ema_start_step' = "
+                          f"{args.ema_start_step} is not before max_train_steps = {args.max_train_steps}: the EMA would "
+                          f"equal the raw weights")
     if not args.ema_decay:  # the EMA keys mean nothing without it: say so instead of ignoring them
         for key in ("ema_warmup", "sample_with_ema", "ema_start_step"):
             if getattr(args, key):
@@ -481,7 +503,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
             raise ConfigError(f"{where}: key '{missing[0]}' is required for model_type {args.model_type} "
                               f"(missing: {', '.join(missing)})")
     parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", where))
-    parse_kv_literals(args.network_args, "network_args", origins.get("network_args", where))
+    lora_network_args(args)  # parses network_args
     from networks.factory import check_network_module
 
     try:  # an unknown value used to train a plain LoRA silently
@@ -532,6 +554,9 @@ def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: s
             if value is not None and not (_IN_RANGE[rule](value) and math.isfinite(value)):
                 raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be {rule}"
                                   f"{'' if math.isfinite(value) else ' and finite'}, got {value:g}")
+    if args.lr_warmup_steps >= 1 and not float(args.lr_warmup_steps).is_integer():  # int() would cut it (sd-scripts refuses)
+        raise ConfigError(f"{_blame(origins, where, 'lr_warmup_steps')}: key 'lr_warmup_steps' must be a whole number of "
+                          f"steps (>= 1) or a fraction of max_train_steps (< 1), got {args.lr_warmup_steps:g}")
     for key, arg in SCHEMA.items():  # the rest: any finite number
         if arg.type is float and getattr(args, key) is not None and not math.isfinite(getattr(args, key)):
             raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be a finite number, got {getattr(args, key)}")
@@ -557,6 +582,20 @@ def _validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> 
                               f"{args.model_type}{extra}")
 
 
+# key -> (the key whose value decides whether it is read, that test, the value it needs): the
+# schedulers and the loss read these only there (diffusers' get_scheduler drops num_cycles and
+# power elsewhere), as sd-scripts does.
+IDLE_UNLESS = {
+    "lr_scheduler_num_cycles": ("lr_scheduler", lambda v: v == "cosine_with_restarts", 'lr_scheduler = "cosine_with_restarts"'),
+    "lr_scheduler_power": ("lr_scheduler", lambda v: v == "polynomial", 'lr_scheduler = "polynomial"'),
+    "discrete_flow_shift": ("timestep_sampling", lambda v: v == "shift", 'timestep_sampling = "shift"'),
+    "sigmoid_scale": ("timestep_sampling", lambda v: v != "uniform", "a sigmoid draw (any timestep_sampling but uniform)"),
+    "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),
+    "block_swap_prefetch": ("blocks_to_swap", lambda v: v > 0, "blocks_to_swap >= 1 (a diffusion model's)"),
+    "weight_decay_1d": ("pretrain", bool, "pretrain = true (a LoRA's parameters are all matrices)"),
+}
+
+
 def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
     """Keys set where another key's value makes them do nothing."""
     if args.model_type == "llm" and not args.sample_prompt:  # an empty prompt has no token to sample from
@@ -565,6 +604,13 @@ def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where
     if args.lr_warmup_steps and args.lr_scheduler == "constant":  # diffusers' constant ignores it (sd-scripts refuses)
         raise ConfigError(f"{_blame(origins, where, 'lr_warmup_steps', 'lr_scheduler')}: key 'lr_warmup_steps' does "
                           f"nothing with lr_scheduler = \"constant\"; use \"constant_with_warmup\" (or another schedule)")
+    for key, (other, used, needs) in IDLE_UNLESS.items():  # set off its default where nothing reads it
+        if key in origins and getattr(args, key) != SCHEMA[key].default and not used(getattr(args, other)):
+            value = getattr(args, other)
+            shown = (f"{other} unset (the model's own)" if value is None else
+                     f'{other} = "{value}"' if isinstance(value, str) else f"{other} = {value}")
+            raise ConfigError(f"{_blame(origins, where, key, other)}: key '{key}' does nothing with {shown}; "
+                              f"it needs {needs}")
     sampling = [k for k in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first") if getattr(args, k)]
     if args.model_type != "llm" and sampling and args.sample_prompts is None:  # "" is an explicit "no samples"
         raise ConfigError(f"{_blame(origins, where, sampling[0])}: key '{sampling[0]}' renders the prompts of "

@@ -69,8 +69,29 @@ def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, o
         optimizer_kwargs.setdefault("fused", True)
     try:
         return cls(param_groups, lr=lr, **optimizer_kwargs)
-    except (TypeError, ValueError) as e:  # unknown names, or values the optimizer refuses
+    except (TypeError, ValueError, NotImplementedError) as e:  # unknown names, or values the optimizer refuses
         raise ConfigError(f"optimizer_args ({given}) do not fit {optimizer_type}: {e}") from None
+
+
+def check_optimizer(optimizer_type: str, lr: float, optimizer_kwargs: dict, group_lrs: str | None = None) -> None:
+    """The optimizer built on one stand-in CPU parameter: an unknown type, a missing package, an
+    argument name or value it refuses is a ConfigError now, not after caching and loading. Only a
+    torch.optim.Optimizer subclass is called (a module.Class may name any callable, os.system
+    included); another failure (one that wants device tensors) is left to the real build.
+    group_lrs: the setting that gives the parameter groups different lrs (LoRA+), if any: Prodigy and
+    D-Adaptation apply one lr to all groups (Prodigy raises at the first step)."""
+    cls = optimizer_class(optimizer_type)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        return
+    try:
+        built = create_optimizer([{"params": [torch.nn.Parameter(torch.zeros(1, 1))]}], optimizer_type, lr, optimizer_kwargs)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 (not a verdict on the config: the stand-in is on the CPU)
+        return
+    if group_lrs and adapts_step_size(built):
+        raise ConfigError(f"{group_lrs} gives the parameter groups different learning rates, which {optimizer_type} "
+                          f"does not take (it adapts one step size for all); use AdamW (or another optimizer) for it")
 
 
 def create_scheduler(optimizer, name: str, warmup: float, max_steps: int, num_cycles: int = 1, power: float = 1.0):
