@@ -342,8 +342,12 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         origins[key] = "command line"
     args = argparse.Namespace(**values, config_file=cli.config_file)
     validate(args, cli.config_file or "command line", origins)
-    from library.training.optim import check_optimizer  # here, not at the top: it loads torch
+    from library.training.optim import check_optimizer, optimizer_class  # here, not at the top: it loads torch
 
+    try:  # the type alone first: its error is the one key's
+        optimizer_class(args.optimizer_type)
+    except ConfigError as e:
+        raise ConfigError(f"{_blame(origins, cli.config_file or 'command line', 'optimizer_type')}: {e}") from None
     ratio = lora_network_args(args).get("loraplus_lr_ratio")
     group_lrs = f"network_args 'loraplus_lr_ratio={ratio}'" if ratio not in (None, 1, "1") else None
     try:  # fail now, not after minutes of caching
