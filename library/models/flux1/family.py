@@ -97,12 +97,8 @@ class FluxFamily(DiffusionFamily):
         return 512 if self.has_guidance_embedding() else 256
 
     def has_guidance_embedding(self) -> bool:
-        """dev's guidance embedding, read from the checkpoint's key names or config.json without
-        loading any weights (schnell has none)."""
-        from library.io import CheckpointReader, component_folder
-
-        keys = CheckpointReader(component_folder(self.model_path, "transformer")).keys()
-        return any("guidance_in." in k or "guidance_embedder." in k for k in keys)
+        """dev's guidance embedding (schnell has none)."""
+        return checkpoint_has_guidance_embedding(self.model_path)
 
     def unread_sample_options(self) -> dict[str, str]:
         unread = super().unread_sample_options()
@@ -131,6 +127,15 @@ class FluxFamily(DiffusionFamily):
 
     def dynamic_shift(self, model) -> bool:
         return model.guidance_in is not None  # schnell's scheduler has no resolution shift
+
+
+def checkpoint_has_guidance_embedding(model_path: str) -> bool:
+    """Whether a BFL-named transformer's checkpoint (FLUX.1 or FLUX.2, BFL or diffusers names) has the
+    guidance embedding, read from its key names or config.json without loading any weights."""
+    from library.io import CheckpointReader, component_folder
+
+    keys = CheckpointReader(component_folder(model_path, "transformer")).keys()
+    return any("guidance_in." in k or "guidance_embedder." in k for k in keys)
 
 
 def bfl_checkpoint_names(keys, shape, row_tables) -> CheckpointNames | None:

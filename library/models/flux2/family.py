@@ -143,10 +143,9 @@ class Flux2Family(DiffusionFamily):
 
     def is_dev(self) -> bool:
         """[dev] has the guidance embedding; read from the key names, no weights loaded."""
-        from library.io import CheckpointReader, component_folder
+        from library.models.flux1.family import checkpoint_has_guidance_embedding
 
-        keys = CheckpointReader(component_folder(self.model_path, "transformer")).keys()
-        return any("guidance_in." in k or "guidance_embedder." in k for k in keys)
+        return checkpoint_has_guidance_embedding(self.model_path)
 
     def unread_sample_options(self) -> dict[str, str]:
         if self.is_dev():
