@@ -140,10 +140,7 @@ def make_tiny_edit_dataset(out: str, count: int = 8, size: int = 64, seed: int =
     scenes = edit_scenes(count, rng)
     for i, scene in enumerate(scenes):
         for folder, colour in ((control_dir, (128, 128, 128)), (image_dir, COLOURS["red"])):
-            image = shapes.background_image(scene.background, size)
-            cx, r = (shapes.POSITIONS[scene.position] + scene.dx) * size, shapes.SIZES[scene.size] * size
-            shapes.fill_shape(ImageDraw.Draw(image), scene.shape, cx, (0.5 + scene.dy) * size, r, colour)
-            image.save(os.path.join(folder, f"{i:03d}.png"))
+            shapes.draw_scene(scene, size, fill=colour).save(os.path.join(folder, f"{i:03d}.png"))
         write_text(os.path.join(image_dir, f"{i:03d}.txt"), "make the shape red")
     dataset_toml = os.path.join(out, "edit_dataset.toml")
     write_dataset_toml(dataset_toml, f" --edit: {count} (reference, target) pairs", size, [("", [

@@ -89,12 +89,13 @@ def background_image(background: str, size: int) -> Image.Image:
     return image
 
 
-def draw_scene(scene: Scene, size: int = 64) -> Image.Image:
-    """The scene as a size x size RGB image."""
+def draw_scene(scene: Scene, size: int = 64, fill=None) -> Image.Image:
+    """The scene as a size x size RGB image; fill: the shape's RGB instead of its colour's (an edit
+    pair's grey reference)."""
     image = background_image(scene.background, size)
     cx = (POSITIONS[scene.position] + scene.dx) * size
     cy = (0.5 + scene.dy) * size
-    fill_shape(ImageDraw.Draw(image), scene.shape, cx, cy, SIZES[scene.size] * size, COLOURS[scene.colour])
+    fill_shape(ImageDraw.Draw(image), scene.shape, cx, cy, SIZES[scene.size] * size, fill or COLOURS[scene.colour])
     return image
 
 
