@@ -239,7 +239,8 @@ def _image_files(folder: str, other_folders=(), warn: bool = True) -> list[str]:
         relative = "" if os.path.isabs(folder) else f" (a relative image_dir is read from the current folder, {os.getcwd()})"
         raise ValueError(f"{folder}: image_dir does not exist or is not a folder{relative}")
     files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMAGE_EXTENSIONS))
-    below, example = _images_in_subfolders(folder, other_folders)
+    # The subfolders are walked only where their count is said (reference_count's early look does not).
+    below, example = _images_in_subfolders(folder, other_folders) if warn or not files else (0, "")
     not_searched = (f"its subfolders hold {below} (e.g. {example}), and image_dir is not searched recursively: give "
                     "each folder its own [[datasets.subsets]] (sd-scripts' '<repeats>_<name>' folder: that folder "
                     "as image_dir, <repeats> as num_repeats)")
