@@ -34,8 +34,9 @@ from library.models.latents import pack_latents, unpack_latents
 
 
 def file_fingerprint(*paths: str | None) -> str:
-    """Short id of model files (names, sizes, mtimes) for cache keys: a changed model file
-    invalidates the caches made with it without hashing gigabytes."""
+    """Short id of model files (names, sizes, mtimes in nanoseconds) for cache keys: a changed model
+    file invalidates the caches made with it without hashing gigabytes (whole seconds missed a
+    same-size file rewritten within the second)."""
     h = hashlib.sha256()
     for path in paths:
         if not path:
@@ -45,7 +46,7 @@ def file_fingerprint(*paths: str | None) -> str:
         )
         for f in files:
             st = os.stat(f)
-            h.update(f"{os.path.relpath(f, path) if f != path else os.path.basename(f)}:{st.st_size}:{int(st.st_mtime)}".encode())
+            h.update(f"{os.path.relpath(f, path) if f != path else os.path.basename(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:10]
 
 

@@ -1,0 +1,103 @@
+"""What re-encodes a cache and what does not: each change a user makes invalidates exactly the
+latents or the text it changes, and an unchanged re-run encodes nothing (encoder calls counted)."""
+
+import os
+
+import pytest
+from PIL import Image
+
+from library.data import caches, dataset as D
+from library.data.dataset_config import parse_dataset_config
+from library.models.family import DiffusionFamily
+from tests.test_dataset import CountingEncoder, make_image, write
+
+
+class Family(DiffusionFamily):
+    name = "fresh"
+
+
+def rewrite(path, data: bytes, mtime_ns: int):
+    with open(path, "wb") as f:
+        f.write(data)
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+def test_a_model_file_rewritten_within_the_same_second_changes_its_cache_key(tmp_path):
+    second = 1_700_000_000 * 10**9
+    vae, t5 = tmp_path / "ae.safetensors", tmp_path / "t5.safetensors"
+    rewrite(vae, b"a" * 64, second + 100_000_000)
+    rewrite(t5, b"b" * 64, second)
+    family = Family("model.safetensors", str(vae), t5xxl=str(t5))
+    latent_key, text_key = family.latent_cache_key(), family.text_cache_key({"max_length": 512}, "bf16")
+    assert (family.latent_cache_key(), family.text_cache_key({"max_length": 512}, "bf16")) == (latent_key, text_key)
+
+    rewrite(vae, b"c" * 64, second + 900_000_000)  # same size, same whole second
+    assert family.latent_cache_key() != latent_key
+    assert family.text_cache_key({"max_length": 512}, "bf16") == text_key  # the text does not depend on the VAE
+    latent_key = family.latent_cache_key()
+    rewrite(t5, b"d" * 64, second + 1)
+    assert family.text_cache_key({"max_length": 512}, "bf16") != text_key
+    assert family.latent_cache_key() == latent_key
+    assert family.text_cache_key({"max_length": 256}, "bf16") != family.text_cache_key({"max_length": 512}, "bf16")
+
+
+def dataset(root, **changes):
+    subset = {"image_dir": str(root / "img"), **{k: changes.pop(k) for k in list(changes) if k in SUBSET_CHANGES}}
+    return parse_dataset_config({"datasets": [{"resolution": 32, **changes, "subsets": [subset]}]}, source="t.toml")
+
+
+SUBSET_CHANGES = ("caption_prefix", "caption_suffix", "flip_aug", "num_repeats", "caption_dropout_rate",
+                  "caption_dropout_every_n_epochs", "shuffle_caption", "keep_tokens", "alpha_mask")
+
+
+def encode(root, enc, latent_key="vae-1", text_key="te-1", **changes) -> tuple[int, int]:
+    items = D.ImageDataset(dataset(root, **changes)).items
+    return (caches.cache_latents(items, enc.latents, latent_key, batch_size=2),
+            caches.cache_text(items, enc.text, text_key))
+
+
+def edit_image(root):
+    make_image(root / "img" / "a.png", 64, 32, (1, 2, 3))  # same size, other pixels
+
+
+def edit_caption(root):
+    write(root / "img" / "a.txt", "caption B")  # same length
+
+
+# (change, images re-encoded, captions re-encoded) with two images a (64x32) and b (32x32)
+CHANGES = [
+    ({}, 0, 0),
+    ({"batch_size": 2}, 0, 0),
+    ({"num_repeats": 3}, 0, 0),
+    ({"caption_dropout_rate": 0.5}, 0, 0),  # the empty caption is encoded apart from the cache
+    ({"caption_dropout_every_n_epochs": 2}, 0, 0),
+    ({"resolution": 48}, 2, 0),
+    ({"enable_bucket": True, "min_bucket_reso": 16, "max_bucket_reso": 64, "bucket_reso_steps": 16}, 1, 0),
+    ({"flip_aug": True}, 2, 0),
+    ({"alpha_mask": True}, 2, 0),
+    ({"caption_prefix": "ohwx"}, 0, 2),
+    ({"caption_suffix": "photo"}, 0, 2),
+    ({"shuffle_caption": True}, 0, 2),
+    ({"latent_key": "vae-2"}, 2, 0),  # another VAE file (the family's latent_cache_key)
+    ({"text_key": "te-2"}, 0, 2),  # another encoder file, max length, precision (text_cache_key)
+    (edit_image, 1, 0),
+    (edit_caption, 0, 1),
+]
+
+
+@pytest.mark.parametrize("change, images, captions", CHANGES,
+                         ids=[c.__name__ if callable(c) else ",".join(c) or "unchanged" for c, _, _ in CHANGES])
+def test_each_change_re_encodes_exactly_what_it_changes(tmp_path, change, images, captions):
+    make_image(tmp_path / "img" / "a.png", 64, 32)
+    make_image(tmp_path / "img" / "b.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "caption A")
+    write(tmp_path / "img" / "b.txt", "caption b")
+    assert encode(tmp_path, CountingEncoder()) == (2, 2)
+    enc = CountingEncoder()
+    if callable(change):
+        change(tmp_path)
+        change = {}
+    assert encode(tmp_path, enc, **change) == (images, captions)
+    flips = 2 if change.get("flip_aug") else 1
+    assert (enc.images, len(enc.captions) > 0) == (images * flips, captions > 0)
+    assert encode(tmp_path, CountingEncoder(), **change) == (0, 0)  # and the run after that hits the cache
