@@ -153,6 +153,34 @@ def test_mask_and_reg_errors_name_the_file_and_key(tmp_path, case, message):
         D.ImageDataset(blueprint([subset]))
 
 
+@pytest.mark.parametrize("mode, pixel, refused", [
+    ("RGB", (255, 0, 0), True),  # sd-scripts: weight 1 (its R), luminance: 0.30
+    ("RGB", (0, 0, 255), True),  # sd-scripts: weight 0, luminance: 0.11
+    ("RGB", (128, 128, 128), False),  # a grey mask saved as RGB
+    ("RGB", (128, 131, 126), False),  # and as an RGB JPEG, with a few levels of chroma noise
+    ("RGBA", (200, 200, 200), False),
+    ("P", (102, 102, 102), False),  # web palette levels
+    ("P", (0, 204, 0), True),
+    ("CMYK", (0, 0, 0), False),
+])
+def test_a_mask_in_colour_is_refused_naming_the_file_and_pixel_a_grey_one_in_any_mode_is_read(tmp_path, mode, pixel,
+                                                                                               refused):
+    Image.new("RGB", (64, 64)).save(tmp_path / "0.png")
+    mask = Image.new("RGB", (64, 64), (255, 255, 255))
+    mask.paste(pixel, (3, 5, 64, 64))
+    (tmp_path / "masks").mkdir()
+    mask.convert(mode).save(tmp_path / "masks" / ("0.jpg" if mode == "CMYK" else "0.png"))
+    subset = {"image_dir": str(tmp_path), "class_tokens": "x", "mask_dir": str(tmp_path / "masks")}
+    if refused:
+        with pytest.raises(ValueError, match=re.escape(f"0.png: mask is in colour (R, G, B = {pixel} at pixel (3, 5)); "
+                                                       "expected a grayscale mask")):
+            D.ImageDataset(blueprint([subset]))
+        return
+    (item,) = D.ImageDataset(blueprint([subset])).items
+    weight = float(load_mask(item.image_path, item.mask_path, (64, 64), False)[0, 1, 1])  # latent (1, 1): pixels 8..15
+    assert weight == pytest.approx(sum(pixel) / 3 / 255, abs=0.02)
+
+
 # ----------------------------------------------------------------------------------------------
 # Regularization images
 

@@ -3,8 +3,9 @@
 Masks: white trains, black is ignored, grey weighs in between. `alpha_mask = true` takes the
 image's alpha channel (an image without one counts as all white, with one warning per subset, as
 sd-scripts treats it); `mask_dir = "..."` holds one grayscale image per training image with the
-same file stem and size (sd-scripts' conditioning_data_dir with --masked_loss). The mask goes
-through the image's own fit_to_bucket (resize, crop, mirror), is area-averaged to the latent grid
+same file stem and size (sd-scripts' conditioning_data_dir with --masked_loss; a mask in colour is
+refused: sd-scripts reads its R channel, this trainer its grey, musubi-tuner has no masks). The mask
+goes through the image's own fit_to_bucket (resize, crop, mirror), is area-averaged to the latent grid
 (8x8 pixels per latent element), cached with the latents (the latent cache hash covers the mask
 file), and multiplies the per-element flow-matching loss before its mean, as sd-scripts'
 apply_masked_loss does: masked elements count as zeros in the mean, so a half-masked image
@@ -29,9 +30,12 @@ import torch.nn.functional as F
 from PIL import Image, ImageOps
 
 from library.data.dataset_config import SubsetSpec
-from library.data.images import IMAGE_EXTENSIONS, fit_to_bucket, to_8_bit
+from library.data.images import IMAGE_EXTENSIONS, WIDE_GREY_MODES, fit_to_bucket, to_8_bit
 
 LATENT_DOWNSAMPLE = 8  # VAE pixels per latent element, per side
+# A mask's R, G and B may differ by this much (of 255) and still count as grey: a grey mask saved as
+# an RGB JPEG comes back with a few levels of chroma noise.
+GREY_TOLERANCE = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,12 +55,30 @@ def find_mask(image_path: str, subset: SubsetSpec, size: tuple[int, int]) -> str
     path = os.path.join(subset.mask_dir, name)
     try:
         with Image.open(path) as img:
-            mask_size = ImageOps.exif_transpose(img).size
+            img = ImageOps.exif_transpose(img)
+            mask_size, colour = img.size, _coloured_pixel(img)
     except Exception as e:  # PIL raises many kinds for broken files
         raise ValueError(f"{path}: cannot be read as a mask image ({type(e).__name__}: {e})") from None
+    if colour:
+        raise ValueError(f"{path}: mask is in colour (R, G, B = {colour[1]} at pixel {colour[0]}); expected a grayscale "
+                         f"mask, white trains and black is ignored (sd-scripts would weigh a colour mask by its R "
+                         f"channel, this trainer by its grey): save it as grayscale")
     if mask_size != size:
         raise ValueError(f"{path}: mask is {mask_size[0]}x{mask_size[1]}, its image {image_path} is {size[0]}x{size[1]}")
     return path
+
+
+def _coloured_pixel(img: Image.Image) -> tuple[tuple[int, int], tuple[int, ...]] | None:
+    """((x, y), its RGB) of the first pixel whose channels differ by more than GREY_TOLERANCE, or
+    None for a grey image (any mode without colour, or RGB with R = G = B up to JPEG's noise)."""
+    if img.getbands() in (("L",), ("L", "A"), ("1",), ("I",), ("F",)) or img.mode in WIDE_GREY_MODES:
+        return None
+    rgb = np.asarray(img.convert("RGB"), dtype=np.int16)
+    spread = rgb.max(axis=2) - rgb.min(axis=2)
+    if int(spread.max()) <= GREY_TOLERANCE:
+        return None
+    y, x = (int(v) for v in np.argwhere(spread > GREY_TOLERANCE)[0])
+    return (x, y), tuple(int(v) for v in rgb[y, x])
 
 
 def has_alpha(image_path: str) -> bool:
