@@ -168,7 +168,7 @@ def test_check_tool_bad_input_is_one_line_exit_2(tmp_path, capsys):
         assert fragment in line, line
 
 
-def test_training_warns_once_before_caching_about_duplicates_and_cut_captions(tiny_set, tmp_path, monkeypatch):
+def test_training_warns_once_before_caching_about_duplicates_and_cut_captions(tiny_set, tmp_path, monkeypatch, capsys):
     """The check's warnings train_lora adds (the scan warns about sizes itself, not again here)."""
     from library.training import diffusion_task
 
@@ -177,6 +177,8 @@ def test_training_warns_once_before_caching_about_duplicates_and_cut_captions(ti
         (images / "copy.txt").write_text(LONG_CAPTION)  # beyond the t5xxl_max_token_length 32 set below
         make_image(images / "strip.png", 512, 16, (1, 2, 3))  # a bad size: the scan's own warning
         (images / "strip.txt").write_text("a strip")
+        make_image(images / "small.png", 32, 32, (4, 5, 6))  # within the bucket limits: said once, upscaled 2x
+        (images / "small.txt").write_text("a small one")
 
     cfg = copy_dataset(tiny_set, tmp_path / "data", mutate)
     events, warn, cache = [], diffusion_task.warn, diffusion_task.cache_latents
@@ -194,6 +196,9 @@ def test_training_warns_once_before_caching_about_duplicates_and_cut_captions(ti
     messages = [str(w.message) for w in caught]
     assert all(messages.count(m) == 1 for m in expected)
     assert sum("strip.png: 512x16" in m for m in messages) == 1  # the scan's size warning, not repeated by the check
+    upscaled = [line for line in capsys.readouterr().out.splitlines() if "upscaled to their bucket" in line]
+    assert upscaled == [f"{cfg}: 1 of 11 images are upscaled to their bucket, by up to 2.00x ({images / 'small.png'}: "
+                        f"32x32 -> 64x64); enable_bucket with bucket_no_upscale = true trains them at their own size"]
 
 
 def test_a_truncated_image_is_one_error_line_naming_it(tiny_set, tmp_path, capsys):
@@ -341,3 +346,19 @@ def test_images_in_subfolders_are_a_warning_of_the_check(tmp_path):
     report = check.check_dataset(load_dataset_config(str(toml)))
     assert found(report) == [("warning", "folder", "imgs")]
     assert "1 images are not trained: its subfolders hold 1 (e.g. sub/b.png)" in report.problems()[0].message
+
+
+def test_images_upscaled_to_their_bucket_are_one_line_with_the_count_and_largest_factor(tmp_path, capsys):
+    """Within the bucket limits, so no size warning: a 32 px image in a 64 px bucket is enlarged 2x."""
+    for name, side in (("small.png", 32), ("mid.png", 48), ("full.png", 64), ("big.png", 96)):
+        make_image(tmp_path / "img" / name, side, side)
+    toml = tmp_path / "ds.toml"
+    toml.write_text(f'[[datasets]]\nresolution = 64\nenable_bucket = true\nmin_bucket_reso = 32\n'
+                    f'[[datasets.subsets]]\nimage_dir = "{tmp_path / "img"}"\nclass_tokens = "x"\n')
+    line = (f"2 of 4 images are upscaled to their bucket, by up to 2.00x ({tmp_path / 'img' / 'small.png'}: 32x32 -> "
+            f"64x64); enable_bucket with bucket_no_upscale = true trains them at their own size")
+    report = check.check_dataset(load_dataset_config(str(toml)))
+    assert report.problems() == [] and report.subsets[0].upscaled == line
+    assert check_dataset.main([str(toml)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("images are upscaled") == 1 and f"  note: {line}\n" in out

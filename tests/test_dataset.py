@@ -568,7 +568,7 @@ def test_images_in_subfolders_of_image_dir_are_said_not_trained(tmp_path):
         image_folders.scan_images(blueprint(root, class_tokens="x"))
     make_image(root / "top.png", 64, 64)
     make_image(root / "ctrl" / "top.png", 64, 64)
-    make_image(root / "masks" / "top.png", 64, 64)
+    make_image(root / "masks" / "top.png", 64, 64, (255, 255, 255))
     bp = parse_dataset_config({"datasets": [{"resolution": 64, "subsets": [
         {"image_dir": str(root), "class_tokens": "x", "control_directory": str(root / "ctrl"),
          "mask_dir": str(root / "masks")}]}]}, source="test.toml")

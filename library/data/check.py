@@ -12,7 +12,9 @@ Severities:
   longer than the text encoder keeps (TokenLimit: the rest is cut), the same file twice (content
   hash, across subsets and validation sets: a duplicate in a validation set is a leak);
 - note: handled, counted per subset: CMYK converted to RGB, 16-bit grey scaled to 8 bits
-  (images.to_8_bit), no caption file (trains on class_tokens), no alpha channel with alpha_mask.
+  (images.to_8_bit), no caption file (trains on class_tokens), no alpha channel with alpha_mask;
+  and one line for the images enlarged to their bucket (upscaled: how many, by up to how much),
+  which training prints once too.
 
 tools/check_dataset.py prints the whole report. train_lora.py (DiffusionTask) scans the dataset
 itself, which raises the errors and warns about sizes; before caching it warns, once, about what
@@ -35,7 +37,7 @@ from library.data.captions import fixed_caption
 from library.data.controls import check_control_count, check_family_takes, control_files, find_controls, target_stems
 from library.data.image_folders import bad_size, subset_images, dataset_buckets, image_bucket, read_caption
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
-from library.data.images import IMAGE_EXTENSIONS, WIDE_GREY_MODES, load_rgb, verified_image_size
+from library.data.images import IMAGE_EXTENSIONS, WIDE_GREY_MODES, load_rgb, upscale_factor, verified_image_size
 from library.data.layers import check_layers
 from library.data.masks import find_mask, has_alpha
 
@@ -72,6 +74,7 @@ class SubsetReport:
     tokens: list[int] = field(default_factory=list)  # per caption, when a TokenLimit counted them
     problems: list[Problem] = field(default_factory=list)
     notes: dict[str, list[str]] = field(default_factory=dict)  # what was handled -> the files
+    upscaled: str | None = None  # the images enlarged to their bucket (check.upscaled), one line
 
     def add(self, severity: str, kind: str, message: str) -> None:
         self.problems.append(Problem(severity, kind, message))
@@ -80,7 +83,8 @@ class SubsetReport:
         self.notes.setdefault(what, []).append(path)
 
     def to_json(self) -> dict:
-        return {**{k: getattr(self, k) for k in ("section", "image_dir", "images", "trained", "held_out", "tokens", "notes")},
+        return {**{k: getattr(self, k) for k in ("section", "image_dir", "images", "trained", "held_out", "tokens", "notes",
+                                                 "upscaled")},
                 "sizes": dict(self.sizes), "buckets": dict(self.buckets), "problems": [asdict(p) for p in self.problems]}
 
 
@@ -147,6 +151,20 @@ def training_warnings(items, limit: TokenLimit | None) -> list[Problem]:
     return problems + [p for p in cut if p]
 
 
+def upscaled(items) -> str | None:
+    """One line on the images (ImageItems, or anything with image_path, size and bucket) that are
+    enlarged to their bucket: how many, by how much at most and the first such image; None if none.
+    Not a problem (sd-scripts enlarges them too), but a 512 px photo trained at 1024 px is blurred."""
+    enlarged = [(upscale_factor(item.size, item.bucket), item) for item in items]
+    enlarged = [(factor, item) for factor, item in enlarged if factor > 1]
+    if not enlarged:
+        return None
+    factor, worst = max(enlarged, key=lambda pair: pair[0])
+    return (f"{len(enlarged)} of {len(items)} images are upscaled to their bucket, by up to {factor:.2f}x ({worst.image_path}: "
+            "{}x{} -> {}x{}); enable_bucket with bucket_no_upscale = true trains them at their own size".format(
+                *worst.size, *worst.bucket))
+
+
 def warn(problems: list[Problem]) -> None:
     """The channel the dataset scan warns through (Python warnings, printed to stderr)."""
     for p in problems:
@@ -201,6 +219,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
     report.images = len(paths)
     controls = control_files(subset.control_directory) if subset.control_directory else None
     buckets, readable, first_paired, targets = dataset_buckets(ds), [], None, target_stems(paths)
+    placed = []  # the images given a bucket, for the upscale line
     for path in paths:
         size = check_pixels(report, path)
         if size is None:
@@ -213,7 +232,9 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
             if subset.skip_bad_size_images:  # training never looks at it again
                 continue
         try:
-            report.buckets["{}x{}".format(*image_bucket(path, size, ds, buckets))] += 1
+            bucket = image_bucket(path, size, ds, buckets)
+            report.buckets["{}x{}".format(*bucket)] += 1
+            placed.append(SimpleNamespace(image_path=path, size=size, bucket=bucket))
         except ValueError as e:
             report.add("error", "bucket", str(e))
         report.trained += 1
@@ -236,6 +257,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
                 layered.setdefault("first", (path, len(layers[path])))
             except ValueError as e:  # no layers, another count, an unreadable layer or one of another size
                 report.add("error", "layers", str(e))
+    report.upscaled = upscaled(placed)
     if paths and not report.trained and readable and subset.skip_bad_size_images:
         report.add("error", "folder", f"{subset.image_dir}: every image is skipped (skip_bad_size_images)")
     if not subset.is_reg:  # split_validation's count of this subset
@@ -320,6 +342,7 @@ def report_text(report: DatasetReport) -> str:
             lines.append(f"  caption tokens: {min(s.tokens)}..{max(s.tokens)}")
         lines += [f"  {p.line()}" for p in s.problems]
         lines += [f"  note: {len(files)} {what} (first {files[0]})" for what, files in s.notes.items()]
+        lines += [f"  note: {s.upscaled}"] if s.upscaled else []
     problems = report.problems()
     errors = sum(p.severity == "error" for p in problems)
     lines.append(f"{errors} errors, {len(problems) - errors} warnings"

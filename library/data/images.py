@@ -48,15 +48,20 @@ def load_rgb(path: str, mode: str = "RGB") -> Image.Image:
 def fit_to_bucket(img: Image.Image, bucket: tuple[int, int], flip: bool = False) -> Image.Image:
     """`img` resized to cover `bucket` (w, h) (box filter when shrinking, Lanczos when enlarging),
     centre-cropped to it, optionally mirrored: the same pixels for an image and its mask."""
-    bw, bh = bucket
-    w, h = img.size
-    scale = max(bw / w, bh / h)
+    (bw, bh), (w, h) = bucket, img.size
+    scale = upscale_factor(img.size, bucket)
     rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
     if (rw, rh) != (w, h):
         img = img.resize((rw, rh), Image.Resampling.BOX if scale < 1 else Image.Resampling.LANCZOS)
     left, top = (rw - bw) // 2, (rh - bh) // 2
     img = img.crop((left, top, left + bw, top + bh))
     return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else img
+
+
+def upscale_factor(size: tuple[int, int], bucket: tuple[int, int]) -> float:
+    """How much fit_to_bucket scales an image of `size` (w, h) to cover `bucket` (w, h): above 1 it
+    is enlarged (a 512 px image in a 1024 px bucket: 2.0), up to 1 it is shrunk or kept."""
+    return max(bucket[0] / size[0], bucket[1] / size[1])
 
 
 def verified_image_size(path: str) -> tuple[int, int]:

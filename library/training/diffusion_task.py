@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from library.data.captions import drops_captions
 from library.data.caches import cache_empty_caption, cache_latents, cache_text
-from library.data.check import training_warnings, warn
+from library.data.check import training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, encode_prompts, reference_images
@@ -106,6 +106,9 @@ class DiffusionTask:
         check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls)
         if self.accelerator.is_main_process:  # once, before caching; the scan warned about image sizes itself
             warn(training_warnings(train + validation, self.family.caption_token_limit(self.args)))
+            enlarged = upscaled(train + validation)
+            if enlarged:
+                self.accelerator.print(f"{self.args.dataset_config}: {enlarged}")
         if validation:
             self.accelerator.print(f"validation: {len(validation)} images held out, {len(train)} for training")
         return (ImageDataset(bp, seed=self.args.seed, items=train),
