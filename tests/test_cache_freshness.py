@@ -2,6 +2,7 @@
 latents or the text it changes, and an unchanged re-run encodes nothing (encoder calls counted)."""
 
 import os
+import re
 
 import pytest
 from PIL import Image
@@ -101,3 +102,23 @@ def test_each_change_re_encodes_exactly_what_it_changes(tmp_path, change, images
     flips = 2 if change.get("flip_aug") else 1
     assert (enc.images, len(enc.captions) > 0) == (images * flips, captions > 0)
     assert encode(tmp_path, CountingEncoder(), **change) == (0, 0)  # and the run after that hits the cache
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_error_before_encoding(tmp_path, monkeypatch):
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "caption A")
+    (tmp_path / "file").write_text("not a folder")
+    enc = CountingEncoder()
+    with pytest.raises(ValueError, match=r"file/img-[0-9a-f]{8}: cache files cannot be written there \(.*\); set "
+                                         r"cache_dir in the dataset config's \[\[datasets\]\]"):
+        encode(tmp_path, enc, cache_dir=str(tmp_path / "file"))
+    folder = str(tmp_path / "img")
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: path != folder and access(path, mode))  # a read-only folder
+    with pytest.raises(ValueError, match=re.escape(f"{folder}: cache files cannot be written there (not writable)")):
+        encode(tmp_path, enc)
+    assert (enc.images, enc.captions) == (0, [])  # said before the VAE or the text encoder ran
+    monkeypatch.undo()
+    assert encode(tmp_path, enc) == (1, 1)
+    monkeypatch.setattr(os, "access", lambda path, mode: path != folder and access(path, mode))
+    assert encode(tmp_path, CountingEncoder()) == (0, 0)  # current caches in a read-only folder are read

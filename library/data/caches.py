@@ -167,7 +167,23 @@ def _stale_entries(items: list[ImageItem], attr: str, to_disk: bool, path_of: Ca
             setattr(item, attr, path)
         else:
             todo.append((item, path, digest))
+    if to_disk:
+        _check_writable(sorted({os.path.dirname(path) for _, path, _ in todo}))
     return todo
+
+
+def _check_writable(folders: list[str]) -> None:
+    """Before anything is encoded: the folders the stale entries go to can be written (a read-only
+    dataset folder is fine while its caches are current). Else one error naming the folder."""
+    for folder in folders:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            why = None if os.access(folder, os.W_OK | os.X_OK) else "not writable"
+        except OSError as e:
+            why = e.strerror or type(e).__name__
+        if why:
+            raise ValueError(f"{folder}: cache files cannot be written there ({why}); set cache_dir in the dataset "
+                             f"config's [[datasets]] (or [general]) to a writable folder")
 
 
 def _load_chunk(chunk, n_controls: int, flip_aug: bool) -> dict[str, tuple[list[torch.Tensor], bool]]:
