@@ -57,6 +57,12 @@ def one_of_each(root) -> str:
     (a / "grey16.txt").write_text("grey")
     Image.new("L", (64, 48), 255).save(masks / "grey16.png")
     image(a, "no_caption.png", caption=None)  # error: caption (missing)
+    Image.new("RGBA", (64, 48), (0, 0, 0, 0)).save(a / "transparent.png")  # note: trained black
+    (a / "transparent.txt").write_text("a cut-out")
+    Image.new("L", (64, 48), 255).save(masks / "transparent.png")
+    image(a, "two_lines.png", caption="a red circle\r\non white")  # note: several lines
+    image(a, "colour_mask.png", mask=False)
+    Image.new("RGB", (64, 48), (255, 0, 0)).save(masks / "colour_mask.png")  # error: mask (in colour)
     image(a, "empty_caption.png", caption="")  # error: caption (empty)
     image(a, "bad_utf8.png")
     (a / "bad_utf8.txt").write_bytes(b"a red \xff circle")  # error: caption (not UTF-8)
@@ -86,6 +92,7 @@ def one_of_each(root) -> str:
 
 EXPECTED = [  # (severity, kind, file): the fixture's problems in report order
     ("error", "image", "broken.png"), ("error", "caption", "empty_caption.txt"), ("error", "caption", "bad_utf8.txt"),
+    ("error", "mask", "colour_mask.png"),
     ("error", "mask", "mask_size.png"), ("error", "caption", "no_caption.png"), ("error", "mask", "no_mask.png"),
     ("warning", "size", "small.png"), ("error", "image", "truncated.jpg"), ("warning", "tokens", "long_caption.txt"),
     ("warning", "duplicate", "good_copy.png"), ("error", "reference", "unpaired.png"), ("warning", "duplicate", "leak.png"),
@@ -105,10 +112,11 @@ def test_check_finds_one_of_each_problem(tmp_path):
     assert truncated.endswith("truncated.jpg: cannot be decoded as an image (OSError: image file is truncated "
                               "(151 bytes not processed))"), truncated
     a, b, val = report.subsets
-    assert (a.images, a.trained, b.images, b.trained, val.images, val.trained, val.held_out) == (13, 11, 2, 2, 1, 0, 1)
-    assert a.buckets == {"80x48": 10, "64x64": 1} and a.sizes == {"64x48": 10, "1x1": 1}  # the 1x1 is upscaled
+    assert (a.images, a.trained, b.images, b.trained, val.images, val.trained, val.held_out) == (16, 14, 2, 2, 1, 0, 1)
+    assert a.buckets == {"80x48": 13, "64x64": 1} and a.sizes == {"64x48": 13, "1x1": 1}  # the 1x1 is upscaled
     notes = {what.split(",")[0]: [os.path.basename(f) for f in files] for what, files in a.notes.items()}
-    assert notes == {"CMYK images": ["cmyk.jpg"], "16-bit grey images": ["grey16.png"]}
+    assert notes == {"CMYK images": ["cmyk.jpg"], "16-bit grey images": ["grey16.png"],
+                     "images with transparent pixels": ["transparent.png"], "captions of several lines": ["two_lines.txt"]}
     messages = {p.kind + os.path.basename(p.message.split(": ")[0]): p.message for p in report.problems()}
     assert messages["tokenslong_caption.txt"].endswith(": caption is 40 whitespace tokens; the encoder keeps 16, the rest is cut")
     assert messages["duplicateleak.png"] == f"{tmp_path / 'val' / 'leak.png'}: the same file as {tmp_path / 'a' / 'good.png'}"
@@ -120,14 +128,14 @@ def test_check_tool_report_json_and_strict(tmp_path, capsys):
     assert check_dataset.main([toml]) == 0
     out = capsys.readouterr().out
     assert "caption tokens: not counted (no tokenizer: pass --config_file or --tokenizer)" in out
-    assert "datasets 1, subset 1: " in out and "buckets: 80x48 x10, 64x64 x1" in out
-    assert "8 errors, 3 warnings: training stops at the first error" in out  # no tokenizer: no token warning
+    assert "datasets 1, subset 1: " in out and "buckets: 80x48 x13, 64x64 x1" in out
+    assert "9 errors, 3 warnings: training stops at the first error" in out  # no tokenizer: no token warning
     assert check_dataset.main([toml, "--json", "--strict"]) == 1
     captured = capsys.readouterr()
     data = json.loads(captured.out)
-    assert (data["errors"], data["warnings"]) == (8, 3) and len(data["subsets"]) == 3
+    assert (data["errors"], data["warnings"]) == (9, 3) and len(data["subsets"]) == 3
     lines = captured.err.splitlines()
-    assert len(lines) == 11 and all(line.startswith(("error: ", "warning: ")) for line in lines)
+    assert len(lines) == 12 and all(line.startswith(("error: ", "warning: ")) for line in lines)
 
 
 def t5_tokens(tiny_set, text: str) -> int:

@@ -12,7 +12,8 @@ Severities:
   longer than the text encoder keeps (TokenLimit: the rest is cut), the same file twice (content
   hash, across subsets and validation sets: a duplicate in a validation set is a leak);
 - note: handled, counted per subset: CMYK converted to RGB, 16-bit grey scaled to 8 bits
-  (images.to_8_bit), no caption file (trains on class_tokens), no alpha channel with alpha_mask;
+  (images.to_8_bit), no caption file (trains on class_tokens), no alpha channel with alpha_mask,
+  transparent pixels without it (trained as stored), captions of several lines (trained whole);
   and one line for the images enlarged to their bucket (upscaled: how many, by up to how much),
   which training prints once too.
 
@@ -225,6 +226,8 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         if size is None:
             continue
         readable.append(path)
+        if not subset.alpha_mask:  # with it the alpha is the loss mask
+            check_transparency(report, path)
         problem = bad_size(size, ds)
         if problem:
             report.add("warning", "size", f"{path}: {problem}" + ("; skipped (skip_bad_size_images)"
@@ -284,14 +287,30 @@ def check_pixels(report: SubsetReport, path: str) -> tuple[int, int] | None:
     return size
 
 
+def check_transparency(report: SubsetReport, path: str) -> None:
+    """Transparent pixels are trained as the colour stored under them (load_rgb drops the alpha, as
+    sd-scripts does): often black where a viewer shows white or a checkerboard."""
+    with Image.open(path) as img:
+        if "A" not in img.getbands() and "transparency" not in img.info:
+            return
+        lowest = img.convert("RGBA").getchannel("A").getextrema()[0]
+    if lowest < 255:
+        report.note("images with transparent pixels, trained as the colour stored under them (the alpha is dropped, "
+                    "as sd-scripts drops it; alpha_mask = true leaves them out of the loss)", path)
+
+
 def check_caption(report: SubsetReport, path: str, subset: SubsetSpec, limit: TokenLimit | None) -> None:
     try:
         caption = read_caption(path, subset)
     except ValueError as e:  # missing, empty, not UTF-8
         report.add("error", "caption", str(e))
         return
-    if not os.path.exists(os.path.splitext(path)[0] + subset.caption_extension):
+    caption_file = os.path.splitext(path)[0] + subset.caption_extension
+    if not os.path.exists(caption_file):
         report.note(f"images without a caption file, trained on class_tokens {subset.class_tokens!r}", path)
+    elif "\n" in caption:
+        report.note("captions of several lines, trained whole (sd-scripts trains the first line, or with "
+                    "enable_wildcard a random one)", caption_file)
     if limit is not None:
         tokens, problem = caption_tokens(path, subset, caption, limit)
         report.tokens.append(tokens)
