@@ -48,7 +48,7 @@ def dataset(root, **changes):
 
 
 SUBSET_CHANGES = ("caption_prefix", "caption_suffix", "flip_aug", "num_repeats", "caption_dropout_rate",
-                  "caption_dropout_every_n_epochs", "shuffle_caption", "keep_tokens", "alpha_mask")
+                  "caption_dropout_every_n_epochs", "shuffle_caption", "keep_tokens", "alpha_mask", "caption_variants")
 
 
 def encode(root, enc, latent_key="vae-1", text_key="te-1", **changes) -> tuple[int, int]:
@@ -72,6 +72,8 @@ CHANGES = [
     ({"num_repeats": 3}, 0, 0),
     ({"caption_dropout_rate": 0.5}, 0, 0),  # the empty caption is encoded apart from the cache
     ({"caption_dropout_every_n_epochs": 2}, 0, 0),
+    ({"keep_tokens": 1}, 0, 0),  # without shuffle_caption: the same text
+    ({"caption_variants": 3}, 0, 0),
     ({"resolution": 48}, 2, 0),
     ({"enable_bucket": True, "min_bucket_reso": 16, "max_bucket_reso": 64, "bucket_reso_steps": 16}, 1, 0),
     ({"flip_aug": True}, 2, 0),

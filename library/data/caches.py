@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from library.data.captions import CAPTION_KEYS, drops_captions, fixed_caption
+from library.data.captions import caption_settings, drops_captions, fixed_caption
 from library.data.controls import encode_prompts
 from library.data.image_folders import ImageItem
 from library.data.images import load_image
@@ -72,11 +72,11 @@ def latent_entry(item: ImageItem) -> str:
 
 
 def text_entry(item: ImageItem, with_references: bool) -> str:
-    """The subset's inputs of a text entry: the caption's source and options (CAPTION_KEYS), how
+    """The subset's inputs of a text entry: the caption's source and options (caption_settings), how
     many variants it holds (validation encodes none) and, where the encoder sees them, the
     references and whether the entry holds the dropped caption."""
     references = (_beside(item, item.control_paths), drops_captions(item.subset)) if with_references else None
-    return _entry_tag([getattr(item.subset, key) for key in CAPTION_KEYS], len(item.caption_variants), references)
+    return _entry_tag(caption_settings(item.subset), len(item.caption_variants), references)
 
 
 def latent_hash(item: ImageItem, model_key: str) -> str:

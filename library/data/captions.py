@@ -34,11 +34,19 @@ from library.data.dataset_config import SubsetSpec
 # belongs here: else two subsets that differ only in it would share one file.
 CAPTION_KEYS = ("caption_extension", "class_tokens", "caption_prefix", "caption_suffix", "caption_separator",
                 "keep_tokens", "keep_tokens_separator", "shuffle_caption", "caption_tag_dropout_rate", "caption_variants")
+AUGMENT_KEYS = ("keep_tokens", "shuffle_caption", "caption_tag_dropout_rate", "caption_variants")  # read only by caption_variants
 
 
 def augments_tags(subset: SubsetSpec) -> bool:
     """Whether the subset's captions change from step to step (and need cached variants)."""
     return subset.shuffle_caption or subset.caption_tag_dropout_rate > 0
+
+
+def caption_settings(subset: SubsetSpec) -> list:
+    """The subset's CAPTION_KEYS values, those of the augmentation (AUGMENT_KEYS) only where it
+    augments: keep_tokens or caption_variants without shuffle_caption change no text."""
+    augments = augments_tags(subset)
+    return [getattr(subset, key) if augments or key not in AUGMENT_KEYS else None for key in CAPTION_KEYS]
 
 
 def drops_captions(subset: SubsetSpec) -> bool:
