@@ -77,7 +77,7 @@ def test_32_bit_integer_pixels_beyond_16_bits_are_refused_naming_the_file():
 
 def bad_size_set(folder):
     make_image(folder / "dot.png", 1, 1)  # below min_bucket_reso: would be upscaled 64x
-    make_image(folder / "strip.png", 4000, 16)  # 250:1, beyond max_bucket_reso / min_bucket_reso = 4: cropped to 1.6%
+    make_image(folder / "strip.png", 4000, 16)  # 250:1, beyond the widest bucket's 4: cropped to 1.6%
     make_image(folder / "fine.png", 64, 48)
     return dict(resolution=64, enable_bucket=True, min_bucket_reso=32, max_bucket_reso=128, bucket_reso_steps=16,
                 class_tokens="x")
@@ -90,9 +90,9 @@ def test_images_below_the_smallest_bucket_side_or_beyond_the_bucket_aspect_warn_
     messages = [str(w.message) for w in caught]
     assert f"{tmp_path / 'img' / 'dot.png'}: 1x1 is smaller than min_bucket_reso 32 (it is upscaled)" in messages[0]
     assert (f"{tmp_path / 'img' / 'strip.png'}: 4000x16 is smaller than min_bucket_reso 32 (it is upscaled) and has "
-            f"aspect ratio 250.0, beyond max_bucket_reso / min_bucket_reso = 4.0 (it is cropped)") in messages[1]
-    assert messages[2] == (f"{tmp_path / 'img'}: 2 of 3 images are smaller than min_bucket_reso or beyond max_bucket_reso "
-                           f"/ min_bucket_reso in aspect ratio; they are trained as they are (skip_bad_size_images = "
+            f"aspect ratio 250.0, beyond the widest bucket, 128x32 = 4.0 (it is cropped)") in messages[1]
+    assert messages[2] == (f"{tmp_path / 'img'}: 2 of 3 images are smaller than min_bucket_reso or beyond the widest "
+                           f"bucket in aspect ratio; they are trained as they are (skip_bad_size_images = "
                            f"true leaves them out)")
     assert len(messages) == 3 and sorted(os.path.basename(i.image_path) for i in items) == ["dot.png", "fine.png", "strip.png"]
 
@@ -100,7 +100,19 @@ def test_images_below_the_smallest_bucket_side_or_beyond_the_bucket_aspect_warn_
         items = image_folders.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
     assert [os.path.basename(i.image_path) for i in items] == ["fine.png"]
     assert str(caught[-1].message) == (f"{tmp_path / 'img'}: 2 of 3 images are smaller than min_bucket_reso or beyond "
-                                       f"max_bucket_reso / min_bucket_reso in aspect ratio; skipped (skip_bad_size_images)")
+                                       f"the widest bucket in aspect ratio; skipped (skip_bad_size_images)")
+
+
+def test_the_aspect_limit_is_the_widest_buckets_not_max_over_min_bucket_reso(tmp_path):
+    """Resolution 512 with buckets 256..2048: the area keeps the widest bucket at 1024x256 (4:1),
+    so an 8:1 image loses half its width; max_bucket_reso / min_bucket_reso says 8."""
+    make_image(tmp_path / "img" / "wide.png", 4096, 512)
+    keys = dict(resolution=512, enable_bucket=True, min_bucket_reso=256, max_bucket_reso=2048, class_tokens="x")
+    with pytest.warns(UserWarning) as caught:
+        (item,) = image_folders.scan_images(blueprint(tmp_path / "img", **keys))
+    assert item.bucket == (1024, 256)
+    assert str(caught[0].message) == (f"{tmp_path / 'img' / 'wide.png'}: 4096x512 has aspect ratio 8.0, beyond the widest "
+                                      f"bucket, 1024x256 = 4.0 (it is cropped)")
 
 
 def test_a_subset_whose_every_image_is_skipped_is_an_error(tmp_path):
@@ -109,7 +121,7 @@ def test_a_subset_whose_every_image_is_skipped_is_an_error(tmp_path):
     with pytest.warns(UserWarning), pytest.raises(ValueError) as e:
         image_folders.scan_images(blueprint(tmp_path / "img", skip_bad_size_images=True, **keys))
     assert str(e.value) == (f"{tmp_path / 'img'}: every image was skipped (skip_bad_size_images): none is at least "
-                            f"min_bucket_reso 32 per side within max_bucket_reso / min_bucket_reso = 4.0")
+                            f"min_bucket_reso 32 per side within the widest bucket, 128x32 = 4.0")
 
 
 # ----------------------------------------------------------------------------------------------

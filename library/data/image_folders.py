@@ -68,23 +68,27 @@ def bucket_without_upscale(size: tuple[int, int], max_area: int, step: int) -> t
     return int(w) // step * step, int(h) // step * step
 
 
-def size_limits(ds: DatasetSpec) -> tuple[int, str, float]:
-    """(smallest image side, the key that sets it, largest aspect ratio) of images dataset `ds` trains
-    without upscaling them from below that side or cropping them beyond max_bucket_reso / min_bucket_reso."""
-    side, name = (ds.min_bucket_reso, "min_bucket_reso") if ds.enable_bucket else (min(ds.resolution), "resolution")
-    return side, name, ds.max_bucket_reso / ds.min_bucket_reso
+def size_limits(ds: DatasetSpec) -> tuple[int, str, float, str]:
+    """(smallest image side, the key that sets it, largest aspect ratio, what sets that) of images
+    dataset `ds` trains without upscaling them from below that side or cropping them beyond that
+    ratio. With buckets the ratio is the widest bucket's: the resolution's area may keep it below
+    max_bucket_reso / min_bucket_reso (resolution 512 with 256..2048: 1024x256, 4:1, not 8:1)."""
+    if not ds.enable_bucket:
+        return min(ds.resolution), "resolution", ds.max_bucket_reso / ds.min_bucket_reso, "max_bucket_reso / min_bucket_reso"
+    w, h = max(make_buckets(ds.resolution, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps),
+               key=lambda b: (max(b) / min(b), b[0]))  # the landscape one of a pair
+    return ds.min_bucket_reso, "min_bucket_reso", max(w, h) / min(w, h), f"the widest bucket, {w}x{h}"
 
 
 def bad_size(size: tuple[int, int], ds: DatasetSpec) -> str | None:
     """Why an image of `size` (w, h) trains badly in dataset `ds`, or None. A 1x1 image would be
     upscaled to a whole bucket, a 4000x16 strip cropped to its middle 2%: both silently."""
-    (w, h), (min_side, name, max_aspect) = size, size_limits(ds)
+    (w, h), (min_side, name, max_aspect, widest) = size, size_limits(ds)
     problems, own_shape = [], ds.enable_bucket and ds.bucket_no_upscale  # a bucket of the image's own shape
     if min(w, h) < min_side and not own_shape:  # that never upscales
         problems.append(f"is smaller than {name} {min_side} (it is upscaled)")
     if max(w, h) / min(w, h) > max_aspect and not own_shape:  # nor crops beyond rounding to bucket_reso_steps
-        problems.append(f"has aspect ratio {max(w, h) / min(w, h):.1f}, beyond max_bucket_reso / min_bucket_reso "
-                        f"= {max_aspect:.1f} (it is cropped)")
+        problems.append(f"has aspect ratio {max(w, h) / min(w, h):.1f}, beyond {widest} = {max_aspect:.1f} (it is cropped)")
     if own_shape and min(bucket_without_upscale(size, ds.resolution[0] * ds.resolution[1], ds.bucket_reso_steps)) == 0:
         problems.append(f"has a side below bucket_reso_steps {ds.bucket_reso_steps} at the area budget (no bucket "
                         f"holds it without upscaling: an error, unless skip_bad_size_images leaves it out)")
@@ -208,9 +212,9 @@ def _usable_images(paths: list[str], ds: DatasetSpec, subset: SubsetSpec) -> lis
             warnings.warn(f"{path}: {problem}" + ("; skipped (skip_bad_size_images)" if skip else ""), stacklevel=2)
         if not (problem and skip):
             usable.append((path, size))
-    min_side, name, max_aspect = size_limits(ds)
-    limits = f"smaller than {name} or beyond max_bucket_reso / min_bucket_reso in aspect ratio"
-    good = f"at least {name} {min_side} per side within max_bucket_reso / min_bucket_reso = {max_aspect:.1f}"
+    min_side, name, max_aspect, widest = size_limits(ds)
+    limits = f"smaller than {name} or beyond {widest.split(',')[0]} in aspect ratio"
+    good = f"at least {name} {min_side} per side within {widest} = {max_aspect:.1f}"
     trained = "they are trained as they are"
     if ds.enable_bucket and ds.bucket_no_upscale:  # bad_size's one problem there: no bucket holds them
         bucket = f"a bucket_reso_steps {ds.bucket_reso_steps} bucket without upscaling"
