@@ -575,3 +575,20 @@ def test_images_in_subfolders_of_image_dir_are_said_not_trained(tmp_path):
     with pytest.warns(UserWarning, match=r"train: 3 images are not trained: its subfolders hold 3 \(e.g. 10_cats/a.png\)"):
         items = image_folders.scan_images(bp)
     assert [os.path.basename(i.image_path) for i in items] == ["top.png"]
+
+
+def test_hidden_files_beside_the_images_are_not_images(tmp_path):
+    """macOS leaves a '._name' resource fork beside every file it copies to a USB disk or a share; sd-scripts'
+    glob skips them. The old scan verified '._a.png' as an image and stopped: 'cannot be read as an image'."""
+    from library.data.check import check_dataset
+
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    make_image(tmp_path / "masks" / "a.png", 32, 32, (255, 255, 255))
+    for folder in ("img", "masks"):
+        (tmp_path / folder / "._a.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [
+        {"image_dir": str(tmp_path / "img"), "class_tokens": "x", "mask_dir": str(tmp_path / "masks")}]}]}, source="t.toml")
+    (item,) = D.ImageDataset(bp).items
+    assert (os.path.basename(item.image_path), os.path.basename(item.mask_path)) == ("a.png", "a.png")
+    report = check_dataset(bp)
+    assert report.problems() == [] and report.subsets[0].images == 1

@@ -93,7 +93,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from library.data.images import IMAGE_EXTENSIONS, load_rgb, verified_image_size  # noqa: E402
+from library.data.images import IMAGE_EXTENSIONS, is_image_name, load_rgb, verified_image_size  # noqa: E402
 from library.data.tokenizer import folder_chat_template  # noqa: E402
 from library.data.vlm_inputs import IMAGE_PLACEHOLDER, qwen_vl_inputs  # noqa: E402
 from library.io import CheckpointError, write_text  # noqa: E402
@@ -108,7 +108,7 @@ from tools.devices import device_from_flag  # noqa: E402
 def find_images(folder: str) -> list[str]:
     """Every image below `folder`, sorted; each verified readable (one error naming the first that is not)."""
     paths = sorted(os.path.join(d, f) for d, _, files in os.walk(folder) for f in files
-                   if f.lower().endswith(IMAGE_EXTENSIONS))
+                   if is_image_name(f))
     if not paths:
         raise ValueError(f"{folder}: no images ({', '.join(IMAGE_EXTENSIONS)}) in it or below it")
     for path in paths:

@@ -38,7 +38,7 @@ from library.data.captions import fixed_caption
 from library.data.controls import check_control_count, check_family_takes, control_files, find_controls, target_stems
 from library.data.image_folders import bad_size, subset_images, dataset_buckets, image_bucket, read_caption
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
-from library.data.images import IMAGE_EXTENSIONS, WIDE_GREY_MODES, load_rgb, upscale_factor, verified_image_size
+from library.data.images import WIDE_GREY_MODES, is_image_name, load_rgb, upscale_factor, verified_image_size
 from library.data.layers import check_layers
 from library.data.masks import find_mask, has_alpha
 
@@ -215,8 +215,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         report.add("error", "folder", str(e))
         if not os.path.isdir(subset.image_dir):
             return []
-        paths = [os.path.join(subset.image_dir, f) for f in sorted(os.listdir(subset.image_dir))
-                 if f.lower().endswith(IMAGE_EXTENSIONS)]
+        paths = [os.path.join(subset.image_dir, f) for f in sorted(os.listdir(subset.image_dir)) if is_image_name(f)]
     report.images = len(paths)
     controls = control_files(subset.control_directory) if subset.control_directory else None
     buckets, readable, first_paired, targets = dataset_buckets(ds), [], None, target_stems(paths)

@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from library.data.images import IMAGE_EXTENSIONS, load_image, load_rgb, verified_image_size
+from library.data.images import is_image_name, load_image, load_rgb, verified_image_size
 
 
 def target_stems(paths: list[str]) -> frozenset[str]:
@@ -28,7 +28,7 @@ def target_stems(paths: list[str]) -> frozenset[str]:
 
 def control_files(folder: str) -> dict[str, str]:
     """stem -> file name of every image in a control_directory (read once per subset)."""
-    return {os.path.splitext(f)[0]: f for f in sorted(os.listdir(folder)) if f.lower().endswith(IMAGE_EXTENSIONS)}
+    return {os.path.splitext(f)[0]: f for f in sorted(os.listdir(folder)) if is_image_name(f)}
 
 
 def find_controls(image_path: str, folder: str, files: dict[str, str], targets: frozenset[str] = frozenset()) -> list[str]:

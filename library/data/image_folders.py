@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from library.data.controls import check_control_count, control_files, find_controls, scan_controls, target_stems
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec, make_buckets
-from library.data.images import IMAGE_EXTENSIONS, verified_image_size
+from library.data.images import IMAGE_EXTENSIONS, is_image_name, verified_image_size
 from library.data.layers import check_layers, split_layers
 from library.data.masks import find_mask, warn_missing_alpha
 from library.io import read_utf8
@@ -242,7 +242,7 @@ def _image_files(folder: str, other_folders=(), warn: bool = True) -> list[str]:
     if not os.path.isdir(folder):
         relative = "" if os.path.isabs(folder) else f" (a relative image_dir is read from the current folder, {os.getcwd()})"
         raise ValueError(f"{folder}: image_dir does not exist or is not a folder{relative}")
-    files = sorted(f for f in os.listdir(folder) if f.lower().endswith(IMAGE_EXTENSIONS))
+    files = sorted(f for f in os.listdir(folder) if is_image_name(f))
     # The subfolders are walked only where their count is said (reference_count's early look does not).
     below, example = _images_in_subfolders(folder, other_folders) if warn or not files else (0, "")
     not_searched = (f"its subfolders hold {below} (e.g. {example}), and image_dir is not searched recursively: give "
@@ -271,7 +271,7 @@ def _images_in_subfolders(folder: str, other_folders) -> tuple[int, str]:
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and os.path.realpath(os.path.join(root, d)) not in skip)
         if root == folder:
             continue
-        images = sorted(n for n in names if n.lower().endswith(IMAGE_EXTENSIONS))
+        images = sorted(n for n in names if is_image_name(n))
         count += len(images)
         example = example or (os.path.relpath(os.path.join(root, images[0]), folder) if images else "")
     return count, example

@@ -17,6 +17,13 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 
+def is_image_name(name: str) -> bool:
+    """An image file's name: one of IMAGE_EXTENSIONS, any case, and not hidden. A hidden '._photo.png'
+    is macOS's resource fork of photo.png (a copy to a USB disk or a network share leaves one beside
+    every file): not an image, and skipped by sd-scripts' and musubi-tuner's globs too."""
+    return name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
+
+
 def to_8_bit(img: Image.Image, path: str) -> Image.Image:
     """16-bit grey pixels scaled to 8-bit grey ("L", round(value / 257)); other modes unchanged
     (Pillow opens 16-bit RGB(A) PNGs as 8-bit RGB(A) itself, keeping the high byte). Values beyond
