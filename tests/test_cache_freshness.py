@@ -124,3 +124,22 @@ def test_a_cache_folder_that_cannot_be_written_is_one_error_before_encoding(tmp_
     assert encode(tmp_path, enc) == (1, 1)
     monkeypatch.setattr(os, "access", lambda path, mode: path != folder and access(path, mode))
     assert encode(tmp_path, CountingEncoder()) == (0, 0)  # current caches in a read-only folder are read
+
+
+def test_a_re_run_with_current_caches_loads_no_encoder(tiny_set, tmp_path, monkeypatch):
+    """Without sample prompts or caption dropout the encoders are needed only for stale entries: the
+    old line loaded the VAE and every text encoder on every run, to encode nothing."""
+    import train_lora
+    from library.models.flux1.family import FluxFamily
+    from tests.test_reliability import copy_dataset, flux_args
+
+    loads = []
+    for name in ("load_vae", "load_text_encoder"):
+        load = getattr(FluxFamily, name)
+        monkeypatch.setattr(FluxFamily, name, lambda self, *a, _load=load, _name=name, **k: (loads.append(_name),
+                                                                                              _load(self, *a, **k))[1])
+    cfg = copy_dataset(tiny_set, tmp_path / "data")
+    for run, expected in enumerate((["load_vae", "load_text_encoder"], [])):
+        loads.clear()
+        assert train_lora.main(flux_args(tiny_set, tmp_path / f"out{run}", "--dataset_config", cfg)) == 0
+        assert loads == expected

@@ -94,7 +94,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import train_lora  # noqa: E402
-from library.data.caches import cache_latents, cache_text  # noqa: E402
+from library.data.caches import cache_latents, cache_text, loaded_on_first_call  # noqa: E402
 from library.data.dataset import ImageDataset  # noqa: E402
 from library.data.dataset_config import load_dataset_config  # noqa: E402
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
@@ -225,22 +225,12 @@ def eval_data(args, family, max_items: int) -> list[tuple[str, torch.Tensor, dic
     """[(key, latents [1, C, h, w] float32, text {k: [1, ...]})] for the first max_items images."""
     dataset = ImageDataset(load_dataset_config(args.dataset_config), seed=args.seed)
     items = dataset.items[:max_items]
-    loaded = {}
-
-    def encoder(name, load):
-        def call(x):
-            if name not in loaded:
-                loaded[name] = load()
-            return loaded[name](x)
-        return call
-
-    cache_latents(items, encoder("vae", lambda: family.load_vae(torch.float32).encode), family.latent_cache_key(),
+    cache_latents(items, loaded_on_first_call(lambda: family.load_vae(torch.float32).encode), family.latent_cache_key(),
                   batch_size=args.vae_batch_size, to_disk=args.cache_latents_to_disk)
     options = family.text_options(args)
     precision = args.text_encoder_precision
-    cache_text(items, encoder("text", lambda: family.load_text_encoder(precision, **options)),
+    cache_text(items, loaded_on_first_call(lambda: family.load_text_encoder(precision, **options)),
                family.text_cache_key(options, precision), to_disk=args.cache_text_encoder_outputs_to_disk)
-    loaded.clear()
     data = []
     for i in range(len(items)):
         sample = dataset[dataset.entries.index(i)]

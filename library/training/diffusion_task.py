@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from library.data.captions import drops_captions
-from library.data.caches import cache_empty_caption, cache_latents, cache_text
+from library.data.caches import cache_empty_caption, cache_latents, cache_text, loaded_on_first_call
 from library.data.check import training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import scan_images, split_validation
@@ -149,7 +149,7 @@ class DiffusionTask:
         options = self.family.text_options(args)
         precision = args.text_encoder_precision  # part of the cache key: another precision re-encodes
         text_key = self.family.text_cache_key(options, precision)
-        encode_text = self.family.load_text_encoder(precision, self.device, **options)
+        encode_text = loaded_on_first_call(lambda: self.family.load_text_encoder(precision, self.device, **options))
         sees = self.family.text_sees_controls  # text per (caption, references)
         encoded = cache_text(items, encode_text, text_key, batch_size=args.text_encoder_batch_size,
                              to_disk=args.cache_text_encoder_outputs_to_disk, with_references=sees)
@@ -174,9 +174,13 @@ class DiffusionTask:
 
     def _cache_latents(self):
         items, latent_key = self.dataset.items + self.validation_set.items, self.family.latent_cache_key()
-        vae = self.family.load_vae(torch.float32)
-        vae.vae.to(self.device)
-        encoded = cache_latents(items, lambda x: vae.encode(x.to(self.device)), latent_key,
+
+        def load():
+            vae = self.family.load_vae(torch.float32)
+            vae.vae.to(self.device)
+            return lambda x: vae.encode(x.to(self.device))
+
+        encoded = cache_latents(items, loaded_on_first_call(load), latent_key,
                                 batch_size=self.args.vae_batch_size, to_disk=self.args.cache_latents_to_disk)
         self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
 
