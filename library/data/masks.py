@@ -34,7 +34,7 @@ from library.data.images import WIDE_GREY_MODES, fit_to_bucket, is_image_name, t
 
 LATENT_DOWNSAMPLE = 8  # VAE pixels per latent element, per side
 # A mask's R, G and B may differ by this much (of 255) and still count as grey: a grey mask saved as
-# an RGB JPEG comes back with a few levels of chroma noise.
+# an RGB JPEG comes back with a few levels of colour noise.
 GREY_TOLERANCE = 8
 
 
