@@ -154,7 +154,7 @@ def training_warnings(items, limit: TokenLimit | None) -> list[Problem]:
 
 def upscaled(items) -> str | None:
     """One line on the images (ImageItems, or anything with image_path, size and bucket) that are
-    enlarged to their bucket: how many, by how much at most and the first such image; None if none.
+    enlarged to their bucket: how many, by how much at most and the image enlarged most; None if none.
     Not a problem (sd-scripts enlarges them too), but a 512 px photo trained at 1024 px is blurred."""
     enlarged = [(upscale_factor(item.size, item.bucket), item) for item in items]
     enlarged = [(factor, item) for factor, item in enlarged if factor > 1]
@@ -225,7 +225,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         if size is None:
             continue
         readable.append(path)
-        if not subset.alpha_mask:  # with it the alpha is the loss mask
+        if not (subset.alpha_mask or subset.multiple_target):  # there the alpha is the loss mask, or trained
             check_transparency(report, path)
         problem = bad_size(size, ds)
         if problem:
