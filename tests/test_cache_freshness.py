@@ -143,3 +143,25 @@ def test_a_re_run_with_current_caches_loads_no_encoder(tiny_set, tmp_path, monke
         loads.clear()
         assert train_lora.main(flux_args(tiny_set, tmp_path / f"out{run}", "--dataset_config", cfg)) == 0
         assert loads == expected
+
+
+def test_an_interrupted_caching_leaves_whole_files_and_a_truncated_one_is_re_encoded(tmp_path):
+    for name in "abc":
+        make_image(tmp_path / "img" / f"{name}.png", 32, 32)
+        write(tmp_path / "img" / f"{name}.txt", f"caption {name}")
+    enc, calls = CountingEncoder(), []
+
+    def interrupted(images):
+        calls.append(images.shape[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C in the second batch (c), after a and b were written
+        return enc.latents(images)
+
+    with pytest.raises(KeyboardInterrupt):
+        caches.cache_latents(D.ImageDataset(dataset(tmp_path)).items, interrupted, "vae-1", batch_size=2, load_workers=0)
+    files = sorted(f for f in os.listdir(tmp_path / "img") if not f.endswith((".png", ".txt")))
+    assert len(files) == 2 and all(f.endswith(".safetensors") for f in files)  # a and b whole, no temporary left
+    path = tmp_path / "img" / files[0]
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a copy cut short
+    assert encode(tmp_path, CountingEncoder())[0] == 2  # the truncated one and c
+    assert encode(tmp_path, CountingEncoder()) == (0, 0)
