@@ -592,3 +592,22 @@ def test_hidden_files_beside_the_images_are_not_images(tmp_path):
     assert (os.path.basename(item.image_path), os.path.basename(item.mask_path)) == ("a.png", "a.png")
     report = check_dataset(bp)
     assert report.problems() == [] and report.subsets[0].images == 1
+
+
+def test_an_exif_rotated_jpeg_trains_as_displayed_with_its_bucket_and_mask(tmp_path):
+    """Phones store portrait photos landscape with an EXIF orientation; sd-scripts' loader ignores it
+    (the photo trains on its side). Here size, bucket, pixels and the mask all follow the display."""
+    img = Image.new("RGB", (64, 32), (0, 0, 0))
+    img.paste((255, 255, 255), (0, 0, 32, 32))  # stored: left half white
+    exif = Image.Exif()
+    exif[0x0112] = 6  # displayed rotated 90 degrees clockwise: top half white
+    os.makedirs(tmp_path / "img")
+    img.save(tmp_path / "img" / "a.jpg", exif=exif.tobytes(), quality=95)
+    make_image(tmp_path / "masks" / "a.png", 32, 64, (255, 255, 255))
+    bp = parse_dataset_config({"datasets": [{"resolution": [32, 64], "subsets": [
+        {"image_dir": str(tmp_path / "img"), "class_tokens": "x", "mask_dir": str(tmp_path / "masks")}]}]}, source="t.toml")
+    ds = D.ImageDataset(bp)
+    assert (ds.items[0].size, ds.items[0].bucket) == ((32, 64), (32, 64))
+    sample = ds[0]
+    assert sample["image"].shape == (3, 64, 32) and sample["mask"].shape == (1, 8, 4)
+    assert float(sample["image"][:, :28].mean()) > 0.95 and float(sample["image"][:, 36:].mean()) < -0.95
