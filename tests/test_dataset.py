@@ -611,3 +611,19 @@ def test_an_exif_rotated_jpeg_trains_as_displayed_with_its_bucket_and_mask(tmp_p
     sample = ds[0]
     assert sample["image"].shape == (3, 64, 32) and sample["mask"].shape == (1, 8, 4)
     assert float(sample["image"][:, :28].mean()) > 0.95 and float(sample["image"][:, 36:].mean()) < -0.95
+
+
+def test_images_of_a_type_not_read_are_said_not_skipped_silently(tmp_path):
+    """A phone's HEIC photos beside its JPEGs: the old scan trained the JPEGs alone without a word."""
+    make_image(tmp_path / "img" / "a.jpg", 32, 32)
+    for name in ("b.HEIC", "c.heic", "d.tif"):
+        (tmp_path / "img" / name).write_bytes(b"not read")
+    bp = blueprint(tmp_path / "img", class_tokens="x", resolution=32)
+    with pytest.warns(UserWarning) as caught:
+        assert len(D.ImageDataset(bp).items) == 1
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / 'img'}: 3 files of a type not read (.heic, .tif; e.g. b.HEIC) are not trained: convert them to "
+        f".png, .jpg, .jpeg, .webp, .bmp"]
+    os.remove(tmp_path / "img" / "a.jpg")
+    with pytest.raises(ValueError, match=re.escape("image_dir holds no images (.png, .jpg, .jpeg, .webp, .bmp); 3 files")):
+        D.ImageDataset(bp)

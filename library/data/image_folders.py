@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from library.data.controls import check_control_count, control_files, find_controls, scan_controls, target_stems
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec, make_buckets
-from library.data.images import IMAGE_EXTENSIONS, is_image_name, verified_image_size
+from library.data.images import IMAGE_EXTENSIONS, UNREAD_IMAGE_EXTENSIONS, is_image_name, verified_image_size
 from library.data.layers import check_layers, split_layers
 from library.data.masks import find_mask, warn_missing_alpha
 from library.io import read_utf8
@@ -242,7 +242,8 @@ def _image_files(folder: str, other_folders=(), warn: bool = True) -> list[str]:
     if not os.path.isdir(folder):
         relative = "" if os.path.isabs(folder) else f" (a relative image_dir is read from the current folder, {os.getcwd()})"
         raise ValueError(f"{folder}: image_dir does not exist or is not a folder{relative}")
-    files = sorted(f for f in os.listdir(folder) if is_image_name(f))
+    names = sorted(os.listdir(folder))
+    files, unread = [f for f in names if is_image_name(f)], _unread_images(names)
     # The subfolders are walked only where their count is said (reference_count's early look does not).
     below, example = _images_in_subfolders(folder, other_folders) if warn or not files else (0, "")
     not_searched = (f"its subfolders hold {below} (e.g. {example}), and image_dir is not searched recursively: give "
@@ -250,9 +251,11 @@ def _image_files(folder: str, other_folders=(), warn: bool = True) -> list[str]:
                     "as image_dir, <repeats> as num_repeats)")
     if not files:
         raise ValueError(f"{folder}: image_dir holds no images ({', '.join(IMAGE_EXTENSIONS)})"
-                         + (f"; {not_searched}" if below else ""))
+                         + (f"; {not_searched}" if below else "") + (f"; {unread}" if unread else ""))
     if below and warn:
         warnings.warn(f"{folder}: {below} images are not trained: {not_searched}", stacklevel=2)
+    if unread and warn:
+        warnings.warn(f"{folder}: {unread}", stacklevel=2)
     stems: dict[str, str] = {}
     for f in files:
         stem = os.path.splitext(f)[0]
@@ -260,6 +263,16 @@ def _image_files(folder: str, other_folders=(), warn: bool = True) -> list[str]:
             raise ValueError(f"{folder}: images '{stems[stem]}' and '{f}' share the name '{stem}'")
         stems[stem] = f
     return [os.path.join(folder, f) for f in files]
+
+
+def _unread_images(names: list[str]) -> str:
+    """What a folder's files of an image type this trainer does not read are ("" without any)."""
+    unread = [n for n in names if n.lower().endswith(UNREAD_IMAGE_EXTENSIONS) and not n.startswith(".")]
+    if not unread:
+        return ""
+    kinds = sorted({os.path.splitext(n)[1].lower() for n in unread})
+    return (f"{len(unread)} files of a type not read ({', '.join(kinds)}; e.g. {unread[0]}) are not trained: convert "
+            f"them to {', '.join(IMAGE_EXTENSIONS)}")
 
 
 def _images_in_subfolders(folder: str, other_folders) -> tuple[int, str]:

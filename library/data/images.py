@@ -12,6 +12,8 @@ from PIL import Image, ImageDraw, ImageOps, PngImagePlugin
 from library.io import atomic_path
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# Image types a dataset folder may hold that are not read (a phone's HEIC, a scan's TIFF): said, not skipped silently.
+UNREAD_IMAGE_EXTENSIONS = (".heic", ".heif", ".avif", ".jxl", ".tif", ".tiff", ".gif", ".jfif", ".psd")
 # Pillow opens 16-bit grey PNGs in the I;16 modes ("I": 32-bit integers). Its convert("RGB") /
 # convert("L") clips those values to 255 instead of scaling them: nearly every pixel turns white.
 WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
