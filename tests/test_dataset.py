@@ -627,3 +627,14 @@ def test_images_of_a_type_not_read_are_said_not_skipped_silently(tmp_path):
     os.remove(tmp_path / "img" / "a.jpg")
     with pytest.raises(ValueError, match=re.escape("image_dir holds no images (.png, .jpg, .jpeg, .webp, .bmp); 3 files")):
         D.ImageDataset(bp)
+
+
+def test_a_caption_saved_by_notepad_with_a_bom_and_crlf_reads_as_its_text(tmp_path):
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    (tmp_path / "img" / "a.txt").write_bytes("\ufeffa red square, photo\r\n".encode("utf-8"))
+    make_image(tmp_path / "img" / "b.png", 32, 32, (1, 2, 3))
+    (tmp_path / "img" / "b.txt").write_bytes("\ufeffohwx ||| red, square\r\n".encode("utf-8"))
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [
+        {"image_dir": str(tmp_path / "img"), "keep_tokens_separator": "|||"}]}]}, source="t.toml")
+    ds = D.ImageDataset(bp)
+    assert [ds[e]["caption"] for e in range(2)] == ["a red square, photo", "ohwx, red, square"]
