@@ -126,22 +126,32 @@ def test_a_cache_folder_that_cannot_be_written_is_one_error_before_encoding(tmp_
     assert encode(tmp_path, CountingEncoder()) == (0, 0)  # current caches in a read-only folder are read
 
 
-def test_a_re_run_with_current_caches_loads_no_encoder(tiny_set, tmp_path, monkeypatch):
+def test_a_re_run_with_current_caches_loads_no_encoder(tmp_path):
     """Without sample prompts or caption dropout the encoders are needed only for stale entries: the
     old line loaded the VAE and every text encoder on every run, to encode nothing."""
-    import train_lora
-    from library.models.flux1.family import FluxFamily
-    from tests.test_reliability import copy_dataset, flux_args
+    from types import SimpleNamespace
 
-    loads = []
-    for name in ("load_vae", "load_text_encoder"):
-        load = getattr(FluxFamily, name)
-        monkeypatch.setattr(FluxFamily, name, lambda self, *a, _load=load, _name=name, **k: (loads.append(_name),
-                                                                                              _load(self, *a, **k))[1])
-    cfg = copy_dataset(tiny_set, tmp_path / "data")
-    for run, expected in enumerate((["load_vae", "load_text_encoder"], [])):
+    import torch
+
+    from library.training.diffusion_task import DiffusionTask
+
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "caption A")
+    enc, loads = CountingEncoder(), []
+    family = SimpleNamespace(
+        latent_cache_key=lambda: "vae-1", text_options=lambda args: {}, text_cache_key=lambda options, precision: "te-1",
+        text_sees_controls=False, true_cfg=False,
+        load_vae=lambda dtype: loads.append("vae") or SimpleNamespace(vae=torch.nn.Identity(), encode=enc.latents),
+        load_text_encoder=lambda precision, device: loads.append("text") or enc.text)
+    args = SimpleNamespace(vae_batch_size=2, cache_latents_to_disk=True, text_encoder_precision="bf16",
+                           text_encoder_batch_size=8, cache_text_encoder_outputs_to_disk=True)
+    for expected in (["vae", "text"], []):
         loads.clear()
-        assert train_lora.main(flux_args(tiny_set, tmp_path / f"out{run}", "--dataset_config", cfg)) == 0
+        task = SimpleNamespace(dataset=D.ImageDataset(dataset(tmp_path)), validation_set=SimpleNamespace(items=[]),
+                               family=family, device=torch.device("cpu"), args=args, prompts=[],
+                               accelerator=SimpleNamespace(print=lambda *a, **k: None))
+        task._cache_latents = lambda task=task: DiffusionTask._cache_latents(task)
+        DiffusionTask._fill_caches(task)
         assert loads == expected
 
 
