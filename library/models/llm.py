@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models import core
+from library.models.llm_rope import RopeScaling
 from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors, write_text
 
 # ----------------------------------------------------------------------------------------------
@@ -64,6 +65,7 @@ class LLMConfig:
     # positions are given (image tokens); () = 1-D RoPE only. Text-only input never needs it.
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False  # Qwen3-VL: the axes' frequencies interleaved (core.mrope_tables)
+    rope_scaling: RopeScaling | None = None  # linear / dynamic / yarn / llama3 frequencies (llm_rope.py)
 
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
@@ -92,10 +94,11 @@ class LLMConfig:
             raise ValueError(f"config.json: quantization_config (quant_method {quant.get('quant_method')!r}): a Hugging "
                              f"Face quantized checkpoint is not read; give the bf16 model (base_precision fp8 / nf4 "
                              f"quantizes it while loading) or a plain fp8 one")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):  # mrope: 1-D RoPE for text, 3-axis for image tokens
-            raise ValueError(f"config.json: rope type '{rope_type}' is not supported (expected default or mrope)")
+        rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+        rope = config.get(rope_key) or {}
+        rope_scaling = RopeScaling.from_hf(config, rope_key)  # None: plain RoPE (default, mrope)
+        if rope_scaling and rope.get("mrope_section"):
+            raise ValueError(f"config.json: {rope_key} rope_type '{rope_scaling.rope_type}' with mrope_section is not supported")
         is_qwen3 = model_type in ("qwen3", "qwen3_vl_text")  # Qwen3-VL's language model is Qwen3 (QK norm, no bias)
         # transformers' Llama, Mistral, Qwen2 and Qwen3 attention all take an explicit head_dim when given
         # (Mistral Small 3.1: 128, where 5120 / 32 heads would give 160)
@@ -125,6 +128,7 @@ class LLMConfig:
             # Qwen2.5-VL configs name the sections under rope type "mrope" or (transformers >= 4.5x) "default"
             mrope_section=tuple(rope.get("mrope_section") or ()),
             mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+            rope_scaling=rope_scaling,
         )
 
     def to_hf(self) -> dict:
@@ -148,6 +152,7 @@ class LLMConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
+            **({"rope_scaling": self.rope_scaling.to_hf()} if self.rope_scaling else {}),
             "hidden_act": "silu",
         }
 
@@ -296,7 +301,12 @@ class LLM(nn.Module):
                 raise ValueError("3-axis position ids need an M-RoPE model (config mrope_section, e.g. Qwen2.5-VL)")
             return core.mrope_tables(position_ids, self.config.head_dim, self.config.rope_theta, self.config.mrope_section,
                                      self.config.mrope_interleaved)
-        return core.rope_tables(position_ids, (self.config.head_dim,), self.config.rope_theta)
+        c = self.config
+        if c.rope_scaling is None:
+            return core.rope_tables(position_ids, (c.head_dim,), c.rope_theta)
+        seq_len = int(position_ids.max()) + 1 if c.rope_scaling.rope_type == "dynamic" else 0  # a sync: dynamic only
+        inv_freq, scale = c.rope_scaling.inv_freq(c.head_dim, c.rope_theta, c.max_position_embeddings, seq_len)
+        return core.rope_tables_from_inv_freq(position_ids, inv_freq, scale)
 
     def _embed(self, input_ids, attention_mask, position_ids, inputs_embeds=None):
         """(embeddings [B, L, D] compute_dtype, cos, sin fp32, mask or None, visible or None) for a
