@@ -202,7 +202,7 @@ class LLMTask:
                               f"to train on, fewer than max_length + 1 = {args.max_length + 1}")
         train = TextWindowDataset(train_ids, args.max_length, args.stride)
         val = TextWindowDataset(val_ids, args.max_length, args.max_length) if len(val_ids) > args.max_length + 1 else None
-        self.val_ids = torch.as_tensor(val_ids, dtype=torch.long).flatten()  # evaluate() scores all of it
+        self.val_ids = val_ids  # TOKEN_DTYPE [N]: evaluate() scores all of it
         if len(train) == 0:
             raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length {args.max_length}")
         self.accelerator.print(f"text: {len(ids)} tokens, {len(train)} train windows, {len(val) if val else 0} val windows")
@@ -306,7 +306,7 @@ class LLMTask:
         batches += [[s] for s in starts if s + length + 1 > len(ids)]  # the shorter rest
         total, count = 0.0, 0
         for batch in batches:
-            windows = torch.stack([ids[s : s + length + 1] for s in batch]).to(self.device)
+            windows = torch.stack([ids[s : s + length + 1] for s in batch]).to(self.device, torch.long)  # int64 ids
             logits = self.model(windows[:, :-1])
             total += float(F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(), reduction="sum"))
             count += windows[:, 1:].numel()
