@@ -361,6 +361,14 @@ def test_documents_and_the_prompt_get_the_tokenizers_bos_as_users_encode_them(ti
     """A Llama-style tokenizer (its post-processor puts BOS first): each document is BOS text EOS and
     the sample prompt starts with BOS, as transformers / PEFT / vLLM encode at inference. The old line
     encoded with add_special_tokens=False: no BOS anywhere in the stream (0 of 2 documents)."""
+    task, bos = llama_style_task(tiny_set, tmp_path)
+    ids, eos = task.train_set.ids.tolist(), task.tokenizer.eos_token_id
+    assert ids[0] == bos and ids.count(bos) == 2 and ids.count(eos) == 2 and ids[ids.index(eos) + 1] == bos
+    assert task.encode("The")[0] == bos and task.encode("The")[-1] != eos
+
+
+def llama_style_task(tiny_set, tmp_path, *extra):
+    """(LLMTask on the tiny LM whose tokenizer puts BOS <|im_start|> first, as Llama's does, BOS id)."""
     import shutil
 
     from library.training.config import load_config
@@ -378,11 +386,16 @@ def test_documents_and_the_prompt_get_the_tokenizers_bos_as_users_encode_them(ti
         (tmp_path / name).write_text(text)
     args = load_config(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(folder), "--train_data",
                                 str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--val_fraction", "0", "--max_length", "8",
-                                "--stride", "8", "--max_train_steps", "1"))
-    task = LLMTask(args, train_lora.make_accelerator(args))
-    ids, eos = task.train_set.ids.tolist(), task.tokenizer.eos_token_id
-    assert ids[0] == bos and ids.count(bos) == 2 and ids.count(eos) == 2 and ids[ids.index(eos) + 1] == bos
-    assert task.encode("The")[0] == bos and task.encode("The")[-1] != eos
+                                "--stride", "8", "--max_train_steps", "1", *extra))
+    return LLMTask(args, train_lora.make_accelerator(args)), bos
+
+
+def test_a_sample_is_shown_without_the_bos_token(tiny_set, tmp_path):
+    """The old line decoded every id: the sample began '<|im_start|>The' (the prompt's BOS, shown as text)."""
+    task, bos = llama_style_task(tiny_set, tmp_path, "--sample_prompt", "one two", "--sample_max_new_tokens", "4")
+    sample = task.evaluate()["sample"]
+    assert task.encode("one two")[0] == bos
+    assert sample.startswith("one two") and "<|im_start|>" not in sample
 
 
 def test_a_tokenizer_without_eos_warns_that_documents_run_together(tiny_set, tmp_path):

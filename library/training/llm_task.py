@@ -216,6 +216,11 @@ class LLMTask:
         eos = self.tokenizer.eos_token_id
         return ids[:-1] if ids and eos is not None and ids[-1] == eos else ids
 
+    def decode(self, ids: list[int]) -> str:
+        """A sample's text as transformers' text-generation pipeline shows it: special tokens (Llama's BOS,
+        the EOS a batch row is padded with) left out."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     # -- what the loop uses --------------------------------------------------------------------
     def param_groups(self, lr: float) -> list[dict]:
         if self.network is not None:
@@ -291,7 +296,7 @@ class LLMTask:
                            self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id, generator=gen)
         self.model.train(was_training)
         return {"val_loss": val, "val_perplexity": None if val is None else perplexity(val),
-                "sample": self.tokenizer.decode(out[0].tolist())}
+                "sample": self.decode(out[0].tolist())}
 
     @torch.no_grad()
     def held_out_loss(self) -> float:
