@@ -103,3 +103,14 @@ def test_a_refused_rope_names_the_config_file(tmp_path):
                                                       "rope_scaling": {"rope_type": "longrope"}}))
     with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'config.json'}: rope_scaling rope_type 'longrope'"):
         load_llm(str(tmp_path))
+
+
+def test_the_context_window_of_a_yarn_config_is_factor_times_the_original():
+    """Qwen3's card: yarn factor 4 over 32768 in a config.json with max_position_embeddings 40960 -> 131072."""
+    qwen3 = {**TINY, "model_type": "qwen3", "max_position_embeddings": 40960}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert LLMConfig.from_hf({**qwen3, "rope_scaling": yarn}).context_length == 131072
+    assert LLMConfig.from_hf(qwen3).context_length == 40960
+    llama3 = {**SCALINGS["llama3"][1], "original_max_position_embeddings": 8192}  # Llama-3.1: 8 x 8192 < 131072
+    assert LLMConfig.from_hf({**TINY, "model_type": "llama", "rope_scaling": llama3, "max_position_embeddings": 131072}
+                             ).context_length == 131072

@@ -96,6 +96,23 @@ def test_max_length_beyond_context_window_is_refused(tiny_set, tmp_path, capsys)
     assert "max_length 4096 is longer than the model's context window (max_position_embeddings = 256)" in capsys.readouterr().err
 
 
+def test_a_yarn_config_stretches_the_context_window_max_length_is_checked_against(tiny_set, tmp_path, capsys):
+    """Qwen's model cards add yarn (factor 4, original 32768) to a config.json whose max_position_embeddings
+    stays 40960: the window is factor x original, as vLLM takes it (the old line refused any yarn config)."""
+    import shutil
+
+    folder = tmp_path / "yarn"
+    shutil.copytree(tiny_set["llm_scratch"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    (folder / "config.json").write_text(json.dumps(config))
+    code = train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", str(folder), "--pretrain",
+                                    "--max_length", "4096"))
+    assert code == 2
+    assert ("max_length 4096 is longer than the model's context window (rope_scaling factor 4 x "
+            "original_max_position_embeddings 256 = 1024)") in capsys.readouterr().err
+
+
 def test_generate_writes_png_with_settings_on_fp8_base_with_lora(tiny_set, tmp_path):
     from library.models.flux1.family import FluxFamily
     from networks.lora import LoRANetwork

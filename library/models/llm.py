@@ -78,6 +78,12 @@ class LLMConfig:
         if not self.head_dim:  # frozen dataclass: fill the derived default once
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model is for: max_position_embeddings, or what a yarn rope_scaling
+        stretches the pretraining context to (Qwen2.5 / Qwen3 with factor 4: 131072)."""
+        return max(self.max_position_embeddings, self.rope_scaling.context_length() if self.rope_scaling else 0)
+
     @classmethod
     def from_hf(cls, config: dict) -> "LLMConfig":
         """From a Hugging Face config.json dict (llama, qwen2, qwen3, qwen2_5_vl with or without a

@@ -62,6 +62,12 @@ class RopeScaling:
         return cls(rope_type, float(rope.get("factor") or 0.0), int(original or config.get("max_position_embeddings", 0)),
                    **fields)
 
+    def context_length(self) -> int:
+        """The context this scaling stretches the pretraining one to: factor x original_max_position_embeddings
+        for yarn (Qwen's model cards add yarn to a config.json and leave max_position_embeddings as it was),
+        0 where the config's max_position_embeddings says it."""
+        return int(self.factor * self.original_max_position_embeddings) if self.rope_type == "yarn" else 0
+
     def to_hf(self) -> dict:
         """The `rope_scaling` dict of a config.json that from_hf (and transformers) read back."""
         out = {"rope_type": self.rope_type, "factor": self.factor}

@@ -176,10 +176,13 @@ class LLMTask:
         return lambda model: stored_converter(model, stored, arch_spec("llm").fp8, self.weights_dtype, reader, path)
 
     def _check_context(self):
-        limit = self.model.config.max_position_embeddings
-        if self.args.max_length > limit:
+        config = self.model.config
+        if self.args.max_length > config.context_length:
+            source = (f"rope_scaling factor {config.rope_scaling.factor:g} x original_max_position_embeddings "
+                      f"{config.rope_scaling.original_max_position_embeddings}" if config.context_length > config.max_position_embeddings
+                      else "max_position_embeddings")
             raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
-                              f"(max_position_embeddings = {limit})")
+                              f"({source} = {config.context_length})")
 
     def _load_data(self, docs: list[str]):
         args = self.args
@@ -292,7 +295,7 @@ class LLMTask:
         gen = torch.Generator(self.device).manual_seed(self.args.seed)
         with compute_autocast(self.device, self.autocast_dtype):  # the compute training runs in
             val = self.held_out_loss() if len(self.val_ids) > 1 else None  # None: nothing held out
-            out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.max_position_embeddings,
+            out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.context_length,
                            self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id, generator=gen)
         self.model.train(was_training)
         return {"val_loss": val, "val_perplexity": None if val is None else perplexity(val),
