@@ -195,6 +195,27 @@ def test_missing_and_unexpected_keys_raise_checkpoint_error_naming_them(saved, t
         load_llm(str(tmp_path / "extra.safetensors"))
 
 
+def test_mistral_sliding_window_runs_sequences_within_it_as_transformers_does(tmp_path):
+    """Mistral-7B-v0.1 and its fine-tunes (Zephyr, OpenHermes) set sliding_window 4096: the old line refused
+    them. Within the window nothing is hidden; a longer sequence is refused; the saved config keeps it."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    hf = randomize_(MistralForCausalLM(MistralConfig(**TINY, sliding_window=12, attn_implementation="eager")))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_llm(str(tmp_path))
+    assert (model.config.sliding_window, model.config.context_length) == (12, 12)
+    ids = torch.randint(2, 96, (2, 12))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= 1e-5
+        with pytest.raises(ValueError, match="^a sequence of 13 tokens is longer than the model's sliding_window 12"):
+            model(torch.randint(2, 96, (1, 13)))
+    saved = json.loads(json.dumps(model.config.to_hf()))
+    assert (saved["model_type"], saved["sliding_window"]) == ("mistral", 12)
+    assert LLMConfig.from_hf(saved) == model.config
+    assert LLMConfig.from_hf({**TINY, "model_type": "mistral"}).sliding_window == 4096  # transformers' default
+
+
 @pytest.mark.parametrize("model_type", ["gemma", "granite", "qwen3_moe", "qwen3_vl_moe"])
 def test_from_hf_refuses_model_types_whose_layers_are_not_llamas(model_type):
     """The old line read any model_type as Llama (qwen3_moe without its QK norm): a Gemma or Granite

@@ -4,13 +4,13 @@ The same class runs Llama-3-8B, Qwen2-style models, the language model of Qwen2.
 text encoder; for text-only prompts its multimodal RoPE reduces to 1-D RoPE) and Qwen3 (no qkv
 bias, a per-head RMSNorm on q and k before RoPE, head_dim set by the config rather than
 hidden_size / num_heads) and Mistral (the language model of Mistral Small 3.1: Llama-like, explicit
-head_dim, no sliding window); the diffusion families that encode text with them say which. Module
-names mirror Hugging Face checkpoints (`model.layers.N.self_attn.q_proj`, ...), so loading is a
-plain name-for-name copy.
+head_dim; Mistral-7B-v0.1's sliding_window bounds the sequence length); the diffusion families that
+encode text with them say which. Module names mirror Hugging Face checkpoints
+(`model.layers.N.self_attn.q_proj`, ...), so loading is a plain name-for-name copy.
 
 Precision: token ids and position ids are int64; RoPE tables are float32 computed outside
-autocast (core.rope_tables); the residual stream runs in `compute_dtype`; logits are returned
-in float32.
+autocast (core.rope_tables; a scaled RoPE's frequencies in float64, llm_rope.py); the residual
+stream runs in `compute_dtype`; logits are returned in float32.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class LLMConfig:
     head_dim: 0 = hidden_size // num_heads (Llama, Qwen2); Qwen3 and Mistral Small 3.1 set it
     explicitly (128 for Qwen3-4B, whose hidden_size 2560 / 32 heads would give 80, and for Mistral
     Small 3.1: 5120 / 32 = 160). qk_norm: Qwen3's RMSNorm over head_dim on each query and key head,
-    applied before RoPE. Mistral (no sliding window) is Llama with an explicit head_dim."""
+    applied before RoPE. Mistral is Llama with an explicit head_dim (and maybe a sliding_window)."""
 
     vocab_size: int = 152064
     hidden_size: int = 3584
@@ -66,6 +66,9 @@ class LLMConfig:
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False  # Qwen3-VL: the axes' frequencies interleaved (core.mrope_tables)
     rope_scaling: RopeScaling | None = None  # linear / dynamic / yarn / llama3 frequencies (llm_rope.py)
+    # Mistral-7B-v0.1's attention window (4096); 0 = none. A sequence within it sees every earlier token, as full
+    # attention does, so the model runs sequences up to the window (context_length) and refuses longer ones.
+    sliding_window: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
@@ -81,8 +84,9 @@ class LLMConfig:
     @property
     def context_length(self) -> int:
         """The longest sequence the model is for: max_position_embeddings, or what a yarn rope_scaling
-        stretches the pretraining context to (Qwen2.5 / Qwen3 with factor 4: 131072)."""
-        return max(self.max_position_embeddings, self.rope_scaling.context_length() if self.rope_scaling else 0)
+        stretches the pretraining context to (Qwen2.5 / Qwen3 with factor 4: 131072); at most sliding_window."""
+        longest = max(self.max_position_embeddings, self.rope_scaling.context_length() if self.rope_scaling else 0)
+        return min(longest, self.sliding_window or longest)
 
     @classmethod
     def from_hf(cls, config: dict) -> "LLMConfig":
@@ -109,11 +113,15 @@ class LLMConfig:
         # transformers' Llama, Mistral, Qwen2 and Qwen3 attention all take an explicit head_dim when given
         # (Mistral Small 3.1: 128, where 5120 / 32 heads would give 160)
         head_dim = config.get("head_dim") or 0
-        sliding = config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or [])
-        # Mistral applies `sliding_window` whenever it is set (Mistral Small 3.1: null); Qwen2 only with use_sliding_window
-        sliding = sliding or (model_type == "mistral" and config.get("sliding_window") is not None)
-        if sliding or config.get("mlp_bias"):
-            raise ValueError("config.json: use_sliding_window / sliding_attention layers / mlp_bias are not supported")
+        # Mistral applies `sliding_window` to every layer whenever it is set (transformers' default 4096; Mistral-7B-v0.1
+        # and its fine-tunes: 4096; Mistral Small 3.1: null); Qwen2 / Qwen3 only to the layers past max_window_layers
+        # with use_sliding_window, which is not read
+        sliding_window = config.get("sliding_window", 4096) if model_type == "mistral" else None
+        if config.get("use_sliding_window") or (model_type != "mistral" and "sliding_attention" in (config.get("layer_types") or [])):
+            raise ValueError("config.json: use_sliding_window / sliding_attention layers are not supported (Mistral's "
+                             "sliding_window is)")
+        if config.get("mlp_bias"):
+            raise ValueError("config.json: mlp_bias is not supported")
         is_qwen2 = model_type.startswith("qwen2")  # Qwen2 / Qwen2.5-VL: bias on q, k, v (not o)
         if config.get("attention_bias") and not is_qwen2:
             raise ValueError(f"config.json: attention_bias=true with model_type '{model_type}' (bias on o_proj too) is not supported")
@@ -135,6 +143,7 @@ class LLMConfig:
             mrope_section=tuple(rope.get("mrope_section") or ()),
             mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
             rope_scaling=rope_scaling,
+            sliding_window=sliding_window or 0,
         )
 
     def to_hf(self) -> dict:
@@ -142,8 +151,11 @@ class LLMConfig:
         a Mistral without sliding window is a Llama with an explicit head_dim) that from_hf reads back."""
         if self.qk_norm and self.qkv_bias:
             raise ValueError("LLMConfig.to_hf: qk_norm with qkv_bias has no Hugging Face model type")
-        model_type = "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
-        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]
+        if self.sliding_window and (self.qk_norm or self.qkv_bias):
+            raise ValueError("LLMConfig.to_hf: sliding_window is Mistral's; with qk_norm or qkv_bias it has no model type")
+        model_type = "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "mistral" if self.sliding_window else "llama"
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                "llama": "LlamaForCausalLM"}[model_type]
         return {
             "architectures": [arch],
             "model_type": model_type,
@@ -159,6 +171,7 @@ class LLMConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             **({"rope_scaling": self.rope_scaling.to_hf()} if self.rope_scaling else {}),
+            **({"sliding_window": self.sliding_window} if self.sliding_window else {}),
             "hidden_act": "silu",
         }
 
@@ -319,6 +332,9 @@ class LLM(nn.Module):
         forward. inputs_embeds [B, L, D] replaces the token lookup (e.g. image tokens carrying vision
         features)."""
         B, L = input_ids.shape
+        if self.config.sliding_window and L > self.config.sliding_window:  # within it, the window hides nothing
+            raise ValueError(f"a sequence of {L} tokens is longer than the model's sliding_window {self.config.sliding_window}: "
+                             f"attention to a window of past tokens is not implemented")
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
         cos, sin = self._rope(position_ids)  # fp32

@@ -178,9 +178,12 @@ class LLMTask:
     def _check_context(self):
         config = self.model.config
         if self.args.max_length > config.context_length:
-            source = (f"rope_scaling factor {config.rope_scaling.factor:g} x original_max_position_embeddings "
-                      f"{config.rope_scaling.original_max_position_embeddings}" if config.context_length > config.max_position_embeddings
-                      else "max_position_embeddings")
+            source = "max_position_embeddings"
+            if config.context_length == config.sliding_window:
+                source = "sliding_window"
+            elif config.context_length > config.max_position_embeddings:
+                source = (f"rope_scaling factor {config.rope_scaling.factor:g} x original_max_position_embeddings "
+                          f"{config.rope_scaling.original_max_position_embeddings}")
             raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
                               f"({source} = {config.context_length})")
 
