@@ -96,6 +96,19 @@ def test_max_length_beyond_context_window_is_refused(tiny_set, tmp_path, capsys)
     assert "max_length 4096 is longer than the model's context window (max_position_embeddings = 256)" in capsys.readouterr().err
 
 
+def test_max_length_beyond_the_context_window_is_refused_before_the_weights_load(tiny_set, tmp_path, capsys, monkeypatch):
+    """The old line loaded the base first (Llama-3-8B: 16 GB read, minutes) and then refused max_length."""
+    from library.training import llm_task
+
+    def load_llm(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(llm_task, "load_llm", load_llm)
+    code = train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--max_length", "4096"))
+    assert code == 2
+    assert "max_length 4096 is longer than the model's context window (max_position_embeddings = 2048)" in capsys.readouterr().err
+
+
 def test_a_yarn_config_stretches_the_context_window_max_length_is_checked_against(tiny_set, tmp_path, capsys):
     """Qwen's model cards add yarn (factor 4, original 32768) to a config.json whose max_position_embeddings
     stays 40960: the window is factor x original, as vLLM takes it (the old line refused any yarn config)."""

@@ -114,7 +114,6 @@ class LLMTask:
         documents = load_text_corpus(args.train_data)  # read before the model: a bad train_data entry fails at once
         self.stored_precision = None  # a pre-quantized base's layout (_base_prepare)
         self.model, self.from_scratch = self._load_model(path)
-        self._check_context()
         self.train_set, self.val_set = self._load_data(documents)
         self.model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
                                                           args.checkpoint_saves_attention)
@@ -145,11 +144,13 @@ class LLMTask:
             (".safetensors", ".safetensors.index.json"))  # the forms load_llm reads
         if has_weights:
             config = _find_config(path)  # first: its refusals (a quantized release's) come before the weights'
+            self._check_context(config)  # and max_length's, before minutes of loading
             return load_llm(path, config, dtype=self.weights_dtype, prepare=self._base_prepare(path)), False
         if not self.args.pretrain:
             raise ConfigError(f"{path}: no .safetensors weights; a LoRA needs a pretrained model (or set pretrain = true)")
         with open(os.path.join(path, "config.json")) as f:
             config = LLMConfig.from_hf(json.load(f))
+        self._check_context(config)
         vocab = -(-max(config.vocab_size, len(self.tokenizer)) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         config = LLMConfig(**{**config.__dict__, "vocab_size": vocab})
         torch.manual_seed(self.args.seed)
@@ -175,8 +176,7 @@ class LLMTask:
         check_config_precision(path, stored.layout, base_precision(self.args))
         return lambda model: stored_converter(model, stored, arch_spec("llm").fp8, self.weights_dtype, reader, path)
 
-    def _check_context(self):
-        config = self.model.config
+    def _check_context(self, config: LLMConfig):
         if self.args.max_length > config.context_length:
             source = "max_position_embeddings"
             if config.context_length == config.sliding_window:
