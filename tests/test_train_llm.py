@@ -109,6 +109,25 @@ def test_max_length_beyond_the_context_window_is_refused_before_the_weights_load
     assert "max_length 4096 is longer than the model's context window (max_position_embeddings = 2048)" in capsys.readouterr().err
 
 
+def test_a_config_json_without_a_shape_key_is_one_line_naming_it(tiny_set, tmp_path, capsys):
+    """The old line raised KeyError: 'hidden_size' (a traceback), and KeyError: 'rms_norm_eps' for a config
+    that leaves the eps to transformers' default 1e-6, which it now takes."""
+    import shutil
+
+    from library.models.llm import _find_config
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_set["llm"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "rms_norm_eps"}))
+    assert _find_config(str(folder)).rms_norm_eps == 1e-6
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "hidden_size"}))
+    code = train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", str(folder)))
+    assert code == 2
+    assert capsys.readouterr().err == (f"error: {folder / 'config.json'}: no hidden_size (expected the model's shape: vocab_size, "
+                                       f"hidden_size, num_hidden_layers, num_attention_heads, intermediate_size)\n")
+
+
 def test_a_yarn_config_stretches_the_context_window_max_length_is_checked_against(tiny_set, tmp_path, capsys):
     """Qwen's model cards add yarn (factor 4, original 32768) to a config.json whose max_position_embeddings
     stays 40960: the window is factor x original, as vLLM takes it (the old line refused any yarn config)."""

@@ -37,6 +37,7 @@ from library.io import CheckpointError, CheckpointReader, load_streaming, save_s
 # into Llama layers and compute something else (scaled embeddings and norms, multipliers); MoEs have experts.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,9 @@ class LLMConfig:
         if config.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias is not supported")
         is_qwen2 = model_type.startswith("qwen2")  # Qwen2 / Qwen2.5-VL: bias on q, k, v (not o)
+        missing = [k for k in REQUIRED_KEYS if config.get(k) is None]
+        if missing:  # transformers would build its own default shape (Llama-2-7B's) and load nothing into it
+            raise ValueError(f"config.json: no {', '.join(missing)} (expected the model's shape: {', '.join(REQUIRED_KEYS)})")
         if config.get("attention_bias") and not is_qwen2:
             raise ValueError(f"config.json: attention_bias=true with model_type '{model_type}' (bias on o_proj too) is not supported")
         return cls(
@@ -133,7 +137,7 @@ class LLMConfig:
             num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
             intermediate_size=config["intermediate_size"],
             rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(config["rms_norm_eps"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),  # transformers' default for all four
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2,
             max_position_embeddings=config.get("max_position_embeddings", 4096),

@@ -148,8 +148,7 @@ class LLMTask:
             return load_llm(path, config, dtype=self.weights_dtype, prepare=self._base_prepare(path)), False
         if not self.args.pretrain:
             raise ConfigError(f"{path}: no .safetensors weights; a LoRA needs a pretrained model (or set pretrain = true)")
-        with open(os.path.join(path, "config.json")) as f:
-            config = LLMConfig.from_hf(json.load(f))
+        config = _find_config(path)  # its errors name the file
         self._check_context(config)
         vocab = -(-max(config.vocab_size, len(self.tokenizer)) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         config = LLMConfig(**{**config.__dict__, "vocab_size": vocab})
