@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from library.io import CheckpointError
-from library.models.llm import LLMConfig, load_llm, save_hf_folder
+from library.models.llm import LLM, LLMConfig, load_llm, save_hf_folder
 from tests.test_llm import TINY, randomize_
 
 # head_dim 16, theta 1e4: wavelengths 6.3, 20, 63, 199, ... With original_max_position_embeddings 64 and
@@ -56,8 +56,6 @@ def test_scaled_rope_tables_stay_float64_math_under_bf16_autocast():
     """The frequencies are no buffers: a bf16 model and autocast leave the tables those of fp32 weights."""
     family, scaling = SCALINGS["llama3"]
     config = LLMConfig.from_hf({**TINY, "model_type": family, "rope_scaling": scaling, "max_position_embeddings": 256})
-    from library.models.llm import LLM
-
     model = LLM(config)
     positions = torch.arange(200)
     reference = model._rope(positions)
@@ -74,8 +72,6 @@ def test_a_saved_folder_keeps_its_rope_scaling_for_transformers(name, tmp_path):
 
     family, scaling = SCALINGS[name]
     config = LLMConfig.from_hf({**TINY, "model_type": family, "rope_scaling": scaling, "max_position_embeddings": 256})
-    from library.models.llm import LLM
-
     torch.manual_seed(0)
     model = randomize_(LLM(config))
     save_hf_folder(model, str(tmp_path))
