@@ -224,6 +224,13 @@ def test_from_hf_refuses_model_types_whose_layers_are_not_llamas(model_type):
         LLMConfig.from_hf({**TINY, "model_type": model_type})
 
 
+def test_from_hf_refuses_an_mlp_activation_other_than_silu():
+    """The old line read hidden_act 'gelu_pytorch_tanh' as SiLU: the model loaded and computed another function."""
+    with pytest.raises(ValueError, match=r"^config.json: hidden_act 'gelu_pytorch_tanh' is not supported \(expected silu\)$"):
+        LLMConfig.from_hf({**TINY, "model_type": "llama", "hidden_act": "gelu_pytorch_tanh"})
+    assert LLMConfig.from_hf({**TINY, "model_type": "llama", "hidden_act": "silu"}) == LLMConfig.from_hf({**TINY, "model_type": "llama"})
+
+
 def test_from_hf_refuses_a_quantized_checkpoints_config():
     """The old line read the config of an HF fp8 release (Qwen3-8B-FP8: block scales `weight_scale_inv`);
     train_lora.py then said 'stores a pre-quantized fp8 base ... set fp8_base = true and fp8_scaled = false',

@@ -123,6 +123,8 @@ class LLMConfig:
                              "sliding_window is)")
         if config.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias is not supported")
+        if config.get("hidden_act", "silu") != "silu":  # transformers' MLP takes any; ours is SwiGLU
+            raise ValueError(f"config.json: hidden_act '{config['hidden_act']}' is not supported (expected silu)")
         is_qwen2 = model_type.startswith("qwen2")  # Qwen2 / Qwen2.5-VL: bias on q, k, v (not o)
         missing = [k for k in REQUIRED_KEYS if config.get(k) is None]
         if missing:  # transformers would build its own default shape (Llama-2-7B's) and load nothing into it
