@@ -231,6 +231,17 @@ def test_from_hf_refuses_an_mlp_activation_other_than_silu():
     assert LLMConfig.from_hf({**TINY, "model_type": "llama", "hidden_act": "silu"}) == LLMConfig.from_hf({**TINY, "model_type": "llama"})
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_a_config_without_max_position_embeddings_gets_transformers_default(model_type):
+    """The old line took 4096 for every type (transformers: Llama 2048, Mistral 131072, Qwen2 / Qwen3 32768):
+    dynamic RoPE re-based theta from another length, and max_length was checked against another window."""
+    from transformers import AutoConfig
+
+    config = {k: v for k, v in TINY.items() if k != "max_position_embeddings"}
+    expected = AutoConfig.for_model(model_type).max_position_embeddings
+    assert LLMConfig.from_hf({**config, "model_type": model_type}).max_position_embeddings == expected
+
+
 def test_from_hf_refuses_a_quantized_checkpoints_config():
     """The old line read the config of an HF fp8 release (Qwen3-8B-FP8: block scales `weight_scale_inv`);
     train_lora.py then said 'stores a pre-quantized fp8 base ... set fp8_base = true and fp8_scaled = false',

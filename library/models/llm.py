@@ -38,6 +38,8 @@ from library.io import CheckpointError, CheckpointReader, load_streaming, save_s
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+# transformers' max_position_embeddings where a config.json leaves it out (dynamic RoPE and the context check read it)
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ class LLMConfig:
             raise ValueError(f"config.json: quantization_config (quant_method {quant.get('quant_method')!r}): a Hugging "
                              f"Face quantized checkpoint is not read; give the bf16 model (base_precision fp8 / nf4 "
                              f"quantizes it while loading) or a plain fp8 one")
+        max_positions = config.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS.get(model_type, 4096)
+        config = {**config, "max_position_embeddings": max_positions}  # rope_scaling's defaults read it too
         rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
         rope = config.get(rope_key) or {}
         rope_scaling = RopeScaling.from_hf(config, rope_key)  # None: plain RoPE (default, mrope)
@@ -142,7 +146,7 @@ class LLMConfig:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),  # transformers' default for all four
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2,
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            max_position_embeddings=config["max_position_embeddings"],
             head_dim=head_dim,
             qk_norm=is_qwen3,
             # Qwen2.5-VL configs name the sections under rope type "mrope" or (transformers >= 4.5x) "default"
