@@ -508,6 +508,25 @@ def test_text_windows_shift_targets_by_one_and_respect_stride():
         text_corpus.TextWindowDataset(torch.arange(5), max_length=5)
 
 
+def test_token_stream_is_stored_in_4_bytes_a_token_with_the_same_windows():
+    """The old line held the stream as a Python list (~36 bytes a token while tokenizing) and then int64
+    (8 bytes); now int32 (4), and every window is the int64 one sliced from the old stream."""
+    big = [151935, 0, 70000, 2**31 - 1]  # a Qwen vocab's top id, and int32's largest
+    docs = [f"d{i}" for i in range(5)]
+    encode = lambda d: [big[(int(d[1:]) * 7 + j) % 4] - j for j in range(13)]  # noqa: E731
+    ids = text_corpus.tokenize_documents(docs, encode, eos_id=151643)
+    old = torch.tensor([t for d in docs for t in encode(d) + [151643]], dtype=torch.long)
+    assert ids.dtype == torch.int32 and ids.element_size() * len(ids) == 4 * len(old) == 4 * 70
+    train, val = text_corpus.train_val_split(ids, 0.2)
+    windows = text_corpus.TextWindowDataset(train, max_length=9, stride=4)
+    assert windows.ids.dtype == torch.int32 and len(windows) == 12
+    for i, s in enumerate(range(0, 56 - 9, 4)):
+        x, y = windows[i]
+        assert x.dtype == y.dtype == torch.long
+        assert torch.equal(x, old[s : s + 9]) and torch.equal(y, old[s + 1 : s + 10])
+    assert torch.equal(val.long(), old[56:])
+
+
 def test_corpus_loading_tokenizing_and_tail_validation_split(tmp_path):
     write(tmp_path / "docs" / "b.txt", "world")
     write(tmp_path / "docs" / "a.txt", "hello")

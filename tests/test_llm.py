@@ -195,9 +195,25 @@ def test_missing_and_unexpected_keys_raise_checkpoint_error_naming_them(saved, t
         load_llm(str(tmp_path / "extra.safetensors"))
 
 
-def test_from_hf_refuses_unsupported_rope_scaling():
-    with pytest.raises(ValueError, match="llama3"):
-        LLMConfig.from_hf({**TINY, "model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+def test_mistral_sliding_window_runs_sequences_within_it_as_transformers_does(tmp_path):
+    """Mistral-7B-v0.1 and its fine-tunes (Zephyr, OpenHermes) set sliding_window 4096: the old line refused
+    them. Within the window nothing is hidden; a longer sequence is refused; the saved config keeps it."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    hf = randomize_(MistralForCausalLM(MistralConfig(**TINY, sliding_window=12, attn_implementation="eager")))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_llm(str(tmp_path))
+    assert (model.config.sliding_window, model.config.context_length) == (12, 12)
+    ids = torch.randint(2, 96, (2, 12))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= 1e-5
+        with pytest.raises(ValueError, match="^a sequence of 13 tokens is longer than the model's sliding_window 12"):
+            model(torch.randint(2, 96, (1, 13)))
+    saved = json.loads(json.dumps(model.config.to_hf()))
+    assert (saved["model_type"], saved["sliding_window"]) == ("mistral", 12)
+    assert LLMConfig.from_hf(saved) == model.config
+    assert LLMConfig.from_hf({**TINY, "model_type": "mistral"}).sliding_window == 4096  # transformers' default
 
 
 @pytest.mark.parametrize("model_type", ["gemma", "granite", "qwen3_moe", "qwen3_vl_moe"])
@@ -206,6 +222,24 @@ def test_from_hf_refuses_model_types_whose_layers_are_not_llamas(model_type):
     folder then loaded name for name and trained a different function without a word."""
     with pytest.raises(ValueError, match=f"^config.json: model_type '{model_type}' is not supported"):
         LLMConfig.from_hf({**TINY, "model_type": model_type})
+
+
+def test_from_hf_refuses_an_mlp_activation_other_than_silu():
+    """The old line read hidden_act 'gelu_pytorch_tanh' as SiLU: the model loaded and computed another function."""
+    with pytest.raises(ValueError, match=r"^config.json: hidden_act 'gelu_pytorch_tanh' is not supported \(expected silu\)$"):
+        LLMConfig.from_hf({**TINY, "model_type": "llama", "hidden_act": "gelu_pytorch_tanh"})
+    assert LLMConfig.from_hf({**TINY, "model_type": "llama", "hidden_act": "silu"}) == LLMConfig.from_hf({**TINY, "model_type": "llama"})
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_a_config_without_max_position_embeddings_gets_transformers_default(model_type):
+    """The old line took 4096 for every type (transformers: Llama 2048, Mistral 131072, Qwen2 / Qwen3 32768):
+    dynamic RoPE re-based theta from another length, and max_length was checked against another window."""
+    from transformers import AutoConfig
+
+    config = {k: v for k, v in TINY.items() if k != "max_position_embeddings"}
+    expected = AutoConfig.for_model(model_type).max_position_embeddings
+    assert LLMConfig.from_hf({**config, "model_type": model_type}).max_position_embeddings == expected
 
 
 def test_from_hf_refuses_a_quantized_checkpoints_config():

@@ -17,10 +17,11 @@ from tools import convert_lora, merge_lora
 IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
 
 
-def hf_folder(folder, qkv_bias: bool) -> LLM:
-    """Our tiny LLM, every weight random (norms near 1), saved as a Hugging Face folder."""
+def hf_folder(folder, qkv_bias: bool, **extra) -> LLM:
+    """Our tiny LLM, every weight random (norms near 1), saved as a Hugging Face folder. extra: LLMConfig
+    fields (tie_word_embeddings as Qwen's small models, qk_norm as Qwen3)."""
     cfg = LLMConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=48,
-                    rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=qkv_bias, max_position_embeddings=64)
+                    rope_theta=10000.0, rms_norm_eps=1e-6, qkv_bias=qkv_bias, max_position_embeddings=64, **extra)
     model = LLM(cfg)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -53,17 +54,23 @@ def ours_with(model, net) -> torch.Tensor:
     return out
 
 
-def hf_model(folder, qkv_bias):
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+def hf_model(folder):
+    from transformers import AutoModelForCausalLM
 
-    return (Qwen2ForCausalLM if qkv_bias else LlamaForCausalLM).from_pretrained(str(folder)).eval()
+    return AutoModelForCausalLM.from_pretrained(str(folder)).eval()  # the class config.json's model_type names
 
 
-@pytest.mark.parametrize("qkv_bias, dora", [(True, False), (False, False), (True, True)], ids=["qwen2", "llama", "qwen2-dora"])
-def test_peft_from_pretrained_gives_our_runtime_logits_fp32(tmp_path, qkv_bias, dora):
+TIED_QWEN2, QWEN3 = {"tie_word_embeddings": True}, {"qk_norm": True}
+
+
+@pytest.mark.parametrize("qkv_bias, dora, extra", [(True, False, {}), (False, False, {}), (True, True, {}), (True, False, TIED_QWEN2),
+                                                   (False, False, QWEN3)], ids=["qwen2", "llama", "qwen2-dora", "qwen2-tied", "qwen3"])
+def test_peft_from_pretrained_gives_our_runtime_logits_fp32(tmp_path, qkv_bias, dora, extra):
     from peft import PeftModel
 
-    model = hf_folder(tmp_path / "base", qkv_bias)
+    model = hf_folder(tmp_path / "base", qkv_bias, **extra)
+    assert json.loads((tmp_path / "base" / "config.json").read_text())["model_type"] == ("qwen3" if extra == QWEN3 else
+                                                                                        "qwen2" if qkv_bias else "llama")
     net = trained_lora(model, dora)
     net.save_peft(str(tmp_path / "adapter"), base_model="base")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -77,22 +84,22 @@ def test_peft_from_pretrained_gives_our_runtime_logits_fp32(tmp_path, qkv_bias, 
     expected = ours_with(model, net)
     with torch.no_grad():
         plain = model(IDS)
-        peft_model = PeftModel.from_pretrained(hf_model(tmp_path / "base", qkv_bias), str(tmp_path / "adapter")).eval()
+        peft_model = PeftModel.from_pretrained(hf_model(tmp_path / "base"), str(tmp_path / "adapter")).eval()
         got = peft_model(IDS).logits
     assert (expected - plain).abs().max() > 0.1  # the LoRA moves the logits: a wrong scale cannot pass
     assert (got - expected).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
-def test_merge_and_unload_equals_merge_lora_on_the_hf_folder(tmp_path, dora):
+@pytest.mark.parametrize("dora, extra", [(False, {}), (True, {}), (False, TIED_QWEN2)], ids=["lora", "dora", "lora-tied"])
+def test_merge_and_unload_equals_merge_lora_on_the_hf_folder(tmp_path, dora, extra):
     from peft import PeftModel
 
-    model = hf_folder(tmp_path / "base", True)
+    model = hf_folder(tmp_path / "base", True, **extra)
     trained_lora(model, dora).save_peft(str(tmp_path / "adapter"))
     assert merge_lora.main(["--model", str(tmp_path / "base"), "--lora", str(tmp_path / "adapter"),
                             "--save_to", str(tmp_path / "merged")]) == 0
     ours = load_file(tmp_path / "merged" / "model.safetensors")
-    peft_merged = PeftModel.from_pretrained(hf_model(tmp_path / "base", True), str(tmp_path / "adapter")).merge_and_unload()
+    peft_merged = PeftModel.from_pretrained(hf_model(tmp_path / "base"), str(tmp_path / "adapter")).merge_and_unload()
     theirs = peft_merged.state_dict()
     base = load_file(tmp_path / "base" / "model.safetensors")
     changed = [k for k in ours if not torch.equal(ours[k], base[k])]
@@ -111,7 +118,7 @@ def test_a_folder_peft_wrote_loads_as_network_weights_with_peft_logits(tmp_path,
                         rank_pattern={"layers.1.mlp.down_proj": 2}, alpha_pattern={"layers.0.self_attn.v_proj": 10},
                         use_rslora=rslora, task_type="CAUSAL_LM")
     torch.manual_seed(4)
-    peft_model = get_peft_model(hf_model(tmp_path / "base", True), config).eval()
+    peft_model = get_peft_model(hf_model(tmp_path / "base"), config).eval()
     peft_model.save_pretrained(str(tmp_path / "theirs"))
     net = LoRANetwork.from_weights(model, "llm", str(tmp_path / "theirs"))
     assert len(net.lora_modules()) == 6

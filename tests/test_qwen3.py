@@ -111,8 +111,10 @@ def test_qwen3_config_round_trip_and_refusals():
         LLMConfig.from_hf({**config, "layer_types": ["full_attention"] * 35 + ["sliding_attention"]})
     with pytest.raises(ValueError, match="attention_bias=true with model_type 'qwen3'"):
         LLMConfig.from_hf({**config, "attention_bias": True})
-    with pytest.raises(ValueError, match="yarn"):
-        LLMConfig.from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    yarn = LLMConfig.from_hf({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}).rope_scaling
+    assert (yarn.rope_type, yarn.original_max_position_embeddings) == ("yarn", 40960)  # as transformers defaults it
+    with pytest.raises(ValueError, match="longrope"):
+        LLMConfig.from_hf({**config, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
     with pytest.raises(ValueError, match="selected_hidden_states"):
         with torch.device("meta"):
             LLM(LLMConfig(**{**QWEN3_4B.__dict__, "num_layers": 2})).selected_hidden_states(torch.zeros(1, 2, dtype=torch.long), None, (3,))

@@ -96,6 +96,67 @@ def test_max_length_beyond_context_window_is_refused(tiny_set, tmp_path, capsys)
     assert "max_length 4096 is longer than the model's context window (max_position_embeddings = 256)" in capsys.readouterr().err
 
 
+def test_max_length_beyond_the_context_window_is_refused_before_the_weights_load(tiny_set, tmp_path, capsys, monkeypatch):
+    """The old line loaded the base first (Llama-3-8B: 16 GB read, minutes) and then refused max_length."""
+    from library.training import llm_task
+
+    def load_llm(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(llm_task, "load_llm", load_llm)
+    code = train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--max_length", "4096"))
+    assert code == 2
+    assert "max_length 4096 is longer than the model's context window (max_position_embeddings = 2048)" in capsys.readouterr().err
+
+
+def test_a_config_json_without_a_shape_key_is_one_line_naming_it(tiny_set, tmp_path, capsys):
+    """The old line raised KeyError: 'hidden_size' (a traceback), and KeyError: 'rms_norm_eps' for a config
+    that leaves the eps to transformers' default 1e-6, which it now takes."""
+    import shutil
+
+    from library.models.llm import _find_config
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_set["llm"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "rms_norm_eps"}))
+    assert _find_config(str(folder)).rms_norm_eps == 1e-6
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "hidden_size"}))
+    code = train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", str(folder)))
+    assert code == 2
+    assert capsys.readouterr().err == (f"error: {folder / 'config.json'}: no hidden_size (expected the model's shape: vocab_size, "
+                                       f"hidden_size, num_hidden_layers, num_attention_heads, intermediate_size)\n")
+
+
+def test_a_yarn_config_stretches_the_context_window_max_length_is_checked_against(tiny_set, tmp_path, capsys):
+    """Qwen's model cards add yarn (factor 4, original 32768) to a config.json whose max_position_embeddings
+    stays 40960: the window is factor x original, as vLLM takes it (the old line refused any yarn config)."""
+    import shutil
+
+    folder = tmp_path / "yarn"
+    shutil.copytree(tiny_set["llm_scratch"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    (folder / "config.json").write_text(json.dumps(config))
+    code = train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", str(folder), "--pretrain",
+                                    "--max_length", "4096"))
+    assert code == 2
+    assert ("max_length 4096 is longer than the model's context window (rope_scaling factor 4 x "
+            "original_max_position_embeddings 256 = 1024)") in capsys.readouterr().err
+
+
+def test_max_length_beyond_a_sliding_window_is_refused_naming_it(tiny_set, tmp_path, capsys):
+    import shutil
+
+    shutil.copytree(tiny_set["llm_scratch"], tmp_path / "mistral")
+    config = json.loads((tmp_path / "mistral" / "config.json").read_text())
+    (tmp_path / "mistral" / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": 16}))
+    code = train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", str(tmp_path / "mistral"),
+                                    "--pretrain"))
+    assert code == 2
+    assert "max_length 32 is longer than the model's context window (sliding_window = 16)" in capsys.readouterr().err
+
+
 def test_generate_writes_png_with_settings_on_fp8_base_with_lora(tiny_set, tmp_path):
     from library.models.flux1.family import FluxFamily
     from networks.lora import LoRANetwork
@@ -361,6 +422,14 @@ def test_documents_and_the_prompt_get_the_tokenizers_bos_as_users_encode_them(ti
     """A Llama-style tokenizer (its post-processor puts BOS first): each document is BOS text EOS and
     the sample prompt starts with BOS, as transformers / PEFT / vLLM encode at inference. The old line
     encoded with add_special_tokens=False: no BOS anywhere in the stream (0 of 2 documents)."""
+    task, bos = llama_style_task(tiny_set, tmp_path)
+    ids, eos = task.train_set.ids.tolist(), task.tokenizer.eos_token_id
+    assert ids[0] == bos and ids.count(bos) == 2 and ids.count(eos) == 2 and ids[ids.index(eos) + 1] == bos
+    assert task.encode("The")[0] == bos and task.encode("The")[-1] != eos
+
+
+def llama_style_task(tiny_set, tmp_path, *extra):
+    """(LLMTask on the tiny LM whose tokenizer puts BOS <|im_start|> first, as Llama's does, BOS id)."""
     import shutil
 
     from library.training.config import load_config
@@ -378,11 +447,16 @@ def test_documents_and_the_prompt_get_the_tokenizers_bos_as_users_encode_them(ti
         (tmp_path / name).write_text(text)
     args = load_config(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(folder), "--train_data",
                                 str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--val_fraction", "0", "--max_length", "8",
-                                "--stride", "8", "--max_train_steps", "1"))
-    task = LLMTask(args, train_lora.make_accelerator(args))
-    ids, eos = task.train_set.ids.tolist(), task.tokenizer.eos_token_id
-    assert ids[0] == bos and ids.count(bos) == 2 and ids.count(eos) == 2 and ids[ids.index(eos) + 1] == bos
-    assert task.encode("The")[0] == bos and task.encode("The")[-1] != eos
+                                "--stride", "8", "--max_train_steps", "1", *extra))
+    return LLMTask(args, train_lora.make_accelerator(args)), bos
+
+
+def test_a_sample_is_shown_without_the_bos_token(tiny_set, tmp_path):
+    """The old line decoded every id: the sample began '<|im_start|>The' (the prompt's BOS, shown as text)."""
+    task, bos = llama_style_task(tiny_set, tmp_path, "--sample_prompt", "one two", "--sample_max_new_tokens", "4")
+    sample = task.evaluate()["sample"]
+    assert task.encode("one two")[0] == bos
+    assert sample.startswith("one two") and "<|im_start|>" not in sample
 
 
 def test_a_tokenizer_without_eos_warns_that_documents_run_together(tiny_set, tmp_path):

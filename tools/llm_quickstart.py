@@ -218,7 +218,7 @@ def main(argv=None) -> dict:
     model.eval()
     prompt = torch.tensor([tokenizer.encode("Return the", add_special_tokens=False)])
     sample = generate(model, prompt, args.sample_tokens, args.context, temperature=0.8, top_k=40, eos_id=tokenizer.eos_token_id)
-    sample_text = tokenizer.decode(sample[0].tolist())
+    sample_text = tokenizer.decode(sample[0].tolist(), skip_special_tokens=True)
     print(f"sample: {sample_text!r}")
     save_hf_folder(model, args.output_dir, tokenizer)  # loads with load_llm and with transformers' Auto classes
     wall = time.time() - t0

@@ -53,12 +53,16 @@ def load_text_corpus(paths: str | list[str]) -> list[str]:
     return documents
 
 
+TOKEN_DTYPE = torch.int32  # 4 bytes a stored token (every vocab fits); windows widen to int64 as they are read
+
+
 def tokenize_documents(documents: list[str], encode: Callable[[str], list[int]], eos_id: int | None) -> torch.Tensor:
-    """One int64 token stream; eos_id (if given) ends each document so windows see the border."""
-    ids: list[int] = []
-    for doc in documents:
-        ids += list(encode(doc)) + ([eos_id] if eos_id is not None else [])
-    return torch.tensor(ids, dtype=torch.long)
+    """One TOKEN_DTYPE token stream; eos_id (if given) ends each document so windows see the border.
+    Each document's ids become a compact tensor at once: only one document is a Python list (~36 bytes a
+    token) at a time."""
+    end = [eos_id] if eos_id is not None else []
+    parts = [torch.tensor(list(encode(doc)) + end, dtype=TOKEN_DTYPE) for doc in documents]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=TOKEN_DTYPE)
 
 
 def train_val_split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,11 +76,11 @@ def train_val_split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tenso
 
 class TextWindowDataset(torch.utils.data.Dataset):
     """Windows of max_length tokens every `stride` tokens (default: max_length, no overlap).
-    Item i is (input_ids, targets), both int64 [max_length], targets = inputs shifted by one.
-    Tokens after the last full window are not used."""
+    Item i is (input_ids, targets), both int64 [max_length], targets = inputs shifted by one; the
+    stream itself is held as TOKEN_DTYPE. Tokens after the last full window are not used."""
 
     def __init__(self, token_ids, max_length: int, stride: int | None = None):
-        self.ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        self.ids = torch.as_tensor(token_ids).to(TOKEN_DTYPE).flatten()
         self.max_length, self.stride = max_length, stride or max_length
         if max_length < 1 or self.stride < 1:
             raise ValueError(f"max_length and stride must be >= 1, got {max_length}, {self.stride}")
@@ -89,5 +93,5 @@ class TextWindowDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.starts[i]
-        window = self.ids[s : s + self.max_length + 1]
+        window = self.ids[s : s + self.max_length + 1].long()  # int64 [max_length + 1]
         return window[:-1], window[1:]

@@ -122,6 +122,20 @@ def rope_tables(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: floa
         return angles.cos().float(), angles.sin().float()
 
 
+def rope_tables_from_inv_freq(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0):
+    """cos/sin tables for 1-D RoPE with given inverse frequencies (a scaled RoPE's, llm_rope.py).
+
+    positions: int64 [L] or [B, L]. inv_freq: float64 [D/2], cast to the angle dtype of positions'
+    device. scale multiplies both tables (YaRN's attention factor). Returns (cos, sin) float32 [..., L, D/2].
+    """
+    if positions.is_floating_point():
+        raise TypeError(f"RoPE positions must be integer ids, got {positions.dtype}")
+    dtype = _angle_dtype(positions.device)
+    with autocast_off(positions.device.type):
+        angles = positions.to(dtype)[..., None] * inv_freq.to(positions.device, dtype)
+        return (angles.cos() * scale).float(), (angles.sin() * scale).float()
+
+
 def mrope_tables(positions: torch.Tensor, head_dim: int, theta: float, sections: tuple[int, ...],
                  interleaved: bool = False):
     """cos/sin tables for multimodal RoPE (Qwen2-VL / Qwen2.5-VL M-RoPE, Qwen3-VL's interleaved one).

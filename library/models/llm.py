@@ -4,13 +4,13 @@ The same class runs Llama-3-8B, Qwen2-style models, the language model of Qwen2.
 text encoder; for text-only prompts its multimodal RoPE reduces to 1-D RoPE) and Qwen3 (no qkv
 bias, a per-head RMSNorm on q and k before RoPE, head_dim set by the config rather than
 hidden_size / num_heads) and Mistral (the language model of Mistral Small 3.1: Llama-like, explicit
-head_dim, no sliding window); the diffusion families that encode text with them say which. Module
-names mirror Hugging Face checkpoints (`model.layers.N.self_attn.q_proj`, ...), so loading is a
-plain name-for-name copy.
+head_dim; Mistral-7B-v0.1's sliding_window bounds the sequence length); the diffusion families that
+encode text with them say which. Module names mirror Hugging Face checkpoints
+(`model.layers.N.self_attn.q_proj`, ...), so loading is a plain name-for-name copy.
 
 Precision: token ids and position ids are int64; RoPE tables are float32 computed outside
-autocast (core.rope_tables); the residual stream runs in `compute_dtype`; logits are returned
-in float32.
+autocast (core.rope_tables; a scaled RoPE's frequencies in float64, llm_rope.py); the residual
+stream runs in `compute_dtype`; logits are returned in float32.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models import core
+from library.models.llm_rope import RopeScaling
 from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors, write_text
 
 # ----------------------------------------------------------------------------------------------
@@ -36,6 +37,9 @@ from library.io import CheckpointError, CheckpointReader, load_streaming, save_s
 # into Llama layers and compute something else (scaled embeddings and norms, multipliers); MoEs have experts.
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+# transformers' max_position_embeddings where a config.json leaves it out (dynamic RoPE and the context check read it)
+DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class LLMConfig:
     head_dim: 0 = hidden_size // num_heads (Llama, Qwen2); Qwen3 and Mistral Small 3.1 set it
     explicitly (128 for Qwen3-4B, whose hidden_size 2560 / 32 heads would give 80, and for Mistral
     Small 3.1: 5120 / 32 = 160). qk_norm: Qwen3's RMSNorm over head_dim on each query and key head,
-    applied before RoPE. Mistral (no sliding window) is Llama with an explicit head_dim."""
+    applied before RoPE. Mistral is Llama with an explicit head_dim (and maybe a sliding_window)."""
 
     vocab_size: int = 152064
     hidden_size: int = 3584
@@ -64,6 +68,10 @@ class LLMConfig:
     # positions are given (image tokens); () = 1-D RoPE only. Text-only input never needs it.
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False  # Qwen3-VL: the axes' frequencies interleaved (core.mrope_tables)
+    rope_scaling: RopeScaling | None = None  # linear / dynamic / yarn / llama3 frequencies (llm_rope.py)
+    # Mistral-7B-v0.1's attention window (4096); 0 = none. A sequence within it sees every earlier token, as full
+    # attention does, so the model runs sequences up to the window (context_length) and refuses longer ones.
+    sliding_window: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
@@ -75,6 +83,13 @@ class LLMConfig:
             )
         if not self.head_dim:  # frozen dataclass: fill the derived default once
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model is for: max_position_embeddings, or what a yarn rope_scaling
+        stretches the pretraining context to (Qwen2.5 / Qwen3 with factor 4: 131072); at most sliding_window."""
+        longest = max(self.max_position_embeddings, self.rope_scaling.context_length() if self.rope_scaling else 0)
+        return min(longest, self.sliding_window or longest)
 
     @classmethod
     def from_hf(cls, config: dict) -> "LLMConfig":
@@ -92,20 +107,32 @@ class LLMConfig:
             raise ValueError(f"config.json: quantization_config (quant_method {quant.get('quant_method')!r}): a Hugging "
                              f"Face quantized checkpoint is not read; give the bf16 model (base_precision fp8 / nf4 "
                              f"quantizes it while loading) or a plain fp8 one")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):  # mrope: 1-D RoPE for text, 3-axis for image tokens
-            raise ValueError(f"config.json: rope type '{rope_type}' is not supported (expected default or mrope)")
+        max_positions = config.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS.get(model_type, 4096)
+        config = {**config, "max_position_embeddings": max_positions}  # rope_scaling's defaults read it too
+        rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+        rope = config.get(rope_key) or {}
+        rope_scaling = RopeScaling.from_hf(config, rope_key)  # None: plain RoPE (default, mrope)
+        if rope_scaling and rope.get("mrope_section"):
+            raise ValueError(f"config.json: {rope_key} rope_type '{rope_scaling.rope_type}' with mrope_section is not supported")
         is_qwen3 = model_type in ("qwen3", "qwen3_vl_text")  # Qwen3-VL's language model is Qwen3 (QK norm, no bias)
         # transformers' Llama, Mistral, Qwen2 and Qwen3 attention all take an explicit head_dim when given
         # (Mistral Small 3.1: 128, where 5120 / 32 heads would give 160)
         head_dim = config.get("head_dim") or 0
-        sliding = config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or [])
-        # Mistral applies `sliding_window` whenever it is set (Mistral Small 3.1: null); Qwen2 only with use_sliding_window
-        sliding = sliding or (model_type == "mistral" and config.get("sliding_window") is not None)
-        if sliding or config.get("mlp_bias"):
-            raise ValueError("config.json: use_sliding_window / sliding_attention layers / mlp_bias are not supported")
+        # Mistral applies `sliding_window` to every layer whenever it is set (transformers' default 4096; Mistral-7B-v0.1
+        # and its fine-tunes: 4096; Mistral Small 3.1: null); Qwen2 / Qwen3 only to the layers past max_window_layers
+        # with use_sliding_window, which is not read
+        sliding_window = config.get("sliding_window", 4096) if model_type == "mistral" else None
+        if config.get("use_sliding_window") or (model_type != "mistral" and "sliding_attention" in (config.get("layer_types") or [])):
+            raise ValueError("config.json: use_sliding_window / sliding_attention layers are not supported (Mistral's "
+                             "sliding_window is)")
+        if config.get("mlp_bias"):
+            raise ValueError("config.json: mlp_bias is not supported")
+        if config.get("hidden_act", "silu") != "silu":  # transformers' MLP takes any; ours is SwiGLU
+            raise ValueError(f"config.json: hidden_act '{config['hidden_act']}' is not supported (expected silu)")
         is_qwen2 = model_type.startswith("qwen2")  # Qwen2 / Qwen2.5-VL: bias on q, k, v (not o)
+        missing = [k for k in REQUIRED_KEYS if config.get(k) is None]
+        if missing:  # transformers would build its own default shape (Llama-2-7B's) and load nothing into it
+            raise ValueError(f"config.json: no {', '.join(missing)} (expected the model's shape: {', '.join(REQUIRED_KEYS)})")
         if config.get("attention_bias") and not is_qwen2:
             raise ValueError(f"config.json: attention_bias=true with model_type '{model_type}' (bias on o_proj too) is not supported")
         return cls(
@@ -116,15 +143,17 @@ class LLMConfig:
             num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
             intermediate_size=config["intermediate_size"],
             rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(config["rms_norm_eps"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),  # transformers' default for all four
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2,
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            max_position_embeddings=config["max_position_embeddings"],
             head_dim=head_dim,
             qk_norm=is_qwen3,
             # Qwen2.5-VL configs name the sections under rope type "mrope" or (transformers >= 4.5x) "default"
             mrope_section=tuple(rope.get("mrope_section") or ()),
             mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+            rope_scaling=rope_scaling,
+            sliding_window=sliding_window or 0,
         )
 
     def to_hf(self) -> dict:
@@ -132,8 +161,11 @@ class LLMConfig:
         a Mistral without sliding window is a Llama with an explicit head_dim) that from_hf reads back."""
         if self.qk_norm and self.qkv_bias:
             raise ValueError("LLMConfig.to_hf: qk_norm with qkv_bias has no Hugging Face model type")
-        model_type = "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
-        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]
+        if self.sliding_window and (self.qk_norm or self.qkv_bias):
+            raise ValueError("LLMConfig.to_hf: sliding_window is Mistral's; with qk_norm or qkv_bias it has no model type")
+        model_type = "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "mistral" if self.sliding_window else "llama"
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                "llama": "LlamaForCausalLM"}[model_type]
         return {
             "architectures": [arch],
             "model_type": model_type,
@@ -148,6 +180,8 @@ class LLMConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
+            **({"rope_scaling": self.rope_scaling.to_hf()} if self.rope_scaling else {}),
+            **({"sliding_window": self.sliding_window} if self.sliding_window else {}),
             "hidden_act": "silu",
         }
 
@@ -296,13 +330,21 @@ class LLM(nn.Module):
                 raise ValueError("3-axis position ids need an M-RoPE model (config mrope_section, e.g. Qwen2.5-VL)")
             return core.mrope_tables(position_ids, self.config.head_dim, self.config.rope_theta, self.config.mrope_section,
                                      self.config.mrope_interleaved)
-        return core.rope_tables(position_ids, (self.config.head_dim,), self.config.rope_theta)
+        c = self.config
+        if c.rope_scaling is None:
+            return core.rope_tables(position_ids, (c.head_dim,), c.rope_theta)
+        seq_len = int(position_ids.max()) + 1 if c.rope_scaling.rope_type == "dynamic" else 0  # a sync: dynamic only
+        inv_freq, scale = c.rope_scaling.inv_freq(c.head_dim, c.rope_theta, c.max_position_embeddings, seq_len)
+        return core.rope_tables_from_inv_freq(position_ids, inv_freq, scale)
 
     def _embed(self, input_ids, attention_mask, position_ids, inputs_embeds=None):
         """(embeddings [B, L, D] compute_dtype, cos, sin fp32, mask or None, visible or None) for a
         forward. inputs_embeds [B, L, D] replaces the token lookup (e.g. image tokens carrying vision
         features)."""
         B, L = input_ids.shape
+        if self.config.sliding_window and L > self.config.sliding_window:  # within it, the window hides nothing
+            raise ValueError(f"a sequence of {L} tokens is longer than the model's sliding_window {self.config.sliding_window}: "
+                             f"attention to a window of past tokens is not implemented")
         if position_ids is None:
             position_ids = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
         cos, sin = self._rope(position_ids)  # fp32

@@ -114,7 +114,6 @@ class LLMTask:
         documents = load_text_corpus(args.train_data)  # read before the model: a bad train_data entry fails at once
         self.stored_precision = None  # a pre-quantized base's layout (_base_prepare)
         self.model, self.from_scratch = self._load_model(path)
-        self._check_context()
         self.train_set, self.val_set = self._load_data(documents)
         self.model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
                                                           args.checkpoint_saves_attention)
@@ -145,11 +144,12 @@ class LLMTask:
             (".safetensors", ".safetensors.index.json"))  # the forms load_llm reads
         if has_weights:
             config = _find_config(path)  # first: its refusals (a quantized release's) come before the weights'
+            self._check_context(config)  # and max_length's, before minutes of loading
             return load_llm(path, config, dtype=self.weights_dtype, prepare=self._base_prepare(path)), False
         if not self.args.pretrain:
             raise ConfigError(f"{path}: no .safetensors weights; a LoRA needs a pretrained model (or set pretrain = true)")
-        with open(os.path.join(path, "config.json")) as f:
-            config = LLMConfig.from_hf(json.load(f))
+        config = _find_config(path)  # its errors name the file
+        self._check_context(config)
         vocab = -(-max(config.vocab_size, len(self.tokenizer)) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
         config = LLMConfig(**{**config.__dict__, "vocab_size": vocab})
         torch.manual_seed(self.args.seed)
@@ -175,11 +175,16 @@ class LLMTask:
         check_config_precision(path, stored.layout, base_precision(self.args))
         return lambda model: stored_converter(model, stored, arch_spec("llm").fp8, self.weights_dtype, reader, path)
 
-    def _check_context(self):
-        limit = self.model.config.max_position_embeddings
-        if self.args.max_length > limit:
+    def _check_context(self, config: LLMConfig):
+        if self.args.max_length > config.context_length:
+            source = "max_position_embeddings"
+            if config.context_length == config.sliding_window:
+                source = "sliding_window"
+            elif config.context_length > config.max_position_embeddings:
+                source = (f"rope_scaling factor {config.rope_scaling.factor:g} x original_max_position_embeddings "
+                          f"{config.rope_scaling.original_max_position_embeddings}")
             raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
-                              f"(max_position_embeddings = {limit})")
+                              f"({source} = {config.context_length})")
 
     def _load_data(self, docs: list[str]):
         args = self.args
@@ -202,7 +207,7 @@ class LLMTask:
                               f"to train on, fewer than max_length + 1 = {args.max_length + 1}")
         train = TextWindowDataset(train_ids, args.max_length, args.stride)
         val = TextWindowDataset(val_ids, args.max_length, args.max_length) if len(val_ids) > args.max_length + 1 else None
-        self.val_ids = torch.as_tensor(val_ids, dtype=torch.long).flatten()  # evaluate() scores all of it
+        self.val_ids = val_ids  # TOKEN_DTYPE [N]: evaluate() scores all of it
         if len(train) == 0:
             raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length {args.max_length}")
         self.accelerator.print(f"text: {len(ids)} tokens, {len(train)} train windows, {len(val) if val else 0} val windows")
@@ -215,6 +220,11 @@ class LLMTask:
         ids = self.tokenizer.encode(text, add_special_tokens=True, verbose=False)
         eos = self.tokenizer.eos_token_id
         return ids[:-1] if ids and eos is not None and ids[-1] == eos else ids
+
+    def decode(self, ids: list[int]) -> str:
+        """A sample's text as transformers' text-generation pipeline shows it: special tokens (Llama's BOS,
+        the EOS a batch row is padded with) left out."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # -- what the loop uses --------------------------------------------------------------------
     def param_groups(self, lr: float) -> list[dict]:
@@ -287,11 +297,11 @@ class LLMTask:
         gen = torch.Generator(self.device).manual_seed(self.args.seed)
         with compute_autocast(self.device, self.autocast_dtype):  # the compute training runs in
             val = self.held_out_loss() if len(self.val_ids) > 1 else None  # None: nothing held out
-            out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.max_position_embeddings,
+            out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.context_length,
                            self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id, generator=gen)
         self.model.train(was_training)
         return {"val_loss": val, "val_perplexity": None if val is None else perplexity(val),
-                "sample": self.tokenizer.decode(out[0].tolist())}
+                "sample": self.decode(out[0].tolist())}
 
     @torch.no_grad()
     def held_out_loss(self) -> float:
@@ -306,7 +316,7 @@ class LLMTask:
         batches += [[s] for s in starts if s + length + 1 > len(ids)]  # the shorter rest
         total, count = 0.0, 0
         for batch in batches:
-            windows = torch.stack([ids[s : s + length + 1] for s in batch]).to(self.device)
+            windows = torch.stack([ids[s : s + length + 1] for s in batch]).to(self.device, torch.long)  # int64 ids
             logits = self.model(windows[:, :-1])
             total += float(F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(), reduction="sum"))
             count += windows[:, 1:].numel()
