@@ -6,6 +6,7 @@ in each layout are built once per session; each consumer's dense deltas are comp
 
 import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -353,6 +354,45 @@ def test_network_weights_rebuilds_a_fused_module_at_the_rank_of_its_split_parts(
     modules = dict(flux["model"].named_modules())
     assert modules["double_blocks.0.img_attn.qkv"].forward.__self__ is next(m for m in net.lora_modules() if m.name == "double_blocks.0.img_attn.qkv")
     net.remove()
+
+
+def header_of_run(task_facts: dict, **args) -> dict:
+    """The LoRA header train_lora.py writes for a run with these settings and its task's facts."""
+    from types import SimpleNamespace
+
+    from train_lora import lora_metadata
+
+    args = SimpleNamespace(**{"network_module": "networks.lora", "network_dim": 4, "network_alpha": 2.0, "network_args": [],
+                              "pretrained_model_name_or_path": "base.safetensors", "mixed_precision": "bf16",
+                              "optimizer_type": "AdamW", "optimizer_args": [], "learning_rate": 1e-4, "lr_scheduler": "constant",
+                              "discrete_flow_shift": 3.0, "guidance_scale": 1.0, "seed": 0, "output_name": "x", **args})
+    facts = {"base_model_version": "flux1", "base_precision": "bf16", "resolution": "64x64", "batch_size": 1,
+             "timestep_sampling": "flux_shift", "dataset": [], **task_facts}
+    return lora_metadata(args, SimpleNamespace(metadata=lambda: facts), 1, 1, 1, 0.0)
+
+
+def test_the_header_after_network_weights_rebuilt_a_module_says_the_ranks_the_file_holds(flux):
+    """network_weights rebuilt qkv / linear1 at ranks 12 / 16 beside rank-4 modules: the header said
+    ss_network_dim 4 (the config's) and alpha 12 (one rebuilt module's); now "Dynamic" for both, as
+    sd-scripts' resize_lora.py writes for per-module ranks."""
+    from library.training.lora_inputs import loaded_dim_alpha
+
+    path, _ = flux["cases"]["diffusers q / k / v with their own downs"]
+    net = LoRANetwork(flux["model"], "flux", rank=4, alpha=2)
+    net.load_weights(path, strict=False)
+    args = {"network_dim": 4, "network_alpha": 2.0}
+    header = header_of_run(loaded_dim_alpha(net, SimpleNamespace(**args)), **args)
+    assert (header["ss_network_dim"], header["ss_network_alpha"]) == ("Dynamic", "Dynamic")
+    ours = LoRANetwork(flux["model"], "flux", rank=4, alpha=8)
+    ours.load_weights(flux["cases"]["kohya (ours)"][0], strict=False)  # the config's rank, the file's alpha (2) wins
+    assert loaded_dim_alpha(ours, SimpleNamespace(network_dim=4, network_alpha=8.0)) == {"network_alpha": "2"}
+
+
+@pytest.mark.parametrize("sampling, written", [("shift", "3.0"), ("flux_shift", None), ("sigmoid", None), ("uniform", None)])
+def test_the_header_names_discrete_flow_shift_only_where_the_timestep_draw_read_it(sampling, written):
+    """flow_matching.sample_sigmas reads discrete_flow_shift for timestep_sampling = "shift" alone; the header
+    said ss_discrete_flow_shift 3.0 for every run (a flux_shift run's own mu, not 3.0, shifted its draws)."""
+    assert header_of_run({"timestep_sampling": sampling}).get("ss_discrete_flow_shift") == written
 
 
 def test_precision_tools_refuse_a_dora_file_they_would_apply_as_plain_lora(flux, tmp_path):
