@@ -27,7 +27,7 @@ import torch
 from library.io import CheckpointError
 from library.models.registry import arch_spec
 from library.models.spec import load_symbol
-from networks.lora_arch import arch_of, detect_arch, lora_files, naming_of
+from networks.lora_arch import arch_of, detect_arch, is_base_lora, lora_files, naming_of
 from networks.lora_files import (
     LoRAWeights,
     _split_key,
@@ -161,6 +161,8 @@ def foreign_arch(tensors: dict, metadata: dict[str, str], arch: str) -> str | No
         return None
     base = lambda a: files[a].names_of or a  # noqa: E731
     if base(found) != base(arch) or (found != arch and files[found].names_of):
+        return found
+    if found != arch and is_base_lora(found, arch, tensors, metadata):  # the base's LoRA on a variant's model
         return found
     return None
 

@@ -318,6 +318,45 @@ def test_network_weights_and_base_loras_of_another_family_are_refused_before_cac
         assert str(error.value) == f"run.toml: key '{key}': {line}"
 
 
+def flux1_on(path: str, title: str, names: str = "bfl") -> str:
+    return f"{path}: a LoRA for FLUX.1 (tools/lora_info.py: arch flux, {names} names), not for this {title} model"
+
+
+@pytest.mark.parametrize("layout, names", [("kohya (ours)", "bfl"), ("diffusers", "diffusers")])
+def test_a_flux1_lora_is_refused_by_flux2_and_chroma_from_its_header(flux, layout, names):
+    """FLUX.2 and Chroma share FLUX.1's block names, so the header check let a FLUX.1 LoRA through to a FLUX.2
+    or Chroma run (which then failed after the model loaded, or applied it). Its modulation Linears
+    (img_mod.lin / norm1.linear: neither model has them) and, for FLUX.2, its MLP widths (4 x hidden rows,
+    FLUX.2's are 6 x) say FLUX.1's."""
+    from networks.lora_reader import check_lora_arch
+
+    path = flux["cases"][layout][0]
+    for arch, title in (("flux2", "FLUX.2"), ("chroma", "Chroma")):
+        with pytest.raises(CheckpointError) as error:
+            check_lora_arch(path, arch)
+        assert str(error.value) == flux1_on(path, title, names)
+    check_lora_arch(path, "flux")
+
+
+def test_a_flux1_lora_of_shared_modules_is_refused_by_its_metadata_or_its_released_size(tmp_path):
+    """Attention and MLP of FLUX.1's shapes read the same in Chroma's blocks: taken without a sign, refused
+    where the header says FLUX.1 (ss_base_model_version flux1-dev, what our trainer and sd-scripts write) or,
+    for FLUX.2, where the width and blocks are FLUX.1 dev's (19 double at 3072; no FLUX.2 has 19)."""
+    from networks.lora_reader import check_lora_arch
+
+    attn = {f"double_blocks.{i}.img_attn.qkv": lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(9216, 1), 1.0) for i in range(19)}
+    lf.write_kohya(attn, str(tmp_path / "bare.safetensors"))
+    lf.write_kohya(attn, str(tmp_path / "said.safetensors"), metadata={"ss_base_model_version": "flux1-dev"})
+    check_lora_arch(str(tmp_path / "bare.safetensors"), "chroma")  # nothing tells: Chroma's blocks take it
+    for name, arch, title in (("said", "chroma", "Chroma"), ("said", "flux2", "FLUX.2"), ("bare", "flux2", "FLUX.2")):
+        with pytest.raises(CheckpointError) as error:
+            check_lora_arch(str(tmp_path / f"{name}.safetensors"), arch)
+        assert str(error.value) == flux1_on(str(tmp_path / f"{name}.safetensors"), title)
+    small = {p: w for p, w in attn.items() if int(p.split(".")[1]) < 5}  # FLUX.2 [klein] 4B's 5 double blocks fit too
+    lf.write_kohya(small, str(tmp_path / "small.safetensors"))
+    check_lora_arch(str(tmp_path / "small.safetensors"), "flux2")
+
+
 @pytest.mark.parametrize("consumer", CONSUMERS)
 def test_every_consumer_names_the_architecture_of_another_familys_lora(flux, qwen_lora, consumer):
     """The old readers said "LoRA module 'lora_unet_transformer_blocks_0_attn_add_k_proj' matches no module

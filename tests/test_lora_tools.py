@@ -464,6 +464,33 @@ def test_lora_info_names_released_sizes_dora_and_lycoris(tmp_path):
     assert (got["format"], got["network"], got["ranks"], got["alphas"]) == ("lycoris", "LoKr", {}, {"1": 1})
 
 
+ATTENTION = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out")
+
+
+@pytest.mark.parametrize("arch, width, blocks, single, fits", [
+    ("flux", 3072, 19, 0, "FLUX.1 dev / schnell"), ("flux", 3072, 19, 38, "FLUX.1 dev / schnell"),
+    ("flux2", 3072, 5, 0, "FLUX.2 [klein] 4B"), ("flux2", 6144, 8, 0, "FLUX.2 [dev]"),
+    ("qwen_image", 3072, 60, 0, "Qwen-Image")])  # fmt: skip
+def test_lora_info_tells_attention_only_diffusers_loras_apart_by_shapes_and_blocks(tmp_path, arch, width, blocks, single, fits):
+    """`transformer.transformer_blocks.N.attn.add_q_proj` is in FLUX.1, FLUX.2 (and Chroma, FLUX.1's names)
+    and Qwen-Image alike: lora_info said qwen_image for every attention-only file (the first marker that
+    matched). Now the width and block counts pick the release: FLUX.1 19 double (+ 38 single) blocks at 3072,
+    FLUX.2 [klein] 4B 5 at 3072 and [dev] 8 at 6144, Qwen-Image 60 at 3072."""
+    w = lambda: lf.LoRAWeights(torch.zeros(1, width), torch.zeros(width, 1), 1.0)  # noqa: E731
+    modules = {f"transformer_blocks.{i}.attn.{n}": w() for i in range(blocks) for n in ATTENTION}
+    modules |= {f"single_transformer_blocks.{i}.attn.{n}": w() for i in range(single) for n in ("to_q", "to_k", "to_v")}
+    lf.write_peft(modules, str(tmp_path / "attn.safetensors"), dtype=torch.float16)
+    got = info(tmp_path / "attn.safetensors")
+    assert (got["arch"], got["fits"]) == (arch, fits)
+
+
+def test_lora_info_says_when_shapes_tell_no_architecture_apart(tmp_path):
+    """Tiny attention-only LoRAs (width 64) fit no release: no architecture is named, the candidates are."""
+    lf.write_peft({f"transformer_blocks.0.attn.{n}": lf.LoRAWeights(torch.zeros(1, 64), torch.zeros(64, 1), 1.0) for n in ATTENTION}, str(tmp_path / "attn.safetensors"))
+    got = info(tmp_path / "attn.safetensors")
+    assert got["arch"] == "unknown" and got["fits"].startswith("names FLUX.1, Qwen-Image, FLUX.2 or Chroma all have")
+
+
 # ----------------------------------------------------------------------------------------------
 # PEFT adapters: the alpha lives in adapter_config.json
 

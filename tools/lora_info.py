@@ -67,7 +67,16 @@ from networks.lora_files import (  # noqa: E402
     text_encoder_note,
 )
 from networks.lycoris_network import is_lycoris_file, lycoris_kind  # noqa: E402
-from networks.lora_arch import arch_of, lora_files, variant_of  # noqa: E402
+from networks.lora_arch import (  # noqa: E402
+    arch_of,
+    archs_holding,
+    fitted_releases,
+    info_block_counts,
+    lora_files,
+    title_list,
+    variant_of,
+    width_of,
+)
 from tools.lora_common import FOLDED_MARK, one_line  # noqa: E402
 
 DORA_KEYS = (".dora_scale", ".lora_magnitude_vector")
@@ -90,22 +99,27 @@ def layout(keys: list[str]) -> str:
     return fmt
 
 
-def block_counts(modules: list[str], arch: str) -> dict[str, int]:
-    """Block kind -> highest index named + 1, by the arch's info_blocks (none for an unknown arch)."""
-    counts: dict[str, int] = {}
+def arch_by_shapes(held: list[str], widths: dict[str, int]) -> str:
+    """Of the architectures whose Linears hold every module named (lora_arch.archs_holding), the one whose
+    release the width and block counts fit: exactly (a LoRA on every block) before loosely; a variant
+    sharing the names of another that fits as well counts as it (variant_of tells them apart). "unknown":
+    none or several."""
     files = lora_files()
-    for kind, pattern in files[arch].info_blocks if arch in files else ():
-        found = [int(next(g for g in m.groups() if g)) for name in modules for m in [re.search(pattern, name.replace(".", "_"))] if m]
+    fitted = {a: fitted_releases(a, widths) for a in held}
+    for exact in (True, False):
+        tier = {a for a, fit in fitted.items() if any(e for e, _ in fit) or not exact and fit}
+        found = {files[a].names_of if files[a].names_of in tier else a for a in tier}
         if found:
-            counts[kind] = max(counts.get(kind, 0), max(found) + 1)
-    return counts
+            return found.pop() if len(found) == 1 else "unknown"
+    return "unknown"
 
 
-def width_pattern(arch: str) -> str:
-    """Module name endings whose down input is the model width: the arch's, or any arch's when unknown."""
-    files = lora_files()
-    endings = [files[arch].width_modules] if arch in files else [f.width_modules for f in files.values() if f.width_modules]
-    return f"({'|'.join(endings)})$"
+def shared_names_fit(held: list[str], widths: dict[str, int]) -> str:
+    """The fits line of a LoRA whose names several architectures have and whose shapes tell none."""
+    fitted = [name for a in held for _, name in fitted_releases(a, widths)]
+    titles = title_list([arch_specs()[a].title for a in held])
+    return (f"{title_list(fitted)} alike (names and shapes they share)" if fitted else
+            f"names {titles} all have, at a width and block count of no released size (e.g. the tiny test models)")
 
 
 def fits(arch: str, width: int | None, counts: dict[str, int]) -> str:
@@ -162,22 +176,26 @@ def _read_info(path: str) -> dict:
     fmt = layout(keys)
     _, te = split_text_encoders(dict.fromkeys(keys))
     modules = _modules(keys)
-    arch, naming = arch_of([m for m in modules if not m.startswith(tuple(TEXT_ENCODER_PREFIXES))])  # CLIP / T5: no arch
-    if any(f.names_of == arch for f in lora_files().values()):  # names shared: shapes and metadata tell (headers only)
-        shapes = {k: torch.empty(reader.shape(k), device="meta") for k in keys}
-        arch = variant_of(arch, shapes, metadata)
-    ranks, alphas, width, width_re = Counter(), Counter(), None, width_pattern(arch)
+    transformer = [m for m in modules if not m.startswith(tuple(TEXT_ENCODER_PREFIXES))]  # CLIP / T5: no arch
+    arch, naming = arch_of(transformer)
+    ranks, alphas, weights = Counter(), Counter(), {}
     if fmt == "lycoris":  # no single rank: the alphas only
         alphas.update(f"{float(reader.get(k).float()):g}" for k in keys if k.endswith(".alpha"))
     else:
         weights, _ = parse_lora(dict(reader.items()), metadata, None, source=path,  # alphas as loaders apply them
                                 adapter_config=adapter_config)
-        for module, w in weights.items():
+        for w in weights.values():
             ranks[w.rank] += 1
             alphas[f"{w.alpha:g}"] += 1
-            if width is None and re.search(width_re, module.replace(".", "_")):
-                width = w.down.shape[1]
-    counts = block_counts(modules, arch)
+    widths = {m: w.down.shape[1] for m, w in weights.items()}
+    held = archs_holding(transformer) if arch == "unknown" else []  # names many have: shapes and block counts tell
+    if held:
+        arch = arch_by_shapes(held, widths)
+    if any(f.names_of == arch for f in lora_files().values()):  # names shared: shapes and metadata tell (headers only)
+        shapes = {k: torch.empty(reader.shape(k), device="meta") for k in keys}
+        arch = variant_of(arch, shapes, metadata)
+    width, counts = width_of(widths, arch), info_block_counts(modules, arch)
+    fit = fits(arch, width, counts) if arch != "unknown" or not held else shared_names_fit(held, widths)
     training = {field: metadata[key] for field, key in METADATA_KEYS.items() if key in metadata}
     return {
         "file": os.path.basename(path), "bytes": sum(os.path.getsize(f) for f in reader.files),
@@ -185,7 +203,7 @@ def _read_info(path: str) -> dict:
         "modules": len(modules), "ranks": {str(k): v for k, v in sorted(ranks.items())},
         "alphas": dict(alphas), "alpha_source": _alpha_source(keys, metadata, adapter_config),
         "dtypes": dict(Counter(reader.dtype_name(k) for k in keys)), "width": width, "blocks": counts,
-        "fits": fits(arch, width, counts), "text_encoders": text_encoder_note(te) if te else None, "training": training,
+        "fits": fit, "text_encoders": text_encoder_note(te) if te else None, "training": training,
         "metadata": {k: v for k, v in metadata.items() if k not in METADATA_KEYS.values()},
     }
 
