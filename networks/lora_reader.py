@@ -39,6 +39,7 @@ from networks.lora_files import (
     parse_lora,
     peft_alpha_known,
     read_lora_tensors,
+    resolve_kohya_names,
     split_text_encoders,
     text_encoder_note,
 )
@@ -142,6 +143,45 @@ def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict
         raise naming(name, e) from None
     alpha_known = peft_alpha_known(tensors, metadata, adapter_config)
     return LoRARead(weights, dict(metadata), fmt, alpha_known, te, (split & set(weights)) | joined)
+
+
+def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arch: str, paths, module_map=None,
+                      target_is_key: bool = True, name: str = "LoRA") -> dict:
+    """A LyCORIS file's modules ({kohya name: its delta}, networks/lycoris_network.py lycoris_deltas) by the
+    target's module paths, as lora_for_model reads a LoRA: another architecture's file refused in one line,
+    kohya names resolved against the target's paths and the architecture's (a name that fits none keeps its
+    kohya name: the caller reports it), a module in the other naming renamed where the module map maps it
+    whole. A module the map splits or joins by rows is an error: LyCORIS' factors (Kronecker, Hadamard) are
+    no rows of the parts' (convert_lora refuses LyCORIS files for that reason)."""
+    if (error := foreign_arch_error(name, tensors, metadata, arch)) is not None:
+        raise CheckpointError(error)
+    files = lora_files().get(arch)
+    counts = block_counts(tensors, files.block_pattern) if files else {}
+    known = load_symbol(files.module_paths)(counts) if files and files.module_paths else []
+    own = list(paths)
+    rename = resolve_kohya_names(deltas, list(dict.fromkeys([*own, *known])), strict=False)
+    weights = {rename[n]: d for n, d in deltas.items()}
+    if callable(module_map):
+        module_map = module_map() if any(p not in set(own) for p in weights) else None
+    if not module_map:
+        return weights
+    # other naming -> the target's, for every module of the map: (target path, parts it is one of)
+    pairs = [(key, other, parts) for key, parts in module_map.items() for other, _, _ in parts]
+    other_of = {other: (key, parts) for key, other, parts in pairs} if target_is_key else \
+        {key: (other, parts) for key, other, parts in pairs}
+    out = {}
+    for path, delta in weights.items():
+        if path in set(own) or path not in other_of:
+            out[path] = delta
+            continue
+        target, parts = other_of[path]
+        if len(parts) != 1 or parts[0][1] != 0:
+            rows = " + ".join(f"{p} [{a}:{b}]" for p, a, b in parts)
+            raise CheckpointError(f"{name}: LyCORIS module '{path}' is in the other naming, where "
+                                  f"'{target if target_is_key else path}' is the rows {rows}: LyCORIS factors do not "
+                                  f"split or join by rows; apply the file to a model or checkpoint in its own naming")
+        out[target] = delta
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

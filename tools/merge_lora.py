@@ -122,17 +122,14 @@ from library.models.llm import checkpoint_key_to_llm  # noqa: E402
 from library.models.registry import FAMILIES, arch_specs  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from networks.lora_files import (  # noqa: E402
-    KOHYA_PREFIXES,
     LoRAWeights,
-    bfl_to_diffusers,
-    diffusers_to_bfl,
     input_files,
     merge_into_weight,
     read_lora_tensors,
     split_text_encoders,
     text_encoder_note,
 )
-from networks.lora_reader import lora_for_model  # noqa: E402
+from networks.lora_reader import lora_for_model, lycoris_for_model  # noqa: E402
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas  # noqa: E402
 from tools.cli import LoRASpec, parse_lora_spec  # noqa: E402,F401 (parse_lora_spec: merge_lora's callers use it)
 
@@ -236,14 +233,6 @@ class Base:
         except (ValueError, OSError, KeyError, RuntimeError):  # CheckpointError is a ValueError
             return None
 
-    def alternate_paths(self) -> list[str]:
-        """Module paths in the other naming of module_map, so LoRAs in either naming resolve."""
-        if self.module_map is None:
-            return []
-        if self.native:
-            return sorted({d for parts in self.module_map.values() for d, _, _ in parts})
-        return list(self.module_map)
-
 
 def _family_base(path: str, reader: CheckpointReader, keys: list[str]) -> Base | None:
     """The base as the family whose architecture the checkpoint is names it (None: no family's)."""
@@ -297,40 +286,6 @@ def open_base(path: str) -> Base:
 # LoRAs -> per checkpoint key deltas
 
 
-def _resolve_kohya(names, module_paths) -> dict[str, str | None]:
-    """kohya module name -> dotted module path, or None where no path fits ('_' is ambiguous, so the
-    answer comes from the checkpoint's own module paths)."""
-    by_flat = {p.replace(".", "_"): p for p in module_paths}
-    out = {}
-    for name in names:
-        prefix = next((p for p in KOHYA_PREFIXES if name.startswith(p)), None)
-        out[name] = by_flat.get(name[len(prefix) :]) if prefix else None
-    return out
-
-
-def _lycoris_weights(base: Base, spec: LoRASpec, tensors: dict) -> tuple[dict[str, LycorisDelta], list[str]]:
-    """A LyCORIS file's modules by the base's module paths, and its names that fit none."""
-    weights = lycoris_deltas(tensors)
-    paths = _resolve_kohya(weights, list(base.weight_key) + base.alternate_paths())
-    unmatched = [n for n, p in paths.items() if p is None]
-    weights = {paths[n]: w for n, w in weights.items() if paths[n] is not None}
-    try:
-        return _to_base_naming(base, weights), unmatched
-    except CheckpointError as e:
-        raise CheckpointError(f"{spec.path}: {e}") from None
-
-
-def _to_base_naming(base: Base, weights: dict[str, LoRAWeights]) -> dict[str, LoRAWeights]:
-    """Translate modules named in module_map's other naming to the base's (BFL <-> diffusers)."""
-    other = set(base.alternate_paths())
-    foreign = {p: w for p, w in weights.items() if p in other}
-    if not foreign:
-        return weights
-    own = {p: w for p, w in weights.items() if p not in other}
-    convert = diffusers_to_bfl if base.native else bfl_to_diffusers
-    return {**own, **convert(foreign, base.module_map)}
-
-
 def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str, str]) -> None:
     """A LoRA whose ss_base_model_version names another architecture than the base's is refused, even
     where the two share every name and shape (an architecture whose spec sets names_of): its deltas
@@ -366,13 +321,13 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     if te:  # sd-scripts' files: CLIP-L / T5-XXL modules beside the transformer's
         print(f"warning: {name}: skipped {text_encoder_note(te)}: they adapt the text encoders, not the transformer "
               f"merged here", file=sys.stderr)  # fmt: skip
-    if is_lycoris_file(body):  # LoKr, LoHa, ...: kohya names only, no BFL <-> diffusers translation
-        weights, unmatched = _lycoris_weights(base, spec, body)
+    if is_lycoris_file(body):  # LoKr, LoHa, ...: kohya names; another naming's modules renamed where whole
+        weights = lycoris_for_model(lycoris_deltas(body), body, metadata, base.family, base.weight_key, base.module_map,
+                                    target_is_key=base.native, name=spec.path)
     else:
         weights = lora_for_model(body, metadata, adapter_config, base.family, base.weight_key, base.module_map,
                                  target_is_key=base.native, name=spec.path).weights
-        unmatched = []
-    unmatched += [p for p in weights if p not in base.weight_key]
+    unmatched = [p for p in weights if p not in base.weight_key]
     matched = {base.weight_key[p]: w for p, w in weights.items() if p in base.weight_key}
     if not matched:
         first = unmatched[0] if unmatched else "(none)"
