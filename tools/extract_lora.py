@@ -70,7 +70,8 @@ from networks.lora_files import FOLDED_MARK, LoRAWeights, build_metadata, write_
 from networks.lora_svd import factors, rank_for_energy, svd_lowrank_of_matrix, svd_of_matrix  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import check_output_path, one_line, save_dtype  # noqa: E402
-from tools.merge_lora import Base, Fp8BasePlan, open_base  # noqa: E402
+from tools.merge_base import Base, open_base  # noqa: E402
+from tools.merge_lora import Fp8BasePlan  # noqa: E402
 
 
 def read_weight(base: Base, key: str) -> torch.Tensor:

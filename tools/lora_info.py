@@ -210,7 +210,7 @@ def _read_info(path: str) -> dict:
 
 def check_against(path: str, model: str) -> str:
     """merge_lora's own matching of the LoRA against the checkpoint: 'fits ...' or the reason not."""
-    from tools.merge_lora import LoRASpec, lora_deltas, open_base
+    from tools.merge_base import LoRASpec, lora_deltas, open_base
 
     base = open_base(model)
     try:
