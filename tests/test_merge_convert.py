@@ -601,6 +601,14 @@ def test_convert_never_overwrites_its_input_and_writes_safetensors_names_only(fl
     capsys.readouterr()
     assert convert(tmp_path / "adapter", tmp_path / "adapter" / "adapter_model.safetensors", "--to", "kohya") == 2
     assert "is one of the inputs" in only_line(capsys.readouterr().err)
+    assert convert(llm, tmp_path / "adapter", "--to", "peft") == 0  # a PEFT folder: replaced by the new one
+    # A folder of other files was replaced whole, its files deleted (os.replace of atomic_folder).
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "base.safetensors").write_bytes(b"keep")
+    capsys.readouterr()
+    assert convert(llm, tmp_path / "models", "--to", "peft") == 2
+    assert "a folder of other files (no adapter_config.json)" in only_line(capsys.readouterr().err)
+    assert os.listdir(tmp_path / "models") == ["base.safetensors"]
 
 
 def test_a_lora_under_model_diffusion_model_is_a_lora_not_a_lycoris_full_file(flux_bfl, tmp_path):

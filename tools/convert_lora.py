@@ -77,6 +77,7 @@ from library.models.spec import load_symbol  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
     FOLDED_MARK,
+    PEFT_CONFIG_FILE,
     LoRAWeights,
     bfl_to_diffusers,
     comfy_state_dict,
@@ -143,7 +144,7 @@ def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAW
 def check_destination(src: str, dst: str, to: str) -> None:
     """`dst` never replaces or holds the input: a .safetensors file that is not `src` (nor the
     weights of a PEFT folder `src`), or for --to peft a folder that neither is `src` nor contains it
-    (the folder is replaced whole)."""
+    (the folder is replaced whole), nor holds other files than a PEFT adapter's."""
     if to != "peft":
         check_output_path(dst, src, flag="output")
         return
@@ -152,6 +153,9 @@ def check_destination(src: str, dst: str, to: str) -> None:
     inside = os.path.realpath(src) + os.sep
     if inside.startswith(os.path.realpath(dst) + os.sep):
         raise ValueError(f"output {dst}: is or holds the input {src}; write the PEFT folder elsewhere")
+    if os.path.isdir(dst) and os.listdir(dst) and not os.path.isfile(os.path.join(dst, PEFT_CONFIG_FILE)):
+        raise ValueError(f"output {dst}: a folder of other files (no {PEFT_CONFIG_FILE}), which the PEFT folder "
+                         f"would replace whole; name a new folder or a PEFT adapter folder")
 
 
 def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alpha: float | None = None) -> dict:
