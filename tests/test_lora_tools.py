@@ -257,6 +257,22 @@ def test_extract_with_an_energy_threshold_keeps_the_smallest_sufficient_rank(tin
         assert row["rel_error"] == pytest.approx((1 - fro(k) ** 2) ** 0.5, rel=1e-3, abs=1e-6)
 
 
+def test_extract_header_says_the_ranks_written(tiny_set, tmp_path):
+    """--rank above a module's min(out, in) writes that smaller rank: the header said ss_network_dim 512 /
+    alpha 512 for the tiny LLM (10 modules of rank 32 and 4 of 16 written); now Dynamic, as for per-module ranks.
+    --energy with one rank everywhere said Dynamic; now that rank."""
+    from tools import extract_lora
+
+    _, _, _, _, merged = _lora_and_merge(tiny_set, "llm", tmp_path)
+    done = extract_lora.extract_lora(tiny_set["llm"], str(merged), str(tmp_path / "big.safetensors"), rank=512, log=lambda line: None)
+    meta = read_lora_file(str(tmp_path / "big.safetensors"), "t").metadata
+    assert len({r["rank"] for r in done["modules"]}) > 1 and max(r["rank"] for r in done["modules"]) < 512
+    assert (meta["ss_network_dim"], meta["ss_network_alpha"]) == ("Dynamic", "Dynamic")
+    done = extract_lora.extract_lora(tiny_set["llm"], str(merged), str(tmp_path / "e.safetensors"), energy=1.0, log=lambda line: None)
+    meta = read_lora_file(str(tmp_path / "e.safetensors"), "t").metadata
+    assert {r["rank"] for r in done["modules"]} == {4} and (meta["ss_network_dim"], meta["ss_network_alpha"]) == ("4", "4")
+
+
 def test_extract_errors_are_one_line(tiny_set, tmp_path, capsys):
     from tools import extract_lora
 
