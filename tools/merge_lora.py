@@ -482,10 +482,26 @@ def _check_save_to(save_to: str, model: str, base: Base, loras: list[LoRASpec], 
     if os.path.exists(save_to) and os.path.isdir(save_to) != base.is_folder:
         kind = "folder" if base.is_folder else "file"
         raise ValueError(f"--save_to {save_to}: exists and is not a {kind} like the base {base.path}")
+    if base.is_folder and os.path.isdir(save_to):  # the output folder replaces save_to whole (atomic_folder)
+        _check_replaced_folder(save_to, [model, base.path, *(s.path for s in loras)])
     suffix = ".gguf" if qtype else ".safetensors"
     if not base.is_folder and not save_to.endswith(suffix):
         written = "a GGUF file" if qtype else "a safetensors file"
         raise ValueError(f"--save_to {save_to}: expected a {suffix} name ({written} is written)")
+
+
+def _check_replaced_folder(save_to: str, inputs: list[str]) -> None:
+    """An existing --save_to folder is replaced whole: it must hold none of the inputs and be a checkpoint
+    folder (safetensors files beside small ones, no subfolder), such as an earlier merge wrote."""
+    inside = os.path.realpath(save_to) + os.sep
+    held = next((p for p in inputs if (os.path.realpath(p) + os.sep).startswith(inside)), None)
+    if held is not None:
+        raise ValueError(f"--save_to {save_to}: holds the input {held}, and the merged folder would replace it whole; "
+                         f"write the merge elsewhere")
+    names = os.listdir(save_to)
+    if names and (any(os.path.isdir(os.path.join(save_to, n)) for n in names) or not any(n.endswith(".safetensors") for n in names)):
+        raise ValueError(f"--save_to {save_to}: a folder of other files (no checkpoint: subfolders, or no .safetensors), "
+                         f"which the merged folder would replace whole; name a new folder")
 
 
 def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: str | None = None,
