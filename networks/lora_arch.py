@@ -149,6 +149,21 @@ def fitted_releases(arch: str, widths: dict[str, int]) -> list[tuple[bool, str]]
             if width == r.width and all(counts.get(k, 0) <= n for k, n in r.blocks.items())]
 
 
+def arch_by_shapes(held: list[str], widths: dict[str, int]) -> str:
+    """Of the architectures whose Linears hold every module named (lora_arch.archs_holding), the one whose
+    release the width and block counts fit: exactly (a LoRA on every block) before loosely; a variant
+    sharing the names of another that fits as well counts as it (variant_of tells them apart). "unknown":
+    none or several."""
+    files = lora_files()
+    fitted = {a: fitted_releases(a, widths) for a in held}
+    for exact in (True, False):
+        tier = {a for a, fit in fitted.items() if any(e for e, _ in fit) or not exact and fit}
+        found = {files[a].names_of if files[a].names_of in tier else a for a in tier}
+        if found:
+            return found.pop() if len(found) == 1 else "unknown"
+    return "unknown"
+
+
 # ----------------------------------------------------------------------------------------------
 # A LoRA in the names a variant shares with its base, that is the base's
 

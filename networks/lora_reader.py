@@ -27,7 +27,17 @@ import torch
 from library.io import CheckpointError
 from library.models.registry import arch_spec
 from library.models.spec import load_symbol
-from networks.lora_arch import arch_of, detect_arch, is_base_lora, lora_files, naming_of
+from networks.lora_arch import (
+    arch_by_shapes,
+    arch_of,
+    archs_holding,
+    detect_arch,
+    down_widths,
+    fitted_releases,
+    is_base_lora,
+    lora_files,
+    naming_of,
+)
 from networks.lora_files import (
     LoRAWeights,
     _split_key,
@@ -197,14 +207,28 @@ def foreign_arch(tensors: dict, metadata: dict[str, str], arch: str) -> str | No
         return None
     try:
         found = detect_arch(tensors, metadata)
-    except CheckpointError:  # no telling names
-        return None
+    except CheckpointError:  # no telling names: a released size of another architecture may tell
+        found = _released_size_of(tensors, arch)
+        if found is None:
+            return None
     base = lambda a: files[a].names_of or a  # noqa: E731
     if base(found) != base(arch) or (found != arch and files[found].names_of):
         return found
     if found != arch and is_base_lora(found, arch, tensors, metadata):  # the base's LoRA on a variant's model
         return found
     return None
+
+
+def _released_size_of(tensors: dict, arch: str) -> str | None:
+    """For names several architectures have (attention projections): the architecture whose released size
+    the width and block counts are (lora_arch.arch_by_shapes) where no release of `arch` fits them, else None
+    (the target's own modules decide, as for any size of it: the tiny test models)."""
+    modules = list(dict.fromkeys(_module_name(k) for k in tensors))
+    held, widths = archs_holding(modules), down_widths(tensors)
+    if arch not in held or fitted_releases(arch, widths):
+        return None
+    found = arch_by_shapes(held, widths)
+    return None if found == "unknown" else found
 
 
 def foreign_arch_error(name: str, tensors: dict, metadata: dict[str, str], arch: str) -> str | None:

@@ -357,6 +357,27 @@ def test_a_flux1_lora_of_shared_modules_is_refused_by_its_metadata_or_its_releas
     check_lora_arch(str(tmp_path / "small.safetensors"), "flux2")
 
 
+def test_attention_only_loras_of_another_released_size_are_refused_from_the_header(tmp_path):
+    """Attention projections (transformer_blocks.N.attn.to_q / add_q_proj) are in FLUX.1, FLUX.2 and Qwen-Image
+    alike, so the header check let FLUX.2 [dev]'s (width 6144) or Qwen-Image's (60 blocks) through to a FLUX.1
+    run, which failed after the model loaded (shapes, blocks it lacks). Where no release of the target fits the width and
+    blocks and another's does, that one is named (what lora_info reports); a size the target's release fits
+    stays the modules' to decide."""
+    from networks.lora_reader import check_lora_arch
+
+    names = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out")
+    for name, width, blocks in (("flux2_dev", 6144, 8), ("qwen", 3072, 60), ("flux1_dev", 3072, 19)):
+        lf.write_peft({f"transformer_blocks.{i}.attn.{n}": lf.LoRAWeights(torch.zeros(1, width), torch.zeros(width, 1), 1.0)
+                       for i in range(blocks) for n in names}, str(tmp_path / f"{name}.safetensors"))
+    for name, arch, said in (("flux2_dev", "flux", "FLUX.2 (tools/lora_info.py: arch flux2), not for this FLUX.1"),
+                             ("qwen", "flux", "Qwen-Image (tools/lora_info.py: arch qwen_image), not for this FLUX.1"),
+                             ("flux1_dev", "flux2", "FLUX.1 (tools/lora_info.py: arch flux), not for this FLUX.2")):
+        with pytest.raises(CheckpointError) as error:
+            check_lora_arch(str(tmp_path / f"{name}.safetensors"), arch)
+        assert str(error.value) == f"{tmp_path / name}.safetensors: a LoRA for {said} model"
+    check_lora_arch(str(tmp_path / "flux1_dev.safetensors"), "qwen_image")  # Qwen-Image's first 19 blocks: its own size
+
+
 @pytest.mark.parametrize("consumer", CONSUMERS)
 def test_every_consumer_names_the_architecture_of_another_familys_lora(flux, qwen_lora, consumer):
     """The old readers said "LoRA module 'lora_unet_transformer_blocks_0_attn_add_k_proj' matches no module

@@ -68,6 +68,7 @@ from networks.lora_files import (  # noqa: E402
 )
 from networks.lycoris_network import is_lycoris_file, lycoris_kind  # noqa: E402
 from networks.lora_arch import (  # noqa: E402
+    arch_by_shapes,
     arch_of,
     archs_holding,
     fitted_releases,
@@ -97,21 +98,6 @@ def layout(keys: list[str]) -> str:
     if fmt == "peft" and all(k.startswith("transformer.") for k in keys):
         return "diffusers"
     return fmt
-
-
-def arch_by_shapes(held: list[str], widths: dict[str, int]) -> str:
-    """Of the architectures whose Linears hold every module named (lora_arch.archs_holding), the one whose
-    release the width and block counts fit: exactly (a LoRA on every block) before loosely; a variant
-    sharing the names of another that fits as well counts as it (variant_of tells them apart). "unknown":
-    none or several."""
-    files = lora_files()
-    fitted = {a: fitted_releases(a, widths) for a in held}
-    for exact in (True, False):
-        tier = {a for a, fit in fitted.items() if any(e for e, _ in fit) or not exact and fit}
-        found = {files[a].names_of if files[a].names_of in tier else a for a in tier}
-        if found:
-            return found.pop() if len(found) == 1 else "unknown"
-    return "unknown"
 
 
 def shared_names_fit(held: list[str], widths: dict[str, int]) -> str:
