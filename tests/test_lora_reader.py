@@ -448,6 +448,25 @@ def test_the_header_after_network_weights_rebuilt_a_module_says_the_ranks_the_fi
     assert loaded_dim_alpha(ours, SimpleNamespace(network_dim=4, network_alpha=8.0)) == {"network_alpha": "2"}
 
 
+def test_convert_lora_header_says_the_ranks_and_alphas_it_wrote(flux, tmp_path):
+    """q / k / v with their own rank-4 downs join into one rank-12 qkv (--to kohya): the header kept the
+    source's ss_network_dim 4; --alpha 1 kept ss_network_alpha 2. Now what the file holds."""
+    tensors, metadata, _ = lf.read_lora_tensors(flux["cases"]["diffusers q / k / v with their own downs"][0])
+    save_file(tensors, str(tmp_path / "split.safetensors"), {**metadata, "ss_network_dim": "4", "ss_network_alpha": "2"})
+    convert_lora.convert_lora(str(tmp_path / "split.safetensors"), str(tmp_path / "k.safetensors"), "kohya")
+    convert_lora.convert_lora(flux["cases"]["kohya (ours)"][0], str(tmp_path / "a.safetensors"), "kohya", alpha=1.0)
+    meta = {name: load_file_metadata(str(tmp_path / f"{name}.safetensors")) for name in ("k", "a")}
+    assert (meta["k"]["ss_network_dim"], meta["k"]["ss_network_alpha"]) == ("Dynamic", "Dynamic")
+    assert (meta["a"]["ss_network_dim"], meta["a"]["ss_network_alpha"]) == ("4", "1")
+
+
+def load_file_metadata(path: str) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return f.metadata()
+
+
 @pytest.mark.parametrize("sampling, written", [("shift", "3.0"), ("flux_shift", None), ("sigmoid", None), ("uniform", None)])
 def test_the_header_names_discrete_flow_shift_only_where_the_timestep_draw_read_it(sampling, written):
     """flow_matching.sample_sigmas reads discrete_flow_shift for timestep_sampling = "shift" alone; the header

@@ -83,6 +83,7 @@ from networks.lora_files import (  # noqa: E402
     comfy_state_dict,
     detect_format,
     diffusers_to_bfl,
+    dim_and_alpha,
     kohya_state_dict,
     naming,
     peft_alpha_known,
@@ -183,11 +184,15 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
             weights = diffusers_to_bfl(weights, module_map)
         elif to == "diffusers" and bfl_named:
             weights = bfl_to_diffusers(weights, module_map)
+    weights = with_alpha(weights, alpha) if alpha else weights
     header = {k: v for k, v in metadata.items() if k not in DROPPED_METADATA}
     header["lora_converted_from"] = fmt
+    if {"ss_network_dim", "ss_network_alpha"} & set(header):  # parts joined (rank summed) or --alpha: as written
+        header["ss_network_dim"], header["ss_network_alpha"] = dim_and_alpha([w.rank for w in weights.values()],
+                                                                             [w.alpha for w in weights.values()])
     if to == "kohya":
         prefix = arch_spec(model_type).lora.kohya_prefix  # what networks/lora.py writes
-        tensors = kohya_state_dict(with_alpha(weights, alpha) if alpha else weights, dtype, prefix)
+        tensors = kohya_state_dict(weights, dtype, prefix)
         write_lora_tensors({**tensors, **te}, dst, header)  # text-encoder modules as they were
     elif to == "peft":
         write_peft_folder(weights, dst, dtype=dtype, metadata=header, base_model=metadata.get("ss_sd_model_name"))
