@@ -289,6 +289,23 @@ def test_extract_errors_are_one_line(tiny_set, tmp_path, capsys):
     assert not (tmp_path / "o.safetensors").exists()
 
 
+def test_extract_never_writes_over_a_file_of_a_folder_checkpoint(tiny_set, tmp_path, capsys):
+    """--save_to BASE_FOLDER/diffusion_pytorch_model.safetensors replaced the base's weights with the LoRA (exit 0):
+    only the --model / --tuned paths themselves were compared, not the files read from a folder."""
+    import shutil
+
+    from tools import extract_lora
+
+    _, _, _, _, merged = _lora_and_merge(tiny_set, "flux_diffusers", tmp_path)
+    shutil.copytree(tiny_set["flux_diffusers"], tmp_path / "base")
+    shard = next(p for p in (tmp_path / "base").rglob("*.safetensors"))
+    before = shard.read_bytes()
+    capsys.readouterr()
+    assert extract_lora.main(["--model", str(tmp_path / "base"), "--tuned", str(merged), "--save_to", str(shard), "--rank", "4"]) == 2
+    assert f"--save_to {shard}: is one of the inputs" in capsys.readouterr().err
+    assert shard.read_bytes() == before
+
+
 # ----------------------------------------------------------------------------------------------
 # combine_loras
 

@@ -121,6 +121,7 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
         raise ValueError(f"--svd {svd}: expected full, or lowrank with --rank R and no --energy (it sees only the top of the spectrum)")
     check_output_path(save_to, model, tuned)
     base, other = open_pair(model, tuned)
+    check_output_path(save_to, *base.reader.files, *other.reader.files)  # a file of a folder base, or a shard
     dtype = save_dtype(precision, torch.float32)
     targets = target_modules(base)
     weights, rows, skipped = {}, [], []
