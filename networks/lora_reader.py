@@ -14,7 +14,10 @@ memory `{module path of the target: LoRAWeights}`:
    rank is the parts' sum (`LoRARead.regrouped`).
 
 A file whose names are another architecture's is refused in one line that says which, as
-tools/lora_info.py reports it (`foreign_arch_error`; `check_lora_arch` does it from the header alone).
+tools/lora_info.py reports it (`foreign_arch_error`; `check_lora_arch` does it from the header alone); so is
+one in names a variant shares with its base that only the base's model takes (lora_arch.is_base_lora), and
+one of names many architectures have whose width and blocks are another's released size. LyCORIS files
+are read by `lycoris_for_model` (names only: their factors are no rows of a fused module's).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ training metadata and which model it fits.
   OFT, full (`diff`), (IA)^3 (`on_input`); LyCORIS with `dora_scale` is reported as e.g. "LoKr + DoRA".
 - arch (the transformer architecture) and naming (bfl, diffusers, hf) from the module names, as each
   architecture's spec describes them (library/models/<folder>/spec.py, LORA_FILES.info_markers; an
-  architecture sharing another's names is told apart as tools/convert_lora.py does); the width comes
+  architecture sharing another's names is told apart as tools/convert_lora.py does; names several
+  architectures have, such as attention projections alone, by the release their width and block counts
+  fit: networks/lora_arch.py arch_by_shapes, "unknown" naming the candidates where none or several); the width comes
   from the shapes and the block counts from the highest index named, which tell a full-size
   release (the spec's releases) from another size (the tiny test models). With --model, the LoRA is
   also matched against that checkpoint exactly as tools/merge_lora.py matches it (names and shapes):
