@@ -155,7 +155,7 @@ def lora_metadata(args, task, step: int, max_steps: int, epoch: int, started: fl
 
     facts = task.metadata()
     return build_metadata(
-        network_module=args.network_module, network_dim=args.network_dim,
+        network_module=args.network_module, network_dim=facts.get("network_dim") or args.network_dim,
         network_alpha=facts.get("network_alpha") or args.network_alpha,
         network_args=parse_kv_literals(args.network_args, "network_args", "config", any_text=True),
         base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
@@ -163,7 +163,8 @@ def lora_metadata(args, task, step: int, max_steps: int, epoch: int, started: fl
         steps=step, max_steps=max_steps, epochs=epoch, batch_size=facts["batch_size"], optimizer=args.optimizer_type
         + (f" ({' '.join(args.optimizer_args)})" if args.optimizer_args else ""),
         lr=args.learning_rate, lr_scheduler=args.lr_scheduler, timestep_sampling=facts["timestep_sampling"],
-        shift=args.discrete_flow_shift, guidance=args.guidance_scale, seed=args.seed, dataset=facts["dataset"],
+        shift=args.discrete_flow_shift if facts["timestep_sampling"] == "shift" else None,  # read by that draw only
+        guidance=args.guidance_scale, seed=args.seed, dataset=facts["dataset"],
         training_started_at=int(started), training_finished_at=int(time.time()),
         training_seconds=round(time.time() - started, 1), output_name=args.output_name,
     )

@@ -10,7 +10,7 @@ import re
 from library.io import CheckpointError
 from library.models.registry import arch_spec, arch_specs
 from library.models.spec import LoRAFiles, load_symbol
-from networks.lora_files import TEXT_ENCODER_PREFIXES
+from networks.lora_files import _PART_OF_SUFFIX, TEXT_ENCODER_PREFIXES
 
 
 def lora_files() -> dict[str, LoRAFiles]:
@@ -76,6 +76,27 @@ def arch_of(modules: list[str]) -> tuple[str, str | None]:
     return "unknown", None
 
 
+def archs_holding(modules: list[str]) -> list[str]:
+    """The architectures whose Linears (their spec's module_paths, for the blocks the names count) include
+    every module named: for names that tell no architecture (attention projections many have)."""
+    flat = [m.replace(".", "_") for m in modules]
+    return [a for a, f in lora_files().items() if f.module_paths and flat and all(map(_holds(_paths(a, flat)), flat))]
+
+
+def _paths(arch: str, flat: list[str]) -> set[str]:
+    """The '_'-flattened module paths of `arch` for the blocks the flattened module names count."""
+    files = lora_files()[arch]
+    counts: dict[str, int] = {}
+    for kind, index in (hit for m in flat for hit in re.findall(files.block_pattern, m + "_")):
+        counts[kind] = max(counts.get(kind, 0), int(index) + 1)
+    return {p.replace(".", "_") for p in load_symbol(files.module_paths)(counts)}
+
+
+def _holds(paths: set[str]):
+    """flat module name -> True where it ends in one of the paths (after any prefix: lora_unet_, transformer_)."""
+    return lambda m: any("_".join(m.split("_")[i:]) in paths for i in range(m.count("_") + 1))
+
+
 def naming_of(arch: str, modules: list[str]) -> str | None:
     """The naming (bfl, diffusers, ...) of `arch`'s info_markers that a module name matches, else None."""
     flat = [m.replace(".", "_") for m in modules]
@@ -83,3 +104,92 @@ def naming_of(arch: str, modules: list[str]) -> str | None:
         if any(re.search(pattern, m) for m in flat):
             return names
     return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes: the width and block counts a LoRA names, against the releases of an architecture
+
+
+def down_widths(tensors: dict) -> dict[str, int]:
+    """Module name -> the input width of its down (tensors: key -> tensor; meta tensors do)."""
+    downs = [suffix for suffix, part in _PART_OF_SUFFIX.items() if part == "down"]
+    return {k[: -len(s)]: t.shape[1] for k, t in tensors.items() for s in downs if k.endswith(s) and t.dim() == 2}
+
+
+def info_block_counts(modules, arch: str) -> dict[str, int]:
+    """Block kind -> highest index named + 1, by the arch's info_blocks (none for an unknown arch)."""
+    counts: dict[str, int] = {}
+    files = lora_files()
+    for kind, pattern in files[arch].info_blocks if arch in files else ():
+        found = [int(next(g for g in m.groups() if g)) for name in modules for m in [re.search(pattern, name.replace(".", "_"))] if m]
+        if found:
+            counts[kind] = max(counts.get(kind, 0), max(found) + 1)
+    return counts
+
+
+def width_pattern(arch: str) -> str:
+    """Module name endings whose down input is the model width: the arch's, or any arch's when unknown."""
+    files = lora_files()
+    endings = [files[arch].width_modules] if arch in files else [f.width_modules for f in files.values() if f.width_modules]
+    return f"({'|'.join(endings)})$"
+
+
+def width_of(widths: dict[str, int], arch: str) -> int | None:
+    """The model width: the down input of the first module whose name says it is (width_pattern)."""
+    width_re = width_pattern(arch)
+    return next((w for m, w in widths.items() if re.search(width_re, m.replace(".", "_"))), None)
+
+
+def fitted_releases(arch: str, widths: dict[str, int]) -> list[tuple[bool, str]]:
+    """(exactly: every block of the release named, its name) of each release of `arch` that the width
+    and block counts of a LoRA's modules (widths: down_widths) fit."""
+    width, counts = width_of(widths, arch), info_block_counts(widths, arch)
+    return [(bool(counts) and all(r.blocks.get(k) == n for k, n in counts.items()), r.name)
+            for r in lora_files()[arch].releases
+            if width == r.width and all(counts.get(k, 0) <= n for k, n in r.blocks.items())]
+
+
+def arch_by_shapes(held: list[str], widths: dict[str, int]) -> str:
+    """Of the architectures whose Linears hold every module named (lora_arch.archs_holding), the one whose
+    release the width and block counts fit: exactly (a LoRA on every block) before loosely; a variant
+    sharing the names of another that fits as well counts as it (variant_of tells them apart). "unknown":
+    none or several."""
+    files = lora_files()
+    fitted = {a: fitted_releases(a, widths) for a in held}
+    for exact in (True, False):
+        tier = {a for a, fit in fitted.items() if any(e for e, _ in fit) or not exact and fit}
+        found = {files[a].names_of if files[a].names_of in tier else a for a in tier}
+        if found:
+            return found.pop() if len(found) == 1 else "unknown"
+    return "unknown"
+
+
+# ----------------------------------------------------------------------------------------------
+# A LoRA in the names a variant shares with its base, that is the base's
+
+
+def is_base_lora(base: str, variant: str, tensors: dict, metadata: dict[str, str]) -> bool:
+    """True for a LoRA in the names `variant` shares with `base` (that `variant`'s recognise did not claim)
+    that only `base`'s model takes: its metadata names the base (LoRAFiles.model_versions), it names a
+    Linear the base has and the variant lacks, its shapes are the base's (the variant's `refuses`), or its
+    width and blocks fit a release of the base exactly and none of the variant's. Else the variant takes it
+    (attention projections of the same shapes read the same in both)."""
+    files = lora_files()
+    said = [metadata.get(k, "").lower() for k in ("ss_base_model_version", "modelspec.architecture")]
+    if any(v.startswith(files[base].model_versions) for v in said if v) and files[base].model_versions:
+        return True
+    flat = [m.replace(".", "_") for m in dict.fromkeys(_module(k) for k in tensors)]
+    in_base, in_variant = _holds(_paths(base, flat)), _holds(_paths(variant, flat))
+    if files[variant].module_paths and any(in_base(m) and not in_variant(m) for m in flat):
+        return True
+    if files[variant].refuses and load_symbol(files[variant].refuses)(tensors):
+        return True
+    widths = down_widths(tensors)
+    return any(exact for exact, _ in fitted_releases(base, widths)) and not fitted_releases(variant, widths)
+
+
+def _module(key: str) -> str:
+    for suffix in _PART_OF_SUFFIX:
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    return key.split(".")[0]  # a LyCORIS key: `lora_unet_<module>.<part>`

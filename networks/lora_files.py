@@ -677,6 +677,16 @@ METADATA_KEYS = {
 }
 
 
+def dim_and_alpha(ranks, alphas) -> tuple[str, str]:
+    """(ss_network_dim, ss_network_alpha) of modules of these ranks and alphas: the value they all share,
+    else "Dynamic"; both "Dynamic" where the ranks differ, as sd-scripts' resize_lora.py writes for a
+    file of per-module ranks (--dynamic_method)."""
+    ranks, alphas = set(ranks), {float(a) for a in alphas}
+    if len(ranks) != 1:
+        return "Dynamic", "Dynamic"
+    return str(ranks.pop()), f"{alphas.pop():g}" if len(alphas) == 1 else "Dynamic"
+
+
 def _strip_paths(value):
     """Absolute paths -> basenames (a LoRA header must not leak the trainer's file system)."""
     if isinstance(value, str):

@@ -14,7 +14,10 @@ memory `{module path of the target: LoRAWeights}`:
    rank is the parts' sum (`LoRARead.regrouped`).
 
 A file whose names are another architecture's is refused in one line that says which, as
-tools/lora_info.py reports it (`foreign_arch_error`; `check_lora_arch` does it from the header alone).
+tools/lora_info.py reports it (`foreign_arch_error`; `check_lora_arch` does it from the header alone); so is
+one in names a variant shares with its base that only the base's model takes (lora_arch.is_base_lora), and
+one of names many architectures have whose width and blocks are another's released size. LyCORIS files
+are read by `lycoris_for_model` (names only: their factors are no rows of a fused module's).
 """
 
 from __future__ import annotations
@@ -27,7 +30,17 @@ import torch
 from library.io import CheckpointError
 from library.models.registry import arch_spec
 from library.models.spec import load_symbol
-from networks.lora_arch import arch_of, detect_arch, lora_files, naming_of
+from networks.lora_arch import (
+    arch_by_shapes,
+    arch_of,
+    archs_holding,
+    detect_arch,
+    down_widths,
+    fitted_releases,
+    is_base_lora,
+    lora_files,
+    naming_of,
+)
 from networks.lora_files import (
     LoRAWeights,
     _split_key,
@@ -39,6 +52,7 @@ from networks.lora_files import (
     parse_lora,
     peft_alpha_known,
     read_lora_tensors,
+    resolve_kohya_names,
     split_text_encoders,
     text_encoder_note,
 )
@@ -144,6 +158,45 @@ def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict
     return LoRARead(weights, dict(metadata), fmt, alpha_known, te, (split & set(weights)) | joined)
 
 
+def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arch: str, paths, module_map=None,
+                      target_is_key: bool = True, name: str = "LoRA") -> dict:
+    """A LyCORIS file's modules ({kohya name: its delta}, networks/lycoris_network.py lycoris_deltas) by the
+    target's module paths, as lora_for_model reads a LoRA: another architecture's file refused in one line,
+    kohya names resolved against the target's paths and the architecture's (a name that fits none keeps its
+    kohya name: the caller reports it), a module in the other naming renamed where the module map maps it
+    whole. A module the map splits or joins by rows is an error: LyCORIS' factors (Kronecker, Hadamard) are
+    no rows of the parts' (convert_lora refuses LyCORIS files for that reason)."""
+    if (error := foreign_arch_error(name, tensors, metadata, arch)) is not None:
+        raise CheckpointError(error)
+    files = lora_files().get(arch)
+    counts = block_counts(tensors, files.block_pattern) if files else {}
+    known = load_symbol(files.module_paths)(counts) if files and files.module_paths else []
+    own = list(paths)
+    rename = resolve_kohya_names(deltas, list(dict.fromkeys([*own, *known])), strict=False)
+    weights = {rename[n]: d for n, d in deltas.items()}
+    if callable(module_map):
+        module_map = module_map() if any(p not in set(own) for p in weights) else None
+    if not module_map:
+        return weights
+    # other naming -> the target's, for every module of the map: (target path, parts it is one of)
+    pairs = [(key, other, parts) for key, parts in module_map.items() for other, _, _ in parts]
+    other_of = {other: (key, parts) for key, other, parts in pairs} if target_is_key else \
+        {key: (other, parts) for key, other, parts in pairs}
+    out = {}
+    for path, delta in weights.items():
+        if path in set(own) or path not in other_of:
+            out[path] = delta
+            continue
+        target, parts = other_of[path]
+        if len(parts) != 1 or parts[0][1] != 0:
+            rows = " + ".join(f"{p} [{a}:{b}]" for p, a, b in parts)
+            raise CheckpointError(f"{name}: LyCORIS module '{path}' is in the other naming, where "
+                                  f"'{target if target_is_key else path}' is the rows {rows}: LyCORIS factors do not "
+                                  f"split or join by rows; apply the file to a model or checkpoint in its own naming")
+        out[target] = delta
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Another architecture's LoRA
 
@@ -157,12 +210,28 @@ def foreign_arch(tensors: dict, metadata: dict[str, str], arch: str) -> str | No
         return None
     try:
         found = detect_arch(tensors, metadata)
-    except CheckpointError:  # no telling names
-        return None
+    except CheckpointError:  # no telling names: a released size of another architecture may tell
+        found = _released_size_of(tensors, arch)
+        if found is None:
+            return None
     base = lambda a: files[a].names_of or a  # noqa: E731
     if base(found) != base(arch) or (found != arch and files[found].names_of):
         return found
+    if found != arch and is_base_lora(found, arch, tensors, metadata):  # the base's LoRA on a variant's model
+        return found
     return None
+
+
+def _released_size_of(tensors: dict, arch: str) -> str | None:
+    """For names several architectures have (attention projections): the architecture whose released size
+    the width and block counts are (lora_arch.arch_by_shapes) where no release of `arch` fits them, else None
+    (the target's own modules decide, as for any size of it: the tiny test models)."""
+    modules = list(dict.fromkeys(_module_name(k) for k in tensors))
+    held, widths = archs_holding(modules), down_widths(tensors)
+    if arch not in held or fitted_releases(arch, widths):
+        return None
+    found = arch_by_shapes(held, widths)
+    return None if found == "unknown" else found
 
 
 def foreign_arch_error(name: str, tensors: dict, metadata: dict[str, str], arch: str) -> str | None:

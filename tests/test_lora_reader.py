@@ -6,6 +6,7 @@ in each layout are built once per session; each consumer's dense deltas are comp
 
 import copy
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -317,6 +318,66 @@ def test_network_weights_and_base_loras_of_another_family_are_refused_before_cac
         assert str(error.value) == f"run.toml: key '{key}': {line}"
 
 
+def flux1_on(path: str, title: str, names: str = "bfl") -> str:
+    return f"{path}: a LoRA for FLUX.1 (tools/lora_info.py: arch flux, {names} names), not for this {title} model"
+
+
+@pytest.mark.parametrize("layout, names", [("kohya (ours)", "bfl"), ("diffusers", "diffusers")])
+def test_a_flux1_lora_is_refused_by_flux2_and_chroma_from_its_header(flux, layout, names):
+    """FLUX.2 and Chroma share FLUX.1's block names, so the header check let a FLUX.1 LoRA through to a FLUX.2
+    or Chroma run (which then failed after the model loaded, or applied it). Its modulation Linears
+    (img_mod.lin / norm1.linear: neither model has them) and, for FLUX.2, its MLP widths (4 x hidden rows,
+    FLUX.2's are 6 x) say FLUX.1's."""
+    from networks.lora_reader import check_lora_arch
+
+    path = flux["cases"][layout][0]
+    for arch, title in (("flux2", "FLUX.2"), ("chroma", "Chroma")):
+        with pytest.raises(CheckpointError) as error:
+            check_lora_arch(path, arch)
+        assert str(error.value) == flux1_on(path, title, names)
+    check_lora_arch(path, "flux")
+
+
+def test_a_flux1_lora_of_shared_modules_is_refused_by_its_metadata_or_its_released_size(tmp_path):
+    """Attention and MLP of FLUX.1's shapes read the same in Chroma's blocks: taken without a sign, refused
+    where the header says FLUX.1 (ss_base_model_version flux1-dev, what our trainer and sd-scripts write) or,
+    for FLUX.2, where the width and blocks are FLUX.1 dev's (19 double at 3072; no FLUX.2 has 19)."""
+    from networks.lora_reader import check_lora_arch
+
+    attn = {f"double_blocks.{i}.img_attn.qkv": lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(9216, 1), 1.0) for i in range(19)}
+    lf.write_kohya(attn, str(tmp_path / "bare.safetensors"))
+    lf.write_kohya(attn, str(tmp_path / "said.safetensors"), metadata={"ss_base_model_version": "flux1-dev"})
+    check_lora_arch(str(tmp_path / "bare.safetensors"), "chroma")  # nothing tells: Chroma's blocks take it
+    for name, arch, title in (("said", "chroma", "Chroma"), ("said", "flux2", "FLUX.2"), ("bare", "flux2", "FLUX.2")):
+        with pytest.raises(CheckpointError) as error:
+            check_lora_arch(str(tmp_path / f"{name}.safetensors"), arch)
+        assert str(error.value) == flux1_on(str(tmp_path / f"{name}.safetensors"), title)
+    small = {p: w for p, w in attn.items() if int(p.split(".")[1]) < 5}  # FLUX.2 [klein] 4B's 5 double blocks fit too
+    lf.write_kohya(small, str(tmp_path / "small.safetensors"))
+    check_lora_arch(str(tmp_path / "small.safetensors"), "flux2")
+
+
+def test_attention_only_loras_of_another_released_size_are_refused_from_the_header(tmp_path):
+    """Attention projections (transformer_blocks.N.attn.to_q / add_q_proj) are in FLUX.1, FLUX.2 and Qwen-Image
+    alike, so the header check let FLUX.2 [dev]'s (width 6144) or Qwen-Image's (60 blocks) through to a FLUX.1
+    run, which failed after the model loaded (shapes, blocks it lacks). Where no release of the target fits the width and
+    blocks and another's does, that one is named (what lora_info reports); a size the target's release fits
+    stays the modules' to decide."""
+    from networks.lora_reader import check_lora_arch
+
+    names = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out")
+    for name, width, blocks in (("flux2_dev", 6144, 8), ("qwen", 3072, 60), ("flux1_dev", 3072, 19)):
+        lf.write_peft({f"transformer_blocks.{i}.attn.{n}": lf.LoRAWeights(torch.zeros(1, width), torch.zeros(width, 1), 1.0)
+                       for i in range(blocks) for n in names}, str(tmp_path / f"{name}.safetensors"))
+    for name, arch, said in (("flux2_dev", "flux", "FLUX.2 (tools/lora_info.py: arch flux2), not for this FLUX.1"),
+                             ("qwen", "flux", "Qwen-Image (tools/lora_info.py: arch qwen_image), not for this FLUX.1"),
+                             ("flux1_dev", "flux2", "FLUX.1 (tools/lora_info.py: arch flux), not for this FLUX.2")):
+        with pytest.raises(CheckpointError) as error:
+            check_lora_arch(str(tmp_path / f"{name}.safetensors"), arch)
+        assert str(error.value) == f"{tmp_path / name}.safetensors: a LoRA for {said} model"
+    check_lora_arch(str(tmp_path / "flux1_dev.safetensors"), "qwen_image")  # Qwen-Image's first 19 blocks: its own size
+
+
 @pytest.mark.parametrize("consumer", CONSUMERS)
 def test_every_consumer_names_the_architecture_of_another_familys_lora(flux, qwen_lora, consumer):
     """The old readers said "LoRA module 'lora_unet_transformer_blocks_0_attn_add_k_proj' matches no module
@@ -353,6 +414,64 @@ def test_network_weights_rebuilds_a_fused_module_at_the_rank_of_its_split_parts(
     modules = dict(flux["model"].named_modules())
     assert modules["double_blocks.0.img_attn.qkv"].forward.__self__ is next(m for m in net.lora_modules() if m.name == "double_blocks.0.img_attn.qkv")
     net.remove()
+
+
+def header_of_run(task_facts: dict, **args) -> dict:
+    """The LoRA header train_lora.py writes for a run with these settings and its task's facts."""
+    from types import SimpleNamespace
+
+    from train_lora import lora_metadata
+
+    args = SimpleNamespace(**{"network_module": "networks.lora", "network_dim": 4, "network_alpha": 2.0, "network_args": [],
+                              "pretrained_model_name_or_path": "base.safetensors", "mixed_precision": "bf16",
+                              "optimizer_type": "AdamW", "optimizer_args": [], "learning_rate": 1e-4, "lr_scheduler": "constant",
+                              "discrete_flow_shift": 3.0, "guidance_scale": 1.0, "seed": 0, "output_name": "x", **args})
+    facts = {"base_model_version": "flux1", "base_precision": "bf16", "resolution": "64x64", "batch_size": 1,
+             "timestep_sampling": "flux_shift", "dataset": [], **task_facts}
+    return lora_metadata(args, SimpleNamespace(metadata=lambda: facts), 1, 1, 1, 0.0)
+
+
+def test_the_header_after_network_weights_rebuilt_a_module_says_the_ranks_the_file_holds(flux):
+    """network_weights rebuilt qkv / linear1 at ranks 12 / 16 beside rank-4 modules: the header said
+    ss_network_dim 4 (the config's) and alpha 12 (one rebuilt module's); now "Dynamic" for both, as
+    sd-scripts' resize_lora.py writes for per-module ranks."""
+    from library.training.lora_inputs import loaded_dim_alpha
+
+    path, _ = flux["cases"]["diffusers q / k / v with their own downs"]
+    net = LoRANetwork(flux["model"], "flux", rank=4, alpha=2)
+    net.load_weights(path, strict=False)
+    args = {"network_dim": 4, "network_alpha": 2.0}
+    header = header_of_run(loaded_dim_alpha(net, SimpleNamespace(**args)), **args)
+    assert (header["ss_network_dim"], header["ss_network_alpha"]) == ("Dynamic", "Dynamic")
+    ours = LoRANetwork(flux["model"], "flux", rank=4, alpha=8)
+    ours.load_weights(flux["cases"]["kohya (ours)"][0], strict=False)  # the config's rank, the file's alpha (2) wins
+    assert loaded_dim_alpha(ours, SimpleNamespace(network_dim=4, network_alpha=8.0)) == {"network_alpha": "2"}
+
+
+def test_convert_lora_header_says_the_ranks_and_alphas_it_wrote(flux, tmp_path):
+    """q / k / v with their own rank-4 downs join into one rank-12 qkv (--to kohya): the header kept the
+    source's ss_network_dim 4; --alpha 1 kept ss_network_alpha 2. Now what the file holds."""
+    tensors, metadata, _ = lf.read_lora_tensors(flux["cases"]["diffusers q / k / v with their own downs"][0])
+    save_file(tensors, str(tmp_path / "split.safetensors"), {**metadata, "ss_network_dim": "4", "ss_network_alpha": "2"})
+    convert_lora.convert_lora(str(tmp_path / "split.safetensors"), str(tmp_path / "k.safetensors"), "kohya")
+    convert_lora.convert_lora(flux["cases"]["kohya (ours)"][0], str(tmp_path / "a.safetensors"), "kohya", alpha=1.0)
+    meta = {name: load_file_metadata(str(tmp_path / f"{name}.safetensors")) for name in ("k", "a")}
+    assert (meta["k"]["ss_network_dim"], meta["k"]["ss_network_alpha"]) == ("Dynamic", "Dynamic")
+    assert (meta["a"]["ss_network_dim"], meta["a"]["ss_network_alpha"]) == ("4", "1")
+
+
+def load_file_metadata(path: str) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return f.metadata()
+
+
+@pytest.mark.parametrize("sampling, written", [("shift", "3.0"), ("flux_shift", None), ("sigmoid", None), ("uniform", None)])
+def test_the_header_names_discrete_flow_shift_only_where_the_timestep_draw_read_it(sampling, written):
+    """flow_matching.sample_sigmas reads discrete_flow_shift for timestep_sampling = "shift" alone; the header
+    said ss_discrete_flow_shift 3.0 for every run (a flux_shift run's own mu, not 3.0, shifted its draws)."""
+    assert header_of_run({"timestep_sampling": sampling}).get("ss_discrete_flow_shift") == written
 
 
 def test_precision_tools_refuse_a_dora_file_they_would_apply_as_plain_lora(flux, tmp_path):

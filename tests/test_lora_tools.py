@@ -257,6 +257,22 @@ def test_extract_with_an_energy_threshold_keeps_the_smallest_sufficient_rank(tin
         assert row["rel_error"] == pytest.approx((1 - fro(k) ** 2) ** 0.5, rel=1e-3, abs=1e-6)
 
 
+def test_extract_header_says_the_ranks_written(tiny_set, tmp_path):
+    """--rank above a module's min(out, in) writes that smaller rank: the header said ss_network_dim 512 /
+    alpha 512 for the tiny LLM (10 modules of rank 32 and 4 of 16 written); now Dynamic, as for per-module ranks.
+    --energy with one rank everywhere said Dynamic; now that rank."""
+    from tools import extract_lora
+
+    _, _, _, _, merged = _lora_and_merge(tiny_set, "llm", tmp_path)
+    done = extract_lora.extract_lora(tiny_set["llm"], str(merged), str(tmp_path / "big.safetensors"), rank=512, log=lambda line: None)
+    meta = read_lora_file(str(tmp_path / "big.safetensors"), "t").metadata
+    assert len({r["rank"] for r in done["modules"]}) > 1 and max(r["rank"] for r in done["modules"]) < 512
+    assert (meta["ss_network_dim"], meta["ss_network_alpha"]) == ("Dynamic", "Dynamic")
+    done = extract_lora.extract_lora(tiny_set["llm"], str(merged), str(tmp_path / "e.safetensors"), energy=1.0, log=lambda line: None)
+    meta = read_lora_file(str(tmp_path / "e.safetensors"), "t").metadata
+    assert {r["rank"] for r in done["modules"]} == {4} and (meta["ss_network_dim"], meta["ss_network_alpha"]) == ("4", "4")
+
+
 def test_extract_errors_are_one_line(tiny_set, tmp_path, capsys):
     from tools import extract_lora
 
@@ -271,6 +287,23 @@ def test_extract_errors_are_one_line(tiny_set, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, err
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_extract_never_writes_over_a_file_of_a_folder_checkpoint(tiny_set, tmp_path, capsys):
+    """--save_to BASE_FOLDER/diffusion_pytorch_model.safetensors replaced the base's weights with the LoRA (exit 0):
+    only the --model / --tuned paths themselves were compared, not the files read from a folder."""
+    import shutil
+
+    from tools import extract_lora
+
+    _, _, _, _, merged = _lora_and_merge(tiny_set, "flux_diffusers", tmp_path)
+    shutil.copytree(tiny_set["flux_diffusers"], tmp_path / "base")
+    shard = next(p for p in (tmp_path / "base").rglob("*.safetensors"))
+    before = shard.read_bytes()
+    capsys.readouterr()
+    assert extract_lora.main(["--model", str(tmp_path / "base"), "--tuned", str(merged), "--save_to", str(shard), "--rank", "4"]) == 2
+    assert f"--save_to {shard}: is one of the inputs" in capsys.readouterr().err
+    assert shard.read_bytes() == before
 
 
 # ----------------------------------------------------------------------------------------------
@@ -462,6 +495,33 @@ def test_lora_info_names_released_sizes_dora_and_lycoris(tmp_path):
     _lokr(tmp_path / "k.safetensors")
     got = info(tmp_path / "k.safetensors")
     assert (got["format"], got["network"], got["ranks"], got["alphas"]) == ("lycoris", "LoKr", {}, {"1": 1})
+
+
+ATTENTION = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out")
+
+
+@pytest.mark.parametrize("arch, width, blocks, single, fits", [
+    ("flux", 3072, 19, 0, "FLUX.1 dev / schnell"), ("flux", 3072, 19, 38, "FLUX.1 dev / schnell"),
+    ("flux2", 3072, 5, 0, "FLUX.2 [klein] 4B"), ("flux2", 6144, 8, 0, "FLUX.2 [dev]"),
+    ("qwen_image", 3072, 60, 0, "Qwen-Image")])  # fmt: skip
+def test_lora_info_tells_attention_only_diffusers_loras_apart_by_shapes_and_blocks(tmp_path, arch, width, blocks, single, fits):
+    """`transformer.transformer_blocks.N.attn.add_q_proj` is in FLUX.1, FLUX.2 (and Chroma, FLUX.1's names)
+    and Qwen-Image alike: lora_info said qwen_image for every attention-only file (the first marker that
+    matched). Now the width and block counts pick the release: FLUX.1 19 double (+ 38 single) blocks at 3072,
+    FLUX.2 [klein] 4B 5 at 3072 and [dev] 8 at 6144, Qwen-Image 60 at 3072."""
+    w = lambda: lf.LoRAWeights(torch.zeros(1, width), torch.zeros(width, 1), 1.0)  # noqa: E731
+    modules = {f"transformer_blocks.{i}.attn.{n}": w() for i in range(blocks) for n in ATTENTION}
+    modules |= {f"single_transformer_blocks.{i}.attn.{n}": w() for i in range(single) for n in ("to_q", "to_k", "to_v")}
+    lf.write_peft(modules, str(tmp_path / "attn.safetensors"), dtype=torch.float16)
+    got = info(tmp_path / "attn.safetensors")
+    assert (got["arch"], got["fits"]) == (arch, fits)
+
+
+def test_lora_info_says_when_shapes_tell_no_architecture_apart(tmp_path):
+    """Tiny attention-only LoRAs (width 64) fit no release: no architecture is named, the candidates are."""
+    lf.write_peft({f"transformer_blocks.0.attn.{n}": lf.LoRAWeights(torch.zeros(1, 64), torch.zeros(64, 1), 1.0) for n in ATTENTION}, str(tmp_path / "attn.safetensors"))
+    got = info(tmp_path / "attn.safetensors")
+    assert got["arch"] == "unknown" and got["fits"].startswith("names FLUX.1, Qwen-Image, FLUX.2 or Chroma all have")
 
 
 # ----------------------------------------------------------------------------------------------

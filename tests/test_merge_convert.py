@@ -466,6 +466,27 @@ def test_merge_save_to_is_never_a_lora_and_its_extension_names_the_format(flux_b
     assert lora_path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["a.safetensors"]
 
 
+def test_merge_into_a_folder_never_replaces_one_holding_the_inputs_or_other_files(flux_bfl, tmp_path, capsys):
+    """A folder base writes a folder that replaces --save_to whole: --save_to the folder holding the base
+    (models/ with models/flux/transformer in it) deleted the base and every other file there, exit 0; a
+    folder of other files lost them. Both are one line now, nothing touched; an earlier merge is replaced."""
+    from library.models.flux1.checkpoint import save_flux_diffusers
+
+    root, model, a, _ = flux_bfl
+    save_flux_diffusers(model, FLUX_CFG, str(tmp_path / "models" / "flux" / "transformer"))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep")
+    for save_to, message in ((tmp_path / "models", f"holds the input {tmp_path / 'models' / 'flux'}"),
+                             (tmp_path / "notes", "a folder of other files (no checkpoint")):
+        capsys.readouterr()
+        assert merge("--model", tmp_path / "models" / "flux", "--lora", root / "a.safetensors", "--save_to", save_to) == 2
+        assert message in only_line(capsys.readouterr().err)
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep"
+    assert os.path.isfile(tmp_path / "models" / "flux" / "transformer" / "config.json")
+    for _ in range(2):  # into a new folder, then over that earlier merge
+        assert merge("--model", tmp_path / "models" / "flux", "--lora", root / "a.safetensors", "--save_to", tmp_path / "m") == 0
+
+
 def test_unmatched_modules_are_listed_and_skipped_with_allow_unmatched(flux_bfl, tmp_path, capsys):
     root, model, a, _ = flux_bfl
     partly = _partly_matching_lora(tmp_path, root)
@@ -601,6 +622,14 @@ def test_convert_never_overwrites_its_input_and_writes_safetensors_names_only(fl
     capsys.readouterr()
     assert convert(tmp_path / "adapter", tmp_path / "adapter" / "adapter_model.safetensors", "--to", "kohya") == 2
     assert "is one of the inputs" in only_line(capsys.readouterr().err)
+    assert convert(llm, tmp_path / "adapter", "--to", "peft") == 0  # a PEFT folder: replaced by the new one
+    # A folder of other files was replaced whole, its files deleted (os.replace of atomic_folder).
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "base.safetensors").write_bytes(b"keep")
+    capsys.readouterr()
+    assert convert(llm, tmp_path / "models", "--to", "peft") == 2
+    assert "a folder of other files (no adapter_config.json)" in only_line(capsys.readouterr().err)
+    assert os.listdir(tmp_path / "models") == ["base.safetensors"]
 
 
 def test_a_lora_under_model_diffusion_model_is_a_lora_not_a_lycoris_full_file(flux_bfl, tmp_path):

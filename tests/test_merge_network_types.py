@@ -102,3 +102,48 @@ def test_dora_converts_kohya_diffusers_kohya_exactly_and_lycoris_is_refused(tmp_
     line = only_line(capsys.readouterr().err)
     assert "a LyCORIS file (LoKr/LoHa/...) has no kohya/diffusers LoRA form" in line and "Flux2 and Z-Image" in line
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_lycoris_files_are_read_by_the_one_reader_into_either_naming(tmp_path, capsys):
+    """merge_lora resolved LyCORIS names itself: a LoKr file into a diffusers-named base crashed with
+    "AttributeError: 'LycorisDelta' object has no attribute 'up'" (its BFL modules went through the down/up
+    split). networks/lora_reader.py lycoris_for_model renames what maps whole (img_attn.proj -> attn.to_out.0,
+    merged exactly) and refuses in one line what maps by rows (qkv -> to_q / to_k / to_v)."""
+    from safetensors.torch import load_file, save_file
+
+    from library.models.flux1.checkpoint import save_flux_diffusers
+    from networks.lycoris_network import LycorisDelta
+    from tests.test_merge_convert import FLUX_CFG
+
+    model = flux_base(tmp_path)
+    save_flux_diffusers(model, FLUX_CFG, str(tmp_path / "diffusers"))
+    lokr = LycorisNetwork(model, "flux", 4, 2.0, network_args={"algo": "lokr", "factor": 4})
+    random_(lokr, 0.3)
+    lokr.save(str(tmp_path / "lokr.safetensors"))
+    capsys.readouterr()
+    assert merge("--model", tmp_path / "diffusers", "--lora", tmp_path / "lokr.safetensors", "--save_to", tmp_path / "m") == 2
+    line = only_line(capsys.readouterr().err)
+    assert "LyCORIS module 'double_blocks.0.img_attn.qkv' is in the other naming, where 'double_blocks.0.img_attn.qkv' " \
+           "is the rows transformer_blocks.0.attn.to_q [0:64] + " in line and "do not split or join by rows" in line
+    assert not (tmp_path / "m").exists()
+    tensors = {k: v for k, v in load_file(str(tmp_path / "lokr.safetensors")).items() if "_img_attn_proj." in k}
+    save_file(tensors, str(tmp_path / "proj.safetensors"))
+    assert merge("--model", tmp_path / "diffusers", "--lora", tmp_path / "proj.safetensors", "--save_to", tmp_path / "m") == 0
+    merged = load_file(str(tmp_path / "m" / "diffusion_pytorch_model.safetensors"))["transformer_blocks.0.attn.to_out.0.weight"]
+    want = LycorisDelta("lora_unet_double_blocks_0_img_attn_proj", tensors).merged(model.double_blocks[0].img_attn.proj.weight)
+    assert (merged.float() - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_another_familys_lycoris_file_is_named_by_merge(tmp_path, capsys):
+    """A Qwen-Image LoKr into a FLUX.1 base said "no LoRA module matches a weight of the flux checkpoint ... is it
+    a LoRA for another model?"; now what lora_info reports, as for a down / up LoRA."""
+    from library.models.qwen_image.model import QwenImage, QwenImageConfig
+
+    flux_base(tmp_path)
+    qwen = QwenImage(QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+                                     axes_dims_rope=(8, 12, 12)))
+    LycorisNetwork(qwen, "qwen_image", 4, 2.0, network_args={"algo": "lokr", "factor": 4}).save(str(tmp_path / "q.safetensors"))
+    capsys.readouterr()
+    assert merge("--model", tmp_path / "base.safetensors", "--lora", tmp_path / "q.safetensors", "--save_to", tmp_path / "m.safetensors") == 2
+    assert only_line(capsys.readouterr().err) == (f"error: {tmp_path / 'q.safetensors'}: a LoRA for Qwen-Image (tools/lora_info.py: "
+                                                  f"arch qwen_image, diffusers names), not for this FLUX.1 model")

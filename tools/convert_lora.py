@@ -77,11 +77,13 @@ from library.models.spec import load_symbol  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
     FOLDED_MARK,
+    PEFT_CONFIG_FILE,
     LoRAWeights,
     bfl_to_diffusers,
     comfy_state_dict,
     detect_format,
     diffusers_to_bfl,
+    dim_and_alpha,
     kohya_state_dict,
     naming,
     peft_alpha_known,
@@ -143,7 +145,7 @@ def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAW
 def check_destination(src: str, dst: str, to: str) -> None:
     """`dst` never replaces or holds the input: a .safetensors file that is not `src` (nor the
     weights of a PEFT folder `src`), or for --to peft a folder that neither is `src` nor contains it
-    (the folder is replaced whole)."""
+    (the folder is replaced whole), nor holds other files than a PEFT adapter's."""
     if to != "peft":
         check_output_path(dst, src, flag="output")
         return
@@ -152,6 +154,9 @@ def check_destination(src: str, dst: str, to: str) -> None:
     inside = os.path.realpath(src) + os.sep
     if inside.startswith(os.path.realpath(dst) + os.sep):
         raise ValueError(f"output {dst}: is or holds the input {src}; write the PEFT folder elsewhere")
+    if os.path.isdir(dst) and os.listdir(dst) and not os.path.isfile(os.path.join(dst, PEFT_CONFIG_FILE)):
+        raise ValueError(f"output {dst}: a folder of other files (no {PEFT_CONFIG_FILE}), which the PEFT folder "
+                         f"would replace whole; name a new folder or a PEFT adapter folder")
 
 
 def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alpha: float | None = None) -> dict:
@@ -179,11 +184,15 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
             weights = diffusers_to_bfl(weights, module_map)
         elif to == "diffusers" and bfl_named:
             weights = bfl_to_diffusers(weights, module_map)
+    weights = with_alpha(weights, alpha) if alpha else weights
     header = {k: v for k, v in metadata.items() if k not in DROPPED_METADATA}
     header["lora_converted_from"] = fmt
+    if {"ss_network_dim", "ss_network_alpha"} & set(header):  # parts joined (rank summed) or --alpha: as written
+        header["ss_network_dim"], header["ss_network_alpha"] = dim_and_alpha([w.rank for w in weights.values()],
+                                                                             [w.alpha for w in weights.values()])
     if to == "kohya":
         prefix = arch_spec(model_type).lora.kohya_prefix  # what networks/lora.py writes
-        tensors = kohya_state_dict(with_alpha(weights, alpha) if alpha else weights, dtype, prefix)
+        tensors = kohya_state_dict(weights, dtype, prefix)
         write_lora_tensors({**tensors, **te}, dst, header)  # text-encoder modules as they were
     elif to == "peft":
         write_peft_folder(weights, dst, dtype=dtype, metadata=header, base_model=metadata.get("ss_sd_model_name"))

@@ -66,11 +66,12 @@ import torch  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
 from networks.lora import lora_targets  # noqa: E402
-from networks.lora_files import FOLDED_MARK, LoRAWeights, build_metadata, write_kohya, write_peft  # noqa: E402
+from networks.lora_files import FOLDED_MARK, LoRAWeights, build_metadata, dim_and_alpha, write_kohya, write_peft  # noqa: E402
 from networks.lora_svd import factors, rank_for_energy, svd_lowrank_of_matrix, svd_of_matrix  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import check_output_path, one_line, save_dtype  # noqa: E402
-from tools.merge_lora import Base, Fp8BasePlan, open_base  # noqa: E402
+from tools.merge_base import Base, open_base  # noqa: E402
+from tools.merge_lora import Fp8BasePlan  # noqa: E402
 
 
 def read_weight(base: Base, key: str) -> torch.Tensor:
@@ -120,6 +121,7 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
         raise ValueError(f"--svd {svd}: expected full, or lowrank with --rank R and no --energy (it sees only the top of the spectrum)")
     check_output_path(save_to, model, tuned)
     base, other = open_pair(model, tuned)
+    check_output_path(save_to, *base.reader.files, *other.reader.files)  # a file of a folder base, or a shard
     dtype = save_dtype(precision, torch.float32)
     targets = target_modules(base)
     weights, rows, skipped = {}, [], []
@@ -141,8 +143,8 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
     if not weights:
         raise CheckpointError(f"--tuned {tuned}: no LoRA target weight differs from the base {model}")
     other_changed = _other_changed(base, other, {base.weight_key[p] for p in targets})
-    metadata = build_metadata(network_module="networks.lora", network_dim=rank if energy is None else "Dynamic",
-                              network_alpha=rank if energy is None else "Dynamic", base_model=base.path,
+    dim, alpha = dim_and_alpha([w.rank for w in weights.values()], [w.alpha for w in weights.values()])  # as written
+    metadata = build_metadata(network_module="networks.lora", network_dim=dim, network_alpha=alpha, base_model=base.path,
                               base_model_version=base.version)  # what train_lora.py writes: merge checks it
     metadata["lora_extracted"] = json.dumps({"base": os.path.basename(base.path), "tuned": os.path.basename(other.path),
                                              "rank": rank, "energy": energy, "family": base.family})  # fmt: skip

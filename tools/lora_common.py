@@ -131,7 +131,7 @@ def check_output_path(path: str, *inputs: str, flag: str = "--save_to") -> None:
 
 def load_model(model_path: str):
     """(model float32 eval, family, forward kwargs) for a checkpoint of a registered family or an LLM."""
-    from tools.merge_lora import open_base
+    from tools.merge_base import open_base
 
     base = open_base(model_path)
     if base.family == "llm":

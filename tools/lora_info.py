@@ -9,7 +9,9 @@ training metadata and which model it fits.
   OFT, full (`diff`), (IA)^3 (`on_input`); LyCORIS with `dora_scale` is reported as e.g. "LoKr + DoRA".
 - arch (the transformer architecture) and naming (bfl, diffusers, hf) from the module names, as each
   architecture's spec describes them (library/models/<folder>/spec.py, LORA_FILES.info_markers; an
-  architecture sharing another's names is told apart as tools/convert_lora.py does); the width comes
+  architecture sharing another's names is told apart as tools/convert_lora.py does; names several
+  architectures have, such as attention projections alone, by the release their width and block counts
+  fit: networks/lora_arch.py arch_by_shapes, "unknown" naming the candidates where none or several); the width comes
   from the shapes and the block counts from the highest index named, which tell a full-size
   release (the spec's releases) from another size (the tiny test models). With --model, the LoRA is
   also matched against that checkpoint exactly as tools/merge_lora.py matches it (names and shapes):
@@ -67,7 +69,17 @@ from networks.lora_files import (  # noqa: E402
     text_encoder_note,
 )
 from networks.lycoris_network import is_lycoris_file, lycoris_kind  # noqa: E402
-from networks.lora_arch import arch_of, lora_files, variant_of  # noqa: E402
+from networks.lora_arch import (  # noqa: E402
+    arch_by_shapes,
+    arch_of,
+    archs_holding,
+    fitted_releases,
+    info_block_counts,
+    lora_files,
+    title_list,
+    variant_of,
+    width_of,
+)
 from tools.lora_common import FOLDED_MARK, one_line  # noqa: E402
 
 DORA_KEYS = (".dora_scale", ".lora_magnitude_vector")
@@ -90,22 +102,12 @@ def layout(keys: list[str]) -> str:
     return fmt
 
 
-def block_counts(modules: list[str], arch: str) -> dict[str, int]:
-    """Block kind -> highest index named + 1, by the arch's info_blocks (none for an unknown arch)."""
-    counts: dict[str, int] = {}
-    files = lora_files()
-    for kind, pattern in files[arch].info_blocks if arch in files else ():
-        found = [int(next(g for g in m.groups() if g)) for name in modules for m in [re.search(pattern, name.replace(".", "_"))] if m]
-        if found:
-            counts[kind] = max(counts.get(kind, 0), max(found) + 1)
-    return counts
-
-
-def width_pattern(arch: str) -> str:
-    """Module name endings whose down input is the model width: the arch's, or any arch's when unknown."""
-    files = lora_files()
-    endings = [files[arch].width_modules] if arch in files else [f.width_modules for f in files.values() if f.width_modules]
-    return f"({'|'.join(endings)})$"
+def shared_names_fit(held: list[str], widths: dict[str, int]) -> str:
+    """The fits line of a LoRA whose names several architectures have and whose shapes tell none."""
+    fitted = [name for a in held for _, name in fitted_releases(a, widths)]
+    titles = title_list([arch_specs()[a].title for a in held])
+    return (f"{title_list(fitted)} alike (names and shapes they share)" if fitted else
+            f"names {titles} all have, at a width and block count of no released size (e.g. the tiny test models)")
 
 
 def fits(arch: str, width: int | None, counts: dict[str, int]) -> str:
@@ -162,22 +164,26 @@ def _read_info(path: str) -> dict:
     fmt = layout(keys)
     _, te = split_text_encoders(dict.fromkeys(keys))
     modules = _modules(keys)
-    arch, naming = arch_of([m for m in modules if not m.startswith(tuple(TEXT_ENCODER_PREFIXES))])  # CLIP / T5: no arch
-    if any(f.names_of == arch for f in lora_files().values()):  # names shared: shapes and metadata tell (headers only)
-        shapes = {k: torch.empty(reader.shape(k), device="meta") for k in keys}
-        arch = variant_of(arch, shapes, metadata)
-    ranks, alphas, width, width_re = Counter(), Counter(), None, width_pattern(arch)
+    transformer = [m for m in modules if not m.startswith(tuple(TEXT_ENCODER_PREFIXES))]  # CLIP / T5: no arch
+    arch, naming = arch_of(transformer)
+    ranks, alphas, weights = Counter(), Counter(), {}
     if fmt == "lycoris":  # no single rank: the alphas only
         alphas.update(f"{float(reader.get(k).float()):g}" for k in keys if k.endswith(".alpha"))
     else:
         weights, _ = parse_lora(dict(reader.items()), metadata, None, source=path,  # alphas as loaders apply them
                                 adapter_config=adapter_config)
-        for module, w in weights.items():
+        for w in weights.values():
             ranks[w.rank] += 1
             alphas[f"{w.alpha:g}"] += 1
-            if width is None and re.search(width_re, module.replace(".", "_")):
-                width = w.down.shape[1]
-    counts = block_counts(modules, arch)
+    widths = {m: w.down.shape[1] for m, w in weights.items()}
+    held = archs_holding(transformer) if arch == "unknown" else []  # names many have: shapes and block counts tell
+    if held:
+        arch = arch_by_shapes(held, widths)
+    if any(f.names_of == arch for f in lora_files().values()):  # names shared: shapes and metadata tell (headers only)
+        shapes = {k: torch.empty(reader.shape(k), device="meta") for k in keys}
+        arch = variant_of(arch, shapes, metadata)
+    width, counts = width_of(widths, arch), info_block_counts(modules, arch)
+    fit = fits(arch, width, counts) if arch != "unknown" or not held else shared_names_fit(held, widths)
     training = {field: metadata[key] for field, key in METADATA_KEYS.items() if key in metadata}
     return {
         "file": os.path.basename(path), "bytes": sum(os.path.getsize(f) for f in reader.files),
@@ -185,14 +191,14 @@ def _read_info(path: str) -> dict:
         "modules": len(modules), "ranks": {str(k): v for k, v in sorted(ranks.items())},
         "alphas": dict(alphas), "alpha_source": _alpha_source(keys, metadata, adapter_config),
         "dtypes": dict(Counter(reader.dtype_name(k) for k in keys)), "width": width, "blocks": counts,
-        "fits": fits(arch, width, counts), "text_encoders": text_encoder_note(te) if te else None, "training": training,
+        "fits": fit, "text_encoders": text_encoder_note(te) if te else None, "training": training,
         "metadata": {k: v for k, v in metadata.items() if k not in METADATA_KEYS.values()},
     }
 
 
 def check_against(path: str, model: str) -> str:
     """merge_lora's own matching of the LoRA against the checkpoint: 'fits ...' or the reason not."""
-    from tools.merge_lora import LoRASpec, lora_deltas, open_base
+    from tools.merge_base import LoRASpec, lora_deltas, open_base
 
     base = open_base(model)
     try:

@@ -73,6 +73,11 @@ class LoRAFiles:
     markers: tuple[str, ...] = ()
     names_of: str | None = None  # the arch whose module names this one shares (its LoRAs are told apart by `recognise`)
     recognise: str | None = None  # "module:function" (tensors, metadata) -> True for this arch's LoRA with names_of's names
+    # "module:function" (tensors) -> True for a LoRA with names_of's names whose shapes only names_of's model has
+    refuses: str | None = None
+    # prefixes of ss_base_model_version / modelspec.architecture in this arch's LoRAs (those of its variants
+    # that share its names are told apart from them: a variant's model refuses them)
+    model_versions: tuple[str, ...] = ()
     block_pattern: str = ""  # regex, groups (block kind, index): the blocks a LoRA names
     module_paths: str | None = None  # "module:function" (block counts) -> every Linear path (resolves kohya names)
     module_map: str | None = None  # "module:function" (weights, block counts) -> BFL <-> diffusers module map from the LoRA's shapes

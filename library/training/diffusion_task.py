@@ -26,7 +26,7 @@ from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file
 from library.training import fsdp, memory_plan
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
-from library.training.lora_inputs import check_lora_inputs
+from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
 from library.training.state import sample_seed
 from library.training.validation import validation_loss
 from networks.factory import build_network, check_network_args
@@ -235,10 +235,10 @@ class DiffusionTask:
         if self.args.network_weights:
             counts = network.load_weights(self.args.network_weights, strict=False)
             self.accelerator.print(f"network_weights: {network.describe_loaded(counts)}")
-            self.loaded_alpha = loaded_alpha(network, self.args)
-            if self.loaded_alpha:
-                self.accelerator.print(f"network_weights: its alpha ({self.loaded_alpha}) is kept; network_alpha "
-                                       f"applies only to modules the file lacks")
+            self.loaded = loaded_dim_alpha(network, self.args)
+            if "network_alpha" in self.loaded:
+                self.accelerator.print(f"network_weights: its alpha ({self.loaded['network_alpha']}) is kept; "
+                                       f"network_alpha applies only to modules the file lacks")
         return network
 
     def _compile_blocks(self):
@@ -331,7 +331,7 @@ class DiffusionTask:
             "timestep_sampling": args.timestep_sampling or sampling_of(self.family.arch).method,
             "dataset": self._dataset_summary(),
             "base_loras": base_loras_metadata(base_lora_specs(args.base_loras)) if args.base_loras else None,
-            "network_alpha": getattr(self, "loaded_alpha", None),
+            **getattr(self, "loaded", {}),  # network_dim / network_alpha where network_weights set them
         }
 
     def _total_batch_size(self) -> str:
@@ -389,14 +389,3 @@ class DiffusionTask:
             save_side_by_side(images, path, prompt.prompt)
             written.append(path)
         return written
-
-
-def loaded_alpha(network: nn.Module, args) -> str | None:
-    """The alpha the header records after network_weights: the file's alphas win (as in sd-scripts),
-    so a config network_alpha that differs would make the header contradict the tensors. None: the
-    config's alpha is the network's."""
-    alphas = {float(t) for k, t in network.state_dict().items() if k.endswith(".alpha")}
-    configured = float(args.network_alpha or args.network_dim)
-    if alphas <= {configured}:
-        return None
-    return f"{alphas.pop():g}" if len(alphas) == 1 else "Dynamic"

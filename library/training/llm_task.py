@@ -26,7 +26,7 @@ from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss,
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
-from library.training.lora_inputs import check_lora_inputs
+from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
 from library.training.optim import drop_rows_after
 from library.training.state import read_progress
 from networks.factory import build_network
@@ -126,6 +126,7 @@ class LLMTask:
             if args.network_weights:
                 counts = self.network.load_weights(args.network_weights, strict=False)
                 accelerator.print(f"network_weights: {self.network.describe_loaded(counts)}")
+                self.loaded = loaded_dim_alpha(self.network, args)  # the header says the file's ranks and alphas
             self.network.apply()
         self.model.to(self.device)
         if self.network is not None:
@@ -399,4 +400,5 @@ class LLMTask:
             "timestep_sampling": None,
             "dataset": {"train_windows": len(self.train_set), "val_windows": len(self.val_set) if self.val_set else 0,
                         "files": [os.path.basename(p) for p in args.train_data]},
+            **getattr(self, "loaded", {}),
         }

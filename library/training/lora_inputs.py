@@ -1,6 +1,7 @@
 """The LoRA files a run reads (network_weights, base_loras), checked from their headers before the
 model loads and before caching: a file that is not a LoRA, holds text-encoder modules only, or is
-another model's (networks/lora_reader.py check_lora_arch) stops the run in one line naming the key."""
+another model's (networks/lora_reader.py check_lora_arch) stops the run in one line naming the key; and
+what the saved header says of the ranks and alphas network_weights loaded (loaded_dim_alpha)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,20 @@ def check_lora_inputs(args, arch: str) -> None:
             check_lora_arch(path, arch)
         except (ValueError, OSError) as e:  # CheckpointError is a ValueError
             raise ConfigError(f"{where}: key '{key}': {e}") from None
+
+
+def loaded_dim_alpha(network, args) -> dict[str, str]:
+    """{network_dim, network_alpha: the header's value} where the network after network_weights holds other
+    ranks or alphas than the config's, so the header says what the file holds: the file's alphas win (as in
+    sd-scripts), and a module whose rank a fused <-> split conversion set is rebuilt at it. One value where
+    the modules share it, else "Dynamic" (networks/lora_files.py dim_and_alpha). {}: the config's are the
+    network's."""
+    from networks.lora_files import dim_and_alpha
+
+    state = network.state_dict()
+    ranks = [t.shape[0] for k, t in state.items() if k.endswith(".lora_down.weight")]
+    alphas = [float(t) for k, t in state.items() if k.endswith(".alpha")]
+    configured = (args.network_dim, float(args.network_alpha or args.network_dim))
+    said = dim_and_alpha(ranks or [configured[0]], alphas or [configured[1]])
+    return {key: value for key, value, own in zip(("network_dim", "network_alpha"), said, dim_and_alpha(*zip(configured)))
+            if value != own}

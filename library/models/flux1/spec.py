@@ -53,7 +53,7 @@ LORA_FILES = S.LoRAFiles(
     module_map="library.models.flux1.lora_files:module_map_of_lora",
     info_markers=(
         ("bfl", r"(^|_)(double_blocks|single_blocks)_\d+_"),
-        ("diffusers", r"single_transformer_blocks_\d+_|_ff_context_|_norm1_context_|_attn_add_q_proj.*transformer"),
+        ("diffusers", r"single_transformer_blocks_\d+_|_ff_context_|_norm1_context_"),
     ),
     # diffusers' transformer_blocks are the double blocks
     info_blocks=(("double", r"double_blocks_(\d+)_"), ("single", r"single_blocks_(\d+)_|single_transformer_blocks_(\d+)_"),
@@ -62,6 +62,7 @@ LORA_FILES = S.LoRAFiles(
                    r"norm1?(_context)?_linear|proj_mlp"),
     releases=(S.Release("FLUX.1 dev / schnell", 3072, {"double": 19, "single": 38}),),
     namings={"BFL": ("double_blocks_", "single_blocks_"), "diffusers": ("transformer_blocks_",)},
+    model_versions=("flux1", "flux-1"),  # ours and sd-scripts' flux1 / modelspec flux-1-dev, flux-1-schnell, flux-1
 )
 
 

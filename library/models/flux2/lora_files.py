@@ -32,14 +32,24 @@ def is_own_lora(tensors: dict, metadata: dict[str, str]) -> bool:
         return True
     if metadata.get("ss_base_model_version", "").startswith("flux2"):
         return True
+    return mlp_ratio(tensors) == "flux2"
+
+
+def has_flux1_mlp(tensors: dict) -> bool:
+    """True for a LoRA with FLUX.1's MLP widths (4 x / 7 x hidden rows): no FLUX.2 model takes it."""
+    return mlp_ratio(tensors) == "flux"
+
+
+def mlp_ratio(tensors: dict) -> str | None:
+    """"flux" or "flux2": whose MLP widths the first fused MLP input the LoRA names has (None: none named)."""
     for key, up in tensors.items():
         for up_suffix, down_suffix in ((".lora_up.weight", ".lora_down.weight"), (".lora_B.weight", ".lora_A.weight")):
             module = key[: -len(up_suffix)]
             down = tensors.get(module + down_suffix) if key.endswith(up_suffix) else None
             for pattern, flux1_ratio, flux2_ratio in MLP_RATIOS if down is not None else ():
                 if pattern.search(module) and up.shape[0] in (flux1_ratio * down.shape[1], flux2_ratio * down.shape[1]):
-                    return up.shape[0] == flux2_ratio * down.shape[1]
-    return False
+                    return "flux2" if up.shape[0] == flux2_ratio * down.shape[1] else "flux"
+    return None
 
 
 def module_map_of_config(cfg) -> RowMap:

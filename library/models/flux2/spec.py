@@ -23,6 +23,7 @@ LORA_FILES = S.LoRAFiles(
     markers=("_ff_linear_in", "_ff_linear_out", "_ff_context_linear_", "_to_qkv_mlp_proj", "stream_modulation"),
     names_of="flux",
     recognise="library.models.flux2.lora_files:is_own_lora",
+    refuses="library.models.flux2.lora_files:has_flux1_mlp",
     block_pattern=_FLUX1_FILES.block_pattern,
     module_paths="library.models.flux2.lora_files:module_paths",
     module_map="library.models.flux2.lora_files:module_map_of_lora",

@@ -22,7 +22,8 @@ LORA_FILES = S.LoRAFiles(
     markers=("_img_mlp_net_", "_txt_mlp_net_", "_img_mod_1", "_txt_mod_1"),  # BFL-named models have img_mlp_0, img_mod_lin
     block_pattern=r"(transformer_blocks)[._](\d+)[._]",
     module_paths="library.models.qwen_image.lora_files:module_paths",
-    info_markers=(("diffusers", r"_(img|txt)_mlp_net_|_(img|txt)_mod_1|transformer_blocks_\d+_attn_add_q_proj"),),
+    # attention projections alone (attn.to_q, add_q_proj) other architectures have too: lora_info tells by shapes
+    info_markers=(("diffusers", r"_(img|txt)_mlp_net_|_(img|txt)_mod_1"),),
     info_blocks=(("block", r"(?<!single_)transformer_blocks_(\d+)_"),),
     width_modules=r"attn_to_[qkv]|attn_add_[qkv]_proj|_mod_1|mlp_net_0_proj",
     releases=(S.Release("Qwen-Image", 3072, {"block": 60}),),

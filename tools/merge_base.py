@@ -1,0 +1,196 @@
+"""The base checkpoint tools/merge_lora.py merges into and the LoRAs' deltas by its weight keys.
+
+open_base tells the architecture and naming of a checkpoint (a single file, a diffusers folder, a Hugging
+Face LLM) from its tensor names, as each family says which checkpoints are its own; lora_deltas reads one
+LoRA file through networks/lora_reader.py (down / up LoRAs and LyCORIS files alike) into
+{checkpoint weight key: delta}, checked against the base's names, shapes and version. extract_lora and
+lora_info --model open bases here too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from library.io import CheckpointError, CheckpointReader, component_folder
+from library.models.llm import checkpoint_key_to_llm
+from library.models.registry import FAMILIES, arch_spec, arch_specs
+from library.precision import fp8
+from library.precision.bfl_weights import is_bfl
+from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint
+from library.precision.gguf_weights import is_gguf
+from networks.lora_files import LoRAWeights, read_lora_tensors, split_text_encoders, text_encoder_note
+from networks.lora_reader import lora_for_model, lycoris_for_model
+from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas
+from tools.cli import LoRASpec
+
+
+# ----------------------------------------------------------------------------------------------
+# The base checkpoint
+
+
+@dataclass
+class Base:
+    """A checkpoint and what its names mean. `module_of` maps a checkpoint key to the model module
+    path LoRAs name (None for tensors no LoRA can target); `fp8_name` gives the module name that
+    the architecture's fp8 keep rules (its spec) are written in."""
+
+    path: str  # the checkpoint file or folder actually read
+    reader: CheckpointReader
+    family: str  # the architecture (an arch of the registry: "llm" for a language model)
+    naming: str  # "bfl" | "diffusers" | "hf"
+    to_model: Callable[[str], str | None]
+    module_map: dict | None = None  # fused modules: model module -> [(module in the other naming, row0, row1)]
+    weight_key: dict[str, str] = field(default_factory=dict)  # model module path -> checkpoint weight key
+    fp8: Fp8Checkpoint | None = None  # a pre-quantized base (its layout; Fp8BasePlan reads and keeps it)
+    native: bool = True  # named as the model names its modules (False: module_map's other naming)
+
+    @property
+    def is_folder(self) -> bool:
+        return os.path.isdir(self.path)
+
+    def fp8_name(self, module: str) -> str:
+        if not self.native:
+            return self._native_owner.get(module, module)
+        return module
+
+    @functools.cached_property
+    def _native_owner(self) -> dict[str, str]:
+        return {other: own for own, parts in self.module_map.items() for other, _, _ in parts}
+
+    @functools.cached_property
+    def version(self) -> str | None:
+        """The release the family names this checkpoint (model_version: what train_lora.py writes as
+        ss_base_model_version), from the model built on meta; None for an LLM or a base it cannot build."""
+        from library.models.family import family_class
+
+        if self.family == "llm" or self.family not in FAMILIES:
+            return None
+        try:
+            family = family_class(self.family)(self.path)
+            return family.model_version(family.load_transformer(torch.float32, read_weights=False))
+        except (ValueError, OSError, KeyError, RuntimeError):  # CheckpointError is a ValueError
+            return None
+
+
+def _family_base(path: str, reader: CheckpointReader, keys: list[str]) -> Base | None:
+    """The base as the family whose architecture the checkpoint is names it (None: no family's)."""
+    from library.models.family import family_class
+
+    families = {}
+    for model_type in FAMILIES:  # each architecture once (a variant reads its base's checkpoints)
+        families.setdefault(family_class(model_type).arch, family_class(model_type))
+    # Architectures that share another's names (their spec's lora_files.names_of) ask first: their
+    # checkpoints carry their base's names too, and each tells its own apart (as lora_info orders them).
+    shares = lambda arch: getattr(arch_spec(arch).lora_files, "names_of", None) is not None  # noqa: E731
+    for arch, family in sorted(families.items(), key=lambda item: not shares(item[0])):
+        if (names := family.checkpoint_names(keys, reader.shape)) is not None:
+            prefix = names.prefix
+            to_model = lambda k: k[len(prefix) :] if k.startswith(prefix) else None  # noqa: E731
+            return Base(path, reader, arch, names.naming, to_model, names.module_map, native=names.native)
+    return None
+
+
+def open_base(path: str) -> Base:
+    """Detect family and naming of the checkpoint at `path` from its tensor names."""
+    path = component_folder(path, "transformer")
+    reader = CheckpointReader(path)
+    if is_gguf(reader):  # merging into its blocks would re-quantize every merged weight from rounded values
+        raise CheckpointError(f"{path}: a GGUF base; merge_lora reads bf16 / fp16 / fp32 / fp8 bases: merge into the "
+                              f"bf16 checkpoint (--save_precision gguf_q8_0 ... writes a GGUF), or load the LoRA beside "
+                              f"the .gguf (ComfyUI-GGUF applies LoRAs at runtime)")
+    if is_bfl(reader):  # nvfp4 / fp8r: re-quantizing every merged weight would round it again
+        raise CheckpointError(f"{path}: a BFL fp8r / nvfp4 base; merge_lora reads bf16 / fp16 / fp32 / fp8 bases: "
+                              f"load the LoRA beside it (diffusers' load_lora_weights, generate.py --lora) instead")
+    keys = reader.keys()
+    base = _family_base(path, reader, keys)
+    if base is None and any(checkpoint_key_to_llm(k) and checkpoint_key_to_llm(k).startswith("model.layers.") for k in keys):
+        base = Base(path, reader, "llm", "hf", checkpoint_key_to_llm)
+    if base is None:
+        *others, last = [spec.title for spec in arch_specs().values()]
+        raise CheckpointError(f"{path}: not a {', '.join(others)} or {last} checkpoint (first key '{sorted(keys)[0]}')")
+    renamed = base.family == "llm" and any(checkpoint_key_to_llm(k) != k for k in keys)  # a VL / LLaVA layout
+    if renamed or not base.native:
+        fp8.refuse_fp8_checkpoint(reader, path)  # fp8 bases are read in the model's own names only
+    else:
+        base.fp8 = read_fp8_checkpoint(reader, path)
+    for key in keys:
+        name = base.to_model(key)
+        if name and name.endswith(".weight") and len(reader.shape(key)) == 2:
+            base.weight_key[name[: -len(".weight")]] = key
+    return base
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRAs -> per checkpoint key deltas
+
+
+def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str, str]) -> None:
+    """A LoRA whose ss_base_model_version names another architecture than the base's is refused, even
+    where the two share every name and shape (an architecture whose spec sets names_of): its deltas
+    were learned on other weights. Another release of the base's own architecture (a distilled and a
+    guidance-embedded release) is a warning: LoRAs are commonly moved between those. A version that
+    begins the base's (sd-scripts writes the family's stem) matches any of its releases."""
+    from networks.lora_arch import detect_arch
+
+    wanted = metadata.get("ss_base_model_version")
+    if not wanted or base.version is None or base.version.startswith(wanted):
+        return
+    try:
+        arch = detect_arch(tensors, metadata)
+    except CheckpointError:  # the names tell no architecture: the shapes decide
+        arch = None
+    if arch is not None and arch != base.family:
+        raise CheckpointError(f"{spec.path}: a {arch_spec(arch).title} LoRA (ss_base_model_version '{wanted}') and the "
+                              f"base {base.path} is {arch_spec(base.family).title} ('{base.version}'): its deltas were "
+                              f"learned on other weights; merge it into a {arch_spec(arch).title} checkpoint")
+    print(f"warning: {os.path.basename(spec.path)}: trained on '{wanted}' (ss_base_model_version), merged into "
+          f"'{base.version}' ({base.path}): the same architecture, another release", file=sys.stderr)
+
+
+def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta]:
+    """One LoRA file -> {checkpoint weight key: LoRAWeights or LycorisDelta}, checked against the
+    base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges). A down/up LoRA is read
+    by networks/lora_reader.py (every layout convert_lora reads, in the base's naming)."""
+    name = os.path.basename(spec.path)
+    tensors, metadata, adapter_config = read_lora_tensors(spec.path)  # a file, or a PEFT adapter folder
+    body, te = split_text_encoders(tensors)
+    if te and not body:
+        raise CheckpointError(f"{spec.path}: holds only {text_encoder_note(te)}; merge_lora merges into the transformer")
+    if te:  # sd-scripts' files: CLIP-L / T5-XXL modules beside the transformer's
+        print(f"warning: {name}: skipped {text_encoder_note(te)}: they adapt the text encoders, not the transformer "
+              f"merged here", file=sys.stderr)  # fmt: skip
+    if is_lycoris_file(body):  # LoKr, LoHa, ...: kohya names; another naming's modules renamed where whole
+        weights = lycoris_for_model(lycoris_deltas(body), body, metadata, base.family, base.weight_key, base.module_map,
+                                    target_is_key=base.native, name=spec.path)
+    else:
+        weights = lora_for_model(body, metadata, adapter_config, base.family, base.weight_key, base.module_map,
+                                 target_is_key=base.native, name=spec.path).weights
+    unmatched = [p for p in weights if p not in base.weight_key]
+    matched = {base.weight_key[p]: w for p, w in weights.items() if p in base.weight_key}
+    if not matched:
+        first = unmatched[0] if unmatched else "(none)"
+        raise CheckpointError(
+            f"{spec.path}: no LoRA module matches a weight of the {base.family} checkpoint {base.path} "
+            f"(first: '{first}'): is it a LoRA for another model? (tools/lora_info.py tells which)"
+        )
+    _check_version(base, spec, tensors, metadata)  # names fit: does the LoRA say it was trained on this model?
+    if unmatched and not allow_unmatched:
+        shown = ", ".join(unmatched[:5]) + (f" ... ({len(unmatched)} in all)" if len(unmatched) > 5 else "")
+        raise CheckpointError(f"{spec.path}: LoRA modules match no weight of {base.path}: {shown} (--allow_unmatched skips "
+                              f"them)")
+    if unmatched:
+        print(f"warning: {name}: skipped {len(unmatched)} unmatched LoRA modules: {', '.join(unmatched)}", file=sys.stderr)
+    for key, w in matched.items():
+        if isinstance(w, LycorisDelta):
+            continue
+        want = base.reader.shape(key)
+        got = (w.up.shape[0], w.down.shape[1])
+        if got != want:
+            raise CheckpointError(f"{spec.path}: LoRA for '{key}' gives a delta of shape {got}, the checkpoint weight is {want}")
+    return matched
