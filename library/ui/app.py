@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import gradio as gr
 
-from library.models.registry import FAMILIES, arch_specs
+from library.models.registry import arch_specs
 from library.ui.files import OutsideRoots
-from library.ui.handlers import BASE_PRECISIONS, FORM_KEYS, OPTIMIZERS, WebUI
+from library.ui.handlers import BASE_PRECISIONS, FORM_KEYS, MODEL_TYPES, OPTIMIZERS, WebUI
 from library.ui.jobs import JobError
 
 LABELS = {
@@ -71,7 +71,7 @@ def job_form(ui: WebUI):
             with gr.Row():
                 for key in ("model_type", "base_precision", "optimizer_type"):
                     with gr.Column(min_width=160):
-                        choices = {"model_type": list(FAMILIES), "base_precision": list(BASE_PRECISIONS),
+                        choices = {"model_type": list(MODEL_TYPES), "base_precision": list(BASE_PRECISIONS),
                                    "optimizer_type": list(OPTIMIZERS)}[key]
                         fields[key] = gr.Dropdown(choices, value=None, label=LABELS[key],
                                                   allow_custom_value=key == "optimizer_type")

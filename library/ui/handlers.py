@@ -12,7 +12,7 @@ import time
 import pandas as pd
 import toml
 
-from library.models.registry import BASE_PRECISIONS  # noqa: F401 (the form's choices, for app.py)
+from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401 (BASE_PRECISIONS: the form's choices)
 from library.text_files import read_utf8
 from library.training.config import SCHEMA, _flatten
 from library.ui import commands, run_files
@@ -26,6 +26,7 @@ from library.ui.runner import Runner
 FORM_KEYS = ("model_type", "pretrained_model_name_or_path", "ae", "dataset_config", "network_dim", "max_train_steps",
              "learning_rate", "optimizer_type", "base_precision", "sample_prompts", "sample_every_n_steps")
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy")
+MODEL_TYPES = SCHEMA["model_type"].choices  # every family and the LLM mode, as train_lora.py accepts them
 PLOT_COLUMNS = ["step", "value", "series"]
 MAX_INT = 10**15  # beyond any real count or seed, and well inside SQLite's (and torch's) 64-bit integers
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -406,6 +407,9 @@ class WebUI:
         if tool == "generate":  # with a job's models
             job = self.store.get(job_number(v["job_id"]))
             config = toml.loads(job.config)
+            if config["model_type"] not in FAMILIES:
+                raise JobError(f"job {job.id} trains an LLM (model_type {config['model_type']}): generate draws images "
+                               f"with a diffusion job's models (an LLM job's samples are in its log)")
             out = self.tool_output(f"generated-job{job.id}", "output")
             args = ["--model_type", config["model_type"], "--model", config["pretrained_model_name_or_path"],
                     "--ae", config["ae"], "--prompt", v["prompt"], "--width", whole_number(v["width"], "size (px)"),
