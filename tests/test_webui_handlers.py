@@ -100,3 +100,29 @@ def test_huge_integers_are_refused_under_their_field(ui):
     answer = ui.check("seed = 99999999999999999999\n", {})
     assert answer["key"] == "seed" and answer["error"].endswith("got 99999999999999999999")
     assert ui.store.list() == []
+
+
+def test_a_loaded_config_the_cli_refuses_is_refused_with_its_line_and_an_unchanged_one_keeps_its_keys(tiny_set, tmp_path):
+    """The form's fields, filled by Load, used to be written back over the TOML: max_train_steps = "12"
+    (a string: train_lora.py refuses it) became 12, and base_precision = "bf16" beside fp8_base = true
+    (refused as contradicting) dropped the fp8 keys; both were queued. An unchanged config is kept key
+    for key (fp8_base / fp8_scaled were rewritten as base_precision)."""
+    from library.training.config import ConfigError, load_config
+    from tests.ui_support import tiny_job_settings
+
+    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [tiny_set["root"], str(tmp_path)])
+    try:
+        fine = tiny_job_settings(tiny_set, steps=2, fp8_base=True, fp8_scaled=True)
+        for changes in ({"max_train_steps": "12"}, {"base_precision": "bf16"}):
+            path = tmp_path / "refused.toml"
+            path.write_text(toml.dumps({**fine, **changes}))
+            with pytest.raises(ConfigError) as cli:
+                load_config(["--config_file", str(path)])
+            text, fields = ui.load_config(str(path))
+            answer = ui.check(text, fields)
+            assert answer["ok"] is False and answer["error"] == str(cli.value).replace(str(path), "config")
+        path.write_text(toml.dumps(fine))
+        answer = ui.create("kept", *ui.load_config(str(path)), queue=False)
+        assert toml.loads(ui.store.get(answer["job_id"]).config) == {**fine, "output_dir": answer["output_dir"]}
+    finally:
+        ui.close()

@@ -84,10 +84,15 @@ def out_of_range(settings: dict) -> FormError | None:
 
 
 def apply_form(settings: dict, form: dict) -> dict:
-    """The config's keys with the form's filled fields over them (an empty field keeps the TOML's)."""
-    out = dict(settings)
+    """The config's keys with the form's filled fields over them. An empty field, or one showing what
+    the TOML says (as Load fills it), keeps the TOML's keys as written: the check then refuses what
+    train_lora.py refuses (max_train_steps = "120", base_precision beside fp8_base that contradicts
+    it), and a job's config keeps the file's keys."""
+    out, shown = dict(settings), form_values(settings)
     for key, value in form.items():
         if value is None or (isinstance(value, str) and not value.strip()):
+            continue
+        if isinstance(value, str) and value.strip() == shown.get(key):
             continue
         if key == "base_precision":
             for old in FP8_KEYS:
