@@ -126,3 +126,20 @@ def test_a_loaded_config_the_cli_refuses_is_refused_with_its_line_and_an_unchang
         assert toml.loads(ui.store.get(answer["job_id"]).config) == {**fine, "output_dir": answer["output_dir"]}
     finally:
         ui.close()
+
+
+def test_a_string_with_a_backslash_x_reaches_the_job_as_written(tiny_set, tmp_path):
+    r"""toml 0.10.2's writer, used for the checked and the queued config, wrote "print('\x41')" as
+    "print('\x41')" unescaped: no reader takes that back, so a config train_lora.py runs was refused
+    with 'config: not valid TOML: Reserved escape sequence used'."""
+    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [tiny_set["root"]])
+    try:
+        prompt = "print('\\x41')  # C:\\xyz"
+        settings = {"model_type": "llm", "pretrained_model_name_or_path": tiny_set["llm"], "max_train_steps": 1,
+                    "train_data": [tiny_set["corpus"]], "max_length": 32, "stride": 32}
+        text = toml.dumps(settings) + f"sample_prompt = '''{prompt}'''\n"  # a literal string, as a person writes it
+        answer = ui.create("code", text, {}, queue=False)
+        assert answer["ok"] is True, answer
+        assert toml.loads(ui.store.get(answer["job_id"]).config)["sample_prompt"] == prompt
+    finally:
+        ui.close()

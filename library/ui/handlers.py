@@ -13,7 +13,7 @@ import pandas as pd
 import toml
 
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401 (BASE_PRECISIONS: the form's choices)
-from library.text_files import read_utf8
+from library.text_files import read_utf8, toml_dumps
 from library.training.config import SCHEMA, _flatten
 from library.ui import commands, run_files
 from library.ui import runner as actions
@@ -176,7 +176,7 @@ class WebUI:
                 raise too_big
         except (JobError, ValueError) as e:
             return {"ok": False, "key": getattr(e, "key", None), "error": str(e)}
-        answer = self.checker.check(toml.dumps(settings), self.store.root, self.roots.roots)
+        answer = self.checker.check(toml_dumps(settings), self.store.root, self.roots.roots)
         answer.setdefault("settings", settings)
         return answer
 
@@ -297,7 +297,7 @@ class WebUI:
         config_file = None
         if settings is not None:
             with tempfile.NamedTemporaryFile("w", suffix=".toml", dir=self.store.root, delete=False) as f:
-                toml.dump(settings, f)
+                f.write(toml_dumps(settings))
                 config_file = f.name
         try:
             result, fits = commands.plan(self.workdir, vram, preset if source == "preset" else None, config_file,
@@ -319,7 +319,7 @@ class WebUI:
         if "base_precision" in keys:
             settings = {k: v for k, v in settings.items() if k not in FP8_KEYS}
         settings.update(keys)
-        return toml.dumps(settings), form_values(settings)
+        return toml_dumps(settings), form_values(settings)
 
     def dataset(self, path: str) -> dict:
         """check_dataset.py's report (buckets, problems) and the images with their captions."""

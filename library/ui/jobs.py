@@ -18,7 +18,7 @@ import time
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, fields
 
-import toml
+from library.text_files import toml_dumps
 
 ACTIVE = ("running", "stopping")
 FINISHED = ("done", "stopped", "failed", "interrupted")
@@ -142,7 +142,7 @@ class JobStore:
                 (name, "", "queued" if queue else "draft", device, output_name, max_steps, now, now if queue else None))
             job_id = cursor.lastrowid
             folder = self.job_folder(job_id)
-            config = toml.dumps({**settings, "output_dir": folder})
+            config = toml_dumps({**settings, "output_dir": folder})
             db.execute("UPDATE jobs SET output_dir = ?, config = ? WHERE id = ?", (folder, config, job_id))
         if os.path.exists(folder) and not os.path.isdir(folder):
             raise JobError(f"job {job.id}: its output folder {folder!r} is not a folder; remove what is there")
