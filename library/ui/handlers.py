@@ -186,7 +186,10 @@ class WebUI:
             return answer
         settings = {k: v for k, v in answer["settings"].items() if k != "output_dir"}
         name = (name or "").strip() or settings.get("output_name") or "job"
-        job = self.store.create(name, settings, answer["max_steps"], queue=queue)
+        try:
+            job = self.store.create(name, settings, answer["max_steps"], queue=queue)
+        except JobError as e:
+            return {"ok": False, "key": None, "error": str(e)}
         return {"ok": True, "job_id": job.id, "state": job.state, "output_dir": job.output_dir}
 
     # -- queue actions -----------------------------------------------------------------------

@@ -142,10 +142,10 @@ class JobStore:
                 (name, "", "queued" if queue else "draft", device, output_name, max_steps, now, now if queue else None))
             job_id = cursor.lastrowid
             folder = self.job_folder(job_id)
+            if os.path.exists(folder) and not os.path.isdir(folder):  # raised here: the new row is rolled back
+                raise JobError(f"job {job_id}: its output folder {folder!r} is not a folder; remove what is there")
             config = toml_dumps({**settings, "output_dir": folder})
             db.execute("UPDATE jobs SET output_dir = ?, config = ? WHERE id = ?", (folder, config, job_id))
-        if os.path.exists(folder) and not os.path.isdir(folder):
-            raise JobError(f"job {job.id}: its output folder {folder!r} is not a folder; remove what is there")
         os.makedirs(folder, exist_ok=True)
         return self.get(job_id)
 
