@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from safetensors import safe_open
@@ -212,6 +213,54 @@ def test_a_restart_with_another_device_list_still_watches_and_runs_the_old_devic
         runner.close()
         if trainer.poll() is None:
             trainer.kill()
+
+
+SLOW_SAVER = """
+import signal, sys, time
+log = open(sys.argv[1], "a", buffering=1)
+def on_int(*_):
+    log.write("SIGINT\\n")
+signal.signal(signal.SIGINT, on_int)
+log.write("started\\n")
+time.sleep(120)
+"""
+
+
+def test_a_ui_restarted_while_a_job_stops_does_not_send_a_second_sigint(tmp_path):
+    """train_lora.py takes a second SIGINT as 'leave now' (no LoRA, no state saved). The watcher of a
+    restarted UI sent Stop's SIGINT again to a trainer still saving after the first: two in the log."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    trainer = subprocess.Popen([sys.executable, "-c", SLOW_SAVER, job.log_path], start_new_session=True)
+    try:
+        wait_for(lambda: os.path.exists(job.log_path), 30, "the fake trainer's start")
+        from library.ui import run_files
+
+        store.update(job.id, pid=trainer.pid, pid_started=run_files.process_started(trainer.pid))
+        for _ in range(2):  # a UI, then the UI restarted
+            runner = Runner(store, str(tmp_path), devices=("cpu",), python="/bin/true", poll=0.05)
+            runner.start()
+            if store.get(job.id).state == "running":
+                actions.stop(store, job.id)
+            wait_for(lambda: "SIGINT" in open(job.log_path).read(), 10, "the SIGINT")
+            time.sleep(0.5)  # ten of its watcher's polls
+            runner.close()
+        assert open(job.log_path).read().split() == ["started", "SIGINT"]
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def test_a_queue_made_by_an_older_ui_gets_the_new_columns(tmp_path):
+    from library.ui import jobs
+
+    (tmp_path / "jobs").mkdir()
+    with sqlite3.connect(tmp_path / "jobs" / "jobs.sqlite") as db:
+        db.execute(jobs.SCHEMA.replace(", stop_sent REAL", ""))
+        db.execute("INSERT INTO jobs (name, config, state, output_dir, output_name, created) "
+                   "VALUES ('old', '', 'stopping', '/x', 'lora', 0)")
+    assert JobStore(str(tmp_path / "jobs")).get(1).stop_sent is None
 
 
 def test_a_trainer_killed_by_a_signal_says_so_not_its_progress_bar(tmp_path):

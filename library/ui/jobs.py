@@ -50,6 +50,7 @@ class Job:
     message: str = ""
     peak_rss: int = 0  # bytes (the trainer's VmHWM)
     peak_vram: int = 0  # bytes (nvidia-smi, sampled), 0 off CUDA
+    stop_sent: float | None = None  # when Stop's SIGINT went to the trainer: never twice (a second one quits unsaved)
 
     @property
     def config_path(self) -> str:
@@ -79,8 +80,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     device TEXT, output_dir TEXT NOT NULL, output_name TEXT NOT NULL, max_steps INTEGER, created REAL NOT NULL,
     queued REAL, started REAL, finished REAL, pid INTEGER, pid_started INTEGER, resume TEXT,
     last_step INTEGER NOT NULL DEFAULT 0, exit_code INTEGER, message TEXT NOT NULL DEFAULT '',
-    peak_rss INTEGER NOT NULL DEFAULT 0, peak_vram INTEGER NOT NULL DEFAULT 0
+    peak_rss INTEGER NOT NULL DEFAULT 0, peak_vram INTEGER NOT NULL DEFAULT 0, stop_sent REAL
 )"""
+# Columns added since the first release, for a queue an older UI made.
+ADDED_COLUMNS = {"stop_sent": "REAL"}
 
 
 class JobStore:
@@ -95,6 +98,10 @@ class JobStore:
         with self._connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute(SCHEMA)
+            have = {row["name"] for row in db.execute("PRAGMA table_info(jobs)")}
+            for column, kind in ADDED_COLUMNS.items():
+                if column not in have:
+                    db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
 
     @contextmanager
     def _connect(self):
@@ -185,7 +192,7 @@ class JobStore:
             if row is None:
                 return None
             db.execute("UPDATE jobs SET state = 'running', device = ?, started = ?, finished = NULL, pid = NULL, "
-                       "exit_code = NULL, message = '' WHERE id = ?", (device, time.time(), row["id"]))
+                       "exit_code = NULL, message = '', stop_sent = NULL WHERE id = ?", (device, time.time(), row["id"]))
         return self.get(row["id"])
 
     def delete(self, job_id: int) -> None:

@@ -155,8 +155,9 @@ class Runner:
 
     def _watch(self, job: Job, process: subprocess.Popen | None) -> None:
         """Until the trainer exits: its last step, peak memory, and a stop request turned into
-        SIGINT. process None: a re-attached trainer (not our child: its exit status is read from its log)."""
-        signalled, vram_checked = False, 0.0
+        SIGINT (once per run, also across UI restarts: train_lora.py takes a second one as "leave now",
+        without saving). process None: a re-attached trainer (not our child: its exit status is read from its log)."""
+        vram_checked = 0.0
         while True:
             if self.closing.is_set():  # the UI is going away; the trainer goes on and is re-attached later
                 return
@@ -171,9 +172,9 @@ class Runner:
             self.store.update(job.id, **{k: v for k, v in values.items() if getattr(current, k) != v})
             if not alive:
                 break
-            if current.state == "stopping" and not signalled:
+            if current.state == "stopping" and not current.stop_sent:  # sent once, whichever UI watched then
+                self.store.update(job.id, stop_sent=time.time())
                 os.kill(job.pid, signal.SIGINT)
-                signalled = True
             time.sleep(self.poll)
         code = process.returncode if process else None
         self.store.update(job.id, **outcome(self.store.get(job.id), code), finished=time.time(), pid=None,
