@@ -103,6 +103,24 @@ class JobStore:
                 if column not in have:
                     db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
 
+    def hold(self) -> str | None:
+        """Takes the queue for this process until it exits: one UI runs a queue (two would each run a
+        job per device at once). None when taken; else who holds it, in words. The lock file's
+        descriptor is not inherited, so a trainer outliving its UI does not keep the queue."""
+        import fcntl
+
+        fd = os.open(os.path.join(self.root, "ui.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 20).decode(errors="replace").strip()
+            os.close(fd)
+            return f"another UI (pid {holder})" if holder.isdigit() else "another UI"
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self.held = fd
+        return None
+
     @contextmanager
     def _connect(self):
         with closing(sqlite3.connect(self.path, timeout=30, isolation_level=None)) as db:
