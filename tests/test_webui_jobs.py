@@ -73,6 +73,24 @@ def test_delete_removes_only_the_jobs_own_folder(tmp_path):
     assert not os.path.exists(store.job_folder(job.id)) and store.list() == []
 
 
+def test_a_queued_job_claimed_while_it_is_deleted_is_not_deleted(tmp_path, monkeypatch):
+    """Two tabs: Delete read the job as queued, a runner claimed it, and Delete removed the running
+    job's row and folder (its watcher then died on 'no such job', and the device's queue with it)."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    read = store.get
+
+    def read_then_claimed(job_id):  # the runner claims the job just after Delete has read it
+        found = read(job_id)
+        store.claim_next("cpu")
+        return found
+
+    monkeypatch.setattr(store, "get", read_then_claimed)
+    with pytest.raises(JobError, match=f"job {job.id} is running: stop it before deleting it"):
+        store.delete(job.id)
+    assert read(job.id).state == "running" and os.path.isdir(job.output_dir)
+
+
 def test_a_trainer_gone_during_a_restart_is_marked_interrupted_with_its_step(tmp_path):
     store = JobStore(str(tmp_path / "jobs"))
     job = store.create("a", {"output_name": "lora"}, 5, queue=True)

@@ -215,14 +215,18 @@ class JobStore:
 
     def delete(self, job_id: int) -> None:
         """The job's row and its output folder; refused while it runs. Only a folder that is the
-        job's own (job-NNNN directly under the jobs root, not a link) is removed."""
+        job's own (job-NNNN directly under the jobs root, not a link) is removed. The state is read
+        in the deleting transaction: a queued job a runner claims meanwhile is not deleted under it."""
         job = self.get(job_id)
-        if job.state in ACTIVE:
-            raise JobError(f"job {job_id} is {job.state}: stop it before deleting it")
         folder = self.job_folder(job.id)
         if os.path.realpath(job.output_dir) != folder or os.path.islink(job.output_dir):
             raise JobError(f"job {job_id}: its output folder {job.output_dir!r} is not {folder!r}; not deleting it")
         with self._transaction() as db:
+            row = db.execute("SELECT state FROM jobs WHERE id = ?", (job.id,)).fetchone()
+            if row is None:
+                raise JobError(f"job {job_id}: no such job")
+            if row["state"] in ACTIVE:
+                raise JobError(f"job {job_id} is {row['state']}: stop it before deleting it")
             db.execute("DELETE FROM jobs WHERE id = ?", (job.id,))
         if os.path.isdir(folder):
             shutil.rmtree(folder)
