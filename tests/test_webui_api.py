@@ -206,6 +206,21 @@ def test_dataset_view_lists_captions_buckets_and_problems(client, tiny_set, serv
         assert f.read() == "an edited caption\n" and "saved" in saved
 
 
+def test_an_edit_of_the_loaded_toml_is_not_undone_by_the_fields_load_filled(server, tiny_toml):
+    """Old: Load filled steps = 6; the user changed max_train_steps to 3 in the TOML; Validate (and the
+    job) took the field's 6. A field the user changes still overrides the TOML."""
+    path = os.path.join(os.path.dirname(server.jobs_dir), "data", "edited.toml")
+    with open(path, "w") as f:
+        f.write(tiny_toml)
+    tab = server.client()
+    text, *fields, _ = tab.predict(path, api_name="/load_config")
+    assert fields[FORM_KEYS.index("max_train_steps")] == "6"
+    edited = text.replace("max_train_steps = 6", "max_train_steps = 3")
+    assert tab.predict(edited, *fields, api_name="/validate")[0] == {"ok": True, "max_steps": 3}
+    fields[FORM_KEYS.index("max_train_steps")] = "4"
+    assert tab.predict(edited, *fields, api_name="/validate")[0] == {"ok": True, "max_steps": 4}
+
+
 def test_an_llm_config_validates_and_its_job_refuses_generate_in_one_line(client, tiny_set):
     """The form's model type offers every model_type train_lora.py takes: the LLM mode's "llm" was
     missing, so Validate and Create of a loaded configs/llm_lora.toml answered gradio's 'Value: llm is
