@@ -43,3 +43,27 @@ def toml_string(text: str) -> str:
 def toml_dumps(settings: dict) -> str:
     """A config's keys as TOML text that toml.loads reads back equal."""
     return toml.dumps(settings, encoder=_TomlEncoder())
+
+
+def set_toml_keys(text: str, keys: dict, drop: tuple[str, ...] = ()) -> str:
+    """The TOML text a person wrote with `keys` set (scalars) and the `drop` keys removed, the rest as
+    written (comments, tables, order): a key's line is rewritten where it stands, its comment kept;
+    a new key goes above the first table. For a config whose keys may sit in any table."""
+    import re
+
+    lines, todo = text.split("\n"), dict(keys)
+    for i, line in enumerate(lines):
+        match = re.match(r"\s*([A-Za-z0-9_]+)\s*=\s*(\"(?:[^\"\\]|\\.)*\"|[^#]*?)\s*(#.*)?$", line)
+        if not match or (match.group(1) not in todo and match.group(1) not in drop):
+            continue
+        key = match.group(1)
+        if key in drop:
+            lines[i] = None
+            continue
+        comment = f"  {match.group(3)}" if match.group(3) else ""
+        lines[i] = f"{key} = {toml_dumps({key: todo.pop(key)}).split(' = ', 1)[1].strip()}{comment}"
+    first_table = next((i for i, line in enumerate(lines) if line is not None and line.lstrip().startswith("[")),
+                       len(lines))
+    added = [toml_dumps({k: v}).strip() for k, v in todo.items()] + ([""] if todo and first_table < len(lines) else [])
+    kept = [line for line in lines[:first_table] if line is not None]
+    return "\n".join(kept + added + [line for line in lines[first_table:] if line is not None])

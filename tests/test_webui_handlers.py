@@ -152,3 +152,15 @@ def test_a_string_with_a_backslash_x_reaches_the_job_as_written(tiny_set, tmp_pa
         assert toml.loads(ui.store.get(answer["job_id"]).config)["sample_prompt"] == prompt
     finally:
         ui.close()
+
+
+def test_applying_a_plan_keeps_the_configs_comments_tables_and_keys(ui):
+    """Old: Apply replaced the editor's text with every key flattened (comments and tables gone, the
+    form's fields written in); now the suggested keys are set where the text writes them."""
+    text = ('# my run\n[precision]\nfp8_base = true   # the older spelling\nfp8_scaled = true\n\n[memory]\n'
+            'blocks_to_swap = 8   # my card\n[network]\nnetwork_dim = 16\n')
+    keys = {"gradient_checkpointing": True, "blocks_to_swap": 2, "base_precision": "bf16"}
+    new_text, fields = ui.apply_plan(text, {"network_dim": "32"}, keys)
+    assert new_text == ('# my run\ngradient_checkpointing = true\nbase_precision = "bf16"\n\n[precision]\n\n'
+                        '[memory]\nblocks_to_swap = 2  # my card\n[network]\nnetwork_dim = 16\n')
+    assert fields["base_precision"] == "bf16" and fields["network_dim"] == "32"  # the user's field stays

@@ -13,7 +13,7 @@ import pandas as pd
 import toml
 
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401 (BASE_PRECISIONS: the form's choices)
-from library.text_files import read_utf8, toml_dumps
+from library.text_files import read_utf8, set_toml_keys, toml_dumps
 from library.training.config import SCHEMA, _flatten
 from library.ui import commands, run_files
 from library.ui import runner as actions
@@ -317,12 +317,21 @@ class WebUI:
         return {"ok": False, "report": message, "fits": [], "suggested": None}
 
     def apply_plan(self, text: str, form: dict, keys: dict) -> tuple[str, dict]:
-        """The TOML text and form with a plan's suggested keys set."""
-        settings = self.settings(text, form)
-        if "base_precision" in keys:
-            settings = {k: v for k, v in settings.items() if k not in FP8_KEYS}
-        settings.update(keys)
-        return toml_dumps(settings), form_values(settings)
+        """The TOML text and form with a plan's suggested keys set: in the text where it writes them
+        (its comments, tables and other keys kept), the form's fields as they were but base precision."""
+        drop = FP8_KEYS if "base_precision" in keys else ()
+        try:
+            written = {k: v for k, v in _flatten(toml.loads(text or ""), "config").items() if k not in drop}
+        except (toml.TomlDecodeError, ValueError):  # edited since the plan: left for Validate to explain
+            return text, {**form_values({}), **form}
+        new_text = set_toml_keys(text or "", keys, drop)
+        try:
+            kept = _flatten(toml.loads(new_text), "config") == {**written, **keys}
+        except (toml.TomlDecodeError, ValueError):
+            kept = False
+        if not kept:  # a layout the line edit cannot follow (a dotted key, a key in a multi-line string)
+            new_text = toml_dumps({**written, **keys})
+        return new_text, {**form_values({**written, **keys}), **form, **{k: v for k, v in keys.items() if k in FORM_KEYS}}
 
     def dataset(self, path: str) -> dict:
         """check_dataset.py's report (buckets, problems) and the images with their captions."""
