@@ -106,6 +106,37 @@ def test_a_trainer_gone_during_a_restart_is_marked_interrupted_with_its_step(tmp
     assert "last logged step 2" in job.message and "retry" in job.message
 
 
+def test_a_trainer_gone_while_stopping_after_steps_is_interrupted_not_stopped_before_its_first_step(tmp_path):
+    """Old: a job Stop was asked of, whose trainer was gone at the restart without its 'SIGINT: saved'
+    line (killed while saving), read 'stopped before the first step: nothing to save' after 3 steps."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    with open(job.csv_path, "w") as f:
+        f.write("step,epoch,loss\n1,0,1.5\n2,0,1.4\n3,0,1.3\n")
+    store.update(job.id, state="stopping", pid=2**22 + 7, pid_started=1)  # no such process
+    Runner(store, str(tmp_path)).recover()
+    job = store.get(job.id)
+    assert job.state == "interrupted" and job.last_step == 3 and "last logged step 3" in job.message
+
+
+def test_a_resumed_run_stopped_before_its_first_step_keeps_its_state(tmp_path):
+    """Old: Stop while a resumed run was still caching ended it with 'nothing to save; retry to start
+    again' and resume None: the state it had resumed from (step 3) was no longer offered."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    with open(job.csv_path, "w") as f:
+        f.write("step,epoch,loss\n1,0,1.5\n2,0,1.4\n3,0,1.3\n")  # the first run's steps
+    os.makedirs(job.state_dir)
+    with open(os.path.join(job.state_dir, "train_state.json"), "w") as f:
+        f.write('{"step": 3}')
+    store.update(job.id, state="stopping")
+    ended = actions.outcome(store.get(job.id), -signal.SIGINT)  # our SIGINT, before its handler was set
+    assert ended == {"state": "stopped", "resume": job.state_dir,
+                     "message": "stopped before its first step: nothing saved; resume continues from the state at step 3"}
+
+
 def test_stop_resume_and_reattach_with_the_real_trainer(tiny_set, tmp_path, monkeypatch):
     """One job through a UI restart, a clean stop and a resume: two trainer processes in all. The
     trainer pauses itself after step 2 while the UI restarts and asks it to stop, so the stop lands

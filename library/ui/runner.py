@@ -193,9 +193,12 @@ def outcome(job: Job, code: int | None) -> dict:
         return {"state": "stopped", "message": f"stopped at step {stopped.group(1) if stopped else saved}: "
                                                f"LoRA and state saved; resume continues from there",
                 "resume": job.state_dir if saved is not None else None}
-    if job.state == "stopping":  # stopped before training began (train_lora.py's Ctrl-C handler not yet set)
-        return {"state": "stopped", "message": "stopped before the first step: nothing to save; retry to start again",
-                "resume": None}
+    # Stopped before training began (train_lora.py's Ctrl-C handler not yet set: our SIGINT ended it). One
+    # gone after logged steps without saving, and not by our SIGINT, failed (or is interrupted at a restart).
+    if job.state == "stopping" and (code == -signal.SIGINT or not run_files.last_step(job.csv_path)):
+        then = f"resume continues from the state at step {saved}" if saved is not None else "retry to start again"
+        return {"state": "stopped", "message": f"stopped before its first step: nothing saved; {then}",
+                "resume": job.state_dir if saved is not None else None}
     if code is not None and code < 0:  # killed: its log's last line is whatever it printed before
         return {"state": "failed", "message": killed_by(-code), "resume": job.state_dir if saved is not None else None}
     errors = [line for line in lines if line.startswith("error:") or "Error" in line]
