@@ -111,7 +111,7 @@ def test_huge_integers_are_refused_under_their_field(ui):
     assert ui.store.list() == []
 
 
-def test_a_loaded_config_the_cli_refuses_is_refused_with_its_line_and_an_unchanged_one_keeps_its_keys(tiny_set, tmp_path):
+def test_a_loaded_config_the_cli_refuses_is_refused_with_its_line_and_unchanged_keeps_its_keys(tiny_set, tmp_path):
     """The form's fields, filled by Load, used to be written back over the TOML: max_train_steps = "12"
     (a string: train_lora.py refuses it) became 12, and base_precision = "bf16" beside fp8_base = true
     (refused as contradicting) dropped the fp8 keys; both were queued. An unchanged config is kept key
@@ -164,3 +164,23 @@ def test_applying_a_plan_keeps_the_configs_comments_tables_and_keys(ui):
     assert new_text == ('# my run\ngradient_checkpointing = true\nbase_precision = "bf16"\n\n[precision]\n\n'
                         '[memory]\nblocks_to_swap = 2  # my card\n[network]\nnetwork_dim = 16\n')
     assert fields["base_precision"] == "bf16" and fields["network_dim"] == "32"  # the user's field stays
+
+
+def test_a_loaded_config_saved_back_is_the_same_file_and_a_changed_field_is_set_in_place(ui, tmp_path):
+    """There was no way to save a config from the page (only a job's flattened config.toml, its comments
+    and tables gone): Save TOML writes the editor's text with the changed fields set where it has them."""
+    text = ('# my run\n[model]\nmodel_type = "flux"\n\n[precision]\nfp8_base = true   # older spelling\n'
+            '[network]\nnetwork_dim = 8   # rank\nnetwork_alpha = 8\n')
+    source = tmp_path / "data" / "mine ü.toml"
+    source.write_text(text)
+    loaded_text, fields = ui.load_config(str(source))
+    copy = ui.save_config(str(tmp_path / "data" / "copy.toml"), loaded_text, fields)
+    assert open(copy).read() == text
+    fields.update(network_dim="16", base_precision="bf16")
+    ui.save_config(copy, loaded_text, fields)
+    assert open(copy).read() == ('# my run\nbase_precision = "bf16"\n\n[model]\nmodel_type = "flux"\n\n[precision]\n'
+                                 '[network]\nnetwork_dim = 16  # rank\nnetwork_alpha = 8\n')
+    for path, expected in (("/etc/x.toml", "save to '/etc/x.toml' is outside the folders"),
+                           (str(tmp_path / "data" / "x.txt"), "give a .toml file under the roots")):
+        with pytest.raises(ValueError, match=expected):
+            ui.save_config(path, loaded_text, fields)

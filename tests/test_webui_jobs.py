@@ -133,8 +133,8 @@ def test_a_resumed_run_stopped_before_its_first_step_keeps_its_state(tmp_path):
         f.write('{"step": 3}')
     store.update(job.id, state="stopping")
     ended = actions.outcome(store.get(job.id), -signal.SIGINT)  # our SIGINT, before its handler was set
-    assert ended == {"state": "stopped", "resume": job.state_dir,
-                     "message": "stopped before its first step: nothing saved; resume continues from the state at step 3"}
+    assert ended == {"state": "stopped", "resume": job.state_dir, "message": "stopped before its first step: nothing "
+                                                                         "saved; resume continues from the state at step 3"}
 
 
 def test_stop_resume_and_reattach_with_the_real_trainer(tiny_set, tmp_path, monkeypatch):

@@ -105,6 +105,10 @@ def jobs_tab(ui: WebUI):
         check_button = gr.Button("Validate")
         create_button = gr.Button("Create (draft)")
         queue_new = gr.Button("Create and queue", variant="primary", elem_id="create-and-queue")
+    with gr.Row():
+        save_to = gr.Textbox(label="save the config to (a .toml under the roots; comments and tables kept)", scale=3)
+        save = gr.Button("Save TOML", scale=1)
+    saved = gr.Markdown()
     answer = gr.JSON(label="result", elem_id="job-result")
 
     gr.Markdown("## Queue")
@@ -147,6 +151,14 @@ def jobs_tab(ui: WebUI):
         return [summary] + show_errors(result)
 
     check_button.click(on_check, [text, *form_inputs, loaded], [answer, *error_outputs], api_name="validate")
+
+    def on_save(path, text_value, *values):
+        try:
+            return f"saved {ui.save_config(path, text_value, edited(order, values))}"
+        except (OutsideRoots, OSError, ValueError) as e:
+            return f"⚠ {e}"
+
+    save.click(on_save, [save_to, text, *form_inputs, loaded], [saved], api_name="save_config")
 
     def creator(queue: bool):
         def on_create(job_name, text_value, *values):
@@ -253,7 +265,8 @@ def planner_tab(ui: WebUI, form: dict) -> None:
                 else "**Nothing fits this card**, even with every block swapped." if result["ok"] else "**Plan failed.**")
         return note, result["report"], best
 
-    run.click(on_plan, [source, preset, vram, resolution, batch, form["text"], *[fields[k] for k in order], form["loaded"]],
+    run.click(on_plan, [source, preset, vram, resolution, batch, form["text"], *[fields[k] for k in order],
+                        form["loaded"]],
               [suggestion, report, keys], api_name="plan")
 
     def on_apply(best, text_value, *values):

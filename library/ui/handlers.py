@@ -83,22 +83,35 @@ def out_of_range(settings: dict) -> FormError | None:
     return None
 
 
+def changed_fields(settings: dict, form: dict) -> dict:
+    """The form's filled fields that say something else than the config's keys, as the keys' types.
+    An empty field, or one showing what the TOML says (as Load fills it), leaves the TOML's key as
+    written: the check then refuses what train_lora.py refuses (max_train_steps = "120", base_precision
+    beside fp8_base that contradicts it), and a job's or a saved config keeps the file's keys."""
+    shown = form_values(settings)
+    return {key: field_value(key, value) for key, value in form.items()
+            if value is not None and not (isinstance(value, str) and value.strip() in ("", shown.get(key)))}
+
+
 def apply_form(settings: dict, form: dict) -> dict:
-    """The config's keys with the form's filled fields over them. An empty field, or one showing what
-    the TOML says (as Load fills it), keeps the TOML's keys as written: the check then refuses what
-    train_lora.py refuses (max_train_steps = "120", base_precision beside fp8_base that contradicts
-    it), and a job's config keeps the file's keys."""
-    out, shown = dict(settings), form_values(settings)
-    for key, value in form.items():
-        if value is None or (isinstance(value, str) and not value.strip()):
-            continue
-        if isinstance(value, str) and value.strip() == shown.get(key):
-            continue
-        if key == "base_precision":
-            for old in FP8_KEYS:
-                out.pop(old, None)
-        out[key] = field_value(key, value)
-    return out
+    """The config's keys with the form's changed fields over them (base_precision replaces the older
+    fp8_base / fp8_scaled keys, which could contradict it)."""
+    changed = changed_fields(settings, form)
+    out = {k: v for k, v in settings.items() if not ("base_precision" in changed and k in FP8_KEYS)}
+    return {**out, **changed}
+
+
+def toml_with(text: str, settings: dict, keys: dict, drop: tuple[str, ...] = ()) -> str:
+    """The TOML text (whose keys less `drop` are `settings`) with `keys` set and `drop` removed where
+    it writes them, comments and tables kept; the whole dump where the line edit cannot follow its
+    layout (a dotted key, a key inside a multi-line string)."""
+    new_text = set_toml_keys(text, keys, drop)
+    try:
+        if _flatten(toml.loads(new_text), "config") == {**settings, **keys}:
+            return new_text
+    except (toml.TomlDecodeError, ValueError):
+        pass
+    return toml_dumps({**settings, **keys})
 
 
 def job_number(job_id) -> int:
@@ -179,6 +192,25 @@ class WebUI:
         answer = self.checker.check(toml_dumps(settings), self.store.root, self.roots.roots)
         answer.setdefault("settings", settings)
         return answer
+
+    def save_config(self, path: str, text: str, form: dict) -> str:
+        """The editor's TOML, with the fields changed from it set where it writes them (its comments,
+        tables and other keys kept), written to `path` (a .toml file under the roots); the path written."""
+        if not str(path or "").strip().endswith(".toml"):
+            raise ValueError(f"save to {path!r}: give a .toml file under the roots")
+        real = self.roots.resolve(path.strip(), "save to")
+        try:
+            settings = _flatten(toml.loads(text or ""), "config")
+        except toml.TomlDecodeError as e:
+            raise ValueError(f"config: not valid TOML: {e}") from None
+        changed = changed_fields(settings, form)
+        drop = FP8_KEYS if "base_precision" in changed else ()
+        new_text = toml_with(text or "", {k: v for k, v in settings.items() if k not in drop}, changed, drop)
+        tmp = real + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(new_text)
+        os.replace(tmp, real)
+        return real
 
     def create(self, name: str, text: str, form: dict, queue: bool) -> dict:
         answer = self.check(text, form)
@@ -324,14 +356,9 @@ class WebUI:
             written = {k: v for k, v in _flatten(toml.loads(text or ""), "config").items() if k not in drop}
         except (toml.TomlDecodeError, ValueError):  # edited since the plan: left for Validate to explain
             return text, {**form_values({}), **form}
-        new_text = set_toml_keys(text or "", keys, drop)
-        try:
-            kept = _flatten(toml.loads(new_text), "config") == {**written, **keys}
-        except (toml.TomlDecodeError, ValueError):
-            kept = False
-        if not kept:  # a layout the line edit cannot follow (a dotted key, a key in a multi-line string)
-            new_text = toml_dumps({**written, **keys})
-        return new_text, {**form_values({**written, **keys}), **form, **{k: v for k, v in keys.items() if k in FORM_KEYS}}
+        new_text = toml_with(text or "", written, keys, drop)
+        planned = {k: v for k, v in keys.items() if k in FORM_KEYS}
+        return new_text, {**form_values({**written, **keys}), **form, **planned}
 
     def dataset(self, path: str) -> dict:
         """check_dataset.py's report (buckets, problems) and the images with their captions."""

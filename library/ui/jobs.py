@@ -210,7 +210,8 @@ class JobStore:
             if row is None:
                 return None
             db.execute("UPDATE jobs SET state = 'running', device = ?, started = ?, finished = NULL, pid = NULL, "
-                       "exit_code = NULL, message = '', stop_sent = NULL WHERE id = ?", (device, time.time(), row["id"]))
+                       "exit_code = NULL, message = '', stop_sent = NULL WHERE id = ?",
+                       (device, time.time(), row["id"]))
         return self.get(row["id"])
 
     def delete(self, job_id: int) -> None:
