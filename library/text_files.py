@@ -53,7 +53,7 @@ def set_toml_keys(text: str, keys: dict, drop: tuple[str, ...] = ()) -> str:
 
     lines, todo = text.split("\n"), dict(keys)
     for i, line in enumerate(lines):
-        match = re.match(r"\s*([A-Za-z0-9_]+)\s*=\s*(\"(?:[^\"\\]|\\.)*\"|[^#]*?)\s*(#.*)?$", line)
+        match = re.match(r"\s*([A-Za-z0-9_]+)\s*=\s*(\"(?:[^\"\\]|\\.)*\"|'[^']*'|[^#]*?)\s*(#.*)?$", line)
         if not match or (match.group(1) not in todo and match.group(1) not in drop):
             continue
         key = match.group(1)

@@ -169,16 +169,17 @@ def test_applying_a_plan_keeps_the_configs_comments_tables_and_keys(ui):
 def test_a_loaded_config_saved_back_is_the_same_file_and_a_changed_field_is_set_in_place(ui, tmp_path):
     """There was no way to save a config from the page (only a job's flattened config.toml, its comments
     and tables gone): Save TOML writes the editor's text with the changed fields set where it has them."""
-    text = ('# my run\n[model]\nmodel_type = "flux"\n\n[precision]\nfp8_base = true   # older spelling\n'
-            '[network]\nnetwork_dim = 8   # rank\nnetwork_alpha = 8\n')
+    text = ('# my run\n[model]\nmodel_type = "flux"\nae = \'vae #2.safetensors\'  # a literal string\n\n[precision]\n'
+            'fp8_base = true   # older spelling\n[network]\nnetwork_dim = 8   # rank\nnetwork_alpha = 8\n')
     source = tmp_path / "data" / "mine ü.toml"
     source.write_text(text)
     loaded_text, fields = ui.load_config(str(source))
     copy = ui.save_config(str(tmp_path / "data" / "copy.toml"), loaded_text, fields)
     assert open(copy).read() == text
-    fields.update(network_dim="16", base_precision="bf16")
+    fields.update(network_dim="16", base_precision="bf16", ae="vae.safetensors")
     ui.save_config(copy, loaded_text, fields)
-    assert open(copy).read() == ('# my run\nbase_precision = "bf16"\n\n[model]\nmodel_type = "flux"\n\n[precision]\n'
+    assert open(copy).read() == ('# my run\nbase_precision = "bf16"\n\n[model]\nmodel_type = "flux"\n'
+                                 'ae = "vae.safetensors"  # a literal string\n\n[precision]\n'
                                  '[network]\nnetwork_dim = 16  # rank\nnetwork_alpha = 8\n')
     for path, expected in (("/etc/x.toml", "save to '/etc/x.toml' is outside the folders"),
                            (str(tmp_path / "data" / "x.txt"), "give a .toml file under the roots")):
