@@ -101,14 +101,16 @@ def job_form(ui: WebUI):
 
 def jobs_tab(ui: WebUI):
     pick, load, name, fields, errors, text = job_form(ui)
+    order = list(FORM_KEYS)
+    form_inputs = [fields[k] for k in order]
+    error_outputs = [errors[k] for k in order] + [errors["toml"]]
+    # The fields as the last Load filled them: one left so gives way to the TOML (an edit there wins).
+    loaded = gr.State({})
     with gr.Row():
         check_button = gr.Button("Validate")
         create_button = gr.Button("Create (draft)")
         queue_new = gr.Button("Create and queue", variant="primary", elem_id="create-and-queue")
-    with gr.Row():
-        save_to = gr.Textbox(label="save the config to (a .toml under the roots; comments and tables kept)", scale=3)
-        save = gr.Button("Save TOML", scale=1)
-    saved = gr.Markdown()
+    save_row(ui, order, [text, *form_inputs, loaded])
     answer = gr.JSON(label="result", elem_id="job-result")
 
     gr.Markdown("## Queue")
@@ -123,18 +125,11 @@ def jobs_tab(ui: WebUI):
         cancel = gr.Button("No")
     action_answer = gr.JSON(label="action", elem_id="action-result")
 
-    order = list(FORM_KEYS)
-    form_inputs = [fields[k] for k in order]
-    error_outputs = [errors[k] for k in order] + [errors["toml"]]
-
     def show_errors(result: dict) -> list:
         key = result.get("key") if not result.get("ok") else None
         where = key if key in errors else ("base_precision" if key in ("fp8_base", "fp8_scaled") else "toml")
         message = result.get("error", "") if not result.get("ok") else ""
         return [error_note(message if k == where else "") for k in order + ["toml"]]
-
-    # The fields as the last Load filled them: one left so gives way to the TOML (an edit there wins).
-    loaded = gr.State({})
 
     def on_load(path):
         try:
@@ -151,14 +146,6 @@ def jobs_tab(ui: WebUI):
         return [summary] + show_errors(result)
 
     check_button.click(on_check, [text, *form_inputs, loaded], [answer, *error_outputs], api_name="validate")
-
-    def on_save(path, text_value, *values):
-        try:
-            return f"saved {ui.save_config(path, text_value, edited(order, values))}"
-        except (OutsideRoots, OSError, ValueError) as e:
-            return f"⚠ {e}"
-
-    save.click(on_save, [save_to, text, *form_inputs, loaded], [saved], api_name="save_config")
 
     def creator(queue: bool):
         def on_create(job_name, text_value, *values):
@@ -190,6 +177,23 @@ def jobs_tab(ui: WebUI):
     timer = gr.Timer(REFRESH_SECONDS)
     timer.tick(lambda: (ui.jobs_table(), gr.update(choices=ui.job_choices())), None, [table, job_id], api_name=False)
     return {"text": text, "fields": fields, "order": order, "loaded": loaded}, errors, job_id
+
+
+def save_row(ui: WebUI, order: list[str], inputs: list) -> None:
+    """Save TOML: the editor's config written back under the roots. inputs: the TOML, the fields, the
+    values Load filled them with."""
+    with gr.Row():
+        save_to = gr.Textbox(label="save the config to (a .toml under the roots; comments and tables kept)", scale=3)
+        save = gr.Button("Save TOML", scale=1)
+    saved = gr.Markdown()
+
+    def on_save(path, text_value, *values):
+        try:
+            return f"saved {ui.save_config(path, text_value, edited(order, values))}"
+        except (OutsideRoots, OSError, ValueError) as e:
+            return f"⚠ {e}"
+
+    save.click(on_save, [save_to, *inputs], [saved], api_name="save_config")
 
 
 def live_tab(ui: WebUI, job_id) -> None:
