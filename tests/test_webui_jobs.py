@@ -91,6 +91,31 @@ def test_a_queued_job_claimed_while_it_is_deleted_is_not_deleted(tmp_path, monke
     assert read(job.id).state == "running" and os.path.isdir(job.output_dir)
 
 
+def test_a_retry_does_not_clear_the_files_of_a_job_another_tab_retried_and_started(tmp_path, monkeypatch):
+    """Old: Retry read the state (failed), then cleared the folder, then queued it: another tab's retry
+    and the runner's start in between lost their train.log (and the trainer's outputs) to the clear."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    store.update(job.id, state="failed")
+    read, raced = store.get, []
+
+    def read_then_the_other_tab(job_id):  # the other tab's retry, claimed and started, right after this read
+        found = read(job_id)
+        if not raced:
+            raced.append(store.update(job.id, state="running"))
+            with open(job.log_path, "w") as f:
+                f.write("the other tab's run\n")
+        return found
+
+    monkeypatch.setattr(store, "get", read_then_the_other_tab)
+    try:
+        actions.retry(store, job.id)
+    except JobError:
+        pass
+    assert open(job.log_path).read() == "the other tab's run\n" and read(job.id).state == "running"
+
+
 def test_a_trainer_gone_during_a_restart_is_marked_interrupted_with_its_step(tmp_path):
     store = JobStore(str(tmp_path / "jobs"))
     job = store.create("a", {"output_name": "lora"}, 5, queue=True)

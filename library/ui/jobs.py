@@ -186,15 +186,18 @@ class JobStore:
             with self._connect() as db:
                 db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*values.values(), int(job_id)))
 
-    def transition(self, job_id: int, allowed: tuple[str, ...], action: str, **values) -> Job:
-        """Set `values` if the job is in one of `allowed` states, atomically; else JobError."""
+    def transition(self, job_id: int, allowed: tuple[str, ...], action: str, first=None, **values) -> Job:
+        """Set `values` if the job is in one of `allowed` states, atomically; else JobError. first(job):
+        done before, in the same transaction (no other state change meanwhile); its error changes nothing."""
         with self._transaction() as db:
-            row = db.execute("SELECT state FROM jobs WHERE id = ?", (int(job_id),)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE id = ?", (int(job_id),)).fetchone()
             if row is None:
                 raise JobError(f"job {job_id}: no such job")
             if row["state"] not in allowed:
                 raise JobError(f"job {job_id} is {row['state']}: cannot {action} (only a job that is "
                                f"{' or '.join(allowed)})")
+            if first is not None:
+                first(Job(**dict(row)))
             sets = ", ".join(f"{k} = ?" for k in values)
             db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*values.values(), int(job_id)))
         return self.get(job_id)

@@ -51,14 +51,11 @@ def resume(store: JobStore, job_id: int) -> Job:
 
 
 def retry(store: JobStore, job_id: int) -> Job:
-    """From the start: the job's earlier outputs are removed (its config stays). The files go first,
-    so a folder that cannot be cleared leaves the job as it was."""
-    job = store.get(job_id)
-    if job.state not in FINISHED:
-        raise JobError(f"job {job_id} is {job.state}: cannot retry (only a job that is {' or '.join(FINISHED)})")
-    store.clear_outputs(job)
-    return store.transition(job_id, FINISHED, "retry", state="queued", queued=time.time(), resume=None,
-                            device=None, last_step=0, peak_rss=0, peak_vram=0, message="")
+    """From the start: the job's earlier outputs are removed (its config stays), in the transaction that
+    queues it: a folder that cannot be cleared leaves the job as it was, and a job another tab retried
+    (and a runner started) meanwhile keeps its files."""
+    return store.transition(job_id, FINISHED, "retry", first=store.clear_outputs, state="queued", queued=time.time(),
+                            resume=None, device=None, last_step=0, peak_rss=0, peak_vram=0, message="")
 
 
 # -- the runner ------------------------------------------------------------------------------
