@@ -1,7 +1,12 @@
-"""Reading text a person wrote (captions, prompt files, TOML configs, LLM corpora). No torch here:
-the config reader uses it before a script imports torch, so --help and a bad flag answer at once."""
+"""Reading text a person wrote (captions, prompt files, TOML configs, LLM corpora), and writing a
+config back as TOML. No torch here: the config reader uses it before a script imports torch, so
+--help and a bad flag answer at once."""
 
 from __future__ import annotations
+
+import json
+
+import toml
 
 
 def read_utf8(path: str, what: str = "text file") -> str:
@@ -18,3 +23,47 @@ def read_utf8(path: str, what: str = "text file") -> str:
                          f"({e.reason}); save it as UTF-8") from None
     # Decoded as utf-8, not utf-8-sig: the offsets above count from the file's first byte, BOM or not.
     return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+
+
+class _TomlEncoder(toml.TomlEncoder):
+    r"""toml 0.10.2's writer with strings written right: its own turns a backslash before an 'x' into
+    an escape ("C:\\xyz" is written "C:\xyz", which no reader takes back) and drops the backslash of
+    a control character's escape ("\x01" comes back as "x01")."""
+
+    def __init__(self):
+        super().__init__()
+        self.dump_funcs[str] = toml_string
+
+
+def toml_string(text: str) -> str:
+    r"""A TOML basic string: JSON's escapes (\" \\ \n \t \uXXXX) are TOML's; DEL is escaped too."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def toml_dumps(settings: dict) -> str:
+    """A config's keys as TOML text that toml.loads reads back equal."""
+    return toml.dumps(settings, encoder=_TomlEncoder())
+
+
+def set_toml_keys(text: str, keys: dict, drop: tuple[str, ...] = ()) -> str:
+    """The TOML text a person wrote with `keys` set (scalars) and the `drop` keys removed, the rest as
+    written (comments, tables, order): a key's line is rewritten where it stands, its comment kept;
+    a new key goes above the first table. For a config whose keys may sit in any table."""
+    import re
+
+    lines, todo = text.split("\n"), dict(keys)
+    for i, line in enumerate(lines):
+        match = re.match(r"\s*([A-Za-z0-9_]+)\s*=\s*(\"(?:[^\"\\]|\\.)*\"|'[^']*'|[^#]*?)\s*(#.*)?$", line)
+        if not match or (match.group(1) not in todo and match.group(1) not in drop):
+            continue
+        key = match.group(1)
+        if key in drop:
+            lines[i] = None
+            continue
+        comment = f"  {match.group(3)}" if match.group(3) else ""
+        lines[i] = f"{key} = {toml_dumps({key: todo.pop(key)}).split(' = ', 1)[1].strip()}{comment}"
+    first_table = next((i for i, line in enumerate(lines) if line is not None and line.lstrip().startswith("[")),
+                       len(lines))
+    added = [toml_dumps({k: v}).strip() for k, v in todo.items()] + ([""] if todo and first_table < len(lines) else [])
+    kept = [line for line in lines[:first_table] if line is not None]
+    return "\n".join(kept + added + [line for line in lines[first_table:] if line is not None])

@@ -206,6 +206,39 @@ def test_dataset_view_lists_captions_buckets_and_problems(client, tiny_set, serv
         assert f.read() == "an edited caption\n" and "saved" in saved
 
 
+def test_an_edit_of_the_loaded_toml_is_not_undone_by_the_fields_load_filled(server, tiny_toml):
+    """Old: Load filled steps = 6; the user changed max_train_steps to 3 in the TOML; Validate (and the
+    job) took the field's 6. A field the user changes still overrides the TOML."""
+    path = os.path.join(os.path.dirname(server.jobs_dir), "data", "edited.toml")
+    with open(path, "w") as f:
+        f.write(tiny_toml)
+    tab = server.client()
+    text, *fields, _ = tab.predict(path, api_name="/load_config")
+    assert fields[FORM_KEYS.index("max_train_steps")] == "6"
+    edited = text.replace("max_train_steps = 6", "max_train_steps = 3")
+    assert tab.predict(edited, *fields, api_name="/validate")[0] == {"ok": True, "max_steps": 3}
+    fields[FORM_KEYS.index("max_train_steps")] = "4"
+    assert tab.predict(edited, *fields, api_name="/validate")[0] == {"ok": True, "max_steps": 4}
+    saved = tab.predict(path, edited, *fields, api_name="/save_config")  # Save TOML: the edit and the field
+    with open(path) as f:
+        assert saved == f"saved {path}" and f.read() == edited.replace("max_train_steps = 3", "max_train_steps = 4")
+
+
+def test_an_llm_config_validates_and_its_job_refuses_generate_in_one_line(client, tiny_set):
+    """The form's model type offers every model_type train_lora.py takes: the LLM mode's "llm" was
+    missing, so Validate and Create of a loaded configs/llm_lora.toml answered gradio's 'Value: llm is
+    not in the list of choices'; and generate with an LLM job was a raw KeyError 'ae'."""
+    text = toml.dumps({"train_data": [tiny_set["corpus"]], "max_length": 32, "stride": 32, "mixed_precision": "no"})
+    fields = form(model_type="llm", pretrained_model_name_or_path=tiny_set["llm"], max_train_steps="1")
+    answer, *_ = client.predict(text, *fields, api_name="/validate")
+    assert answer == {"ok": True, "max_steps": 1}
+    answer, *_ = client.predict("llm job", text, *fields, api_name="/create_job")
+    output, image = client.predict(str(answer["job_id"]), "", 1.0, "The", 64, 2, 0, api_name="/generate")
+    assert image is None and output == (f"job {answer['job_id']} trains an LLM (model_type llm): generate draws "
+                                        f"images with a diffusion job's models (an LLM job's samples are in its log)")
+    client.predict(str(answer["job_id"]), True, api_name="/delete_job")
+
+
 def test_the_ui_process_never_loads_torch(server, client):
     """After validating, training, planning and the dataset view (the tests above), the UI's own
     process has mapped no torch library: those ran in their own processes."""

@@ -76,6 +76,15 @@ def test_retrying_a_job_whose_folder_was_removed_or_replaced(ui):
     assert ui.store.get(other.id).state == "failed"  # left as it was
 
 
+def test_a_file_where_a_new_jobs_folder_goes_is_one_line_and_no_job(ui, monkeypatch):
+    """Old: a NameError ('job' used before it was assigned) out of the Create button, the row kept."""
+    open(ui.store.job_folder(1), "w").close()
+    monkeypatch.setattr(ui, "check", lambda text, form: {"ok": True, "settings": {}, "max_steps": 1})
+    assert ui.create("a", "", {}, queue=True) == {"ok": False, "key": None, "error": (
+        f"job 1: its output folder {ui.store.job_folder(1)!r} is not a folder; remove what is there")}
+    assert ui.store.list() == []
+
+
 def test_the_planner_and_the_lora_tools_answer_bad_fields_in_one_line(ui, tmp_path):
     def report(vram=24, resolution=1024, batch=1, source="preset", text=""):
         answer = ui.plan(source, "flux1-dev", vram, resolution, batch, text, {})
@@ -100,3 +109,79 @@ def test_huge_integers_are_refused_under_their_field(ui):
     answer = ui.check("seed = 99999999999999999999\n", {})
     assert answer["key"] == "seed" and answer["error"].endswith("got 99999999999999999999")
     assert ui.store.list() == []
+
+
+def test_a_loaded_config_the_cli_refuses_is_refused_with_its_line_and_unchanged_keeps_its_keys(tiny_set, tmp_path):
+    """The form's fields, filled by Load, used to be written back over the TOML: max_train_steps = "12"
+    (a string: train_lora.py refuses it) became 12, and base_precision = "bf16" beside fp8_base = true
+    (refused as contradicting) dropped the fp8 keys; both were queued. An unchanged config is kept key
+    for key (fp8_base / fp8_scaled were rewritten as base_precision)."""
+    from library.training.config import ConfigError, load_config
+    from tests.ui_support import tiny_job_settings
+
+    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [tiny_set["root"], str(tmp_path)])
+    try:
+        fine = tiny_job_settings(tiny_set, steps=2, fp8_base=True, fp8_scaled=True)
+        for changes in ({"max_train_steps": "12"}, {"base_precision": "bf16"}):
+            path = tmp_path / "refused.toml"
+            path.write_text(toml.dumps({**fine, **changes}))
+            with pytest.raises(ConfigError) as cli:
+                load_config(["--config_file", str(path)])
+            text, fields = ui.load_config(str(path))
+            answer = ui.check(text, fields)
+            assert answer["ok"] is False and answer["error"] == str(cli.value).replace(str(path), "config")
+        path.write_text(toml.dumps(fine))
+        answer = ui.create("kept", *ui.load_config(str(path)), queue=False)
+        assert toml.loads(ui.store.get(answer["job_id"]).config) == {**fine, "output_dir": answer["output_dir"]}
+    finally:
+        ui.close()
+
+
+def test_a_string_with_a_backslash_x_reaches_the_job_as_written(tiny_set, tmp_path):
+    r"""toml 0.10.2's writer, used for the checked and the queued config, wrote "print('\x41')" as
+    "print('\x41')" unescaped: no reader takes that back, so a config train_lora.py runs was refused
+    with 'config: not valid TOML: Reserved escape sequence used'."""
+    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [tiny_set["root"]])
+    try:
+        prompt = "print('\\x41')  # C:\\xyz"
+        settings = {"model_type": "llm", "pretrained_model_name_or_path": tiny_set["llm"], "max_train_steps": 1,
+                    "train_data": [tiny_set["corpus"]], "max_length": 32, "stride": 32}
+        text = toml.dumps(settings) + f"sample_prompt = '''{prompt}'''\n"  # a literal string, as a person writes it
+        answer = ui.create("code", text, {}, queue=False)
+        assert answer["ok"] is True, answer
+        assert toml.loads(ui.store.get(answer["job_id"]).config)["sample_prompt"] == prompt
+    finally:
+        ui.close()
+
+
+def test_applying_a_plan_keeps_the_configs_comments_tables_and_keys(ui):
+    """Old: Apply replaced the editor's text with every key flattened (comments and tables gone, the
+    form's fields written in); now the suggested keys are set where the text writes them."""
+    text = ('# my run\n[precision]\nfp8_base = true   # the older spelling\nfp8_scaled = true\n\n[memory]\n'
+            'blocks_to_swap = 8   # my card\n[network]\nnetwork_dim = 16\n')
+    keys = {"gradient_checkpointing": True, "blocks_to_swap": 2, "base_precision": "bf16"}
+    new_text, fields = ui.apply_plan(text, {"network_dim": "32"}, keys)
+    assert new_text == ('# my run\ngradient_checkpointing = true\nbase_precision = "bf16"\n\n[precision]\n\n'
+                        '[memory]\nblocks_to_swap = 2  # my card\n[network]\nnetwork_dim = 16\n')
+    assert fields["base_precision"] == "bf16" and fields["network_dim"] == "32"  # the user's field stays
+
+
+def test_a_loaded_config_saved_back_is_the_same_file_and_a_changed_field_is_set_in_place(ui, tmp_path):
+    """There was no way to save a config from the page (only a job's flattened config.toml, its comments
+    and tables gone): Save TOML writes the editor's text with the changed fields set where it has them."""
+    text = ('# my run\n[model]\nmodel_type = "flux"\nae = \'vae #2.safetensors\'  # a literal string\n\n[precision]\n'
+            'fp8_base = true   # older spelling\n[network]\nnetwork_dim = 8   # rank\nnetwork_alpha = 8\n')
+    source = tmp_path / "data" / "mine ü.toml"
+    source.write_text(text)
+    loaded_text, fields = ui.load_config(str(source))
+    copy = ui.save_config(str(tmp_path / "data" / "copy.toml"), loaded_text, fields)
+    assert open(copy).read() == text
+    fields.update(network_dim="16", base_precision="bf16", ae="vae.safetensors")
+    ui.save_config(copy, loaded_text, fields)
+    assert open(copy).read() == ('# my run\nbase_precision = "bf16"\n\n[model]\nmodel_type = "flux"\n'
+                                 'ae = "vae.safetensors"  # a literal string\n\n[precision]\n'
+                                 '[network]\nnetwork_dim = 16  # rank\nnetwork_alpha = 8\n')
+    for path, expected in (("/etc/x.toml", "save to '/etc/x.toml' is outside the folders"),
+                           (str(tmp_path / "data" / "x.txt"), "give a .toml file under the roots")):
+        with pytest.raises(ValueError, match=expected):
+            ui.save_config(path, loaded_text, fields)

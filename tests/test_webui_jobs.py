@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from safetensors import safe_open
@@ -72,6 +73,49 @@ def test_delete_removes_only_the_jobs_own_folder(tmp_path):
     assert not os.path.exists(store.job_folder(job.id)) and store.list() == []
 
 
+def test_a_queued_job_claimed_while_it_is_deleted_is_not_deleted(tmp_path, monkeypatch):
+    """Two tabs: Delete read the job as queued, a runner claimed it, and Delete removed the running
+    job's row and folder (its watcher then died on 'no such job', and the device's queue with it)."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    read = store.get
+
+    def read_then_claimed(job_id):  # the runner claims the job just after Delete has read it
+        found = read(job_id)
+        store.claim_next("cpu")
+        return found
+
+    monkeypatch.setattr(store, "get", read_then_claimed)
+    with pytest.raises(JobError, match=f"job {job.id} is running: stop it before deleting it"):
+        store.delete(job.id)
+    assert read(job.id).state == "running" and os.path.isdir(job.output_dir)
+
+
+def test_a_retry_does_not_clear_the_files_of_a_job_another_tab_retried_and_started(tmp_path, monkeypatch):
+    """Old: Retry read the state (failed), then cleared the folder, then queued it: another tab's retry
+    and the runner's start in between lost their train.log (and the trainer's outputs) to the clear."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    store.update(job.id, state="failed")
+    read, raced = store.get, []
+
+    def read_then_the_other_tab(job_id):  # the other tab's retry, claimed and started, right after this read
+        found = read(job_id)
+        if not raced:
+            raced.append(store.update(job.id, state="running"))
+            with open(job.log_path, "w") as f:
+                f.write("the other tab's run\n")
+        return found
+
+    monkeypatch.setattr(store, "get", read_then_the_other_tab)
+    try:
+        actions.retry(store, job.id)
+    except JobError:
+        pass
+    assert open(job.log_path).read() == "the other tab's run\n" and read(job.id).state == "running"
+
+
 def test_a_trainer_gone_during_a_restart_is_marked_interrupted_with_its_step(tmp_path):
     store = JobStore(str(tmp_path / "jobs"))
     job = store.create("a", {"output_name": "lora"}, 5, queue=True)
@@ -85,6 +129,37 @@ def test_a_trainer_gone_during_a_restart_is_marked_interrupted_with_its_step(tmp
     job = store.get(job.id)
     assert job.state == "interrupted" and job.last_step == 2 and job.resume is None
     assert "last logged step 2" in job.message and "retry" in job.message
+
+
+def test_a_trainer_gone_while_stopping_after_steps_is_interrupted_not_stopped_before_its_first_step(tmp_path):
+    """Old: a job Stop was asked of, whose trainer was gone at the restart without its 'SIGINT: saved'
+    line (killed while saving), read 'stopped before the first step: nothing to save' after 3 steps."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    with open(job.csv_path, "w") as f:
+        f.write("step,epoch,loss\n1,0,1.5\n2,0,1.4\n3,0,1.3\n")
+    store.update(job.id, state="stopping", pid=2**22 + 7, pid_started=1)  # no such process
+    Runner(store, str(tmp_path)).recover()
+    job = store.get(job.id)
+    assert job.state == "interrupted" and job.last_step == 3 and "last logged step 3" in job.message
+
+
+def test_a_resumed_run_stopped_before_its_first_step_keeps_its_state(tmp_path):
+    """Old: Stop while a resumed run was still caching ended it with 'nothing to save; retry to start
+    again' and resume None: the state it had resumed from (step 3) was no longer offered."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    with open(job.csv_path, "w") as f:
+        f.write("step,epoch,loss\n1,0,1.5\n2,0,1.4\n3,0,1.3\n")  # the first run's steps
+    os.makedirs(job.state_dir)
+    with open(os.path.join(job.state_dir, "train_state.json"), "w") as f:
+        f.write('{"step": 3}')
+    store.update(job.id, state="stopping")
+    ended = actions.outcome(store.get(job.id), -signal.SIGINT)  # our SIGINT, before its handler was set
+    assert ended == {"state": "stopped", "resume": job.state_dir, "message": "stopped before its first step: nothing "
+                                                                         "saved; resume continues from the state at step 3"}
 
 
 def test_stop_resume_and_reattach_with_the_real_trainer(tiny_set, tmp_path, monkeypatch):
@@ -212,6 +287,54 @@ def test_a_restart_with_another_device_list_still_watches_and_runs_the_old_devic
         runner.close()
         if trainer.poll() is None:
             trainer.kill()
+
+
+SLOW_SAVER = """
+import signal, sys, time
+log = open(sys.argv[1], "a", buffering=1)
+def on_int(*_):
+    log.write("SIGINT\\n")
+signal.signal(signal.SIGINT, on_int)
+log.write("started\\n")
+time.sleep(120)
+"""
+
+
+def test_a_ui_restarted_while_a_job_stops_does_not_send_a_second_sigint(tmp_path):
+    """train_lora.py takes a second SIGINT as 'leave now' (no LoRA, no state saved). The watcher of a
+    restarted UI sent Stop's SIGINT again to a trainer still saving after the first: two in the log."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    trainer = subprocess.Popen([sys.executable, "-c", SLOW_SAVER, job.log_path], start_new_session=True)
+    try:
+        wait_for(lambda: os.path.exists(job.log_path), 30, "the fake trainer's start")
+        from library.ui import run_files
+
+        store.update(job.id, pid=trainer.pid, pid_started=run_files.process_started(trainer.pid))
+        for _ in range(2):  # a UI, then the UI restarted
+            runner = Runner(store, str(tmp_path), devices=("cpu",), python="/bin/true", poll=0.05)
+            runner.start()
+            if store.get(job.id).state == "running":
+                actions.stop(store, job.id)
+            wait_for(lambda: "SIGINT" in open(job.log_path).read(), 10, "the SIGINT")
+            time.sleep(0.5)  # ten of its watcher's polls
+            runner.close()
+        assert open(job.log_path).read().split() == ["started", "SIGINT"]
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def test_a_queue_made_by_an_older_ui_gets_the_new_columns(tmp_path):
+    from library.ui import jobs
+
+    (tmp_path / "jobs").mkdir()
+    with sqlite3.connect(tmp_path / "jobs" / "jobs.sqlite") as db:
+        db.execute(jobs.SCHEMA.replace(", stop_sent REAL", ""))
+        db.execute("INSERT INTO jobs (name, config, state, output_dir, output_name, created) "
+                   "VALUES ('old', '', 'stopping', '/x', 'lora', 0)")
+    assert JobStore(str(tmp_path / "jobs")).get(1).stop_sent is None
 
 
 def test_a_trainer_killed_by_a_signal_says_so_not_its_progress_bar(tmp_path):

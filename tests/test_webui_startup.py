@@ -3,8 +3,10 @@ anything (no queue, no runner, no server)."""
 
 from __future__ import annotations
 
+import os
 import socket
 
+from library.ui.jobs import JobStore
 from tools.webui import build_parser, main
 
 
@@ -29,3 +31,16 @@ def test_bad_start_up_options_get_one_line_naming_the_option(tmp_path, capsys):
 
 def test_help_gives_the_whole_first_paragraph():
     assert build_parser().description.endswith("the memory planner, the dataset view and the LoRA tools as forms.")
+
+
+def test_a_second_ui_on_the_same_jobs_folder_is_refused(tmp_path, capsys):
+    """Old: it started (the port clash's advice is "pick another --port"), and both UIs' runners took
+    queued jobs: two trainers at once on one device."""
+    jobs = str(tmp_path / "jobs")
+    assert JobStore(jobs).hold() is None  # the first UI (this process)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["--jobs_dir", jobs, "--root", str(tmp_path), "--port", str(port)]) == 2
+    assert capsys.readouterr().err == (f"error: --jobs_dir {jobs}: another UI (pid {os.getpid()}) serves this queue: "
+                                       f"use that one, stop it, or give another --jobs_dir\n")

@@ -87,6 +87,10 @@ def main(argv=None) -> int:
     except OSError as e:  # e.g. a jobs folder it may not write
         print(f"error: --jobs_dir {jobs_dir}: {e.strerror}: {e.filename}", file=sys.stderr)
         return 2
+    if holder := ui.store.hold():
+        print(f"error: --jobs_dir {jobs_dir}: {holder} serves this queue: use that one, stop it, or give another "
+              f"--jobs_dir", file=sys.stderr)
+        return 2
     ui.start()
     app = build_app(ui)
     auth = (args.user, args.password) if args.password else None

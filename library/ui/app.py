@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import gradio as gr
 
-from library.models.registry import FAMILIES, arch_specs
+from library.models.registry import arch_specs
 from library.ui.files import OutsideRoots
-from library.ui.handlers import BASE_PRECISIONS, FORM_KEYS, OPTIMIZERS, WebUI
+from library.ui.handlers import BASE_PRECISIONS, FORM_KEYS, MODEL_TYPES, OPTIMIZERS, WebUI
 from library.ui.jobs import JobError
 
 LABELS = {
@@ -27,6 +27,13 @@ CSS = (".field-error{color:#c62828} #samples .grid-container, #dataset-images .g
 
 def presets() -> list[str]:
     return sorted(n for s in arch_specs().values() if s.planner for n in s.planner.presets)
+
+
+def edited(order: list[str], values: tuple) -> dict:
+    """The form's fields from an event's inputs (the fields, then the values Load filled them with):
+    those Load filled and the user left as they were are dropped, so the TOML's text decides them."""
+    *values, loaded = values
+    return {k: v for k, v in zip(order, values) if k not in loaded or v != loaded[k]}
 
 
 def error_note(message: str) -> dict:
@@ -71,7 +78,7 @@ def job_form(ui: WebUI):
             with gr.Row():
                 for key in ("model_type", "base_precision", "optimizer_type"):
                     with gr.Column(min_width=160):
-                        choices = {"model_type": list(FAMILIES), "base_precision": list(BASE_PRECISIONS),
+                        choices = {"model_type": list(MODEL_TYPES), "base_precision": list(BASE_PRECISIONS),
                                    "optimizer_type": list(OPTIMIZERS)}[key]
                         fields[key] = gr.Dropdown(choices, value=None, label=LABELS[key],
                                                   allow_custom_value=key == "optimizer_type")
@@ -86,7 +93,7 @@ def job_form(ui: WebUI):
                         fields[key] = gr.Textbox(label=LABELS[key], placeholder="from the TOML")
                         errors[key] = gr.Markdown(visible=False, elem_classes="field-error")
         with gr.Column(scale=2):
-            text = gr.Textbox(label="the full config (TOML; the form's filled fields override it)", lines=24,
+            text = gr.Textbox(label="the full config (TOML; a field you change overrides it)", lines=24,
                               max_lines=40, elem_id="config-toml")
             errors["toml"] = gr.Markdown(visible=False, elem_classes="field-error")
     return pick, load, name, fields, errors, text
@@ -94,10 +101,16 @@ def job_form(ui: WebUI):
 
 def jobs_tab(ui: WebUI):
     pick, load, name, fields, errors, text = job_form(ui)
+    order = list(FORM_KEYS)
+    form_inputs = [fields[k] for k in order]
+    error_outputs = [errors[k] for k in order] + [errors["toml"]]
+    # The fields as the last Load filled them: one left so gives way to the TOML (an edit there wins).
+    loaded = gr.State({})
     with gr.Row():
         check_button = gr.Button("Validate")
         create_button = gr.Button("Create (draft)")
         queue_new = gr.Button("Create and queue", variant="primary", elem_id="create-and-queue")
+    save_row(ui, order, [text, *form_inputs, loaded])
     answer = gr.JSON(label="result", elem_id="job-result")
 
     gr.Markdown("## Queue")
@@ -112,10 +125,6 @@ def jobs_tab(ui: WebUI):
         cancel = gr.Button("No")
     action_answer = gr.JSON(label="action", elem_id="action-result")
 
-    order = list(FORM_KEYS)
-    form_inputs = [fields[k] for k in order]
-    error_outputs = [errors[k] for k in order] + [errors["toml"]]
-
     def show_errors(result: dict) -> list:
         key = result.get("key") if not result.get("ok") else None
         where = key if key in errors else ("base_precision" if key in ("fp8_base", "fp8_scaled") else "toml")
@@ -124,31 +133,31 @@ def jobs_tab(ui: WebUI):
 
     def on_load(path):
         try:
-            loaded, values = ui.load_config(path)
+            loaded_text, values = ui.load_config(path)
         except (OutsideRoots, OSError, ValueError) as e:
-            return [gr.update()] + [gr.update()] * len(order) + [error_note(str(e))]
-        return [loaded] + [values[k] for k in order] + [error_note("")]
+            return [gr.update()] + [gr.update()] * len(order) + [error_note(str(e)), gr.update()]
+        return [loaded_text] + [values[k] for k in order] + [error_note(""), values]
 
-    load.click(on_load, [pick], [text, *form_inputs, errors["toml"]], api_name="load_config")
+    load.click(on_load, [pick], [text, *form_inputs, errors["toml"], loaded], api_name="load_config")
 
     def on_check(text_value, *values):
-        result = ui.check(text_value, dict(zip(order, values)))
+        result = ui.check(text_value, edited(order, values))
         summary = {k: result[k] for k in ("ok", "key", "error", "max_steps") if k in result}
         return [summary] + show_errors(result)
 
-    check_button.click(on_check, [text, *form_inputs], [answer, *error_outputs], api_name="validate")
+    check_button.click(on_check, [text, *form_inputs, loaded], [answer, *error_outputs], api_name="validate")
 
     def creator(queue: bool):
         def on_create(job_name, text_value, *values):
-            result = ui.create(job_name, text_value, dict(zip(order, values)), queue)
+            result = ui.create(job_name, text_value, edited(order, values), queue)
             summary = {k: v for k, v in result.items() if k != "settings"}
             return [summary] + show_errors(result) + [ui.jobs_table(), gr.update(choices=ui.job_choices(),
                                                                                 value=str(result.get("job_id", "")) or None)]
         return on_create
 
     create_outputs = [answer, *error_outputs, table, job_id]
-    create_button.click(creator(False), [name, text, *form_inputs], create_outputs, api_name="create_job")
-    queue_new.click(creator(True), [name, text, *form_inputs], create_outputs, api_name="create_and_queue")
+    create_button.click(creator(False), [name, text, *form_inputs, loaded], create_outputs, api_name="create_job")
+    queue_new.click(creator(True), [name, text, *form_inputs, loaded], create_outputs, api_name="create_and_queue")
 
     for action, button in buttons.items():
         button.click(lambda j, a=action: (ui.act(a, j), ui.jobs_table()), [job_id], [action_answer, table],
@@ -167,7 +176,24 @@ def jobs_tab(ui: WebUI):
     gr.Button(visible=False).click(ui.jobs_table, None, [table], api_name="list_jobs")
     timer = gr.Timer(REFRESH_SECONDS)
     timer.tick(lambda: (ui.jobs_table(), gr.update(choices=ui.job_choices())), None, [table, job_id], api_name=False)
-    return {"text": text, "fields": fields, "order": order}, errors, job_id
+    return {"text": text, "fields": fields, "order": order, "loaded": loaded}, errors, job_id
+
+
+def save_row(ui: WebUI, order: list[str], inputs: list) -> None:
+    """Save TOML: the editor's config written back under the roots. inputs: the TOML, the fields, the
+    values Load filled them with."""
+    with gr.Row():
+        save_to = gr.Textbox(label="save the config to (a .toml under the roots; comments and tables kept)", scale=3)
+        save = gr.Button("Save TOML", scale=1)
+    saved = gr.Markdown()
+
+    def on_save(path, text_value, *values):
+        try:
+            return f"saved {ui.save_config(path, text_value, edited(order, values))}"
+        except (OutsideRoots, OSError, ValueError) as e:
+            return f"⚠ {e}"
+
+    save.click(on_save, [save_to, *inputs], [saved], api_name="save_config")
 
 
 def live_tab(ui: WebUI, job_id) -> None:
@@ -237,23 +263,24 @@ def planner_tab(ui: WebUI, form: dict) -> None:
     order, fields = form["order"], form["fields"]
 
     def on_plan(src, name, gib, side, size, text_value, *values):
-        result = ui.plan(src, name, gib, side, size, text_value, dict(zip(order, values)))
+        result = ui.plan(src, name, gib, side, size, text_value, edited(order, values))
         best = result["suggested"]
         note = (f"**Suggested:** " + ", ".join(f"`{k} = {str(v).lower()}`" for k, v in best.items()) if best
                 else "**Nothing fits this card**, even with every block swapped." if result["ok"] else "**Plan failed.**")
         return note, result["report"], best
 
-    run.click(on_plan, [source, preset, vram, resolution, batch, form["text"], *[fields[k] for k in order]],
+    run.click(on_plan, [source, preset, vram, resolution, batch, form["text"], *[fields[k] for k in order],
+                        form["loaded"]],
               [suggestion, report, keys], api_name="plan")
 
     def on_apply(best, text_value, *values):
         if not best:
             return [gr.update()] * (1 + len(order))
-        new_text, new_values = ui.apply_plan(text_value, dict(zip(order, values)), best)
+        new_text, new_values = ui.apply_plan(text_value, edited(order, values), best)
         return [new_text] + [new_values[k] for k in order]
 
-    apply.click(on_apply, [keys, form["text"], *[fields[k] for k in order]], [form["text"], *[fields[k] for k in order]],
-                api_name="apply_plan")
+    apply.click(on_apply, [keys, form["text"], *[fields[k] for k in order], form["loaded"]],
+                [form["text"], *[fields[k] for k in order]], api_name="apply_plan")
 
 
 def dataset_tab(ui: WebUI) -> None:

@@ -133,6 +133,7 @@ def not_an_optimizer(args) -> dict | None:
 def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
     import toml
 
+    from library.text_files import toml_dumps
     from library.training.config import ConfigError, _flatten, load_config
 
     try:
@@ -145,7 +146,7 @@ def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "config.toml")
         with open(path, "w", encoding="utf-8") as f:
-            toml.dump(settings, f)
+            f.write(toml_dumps(settings))
         args = None
         try:
             args = load_config(["--config_file", path])

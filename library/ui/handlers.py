@@ -12,8 +12,8 @@ import time
 import pandas as pd
 import toml
 
-from library.models.registry import BASE_PRECISIONS  # noqa: F401 (the form's choices, for app.py)
-from library.text_files import read_utf8
+from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401 (BASE_PRECISIONS: the form's choices)
+from library.text_files import read_utf8, set_toml_keys, toml_dumps
 from library.training.config import SCHEMA, _flatten
 from library.ui import commands, run_files
 from library.ui import runner as actions
@@ -26,6 +26,7 @@ from library.ui.runner import Runner
 FORM_KEYS = ("model_type", "pretrained_model_name_or_path", "ae", "dataset_config", "network_dim", "max_train_steps",
              "learning_rate", "optimizer_type", "base_precision", "sample_prompts", "sample_every_n_steps")
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy")
+MODEL_TYPES = SCHEMA["model_type"].choices  # every family and the LLM mode, as train_lora.py accepts them
 PLOT_COLUMNS = ["step", "value", "series"]
 MAX_INT = 10**15  # beyond any real count or seed, and well inside SQLite's (and torch's) 64-bit integers
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -82,17 +83,35 @@ def out_of_range(settings: dict) -> FormError | None:
     return None
 
 
+def changed_fields(settings: dict, form: dict) -> dict:
+    """The form's filled fields that say something else than the config's keys, as the keys' types.
+    An empty field, or one showing what the TOML says (as Load fills it), leaves the TOML's key as
+    written: the check then refuses what train_lora.py refuses (max_train_steps = "120", base_precision
+    beside fp8_base that contradicts it), and a job's or a saved config keeps the file's keys."""
+    shown = form_values(settings)
+    return {key: field_value(key, value) for key, value in form.items()
+            if value is not None and not (isinstance(value, str) and value.strip() in ("", shown.get(key)))}
+
+
 def apply_form(settings: dict, form: dict) -> dict:
-    """The config's keys with the form's filled fields over them (an empty field keeps the TOML's)."""
-    out = dict(settings)
-    for key, value in form.items():
-        if value is None or (isinstance(value, str) and not value.strip()):
-            continue
-        if key == "base_precision":
-            for old in FP8_KEYS:
-                out.pop(old, None)
-        out[key] = field_value(key, value)
-    return out
+    """The config's keys with the form's changed fields over them (base_precision replaces the older
+    fp8_base / fp8_scaled keys, which could contradict it)."""
+    changed = changed_fields(settings, form)
+    out = {k: v for k, v in settings.items() if not ("base_precision" in changed and k in FP8_KEYS)}
+    return {**out, **changed}
+
+
+def toml_with(text: str, settings: dict, keys: dict, drop: tuple[str, ...] = ()) -> str:
+    """The TOML text (whose keys less `drop` are `settings`) with `keys` set and `drop` removed where
+    it writes them, comments and tables kept; the whole dump where the line edit cannot follow its
+    layout (a dotted key, a key inside a multi-line string)."""
+    new_text = set_toml_keys(text, keys, drop)
+    try:
+        if _flatten(toml.loads(new_text), "config") == {**settings, **keys}:
+            return new_text
+    except (toml.TomlDecodeError, ValueError):
+        pass
+    return toml_dumps({**settings, **keys})
 
 
 def job_number(job_id) -> int:
@@ -170,9 +189,28 @@ class WebUI:
                 raise too_big
         except (JobError, ValueError) as e:
             return {"ok": False, "key": getattr(e, "key", None), "error": str(e)}
-        answer = self.checker.check(toml.dumps(settings), self.store.root, self.roots.roots)
+        answer = self.checker.check(toml_dumps(settings), self.store.root, self.roots.roots)
         answer.setdefault("settings", settings)
         return answer
+
+    def save_config(self, path: str, text: str, form: dict) -> str:
+        """The editor's TOML, with the fields changed from it set where it writes them (its comments,
+        tables and other keys kept), written to `path` (a .toml file under the roots); the path written."""
+        if not str(path or "").strip().endswith(".toml"):
+            raise ValueError(f"save to {path!r}: give a .toml file under the roots")
+        real = self.roots.resolve(path.strip(), "save to")
+        try:
+            settings = _flatten(toml.loads(text or ""), "config")
+        except toml.TomlDecodeError as e:
+            raise ValueError(f"config: not valid TOML: {e}") from None
+        changed = changed_fields(settings, form)
+        drop = FP8_KEYS if "base_precision" in changed else ()
+        new_text = toml_with(text or "", {k: v for k, v in settings.items() if k not in drop}, changed, drop)
+        tmp = real + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(new_text)
+        os.replace(tmp, real)
+        return real
 
     def create(self, name: str, text: str, form: dict, queue: bool) -> dict:
         answer = self.check(text, form)
@@ -180,7 +218,10 @@ class WebUI:
             return answer
         settings = {k: v for k, v in answer["settings"].items() if k != "output_dir"}
         name = (name or "").strip() or settings.get("output_name") or "job"
-        job = self.store.create(name, settings, answer["max_steps"], queue=queue)
+        try:
+            job = self.store.create(name, settings, answer["max_steps"], queue=queue)
+        except JobError as e:
+            return {"ok": False, "key": None, "error": str(e)}
         return {"ok": True, "job_id": job.id, "state": job.state, "output_dir": job.output_dir}
 
     # -- queue actions -----------------------------------------------------------------------
@@ -291,7 +332,7 @@ class WebUI:
         config_file = None
         if settings is not None:
             with tempfile.NamedTemporaryFile("w", suffix=".toml", dir=self.store.root, delete=False) as f:
-                toml.dump(settings, f)
+                f.write(toml_dumps(settings))
                 config_file = f.name
         try:
             result, fits = commands.plan(self.workdir, vram, preset if source == "preset" else None, config_file,
@@ -308,12 +349,16 @@ class WebUI:
         return {"ok": False, "report": message, "fits": [], "suggested": None}
 
     def apply_plan(self, text: str, form: dict, keys: dict) -> tuple[str, dict]:
-        """The TOML text and form with a plan's suggested keys set."""
-        settings = self.settings(text, form)
-        if "base_precision" in keys:
-            settings = {k: v for k, v in settings.items() if k not in FP8_KEYS}
-        settings.update(keys)
-        return toml.dumps(settings), form_values(settings)
+        """The TOML text and form with a plan's suggested keys set: in the text where it writes them
+        (its comments, tables and other keys kept), the form's fields as they were but base precision."""
+        drop = FP8_KEYS if "base_precision" in keys else ()
+        try:
+            written = {k: v for k, v in _flatten(toml.loads(text or ""), "config").items() if k not in drop}
+        except (toml.TomlDecodeError, ValueError):  # edited since the plan: left for Validate to explain
+            return text, {**form_values({}), **form}
+        new_text = toml_with(text or "", written, keys, drop)
+        planned = {k: v for k, v in keys.items() if k in FORM_KEYS}
+        return new_text, {**form_values({**written, **keys}), **form, **planned}
 
     def dataset(self, path: str) -> dict:
         """check_dataset.py's report (buckets, problems) and the images with their captions."""
@@ -406,6 +451,9 @@ class WebUI:
         if tool == "generate":  # with a job's models
             job = self.store.get(job_number(v["job_id"]))
             config = toml.loads(job.config)
+            if config["model_type"] not in FAMILIES:
+                raise JobError(f"job {job.id} trains an LLM (model_type {config['model_type']}): generate draws images "
+                               f"with a diffusion job's models (an LLM job's samples are in its log)")
             out = self.tool_output(f"generated-job{job.id}", "output")
             args = ["--model_type", config["model_type"], "--model", config["pretrained_model_name_or_path"],
                     "--ae", config["ae"], "--prompt", v["prompt"], "--width", whole_number(v["width"], "size (px)"),

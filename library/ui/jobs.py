@@ -18,7 +18,7 @@ import time
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, fields
 
-import toml
+from library.text_files import toml_dumps
 
 ACTIVE = ("running", "stopping")
 FINISHED = ("done", "stopped", "failed", "interrupted")
@@ -50,6 +50,7 @@ class Job:
     message: str = ""
     peak_rss: int = 0  # bytes (the trainer's VmHWM)
     peak_vram: int = 0  # bytes (nvidia-smi, sampled), 0 off CUDA
+    stop_sent: float | None = None  # when Stop's SIGINT went to the trainer: never twice (a second one quits unsaved)
 
     @property
     def config_path(self) -> str:
@@ -79,8 +80,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     device TEXT, output_dir TEXT NOT NULL, output_name TEXT NOT NULL, max_steps INTEGER, created REAL NOT NULL,
     queued REAL, started REAL, finished REAL, pid INTEGER, pid_started INTEGER, resume TEXT,
     last_step INTEGER NOT NULL DEFAULT 0, exit_code INTEGER, message TEXT NOT NULL DEFAULT '',
-    peak_rss INTEGER NOT NULL DEFAULT 0, peak_vram INTEGER NOT NULL DEFAULT 0
+    peak_rss INTEGER NOT NULL DEFAULT 0, peak_vram INTEGER NOT NULL DEFAULT 0, stop_sent REAL
 )"""
+# Columns added since the first release, for a queue an older UI made.
+ADDED_COLUMNS = {"stop_sent": "REAL"}
 
 
 class JobStore:
@@ -95,6 +98,28 @@ class JobStore:
         with self._connect() as db:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute(SCHEMA)
+            have = {row["name"] for row in db.execute("PRAGMA table_info(jobs)")}
+            for column, kind in ADDED_COLUMNS.items():
+                if column not in have:
+                    db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
+
+    def hold(self) -> str | None:
+        """Takes the queue for this process until it exits: one UI runs a queue (two would each run a
+        job per device at once). None when taken; else who holds it, in words. The lock file's
+        descriptor is not inherited, so a trainer outliving its UI does not keep the queue."""
+        import fcntl
+
+        fd = os.open(os.path.join(self.root, "ui.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 20).decode(errors="replace").strip()
+            os.close(fd)
+            return f"another UI (pid {holder})" if holder.isdigit() else "another UI"
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self.held = fd
+        return None
 
     @contextmanager
     def _connect(self):
@@ -142,10 +167,10 @@ class JobStore:
                 (name, "", "queued" if queue else "draft", device, output_name, max_steps, now, now if queue else None))
             job_id = cursor.lastrowid
             folder = self.job_folder(job_id)
-            config = toml.dumps({**settings, "output_dir": folder})
+            if os.path.exists(folder) and not os.path.isdir(folder):  # raised here: the new row is rolled back
+                raise JobError(f"job {job_id}: its output folder {folder!r} is not a folder; remove what is there")
+            config = toml_dumps({**settings, "output_dir": folder})
             db.execute("UPDATE jobs SET output_dir = ?, config = ? WHERE id = ?", (folder, config, job_id))
-        if os.path.exists(folder) and not os.path.isdir(folder):
-            raise JobError(f"job {job.id}: its output folder {folder!r} is not a folder; remove what is there")
         os.makedirs(folder, exist_ok=True)
         return self.get(job_id)
 
@@ -161,15 +186,18 @@ class JobStore:
             with self._connect() as db:
                 db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*values.values(), int(job_id)))
 
-    def transition(self, job_id: int, allowed: tuple[str, ...], action: str, **values) -> Job:
-        """Set `values` if the job is in one of `allowed` states, atomically; else JobError."""
+    def transition(self, job_id: int, allowed: tuple[str, ...], action: str, first=None, **values) -> Job:
+        """Set `values` if the job is in one of `allowed` states, atomically; else JobError. first(job):
+        done before, in the same transaction (no other state change meanwhile); its error changes nothing."""
         with self._transaction() as db:
-            row = db.execute("SELECT state FROM jobs WHERE id = ?", (int(job_id),)).fetchone()
+            row = db.execute("SELECT * FROM jobs WHERE id = ?", (int(job_id),)).fetchone()
             if row is None:
                 raise JobError(f"job {job_id}: no such job")
             if row["state"] not in allowed:
                 raise JobError(f"job {job_id} is {row['state']}: cannot {action} (only a job that is "
                                f"{' or '.join(allowed)})")
+            if first is not None:
+                first(Job(**dict(row)))
             sets = ", ".join(f"{k} = ?" for k in values)
             db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*values.values(), int(job_id)))
         return self.get(job_id)
@@ -185,19 +213,24 @@ class JobStore:
             if row is None:
                 return None
             db.execute("UPDATE jobs SET state = 'running', device = ?, started = ?, finished = NULL, pid = NULL, "
-                       "exit_code = NULL, message = '' WHERE id = ?", (device, time.time(), row["id"]))
+                       "exit_code = NULL, message = '', stop_sent = NULL WHERE id = ?",
+                       (device, time.time(), row["id"]))
         return self.get(row["id"])
 
     def delete(self, job_id: int) -> None:
         """The job's row and its output folder; refused while it runs. Only a folder that is the
-        job's own (job-NNNN directly under the jobs root, not a link) is removed."""
+        job's own (job-NNNN directly under the jobs root, not a link) is removed. The state is read
+        in the deleting transaction: a queued job a runner claims meanwhile is not deleted under it."""
         job = self.get(job_id)
-        if job.state in ACTIVE:
-            raise JobError(f"job {job_id} is {job.state}: stop it before deleting it")
         folder = self.job_folder(job.id)
         if os.path.realpath(job.output_dir) != folder or os.path.islink(job.output_dir):
             raise JobError(f"job {job_id}: its output folder {job.output_dir!r} is not {folder!r}; not deleting it")
         with self._transaction() as db:
+            row = db.execute("SELECT state FROM jobs WHERE id = ?", (job.id,)).fetchone()
+            if row is None:
+                raise JobError(f"job {job_id}: no such job")
+            if row["state"] in ACTIVE:
+                raise JobError(f"job {job_id} is {row['state']}: stop it before deleting it")
             db.execute("DELETE FROM jobs WHERE id = ?", (job.id,))
         if os.path.isdir(folder):
             shutil.rmtree(folder)

@@ -51,14 +51,11 @@ def resume(store: JobStore, job_id: int) -> Job:
 
 
 def retry(store: JobStore, job_id: int) -> Job:
-    """From the start: the job's earlier outputs are removed (its config stays). The files go first,
-    so a folder that cannot be cleared leaves the job as it was."""
-    job = store.get(job_id)
-    if job.state not in FINISHED:
-        raise JobError(f"job {job_id} is {job.state}: cannot retry (only a job that is {' or '.join(FINISHED)})")
-    store.clear_outputs(job)
-    return store.transition(job_id, FINISHED, "retry", state="queued", queued=time.time(), resume=None,
-                            device=None, last_step=0, peak_rss=0, peak_vram=0, message="")
+    """From the start: the job's earlier outputs are removed (its config stays), in the transaction that
+    queues it: a folder that cannot be cleared leaves the job as it was, and a job another tab retried
+    (and a runner started) meanwhile keeps its files."""
+    return store.transition(job_id, FINISHED, "retry", first=store.clear_outputs, state="queued", queued=time.time(),
+                            resume=None, device=None, last_step=0, peak_rss=0, peak_vram=0, message="")
 
 
 # -- the runner ------------------------------------------------------------------------------
@@ -155,8 +152,9 @@ class Runner:
 
     def _watch(self, job: Job, process: subprocess.Popen | None) -> None:
         """Until the trainer exits: its last step, peak memory, and a stop request turned into
-        SIGINT. process None: a re-attached trainer (not our child: its exit status is read from its log)."""
-        signalled, vram_checked = False, 0.0
+        SIGINT (once per run, also across UI restarts: train_lora.py takes a second one as "leave now",
+        without saving). process None: a re-attached trainer (not our child: its exit status is read from its log)."""
+        vram_checked = 0.0
         while True:
             if self.closing.is_set():  # the UI is going away; the trainer goes on and is re-attached later
                 return
@@ -171,9 +169,9 @@ class Runner:
             self.store.update(job.id, **{k: v for k, v in values.items() if getattr(current, k) != v})
             if not alive:
                 break
-            if current.state == "stopping" and not signalled:
+            if current.state == "stopping" and not current.stop_sent:  # sent once, whichever UI watched then
+                self.store.update(job.id, stop_sent=time.time())
                 os.kill(job.pid, signal.SIGINT)
-                signalled = True
             time.sleep(self.poll)
         code = process.returncode if process else None
         self.store.update(job.id, **outcome(self.store.get(job.id), code), finished=time.time(), pid=None,
@@ -192,9 +190,12 @@ def outcome(job: Job, code: int | None) -> dict:
         return {"state": "stopped", "message": f"stopped at step {stopped.group(1) if stopped else saved}: "
                                                f"LoRA and state saved; resume continues from there",
                 "resume": job.state_dir if saved is not None else None}
-    if job.state == "stopping":  # stopped before training began (train_lora.py's Ctrl-C handler not yet set)
-        return {"state": "stopped", "message": "stopped before the first step: nothing to save; retry to start again",
-                "resume": None}
+    # Stopped before training began (train_lora.py's Ctrl-C handler not yet set: our SIGINT ended it). One
+    # gone after logged steps without saving, and not by our SIGINT, failed (or is interrupted at a restart).
+    if job.state == "stopping" and (code == -signal.SIGINT or not run_files.last_step(job.csv_path)):
+        then = f"resume continues from the state at step {saved}" if saved is not None else "retry to start again"
+        return {"state": "stopped", "message": f"stopped before its first step: nothing saved; {then}",
+                "resume": job.state_dir if saved is not None else None}
     if code is not None and code < 0:  # killed: its log's last line is whatever it printed before
         return {"state": "failed", "message": killed_by(-code), "resume": job.state_dir if saved is not None else None}
     errors = [line for line in lines if line.startswith("error:") or "Error" in line]
