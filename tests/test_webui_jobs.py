@@ -360,3 +360,25 @@ def test_sample_captions_read_json_and_toml_prompt_files(tmp_path):
     assert run_files.prompts(str(tmp_path / "p.txt")) == ["a fish"]
     (tmp_path / "bad.json").write_text("{")
     assert run_files.prompts(str(tmp_path / "bad.json")) == [] and run_files.prompts(None) == []
+
+
+def test_a_job_whose_row_goes_away_while_it_runs_does_not_stop_the_devices_queue(tmp_path, monkeypatch):
+    """A job row deleted by hand (sqlite3) while its trainer ran: the watcher's store.get raised, the
+    worker thread died without a word and every job queued after it stayed queued for the UI's life."""
+    store = JobStore(str(tmp_path / "jobs"))
+    lost = store.create("lost", {"output_name": "lora"}, 5, queue=True)
+    after = store.create("after", {"output_name": "lora"}, 5, queue=True)
+    real_get = store.get
+
+    def get(job_id):
+        if job_id == lost.id:
+            raise JobError(f"job {job_id}: no such job")
+        return real_get(job_id)
+
+    monkeypatch.setattr(store, "get", get)
+    runner = Runner(store, str(tmp_path), devices=("cpu",), python="/bin/true", poll=0.05)
+    runner.start()
+    try:
+        wait_for(lambda: real_get(after.id).state == "done", 10, "the job queued after it")
+    finally:
+        runner.close()

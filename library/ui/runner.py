@@ -120,16 +120,29 @@ class Runner:
             while watcher.is_alive() and not self.closing.is_set():
                 watcher.join(self.poll)
         while not self.closing.is_set():
-            job = self.store.claim_next(device, self.devices)
-            if job is None:
-                self.closing.wait(self.poll)
-                continue
             try:
-                process = self._launch(job, device)
-            except OSError as e:
-                self.store.update(job.id, state="failed", finished=time.time(), message=f"could not start: {e}")
-                continue
+                self._run_next(device)
+            except Exception as e:  # a dead worker would stop this device's queue for the UI's life, unseen
+                print(f"webui runner {device}: {type(e).__name__}: {e}; the queue goes on", file=sys.stderr)
+                self.closing.wait(self.poll)
+
+    def _run_next(self, device: str) -> None:
+        """The next queued job of `device`, run to its end (or a poll's wait when none is queued)."""
+        job = self.store.claim_next(device, self.devices)
+        if job is None:
+            self.closing.wait(self.poll)
+            return
+        try:
+            process = self._launch(job, device)
+        except OSError as e:
+            self.store.update(job.id, state="failed", finished=time.time(), message=f"could not start: {e}")
+            return
+        try:
             self._watch(self.store.get(job.id), process)
+        except Exception:  # e.g. its row deleted by hand: the trainer still holds the device until it ends
+            while process.poll() is None and not self.closing.is_set():
+                time.sleep(self.poll)
+            raise
 
     def _launch(self, job: Job, device: str) -> subprocess.Popen:
         tmp = job.config_path + ".tmp"
