@@ -127,3 +127,20 @@ def test_generate_reads_reference_kv_cache_as_true_or_false():
     assert parse(base).reference_kv_cache is False
     assert parse([*base, "--reference_kv_cache", "false"]).reference_kv_cache is False
     assert parse([*base, "--reference_kv_cache", "true"]).reference_kv_cache is True
+
+
+def test_a_text_encoder_without_its_image_processor_is_refused_before_caching(edit_set, tmp_path):
+    """The old line checked the transformer and VAE only: a Qwen3-VL folder without preprocessor_config.json
+    failed after the latents were cached, at the first caption with a reference."""
+    import shutil
+
+    from library.io import CheckpointError
+
+    encoder = tmp_path / "text_encoder"
+    shutil.copytree(edit_set["krea2_edit_text_encoder"], encoder,
+                    ignore=shutil.ignore_patterns("preprocessor_config.json"))
+    family = Krea2EditFamily(edit_set["krea2_diffusers"], edit_set["qwen_image_vae"], text_encoder=str(encoder))
+    with pytest.raises(CheckpointError, match="preprocessor_config.json"):
+        family.check_model_files()
+    Krea2EditFamily(edit_set["krea2_diffusers"], edit_set["qwen_image_vae"],
+                    text_encoder=edit_set["krea2_edit_text_encoder"]).check_model_files()

@@ -66,6 +66,14 @@ class Krea2EditFamily(Krea2Family):
                    getattr(args, "reference_resolution", None), getattr(args, "reference_kv_cache", False),
                    **{k: getattr(args, k) for k in cls.text_path_keys})
 
+    def check_model_files(self) -> None:
+        """Also Qwen3-VL's image processor the references need: without this it is looked for at the first
+        caption with a reference, after the latents are cached."""
+        from library.models.krea2.edit_encoder import find_image_processor
+
+        super().check_model_files()
+        find_image_processor(self.text_paths["text_encoder"])
+
     def model_version(self, model) -> str:
         """krea2-raw-edit (or -turbo-): the LoRA's ss_base_model_version; "-kv_cache" when trained with it."""
         return f"{self.version}-edit" + ("-kv_cache" if self.reference_kv_cache else "")
