@@ -77,3 +77,21 @@ def test_the_forms_base_precision_reads_and_writes_the_base_precision_key(checke
                          {"base_precision": "fp8_scaled"})
     assert written == {"base_precision": "fp8_scaled"}
     assert checked(**written)["ok"] is True
+
+
+def test_sample_prompts_with_a_reference_outside_the_roots_are_refused(checked, tmp_path_factory, tmp_path):
+    """A prompt file's --ci (an edit model's reference image) was read from anywhere: the sample drew it
+    where the pages show it, past the roots every other path is held to."""
+    from PIL import Image
+
+    outside = tmp_path_factory.mktemp("outside") / "secret.png"
+    Image.new("RGB", (16, 16)).save(outside)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"a cat --ci {outside}\n")
+    answer = checked(sample_prompts=str(prompts))
+    assert answer["ok"] is False and answer["key"] == "sample_prompts", answer
+    assert f"--ci {str(outside)!r} is outside the folders" in answer["error"] and "\n" not in answer["error"]
+    inside = tmp_path / "ref.png"
+    Image.new("RGB", (16, 16)).save(inside)
+    prompts.write_text(f"a cat --ci {inside}\n")
+    assert checked(sample_prompts=str(prompts))["ok"] is True

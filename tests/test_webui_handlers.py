@@ -185,3 +185,23 @@ def test_a_loaded_config_saved_back_is_the_same_file_and_a_changed_field_is_set_
                            (str(tmp_path / "data" / "x.txt"), "give a .toml file under the roots")):
         with pytest.raises(ValueError, match=expected):
             ui.save_config(path, loaded_text, fields)
+
+
+def test_generate_refuses_a_reference_image_outside_the_roots(tiny_set, tmp_path, tmp_path_factory):
+    """generate's prompt field passed --ci PATH on to tools/generate.py unchecked: an edit model drew a
+    file from outside the folders this UI may open."""
+    from PIL import Image
+
+    from tests.ui_support import tiny_job_settings
+
+    outside = tmp_path_factory.mktemp("outside") / "secret.png"
+    Image.new("RGB", (16, 16)).save(outside)
+    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [tiny_set["root"], str(tmp_path)])
+    try:
+        job = ui.create("g", toml.dumps(tiny_job_settings(tiny_set, steps=1)), {}, queue=False)["job_id"]
+        answer = ui.lora_tool("generate", {"job_id": str(job), "lora": "", "weight": 1.0, "prompt": f"a cat --ci {outside}",
+                                           "width": 64, "steps": 1, "seed": 0})
+        assert answer["ok"] is False and answer["image"] is None
+        assert answer["output"].startswith(f"--ci image {str(outside)!r} is outside the folders"), answer
+    finally:
+        ui.close()

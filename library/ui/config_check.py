@@ -116,6 +116,24 @@ def dataset_outside_roots(args, roots: list[str]) -> dict | None:
     return None
 
 
+def prompt_images_outside_roots(args, roots: list[str]) -> dict | None:
+    """The sample prompts' reference images (--ci) outside the roots, as an error answer under
+    sample_prompts (None: all inside): an edit model's sample draws them where the pages show it."""
+    from library.data.prompts import read_prompt_file
+
+    if not args.sample_prompts:
+        return None
+    try:
+        prompts = read_prompt_file(args.sample_prompts)
+    except ValueError as e:
+        return {"ok": False, "key": "sample_prompts", "error": str(e).splitlines()[0]}
+    for path in (path for prompt in prompts for path in prompt.control_images):
+        if not inside(path, roots):
+            return refusal("sample_prompts", f"{args.sample_prompts}: --ci {path!r} is outside the folders this UI "
+                                             f"may open; start tools/webui.py with --root FOLDER to add one")
+    return None
+
+
 def not_an_optimizer(args) -> dict | None:
     """load_config imports optimizer_type's module.Class; it must also be an optimizer class (not,
     say, os.system), or the run fails after loading the models."""
@@ -151,7 +169,8 @@ def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
         try:
             args = load_config(["--config_file", path])
             refused = (roots is not None and outside_roots(args, roots)) or missing_paths(args) or \
-                not_an_optimizer(args) or (roots is not None and dataset_outside_roots(args, roots))
+                not_an_optimizer(args) or (roots is not None and dataset_outside_roots(args, roots)) or \
+                (roots is not None and prompt_images_outside_roots(args, roots))
             if refused:
                 return refused
             if args.model_type != "llm":

@@ -12,6 +12,7 @@ import time
 import pandas as pd
 import toml
 
+from library.data.prompts import parse_prompt_line
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401 (BASE_PRECISIONS: the form's choices)
 from library.text_files import read_utf8, set_toml_keys, toml_dumps
 from library.training.config import SCHEMA, _flatten
@@ -465,6 +466,8 @@ class WebUI:
             for key in FAMILY_KEYS:
                 if key in config and FAMILY_KEYS[key].type is not bool:  # generate.py reads these as the config's
                     args += [f"--{key}", config[key]]
+            for path in parse_prompt_line(v["prompt"], "prompt").control_images:  # an edit model draws them
+                self.roots.resolve(path, "--ci image")
             if v.get("lora"):
                 args += ["--lora", f"{lora()}:{float(v['weight'])}"]
             return args, out
