@@ -482,3 +482,16 @@ def test_merge_writes_comfyuis_scaled_fp8_that_loads_back_as_comfyui_computes_it
     merged_err, unmerged_err = rel(merged_out, truth), rel(unmerged_out, truth)
     print(f"{family}: merged {merged_err:.4f}, unmerged {unmerged_err:.4f}, between {rel(merged_out, unmerged_out):.4f}")
     assert merged_err <= 1.5 * unmerged_err and rel(merged_out, unmerged_out) <= 0.08, (merged_err, unmerged_err)
+
+
+def test_fp32_block_scales_of_an_fp8_scaled_file_load_when_bf16_holds_them_else_are_refused(tmp_path):
+    """The old converter rounded any stored `weight_scale` to bf16: scales x1.001 in float32 loaded as
+    other values (the weight off by up to 0.4%) without a word."""
+    model = randomized(Flux(FLUX_CFG), 7)
+    qkv = "double_blocks.0.img_attn.qkv"
+    q, scale = fp8.quantize_weight(model.double_blocks[0].img_attn.qkv.weight.detach(), "fp8_scaled")
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()} | {f"{qkv}.weight": q}
+    widened = write_comfy(sd | {f"{qkv}.weight_scale": scale.float()}, tmp_path / "a.safetensors", "flux", "", False)
+    assert torch.equal(load_flux(widened).double_blocks[0].img_attn.qkv.weight_scale, scale)
+    inexact = write_comfy(sd | {f"{qkv}.weight_scale": scale.float() * 1.001}, tmp_path / "b.safetensors", "flux", "", False)
+    one_line_refusal(inexact, load_flux, rf"'{qkv}.weight_scale' holds torch.float32 block scales that bfloat16 would round")

@@ -211,7 +211,17 @@ class PrequantizedConverter:
             return None
         if self.info.layout == "fp8_tensor_scaled":
             return scale.to(TENSOR_SCALE_DTYPE).reshape(())
-        return scale.reshape(scale.shape[0], -1).to(SCALE_DTYPE)
+        return self._block_scale(layer + ".weight_scale", scale.reshape(scale.shape[0], -1))
+
+    def _block_scale(self, key: str, scale: torch.Tensor) -> torch.Tensor:
+        """Block scales in SCALE_DTYPE, the dtype FP8Linear holds: a wider stored scale must be a bf16
+        value already (a widened bf16 scale is), else rounding it would change the base without a word."""
+        held = scale.to(SCALE_DTYPE)
+        if scale.dtype != SCALE_DTYPE and not torch.equal(held.to(scale.dtype), scale):
+            raise CheckpointError(f"{self.source}: '{self.info.prefix + key}' holds {scale.dtype} block scales that "
+                                  f"bfloat16 would round (fp8_scaled keeps bf16 scales [out, in/64]); give the bf16 "
+                                  f"checkpoint or one written by merge_lora --save_precision fp8_scaled")
+        return held
 
     def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.info.is_dropped(key):
@@ -232,7 +242,7 @@ class PrequantizedConverter:
             scale = self._scale_of(layer) if layer else None
             return {key: dequantize_weight(tensor, scale, self.dtype) if scale is not None else tensor.to(self.dtype)}
         if key.endswith(".weight_scale"):  # ours: the block scales of an FP8Linear, or of a widened layer
-            return {key: tensor.to(SCALE_DTYPE)} if key[: -len("_scale")] in self.inner.quantized else {}
+            return {key: self._block_scale(key, tensor)} if key[: -len("_scale")] in self.inner.quantized else {}
         return {key: tensor.to(self.dtype) if tensor.is_floating_point() else tensor}
 
 
