@@ -495,3 +495,22 @@ def test_fp32_block_scales_of_an_fp8_scaled_file_load_when_bf16_holds_them_else_
     assert torch.equal(load_flux(widened).double_blocks[0].img_attn.qkv.weight_scale, scale)
     inexact = write_comfy(sd | {f"{qkv}.weight_scale": scale.float() * 1.001}, tmp_path / "b.safetensors", "flux", "", False)
     one_line_refusal(inexact, load_flux, rf"'{qkv}.weight_scale' holds torch.float32 block scales that bfloat16 would round")
+
+
+def test_comfy_quant_scales_stored_as_shape_1_are_per_tensor_not_bfl_per_row(tmp_path):
+    """A float32 `weight_scale` of shape [1] is ComfyUI's per-tensor scale: the old check took any 1-D
+    float32 weight_scale for BFL's fp8r per-row scale, and the load failed ('has shape (1,), the model
+    expects (64,)')."""
+    model = randomized(Flux(FLUX_CFG), 8)
+    sd = {k: v.reshape(1) if k.endswith(".weight_scale") else v for k, v in comfy_state_dict(model, "flux", "comfy_quant").items()}
+    path = write_comfy(sd, tmp_path / "one.safetensors", "flux")
+    assert fp8_checkpoint_layout(CheckpointReader(path)) == "fp8_tensor_scaled"
+    from library.precision.stored_layouts import stored_layout
+
+    assert stored_layout(CheckpointReader(path), path) == "fp8_tensor_scaled"
+    with pytest.warns(UserWarning):
+        loaded = load_flux(path)
+    expected = comfy_dequantized(sd, torch.bfloat16)
+    layers = {n: m for n, m in loaded.named_modules() if isinstance(m, fp8.FP8Linear)}
+    assert len(layers) == len(quantized_linears(model, "flux"))
+    assert all(torch.equal(m.dequantized_weight(torch.bfloat16), expected[f"{n}.weight"]) for n, m in layers.items())
