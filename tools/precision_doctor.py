@@ -81,8 +81,8 @@ from library.models.spec import load_symbol  # noqa: E402
 from library.precision.fp8 import (  # noqa: E402
     FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,
 )
-from library.io import CheckpointError, CheckpointReader, atomic_path, component_folder, write_text  # noqa: E402
-from library.precision.stored_layouts import stored_layout  # noqa: E402
+from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
+from library.precision.stored_layouts import refuse_stored_base  # noqa: E402
 from library.precision.fp8_compute import enable_fp8_compute, fp8_gemm_available  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from networks.lora import LoRAModule, diffusers_module_map  # noqa: E402
@@ -455,16 +455,6 @@ def parse_timesteps(text: str) -> tuple[float, ...]:
     return values
 
 
-def check_high_precision_base(model_path: str) -> None:
-    """A pre-quantized file (fp8, GGUF, ...) loads as it is stored in every mode, so each mode would be
-    the same base and every error 0: refused in one line, from the header, before any model loads."""
-    path = component_folder(model_path, "transformer")
-    layout = stored_layout(CheckpointReader(path), path)
-    if layout:
-        raise ValueError(f"--model {model_path}: the transformer is stored pre-quantized ({layout}) and loads as stored "
-                         f"in every mode, so the bf16 reference would be that base too; give the bf16 checkpoint")
-
-
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -474,7 +464,7 @@ def main(argv=None) -> int:
         device = device_from_flag(args.device)
         if not os.path.exists(args.model):
             raise ValueError(f"--model {args.model}: no such file or folder")
-        check_high_precision_base(args.model)
+        refuse_stored_base(args.model, "--model", "every mode, the bf16 reference too, would be that base")
         if args.lora:  # headers only: not a LoRA, or another model's, is named before the model loads
             check_lora_arch(parse_lora_spec(args.lora).path, lora_arch(args.model_type))
         run_doctor(args.model, lora_arch(args.model_type), args.lora, resolution, args.seed, timesteps, args.out, args.threshold,
