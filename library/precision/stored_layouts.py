@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from library.errors import ConfigError
 from library.io import CheckpointError, CheckpointReader, component_folder
+from library.precision.bnb_weights import refuse_serialized
 from library.precision.bfl_weights import BflCheckpoint, bfl_converter, read_bfl_checkpoint
 from library.precision.fp8 import KeepRules
 from library.precision.fp8_checkpoints import CONFIG_PRECISION, Fp8Checkpoint, prequantized_converter, read_fp8_checkpoint
@@ -31,6 +32,7 @@ def read_stored_layout(reader: CheckpointReader, path: str | None = None) -> Sto
     Layouts we cannot use raise CheckpointError naming the tensor that shows them."""
     if is_gguf(reader):
         return read_gguf_checkpoint(reader, path)
+    refuse_serialized(reader.keys(), path or reader.path)
     return read_bfl_checkpoint(reader, path) or read_fp8_checkpoint(reader, path)
 
 
