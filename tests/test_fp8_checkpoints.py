@@ -514,3 +514,20 @@ def test_comfy_quant_scales_stored_as_shape_1_are_per_tensor_not_bfl_per_row(tmp
     layers = {n: m for n, m in loaded.named_modules() if isinstance(m, fp8.FP8Linear)}
     assert len(layers) == len(quantized_linears(model, "flux"))
     assert all(torch.equal(m.dequantized_weight(torch.bfloat16), expected[f"{n}.weight"]) for n, m in layers.items())
+
+
+def test_base_loras_on_a_comfy_scaled_file_are_refused_before_caching(tiny_set, tmp_path, capsys, monkeypatch):
+    """The old line said so in _load_base, after the latents and text had been cached (minutes)."""
+    from library.training.diffusion_task import DiffusionTask
+
+    path = tiny_comfy_flux(tiny_set, tmp_path)
+    adapter = str(tmp_path / "adapter.safetensors")
+    LoRANetwork(load_flux(tiny_set["flux_bfl"]), "flux", 4, 4.0).save(adapter)
+    cached = []
+    monkeypatch.setattr(DiffusionTask, "_fill_caches", lambda self: cached.append(1))
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", path,
+                                                            "--fp8_base", "true", "--fp8_scaled", "true",
+                                                            "--base_loras", f"{adapter}:0.5")))
+    assert f"{path}: base_loras merge into a high-precision base; this checkpoint is pre-quantized (fp8_tensor_scaled)" in line
+    assert cached == []
