@@ -269,4 +269,9 @@ def test_a_checkpoint_stored_by_bitsandbytes_is_refused_naming_its_key(tmp_path,
         sd[layer + suffix] = torch.zeros(8, dtype=torch.uint8)
     path = write_comfy(sd, tmp_path / "bnb.safetensors", "flux", prefix="", bundled=False)
     first = next(k for k in CheckpointReader(path).keys() if k.endswith(suffix))
-    one_line_refusal(path, load_flux, rf"bnb.safetensors: '{first}' shows a checkpoint stored by bitsandbytes \({kind}\)")
+    refusal = rf"bnb.safetensors: '{first}' shows a checkpoint stored by bitsandbytes \({kind}\)"
+    one_line_refusal(path, load_flux, refusal)
+    # merge_lora: the old line said "LoRA for '...proj.weight' gives a delta of shape (64, 64), the checkpoint weight is (2048, 1)"
+    from tools.merge_lora import open_base
+
+    one_line_refusal(path, open_base, refusal)

@@ -115,6 +115,7 @@ from safetensors import safe_open  # noqa: E402
 from library.precision import fp8  # noqa: E402
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint  # noqa: E402
 from library.precision.bfl_weights import is_bfl  # noqa: E402
+from library.precision.bnb_weights import refuse_serialized  # noqa: E402
 from library.precision.gguf_weights import is_gguf  # noqa: E402
 from library.precision.gguf_writer import GgufEntry, output_type, save_precision_type, write_gguf_streaming  # noqa: E402
 from library.io import ST_DTYPES, CheckpointError, CheckpointReader, atomic_folder, atomic_path, component_folder  # noqa: E402
@@ -275,6 +276,7 @@ def open_base(path: str) -> Base:
         raise CheckpointError(f"{path}: a BFL fp8r / nvfp4 base; merge_lora reads bf16 / fp16 / fp32 / fp8 bases: "
                               f"load the LoRA beside it (diffusers' load_lora_weights, generate.py --lora) instead")
     keys = reader.keys()
+    refuse_serialized(keys, path)  # bitsandbytes' packed layers: no float weight to merge into
     base = _family_base(path, reader, keys)
     if base is None and any(checkpoint_key_to_llm(k) and checkpoint_key_to_llm(k).startswith("model.layers.") for k in keys):
         base = Base(path, reader, "llm", "hf", checkpoint_key_to_llm)
