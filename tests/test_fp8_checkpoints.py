@@ -531,3 +531,16 @@ def test_base_loras_on_a_comfy_scaled_file_are_refused_before_caching(tiny_set, 
                                                             "--base_loras", f"{adapter}:0.5")))
     assert f"{path}: base_loras merge into a high-precision base; this checkpoint is pre-quantized (fp8_tensor_scaled)" in line
     assert cached == []
+
+
+def test_fine_grained_fp8_with_weight_scale_inv_is_refused_not_read_as_plain_fp8(tmp_path):
+    """transformers' fine-grained fp8 (the "-FP8" LLM releases): the old reader called it plain "fp8",
+    so the config check asked for fp8_base = true, and the load failed later on 'unexpected keys'."""
+    model = randomized(Flux(FLUX_CFG), 9)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    qkv = "double_blocks.0.img_attn.qkv"
+    sd[f"{qkv}.weight"] = sd[f"{qkv}.weight"].to(torch.float8_e4m3fn)
+    sd[f"{qkv}.weight_scale_inv"] = torch.ones(2, 1)
+    path = write_comfy(sd, tmp_path / "fine.safetensors", "flux", prefix="", bundled=False)
+    one_line_refusal(path, lambda p: fp8_checkpoint_layout(CheckpointReader(p)),
+                     rf"'{qkv}.weight_scale_inv' is a block-wise fp8 scale \(transformers' fine-grained fp8")

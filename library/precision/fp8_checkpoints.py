@@ -35,7 +35,8 @@ musubi); bf16 scales per 64 input columns (or per row where in % 64 != 0) -> "fp
 reshaped to [out, in/64]. Other musubi scales (per channel on 64-divisible rows, other block sizes,
 fp16/fp32 block scales that bf16 would round) are refused naming the key.
 
-Refused, one line naming the key: float8_e5m2 weights; comfy_quant formats other than float8_e4m3fn
+Refused, one line naming the key: float8_e5m2 weights; transformers' fine-grained fp8 (`X.weight_scale_inv`
+per 128 x 128 block, the Hugging Face "-FP8" releases), which would otherwise read as plain fp8; comfy_quant formats other than float8_e4m3fn
 (nvfp4, int8, mxfp8, ...: number formats and block scales FP8Linear does not hold); ComfyUI scales
 that are not one number per tensor; the musubi scales above. Activation scales are dropped: we
 compute in bf16/fp32, as ComfyUI does whenever a LoRA is patched in.
@@ -140,6 +141,10 @@ def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp
     fp8 = [n for n in names if reader.dtype_name(prefix + n) in FP8_CHECKPOINT_DTYPES and n != COMFY_MARKER]
     if not fp8:
         return None
+    inverse = next((n for n in names if n.endswith(".weight_scale_inv")), None)
+    if inverse:
+        raise CheckpointError(f"{where}: '{prefix + inverse}' is a block-wise fp8 scale (transformers' fine-grained "
+                              f"fp8, [out/128, in/128] blocks), a layout not read; give the bf16 checkpoint")
     e5m2 = [n for n in names if reader.dtype_name(prefix + n) == "F8_E5M2"]
     if e5m2:
         raise CheckpointError(f"{where}: '{prefix + e5m2[0]}' is float8_e5m2; fp8 bases must be float8_e4m3fn")
