@@ -544,3 +544,16 @@ def test_fine_grained_fp8_with_weight_scale_inv_is_refused_not_read_as_plain_fp8
     path = write_comfy(sd, tmp_path / "fine.safetensors", "flux", prefix="", bundled=False)
     one_line_refusal(path, lambda p: fp8_checkpoint_layout(CheckpointReader(p)),
                      rf"'{qkv}.weight_scale_inv' is a block-wise fp8 scale \(transformers' fine-grained fp8")
+
+
+def test_per_row_weight_scales_on_64_divisible_rows_are_refused_from_the_header(tmp_path):
+    """compressed-tensors' fp8 (per-channel float32 `weight_scale` [out, 1]) read as our fp8_scaled: the
+    old reader said "fp8_scaled" and the load failed after caching, on the first scale's shape or values."""
+    model = randomized(Flux(FLUX_CFG), 10)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    mlp = "double_blocks.0.img_mlp.2"  # [64, 256]: fp8_scaled holds (64, 4)
+    scale = sd[f"{mlp}.weight"].abs().amax(1, keepdim=True) / 448
+    sd[f"{mlp}.weight"], sd[f"{mlp}.weight_scale"] = (sd[f"{mlp}.weight"] / scale).to(torch.float8_e4m3fn), scale
+    path = write_comfy(sd, tmp_path / "rows.safetensors", "flux", prefix="", bundled=False)
+    one_line_refusal(path, lambda p: fp8_checkpoint_layout(CheckpointReader(p)),
+                     rf"'{mlp}.weight_scale' has shape \(64, 1\), not the fp8_scaled block scales \(64, 4\)")

@@ -170,6 +170,12 @@ def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp
     if flat:
         raise CheckpointError(f"{where}: '{prefix + flat}' has shape {reader.shape(prefix + flat)}, not the [out, in/64] "
                               f"block scales of fp8_scaled, and no comfy_quant marker says it is a per-tensor scale")
+    for name in scales:
+        key, weight = prefix + name, prefix + name[: -len("_scale")]
+        want = scale_shape(*reader.shape(weight)) if weight in reader and len(reader.shape(weight)) == 2 else None
+        if reader.shape(key) != want:
+            raise CheckpointError(f"{where}: '{key}' has shape {reader.shape(key)}, not the fp8_scaled block scales "
+                                  f"{want} (one per 64 input columns) of a 2-D '{weight}'")
     return Fp8Checkpoint("fp8_scaled" if scales else "fp8", None, prefix)
 
 
