@@ -49,8 +49,8 @@ MODES = ("nf4", "nf4_dq", "int8")
 NF4_BLOCK = 64  # weights per absmax (QLoRA's and bitsandbytes' default)
 NESTED_BLOCK = 256  # absmaxes per scale under double quantization (what quantize_4bit uses)
 INT8_MAX = 127
-# Keys of bitsandbytes' own serialized layers (Params4bit / Int8Params state dicts: lllyasviel's
-# flux1-dev-bnb-nf4, diffusers' BitsAndBytesConfig folders), a layout not read (refuse_serialized).
+# Keys of bitsandbytes' own serialized layers (Params4bit / Int8Params state dicts: the
+# single-file "bnb-nf4" releases, diffusers' BitsAndBytesConfig folders), a layout not read (refuse_serialized).
 SERIALIZED = {".quant_state.bitsandbytes__nf4": "nf4", ".quant_state.bitsandbytes__fp4": "fp4", ".SCB": "int8"}
 
 
