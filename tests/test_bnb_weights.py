@@ -250,3 +250,28 @@ def test_the_planner_holds_the_formats_bytes_for_a_full_size_preset(mode):
     stored = sum(m.in_features * m.out_features * bnb.bytes_per_weight(mode, m.out_features, m.in_features) for m in layers)
     assert module_bytes(quantized) == module_bytes(bf16) - 2 * weights + stored
     assert weights / sum(p.numel() for p in bf16.parameters()) > 0.99  # nearly every weight is quantized
+
+
+@pytest.mark.parametrize("suffix, kind", [(".weight.quant_state.bitsandbytes__nf4", "nf4"), (".SCB", "int8")])
+def test_a_checkpoint_stored_by_bitsandbytes_is_refused_naming_its_key(tmp_path, suffix, kind):
+    """lllyasviel's flux1-dev-bnb-nf4 layout (packed uint8 [n/2, 1] weights beside their quant_state): the
+    old loader said only "key '...proj.weight' has shape (2048, 1), the model expects (64, 64)"."""
+    from library.models.flux1.model import Flux
+    from tests.test_fp8_checkpoints import one_line_refusal, quantized_linears, write_comfy
+    from tests.test_merge_convert import FLUX_CFG
+
+    model = Flux(FLUX_CFG)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for layer in quantized_linears(model, "flux"):
+        n = sd[f"{layer}.weight"].numel()
+        sd[f"{layer}.weight"] = torch.zeros(n // 2, 1, dtype=torch.uint8)
+        sd[f"{layer}.weight.absmax"] = torch.ones(n // 64)
+        sd[layer + suffix] = torch.zeros(8, dtype=torch.uint8)
+    path = write_comfy(sd, tmp_path / "bnb.safetensors", "flux", prefix="", bundled=False)
+    first = next(k for k in CheckpointReader(path).keys() if k.endswith(suffix))
+    refusal = rf"bnb.safetensors: '{first}' shows a checkpoint stored by bitsandbytes \({kind}\)"
+    one_line_refusal(path, load_flux, refusal)
+    # merge_lora: the old line said "LoRA for '...proj.weight' gives a delta of shape (64, 64), the checkpoint weight is (2048, 1)"
+    from tools.merge_lora import open_base
+
+    one_line_refusal(path, open_base, refusal)

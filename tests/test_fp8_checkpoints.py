@@ -482,3 +482,78 @@ def test_merge_writes_comfyuis_scaled_fp8_that_loads_back_as_comfyui_computes_it
     merged_err, unmerged_err = rel(merged_out, truth), rel(unmerged_out, truth)
     print(f"{family}: merged {merged_err:.4f}, unmerged {unmerged_err:.4f}, between {rel(merged_out, unmerged_out):.4f}")
     assert merged_err <= 1.5 * unmerged_err and rel(merged_out, unmerged_out) <= 0.08, (merged_err, unmerged_err)
+
+
+def test_fp32_block_scales_of_an_fp8_scaled_file_load_when_bf16_holds_them_else_are_refused(tmp_path):
+    """The old converter rounded any stored `weight_scale` to bf16: scales x1.001 in float32 loaded as
+    other values (the weight off by up to 0.4%) without a word."""
+    model = randomized(Flux(FLUX_CFG), 7)
+    qkv = "double_blocks.0.img_attn.qkv"
+    q, scale = fp8.quantize_weight(model.double_blocks[0].img_attn.qkv.weight.detach(), "fp8_scaled")
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()} | {f"{qkv}.weight": q}
+    widened = write_comfy(sd | {f"{qkv}.weight_scale": scale.float()}, tmp_path / "a.safetensors", "flux", "", False)
+    assert torch.equal(load_flux(widened).double_blocks[0].img_attn.qkv.weight_scale, scale)
+    inexact = write_comfy(sd | {f"{qkv}.weight_scale": scale.float() * 1.001}, tmp_path / "b.safetensors", "flux", "", False)
+    one_line_refusal(inexact, load_flux, rf"'{qkv}.weight_scale' holds torch.float32 block scales that bfloat16 would round")
+
+
+def test_comfy_quant_scales_stored_as_shape_1_are_per_tensor_not_bfl_per_row(tmp_path):
+    """A float32 `weight_scale` of shape [1] is ComfyUI's per-tensor scale: the old check took any 1-D
+    float32 weight_scale for BFL's fp8r per-row scale, and the load failed ('has shape (1,), the model
+    expects (64,)')."""
+    model = randomized(Flux(FLUX_CFG), 8)
+    sd = {k: v.reshape(1) if k.endswith(".weight_scale") else v for k, v in comfy_state_dict(model, "flux", "comfy_quant").items()}
+    path = write_comfy(sd, tmp_path / "one.safetensors", "flux")
+    assert fp8_checkpoint_layout(CheckpointReader(path)) == "fp8_tensor_scaled"
+    from library.precision.stored_layouts import stored_layout
+
+    assert stored_layout(CheckpointReader(path), path) == "fp8_tensor_scaled"
+    with pytest.warns(UserWarning):
+        loaded = load_flux(path)
+    expected = comfy_dequantized(sd, torch.bfloat16)
+    layers = {n: m for n, m in loaded.named_modules() if isinstance(m, fp8.FP8Linear)}
+    assert len(layers) == len(quantized_linears(model, "flux"))
+    assert all(torch.equal(m.dequantized_weight(torch.bfloat16), expected[f"{n}.weight"]) for n, m in layers.items())
+
+
+def test_base_loras_on_a_comfy_scaled_file_are_refused_before_caching(tiny_set, tmp_path, capsys, monkeypatch):
+    """The old line said so in _load_base, after the latents and text had been cached (minutes)."""
+    from library.training.diffusion_task import DiffusionTask
+
+    path = tiny_comfy_flux(tiny_set, tmp_path)
+    adapter = str(tmp_path / "adapter.safetensors")
+    LoRANetwork(load_flux(tiny_set["flux_bfl"]), "flux", 4, 4.0).save(adapter)
+    cached = []
+    monkeypatch.setattr(DiffusionTask, "_fill_caches", lambda self: cached.append(1))
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", path,
+                                                            "--fp8_base", "true", "--fp8_scaled", "true",
+                                                            "--base_loras", f"{adapter}:0.5")))
+    assert f"{path}: base_loras merge into a high-precision base; this checkpoint is pre-quantized (fp8_tensor_scaled)" in line
+    assert cached == []
+
+
+def test_fine_grained_fp8_with_weight_scale_inv_is_refused_not_read_as_plain_fp8(tmp_path):
+    """transformers' fine-grained fp8 (the "-FP8" LLM releases): the old reader called it plain "fp8",
+    so the config check asked for fp8_base = true, and the load failed later on 'unexpected keys'."""
+    model = randomized(Flux(FLUX_CFG), 9)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    qkv = "double_blocks.0.img_attn.qkv"
+    sd[f"{qkv}.weight"] = sd[f"{qkv}.weight"].to(torch.float8_e4m3fn)
+    sd[f"{qkv}.weight_scale_inv"] = torch.ones(2, 1)
+    path = write_comfy(sd, tmp_path / "fine.safetensors", "flux", prefix="", bundled=False)
+    one_line_refusal(path, lambda p: fp8_checkpoint_layout(CheckpointReader(p)),
+                     rf"'{qkv}.weight_scale_inv' is a block-wise fp8 scale \(transformers' fine-grained fp8")
+
+
+def test_per_row_weight_scales_on_64_divisible_rows_are_refused_from_the_header(tmp_path):
+    """compressed-tensors' fp8 (per-channel float32 `weight_scale` [out, 1]) read as our fp8_scaled: the
+    old reader said "fp8_scaled" and the load failed after caching, on the first scale's shape or values."""
+    model = randomized(Flux(FLUX_CFG), 10)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    mlp = "double_blocks.0.img_mlp.2"  # [64, 256]: fp8_scaled holds (64, 4)
+    scale = sd[f"{mlp}.weight"].abs().amax(1, keepdim=True) / 448
+    sd[f"{mlp}.weight"], sd[f"{mlp}.weight_scale"] = (sd[f"{mlp}.weight"] / scale).to(torch.float8_e4m3fn), scale
+    path = write_comfy(sd, tmp_path / "rows.safetensors", "flux", prefix="", bundled=False)
+    one_line_refusal(path, lambda p: fp8_checkpoint_layout(CheckpointReader(p)),
+                     rf"'{mlp}.weight_scale' has shape \(64, 1\), not the fp8_scaled block scales \(64, 4\)")

@@ -343,6 +343,21 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     assert rc == 2 and err.startswith("error: ") and message in err and len(err.splitlines()) == 1
 
 
+
+def test_cli_refuses_a_pre_quantized_model_instead_of_reporting_no_damage(tmp_path, capsys):
+    """A ComfyUI scaled-fp8 file loads as stored in every mode: the old doctor compared that base with
+    itself and reported fp8 and fp8_scaled 'OK: output error 0.0000'."""
+    from tests.test_fp8_checkpoints import comfy_state_dict, write_comfy
+
+    model = tiny_flux()
+    path = write_comfy(comfy_state_dict(model, "flux", "marker"), tmp_path / "c.safetensors", "flux", config=model.config)
+    rc = doctor.main(["--model_type", "flux", "--model", path, "--resolution", "64", "--text_len", "4",
+                      "--out", str(tmp_path / "r"), "--skip_fp32", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert f"--model {path}: the transformer is stored pre-quantized (fp8_tensor_scaled)" in err
+    assert not (tmp_path / "r").exists()
+
 def test_cli_lora_of_another_model_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """The old doctor loaded the bf16 model, then said "... convert_lora.py IN OUT --to kohya"."""
     qwen = str(tmp_path / "qwen.safetensors")

@@ -108,6 +108,22 @@ def test_a_given_lora_of_another_model_is_one_line_before_training(tiny_set, tmp
     assert not any(p.startswith("train_") for p in os.listdir(tmp_path / "m"))
 
 
+
+def test_a_pre_quantized_base_is_one_line_before_training(tiny_set, tmp_path, capsys):
+    """A ComfyUI scaled-fp8 checkpoint loads as stored whatever row or column asks: the old matrix went
+    on to train (or, with every --loras given, to deploy) on that one base in every cell."""
+    from test_fp8_checkpoints import comfy_state_dict, write_comfy
+
+    config = write_config(tmp_path, tiny_set, "flux")
+    model = tiny_flux()
+    stored = write_comfy(comfy_state_dict(model, "flux", "marker"), tmp_path / "flux.safetensors", "flux", config=model.config)
+    assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "m"), "--rows", "bf16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {config}: pretrained_model_name_or_path {stored}: the transformer is stored pre-quantized "
+                   f"(fp8_tensor_scaled) and loads as stored whatever precision is asked for, so every row and column "
+                   f"would train and deploy on that one base; give the bf16 checkpoint"]
+    assert not any(p.startswith("train_") for p in os.listdir(tmp_path / "m"))
+
 def test_an_llm_config_is_refused_as_such(tiny_set, tmp_path, capsys):
     """The old line blamed sample_prompts, a key the tool itself adds for its training runs."""
     config = tmp_path / "llm.toml"

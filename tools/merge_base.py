@@ -22,6 +22,7 @@ from library.models.llm import checkpoint_key_to_llm
 from library.models.registry import FAMILIES, arch_spec, arch_specs
 from library.precision import fp8
 from library.precision.bfl_weights import is_bfl
+from library.precision.bnb_weights import refuse_serialized
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint
 from library.precision.gguf_weights import is_gguf
 from networks.lora_files import LoRAWeights, read_lora_tensors, split_text_encoders, text_encoder_note
@@ -108,6 +109,7 @@ def open_base(path: str) -> Base:
         raise CheckpointError(f"{path}: a BFL fp8r / nvfp4 base; merge_lora reads bf16 / fp16 / fp32 / fp8 bases: "
                               f"load the LoRA beside it (diffusers' load_lora_weights, generate.py --lora) instead")
     keys = reader.keys()
+    refuse_serialized(keys, path)  # bitsandbytes' packed layers: no float weight to merge into
     base = _family_base(path, reader, keys)
     if base is None and any(checkpoint_key_to_llm(k) and checkpoint_key_to_llm(k).startswith("model.layers.") for k in keys):
         base = Base(path, reader, "llm", "hf", checkpoint_key_to_llm)

@@ -82,6 +82,7 @@ from library.precision.fp8 import (  # noqa: E402
     FP8Linear, dequantize_weight, fp8_load_converter, is_high_precision, prepare_fp8, quantize_module,
 )
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
+from library.precision.stored_layouts import refuse_stored_base  # noqa: E402
 from library.precision.fp8_compute import enable_fp8_compute, fp8_gemm_available  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from networks.lora import LoRAModule, diffusers_module_map  # noqa: E402
@@ -463,6 +464,7 @@ def main(argv=None) -> int:
         device = device_from_flag(args.device)
         if not os.path.exists(args.model):
             raise ValueError(f"--model {args.model}: no such file or folder")
+        refuse_stored_base(args.model, "--model", "every mode, the bf16 reference too, would be that base")
         if args.lora:  # headers only: not a LoRA, or another model's, is named before the model loads
             check_lora_arch(parse_lora_spec(args.lora).path, lora_arch(args.model_type))
         run_doctor(args.model, lora_arch(args.model_type), args.lora, resolution, args.seed, timesteps, args.out, args.threshold,

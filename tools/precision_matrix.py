@@ -103,6 +103,7 @@ from library.models.latents import pack_latents  # noqa: E402
 from library.models import precision_doctor as precision  # noqa: E402
 from library.precision.fp8 import FP8_DTYPE  # noqa: E402
 from library.precision.fp8_compute import fp8_gemm_available  # noqa: E402
+from library.precision.stored_layouts import refuse_stored_base  # noqa: E402
 from library.models import flow_matching as fm  # noqa: E402
 from library.training.config import ConfigError, load_config  # noqa: E402
 from library.training.state import sample_seed  # noqa: E402
@@ -443,6 +444,8 @@ def main(argv=None, log=print) -> int:
             overrides += ["--dataset_config", resized_dataset(base.dataset_config, cli.resolution, cli.out)]
         args = load_config(run_args(cli.config_file, overrides))
         family = get_family(args)
+        refuse_stored_base(args.pretrained_model_name_or_path, f"{cli.config_file}: pretrained_model_name_or_path",
+                           "every row and column would train and deploy on that one base")
         given = dict(item.split("=", 1) for item in cli.loras.split(",") if item)
         rows = [r for r in cli.rows.split(",") if r]
         unknown = [r for r in list(given) + rows if r not in TRAINED_ON]

@@ -168,12 +168,15 @@ class BflCheckpoint:
 
 
 def is_bfl(reader: CheckpointReader) -> bool:
-    """A `.weight_scale_2` (nvfp4), or a float32 1-D `.weight_scale` (fp8r's per-row scale: our
-    fp8_scaled stores bf16 [out, in/64], ComfyUI's per-tensor fp8 float32 [])."""
+    """A `.weight_scale_2` (nvfp4), or a float32 1-D `.weight_scale` with one entry per row of its
+    weight (fp8r's per-row scale: our fp8_scaled stores bf16 [out, in/64], ComfyUI's per-tensor fp8
+    float32 [] or [1])."""
     for key in reader.keys():
         if key.endswith(".weight_scale_2"):
             return True
-        if key.endswith(".weight_scale") and reader.dtype_name(key) == "F32" and len(reader.shape(key)) == 1:
+        shape, weight = reader.shape(key), key[: -len("_scale")]
+        if (key.endswith(".weight_scale") and reader.dtype_name(key) == "F32" and len(shape) == 1 and shape[0] > 1
+                and weight in reader and reader.shape(weight)[:1] == shape):
             return True
     return False
 

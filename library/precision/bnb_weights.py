@@ -49,6 +49,9 @@ MODES = ("nf4", "nf4_dq", "int8")
 NF4_BLOCK = 64  # weights per absmax (QLoRA's and bitsandbytes' default)
 NESTED_BLOCK = 256  # absmaxes per scale under double quantization (what quantize_4bit uses)
 INT8_MAX = 127
+# Keys of bitsandbytes' own serialized layers (Params4bit / Int8Params state dicts: the
+# single-file "bnb-nf4" releases, diffusers' BitsAndBytesConfig folders), a layout not read (refuse_serialized).
+SERIALIZED = {".quant_state.bitsandbytes__nf4": "nf4", ".quant_state.bitsandbytes__fp4": "fp4", ".SCB": "int8"}
 
 
 def _bnb():
@@ -61,6 +64,17 @@ def _bnb():
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"bitsandbytes base precision must be one of {MODES}, got {mode!r}")
+
+
+def refuse_serialized(keys, where: str) -> None:
+    """CheckpointError naming the first key that shows a checkpoint stored by bitsandbytes itself:
+    its packed layers are not read (our nf4 / int8 quantize a high-precision file while loading)."""
+    for key in keys:
+        kind = next((k for suffix, k in SERIALIZED.items() if key.endswith(suffix)), None)
+        if kind:
+            raise CheckpointError(f"{where}: '{key}' shows a checkpoint stored by bitsandbytes ({kind}), which is not "
+                                  f"read; give the bf16 checkpoint (base_precision = \"nf4\" or \"int8\" quantizes "
+                                  f"it while loading)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ musubi); bf16 scales per 64 input columns (or per row where in % 64 != 0) -> "fp
 reshaped to [out, in/64]. Other musubi scales (per channel on 64-divisible rows, other block sizes,
 fp16/fp32 block scales that bf16 would round) are refused naming the key.
 
-Refused, one line naming the key: float8_e5m2 weights; comfy_quant formats other than float8_e4m3fn
+Refused, one line naming the key: float8_e5m2 weights; transformers' fine-grained fp8 (`X.weight_scale_inv`
+per 128 x 128 block, the Hugging Face "-FP8" releases), which would otherwise read as plain fp8; comfy_quant formats other than float8_e4m3fn
 (nvfp4, int8, mxfp8, ...: number formats and block scales FP8Linear does not hold); ComfyUI scales
 that are not one number per tensor; the musubi scales above. Activation scales are dropped: we
 compute in bf16/fp32, as ComfyUI does whenever a LoRA is patched in.
@@ -140,6 +141,10 @@ def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp
     fp8 = [n for n in names if reader.dtype_name(prefix + n) in FP8_CHECKPOINT_DTYPES and n != COMFY_MARKER]
     if not fp8:
         return None
+    inverse = next((n for n in names if n.endswith(".weight_scale_inv")), None)
+    if inverse:
+        raise CheckpointError(f"{where}: '{prefix + inverse}' is a block-wise fp8 scale (transformers' fine-grained "
+                              f"fp8, [out/128, in/128] blocks), a layout not read; give the bf16 checkpoint")
     e5m2 = [n for n in names if reader.dtype_name(prefix + n) == "F8_E5M2"]
     if e5m2:
         raise CheckpointError(f"{where}: '{prefix + e5m2[0]}' is float8_e5m2; fp8 bases must be float8_e4m3fn")
@@ -165,6 +170,12 @@ def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp
     if flat:
         raise CheckpointError(f"{where}: '{prefix + flat}' has shape {reader.shape(prefix + flat)}, not the [out, in/64] "
                               f"block scales of fp8_scaled, and no comfy_quant marker says it is a per-tensor scale")
+    for name in scales:
+        key, weight = prefix + name, prefix + name[: -len("_scale")]
+        want = scale_shape(*reader.shape(weight)) if weight in reader and len(reader.shape(weight)) == 2 else None
+        if reader.shape(key) != want:
+            raise CheckpointError(f"{where}: '{key}' has shape {reader.shape(key)}, not the fp8_scaled block scales "
+                                  f"{want} (one per 64 input columns) of a 2-D '{weight}'")
     return Fp8Checkpoint("fp8_scaled" if scales else "fp8", None, prefix)
 
 
@@ -211,7 +222,17 @@ class PrequantizedConverter:
             return None
         if self.info.layout == "fp8_tensor_scaled":
             return scale.to(TENSOR_SCALE_DTYPE).reshape(())
-        return scale.reshape(scale.shape[0], -1).to(SCALE_DTYPE)
+        return self._block_scale(layer + ".weight_scale", scale.reshape(scale.shape[0], -1))
+
+    def _block_scale(self, key: str, scale: torch.Tensor) -> torch.Tensor:
+        """Block scales in SCALE_DTYPE, the dtype FP8Linear holds: a wider stored scale must be a bf16
+        value already (a widened bf16 scale is), else rounding it would change the base without a word."""
+        held = scale.to(SCALE_DTYPE)
+        if scale.dtype != SCALE_DTYPE and not torch.equal(held.to(scale.dtype), scale):
+            raise CheckpointError(f"{self.source}: '{self.info.prefix + key}' holds {scale.dtype} block scales that "
+                                  f"bfloat16 would round (fp8_scaled keeps bf16 scales [out, in/64]); give the bf16 "
+                                  f"checkpoint or one written by merge_lora --save_precision fp8_scaled")
+        return held
 
     def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         if self.info.is_dropped(key):
@@ -232,7 +253,7 @@ class PrequantizedConverter:
             scale = self._scale_of(layer) if layer else None
             return {key: dequantize_weight(tensor, scale, self.dtype) if scale is not None else tensor.to(self.dtype)}
         if key.endswith(".weight_scale"):  # ours: the block scales of an FP8Linear, or of a widened layer
-            return {key: tensor.to(SCALE_DTYPE)} if key[: -len("_scale")] in self.inner.quantized else {}
+            return {key: self._block_scale(key, tensor)} if key[: -len("_scale")] in self.inner.quantized else {}
         return {key: tensor.to(self.dtype) if tensor.is_floating_point() else tensor}
 
 

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 
 from library.errors import ConfigError
-from library.io import CheckpointReader
+from library.io import CheckpointError, CheckpointReader, component_folder
+from library.precision.bnb_weights import refuse_serialized
 from library.precision.bfl_weights import BflCheckpoint, bfl_converter, read_bfl_checkpoint
 from library.precision.fp8 import KeepRules
 from library.precision.fp8_checkpoints import CONFIG_PRECISION, Fp8Checkpoint, prequantized_converter, read_fp8_checkpoint
@@ -31,6 +32,7 @@ def read_stored_layout(reader: CheckpointReader, path: str | None = None) -> Sto
     Layouts we cannot use raise CheckpointError naming the tensor that shows them."""
     if is_gguf(reader):
         return read_gguf_checkpoint(reader, path)
+    refuse_serialized(reader.keys(), path or reader.path)
     return read_bfl_checkpoint(reader, path) or read_fp8_checkpoint(reader, path)
 
 
@@ -85,3 +87,14 @@ def check_config_precision(path: str, layout: str | None, wanted: str) -> None:
         raise ConfigError(f"{path}: the checkpoint stores a pre-quantized {layout} base (used as it is), but the "
                           f"config asks for {wanted}; set {config_settings(layout)} (what {layout} files need), "
                           f"or give the bf16 checkpoint")
+
+
+def refuse_stored_base(model_path: str, what: str, consequence: str) -> None:
+    """CheckpointError (from the header) when the transformer at `model_path` (file or diffusers folder)
+    is pre-quantized: it loads as stored whatever base precision is asked for, so a tool that compares
+    precisions made from it would compare that base with itself (`consequence`)."""
+    path = component_folder(model_path, "transformer")
+    layout = stored_layout(CheckpointReader(path), path)
+    if layout:
+        raise CheckpointError(f"{what} {model_path}: the transformer is stored pre-quantized ({layout}) and loads as "
+                              f"stored whatever precision is asked for, so {consequence}; give the bf16 checkpoint")

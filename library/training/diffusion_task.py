@@ -96,6 +96,9 @@ class DiffusionTask:
 
         self.stored_precision = self.family.stored_layout()
         check_config_precision(self.args.pretrained_model_name_or_path, self.stored_precision, base_precision(self.args))
+        if self.stored_precision and self.args.base_loras:
+            raise ConfigError(f"{self.args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "
+                              f"this checkpoint is pre-quantized ({self.stored_precision}): give the bf16 one")
 
     def _read_images(self) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every
@@ -191,9 +194,6 @@ class DiffusionTask:
             return self.family.load_transformer(self.compute_dtype, base_precision(self.args)).requires_grad_(False).eval()
         from library.training.base_loras import base_lora_specs, load_merged_base
 
-        if self.stored_precision:
-            raise ConfigError(f"{self.args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "
-                              f"this checkpoint is pre-quantized ({self.stored_precision}): give the bf16 one")
         base = load_merged_base(self.family, self.compute_dtype, base_precision(self.args), base_lora_specs(self.args.base_loras))
         self.accelerator.print(f"base_loras: {len(self.args.base_loras)} merged into the frozen base")
         return base.requires_grad_(False).eval()
