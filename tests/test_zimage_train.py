@@ -169,3 +169,28 @@ def test_memory_planner_plans_the_released_sizes_on_meta(capsys):
 
     assert plan_memory.main(["--preset", "zimage-turbo", "--vram", "16"]) == 0
     assert "fits with blocks_to_swap" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("version", ["zimage-turbo", "zimage-base"])
+def test_sample_defaults_are_the_release_pipeline_calls(tiny_set, tmp_path, version):
+    """Base samples as ZImagePipeline's defaults (guidance 5, 50 steps), Turbo as its own card (0, 8);
+    a Base repository folder says so by its scheduler's shift 6. Base's defaults were Turbo's (0, 8):
+    no CFG at all."""
+    import inspect
+    import json
+    import shutil
+
+    from diffusers import ZImagePipeline
+
+    defaults = inspect.signature(ZImagePipeline.__call__).parameters
+    expected = {"zimage-turbo": (0.0, 8),
+                "zimage-base": (defaults["guidance_scale"].default, defaults["num_inference_steps"].default)}[version]
+    assert expected in ((0.0, 8), (5.0, 50))
+    family = ZImageFamily(tiny_set["zimage"], model_version=version)
+    assert (family.sample_guidance, family.sample_steps) == expected
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_set["zimage_diffusers"], repo / "transformer")
+    (repo / "scheduler").mkdir()
+    (repo / "scheduler" / "scheduler_config.json").write_text(json.dumps({"shift": {"zimage-turbo": 3.0, "zimage-base": 6.0}[version]}))
+    folder = ZImageFamily(str(repo / "transformer"))
+    assert (folder.version, folder.sample_guidance, folder.sample_steps) == (version, *expected)
