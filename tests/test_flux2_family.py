@@ -127,3 +127,16 @@ def test_planner_counts_the_text_encoder_as_loaded_from_a_klein_repo(tiny_set, t
     family = Flux2Family(str(repo / "flux2-tiny.safetensors"), tiny_set["flux2_vae"], text_encoder=str(repo))
     loaded = load_klein_text_encoder(str(repo)).llm
     assert family.text_encoder_params() == sum(p.numel() for p in loaded.parameters())
+
+
+@pytest.mark.parametrize("distilled,steps", [(True, 4), (False, 20)])
+def test_sample_steps_default_to_a_distilled_kleins_own_4(tiny_set, tmp_path, distilled, steps):
+    """A pipeline folder whose model_index.json says is_distilled (the step-distilled [klein] 4B / 9B)
+    samples with their 4 steps by default, the base ones with 20; distilled ones rendered 20 before."""
+    import json
+    import shutil
+
+    shutil.copytree(tiny_set["flux2_diffusers"], tmp_path / "transformer")
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline", "is_distilled": distilled}))
+    family = Flux2Family(str(tmp_path / "transformer"))
+    assert family.is_distilled == distilled and family.sample_steps == steps
