@@ -76,12 +76,17 @@ def test_kontext_without_reference_is_flux1(pair):
     assert torch.equal(kontext, flux)
 
 
-def test_several_references_get_indices_one_two():
+def test_several_references_are_placed_as_comfyui_offsets_them():
+    """ComfyUI's default for FLUX.1 references ("offset", comfy/ldm/flux/model.py): every reference at
+    first axis 1, the next one right of the box the earlier ones cover where that box plus it is taller
+    than wide, else below. By hand for 2x1, 1x1 and 1x2 patches: (0, 0), right at column 1, below at
+    row 2. The old ids gave references 2 and 3 first axes 2 and 3 at (0, 0)."""
     x_t = torch.zeros(1, 4, 64)
-    refs = [torch.zeros(1, 16, 4, 2), torch.zeros(1, 16, 2, 2)]
+    refs = [torch.zeros(1, 16, 4, 2), torch.zeros(1, 16, 2, 2), torch.zeros(1, 16, 2, 4)]
     tokens, ids = kontext_tokens(x_t, 2, 2, refs)
-    assert tokens.shape == (1, 4 + 2 + 1, 64) and ids.dtype == torch.int64
-    assert ids[0, :, 0].tolist() == [0] * 4 + [1] * 2 + [2]
-    assert ids[0, 4:6, 1:].tolist() == [[0, 0], [1, 0]]  # rows of the 2x1-patch reference
+    assert tokens.shape == (1, 4 + 2 + 1 + 2, 64) and ids.dtype == torch.int64
+    assert ids[0, 4:].tolist() == [[1, 0, 0], [1, 1, 0], [1, 0, 1], [1, 2, 0], [1, 2, 1]]
+    _, one = kontext_tokens(x_t, 2, 2, refs[:1])  # one reference: FluxKontextPipeline's (1, row, col)
+    assert one[0, 4:].tolist() == [[1, 0, 0], [1, 1, 0]]
     with pytest.raises(ValueError, match=r"reference latent 0 has shape \(1, 16, 3, 2\)"):
         kontext_tokens(x_t, 2, 2, [torch.zeros(1, 16, 3, 2)])
