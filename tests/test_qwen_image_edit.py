@@ -254,16 +254,16 @@ QWEN_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=
 
 
 @pytest.mark.parametrize("name", ["qwen_image", "qwen_image_edit_2511"])
-def test_sampling_matches_qwen_image_and_edit_plus_pipelines(tiny_set, tmp_path, name):
+def test_sampling_matches_qwen_image_and_edit_plus_pipelines(tiny_set, tmp_path, monkeypatch, name):
     """sample_latents (true CFG 4 with the norm rescale, shift_terminal 0.02, 3 steps, 64 x 48) equals
-    QwenImagePipeline.__call__ on the same weights, seed and embeddings; Edit-2511's with a 1024 x 1024
-    reference (the pipeline's VAE size, so both encode it alike; ours through our VAE) equals
-    QwenImageEditPlusPipeline.__call__(image=...)."""
+    QwenImagePipeline.__call__ on the same weights, seed and embeddings; Edit-2511's with a 64 x 64
+    reference (fitted by our control_bucket, encoded by our VAE) equals
+    QwenImageEditPlusPipeline.__call__(image=...) with its VAE area (1024^2) set to 64^2 (CPU seconds)."""
     import numpy as np
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline, QwenImagePipeline
     from PIL import Image
 
-    from library.data.images import load_image
+    from library.data.controls import reference_images
     from library.models.family import family_class
 
     width, height, steps, seed, guidance = 64, 48, 3, 7, 4.0
@@ -281,9 +281,12 @@ def test_sampling_matches_qwen_image_and_edit_plus_pipelines(tiny_set, tmp_path,
     if name == "qwen_image":
         pipe = QwenImagePipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=reference)
     else:
-        image = Image.fromarray((np.random.default_rng(0).random((1024, 1024, 3)) * 255).astype(np.uint8))
+        monkeypatch.setattr(plus_pipe, "VAE_IMAGE_SIZE", 64 * 64)
+        image = Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8))
         image.save(tmp_path / "reference.png")
-        control = [family.load_vae(torch.float32).encode(load_image(str(tmp_path / "reference.png"), (1024, 1024))[None])]
+        vae = family.load_vae(torch.float32)
+        control = [vae.encode(r) for r in reference_images([str(tmp_path / "reference.png")], family.control_bucket, width, height)]
+        assert control[0].shape[-2:] == (8, 8)  # 64 x 64 px, as the pipeline encodes it
         pipe = QwenImageEditPlusPipeline(scheduler=scheduler, vae=AutoencoderKLQwenImage.from_pretrained(tiny_set["qwen_image_vae"]).eval(),
                                          text_encoder=None, tokenizer=None, processor=None, transformer=reference)
         call["image"] = image
