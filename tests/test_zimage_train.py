@@ -194,3 +194,26 @@ def test_sample_defaults_are_the_release_pipeline_calls(tiny_set, tmp_path, vers
     (repo / "scheduler" / "scheduler_config.json").write_text(json.dumps({"shift": {"zimage-turbo": 3.0, "zimage-base": 6.0}[version]}))
     folder = ZImageFamily(str(repo / "transformer"))
     assert (folder.version, folder.sample_guidance, folder.sample_steps) == (version, *expected)
+
+
+def test_base_sampling_matches_zimage_pipeline_with_cfg(tiny_set):
+    """sample_latents for Base (its scheduler's shift 6, CFG 5: pos + 5 (pos - neg), 3 steps, 64 x 48)
+    equals ZImagePipeline.__call__ on the same weights, seed and embeddings."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+
+    family = ZImageFamily(tiny_set["zimage"], model_version="zimage-base")
+    model = family.load_transformer(torch.float32)
+    reference = ZImageTransformer2DModel.from_pretrained(tiny_set["zimage_diffusers"]).eval()
+    g = torch.Generator().manual_seed(1)
+    text, negative = ({"embeds": torch.randn(1, 9, reference.config.cap_feat_dim, generator=g),
+                       "mask": torch.ones(1, 9, dtype=torch.bool)} for _ in range(2))
+    ours = family.sample_latents(model, text, 64, 48, 3, 7, 5.0, negative)
+    pipe = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=6.0), vae=None, text_encoder=None, tokenizer=None,
+                          transformer=reference)
+    with torch.no_grad():
+        theirs = pipe(prompt_embeds=[text["embeds"][0]], negative_prompt_embeds=[negative["embeds"][0]], height=48, width=64,
+                      num_inference_steps=3, guidance_scale=5.0, generator=torch.Generator().manual_seed(7),
+                      output_type="latent", return_dict=False)[0]
+    relative = ((ours - theirs).norm() / theirs.norm()).item()
+    print(f"Z-Image Base sampling vs ZImagePipeline: relative {relative:.3g}")
+    assert relative <= 1e-5
