@@ -57,18 +57,21 @@ def test_zimage_lora_trains_saves_and_samples(trained):
 
 
 @torch.no_grad()
-def test_converted_lora_loads_in_zimage_pipeline_and_matches_runtime(tiny_set, trained, tmp_path):
-    """convert_lora --to diffusers -> ZImagePipeline.load_lora_weights on diffusers' transformer with the
-    same weights: its velocity equals ours with the runtime (unmerged) LoRA, called as the pipeline
-    calls it (one [C, 1, H, W] latent per prompt, t = 1 - sigma, the output negated)."""
+@pytest.mark.parametrize("converted_to", ["diffusers", None])
+def test_converted_lora_loads_in_zimage_pipeline_and_matches_runtime(tiny_set, trained, tmp_path, converted_to):
+    """convert_lora --to diffusers (or the kohya file as saved) -> ZImagePipeline.load_lora_weights on
+    diffusers' transformer with the same weights: its velocity equals ours with the runtime (unmerged)
+    LoRA, called as the pipeline calls it (one [C, 1, H, W] latent per prompt, t = 1 - sigma, the output
+    negated)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 
     from library.models.latents import pack_latents, unpack_latents
     from tools import convert_lora
 
     lora = trained / "zimage.safetensors"
-    converted = tmp_path / "diffusers.safetensors"
-    assert convert_lora.main([str(lora), str(converted), "--to", "diffusers"]) == 0
+    converted = tmp_path / "diffusers.safetensors" if converted_to else lora
+    if converted_to:
+        assert convert_lora.main([str(lora), str(converted), "--to", converted_to]) == 0
 
     g = torch.Generator().manual_seed(0)
     latents, txt, sigma = torch.randn(1, 16, 6, 8, generator=g), torch.randn(1, 5, 32, generator=g), torch.tensor([0.4])
