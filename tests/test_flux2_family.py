@@ -127,3 +127,40 @@ def test_planner_counts_the_text_encoder_as_loaded_from_a_klein_repo(tiny_set, t
     family = Flux2Family(str(repo / "flux2-tiny.safetensors"), tiny_set["flux2_vae"], text_encoder=str(repo))
     loaded = load_klein_text_encoder(str(repo)).llm
     assert family.text_encoder_params() == sum(p.numel() for p in loaded.parameters())
+
+
+@pytest.mark.parametrize("distilled,steps", [(True, 4), (False, 20)])
+def test_sample_steps_default_to_a_distilled_kleins_own_4(tiny_set, tmp_path, distilled, steps):
+    """A pipeline folder whose model_index.json says is_distilled (the step-distilled [klein] 4B / 9B)
+    samples with their 4 steps by default, the base ones with 20; distilled ones rendered 20 before."""
+    import json
+    import shutil
+
+    shutil.copytree(tiny_set["flux2_diffusers"], tmp_path / "transformer")
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline", "is_distilled": distilled}))
+    family = Flux2Family(str(tmp_path / "transformer"))
+    assert family.is_distilled == distilled and family.sample_steps == steps
+
+
+def test_dev_sampling_matches_flux2_pipeline(tiny_set, tmp_path):
+    """FLUX.2 [dev] (guidance embedding, no CFG; empirical mu from the size and step count): sample_latents
+    equals Flux2Pipeline.__call__ on the same weights (our file saved as a diffusers folder), seed and
+    embeddings."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+
+    from library.models.flux2.checkpoint import save_flux2_diffusers
+
+    family = Flux2Family(tiny_set["flux2_dev_tiny"], tiny_set["flux2_vae"])
+    model = family.load_transformer(torch.float32)
+    save_flux2_diffusers(model, model.config, str(tmp_path / "transformer"))
+    reference = Flux2Transformer2DModel.from_pretrained(str(tmp_path / "transformer")).eval()
+    text = {"embeds": torch.randn(1, 9, reference.config.joint_attention_dim, generator=torch.Generator().manual_seed(1))}
+    ours = family.pack_target(family.sample_latents(model, text, 64, 48, 3, 7, 4.0))
+    pipe = Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER), vae=AutoencoderKLFlux2.from_pretrained(
+        tiny_set["flux2_vae"]).eval(), text_encoder=None, tokenizer=None, transformer=reference)
+    with torch.no_grad():
+        theirs = pipe(prompt_embeds=text["embeds"], height=48, width=64, num_inference_steps=3, guidance_scale=4.0,
+                      generator=torch.Generator().manual_seed(7), output_type="latent").images
+    relative = ((ours - theirs).norm() / theirs.norm()).item()
+    print(f"FLUX.2 [dev] sampling vs Flux2Pipeline: relative {relative:.3g}")
+    assert relative <= 1e-5

@@ -76,12 +76,67 @@ def test_kontext_without_reference_is_flux1(pair):
     assert torch.equal(kontext, flux)
 
 
-def test_several_references_get_indices_one_two():
+def test_several_references_are_placed_as_comfyui_offsets_them():
+    """ComfyUI's default for FLUX.1 references ("offset", comfy/ldm/flux/model.py): every reference at
+    first axis 1, the next one right of the box the earlier ones cover where that box plus it is taller
+    than wide, else below. By hand for 2x1, 1x1 and 1x2 patches: (0, 0), right at column 1, below at
+    row 2. The old ids gave references 2 and 3 first axes 2 and 3 at (0, 0)."""
     x_t = torch.zeros(1, 4, 64)
-    refs = [torch.zeros(1, 16, 4, 2), torch.zeros(1, 16, 2, 2)]
+    refs = [torch.zeros(1, 16, 4, 2), torch.zeros(1, 16, 2, 2), torch.zeros(1, 16, 2, 4)]
     tokens, ids = kontext_tokens(x_t, 2, 2, refs)
-    assert tokens.shape == (1, 4 + 2 + 1, 64) and ids.dtype == torch.int64
-    assert ids[0, :, 0].tolist() == [0] * 4 + [1] * 2 + [2]
-    assert ids[0, 4:6, 1:].tolist() == [[0, 0], [1, 0]]  # rows of the 2x1-patch reference
+    assert tokens.shape == (1, 4 + 2 + 1 + 2, 64) and ids.dtype == torch.int64
+    assert ids[0, 4:].tolist() == [[1, 0, 0], [1, 1, 0], [1, 0, 1], [1, 2, 0], [1, 2, 1]]
+    _, one = kontext_tokens(x_t, 2, 2, refs[:1])  # one reference: FluxKontextPipeline's (1, row, col)
+    assert one[0, 4:].tolist() == [[1, 0, 0], [1, 1, 0]]
     with pytest.raises(ValueError, match=r"reference latent 0 has shape \(1, 16, 3, 2\)"):
         kontext_tokens(x_t, 2, 2, [torch.zeros(1, 16, 3, 2)])
+
+
+def _flux_scheduler():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                                           max_image_seq_len=4096, shift=3.0)  # FLUX.1-dev's scheduler_config.json
+
+
+@pytest.mark.parametrize("kontext", [False, True])
+def test_sampling_matches_flux_and_kontext_pipelines(tiny_set, tmp_path, kontext):
+    """sample_latents (resolution-shifted sigmas, guidance embedding, 3 Euler steps, 64 x 48) equals
+    FluxPipeline.__call__ on the same weights, noise and embeddings; Kontext's with a reference image
+    (our file -> VAE -> control) equals FluxKontextPipeline.__call__(image=...) at the target's size
+    (_auto_resize off, max_area the target's: the pipeline's own snapping to ~1 MP aside)."""
+    import numpy as np
+    from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+    from PIL import Image
+
+    from library.data.controls import reference_images
+    from library.models.latents import pack_latents
+
+    width, height, steps, seed, guidance = 64, 48, 3, 7, 2.5
+    family = family_class("flux_kontext" if kontext else "flux")(tiny_set["flux_bfl"], tiny_set["flux_vae"])
+    model = family.load_transformer(torch.float32)
+    g = torch.Generator().manual_seed(1)
+    text = {"t5": torch.randn(1, 7, model.config.context_in_dim, generator=g),
+            "clip_pooled": torch.randn(1, model.config.vec_in_dim, generator=g)}
+    reference = FluxTransformer2DModel.from_pretrained(tiny_set["flux_diffusers"]).eval()
+    noise = pack_latents(family.initial_noise(1, height // 8, width // 8, torch.Generator().manual_seed(seed)))
+    call = dict(prompt_embeds=text["t5"], pooled_prompt_embeds=text["clip_pooled"], latents=noise, height=height,
+                width=width, num_inference_steps=steps, guidance_scale=guidance, output_type="latent")
+    control = None
+    if kontext:
+        image = Image.fromarray((np.random.default_rng(0).random((height, width, 3)) * 255).astype(np.uint8))
+        image.save(tmp_path / "reference.png")
+        vae = family.load_vae(torch.float32)
+        control = [vae.encode(r) for r in reference_images([str(tmp_path / "reference.png")], family.control_bucket, width, height)]
+        pipe = FluxKontextPipeline(scheduler=_flux_scheduler(), vae=AutoencoderKL.from_pretrained(tiny_set["flux_vae"]).eval(),
+                                   text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=reference)
+        call.update(image=image, _auto_resize=False, max_area=width * height)
+    else:
+        pipe = FluxPipeline(scheduler=_flux_scheduler(), vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                            tokenizer_2=None, transformer=reference)
+    ours = pack_latents(family.sample_latents(model, text, width, height, steps, seed, guidance, control=control))
+    with torch.no_grad():
+        theirs = pipe(**call).images
+    relative = ((ours - theirs).norm() / theirs.norm()).item()
+    print(f"{family.name} sampling vs its pipeline: relative {relative:.3g}")
+    assert relative <= 1e-5

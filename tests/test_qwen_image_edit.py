@@ -247,3 +247,52 @@ def test_family_predict_matches_pipeline_call(tmp_path):
     assert got.shape == (1, 48, 64) and (got - expected).abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="condition images' latents"):
         family.predict(model, x_t, sigma, text, 6, 8, None)
+
+
+QWEN_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
+                      shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True)  # Qwen-Image's
+
+
+@pytest.mark.parametrize("name", ["qwen_image", "qwen_image_edit_2511"])
+def test_sampling_matches_qwen_image_and_edit_plus_pipelines(tiny_set, tmp_path, monkeypatch, name):
+    """sample_latents (true CFG 4 with the norm rescale, shift_terminal 0.02, 3 steps, 64 x 48) equals
+    QwenImagePipeline.__call__ on the same weights, seed and embeddings; Edit-2511's with a 64 x 64
+    reference (fitted by our control_bucket, encoded by our VAE) equals
+    QwenImageEditPlusPipeline.__call__(image=...) with its VAE area (1024^2) set to 64^2 (CPU seconds)."""
+    import numpy as np
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline, QwenImagePipeline
+    from PIL import Image
+
+    from library.data.controls import reference_images
+    from library.models.family import family_class
+
+    width, height, steps, seed, guidance = 64, 48, 3, 7, 4.0
+    family = family_class("qwen_image_edit" if name != "qwen_image" else "qwen_image")(tiny_set[name], tiny_set["qwen_image_vae"])
+    model = family.load_transformer(torch.float32)
+    reference = QwenImageTransformer2DModel.from_pretrained(tiny_set[name]).eval()
+    g = torch.Generator().manual_seed(1)
+    dim = reference.config.joint_attention_dim
+    text = {"embeds": torch.randn(1, 9, dim, generator=g), "mask": torch.ones(1, 9, dtype=torch.long)}
+    negative = {"embeds": torch.randn(1, 5, dim, generator=g), "mask": torch.ones(1, 5, dtype=torch.long)}
+    call = dict(prompt_embeds=text["embeds"], prompt_embeds_mask=text["mask"], negative_prompt_embeds=negative["embeds"],
+                negative_prompt_embeds_mask=negative["mask"], height=height, width=width, num_inference_steps=steps,
+                true_cfg_scale=guidance, generator=torch.Generator().manual_seed(seed), output_type="latent")
+    scheduler, control = FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER), None
+    if name == "qwen_image":
+        pipe = QwenImagePipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=reference)
+    else:
+        monkeypatch.setattr(plus_pipe, "VAE_IMAGE_SIZE", 64 * 64)
+        image = Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8))
+        image.save(tmp_path / "reference.png")
+        vae = family.load_vae(torch.float32)
+        control = [vae.encode(r) for r in reference_images([str(tmp_path / "reference.png")], family.control_bucket, width, height)]
+        assert control[0].shape[-2:] == (8, 8)  # 64 x 64 px, as the pipeline encodes it
+        pipe = QwenImageEditPlusPipeline(scheduler=scheduler, vae=AutoencoderKLQwenImage.from_pretrained(tiny_set["qwen_image_vae"]).eval(),
+                                         text_encoder=None, tokenizer=None, processor=None, transformer=reference)
+        call["image"] = image
+    ours = family.pack_target(family.sample_latents(model, text, width, height, steps, seed, guidance, negative, control=control))
+    with torch.no_grad():
+        theirs = pipe(**call).images
+    relative = ((ours - theirs).norm() / theirs.norm()).item()
+    print(f"{name} sampling vs its pipeline: relative {relative:.3g}")
+    assert relative <= 1e-5

@@ -57,18 +57,21 @@ def test_zimage_lora_trains_saves_and_samples(trained):
 
 
 @torch.no_grad()
-def test_converted_lora_loads_in_zimage_pipeline_and_matches_runtime(tiny_set, trained, tmp_path):
-    """convert_lora --to diffusers -> ZImagePipeline.load_lora_weights on diffusers' transformer with the
-    same weights: its velocity equals ours with the runtime (unmerged) LoRA, called as the pipeline
-    calls it (one [C, 1, H, W] latent per prompt, t = 1 - sigma, the output negated)."""
+@pytest.mark.parametrize("converted_to", ["diffusers", None])
+def test_converted_lora_loads_in_zimage_pipeline_and_matches_runtime(tiny_set, trained, tmp_path, converted_to):
+    """convert_lora --to diffusers (or the kohya file as saved) -> ZImagePipeline.load_lora_weights on
+    diffusers' transformer with the same weights: its velocity equals ours with the runtime (unmerged)
+    LoRA, called as the pipeline calls it (one [C, 1, H, W] latent per prompt, t = 1 - sigma, the output
+    negated)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 
     from library.models.latents import pack_latents, unpack_latents
     from tools import convert_lora
 
     lora = trained / "zimage.safetensors"
-    converted = tmp_path / "diffusers.safetensors"
-    assert convert_lora.main([str(lora), str(converted), "--to", "diffusers"]) == 0
+    converted = tmp_path / "diffusers.safetensors" if converted_to else lora
+    if converted_to:
+        assert convert_lora.main([str(lora), str(converted), "--to", converted_to]) == 0
 
     g = torch.Generator().manual_seed(0)
     latents, txt, sigma = torch.randn(1, 16, 6, 8, generator=g), torch.randn(1, 5, 32, generator=g), torch.tensor([0.4])
@@ -169,3 +172,51 @@ def test_memory_planner_plans_the_released_sizes_on_meta(capsys):
 
     assert plan_memory.main(["--preset", "zimage-turbo", "--vram", "16"]) == 0
     assert "fits with blocks_to_swap" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("version", ["zimage-turbo", "zimage-base"])
+def test_sample_defaults_are_the_release_pipeline_calls(tiny_set, tmp_path, version):
+    """Base samples as ZImagePipeline's defaults (guidance 5, 50 steps), Turbo as its own card (0, 8);
+    a Base repository folder says so by its scheduler's shift 6. Base's defaults were Turbo's (0, 8):
+    no CFG at all."""
+    import inspect
+    import json
+    import shutil
+
+    from diffusers import ZImagePipeline
+
+    defaults = inspect.signature(ZImagePipeline.__call__).parameters
+    expected = {"zimage-turbo": (0.0, 8),
+                "zimage-base": (defaults["guidance_scale"].default, defaults["num_inference_steps"].default)}[version]
+    assert expected in ((0.0, 8), (5.0, 50))
+    family = ZImageFamily(tiny_set["zimage"], model_version=version)
+    assert (family.sample_guidance, family.sample_steps) == expected
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_set["zimage_diffusers"], repo / "transformer")
+    (repo / "scheduler").mkdir()
+    (repo / "scheduler" / "scheduler_config.json").write_text(json.dumps({"shift": {"zimage-turbo": 3.0, "zimage-base": 6.0}[version]}))
+    folder = ZImageFamily(str(repo / "transformer"))
+    assert (folder.version, folder.sample_guidance, folder.sample_steps) == (version, *expected)
+
+
+def test_base_sampling_matches_zimage_pipeline_with_cfg(tiny_set):
+    """sample_latents for Base (its scheduler's shift 6, CFG 5: pos + 5 (pos - neg), 3 steps, 64 x 48)
+    equals ZImagePipeline.__call__ on the same weights, seed and embeddings."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+
+    family = ZImageFamily(tiny_set["zimage"], model_version="zimage-base")
+    model = family.load_transformer(torch.float32)
+    reference = ZImageTransformer2DModel.from_pretrained(tiny_set["zimage_diffusers"]).eval()
+    g = torch.Generator().manual_seed(1)
+    text, negative = ({"embeds": torch.randn(1, 9, reference.config.cap_feat_dim, generator=g),
+                       "mask": torch.ones(1, 9, dtype=torch.bool)} for _ in range(2))
+    ours = family.sample_latents(model, text, 64, 48, 3, 7, 5.0, negative)
+    pipe = ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=6.0), vae=None, text_encoder=None, tokenizer=None,
+                          transformer=reference)
+    with torch.no_grad():
+        theirs = pipe(prompt_embeds=[text["embeds"][0]], negative_prompt_embeds=[negative["embeds"][0]], height=48, width=64,
+                      num_inference_steps=3, guidance_scale=5.0, generator=torch.Generator().manual_seed(7),
+                      output_type="latent", return_dict=False)[0]
+    relative = ((ours - theirs).norm() / theirs.norm()).item()
+    print(f"Z-Image Base sampling vs ZImagePipeline: relative {relative:.3g}")
+    assert relative <= 1e-5

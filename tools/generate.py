@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--negative", default="", help="negative prompt, for the models that sample with true CFG")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--height", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=None, help="default: the model type's (20; a step-distilled model's own)")
+    p.add_argument("--steps", type=int, default=None, help="default: the release's own (20 for most, fewer for a step-distilled one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--guidance", type=float, default=None,
                    help="embedded guidance, or the CFG scale of models that sample with true CFG (default: the model type's)")

@@ -14,6 +14,7 @@ class FluxFamily(DiffusionFamily):
     name = "flux"
     text_path_keys = ("clip_l", "t5xxl")
     sample_guidance = 3.5
+    schnell_sample_steps = 4  # schnell is step-distilled: its card's and diffusers' example call (FluxPipeline)
 
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         from library.models.flux1.checkpoint import load_flux
@@ -95,6 +96,11 @@ class FluxFamily(DiffusionFamily):
     def t5_max_length(self) -> int:
         """512 T5 tokens for dev, 256 for schnell (no guidance embedding)."""
         return 512 if self.has_guidance_embedding() else 256
+
+    @property
+    def sample_steps(self) -> int:
+        """Default --s: 20 (dev), schnell's own 4 (a checkpoint without the guidance embedding)."""
+        return DiffusionFamily.sample_steps if self.has_guidance_embedding() else self.schnell_sample_steps
 
     def has_guidance_embedding(self) -> bool:
         """dev's guidance embedding (schnell has none)."""

@@ -29,6 +29,7 @@ class Flux2Family(DiffusionFamily):
     name = "flux2"
     text_path_keys = ("text_encoder",)
     sample_guidance = 4.0  # the pipelines' default guidance_scale
+    distilled_sample_steps = 4  # the step-distilled [klein] models' own count (their model cards, ComfyUI's templates)
     true_cfg = True  # klein base: negative prompt encoded for samples (guided_velocity decides)
     latent_channels = 32
 
@@ -154,6 +155,11 @@ class Flux2Family(DiffusionFamily):
             return dict.fromkeys(("negative", "guidance"), f"{self.model_path} is a step-distilled FLUX.2 [klein]: it "
                                                            f"samples without CFG")
         return {}
+
+    @property
+    def sample_steps(self) -> int:
+        """Default --s: 20, a step-distilled [klein]'s own 4."""
+        return self.distilled_sample_steps if self.is_distilled else DiffusionFamily.sample_steps
 
     @cached_property
     def is_distilled(self) -> bool:

@@ -5,8 +5,9 @@
 Turbo and Base share the transformer config; they differ in weights and in how ZImagePipeline samples
 them. Turbo is step-distilled: 8 steps, guidance 0 (no CFG), its scheduler's constant shift 3.0. Base
 samples with CFG (the pipeline's default guidance 5.0: pred = pos + g (pos - neg), i.e. standard CFG
-at 1 + g) and its scheduler's shift 6.0, over about 50 steps. The version comes from `model_version`,
-else from a pipeline folder's scheduler/scheduler_config.json shift; a single file is taken as Turbo.
+at 1 + g) and its scheduler's shift 6.0, over 50 steps (ZImagePipeline's defaults). Samples default to
+the release's call (SAMPLE_DEFAULTS). The version comes from `model_version`, else from a pipeline
+folder's scheduler/scheduler_config.json shift; a single file is taken as Turbo.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, f
 
 TURBO, BASE = "zimage-turbo", "zimage-base"
 VERSION_SHIFT = {TURBO: 3.0, BASE: 6.0}  # each release's scheduler_config.json `shift`
+# Each release's pipeline call (guidance_scale, num_inference_steps): Turbo's model card, and Base's, which
+# are ZImagePipeline's defaults.
+SAMPLE_DEFAULTS = {TURBO: (0.0, 8), BASE: (5.0, 50)}
 
 
 class ZImageFamily(DiffusionFamily):
@@ -29,9 +33,6 @@ class ZImageFamily(DiffusionFamily):
 
     name = "zimage"
     text_path_keys = ("text_encoder",)
-    # Turbo's pipeline call: guidance 0 (no CFG), 8 steps. Base: give --g 5 --s 50 (and a negative).
-    sample_guidance = 0.0
-    sample_steps = 8
     true_cfg = True  # a negative prompt is encoded for samples; guided_velocity runs it when guidance > 0
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
@@ -66,6 +67,16 @@ class ZImageFamily(DiffusionFamily):
 
     def model_version(self, model) -> str:
         return self.version
+
+    @property
+    def sample_guidance(self) -> float:
+        """The release's default --g: Turbo 0 (no CFG), Base 5 (CFG with the negative prompt)."""
+        return SAMPLE_DEFAULTS[self.version][0]
+
+    @property
+    def sample_steps(self) -> int:
+        """The release's default --s: Turbo 8, Base 50."""
+        return SAMPLE_DEFAULTS[self.version][1]
 
     def inference_sampling(self):
         """The spec's constant shift is Turbo's; Base's scheduler shifts by 6. model_version decides
