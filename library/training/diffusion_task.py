@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -23,7 +24,7 @@ from library.data.controls import check_family_takes, check_prompt_controls, enc
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
 from library.models.core import checkpointing, compile_block
 from library.models.family import get_family, stack_text
-from library.data.prompts import SamplePrompt, read_prompt_file
+from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
 from library.training.lora_inputs import check_lora_inputs
@@ -365,6 +366,7 @@ class DiffusionTask:
         vae = self.family.load_vae(torch.float32)
         vae.vae.to(self.device)
         written = []
+        stamp, seeds = self._render_names()
         for i, (prompt, (text, negative)) in enumerate(zip(self.prompts, self.prompt_texts)):
             images = []
             references = reference_images(prompt.control_images, self.family.control_bucket, prompt.width, prompt.height)
@@ -372,16 +374,26 @@ class DiffusionTask:
             for label, model in bases:
                 latents = self.family.sample_latents(
                     model, {k: v.to(self.device) for k, v in text.items()}, prompt.width, prompt.height, prompt.steps,
-                    prompt.seed if prompt.seed is not None else self.args.seed, prompt.guidance,
+                    seeds[i], prompt.guidance,
                     {k: v.to(self.device) for k, v in negative.items()} if negative else None, control=control,
                 )
                 images.append((label, vae.decode(latents)[0]))
             names = ["reference"] if len(references) == 1 else [f"reference {k}" for k in range(len(references))]
             images += [(name, r[0]) for name, r in zip(names, references)]
-            path = os.path.join(out_dir, f"{self.args.output_name}_{tag}_{i:02d}.png")
+            path = os.path.join(out_dir, sample_file_name(self.args.output_name, tag, i, stamp, seeds[i]))
             save_side_by_side(images, path, prompt.prompt)
             written.append(path)
         return written
+
+    def _render_names(self) -> tuple[str, list[int]]:
+        """This render's time (YYYYmmddHHMMSS) and each prompt's seed (its --d, else a random one), as
+        the main process draws them: every process renders the same images into the same files."""
+        plan = [time.strftime("%Y%m%d%H%M%S"), [seed_or_random(p.seed) for p in self.prompts]]
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            plan = broadcast_object_list(plan)
+        return plan[0], plan[1]
 
 
 def loaded_alpha(network: nn.Module, args) -> str | None:

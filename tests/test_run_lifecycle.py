@@ -1,0 +1,47 @@
+"""A run's lifecycle on disk: sample names that a later (or resumed) run does not overwrite, seeds
+that agree between training samples and generate.py, schedule checks before caching, saves, resume."""
+
+import re
+
+from PIL import Image
+
+import train_lora
+from library.ui import run_files
+from tests.test_reliability import flux_args
+from tools import generate
+
+STAMPED = re.compile(r"tiny_flux_lora_final_(\d\d)_(\d{14})_(\d+)\.png")
+
+
+def test_a_second_run_keeps_the_first_runs_samples_and_an_unset_seed_is_random(tiny_set, tmp_path):
+    """Samples were <name>_<tag>_<NN>.png: a second run into the same folder replaced the first's
+    (1 file, not 2). Now sd-scripts' <name>_<tag>_<NN>_<YYYYmmddHHMMSS>_<seed>.png; a prompt without
+    --d renders with a random seed as sd-scripts' does (it rendered with the training seed, 42)."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle --w 32 --h 32 --s 1\na blue square --w 32 --h 32 --s 1 --d 7\n")
+    out = tmp_path / "run"
+    for _ in range(2):
+        assert train_lora.main(flux_args(tiny_set, out, "--sample_prompts", str(prompts),
+                                         "--sample_bf16_reference", "false")) == 0
+    finals = sorted(STAMPED.fullmatch(p.name).groups() for p in out.glob("tiny_flux_lora_final_*.png"))
+    assert len(finals) == 4, finals  # two prompts, two runs
+    seeds = {index: {seed for i, _, seed in finals if i == index} for index in ("00", "01")}
+    assert len(seeds["00"]) == 2 and "42" not in seeds["00"] and seeds["01"] == {"7"}
+    shown = run_files.samples(str(out), "tiny_flux_lora")  # the web UI reads both runs' samples, in order
+    assert [(s.tag, s.index) for s in shown] == [("final", 0), ("final", 1)] * 2
+    assert shown[0].stamp <= shown[2].stamp
+
+
+def test_generate_without_seed_draws_one_per_image_as_sd_scripts(tiny_set, tmp_path):
+    """generate.py's --seed defaulted to 0 (training samples: 42); now unset means a random seed per
+    image, recorded in the file name and the PNG's info, as sd-scripts' and musubi-tuner's samples."""
+    from tests.test_generate import generate_args
+
+    out = tmp_path / "out"
+    for _ in range(2):
+        assert generate.main(generate_args(tiny_set, out, "--width", "32", "--height", "32")) == 0
+    names = sorted(p.name for p in out.iterdir())
+    seeds = [re.fullmatch(r"00[01]_(\d+)\.png", n).group(1) for n in names]
+    assert len(set(seeds)) == 2 and "0" not in seeds, names
+    with Image.open(out / names[0]) as png:
+        assert png.text["seed"] == seeds[0]
