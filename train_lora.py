@@ -41,7 +41,8 @@ from tqdm import tqdm  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.training import fsdp, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
-from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals  # noqa: E402
+from library.training.config import (PRECISION_DTYPES, ConfigError, check_warmup, load_config,  # noqa: E402
+                                     parse_kv_literals, plan_steps, warmup_steps)
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
@@ -238,13 +239,6 @@ class Saver:
                     os.remove(old)
 
 
-def plan_steps(args, batches_per_epoch: int) -> int:
-    steps_per_epoch = max(1, math.ceil(batches_per_epoch / args.gradient_accumulation_steps))
-    if args.max_train_epochs:
-        return args.max_train_epochs * steps_per_epoch
-    return args.max_train_steps
-
-
 class Trainer:
     """The run's objects and counters; `run()` is the loop."""
 
@@ -263,10 +257,11 @@ class Trainer:
         optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
                                      optimizer_kwargs)
         self.max_steps = plan_steps(args, task.batches_per_epoch())
+        check_warmup(args, self.max_steps, args.config_file or "command line")  # (an llm's epochs: known now)
         # Stepped by hand once per optimizer step (accelerate would step a prepared scheduler once
         # per process), so the schedule is the same on 1 or N processes.
-        self.scheduler = create_scheduler(optimizer, args.lr_scheduler, args.lr_warmup_steps, self.max_steps,
-                                          args.lr_scheduler_num_cycles, args.lr_scheduler_power)
+        self.scheduler = create_scheduler(optimizer, args.lr_scheduler, warmup_steps(args.lr_warmup_steps, self.max_steps),
+                                          self.max_steps, args.lr_scheduler_num_cycles, args.lr_scheduler_power)
         # Batches are sharded by the task itself (explicit epochs make resume exact), so only the
         # trainable module (DDP-wrapped on several processes) and the optimizer are prepared.
         if fsdp.uses_fsdp(accelerator):  # the base is sharded by the task; the LoRA is prepared as for DDP

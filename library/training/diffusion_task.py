@@ -26,7 +26,8 @@ from library.models.core import checkpointing, compile_block
 from library.models.family import get_family, stack_text
 from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
-from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
+from library.training.config import (ConfigError, base_precision, check_warmup, compute_dtype, lora_network_args,
+                                     plan_steps)
 from library.training.lora_inputs import check_lora_inputs
 from library.training.state import sample_seed
 from library.training.validation import validation_loss
@@ -75,6 +76,7 @@ class DiffusionTask:
             raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
                               f"validation_split or add [[validation_datasets]]")
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
+        check_warmup(args, plan_steps(args, self.batches_per_epoch()), args.config_file or "command line")
         self.prompts = self._read_prompts()
         self._settle_bf16_reference()  # before minutes of caching
         self._fill_caches()  # also encodes the sample prompts, then frees the encoders
