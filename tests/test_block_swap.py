@@ -209,8 +209,9 @@ def test_blocks_to_swap_config_errors_are_one_line(tiny_set, tmp_path, capsys):
                            (["--blocks_to_swap", "-1"], "key 'blocks_to_swap' must be >= 0, got -1"),
                            (["--block_swap_prefetch", "0"], "key 'block_swap_prefetch' must be >= 1, got 0")):
         assert train_lora.main(flux_args(tiny_set, tmp_path / "bad", "--max_train_steps", "1", *extra)) == 2
-        err = capsys.readouterr().err
+        out, err = capsys.readouterr()
         assert message in err and len(err.strip().splitlines()) == 1, err
+        assert "captions:" not in out  # before caching (blocks_to_swap 4 was found after it, when the model loaded)
 
 
 @pytest.mark.parametrize("make", [tiny_flux, tiny_qwen])

@@ -115,7 +115,7 @@ def check_model_options(args, family) -> None:
     if args.control_image and not family.max_controls:
         raise ValueError(f"--control_image is not read: model_type {family.name} takes no reference images")
     if args.blocks_to_swap:  # counted on meta now, not found after the text encoders ran and the model loaded
-        blocks = len(list(family.load_transformer(torch.float32, read_weights=False).swappable_blocks()))
+        blocks = family.swappable_block_count()
         if not 0 < args.blocks_to_swap < blocks:
             raise ValueError(f"--blocks_to_swap {args.blocks_to_swap}: expected 0 (off) or 1 to {blocks - 1} for this "
                              f"model ({blocks} blocks)")

@@ -63,6 +63,7 @@ class DiffusionTask:
         self.device = accelerator.device
         self.family = get_family(args)
         self.family.check_model_files()  # from the headers: a wrong file stops the run now, not after caching
+        self._check_blocks_to_swap()
         try:  # here, not in the config check: the network modules (and LyCORIS) import torch, the web UI does not
             check_network_args(args.network_module, self.family.arch, lora_network_args(args))
         except ValueError as e:
@@ -99,6 +100,16 @@ class DiffusionTask:
 
         self.stored_precision = self.family.stored_layout()
         check_config_precision(self.args.pretrained_model_name_or_path, self.stored_precision, base_precision(self.args))
+
+    def _check_blocks_to_swap(self):
+        """blocks_to_swap against the model's blocks (its header), before caching rather than after it."""
+        from library.models.block_swap import check_swap_count
+
+        if self.args.blocks_to_swap:  # (FSDP refuses it: check_fsdp)
+            try:
+                check_swap_count(self.args.blocks_to_swap, self.family.swappable_block_count())
+            except ValueError as e:
+                raise ConfigError(f"{self.args.pretrained_model_name_or_path}: {e}") from None
 
     def _read_images(self) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every
