@@ -181,11 +181,15 @@ def ema_metadata(args) -> dict:
 
 class Saver:
     """Writes LoRAs (atomically, with metadata; with EMA also <name>_ema.safetensors) and states;
-    keeps the newest N intermediates, counting those a resumed run wrote before."""
+    keeps the newest N intermediates of those this run wrote, counting those the run it resumes wrote
+    (its state lists them). A save it did not write (another run's, with the same output_name) is
+    never deleted."""
 
-    def __init__(self, args, task, accelerator, started: float, max_steps: int, ema: TrainableEMA | None = None):
+    def __init__(self, args, task, accelerator, started: float, max_steps: int, ema: TrainableEMA | None = None,
+                 saves: list[int] | None = None):
         self.args, self.task, self.accelerator, self.started, self.ema = args, task, accelerator, started, ema
         self.max_steps = max_steps  # as planned (max_train_epochs counted in); a Ctrl-C save has trained fewer
+        self.saves = sorted(saves or [])  # the steps of the intermediate saves this run (and those it resumes) wrote
         # An intermediate save: <name>-stepNNNNNN and <name>-stepNNNNNN_ema, as .safetensors files
         # and/or folders (PEFT adapters, pretrained models).
         self.numbered = re.compile(re.escape(args.output_name) + r"-step(\d+)(_ema)?(\.safetensors)?")
@@ -224,15 +228,17 @@ class Saver:
         return saves
 
     def _prune(self, step: int):
-        """Keep the newest save_last_n_saves saves up to `step` (the one just written). Saves of
-        later steps (a run killed after them, resumed from an older state) are left: this run
-        writes them again."""
+        """Keep the newest save_last_n_saves of this run's saves, `step` (the one just written) the
+        newest. Saves of later steps (a run killed after them, resumed from an older state) are left:
+        this run writes them again."""
+        self.saves = sorted({*self.saves, step})
         keep = self.args.save_last_n_saves
-        if not keep:
+        if not keep or len(self.saves) <= keep:
             return
         saves = self.intermediate_saves()
-        for old_step in sorted(s for s in saves if s <= step)[:-keep]:
-            for old in saves[old_step]:
+        old_steps, self.saves = self.saves[:-keep], self.saves[-keep:]
+        for old_step in old_steps:
+            for old in saves.get(old_step, []):
                 if os.path.isdir(old):
                     shutil.rmtree(old)
                 else:
@@ -285,7 +291,8 @@ class Trainer:
         # A resumed run continues the log from its state's step (rows after it, logged before a kill, go).
         self.logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator,
                                append=bool(args.resume), resumed_step=self.step)
-        self.saver = Saver(args, task, accelerator, self.started, self.max_steps, self.ema)
+        self.saver = Saver(args, task, accelerator, self.started, self.max_steps, self.ema,
+                           state.progress.get("saves") if state else None)  # (states before the list: none known)
 
     def resume(self, folder: str, state: SavedState):
         self.task.load_trainable_tensors(state.trainable)
@@ -363,7 +370,8 @@ class Trainer:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
 
     def progress(self) -> dict:
-        return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run}
+        return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run,
+                "saves": self.saver.saves}
 
     @contextlib.contextmanager
     def evaluating(self):

@@ -56,3 +56,20 @@ def test_an_epochs_run_whose_warmup_covers_it_is_refused_before_caching(tiny_set
     assert code == 2 and err.endswith("lr_warmup_steps = 100 is not below max_train_epochs = 1 (4 steps): the lr would "
                                       "never reach learning_rate; shorten the warmup or train longer\n"), err
     assert err.count("\n") == 1 and "captions:" not in out  # one line; nothing was cached
+
+
+def test_save_last_n_saves_deletes_no_save_this_run_did_not_write(tiny_set, tmp_path):
+    """A fresh run pruned every <name>-stepNNNNNN file in output_dir up to its step: saving every 2
+    steps with the newest 1 kept, it deleted an earlier run's step-1 save (and its _ema, folders
+    alike). Now it prunes the saves it wrote (and, resumed, those its state lists)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    earlier = [out / "tiny_flux_lora-step000001.safetensors", out / "tiny_flux_lora-step000003.safetensors"]
+    for path in earlier:
+        path.write_bytes(b"another run's LoRA")
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "5", "--save_every_n_steps", "2",
+                                     "--save_last_n_saves", "1")) == 0
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [
+        "tiny_flux_lora-step000001.safetensors", "tiny_flux_lora-step000003.safetensors",
+        "tiny_flux_lora-step000004.safetensors", "tiny_flux_lora.safetensors"]  # its step 2 pruned, the final kept
+    assert all(path.read_bytes() == b"another run's LoRA" for path in earlier)
