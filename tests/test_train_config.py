@@ -466,3 +466,29 @@ def test_resume_refuses_another_schedule_shape_and_takes_older_states(tmp_path):
     write_state(old)
     with pytest.raises(CheckpointError, match="trainable.safetensors"):  # past the settings check: the files
         load_state(str(state), load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "10"]))
+
+
+@pytest.mark.parametrize("scheduler, refused", [("cosine", True), ("constant", False)])
+def test_resume_with_another_length_is_refused_where_the_schedule_follows_it(tmp_path, scheduler, refused):
+    """A cosine run of 10 steps killed at 5 (lr 0.5 x) and resumed with max_train_steps = 20 went on
+    from cosine-of-20's 0.85 x: the schedule is rebuilt for the new length. Refused now; a constant
+    schedule may still be extended."""
+    import json
+
+    from library.training.state import load_state, run_digest
+
+    cfg = write(tmp_path, BASE + f'lr_scheduler = "{scheduler}"\nmax_train_steps = 10\n')
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "train_state.json").write_text(json.dumps(
+        {"step": 5, "epoch": 0, "batches_done": 5, "scheduler": {}, "max_steps": 10,
+         "run": json.loads(json.dumps(run_digest(load_config(["--config_file", cfg])), default=str))}))
+    longer = load_config(["--config_file", cfg, "--max_train_steps", "20"])
+    if refused:
+        with pytest.raises(ValueError) as e:
+            load_state(str(state), longer)
+        assert str(e.value) == (f"{state}: state was written by a run of 10 steps, this run has 20 (max_train_steps / "
+                                f"max_train_epochs): the cosine schedule's lr at step 5 would jump onto another curve; "
+                                f"resume with the same length")
+    with pytest.raises(CheckpointError, match="trainable.safetensors"):  # past the check: the files
+        load_state(str(state), longer if not refused else load_config(["--config_file", cfg]))
