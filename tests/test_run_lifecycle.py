@@ -73,3 +73,23 @@ def test_save_last_n_saves_deletes_no_save_this_run_did_not_write(tiny_set, tmp_
         "tiny_flux_lora-step000001.safetensors", "tiny_flux_lora-step000003.safetensors",
         "tiny_flux_lora-step000004.safetensors", "tiny_flux_lora.safetensors"]  # its step 2 pruned, the final kept
     assert all(path.read_bytes() == b"another run's LoRA" for path in earlier)
+
+
+def test_a_folder_where_the_lora_goes_or_a_file_where_the_state_goes_is_refused_before_training(tiny_set, tmp_path):
+    """Both trained every step and then failed at the save ('[Errno 21] Is a directory: ... ->
+    run/tiny_flux_lora.safetensors'; 'tiny_flux_lora-state: a file is there'), exit 2 without the LoRA."""
+    import pytest
+
+    from library.training.config import ConfigError, load_config
+
+    out = tmp_path / "run"
+    (out / "tiny_flux_lora.safetensors").mkdir(parents=True)
+    with pytest.raises(ConfigError) as e:
+        load_config(flux_args(tiny_set, out))
+    assert str(e.value) == (f"command line: output_dir '{out}' holds a folder 'tiny_flux_lora.safetensors' where the "
+                            f"LoRA file goes; move it, or choose another output_name")
+    (out / "tiny_flux_lora.safetensors").rmdir()
+    (out / "tiny_flux_lora-state").write_text("notes")
+    load_config(flux_args(tiny_set, out))  # no state written: the file is no matter
+    with pytest.raises(ConfigError, match="holds a file 'tiny_flux_lora-state' where the training state folder goes"):
+        load_config(flux_args(tiny_set, out, "--save_state", "true"))

@@ -692,3 +692,22 @@ def _validate_output(args: argparse.Namespace, origins: dict[str, str], where: s
             raise ConfigError(f"{where}: output_dir '{args.output_dir}' cannot be created: '{parent}' is a file, not a folder")
         if not os.access(parent, os.W_OK):
             raise ConfigError(f"{where}: output_dir '{args.output_dir}' is not writable")
+        _validate_output_paths(args, where)
+
+
+def _validate_output_paths(args: argparse.Namespace, where: str) -> None:
+    """A folder where the run writes a file, or a file where it writes a folder, failed only at the save,
+    after every step had trained (os.replace: 'Is a directory')."""
+    name, peft = args.output_name, args.save_format.startswith("peft") or (
+        args.save_format == "auto" and args.model_type == "llm" and not args.pretrain)
+    writes = [(f"{name}.safetensors", "the LoRA file", os.path.isdir)]
+    if peft:
+        writes.append((name, "the PEFT adapter folder", os.path.isfile))
+    if args.save_state:
+        writes.append((f"{name}-state", "the training state folder", os.path.isfile))
+    for entry, what, wrong_kind in writes:
+        path = os.path.join(args.output_dir, entry)
+        if wrong_kind(path):
+            kind = "a folder" if os.path.isdir(path) else "a file"
+            raise ConfigError(f"{where}: output_dir '{args.output_dir}' holds {kind} '{entry}' where {what} goes; move "
+                              f"it, or choose another output_name")
