@@ -93,3 +93,22 @@ def test_a_folder_where_the_lora_goes_or_a_file_where_the_state_goes_is_refused_
     load_config(flux_args(tiny_set, out))  # no state written: the file is no matter
     with pytest.raises(ConfigError, match="holds a file 'tiny_flux_lora-state' where the training state folder goes"):
         load_config(flux_args(tiny_set, out, "--save_state", "true"))
+
+
+def test_resume_inside_an_epoch_with_other_data_is_refused(tiny_set, tmp_path, capsys):
+    """A state written 2 of 4 batches into epoch 0 resumed on the set repeated twice (8 batches per
+    epoch) skipped 2 batches of the new set's order and trained the rest: other images than the
+    epoch had left, without a word. Refused now, naming both counts."""
+    from tests.test_reliability import copy_dataset
+
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_state", "true")) == 0
+    state = out / "tiny_flux_lora-state"
+    capsys.readouterr()
+    repeated = copy_dataset(tiny_set, tmp_path / "data", subset="num_repeats = 2")
+    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4", "--dataset_config", repeated,
+                                     "--resume", str(state)))
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"error: {state}: state was written 2 of 4 batches into epoch 0, this run has 8 batches "
+                                 f"per epoch (the dataset, its batch_size or num_repeats, or the processes changed): "
+                                 f"the rest of that epoch would be other images; resume with the same data\n"), err

@@ -4,9 +4,9 @@ A state folder holds trainable.safetensors (the trained tensors), ema.safetensor
 EMA, when ema_decay is set), optimizer.pt (loaded back with
 `torch.load(weights_only=True)`: tensors and numbers only), rng.safetensors (torch/CUDA RNG
 states as uint8 tensors) and train_state.json (step, epoch, batches done in the epoch, scheduler
-state, the run's length, the intermediate saves it wrote, and a digest of the settings that must not
-change across a resume). The folder is
-written under a temporary name and renamed, so a crash never leaves a half state.
+state, the run's length and batches per epoch, the intermediate saves it wrote, and a digest of the
+settings that must not change across a resume). The folder is written under a temporary name and
+renamed, so a crash never leaves a half state.
 """
 
 from __future__ import annotations
@@ -114,6 +114,19 @@ def check_resumed_length(folder: str, progress: dict, max_steps: int, args) -> N
     raise ValueError(f"{folder}: state was written by a run of {saved} steps, this run has {max_steps} "
                      f"(max_train_steps / max_train_epochs): the {args.lr_scheduler} schedule's lr at step "
                      f"{progress['step']} would jump onto another curve; resume with the same length")
+
+
+def check_resumed_epoch(folder: str, progress: dict, batches_per_epoch: int) -> None:
+    """A state written inside an epoch resumes after its batches_done batches of that epoch's order;
+    with another count of batches per epoch (the dataset, its batch_size or repeats, or the number of
+    processes changed) that order and what it skips would be another run's. Between epochs any data
+    may follow. States written before the count was kept resume unchecked."""
+    saved, done = progress.get("batches_per_epoch"), progress["batches_done"]
+    if saved is None or saved == batches_per_epoch or done in (0, saved):
+        return
+    raise ValueError(f"{folder}: state was written {done} of {saved} batches into epoch {progress['epoch']}, this run "
+                     f"has {batches_per_epoch} batches per epoch (the dataset, its batch_size or num_repeats, or the "
+                     f"processes changed): the rest of that epoch would be other images; resume with the same data")
 
 
 def read_progress(path: str) -> dict:
