@@ -466,7 +466,7 @@ class Trainer:
         weights check_finite found. The weights that gave a non-finite loss are the last update's, so
         they are not called good: kept (as an intermediate save, none pruned) only where finite."""
         saves = self.saver.intermediate_saves()
-        earlier = sorted(s for s in saves if s < self.step)
+        earlier = [s for s in self.saver.saves if s < self.step and s in saves]  # this run's, not another's
         before = (f"the last save before it: step {earlier[-1]}, {saves[earlier[-1]][0]}" if earlier
                   else "no save before it (save_every_n_steps keeps some)")
         lead = f"error: {what} at step {self.step + 1} (epoch {self.epoch}); the" if what else "error: the"

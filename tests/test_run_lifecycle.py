@@ -112,3 +112,24 @@ def test_resume_inside_an_epoch_with_other_data_is_refused(tiny_set, tmp_path, c
     assert code == 2 and err == (f"error: {state}: state was written 2 of 4 batches into epoch 0, this run has 8 batches "
                                  f"per epoch (the dataset, its batch_size or num_repeats, or the processes changed): "
                                  f"the rest of that epoch would be other images; resume with the same data\n"), err
+
+
+def test_a_diverged_run_names_its_own_last_save_not_another_runs(tiny_set, tmp_path, monkeypatch, capsys):
+    """A NaN loss at step 3 of a run without saves said 'the last save before it: step 1,
+    .../tiny_flux_lora-step000001.safetensors': an earlier run's file in the same output_dir."""
+    from library.models.family import DiffusionFamily
+
+    real, calls = DiffusionFamily.training_loss, []
+
+    def poisoned(self, *a, **k):
+        loss, sigmas = real(self, *a, **k)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 3 else loss), sigmas
+
+    monkeypatch.setattr(DiffusionFamily, "training_loss", poisoned)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tiny_flux_lora-step000001.safetensors").write_bytes(b"another run's LoRA")
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4")) == 3
+    err = capsys.readouterr().err
+    assert "no save before it (save_every_n_steps keeps some)" in err and "step000001" not in err, err
