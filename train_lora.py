@@ -524,7 +524,7 @@ class Trainer:
             self.render_samples(f"step{self.step:06d}")
         if args.save_every_n_steps and self.step % args.save_every_n_steps == 0 and self.step < self.max_steps:
             self.save_intermediate()
-        if self.interrupts.requested:
+        if self.interrupts.requested and self.step < self.max_steps:  # (after the last: the final save as usual)
             self.check_finite()
             path = self.saver.lora(self.step, self.epoch)
             folder = self.saver.state(self.optimizer, self.scheduler, self.progress())

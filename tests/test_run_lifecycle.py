@@ -133,3 +133,23 @@ def test_a_diverged_run_names_its_own_last_save_not_another_runs(tiny_set, tmp_p
     assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4")) == 3
     err = capsys.readouterr().err
     assert "no save before it (save_every_n_steps keeps some)" in err and "step000001" not in err, err
+
+
+def test_ctrl_c_during_the_last_step_still_writes_the_final_lora(tiny_set, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C during step 2 of 2 saved tiny_flux_lora-step000002 and a state at step 2 and exited
+    130 without tiny_flux_lora.safetensors; --resume then said 'nothing to train' (0) and never wrote
+    it. Now the run ends as it would: the final LoRA and its state, the final samples skipped, 0."""
+    import os
+    import signal
+
+    from library.training.diffusion_task import DiffusionTask
+
+    def after_step(self, step, output_dir):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(DiffusionTask, "after_step", after_step)
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2")) == 0
+    assert "SIGINT after the last step: final samples skipped" in capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["tiny_flux_lora.safetensors"]
