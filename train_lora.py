@@ -41,11 +41,13 @@ from tqdm import tqdm  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.training import fsdp, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
-from library.training.config import PRECISION_DTYPES, ConfigError, load_config, parse_kv_literals  # noqa: E402
+from library.training.config import (PRECISION_DTYPES, ConfigError, check_warmup, load_config,  # noqa: E402
+                                     parse_kv_literals, plan_steps, warmup_steps)
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
-from library.training.state import SavedState, load_state, restore_rng, rng_states, save_state  # noqa: E402
+from library.training.state import (SavedState, check_resumed_epoch, check_resumed_length, load_state,  # noqa: E402
+                                    restore_rng, rng_states, save_state)
 from library.training.task import Task  # noqa: E402
 
 
@@ -181,11 +183,15 @@ def ema_metadata(args) -> dict:
 
 class Saver:
     """Writes LoRAs (atomically, with metadata; with EMA also <name>_ema.safetensors) and states;
-    keeps the newest N intermediates, counting those a resumed run wrote before."""
+    keeps the newest N intermediates of those this run wrote, counting those the run it resumes wrote
+    (its state lists them). A save it did not write (another run's, with the same output_name) is
+    never deleted."""
 
-    def __init__(self, args, task, accelerator, started: float, max_steps: int, ema: TrainableEMA | None = None):
+    def __init__(self, args, task, accelerator, started: float, max_steps: int, ema: TrainableEMA | None = None,
+                 saves: list[int] | None = None):
         self.args, self.task, self.accelerator, self.started, self.ema = args, task, accelerator, started, ema
         self.max_steps = max_steps  # as planned (max_train_epochs counted in); a Ctrl-C save has trained fewer
+        self.saves = sorted(saves or [])  # the steps of the intermediate saves this run (and those it resumes) wrote
         # An intermediate save: <name>-stepNNNNNN and <name>-stepNNNNNN_ema, as .safetensors files
         # and/or folders (PEFT adapters, pretrained models).
         self.numbered = re.compile(re.escape(args.output_name) + r"-step(\d+)(_ema)?(\.safetensors)?")
@@ -224,26 +230,21 @@ class Saver:
         return saves
 
     def _prune(self, step: int):
-        """Keep the newest save_last_n_saves saves up to `step` (the one just written). Saves of
-        later steps (a run killed after them, resumed from an older state) are left: this run
-        writes them again."""
+        """Keep the newest save_last_n_saves of this run's saves, `step` (the one just written) the
+        newest. Saves of later steps (a run killed after them, resumed from an older state) are left:
+        this run writes them again."""
+        self.saves = sorted({*self.saves, step})
         keep = self.args.save_last_n_saves
-        if not keep:
+        if not keep or len(self.saves) <= keep:
             return
         saves = self.intermediate_saves()
-        for old_step in sorted(s for s in saves if s <= step)[:-keep]:
-            for old in saves[old_step]:
+        old_steps, self.saves = self.saves[:-keep], self.saves[-keep:]
+        for old_step in old_steps:
+            for old in saves.get(old_step, []):
                 if os.path.isdir(old):
                     shutil.rmtree(old)
                 else:
                     os.remove(old)
-
-
-def plan_steps(args, batches_per_epoch: int) -> int:
-    steps_per_epoch = max(1, math.ceil(batches_per_epoch / args.gradient_accumulation_steps))
-    if args.max_train_epochs:
-        return args.max_train_epochs * steps_per_epoch
-    return args.max_train_steps
 
 
 class Trainer:
@@ -264,10 +265,11 @@ class Trainer:
         optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
                                      optimizer_kwargs)
         self.max_steps = plan_steps(args, task.batches_per_epoch())
+        check_warmup(args, self.max_steps, args.config_file or "command line")  # (an llm's epochs: known now)
         # Stepped by hand once per optimizer step (accelerate would step a prepared scheduler once
         # per process), so the schedule is the same on 1 or N processes.
-        self.scheduler = create_scheduler(optimizer, args.lr_scheduler, args.lr_warmup_steps, self.max_steps,
-                                          args.lr_scheduler_num_cycles, args.lr_scheduler_power)
+        self.scheduler = create_scheduler(optimizer, args.lr_scheduler, warmup_steps(args.lr_warmup_steps, self.max_steps),
+                                          self.max_steps, args.lr_scheduler_num_cycles, args.lr_scheduler_power)
         # Batches are sharded by the task itself (explicit epochs make resume exact), so only the
         # trainable module (DDP-wrapped on several processes) and the optimizer are prepared.
         if fsdp.uses_fsdp(accelerator):  # the base is sharded by the task; the LoRA is prepared as for DDP
@@ -291,12 +293,15 @@ class Trainer:
         # A resumed run continues the log from its state's step (rows after it, logged before a kill, go).
         self.logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator,
                                append=bool(args.resume), resumed_step=self.step)
-        self.saver = Saver(args, task, accelerator, self.started, self.max_steps, self.ema)
+        self.saver = Saver(args, task, accelerator, self.started, self.max_steps, self.ema,
+                           state.progress.get("saves") if state else None)  # (states before the list: none known)
 
     def resume(self, folder: str, state: SavedState):
+        progress = state.progress
+        check_resumed_length(folder, progress, self.max_steps, self.args)  # (max_train_epochs: known now)
+        check_resumed_epoch(folder, progress, self.task.batches_per_epoch())
         self.task.load_trainable_tensors(state.trainable)
         self.optimizer.load_state_dict(state.optimizer)
-        progress = state.progress
         self.scheduler.load_state_dict(progress["scheduler"])
         self.step, self.epoch, self.batches_done = progress["step"], progress["epoch"], progress["batches_done"]
         if self.ema is not None:
@@ -369,7 +374,9 @@ class Trainer:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
 
     def progress(self) -> dict:
-        return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run}
+        return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run,
+                "saves": self.saver.saves, "max_steps": self.max_steps,
+                "batches_per_epoch": self.task.batches_per_epoch()}
 
     @contextlib.contextmanager
     def evaluating(self):
@@ -460,7 +467,7 @@ class Trainer:
         weights check_finite found. The weights that gave a non-finite loss are the last update's, so
         they are not called good: kept (as an intermediate save, none pruned) only where finite."""
         saves = self.saver.intermediate_saves()
-        earlier = sorted(s for s in saves if s < self.step)
+        earlier = [s for s in self.saver.saves if s < self.step and s in saves]  # this run's, not another's
         before = (f"the last save before it: step {earlier[-1]}, {saves[earlier[-1]][0]}" if earlier
                   else "no save before it (save_every_n_steps keeps some)")
         lead = f"error: {what} at step {self.step + 1} (epoch {self.epoch}); the" if what else "error: the"
@@ -518,7 +525,7 @@ class Trainer:
             self.render_samples(f"step{self.step:06d}")
         if args.save_every_n_steps and self.step % args.save_every_n_steps == 0 and self.step < self.max_steps:
             self.save_intermediate()
-        if self.interrupts.requested:
+        if self.interrupts.requested and self.step < self.max_steps:  # (after the last: the final save as usual)
             self.check_finite()
             path = self.saver.lora(self.step, self.epoch)
             folder = self.saver.state(self.optimizer, self.scheduler, self.progress())

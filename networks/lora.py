@@ -172,7 +172,11 @@ class LoRAModule(nn.Module):
         return self._adapted(x, base_call(self._original_forward, x))
 
     def _dropped(self) -> bool:
-        """module_dropout's draw for this call: skip the whole branch (training only)."""
+        """module_dropout's draw for this call: skip the whole branch (training only). Under
+        torch_compile the bool() is a graph break per module call: correct, and kept, because a draw
+        inside the graph (a 0/1 factor) would come from inductor's RNG, not eager's (another run for
+        one seed), would compute every dropped branch, and a dropped module must return the base's
+        own output (forward_with_base_output: a kept output has no autograd path to x)."""
         return bool(self.training and self.module_dropout and self.enabled and self.multiplier != 0
                     and torch.rand(()) < self.module_dropout)
 

@@ -17,6 +17,7 @@ from library.models.chroma.model import CHROMA, Chroma, ChromaConfig, make_img_i
 from library.models.chroma.text_encoder import chroma_text_mask, encode_chroma_prompts
 from library.models.chroma.tiny import tiny_chroma_config, write_chroma, write_t5
 from library.models.text_encoders import load_t5
+from tests.test_train_lora import sample_png
 
 T, B = 9, 2  # text length, batch
 TEXT_MASK = torch.tensor([[True] * 4 + [False] * 5, [True] * 9])  # a padded prompt and a full one
@@ -330,7 +331,7 @@ def test_chroma_lora_trains_saves_and_samples(trained):
     assert "lora_unet_single_blocks_1_linear2.lora_up.weight" in keys
     assert not any("_mod" in k or "distilled" in k or "_in." in k for k in keys)  # no modulation, approximator, embedders
     assert metadata["ss_base_model_version"] == "chroma" and metadata["ss_timestep_sampling"] == "flux_shift"
-    assert (trained / "chroma_final_00.png").stat().st_size > 0
+    assert sample_png(trained, "chroma", "final").stat().st_size > 0
 
 
 def test_lora_tools_tell_a_chroma_lora_from_flux(trained):

@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from tests.test_train_lora import sample_png
+
 PROMPTS = ["a cat", "a painting of a [IMG] house by the sea at sunset, oil on canvas, with a dog"]
 
 
@@ -105,7 +107,7 @@ def test_flux2_dev_lora_trains_two_steps_samples_and_generates(dev, tiny_set, tm
         losses = [float(r["loss"]) for r in csv.DictReader(f)]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert os.path.getsize(os.path.join(tmp_path, "dev.safetensors")) > 0
-    assert os.path.getsize(os.path.join(tmp_path, "dev_final_00.png")) > 0  # sampled with the embedded guidance
+    assert sample_png(tmp_path, "dev", "final").stat().st_size > 0  # sampled with the embedded guidance
 
     from tools import generate
 

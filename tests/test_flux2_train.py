@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 import train_lora
 from library.models.flux2.family import Flux2Family
 from networks.lora import LoRANetwork
+from tests.test_train_lora import sample_png
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,7 +44,7 @@ def test_flux2_klein_lora_trains_saves_and_samples(trained):
     assert any(k.startswith("lora_unet_double_blocks_0_img_attn_qkv.") for k in tensors)
     assert any(k.startswith("lora_unet_single_blocks_1_linear1.") for k in tensors)
     assert not any("modulation" in k or "_in_" in k for k in tensors)  # shared modulation, embedders: off
-    assert (trained / "klein_final_00.png").stat().st_size > 0
+    assert sample_png(trained, "klein", "final").stat().st_size > 0
 
 
 def tiny_inputs(seed=0):

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import toml
+from tests.test_train_lora import sample_png
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -286,7 +287,7 @@ def test_train_lora_renders_no_bf16_reference_that_does_not_fit_and_says_so(tiny
     assert loads == ["fp8_scaled"], loads  # quickstart's fp8 base only: no bf16 copy for the sample
     warnings = [line for line in capsys.readouterr().err.splitlines() if "sample_bf16_reference" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: sample_bf16_reference turned off"), warnings
-    assert (tmp_path / "tiny_flux_lora_final_00.png").exists()
+    assert sample_png(tmp_path, "tiny_flux_lora", "final").exists()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -14,6 +14,7 @@ import train_lora
 from library.models.family import stack_text
 from library.models.qwen_image21.family import QwenImage21Family, reference_size
 from tools.make_tiny_dataset import make_tiny_edit_dataset
+from tests.test_train_lora import sample_png
 
 RESOLUTION = 64  # reference_resolution (the pipeline's output_resolution): 64 x 64 references, 4 slots each
 
@@ -77,4 +78,4 @@ def test_trains_on_paired_data_and_samples_with_a_reference(edit_set, tmp_path):
             "--max_train_steps", "2", "--mixed_precision", "no", "--network_dim", "4", "--network_alpha", "4",
             "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0"]
     assert train_lora.main(args) == 0
-    assert (out / "edit.safetensors").stat().st_size > 0 and (out / "edit_final_00.png").stat().st_size > 0
+    assert (out / "edit.safetensors").stat().st_size > 0 and sample_png(out, "edit", "final").stat().st_size > 0

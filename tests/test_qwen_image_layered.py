@@ -9,6 +9,7 @@ from diffusers import QwenImageTransformer2DModel
 
 from library.models.qwen_image.model import QwenImageConfig, joint_positions, load_qwen_image
 from tests.test_qwen_image import randomize_
+from tests.test_train_lora import sample_png
 
 TEXT = 7
 
@@ -158,7 +159,7 @@ def test_trains_on_layered_targets_and_decomposes_a_sample(trained):
         meta, names = f.metadata(), {k.split(".")[0] for k in f.keys()}
     assert meta["ss_base_model_version"] == "qwen-image-layered"
     assert "lora_unet_transformer_blocks_0_attn_to_q" in names  # Qwen-Image's names: its LoRA files and tools
-    with Image.open(trained / "lay_final_00.png") as sample:  # 3 frames then the reference, 64 px each
+    with Image.open(sample_png(trained, "lay", "final")) as sample:  # 3 frames then the reference, 64 px each
         assert sample.width == 4 * 64
 
 

@@ -30,6 +30,7 @@ from library.training.state import save_state
 from networks import lora_files
 from networks.lora import LoRANetwork
 from tests.test_crash_safety import small_lora, snapshot
+from tests.test_train_lora import sample_png
 from tools import merge_lora
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -573,9 +574,10 @@ def test_every_output_is_written_with_the_umask_mode(tiny_set, tmp_path):
         os.umask(umask)
     written = [out / f for f in files_under(out)] + [merged]
     written += [p for p in (tmp_path / "data" / "images").iterdir() if p.suffix == ".safetensors"]
-    for name in ("tiny_flux_lora.safetensors", "tiny_flux_lora_log.csv", "tiny_flux_lora_final_00.png",
-                 "tiny_flux_lora-state/trainable.safetensors", "tiny_flux_lora-state/optimizer.pt"):
-        assert out / name in written, name
+    for path in [out / n for n in ("tiny_flux_lora.safetensors", "tiny_flux_lora_log.csv",
+                                   "tiny_flux_lora-state/trainable.safetensors", "tiny_flux_lora-state/optimizer.pt")] + [
+            sample_png(out, "tiny_flux_lora", "final")]:
+        assert path in written, path
     assert sum(p.name.endswith("_te.safetensors") for p in written) == 8 and len(written) >= 16 + 6
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in written}
     assert modes == dict.fromkeys(modes, "0o640")

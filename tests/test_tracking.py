@@ -13,7 +13,7 @@ from PIL import Image
 
 import train_lora
 from library.training import tracking
-from tests.test_train_lora import flux_args
+from tests.test_train_lora import flux_args, sample_png
 
 
 def runs(logging_dir) -> dict[str, str]:
@@ -40,12 +40,12 @@ def test_samples_are_logged_to_tensorboard_beside_loss_at_their_step(tiny_set, t
     assert code == 0
     acc = events(logs)
     assert "loss" in acc.Tags()["scalars"]
-    prompts = sorted({p.split("_")[-1] for p in os.listdir(out) if p.endswith(".png") and "_step" in p})
+    prompts = sorted({p.split("_")[-3] for p in os.listdir(out) if p.endswith(".png") and "_step" in p})  # their NN
     assert acc.Tags()["images"] == [f"samples/{i:02d}" for i in range(len(prompts))]
     first = acc.Images("samples/00")
     assert [e.step for e in first] == [2, 4]  # step 2, then the final samples (step 4's)
     decoded = np.asarray(Image.open(__import__("io").BytesIO(first[0].encoded_image_string)).convert("RGB"))
-    on_disk = np.asarray(Image.open(out / "tiny_flux_lora_step000002_00.png").convert("RGB"))
+    on_disk = np.asarray(Image.open(sample_png(out, "tiny_flux_lora", "step000002")).convert("RGB"))
     assert np.array_equal(decoded, on_disk)
 
 
@@ -180,4 +180,4 @@ def test_a_failed_sample_render_is_a_warning_and_training_goes_on(tiny_set, tmp_
     assert ("warning: samples step000001 at step 1 failed and are skipped, training goes on: OutOfMemoryError: CUDA out "
             "of memory. Tried to allocate 2.00 GiB") in capsys.readouterr().err
     assert sorted(p for p in os.listdir(out) if p.endswith((".png", ".safetensors"))) == [
-        "tiny_flux_lora.safetensors", "tiny_flux_lora_final_00.png", "tiny_flux_lora_lr.png"]
+        "tiny_flux_lora.safetensors", sample_png(out, "tiny_flux_lora", "final").name, "tiny_flux_lora_lr.png"]

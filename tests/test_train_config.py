@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from library.io import CheckpointError
-from library.training import optim
+from library.training import config, optim
 from library.training.config import ConfigError, load_config, lora_network_args, parse_kv_literals
 from tools import plot_lr
 
@@ -211,7 +211,7 @@ def test_adamw_logs_no_d_column_and_weight_decay_skips_1d(tmp_path):
 def test_scheduler_warmup_ratio_and_steps():
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
-    sched = optim.create_scheduler(opt, "constant_with_warmup", 0.1, 100)
+    sched = optim.create_scheduler(opt, "constant_with_warmup", config.warmup_steps(0.1, 100), 100)
     lrs = []
     for _ in range(12):
         lrs.append(opt.param_groups[0]["lr"])
@@ -428,6 +428,19 @@ def test_a_bad_flag_is_one_line_not_the_usage(capsys):
     assert err == "error: command line: unrecognized arguments: --bogus 1 (python train_lora.py --help lists the keys)\n"
 
 
+@pytest.mark.parametrize("warmup, said", [("10", "lr_warmup_steps = 10 is not below max_train_steps = 10"),
+                                           ("0.96", "lr_warmup_steps = 0.96 (10 steps) is not below max_train_steps = 10")])
+def test_a_warmup_as_long_as_the_run_is_refused_naming_both_keys(tmp_path, warmup, said):
+    """lr_warmup_steps >= max_train_steps was taken: the lr never reached learning_rate (10 of 10 steps
+    of warmup ended at 0.9 x lr; 0.96 of 10 rounds to 10)."""
+    cfg = write(tmp_path, BASE + 'lr_scheduler = "constant_with_warmup"\nmax_train_steps = 10\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", warmup])
+    assert str(e.value) == (f"command line and {cfg}: {said}: the lr would never reach learning_rate; shorten the "
+                            f"warmup or train longer")
+    assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "9"]).lr_warmup_steps == 9
+
+
 def test_resume_refuses_another_schedule_shape_and_takes_older_states(tmp_path):
     """The scheduler's state holds its step, not its lambda: the old line resumed a state written with
     lr_warmup_steps = 100 under 10 (the lr jumped from the warmup's 0.3 to the full rate) without a word."""
@@ -453,3 +466,29 @@ def test_resume_refuses_another_schedule_shape_and_takes_older_states(tmp_path):
     write_state(old)
     with pytest.raises(CheckpointError, match="trainable.safetensors"):  # past the settings check: the files
         load_state(str(state), load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "10"]))
+
+
+@pytest.mark.parametrize("scheduler, refused", [("cosine", True), ("constant", False)])
+def test_resume_with_another_length_is_refused_where_the_schedule_follows_it(tmp_path, scheduler, refused):
+    """A cosine run of 10 steps killed at 5 (lr 0.5 x) and resumed with max_train_steps = 20 went on
+    from cosine-of-20's 0.85 x: the schedule is rebuilt for the new length. Refused now; a constant
+    schedule may still be extended."""
+    import json
+
+    from library.training.state import load_state, run_digest
+
+    cfg = write(tmp_path, BASE + f'lr_scheduler = "{scheduler}"\nmax_train_steps = 10\n')
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "train_state.json").write_text(json.dumps(
+        {"step": 5, "epoch": 0, "batches_done": 5, "scheduler": {}, "max_steps": 10,
+         "run": json.loads(json.dumps(run_digest(load_config(["--config_file", cfg])), default=str))}))
+    longer = load_config(["--config_file", cfg, "--max_train_steps", "20"])
+    if refused:
+        with pytest.raises(ValueError) as e:
+            load_state(str(state), longer)
+        assert str(e.value) == (f"{state}: state was written by a run of 10 steps, this run has 20 (max_train_steps / "
+                                f"max_train_epochs): the cosine schedule's lr at step 5 would jump onto another curve; "
+                                f"resume with the same length")
+    with pytest.raises(CheckpointError, match="trainable.safetensors"):  # past the check: the files
+        load_state(str(state), longer if not refused else load_config(["--config_file", cfg]))

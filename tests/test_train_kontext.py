@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 import train_lora
 from library.models.flux1.kontext import FluxKontextFamily
-from tests.test_train_lora import ROOT, read_losses
+from tests.test_train_lora import ROOT, read_losses, sample_png
 from tools.make_tiny_dataset import make_tiny_edit_dataset
 
 
@@ -55,7 +55,7 @@ def test_kontext_edit_lora_loss_falls_with_references_in_every_step(edit_set, tm
     assert last < 0.9 * first, (first, last)
     with safe_open(str(out / "kontext.safetensors"), "pt") as f:
         assert f.metadata()["ss_base_model_version"] == "flux1-kontext-dev"
-    with Image.open(out / "kontext_final_00.png") as sample:
+    with Image.open(sample_png(out, "kontext", "final")) as sample:
         panels = sample.text["panels"].split(",")  # the target on each sampled base, then the reference
         assert panels[-1] == "reference" and len(panels) >= 2 and sample.size[0] == 32 * len(panels)
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import train_lora
 from library.models.qwen_image.edit_family import QwenImageEditFamily
-from tests.test_train_lora import ROOT, read_losses
+from tests.test_train_lora import ROOT, read_losses, sample_png
 from tools.make_tiny_dataset import make_tiny_edit_dataset
 
 
@@ -64,7 +64,7 @@ def test_qwen_image_edit_lora_loss_falls_with_references_in_every_step(edit_set,
     with safe_open(str(lora), "pt") as f:
         assert f.metadata()["ss_base_model_version"] == "qwen-image-edit-2509"
         assert any("transformer_blocks" in k for k in f.keys())
-    with Image.open(out / "qedit_final_00.png") as sample:
+    with Image.open(sample_png(out, "qedit", "final")) as sample:
         panels = sample.text["panels"].split(",")  # the target, then the reference
         assert panels[-1] == "reference" and sample.size[0] == 32 * len(panels)
 

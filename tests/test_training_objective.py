@@ -19,7 +19,7 @@ from library.models.flux1.family import FluxFamily
 from library.models.qwen_image.family import QwenImageFamily
 from library.models.latents import pack_latents
 from library.models import flow_matching as fm
-from library.training.config import load_config
+from library.training.config import load_config, plan_steps
 
 
 class Recorder(nn.Module):
@@ -229,7 +229,7 @@ def test_accumulation_stays_inside_epochs_and_the_last_partial_group_steps(tmp_p
     task = FakeTask(4)
     trainer = fake_run(tmp_path, monkeypatch, task, "--gradient_accumulation_steps", "3", "--max_train_epochs", "2",
                        "--max_grad_norm", "0", "--learning_rate", "1e-3")
-    assert trainer.max_steps == 4 == train_lora.plan_steps(trainer.args, 4)
+    assert trainer.max_steps == 4 == plan_steps(trainer.args, 4)
     assert trainer.run() == 0
     by_step = {}
     for step, epoch, batch in task.seen:

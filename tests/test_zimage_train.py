@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import train_lora
 from library.models.zimage.family import ZImageFamily
 from networks.lora import LoRANetwork
+from tests.test_train_lora import sample_png
 
 
 def read_losses(out, name):
@@ -53,7 +54,7 @@ def test_zimage_lora_trains_saves_and_samples(trained):
     with safe_open(str(trained / "zimage.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["ss_base_model_version"] == "zimage-turbo" and meta["ss_timestep_sampling"] == "zimage_shift"
-    assert (trained / "zimage_final_00.png").stat().st_size > 0
+    assert sample_png(trained, "zimage", "final").stat().st_size > 0
 
 
 @torch.no_grad()

@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--height", type=int, default=1024)
     p.add_argument("--steps", type=int, default=None, help="default: the release's own (20 for most, fewer for a step-distilled one)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="for every prompt without its own --d (default: a random one per image, as sd-scripts "
+                        "and musubi-tuner; the file name and the PNG's info record it)")
     p.add_argument("--guidance", type=float, default=None,
                    help="embedded guidance, or the CFG scale of models that sample with true CFG (default: the model type's)")
     p.add_argument("--base_precision", default="bf16", choices=BASE_PRECISIONS)
@@ -76,7 +78,8 @@ import torch  # noqa: E402
 from library.models.family import family_class, stack_text  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
-from library.data.prompts import SamplePrompt, check_seed, parse_prompt_line, read_prompt_file, rendered_side  # noqa: E402
+from library.data.prompts import (SamplePrompt, check_seed, parse_prompt_line, read_prompt_file,  # noqa: E402
+                                  rendered_side, seed_or_random)
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import one_line, parse_lora_spec  # noqa: E402
@@ -93,7 +96,8 @@ def check_args(args) -> torch.device:
             raise ValueError(f"--{key} is read by {readers}, not by --model_type {args.model_type}")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps {args.steps}: expected at least 1")
-    check_seed("--seed", args.seed)
+    if args.seed is not None:
+        check_seed("--seed", args.seed)
     if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the models are loaded
         raise ValueError(f"--out {args.out}: is a file, expected a folder (the images are written into it)")
     return device_from_flag(args.device)
@@ -111,7 +115,7 @@ def check_model_options(args, family) -> None:
     if args.control_image and not family.max_controls:
         raise ValueError(f"--control_image is not read: model_type {family.name} takes no reference images")
     if args.blocks_to_swap:  # counted on meta now, not found after the text encoders ran and the model loaded
-        blocks = len(list(family.load_transformer(torch.float32, read_weights=False).swappable_blocks()))
+        blocks = family.swappable_block_count()
         if not 0 < args.blocks_to_swap < blocks:
             raise ValueError(f"--blocks_to_swap {args.blocks_to_swap}: expected 0 (off) or 1 to {blocks - 1} for this "
                              f"model ({blocks} blocks)")
@@ -180,7 +184,7 @@ def generate(args) -> list[str]:
     first = first_free_index(args.out)
     written = []
     for i, (prompt, (text, negative)) in enumerate(zip(prompts, texts)):
-        seed = prompt.seed if prompt.seed is not None else args.seed
+        seed = seed_or_random(prompt.seed)  # (the defaults' is --seed)
         to_device = lambda d: {k: v.to(device) for k, v in d.items()} if d else None  # noqa: E731
         references = reference_images(prompt.control_images, family.control_bucket, prompt.width, prompt.height)
         control = [vae.encode(r.to(device)) for r in references] or None  # float32 [1, 16, h, w] each

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import warnings
 from dataclasses import dataclass, replace
 
@@ -92,6 +93,25 @@ def check_seed(what: str, seed: int) -> None:
     rendered; -1 is no 'random' here, as in sd-scripts' --d, which reads digits only)."""
     if not 0 <= seed < 2**64:
         raise ValueError(f"{what} {seed}: expected 0 to 2^64 - 1")
+
+
+def seed_or_random(seed: int | None) -> int:
+    """The seed a sample renders with: its own (--d, generate.py's --seed), or where none is given a
+    random one drawn for this image, as sd-scripts' and musubi-tuner's samples do (musubi:
+    random.randint(0, 2^32 - 1)). Drawn from the OS, not from an RNG a run seeds (accelerate's
+    set_seed seeds Python's), so two runs differ; the file name records it."""
+    return seed if seed is not None else secrets.randbelow(2**32)
+
+
+# A training sample is <output_name>_<tag>_<NN>_<YYYYmmddHHMMSS>_<seed>.png, as sd-scripts names them
+# (<NN> the prompt's number; sd-scripts' step or epoch is our tag: start, stepNNNNNN, epochNNNN, final).
+# The render's time keeps a later run, or a resumed one, from replacing samples already there; names
+# written before it (<name>_<tag>_<NN>.png) still read.
+SAMPLE_NAME = re.compile(r"_(start|final|step(\d+)|epoch(\d+))_(\d+)(?:_(\d{14})_(\d+))?\.png$")
+
+
+def sample_file_name(output_name: str, tag: str, index: int, stamp: str, seed: int) -> str:
+    return f"{output_name}_{tag}_{index:02d}_{stamp}_{seed}.png"
 
 
 def rendered_side(what: str, value: int, multiple: int = 16) -> int:

@@ -58,14 +58,19 @@ def _frozen_tensors(block: nn.Module) -> list[tuple[nn.Module, str]]:
     return found
 
 
+def check_swap_count(blocks_to_swap: int, blocks: int) -> None:
+    """At least one block stays resident (it runs while the first swapped one is copied in)."""
+    if not 0 < blocks_to_swap < blocks:
+        raise ValueError(f"blocks_to_swap must be between 1 and {blocks - 1} for this model ({blocks} blocks), "
+                         f"got {blocks_to_swap}")
+
+
 class BlockSwap:
     """Swaps blocks[first:] of a model whose blocks run in list order (see module docstring)."""
 
     def __init__(self, blocks: list[nn.Module], blocks_to_swap: int, device: torch.device | str, prefetch: int = 1):
         n = len(blocks)
-        if not 0 < blocks_to_swap < n:
-            raise ValueError(f"blocks_to_swap must be between 1 and {n - 1} for this model ({n} blocks), "
-                             f"got {blocks_to_swap}")
+        check_swap_count(blocks_to_swap, n)
         if prefetch < 1:
             raise ValueError(f"block_swap_prefetch must be >= 1, got {prefetch}")
         self.device, self.prefetch = torch.device(device), prefetch

@@ -141,6 +141,10 @@ class DiffusionFamily:
         for f in self.model_files():
             check_model_file(component_folder(f.path, f.component), f.key, f.what, f.markers)
 
+    def swappable_block_count(self) -> int:
+        """The transformer's swappable_blocks(), counted on meta from its header (no tensor read)."""
+        return len(list(self.load_transformer(torch.float32, read_weights=False).swappable_blocks()))
+
     def text_options(self, args) -> dict:
         """Encoder settings from the training config that change the embeddings (they are part of
         the text cache key and passed to load_text_encoder)."""

@@ -547,6 +547,33 @@ DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_e
                   "validate_every_n_steps")
 
 
+def plan_steps(args, batches_per_epoch: int) -> int:
+    """The run's optimizer steps: max_train_epochs x the steps of an epoch where it is set (it wins
+    over max_train_steps, as in sd-scripts), else max_train_steps."""
+    if args.max_train_epochs:
+        return args.max_train_epochs * max(1, math.ceil(batches_per_epoch / args.gradient_accumulation_steps))
+    return args.max_train_steps
+
+
+def warmup_steps(warmup: float, max_steps: int) -> int:
+    """lr_warmup_steps as steps: itself where >= 1, a fraction of max_steps where < 1."""
+    return int(round(warmup * max_steps)) if 0 < warmup < 1 else int(warmup)
+
+
+def check_warmup(args, max_steps: int, where: str) -> None:
+    """A warmup of max_steps or more never brings the lr to learning_rate (and a decaying schedule never
+    decays): refused, naming both values, once max_steps is known (with max_train_epochs: from the
+    dataset, before caching)."""
+    warmup = warmup_steps(args.lr_warmup_steps, max_steps)
+    if not args.lr_warmup_steps or warmup < max_steps:
+        return
+    said = f"{args.lr_warmup_steps:g}" + (f" ({warmup} steps)" if args.lr_warmup_steps < 1 else "")
+    total = (f"max_train_epochs = {args.max_train_epochs} ({max_steps} steps)" if args.max_train_epochs
+             else f"max_train_steps = {max_steps}")
+    raise ConfigError(f"{where}: lr_warmup_steps = {said} is not below {total}: the lr would never reach "
+                      f"learning_rate; shorten the warmup or train longer")
+
+
 def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
     """Numbers in range (RANGES), and no key set that this model_type does not read."""
     if not 0 <= args.network_alpha < math.inf:  # a negative alpha flips the update's sign (sd-scripts takes it)
@@ -561,6 +588,8 @@ def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: s
     if args.lr_warmup_steps >= 1 and not float(args.lr_warmup_steps).is_integer():  # int() would cut it (sd-scripts refuses)
         raise ConfigError(f"{_blame(origins, where, 'lr_warmup_steps')}: key 'lr_warmup_steps' must be a whole number of "
                           f"steps (>= 1) or a fraction of max_train_steps (< 1), got {args.lr_warmup_steps:g}")
+    if not args.max_train_epochs:  # else the steps come from the dataset (DiffusionTask, Trainer)
+        check_warmup(args, args.max_train_steps, _blame(origins, where, "lr_warmup_steps", "max_train_steps"))
     for key, arg in SCHEMA.items():  # the rest: any finite number
         if arg.type is float and getattr(args, key) is not None and not math.isfinite(getattr(args, key)):
             raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be a finite number, got {getattr(args, key)}")
@@ -663,3 +692,22 @@ def _validate_output(args: argparse.Namespace, origins: dict[str, str], where: s
             raise ConfigError(f"{where}: output_dir '{args.output_dir}' cannot be created: '{parent}' is a file, not a folder")
         if not os.access(parent, os.W_OK):
             raise ConfigError(f"{where}: output_dir '{args.output_dir}' is not writable")
+        _validate_output_paths(args, where)
+
+
+def _validate_output_paths(args: argparse.Namespace, where: str) -> None:
+    """A folder where the run writes a file, or a file where it writes a folder, failed only at the save,
+    after every step had trained (os.replace: 'Is a directory')."""
+    name, peft = args.output_name, args.save_format.startswith("peft") or (
+        args.save_format == "auto" and args.model_type == "llm" and not args.pretrain)
+    writes = [(f"{name}.safetensors", "the LoRA file", os.path.isdir)]
+    if peft:
+        writes.append((name, "the PEFT adapter folder", os.path.isfile))
+    if args.save_state:
+        writes.append((f"{name}-state", "the training state folder", os.path.isfile))
+    for entry, what, wrong_kind in writes:
+        path = os.path.join(args.output_dir, entry)
+        if wrong_kind(path):
+            kind = "a folder" if os.path.isdir(path) else "a file"
+            raise ConfigError(f"{where}: output_dir '{args.output_dir}' holds {kind} '{entry}' where {what} goes; move "
+                              f"it, or choose another output_name")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -23,9 +24,10 @@ from library.data.controls import check_family_takes, check_prompt_controls, enc
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
 from library.models.core import checkpointing, compile_block
 from library.models.family import get_family, stack_text
-from library.data.prompts import SamplePrompt, read_prompt_file
+from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
-from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
+from library.training.config import (ConfigError, base_precision, check_warmup, compute_dtype, lora_network_args,
+                                     plan_steps)
 from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
 from library.training.state import sample_seed
 from library.training.validation import validation_loss
@@ -61,6 +63,7 @@ class DiffusionTask:
         self.device = accelerator.device
         self.family = get_family(args)
         self.family.check_model_files()  # from the headers: a wrong file stops the run now, not after caching
+        self._check_blocks_to_swap()
         try:  # here, not in the config check: the network modules (and LyCORIS) import torch, the web UI does not
             check_network_args(args.network_module, self.family.arch, lora_network_args(args))
         except ValueError as e:
@@ -74,6 +77,7 @@ class DiffusionTask:
             raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
                               f"validation_split or add [[validation_datasets]]")
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
+        check_warmup(args, plan_steps(args, self.batches_per_epoch()), args.config_file or "command line")
         self.prompts = self._read_prompts()
         self._settle_bf16_reference()  # before minutes of caching
         self._fill_caches()  # also encodes the sample prompts, then frees the encoders
@@ -99,6 +103,16 @@ class DiffusionTask:
         if self.stored_precision and self.args.base_loras:
             raise ConfigError(f"{self.args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "
                               f"this checkpoint is pre-quantized ({self.stored_precision}): give the bf16 one")
+
+    def _check_blocks_to_swap(self):
+        """blocks_to_swap against the model's blocks (its header), before caching rather than after it."""
+        from library.models.block_swap import check_swap_count
+
+        if self.args.blocks_to_swap:  # (FSDP refuses it: check_fsdp)
+            try:
+                check_swap_count(self.args.blocks_to_swap, self.family.swappable_block_count())
+            except ValueError as e:
+                raise ConfigError(f"{self.args.pretrained_model_name_or_path}: {e}") from None
 
     def _read_images(self) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every
@@ -372,6 +386,7 @@ class DiffusionTask:
         vae = self.family.load_vae(torch.float32)
         vae.vae.to(self.device)
         written = []
+        stamp, seeds = self._render_names()
         for i, (prompt, (text, negative)) in enumerate(zip(self.prompts, self.prompt_texts)):
             images = []
             references = reference_images(prompt.control_images, self.family.control_bucket, prompt.width, prompt.height)
@@ -379,13 +394,24 @@ class DiffusionTask:
             for label, model in bases:
                 latents = self.family.sample_latents(
                     model, {k: v.to(self.device) for k, v in text.items()}, prompt.width, prompt.height, prompt.steps,
-                    prompt.seed if prompt.seed is not None else self.args.seed, prompt.guidance,
+                    seeds[i], prompt.guidance,
                     {k: v.to(self.device) for k, v in negative.items()} if negative else None, control=control,
                 )
                 images.append((label, vae.decode(latents)[0]))
             names = ["reference"] if len(references) == 1 else [f"reference {k}" for k in range(len(references))]
             images += [(name, r[0]) for name, r in zip(names, references)]
-            path = os.path.join(out_dir, f"{self.args.output_name}_{tag}_{i:02d}.png")
+            path = os.path.join(out_dir, sample_file_name(self.args.output_name, tag, i, stamp, seeds[i]))
             save_side_by_side(images, path, prompt.prompt)
             written.append(path)
         return written
+
+    def _render_names(self) -> tuple[str, list[int]]:
+        """This render's time (YYYYmmddHHMMSS) and each prompt's seed (its --d, else a random one), as
+        the main process draws them: every process renders the same images into the same files."""
+        plan = [time.strftime("%Y%m%d%H%M%S"), [seed_or_random(p.seed) for p in self.prompts]]
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            plan = broadcast_object_list(plan)
+        return plan[0], plan[1]
+

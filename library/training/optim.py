@@ -94,14 +94,12 @@ def check_optimizer(optimizer_type: str, lr: float, optimizer_kwargs: dict, grou
                           f"does not take (it adapts one step size for all); use AdamW (or another optimizer) for it")
 
 
-def create_scheduler(optimizer, name: str, warmup: float, max_steps: int, num_cycles: int = 1, power: float = 1.0):
-    """diffusers schedulers; warmup as steps (>= 1) or as a fraction of max_steps (< 1)."""
+def create_scheduler(optimizer, name: str, warmup_steps: int, max_steps: int, num_cycles: int = 1, power: float = 1.0):
+    """diffusers schedulers; warmup_steps in steps (config.warmup_steps reads lr_warmup_steps' fraction form)."""
     from diffusers.optimization import get_scheduler
 
-    warmup_steps = int(round(warmup * max_steps)) if 0 < warmup < 1 else int(warmup)
-    return get_scheduler(
-        name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps, num_cycles=num_cycles, power=power
-    )
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps,
+                         num_cycles=num_cycles, power=power)
 
 
 def adapts_step_size(optimizer) -> bool:

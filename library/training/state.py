@@ -4,8 +4,9 @@ A state folder holds trainable.safetensors (the trained tensors), ema.safetensor
 EMA, when ema_decay is set), optimizer.pt (loaded back with
 `torch.load(weights_only=True)`: tensors and numbers only), rng.safetensors (torch/CUDA RNG
 states as uint8 tensors) and train_state.json (step, epoch, batches done in the epoch, scheduler
-state, and a digest of the settings that must not change across a resume). The folder is
-written under a temporary name and renamed, so a crash never leaves a half state.
+state, the run's length and batches per epoch, the intermediate saves it wrote, and a digest of the
+settings that must not change across a resume). The folder is written under a temporary name and
+renamed, so a crash never leaves a half state.
 """
 
 from __future__ import annotations
@@ -93,10 +94,39 @@ def load_state(folder: str, args) -> SavedState:
                 f"{folder}: state was written with {key} = {saved.get(key)!r}, this run has {current[key]!r}; "
                 f"resume needs the same settings"
             )
+    if not args.max_train_epochs:  # else the Trainer checks, once the dataset gives the steps
+        check_resumed_length(folder, progress, args.max_train_steps, args)
     trainable = read_tensors(os.path.join(folder, "trainable.safetensors"))
     optimizer = read_optimizer_state(os.path.join(folder, "optimizer.pt"))
     rng = read_tensors(os.path.join(folder, "rng.safetensors"))
     return SavedState(trainable, optimizer, progress, rng, load_ema_state(folder) if args.ema_decay else None)
+
+
+def check_resumed_length(folder: str, progress: dict, max_steps: int, args) -> None:
+    """A schedule whose lr at a step depends on the run's length (one that decays to its end, or a
+    warmup given as a fraction of it) is rebuilt for this run's max_steps: another length than the
+    state's would move the lr onto another curve at the resumed step. A constant schedule may be
+    extended. States written before max_steps was kept resume unchecked."""
+    saved = progress.get("max_steps")
+    follows_length = args.lr_scheduler not in ("constant", "constant_with_warmup") or 0 < args.lr_warmup_steps < 1
+    if saved is None or saved == max_steps or not follows_length:
+        return
+    raise ValueError(f"{folder}: state was written by a run of {saved} steps, this run has {max_steps} "
+                     f"(max_train_steps / max_train_epochs): the {args.lr_scheduler} schedule's lr at step "
+                     f"{progress['step']} would jump onto another curve; resume with the same length")
+
+
+def check_resumed_epoch(folder: str, progress: dict, batches_per_epoch: int) -> None:
+    """A state written inside an epoch resumes after its batches_done batches of that epoch's order;
+    with another count of batches per epoch (the dataset, its batch_size or repeats, or the number of
+    processes changed) that order and what it skips would be another run's. Between epochs any data
+    may follow. States written before the count was kept resume unchecked."""
+    saved, done = progress.get("batches_per_epoch"), progress["batches_done"]
+    if saved is None or saved == batches_per_epoch or done in (0, saved):
+        return
+    raise ValueError(f"{folder}: state was written {done} of {saved} batches into epoch {progress['epoch']}, this run "
+                     f"has {batches_per_epoch} batches per epoch (the dataset, its batch_size or num_repeats, or the "
+                     f"processes changed): the rest of that epoch would be other images; resume with the same data")
 
 
 def read_progress(path: str) -> dict:

@@ -10,9 +10,10 @@ import os
 import re
 from dataclasses import dataclass
 
+from library.data.prompts import SAMPLE_NAME, prompt_texts
+
 TQDM = re.compile(r"(\d+)/(\d+) \[([0-9:]+)<([0-9:?]+)")
 BAR_THEN_TEXT = re.compile(r"(\d+/\d+ \[[^\]\n]*\])(?=\S)")
-SAMPLE_TAG = re.compile(r"_(start|final|step(\d+)|epoch(\d+))_(\d+)\.png$")
 
 
 def read_tail(path: str, size: int = 65536) -> str:
@@ -110,27 +111,27 @@ class Sample:
     tag: str  # start, step000060, epoch0001, final
     step: int | None  # None for start / final: their step is the run's first / last
     index: int  # the prompt's line
+    stamp: str  # when it was rendered (YYYYmmddHHMMSS; "" in names written before the stamp)
 
 
 def samples(output_dir: str, output_name: str) -> list[Sample]:
-    """The sample PNGs (<name>_<tag>_<NN>.png), in the order they were rendered."""
+    """The sample PNGs (library/data/prompts.py SAMPLE_NAME), in the order they were rendered: by
+    tag, then by time (a resumed run's renders of a step after the killed run's), then prompt."""
     found = []
     for path in glob.glob(os.path.join(glob.escape(output_dir), glob.escape(output_name) + "_*.png")):
-        match = SAMPLE_TAG.search(path[len(os.path.join(output_dir, output_name)):])
+        match = SAMPLE_NAME.fullmatch(path[len(os.path.join(output_dir, output_name)):])
         if not match:
             continue  # the LR plot (<name>_lr.png)
         tag = match.group(1)
         step = int(match.group(2)) if match.group(2) else None
-        found.append(Sample(path, tag, step, int(match.group(4))))
+        found.append(Sample(path, tag, step, int(match.group(4)), match.group(5) or ""))
     order = {"start": -1, "final": 10**12}
-    return sorted(found, key=lambda s: (order.get(s.tag, s.step if s.step is not None else 0), s.index))
+    return sorted(found, key=lambda s: (order.get(s.tag, s.step if s.step is not None else 0), s.stamp, s.index))
 
 
 def prompts(path: str | None) -> list[str]:
     """The sample prompts' texts as the samples number them (library/data/prompts.py prompt_texts: a
     text file's lines, a .json / .toml file's prompt entries); [] for a file that cannot be read."""
-    from library.data.prompts import prompt_texts
-
     if not path:
         return []
     try:

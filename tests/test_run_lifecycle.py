@@ -1,0 +1,155 @@
+"""A run's lifecycle on disk: sample names that a later (or resumed) run does not overwrite, seeds
+that agree between training samples and generate.py, schedule checks before caching, saves, resume."""
+
+import re
+
+from PIL import Image
+
+import train_lora
+from library.ui import run_files
+from tests.test_reliability import flux_args
+from tools import generate
+
+STAMPED = re.compile(r"tiny_flux_lora_final_(\d\d)_(\d{14})_(\d+)\.png")
+
+
+def test_a_second_run_keeps_the_first_runs_samples_and_an_unset_seed_is_random(tiny_set, tmp_path):
+    """Samples were <name>_<tag>_<NN>.png: a second run into the same folder replaced the first's
+    (1 file, not 2). Now sd-scripts' <name>_<tag>_<NN>_<YYYYmmddHHMMSS>_<seed>.png; a prompt without
+    --d renders with a random seed as sd-scripts' does (it rendered with the training seed, 42)."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle --w 32 --h 32 --s 1\na blue square --w 32 --h 32 --s 1 --d 7\n")
+    out = tmp_path / "run"
+    for _ in range(2):
+        assert train_lora.main(flux_args(tiny_set, out, "--sample_prompts", str(prompts),
+                                         "--sample_bf16_reference", "false")) == 0
+    finals = sorted(STAMPED.fullmatch(p.name).groups() for p in out.glob("tiny_flux_lora_final_*.png"))
+    assert len(finals) == 4, finals  # two prompts, two runs
+    seeds = {index: {seed for i, _, seed in finals if i == index} for index in ("00", "01")}
+    assert len(seeds["00"]) == 2 and "42" not in seeds["00"] and seeds["01"] == {"7"}
+    shown = run_files.samples(str(out), "tiny_flux_lora")  # the web UI reads both runs' samples, in order
+    assert [(s.tag, s.index) for s in shown] == [("final", 0), ("final", 1)] * 2
+    assert shown[0].stamp <= shown[2].stamp
+
+
+def test_generate_without_seed_draws_one_per_image_as_sd_scripts(tiny_set, tmp_path):
+    """generate.py's --seed defaulted to 0 (training samples: 42); now unset means a random seed per
+    image, recorded in the file name and the PNG's info, as sd-scripts' and musubi-tuner's samples."""
+    from tests.test_generate import generate_args
+
+    out = tmp_path / "out"
+    for _ in range(2):
+        assert generate.main(generate_args(tiny_set, out, "--width", "32", "--height", "32")) == 0
+    names = sorted(p.name for p in out.iterdir())
+    seeds = [re.fullmatch(r"00[01]_(\d+)\.png", n).group(1) for n in names]
+    assert len(set(seeds)) == 2 and "0" not in seeds, names
+    with Image.open(out / names[0]) as png:
+        assert png.text["seed"] == seeds[0]
+
+
+def test_an_epochs_run_whose_warmup_covers_it_is_refused_before_caching(tiny_set, tmp_path, capsys):
+    """With max_train_epochs the steps come from the dataset: lr_warmup_steps 100 over a 1-epoch run
+    (2 steps) was taken and the lr never left the warmup. Now one line after the scan, before caching."""
+    code = train_lora.main(flux_args(tiny_set, tmp_path / "run", "--max_train_epochs", "1", "--lr_scheduler",
+                                     "linear", "--lr_warmup_steps", "100"))
+    out, err = capsys.readouterr()
+    assert code == 2 and err.endswith("lr_warmup_steps = 100 is not below max_train_epochs = 1 (4 steps): the lr would "
+                                      "never reach learning_rate; shorten the warmup or train longer\n"), err
+    assert err.count("\n") == 1 and "captions:" not in out  # one line; nothing was cached
+
+
+def test_save_last_n_saves_deletes_no_save_this_run_did_not_write(tiny_set, tmp_path):
+    """A fresh run pruned every <name>-stepNNNNNN file in output_dir up to its step: saving every 2
+    steps with the newest 1 kept, it deleted an earlier run's step-1 save (and its _ema, folders
+    alike). Now it prunes the saves it wrote (and, resumed, those its state lists)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    earlier = [out / "tiny_flux_lora-step000001.safetensors", out / "tiny_flux_lora-step000003.safetensors"]
+    for path in earlier:
+        path.write_bytes(b"another run's LoRA")
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "5", "--save_every_n_steps", "2",
+                                     "--save_last_n_saves", "1")) == 0
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [
+        "tiny_flux_lora-step000001.safetensors", "tiny_flux_lora-step000003.safetensors",
+        "tiny_flux_lora-step000004.safetensors", "tiny_flux_lora.safetensors"]  # its step 2 pruned, the final kept
+    assert all(path.read_bytes() == b"another run's LoRA" for path in earlier)
+
+
+def test_a_folder_where_the_lora_goes_or_a_file_where_the_state_goes_is_refused_before_training(tiny_set, tmp_path):
+    """Both trained every step and then failed at the save ('[Errno 21] Is a directory: ... ->
+    run/tiny_flux_lora.safetensors'; 'tiny_flux_lora-state: a file is there'), exit 2 without the LoRA."""
+    import pytest
+
+    from library.training.config import ConfigError, load_config
+
+    out = tmp_path / "run"
+    (out / "tiny_flux_lora.safetensors").mkdir(parents=True)
+    with pytest.raises(ConfigError) as e:
+        load_config(flux_args(tiny_set, out))
+    assert str(e.value) == (f"command line: output_dir '{out}' holds a folder 'tiny_flux_lora.safetensors' where the "
+                            f"LoRA file goes; move it, or choose another output_name")
+    (out / "tiny_flux_lora.safetensors").rmdir()
+    (out / "tiny_flux_lora-state").write_text("notes")
+    load_config(flux_args(tiny_set, out))  # no state written: the file is no matter
+    with pytest.raises(ConfigError, match="holds a file 'tiny_flux_lora-state' where the training state folder goes"):
+        load_config(flux_args(tiny_set, out, "--save_state", "true"))
+
+
+def test_resume_inside_an_epoch_with_other_data_is_refused(tiny_set, tmp_path, capsys):
+    """A state written 2 of 4 batches into epoch 0 resumed on the set repeated twice (8 batches per
+    epoch) skipped 2 batches of the new set's order and trained the rest: other images than the
+    epoch had left, without a word. Refused now, naming both counts."""
+    from tests.test_reliability import copy_dataset
+
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_state", "true")) == 0
+    state = out / "tiny_flux_lora-state"
+    capsys.readouterr()
+    repeated = copy_dataset(tiny_set, tmp_path / "data", subset="num_repeats = 2")
+    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4", "--dataset_config", repeated,
+                                     "--resume", str(state)))
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"error: {state}: state was written 2 of 4 batches into epoch 0, this run has 8 batches "
+                                 f"per epoch (the dataset, its batch_size or num_repeats, or the processes changed): "
+                                 f"the rest of that epoch would be other images; resume with the same data\n"), err
+
+
+def test_a_diverged_run_names_its_own_last_save_not_another_runs(tiny_set, tmp_path, monkeypatch, capsys):
+    """A NaN loss at step 3 of a run without saves said 'the last save before it: step 1,
+    .../tiny_flux_lora-step000001.safetensors': an earlier run's file in the same output_dir."""
+    from library.models.family import DiffusionFamily
+
+    real, calls = DiffusionFamily.training_loss, []
+
+    def poisoned(self, *a, **k):
+        loss, sigmas = real(self, *a, **k)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 3 else loss), sigmas
+
+    monkeypatch.setattr(DiffusionFamily, "training_loss", poisoned)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tiny_flux_lora-step000001.safetensors").write_bytes(b"another run's LoRA")
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4")) == 3
+    err = capsys.readouterr().err
+    assert "no save before it (save_every_n_steps keeps some)" in err and "step000001" not in err, err
+
+
+def test_ctrl_c_during_the_last_step_still_writes_the_final_lora(tiny_set, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C during step 2 of 2 saved tiny_flux_lora-step000002 and a state at step 2 and exited
+    130 without tiny_flux_lora.safetensors; --resume then said 'nothing to train' (0) and never wrote
+    it. Now the run ends as it would: the final LoRA and its state, the final samples skipped, 0."""
+    import os
+    import signal
+
+    from library.training.diffusion_task import DiffusionTask
+
+    def after_step(self, step, output_dir):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(DiffusionTask, "after_step", after_step)
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2")) == 0
+    assert "SIGINT after the last step: final samples skipped" in capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["tiny_flux_lora.safetensors"]
