@@ -187,4 +187,4 @@ def test_kohya_diffusers_kohya_round_trip_and_lora_info(trained, tmp_path):
     for path in (lora, there):
         modules = lora_info._modules(list(load_file(path)))
         assert lora_info.arch_of(modules)[0] == "krea2"
-        assert lora_info.block_counts(modules, "krea2") == {"block": 2, "layerwise": 2, "refiner": 2}
+        assert lora_info.info_block_counts(modules, "krea2") == {"block": 2, "layerwise": 2, "refiner": 2}

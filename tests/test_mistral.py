@@ -126,9 +126,9 @@ def test_mistral_small_3_1_config_matches_transformers_defaults_and_parameter_co
     assert LLMConfig.from_hf(json.loads(json.dumps(MISTRAL_SMALL_3_1.to_hf()))) == MISTRAL_SMALL_3_1
 
 
-def test_mistral_sliding_window_is_refused():
+def test_mistral_sliding_window_is_read_as_a_bound_on_the_sequence():
+    """Within the window attention hides nothing (test_llm checks the logits against transformers'), so a
+    sliding_window is read as the longest sequence, in a plain and a Mistral3-nested config alike."""
     config = {**TEXT, "model_type": "mistral", "sliding_window": 4096}
-    with pytest.raises(ValueError, match="sliding"):
-        LLMConfig.from_hf(config)
-    with pytest.raises(ValueError, match="sliding"):
-        LLMConfig.from_hf({"model_type": "mistral3", "text_config": config})
+    assert LLMConfig.from_hf(config).sliding_window == 4096
+    assert LLMConfig.from_hf({"model_type": "mistral3", "text_config": config}).sliding_window == 4096

@@ -153,7 +153,7 @@ def test_kohya_diffusers_kohya_round_trip_and_lora_info(trained, tmp_path):
     for path in (lora, there):
         modules = lora_info._modules(list(load_file(path)))
         assert lora_info.arch_of(modules)[0] == "qwen_image21"
-        assert lora_info.block_counts(modules, "qwen_image21") == {"block": 2}
+        assert lora_info.info_block_counts(modules, "qwen_image21") == {"block": 2}
 
 
 def test_planner_sizes_the_16x_vae_and_its_tokens(capsys):
