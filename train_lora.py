@@ -265,6 +265,9 @@ class Trainer:
         optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
                                      optimizer_kwargs)
         self.max_steps = plan_steps(args, task.batches_per_epoch())
+        if args.max_train_epochs:  # it wins over max_train_steps: say what it came to, as sd-scripts does
+            accelerator.print(f"max_train_epochs = {args.max_train_epochs}: {self.max_steps} optimizer steps "
+                              f"({self.max_steps // args.max_train_epochs} an epoch), in place of max_train_steps")
         check_warmup(args, self.max_steps, args.config_file or "command line")  # (an llm's epochs: known now)
         # Stepped by hand once per optimizer step (accelerate would step a prepared scheduler once
         # per process), so the schedule is the same on 1 or N processes.

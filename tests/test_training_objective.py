@@ -225,11 +225,13 @@ def fake_run(tmp_path, monkeypatch, task, *extra):
     return train_lora.Trainer(args)
 
 
-def test_accumulation_stays_inside_epochs_and_the_last_partial_group_steps(tmp_path, monkeypatch):
+def test_accumulation_stays_inside_epochs_and_the_last_partial_group_steps(tmp_path, monkeypatch, capsys):
     task = FakeTask(4)
     trainer = fake_run(tmp_path, monkeypatch, task, "--gradient_accumulation_steps", "3", "--max_train_epochs", "2",
                        "--max_grad_norm", "0", "--learning_rate", "1e-3")
     assert trainer.max_steps == 4 == plan_steps(trainer.args, 4)
+    # max_train_epochs replaced max_train_steps without a word (sd-scripts says the steps it came to)
+    assert "max_train_epochs = 2: 4 optimizer steps (2 an epoch), in place of max_train_steps" in capsys.readouterr().out
     assert trainer.run() == 0
     by_step = {}
     for step, epoch, batch in task.seen:
