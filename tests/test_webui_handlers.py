@@ -205,3 +205,19 @@ def test_generate_refuses_a_reference_image_outside_the_roots(tiny_set, tmp_path
         assert answer["output"].startswith(f"--ci image {str(outside)!r} is outside the folders"), answer
     finally:
         ui.close()
+
+
+def test_generate_with_a_blank_seed_lets_generate_draw_one(tiny_set, tmp_path):
+    """The page's seed field started at 0 and a blank one was sent as 0: every image drew from seed 0,
+    where generate.py (and sd-scripts) draw a random seed when none is given."""
+    from tests.ui_support import tiny_job_settings
+
+    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [tiny_set["root"], str(tmp_path)])
+    try:
+        job = ui.create("g", toml.dumps(tiny_job_settings(tiny_set, steps=1)), {}, queue=False)["job_id"]
+        fields = {"job_id": str(job), "lora": "", "weight": 1.0, "prompt": "a cat", "width": 64, "steps": 1}
+        for seed, expected in ((None, None), ("", None), (0, 0), (7, 7)):
+            args, _ = ui._tool_args("generate", {**fields, "seed": seed})
+            assert (args[args.index("--seed") + 1] if "--seed" in args else None) == expected, (seed, args)
+    finally:
+        ui.close()

@@ -360,7 +360,7 @@ def tools_tab(ui: WebUI) -> None:
         with gr.Row():
             side = gr.Number(1024, label="size (px)", precision=0)
             steps = gr.Number(20, label="steps", precision=0)
-            seed = gr.Number(0, label="seed", precision=0)
+            seed = gr.Number(None, label="seed (blank: a random one)", precision=0)
         picture = gr.Image(label="image", type="filepath")
 
         def on_generate(j, lora, w, text, s, n, sd):

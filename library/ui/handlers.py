@@ -459,13 +459,14 @@ class WebUI:
             args = ["--model_type", config["model_type"], "--model", config["pretrained_model_name_or_path"],
                     "--ae", config["ae"], "--prompt", v["prompt"], "--width", whole_number(v["width"], "size (px)"),
                     "--height", whole_number(v["width"], "size (px)"), "--steps", whole_number(v["steps"], "steps"),
-                    "--seed", whole_number(v.get("seed") or 0, "seed", 0),
                     "--base_precision", base_precision_of(config), "--out", out, "--dtype", v.get("dtype", "fp32")]
             from library.training.config import FAMILY_KEYS
 
             for key in FAMILY_KEYS:
                 if key in config and FAMILY_KEYS[key].type is not bool:  # generate.py reads these as the config's
                     args += [f"--{key}", config[key]]
+            if v.get("seed") not in (None, ""):  # blank: generate.py draws one and names the file with it
+                args += ["--seed", whole_number(v["seed"], "seed", 0)]
             for path in parse_prompt_line(v["prompt"], "prompt").control_images:  # an edit model draws them
                 self.roots.resolve(path, "--ci image")
             if v.get("lora"):
