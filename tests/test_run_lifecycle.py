@@ -153,3 +153,33 @@ def test_ctrl_c_during_the_last_step_still_writes_the_final_lora(tiny_set, tmp_p
     assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2")) == 0
     assert "SIGINT after the last step: final samples skipped" in capsys.readouterr().out
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["tiny_flux_lora.safetensors"]
+
+
+def test_an_llm_state_resumed_with_other_windows_is_refused(tmp_path):
+    """An LLM run resumed with another max_length (stride, val_fraction, batch_size) skipped the first
+    batches of another set of windows without a word; a state written before these keys still resumes."""
+    import json
+
+    import pytest
+
+    from library.training.config import load_config
+    from library.training.state import LLM_DATA_IDENTITY, load_state, run_digest
+
+    def args(*extra):
+        return load_config(["--model_type", "llm", "--pretrained_model_name_or_path", "fake", "--train_data", "fake",
+                            "--output_dir", str(tmp_path), "--max_train_steps", "4", *extra])
+
+    state = tmp_path / "state"
+    state.mkdir()
+
+    def write(run):
+        (state / "train_state.json").write_text(json.dumps({"step": 2, "epoch": 0, "batches_done": 2,
+                                                            "scheduler": {}, "run": run}, default=str))
+
+    write(run_digest(args("--max_length", "32")))
+    with pytest.raises(ValueError, match="state was written with max_length = 32, this run has 64"):
+        load_state(str(state), args("--max_length", "64"))
+    old = {k: v for k, v in json.loads(json.dumps(run_digest(args()), default=str)).items() if k not in LLM_DATA_IDENTITY}
+    write(old)
+    with pytest.raises(ValueError, match="trainable.safetensors"):  # past the settings: the files are read
+        load_state(str(state), args("--max_length", "64"))

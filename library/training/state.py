@@ -33,6 +33,10 @@ RUN_IDENTITY = (
 # rebuilds from these. Compared where the state has them (states written before they were kept resume).
 SCHEDULE_IDENTITY = ("lr_warmup_steps", "lr_scheduler_num_cycles", "lr_scheduler_power")
 
+# An LLM's windows (and its held-out share): another max_length / stride cuts the text into other batches,
+# so the resumed run would skip batches of another set. Compared where the state has them, as above.
+LLM_DATA_IDENTITY = ("max_length", "stride", "val_fraction", "batch_size")
+
 EMA_IDENTITY = ("ema_decay", "ema_warmup", "ema_start_step")
 EMA_WARMUP_IDENTITY = ("ema_inv_gamma", "ema_power")
 
@@ -42,6 +46,8 @@ PROGRESS_KEYS = ("step", "epoch", "batches_done", "scheduler", "run")
 
 def run_digest(args) -> dict:
     identity = {k: getattr(args, k) for k in RUN_IDENTITY + SCHEDULE_IDENTITY}
+    if args.model_type == "llm":
+        identity.update({k: getattr(args, k) for k in LLM_DATA_IDENTITY})
     identity["base_model"] = os.path.basename(os.path.normpath(args.pretrained_model_name_or_path or ""))
     if getattr(args, "base_precision", None) in LOWBIT_PRECISIONS:  # fp8 and bf16 are in fp8_base / fp8_scaled
         identity["base_precision"] = args.base_precision  # (so states written before the key still resume)
@@ -85,9 +91,9 @@ def load_state(folder: str, args) -> SavedState:
     saved, current = progress.pop("run"), json.loads(json.dumps(run_digest(args), default=str))
     # A state with an EMA resumed with it off: the EMA would be dropped and its old _ema file left stale.
     current.update({k: getattr(args, k) for k in EMA_IDENTITY if k in saved and k not in current})
-    for key in SCHEDULE_IDENTITY:
+    for key in SCHEDULE_IDENTITY + LLM_DATA_IDENTITY:
         if key not in saved:
-            current.pop(key)
+            current.pop(key, None)
     for key in current:
         if saved.get(key) != current[key]:
             raise ValueError(
