@@ -144,7 +144,8 @@ def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict
         raise CheckpointError(error)
     paths = list(paths)
     weights, fmt, counts, split = lora_in_our_names(tensors, metadata, adapter_config, arch, paths, source=name, strict=strict)
-    other_naming = any(p not in set(paths) for p in weights)
+    own = set(paths)
+    other_naming = any(p not in own for p in weights)
     files = lora_files().get(arch)
     if callable(module_map):
         module_map = module_map() if other_naming else None
@@ -171,11 +172,12 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
     files = lora_files().get(arch)
     counts = block_counts(tensors, files.block_pattern) if files else {}
     known = load_symbol(files.module_paths)(counts) if files and files.module_paths else []
-    own = list(paths)
-    rename = resolve_kohya_names(deltas, list(dict.fromkeys([*own, *known])), strict=False)
+    paths = list(paths)
+    rename = resolve_kohya_names(deltas, list(dict.fromkeys([*paths, *known])), strict=False)
     weights = {rename[n]: d for n, d in deltas.items()}
+    own = set(paths)
     if callable(module_map):
-        module_map = module_map() if any(p not in set(own) for p in weights) else None
+        module_map = module_map() if any(p not in own for p in weights) else None
     if not module_map:
         return weights
     # other naming -> the target's, for every module of the map: (target path, parts it is one of)
@@ -184,7 +186,7 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
         {key: (other, parts) for key, other, parts in pairs}
     out = {}
     for path, delta in weights.items():
-        if path in set(own) or path not in other_of:
+        if path in own or path not in other_of:
             out[path] = delta
             continue
         target, parts = other_of[path]
