@@ -79,15 +79,21 @@ def block_counts(keys, pattern: str) -> dict[str, int]:
     return counts
 
 
+def _names_to_resolve(tensors: dict, files, extra_paths=()) -> tuple[dict[str, int], list[str]]:
+    """(the LoRA's block counts, the paths its kohya names resolve against: `extra_paths` (the target's)
+    then the architecture's module paths at those counts, each once). files: the arch's LORA_FILES or None."""
+    counts = block_counts(tensors, files.block_pattern) if files else {}
+    known = load_symbol(files.module_paths)(counts) if files and files.module_paths else []
+    return counts, list(dict.fromkeys([*extra_paths, *known]))
+
+
 def lora_in_our_names(tensors: dict, metadata: dict[str, str], adapter_config: dict | None, arch: str,
                       extra_paths=(), source: str = "LoRA", strict: bool = True):
     """Tensors of one architecture's LoRA -> ({module path: LoRAWeights}, format, block counts, the modules
     split from ComfyUI's fused ones), in our names or the architecture's other naming (steps 1 and 2 of the
     module docstring). strict: a kohya name that fits no path is an error; else it stays as the file spells it."""
     files = lora_files().get(arch)
-    counts = block_counts(tensors, files.block_pattern) if files else {}
-    known = load_symbol(files.module_paths)(counts) if files and files.module_paths else []
-    paths = list(dict.fromkeys([*extra_paths, *known]))
+    counts, paths = _names_to_resolve(tensors, files, extra_paths)
     try:
         fmt = detect_format(tensors)
     except CheckpointError as e:
@@ -169,11 +175,9 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
     no rows of the parts' (convert_lora refuses LyCORIS files for that reason)."""
     if (error := foreign_arch_error(name, tensors, metadata, arch)) is not None:
         raise CheckpointError(error)
-    files = lora_files().get(arch)
-    counts = block_counts(tensors, files.block_pattern) if files else {}
-    known = load_symbol(files.module_paths)(counts) if files and files.module_paths else []
     paths = list(paths)
-    rename = resolve_kohya_names(deltas, list(dict.fromkeys([*paths, *known])), strict=False)
+    _, resolvable = _names_to_resolve(tensors, lora_files().get(arch), paths)
+    rename = resolve_kohya_names(deltas, resolvable, strict=False)
     weights = {rename[n]: d for n, d in deltas.items()}
     own = set(paths)
     if callable(module_map):
