@@ -22,7 +22,6 @@ are read by `lycoris_for_model` (names only: their factors are no rows of a fuse
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -34,16 +33,17 @@ from networks.lora_arch import (
     arch_by_shapes,
     arch_of,
     archs_holding,
+    block_counts,
     detect_arch,
     down_widths,
     fitted_releases,
     is_base_lora,
     lora_files,
+    module_of_key,
     naming_of,
 )
 from networks.lora_files import (
     LoRAWeights,
-    _split_key,
     bfl_to_diffusers,
     detect_format,
     diffusers_to_bfl,
@@ -68,15 +68,6 @@ class LoRARead:
     # modules whose rank a fused <-> split conversion set: a fused module joined from parts with their own
     # downs (rank summed), or a part split from a fused module of ComfyUI's (the fused module's rank)
     regrouped: set[str] = field(default_factory=set)
-
-
-def block_counts(keys, pattern: str) -> dict[str, int]:
-    """Block kind -> count (highest index + 1) named anywhere in the keys (pattern: the spec's block_pattern)."""
-    counts: dict[str, int] = {}
-    for key in keys:
-        for kind, index in re.findall(pattern, key) if pattern else ():
-            counts[kind] = max(counts.get(kind, 0), int(index) + 1)
-    return counts
 
 
 def _names_to_resolve(tensors: dict, files, extra_paths=()) -> tuple[dict[str, int], list[str]]:
@@ -232,7 +223,7 @@ def _released_size_of(tensors: dict, arch: str) -> str | None:
     """For names several architectures have (attention projections): the architecture whose released size
     the width and block counts are (lora_arch.arch_by_shapes) where no release of `arch` fits them, else None
     (the target's own modules decide, as for any size of it: the tiny test models)."""
-    modules = list(dict.fromkeys(_module_name(k) for k in tensors))
+    modules = list(dict.fromkeys(module_of_key(k) for k in tensors))
     held, widths = archs_holding(modules), down_widths(tensors)
     if arch not in held or fitted_releases(arch, widths):
         return None
@@ -246,18 +237,11 @@ def foreign_arch_error(name: str, tensors: dict, metadata: dict[str, str], arch:
     found = foreign_arch(tensors, metadata, arch)
     if found is None:
         return None
-    modules = [_module_name(k) for k in tensors]
+    modules = [module_of_key(k) for k in tensors]
     names = naming_of(found, modules) or arch_of(modules)[1]  # a variant sharing its base's names: the base's naming
     said = f"arch {found}" + (f", {names} names" if names else "")
     title, target = arch_spec(found).title, arch_spec(arch).title
     return f"{name}: a LoRA for {title} (tools/lora_info.py: {said}), not for this {target} model"
-
-
-def _module_name(key: str) -> str:
-    try:
-        return _split_key(key)[0]
-    except CheckpointError:  # a LyCORIS key: `lora_unet_<module>.<part>`
-        return key.split(".")[0]
 
 
 def check_lora_arch(path: str, arch: str) -> None:
