@@ -65,6 +65,15 @@ def detect_arch(tensors: dict, metadata: dict[str, str]) -> str:
     return variant_of(base_arch_of_names(tensors), tensors, metadata)
 
 
+def block_counts(keys, pattern: str) -> dict[str, int]:
+    """Block kind -> count (highest index + 1) named anywhere in the keys (pattern: the spec's block_pattern)."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        for kind, index in re.findall(pattern, key) if pattern else ():
+            counts[kind] = max(counts.get(kind, 0), int(index) + 1)
+    return counts
+
+
 def arch_of(modules: list[str]) -> tuple[str, str | None]:
     """(arch, naming) of the first architecture with a module matching its info_markers (what
     tools/lora_info.py reports); those that share another's names are tried before it (their markers are
@@ -86,9 +95,7 @@ def archs_holding(modules: list[str]) -> list[str]:
 def _paths(arch: str, flat: list[str]) -> set[str]:
     """The '_'-flattened module paths of `arch` for the blocks the flattened module names count."""
     files = lora_files()[arch]
-    counts: dict[str, int] = {}
-    for kind, index in (hit for m in flat for hit in re.findall(files.block_pattern, m + "_")):
-        counts[kind] = max(counts.get(kind, 0), int(index) + 1)
+    counts = block_counts([m + "_" for m in flat], files.block_pattern)
     return {p.replace(".", "_") for p in load_symbol(files.module_paths)(counts)}
 
 
@@ -178,7 +185,7 @@ def is_base_lora(base: str, variant: str, tensors: dict, metadata: dict[str, str
     said = [metadata.get(k, "").lower() for k in ("ss_base_model_version", "modelspec.architecture")]
     if any(v.startswith(files[base].model_versions) for v in said if v) and files[base].model_versions:
         return True
-    flat = [m.replace(".", "_") for m in dict.fromkeys(_module(k) for k in tensors)]
+    flat = [m.replace(".", "_") for m in dict.fromkeys(module_of_key(k) for k in tensors)]
     in_base, in_variant = _holds(_paths(base, flat)), _holds(_paths(variant, flat))
     if files[variant].module_paths and any(in_base(m) and not in_variant(m) for m in flat):
         return True
@@ -188,7 +195,8 @@ def is_base_lora(base: str, variant: str, tensors: dict, metadata: dict[str, str
     return any(exact for exact, _ in fitted_releases(base, widths)) and not fitted_releases(variant, widths)
 
 
-def _module(key: str) -> str:
+def module_of_key(key: str) -> str:
+    """The module a LoRA tensor key belongs to (its part suffix stripped)."""
     for suffix in _PART_OF_SUFFIX:
         if key.endswith(suffix):
             return key[: -len(suffix)]

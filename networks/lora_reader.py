@@ -22,7 +22,6 @@ are read by `lycoris_for_model` (names only: their factors are no rows of a fuse
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
@@ -34,16 +33,17 @@ from networks.lora_arch import (
     arch_by_shapes,
     arch_of,
     archs_holding,
+    block_counts,
     detect_arch,
     down_widths,
     fitted_releases,
     is_base_lora,
     lora_files,
+    module_of_key,
     naming_of,
 )
 from networks.lora_files import (
     LoRAWeights,
-    _split_key,
     bfl_to_diffusers,
     detect_format,
     diffusers_to_bfl,
@@ -70,13 +70,12 @@ class LoRARead:
     regrouped: set[str] = field(default_factory=set)
 
 
-def block_counts(keys, pattern: str) -> dict[str, int]:
-    """Block kind -> count (highest index + 1) named anywhere in the keys (pattern: the spec's block_pattern)."""
-    counts: dict[str, int] = {}
-    for key in keys:
-        for kind, index in re.findall(pattern, key) if pattern else ():
-            counts[kind] = max(counts.get(kind, 0), int(index) + 1)
-    return counts
+def _names_to_resolve(tensors: dict, files, extra_paths=()) -> tuple[dict[str, int], list[str]]:
+    """(the LoRA's block counts, the paths its kohya names resolve against: `extra_paths` (the target's)
+    then the architecture's module paths at those counts, each once). files: the arch's LORA_FILES or None."""
+    counts = block_counts(tensors, files.block_pattern) if files else {}
+    known = load_symbol(files.module_paths)(counts) if files and files.module_paths else []
+    return counts, list(dict.fromkeys([*extra_paths, *known]))
 
 
 def lora_in_our_names(tensors: dict, metadata: dict[str, str], adapter_config: dict | None, arch: str,
@@ -85,9 +84,7 @@ def lora_in_our_names(tensors: dict, metadata: dict[str, str], adapter_config: d
     split from ComfyUI's fused ones), in our names or the architecture's other naming (steps 1 and 2 of the
     module docstring). strict: a kohya name that fits no path is an error; else it stays as the file spells it."""
     files = lora_files().get(arch)
-    counts = block_counts(tensors, files.block_pattern) if files else {}
-    known = load_symbol(files.module_paths)(counts) if files and files.module_paths else []
-    paths = list(dict.fromkeys([*extra_paths, *known]))
+    counts, paths = _names_to_resolve(tensors, files, extra_paths)
     try:
         fmt = detect_format(tensors)
     except CheckpointError as e:
@@ -144,7 +141,8 @@ def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict
         raise CheckpointError(error)
     paths = list(paths)
     weights, fmt, counts, split = lora_in_our_names(tensors, metadata, adapter_config, arch, paths, source=name, strict=strict)
-    other_naming = any(p not in set(paths) for p in weights)
+    own = set(paths)
+    other_naming = any(p not in own for p in weights)
     files = lora_files().get(arch)
     if callable(module_map):
         module_map = module_map() if other_naming else None
@@ -168,14 +166,13 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
     no rows of the parts' (convert_lora refuses LyCORIS files for that reason)."""
     if (error := foreign_arch_error(name, tensors, metadata, arch)) is not None:
         raise CheckpointError(error)
-    files = lora_files().get(arch)
-    counts = block_counts(tensors, files.block_pattern) if files else {}
-    known = load_symbol(files.module_paths)(counts) if files and files.module_paths else []
-    own = list(paths)
-    rename = resolve_kohya_names(deltas, list(dict.fromkeys([*own, *known])), strict=False)
+    paths = list(paths)
+    _, resolvable = _names_to_resolve(tensors, lora_files().get(arch), paths)
+    rename = resolve_kohya_names(deltas, resolvable, strict=False)
     weights = {rename[n]: d for n, d in deltas.items()}
+    own = set(paths)
     if callable(module_map):
-        module_map = module_map() if any(p not in set(own) for p in weights) else None
+        module_map = module_map() if any(p not in own for p in weights) else None
     if not module_map:
         return weights
     # other naming -> the target's, for every module of the map: (target path, parts it is one of)
@@ -184,7 +181,7 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
         {key: (other, parts) for key, other, parts in pairs}
     out = {}
     for path, delta in weights.items():
-        if path in set(own) or path not in other_of:
+        if path in own or path not in other_of:
             out[path] = delta
             continue
         target, parts = other_of[path]
@@ -226,7 +223,7 @@ def _released_size_of(tensors: dict, arch: str) -> str | None:
     """For names several architectures have (attention projections): the architecture whose released size
     the width and block counts are (lora_arch.arch_by_shapes) where no release of `arch` fits them, else None
     (the target's own modules decide, as for any size of it: the tiny test models)."""
-    modules = list(dict.fromkeys(_module_name(k) for k in tensors))
+    modules = list(dict.fromkeys(module_of_key(k) for k in tensors))
     held, widths = archs_holding(modules), down_widths(tensors)
     if arch not in held or fitted_releases(arch, widths):
         return None
@@ -240,18 +237,11 @@ def foreign_arch_error(name: str, tensors: dict, metadata: dict[str, str], arch:
     found = foreign_arch(tensors, metadata, arch)
     if found is None:
         return None
-    modules = [_module_name(k) for k in tensors]
+    modules = [module_of_key(k) for k in tensors]
     names = naming_of(found, modules) or arch_of(modules)[1]  # a variant sharing its base's names: the base's naming
     said = f"arch {found}" + (f", {names} names" if names else "")
     title, target = arch_spec(found).title, arch_spec(arch).title
     return f"{name}: a LoRA for {title} (tools/lora_info.py: {said}), not for this {target} model"
-
-
-def _module_name(key: str) -> str:
-    try:
-        return _split_key(key)[0]
-    except CheckpointError:  # a LyCORIS key: `lora_unet_<module>.<part>`
-        return key.split(".")[0]
 
 
 def check_lora_arch(path: str, arch: str) -> None:

@@ -150,13 +150,12 @@ def first_free_index(folder: str) -> int:
 def generate(args) -> list[str]:
     from library.data.images import save_png, to_pil
     from library.models.block_swap import enable_block_swap
-    from networks.factory import network_from_file, network_module_of_file
+    from networks.factory import network_from_file
     from networks.lora_reader import check_lora_arch
 
     loras = [parse_lora_spec(s) for s in args.lora]
     device = check_args(args)
     for spec in loras:  # headers only: an unreadable file, or another model's LoRA, is named before any model loads
-        network_module_of_file(spec.path)
         check_lora_arch(spec.path, family_class(args.model_type).arch)
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
     check_model_options(args, family)
