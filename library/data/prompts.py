@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import toml
 
+from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE
 from library.text_files import read_utf8
 
 
@@ -114,7 +115,7 @@ def sample_file_name(output_name: str, tag: str, index: int, stamp: str, seed: i
     return f"{output_name}_{tag}_{index:02d}_{stamp}_{seed}.png"
 
 
-def rendered_side(what: str, value: int, multiple: int = 16) -> int:
+def rendered_side(what: str, value: int, multiple: int = PIXELS_PER_TOKEN_SIDE) -> int:
     """The image side a model renders for a requested `value` (`what`: how the error names it):
     rounded down to `multiple` (VAE downsampling x patch, 16 for every family), as sd-scripts'
     sample images are, with a warning where that changes it; below `multiple` is an error."""

@@ -341,22 +341,23 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         values[key] = _coerce(key, value, "command line")
         origins[key] = "command line"
     args = argparse.Namespace(**values, config_file=cli.config_file)
-    validate(args, cli.config_file or "command line", origins)
+    where = cli.config_file or "command line"
+    validate(args, where, origins)
     from library.training.optim import check_optimizer, optimizer_class  # here, not at the top: it loads torch
 
     try:  # the type alone first: its error is the one key's
         optimizer_class(args.optimizer_type)
     except ConfigError as e:
-        raise ConfigError(f"{_blame(origins, cli.config_file or 'command line', 'optimizer_type')}: {e}") from None
+        raise ConfigError(f"{_blame(origins, where, 'optimizer_type')}: {e}") from None
     ratio = lora_network_args(args).get("loraplus_lr_ratio")
     group_lrs = f"network_args 'loraplus_lr_ratio={ratio}'" if ratio not in (None, 1, "1") else None
     try:  # fail now, not after minutes of caching
         check_optimizer(args.optimizer_type, args.learning_rate,
-                        parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", "defaults")),
+                        parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", where)),
                         group_lrs)
     except ConfigError as e:
         keys = ("optimizer_type", "optimizer_args") + (("network_args",) if group_lrs else ())
-        raise ConfigError(f"{_blame(origins, cli.config_file or 'command line', *keys)}: {e}") from None
+        raise ConfigError(f"{_blame(origins, where, *keys)}: {e}") from None
     return args
 
 

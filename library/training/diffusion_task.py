@@ -134,9 +134,9 @@ class DiffusionTask:
     def _read_prompts(self) -> list[SamplePrompt]:
         if not self.args.sample_prompts:
             return []
-        # With buckets a resolution may lie off the 16-pixel grid (72, 1000); a sample needs whole 2x2 latent patches.
-        res = [max(PIXELS_PER_TOKEN_SIDE, side // PIXELS_PER_TOKEN_SIDE * PIXELS_PER_TOKEN_SIDE)
-               for side in self.blueprint.datasets[0].resolution]
+        # With buckets a resolution may lie off the 16-pixel grid (72, 1000); a sample needs whole 2x2 latent patches
+        # (the dataset config refuses a side under PIXELS_PER_TOKEN_SIDE, so none floors to 0).
+        res = [side // PIXELS_PER_TOKEN_SIDE * PIXELS_PER_TOKEN_SIDE for side in self.blueprint.datasets[0].resolution]
         defaults = SamplePrompt("", width=res[0], height=res[1], steps=self.family.sample_steps,
                                 guidance=self.family.sample_guidance)
         prompts = read_prompt_file(self.args.sample_prompts, defaults)
