@@ -36,7 +36,8 @@ from PIL import Image
 
 from library.data.captions import fixed_caption
 from library.data.controls import check_control_count, check_family_takes, control_files, find_controls, target_stems
-from library.data.image_folders import bad_size, subset_images, dataset_buckets, image_bucket, read_caption
+from library.data.image_folders import (bad_size, dataset_buckets, held_out_count, image_bucket, read_caption,
+                                        subset_images)
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import WIDE_GREY_MODES, is_image_name, load_rgb, upscale_factor, verified_image_size
 from library.data.layers import check_layers
@@ -263,7 +264,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
     if paths and not report.trained and readable and subset.skip_bad_size_images:
         report.add("error", "folder", f"{subset.image_dir}: every image is skipped (skip_bad_size_images)")
     if not subset.is_reg:  # split_validation's count of this subset
-        report.held_out = int(report.trained * ds.validation_split + 1e-9)
+        report.held_out = held_out_count(report.trained, ds)
         report.trained -= report.held_out
     return readable
 

@@ -171,6 +171,12 @@ def image_bucket(path: str, size: tuple[int, int], ds: DatasetSpec, buckets: lis
     return bucket
 
 
+def held_out_count(images: int, spec: DatasetSpec) -> int:
+    """How many of a subset's `images` split_validation holds out: floor(images x validation_split),
+    robust to 0.1 * 30 = 3.0000000000000004."""
+    return int(images * spec.validation_split + 1e-9)
+
+
 def split_validation(items: list[ImageItem], blueprint: DatasetBlueprint) -> tuple[list[ImageItem], list[ImageItem]]:
     """(training items, validation items). A dataset with validation_split > 0 holds out
     floor(n * validation_split) images of each of its subsets (as sd-scripts): those whose
@@ -185,7 +191,7 @@ def split_validation(items: list[ImageItem], blueprint: DatasetBlueprint) -> tup
         spec = blueprint.datasets[group[0].dataset_index]
         if group[0].subset.is_reg:  # regularization images are never validation images
             continue
-        count = int(len(group) * spec.validation_split + 1e-9)  # floor, robust to 0.1 * 30 = 3.0000000000000004
+        count = held_out_count(len(group), spec)
 
         def rank(item: ImageItem) -> str:
             relpath = os.path.relpath(item.image_path, item.subset.image_dir)

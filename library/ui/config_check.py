@@ -93,27 +93,37 @@ def missing_paths(args) -> dict | None:
     return None
 
 
+def listed_outside_roots(args, key: str, read, named_paths, roots: list[str]) -> dict | None:
+    """The first path that the file under `key` names outside the roots, as an error answer under `key`
+    (None: no file, or all inside). read(file): its contents (a ValueError answers as the error);
+    named_paths(contents): (what, path) pairs, a None path skipped."""
+    file = getattr(args, key)
+    if not file:
+        return None
+    try:
+        contents = read(file)
+    except ValueError as e:
+        return {"ok": False, "key": key, "error": str(e).splitlines()[0]}
+    for what, path in named_paths(contents):
+        if path and not inside(path, roots):
+            return refusal(key, f"{file}: {what} {path!r} is outside the folders this UI may open; start "
+                                f"tools/webui.py with --root FOLDER to add one")
+    return None
+
+
 def dataset_outside_roots(args, roots: list[str]) -> dict | None:
     """The dataset TOML's folders (images, masks, control images, caches) outside the roots, as an error
     answer under dataset_config (None: all inside): a job's dataset reads and writes only there."""
     from library.data.dataset_config import load_dataset_config
 
-    if not args.dataset_config:
-        return None
-    try:
-        blueprint = load_dataset_config(args.dataset_config)
-    except ValueError as e:
-        return {"ok": False, "key": "dataset_config", "error": str(e).splitlines()[0]}
-    for spec in [*blueprint.datasets, *blueprint.validation_datasets]:
-        folders = [("cache_dir", spec.cache_dir)]
-        for subset in spec.subsets:
-            folders += [("image_dir", subset.image_dir), ("mask_dir", subset.mask_dir),
-                        ("control_directory", subset.control_directory)]
-        for key, path in folders:
-            if path and not inside(path, roots):
-                return refusal("dataset_config", f"{args.dataset_config}: {key} {path!r} is outside the folders this "
-                                                 f"UI may open; start tools/webui.py with --root FOLDER to add one")
-    return None
+    def folders(blueprint):
+        for spec in [*blueprint.datasets, *blueprint.validation_datasets]:
+            yield "cache_dir", spec.cache_dir
+            for subset in spec.subsets:
+                yield from (("image_dir", subset.image_dir), ("mask_dir", subset.mask_dir),
+                            ("control_directory", subset.control_directory))
+
+    return listed_outside_roots(args, "dataset_config", load_dataset_config, folders, roots)
 
 
 def prompt_images_outside_roots(args, roots: list[str]) -> dict | None:
@@ -121,17 +131,9 @@ def prompt_images_outside_roots(args, roots: list[str]) -> dict | None:
     sample_prompts (None: all inside): an edit model's sample draws them where the pages show it."""
     from library.data.prompts import read_prompt_file
 
-    if not args.sample_prompts:
-        return None
-    try:
-        prompts = read_prompt_file(args.sample_prompts)
-    except ValueError as e:
-        return {"ok": False, "key": "sample_prompts", "error": str(e).splitlines()[0]}
-    for path in (path for prompt in prompts for path in prompt.control_images):
-        if not inside(path, roots):
-            return refusal("sample_prompts", f"{args.sample_prompts}: --ci {path!r} is outside the folders this UI "
-                                             f"may open; start tools/webui.py with --root FOLDER to add one")
-    return None
+    return listed_outside_roots(args, "sample_prompts", read_prompt_file,
+                                lambda prompts: (("--ci", path) for prompt in prompts for path in prompt.control_images),
+                                roots)
 
 
 def not_an_optimizer(args) -> dict | None:

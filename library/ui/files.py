@@ -7,6 +7,15 @@ from __future__ import annotations
 import os
 
 
+def write_whole(path: str, text: str) -> None:
+    """`text` written to `path` (UTF-8) through a file beside it renamed over it: a reader (a running
+    trainer, training's caption scan) sees the old text or the new, never half of it."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 class OutsideRoots(ValueError):
     """A path outside the configured roots; the message names it and the roots."""
 

@@ -19,7 +19,7 @@ from library.training.config import SCHEMA, _flatten
 from library.ui import commands, run_files
 from library.ui import runner as actions
 from library.ui.config_check import ConfigChecker
-from library.ui.files import OutsideRoots, Roots
+from library.ui.files import OutsideRoots, Roots, write_whole
 from library.ui.jobs import ACTIVE, JobError, JobStore
 from library.ui.runner import Runner
 
@@ -207,10 +207,7 @@ class WebUI:
         changed = changed_fields(settings, form)
         drop = FP8_KEYS if "base_precision" in changed else ()
         new_text = toml_with(text or "", {k: v for k, v in settings.items() if k not in drop}, changed, drop)
-        tmp = real + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(new_text)
-        os.replace(tmp, real)
+        write_whole(real, new_text)
         return real
 
     def create(self, name: str, text: str, form: dict, queue: bool) -> dict:
@@ -409,10 +406,7 @@ class WebUI:
         if extension is None:
             raise ValueError(f"image {image!r} is not an image of the dataset {dataset!r}: pick one in its gallery")
         path = self.roots.resolve(os.path.splitext(real)[0] + extension, "caption")
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(caption.strip() + "\n")
-        os.replace(tmp, path)
+        write_whole(path, caption.strip() + "\n")
         return path
 
     # -- after a run: the LoRA tools ---------------------------------------------------------

@@ -18,6 +18,7 @@ import threading
 import time
 
 from library.ui import run_files
+from library.ui.files import write_whole
 from library.ui.jobs import ACTIVE, FINISHED, Job, JobError, JobStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -145,10 +146,7 @@ class Runner:
             raise
 
     def _launch(self, job: Job, device: str) -> subprocess.Popen:
-        tmp = job.config_path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(job.config)
-        os.replace(tmp, job.config_path)
+        write_whole(job.config_path, job.config)
         command = [self.python, TRAIN_SCRIPT, "--config_file", job.config_path]
         if job.resume:
             command += ["--resume", job.resume]
