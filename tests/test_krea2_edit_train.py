@@ -15,6 +15,7 @@ import train_lora
 from library.models.krea2.edit_encoder import Krea2ImageTextEncoder
 from library.models.krea2.edit_family import Krea2EditFamily, reference_size
 from library.models.krea2.tiny import write_krea2_edit_text_encoder
+from tests.test_train_lora import sample_png
 from tools.make_tiny_dataset import make_tiny_edit_dataset
 
 
@@ -77,9 +78,8 @@ def test_krea2_edit_trains_with_references_and_samples(trained):
     assert train_steps and all(s == [(s[0][0], 16, 4, 4)] for s in train_steps), seen  # one 32 x 32 reference
     with safe_open(str(out / "k2edit.safetensors"), "pt") as f:
         assert f.metadata()["ss_base_model_version"] == "krea2-raw-edit-kv_cache"
-    samples = [p for p in os.listdir(out) if p.endswith(".png")]
-    assert samples, os.listdir(out)
-    with Image.open(out / samples[0]) as sample:
+    # the final sample by its name: the output folder also holds the lr plot (k2edit_lr.png)
+    with Image.open(sample_png(out, "k2edit", "final")) as sample:
         assert sample.text["panels"].split(",")[-1] == "reference"
 
 
