@@ -279,8 +279,8 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
             )
         rank = down.shape[0]
         path = rename[module]
-        if "alpha" in parts:
-            alpha = float(parts["alpha"].float().item())
+        if "alpha" in parts:  # 0 means alpha = rank (scale 1), as sd-scripts' LoRAModule reads it
+            alpha = float(parts["alpha"].float().item()) or float(rank)
         elif fmt == "peft" and default_alpha is not None:
             alpha = float(_pattern_alpha(path, default_alpha, alpha_pattern))
             alpha = alpha * rank**0.5 if rslora else alpha  # rsLoRA scale alpha/sqrt(r) as alpha'/r

@@ -497,6 +497,21 @@ def test_peft_alpha_from_diffusers_adapter_metadata():
     assert lf.parse_lora(tensors)[0]["a"].alpha == 4  # no metadata: alpha = rank
 
 
+def test_a_stored_alpha_of_zero_reads_as_the_rank(tmp_path):
+    """sd-scripts' LoRAModule (networks/lora.py, lora_flux.py) reads alpha 0 as alpha = rank (scale 1);
+    ComfyUI (weight_adapter/lora.py) takes it literally (scale 0). We follow sd-scripts: the old reader
+    applied alpha 0, so such a LoRA's delta was 0 (scale 0 / 4) in generate, network_weights and merges."""
+    tensors = {"lora_unet_a.lora_down.weight": torch.randn(4, 8), "lora_unet_a.lora_up.weight": torch.randn(6, 4),
+               "lora_unet_a.alpha": torch.tensor(0.0)}
+    assert lf.parse_lora(tensors)[0]["lora_unet_a"].scale == 1.0
+    model = StandIn(flux_names(1, 1))
+    net = LoRANetwork(model, "flux", rank=4, alpha=2, select=False)
+    name = lf.kohya_name("double_blocks.0.img_attn.qkv")
+    net.load_weights({f"{name}.lora_down.weight": torch.randn(4, 8), f"{name}.lora_up.weight": torch.randn(6, 4),
+                      f"{name}.alpha": torch.tensor(0.0)}, strict=False)
+    assert [m.scale for m in net.lora_modules()] == [1.0]
+
+
 def test_build_metadata_is_all_strings_without_absolute_paths():
     meta = lf.build_metadata(network_dim=16, lr=1e-4, resolution=(1024, 768), base_precision="fp8_scaled",
                              dataset={"image_dir": "/home/me/secret/images", "repeats": 2}, shift=3.1, optimizer=None)
