@@ -180,19 +180,43 @@ def is_base_lora(base: str, variant: str, tensors: dict, metadata: dict[str, str
     that only `base`'s model takes: its metadata names the base (LoRAFiles.model_versions), it names a
     Linear the base has and the variant lacks, its shapes are the base's (the variant's `refuses`), or its
     width and blocks fit a release of the base exactly and none of the variant's. Else the variant takes it
-    (attention projections of the same shapes read the same in both)."""
+    (attention projections of the same shapes read the same in both), as it takes every LoRA of the base where
+    its spec says so (LoRAFiles.takes_base_loras: the reader leaves out the base_only_modules)."""
     files = lora_files()
-    said = [metadata.get(k, "").lower() for k in ("ss_base_model_version", "modelspec.architecture")]
-    if any(v.startswith(files[base].model_versions) for v in said if v) and files[base].model_versions:
+    if files[variant].takes_base_loras:  # the variant's model takes the base's LoRAs (base_only_modules left out)
+        return False
+    if says_base(base, metadata):
         return True
-    flat = [m.replace(".", "_") for m in dict.fromkeys(module_of_key(k) for k in tensors)]
-    in_base, in_variant = _holds(_paths(base, flat)), _holds(_paths(variant, flat))
-    if files[variant].module_paths and any(in_base(m) and not in_variant(m) for m in flat):
+    if files[variant].module_paths and base_only_modules(variant, dict.fromkeys(module_of_key(k) for k in tensors)):
         return True
     if files[variant].refuses and load_symbol(files[variant].refuses)(tensors):
         return True
     widths = down_widths(tensors)
     return any(exact for exact, _ in fitted_releases(base, widths)) and not fitted_releases(variant, widths)
+
+
+def says_base(base: str, metadata: dict[str, str]) -> bool:
+    """True where the header names `base` as the model the LoRA was trained on (LoRAFiles.model_versions)."""
+    return header_arch(metadata) == base
+
+
+def header_arch(metadata: dict[str, str]) -> str | None:
+    """The architecture whose LoRAFiles.model_versions begin the header's ss_base_model_version or
+    modelspec.architecture (the longest such prefix: a variant's version may begin with its base's), else None."""
+    said = [v for v in (metadata.get(k, "").lower() for k in ("ss_base_model_version", "modelspec.architecture")) if v]
+    hits = [(len(p), arch) for arch, f in lora_files().items() for p in f.model_versions for v in said if v.startswith(p)]
+    return max(hits)[1] if hits else None
+
+
+def base_only_modules(variant: str, modules) -> list[str]:
+    """The module names (any layout) that a Linear of the architecture `variant` shares names with has and
+    `variant` lacks; [] for an architecture that shares no other's names."""
+    base = lora_files()[variant].names_of
+    if base is None:
+        return []
+    flat = {m: m.replace(".", "_") for m in modules}
+    in_base, in_variant = _holds(_paths(base, list(flat.values()))), _holds(_paths(variant, list(flat.values())))
+    return [m for m, f in flat.items() if in_base(f) and not in_variant(f)]
 
 
 def module_of_key(key: str) -> str:

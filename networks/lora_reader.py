@@ -22,6 +22,7 @@ are read by `lycoris_for_model` (names only: their factors are no rows of a fuse
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -33,14 +34,19 @@ from networks.lora_arch import (
     arch_by_shapes,
     arch_of,
     archs_holding,
+    base_only_modules,
     block_counts,
     detect_arch,
     down_widths,
     fitted_releases,
+    header_arch,
+    info_block_counts,
     is_base_lora,
     lora_files,
     module_of_key,
     naming_of,
+    says_base,
+    width_of,
 )
 from networks.lora_files import (
     LoRAWeights,
@@ -137,8 +143,11 @@ def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict
     tensors, te = split_text_encoders(tensors)
     if te and not tensors:  # sd-scripts' text encoders alone: nothing for the model (an empty file is an error below)
         return LoRARead({}, dict(metadata), "kohya", True, te)
+    tensors = without_base_only(name, tensors, metadata, arch)
     if (error := foreign_arch_error(name, tensors, metadata, arch)) is not None:
         raise CheckpointError(error)
+    if (note := shared_shapes_note(name, tensors, metadata, arch)) is not None:
+        warnings.warn(note, stacklevel=3)
     paths = list(paths)
     weights, fmt, counts, split = lora_in_our_names(tensors, metadata, adapter_config, arch, paths, source=name, strict=strict)
     own = set(paths)
@@ -164,8 +173,13 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
     kohya name: the caller reports it), a module in the other naming renamed where the module map maps it
     whole. A module the map splits or joins by rows is an error: LyCORIS' factors (Kronecker, Hadamard) are
     no rows of the parts' (convert_lora refuses LyCORIS files for that reason)."""
+    tensors = without_base_only(name, tensors, metadata, arch)
+    kept = {module_of_key(k) for k in tensors}
+    deltas = {n: d for n, d in deltas.items() if n in kept}
     if (error := foreign_arch_error(name, tensors, metadata, arch)) is not None:
         raise CheckpointError(error)
+    if (note := shared_shapes_note(name, tensors, metadata, arch)) is not None:
+        warnings.warn(note, stacklevel=3)
     paths = list(paths)
     _, resolvable = _names_to_resolve(tensors, lora_files().get(arch), paths)
     rename = resolve_kohya_names(deltas, resolvable, strict=False)
@@ -207,8 +221,8 @@ def foreign_arch(tensors: dict, metadata: dict[str, str], arch: str) -> str | No
         return None
     try:
         found = detect_arch(tensors, metadata)
-    except CheckpointError:  # no telling names: a released size of another architecture may tell
-        found = _released_size_of(tensors, arch)
+    except CheckpointError:  # no telling names: a released size of another architecture, or the header, may tell
+        found = _released_size_of(tensors, arch) or _header_of_holder(tensors, metadata)
         if found is None:
             return None
     base = lambda a: files[a].names_of or a  # noqa: E731
@@ -217,6 +231,39 @@ def foreign_arch(tensors: dict, metadata: dict[str, str], arch: str) -> str | No
     if found != arch and is_base_lora(found, arch, tensors, metadata):  # the base's LoRA on a variant's model
         return found
     return None
+
+
+def _header_of_holder(tensors: dict, metadata: dict[str, str]) -> str | None:
+    """For names several architectures have: the one the header names (lora_arch.header_arch) where its
+    Linears hold every module named, else None."""
+    found = header_arch(metadata)
+    return found if found in archs_holding(list(dict.fromkeys(module_of_key(k) for k in tensors))) else None
+
+
+def shared_shapes_note(name: str, tensors: dict, metadata: dict[str, str], arch: str) -> str | None:
+    """One line for a LoRA that nothing tells apart (module names several architectures have, a width and
+    block counts that fit a release of `arch` and of another, no header naming one): it is read as `arch`'s.
+    None where the names, the sizes or the header tell (foreign_arch refuses another's)."""
+    files = lora_files()
+    if arch not in files or header_arch(metadata) is not None:
+        return None
+    try:
+        detect_arch(tensors, metadata)
+        return None
+    except CheckpointError:
+        pass
+    modules = list(dict.fromkeys(module_of_key(k) for k in tensors))
+    widths = down_widths(tensors)
+    base = lambda a: files[a].names_of or a  # noqa: E731
+    others = list(dict.fromkeys(base(a) for a in archs_holding(modules) if base(a) != base(arch) and fitted_releases(a, widths)))
+    if not others or not fitted_releases(arch, widths):
+        return None
+    blocks = sum(info_block_counts(widths, arch).values())
+    titles = [f"{arch_spec(a).title}'s" for a in [arch, *others]]
+    alike = ", ".join(titles[:-1]) + " and " + titles[-1]
+    return (f"{name}: its modules (e.g. '{modules[0]}') are {alike} alike, at width {width_of(widths, arch)} in {blocks} "
+            f"blocks, and its header names no model (ss_base_model_version): read as this {arch_spec(arch).title} "
+            f"model's LoRA")
 
 
 def _released_size_of(tensors: dict, arch: str) -> str | None:
@@ -231,17 +278,43 @@ def _released_size_of(tensors: dict, arch: str) -> str | None:
     return None if found == "unknown" else found
 
 
+def without_base_only(name: str, tensors: dict, metadata: dict[str, str], arch: str, say: bool = True) -> dict:
+    """`tensors` less those of the modules `arch` lacks that the architecture it shares names with has, where
+    `arch`'s model takes that one's LoRAs (LoRAFiles.takes_base_loras), as ComfyUI loads them: one warning says
+    how many were left out and why (say=False: the header check, which the load repeats). A LoRA of those
+    modules alone is refused in one line: nothing of it would load. Else `tensors` itself."""
+    files = lora_files().get(arch)
+    if files is None or not files.takes_base_loras:
+        return tensors
+    modules = list(dict.fromkeys(module_of_key(k) for k in tensors))
+    left_out = set(base_only_modules(arch, modules))
+    if not left_out:
+        return tensors
+    base, title = arch_spec(files.names_of).title, arch_spec(arch).title
+    if len(left_out) == len(modules):
+        raise CheckpointError(f"{name}: {_said(files.names_of, modules)}, not for this {title} model: its {len(modules)} "
+                              f"modules are all ones this model lacks ({files.takes_base_loras})")
+    if say:
+        header = " (its header says so)" if says_base(files.names_of, metadata) else ""
+        warnings.warn(f"{name}: a {base} LoRA{header}: left out its {len(left_out)} modules this {title} model lacks "
+                      f"(e.g. '{sorted(left_out)[0]}'; {files.takes_base_loras}), kept the other "
+                      f"{len(modules) - len(left_out)}", stacklevel=3)  # fmt: skip
+    return {k: v for k, v in tensors.items() if module_of_key(k) not in left_out}
+
+
+def _said(found: str, modules: list[str]) -> str:
+    """'a LoRA for <title> (tools/lora_info.py: arch <found>, <naming> names)': what lora_info reports for the modules."""
+    names = naming_of(found, modules) or arch_of(modules)[1]  # a variant sharing its base's names: the base's naming
+    return f"a LoRA for {arch_spec(found).title} (tools/lora_info.py: arch {found}" + (f", {names} names)" if names else ")")
+
+
 def foreign_arch_error(name: str, tensors: dict, metadata: dict[str, str], arch: str) -> str | None:
     """One line for a LoRA of another architecture than `arch` (None when it is not one), naming what
     tools/lora_info.py reports for it."""
     found = foreign_arch(tensors, metadata, arch)
     if found is None:
         return None
-    modules = [module_of_key(k) for k in tensors]
-    names = naming_of(found, modules) or arch_of(modules)[1]  # a variant sharing its base's names: the base's naming
-    said = f"arch {found}" + (f", {names} names" if names else "")
-    title, target = arch_spec(found).title, arch_spec(arch).title
-    return f"{name}: a LoRA for {title} (tools/lora_info.py: {said}), not for this {target} model"
+    return f"{name}: {_said(found, [module_of_key(k) for k in tensors])}, not for this {arch_spec(arch).title} model"
 
 
 def check_lora_arch(path: str, arch: str) -> None:
@@ -252,6 +325,7 @@ def check_lora_arch(path: str, arch: str) -> None:
     shapes, te = split_text_encoders(shapes)
     if te and not shapes:
         raise CheckpointError(text_encoders_only(path, te))
+    shapes = without_base_only(path, shapes, dict(reader.metadata), arch, say=False)
     if shapes and (error := foreign_arch_error(path, shapes, dict(reader.metadata), arch)) is not None:
         raise CheckpointError(error)
 

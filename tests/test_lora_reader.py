@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from library.io import CheckpointError
+from library.models import spec as S
 from library.lora_spec import LoRASpec
 from library.models.flux1.checkpoint import flux_diffusers_module_map, save_flux_bfl, save_flux_diffusers
 from library.models.flux1.model import Flux, FluxConfig
@@ -323,35 +324,65 @@ def flux1_on(path: str, title: str, names: str = "bfl") -> str:
 
 
 @pytest.mark.parametrize("layout, names", [("kohya (ours)", "bfl"), ("diffusers", "diffusers")])
-def test_a_flux1_lora_is_refused_by_flux2_and_chroma_from_its_header(flux, layout, names):
-    """FLUX.2 and Chroma share FLUX.1's block names, so the header check let a FLUX.1 LoRA through to a FLUX.2
-    or Chroma run (which then failed after the model loaded, or applied it). Its modulation Linears
-    (img_mod.lin / norm1.linear: neither model has them) and, for FLUX.2, its MLP widths (4 x hidden rows,
-    FLUX.2's are 6 x) say FLUX.1's."""
+def test_a_flux1_lora_is_refused_by_flux2_from_its_header(flux, layout, names):
+    """FLUX.2 shares FLUX.1's block names, so the header check let a FLUX.1 LoRA through to a FLUX.2 run (which
+    then failed after the model loaded). Its modulation Linears (img_mod.lin / norm1.linear: FLUX.2 has none)
+    and its MLP widths (4 x hidden rows, FLUX.2's are 6 x) say FLUX.1's."""
     from networks.lora_reader import check_lora_arch
 
     path = flux["cases"][layout][0]
-    for arch, title in (("flux2", "FLUX.2"), ("chroma", "Chroma")):
-        with pytest.raises(CheckpointError) as error:
-            check_lora_arch(path, arch)
-        assert str(error.value) == flux1_on(path, title, names)
+    with pytest.raises(CheckpointError) as error:
+        check_lora_arch(path, "flux2")
+    assert str(error.value) == flux1_on(path, "FLUX.2", names)
     check_lora_arch(path, "flux")
 
 
+@pytest.mark.parametrize("layout, others", [("kohya (ours)", 10), ("diffusers", 17)])  # the file's modules: q / k / v split
+def test_chroma_loads_a_flux1_lora_without_the_modulation_it_lacks(flux, layout, others, tmp_path):
+    """Chroma is FLUX.1's blocks less the modulation Linears (its approximator makes them): ComfyUI loads a
+    FLUX.1 LoRA on Chroma, skipping those keys. The old header check refused it ('a LoRA for FLUX.1 ... not for
+    this Chroma model'); now the blocks load, with one warning saying how many modules were left out and why.
+    A LoRA of those modules alone is still refused: nothing of it would load."""
+    from library.models.chroma.model import Chroma, ChromaConfig
+    from networks.lora_reader import check_lora_arch
+
+    path, reference = flux["cases"][layout]
+    check_lora_arch(path, "chroma")
+    chroma = Chroma(ChromaConfig(in_channels=64, context_in_dim=32, hidden_size=64, num_heads=2, depth=1, depth_single=1,
+                                 axes_dim=(4, 14, 14), approximator_hidden=32, approximator_layers=1))
+    with pytest.warns(UserWarning) as said:
+        net = LoRANetwork.from_weights(chroma, "chroma", path)
+    kept = {"double_blocks.0.img_attn.qkv", "double_blocks.0.img_attn.proj", "double_blocks.0.img_mlp.0", "double_blocks.0.img_mlp.2",
+            "double_blocks.0.txt_attn.qkv", "double_blocks.0.txt_attn.proj", "double_blocks.0.txt_mlp.0", "double_blocks.0.txt_mlp.2",
+            "single_blocks.0.linear1", "single_blocks.0.linear2"}
+    got = {m.name: m.weights().delta() for m in net.lora_modules()}
+    assert set(got) == kept and all((got[p] - reference[p]).abs().max() <= TOL * reference[p].abs().max() for p in kept)
+    lines = [str(w.message) for w in said]
+    assert len(lines) == 1 and lines[0].startswith(f"{path}: a FLUX.1 LoRA: left out its 3 modules this Chroma model "
+                                                   f"lacks (e.g. '") and lines[0].endswith(f"kept the other {others}")
+    modulation = {k: v for k, v in load_file(path).items() if "mod" in k or "norm1" in k or "norm.linear" in k}
+    save_file(modulation, str(tmp_path / "mod.safetensors"))
+    with pytest.raises(CheckpointError, match=r"mod.safetensors: a LoRA for FLUX.1 \(tools/lora_info.py: arch flux, "
+                       r"\w+ names\), not for this Chroma model: its 3 modules are all ones this model lacks"):
+        check_lora_arch(str(tmp_path / "mod.safetensors"), "chroma")
+
+
 def test_a_flux1_lora_of_shared_modules_is_refused_by_its_metadata_or_its_released_size(tmp_path):
-    """Attention and MLP of FLUX.1's shapes read the same in Chroma's blocks: taken without a sign, refused
-    where the header says FLUX.1 (ss_base_model_version flux1-dev, what our trainer and sd-scripts write) or,
-    for FLUX.2, where the width and blocks are FLUX.1 dev's (19 double at 3072; no FLUX.2 has 19)."""
+    """Attention and MLP of FLUX.1's shapes: refused by FLUX.2 where the header says FLUX.1 (ss_base_model_version
+    flux1-dev, what our trainer and sd-scripts write) or where the width and blocks are FLUX.1 dev's (19 double
+    at 3072; no FLUX.2 has 19). Chroma takes them, header or not (its blocks are FLUX.1's, as ComfyUI loads them);
+    the old check refused the one whose header said FLUX.1."""
     from networks.lora_reader import check_lora_arch
 
     attn = {f"double_blocks.{i}.img_attn.qkv": lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(9216, 1), 1.0) for i in range(19)}
     lf.write_kohya(attn, str(tmp_path / "bare.safetensors"))
     lf.write_kohya(attn, str(tmp_path / "said.safetensors"), metadata={"ss_base_model_version": "flux1-dev"})
-    check_lora_arch(str(tmp_path / "bare.safetensors"), "chroma")  # nothing tells: Chroma's blocks take it
-    for name, arch, title in (("said", "chroma", "Chroma"), ("said", "flux2", "FLUX.2"), ("bare", "flux2", "FLUX.2")):
+    for name in ("bare", "said"):
+        check_lora_arch(str(tmp_path / f"{name}.safetensors"), "chroma")
+    for name in ("said", "bare"):
         with pytest.raises(CheckpointError) as error:
-            check_lora_arch(str(tmp_path / f"{name}.safetensors"), arch)
-        assert str(error.value) == flux1_on(str(tmp_path / f"{name}.safetensors"), title)
+            check_lora_arch(str(tmp_path / f"{name}.safetensors"), "flux2")
+        assert str(error.value) == flux1_on(str(tmp_path / f"{name}.safetensors"), "FLUX.2")
     small = {p: w for p, w in attn.items() if int(p.split(".")[1]) < 5}  # FLUX.2 [klein] 4B's 5 double blocks fit too
     lf.write_kohya(small, str(tmp_path / "small.safetensors"))
     check_lora_arch(str(tmp_path / "small.safetensors"), "flux2")
@@ -376,6 +407,39 @@ def test_attention_only_loras_of_another_released_size_are_refused_from_the_head
             check_lora_arch(str(tmp_path / f"{name}.safetensors"), arch)
         assert str(error.value) == f"{tmp_path / name}.safetensors: a LoRA for {said} model"
     check_lora_arch(str(tmp_path / "flux1_dev.safetensors"), "qwen_image")  # Qwen-Image's first 19 blocks: its own size
+
+
+def test_an_attention_only_lora_both_families_have_is_refused_by_its_header_or_read_with_a_warning(tmp_path):
+    """transformer_blocks.N.attn.* at width 3072 in blocks 0-18 is FLUX.1's (19 double blocks) and Qwen-Image's
+    (its first 19 of 60) alike: diffusers' FluxLoraLoaderMixin and QwenImageLoraLoaderMixin read the same keys,
+    and the shapes are the same. The old reader took it silently in a Qwen-Image run whatever its header said.
+    Now a header naming the other model (ss_base_model_version flux1-dev, what sd-scripts and our trainer write;
+    musubi-tuner's modelspec.architecture Qwen-Image/lora) refuses it in one line, and a file with no header
+    is read with one warning saying nothing tells which model it is for."""
+    from networks.lora_arch import lora_files
+    from networks.lora_reader import check_lora_arch, lora_for_model
+
+    names = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out")
+    attn = {f"transformer_blocks.{i}.attn.{n}": lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(3072, 1), 1.0)
+            for i in range(19) for n in names}
+    for name, header in (("bare", {}), ("flux1", {"ss_base_model_version": "flux1-dev"}),
+                         ("qwen", {"modelspec.architecture": "Qwen-Image/lora"})):
+        lf.write_peft(attn, str(tmp_path / f"{name}.safetensors"), metadata=header)
+    for name, arch, said in (("flux1", "qwen_image", "FLUX.1 (tools/lora_info.py: arch flux), not for this Qwen-Image"),
+                             ("qwen", "flux", "Qwen-Image (tools/lora_info.py: arch qwen_image), not for this FLUX.1")):
+        with pytest.raises(CheckpointError) as error:
+            check_lora_arch(str(tmp_path / f"{name}.safetensors"), arch)
+        assert str(error.value) == f"{tmp_path / name}.safetensors: a LoRA for {said} model"
+    for name, arch in (("flux1", "flux"), ("qwen", "qwen_image"), ("bare", "flux"), ("bare", "qwen_image")):
+        check_lora_arch(str(tmp_path / f"{name}.safetensors"), arch)
+    tensors = load_file(str(tmp_path / "bare.safetensors"))
+    paths = S.load_symbol(lora_files()["qwen_image"].module_paths)({"transformer_blocks": 60})
+    with pytest.warns(UserWarning) as said:
+        read = lora_for_model(tensors, {}, None, "qwen_image", paths, name="bare.safetensors")
+    assert len(read.weights) == 19 * 8 and [str(w.message) for w in said] == [
+        "bare.safetensors: its modules (e.g. 'transformer.transformer_blocks.0.attn.add_k_proj') are Qwen-Image's and FLUX.1's "
+        "alike, at width 3072 in 19 blocks, and its header names no model (ss_base_model_version): read as this Qwen-Image "
+        "model's LoRA"]
 
 
 @pytest.mark.parametrize("consumer", CONSUMERS)

@@ -78,6 +78,10 @@ class LoRAFiles:
     # prefixes of ss_base_model_version / modelspec.architecture in this arch's LoRAs (those of its variants
     # that share its names are told apart from them: a variant's model refuses them)
     model_versions: tuple[str, ...] = ()
+    # why this arch's model takes a LoRA of names_of's less the modules of names_of it lacks (its blocks are the
+    # base's, fine-tuned: the rest applies), as ComfyUI loads one: those are left out with one warning saying how
+    # many. None: a LoRA naming them, or whose header names the base, is names_of's and refused
+    takes_base_loras: str | None = None
     block_pattern: str = ""  # regex, groups (block kind, index): the blocks a LoRA names
     module_paths: str | None = None  # "module:function" (block counts) -> every Linear path (resolves kohya names)
     module_map: str | None = None  # "module:function" (weights, block counts) -> BFL <-> diffusers module map from the LoRA's shapes

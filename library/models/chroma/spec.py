@@ -30,6 +30,8 @@ LORA_FILES = S.LoRAFiles(
     markers=("distilled_guidance_layer_",),
     layouts=("kohya", "diffusers", "comfy"),  # ComfyUI's Chroma keeps the BFL names our kohya files have
     names_of="flux",
+    takes_base_loras="Chroma's approximator computes every block's modulation, FLUX.1's time / vector / guidance "
+                     "embedders and modulation Linears are pruned",
     recognise="library.models.chroma.lora_files:is_own_lora",
     block_pattern=_FLUX1_FILES.block_pattern,
     module_paths="library.models.chroma.lora_files:module_paths",

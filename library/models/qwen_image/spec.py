@@ -27,6 +27,8 @@ LORA_FILES = S.LoRAFiles(
     info_blocks=(("block", r"(?<!single_)transformer_blocks_(\d+)_"),),
     width_modules=r"attn_to_[qkv]|attn_add_[qkv]_proj|_mod_1|mlp_net_0_proj",
     releases=(S.Release("Qwen-Image", 3072, {"block": 60}),),
+    # ours (qwen-image, qwen-image-edit-*) and musubi-tuner's modelspec Qwen-Image(-Edit...)/lora
+    model_versions=("qwen-image", "qwen_image"),
 )
 
 
