@@ -409,6 +409,23 @@ def test_attention_only_loras_of_another_released_size_are_refused_from_the_head
     check_lora_arch(str(tmp_path / "flux1_dev.safetensors"), "qwen_image")  # Qwen-Image's first 19 blocks: its own size
 
 
+def test_musubi_tuners_modelspec_names_flux1_and_flux2(tmp_path):
+    """musubi-tuner writes modelspec.architecture 'Flux.1-dev/lora' (Kontext) and 'Flux.2-klein-4b/lora' /
+    'Flux.2-dev/lora' and no ss_base_model_version. The old header checks knew 'flux1' / 'flux-1' and
+    ss_base_model_version 'flux2' only, so an attention-only LoRA of 5 double blocks at 3072 (FLUX.1's and
+    FLUX.2 [klein] 4B's alike) from musubi-tuner went to the other model's run unrefused."""
+    from networks.lora_reader import check_lora_arch
+
+    attn = {f"double_blocks.{i}.img_attn.qkv": lf.LoRAWeights(torch.zeros(1, 3072), torch.zeros(9216, 1), 1.0) for i in range(5)}
+    for name, arch, said in (("Flux.1-dev/lora", "flux2", "FLUX.1 (tools/lora_info.py: arch flux, bfl names), not for this FLUX.2"),
+                             ("Flux.2-klein-4b/lora", "flux", "FLUX.2 (tools/lora_info.py: arch flux2, bfl names), not for this FLUX.1")):
+        path = str(tmp_path / "musubi.safetensors")
+        lf.write_kohya(attn, path, metadata={"modelspec.architecture": name})
+        with pytest.raises(CheckpointError) as error:
+            check_lora_arch(path, arch)
+        assert str(error.value) == f"{path}: a LoRA for {said} model"
+
+
 def test_an_attention_only_lora_both_families_have_is_refused_by_its_header_or_read_with_a_warning(tmp_path):
     """transformer_blocks.N.attn.* at width 3072 in blocks 0-18 is FLUX.1's (19 double blocks) and Qwen-Image's
     (its first 19 of 60) alike: diffusers' FluxLoraLoaderMixin and QwenImageLoraLoaderMixin read the same keys,

@@ -62,7 +62,8 @@ LORA_FILES = S.LoRAFiles(
                    r"norm1?(_context)?_linear|proj_mlp"),
     releases=(S.Release("FLUX.1 dev / schnell", 3072, {"double": 19, "single": 38}),),
     namings={"BFL": ("double_blocks_", "single_blocks_"), "diffusers": ("transformer_blocks_",)},
-    model_versions=("flux1", "flux-1"),  # ours and sd-scripts' flux1 / modelspec flux-1-dev, flux-1-schnell, flux-1
+    # ours and sd-scripts' flux1 / modelspec flux-1-dev, flux-1-schnell, flux-1; musubi-tuner's modelspec Flux.1-dev/lora
+    model_versions=("flux1", "flux-1", "flux.1"),
 )
 
 

@@ -7,7 +7,8 @@ double blocks' qkv split into to_q/to_k/to_v, add_*_proj; the single blocks' lin
 fused as attn.to_qkv_mlp_proj / attn.to_out. FLUX.1 and FLUX.2 share their BFL block names: a
 FLUX-named LoRA is FLUX.2's when it names a FLUX.2-only module (ff.linear_in, to_qkv_mlp_proj, the
 shared *_stream_modulation: the spec's LORA_FILES.markers), when its metadata says so
-(ss_base_model_version flux2-*, what train_lora.py writes), or by its MLP widths (FLUX.2's SwiGLU:
+(ss_base_model_version flux2-*, what train_lora.py writes; musubi-tuner's modelspec.architecture
+Flux.2-dev/lora, Flux.2-klein-4b/lora), or by its MLP widths (FLUX.2's SwiGLU:
 fused MLP-in rows = 6 x hidden, single linear1 = 9 x hidden; FLUX.1: 4 x, 7 x); else FLUX.1's (for
 attention-only LoRAs both convert to the same names). --model_type flux2 settles it.
 """
@@ -30,7 +31,8 @@ def is_own_lora(tensors: dict, metadata: dict[str, str]) -> bool:
     flat = [k.replace(".", "_") for k in tensors]
     if any(m in k for k in flat for m in LORA_FILES.markers):
         return True
-    if metadata.get("ss_base_model_version", "").startswith("flux2"):
+    said = [metadata.get(key, "").lower() for key in ("ss_base_model_version", "modelspec.architecture")]
+    if any(v.startswith(LORA_FILES.model_versions) for v in said):
         return True
     return mlp_ratio(tensors) == "flux2"
 

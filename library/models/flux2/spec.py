@@ -24,6 +24,7 @@ LORA_FILES = S.LoRAFiles(
     names_of="flux",
     recognise="library.models.flux2.lora_files:is_own_lora",
     refuses="library.models.flux2.lora_files:has_flux1_mlp",
+    model_versions=("flux2", "flux.2"),  # ours (flux2-dev, flux2-klein-4b), musubi-tuner's modelspec Flux.2-dev/lora
     block_pattern=_FLUX1_FILES.block_pattern,
     module_paths="library.models.flux2.lora_files:module_paths",
     module_map="library.models.flux2.lora_files:module_map_of_lora",
