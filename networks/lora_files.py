@@ -197,8 +197,26 @@ def lycoris_kind(key: str) -> str | None:
 
 
 def is_lycoris_file(tensors) -> bool:
-    """True when the keys are LyCORIS-only types (LoKr, LoHa, (IA)^3, full ...), not plain LoRA."""
-    return any(lycoris_kind(k) for k in tensors)
+    """True when the keys are LyCORIS-only types (LoKr, LoHa, (IA)^3, full ...), not plain LoRA (whose
+    whole-weight / bias deltas beside it are split_weight_diffs')."""
+    return any(lycoris_kind(k) for k in split_weight_diffs(dict.fromkeys(tensors))[0])
+
+
+def split_weight_diffs(tensors: dict) -> tuple[dict, dict]:
+    """(the down/up LoRA's tensors, the whole deltas beside it: `.diff` of a 1-D weight, `.diff_b` of a bias)
+    of a file holding both, as ComfyUI's Extract and Save Lora writes with bias_diff (its default). A LoRA
+    network adapts weights through down/up only, so callers leave them out and say so (weight_diff_note);
+    a file of whole deltas alone (LyCORIS' full type) is (tensors, {})."""
+    diffs = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[-1] in ("diff", "diff_b")}
+    if not diffs or not any(k.endswith((".lora_down.weight", ".lora_A.weight")) for k in tensors):
+        return tensors, {}
+    return {k: v for k, v in tensors.items() if k not in diffs}, diffs
+
+
+def weight_diff_note(diffs) -> str:
+    """'12 whole-weight / bias deltas (.diff x2, .diff_b x10)' for split_weight_diffs' second part."""
+    kinds = [f".{kind} x{n}" for kind in ("diff", "diff_b") if (n := sum(k.endswith(f".{kind}") for k in diffs))]
+    return f"{len(diffs)} whole-weight / bias deltas ({', '.join(kinds)})"
 
 
 def split_text_encoders(tensors: dict) -> tuple[dict, dict]:

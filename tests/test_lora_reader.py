@@ -69,6 +69,15 @@ def with_text_encoder(src: str, dst: str) -> str:
     return dst
 
 
+def with_bias_diffs(src: str, dst: str) -> str:
+    """ComfyUI's Extract and Save Lora with bias_diff (its default): a `.diff_b` bias delta beside each module
+    (left out by every consumer, with one warning)."""
+    tensors = load_file(src)
+    modules = {k.removesuffix(".lora_up.weight"): v.shape[0] for k, v in tensors.items() if k.endswith(".lora_up.weight")}
+    save_file({**tensors, **{f"{m}.diff_b": torch.ones(rows) for m, rows in modules.items()}}, dst)
+    return dst
+
+
 def kohya_of_peft(src: str, dst: str, prefix: str) -> str:
     """A diffusers file's modules as kohya names (`<prefix>_<diffusers path>`): OneTrainer's
     lora_transformer_, and diffusers names under lora_unet_ (alpha folded: alpha = rank)."""
@@ -112,6 +121,7 @@ def flux(tmp_path_factory):
     files = common_layouts(root, ours, model)
     files["OneTrainer lora_transformer_ (diffusers names)"] = kohya_of_peft(files["diffusers"], str(root / "ot.safetensors"), "lora_transformer")
     files["lora_unet_ in diffusers names"] = kohya_of_peft(files["diffusers"], str(root / "ku.safetensors"), "lora_unet")
+    files["ComfyUI extraction (.diff_b beside)"] = with_bias_diffs(files["ComfyUI dotted lora_down"], str(root / "extract.safetensors"))
     split, split_reference = split_downs_lora(root)
     cases = {name: (path, dense(net.lora_weights())) for name, path in files.items()}
     cases["diffusers q / k / v with their own downs"] = (split, split_reference)
@@ -246,7 +256,7 @@ def assert_same_deltas(got: dict, want: dict):
 
 FLUX_CASES = ["kohya (ours)", "diffusers", "comfy", "kohya + text encoder (sd-scripts)", "PEFT base_model.model.",
               "ComfyUI dotted lora_down", "OneTrainer lora_transformer_ (diffusers names)", "lora_unet_ in diffusers names",
-              "diffusers q / k / v with their own downs"]  # fmt: skip
+              "diffusers q / k / v with their own downs", "ComfyUI extraction (.diff_b beside)"]  # fmt: skip
 ZIMAGE_CASES = ["kohya (ours)", "diffusers", "comfy", "kohya + text encoder (sd-scripts)", "PEFT base_model.model.",
                 "ComfyUI dotted lora_down", "ComfyUI's own names (fused qkv, musubi-tuner)"]  # fmt: skip
 
@@ -255,7 +265,7 @@ def checkpoint_of(consumer: str):
     return {"merge_lora": "base.safetensors", "merge_lora into the other naming": "diffusers"}.get(consumer)
 
 
-@pytest.mark.filterwarnings("ignore:.*text-encoder")
+@pytest.mark.filterwarnings("ignore:.*text-encoder", "ignore:.*whole-weight / bias deltas")
 @pytest.mark.parametrize("arch, layout", [("flux", c) for c in FLUX_CASES] + [("zimage", c) for c in ZIMAGE_CASES])
 @pytest.mark.parametrize("consumer", CONSUMERS)
 def test_every_consumer_applies_every_layout_exactly(request, consumer, arch, layout):
@@ -263,6 +273,22 @@ def test_every_consumer_applies_every_layout_exactly(request, consumer, arch, la
     path, reference = built["cases"][layout]
     got = CONSUMERS[consumer](built["model"], arch, path, built["root"])
     assert_same_deltas(got, expected_in(checkpoint_of(consumer), built["root"], reference))
+
+
+def test_a_comfyui_extracted_lora_reads_its_down_up_and_says_what_it_leaves_out(flux, capsys):
+    """ComfyUI's Extract and Save Lora writes a `.diff_b` per bias (bias_diff, on by default) beside the down/up
+    modules. The old readers took the file for LyCORIS' full type: generate said "LyCORIS module 'diffusion_model'
+    names no module of this model", network_weights asked for network_module lycoris.kohya, lora_info said "full
+    in lycoris layout". Now the LoRA loads and one line counts what is left out; lora_info says it too."""
+    from tools import lora_info
+
+    path, _ = flux["cases"]["ComfyUI extraction (.diff_b beside)"]
+    with pytest.warns(UserWarning) as said:
+        network_from_file(flux["model"], "flux", path)
+    assert [str(w.message) for w in said] == [f"{path}: left out 13 whole-weight / bias deltas (.diff_b x13): a LoRA "
+                                              f"network applies the down/up modules only"]
+    info = lora_info.read_info(path)
+    assert (info["format"], info["network"], info["weight_diffs"]) == ("comfy", "LoRA", "13 whole-weight / bias deltas (.diff_b x13)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -89,7 +89,9 @@ from networks.lora_files import (  # noqa: E402
     peft_alpha_known,
     read_lora_tensors,
     split_text_encoders,
+    split_weight_diffs,
     text_encoder_note,
+    weight_diff_note,
     write_lora_tensors,
     write_peft,
     write_peft_folder,
@@ -117,6 +119,10 @@ def read_source(path: str, model_type: str | None):
     tensors, te = split_text_encoders(tensors)
     if te and not tensors:
         raise CheckpointError(f"{path}: holds only {text_encoder_note(te)}; convert_lora converts a transformer's LoRA")
+    tensors, diffs = split_weight_diffs(tensors)
+    if diffs:
+        print(f"warning: {path}: left out {weight_diff_note(diffs)}: convert_lora writes the down/up modules only",
+              file=sys.stderr)
     try:
         detect_format(tensors)  # a key of no layout is named before the architecture is looked for
         model_type = model_type or detect_arch(tensors, metadata)

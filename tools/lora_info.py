@@ -66,7 +66,9 @@ from networks.lora_files import (  # noqa: E402
     naming,
     parse_lora,
     split_text_encoders,
+    split_weight_diffs,
     text_encoder_note,
+    weight_diff_note,
 )
 from networks.lycoris_network import is_lycoris_file, lycoris_kind  # noqa: E402
 from networks.lora_arch import (  # noqa: E402
@@ -160,7 +162,8 @@ def read_info(path: str) -> dict:
 
 def _read_info(path: str) -> dict:
     reader, adapter_config = lora_reader(path)  # a PEFT adapter folder: its alphas are in adapter_config.json
-    keys, metadata = reader.keys(), dict(reader.metadata)
+    metadata = dict(reader.metadata)
+    keys, diffs = (list(part) for part in split_weight_diffs(dict.fromkeys(reader.keys())))  # ComfyUI's extraction
     fmt = layout(keys)
     _, te = split_text_encoders(dict.fromkeys(keys))
     modules = _modules(keys)
@@ -170,7 +173,7 @@ def _read_info(path: str) -> dict:
     if fmt == "lycoris":  # no single rank: the alphas only
         alphas.update(f"{float(reader.get(k).float()):g}" for k in keys if k.endswith(".alpha"))
     else:
-        weights, _ = parse_lora(dict(reader.items()), metadata, None, source=path,  # alphas as loaders apply them
+        weights, _ = parse_lora({k: reader.get(k) for k in keys}, metadata, None, source=path,  # alphas as loaders apply them
                                 adapter_config=adapter_config)
         for w in weights.values():
             ranks[w.rank] += 1
@@ -191,7 +194,8 @@ def _read_info(path: str) -> dict:
         "modules": len(modules), "ranks": {str(k): v for k, v in sorted(ranks.items())},
         "alphas": dict(alphas), "alpha_source": _alpha_source(keys, metadata, adapter_config),
         "dtypes": dict(Counter(reader.dtype_name(k) for k in keys)), "width": width, "blocks": counts,
-        "fits": fit, "text_encoders": text_encoder_note(te) if te else None, "training": training,
+        "fits": fit, "text_encoders": text_encoder_note(te) if te else None,
+        "weight_diffs": weight_diff_note(diffs) if diffs else None, "training": training,
         "metadata": {k: v for k, v in metadata.items() if k not in METADATA_KEYS.values()},
     }
 
@@ -214,6 +218,8 @@ def text_report(info: dict) -> str:
              f"fits: {info['fits']}"]  # fmt: skip
     if info["text_encoders"]:
         lines.append(f"text encoders: {info['text_encoders']} (sd-scripts' names; transformer tools leave them out)")
+    if info["weight_diffs"]:
+        lines.append(f"beside the LoRA: {info['weight_diffs']} (ComfyUI's extraction; LoRA loaders leave them out)")
     if "checked" in info:
         lines.append(f"checked: {info['checked']}")
     lines += [f"modules: {info['modules']}", "ranks: " + (", ".join(f"{r} x{n}" for r, n in info["ranks"].items()) or "n/a (LyCORIS factors)"),
