@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import re
+import warnings
 
 import torch
 import torch.nn as nn
@@ -37,6 +38,8 @@ from library.io import CheckpointError, CheckpointReader, save_safetensors
 from library.models.registry import arch_specs
 from networks.lora import LoRANetwork, _as_bool, _as_float, _as_int, _as_probability, check_lora_args, lora_targets
 from networks.lora_files import build_metadata, is_lycoris_file, lycoris_kind, tensor_hash  # noqa: F401 (the tools import them from here)
+from networks.lora_files import naming, split_text_encoders, text_encoder_note
+from networks.lora_reader import text_encoders_only, without_base_only
 
 # network_args LyCORIS' create_network reads (lycoris-lora 4.1.3, lycoris/kohya.py), passed as given.
 LYCORIS_ARGS = {
@@ -296,14 +299,26 @@ class LycorisNetwork(nn.Module):
     @classmethod
     def from_weights(cls, model: nn.Module, arch: str, source, multiplier: float = 1.0) -> "LycorisNetwork":
         """A network of exactly the modules a LyCORIS file names, rebuilt by LyCORIS from the
-        file (any algo and shape it holds); for generate and the tools."""
-        source = _tensors_of(source)
+        file (any algo and shape it holds); for generate and the tools. As LoRANetwork.from_weights reads
+        a LoRA: sd-scripts' text-encoder modules and the base's modules a variant lacks are left out, each
+        with one warning, and an error names the file."""
+        name = source if isinstance(source, str) else "state dict"
+        source, te = split_text_encoders(_tensors_of(source))
+        if te and not source:
+            raise CheckpointError(text_encoders_only(name, te))
+        if te:
+            warnings.warn(f"{name}: left out {text_encoder_note(te)}: they adapt the text encoders, not this network's model",
+                          stacklevel=2)
+        source = without_base_only(name, source, {}, arch)
         network = cls.__new__(cls)
         nn.Module.__init__(network)
         network.arch, network.rank, network.alpha, network.multiplier = arch, 0, 0.0, multiplier
         network.network_args, network.loraplus_lr_ratio = {}, None
         network._model, network._fp8_targets, network._applied = [model], {}, False
-        network._add_all(read_lycoris_modules(model, source, multiplier, lora_targets(arch).kohya_prefix, with_fp8=True))
+        try:
+            network._add_all(read_lycoris_modules(model, source, multiplier, lora_targets(arch).kohya_prefix, with_fp8=True))
+        except CheckpointError as e:
+            raise naming(name, e) from None
         network.eval()
         return network
 

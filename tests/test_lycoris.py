@@ -186,6 +186,33 @@ def test_lokr_file_round_trips_through_our_network_and_lycoris_own_loader(tmp_pa
         LycorisNetwork(model, "flux", 4, network_args={"algo": "loha"}).load_weights(path)
 
 
+def test_a_lokr_file_with_text_encoder_modules_on_flux_and_chroma_loads_its_transformer_modules(tmp_path):
+    """generate --lora with a FLUX.1 LoKr file from sd-scripts (CLIP-L modules under lora_te1_ beside the
+    transformer's) stopped with "LyCORIS module 'lora_te1_...' names no module of this model", no file named;
+    on Chroma (which loads FLUX.1 LoRAs less the modulation it lacks) with "... 'lora_unet_double_blocks_0_img_mod_lin'
+    names no module". Now both are left out, each with one warning, as for a down/up LoRA."""
+    from safetensors.torch import save_file
+
+    from library.models.chroma.model import Chroma, ChromaConfig
+    from networks.factory import network_from_file
+
+    net = LycorisNetwork(tiny_flux(), "flux", 4, 2.0, network_args=LOKR)
+    te = "lora_te1_text_model_encoder_layers_0_mlp_fc1"
+    tensors = {**net.state_dict(), f"{te}.lokr_w1": torch.ones(2, 2), f"{te}.lokr_w2": torch.ones(4, 4), f"{te}.alpha": torch.tensor(4.0)}
+    path = str(tmp_path / "lokr_te.safetensors")
+    save_file(tensors, path)
+    with pytest.warns(UserWarning) as said:
+        assert len(network_from_file(tiny_flux(), "flux", path).lycoris_modules()) == 29
+    assert [str(w.message) for w in said] == [f"{path}: left out 1 text-encoder modules (CLIP-L lora_te1_ x1): they adapt "
+                                              f"the text encoders, not this network's model"]
+    chroma = Chroma(ChromaConfig(in_channels=64, context_in_dim=8, hidden_size=16, num_heads=1, depth=2, depth_single=3,
+                                 axes_dim=(4, 6, 6), approximator_hidden=16, approximator_layers=1))
+    with pytest.warns(UserWarning) as said:
+        assert len(network_from_file(chroma, "chroma", path).lycoris_modules()) == 29 - 2 * 2 - 3  # img / txt_mod, modulation
+    assert [str(w.message).split(" (e.g.")[0] for w in said][1] == (
+        f"{path}: a FLUX.1 LoRA: left out its 7 modules this Chroma model lacks")
+
+
 def test_lokr_on_qwen_image_uses_musubi_targets():
     cfg = qwen.QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=1, joint_attention_dim=16,
                                axes_dims_rope=(8, 12, 12))
