@@ -95,7 +95,11 @@ def merge_into_weight(weight: torch.Tensor, loras) -> torch.Tensor:
 # lora_te2_ / lora_te3_ (a diffusion model's text encoders: sd-scripts' networks write CLIP-L as lora_te1_
 # and T5-XXL as lora_te3_, SDXL CLIP-G as lora_te2_), lora_transformer_ (OneTrainer, SimpleTuner).
 KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "lora_transformer_")
-TEXT_ENCODER_PREFIXES = {"lora_te1_": "CLIP-L", "lora_te2_": "CLIP-G", "lora_te3_": "T5-XXL"}
+TEXT_ENCODER_PREFIXES = {"lora_te1_": "CLIP-L", "lora_te2_": "CLIP-G", "lora_te3_": "T5-XXL",
+                         # dotted: diffusers' pipelines save a text encoder's LoRA under the component's name
+                         # (text_encoder: CLIP-L where a pipeline has it), ComfyUI's extraction under text_encoders.
+                         "text_encoder.": "diffusers", "text_encoder_2.": "diffusers", "text_encoders.": "ComfyUI"}
+KOHYA_TEXT_ENCODERS = ("lora_te1_", "lora_te2_", "lora_te3_")  # the ones a kohya file holds beside lora_unet_
 PEFT_PREFIXES = ("transformer.", "diffusion_model.", "base_model.model.", "unet.", "model.diffusion_model.")
 COMFY_PREFIXES = ("diffusion_model.", "model.diffusion_model.", "transformer.")
 # Where a name fits no module: networks/lora_reader.py reads every layout and naming a family knows, so a
@@ -227,9 +231,14 @@ def split_text_encoders(tensors: dict) -> tuple[dict, dict]:
     return {k: v for k, v in tensors.items() if k not in te}, te
 
 
+def _module_of(key: str) -> str:
+    """A dotted key's module: its part suffix (.lora_A.weight ...) or last component stripped."""
+    return next((key[: -len(s)] for s in _PART_OF_SUFFIX if key.endswith(s)), key.rsplit(".", 1)[0])
+
+
 def text_encoder_note(te_tensors) -> str:
     """'3 text-encoder modules (CLIP-L lora_te1_ x2, T5-XXL lora_te3_ x1)' for split_text_encoders' second part."""
-    modules = {k.split(".")[0] for k in te_tensors}
+    modules = {k.split(".")[0] if k.startswith(KOHYA_TEXT_ENCODERS) else _module_of(k) for k in te_tensors}
     counts = [f"{enc} {p} x{sum(m.startswith(p) for m in modules)}" for p, enc in TEXT_ENCODER_PREFIXES.items()
               if any(m.startswith(p) for m in modules)]
     return f"{len(modules)} text-encoder modules ({', '.join(counts)})"

@@ -69,6 +69,14 @@ def with_text_encoder(src: str, dst: str) -> str:
     return dst
 
 
+def with_diffusers_text_encoder(src: str, dst: str) -> str:
+    """FluxPipeline.save_lora_weights with text_encoder_lora_layers: CLIP-L's modules under `text_encoder.`
+    beside the transformer's (left out by every consumer, with one warning)."""
+    name = "text_encoder.text_model.encoder.layers.0.self_attn.q_proj"
+    save_file({**load_file(src), f"{name}.lora_A.weight": torch.ones(4, 8), f"{name}.lora_B.weight": torch.ones(8, 4)}, dst)
+    return dst
+
+
 def with_bias_diffs(src: str, dst: str) -> str:
     """ComfyUI's Extract and Save Lora with bias_diff (its default): a `.diff_b` bias delta beside each module
     (left out by every consumer, with one warning)."""
@@ -121,6 +129,7 @@ def flux(tmp_path_factory):
     files = common_layouts(root, ours, model)
     files["OneTrainer lora_transformer_ (diffusers names)"] = kohya_of_peft(files["diffusers"], str(root / "ot.safetensors"), "lora_transformer")
     files["lora_unet_ in diffusers names"] = kohya_of_peft(files["diffusers"], str(root / "ku.safetensors"), "lora_unet")
+    files["diffusers + text_encoder (diffusers pipeline)"] = with_diffusers_text_encoder(files["diffusers"], str(root / "dte.safetensors"))
     files["ComfyUI extraction (.diff_b beside)"] = with_bias_diffs(files["ComfyUI dotted lora_down"], str(root / "extract.safetensors"))
     split, split_reference = split_downs_lora(root)
     cases = {name: (path, dense(net.lora_weights())) for name, path in files.items()}
@@ -256,7 +265,8 @@ def assert_same_deltas(got: dict, want: dict):
 
 FLUX_CASES = ["kohya (ours)", "diffusers", "comfy", "kohya + text encoder (sd-scripts)", "PEFT base_model.model.",
               "ComfyUI dotted lora_down", "OneTrainer lora_transformer_ (diffusers names)", "lora_unet_ in diffusers names",
-              "diffusers q / k / v with their own downs", "ComfyUI extraction (.diff_b beside)"]  # fmt: skip
+              "diffusers q / k / v with their own downs", "ComfyUI extraction (.diff_b beside)",
+              "diffusers + text_encoder (diffusers pipeline)"]  # fmt: skip
 ZIMAGE_CASES = ["kohya (ours)", "diffusers", "comfy", "kohya + text encoder (sd-scripts)", "PEFT base_model.model.",
                 "ComfyUI dotted lora_down", "ComfyUI's own names (fused qkv, musubi-tuner)"]  # fmt: skip
 
@@ -273,6 +283,24 @@ def test_every_consumer_applies_every_layout_exactly(request, consumer, arch, la
     path, reference = built["cases"][layout]
     got = CONSUMERS[consumer](built["model"], arch, path, built["root"])
     assert_same_deltas(got, expected_in(checkpoint_of(consumer), built["root"], reference))
+
+
+def test_a_diffusers_lora_with_text_encoder_modules_loads_the_transformers(flux, tmp_path):
+    """diffusers' pipelines save a text encoder's LoRA under its component name (`text_encoder.text_model...`,
+    CLIP-L for FLUX.1). The old reader took those for transformer modules: generate and network_weights stopped
+    after the model loaded with "LoRA module 'text_encoder.text_model.encoder.layers.0.self_attn.q_proj' is not a
+    Linear of this flux model". Now they are left out as sd-scripts' lora_te1_ are, with one warning; --to kohya
+    leaves them out too (a kohya file holds sd-scripts' names only)."""
+    from networks.lora_reader import check_lora_arch
+
+    path, _ = flux["cases"]["diffusers + text_encoder (diffusers pipeline)"]
+    check_lora_arch(path, "flux")
+    with pytest.warns(UserWarning) as said:
+        network_from_file(flux["model"], "flux", path)
+    assert [str(w.message) for w in said] == [f"{path}: left out 1 text-encoder modules (diffusers text_encoder. x1): "
+                                              f"they adapt the text encoders, not this network's model"]
+    convert_lora.convert_lora(path, str(tmp_path / "k.safetensors"), "kohya")
+    assert all(k.startswith("lora_unet_") for k in load_file(str(tmp_path / "k.safetensors")))
 
 
 def test_a_comfyui_extracted_lora_reads_its_down_up_and_says_what_it_leaves_out(flux, capsys):

@@ -77,6 +77,7 @@ from library.models.spec import load_symbol  # noqa: E402
 from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
     FOLDED_MARK,
+    KOHYA_TEXT_ENCODERS,
     PEFT_CONFIG_FILE,
     LoRAWeights,
     bfl_to_diffusers,
@@ -173,9 +174,10 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
         raise ValueError(f"--alpha {alpha}: only for --to kohya, and must be > 0 (diffusers output has alpha folded in)")
     check_destination(src, dst, to)
     weights, metadata, fmt, model_type, known, counts, te = read_source(src, model_type and lora_arch(model_type))
-    if te and to != "kohya":
-        print(f"warning: {src}: left out {text_encoder_note(te)}: --to {to} holds the transformer's modules only "
-              "(--to kohya keeps them)", file=sys.stderr)  # fmt: skip
+    kept_te = {k: v for k, v in te.items() if k.startswith(KOHYA_TEXT_ENCODERS)} if to == "kohya" else {}
+    if left_te := {k: v for k, v in te.items() if k not in kept_te}:
+        print(f"warning: {src}: left out {text_encoder_note(left_te)}: --to {to} holds the transformer's modules only "
+              "(--to kohya keeps sd-scripts' lora_te1_ / lora_te2_ / lora_te3_)", file=sys.stderr)  # fmt: skip
     files = lora_files()[model_type]
     if to not in files.layouts:
         want = " or ".join(LAYOUT_ADVICE[layout] for layout in files.layouts if layout != "kohya")
@@ -199,7 +201,7 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     if to == "kohya":
         prefix = arch_spec(model_type).lora.kohya_prefix  # what networks/lora.py writes
         tensors = kohya_state_dict(weights, dtype, prefix)
-        write_lora_tensors({**tensors, **te}, dst, header)  # text-encoder modules as they were
+        write_lora_tensors({**tensors, **kept_te}, dst, header)  # sd-scripts' text-encoder modules as they were
     elif to == "peft":
         write_peft_folder(weights, dst, dtype=dtype, metadata=header, base_model=metadata.get("ss_sd_model_name"))
     elif to == "comfy":  # as diffusers' but DoRA's magnitude named and shaped as ComfyUI reads it

@@ -217,7 +217,7 @@ def text_report(info: dict) -> str:
              f"arch: {info['arch']}" + (f" ({info['naming']} names)" if info["naming"] else ""),
              f"fits: {info['fits']}"]  # fmt: skip
     if info["text_encoders"]:
-        lines.append(f"text encoders: {info['text_encoders']} (sd-scripts' names; transformer tools leave them out)")
+        lines.append(f"text encoders: {info['text_encoders']} (transformer tools leave them out)")
     if info["weight_diffs"]:
         lines.append(f"beside the LoRA: {info['weight_diffs']} (ComfyUI's extraction; LoRA loaders leave them out)")
     if "checked" in info:
