@@ -202,25 +202,38 @@ def lycoris_kind(key: str) -> str | None:
 
 def is_lycoris_file(tensors) -> bool:
     """True when the keys are LyCORIS-only types (LoKr, LoHa, (IA)^3, full ...), not plain LoRA (whose
-    whole-weight / bias deltas beside it are split_weight_diffs')."""
-    return any(lycoris_kind(k) for k in split_weight_diffs(dict.fromkeys(tensors))[0])
+    tensors beside it are split_beside_lora')."""
+    return any(lycoris_kind(k) for k in split_beside_lora(dict.fromkeys(tensors))[0])
 
 
-def split_weight_diffs(tensors: dict) -> tuple[dict, dict]:
-    """(the down/up LoRA's tensors, the whole deltas beside it: `.diff` of a 1-D weight, `.diff_b` of a bias)
-    of a file holding both, as ComfyUI's Extract and Save Lora writes with bias_diff (its default). A LoRA
-    network adapts weights through down/up only, so callers leave them out and say so (weight_diff_note);
-    a file of whole deltas alone (LyCORIS' full type) is (tensors, {})."""
-    diffs = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[-1] in ("diff", "diff_b")}
-    if not diffs or not any(k.endswith((".lora_down.weight", ".lora_A.weight")) for k in tensors):
+# Tensors trainers save beside a down/up LoRA that no LoRA network applies: kind -> what it is. ".diff" / ".diff_b":
+# the last part of a key (ComfyUI's Extract and Save Lora writes them for 1-D weights and, with bias_diff, its
+# default, for biases); "bundle_emb.": the first (OneTrainer's embeddings bundled with the LoRA).
+BESIDE_LORA = {".diff": "whole 1-D weight deltas", ".diff_b": "bias deltas", "bundle_emb.": "OneTrainer's bundled embeddings"}
+
+
+def _beside_kind(key: str) -> str | None:
+    if key.startswith("bundle_emb."):
+        return "bundle_emb."
+    last = "." + key.rsplit(".", 1)[-1]
+    return last if last in (".diff", ".diff_b") else None
+
+
+def split_beside_lora(tensors: dict) -> tuple[dict, dict]:
+    """(the down/up LoRA's tensors, the tensors saved beside it: BESIDE_LORA) of a file holding both. A LoRA
+    network applies down/up only, so callers leave them out and say so (beside_lora_note). A file without
+    down/up modules is (tensors, {}): whole deltas alone are LyCORIS' full type."""
+    beside = {k: v for k, v in tensors.items() if _beside_kind(k)}
+    if not beside or not any(k.endswith((".lora_down.weight", ".lora_A.weight")) for k in tensors):
         return tensors, {}
-    return {k: v for k, v in tensors.items() if k not in diffs}, diffs
+    return {k: v for k, v in tensors.items() if k not in beside}, beside
 
 
-def weight_diff_note(diffs) -> str:
-    """'12 whole-weight / bias deltas (.diff x2, .diff_b x10)' for split_weight_diffs' second part."""
-    kinds = [f".{kind} x{n}" for kind in ("diff", "diff_b") if (n := sum(k.endswith(f".{kind}") for k in diffs))]
-    return f"{len(diffs)} whole-weight / bias deltas ({', '.join(kinds)})"
+def beside_lora_note(beside) -> str:
+    """'14 tensors beside the LoRA (bias deltas .diff_b x12, OneTrainer's bundled embeddings bundle_emb. x2)'
+    for split_beside_lora's second part."""
+    kinds = [f"{what} {kind} x{n}" for kind, what in BESIDE_LORA.items() if (n := sum(_beside_kind(k) == kind for k in beside))]
+    return f"{len(beside)} tensors beside the LoRA ({', '.join(kinds)})"
 
 
 def split_text_encoders(tensors: dict) -> tuple[dict, dict]:

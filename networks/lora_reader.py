@@ -60,9 +60,9 @@ from networks.lora_files import (
     read_lora_tensors,
     resolve_kohya_names,
     split_text_encoders,
-    split_weight_diffs,
+    split_beside_lora,
     text_encoder_note,
-    weight_diff_note,
+    beside_lora_note,
 )
 
 
@@ -145,9 +145,9 @@ def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict
     tensors, te = split_text_encoders(tensors)
     if te and not tensors:  # sd-scripts' text encoders alone: nothing for the model (an empty file is an error below)
         return LoRARead({}, dict(metadata), "kohya", True, te)
-    tensors, diffs = split_weight_diffs(tensors)
+    tensors, diffs = split_beside_lora(tensors)
     if diffs:
-        warnings.warn(f"{name}: left out {weight_diff_note(diffs)}: a LoRA network applies the down/up modules only",
+        warnings.warn(f"{name}: left out {beside_lora_note(diffs)}: a LoRA network applies the down/up modules only",
                       stacklevel=3)
     tensors = without_base_only(name, tensors, metadata, arch)
     if (error := foreign_arch_error(name, tensors, metadata, arch)) is not None:
@@ -331,7 +331,7 @@ def check_lora_arch(path: str, arch: str) -> None:
     shapes, te = split_text_encoders(shapes)
     if te and not shapes:
         raise CheckpointError(text_encoders_only(path, te))
-    shapes = without_base_only(path, split_weight_diffs(shapes)[0], dict(reader.metadata), arch, say=False)
+    shapes = without_base_only(path, split_beside_lora(shapes)[0], dict(reader.metadata), arch, say=False)
     if shapes and (error := foreign_arch_error(path, shapes, dict(reader.metadata), arch)) is not None:
         raise CheckpointError(error)
 

@@ -275,7 +275,7 @@ def checkpoint_of(consumer: str):
     return {"merge_lora": "base.safetensors", "merge_lora into the other naming": "diffusers"}.get(consumer)
 
 
-@pytest.mark.filterwarnings("ignore:.*text-encoder", "ignore:.*whole-weight / bias deltas")
+@pytest.mark.filterwarnings("ignore:.*text-encoder", "ignore:.*tensors beside the LoRA")
 @pytest.mark.parametrize("arch, layout", [("flux", c) for c in FLUX_CASES] + [("zimage", c) for c in ZIMAGE_CASES])
 @pytest.mark.parametrize("consumer", CONSUMERS)
 def test_every_consumer_applies_every_layout_exactly(request, consumer, arch, layout):
@@ -303,20 +303,29 @@ def test_a_diffusers_lora_with_text_encoder_modules_loads_the_transformers(flux,
     assert all(k.startswith("lora_unet_") for k in load_file(str(tmp_path / "k.safetensors")))
 
 
-def test_a_comfyui_extracted_lora_reads_its_down_up_and_says_what_it_leaves_out(flux, capsys):
+def test_a_comfyui_extracted_lora_reads_its_down_up_and_says_what_it_leaves_out(flux, tmp_path):
     """ComfyUI's Extract and Save Lora writes a `.diff_b` per bias (bias_diff, on by default) beside the down/up
     modules. The old readers took the file for LyCORIS' full type: generate said "LyCORIS module 'diffusion_model'
     names no module of this model", network_weights asked for network_module lycoris.kohya, lora_info said "full
-    in lycoris layout". Now the LoRA loads and one line counts what is left out; lora_info says it too."""
+    in lycoris layout". OneTrainer's embeddings bundled with a LoRA (`bundle_emb.<name>.t5`) stopped every reader
+    with "LoRA key 'bundle_emb...': expected a name ending in .lora_down.weight ...". Now the LoRA loads and one
+    line counts what is left out; lora_info says it too."""
     from tools import lora_info
 
     path, _ = flux["cases"]["ComfyUI extraction (.diff_b beside)"]
     with pytest.warns(UserWarning) as said:
         network_from_file(flux["model"], "flux", path)
-    assert [str(w.message) for w in said] == [f"{path}: left out 13 whole-weight / bias deltas (.diff_b x13): a LoRA "
-                                              f"network applies the down/up modules only"]
+    assert [str(w.message) for w in said] == [f"{path}: left out 13 tensors beside the LoRA (bias deltas .diff_b x13): "
+                                              f"a LoRA network applies the down/up modules only"]
     info = lora_info.read_info(path)
-    assert (info["format"], info["network"], info["weight_diffs"]) == ("comfy", "LoRA", "13 whole-weight / bias deltas (.diff_b x13)")
+    assert (info["format"], info["network"], info["beside_lora"]) == ("comfy", "LoRA", "13 tensors beside the LoRA (bias deltas .diff_b x13)")
+    bundled = str(tmp_path / "onetrainer.safetensors")
+    save_file({**load_file(flux["cases"]["OneTrainer lora_transformer_ (diffusers names)"][0]),
+               "bundle_emb.mystyle.clip_l": torch.ones(2, 8), "bundle_emb.mystyle.t5": torch.ones(2, 32)}, bundled)
+    with pytest.warns(UserWarning) as said:
+        assert len(network_from_file(flux["model"], "flux", bundled).lora_modules()) == 13
+    assert [str(w.message) for w in said] == [f"{bundled}: left out 2 tensors beside the LoRA (OneTrainer's bundled "
+                                              f"embeddings bundle_emb. x2): a LoRA network applies the down/up modules only"]
 
 
 # ----------------------------------------------------------------------------------------------

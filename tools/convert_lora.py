@@ -90,9 +90,9 @@ from networks.lora_files import (  # noqa: E402
     peft_alpha_known,
     read_lora_tensors,
     split_text_encoders,
-    split_weight_diffs,
+    split_beside_lora,
     text_encoder_note,
-    weight_diff_note,
+    beside_lora_note,
     write_lora_tensors,
     write_peft,
     write_peft_folder,
@@ -120,9 +120,9 @@ def read_source(path: str, model_type: str | None):
     tensors, te = split_text_encoders(tensors)
     if te and not tensors:
         raise CheckpointError(f"{path}: holds only {text_encoder_note(te)}; convert_lora converts a transformer's LoRA")
-    tensors, diffs = split_weight_diffs(tensors)
+    tensors, diffs = split_beside_lora(tensors)
     if diffs:
-        print(f"warning: {path}: left out {weight_diff_note(diffs)}: convert_lora writes the down/up modules only",
+        print(f"warning: {path}: left out {beside_lora_note(diffs)}: convert_lora writes the down/up modules only",
               file=sys.stderr)
     try:
         detect_format(tensors)  # a key of no layout is named before the architecture is looked for

@@ -34,8 +34,8 @@ from networks.lora_files import (  # noqa: E402
     peft_alpha_known,
     peft_state_dict,
     read_lora_tensors,
-    split_weight_diffs,
-    weight_diff_note,
+    split_beside_lora,
+    beside_lora_note,
     write_lora_tensors,
 )
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
@@ -63,9 +63,9 @@ def read_lora_file(path: str, tool: str) -> LoRAFile:
     adapter_model.safetensors). LyCORIS files are refused with one line naming `tool`; a PEFT file
     whose alpha is stored nowhere is read as alpha = rank with a warning, as convert_lora does."""
     tensors, metadata, adapter_config = read_lora_tensors(path)
-    tensors, diffs = split_weight_diffs(tensors)
+    tensors, diffs = split_beside_lora(tensors)
     if diffs:
-        print(f"warning: {path}: left out {weight_diff_note(diffs)}: {tool} works on the down/up modules only", file=sys.stderr)
+        print(f"warning: {path}: left out {beside_lora_note(diffs)}: {tool} works on the down/up modules only", file=sys.stderr)
     if is_lycoris_file(tensors):
         raise CheckpointError(f"{path}: a LyCORIS file (LoKr / LoHa / ...): {tool} works on LoRA (down/up) files only; "
                               "merge it into the base with tools/merge_lora.py instead")  # fmt: skip

@@ -66,9 +66,9 @@ from networks.lora_files import (  # noqa: E402
     naming,
     parse_lora,
     split_text_encoders,
-    split_weight_diffs,
+    split_beside_lora,
     text_encoder_note,
-    weight_diff_note,
+    beside_lora_note,
 )
 from networks.lycoris_network import is_lycoris_file, lycoris_kind  # noqa: E402
 from networks.lora_arch import (  # noqa: E402
@@ -163,7 +163,7 @@ def read_info(path: str) -> dict:
 def _read_info(path: str) -> dict:
     reader, adapter_config = lora_reader(path)  # a PEFT adapter folder: its alphas are in adapter_config.json
     metadata = dict(reader.metadata)
-    keys, diffs = (list(part) for part in split_weight_diffs(dict.fromkeys(reader.keys())))  # ComfyUI's extraction
+    keys, diffs = (list(part) for part in split_beside_lora(dict.fromkeys(reader.keys())))  # .diff_b ...
     fmt = layout(keys)
     _, te = split_text_encoders(dict.fromkeys(keys))
     modules = _modules(keys)
@@ -195,7 +195,7 @@ def _read_info(path: str) -> dict:
         "alphas": dict(alphas), "alpha_source": _alpha_source(keys, metadata, adapter_config),
         "dtypes": dict(Counter(reader.dtype_name(k) for k in keys)), "width": width, "blocks": counts,
         "fits": fit, "text_encoders": text_encoder_note(te) if te else None,
-        "weight_diffs": weight_diff_note(diffs) if diffs else None, "training": training,
+        "beside_lora": beside_lora_note(diffs) if diffs else None, "training": training,
         "metadata": {k: v for k, v in metadata.items() if k not in METADATA_KEYS.values()},
     }
 
@@ -218,7 +218,7 @@ def text_report(info: dict) -> str:
              f"fits: {info['fits']}"]  # fmt: skip
     if info["text_encoders"]:
         lines.append(f"text encoders: {info['text_encoders']} (transformer tools leave them out)")
-    if info["weight_diffs"]:
+    if info["beside_lora"]:
         lines.append(f"beside the LoRA: {info['weight_diffs']} (ComfyUI's extraction; LoRA loaders leave them out)")
     if "checked" in info:
         lines.append(f"checked: {info['checked']}")
