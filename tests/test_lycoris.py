@@ -213,6 +213,34 @@ def test_a_lokr_file_with_text_encoder_modules_on_flux_and_chroma_loads_its_tran
         f"{path}: a FLUX.1 LoRA: left out its 7 modules this Chroma model lacks")
 
 
+def test_a_network_weights_or_base_loras_file_the_network_cannot_read_stops_the_run_before_caching(tmp_path):
+    """A LoKr file as network_weights of network_module networks.lora (the default) stopped the run after caching
+    and loading the model ("a LyCORIS file ...; set network_module = "lycoris.kohya""), a LoRA file of
+    lycoris.kohya with "key ... is not a tensor of this LyCORIS network", a LoKr file as base_loras with "a
+    LyCORIS file; merge it ...": library/training/lora_inputs.py, which runs before caching, now says each."""
+    from types import SimpleNamespace
+
+    from library.training.lora_inputs import check_lora_inputs
+
+    lokr, lora = str(tmp_path / "lokr.safetensors"), str(tmp_path / "lora.safetensors")
+    LycorisNetwork(tiny_flux(), "flux", 4, 2.0, network_args=LOKR).save(lokr)
+    LoRANetwork(tiny_flux(), "flux", 4).save(lora)
+    for key, module, path, said in (
+            ("network_weights", "networks.lora", lokr, "a LyCORIS file (LoKr / LoHa / ...; network_module lycoris.kohya); "
+                                                       "set network_module = \"lycoris.kohya\" to load it"),
+            ("network_weights", "lycoris.kohya", lora, "a down/up LoRA file (network_module networks.lora); "
+                                                       "set network_module = \"networks.lora\" to load it"),
+            ("base_loras", "networks.lora", lokr, "a LyCORIS file (LoKr / LoHa / ...; network_module lycoris.kohya); merge "
+                                                  "it into the checkpoint with tools/merge_lora.py and train on the merged checkpoint")):
+        args = SimpleNamespace(config_file="run.toml", network_module=module, network_weights=None, base_loras=None)
+        setattr(args, key, path if key == "network_weights" else [f"{path}:0.5"])
+        with pytest.raises(ConfigError) as error:
+            check_lora_inputs(args, "flux")
+        assert str(error.value) == f"run.toml: key '{key}': {path}: {said}"
+    check_lora_inputs(SimpleNamespace(config_file=None, network_module="lycoris.kohya", network_weights=lokr,
+                                      base_loras=[lora]), "flux")
+
+
 def test_lokr_on_qwen_image_uses_musubi_targets():
     cfg = qwen.QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=1, joint_attention_dim=16,
                                axes_dims_rope=(8, 12, 12))

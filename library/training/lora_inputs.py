@@ -10,8 +10,11 @@ from library.lora_spec import parse_lora_spec
 
 
 def check_lora_inputs(args, arch: str) -> None:
-    """Raise ConfigError for the first of network_weights / base_loras that `arch`'s model cannot take."""
-    from networks.lora_reader import check_lora_arch  # torch: not for the config check the web UI runs
+    """Raise ConfigError for the first of network_weights / base_loras that `arch`'s model cannot take, or
+    that the run's network cannot read: a LyCORIS file as network_weights of networks.lora (or a LoRA of
+    lycoris.kohya), a LyCORIS file as base_loras (merged by tools/merge_lora.py only)."""
+    from networks.factory import network_module_of_file  # torch: not for the config check the web UI runs
+    from networks.lora_reader import check_lora_arch
 
     where = args.config_file or "command line"
     named = [("network_weights", args.network_weights)] if args.network_weights else []
@@ -19,8 +22,18 @@ def check_lora_inputs(args, arch: str) -> None:
     for key, path in named:
         try:
             check_lora_arch(path, arch)
+            kind = network_module_of_file(path)
         except (ValueError, OSError) as e:  # CheckpointError is a ValueError
             raise ConfigError(f"{where}: key '{key}': {e}") from None
+        wanted = (getattr(args, "network_module", None) or "networks.lora") if key == "network_weights" else "networks.lora"
+        if kind != wanted:
+            raise ConfigError(f"{where}: key '{key}': {path}: {_KIND[kind]}; " + (
+                f"set network_module = \"{kind}\" to load it" if key == "network_weights" else
+                "merge it into the checkpoint with tools/merge_lora.py and train on the merged checkpoint"))
+
+
+_KIND = {"networks.lora": "a down/up LoRA file (network_module networks.lora)",
+         "lycoris.kohya": "a LyCORIS file (LoKr / LoHa / ...; network_module lycoris.kohya)"}
 
 
 def loaded_dim_alpha(network, args) -> dict[str, str]:
