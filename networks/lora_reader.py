@@ -16,7 +16,11 @@ memory `{module path of the target: LoRAWeights}`:
 A file whose names are another architecture's is refused in one line that says which, as
 tools/lora_info.py reports it (`foreign_arch_error`; `check_lora_arch` does it from the header alone); so is
 one in names a variant shares with its base that only the base's model takes (lora_arch.is_base_lora), and
-one of names many architectures have whose width and blocks are another's released size. LyCORIS files
+one of names many architectures have whose width and blocks are another's released size, or whose header
+names another (lora_arch.header_arch); where nothing tells, one warning says so (`shared_shapes_note`). A
+variant whose model takes its base's LoRAs (LoRAFiles.takes_base_loras) reads them less the modules it lacks,
+with one warning (`without_base_only`). Text-encoder modules and the tensors some trainers save beside a LoRA
+(lora_files.split_beside_lora) are left out, each with one warning. LyCORIS files
 are read by `lycoris_for_model` (names only: their factors are no rows of a fused module's).
 """
 
@@ -50,6 +54,7 @@ from networks.lora_arch import (
 )
 from networks.lora_files import (
     LoRAWeights,
+    beside_lora_note,
     bfl_to_diffusers,
     detect_format,
     diffusers_to_bfl,
@@ -59,10 +64,9 @@ from networks.lora_files import (
     peft_alpha_known,
     read_lora_tensors,
     resolve_kohya_names,
-    split_text_encoders,
     split_beside_lora,
+    split_text_encoders,
     text_encoder_note,
-    beside_lora_note,
 )
 
 
@@ -251,13 +255,8 @@ def shared_shapes_note(name: str, tensors: dict, metadata: dict[str, str], arch:
     block counts that fit a release of `arch` and of another, no header naming one): it is read as `arch`'s.
     None where the names, the sizes or the header tell (foreign_arch refuses another's)."""
     files = lora_files()
-    if arch not in files or header_arch(metadata) is not None:
+    if arch not in files or header_arch(metadata) is not None or _names_tell(tensors, metadata):
         return None
-    try:
-        detect_arch(tensors, metadata)
-        return None
-    except CheckpointError:
-        pass
     modules = list(dict.fromkeys(module_of_key(k) for k in tensors))
     widths = down_widths(tensors)
     base = lambda a: files[a].names_of or a  # noqa: E731
@@ -270,6 +269,15 @@ def shared_shapes_note(name: str, tensors: dict, metadata: dict[str, str], arch:
     return (f"{name}: its modules (e.g. '{modules[0]}') are {alike} alike, at width {width_of(widths, arch)} in {blocks} "
             f"blocks, and its header names no model (ss_base_model_version): read as this {arch_spec(arch).title} "
             f"model's LoRA")
+
+
+def _names_tell(tensors: dict, metadata: dict[str, str]) -> bool:
+    """True where the module names tell the architecture (lora_arch.detect_arch)."""
+    try:
+        detect_arch(tensors, metadata)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _released_size_of(tensors: dict, arch: str) -> str | None:

@@ -29,13 +29,13 @@ from networks.lora_files import (  # noqa: E402
     PEFT_PREFIXES,
     LoRAWeights,
     _split_key,
+    beside_lora_note,
     input_files,
     parse_lora,
     peft_alpha_known,
     peft_state_dict,
     read_lora_tensors,
     split_beside_lora,
-    beside_lora_note,
     write_lora_tensors,
 )
 from networks.lycoris_network import is_lycoris_file  # noqa: E402

@@ -61,14 +61,14 @@ from networks.lora_files import (  # noqa: E402
     METADATA_KEYS,
     TEXT_ENCODER_PREFIXES,
     _split_key,
+    beside_lora_note,
     detect_format,
     lora_reader,
     naming,
     parse_lora,
-    split_text_encoders,
     split_beside_lora,
+    split_text_encoders,
     text_encoder_note,
-    beside_lora_note,
 )
 from networks.lycoris_network import is_lycoris_file, lycoris_kind  # noqa: E402
 from networks.lora_arch import (  # noqa: E402
@@ -219,7 +219,7 @@ def text_report(info: dict) -> str:
     if info["text_encoders"]:
         lines.append(f"text encoders: {info['text_encoders']} (transformer tools leave them out)")
     if info["beside_lora"]:
-        lines.append(f"beside the LoRA: {info['weight_diffs']} (ComfyUI's extraction; LoRA loaders leave them out)")
+        lines.append(f"left out by LoRA loaders: {info['beside_lora']}")
     if "checked" in info:
         lines.append(f"checked: {info['checked']}")
     lines += [f"modules: {info['modules']}", "ranks: " + (", ".join(f"{r} x{n}" for r, n in info["ranks"].items()) or "n/a (LyCORIS factors)"),
