@@ -179,9 +179,7 @@ class LLMTask:
     def _check_context(self, config: LLMConfig):
         if self.args.max_length > config.context_length:
             source = "max_position_embeddings"
-            if config.context_length == config.sliding_window:
-                source = "sliding_window"
-            elif config.context_length > config.max_position_embeddings:
+            if config.context_length > config.max_position_embeddings:
                 source = (f"rope_scaling factor {config.rope_scaling.factor:g} x original_max_position_embeddings "
                           f"{config.rope_scaling.original_max_position_embeddings}")
             raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
