@@ -88,7 +88,7 @@ class LayerNormNoAffine(nn.Module):
 # RoPE
 
 
-def _angle_dtype(device: torch.device) -> torch.dtype:
+def angle_dtype(device: torch.device) -> torch.dtype:
     # float64 everywhere it exists; MPS has no float64, float32 is still exact for positions < 2^24.
     return torch.float32 if device.type == "mps" else torch.float64
 
@@ -109,7 +109,7 @@ def rope_tables(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: floa
         raise ValueError(f"positions shape {tuple(positions.shape)} does not fit axes {axes_dims}")
     if len(axes_dims) == 1 and (positions.dim() == 1 or positions.shape[-1] != 1):
         positions = positions.unsqueeze(-1)
-    dtype = _angle_dtype(positions.device)
+    dtype = angle_dtype(positions.device)
     with autocast_off(positions.device.type):
         pos = positions.to(dtype)
         angles = []
@@ -130,7 +130,7 @@ def rope_tables_from_inv_freq(positions: torch.Tensor, inv_freq: torch.Tensor, s
     """
     if positions.is_floating_point():
         raise TypeError(f"RoPE positions must be integer ids, got {positions.dtype}")
-    dtype = _angle_dtype(positions.device)
+    dtype = angle_dtype(positions.device)
     with autocast_off(positions.device.type):
         angles = positions.to(dtype)[..., None] * inv_freq.to(positions.device, dtype)
         return (angles.cos() * scale).float(), (angles.sin() * scale).float()
@@ -154,7 +154,7 @@ def mrope_tables(positions: torch.Tensor, head_dim: int, theta: float, sections:
     if sum(sections) != head_dim // 2 or positions.shape[-1] != len(sections):
         raise ValueError(f"M-RoPE sections {sections} for head_dim {head_dim} and positions {tuple(positions.shape)}: "
                          f"expected sum(sections) == head_dim / 2 and one position axis per section")
-    dtype = _angle_dtype(positions.device)
+    dtype = angle_dtype(positions.device)
     with autocast_off(positions.device.type):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=dtype, device=positions.device) / head_dim))
         if interleaved:

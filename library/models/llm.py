@@ -358,6 +358,9 @@ class LLM(nn.Module):
         self.model = Decoder(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.hidden_states_only = False
+        # RoPE's float64 inverse frequencies (scaled RoPE) and float32 cos / sin for positions 0..L-1, per
+        # (device, length, config): a plain dict, not buffers, so `.to(dtype)` of the model never casts them.
+        self._rope_cache: dict = {}
 
     def truncate_for_hidden_states(self, keep_layers: int) -> None:
         """Drop what a reader of intermediate hidden states never runs: decoder layers after the
@@ -379,17 +382,43 @@ class LLM(nn.Module):
         if c.rope_scaling is None:
             return core.rope_tables(position_ids, (c.head_dim,), c.rope_theta)
         seq_len = int(position_ids.max()) + 1 if c.rope_scaling.rope_type == "dynamic" else 0  # a sync: dynamic only
-        inv_freq, scale = c.rope_scaling.inv_freq(c.head_dim, c.rope_theta, c.max_position_embeddings, seq_len)
+        device = position_ids.device
+
+        def build():  # float64 [D / 2] on the positions' device (MPS: float32: core.angle_dtype)
+            inv_freq, scale = c.rope_scaling.inv_freq(c.head_dim, c.rope_theta, c.max_position_embeddings, seq_len)
+            return inv_freq.to(device, core.angle_dtype(device)), scale
+
+        inv_freq, scale = self._cached(("inv_freq", device, seq_len), build)
         return core.rope_tables_from_inv_freq(position_ids, inv_freq, scale)
+
+    def _rope_for_length(self, length: int, device: torch.device):
+        """fp32 (cos, sin) [L, D / 2] of positions 0..L-1 (a forward without mask or position ids), built once."""
+        return self._cached(("tables", device, length), lambda: self._rope(torch.arange(length, device=device)))
+
+    def _cached(self, key: tuple, build: Callable):
+        """build()'s tensors, kept under key and this config. Built outside inference mode (a table made under
+        torch.inference_mode could not be saved for a later training backward) and without autograd; at most
+        8 entries (lengths of eval and training), then the cache starts over."""
+        key = (*key, self.config)
+        if key not in self._rope_cache:
+            with torch.inference_mode(False), torch.no_grad():
+                value = build()
+            if len(self._rope_cache) >= 8:
+                self._rope_cache.clear()
+            self._rope_cache[key] = value
+        return self._rope_cache[key]
 
     def _embed(self, input_ids, attention_mask, position_ids, inputs_embeds=None):
         """(embeddings [B, L, D] compute_dtype, cos, sin fp32, mask or None, visible or None) for a
         forward. inputs_embeds [B, L, D] replaces the token lookup (e.g. image tokens carrying vision
         features)."""
         B, L = input_ids.shape
-        if position_ids is None:
-            position_ids = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
-        cos, sin = self._rope(position_ids)  # fp32
+        if position_ids is None and attention_mask is None:
+            cos, sin = self._rope_for_length(L, input_ids.device)  # fp32, positions 0..L-1
+        else:
+            if position_ids is None:
+                position_ids = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
+            cos, sin = self._rope(position_ids)  # fp32
         key_mask = None if attention_mask is None else attention_mask.bool()
         # Built once per forward when there is padding; without it SDPA applies causality itself.
         # A left-pad query sees no key: attention_mask opens its row (no kernel returns NaN) and
