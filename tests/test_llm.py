@@ -3,6 +3,7 @@ error messages, preset sizes, generation, bf16, tokenizer and the quickstart scr
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -344,3 +345,32 @@ def test_quickstart_short_run_writes_outputs_and_lowers_val_loss(tmp_path):
     assert len((out / "log.csv").read_text().splitlines()) == 1 + 3  # header + evals at steps 1, 15, 30
     reloaded = load_llm(str(out))
     assert reloaded.config.vocab_size == 300
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--heads", "3"], "^error: --hidden 128, --heads 3, --kv_heads 2: expected --hidden a multiple of --heads"),
+    (["--corpus_chars", "800", "--vocab_size", "300"],
+     r"^error: --corpus_chars 800: \d+ tokens leave the validation tenth \d+, fewer than --context \+ 1 = 129"),
+])
+def test_quickstart_bad_settings_are_one_line_before_training(tmp_path, capsys, extra, message):
+    """The old line trained the tokenizer and then died in a traceback: LLMConfig's ValueError for --heads 3, and
+    for a corpus whose validation tenth is under one window, torch.randint's 'from=0 >= to=-75' at the first eval."""
+    from tools.llm_quickstart import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--output_dir", str(tmp_path), "--max_steps", "1", *extra])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.match(message, err), err
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_quickstart_batches_reach_the_last_window():
+    """A stream of exactly context + 1 tokens holds one window: the old line drew starts from randint(0, 0) and
+    raised; every start 0..len - context - 1 is drawn now."""
+    from tools.llm_quickstart import random_batch
+
+    x, y = random_batch(torch.arange(9), 4, 8, torch.Generator().manual_seed(0))
+    assert x.tolist() == [list(range(8))] * 4 and y.tolist() == [list(range(1, 9))] * 4
+    starts = random_batch(torch.arange(12), 200, 8, torch.Generator().manual_seed(0))[0][:, 0]
+    assert set(starts.tolist()) == {0, 1, 2, 3}
