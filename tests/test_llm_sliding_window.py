@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from library.models.llm import LLM, LLMConfig, load_llm
+from library.models.llm import LLM, LLMConfig, load_llm, save_hf_folder
 from tests.test_llm import TINY, randomize_
 
 QWEN = {**TINY, "num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 6}
@@ -27,6 +27,8 @@ def hf_model(model_type: str, **extra):
 def test_qwen_sliding_window_layers_match_transformers_past_the_window(tmp_path, model_type, extra, layers):
     """The old line refused use_sliding_window. 20 tokens (3x the window of 6), with and without left
     padding: logits within 1e-5 of transformers; the saved config reads back the same layers."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
     hf = hf_model(model_type, **extra)
     hf.save_pretrained(tmp_path, safe_serialization=True)
@@ -43,6 +45,10 @@ def test_qwen_sliding_window_layers_match_transformers_past_the_window(tmp_path,
         assert (full(ids) - model(ids)).abs().max().item() > 1e-3  # the window hides something here
     saved = json.loads(json.dumps(model.config.to_hf()))
     assert LLMConfig.from_hf(saved) == model.config
+    save_hf_folder(model, str(tmp_path / "ours"))  # what pretraining writes: transformers runs the same windows
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert (reloaded(ids).logits - hf(ids).logits).abs().max().item() <= 1e-5
 
 
 def test_qwen_sliding_window_configs_transformers_reads_as_full_attention():
