@@ -68,3 +68,11 @@ def test_qwen_sliding_window_configs_transformers_reads_as_full_attention():
 def test_sliding_window_configs_transformers_cannot_run_are_refused(config, message):
     with pytest.raises(ValueError, match=message):
         LLMConfig.from_hf({**TINY, "num_hidden_layers": 4, "sliding_window": 6, **config})
+
+
+def test_a_window_without_its_layers_is_refused():
+    """LLMConfig(sliding_window=...) alone used to mean a bound on the sequence; now it must name its layers."""
+    with pytest.raises(ValueError, match=r"sliding_window 8 with window_layers \(\): expected the indices"):
+        LLMConfig(sliding_window=8)
+    with pytest.raises(ValueError, match=r"window_layers \(2,\): expected the indices \(below num_layers 2\)"):
+        LLMConfig(num_layers=2, sliding_window=8, window_layers=(2,))

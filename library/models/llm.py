@@ -80,8 +80,9 @@ class LLMConfig:
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         object.__setattr__(self, "window_layers", tuple(self.window_layers) if self.sliding_window else ())
-        if self.window_layers and not all(0 <= i < self.num_layers for i in self.window_layers):
-            raise ValueError(f"LLMConfig: window_layers {self.window_layers}: expected layer indices below {self.num_layers}")
+        if self.sliding_window and not (self.window_layers and all(0 <= i < self.num_layers for i in self.window_layers)):
+            raise ValueError(f"LLMConfig: sliding_window {self.sliding_window} with window_layers {self.window_layers}: "
+                             f"expected the indices (below num_layers {self.num_layers}) of the layers it applies to")
         if self.num_heads % self.num_kv_heads or (not self.head_dim and self.hidden_size % self.num_heads):
             raise ValueError(
                 f"LLMConfig: hidden_size {self.hidden_size}, num_heads {self.num_heads}, num_kv_heads "
