@@ -410,8 +410,8 @@ class LLM(nn.Module):
         return self._rope_cache[key]
 
     def _embed(self, input_ids, attention_mask, position_ids, inputs_embeds=None):
-        """(embeddings [B, L, D] compute_dtype, cos, sin fp32, mask or None, visible or None) for a
-        forward. inputs_embeds [B, L, D] replaces the token lookup (e.g. image tokens carrying vision
+        """(embeddings [B, L, D] compute_dtype, cos, sin fp32, each layer's mask (bool or None), visible or
+        None) for a forward. inputs_embeds [B, L, D] replaces the token lookup (e.g. image tokens carrying vision
         features)."""
         B, L = input_ids.shape
         if position_ids is None and attention_mask is None:
