@@ -55,7 +55,7 @@ def load_text_corpus(paths: str | list[str]) -> list[str]:
 
 
 TOKEN_DTYPE = torch.int32  # 4 bytes a stored token (every vocab fits); windows widen to int64 as they are read
-PIECE_CHARS = 1 << 20  # a document is tokenized in pieces of about this many characters
+PIECE_CHARS = 1 << 18  # a document is tokenized in pieces of about this many characters (a piece's encoding: ~100 B a token)
 # Where a piece may end: after a newline that a non-space follows, else before a space that a letter follows. A
 # byte-level BPE's pre-tokenizer (GPT-2 / Llama-3 / Qwen2 split patterns) never joins the two sides of either;
 # a tokenizer that does (SentencePiece's dummy prefix) fails the probe below and gets whole documents.
