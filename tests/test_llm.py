@@ -3,6 +3,7 @@ error messages, preset sizes, generation, bf16, tokenizer and the quickstart scr
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -195,21 +196,23 @@ def test_missing_and_unexpected_keys_raise_checkpoint_error_naming_them(saved, t
         load_llm(str(tmp_path / "extra.safetensors"))
 
 
-def test_mistral_sliding_window_runs_sequences_within_it_as_transformers_does(tmp_path):
-    """Mistral-7B-v0.1 and its fine-tunes (Zephyr, OpenHermes) set sliding_window 4096: the old line refused
-    them. Within the window nothing is hidden; a longer sequence is refused; the saved config keeps it."""
+def test_mistral_sliding_window_matches_transformers_past_the_window(tmp_path):
+    """Mistral-7B-v0.1 and its fine-tunes set sliding_window 4096 on every layer. The old line refused a
+    sequence longer than the window (13 tokens for a window of 12) and capped context_length at it; now
+    the window is applied and 30 tokens (padded or not) match transformers within 1e-5."""
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
     hf = randomize_(MistralForCausalLM(MistralConfig(**TINY, sliding_window=12, attn_implementation="eager")))
     hf.save_pretrained(tmp_path, safe_serialization=True)
     model = load_llm(str(tmp_path))
-    assert (model.config.sliding_window, model.config.context_length) == (12, 12)
-    ids = torch.randint(2, 96, (2, 12))
+    assert (model.config.sliding_window, model.config.window_layers, model.config.context_length) == (12, (0, 1), 131072)
+    ids, mask = torch.randint(2, 96, (2, 30)), torch.ones(2, 30, dtype=torch.long)
+    mask[1, :5] = 0
     with torch.no_grad():
         assert (model(ids) - hf(ids).logits).abs().max().item() <= 1e-5
-        with pytest.raises(ValueError, match="^a sequence of 13 tokens is longer than the model's sliding_window 12"):
-            model(torch.randint(2, 96, (1, 13)))
+        diff = (model(ids, mask) - hf(ids, attention_mask=mask).logits)[mask.bool()]
+        assert diff.abs().max().item() <= 1e-5
     saved = json.loads(json.dumps(model.config.to_hf()))
     assert (saved["model_type"], saved["sliding_window"]) == ("mistral", 12)
     assert LLMConfig.from_hf(saved) == model.config
@@ -342,3 +345,32 @@ def test_quickstart_short_run_writes_outputs_and_lowers_val_loss(tmp_path):
     assert len((out / "log.csv").read_text().splitlines()) == 1 + 3  # header + evals at steps 1, 15, 30
     reloaded = load_llm(str(out))
     assert reloaded.config.vocab_size == 300
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--heads", "3"], "^error: --hidden 128, --heads 3, --kv_heads 2: expected --hidden a multiple of --heads"),
+    (["--corpus_chars", "800", "--vocab_size", "300"],
+     r"^error: --corpus_chars 800: \d+ tokens leave the validation tenth \d+, fewer than --context \+ 1 = 129"),
+])
+def test_quickstart_bad_settings_are_one_line_before_training(tmp_path, capsys, extra, message):
+    """The old line trained the tokenizer and then died in a traceback: LLMConfig's ValueError for --heads 3, and
+    for a corpus whose validation tenth is under one window, torch.randint's 'from=0 >= to=-75' at the first eval."""
+    from tools.llm_quickstart import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--output_dir", str(tmp_path), "--max_steps", "1", *extra])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.match(message, err), err
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_quickstart_batches_reach_the_last_window():
+    """A stream of exactly context + 1 tokens holds one window: the old line drew starts from randint(0, 0) and
+    raised; every start 0..len - context - 1 is drawn now."""
+    from tools.llm_quickstart import random_batch
+
+    x, y = random_batch(torch.arange(9), 4, 8, torch.Generator().manual_seed(0))
+    assert x.tolist() == [list(range(8))] * 4 and y.tolist() == [list(range(1, 9))] * 4
+    starts = random_batch(torch.arange(12), 200, 8, torch.Generator().manual_seed(0))[0][:, 0]
+    assert set(starts.tolist()) == {0, 1, 2, 3}

@@ -110,3 +110,44 @@ def test_the_context_window_of_a_yarn_config_is_factor_times_the_original():
     llama3 = {**SCALINGS["llama3"][1], "original_max_position_embeddings": 8192}  # Llama-3.1: 8 x 8192 < 131072
     assert LLMConfig.from_hf({**TINY, "model_type": "llama", "rope_scaling": llama3, "max_position_embeddings": 131072}
                              ).context_length == 131072
+
+
+@pytest.mark.parametrize("name", ["llama3", "dynamic", None])
+def test_rope_tables_are_built_once_and_stay_float_when_the_model_is_cast(name, monkeypatch):
+    """The old line rebuilt RoPE every forward: 3 forwards of one length called the table builder 3 times
+    (and a scaled RoPE's float64 inv_freq 3 times); now once each. The cache is no buffer: model.to(bfloat16)
+    leaves cos / sin float32 and inv_freq float64, and the bf16 model's logits equal an uncached forward's."""
+    from library.models import core
+
+    scaling = {} if name is None else {"rope_scaling": SCALINGS[name][1]}
+    config = LLMConfig.from_hf({**TINY, "model_type": "llama", "max_position_embeddings": 64, **scaling})
+    torch.manual_seed(0)
+    model, calls = randomize_(LLM(config)), []
+    builder = "rope_tables" if name is None else "rope_tables_from_inv_freq"
+    original = getattr(core, builder)
+    monkeypatch.setattr(core, builder, lambda *a, **k: calls.append(1) or original(*a, **k))
+    ids = torch.randint(2, 96, (2, LENGTH))
+    with torch.no_grad():
+        first = [model(ids) for _ in range(3)][0]
+    assert len(calls) == 1
+    model.to(torch.bfloat16).compute_dtype = torch.bfloat16
+    dtypes = {t.dtype for value in model._rope_cache.values() for t in value if isinstance(t, torch.Tensor)}
+    assert dtypes == ({torch.float32} if name is None else {torch.float32, torch.float64})
+    with torch.no_grad():
+        cached = model(ids)
+        model._rope_cache.clear()
+        assert torch.equal(cached, model(ids))
+    assert (cached - first).abs().max().item() > 0  # bf16 weights ran
+
+
+def test_rope_tables_cached_under_inference_mode_train_afterwards():
+    """A table first built in an eval under torch.inference_mode is an ordinary tensor: a training forward
+    of the same length saves it for backward without 'Inference tensors cannot be saved for backward'."""
+    torch.manual_seed(0)
+    model = randomize_(LLM(LLMConfig.from_hf({**TINY, "model_type": "llama"})))
+    ids = torch.randint(2, 96, (1, 12))
+    with torch.inference_mode():
+        model(ids)
+    model.train()
+    model(ids).float().square().mean().backward()
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum().item() > 0

@@ -105,8 +105,8 @@ def test_qwen3_config_round_trip_and_refusals():
     config = json.loads(json.dumps(QWEN3_4B.to_hf()))
     assert config["model_type"] == "qwen3" and config["head_dim"] == 128
     assert LLMConfig.from_hf(config) == QWEN3_4B
-    with pytest.raises(ValueError, match="sliding"):
-        LLMConfig.from_hf({**config, "use_sliding_window": True})
+    window = LLMConfig.from_hf({**config, "use_sliding_window": True})  # transformers' defaults: 4096 from layer 28 on
+    assert (window.sliding_window, window.window_layers) == (4096, tuple(range(28, 36)))
     with pytest.raises(ValueError, match="sliding"):
         LLMConfig.from_hf({**config, "layer_types": ["full_attention"] * 35 + ["sliding_attention"]})
     with pytest.raises(ValueError, match="attention_bias=true with model_type 'qwen3'"):

@@ -145,18 +145,6 @@ def test_a_yarn_config_stretches_the_context_window_max_length_is_checked_agains
             "original_max_position_embeddings 256 = 1024)") in capsys.readouterr().err
 
 
-def test_max_length_beyond_a_sliding_window_is_refused_naming_it(tiny_set, tmp_path, capsys):
-    import shutil
-
-    shutil.copytree(tiny_set["llm_scratch"], tmp_path / "mistral")
-    config = json.loads((tmp_path / "mistral" / "config.json").read_text())
-    (tmp_path / "mistral" / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": 16}))
-    code = train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", str(tmp_path / "mistral"),
-                                    "--pretrain"))
-    assert code == 2
-    assert "max_length 32 is longer than the model's context window (sliding_window = 16)" in capsys.readouterr().err
-
-
 def test_generate_writes_png_with_settings_on_fp8_base_with_lora(tiny_set, tmp_path):
     from library.models.flux1.family import FluxFamily
     from networks.lora import LoRANetwork

@@ -91,7 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None):
-    return build_parser().parse_args(argv)
+    """The arguments, with the model shape checked (a bad one is refused before the tokenizer trains)."""
+    args = build_parser().parse_args(argv)
+    if args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads or args.hidden % args.heads:
+        refuse(f"--hidden {args.hidden}, --heads {args.heads}, --kv_heads {args.kv_heads}: expected --hidden a multiple "
+               f"of --heads and --heads a multiple of --kv_heads")
+    return args
+
+
+def refuse(message: str):
+    """A bad setting: one line on stderr, exit status 2 (as tools/cli.py answers a bad flag)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 # The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
@@ -107,8 +118,9 @@ from library.data.tokenizer import build_bpe_tokenizer  # noqa: E402
 
 
 def random_batch(tokens: torch.Tensor, batch_size: int, context: int, gen: torch.Generator):
-    """(inputs, targets), each [B, context] int64, targets shifted by one token."""
-    starts = torch.randint(0, len(tokens) - context - 1, (batch_size,), generator=gen)
+    """(inputs, targets), each [B, context] int64, targets shifted by one token; any start whose window of
+    context + 1 tokens fits, the last one included."""
+    starts = torch.randint(0, len(tokens) - context, (batch_size,), generator=gen)
     x = torch.stack([tokens[s : s + context] for s in starts.tolist()])
     y = torch.stack([tokens[s + 1 : s + context + 1] for s in starts.tolist()])
     return x, y
@@ -189,6 +201,9 @@ def main(argv=None) -> dict:
     tokens = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
     split = int(0.9 * len(tokens))
     train_tokens, val_tokens = tokens[:split], tokens[split:]
+    if len(val_tokens) < args.context + 1:  # the validation tenth must hold one window (the train part is 9x it)
+        refuse(f"--corpus_chars {args.corpus_chars}: {len(tokens)} tokens leave the validation tenth {len(val_tokens)}, "
+               f"fewer than --context + 1 = {args.context + 1} (raise --corpus_chars or lower --context)")
     print(f"corpus: {len(text):,} chars -> {len(tokens):,} tokens (train {len(train_tokens):,}, val {len(val_tokens):,})")
 
     model, opt, sched = build_model_and_optimizer(len(tokenizer), args)

@@ -4,6 +4,7 @@ train / validation split -> fixed windows of max_length + 1 tokens."""
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable
 
 import torch
@@ -54,14 +55,47 @@ def load_text_corpus(paths: str | list[str]) -> list[str]:
 
 
 TOKEN_DTYPE = torch.int32  # 4 bytes a stored token (every vocab fits); windows widen to int64 as they are read
+PIECE_CHARS = 1 << 18  # a document is tokenized in pieces of about this many characters (a piece's encoding: ~100 B a token)
+# Where a piece may end: after a newline that a non-space follows, else before a space that a letter follows. A
+# byte-level BPE's pre-tokenizer (GPT-2 / Llama-3 / Qwen2 split patterns) never joins the two sides of either;
+# a tokenizer that does (SentencePiece's dummy prefix) fails the probe below and gets whole documents.
+CUT = re.compile(r"\n(?=\S)|(?<=\S)(?= [A-Za-z])")
+PROBE = "Title: a test.\nFirst line, with words 123 and 4567.\n\n  Indented  line\n\tTabbed it's\r\nCRLF line. \u00fcber caf\u00e9\nend"
 
 
-def tokenize_documents(documents: list[str], encode: Callable[[str], list[int]], eos_id: int | None) -> torch.Tensor:
+def text_pieces(text: str, budget: int | None = None) -> list[str]:
+    """text cut into pieces of at least `budget` (None: PIECE_CHARS) characters, the last maybe shorter, at CUT points."""
+    pieces, start, budget = [], 0, budget or PIECE_CHARS
+    while len(text) - start > budget:
+        cut = CUT.search(text, start + budget)
+        if cut is None:
+            break
+        pieces.append(text[start : cut.end()])
+        start = cut.end()
+    return pieces + [text[start:]]
+
+
+def pieces_keep_tokens(encode: Callable[[str], list[int]], encode_more: Callable[[str], list[int]]) -> bool:
+    """True when PROBE, cut at every CUT point, encodes to the tokens of PROBE whole."""
+    first, *rest = text_pieces(PROBE, 1)
+    return list(encode(first)) + [t for piece in rest for t in encode_more(piece)] == list(encode(PROBE))
+
+
+def tokenize_documents(documents: list[str], encode: Callable[[str], list[int]], eos_id: int | None,
+                       encode_more: Callable[[str], list[int]] | None = None) -> torch.Tensor:
     """One TOKEN_DTYPE token stream; eos_id (if given) ends each document so windows see the border.
-    Each document's ids become a compact tensor at once: only one document is a Python list (~36 bytes a
-    token) at a time."""
-    end = [eos_id] if eos_id is not None else []
-    parts = [torch.tensor(list(encode(doc)) + end, dtype=TOKEN_DTYPE) for doc in documents]
+    encode: a document's start (with the tokenizer's special tokens); encode_more: text continuing it (none).
+    With encode_more and a tokenizer whose tokens do not change at CUT points (pieces_keep_tokens), a document
+    is encoded a piece of ~PIECE_CHARS at a time, each piece's ids a compact tensor at once: a Python list
+    (~36 bytes a token) never holds more than one piece, however large the document. Otherwise each whole
+    document is one list while it is encoded."""
+    pieces = text_pieces if encode_more is not None and pieces_keep_tokens(encode, encode_more) else lambda d: [d]
+    end = torch.tensor([eos_id] if eos_id is not None else [], dtype=TOKEN_DTYPE)
+    parts = []
+    for doc in documents:
+        for i, piece in enumerate(pieces(doc)):
+            parts.append(torch.tensor(list((encode if i == 0 else encode_more)(piece)), dtype=TOKEN_DTYPE))
+        parts.append(end)
     return torch.cat(parts) if parts else torch.zeros(0, dtype=TOKEN_DTYPE)
 
 

@@ -88,7 +88,7 @@ class LayerNormNoAffine(nn.Module):
 # RoPE
 
 
-def _angle_dtype(device: torch.device) -> torch.dtype:
+def angle_dtype(device: torch.device) -> torch.dtype:
     # float64 everywhere it exists; MPS has no float64, float32 is still exact for positions < 2^24.
     return torch.float32 if device.type == "mps" else torch.float64
 
@@ -109,7 +109,7 @@ def rope_tables(positions: torch.Tensor, axes_dims: tuple[int, ...], theta: floa
         raise ValueError(f"positions shape {tuple(positions.shape)} does not fit axes {axes_dims}")
     if len(axes_dims) == 1 and (positions.dim() == 1 or positions.shape[-1] != 1):
         positions = positions.unsqueeze(-1)
-    dtype = _angle_dtype(positions.device)
+    dtype = angle_dtype(positions.device)
     with autocast_off(positions.device.type):
         pos = positions.to(dtype)
         angles = []
@@ -130,7 +130,7 @@ def rope_tables_from_inv_freq(positions: torch.Tensor, inv_freq: torch.Tensor, s
     """
     if positions.is_floating_point():
         raise TypeError(f"RoPE positions must be integer ids, got {positions.dtype}")
-    dtype = _angle_dtype(positions.device)
+    dtype = angle_dtype(positions.device)
     with autocast_off(positions.device.type):
         angles = positions.to(dtype)[..., None] * inv_freq.to(positions.device, dtype)
         return (angles.cos() * scale).float(), (angles.sin() * scale).float()
@@ -154,7 +154,7 @@ def mrope_tables(positions: torch.Tensor, head_dim: int, theta: float, sections:
     if sum(sections) != head_dim // 2 or positions.shape[-1] != len(sections):
         raise ValueError(f"M-RoPE sections {sections} for head_dim {head_dim} and positions {tuple(positions.shape)}: "
                          f"expected sum(sections) == head_dim / 2 and one position axis per section")
-    dtype = _angle_dtype(positions.device)
+    dtype = angle_dtype(positions.device)
     with autocast_off(positions.device.type):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=dtype, device=positions.device) / head_dim))
         if interleaved:
@@ -209,17 +209,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 def attention_mask(
-    key_mask: torch.Tensor | None, q_len: int, k_len: int, causal: bool, device: torch.device
+    key_mask: torch.Tensor | None, q_len: int, k_len: int, causal: bool, device: torch.device, window: int = 0
 ) -> torch.Tensor | None:
     """Boolean [B or 1, 1, q_len, k_len] mask (True = attend) from a key padding mask and/or
     causality. Rows with no visible key (padding queries under causal left-padding) are opened
     fully, so SDPA never returns NaN; those rows are padding (library/models/llm.py zeroes their
-    output, as transformers does)."""
+    output, as transformers does). window > 0 (causal only): query i sees only the `window` keys
+    ending at its own position (sliding-window attention)."""
     if key_mask is None and not causal:
         return None
     mask = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=device)
     if causal:
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
+        diagonal = k_len - q_len
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal)[None, None]
+        if window:
+            mask = mask.triu(diagonal - window + 1)
     if key_mask is not None:
         mask = mask & key_mask.bool()[:, None, None, :]
         mask = mask | ~mask.any(-1, keepdim=True)

@@ -4,13 +4,15 @@ The same class runs Llama-3-8B, Qwen2-style models, the language model of Qwen2.
 text encoder; for text-only prompts its multimodal RoPE reduces to 1-D RoPE) and Qwen3 (no qkv
 bias, a per-head RMSNorm on q and k before RoPE, head_dim set by the config rather than
 hidden_size / num_heads) and Mistral (the language model of Mistral Small 3.1: Llama-like, explicit
-head_dim; Mistral-7B-v0.1's sliding_window bounds the sequence length); the diffusion families that
+head_dim; Mistral-7B-v0.1's sliding_window on every layer); the diffusion families that
 encode text with them say which. Module names mirror Hugging Face checkpoints
 (`model.layers.N.self_attn.q_proj`, ...), so loading is a plain name-for-name copy.
 
 Precision: token ids and position ids are int64; RoPE tables are float32 computed outside
 autocast (core.rope_tables; a scaled RoPE's frequencies in float64, llm_rope.py); the residual
-stream runs in `compute_dtype`; logits are returned in float32.
+stream runs in `compute_dtype`; logits are returned in float32. Attention masks (padding, causal, sliding
+window) are boolean, True = attend: SDPA turns a False into -inf on the scores in their own dtype, so no float
+mask is rounded to bf16 and a hidden key gets exactly zero weight, as transformers' masks give it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class LLMConfig:
     head_dim: 0 = hidden_size // num_heads (Llama, Qwen2); Qwen3 and Mistral Small 3.1 set it
     explicitly (128 for Qwen3-4B, whose hidden_size 2560 / 32 heads would give 80, and for Mistral
     Small 3.1: 5120 / 32 = 160). qk_norm: Qwen3's RMSNorm over head_dim on each query and key head,
-    applied before RoPE. Mistral is Llama with an explicit head_dim (and maybe a sliding_window)."""
+    applied before RoPE. Mistral is Llama with an explicit head_dim (and maybe a sliding_window on every layer)."""
 
     vocab_size: int = 152064
     hidden_size: int = 3584
@@ -69,12 +71,18 @@ class LLMConfig:
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False  # Qwen3-VL: the axes' frequencies interleaved (core.mrope_tables)
     rope_scaling: RopeScaling | None = None  # linear / dynamic / yarn / llama3 frequencies (llm_rope.py)
-    # Mistral-7B-v0.1's attention window (4096); 0 = none. A sequence within it sees every earlier token, as full
-    # attention does, so the model runs sequences up to the window (context_length) and refuses longer ones.
+    # Sliding-window attention: the layers in window_layers let query i see keys i - sliding_window + 1 .. i only
+    # (transformers' rule); 0 / () = none. Mistral-7B-v0.1: 4096 on every layer; Qwen2 / Qwen3 with
+    # use_sliding_window: the layers from max_window_layers on (or those layer_types names sliding_attention).
     sliding_window: int = 0
+    window_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
+        object.__setattr__(self, "window_layers", tuple(self.window_layers) if self.sliding_window else ())
+        if self.sliding_window and not (self.window_layers and all(0 <= i < self.num_layers for i in self.window_layers)):
+            raise ValueError(f"LLMConfig: sliding_window {self.sliding_window} with window_layers {self.window_layers}: "
+                             f"expected the indices (below num_layers {self.num_layers}) of the layers it applies to")
         if self.num_heads % self.num_kv_heads or (not self.head_dim and self.hidden_size % self.num_heads):
             raise ValueError(
                 f"LLMConfig: hidden_size {self.hidden_size}, num_heads {self.num_heads}, num_kv_heads "
@@ -87,9 +95,8 @@ class LLMConfig:
     @property
     def context_length(self) -> int:
         """The longest sequence the model is for: max_position_embeddings, or what a yarn rope_scaling
-        stretches the pretraining context to (Qwen2.5 / Qwen3 with factor 4: 131072); at most sliding_window."""
-        longest = max(self.max_position_embeddings, self.rope_scaling.context_length() if self.rope_scaling else 0)
-        return min(longest, self.sliding_window or longest)
+        stretches the pretraining context to (Qwen2.5 / Qwen3 with factor 4: 131072)."""
+        return max(self.max_position_embeddings, self.rope_scaling.context_length() if self.rope_scaling else 0)
 
     @classmethod
     def from_hf(cls, config: dict) -> "LLMConfig":
@@ -118,13 +125,6 @@ class LLMConfig:
         # transformers' Llama, Mistral, Qwen2 and Qwen3 attention all take an explicit head_dim when given
         # (Mistral Small 3.1: 128, where 5120 / 32 heads would give 160)
         head_dim = config.get("head_dim") or 0
-        # Mistral applies `sliding_window` to every layer whenever it is set (transformers' default 4096; Mistral-7B-v0.1
-        # and its fine-tunes: 4096; Mistral Small 3.1: null); Qwen2 / Qwen3 only to the layers past max_window_layers
-        # with use_sliding_window, which is not read
-        sliding_window = config.get("sliding_window", 4096) if model_type == "mistral" else None
-        if config.get("use_sliding_window") or (model_type != "mistral" and "sliding_attention" in (config.get("layer_types") or [])):
-            raise ValueError("config.json: use_sliding_window / sliding_attention layers are not supported (Mistral's "
-                             "sliding_window is)")
         if config.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias is not supported")
         if config.get("hidden_act", "silu") != "silu":  # transformers' MLP takes any; ours is SwiGLU
@@ -133,6 +133,7 @@ class LLMConfig:
         missing = [k for k in REQUIRED_KEYS if config.get(k) is None]
         if missing:  # transformers would build its own default shape (Llama-2-7B's) and load nothing into it
             raise ValueError(f"config.json: no {', '.join(missing)} (expected the model's shape: {', '.join(REQUIRED_KEYS)})")
+        sliding_window, window_layers = _sliding_window(config, model_type)
         if config.get("attention_bias") and not is_qwen2:
             raise ValueError(f"config.json: attention_bias=true with model_type '{model_type}' (bias on o_proj too) is not supported")
         return cls(
@@ -153,7 +154,8 @@ class LLMConfig:
             mrope_section=tuple(rope.get("mrope_section") or ()),
             mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
             rope_scaling=rope_scaling,
-            sliding_window=sliding_window or 0,
+            sliding_window=sliding_window,
+            window_layers=window_layers,
         )
 
     def to_hf(self) -> dict:
@@ -161,8 +163,10 @@ class LLMConfig:
         a Mistral without sliding window is a Llama with an explicit head_dim) that from_hf reads back."""
         if self.qk_norm and self.qkv_bias:
             raise ValueError("LLMConfig.to_hf: qk_norm with qkv_bias has no Hugging Face model type")
-        if self.sliding_window and (self.qk_norm or self.qkv_bias):
-            raise ValueError("LLMConfig.to_hf: sliding_window is Mistral's; with qk_norm or qkv_bias it has no model type")
+        every_layer = self.window_layers == tuple(range(self.num_layers))
+        if self.sliding_window and not (self.qk_norm or self.qkv_bias or every_layer):
+            raise ValueError(f"LLMConfig.to_hf: sliding_window on layers {self.window_layers} of {self.num_layers} without "
+                             f"qk_norm or qkv_bias has no model type (Mistral's window covers every layer)")
         model_type = "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "mistral" if self.sliding_window else "llama"
         arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                 "llama": "LlamaForCausalLM"}[model_type]
@@ -182,8 +186,50 @@ class LLMConfig:
             "max_position_embeddings": self.max_position_embeddings,
             **({"rope_scaling": self.rope_scaling.to_hf()} if self.rope_scaling else {}),
             **({"sliding_window": self.sliding_window} if self.sliding_window else {}),
+            **(self._window_to_hf() if self.sliding_window and model_type != "mistral" else {}),
             "hidden_act": "silu",
         }
+
+    def _window_to_hf(self) -> dict:
+        """Qwen2 / Qwen3's switch and layers: layer_types (transformers 5.x reads it) and max_window_layers (4.x)."""
+        layer_types = ["sliding_attention" if i in self.window_layers else "full_attention" for i in range(self.num_layers)]
+        return {"use_sliding_window": True, "max_window_layers": min(self.window_layers), "layer_types": layer_types}
+
+
+# max_window_layers where a config.json with use_sliding_window leaves it out (transformers' defaults)
+DEFAULT_MAX_WINDOW_LAYERS = {"qwen2": 28, "qwen3": 28, "qwen2_vl": 80, "qwen2_5_vl": 80}
+
+
+def _sliding_window(config: dict, model_type: str) -> tuple[int, tuple[int, ...]]:
+    """(sliding_window, window_layers) as transformers reads a config.json. Mistral: `sliding_window` on every
+    layer whenever it is set (transformers' default 4096; Mistral Small 3.1: null). Qwen2 / Qwen3 (and the
+    Qwen2-VL / Qwen2.5-VL language models): only with use_sliding_window, on the layers layer_types names
+    sliding_attention, or without layer_types those from max_window_layers on. What transformers cannot run
+    (sliding layers without the switch or a window) and models whose attention has no window are refused."""
+    layer_types = config.get("layer_types") or []
+    if model_type == "mistral":
+        window = config.get("sliding_window", 4096) or 0
+        return window, tuple(range(config["num_hidden_layers"])) if window else ()
+    family = max((k for k in DEFAULT_MAX_WINDOW_LAYERS if model_type.startswith(k)), key=len, default=None)
+    if family is None or (family == "qwen3" and model_type != "qwen3"):  # Llama, Qwen3-VL: no window in transformers
+        if config.get("use_sliding_window") or "sliding_attention" in layer_types:
+            raise ValueError(f"config.json: use_sliding_window / sliding_attention layers with model_type '{model_type}' "
+                             f"are not supported (its attention has no window in transformers)")
+        return 0, ()
+    window = config.get("sliding_window", 4096) if config.get("use_sliding_window") else None  # transformers' default
+    if not window:
+        if "sliding_attention" in layer_types:  # transformers raises "Could not find a `sliding_window`" here
+            raise ValueError("config.json: layer_types names sliding_attention layers without use_sliding_window and "
+                             "a sliding_window (expected both)")
+        return 0, ()
+    n = config["num_hidden_layers"]
+    if layer_types and len(layer_types) != n:
+        raise ValueError(f"config.json: layer_types has {len(layer_types)} entries for num_hidden_layers {n}")
+    if not layer_types:
+        first = config.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS[family])
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    return (int(window), layers) if layers else (0, ())
 
 
 QWEN2_5_7B = LLMConfig()
@@ -313,6 +359,9 @@ class LLM(nn.Module):
         self.model = Decoder(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.hidden_states_only = False
+        # RoPE's float64 inverse frequencies (scaled RoPE) and float32 cos / sin for positions 0..L-1, per
+        # (device, length, config): a plain dict, not buffers, so `.to(dtype)` of the model never casts them.
+        self._rope_cache: dict = {}
 
     def truncate_for_hidden_states(self, keep_layers: int) -> None:
         """Drop what a reader of intermediate hidden states never runs: decoder layers after the
@@ -334,20 +383,43 @@ class LLM(nn.Module):
         if c.rope_scaling is None:
             return core.rope_tables(position_ids, (c.head_dim,), c.rope_theta)
         seq_len = int(position_ids.max()) + 1 if c.rope_scaling.rope_type == "dynamic" else 0  # a sync: dynamic only
-        inv_freq, scale = c.rope_scaling.inv_freq(c.head_dim, c.rope_theta, c.max_position_embeddings, seq_len)
+        device = position_ids.device
+
+        def build():  # float64 [D / 2] on the positions' device (MPS: float32: core.angle_dtype)
+            inv_freq, scale = c.rope_scaling.inv_freq(c.head_dim, c.rope_theta, c.max_position_embeddings, seq_len)
+            return inv_freq.to(device, core.angle_dtype(device)), scale
+
+        inv_freq, scale = self._cached(("inv_freq", device, seq_len), build)
         return core.rope_tables_from_inv_freq(position_ids, inv_freq, scale)
 
+    def _rope_for_length(self, length: int, device: torch.device):
+        """fp32 (cos, sin) [L, D / 2] of positions 0..L-1 (a forward without mask or position ids), built once."""
+        return self._cached(("tables", device, length), lambda: self._rope(torch.arange(length, device=device)))
+
+    def _cached(self, key: tuple, build: Callable):
+        """build()'s tensors, kept under key and this config. Built outside inference mode (a table made under
+        torch.inference_mode could not be saved for a later training backward) and without autograd; at most
+        8 entries (lengths of eval and training), then the cache starts over."""
+        key = (*key, self.config)
+        if key not in self._rope_cache:
+            with torch.inference_mode(False), torch.no_grad():
+                value = build()
+            if len(self._rope_cache) >= 8:
+                self._rope_cache.clear()
+            self._rope_cache[key] = value
+        return self._rope_cache[key]
+
     def _embed(self, input_ids, attention_mask, position_ids, inputs_embeds=None):
-        """(embeddings [B, L, D] compute_dtype, cos, sin fp32, mask or None, visible or None) for a
-        forward. inputs_embeds [B, L, D] replaces the token lookup (e.g. image tokens carrying vision
+        """(embeddings [B, L, D] compute_dtype, cos, sin fp32, each layer's mask (bool or None), visible or
+        None) for a forward. inputs_embeds [B, L, D] replaces the token lookup (e.g. image tokens carrying vision
         features)."""
         B, L = input_ids.shape
-        if self.config.sliding_window and L > self.config.sliding_window:  # within it, the window hides nothing
-            raise ValueError(f"a sequence of {L} tokens is longer than the model's sliding_window {self.config.sliding_window}: "
-                             f"attention to a window of past tokens is not implemented")
-        if position_ids is None:
-            position_ids = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
-        cos, sin = self._rope(position_ids)  # fp32
+        if position_ids is None and attention_mask is None:
+            cos, sin = self._rope_for_length(L, input_ids.device)  # fp32, positions 0..L-1
+        else:
+            if position_ids is None:
+                position_ids = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
+            cos, sin = self._rope(position_ids)  # fp32
         key_mask = None if attention_mask is None else attention_mask.bool()
         # Built once per forward when there is padding; without it SDPA applies causality itself.
         # A left-pad query sees no key: attention_mask opens its row (no kernel returns NaN) and
@@ -358,16 +430,23 @@ class LLM(nn.Module):
         if key_mask is not None:
             mask = core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device)
             visible = (key_mask.cumsum(-1) > 0)[..., None].to(self.compute_dtype)  # [B, L, 1]
+        # The window layers' boolean mask (True = attend): keys i - sliding_window + 1 .. i, where the window hides any
+        # key at all (L > sliding_window); a real query always sees itself, so only pad rows are opened.
+        window = self.config.sliding_window
+        masks = [mask] * self.config.num_layers
+        if window and L > window:
+            window_mask = core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device, window=window)
+            masks = [window_mask if i in self.config.window_layers else mask for i in range(self.config.num_layers)]
         embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        return embeds.to(self.compute_dtype), cos, sin, mask, visible
+        return embeds.to(self.compute_dtype), cos, sin, masks, visible
 
     def _decode(self, input_ids, attention_mask, keep_all: bool, position_ids=None, inputs_embeds=None):
         """Run the decoder; returns (final normed hidden [B, L, D], HF-style list or None)."""
         if self.hidden_states_only:
             raise RuntimeError("this LLM was truncated for hidden states (truncate_for_hidden_states): use selected_hidden_states")
-        x, cos, sin, mask, visible = self._embed(input_ids, attention_mask, position_ids, inputs_embeds)
+        x, cos, sin, masks, visible = self._embed(input_ids, attention_mask, position_ids, inputs_embeds)
         states = [x] if keep_all else None
-        for layer in self.model.layers:
+        for layer, mask in zip(self.model.layers, masks):
             x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask, visible)
             if keep_all:
                 states.append(x)
@@ -391,11 +470,11 @@ class LLM(nn.Module):
         n, have = self.config.num_layers, len(self.model.layers)
         if not indices or any(not 0 <= k <= have for k in indices):
             raise ValueError(f"selected_hidden_states: indices {list(indices)} must lie in 0..{have} (the layers loaded)")
-        x, cos, sin, mask, visible = self._embed(input_ids, attention_mask, position_ids, inputs_embeds)
+        x, cos, sin, masks, visible = self._embed(input_ids, attention_mask, position_ids, inputs_embeds)
         where, extra = deepstack if deepstack is not None else (None, [])
         states = {0: x}
         for i, layer in enumerate(self.model.layers[: max(indices)], start=1):
-            x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask, visible)
+            x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, masks[i - 1], visible)
             # transformers records a layer's output before its deepstack addition (hidden_states[i] of
             # Qwen3-VL); the next layer gets the sum. A tap of an early layer reads it there.
             states[i] = self.model.norm(x) if i == n and final_norm else x

@@ -179,9 +179,7 @@ class LLMTask:
     def _check_context(self, config: LLMConfig):
         if self.args.max_length > config.context_length:
             source = "max_position_embeddings"
-            if config.context_length == config.sliding_window:
-                source = "sliding_window"
-            elif config.context_length > config.max_position_embeddings:
+            if config.context_length > config.max_position_embeddings:
                 source = (f"rope_scaling factor {config.rope_scaling.factor:g} x original_max_position_embeddings "
                           f"{config.rope_scaling.original_max_position_embeddings}")
             raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
@@ -194,7 +192,7 @@ class LLMTask:
             warnings.warn(f"{args.pretrained_model_name_or_path}: the tokenizer names no eos_token, so the {len(docs)} "
                           f"documents of train_data run together with no border between them (set eos_token in its "
                           f"tokenizer_config.json)", stacklevel=2)
-        ids = tokenize_documents(docs, self.encode, eos)
+        ids = tokenize_documents(docs, self.encode, eos, self.encode_more)
         vocab = self.model.config.vocab_size
         if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
             top = int(ids.max())
@@ -221,6 +219,10 @@ class LLMTask:
         ids = self.tokenizer.encode(text, add_special_tokens=True, verbose=False)
         eos = self.tokenizer.eos_token_id
         return ids[:-1] if ids and eos is not None and ids[-1] == eos else ids
+
+    def encode_more(self, text: str) -> list[int]:
+        """The ids of text that continues a document (a later piece of a huge one): no special tokens."""
+        return self.tokenizer.encode(text, add_special_tokens=False, verbose=False)
 
     def decode(self, ids: list[int]) -> str:
         """A sample's text as transformers' text-generation pipeline shows it: special tokens (Llama's BOS,
