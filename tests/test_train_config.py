@@ -492,3 +492,31 @@ def test_resume_with_another_length_is_refused_where_the_schedule_follows_it(tmp
                                 f"resume with the same length")
     with pytest.raises(CheckpointError, match="trainable.safetensors"):  # past the check: the files
         load_state(str(state), longer if not refused else load_config(["--config_file", cfg]))
+
+
+def test_persistent_data_loader_workers_reaches_one_dataloader_that_serves_every_epoch(tmp_path):
+    """sd-scripts' persistent_data_loader_workers was refused as an unknown key; now it is read, and
+    with workers one DataLoader (persistent_workers=True) is handed each epoch's batches."""
+    from types import SimpleNamespace
+
+    from library.training.diffusion_task import DiffusionTask
+    from tests.test_dataset import blueprint, make_image
+
+    cfg = write(tmp_path, FLUX + "persistent_data_loader_workers = true\nmax_data_loader_n_workers = 2\n")
+    args = load_config(["--config_file", cfg])
+    assert (args.persistent_data_loader_workers, args.max_data_loader_n_workers) == (True, 2)
+    for i in range(3):
+        make_image(tmp_path / "img" / f"{i}.png", 64, 64)
+        (tmp_path / "img" / f"{i}.txt").write_text("a photo")
+    from library.data import dataset as D
+
+    data = D.ImageDataset(blueprint(tmp_path / "img"))
+    task = SimpleNamespace(args=args, dataset=data, sampler=D.BucketBatchSampler(data), _loader=None,
+                           device=torch.device("cpu"), accelerator=SimpleNamespace(process_index=0, num_processes=1))
+    first, second = (DiffusionTask.epoch_batches(task, epoch) for epoch in (0, 1))
+    assert first is second and first.persistent_workers and first.num_workers == 2
+    assert [len(batch["captions"]) for batch in second] == [1, 1, 1]  # epoch 1's batches, served by the same workers
+    args.max_data_loader_n_workers = 0  # torch refuses persistent workers without workers: the option is moot
+    task._loader = None
+    loader = DiffusionTask.epoch_batches(task, 0)
+    assert not loader.persistent_workers and task._loader is None

@@ -77,6 +77,7 @@ class DiffusionTask:
             raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
                               f"validation_split or add [[validation_datasets]]")
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
+        self._loader = None  # the DataLoader kept across epochs (persistent_data_loader_workers)
         check_warmup(args, plan_steps(args, self.batches_per_epoch()), args.config_file or "command line")
         self.prompts = self._read_prompts()
         self._settle_bf16_reference()  # before minutes of caching
@@ -271,12 +272,22 @@ class DiffusionTask:
         return len(EpochBatches(self.sampler, 0, self.accelerator.process_index, self.accelerator.num_processes))
 
     def epoch_batches(self, epoch: int, skip: int = 0):
-        """This process's batches of `epoch`, after the first `skip`."""
+        """This process's batches of `epoch`, after the first `skip`. With persistent_data_loader_workers
+        one DataLoader serves every epoch (its batch sampler is handed each epoch's batches), so its
+        workers live on from epoch to epoch; a DataLoader per epoch would start them anew each time."""
         shard = EpochBatches(self.sampler, epoch, self.accelerator.process_index, self.accelerator.num_processes, skip)
-        return torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=shard, collate_fn=collate_batch,
-            num_workers=self.args.max_data_loader_n_workers, pin_memory=self.device.type == "cuda",
+        workers = self.args.max_data_loader_n_workers
+        persistent = self.args.persistent_data_loader_workers and workers > 0
+        if persistent and self._loader is not None:
+            self._loader.batch_sampler.batches = shard.batches
+            return self._loader
+        loader = torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=shard, collate_fn=collate_batch, num_workers=workers,
+            persistent_workers=persistent, pin_memory=self.device.type == "cuda",
         )
+        if persistent:
+            self._loader = loader
+        return loader
 
     def batch_inputs(self, batch: dict, step: int) -> tuple:
         """(latents, text, one generator per sample seeded from the optimizer step and the
