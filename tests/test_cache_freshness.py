@@ -42,6 +42,49 @@ def test_a_model_file_rewritten_within_the_same_second_changes_its_cache_key(tmp
     assert family.text_cache_key({"max_length": 256}, "bf16") != family.text_cache_key({"max_length": 512}, "bf16")
 
 
+# (where the encoder's path points, the tokenizer file changed) in a diffusers-style repo: text_encoder_2/ + tokenizer_2/
+TOKENIZER_CHANGES = [
+    ("repo/text_encoder_2/model.safetensors", "repo/tokenizer_2/spiece.model"),  # a single file, its tokenizer beside
+    ("repo/text_encoder_2", "repo/tokenizer_2/tokenizer.json"),  # a component folder
+    ("repo/text_encoder_2", "repo/tokenizer_2/tokenizer_config.json"),
+    ("repo", "repo/tokenizer_2/spiece.model"),  # the pipeline folder
+    ("t5", "t5/spiece.model"),  # an HF folder holding its tokenizer (a .model, which the folder walk skipped)
+    ("repo/text_encoder_2", "repo/processor/preprocessor_config.json"),  # a VL encoder's processor
+]
+
+
+@pytest.mark.parametrize("encoder, tokenizer", TOKENIZER_CHANGES, ids=[t for _, t in TOKENIZER_CHANGES])
+def test_a_changed_tokenizer_file_changes_the_text_cache_key(tmp_path, encoder, tokenizer):
+    """The old key held the encoder files only (a folder's .safetensors and .json): a new spiece.model,
+    or a tokenizer folder beside the encoder, left the old encodings in use."""
+    second = 1_700_000_000 * 10**9
+    for path in ("repo/text_encoder_2/model.safetensors", "repo/text_encoder_2/config.json", "t5/model.safetensors",
+                 "repo/tokenizer_2/spiece.model", "repo/tokenizer_2/tokenizer.json", "repo/processor/preprocessor_config.json",
+                 "repo/tokenizer_2/tokenizer_config.json", "t5/spiece.model", "t5/tokenizer_config.json"):
+        os.makedirs(os.path.dirname(tmp_path / path), exist_ok=True)
+        rewrite(tmp_path / path, b"x" * 64, second)
+    family = Family("model.safetensors", "ae.safetensors", t5xxl=str(tmp_path / encoder))
+    key = family.text_cache_key({"max_length": 512}, "bf16")
+    rewrite(tmp_path / "unrelated.json", b"y", second)
+    assert family.text_cache_key({"max_length": 512}, "bf16") == key
+    rewrite(tmp_path / tokenizer, b"z" * 64, second + 1)  # same size, 1 ns later: a new tokenizer version
+    assert family.text_cache_key({"max_length": 512}, "bf16") != key
+
+
+def test_the_prompt_template_and_token_lengths_are_in_the_text_cache_key():
+    class Templated(Family):
+        template = "<user>{}</user>"
+
+        def text_encoding_constants(self):
+            return {"template": self.template, "max_length": 512}
+
+    family = Templated("model.safetensors", "ae.safetensors", t5xxl="t5.safetensors")
+    key = family.text_cache_key({"max_length": 512}, "bf16")
+    family.template = "<system>be brief</system><user>{}</user>"
+    assert family.text_cache_key({"max_length": 512}, "bf16") != key
+    assert family.text_cache_key({"max_length": 256}, "bf16") != family.text_cache_key({"max_length": 512}, "bf16")
+
+
 def dataset(root, **changes):
     subset = {"image_dir": str(root / "img"), **{k: changes.pop(k) for k in list(changes) if k in SUBSET_CHANGES}}
     return parse_dataset_config({"datasets": [{"resolution": 32, **changes, "subsets": [subset]}]}, source="t.toml")
