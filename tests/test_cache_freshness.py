@@ -169,13 +169,17 @@ def test_a_cache_folder_that_cannot_be_written_is_one_error_before_encoding(tmp_
     assert encode(tmp_path, CountingEncoder()) == (0, 0)  # current caches in a read-only folder are read
 
 
-def test_a_re_run_with_current_caches_loads_no_encoder(tmp_path):
-    """Without sample prompts or caption dropout the encoders are needed only for stale entries: the
-    old line loaded the VAE and every text encoder on every run, to encode nothing."""
+@pytest.mark.parametrize("dropout, prompts", [(0.0, 0), (0.5, 0), (0.0, 2), (0.5, 2)],
+                         ids=["captions", "caption_dropout", "sample_prompts", "both"])
+def test_a_re_run_with_current_caches_loads_no_encoder(tmp_path, dropout, prompts):
+    """The old line loaded the VAE and every text encoder on every run, to encode nothing; and where
+    caption dropout or sample prompts were set, it still loaded the text encoders for the empty
+    caption and the prompts, which were never cached."""
     from types import SimpleNamespace
 
     import torch
 
+    from library.data.prompts import SamplePrompt
     from library.training.diffusion_task import DiffusionTask
 
     make_image(tmp_path / "img" / "a.png", 32, 32)
@@ -183,19 +187,31 @@ def test_a_re_run_with_current_caches_loads_no_encoder(tmp_path):
     enc, loads = CountingEncoder(), []
     family = SimpleNamespace(
         latent_cache_key=lambda: "vae-1", text_options=lambda args: {}, text_cache_key=lambda options, precision: "te-1",
-        text_sees_controls=False, true_cfg=False,
+        text_sees_controls=False, true_cfg=True,
         load_vae=lambda dtype: loads.append("vae") or SimpleNamespace(vae=torch.nn.Identity(), encode=enc.latents),
         load_text_encoder=lambda precision, device: loads.append("text") or enc.text)
     args = SimpleNamespace(vae_batch_size=2, cache_latents_to_disk=True, text_encoder_precision="bf16",
                            text_encoder_batch_size=8, cache_text_encoder_outputs_to_disk=True)
+    sample_prompts = [SamplePrompt(f"prompt {i}", negative="blurry" if i else "") for i in range(prompts)]
+    runs = []
     for expected in (["vae", "text"], []):
         loads.clear()
-        task = SimpleNamespace(dataset=D.ImageDataset(dataset(tmp_path)), validation_set=SimpleNamespace(items=[]),
-                               family=family, device=torch.device("cpu"), args=args, prompts=[],
-                               accelerator=SimpleNamespace(print=lambda *a, **k: None))
+        task = SimpleNamespace(dataset=D.ImageDataset(dataset(tmp_path, caption_dropout_rate=dropout)),
+                               validation_set=SimpleNamespace(items=[]), family=family, device=torch.device("cpu"),
+                               args=args, prompts=sample_prompts, accelerator=SimpleNamespace(print=lambda *a, **k: None))
         task._cache_latents = lambda task=task: DiffusionTask._cache_latents(task)
+        task._prompt_folder = lambda task=task: DiffusionTask._prompt_folder(task)
         DiffusionTask._fill_caches(task)
         assert loads == expected
+        runs.append((task.dataset.empty_text, task.prompt_texts))
+    (empty, texts), (cached_empty, cached_texts) = runs
+    assert (empty is None) == (dropout == 0) and (cached_empty is None) == (dropout == 0)
+    if empty is not None:
+        assert all(torch.equal(empty[k], cached_empty[k]) for k in empty) and empty["hidden"].dtype == torch.bfloat16
+    assert len(texts) == len(cached_texts) == prompts
+    for (text, negative), (cached, cached_negative) in zip(texts, cached_texts):
+        assert all(torch.equal(text[k], cached[k]) and text[k].dtype == cached[k].dtype for k in text)
+        assert all(torch.equal(negative[k], cached_negative[k]) for k in negative)  # true CFG: "" or "blurry"
 
 
 def test_an_interrupted_caching_leaves_whole_files_and_a_truncated_one_is_re_encoded(tmp_path):

@@ -6,6 +6,7 @@ tensors instead of pixels and captions.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from collections import deque
@@ -275,13 +276,52 @@ def _texts(item: ImageItem, with_references: bool) -> list[tuple[str, str]]:
     return texts
 
 
-def cache_empty_caption(dataset, encode_fn: Callable[[list[str]], list[dict[str, torch.Tensor]]]):
-    """What caption dropout substitutes: the empty caption's text, encoded once, in the cache dtype
-    (so it goes through the same bf16 rounding as every cached caption), as the ImageDataset
-    `dataset`'s empty_text."""
-    with torch.no_grad():
-        (out,) = encode_fn([""])
+def cache_empty_caption(dataset, encode_fn: Callable[[list[str]], list[dict[str, torch.Tensor]]], model_key: str,
+                        folder: str | None = None) -> int:
+    """What caption dropout substitutes: the empty caption's text, encoded once (kept in `folder` as
+    a prompt is: cache_prompts), in the cache dtype (so it goes through the same bf16 rounding as
+    every cached caption), as the ImageDataset `dataset`'s empty_text. Returns 1 if it was encoded."""
+    (out,), encoded = cache_prompts([("", ())], encode_fn, model_key, folder)
     dataset.empty_text = {name: _to_cache_dtype(v) for name, v in out.items()}
+    return encoded
+
+
+def prompt_cache_path(folder: str, model_key: str, text: str, references) -> str:
+    """`prompt-<tag>_<model_key>_te.safetensors`: named for the text and its reference paths."""
+    tag = hashlib.sha256(repr((text, list(references))).encode()).hexdigest()[:16]
+    return os.path.join(folder, f"prompt-{tag}_{model_key}_te.safetensors")
+
+
+def cache_prompts(prompts: list[tuple[str, tuple[str, ...]]], encode_fn: Callable, model_key: str,
+                  folder: str | None, with_references: bool = False) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """The encoding of each (text, reference image paths) as encode_prompts gives it (one dict per
+    prompt, no batch axis, dtypes as encoded): the sample prompts and the empty caption. With
+    `folder` each is kept there (prompt_cache_path), its content hash over the text, the model key
+    and, where the encoder sees them, the references' bytes, and read back while current: a re-run
+    whose captions and prompts are all cached loads no text encoder. A folder that cannot be written
+    (read-only) keeps new ones in memory. Returns (encodings, how many were encoded)."""
+    out, encoded = [], 0
+    for text, references in prompts:
+        references = tuple(references) if with_references else ()
+        path = prompt_cache_path(folder, model_key, text, references) if folder else None
+        h = hashlib.sha256(f"{text}|{model_key}".encode())
+        for reference in references:
+            _hash_file(h, reference, b"|control|")
+        if path and _cache_is_valid(path, h.hexdigest()):
+            out.append(read_cache(path))
+            continue
+        with torch.no_grad():
+            (tensors,) = encode_prompts(encode_fn, [text], [list(references)], with_references)
+        tensors = {name: v.detach().cpu() for name, v in tensors.items()}
+        encoded += 1
+        if path:
+            try:
+                _store(tensors, path, h.hexdigest(), True, model_key)
+            except OSError as e:  # a read-only cache folder is used as it is: this one stays in memory
+                if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                    raise
+        out.append(tensors)
+    return out, encoded
 
 
 def _to_cache_dtype(v: torch.Tensor) -> torch.Tensor:

@@ -16,11 +16,12 @@ import torch
 import torch.nn as nn
 
 from library.data.captions import drops_captions
-from library.data.caches import cache_empty_caption, cache_latents, cache_text, loaded_on_first_call
+from library.data.caches import (cache_empty_caption, cache_latents, cache_path, cache_prompts, cache_text,
+                                 loaded_on_first_call)
 from library.data.check import training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import scan_images, split_validation
-from library.data.controls import check_family_takes, check_prompt_controls, encode_prompts, reference_images
+from library.data.controls import check_family_takes, check_prompt_controls, reference_images
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
 from library.models.core import checkpointing, compile_block
 from library.models.family import get_family, stack_text
@@ -174,21 +175,30 @@ class DiffusionTask:
         variants = sum(len(item.caption_variants) for item in items)
         self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk"
                                + (f"; {variants} augmented variants cached with them" if variants else ""))
+        # The empty caption and the sample prompts are kept beside the first image's caches (the
+        # encoders are gone by the time samples render). True-CFG families always need a (possibly
+        # empty) negative prompt.
+        folder = self._prompt_folder()
         if not sees and any(drops_captions(item.subset) for item in self.dataset.items):
-            cache_empty_caption(self.dataset, encode_text)  # what caption dropout substitutes (else: per item)
-        # Sample prompts are encoded now too: the encoders are gone by the time samples render.
-        # True-CFG families always need a (possibly empty) negative prompt.
-        self.prompt_texts = []
-        for p in self.prompts:
-            def encode(text):  # with the prompt's references where the text encoder sees them
-                return stack_text(encode_prompts(encode_text, [text], [p.control_images], sees))
-
-            negative = encode(p.negative) if p.negative or self.family.true_cfg else None
-            self.prompt_texts.append((encode(p.prompt), negative))
+            cache_empty_caption(self.dataset, encode_text, text_key, folder)  # what dropout substitutes (else: per item)
+        negatives = [p.negative if p.negative or self.family.true_cfg else None for p in self.prompts]
+        jobs = [(text, p.control_images) for p, negative in zip(self.prompts, negatives)
+                for text in (p.prompt, *([negative] if negative is not None else []))]
+        texts = iter(cache_prompts(jobs, encode_text, text_key, folder, sees)[0])
+        self.prompt_texts = [(stack_text([next(texts)]), stack_text([next(texts)]) if negative is not None else None)
+                             for negative in negatives]
         del encode_text  # the encoders go before the transformer loads
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _prompt_folder(self) -> str | None:
+        """Where the empty caption's and the sample prompts' encodings are kept: the folder of the
+        first image's text cache (None: text caches are not kept on disk)."""
+        items = self.dataset.items + self.validation_set.items
+        if not (self.args.cache_text_encoder_outputs_to_disk and items):
+            return None
+        return os.path.dirname(cache_path(items[0], "te"))
 
     def _cache_latents(self):
         items, latent_key = self.dataset.items + self.validation_set.items, self.family.latent_cache_key()
