@@ -169,39 +169,60 @@ def test_a_cache_folder_that_cannot_be_written_is_one_error_before_encoding(tmp_
     assert encode(tmp_path, CountingEncoder()) == (0, 0)  # current caches in a read-only folder are read
 
 
+def fill_caches(root, family, prompts=(), keep_cache=False, **changes):
+    """DiffusionTask._fill_caches on the images under root/img with a stand-in family; returns the
+    task and the lines it printed."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from library.training.diffusion_task import DiffusionTask
+
+    args = SimpleNamespace(vae_batch_size=2, cache_latents_to_disk=True, text_encoder_precision="bf16",
+                           text_encoder_batch_size=8, cache_text_encoder_outputs_to_disk=True, keep_cache=keep_cache)
+    printed = []
+    task = SimpleNamespace(dataset=D.ImageDataset(dataset(root, **changes)), validation_set=SimpleNamespace(items=[]),
+                           family=family, device=torch.device("cpu"), args=args, prompts=list(prompts),
+                           accelerator=SimpleNamespace(print=lambda *a, **k: printed.append(" ".join(map(str, a))),
+                                                       is_main_process=True))
+    for method in ("_cache_latents", "_prompt_folder", "_remove_unused_caches"):
+        setattr(task, method, getattr(DiffusionTask, method).__get__(task))
+    DiffusionTask._fill_caches(task)
+    return task, printed
+
+
+def stand_in_family(loads: list, name="fresh", latent_key="fresh_0123456789", text_key="fresh_0123456789_abcdef01"):
+    from types import SimpleNamespace
+
+    import torch
+
+    enc = CountingEncoder()
+    return SimpleNamespace(
+        name=name, latent_cache_key=lambda: latent_key, text_options=lambda args: {},
+        text_cache_key=lambda options, precision: text_key, text_sees_controls=False, true_cfg=True,
+        load_vae=lambda dtype: loads.append("vae") or SimpleNamespace(vae=torch.nn.Identity(), encode=enc.latents),
+        load_text_encoder=lambda precision, device: loads.append("text") or enc.text)
+
+
 @pytest.mark.parametrize("dropout, prompts", [(0.0, 0), (0.5, 0), (0.0, 2), (0.5, 2)],
                          ids=["captions", "caption_dropout", "sample_prompts", "both"])
 def test_a_re_run_with_current_caches_loads_no_encoder(tmp_path, dropout, prompts):
     """The old line loaded the VAE and every text encoder on every run, to encode nothing; and where
     caption dropout or sample prompts were set, it still loaded the text encoders for the empty
     caption and the prompts, which were never cached."""
-    from types import SimpleNamespace
-
     import torch
 
     from library.data.prompts import SamplePrompt
-    from library.training.diffusion_task import DiffusionTask
 
     make_image(tmp_path / "img" / "a.png", 32, 32)
     write(tmp_path / "img" / "a.txt", "caption A")
-    enc, loads = CountingEncoder(), []
-    family = SimpleNamespace(
-        latent_cache_key=lambda: "vae-1", text_options=lambda args: {}, text_cache_key=lambda options, precision: "te-1",
-        text_sees_controls=False, true_cfg=True,
-        load_vae=lambda dtype: loads.append("vae") or SimpleNamespace(vae=torch.nn.Identity(), encode=enc.latents),
-        load_text_encoder=lambda precision, device: loads.append("text") or enc.text)
-    args = SimpleNamespace(vae_batch_size=2, cache_latents_to_disk=True, text_encoder_precision="bf16",
-                           text_encoder_batch_size=8, cache_text_encoder_outputs_to_disk=True)
+    loads = []
+    family = stand_in_family(loads)
     sample_prompts = [SamplePrompt(f"prompt {i}", negative="blurry" if i else "") for i in range(prompts)]
     runs = []
     for expected in (["vae", "text"], []):
         loads.clear()
-        task = SimpleNamespace(dataset=D.ImageDataset(dataset(tmp_path, caption_dropout_rate=dropout)),
-                               validation_set=SimpleNamespace(items=[]), family=family, device=torch.device("cpu"),
-                               args=args, prompts=sample_prompts, accelerator=SimpleNamespace(print=lambda *a, **k: None))
-        task._cache_latents = lambda task=task: DiffusionTask._cache_latents(task)
-        task._prompt_folder = lambda task=task: DiffusionTask._prompt_folder(task)
-        DiffusionTask._fill_caches(task)
+        task, _ = fill_caches(tmp_path, family, sample_prompts, caption_dropout_rate=dropout)
         assert loads == expected
         runs.append((task.dataset.empty_text, task.prompt_texts))
     (empty, texts), (cached_empty, cached_texts) = runs
@@ -212,6 +233,40 @@ def test_a_re_run_with_current_caches_loads_no_encoder(tmp_path, dropout, prompt
     for (text, negative), (cached, cached_negative) in zip(texts, cached_texts):
         assert all(torch.equal(text[k], cached[k]) and text[k].dtype == cached[k].dtype for k in text)
         assert all(torch.equal(negative[k], cached_negative[k]) for k in negative)  # true CFG: "" or "blurry"
+
+
+def test_cache_files_no_entry_uses_are_removed_and_a_users_files_survive(tmp_path):
+    """The old line never deleted a cache: each changed setting (here the resolution, a caption
+    prefix, a sample prompt) or a removed image left its files beside the new ones for good."""
+    from library.data.prompts import SamplePrompt
+    from library.io import save_safetensors
+
+    import torch
+
+    for name in "abc":
+        make_image(tmp_path / "img" / f"{name}.png", 32, 32)
+        write(tmp_path / "img" / f"{name}.txt", f"caption {name}")
+    img = tmp_path / "img"
+    save_safetensors({"w": torch.ones(4)}, str(img / "my_lora.safetensors"))  # a user's file, no cache header
+    save_safetensors({"w": torch.ones(4)}, str(img / "a_fresh_0123456789_00000000_te.safetensors"))  # named like ours
+    (img / "b_fresh_0123456789_00000000_te.safetensors").write_text("not a safetensors file")
+    other, _ = fill_caches(tmp_path, stand_in_family([], "other", "other_0123456789", "other_0123456789_abcdef01"))
+    users = sorted(os.listdir(img))
+    family = stand_in_family([])
+    _, printed = fill_caches(tmp_path, family, [SamplePrompt("a cat")], resolution=32)
+    first = sorted(set(os.listdir(img)) - set(users))
+    assert len(first) == 3 * 2 + 2 and not any("caches:" in line for line in printed)  # + the prompt and its negative
+    os.remove(img / "c.png")
+    _, printed = fill_caches(tmp_path, family, [SamplePrompt("a dog")], keep_cache=True, resolution=48,
+                             caption_prefix="ohwx")
+    assert set(first) < set(os.listdir(img)) and not any("caches:" in line for line in printed)  # keep_cache
+    _, printed = fill_caches(tmp_path, family, [SamplePrompt("a dog")], resolution=48, caption_prefix="ohwx")
+    now = sorted(set(os.listdir(img)) - set(users))
+    assert len(set(first) & set(now)) == 1 and len(now) == 2 * 2 + 2  # a, b at 48 with the prefix, "a dog"; "" kept
+    line = next(line for line in printed if line.startswith("caches:"))
+    assert re.fullmatch(r"caches: 7 files no entry uses were removed \(0\.\d MiB freed; keep_cache = true keeps them\)",
+                        line), line
+    assert set(users) - {"c.png"} <= set(os.listdir(img))  # the user's files, the other family's caches are all there
 
 
 def test_an_interrupted_caching_leaves_whole_files_and_a_truncated_one_is_re_encoded(tmp_path):

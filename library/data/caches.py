@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
@@ -277,13 +278,13 @@ def _texts(item: ImageItem, with_references: bool) -> list[tuple[str, str]]:
 
 
 def cache_empty_caption(dataset, encode_fn: Callable[[list[str]], list[dict[str, torch.Tensor]]], model_key: str,
-                        folder: str | None = None) -> int:
+                        folder: str | None = None) -> str | None:
     """What caption dropout substitutes: the empty caption's text, encoded once (kept in `folder` as
     a prompt is: cache_prompts), in the cache dtype (so it goes through the same bf16 rounding as
-    every cached caption), as the ImageDataset `dataset`'s empty_text. Returns 1 if it was encoded."""
-    (out,), encoded = cache_prompts([("", ())], encode_fn, model_key, folder)
+    every cached caption), as the ImageDataset `dataset`'s empty_text. Returns its file."""
+    (out,), (path,) = cache_prompts([("", ())], encode_fn, model_key, folder)
     dataset.empty_text = {name: _to_cache_dtype(v) for name, v in out.items()}
-    return encoded
+    return path
 
 
 def prompt_cache_path(folder: str, model_key: str, text: str, references) -> str:
@@ -299,29 +300,70 @@ def cache_prompts(prompts: list[tuple[str, tuple[str, ...]]], encode_fn: Callabl
     `folder` each is kept there (prompt_cache_path), its content hash over the text, the model key
     and, where the encoder sees them, the references' bytes, and read back while current: a re-run
     whose captions and prompts are all cached loads no text encoder. A folder that cannot be written
-    (read-only) keeps new ones in memory. Returns (encodings, how many were encoded)."""
-    out, encoded = [], 0
+    (read-only) keeps new ones in memory. Returns (encodings, their files: None where not kept)."""
+    out, files = [], []
     for text, references in prompts:
         references = tuple(references) if with_references else ()
         path = prompt_cache_path(folder, model_key, text, references) if folder else None
         h = hashlib.sha256(f"{text}|{model_key}".encode())
         for reference in references:
             _hash_file(h, reference, b"|control|")
+        files.append(path)
         if path and _cache_is_valid(path, h.hexdigest()):
             out.append(read_cache(path))
             continue
         with torch.no_grad():
             (tensors,) = encode_prompts(encode_fn, [text], [list(references)], with_references)
         tensors = {name: v.detach().cpu() for name, v in tensors.items()}
-        encoded += 1
         if path:
             try:
                 _store(tensors, path, h.hexdigest(), True, model_key)
             except OSError as e:  # a read-only cache folder is used as it is: this one stays in memory
                 if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                     raise
+                files[-1] = None
         out.append(tensors)
-    return out, encoded
+    return out, files
+
+
+def remove_unused_caches(folders, family: str, used: set[str], latents: bool, text: bool) -> tuple[int, int]:
+    """Delete the cache files in `folders` that no entry of this run uses (used: their paths), as
+    musubi-tuner's cache scripts do unless --keep_cache: each changed setting or model file left the
+    old files beside the new. Only files this cache wrote are touched: a `.safetensors` whose header
+    says it is a cache (content_hash) of this family (model_key `<family>_<10 hex>...`, also in its
+    name), latent ones only with `latents` (kept on disk this run) and text ones (`_te`) only with
+    `text`. A user's file, another family's caches and a file that cannot be removed are left.
+    Returns (files removed, bytes freed)."""
+    removed = freed = 0
+    for folder in sorted(set(folders)):
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
+            kind_kept = text if name.endswith("_te.safetensors") else latents
+            if path in used or not kind_kept or not _is_cache_of(path, name, family):
+                continue
+            size = os.path.getsize(path)
+            try:
+                os.remove(path)
+            except OSError:  # a read-only folder: its caches stay
+                continue
+            removed, freed = removed + 1, freed + size
+    return removed, freed
+
+
+def _is_cache_of(path: str, name: str, family: str) -> bool:
+    if not name.endswith(".safetensors") or not os.path.isfile(path):
+        return False
+    try:
+        metadata = CheckpointReader(path).metadata
+    except Exception:  # not a safetensors file: not ours
+        return False
+    key = metadata.get("model_key", "")
+    return ("content_hash" in metadata and re.match(rf"{re.escape(family)}_[0-9a-f]{{10}}(_|$)", key) is not None
+            and f"_{key}_" in name)
 
 
 def _to_cache_dtype(v: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from library.data.captions import drops_captions
 from library.data.caches import (cache_empty_caption, cache_latents, cache_path, cache_prompts, cache_text,
-                                 loaded_on_first_call)
+                                 loaded_on_first_call, remove_unused_caches)
 from library.data.check import training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import scan_images, split_validation
@@ -180,17 +180,37 @@ class DiffusionTask:
         # empty) negative prompt.
         folder = self._prompt_folder()
         if not sees and any(drops_captions(item.subset) for item in self.dataset.items):
-            cache_empty_caption(self.dataset, encode_text, text_key, folder)  # what dropout substitutes (else: per item)
+            # what caption dropout substitutes (else: per item)
+            prompt_files = [cache_empty_caption(self.dataset, encode_text, text_key, folder)]
+        else:
+            prompt_files = []
         negatives = [p.negative if p.negative or self.family.true_cfg else None for p in self.prompts]
         jobs = [(text, p.control_images) for p, negative in zip(self.prompts, negatives)
                 for text in (p.prompt, *([negative] if negative is not None else []))]
-        texts = iter(cache_prompts(jobs, encode_text, text_key, folder, sees)[0])
+        encodings, files = cache_prompts(jobs, encode_text, text_key, folder, sees)
+        texts = iter(encodings)
         self.prompt_texts = [(stack_text([next(texts)]), stack_text([next(texts)]) if negative is not None else None)
                              for negative in negatives]
         del encode_text  # the encoders go before the transformer loads
+        self._remove_unused_caches(items, prompt_files + files)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _remove_unused_caches(self, items: list, prompt_files: list[str | None]) -> None:
+        """Cache files of this family in this run's cache folders that no entry uses (an old setting's,
+        a removed image's) are deleted, once, by the main process; keep_cache = true keeps them."""
+        args = self.args
+        if args.keep_cache or not self.accelerator.is_main_process:
+            return
+        used = {c for item in items for c in (item.latent_cache, item.text_cache) if isinstance(c, str)}
+        used |= {f for f in prompt_files if f}
+        folders = {os.path.dirname(cache_path(item, "te")) for item in items}
+        removed, freed = remove_unused_caches(folders, self.family.name, used, args.cache_latents_to_disk,
+                                              args.cache_text_encoder_outputs_to_disk)
+        if removed:
+            self.accelerator.print(f"caches: {removed} files no entry uses were removed ({freed / 2**20:.1f} MiB freed; "
+                                   f"keep_cache = true keeps them)")
 
     def _prompt_folder(self) -> str | None:
         """Where the empty caption's and the sample prompts' encodings are kept: the folder of the
