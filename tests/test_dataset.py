@@ -57,6 +57,16 @@ def test_unknown_subset_key_is_an_error_naming_file_section_and_allowed_keys(tmp
     assert msg.startswith(f"{tmp_path / 'ds.toml'}: [datasets.subsets] unknown key 'foo' (allowed: image_dir, num_repeats")
 
 
+@pytest.mark.parametrize("line", ["random_crop = true", "color_aug = true", "face_crop_aug_range = [2.0, 4.0]"])
+def test_sd_scripts_pixel_augmentations_say_why_they_cannot_apply_to_cached_latents(tmp_path, line):
+    """They were 'unknown key' with the allowed list: an sd-scripts user was not told why."""
+    msg = config_error(tmp_path, f'[[datasets]]\nresolution = 512\n[[datasets.subsets]]\nimage_dir = "a"\n{line}\n')
+    key = line.split(" =")[0]
+    assert msg == (f"{tmp_path / 'ds.toml'}: [datasets.subsets] '{key}' is not supported: latents are always cached "
+                   f"before training, so a per-epoch pixel augmentation cannot apply (sd-scripts refuses it with "
+                   f"cache_latents too); remove it (flip_aug works: both sides are cached)")
+
+
 def test_unknown_general_key_is_an_error(tmp_path):
     msg = config_error(tmp_path, '[general]\nshuffle_captions = true\n[[datasets]]\nresolution = 512\n'
                                  '[[datasets.subsets]]\nimage_dir = "a"\n')
