@@ -269,6 +269,33 @@ def test_cache_files_no_entry_uses_are_removed_and_a_users_files_survive(tmp_pat
     assert set(users) - {"c.png"} <= set(os.listdir(img))  # the user's files, the other family's caches are all there
 
 
+def test_a_read_only_cache_folder_with_current_captions_encodes_new_prompts_in_memory(tmp_path, monkeypatch):
+    """Valid caches on a read-only mount train; the empty caption and a new sample prompt, which
+    cannot be kept there, are encoded and held in memory, and no cache is removed."""
+    import errno
+    import tempfile
+
+    from library.data.prompts import SamplePrompt
+
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "caption A")
+    loads = []
+    family = stand_in_family(loads)
+    fill_caches(tmp_path, family, resolution=48)  # an old setting's files, unused below
+    fill_caches(tmp_path, family, keep_cache=True)
+    files = sorted(os.listdir(tmp_path / "img"))
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(os, "remove", read_only)
+    loads.clear()
+    task, printed = fill_caches(tmp_path, family, [SamplePrompt("a cat")], caption_dropout_rate=0.5)
+    assert loads == ["text"] and task.dataset.empty_text is not None and len(task.prompt_texts) == 1
+    assert sorted(os.listdir(tmp_path / "img")) == files and not any("caches:" in line for line in printed)
+
+
 def test_an_interrupted_caching_leaves_whole_files_and_a_truncated_one_is_re_encoded(tmp_path):
     for name in "abc":
         make_image(tmp_path / "img" / f"{name}.png", 32, 32)
