@@ -260,12 +260,14 @@ def test_cache_files_no_entry_uses_are_removed_and_a_users_files_survive(tmp_pat
     _, printed = fill_caches(tmp_path, family, [SamplePrompt("a dog")], keep_cache=True, resolution=48,
                              caption_prefix="ohwx")
     assert set(first) < set(os.listdir(img)) and not any("caches:" in line for line in printed)  # keep_cache
+    sizes = {f: (img / f).stat().st_size for f in os.listdir(img)}
     _, printed = fill_caches(tmp_path, family, [SamplePrompt("a dog")], resolution=48, caption_prefix="ohwx")
     now = sorted(set(os.listdir(img)) - set(users))
     assert len(set(first) & set(now)) == 1 and len(now) == 2 * 2 + 2  # a, b at 48 with the prefix, "a dog"; "" kept
     line = next(line for line in printed if line.startswith("caches:"))
-    assert re.fullmatch(r"caches: 7 files no entry uses were removed \(0\.\d MiB freed; keep_cache = true keeps them\)",
+    assert re.fullmatch(r"caches: 7 files no entry uses were removed \(\d+ KiB freed; keep_cache = true keeps them\)",
                         line), line
+    assert line.split("(")[1].split(" KiB")[0] == f"{sum(sizes[f] for f in set(first) - set(now)) / 1024:.0f}"
     assert set(users) - {"c.png"} <= set(os.listdir(img))  # the user's files, the other family's caches are all there
 
 

@@ -209,7 +209,8 @@ class DiffusionTask:
         removed, freed = remove_unused_caches(folders, self.family.name, used, args.cache_latents_to_disk,
                                               args.cache_text_encoder_outputs_to_disk)
         if removed:
-            self.accelerator.print(f"caches: {removed} files no entry uses were removed ({freed / 2**20:.1f} MiB freed; "
+            size = f"{freed / 2**20:.1f} MiB" if freed >= 2**20 else f"{freed / 2**10:.0f} KiB"
+            self.accelerator.print(f"caches: {removed} files no entry uses were removed ({size} freed; "
                                    f"keep_cache = true keeps them)")
 
     def _prompt_folder(self) -> str | None:
