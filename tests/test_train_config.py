@@ -505,7 +505,7 @@ def test_persistent_data_loader_workers_reaches_one_dataloader_that_serves_every
     cfg = write(tmp_path, FLUX + "persistent_data_loader_workers = true\nmax_data_loader_n_workers = 2\n")
     args = load_config(["--config_file", cfg])
     assert (args.persistent_data_loader_workers, args.max_data_loader_n_workers) == (True, 2)
-    for i in range(3):
+    for i in range(5):
         make_image(tmp_path / "img" / f"{i}.png", 64, 64)
         (tmp_path / "img" / f"{i}.txt").write_text("a photo")
     from library.data import dataset as D
@@ -513,9 +513,14 @@ def test_persistent_data_loader_workers_reaches_one_dataloader_that_serves_every
     data = D.ImageDataset(blueprint(tmp_path / "img"))
     task = SimpleNamespace(args=args, dataset=data, sampler=D.BucketBatchSampler(data), _loader=None,
                            device=torch.device("cpu"), accelerator=SimpleNamespace(process_index=0, num_processes=1))
-    first, second = (DiffusionTask.epoch_batches(task, epoch) for epoch in (0, 1))
-    assert first is second and first.persistent_workers and first.num_workers == 2
-    assert [len(batch["captions"]) for batch in second] == [1, 1, 1]  # epoch 1's batches, served by the same workers
+    keys = []
+    for epoch in (0, 1):
+        loader = DiffusionTask.epoch_batches(task, epoch)
+        keys.append([key for batch in loader for key in batch["keys"]])
+    assert loader is task._loader and loader.persistent_workers and loader.num_workers == 2
+    expected = [[data[entry]["key"] for batch in D.EpochBatches(task.sampler, epoch) for entry in batch]
+                for epoch in (0, 1)]
+    assert keys == expected and keys[0] != keys[1]  # each epoch's own order, served by the same workers
     args.max_data_loader_n_workers = 0  # torch refuses persistent workers without workers: the option is moot
     task._loader = None
     loader = DiffusionTask.epoch_batches(task, 0)
