@@ -250,24 +250,30 @@ def test_cache_files_no_entry_uses_are_removed_and_a_users_files_survive(tmp_pat
     save_safetensors({"w": torch.ones(4)}, str(img / "my_lora.safetensors"))  # a user's file, no cache header
     save_safetensors({"w": torch.ones(4)}, str(img / "a_fresh_0123456789_00000000_te.safetensors"))  # named like ours
     (img / "b_fresh_0123456789_00000000_te.safetensors").write_text("not a safetensors file")
+    (img / ".notes.txt.x1y2.tmp").write_text("a user's temporary")
     other, _ = fill_caches(tmp_path, stand_in_family([], "other", "other_0123456789", "other_0123456789_abcdef01"))
     users = sorted(os.listdir(img))
     family = stand_in_family([])
     _, printed = fill_caches(tmp_path, family, [SamplePrompt("a cat")], resolution=32)
     first = sorted(set(os.listdir(img)) - set(users))
     assert len(first) == 3 * 2 + 2 and not any("caches:" in line for line in printed)  # + the prompt and its negative
+    left = [img / f".a_fresh_0123456789_abcdef01_0000000{k}_te.safetensors.ab_{k}.tmp" for k in range(2)]
+    for path, age in zip(left, (7200, 60)):  # a killed run's, and one being written now
+        path.write_bytes(b"\0" * 100)
+        os.utime(path, (path.stat().st_mtime - age,) * 2)
     os.remove(img / "c.png")
     _, printed = fill_caches(tmp_path, family, [SamplePrompt("a dog")], keep_cache=True, resolution=48,
                              caption_prefix="ohwx")
     assert set(first) < set(os.listdir(img)) and not any("caches:" in line for line in printed)  # keep_cache
     sizes = {f: (img / f).stat().st_size for f in os.listdir(img)}
     _, printed = fill_caches(tmp_path, family, [SamplePrompt("a dog")], resolution=48, caption_prefix="ohwx")
-    now = sorted(set(os.listdir(img)) - set(users))
+    now = sorted(set(os.listdir(img)) - set(users) - {left[1].name})
     assert len(set(first) & set(now)) == 1 and len(now) == 2 * 2 + 2  # a, b at 48 with the prefix, "a dog"; "" kept
     line = next(line for line in printed if line.startswith("caches:"))
-    assert re.fullmatch(r"caches: 7 files no entry uses were removed \(\d+ KiB freed; keep_cache = true keeps them\)",
+    assert re.fullmatch(r"caches: 8 files no entry uses were removed \(\d+ KiB freed; keep_cache = true keeps them\)",
                         line), line
-    assert line.split("(")[1].split(" KiB")[0] == f"{sum(sizes[f] for f in set(first) - set(now)) / 1024:.0f}"
+    assert line.split("(")[1].split(" KiB")[0] == f"{(sum(sizes[f] for f in set(first) - set(now)) + 100) / 1024:.0f}"
+    assert not left[0].exists() and left[1].exists()  # the hour-old temporary went with them
     assert set(users) - {"c.png"} <= set(os.listdir(img))  # the user's files, the other family's caches are all there
 
 

@@ -10,6 +10,7 @@ import errno
 import hashlib
 import os
 import re
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
@@ -28,6 +29,7 @@ from library.io import CheckpointReader, save_safetensors
 PREPROCESS_VERSION = "resize-crop-v1"
 CACHE_DTYPE = torch.bfloat16  # what cache files hold; samples are float32
 LOAD_WORKERS = min(4, os.cpu_count() or 1)  # threads loading images ahead of the VAE (cache_latents)
+TEMPORARY_AGE_S = 3600  # a cache file's temporary this old was left by a killed run (remove_unused_caches)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,7 +334,8 @@ def remove_unused_caches(folders, family: str, used: set[str], latents: bool, te
     old files beside the new. Only files this cache wrote are touched: a `.safetensors` whose header
     says it is a cache (content_hash) of this family (model_key `<family>_<10 hex>...`, also in its
     name), latent ones only with `latents` (kept on disk this run) and text ones (`_te`) only with
-    `text`. A user's file, another family's caches and a file that cannot be removed are left.
+    `text`; also a killed run's temporaries of such files (_is_left_temporary). A user's file,
+    another family's caches and a file that cannot be removed are left.
     Returns (files removed, bytes freed)."""
     removed = freed = 0
     for folder in sorted(set(folders)):
@@ -342,8 +345,9 @@ def remove_unused_caches(folders, family: str, used: set[str], latents: bool, te
             continue
         for name in names:
             path = os.path.join(folder, name)
-            kind_kept = text if name.endswith("_te.safetensors") else latents
-            if path in used or not kind_kept or not _is_cache_of(path, name, family):
+            kind_kept = text if "_te.safetensors" in name else latents
+            ours = _is_cache_of(path, name, family) or _is_left_temporary(path, name, family)
+            if path in used or not kind_kept or not ours:
                 continue
             size = os.path.getsize(path)
             try:
@@ -352,6 +356,13 @@ def remove_unused_caches(folders, family: str, used: set[str], latents: bool, te
                 continue
             removed, freed = removed + 1, freed + size
     return removed, freed
+
+
+def _is_left_temporary(path: str, name: str, family: str) -> bool:
+    """A cache file's temporary (library/io.py atomic_path: `.<name>.<random>.tmp`) that a killed run
+    left, an hour old: a write in progress takes milliseconds."""
+    match = re.fullmatch(rf"\.(.+_{re.escape(family)}_[0-9a-f]{{10}}_.+\.safetensors)\.[a-z0-9_]+\.tmp", name)
+    return match is not None and os.path.isfile(path) and time.time() - os.path.getmtime(path) > TEMPORARY_AGE_S
 
 
 def _is_cache_of(path: str, name: str, family: str) -> bool:
