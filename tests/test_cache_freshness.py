@@ -324,3 +324,19 @@ def test_an_interrupted_caching_leaves_whole_files_and_a_truncated_one_is_re_enc
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a copy cut short
     assert encode(tmp_path, CountingEncoder())[0] == 2  # the truncated one and c
     assert encode(tmp_path, CountingEncoder()) == (0, 0)
+
+
+def test_one_caption_in_two_datasets_is_encoded_once(tmp_path):
+    """Two datasets over one folder at two resolutions share each image's text file: the old line
+    encoded it for each (4 captions through the encoder for 2 images, the file written twice)."""
+    for name in "ab":
+        make_image(tmp_path / "img" / f"{name}.png", 32, 32)
+        write(tmp_path / "img" / f"{name}.txt", f"caption {name}")
+    config = {"datasets": [{"resolution": resolution, "subsets": [{"image_dir": str(tmp_path / "img")}]}
+                           for resolution in (32, 48)]}
+    items = D.ImageDataset(parse_dataset_config(config, source="t.toml")).items
+    enc = CountingEncoder()
+    assert caches.cache_text(items, enc.text, "te-1") == 2 and enc.captions == ["caption a", "caption b"]
+    assert caches.cache_latents(items, enc.latents, "vae-1") == 4  # each resolution its own latents
+    assert len({item.text_cache for item in items}) == 2 and all(os.path.exists(item.text_cache) for item in items)
+    assert [caches.read_text_cache(item.text_cache, None)["hidden"].shape for item in items] == [(9, 4)] * 4

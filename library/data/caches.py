@@ -174,13 +174,16 @@ def prefetched(jobs: list, load: Callable, workers: int):
 def _stale_entries(items: list[ImageItem], attr: str, to_disk: bool, path_of: Callable[[ImageItem], str],
                    digest_of: Callable[[ImageItem], str]) -> list[tuple[ImageItem, str, str]]:
     """(item, cache path, content hash) of every item whose cache must be encoded; an item whose
-    file on disk is valid gets it as `attr` (latent_cache / text_cache) instead."""
+    file on disk is valid gets it as `attr` (latent_cache / text_cache) instead, and so does a later
+    entry of a file another entry encodes (one image in two datasets, e.g. at two resolutions: one
+    caption), encoded once."""
     todo, claimed = [], {}
     for item in items:
         digest, path = digest_of(item), path_of(item)
+        shared = to_disk and path in claimed
         if to_disk:  # only files are shared
             _claim(claimed, path, digest, item)
-        if to_disk and _cache_is_valid(path, digest):
+        if shared or (to_disk and _cache_is_valid(path, digest)):
             setattr(item, attr, path)
         else:
             todo.append((item, path, digest))
