@@ -185,7 +185,7 @@ def fill_caches(root, family, prompts=(), keep_cache=False, **changes):
                            family=family, device=torch.device("cpu"), args=args, prompts=list(prompts),
                            accelerator=SimpleNamespace(print=lambda *a, **k: printed.append(" ".join(map(str, a))),
                                                        is_main_process=True))
-    for method in ("_cache_latents", "_prompt_folder", "_remove_unused_caches"):
+    for method in ("_cache_latents", "_cache_prompt_texts", "_prompt_folder", "_remove_unused_caches"):
         setattr(task, method, getattr(DiffusionTask, method).__get__(task))
     DiffusionTask._fill_caches(task)
     return task, printed

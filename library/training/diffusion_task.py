@@ -175,27 +175,29 @@ class DiffusionTask:
         variants = sum(len(item.caption_variants) for item in items)
         self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk"
                                + (f"; {variants} augmented variants cached with them" if variants else ""))
-        # The empty caption and the sample prompts are kept beside the first image's caches (the
-        # encoders are gone by the time samples render). True-CFG families always need a (possibly
-        # empty) negative prompt.
-        folder = self._prompt_folder()
-        if not sees and any(drops_captions(item.subset) for item in self.dataset.items):
-            # what caption dropout substitutes (else: per item)
-            prompt_files = [cache_empty_caption(self.dataset, encode_text, text_key, folder)]
-        else:
-            prompt_files = []
-        negatives = [p.negative if p.negative or self.family.true_cfg else None for p in self.prompts]
-        jobs = [(text, p.control_images) for p, negative in zip(self.prompts, negatives)
-                for text in (p.prompt, *([negative] if negative is not None else []))]
-        encodings, files = cache_prompts(jobs, encode_text, text_key, folder, sees)
-        texts = iter(encodings)
-        self.prompt_texts = [(stack_text([next(texts)]), stack_text([next(texts)]) if negative is not None else None)
-                             for negative in negatives]
+        prompt_files = self._cache_prompt_texts(encode_text, text_key, sees)
         del encode_text  # the encoders go before the transformer loads
-        self._remove_unused_caches(items, prompt_files + files)
+        self._remove_unused_caches(items, prompt_files)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _cache_prompt_texts(self, encode_text, text_key: str, sees: bool) -> list[str | None]:
+        """The empty caption (caption dropout's, as the dataset's empty_text) and the sample prompts'
+        texts (self.prompt_texts: the encoders are gone by the time samples render; true-CFG
+        families always need a, possibly empty, negative prompt), kept beside the first image's
+        caches. Returns their files."""
+        folder, files = self._prompt_folder(), []
+        if not sees and any(drops_captions(item.subset) for item in self.dataset.items):  # else: per item
+            files.append(cache_empty_caption(self.dataset, encode_text, text_key, folder))
+        negatives = [p.negative if p.negative or self.family.true_cfg else None for p in self.prompts]
+        jobs = [(text, p.control_images) for p, negative in zip(self.prompts, negatives)
+                for text in (p.prompt, *([negative] if negative is not None else []))]
+        encodings, prompt_files = cache_prompts(jobs, encode_text, text_key, folder, sees)
+        texts = iter(encodings)
+        self.prompt_texts = [(stack_text([next(texts)]), stack_text([next(texts)]) if negative is not None else None)
+                             for negative in negatives]
+        return files + prompt_files
 
     def _remove_unused_caches(self, items: list, prompt_files: list[str | None]) -> None:
         """Cache files of this family in this run's cache folders that no entry uses (an old setting's,
