@@ -113,7 +113,7 @@ CHANGES = [
     ({}, 0, 0),
     ({"batch_size": 2}, 0, 0),
     ({"num_repeats": 3}, 0, 0),
-    ({"caption_dropout_rate": 0.5}, 0, 0),  # the empty caption is encoded apart from the cache
+    ({"caption_dropout_rate": 0.5}, 0, 0),  # the empty caption is cached apart (cache_empty_caption)
     ({"caption_dropout_every_n_epochs": 2}, 0, 0),
     ({"keep_tokens": 1}, 0, 0),  # without shuffle_caption: the same text
     ({"caption_variants": 3}, 0, 0),
