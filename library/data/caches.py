@@ -349,8 +349,9 @@ def remove_unused_caches(folders, family: str, used: set[str], latents: bool, te
         for name in names:
             path = os.path.join(folder, name)
             kind_kept = text if "_te.safetensors" in name else latents
-            ours = _is_cache_of(path, name, family) or _is_left_temporary(path, name, family)
-            if path in used or not kind_kept or not ours:
+            if path in used or not kind_kept or f"_{family}_" not in name:  # before any header is read
+                continue
+            if not (_is_cache_of(path, name, family) or _is_left_temporary(path, name, family)):
                 continue
             size = os.path.getsize(path)
             try:
