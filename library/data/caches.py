@@ -1,7 +1,8 @@
 """On-disk caches of VAE latents and text-encoder outputs, so the VAE and the text encoders can
 leave the GPU before training. After `cache_latents` / `cache_text` an item holds its cache (a file
 path, or the tensors in memory) and ImageDataset (library/data/dataset.py) yields the cached
-tensors instead of pixels and captions.
+tensors instead of pixels and captions. The empty caption and the sample prompts are kept the same
+way (cache_prompts), and after caching the files no entry uses are removed (remove_unused_caches).
 """
 
 from __future__ import annotations
