@@ -300,7 +300,7 @@ def prompt_cache_path(folder: str, model_key: str, text: str, references) -> str
 
 
 def cache_prompts(prompts: list[tuple[str, tuple[str, ...]]], encode_fn: Callable, model_key: str,
-                  folder: str | None, with_references: bool = False) -> tuple[list[dict[str, torch.Tensor]], int]:
+                  folder: str | None, with_references: bool = False) -> tuple[list[dict[str, torch.Tensor]], list[str | None]]:
     """The encoding of each (text, reference image paths) as encode_prompts gives it (one dict per
     prompt, no batch axis, dtypes as encoded): the sample prompts and the empty caption. With
     `folder` each is kept there (prompt_cache_path), its content hash over the text, the model key
