@@ -299,8 +299,8 @@ def prompt_cache_path(folder: str, model_key: str, text: str, references) -> str
     return os.path.join(folder, f"prompt-{tag}_{model_key}_te.safetensors")
 
 
-def cache_prompts(prompts: list[tuple[str, tuple[str, ...]]], encode_fn: Callable, model_key: str,
-                  folder: str | None, with_references: bool = False) -> tuple[list[dict[str, torch.Tensor]], list[str | None]]:
+def cache_prompts(prompts: list[tuple[str, tuple[str, ...]]], encode_fn: Callable, model_key: str, folder: str | None,
+                  with_references: bool = False) -> tuple[list[dict[str, torch.Tensor]], list[str | None]]:
     """The encoding of each (text, reference image paths) as encode_prompts gives it (one dict per
     prompt, no batch axis, dtypes as encoded): the sample prompts and the empty caption. With
     `folder` each is kept there (prompt_cache_path), its content hash over the text, the model key
