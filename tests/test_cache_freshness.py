@@ -42,6 +42,49 @@ def test_a_model_file_rewritten_within_the_same_second_changes_its_cache_key(tmp
     assert family.text_cache_key({"max_length": 256}, "bf16") != family.text_cache_key({"max_length": 512}, "bf16")
 
 
+# (where the encoder's path points, the tokenizer file changed) in a diffusers-style repo: text_encoder_2/ + tokenizer_2/
+TOKENIZER_CHANGES = [
+    ("repo/text_encoder_2/model.safetensors", "repo/tokenizer_2/spiece.model"),  # a single file, its tokenizer beside
+    ("repo/text_encoder_2", "repo/tokenizer_2/tokenizer.json"),  # a component folder
+    ("repo/text_encoder_2", "repo/tokenizer_2/tokenizer_config.json"),
+    ("repo", "repo/tokenizer_2/spiece.model"),  # the pipeline folder
+    ("t5", "t5/spiece.model"),  # an HF folder holding its tokenizer (a .model, which the folder walk skipped)
+    ("repo/text_encoder_2", "repo/processor/preprocessor_config.json"),  # a VL encoder's processor
+]
+
+
+@pytest.mark.parametrize("encoder, tokenizer", TOKENIZER_CHANGES, ids=[t for _, t in TOKENIZER_CHANGES])
+def test_a_changed_tokenizer_file_changes_the_text_cache_key(tmp_path, encoder, tokenizer):
+    """The old key held the encoder files only (a folder's .safetensors and .json): a new spiece.model,
+    or a tokenizer folder beside the encoder, left the old encodings in use."""
+    second = 1_700_000_000 * 10**9
+    for path in ("repo/text_encoder_2/model.safetensors", "repo/text_encoder_2/config.json", "t5/model.safetensors",
+                 "repo/tokenizer_2/spiece.model", "repo/tokenizer_2/tokenizer.json", "repo/processor/preprocessor_config.json",
+                 "repo/tokenizer_2/tokenizer_config.json", "t5/spiece.model", "t5/tokenizer_config.json"):
+        os.makedirs(os.path.dirname(tmp_path / path), exist_ok=True)
+        rewrite(tmp_path / path, b"x" * 64, second)
+    family = Family("model.safetensors", "ae.safetensors", t5xxl=str(tmp_path / encoder))
+    key = family.text_cache_key({"max_length": 512}, "bf16")
+    rewrite(tmp_path / "unrelated.json", b"y", second)
+    assert family.text_cache_key({"max_length": 512}, "bf16") == key
+    rewrite(tmp_path / tokenizer, b"z" * 64, second + 1)  # same size, 1 ns later: a new tokenizer version
+    assert family.text_cache_key({"max_length": 512}, "bf16") != key
+
+
+def test_the_prompt_template_and_token_lengths_are_in_the_text_cache_key():
+    class Templated(Family):
+        template = "<user>{}</user>"
+
+        def text_encoding_constants(self):
+            return {"template": self.template, "max_length": 512}
+
+    family = Templated("model.safetensors", "ae.safetensors", t5xxl="t5.safetensors")
+    key = family.text_cache_key({"max_length": 512}, "bf16")
+    family.template = "<system>be brief</system><user>{}</user>"
+    assert family.text_cache_key({"max_length": 512}, "bf16") != key
+    assert family.text_cache_key({"max_length": 256}, "bf16") != family.text_cache_key({"max_length": 512}, "bf16")
+
+
 def dataset(root, **changes):
     subset = {"image_dir": str(root / "img"), **{k: changes.pop(k) for k in list(changes) if k in SUBSET_CHANGES}}
     return parse_dataset_config({"datasets": [{"resolution": 32, **changes, "subsets": [subset]}]}, source="t.toml")
@@ -70,7 +113,7 @@ CHANGES = [
     ({}, 0, 0),
     ({"batch_size": 2}, 0, 0),
     ({"num_repeats": 3}, 0, 0),
-    ({"caption_dropout_rate": 0.5}, 0, 0),  # the empty caption is encoded apart from the cache
+    ({"caption_dropout_rate": 0.5}, 0, 0),  # the empty caption is cached apart (cache_empty_caption)
     ({"caption_dropout_every_n_epochs": 2}, 0, 0),
     ({"keep_tokens": 1}, 0, 0),  # without shuffle_caption: the same text
     ({"caption_variants": 3}, 0, 0),
@@ -126,33 +169,139 @@ def test_a_cache_folder_that_cannot_be_written_is_one_error_before_encoding(tmp_
     assert encode(tmp_path, CountingEncoder()) == (0, 0)  # current caches in a read-only folder are read
 
 
-def test_a_re_run_with_current_caches_loads_no_encoder(tmp_path):
-    """Without sample prompts or caption dropout the encoders are needed only for stale entries: the
-    old line loaded the VAE and every text encoder on every run, to encode nothing."""
+def fill_caches(root, family, prompts=(), keep_cache=False, **changes):
+    """DiffusionTask._fill_caches on the images under root/img with a stand-in family; returns the
+    task and the lines it printed."""
     from types import SimpleNamespace
 
     import torch
 
     from library.training.diffusion_task import DiffusionTask
 
-    make_image(tmp_path / "img" / "a.png", 32, 32)
-    write(tmp_path / "img" / "a.txt", "caption A")
-    enc, loads = CountingEncoder(), []
-    family = SimpleNamespace(
-        latent_cache_key=lambda: "vae-1", text_options=lambda args: {}, text_cache_key=lambda options, precision: "te-1",
-        text_sees_controls=False, true_cfg=False,
+    args = SimpleNamespace(vae_batch_size=2, cache_latents_to_disk=True, text_encoder_precision="bf16",
+                           text_encoder_batch_size=8, cache_text_encoder_outputs_to_disk=True, keep_cache=keep_cache)
+    printed = []
+    task = SimpleNamespace(dataset=D.ImageDataset(dataset(root, **changes)), validation_set=SimpleNamespace(items=[]),
+                           family=family, device=torch.device("cpu"), args=args, prompts=list(prompts),
+                           accelerator=SimpleNamespace(print=lambda *a, **k: printed.append(" ".join(map(str, a))),
+                                                       is_main_process=True))
+    for method in ("_cache_latents", "_cache_prompt_texts", "_prompt_folder", "_remove_unused_caches"):
+        setattr(task, method, getattr(DiffusionTask, method).__get__(task))
+    DiffusionTask._fill_caches(task)
+    return task, printed
+
+
+def stand_in_family(loads: list, name="fresh", latent_key="fresh_0123456789", text_key="fresh_0123456789_abcdef01"):
+    from types import SimpleNamespace
+
+    import torch
+
+    enc = CountingEncoder()
+    return SimpleNamespace(
+        name=name, latent_cache_key=lambda: latent_key, text_options=lambda args: {},
+        text_cache_key=lambda options, precision: text_key, text_sees_controls=False, true_cfg=True,
         load_vae=lambda dtype: loads.append("vae") or SimpleNamespace(vae=torch.nn.Identity(), encode=enc.latents),
         load_text_encoder=lambda precision, device: loads.append("text") or enc.text)
-    args = SimpleNamespace(vae_batch_size=2, cache_latents_to_disk=True, text_encoder_precision="bf16",
-                           text_encoder_batch_size=8, cache_text_encoder_outputs_to_disk=True)
+
+
+@pytest.mark.parametrize("dropout, prompts", [(0.0, 0), (0.5, 0), (0.0, 2), (0.5, 2)],
+                         ids=["captions", "caption_dropout", "sample_prompts", "both"])
+def test_a_re_run_with_current_caches_loads_no_encoder(tmp_path, dropout, prompts):
+    """The old line loaded the VAE and every text encoder on every run, to encode nothing; and where
+    caption dropout or sample prompts were set, it still loaded the text encoders for the empty
+    caption and the prompts, which were never cached."""
+    import torch
+
+    from library.data.prompts import SamplePrompt
+
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "caption A")
+    loads = []
+    family = stand_in_family(loads)
+    sample_prompts = [SamplePrompt(f"prompt {i}", negative="blurry" if i else "") for i in range(prompts)]
+    runs = []
     for expected in (["vae", "text"], []):
         loads.clear()
-        task = SimpleNamespace(dataset=D.ImageDataset(dataset(tmp_path)), validation_set=SimpleNamespace(items=[]),
-                               family=family, device=torch.device("cpu"), args=args, prompts=[],
-                               accelerator=SimpleNamespace(print=lambda *a, **k: None))
-        task._cache_latents = lambda task=task: DiffusionTask._cache_latents(task)
-        DiffusionTask._fill_caches(task)
+        task, _ = fill_caches(tmp_path, family, sample_prompts, caption_dropout_rate=dropout)
         assert loads == expected
+        runs.append((task.dataset.empty_text, task.prompt_texts))
+    (empty, texts), (cached_empty, cached_texts) = runs
+    assert (empty is None) == (dropout == 0) and (cached_empty is None) == (dropout == 0)
+    if empty is not None:
+        assert all(torch.equal(empty[k], cached_empty[k]) for k in empty) and empty["hidden"].dtype == torch.bfloat16
+    assert len(texts) == len(cached_texts) == prompts
+    for (text, negative), (cached, cached_negative) in zip(texts, cached_texts):
+        assert all(torch.equal(text[k], cached[k]) and text[k].dtype == cached[k].dtype for k in text)
+        assert all(torch.equal(negative[k], cached_negative[k]) for k in negative)  # true CFG: "" or "blurry"
+
+
+def test_cache_files_no_entry_uses_are_removed_and_a_users_files_survive(tmp_path):
+    """The old line never deleted a cache: each changed setting (here the resolution, a caption
+    prefix, a sample prompt) or a removed image left its files beside the new ones for good."""
+    from library.data.prompts import SamplePrompt
+    from library.io import save_safetensors
+
+    import torch
+
+    for name in "abc":
+        make_image(tmp_path / "img" / f"{name}.png", 32, 32)
+        write(tmp_path / "img" / f"{name}.txt", f"caption {name}")
+    img = tmp_path / "img"
+    save_safetensors({"w": torch.ones(4)}, str(img / "my_lora.safetensors"))  # a user's file, no cache header
+    save_safetensors({"w": torch.ones(4)}, str(img / "a_fresh_0123456789_00000000_te.safetensors"))  # named like ours
+    (img / "b_fresh_0123456789_00000000_te.safetensors").write_text("not a safetensors file")
+    (img / ".notes.txt.x1y2.tmp").write_text("a user's temporary")
+    other, _ = fill_caches(tmp_path, stand_in_family([], "other", "other_0123456789", "other_0123456789_abcdef01"))
+    users = sorted(os.listdir(img))
+    family = stand_in_family([])
+    _, printed = fill_caches(tmp_path, family, [SamplePrompt("a cat")], resolution=32)
+    first = sorted(set(os.listdir(img)) - set(users))
+    assert len(first) == 3 * 2 + 2 and not any("caches:" in line for line in printed)  # + the prompt and its negative
+    left = [img / f".a_fresh_0123456789_abcdef01_0000000{k}_te.safetensors.ab_{k}.tmp" for k in range(2)]
+    for path, age in zip(left, (7200, 60)):  # a killed run's, and one being written now
+        path.write_bytes(b"\0" * 100)
+        os.utime(path, (path.stat().st_mtime - age,) * 2)
+    os.remove(img / "c.png")
+    _, printed = fill_caches(tmp_path, family, [SamplePrompt("a dog")], keep_cache=True, resolution=48,
+                             caption_prefix="ohwx")
+    assert set(first) < set(os.listdir(img)) and not any("caches:" in line for line in printed)  # keep_cache
+    sizes = {f: (img / f).stat().st_size for f in os.listdir(img)}
+    _, printed = fill_caches(tmp_path, family, [SamplePrompt("a dog")], resolution=48, caption_prefix="ohwx")
+    now = sorted(set(os.listdir(img)) - set(users) - {left[1].name})
+    assert len(set(first) & set(now)) == 1 and len(now) == 2 * 2 + 2  # a, b at 48 with the prefix, "a dog"; "" kept
+    line = next(line for line in printed if line.startswith("caches:"))
+    assert re.fullmatch(r"caches: 8 files no entry uses were removed \(\d+ KiB freed; keep_cache = true keeps them\)",
+                        line), line
+    assert line.split("(")[1].split(" KiB")[0] == f"{(sum(sizes[f] for f in set(first) - set(now)) + 100) / 1024:.0f}"
+    assert not left[0].exists() and left[1].exists()  # the hour-old temporary went with them
+    assert set(users) - {"c.png"} <= set(os.listdir(img))  # the user's files, the other family's caches are all there
+
+
+def test_a_read_only_cache_folder_with_current_captions_encodes_new_prompts_in_memory(tmp_path, monkeypatch):
+    """Valid caches on a read-only mount train; the empty caption and a new sample prompt, which
+    cannot be kept there, are encoded and held in memory, and no cache is removed."""
+    import errno
+    import tempfile
+
+    from library.data.prompts import SamplePrompt
+
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "caption A")
+    loads = []
+    family = stand_in_family(loads)
+    fill_caches(tmp_path, family, resolution=48)  # an old setting's files, unused below
+    fill_caches(tmp_path, family, keep_cache=True)
+    files = sorted(os.listdir(tmp_path / "img"))
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(os, "remove", read_only)
+    loads.clear()
+    task, printed = fill_caches(tmp_path, family, [SamplePrompt("a cat")], caption_dropout_rate=0.5)
+    assert loads == ["text"] and task.dataset.empty_text is not None and len(task.prompt_texts) == 1
+    assert sorted(os.listdir(tmp_path / "img")) == files and not any("caches:" in line for line in printed)
 
 
 def test_an_interrupted_caching_leaves_whole_files_and_a_truncated_one_is_re_encoded(tmp_path):
@@ -175,3 +324,19 @@ def test_an_interrupted_caching_leaves_whole_files_and_a_truncated_one_is_re_enc
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a copy cut short
     assert encode(tmp_path, CountingEncoder())[0] == 2  # the truncated one and c
     assert encode(tmp_path, CountingEncoder()) == (0, 0)
+
+
+def test_one_caption_in_two_datasets_is_encoded_once(tmp_path):
+    """Two datasets over one folder at two resolutions share each image's text file: the old line
+    encoded it for each (4 captions through the encoder for 2 images, the file written twice)."""
+    for name in "ab":
+        make_image(tmp_path / "img" / f"{name}.png", 32, 32)
+        write(tmp_path / "img" / f"{name}.txt", f"caption {name}")
+    config = {"datasets": [{"resolution": resolution, "subsets": [{"image_dir": str(tmp_path / "img")}]}
+                           for resolution in (32, 48)]}
+    items = D.ImageDataset(parse_dataset_config(config, source="t.toml")).items
+    enc = CountingEncoder()
+    assert caches.cache_text(items, enc.text, "te-1") == 2 and enc.captions == ["caption a", "caption b"]
+    assert caches.cache_latents(items, enc.latents, "vae-1") == 4  # each resolution its own latents
+    assert len({item.text_cache for item in items}) == 2 and all(os.path.exists(item.text_cache) for item in items)
+    assert [caches.read_text_cache(item.text_cache, None)["hidden"].shape for item in items] == [(9, 4)] * 4

@@ -87,7 +87,7 @@ def test_caption_dropout_substitutes_the_cached_empty_text_at_the_rate(tmp_path)
     caches.cache_text(ds.items, enc, "flux", to_disk=False)
     with pytest.raises(ValueError, match="cache_empty_caption"):
         [ds[e] for e in range(500)]
-    caches.cache_empty_caption(ds, enc)
+    caches.cache_empty_caption(ds, enc, "te")
     assert enc.calls == ["a cat", ""] and ds.empty_text["hidden"].dtype == caches.CACHE_DTYPE
     samples = [ds[(e, 0)] for e in range(500)]
     dropped = [s["caption"] == "" for s in samples]
@@ -100,7 +100,7 @@ def test_caption_dropout_substitutes_the_cached_empty_text_at_the_rate(tmp_path)
 def test_caption_dropout_every_n_epochs_drops_whole_epochs_counted_from_one(tmp_path):
     ds = dataset(tmp_path, caption="a cat", caption_dropout_every_n_epochs=3, num_repeats=5)
     caches.cache_text(ds.items, TextIdEncoder(), "flux", to_disk=False)
-    caches.cache_empty_caption(ds, TextIdEncoder())
+    caches.cache_empty_caption(ds, TextIdEncoder(), "te")
     per_epoch = [{ds[(e, epoch)]["caption"] for e in range(5)} for epoch in range(7)]
     assert per_epoch == [{"a cat"}, {"a cat"}, {""}, {"a cat"}, {"a cat"}, {""}, {"a cat"}]  # sd-scripts' epochs 3, 6
 
@@ -154,7 +154,9 @@ def test_training_with_caption_dropout_and_shuffle_runs_on_both_families(tiny_se
     code = train_lora.main(make_args(tiny_set, out, "--dataset_config", str(ds), "--max_train_steps", "3",
                                      "--cache_text_encoder_outputs_to_disk", "true"))
     assert code == 0
-    cached = [f for f in os.listdir(image_dir) if f.endswith("_te.safetensors")]
+    cached = [f for f in os.listdir(image_dir) if f.endswith("_te.safetensors") and not f.startswith("prompt-")]
+    prompts = [f for f in os.listdir(image_dir) if f.startswith("prompt-")]  # the empty caption and sample prompts
+    assert len(prompts) >= 1
     assert len(cached) == len([f for f in os.listdir(source) if f.endswith(".png")])
     with safe_open(os.path.join(image_dir, cached[0]), "pt") as f:
         names = set(f.keys())

@@ -74,3 +74,17 @@ def test_batch_with_and_without_references(encoder):
     m = int(text_mask[0].sum())
     assert int(mask[1].sum()) == m and torch.equal(embeds[1, :m], text[0, :m])
     assert (alone[: m] - text[0, :m]).abs().max() > 1e-4  # the references change the conditioning
+
+
+@pytest.mark.parametrize("constant, value", [("IMAGE_SLOT", "Image {}: <|vision_start|><|image_pad|><|vision_end|>"),
+                                             ("VLM_AREA", 512 * 512), ("VLM_MIN_SIDE", 32)])
+def test_how_references_are_shown_to_the_encoder_is_in_the_text_cache_key(monkeypatch, constant, value):
+    """The edit prompt's image slots and the references' pixel budget shape the cached text; the old
+    key held only the base family's constants, so a change there kept the stale encodings."""
+    from library.models.krea2 import edit_encoder as ee
+    from library.models.krea2.edit_family import Krea2EditFamily
+
+    family = Krea2EditFamily("m.safetensors", "ae.safetensors", text_encoder="te")
+    key = family.text_cache_key({}, "bf16")
+    monkeypatch.setattr(ee, constant, value)
+    assert family.text_cache_key({}, "bf16") != key

@@ -172,3 +172,16 @@ def test_family_text_encoder_sizes_images_as_the_plus_pipeline(tiny):
     assert size == (480, 288)
     embeds, mask = load_qwen_image_edit_text_encoder(str(root), EDIT_2509).encode(["make it red"], [[resize_condition(images[0], size)]])
     assert len(got) == 1 and torch.equal(got[0]["embeds"], embeds[0]) and bool(got[0]["mask"].all())
+
+
+def test_the_picture_slot_of_the_plus_versions_is_in_the_text_cache_key(monkeypatch):
+    """2509 / 2511 name each reference 'Picture k: <vision tokens>' before the caption; the old key
+    held the template and drop count only, so a changed slot kept the stale encodings."""
+    from library.models.qwen_image import edit_encoder
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+
+    plus = QwenImageEditFamily("missing.safetensors", "ae.safetensors", EDIT_2509, text_encoder="te")
+    edit = QwenImageEditFamily("missing.safetensors", "ae.safetensors", EDIT, text_encoder="te")
+    keys = plus.text_cache_key({}, "bf16"), edit.text_cache_key({}, "bf16")
+    monkeypatch.setattr(edit_encoder, "PICTURE_TEMPLATE", "Image {}: <|vision_start|><|image_pad|><|vision_end|>")
+    assert plus.text_cache_key({}, "bf16") != keys[0] and edit.text_cache_key({}, "bf16") == keys[1]

@@ -492,3 +492,36 @@ def test_resume_with_another_length_is_refused_where_the_schedule_follows_it(tmp
                                 f"resume with the same length")
     with pytest.raises(CheckpointError, match="trainable.safetensors"):  # past the check: the files
         load_state(str(state), longer if not refused else load_config(["--config_file", cfg]))
+
+
+def test_persistent_data_loader_workers_reaches_one_dataloader_that_serves_every_epoch(tmp_path):
+    """sd-scripts' persistent_data_loader_workers was refused as an unknown key; now it is read, and
+    with workers one DataLoader (persistent_workers=True) is handed each epoch's batches."""
+    from types import SimpleNamespace
+
+    from library.training.diffusion_task import DiffusionTask
+    from tests.test_dataset import blueprint, make_image
+
+    cfg = write(tmp_path, FLUX + "persistent_data_loader_workers = true\nmax_data_loader_n_workers = 2\n")
+    args = load_config(["--config_file", cfg])
+    assert (args.persistent_data_loader_workers, args.max_data_loader_n_workers) == (True, 2)
+    for i in range(5):
+        make_image(tmp_path / "img" / f"{i}.png", 64, 64)
+        (tmp_path / "img" / f"{i}.txt").write_text("a photo")
+    from library.data import dataset as D
+
+    data = D.ImageDataset(blueprint(tmp_path / "img"))
+    task = SimpleNamespace(args=args, dataset=data, sampler=D.BucketBatchSampler(data), _loader=None,
+                           device=torch.device("cpu"), accelerator=SimpleNamespace(process_index=0, num_processes=1))
+    keys = []
+    for epoch in (0, 1):
+        loader = DiffusionTask.epoch_batches(task, epoch)
+        keys.append([key for batch in loader for key in batch["keys"]])
+    assert loader is task._loader and loader.persistent_workers and loader.num_workers == 2
+    expected = [[data[entry]["key"] for batch in D.EpochBatches(task.sampler, epoch) for entry in batch]
+                for epoch in (0, 1)]
+    assert keys == expected and keys[0] != keys[1]  # each epoch's own order, served by the same workers
+    args.max_data_loader_n_workers = 0  # torch refuses persistent workers without workers: the option is moot
+    task._loader = None
+    loader = DiffusionTask.epoch_batches(task, 0)
+    assert not loader.persistent_workers and task._loader is None

@@ -1,13 +1,17 @@
 """On-disk caches of VAE latents and text-encoder outputs, so the VAE and the text encoders can
 leave the GPU before training. After `cache_latents` / `cache_text` an item holds its cache (a file
 path, or the tensors in memory) and ImageDataset (library/data/dataset.py) yields the cached
-tensors instead of pixels and captions.
+tensors instead of pixels and captions. The empty caption and the sample prompts are kept the same
+way (cache_prompts), and after caching the files no entry uses are removed (remove_unused_caches).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import re
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
@@ -26,6 +30,7 @@ from library.io import CheckpointReader, save_safetensors
 PREPROCESS_VERSION = "resize-crop-v1"
 CACHE_DTYPE = torch.bfloat16  # what cache files hold; samples are float32
 LOAD_WORKERS = min(4, os.cpu_count() or 1)  # threads loading images ahead of the VAE (cache_latents)
+TEMPORARY_AGE_S = 3600  # a cache file's temporary this old was left by a killed run (remove_unused_caches)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,13 +175,16 @@ def prefetched(jobs: list, load: Callable, workers: int):
 def _stale_entries(items: list[ImageItem], attr: str, to_disk: bool, path_of: Callable[[ImageItem], str],
                    digest_of: Callable[[ImageItem], str]) -> list[tuple[ImageItem, str, str]]:
     """(item, cache path, content hash) of every item whose cache must be encoded; an item whose
-    file on disk is valid gets it as `attr` (latent_cache / text_cache) instead."""
+    file on disk is valid gets it as `attr` (latent_cache / text_cache) instead, and so does a later
+    entry of a file another entry encodes (one image in two datasets, e.g. at two resolutions: one
+    caption), encoded once."""
     todo, claimed = [], {}
     for item in items:
         digest, path = digest_of(item), path_of(item)
+        shared = to_disk and path in claimed
         if to_disk:  # only files are shared
             _claim(claimed, path, digest, item)
-        if to_disk and _cache_is_valid(path, digest):
+        if shared or (to_disk and _cache_is_valid(path, digest)):
             setattr(item, attr, path)
         else:
             todo.append((item, path, digest))
@@ -275,13 +283,103 @@ def _texts(item: ImageItem, with_references: bool) -> list[tuple[str, str]]:
     return texts
 
 
-def cache_empty_caption(dataset, encode_fn: Callable[[list[str]], list[dict[str, torch.Tensor]]]):
-    """What caption dropout substitutes: the empty caption's text, encoded once, in the cache dtype
-    (so it goes through the same bf16 rounding as every cached caption), as the ImageDataset
-    `dataset`'s empty_text."""
-    with torch.no_grad():
-        (out,) = encode_fn([""])
+def cache_empty_caption(dataset, encode_fn: Callable[[list[str]], list[dict[str, torch.Tensor]]], model_key: str,
+                        folder: str | None = None) -> str | None:
+    """What caption dropout substitutes: the empty caption's text, encoded once (kept in `folder` as
+    a prompt is: cache_prompts), in the cache dtype (so it goes through the same bf16 rounding as
+    every cached caption), as the ImageDataset `dataset`'s empty_text. Returns its file."""
+    (out,), (path,) = cache_prompts([("", ())], encode_fn, model_key, folder)
     dataset.empty_text = {name: _to_cache_dtype(v) for name, v in out.items()}
+    return path
+
+
+def prompt_cache_path(folder: str, model_key: str, text: str, references) -> str:
+    """`prompt-<tag>_<model_key>_te.safetensors`: named for the text and its reference paths."""
+    tag = hashlib.sha256(repr((text, list(references))).encode()).hexdigest()[:16]
+    return os.path.join(folder, f"prompt-{tag}_{model_key}_te.safetensors")
+
+
+def cache_prompts(prompts: list[tuple[str, tuple[str, ...]]], encode_fn: Callable, model_key: str, folder: str | None,
+                  with_references: bool = False) -> tuple[list[dict[str, torch.Tensor]], list[str | None]]:
+    """The encoding of each (text, reference image paths) as encode_prompts gives it (one dict per
+    prompt, no batch axis, dtypes as encoded): the sample prompts and the empty caption. With
+    `folder` each is kept there (prompt_cache_path), its content hash over the text, the model key
+    and, where the encoder sees them, the references' bytes, and read back while current: a re-run
+    whose captions and prompts are all cached loads no text encoder. A folder that cannot be written
+    (read-only) keeps new ones in memory. Returns (encodings, their files: None where not kept)."""
+    out, files = [], []
+    for text, references in prompts:
+        references = tuple(references) if with_references else ()
+        path = prompt_cache_path(folder, model_key, text, references) if folder else None
+        h = hashlib.sha256(f"{text}|{model_key}".encode())
+        for reference in references:
+            _hash_file(h, reference, b"|control|")
+        files.append(path)
+        if path and _cache_is_valid(path, h.hexdigest()):
+            out.append(read_cache(path))
+            continue
+        with torch.no_grad():
+            (tensors,) = encode_prompts(encode_fn, [text], [list(references)], with_references)
+        tensors = {name: v.detach().cpu() for name, v in tensors.items()}
+        if path:
+            try:
+                _store(tensors, path, h.hexdigest(), True, model_key)
+            except OSError as e:  # a read-only cache folder is used as it is: this one stays in memory
+                if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                    raise
+                files[-1] = None
+        out.append(tensors)
+    return out, files
+
+
+def remove_unused_caches(folders, family: str, used: set[str], latents: bool, text: bool) -> tuple[int, int]:
+    """Delete the cache files in `folders` that no entry of this run uses (used: their paths), as
+    musubi-tuner's cache scripts do unless --keep_cache: each changed setting or model file left the
+    old files beside the new. Only files this cache wrote are touched: a `.safetensors` whose header
+    says it is a cache (content_hash) of this family (model_key `<family>_<10 hex>...`, also in its
+    name), latent ones only with `latents` (kept on disk this run) and text ones (`_te`) only with
+    `text`; also a killed run's temporaries of such files (_is_left_temporary). A user's file,
+    another family's caches and a file that cannot be removed are left.
+    Returns (files removed, bytes freed)."""
+    removed = freed = 0
+    for folder in sorted(set(folders)):
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
+            kind_kept = text if "_te.safetensors" in name else latents
+            if path in used or not kind_kept or f"_{family}_" not in name:  # before any header is read
+                continue
+            if not (_is_cache_of(path, name, family) or _is_left_temporary(path, name, family)):
+                continue
+            size = os.path.getsize(path)
+            try:
+                os.remove(path)
+            except OSError:  # a read-only folder: its caches stay
+                continue
+            removed, freed = removed + 1, freed + size
+    return removed, freed
+
+
+def _is_left_temporary(path: str, name: str, family: str) -> bool:
+    """A cache file's temporary (library/io.py atomic_path: `.<name>.<random>.tmp`) that a killed run
+    left, an hour old: a write in progress takes milliseconds."""
+    match = re.fullmatch(rf"\.(.+_{re.escape(family)}_[0-9a-f]{{10}}_.+\.safetensors)\.[a-z0-9_]+\.tmp", name)
+    return match is not None and os.path.isfile(path) and time.time() - os.path.getmtime(path) > TEMPORARY_AGE_S
+
+
+def _is_cache_of(path: str, name: str, family: str) -> bool:
+    if not name.endswith(".safetensors") or not os.path.isfile(path):
+        return False
+    try:
+        metadata = CheckpointReader(path).metadata
+    except Exception:  # not a safetensors file: not ours
+        return False
+    key = metadata.get("model_key", "")
+    return ("content_hash" in metadata and re.match(rf"{re.escape(family)}_[0-9a-f]{{10}}(_|$)", key) is not None
+            and f"_{key}_" in name)
 
 
 def _to_cache_dtype(v: torch.Tensor) -> torch.Tensor:

@@ -269,12 +269,21 @@ def _check_table(source: str, section: str, table):
         raise ValueError(f"{source}: [{section}] must be a table, got {table!r}")
 
 
+# sd-scripts' pixel augmentations: each epoch would need new latents, and latents are always cached
+# here (sd-scripts refuses them with cache_latents too). flip_aug works: both sides are cached.
+PIXEL_AUGMENTATIONS = ("random_crop", "color_aug", "face_crop_aug_range")
+
+
 def _check_keys(source: str, section: str, table: dict, allowed: tuple[str, ...]):
     """Unknown keys are errors (a typo must not silently fall back to a default); known keys
     must have their type."""
     for key, value in table.items():
         if key not in allowed:
             where = "top level:" if section == "top level" else f"[{section}]"
+            if key in PIXEL_AUGMENTATIONS:
+                raise ValueError(f"{source}: {where} {key!r} is not supported: latents are always cached before "
+                                 f"training, so a per-epoch pixel augmentation cannot apply (sd-scripts refuses it "
+                                 f"with cache_latents too); remove it (flip_aug works: both sides are cached)")
             raise ValueError(f"{source}: {where} unknown key {key!r} (allowed: {', '.join(allowed)})")
         if key in KEY_TYPES and not _has_type(value, KEY_TYPES[key]):
             raise ValueError(f"{source}: [{section}] key {key!r} must be {_TYPE_WORDS[KEY_TYPES[key]]}, "

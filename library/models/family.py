@@ -228,10 +228,16 @@ class DiffusionFamily:
     def text_cache_key(self, options: dict, precision: str) -> str:
         """Family + fingerprint of the encoder files + every other input of the encoding: the
         text_options (token lengths, encoder precision, ...), the dtype the encoders run in and
-        the family's fixed prompt handling (text_encoding_constants). Change any, re-encode."""
-        settings = {**options, "precision": str(precision), **self.text_encoding_constants()}
-        digest = hashlib.sha256(repr(sorted(settings.items())).encode()).hexdigest()[:8]
-        return f"{self.name}_{file_fingerprint(*self.text_paths.values())}_{digest}"
+        the family's fixed prompt handling (text_encoding_constants), and the tokenizer files (a single
+        encoder file's tokenizer lies beside it, and a folder's spiece.model is no .json). Change any,
+        re-encode."""
+        from library.models.text_encoders import tokenizer_files
+
+        settings = (sorted(options.items()), str(precision), sorted(self.text_encoding_constants().items()))
+        digest = hashlib.sha256(repr(settings).encode()).hexdigest()[:8]  # apart: a constant named as an option hid it
+        paths = [p for p in self.text_paths.values() if p]
+        tokenizers = sorted({f for p in paths if os.path.exists(p) for f in tokenizer_files(p)})
+        return f"{self.name}_{file_fingerprint(*paths, *tokenizers)}_{digest}"
 
     def text_encoding_constants(self) -> dict:
         """Fixed inputs of the prompt encoding (templates, dropped tokens, maximum lengths)."""

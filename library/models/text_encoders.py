@@ -103,6 +103,24 @@ def _read_config(path: str, config: dict | str | None, default: dict) -> dict:
         return json.load(f)
 
 
+# What a tokenizer (and a VL processor) is read from: the files tokenizer_files fingerprints for the text cache key.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "spiece.model", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.json",
+                   "chat_template.jinja", "preprocessor_config.json")
+TOKENIZER_FOLDERS = ("tokenizer", "tokenizer_2", "processor")  # a diffusers repo's, beside text_encoder/
+
+
+def tokenizer_files(path: str) -> list[str]:
+    """Every tokenizer file the loaders may read for the encoder at `path` (a file, an HF folder, a
+    pipeline's component folder or the pipeline folder): TOKENIZER_FILES in its folder and in the
+    TOKENIZER_FOLDERS inside it and beside it (_load_tokenizer's and the processors' candidates). A few
+    more than one loader reads is harmless: they only go into the text cache key."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(folder.rstrip("/"))
+    folders = [folder, *(os.path.join(base, name) for base in (folder, parent) for name in TOKENIZER_FOLDERS)]
+    return [os.path.join(f, name) for f in folders for name in TOKENIZER_FILES if os.path.isfile(os.path.join(f, name))]
+
+
 def _load_tokenizer(weights_path: str, tokenizer: str | None, sibling: str):
     """The tokenizer: `tokenizer` path if given, else the weights folder itself when it holds one,
     else `sibling` next to it (diffusers repo layout: text_encoder/ + tokenizer/)."""

@@ -126,10 +126,14 @@ SCHEMA: dict[str, Arg] = {
     "torch_compile": A(bool, False, "torch.compile each transformer block"),
     "seed": A(int, 42, "random seed"),
     "max_data_loader_n_workers": A(int, 0, "DataLoader workers"),
+    "persistent_data_loader_workers": A(bool, False, "keep the DataLoader workers alive from epoch to epoch instead "
+                                                     "of starting them anew (with max_data_loader_n_workers > 0)"),
     # caching: latents and caption embeddings are always computed once before training (the VAE
     # and text encoders are then freed); these keep them on disk, reused while unchanged.
     "cache_latents_to_disk": A(bool, False, "keep latent caches as safetensors beside the images"),
     "cache_text_encoder_outputs_to_disk": A(bool, False, "keep text caches on disk"),
+    "keep_cache": A(bool, False, "keep the cache files of this model no entry uses (an old setting's, a removed "
+                                 "image's) instead of deleting them after caching (musubi-tuner's --keep_cache)"),
     "text_encoder_precision": A(str, "bf16", "caption encoders' weights (fp8: T5-XXL / Qwen2.5-VL / Qwen3 Linears in e4m3, CLIP-L bf16)",
                                 ("fp32", "fp16", "bf16", "fp8", "fp8_scaled")),
     "text_encoder_batch_size": A(int, 8, "captions per encoder batch while caching"),
@@ -545,7 +549,8 @@ DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_e
                   "sample_prompts", "sample_bf16_reference", "timestep_sampling", "discrete_flow_shift",
                   "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
-                  "validate_every_n_steps")
+                  "validate_every_n_steps", "persistent_data_loader_workers",
+                  "keep_cache")
 
 
 def plan_steps(args, batches_per_epoch: int) -> int:

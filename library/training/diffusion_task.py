@@ -16,11 +16,12 @@ import torch
 import torch.nn as nn
 
 from library.data.captions import drops_captions
-from library.data.caches import cache_empty_caption, cache_latents, cache_text, loaded_on_first_call
+from library.data.caches import (cache_empty_caption, cache_latents, cache_path, cache_prompts, cache_text,
+                                 loaded_on_first_call, remove_unused_caches)
 from library.data.check import training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import scan_images, split_validation
-from library.data.controls import check_family_takes, check_prompt_controls, encode_prompts, reference_images
+from library.data.controls import check_family_takes, check_prompt_controls, reference_images
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
 from library.models.core import checkpointing, compile_block
 from library.models.family import get_family, stack_text
@@ -77,6 +78,7 @@ class DiffusionTask:
             raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
                               f"validation_split or add [[validation_datasets]]")
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
+        self._loader = None  # the DataLoader kept across epochs (persistent_data_loader_workers)
         check_warmup(args, plan_steps(args, self.batches_per_epoch()), args.config_file or "command line")
         self.prompts = self._read_prompts()
         self._settle_bf16_reference()  # before minutes of caching
@@ -173,21 +175,53 @@ class DiffusionTask:
         variants = sum(len(item.caption_variants) for item in items)
         self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk"
                                + (f"; {variants} augmented variants cached with them" if variants else ""))
-        if not sees and any(drops_captions(item.subset) for item in self.dataset.items):
-            cache_empty_caption(self.dataset, encode_text)  # what caption dropout substitutes (else: per item)
-        # Sample prompts are encoded now too: the encoders are gone by the time samples render.
-        # True-CFG families always need a (possibly empty) negative prompt.
-        self.prompt_texts = []
-        for p in self.prompts:
-            def encode(text):  # with the prompt's references where the text encoder sees them
-                return stack_text(encode_prompts(encode_text, [text], [p.control_images], sees))
-
-            negative = encode(p.negative) if p.negative or self.family.true_cfg else None
-            self.prompt_texts.append((encode(p.prompt), negative))
+        prompt_files = self._cache_prompt_texts(encode_text, text_key, sees)
         del encode_text  # the encoders go before the transformer loads
+        self._remove_unused_caches(items, prompt_files)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _cache_prompt_texts(self, encode_text, text_key: str, sees: bool) -> list[str | None]:
+        """The empty caption (caption dropout's, as the dataset's empty_text) and the sample prompts'
+        texts (self.prompt_texts: the encoders are gone by the time samples render; true-CFG
+        families always need a, possibly empty, negative prompt), kept beside the first image's
+        caches. Returns their files."""
+        folder, files = self._prompt_folder(), []
+        if not sees and any(drops_captions(item.subset) for item in self.dataset.items):  # else: per item
+            files.append(cache_empty_caption(self.dataset, encode_text, text_key, folder))
+        negatives = [p.negative if p.negative or self.family.true_cfg else None for p in self.prompts]
+        jobs = [(text, p.control_images) for p, negative in zip(self.prompts, negatives)
+                for text in (p.prompt, *([negative] if negative is not None else []))]
+        encodings, prompt_files = cache_prompts(jobs, encode_text, text_key, folder, sees)
+        texts = iter(encodings)
+        self.prompt_texts = [(stack_text([next(texts)]), stack_text([next(texts)]) if negative is not None else None)
+                             for negative in negatives]
+        return files + prompt_files
+
+    def _remove_unused_caches(self, items: list, prompt_files: list[str | None]) -> None:
+        """Cache files of this family in this run's cache folders that no entry uses (an old setting's,
+        a removed image's) are deleted, once, by the main process; keep_cache = true keeps them."""
+        args = self.args
+        if args.keep_cache or not self.accelerator.is_main_process:
+            return
+        used = {c for item in items for c in (item.latent_cache, item.text_cache) if isinstance(c, str)}
+        used |= {f for f in prompt_files if f}
+        folders = {os.path.dirname(cache_path(item, "te")) for item in items}
+        removed, freed = remove_unused_caches(folders, self.family.name, used, args.cache_latents_to_disk,
+                                              args.cache_text_encoder_outputs_to_disk)
+        if removed:
+            size = f"{freed / 2**20:.1f} MiB" if freed >= 2**20 else f"{freed / 2**10:.0f} KiB"
+            self.accelerator.print(f"caches: {removed} files no entry uses were removed ({size} freed; "
+                                   f"keep_cache = true keeps them)")
+
+    def _prompt_folder(self) -> str | None:
+        """Where the empty caption's and the sample prompts' encodings are kept: the folder of the
+        first image's text cache (None: text caches are not kept on disk)."""
+        items = self.dataset.items + self.validation_set.items
+        if not (self.args.cache_text_encoder_outputs_to_disk and items):
+            return None
+        return os.path.dirname(cache_path(items[0], "te"))
 
     def _cache_latents(self):
         items, latent_key = self.dataset.items + self.validation_set.items, self.family.latent_cache_key()
@@ -271,12 +305,22 @@ class DiffusionTask:
         return len(EpochBatches(self.sampler, 0, self.accelerator.process_index, self.accelerator.num_processes))
 
     def epoch_batches(self, epoch: int, skip: int = 0):
-        """This process's batches of `epoch`, after the first `skip`."""
+        """This process's batches of `epoch`, after the first `skip`. With persistent_data_loader_workers
+        one DataLoader serves every epoch (its batch sampler is handed each epoch's batches), so its
+        workers live on from epoch to epoch; a DataLoader per epoch would start them anew each time."""
         shard = EpochBatches(self.sampler, epoch, self.accelerator.process_index, self.accelerator.num_processes, skip)
-        return torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=shard, collate_fn=collate_batch,
-            num_workers=self.args.max_data_loader_n_workers, pin_memory=self.device.type == "cuda",
+        workers = self.args.max_data_loader_n_workers
+        persistent = self.args.persistent_data_loader_workers and workers > 0
+        if persistent and self._loader is not None:
+            self._loader.batch_sampler.batches = shard.batches
+            return self._loader
+        loader = torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=shard, collate_fn=collate_batch, num_workers=workers,
+            persistent_workers=persistent, pin_memory=self.device.type == "cuda",
         )
+        if persistent:
+            self._loader = loader
+        return loader
 
     def batch_inputs(self, batch: dict, step: int) -> tuple:
         """(latents, text, one generator per sample seeded from the optimizer step and the

@@ -104,6 +104,13 @@ class Krea2EditFamily(Krea2Family):
 
         return encode
 
+    def text_encoding_constants(self) -> dict:
+        """The base's, plus how the references are shown to Qwen3-VL (their slot, their pixel budget)."""
+        from library.models.krea2 import edit_encoder as ee
+
+        return {**super().text_encoding_constants(), "image_slot": ee.IMAGE_SLOT, "vlm_area": ee.VLM_AREA,
+                "vlm_min_side": ee.VLM_MIN_SIDE}
+
     def reference_text_tokens(self, width: int, height: int) -> int:
         """Qwen3-VL sees a reference at <= 384^2 pixels, one token per 32 x 32 (16-pixel patches merged 2 x 2)."""
         from library.models.krea2.edit_encoder import vlm_size

@@ -94,7 +94,8 @@ class QwenImageEditFamily(QwenImageFamily):
         from library.models.qwen_image import edit_encoder as te
 
         template = te.EDIT_PROMPT_TEMPLATE if self.version == "qwen-image-edit" else te.EDIT_PLUS_PROMPT_TEMPLATE
-        return {"version": self.version, "template": template, "drop": te.EDIT_DROP_TOKENS}
+        return {"version": self.version, "template": template, "drop": te.EDIT_DROP_TOKENS,
+                "picture": te.PICTURE_TEMPLATE if self.version != "qwen-image-edit" else None}
 
     def caption_token_limit(self, args):
         return None  # the edit pipelines tokenize without truncation: every token is kept
