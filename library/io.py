@@ -297,7 +297,7 @@ def prepared_convert(model: nn.Module, prepare, convert, loader: str):
 def _fits(reader, found: tuple[int, ...], want: tuple[int, ...]) -> bool:
     """found is the model's shape `want`, or (a GGUF file) `want` less its leading size-1 dimensions:
     llama.cpp's quantize writes every tensor with ggml_n_dims, which drops trailing ggml dims of size 1
-    (the Z-Image GGUFs people run hold the [1, 3840] pad tokens as [3840]); the values are the same."""
+    (a [1, dim] pad token arrives as [dim] in the files people run); the values are the same."""
     if found == want:
         return True
     squeezed = want

@@ -267,25 +267,38 @@ def test_plan_memory_plans_a_gguf_file_in_its_stored_layout_only(flux_gguf, tiny
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0"])
 def test_a_preset_planned_as_gguf_holds_its_types_bytes_per_weight(qtype):
+    """The planner's GGUF model quantizes the Linears the writer quantizes (the family's GgufLayout):
+    every 2-D weight but the unquantized embedders and final layer, the per-block modulation included."""
     from library.models.registry import arch_spec
-    from library.precision.fp8 import is_high_precision
-    from library.precision.gguf_weights import prepare_gguf_like
+    from library.precision.gguf_writer import prepare_gguf_like
     from library.training.memory_plan import module_bytes
     from tests.test_merge_convert import FLUX_CFG
 
     with torch.device("meta"):
-        model = prepare_gguf_like(Flux(FLUX_CFG), qtype, arch_spec("flux").fp8)
-    kind, rules = GGUF_TYPES[qtype], arch_spec("flux").fp8
+        model = prepare_gguf_like(Flux(FLUX_CFG), qtype, arch_spec("flux").gguf)
+    kind, kept = GGUF_TYPES[qtype], arch_spec("flux").gguf.unquantized
     layers = {n: m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
     expected = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, GGUFLinear))
-                and not is_high_precision(n, rules) and m.in_features % kind.block == 0}
-    assert set(layers) == expected and layers
+                and not (n + ".").startswith(kept) and m.in_features % kind.block == 0}
+    assert set(layers) == expected and ("double_blocks.0.img_mod.lin" in layers) == (kind.block == 32)  # 64 inputs
     for layer in layers.values():
         weights = layer.in_features * layer.out_features
         assert module_bytes(layer) == weights * kind.bytes_per_parameter + 4 * layer.out_features  # + the f32 bias
     assert {q: GGUF_TYPES[q].bytes_per_parameter for q in GGUF_TYPES} == {
         "Q8_0": 1.0625, "Q4_0": 0.5625, "Q4_1": 0.625, "Q5_0": 0.6875, "Q5_1": 0.75, "Q4_K": 0.5625, "Q5_K": 0.6875,
         "Q6_K": 0.8203125}
+
+
+def test_a_preset_planned_as_gguf_quantizes_flux2s_shared_modulation_as_the_files_do():
+    """FLUX.2's three shared modulation Linears are quantized in ComfyUI-GGUF's files ("flux" rules);
+    the planner kept them bf16 while it planned by the fp8 keep rules."""
+    from tools import plan_memory
+
+    family = plan_memory.PresetFamily("flux2-klein-4b", "Q8_0")
+    model = family.load_transformer(torch.bfloat16)
+    assert isinstance(model.double_stream_modulation_img.lin, GGUFLinear)
+    assert isinstance(model.single_stream_modulation.lin, GGUFLinear)
+    assert not isinstance(model.final_layer.linear, GGUFLinear)
 
 
 def test_plan_memory_refuses_a_gguf_type_it_cannot_read_in_one_line(capsys):
@@ -323,3 +336,13 @@ def test_a_qwen_image_gguf_with_diffusers_names_loads_and_computes_as_its_dequan
     assert {f"{n}.weight": t for n, t in layers.items()} == types and set(layers.values()) == {"Q8_0", "Q6_K"}
     inputs = {**qwen_inputs(), "txt": torch.randn(1, 8, model.config.joint_attention_dim)}
     assert torch.equal(run(loaded, inputs), run(dequantized_twin(loaded), inputs))
+
+
+def test_plan_memory_refuses_gguf_for_a_family_comfyui_gguf_has_no_layout_for(capsys):
+    from library.models.registry import arch_specs
+    from tools import plan_memory
+
+    no_layout = [p for spec in arch_specs().values() if spec.planner and spec.gguf is None for p in spec.planner.presets]
+    assert no_layout
+    line = one_error_line(capsys, plan_memory.main(["--preset", no_layout[0], "--gguf", "Q8_0"]))
+    assert f"--gguf Q8_0: ComfyUI-GGUF has no layout for" in line and f"({no_layout[0]})" in line, line

@@ -311,19 +311,3 @@ class GgufLoadConverter:
 def gguf_converter(model: nn.Module, info: GgufCheckpoint, dtype: torch.dtype) -> GgufLoadConverter:
     """The `prepare` hook's work for a GGUF file: GGUFLinears in the meta model, and the convert hook."""
     return GgufLoadConverter(prepare_gguf(model, info), info, dtype)
-
-
-def prepare_gguf_like(model: nn.Module, qtype: str, rules) -> nn.Module:
-    """A meta `model` as a GGUF file of `qtype` would load (the memory planner without a file): the
-    Linears the architecture's fp8 keep `rules` quantize become GGUFLinear of `qtype` (ComfyUI-GGUF's
-    files likewise keep embedders and the final layer in F32 / F16). A Linear whose inputs do not
-    divide into `qtype` blocks stays high precision, as llama.cpp's quantizer falls back."""
-    from library.precision.fp8 import is_high_precision
-
-    kind = _block_type(qtype, "--gguf")
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if type(child) is nn.Linear and not is_high_precision(name, rules) and child.in_features % kind.block == 0:
-                setattr(parent, child_name, GGUFLinear.from_meta_linear(child, qtype))
-    return model

@@ -28,8 +28,9 @@ from typing import Iterator, Protocol
 
 import numpy as np
 import torch
+import torch.nn as nn
 
-from library.precision.gguf_weights import GGUF_TYPES
+from library.precision.gguf_weights import GGUF_TYPES, GGUFLinear
 
 WRITE_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")  # what gguf.quants.quantize writes
 SMALL = 1024  # elements: at most this many stay F32 (ComfyUI-GGUF convert.py's QUANTIZATION_THRESHOLD)
@@ -81,19 +82,37 @@ def convert_type(name: str, shape: tuple[int, ...], source_dtype: str, rules: Gg
     return "BF16" if source_dtype == "BF16" else "F16"
 
 
+def quantized_type(name: str, shape: tuple[int, ...], qtype: str, rules: GgufRules) -> str | None:
+    """Step 2: the block type the quantize patch gives tensor `name` of `shape` at file type `qtype`
+    (the ffn rule's step up included), or None where it leaves the tensor as step 1 wrote it."""
+    if (not name.endswith("weight") or "_norm.weight" in name or _ggml_dims(shape) != 2
+            or any(k in name for k in rules.unquantized)):
+        return None
+    if any(k in name for k in FFN_DOWN):
+        qtype = FFN_DOWN_TYPE.get(qtype, qtype)
+    return qtype if shape[-1] % GGUF_TYPES[qtype].block == 0 else None
+
+
 def output_type(name: str, shape: tuple[int, ...], source_dtype: str, qtype: str, rules: GgufRules) -> str:
     """The ggml type of tensor `name` (its name in the file) in ComfyUI-GGUF's layout at file type
     `qtype` (module docstring: convert.py, then the quantize patch)."""
     if qtype not in WRITE_TYPES:
         raise ValueError(f"GGUF type {qtype}: only {', '.join(WRITE_TYPES)} can be written (gguf quantizes only these)")
-    stored = convert_type(name, shape, source_dtype, rules)
-    quantize = (name.endswith("weight") and "_norm.weight" not in name and _ggml_dims(shape) == 2
-                and not any(k in name for k in rules.unquantized))
-    if not quantize:
-        return stored
-    if any(k in name for k in FFN_DOWN):
-        qtype = FFN_DOWN_TYPE.get(qtype, qtype)
-    return qtype if shape[-1] % GGUF_TYPES[qtype].block == 0 else stored
+    return quantized_type(name, shape, qtype, rules) or convert_type(name, shape, source_dtype, rules)
+
+
+def prepare_gguf_like(model: nn.Module, qtype: str, rules: GgufRules) -> nn.Module:
+    """A meta `model` as a GGUF file of `qtype` in this layout would load (the memory planner without a
+    file): each Linear the quantize patch quantizes becomes a GGUFLinear of its type, the rest stay high
+    precision. Module names are matched as file names: the unquantized substrings name both namings."""
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            kind = quantized_type(name + ".weight", (child.out_features, child.in_features), qtype, rules) \
+                if type(child) is nn.Linear else None
+            if kind is not None:
+                setattr(parent, child_name, GGUFLinear.from_meta_linear(child, kind))
+    return model
 
 
 def encode(tensor: torch.Tensor, ggml_type: str) -> np.ndarray:
