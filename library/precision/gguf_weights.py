@@ -12,9 +12,9 @@ K-quant's `d * q - m` is the same in numpy and torch). ComfyUI-GGUF itself dequa
 the compute dtype (scales first rounded to bf16), so its bf16 weights can differ from ours in the
 last bf16 bit; float32 matches gguf's reference.
 
-Read: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K block types; F32 / F16 / BF16 tensors load as
-any checkpoint's (cast to the load dtype). Any other ggml type (Q2_K, Q3_K, IQ*, TQ*, MXFP4, ...) is
-refused in one line naming the tensor and its type. Which Linears are GGUFLinear is the file's
+Read: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K block types (city96's Q2_K and
+Q3_K_S files too); F32 / F16 / BF16 tensors load as any checkpoint's (cast to the load dtype). Any
+other ggml type (IQ*, TQ*, MXFP4, ...) is refused in one line naming the tensor and its type. Which Linears are GGUFLinear is the file's
 choice, not the keep rules of fp8: every Linear whose weight the file stores block-quantized.
 """
 
@@ -116,6 +116,32 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:  # 128 bytes low nibbles, 64 of 2-bi
     return (d * q.reshape(-1, 16, 16)).reshape(-1, QK_K)
 
 
+def _two_bit(qs: torch.Tensor) -> torch.Tensor:
+    """64 bytes -> [n, 16, 16]: 32-byte chunk c holds, at bit pairs 0, 2, 4, 6, sub-blocks 8c .. 8c+7 (two each)."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).reshape(1, 1, 4, 1)
+    return ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:  # 16 bytes of 4-bit (scale, min), 64 of 2-bit q, d, dmin f16: x = d*sc*q - dmin*m
+    sc = b[:, :16]
+    d = (_f16(b, 80) * (sc & 0x0F).to(torch.float32)).reshape(-1, 16, 1)
+    dm = (_f16(b, 82) * (sc >> 4).to(torch.float32)).reshape(-1, 16, 1)
+    return (d * _two_bit(b[:, 16:80]).to(torch.float32) - dm).reshape(-1, QK_K)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:  # 32 bytes of high bits, 64 of 2-bit q, 12 of 6-bit scales, d f16
+    sc = b[:, 96:108]  # sub-block i: low nibble of byte i % 8 (>> 4 for i >= 8), 2 high bits from byte 8 + i % 4
+    low = (sc[:, :8].reshape(-1, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).reshape(1, 2, 1)) & 0x0F
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 4, 1)
+    high = (sc[:, 8:12].reshape(-1, 1, 4) >> shifts) & 3
+    scales = (low.reshape(-1, 16) | (high.reshape(-1, 16) << 4)).to(torch.float32) - 32
+    d = (_f16(b, 108) * scales).reshape(-1, 16, 1)
+    bit = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 1, 8, 1)
+    high_bit = ((b[:, :32].reshape(-1, 1, 1, 32) >> bit) & 1).reshape(-1, 16, 16)
+    q = _two_bit(b[:, 32:96]).to(torch.float32) - 4 * (1 - high_bit).to(torch.float32)  # a set bit means no -4
+    return (d * q).reshape(-1, QK_K)
+
+
 @dataclass(frozen=True)
 class BlockType:
     block: int  # weights per block
@@ -132,6 +158,7 @@ GGUF_TYPES = {
     "Q8_0": BlockType(32, 34, _q8_0), "Q4_0": BlockType(32, 18, _q4_0), "Q4_1": BlockType(32, 20, _q4_1),
     "Q5_0": BlockType(32, 22, _q5_0), "Q5_1": BlockType(32, 24, _q5_1),
     "Q4_K": BlockType(QK_K, 144, _q4_k), "Q5_K": BlockType(QK_K, 176, _q5_k), "Q6_K": BlockType(QK_K, 210, _q6_k),
+    "Q3_K": BlockType(QK_K, 110, _q3_k), "Q2_K": BlockType(QK_K, 84, _q2_k),
 }  # fmt: skip
 
 
