@@ -25,7 +25,7 @@ from tests.test_reliability import flux_args, one_error_line
 
 # Byte offsets of each type's fp16 scales in a block: random bytes there could be inf / NaN.
 SCALE_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-                 "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82]}  # fmt: skip
+                 "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0]}  # fmt: skip
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what gguf.quants.quantize writes; K-quants: random blocks
 
 
@@ -220,16 +220,19 @@ def test_a_lora_trains_over_a_gguf_base_and_records_its_layout(flux_gguf, tiny_s
         assert f.metadata()["ss_base_precision"] == "gguf_q8_0+q4_k"
 
 
-def test_city96s_low_bit_files_q2_k_and_q3_k_load_as_ggufs_own_dequantization(tiny_set, tmp_path):
-    """city96's Q2_K and Q3_K_S files store their MLPs in Q2_K / Q3_K (refused until these kernels): the
-    layers hold the blocks, dequantize to exactly gguf's float32 and compute as that float32 model."""
+@pytest.mark.parametrize("mlps", [("Q2_K", "Q3_K"), ("IQ4_XS", "IQ4_NL")])
+def test_low_bit_files_q2_k_q3_k_and_iq4_load_as_ggufs_own_dequantization(tiny_set, tmp_path, mlps):
+    """city96's Q2_K and Q3_K_S files (Q2_K / Q3_K MLPs) and IQ4_NL / IQ4_XS files (ComfyUI-GGUF reads them),
+    refused until these kernels: the layers hold the blocks, dequantize to exactly gguf's float32 and
+    compute as that float32 model."""
     model = load_flux(tiny_set["flux_bfl"])
     sd = dict(model.state_dict())
-    types = {"double_blocks.0.img_mlp.2.weight": "Q2_K", "double_blocks.0.txt_mlp.2.weight": "Q3_K"}
+    types = {"double_blocks.0.img_mlp.2.weight": mlps[0], "double_blocks.0.txt_mlp.2.weight": mlps[1],
+             "single_blocks.0.linear2.weight": "IQ4_NL"}  # 256, 256 and 320 inputs
     for i, (key, qtype) in enumerate(types.items()):
         sd[key] = random_blocks(qtype, *sd[key].shape, seed=30 + i, scale=1e-3)
     config = CheckpointReader(tiny_set["flux_bfl"]).metadata["flux_config"]
-    loaded = load_flux(write_gguf(sd, tmp_path / "flux1-tiny-Q2_K.gguf", types, {"flux_config": config})).eval()
+    loaded = load_flux(write_gguf(sd, tmp_path / f"flux1-tiny-{mlps[0]}.gguf", types, {"flux_config": config})).eval()
     for key, qtype in types.items():
         layer = loaded.get_submodule(key[: -len(".weight")])
         assert isinstance(layer, GGUFLinear) and layer.qtype == qtype
@@ -242,13 +245,13 @@ def test_other_ggml_types_are_refused_in_one_line_naming_the_tensor_and_type(tin
     model = load_flux(tiny_set["flux_bfl"])
     sd, key = dict(model.state_dict()), "double_blocks.0.img_mlp.2.weight"
     out, inputs = sd[key].shape
-    sd[key] = torch.randint(0, 256, (out, inputs // 256 * gguf.GGML_QUANT_SIZES[T.IQ4_XS][1]), dtype=torch.uint8)
+    sd[key] = torch.randint(0, 256, (out, inputs // 256 * gguf.GGML_QUANT_SIZES[T.IQ2_XXS][1]), dtype=torch.uint8)
     config = CheckpointReader(tiny_set["flux_bfl"]).metadata["flux_config"]
-    path = write_gguf(sd, tmp_path / "iq4xs.gguf", {key: "IQ4_XS"}, {"flux_config": config})
+    path = write_gguf(sd, tmp_path / "iq2xxs.gguf", {key: "IQ2_XXS"}, {"flux_config": config})
     with pytest.raises(CheckpointError) as info:
         load_flux(path)
     message = str(info.value)
-    assert f"iq4xs.gguf: tensor '{key}' is GGUF type IQ4_XS; only Q8_0, Q4_0" in message and "\n" not in message
+    assert f"iq2xxs.gguf: tensor '{key}' is GGUF type IQ2_XXS; only Q8_0, Q4_0" in message and "\n" not in message
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 10)
     with pytest.raises(CheckpointError, match=r"bad.gguf: not a readable GGUF file"):
         CheckpointReader(str(tmp_path / "bad.gguf"))
@@ -304,7 +307,7 @@ def test_a_preset_planned_as_gguf_holds_its_types_bytes_per_weight(qtype):
         assert module_bytes(layer) == weights * kind.bytes_per_parameter + 4 * layer.out_features  # + the f32 bias
     assert {q: GGUF_TYPES[q].bytes_per_parameter for q in GGUF_TYPES} == {
         "Q8_0": 1.0625, "Q4_0": 0.5625, "Q4_1": 0.625, "Q5_0": 0.6875, "Q5_1": 0.75, "Q4_K": 0.5625, "Q5_K": 0.6875,
-        "Q6_K": 0.8203125, "Q3_K": 0.4296875, "Q2_K": 0.328125}
+        "Q6_K": 0.8203125, "Q3_K": 0.4296875, "Q2_K": 0.328125, "IQ4_NL": 0.5625, "IQ4_XS": 0.53125}
 
 
 def test_a_preset_planned_as_gguf_quantizes_flux2s_shared_modulation_as_the_files_do():
@@ -322,8 +325,9 @@ def test_a_preset_planned_as_gguf_quantizes_flux2s_shared_modulation_as_the_file
 def test_plan_memory_refuses_a_gguf_type_it_cannot_read_in_one_line(capsys):
     from tools import plan_memory
 
-    line = one_error_line(capsys, plan_memory.main(["--preset", "flux1-dev", "--gguf", "IQ4_XS"]))
-    assert line == "error: --gguf IQ4_XS: not a GGUF block type we read (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K)"
+    line = one_error_line(capsys, plan_memory.main(["--preset", "flux1-dev", "--gguf", "IQ2_XXS"]))
+    assert line == ("error: --gguf IQ2_XXS: not a GGUF block type we read (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
+                    "Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS)")
 
 
 def test_merge_lora_refuses_a_gguf_base_in_one_line(flux_gguf, tmp_path, capsys):

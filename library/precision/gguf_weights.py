@@ -12,9 +12,9 @@ K-quant's `d * q - m` is the same in numpy and torch). ComfyUI-GGUF itself dequa
 the compute dtype (scales first rounded to bf16), so its bf16 weights can differ from ours in the
 last bf16 bit; float32 matches gguf's reference.
 
-Read: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K block types (city96's Q2_K and
-Q3_K_S files too); F32 / F16 / BF16 tensors load as any checkpoint's (cast to the load dtype). Any
-other ggml type (IQ*, TQ*, MXFP4, ...) is refused in one line naming the tensor and its type. Which Linears are GGUFLinear is the file's
+Read: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS block types (city96's
+Q2_K and Q3_K_S files, and the IQ4 files ComfyUI-GGUF reads since 6aa9866); F32 / F16 / BF16 tensors load
+as any checkpoint's (cast to the load dtype). Any other ggml type (IQ1-3*, TQ*, MXFP4, ...) is refused in one line naming the tensor and its type. Which Linears are GGUFLinear is the file's
 choice, not the keep rules of fp8: every Linear whose weight the file stores block-quantized.
 """
 
@@ -142,6 +142,28 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:  # 32 bytes of high bits, 64 of 2-bi
     return (d * q).reshape(-1, QK_K)
 
 
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
+
+
+def _levels(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes -> IQ4's non-uniform levels, float32."""
+    return torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=q.device)[q.long()]
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:  # d f16, 16 bytes of nibbles: x = d * level[q]
+    return _f16(b, 0) * _levels(_nibbles(b[:, 2:]))
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:  # d f16, 2 bytes of high scale bits, 4 of low, 128 of nibbles
+    low = b[:, 4:8]  # sub-block i's scale: nibble i (low nibble first) + bits 2i, 2i+1 of the uint16 at byte 2
+    low = torch.stack([low & 0x0F, low >> 4], dim=2).reshape(-1, 8).to(torch.int32)
+    high = b[:, 2].to(torch.int32) | (b[:, 3].to(torch.int32) << 8)
+    high = (high[:, None] >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)) & 3
+    d = (_f16(b, 0) * ((low | (high << 4)) - 32).to(torch.float32)).reshape(-1, 8, 1)
+    qs = b[:, 8:].reshape(-1, 8, 16)  # 16 bytes per sub-block of 32: low nibbles, then high
+    return (d * _levels(torch.cat([qs & 0x0F, qs >> 4], dim=2))).reshape(-1, QK_K)
+
+
 @dataclass(frozen=True)
 class BlockType:
     block: int  # weights per block
@@ -159,6 +181,7 @@ GGUF_TYPES = {
     "Q5_0": BlockType(32, 22, _q5_0), "Q5_1": BlockType(32, 24, _q5_1),
     "Q4_K": BlockType(QK_K, 144, _q4_k), "Q5_K": BlockType(QK_K, 176, _q5_k), "Q6_K": BlockType(QK_K, 210, _q6_k),
     "Q3_K": BlockType(QK_K, 110, _q3_k), "Q2_K": BlockType(QK_K, 84, _q2_k),
+    "IQ4_NL": BlockType(32, 18, _iq4_nl), "IQ4_XS": BlockType(QK_K, 136, _iq4_xs),
 }  # fmt: skip
 
 
