@@ -345,7 +345,7 @@ def load_streaming(
                     f"{reader.path}: {reader.file_of(ckpt_key)}: key '{ckpt_key}' has shape {tuple(value.shape)}, "
                     f"the model expects {tuple(expected[key].shape)} for '{key}'"
                 )
-            loaded[key] = value.reshape(expected[key].shape)
+            loaded[key] = value if value.shape == expected[key].shape else value.reshape(expected[key].shape)
     for key in [k for k in expected if k not in loaded and k.endswith("num_batches_tracked")]:
         # BatchNorm's step counter (only used to average in training): released VAE files may omit it.
         loaded[key] = torch.zeros((), dtype=torch.long)
