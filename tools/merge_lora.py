@@ -56,9 +56,9 @@ own names (BFL names, not a diffusers folder's split rows).
 GGUF (`--save_precision gguf_q8_0`, `gguf_q5_1`, `gguf_q5_0`, `gguf_q4_1`, `gguf_q4_0`: the block types
 the `gguf` package can quantize; it only dequantizes the K-quants): one .gguf file in ComfyUI-GGUF's
 layout for the family (library/precision/gguf_writer.py: its general.architecture, the base's key names
-without the ComfyUI prefix, the block type for the Linears the architecture quantizes, F32 for 1-D and
-small tensors, BF16 / F16 for the rest), each merged weight quantized from float32 by gguf and written
-before the next is read. From a bf16 / fp16 / fp32 single file of a family with a ComfyUI-GGUF name
+without the ComfyUI prefix, each tensor's type as city96's convert.py and llama.cpp quantize patch give
+it for the family's arch), each merged weight quantized from float32 by gguf and written before the
+next is read. From a bf16 / fp16 / fp32 single file of a family with a ComfyUI-GGUF name
 (its spec's gguf layout); keys outside the transformer are left out, as ComfyUI-GGUF's convert.py does.
 
 Errors (bad ratio, missing file, LoRA for another model, shape mismatch, unmatched modules without
