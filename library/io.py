@@ -294,6 +294,18 @@ def prepared_convert(model: nn.Module, prepare, convert, loader: str):
     return hook
 
 
+def _fits(reader, found: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """found is the model's shape `want`, or (a GGUF file) `want` less its leading size-1 dimensions:
+    llama.cpp's quantize writes every tensor with ggml_n_dims, which drops trailing ggml dims of size 1
+    (a [1, dim] pad token arrives as [dim] in the files people run); the values are the same."""
+    if found == want:
+        return True
+    squeezed = want
+    while len(squeezed) > 1 and squeezed[0] == 1:
+        squeezed = squeezed[1:]
+    return found == squeezed and all(f.endswith(GGUF_SUFFIX) for f in reader.files)
+
+
 def load_streaming(
     model: nn.Module,
     reader: CheckpointReader,
@@ -328,12 +340,12 @@ def load_streaming(
             if key not in expected:
                 unexpected.append(ckpt_key)
                 continue
-            if tuple(value.shape) != tuple(expected[key].shape):
+            if not _fits(reader, tuple(value.shape), tuple(expected[key].shape)):
                 raise CheckpointError(
                     f"{reader.path}: {reader.file_of(ckpt_key)}: key '{ckpt_key}' has shape {tuple(value.shape)}, "
                     f"the model expects {tuple(expected[key].shape)} for '{key}'"
                 )
-            loaded[key] = value
+            loaded[key] = value if value.shape == expected[key].shape else value.reshape(expected[key].shape)
     for key in [k for k in expected if k not in loaded and k.endswith("num_batches_tracked")]:
         # BatchNorm's step counter (only used to average in training): released VAE files may omit it.
         loaded[key] = torch.zeros((), dtype=torch.long)
@@ -530,7 +542,7 @@ def check_keys_and_shapes(reader: CheckpointReader, expected: dict[str, torch.Te
         if key not in expected:
             raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: unexpected key '{key}' for {what}")
         found, want = reader.shape(key), tuple(expected[key].shape)
-        if found != want:
+        if not _fits(reader, found, want):
             raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: key '{key}' has shape {found}, expected {want}")
     missing = [k for k in expected if k not in reader]
     if missing:

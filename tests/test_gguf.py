@@ -25,7 +25,7 @@ from tests.test_reliability import flux_args, one_error_line
 
 # Byte offsets of each type's fp16 scales in a block: random bytes there could be inf / NaN.
 SCALE_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-                 "Q6_K": [208]}  # fmt: skip
+                 "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0]}  # fmt: skip
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # what gguf.quants.quantize writes; K-quants: random blocks
 
 
@@ -220,17 +220,38 @@ def test_a_lora_trains_over_a_gguf_base_and_records_its_layout(flux_gguf, tiny_s
         assert f.metadata()["ss_base_precision"] == "gguf_q8_0+q4_k"
 
 
+@pytest.mark.parametrize("mlps", [("Q2_K", "Q3_K"), ("IQ4_XS", "IQ4_NL")])
+def test_low_bit_files_q2_k_q3_k_and_iq4_load_as_ggufs_own_dequantization(tiny_set, tmp_path, mlps):
+    """city96's Q2_K and Q3_K_S files (Q2_K / Q3_K MLPs) and IQ4_NL / IQ4_XS files (ComfyUI-GGUF reads them),
+    refused until these kernels: the layers hold the blocks, dequantize to exactly gguf's float32 and
+    compute as that float32 model."""
+    model = load_flux(tiny_set["flux_bfl"])
+    sd = dict(model.state_dict())
+    types = {"double_blocks.0.img_mlp.2.weight": mlps[0], "double_blocks.0.txt_mlp.2.weight": mlps[1],
+             "single_blocks.0.linear2.weight": "IQ4_NL"}  # 256, 256 and 320 inputs
+    for i, (key, qtype) in enumerate(types.items()):
+        sd[key] = random_blocks(qtype, *sd[key].shape, seed=30 + i, scale=1e-3)
+    config = CheckpointReader(tiny_set["flux_bfl"]).metadata["flux_config"]
+    loaded = load_flux(write_gguf(sd, tmp_path / f"flux1-tiny-{mlps[0]}.gguf", types, {"flux_config": config})).eval()
+    for key, qtype in types.items():
+        layer = loaded.get_submodule(key[: -len(".weight")])
+        assert isinstance(layer, GGUFLinear) and layer.qtype == qtype
+        assert same_bits(layer.dequantized_weight(torch.float32), reference(sd[key], qtype).reshape(layer.out_features, -1))
+    inputs = flux_inputs_for(loaded)
+    assert torch.equal(run(loaded, inputs), run(dequantized_twin(loaded), inputs))
+
+
 def test_other_ggml_types_are_refused_in_one_line_naming_the_tensor_and_type(tiny_set, tmp_path):
     model = load_flux(tiny_set["flux_bfl"])
     sd, key = dict(model.state_dict()), "double_blocks.0.img_mlp.2.weight"
     out, inputs = sd[key].shape
-    sd[key] = torch.randint(0, 256, (out, inputs // 256 * gguf.GGML_QUANT_SIZES[T.Q2_K][1]), dtype=torch.uint8)
+    sd[key] = torch.randint(0, 256, (out, inputs // 256 * gguf.GGML_QUANT_SIZES[T.IQ2_XXS][1]), dtype=torch.uint8)
     config = CheckpointReader(tiny_set["flux_bfl"]).metadata["flux_config"]
-    path = write_gguf(sd, tmp_path / "q2k.gguf", {key: "Q2_K"}, {"flux_config": config})
+    path = write_gguf(sd, tmp_path / "iq2xxs.gguf", {key: "IQ2_XXS"}, {"flux_config": config})
     with pytest.raises(CheckpointError) as info:
         load_flux(path)
     message = str(info.value)
-    assert f"q2k.gguf: tensor '{key}' is GGUF type Q2_K; only Q8_0, Q4_0" in message and "\n" not in message
+    assert f"iq2xxs.gguf: tensor '{key}' is GGUF type IQ2_XXS; only Q8_0, Q4_0" in message and "\n" not in message
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 10)
     with pytest.raises(CheckpointError, match=r"bad.gguf: not a readable GGUF file"):
         CheckpointReader(str(tmp_path / "bad.gguf"))
@@ -267,32 +288,46 @@ def test_plan_memory_plans_a_gguf_file_in_its_stored_layout_only(flux_gguf, tiny
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0"])
 def test_a_preset_planned_as_gguf_holds_its_types_bytes_per_weight(qtype):
+    """The planner's GGUF model quantizes the Linears the writer quantizes (the family's GgufLayout):
+    every 2-D weight but the unquantized embedders and final layer, the per-block modulation included."""
     from library.models.registry import arch_spec
-    from library.precision.fp8 import is_high_precision
-    from library.precision.gguf_weights import prepare_gguf_like
+    from library.precision.gguf_writer import prepare_gguf_like
     from library.training.memory_plan import module_bytes
     from tests.test_merge_convert import FLUX_CFG
 
     with torch.device("meta"):
-        model = prepare_gguf_like(Flux(FLUX_CFG), qtype, arch_spec("flux").fp8)
-    kind, rules = GGUF_TYPES[qtype], arch_spec("flux").fp8
+        model = prepare_gguf_like(Flux(FLUX_CFG), qtype, arch_spec("flux").gguf)
+    kind, kept = GGUF_TYPES[qtype], arch_spec("flux").gguf.unquantized
     layers = {n: m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
     expected = {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, GGUFLinear))
-                and not is_high_precision(n, rules) and m.in_features % kind.block == 0}
-    assert set(layers) == expected and layers
+                and not (n + ".").startswith(kept) and m.in_features % kind.block == 0}
+    assert set(layers) == expected and ("double_blocks.0.img_mod.lin" in layers) == (kind.block == 32)  # 64 inputs
     for layer in layers.values():
         weights = layer.in_features * layer.out_features
         assert module_bytes(layer) == weights * kind.bytes_per_parameter + 4 * layer.out_features  # + the f32 bias
     assert {q: GGUF_TYPES[q].bytes_per_parameter for q in GGUF_TYPES} == {
         "Q8_0": 1.0625, "Q4_0": 0.5625, "Q4_1": 0.625, "Q5_0": 0.6875, "Q5_1": 0.75, "Q4_K": 0.5625, "Q5_K": 0.6875,
-        "Q6_K": 0.8203125}
+        "Q6_K": 0.8203125, "Q3_K": 0.4296875, "Q2_K": 0.328125, "IQ4_NL": 0.5625, "IQ4_XS": 0.53125}
+
+
+def test_a_preset_planned_as_gguf_quantizes_flux2s_shared_modulation_as_the_files_do():
+    """FLUX.2's three shared modulation Linears are quantized in ComfyUI-GGUF's files ("flux" rules);
+    the planner kept them bf16 while it planned by the fp8 keep rules."""
+    from tools import plan_memory
+
+    family = plan_memory.PresetFamily("flux2-klein-4b", "Q8_0")
+    model = family.load_transformer(torch.bfloat16)
+    assert isinstance(model.double_stream_modulation_img.lin, GGUFLinear)
+    assert isinstance(model.single_stream_modulation.lin, GGUFLinear)
+    assert not isinstance(model.final_layer.linear, GGUFLinear)
 
 
 def test_plan_memory_refuses_a_gguf_type_it_cannot_read_in_one_line(capsys):
     from tools import plan_memory
 
-    line = one_error_line(capsys, plan_memory.main(["--preset", "flux1-dev", "--gguf", "Q2_K"]))
-    assert line == "error: --gguf Q2_K: not a GGUF block type we read (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)"
+    line = one_error_line(capsys, plan_memory.main(["--preset", "flux1-dev", "--gguf", "IQ2_XXS"]))
+    assert line == ("error: --gguf IQ2_XXS: not a GGUF block type we read (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
+                    "Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS)")
 
 
 def test_merge_lora_refuses_a_gguf_base_in_one_line(flux_gguf, tmp_path, capsys):
@@ -323,3 +358,13 @@ def test_a_qwen_image_gguf_with_diffusers_names_loads_and_computes_as_its_dequan
     assert {f"{n}.weight": t for n, t in layers.items()} == types and set(layers.values()) == {"Q8_0", "Q6_K"}
     inputs = {**qwen_inputs(), "txt": torch.randn(1, 8, model.config.joint_attention_dim)}
     assert torch.equal(run(loaded, inputs), run(dequantized_twin(loaded), inputs))
+
+
+def test_plan_memory_refuses_gguf_for_a_family_comfyui_gguf_has_no_layout_for(capsys):
+    from library.models.registry import arch_specs
+    from tools import plan_memory
+
+    no_layout = [p for spec in arch_specs().values() if spec.planner and spec.gguf is None for p in spec.planner.presets]
+    assert no_layout
+    line = one_error_line(capsys, plan_memory.main(["--preset", no_layout[0], "--gguf", "Q8_0"]))
+    assert f"--gguf Q8_0: ComfyUI-GGUF has no layout for" in line and f"({no_layout[0]})" in line, line

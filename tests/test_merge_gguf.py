@@ -4,18 +4,20 @@ layout (library/precision/gguf_writer.py), checked by reading it back with `gguf
 loader (GGUFLinear layers computing close to the float32 merge); bases it cannot write are one line."""
 
 import json
+import subprocess
+import types
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from library.io import CheckpointReader
 from library.models.flux1.checkpoint import load_flux
 from library.models.registry import arch_spec
-from library.precision.fp8 import is_high_precision
 from library.precision.gguf_weights import GGUFLinear
-from library.precision.gguf_writer import SMALL, WRITE_TYPES
+from library.precision.gguf_writer import SMALL, WRITE_TYPES, convert_type, output_type
 from tests.test_gguf import flux_inputs_for
 from tests.test_merge_convert import lora, merge, run
 from tests.test_reliability import one_error_line
@@ -26,14 +28,41 @@ def test_the_command_line_names_the_types_gguf_writes():
     assert merge_lora.GGUF_PRECISIONS == tuple(f"gguf_{t.lower()}" for t in WRITE_TYPES)
 
 
+CITY96_MIRROR = "/work/.mirror/city96+ComfyUI-GGUF/repo"  # where `fetch github:city96/ComfyUI-GGUF` puts it
+# city96's rules, spelled out here apart from gguf_writer (ComfyUI-GGUF at 795e451, `fetch github:city96/ComfyUI-GGUF`):
+# tools/convert.py:273-283 from an F32 / BF16 source keeps 1-D tensors, tensors of <= QUANTIZATION_THRESHOLD (1024,
+# :10) elements and keys_hiprec (none for flux / lumina2) F32, the rest BF16 / F16; any other source F16. Then the
+# llama.cpp patch quantizes a tensor whose name ends in "weight" (llama.cpp's own rule, as "_norm.weight" is kept),
+# of 2 ggml dims (tools/lcpp.patch:428), not named by its arch's list (:329-337 flux, :417-425 lumina2), with
+# img_tensor_get_type's ffn rule (:193-214: ".feed_forward.w2.weight" ... Q4_0 -> Q4_1, Q5_0 -> Q5_1).
+CITY96_UNQUANTIZED = {
+    "flux": ("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer."),
+    "lumina2": ("t_embedder.", "x_embedder.", "final_layer.", "cap_embedder.", "context_refiner.", "noise_refiner."),
+}
+# convert.py's detect_arch (keys_detect: :27-30 ModelFlux, :144-146 ModelLumina2) and loader.py:11 IMG_ARCH_LIST
+CITY96_DETECT = {"flux": ("double_blocks.0.img_attn.proj.weight",),
+                 "lumina2": ("cap_embedder.1.weight", "context_refiner.0.attention.qkv.weight")}
+COMFYUI_GGUF_IMG_ARCHS = {"flux", "sd1", "sdxl", "sd3", "aura", "hidream", "cosmos", "ltxv", "hyvid", "wan", "lumina2",
+                          "qwen_image"}
+# family -> (its tiny single file, ComfyUI-GGUF's arch for it)
+CITY96_FAMILIES = {"flux": ("flux_bfl", "flux"), "chroma": ("chroma_bfl", "flux"), "flux2": ("flux2_tiny", "flux"),
+                   "zimage": ("zimage", "lumina2")}
+
+
+def city96_type(name: str, shape: tuple, source: str, qtype: str, arch: str) -> str:
+    numel = int(np.prod(shape))
+    converted = ("F32" if len(shape) == 1 or numel <= SMALL else "BF16" if source == "BF16" else "F16") \
+        if source in ("F32", "BF16") else "F16"
+    dims = len(shape) - next((i for i, n in enumerate(shape) if n != 1), len(shape) - 1)
+    if not name.endswith("weight") or "_norm.weight" in name or dims != 2 or any(k in name for k in CITY96_UNQUANTIZED[arch]):
+        return converted
+    if name.endswith((".feed_forward.w2.weight", ".ff.net.2.weight", ".ffn.2.weight", ".mlp.layer2.weight")):
+        qtype = {"Q4_0": "Q4_1", "Q5_0": "Q5_1"}.get(qtype, qtype)
+    return qtype if shape[-1] % 32 == 0 else converted
+
+
 def expected_type(name: str, shape: tuple, qtype: str) -> str:
-    """ComfyUI-GGUF's rules, spelled out: F32 for 1-D / small, the block type for the FLUX.1 Linears its
-    llama.cpp patch quantizes (every 2-D weight but txt_in, img_in, time_in, vector_in, guidance_in,
-    final_layer), F16 for the rest of an fp32 source."""
-    if len(shape) == 1 or int(np.prod(shape)) <= SMALL:
-        return "F32"
-    kept = ("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer.")
-    return "F16" if name.startswith(kept) or not name.endswith(".weight") else qtype
+    return city96_type(name, shape, "F32", qtype, "flux")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +86,7 @@ def test_merge_writes_comfyui_ggufs_layout_and_reads_back(tiny_set, merged, qtyp
     oracle, source = CheckpointReader(str(merged / "m.safetensors")), CheckpointReader(tiny_set["flux_bfl"])
     reader = gguf.GGUFReader(str(out))
     field = lambda key: reader.get_field(key).contents()  # noqa: E731
-    assert field("general.architecture") == arch_spec("flux").gguf_arch == "flux"
+    assert field("general.architecture") == arch_spec("flux").gguf.arch == "flux"
     assert field("general.file_type") == gguf.LlamaFileType[f"MOSTLY_{qtype}"]
     assert field("flux_config") == source.metadata["flux_config"] and json.loads(field("merged_loras"))[0]["file"] == "l.safetensors"
     tensors = {t.name: t for t in reader.tensors}
@@ -83,18 +112,80 @@ def test_merge_writes_comfyui_ggufs_layout_and_reads_back(tiny_set, merged, qtyp
     assert 0 < relative < {"Q8_0": 0.01, "Q4_0": 0.2}[qtype], relative
 
 
-def test_the_type_rules_follow_the_architectures_keep_rules():
-    from library.precision.gguf_writer import output_type
+@pytest.mark.parametrize("family", list(CITY96_FAMILIES))
+def test_each_familys_tensor_types_are_what_city96s_tools_write(tiny_set, family):
+    """Every tensor of the family's tiny single file, from an F32 / BF16 / F16 source, at each type
+    we write: our type is city96's (convert.py, then the quantize patch); the arch is what convert.py
+    detects from the keys and what ComfyUI-GGUF's loader accepts."""
+    key, arch = CITY96_FAMILIES[family]
+    layout, reader = arch_spec(family).gguf, CheckpointReader(tiny_set[key])
+    assert layout.arch == arch and arch in COMFYUI_GGUF_IMG_ARCHS and set(CITY96_DETECT[arch]) <= set(reader.keys())
+    seen = set()
+    for name in reader.keys():
+        shape = tuple(reader.shape(name))
+        for source in ("F32", "BF16", "F16"):
+            for qtype in WRITE_TYPES:
+                got = output_type(name, shape, source, qtype, layout)
+                assert got == city96_type(name, shape, source, qtype, arch), (name, shape, source, qtype, got)
+                seen.add(got)
+    assert {"F32", "F16", "BF16", *WRITE_TYPES} <= seen
 
-    rules = arch_spec("flux").fp8
-    assert is_high_precision("final_layer.linear", rules)
-    assert output_type("final_layer.linear", (64, 3072), "BF16", "Q8_0", rules) == "BF16"  # kept, bf16 source
-    assert output_type("double_blocks.0.img_mod.lin", (18432, 3072), "BF16", "Q8_0", rules) == "Q8_0"  # modulation too
-    assert output_type("double_blocks.0.img_mlp.0", (12288, 3072), "F16", "Q4_1", rules) == "Q4_1"
-    assert output_type("double_blocks.0.img_mlp.0", (1000, 48), "F32", "Q8_0", rules) == "F16"  # 48 inputs: no blocks of 32
-    assert output_type(None, (3072,), "BF16", "Q8_0", rules) == "F32"
+
+def city96_convert_py():
+    """ComfyUI-GGUF's tools/convert.py as a module (it imports gguf, torch, tqdm, safetensors: no ComfyUI),
+    from the mirror `fetch github:city96/ComfyUI-GGUF` leaves; None where there is none."""
+    try:
+        text = subprocess.run(["git", "--git-dir", CITY96_MIRROR, "show", "HEAD:tools/convert.py"], capture_output=True,
+                              text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    module = types.ModuleType("city96_convert")
+    exec(compile(text, "city96/ComfyUI-GGUF/tools/convert.py", "exec"), module.__dict__)
+    return module
+
+
+@pytest.mark.parametrize("family", list(CITY96_FAMILIES))
+def test_convert_py_itself_gives_our_float_types_and_arch(tiny_set, family):
+    """Step 1 run by city96's own code: detect_arch on the tiny file's keys and handle_tensors' type of
+    every tensor (fp32 and bf16 sources) equal our spec's arch and gguf_writer.convert_type."""
+    convert = city96_convert_py()
+    if convert is None:
+        pytest.skip(f"no ComfyUI-GGUF mirror at {CITY96_MIRROR}")
+    sd = load_file(tiny_set[CITY96_FAMILIES[family][0]])
+    layout = arch_spec(family).gguf
+    template = convert.detect_arch(sd)
+    assert template.arch == layout.arch
+
+    class Recorder:
+        def __init__(self):
+            self.types = {}
+
+        def add_tensor(self, name, data, raw_dtype):
+            self.types[name] = raw_dtype.name
+
+    for dtype, source in ((torch.float32, "F32"), (torch.bfloat16, "BF16")):
+        writer = Recorder()
+        convert.handle_tensors(writer, {k: v.to(dtype) for k, v in sd.items()}, template)
+        ours = {k: convert_type(k, tuple(v.shape), source, layout) for k, v in sd.items()}
+        assert writer.types == ours
+
+
+def test_modulation_and_guidance_layers_are_quantized_as_city96_quantizes_them():
+    """Chroma's distilled_guidance_layer and FLUX.2's shared modulation Linears: "flux" to convert.py, whose
+    patch keeps only the embedders and the final layer (our fp8 rules keep these, the GGUF files do not)."""
+    shape = (3072 * 6, 3072)  # FLUX.2 [klein] 4B's double_stream_modulation_img.lin
+    assert output_type("double_stream_modulation_img.lin.weight", shape, "BF16", "Q4_0", arch_spec("flux2").gguf) == "Q4_0"
+    assert output_type("single_stream_modulation.lin.weight", (9216, 3072), "BF16", "Q8_0", arch_spec("flux2").gguf) == "Q8_0"
+    assert output_type("distilled_guidance_layer.layers.0.in_layer.weight", (5120, 5120), "BF16", "Q5_1",
+                       arch_spec("chroma").gguf) == "Q5_1"
+    assert output_type("final_layer.linear.weight", (64, 3072), "BF16", "Q8_0", arch_spec("chroma").gguf) == "BF16"
+    assert output_type("img_in.weight", (3072, 128), "F16", "Q8_0", arch_spec("flux2").gguf) == "F16"
+    # Z-Image as "lumina2": its refiner blocks stay high precision, its SwiGLU output takes Q4_1 at Q4_0
+    assert output_type("noise_refiner.0.attention.qkv.weight", (11520, 3840), "BF16", "Q4_0", arch_spec("zimage").gguf) == "BF16"
+    assert output_type("layers.3.feed_forward.w2.weight", (3840, 10240), "BF16", "Q4_0", arch_spec("zimage").gguf) == "Q4_1"
+    assert output_type("layers.3.feed_forward.w1.weight", (10240, 3840), "BF16", "Q4_0", arch_spec("zimage").gguf) == "Q4_0"
     with pytest.raises(ValueError, match="GGUF type Q4_K: only Q8_0, Q5_1, Q5_0, Q4_1, Q4_0 can be written"):
-        output_type("double_blocks.0.img_mlp.0", (12288, 3072), "BF16", "Q4_K", rules)
+        output_type("double_blocks.0.img_mlp.0.weight", (12288, 3072), "BF16", "Q4_K", arch_spec("flux").gguf)
 
 
 def test_bases_it_cannot_write_are_one_line(tiny_set, merged, tmp_path, capsys):
@@ -106,3 +197,41 @@ def test_bases_it_cannot_write_are_one_line(tiny_set, merged, tmp_path, capsys):
                                         "--save_to", tmp_path / "x.gguf", "--save_precision", "gguf_q8_0", "--fp8_layout", "comfy"))
     assert "--fp8_layout and --stochastic_rounding are for fp8 outputs" in line, line
     assert not list(tmp_path.iterdir())
+
+
+def test_a_zimage_merge_writes_a_lumina2_gguf_that_reads_back_to_its_dequantized_weights(tiny_set, tmp_path, capsys):
+    """Z-Image: ComfyUI-GGUF's "lumina2" with the single file's names (fused attention.qkv, x_embedder ...),
+    which convert.py detects and the loader accepts; our loader gives back, weight for weight, what gguf
+    dequantizes from the file (the fused qkv split into q / k / v after dequantizing), and the model
+    computes close to the float32 merge."""
+    from library.models.zimage.checkpoint import from_single_file_state_dict, load_zimage
+    from tests.test_prequantized_families import output
+
+    base = tiny_set["zimage"]
+    lora(load_zimage(base), "zimage", rank=4, alpha=4.0, seed=2).save(str(tmp_path / "z.safetensors"))
+    out = tmp_path / "z-Q4_0.gguf"
+    assert merge("--model", base, "--lora", tmp_path / "z.safetensors", "--save_to", out, "--save_precision", "gguf_q4_0") == 0
+    assert merge("--model", base, "--lora", tmp_path / "z.safetensors", "--save_to", tmp_path / "z.safetensors.m.safetensors",
+                 "--save_precision", "fp32") == 0
+    reader, source = gguf.GGUFReader(str(out)), CheckpointReader(base)
+    assert reader.get_field("general.architecture").contents() == "lumina2" in COMFYUI_GGUF_IMG_ARCHS
+    stored = {t.name: t for t in reader.tensors}
+    assert sorted(stored) == sorted(source.keys()) and set(CITY96_DETECT["lumina2"]) <= set(stored)
+    kinds = {name: t.tensor_type.name for name, t in stored.items()}
+    assert kinds == {name: city96_type(name, tuple(source.shape(name)), "F32", "Q4_0", "lumina2") for name in stored}
+    assert kinds["layers.0.attention.qkv.weight"] == "Q4_0" and kinds["layers.0.feed_forward.w2.weight"] == "F16"  # 170 inputs
+    assert kinds["noise_refiner.0.attention.qkv.weight"] == "F16" and kinds["x_embedder.weight"] == "F16"
+    dequantized = {name: torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type),
+                                                               dtype=np.float32)).reshape(source.shape(name))
+                   for name, t in stored.items()}
+    model = load_zimage(str(out)).eval()
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, GGUFLinear)}
+    assert {m.qtype for m in packed.values()} == {"Q4_0"} and len(packed) == 2 * 7  # 2 layers: q, k, v, out, w1, w3, adaLN
+    want = from_single_file_state_dict(dequantized)
+    got = {**model.state_dict(), **{f"{n}.weight": m.dequantized_weight(torch.float32) for n, m in packed.items()}}
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k].float(), want[k]) for k in want), [k for k in want if not torch.equal(got[k].float(), want[k])]
+    reference = load_zimage(str(tmp_path / "z.safetensors.m.safetensors")).eval()
+    ours, full = output(model, "zimage"), output(reference, "zimage")
+    relative = ((ours - full).norm() / full.norm()).item()
+    assert 0 < relative < 0.2, relative

@@ -209,6 +209,22 @@ def test_gguf_files_load_as_stored_and_compute_as_their_dequantized_twin(tiny_se
     assert diff == 0.0
 
 
+def test_a_zimage_gguf_with_llama_cpps_one_dim_pad_tokens_loads(tiny_set, tmp_path):
+    """llama.cpp's quantize writes each tensor with ggml_n_dims, so the Z-Image GGUFs people run hold the
+    [1, dim] pad tokens as [dim] (city96/ComfyUI-GGUF issue 379): they load as the model's [1, dim], the
+    same values; a safetensors file of that shape is still the wrong file."""
+    sd, metadata = source(tiny_set, "zimage")
+    flat = {k: v.reshape(-1) if k.endswith("pad_token") else v for k, v in sd.items()}
+    path = write_gguf(flat, tmp_path / "zimage-Q8_0.gguf", gguf_types(sd), metadata)
+    assert CheckpointReader(path).shape("x_pad_token") == (sd["x_pad_token"].shape[1],)
+    model = load_zimage(path)
+    for key in ("x_pad_token", "cap_pad_token"):
+        assert torch.equal(model.state_dict()[key], sd[key]), key
+    save_file(flat, str(tmp_path / "flat.safetensors"), metadata=metadata)
+    with pytest.raises(CheckpointError, match=r"key 'cap_pad_token' has shape \(64,\), expected \(1, 64\)"):
+        load_zimage(str(tmp_path / "flat.safetensors"))
+
+
 def test_wrong_files_are_one_error_naming_the_key(tiny_set, tmp_path):
     sd, metadata = source(tiny_set, "zimage")
     stored = fp8_file(sd, "comfy_marker")

@@ -56,10 +56,10 @@ own names (BFL names, not a diffusers folder's split rows).
 GGUF (`--save_precision gguf_q8_0`, `gguf_q5_1`, `gguf_q5_0`, `gguf_q4_1`, `gguf_q4_0`: the block types
 the `gguf` package can quantize; it only dequantizes the K-quants): one .gguf file in ComfyUI-GGUF's
 layout for the family (library/precision/gguf_writer.py: its general.architecture, the base's key names
-without the ComfyUI prefix, the block type for the Linears the architecture quantizes, F32 for 1-D and
-small tensors, BF16 / F16 for the rest), each merged weight quantized from float32 by gguf and written
-before the next is read. From a bf16 / fp16 / fp32 single file of a family with a ComfyUI-GGUF name
-(its spec's gguf_arch); keys outside the transformer are left out, as ComfyUI-GGUF's convert.py does.
+without the ComfyUI prefix, each tensor's type as city96's convert.py and llama.cpp quantize patch give
+it for the family's arch), each merged weight quantized from float32 by gguf and written before the
+next is read. From a bf16 / fp16 / fp32 single file of a family with a ComfyUI-GGUF name
+(its spec's gguf layout); keys outside the transformer are left out, as ComfyUI-GGUF's convert.py does.
 
 Errors (bad ratio, missing file, LoRA for another model, shape mismatch, unmatched modules without
 --allow_unmatched, fp8 layout change, --save_to naming an input or a file name whose extension is not
@@ -406,23 +406,22 @@ def _write_index(plan: Plan, out: str):
 def write_merged_gguf(plan: Plan, specs: list[LoRASpec], out: str, qtype: str) -> None:
     """The merged transformer as one GGUF file `out` in ComfyUI-GGUF's layout (module docstring);
     `plan` yields float32 tensors (precision "fp32"), each encoded as it comes."""
-    base, rules = plan.base, arch_spec(plan.base.family).fp8
+    base, layout = plan.base, arch_spec(plan.base.family).gguf
     keys = [k for k in base.reader.keys() if base.to_model(k)]
     entries = []
     for key in keys:
         name, shape = base.to_model(key), tuple(base.reader.shape(key))
-        module = base.fp8_name(name[: -len(".weight")]) if name.endswith(".weight") and len(shape) == 2 else None
-        entries.append(GgufEntry(name, shape, output_type(module, shape, base.reader.dtype_name(key), qtype, rules)))
+        entries.append(GgufEntry(name, shape, output_type(name, shape, base.reader.dtype_name(key), qtype, layout)))
     tensors = ((base.to_model(key), tensor) for key, tensor in plan.tensors(keys))
     metadata = _metadata(base, os.path.basename(base.reader.files[0]), specs, f"gguf_{qtype.lower()}")
-    write_gguf_streaming(out, arch_spec(base.family).gguf_arch, qtype, entries, tensors, metadata)
+    write_gguf_streaming(out, layout.arch, qtype, entries, tensors, metadata)
 
 
 def _check_gguf_output(base: Base, save_precision: str, fp8_layout: str | None, stochastic_rounding: bool) -> None:
     """A GGUF output needs a single high-precision file of a family ComfyUI-GGUF names, in its names."""
-    arch = None if base.family == "llm" else arch_spec(base.family).gguf_arch
-    named = [spec.title for name, spec in arch_specs().items() if spec.gguf_arch]
-    if arch is None:
+    layout = None if base.family == "llm" else arch_spec(base.family).gguf
+    named = [spec.title for name, spec in arch_specs().items() if spec.gguf]
+    if layout is None:
         raise ValueError(f"--save_precision {save_precision}: ComfyUI-GGUF has no layout for a {base.family} base "
                          f"({base.path}); GGUF is written for {', '.join(named)}")
     if base.is_folder or not base.native:

@@ -30,7 +30,6 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from tools.cli import check_command_line  # noqa: E402
-from library.models.registry import arch_spec  # noqa: E402
 
 
 def presets() -> dict:
@@ -74,7 +73,11 @@ class PresetFamily:
         from library.models.spec import load_symbol
 
         preset = presets()[name]
-        planner = spec_of(preset.model_type).planner
+        spec = spec_of(preset.model_type)
+        planner = spec.planner
+        if gguf and spec.gguf is None:
+            raise ValueError(f"--gguf {gguf}: ComfyUI-GGUF has no layout for {spec.title} ({name}); plan it with "
+                             f"--config_file on its GGUF file, or without --gguf")
 
         class Preset(family_class(preset.model_type)):
             def __init__(self):
@@ -87,12 +90,12 @@ class PresetFamily:
 
             def load_transformer(self, dtype, base_precision="bf16", read_weights=False):
                 from library.models.family import fp8_prepare
-                from library.precision.gguf_weights import prepare_gguf_like
+                from library.precision.gguf_writer import prepare_gguf_like
 
                 with torch.device("meta"):
                     model = load_symbol(planner.transformer)(load_symbol(preset.transformer))
                 if gguf:  # the file's layout, whatever base precision is asked for (as the loaders do)
-                    prepare_gguf_like(model, gguf, arch_spec(self.arch).fp8)
+                    prepare_gguf_like(model, gguf, spec.gguf)
                 elif base_precision != "bf16":  # fp8 / nf4 / int8 layers on meta, as the loaders prepare them
                     fp8_prepare(base_precision, self.arch)(model)
                 model.to(dtype)

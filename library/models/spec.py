@@ -119,6 +119,22 @@ class FP8Rules:
 
 
 # ----------------------------------------------------------------------------------------------
+# GGUF: ComfyUI-GGUF's layout of the transformer's files (library/precision/gguf_writer.py)
+
+
+@dataclass(frozen=True)
+class GgufLayout:
+    """How city96's tools write this transformer as GGUF, in the file's own tensor names (the single-file
+    names ComfyUI-GGUF's convert.py reads): general.architecture (what convert.py detects from the keys),
+    the substrings of names its llama.cpp patch leaves unquantized for that arch (tools/lcpp.patch), and
+    convert.py's keys_hiprec (kept F32). gguf_writer.GgufRules reads this object."""
+
+    arch: str
+    unquantized: tuple[str, ...] = ()
+    hiprec: tuple[str, ...] = ()
+
+
+# ----------------------------------------------------------------------------------------------
 # Timestep sampling and shift defaults (library/models/flow_matching.py)
 
 
@@ -278,9 +294,7 @@ class ArchSpec:
     lora: object = None  # LoRA targets and key names (section above)
     lora_files: object = None  # converters' key tables
     fp8: object = None  # keep-high-precision rules
-    # ComfyUI-GGUF's general.architecture for this transformer's files (what its convert.py detects
-    # from the key names; merge_lora --save_precision gguf_* writes it); None: not written as GGUF.
-    gguf_arch: str | None = None
+    gguf: object = None  # GgufLayout: ComfyUI-GGUF's layout (merge_lora --save_precision gguf_*); None: not written
     sampling: object = None  # timestep sampling and shift defaults (diffusion architectures)
     transformer: object = None  # loading and driving the transformer from a checkpoint
     config_keys: tuple = ()  # ConfigKey of the family's own training-config keys

@@ -12,9 +12,9 @@ K-quant's `d * q - m` is the same in numpy and torch). ComfyUI-GGUF itself dequa
 the compute dtype (scales first rounded to bf16), so its bf16 weights can differ from ours in the
 last bf16 bit; float32 matches gguf's reference.
 
-Read: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K block types; F32 / F16 / BF16 tensors load as
-any checkpoint's (cast to the load dtype). Any other ggml type (Q2_K, Q3_K, IQ*, TQ*, MXFP4, ...) is
-refused in one line naming the tensor and its type. Which Linears are GGUFLinear is the file's
+Read: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS block types (city96's
+Q2_K and Q3_K_S files, and the IQ4 files ComfyUI-GGUF reads since 6aa9866); F32 / F16 / BF16 tensors load
+as any checkpoint's (cast to the load dtype). Any other ggml type (IQ1-3*, TQ*, MXFP4, ...) is refused in one line naming the tensor and its type. Which Linears are GGUFLinear is the file's
 choice, not the keep rules of fp8: every Linear whose weight the file stores block-quantized.
 """
 
@@ -116,6 +116,54 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:  # 128 bytes low nibbles, 64 of 2-bi
     return (d * q.reshape(-1, 16, 16)).reshape(-1, QK_K)
 
 
+def _two_bit(qs: torch.Tensor) -> torch.Tensor:
+    """64 bytes -> [n, 16, 16]: 32-byte chunk c holds, at bit pairs 0, 2, 4, 6, sub-blocks 8c .. 8c+7 (two each)."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).reshape(1, 1, 4, 1)
+    return ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 16, 16)
+
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:  # 16 bytes of 4-bit (scale, min), 64 of 2-bit q, d, dmin f16: x = d*sc*q - dmin*m
+    sc = b[:, :16]
+    d = (_f16(b, 80) * (sc & 0x0F).to(torch.float32)).reshape(-1, 16, 1)
+    dm = (_f16(b, 82) * (sc >> 4).to(torch.float32)).reshape(-1, 16, 1)
+    return (d * _two_bit(b[:, 16:80]).to(torch.float32) - dm).reshape(-1, QK_K)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:  # 32 bytes of high bits, 64 of 2-bit q, 12 of 6-bit scales, d f16
+    sc = b[:, 96:108]  # sub-block i: low nibble of byte i % 8 (>> 4 for i >= 8), 2 high bits from byte 8 + i % 4
+    low = (sc[:, :8].reshape(-1, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).reshape(1, 2, 1)) & 0x0F
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(1, 4, 1)
+    high = (sc[:, 8:12].reshape(-1, 1, 4) >> shifts) & 3
+    scales = (low.reshape(-1, 16) | (high.reshape(-1, 16) << 4)).to(torch.float32) - 32
+    d = (_f16(b, 108) * scales).reshape(-1, 16, 1)
+    bit = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 1, 8, 1)
+    high_bit = ((b[:, :32].reshape(-1, 1, 1, 32) >> bit) & 1).reshape(-1, 16, 16)
+    q = _two_bit(b[:, 32:96]).to(torch.float32) - 4 * (1 - high_bit).to(torch.float32)  # a set bit means no -4
+    return (d * q).reshape(-1, QK_K)
+
+
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml's kvalues_iq4nl
+
+
+def _levels(q: torch.Tensor) -> torch.Tensor:
+    """4-bit codes -> IQ4's non-uniform levels, float32."""
+    return torch.tensor(IQ4_LEVELS, dtype=torch.float32, device=q.device)[q.long()]
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:  # d f16, 16 bytes of nibbles: x = d * level[q]
+    return _f16(b, 0) * _levels(_nibbles(b[:, 2:]))
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:  # d f16, 2 bytes of high scale bits, 4 of low, 128 of nibbles
+    low = b[:, 4:8]  # sub-block i's scale: nibble i (low nibble first) + bits 2i, 2i+1 of the uint16 at byte 2
+    low = torch.stack([low & 0x0F, low >> 4], dim=2).reshape(-1, 8).to(torch.int32)
+    high = b[:, 2].to(torch.int32) | (b[:, 3].to(torch.int32) << 8)
+    high = (high[:, None] >> torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)) & 3
+    d = (_f16(b, 0) * ((low | (high << 4)) - 32).to(torch.float32)).reshape(-1, 8, 1)
+    qs = b[:, 8:].reshape(-1, 8, 16)  # 16 bytes per sub-block of 32: low nibbles, then high
+    return (d * _levels(torch.cat([qs & 0x0F, qs >> 4], dim=2))).reshape(-1, QK_K)
+
+
 @dataclass(frozen=True)
 class BlockType:
     block: int  # weights per block
@@ -132,6 +180,8 @@ GGUF_TYPES = {
     "Q8_0": BlockType(32, 34, _q8_0), "Q4_0": BlockType(32, 18, _q4_0), "Q4_1": BlockType(32, 20, _q4_1),
     "Q5_0": BlockType(32, 22, _q5_0), "Q5_1": BlockType(32, 24, _q5_1),
     "Q4_K": BlockType(QK_K, 144, _q4_k), "Q5_K": BlockType(QK_K, 176, _q5_k), "Q6_K": BlockType(QK_K, 210, _q6_k),
+    "Q3_K": BlockType(QK_K, 110, _q3_k), "Q2_K": BlockType(QK_K, 84, _q2_k),
+    "IQ4_NL": BlockType(32, 18, _iq4_nl), "IQ4_XS": BlockType(QK_K, 136, _iq4_xs),
 }  # fmt: skip
 
 
@@ -311,19 +361,3 @@ class GgufLoadConverter:
 def gguf_converter(model: nn.Module, info: GgufCheckpoint, dtype: torch.dtype) -> GgufLoadConverter:
     """The `prepare` hook's work for a GGUF file: GGUFLinears in the meta model, and the convert hook."""
     return GgufLoadConverter(prepare_gguf(model, info), info, dtype)
-
-
-def prepare_gguf_like(model: nn.Module, qtype: str, rules) -> nn.Module:
-    """A meta `model` as a GGUF file of `qtype` would load (the memory planner without a file): the
-    Linears the architecture's fp8 keep `rules` quantize become GGUFLinear of `qtype` (ComfyUI-GGUF's
-    files likewise keep embedders and the final layer in F32 / F16). A Linear whose inputs do not
-    divide into `qtype` blocks stays high precision, as llama.cpp's quantizer falls back."""
-    from library.precision.fp8 import is_high_precision
-
-    kind = _block_type(qtype, "--gguf")
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if type(child) is nn.Linear and not is_high_precision(name, rules) and child.in_features % kind.block == 0:
-                setattr(parent, child_name, GGUFLinear.from_meta_linear(child, qtype))
-    return model

@@ -52,6 +52,14 @@ LORA_FILES = S.LoRAFiles(
 FP8 = S.FP8Rules(keep=(r"img_in", r"txt_in", r"distilled_guidance_layer\..*", r"final_layer\..*"))
 
 
+# -- GGUF: ComfyUI-GGUF's layout (library/precision/gguf_writer.py)
+# convert.py detects BFL block keys (double_blocks.0.img_attn.proj.weight) as "flux" (ModelFlux, no
+# keys_hiprec); its llama.cpp patch leaves these unquantized for "flux" (tools/lcpp.patch, the
+# LLM_ARCH_FLUX rules of llama_model_quantize_internal) and quantizes every other 2-D weight:
+# the distilled_guidance_layer (the fp8 rules keep it) included. ComfyUI tells Chroma by its keys.
+GGUF = S.GgufLayout("flux", unquantized=("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer."))
+
+
 # -- timestep sampling and shift defaults (library/models/flow_matching.py)
 # ChromaPipeline computes mu on FLUX.1-dev's line (calculate_shift with the scheduler config's
 # base_image_seq_len 256, max_image_seq_len 4096, base_shift 0.5, max_shift 1.15, its defaults) and
@@ -101,7 +109,7 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
-    gguf_arch="flux",  # ComfyUI-GGUF names BFL block keys "flux" (convert.py ModelFlux); ComfyUI tells Chroma by its keys
+    gguf=GGUF,
     sampling=SAMPLING,
     transformer=S.TransformerHooks(load="library.models.chroma.checkpoint:load_chroma",
                                    random_inputs="library.models.chroma.model:random_inputs"),

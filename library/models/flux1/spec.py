@@ -81,6 +81,13 @@ FP8 = S.FP8Rules(
 )
 
 
+# -- GGUF: ComfyUI-GGUF's layout (library/precision/gguf_writer.py)
+# convert.py detects BFL block keys (double_blocks.0.img_attn.proj.weight) as "flux" (ModelFlux, no
+# keys_hiprec); its llama.cpp patch leaves these unquantized for "flux" (tools/lcpp.patch, the
+# LLM_ARCH_FLUX rules of llama_model_quantize_internal) and quantizes every other 2-D weight.
+GGUF = S.GgufLayout("flux", unquantized=("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer."))
+
+
 # -- timestep sampling and shift defaults (library/models/flow_matching.py)
 # sd-scripts' FLUX flags default to timestep_sampling "sigma" with model_prediction_type
 # "sigma_scaled", while its FLUX.1 docs recommend "shift" 3.1582 with "raw" predictions; we default
@@ -135,9 +142,7 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
-    # ComfyUI-GGUF: double_blocks.0.img_attn.proj.weight -> "flux" (tools/convert.py ModelFlux). Its llama.cpp
-    # patch leaves txt_in, img_in, time_in, vector_in, guidance_in, final_layer unquantized: FP8.keep exactly.
-    gguf_arch="flux",
+    gguf=GGUF,
     sampling=SAMPLING,
     transformer=S.TransformerHooks(load="library.models.flux1.checkpoint:load_flux",
                                    random_inputs="library.models.flux1.model:random_inputs"),

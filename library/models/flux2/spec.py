@@ -55,6 +55,14 @@ FP8 = S.FP8Rules(
 )
 
 
+# -- GGUF: ComfyUI-GGUF's layout (library/precision/gguf_writer.py)
+# convert.py detects BFL block keys (double_blocks.0.img_attn.proj.weight) as "flux" (ModelFlux, no
+# keys_hiprec); its llama.cpp patch leaves these unquantized for "flux" (tools/lcpp.patch, the
+# LLM_ARCH_FLUX rules of llama_model_quantize_internal) and quantizes every other 2-D weight:
+# the three shared modulation Linears (the fp8 rules keep them) included. ComfyUI tells FLUX.2 by its keys.
+GGUF = S.GgufLayout("flux", unquantized=("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer."))
+
+
 # -- timestep sampling and shift defaults (library/models/flow_matching.py)
 # [klein] and [dev]: mu = compute_empirical_mu(image_seq_len, num_steps) (flux2/sampling.py), no
 # shift_terminal. Training has no step count: it takes mu at 50 steps, the klein base models'
@@ -104,7 +112,7 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
-    gguf_arch="flux",  # ComfyUI-GGUF names BFL block keys "flux" (convert.py ModelFlux); ComfyUI tells FLUX.2 by its keys
+    gguf=GGUF,
     sampling=SAMPLING,
     transformer=S.TransformerHooks(load="library.models.flux2.checkpoint:load_flux2",
                                    random_inputs="library.models.flux2.model:random_inputs"),

@@ -39,6 +39,14 @@ FP8 = S.FP8Rules(
 )
 
 
+# -- GGUF: ComfyUI-GGUF's layout (library/precision/gguf_writer.py)
+# "qwen_image" is in ComfyUI-GGUF's loader.py IMG_ARCH_LIST, but its convert.py and llama.cpp patch
+# have no template for it (convert.py refuses its diffusers keys: the keys_banned of the first template
+# they match): the unquantized names are the fp8 keep list's (embedders, norm_out, proj_out); the
+# per-block modulation is quantized.
+GGUF = S.GgufLayout("qwen_image", unquantized=("img_in.", "txt_in.", "time_text_embed.", "norm_out.", "proj_out."))
+
+
 # -- timestep sampling and shift defaults (library/models/flow_matching.py)
 # Qwen/Qwen-Image scheduler/scheduler_config.json (pipeline_qwenimage.py reads these keys from the
 # scheduler config; its own calculate_shift defaults are FLUX.1's and do not apply): base_image_seq_len
@@ -97,7 +105,7 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
-    gguf_arch="qwen_image",  # ComfyUI-GGUF's loader IMG_ARCH_LIST name for Qwen-Image files
+    gguf=GGUF,
     sampling=SAMPLING,
     transformer=S.TransformerHooks(load="library.models.qwen_image.model:load_qwen_image",
                                    random_inputs="library.models.qwen_image.model:random_inputs"),

@@ -63,6 +63,15 @@ FP8 = S.FP8Rules(
 )
 
 
+# -- GGUF: ComfyUI-GGUF's layout (library/precision/gguf_writer.py), in the single-file names (x_embedder,
+# fused attention.qkv ...; checkpoint.py's map): convert.py detects cap_embedder.1.weight with
+# context_refiner.0.attention.qkv.weight as "lumina2" (ModelLumina2, no keys_hiprec; loader.py's
+# IMG_ARCH_LIST has no other name for Z-Image), and its llama.cpp patch leaves these unquantized for
+# "lumina2" (tools/lcpp.patch, LLM_ARCH_LUMINA2): the embedders, the final layer and the refiner blocks.
+GGUF = S.GgufLayout("lumina2", unquantized=("t_embedder.", "x_embedder.", "final_layer.", "cap_embedder.",
+                                            "context_refiner.", "noise_refiner."))
+
+
 # -- timestep sampling and shift defaults (library/models/flow_matching.py)
 # Tongyi-MAI/Z-Image-Turbo scheduler/scheduler_config.json: FlowMatchEulerDiscreteScheduler with
 # use_dynamic_shifting false and shift 3.0 (Base's: 6.0, the family's inference_sampling): a constant
@@ -122,6 +131,7 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
+    gguf=GGUF,
     sampling=SAMPLING,
     transformer=S.TransformerHooks(load="library.models.zimage.checkpoint:load_zimage",
                                    random_inputs="library.models.zimage.model:random_inputs"),
