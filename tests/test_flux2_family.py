@@ -129,10 +129,10 @@ def test_planner_counts_the_text_encoder_as_loaded_from_a_klein_repo(tiny_set, t
     assert family.text_encoder_params() == sum(p.numel() for p in loaded.parameters())
 
 
-@pytest.mark.parametrize("distilled,steps", [(True, 4), (False, 20)])
+@pytest.mark.parametrize("distilled,steps", [(True, 4), (False, 50)])
 def test_sample_steps_default_to_a_distilled_kleins_own_4(tiny_set, tmp_path, distilled, steps):
     """A pipeline folder whose model_index.json says is_distilled (the step-distilled [klein] 4B / 9B)
-    samples with their 4 steps by default, the base ones with 20; distilled ones rendered 20 before."""
+    samples with their 4 steps by default, the base ones with Flux2KleinPipeline's 50; both rendered 20 before."""
     import json
     import shutil
 

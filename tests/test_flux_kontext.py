@@ -99,12 +99,31 @@ def _flux_scheduler():
                                            max_image_seq_len=4096, shift=3.0)  # FLUX.1-dev's scheduler_config.json
 
 
+def test_sample_reference_takes_the_preferred_resolution_nearest_its_aspect():
+    """A sample's reference is sized as FluxKontextPipeline(_auto_resize) sizes it: our table is the
+    pipeline's, and the pick is the pipeline's min((|ratio - w / h|, w, h)) whatever the target (it was
+    the target's bucket: a 1200 x 800 reference for a 512 x 512 sample was cropped to 512 x 512, the
+    pipeline renders it at 1248 x 832)."""
+    from diffusers.pipelines.flux import pipeline_flux_kontext as theirs
+
+    from library.models.flux1.kontext import PREFERRED_RESOLUTIONS
+
+    assert PREFERRED_RESOLUTIONS == theirs.PREFERRED_KONTEXT_RESOLUTIONS
+    family = family_class("flux_kontext")("unused.safetensors")
+    for size in [(1200, 800), (800, 1200), (1000, 1000), (4000, 1000), (1000, 4000), (1500, 1100), (1023, 977)]:
+        _, w, h = min((abs(size[0] / size[1] - w / h), w, h) for w, h in theirs.PREFERRED_KONTEXT_RESOLUTIONS)
+        assert family.sample_control_bucket((512, 512), size) == (w, h)
+    assert family.sample_control_bucket((512, 512), (1200, 800)) == (1248, 832)
+    assert family.control_bucket((512, 512), (1200, 800)) == (512, 512)  # training: the target's bucket (musubi-tuner's)
+
+
 @pytest.mark.parametrize("kontext", [False, True])
-def test_sampling_matches_flux_and_kontext_pipelines(tiny_set, tmp_path, kontext):
+def test_sampling_matches_flux_and_kontext_pipelines(tiny_set, tmp_path, monkeypatch, kontext):
     """sample_latents (resolution-shifted sigmas, guidance embedding, 3 Euler steps, 64 x 48) equals
-    FluxPipeline.__call__ on the same weights, noise and embeddings; Kontext's with a reference image
-    (our file -> VAE -> control) equals FluxKontextPipeline.__call__(image=...) at the target's size
-    (_auto_resize off, max_area the target's: the pipeline's own snapping to ~1 MP aside)."""
+    FluxPipeline.__call__ on the same weights, noise and embeddings; Kontext's with a 64 x 32 reference
+    image (our file -> sample_control_bucket -> VAE -> control) equals FluxKontextPipeline.__call__(image=...)
+    with its _auto_resize on, both preferred-resolution tables patched down to 32 x 64 / 64 x 32 (CPU
+    seconds; max_area the target's). The reference was fitted to the 64 x 48 target before (6 x 8 latents, not 4 x 8)."""
     import numpy as np
     from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
     from PIL import Image
@@ -124,13 +143,21 @@ def test_sampling_matches_flux_and_kontext_pipelines(tiny_set, tmp_path, kontext
                 width=width, num_inference_steps=steps, guidance_scale=guidance, output_type="latent")
     control = None
     if kontext:
-        image = Image.fromarray((np.random.default_rng(0).random((height, width, 3)) * 255).astype(np.uint8))
+        from diffusers.pipelines.flux import pipeline_flux_kontext
+
+        from library.models.flux1 import kontext as ours_kontext
+
+        for module, name in ((pipeline_flux_kontext, "PREFERRED_KONTEXT_RESOLUTIONS"), (ours_kontext, "PREFERRED_RESOLUTIONS")):
+            monkeypatch.setattr(module, name, [(32, 64), (64, 32)])
+        image = Image.fromarray((np.random.default_rng(0).random((32, 64, 3)) * 255).astype(np.uint8))
         image.save(tmp_path / "reference.png")
         vae = family.load_vae(torch.float32)
-        control = [vae.encode(r) for r in reference_images([str(tmp_path / "reference.png")], family.control_bucket, width, height)]
+        control = [vae.encode(r) for r in reference_images([str(tmp_path / "reference.png")], family.sample_control_bucket,
+                                                           width, height)]
+        assert control[0].shape[-2:] == (4, 8)  # 64 x 32 px, as the pipeline encodes it
         pipe = FluxKontextPipeline(scheduler=_flux_scheduler(), vae=AutoencoderKL.from_pretrained(tiny_set["flux_vae"]).eval(),
                                    text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None, transformer=reference)
-        call.update(image=image, _auto_resize=False, max_area=width * height)
+        call.update(image=image, max_area=width * height)
     else:
         pipe = FluxPipeline(scheduler=_flux_scheduler(), vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
                             tokenizer_2=None, transformer=reference)

@@ -123,14 +123,14 @@ def test_flux2_dev_reads_no_negative_and_klein_base_reads_both(tiny_set):
     assert flux2(tiny_set["flux2_tiny"]).unread_sample_options() == {}
 
 
-def test_schnell_renders_its_own_4_steps_by_default_and_dev_20(tiny_set, tmp_path):
+def test_schnell_renders_its_own_4_steps_by_default_and_dev_28(tiny_set, tmp_path):
     """Without --steps a FLUX.1 schnell checkpoint (no guidance embedding) samples with its 4 steps, as
-    diffusers' FluxPipeline example calls schnell; dev keeps 20. Schnell rendered 20 steps before."""
+    diffusers' FluxPipeline example calls schnell; dev FluxPipeline's 28 (it rendered 20 before)."""
     from diffusers.pipelines.flux.pipeline_flux import EXAMPLE_DOC_STRING
 
     assert "FLUX.1-schnell" in EXAMPLE_DOC_STRING and "num_inference_steps=4" in EXAMPLE_DOC_STRING
     schnell = schnell_like(tmp_path, tiny_set)[0][1]
-    for model, steps in ((schnell, "4"), (tiny_set["flux_bfl"], "20")):
+    for model, steps in ((schnell, "4"), (tiny_set["flux_bfl"], "28")):
         out = tmp_path / f"out_{steps}"
         assert generate.main(generate_args(tiny_set, out, "--model", model, "--steps", None)) == 0
         (png,) = out.glob("*.png")

@@ -169,6 +169,21 @@ def test_edit_plus_sizes_follow_plus_pipeline(version):
     assert sizes.img_shapes() == expected
 
 
+@pytest.mark.parametrize("bucket", [(512, 512), (1024, 1024), (768, 1344)])
+def test_sample_reference_is_encoded_at_the_pipelines_vae_area_whatever_the_target(bucket):
+    """A sample's reference is encoded at the Plus pipeline's calculate_dimensions(VAE_IMAGE_SIZE, its ratio)
+    for any target: a 2000 x 1000 reference for a 512 x 512 sample was 736 x 352 (the target's area), the
+    pipeline encodes it at 1440 x 736. Training keeps the target bucket's area (equal at 1024 x 1024)."""
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+
+    family = QwenImageEditFamily("unused.safetensors", model_version=EDIT_2509)
+    for size in IMAGE_SIZES + [(2000, 1000)]:
+        w, h = plus_pipe.calculate_dimensions(plus_pipe.VAE_IMAGE_SIZE, size[0] / size[1])
+        assert family.sample_control_bucket(bucket, size) == (w, h)
+        assert family.control_bucket(bucket, size) == area_size(*size, bucket[0] * bucket[1])
+    assert family.control_bucket((1024, 1024), (2000, 1000)) == family.sample_control_bucket((512, 512), (2000, 1000))
+
+
 def test_edit_sizes_refuse_bad_input():
     with pytest.raises(ValueError, match="one condition image"):
         edit_sizes(EDIT, [(512, 512), (512, 512)])
@@ -257,8 +272,10 @@ QWEN_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=
 def test_sampling_matches_qwen_image_and_edit_plus_pipelines(tiny_set, tmp_path, monkeypatch, name):
     """sample_latents (true CFG 4 with the norm rescale, shift_terminal 0.02, 3 steps, 64 x 48) equals
     QwenImagePipeline.__call__ on the same weights, seed and embeddings; Edit-2511's with a 64 x 64
-    reference (fitted by our control_bucket, encoded by our VAE) equals
-    QwenImageEditPlusPipeline.__call__(image=...) with its VAE area (1024^2) set to 64^2 (CPU seconds)."""
+    reference (fitted by our sample_control_bucket, encoded by our VAE) equals
+    QwenImageEditPlusPipeline.__call__(image=...) with the VAE area (1024^2) set to 128^2 in both (CPU
+    seconds): the reference is encoded at 128 x 128 whatever the 64 x 48 target (at the target's area it was
+    64 x 64 before)."""
     import numpy as np
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline, QwenImagePipeline
     from PIL import Image
@@ -281,12 +298,16 @@ def test_sampling_matches_qwen_image_and_edit_plus_pipelines(tiny_set, tmp_path,
     if name == "qwen_image":
         pipe = QwenImagePipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=reference)
     else:
-        monkeypatch.setattr(plus_pipe, "VAE_IMAGE_SIZE", 64 * 64)
+        from library.models.qwen_image import edit
+
+        monkeypatch.setattr(plus_pipe, "VAE_IMAGE_SIZE", 128 * 128)
+        monkeypatch.setattr(edit, "VAE_IMAGE_AREA", 128 * 128)
         image = Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8))
         image.save(tmp_path / "reference.png")
         vae = family.load_vae(torch.float32)
-        control = [vae.encode(r) for r in reference_images([str(tmp_path / "reference.png")], family.control_bucket, width, height)]
-        assert control[0].shape[-2:] == (8, 8)  # 64 x 64 px, as the pipeline encodes it
+        control = [vae.encode(r) for r in reference_images([str(tmp_path / "reference.png")], family.sample_control_bucket,
+                                                           width, height)]
+        assert control[0].shape[-2:] == (16, 16)  # 128 x 128 px, as the pipeline encodes it
         pipe = QwenImageEditPlusPipeline(scheduler=scheduler, vae=AutoencoderKLQwenImage.from_pretrained(tiny_set["qwen_image_vae"]).eval(),
                                          text_encoder=None, tokenizer=None, processor=None, transformer=reference)
         call["image"] = image

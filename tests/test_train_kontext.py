@@ -20,6 +20,15 @@ def edit_set(tiny_set, tmp_path_factory):
     return {**tiny_set, **make_tiny_edit_dataset(str(tmp_path_factory.mktemp("edit")), count=8, size=32)}
 
 
+@pytest.fixture(autouse=True)
+def tiny_preferred_resolutions(monkeypatch):
+    """Samples fit a reference to Kontext's preferred ~1 MP sizes (sample_control_bucket); here to the tiny
+    set's 32x32, as the training references are (a 1 MP reference made these runs minutes long)."""
+    from library.models.flux1 import kontext
+
+    monkeypatch.setattr(kontext, "PREFERRED_RESOLUTIONS", [(32, 32)])
+
+
 def kontext_args(edit_set, out, *extra):
     return [
         "--config_file", os.path.join(ROOT, "configs", "quickstart.toml"), "--model_type", "flux_kontext",

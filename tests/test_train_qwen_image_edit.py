@@ -23,6 +23,15 @@ def edit_set(tiny_set, tmp_path_factory):
     return {**tiny_set, **make_tiny_edit_dataset(str(tmp_path_factory.mktemp("qedit")), count=8, size=32)}
 
 
+@pytest.fixture(autouse=True)
+def tiny_vae_area(monkeypatch):
+    """Samples encode a reference at the pipelines' ~1024x1024 area (sample_control_bucket); here at the
+    tiny set's 32x32, as the training references are (a 1 MP reference made these runs minutes long)."""
+    from library.models.qwen_image import edit
+
+    monkeypatch.setattr(edit, "VAE_IMAGE_AREA", 32 * 32)
+
+
 def edit_args(edit_set, out, *extra):
     return [
         # the Qwen-Image quickstart's keys (a FLUX.1 config's clip_l / t5xxl would be refused: edit reads neither)

@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: E402
+from library.models.registry import BASE_PRECISIONS, FAMILIES, arch_specs  # noqa: E402
 from library.training.config import FAMILY_KEYS, PRECISION_NAMES, unread_family_keys  # noqa: E402
 from tools.cli import check_command_line  # noqa: E402
 
@@ -35,6 +35,13 @@ def _true_or_false(text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise argparse.ArgumentTypeError(f"takes true or false, got {text!r}")
     return text.lower() == "true"
+
+
+def _per_release(defaults: str) -> str:
+    """Each release's default `defaults` ("sample_steps", "sample_guidance") from the family specs,
+    for --help (torch is not loaded for it)."""
+    return "; ".join(f"{spec.title}: " + ", ".join(f"{name} {value:g}" for name, value in getattr(spec, defaults).items())
+                     for spec in arch_specs().values() if getattr(spec, defaults))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,15 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt_file", help="prompt file, one per line, sd-scripts syntax")
     p.add_argument("--control_image", action="append", default=[],
                    help="edit models: a reference image for every prompt without its own --ci; repeatable")
-    p.add_argument("--negative", default="", help="negative prompt, for the models that sample with true CFG")
+    p.add_argument("--negative", default="",
+                   help="negative prompt, for the models that sample with true CFG (default: empty; such a model runs CFG "
+                        "by default, with the empty prompt as the negative, as musubi-tuner's samples and ComfyUI's "
+                        "templates do, where a diffusers pipeline runs none without a negative; a guidance at or under the "
+                        "model's CFG threshold (1, or 0 where its pipeline tests > 0) runs none, with a warning where a "
+                        "negative is given; refused on a model without CFG)")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--height", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=None, help="default: the release's own (20 for most, fewer for a step-distilled one)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="default: the release's own, its diffusers pipeline's num_inference_steps (a step-distilled "
+                        f"one's count) - {_per_release('sample_steps')}; a prompt's --s wins")
     p.add_argument("--seed", type=int, default=None,
                    help="for every prompt without its own --d (default: a random one per image, as sd-scripts "
                         "and musubi-tuner; the file name and the PNG's info record it)")
     p.add_argument("--guidance", type=float, default=None,
-                   help="embedded guidance, or the CFG scale of models that sample with true CFG (default: the model type's)")
+                   help="embedded guidance, or the CFG scale of models that sample with true CFG (default: the "
+                        f"release's - {_per_release('sample_guidance')}; a prompt's --g or --l wins)")
     p.add_argument("--base_precision", default="bf16", choices=BASE_PRECISIONS)
     p.add_argument("--dtype", default="bf16", choices=PRECISION_NAMES, help="compute dtype")
     p.add_argument("--text_encoder_precision", default="bf16", choices=("fp32", "fp16", "bf16", "fp8", "fp8_scaled"))
@@ -75,7 +90,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from library.models.family import family_class, stack_text  # noqa: E402
+from library.models.family import family_class, stack_text, warn_unread_prompt_options  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
 from library.data.prompts import (SamplePrompt, check_seed, parse_prompt_line, read_prompt_file,  # noqa: E402
@@ -161,6 +176,7 @@ def generate(args) -> list[str]:
     check_model_options(args, family)
     prompts = collect_prompts(args, family)
     check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls)
+    warn_unread_prompt_options(family, prompts, args.prompt_file or "--prompt")
     encode = family.load_text_encoder(args.text_encoder_precision, device, **family.text_options(args))
     def encode_one(text: str, references) -> dict:  # with the references where the text encoder sees them
         return stack_text(encode_prompts(encode, [text], [references], family.text_sees_controls))
@@ -185,7 +201,7 @@ def generate(args) -> list[str]:
     for i, (prompt, (text, negative)) in enumerate(zip(prompts, texts)):
         seed = seed_or_random(prompt.seed)  # (the defaults' is --seed)
         to_device = lambda d: {k: v.to(device) for k, v in d.items()} if d else None  # noqa: E731
-        references = reference_images(prompt.control_images, family.control_bucket, prompt.width, prompt.height)
+        references = reference_images(prompt.control_images, family.sample_control_bucket, prompt.width, prompt.height)
         control = [vae.encode(r.to(device)) for r in references] or None  # float32 [1, 16, h, w] each
         latents = family.sample_latents(model, to_device(text), prompt.width, prompt.height, prompt.steps, seed,
                                         prompt.guidance, to_device(negative), control=control)

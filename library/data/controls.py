@@ -101,8 +101,8 @@ def encode_prompts(encode, captions: list[str], references: list, sees_reference
 
 
 def reference_images(paths: list[str] | tuple[str, ...], control_bucket, width: int, height: int) -> list[torch.Tensor]:
-    """A sample prompt's references (--ci) fitted by the family's rule to a width x height target,
-    each float32 [1, 3, H, W] in [-1, 1] (what the VAE encodes)."""
+    """A sample prompt's references (--ci) fitted by the family's rule (its sample_control_bucket) to a
+    width x height target, each float32 [1, 3, H, W] in [-1, 1] (what the VAE encodes)."""
     return [load_image(p, tuple(control_bucket((width, height), verified_image_size(p))))[None] for p in paths]
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -94,8 +95,9 @@ class DiffusionFamily:
     name: str  # the model_type of the training config: the name the family is registered under
     text_path_keys: tuple[str, ...] = ()  # config keys of the text encoder files
     sample_guidance: float = 4.0  # default --g of sample prompts
-    sample_steps: int = 20  # default --s of sample prompts (a step-distilled model's own count)
+    sample_steps: int = 20  # default --s of sample prompts: each family's own, from its spec's sample_steps
     true_cfg = False  # samples run a negative prompt (classifier-free guidance)
+    cfg_above = 1.0  # a true-CFG family runs the negative prompt only where guidance > this (its pipeline's test)
     vae_downsample = 8
     patch = 2
     latent_channels = 16  # VAE latent channels: the latents are [B, latent_channels, H/8, W/8]
@@ -188,6 +190,11 @@ class DiffusionFamily:
         """(w, h) a reference image of `size` is fitted to when its target's bucket is `bucket`.
         Default: the target's bucket."""
         return bucket
+
+    def sample_control_bucket(self, target: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+        """(w, h) a sample's reference image of `size` is fitted to for a `target` (w, h) render
+        (tools/generate.py, training samples). Default: the training rule, control_bucket."""
+        return self.control_bucket(target, size)
 
     def reference_text_tokens(self, width: int, height: int) -> int:
         """Tokens a reference image of width x height adds to the text sequence (the memory planner):
@@ -343,6 +350,20 @@ class DiffusionFamily:
             return {}
         return {"negative": f"model_type {self.name} samples without a negative prompt (no true CFG)"}
 
+    def unread_prompt_options(self, negative: str, guidance: float | None) -> dict[str, str]:
+        """A sample prompt's options this model would not read ("negative", "guidance") -> why: a
+        negative where unread_sample_options says so or where its guidance runs no CFG (guidance <=
+        cfg_above: a turbo release's 0), a guidance other than the default on a model without one."""
+        unread, found = self.unread_sample_options(), {}
+        if negative and "negative" in unread:
+            found["negative"] = unread["negative"]
+        elif negative and guidance is not None and guidance <= self.cfg_above:
+            found["negative"] = (f"model_type {self.name} runs CFG (the negative prompt) only at guidance above "
+                                 f"{self.cfg_above:g}, and this prompt's is {guidance:g}")
+        if "guidance" in unread and guidance != self.sample_guidance:
+            found["guidance"] = unread["guidance"]
+        return found
+
     def dynamic_shift(self, model) -> bool:
         return True
 
@@ -350,6 +371,17 @@ class DiffusionFamily:
         """The release's own inference schedule (a spec Sampling) where it differs from the
         architecture's (one release of several with the same transformer); None: the architecture's."""
         return None
+
+
+PROMPT_FLAGS = {"negative": "--n (--negative)", "guidance": "--g / --l (--guidance)"}  # how a prompt sets each option
+
+
+def warn_unread_prompt_options(family: DiffusionFamily, prompts, where: str) -> None:
+    """One warning line per option the sample prompts set and the model would not read (as the
+    prompt flags are a file's, shared between models, they are warned about, not refused)."""
+    for prompt in prompts:
+        for option, why in family.unread_prompt_options(prompt.negative, prompt.guidance).items():
+            warnings.warn(f"{where}: {PROMPT_FLAGS[option]} is not read: {why}", stacklevel=2)
 
 
 def control_kwargs(control: list[torch.Tensor] | None) -> dict:

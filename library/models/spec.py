@@ -302,3 +302,11 @@ class ArchSpec:
     tiny: object = None  # tiny model writers
     learned: str = ""  # "module:NAME" of its LearnedBase (the tiny base that has learned), if it has one
     default_config: str | None = None  # configs/<file>: the config the README points a new user to
+    # release -> the sample steps it renders with where a prompt has no --s (tools/generate.py --help lists
+    # them; the family reads them): its diffusers pipeline's num_inference_steps default, a step-distilled
+    # release's own count.
+    sample_steps: dict = field(default_factory=dict)
+    # release -> its default sample guidance (--g): the embedded guidance, or the CFG scale of a model that
+    # runs a negative prompt (each family's comment says where it is not its pipeline's default); a release
+    # that reads no guidance is not listed.
+    sample_guidance: dict = field(default_factory=dict)

@@ -24,7 +24,7 @@ from library.data.image_folders import scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, reference_images
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
 from library.models.core import checkpointing, compile_block
-from library.models.family import get_family, stack_text
+from library.models.family import get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
 from library.training.config import (ConfigError, base_precision, check_warmup, compute_dtype, lora_network_args,
@@ -144,6 +144,7 @@ class DiffusionTask:
         prompts = read_prompt_file(self.args.sample_prompts, defaults)
         check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls,
                               self.family.min_controls)
+        warn_unread_prompt_options(self.family, prompts, self.args.sample_prompts)
         return prompts
 
     def _settle_bf16_reference(self):
@@ -433,7 +434,7 @@ class DiffusionTask:
         stamp, seeds = self._render_names()
         for i, (prompt, (text, negative)) in enumerate(zip(self.prompts, self.prompt_texts)):
             images = []
-            references = reference_images(prompt.control_images, self.family.control_bucket, prompt.width, prompt.height)
+            references = reference_images(prompt.control_images, self.family.sample_control_bucket, prompt.width, prompt.height)
             control = [vae.encode(r.to(self.device)) for r in references] or None  # float32 [1, 16, h, w]
             for label, model in bases:
                 latents = self.family.sample_latents(

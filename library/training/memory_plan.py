@@ -295,7 +295,8 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     """A sample during training (DiffusionTask.render_samples): the training state stays resident
     (base, LoRA, optimizer state; the step's activations are gone); with renders_bf16_reference the
     bf16 copy of the base and its LoRA load beside it; then the VAE loads, encodes the prompt's
-    references and stays through every forward (batch 1 at the sample size) and the decode."""
+    references (each at the family's sample_control_bucket size for a square one) and stays through every
+    forward (batch 1 at the sample size) and the decode."""
     from library.models.family import control_kwargs
 
     model, network = _meta_model_and_network(family, args)
@@ -305,12 +306,13 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
                               args.block_swap_prefetch)
     count = family.plan_controls if references is None else references
     down = family.vae_downsample
+    rw, rh = family.sample_control_bucket((width, height), (width, height))
     latents = family.target_on_meta(1, height // down, width // down)
     text = family.text_on_meta(model, 1, text_tokens)
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
         for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
             live.ignore(t)  # counted in `resident`
-        control = control_kwargs([torch.empty(1, family.latent_channels, height // down, width // down, device="meta")
+        control = control_kwargs([torch.empty(1, family.latent_channels, rh // down, rw // down, device="meta")
                                   for _ in range(count)])
         family.predict(model, family.pack_target(latents), torch.ones(1, device="meta"), text, height // (down * family.patch),
                        width // (down * family.patch), None,
@@ -324,7 +326,7 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     vae_peak = _vae_peak(vae, width, height, 1, decode=True, downsample=family.vae_downsample)
     phase.parts["vae decode (peak)"] = vae_peak
     if count:
-        phase.parts["vae encode of references (peak)"] = _vae_peak(vae, width, height, 1, decode=False)
+        phase.parts["vae encode of references (peak)"] = _vae_peak(vae, rw, rh, 1, decode=False)
         vae_peak = max(vae_peak, phase.parts["vae encode of references (peak)"])
     # _vae_peak counts the VAE's weights; they are resident during the forward too.
     phase.peak = (phase.parts["resident (base, lora, optimizer)"] + phase.parts.get("bf16 reference (base, lora)", 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from library.models.chroma.spec import SPEC
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
 
 
@@ -14,7 +15,8 @@ class ChromaFamily(DiffusionFamily):
 
     name = "chroma"
     text_path_keys = ("t5xxl",)
-    sample_guidance = 5.0  # ChromaPipeline's default guidance_scale: a true CFG scale, not an embedded guidance
+    sample_guidance = SPEC.sample_guidance["chroma"]  # ChromaPipeline's default guidance_scale: a true CFG scale, not an embedded guidance
+    sample_steps = SPEC.sample_steps["chroma"]  # ChromaPipeline's num_inference_steps default
     true_cfg = True
 
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):

@@ -117,4 +117,6 @@ SPEC = S.ArchSpec(
     tiny=TINY,
     default_config="chroma.toml",
     config_keys=CONFIG_KEYS,
+    sample_steps={"chroma": 35},  # ChromaPipeline
+    sample_guidance={"chroma": 5.0},
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.flux1.spec import SPEC
 
 
 class FluxFamily(DiffusionFamily):
@@ -13,8 +14,7 @@ class FluxFamily(DiffusionFamily):
 
     name = "flux"
     text_path_keys = ("clip_l", "t5xxl")
-    sample_guidance = 3.5
-    schnell_sample_steps = 4  # schnell is step-distilled: its card's and diffusers' example call (FluxPipeline)
+    sample_guidance = SPEC.sample_guidance["dev"]  # FluxPipeline's guidance_scale
 
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         from library.models.flux1.checkpoint import load_flux
@@ -99,8 +99,8 @@ class FluxFamily(DiffusionFamily):
 
     @property
     def sample_steps(self) -> int:
-        """Default --s: 20 (dev), schnell's own 4 (a checkpoint without the guidance embedding)."""
-        return DiffusionFamily.sample_steps if self.has_guidance_embedding() else self.schnell_sample_steps
+        """Default --s: FluxPipeline's 28 (dev), schnell's own 4 (a checkpoint without the guidance embedding)."""
+        return SPEC.sample_steps["dev" if self.has_guidance_embedding() else "schnell"]
 
     def has_guidance_embedding(self) -> bool:
         """dev's guidance embedding (schnell has none)."""

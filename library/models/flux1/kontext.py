@@ -10,9 +10,12 @@ tokens only. Several references (an extension: Kontext is trained with one, the 
 are placed as ComfyUI places them by default (its "offset" reference method for FLUX.1): all at
 first axis 1, each next to the rows x cols box the previous ones cover: right of it (column offset
 cols) where rows + its height > cols + its width, else below it (row offset rows); so no two share
-positions. A reference is fitted to its target's bucket (DiffusionFamily.control_bucket's default), in training and in samples (--w/--h give the
-target; FluxKontextPipeline instead snaps the reference to one of its preferred ~1 MP sizes and
-makes the target that size: pick such --w/--h for the same picture). Everything else
+positions. In training a reference is fitted to its target's bucket (DiffusionFamily.control_bucket's
+default, musubi-tuner's default for control images). In samples (generate.py, training samples) it is
+fitted to the preferred ~1 MP size nearest its own aspect ratio (PREFERRED_RESOLUTIONS, by the
+absolute difference of w / h), as FluxKontextPipeline (_auto_resize) and ComfyUI's
+FluxKontextImageScale do; covered and centre-cropped like ComfyUI's node (the pipeline stretches, a
+few percent at most); the target keeps --w/--h. Everything else
 (text, VAE, guidance embedding, sigma schedule, LoRA targets, fp8 rules) is FLUX.1-dev's.
 """
 
@@ -21,18 +24,32 @@ from __future__ import annotations
 import torch
 
 from library.models.flux1.family import FluxFamily
+from library.models.flux1.spec import SPEC
 from library.models.latents import pack_latents
+
+
+# FluxKontextPipeline's PREFERRED_KONTEXT_RESOLUTIONS (w, h): the sizes Kontext was trained on.
+PREFERRED_RESOLUTIONS = [(672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184),
+                         (944, 1104), (1024, 1024), (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752),
+                         (1456, 720), (1504, 688), (1568, 672)]
 
 
 class FluxKontextFamily(FluxFamily):
     name = "flux_kontext"
     arch = "flux"  # the FLUX.1 transformer: its LoRA targets, fp8 rules and flow-matching constants
-    sample_guidance = 2.5  # FluxKontextPipeline's default guidance_scale
+    sample_guidance = SPEC.sample_guidance["kontext"]  # FluxKontextPipeline's default guidance_scale
+    sample_steps = SPEC.sample_steps["kontext"]
     max_controls = 4
     plan_controls = 1
 
     def model_version(self, model) -> str:
         return "flux1-kontext-dev"
+
+    def sample_control_bucket(self, target: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+        """The preferred resolution nearest the reference's aspect ratio (the first of a tie, as
+        min() over the pipeline's table), whatever the target."""
+        ratio = size[0] / size[1]
+        return min(PREFERRED_RESOLUTIONS, key=lambda wh: abs(ratio - wh[0] / wh[1]))
 
     def predict(self, model, x_t, sigmas, text, h, w, guidance, control=None):
         img, img_ids = kontext_tokens(x_t, h, w, control or [])

@@ -151,4 +151,6 @@ SPEC = S.ArchSpec(
     learned="library.models.flux1.learned:LEARNED",
     default_config="flux1_dev_24gb.toml",
     config_keys=CONFIG_KEYS,
+    sample_steps={"dev": 28, "kontext": 28, "schnell": 4},  # FluxPipeline / FluxKontextPipeline; schnell's card
+    sample_guidance={"dev": 3.5, "kontext": 2.5},
 )

@@ -21,6 +21,7 @@ from functools import cached_property
 import torch
 
 from library.models.family import DiffusionFamily, ModelFile, fp8_prepare
+from library.models.flux2.spec import SPEC
 
 
 class Flux2Family(DiffusionFamily):
@@ -28,8 +29,7 @@ class Flux2Family(DiffusionFamily):
 
     name = "flux2"
     text_path_keys = ("text_encoder",)
-    sample_guidance = 4.0  # the pipelines' default guidance_scale
-    distilled_sample_steps = 4  # the step-distilled [klein] models' own count (their model cards, ComfyUI's templates)
+    sample_guidance = SPEC.sample_guidance["klein base"]  # the pipelines' default guidance_scale ([dev]'s is the same)
     true_cfg = True  # klein base: negative prompt encoded for samples (guided_velocity decides)
     latent_channels = 32
 
@@ -158,8 +158,11 @@ class Flux2Family(DiffusionFamily):
 
     @property
     def sample_steps(self) -> int:
-        """Default --s: 20, a step-distilled [klein]'s own 4."""
-        return self.distilled_sample_steps if self.is_distilled else DiffusionFamily.sample_steps
+        """Default --s: the pipelines' 50 ([dev], [klein] base), a step-distilled [klein]'s own 4 (its card,
+        ComfyUI's templates)."""
+        if self.is_distilled:
+            return SPEC.sample_steps["klein distilled"]
+        return SPEC.sample_steps["dev" if self.is_dev() else "klein base"]
 
     @cached_property
     def is_distilled(self) -> bool:

@@ -120,4 +120,6 @@ SPEC = S.ArchSpec(
     tiny=TINY,
     default_config="flux2_klein_4b.toml",
     config_keys=CONFIG_KEYS,
+    sample_steps={"dev": 50, "klein base": 50, "klein distilled": 4},  # Flux2Pipeline / Flux2KleinPipeline; the distilled cards
+    sample_guidance={"dev": 4.0, "klein base": 4.0},
 )

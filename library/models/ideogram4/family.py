@@ -19,13 +19,14 @@ import torch
 
 from library.models import flow_matching as fm
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.ideogram4.spec import SPEC
 from library.models.latents import unpack_latents
 
 
 class Ideogram4Family(DiffusionFamily):
     name = "ideogram4"
     text_path_keys = ("text_encoder",)
-    sample_guidance, sample_steps = 7.0, 48  # Ideogram4Pipeline: 48 steps, guidance 7 (3 for the last 3)
+    sample_guidance, sample_steps = SPEC.sample_guidance["ideogram4"], SPEC.sample_steps["ideogram4"]  # Ideogram4Pipeline: 48 steps, guidance 7 (3 for the last 3)
     true_cfg = False  # the unconditional branch takes no text: no negative prompt is encoded
     latent_channels = 32
 

@@ -100,4 +100,6 @@ SPEC = S.ArchSpec(
     tiny=TINY,
     default_config="ideogram4.toml",
     config_keys=CONFIG_KEYS,
+    sample_steps={"ideogram4": 48},  # Ideogram4Pipeline
+    sample_guidance={"ideogram4": 7.0},
 )

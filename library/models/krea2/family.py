@@ -23,10 +23,11 @@ from functools import cached_property
 import torch
 
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
+from library.models.krea2.spec import SPEC
 
 RAW, TURBO = "krea2-raw", "krea2-turbo"
 TURBO_MU = 1.15  # Krea2Pipeline's fixed mu for the distilled checkpoint
-SAMPLE_DEFAULTS = {RAW: (4.5, 28), TURBO: (0.0, 8)}  # Krea2Pipeline: (guidance_scale, num_inference_steps)
+SAMPLE_DEFAULTS = {v: (SPEC.sample_guidance[k], SPEC.sample_steps[k]) for v, k in ((RAW, "raw"), (TURBO, "turbo"))}  # Krea2Pipeline: (guidance_scale, num_inference_steps)
 
 
 class Krea2Family(DiffusionFamily):
@@ -38,6 +39,7 @@ class Krea2Family(DiffusionFamily):
     # Raw's pipeline call (what LoRAs train on); an instance of Turbo takes Turbo's (8 steps, no CFG).
     sample_guidance, sample_steps = SAMPLE_DEFAULTS[RAW]
     true_cfg = True  # a negative prompt is encoded for samples; guided_velocity runs it when guidance > 0
+    cfg_above = 0.0  # Krea2Pipeline: CFG when guidance_scale > 0
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
@@ -201,7 +203,7 @@ class Krea2Family(DiffusionFamily):
         the edit variant's references (edit_family.py), in both predictions."""
         refs = control_kwargs(control)
         cond = self.predict(model, x, s, text, h, w, guidance, **refs).float()
-        if negative_text is None or guidance is None or guidance <= 0.0:
+        if negative_text is None or guidance is None or guidance <= self.cfg_above:
             return cond
         uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
         return cond + guidance * (cond - uncond)

@@ -133,4 +133,6 @@ SPEC = S.ArchSpec(
     tiny=TINY,
     default_config="krea2.toml",
     config_keys=CONFIG_KEYS,
+    sample_steps={"raw": 28, "turbo": 8},  # Krea2Pipeline (turbo: is_distilled); the edit variant: its release's
+    sample_guidance={"raw": 4.5, "turbo": 0.0},
 )

@@ -10,8 +10,10 @@ Training (the FLUX.1 Kontext interface, family.py): `control` is the list of ref
 (a subset's control_directory, a sample prompt's --ci), appended to the target's tokens; the loss
 is on the target's tokens. Edit takes one reference, 2509 / 2511 up to three (the Plus pipeline's
 prompt names "Picture 1..n"; three is what the releases were trained with). For the VAE a
-reference keeps its own aspect ratio at the target bucket's area (control_bucket: the pipelines'
-rule, which is the ~1024x1024 output area, scaled to the training resolution). The text sees the
+reference keeps its own aspect ratio: in samples (sample_control_bucket) at the pipelines' ~1024x1024
+area whatever the target's size (calculate_dimensions(VAE_IMAGE_SIZE, ratio)); in training
+(control_bucket) at the target bucket's area, which is the same at the 1024 training resolution
+(musubi-tuner's recommended control_resolution = [1024, 1024]) and scales down with a lower one. The text sees the
 references too, at the pipeline's fixed VL-encoder size (edit_sizes: ~384x384 area for 2509 /
 2511, ~1024x1024 for Edit), so a text cache entry is per (caption, references)
 (text_sees_controls; library/data/caches.py cache_text). LoRA targets, fp8 rules and
@@ -25,9 +27,11 @@ from functools import cached_property
 
 import torch
 
+from library.models.qwen_image import edit
 from library.models.qwen_image.edit import (EDIT, SIZE_MULTIPLE, TRANSFORMER_FLAGS, VL_TOKEN_PIXELS, area_size,
                                             check_version, edit_sizes, resize_condition, version_from_flags)
 from library.models.qwen_image.family import QwenImageFamily, per_caption
+from library.models.qwen_image.spec import SPEC
 from library.models.latents import pack_latents
 
 
@@ -36,6 +40,7 @@ class QwenImageEditFamily(QwenImageFamily):
 
     name = "qwen_image_edit"
     arch = "qwen_image"  # Qwen-Image's transformer: its LoRA targets, fp8 rules and flow-matching constants
+    sample_steps = SPEC.sample_steps["edit"]  # the edit pipelines' 50
     min_controls = 1  # the pipelines always condition on an image
     plan_controls = 1
     text_sees_controls = True  # encode(captions, condition_images)
@@ -79,9 +84,15 @@ class QwenImageEditFamily(QwenImageFamily):
         return 1 if self.version == EDIT else 3
 
     def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
-        """A reference keeps its aspect ratio at the target bucket's area, sides multiples of 32
-        (the pipelines' calculate_dimensions at their output area)."""
+        """Training: a reference keeps its aspect ratio at the target bucket's area, sides multiples
+        of 32 (the pipelines' rule, scaled to the training resolution)."""
         w, h = area_size(size[0], size[1], bucket[0] * bucket[1])
+        return max(w, SIZE_MULTIPLE), max(h, SIZE_MULTIPLE)
+
+    def sample_control_bucket(self, target: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+        """Samples: a reference keeps its aspect ratio at the VAE area (~1024x1024) whatever the
+        target, as the pipelines' calculate_dimensions(VAE_IMAGE_SIZE, ratio)."""
+        w, h = area_size(size[0], size[1], edit.VAE_IMAGE_AREA)
         return max(w, SIZE_MULTIPLE), max(h, SIZE_MULTIPLE)
 
     def reference_text_tokens(self, width: int, height: int) -> int:

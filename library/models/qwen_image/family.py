@@ -9,6 +9,7 @@ import os
 import torch
 
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
+from library.models.qwen_image.spec import SPEC
 
 
 class QwenImageFamily(DiffusionFamily):
@@ -17,7 +18,8 @@ class QwenImageFamily(DiffusionFamily):
 
     name = "qwen_image"
     text_path_keys = ("text_encoder",)
-    sample_guidance = 4.0
+    sample_guidance = SPEC.sample_guidance["qwen-image"]  # a true-CFG scale, run with the (empty) negative prompt
+    sample_steps = SPEC.sample_steps["qwen-image"]  # QwenImagePipeline's 50
     true_cfg = True
     # The text encoder: Qwen2.5-VL's language model (Qwen2 layers: q_proj has a bias).
     text_encoder_kind = ("a Qwen2.5-VL language model", {"embed_tokens.weight": None, "layers.0.self_attn.q_proj.bias": None})

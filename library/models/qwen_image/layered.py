@@ -26,6 +26,7 @@ import torch
 from library.models.latents import pack_latents, unpack_latents
 from library.models.qwen_image.family import QwenImageFamily
 from library.models.qwen_image.model import QWEN_IMAGE
+from library.models.qwen_image.spec import SPEC
 from library.models.qwen_image.vae import QwenImageVAE
 from library.models.spec import Sampling
 
@@ -95,6 +96,7 @@ class QwenImageLayeredFamily(QwenImageFamily):
     name = "qwen_image_layered"
     arch = "qwen_image"  # Qwen-Image's transformer: its LoRA targets, fp8 rules and flow-matching constants
     min_controls = max_controls = plan_controls = 1  # the image to decompose (training: the composite itself)
+    sample_steps = SPEC.sample_steps["layered"]  # QwenImageLayeredPipeline's 50
 
     def __init__(self, model_path: str, vae_path: str | None = None, layers: int | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)

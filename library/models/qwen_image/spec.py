@@ -114,4 +114,6 @@ SPEC = S.ArchSpec(
     learned="library.models.qwen_image.learned:LEARNED",
     default_config="qwen_image.toml",
     config_keys=CONFIG_KEYS,
+    sample_steps={"qwen-image": 50, "edit": 50, "layered": 50},  # QwenImage(Edit(Plus)|Layered)Pipeline
+    sample_guidance={"qwen-image": 4.0, "edit": 4.0, "layered": 4.0},
 )

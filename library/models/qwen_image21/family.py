@@ -17,8 +17,9 @@ import torch
 from library.models import flow_matching as fm
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
 from library.models.latents import pack_latents, unpack_latents
+from library.models.qwen_image21.spec import SPEC
 
-SAMPLE_STEPS = 40  # QwenImage21Pipeline's num_inference_steps default
+SAMPLE_STEPS = SPEC.sample_steps["qwen-image-2.1"]  # QwenImage21Pipeline's num_inference_steps default
 REFERENCE_RESOLUTION = 1024  # QwenImage21Pipeline's output_resolution: references are resized to its square's area
 REFERENCE_MULTIPLE = 32  # calculate_dimensions rounds to 32 px: one merged vision token = 2 x 2 latent tokens
 
@@ -34,7 +35,7 @@ def reference_size(width: int, height: int, resolution: int = REFERENCE_RESOLUTI
     h = w / ratio
     w, h = round(w / REFERENCE_MULTIPLE) * REFERENCE_MULTIPLE, round(h / REFERENCE_MULTIPLE) * REFERENCE_MULTIPLE
     return max(w, REFERENCE_MULTIPLE), max(h, REFERENCE_MULTIPLE)
-SAMPLE_GUIDANCE = 4.0  # a true_cfg_scale for samples with a negative prompt (the pipeline's default 1.0 runs none)
+SAMPLE_GUIDANCE = SPEC.sample_guidance["qwen-image-2.1"]  # a true_cfg_scale for samples with a negative prompt (the pipeline's default 1.0 runs none)
 
 
 def to_tokens(latents: torch.Tensor) -> torch.Tensor:

@@ -107,4 +107,6 @@ SPEC = S.ArchSpec(
     tiny=TINY,
     default_config="qwen_image21.toml",
     config_keys=CONFIG_KEYS,
+    sample_steps={"qwen-image-2.1": 40},  # QwenImage21Pipeline
+    sample_guidance={"qwen-image-2.1": 4.0},
 )

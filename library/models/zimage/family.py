@@ -20,12 +20,13 @@ from functools import cached_property
 import torch
 
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.zimage.spec import SPEC
 
 TURBO, BASE = "zimage-turbo", "zimage-base"
 VERSION_SHIFT = {TURBO: 3.0, BASE: 6.0}  # each release's scheduler_config.json `shift`
 # Each release's pipeline call (guidance_scale, num_inference_steps): Turbo's model card, and Base's, which
 # are ZImagePipeline's defaults.
-SAMPLE_DEFAULTS = {TURBO: (0.0, 8), BASE: (5.0, 50)}
+SAMPLE_DEFAULTS = {v: (SPEC.sample_guidance[k], SPEC.sample_steps[k]) for v, k in ((TURBO, "turbo"), (BASE, "base"))}
 
 
 class ZImageFamily(DiffusionFamily):
@@ -34,6 +35,7 @@ class ZImageFamily(DiffusionFamily):
     name = "zimage"
     text_path_keys = ("text_encoder",)
     true_cfg = True  # a negative prompt is encoded for samples; guided_velocity runs it when guidance > 0
+    cfg_above = 0.0  # ZImagePipeline: do_classifier_free_guidance is guidance_scale > 0
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
@@ -195,7 +197,7 @@ class ZImageFamily(DiffusionFamily):
         """ZImagePipeline: CFG when guidance > 0, pred = pos + g (pos - neg) in float32 (no
         renormalisation, no truncation: the pipeline's defaults)."""
         pos = self.predict(model, x, s, text, h, w, guidance).float()
-        if negative_text is None or guidance is None or guidance <= 0.0:
+        if negative_text is None or guidance is None or guidance <= self.cfg_above:
             return pos
         neg = self.predict(model, x, s, negative_text, h, w, guidance).float()
         return pos + guidance * (pos - neg)

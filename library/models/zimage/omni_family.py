@@ -27,6 +27,7 @@ import torch
 
 from library.models.family import ModelFile, file_fingerprint, fp8_prepare
 from library.models.zimage.family import ZImageFamily
+from library.models.zimage.spec import SPEC
 
 OMNI = "zimage-omni"
 VAE_MULTIPLE = 16  # the pipeline floors a condition image's sides to multiples of vae_scale_factor * 2
@@ -37,8 +38,8 @@ DEFAULT_SHIFT = 6.0  # no scheduler config: Z-Image Base's constant shift (Omni 
 class ZImageOmniFamily(ZImageFamily):
     name = "zimage_omni"
     arch = "zimage"  # Z-Image's transformer: its LoRA targets, fp8 rules and layouts
-    sample_guidance = 5.0  # ZImageOmniPipeline's defaults
-    sample_steps = 50
+    sample_guidance = SPEC.sample_guidance["omni"]  # ZImageOmniPipeline's defaults
+    sample_steps = SPEC.sample_steps["omni"]
     true_cfg = True
     max_controls = 4  # the pipeline takes any number; each adds its grid and 256 SigLIP tokens to every step
     min_controls = 0  # no reference: the pipeline's text-to-image mode
@@ -173,7 +174,7 @@ class ZImageOmniFamily(ZImageFamily):
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
         """ZImageOmniPipeline: pos + g (pos - neg) in float32 when guidance > 0; both with the references."""
         pos = self.predict(model, x, s, text, h, w, guidance, control).float()
-        if negative_text is None or guidance is None or guidance <= 0.0:
+        if negative_text is None or guidance is None or guidance <= self.cfg_above:
             return pos
         neg = self.predict(model, x, s, negative_text, h, w, guidance, control).float()
         return pos + guidance * (pos - neg)

@@ -139,4 +139,6 @@ SPEC = S.ArchSpec(
     tiny=TINY,
     default_config="zimage.toml",
     config_keys=CONFIG_KEYS,
+    sample_steps={"turbo": 8, "base": 50, "omni": 50},  # ZImagePipeline / ZImageOmniPipeline; Turbo's card: 8 steps
+    sample_guidance={"turbo": 0.0, "base": 5.0, "omni": 5.0},
 )
