@@ -394,6 +394,28 @@ def test_a_train_data_folder_without_text_is_one_line_naming_it(tiny_set, tmp_pa
     assert capsys.readouterr().err == f"error: train_data {tmp_path / 'notes'}: no .txt file in this folder or its subfolders\n"
 
 
+@pytest.mark.parametrize("pretrain", [False, True])
+def test_an_llm_base_folder_with_an_index_and_no_shards_names_the_missing_shards(tiny_set, tmp_path, capsys, pretrain):
+    """A folder holding model.safetensors.index.json and none of its shards (a download stopped early):
+    the type check took the index as weights, the loader did not; a LoRA then blamed the base ('no
+    .safetensors weights'), and pretrain = true trained a new model from scratch, the index ignored."""
+    import json
+    import shutil
+
+    folder = tmp_path / "base"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(os.path.join(tiny_set["llm"], name), folder)
+    weight_map = {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    extra = ("--pretrain",) if pretrain else ()
+    assert train_lora.main(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(folder),
+                                    "--max_train_steps", "1", *extra)) == 2
+    assert capsys.readouterr().err == (f"error: {folder / 'model.safetensors.index.json'}: 2 of its 2 shard files are "
+                                       f"missing beside it: model-00001-of-00002.safetensors, "
+                                       f"model-00002-of-00002.safetensors\n")
+
+
 @pytest.mark.parametrize("beside_tokenizer", [True, False])
 def test_a_gguf_llm_base_is_refused_naming_what_is_read(tiny_set, tmp_path, capsys, beside_tokenizer):
     """The old line blamed the base ('no .safetensors weights; a LoRA needs a pretrained model (or set

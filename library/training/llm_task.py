@@ -86,15 +86,37 @@ def refuse_other_weight_formats(path: str) -> None:
     """An LLM base is a Hugging Face safetensors model (GGUF is read for diffusion transformers only):
     a .gguf / .bin file given, or a folder holding such weights and no .safetensors, is one ConfigError
     before the tokenizer is looked for (which would blame a missing tokenizer.json)."""
-    names = sorted(os.listdir(path)) if os.path.isdir(path) else [os.path.basename(path)]
-    if any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
+    if has_weights(path):
         return
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else [os.path.basename(path)]
     found = next((n for n in names if os.path.splitext(n)[1].lower() in OTHER_WEIGHT_FORMATS), None)
     if found:
         where = os.path.join(path, found) if os.path.isdir(path) else path
         raise ConfigError(f"pretrained_model_name_or_path {where}: {OTHER_WEIGHT_FORMATS[os.path.splitext(found)[1].lower()]}; "
                           f"an LLM base must be a Hugging Face safetensors model (a folder with config.json, "
                           f"tokenizer.json and *.safetensors)")
+
+
+def has_weights(path: str) -> bool:
+    """Whether `path` holds safetensors weights in a form load_llm reads (a file, an index, a folder
+    holding either). An index whose shards are not all beside it (a download stopped after the index)
+    is one ConfigError naming the missing files, not a base without weights."""
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else [os.path.basename(path)]
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    index = next((n for n in names if n.endswith(".safetensors.index.json")), None)
+    if index is None:
+        return any(n.endswith(".safetensors") for n in names)
+    try:
+        with open(os.path.join(folder, index)) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{os.path.join(folder, index)}: not a safetensors index (a JSON object with a weight_map): "
+                          f"{type(e).__name__}: {e}") from None
+    missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+    if missing:
+        raise ConfigError(f"{os.path.join(folder, index)}: {len(missing)} of its {len(shards)} shard files are missing "
+                          f"beside it: {', '.join(missing)}")
+    return True
 
 
 class LLMTask:
@@ -141,9 +163,7 @@ class LLMTask:
                 drop_rows_after(self.eval_log, read_progress(os.path.join(args.resume, "train_state.json"))["step"])
 
     def _load_model(self, path: str) -> tuple[LLM, bool]:
-        has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(
-            (".safetensors", ".safetensors.index.json"))  # the forms load_llm reads
-        if has_weights:
+        if has_weights(path):
             config = _find_config(path)  # first: its refusals (a quantized release's) come before the weights'
             self._check_context(config)  # and max_length's, before minutes of loading
             return load_llm(path, config, dtype=self.weights_dtype, prepare=self._base_prepare(path)), False
