@@ -67,6 +67,20 @@ def test_save_format_peft_where_it_cannot_apply_is_a_config_error(tiny_set, tmp_
     assert code == 2 and message in capsys.readouterr().err
 
 
+def test_the_output_check_refuses_a_file_where_a_peft_folder_goes_only_when_one_is_written(tiny_set, tmp_path):
+    """save_format auto writes a PEFT folder for an LLM's LoRA and the kohya file for a LyCORIS one
+    (config.lora_formats, which the task's save reads too). The output check guessed 'auto + llm =
+    PEFT' and refused a LyCORIS run over a file named <output_name>, which that run never writes."""
+    from library.training.config import ConfigError, load_config, lora_formats
+
+    (tmp_path / "lm").write_text("notes")
+    argv = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm")
+    with pytest.raises(ConfigError, match="holds a file 'lm' where the PEFT adapter folder goes"):
+        load_config(argv)
+    args = load_config([*argv, "--network_module", "lycoris.kohya", "--network_args", "algo=lokr"])
+    assert lora_formats(args) == ["kohya"]
+
+
 def test_llm_pretraining_from_config_saves_a_folder_transformers_loads(tiny_set, tmp_path):
     from transformers import Qwen2ForCausalLM
 

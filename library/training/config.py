@@ -696,13 +696,23 @@ def _validate_output(args: argparse.Namespace, origins: dict[str, str], where: s
         _validate_output_paths(args, where)
 
 
+def lora_formats(args) -> list[str]:
+    """save_format -> the LoRA forms the run writes: ["peft"], ["kohya"] or both. auto is a PEFT
+    adapter folder for an LLM's networks.lora LoRA (what the LLM ecosystem loads), the kohya file for
+    the rest (a diffusion family's LoRA, a LyCORIS network: it has no PEFT form)."""
+    fmt = args.save_format
+    if fmt == "auto":
+        peft = args.model_type == "llm" and not args.pretrain and args.network_module == "networks.lora"
+        fmt = "peft" if peft else "kohya"
+    return fmt.split("+")
+
+
 def _validate_output_paths(args: argparse.Namespace, where: str) -> None:
     """A folder where the run writes a file, or a file where it writes a folder, failed only at the save,
     after every step had trained (os.replace: 'Is a directory')."""
-    name, peft = args.output_name, args.save_format.startswith("peft") or (
-        args.save_format == "auto" and args.model_type == "llm" and not args.pretrain)
+    name = args.output_name
     writes = [(f"{name}.safetensors", "the LoRA file", os.path.isdir)]
-    if peft:
+    if "peft" in lora_formats(args):
         writes.append((name, "the PEFT adapter folder", os.path.isfile))
     if args.save_state:
         writes.append((f"{name}-state", "the training state folder", os.path.isfile))

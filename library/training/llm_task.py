@@ -25,7 +25,7 @@ from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
-from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
+from library.training.config import ConfigError, base_precision, compute_dtype, lora_formats, lora_network_args
 from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
 from library.training.optim import drop_rows_after
 from library.training.state import read_progress
@@ -377,12 +377,12 @@ class LLMTask:
         folder = path[: -len(".safetensors")]
         if self.network is not None:
             written = []
-            if "peft" in self.lora_formats():
+            if "peft" in lora_formats(self.args):
                 base = self.args.pretrained_model_name_or_path  # PEFT's pointer to the base; a basename if absolute
                 self.network.save_peft(folder, dtype, metadata, base_model=os.path.basename(base.rstrip("/\\"))
                                        if os.path.isabs(base) else base)
                 written.append(folder)
-            if "kohya" in self.lora_formats():
+            if "kohya" in lora_formats(self.args):
                 self.network.save(path, dtype=dtype, metadata=metadata)
                 written.append(path)
             return written
@@ -394,14 +394,6 @@ class LLMTask:
                 source_config = json.load(f)
         save_hf_folder(self.model, folder, self.tokenizer, dtype, metadata, source_config)
         return [folder]
-
-    def lora_formats(self) -> list[str]:
-        """save_format -> ["peft"], ["kohya"] or both; auto is a PEFT folder for our LoRA network
-        (what the LLM ecosystem loads) and the kohya file for LyCORIS networks."""
-        fmt = self.args.save_format
-        if fmt == "auto":
-            fmt = "peft" if hasattr(self.network, "save_peft") else "kohya"
-        return fmt.split("+")
 
     def finish(self, output_dir: str):
         if self.args.eval_every_n_steps:
