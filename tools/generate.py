@@ -115,10 +115,9 @@ def check_model_options(args, family) -> None:
     if args.control_image and not family.max_controls:
         raise ValueError(f"--control_image is not read: model_type {family.name} takes no reference images")
     if args.blocks_to_swap:  # counted on meta now, not found after the text encoders ran and the model loaded
-        blocks = family.swappable_block_count()
-        if not 0 < args.blocks_to_swap < blocks:
-            raise ValueError(f"--blocks_to_swap {args.blocks_to_swap}: expected 0 (off) or 1 to {blocks - 1} for this "
-                             f"model ({blocks} blocks)")
+        from library.models.block_swap import check_swap_count
+
+        check_swap_count(args.blocks_to_swap, family.swappable_block_count(), "--blocks_to_swap")
 
 
 def collect_prompts(args, family) -> list[SamplePrompt]:
