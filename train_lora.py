@@ -42,7 +42,7 @@ from library.io import CheckpointError  # noqa: E402
 from library.training import fsdp, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
 from library.training.config import (PRECISION_DTYPES, ConfigError, check_warmup, load_config,  # noqa: E402
-                                     parse_kv_literals, plan_steps, warmup_steps)
+                                     lora_network_args, optimizer_kwargs, plan_steps, warmup_steps)
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
@@ -159,7 +159,7 @@ def lora_metadata(args, task, step: int, max_steps: int, epoch: int, started: fl
     return build_metadata(
         network_module=args.network_module, network_dim=facts.get("network_dim") or args.network_dim,
         network_alpha=facts.get("network_alpha") or args.network_alpha,
-        network_args=parse_kv_literals(args.network_args, "network_args", "config", any_text=True),
+        network_args=lora_network_args(args),
         base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
         base_precision=facts["base_precision"], fp8_compute=facts.get("fp8_compute"), base_loras=facts.get("base_loras"), mixed_precision=args.mixed_precision, resolution=facts["resolution"],
         steps=step, max_steps=max_steps, epochs=epoch, batch_size=facts["batch_size"], optimizer=args.optimizer_type
@@ -261,9 +261,8 @@ class Trainer:
         os.makedirs(args.output_dir, exist_ok=True)
         self.task = task = build_task(args, accelerator)
 
-        optimizer_kwargs = parse_kv_literals(args.optimizer_args, "optimizer_args", args.config_file or "command line")
         optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
-                                     optimizer_kwargs)
+                                     optimizer_kwargs(args))
         self.max_steps = plan_steps(args, task.batches_per_epoch())
         if args.max_train_epochs:  # it wins over max_train_steps: say what it came to, as sd-scripts does
             accelerator.print(f"max_train_epochs = {args.max_train_epochs}: {self.max_steps} optimizer steps "
