@@ -142,11 +142,12 @@ def output_lock(args, accelerator):
         yield
 
 
-def build_task(args, accelerator) -> Task:
+def build_task(args, accelerator, state: SavedState | None = None) -> Task:
+    """The run's task; `state`: the one a resumed run loaded (an LLM's eval log is cut back to its step)."""
     if args.model_type == "llm":
         from library.training.llm_task import LLMTask
 
-        return LLMTask(args, accelerator)
+        return LLMTask(args, accelerator, state.progress["step"] if state else None)
     from library.training.diffusion_task import DiffusionTask
 
     return DiffusionTask(args, accelerator)
@@ -259,7 +260,7 @@ class Trainer:
         # Read and checked before the models load: a damaged or foreign state fails in seconds.
         state = load_state(args.resume, args) if args.resume else None
         os.makedirs(args.output_dir, exist_ok=True)
-        self.task = task = build_task(args, accelerator)
+        self.task = task = build_task(args, accelerator, state)
 
         optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
                                      optimizer_kwargs(args))

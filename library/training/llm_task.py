@@ -28,7 +28,6 @@ from library.io import append_csv_row
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_formats, lora_network_args
 from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
 from library.training.optim import drop_rows_after
-from library.training.state import read_progress
 from networks.factory import build_network
 
 VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmuls tile well
@@ -120,7 +119,8 @@ def has_weights(path: str) -> bool:
 
 
 class LLMTask:
-    def __init__(self, args, accelerator):
+    def __init__(self, args, accelerator, resumed_step: int | None = None):
+        """resumed_step: the step of the state a resumed run loaded (None: a new run)."""
         self.args, self.accelerator, self.device = args, accelerator, accelerator.device
         self.dtype = compute_dtype(args)
         # Pretraining keeps fp32 master weights and computes in self.dtype under autocast (bf16
@@ -157,10 +157,10 @@ class LLMTask:
         self.eval_log = os.path.join(args.output_dir, f"{args.output_name}_eval.csv")
         self.step = 0  # the last optimizer step done (after_step): the step trackers log an eval at
         if accelerator.is_main_process and os.path.exists(self.eval_log):
-            if not args.resume:
+            if resumed_step is None:
                 os.remove(self.eval_log)  # a new run's evals, as its log CSV (appended to, they mixed two runs)
             else:  # the evals a run killed after its last save logged are logged again
-                drop_rows_after(self.eval_log, read_progress(os.path.join(args.resume, "train_state.json"))["step"])
+                drop_rows_after(self.eval_log, resumed_step)
 
     def _load_model(self, path: str) -> tuple[LLM, bool]:
         if has_weights(path):
