@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: E402
 from library.training.config import FAMILY_KEYS, PRECISION_NAMES, unread_family_keys  # noqa: E402
-from tools.cli import check_command_line  # noqa: E402
+from tools.cli import check_command_line, check_out_folder  # noqa: E402
 
 
 def _true_or_false(text: str) -> bool:
@@ -98,8 +98,7 @@ def check_args(args) -> torch.device:
         raise ValueError(f"--steps {args.steps}: expected at least 1")
     if args.seed is not None:
         check_seed("--seed", args.seed)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the models are loaded
-        raise ValueError(f"--out {args.out}: is a file, expected a folder (the images are written into it)")
+    check_out_folder("--out", args.out, "the images are written into it")  # now, not after the models are loaded
     return device_from_flag(args.device)
 
 
