@@ -374,8 +374,8 @@ def test_images_upscaled_to_their_bucket_are_one_line_with_the_count_and_largest
 
 def test_an_image_with_alpha_is_decoded_as_often_as_one_without(tmp_path, monkeypatch):
     """The pixel check (load_rgb) and the transparency note each decoded an image with alpha: an RGBA
-    or palette-with-transparency PNG was decoded once more than an RGB one (3 times against 2: the size
-    check's EXIF read decodes a PNG too); now as often (the note reads the pixel check's decode)."""
+    or palette-with-transparency PNG was decoded once more than an RGB one (3 times against 2, when the
+    size check's EXIF read decoded every PNG); now as often (the note reads the pixel check's decode)."""
     from PIL import ImageFile
 
     Image.new("RGBA", (32, 32), (9, 9, 9, 0)).save(tmp_path / "cut.png")
