@@ -42,7 +42,7 @@ from library.io import CheckpointError  # noqa: E402
 from library.training import fsdp, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
 from library.training.config import (PRECISION_DTYPES, ConfigError, check_warmup, load_config,  # noqa: E402
-                                     parse_kv_literals, plan_steps, warmup_steps)
+                                     lora_network_args, optimizer_kwargs, plan_steps, warmup_steps)
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
@@ -142,11 +142,12 @@ def output_lock(args, accelerator):
         yield
 
 
-def build_task(args, accelerator) -> Task:
+def build_task(args, accelerator, state: SavedState | None = None) -> Task:
+    """The run's task; `state`: the one a resumed run loaded (an LLM's eval log is cut back to its step)."""
     if args.model_type == "llm":
         from library.training.llm_task import LLMTask
 
-        return LLMTask(args, accelerator)
+        return LLMTask(args, accelerator, state.progress["step"] if state else None)
     from library.training.diffusion_task import DiffusionTask
 
     return DiffusionTask(args, accelerator)
@@ -159,7 +160,7 @@ def lora_metadata(args, task, step: int, max_steps: int, epoch: int, started: fl
     return build_metadata(
         network_module=args.network_module, network_dim=facts.get("network_dim") or args.network_dim,
         network_alpha=facts.get("network_alpha") or args.network_alpha,
-        network_args=parse_kv_literals(args.network_args, "network_args", "config", any_text=True),
+        network_args=lora_network_args(args),
         base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
         base_precision=facts["base_precision"], fp8_compute=facts.get("fp8_compute"), base_loras=facts.get("base_loras"), mixed_precision=args.mixed_precision, resolution=facts["resolution"],
         steps=step, max_steps=max_steps, epochs=epoch, batch_size=facts["batch_size"], optimizer=args.optimizer_type
@@ -259,11 +260,10 @@ class Trainer:
         # Read and checked before the models load: a damaged or foreign state fails in seconds.
         state = load_state(args.resume, args) if args.resume else None
         os.makedirs(args.output_dir, exist_ok=True)
-        self.task = task = build_task(args, accelerator)
+        self.task = task = build_task(args, accelerator, state)
 
-        optimizer_kwargs = parse_kv_literals(args.optimizer_args, "optimizer_args", args.config_file or "command line")
         optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
-                                     optimizer_kwargs)
+                                     optimizer_kwargs(args))
         self.max_steps = plan_steps(args, task.batches_per_epoch())
         if args.max_train_epochs:  # it wins over max_train_steps: say what it came to, as sd-scripts does
             accelerator.print(f"max_train_epochs = {args.max_train_epochs}: {self.max_steps} optimizer steps "

@@ -180,14 +180,26 @@ def no_new_tokens(tiny_set, tmp_path):
             ["--max_new_tokens and --batch_size must be >= 1, got 0, 1"])
 
 
-@pytest.mark.parametrize("case", [not_a_model, missing_model, corrupt_image, no_images, not_a_captioner, no_new_tokens])
+def image_caption_extension(tiny_set, tmp_path):  # the old line wrote each caption over its image (exit 0)
+    return ([*qwen2_5_vl_args(tiny_set), "--images", str(tmp_path / "images"), "--caption_extension", ".PNG",
+             "--overwrite"], ["--caption_extension .PNG: an image extension; captions would replace the images"])
+
+
+def images_is_a_file(tiny_set, tmp_path):  # the old line said 'no such folder' of a file that is there
+    return ([*qwen2_5_vl_args(tiny_set), "--images", str(tmp_path / "images" / "img0.png")],
+            [f"--images {tmp_path / 'images' / 'img0.png'}: is a file, expected a folder of images"])
+
+
+@pytest.mark.parametrize("case", [not_a_model, missing_model, corrupt_image, no_images, not_a_captioner, no_new_tokens,
+                                  image_caption_extension, images_is_a_file])
 def test_bad_input_is_one_line_exit_2_and_no_caption(tiny_set, tmp_path, capsys, case):
     make_images(tmp_path / "images", 2)
     argv, fragments = case(tiny_set, tmp_path)
     capsys.readouterr()
+    images = {p: p.read_bytes() for p in (tmp_path / "images").rglob("*.png")}
     line = one_error_line(capsys, caption_images.main(argv))
     assert all(f in line for f in fragments), line
-    assert captions(tmp_path) == {}
+    assert captions(tmp_path) == {} and {p: p.read_bytes() for p in (tmp_path / "images").rglob("*.png")} == images
 
 
 def test_an_empty_caption_file_is_no_caption_and_gets_one(tmp_path, monkeypatch, capsys):

@@ -370,3 +370,26 @@ def test_images_upscaled_to_their_bucket_are_one_line_with_the_count_and_largest
     assert check_dataset.main([str(toml)]) == 0
     out = capsys.readouterr().out
     assert out.count("images are upscaled") == 1 and f"  note: {line}\n" in out
+
+
+def test_an_image_with_alpha_is_decoded_as_often_as_one_without(tmp_path, monkeypatch):
+    """The pixel check (load_rgb) and the transparency note each decoded an image with alpha: an RGBA
+    or palette-with-transparency PNG was decoded once more than an RGB one (3 times against 2, when the
+    size check's EXIF read decoded every PNG); now as often (the note reads the pixel check's decode)."""
+    from PIL import ImageFile
+
+    Image.new("RGBA", (32, 32), (9, 9, 9, 0)).save(tmp_path / "cut.png")
+    Image.new("P", (32, 32), 0).save(tmp_path / "pal.png", transparency=0)
+    Image.new("RGBA", (32, 32), (9, 9, 9, 255)).save(tmp_path / "opaque.png")
+    Image.new("RGB", (32, 32), (9, 9, 9)).save(tmp_path / "rgb.png")
+    for name in ("cut", "pal", "opaque", "rgb"):
+        (tmp_path / f"{name}.txt").write_text("a cut-out")
+    decodes = []
+    real_load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load",
+                        lambda self: (decodes.append(os.path.basename(self.filename)) if self.tile else None, real_load(self))[1])
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [{"image_dir": str(tmp_path)}]}]})
+    report = check.check_dataset(bp)
+    assert [decodes.count(f"{name}.png") for name in ("cut", "pal", "opaque")] == [decodes.count("rgb.png")] * 3
+    (files,) = [files for what, files in report.subsets[0].notes.items() if "transparent pixels" in what]
+    assert sorted(os.path.basename(f) for f in files) == ["cut.png", "pal.png"]

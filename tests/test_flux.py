@@ -242,3 +242,25 @@ def test_fp8_scaled_load_quantizes_linears_from_both_layouts(tmp_path):
     # Scaled e4m3 (3 mantissa bits, per-channel scales) with these N(0, 0.15) weights: stated bound
     # 12% relative RMS error (measured 7.6%; bf16 alone gives 1.1%).
     assert relative_rms_error(outputs[0], ref) <= 0.12
+
+
+def test_the_guidance_embedding_is_read_once_per_file(tiny_set, tmp_path, monkeypatch):
+    """has_guidance_embedding (asked for each sample's steps and options) read the checkpoint's header
+    on every call: 4 reads for the 4 calls below; now 1, and 1 more once the file is rewritten."""
+    import shutil
+
+    from library.io import CheckpointReader
+    from library.models.flux1.family import FluxFamily
+
+    reads = []
+    real_keys = CheckpointReader.keys
+    monkeypatch.setattr(CheckpointReader, "keys", lambda self: (reads.append(1), real_keys(self))[1])
+    path = tmp_path / "flux.safetensors"
+    shutil.copy(tiny_set["flux_bfl"], path)
+    family = FluxFamily(str(path))
+    assert [family.has_guidance_embedding(), family.sample_steps, "guidance" in family.unread_sample_options(),
+            FluxFamily(str(path)).has_guidance_embedding()] == [True, 20, False, True]
+    assert len(reads) == 1
+    weights = {k: v for k, v in load_file(path).items() if not k.startswith("guidance_in.")}  # schnell's keys
+    save_file(weights, str(path))
+    assert family.has_guidance_embedding() is False and len(reads) == 2

@@ -79,7 +79,7 @@ CASES = {
     "seed_too_large": lambda tmp, tiny: (["--seed", str(2**64)], [f"--seed {2**64}: expected 0 to 2^64 - 1"]),
     "prompt_seed_negative": lambda tmp, tiny: (["--prompt", "a cat --d -1"], ["--prompt: seed -1: expected 0 to 2^64 - 1"]),
     "blocks_to_swap_too_many": lambda tmp, tiny: (["--blocks_to_swap", "99"], [
-        "--blocks_to_swap 99: expected 0 (off) or 1 to "]),
+        "--blocks_to_swap must be between 1 and ", "got 99"]),
     "prompt_width_8": lambda tmp, tiny: (["--prompt", "a cat --w 8"], ["--prompt: width 8: expected at least 16 pixels"]),
     "device_cuda_without_cuda": lambda tmp, tiny: (["--device", "cuda"], ["--device cuda: CUDA is not available"]),
     "t5xxl_missing": lambda tmp, tiny: (["--t5xxl", None], ["--t5xxl is required for --model_type flux"]),

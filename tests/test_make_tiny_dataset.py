@@ -35,3 +35,13 @@ def test_layered_set_writes_different_composites(tmp_path):
     make_tiny_layered_dataset(str(tmp_path), count=8, size=32)
     composites = _digests(tmp_path / "layered_images")[::3]  # NNN.png, NNN_1.png, NNN_2.png
     assert len(set(composites)) == 8  # was 6: 005 = 000 and 007 = 004
+
+
+def test_an_out_under_a_file_is_one_line_naming_the_file(tmp_path, capsys):
+    """The old line: 'error: [Errno 20] Not a directory: .../notes.txt/set' (os.makedirs' words)."""
+    from tools import make_tiny_dataset
+
+    (tmp_path / "notes.txt").write_text("notes")
+    assert make_tiny_dataset.main(["--out", str(tmp_path / "notes.txt" / "set")]) == 2
+    assert capsys.readouterr().err == (f"error: --out {tmp_path / 'notes.txt' / 'set'}: cannot be created, "
+                                       f"'{tmp_path / 'notes.txt'}' is a file, not a folder\n")

@@ -368,6 +368,22 @@ def test_cli_lora_of_another_model_is_one_line_before_the_model_loads(tmp_path, 
         f"error: {qwen}: a LoRA for Qwen-Image (tools/lora_info.py: arch qwen_image, diffusers names), not for this FLUX.1 model")
 
 
+@pytest.mark.parametrize("out, message", [
+    ("taken", "--out {tmp}/taken: is a file, expected a folder (the report folder)"),
+    ("taken/r", "--out {tmp}/taken/r: cannot be created, '{tmp}/taken' is a file, not a folder"),
+])
+def test_cli_out_where_no_folder_can_be_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, out, message):
+    """The old doctor ran every mode (minutes on a real model), then failed writing the report:
+    'error: [Errno 17] File exists: .../taken' ('[Errno 20] Not a directory' under a file)."""
+    from library.models.flux1.checkpoint import save_flux_bfl
+
+    save_flux_bfl(tiny_flux(), str(tmp_path / "flux.safetensors"))
+    (tmp_path / "taken").write_text("notes")
+    monkeypatch.setattr(doctor, "disk_variant", lambda *a, **k: pytest.fail("the model loaded before --out was checked"))
+    rc = doctor.main(["--model_type", "flux", "--model", str(tmp_path / "flux.safetensors"), "--out", str(tmp_path / out)])
+    assert rc == 2 and capsys.readouterr().err.strip() == "error: " + message.format(tmp=tmp_path)
+
+
 @pytest.mark.parametrize("mode", ["fp8", "fp8_scaled"])
 def test_merging_while_loading_from_disk_gives_the_in_memory_merged_codes(tmp_path, mode):
     from library.models.flux1.checkpoint import save_flux_bfl

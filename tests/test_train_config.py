@@ -266,6 +266,27 @@ def test_plot_lr_text_in_a_number_column_is_one_line_naming_file_line_and_column
     assert not (tmp_path / "plot.png").exists()
 
 
+@pytest.mark.parametrize("out, message", [
+    ("lora_log.csv", "--out {log}: expected a .png file name (the plot is written as a PNG)"),  # was overwritten by the PNG
+    ("folder", "--out {tmp}/folder: expected a .png file name (the plot is written as a PNG)"),  # was 'Is a directory: .folder.x.tmp'
+    ("link.png", "--out {tmp}/link.png: is one of the logs read; write the plot elsewhere"),  # a PNG name linked to the log
+    (None, "{tmp}/latin1_log.csv: training log is not valid UTF-8: byte 0xe9 at offset 24"),  # was the codec's, no file named
+])
+def test_plot_lr_refuses_an_out_that_is_a_log_or_a_folder_and_names_a_log_that_is_not_utf8(tmp_path, capsys, out, message):
+    log = tmp_path / "lora_log.csv"
+    text = "step,loss,lr/unet\n1,0.5,1e-4\n"
+    log.write_text(text)
+    (tmp_path / "folder").mkdir()
+    os.symlink(log, tmp_path / "link.png")
+    (tmp_path / "latin1_log.csv").write_bytes("step,loss,note\n1,0.5,caf\u00e9\n".encode("latin-1"))
+    argv = [str(log), "--out", str(tmp_path / out)] if out else [str(tmp_path / "latin1_log.csv"), "--out", str(tmp_path / "p.png")]
+    with pytest.raises(SystemExit) as raised:
+        plot_lr.main(argv)
+    assert raised.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("error: " + message.format(log=log, tmp=tmp_path))
+    assert log.read_text() == text and not (tmp_path / "p.png").exists()
+
+
 _CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 

@@ -67,6 +67,20 @@ def test_save_format_peft_where_it_cannot_apply_is_a_config_error(tiny_set, tmp_
     assert code == 2 and message in capsys.readouterr().err
 
 
+def test_the_output_check_refuses_a_file_where_a_peft_folder_goes_only_when_one_is_written(tiny_set, tmp_path):
+    """save_format auto writes a PEFT folder for an LLM's LoRA and the kohya file for a LyCORIS one
+    (config.lora_formats, which the task's save reads too). The output check guessed 'auto + llm =
+    PEFT' and refused a LyCORIS run over a file named <output_name>, which that run never writes."""
+    from library.training.config import ConfigError, load_config, lora_formats
+
+    (tmp_path / "lm").write_text("notes")
+    argv = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm")
+    with pytest.raises(ConfigError, match="holds a file 'lm' where the PEFT adapter folder goes"):
+        load_config(argv)
+    args = load_config([*argv, "--network_module", "lycoris.kohya", "--network_args", "algo=lokr"])
+    assert lora_formats(args) == ["kohya"]
+
+
 def test_llm_pretraining_from_config_saves_a_folder_transformers_loads(tiny_set, tmp_path):
     from transformers import Qwen2ForCausalLM
 
@@ -380,6 +394,28 @@ def test_a_train_data_folder_without_text_is_one_line_naming_it(tiny_set, tmp_pa
     args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data", str(tmp_path / "notes"))
     assert train_lora.main(args) == 2
     assert capsys.readouterr().err == f"error: train_data {tmp_path / 'notes'}: no .txt file in this folder or its subfolders\n"
+
+
+@pytest.mark.parametrize("pretrain", [False, True])
+def test_an_llm_base_folder_with_an_index_and_no_shards_names_the_missing_shards(tiny_set, tmp_path, capsys, pretrain):
+    """A folder holding model.safetensors.index.json and none of its shards (a download stopped early):
+    the type check took the index as weights, the loader did not; a LoRA then blamed the base ('no
+    .safetensors weights'), and pretrain = true trained a new model from scratch, the index ignored."""
+    import json
+    import shutil
+
+    folder = tmp_path / "base"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(os.path.join(tiny_set["llm"], name), folder)
+    weight_map = {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    extra = ("--pretrain",) if pretrain else ()
+    assert train_lora.main(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(folder),
+                                    "--max_train_steps", "1", *extra)) == 2
+    assert capsys.readouterr().err == (f"error: {folder / 'model.safetensors.index.json'}: 2 of its 2 shard files are "
+                                       f"missing beside it: model-00001-of-00002.safetensors, "
+                                       f"model-00002-of-00002.safetensors\n")
 
 
 @pytest.mark.parametrize("beside_tokenizer", [True, False])

@@ -7,6 +7,7 @@ gradient accumulation, clipping and resume are checked as numbers.
 """
 
 import argparse
+import json
 import math
 import os
 
@@ -344,9 +345,15 @@ def test_llm_lora_gets_network_dropout_and_trains_in_train_mode(tiny_set, tmp_pa
     real_init = LLMTask.__init__
     monkeypatch.setattr(LLMTask, "__init__", lambda self, *a: (real_init(self, *a), built.append(self))[0])
     assert train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"],
-                                    "--max_train_steps", "2", "--network_dropout", "0.25", "--eval_every_n_steps", "1")) == 0
+                                    "--max_train_steps", "2", "--network_dropout", "0.25", "--eval_every_n_steps", "1",
+                                    "--save_format", "kohya", "--output_name", "lm")) == 0
     assert {m.dropout for m in built[0].network.lora_modules()} == {0.25}
     assert counts["train"] > 0 and counts["eval"] > 0, counts
+    # The file's header records the dropout it trained with (ss_network_args was network_args alone: {}).
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "lm.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["ss_network_args"]) == {"dropout": 0.25}
 
 
 def sd_scripts_flux_lora(tiny_set, path):

@@ -362,6 +362,18 @@ def test_sample_captions_read_json_and_toml_prompt_files(tmp_path):
     assert run_files.prompts(str(tmp_path / "bad.json")) == [] and run_files.prompts(None) == []
 
 
+def test_sample_captions_split_flags_as_the_sampler_does(tmp_path):
+    """The gallery split a line on " --" (the sampler on whitespace before "--" and a non-space): a
+    caption's own " -- " lost its tail ('a cat'), a tab before --w kept the flags in the caption."""
+    from library.data.prompts import parse_prompt_line
+    from library.ui import run_files
+
+    lines = ["a cat -- on a mat --w 64", "a dog\t--w 64 --n blurry"]
+    (tmp_path / "p.txt").write_text("\n".join(lines) + "\n")
+    assert run_files.prompts(str(tmp_path / "p.txt")) == ["a cat -- on a mat", "a dog"]
+    assert [parse_prompt_line(line, "p.txt").prompt for line in lines] == ["a cat -- on a mat", "a dog"]
+
+
 def test_a_job_whose_row_goes_away_while_it_runs_does_not_stop_the_devices_queue(tmp_path, monkeypatch):
     """A job row deleted by hand (sqlite3) while its trainer ran: the watcher's store.get raised, the
     worker thread died without a word and every job queued after it stayed queued for the UI's life."""

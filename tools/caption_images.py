@@ -82,8 +82,12 @@ def check_args(args) -> None:
         raise ValueError(f"--max_new_tokens and --batch_size must be >= 1, got {args.max_new_tokens}, {args.batch_size}")
     if not args.caption_extension.startswith("."):
         raise ValueError(f"--caption_extension must start with '.', got {args.caption_extension!r}")
+    if is_image_name("x" + args.caption_extension):  # each caption would be written over its image
+        raise ValueError(f"--caption_extension {args.caption_extension}: an image extension; captions would replace "
+                         f"the images (expected a text extension such as .txt or .caption)")
     if not os.path.isdir(args.images):
-        raise ValueError(f"--images {args.images}: no such folder")
+        raise ValueError(f"--images {args.images}: " + ("is a file, expected a folder of images"
+                                                        if os.path.exists(args.images) else "no such folder"))
 
 
 # The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.

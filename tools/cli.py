@@ -40,6 +40,18 @@ def one_line(error: Exception) -> str:
     return f"error: {' '.join(str(error).split())}"
 
 
+def check_out_folder(flag: str, path: str, what: str) -> None:
+    """The folder a tool writes into: a file at `path`, or a file where one of its parents goes, is one
+    line before the work, not an OSError after it ('File exists', 'Not a directory')."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a file, expected a folder ({what})")
+    blocker = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(blocker):
+        blocker = os.path.dirname(blocker)
+    if not os.path.isdir(blocker):
+        raise ValueError(f"{flag} {path}: cannot be created, '{blocker}' is a file, not a folder")
+
+
 def check_command_line(build_parser: Callable[[], argparse.ArgumentParser]) -> None:
     """A script run from the shell calls this before its heavy imports: --help prints and exits 0, a
     bad flag prints one line and exits 2. main() parses the same arguments again afterwards. Its

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.models.registry import BASE_PRECISIONS, FAMILIES, arch_specs  # noqa: E402
 from library.training.config import FAMILY_KEYS, PRECISION_NAMES, unread_family_keys  # noqa: E402
-from tools.cli import check_command_line  # noqa: E402
+from tools.cli import check_command_line, check_out_folder  # noqa: E402
 
 
 def _true_or_false(text: str) -> bool:
@@ -113,8 +113,7 @@ def check_args(args) -> torch.device:
         raise ValueError(f"--steps {args.steps}: expected at least 1")
     if args.seed is not None:
         check_seed("--seed", args.seed)
-    if os.path.exists(args.out) and not os.path.isdir(args.out):  # found now, not after the models are loaded
-        raise ValueError(f"--out {args.out}: is a file, expected a folder (the images are written into it)")
+    check_out_folder("--out", args.out, "the images are written into it")  # now, not after the models are loaded
     return device_from_flag(args.device)
 
 
@@ -130,10 +129,9 @@ def check_model_options(args, family) -> None:
     if args.control_image and not family.max_controls:
         raise ValueError(f"--control_image is not read: model_type {family.name} takes no reference images")
     if args.blocks_to_swap:  # counted on meta now, not found after the text encoders ran and the model loaded
-        blocks = family.swappable_block_count()
-        if not 0 < args.blocks_to_swap < blocks:
-            raise ValueError(f"--blocks_to_swap {args.blocks_to_swap}: expected 0 (off) or 1 to {blocks - 1} for this "
-                             f"model ({blocks} blocks)")
+        from library.models.block_swap import check_swap_count
+
+        check_swap_count(args.blocks_to_swap, family.swappable_block_count(), "--blocks_to_swap")
 
 
 def collect_prompts(args, family) -> list[SamplePrompt]:

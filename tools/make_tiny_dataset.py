@@ -27,7 +27,7 @@ from PIL import Image, ImageDraw
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line, one_line  # noqa: E402
+from tools.cli import Parser, check_command_line, check_out_folder, one_line  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,8 +62,10 @@ def bad_value(args) -> str | None:
         return f"--size {args.size}: the side must be a multiple of 16 and >= 16 (the VAE's 8 x the 2x2 patch)"
     if not args.trigger.strip() or any(c.isspace() for c in args.trigger):
         return f"--trigger {args.trigger!r}: one word (it is the caption's trigger)"
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        return f"--out {args.out}: is a file, not a folder"
+    try:
+        check_out_folder("--out", args.out, "the dataset is written into it")
+    except ValueError as e:
+        return str(e)
     return None
 
 

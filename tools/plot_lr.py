@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The drawing is library's (train_lora.py draws its run too); that module loads no torch until it draws.
-from library.training.lr_plot import plot_runs  # noqa: E402
+from library.training.lr_plot import find_logs, plot_runs  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,9 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_out(out: str, runs: list[str]) -> None:
+    """--out is a .png file that is none of the logs, checked before anything is read or drawn: a log
+    named as --out was replaced by the PNG; a folder failed after the drawing, naming a temporary file."""
+    if not out.lower().endswith(".png") or os.path.isdir(out):
+        raise ValueError(f"--out {out}: expected a .png file name (the plot is written as a PNG)")
+    if os.path.exists(out) and any(os.path.samefile(out, log) for run in runs for log in find_logs(run)):
+        raise ValueError(f"--out {out}: is one of the logs read; write the plot elsewhere")
+
+
 def main(argv=None) -> list[str]:
     args = build_parser().parse_args(argv)
     try:
+        check_out(args.out, args.runs)
         return plot_runs(args.runs, args.out, args.log, args.smooth)
     except (ValueError, OSError) as e:  # bad input: one line, exit status 2, no plot written
         print(f"error: {e}", file=sys.stderr)

@@ -37,7 +37,7 @@ import sys
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line  # noqa: E402
+from tools.cli import Parser, check_command_line, check_out_folder  # noqa: E402
 from library.models.registry import FAMILIES, arch_spec  # noqa: E402
 
 # A variant is checked as the transformer of its architecture (lora_arch): an edit model on
@@ -462,6 +462,7 @@ def main(argv=None) -> int:
         if not args.threshold > 0 or args.text_len < 1 or args.max_tokens < 1:
             raise ValueError("--threshold must be > 0, --text_len and --max_tokens >= 1")
         device = device_from_flag(args.device)
+        check_out_folder("--out", args.out, "the report folder")  # now, not after every mode has run
         if not os.path.exists(args.model):
             raise ValueError(f"--model {args.model}: no such file or folder")
         refuse_stored_base(args.model, "--model", "every mode, the bf16 reference too, would be that base")

@@ -222,12 +222,11 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
     buckets, readable, first_paired, targets = dataset_buckets(ds), [], None, target_stems(paths)
     placed = []  # the images given a bucket, for the upscale line
     for path in paths:
-        size = check_pixels(report, path)
+        # With alpha_mask the alpha is the loss mask, with multiple_target it is trained: else it is dropped.
+        size = check_pixels(report, path, alpha_dropped=not (subset.alpha_mask or subset.multiple_target))
         if size is None:
             continue
         readable.append(path)
-        if not (subset.alpha_mask or subset.multiple_target):  # there the alpha is the loss mask, or trained
-            check_transparency(report, path)
         problem = bad_size(size, ds)
         if problem:
             report.add("warning", "size", f"{path}: {problem}" + ("; skipped (skip_bad_size_images)"
@@ -269,14 +268,17 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
     return readable
 
 
-def check_pixels(report: SubsetReport, path: str) -> tuple[int, int] | None:
+def check_pixels(report: SubsetReport, path: str, alpha_dropped: bool = True) -> tuple[int, int] | None:
     """The image's size when it reads and decodes as training reads it (load_rgb), else None and
-    an error; CMYK and 16-bit grey are noted (converted, scaled)."""
+    an error; CMYK and 16-bit grey are noted (converted, scaled). alpha_dropped: transparent pixels
+    are noted, from the same decode: training reads them as the colour stored under them (load_rgb
+    drops the alpha, as sd-scripts does), often black where a viewer shows white or a checkerboard."""
     try:
         size = verified_image_size(path)
         with Image.open(path) as img:
-            mode = img.mode
-        load_rgb(path)  # the whole decode, as caching does: a truncated file or refused pixels fail here
+            mode, alpha = img.mode, "A" in img.getbands() or "transparency" in img.info
+        # the whole decode, as caching does: a truncated file or refused pixels fail here
+        pixels = load_rgb(path, "RGBA" if alpha and alpha_dropped else "RGB")
     except ValueError as e:  # each names the file
         report.add("error", "image", str(e))
         return None
@@ -284,19 +286,10 @@ def check_pixels(report: SubsetReport, path: str) -> tuple[int, int] | None:
         report.note("CMYK images, converted to RGB (without their colour profile)", path)
     elif mode in WIDE_GREY_MODES:
         report.note("16-bit grey images, scaled to 8 bits", path)
-    return size
-
-
-def check_transparency(report: SubsetReport, path: str) -> None:
-    """Transparent pixels are trained as the colour stored under them (load_rgb drops the alpha, as
-    sd-scripts does): often black where a viewer shows white or a checkerboard."""
-    with Image.open(path) as img:
-        if "A" not in img.getbands() and "transparency" not in img.info:
-            return
-        lowest = img.convert("RGBA").getchannel("A").getextrema()[0]
-    if lowest < 255:
+    if pixels.mode == "RGBA" and pixels.getchannel("A").getextrema()[0] < 255:
         report.note("images with transparent pixels, trained as the colour stored under them (the alpha is dropped, "
                     "as sd-scripts drops it; alpha_mask = true leaves them out of the loss)", path)
+    return size
 
 
 def check_caption(report: SubsetReport, path: str, subset: SubsetSpec, limit: TokenLimit | None) -> None:

@@ -80,10 +80,35 @@ def verified_image_size(path: str) -> tuple[int, int]:
             img.verify()
         with Image.open(path) as img:
             w, h = img.size
-            rotated = img.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientation: 90/270 degrees
+            exif = img.getexif() if _metadata_after_pixels(img, path) else Image.Image.getexif(img)
+            rotated = exif.get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientation: 90/270 degrees
     except Exception as e:  # PIL raises many kinds for broken files
         raise ValueError(f"{path}: cannot be read as an image ({type(e).__name__}: {e})") from None
     return (h, w) if rotated else (w, h)
+
+
+# PNG chunks the orientation may come from (EXIF, a text chunk's raw EXIF profile, XMP).
+_PNG_METADATA = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")
+
+
+def _metadata_after_pixels(img: Image.Image, path: str) -> bool:
+    """Whether a PNG holds a metadata chunk after its first IDAT: only then must Pillow's getexif decode
+    the whole image to reach it (it loads every PNG that has no EXIF before the pixels, 40 ms for a
+    1024 px one, where reading the size takes 1 ms). The chunk headers are walked, the data skipped."""
+    if img.format != "PNG":
+        return False
+    seen_pixels = False
+    with open(path, "rb") as f:
+        f.seek(8)  # the signature
+        while len(header := f.read(8)) == 8:
+            length, kind = int.from_bytes(header[:4], "big"), header[4:]
+            if kind == b"IEND":
+                return False
+            if seen_pixels and kind in _PNG_METADATA:
+                return True
+            seen_pixels = seen_pixels or kind == b"IDAT"
+            f.seek(length + 4, 1)  # the data and its CRC
+    return False
 
 
 def load_image(path: str, bucket: tuple[int, int], flip: bool = False, mode: str = "RGB") -> torch.Tensor:

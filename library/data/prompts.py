@@ -49,8 +49,15 @@ FLAGS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("
          "n": ("negative", str), "l": ("scale", float)}
 
 
-def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = None) -> SamplePrompt:
+def split_prompt_line(line: str) -> list[str]:
+    """[prompt text, 'w 1024', 'n blurry', ...]: a flag is "--" after whitespace and before a
+    non-space, so a caption's own " -- " or "a--b" stays in its text."""
     parts = re.split(r"\s--(?=\S)", " " + line.strip())
+    return [parts[0].strip(), *parts[1:]]
+
+
+def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = None) -> SamplePrompt:
+    parts = split_prompt_line(line)
     fields, controls = {}, []
     for part in parts[1:]:
         flag, _, value = part.partition(" ")
@@ -68,7 +75,7 @@ def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = Non
     scale = fields.pop("scale", None)  # sd-scripts' CFG scale: the guidance where --g is not given, as a .json's
     if scale is not None:
         fields.setdefault("guidance", scale)
-    return _checked(parts[0].strip(), fields, controls, where, defaults)
+    return _checked(parts[0], fields, controls, where, defaults)
 
 
 def _checked(prompt: str, fields: dict, controls: list[str], where: str, defaults: SamplePrompt | None) -> SamplePrompt:
@@ -202,11 +209,11 @@ def prompt_texts(path: str) -> list[str]:
     kind = os.path.splitext(path)[1].lower()
     if kind not in (".json", ".toml"):
         lines = [line.strip() for line in text.splitlines()]
-        return [line.split(" --")[0] for line in lines if line and not line.startswith("#")]
+        return [split_prompt_line(line)[0] for line in lines if line and not line.startswith("#")]
     entries = json.loads(text) if kind == ".json" else _toml_subsets(text, path)
     if not isinstance(entries, list):
         raise ValueError(f"{path}: expected a list of prompts (objects or lines)")
-    return [str(e.get("prompt", "")) if isinstance(e, dict) else str(e).split(" --")[0] for e in entries]
+    return [str(e.get("prompt", "")) if isinstance(e, dict) else split_prompt_line(str(e))[0] for e in entries]
 
 
 def _toml_subsets(text: str, path: str) -> list:

@@ -58,10 +58,11 @@ def _frozen_tensors(block: nn.Module) -> list[tuple[nn.Module, str]]:
     return found
 
 
-def check_swap_count(blocks_to_swap: int, blocks: int) -> None:
-    """At least one block stays resident (it runs while the first swapped one is copied in)."""
+def check_swap_count(blocks_to_swap: int, blocks: int, key: str = "blocks_to_swap") -> None:
+    """At least one block stays resident (it runs while the first swapped one is copied in). key: the
+    setting's name in the message (generate.py's flag is --blocks_to_swap)."""
     if not 0 < blocks_to_swap < blocks:
-        raise ValueError(f"blocks_to_swap must be between 1 and {blocks - 1} for this model ({blocks} blocks), "
+        raise ValueError(f"{key} must be between 1 and {blocks - 1} for this model ({blocks} blocks), "
                          f"got {blocks_to_swap}")
 
 

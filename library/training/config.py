@@ -356,9 +356,7 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     ratio = lora_network_args(args).get("loraplus_lr_ratio")
     group_lrs = f"network_args 'loraplus_lr_ratio={ratio}'" if ratio not in (None, 1, "1") else None
     try:  # fail now, not after minutes of caching
-        check_optimizer(args.optimizer_type, args.learning_rate,
-                        parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", where)),
-                        group_lrs)
+        check_optimizer(args.optimizer_type, args.learning_rate, optimizer_kwargs(args), group_lrs)
     except ConfigError as e:
         keys = ("optimizer_type", "optimizer_args") + (("network_args",) if group_lrs else ())
         raise ConfigError(f"{_blame(origins, where, *keys)}: {e}") from None
@@ -391,9 +389,16 @@ def parse_kv_literals(items: list[str], key: str, where: str, any_text: bool = F
     return out
 
 
-def lora_network_args(args) -> dict[str, Any]:
-    """network_args of the config as a dict, with network_dropout as the LoRA `dropout` (sd-scripts)."""
-    where = args.config_file or "command line"
+def optimizer_kwargs(args, where: str | None = None) -> dict[str, Any]:
+    """optimizer_args of the config as the optimizer's keyword arguments (where: the file or
+    "command line" that gave them, for the error)."""
+    return parse_kv_literals(args.optimizer_args, "optimizer_args", where or args.config_file or "command line")
+
+
+def lora_network_args(args, where: str | None = None) -> dict[str, Any]:
+    """network_args of the config as a dict, with network_dropout as the LoRA `dropout` (sd-scripts):
+    what the network is built with, and what its file's metadata records."""
+    where = where or args.config_file or "command line"
     net_args = parse_kv_literals(args.network_args, "network_args", where, any_text=True)
     if args.network_dropout and "dropout" in net_args:  # one would silently win over the other
         raise ConfigError(f"{where}: network_dropout = {args.network_dropout:g} and network_args 'dropout={net_args['dropout']}' "
@@ -511,8 +516,8 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         if missing:
             raise ConfigError(f"{where}: key '{missing[0]}' is required for model_type {args.model_type} "
                               f"(missing: {', '.join(missing)})")
-    parse_kv_literals(args.optimizer_args, "optimizer_args", origins.get("optimizer_args", where))
-    lora_network_args(args)  # parses network_args
+    optimizer_kwargs(args, origins.get("optimizer_args", where))  # each: its syntax, before the values' checks
+    lora_network_args(args, origins.get("network_args", where))
     from networks.factory import check_network_module
 
     try:  # an unknown value used to train a plain LoRA silently
@@ -701,13 +706,23 @@ def _validate_output(args: argparse.Namespace, origins: dict[str, str], where: s
         _validate_output_paths(args, where)
 
 
+def lora_formats(args) -> list[str]:
+    """save_format -> the LoRA forms the run writes: ["peft"], ["kohya"] or both. auto is a PEFT
+    adapter folder for an LLM's networks.lora LoRA (what the LLM ecosystem loads), the kohya file for
+    the rest (a diffusion family's LoRA, a LyCORIS network: it has no PEFT form)."""
+    fmt = args.save_format
+    if fmt == "auto":
+        peft = args.model_type == "llm" and not args.pretrain and args.network_module == "networks.lora"
+        fmt = "peft" if peft else "kohya"
+    return fmt.split("+")
+
+
 def _validate_output_paths(args: argparse.Namespace, where: str) -> None:
     """A folder where the run writes a file, or a file where it writes a folder, failed only at the save,
     after every step had trained (os.replace: 'Is a directory')."""
-    name, peft = args.output_name, args.save_format.startswith("peft") or (
-        args.save_format == "auto" and args.model_type == "llm" and not args.pretrain)
+    name = args.output_name
     writes = [(f"{name}.safetensors", "the LoRA file", os.path.isdir)]
-    if peft:
+    if "peft" in lora_formats(args):
         writes.append((name, "the PEFT adapter folder", os.path.isfile))
     if args.save_state:
         writes.append((f"{name}-state", "the training state folder", os.path.isfile))

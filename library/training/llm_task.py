@@ -25,10 +25,9 @@ from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
-from library.training.config import ConfigError, base_precision, compute_dtype, lora_network_args
+from library.training.config import ConfigError, base_precision, compute_dtype, lora_formats, lora_network_args
 from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
 from library.training.optim import drop_rows_after
-from library.training.state import read_progress
 from networks.factory import build_network
 
 VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmuls tile well
@@ -86,9 +85,9 @@ def refuse_other_weight_formats(path: str) -> None:
     """An LLM base is a Hugging Face safetensors model (GGUF is read for diffusion transformers only):
     a .gguf / .bin file given, or a folder holding such weights and no .safetensors, is one ConfigError
     before the tokenizer is looked for (which would blame a missing tokenizer.json)."""
-    names = sorted(os.listdir(path)) if os.path.isdir(path) else [os.path.basename(path)]
-    if any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
+    if has_weights(path):
         return
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else [os.path.basename(path)]
     found = next((n for n in names if os.path.splitext(n)[1].lower() in OTHER_WEIGHT_FORMATS), None)
     if found:
         where = os.path.join(path, found) if os.path.isdir(path) else path
@@ -97,8 +96,31 @@ def refuse_other_weight_formats(path: str) -> None:
                           f"tokenizer.json and *.safetensors)")
 
 
+def has_weights(path: str) -> bool:
+    """Whether `path` holds safetensors weights in a form load_llm reads (a file, an index, a folder
+    holding either). An index whose shards are not all beside it (a download stopped after the index)
+    is one ConfigError naming the missing files, not a base without weights."""
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else [os.path.basename(path)]
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    index = next((n for n in names if n.endswith(".safetensors.index.json")), None)
+    if index is None:
+        return any(n.endswith(".safetensors") for n in names)
+    try:
+        with open(os.path.join(folder, index)) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{os.path.join(folder, index)}: not a safetensors index (a JSON object with a weight_map): "
+                          f"{type(e).__name__}: {e}") from None
+    missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+    if missing:
+        raise ConfigError(f"{os.path.join(folder, index)}: {len(missing)} of its {len(shards)} shard files are missing "
+                          f"beside it: {', '.join(missing)}")
+    return True
+
+
 class LLMTask:
-    def __init__(self, args, accelerator):
+    def __init__(self, args, accelerator, resumed_step: int | None = None):
+        """resumed_step: the step of the state a resumed run loaded (None: a new run)."""
         self.args, self.accelerator, self.device = args, accelerator, accelerator.device
         self.dtype = compute_dtype(args)
         # Pretraining keeps fp32 master weights and computes in self.dtype under autocast (bf16
@@ -135,15 +157,13 @@ class LLMTask:
         self.eval_log = os.path.join(args.output_dir, f"{args.output_name}_eval.csv")
         self.step = 0  # the last optimizer step done (after_step): the step trackers log an eval at
         if accelerator.is_main_process and os.path.exists(self.eval_log):
-            if not args.resume:
+            if resumed_step is None:
                 os.remove(self.eval_log)  # a new run's evals, as its log CSV (appended to, they mixed two runs)
             else:  # the evals a run killed after its last save logged are logged again
-                drop_rows_after(self.eval_log, read_progress(os.path.join(args.resume, "train_state.json"))["step"])
+                drop_rows_after(self.eval_log, resumed_step)
 
     def _load_model(self, path: str) -> tuple[LLM, bool]:
-        has_weights = os.path.isdir(path) and any(f.endswith(".safetensors") for f in os.listdir(path)) or path.endswith(
-            (".safetensors", ".safetensors.index.json"))  # the forms load_llm reads
-        if has_weights:
+        if has_weights(path):
             config = _find_config(path)  # first: its refusals (a quantized release's) come before the weights'
             self._check_context(config)  # and max_length's, before minutes of loading
             return load_llm(path, config, dtype=self.weights_dtype, prepare=self._base_prepare(path)), False
@@ -359,12 +379,12 @@ class LLMTask:
         folder = path[: -len(".safetensors")]
         if self.network is not None:
             written = []
-            if "peft" in self.lora_formats():
+            if "peft" in lora_formats(self.args):
                 base = self.args.pretrained_model_name_or_path  # PEFT's pointer to the base; a basename if absolute
                 self.network.save_peft(folder, dtype, metadata, base_model=os.path.basename(base.rstrip("/\\"))
                                        if os.path.isabs(base) else base)
                 written.append(folder)
-            if "kohya" in self.lora_formats():
+            if "kohya" in lora_formats(self.args):
                 self.network.save(path, dtype=dtype, metadata=metadata)
                 written.append(path)
             return written
@@ -376,14 +396,6 @@ class LLMTask:
                 source_config = json.load(f)
         save_hf_folder(self.model, folder, self.tokenizer, dtype, metadata, source_config)
         return [folder]
-
-    def lora_formats(self) -> list[str]:
-        """save_format -> ["peft"], ["kohya"] or both; auto is a PEFT folder for our LoRA network
-        (what the LLM ecosystem loads) and the kohya file for LyCORIS networks."""
-        fmt = self.args.save_format
-        if fmt == "auto":
-            fmt = "peft" if hasattr(self.network, "save_peft") else "kohya"
-        return fmt.split("+")
 
     def finish(self, output_dir: str):
         if self.args.eval_every_n_steps:

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import csv
 import glob
+import io
 import math
 import os
 import statistics
+
+from library.text_files import read_utf8
 
 # library.io and matplotlib (seconds to load) are imported in plot(), so tools/plot_lr.py answers
 # --help and a bad flag at once.
@@ -33,9 +36,8 @@ def find_logs(path: str) -> list[str]:
 def read_log(path: str) -> dict[str, list[float]]:
     """Columns of a training log as floats (an empty cell is nan); a cell that is not a number is a
     ValueError naming the file, its line and the column."""
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        rows = [(reader.line_num, row) for row in reader]
+    reader = csv.DictReader(io.StringIO(read_utf8(path, "training log")))  # bytes that are not UTF-8: named
+    rows = [(reader.line_num, row) for row in reader]
     if not rows or "step" not in rows[0][1] or "loss" not in rows[0][1]:
         raise ValueError(f"{path}: not a training log (needs step and loss columns)")
     cols: dict[str, list[float]] = {k: [] for k in rows[0][1]}

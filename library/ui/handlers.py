@@ -37,6 +37,11 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 FP8_KEYS = ("fp8_base", "fp8_scaled")
 
 
+def replaced_keys(keys: dict) -> tuple[str, ...]:
+    """The config's keys that setting `keys` removes: fp8_base / fp8_scaled where base_precision is set."""
+    return FP8_KEYS if "base_precision" in keys else ()
+
+
 def base_precision_of(settings: dict) -> str:
     """The base_precision key, else what the older fp8_base / fp8_scaled keys say."""
     if settings.get("base_precision"):
@@ -98,8 +103,8 @@ def apply_form(settings: dict, form: dict) -> dict:
     """The config's keys with the form's changed fields over them (base_precision replaces the older
     fp8_base / fp8_scaled keys, which could contradict it)."""
     changed = changed_fields(settings, form)
-    out = {k: v for k, v in settings.items() if not ("base_precision" in changed and k in FP8_KEYS)}
-    return {**out, **changed}
+    drop = replaced_keys(changed)
+    return {**{k: v for k, v in settings.items() if k not in drop}, **changed}
 
 
 def toml_with(text: str, settings: dict, keys: dict, drop: tuple[str, ...] = ()) -> str:
@@ -205,7 +210,7 @@ class WebUI:
         except toml.TomlDecodeError as e:
             raise ValueError(f"config: not valid TOML: {e}") from None
         changed = changed_fields(settings, form)
-        drop = FP8_KEYS if "base_precision" in changed else ()
+        drop = replaced_keys(changed)
         new_text = toml_with(text or "", {k: v for k, v in settings.items() if k not in drop}, changed, drop)
         write_whole(real, new_text)
         return real
@@ -349,7 +354,7 @@ class WebUI:
     def apply_plan(self, text: str, form: dict, keys: dict) -> tuple[str, dict]:
         """The TOML text and form with a plan's suggested keys set: in the text where it writes them
         (its comments, tables and other keys kept), the form's fields as they were but base precision."""
-        drop = FP8_KEYS if "base_precision" in keys else ()
+        drop = replaced_keys(keys)
         try:
             written = {k: v for k, v in _flatten(toml.loads(text or ""), "config").items() if k not in drop}
         except (toml.TomlDecodeError, ValueError):  # edited since the plan: left for Validate to explain

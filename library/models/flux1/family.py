@@ -3,9 +3,11 @@ checkpoint.py), the FLUX VAE, CLIP-L pooled + T5-XXL text, and the distilled gui
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, file_fingerprint, fp8_prepare
 from library.models.flux1.spec import SPEC
 
 
@@ -137,11 +139,19 @@ class FluxFamily(DiffusionFamily):
 
 def checkpoint_has_guidance_embedding(model_path: str) -> bool:
     """Whether a BFL-named transformer's checkpoint (FLUX.1 or FLUX.2, BFL or diffusers names) has the
-    guidance embedding, read from its key names or config.json without loading any weights."""
-    from library.io import CheckpointReader, component_folder
+    guidance embedding, read from its key names without loading any weights: once per file (a run
+    asks for each sample's steps and options), again when a file's size or mtime changes."""
+    from library.io import component_folder
 
-    keys = CheckpointReader(component_folder(model_path, "transformer")).keys()
-    return any("guidance_in." in k or "guidance_embedder." in k for k in keys)
+    path = component_folder(model_path, "transformer")
+    return _has_guidance_keys(path, file_fingerprint(path))
+
+
+@functools.lru_cache(maxsize=16)
+def _has_guidance_keys(path: str, fingerprint: str) -> bool:
+    from library.io import CheckpointReader
+
+    return any("guidance_in." in k or "guidance_embedder." in k for k in CheckpointReader(path).keys())
 
 
 def bfl_checkpoint_names(keys, shape, row_tables) -> CheckpointNames | None:
