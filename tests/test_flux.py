@@ -259,7 +259,7 @@ def test_the_guidance_embedding_is_read_once_per_file(tiny_set, tmp_path, monkey
     shutil.copy(tiny_set["flux_bfl"], path)
     family = FluxFamily(str(path))
     assert [family.has_guidance_embedding(), family.sample_steps, "guidance" in family.unread_sample_options(),
-            FluxFamily(str(path)).has_guidance_embedding()] == [True, 20, False, True]
+            FluxFamily(str(path)).has_guidance_embedding()] == [True, 28, False, True]
     assert len(reads) == 1
     weights = {k: v for k, v in load_file(path).items() if not k.startswith("guidance_in.")}  # schnell's keys
     save_file(weights, str(path))

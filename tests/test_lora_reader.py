@@ -567,7 +567,7 @@ def header_of_run(task_facts: dict, **args) -> dict:
 
     from train_lora import lora_metadata
 
-    args = SimpleNamespace(**{"network_module": "networks.lora", "network_dim": 4, "network_alpha": 2.0, "network_args": [],
+    args = SimpleNamespace(**{"network_module": "networks.lora", "network_dim": 4, "network_alpha": 2.0, "network_args": [], "network_dropout": None, "config_file": None,
                               "pretrained_model_name_or_path": "base.safetensors", "mixed_precision": "bf16",
                               "optimizer_type": "AdamW", "optimizer_args": [], "learning_rate": 1e-4, "lr_scheduler": "constant",
                               "discrete_flow_shift": 3.0, "guidance_scale": 1.0, "seed": 0, "output_name": "x", **args})
