@@ -6,7 +6,8 @@
 
 The story, top to bottom: read the config -> set up accelerate -> build the task (models, data,
 caches, LoRA network) -> optimizer and scheduler -> the loop (loss, backward, clip, step, log,
-sample, save) -> the final LoRA. Ctrl-C / SIGTERM save the LoRA and the state before exiting; a
+sample, save) -> the final LoRA. Ctrl-C / SIGTERM save the LoRA and the state before exiting 130 (during
+the final samples: they stop at the next image, the final LoRA written); a
 non-finite gradient norm stops the run before its update, with the LoRA saved; a non-finite loss
 or non-finite weights at a save stop it without calling the weights good. A sample render that fails
 (out of memory) is a warning line: the run goes on without those samples.
@@ -319,8 +320,8 @@ class Trainer:
                                    f"{self.max_steps}")
             self.accelerator.end_training()
             return 0
-        # Kept until the final LoRA and state are written: a Ctrl-C there lets them finish (and skips
-        # the final samples) rather than leaving a run that trained every step without its LoRA.
+        # Kept to the end: a Ctrl-C during the last step lets the final LoRA and state be written (and
+        # skips the final samples) rather than leaving a run that trained every step without its LoRA.
         self.interrupts = Interrupts()
         try:
             return self.train_and_save()
@@ -359,15 +360,30 @@ class Trainer:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
         if self.accelerator.is_main_process:
             plot_runs([self.logger.path], os.path.join(args.output_dir, f"{args.output_name}_lr.png"))
-        if self.interrupts.requested:
-            self.accelerator.print(f"{self.interrupts.requested} after the last step: final samples skipped")
-        else:
-            with self.sampling():  # the final samples (llm: the final eval)
-                tracking.log_sample_images(self.accelerator, task.finish(args.output_dir) or [], self.step)
+        interrupted = self.final_samples()
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         self.accelerator.print(f"saved {path} after {self.step} steps in {time.time() - self.started:.1f} s")
-        return 0
+        return 130 if interrupted else 0  # (a Ctrl-C: 130 as mid-training, with the final LoRA saved)
+
+    def final_samples(self) -> str | None:
+        """The final samples (llm: the final eval), after the final LoRA is written. A Ctrl-C /
+        SIGTERM before them skips them, one during them stops them at the next image (a second one
+        at once); the signal's name is returned."""
+        if requested := self.interrupts.requested:  # during the last step
+            self.accelerator.print(f"{requested} after the last step: final samples skipped; the LoRA is final")
+            return requested
+        paths = []
+        try:
+            with self.sampling():
+                paths = self.task.finish(self.args.output_dir, lambda: self.interrupts.requested is not None) or []
+        except KeyboardInterrupt:  # the second Ctrl-C: the image in progress is dropped
+            pass
+        tracking.log_sample_images(self.accelerator, paths, self.step)
+        if requested := self.interrupts.requested:
+            self.accelerator.print(f"{requested} during the final samples: {len(paths)} written, the rest skipped; "
+                                   f"the LoRA is final")
+        return requested
 
     def save_intermediate(self):
         """A step or epoch save: the LoRA, and with save_state the state to resume from it."""
@@ -397,7 +413,8 @@ class Trainer:
         failure = None
         try:
             with self.sampling():
-                paths = self.task.render_samples(self.args.output_dir, tag)
+                paths = self.task.render_samples(self.args.output_dir, tag,
+                                                 lambda: self.interrupts.requested is not None)
         except (RuntimeError, OSError, ValueError) as e:  # torch.OutOfMemoryError is a RuntimeError
             failure = " ".join(f"{type(e).__name__}: {e}".split())
         if failure:  # (the failed render's tensors went with its exception)

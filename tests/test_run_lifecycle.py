@@ -138,7 +138,8 @@ def test_a_diverged_run_names_its_own_last_save_not_another_runs(tiny_set, tmp_p
 def test_ctrl_c_during_the_last_step_still_writes_the_final_lora(tiny_set, tmp_path, monkeypatch, capsys):
     """A Ctrl-C during step 2 of 2 saved tiny_flux_lora-step000002 and a state at step 2 and exited
     130 without tiny_flux_lora.safetensors; --resume then said 'nothing to train' (0) and never wrote
-    it. Now the run ends as it would: the final LoRA and its state, the final samples skipped, 0."""
+    it. Now the run ends as it would: the final LoRA and its state, the final samples skipped, and 130
+    as any Ctrl-C (it exited 0, as if the samples had been rendered)."""
     import os
     import signal
 
@@ -150,9 +151,33 @@ def test_ctrl_c_during_the_last_step_still_writes_the_final_lora(tiny_set, tmp_p
 
     monkeypatch.setattr(DiffusionTask, "after_step", after_step)
     out = tmp_path / "run"
-    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2")) == 0
-    assert "SIGINT after the last step: final samples skipped" in capsys.readouterr().out
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2")) == 130
+    assert "SIGINT after the last step: final samples skipped; the LoRA is final" in capsys.readouterr().out
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["tiny_flux_lora.safetensors"]
+
+
+def test_ctrl_c_during_the_final_samples_stops_them_at_the_next_image(tiny_set, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C after the first of 3 final samples went unheeded: the run rendered all 3 and exited 0.
+    Now it stops before the second (the final LoRA is already written) and exits 130."""
+    import os
+    import signal
+
+    from library.data import images
+
+    real = images.save_side_by_side
+
+    def save_then_ctrl_c(*a, **k):
+        real(*a, **k)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(images, "save_side_by_side", save_then_ctrl_c)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"prompt {i} --w 32 --h 32 --s 1 --d {i}\n" for i in range(3)))
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--sample_prompts", str(prompts),
+                                     "--sample_bf16_reference", "false")) == 130
+    assert "SIGINT during the final samples: 1 written, the rest skipped; the LoRA is final" in capsys.readouterr().out
+    assert len(list(out.glob("tiny_flux_lora_final_*.png"))) == 1 and (out / "tiny_flux_lora.safetensors").exists()
 
 
 def test_an_llm_state_resumed_with_other_windows_is_refused(tmp_path):

@@ -281,7 +281,7 @@ class LLMTask:
         """Not called (validation_size() is 0): the held-out loss that after_step reports."""
         return self.held_out_loss()
 
-    def render_samples(self, out_dir: str, tag: str) -> list[str]:
+    def render_samples(self, out_dir: str, tag: str, stop=None) -> list[str]:
         """An LLM's samples are text: val loss, perplexity and a generated sample (sample_at_first
         gives the baseline before training)."""
         self.report_eval(tag)
@@ -383,7 +383,7 @@ class LLMTask:
             fmt = "peft" if hasattr(self.network, "save_peft") else "kohya"
         return fmt.split("+")
 
-    def finish(self, output_dir: str):
+    def finish(self, output_dir: str, stop=None):
         if self.args.eval_every_n_steps:
             self.report_eval("final")
 
