@@ -39,7 +39,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from library.io import CheckpointError  # noqa: E402
+from library.io import CheckpointError, CheckpointReader  # noqa: E402
 from library.training import fsdp, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
 from library.training.config import (PRECISION_DTYPES, ConfigError, check_warmup, load_config,  # noqa: E402
@@ -182,6 +182,25 @@ def ema_metadata(args) -> dict:
     return keys
 
 
+def earlier_ema(args) -> str | None:
+    """A run without EMA writes no <output_name>_ema.safetensors, so one already in output_dir would
+    sit beside its LoRA as if it were its EMA. One that an earlier run of this trainer wrote for this
+    output_name (its header: ss_ema, ss_output_name) is returned, for the final save to remove as it
+    replaces that run's LoRA; any other file there is refused before the models load (never deleted)."""
+    path = os.path.join(args.output_dir, f"{args.output_name}_ema.safetensors")
+    if args.ema_decay or not os.path.lexists(path):
+        return None
+    try:
+        metadata = CheckpointReader(path).metadata if os.path.isfile(path) else {}
+    except CheckpointError:
+        metadata = {}
+    if metadata.get("ss_ema") == "true" and metadata.get("ss_output_name") == args.output_name:
+        return path
+    raise ConfigError(f"{path}: not an EMA this trainer wrote for output_name '{args.output_name}' (no ss_ema / "
+                      f"ss_output_name in its header); this run has no ema_decay and would leave it beside its LoRA "
+                      f"as if it were its EMA: move it, or choose another output_name")
+
+
 class Saver:
     """Writes LoRAs (atomically, with metadata; with EMA also <name>_ema.safetensors) and states;
     keeps the newest N intermediates of those this run wrote, counting those the run it resumes wrote
@@ -259,6 +278,7 @@ class Trainer:
         torch.manual_seed(args.seed)
         # Read and checked before the models load: a damaged or foreign state fails in seconds.
         state = load_state(args.resume, args) if args.resume else None
+        self.earlier_ema = earlier_ema(args)
         os.makedirs(args.output_dir, exist_ok=True)
         self.task = task = build_task(args, accelerator)
 
@@ -356,6 +376,10 @@ class Trainer:
         finally:
             self.progress_bar.close()
         path = self.saver.lora(self.step, self.epoch, final=True)
+        if self.earlier_ema and self.accelerator.is_main_process and os.path.isfile(self.earlier_ema):
+            os.remove(self.earlier_ema)  # the earlier run's EMA, with its LoRA just replaced
+            self.accelerator.print(f"removed {self.earlier_ema}: the EMA of the earlier run whose LoRA this one "
+                                   f"replaced (this run has no ema_decay)")
         if args.save_state:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
         if self.accelerator.is_main_process:

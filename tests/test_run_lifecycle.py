@@ -208,3 +208,22 @@ def test_an_llm_state_resumed_with_other_windows_is_refused(tmp_path):
     write(old)
     with pytest.raises(ValueError, match="trainable.safetensors"):  # past the settings: the files are read
         load_state(str(state), args("--max_length", "64"))
+
+
+def test_an_earlier_runs_ema_goes_with_its_lora_and_a_foreign_one_is_refused(tiny_set, tmp_path, capsys):
+    """A run without EMA after one with ema_decay 0.9 left tiny_flux_lora_ema.safetensors (the first
+    run's) beside the new LoRA, taken for its EMA. Now the final save removes an _ema file this
+    trainer wrote for the output_name (its header says so); any other file there stops the run
+    before the models load, untouched (sd-scripts and musubi-tuner write no _ema file to mistake)."""
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--ema_decay", "0.9")) == 0
+    assert train_lora.main(flux_args(tiny_set, out)) == 0
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["tiny_flux_lora.safetensors"]
+    assert f"removed {out / 'tiny_flux_lora_ema.safetensors'}: the EMA of the earlier run" in capsys.readouterr().out
+    (out / "tiny_flux_lora_ema.safetensors").write_bytes(b"someone's file")
+    assert train_lora.main(flux_args(tiny_set, out)) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {out / 'tiny_flux_lora_ema.safetensors'}: not an EMA this trainer wrote for output_name "
+                   f"'tiny_flux_lora' (no ss_ema / ss_output_name in its header); this run has no ema_decay and would "
+                   f"leave it beside its LoRA as if it were its EMA: move it, or choose another output_name\n"), err
+    assert (out / "tiny_flux_lora_ema.safetensors").read_bytes() == b"someone's file"
