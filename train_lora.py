@@ -47,8 +47,9 @@ from library.training.config import (PRECISION_DTYPES, ConfigError, check_warmup
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
-from library.training.state import (SavedState, check_resumed_epoch, check_resumed_length, load_state,  # noqa: E402
-                                    restore_rng, rng_states, save_state)
+from library.training.state import (SavedState, check_resumed_data, check_resumed_epoch,  # noqa: E402
+                                    check_resumed_length, item_digests, load_state, restore_rng, rng_states,
+                                    save_state)
 from library.training.task import Task  # noqa: E402
 
 
@@ -324,6 +325,7 @@ class Trainer:
         progress = state.progress
         check_resumed_length(folder, progress, self.max_steps, self.args)  # (max_train_epochs: known now)
         check_resumed_epoch(folder, progress, self.task.batches_per_epoch())
+        check_resumed_data(folder, progress, self.task.data_items())
         self.task.load_trainable_tensors(state.trainable)
         self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(progress["scheduler"])
@@ -419,7 +421,7 @@ class Trainer:
     def progress(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run,
                 "saves": self.saver.saves, "max_steps": self.max_steps,
-                "batches_per_epoch": self.task.batches_per_epoch()}
+                "batches_per_epoch": self.task.batches_per_epoch(), "data_items": item_digests(self.task.data_items())}
 
     @contextlib.contextmanager
     def evaluating(self):

@@ -114,6 +114,33 @@ def test_resume_inside_an_epoch_with_other_data_is_refused(tiny_set, tmp_path, c
                                  f"the rest of that epoch would be other images; resume with the same data\n"), err
 
 
+def test_resume_inside_an_epoch_with_as_many_batches_of_other_images_is_refused(tiny_set, tmp_path, capsys):
+    """The same 8 images, one renamed (4 batches per epoch as before): the state written 2 of 4
+    batches into epoch 0 resumed and trained the saved order's rest over the changed list. Now
+    refused, counting the files gone and new. (Names and sizes, not paths: the state was written on
+    another copy of the same files, and the rename is all the check sees.)"""
+    from tests.test_reliability import copy_dataset
+
+    def rename(images):
+        (images / "003.png").rename(images / "103.png")
+        (images / "003.txt").rename(images / "103.txt")
+
+    out = tmp_path / "run"
+    first = copy_dataset(tiny_set, tmp_path / "a")
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_state", "true",
+                                     "--dataset_config", first)) == 0
+    state = out / "tiny_flux_lora-state"
+    capsys.readouterr()
+    renamed = copy_dataset(tiny_set, tmp_path / "b", rename)
+    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4", "--dataset_config", renamed,
+                                     "--resume", str(state)))
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"error: {state}: state was written 2 batches into epoch 0; since then 1 of its "
+                                 f"training files are gone and 1 are new (a renamed or resized file counts in both): "
+                                 f"the rest of that epoch would be other images; resume with the same data, or from a "
+                                 f"state saved at an epoch's end\n"), err
+
+
 def test_a_diverged_run_names_its_own_last_save_not_another_runs(tiny_set, tmp_path, monkeypatch, capsys):
     """A NaN loss at step 3 of a run without saves said 'the last save before it: step 1,
     .../tiny_flux_lora-step000001.safetensors': an earlier run's file in the same output_dir."""

@@ -270,6 +270,10 @@ class DiffusionTask:
     def batches_per_epoch(self) -> int:
         return len(EpochBatches(self.sampler, 0, self.accelerator.process_index, self.accelerator.num_processes))
 
+    def data_items(self) -> list[str]:
+        return [f"{it.dataset_index}/{it.subset_index}/{os.path.basename(it.image_path)} {os.path.getsize(it.image_path)}"
+                for it in self.dataset.items]
+
     def epoch_batches(self, epoch: int, skip: int = 0):
         """This process's batches of `epoch`, after the first `skip`."""
         shard = EpochBatches(self.sampler, epoch, self.accelerator.process_index, self.accelerator.num_processes, skip)

@@ -259,6 +259,9 @@ class LLMTask:
     def batches_per_epoch(self) -> int:
         return len(self._global_batches(0))
 
+    def data_items(self) -> list[str]:
+        return [f"{os.path.basename(p)} {os.path.getsize(p) if os.path.isfile(p) else 0}" for p in self.args.train_data]
+
     def epoch_batches(self, epoch: int, skip: int = 0):
         """This process's slice of each global batch (batch_size * processes windows)."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes

@@ -29,6 +29,10 @@ class Task(Protocol):
     def batches_per_epoch(self) -> int:
         """How many batches this process gets per epoch (the same on every process)."""
 
+    def data_items(self) -> list[str]:
+        """One line per training file (its place in the dataset, name and size; no contents): a state
+        written inside an epoch resumes only on the same files."""
+
     def epoch_batches(self, epoch: int, skip: int = 0) -> Iterable:
         """This process's batches of `epoch`, after the first `skip` (those trained before a resume)."""
 
