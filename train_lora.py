@@ -382,7 +382,7 @@ class Trainer:
             os.remove(self.earlier_ema)  # the earlier run's EMA, with its LoRA just replaced
             self.accelerator.print(f"removed {self.earlier_ema}: the EMA of the earlier run whose LoRA this one "
                                    f"replaced (this run has no ema_decay)")
-        if args.save_state:
+        if args.save_state or args.save_state_on_train_end:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
         if self.accelerator.is_main_process:
             plot_runs([self.logger.path], os.path.join(args.output_dir, f"{args.output_name}_lr.png"))

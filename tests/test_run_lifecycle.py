@@ -254,3 +254,35 @@ def test_an_earlier_runs_ema_goes_with_its_lora_and_a_foreign_one_is_refused(tin
                    f"'tiny_flux_lora' (no ss_ema / ss_output_name in its header); this run has no ema_decay and would "
                    f"leave it beside its LoRA as if it were its EMA: move it, or choose another output_name\n"), err
     assert (out / "tiny_flux_lora_ema.safetensors").read_bytes() == b"someone's file"
+
+
+def test_save_state_on_train_end_saves_the_state_with_the_final_lora_only(tiny_set, tmp_path, monkeypatch):
+    """sd-scripts' save_state_on_train_end was an unknown key (exit 2): a migrated config could not
+    keep a state to extend the run from. Now the final save writes one (at step 2), the step-1 save none."""
+    import json
+
+    real, saved = train_lora.Saver.state, []
+    monkeypatch.setattr(train_lora.Saver, "state", lambda self, *a: saved.append(a[-1]["step"]) or real(self, *a))
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_every_n_steps", "1",
+                                     "--save_state_on_train_end", "true")) == 0
+    assert saved == [2] and json.loads((out / "tiny_flux_lora-state" / "train_state.json").read_text())["step"] == 2
+
+
+def test_epochs_with_accumulation_samples_and_an_unusual_output_dir(tiny_set, tmp_path):
+    """max_train_epochs 2 with gradient_accumulation_steps 3 over 4 batches an epoch: sd-scripts'
+    2 x ceil(4 / 3) = 4 optimizer steps; sample_at_first and sample_every_n_epochs 1 render at the
+    start and after epoch 1 (epoch 2's are the final ones); an output_dir with a space and non-ASCII
+    letters takes every file."""
+    from safetensors import safe_open
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle --w 32 --h 32 --s 1 --d 1\n")
+    out = tmp_path / "my runs ü"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_epochs", "2", "--gradient_accumulation_steps", "3",
+                                     "--sample_prompts", str(prompts), "--sample_bf16_reference", "false",
+                                     "--sample_at_first", "true", "--sample_every_n_epochs", "1")) == 0
+    tags = sorted(p.name.split("_")[3] for p in out.glob("tiny_flux_lora_*_00_*.png"))
+    assert tags == ["epoch0001", "final", "start"], tags
+    with safe_open(str(out / "tiny_flux_lora.safetensors"), "pt") as f:
+        assert f.metadata()["ss_steps"] == "4" and f.metadata()["ss_num_epochs"] == "2", f.metadata()
