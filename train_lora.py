@@ -282,6 +282,7 @@ class Trainer:
         self.earlier_ema = earlier_ema(args)
         os.makedirs(args.output_dir, exist_ok=True)
         self.task = task = build_task(args, accelerator)
+        self.data_digests = item_digests(task.data_items())  # once: a save stats no file
 
         optimizer_kwargs = parse_kv_literals(args.optimizer_args, "optimizer_args", args.config_file or "command line")
         optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
@@ -325,7 +326,7 @@ class Trainer:
         progress = state.progress
         check_resumed_length(folder, progress, self.max_steps, self.args)  # (max_train_epochs: known now)
         check_resumed_epoch(folder, progress, self.task.batches_per_epoch())
-        check_resumed_data(folder, progress, self.task.data_items())
+        check_resumed_data(folder, progress, self.data_digests)
         self.task.load_trainable_tensors(state.trainable)
         self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(progress["scheduler"])
@@ -351,7 +352,7 @@ class Trainer:
             self.interrupts.close()
 
     def train_and_save(self) -> int:
-        args, task = self.args, self.task
+        args = self.args
         self.progress_bar = tqdm(total=self.max_steps, initial=self.step, desc="training",
                                  disable=not self.accelerator.is_local_main_process)
         self.module.train()  # the LoRA network: its dropouts act from here; the frozen base stays in eval
@@ -399,16 +400,16 @@ class Trainer:
         if requested := self.interrupts.requested:  # during the last step
             self.accelerator.print(f"{requested} after the last step: final samples skipped; the LoRA is final")
             return requested
-        paths = []
+        paths, written = [], "stopped at once"
         try:
             with self.sampling():
                 paths = self.task.finish(self.args.output_dir, lambda: self.interrupts.requested is not None) or []
+            written = f"{len(paths)} written, the rest skipped"
         except KeyboardInterrupt:  # the second Ctrl-C: the image in progress is dropped
             pass
         tracking.log_sample_images(self.accelerator, paths, self.step)
         if requested := self.interrupts.requested:
-            self.accelerator.print(f"{requested} during the final samples: {len(paths)} written, the rest skipped; "
-                                   f"the LoRA is final")
+            self.accelerator.print(f"{requested} during the final samples: {written}; the LoRA is final")
         return requested
 
     def save_intermediate(self):
@@ -421,7 +422,7 @@ class Trainer:
     def progress(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run,
                 "saves": self.saver.saves, "max_steps": self.max_steps,
-                "batches_per_epoch": self.task.batches_per_epoch(), "data_items": item_digests(self.task.data_items())}
+                "batches_per_epoch": self.task.batches_per_epoch(), "data_items": self.data_digests}
 
     @contextlib.contextmanager
     def evaluating(self):

@@ -142,14 +142,14 @@ def item_digests(items: list[str]) -> list[str]:
     return sorted(hashlib.sha256(item.encode()).hexdigest()[:8] for item in items)
 
 
-def check_resumed_data(folder: str, progress: dict, items: list[str]) -> None:
+def check_resumed_data(folder: str, progress: dict, digests: list[str]) -> None:
     """With the same count of batches, other files (one swapped for another, some added and as many
     removed) would also give the saved epoch's rest other images. Checked inside an epoch only, where
     the state has the record (states written before it resume unchecked)."""
     saved, done = progress.get("data_items"), progress["batches_done"]
     if saved is None or done in (0, progress.get("batches_per_epoch")):
         return
-    old, new = Counter(saved), Counter(item_digests(items))
+    old, new = Counter(saved), Counter(digests)  # (item_digests of this run's files)
     added, removed = sum((new - old).values()), sum((old - new).values())
     if added or removed:
         raise ValueError(f"{folder}: state was written {done} batches into epoch {progress['epoch']}; since then "
