@@ -201,7 +201,7 @@ class WebUI:
     def logging_subdir(self, settings: dict) -> str | None:
         """Where the config's logging_dir lies inside its output_dir (the configs' "<output_dir>/logs"),
         as train_lora.py run in the jobs' folder resolves both: a job's output_dir is its own folder, so
-        such a logging_dir moves into it too (it stayed "output/flux_lora/logs", outside the job and
+        such a logging_dir moves into it too (it stayed "output/<name>/logs", outside the job and
         the roots). None: no logging_dir, or one outside the output_dir (kept as it is)."""
         logging_dir, output_dir = settings.get("logging_dir"), settings.get("output_dir")
         if not logging_dir or not output_dir:
