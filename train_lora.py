@@ -6,7 +6,8 @@
 
 The story, top to bottom: read the config -> set up accelerate -> build the task (models, data,
 caches, LoRA network) -> optimizer and scheduler -> the loop (loss, backward, clip, step, log,
-sample, save) -> the final LoRA. Ctrl-C / SIGTERM save the LoRA and the state before exiting; a
+sample, save) -> the final LoRA. Ctrl-C / SIGTERM save the LoRA and the state before exiting 130 (during
+the final samples: they stop at the next image, the final LoRA written); a
 non-finite gradient norm stops the run before its update, with the LoRA saved; a non-finite loss
 or non-finite weights at a save stop it without calling the weights good. A sample render that fails
 (out of memory) is a warning line: the run goes on without those samples.
@@ -38,7 +39,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from library.io import CheckpointError  # noqa: E402
+from library.io import CheckpointError, CheckpointReader  # noqa: E402
 from library.training import fsdp, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
 from library.training.config import (PRECISION_DTYPES, ConfigError, check_warmup, load_config,  # noqa: E402
@@ -46,8 +47,9 @@ from library.training.config import (PRECISION_DTYPES, ConfigError, check_warmup
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
-from library.training.state import (SavedState, check_resumed_epoch, check_resumed_length, load_state,  # noqa: E402
-                                    restore_rng, rng_states, save_state)
+from library.training.state import (SavedState, check_resumed_data, check_resumed_epoch,  # noqa: E402
+                                    check_resumed_length, item_digests, load_state, restore_rng, rng_states,
+                                    save_state)
 from library.training.task import Task  # noqa: E402
 
 
@@ -182,6 +184,25 @@ def ema_metadata(args) -> dict:
     return keys
 
 
+def earlier_ema(args) -> str | None:
+    """A run without EMA writes no <output_name>_ema.safetensors, so one already in output_dir would
+    sit beside its LoRA as if it were its EMA. One that an earlier run of this trainer wrote for this
+    output_name (its header: ss_ema, ss_output_name) is returned, for the final save to remove as it
+    replaces that run's LoRA; any other file there is refused before the models load (never deleted)."""
+    path = os.path.join(args.output_dir, f"{args.output_name}_ema.safetensors")
+    if args.ema_decay or not os.path.lexists(path):
+        return None
+    try:
+        metadata = CheckpointReader(path).metadata if os.path.isfile(path) else {}
+    except CheckpointError:
+        metadata = {}
+    if metadata.get("ss_ema") == "true" and metadata.get("ss_output_name") == args.output_name:
+        return path
+    raise ConfigError(f"{path}: not an EMA this trainer wrote for output_name '{args.output_name}' (no ss_ema / "
+                      f"ss_output_name in its header); this run has no ema_decay and would leave it beside its LoRA "
+                      f"as if it were its EMA: move it, or choose another output_name")
+
+
 class Saver:
     """Writes LoRAs (atomically, with metadata; with EMA also <name>_ema.safetensors) and states;
     keeps the newest N intermediates of those this run wrote, counting those the run it resumes wrote
@@ -259,8 +280,10 @@ class Trainer:
         torch.manual_seed(args.seed)
         # Read and checked before the models load: a damaged or foreign state fails in seconds.
         state = load_state(args.resume, args) if args.resume else None
+        self.earlier_ema = earlier_ema(args)
         os.makedirs(args.output_dir, exist_ok=True)
         self.task = task = build_task(args, accelerator, state)
+        self.data_digests = item_digests(task.data_items())  # once: a save stats no file
 
         optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
                                      optimizer_kwargs(args))
@@ -303,6 +326,7 @@ class Trainer:
         progress = state.progress
         check_resumed_length(folder, progress, self.max_steps, self.args)  # (max_train_epochs: known now)
         check_resumed_epoch(folder, progress, self.task.batches_per_epoch())
+        check_resumed_data(folder, progress, self.data_digests)
         self.task.load_trainable_tensors(state.trainable)
         self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(progress["scheduler"])
@@ -319,8 +343,8 @@ class Trainer:
                                    f"{self.max_steps}")
             self.accelerator.end_training()
             return 0
-        # Kept until the final LoRA and state are written: a Ctrl-C there lets them finish (and skips
-        # the final samples) rather than leaving a run that trained every step without its LoRA.
+        # Kept to the end: a Ctrl-C during the last step lets the final LoRA and state be written (and
+        # skips the final samples) rather than leaving a run that trained every step without its LoRA.
         self.interrupts = Interrupts()
         try:
             return self.train_and_save()
@@ -328,7 +352,7 @@ class Trainer:
             self.interrupts.close()
 
     def train_and_save(self) -> int:
-        args, task = self.args, self.task
+        args = self.args
         self.progress_bar = tqdm(total=self.max_steps, initial=self.step, desc="training",
                                  disable=not self.accelerator.is_local_main_process)
         self.module.train()  # the LoRA network: its dropouts act from here; the frozen base stays in eval
@@ -355,19 +379,38 @@ class Trainer:
         finally:
             self.progress_bar.close()
         path = self.saver.lora(self.step, self.epoch, final=True)
-        if args.save_state:
+        if self.earlier_ema and self.accelerator.is_main_process and os.path.isfile(self.earlier_ema):
+            os.remove(self.earlier_ema)  # the earlier run's EMA, with its LoRA just replaced
+            self.accelerator.print(f"removed {self.earlier_ema}: the EMA of the earlier run whose LoRA this one "
+                                   f"replaced (this run has no ema_decay)")
+        if args.save_state or args.save_state_on_train_end:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
         if self.accelerator.is_main_process:
             plot_runs([self.logger.path], os.path.join(args.output_dir, f"{args.output_name}_lr.png"))
-        if self.interrupts.requested:
-            self.accelerator.print(f"{self.interrupts.requested} after the last step: final samples skipped")
-        else:
-            with self.sampling():  # the final samples (llm: the final eval)
-                tracking.log_sample_images(self.accelerator, task.finish(args.output_dir) or [], self.step)
+        interrupted = self.final_samples()
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         self.accelerator.print(f"saved {path} after {self.step} steps in {time.time() - self.started:.1f} s")
-        return 0
+        return 130 if interrupted else 0  # (a Ctrl-C: 130 as mid-training, with the final LoRA saved)
+
+    def final_samples(self) -> str | None:
+        """The final samples (llm: the final eval), after the final LoRA is written. A Ctrl-C /
+        SIGTERM before them skips them, one during them stops them at the next image (a second one
+        at once); the signal's name is returned."""
+        if requested := self.interrupts.requested:  # during the last step
+            self.accelerator.print(f"{requested} after the last step: final samples skipped; the LoRA is final")
+            return requested
+        paths, written = [], "stopped at once"
+        try:
+            with self.sampling():
+                paths = self.task.finish(self.args.output_dir, lambda: self.interrupts.requested is not None) or []
+            written = f"{len(paths)} written, the rest skipped"
+        except KeyboardInterrupt:  # the second Ctrl-C: the image in progress is dropped
+            pass
+        tracking.log_sample_images(self.accelerator, paths, self.step)
+        if requested := self.interrupts.requested:
+            self.accelerator.print(f"{requested} during the final samples: {written}; the LoRA is final")
+        return requested
 
     def save_intermediate(self):
         """A step or epoch save: the LoRA, and with save_state the state to resume from it."""
@@ -379,7 +422,7 @@ class Trainer:
     def progress(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run,
                 "saves": self.saver.saves, "max_steps": self.max_steps,
-                "batches_per_epoch": self.task.batches_per_epoch()}
+                "batches_per_epoch": self.task.batches_per_epoch(), "data_items": self.data_digests}
 
     @contextlib.contextmanager
     def evaluating(self):
@@ -397,7 +440,8 @@ class Trainer:
         failure = None
         try:
             with self.sampling():
-                paths = self.task.render_samples(self.args.output_dir, tag)
+                paths = self.task.render_samples(self.args.output_dir, tag,
+                                                 lambda: self.interrupts.requested is not None)
         except (RuntimeError, OSError, ValueError) as e:  # torch.OutOfMemoryError is a RuntimeError
             failure = " ".join(f"{type(e).__name__}: {e}".split())
         if failure:  # (the failed render's tensors went with its exception)

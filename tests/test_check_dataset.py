@@ -124,9 +124,14 @@ def test_check_finds_one_of_each_problem(tmp_path):
 
 
 def test_check_tool_report_json_and_strict(tmp_path, capsys):
+    """A dataset with 9 errors exited 0 without --strict, so a script's `check && train` trained on
+    it (and stopped at the first error); now errors exit 1 (one line each on stderr), --strict adds
+    the warnings."""
     toml = one_of_each(tmp_path)
-    assert check_dataset.main([toml]) == 0
-    out = capsys.readouterr().out
+    assert check_dataset.main([toml]) == 1
+    captured = capsys.readouterr()
+    out = captured.out
+    assert len(captured.err.splitlines()) == 9 and all(line.startswith("error: ") for line in captured.err.splitlines())
     assert "caption tokens: not counted (no tokenizer: pass --config_file or --tokenizer)" in out
     assert "datasets 1, subset 1: " in out and "buckets: 80x48 x13, 64x64 x1" in out
     assert "9 errors, 3 warnings: training stops at the first error" in out  # no tokenizer: no token warning

@@ -114,6 +114,33 @@ def test_resume_inside_an_epoch_with_other_data_is_refused(tiny_set, tmp_path, c
                                  f"the rest of that epoch would be other images; resume with the same data\n"), err
 
 
+def test_resume_inside_an_epoch_with_as_many_batches_of_other_images_is_refused(tiny_set, tmp_path, capsys):
+    """The same 8 images, one renamed (4 batches per epoch as before): the state written 2 of 4
+    batches into epoch 0 resumed and trained the saved order's rest over the changed list. Now
+    refused, counting the files gone and new. (Names and sizes, not paths: the state was written on
+    another copy of the same files, and the rename is all the check sees.)"""
+    from tests.test_reliability import copy_dataset
+
+    def rename(images):
+        (images / "003.png").rename(images / "103.png")
+        (images / "003.txt").rename(images / "103.txt")
+
+    out = tmp_path / "run"
+    first = copy_dataset(tiny_set, tmp_path / "a")
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_state", "true",
+                                     "--dataset_config", first)) == 0
+    state = out / "tiny_flux_lora-state"
+    capsys.readouterr()
+    renamed = copy_dataset(tiny_set, tmp_path / "b", rename)
+    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4", "--dataset_config", renamed,
+                                     "--resume", str(state)))
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"error: {state}: state was written 2 batches into epoch 0; since then 1 of its "
+                                 f"training files are gone and 1 are new (a renamed or resized file counts in both): "
+                                 f"the rest of that epoch would be other images; resume with the same data, or from a "
+                                 f"state saved at an epoch's end\n"), err
+
+
 def test_a_diverged_run_names_its_own_last_save_not_another_runs(tiny_set, tmp_path, monkeypatch, capsys):
     """A NaN loss at step 3 of a run without saves said 'the last save before it: step 1,
     .../tiny_flux_lora-step000001.safetensors': an earlier run's file in the same output_dir."""
@@ -138,7 +165,8 @@ def test_a_diverged_run_names_its_own_last_save_not_another_runs(tiny_set, tmp_p
 def test_ctrl_c_during_the_last_step_still_writes_the_final_lora(tiny_set, tmp_path, monkeypatch, capsys):
     """A Ctrl-C during step 2 of 2 saved tiny_flux_lora-step000002 and a state at step 2 and exited
     130 without tiny_flux_lora.safetensors; --resume then said 'nothing to train' (0) and never wrote
-    it. Now the run ends as it would: the final LoRA and its state, the final samples skipped, 0."""
+    it. Now the run ends as it would: the final LoRA and its state, the final samples skipped, and 130
+    as any Ctrl-C (it exited 0, as if the samples had been rendered)."""
     import os
     import signal
 
@@ -150,9 +178,33 @@ def test_ctrl_c_during_the_last_step_still_writes_the_final_lora(tiny_set, tmp_p
 
     monkeypatch.setattr(DiffusionTask, "after_step", after_step)
     out = tmp_path / "run"
-    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2")) == 0
-    assert "SIGINT after the last step: final samples skipped" in capsys.readouterr().out
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2")) == 130
+    assert "SIGINT after the last step: final samples skipped; the LoRA is final" in capsys.readouterr().out
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["tiny_flux_lora.safetensors"]
+
+
+def test_ctrl_c_during_the_final_samples_stops_them_at_the_next_image(tiny_set, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C after the first of 3 final samples went unheeded: the run rendered all 3 and exited 0.
+    Now it stops before the second (the final LoRA is already written) and exits 130."""
+    import os
+    import signal
+
+    from library.data import images
+
+    real = images.save_side_by_side
+
+    def save_then_ctrl_c(*a, **k):
+        real(*a, **k)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(images, "save_side_by_side", save_then_ctrl_c)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"prompt {i} --w 32 --h 32 --s 1 --d {i}\n" for i in range(3)))
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--sample_prompts", str(prompts),
+                                     "--sample_bf16_reference", "false")) == 130
+    assert "SIGINT during the final samples: 1 written, the rest skipped; the LoRA is final" in capsys.readouterr().out
+    assert len(list(out.glob("tiny_flux_lora_final_*.png"))) == 1 and (out / "tiny_flux_lora.safetensors").exists()
 
 
 def test_an_llm_state_resumed_with_other_windows_is_refused(tmp_path):
@@ -183,3 +235,54 @@ def test_an_llm_state_resumed_with_other_windows_is_refused(tmp_path):
     write(old)
     with pytest.raises(ValueError, match="trainable.safetensors"):  # past the settings: the files are read
         load_state(str(state), args("--max_length", "64"))
+
+
+def test_an_earlier_runs_ema_goes_with_its_lora_and_a_foreign_one_is_refused(tiny_set, tmp_path, capsys):
+    """A run without EMA after one with ema_decay 0.9 left tiny_flux_lora_ema.safetensors (the first
+    run's) beside the new LoRA, taken for its EMA. Now the final save removes an _ema file this
+    trainer wrote for the output_name (its header says so); any other file there stops the run
+    before the models load, untouched (sd-scripts and musubi-tuner write no _ema file to mistake)."""
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--ema_decay", "0.9")) == 0
+    assert train_lora.main(flux_args(tiny_set, out)) == 0
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["tiny_flux_lora.safetensors"]
+    assert f"removed {out / 'tiny_flux_lora_ema.safetensors'}: the EMA of the earlier run" in capsys.readouterr().out
+    (out / "tiny_flux_lora_ema.safetensors").write_bytes(b"someone's file")
+    assert train_lora.main(flux_args(tiny_set, out)) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {out / 'tiny_flux_lora_ema.safetensors'}: not an EMA this trainer wrote for output_name "
+                   f"'tiny_flux_lora' (no ss_ema / ss_output_name in its header); this run has no ema_decay and would "
+                   f"leave it beside its LoRA as if it were its EMA: move it, or choose another output_name\n"), err
+    assert (out / "tiny_flux_lora_ema.safetensors").read_bytes() == b"someone's file"
+
+
+def test_save_state_on_train_end_saves_the_state_with_the_final_lora_only(tiny_set, tmp_path, monkeypatch):
+    """sd-scripts' save_state_on_train_end was an unknown key (exit 2): a migrated config could not
+    keep a state to extend the run from. Now the final save writes one (at step 2), the step-1 save none."""
+    import json
+
+    real, saved = train_lora.Saver.state, []
+    monkeypatch.setattr(train_lora.Saver, "state", lambda self, *a: saved.append(a[-1]["step"]) or real(self, *a))
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_every_n_steps", "1",
+                                     "--save_state_on_train_end", "true")) == 0
+    assert saved == [2] and json.loads((out / "tiny_flux_lora-state" / "train_state.json").read_text())["step"] == 2
+
+
+def test_epochs_with_accumulation_samples_and_an_unusual_output_dir(tiny_set, tmp_path):
+    """max_train_epochs 2 with gradient_accumulation_steps 3 over 4 batches an epoch: sd-scripts'
+    2 x ceil(4 / 3) = 4 optimizer steps; sample_at_first and sample_every_n_epochs 1 render at the
+    start and after epoch 1 (epoch 2's are the final ones); an output_dir with a space and non-ASCII
+    letters takes every file."""
+    from safetensors import safe_open
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle --w 32 --h 32 --s 1 --d 1\n")
+    out = tmp_path / "my runs ü"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_epochs", "2", "--gradient_accumulation_steps", "3",
+                                     "--sample_prompts", str(prompts), "--sample_bf16_reference", "false",
+                                     "--sample_at_first", "true", "--sample_every_n_epochs", "1")) == 0
+    tags = sorted(p.name.split("_")[3] for p in out.glob("tiny_flux_lora_*_00_*.png"))
+    assert tags == ["epoch0001", "final", "start"], tags
+    with safe_open(str(out / "tiny_flux_lora.safetensors"), "pt") as f:
+        assert f.metadata()["ss_steps"] == "4" and f.metadata()["ss_num_epochs"] == "2", f.metadata()

@@ -167,10 +167,10 @@ def test_a_failed_sample_render_is_a_warning_and_training_goes_on(tiny_set, tmp_
 
     render = DiffusionTask.render_samples
 
-    def out_of_memory_at_step_1(self, out_dir, tag):
+    def out_of_memory_at_step_1(self, out_dir, tag, stop=None):
         if tag == "step000001":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return render(self, out_dir, tag)
+        return render(self, out_dir, tag, stop)
 
     monkeypatch.setattr(DiffusionTask, "render_samples", out_of_memory_at_step_1)
     (tmp_path / "p.txt").write_text("a red circle --w 32 --h 32 --s 1\n")

@@ -197,10 +197,10 @@ class FakeTask:
     def evaluates_after(self, step):
         return False
 
-    def render_samples(self, out_dir, tag):
+    def render_samples(self, out_dir, tag, stop=None):
         return []
 
-    def finish(self, output_dir):
+    def finish(self, output_dir, stop=None):
         pass
 
     def metadata(self):

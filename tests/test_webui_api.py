@@ -224,6 +224,31 @@ def test_an_edit_of_the_loaded_toml_is_not_undone_by_the_fields_load_filled(serv
         assert saved == f"saved {path}" and f.read() == edited.replace("max_train_steps = 3", "max_train_steps = 4")
 
 
+def test_picking_a_config_loads_it_unless_the_form_holds_edits(server, tiny_toml):
+    """Choosing a config in the picker did nothing until Load was pressed. Now the pick loads it into
+    a form without edits; with an edit (of the TOML or a field) it loads nothing and asks, naming the
+    edits, and Load replaces them."""
+    folder = os.path.join(os.path.dirname(server.jobs_dir), "data")
+    first, second = os.path.join(folder, "first.toml"), os.path.join(folder, "second.toml")
+    for path, steps in ((first, 6), (second, 7)):
+        with open(path, "w") as f:
+            f.write(tiny_toml.replace("max_train_steps = 6", f"max_train_steps = {steps}"))
+    tab = server.client()
+    text, *fields, note = tab.predict(first, "", *EMPTY_FORM, api_name="/pick_config")
+    assert fields[FORM_KEYS.index("max_train_steps")] == "6" and "max_train_steps = 6" in text and not note["visible"]
+    edited = text.replace("max_train_steps = 6", "max_train_steps = 3")
+    fields[FORM_KEYS.index("network_dim")] = "12"
+    kept, *kept_fields, note = tab.predict(second, edited, *fields, api_name="/pick_config")
+    untouched = {"__type__": "update"}  # gr.update(): the editor and the fields stay as the user left them
+    assert kept == untouched and kept_fields == [untouched] * len(fields), "the edits were replaced"
+    assert note["value"] == (f"⚠ the form has unsaved edits (the TOML, rank (network_dim)): press Load to replace "
+                             f"them with {second}, or Save TOML first"), note
+    text, *fields, note = tab.predict(second, api_name="/load_config")
+    assert "max_train_steps = 7" in text and not note["visible"]
+    text, *fields, note = tab.predict(first, text, *fields, api_name="/pick_config")  # unedited: loads
+    assert "max_train_steps = 6" in text
+
+
 def test_an_llm_config_validates_and_its_job_refuses_generate_in_one_line(client, tiny_set):
     """The form's model type offers every model_type train_lora.py takes: the LLM mode's "llm" was
     missing, so Validate and Create of a loaded configs/llm_lora.toml answered gradio's 'Value: llm is

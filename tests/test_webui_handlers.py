@@ -137,6 +137,26 @@ def test_a_loaded_config_the_cli_refuses_is_refused_with_its_line_and_unchanged_
         ui.close()
 
 
+def test_a_logging_dir_inside_the_configs_output_dir_moves_into_the_jobs_folder(tiny_set, tmp_path):
+    """The configs write TensorBoard to "<output_dir>/logs" (output/flux_lora/logs). A job's output_dir
+    is its own folder, but its logging_dir stayed "output/flux_lora/logs": every job's events in one
+    folder outside the job (and outside the default roots). Now it follows output_dir into the job's
+    folder, as the CLI puts it beside the LoRA; a logging_dir elsewhere is kept."""
+    from tests.ui_support import tiny_job_settings
+
+    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [tiny_set["root"], str(tmp_path)])
+    try:
+        fine = tiny_job_settings(tiny_set, steps=2)
+        for logging_dir, expected in (("output/flux_lora/logs", "{job}/logs"), ("tb", "tb")):
+            text = toml.dumps({**fine, "output_dir": "output/flux_lora", "logging_dir": logging_dir})
+            answer = ui.create("logs", text, {}, queue=False)
+            assert answer["ok"] is True, answer
+            config = toml.loads(ui.store.get(answer["job_id"]).config)
+            assert config["logging_dir"] == expected.format(job=answer["output_dir"]), config
+    finally:
+        ui.close()
+
+
 def test_a_string_with_a_backslash_x_reaches_the_job_as_written(tiny_set, tmp_path):
     r"""toml 0.10.2's writer, used for the checked and the queued config, wrote "print('\x41')" as
     "print('\x41')" unescaped: no reader takes that back, so a config train_lora.py runs was refused

@@ -228,6 +228,19 @@ def test_a_run_that_ended_while_no_ui_watched_gets_its_outcome_from_its_log(tmp_
     assert stopped.message.startswith("stopped at step 2")
 
 
+def test_a_ctrl_c_during_the_final_samples_is_a_done_job(tmp_path):
+    """train_lora.py exits 130 when a Ctrl-C cuts its final samples short, after the final LoRA: the
+    job was 'stopped' with a resume offered (whose state has nothing to train); it is done."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    with open(job.log_path, "w") as f:
+        f.write("SIGINT during the final samples: 1 written, the rest skipped; the LoRA is final\n"
+                "saved /x/lora.safetensors after 5 steps in 1.0 s\n")
+    os.makedirs(job.state_dir)
+    ended = actions.outcome(store.get(job.id), 130)
+    assert ended["state"] == "done" and ended["resume"] is None
+
+
 def test_retry_starts_over_keeping_only_the_config(tmp_path):
     store = JobStore(str(tmp_path / "jobs"))
     job = store.create("a", {"output_name": "lora"}, 5, queue=True)

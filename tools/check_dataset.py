@@ -6,13 +6,14 @@ problem, each one line naming the file (library/data/check.py says what is an er
                                                                        # against its text encoder, and the
                                                                        # reference images its model_type takes
     python tools/check_dataset.py dataset.toml --tokenizer t5xxl --max_tokens 512
-    python tools/check_dataset.py dataset.toml --strict --json         # exit 1 on any error or warning
+    python tools/check_dataset.py dataset.toml --strict --json         # exit 1 on any warning too
 
 Caption lengths are counted only with a tokenizer: a training config's (its model_type's text
 encoder, the template and limit it applies) or --tokenizer FOLDER (the caption alone, --max_tokens,
 default the tokenizer's model_max_length). Every image is decoded whole, as caching will.
-The report goes to stdout (--json: one JSON object). --strict: each error and warning also as one
-line on stderr and exit status 1 when there is any. A config that cannot be read: one line, exit 2.
+The report goes to stdout (--json: one JSON object). Any error (training would stop on it): each
+error also as one line on stderr, exit status 1. --strict: warnings count as errors (on stderr too,
+exit 1). A config that cannot be read: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def build_parser() -> Parser:
     p.add_argument("--config_file", default=None, help="a train_lora.py config: its dataset and text encoder's tokenizer")
     p.add_argument("--tokenizer", default=None, help="a tokenizer folder to count caption tokens with")
     p.add_argument("--max_tokens", type=int, default=None, help="with --tokenizer: tokens the encoder keeps")
-    p.add_argument("--strict", action="store_true", help="exit 1 on any error or warning, one line each on stderr")
+    p.add_argument("--strict", action="store_true", help="warnings count as errors: exit 1 on any, one line each on stderr")
     p.add_argument("--json", action="store_true", help="the report as one JSON object")
     return p
 
@@ -101,8 +102,8 @@ def main(argv=None) -> int:
         print(one_line(e), file=sys.stderr)
         return 2
     print(json.dumps(report.to_json(), indent=2) if args.json else report_text(report))
-    problems = report.problems()
-    if args.strict and problems:
+    problems = [p for p in report.problems() if args.strict or p.severity == "error"]
+    if problems:  # an error stops training; with --strict a warning fails the check too
         for problem in problems:
             print(problem.line(), file=sys.stderr)
         return 1

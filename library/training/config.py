@@ -73,6 +73,8 @@ SCHEMA: dict[str, Arg] = {
     "save_every_n_epochs": A(int, 0, "save the LoRA every N epochs (0 = off)"),
     "save_last_n_saves": A(int, 0, "keep only the newest N intermediate saves (0 = keep all)"),
     "save_state": A(bool, False, "also save optimizer/scheduler/RNG state with each save"),
+    "save_state_on_train_end": A(bool, False, "save the state with the final LoRA only (sd-scripts' key; "
+                                              "save_state saves it with every save)"),
     "resume": A(str, None, "state folder to resume from"),
     # network
     "network_module": A(str, "networks.lora", "network type: networks.lora (LoRA, DoRA) or lycoris.kohya (LoKr, LoHa, ... via lycoris-lora)"),
@@ -724,7 +726,7 @@ def _validate_output_paths(args: argparse.Namespace, where: str) -> None:
     writes = [(f"{name}.safetensors", "the LoRA file", os.path.isdir)]
     if "peft" in lora_formats(args):
         writes.append((name, "the PEFT adapter folder", os.path.isfile))
-    if args.save_state:
+    if args.save_state or args.save_state_on_train_end:
         writes.append((f"{name}-state", "the training state folder", os.path.isfile))
     for entry, what, wrong_kind in writes:
         path = os.path.join(args.output_dir, entry)

@@ -305,6 +305,10 @@ class DiffusionTask:
     def batches_per_epoch(self) -> int:
         return len(EpochBatches(self.sampler, 0, self.accelerator.process_index, self.accelerator.num_processes))
 
+    def data_items(self) -> list[str]:
+        return [f"{it.dataset_index}/{it.subset_index}/{os.path.basename(it.image_path)} {os.path.getsize(it.image_path)}"
+                for it in self.dataset.items]
+
     def epoch_batches(self, epoch: int, skip: int = 0):
         """This process's batches of `epoch`, after the first `skip`. With persistent_data_loader_workers
         one DataLoader serves every epoch (its batch sampler is handed each epoch's batches), so its
@@ -370,9 +374,9 @@ class DiffusionTask:
     def save(self, path: str, metadata: dict, dtype: torch.dtype):
         self.network.save(path, dtype=dtype, metadata=metadata)
 
-    def finish(self, output_dir: str) -> list[str]:
+    def finish(self, output_dir: str, stop=None) -> list[str]:
         """End of training: the final samples (their paths)."""
-        return self.render_samples(output_dir, "final") if self.prompts else []
+        return self.render_samples(output_dir, "final", stop) if self.prompts else []
 
     # -- metadata ------------------------------------------------------------------------------
     def metadata(self) -> dict:
@@ -412,10 +416,11 @@ class DiffusionTask:
 
     # -- samples -------------------------------------------------------------------------------
     @torch.no_grad()
-    def render_samples(self, out_dir: str, tag: str) -> list[str]:
+    def render_samples(self, out_dir: str, tag: str, stop=None) -> list[str]:
         """One PNG per prompt: the training base (bf16 or the fp8 base the user deploys) and,
         on an fp8 base with sample_bf16_reference, the bf16 base beside it; then the prompt's
-        reference images (--ci, edit families), as the model saw them."""
+        reference images (--ci, edit families), as the model saw them. Ends before a prompt
+        where `stop()` is true."""
         if not self.prompts:
             return []
         from library.data.images import save_side_by_side
@@ -433,6 +438,8 @@ class DiffusionTask:
         written = []
         stamp, seeds = self._render_names()
         for i, (prompt, (text, negative)) in enumerate(zip(self.prompts, self.prompt_texts)):
+            if stop is not None and stop():
+                break
             images = []
             references = reference_images(prompt.control_images, self.family.sample_control_bucket, prompt.width, prompt.height)
             control = [vae.encode(r.to(self.device)) for r in references] or None  # float32 [1, 16, h, w]

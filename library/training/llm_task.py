@@ -281,6 +281,9 @@ class LLMTask:
     def batches_per_epoch(self) -> int:
         return len(self._global_batches(0))
 
+    def data_items(self) -> list[str]:
+        return [f"{os.path.basename(p)} {os.path.getsize(p) if os.path.isfile(p) else 0}" for p in self.args.train_data]
+
     def epoch_batches(self, epoch: int, skip: int = 0):
         """This process's slice of each global batch (batch_size * processes windows)."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
@@ -303,7 +306,7 @@ class LLMTask:
         """Not called (validation_size() is 0): the held-out loss that after_step reports."""
         return self.held_out_loss()
 
-    def render_samples(self, out_dir: str, tag: str) -> list[str]:
+    def render_samples(self, out_dir: str, tag: str, stop=None) -> list[str]:
         """An LLM's samples are text: val loss, perplexity and a generated sample (sample_at_first
         gives the baseline before training)."""
         self.report_eval(tag)
@@ -397,7 +400,7 @@ class LLMTask:
         save_hf_folder(self.model, folder, self.tokenizer, dtype, metadata, source_config)
         return [folder]
 
-    def finish(self, output_dir: str):
+    def finish(self, output_dir: str, stop=None):
         if self.args.eval_every_n_steps:
             self.report_eval("final")
 

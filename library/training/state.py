@@ -4,7 +4,8 @@ A state folder holds trainable.safetensors (the trained tensors), ema.safetensor
 EMA, when ema_decay is set), optimizer.pt (loaded back with
 `torch.load(weights_only=True)`: tensors and numbers only), rng.safetensors (torch/CUDA RNG
 states as uint8 tensors) and train_state.json (step, epoch, batches done in the epoch, scheduler
-state, the run's length and batches per epoch, the intermediate saves it wrote, and a digest of the
+state, the run's length and batches per epoch, a short digest of each training file, the
+intermediate saves it wrote, and a digest of the
 settings that must not change across a resume). The folder is written under a temporary name and
 renamed, so a crash never leaves a half state.
 """
@@ -15,6 +16,7 @@ import hashlib
 import json
 import os
 import pickle
+from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -133,6 +135,27 @@ def check_resumed_epoch(folder: str, progress: dict, batches_per_epoch: int) -> 
     raise ValueError(f"{folder}: state was written {done} of {saved} batches into epoch {progress['epoch']}, this run "
                      f"has {batches_per_epoch} batches per epoch (the dataset, its batch_size or num_repeats, or the "
                      f"processes changed): the rest of that epoch would be other images; resume with the same data")
+
+
+def item_digests(items: list[str]) -> list[str]:
+    """The state's record of the training files (Task.data_items): 8 hex digits each, sorted."""
+    return sorted(hashlib.sha256(item.encode()).hexdigest()[:8] for item in items)
+
+
+def check_resumed_data(folder: str, progress: dict, digests: list[str]) -> None:
+    """With the same count of batches, other files (one swapped for another, some added and as many
+    removed) would also give the saved epoch's rest other images. Checked inside an epoch only, where
+    the state has the record (states written before it resume unchecked)."""
+    saved, done = progress.get("data_items"), progress["batches_done"]
+    if saved is None or done in (0, progress.get("batches_per_epoch")):
+        return
+    old, new = Counter(saved), Counter(digests)  # (item_digests of this run's files)
+    added, removed = sum((new - old).values()), sum((old - new).values())
+    if added or removed:
+        raise ValueError(f"{folder}: state was written {done} batches into epoch {progress['epoch']}; since then "
+                         f"{removed} of its training files are gone and {added} are new (a renamed or resized file "
+                         f"counts in both): the rest of that epoch would be other images; resume with the same data, "
+                         f"or from a state saved at an epoch's end")
 
 
 def read_progress(path: str) -> dict:

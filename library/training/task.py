@@ -12,7 +12,7 @@ dtype they train in (the LoRA's, float32 by default); `save` casts to the dtype 
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,10 @@ class Task(Protocol):
 
     def batches_per_epoch(self) -> int:
         """How many batches this process gets per epoch (the same on every process)."""
+
+    def data_items(self) -> list[str]:
+        """One line per training file (its place in the dataset, name and size; no contents): a state
+        written inside an epoch resumes only on the same files."""
 
     def epoch_batches(self, epoch: int, skip: int = 0) -> Iterable:
         """This process's batches of `epoch`, after the first `skip` (those trained before a resume)."""
@@ -64,15 +68,17 @@ class Task(Protocol):
         """Whether after_step(step) evaluates and samples (the Trainer then swaps in the EMA weights
         where sample_with_ema asks, as for render_samples)."""
 
-    def render_samples(self, out_dir: str, tag: str) -> list[str]:
-        """Samples of the current weights, written to out_dir; the image paths (text: none)."""
+    def render_samples(self, out_dir: str, tag: str, stop: Callable[[], bool] | None = None) -> list[str]:
+        """Samples of the current weights, written to out_dir; the image paths (text: none). Where
+        `stop()` turns true (a Ctrl-C), it ends at the next image: the paths of those written."""
 
     def save(self, path: str, metadata: dict, dtype: torch.dtype) -> list[str] | None:
         """Write the trained weights for `path` (<output_dir>/<name>.safetensors) cast to `dtype`, with
         the string `metadata` in the header; what was written (None: just `path`)."""
 
-    def finish(self, output_dir: str) -> list[str] | None:
-        """End of training: the final samples' paths (or the final evaluation)."""
+    def finish(self, output_dir: str, stop: Callable[[], bool] | None = None) -> list[str] | None:
+        """End of training: the final samples' paths (or the final evaluation); `stop` as for
+        render_samples."""
 
     def metadata(self) -> dict:
         """The training facts only the task knows, as networks.lora_files.build_metadata fields:

@@ -36,6 +36,14 @@ def edited(order: list[str], values: tuple) -> dict:
     return {k: v for k, v in zip(order, values) if k not in loaded or v != loaded[k]}
 
 
+def unsaved_edits(order: list[str], values: list, loaded: dict, text: str, loaded_text: str) -> list[str]:
+    """What the form holds that the last Load did not put there: "the TOML" and the changed fields'
+    labels. A field Load left empty and the user too is no edit."""
+    changes = ["the TOML"] if (text or "").strip() != (loaded_text or "").strip() else []
+    return changes + [LABELS.get(k, k) for k, v in zip(order, values)
+                      if (v != loaded[k] if k in loaded else v not in (None, "", []))]
+
+
 def error_note(message: str) -> dict:
     return gr.update(value=f"⚠ {message}" if message else "", visible=bool(message))
 
@@ -131,14 +139,31 @@ def jobs_tab(ui: WebUI):
         message = result.get("error", "") if not result.get("ok") else ""
         return [error_note(message if k == where else "") for k in order + ["toml"]]
 
+    # The editor's text as the last Load put it there: another text is an edit a new pick must not drop.
+    loaded_text = gr.State("")
+    keep = [gr.update()] * (1 + len(order))  # the editor and the fields, as they are
+
     def on_load(path):
         try:
-            loaded_text, values = ui.load_config(path)
+            new_text, values = ui.load_config(path)
         except (OutsideRoots, OSError, ValueError) as e:
-            return [gr.update()] + [gr.update()] * len(order) + [error_note(str(e)), gr.update()]
-        return [loaded_text] + [values[k] for k in order] + [error_note(""), values]
+            return keep + [error_note(str(e)), gr.update(), gr.update()]
+        return [new_text] + [values[k] for k in order] + [error_note(""), values, new_text]
 
-    load.click(on_load, [pick], [text, *form_inputs, errors["toml"], loaded], api_name="load_config")
+    load_outputs = [text, *form_inputs, errors["toml"], loaded, loaded_text]
+    load.click(on_load, [pick], load_outputs, api_name="load_config")
+
+    def on_pick(path, text_value, *values):
+        """Picking a config loads it, unless the form holds edits: then it asks (Load replaces them)."""
+        *values, filled, filled_text = values
+        if not path:
+            return keep + [gr.update(), gr.update(), gr.update()]
+        if changes := unsaved_edits(order, values, filled, text_value, filled_text):
+            return keep + [error_note(f"the form has unsaved edits ({', '.join(changes)}): press Load to replace "
+                                      f"them with {path}, or Save TOML first"), gr.update(), gr.update()]
+        return on_load(path)
+
+    pick.change(on_pick, [pick, text, *form_inputs, loaded, loaded_text], load_outputs, api_name="pick_config")
 
     def on_check(text_value, *values):
         result = ui.check(text_value, edited(order, values))

@@ -82,9 +82,10 @@ def suggested_keys(fit: Fit) -> dict:
 # -- the dataset checker -----------------------------------------------------------------------
 
 def check_dataset(workdir: str, dataset_config: str, python: str = sys.executable) -> tuple[Result, dict | None]:
-    """tools/check_dataset.py --json: per subset its sizes, buckets and problems (None: it failed)."""
+    """tools/check_dataset.py --json: per subset its sizes, buckets and problems (None: it failed). A
+    dataset with errors exits 1 with its report: that is a report, not a failure."""
     result = run_tool("check_dataset.py", [dataset_config, "--json"], workdir, python)
-    if not result.ok:
+    if not result.stdout.strip():  # the config could not be read (exit 2, one line on stderr)
         return result, None
     try:
         return result, json.loads(result.stdout)

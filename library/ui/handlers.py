@@ -188,16 +188,31 @@ class WebUI:
             raise JobError(f"config: not valid TOML: {e}") from None
 
     def check(self, text: str, form: dict) -> dict:
-        """{"ok", "key", "error", "settings", "max_steps"}: the config as train_lora.py would check it."""
+        """{"ok", "key", "error", "settings", "max_steps", "logging_subdir"}: the config as train_lora.py
+        would check it, with the job's folder as its output_dir."""
         try:
             settings = self.settings(text, form)
             if too_big := out_of_range(settings):
                 raise too_big
         except (JobError, ValueError) as e:
             return {"ok": False, "key": getattr(e, "key", None), "error": str(e)}
+        subdir = self.logging_subdir(settings)
+        if subdir is not None:  # checked where the job will write it
+            settings = {**settings, "logging_dir": os.path.join(self.store.root, subdir)}
         answer = self.checker.check(toml_dumps(settings), self.store.root, self.roots.roots)
         answer.setdefault("settings", settings)
-        return answer
+        return {**answer, "logging_subdir": subdir}
+
+    def logging_subdir(self, settings: dict) -> str | None:
+        """Where the config's logging_dir lies inside its output_dir (the configs' "<output_dir>/logs"),
+        as train_lora.py run in the jobs' folder resolves both: a job's output_dir is its own folder, so
+        such a logging_dir moves into it too (it stayed "output/<name>/logs", outside the job and
+        the roots). None: no logging_dir, or one outside the output_dir (kept as it is)."""
+        logging_dir, output_dir = settings.get("logging_dir"), settings.get("output_dir")
+        if not logging_dir or not output_dir:
+            return None
+        inner = os.path.relpath(os.path.join(self.workdir, logging_dir), os.path.join(self.workdir, output_dir))
+        return None if inner == os.pardir or inner.startswith(os.pardir + os.sep) else os.path.normpath(inner)
 
     def save_config(self, path: str, text: str, form: dict) -> str:
         """The editor's TOML, with the fields changed from it set where it writes them (its comments,
@@ -222,7 +237,8 @@ class WebUI:
         settings = {k: v for k, v in answer["settings"].items() if k != "output_dir"}
         name = (name or "").strip() or settings.get("output_name") or "job"
         try:
-            job = self.store.create(name, settings, answer["max_steps"], queue=queue)
+            job = self.store.create(name, settings, answer["max_steps"], queue=queue,
+                                    logging_subdir=answer.get("logging_subdir"))
         except JobError as e:
             return {"ok": False, "key": None, "error": str(e)}
         return {"ok": True, "job_id": job.id, "state": job.state, "output_dir": job.output_dir}

@@ -155,9 +155,10 @@ class JobStore:
 
     # -- writing -----------------------------------------------------------------------------
     def create(self, name: str, settings: dict, max_steps: int | None, queue: bool = False,
-               device: str | None = None) -> Job:
+               device: str | None = None, logging_subdir: str | None = None) -> Job:
         """A new job and its output folder. settings: the config's keys (flat, as checked); its
-        output_dir is replaced by the job's folder."""
+        output_dir is replaced by the job's folder, and with logging_subdir its logging_dir by that
+        folder inside the job's."""
         output_name = settings.get("output_name") or "lora"
         now = time.time()
         with self._transaction() as db:
@@ -169,7 +170,8 @@ class JobStore:
             folder = self.job_folder(job_id)
             if os.path.exists(folder) and not os.path.isdir(folder):  # raised here: the new row is rolled back
                 raise JobError(f"job {job_id}: its output folder {folder!r} is not a folder; remove what is there")
-            config = toml_dumps({**settings, "output_dir": folder})
+            moved = {"logging_dir": os.path.join(folder, logging_subdir)} if logging_subdir is not None else {}
+            config = toml_dumps({**settings, "output_dir": folder, **moved})
             db.execute("UPDATE jobs SET output_dir = ?, config = ? WHERE id = ?", (folder, config, job_id))
         os.makedirs(folder, exist_ok=True)
         return self.get(job_id)

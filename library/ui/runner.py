@@ -2,7 +2,8 @@
 shell) in its own session, so it outlives the UI; a restarted UI re-attaches to it.
 
 Stop is train_lora.py's Ctrl-C: SIGINT, after which it saves the LoRA (<name>-stepNNNNNN.safetensors)
-and the state (<name>-state) at the end of the current optimizer step and exits with status 130.
+and the state (<name>-state) at the end of the current optimizer step and exits with status 130
+(during the final samples, after the final LoRA, it stops them and exits 130 too: that job is done).
 Resume passes --resume <state>; train_lora.py continues the CSV log from the state's step.
 """
 
@@ -195,7 +196,8 @@ def outcome(job: Job, code: int | None) -> dict:
     lines = run_files.log_lines(job.log_path, 20)
     saved = run_files.state_step(job.state_dir)
     stopped = next((m for m in map(STOPPED_LINE.search, reversed(lines)) if m), None)
-    if code == 0 or (code is None and any(DONE_LINE.search(line) for line in lines[-3:])):
+    # 130 after the final LoRA (a Ctrl-C during the final samples): done, nothing to resume.
+    if code == 0 or (code in (None, 130) and any(DONE_LINE.search(line) for line in lines[-3:])):
         return {"state": "done", "message": lines[-1] if lines else "done", "resume": None}
     if code == 130 or (code is None and stopped):
         return {"state": "stopped", "message": f"stopped at step {stopped.group(1) if stopped else saved}: "
