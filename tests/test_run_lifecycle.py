@@ -2,6 +2,7 @@
 that agree between training samples and generate.py, schedule checks before caching, saves, resume."""
 
 import re
+import time
 
 from PIL import Image
 
@@ -23,6 +24,7 @@ def test_a_second_run_keeps_the_first_runs_samples_and_an_unset_seed_is_random(t
     for _ in range(2):
         assert train_lora.main(flux_args(tiny_set, out, "--sample_prompts", str(prompts),
                                          "--sample_bf16_reference", "false")) == 0
+        time.sleep(1.0)  # the stamp has whole seconds: two runs sampling in one second name --d 7's sample alike
     finals = sorted(STAMPED.fullmatch(p.name).groups() for p in out.glob("tiny_flux_lora_final_*.png"))
     assert len(finals) == 4, finals  # two prompts, two runs
     seeds = {index: {seed for i, _, seed in finals if i == index} for index in ("00", "01")}

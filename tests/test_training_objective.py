@@ -163,6 +163,9 @@ class FakeTask:
     def batches_per_epoch(self):
         return self.n
 
+    def data_items(self):
+        return [f"batch {b}: {x}" for b, x in enumerate(self.values)]
+
     def epoch_batches(self, epoch, skip=0):
         return [(epoch, b) for b in range(skip, self.n)]
 
