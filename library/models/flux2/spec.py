@@ -56,11 +56,10 @@ FP8 = S.FP8Rules(
 
 
 # -- GGUF: ComfyUI-GGUF's layout (library/precision/gguf_writer.py)
-# convert.py detects BFL block keys (double_blocks.0.img_attn.proj.weight) as "flux" (ModelFlux, no
-# keys_hiprec); its llama.cpp patch leaves these unquantized for "flux" (tools/lcpp.patch, the
-# LLM_ARCH_FLUX rules of llama_model_quantize_internal) and quantizes every other 2-D weight:
-# the three shared modulation Linears (the fp8 rules keep them) included. ComfyUI tells FLUX.2 by its keys.
-GGUF = S.GgufLayout("flux", unquantized=("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer."))
+# FLUX.1's: convert.py detects the BFL block keys as "flux" and its llama.cpp patch's "flux" rules apply
+# (flux1/spec.py GGUF): every 2-D weight outside its unquantized list is quantized, the three shared
+# modulation Linears (the fp8 rules keep them) included. ComfyUI tells FLUX.2 by its keys.
+GGUF = S.load_symbol("library.models.flux1.spec:GGUF")
 
 
 # -- timestep sampling and shift defaults (library/models/flow_matching.py)
