@@ -55,9 +55,7 @@ from networks.lora_arch import (
 from networks.lora_files import (
     LoRAWeights,
     beside_lora_note,
-    bfl_to_diffusers,
     detect_format,
-    diffusers_to_bfl,
     lora_reader,
     naming,
     parse_lora,
@@ -68,6 +66,7 @@ from networks.lora_files import (
     split_text_encoders,
     text_encoder_note,
 )
+from networks.lora_module_map import bfl_to_diffusers, diffusers_to_bfl
 
 
 @dataclass

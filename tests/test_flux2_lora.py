@@ -11,6 +11,7 @@ from peft.tuners.lora import LoraLayer
 from library.models.flux2.checkpoint import diffusers_config, flux2_diffusers_module_map, load_flux2
 from library.models.flux2.model import Flux2Config, make_img_ids, make_txt_ids
 from networks import lora_files as lf
+from networks.lora_module_map import bfl_to_diffusers
 from networks.lora import LoRANetwork
 from tools import convert_lora
 
@@ -78,7 +79,7 @@ def test_flux2_lora_files_load_in_diffusers_with_our_output(pair, files):
     assert (base - base_reference).abs().max() <= TOLERANCE
 
     net = files
-    expected = len(lf.bfl_to_diffusers(net.lora_weights(), flux2_diffusers_module_map(2, 2, 64, 192)))
+    expected = len(bfl_to_diffusers(net.lora_weights(), flux2_diffusers_module_map(2, 2, 64, 192)))
     assert expected == 2 * 12 + 2 * 2  # qkv split into to_q/to_k/to_v (add_*_proj for text)
     net.apply()
     with_lora, _ = outputs(ours, theirs)

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from library.io import CheckpointError
 from networks import lora_files as lf
+from networks.lora_module_map import bfl_to_diffusers, diffusers_to_bfl
 from networks.lora import LoRAModule, LoRANetwork
 from library.models.registry import arch_spec
 
@@ -447,16 +448,16 @@ def test_kohya_to_peft_to_kohya_round_trip_flux(tmp_path):
     lf.write_kohya(bfl, str(tmp_path / "k.safetensors"))
     read, _, fmt = lf.read_lora(str(tmp_path / "k.safetensors"), module_paths=module_map)
     assert fmt == "kohya"
-    diffusers = lf.bfl_to_diffusers(read, module_map)
+    diffusers = bfl_to_diffusers(read, module_map)
     assert set(diffusers) >= {"transformer_blocks.0.attn.to_k", "single_transformer_blocks.0.proj_mlp", "transformer_blocks.0.ff_context.net.0.proj"}
     assert torch.equal(diffusers["single_transformer_blocks.0.proj_mlp"].up, bfl["single_blocks.0.linear1"].up[3 * h :])
     lf.write_peft(diffusers, str(tmp_path / "p.safetensors"))
     peft, _, fmt = lf.read_lora(str(tmp_path / "p.safetensors"))
     assert fmt == "peft" and "transformer_blocks.0.attn.to_q" in peft
-    back = lf.diffusers_to_bfl(peft, module_map)
+    back = diffusers_to_bfl(peft, module_map)
     assert_same_deltas(bfl, back, tol=1e-6)
     # alpha == rank: nothing is folded, and the round trip is exact
-    exact = lf.diffusers_to_bfl(lf.parse_lora(lf.peft_state_dict(lf.bfl_to_diffusers(
+    exact = diffusers_to_bfl(lf.parse_lora(lf.peft_state_dict(bfl_to_diffusers(
         {k: lf.LoRAWeights(w.down, w.up, 4.0) for k, w in bfl.items()}, module_map)))[0], module_map)
     assert all(torch.equal(exact[k].down, bfl[k].down) and torch.equal(exact[k].up, bfl[k].up) for k in bfl)
 
@@ -466,7 +467,7 @@ def test_flux_diffusers_to_bfl_with_separate_downs_is_block_diagonal():
     module_map = {"double_blocks.0.img_attn.qkv": [("q", 0, h), ("k", h, 2 * h), ("v", 2 * h, 3 * h)]}
     parts = {"q": lf.LoRAWeights(torch.randn(2, h), torch.randn(h, 2), 1.0),
              "v": lf.LoRAWeights(torch.randn(3, h), torch.randn(h, 3), 6.0)}  # no LoRA on k
-    fused = lf.diffusers_to_bfl(parts, module_map)["double_blocks.0.img_attn.qkv"]
+    fused = diffusers_to_bfl(parts, module_map)["double_blocks.0.img_attn.qkv"]
     assert fused.rank == 5 and fused.scale == 1.0
     delta = fused.delta()
     assert (delta[:h] - parts["q"].delta()).abs().max() < 1e-6
@@ -615,7 +616,7 @@ def test_flux_network_loads_a_diffusers_named_peft_lora(tmp_path):
                           context_in_dim=8, vec_in_dim=8, guidance_embed=False)
     net = LoRANetwork(flux.Flux(cfg), "flux", rank=2, alpha=1)
     randomize(net)
-    diffusers = lf.bfl_to_diffusers(net.lora_weights(), flux_diffusers_module_map(1, 1, 16, 64))
+    diffusers = bfl_to_diffusers(net.lora_weights(), flux_diffusers_module_map(1, 1, 16, 64))
     lf.write_peft(diffusers, str(tmp_path / "d.safetensors"))
     fresh = LoRANetwork(flux.Flux(cfg), "flux", rank=2)
     fresh.load_weights(str(tmp_path / "d.safetensors"))

@@ -17,6 +17,7 @@ from library.models.flux1.model import make_img_ids, make_txt_ids
 from library.models.flux1.checkpoint import flux_diffusers_module_map, load_flux
 from library.models.qwen_image.model import QwenImageConfig, load_qwen_image
 from networks import lora_files as lf
+from networks.lora_module_map import bfl_to_diffusers
 from networks.lora import LoRANetwork
 from tools import convert_lora
 
@@ -90,7 +91,7 @@ def test_flux_kohya_and_diffusers_files_load_in_diffusers_with_our_output(flux_p
 
     net = random_lora(ours, "flux", train_modulation=True)  # attention, MLP, single-block and modulation Linears
     net.save(str(root / "kohya.safetensors"))
-    expected_modules = lf.bfl_to_diffusers(net.lora_weights(), flux_diffusers_module_map(1, 1, 3072, 12288, guidance=False))
+    expected_modules = bfl_to_diffusers(net.lora_weights(), flux_diffusers_module_map(1, 1, 3072, 12288, guidance=False))
     assert len(expected_modules) == 20  # qkv / linear1 split into to_q, to_k, to_v (+ proj_mlp)
     net.apply()
     with_lora, _ = flux_outputs(ours, theirs)

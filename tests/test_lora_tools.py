@@ -12,6 +12,7 @@ from library.models.flux1.checkpoint import load_flux
 from library.models.llm import load_llm
 from library.models.qwen_image.model import load_qwen_image
 from networks import lora_files as lf
+from networks.lora_module_map import bfl_to_diffusers
 from networks.lora import LoRANetwork
 from tools import resize_lora
 from tools.lora_common import load_model, read_lora_file
@@ -382,7 +383,7 @@ def test_combine_errors_are_one_line(two_flux_loras, tiny_set, tmp_path, capsys)
     dora.save(str(tmp_path / "dora.safetensors"))
     from library.models.flux1.checkpoint import flux_diffusers_module_map
 
-    diffusers = lf.bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(2, 2, 64, 256, 64, True))
+    diffusers = bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(2, 2, 64, 256, 64, True))
     lf.write_peft(diffusers, str(tmp_path / "diffusers.safetensors"))
     _lokr(tmp_path / "k.safetensors")
     random_lora(tiny_set["llm"], tmp_path / "llm.safetensors", rank=2, family="llm", loader=load_llm)

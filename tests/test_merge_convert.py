@@ -25,6 +25,7 @@ from library.models.flux1.checkpoint import (
 from library.models.llm import LLM, LLMConfig, load_llm
 from library.models.qwen_image.model import QwenImage, QwenImageConfig, load_qwen_image, save_qwen_image_diffusers
 from networks import lora_files as lf
+from networks.lora_module_map import bfl_to_diffusers
 from networks.lora import LoRANetwork
 from tools import convert_lora, merge_lora
 from library.models.registry import arch_spec
@@ -185,7 +186,7 @@ def test_flux_diffusers_sharded_folder_merge_keeps_layout_and_output(flux_bfl, t
     shards = sorted(os.listdir(tmp_path / "pipe" / "transformer"))
     assert sum(s.endswith(".safetensors") for s in shards) > 1
     # a BFL-named kohya LoRA and a diffusers-named PEFT LoRA, both onto diffusers names
-    peft = lf.bfl_to_diffusers(b.lora_weights(), flux_diffusers_module_map(1, 1, 64, 256))
+    peft = bfl_to_diffusers(b.lora_weights(), flux_diffusers_module_map(1, 1, 64, 256))
     lf.write_peft(peft, str(tmp_path / "b_peft.safetensors"))
     out = tmp_path / "merged"
     assert merge("--model", tmp_path / "pipe", "--lora", f"{root / 'a.safetensors'}:0.7", f"{tmp_path / 'b_peft.safetensors'}:1.5",
@@ -200,7 +201,7 @@ def test_flux_diffusers_sharded_folder_merge_keeps_layout_and_output(flux_bfl, t
 
 def test_diffusers_named_lora_merges_into_bfl_file(flux_bfl, tmp_path):
     root, model, a, _ = flux_bfl
-    peft = lf.bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(1, 1, 64, 256))
+    peft = bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(1, 1, 64, 256))
     lf.write_peft(peft, str(tmp_path / "a_peft.safetensors"))
     merge("--model", root / "base.safetensors", "--lora", tmp_path / "a_peft.safetensors", "--save_to", tmp_path / "m.safetensors")
     expected = runtime_output(model, [(a, 1.0)], flux_inputs())
@@ -544,7 +545,7 @@ def test_flux_kohya_to_diffusers_to_kohya_round_trip(flux_bfl, tmp_path):
     assert fmt == "peft" and meta[convert_lora.FOLDED_MARK] == "true" and meta["ss_network_dim"] == "2"
     assert {"transformer_blocks.0.attn.to_k", "transformer_blocks.0.norm1_context.linear", "single_transformer_blocks.0.proj_mlp"} <= set(diffusers)
     module_map = flux_diffusers_module_map(1, 1, 64, 256)
-    deltas_match(lf.bfl_to_diffusers(b.lora_weights(), module_map), diffusers)
+    deltas_match(bfl_to_diffusers(b.lora_weights(), module_map), diffusers)
     assert convert(tmp_path / "d.safetensors", tmp_path / "k.safetensors", "--to", "kohya", "--alpha", "8") == 0
     back, _, fmt = lf.read_lora(str(tmp_path / "k.safetensors"), module_paths=module_map)
     assert fmt == "kohya" and all(w.alpha == 8.0 and w.rank == 2 for w in back.values())
@@ -698,6 +699,6 @@ def test_the_runtime_reader_reads_other_trainers_names(flux_bfl, tmp_path):
     (generate, network_weights) reads them as convert_lora does (networks/lora_reader.py). The old reader
     refused them and said to convert the file first."""
     root, _, a, _ = flux_bfl
-    diffusers = lf.bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(1, 1, 64, 256))
+    diffusers = bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(1, 1, 64, 256))
     lf.write_kohya(diffusers, str(tmp_path / "ot.safetensors"), prefix="lora_transformer")
     deltas_match(a.lora_weights(), LoRANetwork.from_weights(Flux(FLUX_CFG), "flux", str(tmp_path / "ot.safetensors")).lora_weights())

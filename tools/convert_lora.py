@@ -81,10 +81,8 @@ from networks.lora_files import (  # noqa: E402
     PEFT_CONFIG_FILE,
     LoRAWeights,
     beside_lora_note,
-    bfl_to_diffusers,
     comfy_state_dict,
     detect_format,
-    diffusers_to_bfl,
     dim_and_alpha,
     kohya_state_dict,
     naming,
@@ -97,6 +95,7 @@ from networks.lora_files import (  # noqa: E402
     write_peft,
     write_peft_folder,
 )
+from networks.lora_module_map import bfl_to_diffusers, diffusers_to_bfl  # noqa: E402
 from networks.lora_reader import lora_in_our_names  # noqa: E402
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
 from networks.lora_arch import detect_arch, lora_files, title_list  # noqa: E402
