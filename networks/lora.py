@@ -33,11 +33,10 @@ from networks.lora_files import (
     kohya_name,
     lora_reader,
     peft_target_modules,
-    text_encoder_note,
     write_kohya,
     write_peft_folder,
 )
-from networks.lora_reader import read_for_model, text_encoders_only
+from networks.lora_reader import leave_out_text_encoders, read_for_model
 
 # ----------------------------------------------------------------------------------------------
 # Targets: each architecture's spec (library/models/<folder>/spec.py, LORA) names them: module type
@@ -625,11 +624,7 @@ class LoRANetwork(nn.Module):
                                   f"set network_module = \"lycoris.kohya\" to load it")
         module_map = self._module_map if self.spec.diffusers_module_map else None
         read = read_for_model(source, self.arch, linears, module_map, name=name, strict=True)
-        if read.text_encoders and not read.weights:
-            raise CheckpointError(text_encoders_only(name, read.text_encoders))
-        if read.text_encoders:
-            warnings.warn(f"{name}: left out {text_encoder_note(read.text_encoders)}: they adapt the text encoders, "
-                          f"not this network's model", stacklevel=4)  # fmt: skip
+        leave_out_text_encoders(name, read.text_encoders, bool(read.weights), stacklevel=4)
         return read.weights, read.regrouped
 
     @staticmethod

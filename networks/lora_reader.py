@@ -346,3 +346,14 @@ def check_lora_arch(path: str, arch: str) -> None:
 def text_encoders_only(name: str, te: dict) -> str:
     """The line for a LoRA of sd-scripts' text encoders alone: nothing in it adapts the transformer."""
     return f"{name}: holds only {text_encoder_note(te)}; this LoRA adapts no module of the transformer"
+
+
+def leave_out_text_encoders(name: str, te: dict, kept: bool, stacklevel: int) -> None:
+    """For a network loading a file: a CheckpointError where it holds text-encoder modules `te` alone (`kept`
+    False: nothing else of it loads), else one warning that `te`'s modules were left out (stacklevel: the
+    caller's)."""
+    if te and not kept:
+        raise CheckpointError(text_encoders_only(name, te))
+    if te:
+        warnings.warn(f"{name}: left out {text_encoder_note(te)}: they adapt the text encoders, not this network's model",
+                      stacklevel=stacklevel + 1)

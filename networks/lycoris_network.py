@@ -29,7 +29,6 @@ import contextlib
 import logging
 import os
 import re
-import warnings
 
 import torch
 import torch.nn as nn
@@ -38,8 +37,8 @@ from library.io import CheckpointError, CheckpointReader, save_safetensors
 from library.models.registry import arch_specs
 from networks.lora import LoRANetwork, _as_bool, _as_float, _as_int, _as_probability, check_lora_args, lora_targets
 from networks.lora_files import build_metadata, is_lycoris_file, lycoris_kind, tensor_hash  # noqa: F401 (the tools import them from here)
-from networks.lora_files import naming, split_text_encoders, text_encoder_note
-from networks.lora_reader import text_encoders_only, without_base_only
+from networks.lora_files import naming, split_text_encoders
+from networks.lora_reader import leave_out_text_encoders, without_base_only
 
 # network_args LyCORIS' create_network reads (lycoris-lora 4.1.3, lycoris/kohya.py), passed as given.
 LYCORIS_ARGS = {
@@ -304,11 +303,7 @@ class LycorisNetwork(nn.Module):
         with one warning, and an error names the file."""
         name = source if isinstance(source, str) else "state dict"
         source, te = split_text_encoders(_tensors_of(source))
-        if te and not source:
-            raise CheckpointError(text_encoders_only(name, te))
-        if te:
-            warnings.warn(f"{name}: left out {text_encoder_note(te)}: they adapt the text encoders, not this network's model",
-                          stacklevel=2)
+        leave_out_text_encoders(name, te, bool(source), stacklevel=2)
         source = without_base_only(name, source, {}, arch)
         network = cls.__new__(cls)
         nn.Module.__init__(network)
