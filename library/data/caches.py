@@ -39,15 +39,20 @@ TEMPORARY_AGE_S = 3600  # a cache file's temporary this old was left by a killed
 # and, for latents, the bucket; the content hash then tells whether the named file is current.
 
 
-def cache_path(item: ImageItem, suffix: str) -> str:
-    """`<stem>_<suffix>.safetensors` beside the image, or in cache_dir under a folder named for
-    the image folder (plus a short hash of its path, so equal names in two folders differ)."""
-    folder, name = os.path.split(os.path.abspath(item.image_path))
-    stem = os.path.splitext(name)[0]
+def cache_folder(item: ImageItem) -> str:
+    """The folder of the item's caches: its image's, or in cache_dir one named for the image folder
+    (plus a short hash of its path, so equal names in two folders differ)."""
+    folder = os.path.dirname(os.path.abspath(item.image_path))
     if item.cache_dir:
         tag = hashlib.sha256(folder.encode()).hexdigest()[:8]
         folder = os.path.join(item.cache_dir, f"{os.path.basename(folder)}-{tag}")
-    return os.path.join(folder, f"{stem}_{suffix}.safetensors")
+    return folder
+
+
+def cache_path(item: ImageItem, suffix: str) -> str:
+    """`<stem>_<suffix>.safetensors` in cache_folder: beside the image, or in cache_dir."""
+    stem = os.path.splitext(os.path.basename(item.image_path))[0]
+    return os.path.join(cache_folder(item), f"{stem}_{suffix}.safetensors")
 
 
 def _hash_file(h, path: str, tag: bytes = b"") -> None:
