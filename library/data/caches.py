@@ -24,7 +24,7 @@ from library.data.controls import encode_prompts
 from library.data.image_folders import ImageItem
 from library.data.images import load_image
 from library.data.masks import load_mask, mask_source_hash
-from library.io import CheckpointReader, save_safetensors
+from library.io import CheckpointReader, atomic_target, save_safetensors
 
 # Part of every latent cache hash: bump it when resize/crop changes so old caches are redone.
 PREPROCESS_VERSION = "resize-crop-v1"
@@ -371,8 +371,9 @@ def remove_unused_caches(folders, family: str, used: set[str], latents: bool, te
 def _is_left_temporary(path: str, name: str, family: str) -> bool:
     """A cache file's temporary (library/io.py atomic_path: `.<name>.<random>.tmp`) that a killed run
     left, an hour old: a write in progress takes milliseconds."""
-    match = re.fullmatch(rf"\.(.+_{re.escape(family)}_[0-9a-f]{{10}}_.+\.safetensors)\.[a-z0-9_]+\.tmp", name)
-    return match is not None and os.path.isfile(path) and time.time() - os.path.getmtime(path) > TEMPORARY_AGE_S
+    target = atomic_target(name) or ""
+    return (re.fullmatch(rf".+_{re.escape(family)}_[0-9a-f]{{10}}_.+\.safetensors", target) is not None
+            and os.path.isfile(path) and time.time() - os.path.getmtime(path) > TEMPORARY_AGE_S)
 
 
 def _is_cache_of(path: str, name: str, family: str) -> bool:
