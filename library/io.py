@@ -22,6 +22,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import sys
@@ -424,6 +425,13 @@ def atomic_path(path: str):
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
+
+
+def atomic_target(name: str) -> str | None:
+    """The file name an atomic_path temporary named `name` (`.<name>.<random>.tmp`) was written for;
+    None where `name` is no such temporary."""
+    match = re.fullmatch(r"\.(.+)\.[a-z0-9_]+\.tmp", name)
+    return match.group(1) if match else None
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from library.data.controls import encode_prompts
 from library.data.image_folders import ImageItem
 from library.data.images import load_image
 from library.data.masks import load_mask, mask_source_hash
-from library.io import CheckpointReader, save_safetensors
+from library.io import CheckpointReader, atomic_target, save_safetensors
 
 # Part of every latent cache hash: bump it when resize/crop changes so old caches are redone.
 PREPROCESS_VERSION = "resize-crop-v1"
@@ -39,15 +39,20 @@ TEMPORARY_AGE_S = 3600  # a cache file's temporary this old was left by a killed
 # and, for latents, the bucket; the content hash then tells whether the named file is current.
 
 
-def cache_path(item: ImageItem, suffix: str) -> str:
-    """`<stem>_<suffix>.safetensors` beside the image, or in cache_dir under a folder named for
-    the image folder (plus a short hash of its path, so equal names in two folders differ)."""
-    folder, name = os.path.split(os.path.abspath(item.image_path))
-    stem = os.path.splitext(name)[0]
+def cache_folder(item: ImageItem) -> str:
+    """The folder of the item's caches: its image's, or in cache_dir one named for the image folder
+    (plus a short hash of its path, so equal names in two folders differ)."""
+    folder = os.path.dirname(os.path.abspath(item.image_path))
     if item.cache_dir:
         tag = hashlib.sha256(folder.encode()).hexdigest()[:8]
         folder = os.path.join(item.cache_dir, f"{os.path.basename(folder)}-{tag}")
-    return os.path.join(folder, f"{stem}_{suffix}.safetensors")
+    return folder
+
+
+def cache_path(item: ImageItem, suffix: str) -> str:
+    """`<stem>_<suffix>.safetensors` in cache_folder: beside the image, or in cache_dir."""
+    stem = os.path.splitext(os.path.basename(item.image_path))[0]
+    return os.path.join(cache_folder(item), f"{stem}_{suffix}.safetensors")
 
 
 def _hash_file(h, path: str, tag: bytes = b"") -> None:
@@ -366,8 +371,9 @@ def remove_unused_caches(folders, family: str, used: set[str], latents: bool, te
 def _is_left_temporary(path: str, name: str, family: str) -> bool:
     """A cache file's temporary (library/io.py atomic_path: `.<name>.<random>.tmp`) that a killed run
     left, an hour old: a write in progress takes milliseconds."""
-    match = re.fullmatch(rf"\.(.+_{re.escape(family)}_[0-9a-f]{{10}}_.+\.safetensors)\.[a-z0-9_]+\.tmp", name)
-    return match is not None and os.path.isfile(path) and time.time() - os.path.getmtime(path) > TEMPORARY_AGE_S
+    target = atomic_target(name) or ""
+    return (re.fullmatch(rf".+_{re.escape(family)}_[0-9a-f]{{10}}_.+\.safetensors", target) is not None
+            and os.path.isfile(path) and time.time() - os.path.getmtime(path) > TEMPORARY_AGE_S)
 
 
 def _is_cache_of(path: str, name: str, family: str) -> bool:

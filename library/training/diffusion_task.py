@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from library.data.captions import drops_captions
-from library.data.caches import (cache_empty_caption, cache_latents, cache_path, cache_prompts, cache_text,
+from library.data.caches import (cache_empty_caption, cache_folder, cache_latents, cache_prompts, cache_text,
                                  loaded_on_first_call, remove_unused_caches)
 from library.data.check import training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
@@ -208,7 +208,7 @@ class DiffusionTask:
             return
         used = {c for item in items for c in (item.latent_cache, item.text_cache) if isinstance(c, str)}
         used |= {f for f in prompt_files if f}
-        folders = {os.path.dirname(cache_path(item, "te")) for item in items}
+        folders = {cache_folder(item) for item in items}
         removed, freed = remove_unused_caches(folders, self.family.name, used, args.cache_latents_to_disk,
                                               args.cache_text_encoder_outputs_to_disk)
         if removed:
@@ -222,7 +222,7 @@ class DiffusionTask:
         items = self.dataset.items + self.validation_set.items
         if not (self.args.cache_text_encoder_outputs_to_disk and items):
             return None
-        return os.path.dirname(cache_path(items[0], "te"))
+        return cache_folder(items[0])
 
     def _cache_latents(self):
         items, latent_key = self.dataset.items + self.validation_set.items, self.family.latent_cache_key()

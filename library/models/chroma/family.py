@@ -126,7 +126,7 @@ class ChromaFamily(DiffusionFamily):
         """ChromaPipeline's true CFG: uncond + g (cond - uncond) when g > 1 and a negative prompt is
         given (the empty prompt by default), in float32; no norm rescale (unlike Qwen-Image)."""
         cond = self.predict(model, x, s, text, h, w, guidance).float()
-        if negative_text is None or guidance is None or guidance <= 1.0:
+        if negative_text is None or guidance is None or guidance <= self.cfg_above:
             return cond
         uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
         return uncond + guidance * (cond - uncond)

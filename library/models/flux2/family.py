@@ -190,7 +190,7 @@ class Flux2Family(DiffusionFamily):
 
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance):
         cond = self.predict(model, x, s, text, h, w, guidance).float()
-        cfg = model.guidance_in is None and negative_text is not None and guidance is not None and guidance > 1.0
+        cfg = model.guidance_in is None and negative_text is not None and guidance is not None and guidance > self.cfg_above
         if not cfg or self.is_distilled:
             return cond
         uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()

@@ -138,7 +138,7 @@ class QwenImageFamily(DiffusionFamily):
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
         refs = control_kwargs(control)  # Qwen-Image-Edit: both passes see the condition latents
         cond = self.predict(model, x, s, text, h, w, guidance, **refs).float()
-        if negative_text is None or guidance is None or guidance <= 1.0:
+        if negative_text is None or guidance is None or guidance <= self.cfg_above:
             return cond
         uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
         # Qwen-Image's pipeline rescales the guided prediction to the conditional one's norm.

@@ -245,7 +245,7 @@ class QwenImage21Family(DiffusionFamily):
         both passes see the references."""
         refs = control_kwargs(control)
         cond = self.predict(model, x, s, text, h, w, guidance, **refs).float()
-        if negative_text is None or guidance is None or guidance <= 1.0:
+        if negative_text is None or guidance is None or guidance <= self.cfg_above:
             return cond
         uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
         return uncond + guidance * (cond - uncond)
