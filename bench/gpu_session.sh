@@ -9,13 +9,15 @@
 #      rest      CUDA checks (tests, the quickstart), FLUX.1 without the keys (eager and compiled), the core
 #                levers (the two that keep attention in their own step), block swap eager / compiled / with
 #                prefetch
+#      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
+#                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
 # with under 45 s left is skipped and said so. Logs go to $OUT (the device tool brings back 8 files at
 # most: these are 6) or bench/gpu_logs; session.log ends with every headline line of the call.
 # Settings as bench/gpu_bench.sh: 1024 px (4096 image + 512 text tokens), full-width blocks (FLUX.1 2 double
 # + 4 single, Qwen-Image 4), bf16 autocast, gradient checkpointing, rank 16.
 set -o pipefail
-plan=${1:?usage: bash bench/gpu_session.sh headline|rest [SECONDS]}
+plan=${1:?usage: bash bench/gpu_session.sh headline|rest|fp8swap [SECONDS]}
 budget=${2:-540}
 start=$SECONDS
 LOGS=${OUT:-bench/gpu_logs}
@@ -82,8 +84,16 @@ case $plan in
         done
         step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20,40 --prefetch 2
         ;;
+    fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
+        for family in flux qwen_image; do
+            step fp8.log 100 $PY bench/bench_train_step.py --device "$DEVICE" --dtype bf16 --sizes mid --families $family \
+                --skip-ref --checkpointing --mfu $SHAPE
+        done
+        step swap.log 120 $PY bench/bench_block_swap.py --family flux --swaps 0,16
+        step swap.log 120 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2
+        ;;
     *)
-        echo "unknown plan $plan (headline, rest)"
+        echo "unknown plan $plan (headline, rest, fp8swap)"
         exit 2
         ;;
 esac
