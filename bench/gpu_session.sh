@@ -32,7 +32,7 @@ PY=${PYTHON:-python3}
 # A smoke test here: PYTHON=.venv/bin/python DEVICE=cpu SHAPE="--image-tokens 64 --text-tokens 16 --double 1
 # --single 1 --qwen-blocks 1 --warmup 1 --reps 1" GEMM=1024 bash bench/gpu_session.sh headline 1800
 DEVICE=${DEVICE:-cuda}
-SHAPE=${SHAPE:-"--image-tokens 4096 --text-tokens 512 --double 2 --single 4 --qwen-blocks 4 --warmup 2 --reps 3"}
+SHAPE=${SHAPE:-"--image-tokens 4096 --text-tokens 512 --double 2 --single 4 --qwen-blocks 4 --warmup 3 --reps 10"}
 PEERS="--device $DEVICE --sizes mid --gemm ${GEMM:-8192} --sd_scripts .peers/sd-scripts --musubi .peers/musubi-tuner $SHAPE"
 KEEP="--save-attention"  # the headline's: ours in its fastest documented setting
 {
