@@ -20,7 +20,7 @@ from library.precision.fp8_compute import (FP8ComputeLinear, enable_fp8_compute,
 from tests.test_train_lora import flux_args, read_losses
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-from fp8_compute_ops import computed_layer, per_call_work  # noqa: E402
+from fp8_compute_ops import OpLog, computed_layer, per_call_work  # noqa: E402
 
 MODES = ("fp8", "fp8_scaled", "fp8_tensor_scaled")
 BF16_HALF_ULP = 2.0 ** -8  # round to nearest bf16 (8 significant bits): |error| <= 2^-8 |value|
@@ -156,6 +156,29 @@ def test_per_call_work_beside_the_gemm(mode):
     assert (backward.gemm, backward.passes, backward.bytes) == (1, 3 + scaled, 13 + 10 * scaled)
     assert (backward.vector_ops, backward.weight_copies) == (0, 1)
     assert len(forward.ops) == 7 and len(backward.ops) == 8
+
+
+@cpu_rowwise
+def test_linears_reading_one_activation_quantize_it_once_to_the_same_bits():
+    """Three Linears on each of two inputs, interleaved as Qwen-Image's joint attention calls them
+    (add_q(txt), to_q(img), add_k(txt), ...): each input is quantized once (3 passes each, the GEMMs
+    beside), and the outputs and input gradients equal separate copies' bit for bit. Before: 6 x 6
+    passes. An input changed in place is quantized again."""
+    lins = [computed("fp8_scaled", seed=s) for s in range(6)]
+    img, txt = inputs(1), inputs(2)
+    with OpLog(img[..., 0].numel(), 192) as log:
+        shared = [lin(x) for lin, x in zip(lins, (txt, img) * 3)]
+    assert log.work.gemm == 6 and log.work.passes == 2 * 3
+    copies = [inputs(s) for s in (2, 1) * 3]
+    alone = [lin(x) for lin, x in zip(lins, copies)]
+    assert all(torch.equal(a, b) for a, b in zip(shared, alone))
+    for y, x, y_alone, x_alone in zip(shared, (txt, img) * 3, alone, copies):
+        g = torch.ones_like(y)
+        assert torch.equal(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(y_alone, x_alone, g)[0])
+    x = inputs(3).detach()
+    before = lins[0](x)
+    x.mul_(2)
+    assert torch.equal(lins[0](x), lins[0](x.clone())) and not torch.equal(lins[0](x), before)
 
 
 @cpu_rowwise

@@ -31,6 +31,7 @@ FP8Linear's dequantize-then-matmul path.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn as nn
@@ -74,14 +75,41 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t / scale).to(FP8_DTYPE), scale
 
 
+class _QuantizedInputs:
+    """The e4m3 codes and row scales of the last two inputs, keyed by the tensor itself (a weak
+    reference) and its version: Linears that read one activation (separate q, k and v projections,
+    one stream's calls interleaved with another's) quantize it once, to the same bits. Eager only: a
+    compiled graph merges the repeated quantization itself. Holds at most two inputs' codes (1 byte
+    per element) past their last call."""
+
+    SLOTS = 2
+
+    def __init__(self):
+        self.entries: list[tuple[weakref.ref, int, torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., K] -> (codes [M, K], scales [M, 1]), outside autograd (the base gets no gradient)."""
+        if torch.compiler.is_compiling() or x.is_inference():  # (an inference tensor has no version)
+            return quantize_rows(x.detach().reshape(-1, x.shape[-1]))
+        for ref, version, xq, s_x in self.entries:
+            if ref() is x and version == x._version:
+                return xq, s_x
+        xq, s_x = quantize_rows(x.detach().reshape(-1, x.shape[-1]))
+        self.entries = [(weakref.ref(x), x._version, xq, s_x)] + self.entries[:self.SLOTS - 1]
+        return xq, s_x
+
+
+quantized_inputs = _QuantizedInputs()
+
+
 class _RowwiseFP8Matmul(torch.autograd.Function):
-    """x [M, K] bf16 @ (q [N, K] e4m3 * s_w [1, N] fp32)^T -> [M, N] bf16, both GEMMs in fp8. Saves only
-    the codes and scales (resident anyway), never x: the base gets no gradient. ones [1, K] fp32 is the
-    backward GEMM's weight-side scale; unit: s_w is all ones (the product with the gradient is skipped)."""
+    """x [M, K] bf16 @ (q [N, K] e4m3 * s_w [1, N] fp32)^T -> [M, N] bf16, both GEMMs in fp8, from x's
+    codes xq and row scales s_x (quantize_rows). Saves only the weight's codes and scales (resident
+    anyway), never x: the base gets no gradient. ones [1, K] fp32 is the backward GEMM's weight-side
+    scale; unit: s_w is all ones (the product with the gradient is skipped)."""
 
     @staticmethod
-    def forward(ctx, x, q, s_w, ones, unit):
-        xq, s_x = quantize_rows(x)
+    def forward(ctx, x, xq, s_x, q, s_w, ones, unit):
         ctx.save_for_backward(q, s_w, ones)
         ctx.unit = unit
         return torch._scaled_mm(xq, q.t(), scale_a=s_x, scale_b=s_w, out_dtype=COMPUTE_DTYPE)
@@ -89,18 +117,20 @@ class _RowwiseFP8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
+            return (None,) * 7
         q, s_w, ones = ctx.saved_tensors
         gq, s_g = quantize_rows(grad_out if ctx.unit else grad_out * s_w)  # bf16 * fp32: a float32 product
         grad_x = torch._scaled_mm(gq, q.t().contiguous().t(), scale_a=s_g, scale_b=ones, out_dtype=COMPUTE_DTYPE)
-        return grad_x, None, None, None, None
+        return (grad_x,) + (None,) * 6
 
 
 def rowwise_fp8_linear(x: torch.Tensor, q: torch.Tensor, s_w: torch.Tensor, ones: torch.Tensor, unit: bool,
                        bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, q * s_w^T, bias) as fp8 GEMMs (forward and input-gradient backward), in bf16.
     s_w: float32 [1, N]; ones: float32 [1, K] ones; unit: s_w is all ones."""
-    y = _RowwiseFP8Matmul.apply(x.reshape(-1, x.shape[-1]), q, s_w, ones, unit).reshape(*x.shape[:-1], q.shape[0])
+    xq, s_x = quantized_inputs(x)
+    y = _RowwiseFP8Matmul.apply(x.reshape(-1, x.shape[-1]), xq, s_x, q, s_w, ones, unit)
+    y = y.reshape(*x.shape[:-1], q.shape[0])
     return y if bias is None else y + bias.to(COMPUTE_DTYPE)
 
 
