@@ -5,6 +5,7 @@ rounding (a few percent, never zero: the fp8 path really runs); a LoRA trains on
 refuses what it cannot run."""
 
 import os
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ from library.precision import fp8_compute
 from library.precision.fp8_compute import (FP8ComputeLinear, enable_fp8_compute, fp8_gemm_available, quantize_rows,
                                            rowwise_requantization_error, rowwise_requantize)
 from tests.test_train_lora import flux_args, read_losses
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from fp8_compute_ops import OpLog, computed_layer, per_call_work  # noqa: E402
 
 MODES = ("fp8", "fp8_scaled", "fp8_tensor_scaled")
 BF16_HALF_ULP = 2.0 ** -8  # round to nearest bf16 (8 significant bits): |error| <= 2^-8 |value|
@@ -110,6 +114,86 @@ def test_bias_is_added_in_bf16_and_autocast_bf16_takes_the_fp8_path():
         y = lin(x.float())
     assert y.dtype == torch.bfloat16
     assert ((y.double() - without.double() - lin.bias.double()).abs() <= y.double().abs() * 2 * BF16_HALF_ULP + 1e-2).all()
+
+
+def explicit_quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recipe spelled out: a float32 copy, its row absmax, the quotient clamped to +-448, e4m3."""
+    t32 = t.float()
+    scale = (t32.abs().amax(-1, keepdim=True) / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
+    return (t32 / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("device", ("cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+def test_quantize_rows_equals_the_explicit_recipe_bit_for_bit(dtype, device):
+    """Without the float32 copy and the clamp: the same codes and scales, from 1e-40 to 1e35, with zero,
+    inf and NaN rows and a row whose absmax appears with both signs."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(16, 160, generator=gen) * 10.0 ** e for e in range(-40, 36, 5)]
+    t = torch.cat(rows)
+    t[0], t[1, 3], t[1, 4] = 0, 7.0, -7.0
+    t[2, 5], t[3, 6], t[4, 7] = float("nan"), float("inf"), -float("inf")
+    t = t.to(device, dtype)
+    (q, s), (q_ref, s_ref) = quantize_rows(t), explicit_quantize_rows(t)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32))  # NaN scales too
+
+
+@cpu_rowwise
+@pytest.mark.parametrize("mode", MODES)
+def test_per_call_work_beside_the_gemm(mode):
+    """Per call (bench/fp8_compute_ops.py): the forward passes over x three times (row absmax, x / scale
+    in float32, e4m3) moving 13 bytes per element, the backward four (the product with the row scales
+    first; plain fp8 skips it): 23 bytes (13); nothing the size of a weight row or column is made per
+    call, and the only weight-sized copy is the backward's transposed codes. Before: 6 passes and 39
+    bytes forward (a float32 copy of x, abs, amax, divide, clamp, cast), 7 and 47 backward, and a per-call
+    cast of the scales (fp8: torch.ones) plus torch.ones for the backward."""
+    work = per_call_work(computed_layer(mode, 64, bias=False), 64)
+    forward, backward = work["forward"], work["backward"]
+    assert (forward.gemm, forward.passes, forward.bytes, forward.vector_ops, forward.weight_copies) == (1, 3, 13, 0, 0)
+    scaled = mode != "fp8"
+    assert (backward.gemm, backward.passes, backward.bytes) == (1, 3 + scaled, 13 + 10 * scaled)
+    assert (backward.vector_ops, backward.weight_copies) == (0, 1)
+    assert len(forward.ops) == 7 and len(backward.ops) == 8
+
+
+@cpu_rowwise
+def test_linears_reading_one_activation_quantize_it_once_to_the_same_bits():
+    """Three Linears on each of two inputs, interleaved as Qwen-Image's joint attention calls them
+    (add_q(txt), to_q(img), add_k(txt), ...): each input is quantized once (3 passes each, the GEMMs
+    beside), and the outputs and input gradients equal separate copies' bit for bit. Before: 6 x 6
+    passes. An input changed in place is quantized again."""
+    lins = [computed("fp8_scaled", seed=s) for s in range(6)]
+    img, txt = inputs(1), inputs(2)
+    with OpLog(img[..., 0].numel(), 192) as log:
+        shared = [lin(x) for lin, x in zip(lins, (txt, img) * 3)]
+    assert log.work.gemm == 6 and log.work.passes == 2 * 3
+    copies = [inputs(s) for s in (2, 1) * 3]
+    alone = [lin(x) for lin, x in zip(lins, copies)]
+    assert all(torch.equal(a, b) for a, b in zip(shared, alone))
+    for y, x, y_alone, x_alone in zip(shared, (txt, img) * 3, alone, copies):
+        g = torch.ones_like(y)
+        assert torch.equal(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(y_alone, x_alone, g)[0])
+    x = inputs(3).detach()
+    before = lins[0](x)
+    x.mul_(2)
+    assert torch.equal(lins[0](x), lins[0](x.clone())) and not torch.equal(lins[0](x), before)
+
+
+@cpu_rowwise
+def test_the_gemm_scales_stay_float32_and_follow_a_state_dict_load():
+    """forward_weight_scale / backward_weight_scale, made at enable time: model.to(bf16) leaves them
+    float32 (the GEMM takes no other), a load of other codes remakes them, and neither is a state key."""
+    model = nn.Sequential(computed("fp8_scaled"))
+    other = nn.Sequential(computed("fp8_scaled", seed=3))
+    assert list(model.state_dict()) == ["0.weight", "0.weight_scale"]
+    model.to(torch.bfloat16)
+    assert model[0].forward_weight_scale.dtype == model[0].backward_weight_scale.dtype == torch.float32
+    model.load_state_dict(other.state_dict())
+    assert torch.equal(model[0].row_scales(), other[0].weight_scale.float().reshape(-1))
+    x = inputs().detach()
+    assert torch.equal(model(x), other(x))
 
 
 def test_other_compute_dtypes_keep_the_dequantize_then_matmul_path():

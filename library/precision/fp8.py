@@ -244,6 +244,7 @@ class FP8Linear(nn.Module):
     """
 
     backward_saves_weights_only = True  # its autograd Function keeps the stored tensors, never x
+    fixed_dtype_buffers = ("weight", "weight_scale")  # model.to(dtype) leaves these dtypes alone
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, mode: str = "fp8_scaled",
                  device=None, bias_dtype: torch.dtype = torch.float32):
@@ -287,7 +288,7 @@ class FP8Linear(nn.Module):
             return _FP8LinearFunction.apply(x.to(dtype), self.weight, self.weight_scale, bias, dtype)
 
     def _apply(self, fn, recurse=True):
-        return apply_keeping_dtypes(self, fn, ("weight", "weight_scale"), lambda: super(FP8Linear, self)._apply(fn, recurse))
+        return apply_keeping_dtypes(self, fn, self.fixed_dtype_buffers, lambda: super(FP8Linear, self)._apply(fn, recurse))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "weight"
