@@ -205,9 +205,12 @@ class LoRAModule(nn.Module):
         `dtype` (autocast's, or no autocast and all float32), the factor goes on the rank-r side and the
         sum into the up GEMM (torch.addmm): one pass over the [tokens, out] output instead of four (GEMM,
         scale, cast, add) with their temporaries, and no [tokens, out] multiply in backward."""
+        # factor 1 (alpha = rank, the default, at multiplier 1): no multiply, x * 1.0 is x bit for bit; 3
+        # ops fewer per module and step (forward, recompute, backward), 36 per Qwen-Image block
         if out.dtype != dtype or lx.dtype != dtype:
-            return out + (self.lora_up(lx) * factor).to(out.dtype)  # back to the base output dtype
-        rows = (lx * factor).reshape(-1, lx.shape[-1])
+            up = self.lora_up(lx)
+            return out + (up if factor == 1 else up * factor).to(out.dtype)  # back to the base output dtype
+        rows = (lx if factor == 1 else lx * factor).reshape(-1, lx.shape[-1])
         return torch.addmm(out.reshape(-1, out.shape[-1]), rows, self.lora_up.weight.t()).view(out.shape)
 
     def _dora_delta(self, out: torch.Tensor, lx: torch.Tensor, scale: float) -> torch.Tensor:
