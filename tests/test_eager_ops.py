@@ -70,17 +70,22 @@ def _step(dtype, autocast: bool):
 
 
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, True)])
-def test_lora_factor_one_and_rms_norm_weight_cuts_are_bit_identical(monkeypatch, dtype, autocast):
+def test_lora_rows_factor_one_and_rms_norm_weight_cuts_are_bit_identical(monkeypatch, dtype, autocast):
     pred, grads, ops = _step(dtype, autocast)
     with monkeypatch.context() as m:
         m.setattr(core, "rms_norm", _old_rms_norm)
         m.setattr(LoRAModule, "_add_up", _old_add_up)
+        m.setattr(LoRAModule, "_adds_up_in_gemm", lambda *args: False)  # before: down on [B, L, in]
         old_pred, old_grads, old_ops = _step(dtype, autocast)
     assert torch.equal(pred, old_pred)
     assert len(grads) == len(old_grads) == 42 and all(torch.equal(a, b) for a, b in zip(grads, old_grads))
     # 12 LoRA modules per block, 2 blocks: a multiply each in the forward and the recompute, and in the
     # backward for the 21 whose output reaches the loss
     assert old_ops["mul"] - ops["mul"] == 24 + 24 + 21
+    # down on 2-D rows: no _unsafe_view of its output and no reshape into rows, in the forward and the
+    # recompute; in backward no view back for either (21 modules)
+    assert old_ops["_unsafe_view"] - ops["_unsafe_view"] == 24 + 24
+    assert old_ops["view"] - ops["view"] == 24 + 24 + 2 * 21
     # 4 QK norms per block (+ the text-input norm once): a weight copy in the forward and the recompute
     assert old_ops["_to_copy"] - ops["_to_copy"] == (0 if dtype == torch.float32 else 2 * 8 + 1)
 
