@@ -24,6 +24,11 @@ memory (bench_train_step.PeakMemory) are printed.
              attention kernel's outputs and the recompute runs no attention; before: plain checkpointing
   attention_compiled  the same under torch_compile (compile_block's region that keeps attention); before:
              the plain compiled region. One model, both regions compiled (inductor) in the warm-up steps.
+  lora_factor  networks.lora: a LoRA factor of 1 (alpha = rank, multiplier 1) is not multiplied in; before:
+             lx * 1.0 in the forward, the recompute and the backward (3 ops per module and step)
+  lora_rows  networks.lora: where the up GEMM takes the sum (torch.addmm), down runs on [tokens, in] rows;
+             before: on [B, L, in], its output reshaped into rows (2 view ops more per module and pass)
+  rms_weight core.rms_norm widens a bf16 weight by type promotion; before: a float32 copy of it per call
   quantized_compiled  an fp8_scaled base under torch_compile without checkpointing: core.compile_block
              lets the partitioner recompute the dequantized weights for backward
              (_keeping_weights_quantized); before: its default, which saves them (the base in bf16 for
@@ -34,6 +39,7 @@ layernorm, whose step-0 losses (no step taken) are printed for both sides: equal
 levers change no math.
 
     python bench/bench_core_levers.py                                   # CPU, mid, all levers
+    python bench/bench_core_levers.py --levers lora_factor,rms_weight --size narrow --qwen-blocks 4 --image-tokens 16 --text-tokens 8
     python bench/bench_core_levers.py --device cuda --image-tokens 4096 --text-tokens 512 --double 2 --single 4 --qwen-blocks 4
 """
 
@@ -56,9 +62,10 @@ from bench_train_step import (  # noqa: E402
     pin_malloc_threshold,
 )
 from library.models import core  # noqa: E402
+from networks.lora import LoRAModule  # noqa: E402
 
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
-          "quantized_compiled")
+          "lora_factor", "lora_rows", "rms_weight", "quantized_compiled")
 # the checkpointing each checkpointing lever's "now" side runs (its "before": plain checkpointing)
 KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS,
            "attention": core.checkpointing(True, save_attention=True),
@@ -80,21 +87,42 @@ def layer_norm_with_copy(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.layer_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def rms_norm_with_copy(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """core.rms_norm before: the weight copied to float32 each call."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (y if weight is None else y * weight.float()).to(x.dtype)
+
+
+def add_up_multiplying(self, out, lx, factor, dtype):
+    """LoRAModule._add_up before: the factor multiplied in even when it is 1."""
+    if out.dtype != dtype or lx.dtype != dtype:
+        return out + (self.lora_up(lx) * factor).to(out.dtype)
+    rows = (lx * factor).reshape(-1, lx.shape[-1])
+    return torch.addmm(out.reshape(-1, out.shape[-1]), rows, self.lora_up.weight.t()).view(out.shape)
+
+
 def before(lever: str, model):
-    """The old path of `lever`, patched in for one run (rope, layernorm, tail, save)."""
+    """The old path of `lever`, patched in for one run (rope, layernorm, tail, save, lora_*, rms_weight)."""
     if lever in KEEPING:
         return patched(model, "gradient_checkpointing", True)
     if lever == "rope":
         return patched(core, "_complex_rotation", lambda x32: False)
     if lever == "tail":
         return patched(core, "recomputing", lambda: False)
+    if lever == "lora_factor":
+        return patched(LoRAModule, "_add_up", add_up_multiplying)
+    if lever == "lora_rows":
+        return patched(LoRAModule, "_adds_up_in_gemm", lambda *args: False)
+    if lever == "rms_weight":
+        return patched(core, "rms_norm", rms_norm_with_copy)
     return patched(core, "layer_norm", layer_norm_with_copy)
 
 
 def trained_model(family: str, args, checkpointing=True, fp8: str | None = None):
     """(step, loss, model) for our mid model with a fresh LoRA, checkpointing on, frozen base in train
     mode (fp8: quantized so); loss() is the step's loss without a step."""
-    model = build_ours(family, "mid", args, torch.bfloat16, args.device)
+    model = build_ours(family, args.size, args, torch.bfloat16, args.device)
     model = (fp8_twin(model, family, fp8) if fp8 else model).requires_grad_(False).train()
     model.gradient_checkpointing = checkpointing
     x = make_inputs(family, model.config, args.image_tokens, args.text_tokens, 1, args.device)
@@ -157,6 +185,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default="flux,qwen_image")
     p.add_argument("--levers", default=",".join(LEVERS))
+    p.add_argument("--size", default="mid", choices=("mid", "narrow"),
+                   help="mid: full widths; narrow: toy widths (the per-op host overhead alone), same block counts")
     p.add_argument("--double", type=int, default=1, help="FLUX: double blocks at width 3072")
     p.add_argument("--single", type=int, default=1, help="FLUX: single blocks at width 3072")
     p.add_argument("--qwen-blocks", type=int, default=2)
@@ -173,6 +203,8 @@ def main(argv=None):
         raise SystemExit(f"--levers: unknown {sorted(unknown)}; expected some of {', '.join(LEVERS)}")
     if args.device.type == "cpu":
         pin_malloc_threshold()
+        if args.size == "narrow":  # toy ops take microseconds: more threads only add OpenMP sync stalls
+            torch.set_num_threads(1)
     print(f"machine: {machine_summary()}; {args.image_tokens} + {args.text_tokens} tokens, bf16 autocast, checkpointing")
     summary = []
     for family in args.families.split(","):

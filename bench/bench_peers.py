@@ -71,6 +71,7 @@ from bench_train_step import (  # noqa: E402
 from library.models.core import checkpointing  # noqa: E402
 from library.models.flux1.model import make_img_ids  # noqa: E402
 from step_flops import count_step, matmul_peak  # noqa: E402
+import op_counts  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp8", "fp8_scaled")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -323,6 +324,46 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
             "mfu_ours": flops / best_o / peak, "mfu_theirs": flops_t / best_t / peak, "t_ours": t_o, "t_theirs": t_t}
 
 
+# the models count_ops builds: (double, single) FLUX blocks or Qwen-Image blocks, the first one the base
+OP_COUNT_MODELS = {"flux": {"base": (1, 1), "double block": (2, 1), "single block": (1, 2)},
+                   "qwen_image": {"base": 1, "block": 2}}
+
+
+def count_ops(family: str, precision: str, args, peer) -> str:
+    """--count-ops: the aten ops of one step (op_counts.py), ours and theirs, at toy widths (the count
+    does not depend on widths or tokens); per block from models one block apart. Returns a summary."""
+    counted = {}
+    for name, blocks in OP_COUNT_MODELS[family].items():
+        args.double, args.single = blocks if family == "flux" else (1, 1)
+        args.qwen_blocks = blocks if family == "qwen_image" else 1
+        ours, theirs = build_pair(family, "narrow", precision, args, peer)
+        x = inputs(family, ours.config, args)
+        _, our_params = add_our_lora(ours, family, args.rank)
+        _, their_params = add_their_lora(family, theirs, args.rank, peer)
+        autocast = functools.partial(autocast_for, precision, args.device)
+        counted[name] = {
+            "ours": op_counts.step_counts(lambda: our_forward(family, ours, x), our_params, x["target"], autocast),
+            PEER[family]: op_counts.step_counts(lambda: their_forward(family, theirs, x, precision), their_params,
+                                                x["target"], autocast)}
+    base = counted.pop("base")
+    first = OP_COUNT_MODELS[family]["base"]
+    blocks = f"{first[0]} double + {first[1]} single" if family == "flux" else str(first)
+    print(f"[{family} {precision}] aten ops per step of the smallest model ({blocks} block, "
+          f"{args.image_tokens} + {args.text_tokens} tokens):")
+    for side, counts in base.items():
+        print("  " + op_counts.summary(side, counts))
+    lines = []
+    for name, sides in counted.items():
+        per_block = {side: op_counts.difference(counts, base[side]) for side, counts in sides.items()}
+        print(f"  per {name}:")
+        for side, counts in per_block.items():
+            print("    " + op_counts.summary(side, counts))
+        print(op_counts.table(per_block))
+        n_o, n_t = (sum(op_counts.total(c).values()) for c in per_block.values())
+        lines.append(f"{name} {n_o}/{n_t}")
+    return f"{family} {precision} ops per {', '.join(lines)} (ours/{PEER[family]})"
+
+
 def fmt(times) -> str:
     return "[" + ", ".join(f"{t:.3f}" for t in times) + "]"
 
@@ -364,6 +405,9 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile both sides as their trainers do (see compile_both); the warm-up steps compile")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU: peak from a bf16/fp32 GEMM on it)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="no timing: count the aten ops of one step (forward, backward, AdamW) ours and theirs, "
+                        "per block, at toy widths (bench/op_counts.py); --sizes is not used")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     if torch.device(args.device).type == "cuda":
@@ -382,6 +426,11 @@ def main(argv=None):
             raise SystemExit("--musubi DIR is needed for the Qwen-Image comparison (a kohya-ss/musubi-tuner checkout)")
         model, lora, fp8, utils = import_musubi(os.path.abspath(args.musubi))
         peers["qwen_image"] = {"model": model, "lora": lora, "fp8": fp8, "utils": utils}
+    if args.count_ops:
+        lines = [count_ops(family, precision, args, peers[family]) for family in families
+                 for precision in args.precisions.split(",") if supported(family, precision)]
+        print("SUMMARY: " + "; ".join(lines))
+        return
     pinned = pin_malloc_threshold() if args.device.type == "cpu" else False
     gpu = f"; GPU {torch.cuda.get_device_name()}" if args.device.type == "cuda" else ""
     print(f"machine: {machine_summary()}{gpu}; load average {os.getloadavg()[0]:.1f}; memory: "

@@ -181,15 +181,18 @@ def median(values) -> float:
 
 
 def flux_config(size: str, double: int, single: int) -> FluxConfig:
-    if size == "tiny":  # head_dim 32 = 4 + 14 + 14
-        return FluxConfig(in_channels=64, vec_in_dim=16, context_in_dim=32, hidden_size=64, num_heads=2, depth=2,
-                          depth_single=2, axes_dim=(4, 14, 14), guidance_embed=True)
+    """tiny: toy widths, 2 + 2 blocks; narrow: toy widths, `double` + `single` blocks; else FLUX.1-dev widths."""
+    if size in ("tiny", "narrow"):  # head_dim 32 = 4 + 14 + 14
+        return FluxConfig(in_channels=64, vec_in_dim=16, context_in_dim=32, hidden_size=64, num_heads=2,
+                          depth=double if size == "narrow" else 2, depth_single=single if size == "narrow" else 2,
+                          axes_dim=(4, 14, 14), guidance_embed=True)
     return FluxConfig(depth=double, depth_single=single, guidance_embed=True)  # FLUX.1-dev widths
 
 
 def qwen_config(size: str, blocks: int) -> QwenImageConfig:
-    if size == "tiny":
-        return QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+    """tiny: toy widths, 2 blocks; narrow: toy widths, `blocks` blocks; else Qwen-Image widths."""
+    if size in ("tiny", "narrow"):
+        return QwenImageConfig(num_layers=blocks if size == "narrow" else 2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
                                axes_dims_rope=(8, 12, 12))
     return QwenImageConfig(num_layers=blocks)  # Qwen-Image widths
 

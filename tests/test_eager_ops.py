@@ -1,0 +1,105 @@
+"""Eager-step op cuts (bench/op_counts.py, bench/RESULTS.md): each drops aten ops from a training step and
+changes no bit of the prediction or the LoRA gradients, on the CPU in float32 and under bf16 autocast.
+The old code path is patched back in for the comparison; the op counts prove the cut is taken."""
+
+import collections
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from library.models import core
+from library.models.qwen_image.model import QwenImage, QwenImageConfig
+from networks.lora import LoRAModule, LoRANetwork
+
+TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
+                       axes_dims_rope=(8, 12, 12))
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _old_rms_norm(x, weight, eps):
+    """core.rms_norm before: the weight copied to float32 each call."""
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def _old_add_up(self, out, lx, factor, dtype):
+    """LoRAModule._add_up before: the factor multiplied even when it is 1."""
+    if out.dtype != dtype or lx.dtype != dtype:
+        return out + (self.lora_up(lx) * factor).to(out.dtype)
+    rows = (lx * factor).reshape(-1, lx.shape[-1])
+    return torch.addmm(out.reshape(-1, out.shape[-1]), rows, self.lora_up.weight.t()).view(out.shape)
+
+
+def _step(dtype, autocast: bool):
+    """(prediction, LoRA grads, op counts) of one checkpointed training step of a tiny model whose
+    LoRA up weights are non-zero (so the gradients reach every LoRA weight)."""
+    torch.manual_seed(0)
+    model = QwenImage(TINY).to(dtype).requires_grad_(False).train()
+    model.compute_dtype = dtype
+    model.gradient_checkpointing = core.checkpointing(True, save_attention=True)
+    network = LoRANetwork(model, "qwen_image", 4, alpha=4)
+    network.apply()
+    for m in network.lora_modules():
+        torch.nn.init.normal_(m.lora_up.weight, std=0.1)
+    g = torch.Generator().manual_seed(1)
+    img, txt = torch.randn(1, 16, 64, generator=g), torch.randn(1, 8, 32, generator=g)
+    mask, sigma = torch.ones(1, 8, dtype=torch.bool), torch.full((1,), 0.5)
+    ops = _Ops()
+    with ops:
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            pred = model(img, txt, mask, sigma, [(1, 4, 4)])
+        F.mse_loss(pred.float(), torch.zeros_like(pred, dtype=torch.float32)).backward()
+    # (the last block's text-stream LoRAs feed nothing: no gradient)
+    grads = [p.grad.clone() for p in network.trainable_parameters() if p.grad is not None]
+    return pred.detach(), grads, ops.counts
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, True)])
+def test_lora_rows_factor_one_and_rms_norm_weight_cuts_are_bit_identical(monkeypatch, dtype, autocast):
+    pred, grads, ops = _step(dtype, autocast)
+    with monkeypatch.context() as m:
+        m.setattr(core, "rms_norm", _old_rms_norm)
+        m.setattr(LoRAModule, "_add_up", _old_add_up)
+        m.setattr(LoRAModule, "_adds_up_in_gemm", lambda *args: False)  # before: down on [B, L, in]
+        old_pred, old_grads, old_ops = _step(dtype, autocast)
+    assert torch.equal(pred, old_pred)
+    assert len(grads) == len(old_grads) == 42 and all(torch.equal(a, b) for a, b in zip(grads, old_grads))
+    # 12 LoRA modules per block, 2 blocks: a multiply each in the forward and the recompute, and in the
+    # backward for the 21 whose output reaches the loss
+    assert old_ops["mul"] - ops["mul"] == 24 + 24 + 21
+    # down on 2-D rows: no _unsafe_view of its output and no reshape into rows, in the forward and the
+    # recompute; in backward no view back for either (21 modules)
+    assert old_ops["_unsafe_view"] - ops["_unsafe_view"] == 24 + 24
+    assert old_ops["view"] - ops["view"] == 24 + 24 + 2 * 21
+    # 4 QK norms per block (+ the text-input norm once): a weight copy in the forward and the recompute
+    assert old_ops["_to_copy"] - ops["_to_copy"] == (0 if dtype == torch.float32 else 2 * 8 + 1)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_weight_widened_by_promotion_equals_a_float32_copy(x_dtype, w_dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 64, generator=g).to(x_dtype).requires_grad_(True)
+    w = (1 + 0.3 * torch.randn(64, generator=g)).to(w_dtype).requires_grad_(True)
+    x0, w0 = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    y, y0 = core.rms_norm(x, w, 1e-6), _old_rms_norm(x0, w0, 1e-6)
+    grad = torch.randn(y.shape, generator=g).to(y.dtype)
+    y.backward(grad)
+    y0.backward(grad)
+    assert y.dtype == y0.dtype == x_dtype and torch.equal(y, y0)
+    assert torch.equal(x.grad, x0.grad) and torch.equal(w.grad, w0.grad)
