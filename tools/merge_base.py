@@ -137,8 +137,10 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
     where the two share every name and shape (an architecture whose spec sets names_of): its deltas
     were learned on other weights. Another release of the base's own architecture (a distilled and a
     guidance-embedded release) is a warning: LoRAs are commonly moved between those. A version that
-    begins the base's (sd-scripts writes the family's stem) matches any of its releases."""
-    from networks.lora_arch import detect_arch
+    begins the base's (sd-scripts writes the family's stem) matches any of its releases. A LoRA of the
+    architecture whose names the base's shares, where the base's model takes its LoRAs (LoRAFiles.takes_base_loras),
+    passes: lora_for_model has left out the modules the base lacks, saying how many."""
+    from networks.lora_arch import detect_arch, lora_files
 
     wanted = metadata.get("ss_base_model_version")
     if not wanted or base.version is None or base.version.startswith(wanted):
@@ -147,6 +149,9 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
         arch = detect_arch(tensors, metadata)
     except CheckpointError:  # the names tell no architecture: the shapes decide
         arch = None
+    files = lora_files().get(base.family)
+    if arch is not None and files is not None and files.takes_base_loras and arch == files.names_of:
+        return
     if arch is not None and arch != base.family:
         raise CheckpointError(f"{spec.path}: a {arch_spec(arch).title} LoRA (ss_base_model_version '{wanted}') and the "
                               f"base {base.path} is {arch_spec(base.family).title} ('{base.version}'): its deltas were "
