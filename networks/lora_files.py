@@ -12,6 +12,7 @@ Layouts on disk (`detect_format`):
 - "peft":   `<prefix>.<path>.{lora_A.weight, lora_B.weight}` (diffusers / PEFT; prefix `transformer.`,
   `base_model.model.` ...). Alpha comes from diffusers' `lora_adapter_metadata` header entry when
   present, else alpha = rank (scale 1). We write alpha folded into lora_B, so no header is needed.
+  Keys with a PEFT adapter name (`lora_A.default.weight`: a raw model.state_dict()) read without it.
 - "comfy":  `diffusion_model.<path>.{lora_down.weight, lora_up.weight, alpha}` (dotted paths).
 - PEFT adapter folder (LLMs): `adapter_config.json` + `adapter_model.safetensors` with keys
   `base_model.model.<path>.lora_A.weight` / `lora_B.weight`; lora_B is NOT scaled, the config holds
@@ -339,12 +340,42 @@ def _common_prefix(modules: list[str], prefixes) -> str:
     return ""
 
 
+# PEFT keeps an adapter's tensors under its name in the model (`<module>.lora_A.<adapter>.weight`): a raw
+# model.state_dict() saves them so (DiffSynth-Studio's files: `.default.`), get_peft_model_state_dict drops
+# the name (peft's _remove_adapter_name_from_state_dict_key; DoRA's magnitude becomes `lora_magnitude_vector`).
+ADAPTER_NAMED = re.compile(r"\.(lora_A|lora_B|lora_magnitude_vector)\.([^.]+)\.weight$")
+
+
+def adapter_name_dropped(keys, source: str = "LoRA") -> dict[str, str]:
+    """{key: the name get_peft_model_state_dict saves it under} for the keys carrying a PEFT adapter name
+    (ADAPTER_NAMED); {} for none. Two adapters' names, or keys with one beside keys without, are a
+    CheckpointError naming them: the file holds more than one LoRA."""
+    keys = list(keys)
+    found = {k: m for k in keys if (m := ADAPTER_NAMED.search(k))}
+    if not found:
+        return {}
+    first = next(iter(found))
+    names = sorted({m.group(2) for m in found.values()})
+    if len(names) > 1:
+        raise CheckpointError(f"{source}: holds the PEFT adapters {', '.join(map(repr, names))} (keys like '{first}'): "
+                              f"one adapter per LoRA file; save one with get_peft_model_state_dict(model, adapter_name=...)")
+    plain = next((k for k in keys if k.endswith((".lora_A.weight", ".lora_B.weight")) and k not in found), None)
+    if plain is not None:
+        raise CheckpointError(f"{source}: key '{plain}' has no adapter name beside keys of the PEFT adapter '{names[0]}' "
+                              f"(like '{first}'): one adapter per LoRA file")
+    return {k: k[: m.start()] + (".lora_magnitude_vector" if m.group(1) == "lora_magnitude_vector" else f".{m.group(1)}.weight")
+            for k, m in found.items()}
+
+
 def lora_reader(path: str) -> tuple[CheckpointReader, dict | None]:
-    """A LoRA safetensors file or PEFT adapter folder -> (reader of its tensors, the folder's
-    adapter_config.json or None). Any other folder is a CheckpointError saying what is expected."""
+    """A LoRA safetensors file or PEFT adapter folder -> (reader of its tensors, keys under their PEFT names
+    less an adapter name (adapter_name_dropped), the folder's adapter_config.json or None). Any other folder
+    is a CheckpointError saying what is expected."""
     folder = peft_folder_of(path)
     config = read_adapter_config(folder) if folder else None
-    return CheckpointReader(os.path.join(folder, PEFT_WEIGHTS_FILE) if folder else path), config
+    reader = CheckpointReader(os.path.join(folder, PEFT_WEIGHTS_FILE) if folder else path)
+    reader.rename(adapter_name_dropped(reader.keys(), path))
+    return reader, config
 
 
 def read_lora_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str], dict | None]:

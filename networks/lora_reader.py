@@ -54,6 +54,7 @@ from networks.lora_arch import (
 )
 from networks.lora_files import (
     LoRAWeights,
+    adapter_name_dropped,
     beside_lora_note,
     detect_format,
     lora_reader,
@@ -135,7 +136,11 @@ def read_for_model(source, arch: str, paths, module_map=None, target_is_key: boo
     """A LoRA file (path: a .safetensors or PEFT adapter folder) or tensor dict -> its modules in the
     target's names (lora_for_model)."""
     name = name or (source if isinstance(source, str) else "state dict")
-    tensors, metadata, config = read_lora_tensors(source) if isinstance(source, str) else (dict(source), {}, None)
+    if isinstance(source, str):
+        tensors, metadata, config = read_lora_tensors(source)
+    else:  # a state dict: keys under their PEFT names, as a file's (lora_reader)
+        names = adapter_name_dropped(source, name)
+        tensors, metadata, config = {names.get(k, k): v for k, v in source.items()}, {}, None
     return lora_for_model(tensors, metadata, config, arch, paths, module_map, target_is_key, name, strict)
 
 
