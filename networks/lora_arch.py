@@ -18,6 +18,13 @@ def lora_files() -> dict[str, LoRAFiles]:
     return {arch: spec.lora_files for arch, spec in arch_specs().items() if spec.lora_files is not None}
 
 
+def text_encoder_labels(arch: str | None) -> dict[str, str]:
+    """Kohya text-encoder prefix -> the encoder it is in `arch`'s files where sd-scripts' names say another
+    (LoRAFiles.text_encoders), for lora_files.text_encoder_note; {} for an arch without (or None)."""
+    files = lora_files().get(arch)
+    return dict(files.text_encoders) if files else {}
+
+
 def _marker_groups(files: dict[str, LoRAFiles]) -> dict[str, tuple[tuple[str, ...], list[str]]]:
     """Base arch -> (the markers of it and of the architectures that share its names, their titles)."""
     groups: dict[str, tuple[tuple[str, ...], list[str]]] = {}

@@ -90,7 +90,8 @@ def merge_into_weight(weight: torch.Tensor, loras) -> torch.Tensor:
 
 # kohya name prefixes: lora_unet_ (the denoiser), lora_te_ (a lone text encoder: our LLM LoRAs), lora_te1_ /
 # lora_te2_ / lora_te3_ (a diffusion model's text encoders: sd-scripts' networks write CLIP-L as lora_te1_
-# and T5-XXL as lora_te3_, SDXL CLIP-G as lora_te2_), lora_transformer_ (OneTrainer, SimpleTuner).
+# and T5-XXL as lora_te3_, SDXL CLIP-G as lora_te2_; where an architecture's files use one for another encoder,
+# its LoRAFiles.text_encoders says so), lora_transformer_ (OneTrainer, SimpleTuner).
 KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "lora_transformer_")
 TEXT_ENCODER_PREFIXES = {"lora_te1_": "CLIP-L", "lora_te2_": "CLIP-G", "lora_te3_": "T5-XXL",
                          # dotted: diffusers' pipelines save a text encoder's LoRA under the component's name
@@ -246,10 +247,13 @@ def _module_of(key: str) -> str:
     return next((key[: -len(s)] for s in _PART_OF_SUFFIX if key.endswith(s)), key.rsplit(".", 1)[0])
 
 
-def text_encoder_note(te_tensors) -> str:
-    """'3 text-encoder modules (CLIP-L lora_te1_ x2, T5-XXL lora_te3_ x1)' for split_text_encoders' second part."""
+def text_encoder_note(te_tensors, labels: dict[str, str] | None = None) -> str:
+    """'3 text-encoder modules (CLIP-L lora_te1_ x2, T5-XXL lora_te3_ x1)' for split_text_encoders' second part.
+    labels: prefix -> encoder where the file's architecture says another than TEXT_ENCODER_PREFIXES
+    (lora_arch.text_encoder_labels)."""
     modules = {k.split(".")[0] if k.startswith(KOHYA_TEXT_ENCODERS) else _module_of(k) for k in te_tensors}
-    counts = [f"{enc} {p} x{sum(m.startswith(p) for m in modules)}" for p, enc in TEXT_ENCODER_PREFIXES.items()
+    named = {**TEXT_ENCODER_PREFIXES, **(labels or {})}
+    counts = [f"{named[p]} {p} x{sum(m.startswith(p) for m in modules)}" for p in TEXT_ENCODER_PREFIXES
               if any(m.startswith(p) for m in modules)]
     return f"{len(modules)} text-encoder modules ({', '.join(counts)})"
 

@@ -50,6 +50,7 @@ from networks.lora_arch import (
     module_of_key,
     naming_of,
     says_base,
+    text_encoder_labels,
     width_of,
 )
 from networks.lora_files import (
@@ -342,23 +343,24 @@ def check_lora_arch(path: str, arch: str) -> None:
     shapes = {k: torch.empty(reader.shape(k), device="meta") for k in reader.keys()}
     shapes, te = split_text_encoders(shapes)
     if te and not shapes:
-        raise CheckpointError(text_encoders_only(path, te))
+        raise CheckpointError(text_encoders_only(path, te, arch))
     shapes = without_base_only(path, split_beside_lora(shapes)[0], dict(reader.metadata), arch, say=False)
     if shapes and (error := foreign_arch_error(path, shapes, dict(reader.metadata), arch)) is not None:
         raise CheckpointError(error)
 
 
-def text_encoders_only(name: str, te: dict) -> str:
-    """The line for a LoRA of sd-scripts' text encoders alone: nothing in it adapts the transformer."""
-    return f"{name}: holds only {text_encoder_note(te)}; this LoRA adapts no module of the transformer"
+def text_encoders_only(name: str, te: dict, arch: str) -> str:
+    """The line for a LoRA of sd-scripts' text encoders alone, read for `arch`: nothing in it adapts the transformer."""
+    return f"{name}: holds only {text_encoder_note(te, text_encoder_labels(arch))}; this LoRA adapts no module of the transformer"
 
 
-def leave_out_text_encoders(name: str, te: dict, kept: bool, stacklevel: int) -> None:
-    """For a network loading a file: a CheckpointError where it holds text-encoder modules `te` alone (`kept`
-    False: nothing else of it loads), else one warning that `te`'s modules were left out (stacklevel: the
+def leave_out_text_encoders(name: str, te: dict, kept: bool, arch: str, stacklevel: int) -> None:
+    """For a network of `arch` loading a file: a CheckpointError where it holds text-encoder modules `te` alone
+    (`kept` False: nothing else of it loads), else one warning that `te`'s modules were left out (stacklevel: the
     caller's)."""
     if te and not kept:
-        raise CheckpointError(text_encoders_only(name, te))
+        raise CheckpointError(text_encoders_only(name, te, arch))
     if te:
-        warnings.warn(f"{name}: left out {text_encoder_note(te)}: they adapt the text encoders, not this network's model",
+        note = text_encoder_note(te, text_encoder_labels(arch))
+        warnings.warn(f"{name}: left out {note}: they adapt the text encoders, not this network's model",
                       stacklevel=stacklevel + 1)

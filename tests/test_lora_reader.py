@@ -340,6 +340,32 @@ def test_peft_keys_with_an_adapter_name_read_without_it_and_two_adapters_are_one
             LoRANetwork.from_weights(flux["model"], "flux", bad)
 
 
+def test_onetrainers_flux1_t5_lora_te2_is_called_t5_where_a_file_is_described(flux, tmp_path, capsys):
+    """OneTrainer writes FLUX.1's T5-XXL LoRA as lora_te2_ (its text_encoder_2; CLIP-L lora_te1_). Every line
+    that said what a file holds called it CLIP-G (sd-scripts' SDXL name): lora_info, generate's and merge_lora's
+    warnings, the refusal of text encoders alone. Now FLUX.1's and Chroma's say T5-XXL (the family's
+    LoRAFiles.text_encoders); the modules stay left out, and the generic name stays for other files."""
+    from networks.lora_reader import check_lora_arch
+    from tools import lora_info
+
+    te = {f"{m}.{part}": t for m, n in (("lora_te1_text_model_encoder_layers_0_mlp_fc1", 8), ("lora_te2_encoder_block_0_layer_0_SelfAttention_q", 32))
+          for part, t in (("lora_down.weight", torch.ones(4, n)), ("lora_up.weight", torch.ones(n, 4)), ("alpha", torch.tensor(4.0)))}
+    path, t5_only = str(tmp_path / "ot.safetensors"), str(tmp_path / "t5.safetensors")
+    save_file({**load_file(flux["cases"]["OneTrainer lora_transformer_ (diffusers names)"][0]), **te}, path)
+    save_file({k: v for k, v in te.items() if k.startswith("lora_te2_")}, t5_only)
+    note = "2 text-encoder modules (CLIP-L lora_te1_ x1, T5-XXL lora_te2_ x1)"
+    assert lora_info.read_info(path)["text_encoders"] == note
+    with pytest.warns(UserWarning) as said:
+        network_from_file(flux["model"], "flux", path)
+    assert [str(w.message) for w in said] == [f"{path}: left out {note}: they adapt the text encoders, not this network's model"]
+    assert merge_lora.main(["--model", str(flux["root"] / "base.safetensors"), "--lora", path, "--save_to", str(tmp_path / "m.safetensors")]) == 0
+    assert f"skipped {note}: they adapt the text encoders" in capsys.readouterr().err
+    for arch in ("flux", "chroma"):
+        with pytest.raises(CheckpointError, match=re.escape(f"{t5_only}: holds only 1 text-encoder modules (T5-XXL lora_te2_ x1)")):
+            check_lora_arch(t5_only, arch)
+    assert lf.text_encoder_note(te) == "2 text-encoder modules (CLIP-L lora_te1_ x1, CLIP-G lora_te2_ x1)"
+
+
 def test_a_comfyui_extracted_lora_reads_its_down_up_and_says_what_it_leaves_out(flux, tmp_path):
     """ComfyUI's Extract and Save Lora writes a `.diff_b` per bias (bias_diff, on by default) beside the down/up
     modules. The old readers took the file for LyCORIS' full type: generate said "LyCORIS module 'diffusion_model'

@@ -82,6 +82,9 @@ class LoRAFiles:
     # base's, fine-tuned: the rest applies), as ComfyUI loads one: those are left out with one warning saying how
     # many. None: a LoRA naming them, or whose header names the base, is names_of's and refused
     takes_base_loras: str | None = None
+    # kohya text-encoder prefixes whose encoder in this architecture's files is another than sd-scripts' names
+    # say (networks/lora_files.py TEXT_ENCODER_PREFIXES): prefix -> the encoder, as the tools print what a file holds
+    text_encoders: dict[str, str] = field(default_factory=dict)
     block_pattern: str = ""  # regex, groups (block kind, index): the blocks a LoRA names
     module_paths: str | None = None  # "module:function" (block counts) -> every Linear path (resolves kohya names)
     module_map: str | None = None  # "module:function" (weights, block counts) -> BFL <-> diffusers module map from the LoRA's shapes

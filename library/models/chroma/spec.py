@@ -30,6 +30,7 @@ LORA_FILES = S.LoRAFiles(
     markers=("distilled_guidance_layer_",),
     layouts=("kohya", "diffusers", "comfy"),  # ComfyUI's Chroma keeps the BFL names our kohya files have
     names_of="flux",
+    text_encoders=_FLUX1_FILES.text_encoders,  # in the FLUX.1 LoRAs it takes (OneTrainer's T5-XXL lora_te2_)
     takes_base_loras="Chroma's approximator computes every block's modulation, FLUX.1's time / vector / guidance "
                      "embedders and modulation Linears are pruned",
     recognise="library.models.chroma.lora_files:is_own_lora",
