@@ -229,7 +229,7 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
 
 def foreign_arch(tensors: dict, metadata: dict[str, str], arch: str) -> str | None:
     """The architecture a LoRA's names say it is for, when that is not `arch`: names only another
-    architecture has, or a variant sharing `arch`'s names that claims the file (its `recognise`). None
+    architecture has, or a variant sharing `arch`'s names that claims the file (lora_arch.variant_of). None
     when the names fit `arch` or tell nothing (attention projections many models have)."""
     files = lora_files()
     if arch not in files:

@@ -6,8 +6,8 @@ LoRA between a kohya file and a PEFT adapter folder.
 The source layout (kohya `lora_unet_*`, PEFT `transformer.*.lora_A/B`, ComfyUI `diffusion_model.*`)
 and the architecture are told from the tensor names: each architecture's spec lists the names only
 it has (library/models/<folder>/spec.py, LORA_FILES.markers). An architecture that shares another's
-names (LORA_FILES.names_of) is told apart by its `recognise` (names, metadata, shapes: its folder's
-lora_files.py says how); --model_type settles a LoRA that names only modules two models have, such
+names (LORA_FILES.names_of) is told apart by its markers, its header (model_versions) or its shapes
+(`recognise`): networks/lora_arch.py variant_of; --model_type settles a LoRA that names only modules two models have, such
 as attention projections.
 
 - Models with BFL names: kohya files use BFL module names (`double_blocks.0.img_attn.qkv`),

@@ -71,8 +71,10 @@ class LoRAFiles:
 
     # convert_lora: substrings of module names only this architecture has (a variant's count as its base's)
     markers: tuple[str, ...] = ()
-    names_of: str | None = None  # the arch whose module names this one shares (its LoRAs are told apart by `recognise`)
-    recognise: str | None = None  # "module:function" (tensors, metadata) -> True for this arch's LoRA with names_of's names
+    names_of: str | None = None  # the arch whose module names this one shares (its LoRAs are told apart: lora_arch.variant_of)
+    # "module:function" (tensors) -> True for a LoRA with names_of's names whose shapes only this arch has; its
+    # markers and its header (model_versions) claim one first (lora_arch.variant_of)
+    recognise: str | None = None
     # "module:function" (tensors) -> True for a LoRA with names_of's names whose shapes only names_of's model has
     refuses: str | None = None
     # prefixes of ss_base_model_version / modelspec.architecture in this arch's LoRAs (those of its variants
