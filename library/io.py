@@ -222,6 +222,16 @@ class CheckpointReader:
         for k in self._where:
             yield k, self.get(k)
 
+    def rename(self, names: dict[str, str]) -> None:
+        """From now on read each key of `names` (old -> new, no new one an existing key) under its new name;
+        keys() stays sorted by name."""
+        for old, new in names.items():
+            i = self._where.pop(old)
+            entries = self._headers[i][0]
+            entries[new] = entries.pop(old)
+            self._where[new] = i
+        self._where = dict(sorted(self._where.items()))
+
 
 class RowSplitView:
     """A CheckpointReader seen under a family's own names, where a fused Linear of the file (an attention

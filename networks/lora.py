@@ -639,7 +639,7 @@ class LoRANetwork(nn.Module):
                                   f"set network_module = \"lycoris.kohya\" to load it")
         module_map = self._module_map if self.spec.diffusers_module_map else None
         read = read_for_model(source, self.arch, linears, module_map, name=name, strict=True)
-        leave_out_text_encoders(name, read.text_encoders, bool(read.weights), stacklevel=4)
+        leave_out_text_encoders(name, read.text_encoders, bool(read.weights), self.arch, stacklevel=4)
         return read.weights, read.regrouped
 
     @staticmethod

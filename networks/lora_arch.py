@@ -1,6 +1,7 @@
 """Which architecture a LoRA file is for, from its module names, metadata and shapes: each
 architecture's spec lists names only it has (LoRAFiles.markers); architectures that share names
-(a variant of another's blocks) each recognise their own files (LoRAFiles.recognise). Every LoRA tool
+(a variant of another's blocks) are told apart by their markers, their header (LoRAFiles.model_versions) and
+their shapes (LoRAFiles.recognise): variant_of. Every LoRA tool
 and the merge's version check ask here."""
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from networks.lora_files import _PART_OF_SUFFIX, TEXT_ENCODER_PREFIXES
 def lora_files() -> dict[str, LoRAFiles]:
     """arch -> the LoRA file facts of its spec, for every architecture that has them."""
     return {arch: spec.lora_files for arch, spec in arch_specs().items() if spec.lora_files is not None}
+
+
+def text_encoder_labels(arch: str | None) -> dict[str, str]:
+    """Kohya text-encoder prefix -> the encoder it is in `arch`'s files where sd-scripts' names say another
+    (LoRAFiles.text_encoders), for lora_files.text_encoder_note; {} for an arch without (or None)."""
+    files = lora_files().get(arch)
+    return dict(files.text_encoders) if files else {}
 
 
 def _marker_groups(files: dict[str, LoRAFiles]) -> dict[str, tuple[tuple[str, ...], list[str]]]:
@@ -52,10 +60,13 @@ def base_arch_of_names(keys) -> str:
 
 
 def variant_of(arch: str, tensors: dict, metadata: dict[str, str]) -> str:
-    """`arch`, or the architecture sharing its names whose `recognise` claims the LoRA (tensors:
-    key -> tensor; meta tensors do, only shapes are read)."""
+    """`arch`, or the architecture sharing its names that claims the LoRA: a module only it has (its markers),
+    its header (header_arch), or its shapes (its `recognise`). tensors: key -> tensor; meta tensors do, only
+    shapes are read."""
+    said, flat = header_arch(metadata), [k.replace(".", "_") for k in tensors]
     for other, f in lora_files().items():
-        if f.names_of == arch and load_symbol(f.recognise)(tensors, metadata):
+        if f.names_of == arch and (said == other or any(m in k for k in flat for m in f.markers)
+                                   or f.recognise and load_symbol(f.recognise)(tensors)):
             return other
     return arch
 
@@ -176,7 +187,7 @@ def arch_by_shapes(held: list[str], widths: dict[str, int]) -> str:
 
 
 def is_base_lora(base: str, variant: str, tensors: dict, metadata: dict[str, str]) -> bool:
-    """True for a LoRA in the names `variant` shares with `base` (that `variant`'s recognise did not claim)
+    """True for a LoRA in the names `variant` shares with `base` (that variant_of did not claim for `variant`)
     that only `base`'s model takes: its metadata names the base (LoRAFiles.model_versions), it names a
     Linear the base has and the variant lacks, its shapes are the base's (the variant's `refuses`), or its
     width and blocks fit a release of the base exactly and none of the variant's. Else the variant takes it

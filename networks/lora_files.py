@@ -12,6 +12,7 @@ Layouts on disk (`detect_format`):
 - "peft":   `<prefix>.<path>.{lora_A.weight, lora_B.weight}` (diffusers / PEFT; prefix `transformer.`,
   `base_model.model.` ...). Alpha comes from diffusers' `lora_adapter_metadata` header entry when
   present, else alpha = rank (scale 1). We write alpha folded into lora_B, so no header is needed.
+  Keys with a PEFT adapter name (`lora_A.default.weight`: a raw model.state_dict()) read without it.
 - "comfy":  `diffusion_model.<path>.{lora_down.weight, lora_up.weight, alpha}` (dotted paths).
 - PEFT adapter folder (LLMs): `adapter_config.json` + `adapter_model.safetensors` with keys
   `base_model.model.<path>.lora_A.weight` / `lora_B.weight`; lora_B is NOT scaled, the config holds
@@ -89,7 +90,8 @@ def merge_into_weight(weight: torch.Tensor, loras) -> torch.Tensor:
 
 # kohya name prefixes: lora_unet_ (the denoiser), lora_te_ (a lone text encoder: our LLM LoRAs), lora_te1_ /
 # lora_te2_ / lora_te3_ (a diffusion model's text encoders: sd-scripts' networks write CLIP-L as lora_te1_
-# and T5-XXL as lora_te3_, SDXL CLIP-G as lora_te2_), lora_transformer_ (OneTrainer, SimpleTuner).
+# and T5-XXL as lora_te3_, SDXL CLIP-G as lora_te2_; where an architecture's files use one for another encoder,
+# its LoRAFiles.text_encoders says so), lora_transformer_ (OneTrainer, SimpleTuner).
 KOHYA_PREFIXES = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "lora_transformer_")
 TEXT_ENCODER_PREFIXES = {"lora_te1_": "CLIP-L", "lora_te2_": "CLIP-G", "lora_te3_": "T5-XXL",
                          # dotted: diffusers' pipelines save a text encoder's LoRA under the component's name
@@ -245,10 +247,13 @@ def _module_of(key: str) -> str:
     return next((key[: -len(s)] for s in _PART_OF_SUFFIX if key.endswith(s)), key.rsplit(".", 1)[0])
 
 
-def text_encoder_note(te_tensors) -> str:
-    """'3 text-encoder modules (CLIP-L lora_te1_ x2, T5-XXL lora_te3_ x1)' for split_text_encoders' second part."""
+def text_encoder_note(te_tensors, labels: dict[str, str] | None = None) -> str:
+    """'3 text-encoder modules (CLIP-L lora_te1_ x2, T5-XXL lora_te3_ x1)' for split_text_encoders' second part.
+    labels: prefix -> encoder where the file's architecture says another than TEXT_ENCODER_PREFIXES
+    (lora_arch.text_encoder_labels)."""
     modules = {k.split(".")[0] if k.startswith(KOHYA_TEXT_ENCODERS) else _module_of(k) for k in te_tensors}
-    counts = [f"{enc} {p} x{sum(m.startswith(p) for m in modules)}" for p, enc in TEXT_ENCODER_PREFIXES.items()
+    named = {**TEXT_ENCODER_PREFIXES, **(labels or {})}
+    counts = [f"{named[p]} {p} x{sum(m.startswith(p) for m in modules)}" for p in TEXT_ENCODER_PREFIXES
               if any(m.startswith(p) for m in modules)]
     return f"{len(modules)} text-encoder modules ({', '.join(counts)})"
 
@@ -339,12 +344,42 @@ def _common_prefix(modules: list[str], prefixes) -> str:
     return ""
 
 
+# PEFT keeps an adapter's tensors under its name in the model (`<module>.lora_A.<adapter>.weight`): a raw
+# model.state_dict() saves them so (DiffSynth-Studio's files: `.default.`), get_peft_model_state_dict drops
+# the name (peft's _remove_adapter_name_from_state_dict_key; DoRA's magnitude becomes `lora_magnitude_vector`).
+ADAPTER_NAMED = re.compile(r"\.(lora_A|lora_B|lora_magnitude_vector)\.([^.]+)\.weight$")
+
+
+def adapter_name_dropped(keys, source: str = "LoRA") -> dict[str, str]:
+    """{key: the name get_peft_model_state_dict saves it under} for the keys carrying a PEFT adapter name
+    (ADAPTER_NAMED); {} for none. Two adapters' names, or keys with one beside keys without, are a
+    CheckpointError naming them: the file holds more than one LoRA."""
+    keys = list(keys)
+    found = {k: m for k in keys if (m := ADAPTER_NAMED.search(k))}
+    if not found:
+        return {}
+    first = next(iter(found))
+    names = sorted({m.group(2) for m in found.values()})
+    if len(names) > 1:
+        raise CheckpointError(f"{source}: holds the PEFT adapters {', '.join(map(repr, names))} (keys like '{first}'): "
+                              f"one adapter per LoRA file; save one with get_peft_model_state_dict(model, adapter_name=...)")
+    plain = next((k for k in keys if k.endswith((".lora_A.weight", ".lora_B.weight")) and k not in found), None)
+    if plain is not None:
+        raise CheckpointError(f"{source}: key '{plain}' has no adapter name beside keys of the PEFT adapter '{names[0]}' "
+                              f"(like '{first}'): one adapter per LoRA file")
+    return {k: k[: m.start()] + (".lora_magnitude_vector" if m.group(1) == "lora_magnitude_vector" else f".{m.group(1)}.weight")
+            for k, m in found.items()}
+
+
 def lora_reader(path: str) -> tuple[CheckpointReader, dict | None]:
-    """A LoRA safetensors file or PEFT adapter folder -> (reader of its tensors, the folder's
-    adapter_config.json or None). Any other folder is a CheckpointError saying what is expected."""
+    """A LoRA safetensors file or PEFT adapter folder -> (reader of its tensors, keys under their PEFT names
+    less an adapter name (adapter_name_dropped), the folder's adapter_config.json or None). Any other folder
+    is a CheckpointError saying what is expected."""
     folder = peft_folder_of(path)
     config = read_adapter_config(folder) if folder else None
-    return CheckpointReader(os.path.join(folder, PEFT_WEIGHTS_FILE) if folder else path), config
+    reader = CheckpointReader(os.path.join(folder, PEFT_WEIGHTS_FILE) if folder else path)
+    reader.rename(adapter_name_dropped(reader.keys(), path))
+    return reader, config
 
 
 def read_lora_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str], dict | None]:

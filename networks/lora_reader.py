@@ -50,10 +50,12 @@ from networks.lora_arch import (
     module_of_key,
     naming_of,
     says_base,
+    text_encoder_labels,
     width_of,
 )
 from networks.lora_files import (
     LoRAWeights,
+    adapter_name_dropped,
     beside_lora_note,
     detect_format,
     lora_reader,
@@ -135,7 +137,11 @@ def read_for_model(source, arch: str, paths, module_map=None, target_is_key: boo
     """A LoRA file (path: a .safetensors or PEFT adapter folder) or tensor dict -> its modules in the
     target's names (lora_for_model)."""
     name = name or (source if isinstance(source, str) else "state dict")
-    tensors, metadata, config = read_lora_tensors(source) if isinstance(source, str) else (dict(source), {}, None)
+    if isinstance(source, str):
+        tensors, metadata, config = read_lora_tensors(source)
+    else:  # a state dict: keys under their PEFT names, as a file's (lora_reader)
+        names = adapter_name_dropped(source, name)
+        tensors, metadata, config = {names.get(k, k): v for k, v in source.items()}, {}, None
     return lora_for_model(tensors, metadata, config, arch, paths, module_map, target_is_key, name, strict)
 
 
@@ -223,7 +229,7 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
 
 def foreign_arch(tensors: dict, metadata: dict[str, str], arch: str) -> str | None:
     """The architecture a LoRA's names say it is for, when that is not `arch`: names only another
-    architecture has, or a variant sharing `arch`'s names that claims the file (its `recognise`). None
+    architecture has, or a variant sharing `arch`'s names that claims the file (lora_arch.variant_of). None
     when the names fit `arch` or tell nothing (attention projections many models have)."""
     files = lora_files()
     if arch not in files:
@@ -337,23 +343,24 @@ def check_lora_arch(path: str, arch: str) -> None:
     shapes = {k: torch.empty(reader.shape(k), device="meta") for k in reader.keys()}
     shapes, te = split_text_encoders(shapes)
     if te and not shapes:
-        raise CheckpointError(text_encoders_only(path, te))
+        raise CheckpointError(text_encoders_only(path, te, arch))
     shapes = without_base_only(path, split_beside_lora(shapes)[0], dict(reader.metadata), arch, say=False)
     if shapes and (error := foreign_arch_error(path, shapes, dict(reader.metadata), arch)) is not None:
         raise CheckpointError(error)
 
 
-def text_encoders_only(name: str, te: dict) -> str:
-    """The line for a LoRA of sd-scripts' text encoders alone: nothing in it adapts the transformer."""
-    return f"{name}: holds only {text_encoder_note(te)}; this LoRA adapts no module of the transformer"
+def text_encoders_only(name: str, te: dict, arch: str) -> str:
+    """The line for a LoRA of sd-scripts' text encoders alone, read for `arch`: nothing in it adapts the transformer."""
+    return f"{name}: holds only {text_encoder_note(te, text_encoder_labels(arch))}; this LoRA adapts no module of the transformer"
 
 
-def leave_out_text_encoders(name: str, te: dict, kept: bool, stacklevel: int) -> None:
-    """For a network loading a file: a CheckpointError where it holds text-encoder modules `te` alone (`kept`
-    False: nothing else of it loads), else one warning that `te`'s modules were left out (stacklevel: the
+def leave_out_text_encoders(name: str, te: dict, kept: bool, arch: str, stacklevel: int) -> None:
+    """For a network of `arch` loading a file: a CheckpointError where it holds text-encoder modules `te` alone
+    (`kept` False: nothing else of it loads), else one warning that `te`'s modules were left out (stacklevel: the
     caller's)."""
     if te and not kept:
-        raise CheckpointError(text_encoders_only(name, te))
+        raise CheckpointError(text_encoders_only(name, te, arch))
     if te:
-        warnings.warn(f"{name}: left out {text_encoder_note(te)}: they adapt the text encoders, not this network's model",
+        note = text_encoder_note(te, text_encoder_labels(arch))
+        warnings.warn(f"{name}: left out {note}: they adapt the text encoders, not this network's model",
                       stacklevel=stacklevel + 1)

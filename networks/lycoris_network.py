@@ -303,7 +303,7 @@ class LycorisNetwork(nn.Module):
         with one warning, and an error names the file."""
         name = source if isinstance(source, str) else "state dict"
         source, te = split_text_encoders(_tensors_of(source))
-        leave_out_text_encoders(name, te, bool(source), stacklevel=2)
+        leave_out_text_encoders(name, te, bool(source), arch, stacklevel=2)
         source = without_base_only(name, source, {}, arch)
         network = cls.__new__(cls)
         nn.Module.__init__(network)

@@ -195,6 +195,48 @@ def test_wrong_shape_names_key_and_file(tiny_files, tmp_path):
         load_chroma(path)
 
 
+def test_merge_lora_merges_a_flux1_lora_less_the_modulation_chroma_lacks(tiny_files, tmp_path, capsys):
+    """tools/merge_lora.py refused a FLUX.1 LoRA whose header says so (ss_base_model_version flux1-dev) when merging
+    into Chroma ('its deltas were learned on other weights'), though training and generate take it. Now it merges
+    the 20 block modules, leaving out the 6 modulation Linears Chroma lacks with one warning; a file of those
+    modules alone is still one line, exit 2."""
+    from library.models.flux1.model import Flux, FluxConfig
+    from networks import lora_files as lf
+    from networks.lora import LoRANetwork
+    from tools import merge_lora
+
+    c = tiny_chroma_config()
+    flux = Flux(FluxConfig(in_channels=c.in_channels, vec_in_dim=16, context_in_dim=c.context_in_dim, hidden_size=c.hidden_size,
+                           num_heads=c.num_heads, depth=c.depth, depth_single=c.depth_single, axes_dim=c.axes_dim))
+    net = LoRANetwork(flux, "flux", rank=2, alpha=1.0, network_args={"train_modulation": "true"})
+    weights = {m.name: m.weights() for m in net.lora_modules()}
+    for w in weights.values():
+        w.up.normal_(0, 0.2)
+    modulation = {p for p in weights if "mod" in p}
+    assert (len(weights), len(modulation)) == (26, 6)
+    lora, only_mod = str(tmp_path / "flux1.safetensors"), str(tmp_path / "mod.safetensors")
+    lf.write_kohya(weights, lora, metadata={"ss_base_model_version": "flux1-dev"})
+    lf.write_kohya({p: weights[p] for p in modulation}, only_mod, metadata={"ss_base_model_version": "flux1-dev"})
+    out = tmp_path / "merged.safetensors"
+    with pytest.warns(UserWarning) as said:
+        assert merge_lora.main(["--model", tiny_files["chroma_bfl"], "--lora", lora, "--save_to", str(out)]) == 0
+    lines = [str(w.message) for w in said]
+    assert len(lines) == 1 and lines[0].startswith(f"{lora}: a FLUX.1 LoRA (its header says so): left out its 6 modules "
+                                                   f"this Chroma model lacks") and lines[0].endswith("kept the other 20")
+    assert "warning" not in capsys.readouterr().err
+    base, merged = load_file(tiny_files["chroma_bfl"]), load_file(str(out))
+    assert merged.keys() == base.keys()
+    for path, w in weights.items():
+        if path not in modulation:
+            key = f"{path}.weight"
+            assert (merged[key] - base[key] - w.delta()).abs().max() <= 1e-6 * base[key].abs().max()
+    assert sum(not torch.equal(merged[k], base[k]) for k in base) == 20
+    assert merge_lora.main(["--model", tiny_files["chroma_bfl"], "--lora", only_mod, "--save_to", str(tmp_path / "m.safetensors")]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith(f"error: {only_mod}: a LoRA for FLUX.1") and "its 6 modules are all ones this model lacks" in error
+    assert "\n" not in error and not os.path.exists(tmp_path / "m.safetensors")
+
+
 # ----------------------------------------------------------------------------------------------
 # Prompt encoding
 

@@ -6,6 +6,7 @@ in each layout are built once per session; each consumer's dense deltas are comp
 
 import copy
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -86,6 +87,11 @@ def with_bias_diffs(src: str, dst: str) -> str:
     return dst
 
 
+def with_adapter_name(key: str, name: str = "default") -> str:
+    """A PEFT key as a raw model.state_dict() names it: the adapter name between lora_A / lora_B and weight."""
+    return key.replace(".lora_A.weight", f".lora_A.{name}.weight").replace(".lora_B.weight", f".lora_B.{name}.weight")
+
+
 def kohya_of_peft(src: str, dst: str, prefix: str) -> str:
     """A diffusers file's modules as kohya names (`<prefix>_<diffusers path>`): OneTrainer's
     lora_transformer_, and diffusers names under lora_unet_ (alpha folded: alpha = rank)."""
@@ -130,6 +136,7 @@ def flux(tmp_path_factory):
     files["OneTrainer lora_transformer_ (diffusers names)"] = kohya_of_peft(files["diffusers"], str(root / "ot.safetensors"), "lora_transformer")
     files["lora_unet_ in diffusers names"] = kohya_of_peft(files["diffusers"], str(root / "ku.safetensors"), "lora_unet")
     files["diffusers + text_encoder (diffusers pipeline)"] = with_diffusers_text_encoder(files["diffusers"], str(root / "dte.safetensors"))
+    files["PEFT adapter name (raw state_dict)"] = renamed(files["diffusers"], str(root / "adapter.safetensors"), with_adapter_name)
     files["ComfyUI extraction (.diff_b beside)"] = with_bias_diffs(files["ComfyUI dotted lora_down"], str(root / "extract.safetensors"))
     split, split_reference = split_downs_lora(root)
     cases = {name: (path, dense(net.lora_weights())) for name, path in files.items()}
@@ -266,7 +273,7 @@ def assert_same_deltas(got: dict, want: dict):
 FLUX_CASES = ["kohya (ours)", "diffusers", "comfy", "kohya + text encoder (sd-scripts)", "PEFT base_model.model.",
               "ComfyUI dotted lora_down", "OneTrainer lora_transformer_ (diffusers names)", "lora_unet_ in diffusers names",
               "diffusers q / k / v with their own downs", "ComfyUI extraction (.diff_b beside)",
-              "diffusers + text_encoder (diffusers pipeline)"]  # fmt: skip
+              "diffusers + text_encoder (diffusers pipeline)", "PEFT adapter name (raw state_dict)"]  # fmt: skip
 ZIMAGE_CASES = ["kohya (ours)", "diffusers", "comfy", "kohya + text encoder (sd-scripts)", "PEFT base_model.model.",
                 "ComfyUI dotted lora_down", "ComfyUI's own names (fused qkv, musubi-tuner)"]  # fmt: skip
 
@@ -301,6 +308,62 @@ def test_a_diffusers_lora_with_text_encoder_modules_loads_the_transformers(flux,
                                               f"they adapt the text encoders, not this network's model"]
     convert_lora.convert_lora(path, str(tmp_path / "k.safetensors"), "kohya")
     assert all(k.startswith("lora_unet_") for k in load_file(str(tmp_path / "k.safetensors")))
+
+
+def test_peft_keys_with_an_adapter_name_read_without_it_and_two_adapters_are_one_line(flux, tmp_path, capsys):
+    """A raw model.state_dict() of a PEFT-wrapped model names each tensor `<module>.lora_A.default.weight`: every
+    reader stopped with "LoRA key '...lora_A.default.weight': expected a name ending in .lora_down.weight ...".
+    Now the adapter name is dropped where one name is on every lora_A / lora_B key (every consumer: FLUX_CASES),
+    for a file, a state dict and lora_info alike; two adapters in one file are one line naming both."""
+    from tools import lora_info
+
+    path, reference = flux["cases"]["PEFT adapter name (raw state_dict)"]
+    tensors = load_file(path)
+    assert (sum(".lora_A.default.weight" in k for k in tensors), len(reference)) == (20, 13)  # diffusers names: q / k / v split
+    assert_same_deltas(dense(LoRANetwork.from_weights(flux["model"], "flux", tensors).lora_weights()), reference)
+    info = lora_info.read_info(path)
+    plain = lora_info.read_info(flux["cases"]["diffusers"][0])
+    assert (info["format"], info["arch"], info["modules"]) == (plain["format"], "flux", plain["modules"]) == ("diffusers", "flux", 20)
+    dora = ["x.lora_A.mine.weight", "x.lora_B.mine.weight", "x.lora_magnitude_vector.mine.weight"]  # peft's saved names
+    assert lf.adapter_name_dropped(dora) == dict(zip(dora, ["x.lora_A.weight", "x.lora_B.weight", "x.lora_magnitude_vector"]))
+    two = {**tensors, **{k.replace(".default.", ".style."): v.clone() for k, v in tensors.items() if "single_transformer_blocks" in k}}
+    mixed = {**tensors, "transformer.proj_out.lora_A.weight": torch.ones(4, 64), "transformer.proj_out.lora_B.weight": torch.ones(64, 4)}
+    for name, bad, line in (("two", two, "holds the PEFT adapters 'default', 'style' (keys like "),
+                            ("mixed", mixed, "key 'transformer.proj_out.lora_A.weight' has no adapter name beside keys of "
+                                             "the PEFT adapter 'default'")):
+        save_file(bad, str(tmp_path / f"{name}.safetensors"))
+        assert merge_lora.main(["--model", str(flux["root"] / "base.safetensors"), "--lora", str(tmp_path / f"{name}.safetensors"),
+                                "--save_to", str(tmp_path / "m.safetensors")]) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith(f"error: {tmp_path / name}.safetensors: {line}") and "\n" not in error, error
+        with pytest.raises(CheckpointError, match="^" + re.escape(f"state dict: {line}")):
+            LoRANetwork.from_weights(flux["model"], "flux", bad)
+
+
+def test_onetrainers_flux1_t5_lora_te2_is_called_t5_where_a_file_is_described(flux, tmp_path, capsys):
+    """OneTrainer writes FLUX.1's T5-XXL LoRA as lora_te2_ (its text_encoder_2; CLIP-L lora_te1_). Every line
+    that said what a file holds called it CLIP-G (sd-scripts' SDXL name): lora_info, generate's and merge_lora's
+    warnings, the refusal of text encoders alone. Now FLUX.1's and Chroma's say T5-XXL (the family's
+    LoRAFiles.text_encoders); the modules stay left out, and the generic name stays for other files."""
+    from networks.lora_reader import check_lora_arch
+    from tools import lora_info
+
+    te = {f"{m}.{part}": t for m, n in (("lora_te1_text_model_encoder_layers_0_mlp_fc1", 8), ("lora_te2_encoder_block_0_layer_0_SelfAttention_q", 32))
+          for part, t in (("lora_down.weight", torch.ones(4, n)), ("lora_up.weight", torch.ones(n, 4)), ("alpha", torch.tensor(4.0)))}
+    path, t5_only = str(tmp_path / "ot.safetensors"), str(tmp_path / "t5.safetensors")
+    save_file({**load_file(flux["cases"]["OneTrainer lora_transformer_ (diffusers names)"][0]), **te}, path)
+    save_file({k: v for k, v in te.items() if k.startswith("lora_te2_")}, t5_only)
+    note = "2 text-encoder modules (CLIP-L lora_te1_ x1, T5-XXL lora_te2_ x1)"
+    assert lora_info.read_info(path)["text_encoders"] == note
+    with pytest.warns(UserWarning) as said:
+        network_from_file(flux["model"], "flux", path)
+    assert [str(w.message) for w in said] == [f"{path}: left out {note}: they adapt the text encoders, not this network's model"]
+    assert merge_lora.main(["--model", str(flux["root"] / "base.safetensors"), "--lora", path, "--save_to", str(tmp_path / "m.safetensors")]) == 0
+    assert f"skipped {note}: they adapt the text encoders" in capsys.readouterr().err
+    for arch in ("flux", "chroma"):
+        with pytest.raises(CheckpointError, match=re.escape(f"{t5_only}: holds only 1 text-encoder modules (T5-XXL lora_te2_ x1)")):
+            check_lora_arch(t5_only, arch)
+    assert lf.text_encoder_note(te) == "2 text-encoder modules (CLIP-L lora_te1_ x1, CLIP-G lora_te2_ x1)"
 
 
 def test_a_comfyui_extracted_lora_reads_its_down_up_and_says_what_it_leaves_out(flux, tmp_path):

@@ -6,8 +6,8 @@ LoRA between a kohya file and a PEFT adapter folder.
 The source layout (kohya `lora_unet_*`, PEFT `transformer.*.lora_A/B`, ComfyUI `diffusion_model.*`)
 and the architecture are told from the tensor names: each architecture's spec lists the names only
 it has (library/models/<folder>/spec.py, LORA_FILES.markers). An architecture that shares another's
-names (LORA_FILES.names_of) is told apart by its `recognise` (names, metadata, shapes: its folder's
-lora_files.py says how); --model_type settles a LoRA that names only modules two models have, such
+names (LORA_FILES.names_of) is told apart by its markers, its header (model_versions) or its shapes
+(`recognise`): networks/lora_arch.py variant_of; --model_type settles a LoRA that names only modules two models have, such
 as attention projections.
 
 - Models with BFL names: kohya files use BFL module names (`double_blocks.0.img_attn.qkv`),
@@ -98,7 +98,7 @@ from networks.lora_files import (  # noqa: E402
 from networks.lora_module_map import bfl_to_diffusers, diffusers_to_bfl  # noqa: E402
 from networks.lora_reader import lora_in_our_names  # noqa: E402
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
-from networks.lora_arch import detect_arch, lora_files, title_list  # noqa: E402
+from networks.lora_arch import detect_arch, lora_files, text_encoder_labels, title_list  # noqa: E402
 from tools.lora_common import check_output_path, warn_unknown_peft_alpha  # noqa: E402
 
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
@@ -118,7 +118,7 @@ def read_source(path: str, model_type: str | None):
         raise CheckpointError(f"{path}: {lycoris_refusal()}")
     tensors, te = split_text_encoders(tensors)
     if te and not tensors:
-        raise CheckpointError(f"{path}: holds only {text_encoder_note(te)}; convert_lora converts a transformer's LoRA")
+        raise CheckpointError(f"{path}: holds only {text_encoder_note(te, text_encoder_labels(model_type))}; convert_lora converts a transformer's LoRA")
     tensors, diffs = split_beside_lora(tensors)
     if diffs:
         print(f"warning: {path}: left out {beside_lora_note(diffs)}: convert_lora writes the down/up modules only",
@@ -175,7 +175,7 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     weights, metadata, fmt, model_type, known, counts, te = read_source(src, model_type and lora_arch(model_type))
     kept_te = {k: v for k, v in te.items() if k.startswith(KOHYA_TEXT_ENCODERS)} if to == "kohya" else {}
     if left_te := {k: v for k, v in te.items() if k not in kept_te}:
-        print(f"warning: {src}: left out {text_encoder_note(left_te)}: --to {to} holds the transformer's modules only "
+        print(f"warning: {src}: left out {text_encoder_note(left_te, text_encoder_labels(model_type))}: --to {to} holds the transformer's modules only "
               "(--to kohya keeps sd-scripts' lora_te1_ / lora_te2_ / lora_te3_)", file=sys.stderr)  # fmt: skip
     files = lora_files()[model_type]
     if to not in files.layouts:

@@ -78,6 +78,7 @@ from networks.lora_arch import (  # noqa: E402
     fitted_releases,
     info_block_counts,
     lora_files,
+    text_encoder_labels,
     title_list,
     variant_of,
     width_of,
@@ -194,7 +195,7 @@ def _read_info(path: str) -> dict:
         "modules": len(modules), "ranks": {str(k): v for k, v in sorted(ranks.items())},
         "alphas": dict(alphas), "alpha_source": _alpha_source(keys, metadata, adapter_config),
         "dtypes": dict(Counter(reader.dtype_name(k) for k in keys)), "width": width, "blocks": counts,
-        "fits": fit, "text_encoders": text_encoder_note(te) if te else None,
+        "fits": fit, "text_encoders": text_encoder_note(te, text_encoder_labels(arch)) if te else None,
         "beside_lora": beside_lora_note(diffs) if diffs else None, "training": training,
         "metadata": {k: v for k, v in metadata.items() if k not in METADATA_KEYS.values()},
     }

@@ -26,6 +26,7 @@ from library.precision.bnb_weights import refuse_serialized
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint
 from library.precision.gguf_weights import is_gguf
 from networks.lora_files import LoRAWeights, read_lora_tensors, split_text_encoders, text_encoder_note
+from networks.lora_arch import detect_arch, lora_files, text_encoder_labels
 from networks.lora_reader import lora_for_model, lycoris_for_model
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas
 from tools.cli import LoRASpec
@@ -137,9 +138,9 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
     where the two share every name and shape (an architecture whose spec sets names_of): its deltas
     were learned on other weights. Another release of the base's own architecture (a distilled and a
     guidance-embedded release) is a warning: LoRAs are commonly moved between those. A version that
-    begins the base's (sd-scripts writes the family's stem) matches any of its releases."""
-    from networks.lora_arch import detect_arch
-
+    begins the base's (sd-scripts writes the family's stem) matches any of its releases. A LoRA of the
+    architecture whose names the base's shares, where the base's model takes its LoRAs (LoRAFiles.takes_base_loras),
+    passes: lora_for_model has left out the modules the base lacks, saying how many."""
     wanted = metadata.get("ss_base_model_version")
     if not wanted or base.version is None or base.version.startswith(wanted):
         return
@@ -147,6 +148,9 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
         arch = detect_arch(tensors, metadata)
     except CheckpointError:  # the names tell no architecture: the shapes decide
         arch = None
+    files = lora_files().get(base.family)
+    if arch is not None and files is not None and files.takes_base_loras and arch == files.names_of:
+        return
     if arch is not None and arch != base.family:
         raise CheckpointError(f"{spec.path}: a {arch_spec(arch).title} LoRA (ss_base_model_version '{wanted}') and the "
                               f"base {base.path} is {arch_spec(base.family).title} ('{base.version}'): its deltas were "
@@ -163,9 +167,10 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     tensors, metadata, adapter_config = read_lora_tensors(spec.path)  # a file, or a PEFT adapter folder
     body, te = split_text_encoders(tensors)
     if te and not body:
-        raise CheckpointError(f"{spec.path}: holds only {text_encoder_note(te)}; merge_lora merges into the transformer")
+        raise CheckpointError(f"{spec.path}: holds only {text_encoder_note(te, text_encoder_labels(base.family))}; "
+                              f"merge_lora merges into the transformer")
     if te:  # sd-scripts' files: CLIP-L / T5-XXL modules beside the transformer's
-        print(f"warning: {name}: skipped {text_encoder_note(te)}: they adapt the text encoders, not the transformer "
+        print(f"warning: {name}: skipped {text_encoder_note(te, text_encoder_labels(base.family))}: they adapt the text encoders, not the transformer "
               f"merged here", file=sys.stderr)  # fmt: skip
     if is_lycoris_file(body):  # LoKr, LoHa, ...: kohya names; another naming's modules renamed where whole
         weights = lycoris_for_model(lycoris_deltas(body), body, metadata, base.family, base.weight_key, base.module_map,

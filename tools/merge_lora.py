@@ -14,7 +14,9 @@ files (config.json, tokenizer files) copied. A pipeline folder gives a transform
 Each LoRA is `path[:ratio]` (ratio 1 when left out); any layout networks/lora_reader.py reads, the
 reader every LoRA-applying tool shares (kohya, OneTrainer's lora_transformer_, PEFT/diffusers, ComfyUI's
 layouts and own names; for an LLM also a PEFT adapter folder, read with its adapter_config.json); a
-LoRA whose names are another model's is refused naming it as tools/lora_info.py does. Where a model's
+LoRA whose names are another model's is refused naming it as tools/lora_info.py does; one of the model
+whose names a variant shares, where the variant's model takes that one's LoRAs (LoRAFiles.takes_base_loras),
+merges less the modules the variant lacks, with one warning (header or not, as training reads it). Where a model's
 checkpoints come in two namings (BFL names and diffusers'), a LoRA may use either whatever the base's
 naming: fused modules (qkv, linear1) are split or joined by row through the family's module map.
 The base and each LoRA's deltas by its weight keys: tools/merge_base.py; the plan and the writers: here.

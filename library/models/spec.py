@@ -71,8 +71,10 @@ class LoRAFiles:
 
     # convert_lora: substrings of module names only this architecture has (a variant's count as its base's)
     markers: tuple[str, ...] = ()
-    names_of: str | None = None  # the arch whose module names this one shares (its LoRAs are told apart by `recognise`)
-    recognise: str | None = None  # "module:function" (tensors, metadata) -> True for this arch's LoRA with names_of's names
+    names_of: str | None = None  # the arch whose module names this one shares (its LoRAs are told apart: lora_arch.variant_of)
+    # "module:function" (tensors) -> True for a LoRA with names_of's names whose shapes only this arch has; its
+    # markers and its header (model_versions) claim one first (lora_arch.variant_of)
+    recognise: str | None = None
     # "module:function" (tensors) -> True for a LoRA with names_of's names whose shapes only names_of's model has
     refuses: str | None = None
     # prefixes of ss_base_model_version / modelspec.architecture in this arch's LoRAs (those of its variants
@@ -82,6 +84,9 @@ class LoRAFiles:
     # base's, fine-tuned: the rest applies), as ComfyUI loads one: those are left out with one warning saying how
     # many. None: a LoRA naming them, or whose header names the base, is names_of's and refused
     takes_base_loras: str | None = None
+    # kohya text-encoder prefixes whose encoder in this architecture's files is another than sd-scripts' names
+    # say (networks/lora_files.py TEXT_ENCODER_PREFIXES): prefix -> the encoder, as the tools print what a file holds
+    text_encoders: dict[str, str] = field(default_factory=dict)
     block_pattern: str = ""  # regex, groups (block kind, index): the blocks a LoRA names
     module_paths: str | None = None  # "module:function" (block counts) -> every Linear path (resolves kohya names)
     module_map: str | None = None  # "module:function" (weights, block counts) -> BFL <-> diffusers module map from the LoRA's shapes

@@ -1,33 +1,20 @@
 """Chroma LoRA files: the module maps and paths tools/convert_lora.py and networks/lora.py use
-(through the spec's LORA / LORA_FILES), and how a LoRA in FLUX.1's BFL block names is told to be Chroma's.
+(through the spec's LORA / LORA_FILES).
 
 Chroma's blocks are FLUX.1's minus the modulation Linears, with the same names and shapes, so its
 diffusers map is chroma/checkpoint.py's (FLUX.1's rows without the pruned ones, the approximator's
 added) and a LoRA of the blocks alone reads the same in both models. It is Chroma's when it names the
-approximator (`distilled_guidance_layer`, the spec's marker) or its metadata says so (train_lora.py
-writes ss_base_model_version "chroma"; modelspec.architecture where a writer sets it); else it is
-FLUX.1's. --model_type chroma settles the rest (the conversion is the same for the blocks).
+approximator (`distilled_guidance_layer`, the spec's marker) or its header says so (the spec's
+model_versions); else it is FLUX.1's. --model_type chroma settles the rest (the conversion is the same
+for the blocks).
 """
 
 from __future__ import annotations
 
 from library.models.chroma.checkpoint import chroma_diffusers_module_map
 from library.models.chroma.model import ChromaConfig
-from library.models.chroma.spec import LORA_FILES
 from library.models.flux1.checkpoint import RowMap
 from library.models.flux1.lora_files import all_paths, block_depths, sizes_from_lora
-
-METADATA_KEYS = ("ss_base_model_version", "modelspec.architecture")
-
-
-def is_own_lora(tensors: dict, metadata: dict[str, str]) -> bool:
-    """True for a Chroma LoRA among those with FLUX.1's names (module docstring). tensors: key ->
-    tensor (only the names are read)."""
-    flat = [k.replace(".", "_") for k in tensors]
-    if any(m in k for k in flat for m in LORA_FILES.markers):
-        return True
-    return any(metadata.get(key, "").lower().startswith("chroma") for key in METADATA_KEYS)
-
 
 def module_map_of_config(cfg: ChromaConfig) -> RowMap:
     """BFL <-> diffusers module map of a model built from `cfg`."""

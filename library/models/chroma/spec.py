@@ -23,16 +23,17 @@ LORA = S.LoRATargets(
 
 
 # -- LoRA files: converters' and inspectors' key tables (tools/)
-# Chroma keeps FLUX.1's BFL block names and shapes, so a LoRA of its blocks is told apart by
-# chroma/lora_files.py is_own_lora: the approximator's names (the marker below) or the metadata.
+# Chroma keeps FLUX.1's BFL block names and shapes, so a LoRA of its blocks is told apart by the
+# approximator's names (the marker below) or its header (train_lora.py writes ss_base_model_version "chroma").
 _FLUX1_FILES = S.load_symbol("library.models.flux1.spec:LORA_FILES")
 LORA_FILES = S.LoRAFiles(
     markers=("distilled_guidance_layer_",),
     layouts=("kohya", "diffusers", "comfy"),  # ComfyUI's Chroma keeps the BFL names our kohya files have
     names_of="flux",
+    text_encoders=_FLUX1_FILES.text_encoders,  # in the FLUX.1 LoRAs it takes (OneTrainer's T5-XXL lora_te2_)
     takes_base_loras="Chroma's approximator computes every block's modulation, FLUX.1's time / vector / guidance "
                      "embedders and modulation Linears are pruned",
-    recognise="library.models.chroma.lora_files:is_own_lora",
+    model_versions=("chroma",),
     block_pattern=_FLUX1_FILES.block_pattern,
     module_paths="library.models.chroma.lora_files:module_paths",
     module_map="library.models.chroma.lora_files:module_map_of_lora",

@@ -64,6 +64,9 @@ LORA_FILES = S.LoRAFiles(
     namings={"BFL": ("double_blocks_", "single_blocks_"), "diffusers": ("transformer_blocks_",)},
     # ours and sd-scripts' flux1 / modelspec flux-1-dev, flux-1-schnell, flux-1; musubi-tuner's modelspec Flux.1-dev/lora
     model_versions=("flux1", "flux-1", "flux.1"),
+    # OneTrainer writes FLUX.1's text encoders as its text_encoder_1 / _2: CLIP-L lora_te1_, T5-XXL lora_te2_
+    # (sd-scripts' T5-XXL is lora_te3_; lora_te2_ is SDXL's CLIP-G there). Left out as any text encoder's.
+    text_encoders={"lora_te2_": "T5-XXL"},
 )
 
 

@@ -19,21 +19,14 @@ import re
 
 from library.models.flux1.lora_files import ATTN, all_paths, block_depths, sizes_from_lora
 from library.models.flux2.checkpoint import RowMap, flux2_diffusers_module_map
-from library.models.flux2.spec import LORA_FILES
 
 # (BFL / diffusers module of a fused MLP input, FLUX.1's and FLUX.2's rows per input width)
 MLP_RATIOS = [(re.compile(r"(img|txt)_mlp[._]0$"), 4, 6), (re.compile(r"single_blocks[._]\d+[._]linear1$"), 7, 9)]
 
 
-def is_own_lora(tensors: dict, metadata: dict[str, str]) -> bool:
-    """True for a FLUX.2 LoRA among those with FLUX.1's names (module docstring: names, metadata,
-    MLP widths). tensors: key -> tensor (meta tensors do: only shapes are read)."""
-    flat = [k.replace(".", "_") for k in tensors]
-    if any(m in k for k in flat for m in LORA_FILES.markers):
-        return True
-    said = [metadata.get(key, "").lower() for key in ("ss_base_model_version", "modelspec.architecture")]
-    if any(v.startswith(LORA_FILES.model_versions) for v in said):
-        return True
+def has_flux2_mlp(tensors: dict) -> bool:
+    """True for a LoRA with FLUX.2's MLP widths (6 x / 9 x hidden rows), where neither its names nor its header
+    (the spec's markers, model_versions) told (module docstring). Meta tensors do: only shapes are read."""
     return mlp_ratio(tensors) == "flux2"
 
 

@@ -41,17 +41,3 @@ def comfy_module_map(weights: dict, counts: dict[str, int]) -> dict[str, list[tu
         elif path.endswith(OUT):
             out[path] = [(path[: -len(OUT)] + ".attention.to_out.0", 0, rows)]
     return out
-
-
-METADATA_KEYS = ("ss_base_model_version", "modelspec.architecture")
-
-
-def is_own_lora(tensors: dict, metadata: dict[str, str]) -> bool:
-    """True for an Ideogram 4 LoRA among those with Z-Image's block names: a module only Ideogram 4 has
-    (spec LORA_FILES.markers), else metadata naming it (our LoRAs record ss_base_model_version)."""
-    from library.models.ideogram4.spec import LORA_FILES
-
-    flat = [k.replace(".", "_") for k in tensors]
-    if any(m in k for k in flat for m in LORA_FILES.markers):
-        return True
-    return any(metadata.get(key, "").lower().startswith("ideogram4") for key in METADATA_KEYS)

@@ -28,12 +28,12 @@ LORA = S.LoRATargets(
 # -- LoRA files: converters' and inspectors' key tables (tools/)
 # diffusers module names in every layout: converting changes the prefix only. The blocks' names
 # (layers.N.attention.to_q, feed_forward.w1..3) are Z-Image's too: names_of zimage, told apart by
-# recognise (the modules only Ideogram 4 has, else the LoRA's metadata); --model_type settles the rest.
+# the modules only Ideogram 4 has (markers), else the header (model_versions); --model_type settles the rest.
 # ai-toolkit's LoRAs (`diffusion_model.layers.N.attention.qkv` / `.o`, the original names) read as ours.
 LORA_FILES = S.LoRAFiles(
     markers=("llm_cond_proj", "adaln_proj", "t_embedding_mlp_", "_adaln_modulation"),
     names_of="zimage",
-    recognise="library.models.ideogram4.lora_files:is_own_lora",
+    model_versions=("ideogram4",),  # ours: ss_base_model_version
     block_pattern=r"(layers)[._](\d+)[._]",
     module_paths="library.models.ideogram4.lora_files:module_paths",
     comfy_map="library.models.ideogram4.lora_files:comfy_module_map",  # ai-toolkit's fused qkv / o read as ours
