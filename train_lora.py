@@ -7,6 +7,7 @@
 The story, top to bottom: read the config -> set up accelerate -> build the task (models, data,
 caches, LoRA network) -> optimizer and scheduler -> the loop (loss, backward, clip, step, log,
 sample, save) -> the final LoRA. Ctrl-C / SIGTERM save the LoRA and the state before exiting 130 (during
+sample_at_first's samples: they stop at the next image and the run before step 1, nothing saved; during
 the final samples: they stop at the next image, the final LoRA written); a
 non-finite gradient norm stops the run before its update, with the LoRA saved; a non-finite loss
 or non-finite weights at a save stop it without calling the weights good. A sample render that fails
@@ -359,6 +360,9 @@ class Trainer:
         try:
             if args.sample_at_first and self.step == 0:
                 self.render_samples("start")
+                if requested := self.interrupts.requested:  # as a Ctrl-C while loading: nothing trained, nothing saved
+                    raise StopTraining(f"{requested} during the first samples: stopped before step 1; nothing "
+                                       f"trained, nothing saved", code=130)
             self.clock = tracking.StepClock()
             while self.step < self.max_steps:
                 self.run_epoch()
