@@ -270,12 +270,23 @@ def test_an_earlier_runs_ema_goes_with_its_lora_and_a_foreign_one_is_refused(tin
     """A run without EMA after one with ema_decay 0.9 left tiny_flux_lora_ema.safetensors (the first
     run's) beside the new LoRA, taken for its EMA. Now the final save removes an _ema file this
     trainer wrote for the output_name (its header says so); any other file there stops the run
-    before the models load, untouched (sd-scripts and musubi-tuner write no _ema file to mistake)."""
+    before the models load, untouched (sd-scripts and musubi-tuner write no _ema file to mistake).
+    The step saves' twins too: tiny_flux_lora-step000001_ema.safetensors stayed beside the second
+    run's tiny_flux_lora-step000001 (3 files left, not 2)."""
     out = tmp_path / "run"
-    assert train_lora.main(flux_args(tiny_set, out, "--ema_decay", "0.9")) == 0
-    assert train_lora.main(flux_args(tiny_set, out)) == 0
-    assert sorted(p.name for p in out.glob("*.safetensors")) == ["tiny_flux_lora.safetensors"]
-    assert f"removed {out / 'tiny_flux_lora_ema.safetensors'}: the EMA of the earlier run" in capsys.readouterr().out
+    two_steps = ("--max_train_steps", "2", "--save_every_n_steps", "1")
+    assert train_lora.main(flux_args(tiny_set, out, *two_steps, "--ema_decay", "0.9")) == 0
+    assert len(list(out.glob("*_ema.safetensors"))) == 2
+    assert train_lora.main(flux_args(tiny_set, out, *two_steps)) == 0
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["tiny_flux_lora-step000001.safetensors",
+                                                                 "tiny_flux_lora.safetensors"]
+    printed = capsys.readouterr().out
+    for name in ("tiny_flux_lora-step000001_ema.safetensors", "tiny_flux_lora_ema.safetensors"):
+        assert f"removed {out / name}: the EMA of the earlier run" in printed, printed
+    (out / "tiny_flux_lora-step000001_ema.safetensors").write_bytes(b"someone's file")
+    assert train_lora.main(flux_args(tiny_set, out)) == 2
+    assert "tiny_flux_lora-step000001_ema.safetensors: not an EMA this trainer wrote" in capsys.readouterr().err
+    (out / "tiny_flux_lora-step000001_ema.safetensors").unlink()
     (out / "tiny_flux_lora_ema.safetensors").write_bytes(b"someone's file")
     assert train_lora.main(flux_args(tiny_set, out)) == 2
     err = capsys.readouterr().err
