@@ -21,7 +21,7 @@ $(STAMP): requirements.txt
 # writes LoRA, CSV log, LR plot, samples and the before / after grid to out/quickstart and prints
 # the concept rates.
 demo: $(STAMP)
-	$(PYTHON) tools/make_tiny_dataset.py --out tiny_models/concept --concept
+	$(PYTHON) tools/make_tiny_dataset.py --out tiny_models/concept --concept --overwrite
 	$(PYTHON) train_lora.py --config_file configs/quickstart.toml
 	$(PYTHON) tools/concept_demo.py --config_file configs/quickstart.toml --concept tiny_models/concept/concept.json
 

@@ -7,6 +7,7 @@
 The story, top to bottom: read the config -> set up accelerate -> build the task (models, data,
 caches, LoRA network) -> optimizer and scheduler -> the loop (loss, backward, clip, step, log,
 sample, save) -> the final LoRA. Ctrl-C / SIGTERM save the LoRA and the state before exiting 130 (during
+sample_at_first's samples: they stop at the next image and the run before step 1, nothing saved; during
 the final samples: they stop at the next image, the final LoRA written); a
 non-finite gradient norm stops the run before its update, with the LoRA saved; a non-finite loss
 or non-finite weights at a save stop it without calling the weights good. A sample render that fails
@@ -184,23 +185,28 @@ def ema_metadata(args) -> dict:
     return keys
 
 
-def earlier_ema(args) -> str | None:
-    """A run without EMA writes no <output_name>_ema.safetensors, so one already in output_dir would
-    sit beside its LoRA as if it were its EMA. One that an earlier run of this trainer wrote for this
-    output_name (its header: ss_ema, ss_output_name) is returned, for the final save to remove as it
-    replaces that run's LoRA; any other file there is refused before the models load (never deleted)."""
-    path = os.path.join(args.output_dir, f"{args.output_name}_ema.safetensors")
-    if args.ema_decay or not os.path.lexists(path):
-        return None
-    try:
-        metadata = CheckpointReader(path).metadata if os.path.isfile(path) else {}
-    except CheckpointError:
-        metadata = {}
-    if metadata.get("ss_ema") == "true" and metadata.get("ss_output_name") == args.output_name:
-        return path
-    raise ConfigError(f"{path}: not an EMA this trainer wrote for output_name '{args.output_name}' (no ss_ema / "
-                      f"ss_output_name in its header); this run has no ema_decay and would leave it beside its LoRA "
-                      f"as if it were its EMA: move it, or choose another output_name")
+def earlier_emas(args) -> dict[str, str]:
+    """A run without EMA writes no <output_name>[-stepNNNNNN]_ema.safetensors, so one already in
+    output_dir would sit beside the LoRA this run writes under that name as if it were its EMA. Those
+    an earlier run of this trainer wrote for this output_name (their header: ss_ema, ss_output_name)
+    are returned by the name of their LoRA, for the save that replaces it to remove; any other file
+    so named is refused before the models load (never deleted)."""
+    if args.ema_decay or not os.path.isdir(args.output_dir):
+        return {}
+    twin = re.compile(re.escape(args.output_name) + r"(-step\d+)?_ema\.safetensors")
+    found = {}
+    for entry in sorted(filter(twin.fullmatch, os.listdir(args.output_dir))):
+        path = os.path.join(args.output_dir, entry)
+        try:
+            metadata = CheckpointReader(path).metadata if os.path.isfile(path) else {}
+        except CheckpointError:
+            metadata = {}
+        if metadata.get("ss_ema") != "true" or metadata.get("ss_output_name") != args.output_name:
+            raise ConfigError(f"{path}: not an EMA this trainer wrote for output_name '{args.output_name}' (no ss_ema "
+                              f"/ ss_output_name in its header); this run has no ema_decay and would leave it beside "
+                              f"its LoRA as if it were its EMA: move it, or choose another output_name")
+        found[entry.removesuffix("_ema.safetensors")] = path
+    return found
 
 
 class Saver:
@@ -210,8 +216,9 @@ class Saver:
     never deleted."""
 
     def __init__(self, args, task, accelerator, started: float, max_steps: int, ema: TrainableEMA | None = None,
-                 saves: list[int] | None = None):
+                 saves: list[int] | None = None, earlier_emas: dict[str, str] | None = None):
         self.args, self.task, self.accelerator, self.started, self.ema = args, task, accelerator, started, ema
+        self.earlier_emas = earlier_emas or {}  # LoRA name -> an earlier run's EMA of it, removed as it is replaced
         self.max_steps = max_steps  # as planned (max_train_epochs counted in); a Ctrl-C save has trained fewer
         self.saves = sorted(saves or [])  # the steps of the intermediate saves this run (and those it resumes) wrote
         # An intermediate save: <name>-stepNNNNNN and <name>-stepNNNNNN_ema, as .safetensors files
@@ -231,9 +238,17 @@ class Saver:
                 ema_path = os.path.join(self.args.output_dir, name + "_ema.safetensors")
                 with self.ema.swapped_in():  # the same writer, so the same format and keys
                     written += self.task.save(ema_path, {**metadata, **ema_metadata(self.args)}, dtype) or [ema_path]
+            self._remove_earlier_ema(name)
             if not final and prune:
                 self._prune(step)
         return path
+
+    def _remove_earlier_ema(self, name: str):
+        earlier = self.earlier_emas.pop(name, None)
+        if earlier and os.path.isfile(earlier):
+            os.remove(earlier)
+            self.accelerator.print(f"removed {earlier}: the EMA of the earlier run whose LoRA this one replaced (this "
+                                   f"run has no ema_decay)")
 
     def state(self, optimizer, scheduler, progress: dict) -> str:
         folder = os.path.join(self.args.output_dir, f"{self.args.output_name}-state")
@@ -280,7 +295,7 @@ class Trainer:
         torch.manual_seed(args.seed)
         # Read and checked before the models load: a damaged or foreign state fails in seconds.
         state = load_state(args.resume, args) if args.resume else None
-        self.earlier_ema = earlier_ema(args)
+        earlier = earlier_emas(args)
         os.makedirs(args.output_dir, exist_ok=True)
         self.task = task = build_task(args, accelerator, state)
         self.data_digests = item_digests(task.data_items())  # once: a save stats no file
@@ -319,8 +334,8 @@ class Trainer:
         # A resumed run continues the log from its state's step (rows after it, logged before a kill, go).
         self.logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator,
                                append=bool(args.resume), resumed_step=self.step)
-        self.saver = Saver(args, task, accelerator, self.started, self.max_steps, self.ema,
-                           state.progress.get("saves") if state else None)  # (states before the list: none known)
+        saves = state.progress.get("saves") if state else None  # (states before the list: none known)
+        self.saver = Saver(args, task, accelerator, self.started, self.max_steps, self.ema, saves, earlier)
 
     def resume(self, folder: str, state: SavedState):
         progress = state.progress
@@ -359,6 +374,9 @@ class Trainer:
         try:
             if args.sample_at_first and self.step == 0:
                 self.render_samples("start")
+                if requested := self.interrupts.requested:  # as a Ctrl-C while loading: nothing trained, nothing saved
+                    raise StopTraining(f"{requested} during the first samples: stopped before step 1; nothing "
+                                       f"trained, nothing saved", code=130)
             self.clock = tracking.StepClock()
             while self.step < self.max_steps:
                 self.run_epoch()
@@ -379,10 +397,6 @@ class Trainer:
         finally:
             self.progress_bar.close()
         path = self.saver.lora(self.step, self.epoch, final=True)
-        if self.earlier_ema and self.accelerator.is_main_process and os.path.isfile(self.earlier_ema):
-            os.remove(self.earlier_ema)  # the earlier run's EMA, with its LoRA just replaced
-            self.accelerator.print(f"removed {self.earlier_ema}: the EMA of the earlier run whose LoRA this one "
-                                   f"replaced (this run has no ema_decay)")
         if args.save_state or args.save_state_on_train_end:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
         if self.accelerator.is_main_process:

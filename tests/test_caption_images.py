@@ -190,8 +190,22 @@ def images_is_a_file(tiny_set, tmp_path):  # the old line said 'no such folder' 
             [f"--images {tmp_path / 'images' / 'img0.png'}: is a file, expected a folder of images"])
 
 
+def two_images_one_caption(tiny_set, tmp_path):  # the old line captioned both, the second into the first's img0.txt
+    Image.open(tmp_path / "images" / "img0.png").save(tmp_path / "images" / "img0.jpg")
+    return ([*qwen2_5_vl_args(tiny_set), "--images", str(tmp_path / "images")],
+            [f"{tmp_path / 'images' / 'img0.jpg'} and img0.png: both would be captioned in "
+             f"{tmp_path / 'images' / 'img0.txt'}"])
+
+
+def a_folder_where_a_caption_goes(tiny_set, tmp_path):  # the old line loaded the model, then failed at the write
+    (tmp_path / "images" / "img0.txt").mkdir()
+    return ([*qwen2_5_vl_args(tiny_set), "--images", str(tmp_path / "images")],
+            [f"{tmp_path / 'images' / 'img0.txt'}: a folder where the caption of img0.png goes"])
+
+
 @pytest.mark.parametrize("case", [not_a_model, missing_model, corrupt_image, no_images, not_a_captioner, no_new_tokens,
-                                  image_caption_extension, images_is_a_file])
+                                  image_caption_extension, images_is_a_file, two_images_one_caption,
+                                  a_folder_where_a_caption_goes])
 def test_bad_input_is_one_line_exit_2_and_no_caption(tiny_set, tmp_path, capsys, case):
     make_images(tmp_path / "images", 2)
     argv, fragments = case(tiny_set, tmp_path)

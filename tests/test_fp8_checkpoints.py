@@ -557,3 +557,23 @@ def test_per_row_weight_scales_on_64_divisible_rows_are_refused_from_the_header(
     path = write_comfy(sd, tmp_path / "rows.safetensors", "flux", prefix="", bundled=False)
     one_line_refusal(path, lambda p: fp8_checkpoint_layout(CheckpointReader(p)),
                      rf"'{mlp}.weight_scale' has shape \(64, 1\), not the fp8_scaled block scales \(64, 4\)")
+
+
+def test_a_plain_e5m2_file_widens_exactly_and_an_fp8_base_on_it_is_refused(tmp_path):
+    """A plain float8_e5m2 file (every tensor e5m2, as the "-fp8-e5m2" releases; ComfyUI loads them)
+    was refused: "'model.diffusion_model.double_blocks.0...' is float8_e5m2; fp8 bases must be
+    float8_e4m3fn". e5m2 -> bf16 / fp32 is exact, so it loads as a high-precision file whose
+    weights are the e5m2 values; an fp8 base asked of it is one line naming the key."""
+    from library.models.family import fp8_prepare
+
+    sd = {k: v.detach().to(torch.float8_e5m2) for k, v in randomized(Flux(FLUX_CFG), 6).state_dict().items()}
+    path = write_comfy(sd, tmp_path / "flux-e5m2.safetensors", "flux")
+    assert fp8_checkpoint_layout(CheckpointReader(path)) is None
+    for dtype in (torch.bfloat16, torch.float32):
+        with pytest.warns(UserWarning, match=r"float8_e5m2 tensors \(first 'model.diffusion_model.* widened exactly"):
+            loaded = load_flux(path, dtype=dtype).state_dict()
+        assert all(torch.equal(loaded[k], v.to(dtype)) and torch.equal(loaded[k].to(torch.float8_e5m2).view(torch.uint8),
+                                                                       v.view(torch.uint8)) for k, v in sd.items())
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match=r"'double_blocks.0.img_attn.\w+.weight' is "
+                                                  r"float8_e5m2: it widens exactly to bf16 but not to the fp8 base"):
+        load_flux(path, prepare=fp8_prepare("fp8_scaled", "flux"))

@@ -45,3 +45,23 @@ def test_an_out_under_a_file_is_one_line_naming_the_file(tmp_path, capsys):
     assert make_tiny_dataset.main(["--out", str(tmp_path / "notes.txt" / "set")]) == 2
     assert capsys.readouterr().err == (f"error: --out {tmp_path / 'notes.txt' / 'set'}: cannot be created, "
                                        f"'{tmp_path / 'notes.txt'}' is a file, not a folder\n")
+
+
+def test_a_second_set_into_the_same_out_is_refused_unless_overwrite(tmp_path, capsys):
+    """--edit --count 4 after --count 8 into one --out printed 'wrote 4 pairs' and left 8 pairs (the 4
+    older ones trained too). Now it is one line naming the folder; --overwrite clears that set's .png
+    and .txt files first (4 pairs left); another set's folders in the same --out are not in the way."""
+    from tools import make_tiny_dataset
+
+    out = tmp_path / "set"
+    assert make_tiny_dataset.main(["--out", str(out), "--edit", "--count", "8", "--size", "16"]) == 0
+    assert make_tiny_dataset.main(["--out", str(out), "--edit", "--count", "4", "--size", "16"]) == 2
+    assert capsys.readouterr().err == (f"error: --out {out}: {out / 'edit_images'} already holds files (an earlier "
+                                       f"set's images would stay beside the new ones): add --overwrite to delete its "
+                                       f".png and .txt files first, or choose another --out\n")
+    (out / "edit_images" / "notes.md").write_text("mine")
+    assert make_tiny_dataset.main(["--out", str(out), "--edit", "--count", "4", "--size", "16", "--overwrite"]) == 0
+    assert [len(list((out / d).glob(f"*.{e}"))) for d, e in [("edit_images", "png"), ("edit_images", "txt"),
+                                                              ("edit_control", "png")]] == [4, 4, 4]
+    assert (out / "edit_images" / "notes.md").read_text() == "mine"
+    assert make_tiny_dataset.main(["--out", str(out), "--layered", "--count", "2", "--size", "16"]) == 0

@@ -209,6 +209,33 @@ def test_ctrl_c_during_the_final_samples_stops_them_at_the_next_image(tiny_set, 
     assert len(list(out.glob("tiny_flux_lora_final_*.png"))) == 1 and (out / "tiny_flux_lora.safetensors").exists()
 
 
+def test_ctrl_c_during_the_first_samples_stops_before_step_1(tiny_set, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C after the first of 3 sample_at_first samples stopped them, then trained step 1 and
+    saved tiny_flux_lora-step000001 and a state before exiting 130. Now the run stops before step 1
+    as a Ctrl-C while loading does: 130, no LoRA, no state, no row in the log."""
+    import os
+    import signal
+
+    from library.data import images
+
+    real = images.save_side_by_side
+
+    def save_then_ctrl_c(*a, **k):
+        real(*a, **k)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(images, "save_side_by_side", save_then_ctrl_c)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"prompt {i} --w 32 --h 32 --s 1 --d {i}\n" for i in range(3)))
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--sample_prompts", str(prompts), "--sample_at_first", "true",
+                                     "--max_train_steps", "2", "--sample_bf16_reference", "false")) == 130
+    assert "SIGINT during the first samples: stopped before step 1" in capsys.readouterr().err
+    assert len(list(out.glob("tiny_flux_lora_start_*.png"))) == 1
+    assert not list(out.glob("*.safetensors")) and not (out / "tiny_flux_lora-state").exists()
+    assert run_files.last_step(str(out / "tiny_flux_lora_log.csv")) == 0
+
+
 def test_an_llm_state_resumed_with_other_windows_is_refused(tmp_path):
     """An LLM run resumed with another max_length (stride, val_fraction, batch_size) skipped the first
     batches of another set of windows without a word; a state written before these keys still resumes."""
@@ -243,12 +270,23 @@ def test_an_earlier_runs_ema_goes_with_its_lora_and_a_foreign_one_is_refused(tin
     """A run without EMA after one with ema_decay 0.9 left tiny_flux_lora_ema.safetensors (the first
     run's) beside the new LoRA, taken for its EMA. Now the final save removes an _ema file this
     trainer wrote for the output_name (its header says so); any other file there stops the run
-    before the models load, untouched (sd-scripts and musubi-tuner write no _ema file to mistake)."""
+    before the models load, untouched (sd-scripts and musubi-tuner write no _ema file to mistake).
+    The step saves' twins too: tiny_flux_lora-step000001_ema.safetensors stayed beside the second
+    run's tiny_flux_lora-step000001 (3 files left, not 2)."""
     out = tmp_path / "run"
-    assert train_lora.main(flux_args(tiny_set, out, "--ema_decay", "0.9")) == 0
-    assert train_lora.main(flux_args(tiny_set, out)) == 0
-    assert sorted(p.name for p in out.glob("*.safetensors")) == ["tiny_flux_lora.safetensors"]
-    assert f"removed {out / 'tiny_flux_lora_ema.safetensors'}: the EMA of the earlier run" in capsys.readouterr().out
+    two_steps = ("--max_train_steps", "2", "--save_every_n_steps", "1")
+    assert train_lora.main(flux_args(tiny_set, out, *two_steps, "--ema_decay", "0.9")) == 0
+    assert len(list(out.glob("*_ema.safetensors"))) == 2
+    assert train_lora.main(flux_args(tiny_set, out, *two_steps)) == 0
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["tiny_flux_lora-step000001.safetensors",
+                                                                 "tiny_flux_lora.safetensors"]
+    printed = capsys.readouterr().out
+    for name in ("tiny_flux_lora-step000001_ema.safetensors", "tiny_flux_lora_ema.safetensors"):
+        assert f"removed {out / name}: the EMA of the earlier run" in printed, printed
+    (out / "tiny_flux_lora-step000001_ema.safetensors").write_bytes(b"someone's file")
+    assert train_lora.main(flux_args(tiny_set, out)) == 2
+    assert "tiny_flux_lora-step000001_ema.safetensors: not an EMA this trainer wrote" in capsys.readouterr().err
+    (out / "tiny_flux_lora-step000001_ema.safetensors").unlink()
     (out / "tiny_flux_lora_ema.safetensors").write_bytes(b"someone's file")
     assert train_lora.main(flux_args(tiny_set, out)) == 2
     err = capsys.readouterr().err

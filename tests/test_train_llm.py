@@ -81,6 +81,23 @@ def test_the_output_check_refuses_a_file_where_a_peft_folder_goes_only_when_one_
     assert lora_formats(args) == ["kohya"]
 
 
+def test_the_output_check_covers_the_pretrained_models_folder(tiny_set, tmp_path):
+    """Pretraining writes <output_dir>/<output_name>/, which the output check left out: a file named
+    <output_name> failed only at the final save, after every step; output_dir + output_name naming
+    the base's folder (llm_scratch) wrote model.safetensors into it, and the next run from it started
+    from those weights, not from scratch. Both are one line now, before the model loads."""
+    from library.training.config import ConfigError, load_config
+
+    (tmp_path / "scratch").write_text("notes")
+    pretrain = ("--pretrained_model_name_or_path", tiny_set["llm_scratch"], "--pretrain")
+    with pytest.raises(ConfigError, match="holds a file 'scratch' where the pretrained model's folder goes"):
+        load_config(llm_args(tiny_set, tmp_path, *pretrain, "--output_name", "scratch"))
+    base = os.path.realpath(tiny_set["llm_scratch"])
+    with pytest.raises(ConfigError, match="is the base's folder .*: pretraining would write the model over the one"):
+        load_config(llm_args(tiny_set, os.path.dirname(base), *pretrain, "--output_name", os.path.basename(base)))
+    assert load_config(llm_args(tiny_set, tmp_path, *pretrain, "--output_name", "other")).pretrain
+
+
 def test_llm_pretraining_from_config_saves_a_folder_transformers_loads(tiny_set, tmp_path):
     from transformers import Qwen2ForCausalLM
 

@@ -241,6 +241,22 @@ def test_a_ctrl_c_during_the_final_samples_is_a_done_job(tmp_path):
     assert ended["state"] == "done" and ended["resume"] is None
 
 
+def test_a_stop_during_the_first_samples_is_stopped_before_its_first_step(tmp_path):
+    """train_lora.py exits 130 when Stop lands during sample_at_first's samples, before step 1 and
+    without saving: the job read 'stopped at step None: LoRA and state saved'."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    with open(job.log_path, "w") as f:
+        f.write("SIGINT during the first samples: stopped before step 1; nothing trained, nothing saved\n")
+    with open(job.csv_path, "w") as f:
+        f.write("step,epoch,loss\n")
+    store.update(job.id, state="stopping")
+    ended = actions.outcome(store.get(job.id), 130)
+    assert ended == {"state": "stopped", "resume": None,
+                     "message": "stopped before its first step: nothing saved; retry to start again"}
+
+
 def test_retry_starts_over_keeping_only_the_config(tmp_path):
     store = JobStore(str(tmp_path / "jobs"))
     job = store.create("a", {"output_name": "lora"}, 5, queue=True)

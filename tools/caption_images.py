@@ -10,7 +10,8 @@ transformers): one caption file per image, beside it, as training reads them.
 weights); its image processor (preprocessor_config.json), tokenizer and chat template come from the same
 folder unless --processor names another. Images are found recursively (.png .jpg .jpeg .webp .bmp); each
 gets `<stem>.txt` (--caption_extension), written atomically, so a run stopped at any point leaves whole
-captions only. Existing captions are kept (--skip_existing, the default; an empty caption file counts as
+captions only; two images that would share a caption file (a.png and a.jpg) are refused before
+any caption is written. Existing captions are kept (--skip_existing, the default; an empty caption file counts as
 none): running the same command again captions what is left. --overwrite captions everything anew. Ctrl-C finishes the batch in progress,
 writes it and stops (a second Ctrl-C stops at once).
 
@@ -122,6 +123,21 @@ def find_images(folder: str) -> list[str]:
 
 def caption_path(image_path: str, extension: str) -> str:
     return os.path.splitext(image_path)[0] + extension
+
+
+def check_caption_paths(paths: list[str], extension: str) -> None:
+    """Two images that would share one caption file (a.png and a.jpg -> a.txt: the second caption would
+    replace the first, and training refuses the pair), or a folder where a caption file goes: one line
+    naming them, before the model loads."""
+    owners: dict[str, str] = {}
+    for path in paths:
+        target = caption_path(path, extension)
+        if target in owners:
+            raise ValueError(f"{owners[target]} and {os.path.basename(path)}: both would be captioned in {target} "
+                             f"(training refuses images that share a name, too): rename one")
+        if os.path.isdir(target):
+            raise ValueError(f"{target}: a folder where the caption of {os.path.basename(path)} goes: rename it")
+        owners[target] = path
 
 
 def is_captioned(image_path: str, extension: str) -> bool:
@@ -261,6 +277,7 @@ def main(argv=None) -> int:
         check_args(args)
         device = device_from_flag(args.device)
         images = find_images(args.images)
+        check_caption_paths(images, args.caption_extension)
         todo = images if args.overwrite else [p for p in images if not is_captioned(p, args.caption_extension)]
         print(f"{len(images)} images, {len(images) - len(todo)} already captioned, {len(todo)} to caption")
         if not todo:

@@ -8,6 +8,11 @@ plain backgrounds, one caption file per image, a kohya dataset TOML and a sample
     python tools/make_tiny_dataset.py --out DIR --concept [--count 10] [--trigger zxq]
         # a new concept for the learned base (tools/concept_demo.py): "zxq" = a purple star
 
+Each set has its own image folders under --out (images/, edit_images/ and edit_control/, ...), so
+the sets share one --out. A set whose folders already hold files is refused unless --overwrite,
+which first deletes the .png and .txt files in that set's folders (an earlier, larger --count's
+images would otherwise stay in the dataset); other sets' folders and other files are left.
+
 The scenes (--scenes, --concept) are library/data/shapes.py's: circles, squares, triangles and stars
 in five colours, at three positions, in two sizes, on white, black and striped backgrounds, each
 captioned with all five ("a big red circle on the left, striped background").
@@ -43,7 +48,22 @@ def build_parser() -> argparse.ArgumentParser:
     kind.add_argument("--scenes", action="store_true", help="every base scene of the learned tiny base instead")
     kind.add_argument("--concept", action="store_true", help="a new concept (purple stars) under a trigger word instead")
     p.add_argument("--trigger", default="zxq", help="--concept: the trigger word")
+    p.add_argument("--overwrite", action="store_true", help="write over an earlier set of this kind: delete the "
+                   ".png and .txt files in its image folders first")
     return p
+
+
+# The image folders under --out that each set writes (its TOML points at them).
+FOLDERS = {"plain": ("images",), "edit": ("edit_images", "edit_control"), "layered": ("layered_images",),
+           "scenes": ("scenes",), "concept": ("concept", "reg")}
+
+
+def kind(args) -> str:
+    return next((k for k in ("edit", "layered", "scenes", "concept") if getattr(args, k)), "plain")
+
+
+def set_folders(args) -> list[str]:
+    return [os.path.join(args.out, folder) for folder in FOLDERS[kind(args)]]
 
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
@@ -66,7 +86,19 @@ def bad_value(args) -> str | None:
         check_out_folder("--out", args.out, "the dataset is written into it")
     except ValueError as e:
         return str(e)
+    for folder in set_folders(args):
+        if not args.overwrite and os.path.isdir(folder) and os.listdir(folder):
+            return (f"--out {args.out}: {folder} already holds files (an earlier set's images would stay beside the "
+                    f"new ones): add --overwrite to delete its .png and .txt files first, or choose another --out")
     return None
+
+
+def clear_set_folders(args) -> None:
+    """--overwrite: the .png and .txt files in the set's image folders (nothing else) go."""
+    for folder in filter(os.path.isdir, set_folders(args)):
+        for entry in os.scandir(folder):
+            if entry.is_file() and entry.name.lower().endswith((".png", ".txt")):
+                os.remove(entry.path)
 
 
 # The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
@@ -109,7 +141,7 @@ def wide_bucket(size: int) -> tuple[int, int] | None:
 
 def make_tiny_dataset(out: str, count: int = 8, size: int = 64, seed: int = 0) -> dict[str, str]:
     rng = random.Random(seed)
-    image_dir = os.path.join(out, "images")
+    image_dir = os.path.join(out, *FOLDERS["plain"])
     os.makedirs(image_dir, exist_ok=True)
     combos = [(s, c, b) for s in SHAPES for c in COLOURS for b in BACKGROUNDS]
     rng.shuffle(combos)
@@ -136,7 +168,7 @@ def make_tiny_edit_dataset(out: str, count: int = 8, size: int = 64, seed: int =
     red, every caption "make the shape red"; a dataset TOML with control_directory and a prompt
     file whose prompts take a reference (--ci)."""
     rng = random.Random(seed)
-    image_dir, control_dir = os.path.join(out, "edit_images"), os.path.join(out, "edit_control")
+    image_dir, control_dir = (os.path.join(out, folder) for folder in FOLDERS["edit"])
     os.makedirs(image_dir, exist_ok=True)
     os.makedirs(control_dir, exist_ok=True)
     scenes = edit_scenes(count, rng)
@@ -169,7 +201,7 @@ def make_tiny_layered_dataset(out: str, count: int = 4, size: int = 64, seed: in
     transparent canvas; a dataset TOML with multiple_target = true and a prompt file that decomposes
     the first composite (--ci)."""
     rng = random.Random(seed)
-    image_dir = os.path.join(out, "layered_images")
+    image_dir = os.path.join(out, *FOLDERS["layered"])
     os.makedirs(image_dir, exist_ok=True)
     combos = [(s, c, b) for s in SHAPES for c in COLOURS for b in BACKGROUNDS]
     rng.shuffle(combos)  # drawn without replacement: a draw with it had made 2 pairs of 8 composites the same
@@ -224,7 +256,7 @@ def make_scenes_dataset(out: str, size: int = 64, seed: int = 0) -> dict[str, st
     """Every base scene (library/data/shapes.py), jittered, captioned, with a dataset TOML."""
     rng = random.Random(seed)
     scenes = [shapes.jittered(s, rng) for s in shapes.all_scenes()]
-    image_dir, toml = os.path.join(out, "scenes"), os.path.join(out, "scenes.toml")
+    image_dir, toml = os.path.join(out, *FOLDERS["scenes"]), os.path.join(out, "scenes.toml")
     write_scene_images(image_dir, scenes, size)
     scene_dataset_toml(toml, image_dir, size, f"{len(scenes)} scenes of the learned base")
     return {"scenes_dataset_config": toml, "scenes_image_dir": image_dir}
@@ -260,12 +292,12 @@ def make_concept_dataset(out: str, count: int = 10, size: int = 64, seed: int = 
     pool = balanced_order(shapes.Scene(CONCEPT[1], CONCEPT[0], p, z, b) for p in shapes.POSITIONS
                           for z in shapes.SIZES for b in shapes.BACKGROUNDS)
     scenes = [shapes.jittered(s, rng) for s in (pool * (count // len(pool) + 1))[:count]]
-    image_dir, toml = os.path.join(out, "concept"), os.path.join(out, "concept.toml")
+    image_dir, reg_dir = (os.path.join(out, folder) for folder in FOLDERS["concept"])
+    toml = os.path.join(out, "concept.toml")
     write_scene_images(image_dir, scenes, size, trigger)
     prompts = concept_prompts(trigger)
     base = [s for s in shapes.all_scenes() if s.caption() not in prompts["unrelated_prompts"]]  # the demo's are unseen
     rng.shuffle(base)
-    reg_dir = os.path.join(out, "reg")
     write_scene_images(reg_dir, [shapes.jittered(s, rng) for s in base[:REG_IMAGES]], size)
     scene_dataset_toml(toml, image_dir, size, f"{count} images of a new concept, '{trigger}' = a {' '.join(CONCEPT)}, "
                        f"and {REG_IMAGES} regularization images of the base's scenes", reg_dir, batch_size=8,
@@ -318,6 +350,8 @@ def main(argv=None) -> int:
 
 def write(args) -> None:
     args.count = args.count or (10 if args.concept else 8)
+    if args.overwrite:
+        clear_set_folders(args)
     if args.concept:
         paths = make_concept_dataset(args.out, args.count, args.size, args.seed, args.trigger)
         print(f"wrote {args.count} images of '{args.trigger}' to {paths['concept_image_dir']}, "

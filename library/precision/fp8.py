@@ -364,7 +364,10 @@ class FP8LoadConverter:
     def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         if key not in self.quantized:
             return {key: tensor}
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if tensor.dtype == torch.float8_e5m2:  # a plain e5m2 file (fp8_checkpoints.py): widened, not re-quantized
+            raise CheckpointError(f"'{key}' is float8_e5m2: it widens exactly to bf16 but not to the fp8 base asked "
+                                  f"for; set base_precision = \"bf16\" (fp8_base = false), or give a bf16 checkpoint")
+        if tensor.dtype == torch.float8_e4m3fn:
             raise CheckpointError(f"'{key}' is already {tensor.dtype}: re-quantizing fp8 compounds error; "
                                   f"give a bf16/fp16/fp32 checkpoint")
         q, scale = quantize_weight(tensor, self.quantized[key])

@@ -35,7 +35,13 @@ musubi); bf16 scales per 64 input columns (or per row where in % 64 != 0) -> "fp
 reshaped to [out, in/64]. Other musubi scales (per channel on 64-divisible rows, other block sizes,
 fp16/fp32 block scales that bf16 would round) are refused naming the key.
 
-Refused, one line naming the key: float8_e5m2 weights; transformers' fine-grained fp8 (`X.weight_scale_inv`
+A plain float8_e5m2 file (every fp8 tensor e5m2, no scale or marker: the "-fp8-e5m2" releases) is no
+stored layout: FP8Linear holds e4m3 codes, and e5m2 -> e4m3 is not exact (2^-16 .. 57344 against
+2^-9 .. 448), but e5m2 -> bf16 / fp16 / fp32 is (the same sign and exponent range or wider, more
+mantissa bits). It is read as a high-precision file, each tensor widened to the compute dtype as
+ComfyUI computes with it, with one warning; asking for an fp8 base on it is refused while loading.
+
+Refused, one line naming the key: float8_e5m2 beside e4m3 codes, scales or a marker; transformers' fine-grained fp8 (`X.weight_scale_inv`
 per 128 x 128 block, the Hugging Face "-FP8" releases), which would otherwise read as plain fp8; comfy_quant formats other than float8_e4m3fn
 (nvfp4, int8, mxfp8, ...: number formats and block scales FP8Linear does not hold); ComfyUI scales
 that are not one number per tensor; the musubi scales above. Activation scales are dropped: we
@@ -131,6 +137,12 @@ def _musubi_layout(reader: CheckpointReader, where: str, prefix: str, scales: li
     return "fp8_scaled"
 
 
+def _quantization_extras(reader: CheckpointReader, names: list[str]) -> bool:
+    """Whether the transformer's tensors carry fp8 scales or markers (of any layout above)."""
+    suffixes = (".scale_weight", ".weight_scale", ".weight_scale_inv", *DROPPED_SUFFIXES)
+    return COMFY_MARKER in names or "_quantization_metadata" in reader.metadata or any(n.endswith(suffixes) for n in names)
+
+
 def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp8Checkpoint | None:
     """The fp8 layout of a transformer checkpoint, or None when its transformer is bf16/fp16/fp32.
     Only the transformer's keys count (those under its ComfyUI prefix, when it has one). Layouts
@@ -145,9 +157,14 @@ def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp
     if inverse:
         raise CheckpointError(f"{where}: '{prefix + inverse}' is a block-wise fp8 scale (transformers' fine-grained "
                               f"fp8, [out/128, in/128] blocks), a layout not read; give the bf16 checkpoint")
-    e5m2 = [n for n in names if reader.dtype_name(prefix + n) == "F8_E5M2"]
+    e5m2 = [n for n in fp8 if reader.dtype_name(prefix + n) == "F8_E5M2"]
+    if e5m2 and len(e5m2) == len(fp8) and not _quantization_extras(reader, names):
+        warnings.warn(f"{where}: {len(e5m2)} float8_e5m2 tensors (first '{prefix + e5m2[0]}') are widened exactly to "
+                      f"the compute dtype (as ComfyUI computes them); the base is coarser than a bf16 one", stacklevel=2)
+        return None
     if e5m2:
-        raise CheckpointError(f"{where}: '{prefix + e5m2[0]}' is float8_e5m2; fp8 bases must be float8_e4m3fn")
+        raise CheckpointError(f"{where}: '{prefix + e5m2[0]}' is float8_e5m2 beside float8_e4m3fn codes, fp8 scales or "
+                              f"a marker; scaled fp8 bases must be float8_e4m3fn (a plain e5m2 file is widened)")
     if COMFY_MARKER in names:
         if reader.dtype_name(prefix + COMFY_MARKER) not in ("F8_E4M3", "F32"):
             raise CheckpointError(f"{where}: '{prefix + COMFY_MARKER}' is {reader.dtype_name(prefix + COMFY_MARKER)}: "

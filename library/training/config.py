@@ -708,6 +708,18 @@ def _validate_output(args: argparse.Namespace, origins: dict[str, str], where: s
         _validate_output_paths(args, where)
 
 
+def _check_not_the_base(args: argparse.Namespace, where: str) -> None:
+    """Pretraining writes <output_dir>/<output_name>/; where that is the base's folder, the save would
+    write model.safetensors over (or beside the shards of) the model it started from, and the next
+    run from that folder would start from the trained weights, not from what the folder held."""
+    folder = os.path.join(args.output_dir, args.output_name)
+    base = args.pretrained_model_name_or_path
+    if base and os.path.realpath(folder) == os.path.realpath(base):
+        raise ConfigError(f"{where}: output_dir '{args.output_dir}' with output_name '{args.output_name}' is the "
+                          f"base's folder (pretrained_model_name_or_path '{base}'): pretraining would write the "
+                          f"model over the one it starts from; choose another output_name or output_dir")
+
+
 def lora_formats(args) -> list[str]:
     """save_format -> the LoRA forms the run writes: ["peft"], ["kohya"] or both. auto is a PEFT
     adapter folder for an LLM's networks.lora LoRA (what the LLM ecosystem loads), the kohya file for
@@ -724,7 +736,10 @@ def _validate_output_paths(args: argparse.Namespace, where: str) -> None:
     after every step had trained (os.replace: 'Is a directory')."""
     name = args.output_name
     writes = [(f"{name}.safetensors", "the LoRA file", os.path.isdir)]
-    if "peft" in lora_formats(args):
+    if args.pretrain:  # the whole model, as a Hugging Face folder (no LoRA file)
+        writes = [(name, "the pretrained model's folder", os.path.isfile)]
+        _check_not_the_base(args, where)
+    elif "peft" in lora_formats(args):
         writes.append((name, "the PEFT adapter folder", os.path.isfile))
     if args.save_state or args.save_state_on_train_end:
         writes.append((f"{name}-state", "the training state folder", os.path.isfile))

@@ -199,15 +199,16 @@ def outcome(job: Job, code: int | None) -> dict:
     # 130 after the final LoRA (a Ctrl-C during the final samples): done, nothing to resume.
     if code == 0 or (code in (None, 130) and any(DONE_LINE.search(line) for line in lines[-3:])):
         return {"state": "done", "message": lines[-1] if lines else "done", "resume": None}
+    # Stopped before training began (while loading, caching or rendering sample_at_first's samples; our
+    # SIGINT before train_lora.py's Ctrl-C handler was set). One gone after logged steps without saving,
+    # and not by our SIGINT, failed (or is interrupted at a restart).
+    if job.state == "stopping" and not stopped and (code == -signal.SIGINT or not run_files.last_step(job.csv_path)):
+        then = f"resume continues from the state at step {saved}" if saved is not None else "retry to start again"
+        return {"state": "stopped", "message": f"stopped before its first step: nothing saved; {then}",
+                "resume": job.state_dir if saved is not None else None}
     if code == 130 or (code is None and stopped):
         return {"state": "stopped", "message": f"stopped at step {stopped.group(1) if stopped else saved}: "
                                                f"LoRA and state saved; resume continues from there",
-                "resume": job.state_dir if saved is not None else None}
-    # Stopped before training began (train_lora.py's Ctrl-C handler not yet set: our SIGINT ended it). One
-    # gone after logged steps without saving, and not by our SIGINT, failed (or is interrupted at a restart).
-    if job.state == "stopping" and (code == -signal.SIGINT or not run_files.last_step(job.csv_path)):
-        then = f"resume continues from the state at step {saved}" if saved is not None else "retry to start again"
-        return {"state": "stopped", "message": f"stopped before its first step: nothing saved; {then}",
                 "resume": job.state_dir if saved is not None else None}
     if code is not None and code < 0:  # killed: its log's last line is whatever it printed before
         return {"state": "failed", "message": killed_by(-code), "resume": job.state_dir if saved is not None else None}
