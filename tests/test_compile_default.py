@@ -4,9 +4,13 @@ elsewhere; an explicit true / false wins. CPU here: the CUDA branches take the d
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from library.training.config import SCHEMA
 from library.training.diffusion_task import DiffusionTask, compile_by_default
+
+
+BIG = 12 * 10**9  # FLUX.1-dev's transformer
 
 
 def lora_args(**kw):
@@ -21,12 +25,13 @@ def test_the_key_is_unset_by_default():
 
 @pytest.mark.parametrize("precision", [dict(), dict(fp8_base=True), dict(fp8_base=True, fp8_scaled=True)])
 def test_compiled_on_cuda_with_triton_for_lora_on_a_bf16_or_fp8_base(precision):
-    on, why = compile_by_default(lora_args(**precision), "cuda", True, None, 1)
+    on, why = compile_by_default(lora_args(**precision), "cuda", True, None, 1, BIG)
     assert on, why
 
 
 @pytest.mark.parametrize("args, device, triton, stored, processes, reason", [
     (lora_args(), "cpu", True, None, 1, "not on CUDA"),
+    (lora_args(), "cuda", True, None, 1, "a 5 M-parameter model"),
     (lora_args(), "cuda", False, None, 1, "Triton"),
     (lora_args(), "cuda", True, None, 2, "2 processes"),
     (lora_args(network_module="networks.lycoris"), "cuda", True, None, 1, "networks.lycoris"),
@@ -36,7 +41,7 @@ def test_compiled_on_cuda_with_triton_for_lora_on_a_bf16_or_fp8_base(precision):
     (lora_args(fp8_base=True, fp8_scaled=True, fp8_compute=True), "cuda", True, None, 1, "fp8_compute"),
 ])
 def test_eager_where_compile_was_not_measured(args, device, triton, stored, processes, reason):
-    on, why = compile_by_default(args, device, triton, stored, processes)
+    on, why = compile_by_default(args, device, triton, stored, processes, 5_000_000 if "5 M" in reason else BIG)
     assert not on and reason in why, why
 
 
@@ -47,6 +52,7 @@ class FakeTask:
 
     def __init__(self, args, device_type="cpu"):
         self.args, self.stored_precision = args, None
+        self.base = torch.nn.Linear(4, 4)
         self.device = SimpleNamespace(type=device_type)
         self.accelerator = SimpleNamespace(num_processes=1, is_main_process=True)
 

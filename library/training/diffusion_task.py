@@ -64,13 +64,18 @@ class LoRALoss(nn.Module):
 COMPILED_BASES = ("bf16", "fp8", "fp8_scaled")
 
 
+COMPILED_MIN_PARAMETERS = 10**9  # a tiny model compiles for longer than it trains (the quickstart: 11 s eager)
+
+
 def compile_by_default(args, device_type: str, triton: bool, stored_precision: str | None,
-                       processes: int) -> tuple[bool, str]:
-    """(compile?, why) for an unset torch_compile."""
+                       processes: int, parameters: int) -> tuple[bool, str]:
+    """(compile?, why) for an unset torch_compile; parameters: the transformer's."""
     if device_type != "cuda":
         return False, f"not on CUDA ({device_type})"
     if not triton:
         return False, "Triton is not installed: torch.compile needs it on CUDA"
+    if parameters < COMPILED_MIN_PARAMETERS:
+        return False, f"a {parameters / 1e6:.0f} M-parameter model: compiling would take longer than it saves"
     if processes > 1:
         return False, f"{processes} processes: measured on one"
     if args.network_module != "networks.lora" or lora_network_args(args).get("dora") or lora_network_args(args).get("use_dora"):
@@ -319,8 +324,9 @@ class DiffusionTask:
         if self.args.torch_compile is not None:
             return self.args.torch_compile
         triton = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        parameters = sum(t.numel() for t in (*self.base.parameters(), *self.base.buffers()))  # fp8 codes: buffers
         on, why = compile_by_default(self.args, self.device.type, triton, self.stored_precision,
-                                     self.accelerator.num_processes)
+                                     self.accelerator.num_processes, parameters)
         if self.device.type == "cuda" and self.accelerator.is_main_process:
             print(f"torch_compile unset: {'on' if on else 'off'} ({why}; torch_compile = {str(not on).lower()} "
                   f"to change it)", flush=True)
