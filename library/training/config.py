@@ -125,7 +125,9 @@ SCHEMA: dict[str, Arg] = {
     "block_swap_prefetch": A(int, 1, "swapped blocks copied ahead of their use (each one more block of device memory; "
                                      "deeper hides large blocks' copies behind more compute)"),
     "allow_tf32": A(bool, True, "TF32 matmuls on CUDA"),
-    "torch_compile": A(bool, False, "torch.compile each transformer block"),
+    "torch_compile": A(bool, None, "torch.compile each transformer block; unset: on where it was measured faster (a CUDA "
+                               "card with Triton, a model of 1 B parameters or more, networks.lora without DoRA, a bf16 / "
+                               "fp8 / fp8_scaled base, one process), else off"),
     "seed": A(int, 42, "random seed"),
     "max_data_loader_n_workers": A(int, 0, "DataLoader workers"),
     "persistent_data_loader_workers": A(bool, False, "keep the DataLoader workers alive from epoch to epoch instead "

@@ -8,6 +8,7 @@ fill the caches, and freed before the transformer is loaded.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import sys
 import time
@@ -58,6 +59,34 @@ class LoRALoss(nn.Module):
         return loss
 
 
+# torch_compile unset: compiled where it was measured (bench/RESULTS.md, H100 2026-11-26: the full-size step of
+# the two families measured x0.43-0.49 of eager, block swap x1.00-1.03 on top, memory as eager), eager elsewhere.
+COMPILED_BASES = ("bf16", "fp8", "fp8_scaled")
+
+
+COMPILED_MIN_PARAMETERS = 10**9  # a tiny model compiles for longer than it trains (the quickstart: 11 s eager)
+
+
+def compile_by_default(args, device_type: str, triton: bool, stored_precision: str | None,
+                       processes: int, parameters: int) -> tuple[bool, str]:
+    """(compile?, why) for an unset torch_compile; parameters: the transformer's."""
+    if device_type != "cuda":
+        return False, f"not on CUDA ({device_type})"
+    if not triton:
+        return False, "Triton is not installed: torch.compile needs it on CUDA"
+    if parameters < COMPILED_MIN_PARAMETERS:
+        return False, f"a {parameters / 1e6:.0f} M-parameter model: compiling would take longer than it saves"
+    if processes > 1:
+        return False, f"{processes} processes: measured on one"
+    if args.network_module != "networks.lora" or lora_network_args(args).get("dora") or lora_network_args(args).get("use_dora"):
+        return False, f"{args.network_module}{' with DoRA' if args.network_module == 'networks.lora' else ''}: measured on LoRA"
+    if stored_precision and stored_precision not in COMPILED_BASES or base_precision(args) not in COMPILED_BASES:
+        return False, f"a {stored_precision or base_precision(args)} base: measured on {', '.join(COMPILED_BASES)}"
+    if args.fp8_compute:
+        return False, "fp8_compute: measured eager only"
+    return True, "each transformer block compiled on CUDA; the first steps take a minute or two longer"
+
+
 class DiffusionTask:
     def __init__(self, args, accelerator):
         self.args, self.accelerator = args, accelerator
@@ -90,7 +119,7 @@ class DiffusionTask:
                                                          args.checkpoint_saves_attention)
         self.network = self._make_network()  # on the CPU base: DoRA's norms read the weights
         self._to_device(self.base)
-        if args.torch_compile:
+        if self._compiles():
             self._compile_blocks()
         self.module = LoRALoss(self.family, self.base, self.network, args)
 
@@ -289,6 +318,20 @@ class DiffusionTask:
                 self.accelerator.print(f"network_weights: its alpha ({self.loaded['network_alpha']}) is kept; "
                                        f"network_alpha applies only to modules the file lacks")
         return network
+
+    def _compiles(self) -> bool:
+        """torch_compile as set, or when unset as compile_by_default decides (said in one line on CUDA)."""
+        if self.args.torch_compile is not None:
+            return self.args.torch_compile
+        triton = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        parameters = sum(t.numel() for t in (*self.base.parameters(), *self.base.buffers()))  # fp8 codes: buffers
+        on, why = compile_by_default(self.args, self.device.type, triton, self.stored_precision,
+                                     self.accelerator.num_processes, parameters)
+        if self.device.type == "cuda" and self.accelerator.is_main_process:
+            print(f"torch_compile unset: {'on' if on else 'off'} ({why}; torch_compile = {str(not on).lower()} "
+                  f"to change it)", flush=True)
+        self.args.torch_compile = on  # the run's metadata and a resumed state see what ran
+        return on
 
     def _compile_blocks(self):
         """Compile each transformer block (core.compile_block: in place, so LoRA files and state dicts

@@ -1,0 +1,80 @@
+"""torch_compile unset: compiled on CUDA where it was measured faster (bench/RESULTS.md, H100), eager
+elsewhere; an explicit true / false wins. CPU here: the CUDA branches take the device type as given."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from library.training.config import SCHEMA
+from library.training.diffusion_task import DiffusionTask, compile_by_default
+
+
+BIG = 12 * 10**9  # FLUX.1-dev's transformer
+
+
+def lora_args(**kw):
+    base = dict(network_module="networks.lora", network_args=[], network_dropout=None, base_precision=None,
+                fp8_base=False, fp8_scaled=False, fp8_compute=False, torch_compile=None, config_file="x.toml")
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_the_key_is_unset_by_default():
+    assert SCHEMA["torch_compile"].default is None
+
+
+@pytest.mark.parametrize("precision", [dict(), dict(fp8_base=True), dict(fp8_base=True, fp8_scaled=True)])
+def test_compiled_on_cuda_with_triton_for_lora_on_a_bf16_or_fp8_base(precision):
+    on, why = compile_by_default(lora_args(**precision), "cuda", True, None, 1, BIG)
+    assert on, why
+
+
+@pytest.mark.parametrize("args, device, triton, stored, processes, reason", [
+    (lora_args(), "cpu", True, None, 1, "not on CUDA"),
+    (lora_args(), "cuda", True, None, 1, "a 5 M-parameter model"),
+    (lora_args(), "cuda", False, None, 1, "Triton"),
+    (lora_args(), "cuda", True, None, 2, "2 processes"),
+    (lora_args(network_module="networks.lycoris"), "cuda", True, None, 1, "networks.lycoris"),
+    (lora_args(network_args=["dora=True"]), "cuda", True, None, 1, "DoRA"),
+    (lora_args(base_precision="nf4"), "cuda", True, None, 1, "a nf4 base"),
+    (lora_args(), "cuda", True, "gguf_q8_0", 1, "a gguf_q8_0 base"),
+    (lora_args(fp8_base=True, fp8_scaled=True, fp8_compute=True), "cuda", True, None, 1, "fp8_compute"),
+])
+def test_eager_where_compile_was_not_measured(args, device, triton, stored, processes, reason):
+    on, why = compile_by_default(args, device, triton, stored, processes, 5_000_000 if "5 M" in reason else BIG)
+    assert not on and reason in why, why
+
+
+class FakeTask:
+    """DiffusionTask._compiles on a stand-in: the device, the accelerator and the stored layout."""
+
+    _compiles = DiffusionTask._compiles
+
+    def __init__(self, args, device_type="cpu"):
+        self.args, self.stored_precision = args, None
+        self.base = torch.nn.Linear(4, 4)
+        self.device = SimpleNamespace(type=device_type)
+        self.accelerator = SimpleNamespace(num_processes=1, is_main_process=True)
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_an_explicit_value_wins(value, capsys):
+    task = FakeTask(lora_args(torch_compile=value), "cuda")
+    assert task._compiles() is value
+    assert capsys.readouterr().out == ""
+
+
+def test_unset_on_the_cpu_is_eager_and_silent(capsys):
+    task = FakeTask(lora_args())
+    assert task._compiles() is False and task.args.torch_compile is False
+    assert capsys.readouterr().out == ""
+
+
+def test_unset_on_cuda_says_what_it_chose(monkeypatch, capsys):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "triton" else object())
+    task = FakeTask(lora_args(), "cuda")
+    assert task._compiles() is False
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "torch_compile unset: off (Triton is not installed" in out, out
