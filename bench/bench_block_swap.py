@@ -44,10 +44,11 @@ GiB = 2**30
 
 
 @torch.no_grad()
-def random_model(family: str, base: str, device: torch.device) -> nn.Module:
-    """Full-size model with random weights, bf16 compute, built on meta and filled on the device."""
+def random_model(family: str, base: str, device: torch.device, config=None) -> nn.Module:
+    """Full-size model with random weights, bf16 compute, built on meta and filled on the device.
+    config: the family's config to build instead of the released one (e.g. fewer blocks)."""
     with torch.device("meta"):
-        model = Flux(FLUX_DEV) if family == "flux" else QwenImage(QWEN_IMAGE)
+        model = Flux(config or FLUX_DEV) if family == "flux" else QwenImage(config or QWEN_IMAGE)
     if base != "bf16":
         prepare_fp8(model, base, arch_spec(family).fp8)
     model.to_empty(device=device)
