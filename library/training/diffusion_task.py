@@ -78,10 +78,14 @@ def compile_by_default(args, device_type: str, triton: bool, stored_precision: s
         return False, f"a {parameters / 1e6:.0f} M-parameter model: compiling would take longer than it saves"
     if processes > 1:
         return False, f"{processes} processes: measured on one"
-    if args.network_module != "networks.lora" or lora_network_args(args).get("dora") or lora_network_args(args).get("use_dora"):
-        return False, f"{args.network_module}{' with DoRA' if args.network_module == 'networks.lora' else ''}: measured on LoRA"
-    if stored_precision and stored_precision not in COMPILED_BASES or base_precision(args) not in COMPILED_BASES:
-        return False, f"a {stored_precision or base_precision(args)} base: measured on {', '.join(COMPILED_BASES)}"
+    if args.network_module != "networks.lora":
+        return False, f"{args.network_module}: measured on LoRA"
+    network_args = lora_network_args(args)
+    if network_args.get("dora") or network_args.get("use_dora"):
+        return False, f"{args.network_module} with DoRA: measured on LoRA"
+    precision = base_precision(args)
+    if stored_precision and stored_precision not in COMPILED_BASES or precision not in COMPILED_BASES:
+        return False, f"a {stored_precision or precision} base: measured on {', '.join(COMPILED_BASES)}"
     if args.fp8_compute:
         return False, "fp8_compute: measured eager only"
     return True, "each transformer block compiled on CUDA; the first steps take a minute or two longer"
