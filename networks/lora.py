@@ -216,7 +216,7 @@ class LoRAModule(nn.Module):
         sum into the up GEMM (torch.addmm): one pass over the [tokens, out] output instead of four (GEMM,
         scale, cast, add) with their temporaries, and no [tokens, out] multiply in backward."""
         # factor 1 (alpha = rank, the default, at multiplier 1): no multiply, x * 1.0 is x bit for bit; 3
-        # ops fewer per module and step (forward, recompute, backward), 36 per Qwen-Image block
+        # ops fewer per module and step (forward, recompute, backward), 36 per block of 12 LoRA modules
         if out.dtype != dtype or lx.dtype != dtype:
             up = self.lora_up(lx)
             return out + (up if factor == 1 else up * factor).to(out.dtype)  # back to the base output dtype
