@@ -145,11 +145,9 @@ class FP8ComputeLinear(FP8Linear):
 
     def make_gemm_scales(self) -> None:
         """The float32 scales the GEMMs take, from the codes' weight_scale: [out, 1] bf16, 0-dim fp32
-        or none (fp8: ones)."""
+        or none (fp8: ones); on meta, meta tensors of these shapes."""
         device = self.weight.device
-        if device.type == "meta":
-            s_w = torch.empty(1, self.out_features, dtype=torch.float32, device=device)
-        elif self.weight_scale is None:
+        if self.weight_scale is None:
             s_w = torch.ones(1, self.out_features, dtype=torch.float32, device=device)
         else:
             s_w = self.weight_scale.float().reshape(1, -1).expand(1, self.out_features).contiguous()
