@@ -4,6 +4,8 @@ The old code path is patched back in for the comparison; the op counts prove the
 
 import collections
 import contextlib
+import os
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from library.models import core
 from library.models.qwen_image.model import QwenImage, QwenImageConfig
 from networks.lora import LoRAModule, LoRANetwork
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from bench_core_levers import add_up_multiplying, rms_norm_with_copy  # noqa: E402  (the levers' old paths)
 
 TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
                        axes_dims_rope=(8, 12, 12))
@@ -26,23 +31,6 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))
-
-
-def _old_rms_norm(x, weight, eps):
-    """core.rms_norm before: the weight copied to float32 each call."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        y = y * weight.float()
-    return y.to(x.dtype)
-
-
-def _old_add_up(self, out, lx, factor, dtype):
-    """LoRAModule._add_up before: the factor multiplied even when it is 1."""
-    if out.dtype != dtype or lx.dtype != dtype:
-        return out + (self.lora_up(lx) * factor).to(out.dtype)
-    rows = (lx * factor).reshape(-1, lx.shape[-1])
-    return torch.addmm(out.reshape(-1, out.shape[-1]), rows, self.lora_up.weight.t()).view(out.shape)
 
 
 def _step(dtype, autocast: bool):
@@ -73,8 +61,8 @@ def _step(dtype, autocast: bool):
 def test_lora_rows_factor_one_and_rms_norm_weight_cuts_are_bit_identical(monkeypatch, dtype, autocast):
     pred, grads, ops = _step(dtype, autocast)
     with monkeypatch.context() as m:
-        m.setattr(core, "rms_norm", _old_rms_norm)
-        m.setattr(LoRAModule, "_add_up", _old_add_up)
+        m.setattr(core, "rms_norm", rms_norm_with_copy)
+        m.setattr(LoRAModule, "_add_up", add_up_multiplying)
         m.setattr(LoRAModule, "_adds_up_in_gemm", lambda *args: False)  # before: down on [B, L, in]
         old_pred, old_grads, old_ops = _step(dtype, autocast)
     assert torch.equal(pred, old_pred)
@@ -97,7 +85,7 @@ def test_rms_norm_weight_widened_by_promotion_equals_a_float32_copy(x_dtype, w_d
     x = torch.randn(3, 5, 64, generator=g).to(x_dtype).requires_grad_(True)
     w = (1 + 0.3 * torch.randn(64, generator=g)).to(w_dtype).requires_grad_(True)
     x0, w0 = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
-    y, y0 = core.rms_norm(x, w, 1e-6), _old_rms_norm(x0, w0, 1e-6)
+    y, y0 = core.rms_norm(x, w, 1e-6), rms_norm_with_copy(x0, w0, 1e-6)
     grad = torch.randn(y.shape, generator=g).to(y.dtype)
     y.backward(grad)
     y0.backward(grad)
