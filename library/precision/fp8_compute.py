@@ -80,7 +80,9 @@ class _QuantizedInputs:
     reference) and its version: Linears that read one activation (separate q, k and v projections,
     one stream's calls interleaved with another's) quantize it once, to the same bits. Eager only: a
     compiled graph merges the repeated quantization itself. Holds at most two inputs' codes (1 byte
-    per element) past their last call."""
+    per element) past their last call. A write that bypasses the version counter (through x.data, or
+    another tensor over x's storage) is not seen: the next call would reuse the old codes; no model
+    writes its activations so."""
 
     SLOTS = 2
 
