@@ -194,7 +194,7 @@ def is_base_lora(base: str, variant: str, tensors: dict, metadata: dict[str, str
     (attention projections of the same shapes read the same in both), as it takes every LoRA of the base where
     its spec says so (LoRAFiles.takes_base_loras: the reader leaves out the base_only_modules)."""
     files = lora_files()
-    if files[variant].takes_base_loras:  # the variant's model takes the base's LoRAs (base_only_modules left out)
+    if takes_loras_of(variant, base):  # base_only_modules left out
         return False
     if says_base(base, metadata):
         return True
@@ -204,6 +204,14 @@ def is_base_lora(base: str, variant: str, tensors: dict, metadata: dict[str, str
         return True
     widths = down_widths(tensors)
     return any(exact for exact, _ in fitted_releases(base, widths)) and not fitted_releases(variant, widths)
+
+
+def takes_loras_of(variant: str, arch: str) -> bool:
+    """True where `arch` is the architecture whose names `variant` shares and `variant`'s model takes its LoRAs
+    (LoRAFiles.takes_base_loras), less the modules it lacks (base_only_modules): the loaders' rule
+    (lora_reader.without_base_only), which the merge's version check follows."""
+    files = lora_files().get(variant)
+    return files is not None and bool(files.takes_base_loras) and files.names_of == arch
 
 
 def says_base(base: str, metadata: dict[str, str]) -> bool:

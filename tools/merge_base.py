@@ -26,7 +26,7 @@ from library.precision.bnb_weights import refuse_serialized
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint
 from library.precision.gguf_weights import is_gguf
 from networks.lora_files import LoRAWeights, read_lora_tensors, split_text_encoders, text_encoder_note
-from networks.lora_arch import detect_arch, lora_files, text_encoder_labels
+from networks.lora_arch import detect_arch, takes_loras_of, text_encoder_labels
 from networks.lora_reader import lora_for_model, lycoris_for_model
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas
 from tools.cli import LoRASpec
@@ -148,8 +148,7 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
         arch = detect_arch(tensors, metadata)
     except CheckpointError:  # the names tell no architecture: the shapes decide
         arch = None
-    files = lora_files().get(base.family)
-    if arch is not None and files is not None and files.takes_base_loras and arch == files.names_of:
+    if arch is not None and takes_loras_of(base.family, arch):
         return
     if arch is not None and arch != base.family:
         raise CheckpointError(f"{spec.path}: a {arch_spec(arch).title} LoRA (ss_base_model_version '{wanted}') and the "
