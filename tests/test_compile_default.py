@@ -25,8 +25,13 @@ def test_the_key_is_unset_by_default():
 
 @pytest.mark.parametrize("precision", [dict(), dict(fp8_base=True), dict(fp8_base=True, fp8_scaled=True)])
 def test_compiled_on_cuda_with_triton_for_lora_on_a_bf16_or_fp8_base(precision):
-    on, why = compile_by_default(lora_args(**precision), "cuda", True, None, 1, BIG)
+    on, why = compile_by_default(lora_args(**precision), "cuda", True, None, 1, BIG, False)
     assert on, why
+
+
+def test_dora_is_the_networks_not_the_spelling_of_its_argument():
+    """network_args 'dora=no' is no DoRA (LoRANetwork reads it so): compiled; the built network's flag decides."""
+    assert compile_by_default(lora_args(network_args=["dora=no"]), "cuda", True, None, 1, BIG, False)[0]
 
 
 @pytest.mark.parametrize("args, device, triton, stored, processes, reason", [
@@ -35,13 +40,14 @@ def test_compiled_on_cuda_with_triton_for_lora_on_a_bf16_or_fp8_base(precision):
     (lora_args(), "cuda", False, None, 1, "Triton"),
     (lora_args(), "cuda", True, None, 2, "2 processes"),
     (lora_args(network_module="networks.lycoris"), "cuda", True, None, 1, "networks.lycoris"),
-    (lora_args(network_args=["dora=True"]), "cuda", True, None, 1, "DoRA"),
+    (lora_args(network_args=["dora=True"]), "cuda", True, None, 1, "with DoRA"),
     (lora_args(base_precision="nf4"), "cuda", True, None, 1, "a nf4 base"),
     (lora_args(), "cuda", True, "gguf_q8_0", 1, "a gguf_q8_0 base"),
     (lora_args(fp8_base=True, fp8_scaled=True, fp8_compute=True), "cuda", True, None, 1, "fp8_compute"),
 ])
 def test_eager_where_compile_was_not_measured(args, device, triton, stored, processes, reason):
-    on, why = compile_by_default(args, device, triton, stored, processes, 5_000_000 if "5 M" in reason else BIG)
+    on, why = compile_by_default(args, device, triton, stored, processes, 5_000_000 if "5 M" in reason else BIG,
+                                 reason == "with DoRA")
     assert not on and reason in why, why
 
 
@@ -52,7 +58,7 @@ class FakeTask:
 
     def __init__(self, args, device_type="cpu"):
         self.args, self.stored_precision = args, None
-        self.base = torch.nn.Linear(4, 4)
+        self.base, self.network = torch.nn.Linear(4, 4), SimpleNamespace(dora=False)
         self.device = SimpleNamespace(type=device_type)
         self.accelerator = SimpleNamespace(num_processes=1, is_main_process=True)
 

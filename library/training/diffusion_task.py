@@ -68,8 +68,9 @@ COMPILED_MIN_PARAMETERS = 10**9  # a tiny model compiles for longer than it trai
 
 
 def compile_by_default(args, device_type: str, triton: bool, stored_precision: str | None,
-                       processes: int, parameters: int) -> tuple[bool, str]:
-    """(compile?, why) for an unset torch_compile; parameters: the transformer's."""
+                       processes: int, parameters: int, dora: bool) -> tuple[bool, str]:
+    """(compile?, why) for an unset torch_compile; parameters: the transformer's; dora: the built
+    network's (network_args spell it dora / use_dora, true / yes / 1 ...)."""
     if device_type != "cuda":
         return False, f"not on CUDA ({device_type})"
     if not triton:
@@ -80,8 +81,7 @@ def compile_by_default(args, device_type: str, triton: bool, stored_precision: s
         return False, f"{processes} processes: measured on one"
     if args.network_module != "networks.lora":
         return False, f"{args.network_module}: measured on LoRA"
-    network_args = lora_network_args(args)
-    if network_args.get("dora") or network_args.get("use_dora"):
+    if dora:
         return False, f"{args.network_module} with DoRA: measured on LoRA"
     precision = base_precision(args)
     if stored_precision and stored_precision not in COMPILED_BASES or precision not in COMPILED_BASES:
@@ -330,7 +330,7 @@ class DiffusionTask:
         triton = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         parameters = sum(t.numel() for t in (*self.base.parameters(), *self.base.buffers()))  # fp8 codes: buffers
         on, why = compile_by_default(self.args, self.device.type, triton, self.stored_precision,
-                                     self.accelerator.num_processes, parameters)
+                                     self.accelerator.num_processes, parameters, getattr(self.network, "dora", False))
         if self.device.type == "cuda" and self.accelerator.is_main_process:
             print(f"torch_compile unset: {'on' if on else 'off'} ({why}; torch_compile = {str(not on).lower()} "
                   f"to change it)", flush=True)
