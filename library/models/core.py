@@ -463,16 +463,22 @@ def compile_block(block: nn.Module, **options):
     a policy too: torch 2.11's compiled checkpoint without one tags only the ops it sees at the top of
     the region, not those inside an autograd.Function (the quantized Linears' dequantization), and the
     partitioner saved those for backward: the base in the compute dtype (a 12B fp8_scaled model on an
-    H100: 43.4 GiB peak against eager's 15.2). A policy tags every op as it runs (2.13 does so itself)."""
+    H100: 43.4 GiB peak against eager's 15.2). A policy tags every op as it runs. torch 2.13 does so
+    itself (pytorch#177396), and there the policy only triples the compile time (tests/test_block_swap.py's
+    compiled swap: 8 -> 24 s): from 2.13 on the plain region goes without."""
     block.compile(**options)
     if any(getattr(m, "backward_saves_weights_only", False) for m in block.modules()):
         block._compiled_call_impl = _keeping_weights_quantized(block._compiled_call_impl)
     logging.getLogger("torch._higher_order_ops.wrap").addFilter(_without_context_fn_warning)
     call = functools.partial(checkpoint, block._call_impl, use_reentrant=False)
     block._compiled_checkpoints = {
-        keep: torch.compile(functools.partial(call, context_fn=functools.partial(
-            create_selective_checkpoint_contexts, functools.partial(_keeping, keep))), **options)
+        keep: torch.compile(call if keep == Checkpointing() and not PLAIN_REGION_NEEDS_POLICY else functools.partial(
+            call, context_fn=functools.partial(create_selective_checkpoint_contexts, functools.partial(_keeping, keep))),
+            **options)
         for keep in (Checkpointing(), Checkpointing(True, False), Checkpointing(False, True), Checkpointing(True, True))}
+
+
+PLAIN_REGION_NEEDS_POLICY = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
 
 
 def _keeping_weights_quantized(compiled):
