@@ -185,9 +185,8 @@ def test_ctrl_c_during_the_last_step_still_writes_the_final_lora(tiny_set, tmp_p
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["tiny_flux_lora.safetensors"]
 
 
-def test_ctrl_c_during_the_final_samples_stops_them_at_the_next_image(tiny_set, tmp_path, monkeypatch, capsys):
-    """A Ctrl-C after the first of 3 final samples went unheeded: the run rendered all 3 and exited 0.
-    Now it stops before the second (the final LoRA is already written) and exits 130."""
+def ctrl_c_after_the_first_sample(tmp_path, monkeypatch):
+    """A prompt file of 3 samples, and a SIGINT right after the first image is saved."""
     import os
     import signal
 
@@ -202,6 +201,13 @@ def test_ctrl_c_during_the_final_samples_stops_them_at_the_next_image(tiny_set, 
     monkeypatch.setattr(images, "save_side_by_side", save_then_ctrl_c)
     prompts = tmp_path / "p.txt"
     prompts.write_text("".join(f"prompt {i} --w 32 --h 32 --s 1 --d {i}\n" for i in range(3)))
+    return prompts
+
+
+def test_ctrl_c_during_the_final_samples_stops_them_at_the_next_image(tiny_set, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C after the first of 3 final samples went unheeded: the run rendered all 3 and exited 0.
+    Now it stops before the second (the final LoRA is already written) and exits 130."""
+    prompts = ctrl_c_after_the_first_sample(tmp_path, monkeypatch)
     out = tmp_path / "run"
     assert train_lora.main(flux_args(tiny_set, out, "--sample_prompts", str(prompts),
                                      "--sample_bf16_reference", "false")) == 130
@@ -213,20 +219,7 @@ def test_ctrl_c_during_the_first_samples_stops_before_step_1(tiny_set, tmp_path,
     """A Ctrl-C after the first of 3 sample_at_first samples stopped them, then trained step 1 and
     saved tiny_flux_lora-step000001 and a state before exiting 130. Now the run stops before step 1
     as a Ctrl-C while loading does: 130, no LoRA, no state, no row in the log."""
-    import os
-    import signal
-
-    from library.data import images
-
-    real = images.save_side_by_side
-
-    def save_then_ctrl_c(*a, **k):
-        real(*a, **k)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    monkeypatch.setattr(images, "save_side_by_side", save_then_ctrl_c)
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("".join(f"prompt {i} --w 32 --h 32 --s 1 --d {i}\n" for i in range(3)))
+    prompts = ctrl_c_after_the_first_sample(tmp_path, monkeypatch)
     out = tmp_path / "run"
     assert train_lora.main(flux_args(tiny_set, out, "--sample_prompts", str(prompts), "--sample_at_first", "true",
                                      "--max_train_steps", "2", "--sample_bf16_reference", "false")) == 130
