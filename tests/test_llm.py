@@ -35,6 +35,18 @@ def randomize_(model):
     return model.eval()
 
 
+def assert_logits_match_with_left_padding(model, hf, tokens: int, padding: int) -> torch.Tensor:
+    """Our logits within 1e-5 of transformers' on 2 random rows, the second left-padded by `padding`
+    tokens (compared where the mask is 1); returns the ids."""
+    ids, mask = torch.randint(2, 96, (2, tokens)), torch.ones(2, tokens, dtype=torch.long)
+    mask[1, :padding] = 0
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= 1e-5
+        diff = (model(ids, mask) - hf(ids, attention_mask=mask).logits)[mask.bool()]
+        assert diff.abs().max().item() <= 1e-5
+    return ids
+
+
 def hf_causal_lm(family: str):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -207,12 +219,7 @@ def test_mistral_sliding_window_matches_transformers_past_the_window(tmp_path):
     hf.save_pretrained(tmp_path, safe_serialization=True)
     model = load_llm(str(tmp_path))
     assert (model.config.sliding_window, model.config.window_layers, model.config.context_length) == (12, (0, 1), 131072)
-    ids, mask = torch.randint(2, 96, (2, 30)), torch.ones(2, 30, dtype=torch.long)
-    mask[1, :5] = 0
-    with torch.no_grad():
-        assert (model(ids) - hf(ids).logits).abs().max().item() <= 1e-5
-        diff = (model(ids, mask) - hf(ids, attention_mask=mask).logits)[mask.bool()]
-        assert diff.abs().max().item() <= 1e-5
+    assert_logits_match_with_left_padding(model, hf, tokens=30, padding=5)
     saved = json.loads(json.dumps(model.config.to_hf()))
     assert (saved["model_type"], saved["sliding_window"]) == ("mistral", 12)
     assert LLMConfig.from_hf(saved) == model.config
