@@ -379,24 +379,19 @@ def measure_peaks(args) -> dict:
     return peaks
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+def add_pair_arguments(p: argparse.ArgumentParser, blocks: tuple[int, int, int], tokens: tuple[int, int]):
+    """The options build_pair and the peers read (also profile_peers.py's): blocks = the defaults of
+    --double, --single, --qwen-blocks; tokens = of --image-tokens, --text-tokens."""
     p.add_argument("--sd_scripts", help="sd-scripts checkout (FLUX.1 peer)")
     p.add_argument("--musubi", help="musubi-tuner checkout (Qwen-Image peer)")
     p.add_argument("--families", default="flux,qwen_image")
-    p.add_argument("--sizes", default="tiny,mid")
-    p.add_argument("--precisions", default=",".join(PRECISIONS))
-    p.add_argument("--double", type=int, default=1, help="FLUX mid: double blocks at width 3072")
-    p.add_argument("--single", type=int, default=1, help="FLUX mid: single blocks at width 3072")
-    p.add_argument("--qwen-blocks", type=int, default=2)
-    p.add_argument("--image-tokens", type=int, default=256)
-    p.add_argument("--text-tokens", type=int, default=64)
+    p.add_argument("--double", type=int, default=blocks[0], help="FLUX mid: double blocks at width 3072")
+    p.add_argument("--single", type=int, default=blocks[1], help="FLUX mid: single blocks at width 3072")
+    p.add_argument("--qwen-blocks", type=int, default=blocks[2])
+    p.add_argument("--image-tokens", type=int, default=tokens[0])
+    p.add_argument("--text-tokens", type=int, default=tokens[1])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--tiny-reps", type=int, default=10)
-    p.add_argument("--gemm", type=int, default=4096, help="matrix size of the peak GEMM")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     p.add_argument("--save-projections", action="store_true",
                    help="ours with checkpoint_saves_projections (the recompute skips the tails the trained gates need)")
@@ -405,16 +400,15 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile both sides as their trainers do (see compile_both); the warm-up steps compile")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU: peak from a bf16/fp32 GEMM on it)")
-    p.add_argument("--count-ops", action="store_true",
-                   help="no timing: count the aten ops of one step (forward, backward, AdamW) ours and theirs, "
-                        "per block, at toy widths (bench/op_counts.py); --sizes is not used")
-    args = p.parse_args(argv)
+
+
+def load_peers(args, families: list[str]) -> dict:
+    """args.device as a torch.device, and {family: the peer's imported modules} from the checkouts given."""
     args.device = torch.device(args.device)
-    if torch.device(args.device).type == "cuda":
+    if args.device.type == "cuda":
         # torch 2.11 + H100: cuDNN attention hits an illegal memory access on diffusers' FLUX call
         # (its strided q/k/v) at 4608 tokens; both sides then use flash / memory-efficient SDPA.
         torch.backends.cuda.enable_cudnn_sdp(False)
-    families = args.families.split(",")
     peers = {}
     if "flux" in families:
         if not args.sd_scripts:
@@ -426,6 +420,24 @@ def main(argv=None):
             raise SystemExit("--musubi DIR is needed for the Qwen-Image comparison (a kohya-ss/musubi-tuner checkout)")
         model, lora, fp8, utils = import_musubi(os.path.abspath(args.musubi))
         peers["qwen_image"] = {"model": model, "lora": lora, "fp8": fp8, "utils": utils}
+    return peers
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    add_pair_arguments(p, blocks=(1, 1, 2), tokens=(256, 64))
+    p.add_argument("--sizes", default="tiny,mid")
+    p.add_argument("--precisions", default=",".join(PRECISIONS))
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--tiny-reps", type=int, default=10)
+    p.add_argument("--gemm", type=int, default=4096, help="matrix size of the peak GEMM")
+    p.add_argument("--count-ops", action="store_true",
+                   help="no timing: count the aten ops of one step (forward, backward, AdamW) ours and theirs, "
+                        "per block, at toy widths (bench/op_counts.py); --sizes is not used")
+    args = p.parse_args(argv)
+    families = args.families.split(",")
+    peers = load_peers(args, families)
     if args.count_ops:
         lines = [count_ops(family, precision, args, peers[family]) for family in families
                  for precision in args.precisions.split(",") if supported(family, precision)]

@@ -94,46 +94,20 @@ def summarize(events: list, steps: int, wall: float, device: torch.device, top: 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    p.add_argument("--sd_scripts", help="sd-scripts checkout (FLUX.1 peer)")
-    p.add_argument("--musubi", help="musubi-tuner checkout (Qwen-Image peer)")
-    p.add_argument("--families", default="flux,qwen_image")
+    bench_peers.add_pair_arguments(p, blocks=(2, 4, 4), tokens=(4096, 512))
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "fp8_scaled"))
-    p.add_argument("--double", type=int, default=2, help="FLUX mid: double blocks at width 3072")
-    p.add_argument("--single", type=int, default=4, help="FLUX mid: single blocks at width 3072")
-    p.add_argument("--qwen-blocks", type=int, default=4)
-    p.add_argument("--image-tokens", type=int, default=4096)
-    p.add_argument("--text-tokens", type=int, default=512)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--rank", type=int, default=16)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=5, help="steps timed without the profiler")
     p.add_argument("--steps", type=int, default=3, help="steps under the profiler")
     p.add_argument("--top", type=int, default=15)
-    p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
-    p.add_argument("--save-projections", action="store_true", help="ours with checkpoint_saves_projections")
-    p.add_argument("--save-attention", action="store_true", help="ours with checkpoint_saves_attention")
-    p.add_argument("--compile", action="store_true", help="both sides compiled as in bench_peers.py")
-    p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    args.device = torch.device(args.device)
-    if args.device.type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)  # as bench_peers.py (torch 2.11 + H100, diffusers' FLUX call)
+    families = [f for f in args.families.split(",") if bench_peers.supported(f, args.precision)]
+    for family in set(args.families.split(",")) - set(families):
+        print(f"[{family} {args.precision}] no peer row (sd-scripts has no scaled fp8 for FLUX.1)")
+    peers = bench_peers.load_peers(args, families)
     mode = "compiled" if args.compile else "eager"
-    for family in args.families.split(","):
-        if not bench_peers.supported(family, args.precision):
-            print(f"[{family} {args.precision}] no peer row (sd-scripts has no scaled fp8 for FLUX.1)")
-            continue
-        if family == "flux":
-            if not args.sd_scripts:
-                raise SystemExit("--sd_scripts DIR is needed for the FLUX.1 profile (a kohya-ss/sd-scripts checkout)")
-            flux_models, lora_flux = bench_peers.import_sd_scripts(os.path.abspath(args.sd_scripts))
-            peer = {"model": flux_models, "lora": lora_flux}
-        else:
-            if not args.musubi:
-                raise SystemExit("--musubi DIR is needed for the Qwen-Image profile (a kohya-ss/musubi-tuner checkout)")
-            model, lora, fp8, utils = bench_peers.import_musubi(os.path.abspath(args.musubi))
-            peer = {"model": model, "lora": lora, "fp8": fp8, "utils": utils}
-        steps = build_steps(family, args.precision, args, peer)
+    for family in families:
+        steps = build_steps(family, args.precision, args, peers[family])
         for name, step in steps.items():
             for _ in range(args.warmup):  # compiles here when --compile
                 step()
