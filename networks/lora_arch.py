@@ -219,10 +219,28 @@ def says_base(base: str, metadata: dict[str, str]) -> bool:
     return header_arch(metadata) == base
 
 
+# The header entries naming the model a LoRA was trained on: ours, sd-scripts' and ai-toolkit's first
+# (sd-scripts writes both), then sai_model_spec's `<model>/lora`, which musubi-tuner writes alone.
+VERSION_KEYS = ("ss_base_model_version", "modelspec.architecture")
+
+
+def header_version(metadata: dict[str, str]) -> tuple[str, str] | None:
+    """(key, value) of the first VERSION_KEYS entry the header has, else None."""
+    return next(((k, metadata[k]) for k in VERSION_KEYS if metadata.get(k)), None)
+
+
+def same_release(version: str, said: str) -> bool:
+    """True where the header's `said` names `version` (a family's model_version) or begins it, spelled any
+    trainer's way: case, separators and modelspec's adapter suffix aside ('Model.2-dev-4b/lora', ai-toolkit's
+    'model2_dev_4b' and our 'model2-dev-4b' are one release; a stem such as sd-scripts' 'model-2' any of its)."""
+    plain = lambda v: re.sub(r"[^a-z0-9]", "", v.lower().split("/")[0])  # noqa: E731
+    return plain(version).startswith(plain(said))
+
+
 def header_arch(metadata: dict[str, str]) -> str | None:
     """The architecture whose LoRAFiles.model_versions begin the header's ss_base_model_version or
     modelspec.architecture (the longest such prefix: a variant's version may begin with its base's), else None."""
-    said = [v for v in (metadata.get(k, "").lower() for k in ("ss_base_model_version", "modelspec.architecture")) if v]
+    said = [v for v in (metadata.get(k, "").lower() for k in VERSION_KEYS) if v]
     hits = [(len(p), arch) for arch, f in lora_files().items() for p in f.model_versions for v in said if v.startswith(p)]
     return max(hits)[1] if hits else None
 

@@ -26,7 +26,7 @@ from library.precision.bnb_weights import refuse_serialized
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint
 from library.precision.gguf_weights import is_gguf
 from networks.lora_files import LoRAWeights, read_lora_tensors, split_text_encoders, text_encoder_note
-from networks.lora_arch import detect_arch, takes_loras_of, text_encoder_labels
+from networks.lora_arch import detect_arch, header_arch, header_version, same_release, takes_loras_of, text_encoder_labels
 from networks.lora_reader import lora_for_model, lycoris_for_model
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas
 from tools.cli import LoRASpec
@@ -134,28 +134,31 @@ def open_base(path: str) -> Base:
 
 
 def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str, str]) -> None:
-    """A LoRA whose ss_base_model_version names another architecture than the base's is refused, even
-    where the two share every name and shape (an architecture whose spec sets names_of): its deltas
-    were learned on other weights. Another release of the base's own architecture (a distilled and a
-    guidance-embedded release) is a warning: LoRAs are commonly moved between those. A version that
-    begins the base's (sd-scripts writes the family's stem) matches any of its releases. A LoRA of the
-    architecture whose names the base's shares, where the base's model takes its LoRAs (LoRAFiles.takes_base_loras),
-    passes: lora_for_model has left out the modules the base lacks, saying how many."""
-    wanted = metadata.get("ss_base_model_version")
-    if not wanted or base.version is None or base.version.startswith(wanted):
+    """A LoRA whose header (ss_base_model_version, else modelspec.architecture: lora_arch.header_version)
+    names another architecture than the base's is refused, even where the two share every name and shape
+    (an architecture whose spec sets names_of): its deltas were learned on other weights. The architecture
+    is the one the header names (each family's LoRAFiles.model_versions), else the names'. Another release
+    of the base's own architecture (a distilled and a guidance-embedded release) is a warning: LoRAs are
+    commonly moved between those. A version that begins the base's (sd-scripts writes the family's stem),
+    spelled any trainer's way (lora_arch.same_release), matches. A LoRA of the architecture whose names the
+    base's shares, where the base's model takes its LoRAs (LoRAFiles.takes_base_loras), passes:
+    lora_for_model has left out the modules the base lacks, saying how many."""
+    header = header_version(metadata)
+    if header is None or base.version is None or same_release(base.version, header[1]):
         return
+    key, wanted = header
     try:
-        arch = detect_arch(tensors, metadata)
+        arch = header_arch(metadata) or detect_arch(tensors, metadata)
     except CheckpointError:  # the names tell no architecture: the shapes decide
         arch = None
     if arch is not None and takes_loras_of(base.family, arch):
         return
     if arch is not None and arch != base.family:
-        raise CheckpointError(f"{spec.path}: a {arch_spec(arch).title} LoRA (ss_base_model_version '{wanted}') and the "
-                              f"base {base.path} is {arch_spec(base.family).title} ('{base.version}'): its deltas were "
-                              f"learned on other weights; merge it into a {arch_spec(arch).title} checkpoint")
-    print(f"warning: {os.path.basename(spec.path)}: trained on '{wanted}' (ss_base_model_version), merged into "
-          f"'{base.version}' ({base.path}): the same architecture, another release", file=sys.stderr)
+        raise CheckpointError(f"{spec.path}: a {arch_spec(arch).title} LoRA ({key} '{wanted}') and the base {base.path} "
+                              f"is {arch_spec(base.family).title} ('{base.version}'): its deltas were learned on other "
+                              f"weights; merge it into a {arch_spec(arch).title} checkpoint")
+    print(f"warning: {os.path.basename(spec.path)}: trained on '{wanted}' ({key}), merged into '{base.version}' "
+          f"({base.path}): the same architecture, another release", file=sys.stderr)
 
 
 def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta]:

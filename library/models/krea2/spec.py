@@ -46,6 +46,7 @@ LORA_FILES = S.LoRAFiles(
     markers=("_attn_wq", "_attn_wk", "_attn_wv", "_attn_wo", "_attn_gate", "txtfusion_", "tproj_", "txtmlp_",
              "_mlp_gate_lora", "_mlp_up_lora", "_mlp_down_lora", "_attn_to_gate", "text_fusion_", "time_mod_proj",
              "_ff_gate_lora", "_ff_up_lora", "_ff_down_lora"),
+    model_versions=("krea2", "krea-2"),  # ours (krea2-raw, krea2-turbo), ai-toolkit's krea2; musubi-tuner's Krea-2/lora
     block_pattern=r"(layerwise_blocks|refiner_blocks|transformer_blocks|blocks)[._](\d+)[._]",
     module_paths="library.models.krea2.lora_files:module_paths",
     module_map="library.models.krea2.lora_files:module_map_of_lora",

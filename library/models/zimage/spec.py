@@ -38,6 +38,8 @@ LORA_FILES = S.LoRAFiles(
     markers=("_attention_to_q", "_attention_to_k", "_attention_to_v", "_attention_to_out_0", "_feed_forward_w",
              "noise_refiner_", "context_refiner_", "_attention_qkv"),
     layouts=("kohya", "diffusers", "comfy"),
+    # ours (zimage-turbo, zimage-base, zimage-omni) and ai-toolkit's zimage; musubi-tuner's modelspec Z-Image/lora
+    model_versions=("zimage", "z-image", "z_image"),
     comfy_map="library.models.zimage.lora_files:comfy_module_map",
     block_pattern=r"(noise_refiner|context_refiner|layers)[._](\d+)[._]",
     module_paths="library.models.zimage.lora_files:module_paths",
