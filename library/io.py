@@ -232,6 +232,11 @@ class CheckpointReader:
             self._where[new] = i
         self._where = dict(sorted(self._where.items()))
 
+    def leave_out(self, keys) -> None:
+        """From now on read as if the file did not hold `keys`."""
+        for key in keys:
+            del self._where[key]
+
 
 class RowSplitView:
     """A CheckpointReader seen under a family's own names, where a fused Linear of the file (an attention

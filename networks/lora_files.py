@@ -12,7 +12,8 @@ Layouts on disk (`detect_format`):
 - "peft":   `<prefix>.<path>.{lora_A.weight, lora_B.weight}` (diffusers / PEFT; prefix `transformer.`,
   `base_model.model.` ...). Alpha comes from diffusers' `lora_adapter_metadata` header entry when
   present, else alpha = rank (scale 1). We write alpha folded into lora_B, so no header is needed.
-  Keys with a PEFT adapter name (`lora_A.default.weight`: a raw model.state_dict()) read without it.
+  Keys with a PEFT adapter name (`lora_A.default.weight`: a raw model.state_dict()) read without it, and
+  its wrapped Linears' own `<module>.base_layer.weight` / `.bias` are left out (base_layer_keys).
 - "comfy":  `diffusion_model.<path>.{lora_down.weight, lora_up.weight, alpha}` (dotted paths).
 - PEFT adapter folder (LLMs): `adapter_config.json` + `adapter_model.safetensors` with keys
   `base_model.model.<path>.lora_A.weight` / `lora_B.weight`; lora_B is NOT scaled, the config holds
@@ -28,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -371,14 +373,34 @@ def adapter_name_dropped(keys, source: str = "LoRA") -> dict[str, str]:
             for k, m in found.items()}
 
 
+# A PEFT-wrapped Linear keeps its own weight and bias as `<module>.base_layer.weight` / `.bias` beside its
+# lora_A / lora_B: a raw model.state_dict() saves them too (peft's LoraLayer.base_layer).
+BASE_LAYER = ".base_layer."
+
+
+def base_layer_keys(keys) -> list[str]:
+    """The base_layer keys of a raw PEFT state dict whose every other key is the LoRA's (_PART_OF_SUFFIX, after
+    adapter_name_dropped): the wrapped Linears' own weights, which a LoRA tool leaves out. [] where any other
+    tensor is there (a whole model's dump: its untargeted modules): detect_format refuses the file as before."""
+    keys = list(keys)
+    base = [k for k in keys if BASE_LAYER in k]
+    lora = [k for k in keys if k.endswith(tuple(_PART_OF_SUFFIX)) and BASE_LAYER not in k]
+    return base if base and lora and len(base) + len(lora) == len(keys) else []
+
+
 def lora_reader(path: str) -> tuple[CheckpointReader, dict | None]:
     """A LoRA safetensors file or PEFT adapter folder -> (reader of its tensors, keys under their PEFT names
-    less an adapter name (adapter_name_dropped), the folder's adapter_config.json or None). Any other folder
-    is a CheckpointError saying what is expected."""
+    less an adapter name (adapter_name_dropped) and a raw PEFT state dict's base_layer tensors (base_layer_keys,
+    with one warning saying how many), the folder's adapter_config.json or None). Any other folder is a
+    CheckpointError saying what is expected."""
     folder = peft_folder_of(path)
     config = read_adapter_config(folder) if folder else None
     reader = CheckpointReader(os.path.join(folder, PEFT_WEIGHTS_FILE) if folder else path)
     reader.rename(adapter_name_dropped(reader.keys(), path))
+    if base := base_layer_keys(reader.keys()):
+        reader.leave_out(base)
+        warnings.warn(f"{path}: left out {len(base)} base_layer tensors (the base model's weights a PEFT "
+                      f"model.state_dict() saves beside its LoRA): read the LoRA alone", stacklevel=2)
     return reader, config
 
 
