@@ -4,8 +4,10 @@ from the config schema (library/training/config.py), so that the modules the sch
 check a value (library/training/optim.py) can raise it without importing the schema back; nothing
 here imports torch.
 
-Also here: how a command line prints the warnings it raises (one_line_warnings)."""
+Also here: how a command line prints the warnings it raises (one_line_warnings, printed_warnings)."""
 
+import contextlib
+import sys
 import warnings
 
 _python_warning = warnings.formatwarning
@@ -26,3 +28,22 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     if category is UserWarning:
         return f"warning: {message}\n"
     return _python_warning(message, category, filename, lineno, line)
+
+
+@contextlib.contextmanager
+def printed_warnings():
+    """Within: our warnings (UserWarning) from what a tool calls print at once as 'warning: ...' lines on
+    stderr, as the tool's own print(f"warning: ...") lines do, in the order they come, every one (Python's
+    filter shows a repeated line once), called in-process or not; a library's other kinds keep their form."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category is UserWarning:
+            print(f"warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", UserWarning)
+        warnings.showwarning = show
+        yield

@@ -157,7 +157,7 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
         raise CheckpointError(f"{spec.path}: a {arch_spec(arch).title} LoRA ({key} '{wanted}') and the base {base.path} "
                               f"is {arch_spec(base.family).title} ('{base.version}'): its deltas were learned on other "
                               f"weights; merge it into a {arch_spec(arch).title} checkpoint")
-    print(f"warning: {os.path.basename(spec.path)}: trained on '{wanted}' ({key}), merged into '{base.version}' "
+    print(f"warning: {spec.path}: trained on '{wanted}' ({key}), merged into '{base.version}' "
           f"({base.path}): the same architecture, another release", file=sys.stderr)
 
 
@@ -165,14 +165,13 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     """One LoRA file -> {checkpoint weight key: LoRAWeights or LycorisDelta}, checked against the
     base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges). A down/up LoRA is read
     by networks/lora_reader.py (every layout convert_lora reads, in the base's naming)."""
-    name = os.path.basename(spec.path)
     tensors, metadata, adapter_config = read_lora_tensors(spec.path)  # a file, or a PEFT adapter folder
     body, te = split_text_encoders(tensors)
     if te and not body:
         raise CheckpointError(f"{spec.path}: holds only {text_encoder_note(te, text_encoder_labels(base.family))}; "
                               f"merge_lora merges into the transformer")
     if te:  # sd-scripts' files: CLIP-L / T5-XXL modules beside the transformer's
-        print(f"warning: {name}: skipped {text_encoder_note(te, text_encoder_labels(base.family))}: they adapt the text encoders, not the transformer "
+        print(f"warning: {spec.path}: skipped {text_encoder_note(te, text_encoder_labels(base.family))}: they adapt the text encoders, not the transformer "
               f"merged here", file=sys.stderr)  # fmt: skip
     if is_lycoris_file(body):  # LoKr, LoHa, ...: kohya names; another naming's modules renamed where whole
         weights = lycoris_for_model(lycoris_deltas(body), body, metadata, base.family, base.weight_key, base.module_map,
@@ -194,7 +193,7 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
         raise CheckpointError(f"{spec.path}: LoRA modules match no weight of {base.path}: {shown} (--allow_unmatched skips "
                               f"them)")
     if unmatched:
-        print(f"warning: {name}: skipped {len(unmatched)} unmatched LoRA modules: {', '.join(unmatched)}", file=sys.stderr)
+        print(f"warning: {spec.path}: skipped {len(unmatched)} unmatched LoRA modules: {', '.join(unmatched)}", file=sys.stderr)
     for key, w in matched.items():
         if isinstance(w, LycorisDelta):
             continue

@@ -84,6 +84,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.training.config import PRECISION_NAMES  # noqa: E402
+from library.errors import printed_warnings  # noqa: E402
 from tools.cli import Parser, check_command_line  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 
@@ -543,8 +544,9 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
         specs = [parse_lora_spec(s) for s in args.lora]
-        plan = merge_lora(args.model, specs, args.save_to, args.save_precision, args.stochastic_rounding, args.seed,
-                          args.allow_unmatched, args.fp8_layout)
+        with printed_warnings():  # the library's (a LoRA's left-out modules, an fp8 base's widened tensors) as ours
+            plan = merge_lora(args.model, specs, args.save_to, args.save_precision, args.stochastic_rounding, args.seed,
+                              args.allow_unmatched, args.fp8_layout)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
