@@ -378,14 +378,19 @@ def adapter_name_dropped(keys, source: str = "LoRA") -> dict[str, str]:
 BASE_LAYER = ".base_layer."
 
 
-def base_layer_keys(keys) -> list[str]:
+def base_layer_keys(keys, source: str = "LoRA") -> list[str]:
     """The base_layer keys of a raw PEFT state dict whose every other key is the LoRA's (_PART_OF_SUFFIX, after
-    adapter_name_dropped): the wrapped Linears' own weights, which a LoRA tool leaves out. [] where any other
-    tensor is there (a whole model's dump: its untargeted modules): detect_format refuses the file as before."""
+    adapter_name_dropped): the wrapped Linears' own weights, which a LoRA tool leaves out. A whole model's
+    dump (its untargeted modules' tensors beside) is a CheckpointError naming one and saying what to save."""
     keys = list(keys)
     base = [k for k in keys if BASE_LAYER in k]
     lora = [k for k in keys if k.endswith(tuple(_PART_OF_SUFFIX)) and BASE_LAYER not in k]
-    return base if base and lora and len(base) + len(lora) == len(keys) else []
+    other = [k for k in keys if k not in base and k not in lora]
+    if base and lora and other:
+        raise CheckpointError(f"{source}: a whole PEFT model's state_dict(): {len(other)} tensors of the model (like "
+                              f"'{other[0]}') beside the LoRA and its base_layer weights; save the LoRA alone "
+                              f"(peft's get_peft_model_state_dict(model))")
+    return base if lora else []
 
 
 def lora_reader(path: str) -> tuple[CheckpointReader, dict | None]:
@@ -397,7 +402,7 @@ def lora_reader(path: str) -> tuple[CheckpointReader, dict | None]:
     config = read_adapter_config(folder) if folder else None
     reader = CheckpointReader(os.path.join(folder, PEFT_WEIGHTS_FILE) if folder else path)
     reader.rename(adapter_name_dropped(reader.keys(), path))
-    if base := base_layer_keys(reader.keys()):
+    if base := base_layer_keys(reader.keys(), path):
         reader.leave_out(base)
         warnings.warn(f"{path}: left out {len(base)} base_layer tensors (the base model's weights a PEFT "
                       f"model.state_dict() saves beside its LoRA): read the LoRA alone", stacklevel=2)

@@ -3,6 +3,8 @@
 tool shares. Files built with peft itself on the tiny models (diffusers' add_adapter on the FLUX.1
 transformer, get_peft_model on the LLM); oracle: peft's get_delta_weight / merge_and_unload."""
 
+import re
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -39,7 +41,8 @@ def test_a_diffusers_models_peft_state_dict_merges_as_its_lora(tiny_set, tmp_pat
     """The FLUX.1 diffusers transformer with peft's adapter on to_q / to_k / to_v (add_adapter): its state
     dict's 12 LoRA modules and their base_layer weight and bias (24 tensors). Refused before ("LoRA key
     '...base_layer.bias' mixes with PEFT keys"); now merged equal to peft's own delta, saying how many
-    base_layer tensors were left out. A whole model.state_dict() (norms, embedders beside) stays refused."""
+    base_layer tensors were left out. A whole model.state_dict() (norms, embedders beside) stays refused, in a
+    line saying so (was "LoRA key '...' mixes with PEFT keys like ...")."""
     from diffusers import FluxTransformer2DModel
 
     model = FluxTransformer2DModel.from_pretrained(tiny_set["flux_diffusers"])
@@ -64,7 +67,9 @@ def test_a_diffusers_models_peft_state_dict_merges_as_its_lora(tiny_set, tmp_pat
     save_file({k: v.contiguous() for k, v in state.items()}, whole)
     line = one_error_line(capsys, merge_lora.main(["--model", tiny_set["flux_diffusers"], "--lora", whole,
                                                    "--save_to", str(tmp_path / "m2")]))
-    assert "mixes with PEFT keys" in line
+    assert line == (f"error: {whole}: a whole PEFT model's state_dict(): 88 tensors of the model (like "
+                    f"'context_embedder.bias') beside the LoRA and its base_layer weights; save the LoRA alone "
+                    f"(peft's get_peft_model_state_dict(model))")
 
 
 def test_an_llms_peft_state_dict_merges_as_merge_and_unload(tiny_set, tmp_path, capsys):
@@ -93,11 +98,12 @@ def test_an_llms_peft_state_dict_merges_as_merge_and_unload(tiny_set, tmp_path, 
 @pytest.mark.parametrize("extra", ["transformer_blocks.0.norm1.linear.weight", "transformer_blocks.0.attn.to_q.lora_C.weight"])
 def test_a_tensor_beside_base_layers_that_is_neither_keeps_the_file_refused(tmp_path, extra):
     """base_layer tensors are left out only where every other tensor is the LoRA's."""
+    from library.io import CheckpointError
     from networks.lora_files import read_lora_tensors
 
     path = str(tmp_path / "x.safetensors")
     save_file({"transformer_blocks.0.attn.to_q.lora_A.default.weight": torch.zeros(2, 4), extra: torch.zeros(4, 4),
                "transformer_blocks.0.attn.to_q.lora_B.default.weight": torch.zeros(4, 2),
                "transformer_blocks.0.attn.to_q.base_layer.weight": torch.zeros(4, 4)}, path)
-    tensors, _, _ = read_lora_tensors(path)
-    assert "transformer_blocks.0.attn.to_q.base_layer.weight" in tensors
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: a whole PEFT model's state_dict(): 1 tensors of the model (like '{extra}')")):
+        read_lora_tensors(path)
