@@ -53,8 +53,8 @@ def test_a_diffusers_models_peft_state_dict_merges_as_its_lora(tiny_set, tmp_pat
     save_file(_lora_and_base_layers(state), lora)
     code, said = _merge(capsys, tiny_set["flux_diffusers"], lora, str(tmp_path / "merged"))
     assert code == 0, said
-    assert f"warning: {lora}: left out 24 base_layer tensors (the base model's weights a PEFT model.state_dict() saves beside its LoRA): " \
-           f"read the LoRA alone" in said
+    assert (f"warning: {lora}: left out 24 base_layer tensors (the base model's weights a PEFT model.state_dict() "
+            f"saves beside its LoRA): read the LoRA alone") in said
     base, merged = load_file(f"{tiny_set['flux_diffusers']}/diffusion_pytorch_model.safetensors"), load_file(
         str(tmp_path / "merged" / "diffusion_pytorch_model.safetensors"))
     wrapped = {name: m for name, m in model.named_modules() if hasattr(m, "get_delta_weight")}
@@ -105,5 +105,6 @@ def test_a_tensor_beside_base_layers_that_is_neither_keeps_the_file_refused(tmp_
     save_file({"transformer_blocks.0.attn.to_q.lora_A.default.weight": torch.zeros(2, 4), extra: torch.zeros(4, 4),
                "transformer_blocks.0.attn.to_q.lora_B.default.weight": torch.zeros(4, 2),
                "transformer_blocks.0.attn.to_q.base_layer.weight": torch.zeros(4, 4)}, path)
-    with pytest.raises(CheckpointError, match=re.escape(f"{path}: a whole PEFT model's state_dict(): 1 tensors of the model (like '{extra}')")):
+    said = f"{path}: a whole PEFT model's state_dict(): 1 tensors of the model (like '{extra}')"
+    with pytest.raises(CheckpointError, match=re.escape(said)):
         read_lora_tensors(path)
