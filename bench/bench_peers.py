@@ -331,21 +331,26 @@ OP_COUNT_MODELS = {"flux": {"base": (1, 1), "double block": (2, 1), "single bloc
 
 def count_ops(family: str, precision: str, args, peer) -> str:
     """--count-ops: the aten ops of one step (op_counts.py), ours and theirs, at toy widths (the count
-    does not depend on widths or tokens); per block from models one block apart. Returns a summary."""
-    counted = {}
+    does not depend on widths or tokens); per block from models one block apart. Returns a summary.
+    --count-bytes: the bytes those ops move, at full width and the given tokens."""
+    counted, measure = {}, "traffic" if args.count_bytes else "counts"
     for name, blocks in OP_COUNT_MODELS[family].items():
         args.double, args.single = blocks if family == "flux" else (1, 1)
         args.qwen_blocks = blocks if family == "qwen_image" else 1
-        ours, theirs = build_pair(family, "narrow", precision, args, peer)
+        ours, theirs = build_pair(family, "mid" if args.count_bytes else "narrow", precision, args, peer)
         x = inputs(family, ours.config, args)
         _, our_params = add_our_lora(ours, family, args.rank)
         _, their_params = add_their_lora(family, theirs, args.rank, peer)
         autocast = functools.partial(autocast_for, precision, args.device)
         counted[name] = {
-            "ours": op_counts.step_counts(lambda: our_forward(family, ours, x), our_params, x["target"], autocast),
+            "ours": op_counts.step_counts(lambda: our_forward(family, ours, x), our_params, x["target"], autocast,
+                                          measure),
             PEER[family]: op_counts.step_counts(lambda: their_forward(family, theirs, x, precision), their_params,
-                                                x["target"], autocast)}
+                                                x["target"], autocast, measure)}
+        del ours, theirs
     base = counted.pop("base")
+    if args.count_bytes:
+        return traffic_report(family, precision, args, counted, base)
     first = OP_COUNT_MODELS[family]["base"]
     blocks = f"{first[0]} double + {first[1]} single" if family == "flux" else str(first)
     print(f"[{family} {precision}] aten ops per step of the smallest model ({blocks} block, "
@@ -362,6 +367,26 @@ def count_ops(family: str, precision: str, args, peer) -> str:
         n_o, n_t = (sum(op_counts.total(c).values()) for c in per_block.values())
         lines.append(f"{name} {n_o}/{n_t}")
     return f"{family} {precision} ops per {', '.join(lines)} (ours/{PEER[family]})"
+
+
+def traffic_report(family: str, precision: str, args, counted: dict, base: dict) -> str:
+    """--count-bytes: per block, GB moved by the GEMMs and attention and by every other op (the unfused
+    elementwise work, time ~ bytes / bandwidth on a GPU), ours and the peer's, and the top ops by bytes."""
+    print(f"[{family} {precision}] bytes read + written per block, full width, "
+          f"{args.image_tokens} + {args.text_tokens} tokens (GB; other = not GEMM / attention / view):")
+    lines = []
+    for name, sides in counted.items():
+        per_block = {side: op_counts.total(op_counts.difference(c, base[side])) for side, c in sides.items()}
+        split = {side: (sum(v for k, v in c.items() if op_counts.is_compute(k)) / 1e9,
+                        sum(v for k, v in c.items() if not op_counts.is_compute(k)) / 1e9)
+                 for side, c in per_block.items()}
+        for side, (compute, other) in split.items():
+            top = ", ".join(f"{k} {v / 1e9:.2f}" for k, v in per_block[side].most_common(25)
+                            if not op_counts.is_compute(k))
+            print(f"  per {name}, {side}: GEMM + attention {compute:.2f} GB, other {other:.2f} GB ({top})")
+        (_, o_other), (_, t_other) = split.values()
+        lines.append(f"{name} other {o_other:.2f}/{t_other:.2f} GB")
+    return f"{family} {precision} bytes per {', '.join(lines)} (ours/{PEER[family]})"
 
 
 def fmt(times) -> str:
@@ -435,10 +460,13 @@ def main(argv=None):
     p.add_argument("--count-ops", action="store_true",
                    help="no timing: count the aten ops of one step (forward, backward, AdamW) ours and theirs, "
                         "per block, at toy widths (bench/op_counts.py); --sizes is not used")
+    p.add_argument("--count-bytes", action="store_true",
+                   help="no timing: the bytes the ops of one step read and write per block, at full width and "
+                        "the given tokens (bench/op_counts.py); --sizes is not used")
     args = p.parse_args(argv)
     families = args.families.split(",")
     peers = load_peers(args, families)
-    if args.count_ops:
+    if args.count_ops or args.count_bytes:
         lines = [count_ops(family, precision, args, peers[family]) for family in families
                  for precision in args.precisions.split(",") if supported(family, precision)]
         print("SUMMARY: " + "; ".join(lines))

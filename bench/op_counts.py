@@ -8,6 +8,10 @@ the backward's and the optimizer's ops, in the thread that runs them.
 
 bench_peers.py --count-ops runs it on ours and the peer; per_block_counts takes the difference of two
 models that differ by one block, so the embedders, the loss and the optimizer's fixed part drop out.
+--count-bytes runs the same at full width and the given tokens and sums the bytes each op reads and
+writes: outside the GEMMs and attention, an eager GPU kernel's time is about its bytes over the memory
+bandwidth, so the bytes per block compare the two sides' unfused elementwise work (norms, RoPE,
+modulation, casts, residuals) on any machine.
 """
 
 from __future__ import annotations
@@ -26,12 +30,32 @@ VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squee
                    "view_as_real", "view_as_complex", "_conj", "unflatten", "_reshape_alias", "narrow"})
 
 
+# ops whose time is FLOPs, not memory traffic: GEMMs and attention (the kernels a GPU runs near its peak)
+COMPUTE = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "attention")
+
+
+def is_compute(name: str) -> bool:
+    return name in COMPUTE[:-1] or COMPUTE[-1] in name
+
+
+def nbytes(value) -> int:
+    """Bytes of the tensors in an op's argument or result (nested lists / tuples included)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(v) for v in value)
+    return 0
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts each aten op by name (overload packet) under the phase set with `phase(name)`."""
+    """Counts each aten op by name (overload packet) under the phase set with `phase(name)`, and the
+    bytes each op that is not a view reads and writes (its tensor arguments and results: the memory
+    traffic of an unfused kernel, which bounds an elementwise op on a GPU)."""
 
     def __init__(self):
         super().__init__()
         self.counts = {name: collections.Counter() for name in PHASES}
+        self.traffic = {name: collections.Counter() for name in PHASES}
         self.current = PHASES[0]
 
     @contextlib.contextmanager
@@ -41,14 +65,20 @@ class OpCounter(TorchDispatchMode):
             yield
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[self.current][func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        self.counts[self.current][name] += 1
+        out = func(*args, **(kwargs or {}))
+        if name not in VIEWS:
+            self.traffic[self.current][name] += nbytes(args) + nbytes(list((kwargs or {}).values())) + nbytes(out)
+        return out
 
 
-def step_counts(forward, params: list, target: torch.Tensor, autocast) -> dict[str, collections.Counter]:
-    """Op counts per phase of the second of two steps (the first creates the optimizer state). AdamW with
-    foreach=True, the default where the trainers run (CUDA), so the optimizer's count does not grow
-    with the number of parameters on the CPU either."""
+def step_counts(forward, params: list, target: torch.Tensor, autocast, measure: str = "counts"
+                ) -> dict[str, collections.Counter]:
+    """Op counts (measure "counts") or bytes moved per op name ("traffic") per phase of the second of two
+    steps (the first creates the optimizer state). AdamW with foreach=True, the default where the
+    trainers run (CUDA), so the optimizer's count does not grow with the number of parameters on the
+    CPU either."""
     optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     counter = OpCounter()
     for counted in (False, True):
@@ -62,7 +92,7 @@ def step_counts(forward, params: list, target: torch.Tensor, autocast) -> dict[s
             loss.backward()
         with phase("optimizer"):
             optimizer.step()
-    return counter.counts
+    return getattr(counter, measure)
 
 
 def difference(more: dict, fewer: dict) -> dict[str, collections.Counter]:

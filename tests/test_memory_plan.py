@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 import toml
 from tests.test_train_lora import sample_png
 
@@ -355,3 +356,96 @@ def test_plan_memory_with_a_missing_model_file_is_one_line_before_any_plan(capsy
                                                     "--vram", "16"]))
     assert line == "error: models/Chroma1-HD.safetensors: no such file or folder", line
     assert capsys.readouterr().out == ""
+
+
+def _planned_peaks(monkeypatch, peaks: dict):
+    """memory_plan.training_plan answering from `peaks`: {(saves attention, saves projections): bytes}."""
+    from library.training import memory_plan
+
+    class Plan:
+        def __init__(self, peak):
+            self.peak = peak
+
+        def phase(self, blocks_to_swap=0):
+            return self
+
+    monkeypatch.setattr(memory_plan, "training_plan", lambda family, args, *rest: Plan(peaks[(
+        bool(args.checkpoint_saves_attention), bool(args.checkpoint_saves_projections))]))
+
+
+GIB = 2**30
+KEPT_PEAKS = {(False, False): 10 * GIB, (True, False): 11 * GIB, (False, True): 12 * GIB, (True, True): 13 * GIB}
+
+
+def test_unset_checkpoint_keeping_keys_turn_on_where_the_planned_step_fits_the_card(tiny_set, monkeypatch):
+    """checkpoint_saves_attention / _projections left unset (the default): with gradient checkpointing,
+    each turns on where the step planned with it fits the card with 5% to spare, attention first, else
+    off, one line saying which; keys set stay as set, and without checkpointing unset means off."""
+    import copy
+
+    from library.training.memory_plan import CUDA_CONTEXT_BYTES, KEEPING_MARGIN, settle_keeping_keys
+    from tools import plan_memory
+
+    family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
+    args.gradient_checkpointing = True
+    assert args.checkpoint_saves_attention is None and args.checkpoint_saves_projections is None  # the default
+    _planned_peaks(monkeypatch, KEPT_PEAKS)
+    card = lambda peak: CUDA_CONTEXT_BYTES + peak * KEEPING_MARGIN / 0.95 + 1  # noqa: E731  just fits
+
+    roomy = copy.copy(args)
+    said = settle_keeping_keys(family, roomy, card(13 * GIB), 64, 64, 1, 0)
+    assert roomy.checkpoint_saves_attention is True and roomy.checkpoint_saves_projections is True
+    assert said.startswith(f"gradient checkpointing on this {card(13 * GIB) / GIB:.1f} GiB card: "
+                           f"checkpoint_saves_attention on (+1.00 GiB, the step planned at 11.00 GiB of "), said
+    assert "checkpoint_saves_projections on (+2.00 GiB, the step planned at 13.00 GiB" in said, said
+
+    tight = copy.copy(args)
+    said = settle_keeping_keys(family, tight, card(12.5 * GIB), 64, 64, 1, 0)
+    assert tight.checkpoint_saves_attention is True and tight.checkpoint_saves_projections is False
+    assert "checkpoint_saves_projections off (+2.00 GiB, the step planned at 13.00 GiB: over 12.50" in said, said
+    assert said.endswith("less 5%); set a key true or false to choose"), said
+
+    chosen = copy.copy(args)
+    chosen.checkpoint_saves_attention = False  # set: stays, and only the unset key is planned
+    assert "checkpoint_saves_attention" not in settle_keeping_keys(family, chosen, card(13 * GIB), 64, 64, 1, 0)
+    assert chosen.checkpoint_saves_attention is False and chosen.checkpoint_saves_projections is True
+
+    off = copy.copy(args)
+    off.gradient_checkpointing = False
+    assert settle_keeping_keys(family, off, card(13 * GIB), 64, 64, 1, 0) is None
+    assert off.checkpoint_saves_attention is False and off.checkpoint_saves_projections is False
+
+
+def test_unset_keeping_keys_are_off_on_the_cpu_without_a_plan(monkeypatch):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from library.training import memory_plan
+    from library.training.diffusion_task import DiffusionTask
+
+    monkeypatch.setattr(memory_plan, "settle_keeping_keys", None)  # never planned: no card
+    task = SimpleNamespace(args=SimpleNamespace(checkpoint_saves_attention=None, checkpoint_saves_projections=True),
+                           accelerator=SimpleNamespace(distributed_type=DistributedType.NO), device=torch.device("cpu"))
+    DiffusionTask._settle_keeping_keys(task)
+    assert task.args.checkpoint_saves_attention is False and task.args.checkpoint_saves_projections is True
+
+
+def test_train_lora_settles_the_keeping_keys_before_caching_on_a_card(tiny_set, tmp_path, capsys, monkeypatch):
+    import train_lora
+    from library.models import core
+    from library.training import diffusion_task, memory_plan
+    from tests.test_train_lora import flux_args
+
+    kept, caching = [], diffusion_task.DiffusionTask._fill_caches
+    build = diffusion_task.LoRALoss
+    monkeypatch.setattr(diffusion_task, "LoRALoss", lambda family, base, *rest: kept.append(
+        base.gradient_checkpointing) or build(family, base, *rest))
+    monkeypatch.setattr(diffusion_task.DiffusionTask, "_fill_caches", lambda self: kept.append(
+        (self.args.checkpoint_saves_attention, self.args.checkpoint_saves_projections)) or caching(self))
+    _planned_peaks(monkeypatch, KEPT_PEAKS)
+    monkeypatch.setattr(memory_plan, "device_memory", lambda device: 80 * GIB)
+    assert train_lora.main(flux_args(tiny_set, tmp_path, "--max_train_steps", "1", "--gradient_checkpointing", "true")) == 0
+    assert kept == [(True, True), core.Checkpointing(True, True)], kept  # settled before caching, then built
+    lines = [line for line in capsys.readouterr().out.splitlines() if "gradient checkpointing on this" in line]
+    assert len(lines) == 1 and "checkpoint_saves_attention on (+1.00 GiB" in lines[0], lines

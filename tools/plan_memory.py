@@ -60,7 +60,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from library.training.memory_plan import (  # noqa: E402
-    GiB, caching_phase, sampling_phase, text_tokens_for, training_plan, usable_bytes)
+    KEEPING_MARGIN, GiB, caching_phase, sampling_phase, text_tokens_for, training_plan, usable_bytes)
 
 
 class PresetFamily:
@@ -293,6 +293,9 @@ def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib
             fit = fewest_swaps(plan, vram_gib)
             rows.append(f"  {base:10s} gradient_checkpointing=true with {key} = true "
                         f"(+{extra / GiB:.2f} GiB, {gain}): {fit_text(fit, plan.phase(fit or 0).peak)}")
+    if rows and any(getattr(args, key) is None for key, _ in KEEPING_KEYS):
+        rows.append(f"  (a key left unset: train_lora.py turns it on where the step with it fits the card, "
+                    f"{KEEPING_MARGIN - 1:.0%} to spare)")
     return rows
 
 

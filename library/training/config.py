@@ -112,15 +112,17 @@ SCHEMA: dict[str, Arg] = {
     "fp8_compute": A(bool, False, "run the fp8 base's Linears as fp8 GEMMs (torch._scaled_mm, per-row scales; "
                                   "GPUs of compute capability >= 8.9, or the CPU); needs an fp8 base and bf16"),
     "gradient_checkpointing": A(bool, False, "per-block activation checkpointing"),
-    "checkpoint_saves_projections": A(bool, False, "with gradient_checkpointing: keep each block's last projection "
+    "checkpoint_saves_projections": A(bool, None, "with gradient_checkpointing: keep each block's last projection "
                                                    "into the residual from the forward where a trained gate needs "
                                                    "it (modulation among the LoRA targets) instead of recomputing "
                                                    "it: step FLOPs x0.88-0.90 there for one [tokens, width] activation "
-                                                   "per stream and block (the planner counts it); eager or torch_compile"),
-    "checkpoint_saves_attention": A(bool, False, "with gradient_checkpointing: keep each attention kernel's output "
+                                                   "per stream and block (the planner counts it); eager or torch_compile. "
+                                                   "Unset: on a CUDA card, on where the planned step fits with it"),
+    "checkpoint_saves_attention": A(bool, None, "with gradient_checkpointing: keep each attention kernel's output "
                                                  "(and its log-sum-exp) from the forward, so the recompute runs no "
                                                  "attention: one [tokens, width] activation per attention call and "
-                                                 "block (the planner counts it); eager or torch_compile"),
+                                                 "block (the planner counts it); eager or torch_compile. Unset: on a "
+                                                 "CUDA card, on where the planned step fits with it"),
     "blocks_to_swap": A(int, 0, "keep the last N transformer blocks' frozen weights in CPU memory, copied in per use"),
     "block_swap_prefetch": A(int, 1, "swapped blocks copied ahead of their use (each one more block of device memory; "
                                      "deeper hides large blocks' copies behind more compute)"),

@@ -21,7 +21,7 @@ from library.data.caches import (cache_empty_caption, cache_folder, cache_latent
                                  loaded_on_first_call, remove_unused_caches)
 from library.data.check import training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
-from library.data.image_folders import scan_images, split_validation
+from library.data.image_folders import reference_count, scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, reference_images
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
 from library.models.core import checkpointing, compile_block
@@ -115,6 +115,7 @@ class DiffusionTask:
         check_warmup(args, plan_steps(args, self.batches_per_epoch()), args.config_file or "command line")
         self.prompts = self._read_prompts()
         self._settle_bf16_reference()  # before minutes of caching
+        self._settle_keeping_keys()
         self._fill_caches()  # also encodes the sample prompts, then frees the encoders
         self.base = self._load_base()
         if args.fp8_compute:
@@ -195,6 +196,23 @@ class DiffusionTask:
                                                     references)
         if warning:
             self.accelerator.print(warning, file=sys.stderr)
+
+    def _settle_keeping_keys(self):
+        """checkpoint_saves_attention / _projections left unset: on a CUDA card, each on where the memory
+        plan of the largest training batch fits the card with it (one line says what was chosen); off on
+        the CPU and with a sharded base (FSDP: not planned)."""
+        args = self.args
+        card = None if fsdp.uses_fsdp(self.accelerator) else memory_plan.device_memory(self.device)
+        if card is None:
+            for key in memory_plan.KEEPING_KEYS:
+                setattr(args, key, bool(getattr(args, key)))
+            return
+        bp = self.blueprint
+        width, height = max((d.resolution for d in bp.datasets), key=lambda r: r[0] * r[1])
+        said = memory_plan.settle_keeping_keys(self.family, args, card, width, height,
+                                               max(d.batch_size for d in bp.datasets), reference_count(bp))
+        if said:
+            self.accelerator.print(said)
 
     def _fill_caches(self):
         self._cache_latents()  # the VAE is freed when this returns

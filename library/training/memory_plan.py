@@ -23,6 +23,7 @@ with sample_bf16_reference also the bf16 copy of the base that each render loads
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from dataclasses import dataclass, field
 
@@ -367,3 +368,50 @@ def settle_bf16_reference(family, args, card_bytes: int, width: int, height: int
     args.sample_bf16_reference = False
     return (f"warning: sample_bf16_reference turned off: {plan}; samples render on the fp8 base only (set "
             f"sample_bf16_reference = true to render it anyway)")
+
+
+# The checkpointing keys that keep tensors from the forward for less recompute, tried in this order
+# (attention keeps tensors in every family; projections only where a gate trains). A key left unset is
+# turned on where the training step planned with it fits the card with KEEPING_MARGIN to spare: the
+# planner's peaks were within 0.96-1.05 of the measured ones (bench/RESULTS.md).
+KEEPING_KEYS = ("checkpoint_saves_attention", "checkpoint_saves_projections")
+KEEPING_MARGIN = 1.05
+
+
+def settle_keeping_keys(family, args, card_bytes: int, width: int, height: int, batch: int,
+                        references: int | None = None) -> str | None:
+    """KEEPING_KEYS left unset (None), against the card, for a step of `batch` images of width x height:
+    with gradient checkpointing, each is turned on where the step planned with it (at the run's
+    blocks_to_swap) fits with KEEPING_MARGIN to spare, and off otherwise; set keys stay as set (args is
+    changed). Returns the line that says what was chosen (None: nothing was unset, or checkpointing off)."""
+    unset = [key for key in KEEPING_KEYS if getattr(args, key) is None]
+    for key in unset:
+        setattr(args, key, False)
+    if not (unset and args.gradient_checkpointing):
+        return None
+    count = family.plan_controls if references is None else references
+    tokens = text_tokens_for(family, args, count, width, height)
+    usable = usable_bytes(card_bytes)
+
+    def peak(trial) -> int:
+        return training_plan(family, trial, width, height, batch, tokens, count).phase(args.blocks_to_swap).peak
+
+    current, said = peak(args), []
+    for key in unset:
+        trial = copy.copy(args)
+        setattr(trial, key, True)
+        planned = peak(trial)
+        if planned <= current:
+            continue  # keeps nothing in this model (no trained gate) or at this size
+        fits = planned * KEEPING_MARGIN <= usable
+        plan = f"+{(planned - current) / GiB:.2f} GiB, the step planned at {planned / GiB:.2f} GiB"
+        said.append(f"{key} on ({plan} of {usable / GiB:.2f} usable)" if fits else
+                    f"{key} off ({plan}: over {usable / KEEPING_MARGIN / GiB:.2f}, the usable {usable / GiB:.2f} "
+                    f"less {KEEPING_MARGIN - 1:.0%})")
+        if fits:
+            setattr(args, key, True)
+            current = planned
+    if not said:
+        return None
+    return (f"gradient checkpointing on this {card_bytes / GiB:.1f} GiB card: {'; '.join(said)}; "
+            f"set a key true or false to choose")

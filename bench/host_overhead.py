@@ -1,0 +1,100 @@
+"""The eager step's host (CPU-side) cost per block, ours against the peer's (issue 29).
+
+At batch 1 on a GPU the eager step is bound by the CPU issuing work: Python, the dispatcher and
+autograd per op, not FLOPs (the H100 run: a Qwen-Image block ~25 ms eager against ~5 ms of GEMMs).
+This measures that host cost where it can be measured without a GPU: the same pair as bench_peers
+(one random base, the same inputs, each side's LoRA and checkpointing) at toy widths ("narrow":
+head_dim 32, `--blocks` blocks) and a few tokens on one CPU thread, where every op costs about its
+fixed overhead. It prints the step time per block over two block counts (the slope: the fixed parts
+cancel), ours / theirs, and with `--profile` cProfile's top Python functions of one side's step.
+
+    python bench/host_overhead.py --musubi /tmp/musubi-tuner --families qwen_image --precisions bf16,fp8_scaled
+    python bench/host_overhead.py --sd_scripts /tmp/sd-scripts --families flux --profile ours
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+
+import torch
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH)
+
+import bench_peers  # noqa: E402
+from bench_train_step import add_our_lora, alternate, median, our_forward  # noqa: E402
+
+
+def build_steps(family: str, precision: str, blocks: int, args, peer) -> dict:
+    args.double, args.single, args.qwen_blocks = blocks // 3, blocks - blocks // 3, blocks
+    ours, theirs = bench_peers.build_pair(family, "narrow", precision, args, peer)
+    x = bench_peers.inputs(family, ours.config, args)
+    _, our_params = add_our_lora(ours, family, args.rank)
+    _, their_params = bench_peers.add_their_lora(family, theirs, args.rank, peer)
+    return {"ours": bench_peers.make_step(lambda: our_forward(family, ours, x), our_params, x["target"],
+                                          precision, args.device),
+            "theirs": bench_peers.make_step(lambda: bench_peers.their_forward(family, theirs, x, precision),
+                                            their_params, x["target"], precision, args.device)}
+
+
+def per_block(family: str, precision: str, args, peer) -> dict:
+    """{side: (step ms at the small count, ms per block)} from the median steps at two block counts."""
+    lo, hi = args.blocks
+    times = {}
+    for blocks in (lo, hi):
+        res = alternate(build_steps(family, precision, blocks, args, peer), args.warmup, args.reps, args.device)
+        times[blocks] = {side: median(r["times"]) * 1e3 for side, r in res.items()}
+    return {side: (times[lo][side], (times[hi][side] - times[lo][side]) / (hi - lo)) for side in ("ours", "theirs")}
+
+
+def profile(family: str, precision: str, side: str, args, peer) -> None:
+    step = build_steps(family, precision, args.blocks[1], args, peer)[side]
+    for _ in range(args.warmup):
+        step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.reps):
+        step()
+    prof.disable()
+    print(f"[{family} {precision} {side}] cProfile over {args.reps} steps, {args.blocks[1]} blocks")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bench_peers.add_pair_arguments(p, (1, 2, 3), (16, 8))  # blocks come from --blocks
+    p.add_argument("--precisions", default="bf16")
+    p.add_argument("--blocks", default="3,9", help="two block counts: the per-block cost is the slope")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--profile", choices=("ours", "theirs"), help="cProfile one side instead of timing")
+    p.add_argument("--top", type=int, default=30)
+    args = p.parse_args()
+    args.blocks = tuple(int(b) for b in args.blocks.split(","))
+    torch.set_num_threads(1)  # toy ops: more threads only add OpenMP sync
+    families = args.families.split(",")
+    peers = bench_peers.load_peers(args, families)
+    lines = []
+    for family in families:
+        for precision in args.precisions.split(","):
+            if not bench_peers.supported(family, precision):
+                continue
+            if args.profile:
+                profile(family, precision, args.profile, args, peers[family])
+                continue
+            r = per_block(family, precision, args, peers[family])
+            (o_fix, o_blk), (t_fix, t_blk) = r["ours"], r["theirs"]
+            lines.append(f"{family} {precision}: per block ours {o_blk:.2f} ms theirs {t_blk:.2f} ms "
+                         f"= {o_blk / t_blk:.2f}; step at {args.blocks[0]} blocks ours {o_fix:.1f} ms "
+                         f"theirs {t_fix:.1f} ms = {o_fix / t_fix:.2f}")
+            print(lines[-1], flush=True)
+    if lines:
+        print("SUMMARY: " + "; ".join(lines))
+
+
+if __name__ == "__main__":
+    main()
