@@ -382,10 +382,10 @@ def base_layer_keys(keys, source: str = "LoRA") -> list[str]:
     """The base_layer keys of a raw PEFT state dict whose every other key is the LoRA's (_PART_OF_SUFFIX, after
     adapter_name_dropped): the wrapped Linears' own weights, which a LoRA tool leaves out. A whole model's
     dump (its untargeted modules' tensors beside) is a CheckpointError naming one and saying what to save."""
-    keys = list(keys)
+    keys, suffixes = list(keys), tuple(_PART_OF_SUFFIX)
     base = [k for k in keys if BASE_LAYER in k]
-    lora = [k for k in keys if k.endswith(tuple(_PART_OF_SUFFIX)) and BASE_LAYER not in k]
-    other = [k for k in keys if k not in base and k not in lora]
+    lora = [k for k in keys if k.endswith(suffixes) and BASE_LAYER not in k]
+    other = [k for k in keys if not k.endswith(suffixes) and BASE_LAYER not in k]
     if base and lora and other:
         raise CheckpointError(f"{source}: a whole PEFT model's state_dict(): {len(other)} tensors of the model (like "
                               f"'{other[0]}') beside the LoRA and its base_layer weights; save the LoRA alone "
