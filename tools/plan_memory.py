@@ -60,7 +60,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from library.training.memory_plan import (  # noqa: E402
-    KEEPING_MARGIN, GiB, caching_phase, sampling_phase, text_tokens_for, training_plan, usable_bytes)
+    KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, sampling_phase, training_plan, usable_bytes)
 
 
 class PresetFamily:
@@ -119,13 +119,6 @@ def default_args(model_type: str) -> argparse.Namespace:
 
 def usable(vram_gib: float) -> float:
     return usable_bytes(vram_gib * GiB)
-
-
-def references_and_tokens(family, args, references: int | None, width: int, height: int) -> tuple[int, int]:
-    """(references per image, text tokens) a plan sizes a sample with; references None: the family's
-    plan_controls (one for edit presets)."""
-    count = family.plan_controls if references is None else references
-    return count, text_tokens_for(family, args, count, width, height)
 
 
 def plan_run(family, args, width: int, height: int, batch: int, references: int | None = None,

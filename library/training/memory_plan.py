@@ -149,6 +149,13 @@ def text_tokens_for(family, args, references: int = 0, width: int = 1024, height
     return (length or planner.text_tokens) + references * family.reference_text_tokens(width, height)
 
 
+def references_and_tokens(family, args, references: int | None, width: int, height: int) -> tuple[int, int]:
+    """(references per image, text tokens) a plan sizes a sample with; references None: the family's
+    plan_controls (one for edit presets)."""
+    count = family.plan_controls if references is None else references
+    return count, text_tokens_for(family, args, count, width, height)
+
+
 def _meta_model_and_network(family, args):
     """The transformer on meta as train_lora.py builds it (the family's loader without weights) and
     the run's LoRA network applied to it."""
@@ -389,8 +396,7 @@ def settle_keeping_keys(family, args, card_bytes: int, width: int, height: int, 
         setattr(args, key, False)
     if not (unset and args.gradient_checkpointing):
         return None
-    count = family.plan_controls if references is None else references
-    tokens = text_tokens_for(family, args, count, width, height)
+    count, tokens = references_and_tokens(family, args, references, width, height)
     usable = usable_bytes(card_bytes)
 
     def peak(trial) -> int:
