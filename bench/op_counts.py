@@ -31,11 +31,11 @@ VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squee
 
 
 # ops whose time is FLOPs, not memory traffic: GEMMs and attention (the kernels a GPU runs near its peak)
-COMPUTE = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "attention")
+GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
 
 
 def is_compute(name: str) -> bool:
-    return name in COMPUTE[:-1] or COMPUTE[-1] in name
+    return name in GEMMS or "attention" in name
 
 
 def nbytes(value) -> int:
