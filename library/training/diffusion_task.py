@@ -201,10 +201,11 @@ class DiffusionTask:
         """checkpoint_saves_attention / _projections left unset: on a CUDA card, each on where the memory
         plan of the largest training batch fits the card with it (one line says what was chosen); off on
         the CPU and with a sharded base (FSDP: not planned)."""
-        args = self.args
-        card = None if fsdp.uses_fsdp(self.accelerator) else memory_plan.device_memory(self.device)
+        args, keys = self.args, memory_plan.KEEPING_KEYS
+        planned = args.gradient_checkpointing and any(getattr(args, key) is None for key in keys)
+        card = memory_plan.device_memory(self.device) if planned and not fsdp.uses_fsdp(self.accelerator) else None
         if card is None:
-            for key in memory_plan.KEEPING_KEYS:
+            for key in keys:
                 setattr(args, key, bool(getattr(args, key)))
             return
         bp = self.blueprint
