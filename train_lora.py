@@ -48,8 +48,7 @@ from library.training.config import (PRECISION_DTYPES, ConfigError, check_warmup
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
-from library.training.state import (SavedState, check_resumed_data, check_resumed_epoch,  # noqa: E402
-                                    check_resumed_length, item_digests, load_state, restore_rng, rng_states,
+from library.training.state import (SavedState, item_digests, load_state, restore_rng, rng_states,  # noqa: E402
                                     save_state)
 from library.training.task import Task  # noqa: E402
 
@@ -146,14 +145,15 @@ def output_lock(args, accelerator):
 
 
 def build_task(args, accelerator, state: SavedState | None = None) -> Task:
-    """The run's task; `state`: the one a resumed run loaded (an LLM's eval log is cut back to its step)."""
+    """The run's task; `state`: the one a resumed run loaded, which the task checks against its data (its
+    length, batches per epoch and files) before any slow work (an LLM's eval log is cut back to its step)."""
     if args.model_type == "llm":
         from library.training.llm_task import LLMTask
 
-        return LLMTask(args, accelerator, state.progress["step"] if state else None)
+        return LLMTask(args, accelerator, state)
     from library.training.diffusion_task import DiffusionTask
 
-    return DiffusionTask(args, accelerator)
+    return DiffusionTask(args, accelerator, state)
 
 
 def lora_metadata(args, task, step: int, max_steps: int, epoch: int, started: float) -> dict:
@@ -339,9 +339,6 @@ class Trainer:
 
     def resume(self, folder: str, state: SavedState):
         progress = state.progress
-        check_resumed_length(folder, progress, self.max_steps, self.args)  # (max_train_epochs: known now)
-        check_resumed_epoch(folder, progress, self.task.batches_per_epoch())
-        check_resumed_data(folder, progress, self.data_digests)
         self.task.load_trainable_tensors(state.trainable)
         self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(progress["scheduler"])

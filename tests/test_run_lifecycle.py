@@ -8,10 +8,15 @@ from PIL import Image
 
 import train_lora
 from library.ui import run_files
-from tests.test_reliability import flux_args
+from tests.test_reliability import files_under, flux_args
 from tools import generate
 
 STAMPED = re.compile(r"tiny_flux_lora_final_(\d\d)_(\d{14})_(\d+)\.png")
+
+
+def cache_files(folder) -> list[str]:
+    """What a run wrote beside the images, the dataset TOML and the captions: its caches."""
+    return [f for f in files_under(folder) if not f.endswith((".png", ".txt", ".toml"))]
 
 
 def test_a_second_run_keeps_the_first_runs_samples_and_an_unset_seed_is_random(tiny_set, tmp_path):
@@ -114,6 +119,7 @@ def test_resume_inside_an_epoch_with_other_data_is_refused(tiny_set, tmp_path, c
     assert code == 2 and err == (f"error: {state}: state was written 2 of 4 batches into epoch 0, this run has 8 batches "
                                  f"per epoch (the dataset, its batch_size or num_repeats, or the processes changed): "
                                  f"the rest of that epoch would be other images; resume with the same data\n"), err
+    assert cache_files(tmp_path / "data") == []  # refused before caching (it cached 8 latents and 8 texts first)
 
 
 def test_resume_inside_an_epoch_with_as_many_batches_of_other_images_is_refused(tiny_set, tmp_path, capsys):
@@ -141,6 +147,7 @@ def test_resume_inside_an_epoch_with_as_many_batches_of_other_images_is_refused(
                                  f"training files are gone and 1 are new (a renamed or resized file counts in both): "
                                  f"the rest of that epoch would be other images; resume with the same data, or from a "
                                  f"state saved at an epoch's end\n"), err
+    assert cache_files(tmp_path / "b") == []
 
 
 def test_a_diverged_run_names_its_own_last_save_not_another_runs(tiny_set, tmp_path, monkeypatch, capsys):

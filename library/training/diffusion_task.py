@@ -31,7 +31,7 @@ from library.training import fsdp, memory_plan
 from library.training.config import (ConfigError, base_precision, check_warmup, compute_dtype, lora_network_args,
                                      plan_steps)
 from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
-from library.training.state import sample_seed
+from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
 from networks.factory import build_network, check_network_args
 
@@ -92,7 +92,8 @@ def compile_by_default(args, device_type: str, triton: bool, stored_precision: s
 
 
 class DiffusionTask:
-    def __init__(self, args, accelerator):
+    def __init__(self, args, accelerator, state: SavedState | None = None):
+        """state: the one a resumed run loaded (None: a new run), checked against the data before caching."""
         self.args, self.accelerator = args, accelerator
         self.device = accelerator.device
         self.family = get_family(args)
@@ -113,6 +114,8 @@ class DiffusionTask:
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
         self._loader = None  # the DataLoader kept across epochs (persistent_data_loader_workers)
         check_warmup(args, plan_steps(args, self.batches_per_epoch()), args.config_file or "command line")
+        if state:
+            check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.prompts = self._read_prompts()
         self._settle_bf16_reference()  # before minutes of caching
         self._fill_caches()  # also encodes the sample prompts, then frees the encoders
