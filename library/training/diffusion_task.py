@@ -138,6 +138,7 @@ class DiffusionTask:
 
         self.stored_precision = self.family.stored_layout()
         check_config_precision(self.args.pretrained_model_name_or_path, self.stored_precision, base_precision(self.args))
+        self.widened_precision = None if self.stored_precision else self.family.widened_layout(base_precision(self.args))
         if self.stored_precision and self.args.base_loras:
             raise ConfigError(f"{self.args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "
                               f"this checkpoint is pre-quantized ({self.stored_precision}): give the bf16 one")
@@ -436,8 +437,9 @@ class DiffusionTask:
         datasets, args = self.blueprint.datasets, self.args
         return {
             "base_model_version": self.family.model_version(self.base),
-            # bf16 / fp8 / fp8_scaled, or the layout of a pre-quantized file (e.g. fp8_tensor_scaled)
-            "base_precision": self.stored_precision or base_precision(args),
+            # bf16 / fp8 / fp8_scaled, or the layout of a pre-quantized file (e.g. fp8_tensor_scaled) or of a
+            # plain e5m2 one (fp8_e5m2), the base trained on
+            "base_precision": self.stored_precision or self.widened_precision or base_precision(args),
             "fp8_compute": "true" if args.fp8_compute else None,
             "resolution": ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in datasets),
             "batch_size": self._total_batch_size(),

@@ -135,7 +135,7 @@ class LLMTask:
             check_lora_inputs(args, "llm")  # network_weights: its header, before the model loads
         self.tokenizer = load_tokenizer(path)
         documents = load_text_corpus(args.train_data)  # read before the model: a bad train_data entry fails at once
-        self.stored_precision = None  # a pre-quantized base's layout (_base_prepare)
+        self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
         self.model, self.from_scratch = self._load_model(path)
         self.train_set, self.val_set = self._load_data(documents)
         if state:
@@ -189,11 +189,14 @@ class LLMTask:
         from library.io import CheckpointReader
         from library.models.family import fp8_prepare
         from library.models.registry import arch_spec
-        from library.precision.stored_layouts import check_config_precision, read_stored_layout, stored_converter
+        from library.precision.stored_layouts import (check_config_precision, read_stored_layout, stored_converter,
+                                                      widened_layout)
 
         reader = CheckpointReader(path)
         stored = None if self.args.pretrain else read_stored_layout(reader, path)
         self.stored_precision = stored.layout if stored else None
+        if stored is None and not self.args.pretrain:  # a plain e5m2 file widens: its name, or the fp8 base refused
+            self.stored_precision = widened_layout(path, base_precision(self.args))
         if stored is None:
             return fp8_prepare(base_precision(self.args), "llm")
         check_config_precision(path, stored.layout, base_precision(self.args))
