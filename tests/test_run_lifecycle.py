@@ -296,6 +296,31 @@ def test_an_earlier_runs_ema_goes_with_its_lora_and_a_foreign_one_is_refused(tin
     assert (out / "tiny_flux_lora_ema.safetensors").read_bytes() == b"someone's file"
 
 
+def test_an_earlier_runs_peft_ema_folders_go_with_their_adapters_and_a_foreign_one_is_refused(tiny_set, tmp_path,
+                                                                                              capsys):
+    """An LLM LoRA is saved as PEFT adapter folders: a run without EMA after one with ema_decay 0.9 left
+    the first run's lm_ema/ and lm-step000001_ema/ beside its own lm/ and lm-step000001/, taken for
+    their EMAs (2 stale folders; the removal read _ema.safetensors files only). Now they go as the
+    files do; a folder there whose weights this trainer did not write stops the run, untouched."""
+    from tests.test_train_llm import llm_args
+
+    out = tmp_path / "run"
+    args = llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm",
+                    "--max_train_steps", "2", "--save_every_n_steps", "1", "--eval_every_n_steps", "0")
+    assert train_lora.main(args + ["--ema_decay", "0.9"]) == 0
+    assert sorted(p.name for p in out.glob("*_ema")) == ["lm-step000001_ema", "lm_ema"]
+    assert train_lora.main(args) == 0
+    assert list(out.glob("*_ema")) == [] and (out / "lm").is_dir() and (out / "lm-step000001").is_dir()
+    printed = capsys.readouterr().out
+    for name in ("lm-step000001_ema", "lm_ema"):
+        assert f"removed {out / name}: the EMA of the earlier run" in printed, printed
+    (out / "lm_ema").mkdir()
+    (out / "lm_ema" / "notes.txt").write_text("someone's folder")
+    assert train_lora.main(args) == 2
+    assert capsys.readouterr().err.startswith(f"error: {out / 'lm_ema'}: not an EMA this trainer wrote for output_name")
+    assert (out / "lm_ema" / "notes.txt").read_text() == "someone's folder"
+
+
 def test_save_state_on_train_end_saves_the_state_with_the_final_lora_only(tiny_set, tmp_path, monkeypatch):
     """sd-scripts' save_state_on_train_end was an unknown key (exit 2): a migrated config could not
     keep a state to extend the run from. Now the final save writes one (at step 2), the step-1 save none."""
