@@ -573,6 +573,20 @@ def test_fine_grained_fp8_with_weight_scale_inv_is_refused_not_read_as_plain_fp8
                      rf"'{qkv}.weight_scale_inv' is a block-wise fp8 scale \(transformers' fine-grained fp8")
 
 
+def test_fine_grained_scales_beside_e5m2_codes_are_refused_not_read_as_a_plain_e5m2_file(tmp_path):
+    """The block-wise refusal comes before the plain-e5m2 reading (which would widen the codes and drop
+    the scales) on both paths that read a file's fp8 layout."""
+    from library.precision.fp8_checkpoints import plain_e5m2_key
+
+    sd = {k: v.detach().to(torch.float8_e5m2) for k, v in randomized(Flux(FLUX_CFG), 9).state_dict().items()}
+    qkv = "double_blocks.0.img_attn.qkv"
+    sd[f"{qkv}.weight_scale_inv"] = torch.ones(2, 1)
+    path = write_comfy(sd, tmp_path / "fine-e5m2.safetensors", "flux", prefix="", bundled=False)
+    refusal = rf"'{qkv}.weight_scale_inv' is a block-wise fp8 scale \(transformers' fine-grained fp8"
+    one_line_refusal(path, lambda p: fp8_checkpoint_layout(CheckpointReader(p)), refusal)
+    one_line_refusal(path, lambda p: plain_e5m2_key(CheckpointReader(p)), refusal)
+
+
 def test_per_row_weight_scales_on_64_divisible_rows_are_refused_from_the_header(tmp_path):
     """compressed-tensors' fp8 (per-channel float32 `weight_scale` [out, 1]) read as our fp8_scaled: the
     old reader said "fp8_scaled" and the load failed after caching, on the first scale's shape or values."""

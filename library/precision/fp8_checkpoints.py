@@ -139,8 +139,9 @@ def _musubi_layout(reader: CheckpointReader, where: str, prefix: str, scales: li
 
 
 def _quantization_extras(reader: CheckpointReader, names: list[str]) -> bool:
-    """Whether the transformer's tensors carry fp8 scales or markers (of any layout above)."""
-    suffixes = (".scale_weight", ".weight_scale", ".weight_scale_inv", *DROPPED_SUFFIXES)
+    """Whether the transformer's tensors carry fp8 scales or markers (of any layout above; transformers'
+    `.weight_scale_inv` never gets here: _transformer_fp8 refuses it first)."""
+    suffixes = (".scale_weight", ".weight_scale", *DROPPED_SUFFIXES)
     return COMFY_MARKER in names or "_quantization_metadata" in reader.metadata or any(n.endswith(suffixes) for n in names)
 
 
