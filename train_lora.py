@@ -48,11 +48,13 @@ from library.training.config import (PRECISION_DTYPES, ConfigError, check_warmup
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
-from library.training.state import (SavedState, check_resumed_data, check_resumed_epoch,  # noqa: E402
-                                    check_resumed_length, item_digests, load_state, restore_rng, rng_states,
+from library.training.state import (SavedState, item_digests, load_state, restore_rng, rng_states,  # noqa: E402
                                     save_state)
 from library.training.task import Task  # noqa: E402
+from networks.lora_files import PEFT_WEIGHTS_FILE  # noqa: E402
 
+# The weights file of a folder save (a PEFT adapter, a pretrained model), whose header the save's metadata is in.
+SAVED_FOLDER_WEIGHTS = (PEFT_WEIGHTS_FILE, "model.safetensors")
 
 
 class StopTraining(Exception):
@@ -146,14 +148,15 @@ def output_lock(args, accelerator):
 
 
 def build_task(args, accelerator, state: SavedState | None = None) -> Task:
-    """The run's task; `state`: the one a resumed run loaded (an LLM's eval log is cut back to its step)."""
+    """The run's task; `state`: the one a resumed run loaded, which the task checks against its data (its
+    length, batches per epoch and files) before any slow work (an LLM's eval log is cut back to its step)."""
     if args.model_type == "llm":
         from library.training.llm_task import LLMTask
 
-        return LLMTask(args, accelerator, state.progress["step"] if state else None)
+        return LLMTask(args, accelerator, state)
     from library.training.diffusion_task import DiffusionTask
 
-    return DiffusionTask(args, accelerator)
+    return DiffusionTask(args, accelerator, state)
 
 
 def lora_metadata(args, task, step: int, max_steps: int, epoch: int, started: float) -> dict:
@@ -185,28 +188,37 @@ def ema_metadata(args) -> dict:
     return keys
 
 
-def earlier_emas(args) -> dict[str, str]:
-    """A run without EMA writes no <output_name>[-stepNNNNNN]_ema.safetensors, so one already in
-    output_dir would sit beside the LoRA this run writes under that name as if it were its EMA. Those
-    an earlier run of this trainer wrote for this output_name (their header: ss_ema, ss_output_name)
-    are returned by the name of their LoRA, for the save that replaces it to remove; any other file
-    so named is refused before the models load (never deleted)."""
+def earlier_emas(args) -> dict[str, list[str]]:
+    """A run without EMA writes no <output_name>[-stepNNNNNN]_ema.safetensors (nor the _ema folder of a
+    PEFT adapter or pretrained model), so one already in output_dir would sit beside the LoRA this run
+    writes under that name as if it were its EMA. Those an earlier run of this trainer wrote for this
+    output_name (their header: ss_ema, ss_output_name) are returned by the name of their LoRA, for the
+    save that replaces it to remove; anything else so named is refused before the models load (never
+    deleted)."""
     if args.ema_decay or not os.path.isdir(args.output_dir):
         return {}
-    twin = re.compile(re.escape(args.output_name) + r"(-step\d+)?_ema\.safetensors")
+    twin = re.compile(re.escape(args.output_name) + r"(-step\d+)?_ema(\.safetensors)?")
     found = {}
     for entry in sorted(filter(twin.fullmatch, os.listdir(args.output_dir))):
         path = os.path.join(args.output_dir, entry)
-        try:
-            metadata = CheckpointReader(path).metadata if os.path.isfile(path) else {}
-        except CheckpointError:
-            metadata = {}
+        metadata = saved_header(path)
         if metadata.get("ss_ema") != "true" or metadata.get("ss_output_name") != args.output_name:
             raise ConfigError(f"{path}: not an EMA this trainer wrote for output_name '{args.output_name}' (no ss_ema "
                               f"/ ss_output_name in its header); this run has no ema_decay and would leave it beside "
                               f"its LoRA as if it were its EMA: move it, or choose another output_name")
-        found[entry.removesuffix("_ema.safetensors")] = path
+        found.setdefault(entry.removesuffix(".safetensors").removesuffix("_ema"), []).append(path)
     return found
+
+
+def saved_header(path: str) -> dict:
+    """The metadata of a save: a .safetensors file's, or that of the weights in a folder save (a PEFT
+    adapter's adapter_model.safetensors, a pretrained model's model.safetensors); {} where none reads."""
+    if os.path.isdir(path) and not path.endswith(".safetensors"):
+        path = next((p for p in (os.path.join(path, n) for n in SAVED_FOLDER_WEIGHTS) if os.path.isfile(p)), path)
+    try:
+        return CheckpointReader(path).metadata if os.path.isfile(path) else {}
+    except CheckpointError:
+        return {}
 
 
 class Saver:
@@ -216,9 +228,9 @@ class Saver:
     never deleted."""
 
     def __init__(self, args, task, accelerator, started: float, max_steps: int, ema: TrainableEMA | None = None,
-                 saves: list[int] | None = None, earlier_emas: dict[str, str] | None = None):
+                 saves: list[int] | None = None, earlier_emas: dict[str, list[str]] | None = None):
         self.args, self.task, self.accelerator, self.started, self.ema = args, task, accelerator, started, ema
-        self.earlier_emas = earlier_emas or {}  # LoRA name -> an earlier run's EMA of it, removed as it is replaced
+        self.earlier_emas = earlier_emas or {}  # LoRA name -> an earlier run's EMAs of it, removed as it is replaced
         self.max_steps = max_steps  # as planned (max_train_epochs counted in); a Ctrl-C save has trained fewer
         self.saves = sorted(saves or [])  # the steps of the intermediate saves this run (and those it resumes) wrote
         # An intermediate save: <name>-stepNNNNNN and <name>-stepNNNNNN_ema, as .safetensors files
@@ -238,15 +250,19 @@ class Saver:
                 ema_path = os.path.join(self.args.output_dir, name + "_ema.safetensors")
                 with self.ema.swapped_in():  # the same writer, so the same format and keys
                     written += self.task.save(ema_path, {**metadata, **ema_metadata(self.args)}, dtype) or [ema_path]
-            self._remove_earlier_ema(name)
+            self._remove_earlier_emas(name)
             if not final and prune:
                 self._prune(step)
         return path
 
-    def _remove_earlier_ema(self, name: str):
-        earlier = self.earlier_emas.pop(name, None)
-        if earlier and os.path.isfile(earlier):
-            os.remove(earlier)
+    def _remove_earlier_emas(self, name: str):
+        for earlier in self.earlier_emas.pop(name, []):  # its file and / or folder
+            if os.path.isdir(earlier):
+                shutil.rmtree(earlier)
+            elif os.path.isfile(earlier):
+                os.remove(earlier)
+            else:
+                continue
             self.accelerator.print(f"removed {earlier}: the EMA of the earlier run whose LoRA this one replaced (this "
                                    f"run has no ema_decay)")
 
@@ -339,9 +355,6 @@ class Trainer:
 
     def resume(self, folder: str, state: SavedState):
         progress = state.progress
-        check_resumed_length(folder, progress, self.max_steps, self.args)  # (max_train_epochs: known now)
-        check_resumed_epoch(folder, progress, self.task.batches_per_epoch())
-        check_resumed_data(folder, progress, self.data_digests)
         self.task.load_trainable_tensors(state.trainable)
         self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(progress["scheduler"])

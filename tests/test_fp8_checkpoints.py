@@ -251,6 +251,33 @@ def test_training_on_a_comfy_scaled_file_needs_fp8_scaled_and_records_the_layout
         assert f.metadata()["ss_base_precision"] == "fp8_tensor_scaled"
 
 
+def test_training_on_a_plain_e5m2_file_refuses_an_fp8_base_before_caching_and_records_e5m2(tiny_set, tmp_path,
+                                                                                            capsys, monkeypatch):
+    """An fp8 base asked of a plain e5m2 file failed while the transformer loaded, after caching, naming a
+    tensor and no file. Now one line naming the file, the tensor and the key, before caching. Trained
+    on it with a bf16 base, the LoRA's ss_base_precision said "bf16"; now "fp8_e5m2": e5m2 widens
+    exactly, so that file is the base the LoRA was trained on."""
+    from library.training.diffusion_task import DiffusionTask
+
+    model = load_flux(tiny_set["flux_bfl"])
+    sd = {k: v.detach().to(torch.float8_e5m2) for k, v in model.state_dict().items()}
+    path = write_comfy(sd, tmp_path / "flux1-e5m2.safetensors", "flux", config=model.config)
+    fill = DiffusionTask._fill_caches
+    cached = []
+    monkeypatch.setattr(DiffusionTask, "_fill_caches", lambda self: cached.append(1) or fill(self))
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path",
+                                                            path, "--fp8_base", "true", "--fp8_scaled", "true")))
+    assert line == (f"error: {path}: 'model.diffusion_model.double_blocks.0.img_attn.proj.weight' is float8_e5m2 (a "
+                    f"plain e5m2 file, widened exactly to the compute dtype), but the config asks for a fp8_scaled "
+                    f"base; set base_precision = \"bf16\" (fp8_base = false), or give a bf16 checkpoint"), line
+    assert cached == []
+    out = tmp_path / "out"
+    assert train_lora.main(flux_args(tiny_set, out, "--pretrained_model_name_or_path", path, "--fp8_base", "false")) == 0
+    with safe_open(str(out / "tiny_flux_lora.safetensors"), framework="pt") as f:
+        assert f.metadata()["ss_base_precision"] == "fp8_e5m2"
+
+
 def test_generate_reads_comfy_files_with_a_lora_on_top_and_records_the_stored_layout(tiny_set, tmp_path):
     from PIL import Image
 
@@ -544,6 +571,20 @@ def test_fine_grained_fp8_with_weight_scale_inv_is_refused_not_read_as_plain_fp8
     path = write_comfy(sd, tmp_path / "fine.safetensors", "flux", prefix="", bundled=False)
     one_line_refusal(path, lambda p: fp8_checkpoint_layout(CheckpointReader(p)),
                      rf"'{qkv}.weight_scale_inv' is a block-wise fp8 scale \(transformers' fine-grained fp8")
+
+
+def test_fine_grained_scales_beside_e5m2_codes_are_refused_not_read_as_a_plain_e5m2_file(tmp_path):
+    """The block-wise refusal comes before the plain-e5m2 reading (which would widen the codes and drop
+    the scales) on both paths that read a file's fp8 layout."""
+    from library.precision.fp8_checkpoints import plain_e5m2_key
+
+    sd = {k: v.detach().to(torch.float8_e5m2) for k, v in randomized(Flux(FLUX_CFG), 9).state_dict().items()}
+    qkv = "double_blocks.0.img_attn.qkv"
+    sd[f"{qkv}.weight_scale_inv"] = torch.ones(2, 1)
+    path = write_comfy(sd, tmp_path / "fine-e5m2.safetensors", "flux", prefix="", bundled=False)
+    refusal = rf"'{qkv}.weight_scale_inv' is a block-wise fp8 scale \(transformers' fine-grained fp8"
+    one_line_refusal(path, lambda p: fp8_checkpoint_layout(CheckpointReader(p)), refusal)
+    one_line_refusal(path, lambda p: plain_e5m2_key(CheckpointReader(p)), refusal)
 
 
 def test_per_row_weight_scales_on_64_divisible_rows_are_refused_from_the_header(tmp_path):

@@ -65,3 +65,24 @@ def test_a_second_set_into_the_same_out_is_refused_unless_overwrite(tmp_path, ca
                                                               ("edit_control", "png")]] == [4, 4, 4]
     assert (out / "edit_images" / "notes.md").read_text() == "mine"
     assert make_tiny_dataset.main(["--out", str(out), "--layered", "--count", "2", "--size", "16"]) == 0
+
+
+def test_every_command_shown_into_tiny_models_runs_twice():
+    """The configs' comments (quickstart, llm_lora, ...), README's tool table, concept_demo's docstring and
+    gpu_bench.sh showed `python tools/make_tiny_dataset.py --out tiny_models/...` without --overwrite: the
+    same line run a second time was refused ('... already holds files'). Each now has it. A placeholder
+    --out DIR does not: that folder may be the user's own."""
+    import glob
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = [os.path.join(root, name) for name in ("README.md", "Makefile")]
+    for pattern in ("configs/*.toml", "docs/*.md", "tools/*.py", "bench/*.sh"):
+        files += glob.glob(os.path.join(root, pattern))
+    command = re.compile(r"tools/make_tiny_dataset\.py --out tiny_models/[^\n`&#>|]*")
+    shown = []
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            shown += [(os.path.relpath(path, root), m.group(0)) for m in command.finditer(f.read())]
+    assert len(shown) >= 8 and [s for s in shown if "--overwrite" not in s[1].split()] == [], shown

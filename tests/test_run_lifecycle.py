@@ -8,10 +8,15 @@ from PIL import Image
 
 import train_lora
 from library.ui import run_files
-from tests.test_reliability import flux_args
+from tests.test_reliability import files_under, flux_args
 from tools import generate
 
 STAMPED = re.compile(r"tiny_flux_lora_final_(\d\d)_(\d{14})_(\d+)\.png")
+
+
+def cache_files(folder) -> list[str]:
+    """What a run wrote beside the images, the dataset TOML and the captions: its caches."""
+    return [f for f in files_under(folder) if not f.endswith((".png", ".txt", ".toml"))]
 
 
 def test_a_second_run_keeps_the_first_runs_samples_and_an_unset_seed_is_random(tiny_set, tmp_path):
@@ -114,6 +119,7 @@ def test_resume_inside_an_epoch_with_other_data_is_refused(tiny_set, tmp_path, c
     assert code == 2 and err == (f"error: {state}: state was written 2 of 4 batches into epoch 0, this run has 8 batches "
                                  f"per epoch (the dataset, its batch_size or num_repeats, or the processes changed): "
                                  f"the rest of that epoch would be other images; resume with the same data\n"), err
+    assert cache_files(tmp_path / "data") == []  # refused before caching (it cached 8 latents and 8 texts first)
 
 
 def test_resume_inside_an_epoch_with_as_many_batches_of_other_images_is_refused(tiny_set, tmp_path, capsys):
@@ -141,6 +147,7 @@ def test_resume_inside_an_epoch_with_as_many_batches_of_other_images_is_refused(
                                  f"training files are gone and 1 are new (a renamed or resized file counts in both): "
                                  f"the rest of that epoch would be other images; resume with the same data, or from a "
                                  f"state saved at an epoch's end\n"), err
+    assert cache_files(tmp_path / "b") == []
 
 
 def test_a_diverged_run_names_its_own_last_save_not_another_runs(tiny_set, tmp_path, monkeypatch, capsys):
@@ -287,6 +294,31 @@ def test_an_earlier_runs_ema_goes_with_its_lora_and_a_foreign_one_is_refused(tin
                    f"'tiny_flux_lora' (no ss_ema / ss_output_name in its header); this run has no ema_decay and would "
                    f"leave it beside its LoRA as if it were its EMA: move it, or choose another output_name\n"), err
     assert (out / "tiny_flux_lora_ema.safetensors").read_bytes() == b"someone's file"
+
+
+def test_an_earlier_runs_peft_ema_folders_go_with_their_adapters_and_a_foreign_one_is_refused(tiny_set, tmp_path,
+                                                                                              capsys):
+    """An LLM LoRA is saved as PEFT adapter folders: a run without EMA after one with ema_decay 0.9 left
+    the first run's lm_ema/ and lm-step000001_ema/ beside its own lm/ and lm-step000001/, taken for
+    their EMAs (2 stale folders; the removal read _ema.safetensors files only). Now they go as the
+    files do; a folder there whose weights this trainer did not write stops the run, untouched."""
+    from tests.test_train_llm import llm_args
+
+    out = tmp_path / "run"
+    args = llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm",
+                    "--max_train_steps", "2", "--save_every_n_steps", "1", "--eval_every_n_steps", "0")
+    assert train_lora.main(args + ["--ema_decay", "0.9"]) == 0
+    assert sorted(p.name for p in out.glob("*_ema")) == ["lm-step000001_ema", "lm_ema"]
+    assert train_lora.main(args) == 0
+    assert list(out.glob("*_ema")) == [] and (out / "lm").is_dir() and (out / "lm-step000001").is_dir()
+    printed = capsys.readouterr().out
+    for name in ("lm-step000001_ema", "lm_ema"):
+        assert f"removed {out / name}: the EMA of the earlier run" in printed, printed
+    (out / "lm_ema").mkdir()
+    (out / "lm_ema" / "notes.txt").write_text("someone's folder")
+    assert train_lora.main(args) == 2
+    assert capsys.readouterr().err.startswith(f"error: {out / 'lm_ema'}: not an EMA this trainer wrote for output_name")
+    assert (out / "lm_ema" / "notes.txt").read_text() == "someone's folder"
 
 
 def test_save_state_on_train_end_saves_the_state_with_the_final_lora_only(tiny_set, tmp_path, monkeypatch):

@@ -349,8 +349,8 @@ def test_a_corpus_too_short_for_one_window_names_the_files_and_the_split(tiny_se
     assert f"train_data {short}: " in err and "fewer than max_length + 1 = 33" in err, err
 
 
-def plain_fp8_folder(tiny_set, folder):
-    """The tiny LLM as a plain-fp8 Hugging Face folder: every decoder Linear weight float8_e4m3fn, no
+def plain_fp8_folder(tiny_set, folder, dtype=torch.float8_e4m3fn):
+    """The tiny LLM as a plain-fp8 Hugging Face folder: every decoder Linear weight `dtype`, no
     scales (embeddings, norms and the head as they were); returns q_proj's stored codes of layer 0."""
     import shutil
 
@@ -358,7 +358,7 @@ def plain_fp8_folder(tiny_set, folder):
 
     shutil.copytree(tiny_set["llm"], folder)
     tensors = load_file(os.path.join(tiny_set["llm"], "model.safetensors"))
-    tensors = {k: v.to(torch.float8_e4m3fn) if k.endswith("_proj.weight") else v for k, v in tensors.items()}
+    tensors = {k: v.to(dtype) if k.endswith("_proj.weight") else v for k, v in tensors.items()}
     save_file(tensors, os.path.join(folder, "model.safetensors"), {"format": "pt"})
     return tensors["model.layers.0.self_attn.q_proj.weight"]
 
@@ -389,6 +389,26 @@ def test_a_plain_fp8_folder_without_the_fp8_setting_is_refused(tiny_set, tmp_pat
     assert code == 2
     assert ("stores a pre-quantized fp8 base (used as it is), but the config asks for bf16; set fp8_base = true and "
             "fp8_scaled = false") in capsys.readouterr().err
+
+
+def test_a_plain_e5m2_folder_refuses_an_fp8_base_by_file_and_records_e5m2(tiny_set, tmp_path, capsys):
+    """An fp8 base asked of a plain e5m2 folder failed while the weights loaded, naming a tensor and no
+    file; trained with a bf16 base, ss_base_precision said "fp32" (the weights' dtype). Now one line
+    naming the file, and "fp8_e5m2": widening is exact, so that file is the base trained on."""
+    from safetensors import safe_open
+
+    plain_fp8_folder(tiny_set, tmp_path / "e5m2", torch.float8_e5m2)
+    args = llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(tmp_path / "e5m2"),
+                    "--output_name", "lm", "--max_train_steps", "1", "--eval_every_n_steps", "0")
+    assert train_lora.main(args + ["--base_precision", "fp8"]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'e5m2'}: 'model.layers.0.mlp.down_proj.weight' is "
+                                       f"float8_e5m2 (a plain e5m2 file, widened exactly to the compute dtype), but "
+                                       f"the config asks for a fp8 base; set base_precision = \"bf16\" (fp8_base = "
+                                       f"false), or give a bf16 checkpoint\n")
+    with pytest.warns(UserWarning, match="float8_e5m2 tensors"):
+        assert train_lora.main(args) == 0
+    with safe_open(str(tmp_path / "out" / "lm" / "adapter_model.safetensors"), "pt") as f:
+        assert f.metadata()["ss_base_precision"] == "fp8_e5m2"
 
 
 def test_val_fraction_0_logs_no_val_loss(tiny_set, tmp_path, capsys):

@@ -3,8 +3,8 @@ unrelated prompts on the base without and with the LoRA, on the bf16 base and on
 the LoRA was trained on (the quickstart: fp8_scaled), reads every render with the pixel-space detector
 (library/data/shape_detector.py), writes the before / after grid and prints one line.
 
-    python tools/make_tiny_dataset.py --out tiny_models/concept --concept       # "zxq" = a purple star
-    python train_lora.py --config_file configs/quickstart.toml                   # the LoRA
+    python tools/make_tiny_dataset.py --out tiny_models/concept --concept --overwrite  # "zxq" = a purple star
+    python train_lora.py --config_file configs/quickstart.toml                         # the LoRA
     python tools/concept_demo.py --config_file configs/quickstart.toml [--concept tiny_models/concept/concept.json]
 
 The line: the concept rate (renders of the trigger prompts that show the concept's colour and shape)

@@ -161,6 +161,15 @@ class DiffusionFamily:
         path = component_folder(self.model_path, "transformer")
         return stored_layout(CheckpointReader(path), path)
 
+    def widened_layout(self, base_precision: str) -> str | None:
+        """"fp8_e5m2" when the transformer checkpoint is a plain float8_e5m2 file (it loads widened to the
+        compute dtype, exactly), else None; a base_precision other than bf16 asked of it is a
+        ConfigError naming the file and its first e5m2 tensor."""
+        from library.io import component_folder
+        from library.precision.stored_layouts import widened_layout
+
+        return widened_layout(component_folder(self.model_path, "transformer"), base_precision)
+
     def model_version(self, model: nn.Module) -> str:
         """The base model's name for LoRA metadata (modelspec-style: the release, e.g. its "-dev")."""
         return self.name

@@ -39,7 +39,8 @@ A plain float8_e5m2 file (every fp8 tensor e5m2, no scale or marker: the "-fp8-e
 stored layout: FP8Linear holds e4m3 codes, and e5m2 -> e4m3 is not exact (2^-16 .. 57344 against
 2^-9 .. 448), but e5m2 -> bf16 / fp16 / fp32 is (the same sign and exponent range or wider, more
 mantissa bits). It is read as a high-precision file, each tensor widened to the compute dtype as
-ComfyUI computes with it, with one warning; asking for an fp8 base on it is refused while loading.
+ComfyUI computes with it, with one warning. Asking for an fp8 (or low-bit) base on it is refused before
+loading, naming the file (stored_layouts.widened_layout); a LoRA trained on it records "fp8_e5m2".
 
 Refused, one line naming the key: float8_e5m2 beside e4m3 codes, scales or a marker; transformers' fine-grained fp8 (`X.weight_scale_inv`
 per 128 x 128 block, the Hugging Face "-FP8" releases), which would otherwise read as plain fp8; comfy_quant formats other than float8_e4m3fn
@@ -138,9 +139,38 @@ def _musubi_layout(reader: CheckpointReader, where: str, prefix: str, scales: li
 
 
 def _quantization_extras(reader: CheckpointReader, names: list[str]) -> bool:
-    """Whether the transformer's tensors carry fp8 scales or markers (of any layout above)."""
-    suffixes = (".scale_weight", ".weight_scale", ".weight_scale_inv", *DROPPED_SUFFIXES)
+    """Whether the transformer's tensors carry fp8 scales or markers (of any layout above; transformers'
+    `.weight_scale_inv` never gets here: _transformer_fp8 refuses it first)."""
+    suffixes = (".scale_weight", ".weight_scale", *DROPPED_SUFFIXES)
     return COMFY_MARKER in names or "_quantization_metadata" in reader.metadata or any(n.endswith(suffixes) for n in names)
+
+
+def _transformer_fp8(reader: CheckpointReader, where: str) -> tuple[str, list[str], list[str]]:
+    """(the transformer's key prefix, its tensor names without it, those stored fp8). Transformers'
+    fine-grained fp8 is refused here, before any layout is told from the names."""
+    prefix = diffusion_model_prefix(reader.keys())
+    names = [k[len(prefix) :] for k in reader.keys() if k.startswith(prefix)]
+    fp8 = [n for n in names if reader.dtype_name(prefix + n) in FP8_CHECKPOINT_DTYPES and n != COMFY_MARKER]
+    inverse = next((n for n in names if n.endswith(".weight_scale_inv")), None) if fp8 else None
+    if inverse:
+        raise CheckpointError(f"{where}: '{prefix + inverse}' is a block-wise fp8 scale (transformers' fine-grained "
+                              f"fp8, [out/128, in/128] blocks), a layout not read; give the bf16 checkpoint")
+    return prefix, names, fp8
+
+
+def _plain_e5m2(reader: CheckpointReader, names: list[str], fp8: list[str], e5m2: list[str]) -> bool:
+    """Whether the file is a plain e5m2 one: every fp8 tensor e5m2, no scale or marker."""
+    return bool(e5m2) and len(e5m2) == len(fp8) and not _quantization_extras(reader, names)
+
+
+def plain_e5m2_key(reader: CheckpointReader, path: str | None = None) -> str | None:
+    """The first 2-D (a Linear's) float8_e5m2 tensor of a plain e5m2 transformer file (read_fp8_checkpoint
+    reads it as a high-precision file, widened), else None."""
+    prefix, names, fp8 = _transformer_fp8(reader, path or reader.path)
+    e5m2 = [n for n in fp8 if reader.dtype_name(prefix + n) == "F8_E5M2"]
+    if not _plain_e5m2(reader, names, fp8, e5m2):
+        return None
+    return prefix + next((n for n in e5m2 if len(reader.shape(prefix + n)) == 2), e5m2[0])
 
 
 def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp8Checkpoint | None:
@@ -148,17 +178,11 @@ def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp
     Only the transformer's keys count (those under its ComfyUI prefix, when it has one). Layouts
     we cannot use as they are raise CheckpointError naming the key that shows them."""
     where = path or reader.path
-    prefix = diffusion_model_prefix(reader.keys())
-    names = [k[len(prefix) :] for k in reader.keys() if k.startswith(prefix)]
-    fp8 = [n for n in names if reader.dtype_name(prefix + n) in FP8_CHECKPOINT_DTYPES and n != COMFY_MARKER]
+    prefix, names, fp8 = _transformer_fp8(reader, where)
     if not fp8:
         return None
-    inverse = next((n for n in names if n.endswith(".weight_scale_inv")), None)
-    if inverse:
-        raise CheckpointError(f"{where}: '{prefix + inverse}' is a block-wise fp8 scale (transformers' fine-grained "
-                              f"fp8, [out/128, in/128] blocks), a layout not read; give the bf16 checkpoint")
     e5m2 = [n for n in fp8 if reader.dtype_name(prefix + n) == "F8_E5M2"]
-    if e5m2 and len(e5m2) == len(fp8) and not _quantization_extras(reader, names):
+    if _plain_e5m2(reader, names, fp8, e5m2):
         warnings.warn(f"{where}: {len(e5m2)} float8_e5m2 tensors (first '{prefix + e5m2[0]}') are widened exactly to "
                       f"the compute dtype (as ComfyUI computes them); the base is coarser than a bf16 one", stacklevel=2)
         return None

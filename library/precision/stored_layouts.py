@@ -21,10 +21,15 @@ from library.io import CheckpointError, CheckpointReader, component_folder
 from library.precision.bnb_weights import refuse_serialized
 from library.precision.bfl_weights import BflCheckpoint, bfl_converter, read_bfl_checkpoint
 from library.precision.fp8 import KeepRules
-from library.precision.fp8_checkpoints import CONFIG_PRECISION, Fp8Checkpoint, prequantized_converter, read_fp8_checkpoint
+from library.precision.fp8_checkpoints import (CONFIG_PRECISION, Fp8Checkpoint, plain_e5m2_key, prequantized_converter,
+                                               read_fp8_checkpoint)
 from library.precision.gguf_weights import GgufCheckpoint, gguf_converter, is_gguf, read_gguf_checkpoint
 
 StoredLayout = Fp8Checkpoint | GgufCheckpoint | BflCheckpoint
+
+# A plain float8_e5m2 file loads widened to the compute dtype: no stored layout, but widening is exact, so
+# the base trained on is that file's (the name a LoRA's metadata gives it).
+WIDENED_E5M2 = "fp8_e5m2"
 
 
 def read_stored_layout(reader: CheckpointReader, path: str | None = None) -> StoredLayout | None:
@@ -87,6 +92,20 @@ def check_config_precision(path: str, layout: str | None, wanted: str) -> None:
         raise ConfigError(f"{path}: the checkpoint stores a pre-quantized {layout} base (used as it is), but the "
                           f"config asks for {wanted}; set {config_settings(layout)} (what {layout} files need), "
                           f"or give the bf16 checkpoint")
+
+
+def widened_layout(path: str, wanted: str) -> str | None:
+    """WIDENED_E5M2 for a plain float8_e5m2 transformer file at `path` (no other, a pre-quantized one
+    included: ask read_stored_layout first), else None. ConfigError naming the file and its first e5m2
+    tensor where the config asks for another base than bf16 (`wanted`, config.base_precision): e5m2
+    codes do not convert exactly to e4m3 or to a low-bit layout."""
+    reader = CheckpointReader(path)
+    key = None if is_gguf(reader) else plain_e5m2_key(reader, path)
+    if key and wanted != "bf16":
+        raise ConfigError(f"{path}: '{key}' is float8_e5m2 (a plain e5m2 file, widened exactly to the compute dtype), "
+                          f"but the config asks for a {wanted} base; set base_precision = \"bf16\" (fp8_base = false), "
+                          f"or give a bf16 checkpoint")
+    return WIDENED_E5M2 if key else None
 
 
 def refuse_stored_base(model_path: str, what: str, consequence: str) -> None:

@@ -31,7 +31,7 @@ from library.training import fsdp, memory_plan
 from library.training.config import (ConfigError, base_precision, check_warmup, compute_dtype, lora_network_args,
                                      plan_steps)
 from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
-from library.training.state import sample_seed
+from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
 from networks.factory import build_network, check_network_args
 
@@ -92,7 +92,8 @@ def compile_by_default(args, device_type: str, triton: bool, stored_precision: s
 
 
 class DiffusionTask:
-    def __init__(self, args, accelerator):
+    def __init__(self, args, accelerator, state: SavedState | None = None):
+        """state: the one a resumed run loaded (None: a new run), checked against the data before caching."""
         self.args, self.accelerator = args, accelerator
         self.device = accelerator.device
         self.family = get_family(args)
@@ -113,6 +114,8 @@ class DiffusionTask:
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
         self._loader = None  # the DataLoader kept across epochs (persistent_data_loader_workers)
         check_warmup(args, plan_steps(args, self.batches_per_epoch()), args.config_file or "command line")
+        if state:
+            check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.prompts = self._read_prompts()
         self._settle_bf16_reference()  # before minutes of caching
         self._settle_keeping_keys()
@@ -136,6 +139,7 @@ class DiffusionTask:
 
         self.stored_precision = self.family.stored_layout()
         check_config_precision(self.args.pretrained_model_name_or_path, self.stored_precision, base_precision(self.args))
+        self.widened_precision = None if self.stored_precision else self.family.widened_layout(base_precision(self.args))
         if self.stored_precision and self.args.base_loras:
             raise ConfigError(f"{self.args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "
                               f"this checkpoint is pre-quantized ({self.stored_precision}): give the bf16 one")
@@ -452,8 +456,9 @@ class DiffusionTask:
         datasets, args = self.blueprint.datasets, self.args
         return {
             "base_model_version": self.family.model_version(self.base),
-            # bf16 / fp8 / fp8_scaled, or the layout of a pre-quantized file (e.g. fp8_tensor_scaled)
-            "base_precision": self.stored_precision or base_precision(args),
+            # bf16 / fp8 / fp8_scaled, or the layout of a pre-quantized file (e.g. fp8_tensor_scaled) or of a
+            # plain e5m2 one (fp8_e5m2), the base trained on
+            "base_precision": self.stored_precision or self.widened_precision or base_precision(args),
             "fp8_compute": "true" if args.fp8_compute else None,
             "resolution": ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in datasets),
             "batch_size": self._total_batch_size(),

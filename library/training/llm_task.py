@@ -28,6 +28,7 @@ from library.io import append_csv_row
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_formats, lora_network_args
 from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
 from library.training.optim import drop_rows_after
+from library.training.state import SavedState, check_resumed_fit
 from networks.factory import build_network
 
 VOCAB_MULTIPLE = 64  # pretraining pads the vocab so the embedding / head matmuls tile well
@@ -119,8 +120,8 @@ def has_weights(path: str) -> bool:
 
 
 class LLMTask:
-    def __init__(self, args, accelerator, resumed_step: int | None = None):
-        """resumed_step: the step of the state a resumed run loaded (None: a new run)."""
+    def __init__(self, args, accelerator, state: SavedState | None = None):
+        """state: the one a resumed run loaded (None: a new run), checked against the data once it is read."""
         self.args, self.accelerator, self.device = args, accelerator, accelerator.device
         self.dtype = compute_dtype(args)
         # Pretraining keeps fp32 master weights and computes in self.dtype under autocast (bf16
@@ -134,9 +135,11 @@ class LLMTask:
             check_lora_inputs(args, "llm")  # network_weights: its header, before the model loads
         self.tokenizer = load_tokenizer(path)
         documents = load_text_corpus(args.train_data)  # read before the model: a bad train_data entry fails at once
-        self.stored_precision = None  # a pre-quantized base's layout (_base_prepare)
+        self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
         self.model, self.from_scratch = self._load_model(path)
         self.train_set, self.val_set = self._load_data(documents)
+        if state:
+            check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
                                                           args.checkpoint_saves_attention)
         self.network = None
@@ -157,10 +160,10 @@ class LLMTask:
         self.eval_log = os.path.join(args.output_dir, f"{args.output_name}_eval.csv")
         self.step = 0  # the last optimizer step done (after_step): the step trackers log an eval at
         if accelerator.is_main_process and os.path.exists(self.eval_log):
-            if resumed_step is None:
+            if state is None:
                 os.remove(self.eval_log)  # a new run's evals, as its log CSV (appended to, they mixed two runs)
             else:  # the evals a run killed after its last save logged are logged again
-                drop_rows_after(self.eval_log, resumed_step)
+                drop_rows_after(self.eval_log, state.progress["step"])
 
     def _load_model(self, path: str) -> tuple[LLM, bool]:
         if has_weights(path):
@@ -186,11 +189,14 @@ class LLMTask:
         from library.io import CheckpointReader
         from library.models.family import fp8_prepare
         from library.models.registry import arch_spec
-        from library.precision.stored_layouts import check_config_precision, read_stored_layout, stored_converter
+        from library.precision.stored_layouts import (check_config_precision, read_stored_layout, stored_converter,
+                                                      widened_layout)
 
         reader = CheckpointReader(path)
         stored = None if self.args.pretrain else read_stored_layout(reader, path)
         self.stored_precision = stored.layout if stored else None
+        if stored is None and not self.args.pretrain:  # a plain e5m2 file widens: its name, or the fp8 base refused
+            self.stored_precision = widened_layout(path, base_precision(self.args))
         if stored is None:
             return fp8_prepare(base_precision(self.args), "llm")
         check_config_precision(path, stored.layout, base_precision(self.args))

@@ -23,6 +23,7 @@ import torch
 
 from library.io import CheckpointError, CheckpointReader, atomic_folder, save_safetensors
 from library.models.registry import LOWBIT_PRECISIONS
+from library.training.config import plan_steps
 
 # Settings a resumed run must share with the run that wrote the state.
 RUN_IDENTITY = (
@@ -102,12 +103,21 @@ def load_state(folder: str, args) -> SavedState:
                 f"{folder}: state was written with {key} = {saved.get(key)!r}, this run has {current[key]!r}; "
                 f"resume needs the same settings"
             )
-    if not args.max_train_epochs:  # else the Trainer checks, once the dataset gives the steps
+    if not args.max_train_epochs:  # else the task checks (check_resumed_fit), once the dataset gives the steps
         check_resumed_length(folder, progress, args.max_train_steps, args)
     trainable = read_tensors(os.path.join(folder, "trainable.safetensors"))
     optimizer = read_optimizer_state(os.path.join(folder, "optimizer.pt"))
     rng = read_tensors(os.path.join(folder, "rng.safetensors"))
     return SavedState(trainable, optimizer, progress, rng, load_ema_state(folder) if args.ema_decay else None)
+
+
+def check_resumed_fit(folder: str, progress: dict, args, batches_per_epoch: int, items: list[str]) -> None:
+    """The resumed state against this run's data: the run's length (with max_train_epochs, known from
+    the batches), the batches per epoch and the files (Task.data_items). A task calls it as soon as it
+    knows its batches, before any slow work (a diffusion task's caching)."""
+    check_resumed_length(folder, progress, plan_steps(args, batches_per_epoch), args)
+    check_resumed_epoch(folder, progress, batches_per_epoch)
+    check_resumed_data(folder, progress, item_digests(items))
 
 
 def check_resumed_length(folder: str, progress: dict, max_steps: int, args) -> None:

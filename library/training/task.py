@@ -6,6 +6,10 @@ a task (tests/test_task_contract.py reads train_lora.py to keep it so).
 The words model_type, family and arch mean what library/models/registry.py says: a task trains one
 model_type; the network and fp8 rules it builds are chosen by the family's arch.
 
+A task is built with the state a resumed run loaded (or None) and checks it against its data
+(library/training/state.py check_resumed_fit) as soon as it knows its batches, before any slow
+work: a resume that cannot continue fails before minutes of caching.
+
 Dtypes: the loss is a float32 scalar whatever the compute dtype; trainable tensors are in the
 dtype they train in (the LoRA's, float32 by default); `save` casts to the dtype it is given.
 """
