@@ -24,7 +24,7 @@ for part in "$@"; do
   case $part in
     checks)
       $PY -m pytest -x -q -p no:warnings tests/test_block_swap.py tests/test_fp8.py tests/test_fp8_compute.py 2>&1 | tail -5 | tee "$LOGS/checks.log"
-      $PY tools/make_tiny_models.py --out tiny_models >/dev/null && $PY tools/make_tiny_dataset.py --out tiny_models/dataset --overwrite >/dev/null
+      $PY tools/make_tiny_models.py --out tiny_models >/dev/null && $PY tools/make_tiny_dataset.py --out tiny_models/concept --concept --overwrite >/dev/null
       $PY train_lora.py --config_file configs/quickstart.toml --output_dir /tmp/qs 2>&1 | tr '\r' '\n' | grep -v "it/s\]" \
         | tail -15 | tee -a "$LOGS/checks.log"
       ls /tmp/qs | tee -a "$LOGS/checks.log" ;;
