@@ -410,7 +410,7 @@ def test_a_train_data_folder_without_text_is_one_line_naming_it(tiny_set, tmp_pa
     (tmp_path / "notes" / "a.md").write_text("markdown is not read")
     args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data", str(tmp_path / "notes"))
     assert train_lora.main(args) == 2
-    assert capsys.readouterr().err == f"error: train_data {tmp_path / 'notes'}: no .txt file in this folder or its subfolders\n"
+    assert capsys.readouterr().err == f"error: train_data {tmp_path / 'notes'}: no .txt or .jsonl file in this folder or its subfolders\n"
 
 
 @pytest.mark.parametrize("pretrain", [False, True])

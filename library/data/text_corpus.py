@@ -18,7 +18,7 @@ from library.io import read_utf8
 
 
 # ----------------------------------------------------------------------------------------------
-# LLM text: documents -> one token stream -> fixed windows
+# LLM text: files -> documents and conversations -> one token stream -> fixed windows
 
 
 RECORD_FILES = (".json", ".parquet", ".arrow")  # records we do not read: refused when named as train_data
@@ -72,7 +72,7 @@ def check_corpus(paths: list[str], no_template: str | None, all_tokens: bool) ->
     return files, count
 
 
-READ_BYTES = 1 << 22  # a text file is checked and read this many bytes / characters at a time
+READ_BYTES = 1 << 22  # a text file is checked this many bytes at a time
 
 
 def check_text_file(path: str) -> bool:
@@ -91,19 +91,6 @@ def check_text_file(path: str) -> bool:
             if not data:
                 return has_text
             offset += len(data)
-
-
-def file_pieces(path: str, budget: int | None = None) -> Iterator[str]:
-    """A text file's document as text_pieces cuts it, read a budget (None: PIECE_CHARS) of characters at a
-    time: newlines as open() reads them, the byte order mark dropped (as read_utf8's). Only the piece
-    being cut and the one after it are held."""
-    budget = budget or PIECE_CHARS
-    with open(path, encoding="utf-8") as f:
-        rest = f.read(budget).removeprefix("\ufeff")
-        while more := f.read(budget):
-            *done, rest = text_pieces(rest + more, budget)
-            yield from done
-    yield rest
 
 
 TOKEN_DTYPE = torch.int32  # 4 bytes a stored token (every vocab fits); windows widen to int64 as they are read
@@ -131,6 +118,19 @@ def pieces_keep_tokens(encode: Callable[[str], list[int]], encode_more: Callable
     """True when PROBE, cut at every CUT point, encodes to the tokens of PROBE whole."""
     first, *rest = text_pieces(PROBE, 1)
     return list(encode(first)) + [t for piece in rest for t in encode_more(piece)] == list(encode(PROBE))
+
+
+def file_pieces(path: str, budget: int | None = None) -> Iterator[str]:
+    """A text file's document as text_pieces cuts it, read a budget (None: PIECE_CHARS) of characters at a
+    time: newlines as open() reads them, the byte order mark dropped (as read_utf8's). Only the piece
+    being cut and the one after it are held."""
+    budget = budget or PIECE_CHARS
+    with open(path, encoding="utf-8") as f:
+        rest = f.read(budget).removeprefix("\ufeff")
+        while more := f.read(budget):
+            *done, rest = text_pieces(rest + more, budget)
+            yield from done
+    yield rest
 
 
 class TokenStream:
@@ -170,7 +170,9 @@ class TokenStream:
 
 
 def join_freeing(blocks: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """torch.cat(blocks), each block dropped from the list as soon as it is copied."""
+    """torch.cat(blocks), each block dropped from the list as soon as it is copied (one block: itself)."""
+    if len(blocks) == 1:
+        return blocks.pop()
     out, at = torch.empty(sum(len(b) for b in blocks), dtype=dtype), 0
     for i in range(len(blocks)):
         out[at : at + len(blocks[i])] = blocks[i]
