@@ -121,16 +121,27 @@ def pieces_keep_tokens(encode: Callable[[str], list[int]], encode_more: Callable
 
 
 def file_pieces(path: str, budget: int | None = None) -> Iterator[str]:
-    """A text file's document as text_pieces cuts it, read a budget (None: PIECE_CHARS) of characters at a
-    time: newlines as open() reads them, the byte order mark dropped (as read_utf8's). Only the piece
-    being cut and the one after it are held."""
+    """A text file's document in pieces of about budget (None: PIECE_CHARS) characters or more, cut at CUT
+    points, read a budget at a time: newlines as open() reads them, the byte order mark dropped (as
+    read_utf8's). What is held is the piece being read; each read is searched once for a cut (with the two
+    characters before it, which CUT's lookarounds need), so a file without a cut is read in linear time."""
     budget = budget or PIECE_CHARS
     with open(path, encoding="utf-8") as f:
-        rest = f.read(budget).removeprefix("\ufeff")
+        held = [f.read(budget).removeprefix("\ufeff")]
+        size = len(held[0])  # characters held
         while more := f.read(budget):
-            *done, rest = text_pieces(rest + more, budget)
-            yield from done
-    yield rest
+            tail = held[-1][-2:]
+            cut = CUT.search(tail + more, max(0, budget - size + len(tail)))  # a piece of >= budget characters
+            if cut is None:
+                held.append(more)
+                size += len(more)
+                continue
+            text = "".join(held) + more
+            at = len(text) - len(more) - len(tail) + cut.end()
+            yield text[:at]
+            held = [text[at:]]
+            size = len(held[0])
+    yield "".join(held)
 
 
 class TokenStream:
