@@ -186,3 +186,29 @@ def test_a_lora_trains_on_a_messages_file_with_the_loss_on_replies_only(tiny_set
     with open(tmp_path / "out" / "chat_eval.csv") as f:
         val = [float(r["val_loss"]) for r in csv.DictReader(f)]
     assert len(losses) == 4 and all(0 < v < 20 for v in losses + val)
+
+
+def test_the_held_out_loss_averages_over_the_trained_tokens_only():
+    """70 held-out tokens, 23 of them trained (every third from 1): the token-weighted mean over those 23
+    targets, not over all 69 (the all-token loss differs)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from library.models.llm import LLM, LLMConfig
+    from library.training.llm_task import LLMTask
+
+    model = LLM(LLMConfig(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
+                          qkv_bias=False, max_position_embeddings=32)).eval()
+    ids, trained = torch.randint(0, 40, (70,)), torch.arange(70) % 3 == 1
+    task = SimpleNamespace(val_ids=ids, val_trained=trained, args=SimpleNamespace(max_length=16, batch_size=3), model=model,
+                           device="cpu")
+    total, count = 0.0, 0
+    for s in range(0, 69, 16):
+        window, keep = ids[s : s + 17][None], trained[s + 1 : s + 17]
+        with torch.no_grad():
+            losses = F.cross_entropy(model(window[:, :-1])[0], window[0, 1:], reduction="none")
+        total, count = total + float(losses[keep].sum()), count + int(keep.sum())
+    assert count == 23 and abs(LLMTask.held_out_loss(task) - total / count) <= 1e-5
+    task.val_trained = None
+    assert abs(LLMTask.held_out_loss(task) - total / count) > 1e-3
