@@ -29,7 +29,8 @@ def jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
                 line = raw.decode("utf-8").removeprefix("\ufeff").rstrip("\r\n")
                 record = json.loads(line) if line.strip() else None
             except UnicodeDecodeError as e:
-                raise ConfigError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); save it as UTF-8") from None
+                raise ConfigError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                  f"save it as UTF-8") from None
             except ValueError as e:
                 raise ConfigError(f"{where}: not JSON ({e}); expected one object a line, {FORMS}") from None
             if record is None:

@@ -238,9 +238,11 @@ class LLMTask:
         self.val_ids = val_ids  # TOKEN_DTYPE [N]: evaluate() scores all of it (its trained tokens: val_trained)
         if len(train) == 0:
             what = " with an assistant token" if trained is not None else ""
-            raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length {args.max_length}{what}")
+            raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length "
+                              f"{args.max_length}{what}")
         counted = f" ({int(trained.sum())} trained on: assistant tokens)" if trained is not None else ""
-        self.accelerator.print(f"text: {len(ids)} tokens{counted}, {len(train)} train windows, {len(val) if val else 0} val windows")
+        self.accelerator.print(f"text: {len(ids)} tokens{counted}, {len(train)} train windows, "
+                               f"{len(val) if val else 0} val windows")
         return train, val
 
     def encode(self, text: str) -> list[int]:
