@@ -84,6 +84,8 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(cha
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}',
      "messages[1] is an assistant message with empty content"),
     ('{"messages": [{"role": "user", "content": "q"}]}', "no assistant message, so nothing to train on"),
+    ('{"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "q"}]}',
+     "messages[0] is an assistant message; with the loss on assistant tokens only a conversation starts with"),
 ])
 def test_a_bad_record_is_one_config_error_naming_file_and_line(tmp_path, line, message):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine"}, "", line, {"text": "never read"}])

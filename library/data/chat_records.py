@@ -66,7 +66,8 @@ def record_problem(record) -> str | None:
 def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> int:
     """Check every line of a .jsonl file; returns how many records hold text. no_template: why a
     "messages" record cannot be rendered (the tokenizer has no chat template), None when it can.
-    With the loss on assistant tokens only, a conversation without an assistant message is refused."""
+    With the loss on assistant tokens only, a conversation without an assistant message, or starting
+    with one, is refused."""
     count = 0
     for where, record in jsonl_records(path):
         if "messages" in record:
@@ -75,6 +76,9 @@ def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> int:
             if not all_tokens and not any(m["role"] == "assistant" for m in record["messages"]):
                 raise ConfigError(f"{where}: no assistant message, so nothing to train on with the loss on assistant "
                                   f"tokens only (train_on_all_tokens = false)")
+            if not all_tokens and record["messages"][0]["role"] == "assistant":  # chat templates render no empty prefix
+                raise ConfigError(f"{where}: messages[0] is an assistant message; with the loss on assistant tokens only "
+                                  f"a conversation starts with a system or user message (a reply is found after them)")
         count += bool(record.get("text", "").strip()) if "text" in record else 1
     return count
 
