@@ -146,38 +146,40 @@ def file_pieces(path: str, budget: int | None = None) -> Iterator[str]:
 
 class TokenStream:
     """Token ids (TOKEN_DTYPE) and, once some token is not trained on, a bool mask of those that are,
-    appended a document or a piece at a time. Parts are joined into blocks of BLOCK tokens as they
-    come, and the blocks into one tensor at the end, each freed as it is copied: the peak is the
-    stream plus about one block, not twice the stream."""
+    appended a document or a piece at a time into blocks of BLOCK tokens allocated whole (their pages
+    count once written), the blocks joined into one tensor at the end, each freed as it is copied: the
+    peak is the stream plus about one block, not twice the stream."""
 
     BLOCK = 1 << 24  # tokens (64 MB of int32): above glibc's largest mmap threshold, so a freed block leaves RSS
 
     def __init__(self):
-        self.ids, self.mask, self.blocks, self.mask_blocks, self.pending, self.masked = [], [], [], [], 0, False
+        self.blocks, self.masks, self.fill = [torch.empty(self.BLOCK, dtype=TOKEN_DTYPE)], None, 0
 
     def add(self, ids: list[int], trained: bool | list[bool] = True):
         """ids, each trained on (a target of the loss) or not: one flag for all, or one a token."""
-        self.ids.append(torch.tensor(ids, dtype=TOKEN_DTYPE))
-        if trained is not True and not self.masked:  # the first untrained token: the mask starts here
-            self.masked, self.mask = True, [torch.ones(self.pending, dtype=torch.bool)]
-            self.mask_blocks = [torch.ones(len(b), dtype=torch.bool) for b in self.blocks]
-        if self.masked:
-            flags = torch.tensor(trained, dtype=torch.bool) if isinstance(trained, list) else None
-            self.mask.append(flags if flags is not None else torch.full((len(ids),), bool(trained)))
-        self.pending += len(ids)
-        if self.pending >= self.BLOCK:
-            self._flush()
-
-    def _flush(self):
-        self.blocks.append(torch.cat(self.ids) if self.ids else torch.zeros(0, dtype=TOKEN_DTYPE))
-        if self.masked:
-            self.mask_blocks.append(torch.cat(self.mask) if self.mask else torch.zeros(0, dtype=torch.bool))
-        self.ids, self.mask, self.pending = [], [], 0
+        ids = torch.tensor(ids, dtype=TOKEN_DTYPE)
+        if trained is not True and self.masks is None:  # the first untrained token: the mask starts here
+            self.masks = [torch.ones(self.BLOCK, dtype=torch.bool) for _ in self.blocks]
+        flags = None if self.masks is None else torch.tensor(trained, dtype=torch.bool).expand(len(ids))
+        at = 0
+        while at < len(ids):
+            n = min(len(ids) - at, self.BLOCK - self.fill)
+            self.blocks[-1][self.fill : self.fill + n] = ids[at : at + n]
+            if flags is not None:
+                self.masks[-1][self.fill : self.fill + n] = flags[at : at + n]
+            self.fill, at = self.fill + n, at + n
+            if self.fill == self.BLOCK:
+                self.blocks.append(torch.empty(self.BLOCK, dtype=TOKEN_DTYPE))
+                if self.masks is not None:
+                    self.masks.append(torch.ones(self.BLOCK, dtype=torch.bool))
+                self.fill = 0
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(ids TOKEN_DTYPE [N], trained bool [N] or None where every token is trained)."""
-        self._flush()
-        return join_freeing(self.blocks, TOKEN_DTYPE), join_freeing(self.mask_blocks, torch.bool) if self.masked else None
+        self.blocks[-1] = self.blocks[-1][: self.fill].clone()  # the last block's written part, compact
+        if self.masks is not None:
+            self.masks[-1] = self.masks[-1][: self.fill].clone()
+        return join_freeing(self.blocks, TOKEN_DTYPE), None if self.masks is None else join_freeing(self.masks, torch.bool)
 
 
 def join_freeing(blocks: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
