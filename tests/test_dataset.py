@@ -543,14 +543,15 @@ def test_corpus_loading_tokenizing_and_tail_validation_split(tmp_path):
     write(tmp_path / "docs" / "b.txt", "world")
     write(tmp_path / "docs" / "a.txt", "hello")
     write(tmp_path / "docs" / "skip.md", "not text")
-    docs = text_corpus.load_text_corpus(str(tmp_path / "docs"))
-    assert docs == ["hello", "world"]
-    ids = text_corpus.tokenize_documents(docs, lambda s: [ord(c) for c in s], eos_id=0)
-    assert ids.tolist() == [104, 101, 108, 108, 111, 0, 119, 111, 114, 108, 100, 0]
+    files, count = text_corpus.check_corpus([str(tmp_path / "docs")], None, False)
+    assert [os.path.basename(f) for f in files] == ["a.txt", "b.txt"] and count == 2
+    encode = lambda s: [ord(c) for c in s]  # noqa: E731
+    ids, trained = text_corpus.tokenize_corpus(files, encode, encode, eos_id=0)
+    assert ids.tolist() == [104, 101, 108, 108, 111, 0, 119, 111, 114, 108, 100, 0] and trained is None
     train, val = text_corpus.train_val_split(torch.arange(100), 0.1)
     assert train.tolist() == list(range(90)) and val.tolist() == list(range(90, 100))
     with pytest.raises(ValueError, match="no such text file"):
-        text_corpus.load_text_corpus(str(tmp_path / "missing"))
+        text_corpus.corpus_files(str(tmp_path / "missing"))
 
 
 def test_corpus_folders_are_read_recursively_with_any_case_extension(tmp_path):
@@ -562,19 +563,20 @@ def test_corpus_folders_are_read_recursively_with_any_case_extension(tmp_path):
     write(tmp_path / "docs" / "part" / "c.txt", "c")
     write(tmp_path / "docs" / "part" / "D.TXT", "D")
     write(tmp_path / "docs" / ".git" / "x.txt", "hidden")
-    assert text_corpus.load_text_corpus(str(tmp_path / "docs")) == ["a", "D", "c"]  # path order (sorted names)
+    found = text_corpus.corpus_files(str(tmp_path / "docs"))
+    assert [os.path.basename(f) for f in found] == ["a.txt", "D.TXT", "c.txt"]  # path order (sorted names)
     (tmp_path / "empty" / "sub").mkdir(parents=True)
-    with pytest.raises(ConfigError, match=f"^train_data {tmp_path / 'empty'}: no .txt file in this folder or its subfolders$"):
-        text_corpus.load_text_corpus([str(tmp_path / "docs"), str(tmp_path / "empty")])
+    with pytest.raises(ConfigError, match=f"^train_data {tmp_path / 'empty'}: no .txt or .jsonl file in this folder or its subfolders$"):
+        text_corpus.corpus_files([str(tmp_path / "docs"), str(tmp_path / "empty")])
 
 
-def test_a_jsonl_file_in_train_data_is_refused_not_read_as_text(tmp_path):
+def test_a_json_file_in_train_data_is_refused_not_read_as_text(tmp_path):
     """The old line trained on '{"text": "hello"}' as it stands, keys and quotes included."""
     from library.errors import ConfigError
 
-    path = write(tmp_path / "data.jsonl", '{"text": "hello"}\n')
-    with pytest.raises(ConfigError, match=f"^train_data {path}: a .jsonl data file would be trained on as raw text"):
-        text_corpus.load_text_corpus([path])
+    path = write(tmp_path / "data.json", '[{"text": "hello"}]\n')
+    with pytest.raises(ConfigError, match=f"^train_data {path}: a .json data file would be trained on as raw text"):
+        text_corpus.corpus_files([path])
 
 
 def test_a_missing_image_dir_names_the_dataset_config_and_where_a_relative_path_is_read(tmp_path, monkeypatch):

@@ -59,3 +59,16 @@ def test_a_tokenizer_whose_tokens_change_at_a_cut_gets_whole_documents():
 def test_text_pieces_cut_where_no_pre_token_spans():
     assert text_corpus.text_pieces("ab\n\ncd\n ef gh", 1) == ["ab\n\n", "cd\n ef", " gh"]
     assert "".join(text_corpus.text_pieces(varied_text(500), 100)) == varied_text(500)
+
+
+def test_a_file_is_read_in_pieces_cut_where_its_whole_text_may_be_cut(tmp_path):
+    """file_pieces joins back to the text read whole; each piece but the last ends at a CUT point of the
+    whole text and holds at least a read (100 characters); a file with no cut point is one piece."""
+    text = varied_text(400).replace("\r\n", "\n")
+    (tmp_path / "a.txt").write_text(text)
+    pieces = list(text_corpus.file_pieces(str(tmp_path / "a.txt"), 100))
+    assert "".join(pieces) == text and len(pieces) > 20 and all(len(p) >= 100 for p in pieces[:-1])
+    ends = {m.end() for m in text_corpus.CUT.finditer(text)}
+    assert all(sum(map(len, pieces[: i + 1])) in ends for i in range(len(pieces) - 1))
+    (tmp_path / "b.txt").write_text("x" * 5000)
+    assert list(text_corpus.file_pieces(str(tmp_path / "b.txt"), 100)) == ["x" * 5000]

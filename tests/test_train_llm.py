@@ -238,7 +238,7 @@ def test_held_out_loss_is_token_weighted_over_the_whole_split():
     model = LLM(LLMConfig(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
                           qkv_bias=False, max_position_embeddings=32)).eval()
     ids = torch.randint(0, 40, (70,))
-    task = SimpleNamespace(val_ids=ids, args=SimpleNamespace(max_length=16, batch_size=3), model=model, device="cpu")
+    task = SimpleNamespace(val_ids=ids, val_trained=None, args=SimpleNamespace(max_length=16, batch_size=3), model=model, device="cpu")
     weighted, count = 0.0, 0
     for s in range(0, 69, 16):
         window = ids[s : s + 17][None]
@@ -430,7 +430,7 @@ def test_a_train_data_folder_without_text_is_one_line_naming_it(tiny_set, tmp_pa
     (tmp_path / "notes" / "a.md").write_text("markdown is not read")
     args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data", str(tmp_path / "notes"))
     assert train_lora.main(args) == 2
-    assert capsys.readouterr().err == f"error: train_data {tmp_path / 'notes'}: no .txt file in this folder or its subfolders\n"
+    assert capsys.readouterr().err == f"error: train_data {tmp_path / 'notes'}: no .txt or .jsonl file in this folder or its subfolders\n"
 
 
 @pytest.mark.parametrize("pretrain", [False, True])

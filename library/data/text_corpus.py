@@ -1,57 +1,96 @@
-"""The LLM's training text: .txt documents (folders searched recursively) -> one token stream (documents joined by EOS) -> a
-train / validation split -> fixed windows of max_length + 1 tokens."""
+"""The LLM's training text: .txt documents and .jsonl records (folders searched recursively) -> one token
+stream (documents joined by EOS, conversations by their chat template's tokens; a bool mask where some
+tokens are not trained on), read a piece or a line at a time -> a train / validation split -> fixed windows
+of max_length + 1 tokens."""
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
+from library.data.chat_records import ChatEncoder, check_jsonl, jsonl_records
 from library.errors import ConfigError
 from library.io import read_utf8
 
 
 # ----------------------------------------------------------------------------------------------
-# LLM text: documents -> one token stream -> fixed windows
+# LLM text: files -> documents and conversations -> one token stream -> fixed windows
 
 
-RECORD_FILES = (".json", ".jsonl", ".parquet", ".arrow")  # records, not text: refused when named as train_data
+RECORD_FILES = (".json", ".parquet", ".arrow")  # records we do not read: refused when named as train_data
+CORPUS_FILES = (".txt", ".jsonl")  # what a train_data folder contributes (the extension in any case)
 
 
 def text_files(folder: str) -> list[str]:
-    """Every .txt file (the extension in any case: .TXT too) in `folder` and its subfolders, in path
-    order (a folder's own files, then each subfolder's); hidden files and folders ('.name') are skipped."""
+    """Every .txt and .jsonl file (the extension in any case: .TXT too) in `folder` and its subfolders, in
+    path order (a folder's own files, then each subfolder's); hidden files and folders ('.name') are skipped."""
     found = []
     for root, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))  # os.walk descends into these, in order
-        found += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(".txt") and not f.startswith(".")]
+        found += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(CORPUS_FILES) and not f.startswith(".")]
     return found
 
 
-def load_text_corpus(paths: str | list[str]) -> list[str]:
-    """The documents (one per file) of train_data: files as given (any name but a RECORD_FILES one) and
-    the .txt files of folders, searched recursively (text_files). A missing path, a data file, a folder
-    without a .txt file and a corpus of empty files are ConfigErrors naming the train_data entry."""
-    entries, files = [paths] if isinstance(paths, str) else paths, []
-    for p in entries:
+def corpus_files(paths: str | list[str]) -> list[str]:
+    """The files of train_data: files as given (any name but a RECORD_FILES one) and the .txt / .jsonl
+    files of folders, searched recursively (text_files). A missing path, a data file we do not read and
+    a folder without a .txt or .jsonl file are ConfigErrors naming the train_data entry."""
+    files = []
+    for p in [paths] if isinstance(paths, str) else paths:
         if os.path.isdir(p):
             found = text_files(p)
             if not found:
-                raise ConfigError(f"train_data {p}: no .txt file in this folder or its subfolders")
+                raise ConfigError(f"train_data {p}: no .txt or .jsonl file in this folder or its subfolders")
             files += found
         elif os.path.isfile(p):
             if p.lower().endswith(RECORD_FILES):
                 raise ConfigError(f"train_data {p}: a {os.path.splitext(p)[1]} data file would be trained on as raw text "
-                                  f"(its keys and quotes too); give plain text files, one document each")
+                                  f"(its keys and quotes too); give plain text files, one document each, or .jsonl "
+                                  f"records ({{\"text\": ...}} or {{\"messages\": [...]}} a line)")
             files.append(p)
         else:
             raise ConfigError(f"train_data {p}: no such text file or folder")
-    documents = [read_utf8(f) for f in files]
-    if not any(d.strip() for d in documents):
-        raise ConfigError(f"train_data {', '.join(entries)}: every text file is empty")
-    return documents
+    return files
+
+
+def is_jsonl(path: str) -> bool:
+    return path.lower().endswith(".jsonl")
+
+
+def check_corpus(paths: list[str], no_template: str | None, all_tokens: bool) -> tuple[list[str], int]:
+    """train_data's files (corpus_files), each read once before the model loads, keeping nothing: .txt
+    files as UTF-8 (check_text_file), .jsonl records as check_jsonl checks them. Returns the files and
+    how many documents / conversations hold text; none is a ConfigError."""
+    files = corpus_files(paths)
+    count = sum(check_jsonl(f, no_template, all_tokens) if is_jsonl(f) else check_text_file(f) for f in files)
+    if not count:
+        raise ConfigError(f"train_data {', '.join(paths)}: every text file and record is empty")
+    return files, count
+
+
+READ_BYTES = 1 << 22  # a text file is checked this many bytes at a time
+
+
+def check_text_file(path: str) -> bool:
+    """Whether the file holds more than whitespace; bytes that are not UTF-8 are one ValueError naming
+    the file and the offset of the first, as read_utf8's. Reads READ_BYTES at a time, keeping none."""
+    decoder, offset, has_text = codecs.getincrementaldecoder("utf-8")(), 0, False
+    with open(path, "rb") as f:
+        while True:
+            data, pending = f.read(READ_BYTES), len(decoder.getstate()[0])  # pending: bytes of a split character
+            try:
+                has_text = bool(decoder.decode(data, final=not data).strip()) or has_text
+            except UnicodeDecodeError as e:
+                at = offset - pending + e.start
+                raise ValueError(f"{path}: text file is not valid UTF-8: byte 0x{e.object[e.start]:02x} at offset "
+                                 f"{at} ({e.reason}); save it as UTF-8") from None
+            if not data:
+                return has_text
+            offset += len(data)
 
 
 TOKEN_DTYPE = torch.int32  # 4 bytes a stored token (every vocab fits); windows widen to int64 as they are read
@@ -81,7 +120,90 @@ def pieces_keep_tokens(encode: Callable[[str], list[int]], encode_more: Callable
     return list(encode(first)) + [t for piece in rest for t in encode_more(piece)] == list(encode(PROBE))
 
 
-def tokenize_documents(documents: list[str], encode: Callable[[str], list[int]], eos_id: int | None,
+def file_pieces(path: str, budget: int | None = None) -> Iterator[str]:
+    """A text file's document in pieces of about budget (None: PIECE_CHARS) characters or more, cut at CUT
+    points, read a budget at a time: newlines as open() reads them, the byte order mark dropped (as
+    read_utf8's). What is held is the piece being read; each read is searched once for a cut (with the two
+    characters before it, which CUT's lookarounds need), so a file without a cut is read in linear time."""
+    budget = budget or PIECE_CHARS
+    with open(path, encoding="utf-8") as f:
+        held = [f.read(budget).removeprefix("\ufeff")]
+        size = len(held[0])  # characters held
+        while more := f.read(budget):
+            tail = held[-1][-2:]
+            cut = CUT.search(tail + more, max(0, budget - size + len(tail)))  # a piece of >= budget characters
+            if cut is None:
+                held.append(more)
+                size += len(more)
+                continue
+            text = "".join(held) + more
+            at = len(text) - len(more) - len(tail) + cut.end()
+            yield text[:at]
+            held = [text[at:]]
+            size = len(held[0])
+    yield "".join(held)
+
+
+class TokenStream:
+    """Token ids (TOKEN_DTYPE) and, once some token is not trained on, a bool mask of those that are,
+    appended a document or a piece at a time into blocks of BLOCK tokens allocated whole (their pages
+    count once written), the blocks joined into one tensor at the end, each freed as it is copied: the
+    peak is the stream plus about one block, not twice the stream."""
+
+    BLOCK = 1 << 24  # tokens (64 MB of int32): above glibc's largest mmap threshold, so a freed block leaves RSS
+
+    def __init__(self):
+        self.blocks, self.masks, self.fill = [torch.empty(self.BLOCK, dtype=TOKEN_DTYPE)], None, 0
+
+    def add(self, ids: list[int], trained: bool | list[bool] = True):
+        """ids, each trained on (a target of the loss) or not: one flag for all, or one a token."""
+        ids = torch.tensor(ids, dtype=TOKEN_DTYPE)
+        if trained is not True and self.masks is None:  # the first untrained token: the mask starts here
+            self.masks = [torch.ones(self.BLOCK, dtype=torch.bool) for _ in self.blocks]
+        flags = None if self.masks is None else torch.tensor(trained, dtype=torch.bool).expand(len(ids))
+        at = 0
+        while at < len(ids):
+            n = min(len(ids) - at, self.BLOCK - self.fill)
+            self.blocks[-1][self.fill : self.fill + n] = ids[at : at + n]
+            if flags is not None:
+                self.masks[-1][self.fill : self.fill + n] = flags[at : at + n]
+            self.fill, at = self.fill + n, at + n
+            if self.fill == self.BLOCK:
+                self.blocks.append(torch.empty(self.BLOCK, dtype=TOKEN_DTYPE))
+                if self.masks is not None:
+                    self.masks.append(torch.ones(self.BLOCK, dtype=torch.bool))
+                self.fill = 0
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(ids TOKEN_DTYPE [N], trained bool [N] or None where every token is trained)."""
+        self.blocks[-1] = self.blocks[-1][: self.fill].clone()  # the last block's written part, compact
+        if self.masks is not None:
+            self.masks[-1] = self.masks[-1][: self.fill].clone()
+        return join_freeing(self.blocks, TOKEN_DTYPE), None if self.masks is None else join_freeing(self.masks, torch.bool)
+
+
+def join_freeing(blocks: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """torch.cat(blocks), each block dropped from the list as soon as it is copied (one block: itself)."""
+    if len(blocks) == 1:
+        return blocks.pop()
+    out, at = torch.empty(sum(len(b) for b in blocks), dtype=dtype), 0
+    for i in range(len(blocks)):
+        out[at : at + len(blocks[i])] = blocks[i]
+        at += len(blocks[i])
+        blocks[i] = None
+    blocks.clear()
+    return out
+
+
+def add_text(stream: TokenStream, pieces: Iterable[str], encode: Callable[[str], list[int]],
+             encode_more: Callable[[str], list[int]] | None, end: list[int]):
+    """One document, given as pieces: the first encoded by `encode`, the rest by `encode_more`; then `end`."""
+    for i, piece in enumerate(pieces):
+        stream.add(list((encode if i == 0 else encode_more)(piece)))
+    stream.add(end)
+
+
+def tokenize_documents(documents: Iterable[str], encode: Callable[[str], list[int]], eos_id: int | None,
                        encode_more: Callable[[str], list[int]] | None = None) -> torch.Tensor:
     """One TOKEN_DTYPE token stream; eos_id (if given) ends each document so windows see the border.
     encode: a document's start (with the tokenizer's special tokens); encode_more: text continuing it (none).
@@ -90,13 +212,31 @@ def tokenize_documents(documents: list[str], encode: Callable[[str], list[int]],
     (~36 bytes a token) never holds more than one piece, however large the document. Otherwise each whole
     document is one list while it is encoded."""
     pieces = text_pieces if encode_more is not None and pieces_keep_tokens(encode, encode_more) else lambda d: [d]
-    end = torch.tensor([eos_id] if eos_id is not None else [], dtype=TOKEN_DTYPE)
-    parts = []
+    stream = TokenStream()
     for doc in documents:
-        for i, piece in enumerate(pieces(doc)):
-            parts.append(torch.tensor(list((encode if i == 0 else encode_more)(piece)), dtype=TOKEN_DTYPE))
-        parts.append(end)
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=TOKEN_DTYPE)
+        add_text(stream, pieces(doc), encode, encode_more, [eos_id] if eos_id is not None else [])
+    return stream.finish()[0]
+
+
+def tokenize_corpus(files: list[str], encode: Callable[[str], list[int]], encode_more: Callable[[str], list[int]],
+                    eos_id: int | None, chat: ChatEncoder | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The token stream of train_data's files (corpus_files), read a file piece or a .jsonl line at a time:
+    only the ids (and the trained mask) are kept. A .txt file and a .jsonl "text" record are documents
+    (tokenize_documents' pieces and eos_id); a "messages" record is the conversation `chat` renders, its
+    own template's tokens its borders (no eos_id added), trained where `chat` says.
+    Returns (ids TOKEN_DTYPE [N], trained bool [N] or None when every token is trained)."""
+    split = pieces_keep_tokens(encode, encode_more)
+    end, stream = [eos_id] if eos_id is not None else [], TokenStream()
+    for path in files:
+        if not is_jsonl(path):
+            add_text(stream, file_pieces(path) if split else [read_utf8(path)], encode, encode_more, end)
+            continue
+        for where, record in jsonl_records(path):
+            if "text" in record:
+                add_text(stream, text_pieces(record["text"]) if split else [record["text"]], encode, encode_more, end)
+            else:
+                stream.add(*chat(record["messages"], where))
+    return stream.finish()
 
 
 def train_val_split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,24 +248,39 @@ def train_val_split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tenso
     return ids[: len(ids) - n_val], ids[len(ids) - n_val :]
 
 
+IGNORE = -100  # a target the loss skips (cross_entropy's ignore_index): a token that is not trained on
+
+
+def masked_targets(targets: torch.Tensor, trained: torch.Tensor | None) -> torch.Tensor:
+    """targets (int64) with IGNORE where `trained` (bool, the same shape) is False; as given for None."""
+    return targets if trained is None else targets.masked_fill(~trained, IGNORE)
+
+
 class TextWindowDataset(torch.utils.data.Dataset):
     """Windows of max_length tokens every `stride` tokens (default: max_length, no overlap).
-    Item i is (input_ids, targets), both int64 [max_length], targets = inputs shifted by one; the
-    stream itself is held as TOKEN_DTYPE. Tokens after the last full window are not used."""
+    Item i is (input_ids, targets), both int64 [max_length], targets = inputs shifted by one, IGNORE
+    where `trained` (bool, one a token, None: all) is False; a window with no trained target is left
+    out (its loss would be 0 / 0). The stream itself is held as TOKEN_DTYPE. Tokens after the last
+    full window are not used."""
 
-    def __init__(self, token_ids, max_length: int, stride: int | None = None):
+    def __init__(self, token_ids, max_length: int, stride: int | None = None, trained: torch.Tensor | None = None):
         self.ids = torch.as_tensor(token_ids).to(TOKEN_DTYPE).flatten()
-        self.max_length, self.stride = max_length, stride or max_length
+        self.max_length, self.stride, self.trained = max_length, stride or max_length, trained
         if max_length < 1 or self.stride < 1:
             raise ValueError(f"max_length and stride must be >= 1, got {max_length}, {self.stride}")
         if len(self.ids) < max_length + 1:
             raise ValueError(f"text has {len(self.ids)} tokens, fewer than max_length + 1 = {max_length + 1}")
         self.starts = range(0, len(self.ids) - max_length, self.stride)
+        if trained is not None:  # keep the windows whose targets s + 1 .. s + max_length hold a trained token
+            counts = trained.cumsum(0, dtype=torch.int32)  # int32 [N]: trained tokens up to each
+            starts = torch.arange(0, len(self.ids) - max_length, self.stride)
+            self.starts = starts[counts[starts + max_length] > counts[starts]]
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.starts[i]
+        s = int(self.starts[i])
         window = self.ids[s : s + self.max_length + 1].long()  # int64 [max_length + 1]
-        return window[:-1], window[1:]
+        trained = None if self.trained is None else self.trained[s + 1 : s + self.max_length + 1]
+        return window[:-1], masked_targets(window[1:], trained)

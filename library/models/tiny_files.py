@@ -130,6 +130,28 @@ def build_qwen_tokenizer(vision_templates: tuple[str, ...] | None = None):
     return fast_tokenizer(tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=32768)
 
 
+# The Qwen2 / Qwen2.5 instruct chat template (ChatML) verbatim for system / user / assistant / tool
+# messages: a default system message when the conversation has none, consecutive tool results in one
+# user turn; tool calls and tool definitions left out.
+QWEN2_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
 # The Qwen3 chat template's rendering of plain (system / user / assistant) messages and its generation
 # prompt verbatim: with enable_thinking=False it appends an empty think block, which a text encoder's
 # pipeline may ask for. Tools, reasoning_content and multi-step handling are left out.

@@ -1,8 +1,9 @@
 """What train_lora.py needs to train a Llama/Qwen2-style LLM: a LoRA on a pretrained model, or
 the whole model (pretrain = true) from a checkpoint or from a config.json alone (random init).
 
-Data: .txt files -> one token stream (each document encoded with the tokenizer's own special tokens,
-e.g. Llama's BOS, and ended by EOS) -> train/val split -> sliding
+Data: .txt files and .jsonl records -> one token stream (each document encoded with the tokenizer's own
+special tokens, e.g. Llama's BOS, and ended by EOS; each conversation rendered by the chat template, the
+loss on its assistant tokens unless train_on_all_tokens) -> train/val split -> sliding
 windows of max_length + 1 tokens. Every eval_every_n_steps: val loss (token-weighted over the
 whole held-out split, `held_out_loss`; none when val_fraction holds nothing out), perplexity and a sample
 from sample_prompt (temperature / top-k), printed and written to <output_name>_eval.csv.
@@ -20,7 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from library.data.text_corpus import TextWindowDataset, load_text_corpus, tokenize_documents, train_val_split
+from library.data.chat_records import chat_encoder
+from library.data.text_corpus import IGNORE, TextWindowDataset, check_corpus, masked_targets, tokenize_corpus, train_val_split
 from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
@@ -134,7 +136,11 @@ class LLMTask:
         if not args.pretrain:
             check_lora_inputs(args, "llm")  # network_weights: its header, before the model loads
         self.tokenizer = load_tokenizer(path)
-        documents = load_text_corpus(args.train_data)  # read before the model: a bad train_data entry fails at once
+        # read before the model: a bad train_data entry or record fails at once
+        no_template = None if self.tokenizer.chat_template else (
+            f"the tokenizer in {path} has no chat template (chat_template in tokenizer_config.json, or "
+            f"chat_template.jinja) to render it with")
+        self.files, documents = check_corpus(args.train_data, no_template, args.train_on_all_tokens)
         self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
         self.model, self.from_scratch = self._load_model(path)
         self.train_set, self.val_set = self._load_data(documents)
@@ -211,14 +217,15 @@ class LLMTask:
             raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
                               f"({source} = {config.context_length})")
 
-    def _load_data(self, docs: list[str]):
+    def _load_data(self, documents: int):
         args = self.args
         eos = self.tokenizer.eos_token_id
-        if eos is None and len(docs) > 1:
-            warnings.warn(f"{args.pretrained_model_name_or_path}: the tokenizer names no eos_token, so the {len(docs)} "
+        if eos is None and documents > 1:
+            warnings.warn(f"{args.pretrained_model_name_or_path}: the tokenizer names no eos_token, so the {documents} "
                           f"documents of train_data run together with no border between them (set eos_token in its "
                           f"tokenizer_config.json)", stacklevel=2)
-        ids = tokenize_documents(docs, self.encode, eos, self.encode_more)
+        chat = chat_encoder(self.tokenizer, args.train_on_all_tokens)
+        ids, trained = tokenize_corpus(self.files, self.encode, self.encode_more, eos, chat)
         vocab = self.model.config.vocab_size
         if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
             top = int(ids.max())
@@ -226,16 +233,22 @@ class LLMTask:
                               f"({self.tokenizer.convert_ids_to_tokens(top)!r}), beyond the model's vocab_size {vocab}: "
                               f"tokenizer.json and config.json are not of one model (or add_tokens left the embedding short)")
         train_ids, val_ids = train_val_split(ids, args.val_fraction)
+        train_trained, self.val_trained = train_val_split(trained, args.val_fraction) if trained is not None else (None, None)
         if len(train_ids) < args.max_length + 1:  # named here: the dataset's own error knows no file or key
             held = f" after val_fraction {args.val_fraction:g} holds out {len(val_ids)}" if len(val_ids) else ""
             raise ConfigError(f"train_data {', '.join(args.train_data)}: {len(ids)} tokens{held} leave {len(train_ids)} "
                               f"to train on, fewer than max_length + 1 = {args.max_length + 1}")
-        train = TextWindowDataset(train_ids, args.max_length, args.stride)
-        val = TextWindowDataset(val_ids, args.max_length, args.max_length) if len(val_ids) > args.max_length + 1 else None
-        self.val_ids = val_ids  # TOKEN_DTYPE [N]: evaluate() scores all of it
+        train = TextWindowDataset(train_ids, args.max_length, args.stride, train_trained)
+        val = (TextWindowDataset(val_ids, args.max_length, args.max_length, self.val_trained)
+               if len(val_ids) > args.max_length + 1 else None)
+        self.val_ids = val_ids  # TOKEN_DTYPE [N]: evaluate() scores all of it (its trained tokens: val_trained)
         if len(train) == 0:
-            raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length {args.max_length}")
-        self.accelerator.print(f"text: {len(ids)} tokens, {len(train)} train windows, {len(val) if val else 0} val windows")
+            what = " with an assistant token" if trained is not None else ""
+            raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length "
+                              f"{args.max_length}{what}")
+        counted = f" ({int(trained.sum())} trained on: assistant tokens)" if trained is not None else ""
+        self.accelerator.print(f"text: {len(ids)} tokens{counted}, {len(train)} train windows, "
+                               f"{len(val) if val else 0} val windows")
         return train, val
 
     def encode(self, text: str) -> list[int]:
@@ -337,11 +350,11 @@ class LLMTask:
 
     @torch.no_grad()
     def held_out_loss(self) -> float:
-        """Token-weighted mean cross-entropy over every target token of the held-out split (nan
-        when it has under 2 tokens): windows of max_length targets, stride max_length, so each
+        """Token-weighted mean cross-entropy over every trained target token of the held-out split (nan
+        when it has none): windows of max_length targets, stride max_length, so each
         token is predicted once with the context reset per window; the last window is the shorter
         rest. Full windows run batch_size at a time."""
-        ids, length = self.val_ids, self.args.max_length
+        ids, trained, length = self.val_ids, self.val_trained, self.args.max_length
         starts = list(range(0, len(ids) - 1, length))
         full = [s for s in starts if s + length + 1 <= len(ids)]
         batches = [full[i : i + self.args.batch_size] for i in range(0, len(full), self.args.batch_size)]
@@ -349,9 +362,11 @@ class LLMTask:
         total, count = 0.0, 0
         for batch in batches:
             windows = torch.stack([ids[s : s + length + 1] for s in batch]).to(self.device, torch.long)  # int64 ids
+            targets = masked_targets(windows[:, 1:], None if trained is None else
+                                     torch.stack([trained[s + 1 : s + length + 1] for s in batch]).to(self.device))
             logits = self.model(windows[:, :-1])
-            total += float(F.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten(), reduction="sum"))
-            count += windows[:, 1:].numel()
+            total += float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
+            count += int((targets != IGNORE).sum())
         return total / count if count else float("nan")
 
     def after_step(self, step: int, output_dir: str):

@@ -1,0 +1,217 @@
+""".jsonl LLM train data (library/data/chat_records.py, text_corpus.py): {"text"} and {"messages"} records,
+the loss on assistant tokens only (found by rendering the chat template prefix by prefix), bad records
+refused in one line naming file:line before the model loads, and a short LoRA run on a messages file."""
+
+import csv
+import json
+import shutil
+
+import pytest
+import torch
+
+import train_lora
+from library.data import chat_records, text_corpus
+from library.errors import ConfigError
+from library.models.tiny_files import QWEN2_CHAT_TEMPLATE
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello! How can I help?"}, {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "tool", "content": "4"}, {"role": "assistant", "content": "It is 4."}]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    from library.models.tiny_files import build_qwen_tokenizer
+
+    tok = build_qwen_tokenizer()
+    tok.chat_template = QWEN2_CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture
+def chat_llm(tiny_set, tmp_path):
+    """The tiny LM's folder with Qwen2's ChatML template in its tokenizer_config.json."""
+    folder = tmp_path / "chat_llm"
+    shutil.copytree(tiny_set["llm"], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN2_CHAT_TEMPLATE}))
+    return str(folder)
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def test_the_loss_mask_holds_the_assistant_replies_and_their_end_of_turn_only(chat_tokenizer):
+    """Of the 105 tokens the template renders (a system turn, two user turns, a tool result), the 28 trained
+    ones decode to the two replies, each with its <|im_end|> and newline; the ids are transformers' own
+    apply_chat_template(tokenize=True)."""
+    ids, trained = chat_records.chat_encoder(chat_tokenizer, all_tokens=False)(CHAT, "x.jsonl:1")
+    assert ids == chat_tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=False)
+    replies = chat_tokenizer.decode([i for i, t in zip(ids, trained) if t])
+    assert replies == "Hello! How can I help?<|im_end|>\nIt is 4.<|im_end|>\n"
+    assert len(trained) == len(ids) and (sum(trained), len(ids)) == (28, 105)
+    all_ids, all_trained = chat_records.chat_encoder(chat_tokenizer, all_tokens=True)(CHAT, "x.jsonl:1")
+    assert all_ids == ids and all_trained is True
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(chat_tokenizer):
+    """A template that marks only the last reply (as Qwen3's keeps only the last turn's thinking): the reply
+    rendered as the last message is not how the whole conversation renders it."""
+    tok = chat_tokenizer
+    template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + (('[last] ' if loop.last else '') "
+                "if m.role == 'assistant' else '') + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    old, tok.chat_template = tok.chat_template, template
+    try:
+        with pytest.raises(ConfigError, match=r"^d.jsonl:3: the chat template renders the conversation up to messages\[2\] "
+                                              r"\(assistant\) as text that does not begin the whole conversation's"):
+            chat_records.chat_encoder(tok, all_tokens=False)(CHAT, "d.jsonl:3")
+        assert chat_records.chat_encoder(tok, all_tokens=True)(CHAT, "d.jsonl:3")[1] is True
+    finally:
+        tok.chat_template = old
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "ok"', "not JSON (Expecting ',' delimiter: line 1 column 14 (char 13)); expected one object a line"),
+    ('["a list"]', "a JSON list; expected an object"),
+    ('{"prompt": "q", "completion": "a"}', "expected a \"text\" or a \"messages\" key (one of them), "),
+    ('{"text": 3}', "\"text\" is a int; expected a string"),
+    ('{"messages": [{"role": "bot", "content": "hi"}]}', "messages[0] role 'bot': expected one of system, user, assistant, tool"),
+    ('{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+     "messages[0] (user) content is a list; expected a string"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}',
+     "messages[1] is an assistant message with empty content"),
+    ('{"messages": [{"role": "user", "content": "q"}]}', "no assistant message, so nothing to train on"),
+    ('{"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "q"}]}',
+     "messages[0] is an assistant message; with the loss on assistant tokens only a conversation starts with"),
+])
+def test_a_bad_record_is_one_config_error_naming_file_and_line(tmp_path, line, message):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine"}, "", line, {"text": "never read"}])
+    with pytest.raises(ConfigError) as e:
+        text_corpus.check_corpus([path], None, all_tokens=False)
+    assert str(e.value).startswith(f"{path}:3: {message}") and "\n" not in str(e.value)
+
+
+def test_messages_without_a_chat_template_are_refused_before_the_model_loads(tiny_set, tmp_path, capsys, monkeypatch):
+    """The tiny LM's tokenizer has no chat template: the first messages record (line 2) is named, and the
+    model is never loaded."""
+    from library.training import llm_task
+
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"text": "a document"}, {"messages": CHAT}, {"messages": CHAT}])
+    monkeypatch.setattr(llm_task.LLMTask, "_load_model", lambda *a: pytest.fail("the model loaded"))
+    code = train_lora.main(["--model_type", "llm", "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data", path,
+                            "--output_dir", str(tmp_path / "out"), "--mixed_precision", "no"])
+    assert code == 2
+    assert capsys.readouterr().err == (f"error: {path}:2: a \"messages\" record, but the tokenizer in {tiny_set['llm']} has "
+                                       f"no chat template (chat_template in tokenizer_config.json, or chat_template.jinja) "
+                                       f"to render it with\n")
+
+
+def test_text_records_and_txt_files_are_the_same_documents(tmp_path, monkeypatch):
+    """A .jsonl "text" record is a document as a .txt file is (EOS after each); a .txt file larger than a
+    read is cut into pieces as the whole text would be (BOM dropped, a CRLF split across two reads one
+    newline), and nothing is masked."""
+    monkeypatch.setattr(text_corpus, "PIECE_CHARS", 64)
+    doc = "".join(f"Line {i} with some words.\r\n" for i in range(40))
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbf" + doc.encode())
+    jsonl = write_jsonl(tmp_path / "b.jsonl", [{"text": doc.replace("\r\n", "\n")}, {"text": "short"}])
+    encode = lambda s: [ord(c) for c in s]  # noqa: E731
+    files, count = text_corpus.check_corpus([str(tmp_path)], None, all_tokens=False)
+    ids, trained = text_corpus.tokenize_corpus(files, encode, encode, eos_id=0)
+    whole = encode(doc.replace("\r\n", "\n")) + [0]
+    assert count == 3 and trained is None and ids.tolist() == whole + whole + encode("short") + [0]
+    assert files[1] == jsonl
+
+
+def test_a_bad_utf8_byte_past_the_first_read_is_named_at_its_file_offset(tmp_path, monkeypatch):
+    """The same message and offset as read_utf8 gives for the whole file, with a character split across reads."""
+    from library.io import read_utf8
+
+    monkeypatch.setattr(text_corpus, "READ_BYTES", 7)
+    path = tmp_path / "a.txt"
+    path.write_bytes("caf\u00e9 \u00fcber ".encode() * 3 + b"\xff tail")
+    with pytest.raises(ValueError) as whole:
+        read_utf8(str(path))
+    with pytest.raises(ValueError) as streamed:
+        text_corpus.check_text_file(str(path))
+    assert str(streamed.value) == str(whole.value) and "at offset 36" in str(streamed.value)
+
+
+def test_the_token_stream_joins_blocks_and_starts_its_mask_where_a_token_is_untrained(monkeypatch):
+    monkeypatch.setattr(text_corpus.TokenStream, "BLOCK", 5)
+    stream = text_corpus.TokenStream()
+    for n in range(4):
+        stream.add(list(range(10 * n, 10 * n + 3)))
+    stream.add([90, 91, 92], [False, True, False])
+    stream.add([93])
+    ids, trained = stream.finish()
+    assert ids.tolist() == [0, 1, 2, 10, 11, 12, 20, 21, 22, 30, 31, 32, 90, 91, 92, 93] and ids.dtype == torch.int32
+    assert trained.tolist() == [True] * 12 + [False, True, False, True]
+
+
+def test_windows_without_a_trained_target_are_left_out_and_the_rest_are_ignored():
+    """targets are IGNORE (-100) where untrained; a window whose targets are all untrained would give a
+    0 / 0 loss (nan) and is dropped: of the 4 windows of 4 tokens, the second and the last have none."""
+    trained = torch.tensor([False] * 17)
+    trained[[1, 2, 12]] = True
+    ds = text_corpus.TextWindowDataset(torch.arange(17), 4, None, trained)
+    assert [int(s) for s in ds.starts] == [0, 8]
+    x, y = ds[1]
+    assert x.tolist() == [8, 9, 10, 11] and y.tolist() == [-100, -100, -100, 12]
+    assert text_corpus.TextWindowDataset(torch.arange(17), 4).starts == range(0, 13, 4)
+
+
+def test_a_lora_trains_on_a_messages_file_with_the_loss_on_replies_only(tiny_set, chat_llm, tmp_path):
+    """4 steps on 40 conversations: every train target outside a reply is -100, and the held-out loss is
+    over the replies' tokens alone (finite)."""
+    from library.training.config import load_config
+    from library.training.llm_task import LLMTask
+
+    records = [{"messages": [{"role": "user", "content": f"Count to {n}."},
+                             {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]}
+               for n in range(2, 42)]
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+    argv = ["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data", path, "--output_dir",
+            str(tmp_path / "out"), "--output_name", "chat", "--mixed_precision", "no", "--max_length", "32", "--batch_size",
+            "4", "--max_train_steps", "4", "--eval_every_n_steps", "4", "--sample_max_new_tokens", "4",
+            "--optimizer_type", "AdamW", "--learning_rate", "1e-2"]
+    args = load_config(argv)
+    task = LLMTask(args, train_lora.make_accelerator(args))
+    im_start = task.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    x, y = task.train_set[0]
+    assert (y == im_start).sum() == 0 and (y == -100).any() and (y != -100).any()
+    assert 0 < int(task.val_trained.sum()) < len(task.val_ids)
+    assert train_lora.main(argv) == 0
+    with open(tmp_path / "out" / "chat_log.csv") as f:
+        losses = [float(r["loss"]) for r in csv.DictReader(f)]
+    with open(tmp_path / "out" / "chat_eval.csv") as f:
+        val = [float(r["val_loss"]) for r in csv.DictReader(f)]
+    assert len(losses) == 4 and all(0 < v < 20 for v in losses + val)
+
+
+def test_the_held_out_loss_averages_over_the_trained_tokens_only():
+    """70 held-out tokens, 23 of them trained (every third from 1): the token-weighted mean over those 23
+    targets, not over all 69 (the all-token loss differs)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from library.models.llm import LLM, LLMConfig
+    from library.training.llm_task import LLMTask
+
+    model = LLM(LLMConfig(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
+                          qkv_bias=False, max_position_embeddings=32)).eval()
+    ids, trained = torch.randint(0, 40, (70,)), torch.arange(70) % 3 == 1
+    task = SimpleNamespace(val_ids=ids, val_trained=trained, args=SimpleNamespace(max_length=16, batch_size=3), model=model,
+                           device="cpu")
+    total, count = 0.0, 0
+    for s in range(0, 69, 16):
+        window, keep = ids[s : s + 17][None], trained[s + 1 : s + 17]
+        with torch.no_grad():
+            losses = F.cross_entropy(model(window[:, :-1])[0], window[0, 1:], reduction="none")
+        total, count = total + float(losses[keep].sum()), count + int(keep.sum())
+    assert count == 23 and abs(LLMTask.held_out_loss(task) - total / count) <= 1e-5
+    task.val_trained = None
+    assert abs(LLMTask.held_out_loss(task) - total / count) > 1e-3
