@@ -221,6 +221,14 @@ def saved_header(path: str) -> dict:
         return {}
 
 
+def remove_save(path: str) -> None:
+    """A save's file, or its folder (a PEFT adapter, a pretrained model)."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
 class Saver:
     """Writes LoRAs (atomically, with metadata; with EMA also <name>_ema.safetensors) and states;
     keeps the newest N intermediates of those this run wrote, counting those the run it resumes wrote
@@ -257,14 +265,10 @@ class Saver:
 
     def _remove_earlier_emas(self, name: str):
         for earlier in self.earlier_emas.pop(name, []):  # its file and / or folder
-            if os.path.isdir(earlier):
-                shutil.rmtree(earlier)
-            elif os.path.isfile(earlier):
-                os.remove(earlier)
-            else:
-                continue
-            self.accelerator.print(f"removed {earlier}: the EMA of the earlier run whose LoRA this one replaced (this "
-                                   f"run has no ema_decay)")
+            if os.path.isdir(earlier) or os.path.isfile(earlier):
+                remove_save(earlier)
+                self.accelerator.print(f"removed {earlier}: the EMA of the earlier run whose LoRA this one replaced "
+                                       f"(this run has no ema_decay)")
 
     def state(self, optimizer, scheduler, progress: dict) -> str:
         folder = os.path.join(self.args.output_dir, f"{self.args.output_name}-state")
@@ -294,10 +298,7 @@ class Saver:
         old_steps, self.saves = self.saves[:-keep], self.saves[-keep:]
         for old_step in old_steps:
             for old in saves.get(old_step, []):
-                if os.path.isdir(old):
-                    shutil.rmtree(old)
-                else:
-                    os.remove(old)
+                remove_save(old)
 
 
 class Trainer:

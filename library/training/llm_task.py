@@ -200,11 +200,11 @@ class LLMTask:
 
         reader = CheckpointReader(path)
         stored = None if self.args.pretrain else read_stored_layout(reader, path)
-        self.stored_precision = stored.layout if stored else None
-        if stored is None and not self.args.pretrain:  # a plain e5m2 file widens: its name, or the fp8 base refused
-            self.stored_precision = widened_layout(path, base_precision(self.args))
         if stored is None:
+            if not self.args.pretrain:  # a plain e5m2 file widens: its name, or the fp8 base refused
+                self.stored_precision = widened_layout(path, base_precision(self.args))
             return fp8_prepare(base_precision(self.args), "llm")
+        self.stored_precision = stored.layout
         check_config_precision(path, stored.layout, base_precision(self.args))
         return lambda model: stored_converter(model, stored, arch_spec("llm").fp8, self.weights_dtype, reader, path)
 
