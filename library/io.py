@@ -515,8 +515,8 @@ def held_lock(path: str, advice: str):
     make_parent_folder(path)
     fd = _flock_file(path, advice)
     if fd is None:
-        print(f"warning: {path}: this file system cannot lock files; a second run writing the same outputs "
-              f"would not be stopped", file=sys.stderr)
+        print(f"warning: {path}: this file system cannot lock files; a second run using {os.path.dirname(path)} "
+              f"at the same time would not be stopped", file=sys.stderr)
         yield
         return
     try:

@@ -7,6 +7,7 @@ fill the caches, and freed before the transformer is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -91,8 +92,11 @@ def compile_by_default(args, device_type: str, triton: bool, stored_precision: s
     return True, "each transformer block compiled on CUDA; the first steps take a minute or two longer"
 
 
+CACHE_LOCK = ".caches.lock"  # in each cache folder, while a run caches and trains from it (_hold_cache_folders)
+
+
 class DiffusionTask:
-    def __init__(self, args, accelerator):
+    def __init__(self, args, accelerator, held: contextlib.ExitStack | None = None):
         self.args, self.accelerator = args, accelerator
         self.device = accelerator.device
         self.family = get_family(args)
@@ -114,6 +118,7 @@ class DiffusionTask:
         self._loader = None  # the DataLoader kept across epochs (persistent_data_loader_workers)
         check_warmup(args, plan_steps(args, self.batches_per_epoch()), args.config_file or "command line")
         self.prompts = self._read_prompts()
+        self._hold_cache_folders(contextlib.ExitStack() if held is None else held)
         self._settle_bf16_reference()  # before minutes of caching
         self._fill_caches()  # also encodes the sample prompts, then frees the encoders
         self.base = self._load_base()
@@ -195,6 +200,26 @@ class DiffusionTask:
                                                     references)
         if warning:
             self.accelerator.print(warning, file=sys.stderr)
+
+    def _hold_cache_folders(self, held: contextlib.ExitStack):
+        """The run's cache folders are its own until `held` closes (the run's end): another run caching
+        there at the same time would remove the files this one reads (remove_unused_caches: each
+        removes what its own entries do not use) or rewrite them under it. The main process locks
+        each folder (library/training/run_locks.py); a run that finds one held stops here, before
+        any caching or deletion, or with cache_lock_wait waits for it. A folder this run cannot
+        write is not locked: it caches nothing there and removes nothing from it."""
+        from library.training.run_locks import held_by_run
+
+        args = self.args
+        if not (args.cache_latents_to_disk or args.cache_text_encoder_outputs_to_disk):
+            return  # the caches live in memory: no file is shared
+        folders = {cache_folder(item) for item in self.dataset.items + self.validation_set.items}
+        locks = [os.path.join(f, CACHE_LOCK) for f in folders if not os.path.isdir(f) or os.access(f, os.W_OK | os.X_OK)]
+        held.enter_context(held_by_run(
+            locks, self.accelerator,
+            "another training caches or trains in this cache folder, and its caches must stay while it runs; let "
+            "it finish, set cache_lock_wait = true to wait for it, or give this run another cache_dir",
+            "waiting for it to end (cache_lock_wait = true)" if args.cache_lock_wait else None))
 
     def _fill_caches(self):
         self._cache_latents()  # the VAE is freed when this returns

@@ -1,0 +1,88 @@
+"""Caching under concurrency: a run holds its cache folders (.caches.lock) while it caches and
+trains, so a second run over them stops at once (or waits, with cache_lock_wait) instead of
+removing the files the first one reads."""
+
+import multiprocessing
+import os
+import shutil
+import socket
+import threading
+
+import pytest
+import torch
+
+import train_lora
+from library.io import held_lock, save_safetensors
+from library.training import run_locks
+from library.training.diffusion_task import CACHE_LOCK, DiffusionTask
+from tests.test_train_lora import flux_args
+
+
+def hold(path: str, held, release):
+    """Another run: holds the lock file `path` until `release` is set."""
+    with held_lock(path, "another run's advice"):
+        held.set()
+        release.wait(30)
+
+
+def two_images(tiny_set, tmp_path):
+    """(dataset TOML, its image folder with an unused flux latent cache an older run left there)."""
+    folder = tmp_path / "img"
+    folder.mkdir()
+    for name in ("000.png", "000.txt", "002.png", "002.txt"):
+        shutil.copy(os.path.join(tiny_set["image_dir"], name), folder / name)
+    toml = tmp_path / "ds.toml"
+    toml.write_text(f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "{folder}"\n')
+    old = folder / "000_flux_0123456789_00000000_48x48.safetensors"
+    save_safetensors({"latents": torch.zeros(1)}, str(old), {"content_hash": "0", "model_key": "flux_0123456789"})
+    return str(toml), folder, old
+
+
+def stop_after_caching(monkeypatch):
+    """The run ends (exit 130, as a Ctrl-C) where the transformer would load: caching is done."""
+    def interrupted(self):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(DiffusionTask, "_load_base", interrupted)
+
+
+def test_a_second_run_stops_at_once_on_a_held_cache_folder_and_waits_when_told(tiny_set, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """The old line had no cache lock: the second run cached beside the first and removed the caches
+    the first one trains from (here: the older run's 48x48 latents, which it does not use)."""
+    toml, folder, old = two_images(tiny_set, tmp_path)
+    argv = flux_args(tiny_set, tmp_path / "out", "--dataset_config", toml, "--sample_prompts", "")
+    lock = str(folder / CACHE_LOCK)
+    fork = multiprocessing.get_context("fork")
+    held, release = fork.Event(), fork.Event()
+    holder = fork.Process(target=hold, args=(lock, held, release))
+    holder.start()
+    try:
+        assert held.wait(10)
+        files = sorted(os.listdir(folder))
+        assert train_lora.main(argv) == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert line.startswith(f"error: {lock}: held by pid {holder.pid} on host {socket.gethostname()} (since ")
+        assert line.endswith("set cache_lock_wait = true to wait for it, or give this run another cache_dir")
+        assert sorted(os.listdir(folder)) == files  # nothing cached, nothing removed
+
+        # cache_lock_wait: the run waits until the other one ends, then caches (and removes the old file)
+        monkeypatch.setattr(run_locks, "WAIT_POLL_S", 0.05)
+        stop_after_caching(monkeypatch)
+        threading.Timer(0.5, release.set).start()
+        assert train_lora.main([*argv, "--cache_lock_wait", "true"]) == 130
+    finally:
+        release.set()
+        holder.join(10)
+    out = capsys.readouterr().out
+    assert f"{lock}: held by pid {holder.pid}" in out and "waiting for it to end (cache_lock_wait = true)" in out
+    assert "caches: 1 files no entry uses were removed" in out and not old.exists()
+    assert not os.path.exists(lock)  # let go at the run's end (here a Ctrl-C)
+
+
+def test_a_lock_file_left_by_a_killed_run_does_not_block(tiny_set, tmp_path, monkeypatch, capsys):
+    toml, folder, _ = two_images(tiny_set, tmp_path)
+    (folder / CACHE_LOCK).write_text('{"pid": 999999, "host": "gone"}')  # no process holds its flock
+    stop_after_caching(monkeypatch)
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--dataset_config", toml, "--sample_prompts", "")) == 130
+    assert "taking over the lock of pid 999999 on host gone" in capsys.readouterr().err
+    assert not (folder / CACHE_LOCK).exists() and any(name.endswith("_te.safetensors") for name in os.listdir(folder))
