@@ -1,21 +1,28 @@
 """Caching under concurrency: a run holds its cache folders (.caches.lock) while it caches and
 trains, so a second run over them stops at once (or waits, with cache_lock_wait) instead of
-removing the files the first one reads."""
+removing the files the first one reads; the processes of one run each encode their share of the
+files, once, and wait for the others'."""
 
+import json
 import multiprocessing
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 
 import train_lora
+from library.data import caches, dataset as D
 from library.io import held_lock, save_safetensors
 from library.training import run_locks
 from library.training.diffusion_task import CACHE_LOCK, DiffusionTask
-from tests.test_train_lora import flux_args
+from tests.test_cache_freshness import dataset, encode
+from tests.test_dataset import CountingEncoder, make_image, write
+from tests.test_train_lora import ROOT, flux_args, free_port
 
 
 def hold(path: str, held, release):
@@ -86,3 +93,50 @@ def test_a_lock_file_left_by_a_killed_run_does_not_block(tiny_set, tmp_path, mon
     assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--dataset_config", toml, "--sample_prompts", "")) == 130
     assert "taking over the lock of pid 999999 on host gone" in capsys.readouterr().err
     assert not (folder / CACHE_LOCK).exists() and any(name.endswith("_te.safetensors") for name in os.listdir(folder))
+
+
+def four_images(root):
+    for name in "abcd":
+        make_image(root / "img" / f"{name}.png", 32, 32)
+        write(root / "img" / f"{name}.txt", f"caption {name}")
+
+
+def test_two_processes_encode_disjoint_shares_and_every_file_once(tmp_path):
+    """The old line had no share: each process of an N-process run encoded every stale file (here
+    2 x 4 images and 2 x 4 captions for 4 files each, both writing the same files). The share goes
+    by the item's place in the run's list, not among the stale ones: process 1 looks after process 0
+    wrote its files (here: one after the other), and still encodes exactly the other half."""
+    four_images(tmp_path)
+    shares = []
+    for process in (0, 1):
+        enc, items = CountingEncoder(), D.ImageDataset(dataset(tmp_path)).items
+        assert caches.cache_latents(items, enc.latents, "vae-1", batch_size=2, share=(process, 2)) == 2
+        assert caches.cache_text(items, enc.text, "te-1", share=(process, 2)) == 2
+        assert all(isinstance(item.latent_cache, str) and isinstance(item.text_cache, str) for item in items)
+        shares.append((enc.images, sorted(enc.captions)))
+    assert shares == [(2, ["caption a", "caption c"]), (2, ["caption b", "caption d"])]
+    assert encode(tmp_path, CountingEncoder()) == (0, 0)  # every file written, by one of them
+    memory = CountingEncoder()  # kept in memory: each process needs every tensor itself
+    assert caches.cache_latents(D.ImageDataset(dataset(tmp_path)).items, memory.latents, "vae-1", to_disk=False,
+                                share=(1, 2)) == 4
+
+
+def test_two_gloo_processes_cache_their_shares_and_the_main_one_the_prompts(tmp_path):
+    """DiffusionTask._fill_caches on 2 CPU processes (torch.distributed.run): each encodes 2 of the 4
+    images and captions and both print the run's count; the sample prompt ("a dog" and its empty
+    negative) is encoded by the main process and read from its file by the other."""
+    four_images(tmp_path)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          free_port(), "-m", "tests.caching_processes", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    reports = sorted((json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")),
+                     key=lambda r: r["process"])
+    main, other = reports
+    assert (main["images"], main["captions"]) == (2, ["", "a dog", "caption a", "caption c"])
+    assert (other["images"], other["captions"]) == (2, ["caption b", "caption d"])
+    for report in reports:
+        assert report["loads"] == ["vae", "text"]
+        assert "latents: 4 encoded, 0 reused from disk" in report["printed"]
+        assert "captions: 4 encoded, 0 reused from disk" in report["printed"]
