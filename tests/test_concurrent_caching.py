@@ -140,3 +140,27 @@ def test_two_gloo_processes_cache_their_shares_and_the_main_one_the_prompts(tmp_
         assert report["loads"] == ["vae", "text"]
         assert "latents: 4 encoded, 0 reused from disk" in report["printed"]
         assert "captions: 4 encoded, 0 reused from disk" in report["printed"]
+
+
+def test_the_run_locks_the_cache_folders_it_can_write_until_its_end(tmp_path, monkeypatch):
+    """A read-only folder of current caches trains (test_cache_freshness): it is not locked (its lock
+    file could not be made), and a run whose caches all live in memory locks nothing."""
+    import contextlib
+    from types import SimpleNamespace
+
+    writable, read_only = tmp_path / "a", tmp_path / "b"
+    for root in (writable, read_only):
+        four_images(root)
+    items = [*D.ImageDataset(dataset(writable)).items, *D.ImageDataset(dataset(read_only)).items]
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: path != str(read_only / "img") and access(path, mode))
+    for to_disk, locked in ((False, False), (True, True)):
+        args = SimpleNamespace(cache_latents_to_disk=to_disk, cache_text_encoder_outputs_to_disk=False,
+                               cache_lock_wait=False)
+        task = SimpleNamespace(args=args, dataset=SimpleNamespace(items=items), validation_set=SimpleNamespace(items=[]),
+                               accelerator=SimpleNamespace(is_main_process=True, num_processes=1, print=print))
+        with contextlib.ExitStack() as held:
+            DiffusionTask._hold_cache_folders(task, held)
+            assert (writable / "img" / CACHE_LOCK).exists() == locked
+            assert not (read_only / "img" / CACHE_LOCK).exists()
+        assert not (writable / "img" / CACHE_LOCK).exists()
