@@ -274,8 +274,8 @@ class Trainer:
     """The run's objects and counters; `run()` is the loop."""
 
     def __init__(self, args, accelerator=None, held: contextlib.ExitStack | None = None):
-        """held: where the run's locks go, let go when the run ends (train()); without it, when the
-        process does."""
+        """held: where the run's locks go (its cache folders'), let go when the run ends (train());
+        without it, when the task is collected or the process ends."""
         self.args, self.started = args, time.time()
         self.accelerator = accelerator = accelerator or make_accelerator(args)
         if fsdp.uses_fsdp(accelerator):
@@ -285,7 +285,7 @@ class Trainer:
         state = load_state(args.resume, args) if args.resume else None
         earlier = earlier_emas(args)
         os.makedirs(args.output_dir, exist_ok=True)
-        self.task = task = build_task(args, accelerator, state, contextlib.ExitStack() if held is None else held)
+        self.task = task = build_task(args, accelerator, state, held)
         self.data_digests = item_digests(task.data_items())  # once: a save stats no file
 
         optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,

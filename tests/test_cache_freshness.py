@@ -190,8 +190,7 @@ def fill_caches(root, family, prompts=(), keep_cache=False, accelerator=None, **
     if accelerator is not None:
         task.accelerator.__dict__.update({k: getattr(accelerator, k) for k in ("is_main_process", "process_index",
                                                                                 "num_processes", "main_process_first")})
-    for method in ("_cache_latents", "_cache_prompt_texts", "_prompt_folder", "_remove_unused_caches", "_cache_share",
-                   "_encoded_by_all"):
+    for method in ("_cache_latents", "_cache_prompt_texts", "_prompt_folder", "_remove_unused_caches"):
         setattr(task, method, getattr(DiffusionTask, method).__get__(task))
     DiffusionTask._fill_caches(task)
     return task, printed

@@ -95,6 +95,23 @@ def compile_by_default(args, device_type: str, triton: bool, stored_precision: s
 CACHE_LOCK = ".caches.lock"  # in each cache folder, while a run caches and trains from it (_hold_cache_folders)
 
 
+def cache_share(accelerator) -> tuple[int, int]:
+    """(this process, processes): which cache files this process encodes (caches.owned_by)."""
+    return accelerator.process_index, accelerator.num_processes
+
+
+def encoded_by_all(accelerator, encoded: int, to_disk: bool) -> int:
+    """After a cache pass, every process waits for the others' (their files are read next) and
+    learns how many entries they encoded together; kept in memory, each encoded every entry for
+    itself: its own count."""
+    if accelerator.num_processes == 1:
+        return encoded
+    from accelerate.utils import gather_object
+
+    counts = gather_object([encoded])  # a collective: each process's count, once all have finished
+    return sum(counts) if to_disk else encoded
+
+
 class DiffusionTask:
     def __init__(self, args, accelerator, held: contextlib.ExitStack | None = None):
         self.args, self.accelerator = args, accelerator
@@ -223,7 +240,7 @@ class DiffusionTask:
 
     def _fill_caches(self):
         """Latents, captions, then the empty caption and the sample prompts. On several processes each
-        encodes its share of the cache files (caches.owned_by) and waits for the others' (_encoded_by_all);
+        encodes its share of the cache files (caches.owned_by) and waits for the others' (encoded_by_all);
         the prompts' files are written by the main process first, then read by the others."""
         self._cache_latents()  # the VAE is freed when this returns
         args, items = self.args, self.dataset.items + self.validation_set.items
@@ -234,8 +251,8 @@ class DiffusionTask:
         sees = self.family.text_sees_controls  # text per (caption, references)
         to_disk = args.cache_text_encoder_outputs_to_disk
         encoded = cache_text(items, encode_text, text_key, batch_size=args.text_encoder_batch_size, to_disk=to_disk,
-                             with_references=sees, share=self._cache_share())
-        encoded = self._encoded_by_all(encoded, to_disk)
+                             with_references=sees, share=cache_share(self.accelerator))
+        encoded = encoded_by_all(self.accelerator, encoded, to_disk)
         variants = sum(len(item.caption_variants) for item in items)
         self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk"
                                + (f"; {variants} augmented variants cached with them" if variants else ""))
@@ -246,21 +263,6 @@ class DiffusionTask:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def _cache_share(self) -> tuple[int, int]:
-        """(this process, processes): which cache files this process encodes (caches.owned_by)."""
-        return self.accelerator.process_index, self.accelerator.num_processes
-
-    def _encoded_by_all(self, encoded: int, to_disk: bool) -> int:
-        """After a cache pass, every process waits for the others' (their files are read next) and
-        learns how many entries they encoded together; kept in memory, each encoded every entry for
-        itself: its own count."""
-        if self.accelerator.num_processes == 1:
-            return encoded
-        from accelerate.utils import gather_object
-
-        counts = gather_object([encoded])  # a collective: each process's count, once all have finished
-        return sum(counts) if to_disk else encoded
 
     def _cache_prompt_texts(self, encode_text, text_key: str, sees: bool) -> list[str | None]:
         """The empty caption (caption dropout's, as the dataset's empty_text) and the sample prompts'
@@ -313,8 +315,8 @@ class DiffusionTask:
 
         to_disk = self.args.cache_latents_to_disk
         encoded = cache_latents(items, loaded_on_first_call(load), latent_key, batch_size=self.args.vae_batch_size,
-                                to_disk=to_disk, share=self._cache_share())
-        encoded = self._encoded_by_all(encoded, to_disk)
+                                to_disk=to_disk, share=cache_share(self.accelerator))
+        encoded = encoded_by_all(self.accelerator, encoded, to_disk)
         self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
 
     def _load_base(self) -> nn.Module:
