@@ -125,8 +125,8 @@ def output_lock(args, accelerator):
     from library.training.run_locks import held_by_run
 
     lock = os.path.join(args.output_dir, f".{args.output_name}.lock")
-    return held_by_run([lock], accelerator, f"another training is writing output_name '{args.output_name}' in this "
-                                            f"output_dir; let it finish, or choose another output_dir or output_name")
+    return held_by_run(lock, accelerator, f"another training is writing output_name '{args.output_name}' in this "
+                                          f"output_dir; let it finish, or choose another output_dir or output_name")
 
 
 def build_task(args, accelerator, state: SavedState | None = None,

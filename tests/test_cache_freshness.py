@@ -183,7 +183,7 @@ def fill_caches(root, family, prompts=(), keep_cache=False, accelerator=None, **
                            text_encoder_batch_size=8, cache_text_encoder_outputs_to_disk=True, keep_cache=keep_cache)
     printed = []
     task = SimpleNamespace(dataset=D.ImageDataset(dataset(root, **changes)), validation_set=SimpleNamespace(items=[]),
-                           family=family, device=torch.device("cpu"), args=args, prompts=list(prompts),
+                           family=family, device=torch.device("cpu"), args=args, prompts=list(prompts), _cache_locks={},
                            accelerator=SimpleNamespace(print=lambda *a, **k: printed.append(" ".join(map(str, a))),
                                                        is_main_process=True, process_index=0, num_processes=1,
                                                        main_process_first=contextlib.nullcontext))

@@ -1,24 +1,24 @@
-"""Caching under concurrency: a run holds its cache folders (.caches.lock) while it caches and
-trains, so a second run over them stops at once (or waits, with cache_lock_wait) instead of
-removing the files the first one reads; the processes of one run each encode their share of the
-files, once, and wait for the others'."""
+"""Caching under concurrency: runs over the same images cache and train at once, each holding its
+cache folders' .caches.lock shared, and remove unused caches only in a folder no other run holds
+(they would remove the files another one reads); the processes of one run each encode their share
+of the files, once, and wait for the others'."""
 
+import contextlib
+import fcntl
 import json
 import multiprocessing
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import train_lora
 from library.data import caches, dataset as D
-from library.io import held_lock, save_safetensors
-from library.training import run_locks
+from library.io import SharedLock, save_safetensors
 from library.training.diffusion_task import CACHE_LOCK, DiffusionTask
 from tests.test_cache_freshness import dataset, encode
 from tests.test_dataset import CountingEncoder, make_image, write
@@ -26,10 +26,11 @@ from tests.test_train_lora import ROOT, flux_args, free_port
 
 
 def hold(path: str, held, release):
-    """Another run: holds the lock file `path` until `release` is set."""
-    with held_lock(path, "another run's advice"):
-        held.set()
-        release.wait(30)
+    """Another run over the same images: holds the lock file `path` shared until `release` is set."""
+    lock = SharedLock(path)
+    held.set()
+    release.wait(30)
+    lock.close()
 
 
 def two_images(tiny_set, tmp_path):
@@ -52,47 +53,55 @@ def stop_after_caching(monkeypatch):
     monkeypatch.setattr(DiffusionTask, "_load_base", interrupted)
 
 
-def test_a_second_run_stops_at_once_on_a_held_cache_folder_and_waits_when_told(tiny_set, tmp_path, monkeypatch,
-                                                                                 capsys):
-    """The old line had no cache lock: the second run cached beside the first and removed the caches
-    the first one trains from (here: the older run's 48x48 latents, which it does not use)."""
+def test_a_run_beside_another_on_its_cache_folder_trains_and_leaves_the_unused_caches(tiny_set, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """Two runs over one dataset at once (two learning rates on two GPUs) both train. The old line
+    (an exclusive .caches.lock) stopped the second at once, exit 2; before it, the second removed
+    the caches the first trains from (here: an older run's 48x48 latents, which neither uses)."""
     toml, folder, old = two_images(tiny_set, tmp_path)
-    argv = flux_args(tiny_set, tmp_path / "out", "--dataset_config", toml, "--sample_prompts", "")
-    lock = str(folder / CACHE_LOCK)
+    argv = flux_args(tiny_set, tmp_path / "out", "--dataset_config", toml, "--sample_prompts", "",
+                     "--max_train_steps", "1")
     fork = multiprocessing.get_context("fork")
     held, release = fork.Event(), fork.Event()
-    holder = fork.Process(target=hold, args=(lock, held, release))
+    holder = fork.Process(target=hold, args=(str(folder / CACHE_LOCK), held, release))
     holder.start()
     try:
         assert held.wait(10)
-        files = sorted(os.listdir(folder))
-        assert train_lora.main(argv) == 2
-        line = capsys.readouterr().err.strip().splitlines()[-1]
-        assert line.startswith(f"error: {lock}: held by pid {holder.pid} on host {socket.gethostname()} (since ")
-        assert line.endswith("set cache_lock_wait = true to wait for it, or give this run another cache_dir")
-        assert sorted(os.listdir(folder)) == files  # nothing cached, nothing removed
-
-        # cache_lock_wait: the run waits until the other one ends, then caches (and removes the old file)
-        monkeypatch.setattr(run_locks, "WAIT_POLL_S", 0.05)
-        stop_after_caching(monkeypatch)
-        threading.Timer(0.5, release.set).start()
-        assert train_lora.main([*argv, "--cache_lock_wait", "true"]) == 130
+        assert train_lora.main(argv) == 0
     finally:
         release.set()
         holder.join(10)
     out = capsys.readouterr().out
-    assert f"{lock}: held by pid {holder.pid}" in out and "waiting for it to end (cache_lock_wait = true)" in out
-    assert "caches: 1 files no entry uses were removed" in out and not old.exists()
-    assert not os.path.exists(lock)  # let go at the run's end (here a Ctrl-C)
+    assert (f"{folder}: another run is using these caches; unused cache files are left for a run that has the "
+            f"folder alone") in out
+    assert old.exists() and "files no entry uses were removed" not in out
+    assert sum(name.endswith("_te.safetensors") for name in os.listdir(folder)) == 2  # cached beside the other
 
-
-def test_a_lock_file_left_by_a_killed_run_does_not_block(tiny_set, tmp_path, monkeypatch, capsys):
-    toml, folder, _ = two_images(tiny_set, tmp_path)
-    (folder / CACHE_LOCK).write_text('{"pid": 999999, "host": "gone"}')  # no process holds its flock
+    # alone in the folder (the other run ended; the lock file it left is no lock): removed as before
     stop_after_caching(monkeypatch)
-    assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--dataset_config", toml, "--sample_prompts", "")) == 130
-    assert "taking over the lock of pid 999999 on host gone" in capsys.readouterr().err
-    assert not (folder / CACHE_LOCK).exists() and any(name.endswith("_te.safetensors") for name in os.listdir(folder))
+    assert train_lora.main(argv) == 130
+    out = capsys.readouterr().out
+    assert "caches: 1 files no entry uses were removed" in out and "another run" not in out and not old.exists()
+
+
+def test_a_shared_lock_is_alone_only_without_other_holders_and_keeps_its_file(tmp_path):
+    """A failed try to be alone lets go of the shared lock under Linux's flock; SharedLock takes it
+    back, so the other holder, trying next, is not let in alone either."""
+    path = str(tmp_path / "cache" / CACHE_LOCK)
+    first, second = SharedLock(path), SharedLock(path)  # two descriptors: two holders to flock
+    for lock in (first, second, first):
+        with lock.alone() as alone:
+            assert alone is False
+    second.close()
+    probe = os.open(path, os.O_RDONLY)
+    with first.alone() as alone:
+        assert alone is True
+        with pytest.raises(BlockingIOError):  # exclusive: a new holder waits
+            fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared again after the block
+    os.close(probe)
+    first.close()
+    assert os.path.exists(path)  # never removed (another holder could still hold it)
 
 
 def four_images(root):
@@ -144,23 +153,25 @@ def test_two_gloo_processes_cache_their_shares_and_the_main_one_the_prompts(tmp_
 
 def test_the_run_locks_the_cache_folders_it_can_write_until_its_end(tmp_path, monkeypatch):
     """A read-only folder of current caches trains (test_cache_freshness): it is not locked (its lock
-    file could not be made), and a run whose caches all live in memory locks nothing."""
-    import contextlib
-    from types import SimpleNamespace
-
+    file could not be made); a run whose caches all live in memory locks nothing, and neither does a
+    process other than the main one (the lock is the run's). The lock goes at the run's end, its file
+    stays."""
     writable, read_only = tmp_path / "a", tmp_path / "b"
     for root in (writable, read_only):
         four_images(root)
     items = [*D.ImageDataset(dataset(writable)).items, *D.ImageDataset(dataset(read_only)).items]
     access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: path != str(read_only / "img") and access(path, mode))
-    for to_disk, locked in ((False, False), (True, True)):
-        args = SimpleNamespace(cache_latents_to_disk=to_disk, cache_text_encoder_outputs_to_disk=False,
-                               cache_lock_wait=False)
+    lock = writable / "img" / CACHE_LOCK
+    for to_disk, main, locked in ((False, True, False), (True, False, False), (True, True, True)):
+        args = SimpleNamespace(cache_latents_to_disk=to_disk, cache_text_encoder_outputs_to_disk=False)
         task = SimpleNamespace(args=args, dataset=SimpleNamespace(items=items), validation_set=SimpleNamespace(items=[]),
-                               accelerator=SimpleNamespace(is_main_process=True, num_processes=1, print=print))
+                               accelerator=SimpleNamespace(is_main_process=main, num_processes=1, print=print))
         with contextlib.ExitStack() as held:
             DiffusionTask._hold_cache_folders(task, held)
-            assert (writable / "img" / CACHE_LOCK).exists() == locked
-            assert not (read_only / "img" / CACHE_LOCK).exists()
-        assert not (writable / "img" / CACHE_LOCK).exists()
+            assert sorted(task._cache_locks) == ([str(writable / "img")] if locked else [])
+            assert lock.exists() == locked and not (read_only / "img" / CACHE_LOCK).exists()
+        assert lock.exists() == locked
+    probe = os.open(lock, os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go: a run alone may take it exclusive
+    os.close(probe)

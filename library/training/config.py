@@ -138,8 +138,6 @@ SCHEMA: dict[str, Arg] = {
     "cache_text_encoder_outputs_to_disk": A(bool, False, "keep text caches on disk"),
     "keep_cache": A(bool, False, "keep the cache files of this model no entry uses (an old setting's, a removed "
                                  "image's) instead of deleting them after caching (musubi-tuner's --keep_cache)"),
-    "cache_lock_wait": A(bool, False, "where another run holds a cache folder of this one (its .caches.lock, "
-                                      "held while it caches and trains), wait for it to end instead of stopping at once"),
     "text_encoder_precision": A(str, "bf16", "caption encoders' weights (fp8: T5-XXL / Qwen2.5-VL / Qwen3 Linears in e4m3, CLIP-L bf16)",
                                 ("fp32", "fp16", "bf16", "fp8", "fp8_scaled")),
     "text_encoder_batch_size": A(int, 8, "captions per encoder batch while caching"),
@@ -561,7 +559,7 @@ DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_e
                   "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
                   "validate_every_n_steps", "persistent_data_loader_workers",
-                  "keep_cache", "cache_lock_wait")
+                  "keep_cache")
 
 
 def plan_steps(args, batches_per_epoch: int) -> int:

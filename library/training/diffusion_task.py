@@ -25,6 +25,7 @@ from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset,
 from library.data.image_folders import scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, reference_images
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
+from library.io import SharedLock
 from library.models.core import checkpointing, compile_block
 from library.models.family import get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
@@ -92,7 +93,7 @@ def compile_by_default(args, device_type: str, triton: bool, stored_precision: s
     return True, "each transformer block compiled on CUDA; the first steps take a minute or two longer"
 
 
-CACHE_LOCK = ".caches.lock"  # in each cache folder, while a run caches and trains from it (_hold_cache_folders)
+CACHE_LOCK = ".caches.lock"  # in each cache folder, held shared by the runs caching and training from it
 
 
 def cache_share(accelerator) -> tuple[int, int]:
@@ -219,24 +220,22 @@ class DiffusionTask:
             self.accelerator.print(warning, file=sys.stderr)
 
     def _hold_cache_folders(self, held: contextlib.ExitStack):
-        """The run's cache folders are its own until `held` closes (the run's end): another run caching
-        there at the same time would remove the files this one reads (remove_unused_caches: each
-        removes what its own entries do not use) or rewrite them under it. The main process locks
-        each folder (library/training/run_locks.py); a run that finds one held stops here, before
-        any caching or deletion, or with cache_lock_wait waits for it. A folder this run cannot
-        write is not locked: it caches nothing there and removes nothing from it."""
-        from library.training.run_locks import held_by_run
-
-        args = self.args
+        """The main process holds each cache folder's .caches.lock shared until `held` closes (the
+        run's end), beside any other run over the same images: two runs caching the same file write
+        it twice (atomically), which is lost time, not harm. What harms is a removal of the files
+        another run reads, so the unused ones are removed only in a folder this run has alone
+        (_remove_unused_caches). A folder this run cannot write is not locked: it caches nothing
+        there and removes nothing from it."""
+        args, self._cache_locks = self.args, {}
         if not (args.cache_latents_to_disk or args.cache_text_encoder_outputs_to_disk):
             return  # the caches live in memory: no file is shared
+        if not self.accelerator.is_main_process:
+            return  # the lock is the run's; only the main process removes caches
         folders = {cache_folder(item) for item in self.dataset.items + self.validation_set.items}
-        locks = [os.path.join(f, CACHE_LOCK) for f in folders if not os.path.isdir(f) or os.access(f, os.W_OK | os.X_OK)]
-        held.enter_context(held_by_run(
-            locks, self.accelerator,
-            "another training caches or trains in this cache folder, and its caches must stay while it runs; let "
-            "it finish, set cache_lock_wait = true to wait for it, or give this run another cache_dir",
-            "waiting for it to end (cache_lock_wait = true)" if args.cache_lock_wait else None))
+        for folder in sorted(folders):
+            if not os.path.isdir(folder) or os.access(folder, os.W_OK | os.X_OK):
+                self._cache_locks[folder] = lock = SharedLock(os.path.join(folder, CACHE_LOCK))
+                held.callback(lock.close)
 
     def _fill_caches(self):
         """Latents, captions, then the empty caption and the sample prompts. On several processes each
@@ -283,15 +282,22 @@ class DiffusionTask:
 
     def _remove_unused_caches(self, items: list, prompt_files: list[str | None]) -> None:
         """Cache files of this family in this run's cache folders that no entry uses (an old setting's,
-        a removed image's) are deleted, once, by the main process; keep_cache = true keeps them."""
+        a removed image's) are deleted, once, by the main process, in the folders no other run holds
+        (each held exclusive meanwhile); keep_cache = true keeps them."""
         args = self.args
         if args.keep_cache or not self.accelerator.is_main_process:
             return
         used = {c for item in items for c in (item.latent_cache, item.text_cache) if isinstance(c, str)}
         used |= {f for f in prompt_files if f}
         folders = {cache_folder(item) for item in items}
-        removed, freed = remove_unused_caches(folders, self.family.name, used, args.cache_latents_to_disk,
-                                              args.cache_text_encoder_outputs_to_disk)
+        with contextlib.ExitStack() as alone:  # removals only where no other run holds the folder
+            shared = [f for f in sorted(folders) if f in self._cache_locks
+                      and not alone.enter_context(self._cache_locks[f].alone())]
+            for folder in shared:
+                self.accelerator.print(f"{folder}: another run is using these caches; unused cache files are left "
+                                       f"for a run that has the folder alone")
+            removed, freed = remove_unused_caches(folders - set(shared), self.family.name, used,
+                                                  args.cache_latents_to_disk, args.cache_text_encoder_outputs_to_disk)
         if removed:
             size = f"{freed / 2**20:.1f} MiB" if freed >= 2**20 else f"{freed / 2**10:.0f} KiB"
             self.accelerator.print(f"caches: {removed} files no entry uses were removed ({size} freed; "
