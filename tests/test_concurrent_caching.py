@@ -104,6 +104,33 @@ def test_a_shared_lock_is_alone_only_without_other_holders_and_keeps_its_file(tm
     assert os.path.exists(path)  # never removed (another holder could still hold it)
 
 
+def try_alone(path: str, both, results, tries: int = 2000):
+    """A run that tries alone() `tries` times while another holds the lock too; puts how often it was let in."""
+    lock = SharedLock(path)
+    both.wait()  # the other holds it from here
+    alone = 0
+    for _ in range(tries):
+        with lock.alone() as ok:
+            alone += ok
+    both.wait()  # ... to here
+    results.put(alone)
+    lock.close()
+
+
+def test_two_holders_trying_to_be_alone_at_once_never_are(tmp_path):
+    """Their tries go one at a time (the folder's flock): without it, one's failed try (which lets go
+    of its shared lock for microseconds) let the other in alone 311 to 1278 times in 2 x 2000 tries."""
+    fork = multiprocessing.get_context("fork")
+    both, results = fork.Barrier(2), fork.Queue()
+    runs = [fork.Process(target=try_alone, args=(str(tmp_path / CACHE_LOCK), both, results)) for _ in range(2)]
+    for run in runs:
+        run.start()
+    counts = [results.get(timeout=30) for _ in runs]
+    for run in runs:
+        run.join(10)
+    assert counts == [0, 0]
+
+
 def four_images(root):
     for name in "abcd":
         make_image(root / "img" / f"{name}.png", 32, 32)
