@@ -192,7 +192,8 @@ def test_the_run_locks_the_cache_folders_it_can_write_until_its_end(tmp_path, mo
     lock = writable / "img" / CACHE_LOCK
     for to_disk, main, locked in ((False, True, False), (True, False, False), (True, True, True)):
         args = SimpleNamespace(cache_latents_to_disk=to_disk, cache_text_encoder_outputs_to_disk=False)
-        task = SimpleNamespace(args=args, dataset=SimpleNamespace(items=items), validation_set=SimpleNamespace(items=[]),
+        task = SimpleNamespace(args=args, dataset=SimpleNamespace(items=items),
+                               validation_set=SimpleNamespace(items=[]),
                                accelerator=SimpleNamespace(is_main_process=main, num_processes=1, print=print))
         with contextlib.ExitStack() as held:
             DiffusionTask._hold_cache_folders(task, held)
