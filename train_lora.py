@@ -121,42 +121,28 @@ def check_process_group(accelerator):
                           f"train_lora.py ..., or accelerate launch --cpu")
 
 
-@contextlib.contextmanager
 def output_lock(args, accelerator):
-    """The main process holds <output_dir>/.<output_name>.lock for the run (the other processes of
-    a multi-process run get its answer), so a second run writing the same outputs stops at once."""
-    from library.io import LockedError, held_lock
+    """The run holds <output_dir>/.<output_name>.lock (library/training/run_locks.py), so a second run
+    writing the same outputs stops at once."""
+    from library.training.run_locks import held_by_run
 
-    refusal = None
-    with contextlib.ExitStack() as held:
-        if accelerator.is_main_process:
-            os.makedirs(args.output_dir, exist_ok=True)
-            lock = os.path.join(args.output_dir, f".{args.output_name}.lock")
-            try:
-                held.enter_context(held_lock(lock, f"another training is writing output_name '{args.output_name}' "
-                                                   f"in this output_dir; let it finish, or choose another output_dir "
-                                                   f"or output_name"))
-            except LockedError as e:
-                refusal = str(e)
-        if accelerator.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
-            refusal = broadcast_object_list([refusal])[0]
-        if refusal:
-            raise LockedError(refusal)
-        yield
+    lock = os.path.join(args.output_dir, f".{args.output_name}.lock")
+    return held_by_run(lock, accelerator, f"another training is writing output_name '{args.output_name}' in this "
+                                          f"output_dir; let it finish, or choose another output_dir or output_name")
 
 
-def build_task(args, accelerator, state: SavedState | None = None) -> Task:
+def build_task(args, accelerator, state: SavedState | None = None,
+               held: contextlib.ExitStack | None = None) -> Task:
     """The run's task; `state`: the one a resumed run loaded, which the task checks against its data (its
-    length, batches per epoch and files) before any slow work (an LLM's eval log is cut back to its step)."""
+    length, batches per epoch and files) before any slow work (an LLM's eval log is cut back to its step);
+    `held`: what the run holds to its end (a diffusion run's cache folder locks)."""
     if args.model_type == "llm":
         from library.training.llm_task import LLMTask
 
         return LLMTask(args, accelerator, state)
     from library.training.diffusion_task import DiffusionTask
 
-    return DiffusionTask(args, accelerator, state)
+    return DiffusionTask(args, accelerator, state, held)
 
 
 def lora_metadata(args, task, step: int, max_steps: int, epoch: int, started: float) -> dict:
@@ -304,7 +290,9 @@ class Saver:
 class Trainer:
     """The run's objects and counters; `run()` is the loop."""
 
-    def __init__(self, args, accelerator=None):
+    def __init__(self, args, accelerator=None, held: contextlib.ExitStack | None = None):
+        """held: where the run's locks go (its cache folders'), let go when the run ends (train());
+        without it, when the task is collected or the process ends."""
         self.args, self.started = args, time.time()
         self.accelerator = accelerator = accelerator or make_accelerator(args)
         if fsdp.uses_fsdp(accelerator):
@@ -314,7 +302,7 @@ class Trainer:
         state = load_state(args.resume, args) if args.resume else None
         earlier = earlier_emas(args)
         os.makedirs(args.output_dir, exist_ok=True)
-        self.task = task = build_task(args, accelerator, state)
+        self.task = task = build_task(args, accelerator, state, held)
         self.data_digests = item_digests(task.data_items())  # once: a save stats no file
 
         optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
@@ -615,8 +603,8 @@ def train(args) -> int:
         # Host RSS follows the live tensors while loading and caching, not glibc's free lists. Not on a
         # CPU run: there every step's activations would be fresh mappings (+25% step time, mid size).
         return_freed_buffers()
-    with output_lock(args, accelerator):
-        return Trainer(args, accelerator).run()
+    with output_lock(args, accelerator), contextlib.ExitStack() as held:
+        return Trainer(args, accelerator, held).run()
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,8 @@ and, for block-quantized types, the packed blocks as uint8 [*rows, bytes per row
 
 Every file written here gets the mode the umask gives an ordinary file (0644 under umask 022), so
 other users (a ComfyUI container) can read it; a full disk is one error naming the file; a lock file
-keeps two processes from writing the same outputs.
+keeps two processes from writing the same outputs (held_lock) or lets several share a folder and one
+of them tell whether it is alone there (SharedLock).
 """
 
 from __future__ import annotations
@@ -520,8 +521,8 @@ def held_lock(path: str, advice: str):
     make_parent_folder(path)
     fd = _flock_file(path, advice)
     if fd is None:
-        print(f"warning: {path}: this file system cannot lock files; a second run writing the same outputs "
-              f"would not be stopped", file=sys.stderr)
+        print(f"warning: {path}: this file system cannot lock files; a second run using {os.path.dirname(path)} "
+              f"at the same time would not be stopped", file=sys.stderr)
         yield
         return
     try:
@@ -535,6 +536,76 @@ def held_lock(path: str, advice: str):
     finally:
         with contextlib.suppress(FileNotFoundError):  # removed before unlocking: a process that opened
             os.remove(path)  # this file finds it gone and makes a new one
+        os.close(fd)
+
+
+class SharedLock:
+    """The lock file `path`, held shared (flock LOCK_SH) from here to close(), beside any number of
+    other holders; alone() makes it exclusive for a block where no other process holds it. A new
+    holder waits while one is alone (a cleanup's few seconds). The kernel drops a killed holder's
+    lock, and the file is never removed: a process that opened it after the removal would lock a
+    new file and think itself alone beside the holders of the old one."""
+
+    def __init__(self, path: str):
+        make_parent_folder(path)
+        try:
+            self.path, self.fd = path, os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # another user's file (0644): flock needs only a read-only descriptor
+            self.path, self.fd = path, os.open(path, os.O_RDONLY)
+        self.held = _flock(self.fd, "LOCK_SH")  # False: no flock here (not POSIX, some network file systems)
+        if not self.held:
+            print(f"warning: {path}: this file system cannot lock files; another run using "
+                  f"{os.path.dirname(path)} at the same time would not be seen", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[bool]:
+        """True, with the lock exclusive for the block (and shared again after), where no other
+        process holds it; False where one does. True where the file system cannot lock."""
+        if not self.held:
+            yield True
+            return
+        with _one_at_a_time(os.path.dirname(self.path)):
+            alone = _flock(self.fd, "LOCK_EX", wait=False)
+            if not alone:  # a failed conversion lets go of the shared lock (Linux): take it back before
+                _flock(self.fd, "LOCK_SH")  # another holder may try (_one_at_a_time)
+        try:
+            yield alone
+        finally:
+            if alone:
+                _flock(self.fd, "LOCK_SH")  # a conversion down never waits
+
+    def close(self):
+        os.close(self.fd)  # lets go of the lock
+
+
+def _flock(fd: int, operation: str, wait: bool = True) -> bool:
+    """flock(fd, operation): False where another process holds it (wait=False) or the file system
+    cannot lock."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        return False
+    try:
+        fcntl.flock(fd, getattr(fcntl, operation) | (0 if wait else fcntl.LOCK_NB))
+        return True
+    except OSError:  # BlockingIOError: held; ENOLCK / EOPNOTSUPP: some network and FUSE file systems
+        return False
+
+
+@contextlib.contextmanager
+def _one_at_a_time(folder: str):
+    """The folder's own flock for the block: the holders of a SharedLock in it try alone() one at a
+    time. Where a folder cannot be locked, they try unguarded (two tries in the same microseconds
+    could then both fail, or one be let in by the other's failed try)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a folder we may write but not list, Windows
+        yield
+        return
+    try:
+        _flock(fd, "LOCK_EX")
+        yield
+    finally:
         os.close(fd)
 
 

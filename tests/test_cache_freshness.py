@@ -1,6 +1,7 @@
 """What re-encodes a cache and what does not: each change a user makes invalidates exactly the
 latents or the text it changes, and an unchanged re-run encodes nothing (encoder calls counted)."""
 
+import contextlib
 import os
 import re
 
@@ -169,9 +170,9 @@ def test_a_cache_folder_that_cannot_be_written_is_one_error_before_encoding(tmp_
     assert encode(tmp_path, CountingEncoder()) == (0, 0)  # current caches in a read-only folder are read
 
 
-def fill_caches(root, family, prompts=(), keep_cache=False, **changes):
+def fill_caches(root, family, prompts=(), keep_cache=False, accelerator=None, **changes):
     """DiffusionTask._fill_caches on the images under root/img with a stand-in family; returns the
-    task and the lines it printed."""
+    task and the lines it printed. `accelerator`: a real one's processes (else one process)."""
     from types import SimpleNamespace
 
     import torch
@@ -182,9 +183,13 @@ def fill_caches(root, family, prompts=(), keep_cache=False, **changes):
                            text_encoder_batch_size=8, cache_text_encoder_outputs_to_disk=True, keep_cache=keep_cache)
     printed = []
     task = SimpleNamespace(dataset=D.ImageDataset(dataset(root, **changes)), validation_set=SimpleNamespace(items=[]),
-                           family=family, device=torch.device("cpu"), args=args, prompts=list(prompts),
+                           family=family, device=torch.device("cpu"), args=args, prompts=list(prompts), _cache_locks={},
                            accelerator=SimpleNamespace(print=lambda *a, **k: printed.append(" ".join(map(str, a))),
-                                                       is_main_process=True))
+                                                       is_main_process=True, process_index=0, num_processes=1,
+                                                       main_process_first=contextlib.nullcontext))
+    if accelerator is not None:
+        task.accelerator.__dict__.update({k: getattr(accelerator, k) for k in ("is_main_process", "process_index",
+                                                                                "num_processes", "main_process_first")})
     for method in ("_cache_latents", "_cache_prompt_texts", "_prompt_folder", "_remove_unused_caches"):
         setattr(task, method, getattr(DiffusionTask, method).__get__(task))
     DiffusionTask._fill_caches(task)

@@ -183,7 +183,8 @@ def test_latent_caching_encodes_vae_batch_size_images_at_a_time(monkeypatch):
     vae = SimpleNamespace(vae=torch.nn.Linear(1, 1), encode=None)
     task = SimpleNamespace(dataset=SimpleNamespace(items=[]), validation_set=SimpleNamespace(items=[]),
                            family=SimpleNamespace(latent_cache_key=lambda: "k", load_vae=lambda dtype: vae),
-                           device=torch.device("cpu"), accelerator=SimpleNamespace(print=lambda *a, **k: None),
+                           device=torch.device("cpu"),
+                           accelerator=SimpleNamespace(print=lambda *a, **k: None, process_index=0, num_processes=1),
                            args=SimpleNamespace(vae_batch_size=3, cache_latents_to_disk=False))
     diffusion_task.DiffusionTask._cache_latents(task)
     assert seen.get("batch_size") == 3

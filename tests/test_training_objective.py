@@ -222,7 +222,7 @@ class LossModule(nn.Module):
 
 def fake_run(tmp_path, monkeypatch, task, *extra):
     task.module = LossModule(task.module)
-    monkeypatch.setattr(train_lora, "build_task", lambda args, accelerator, state=None: task)
+    monkeypatch.setattr(train_lora, "build_task", lambda args, accelerator, state=None, held=None: task)
     args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", "fake", "--train_data", "fake",
                         "--output_dir", str(tmp_path), "--output_name", "fake", "--optimizer_type", "torch.optim.SGD",
                         "--learning_rate", "1.0", "--mixed_precision", "no", *extra])

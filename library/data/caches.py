@@ -116,8 +116,11 @@ def text_hash(item: ImageItem, model_key: str, with_references: bool = False) ->
 
 
 def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], torch.Tensor], model_key: str,
-                  *, batch_size: int = 4, to_disk: bool = True, load_workers: int = LOAD_WORKERS) -> int:
+                  *, batch_size: int = 4, to_disk: bool = True, load_workers: int = LOAD_WORKERS,
+                  share: tuple[int, int] = (0, 1)) -> int:
     """Encode every image whose cache is missing or stale; returns how many images were encoded.
+    share: (process, processes) of a multi-process run: this process encodes its share of the files
+    (owned_by), the others theirs (wait for them before reading).
 
     encode_fn: float32 images [B,3,H,W] in [-1,1] -> latents [B,C,h,w] (any float dtype; stored
     as bf16). With flip_aug the mirrored image is encoded too ("latents_flipped"). Reference images
@@ -127,7 +130,7 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
     (0: each batch loaded when its turn comes); the files written are the same."""
     todo = _stale_entries(items, "latent_cache", to_disk,
                           lambda item: cache_path(item, f"{model_key}_{latent_entry(item)}_{item.bucket[0]}x{item.bucket[1]}"),
-                          lambda item: latent_hash(item, model_key) if to_disk else "")
+                          lambda item: latent_hash(item, model_key) if to_disk else "", share)
     groups: dict[tuple, list] = {}  # a batch must hold one size; flipped latents only where needed
     for t in todo:
         groups.setdefault((t[0].bucket, tuple(t[0].control_buckets), t[0].subset.flip_aug, len(t[0].layer_paths)),
@@ -177,19 +180,29 @@ def prefetched(jobs: list, load: Callable, workers: int):
             yield current, future.result()
 
 
+def owned_by(position: int, share: tuple[int, int]) -> bool:
+    """Whether the entry at `position` of the run's item list is encoded by process share[0] of
+    share[1]. By position, not among the stale entries: a process that looks after another wrote
+    its files sees fewer stale ones, and would take a share that leaves some to nobody."""
+    process, processes = share
+    return position % processes == process
+
+
 def _stale_entries(items: list[ImageItem], attr: str, to_disk: bool, path_of: Callable[[ImageItem], str],
-                   digest_of: Callable[[ImageItem], str]) -> list[tuple[ImageItem, str, str]]:
-    """(item, cache path, content hash) of every item whose cache must be encoded; an item whose
-    file on disk is valid gets it as `attr` (latent_cache / text_cache) instead, and so does a later
-    entry of a file another entry encodes (one image in two datasets, e.g. at two resolutions: one
-    caption), encoded once."""
+                   digest_of: Callable[[ImageItem], str], share: tuple[int, int] = (0, 1)
+                   ) -> list[tuple[ImageItem, str, str]]:
+    """(item, cache path, content hash) of every item whose cache this process must encode; an item
+    whose file on disk is valid gets it as `attr` (latent_cache / text_cache) instead, and so does a
+    later entry of a file another entry encodes (one image in two datasets, e.g. at two resolutions:
+    one caption), encoded once, and a file another process of the run encodes (`share`: owned_by;
+    in memory every process encodes every entry, for itself)."""
     todo, claimed = [], {}
-    for item in items:
+    for position, item in enumerate(items):
         digest, path = digest_of(item), path_of(item)
         shared = to_disk and path in claimed
         if to_disk:  # only files are shared
             _claim(claimed, path, digest, item)
-        if shared or (to_disk and _cache_is_valid(path, digest)):
+        if shared or (to_disk and (not owned_by(position, share) or _cache_is_valid(path, digest))):
             setattr(item, attr, path)
         else:
             todo.append((item, path, digest))
@@ -245,8 +258,10 @@ def _encode(encode_fn, frames: list[torch.Tensor], layered: bool) -> torch.Tenso
 
 
 def cache_text(items: list[ImageItem], encode_fn: Callable[..., list[dict[str, torch.Tensor]]],
-               model_key: str, *, batch_size: int = 8, to_disk: bool = True, with_references: bool = False) -> int:
-    """Encode every caption whose cache is missing or stale; returns how many images were encoded.
+               model_key: str, *, batch_size: int = 8, to_disk: bool = True, with_references: bool = False,
+               share: tuple[int, int] = (0, 1)) -> int:
+    """Encode every caption whose cache is missing or stale; returns how many images were encoded
+    (share: as for cache_latents).
 
     encode_fn: captions -> one dict of tensors per caption (no batch axis; floating tensors are
     stored as bf16, others as they are). An item's augmented caption_variants are encoded too and
@@ -258,7 +273,7 @@ def cache_text(items: list[ImageItem], encode_fn: Callable[..., list[dict[str, t
     encode "" with the images). The references are seen unflipped (flip_aug mirrors only latents)."""
     todo = _stale_entries(items, "text_cache", to_disk,
                           lambda item: cache_path(item, f"{model_key}_{text_entry(item, with_references)}_te"),
-                          lambda item: text_hash(item, model_key, with_references))
+                          lambda item: text_hash(item, model_key, with_references), share)
     # One job per text; batches may span images, and an image's file is written with its last text.
     texts = [_texts(item, with_references) for item, _, _ in todo]
     jobs = [(i, suffix, text) for i, item_texts in enumerate(texts) for suffix, text in item_texts]

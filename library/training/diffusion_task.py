@@ -7,6 +7,7 @@ fill the caches, and freed before the transformer is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -24,6 +25,7 @@ from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset,
 from library.data.image_folders import reference_count, scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, reference_images
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
+from library.io import SharedLock
 from library.models.core import checkpointing, compile_block
 from library.models.family import get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
@@ -91,9 +93,30 @@ def compile_by_default(args, device_type: str, triton: bool, stored_precision: s
     return True, "each transformer block compiled on CUDA; the first steps take a minute or two longer"
 
 
+CACHE_LOCK = ".caches.lock"  # in each cache folder, held shared by the runs caching and training from it
+
+
+def cache_share(accelerator) -> tuple[int, int]:
+    """(this process, processes): which cache files this process encodes (caches.owned_by)."""
+    return accelerator.process_index, accelerator.num_processes
+
+
+def encoded_by_all(accelerator, encoded: int, to_disk: bool) -> int:
+    """After a cache pass, every process waits for the others' (their files are read next) and
+    learns how many entries they encoded together; kept in memory, each encoded every entry for
+    itself: its own count."""
+    if accelerator.num_processes == 1:
+        return encoded
+    from accelerate.utils import gather_object
+
+    counts = gather_object([encoded])  # a collective: each process's count, once all have finished
+    return sum(counts) if to_disk else encoded
+
+
 class DiffusionTask:
-    def __init__(self, args, accelerator, state: SavedState | None = None):
-        """state: the one a resumed run loaded (None: a new run), checked against the data before caching."""
+    def __init__(self, args, accelerator, state: SavedState | None = None, held: contextlib.ExitStack | None = None):
+        """state: the one a resumed run loaded (None: a new run), checked against the data before caching;
+        held: what the run holds to its end (its cache folders' locks)."""
         self.args, self.accelerator = args, accelerator
         self.device = accelerator.device
         self.family = get_family(args)
@@ -117,6 +140,7 @@ class DiffusionTask:
         if state:
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.prompts = self._read_prompts()
+        self._hold_cache_folders(contextlib.ExitStack() if held is None else held)
         self._settle_bf16_reference()  # before minutes of caching
         self._settle_keeping_keys()
         self._fill_caches()  # also encodes the sample prompts, then frees the encoders
@@ -219,7 +243,28 @@ class DiffusionTask:
         if said:
             self.accelerator.print(said)
 
+    def _hold_cache_folders(self, held: contextlib.ExitStack):
+        """The main process holds each cache folder's .caches.lock shared until `held` closes (the
+        run's end), beside any other run over the same images: two runs caching the same file write
+        it twice (atomically), which is lost time, not harm. What harms is a removal of the files
+        another run reads, so the unused ones are removed only in a folder this run has alone
+        (_remove_unused_caches). A folder this run cannot write is not locked: it caches nothing
+        there and removes nothing from it."""
+        args, self._cache_locks = self.args, {}
+        if not (args.cache_latents_to_disk or args.cache_text_encoder_outputs_to_disk):
+            return  # the caches live in memory: no file is shared
+        if not self.accelerator.is_main_process:
+            return  # the lock is the run's; only the main process removes caches
+        folders = {cache_folder(item) for item in self.dataset.items + self.validation_set.items}
+        for folder in sorted(folders):
+            if not os.path.isdir(folder) or os.access(folder, os.W_OK | os.X_OK):
+                self._cache_locks[folder] = lock = SharedLock(os.path.join(folder, CACHE_LOCK))
+                held.callback(lock.close)
+
     def _fill_caches(self):
+        """Latents, captions, then the empty caption and the sample prompts. On several processes each
+        encodes its share of the cache files (caches.owned_by) and waits for the others' (encoded_by_all);
+        the prompts' files are written by the main process first, then read by the others."""
         self._cache_latents()  # the VAE is freed when this returns
         args, items = self.args, self.dataset.items + self.validation_set.items
         options = self.family.text_options(args)
@@ -227,12 +272,15 @@ class DiffusionTask:
         text_key = self.family.text_cache_key(options, precision)
         encode_text = loaded_on_first_call(lambda: self.family.load_text_encoder(precision, self.device, **options))
         sees = self.family.text_sees_controls  # text per (caption, references)
-        encoded = cache_text(items, encode_text, text_key, batch_size=args.text_encoder_batch_size,
-                             to_disk=args.cache_text_encoder_outputs_to_disk, with_references=sees)
+        to_disk = args.cache_text_encoder_outputs_to_disk
+        encoded = cache_text(items, encode_text, text_key, batch_size=args.text_encoder_batch_size, to_disk=to_disk,
+                             with_references=sees, share=cache_share(self.accelerator))
+        encoded = encoded_by_all(self.accelerator, encoded, to_disk)
         variants = sum(len(item.caption_variants) for item in items)
         self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk"
                                + (f"; {variants} augmented variants cached with them" if variants else ""))
-        prompt_files = self._cache_prompt_texts(encode_text, text_key, sees)
+        with self.accelerator.main_process_first() if to_disk else contextlib.nullcontext():
+            prompt_files = self._cache_prompt_texts(encode_text, text_key, sees)
         del encode_text  # the encoders go before the transformer loads
         self._remove_unused_caches(items, prompt_files)
         gc.collect()
@@ -258,15 +306,22 @@ class DiffusionTask:
 
     def _remove_unused_caches(self, items: list, prompt_files: list[str | None]) -> None:
         """Cache files of this family in this run's cache folders that no entry uses (an old setting's,
-        a removed image's) are deleted, once, by the main process; keep_cache = true keeps them."""
+        a removed image's) are deleted, once, by the main process, in the folders no other run holds
+        (each held exclusive meanwhile); keep_cache = true keeps them."""
         args = self.args
         if args.keep_cache or not self.accelerator.is_main_process:
             return
         used = {c for item in items for c in (item.latent_cache, item.text_cache) if isinstance(c, str)}
         used |= {f for f in prompt_files if f}
         folders = {cache_folder(item) for item in items}
-        removed, freed = remove_unused_caches(folders, self.family.name, used, args.cache_latents_to_disk,
-                                              args.cache_text_encoder_outputs_to_disk)
+        with contextlib.ExitStack() as alone:  # removals only where no other run holds the folder
+            shared = [f for f in sorted(folders) if f in self._cache_locks
+                      and not alone.enter_context(self._cache_locks[f].alone())]
+            for folder in shared:
+                self.accelerator.print(f"{folder}: another run is using these caches; unused cache files are left "
+                                       f"for a run that has the folder alone")
+            removed, freed = remove_unused_caches(folders - set(shared), self.family.name, used,
+                                                  args.cache_latents_to_disk, args.cache_text_encoder_outputs_to_disk)
         if removed:
             size = f"{freed / 2**20:.1f} MiB" if freed >= 2**20 else f"{freed / 2**10:.0f} KiB"
             self.accelerator.print(f"caches: {removed} files no entry uses were removed ({size} freed; "
@@ -288,8 +343,10 @@ class DiffusionTask:
             vae.vae.to(self.device)
             return lambda x: vae.encode(x.to(self.device))
 
-        encoded = cache_latents(items, loaded_on_first_call(load), latent_key,
-                                batch_size=self.args.vae_batch_size, to_disk=self.args.cache_latents_to_disk)
+        to_disk = self.args.cache_latents_to_disk
+        encoded = cache_latents(items, loaded_on_first_call(load), latent_key, batch_size=self.args.vae_batch_size,
+                                to_disk=to_disk, share=cache_share(self.accelerator))
+        encoded = encoded_by_all(self.accelerator, encoded, to_disk)
         self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
 
     def _load_base(self) -> nn.Module:

@@ -1,0 +1,205 @@
+"""Caching under concurrency: runs over the same images cache and train at once, each holding its
+cache folders' .caches.lock shared, and remove unused caches only in a folder no other run holds
+(they would remove the files another one reads); the processes of one run each encode their share
+of the files, once, and wait for the others'."""
+
+import contextlib
+import fcntl
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train_lora
+from library.data import caches, dataset as D
+from library.io import SharedLock, save_safetensors
+from library.training.diffusion_task import CACHE_LOCK, DiffusionTask
+from tests.test_cache_freshness import dataset, encode
+from tests.test_dataset import CountingEncoder, make_image, write
+from tests.test_train_lora import ROOT, flux_args, free_port
+
+
+def hold(path: str, held, release):
+    """Another run over the same images: holds the lock file `path` shared until `release` is set."""
+    lock = SharedLock(path)
+    held.set()
+    release.wait(30)
+    lock.close()
+
+
+def two_images(tiny_set, tmp_path):
+    """(dataset TOML, its image folder with an unused flux latent cache an older run left there)."""
+    folder = tmp_path / "img"
+    folder.mkdir()
+    for name in ("000.png", "000.txt", "002.png", "002.txt"):
+        shutil.copy(os.path.join(tiny_set["image_dir"], name), folder / name)
+    toml = tmp_path / "ds.toml"
+    toml.write_text(f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "{folder}"\n')
+    old = folder / "000_flux_0123456789_00000000_48x48.safetensors"
+    save_safetensors({"latents": torch.zeros(1)}, str(old), {"content_hash": "0", "model_key": "flux_0123456789"})
+    return str(toml), folder, old
+
+
+def stop_after_caching(monkeypatch):
+    """The run ends (exit 130, as a Ctrl-C) where the transformer would load: caching is done."""
+    def interrupted(self):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(DiffusionTask, "_load_base", interrupted)
+
+
+def test_a_run_beside_another_on_its_cache_folder_trains_and_leaves_the_unused_caches(tiny_set, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """Two runs over one dataset at once (two learning rates on two GPUs) both train. The old line
+    (an exclusive .caches.lock) stopped the second at once, exit 2; before it, the second removed
+    the caches the first trains from (here: an older run's 48x48 latents, which neither uses)."""
+    toml, folder, old = two_images(tiny_set, tmp_path)
+    argv = flux_args(tiny_set, tmp_path / "out", "--dataset_config", toml, "--sample_prompts", "",
+                     "--max_train_steps", "1")
+    fork = multiprocessing.get_context("fork")
+    held, release = fork.Event(), fork.Event()
+    holder = fork.Process(target=hold, args=(str(folder / CACHE_LOCK), held, release))
+    holder.start()
+    try:
+        assert held.wait(10)
+        assert train_lora.main(argv) == 0
+    finally:
+        release.set()
+        holder.join(10)
+    out = capsys.readouterr().out
+    assert (f"{folder}: another run is using these caches; unused cache files are left for a run that has the "
+            f"folder alone") in out
+    assert old.exists() and "files no entry uses were removed" not in out
+    assert sum(name.endswith("_te.safetensors") for name in os.listdir(folder)) == 2  # cached beside the other
+
+    # alone in the folder (the other run ended; the lock file it left is no lock): removed as before
+    stop_after_caching(monkeypatch)
+    assert train_lora.main(argv) == 130
+    out = capsys.readouterr().out
+    assert "caches: 1 files no entry uses were removed" in out and "another run" not in out and not old.exists()
+
+
+def test_a_shared_lock_is_alone_only_without_other_holders_and_keeps_its_file(tmp_path):
+    """A failed try to be alone lets go of the shared lock under Linux's flock; SharedLock takes it
+    back, so the other holder, trying next, is not let in alone either."""
+    path = str(tmp_path / "cache" / CACHE_LOCK)
+    first, second = SharedLock(path), SharedLock(path)  # two descriptors: two holders to flock
+    for lock in (first, second, first):
+        with lock.alone() as alone:
+            assert alone is False
+    second.close()
+    probe = os.open(path, os.O_RDONLY)
+    with first.alone() as alone:
+        assert alone is True
+        with pytest.raises(BlockingIOError):  # exclusive: a new holder waits
+            fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared again after the block
+    os.close(probe)
+    first.close()
+    assert os.path.exists(path)  # never removed (another holder could still hold it)
+
+
+def try_alone(path: str, both, results, tries: int = 2000):
+    """A run that tries alone() `tries` times while another holds the lock too; puts how often it was let in."""
+    lock = SharedLock(path)
+    both.wait()  # the other holds it from here
+    alone = 0
+    for _ in range(tries):
+        with lock.alone() as ok:
+            alone += ok
+    both.wait()  # ... to here
+    results.put(alone)
+    lock.close()
+
+
+def test_two_holders_trying_to_be_alone_at_once_never_are(tmp_path):
+    """Their tries go one at a time (the folder's flock): without it, one's failed try (which lets go
+    of its shared lock for microseconds) let the other in alone 311 to 1278 times in 2 x 2000 tries."""
+    fork = multiprocessing.get_context("fork")
+    both, results = fork.Barrier(2), fork.Queue()
+    runs = [fork.Process(target=try_alone, args=(str(tmp_path / CACHE_LOCK), both, results)) for _ in range(2)]
+    for run in runs:
+        run.start()
+    counts = [results.get(timeout=30) for _ in runs]
+    for run in runs:
+        run.join(10)
+    assert counts == [0, 0]
+
+
+def four_images(root):
+    for name in "abcd":
+        make_image(root / "img" / f"{name}.png", 32, 32)
+        write(root / "img" / f"{name}.txt", f"caption {name}")
+
+
+def test_two_processes_encode_disjoint_shares_and_every_file_once(tmp_path):
+    """The old line had no share: each process of an N-process run encoded every stale file (here
+    2 x 4 images and 2 x 4 captions for 4 files each, both writing the same files). The share goes
+    by the item's place in the run's list, not among the stale ones: process 1 looks after process 0
+    wrote its files (here: one after the other), and still encodes exactly the other half."""
+    four_images(tmp_path)
+    shares = []
+    for process in (0, 1):
+        enc, items = CountingEncoder(), D.ImageDataset(dataset(tmp_path)).items
+        assert caches.cache_latents(items, enc.latents, "vae-1", batch_size=2, share=(process, 2)) == 2
+        assert caches.cache_text(items, enc.text, "te-1", share=(process, 2)) == 2
+        assert all(isinstance(item.latent_cache, str) and isinstance(item.text_cache, str) for item in items)
+        shares.append((enc.images, sorted(enc.captions)))
+    assert shares == [(2, ["caption a", "caption c"]), (2, ["caption b", "caption d"])]
+    assert encode(tmp_path, CountingEncoder()) == (0, 0)  # every file written, by one of them
+    memory = CountingEncoder()  # kept in memory: each process needs every tensor itself
+    assert caches.cache_latents(D.ImageDataset(dataset(tmp_path)).items, memory.latents, "vae-1", to_disk=False,
+                                share=(1, 2)) == 4
+
+
+def test_two_gloo_processes_cache_their_shares_and_the_main_one_the_prompts(tmp_path):
+    """DiffusionTask._fill_caches on 2 CPU processes (torch.distributed.run): each encodes 2 of the 4
+    images and captions and both print the run's count; the sample prompt ("a dog" and its empty
+    negative) is encoded by the main process and read from its file by the other."""
+    four_images(tmp_path)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          free_port(), "-m", "tests.caching_processes", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    reports = sorted((json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")),
+                     key=lambda r: r["process"])
+    main, other = reports
+    assert (main["images"], main["captions"]) == (2, ["", "a dog", "caption a", "caption c"])
+    assert (other["images"], other["captions"]) == (2, ["caption b", "caption d"])
+    for report in reports:
+        assert report["loads"] == ["vae", "text"]
+        assert "latents: 4 encoded, 0 reused from disk" in report["printed"]
+        assert "captions: 4 encoded, 0 reused from disk" in report["printed"]
+
+
+def test_the_run_locks_the_cache_folders_it_can_write_until_its_end(tmp_path, monkeypatch):
+    """A read-only folder of current caches trains (test_cache_freshness): it is not locked (its lock
+    file could not be made); a run whose caches all live in memory locks nothing, and neither does a
+    process other than the main one (the lock is the run's). The lock goes at the run's end, its file
+    stays."""
+    writable, read_only = tmp_path / "a", tmp_path / "b"
+    for root in (writable, read_only):
+        four_images(root)
+    items = [*D.ImageDataset(dataset(writable)).items, *D.ImageDataset(dataset(read_only)).items]
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: path != str(read_only / "img") and access(path, mode))
+    lock = writable / "img" / CACHE_LOCK
+    for to_disk, main, locked in ((False, True, False), (True, False, False), (True, True, True)):
+        args = SimpleNamespace(cache_latents_to_disk=to_disk, cache_text_encoder_outputs_to_disk=False)
+        task = SimpleNamespace(args=args, dataset=SimpleNamespace(items=items),
+                               validation_set=SimpleNamespace(items=[]),
+                               accelerator=SimpleNamespace(is_main_process=main, num_processes=1, print=print))
+        with contextlib.ExitStack() as held:
+            DiffusionTask._hold_cache_folders(task, held)
+            assert sorted(task._cache_locks) == ([str(writable / "img")] if locked else [])
+            assert lock.exists() == locked and not (read_only / "img" / CACHE_LOCK).exists()
+        assert lock.exists() == locked
+    probe = os.open(lock, os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go: a run alone may take it exclusive
+    os.close(probe)
