@@ -79,7 +79,7 @@ def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> int:
             if not all_tokens and record["messages"][0]["role"] == "assistant":  # chat templates render no empty prefix
                 raise ConfigError(f"{where}: messages[0] is an assistant message; with the loss on assistant tokens only "
                                   f"a conversation starts with a system or user message (a reply is found after them)")
-        count += bool(record.get("text", "").strip()) if "text" in record else 1
+        count += bool(record["text"].strip()) if "text" in record else 1
     return count
 
 

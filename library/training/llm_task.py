@@ -140,10 +140,10 @@ class LLMTask:
         no_template = None if self.tokenizer.chat_template else (
             f"the tokenizer in {path} has no chat template (chat_template in tokenizer_config.json, or "
             f"chat_template.jinja) to render it with")
-        self.files, documents = check_corpus(args.train_data, no_template, args.train_on_all_tokens)
+        files, documents = check_corpus(args.train_data, no_template, args.train_on_all_tokens)
         self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
         self.model, self.from_scratch = self._load_model(path)
-        self.train_set, self.val_set = self._load_data(documents)
+        self.train_set, self.val_set = self._load_data(files, documents)
         if state:
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
@@ -217,7 +217,7 @@ class LLMTask:
             raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
                               f"({source} = {config.context_length})")
 
-    def _load_data(self, documents: int):
+    def _load_data(self, files: list[str], documents: int):
         args = self.args
         eos = self.tokenizer.eos_token_id
         if eos is None and documents > 1:
@@ -225,7 +225,7 @@ class LLMTask:
                           f"documents of train_data run together with no border between them (set eos_token in its "
                           f"tokenizer_config.json)", stacklevel=2)
         chat = chat_encoder(self.tokenizer, args.train_on_all_tokens)
-        ids, trained = tokenize_corpus(self.files, self.encode, self.encode_more, eos, chat)
+        ids, trained = tokenize_corpus(files, self.encode, self.encode_more, eos, chat)
         vocab = self.model.config.vocab_size
         if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
             top = int(ids.max())
@@ -254,7 +254,7 @@ class LLMTask:
     def encode(self, text: str) -> list[int]:
         """A document's or the sample prompt's ids as the model's users encode text (transformers, PEFT,
         vLLM): with the tokenizer's own special tokens (Llama's and Mistral's BOS first; Qwen's add none),
-        less a trailing EOS (a document gets its one EOS from tokenize_documents; a prompt must not end)."""
+        less a trailing EOS (a document gets its one EOS from tokenize_corpus; a prompt must not end)."""
         ids = self.tokenizer.encode(text, add_special_tokens=True, verbose=False)
         eos = self.tokenizer.eos_token_id
         return ids[:-1] if ids and eos is not None and ids[-1] == eos else ids
