@@ -56,6 +56,22 @@ def test_the_loss_mask_holds_the_assistant_replies_and_their_end_of_turn_only(ch
     assert all_ids == ids and all_trained is True
 
 
+def test_an_assistant_turn_that_calls_a_tool_is_trained_on_its_call(chat_tokenizer, tmp_path):
+    """OpenAI-style tool use: an assistant message with tool_calls and no content (null) renders through the
+    template's tool-call branch and is trained like a reply (its call, then the final reply); the record
+    passes the early check, where it was refused as an empty assistant message."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    chat = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "18 C"}, {"role": "assistant", "content": "It is 18 C."}]
+    text_corpus.check_corpus([write_jsonl(tmp_path / "tools.jsonl", [{"messages": chat}])], None, all_tokens=False)
+    ids, trained = chat_records.chat_encoder(chat_tokenizer, all_tokens=False)(chat, "x.jsonl:1")
+    assert ids == chat_tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
+    assert chat_tokenizer.decode([i for i, t in zip(ids, trained) if t]) == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        "It is 18 C.<|im_end|>\n")
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(chat_tokenizer):
     """A template that marks only the last reply (as Qwen3's keeps only the last turn's thinking): the reply
     rendered as the last message is not how the whole conversation renders it."""
@@ -83,6 +99,10 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(cha
      "messages[0] (user) content is a list; expected a string"),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}',
      "messages[1] is an assistant message with empty content"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null}]}',
+     "messages[1] (assistant) content is a NoneType; expected a string"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, "tool_calls": []}]}',
+     "messages[1] (assistant) tool_calls is []; expected a list of at least one call object"),
     ('{"messages": [{"role": "user", "content": "q"}]}', "no assistant message, so nothing to train on"),
     ('{"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "q"}]}',
      "messages[0] is an assistant message; with the loss on assistant tokens only a conversation starts with"),

@@ -56,10 +56,14 @@ def record_problem(record) -> str | None:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             role = m.get("role") if isinstance(m, dict) else m
             return f"messages[{i}] role {role!r}: expected one of {', '.join(ROLES)}"
-        if not isinstance(m.get("content"), str):
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if calls is not None and not (isinstance(calls, list) and calls and all(isinstance(c, dict) for c in calls)):
+            return f"messages[{i}] (assistant) tool_calls is {calls!r}; expected a list of at least one call object"
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
             return f"messages[{i}] ({m['role']}) content is a {type(m.get('content')).__name__}; expected a string"
-        if m["role"] == "assistant" and not m["content"].strip():
-            return f"messages[{i}] is an assistant message with empty content; expected the reply to train on"
+        if m["role"] == "assistant" and not calls and not m["content"].strip():
+            return (f"messages[{i}] is an assistant message with empty content and no tool_calls; expected the "
+                    f"reply to train on")
     return None
 
 
