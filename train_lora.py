@@ -292,7 +292,7 @@ class Trainer:
 
     def __init__(self, args, accelerator=None, held: contextlib.ExitStack | None = None):
         """held: where the run's locks go (its cache folders'), let go when the run ends (train());
-        without it, when the task is collected or the process ends."""
+        without it, when the process ends (a lock is a bare descriptor: collecting the task closes none)."""
         self.args, self.started = args, time.time()
         self.accelerator = accelerator = accelerator or make_accelerator(args)
         if fsdp.uses_fsdp(accelerator):

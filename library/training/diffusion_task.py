@@ -104,13 +104,12 @@ def cache_share(accelerator) -> tuple[int, int]:
 def encoded_by_all(accelerator, encoded: int, to_disk: bool) -> int:
     """After a cache pass, every process waits for the others' (their files are read next) and
     learns how many entries they encoded together; kept in memory, each encoded every entry for
-    itself: its own count."""
-    if accelerator.num_processes == 1:
+    itself and reads no other's: its own count, no wait."""
+    if accelerator.num_processes == 1 or not to_disk:
         return encoded
     from accelerate.utils import gather_object
 
-    counts = gather_object([encoded])  # a collective: each process's count, once all have finished
-    return sum(counts) if to_disk else encoded
+    return sum(gather_object([encoded]))  # a collective: each process's count, once all have finished
 
 
 class DiffusionTask:
