@@ -203,3 +203,13 @@ def test_the_run_locks_the_cache_folders_it_can_write_until_its_end(tmp_path, mo
     probe = os.open(lock, os.O_RDONLY)
     fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go: a run alone may take it exclusive
     os.close(probe)
+    # Where the read-only folder's owner made its lock file, this run holds it too: the owner's run, alone
+    # there with another setting, would remove the caches this one reads (it was not locked before).
+    (read_only / "img" / CACHE_LOCK).touch()
+    with contextlib.ExitStack() as held:
+        DiffusionTask._hold_cache_folders(task, held)
+        assert sorted(task._cache_locks) == [str(writable / "img"), str(read_only / "img")]
+        probe = os.open(read_only / "img" / CACHE_LOCK, os.O_RDONLY)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(probe)

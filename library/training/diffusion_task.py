@@ -247,18 +247,21 @@ class DiffusionTask:
         run's end), beside any other run over the same images: two runs caching the same file write
         it twice (atomically), which is lost time, not harm. What harms is a removal of the files
         another run reads, so the unused ones are removed only in a folder this run has alone
-        (_remove_unused_caches). A folder this run cannot write is not locked: it caches nothing
-        there and removes nothing from it."""
+        (_remove_unused_caches). A folder this run cannot write (it caches nothing there and removes
+        nothing from it) is held where its lock file exists, read-only, so its owner's run does not
+        remove the caches this one reads. The other processes wait until the locks are held: a file
+        they find current before then could be removed by a run that has the folder alone."""
         args, self._cache_locks = self.args, {}
         if not (args.cache_latents_to_disk or args.cache_text_encoder_outputs_to_disk):
             return  # the caches live in memory: no file is shared
-        if not self.accelerator.is_main_process:
-            return  # the lock is the run's; only the main process removes caches
-        folders = {cache_folder(item) for item in self.dataset.items + self.validation_set.items}
-        for folder in sorted(folders):
-            if not os.path.isdir(folder) or os.access(folder, os.W_OK | os.X_OK):
-                self._cache_locks[folder] = lock = SharedLock(os.path.join(folder, CACHE_LOCK))
-                held.callback(lock.close)
+        if self.accelerator.is_main_process:  # the lock is the run's; only the main process removes caches
+            for folder in sorted({cache_folder(item) for item in self.dataset.items + self.validation_set.items}):
+                path = os.path.join(folder, CACHE_LOCK)
+                if not os.path.isdir(folder) or os.access(folder, os.W_OK | os.X_OK) or os.path.exists(path):
+                    self._cache_locks[folder] = lock = SharedLock(path)
+                    held.callback(lock.close)
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()
 
     def _fill_caches(self):
         """Latents, captions, then the empty caption and the sample prompts. On several processes each
