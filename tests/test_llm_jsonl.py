@@ -235,3 +235,21 @@ def test_the_held_out_loss_averages_over_the_trained_tokens_only():
     assert count == 23 and abs(LLMTask.held_out_loss(task) - total / count) <= 1e-5
     task.val_trained = None
     assert abs(LLMTask.held_out_loss(task) - total / count) > 1e-3
+
+
+def test_a_held_out_tail_without_a_reply_reports_no_loss_and_says_so(tiny_set, chat_llm, tmp_path):
+    """The held-out split is the stream's last tokens: where they hold no assistant token (the last
+    conversation ends with a long user turn), no held-out loss is reported, with one warning at start
+    (it was a nan val_loss in every eval line and the eval log)."""
+    reply = [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1 2 3"}]
+    tail = reply + [{"role": "user", "content": " ".join(["more words that nobody answers"] * 40)}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": reply}] * 30 + [{"messages": tail}])
+    argv = ["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data", path, "--output_dir",
+            str(tmp_path / "out"), "--output_name", "chat", "--mixed_precision", "no", "--max_length", "32", "--batch_size",
+            "4", "--max_train_steps", "2", "--eval_every_n_steps", "2", "--sample_max_new_tokens", "2",
+            "--optimizer_type", "AdamW", "--val_fraction", "0.1"]
+    with pytest.warns(UserWarning, match=r"holds out the last \d+ tokens, none of them an assistant token"):
+        assert train_lora.main(argv) == 0
+    with open(tmp_path / "out" / "chat_eval.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all("val_loss" not in r or r["val_loss"] in ("", None) for r in rows), rows

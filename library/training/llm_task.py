@@ -242,6 +242,10 @@ class LLMTask:
         val = (TextWindowDataset(val_ids, args.max_length, args.max_length, self.val_trained)
                if len(val_ids) > args.max_length + 1 else None)
         self.val_ids = val_ids  # TOKEN_DTYPE [N]: evaluate() scores all of it (its trained tokens: val_trained)
+        if len(val_ids) > 1 and not self.scores_held_out():
+            warnings.warn(f"train_data: val_fraction {args.val_fraction:g} holds out the last {len(val_ids)} tokens, "
+                          f"none of them an assistant token: no held-out loss is reported (raise val_fraction, or "
+                          f"end the last file with a conversation's reply)", stacklevel=2)
         if len(train) == 0:
             what = " with an assistant token" if trained is not None else ""
             raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length "
@@ -341,12 +345,17 @@ class LLMTask:
         # CUDA) is reseeded, so training's random stream goes on after an eval as without it.
         gen = torch.Generator(self.device).manual_seed(self.args.seed)
         with compute_autocast(self.device, self.autocast_dtype):  # the compute training runs in
-            val = self.held_out_loss() if len(self.val_ids) > 1 else None  # None: nothing held out
+            val = self.held_out_loss() if self.scores_held_out() else None  # None: nothing held out to score
             out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.context_length,
                            self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id, generator=gen)
         self.model.train(was_training)
         return {"val_loss": val, "val_perplexity": None if val is None else perplexity(val),
                 "sample": self.decode(out[0].tolist())}
+
+    def scores_held_out(self) -> bool:
+        """Whether the held-out split has a target to score: a token after its first, trained (every token,
+        or with the loss on the replies only, an assistant token)."""
+        return len(self.val_ids) > 1 and (self.val_trained is None or bool(self.val_trained[1:].any()))
 
     @torch.no_grad()
     def held_out_loss(self) -> float:
