@@ -26,19 +26,14 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH)
 
 import bench_peers  # noqa: E402
-from bench_train_step import add_our_lora, alternate, median, our_forward  # noqa: E402
+import profile_peers  # noqa: E402
+from bench_train_step import alternate, median  # noqa: E402
 
 
 def build_steps(family: str, precision: str, blocks: int, args, peer) -> dict:
+    """profile_peers' pair of steps at toy widths with `blocks` blocks (FLUX.1: a third of them double)."""
     args.double, args.single, args.qwen_blocks = blocks // 3, blocks - blocks // 3, blocks
-    ours, theirs = bench_peers.build_pair(family, "narrow", precision, args, peer)
-    x = bench_peers.inputs(family, ours.config, args)
-    _, our_params = add_our_lora(ours, family, args.rank)
-    _, their_params = bench_peers.add_their_lora(family, theirs, args.rank, peer)
-    return {"ours": bench_peers.make_step(lambda: our_forward(family, ours, x), our_params, x["target"],
-                                          precision, args.device),
-            "theirs": bench_peers.make_step(lambda: bench_peers.their_forward(family, theirs, x, precision),
-                                            their_params, x["target"], precision, args.device)}
+    return profile_peers.build_steps(family, precision, args, peer, size="narrow")
 
 
 def per_block(family: str, precision: str, args, peer) -> dict:

@@ -34,9 +34,10 @@ import bench_peers  # noqa: E402
 from bench_train_step import add_our_lora, our_forward, synchronize  # noqa: E402
 
 
-def build_steps(family: str, precision: str, args, peer) -> dict:
-    """{"ours": step, "theirs": step} as bench_peers.compare builds them (without its step-0 check)."""
-    ours, theirs = bench_peers.build_pair(family, "mid", precision, args, peer)
+def build_steps(family: str, precision: str, args, peer, size: str = "mid") -> dict:
+    """{"ours": step, "theirs": step} as bench_peers.compare builds them (without its step-0 check);
+    size: bench_train_step's ("mid": full-width blocks, "narrow": toy widths)."""
+    ours, theirs = bench_peers.build_pair(family, size, precision, args, peer)
     x = bench_peers.inputs(family, ours.config, args)
     _, our_params = add_our_lora(ours, family, args.rank)
     _, their_params = bench_peers.add_their_lora(family, theirs, args.rank, peer)
