@@ -544,25 +544,35 @@ class SharedLock:
     other holders; alone() makes it exclusive for a block where no other process holds it. A new
     holder waits while one is alone (a cleanup's few seconds). The kernel drops a killed holder's
     lock, and the file is never removed: a process that opened it after the removal would lock a
-    new file and think itself alone beside the holders of the old one."""
+    new file and think itself alone beside the holders of the old one. A file this user cannot
+    open (another user's, 0600) is not held, with one warning line: the holder goes on without
+    it and is never alone (it cannot know who else uses the folder)."""
 
     def __init__(self, path: str):
-        make_parent_folder(path)
+        self.path, self.fd, self.held = path, _open_lock_file(path), False
+        if self.fd is None:
+            return
         try:
-            self.path, self.fd = path, os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except PermissionError:  # another user's file (0644): flock needs only a read-only descriptor
-            self.path, self.fd = path, os.open(path, os.O_RDONLY)
-        self.held = _flock(self.fd, "LOCK_SH")  # False: no flock here (not POSIX, some network file systems)
+            self.held = _flock(self.fd, "LOCK_SH")  # False: no flock here (not POSIX, some network file systems)
+        except BaseException:  # interrupted while a holder is alone: the descriptor is not left open
+            self.close()
+            raise
         if not self.held:
             print(f"warning: {path}: this file system cannot lock files; another run using "
                   f"{os.path.dirname(path)} at the same time would not be seen", file=sys.stderr)
 
+    @property
+    def opened(self) -> bool:
+        """False where the lock file could not be opened (said once, in one warning line)."""
+        return self.fd is not None
+
     @contextlib.contextmanager
     def alone(self) -> Iterator[bool]:
         """True, with the lock exclusive for the block (and shared again after), where no other
-        process holds it; False where one does. True where the file system cannot lock."""
-        if not self.held:
-            yield True
+        process holds it; False where one does, or where the file could not be opened (or is
+        closed). True where the file system cannot lock."""
+        if self.fd is None or not self.held:  # unopened: others may use it unseen; no flock: none is seen
+            yield self.fd is not None
             return
         with _one_at_a_time(os.path.dirname(self.path)):
             alone = _flock(self.fd, "LOCK_EX", wait=False)
@@ -575,7 +585,28 @@ class SharedLock:
                 _flock(self.fd, "LOCK_SH")  # a conversion down never waits
 
     def close(self):
-        os.close(self.fd)  # lets go of the lock
+        """Lets go of the lock; a second call does nothing (the number may be another file's by then)."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def _open_lock_file(path: str) -> int | None:
+    """A descriptor of the lock file `path` (made where missing); read-only where it is another
+    user's (0644: flock needs only that) or on a read-only mount. None, with one warning line naming
+    the file and why, where it cannot be opened at all."""
+    try:
+        make_parent_folder(path)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:  # EACCES: another user's file or folder; EROFS: a read-only mount
+        first = e
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as e:  # the first error says why where the file is missing (a folder we cannot write)
+        why = first if isinstance(e, FileNotFoundError) else e
+        print(f"warning: cannot open {path}: {why.strerror or why}; going on without it, so unused caches in "
+              f"{os.path.dirname(path)} are left as they are", file=sys.stderr)
+        return None
 
 
 def _flock(fd: int, operation: str, wait: bool = True) -> bool:

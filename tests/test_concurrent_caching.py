@@ -18,8 +18,10 @@ import torch
 
 import train_lora
 from library.data import caches, dataset as D
+from library import io
+from library.data.caches import CACHE_LOCK
 from library.io import SharedLock, save_safetensors
-from library.training.diffusion_task import CACHE_LOCK, DiffusionTask
+from library.training.diffusion_task import DiffusionTask
 from tests.test_cache_freshness import dataset, encode
 from tests.test_dataset import CountingEncoder, make_image, write
 from tests.test_train_lora import ROOT, flux_args, free_port
@@ -213,3 +215,115 @@ def test_the_run_locks_the_cache_folders_it_can_write_until_its_end(tmp_path, mo
         with pytest.raises(BlockingIOError):
             fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.close(probe)
+
+
+def refused_open(monkeypatch, path, error=PermissionError(13, "Permission denied"), flags: int = 0):
+    """os.open of the lock file `path` (with all of `flags`) raises `error`: another user's 0600 file
+    (the tests run as root, who may open anything), a read-only mount."""
+    real = os.open
+
+    def opener(name, how, *mode):
+        if os.fspath(name) == os.fspath(path) and how & flags == flags:
+            raise error
+        return real(name, how, *mode)
+    monkeypatch.setattr(os, "open", opener)
+
+
+def test_a_run_whose_cache_lock_cannot_be_opened_caches_and_leaves_the_unused_caches(tiny_set, tmp_path,
+                                                                                    monkeypatch, capsys):
+    """Another user's lock file that this user cannot open at all: the old line stopped the run before
+    caching (exit 2, 'error: [Errno 13] Permission denied: ...'; tools/precision_matrix.py: a
+    traceback). Now it caches without the lock, says so in one warning line naming the file and why,
+    and removes nothing there (it cannot know who else uses the folder)."""
+    toml, folder, old = two_images(tiny_set, tmp_path)
+    refused_open(monkeypatch, folder / CACHE_LOCK)
+    stop_after_caching(monkeypatch)
+    argv = flux_args(tiny_set, tmp_path / "out", "--dataset_config", toml, "--sample_prompts", "")
+    assert train_lora.main(argv) == 130
+    out, err = capsys.readouterr()
+    warnings = [line for line in err.splitlines() if CACHE_LOCK in line]
+    assert warnings == [f"warning: cannot open {folder / CACHE_LOCK}: Permission denied; going on without it, so "
+                        f"unused caches in {folder} are left as they are"]
+    assert old.exists() and "files no entry uses were removed" not in out and "another run" not in out
+    assert sum(name.endswith("_te.safetensors") for name in os.listdir(folder)) == 2  # cached all the same
+
+
+def test_a_lock_file_on_a_read_only_mount_is_held_read_only(tmp_path, monkeypatch):
+    """Opening a file for writing on a read-only mount fails with EROFS, not PermissionError: the old
+    line raised it instead of holding the file through a read-only descriptor."""
+    path = tmp_path / CACHE_LOCK
+    path.touch()
+    refused_open(monkeypatch, path, OSError(30, "Read-only file system"), flags=os.O_RDWR)
+    lock = SharedLock(str(path))
+    monkeypatch.undo()
+    probe = os.open(path, os.O_RDONLY)
+    with pytest.raises(BlockingIOError):  # held shared: no one else is alone
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(probe)
+    lock.close()
+
+
+def test_an_unopened_lock_is_never_alone(tmp_path, monkeypatch, capsys):
+    path = tmp_path / CACHE_LOCK
+    refused_open(monkeypatch, path)
+    lock = SharedLock(str(path))
+    with lock.alone() as alone:
+        assert alone is False and not lock.opened
+    lock.close()
+    assert capsys.readouterr().err.count("warning: cannot open") == 1
+
+
+def test_a_shared_lock_closed_twice_leaves_the_next_file_open(tmp_path):
+    """The old second close() closed whatever file had the descriptor's number by then."""
+    path = str(tmp_path / CACHE_LOCK)
+    lock = SharedLock(path)
+    lock.close()
+    other = os.open(path, os.O_RDONLY)  # the lowest free number: the lock's old one
+    lock.close()
+    os.fstat(other)  # still open (the old line: EBADF)
+    os.close(other)
+
+
+def test_an_interrupt_while_waiting_for_the_lock_leaves_no_descriptor_open(tmp_path, monkeypatch):
+    """Ctrl-C while a holder is alone (SharedLock waits for it): the old line left the file open."""
+    def interrupted(fd, operation, wait=True):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(io, "_flock", interrupted)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(KeyboardInterrupt):
+        SharedLock(str(tmp_path / CACHE_LOCK))
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_the_precision_matrix_holds_the_cache_folders_it_reads(tmp_path, monkeypatch):
+    """tools/precision_matrix.py caches and reads the config's images outside a training run: the old
+    line held no lock, so a run alone in the folder could remove the files it was reading."""
+    from library.data import dataset as dataset_module
+    from tools import precision_matrix
+
+    four_images(tmp_path)
+    toml = tmp_path / "ds.toml"
+    toml.write_text(f'[[datasets]]\nresolution = 32\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "img"}"\n')
+    enc, held = CountingEncoder(), []
+    real = dataset_module.read_cache
+
+    def read_cache(cache):
+        probe = os.open(tmp_path / "img" / CACHE_LOCK, os.O_RDONLY | os.O_CREAT)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        os.close(probe)
+        return real(cache)
+    monkeypatch.setattr(dataset_module, "read_cache", read_cache)
+    family = SimpleNamespace(load_vae=lambda dtype: SimpleNamespace(encode=enc.latents), latent_cache_key=lambda: "vae-1",
+                             text_options=lambda args: {}, load_text_encoder=lambda precision: enc.text,
+                             text_cache_key=lambda options, precision: "te-1")
+    args = SimpleNamespace(dataset_config=str(toml), seed=0, vae_batch_size=2, text_encoder_precision="bf16",
+                           cache_latents_to_disk=True, cache_text_encoder_outputs_to_disk=True)
+    data = precision_matrix.eval_data(args, family, max_items=2)
+    assert len(data) == 2 and held == [True, True]
+    probe = os.open(tmp_path / "img" / CACHE_LOCK, os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go once read
+    os.close(probe)

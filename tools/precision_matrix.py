@@ -40,6 +40,7 @@ trained on, columns = deployed on). Exit 2 with one line on bad input.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import io
 import math
@@ -94,7 +95,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import train_lora  # noqa: E402
-from library.data.caches import cache_latents, cache_text, loaded_on_first_call  # noqa: E402
+from library.data.caches import cache_latents, cache_text, hold_cache_folders, loaded_on_first_call  # noqa: E402
 from library.data.dataset import ImageDataset  # noqa: E402
 from library.data.dataset_config import load_dataset_config  # noqa: E402
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
@@ -223,20 +224,25 @@ def train_row(trained_on: str, config_file: str, out: str, overrides: list[str],
 
 
 def eval_data(args, family, max_items: int) -> list[tuple[str, torch.Tensor, dict]]:
-    """[(key, latents [1, C, h, w] float32, text {k: [1, ...]})] for the first max_items images."""
+    """[(key, latents [1, C, h, w] float32, text {k: [1, ...]})] for the first max_items images, their
+    cache folders held shared while cached and read (a training run alone there removes the cache
+    files its own entries do not use)."""
     dataset = ImageDataset(load_dataset_config(args.dataset_config), seed=args.seed)
     items = dataset.items[:max_items]
-    cache_latents(items, loaded_on_first_call(lambda: family.load_vae(torch.float32).encode), family.latent_cache_key(),
-                  batch_size=args.vae_batch_size, to_disk=args.cache_latents_to_disk)
-    options = family.text_options(args)
-    precision = args.text_encoder_precision
-    cache_text(items, loaded_on_first_call(lambda: family.load_text_encoder(precision, **options)),
-               family.text_cache_key(options, precision), to_disk=args.cache_text_encoder_outputs_to_disk)
-    data = []
-    for i in range(len(items)):
-        sample = dataset[dataset.entries.index(i)]
-        text = {k: v[None] for k, v in sample["text"].items()}
-        data.append((sample["key"], sample["latents"][None], text))
+    with contextlib.ExitStack() as held:
+        if args.cache_latents_to_disk or args.cache_text_encoder_outputs_to_disk:
+            hold_cache_folders(items, held)
+        cache_latents(items, loaded_on_first_call(lambda: family.load_vae(torch.float32).encode),
+                      family.latent_cache_key(), batch_size=args.vae_batch_size, to_disk=args.cache_latents_to_disk)
+        options = family.text_options(args)
+        precision = args.text_encoder_precision
+        cache_text(items, loaded_on_first_call(lambda: family.load_text_encoder(precision, **options)),
+                   family.text_cache_key(options, precision), to_disk=args.cache_text_encoder_outputs_to_disk)
+        data = []
+        for i in range(len(items)):
+            sample = dataset[dataset.entries.index(i)]
+            text = {k: v[None] for k, v in sample["text"].items()}
+            data.append((sample["key"], sample["latents"][None], text))
     return data
 
 

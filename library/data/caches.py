@@ -7,6 +7,7 @@ way (cache_prompts), and after caching the files no entry uses are removed (remo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -24,13 +25,14 @@ from library.data.controls import encode_prompts
 from library.data.image_folders import ImageItem
 from library.data.images import load_image
 from library.data.masks import load_mask, mask_source_hash
-from library.io import CheckpointReader, atomic_target, save_safetensors
+from library.io import CheckpointReader, SharedLock, atomic_target, save_safetensors
 
 # Part of every latent cache hash: bump it when resize/crop changes so old caches are redone.
 PREPROCESS_VERSION = "resize-crop-v1"
 CACHE_DTYPE = torch.bfloat16  # what cache files hold; samples are float32
 LOAD_WORKERS = min(4, os.cpu_count() or 1)  # threads loading images ahead of the VAE (cache_latents)
 TEMPORARY_AGE_S = 3600  # a cache file's temporary this old was left by a killed run (remove_unused_caches)
+CACHE_LOCK = ".caches.lock"  # in each cache folder, held shared by the runs and tools caching or reading there
 
 
 # ----------------------------------------------------------------------------------------------
@@ -47,6 +49,20 @@ def cache_folder(item: ImageItem) -> str:
         tag = hashlib.sha256(folder.encode()).hexdigest()[:8]
         folder = os.path.join(item.cache_dir, f"{os.path.basename(folder)}-{tag}")
     return folder
+
+
+def hold_cache_folders(items: list[ImageItem], held: contextlib.ExitStack) -> dict[str, SharedLock]:
+    """Each of the items' cache folders' CACHE_LOCK, held shared until `held` closes, by {folder}: a
+    run alone in a folder (SharedLock.alone) removes the cache files its own entries do not use, which
+    may be the very files another run or a tool caches or reads there. A folder this process cannot
+    write (it caches nothing there) is held where its lock file exists, read-only."""
+    locks = {}
+    for folder in sorted({cache_folder(item) for item in items}):
+        path = os.path.join(folder, CACHE_LOCK)
+        if not os.path.isdir(folder) or os.access(folder, os.W_OK | os.X_OK) or os.path.exists(path):
+            locks[folder] = lock = SharedLock(path)
+            held.callback(lock.close)
+    return locks
 
 
 def cache_path(item: ImageItem, suffix: str) -> str:

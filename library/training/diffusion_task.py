@@ -19,13 +19,12 @@ import torch.nn as nn
 
 from library.data.captions import drops_captions
 from library.data.caches import (cache_empty_caption, cache_folder, cache_latents, cache_prompts, cache_text,
-                                 loaded_on_first_call, remove_unused_caches)
+                                 hold_cache_folders, loaded_on_first_call, remove_unused_caches)
 from library.data.check import training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import reference_count, scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, reference_images
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
-from library.io import SharedLock
 from library.models.core import checkpointing, compile_block
 from library.models.family import get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
@@ -91,9 +90,6 @@ def compile_by_default(args, device_type: str, triton: bool, stored_precision: s
     if args.fp8_compute:
         return False, "fp8_compute: measured eager only"
     return True, "each transformer block compiled on CUDA; the first steps take a minute or two longer"
-
-
-CACHE_LOCK = ".caches.lock"  # in each cache folder, held shared by the runs caching and training from it
 
 
 def cache_share(accelerator) -> tuple[int, int]:
@@ -243,23 +239,17 @@ class DiffusionTask:
             self.accelerator.print(said)
 
     def _hold_cache_folders(self, held: contextlib.ExitStack):
-        """The main process holds each cache folder's .caches.lock shared until `held` closes (the
-        run's end), beside any other run over the same images: two runs caching the same file write
-        it twice (atomically), which is lost time, not harm. What harms is a removal of the files
-        another run reads, so the unused ones are removed only in a folder this run has alone
-        (_remove_unused_caches). A folder this run cannot write (it caches nothing there and removes
-        nothing from it) is held where its lock file exists, read-only, so its owner's run does not
-        remove the caches this one reads. The other processes wait until the locks are held: a file
+        """The main process holds each cache folder's lock shared until `held` closes (the run's end;
+        caches.hold_cache_folders), beside any other run over the same images: two runs caching the
+        same file write it twice (atomically), which is lost time, not harm. What harms is a removal
+        of the files another run reads, so the unused ones are removed only in a folder this run has
+        alone (_remove_unused_caches). The other processes wait until the locks are held: a file
         they find current before then could be removed by a run that has the folder alone."""
         args, self._cache_locks = self.args, {}
         if not (args.cache_latents_to_disk or args.cache_text_encoder_outputs_to_disk):
             return  # the caches live in memory: no file is shared
         if self.accelerator.is_main_process:  # the lock is the run's; only the main process removes caches
-            for folder in sorted({cache_folder(item) for item in self.dataset.items + self.validation_set.items}):
-                path = os.path.join(folder, CACHE_LOCK)
-                if not os.path.isdir(folder) or os.access(folder, os.W_OK | os.X_OK) or os.path.exists(path):
-                    self._cache_locks[folder] = lock = SharedLock(path)
-                    held.callback(lock.close)
+            self._cache_locks = hold_cache_folders(self.dataset.items + self.validation_set.items, held)
         if self.accelerator.num_processes > 1:
             self.accelerator.wait_for_everyone()
 
@@ -319,7 +309,7 @@ class DiffusionTask:
         with contextlib.ExitStack() as alone:  # removals only where no other run holds the folder
             shared = [f for f in sorted(folders) if f in self._cache_locks
                       and not alone.enter_context(self._cache_locks[f].alone())]
-            for folder in shared:
+            for folder in (f for f in shared if self._cache_locks[f].opened):  # unopened: said when opened
                 self.accelerator.print(f"{folder}: another run is using these caches; unused cache files are left "
                                        f"for a run that has the folder alone")
             removed, freed = remove_unused_caches(folders - set(shared), self.family.name, used,
