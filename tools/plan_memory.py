@@ -59,6 +59,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+from library.training.config import KEEPING_KEYS  # noqa: E402
 from library.training.memory_plan import (  # noqa: E402
     KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, sampling_phase, training_plan, usable_bytes)
 
@@ -261,11 +262,6 @@ def fit_text(fit: int | None, peak: int) -> str:
     return "does not fit" if fit is None else f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)"
 
 
-# The checkpointing keys that keep tensors from the forward for less recompute, and what each buys.
-KEEPING_KEYS = (("checkpoint_saves_projections", "less recompute"),
-                ("checkpoint_saves_attention", "no attention in the recompute"))
-
-
 def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib: float,
                      references: int | None, planned: dict) -> list[str]:
     """What each of KEEPING_KEYS (unset in args) would cost on this card, per base precision with
@@ -273,7 +269,7 @@ def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib
     trains)."""
     count, tokens = references_and_tokens(family, args, references, width, height)
     rows = []
-    for key, gain in KEEPING_KEYS:
+    for key, gain in KEEPING_KEYS.items():
         if getattr(args, key):
             continue  # the rows above already plan it
         for base in [base for base, ckpt in planned if ckpt]:
@@ -286,7 +282,7 @@ def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib
             fit = fewest_swaps(plan, vram_gib)
             rows.append(f"  {base:10s} gradient_checkpointing=true with {key} = true "
                         f"(+{extra / GiB:.2f} GiB, {gain}): {fit_text(fit, plan.phase(fit or 0).peak)}")
-    if rows and any(getattr(args, key) is None for key, _ in KEEPING_KEYS):
+    if rows and any(getattr(args, key) is None for key in KEEPING_KEYS):
         rows.append(f"  (a key left unset: train_lora.py turns it on where the step with it fits the card, "
                     f"{KEEPING_MARGIN - 1:.0%} to spare)")
     return rows

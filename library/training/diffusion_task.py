@@ -30,8 +30,8 @@ from library.models.core import checkpointing, compile_block
 from library.models.family import get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
-from library.training.config import (ConfigError, base_precision, check_warmup, compute_dtype, lora_network_args,
-                                     plan_steps)
+from library.training.config import (KEEPING_KEYS, ConfigError, base_precision, check_warmup, compute_dtype,
+                                     lora_network_args, plan_steps)
 from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
 from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
@@ -228,7 +228,7 @@ class DiffusionTask:
         """checkpoint_saves_attention / _projections left unset: on a CUDA card, each on where the memory
         plan of the largest training batch fits the card with it (one line says what was chosen); off on
         the CPU and with a sharded base (FSDP: not planned)."""
-        args, keys = self.args, memory_plan.KEEPING_KEYS
+        args, keys = self.args, KEEPING_KEYS
         planned = args.gradient_checkpointing and any(getattr(args, key) is None for key in keys)
         card = memory_plan.device_memory(self.device) if planned and not fsdp.uses_fsdp(self.accelerator) else None
         if card is None:
