@@ -241,7 +241,7 @@ def what_to_plan(cli) -> tuple:
         references = family.plan_controls if cli.references is None else cli.references
         check_references(family, references, "--references")
         return family, default_args(family.name), (side, side), cli.batch_size or 1, references
-    from library.data.image_folders import reference_count
+    from library.data.image_folders import largest_step
     from library.data.dataset_config import load_dataset_config
     from library.models.family import get_family
     from library.training.config import load_config
@@ -249,12 +249,11 @@ def what_to_plan(cli) -> tuple:
     run = load_config(["--config_file", cli.config_file])
     family = get_family(run)
     family.check_model_files()  # from the headers: a missing or wrong file is one line before any plan
-    blueprint = load_dataset_config(run.dataset_config)
-    size = max((d.resolution for d in blueprint.datasets), key=lambda r: r[0] * r[1])
-    size = (cli.resolution, cli.resolution) if cli.resolution else size
-    references = reference_count(blueprint) if cli.references is None else cli.references
+    step = largest_step(load_dataset_config(run.dataset_config))
+    size = (cli.resolution, cli.resolution) if cli.resolution else (step.width, step.height)
+    references = step.references if cli.references is None else cli.references
     check_references(family, references, "--references" if cli.references is not None else run.dataset_config)
-    return family, run, size, cli.batch_size or max(d.batch_size for d in blueprint.datasets), references
+    return family, run, size, cli.batch_size or step.batch, references
 
 
 def fit_text(fit: int | None, peak: int) -> str:

@@ -22,7 +22,7 @@ from library.data.caches import (cache_empty_caption, cache_folder, cache_latent
                                  loaded_on_first_call, remove_unused_caches)
 from library.data.check import training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
-from library.data.image_folders import reference_count, scan_images, split_validation
+from library.data.image_folders import largest_step, scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, reference_images
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
 from library.io import SharedLock
@@ -226,8 +226,8 @@ class DiffusionTask:
 
     def _settle_keeping_keys(self):
         """checkpoint_saves_attention / _projections left unset: on a CUDA card, each on where the memory
-        plan of the largest training batch fits the card with it (one line says what was chosen); off on
-        the CPU and with a sharded base (FSDP: not planned)."""
+        plan of the largest training step (image_folders.largest_step) fits the card with it (one line
+        says what was chosen); off on the CPU and with a sharded base (FSDP: not planned)."""
         args, keys = self.args, KEEPING_KEYS
         planned = args.gradient_checkpointing and any(getattr(args, key) is None for key in keys)
         card = memory_plan.device_memory(self.device) if planned and not fsdp.uses_fsdp(self.accelerator) else None
@@ -235,10 +235,7 @@ class DiffusionTask:
             for key in keys:
                 setattr(args, key, bool(getattr(args, key)))
             return
-        bp = self.blueprint
-        width, height = max((d.resolution for d in bp.datasets), key=lambda r: r[0] * r[1])
-        said = memory_plan.settle_keeping_keys(self.family, args, card, width, height,
-                                               max(d.batch_size for d in bp.datasets), reference_count(bp))
+        said = memory_plan.settle_keeping_keys(self.family, args, card, *largest_step(self.blueprint))
         if said:
             self.accelerator.print(said)
 
