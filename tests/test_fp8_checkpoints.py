@@ -256,8 +256,12 @@ def test_training_on_a_plain_e5m2_file_refuses_an_fp8_base_before_caching_and_re
     """An fp8 base asked of a plain e5m2 file failed while the transformer loaded, after caching, naming a
     tensor and no file. Now one line naming the file, the tensor and the key, before caching. Trained
     on it with a bf16 base, the LoRA's ss_base_precision said "bf16"; now "fp8_e5m2": e5m2 widens
-    exactly, so that file is the base the LoRA was trained on."""
+    exactly, so that file is the base the LoRA was trained on. The samples' panel then still said "bf16";
+    now "fp8_e5m2" too (DiffusionTask.trained_precision names the base for both)."""
+    from PIL import Image
+
     from library.training.diffusion_task import DiffusionTask
+    from tests.test_train_lora import sample_png
 
     model = load_flux(tiny_set["flux_bfl"])
     sd = {k: v.detach().to(torch.float8_e5m2) for k, v in model.state_dict().items()}
@@ -272,10 +276,13 @@ def test_training_on_a_plain_e5m2_file_refuses_an_fp8_base_before_caching_and_re
                     f"plain e5m2 file, widened exactly to the compute dtype), but the config asks for a fp8_scaled "
                     f"base; set base_precision = \"bf16\" (fp8_base = false), or give a bf16 checkpoint"), line
     assert cached == []
-    out = tmp_path / "out"
-    assert train_lora.main(flux_args(tiny_set, out, "--pretrained_model_name_or_path", path, "--fp8_base", "false")) == 0
+    out, prompts = tmp_path / "out", tmp_path / "prompts.txt"
+    prompts.write_text("a red square --w 32 --h 32 --s 2\n")
+    assert train_lora.main(flux_args(tiny_set, out, "--pretrained_model_name_or_path", path, "--fp8_base", "false",
+                                     "--sample_prompts", str(prompts))) == 0
     with safe_open(str(out / "tiny_flux_lora.safetensors"), framework="pt") as f:
         assert f.metadata()["ss_base_precision"] == "fp8_e5m2"
+    assert Image.open(sample_png(out, "tiny_flux_lora", "final")).text["panels"] == "fp8_e5m2"  # the one base sampled
 
 
 def test_generate_reads_comfy_files_with_a_lora_on_top_and_records_the_stored_layout(tiny_set, tmp_path):

@@ -157,7 +157,8 @@ class DiffusionTask:
     # -- setup ---------------------------------------------------------------------------------
     def _check_stored_precision(self):
         """A pre-quantized checkpoint (fp8, GGUF) is trained on as it is stored; the config must say so,
-        and the LoRA's metadata names the stored layout (base_precision()), the base really trained on."""
+        and the LoRA's metadata and the samples name the stored layout (trained_precision()), the base
+        really trained on."""
         from library.precision.stored_layouts import check_config_precision
 
         self.stored_precision = self.family.stored_layout()
@@ -505,6 +506,12 @@ class DiffusionTask:
         return self.render_samples(output_dir, "final", stop) if self.prompts else []
 
     # -- metadata ------------------------------------------------------------------------------
+    def trained_precision(self) -> str:
+        """The base trained on, as the LoRA's metadata and the samples' panels name it: bf16 / fp8 /
+        fp8_scaled / nf4 ..., or the layout of a pre-quantized file (e.g. fp8_tensor_scaled) or of a plain
+        e5m2 one (fp8_e5m2, widened exactly to the compute dtype)."""
+        return self.stored_precision or self.widened_precision or base_precision(self.args)
+
     def metadata(self) -> dict:
         from library.models.flow_matching import sampling_of
         from library.training.base_loras import base_lora_specs, base_loras_metadata
@@ -512,9 +519,7 @@ class DiffusionTask:
         datasets, args = self.blueprint.datasets, self.args
         return {
             "base_model_version": self.family.model_version(self.base),
-            # bf16 / fp8 / fp8_scaled, or the layout of a pre-quantized file (e.g. fp8_tensor_scaled) or of a
-            # plain e5m2 one (fp8_e5m2), the base trained on
-            "base_precision": self.stored_precision or self.widened_precision or base_precision(args),
+            "base_precision": self.trained_precision(),
             "fp8_compute": "true" if args.fp8_compute else None,
             "resolution": ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in datasets),
             "batch_size": self._total_batch_size(),
@@ -552,7 +557,7 @@ class DiffusionTask:
             return []
         from library.data.images import save_side_by_side
 
-        bases = [(self.stored_precision or base_precision(self.args), self.base)]  # the layout loaded
+        bases = [(self.trained_precision(), self.base)]  # the layout loaded
         if memory_plan.renders_bf16_reference(self.args):
             # The same LoRA on a bf16 copy of the base, streamed from disk for this render only.
             reference = self.family.load_transformer(self.compute_dtype, "bf16").requires_grad_(False).eval()
