@@ -37,6 +37,21 @@ def test_the_header_names_the_architecture_in_every_trainers_spelling(key, value
     assert header_arch({key: value}) == arch
 
 
+SPELLED = [  # (header value, our architecture): releases in spellings that no model_versions entry lists as such
+    ("flux_1-dev", "flux"), ("FLUX-2-dev/lora", "flux2"), ("krea_2-raw", "krea2"), ("Z Image/lora", "zimage"),
+    ("qwen_image_2.1", "qwen_image21"), ("Qwen-Image-2512/lora", "qwen_image"), ("qwen_image_2512", "qwen_image"),
+]
+
+
+@pytest.mark.parametrize("value, arch", SPELLED)
+def test_the_header_names_the_architecture_by_the_merges_rule_of_spelling(value, arch):
+    """header_arch compared the lower-cased header with the families' model_versions as listed, while the merge's
+    version check (same_release) read every spelling alike: 'flux_1-dev' named no architecture, 'qwen_image_2.1'
+    Qwen-Image's, and Qwen-Image-2.1's prefix 'qwen-image-2' took Qwen-Image-2512's LoRAs. Now both ask
+    lora_arch.begins_release, and Qwen-Image-2.1's prefix is its release, qwen-image-2.1."""
+    assert header_arch({"ss_base_model_version": value}) == arch
+
+
 def _merge(tiny_set, tmp_path, capsys, header: dict) -> tuple[int, str]:
     model, family, _ = load_model(tiny_set["flux_bfl"])
     lora = tmp_path / "lora.safetensors"
