@@ -229,19 +229,28 @@ def header_version(metadata: dict[str, str]) -> tuple[str, str] | None:
     return next(((k, metadata[k]) for k in VERSION_KEYS if metadata.get(k)), None)
 
 
-def same_release(version: str, said: str) -> bool:
-    """True where the header's `said` names `version` (a family's model_version) or begins it, spelled any
-    trainer's way: case, separators and modelspec's adapter suffix aside ('Model.2-dev-4b/lora', ai-toolkit's
-    'model2_dev_4b' and our 'model2-dev-4b' are one release; a stem such as sd-scripts' 'model-2' any of its)."""
-    plain = lambda v: re.sub(r"[^a-z0-9]", "", v.lower().split("/")[0])  # noqa: E731
-    return plain(version).startswith(plain(said))
+def release_stem(name: str) -> str:
+    """A release's name as every trainer's spelling of it reads: lower case, without modelspec's adapter
+    suffix and separators ('Model.2-dev-4b/lora', ai-toolkit's 'model2_dev_4b' and our 'model2-dev-4b' are
+    all 'model2dev4b')."""
+    return re.sub(r"[^a-z0-9]", "", name.lower().split("/")[0])
+
+
+def begins_release(name: str, stem: str) -> bool:
+    """True where `stem` is the release `name` or begins it, both spelled any trainer's way (release_stem):
+    the one rule by which a header's name meets a family's: a family's model_versions prefix the header's
+    (header_arch), the header's name or stem (sd-scripts' 'model-2') the base's model_version (the merge's
+    version check)."""
+    return release_stem(name).startswith(release_stem(stem))
 
 
 def header_arch(metadata: dict[str, str]) -> str | None:
     """The architecture whose LoRAFiles.model_versions begin the header's ss_base_model_version or
-    modelspec.architecture (the longest such prefix: a variant's version may begin with its base's), else None."""
-    said = [v for v in (metadata.get(k, "").lower() for k in VERSION_KEYS) if v]
-    hits = [(len(p), arch) for arch, f in lora_files().items() for p in f.model_versions for v in said if v.startswith(p)]
+    modelspec.architecture (begins_release; the longest such prefix: a variant's version may begin with its
+    base's), else None."""
+    said = [v for v in (metadata.get(k) for k in VERSION_KEYS) if v]
+    hits = [(len(release_stem(p)), arch) for arch, f in lora_files().items() for p in f.model_versions
+            for v in said if begins_release(v, p)]
     return max(hits)[1] if hits else None
 
 

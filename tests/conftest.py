@@ -29,3 +29,26 @@ def tiny_set(tmp_path_factory):
     paths.update(make_tiny_dataset(str(root / "dataset")))
     paths["root"] = str(root)
     return paths
+
+
+# LoRA files in every layout the reader reads (tests/lora_layouts.py), built once for the reader's tests
+# (test_lora_reader.py, test_lora_refusals.py, test_lora_headers.py).
+@pytest.fixture(scope="session")
+def flux_loras(tmp_path_factory):
+    from tests.lora_layouts import flux_loras
+
+    return flux_loras(tmp_path_factory.mktemp("reader_flux"))
+
+
+@pytest.fixture(scope="session")
+def zimage_loras(tmp_path_factory):
+    from tests.lora_layouts import zimage_loras
+
+    return zimage_loras(tmp_path_factory.mktemp("reader_zimage"))
+
+
+@pytest.fixture(scope="session")
+def qwen_lora(tmp_path_factory) -> str:
+    from tests.lora_layouts import qwen_lora
+
+    return qwen_lora(tmp_path_factory.mktemp("reader_qwen"))

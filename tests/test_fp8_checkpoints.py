@@ -251,17 +251,26 @@ def test_training_on_a_comfy_scaled_file_needs_fp8_scaled_and_records_the_layout
         assert f.metadata()["ss_base_precision"] == "fp8_tensor_scaled"
 
 
+def tiny_e5m2_flux(tiny_set, tmp_path) -> str:
+    """The tiny FLUX.1 as a plain float8_e5m2 file (every tensor e5m2, as the "-fp8-e5m2" releases)."""
+    model = load_flux(tiny_set["flux_bfl"])
+    sd = {k: v.detach().to(torch.float8_e5m2) for k, v in model.state_dict().items()}
+    return write_comfy(sd, tmp_path / "flux1-e5m2.safetensors", "flux", config=model.config)
+
+
 def test_training_on_a_plain_e5m2_file_refuses_an_fp8_base_before_caching_and_records_e5m2(tiny_set, tmp_path,
                                                                                             capsys, monkeypatch):
     """An fp8 base asked of a plain e5m2 file failed while the transformer loaded, after caching, naming a
     tensor and no file. Now one line naming the file, the tensor and the key, before caching. Trained
     on it with a bf16 base, the LoRA's ss_base_precision said "bf16"; now "fp8_e5m2": e5m2 widens
-    exactly, so that file is the base the LoRA was trained on."""
-    from library.training.diffusion_task import DiffusionTask
+    exactly, so that file is the base the LoRA was trained on. The samples' panel then still said "bf16";
+    now "fp8_e5m2" too (DiffusionTask.trained_precision names the base for both)."""
+    from PIL import Image
 
-    model = load_flux(tiny_set["flux_bfl"])
-    sd = {k: v.detach().to(torch.float8_e5m2) for k, v in model.state_dict().items()}
-    path = write_comfy(sd, tmp_path / "flux1-e5m2.safetensors", "flux", config=model.config)
+    from library.training.diffusion_task import DiffusionTask
+    from tests.test_train_lora import sample_png
+
+    path = tiny_e5m2_flux(tiny_set, tmp_path)
     fill = DiffusionTask._fill_caches
     cached = []
     monkeypatch.setattr(DiffusionTask, "_fill_caches", lambda self: cached.append(1) or fill(self))
@@ -272,10 +281,13 @@ def test_training_on_a_plain_e5m2_file_refuses_an_fp8_base_before_caching_and_re
                     f"plain e5m2 file, widened exactly to the compute dtype), but the config asks for a fp8_scaled "
                     f"base; set base_precision = \"bf16\" (fp8_base = false), or give a bf16 checkpoint"), line
     assert cached == []
-    out = tmp_path / "out"
-    assert train_lora.main(flux_args(tiny_set, out, "--pretrained_model_name_or_path", path, "--fp8_base", "false")) == 0
+    out, prompts = tmp_path / "out", tmp_path / "prompts.txt"
+    prompts.write_text("a red square --w 32 --h 32 --s 2\n")
+    assert train_lora.main(flux_args(tiny_set, out, "--pretrained_model_name_or_path", path, "--fp8_base", "false",
+                                     "--sample_prompts", str(prompts))) == 0
     with safe_open(str(out / "tiny_flux_lora.safetensors"), framework="pt") as f:
         assert f.metadata()["ss_base_precision"] == "fp8_e5m2"
+    assert Image.open(sample_png(out, "tiny_flux_lora", "final")).text["panels"] == "fp8_e5m2"  # the one base sampled
 
 
 def test_generate_reads_comfy_files_with_a_lora_on_top_and_records_the_stored_layout(tiny_set, tmp_path):
@@ -307,6 +319,23 @@ def test_generate_reads_comfy_files_with_a_lora_on_top_and_records_the_stored_la
                           "--width", "64", "--height", "64", "--steps", "2", "--dtype", "fp32",
                           "--out", str(tmp_path / "qwen")]) == 0
     assert len(os.listdir(tmp_path / "qwen")) == 1
+
+
+def test_generate_on_a_plain_e5m2_file_names_that_base_in_the_image(tiny_set, tmp_path):
+    """generate's PNG said base_precision 'bf16' for a plain e5m2 file (loaded widened, exactly): the base
+    the image was made on is that file's, as a LoRA trained on it records (fp8_e5m2)."""
+    from PIL import Image
+
+    from tools import generate
+
+    path = tiny_e5m2_flux(tiny_set, tmp_path)
+    with pytest.warns(UserWarning, match="widened exactly"):
+        code = generate.main(["--model_type", "flux", "--model", path, "--ae", tiny_set["flux_vae_single"],
+                              "--clip_l", tiny_set["clip_l"], "--t5xxl", tiny_set["t5xxl"], "--prompt", "a red square",
+                              "--width", "32", "--height", "32", "--steps", "2", "--out", str(tmp_path / "out")])
+    assert code == 0
+    (png,) = os.listdir(tmp_path / "out")
+    assert Image.open(tmp_path / "out" / png).text["base_precision"] == "fp8_e5m2"
 
 
 def merge(*argv) -> int:

@@ -1,13 +1,20 @@
 """The header entries that name the model a LoRA was trained on, as each trainer spells them: ours and
 sd-scripts' ss_base_model_version, modelspec.architecture (sd-scripts' and musubi-tuner's sai_model_spec,
 written alone by musubi-tuner), ai-toolkit's ss_base_model_version (its get_base_model_version). Oracle:
-the values those trainers' sources write, and merge_lora's answer to an ss_base_model_version header."""
+the values those trainers' sources write, and merge_lora's answer to an ss_base_model_version header.
+
+Then what else a LoRA's header says: the ranks and alphas a file holds (train_lora.py after network_weights
+rebuilt a module, convert_lora), and discrete_flow_shift only where the run's timestep draw read it."""
+
+from types import SimpleNamespace
 
 import pytest
+from safetensors.torch import save_file
 
+from networks import lora_files as lf
 from networks.lora import LoRANetwork
 from networks.lora_arch import header_arch
-from tools import merge_lora
+from tools import convert_lora, merge_lora
 from tools.lora_common import load_model
 
 WRITTEN = [  # (key, value as written, our architecture)
@@ -35,6 +42,21 @@ def test_the_header_names_the_architecture_in_every_trainers_spelling(key, value
     """Z-Image's, Krea 2's headers (ours, ai-toolkit's, musubi-tuner's) and musubi-tuner's Ideogram-4 named
     no architecture: their specs listed no model_versions (Ideogram 4: its own spelling only)."""
     assert header_arch({key: value}) == arch
+
+
+SPELLED = [  # (header value, our architecture): releases in spellings that no model_versions entry lists as such
+    ("flux_1-dev", "flux"), ("FLUX-2-dev/lora", "flux2"), ("krea_2-raw", "krea2"), ("Z Image/lora", "zimage"),
+    ("qwen_image_2.1", "qwen_image21"), ("Qwen-Image-2512/lora", "qwen_image"), ("qwen_image_2512", "qwen_image"),
+]
+
+
+@pytest.mark.parametrize("value, arch", SPELLED)
+def test_the_header_names_the_architecture_by_the_merges_rule_of_spelling(value, arch):
+    """header_arch compared the lower-cased header with the families' model_versions as listed, while the merge's
+    version check (same_release) read every spelling alike: 'flux_1-dev' named no architecture, 'qwen_image_2.1'
+    Qwen-Image's, and Qwen-Image-2.1's prefix 'qwen-image-2' took Qwen-Image-2512's LoRAs. Now both ask
+    lora_arch.begins_release, and Qwen-Image-2.1's prefix is its release, qwen-image-2.1."""
+    assert header_arch({"ss_base_model_version": value}) == arch
 
 
 def _merge(tiny_set, tmp_path, capsys, header: dict) -> tuple[int, str]:
@@ -67,3 +89,65 @@ def test_merge_reads_modelspec_architecture_where_ss_base_model_version_is_absen
         assert code == 0 and said in err, err
     code, err = _merge(tiny_set, tmp_path, capsys, {"ss_base_model_version": "flux.1"})
     assert code == 0 and "warning" not in err, err
+
+
+# ----------------------------------------------------------------------------------------------
+# The rest of the header: ranks and alphas, the flow shift (FLUX.1 files: tests/conftest.py flux_loras)
+
+
+def header_of_run(task_facts: dict, **args) -> dict:
+    """The LoRA header train_lora.py writes for a run with these settings and its task's facts."""
+    from types import SimpleNamespace
+
+    from train_lora import lora_metadata
+
+    args = SimpleNamespace(**{"network_module": "networks.lora", "network_dim": 4, "network_alpha": 2.0, "network_args": [], "network_dropout": None, "config_file": None,
+                              "pretrained_model_name_or_path": "base.safetensors", "mixed_precision": "bf16",
+                              "optimizer_type": "AdamW", "optimizer_args": [], "learning_rate": 1e-4, "lr_scheduler": "constant",
+                              "discrete_flow_shift": 3.0, "guidance_scale": 1.0, "seed": 0, "output_name": "x", **args})
+    facts = {"base_model_version": "flux1", "base_precision": "bf16", "resolution": "64x64", "batch_size": 1,
+             "timestep_sampling": "flux_shift", "dataset": [], **task_facts}
+    return lora_metadata(args, SimpleNamespace(metadata=lambda: facts), 1, 1, 1, 0.0)
+
+
+def test_the_header_after_network_weights_rebuilt_a_module_says_the_ranks_the_file_holds(flux_loras):
+    """network_weights rebuilt qkv / linear1 at ranks 12 / 16 beside rank-4 modules: the header said
+    ss_network_dim 4 (the config's) and alpha 12 (one rebuilt module's); now "Dynamic" for both, as
+    sd-scripts' resize_lora.py writes for per-module ranks."""
+    from library.training.lora_inputs import loaded_dim_alpha
+
+    path, _ = flux_loras["cases"]["diffusers q / k / v with their own downs"]
+    net = LoRANetwork(flux_loras["model"], "flux", rank=4, alpha=2)
+    net.load_weights(path, strict=False)
+    args = {"network_dim": 4, "network_alpha": 2.0}
+    header = header_of_run(loaded_dim_alpha(net, SimpleNamespace(**args)), **args)
+    assert (header["ss_network_dim"], header["ss_network_alpha"]) == ("Dynamic", "Dynamic")
+    ours = LoRANetwork(flux_loras["model"], "flux", rank=4, alpha=8)
+    ours.load_weights(flux_loras["cases"]["kohya (ours)"][0], strict=False)  # the config's rank, the file's alpha (2) wins
+    assert loaded_dim_alpha(ours, SimpleNamespace(network_dim=4, network_alpha=8.0)) == {"network_alpha": "2"}
+
+
+def test_convert_lora_header_says_the_ranks_and_alphas_it_wrote(flux_loras, tmp_path):
+    """q / k / v with their own rank-4 downs join into one rank-12 qkv (--to kohya): the header kept the
+    source's ss_network_dim 4; --alpha 1 kept ss_network_alpha 2. Now what the file holds."""
+    tensors, metadata, _ = lf.read_lora_tensors(flux_loras["cases"]["diffusers q / k / v with their own downs"][0])
+    save_file(tensors, str(tmp_path / "split.safetensors"), {**metadata, "ss_network_dim": "4", "ss_network_alpha": "2"})
+    convert_lora.convert_lora(str(tmp_path / "split.safetensors"), str(tmp_path / "k.safetensors"), "kohya")
+    convert_lora.convert_lora(flux_loras["cases"]["kohya (ours)"][0], str(tmp_path / "a.safetensors"), "kohya", alpha=1.0)
+    meta = {name: load_file_metadata(str(tmp_path / f"{name}.safetensors")) for name in ("k", "a")}
+    assert (meta["k"]["ss_network_dim"], meta["k"]["ss_network_alpha"]) == ("Dynamic", "Dynamic")
+    assert (meta["a"]["ss_network_dim"], meta["a"]["ss_network_alpha"]) == ("4", "1")
+
+
+def load_file_metadata(path: str) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return f.metadata()
+
+
+@pytest.mark.parametrize("sampling, written", [("shift", "3.0"), ("flux_shift", None), ("sigmoid", None), ("uniform", None)])
+def test_the_header_names_discrete_flow_shift_only_where_the_timestep_draw_read_it(sampling, written):
+    """flow_matching.sample_sigmas reads discrete_flow_shift for timestep_sampling = "shift" alone; the header
+    said ss_discrete_flow_shift 3.0 for every run (a flux_shift run's own mu, not 3.0, shifted its draws)."""
+    assert header_of_run({"timestep_sampling": sampling}).get("ss_discrete_flow_shift") == written

@@ -433,6 +433,39 @@ def test_unset_keeping_keys_are_off_on_the_cpu_without_a_plan(monkeypatch):
     assert task.args.checkpoint_saves_attention is False and task.args.checkpoint_saves_projections is True
 
 
+def test_the_keeping_keys_are_planned_for_the_largest_step_of_all_datasets(tmp_path, monkeypatch):
+    """The trainer plans the keeping keys for the step tools/plan_memory.py plans (image_folders.largest_step):
+    the largest resolution by area, the largest batch and the most references, each from any dataset."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from accelerate.utils import DistributedType
+
+    from library.data.dataset_config import parse_dataset_config
+    from library.data.image_folders import largest_step
+    from library.training import memory_plan
+    from library.training.diffusion_task import DiffusionTask
+
+    for folder, names in (("plain", ["a"]), ("edit", ["b"]), ("refs", ["b_0", "b_1"])):
+        (tmp_path / folder).mkdir()
+        for name in names:
+            Image.new("RGB", (64, 64)).save(tmp_path / folder / f"{name}.png")
+    blueprint = parse_dataset_config({"datasets": [
+        {"resolution": 512, "batch_size": 4, "subsets": [{"image_dir": str(tmp_path / "plain")}]},
+        {"resolution": [768, 640], "batch_size": 1,
+         "subsets": [{"image_dir": str(tmp_path / "edit"), "control_directory": str(tmp_path / "refs")}]}]})
+    assert largest_step(blueprint) == (768, 640, 4, 2)
+
+    planned = []
+    monkeypatch.setattr(memory_plan, "device_memory", lambda device: 80 * GIB)
+    monkeypatch.setattr(memory_plan, "settle_keeping_keys", lambda family, args, card, *step: planned.append(step))
+    task = SimpleNamespace(args=SimpleNamespace(checkpoint_saves_attention=None, checkpoint_saves_projections=None,
+                                               gradient_checkpointing=True), blueprint=blueprint, family=None,
+                           accelerator=SimpleNamespace(distributed_type=DistributedType.NO), device=torch.device("cuda"))
+    DiffusionTask._settle_keeping_keys(task)
+    assert planned == [(768, 640, 4, 2)]
+
+
 def test_train_lora_settles_the_keeping_keys_before_caching_on_a_card(tiny_set, tmp_path, capsys, monkeypatch):
     import train_lora
     from library.models import core

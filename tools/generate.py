@@ -185,6 +185,8 @@ def generate(args) -> list[str]:
     # A pre-quantized file (ours, ComfyUI's fp8 / scaled fp8, GGUF) is used as it is stored, whatever --base_precision says.
     base_precision = family.stored_layout() or args.base_precision
     model = family.load_transformer(PRECISION_DTYPES[args.dtype], base_precision).requires_grad_(False).eval()
+    # A plain e5m2 file loaded (widened exactly, so bf16 was asked): the images name it as its LoRAs do.
+    base_name = family.widened_layout(base_precision) or base_precision
     for spec in loras:  # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it)
         network = network_from_file(model, family.arch, spec.path, multiplier=spec.ratio)  # LoRA, DoRA or LyCORIS: the modules the file names
         network.apply()
@@ -208,7 +210,7 @@ def generate(args) -> list[str]:
         info = {
             "prompt": prompt.prompt, "negative": prompt.negative, "size": f"{prompt.width}x{prompt.height}",
             "steps": prompt.steps, "seed": seed, "guidance": prompt.guidance, "model": os.path.basename(args.model),
-            "base_precision": base_precision, "dtype": args.dtype,
+            "base_precision": base_name, "dtype": args.dtype,
             "loras": ",".join(f"{os.path.basename(spec.path)}:{spec.ratio}" for spec in loras),
             "control_images": ",".join(os.path.basename(p) for p in prompt.control_images),
         }

@@ -26,7 +26,7 @@ from library.precision.bnb_weights import refuse_serialized
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint
 from library.precision.gguf_weights import is_gguf
 from networks.lora_files import LoRAWeights, read_lora_tensors, split_text_encoders, text_encoder_note
-from networks.lora_arch import detect_arch, header_arch, header_version, same_release, takes_loras_of, text_encoder_labels
+from networks.lora_arch import begins_release, detect_arch, header_arch, header_version, takes_loras_of, text_encoder_labels
 from networks.lora_reader import lora_for_model, lycoris_for_model
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas
 from tools.cli import LoRASpec
@@ -140,11 +140,11 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
     is the one the header names (each family's LoRAFiles.model_versions), else the names'. Another release
     of the base's own architecture (a distilled and a guidance-embedded release) is a warning: LoRAs are
     commonly moved between those. A version that begins the base's (sd-scripts writes the family's stem),
-    spelled any trainer's way (lora_arch.same_release), matches. A LoRA of the architecture whose names the
+    spelled any trainer's way (lora_arch.begins_release), matches. A LoRA of the architecture whose names the
     base's shares, where the base's model takes its LoRAs (LoRAFiles.takes_base_loras), passes:
     lora_for_model has left out the modules the base lacks, saying how many."""
     header = header_version(metadata)
-    if header is None or base.version is None or same_release(base.version, header[1]):
+    if header is None or base.version is None or begins_release(base.version, header[1]):
         return
     key, wanted = header
     try:

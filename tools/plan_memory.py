@@ -59,6 +59,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+from library.training.config import KEEPING_KEYS  # noqa: E402
 from library.training.memory_plan import (  # noqa: E402
     KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, sampling_phase, training_plan, usable_bytes)
 
@@ -240,7 +241,7 @@ def what_to_plan(cli) -> tuple:
         references = family.plan_controls if cli.references is None else cli.references
         check_references(family, references, "--references")
         return family, default_args(family.name), (side, side), cli.batch_size or 1, references
-    from library.data.image_folders import reference_count
+    from library.data.image_folders import largest_step
     from library.data.dataset_config import load_dataset_config
     from library.models.family import get_family
     from library.training.config import load_config
@@ -248,22 +249,16 @@ def what_to_plan(cli) -> tuple:
     run = load_config(["--config_file", cli.config_file])
     family = get_family(run)
     family.check_model_files()  # from the headers: a missing or wrong file is one line before any plan
-    blueprint = load_dataset_config(run.dataset_config)
-    size = max((d.resolution for d in blueprint.datasets), key=lambda r: r[0] * r[1])
-    size = (cli.resolution, cli.resolution) if cli.resolution else size
-    references = reference_count(blueprint) if cli.references is None else cli.references
+    step = largest_step(load_dataset_config(run.dataset_config))
+    size = (cli.resolution, cli.resolution) if cli.resolution else (step.width, step.height)
+    references = step.references if cli.references is None else cli.references
     check_references(family, references, "--references" if cli.references is not None else run.dataset_config)
-    return family, run, size, cli.batch_size or max(d.batch_size for d in blueprint.datasets), references
+    return family, run, size, cli.batch_size or step.batch, references
 
 
 def fit_text(fit: int | None, peak: int) -> str:
     """A card row's verdict, as the web UI reads it (library/ui/commands.py PLAN_ROW)."""
     return "does not fit" if fit is None else f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)"
-
-
-# The checkpointing keys that keep tensors from the forward for less recompute, and what each buys.
-KEEPING_KEYS = (("checkpoint_saves_projections", "less recompute"),
-                ("checkpoint_saves_attention", "no attention in the recompute"))
 
 
 def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib: float,
@@ -273,7 +268,7 @@ def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib
     trains)."""
     count, tokens = references_and_tokens(family, args, references, width, height)
     rows = []
-    for key, gain in KEEPING_KEYS:
+    for key, gain in KEEPING_KEYS.items():
         if getattr(args, key):
             continue  # the rows above already plan it
         for base in [base for base, ckpt in planned if ckpt]:
@@ -286,7 +281,7 @@ def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib
             fit = fewest_swaps(plan, vram_gib)
             rows.append(f"  {base:10s} gradient_checkpointing=true with {key} = true "
                         f"(+{extra / GiB:.2f} GiB, {gain}): {fit_text(fit, plan.phase(fit or 0).peak)}")
-    if rows and any(getattr(args, key) is None for key, _ in KEEPING_KEYS):
+    if rows and any(getattr(args, key) is None for key in KEEPING_KEYS):
         rows.append(f"  (a key left unset: train_lora.py turns it on where the step with it fits the card, "
                     f"{KEEPING_MARGIN - 1:.0%} to spare)")
     return rows

@@ -15,6 +15,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from library.data.controls import check_control_count, control_files, find_controls, scan_controls, target_stems
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec, make_buckets
@@ -150,6 +151,22 @@ def reference_count(blueprint: DatasetBlueprint) -> int:
                 counts.append(len(find_controls(paths[0], subset.control_directory, control_files(subset.control_directory),
                                                 target_stems(paths))))
     return max(counts)
+
+
+class LargestStep(NamedTuple):
+    width: int
+    height: int
+    batch: int
+    references: int  # per training image
+
+
+def largest_step(blueprint: DatasetBlueprint) -> LargestStep:
+    """The largest training step `blueprint` asks for, as the memory plans size it (train_lora.py's
+    settle_keeping_keys, tools/plan_memory.py): the datasets' largest resolution by area (their buckets
+    keep within its area), their largest batch_size and reference_count; the held-out
+    validation_datasets take no training step."""
+    width, height = max((d.resolution for d in blueprint.datasets), key=lambda r: r[0] * r[1])
+    return LargestStep(width, height, max(d.batch_size for d in blueprint.datasets), reference_count(blueprint))
 
 
 def dataset_buckets(ds: DatasetSpec) -> list[tuple[int, int]]:

@@ -77,8 +77,9 @@ class LoRAFiles:
     recognise: str | None = None
     # "module:function" (tensors) -> True for a LoRA with names_of's names whose shapes only names_of's model has
     refuses: str | None = None
-    # prefixes of ss_base_model_version / modelspec.architecture in this arch's LoRAs (those of its variants
-    # that share its names are told apart from them: a variant's model refuses them)
+    # prefixes of ss_base_model_version / modelspec.architecture in this arch's LoRAs, case and separators aside
+    # (lora_arch.begins_release); those of its variants that share its names are told apart from them: a
+    # variant's model refuses them
     model_versions: tuple[str, ...] = ()
     # why this arch's model takes a LoRA of names_of's less the modules of names_of it lacks (its blocks are the
     # base's, fine-tuned: the rest applies), as ComfyUI loads one: those are left out with one warning saying how

@@ -193,6 +193,13 @@ SCHEMA: dict[str, Arg] = {
     "batch_size": A(int, 8, "llm: windows per micro-batch"),
 }
 
+# The gradient-checkpointing keys that keep tensors from the forward for less recompute (each needs
+# gradient_checkpointing), in the order train_lora.py plans the unset ones against the card
+# (memory_plan.settle_keeping_keys: attention keeps tensors in every family, projections only where a
+# gate trains), each with what it buys (tools/plan_memory.py says it).
+KEEPING_KEYS = {"checkpoint_saves_attention": "no attention in the recompute",
+                "checkpoint_saves_projections": "less recompute"}
+
 
 def __getattr__(name: str):
     """PRECISION_DTYPES (PRECISION_NAMES -> torch dtypes) is made on first use: the parser loads without torch."""
@@ -509,7 +516,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
                           f"networks.lora (LyCORIS files have no PEFT LoRA form)")
     _validate_ema(args, origins, where)
     _validate_fp8_compute(args, origins, where)
-    for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):
+    for key in KEEPING_KEYS:
         if getattr(args, key) and not args.gradient_checkpointing:
             raise ConfigError(f"{origins.get(key, where)}: key '{key}' needs gradient_checkpointing = true "
                               f"(it changes what the recompute runs)")

@@ -22,15 +22,15 @@ from library.data.caches import (cache_empty_caption, cache_folder, cache_latent
                                  hold_cache_folders, loaded_on_first_call, remove_unused_caches)
 from library.data.check import training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
-from library.data.image_folders import reference_count, scan_images, split_validation
+from library.data.image_folders import largest_step, scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, reference_images
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
 from library.models.core import checkpointing, compile_block
 from library.models.family import get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
-from library.training.config import (ConfigError, base_precision, check_warmup, compute_dtype, lora_network_args,
-                                     plan_steps)
+from library.training.config import (KEEPING_KEYS, ConfigError, base_precision, check_warmup, compute_dtype,
+                                     lora_network_args, plan_steps)
 from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
 from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
@@ -153,7 +153,8 @@ class DiffusionTask:
     # -- setup ---------------------------------------------------------------------------------
     def _check_stored_precision(self):
         """A pre-quantized checkpoint (fp8, GGUF) is trained on as it is stored; the config must say so,
-        and the LoRA's metadata names the stored layout (base_precision()), the base really trained on."""
+        and the LoRA's metadata and the samples name the stored layout (trained_precision()), the base
+        really trained on."""
         from library.precision.stored_layouts import check_config_precision
 
         self.stored_precision = self.family.stored_layout()
@@ -222,19 +223,16 @@ class DiffusionTask:
 
     def _settle_keeping_keys(self):
         """checkpoint_saves_attention / _projections left unset: on a CUDA card, each on where the memory
-        plan of the largest training batch fits the card with it (one line says what was chosen); off on
-        the CPU and with a sharded base (FSDP: not planned)."""
-        args, keys = self.args, memory_plan.KEEPING_KEYS
+        plan of the largest training step (image_folders.largest_step) fits the card with it (one line
+        says what was chosen); off on the CPU and with a sharded base (FSDP: not planned)."""
+        args, keys = self.args, KEEPING_KEYS
         planned = args.gradient_checkpointing and any(getattr(args, key) is None for key in keys)
         card = memory_plan.device_memory(self.device) if planned and not fsdp.uses_fsdp(self.accelerator) else None
         if card is None:
             for key in keys:
                 setattr(args, key, bool(getattr(args, key)))
             return
-        bp = self.blueprint
-        width, height = max((d.resolution for d in bp.datasets), key=lambda r: r[0] * r[1])
-        said = memory_plan.settle_keeping_keys(self.family, args, card, width, height,
-                                               max(d.batch_size for d in bp.datasets), reference_count(bp))
+        said = memory_plan.settle_keeping_keys(self.family, args, card, *largest_step(self.blueprint))
         if said:
             self.accelerator.print(said)
 
@@ -498,6 +496,12 @@ class DiffusionTask:
         return self.render_samples(output_dir, "final", stop) if self.prompts else []
 
     # -- metadata ------------------------------------------------------------------------------
+    def trained_precision(self) -> str:
+        """The base trained on, as the LoRA's metadata and the samples' panels name it: bf16 / fp8 /
+        fp8_scaled / nf4 ..., or the layout of a pre-quantized file (e.g. fp8_tensor_scaled) or of a plain
+        e5m2 one (fp8_e5m2, widened exactly to the compute dtype)."""
+        return self.stored_precision or self.widened_precision or base_precision(self.args)
+
     def metadata(self) -> dict:
         from library.models.flow_matching import sampling_of
         from library.training.base_loras import base_lora_specs, base_loras_metadata
@@ -505,9 +509,7 @@ class DiffusionTask:
         datasets, args = self.blueprint.datasets, self.args
         return {
             "base_model_version": self.family.model_version(self.base),
-            # bf16 / fp8 / fp8_scaled, or the layout of a pre-quantized file (e.g. fp8_tensor_scaled) or of a
-            # plain e5m2 one (fp8_e5m2), the base trained on
-            "base_precision": self.stored_precision or self.widened_precision or base_precision(args),
+            "base_precision": self.trained_precision(),
             "fp8_compute": "true" if args.fp8_compute else None,
             "resolution": ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in datasets),
             "batch_size": self._total_batch_size(),
@@ -545,7 +547,7 @@ class DiffusionTask:
             return []
         from library.data.images import save_side_by_side
 
-        bases = [(self.stored_precision or base_precision(self.args), self.base)]  # the layout loaded
+        bases = [(self.trained_precision(), self.base)]  # the layout loaded
         if memory_plan.renders_bf16_reference(self.args):
             # The same LoRA on a bf16 copy of the base, streamed from disk for this render only.
             reference = self.family.load_transformer(self.compute_dtype, "bf16").requires_grad_(False).eval()

@@ -35,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from library.models.core import checkpointing
 from library.models.registry import spec_of
+from library.training.config import KEEPING_KEYS
 from library.training.meta_cache import META_KERNELS
 
 GiB = 2**30
@@ -377,11 +378,9 @@ def settle_bf16_reference(family, args, card_bytes: int, width: int, height: int
             f"sample_bf16_reference = true to render it anyway)")
 
 
-# The checkpointing keys that keep tensors from the forward for less recompute, tried in this order
-# (attention keeps tensors in every family; projections only where a gate trains). A key left unset is
-# turned on where the training step planned with it fits the card with KEEPING_MARGIN to spare: the
-# planner's peaks were within 0.96-1.05 of the measured ones (bench/RESULTS.md).
-KEEPING_KEYS = ("checkpoint_saves_attention", "checkpoint_saves_projections")
+# A KEEPING_KEYS key (config.py) left unset is turned on where the training step planned with it fits
+# the card with KEEPING_MARGIN to spare: the planner's peaks were within 0.96-1.05 of the measured ones
+# (bench/RESULTS.md).
 KEEPING_MARGIN = 1.05
 
 

@@ -40,7 +40,9 @@ LORA_FILES = S.LoRAFiles(
     info_blocks=(("block", r"transformer_blocks_(\d+)_"),),
     width_modules=r"attn_to_[qkv]|img_mlp_(proj|gate_layer)",
     releases=(S.Release("Qwen-Image-2.1", 4096, {"block": 32}),),
-    model_versions=("qwen-image-2",),  # ours: qwen-image-2.1 (longer than Qwen-Image's prefix: lora_arch.header_arch)
+    # ours: qwen-image-2.1 (longer than Qwen-Image's prefix: lora_arch.header_arch); not "qwen-image-2", which
+    # also begins Qwen-Image-2512 (Qwen-Image's blocks) in any spelling (lora_arch.begins_release)
+    model_versions=("qwen-image-2.1",),
 )
 
 
