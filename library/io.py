@@ -546,7 +546,8 @@ class SharedLock:
     lock, and the file is never removed: a process that opened it after the removal would lock a
     new file and think itself alone beside the holders of the old one. A file this user cannot
     open (another user's, 0600) is not held, with one warning line: the holder goes on without
-    it and is never alone (it cannot know who else uses the folder)."""
+    it and is never alone (it cannot know who else uses the folder), and the holders of the file
+    cannot know of it (one alone there may remove the caches it reads)."""
 
     def __init__(self, path: str):
         self.path, self.fd, self.held = path, _open_lock_file(path), False
@@ -594,7 +595,7 @@ class SharedLock:
 def _open_lock_file(path: str) -> int | None:
     """A descriptor of the lock file `path` (made where missing); read-only where it is another
     user's (0644: flock needs only that) or on a read-only mount. None, with one warning line naming
-    the file and why, where it cannot be opened at all."""
+    the file, why, and what goes unseen, where it cannot be opened at all."""
     try:
         make_parent_folder(path)
         return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -604,8 +605,9 @@ def _open_lock_file(path: str) -> int | None:
         return os.open(path, os.O_RDONLY)
     except OSError as e:  # the first error says why where the file is missing (a folder we cannot write)
         why = first if isinstance(e, FileNotFoundError) else e
-        print(f"warning: cannot open {path}: {why.strerror or why}; going on without it, so unused caches in "
-              f"{os.path.dirname(path)} are left as they are", file=sys.stderr)
+        print(f"warning: cannot open {path}: {why.strerror or why}; going on without it: a run holding it would not "
+              f"see this one and could remove the caches it reads, and unused caches in {os.path.dirname(path)} are "
+              f"left as they are", file=sys.stderr)
         return None
 
 

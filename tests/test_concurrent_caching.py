@@ -233,8 +233,9 @@ def test_a_run_whose_cache_lock_cannot_be_opened_caches_and_leaves_the_unused_ca
                                                                                     monkeypatch, capsys):
     """Another user's lock file that this user cannot open at all: the old line stopped the run before
     caching (exit 2, 'error: [Errno 13] Permission denied: ...'; tools/precision_matrix.py: a
-    traceback). Now it caches without the lock, says so in one warning line naming the file and why,
-    and removes nothing there (it cannot know who else uses the folder)."""
+    traceback). Now it caches without the lock, says so in one warning line naming the file, why, and
+    that the runs holding it cannot see this one (one alone there may remove the caches it reads), and
+    removes nothing there (it cannot know who else uses the folder)."""
     toml, folder, old = two_images(tiny_set, tmp_path)
     refused_open(monkeypatch, folder / CACHE_LOCK)
     stop_after_caching(monkeypatch)
@@ -242,8 +243,9 @@ def test_a_run_whose_cache_lock_cannot_be_opened_caches_and_leaves_the_unused_ca
     assert train_lora.main(argv) == 130
     out, err = capsys.readouterr()
     warnings = [line for line in err.splitlines() if CACHE_LOCK in line]
-    assert warnings == [f"warning: cannot open {folder / CACHE_LOCK}: Permission denied; going on without it, so "
-                        f"unused caches in {folder} are left as they are"]
+    assert warnings == [f"warning: cannot open {folder / CACHE_LOCK}: Permission denied; going on without it: a "
+                        f"run holding it would not see this one and could remove the caches it reads, and unused "
+                        f"caches in {folder} are left as they are"]
     assert old.exists() and "files no entry uses were removed" not in out and "another run" not in out
     assert sum(name.endswith("_te.safetensors") for name in os.listdir(folder)) == 2  # cached all the same
 
