@@ -466,6 +466,43 @@ def test_the_keeping_keys_are_planned_for_the_largest_step_of_all_datasets(tmp_p
     assert planned == [(768, 640, 4, 2)]
 
 
+def test_plan_memory_with_its_overrides_reads_no_reference_folder(tmp_path, monkeypatch):
+    """plan_memory's --references, --resolution and --batch_size replace the dataset's largest step. With
+    --references the control_directory was read all the same (largest_step counted them first): a config
+    whose references were not made yet failed ("no reference image in control_directory") where it planned
+    before. Now the count given is planned and the folders are not read."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from library.data import dataset_config
+    from library.data.dataset_config import parse_dataset_config
+    from library.models import family
+    from library.training import config
+    from tools import plan_memory
+
+    for folder in ("edit", "refs"):
+        (tmp_path / folder).mkdir()
+    Image.new("RGB", (64, 64)).save(tmp_path / "edit" / "a.png")  # its reference (refs/a.png) not made yet
+    blueprint = parse_dataset_config({"datasets": [
+        {"resolution": [768, 640], "batch_size": 4,
+         "subsets": [{"image_dir": str(tmp_path / "edit"), "control_directory": str(tmp_path / "refs")}]}]})
+    monkeypatch.setattr(config, "load_config", lambda argv: SimpleNamespace(dataset_config="run.toml"))
+    monkeypatch.setattr(dataset_config, "load_dataset_config", lambda path: blueprint)
+    monkeypatch.setattr(family, "get_family", lambda run: SimpleNamespace(
+        name="edit", min_controls=1, max_controls=3, check_model_files=lambda: None))
+
+    def planned(*argv):
+        _, _, size, batch, references = plan_memory.what_to_plan(
+            plan_memory.build_parser().parse_args(["--config_file", "run.toml", *argv]))
+        return size, batch, references
+
+    assert planned("--references", "2") == ((768, 640), 4, 2)
+    assert planned("--references", "3", "--resolution", "512", "--batch_size", "1") == ((512, 512), 1, 3)
+    with pytest.raises(ValueError, match="no reference image in control_directory"):
+        planned()  # the dataset's own count is read from its folders
+
+
 def test_train_lora_settles_the_keeping_keys_before_caching_on_a_card(tiny_set, tmp_path, capsys, monkeypatch):
     import train_lora
     from library.models import core

@@ -249,11 +249,10 @@ def what_to_plan(cli) -> tuple:
     run = load_config(["--config_file", cli.config_file])
     family = get_family(run)
     family.check_model_files()  # from the headers: a missing or wrong file is one line before any plan
-    step = largest_step(load_dataset_config(run.dataset_config))
+    step = largest_step(load_dataset_config(run.dataset_config), cli.references)
     size = (cli.resolution, cli.resolution) if cli.resolution else (step.width, step.height)
-    references = step.references if cli.references is None else cli.references
-    check_references(family, references, "--references" if cli.references is not None else run.dataset_config)
-    return family, run, size, cli.batch_size or step.batch, references
+    check_references(family, step.references, "--references" if cli.references is not None else run.dataset_config)
+    return family, run, size, cli.batch_size or step.batch, step.references
 
 
 def fit_text(fit: int | None, peak: int) -> str:

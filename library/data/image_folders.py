@@ -160,13 +160,15 @@ class LargestStep(NamedTuple):
     references: int  # per training image
 
 
-def largest_step(blueprint: DatasetBlueprint) -> LargestStep:
+def largest_step(blueprint: DatasetBlueprint, references: int | None = None) -> LargestStep:
     """The largest training step `blueprint` asks for, as the memory plans size it (train_lora.py's
     settle_keeping_keys, tools/plan_memory.py): the datasets' largest resolution by area (their buckets
     keep within its area), their largest batch_size and reference_count; the held-out
-    validation_datasets take no training step."""
+    validation_datasets take no training step. references: a count given instead (plan_memory's
+    --references): the folders are not read, so a plan needs no references on disk yet."""
     width, height = max((d.resolution for d in blueprint.datasets), key=lambda r: r[0] * r[1])
-    return LargestStep(width, height, max(d.batch_size for d in blueprint.datasets), reference_count(blueprint))
+    count = reference_count(blueprint) if references is None else references
+    return LargestStep(width, height, max(d.batch_size for d in blueprint.datasets), count)
 
 
 def dataset_buckets(ds: DatasetSpec) -> list[tuple[int, int]]:
