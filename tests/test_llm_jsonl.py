@@ -141,7 +141,7 @@ def test_text_records_and_txt_files_are_the_same_documents(tmp_path, monkeypatch
     files, count = text_corpus.check_corpus([str(tmp_path)], None, all_tokens=False)
     ids, trained = text_corpus.tokenize_corpus(files, encode, encode, eos_id=0)
     whole = encode(doc.replace("\r\n", "\n")) + [0]
-    assert count == 3 and trained is None and ids.tolist() == whole + whole + encode("short") + [0]
+    assert count == (3, 0) and trained is None and ids.tolist() == whole + whole + encode("short") + [0]
     assert files[1] == jsonl
 
 
@@ -253,3 +253,50 @@ def test_a_held_out_tail_without_a_reply_reports_no_loss_and_says_so(tiny_set, c
     with open(tmp_path / "out" / "chat_eval.csv") as f:
         rows = list(csv.DictReader(f))
     assert rows and all("val_loss" not in r or r["val_loss"] in ("", None) for r in rows), rows
+
+
+@pytest.mark.parametrize("data, flag, templated", [("messages", None, True), ("messages", "false", False),
+                                                    ("text", None, False), ("text", "true", True)])
+def test_the_sample_prompt_is_a_user_turn_where_the_data_is_chat_and_the_sample_is_its_reply(
+        tiny_set, chat_llm, tmp_path, monkeypatch, data, flag, templated):
+    """A LoRA trained on messages records is asked sample_prompt as one user turn with the generation prompt
+    (transformers' apply_chat_template(add_generation_prompt=True) ids), and the eval shows and logs the reply
+    alone; sample_chat_template forces it on or off. The old line encoded the prompt raw ('Count to 3.' as a
+    document's start, never seen in training) and showed the prompt with the reply."""
+    from library.training import llm_task
+    from library.training.config import load_config
+
+    records = [{"messages": [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": "1 2 3 4 5"}]}
+               if data == "messages" else {"text": f"Count to {n}. 1 2 3 4 5"} for n in range(2, 12)]
+    argv = ["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data",
+            write_jsonl(tmp_path / "d.jsonl", records), "--output_dir", str(tmp_path / "out"), "--output_name", "chat",
+            "--mixed_precision", "no", "--max_length", "16", "--val_fraction", "0", "--max_train_steps", "1",
+            "--sample_prompt", "Count to 3."] + (["--sample_chat_template", flag] if flag else [])
+    args = load_config(argv)
+    task = llm_task.LLMTask(args, train_lora.make_accelerator(args))
+    reply = task.tokenizer.encode(" 1 2 3", add_special_tokens=False) + [task.tokenizer.eos_token_id]
+    asked = []
+    monkeypatch.setattr(llm_task, "generate", lambda model, idx, *a, **k: asked.append(idx[0].tolist()) or
+                        torch.cat([idx, torch.tensor([reply])], 1))
+    (tmp_path / "out").mkdir()
+    task.report_eval("start")
+    user_turn = task.tokenizer.apply_chat_template([{"role": "user", "content": "Count to 3."}], tokenize=True,
+                                                   add_generation_prompt=True, return_dict=False)
+    assert asked == [user_turn if templated else task.encode("Count to 3.")]
+    assert user_turn[-3:] == task.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    with open(tmp_path / "out" / "chat_eval.csv") as f:
+        assert [r["sample"] for r in csv.DictReader(f)] == [" 1 2 3" if templated else "Count to 3. 1 2 3"]
+
+
+def test_sample_chat_template_true_without_a_template_is_one_line_before_the_data_is_read(tiny_set, tmp_path, capsys,
+                                                                                           monkeypatch):
+    from library.training import llm_task
+
+    monkeypatch.setattr(llm_task, "check_corpus", lambda *a: pytest.fail("the data was read"))
+    code = train_lora.main(["--model_type", "llm", "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data",
+                            tiny_set["corpus"], "--output_dir", str(tmp_path / "out"), "--mixed_precision", "no",
+                            "--sample_chat_template", "true"])
+    assert code == 2
+    assert capsys.readouterr().err == (f"error: sample_chat_template = true, but the tokenizer in {tiny_set['llm']} has "
+                                       f"no chat template (chat_template in tokenizer_config.json, or chat_template.jinja) "
+                                       f"to render sample_prompt with\n")

@@ -67,12 +67,13 @@ def record_problem(record) -> str | None:
     return None
 
 
-def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> int:
-    """Check every line of a .jsonl file; returns how many records hold text. no_template: why a
+def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> tuple[int, int]:
+    """Check every line of a .jsonl file; returns how many "text" records hold text (documents) and how
+    many "messages" records it has (conversations). no_template: why a
     "messages" record cannot be rendered (the tokenizer has no chat template), None when it can.
     With the loss on assistant tokens only, a conversation without an assistant message, or starting
     with one, is refused."""
-    count = 0
+    documents = conversations = 0
     for where, record in jsonl_records(path):
         if "messages" in record:
             if no_template:
@@ -83,8 +84,21 @@ def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> int:
             if not all_tokens and record["messages"][0]["role"] == "assistant":  # chat templates render no empty prefix
                 raise ConfigError(f"{where}: messages[0] is an assistant message; with the loss on assistant tokens only "
                                   f"a conversation starts with a system or user message (a reply is found after them)")
-        count += bool(record["text"].strip()) if "text" in record else 1
-    return count
+            conversations += 1
+        else:
+            documents += bool(record["text"].strip())
+    return documents, conversations
+
+
+def render_chat(tokenizer, messages: list, where: str, generation_prompt: bool = False) -> str:
+    """The conversation's text as the tokenizer's chat template renders it (transformers'
+    apply_chat_template); a template that fails on it is a ConfigError naming `where`."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+        raise ConfigError(f"{where}: the tokenizer's chat template fails on this conversation: {e}") from None
 
 
 def chat_encoder(tokenizer, all_tokens: bool) -> ChatEncoder:
@@ -92,22 +106,22 @@ def chat_encoder(tokenizer, all_tokens: bool) -> ChatEncoder:
     apply_chat_template does: no special tokens added, the template writes its own), trained on every
     token (all_tokens) or on the assistant messages' tokens only (assistant_spans)."""
 
-    def render(messages: list, where: str, generation_prompt: bool = False) -> str:
-        from jinja2 import TemplateError
-
-        try:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
-            raise ConfigError(f"{where}: the tokenizer's chat template fails on this conversation: {e}") from None
-
     def encode(messages: list, where: str):
         if all_tokens:
-            return tokenizer(render(messages, where), add_special_tokens=False)["input_ids"], True
-        text, spans = assistant_spans(lambda m, g=False: render(m, where, g), messages, where)
+            return tokenizer(render_chat(tokenizer, messages, where), add_special_tokens=False)["input_ids"], True
+        text, spans = assistant_spans(lambda m, g=False: render_chat(tokenizer, m, where, g), messages, where)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return encoded["input_ids"], [any(a <= start < b for a, b in spans) for start, _ in encoded["offset_mapping"]]
 
     return encode
+
+
+def user_turn_ids(tokenizer, prompt: str, where: str) -> list[int]:
+    """`prompt` as one user message followed by the template's generation prompt (the opening of the
+    assistant's turn), tokenized as chat_encoder tokenizes a conversation: what a chat model is asked
+    at inference (apply_chat_template(add_generation_prompt=True), as TRL's and axolotl's evals do)."""
+    text = render_chat(tokenizer, [{"role": "user", "content": prompt}], where, generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def assistant_spans(render: Callable[..., str], messages: list, where: str) -> tuple[str, list[tuple[int, int]]]:

@@ -6,7 +6,8 @@ special tokens, e.g. Llama's BOS, and ended by EOS; each conversation rendered b
 loss on its assistant tokens unless train_on_all_tokens) -> train/val split -> sliding
 windows of max_length + 1 tokens. Every eval_every_n_steps: val loss (token-weighted over the
 whole held-out split, `held_out_loss`; none when val_fraction holds nothing out), perplexity and a sample
-from sample_prompt (temperature / top-k), printed and written to <output_name>_eval.csv.
+from sample_prompt (temperature / top-k; with sample_chat_template, the prompt is one user turn of the chat
+template and the sample its reply alone), printed and written to <output_name>_eval.csv.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from library.data.chat_records import chat_encoder
+from library.data.chat_records import chat_encoder, user_turn_ids
 from library.data.text_corpus import IGNORE, TextWindowDataset, check_corpus, masked_targets, tokenize_corpus, train_val_split
 from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
@@ -139,11 +140,16 @@ class LLMTask:
         # read before the model: a bad train_data entry or record fails at once
         no_template = None if self.tokenizer.chat_template else (
             f"the tokenizer in {path} has no chat template (chat_template in tokenizer_config.json, or "
-            f"chat_template.jinja) to render it with")
-        files, documents = check_corpus(args.train_data, no_template, args.train_on_all_tokens)
+            f"chat_template.jinja)")
+        if args.sample_chat_template and no_template:
+            raise ConfigError(f"sample_chat_template = true, but {no_template} to render sample_prompt with")
+        files, counts = check_corpus(args.train_data, no_template and f"{no_template} to render it with",
+                                     args.train_on_all_tokens)
+        self.sample_chat = args.sample_chat_template if args.sample_chat_template is not None else counts.conversations > 0
+        self.sample_ids = self._sample_prompt_ids()
         self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
         self.model, self.from_scratch = self._load_model(path)
-        self.train_set, self.val_set = self._load_data(files, documents)
+        self.train_set, self.val_set = self._load_data(files, sum(counts))
         if state:
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
@@ -255,6 +261,14 @@ class LLMTask:
                                f"{len(val) if val else 0} val windows")
         return train, val
 
+    def _sample_prompt_ids(self) -> list[int]:
+        """sample_prompt's ids. With sample_chat (sample_chat_template, unset: on where train_data holds
+        conversations, the form the LoRA learns to answer): one user turn of the chat template and its
+        generation prompt, as a chat model is asked at inference; else as a document starts (encode)."""
+        if self.sample_chat:
+            return user_turn_ids(self.tokenizer, self.args.sample_prompt, "sample_prompt")
+        return self.encode(self.args.sample_prompt)
+
     def encode(self, text: str) -> list[int]:
         """A document's or the sample prompt's ids as the model's users encode text (transformers, PEFT,
         vLLM): with the tokenizer's own special tokens (Llama's and Mistral's BOS first; Qwen's add none),
@@ -340,7 +354,7 @@ class LLMTask:
     def evaluate(self) -> dict:
         was_training = self.model.training
         self.model.eval()
-        prompt = torch.tensor([self.encode(self.args.sample_prompt)], device=self.device)
+        prompt = torch.tensor([self.sample_ids], device=self.device)
         # The same sample draw at each eval, from a generator of its own: no global generator (CPU,
         # CUDA) is reseeded, so training's random stream goes on after an eval as without it.
         gen = torch.Generator(self.device).manual_seed(self.args.seed)
@@ -349,8 +363,9 @@ class LLMTask:
             out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.context_length,
                            self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id, generator=gen)
         self.model.train(was_training)
+        shown = out[0, prompt.shape[1] :] if self.sample_chat else out[0]  # a chat sample: the reply alone
         return {"val_loss": val, "val_perplexity": None if val is None else perplexity(val),
-                "sample": self.decode(out[0].tolist())}
+                "sample": self.decode(shown.tolist())}
 
     def scores_held_out(self) -> bool:
         """Whether the held-out split has a target to score: a token after its first, trained (every token,
