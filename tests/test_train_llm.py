@@ -611,6 +611,32 @@ def test_a_resumed_llm_run_logs_each_eval_once(tiny_set, tmp_path, monkeypatch):
         assert [row["step"] for row in csv.DictReader(f)] == ["1", "2", "final"]
 
 
+@pytest.mark.parametrize("pretrain", [False, True])
+def test_a_resume_whose_data_does_not_fit_its_state_is_refused_before_the_model_loads(tiny_set, tmp_path, monkeypatch,
+                                                                                       pretrain):
+    """A state written 3 batches into an epoch of 99 against this run's data (fewer batches): refused by
+    check_resumed_fit before the weights are read (a LoRA's base: load_llm) or built (pretraining from a
+    config.json: LLM). The old line loaded the model first (minutes for an 8B base), then refused."""
+    from library.training import llm_task
+    from library.training.config import load_config
+    from library.training.state import SavedState
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(llm_task, "load_llm", loaded)
+    monkeypatch.setattr(llm_task, "LLM", loaded)
+    base = ["--pretrain", "--pretrained_model_name_or_path", tiny_set["llm_scratch"]] if pretrain else \
+        ["--pretrained_model_name_or_path", tiny_set["llm"]]
+    args = load_config(llm_args(tiny_set, tmp_path, *base, "--max_train_steps", "4"))
+    args.resume = str(tmp_path / "lm-state")
+    state = SavedState({}, {}, {"step": 3, "epoch": 0, "batches_done": 3, "batches_per_epoch": 99, "scheduler": {}}, {},
+                       None)
+    with pytest.raises(ValueError, match=r"lm-state: state was written 3 of 99 batches into epoch 0, this run has \d+ "
+                                         r"batches per epoch"):
+        llm_task.LLMTask(args, train_lora.make_accelerator(args), state)
+
+
 def test_llm_evals_reach_tensorboard_at_their_step(tiny_set, tmp_path):
     """The start and final evals logged their val_loss at step 'start' / 'final': TensorBoard's int(step)
     raised, so an LLM run with logging_dir ended in 'error: invalid literal for int()' after its LoRA

@@ -17,6 +17,7 @@ import math
 import os
 import random
 import warnings
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -148,10 +149,11 @@ class LLMTask:
         self.sample_chat = args.sample_chat_template if args.sample_chat_template is not None else counts.conversations > 0
         self.sample_ids = self._sample_prompt_ids()
         self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
-        self.model, self.from_scratch = self._load_model(path)
-        self.train_set, self.val_set = self._load_data(files, sum(counts))
-        if state:
+        config, self.from_scratch, prepare = self._model_config(path)
+        self.train_set, self.val_set = self._load_data(files, sum(counts), config.vocab_size)
+        if state:  # before the weights load (minutes for a large base): a resume that does not fit fails at once
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
+        self.model = self._load_model(path, config, prepare)
         self.model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
                                                           args.checkpoint_saves_attention)
         self.network = None
@@ -177,21 +179,30 @@ class LLMTask:
             else:  # the evals a run killed after its last save logged are logged again
                 drop_rows_after(self.eval_log, state.progress["step"])
 
-    def _load_model(self, path: str) -> tuple[LLM, bool]:
+    def _model_config(self, path: str) -> tuple[LLMConfig, bool, Callable | None]:
+        """(the model's config, whether it trains from scratch, load_llm's prepare hook), read and checked
+        before the data and the weights (a refusal here takes seconds): config.json (a quantized release's
+        refusal), max_length against the context window, a stored precision against the config's. From
+        scratch (pretrain without weights), the vocab holds the tokenizer's, padded to VOCAB_MULTIPLE."""
         if has_weights(path):
             config = _find_config(path)  # first: its refusals (a quantized release's) come before the weights'
-            self._check_context(config)  # and max_length's, before minutes of loading
-            return load_llm(path, config, dtype=self.weights_dtype, prepare=self._base_prepare(path)), False
+            self._check_context(config)
+            return config, False, self._base_prepare(path)
         if not self.args.pretrain:
             raise ConfigError(f"{path}: no .safetensors weights; a LoRA needs a pretrained model (or set pretrain = true)")
         config = _find_config(path)  # its errors name the file
         self._check_context(config)
         vocab = -(-max(config.vocab_size, len(self.tokenizer)) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-        config = LLMConfig(**{**config.__dict__, "vocab_size": vocab})
+        return LLMConfig(**{**config.__dict__, "vocab_size": vocab}), True, None
+
+    def _load_model(self, path: str, config: LLMConfig, prepare: Callable | None) -> LLM:
+        """The checkpoint's weights (in weights_dtype, through prepare), or from scratch a GPT-2 init."""
+        if not self.from_scratch:
+            return load_llm(path, config, dtype=self.weights_dtype, prepare=prepare)
         torch.manual_seed(self.args.seed)
         model = LLM(config)  # float32 weights and compute_dtype: autocast_dtype picks the matmul dtype
         init_weights(model, scaled_residual=self.args.scaled_residual_init)
-        return model, True
+        return model
 
     def _base_prepare(self, path: str):
         """load_llm's prepare hook. A LoRA's frozen base in a pre-quantized file (plain fp8, fp8_scaled,
@@ -223,7 +234,7 @@ class LLMTask:
             raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
                               f"({source} = {config.context_length})")
 
-    def _load_data(self, files: list[str], documents: int):
+    def _load_data(self, files: list[str], documents: int, vocab: int):
         args = self.args
         eos = self.tokenizer.eos_token_id
         if eos is None and documents > 1:
@@ -232,7 +243,6 @@ class LLMTask:
                           f"tokenizer_config.json)", stacklevel=2)
         chat = chat_encoder(self.tokenizer, args.train_on_all_tokens)
         ids, trained = tokenize_corpus(files, self.encode, self.encode_more, eos, chat)
-        vocab = self.model.config.vocab_size
         if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
             top = int(ids.max())
             raise ConfigError(f"{args.pretrained_model_name_or_path}: the tokenizer gives train_data token id {top} "
