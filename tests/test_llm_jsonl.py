@@ -300,3 +300,29 @@ def test_sample_chat_template_true_without_a_template_is_one_line_before_the_dat
     assert capsys.readouterr().err == (f"error: sample_chat_template = true, but the tokenizer in {tiny_set['llm']} has "
                                        f"no chat template (chat_template in tokenizer_config.json, or chat_template.jinja) "
                                        f"to render sample_prompt with\n")
+
+
+@pytest.mark.parametrize("texts, warned", [(1, None), (2, 2)])
+def test_the_no_eos_warning_counts_documents_not_conversations(chat_llm, tmp_path, texts, warned):
+    """Without an eos_token, documents ("text" records, .txt files) run together; conversations are bordered
+    by their template's <|im_start|>. One text record and 3 conversations: no warning (the old line: 'the 4
+    documents'); two: 'the 2 documents'."""
+    import warnings
+
+    from library.training.config import load_config
+    from library.training.llm_task import LLMTask
+
+    config = json.loads((tmp_path / "chat_llm" / "tokenizer_config.json").read_text())
+    (tmp_path / "chat_llm" / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                                             if k != "eos_token"}))
+    records = [{"text": f"Document {n} says hello to the world."} for n in range(texts)] + [{"messages": CHAT}] * 3
+    args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data",
+                        write_jsonl(tmp_path / "d.jsonl", records), "--output_dir", str(tmp_path / "out"),
+                        "--mixed_precision", "no", "--max_length", "16", "--val_fraction", "0", "--max_train_steps", "1"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        LLMTask(args, train_lora.make_accelerator(args))
+    said = [str(w.message) for w in caught if "eos_token" in str(w.message)]
+    assert said == ([] if warned is None else [f"{chat_llm}: the tokenizer names no eos_token, so the {warned} documents of "
+                                               f"train_data (.txt files and \"text\" records) run together with no "
+                                               f"border between them (set eos_token in its tokenizer_config.json)"])

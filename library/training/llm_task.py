@@ -150,7 +150,7 @@ class LLMTask:
         self.sample_ids = self._sample_prompt_ids()
         self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
         config, self.from_scratch, prepare = self._model_config(path)
-        self.train_set, self.val_set = self._load_data(files, sum(counts), config.vocab_size)
+        self.train_set, self.val_set = self._load_data(files, counts.documents, config.vocab_size)
         if state:  # before the weights load (minutes for a large base): a resume that does not fit fails at once
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.model = self._load_model(path, config, prepare)
@@ -235,12 +235,14 @@ class LLMTask:
                               f"({source} = {config.context_length})")
 
     def _load_data(self, files: list[str], documents: int, vocab: int):
+        """documents: the .txt files and "text" records that hold text, each ended by EOS (conversations are
+        bordered by their chat template's tokens, EOS or not); vocab: the model's vocab_size."""
         args = self.args
         eos = self.tokenizer.eos_token_id
         if eos is None and documents > 1:
             warnings.warn(f"{args.pretrained_model_name_or_path}: the tokenizer names no eos_token, so the {documents} "
-                          f"documents of train_data run together with no border between them (set eos_token in its "
-                          f"tokenizer_config.json)", stacklevel=2)
+                          f"documents of train_data (.txt files and \"text\" records) run together with no border "
+                          f"between them (set eos_token in its tokenizer_config.json)", stacklevel=2)
         chat = chat_encoder(self.tokenizer, args.train_on_all_tokens)
         ids, trained = tokenize_corpus(files, self.encode, self.encode_more, eos, chat)
         if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
