@@ -78,7 +78,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(cha
     tok = chat_tokenizer
     template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + (('[last] ' if loop.last else '') "
                 "if m.role == 'assistant' else '') + m.content + '<|im_end|>\\n' }}{%- endfor %}"
-                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant ' + (messages|length + 1)|string + '\\n' }}{%- endif %}")
     old, tok.chat_template = tok.chat_template, template
     try:
         with pytest.raises(ConfigError, match=r"^d.jsonl:3: the chat template renders the conversation up to messages\[2\] "
@@ -326,3 +326,60 @@ def test_the_no_eos_warning_counts_documents_not_conversations(chat_llm, tmp_pat
     assert said == ([] if warned is None else [f"{chat_llm}: the tokenizer names no eos_token, so the {warned} documents of "
                                                f"train_data (.txt files and \"text\" records) run together with no "
                                                f"border between them (set eos_token in its tokenizer_config.json)"])
+
+
+def many_turn_chat(turns: int, system: bool) -> list:
+    """turns user questions, every third answered through a tool call (two tool results in a row, which
+    Qwen2.5's template joins in one user turn), the rest directly; the last turn left unanswered."""
+    chat = [{"role": "system", "content": "Be brief."}] if system else []
+    for t in range(turns):
+        chat.append({"role": "user", "content": f"Question {t}: what is {t} + {t}?"})
+        if t % 3 == 1:
+            call = {"type": "function", "function": {"name": "add", "arguments": {"a": t, "b": t}}}
+            chat += [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": str(2 * t)},
+                     {"role": "tool", "content": "ok"}]
+        chat.append({"role": "assistant", "content": f"It is {2 * t}."})
+    return chat + [{"role": "user", "content": "Thanks!"}]
+
+
+def quadratic_mask(tok, messages):
+    """The old line's (ids, trained): each assistant message's span from the renders of its prefix (O(n) renders
+    of O(n) messages), each token tried against every span."""
+    render = lambda m, g=False: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g)  # noqa: E731
+    text = render(messages)
+    spans = [(len(render(messages[:i], True)), len(render(messages[: i + 1])))
+             for i, m in enumerate(messages) if m["role"] == "assistant"]
+    encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    return encoded["input_ids"], [any(a <= s < b for a, b in spans) for s, _ in encoded["offset_mapping"]]
+
+
+@pytest.mark.parametrize("system", [True, False])
+def test_a_many_turn_conversation_is_rendered_in_linear_time_with_the_old_mask_bit_for_bit(chat_tokenizer, monkeypatch,
+                                                                                            system):
+    """40 turns (121 or 120 messages, 53 assistant messages, 13 of them tool calls): the ids and the trained mask
+    equal the old quadratic line's, while the messages rendered in all sum to 8 per message (the old
+    line: 6,600 renders of a message, 55 per message)."""
+    chat = many_turn_chat(40, system)
+    expected = quadratic_mask(chat_tokenizer, chat)
+    rendered, apply = [], chat_tokenizer.apply_chat_template
+    monkeypatch.setattr(chat_tokenizer, "apply_chat_template", lambda m, **k: rendered.append(len(m)) or apply(m, **k))
+    ids, trained = chat_records.chat_encoder(chat_tokenizer, all_tokens=False)(chat, "x.jsonl:1")
+    assert (ids, trained) == expected and sum(trained) > 500
+    assert sum(rendered) < 9 * len(chat), (sum(rendered), len(chat))
+
+
+def test_a_template_that_numbers_its_turns_falls_back_to_rendering_every_prefix(chat_tokenizer):
+    """A window of a template that writes loop.index renders other numbers than the whole conversation: the
+    windows are not used, and the mask is the old line's."""
+    tok = chat_tokenizer
+    template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + ' ' + loop.index|string + '\\n' + "
+                "(m.content or 'call') + '<|im_end|>\\n' }}{%- endfor %}"
+                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant ' + (messages|length + 1)|string + '\\n' }}{%- endif %}")
+    old, tok.chat_template = tok.chat_template, template
+    try:
+        chat = many_turn_chat(6, system=True)
+        render = lambda m, g=False: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g)  # noqa: E731
+        assert chat_records.windowed_spans(render, chat, render(chat)) is None
+        assert chat_records.chat_encoder(tok, all_tokens=False)(chat, "x.jsonl:1") == quadratic_mask(tok, chat)
+    finally:
+        tok.chat_template = old
