@@ -370,15 +370,16 @@ def test_a_many_turn_conversation_is_rendered_in_linear_time_with_the_old_mask_b
 
 def test_a_template_that_numbers_its_turns_falls_back_to_rendering_every_prefix(chat_tokenizer):
     """A window of a template that writes loop.index renders other numbers than the whole conversation: the
-    windows are not used, and the mask is the old line's."""
+    windows are not used (they are with ChatML, on the same 31 messages), and the mask is the old line's."""
     tok = chat_tokenizer
     template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + ' ' + loop.index|string + '\\n' + "
                 "(m.content or 'call') + '<|im_end|>\\n' }}{%- endfor %}"
                 "{%- if add_generation_prompt %}{{- '<|im_start|>assistant ' + (messages|length + 1)|string + '\\n' }}{%- endif %}")
+    chat = many_turn_chat(10, system=True)
+    render = lambda m, g=False: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g)  # noqa: E731
+    assert chat_records.windowed_spans(render, chat, render(chat)) is not None
     old, tok.chat_template = tok.chat_template, template
     try:
-        chat = many_turn_chat(6, system=True)
-        render = lambda m, g=False: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g)  # noqa: E731
         assert chat_records.windowed_spans(render, chat, render(chat)) is None
         assert chat_records.chat_encoder(tok, all_tokens=False)(chat, "x.jsonl:1") == quadratic_mask(tok, chat)
     finally:

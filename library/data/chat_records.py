@@ -174,36 +174,47 @@ def refuse_rewritten(where: str, i: int):
                       f"each turn a record of its own")
 
 
-def windowed_spans(render: Callable[..., str], messages: list, text: str) -> list[tuple[int, int]] | None:
-    """exact_span's spans in linear time, or None where this cannot tell they are the same.
+SHORT_PREFIX = 16  # messages: before this many, exact_span's two renders cost less than a window's three
 
-    The first and last assistant messages get exact_span. Each one between is rendered in a window:
-    messages[0] (a template's system header depends on it), the previous assistant message and the
-    messages after it up to this one, rendered with and without the generation prompt; the window's
-    text after the previous assistant message's end is the conversation's from that message's end (in
-    the conversation). That equals exact_span for a template that renders a message from itself, its
-    neighbours and messages[0] (ChatML, with Qwen2.5's tool grouping). No window can be exact for
-    every template (one may number the turns, count the messages, or mark the last user message), so
-    each window's text must equal the conversation's where it is placed, and the windows' last end must
-    equal the exact render's up to there; else None, and assistant_spans renders every prefix."""
+
+def windowed_spans(render: Callable[..., str], messages: list, text: str) -> list[tuple[int, int]] | None:
+    """exact_span's spans in linear time, or None where this cannot tell they are the same (or uses no window).
+
+    An assistant message after SHORT_PREFIX messages or more, but the last, is found in a window
+    (window_span) placed at the end of the assistant message before it; the others by exact_span. A
+    window equals exact_span for a template that renders a message from itself, its neighbours and
+    messages[0] (ChatML, with Qwen2.5's tool grouping). No window can be exact for every template (one
+    may number the turns, count the messages, or mark the last user message), so each window's text
+    must equal the conversation's where it is placed, and the windows' last end must equal the exact
+    render's up to there; else None, and assistant_spans renders every prefix."""
     assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if len(assistants) < 3 or assistants[0] == 0:  # no window between: exact_span costs no more
+    windowed = {i for i in assistants[1:-1] if i >= SHORT_PREFIX}
+    if not windowed or assistants[0] == 0:
         return None
-    first, *between, last = assistants
-    spans = [exact_span(render, messages, first, text)]
-    if spans[0] is None:
-        return None
-    end, previous = spans[0][1], first
-    for i in between:
-        window = [messages[0], *messages[previous : i + 1]]
-        head, before, through = render(window[:2]), render(window[:-1], True), render(window)
-        at = end - len(head)  # the window's character p is the conversation's at + p
-        if not (before.startswith(head) and through.startswith(before) and text.startswith(through[len(head) :], end)):
+    spans, end, previous = [], 0, None
+    for i in assistants[:-1]:
+        span = (window_span(render, messages, previous, i, end, text) if i in windowed
+                else exact_span(render, messages, i, text))
+        if span is None:
             return None
-        spans.append((at + len(before), at + len(through)))
-        end, previous = at + len(through), i
-    through = render(messages[: previous + 1])  # the windows' last end against the exact prefix
+        spans.append(span)
+        end, previous = span[1], i
+    through = render(messages[: previous + 1])  # the windows' last end against the exact prefix's
     if len(through) != end or not text.startswith(through):
         return None
-    spans.append(exact_span(render, messages, last, text))
+    spans.append(exact_span(render, messages, assistants[-1], text))
     return None if spans[-1] is None else spans
+
+
+def window_span(render: Callable[..., str], messages: list, previous: int, i: int, end: int,
+                text: str) -> tuple[int, int] | None:
+    """messages[i]'s span from a window: messages[0] (a template's system header depends on it), the
+    assistant message messages[previous], which ends at `end` in text, and the messages after it up to
+    i, rendered with and without the generation prompt. O(i - previous). None where the window's text
+    after messages[previous] is not text's from `end`."""
+    window = [messages[0], *messages[previous : i + 1]]
+    head, before, through = render(window[:2]), render(window[:-1], True), render(window)
+    at = end - len(head)  # the window's character p is the conversation's at + p
+    if not (before.startswith(head) and through.startswith(before) and text.startswith(through[len(head) :], end)):
+        return None
+    return at + len(before), at + len(through)
