@@ -38,11 +38,6 @@ def chat_llm(tiny_set, tmp_path):
     return str(folder)
 
 
-def by_character(text: str) -> list[int]:
-    """A stand-in encoder: a token a character."""
-    return [ord(c) for c in text]
-
-
 def write_jsonl(path, records) -> str:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return str(path)
@@ -69,10 +64,8 @@ def test_an_assistant_turn_that_calls_a_tool_is_trained_on_its_call(chat_tokeniz
     chat = [{"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "content": "18 C"}, {"role": "assistant", "content": "It is 18 C."}]
-    path = write_jsonl(tmp_path / "tools.jsonl", [{"messages": chat}])
-    encoder = chat_records.chat_encoder(chat_tokenizer, all_tokens=False)
-    ids, trained, _ = text_corpus.tokenize_corpus([path], by_character, by_character, None, encoder)
-    ids, trained = ids.tolist(), trained.tolist()
+    text_corpus.check_corpus([write_jsonl(tmp_path / "tools.jsonl", [{"messages": chat}])], None, all_tokens=False)
+    ids, trained = chat_records.chat_encoder(chat_tokenizer, all_tokens=False)(chat, "x.jsonl:1")
     assert ids == chat_tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
     assert chat_tokenizer.decode([i for i, t in zip(ids, trained) if t]) == (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
@@ -114,12 +107,10 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(cha
     ('{"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "q"}]}',
      "messages[0] is an assistant message; with the loss on assistant tokens only a conversation starts with"),
 ])
-def test_a_bad_record_is_one_config_error_naming_file_and_line(chat_tokenizer, tmp_path, line, message):
-    """Read while tokenizing (the file parsed once): the first bad line stops the reading."""
+def test_a_bad_record_is_one_config_error_naming_file_and_line(tmp_path, line, message):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine"}, "", line, {"text": "never read"}])
-    encoder = chat_records.chat_encoder(chat_tokenizer, all_tokens=False)
     with pytest.raises(ConfigError) as e:
-        text_corpus.tokenize_corpus([path], by_character, by_character, 0, encoder)
+        text_corpus.check_corpus([path], None, all_tokens=False)
     assert str(e.value).startswith(f"{path}:3: {message}") and "\n" not in str(e.value)
 
 
@@ -146,9 +137,9 @@ def test_text_records_and_txt_files_are_the_same_documents(tmp_path, monkeypatch
     doc = "".join(f"Line {i} with some words.\r\n" for i in range(40))
     (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbf" + doc.encode())
     jsonl = write_jsonl(tmp_path / "b.jsonl", [{"text": doc.replace("\r\n", "\n")}, {"text": "short"}])
-    encode = by_character
-    files = text_corpus.check_corpus([str(tmp_path)])
-    ids, trained, count = text_corpus.tokenize_corpus(files, encode, encode, eos_id=0)
+    encode = lambda s: [ord(c) for c in s]  # noqa: E731
+    files, count = text_corpus.check_corpus([str(tmp_path)], None, all_tokens=False)
+    ids, trained = text_corpus.tokenize_corpus(files, encode, encode, eos_id=0)
     whole = encode(doc.replace("\r\n", "\n")) + [0]
     assert count == (3, 0) and trained is None and ids.tolist() == whole + whole + encode("short") + [0]
     assert files[1] == jsonl
@@ -393,38 +384,3 @@ def test_a_template_that_numbers_its_turns_falls_back_to_rendering_every_prefix(
         assert chat_records.chat_encoder(tok, all_tokens=False)(chat, "x.jsonl:1") == quadratic_mask(tok, chat)
     finally:
         tok.chat_template = old
-
-
-def test_a_jsonl_file_is_parsed_once(chat_llm, tmp_path, monkeypatch):
-    """12 records (6 text, 6 messages), 12 lines parsed: the old line parsed each twice (a whole-file check, then
-    again while tokenizing). A bad record is still named before the model loads (the test above, and
-    test_messages_without_a_chat_template_are_refused_before_the_model_loads)."""
-    from types import SimpleNamespace
-
-    from library.training.config import load_config
-    from library.training.llm_task import LLMTask
-
-    parsed = []
-    monkeypatch.setattr(chat_records, "json", SimpleNamespace(loads=lambda line: parsed.append(line) or json.loads(line)))
-    records = [{"text": f"Document {n} says hello to the world."} for n in range(6)] + [{"messages": CHAT}] * 6
-    args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data",
-                        write_jsonl(tmp_path / "d.jsonl", records), "--output_dir", str(tmp_path / "out"),
-                        "--mixed_precision", "no", "--max_length", "16", "--val_fraction", "0", "--max_train_steps", "1"])
-    task = LLMTask(args, train_lora.make_accelerator(args))
-    assert len(parsed) == 12 and len(task.train_set) > 0
-
-
-def test_train_data_without_text_is_one_line_naming_it(tiny_set, tmp_path, capsys, monkeypatch):
-    """Found while reading (no text record holds more than whitespace; a conversation would count), before the
-    model loads."""
-    from library.training import llm_task
-
-    monkeypatch.setattr(llm_task, "load_llm", lambda *a, **k: pytest.fail("the model loaded"))
-    (tmp_path / "blank.txt").write_text(" \n\t\n")
-    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "   "}, ""])
-    code = train_lora.main(["--model_type", "llm", "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data",
-                            str(tmp_path / "blank.txt"), path, "--output_dir", str(tmp_path / "out"),
-                            "--mixed_precision", "no"])
-    assert code == 2
-    assert capsys.readouterr().err == (f"error: train_data {tmp_path / 'blank.txt'}, {path}: every text file and record "
-                                       f"is empty\n")

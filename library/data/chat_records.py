@@ -1,12 +1,11 @@
 """An LLM's .jsonl train data, one JSON object a line as PEFT / TRL / axolotl / unsloth datasets hold it:
 {"text": "..."} (a document) or {"messages": [{"role": ..., "content": ...}, ...]} (a conversation).
 
-A file is read once, a line at a time, while it is tokenized (before the model loads): each record is
-checked as it is parsed (jsonl_records, check_conversation), the first bad line one ConfigError naming
-file:line. A conversation is rendered by the tokenizer's own chat template; its assistant tokens are
-found by rendering it prefix by prefix (assistant_spans: past SHORT_PREFIX messages in windows of a few
-messages where that is exact, so a long conversation's cost grows linearly with its turns), so
-templates without {% generation %} markers (most of them) work."""
+A file is checked whole before the model loads (check_jsonl: the first bad line is one ConfigError naming
+file:line), then read again a line at a time while tokenizing (jsonl_records). A conversation is rendered
+by the tokenizer's own chat template; its assistant tokens are found by rendering it prefix by prefix
+(assistant_spans: in windows of a few messages where that is exact, so a conversation's cost grows
+linearly with its turns), so templates without {% generation %} markers (most of them) work."""
 
 from __future__ import annotations
 
@@ -70,18 +69,27 @@ def record_problem(record) -> str | None:
     return None
 
 
-def check_conversation(messages: list, where: str, no_template: str | None, all_tokens: bool) -> None:
-    """A "messages" record's refusals before it is rendered, one ConfigError naming `where` (file:line):
-    no_template says why nothing can render it (the tokenizer has no chat template); with the loss on
-    assistant tokens only, a conversation without an assistant message, or starting with one."""
-    if no_template:
-        raise ConfigError(f"{where}: a \"messages\" record, but {no_template}")
-    if not all_tokens and not any(m["role"] == "assistant" for m in messages):
-        raise ConfigError(f"{where}: no assistant message, so nothing to train on with the loss on assistant "
-                          f"tokens only (train_on_all_tokens = false)")
-    if not all_tokens and messages[0]["role"] == "assistant":  # chat templates render no empty prefix
-        raise ConfigError(f"{where}: messages[0] is an assistant message; with the loss on assistant tokens only "
-                          f"a conversation starts with a system or user message (a reply is found after them)")
+def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> tuple[int, int]:
+    """Check every line of a .jsonl file; returns how many "text" records hold text (documents) and how
+    many "messages" records it has (conversations). no_template: why a
+    "messages" record cannot be rendered (the tokenizer has no chat template), None when it can.
+    With the loss on assistant tokens only, a conversation without an assistant message, or starting
+    with one, is refused."""
+    documents = conversations = 0
+    for where, record in jsonl_records(path):
+        if "messages" in record:
+            if no_template:
+                raise ConfigError(f"{where}: a \"messages\" record, but {no_template}")
+            if not all_tokens and not any(m["role"] == "assistant" for m in record["messages"]):
+                raise ConfigError(f"{where}: no assistant message, so nothing to train on with the loss on assistant "
+                                  f"tokens only (train_on_all_tokens = false)")
+            if not all_tokens and record["messages"][0]["role"] == "assistant":  # chat templates render no empty prefix
+                raise ConfigError(f"{where}: messages[0] is an assistant message; with the loss on assistant tokens only "
+                                  f"a conversation starts with a system or user message (a reply is found after them)")
+            conversations += 1
+        else:
+            documents += bool(record["text"].strip())
+    return documents, conversations
 
 
 def render_chat(tokenizer, messages: list, where: str, generation_prompt: bool = False) -> str:
@@ -95,14 +103,12 @@ def render_chat(tokenizer, messages: list, where: str, generation_prompt: bool =
         raise ConfigError(f"{where}: the tokenizer's chat template fails on this conversation: {e}") from None
 
 
-def chat_encoder(tokenizer, all_tokens: bool, no_template: str | None = None) -> ChatEncoder:
+def chat_encoder(tokenizer, all_tokens: bool) -> ChatEncoder:
     """A conversation's ids as the tokenizer's chat template renders it (tokenized as transformers'
     apply_chat_template does: no special tokens added, the template writes its own), trained on every
-    token (all_tokens) or on the assistant messages' tokens only (assistant_spans); checked first
-    (check_conversation; no_template: why the tokenizer cannot render one, None when it can)."""
+    token (all_tokens) or on the assistant messages' tokens only (assistant_spans)."""
 
     def encode(messages: list, where: str):
-        check_conversation(messages, where, no_template, all_tokens)
         if all_tokens:
             return tokenizer(render_chat(tokenizer, messages, where), add_special_tokens=False)["input_ids"], True
         text, spans = assistant_spans(lambda m, g=False: render_chat(tokenizer, m, where, g), messages, where)

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
-from library.data.chat_records import ChatEncoder, jsonl_records
+from library.data.chat_records import ChatEncoder, check_jsonl, jsonl_records
 from library.errors import ConfigError
 from library.io import read_utf8
 
@@ -61,15 +61,25 @@ def is_jsonl(path: str) -> bool:
     return path.lower().endswith(".jsonl")
 
 
-def check_corpus(paths: list[str]) -> list[str]:
-    """train_data's files (corpus_files), the .txt ones checked as UTF-8 (check_text_file: a bad byte named
-    by its offset, which reading them as text while tokenizing would not give), keeping nothing. .jsonl
-    records are checked as tokenize_corpus reads them: each file is parsed once."""
+class TextCounts(NamedTuple):
+    """What train_data holds, by how the stream borders it."""
+
+    documents: int  # .txt files and "text" records holding more than whitespace: each ended by EOS
+    conversations: int  # "messages" records: each bordered by its chat template's own tokens
+
+
+def check_corpus(paths: list[str], no_template: str | None, all_tokens: bool) -> tuple[list[str], TextCounts]:
+    """train_data's files (corpus_files), each read once before the model loads, keeping nothing: .txt
+    files as UTF-8 (check_text_file), .jsonl records as check_jsonl checks them. Returns the files and
+    how many documents and conversations hold text; none is a ConfigError."""
     files = corpus_files(paths)
+    documents = conversations = 0
     for f in files:
-        if not is_jsonl(f):
-            check_text_file(f)
-    return files
+        docs, chats = check_jsonl(f, no_template, all_tokens) if is_jsonl(f) else (check_text_file(f), 0)
+        documents, conversations = documents + docs, conversations + chats
+    if not documents + conversations:
+        raise ConfigError(f"train_data {', '.join(paths)}: every text file and record is empty")
+    return files, TextCounts(documents, conversations)
 
 
 READ_BYTES = 1 << 22  # a text file is checked this many bytes at a time
@@ -196,15 +206,11 @@ def join_freeing(blocks: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor
 
 
 def add_text(stream: TokenStream, pieces: Iterable[str], encode: Callable[[str], list[int]],
-             encode_more: Callable[[str], list[int]] | None, end: list[int]) -> bool:
-    """One document, given as pieces: the first encoded by `encode`, the rest by `encode_more`; then `end`.
-    Returns whether it held more than whitespace."""
-    has_text = False
+             encode_more: Callable[[str], list[int]] | None, end: list[int]):
+    """One document, given as pieces: the first encoded by `encode`, the rest by `encode_more`; then `end`."""
     for i, piece in enumerate(pieces):
         stream.add(list((encode if i == 0 else encode_more)(piece)))
-        has_text = has_text or (bool(piece) and not piece.isspace())
     stream.add(end)
-    return has_text
 
 
 def tokenize_documents(documents: Iterable[str], encode: Callable[[str], list[int]], eos_id: int | None,
@@ -222,41 +228,25 @@ def tokenize_documents(documents: Iterable[str], encode: Callable[[str], list[in
     return stream.finish()[0]
 
 
-class TextCounts(NamedTuple):
-    """What train_data holds, by how the stream borders it."""
-
-    documents: int  # .txt files and "text" records holding more than whitespace: each ended by EOS
-    conversations: int  # "messages" records: each bordered by its chat template's own tokens
-
-
-class TokenizedText(NamedTuple):
-    ids: torch.Tensor  # TOKEN_DTYPE [N]
-    trained: torch.Tensor | None  # bool [N]; None when every token is trained
-    counts: TextCounts
-
-
 def tokenize_corpus(files: list[str], encode: Callable[[str], list[int]], encode_more: Callable[[str], list[int]],
-                    eos_id: int | None, chat: ChatEncoder | None = None) -> TokenizedText:
-    """The token stream of train_data's files (check_corpus), read a file piece or a .jsonl line at a time:
+                    eos_id: int | None, chat: ChatEncoder | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The token stream of train_data's files (corpus_files), read a file piece or a .jsonl line at a time:
     only the ids (and the trained mask) are kept. A .txt file and a .jsonl "text" record are documents
-    (tokenize_documents' pieces and eos_id); a "messages" record is the conversation `chat` checks and
-    renders, its own template's tokens its borders (no eos_id added), trained where `chat` says. A .jsonl
-    file is parsed this once: its first bad record is a ConfigError naming file:line (jsonl_records, chat)."""
+    (tokenize_documents' pieces and eos_id); a "messages" record is the conversation `chat` renders, its
+    own template's tokens its borders (no eos_id added), trained where `chat` says.
+    Returns (ids TOKEN_DTYPE [N], trained bool [N] or None when every token is trained)."""
     split = pieces_keep_tokens(encode, encode_more)
-    end, stream, documents, conversations = [eos_id] if eos_id is not None else [], TokenStream(), 0, 0
+    end, stream = [eos_id] if eos_id is not None else [], TokenStream()
     for path in files:
         if not is_jsonl(path):
-            pieces = file_pieces(path) if split else [read_utf8(path)]
-            documents += add_text(stream, pieces, encode, encode_more, end)
+            add_text(stream, file_pieces(path) if split else [read_utf8(path)], encode, encode_more, end)
             continue
         for where, record in jsonl_records(path):
             if "text" in record:
-                pieces = text_pieces(record["text"]) if split else [record["text"]]
-                documents += add_text(stream, pieces, encode, encode_more, end)
+                add_text(stream, text_pieces(record["text"]) if split else [record["text"]], encode, encode_more, end)
             else:
                 stream.add(*chat(record["messages"], where))
-                conversations += 1
-    return TokenizedText(*stream.finish(), TextCounts(documents, conversations))
+    return stream.finish()
 
 
 def train_val_split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,8 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.data.chat_records import chat_encoder, user_turn_ids
-from library.data.text_corpus import (IGNORE, TextWindowDataset, TokenizedText, check_corpus, masked_targets,
-                                      tokenize_corpus, train_val_split)
+from library.data.text_corpus import IGNORE, TextWindowDataset, check_corpus, masked_targets, tokenize_corpus, train_val_split
 from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
@@ -139,22 +138,20 @@ class LLMTask:
         if not args.pretrain:
             check_lora_inputs(args, "llm")  # network_weights: its header, before the model loads
         self.tokenizer = load_tokenizer(path)
+        # read before the model: a bad train_data entry or record fails at once
         no_template = None if self.tokenizer.chat_template else (
             f"the tokenizer in {path} has no chat template (chat_template in tokenizer_config.json, or "
             f"chat_template.jinja)")
         if args.sample_chat_template and no_template:
             raise ConfigError(f"sample_chat_template = true, but {no_template} to render sample_prompt with")
-        files = check_corpus(args.train_data)  # a missing entry or a .txt file that is not UTF-8 fails at once
+        files, counts = check_corpus(args.train_data, no_template and f"{no_template} to render it with",
+                                     args.train_on_all_tokens)
+        self.sample_chat = args.sample_chat_template if args.sample_chat_template is not None else counts.conversations > 0
+        self.sample_ids = self._sample_prompt_ids()
         self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
         config, self.from_scratch, prepare = self._model_config(path)
-        # The text before the weights (minutes for a large base): a bad record, too little text, or a resume
-        # that does not fit it fails in the time it takes to read.
-        text = self._read_text(files, no_template and f"{no_template} to render it with", config.vocab_size)
-        self.sample_chat = (args.sample_chat_template if args.sample_chat_template is not None
-                            else text.counts.conversations > 0)
-        self.sample_ids = self._sample_prompt_ids()
-        self.train_set, self.val_set = self._load_data(text.ids, text.trained)
-        if state:
+        self.train_set, self.val_set = self._load_data(files, counts.documents, config.vocab_size)
+        if state:  # before the weights load (minutes for a large base): a resume that does not fit fails at once
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.model = self._load_model(path, config, prepare)
         self.model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
@@ -237,32 +234,22 @@ class LLMTask:
             raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
                               f"({source} = {config.context_length})")
 
-    def _read_text(self, files: list[str], no_template: str | None, vocab: int) -> TokenizedText:
-        """train_data's token stream (tokenize_corpus: each .jsonl record checked as it is read, the file
-        parsed once), refused where it holds no text or a token id beyond `vocab` (the model's vocab_size).
-        A tokenizer without EOS warns where documents (.txt files, "text" records) run together;
-        conversations are bordered by their chat template's own tokens. no_template: chat_encoder's."""
-        args, eos = self.args, self.tokenizer.eos_token_id
-        chat = chat_encoder(self.tokenizer, args.train_on_all_tokens, no_template)
-        text = tokenize_corpus(files, self.encode, self.encode_more, eos, chat)
-        if not sum(text.counts):
-            raise ConfigError(f"train_data {', '.join(args.train_data)}: every text file and record is empty")
-        documents = text.counts.documents
+    def _load_data(self, files: list[str], documents: int, vocab: int):
+        """documents: the .txt files and "text" records that hold text, each ended by EOS (conversations are
+        bordered by their chat template's tokens, EOS or not); vocab: the model's vocab_size."""
+        args = self.args
+        eos = self.tokenizer.eos_token_id
         if eos is None and documents > 1:
             warnings.warn(f"{args.pretrained_model_name_or_path}: the tokenizer names no eos_token, so the {documents} "
                           f"documents of train_data (.txt files and \"text\" records) run together with no border "
                           f"between them (set eos_token in its tokenizer_config.json)", stacklevel=2)
-        if len(text.ids) and int(text.ids.max()) >= vocab:  # else an IndexError at the first batch holding it, hours in
-            top = int(text.ids.max())
+        chat = chat_encoder(self.tokenizer, args.train_on_all_tokens)
+        ids, trained = tokenize_corpus(files, self.encode, self.encode_more, eos, chat)
+        if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
+            top = int(ids.max())
             raise ConfigError(f"{args.pretrained_model_name_or_path}: the tokenizer gives train_data token id {top} "
                               f"({self.tokenizer.convert_ids_to_tokens(top)!r}), beyond the model's vocab_size {vocab}: "
                               f"tokenizer.json and config.json are not of one model (or add_tokens left the embedding short)")
-        return text
-
-    def _load_data(self, ids: torch.Tensor, trained: torch.Tensor | None):
-        """The train windows and the held-out split of the token stream (ids TOKEN_DTYPE [N], trained bool [N]
-        or None)."""
-        args = self.args
         train_ids, val_ids = train_val_split(ids, args.val_fraction)
         train_trained, self.val_trained = train_val_split(trained, args.val_fraction) if trained is not None else (None, None)
         if len(train_ids) < args.max_length + 1:  # named here: the dataset's own error knows no file or key
