@@ -544,7 +544,7 @@ def test_corpus_loading_tokenizing_and_tail_validation_split(tmp_path):
     write(tmp_path / "docs" / "a.txt", "hello")
     write(tmp_path / "docs" / "skip.md", "not text")
     files, count = text_corpus.check_corpus([str(tmp_path / "docs")], None, False)
-    assert [os.path.basename(f) for f in files] == ["a.txt", "b.txt"] and count == 2
+    assert [os.path.basename(f) for f in files] == ["a.txt", "b.txt"] and count == (2, 0)
     encode = lambda s: [ord(c) for c in s]  # noqa: E731
     ids, trained = text_corpus.tokenize_corpus(files, encode, encode, eos_id=0)
     assert ids.tolist() == [104, 101, 108, 108, 111, 0, 119, 111, 114, 108, 100, 0] and trained is None

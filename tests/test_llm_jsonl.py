@@ -78,7 +78,7 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(cha
     tok = chat_tokenizer
     template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + (('[last] ' if loop.last else '') "
                 "if m.role == 'assistant' else '') + m.content + '<|im_end|>\\n' }}{%- endfor %}"
-                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant ' + (messages|length + 1)|string + '\\n' }}{%- endif %}")
     old, tok.chat_template = tok.chat_template, template
     try:
         with pytest.raises(ConfigError, match=r"^d.jsonl:3: the chat template renders the conversation up to messages\[2\] "
@@ -141,7 +141,7 @@ def test_text_records_and_txt_files_are_the_same_documents(tmp_path, monkeypatch
     files, count = text_corpus.check_corpus([str(tmp_path)], None, all_tokens=False)
     ids, trained = text_corpus.tokenize_corpus(files, encode, encode, eos_id=0)
     whole = encode(doc.replace("\r\n", "\n")) + [0]
-    assert count == 3 and trained is None and ids.tolist() == whole + whole + encode("short") + [0]
+    assert count == (3, 0) and trained is None and ids.tolist() == whole + whole + encode("short") + [0]
     assert files[1] == jsonl
 
 
@@ -253,3 +253,134 @@ def test_a_held_out_tail_without_a_reply_reports_no_loss_and_says_so(tiny_set, c
     with open(tmp_path / "out" / "chat_eval.csv") as f:
         rows = list(csv.DictReader(f))
     assert rows and all("val_loss" not in r or r["val_loss"] in ("", None) for r in rows), rows
+
+
+@pytest.mark.parametrize("data, flag, templated", [("messages", None, True), ("messages", "false", False),
+                                                    ("text", None, False), ("text", "true", True)])
+def test_the_sample_prompt_is_a_user_turn_where_the_data_is_chat_and_the_sample_is_its_reply(
+        tiny_set, chat_llm, tmp_path, monkeypatch, data, flag, templated):
+    """A LoRA trained on messages records is asked sample_prompt as one user turn with the generation prompt
+    (transformers' apply_chat_template(add_generation_prompt=True) ids), and the eval shows and logs the reply
+    alone; sample_chat_template forces it on or off. The old line encoded the prompt raw ('Count to 3.' as a
+    document's start, never seen in training) and showed the prompt with the reply."""
+    from library.training import llm_task
+    from library.training.config import load_config
+
+    records = [{"messages": [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": "1 2 3 4 5"}]}
+               if data == "messages" else {"text": f"Count to {n}. 1 2 3 4 5"} for n in range(2, 12)]
+    argv = ["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data",
+            write_jsonl(tmp_path / "d.jsonl", records), "--output_dir", str(tmp_path / "out"), "--output_name", "chat",
+            "--mixed_precision", "no", "--max_length", "16", "--val_fraction", "0", "--max_train_steps", "1",
+            "--sample_prompt", "Count to 3."] + (["--sample_chat_template", flag] if flag else [])
+    args = load_config(argv)
+    task = llm_task.LLMTask(args, train_lora.make_accelerator(args))
+    reply = task.tokenizer.encode(" 1 2 3", add_special_tokens=False) + [task.tokenizer.eos_token_id]
+    asked = []
+    monkeypatch.setattr(llm_task, "generate", lambda model, idx, *a, **k: asked.append(idx[0].tolist()) or
+                        torch.cat([idx, torch.tensor([reply])], 1))
+    (tmp_path / "out").mkdir()
+    task.report_eval("start")
+    user_turn = task.tokenizer.apply_chat_template([{"role": "user", "content": "Count to 3."}], tokenize=True,
+                                                   add_generation_prompt=True, return_dict=False)
+    assert asked == [user_turn if templated else task.encode("Count to 3.")]
+    assert user_turn[-3:] == task.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    with open(tmp_path / "out" / "chat_eval.csv") as f:
+        assert [r["sample"] for r in csv.DictReader(f)] == [" 1 2 3" if templated else "Count to 3. 1 2 3"]
+
+
+def test_sample_chat_template_true_without_a_template_is_one_line_before_the_data_is_read(tiny_set, tmp_path, capsys,
+                                                                                           monkeypatch):
+    from library.training import llm_task
+
+    monkeypatch.setattr(llm_task, "check_corpus", lambda *a: pytest.fail("the data was read"))
+    code = train_lora.main(["--model_type", "llm", "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data",
+                            tiny_set["corpus"], "--output_dir", str(tmp_path / "out"), "--mixed_precision", "no",
+                            "--sample_chat_template", "true"])
+    assert code == 2
+    assert capsys.readouterr().err == (f"error: sample_chat_template = true, but the tokenizer in {tiny_set['llm']} has "
+                                       f"no chat template (chat_template in tokenizer_config.json, or chat_template.jinja) "
+                                       f"to render sample_prompt with\n")
+
+
+@pytest.mark.parametrize("texts, warned", [(1, None), (2, 2)])
+def test_the_no_eos_warning_counts_documents_not_conversations(chat_llm, tmp_path, texts, warned):
+    """Without an eos_token, documents ("text" records, .txt files) run together; conversations are bordered
+    by their template's <|im_start|>. One text record and 3 conversations: no warning (the old line: 'the 4
+    documents'); two: 'the 2 documents'."""
+    import warnings
+
+    from library.training.config import load_config
+    from library.training.llm_task import LLMTask
+
+    config = json.loads((tmp_path / "chat_llm" / "tokenizer_config.json").read_text())
+    (tmp_path / "chat_llm" / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                                             if k != "eos_token"}))
+    records = [{"text": f"Document {n} says hello to the world."} for n in range(texts)] + [{"messages": CHAT}] * 3
+    args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data",
+                        write_jsonl(tmp_path / "d.jsonl", records), "--output_dir", str(tmp_path / "out"),
+                        "--mixed_precision", "no", "--max_length", "16", "--val_fraction", "0", "--max_train_steps", "1"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        LLMTask(args, train_lora.make_accelerator(args))
+    said = [str(w.message) for w in caught if "eos_token" in str(w.message)]
+    assert said == ([] if warned is None else [f"{chat_llm}: the tokenizer names no eos_token, so the {warned} documents of "
+                                               f"train_data (.txt files and \"text\" records) run together with no "
+                                               f"border between them (set eos_token in its tokenizer_config.json)"])
+
+
+def many_turn_chat(turns: int, system: bool) -> list:
+    """turns user questions, every third answered through a tool call (two tool results in a row, which
+    Qwen2.5's template joins in one user turn), the rest directly; the last turn left unanswered."""
+    chat = [{"role": "system", "content": "Be brief."}] if system else []
+    for t in range(turns):
+        chat.append({"role": "user", "content": f"Question {t}: what is {t} + {t}?"})
+        if t % 3 == 1:
+            call = {"type": "function", "function": {"name": "add", "arguments": {"a": t, "b": t}}}
+            chat += [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": str(2 * t)},
+                     {"role": "tool", "content": "ok"}]
+        chat.append({"role": "assistant", "content": f"It is {2 * t}."})
+    return chat + [{"role": "user", "content": "Thanks!"}]
+
+
+def quadratic_mask(tok, messages):
+    """The old line's (ids, trained): each assistant message's span from the renders of its prefix (O(n) renders
+    of O(n) messages), each token tried against every span."""
+    render = lambda m, g=False: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g)  # noqa: E731
+    text = render(messages)
+    spans = [(len(render(messages[:i], True)), len(render(messages[: i + 1])))
+             for i, m in enumerate(messages) if m["role"] == "assistant"]
+    encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    return encoded["input_ids"], [any(a <= s < b for a, b in spans) for s, _ in encoded["offset_mapping"]]
+
+
+@pytest.mark.parametrize("system", [True, False])
+def test_a_many_turn_conversation_is_rendered_in_linear_time_with_the_old_mask_bit_for_bit(chat_tokenizer, monkeypatch,
+                                                                                            system):
+    """40 turns (121 or 120 messages, 53 assistant messages, 13 of them tool calls): the ids and the trained mask
+    equal the old quadratic line's, while the messages rendered in all sum to 8 per message (the old
+    line: 6,600 renders of a message, 55 per message)."""
+    chat = many_turn_chat(40, system)
+    expected = quadratic_mask(chat_tokenizer, chat)
+    rendered, apply = [], chat_tokenizer.apply_chat_template
+    monkeypatch.setattr(chat_tokenizer, "apply_chat_template", lambda m, **k: rendered.append(len(m)) or apply(m, **k))
+    ids, trained = chat_records.chat_encoder(chat_tokenizer, all_tokens=False)(chat, "x.jsonl:1")
+    assert (ids, trained) == expected and sum(trained) > 500
+    assert sum(rendered) < 9 * len(chat), (sum(rendered), len(chat))
+
+
+def test_a_template_that_numbers_its_turns_falls_back_to_rendering_every_prefix(chat_tokenizer):
+    """A window of a template that writes loop.index renders other numbers than the whole conversation: the
+    windows are not used (they are with ChatML, on the same 31 messages), and the mask is the old line's."""
+    tok = chat_tokenizer
+    template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + ' ' + loop.index|string + '\\n' + "
+                "(m.content or 'call') + '<|im_end|>\\n' }}{%- endfor %}"
+                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant ' + (messages|length + 1)|string + '\\n' }}{%- endif %}")
+    chat = many_turn_chat(10, system=True)
+    render = lambda m, g=False: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g)  # noqa: E731
+    assert chat_records.windowed_spans(render, chat, render(chat)) is not None
+    old, tok.chat_template = tok.chat_template, template
+    try:
+        assert chat_records.windowed_spans(render, chat, render(chat)) is None
+        assert chat_records.chat_encoder(tok, all_tokens=False)(chat, "x.jsonl:1") == quadratic_mask(tok, chat)
+    finally:
+        tok.chat_template = old

@@ -532,7 +532,7 @@ def test_a_tokenizer_without_eos_warns_that_documents_run_together(tiny_set, tmp
     (tmp_path / "no_eos" / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "eos_token"}))
     args = load_config(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", str(tmp_path / "no_eos"),
                                 "--train_data", tiny_set["corpus"], tiny_set["corpus"], "--max_train_steps", "1"))
-    with pytest.warns(UserWarning, match="the tokenizer names no eos_token, so the 2 documents of train_data run together"):
+    with pytest.warns(UserWarning, match="the tokenizer names no eos_token, so the 2 documents of train_data .* run together"):
         LLMTask(args, train_lora.make_accelerator(args))
 
 
@@ -609,6 +609,32 @@ def test_a_resumed_llm_run_logs_each_eval_once(tiny_set, tmp_path, monkeypatch):
     assert train_lora.main(args + ["--resume", str(out / "lm-state")]) == 0
     with open(out / "lm_eval.csv") as f:
         assert [row["step"] for row in csv.DictReader(f)] == ["1", "2", "final"]
+
+
+@pytest.mark.parametrize("pretrain", [False, True])
+def test_a_resume_whose_data_does_not_fit_its_state_is_refused_before_the_model_loads(tiny_set, tmp_path, monkeypatch,
+                                                                                       pretrain):
+    """A state written 3 batches into an epoch of 99 against this run's data (fewer batches): refused by
+    check_resumed_fit before the weights are read (a LoRA's base: load_llm) or built (pretraining from a
+    config.json: LLM). The old line loaded the model first (minutes for an 8B base), then refused."""
+    from library.training import llm_task
+    from library.training.config import load_config
+    from library.training.state import SavedState
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(llm_task, "load_llm", loaded)
+    monkeypatch.setattr(llm_task, "LLM", loaded)
+    base = ["--pretrain", "--pretrained_model_name_or_path", tiny_set["llm_scratch"]] if pretrain else \
+        ["--pretrained_model_name_or_path", tiny_set["llm"]]
+    args = load_config(llm_args(tiny_set, tmp_path, *base, "--max_train_steps", "4"))
+    args.resume = str(tmp_path / "lm-state")
+    state = SavedState({}, {}, {"step": 3, "epoch": 0, "batches_done": 3, "batches_per_epoch": 99, "scheduler": {}}, {},
+                       None)
+    with pytest.raises(ValueError, match=r"lm-state: state was written 3 of 99 batches into epoch 0, this run has \d+ "
+                                         r"batches per epoch"):
+        llm_task.LLMTask(args, train_lora.make_accelerator(args), state)
 
 
 def test_llm_evals_reach_tensorboard_at_their_step(tiny_set, tmp_path):

@@ -4,10 +4,12 @@
 A file is checked whole before the model loads (check_jsonl: the first bad line is one ConfigError naming
 file:line), then read again a line at a time while tokenizing (jsonl_records). A conversation is rendered
 by the tokenizer's own chat template; its assistant tokens are found by rendering it prefix by prefix
-(assistant_spans), so templates without {% generation %} markers (most of them) work."""
+(assistant_spans: in windows of a few messages where that is exact, so a conversation's cost grows
+linearly with its turns), so templates without {% generation %} markers (most of them) work."""
 
 from __future__ import annotations
 
+import bisect
 import json
 from typing import Callable, Iterator
 
@@ -67,12 +69,13 @@ def record_problem(record) -> str | None:
     return None
 
 
-def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> int:
-    """Check every line of a .jsonl file; returns how many records hold text. no_template: why a
+def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> tuple[int, int]:
+    """Check every line of a .jsonl file; returns how many "text" records hold text (documents) and how
+    many "messages" records it has (conversations). no_template: why a
     "messages" record cannot be rendered (the tokenizer has no chat template), None when it can.
     With the loss on assistant tokens only, a conversation without an assistant message, or starting
     with one, is refused."""
-    count = 0
+    documents = conversations = 0
     for where, record in jsonl_records(path):
         if "messages" in record:
             if no_template:
@@ -83,8 +86,21 @@ def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> int:
             if not all_tokens and record["messages"][0]["role"] == "assistant":  # chat templates render no empty prefix
                 raise ConfigError(f"{where}: messages[0] is an assistant message; with the loss on assistant tokens only "
                                   f"a conversation starts with a system or user message (a reply is found after them)")
-        count += bool(record["text"].strip()) if "text" in record else 1
-    return count
+            conversations += 1
+        else:
+            documents += bool(record["text"].strip())
+    return documents, conversations
+
+
+def render_chat(tokenizer, messages: list, where: str, generation_prompt: bool = False) -> str:
+    """The conversation's text as the tokenizer's chat template renders it (transformers'
+    apply_chat_template); a template that fails on it is a ConfigError naming `where`."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+        raise ConfigError(f"{where}: the tokenizer's chat template fails on this conversation: {e}") from None
 
 
 def chat_encoder(tokenizer, all_tokens: bool) -> ChatEncoder:
@@ -92,22 +108,33 @@ def chat_encoder(tokenizer, all_tokens: bool) -> ChatEncoder:
     apply_chat_template does: no special tokens added, the template writes its own), trained on every
     token (all_tokens) or on the assistant messages' tokens only (assistant_spans)."""
 
-    def render(messages: list, where: str, generation_prompt: bool = False) -> str:
-        from jinja2 import TemplateError
-
-        try:
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
-            raise ConfigError(f"{where}: the tokenizer's chat template fails on this conversation: {e}") from None
-
     def encode(messages: list, where: str):
         if all_tokens:
-            return tokenizer(render(messages, where), add_special_tokens=False)["input_ids"], True
-        text, spans = assistant_spans(lambda m, g=False: render(m, where, g), messages, where)
+            return tokenizer(render_chat(tokenizer, messages, where), add_special_tokens=False)["input_ids"], True
+        text, spans = assistant_spans(lambda m, g=False: render_chat(tokenizer, m, where, g), messages, where)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return encoded["input_ids"], [any(a <= start < b for a, b in spans) for start, _ in encoded["offset_mapping"]]
+        return encoded["input_ids"], starts_inside(encoded["offset_mapping"], spans)
 
     return encode
+
+
+def starts_inside(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
+    """For each token's (start, end) characters, whether its start lies in one of the [a, b) spans: by
+    bisection where the spans are in order and apart (as assistant_spans gives them), else by trying each
+    (tokens x spans: quadratic in a conversation's turns)."""
+    starts = [a for a, _ in spans]
+    if any(b > next_a for (_, b), next_a in zip(spans, starts[1:])):
+        return [any(a <= start < b for a, b in spans) for start, _ in offsets]
+    at = [bisect.bisect_right(starts, start) - 1 for start, _ in offsets]  # the last span starting at or before
+    return [k >= 0 and start < spans[k][1] for k, (start, _) in zip(at, offsets)]
+
+
+def user_turn_ids(tokenizer, prompt: str, where: str) -> list[int]:
+    """`prompt` as one user message followed by the template's generation prompt (the opening of the
+    assistant's turn), tokenized as chat_encoder tokenizes a conversation: what a chat model is asked
+    at inference (apply_chat_template(add_generation_prompt=True), as TRL's and axolotl's evals do)."""
+    text = render_chat(tokenizer, [{"role": "user", "content": prompt}], where, generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def assistant_spans(render: Callable[..., str], messages: list, where: str) -> tuple[str, list[tuple[int, int]]]:
@@ -115,16 +142,79 @@ def assistant_spans(render: Callable[..., str], messages: list, where: str) -> t
     the end of render(messages[:i], generation prompt) to the end of render(messages[:i + 1]) (the
     reply, its end-of-turn token and what the template writes after it, up to the next message). Both
     must begin the whole conversation's text; a template that rewrites earlier turns (Qwen3's drops
-    their thinking) is a ConfigError naming the record."""
-    text, spans = render(messages), []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before, through = render(messages[:i], True), render(messages[: i + 1])
-        if not (through.startswith(before) and text.startswith(through)):
-            raise ConfigError(f"{where}: the chat template renders the conversation up to messages[{i}] (assistant) "
-                              f"as text that does not begin the whole conversation's (it rewrites earlier turns), so "
-                              f"the assistant's tokens cannot be told apart; set train_on_all_tokens = true, or give "
-                              f"each turn a record of its own")
-        spans.append((len(before), len(through)))
+    their thinking) is a ConfigError naming the record. Found in linear time where windowed_spans can
+    tell its spans are these; else by exact_span for each assistant message (quadratic)."""
+    text = render(messages)
+    try:
+        spans = windowed_spans(render, messages, text)
+    except ConfigError:  # a window the template fails on: the exact way meets (and names) the error, if any
+        spans = None
+    if spans is None:
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                spans.append(exact_span(render, messages, i, text) or refuse_rewritten(where, i))
     return text, spans
+
+
+def exact_span(render: Callable[..., str], messages: list, i: int, text: str) -> tuple[int, int] | None:
+    """messages[i]'s span from the two renders of the conversation up to it, or None where they do not
+    begin `text` (the whole conversation's). Each costs O(i): O(n^2) for a conversation's replies."""
+    before = render(messages[:i], True)
+    through = text if i + 1 == len(messages) else render(messages[: i + 1])
+    if not (through.startswith(before) and text.startswith(through)):
+        return None
+    return len(before), len(through)
+
+
+def refuse_rewritten(where: str, i: int):
+    raise ConfigError(f"{where}: the chat template renders the conversation up to messages[{i}] (assistant) "
+                      f"as text that does not begin the whole conversation's (it rewrites earlier turns), so "
+                      f"the assistant's tokens cannot be told apart; set train_on_all_tokens = true, or give "
+                      f"each turn a record of its own")
+
+
+SHORT_PREFIX = 16  # messages: before this many, exact_span's two renders cost less than a window's three
+
+
+def windowed_spans(render: Callable[..., str], messages: list, text: str) -> list[tuple[int, int]] | None:
+    """exact_span's spans in linear time, or None where this cannot tell they are the same (or uses no window).
+
+    An assistant message after SHORT_PREFIX messages or more, but the last, is found in a window
+    (window_span) placed at the end of the assistant message before it; the others by exact_span. A
+    window equals exact_span for a template that renders a message from itself, its neighbours and
+    messages[0] (ChatML, with Qwen2.5's tool grouping). No window can be exact for every template (one
+    may number the turns, count the messages, or mark the last user message), so each window's text
+    must equal the conversation's where it is placed, and the windows' last end must equal the exact
+    render's up to there; else None, and assistant_spans renders every prefix."""
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    windowed = {i for i in assistants[1:-1] if i >= SHORT_PREFIX}
+    if not windowed or assistants[0] == 0:
+        return None
+    spans, end, previous = [], 0, None
+    for i in assistants[:-1]:
+        span = (window_span(render, messages, previous, i, end, text) if i in windowed
+                else exact_span(render, messages, i, text))
+        if span is None:
+            return None
+        spans.append(span)
+        end, previous = span[1], i
+    through = render(messages[: previous + 1])  # the windows' last end against the exact prefix's
+    if len(through) != end or not text.startswith(through):
+        return None
+    spans.append(exact_span(render, messages, assistants[-1], text))
+    return None if spans[-1] is None else spans
+
+
+def window_span(render: Callable[..., str], messages: list, previous: int, i: int, end: int,
+                text: str) -> tuple[int, int] | None:
+    """messages[i]'s span from a window: messages[0] (a template's system header depends on it), the
+    assistant message messages[previous], which ends at `end` in text, and the messages after it up to
+    i, rendered with and without the generation prompt. O(i - previous). None where the window's text
+    after messages[previous] is not text's from `end`."""
+    window = [messages[0], *messages[previous : i + 1]]
+    head, before, through = render(window[:2]), render(window[:-1], True), render(window)
+    at = end - len(head)  # the window's character p is the conversation's at + p
+    if not (before.startswith(head) and through.startswith(before) and text.startswith(through[len(head) :], end)):
+        return None
+    return at + len(before), at + len(through)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import codecs
 import os
 import re
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -61,15 +61,25 @@ def is_jsonl(path: str) -> bool:
     return path.lower().endswith(".jsonl")
 
 
-def check_corpus(paths: list[str], no_template: str | None, all_tokens: bool) -> tuple[list[str], int]:
+class TextCounts(NamedTuple):
+    """What train_data holds, by how the stream borders it."""
+
+    documents: int  # .txt files and "text" records holding more than whitespace: each ended by EOS
+    conversations: int  # "messages" records: each bordered by its chat template's own tokens
+
+
+def check_corpus(paths: list[str], no_template: str | None, all_tokens: bool) -> tuple[list[str], TextCounts]:
     """train_data's files (corpus_files), each read once before the model loads, keeping nothing: .txt
     files as UTF-8 (check_text_file), .jsonl records as check_jsonl checks them. Returns the files and
-    how many documents / conversations hold text; none is a ConfigError."""
+    how many documents and conversations hold text; none is a ConfigError."""
     files = corpus_files(paths)
-    count = sum(check_jsonl(f, no_template, all_tokens) if is_jsonl(f) else check_text_file(f) for f in files)
-    if not count:
+    documents = conversations = 0
+    for f in files:
+        docs, chats = check_jsonl(f, no_template, all_tokens) if is_jsonl(f) else (check_text_file(f), 0)
+        documents, conversations = documents + docs, conversations + chats
+    if not documents + conversations:
         raise ConfigError(f"train_data {', '.join(paths)}: every text file and record is empty")
-    return files, count
+    return files, TextCounts(documents, conversations)
 
 
 READ_BYTES = 1 << 22  # a text file is checked this many bytes at a time

@@ -187,6 +187,9 @@ SCHEMA: dict[str, Arg] = {
     "val_fraction": A(float, 0.1, "llm: share of tokens held out (0: evals give the sample alone, no val loss)"),
     "eval_every_n_steps": A(int, 50, "llm: val loss / perplexity / sample interval"),
     "sample_prompt": A(str, "The", "llm: prompt for the sample at each eval"),
+    "sample_chat_template": A(bool, None, "llm: sample_prompt as one user turn of the tokenizer's chat template with "
+                                          "its generation prompt, the sample its reply alone (unset: on when train_data "
+                                          "holds \"messages\" records; false: the prompt as raw text, continued)"),
     "sample_max_new_tokens": A(int, 40, "llm: sample length"),
     "temperature": A(float, 0.8, "llm: sampling temperature (0 = greedy)"),
     "top_k": A(int, 40, "llm: top-k sampling"),
@@ -564,7 +567,8 @@ _IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v
 # What only an llm run reads; a diffusion run reads each family's own keys (its spec's config_keys)
 # and these.
 LLM_KEYS = ("train_data", "train_on_all_tokens", "max_length", "stride", "val_fraction", "eval_every_n_steps",
-            "sample_prompt", "sample_max_new_tokens", "temperature", "top_k", "batch_size", "pretrain", "scaled_residual_init")
+            "sample_prompt", "sample_chat_template", "sample_max_new_tokens", "temperature", "top_k", "batch_size",
+            "pretrain", "scaled_residual_init")
 LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "network_weights", "network_dropout")
 DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
                   "sample_prompts", "sample_bf16_reference", "timestep_sampling", "discrete_flow_shift",

@@ -6,7 +6,8 @@ special tokens, e.g. Llama's BOS, and ended by EOS; each conversation rendered b
 loss on its assistant tokens unless train_on_all_tokens) -> train/val split -> sliding
 windows of max_length + 1 tokens. Every eval_every_n_steps: val loss (token-weighted over the
 whole held-out split, `held_out_loss`; none when val_fraction holds nothing out), perplexity and a sample
-from sample_prompt (temperature / top-k), printed and written to <output_name>_eval.csv.
+from sample_prompt (temperature / top-k; with sample_chat_template, the prompt is one user turn of the chat
+template and the sample its reply alone), printed and written to <output_name>_eval.csv.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import math
 import os
 import random
 import warnings
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from library.data.chat_records import chat_encoder
+from library.data.chat_records import chat_encoder, user_turn_ids
 from library.data.text_corpus import IGNORE, TextWindowDataset, check_corpus, masked_targets, tokenize_corpus, train_val_split
 from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
@@ -139,13 +141,19 @@ class LLMTask:
         # read before the model: a bad train_data entry or record fails at once
         no_template = None if self.tokenizer.chat_template else (
             f"the tokenizer in {path} has no chat template (chat_template in tokenizer_config.json, or "
-            f"chat_template.jinja) to render it with")
-        files, documents = check_corpus(args.train_data, no_template, args.train_on_all_tokens)
+            f"chat_template.jinja)")
+        if args.sample_chat_template and no_template:
+            raise ConfigError(f"sample_chat_template = true, but {no_template} to render sample_prompt with")
+        files, counts = check_corpus(args.train_data, no_template and f"{no_template} to render it with",
+                                     args.train_on_all_tokens)
+        self.sample_chat = args.sample_chat_template if args.sample_chat_template is not None else counts.conversations > 0
+        self.sample_ids = self._sample_prompt_ids()
         self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
-        self.model, self.from_scratch = self._load_model(path)
-        self.train_set, self.val_set = self._load_data(files, documents)
-        if state:
+        config, self.from_scratch, prepare = self._model_config(path)
+        self.train_set, self.val_set = self._load_data(files, counts.documents, config.vocab_size)
+        if state:  # before the weights load (minutes for a large base): a resume that does not fit fails at once
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
+        self.model = self._load_model(path, config, prepare)
         self.model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
                                                           args.checkpoint_saves_attention)
         self.network = None
@@ -171,21 +179,30 @@ class LLMTask:
             else:  # the evals a run killed after its last save logged are logged again
                 drop_rows_after(self.eval_log, state.progress["step"])
 
-    def _load_model(self, path: str) -> tuple[LLM, bool]:
+    def _model_config(self, path: str) -> tuple[LLMConfig, bool, Callable | None]:
+        """(the model's config, whether it trains from scratch, load_llm's prepare hook), read and checked
+        before the data and the weights (a refusal here takes seconds): config.json (a quantized release's
+        refusal), max_length against the context window, a stored precision against the config's. From
+        scratch (pretrain without weights), the vocab holds the tokenizer's, padded to VOCAB_MULTIPLE."""
         if has_weights(path):
             config = _find_config(path)  # first: its refusals (a quantized release's) come before the weights'
-            self._check_context(config)  # and max_length's, before minutes of loading
-            return load_llm(path, config, dtype=self.weights_dtype, prepare=self._base_prepare(path)), False
+            self._check_context(config)
+            return config, False, self._base_prepare(path)
         if not self.args.pretrain:
             raise ConfigError(f"{path}: no .safetensors weights; a LoRA needs a pretrained model (or set pretrain = true)")
         config = _find_config(path)  # its errors name the file
         self._check_context(config)
         vocab = -(-max(config.vocab_size, len(self.tokenizer)) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-        config = LLMConfig(**{**config.__dict__, "vocab_size": vocab})
+        return LLMConfig(**{**config.__dict__, "vocab_size": vocab}), True, None
+
+    def _load_model(self, path: str, config: LLMConfig, prepare: Callable | None) -> LLM:
+        """The checkpoint's weights (in weights_dtype, through prepare), or from scratch a GPT-2 init."""
+        if not self.from_scratch:
+            return load_llm(path, config, dtype=self.weights_dtype, prepare=prepare)
         torch.manual_seed(self.args.seed)
         model = LLM(config)  # float32 weights and compute_dtype: autocast_dtype picks the matmul dtype
         init_weights(model, scaled_residual=self.args.scaled_residual_init)
-        return model, True
+        return model
 
     def _base_prepare(self, path: str):
         """load_llm's prepare hook. A LoRA's frozen base in a pre-quantized file (plain fp8, fp8_scaled,
@@ -217,16 +234,17 @@ class LLMTask:
             raise ConfigError(f"max_length {self.args.max_length} is longer than the model's context window "
                               f"({source} = {config.context_length})")
 
-    def _load_data(self, files: list[str], documents: int):
+    def _load_data(self, files: list[str], documents: int, vocab: int):
+        """documents: the .txt files and "text" records that hold text, each ended by EOS (conversations are
+        bordered by their chat template's tokens, EOS or not); vocab: the model's vocab_size."""
         args = self.args
         eos = self.tokenizer.eos_token_id
         if eos is None and documents > 1:
             warnings.warn(f"{args.pretrained_model_name_or_path}: the tokenizer names no eos_token, so the {documents} "
-                          f"documents of train_data run together with no border between them (set eos_token in its "
-                          f"tokenizer_config.json)", stacklevel=2)
+                          f"documents of train_data (.txt files and \"text\" records) run together with no border "
+                          f"between them (set eos_token in its tokenizer_config.json)", stacklevel=2)
         chat = chat_encoder(self.tokenizer, args.train_on_all_tokens)
         ids, trained = tokenize_corpus(files, self.encode, self.encode_more, eos, chat)
-        vocab = self.model.config.vocab_size
         if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
             top = int(ids.max())
             raise ConfigError(f"{args.pretrained_model_name_or_path}: the tokenizer gives train_data token id {top} "
@@ -254,6 +272,14 @@ class LLMTask:
         self.accelerator.print(f"text: {len(ids)} tokens{counted}, {len(train)} train windows, "
                                f"{len(val) if val else 0} val windows")
         return train, val
+
+    def _sample_prompt_ids(self) -> list[int]:
+        """sample_prompt's ids. With sample_chat (sample_chat_template, unset: on where train_data holds
+        conversations, the form the LoRA learns to answer): one user turn of the chat template and its
+        generation prompt, as a chat model is asked at inference; else as a document starts (encode)."""
+        if self.sample_chat:
+            return user_turn_ids(self.tokenizer, self.args.sample_prompt, "sample_prompt")
+        return self.encode(self.args.sample_prompt)
 
     def encode(self, text: str) -> list[int]:
         """A document's or the sample prompt's ids as the model's users encode text (transformers, PEFT,
@@ -340,7 +366,7 @@ class LLMTask:
     def evaluate(self) -> dict:
         was_training = self.model.training
         self.model.eval()
-        prompt = torch.tensor([self.encode(self.args.sample_prompt)], device=self.device)
+        prompt = torch.tensor([self.sample_ids], device=self.device)
         # The same sample draw at each eval, from a generator of its own: no global generator (CPU,
         # CUDA) is reseeded, so training's random stream goes on after an eval as without it.
         gen = torch.Generator(self.device).manual_seed(self.args.seed)
@@ -349,8 +375,9 @@ class LLMTask:
             out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.context_length,
                            self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id, generator=gen)
         self.model.train(was_training)
+        shown = out[0, prompt.shape[1] :] if self.sample_chat else out[0]  # a chat sample: the reply alone
         return {"val_loss": val, "val_perplexity": None if val is None else perplexity(val),
-                "sample": self.decode(out[0].tolist())}
+                "sample": self.decode(shown.tolist())}
 
     def scores_held_out(self) -> bool:
         """Whether the held-out split has a target to score: a token after its first, trained (every token,
