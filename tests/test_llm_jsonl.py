@@ -384,3 +384,42 @@ def test_a_template_that_numbers_its_turns_falls_back_to_rendering_every_prefix(
         assert chat_records.chat_encoder(tok, all_tokens=False)(chat, "x.jsonl:1") == quadratic_mask(tok, chat)
     finally:
         tok.chat_template = old
+
+
+class ScriptedLM(torch.nn.Module):
+    """A stand-in model whose next token (greedy) is script[k] at the k-th generated step after a prompt of
+    `prompt` tokens: what a LoRA that learned the replies says, then what it says after the turn ends."""
+
+    def __init__(self, config, prompt: int, script: list[int]):
+        super().__init__()
+        self.config, self.prompt, self.script = config, prompt, script
+
+    def forward(self, idx):
+        logits = torch.full((*idx.shape, self.config.vocab_size), -1e4)
+        logits[:, -1, self.script[min(idx.shape[1] - self.prompt, len(self.script) - 1)]] = 1e4
+        return logits
+
+
+def test_a_chat_sample_stops_at_the_templates_end_of_turn_where_eos_is_another_token(chat_llm, tmp_path):
+    """A base whose eos_token is <|endoftext|> (Qwen2.5's base models, Gemma's <eos> beside <end_of_turn>) with
+    ChatML data: the LoRA learns to end a reply with <|im_end|>, so the sample is the reply and stops there (as
+    Qwen2.5-Instruct's generation_config.json lists [<|im_end|>, <|endoftext|>] for generate). It ran on past the
+    turn into a made-up next user turn: '1 2 3\\nuser\\nCount to 4.\\n' (the special tokens skipped)."""
+    from library.training import llm_task
+    from library.training.config import load_config
+
+    config = json.loads((tmp_path / "chat_llm" / "tokenizer_config.json").read_text())
+    (tmp_path / "chat_llm" / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    records = [{"messages": [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": "1 2 3"}]}
+               for n in range(2, 12)]
+    args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data",
+                        write_jsonl(tmp_path / "d.jsonl", records), "--output_dir", str(tmp_path / "out"),
+                        "--output_name", "chat", "--mixed_precision", "no", "--max_length", "16", "--val_fraction", "0",
+                        "--max_train_steps", "1", "--sample_prompt", "Count to 3.", "--temperature", "0"])
+    task = llm_task.LLMTask(args, train_lora.make_accelerator(args))
+    tok = task.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token == "<|endoftext|>" and task.sample_stops == (tok.eos_token_id, im_end)
+    script = tok.encode("1 2 3<|im_end|>\n<|im_start|>user\nCount to 4.<|im_end|>\n", add_special_tokens=False)
+    task.model = ScriptedLM(task.model.config, len(task.sample_ids), script + [tok.eos_token_id])
+    assert task.evaluate()["sample"] == "1 2 3"
