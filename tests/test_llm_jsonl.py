@@ -423,3 +423,47 @@ def test_a_chat_sample_stops_at_the_templates_end_of_turn_where_eos_is_another_t
     script = tok.encode("1 2 3<|im_end|>\n<|im_start|>user\nCount to 4.<|im_end|>\n", add_special_tokens=False)
     task.model = ScriptedLM(task.model.config, len(task.sample_ids), script + [tok.eos_token_id])
     assert task.evaluate()["sample"] == "1 2 3"
+
+
+# Qwen3's rule for thinking (its chat template's, tools left out): an assistant message after the last user
+# query keeps its reasoning_content, and the last message always gets a <think> block (empty without one).
+QWEN3_THINKING_TEMPLATE = (
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}{%- set reasoning = message.reasoning_content or '' %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_qwen3_thinking_whose_windows_each_match_is_still_refused_as_a_rewrite(chat_tokenizer):
+    """Qwen3's thinking rule on a tool chain: a reply with reasoning after the query, then replies without.
+    Each window (no user message in it, so Qwen3 marks none as after the query) renders those replies as
+    the whole conversation does, but the prefix through one of them gives it an empty <think> block the
+    whole conversation drops: the windows' last end differs from the prefix's, the windows are not used,
+    and the record is refused naming the first such reply (without that end check it was trained on)."""
+    chat = [{"role": "system", "content": "Use the tools."}]
+    for t in range(8):  # messages 1-16: no user query yet, every reply plain
+        chat += [{"role": "assistant", "content": f"Step {t}."}, {"role": "tool", "content": f"done {t}"}]
+    chat += [{"role": "user", "content": "Now sum them."},
+             {"role": "assistant", "content": "Summing.", "reasoning_content": "Add the steps."}]
+    for t in range(3):
+        chat += [{"role": "tool", "content": str(t)}, {"role": "assistant", "content": f"Partial {t}."}]
+    tok = chat_tokenizer
+    render = lambda m, g=False: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g)  # noqa: E731
+    old, tok.chat_template = tok.chat_template, QWEN3_THINKING_TEMPLATE
+    try:
+        text = render(chat)
+        assert "<think>\nAdd the steps.\n</think>\n\nSumming." in text and text.count("<think>") == 2
+        assert chat_records.window_span(render, chat, 18, 20, len(render(chat[:19])), text) is not None
+        assert chat_records.windowed_spans(render, chat, text) is None
+        with pytest.raises(ConfigError, match=r"^x.jsonl:1: the chat template renders the conversation up to "
+                                              r"messages\[20\] \(assistant\)"):
+            chat_records.chat_encoder(tok, all_tokens=False)(chat, "x.jsonl:1")
+    finally:
+        tok.chat_template = old
