@@ -21,7 +21,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -641,7 +641,7 @@ def generate(
     context_size: int,
     temperature: float = 0.0,
     top_k: int | None = None,
-    eos_id: int | tuple[int, ...] | None = None,
+    eos_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Extend idx [B, T] int64 by up to max_new_tokens. Each step feeds the last context_size
@@ -652,8 +652,7 @@ def generate(
     EOS and a chat template's end of turn) is finished and is padded with the first while others
     continue; the loop stops when every row is finished, without appending that final step (so for
     a single sequence eos is never in the output, as in LLMs-from-scratch)."""
-    stops = None if eos_id is None else torch.tensor(eos_id if isinstance(eos_id, tuple) else (eos_id,),
-                                                     device=idx.device)  # int64 ids
+    stops = None if eos_id is None else torch.as_tensor(eos_id, dtype=torch.long, device=idx.device).reshape(-1)
     finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
         logits = model(idx[:, -context_size:])[:, -1, :].float()  # [B, V] float32
