@@ -304,6 +304,13 @@ def test_generate_stops_at_eos_and_crops_context():
     assert no_eos.shape == (1, 6)
 
 
+def test_generate_stops_at_any_of_several_eos_ids():
+    """(EOS, a chat template's end of turn), as generation_config lists them: a row stops at whichever it samples
+    first and is padded with the first id."""
+    batch = generate(NextTokenModel(), torch.tensor([[9], [5]]), max_new_tokens=10, context_size=4, eos_id=[13, 7])
+    assert batch.tolist() == [[9, 10, 11, 12], [5, 6, 13, 13]]  # 7 ends row 1, 13 row 0 (not appended)
+
+
 def test_generate_top_k_over_the_vocab_keeps_every_token():
     """The old line ran torch.topk(logits, 40) on a 16-token vocab: 'RuntimeError: selected index k out of
     range' at the first eval of a training run (the default top_k 40 over a vocab under 40), before any save."""

@@ -384,3 +384,86 @@ def test_a_template_that_numbers_its_turns_falls_back_to_rendering_every_prefix(
         assert chat_records.chat_encoder(tok, all_tokens=False)(chat, "x.jsonl:1") == quadratic_mask(tok, chat)
     finally:
         tok.chat_template = old
+
+
+class ScriptedLM(torch.nn.Module):
+    """A stand-in model whose next token (greedy) is script[k] at the k-th generated step after a prompt of
+    `prompt` tokens: what a LoRA that learned the replies says, then what it says after the turn ends."""
+
+    def __init__(self, config, prompt: int, script: list[int]):
+        super().__init__()
+        self.config, self.prompt, self.script = config, prompt, script
+
+    def forward(self, idx):
+        logits = torch.full((*idx.shape, self.config.vocab_size), -1e4)
+        logits[:, -1, self.script[min(idx.shape[1] - self.prompt, len(self.script) - 1)]] = 1e4
+        return logits
+
+
+def test_a_chat_sample_stops_at_the_templates_end_of_turn_where_eos_is_another_token(chat_llm, tmp_path):
+    """A base whose eos_token is <|endoftext|> (Qwen2.5's base models, Gemma's <eos> beside <end_of_turn>) with
+    ChatML data: the LoRA learns to end a reply with <|im_end|>, so the sample is the reply and stops there (as
+    Qwen2.5-Instruct's generation_config.json lists [<|im_end|>, <|endoftext|>] for generate). It ran on past the
+    turn into a made-up next user turn: '1 2 3\\nuser\\nCount to 4.\\n' (the special tokens skipped)."""
+    from library.training import llm_task
+    from library.training.config import load_config
+
+    config = json.loads((tmp_path / "chat_llm" / "tokenizer_config.json").read_text())
+    (tmp_path / "chat_llm" / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    records = [{"messages": [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": "1 2 3"}]}
+               for n in range(2, 12)]
+    args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data",
+                        write_jsonl(tmp_path / "d.jsonl", records), "--output_dir", str(tmp_path / "out"),
+                        "--output_name", "chat", "--mixed_precision", "no", "--max_length", "16", "--val_fraction", "0",
+                        "--max_train_steps", "1", "--sample_prompt", "Count to 3.", "--temperature", "0"])
+    task = llm_task.LLMTask(args, train_lora.make_accelerator(args))
+    tok = task.tokenizer
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token == "<|endoftext|>" and task.sample_stops == (tok.eos_token_id, im_end)
+    script = tok.encode("1 2 3<|im_end|>\n<|im_start|>user\nCount to 4.<|im_end|>\n", add_special_tokens=False)
+    task.model = ScriptedLM(task.model.config, len(task.sample_ids), script + [tok.eos_token_id])
+    assert task.evaluate()["sample"] == "1 2 3"
+
+
+# Qwen3's rule for thinking (its chat template's, tools left out): an assistant message after the last user
+# query keeps its reasoning_content, and the last message always gets a <think> block (empty without one).
+QWEN3_THINKING_TEMPLATE = (
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}{%- set reasoning = message.reasoning_content or '' %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_qwen3_thinking_whose_windows_each_match_is_still_refused_as_a_rewrite(chat_tokenizer):
+    """Qwen3's thinking rule on a tool chain: a reply with reasoning after the query, then replies without.
+    Each window (no user message in it, so Qwen3 marks none as after the query) renders those replies as
+    the whole conversation does, but the prefix through one of them gives it an empty <think> block the
+    whole conversation drops: the windows' last end differs from the prefix's, the windows are not used,
+    and the record is refused naming the first such reply (without that end check it was trained on)."""
+    chat = [{"role": "system", "content": "Use the tools."}]
+    for t in range(8):  # messages 1-16: no user query yet, every reply plain
+        chat += [{"role": "assistant", "content": f"Step {t}."}, {"role": "tool", "content": f"done {t}"}]
+    chat += [{"role": "user", "content": "Now sum them."},
+             {"role": "assistant", "content": "Summing.", "reasoning_content": "Add the steps."}]
+    for t in range(3):
+        chat += [{"role": "tool", "content": str(t)}, {"role": "assistant", "content": f"Partial {t}."}]
+    tok = chat_tokenizer
+    render = lambda m, g=False: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g)  # noqa: E731
+    old, tok.chat_template = tok.chat_template, QWEN3_THINKING_TEMPLATE
+    try:
+        text = render(chat)
+        assert "<think>\nAdd the steps.\n</think>\n\nSumming." in text and text.count("<think>") == 2
+        assert chat_records.window_span(render, chat, 18, 20, len(render(chat[:19])), text) is not None
+        assert chat_records.windowed_spans(render, chat, text) is None
+        with pytest.raises(ConfigError, match=r"^x.jsonl:1: the chat template renders the conversation up to "
+                                              r"messages\[20\] \(assistant\)"):
+            chat_records.chat_encoder(tok, all_tokens=False)(chat, "x.jsonl:1")
+    finally:
+        tok.chat_template = old

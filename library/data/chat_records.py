@@ -137,6 +137,21 @@ def user_turn_ids(tokenizer, prompt: str, where: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def end_of_turn_id(tokenizer) -> int | None:
+    """The token the chat template closes an assistant's reply with, where that is one special token
+    (ChatML's <|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>), else None: a chat sample stops at
+    it as at EOS (chat models' generation_config.json lists both for transformers' generate)."""
+    reply = "Sure."
+    try:
+        text = render_chat(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}], "")
+    except ConfigError:
+        return None
+    at = text.rfind(reply)
+    ids = tokenizer(text[at + len(reply) :], add_special_tokens=False)["input_ids"] if at >= 0 else []
+    added = tokenizer.added_tokens_decoder.get(ids[0]) if ids else None
+    return ids[0] if added is not None and added.special else None
+
+
 def assistant_spans(render: Callable[..., str], messages: list, where: str) -> tuple[str, list[tuple[int, int]]]:
     """The conversation's text and the character spans its assistant messages add: for messages[i], from
     the end of render(messages[:i], generation prompt) to the end of render(messages[:i + 1]) (the

@@ -21,7 +21,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -641,16 +641,18 @@ def generate(
     context_size: int,
     temperature: float = 0.0,
     top_k: int | None = None,
-    eos_id: int | None = None,
+    eos_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Extend idx [B, T] int64 by up to max_new_tokens. Each step feeds the last context_size
     tokens, keeps the top_k logits, then samples at `temperature` (greedy when 0) from `generator`
     (None: the global one of idx's device).
 
-    A row that samples eos_id is finished and is padded with eos_id while others continue; the
-    loop stops when every row is finished, without appending that final step (so for a single
-    sequence eos is never in the output, as in LLMs-from-scratch)."""
+    A row that samples eos_id (or one of them, as transformers' generation_config lists several:
+    EOS and a chat template's end of turn) is finished and is padded with the first while others
+    continue; the loop stops when every row is finished, without appending that final step (so for
+    a single sequence eos is never in the output, as in LLMs-from-scratch)."""
+    stops = None if eos_id is None else torch.as_tensor(eos_id, dtype=torch.long, device=idx.device).reshape(-1)
     finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
         logits = model(idx[:, -context_size:])[:, -1, :].float()  # [B, V] float32
@@ -661,11 +663,11 @@ def generate(
             idx_next = torch.multinomial(torch.softmax(logits / temperature, dim=-1), num_samples=1, generator=generator)
         else:
             idx_next = logits.argmax(dim=-1, keepdim=True)
-        if eos_id is not None:
-            finished = finished | (idx_next[:, 0] == eos_id)
+        if stops is not None:
+            finished = finished | torch.isin(idx_next[:, 0], stops)
             if finished.all():
                 break
-            idx_next = idx_next.masked_fill(finished[:, None], eos_id)
+            idx_next = idx_next.masked_fill(finished[:, None], stops[0])
         idx = torch.cat([idx, idx_next], dim=1)
     return idx
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from library.data.chat_records import chat_encoder, user_turn_ids
+from library.data.chat_records import chat_encoder, end_of_turn_id, user_turn_ids
 from library.data.text_corpus import IGNORE, TextWindowDataset, check_corpus, masked_targets, tokenize_corpus, train_val_split
 from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
@@ -148,6 +148,10 @@ class LLMTask:
                                      args.train_on_all_tokens)
         self.sample_chat = args.sample_chat_template if args.sample_chat_template is not None else counts.conversations > 0
         self.sample_ids = self._sample_prompt_ids()
+        # a chat sample ends at the reply's end of turn too (<|im_end|> where EOS is a base's <|endoftext|>)
+        turn_end = end_of_turn_id(self.tokenizer) if self.sample_chat else None
+        stops = (self.tokenizer.eos_token_id, turn_end)
+        self.sample_stops = tuple(dict.fromkeys(i for i in stops if i is not None)) or None
         self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
         config, self.from_scratch, prepare = self._model_config(path)
         self.train_set, self.val_set = self._load_data(files, counts.documents, config.vocab_size)
@@ -373,7 +377,7 @@ class LLMTask:
         with compute_autocast(self.device, self.autocast_dtype):  # the compute training runs in
             val = self.held_out_loss() if self.scores_held_out() else None  # None: nothing held out to score
             out = generate(self.model, prompt, self.args.sample_max_new_tokens, self.model.config.context_length,
-                           self.args.temperature, self.args.top_k or None, self.tokenizer.eos_token_id, generator=gen)
+                           self.args.temperature, self.args.top_k or None, self.sample_stops, generator=gen)
         self.model.train(was_training)
         shown = out[0, prompt.shape[1] :] if self.sample_chat else out[0]  # a chat sample: the reply alone
         return {"val_loss": val, "val_perplexity": None if val is None else perplexity(val),
