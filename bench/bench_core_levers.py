@@ -33,6 +33,10 @@ memory (bench_train_step.PeakMemory) are printed.
              lets the partitioner recompute the dequantized weights for backward
              (_keeping_weights_quantized); before: its default, which saves them (the base in bf16 for
              the step). Two models of the same seed, both compiled (inductor) in the warm-up steps.
+  fp8_linear an fp8_scaled base, eager: FP8Linear holds its codes and scale on the autograd Function's ctx
+             (no saved tensors, so no checkpoint pack / unpack hooks for them), runs no autocast switch,
+             and takes plain ops where its input needs no gradient; before: save_for_backward, autocast
+             switched off around every call, the Function always.
 
 "Before" is the old code path patched in for that run only; the same model serves both sides of rope and
 layernorm, whose step-0 losses (no step taken) are printed for both sides: equal up to rounding, the
@@ -49,6 +53,8 @@ import argparse
 import contextlib
 import os
 import sys
+import time
+import types
 
 import torch
 import torch.nn.functional as F
@@ -62,14 +68,17 @@ from bench_train_step import (  # noqa: E402
     pin_malloc_threshold,
 )
 from library.models import core  # noqa: E402
+from library.precision import fp8  # noqa: E402
+from library.precision.autocast import autocast_off  # noqa: E402
 from networks.lora import LoRAModule  # noqa: E402
 
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
-          "lora_factor", "lora_rows", "rms_weight", "quantized_compiled")
+          "lora_factor", "lora_rows", "rms_weight", "quantized_compiled", "fp8_linear")
 # the checkpointing each checkpointing lever's "now" side runs (its "before": plain checkpointing)
 KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS,
            "attention": core.checkpointing(True, save_attention=True),
            "attention_compiled": core.checkpointing(True, save_attention=True)}
+FP8 = {"fp8_linear": "fp8_scaled"}  # the base of a lever's model where it is quantized
 
 
 @contextlib.contextmanager
@@ -102,8 +111,50 @@ def add_up_multiplying(self, out, lx, factor, dtype):
     return torch.addmm(out.reshape(-1, out.shape[-1]), rows, self.lora_up.weight.t()).view(out.shape)
 
 
+class FP8LinearFunctionSavingCodes(torch.autograd.Function):
+    """fp8._FP8LinearFunction before: the codes and scale through save_for_backward."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, bias, dtype):
+        ctx.save_for_backward(q, scale)
+        ctx.dtype = dtype
+        return F.linear(x, fp8.dequantize_weight(q, scale, dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, scale = ctx.saved_tensors
+        grad_x = grad_out.to(ctx.dtype) @ fp8.dequantize_weight(q, scale, ctx.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None, None
+
+
+def fp8_forward_saving_codes(self, x: torch.Tensor) -> torch.Tensor:
+    """FP8Linear.forward before: autocast switched off around the Function, which every call goes through."""
+    x, dtype = self.input_and_dtype(x)
+    bias = None if self.bias is None else self.bias.to(dtype)
+    with autocast_off(x.device.type):
+        return FP8LinearFunctionSavingCodes.apply(x.to(dtype), self.weight, self.weight_scale, bias, dtype)
+
+
+@contextlib.contextmanager
+def fp8_forward(model, forward):
+    """`forward` as every FP8Linear's forward: the class's, and the one each LoRA module kept when applied."""
+    adapters = [m.forward.__self__ for m in model.modules() if isinstance(m, fp8.FP8Linear) and "forward" in vars(m)]
+    kept = [a._original_forward for a in adapters]
+    for a in adapters:
+        a._original_forward = types.MethodType(forward, a.base)
+    try:
+        with patched(fp8.FP8Linear, "forward", forward):
+            yield
+    finally:
+        for a, f in zip(adapters, kept):
+            a._original_forward = f
+
+
 def before(lever: str, model):
-    """The old path of `lever`, patched in for one run (rope, layernorm, tail, save, lora_*, rms_weight)."""
+    """The old path of `lever`, patched in for one run (rope, layernorm, tail, save, lora_*, rms_weight,
+    fp8_linear)."""
+    if lever == "fp8_linear":
+        return fp8_forward(model, fp8_forward_saving_codes)
     if lever in KEEPING:
         return patched(model, "gradient_checkpointing", True)
     if lever == "rope":
@@ -158,7 +209,7 @@ def compare(family: str, lever: str, args) -> float:
             core.compile_block(block)
         steps = {"before": step_before, "now": step_now}
     else:
-        step, loss, model = trained_model(family, args, KEEPING.get(lever, True))
+        step, loss, model = trained_model(family, args, KEEPING.get(lever, True), FP8.get(lever))
         if lever.endswith("_compiled"):
             for block in model.swappable_blocks():
                 core.compile_block(block)
@@ -171,12 +222,16 @@ def compare(family: str, lever: str, args) -> float:
                 return step()
 
         steps = {"before": step_before, "now": step}
-    res = alternate(steps, args.warmup, args.reps, args.device)
+    res = alternate(steps, args.warmup, args.reps, args.device, args.clock)
     t_b, t_n = median(res["before"]["times"]), median(res["now"]["times"])
+    # each round's ratio (its two steps ran back to back, under about the same load), median and quartiles
+    ratios = sorted(n / b for n, b in zip(res["now"]["times"], res["before"]["times"]))
+    quartile = len(ratios) // 4
     m_b, m_n = median(res["before"]["peaks"]), median(res["now"]["peaks"])
     first = (f"; first step losses (two models) {res['before']['loss']:.6f} / {res['now']['loss']:.6f}"
              if lever in ("compile", "quantized_compiled") else "")
-    print(f"[{family} {lever}] before {t_b:.4f} s  now {t_n:.4f} s  now/before x{t_n / t_b:.3f}; step memory "
+    print(f"[{family} {lever}] before {t_b:.4f} s  now {t_n:.4f} s  now/before x{t_n / t_b:.3f} (per round: median "
+          f"x{median(ratios):.3f}, quartiles x{ratios[quartile]:.3f}-x{ratios[-1 - quartile]:.3f}); step memory "
           f"{m_b / MiB:.0f} -> {m_n / MiB:.0f} MiB{first}", flush=True)
     return t_n / t_b
 
@@ -201,11 +256,14 @@ def main(argv=None):
     unknown = set(args.levers.split(",")) - set(LEVERS)
     if unknown:
         raise SystemExit(f"--levers: unknown {sorted(unknown)}; expected some of {', '.join(LEVERS)}")
+    args.clock = time.perf_counter
     if args.device.type == "cpu":
         pin_malloc_threshold()
         if args.size == "narrow":  # toy ops take microseconds: more threads only add OpenMP sync stalls
             torch.set_num_threads(1)
-    print(f"machine: {machine_summary()}; {args.image_tokens} + {args.text_tokens} tokens, bf16 autocast, checkpointing")
+            args.clock = time.thread_time  # the step runs in this thread alone: its CPU time, not the load's
+    print(f"machine: {machine_summary()}; {args.image_tokens} + {args.text_tokens} tokens, bf16 autocast, checkpointing; "
+          f"{'thread CPU' if args.clock is time.thread_time else 'wall'} time")
     summary = []
     for family in args.families.split(","):
         for lever in args.levers.split(","):

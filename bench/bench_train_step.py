@@ -142,12 +142,15 @@ def synchronize(device: torch.device):
 CPU_MEMORY_ROUNDS = 2
 
 
-def alternate(steps: dict, warmup: int, reps: int, device: torch.device) -> dict[str, dict]:
+def alternate(steps: dict, warmup: int, reps: int, device: torch.device, clock=time.perf_counter) -> dict[str, dict]:
     """Run each step `warmup` times, then `reps` rounds of all steps in turn. Returns per name the
     step times (s), peak memory growths (bytes) and the first loss. On CUDA each timed step also reads
     the allocator's peak; on the CPU the RSS sampling thread would compete with the step for the cores
     and the GIL (it slowed a 2-core mid step by up to 20%), so the timed rounds run without it and
-    CPU_MEMORY_ROUNDS more rounds sample the memory."""
+    CPU_MEMORY_ROUNDS more rounds sample the memory. clock: wall time by default; time.thread_time for
+    a step that runs in this thread alone (one torch thread on the CPU, where autograd runs backward in
+    the calling thread): it leaves out the time other processes hold the core, which on a shared
+    machine spread wall-clock ratios of one step over 0.90-1.02."""
     results = {name: {"times": [], "peaks": [], "loss": None} for name in steps}
     for _ in range(warmup):
         for name, step in steps.items():
@@ -157,10 +160,10 @@ def alternate(steps: dict, warmup: int, reps: int, device: torch.device) -> dict
     for _ in range(reps):
         for name, step in steps.items():
             with PeakMemory(device) if sample_while_timing else contextlib.nullcontext() as mem:
-                start = time.perf_counter()
+                start = clock()
                 step()
                 synchronize(device)
-                elapsed = time.perf_counter() - start
+                elapsed = clock() - start
             results[name]["times"].append(elapsed)
             if sample_while_timing:
                 results[name]["peaks"].append(mem.peak)

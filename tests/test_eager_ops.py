@@ -1,6 +1,7 @@
-"""Eager-step op cuts (bench/op_counts.py, bench/RESULTS.md): each drops aten ops from a training step and
-changes no bit of the prediction or the LoRA gradients, on the CPU in float32 and under bf16 autocast.
-The old code path is patched back in for the comparison; the op counts prove the cut is taken."""
+"""Eager-step cuts (bench/op_counts.py, bench/RESULTS.md): each drops aten ops or host work from a training
+step and changes no bit of the prediction or the LoRA gradients, on the CPU in float32 and under bf16
+autocast. The old code path is patched back in for the comparison; the op counts (or the calls of what was
+cut) prove the cut is taken."""
 
 import collections
 import contextlib
@@ -14,10 +15,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from library.models import core
 from library.models.qwen_image.model import QwenImage, QwenImageConfig
+from library.models.registry import arch_spec
+from library.precision import fp8
+from library.precision.fp8 import quantize_module
 from networks.lora import LoRAModule, LoRANetwork
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-from bench_core_levers import add_up_multiplying, rms_norm_with_copy  # noqa: E402  (the levers' old paths)
+from bench_core_levers import add_up_multiplying, fp8_forward_saving_codes, rms_norm_with_copy  # noqa: E402  (old paths)
 
 TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
                        axes_dims_rope=(8, 12, 12))
@@ -33,11 +37,14 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(dtype, autocast: bool):
-    """(prediction, LoRA grads, op counts) of one checkpointed training step of a tiny model whose
-    LoRA up weights are non-zero (so the gradients reach every LoRA weight)."""
+def _step(dtype, autocast: bool, fp8_mode: str | None = None):
+    """(prediction, LoRA grads, op counts) of one checkpointed training step of a tiny model (its base
+    quantized to fp8_mode if given) whose LoRA up weights are non-zero (so the gradients reach every
+    LoRA weight)."""
     torch.manual_seed(0)
     model = QwenImage(TINY).to(dtype).requires_grad_(False).train()
+    if fp8_mode:
+        quantize_module(model, fp8_mode, arch_spec("qwen_image").fp8)
     model.compute_dtype = dtype
     model.gradient_checkpointing = core.checkpointing(True, save_attention=True)
     network = LoRANetwork(model, "qwen_image", 4, alpha=4)
@@ -76,6 +83,28 @@ def test_lora_rows_factor_one_and_rms_norm_weight_cuts_are_bit_identical(monkeyp
     assert old_ops["view"] - ops["view"] == 24 + 24 + 2 * 21
     # 4 QK norms per block (+ the text-input norm once): a weight copy in the forward and the recompute
     assert old_ops["_to_copy"] - ops["_to_copy"] == (0 if dtype == torch.float32 else 2 * 8 + 1)
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, True)])
+def test_fp8_linear_host_cuts_are_bit_identical(monkeypatch, dtype, autocast):
+    """FP8Linear holds its codes on the Function's ctx instead of saving them, switches no autocast and
+    takes plain ops where its input needs no gradient (the modulation Linears' timestep embedding):
+    the same ops and bits as the Function with saved codes around every call."""
+    calls = []
+    apply = fp8._FP8LinearFunction.apply
+    monkeypatch.setattr(fp8._FP8LinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    fp8._pair_table(torch.bfloat16 if autocast else dtype)  # built before counting (CPU dequantization)
+    pred, grads, ops = _step(dtype, autocast, "fp8_scaled")
+    with monkeypatch.context() as m:
+        m.setattr(fp8.FP8Linear, "forward", fp8_forward_saving_codes)
+        old_pred, old_grads, old_ops = _step(dtype, autocast, "fp8_scaled")
+    assert torch.equal(pred, old_pred)
+    assert len(grads) == len(old_grads) == 42 and all(torch.equal(a, b) for a, b in zip(grads, old_grads))
+    assert ops == old_ops  # the cut is host work only: no aten op more or less
+    # forward and recompute: the Function where the input needs a gradient, 12 quantized Linears a block
+    # but 6 in the first (its q / k / v projections read the frozen embedders' output); plain ops for
+    # img_mod and txt_mod (the frozen timestep embedding) and those 6
+    assert len(calls) == 2 * (12 + 6)
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float16])

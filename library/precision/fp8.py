@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError, CheckpointReader
-from library.precision.autocast import autocast_off, matmul_input
+from library.precision.autocast import matmul_input
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -215,19 +215,26 @@ def apply_keeping_dtypes(module: nn.Module, fn, names: tuple[str, ...], apply) -
 class _FP8LinearFunction(torch.autograd.Function):
     """y = x @ dequant(q)^T + b whose backward re-dequantizes the weight instead of keeping it:
     autograd would otherwise save every layer's dequantized copy until backward, holding the
-    whole base in the compute dtype during a step and undoing fp8's memory saving. Only the
-    fp8 codes (already resident) are saved; the base gets no gradient."""
+    whole base in the compute dtype during a step and undoing fp8's memory saving. The base gets
+    no gradient.
+
+    The codes and scale are held on ctx, not passed through save_for_backward: they are the layer's
+    own buffers, resident anyway and never written in place (block swap moves their storage under the
+    same tensor objects, which ctx sees as a saved tensor would). A saved tensor costs a Python pack hook
+    in checkpointing's forward and in its recompute, an unpack in backward and the recompute's check;
+    with FP8Linear.forward's other two cuts, a narrow fp8_scaled Qwen-Image step on one CPU thread ran
+    x0.94-0.95 (bench/RESULTS.md, issue 29)."""
 
     @staticmethod
     def forward(ctx, x, q, scale, bias, dtype):
-        ctx.save_for_backward(q, scale)
-        ctx.dtype = dtype
+        ctx.q, ctx.scale, ctx.dtype = q, scale, dtype
         return F.linear(x, dequantize_weight(q, scale, dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, scale = ctx.saved_tensors
-        grad_x = grad_out.to(ctx.dtype) @ dequantize_weight(q, scale, ctx.dtype) if ctx.needs_input_grad[0] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out.to(ctx.dtype) @ dequantize_weight(ctx.q, ctx.scale, ctx.dtype)
         return grad_x, None, None, None, None
 
 
@@ -281,11 +288,13 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, dtype = self.input_and_dtype(x)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        # The weight is dequantized to the compute dtype inside the function, in forward and
-        # again in backward; autocast is off inside so the matmul runs in exactly that dtype.
-        with autocast_off(x.device.type):
-            return _FP8LinearFunction.apply(x.to(dtype), self.weight, self.weight_scale, bias, dtype)
+        x, bias = x.to(dtype), None if self.bias is None else self.bias.to(dtype)
+        # Every operand is in `dtype`, which is autocast's while it is on (matmul_input): autocast casts
+        # nothing here, so the matmul runs in exactly that dtype without switching autocast off.
+        if not (x.requires_grad and torch.is_grad_enabled()):  # no backward (the bias is frozen):
+            return F.linear(x, self.dequantized_weight(dtype), bias)  # plain ops save nothing here
+        # The weight is dequantized inside the function, in forward and again in backward.
+        return _FP8LinearFunction.apply(x, self.weight, self.weight_scale, bias, dtype)
 
     def _apply(self, fn, recurse=True):
         return apply_keeping_dtypes(self, fn, self.fixed_dtype_buffers, lambda: super(FP8Linear, self)._apply(fn, recurse))
