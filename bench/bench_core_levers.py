@@ -123,7 +123,9 @@ class FP8LinearFunctionSavingCodes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, scale = ctx.saved_tensors
-        grad_x = grad_out.to(ctx.dtype) @ fp8.dequantize_weight(q, scale, ctx.dtype) if ctx.needs_input_grad[0] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out.to(ctx.dtype) @ fp8.dequantize_weight(q, scale, ctx.dtype)
         return grad_x, None, None, None, None
 
 
@@ -262,8 +264,9 @@ def main(argv=None):
         if args.size == "narrow":  # toy ops take microseconds: more threads only add OpenMP sync stalls
             torch.set_num_threads(1)
             args.clock = time.thread_time  # the step runs in this thread alone: its CPU time, not the load's
-    print(f"machine: {machine_summary()}; {args.image_tokens} + {args.text_tokens} tokens, bf16 autocast, checkpointing; "
-          f"{'thread CPU' if args.clock is time.thread_time else 'wall'} time")
+    clock = "thread CPU" if args.clock is time.thread_time else "wall"
+    print(f"machine: {machine_summary()}; {args.image_tokens} + {args.text_tokens} tokens, bf16 autocast, "
+          f"checkpointing; {clock} time")
     summary = []
     for family in args.families.split(","):
         for lever in args.levers.split(","):

@@ -21,7 +21,9 @@ from library.precision.fp8 import quantize_module
 from networks.lora import LoRAModule, LoRANetwork
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-from bench_core_levers import add_up_multiplying, fp8_forward_saving_codes, rms_norm_with_copy  # noqa: E402  (old paths)
+from bench_core_levers import (  # noqa: E402  (the levers' old paths)
+    add_up_multiplying, fp8_forward_saving_codes, rms_norm_with_copy,
+)
 
 TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
                        axes_dims_rope=(8, 12, 12))
