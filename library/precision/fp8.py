@@ -222,7 +222,7 @@ class _FP8LinearFunction(torch.autograd.Function):
     own buffers, resident anyway and never written in place (block swap moves their storage under the
     same tensor objects, which ctx sees as a saved tensor would). A saved tensor costs a Python pack hook
     in checkpointing's forward and in its recompute, an unpack in backward and the recompute's check;
-    with FP8Linear.forward's other two cuts, a narrow fp8_scaled Qwen-Image step on one CPU thread ran
+    with FP8Linear.forward's other two cuts, a narrow fp8_scaled training step on one CPU thread ran
     x0.94-0.95 (bench/RESULTS.md, issue 29)."""
 
     @staticmethod
