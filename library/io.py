@@ -547,7 +547,8 @@ class SharedLock:
     new file and think itself alone beside the holders of the old one. A file this user cannot
     open (another user's, 0600) is not held, with one warning line: the holder goes on without
     it and is never alone (it cannot know who else uses the folder), and the holders of the file
-    cannot know of it (one alone there may remove the caches it reads)."""
+    cannot know of it (one alone there may remove the caches it reads). On a file system without
+    flock no holder is seen, so none is ever alone either."""
 
     def __init__(self, path: str):
         self.path, self.fd, self.held = path, _open_lock_file(path), False
@@ -560,7 +561,8 @@ class SharedLock:
             raise
         if not self.held:
             print(f"warning: {path}: this file system cannot lock files; another run using "
-                  f"{os.path.dirname(path)} at the same time would not be seen", file=sys.stderr)
+                  f"{os.path.dirname(path)} at the same time would not be seen, so unused caches there are left "
+                  f"as they are", file=sys.stderr)
 
     @property
     def opened(self) -> bool:
@@ -570,10 +572,10 @@ class SharedLock:
     @contextlib.contextmanager
     def alone(self) -> Iterator[bool]:
         """True, with the lock exclusive for the block (and shared again after), where no other
-        process holds it; False where one does, or where the file could not be opened (or is
-        closed). True where the file system cannot lock."""
+        process holds it; False where one does, where the file could not be opened (or is closed),
+        or where the file system cannot lock (another run would be unseen: never alone)."""
         if self.fd is None or not self.held:  # unopened: others may use it unseen; no flock: none is seen
-            yield self.fd is not None
+            yield False
             return
         with _one_at_a_time(os.path.dirname(self.path)):
             alone = _flock(self.fd, "LOCK_EX", wait=False)

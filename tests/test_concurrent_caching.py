@@ -250,6 +250,28 @@ def test_a_run_whose_cache_lock_cannot_be_opened_caches_and_leaves_the_unused_ca
     assert sum(name.endswith("_te.safetensors") for name in os.listdir(folder)) == 2  # cached all the same
 
 
+def test_a_run_on_a_file_system_without_flock_leaves_the_unused_caches(tiny_set, tmp_path, monkeypatch, capsys):
+    """Some network and FUSE file systems refuse flock (ENOLCK): no other run can be seen there. The old
+    line took that for being alone and removed the unused caches, which may be the files another run
+    over the same folder reads. Now it warns once and removes nothing there."""
+    toml, folder, old = two_images(tiny_set, tmp_path)
+    real = fcntl.flock
+    def no_flock(fd, operation):
+        if os.fstat(fd).st_ino == os.stat(folder / CACHE_LOCK).st_ino:
+            raise OSError(37, "No locks available")
+        return real(fd, operation)
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    stop_after_caching(monkeypatch)
+    argv = flux_args(tiny_set, tmp_path / "out", "--dataset_config", toml, "--sample_prompts", "")
+    assert train_lora.main(argv) == 130
+    out, err = capsys.readouterr()
+    assert old.exists() and "files no entry uses were removed" not in out and "another run" not in out
+    warnings = [line for line in err.splitlines() if CACHE_LOCK in line]
+    assert warnings == [f"warning: {folder / CACHE_LOCK}: this file system cannot lock files; another run using "
+                        f"{folder} at the same time would not be seen, so unused caches there are left as they are"]
+    assert sum(name.endswith("_te.safetensors") for name in os.listdir(folder)) == 2  # cached all the same
+
+
 def test_a_lock_file_on_a_read_only_mount_is_held_read_only(tmp_path, monkeypatch):
     """Opening a file for writing on a read-only mount fails with EROFS, not PermissionError: the old
     line raised it instead of holding the file through a read-only descriptor."""

@@ -307,7 +307,7 @@ class DiffusionTask:
         with contextlib.ExitStack() as alone:  # removals only where no other run holds the folder
             shared = [f for f in sorted(folders) if f in self._cache_locks
                       and not alone.enter_context(self._cache_locks[f].alone())]
-            for folder in (f for f in shared if self._cache_locks[f].opened):  # unopened: said when opened
+            for folder in (f for f in shared if self._cache_locks[f].held):  # unopened / no flock: said when opened
                 self.accelerator.print(f"{folder}: another run is using these caches; unused cache files are left "
                                        f"for a run that has the folder alone")
             removed, freed = remove_unused_caches(folders - set(shared), self.family.name, used,
