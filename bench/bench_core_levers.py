@@ -37,6 +37,8 @@ memory (bench_train_step.PeakMemory) are printed.
              (no saved tensors, so no checkpoint pack / unpack hooks for them), runs no autocast switch,
              and takes plain ops where its input needs no gradient; before: save_for_backward, autocast
              switched off around every call, the Function always.
+  nf4_linear an nf4 base (bitsandbytes' format), eager: the same first and third cuts in bnb_weights'
+             _DequantizedLinearFunction (GGUF's and BFL's Functions took them alike); its autocast switch stays.
 
 "Before" is the old code path patched in for that run only; the same model serves both sides of rope and
 layernorm, whose step-0 losses (no step taken) are printed for both sides: equal up to rounding, the
@@ -68,17 +70,18 @@ from bench_train_step import (  # noqa: E402
     pin_malloc_threshold,
 )
 from library.models import core  # noqa: E402
-from library.precision import fp8  # noqa: E402
-from library.precision.autocast import autocast_off  # noqa: E402
+from library.models.registry import arch_spec  # noqa: E402
+from library.precision import bnb_weights as bnb, fp8  # noqa: E402
+from library.precision.autocast import autocast_off, matmul_input  # noqa: E402
 from networks.lora import LoRAModule  # noqa: E402
 
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
-          "lora_factor", "lora_rows", "rms_weight", "quantized_compiled", "fp8_linear")
+          "lora_factor", "lora_rows", "rms_weight", "quantized_compiled", "fp8_linear", "nf4_linear")
 # the checkpointing each checkpointing lever's "now" side runs (its "before": plain checkpointing)
 KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS,
            "attention": core.checkpointing(True, save_attention=True),
            "attention_compiled": core.checkpointing(True, save_attention=True)}
-FP8 = {"fp8_linear": "fp8_scaled"}  # the base of a lever's model where it is quantized
+FP8 = {"fp8_linear": "fp8_scaled", "nf4_linear": "nf4"}  # the base of a lever's model where it is quantized
 
 
 @contextlib.contextmanager
@@ -137,15 +140,42 @@ def fp8_forward_saving_codes(self, x: torch.Tensor) -> torch.Tensor:
         return FP8LinearFunctionSavingCodes.apply(x.to(dtype), self.weight, self.weight_scale, bias, dtype)
 
 
+class BnbLinearFunctionSavingStored(torch.autograd.Function):
+    """bnb_weights._DequantizedLinearFunction before: the stored tensors through save_for_backward."""
+
+    @staticmethod
+    def forward(ctx, x, bias, dequantize, *stored):
+        ctx.save_for_backward(*stored)
+        ctx.dequantize = dequantize
+        return F.linear(x, dequantize(*stored), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        stored = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            w = ctx.dequantize(*stored)
+            grad_x = grad_out.to(w.dtype) @ w
+        return (grad_x, None, None) + (None,) * len(stored)
+
+
+def bnb_forward_saving_stored(self, x: torch.Tensor) -> torch.Tensor:
+    """_BnbLinear.forward before: every call through the Function."""
+    x, dtype = matmul_input(x, self.compute_dtype)
+    bias = None if self.bias is None else self.bias.to(dtype)
+    with autocast_off(x.device.type):
+        return BnbLinearFunctionSavingStored.apply(x.to(dtype), bias, self._dequantizer(dtype), *self._stored())
+
+
 @contextlib.contextmanager
-def fp8_forward(model, forward):
-    """`forward` as every FP8Linear's forward: the class's, and the one each LoRA module kept when applied."""
-    adapters = [m.forward.__self__ for m in model.modules() if isinstance(m, fp8.FP8Linear) and "forward" in vars(m)]
+def layer_forward(model, layer_type, forward):
+    """`forward` as every `layer_type`'s forward: the class's, and the one each LoRA module kept when applied."""
+    adapters = [m.forward.__self__ for m in model.modules() if isinstance(m, layer_type) and "forward" in vars(m)]
     kept = [a._original_forward for a in adapters]
     for a in adapters:
         a._original_forward = types.MethodType(forward, a.base)
     try:
-        with patched(fp8.FP8Linear, "forward", forward):
+        with patched(layer_type, "forward", forward):
             yield
     finally:
         for a, f in zip(adapters, kept):
@@ -154,9 +184,11 @@ def fp8_forward(model, forward):
 
 def before(lever: str, model):
     """The old path of `lever`, patched in for one run (rope, layernorm, tail, save, lora_*, rms_weight,
-    fp8_linear)."""
+    fp8_linear, nf4_linear)."""
     if lever == "fp8_linear":
-        return fp8_forward(model, fp8_forward_saving_codes)
+        return layer_forward(model, fp8.FP8Linear, fp8_forward_saving_codes)
+    if lever == "nf4_linear":
+        return layer_forward(model, bnb._BnbLinear, bnb_forward_saving_stored)
     if lever in KEEPING:
         return patched(model, "gradient_checkpointing", True)
     if lever == "rope":
@@ -176,7 +208,9 @@ def trained_model(family: str, args, checkpointing=True, fp8: str | None = None)
     """(step, loss, model) for our mid model with a fresh LoRA, checkpointing on, frozen base in train
     mode (fp8: quantized so); loss() is the step's loss without a step."""
     model = build_ours(family, args.size, args, torch.bfloat16, args.device)
-    model = (fp8_twin(model, family, fp8) if fp8 else model).requires_grad_(False).train()
+    if fp8 in bnb.MODES:  # quantized in place, on the CPU (bitsandbytes' own quantization)
+        model = bnb.prepare_bnb(model, fp8, arch_spec(family).fp8)
+    model = (fp8_twin(model, family, fp8) if fp8 and fp8 not in bnb.MODES else model).requires_grad_(False).train()
     model.gradient_checkpointing = checkpointing
     x = make_inputs(family, model.config, args.image_tokens, args.text_tokens, 1, args.device)
     _, params = add_our_lora(model, family, args.rank)

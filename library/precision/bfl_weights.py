@@ -85,20 +85,20 @@ def quantize_nvfp4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 class _BFLLinearFunction(torch.autograd.Function):
     """y = x @ W^T + b, W dequantized in forward and again in backward (not kept: autograd would
-    hold every layer's dequantized copy until backward). The base gets no grad."""
+    hold every layer's dequantized copy until backward). The stored tensors (the layer's buffers,
+    resident anyway) are held on ctx, not saved: no checkpointing pack hook per call
+    (bnb_weights._DequantizedLinearFunction). The base gets no grad."""
 
     @staticmethod
     def forward(ctx, x, weight, scale, scale_2, bias, kind, dtype):
-        ctx.save_for_backward(weight, scale, scale_2)
-        ctx.kind, ctx.dtype = kind, dtype
+        ctx.stored, ctx.kind, ctx.dtype = (weight, scale, scale_2), kind, dtype
         return F.linear(x, dequantize(kind, weight, scale, scale_2, dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, scale, scale_2 = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out.to(ctx.dtype) @ dequantize(ctx.kind, weight, scale, scale_2, ctx.dtype)
+            grad_x = grad_out.to(ctx.dtype) @ dequantize(ctx.kind, *ctx.stored, ctx.dtype)
         return grad_x, None, None, None, None, None, None
 
 
@@ -138,9 +138,11 @@ class BFLLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, dtype = matmul_input(x, self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
-        with autocast_off(x.device.type):
-            return _BFLLinearFunction.apply(x.to(dtype), self.weight, self.weight_scale, self.weight_scale_2, bias,
-                                            self.kind, dtype)
+        x = x.to(dtype)
+        with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
+            if not (x.requires_grad and torch.is_grad_enabled()):  # no backward: plain ops save nothing
+                return F.linear(x, self.dequantized_weight(dtype), bias)
+            return _BFLLinearFunction.apply(x, self.weight, self.weight_scale, self.weight_scale_2, bias, self.kind, dtype)
 
     def _apply(self, fn, recurse=True):  # model.to(bf16) keeps the stored dtypes; device moves apply
         return apply_keeping_dtypes(self, fn, ("weight", "weight_scale", "weight_scale_2"),

@@ -164,22 +164,23 @@ def dequantize_int8(shape, dtype: torch.dtype, weight: torch.Tensor, absmax: tor
 class _DequantizedLinearFunction(torch.autograd.Function):
     """y = x @ dequantize(*stored)^T + b whose backward dequantizes again instead of keeping the
     weight (autograd would otherwise hold every layer's dequantized copy until backward: the whole
-    base in the compute dtype). Only the stored tensors (resident anyway) are saved; no base grad."""
+    base in the compute dtype). No base grad. The stored tensors are held on ctx, not saved: they
+    are the layer's own buffers, resident and never written in place, and a saved tensor costs
+    checkpointing's pack hook in forward and recompute and an unpack in backward (fp8.py's
+    _FP8LinearFunction, bench/RESULTS.md, issue 29)."""
 
     @staticmethod
     def forward(ctx, x, bias, dequantize, *stored):
-        ctx.save_for_backward(*stored)
-        ctx.dequantize = dequantize
+        ctx.stored, ctx.dequantize = stored, dequantize
         return F.linear(x, dequantize(*stored), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        stored = ctx.saved_tensors  # once: under activation checkpointing a second unpack is an error
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w = ctx.dequantize(*stored)
+            w = ctx.dequantize(*ctx.stored)
             grad_x = grad_out.to(w.dtype) @ w
-        return (grad_x, None, None) + (None,) * len(stored)
+        return (grad_x, None, None) + (None,) * len(ctx.stored)
 
 
 class _BnbLinear(nn.Module):
@@ -222,8 +223,11 @@ class _BnbLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, dtype = matmul_input(x, self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
+        x = x.to(dtype)
         with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
-            return _DequantizedLinearFunction.apply(x.to(dtype), bias, self._dequantizer(dtype), *self._stored())
+            if not (x.requires_grad and torch.is_grad_enabled()):  # no backward: plain ops save nothing
+                return F.linear(x, self.dequantized_weight(dtype), bias)
+            return _DequantizedLinearFunction.apply(x, bias, self._dequantizer(dtype), *self._stored())
 
     def _apply(self, fn, recurse=True):
         return apply_keeping_dtypes(self, fn, self.stored_names, lambda: super(_BnbLinear, self)._apply(fn, recurse))

@@ -219,20 +219,20 @@ def dequantize(packed: torch.Tensor, qtype: str, shape, dtype: torch.dtype = tor
 class _GGUFLinearFunction(torch.autograd.Function):
     """y = x @ dequant(blocks)^T + b. Backward dequantizes again instead of keeping the weight:
     autograd would otherwise hold every layer's dequantized copy until backward, the whole base
-    in the compute dtype. Only the packed blocks (resident anyway) are saved; the base gets no grad."""
+    in the compute dtype. The packed blocks (the layer's buffer, resident anyway) are held on ctx,
+    not saved: no checkpointing pack hook per call (bnb_weights._DequantizedLinearFunction). The
+    base gets no grad."""
 
     @staticmethod
     def forward(ctx, x, packed, bias, qtype, shape, dtype):
-        ctx.save_for_backward(packed)
-        ctx.qtype, ctx.shape, ctx.dtype = qtype, shape, dtype
+        ctx.packed, ctx.qtype, ctx.shape, ctx.dtype = packed, qtype, shape, dtype
         return F.linear(x, dequantize(packed, qtype, shape, dtype), bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        (packed,) = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_out.to(ctx.dtype) @ dequantize(packed, ctx.qtype, ctx.shape, ctx.dtype)
+            grad_x = grad_out.to(ctx.dtype) @ dequantize(ctx.packed, ctx.qtype, ctx.shape, ctx.dtype)
         return grad_x, None, None, None, None, None
 
 
@@ -272,8 +272,11 @@ class GGUFLinear(nn.Module):
         x, dtype = matmul_input(x, self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         shape = (self.out_features, self.in_features)
+        x = x.to(dtype)
         with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
-            return _GGUFLinearFunction.apply(x.to(dtype), self.weight, bias, self.qtype, shape, dtype)
+            if not (x.requires_grad and torch.is_grad_enabled()):  # no backward: plain ops save nothing
+                return F.linear(x, dequantize(self.weight, self.qtype, shape, dtype), bias)
+            return _GGUFLinearFunction.apply(x, self.weight, bias, self.qtype, shape, dtype)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "weight"
