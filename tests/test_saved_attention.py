@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from library.models import core
 from library.models.registry import arch_specs
 from library.precision.fp8 import quantize_module
-from tests.test_residual_projection import DIFFUSION_ARCHS, assert_same, tiny_model, with_lora
+from tests.test_residual_projection import DIFFUSION_ARCHS, assert_same, one_block_each, tiny_model, with_lora
 
 KEEP_ATTENTION = core.checkpointing(True, save_attention=True)
 
@@ -105,7 +105,7 @@ def test_compiled_kept_attention_leaves_the_recompute(tiny_set):
     backend = aot_autograd(fw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward), bw_compiler=counted,
                            partition_fn=min_cut_rematerialization_partition)  # inductor's partitioner
     model, kwargs = tiny_model("flux", tiny_set)
-    net = with_lora(model, "flux")
+    net = with_lora(one_block_each(model), "flux")
     for block in model.swappable_blocks():
         core.compile_block(block, backend=backend, dynamic=False)
 
