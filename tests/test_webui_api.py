@@ -28,8 +28,10 @@ def form(**values) -> list:
 def server(tiny_set, tmp_path_factory):
     root = tmp_path_factory.mktemp("webui")
     (root / "data").mkdir()  # a --root must exist; the dataset test fills it
+    # 127.0.0.2: another address than 127.0.0.1 (still this machine's loopback), so it needs a password:
+    # every test here goes through it (test_another_address_needs_a_password_and_gets_it: one UI start less)
     ui = WebUIProcess(str(root / "jobs"), [tiny_set["root"], str(root / "data")], str(root / "webui.log"),
-                      env=pause_hook_env(root))
+                      host="127.0.0.2", password="s3cret", env=pause_hook_env(root))
     yield ui
     ui.stop()
 
@@ -275,21 +277,16 @@ def test_the_ui_process_never_loads_torch(server, client):
     assert "gradio" in maps or "python" in maps  # the right process
 
 
-def test_another_address_needs_a_password_and_gets_it(tiny_set, tmp_path, capsys):
+def test_another_address_needs_a_password_and_gets_it(server, tmp_path, capsys):
+    import urllib.error
+    import urllib.request
+
     from tools.webui import main
 
     assert main(["--host", "0.0.0.0", "--jobs_dir", str(tmp_path / "refused")]) == 2
     assert "give --password" in capsys.readouterr().err and not (tmp_path / "refused").exists()
-    # 127.0.0.2: another address than 127.0.0.1, still this machine's loopback
-    ui = WebUIProcess(str(tmp_path / "jobs"), [tiny_set["root"]], str(tmp_path / "webui.log"), host="127.0.0.2",
-                      password="s3cret")
-    try:
-        import urllib.error
-        import urllib.request
-
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(ui.url + "/config", timeout=10)
-        assert refused.value.code == 401
-        assert ui.client().predict(api_name="/list_jobs")["data"] == []  # with the password
-    finally:
-        ui.stop()
+    assert server.url.startswith("http://127.0.0.2:") and server.password  # the module's UI
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(server.url + "/config", timeout=10)
+    assert refused.value.code == 401
+    assert isinstance(server.client().predict(api_name="/list_jobs")["data"], list)  # with the password
