@@ -28,8 +28,10 @@ def form(**values) -> list:
 def server(tiny_set, tmp_path_factory):
     root = tmp_path_factory.mktemp("webui")
     (root / "data").mkdir()  # a --root must exist; the dataset test fills it
+    # 127.0.0.2: another address than 127.0.0.1 (still this machine's loopback), so it needs a password:
+    # every test here goes through it (test_another_address_needs_a_password_and_gets_it: one UI start less)
     ui = WebUIProcess(str(root / "jobs"), [tiny_set["root"], str(root / "data")], str(root / "webui.log"),
-                      env=pause_hook_env(root))
+                      host="127.0.0.2", password="s3cret", env=pause_hook_env(root))
     yield ui
     ui.stop()
 
@@ -100,7 +102,8 @@ def test_two_tabs_queuing_at_once_keep_the_queue_consistent(server, tiny_set):
 
 
 def test_create_queue_stop_resume_compare_and_delete(client, server, tiny_toml):
-    answer, *_ = client.predict("api job", tiny_toml, *form(max_train_steps="8"), api_name="/create_job")
+    steps = 3  # stopped at step 2, the resume trains the last one
+    answer, *_ = client.predict("api job", tiny_toml, *form(max_train_steps=str(steps)), api_name="/create_job")
     assert answer["ok"] and answer["state"] == "draft", answer
     job_id, folder = answer["job_id"], answer["output_dir"]
     assert os.path.dirname(folder) == os.path.realpath(server.jobs_dir)
@@ -134,13 +137,13 @@ def test_create_queue_stop_resume_compare_and_delete(client, server, tiny_toml):
     assert client.predict(str(job_id), api_name="/resume_job")[0]["state"] == "queued"
     view = wait_for(lambda: (v := live(client, job_id))["state"] in ("done", "failed") and v, 240, "the resumed run")
     assert view["state"] == "done", view["status"]
-    assert [row["value"] for row in view["loss"] if row["series"] == "loss"] and len(view["loss"]) == 8
-    assert {row["series"] for row in view["dlr"]} == {"d*lr/lora"} and len(view["lr"]) == 8
+    assert [row["value"] for row in view["loss"] if row["series"] == "loss"] and len(view["loss"]) == steps
+    assert {row["series"] for row in view["dlr"]} == {"d*lr/lora"} and len(view["lr"]) == steps
     assert view["peak_rss"] > 100 * 2**20 and "peak RSS" in view["status"]
 
     both, note = client.predict(str(job_id), str(job_id), "d*lr", api_name="/compare")
     assert not note["visible"]
-    assert len(both["data"]) == 16 and {r[2] for r in both["data"]} == {f"{job_id} api job: d*lr/lora"}
+    assert len(both["data"]) == 2 * steps and {r[2] for r in both["data"]} == {f"{job_id} api job: d*lr/lora"}
 
     refused = client.predict(str(job_id), False, api_name="/delete_job")[0]
     assert refused["ok"] is False and "confirm" in refused["error"] and os.path.isdir(folder)
@@ -274,21 +277,16 @@ def test_the_ui_process_never_loads_torch(server, client):
     assert "gradio" in maps or "python" in maps  # the right process
 
 
-def test_another_address_needs_a_password_and_gets_it(tiny_set, tmp_path, capsys):
+def test_another_address_needs_a_password_and_gets_it(server, tmp_path, capsys):
+    import urllib.error
+    import urllib.request
+
     from tools.webui import main
 
     assert main(["--host", "0.0.0.0", "--jobs_dir", str(tmp_path / "refused")]) == 2
     assert "give --password" in capsys.readouterr().err and not (tmp_path / "refused").exists()
-    # 127.0.0.2: another address than 127.0.0.1, still this machine's loopback
-    ui = WebUIProcess(str(tmp_path / "jobs"), [tiny_set["root"]], str(tmp_path / "webui.log"), host="127.0.0.2",
-                      password="s3cret")
-    try:
-        import urllib.error
-        import urllib.request
-
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(ui.url + "/config", timeout=10)
-        assert refused.value.code == 401
-        assert ui.client().predict(api_name="/list_jobs")["data"] == []  # with the password
-    finally:
-        ui.stop()
+    assert server.url.startswith("http://127.0.0.2:") and server.password  # the module's UI
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(server.url + "/config", timeout=10)
+    assert refused.value.code == 401
+    assert isinstance(server.client().predict(api_name="/list_jobs")["data"], list)  # with the password

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import toml
 
+from library.ui.config_check import ConfigChecker
 from library.ui.handlers import WebUI
 
 
@@ -18,6 +19,24 @@ def ui(tmp_path):
     ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [str(tmp_path / "data")])
     yield ui
     ui.close()  # its config checker process, if a test started it
+
+
+@pytest.fixture(scope="module")
+def checker(tmp_path_factory):
+    """One config checker process for the module's tests that check a config (its start imports torch and
+    the model code: seconds each), in a folder of its own, where relative paths resolve."""
+    checker = ConfigChecker(os.path.realpath(tmp_path_factory.mktemp("checker_workdir")))
+    yield checker
+    checker.close()
+
+
+@pytest.fixture()
+def checked_ui(tiny_set, tmp_path, checker):
+    """A WebUI on the tiny set and tmp_path whose config checks go to the module's one checker."""
+    ui = WebUI(str(tmp_path / "jobs"), checker.workdir, [tiny_set["root"], str(tmp_path), checker.workdir])
+    ui.checker = checker
+    yield ui
+    ui.runner.close()  # the checker stays up for the next test
 
 
 @pytest.fixture()
@@ -111,7 +130,8 @@ def test_huge_integers_are_refused_under_their_field(ui):
     assert ui.store.list() == []
 
 
-def test_a_loaded_config_the_cli_refuses_is_refused_with_its_line_and_unchanged_keeps_its_keys(tiny_set, tmp_path):
+def test_a_loaded_config_the_cli_refuses_is_refused_with_its_line_and_unchanged_keeps_its_keys(checked_ui, tiny_set,
+                                                                                                 tmp_path):
     """The form's fields, filled by Load, used to be written back over the TOML: max_train_steps = "12"
     (a string: train_lora.py refuses it) became 12, and base_precision = "bf16" beside fp8_base = true
     (refused as contradicting) dropped the fp8 keys; both were queued. An unchanged config is kept key
@@ -119,59 +139,47 @@ def test_a_loaded_config_the_cli_refuses_is_refused_with_its_line_and_unchanged_
     from library.training.config import ConfigError, load_config
     from tests.ui_support import tiny_job_settings
 
-    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [tiny_set["root"], str(tmp_path)])
-    try:
-        fine = tiny_job_settings(tiny_set, steps=2, fp8_base=True, fp8_scaled=True)
-        for changes in ({"max_train_steps": "12"}, {"base_precision": "bf16"}):
-            path = tmp_path / "refused.toml"
-            path.write_text(toml.dumps({**fine, **changes}))
-            with pytest.raises(ConfigError) as cli:
-                load_config(["--config_file", str(path)])
-            text, fields = ui.load_config(str(path))
-            answer = ui.check(text, fields)
-            assert answer["ok"] is False and answer["error"] == str(cli.value).replace(str(path), "config")
-        path.write_text(toml.dumps(fine))
-        answer = ui.create("kept", *ui.load_config(str(path)), queue=False)
-        assert toml.loads(ui.store.get(answer["job_id"]).config) == {**fine, "output_dir": answer["output_dir"]}
-    finally:
-        ui.close()
+    fine = tiny_job_settings(tiny_set, steps=2, fp8_base=True, fp8_scaled=True)
+    for changes in ({"max_train_steps": "12"}, {"base_precision": "bf16"}):
+        path = tmp_path / "refused.toml"
+        path.write_text(toml.dumps({**fine, **changes}))
+        with pytest.raises(ConfigError) as cli:
+            load_config(["--config_file", str(path)])
+        text, fields = checked_ui.load_config(str(path))
+        answer = checked_ui.check(text, fields)
+        assert answer["ok"] is False and answer["error"] == str(cli.value).replace(str(path), "config")
+    path.write_text(toml.dumps(fine))
+    answer = checked_ui.create("kept", *checked_ui.load_config(str(path)), queue=False)
+    assert toml.loads(checked_ui.store.get(answer["job_id"]).config) == {**fine, "output_dir": answer["output_dir"]}
 
 
-def test_a_logging_dir_inside_the_configs_output_dir_moves_into_the_jobs_folder(tiny_set, tmp_path):
+def test_a_logging_dir_inside_the_configs_output_dir_moves_into_the_jobs_folder(checked_ui, tiny_set, tmp_path):
     """The configs write TensorBoard to "<output_dir>/logs" (output/flux_lora/logs). A job's output_dir
     is its own folder, but its logging_dir stayed "output/flux_lora/logs": every job's events in one
     folder outside the job (and outside the default roots). Now it follows output_dir into the job's
     folder, as the CLI puts it beside the LoRA; a logging_dir elsewhere is kept."""
     from tests.ui_support import tiny_job_settings
 
-    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [tiny_set["root"], str(tmp_path)])
-    try:
-        fine = tiny_job_settings(tiny_set, steps=2)
-        for logging_dir, expected in (("output/flux_lora/logs", "{job}/logs"), ("tb", "tb")):
-            text = toml.dumps({**fine, "output_dir": "output/flux_lora", "logging_dir": logging_dir})
-            answer = ui.create("logs", text, {}, queue=False)
-            assert answer["ok"] is True, answer
-            config = toml.loads(ui.store.get(answer["job_id"]).config)
-            assert config["logging_dir"] == expected.format(job=answer["output_dir"]), config
-    finally:
-        ui.close()
+    fine = tiny_job_settings(tiny_set, steps=2)
+    for logging_dir, expected in (("output/flux_lora/logs", "{job}/logs"), ("tb", "tb")):
+        text = toml.dumps({**fine, "output_dir": "output/flux_lora", "logging_dir": logging_dir})
+        answer = checked_ui.create("logs", text, {}, queue=False)
+        assert answer["ok"] is True, answer
+        config = toml.loads(checked_ui.store.get(answer["job_id"]).config)
+        assert config["logging_dir"] == expected.format(job=answer["output_dir"]), config
 
 
-def test_a_string_with_a_backslash_x_reaches_the_job_as_written(tiny_set, tmp_path):
+def test_a_string_with_a_backslash_x_reaches_the_job_as_written(checked_ui, tiny_set, tmp_path):
     r"""toml 0.10.2's writer, used for the checked and the queued config, wrote "print('\x41')" as
     "print('\x41')" unescaped: no reader takes that back, so a config train_lora.py runs was refused
     with 'config: not valid TOML: Reserved escape sequence used'."""
-    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [tiny_set["root"]])
-    try:
-        prompt = "print('\\x41')  # C:\\xyz"
-        settings = {"model_type": "llm", "pretrained_model_name_or_path": tiny_set["llm"], "max_train_steps": 1,
-                    "train_data": [tiny_set["corpus"]], "max_length": 32, "stride": 32}
-        text = toml.dumps(settings) + f"sample_prompt = '''{prompt}'''\n"  # a literal string, as a person writes it
-        answer = ui.create("code", text, {}, queue=False)
-        assert answer["ok"] is True, answer
-        assert toml.loads(ui.store.get(answer["job_id"]).config)["sample_prompt"] == prompt
-    finally:
-        ui.close()
+    prompt = "print('\\x41')  # C:\\xyz"
+    settings = {"model_type": "llm", "pretrained_model_name_or_path": tiny_set["llm"], "max_train_steps": 1,
+                "train_data": [tiny_set["corpus"]], "max_length": 32, "stride": 32}
+    text = toml.dumps(settings) + f"sample_prompt = '''{prompt}'''\n"  # a literal string, as a person writes it
+    answer = checked_ui.create("code", text, {}, queue=False)
+    assert answer["ok"] is True, answer
+    assert toml.loads(checked_ui.store.get(answer["job_id"]).config)["sample_prompt"] == prompt
 
 
 def test_applying_a_plan_keeps_the_configs_comments_tables_and_keys(ui):
@@ -207,7 +215,7 @@ def test_a_loaded_config_saved_back_is_the_same_file_and_a_changed_field_is_set_
             ui.save_config(path, loaded_text, fields)
 
 
-def test_generate_refuses_a_reference_image_outside_the_roots(tiny_set, tmp_path, tmp_path_factory):
+def test_generate_refuses_a_reference_image_outside_the_roots(checked_ui, tiny_set, tmp_path, tmp_path_factory):
     """generate's prompt field passed --ci PATH on to tools/generate.py unchecked: an edit model drew a
     file from outside the folders this UI may open."""
     from PIL import Image
@@ -216,28 +224,20 @@ def test_generate_refuses_a_reference_image_outside_the_roots(tiny_set, tmp_path
 
     outside = tmp_path_factory.mktemp("outside") / "secret.png"
     Image.new("RGB", (16, 16)).save(outside)
-    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [tiny_set["root"], str(tmp_path)])
-    try:
-        job = ui.create("g", toml.dumps(tiny_job_settings(tiny_set, steps=1)), {}, queue=False)["job_id"]
-        answer = ui.lora_tool("generate", {"job_id": str(job), "lora": "", "weight": 1.0, "prompt": f"a cat --ci {outside}",
-                                           "width": 64, "steps": 1, "seed": 0})
-        assert answer["ok"] is False and answer["image"] is None
-        assert answer["output"].startswith(f"--ci image {str(outside)!r} is outside the folders"), answer
-    finally:
-        ui.close()
+    job = checked_ui.create("g", toml.dumps(tiny_job_settings(tiny_set, steps=1)), {}, queue=False)["job_id"]
+    answer = checked_ui.lora_tool("generate", {"job_id": str(job), "lora": "", "weight": 1.0,
+                                               "prompt": f"a cat --ci {outside}", "width": 64, "steps": 1, "seed": 0})
+    assert answer["ok"] is False and answer["image"] is None
+    assert answer["output"].startswith(f"--ci image {str(outside)!r} is outside the folders"), answer
 
 
-def test_generate_with_a_blank_seed_lets_generate_draw_one(tiny_set, tmp_path):
+def test_generate_with_a_blank_seed_lets_generate_draw_one(checked_ui, tiny_set, tmp_path):
     """The page's seed field started at 0 and a blank one was sent as 0: every image drew from seed 0,
     where generate.py (and sd-scripts) draw a random seed when none is given."""
     from tests.ui_support import tiny_job_settings
 
-    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [tiny_set["root"], str(tmp_path)])
-    try:
-        job = ui.create("g", toml.dumps(tiny_job_settings(tiny_set, steps=1)), {}, queue=False)["job_id"]
-        fields = {"job_id": str(job), "lora": "", "weight": 1.0, "prompt": "a cat", "width": 64, "steps": 1}
-        for seed, expected in ((None, None), ("", None), (0, 0), (7, 7)):
-            args, _ = ui._tool_args("generate", {**fields, "seed": seed})
-            assert (args[args.index("--seed") + 1] if "--seed" in args else None) == expected, (seed, args)
-    finally:
-        ui.close()
+    job = checked_ui.create("g", toml.dumps(tiny_job_settings(tiny_set, steps=1)), {}, queue=False)["job_id"]
+    fields = {"job_id": str(job), "lora": "", "weight": 1.0, "prompt": "a cat", "width": 64, "steps": 1}
+    for seed, expected in ((None, None), ("", None), (0, 0), (7, 7)):
+        args, _ = checked_ui._tool_args("generate", {**fields, "seed": seed})
+        assert (args[args.index("--seed") + 1] if "--seed" in args else None) == expected, (seed, args)

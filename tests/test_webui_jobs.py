@@ -167,7 +167,7 @@ def test_stop_resume_and_reattach_with_the_real_trainer(tiny_set, tmp_path, monk
     trainer pauses itself after step 2 while the UI restarts and asks it to stop, so the stop lands
     at step 2 however fast the machine is."""
     store = JobStore(str(tmp_path / "jobs"))
-    steps = 8
+    steps = 3  # stopped at step 2, the resume trains the last one
     job = store.create("tiny", tiny_job_settings(tiny_set, steps=steps), steps, queue=True)
     monkeypatch.setenv("PYTHONPATH", pause_hook_env(tmp_path)["PYTHONPATH"])  # the runner's trainers inherit it
     mark_to_pause(store.job_folder(job.id))

@@ -79,7 +79,6 @@ def main(argv=None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     os.chdir(ROOT)
-    from library.ui.app import CSS, build_app
     from library.ui.handlers import WebUI
 
     try:
@@ -91,6 +90,8 @@ def main(argv=None) -> int:
         print(f"error: --jobs_dir {jobs_dir}: {holder} serves this queue: use that one, stop it, or give another "
               f"--jobs_dir", file=sys.stderr)
         return 2
+    from library.ui.app import CSS, build_app  # gradio: seconds to import, after the checks that refuse a start
+
     ui.start()
     app = build_app(ui)
     auth = (args.user, args.password) if args.password else None
