@@ -61,7 +61,8 @@ import torch  # noqa: E402
 
 from library.training.config import KEEPING_KEYS  # noqa: E402
 from library.training.memory_plan import (  # noqa: E402
-    KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, sampling_phase, training_plan, usable_bytes)
+    KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, reusing_meta_models, sampling_phase, training_plan,
+    usable_bytes)
 
 
 class PresetFamily:
@@ -294,7 +295,8 @@ def main(argv=None) -> int:
     try:
         if problem := bad_value(args):
             raise ValueError(problem)
-        report(args, *what_to_plan(args))
+        with reusing_meta_models():  # every setting below plans one of a few models
+            report(args, *what_to_plan(args))
     except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors; a file read while planning
         print(f"error: {e}", file=sys.stderr)
         return 2

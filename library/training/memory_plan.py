@@ -31,7 +31,6 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 from library.models.core import checkpointing
 from library.models.registry import spec_of
@@ -59,23 +58,36 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.device_type = device_type
         self.live = self.peak = 0
-        self._seen = WeakIdKeyDictionary()
+        # id(storage) -> a weak reference whose callback, when the storage is freed, drops the entry
+        # and its bytes (a callback runs before the id can be reused)
+        self._seen: dict[int, weakref.ref] = {}
+
+    @classmethod
+    def _should_skip_dynamo(cls):
+        # Not wrapped in torch._dynamo.disable (TorchDispatchMode's default, ~10 us per op): no step
+        # under the planner is compiled.
+        return False
 
     def track(self, t: torch.Tensor):
         storage = t.untyped_storage()
-        if storage in self._seen:
+        key = id(storage)
+        if key in self._seen:
             return
         size = storage.nbytes()
-        self._seen[storage] = size
+        self._seen[key] = weakref.ref(storage, lambda _, key=key, size=size: self._free(key, size))
         self.live += size
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, size)
+        if self.live > self.peak:
+            self.peak = self.live
 
     def ignore(self, t: torch.Tensor):
         """A storage that is not on the device (a swapped block's weight): its views count nothing."""
-        self._seen.setdefault(t.untyped_storage(), 0)
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key not in self._seen:
+            self._seen[key] = weakref.ref(storage, lambda _, key=key: self._free(key, 0))
 
-    def _free(self, size: int):
+    def _free(self, key: int, size: int):
+        self._seen.pop(key, None)
         self.live -= size
 
     def add(self, size: int):
@@ -87,6 +99,10 @@ class LiveBytes(TorchDispatchMode):
         # On meta, the kernels' answers are memoized (meta_cache.py): the same block ops recur per
         # block and per planned setting; the outputs' storages are new either way.
         out = META_KERNELS(func, args, kwargs or {}) if self.device_type == "meta" else func(*args, **(kwargs or {}))
+        if type(out) is torch.Tensor:  # most ops: one tensor, no tree to flatten
+            if out.device.type == self.device_type:
+                self.track(out)
+            return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == self.device_type:
                 self.track(t)
@@ -157,9 +173,46 @@ def references_and_tokens(family, args, references: int | None, width: int, heig
     return count, text_tokens_for(family, args, count, width, height)
 
 
+_REUSED: dict | None = None  # reusing_meta_models' builds, while one is open
+
+
+@contextlib.contextmanager
+def reusing_meta_models():
+    """Within: each (family, model settings) is built on meta once (~1 s for a full-size model) and
+    handed back, as built, to every later plan of it: the settings that differ only in checkpointing
+    or in a keeping key use the same transformer and network."""
+    global _REUSED
+    outer = _REUSED
+    _REUSED = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _REUSED = outer
+
+
 def _meta_model_and_network(family, args):
     """The transformer on meta as train_lora.py builds it (the family's loader without weights) and
     the run's LoRA network applied to it."""
+    from library.training.config import base_precision, compute_dtype, lora_network_args
+
+    key = (id(family), compute_dtype(args), base_precision(args), args.network_module, args.network_dim,
+           args.network_alpha, repr(lora_network_args(args)))
+    if _REUSED is None:
+        return _build_model_and_network(family, args)
+    if key not in _REUSED:
+        model, network = _build_model_and_network(family, args)
+        built = [(m, m.training) for m in (*model.modules(), *network.modules())]
+        _REUSED[key] = (family, model, network, built, getattr(model, "gradient_checkpointing", False))
+    _, model, network, built, checkpointing_as_built = _REUSED[key]
+    for module, training in built:  # as built: a plan's step leaves its modes, checkpointing and LoRA grads
+        module.training = training
+    model.gradient_checkpointing = checkpointing_as_built
+    for p in (*model.parameters(), *network.parameters()):
+        p.grad = None
+    return model, network
+
+
+def _build_model_and_network(family, args):
     from library.training.config import base_precision, compute_dtype, lora_network_args
     from networks.factory import build_network
 
@@ -401,21 +454,22 @@ def settle_keeping_keys(family, args, card_bytes: int, width: int, height: int, 
     def peak(trial) -> int:
         return training_plan(family, trial, width, height, batch, tokens, count).phase(args.blocks_to_swap).peak
 
-    current, said = peak(args), []
-    for key in unset:
-        trial = copy.copy(args)
-        setattr(trial, key, True)
-        planned = peak(trial)
-        if planned <= current:
-            continue  # keeps nothing in this model (no trained gate) or at this size
-        fits = planned * KEEPING_MARGIN <= usable
-        plan = f"+{(planned - current) / GiB:.2f} GiB, the step planned at {planned / GiB:.2f} GiB"
-        said.append(f"{key} on ({plan} of {usable / GiB:.2f} usable)" if fits else
-                    f"{key} off ({plan}: over {usable / KEEPING_MARGIN / GiB:.2f}, the usable {usable / GiB:.2f} "
-                    f"less {KEEPING_MARGIN - 1:.0%})")
-        if fits:
-            setattr(args, key, True)
-            current = planned
+    with reusing_meta_models():  # one model for every trial
+        current, said = peak(args), []
+        for key in unset:
+            trial = copy.copy(args)
+            setattr(trial, key, True)
+            planned = peak(trial)
+            if planned <= current:
+                continue  # keeps nothing in this model (no trained gate) or at this size
+            fits = planned * KEEPING_MARGIN <= usable
+            plan = f"+{(planned - current) / GiB:.2f} GiB, the step planned at {planned / GiB:.2f} GiB"
+            said.append(f"{key} on ({plan} of {usable / GiB:.2f} usable)" if fits else
+                        f"{key} off ({plan}: over {usable / KEEPING_MARGIN / GiB:.2f}, the usable {usable / GiB:.2f} "
+                        f"less {KEEPING_MARGIN - 1:.0%})")
+            if fits:
+                setattr(args, key, True)
+                current = planned
     if not said:
         return None
     return (f"gradient checkpointing on this {card_bytes / GiB:.1f} GiB card: {'; '.join(said)}; "

@@ -35,7 +35,7 @@ def _key_of(x):
     """A hashable statement of an argument: a tensor's metadata, a plain value with its type."""
     kind = type(x)
     if kind is torch.Tensor or kind is torch.nn.Parameter:
-        if x.device.type != "meta" or x.layout != torch.strided:
+        if not x.is_meta or x.layout != torch.strided:
             raise Uncacheable
         return (x.shape, x.stride(), x.dtype, x.storage_offset())
     if kind is list or kind is tuple:
@@ -54,6 +54,8 @@ def _describe(out, inputs: list) -> tuple:
     index of the storage among the outputs', plain: torch.empty_strided makes exactly this one),
     other leaves as themselves."""
     leaves, spec = tree_flatten(out)
+    if type(out) is torch.Tensor:
+        spec = None  # _rebuild returns the one leaf
     taken = [t.untyped_storage() for t in inputs if isinstance(t, torch.Tensor)]
     storages, described = [], []
     for leaf in leaves:
@@ -85,6 +87,9 @@ def _strided_bytes(shape, stride, dtype) -> int:
 
 
 def _rebuild(described: list, spec):
+    if spec is None and described[0][-1]:  # one tensor, plain: most ops
+        shape, stride, dtype = described[0][:3]
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     storages, leaves = {}, []
     for leaf in described:
         if not isinstance(leaf, tuple):
@@ -97,7 +102,7 @@ def _rebuild(described: list, spec):
         if index not in storages:
             storages[index] = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
         leaves.append(torch.empty(0, dtype=dtype, device="meta").set_(storages[index], offset, shape, stride))
-    return tree_unflatten(leaves, spec)
+    return leaves[0] if spec is None else tree_unflatten(leaves, spec)
 
 
 class MetaKernelCache:
