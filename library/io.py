@@ -564,11 +564,6 @@ class SharedLock:
                   f"{os.path.dirname(path)} at the same time would not be seen, so unused caches there are left "
                   f"as they are", file=sys.stderr)
 
-    @property
-    def opened(self) -> bool:
-        """False where the lock file could not be opened (said once, in one warning line)."""
-        return self.fd is not None
-
     @contextlib.contextmanager
     def alone(self) -> Iterator[bool]:
         """True, with the lock exclusive for the block (and shared again after), where no other

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError, CheckpointReader
-from library.precision.autocast import autocast_off, matmul_input
+from library.precision.autocast import autocast_off, matmul_input, needs_backward
 from library.precision.fp8 import apply_keeping_dtypes
 from library.precision.fp8_checkpoints import diffusion_model_prefix
 
@@ -140,7 +140,7 @@ class BFLLinear(nn.Module):
         bias = None if self.bias is None else self.bias.to(dtype)
         x = x.to(dtype)
         with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
-            if not (x.requires_grad and torch.is_grad_enabled()):  # no backward: plain ops save nothing
+            if not needs_backward(x):  # no backward: plain ops save nothing
                 return F.linear(x, self.dequantized_weight(dtype), bias)
             return _BFLLinearFunction.apply(x, self.weight, self.weight_scale, self.weight_scale_2, bias, self.kind, dtype)
 

@@ -42,7 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError
-from library.precision.autocast import autocast_off, matmul_input
+from library.precision.autocast import autocast_off, matmul_input, needs_backward
 from library.precision.fp8 import KeepRules, apply_keeping_dtypes, is_high_precision
 
 MODES = ("nf4", "nf4_dq", "int8")
@@ -225,7 +225,7 @@ class _BnbLinear(nn.Module):
         bias = None if self.bias is None else self.bias.to(dtype)
         x = x.to(dtype)
         with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
-            if not (x.requires_grad and torch.is_grad_enabled()):  # no backward: plain ops save nothing
+            if not needs_backward(x):  # no backward: plain ops save nothing
                 return F.linear(x, self.dequantized_weight(dtype), bias)
             return _DequantizedLinearFunction.apply(x, bias, self._dequantizer(dtype), *self._stored())
 

@@ -36,7 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import CheckpointError, CheckpointReader
-from library.precision.autocast import matmul_input
+from library.precision.autocast import matmul_input, needs_backward
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -291,7 +291,7 @@ class FP8Linear(nn.Module):
         x, bias = x.to(dtype), None if self.bias is None else self.bias.to(dtype)
         # Every operand is in `dtype`, which is autocast's while it is on (matmul_input): autocast casts
         # nothing here, so the matmul runs in exactly that dtype without switching autocast off.
-        if not (x.requires_grad and torch.is_grad_enabled()):  # no backward (the bias is frozen):
+        if not needs_backward(x):  # no backward (the bias is frozen):
             return F.linear(x, self.dequantized_weight(dtype), bias)  # plain ops save nothing here
         # The weight is dequantized inside the function, in forward and again in backward.
         return _FP8LinearFunction.apply(x, self.weight, self.weight_scale, bias, dtype)

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.io import GGUF_SUFFIX, CheckpointError, CheckpointReader
-from library.precision.autocast import autocast_off, matmul_input
+from library.precision.autocast import autocast_off, matmul_input, needs_backward
 from library.precision.fp8_checkpoints import diffusion_model_prefix
 
 QK_K = 256  # weights per K-quant super-block
@@ -274,8 +274,8 @@ class GGUFLinear(nn.Module):
         shape = (self.out_features, self.in_features)
         x = x.to(dtype)
         with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
-            if not (x.requires_grad and torch.is_grad_enabled()):  # no backward: plain ops save nothing
-                return F.linear(x, dequantize(self.weight, self.qtype, shape, dtype), bias)
+            if not needs_backward(x):  # no backward: plain ops save nothing
+                return F.linear(x, self.dequantized_weight(dtype), bias)
             return _GGUFLinearFunction.apply(x, self.weight, bias, self.qtype, shape, dtype)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -202,6 +202,7 @@ def _meta_model_and_network(family, args):
     if key not in _REUSED:
         model, network = _build_model_and_network(family, args)
         built = [(m, m.training) for m in (*model.modules(), *network.modules())]
+        # the family is kept with its build so that its id, in the key, names no other object meanwhile
         _REUSED[key] = (family, model, network, built, getattr(model, "gradient_checkpointing", False))
     _, model, network, built, checkpointing_as_built = _REUSED[key]
     for module, training in built:  # as built: a plan's step leaves its modes, checkpointing and LoRA grads
