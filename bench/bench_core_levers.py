@@ -39,6 +39,11 @@ memory (bench_train_step.PeakMemory) are printed.
              switched off around every call, the Function always.
   nf4_linear an nf4 base (bitsandbytes' format), eager: the same first and third cuts in bnb_weights'
              _DequantizedLinearFunction (GGUF's and BFL's Functions took them alike); its autocast switch stays.
+  fp8_function  an fp8_scaled base, eager: FP8Linear through the one Function all low-bit Linears share
+             (dequantized_linear: dequantize_weight and its arguments passed in); before: fp8.py's own
+             _FP8LinearFunction with the plain-ops check in FP8Linear.forward (as of 0780df6)
+  nf4_function  an nf4 base, eager: _BnbLinear through dequantized_linear; before: the plain-ops check and
+             the Function call in _BnbLinear.forward (as of 0780df6; its Function became the shared one)
 
 "Before" is the old code path patched in for that run only; the same model serves both sides of rope and
 layernorm, whose step-0 losses (no step taken) are printed for both sides: equal up to rounding, the
@@ -73,15 +78,18 @@ from library.models import core  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 from library.precision import bnb_weights as bnb, fp8  # noqa: E402
 from library.precision.autocast import autocast_off, matmul_input  # noqa: E402
+from library.precision.dequantized_linear import DequantizedLinearFunction, needs_backward  # noqa: E402
 from networks.lora import LoRAModule  # noqa: E402
 
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
-          "lora_factor", "lora_rows", "rms_weight", "quantized_compiled", "fp8_linear", "nf4_linear")
+          "lora_factor", "lora_rows", "rms_weight", "quantized_compiled", "fp8_linear", "nf4_linear", "fp8_function",
+          "nf4_function")
 # the checkpointing each checkpointing lever's "now" side runs (its "before": plain checkpointing)
 KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS,
            "attention": core.checkpointing(True, save_attention=True),
            "attention_compiled": core.checkpointing(True, save_attention=True)}
-FP8 = {"fp8_linear": "fp8_scaled", "nf4_linear": "nf4"}  # the base of a lever's model where it is quantized
+FP8 = {"fp8_linear": "fp8_scaled", "nf4_linear": "nf4", "fp8_function": "fp8_scaled", "nf4_function": "nf4"}  # a
+# lever's quantized base
 
 
 @contextlib.contextmanager
@@ -167,6 +175,42 @@ def bnb_forward_saving_stored(self, x: torch.Tensor) -> torch.Tensor:
         return BnbLinearFunctionSavingStored.apply(x.to(dtype), bias, self._dequantizer(dtype), *self._stored())
 
 
+class FP8OwnLinearFunction(torch.autograd.Function):
+    """fp8._FP8LinearFunction before the shared DequantizedLinearFunction: codes and scale on ctx."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, bias, dtype):
+        ctx.q, ctx.scale, ctx.dtype = q, scale, dtype
+        return F.linear(x, fp8.dequantize_weight(q, scale, dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out.to(ctx.dtype) @ fp8.dequantize_weight(ctx.q, ctx.scale, ctx.dtype)
+        return grad_x, None, None, None, None
+
+
+def fp8_forward_own_function(self, x: torch.Tensor) -> torch.Tensor:
+    """FP8Linear.forward before dequantized_linear: its own Function, the plain-ops check inline."""
+    x, dtype = self.input_and_dtype(x)
+    x, bias = x.to(dtype), None if self.bias is None else self.bias.to(dtype)
+    if not needs_backward(x):
+        return F.linear(x, self.dequantized_weight(dtype), bias)
+    return FP8OwnLinearFunction.apply(x, self.weight, self.weight_scale, bias, dtype)
+
+
+def bnb_forward_inline_check(self, x: torch.Tensor) -> torch.Tensor:
+    """_BnbLinear.forward before dequantized_linear: the plain-ops check and the Function call inline."""
+    x, dtype = matmul_input(x, self.compute_dtype)
+    bias = None if self.bias is None else self.bias.to(dtype)
+    x = x.to(dtype)
+    with autocast_off(x.device.type):
+        if not needs_backward(x):
+            return F.linear(x, self.dequantized_weight(dtype), bias)
+        return DequantizedLinearFunction.apply(x, bias, self._dequantizer(dtype), *self._stored())
+
+
 @contextlib.contextmanager
 def layer_forward(model, layer_type, forward):
     """`forward` as every `layer_type`'s forward: the class's, and the one each LoRA module kept when applied."""
@@ -184,11 +228,15 @@ def layer_forward(model, layer_type, forward):
 
 def before(lever: str, model):
     """The old path of `lever`, patched in for one run (rope, layernorm, tail, save, lora_*, rms_weight,
-    fp8_linear, nf4_linear)."""
+    fp8_linear, nf4_linear, fp8_function, nf4_function)."""
     if lever == "fp8_linear":
         return layer_forward(model, fp8.FP8Linear, fp8_forward_saving_codes)
     if lever == "nf4_linear":
         return layer_forward(model, bnb._BnbLinear, bnb_forward_saving_stored)
+    if lever == "fp8_function":
+        return layer_forward(model, fp8.FP8Linear, fp8_forward_own_function)
+    if lever == "nf4_function":
+        return layer_forward(model, bnb._BnbLinear, bnb_forward_inline_check)
     if lever in KEEPING:
         return patched(model, "gradient_checkpointing", True)
     if lever == "rope":

@@ -17,6 +17,7 @@ from library.models import core
 from library.models.qwen_image.model import QwenImage, QwenImageConfig
 from library.models.registry import arch_spec
 from library.precision import fp8
+from library.precision.dequantized_linear import DequantizedLinearFunction
 from library.precision.fp8 import quantize_module
 from networks.lora import LoRAModule, LoRANetwork
 
@@ -93,8 +94,8 @@ def test_fp8_linear_host_cuts_are_bit_identical(monkeypatch, dtype, autocast):
     takes plain ops where its input needs no gradient (the modulation Linears' timestep embedding):
     the same ops and bits as the Function with saved codes around every call."""
     calls = []
-    apply = fp8._FP8LinearFunction.apply
-    monkeypatch.setattr(fp8._FP8LinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    apply = DequantizedLinearFunction.apply
+    monkeypatch.setattr(DequantizedLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
     fp8._pair_table(torch.bfloat16 if autocast else dtype)  # built before counting (CPU dequantization)
     pred, grads, ops = _step(dtype, autocast, "fp8_scaled")
     with monkeypatch.context() as m:

@@ -617,7 +617,7 @@ class Checkpointed(nn.Module):
 
 def test_a_compiled_checkpointed_fp8_block_saves_only_its_input():
     """torch_compile with gradient checkpointing (compile_block's plain checkpointed region): under
-    torch 2.11 a compiled checkpoint without a policy left the ops inside _FP8LinearFunction untagged,
+    torch 2.11 a compiled checkpoint without a policy left the ops inside DequantizedLinearFunction untagged,
     and the partitioner saved both dequantized weights (532480 bytes here; the whole base in bf16 at
     full size: FLUX.1 fp8_scaled peaked at 43.4 GiB on an H100, eager 15.2). Now the region saves its
     input alone, as under 2.13 (which tags through a policy itself: this test fails only under 2.11)."""

@@ -1,8 +1,8 @@
 """Every quantized base Linear (fp8, bitsandbytes nf4 / int8, GGUF blocks, BFL fp8r / nvfp4) keeps no
 dequantized weight for backward and passes nothing through autograd's saved-tensor hooks: its stored
-tensors are its own resident buffers, held by the autograd Function itself. Under checkpointing each
-saved tensor costs a Python pack hook in forward and in the recompute and an unpack in backward (issue
-29's host cost). An input that needs no gradient runs plain ops, with the same bits."""
+tensors are its own resident buffers, held by the one autograd Function they share
+(precision/dequantized_linear.py). Under checkpointing each saved tensor costs a Python pack hook in
+forward and in the recompute and an unpack in backward (issue 29's host cost). An input that needs no gradient runs plain ops, with the same bits."""
 
 import pytest
 import torch
@@ -10,17 +10,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.precision import bfl_weights as bfl, bnb_weights as bnb, fp8, gguf_weights as gg
+from library.precision.dequantized_linear import DequantizedLinearFunction
 from tests.test_gguf import random_blocks
 
 IN, OUT = 256, 96
 
 
 def fp8_layer():
-    return fp8.FP8Linear.from_linear(nn.Linear(IN, OUT), "fp8_scaled"), fp8._FP8LinearFunction
+    return fp8.FP8Linear.from_linear(nn.Linear(IN, OUT), "fp8_scaled")
 
 
 def bnb_layer(mode):
-    return lambda: (bnb.from_linear(nn.Linear(IN, OUT), mode), bnb._DequantizedLinearFunction)
+    return lambda: bnb.from_linear(nn.Linear(IN, OUT), mode)
 
 
 def gguf_layer(qtype):
@@ -28,7 +29,7 @@ def gguf_layer(qtype):
         layer = gg.GGUFLinear(IN, OUT, True, qtype)
         layer.weight = random_blocks(qtype, OUT, IN, seed=3)
         layer.bias = nn.Parameter(torch.randn(OUT) * 0.1, requires_grad=False)
-        return layer, gg._GGUFLinearFunction
+        return layer
     return make
 
 
@@ -43,7 +44,7 @@ def bfl_layer(kind):
             layer.weight_scale = (torch.rand(OUT, IN // bfl.NVFP4_BLOCK) + 0.5).to(torch.float8_e4m3fn)
             layer.weight_scale_2 = torch.tensor(0.01)
         layer.bias = nn.Parameter(torch.randn(OUT) * 0.1, requires_grad=False)
-        return layer, bfl._BFLLinearFunction
+        return layer
     return make
 
 
@@ -56,7 +57,7 @@ LAYERS = {"fp8_scaled": fp8_layer, "nf4": bnb_layer("nf4"), "nf4_dq": bnb_layer(
 def test_backward_saves_nothing_through_autograd_and_gives_the_dequantized_grad(name):
     """Before, the stored tensors went through a pack hook each (bnb, GGUF, BFL): the test fails on that."""
     torch.manual_seed(0)
-    layer, _ = LAYERS[name]()
+    layer = LAYERS[name]()
     saved = []
     x = torch.randn(2, 8, IN, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
@@ -75,10 +76,10 @@ def test_an_input_without_backward_runs_plain_ops_with_the_same_bits(monkeypatch
     """A modulation Linear's timestep embedding, sampling: no backward to dequantize again for, so no
     autograd Function, and the output bits of the Function's forward."""
     torch.manual_seed(0)
-    layer, function = LAYERS[name]()
+    layer = LAYERS[name]()
     calls = []
-    apply = function.apply
-    monkeypatch.setattr(function, "apply", lambda *a: calls.append(1) or apply(*a))
+    apply = DequantizedLinearFunction.apply
+    monkeypatch.setattr(DequantizedLinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
     x = torch.randn(3, 7, IN, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         plain = layer(x)

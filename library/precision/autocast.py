@@ -26,12 +26,6 @@ def matmul_input(x: torch.Tensor, compute_dtype: torch.dtype | None) -> tuple[to
     return x, autocast_dtype(x.device.type) or x.dtype
 
 
-def needs_backward(x: torch.Tensor) -> bool:
-    """True where a frozen quantized Linear's input will get a gradient: only then does its weight
-    need dequantizing again in backward (its autograd Function); otherwise plain ops save nothing."""
-    return x.requires_grad and torch.is_grad_enabled()
-
-
 def autocast_off(device_type: str):
     """Autocast disabled for a block of float32 math; `meta` (the memory planner) has no autocast."""
     return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)

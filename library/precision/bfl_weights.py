@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from library.io import CheckpointError, CheckpointReader
-from library.precision.autocast import autocast_off, matmul_input, needs_backward
+from library.precision.autocast import autocast_off, matmul_input
+from library.precision.dequantized_linear import dequantized_linear
 from library.precision.fp8 import apply_keeping_dtypes
 from library.precision.fp8_checkpoints import diffusion_model_prefix
 
@@ -83,25 +83,6 @@ def quantize_nvfp4(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 # The layer
 
 
-class _BFLLinearFunction(torch.autograd.Function):
-    """y = x @ W^T + b, W dequantized in forward and again in backward (not kept: autograd would
-    hold every layer's dequantized copy until backward). The stored tensors (the layer's buffers,
-    resident anyway) are held on ctx, not saved: no checkpointing pack hook per call
-    (bnb_weights._DequantizedLinearFunction). The base gets no grad."""
-
-    @staticmethod
-    def forward(ctx, x, weight, scale, scale_2, bias, kind, dtype):
-        ctx.stored, ctx.kind, ctx.dtype = (weight, scale, scale_2), kind, dtype
-        return F.linear(x, dequantize(kind, weight, scale, scale_2, dtype), bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_out.to(ctx.dtype) @ dequantize(ctx.kind, *ctx.stored, ctx.dtype)
-        return grad_x, None, None, None, None, None, None
-
-
 class BFLLinear(nn.Module):
     """A frozen Linear whose weight is stored as a BFL file stores it (`kind` "fp8r" or "nvfp4").
 
@@ -140,9 +121,8 @@ class BFLLinear(nn.Module):
         bias = None if self.bias is None else self.bias.to(dtype)
         x = x.to(dtype)
         with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
-            if not needs_backward(x):  # no backward: plain ops save nothing
-                return F.linear(x, self.dequantized_weight(dtype), bias)
-            return _BFLLinearFunction.apply(x, self.weight, self.weight_scale, self.weight_scale_2, bias, self.kind, dtype)
+            stored = (self.weight, self.weight_scale, self.weight_scale_2)
+            return dequantized_linear(x, bias, dequantize, self.kind, *stored, dtype)
 
     def _apply(self, fn, recurse=True):  # model.to(bf16) keeps the stored dtypes; device moves apply
         return apply_keeping_dtypes(self, fn, ("weight", "weight_scale", "weight_scale_2"),

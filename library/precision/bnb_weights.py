@@ -39,10 +39,10 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from library.io import CheckpointError
-from library.precision.autocast import autocast_off, matmul_input, needs_backward
+from library.precision.autocast import autocast_off, matmul_input
+from library.precision.dequantized_linear import dequantized_linear
 from library.precision.fp8 import KeepRules, apply_keeping_dtypes, is_high_precision
 
 MODES = ("nf4", "nf4_dq", "int8")
@@ -161,28 +161,6 @@ def dequantize_int8(shape, dtype: torch.dtype, weight: torch.Tensor, absmax: tor
 # The layers
 
 
-class _DequantizedLinearFunction(torch.autograd.Function):
-    """y = x @ dequantize(*stored)^T + b whose backward dequantizes again instead of keeping the
-    weight (autograd would otherwise hold every layer's dequantized copy until backward: the whole
-    base in the compute dtype). No base grad. The stored tensors are held on ctx, not saved: they
-    are the layer's own buffers, resident and never written in place, and a saved tensor costs
-    checkpointing's pack hook in forward and recompute and an unpack in backward (fp8.py's
-    _FP8LinearFunction, bench/RESULTS.md, issue 29)."""
-
-    @staticmethod
-    def forward(ctx, x, bias, dequantize, *stored):
-        ctx.stored, ctx.dequantize = stored, dequantize
-        return F.linear(x, dequantize(*stored), bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            w = ctx.dequantize(*ctx.stored)
-            grad_x = grad_out.to(w.dtype) @ w
-        return (grad_x, None, None) + (None,) * len(ctx.stored)
-
-
 class _BnbLinear(nn.Module):
     """A frozen Linear whose weight is stored in a bitsandbytes format (NF4Linear, Int8Linear).
 
@@ -225,9 +203,7 @@ class _BnbLinear(nn.Module):
         bias = None if self.bias is None else self.bias.to(dtype)
         x = x.to(dtype)
         with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
-            if not needs_backward(x):  # no backward: plain ops save nothing
-                return F.linear(x, self.dequantized_weight(dtype), bias)
-            return _DequantizedLinearFunction.apply(x, bias, self._dequantizer(dtype), *self._stored())
+            return dequantized_linear(x, bias, self._dequantizer(dtype), *self._stored())
 
     def _apply(self, fn, recurse=True):
         return apply_keeping_dtypes(self, fn, self.stored_names, lambda: super(_BnbLinear, self)._apply(fn, recurse))

@@ -33,10 +33,10 @@ from typing import Protocol
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from library.io import CheckpointError, CheckpointReader
-from library.precision.autocast import matmul_input, needs_backward
+from library.precision.autocast import matmul_input
+from library.precision.dequantized_linear import dequantized_linear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -212,32 +212,6 @@ def apply_keeping_dtypes(module: nn.Module, fn, names: tuple[str, ...], apply) -
     return module
 
 
-class _FP8LinearFunction(torch.autograd.Function):
-    """y = x @ dequant(q)^T + b whose backward re-dequantizes the weight instead of keeping it:
-    autograd would otherwise save every layer's dequantized copy until backward, holding the
-    whole base in the compute dtype during a step and undoing fp8's memory saving. The base gets
-    no gradient.
-
-    The codes and scale are held on ctx, not passed through save_for_backward: they are the layer's
-    own buffers, resident anyway and never written in place (block swap moves their storage under the
-    same tensor objects, which ctx sees as a saved tensor would). A saved tensor costs a Python pack hook
-    in checkpointing's forward and in its recompute, an unpack in backward and the recompute's check;
-    with FP8Linear.forward's other two cuts, a narrow fp8_scaled training step on one CPU thread ran
-    x0.94-0.95 (bench/RESULTS.md, issue 29)."""
-
-    @staticmethod
-    def forward(ctx, x, q, scale, bias, dtype):
-        ctx.q, ctx.scale, ctx.dtype = q, scale, dtype
-        return F.linear(x, dequantize_weight(q, scale, dtype), bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_out.to(ctx.dtype) @ dequantize_weight(ctx.q, ctx.scale, ctx.dtype)
-        return grad_x, None, None, None, None
-
-
 class FP8Linear(nn.Module):
     """A frozen Linear whose weight is stored as float8_e4m3fn (+ bf16 block scales or one fp32 scale).
 
@@ -290,11 +264,9 @@ class FP8Linear(nn.Module):
         x, dtype = self.input_and_dtype(x)
         x, bias = x.to(dtype), None if self.bias is None else self.bias.to(dtype)
         # Every operand is in `dtype`, which is autocast's while it is on (matmul_input): autocast casts
-        # nothing here, so the matmul runs in exactly that dtype without switching autocast off.
-        if not needs_backward(x):  # no backward (the bias is frozen):
-            return F.linear(x, self.dequantized_weight(dtype), bias)  # plain ops save nothing here
-        # The weight is dequantized inside the function, in forward and again in backward.
-        return _FP8LinearFunction.apply(x, self.weight, self.weight_scale, bias, dtype)
+        # nothing here, so the matmul runs in exactly that dtype without switching autocast off. The
+        # weight is dequantized in forward and, where x needs a gradient, again in backward.
+        return dequantized_linear(x, bias, dequantize_weight, self.weight, self.weight_scale, dtype)
 
     def _apply(self, fn, recurse=True):
         return apply_keeping_dtypes(self, fn, self.fixed_dtype_buffers, lambda: super(FP8Linear, self)._apply(fn, recurse))

@@ -26,10 +26,10 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from library.io import GGUF_SUFFIX, CheckpointError, CheckpointReader
-from library.precision.autocast import autocast_off, matmul_input, needs_backward
+from library.precision.autocast import autocast_off, matmul_input
+from library.precision.dequantized_linear import dequantized_linear
 from library.precision.fp8_checkpoints import diffusion_model_prefix
 
 QK_K = 256  # weights per K-quant super-block
@@ -216,26 +216,6 @@ def dequantize(packed: torch.Tensor, qtype: str, shape, dtype: torch.dtype = tor
 # The layer
 
 
-class _GGUFLinearFunction(torch.autograd.Function):
-    """y = x @ dequant(blocks)^T + b. Backward dequantizes again instead of keeping the weight:
-    autograd would otherwise hold every layer's dequantized copy until backward, the whole base
-    in the compute dtype. The packed blocks (the layer's buffer, resident anyway) are held on ctx,
-    not saved: no checkpointing pack hook per call (bnb_weights._DequantizedLinearFunction). The
-    base gets no grad."""
-
-    @staticmethod
-    def forward(ctx, x, packed, bias, qtype, shape, dtype):
-        ctx.packed, ctx.qtype, ctx.shape, ctx.dtype = packed, qtype, shape, dtype
-        return F.linear(x, dequantize(packed, qtype, shape, dtype), bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_out.to(ctx.dtype) @ dequantize(ctx.packed, ctx.qtype, ctx.shape, ctx.dtype)
-        return grad_x, None, None, None, None, None
-
-
 class GGUFLinear(nn.Module):
     """A frozen Linear whose weight is a GGUF file's blocks of one block type (`qtype`).
 
@@ -274,9 +254,7 @@ class GGUFLinear(nn.Module):
         shape = (self.out_features, self.in_features)
         x = x.to(dtype)
         with autocast_off(x.device.type):  # the matmul runs in exactly `dtype`
-            if not needs_backward(x):  # no backward: plain ops save nothing
-                return F.linear(x, self.dequantized_weight(dtype), bias)
-            return _GGUFLinearFunction.apply(x, self.weight, bias, self.qtype, shape, dtype)
+            return dequantized_linear(x, bias, dequantize, self.weight, self.qtype, shape, dtype)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         key = prefix + "weight"
