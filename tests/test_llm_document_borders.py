@@ -47,6 +47,20 @@ def test_a_packed_window_gives_the_logits_of_each_document_run_alone(extra):
     assert (across - alone)[5:].abs().max() > 1e-2  # the old behaviour: B and C see what came before them
 
 
+def test_documents_combine_with_left_padding():
+    """A left-padded packed row (the pads a document of their own, attention_mask 0 there): the real tokens'
+    logits are still each document's alone (the padding mask and the document mask combine)."""
+    torch.manual_seed(0)
+    model = tiny_llm()
+    inputs, _, documents, docs = packed_window()
+    padded = torch.cat([torch.zeros(2, dtype=torch.long), inputs])[None]
+    mask = torch.tensor([[0, 0] + [1] * 16])
+    with torch.no_grad():
+        logits = model(padded, attention_mask=mask, documents=torch.cat([torch.full((1, 2), -1), documents], 1))[0]
+        alone = torch.cat([model(d[None])[0] for d in (docs[0], docs[1], docs[2][:-1])])
+    assert (logits[2:] - alone).abs().max() < 1e-5
+
+
 def test_the_target_across_a_border_is_ignored_and_the_rest_are_the_next_tokens():
     inputs, targets, _, docs = packed_window()
     stream = torch.cat(docs)
