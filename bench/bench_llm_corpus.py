@@ -44,7 +44,7 @@ if sys.argv[2] == "old":
     ids = text_corpus.tokenize_documents(text_corpus.load_text_corpus([sys.argv[3]]), encode, 0, encode)
 else:
     files, _ = text_corpus.check_corpus([sys.argv[3]], None, False)
-    ids, _ = text_corpus.tokenize_corpus(files, encode, encode, 0)
+    ids = text_corpus.tokenize_corpus(files, encode, encode, 0).ids
 print(json.dumps({"base_mb": base, "peak_mb": status("VmHWM:"), "tokens": len(ids),
                   "ids_mb": ids.numel() * ids.element_size() / 2**20, "seconds": time.perf_counter() - start}))
 """

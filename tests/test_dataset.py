@@ -546,7 +546,7 @@ def test_corpus_loading_tokenizing_and_tail_validation_split(tmp_path):
     files, count = text_corpus.check_corpus([str(tmp_path / "docs")], None, False)
     assert [os.path.basename(f) for f in files] == ["a.txt", "b.txt"] and count == (2, 0)
     encode = lambda s: [ord(c) for c in s]  # noqa: E731
-    ids, trained = text_corpus.tokenize_corpus(files, encode, encode, eos_id=0)
+    ids, trained, _ = text_corpus.tokenize_corpus(files, encode, encode, eos_id=0)
     assert ids.tolist() == [104, 101, 108, 108, 111, 0, 119, 111, 114, 108, 100, 0] and trained is None
     train, val = text_corpus.train_val_split(torch.arange(100), 0.1)
     assert train.tolist() == list(range(90)) and val.tolist() == list(range(90, 100))

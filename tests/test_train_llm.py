@@ -238,7 +238,8 @@ def test_held_out_loss_is_token_weighted_over_the_whole_split():
     model = LLM(LLMConfig(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
                           qkv_bias=False, max_position_embeddings=32)).eval()
     ids = torch.randint(0, 40, (70,))
-    task = SimpleNamespace(val_ids=ids, val_trained=None, args=SimpleNamespace(max_length=16, batch_size=3), model=model, device="cpu")
+    task = SimpleNamespace(val_ids=ids, val_trained=None, val_starts=None, args=SimpleNamespace(max_length=16, batch_size=3),
+                           model=model, device="cpu")
     weighted, count = 0.0, 0
     for s in range(0, 69, 16):
         window = ids[s : s + 17][None]

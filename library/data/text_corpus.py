@@ -5,6 +5,7 @@ of max_length + 1 tokens."""
 
 from __future__ import annotations
 
+import array
 import codecs
 import os
 import re
@@ -158,12 +159,18 @@ class TokenStream:
     """Token ids (TOKEN_DTYPE) and, once some token is not trained on, a bool mask of those that are,
     appended a document or a piece at a time into blocks of BLOCK tokens allocated whole (their pages
     count once written), the blocks joined into one tensor at the end, each freed as it is copied: the
-    peak is the stream plus about one block, not twice the stream."""
+    peak is the stream plus about one block, not twice the stream. Where each document (or conversation)
+    starts is kept too (start_document): 8 bytes a document, for windows that do not attend across them."""
 
     BLOCK = 1 << 24  # tokens (64 MB of int32): above glibc's largest mmap threshold, so a freed block leaves RSS
 
     def __init__(self):
         self.blocks, self.masks, self.fill = [torch.empty(self.BLOCK, dtype=TOKEN_DTYPE)], None, 0
+        self.starts = array.array("q")  # int64 offsets of each document's first token, increasing
+
+    def start_document(self):
+        """The next token added starts a document (or a conversation)."""
+        self.starts.append((len(self.blocks) - 1) * self.BLOCK + self.fill)
 
     def add(self, ids: list[int], trained: bool | list[bool] = True):
         """ids, each trained on (a target of the loss) or not: one flag for all, or one a token."""
@@ -183,6 +190,12 @@ class TokenStream:
                 if self.masks is not None:
                     self.masks.append(torch.ones(self.BLOCK, dtype=torch.bool))
                 self.fill = 0
+
+    def document_starts(self) -> torch.Tensor:
+        """int64 [D]: where each document begins (an empty one, adding no token, shares the next's start)."""
+        if not self.starts:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.frombuffer(self.starts, dtype=torch.int64).clone()  # a copy: the array may grow or go
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(ids TOKEN_DTYPE [N], trained bool [N] or None where every token is trained)."""
@@ -208,6 +221,7 @@ def join_freeing(blocks: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor
 def add_text(stream: TokenStream, pieces: Iterable[str], encode: Callable[[str], list[int]],
              encode_more: Callable[[str], list[int]] | None, end: list[int]):
     """One document, given as pieces: the first encoded by `encode`, the rest by `encode_more`; then `end`."""
+    stream.start_document()
     for i, piece in enumerate(pieces):
         stream.add(list((encode if i == 0 else encode_more)(piece)))
     stream.add(end)
@@ -228,13 +242,21 @@ def tokenize_documents(documents: Iterable[str], encode: Callable[[str], list[in
     return stream.finish()[0]
 
 
+class Corpus(NamedTuple):
+    """train_data as one token stream."""
+
+    ids: torch.Tensor  # TOKEN_DTYPE [N]
+    trained: torch.Tensor | None  # bool [N]: the tokens that are targets of the loss; None: every token
+    starts: torch.Tensor  # int64 [D]: the offset where each document / conversation begins, increasing
+
+
 def tokenize_corpus(files: list[str], encode: Callable[[str], list[int]], encode_more: Callable[[str], list[int]],
-                    eos_id: int | None, chat: ChatEncoder | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    eos_id: int | None, chat: ChatEncoder | None = None) -> Corpus:
     """The token stream of train_data's files (corpus_files), read a file piece or a .jsonl line at a time:
     only the ids (and the trained mask) are kept. A .txt file and a .jsonl "text" record are documents
     (tokenize_documents' pieces and eos_id); a "messages" record is the conversation `chat` renders, its
     own template's tokens its borders (no eos_id added), trained where `chat` says.
-    Returns (ids TOKEN_DTYPE [N], trained bool [N] or None when every token is trained)."""
+    Returns a Corpus: the ids, the trained mask (None when every token is trained) and the document starts."""
     split = pieces_keep_tokens(encode, encode_more)
     end, stream = [eos_id] if eos_id is not None else [], TokenStream()
     for path in files:
@@ -245,8 +267,9 @@ def tokenize_corpus(files: list[str], encode: Callable[[str], list[int]], encode
             if "text" in record:
                 add_text(stream, text_pieces(record["text"]) if split else [record["text"]], encode, encode_more, end)
             else:
+                stream.start_document()
                 stream.add(*chat(record["messages"], where))
-    return stream.finish()
+    return Corpus(*stream.finish(), stream.document_starts())
 
 
 def train_val_split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,6 +281,13 @@ def train_val_split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tenso
     return ids[: len(ids) - n_val], ids[len(ids) - n_val :]
 
 
+def split_starts(starts: torch.Tensor, n_train: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Document starts (int64 [D]) split as train_val_split splits their stream at n_train tokens: the
+    validation part's offsets counted from its own first token."""
+    at = int(torch.searchsorted(starts, n_train))
+    return starts[:at], starts[at:] - n_train
+
+
 IGNORE = -100  # a target the loss skips (cross_entropy's ignore_index): a token that is not trained on
 
 
@@ -266,15 +296,48 @@ def masked_targets(targets: torch.Tensor, trained: torch.Tensor | None) -> torch
     return targets if trained is None else targets.masked_fill(~trained, IGNORE)
 
 
+def untrain_border_targets(trained: torch.Tensor | None, starts: torch.Tensor, n: int) -> torch.Tensor | None:
+    """trained (bool [n], None: all) with each document's first token (but the stream's first) not trained:
+    as a target it is predicted from the end of the document before it (EOS, a conversation's last token),
+    an unrelated text. None where no document starts after the first token."""
+    borders = starts[(starts > 0) & (starts < n)]
+    if not len(borders):
+        return trained
+    trained = torch.ones(n, dtype=torch.bool) if trained is None else trained.clone()
+    return trained.index_fill_(0, borders, False)
+
+
+def window_documents(starts: torch.Tensor, begin: int, length: int) -> torch.Tensor:
+    """int64 [length]: which document each token begin .. begin + length - 1 belongs to, counted from 0 at
+    `begin` (a document that starts before the window is document 0). starts: int64 [D], increasing."""
+    documents = torch.searchsorted(starts, torch.arange(begin, begin + length), right=True)
+    return documents - documents[0]
+
+
+def batch_documents(rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """int64 [B, L] of window_documents rows, or None where each window holds one document: the model
+    then builds no mask (SDPA's causal fast kernel) and counts positions 0..L-1, as one document needs."""
+    if all(int(row[-1]) == 0 for row in rows):
+        return None
+    return torch.stack(rows)
+
+
 class TextWindowDataset(torch.utils.data.Dataset):
     """Windows of max_length tokens every `stride` tokens (default: max_length, no overlap).
     Item i is (input_ids, targets), both int64 [max_length], targets = inputs shifted by one, IGNORE
     where `trained` (bool, one a token, None: all) is False; a window with no trained target is left
     out (its loss would be 0 / 0). The stream itself is held as TOKEN_DTYPE. Tokens after the last
-    full window are not used."""
+    full window are not used.
+    document_starts (int64 [D], where each document begins; None: one stream attended across): a target that is a
+    document's first token is IGNORE (untrain_border_targets), and documents(i) says which document each
+    input token of window i belongs to, for attention and positions that restart at each."""
 
-    def __init__(self, token_ids, max_length: int, stride: int | None = None, trained: torch.Tensor | None = None):
+    def __init__(self, token_ids, max_length: int, stride: int | None = None, trained: torch.Tensor | None = None,
+                 document_starts: torch.Tensor | None = None):
         self.ids = torch.as_tensor(token_ids).to(TOKEN_DTYPE).flatten()
+        self.document_starts = None if document_starts is None else torch.as_tensor(document_starts, dtype=torch.int64)
+        if self.document_starts is not None:
+            trained = untrain_border_targets(trained, self.document_starts, len(self.ids))
         self.max_length, self.stride, self.trained = max_length, stride or max_length, trained
         if max_length < 1 or self.stride < 1:
             raise ValueError(f"max_length and stride must be >= 1, got {max_length}, {self.stride}")
@@ -283,8 +346,8 @@ class TextWindowDataset(torch.utils.data.Dataset):
         self.starts = range(0, len(self.ids) - max_length, self.stride)
         if trained is not None:  # keep the windows whose targets s + 1 .. s + max_length hold a trained token
             counts = trained.cumsum(0, dtype=torch.int32)  # int32 [N]: trained tokens up to each
-            starts = torch.arange(0, len(self.ids) - max_length, self.stride)
-            self.starts = starts[counts[starts + max_length] > counts[starts]]
+            window_starts = torch.arange(0, len(self.ids) - max_length, self.stride)
+            self.starts = window_starts[counts[window_starts + max_length] > counts[window_starts]]
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -294,3 +357,11 @@ class TextWindowDataset(torch.utils.data.Dataset):
         window = self.ids[s : s + self.max_length + 1].long()  # int64 [max_length + 1]
         trained = None if self.trained is None else self.trained[s + 1 : s + self.max_length + 1]
         return window[:-1], masked_targets(window[1:], trained)
+
+    def documents(self, items: list[int]) -> torch.Tensor | None:
+        """int64 [len(items), max_length]: the document of each input token of these windows (batch_documents),
+        or None: each window holds one document, or the stream is attended across (no document_starts)."""
+        if self.document_starts is None:
+            return None
+        starts = self.document_starts
+        return batch_documents([window_documents(starts, int(self.starts[i]), self.max_length) for i in items])

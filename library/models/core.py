@@ -215,14 +215,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 def attention_mask(
-    key_mask: torch.Tensor | None, q_len: int, k_len: int, causal: bool, device: torch.device, window: int = 0
+    key_mask: torch.Tensor | None, q_len: int, k_len: int, causal: bool, device: torch.device, window: int = 0,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Boolean [B or 1, 1, q_len, k_len] mask (True = attend) from a key padding mask and/or
     causality. Rows with no visible key (padding queries under causal left-padding) are opened
     fully, so SDPA never returns NaN; those rows are padding (library/models/llm.py zeroes their
     output, as transformers does). window > 0 (causal only): query i sees only the `window` keys
-    ending at its own position (sliding-window attention)."""
-    if key_mask is None and not causal:
+    ending at its own position (sliding-window attention). documents [B, L] (self-attention, q_len ==
+    k_len == L): a query sees only keys of its own document (packed sequences: block-diagonal)."""
+    if key_mask is None and not causal and documents is None:
         return None
     mask = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=device)
     if causal:
@@ -230,6 +232,8 @@ def attention_mask(
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal)[None, None]
         if window:
             mask = mask.triu(diagonal - window + 1)
+    if documents is not None:
+        mask = mask & (documents[:, None, :, None] == documents[:, None, None, :])
     if key_mask is not None:
         mask = mask & key_mask.bool()[:, None, None, :]
         mask = mask | ~mask.any(-1, keepdim=True)

@@ -345,6 +345,15 @@ def position_ids_from_mask(attention_mask: torch.Tensor | None, seq_len: int, de
     return (mask.long().cumsum(-1) - 1).masked_fill(~mask, 0)
 
 
+def position_ids_from_documents(documents: torch.Tensor) -> torch.Tensor:
+    """int64 [B, L] positions counted from 0 at each document's first token (documents [B, L]: a document
+    index per token, equal within a document), as each document alone would get them."""
+    index = torch.arange(documents.shape[-1], device=documents.device).expand_as(documents)
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[..., 1:] = documents[..., 1:] != documents[..., :-1]
+    return index - torch.where(first, index, 0).cummax(-1).values
+
+
 class LLM(nn.Module):
     """Causal LM. forward(input_ids [B, L] int64, attention_mask [B, L] (1 = token, 0 = pad)).
 
@@ -409,42 +418,48 @@ class LLM(nn.Module):
             self._rope_cache[key] = value
         return self._rope_cache[key]
 
-    def _embed(self, input_ids, attention_mask, position_ids, inputs_embeds=None):
+    def _embed(self, input_ids, attention_mask, position_ids, inputs_embeds=None, documents=None):
         """(embeddings [B, L, D] compute_dtype, cos, sin fp32, each layer's mask (bool or None), visible or
         None) for a forward. inputs_embeds [B, L, D] replaces the token lookup (e.g. image tokens carrying vision
-        features)."""
+        features). documents [B, L] int64 (packed windows): attention stays within a document and, unless
+        position_ids are given, positions restart at 0 at each document's first token."""
         B, L = input_ids.shape
-        if position_ids is None and attention_mask is None:
+        if position_ids is None and attention_mask is None and documents is None:
             cos, sin = self._rope_for_length(L, input_ids.device)  # fp32, positions 0..L-1
         else:
-            if position_ids is None:
+            if position_ids is None and documents is not None:
+                position_ids = position_ids_from_documents(documents)  # int64
+            elif position_ids is None:
                 position_ids = position_ids_from_mask(attention_mask, L, input_ids.device)  # int64
             cos, sin = self._rope(position_ids)  # fp32
         key_mask = None if attention_mask is None else attention_mask.bool()
-        # Built once per forward when there is padding; without it SDPA applies causality itself.
+        # Built once per forward when there is padding or more than one document; without either, SDPA
+        # applies causality itself.
         # A left-pad query sees no key: attention_mask opens its row (no kernel returns NaN) and
         # `visible` zeroes its output in every layer, as transformers does (text encoders whose
         # output keeps the pad rows then match it). Causal and square: query i sees a key iff one
         # of keys 0..i is real.
         mask = visible = None
+        if key_mask is not None or documents is not None:
+            mask = core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device, documents=documents)
         if key_mask is not None:
-            mask = core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device)
             visible = (key_mask.cumsum(-1) > 0)[..., None].to(self.compute_dtype)  # [B, L, 1]
         # The window layers' boolean mask (True = attend): keys i - sliding_window + 1 .. i, where the window hides any
         # key at all (L > sliding_window); a real query always sees itself, so only pad rows are opened.
         window = self.config.sliding_window
         masks = [mask] * self.config.num_layers
         if window and L > window:
-            window_mask = core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device, window=window)
+            window_mask = core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device, window=window,
+                                              documents=documents)
             masks = [window_mask if i in self.config.window_layers else mask for i in range(self.config.num_layers)]
         embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         return embeds.to(self.compute_dtype), cos, sin, masks, visible
 
-    def _decode(self, input_ids, attention_mask, keep_all: bool, position_ids=None, inputs_embeds=None):
+    def _decode(self, input_ids, attention_mask, keep_all: bool, position_ids=None, inputs_embeds=None, documents=None):
         """Run the decoder; returns (final normed hidden [B, L, D], HF-style list or None)."""
         if self.hidden_states_only:
             raise RuntimeError("this LLM was truncated for hidden states (truncate_for_hidden_states): use selected_hidden_states")
-        x, cos, sin, masks, visible = self._embed(input_ids, attention_mask, position_ids, inputs_embeds)
+        x, cos, sin, masks, visible = self._embed(input_ids, attention_mask, position_ids, inputs_embeds, documents)
         states = [x] if keep_all else None
         for layer, mask in zip(self.model.layers, masks):
             x = core.run_block(layer, self.gradient_checkpointing, x, cos, sin, mask, visible)
@@ -488,8 +503,11 @@ class LLM(nn.Module):
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
-    def forward(self, input_ids, attention_mask=None, output_hidden_states: bool = False, position_ids=None):
-        hidden, states = self._decode(input_ids, attention_mask, output_hidden_states, position_ids)
+    def forward(self, input_ids, attention_mask=None, output_hidden_states: bool = False, position_ids=None,
+                documents=None):
+        """documents: int64 [B, L] (None: one sequence a row), the document of each token of packed windows:
+        each attends only to its own document, its positions counted from that document's start."""
+        hidden, states = self._decode(input_ids, attention_mask, output_hidden_states, position_ids, documents=documents)
         logits = self.logits(hidden)
         return (logits, states) if output_hidden_states else logits
 

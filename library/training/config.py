@@ -182,6 +182,10 @@ SCHEMA: dict[str, Arg] = {
                               "record a line), or folders whose .txt / .jsonl files (any case, subfolders too) are read"),
     "train_on_all_tokens": A(bool, False, "llm: .jsonl \"messages\" records: the loss on every token of the conversation "
                                           "(system, user, the template's), not only the assistant messages'"),
+    "attend_across_documents": A(bool, False, "llm: false (default): in a window that packs several documents / "
+                                              "conversations, each attends only to itself, its positions restart "
+                                              "at 0 and the target after its end (the next one's first token) is "
+                                              "not trained; true: the window is one sequence (as before the key)"),
     "max_length": A(int, 256, "llm: tokens per window"),
     "stride": A(int, None, "llm: window stride (unset: max_length, windows that neither overlap nor skip text)"),
     "val_fraction": A(float, 0.1, "llm: share of tokens held out (0: evals give the sample alone, no val loss)"),
@@ -566,9 +570,9 @@ _IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v
              "in [0, 1)": lambda v: 0 <= v < 1}
 # What only an llm run reads; a diffusion run reads each family's own keys (its spec's config_keys)
 # and these.
-LLM_KEYS = ("train_data", "train_on_all_tokens", "max_length", "stride", "val_fraction", "eval_every_n_steps",
-            "sample_prompt", "sample_chat_template", "sample_max_new_tokens", "temperature", "top_k", "batch_size",
-            "pretrain", "scaled_residual_init")
+LLM_KEYS = ("train_data", "train_on_all_tokens", "attend_across_documents", "max_length", "stride", "val_fraction",
+            "eval_every_n_steps", "sample_prompt", "sample_chat_template", "sample_max_new_tokens", "temperature",
+            "top_k", "batch_size", "pretrain", "scaled_residual_init")
 LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "network_weights", "network_dropout")
 DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
                   "sample_prompts", "sample_bf16_reference", "timestep_sampling", "discrete_flow_shift",

@@ -4,10 +4,13 @@ the whole model (pretrain = true) from a checkpoint or from a config.json alone 
 Data: .txt files and .jsonl records -> one token stream (each document encoded with the tokenizer's own
 special tokens, e.g. Llama's BOS, and ended by EOS; each conversation rendered by the chat template, the
 loss on its assistant tokens unless train_on_all_tokens) -> train/val split -> sliding
-windows of max_length + 1 tokens. Every eval_every_n_steps: val loss (token-weighted over the
-whole held-out split, `held_out_loss`; none when val_fraction holds nothing out), perplexity and a sample
-from sample_prompt (temperature / top-k; with sample_chat_template, the prompt is one user turn of the chat
-template and the sample its reply alone), printed and written to <output_name>_eval.csv.
+windows of max_length + 1 tokens. Unless attend_across_documents, a window that packs several documents
+attends within each alone (a block-diagonal causal mask), counts each one's positions from 0 and does not
+train the target after a document's end (the next document's first token): the windows' `documents`.
+Every eval_every_n_steps: val loss (token-weighted over the whole held-out split, `held_out_loss`; none
+when val_fraction holds nothing out), perplexity and a sample from sample_prompt (temperature / top-k;
+with sample_chat_template, the prompt is one user turn of the chat template and the sample its reply
+alone), printed and written to <output_name>_eval.csv.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.data.chat_records import chat_encoder, end_of_turn_id, user_turn_ids
-from library.data.text_corpus import IGNORE, TextWindowDataset, check_corpus, masked_targets, tokenize_corpus, train_val_split
+from library.data.text_corpus import (IGNORE, TextWindowDataset, batch_documents, check_corpus, masked_targets,
+                                      split_starts, tokenize_corpus, train_val_split, untrain_border_targets,
+                                      window_documents)
 from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
@@ -58,10 +63,12 @@ class LMLoss(nn.Module):
             self._model = [model]
         self.autocast_dtype = autocast_dtype
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """documents: int64 [B, L], each input token's document in a packed window (None: one a window)."""
         model = self.model if hasattr(self, "model") else self._model[0]
         with compute_autocast(input_ids.device, self.autocast_dtype):
-            return cross_entropy_loss(model(input_ids), targets)
+            return cross_entropy_loss(model(input_ids, documents=documents), targets)
 
 
 RESIDUAL_PROJECTIONS = ("o_proj.weight", "down_proj.weight")  # what each layer adds to the residual stream
@@ -248,7 +255,7 @@ class LLMTask:
                           f"documents of train_data (.txt files and \"text\" records) run together with no border "
                           f"between them (set eos_token in its tokenizer_config.json)", stacklevel=2)
         chat = chat_encoder(self.tokenizer, args.train_on_all_tokens)
-        ids, trained = tokenize_corpus(files, self.encode, self.encode_more, eos, chat)
+        ids, trained, starts = tokenize_corpus(files, self.encode, self.encode_more, eos, chat)
         if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
             top = int(ids.max())
             raise ConfigError(f"{args.pretrained_model_name_or_path}: the tokenizer gives train_data token id {top} "
@@ -256,12 +263,17 @@ class LLMTask:
                               f"tokenizer.json and config.json are not of one model (or add_tokens left the embedding short)")
         train_ids, val_ids = train_val_split(ids, args.val_fraction)
         train_trained, self.val_trained = train_val_split(trained, args.val_fraction) if trained is not None else (None, None)
+        # Document borders (None: one stream, attended across): the windows' `documents`, and held_out_loss's
+        train_starts, self.val_starts = (None, None) if args.attend_across_documents else split_starts(starts,
+                                                                                                       len(train_ids))
+        if self.val_starts is not None:  # the held-out targets that cross a border are not scored, as in training
+            self.val_trained = untrain_border_targets(self.val_trained, self.val_starts, len(val_ids))
         if len(train_ids) < args.max_length + 1:  # named here: the dataset's own error knows no file or key
             held = f" after val_fraction {args.val_fraction:g} holds out {len(val_ids)}" if len(val_ids) else ""
             raise ConfigError(f"train_data {', '.join(args.train_data)}: {len(ids)} tokens{held} leave {len(train_ids)} "
                               f"to train on, fewer than max_length + 1 = {args.max_length + 1}")
-        train = TextWindowDataset(train_ids, args.max_length, args.stride, train_trained)
-        val = (TextWindowDataset(val_ids, args.max_length, args.max_length, self.val_trained)
+        train = TextWindowDataset(train_ids, args.max_length, args.stride, train_trained, train_starts)
+        val = (TextWindowDataset(val_ids, args.max_length, args.max_length, self.val_trained, self.val_starts)
                if len(val_ids) > args.max_length + 1 else None)
         self.val_ids = val_ids  # TOKEN_DTYPE [N]: evaluate() scores all of it (its trained tokens: val_trained)
         if len(val_ids) > 1 and not self.scores_held_out():
@@ -344,10 +356,12 @@ class LLMTask:
             per = -(-len(batch) // world)
             local = (batch * world)[: per * world][rank * per : (rank + 1) * per]
             inputs, targets = zip(*(self.train_set[i] for i in local))
-            yield torch.stack(inputs), torch.stack(targets)
+            yield torch.stack(inputs), torch.stack(targets), self.train_set.documents(local)
 
     def batch_inputs(self, batch, step: int):
-        return batch[0].to(self.device), batch[1].to(self.device)
+        """(input_ids, targets, documents or None) on the device: LMLoss's arguments."""
+        inputs, targets, documents = batch
+        return inputs.to(self.device), targets.to(self.device), None if documents is None else documents.to(self.device)
 
     def step_extras(self) -> dict:
         return {}
@@ -393,8 +407,9 @@ class LLMTask:
         """Token-weighted mean cross-entropy over every trained target token of the held-out split (nan
         when it has none): windows of max_length targets, stride max_length, so each
         token is predicted once with the context reset per window; the last window is the shorter
-        rest. Full windows run batch_size at a time."""
-        ids, trained, length = self.val_ids, self.val_trained, self.args.max_length
+        rest. Full windows run batch_size at a time. With val_starts, a window that packs several documents
+        attends within each alone, as training's windows do (val_trained then leaves out the border targets)."""
+        ids, trained, length, doc_starts = self.val_ids, self.val_trained, self.args.max_length, self.val_starts
         starts = list(range(0, len(ids) - 1, length))
         full = [s for s in starts if s + length + 1 <= len(ids)]
         batches = [full[i : i + self.args.batch_size] for i in range(0, len(full), self.args.batch_size)]
@@ -404,7 +419,9 @@ class LLMTask:
             windows = torch.stack([ids[s : s + length + 1] for s in batch]).to(self.device, torch.long)  # int64 ids
             targets = masked_targets(windows[:, 1:], None if trained is None else
                                      torch.stack([trained[s + 1 : s + length + 1] for s in batch]).to(self.device))
-            logits = self.model(windows[:, :-1])
+            documents = None if doc_starts is None else batch_documents(
+                [window_documents(doc_starts, s, windows.shape[1] - 1) for s in batch])
+            logits = self.model(windows[:, :-1], documents=None if documents is None else documents.to(self.device))
             total += float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
             count += int((targets != IGNORE).sum())
         return total / count if count else float("nan")

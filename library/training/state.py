@@ -39,6 +39,9 @@ SCHEDULE_IDENTITY = ("lr_warmup_steps", "lr_scheduler_num_cycles", "lr_scheduler
 # An LLM's windows (and its held-out share): another max_length / stride cuts the text into other batches,
 # so the resumed run would skip batches of another set. Compared where the state has them, as above.
 LLM_DATA_IDENTITY = ("max_length", "stride", "val_fraction", "batch_size")
+# An LLM's data settings that change which targets are trained (and so which windows are kept), each with the
+# value a state written before the key ran with: such a state resumes only with that value.
+LLM_TRAINED_BEFORE_KEY = {"attend_across_documents": True}  # border targets were trained, attention crossed
 
 EMA_IDENTITY = ("ema_decay", "ema_warmup", "ema_start_step")
 EMA_WARMUP_IDENTITY = ("ema_inv_gamma", "ema_power")
@@ -50,7 +53,7 @@ PROGRESS_KEYS = ("step", "epoch", "batches_done", "scheduler", "run")
 def run_digest(args) -> dict:
     identity = {k: getattr(args, k) for k in RUN_IDENTITY + SCHEDULE_IDENTITY}
     if args.model_type == "llm":
-        identity.update({k: getattr(args, k) for k in LLM_DATA_IDENTITY})
+        identity.update({k: getattr(args, k) for k in (*LLM_DATA_IDENTITY, *LLM_TRAINED_BEFORE_KEY)})
     identity["base_model"] = os.path.basename(os.path.normpath(args.pretrained_model_name_or_path or ""))
     if getattr(args, "base_precision", None) in LOWBIT_PRECISIONS:  # fp8 and bf16 are in fp8_base / fp8_scaled
         identity["base_precision"] = args.base_precision  # (so states written before the key still resume)
@@ -97,6 +100,9 @@ def load_state(folder: str, args) -> SavedState:
     for key in SCHEDULE_IDENTITY + LLM_DATA_IDENTITY:
         if key not in saved:
             current.pop(key, None)
+    for key, before in LLM_TRAINED_BEFORE_KEY.items():
+        if key in current:
+            saved.setdefault(key, before)
     for key in current:
         if saved.get(key) != current[key]:
             raise ValueError(
