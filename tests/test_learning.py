@@ -4,10 +4,13 @@ purple star, as the pixel-space detector reads the renders; and the same trainin
 target's sign flipped (a broken objective) does not."""
 
 import os
+import weakref
 
 import pytest
 import torch
 
+import networks.factory
+import tools.concept_demo
 import train_lora
 from library.models import flow_matching
 from tools.concept_demo import concept_demo
@@ -36,6 +39,39 @@ def concept_set(tmp_path_factory):
     return make_concept_dataset(str(tmp_path_factory.mktemp("concept")), count=10)
 
 
+@pytest.fixture(scope="module")
+def base_renders() -> dict:
+    """concept_demo's renders (and scores) of a base without the LoRA, kept for the module's other
+    tests: they depend only on the base (its files and precision), the concept set's prompts and the
+    seed, the same in every test here. A family's flipped-target test reuses those its first test made
+    instead of rendering the same base again."""
+    return {}
+
+
+@pytest.fixture
+def each_base_rendered_once(monkeypatch, base_renders):
+    """Patches concept_demo to take a render of the base without a LoRA from base_renders (keyed by the
+    family, the base's dtypes and the seed: the rest is the module's), rendering it the first time. A
+    model a LoRA was read onto (network_from_file) is always rendered."""
+    render_and_score, read_lora = tools.concept_demo.render_and_score, networks.factory.network_from_file
+    with_lora = weakref.WeakSet()
+
+    def network_from_file(model, *args, **kwargs):
+        with_lora.add(model)
+        return read_lora(model, *args, **kwargs)
+
+    def render_and_score_once(family, model, vae, text, wanted, seed):
+        if model in with_lora:
+            return render_and_score(family, model, vae, text, wanted, seed)
+        key = (family.arch, tuple(sorted({str(t.dtype) for t in model.state_dict().values()})), seed)
+        if key not in base_renders:
+            base_renders[key] = render_and_score(family, model, vae, text, wanted, seed)
+        return base_renders[key]
+
+    monkeypatch.setattr(networks.factory, "network_from_file", network_from_file)
+    monkeypatch.setattr(tools.concept_demo, "render_and_score", render_and_score_once)
+
+
 def learn(concept_set, out, model_type: str) -> dict:
     """Train the concept LoRA with the fast settings; its concept rate before and after on the bf16 base.
     The latents and captions are cached to disk beside the module's concept set, so a family's second
@@ -52,7 +88,7 @@ def learn(concept_set, out, model_type: str) -> dict:
 
 
 @pytest.mark.parametrize("model_type", BASES)
-def test_lora_teaches_the_concept(concept_set, tmp_path, model_type):
+def test_lora_teaches_the_concept(concept_set, each_base_rendered_once, tmp_path, model_type):
     result = learn(concept_set, tmp_path, model_type)
     n, (_, threshold, kept) = result["trigger_prompts"], FAST[model_type]
     assert result["before"] / n <= 0.1, result
@@ -61,7 +97,7 @@ def test_lora_teaches_the_concept(concept_set, tmp_path, model_type):
 
 
 @pytest.mark.parametrize("model_type", BASES)
-def test_flipped_flow_target_does_not_teach_it(concept_set, tmp_path, monkeypatch, model_type):
+def test_flipped_flow_target_does_not_teach_it(concept_set, each_base_rendered_once, tmp_path, monkeypatch, model_type):
     """The check above fails on a broken objective: target = x0 - noise instead of noise - x0."""
     real = flow_matching.flow_target
     monkeypatch.setattr(flow_matching, "flow_target", lambda x0, noise: -real(x0, noise))
