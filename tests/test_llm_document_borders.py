@@ -173,32 +173,3 @@ def test_attend_across_documents_keeps_one_stream(tiny_set, tmp_path):
     batch_across, batch_apart = next(across.epoch_batches(0)), next(apart.epoch_batches(0))
     assert batch_across[2] is None and batch_apart[2] is not None
     assert int((batch_across[1] == IGNORE).sum()) == 0 and int((batch_apart[1] == IGNORE).sum()) >= 8
-
-
-def test_a_state_that_attended_across_documents_resumes_only_with_that_setting(tmp_path):
-    """The key changes which targets are trained: a state written with the other value (or before the key,
-    which attended across) is refused, naming it."""
-    from library.training.config import load_config
-    from library.training.state import load_state, run_digest
-
-    def args(*extra):
-        return load_config(["--model_type", "llm", "--pretrained_model_name_or_path", "fake", "--train_data", "fake",
-                            "--output_dir", str(tmp_path), "--max_train_steps", "4", *extra])
-
-    state = tmp_path / "state"
-    state.mkdir()
-
-    def write(run):
-        (state / "train_state.json").write_text(json.dumps({"step": 2, "epoch": 0, "batches_done": 2,
-                                                            "scheduler": {}, "run": run}, default=str))
-
-    write(run_digest(args("--attend_across_documents")))
-    with pytest.raises(ValueError, match="written with attend_across_documents = True, this run has False"):
-        load_state(str(state), args())
-    before_key = json.loads(json.dumps(run_digest(args()), default=str))
-    del before_key["attend_across_documents"]
-    write(before_key)
-    with pytest.raises(ValueError, match="written with attend_across_documents = True, this run has False"):
-        load_state(str(state), args())
-    with pytest.raises(ValueError, match="trainable.safetensors"):  # past the settings: the files are read
-        load_state(str(state), args("--attend_across_documents"))

@@ -236,6 +236,23 @@ def test_ctrl_c_during_the_first_samples_stops_before_step_1(tiny_set, tmp_path,
     assert run_files.last_step(str(out / "tiny_flux_lora_log.csv")) == 0
 
 
+def llm_state_args(tmp_path, *extra):
+    from library.training.config import load_config
+
+    return load_config(["--model_type", "llm", "--pretrained_model_name_or_path", "fake", "--train_data", "fake",
+                        "--output_dir", str(tmp_path), "--max_train_steps", "4", *extra])
+
+
+def write_llm_state(state, run: dict):
+    """An LLM training state folder whose train_state.json holds `run` (a run digest) and no files: a
+    load that passes the settings' checks then fails on trainable.safetensors."""
+    import json
+
+    state.mkdir(exist_ok=True)
+    (state / "train_state.json").write_text(json.dumps({"step": 2, "epoch": 0, "batches_done": 2,
+                                                        "scheduler": {}, "run": run}, default=str))
+
+
 def test_an_llm_state_resumed_with_other_windows_is_refused(tmp_path):
     """An LLM run resumed with another max_length (stride, val_fraction, batch_size) skipped the first
     batches of another set of windows without a word; a state written before these keys still resumes."""
@@ -243,27 +260,44 @@ def test_an_llm_state_resumed_with_other_windows_is_refused(tmp_path):
 
     import pytest
 
-    from library.training.config import load_config
     from library.training.state import LLM_DATA_IDENTITY, load_state, run_digest
 
     def args(*extra):
-        return load_config(["--model_type", "llm", "--pretrained_model_name_or_path", "fake", "--train_data", "fake",
-                            "--output_dir", str(tmp_path), "--max_train_steps", "4", *extra])
+        return llm_state_args(tmp_path, *extra)
 
     state = tmp_path / "state"
-    state.mkdir()
-
-    def write(run):
-        (state / "train_state.json").write_text(json.dumps({"step": 2, "epoch": 0, "batches_done": 2,
-                                                            "scheduler": {}, "run": run}, default=str))
-
-    write(run_digest(args("--max_length", "32")))
+    write_llm_state(state, run_digest(args("--max_length", "32")))
     with pytest.raises(ValueError, match="state was written with max_length = 32, this run has 64"):
         load_state(str(state), args("--max_length", "64"))
     old = {k: v for k, v in json.loads(json.dumps(run_digest(args()), default=str)).items() if k not in LLM_DATA_IDENTITY}
-    write(old)
+    write_llm_state(state, old)
     with pytest.raises(ValueError, match="trainable.safetensors"):  # past the settings: the files are read
         load_state(str(state), args("--max_length", "64"))
+
+
+def test_a_state_that_attended_across_documents_resumes_only_with_that_setting(tmp_path):
+    """The key changes which targets are trained: a state written with the other value (or before the key,
+    which attended across) is refused, naming it."""
+    import json
+
+    import pytest
+
+    from library.training.state import load_state, run_digest
+
+    def args(*extra):
+        return llm_state_args(tmp_path, *extra)
+
+    state = tmp_path / "state"
+    write_llm_state(state, run_digest(args("--attend_across_documents")))
+    with pytest.raises(ValueError, match="written with attend_across_documents = True, this run has False"):
+        load_state(str(state), args())
+    before_key = json.loads(json.dumps(run_digest(args()), default=str))
+    del before_key["attend_across_documents"]
+    write_llm_state(state, before_key)
+    with pytest.raises(ValueError, match="written with attend_across_documents = True, this run has False"):
+        load_state(str(state), args())
+    with pytest.raises(ValueError, match="trainable.safetensors"):  # past the settings: the files are read
+        load_state(str(state), args("--attend_across_documents"))
 
 
 def test_an_earlier_runs_ema_goes_with_its_lora_and_a_foreign_one_is_refused(tiny_set, tmp_path, capsys):
