@@ -258,7 +258,9 @@ def trained_model(family: str, args, checkpointing=True, fp8: str | None = None)
     model = build_ours(family, args.size, args, torch.bfloat16, args.device)
     if fp8 in bnb.MODES:  # quantized in place, on the CPU (bitsandbytes' own quantization)
         model = bnb.prepare_bnb(model, fp8, arch_spec(family).fp8)
-    model = (fp8_twin(model, family, fp8) if fp8 and fp8 not in bnb.MODES else model).requires_grad_(False).train()
+    elif fp8:
+        model = fp8_twin(model, family, fp8)
+    model = model.requires_grad_(False).train()
     model.gradient_checkpointing = checkpointing
     x = make_inputs(family, model.config, args.image_tokens, args.text_tokens, 1, args.device)
     _, params = add_our_lora(model, family, args.rank)
