@@ -10,8 +10,8 @@
 #                levers (the two that keep attention in their own step), block swap eager / compiled / with
 #                prefetch
 #      profile   where the step's time goes, ours and the peer's (bench/profile_peers.py): device time as a
-#                share of the wall time, kernel launches per step, the top kernels; Qwen-Image eager, FLUX.1
-#                eager, Qwen-Image compiled, Qwen-Image fp8_scaled eager
+#                share of the wall time, kernel launches per step, the top kernels; FLUX.1 compiled, Qwen-Image
+#                eager, FLUX.1 eager, Qwen-Image compiled
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -87,12 +87,12 @@ case $plan in
         done
         step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20,40 --prefetch 2
         ;;
-    profile)  # why eager Qwen-Image is level with musubi-tuner while compiled is 0.70 (issue 29, 2026-11-26)
+    profile)  # where the step's time goes: FLUX.1 compiled first (0.91 against sd-scripts, MFU 44% vs their 48%)
         PROF="--device $DEVICE --sd_scripts .peers/sd-scripts --musubi .peers/musubi-tuner --reps 10 --steps 3 ${PROF_SHAPE:-}"
+        step profile.log 200 $PY bench/profile_peers.py $PROF --families flux --precision bf16 --save-projections --save-attention --compile
         step profile.log 120 $PY bench/profile_peers.py $PROF --families qwen_image --precision bf16 --save-attention
         step profile.log 120 $PY bench/profile_peers.py $PROF --families flux --precision bf16 --save-projections --save-attention
         step profile.log 200 $PY bench/profile_peers.py $PROF --families qwen_image --precision bf16 --save-attention --compile
-        step profile.log 120 $PY bench/profile_peers.py $PROF --families qwen_image --precision fp8_scaled --save-attention
         ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
         for family in flux qwen_image; do
