@@ -4,6 +4,7 @@ so a window holding A|B|C gives the logits of A, B and C run alone (TRL's paddin
 sample_packing, Llama 3's document mask)."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -107,8 +108,10 @@ def test_document_starts_are_kept_for_documents_and_conversations(tmp_path):
     assert starts.tolist() == [0, 4, 7, 11] and len(ids) == 13
     train, val = text_corpus.split_starts(starts, 9)
     assert train.tolist() == [0, 4, 7] and val.tolist() == [2]
-    assert text_corpus.untrain_border_targets(trained, starts, 13).nonzero().flatten().tolist() == [
-        0, 1, 2, 3, 5, 6, 9, 10, 12]  # the conversation's first two tokens untrained as before; 4, 7, 11 borders
+    assert text_corpus.document_borders(starts, 13).tolist() == [4, 7, 11]  # the stream's first token is no border
+    dataset = TextWindowDataset(ids, 12, trained=trained, document_starts=starts)  # one window: targets 1 .. 12
+    assert [i + 1 for i, t in enumerate(dataset[0][1].tolist()) if t != IGNORE] == [
+        1, 2, 3, 5, 6, 9, 10, 12]  # the conversation's first two tokens untrained as before; 4, 7, 11 borders
 
 
 def test_held_out_loss_scores_each_document_alone():
@@ -124,13 +127,82 @@ def test_held_out_loss_scores_each_document_alone():
     docs = [torch.randint(1, 40, (n,)) for n in (9, 12, 6)]  # 27 tokens: windows of 16 targets, then 10
     starts = torch.tensor([0, 9, 21])
     ids = torch.cat(docs)
-    task = SimpleNamespace(val_ids=ids, val_trained=text_corpus.untrain_border_targets(None, starts, 27),
+    task = SimpleNamespace(val_ids=ids, val_trained=None,  # the border targets: from val_starts
                            val_starts=starts, args=SimpleNamespace(max_length=16, batch_size=2), model=model, device="cpu")
     with torch.no_grad():  # window 0 holds A and B's first 7 tokens; window 1 the rest of B (positions from 0) and C
         pieces = [docs[0], docs[1][:8], docs[1][7:], docs[2]]
         losses = [F.cross_entropy(model(p[None, :-1])[0], p[1:], reduction="sum") for p in pieces]
     expected = float(sum(losses)) / sum(len(p) - 1 for p in pieces)
     assert abs(LLMTask.held_out_loss(task) - expected) < 1e-5
+
+
+
+def test_a_plain_corpus_with_documents_keeps_no_mask_over_its_stream():
+    """The border targets are found a window at a time from the starts: a corpus with every token trained keeps
+    trained None and its windows a range (before: a bool mask over the stream, 1 byte a token, and its int32
+    cumsum while the windows were chosen); a caller's mask is kept as given, not copied."""
+    ids, starts = torch.randint(1, 40, (1000,)), torch.arange(0, 1000, 50)
+    dataset = TextWindowDataset(ids, 16, document_starts=starts)
+    assert dataset.trained is None and dataset.starts == range(0, 984, 16) and len(dataset.borders) == 19
+    assert (dataset[3][1] == IGNORE).nonzero().flatten().tolist() == [1]  # targets 49 .. 64: 50 a border
+    trained = torch.arange(1000) % 3 > 0
+    assert TextWindowDataset(ids, 16, trained=trained, document_starts=starts).trained is trained
+
+
+def old_border_rule(ids, max_length, stride, trained, starts):
+    """The rule before (untrain_border_targets): a bool mask over the whole stream with each document's first
+    token (but the stream's first) untrained; (the kept window starts, their items, that mask)."""
+    n = len(ids)
+    borders = starts[(starts > 0) & (starts < n)]
+    if len(borders):
+        trained = torch.ones(n, dtype=torch.bool) if trained is None else trained.clone()
+        trained.index_fill_(0, borders, False)
+    kept = [s for s in range(0, n - max_length, stride) if trained is None or trained[s + 1 : s + max_length + 1].any()]
+    items = []
+    for s in kept:
+        targets = ids[s + 1 : s + max_length + 1].long()
+        items.append((ids[s : s + max_length].long(),
+                      targets if trained is None else targets.masked_fill(~trained[s + 1 : s + max_length + 1], IGNORE)))
+    return kept, items, trained
+
+
+def random_corpus(gen):
+    """(ids [n], starts: increasing, some repeated (empty documents), some one token apart, maybe 0 and n;
+    a caller's mask or None)."""
+    n = int(torch.randint(12, 60, (1,), generator=gen))
+    dense = float(torch.rand(1, generator=gen)) * 0.9  # up to nearly every token a document of its own
+    starts = torch.arange(n + 1)[torch.rand(n + 1, generator=gen) < dense]
+    starts = torch.sort(torch.cat([starts, starts[torch.rand(len(starts), generator=gen) < 0.2]])).values
+    share = float(torch.rand(1, generator=gen))  # of the tokens the caller trains
+    trained = None if torch.rand(1, generator=gen) < 0.5 else torch.rand(n, generator=gen) < share
+    return torch.randint(0, 40, (n,), generator=gen), starts, trained
+
+
+def test_the_windows_from_the_starts_equal_the_mask_over_the_stream():
+    """Random corpora (plain or with a caller's mask; documents of one token in a row, empty ones, a start at 0
+    or at the end), several max_length and stride: every window, the windows kept and whether a held-out split
+    has a target to score equal the old materialized rule's."""
+    from library.training.llm_task import LLMTask
+
+    gen, seen = torch.Generator().manual_seed(0), {"plain": [0, 0], "masked": [0, 0]}  # windows kept, dropped
+    for _ in range(60):
+        ids, starts, trained = random_corpus(gen)
+        for max_length in (1, 2, 3, 8):
+            for stride in (1, 2, 3, max_length):
+                if len(ids) < max_length + 1:
+                    continue
+                kept, items, _ = old_border_rule(ids, max_length, stride, trained, starts)
+                dataset = TextWindowDataset(ids, max_length, stride, trained, starts)
+                assert [int(s) for s in dataset.starts] == kept
+                for i, (inputs, targets) in enumerate(items):
+                    assert torch.equal(dataset[i][0], inputs) and torch.equal(dataset[i][1], targets)
+                counts = seen["plain" if trained is None else "masked"]
+                counts[0] += len(kept)
+                counts[1] += len(range(0, len(ids) - max_length, stride)) - len(kept)
+        task = SimpleNamespace(val_ids=ids, val_trained=trained, val_starts=starts)
+        old_mask = old_border_rule(ids, 1, 1, trained, starts)[2]
+        assert LLMTask.scores_held_out(task) == (old_mask is None or bool(old_mask[1:].any()))
+    assert min(seen["plain"] + seen["masked"]) > 2000, seen  # kept and dropped windows of both kinds checked
 
 
 def write_documents(path, count: int = 60) -> str:

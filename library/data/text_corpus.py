@@ -296,15 +296,81 @@ def masked_targets(targets: torch.Tensor, trained: torch.Tensor | None) -> torch
     return targets if trained is None else targets.masked_fill(~trained, IGNORE)
 
 
-def untrain_border_targets(trained: torch.Tensor | None, starts: torch.Tensor, n: int) -> torch.Tensor | None:
-    """trained (bool [n], None: all) with each document's first token (but the stream's first) not trained:
-    as a target it is predicted from the end of the document before it (EOS, a conversation's last token),
-    an unrelated text. None where no document starts after the first token."""
-    borders = starts[(starts > 0) & (starts < n)]
-    if not len(borders):
-        return trained
-    trained = torch.ones(n, dtype=torch.bool) if trained is None else trained.clone()
-    return trained.index_fill_(0, borders, False)
+def document_borders(starts: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """int64 [B]: the tokens of a stream of n that are borders, once each, increasing: each document's first
+    token but the stream's first (an empty document shares the next's start). As a target a border is
+    predicted from the end of the document before it (EOS, a conversation's last token), an unrelated text,
+    so it is not trained on. starts: int64 [D], increasing; None (one stream attended across): None.
+    8 bytes a document: the border rule is applied a window at a time from these, never as a mask over n."""
+    if starts is None:
+        return None
+    return torch.unique_consecutive(starts[(starts > 0) & (starts < n)])
+
+
+def borders_in(borders: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+    """int64 [K]: the borders among tokens begin .. end - 1 (two binary searches)."""
+    lo, hi = torch.searchsorted(borders, torch.tensor([begin, end])).tolist()
+    return borders[lo:hi]
+
+
+def window_targets(ids: torch.Tensor, trained: torch.Tensor | None, borders: torch.Tensor | None, begin: int,
+                   length: int) -> torch.Tensor:
+    """int64 [length]: the stream's tokens begin .. begin + length - 1 as targets (ids: TOKEN_DTYPE [N]), IGNORE
+    where `trained` (bool [N], None: all) is False and at each of `borders` (document_borders, None: none)."""
+    span = slice(begin, begin + length)
+    targets = masked_targets(ids[span].long(), None if trained is None else trained[span])
+    if borders is None:
+        return targets
+    # out of place: with trained None and int64 ids, .long() returned the stream itself
+    return targets.index_fill(0, borders_in(borders, begin, begin + length) - begin, IGNORE)
+
+
+def has_trained_target(trained: torch.Tensor | None, borders: torch.Tensor | None, n: int) -> bool:
+    """Whether a stream of n tokens has a target (a token after its first) that is trained on: `trained`
+    (bool [n], None: all) and not one of `borders` (document_borders, None: none; each in 1 .. n - 1, once)."""
+    if n < 2:
+        return False
+    borders = torch.zeros(0, dtype=torch.int64) if borders is None else borders
+    if trained is None:
+        return len(borders) < n - 1
+    return int(trained[1:].sum()) > int(trained[borders].sum())  # a border trained by `trained` is no target
+
+
+def border_only_windows(borders: torch.Tensor, length: int, stride: int, end: int) -> torch.Tensor:
+    """int64 [K]: the window starts s (multiples of stride below end) whose targets s + 1 .. s + length are
+    all borders: `length` tokens in a row, each a document of its own. Of a corpus with every token trained,
+    only these windows have no target to train; found from the borders (int64 [B]) alone."""
+    first = borders[: max(len(borders) - length + 1, 0)]  # int64: a window's first target, a border
+    in_a_row = borders[length - 1 :] - first == length - 1  # bool: the `length` borders from `first` are consecutive
+    s = first[in_a_row] - 1
+    return s[(s % stride == 0) & (s < end)]
+
+
+def trained_windows(trained: torch.Tensor, borders: torch.Tensor | None, length: int, stride: int) -> torch.Tensor:
+    """int64 [W]: the window starts s (every stride tokens) whose targets s + 1 .. s + length hold a token
+    that `trained` (bool [N]) trains and that is not one of `borders` (document_borders, None: none)."""
+    starts = torch.arange(0, len(trained) - length, stride)  # int64 [W]
+    counts = trained.cumsum(0, dtype=torch.int32)  # int32 [N]: trained tokens up to each
+    targets = counts[starts + length] - counts[starts]  # int32 [W]: trained targets of each window
+    if borders is not None:  # less its borders that `trained` trains: one it leaves out is not counted twice
+        trained_borders = borders[trained[borders]]  # int64, increasing
+        targets = targets - (torch.searchsorted(trained_borders, starts + length, right=True)
+                             - torch.searchsorted(trained_borders, starts + 1))
+    return starts[targets > 0]
+
+
+def kept_windows(n: int, length: int, stride: int, trained: torch.Tensor | None,
+                 borders: torch.Tensor | None) -> range | torch.Tensor:
+    """The starts of the windows (every stride tokens of a stream of n, `length` targets each) with a target
+    that is trained on (trained_windows): a range where that is every window, else int64 [W]."""
+    if trained is not None:
+        return trained_windows(trained, borders, length, stride)
+    every = range(0, n - length, stride)
+    dropped = border_only_windows(borders, length, stride, n - length) if borders is not None else []
+    if not len(dropped):  # the usual case: no tensor a window
+        return every
+    starts = torch.arange(0, n - length, stride)  # int64 [W]
+    return starts[~torch.isin(starts, dropped)]
 
 
 def window_documents(starts: torch.Tensor, begin: int, length: int) -> torch.Tensor:
@@ -328,35 +394,30 @@ class TextWindowDataset(torch.utils.data.Dataset):
     where `trained` (bool, one a token, None: all) is False; a window with no trained target is left
     out (its loss would be 0 / 0). The stream itself is held as TOKEN_DTYPE. Tokens after the last
     full window are not used.
-    document_starts (int64 [D], where each document begins; None: one stream attended across): a target that is a
-    document's first token is IGNORE (untrain_border_targets), and documents(i) says which document each
-    input token of window i belongs to, for attention and positions that restart at each."""
+    document_starts (int64 [D], where each document begins, increasing; None: one stream attended across): a
+    target that is a document's first token (document_borders) is IGNORE too, found a window at a time from
+    the starts (`trained` stays the caller's: no mask over the stream is made for them), and documents(i)
+    says which document each input token of window i belongs to, for attention and positions that restart at each."""
 
     def __init__(self, token_ids, max_length: int, stride: int | None = None, trained: torch.Tensor | None = None,
                  document_starts: torch.Tensor | None = None):
         self.ids = torch.as_tensor(token_ids).to(TOKEN_DTYPE).flatten()
         self.document_starts = None if document_starts is None else torch.as_tensor(document_starts, dtype=torch.int64)
-        if self.document_starts is not None:
-            trained = untrain_border_targets(trained, self.document_starts, len(self.ids))
+        self.borders = document_borders(self.document_starts, len(self.ids))  # int64 [B] or None
         self.max_length, self.stride, self.trained = max_length, stride or max_length, trained
         if max_length < 1 or self.stride < 1:
             raise ValueError(f"max_length and stride must be >= 1, got {max_length}, {self.stride}")
         if len(self.ids) < max_length + 1:
             raise ValueError(f"text has {len(self.ids)} tokens, fewer than max_length + 1 = {max_length + 1}")
-        self.starts = range(0, len(self.ids) - max_length, self.stride)
-        if trained is not None:  # keep the windows whose targets s + 1 .. s + max_length hold a trained token
-            counts = trained.cumsum(0, dtype=torch.int32)  # int32 [N]: trained tokens up to each
-            window_starts = torch.arange(0, len(self.ids) - max_length, self.stride)
-            self.starts = window_starts[counts[window_starts + max_length] > counts[window_starts]]
+        self.starts = kept_windows(len(self.ids), max_length, self.stride, trained, self.borders)
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = int(self.starts[i])
-        window = self.ids[s : s + self.max_length + 1].long()  # int64 [max_length + 1]
-        trained = None if self.trained is None else self.trained[s + 1 : s + self.max_length + 1]
-        return window[:-1], masked_targets(window[1:], trained)
+        inputs = self.ids[s : s + self.max_length].long()  # int64 [max_length]
+        return inputs, window_targets(self.ids, self.trained, self.borders, s + 1, self.max_length)
 
     def documents(self, items: list[int]) -> torch.Tensor | None:
         """int64 [len(items), max_length]: the document of each input token of these windows (batch_documents),

@@ -27,9 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.data.chat_records import chat_encoder, end_of_turn_id, user_turn_ids
-from library.data.text_corpus import (IGNORE, TextWindowDataset, batch_documents, check_corpus, masked_targets,
-                                      split_starts, tokenize_corpus, train_val_split, untrain_border_targets,
-                                      window_documents)
+from library.data.text_corpus import (IGNORE, TextWindowDataset, batch_documents, check_corpus, document_borders,
+                                      has_trained_target, split_starts, tokenize_corpus, train_val_split,
+                                      window_documents, window_targets)
 from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
@@ -266,8 +266,6 @@ class LLMTask:
         # Document borders (None: one stream, attended across): the windows' `documents`, and held_out_loss's
         train_starts, self.val_starts = (None, None) if args.attend_across_documents else split_starts(starts,
                                                                                                        len(train_ids))
-        if self.val_starts is not None:  # the held-out targets that cross a border are not scored, as in training
-            self.val_trained = untrain_border_targets(self.val_trained, self.val_starts, len(val_ids))
         if len(train_ids) < args.max_length + 1:  # named here: the dataset's own error knows no file or key
             held = f" after val_fraction {args.val_fraction:g} holds out {len(val_ids)}" if len(val_ids) else ""
             raise ConfigError(f"train_data {', '.join(args.train_data)}: {len(ids)} tokens{held} leave {len(train_ids)} "
@@ -275,7 +273,8 @@ class LLMTask:
         train = TextWindowDataset(train_ids, args.max_length, args.stride, train_trained, train_starts)
         val = (TextWindowDataset(val_ids, args.max_length, args.max_length, self.val_trained, self.val_starts)
                if len(val_ids) > args.max_length + 1 else None)
-        self.val_ids = val_ids  # TOKEN_DTYPE [N]: evaluate() scores all of it (its trained tokens: val_trained)
+        # TOKEN_DTYPE [N]: evaluate() scores all of it (its trained tokens: val_trained, less val_starts' borders)
+        self.val_ids = val_ids
         if len(val_ids) > 1 and not self.scores_held_out():
             warnings.warn(f"train_data: val_fraction {args.val_fraction:g} holds out the last {len(val_ids)} tokens, "
                           f"none of them an assistant token: no held-out loss is reported (raise val_fraction, or "
@@ -399,8 +398,9 @@ class LLMTask:
 
     def scores_held_out(self) -> bool:
         """Whether the held-out split has a target to score: a token after its first, trained (every token,
-        or with the loss on the replies only, an assistant token)."""
-        return len(self.val_ids) > 1 and (self.val_trained is None or bool(self.val_trained[1:].any()))
+        or with the loss on the replies only, an assistant token) and, with val_starts, no document's first."""
+        n = len(self.val_ids)
+        return has_trained_target(self.val_trained, document_borders(self.val_starts, n), n)
 
     @torch.no_grad()
     def held_out_loss(self) -> float:
@@ -408,8 +408,9 @@ class LLMTask:
         when it has none): windows of max_length targets, stride max_length, so each
         token is predicted once with the context reset per window; the last window is the shorter
         rest. Full windows run batch_size at a time. With val_starts, a window that packs several documents
-        attends within each alone, as training's windows do (val_trained then leaves out the border targets)."""
+        attends within each alone, and its border targets are not scored, as training's windows do."""
         ids, trained, length, doc_starts = self.val_ids, self.val_trained, self.args.max_length, self.val_starts
+        borders = document_borders(doc_starts, len(ids))  # int64 [B] or None
         starts = list(range(0, len(ids) - 1, length))
         full = [s for s in starts if s + length + 1 <= len(ids)]
         batches = [full[i : i + self.args.batch_size] for i in range(0, len(full), self.args.batch_size)]
@@ -417,8 +418,8 @@ class LLMTask:
         total, count = 0.0, 0
         for batch in batches:
             windows = torch.stack([ids[s : s + length + 1] for s in batch]).to(self.device, torch.long)  # int64 ids
-            targets = masked_targets(windows[:, 1:], None if trained is None else
-                                     torch.stack([trained[s + 1 : s + length + 1] for s in batch]).to(self.device))
+            targets = torch.stack([window_targets(ids, trained, borders, s + 1, windows.shape[1] - 1)
+                                   for s in batch]).to(self.device)  # int64 [B, L]
             documents = None if doc_starts is None else batch_documents(
                 [window_documents(doc_starts, s, windows.shape[1] - 1) for s in batch])
             logits = self.model(windows[:, :-1], documents=None if documents is None else documents.to(self.device))
