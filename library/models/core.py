@@ -519,7 +519,7 @@ def _keeping(keep: Checkpointing, ctx, op, *args, **kwargs) -> CheckpointPolicy:
 # the blocks' compiled regions share one code object (torch.utils.checkpoint's), so dynamo guards on the
 # identity of what the partial holds. A policy built per block failed those guards at each block: one
 # compile per block, and past torch._dynamo's recompile_limit (8) the rest of the model ran eager
-# (a 60-block Qwen-Image step on an H200: 2.03 s against 0.65 s compiled). None: no policy (plain).
+# (a 60-block model on an H200: 2.03 s a step against 0.65 s compiled). None: no policy (plain).
 _REGION_POLICIES = {
     keep: None if keep == Checkpointing() and not PLAIN_REGION_NEEDS_POLICY
     else functools.partial(create_selective_checkpoint_contexts, functools.partial(_keeping, keep))
