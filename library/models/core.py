@@ -471,6 +471,7 @@ def compile_block(block: nn.Module, **options):
     itself (pytorch#177396), and there the policy only triples the compile time (tests/test_block_swap.py's
     compiled swap: 8 -> 24 s): from 2.13 on the plain region goes without."""
     block.compile(**options)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, REGION_RECOMPILE_LIMIT)
     if any(getattr(m, "backward_saves_weights_only", False) for m in block.modules()):
         block._compiled_call_impl = _keeping_weights_quantized(block._compiled_call_impl)
     logging.getLogger("torch._higher_order_ops.wrap").addFilter(_without_context_fn_warning)
@@ -481,6 +482,13 @@ def compile_block(block: nn.Module, **options):
 
 
 PLAIN_REGION_NEEDS_POLICY = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
+
+# dynamo's recompile_limit counts the compiled variants of one code object, and every block's checkpointed
+# region runs torch.utils.checkpoint's: the variants of all kinds of block add up. A kind (FLUX.1: the
+# first double block, whose input needs no grad, the other doubles, the singles) compiles static, then with
+# the token count dynamic at the second bucket, then the batch dynamic at a smaller last batch: 9 for
+# FLUX.1, past torch's default 8, after which those calls run eager. compile_block raises it to this.
+REGION_RECOMPILE_LIMIT = 64
 
 
 def _keeping_weights_quantized(compiled):
