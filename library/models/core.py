@@ -484,10 +484,11 @@ def compile_block(block: nn.Module, **options):
 PLAIN_REGION_NEEDS_POLICY = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
 
 # dynamo's recompile_limit counts the compiled variants of one code object, and every block's checkpointed
-# region runs torch.utils.checkpoint's: the variants of all kinds of block add up. A kind (FLUX.1: the
-# first double block, whose input needs no grad, the other doubles, the singles) compiles static, then with
-# the token count dynamic at the second bucket, then the batch dynamic at a smaller last batch: 9 for
-# FLUX.1, past torch's default 8, after which those calls run eager. compile_block raises it to this.
+# region runs torch.utils.checkpoint's: the variants of all kinds of block add up. A kind of block (a
+# double-stream model has three: the first double block, whose input needs no grad, the other doubles,
+# the singles) compiles static, then with the token count dynamic at the second bucket, then the batch
+# dynamic at a smaller last batch: 9 variants, past torch's default 8, after which those calls run eager
+# (measured on a tiny double-stream model, tests/test_block_swap.py). compile_block raises it to this.
 REGION_RECOMPILE_LIMIT = 64
 
 
