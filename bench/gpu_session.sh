@@ -12,6 +12,8 @@
 #      profile   where the step's time goes, ours and the peer's (bench/profile_peers.py): device time as a
 #                share of the wall time, kernel launches per step, the top kernels; FLUX.1 compiled, Qwen-Image
 #                eager, FLUX.1 eager, Qwen-Image compiled
+#      verify    the full-size compiled steps (bench_block_swap.py --compile, both families, swap 0 and the
+#                24 GB card's count): dynamo's recompile limit sent all but 8 blocks eager until 2026-11-27
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -20,7 +22,7 @@
 # Settings as bench/gpu_bench.sh: 1024 px (4096 image + 512 text tokens), full-width blocks (FLUX.1 2 double
 # + 4 single, Qwen-Image 4), bf16 autocast, gradient checkpointing, rank 16.
 set -o pipefail
-plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|fp8swap [SECONDS]}
+plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|fp8swap [SECONDS]}
 budget=${2:-540}
 start=$SECONDS
 LOGS=${OUT:-bench/gpu_logs}
@@ -94,6 +96,10 @@ case $plan in
         step profile.log 120 $PY bench/profile_peers.py $PROF --families flux --precision bf16 --save-projections --save-attention
         step profile.log 200 $PY bench/profile_peers.py $PROF --families qwen_image --precision bf16 --save-attention --compile
         ;;
+    verify)  # the compiled full-size step after the per-block recompile fix of 2026-11-27 (2.03 s on an H200 before)
+        step swapc.log 220 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2 --compile
+        step swapc.log 220 $PY bench/bench_block_swap.py --family flux --swaps 0,16 --compile
+        ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
         for family in flux qwen_image; do
             step fp8.log 100 $PY bench/bench_train_step.py --device "$DEVICE" --dtype bf16 --sizes mid --families $family \
@@ -103,7 +109,7 @@ case $plan in
         step swap.log 120 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2
         ;;
     *)
-        echo "unknown plan $plan (headline, rest, profile, fp8swap)"
+        echo "unknown plan $plan (headline, rest, profile, verify, fp8swap)"
         exit 2
         ;;
 esac
