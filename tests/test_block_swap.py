@@ -314,6 +314,10 @@ def test_compiled_checkpointed_blocks_share_their_compiled_code():
         for _ in range(2):
             loss, grads = step(model, net, inputs)
     assert torch.isfinite(loss) and any(g is not None for g in grads.values())
+    hits = core.compile_limit_hits()  # what the trainer's warning reads: a real hit counts
+    with torch._dynamo.config.patch(recompile_limit=2):
+        step(model, net, dict(inputs, txt=inputs["txt"][:, :4], txt_mask=inputs["txt_mask"][:, :4]))
+    assert core.compile_limit_hits() > hits
 
 
 @pytest.mark.parametrize("device", DEVICES)

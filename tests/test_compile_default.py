@@ -1,6 +1,8 @@
 """torch_compile unset: compiled on CUDA where it was measured faster (bench/RESULTS.md, H100), eager
 elsewhere; an explicit true / false wins. CPU here: the CUDA branches take the device type as given."""
 
+import collections
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -84,3 +86,28 @@ def test_unset_on_cuda_says_what_it_chose(monkeypatch, capsys):
     assert task._compiles() is False
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "torch_compile unset: off (Triton is not installed" in out, out
+
+
+def test_a_recompile_limit_hit_is_said_once_a_run(monkeypatch):
+    """Past dynamo's recompile_limit the blocks' new variants run eager, slower than no compile at all
+    (a full-size step 1.55x eager's on an H200 until 2026-11-27): the run says it in one warning, once,
+    at the step it happened by (core.compile_limit_hits reads dynamo's counters: tests/test_block_swap.py
+    makes a real hit)."""
+    from torch._dynamo.utils import counters
+
+    class Task(FakeTask):
+        after_step = DiffusionTask.after_step
+        _said_compile_limit = False
+
+    monkeypatch.setitem(counters, "unimplemented", collections.Counter())
+    task, eager = Task(lora_args(torch_compile=True)), Task(lora_args(torch_compile=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        task.after_step(1, "out")
+        counters["unimplemented"]["Dynamo recompile limit exceeded\n  Explanation: ..."] += 1
+        for step in (2, 3):
+            task.after_step(step, "out")
+            eager.after_step(step, "out")
+    said = [str(w.message) for w in caught]
+    assert len(said) == 1 and said[0].startswith("torch_compile: torch._dynamo hit its recompile_limit (") and \
+        ") by step 2: " in said[0], said

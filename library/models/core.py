@@ -492,6 +492,15 @@ PLAIN_REGION_NEEDS_POLICY = torch.torch_version.TorchVersion(torch.__version__) 
 REGION_RECOMPILE_LIMIT = 64
 
 
+def compile_limit_hits() -> int:
+    """How many times dynamo gave up compiling a function at its recompile limit in this process: from
+    then on that function's new variants run eager, as slow as without torch_compile or slower (a
+    full-size model ran all but 8 blocks eager so, a step 1.55x the eager one). torch says so once in a log line."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for reason, n in counters["unimplemented"].items() if reason.startswith("Dynamo recompile limit"))
+
+
 def _keeping_weights_quantized(compiled):
     """A quantized block's own compiled call (no checkpointing) with the partitioner free to recompute
     what backward's GEMMs read: by default it saves every dequantized weight for the input-gradient GEMM

@@ -13,6 +13,7 @@ import importlib.util
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.nn as nn
@@ -25,7 +26,7 @@ from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset,
 from library.data.image_folders import largest_step, scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, reference_images
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
-from library.models.core import checkpointing, compile_block
+from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
@@ -482,8 +483,16 @@ class DiffusionTask:
     def step_extras(self) -> dict:
         return {}
 
+    _said_compile_limit = False  # after_step's warning, once a run
+
     def after_step(self, step: int, output_dir: str):
-        pass
+        if self.args.torch_compile and not self._said_compile_limit and compile_limit_hits():
+            self._said_compile_limit = True
+            warnings.warn(f"torch_compile: torch._dynamo hit its recompile_limit "
+                          f"({torch._dynamo.config.recompile_limit}) by step {step}: the transformer calls it "
+                          f"could not compile run eager from now on, slower than torch_compile = false (torch's "
+                          f"'hit config.recompile_limit' line above names the function and the reason); "
+                          f"please report it", stacklevel=2)
 
     def evaluates_after(self, step: int) -> bool:
         return False
