@@ -206,16 +206,17 @@ def their_forward(family: str, model, x: dict, precision: str):
                  timestep=x["sigmas"], img_shapes=[[(1, x["h"], x["w"])]] * b, txt_seq_lens=[T] * b)
 
 
-def compile_both(family: str, ours, theirs, peer):
+def compile_both(family: str, ours, theirs, peer, our_mode: str | None = None):
     """torch.compile as each trainer does it (after the LoRA is applied and checkpointing is on):
-    ours each block and its checkpointed call (train_lora.py's torch_compile: core.compile_block);
+    ours each block and its checkpointed call (train_lora.py's torch_compile: core.compile_block; our_mode:
+    a torch.compile mode to try on ours, e.g. reduce-overhead's CUDA graphs against the host gaps);
     musubi-tuner each block (its --compile: model_utils.compile_transformer, inductor, mode default,
     dynamic auto); sd-scripts the whole model (its --torch_compile: accelerate's dynamo_backend,
     inductor). Returns their model to call."""
     from library.models.core import compile_block
 
     for block in ours.swappable_blocks():
-        compile_block(block)
+        compile_block(block, **({"mode": our_mode} if our_mode else {}))
     if family == "flux":
         return torch.compile(theirs, backend="inductor")
     options = argparse.Namespace(compile_backend="inductor", compile_mode="default", compile_dynamic=None,
@@ -286,7 +287,7 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
     diff = (p_ours - p_theirs).abs().max().item()
     rel = ((p_ours - p_theirs).norm() / p_ours.norm()).item()
     if args.compile:  # after the eager step-0 check: the steps below compile at their first (warm-up) call
-        theirs = compile_both(family, ours, theirs, peer)
+        theirs = compile_both(family, ours, theirs, peer, args.our_compile_mode)
         fwd_theirs = lambda: their_forward(family, theirs, x, precision)  # noqa: E731
     steps = {"ours": make_step(fwd_ours, our_params, x["target"], precision, args.device),
              "theirs": make_step(fwd_theirs, their_params, x["target"], precision, args.device)}
@@ -424,6 +425,8 @@ def add_pair_arguments(p: argparse.ArgumentParser, blocks: tuple[int, int, int],
                    help="ours with checkpoint_saves_attention (the recompute runs no attention)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile both sides as their trainers do (see compile_both); the warm-up steps compile")
+    p.add_argument("--our-compile-mode", default=None, help="with --compile: a torch.compile mode for ours only "
+                   "(e.g. reduce-overhead: CUDA graphs), a lever to measure; the trainer's is the default mode")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU: peak from a bf16/fp32 GEMM on it)")
 
 

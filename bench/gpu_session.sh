@@ -13,7 +13,8 @@
 #                share of the wall time, kernel launches per step, the top kernels; FLUX.1 compiled, Qwen-Image
 #                eager, FLUX.1 eager, Qwen-Image compiled
 #      verify    the full-size compiled steps (bench_block_swap.py --compile, both families, swap 0 and the
-#                24 GB card's count): dynamo's recompile limit sent all but 8 blocks eager until 2026-11-27
+#                24 GB card's count): dynamo's recompile limit sent all but 8 blocks eager until 2026-11-27;
+#                then FLUX.1 compiled against sd-scripts with CUDA graphs on ours (--our-compile-mode)
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -99,6 +100,9 @@ case $plan in
     verify)  # the compiled full-size step after the per-block recompile fix of 2026-11-27 (2.03 s on an H200 before)
         step swapc.log 220 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2 --compile
         step swapc.log 220 $PY bench/bench_block_swap.py --family flux --swaps 0,16 --compile
+        # FLUX.1 compiled is 0.91 with 11% of our wall in host gaps (the profile of 2026-11-27): CUDA graphs on ours
+        step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families flux --precisions bf16 \
+            --save-projections $KEEP --compile --our-compile-mode reduce-overhead
         ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
         for family in flux qwen_image; do

@@ -42,7 +42,7 @@ def build_steps(family: str, precision: str, args, peer, size: str = "mid") -> d
     _, our_params = add_our_lora(ours, family, args.rank)
     _, their_params = bench_peers.add_their_lora(family, theirs, args.rank, peer)
     if args.compile:
-        theirs = bench_peers.compile_both(family, ours, theirs, peer)
+        theirs = bench_peers.compile_both(family, ours, theirs, peer, args.our_compile_mode)
     return {"ours": bench_peers.make_step(lambda: our_forward(family, ours, x), our_params, x["target"], precision, args.device),
             "theirs": bench_peers.make_step(lambda: bench_peers.their_forward(family, theirs, x, precision), their_params,
                                             x["target"], precision, args.device)}
