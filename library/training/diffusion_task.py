@@ -415,6 +415,7 @@ class DiffusionTask:
         transformer lists its repeated blocks there, in run order."""
         for block in self.base.swappable_blocks():
             compile_block(block)
+        self._compile_limit_hits = compile_limit_hits()
 
     # -- what the loop uses --------------------------------------------------------------------
     def param_groups(self, lr: float) -> list[dict]:
@@ -484,9 +485,10 @@ class DiffusionTask:
         return {}
 
     _said_compile_limit = False  # after_step's warning, once a run
+    _compile_limit_hits = 0  # core.compile_limit_hits() when the blocks were compiled (an earlier run in this process)
 
     def after_step(self, step: int, output_dir: str):
-        if self.args.torch_compile and not self._said_compile_limit and compile_limit_hits():
+        if self.args.torch_compile and not self._said_compile_limit and compile_limit_hits() > self._compile_limit_hits:
             self._said_compile_limit = True
             warnings.warn(f"torch_compile: torch._dynamo hit its recompile_limit "
                           f"({torch._dynamo.config.recompile_limit}) by step {step}: the transformer calls it "
