@@ -325,17 +325,6 @@ def window_targets(ids: torch.Tensor, trained: torch.Tensor | None, borders: tor
     return targets.index_fill(0, borders_in(borders, begin, begin + length) - begin, IGNORE)
 
 
-def has_trained_target(trained: torch.Tensor | None, borders: torch.Tensor | None, n: int) -> bool:
-    """Whether a stream of n tokens has a target (a token after its first) that is trained on: `trained`
-    (bool [n], None: all) and not one of `borders` (document_borders, None: none; each in 1 .. n - 1, once)."""
-    if n < 2:
-        return False
-    borders = torch.zeros(0, dtype=torch.int64) if borders is None else borders
-    if trained is None:
-        return len(borders) < n - 1
-    return int(trained[1:].sum()) > int(trained[borders].sum())  # a border trained by `trained` is no target
-
-
 def border_only_windows(borders: torch.Tensor, length: int, stride: int, end: int) -> torch.Tensor:
     """int64 [K]: the window starts s (multiples of stride below end) whose targets s + 1 .. s + length are
     all borders: `length` tokens in a row, each a document of its own. Of a corpus with every token trained,

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from library.data.chat_records import chat_encoder, end_of_turn_id, user_turn_ids
 from library.data.text_corpus import (IGNORE, TextWindowDataset, batch_documents, check_corpus, document_borders,
-                                      has_trained_target, split_starts, tokenize_corpus, train_val_split,
+                                      kept_windows, split_starts, tokenize_corpus, train_val_split,
                                       window_documents, window_targets)
 from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
@@ -399,8 +399,8 @@ class LLMTask:
     def scores_held_out(self) -> bool:
         """Whether the held-out split has a target to score: a token after its first, trained (every token,
         or with the loss on the replies only, an assistant token) and, with val_starts, no document's first."""
-        n = len(self.val_ids)
-        return has_trained_target(self.val_trained, document_borders(self.val_starts, n), n)
+        n = len(self.val_ids)  # one window of all n - 1 targets, kept as training keeps its windows
+        return n > 1 and len(kept_windows(n, n - 1, 1, self.val_trained, document_borders(self.val_starts, n))) > 0
 
     @torch.no_grad()
     def held_out_loss(self) -> float:
