@@ -29,6 +29,9 @@ memory (bench_train_step.PeakMemory) are printed.
   lora_rows  networks.lora: where the up GEMM takes the sum (torch.addmm), down runs on [tokens, in] rows;
              before: on [B, L, in], its output reshaped into rows (2 view ops more per module and pass)
   rms_weight core.rms_norm widens a bf16 weight by type promotion; before: a float32 copy of it per call
+  rms_fused  core.rms_norm on CUDA (FUSED_RMS_NORM_DEVICES) runs PyTorch's fused kernel where the weight is
+             in x's dtype, eager; before: the composite (8 ops forward, ~12 backward). On the CPU both sides
+             are the composite (a control: x1.00)
   quantized_compiled  an fp8_scaled base under torch_compile without checkpointing: core.compile_block
              lets the partitioner recompute the dequantized weights for backward
              (_keeping_weights_quantized); before: its default, which saves them (the base in bf16 for
@@ -82,7 +85,7 @@ from library.precision.dequantized_linear import DequantizedLinearFunction, need
 from networks.lora import LoRAModule  # noqa: E402
 
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
-          "lora_factor", "lora_rows", "rms_weight", "quantized_compiled", "fp8_linear", "nf4_linear", "fp8_function",
+          "lora_factor", "lora_rows", "rms_weight", "rms_fused", "quantized_compiled", "fp8_linear", "nf4_linear", "fp8_function",
           "nf4_function")
 # the checkpointing each checkpointing lever's "now" side runs (its "before": plain checkpointing)
 KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS,
@@ -227,7 +230,7 @@ def layer_forward(model, layer_type, forward):
 
 
 def before(lever: str, model):
-    """The old path of `lever`, patched in for one run (rope, layernorm, tail, save, lora_*, rms_weight,
+    """The old path of `lever`, patched in for one run (rope, layernorm, tail, save, lora_*, rms_*,
     fp8_linear, nf4_linear, fp8_function, nf4_function)."""
     if lever == "fp8_linear":
         return layer_forward(model, fp8.FP8Linear, fp8_forward_saving_codes)
@@ -249,6 +252,8 @@ def before(lever: str, model):
         return patched(LoRAModule, "_adds_up_in_gemm", lambda *args: False)
     if lever == "rms_weight":
         return patched(core, "rms_norm", rms_norm_with_copy)
+    if lever == "rms_fused":
+        return patched(core, "FUSED_RMS_NORM_DEVICES", ())
     return patched(core, "layer_norm", layer_norm_with_copy)
 
 

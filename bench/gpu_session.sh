@@ -15,6 +15,9 @@
 #      verify    the full-size compiled steps (bench_block_swap.py --compile, both families, swap 0 and the
 #                24 GB card's count): dynamo's recompile limit sent all but 8 blocks eager until 2026-11-27;
 #                then FLUX.1 compiled against sd-scripts with CUDA graphs on ours (--our-compile-mode)
+#      eager     the fused RMSNorm on eager steps (bench_core_levers.py rms_fused, both families), the eager
+#                headline lines with it, then the one headline line the H200 run of 2026-11-27 missed
+#                (Qwen-Image fp8_scaled compiled)
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -23,7 +26,7 @@
 # Settings as bench/gpu_bench.sh: 1024 px (4096 image + 512 text tokens), full-width blocks (FLUX.1 2 double
 # + 4 single, Qwen-Image 4), bf16 autocast, gradient checkpointing, rank 16.
 set -o pipefail
-plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|fp8swap [SECONDS]}
+plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|eager|fp8swap [SECONDS]}
 budget=${2:-540}
 start=$SECONDS
 LOGS=${OUT:-bench/gpu_logs}
@@ -104,6 +107,11 @@ case $plan in
         step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families flux --precisions bf16 \
             --save-projections $KEEP --compile --our-compile-mode reduce-overhead
         ;;
+    eager)  # eager Qwen-Image is bound by launching kernels (H200 profile: GPU busy 46% of the step)
+        step levers.log 150 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 --levers rms_fused
+        step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP
+        step peers_compiled.log 220 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP --compile
+        ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
         for family in flux qwen_image; do
             step fp8.log 100 $PY bench/bench_train_step.py --device "$DEVICE" --dtype bf16 --sizes mid --families $family \
@@ -113,7 +121,7 @@ case $plan in
         step swap.log 120 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2
         ;;
     *)
-        echo "unknown plan $plan (headline, rest, profile, verify, fp8swap)"
+        echo "unknown plan $plan (headline, rest, profile, verify, eager, fp8swap)"
         exit 2
         ;;
 esac

@@ -123,3 +123,64 @@ def test_rms_norm_weight_widened_by_promotion_equals_a_float32_copy(x_dtype, w_d
     y0.backward(grad)
     assert y.dtype == y0.dtype == x_dtype and torch.equal(y, y0)
     assert torch.equal(x.grad, x0.grad) and torch.equal(w.grad, w0.grad)
+
+
+# core.rms_norm on CUDA: PyTorch's fused kernel (aten._fused_rms_norm and its backward) where the weight is in
+# x's dtype. Its CUDA kernels cannot run here: their math is checked through PyTorch's own decompositions of
+# the two ops (what inductor and the meta kernels use), and the routing on the CPU with the device list patched.
+
+
+def _fused_rms_norm_by_decomposition(x, w, eps, grad):
+    """(y, dL/dx) of aten._fused_rms_norm forward and backward, as PyTorch decomposes them, in float64-free
+    eager ops on the CPU."""
+    from torch._decomp import decomposition_table
+
+    aten = torch.ops.aten
+    y, rstd = decomposition_table[aten._fused_rms_norm.default](x, [x.shape[-1]], w, eps)
+    dx, _ = decomposition_table[aten._fused_rms_norm_backward.default](grad, x, [x.shape[-1]], rstd, w, [True, False])
+    return y, dx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_the_fused_rms_norm_kernels_math_equals_ours(dtype, weighted):
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(2, 300, 128, generator=g)).to(dtype).requires_grad_(True)
+    w = (1 + 0.3 * torch.randn(128, generator=g)).to(dtype) if weighted else None
+    y = core.rms_norm(x, w, 1e-6)
+    grad = torch.randn(y.shape, generator=g).to(dtype)
+    dx, = torch.autograd.grad(y, x, grad)
+    y_fused, dx_fused = _fused_rms_norm_by_decomposition(x.detach(), w, 1e-6, grad)
+    assert y_fused.dtype == y.dtype == dx_fused.dtype == dtype
+    tiny = torch.finfo(dtype).eps  # one rounding of the output dtype apart at most (the sums' order)
+    assert torch.allclose(y_fused.float(), y.float(), rtol=tiny, atol=tiny)
+    assert torch.allclose(dx_fused.float(), dx.float(), rtol=4 * tiny, atol=4 * tiny * dx.abs().max().item())
+
+
+def test_rms_norm_takes_the_fused_kernel_where_the_dtypes_match_eager_and_autocast_off(monkeypatch):
+    calls = []
+
+    def spy(x, shape, weight, eps):
+        calls.append((x.dtype, None if weight is None else weight.dtype, torch.is_autocast_enabled("cpu")))
+        return real(x, shape, weight, eps)
+
+    real = F.rms_norm
+    monkeypatch.setattr(core, "FUSED_RMS_NORM_DEVICES", ("cpu",))  # the CUDA path, on the CPU
+    monkeypatch.setattr(F, "rms_norm", spy)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 7, 64, generator=g).to(torch.bfloat16).requires_grad_(True)
+    w = (1 + 0.3 * torch.randn(64, generator=g)).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = core.rms_norm(x, w, 1e-6)
+    assert calls == [(torch.bfloat16, torch.bfloat16, False)] and y.dtype == torch.bfloat16
+    monkeypatch.setattr(core, "FUSED_RMS_NORM_DEVICES", ())
+    y_composite = core.rms_norm(x, w, 1e-6)
+    assert len(calls) == 1 and torch.equal(y, y_composite)  # the CPU's F.rms_norm is the composite, bit for bit
+    monkeypatch.setattr(core, "FUSED_RMS_NORM_DEVICES", ("cpu",))
+    core.rms_norm(x, w.float(), 1e-6)  # a float32 weight (Krea 2's 1 + scale): the composite, as PyTorch would
+    core.rms_norm(x.float(), w, 1e-6)
+    core.rms_norm(x, None, 1e-6)
+    assert calls[1:] == [(torch.bfloat16, None, False)]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # compiled regions keep their graphs
+    core.rms_norm(x, w, 1e-6)
+    assert len(calls) == 2

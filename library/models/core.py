@@ -38,11 +38,28 @@ from library.precision.autocast import autocast_off
 _WIDENED_EXACTLY = (torch.float32, torch.bfloat16, torch.float16)  # weight dtypes y * weight promotes exactly
 
 
+# Devices whose F.rms_norm runs one fused kernel forward and one backward (aten._fused_rms_norm, CUDA since
+# torch 2.8) where x and the weight share a dtype: the same math as below (float32 statistics, the weight
+# applied in float32, one rounding to x.dtype), ~21 kernels fewer per call and training step (8 forward,
+# as many again in checkpointing's recompute, ~12 backward: the eager step is bound by launching them,
+# bench/RESULTS.md), and backward keeps x and a float32 [..., 1] rstd instead of a float32 copy of x.
+# Elsewhere (the CPU, meta: the planner) F.rms_norm is the composite below, op for op.
+FUSED_RMS_NORM_DEVICES = ("cuda",)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last axis. Statistics in fp32; output in x.dtype (weight applied in fp32).
 
     A bf16 / fp16 weight multiplies the float32 y as it is: type promotion widens it inside the kernel,
-    exactly as a float32 copy would (each value is exact in float32), one cast fewer per call."""
+    exactly as a float32 copy would (each value is exact in float32), one cast fewer per call.
+    On FUSED_RMS_NORM_DEVICES with the weight in x's dtype (or none), eager: PyTorch's fused kernel, with
+    autocast off so it neither widens x nor returns float32 (torch.compile fuses the composite itself)."""
+    if (x.device.type in FUSED_RMS_NORM_DEVICES and (weight is None or weight.dtype == x.dtype)
+            and not torch.compiler.is_compiling()):
+        if not torch.is_autocast_enabled(x.device.type):
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        with autocast_off(x.device.type):
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
