@@ -30,7 +30,7 @@ memory (bench_train_step.PeakMemory) are printed.
              before: on [B, L, in], its output reshaped into rows (2 view ops more per module and pass)
   rms_weight core.rms_norm widens a bf16 weight by type promotion; before: a float32 copy of it per call
   rms_fused  core.rms_norm on CUDA (FUSED_RMS_NORM_DEVICES) runs PyTorch's fused kernel where the weight is
-             in x's dtype, eager; before: the composite (8 ops forward, ~12 backward). On the CPU both sides
+             in x's dtype, eager; before: the composite (8 ops forward, ~14 backward). On the CPU both sides
              are the composite (a control: x1.00)
   quantized_compiled  an fp8_scaled base under torch_compile without checkpointing: core.compile_block
              lets the partitioner recompute the dequantized weights for backward

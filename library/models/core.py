@@ -40,9 +40,9 @@ _WIDENED_EXACTLY = (torch.float32, torch.bfloat16, torch.float16)  # weight dtyp
 
 # Devices whose F.rms_norm runs one fused kernel forward and one backward (aten._fused_rms_norm, CUDA since
 # torch 2.8) where x and the weight share a dtype: the same math as below (float32 statistics, the weight
-# applied in float32, one rounding to x.dtype), ~21 kernels fewer per call and training step (8 forward,
-# as many again in checkpointing's recompute, ~12 backward: the eager step is bound by launching them,
-# bench/RESULTS.md), and backward keeps x and a float32 [..., 1] rstd instead of a float32 copy of x.
+# applied in float32, one rounding to x.dtype), ~27 kernels fewer per call and training step (8 forward,
+# as many again in checkpointing's recompute, ~14 backward, against one each: the eager step is bound by
+# launching them, bench/RESULTS.md), and backward keeps x and a float32 [..., 1] rstd instead of a float32 copy of x.
 # Elsewhere (the CPU, meta: the planner) F.rms_norm is the composite below, op for op.
 FUSED_RMS_NORM_DEVICES = ("cuda",)
 
