@@ -62,7 +62,10 @@ step() {
     fi
     ((limit > left)) && limit=$left
     echo "== at $((SECONDS - start)) s, limit $limit s: $*" | tee -a "$LOGS/session.log" "$LOGS/$log"
-    timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v Warning >>"$LOGS/$log"
+    # library noise out (FutureWarning / DeprecationWarning lines and warnings' source echo), our own
+    # warnings in: the trainer's (e.g. torch_compile's recompile-limit one) are findings
+    timeout -k 10 "$limit" "$@" 2>&1 | grep --line-buffered -v -E 'FutureWarning|DeprecationWarning|^ +warnings\.warn\(' \
+        >>"$LOGS/$log"
     echo "== rc ${PIPESTATUS[0]} at $((SECONDS - start)) s" | tee -a "$LOGS/session.log" "$LOGS/$log"
 }
 
