@@ -417,12 +417,13 @@ class LLMTask:
         batches += [[s] for s in starts if s + length + 1 > len(ids)]  # the shorter rest
         total, count = 0.0, 0
         for batch in batches:
-            windows = torch.stack([ids[s : s + length + 1] for s in batch]).to(self.device, torch.long)  # int64 ids
-            targets = torch.stack([window_targets(ids, trained, borders, s + 1, windows.shape[1] - 1)
-                                   for s in batch]).to(self.device)  # int64 [B, L]
+            n = min(length, len(ids) - 1 - batch[0])  # the batch's targets a window (the rest's: fewer)
+            inputs = torch.stack([ids[s : s + n] for s in batch]).to(self.device, torch.long)  # int64 [B, n]
+            targets = torch.stack([window_targets(ids, trained, borders, s + 1, n)
+                                   for s in batch]).to(self.device)  # int64 [B, n]
             documents = None if doc_starts is None else batch_documents(
-                [window_documents(doc_starts, s, windows.shape[1] - 1) for s in batch])
-            logits = self.model(windows[:, :-1], documents=None if documents is None else documents.to(self.device))
+                [window_documents(doc_starts, s, n) for s in batch])
+            logits = self.model(inputs, documents=None if documents is None else documents.to(self.device))
             total += float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
             count += int((targets != IGNORE).sum())
         return total / count if count else float("nan")
