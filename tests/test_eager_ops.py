@@ -131,8 +131,8 @@ def test_rms_norm_weight_widened_by_promotion_equals_a_float32_copy(x_dtype, w_d
 
 
 def _fused_rms_norm_by_decomposition(x, w, eps, grad):
-    """(y, dL/dx) of aten._fused_rms_norm forward and backward, as PyTorch decomposes them, in float64-free
-    eager ops on the CPU."""
+    """(y, dL/dx) of aten._fused_rms_norm forward and backward as PyTorch decomposes them (the formulas its
+    meta kernels and inductor use), run as eager ops on the CPU."""
     from torch._decomp import decomposition_table
 
     aten = torch.ops.aten
