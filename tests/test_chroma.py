@@ -526,7 +526,8 @@ def test_memory_planner_takes_a_chroma_config_and_the_preset(tiny_set, tmp_path,
         "output_dir": tmp_path / "out"}.items()))  # fmt: skip
     assert plan_memory.main(["--config_file", str(config), "--vram", "12"]) == 0
     assert "fits with blocks_to_swap = 0" in capsys.readouterr().out
-    assert plan_memory.main(["--preset", "chroma", "--vram", "24", "--resolution", "1024"]) == 0
+    assert plan_memory.main(["--preset", "chroma", "--vram", "24", "--resolution", "1024",
+                             "--base_precision", "bf16"]) == 0
     out = capsys.readouterr().out
     assert f"base {8_899_983_424 * 2 / 2**30:.2f}" in out  # bf16 base: 2 bytes a weight (test_released_size_on_meta)
     assert "checkpoint_saves_projections" not in out  # Chroma's gates do not train: nothing to keep

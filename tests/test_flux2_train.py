@@ -123,7 +123,8 @@ def test_memory_planner_takes_flux2_config_and_klein_presets(tiny_set, tmp_path,
         "output_dir": tmp_path / "out"}.items()))
     assert plan_memory.main(["--config_file", str(config), "--vram", "12"]) == 0
     assert "fits with blocks_to_swap = 0" in capsys.readouterr().out
-    assert plan_memory.main(["--preset", "flux2-klein-4b", "--vram", "16", "--resolution", "512"]) == 0
+    assert plan_memory.main(["--preset", "flux2-klein-4b", "--vram", "16", "--resolution", "512",
+                             "--base_precision", "bf16"]) == 0
     out = capsys.readouterr().out
     with torch.device("meta"):
         params = sum(p.numel() for p in Flux2(FLUX2_KLEIN_4B).parameters())

@@ -56,7 +56,8 @@ def test_precision_doctor_and_memory_planner_accept_flux_kontext(tiny_set, tmp_p
     from library.training.memory_plan import training_plan
 
     capsys.readouterr()
-    assert plan_memory.main(["--preset", "flux1-kontext-dev", "--vram", "24", "--resolution", "256"]) == 0
+    assert plan_memory.main(["--preset", "flux1-kontext-dev", "--vram", "24", "--resolution", "256",
+                             "--base_precision", "fp8_scaled"]) == 0
     assert "training" in capsys.readouterr().out
     plans = {cls.name: training_plan(cls(tiny_set["flux_bfl"]), plan_memory.default_args(cls.name), 64, 64, 1, 8)
              for cls in (FluxFamily, FluxKontextFamily)}

@@ -96,6 +96,14 @@ def test_plan_memory_on_the_tiny_config_prints_every_phase_and_what_fits(tiny_se
     for phase in ("caching", "training", "sampling"):
         assert phase in out
     assert "swap buffers" in out and "fits with blocks_to_swap = 0" in out  # a tiny model fits anything
+    # --base_precision plans the card's rows of that base only, each as the whole plan has it
+    assert plan_memory.main(["--config_file", config, "--vram", "12", "--base_precision", "int8"]) == 0
+    only = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "gradient_checkpointing=" in line]
+    assert len(rows) >= 8 and {line.split()[0] for line in rows} == {"bf16", "fp8_scaled", "nf4", "int8"}
+    assert [line for line in only.splitlines() if "gradient_checkpointing=" in line] == [
+        line for line in rows if line.split()[0] == "int8"]
+    assert only.split("\nOn a ")[0] == out.split("\nOn a ")[0]  # the run's own phases, as its config sets them
 
 
 def test_a_full_size_preset_needs_swap_on_a_small_card(capsys):
@@ -302,6 +310,8 @@ def test_train_lora_renders_no_bf16_reference_that_does_not_fit_and_says_so(tiny
     (["--preset", "qwen-image-edit", "--references", "4"],
      "--references: 4 reference image(s), but qwen_image_edit takes 1 to 3 per image"),
     (["--preset", "flux1-dev", "--references", "1"], "--references: 1 reference image(s), but flux takes none"),
+    (["--preset", "flux1-dev", "--gguf", "Q4_K", "--base_precision", "bf16"],
+     "--base_precision bf16: this base is stored as gguf_q4_k and is planned as stored"),
 ])
 def test_plan_memory_refuses_a_bad_value_in_one_line_before_planning(argv, message, capsys, monkeypatch):
     from tests.test_reliability import one_error_line

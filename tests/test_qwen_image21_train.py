@@ -162,7 +162,8 @@ def test_planner_sizes_the_16x_vae_and_its_tokens(capsys):
     from library.training.memory_plan import _vae_peak
     from tools import plan_memory
 
-    assert plan_memory.main(["--preset", "qwen-image-2.1", "--vram", "24", "--resolution", "512"]) == 0
+    assert plan_memory.main(["--preset", "qwen-image-2.1", "--vram", "24", "--resolution", "512",
+                             "--base_precision", "fp8_scaled"]) == 0
     out = capsys.readouterr().out
     planned = float(out.split("vae decode (peak) ")[1].split(")")[0].split(",")[0])
     vae = QwenImage21Family("unused").vae_on_meta()

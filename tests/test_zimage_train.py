@@ -166,12 +166,12 @@ def test_sample_schedule_is_the_release_schedulers(tiny_set, version, shift):
 
 
 def test_memory_planner_plans_the_released_sizes_on_meta(capsys):
-    """The planner's forward runs on meta (no caption mask to read there). One preset: zimage-base
-    plans the same transformer and text encoder (it differs in its sampling schedule only), and each
-    plan takes ~27 s on 2 cores."""
+    """The planner's forward runs on meta (no caption mask to read there). One preset and one base
+    precision: zimage-base plans the same transformer and text encoder (it differs in its sampling
+    schedule only), and each base's rows take seconds at full size on 2 cores."""
     from tools import plan_memory
 
-    assert plan_memory.main(["--preset", "zimage-turbo", "--vram", "16"]) == 0
+    assert plan_memory.main(["--preset", "zimage-turbo", "--vram", "16", "--base_precision", "fp8_scaled"]) == 0
     assert "fits with blocks_to_swap" in capsys.readouterr().out
 
 

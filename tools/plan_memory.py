@@ -5,12 +5,14 @@
     python tools/plan_memory.py --preset NAME --vram 24 --resolution 1328 --batch_size 1
     python tools/plan_memory.py --preset NAME --vram 48 --references 3   # an edit model, 3 references per image
     python tools/plan_memory.py --preset NAME --vram 12 --gguf Q4_K      # a ComfyUI-GGUF base of that type
+    python tools/plan_memory.py --preset NAME --vram 16 --base_precision fp8_scaled   # that base's rows only
 
 Everything is simulated on `meta` (library/training/memory_plan.py): no weight is read, the files'
 headers give the shapes. With a config file the run's own settings are planned (its base precision,
 blocks_to_swap, checkpointing, network, optimizer, vae_batch_size, largest bucket, the references
 per image of its control_directory); then, for the card, every base precision x checkpointing pair
-gets the fewest blocks_to_swap that fit. A card fits a plan when the peak stays under 95% of (its
+gets the fewest blocks_to_swap that fit (--base_precision: that one's rows only, a quarter to a half
+of the minutes a full-size model's rows take on a CPU). A card fits a plan when the peak stays under 95% of (its
 memory - the CUDA context, ~0.6 GiB). The presets (each family's spec: planner.presets) are the
 released models' configs and text-encoder sizes; an edit model is planned with one reference per
 image unless --references says otherwise. A pre-quantized base (an fp8 or GGUF file, or a preset with
@@ -32,6 +34,14 @@ if ROOT not in sys.path:
 from tools.cli import check_command_line  # noqa: E402
 
 
+# The base precisions a card is planned with (the stored layout alone for a pre-quantized file); the
+# 4- and 8-bit integer ones only on cards under LOWBIT_BELOW_GIB, where fp8 often needs block swap
+# (each is one more full-size simulation; a larger card's user can still plan one via base_precision).
+PLANNED_PRECISIONS = ("bf16", "fp8_scaled")
+LOWBIT_PRECISIONS = ("nf4", "int8")
+LOWBIT_BELOW_GIB = 16
+
+
 def presets() -> dict:
     """--preset name -> the PlannerPreset of a released model (every family's spec: planner.presets)."""
     from library.models.registry import arch_specs
@@ -50,7 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reference images per image of an edit model (default: the dataset's control_directory; 1)")
     p.add_argument("--gguf", metavar="TYPE", default=None,
                    help="with --preset: plan the base as a GGUF file of this block type (Q8_0, Q6_K, Q5_K, Q4_K, ...)")
+    p.add_argument("--base_precision", choices=base_precisions(), default=None,
+                   help="plan the card's rows in this base precision only (default: bf16 and fp8_scaled, and nf4 "
+                        f"and int8 on cards under {LOWBIT_BELOW_GIB} GiB); each one left out is seconds less at full size")
     return p
+
+
+def base_precisions() -> tuple[str, ...]:
+    from library.models.registry import BASE_PRECISIONS
+
+    return BASE_PRECISIONS
 
 
 # The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
@@ -135,14 +154,6 @@ def plan_run(family, args, width: int, height: int, batch: int, references: int 
     return [caching, training, sampling_phase(family, args, width, height, tokens, count)]
 
 
-# The base precisions a card is planned with (the stored layout alone for a pre-quantized file); the
-# 4- and 8-bit integer ones only on cards under LOWBIT_BELOW_GIB, where fp8 often needs block swap
-# (each is one more full-size simulation; a larger card's user can still plan one via base_precision).
-PLANNED_PRECISIONS = ("bf16", "fp8_scaled")
-LOWBIT_PRECISIONS = ("nf4", "int8")
-LOWBIT_BELOW_GIB = 16
-
-
 def setting_plans(family, args, width: int, height: int, batch: int, references: int | None = None,
                   bases: tuple[str, ...] = PLANNED_PRECISIONS) -> dict:
     """{(base precision, checkpointing): TrainingPlan} for each of `bases` x checkpointing off / on; a
@@ -180,9 +191,10 @@ def fewest_swaps(plan, vram_gib: float) -> int | None:
     return next((n for n in range(len(plan.block_bytes)) if plan.phase(n).peak <= usable(vram_gib)), None)
 
 
-def card_plans(family, args, width: int, height: int, batch: int, vram_gib: float, references: int | None = None) -> dict:
-    """setting_plans for the base precisions planned on a card of vram_gib."""
-    bases = PLANNED_PRECISIONS + (LOWBIT_PRECISIONS if vram_gib < LOWBIT_BELOW_GIB else ())
+def card_plans(family, args, width: int, height: int, batch: int, vram_gib: float, references: int | None = None,
+               only: str | None = None) -> dict:
+    """setting_plans for the base precisions planned on a card of vram_gib (only: that one, --base_precision)."""
+    bases = (only,) if only else PLANNED_PRECISIONS + (LOWBIT_PRECISIONS if vram_gib < LOWBIT_BELOW_GIB else ())
     return setting_plans(family, args, width, height, batch, references, bases)
 
 
@@ -228,6 +240,13 @@ def check_references(family, count: int, where: str) -> None:
                          f"{family.min_controls} to {family.max_controls} per image")
 
 
+def check_base_precision(family, only: str | None) -> None:
+    """--base_precision picks among the layouts a base can be stored in; a pre-quantized one has its own."""
+    if only and (stored := family.stored_layout()):
+        raise ValueError(f"--base_precision {only}: this base is stored as {stored} and is planned as stored; "
+                         f"leave --base_precision out")
+
+
 def what_to_plan(cli) -> tuple:
     """(family, run config, (width, height), batch, references per image) from the command line."""
     if cli.gguf and not cli.preset:
@@ -238,10 +257,13 @@ def what_to_plan(cli) -> tuple:
         if cli.gguf and cli.gguf.upper() not in GGUF_TYPES:
             raise ValueError(f"--gguf {cli.gguf}: not a GGUF block type we read ({', '.join(GGUF_TYPES)})")
         family = PresetFamily(cli.preset, cli.gguf.upper() if cli.gguf else None)
+        check_base_precision(family, cli.base_precision)
         side = cli.resolution or 1024
         references = family.plan_controls if cli.references is None else cli.references
         check_references(family, references, "--references")
-        return family, default_args(family.name), (side, side), cli.batch_size or 1, references
+        run = default_args(family.name)
+        run.base_precision = cli.base_precision or run.base_precision  # the phases above the rows: that base
+        return family, run, (side, side), cli.batch_size or 1, references
     from library.data.image_folders import largest_step
     from library.data.dataset_config import load_dataset_config
     from library.models.family import get_family
@@ -250,6 +272,7 @@ def what_to_plan(cli) -> tuple:
     run = load_config(["--config_file", cli.config_file])
     family = get_family(run)
     family.check_model_files()  # from the headers: a missing or wrong file is one line before any plan
+    check_base_precision(family, cli.base_precision)
     step = largest_step(load_dataset_config(run.dataset_config), cli.references)
     size = (cli.resolution, cli.resolution) if cli.resolution else (step.width, step.height)
     check_references(family, step.references, "--references" if cli.references is not None else run.dataset_config)
@@ -309,7 +332,7 @@ def report(args, family, run, size: tuple[int, int], batch: int, references: int
     refs = f", {references} reference(s) per image" if family.max_controls else ""
     print(f"{args.preset or args.config_file}: {width}x{height}, batch {batch}{refs}, LoRA rank {run.network_dim}, "
           f"{run.optimizer_type}; predicted peak device memory (tensors; add ~0.6 GiB of CUDA context):")
-    planned = card_plans(family, run, width, height, batch, args.vram, references)
+    planned = card_plans(family, run, width, height, batch, args.vram, references, args.base_precision)
     phases = plan_run(family, run, width, height, batch, references, planned)
     for phase in phases:
         print("  " + phase.row())
