@@ -143,7 +143,9 @@ def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, bet
     for ax in (ax_lr, ax_loss):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
+    # Fixed margins that hold 8-character tick labels and the axis labels: tight_layout measures them
+    # with a draw of its own, a third of the plot's time (0.55 -> 0.37 s), paid at the end of every run.
+    fig.subplots_adjust(left=0.1, right=0.92 if adaptive else 0.975, bottom=0.065, top=0.98, hspace=0.06)
     with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     drawn = {line.get_label(): [float(y) for y in line.get_ydata()] for ax in fig.axes for line in ax.get_lines()}
