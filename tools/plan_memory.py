@@ -11,8 +11,8 @@ Everything is simulated on `meta` (library/training/memory_plan.py): no weight i
 headers give the shapes. With a config file the run's own settings are planned (its base precision,
 blocks_to_swap, checkpointing, network, optimizer, vae_batch_size, largest bucket, the references
 per image of its control_directory); then, for the card, every base precision x checkpointing pair
-gets the fewest blocks_to_swap that fit (--base_precision: that one's rows only, a quarter to a half
-of the minutes a full-size model's rows take on a CPU). A card fits a plan when the peak stays under 95% of (its
+gets the fewest blocks_to_swap that fit (--base_precision: that one's rows only, each base left out
+one to two full-size simulations less). A card fits a plan when the peak stays under 95% of (its
 memory - the CUDA context, ~0.6 GiB). The presets (each family's spec: planner.presets) are the
 released models' configs and text-encoder sizes; an edit model is planned with one reference per
 image unless --references says otherwise. A pre-quantized base (an fp8 or GGUF file, or a preset with
@@ -50,6 +50,8 @@ def presets() -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from library.models.registry import BASE_PRECISIONS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--config_file", help="a train_lora.py TOML config (its files' headers are read)")
     p.add_argument("--preset", choices=sorted(presets()), help="a full-size model without files")
@@ -60,16 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reference images per image of an edit model (default: the dataset's control_directory; 1)")
     p.add_argument("--gguf", metavar="TYPE", default=None,
                    help="with --preset: plan the base as a GGUF file of this block type (Q8_0, Q6_K, Q5_K, Q4_K, ...)")
-    p.add_argument("--base_precision", choices=base_precisions(), default=None,
+    p.add_argument("--base_precision", choices=BASE_PRECISIONS, default=None,
                    help="plan the card's rows in this base precision only (default: bf16 and fp8_scaled, and nf4 "
                         f"and int8 on cards under {LOWBIT_BELOW_GIB} GiB); each one left out is seconds less at full size")
     return p
-
-
-def base_precisions() -> tuple[str, ...]:
-    from library.models.registry import BASE_PRECISIONS
-
-    return BASE_PRECISIONS
 
 
 # The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.

@@ -56,8 +56,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     autocast off so it neither widens x nor returns float32 (torch.compile fuses the composite itself)."""
     if (x.device.type in FUSED_RMS_NORM_DEVICES and (weight is None or weight.dtype == x.dtype)
             and not torch.compiler.is_compiling()):
-        if not torch.is_autocast_enabled(x.device.type):
-            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        if not torch.is_autocast_enabled(x.device.type):  # no torch.autocast to enter and leave: host time
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)  # is what this path saves in a launch-bound step
         with autocast_off(x.device.type):
             return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
