@@ -18,6 +18,9 @@
 #      eager     the fused RMSNorm on eager steps (bench_core_levers.py rms_fused, both families), the eager
 #                headline lines with it, then the one headline line the H200 run of 2026-11-27 missed
 #                (Qwen-Image fp8_scaled compiled)
+#      candidates  code measured before it lands: each bench/candidates/*.diff applied to this copy of the tree
+#                (the device's; nothing here changes), then its lever (bench_core_levers.py lora_casts, both
+#                families), the eager headline lines and eager Qwen-Image's launches under the profiler with it
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -26,7 +29,7 @@
 # Settings as bench/gpu_bench.sh: 1024 px (4096 image + 512 text tokens), full-width blocks (FLUX.1 2 double
 # + 4 single, Qwen-Image 4), bf16 autocast, gradient checkpointing, rank 16.
 set -o pipefail
-plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|eager|fp8swap [SECONDS]}
+plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|eager|candidates|fp8swap [SECONDS]}
 budget=${2:-540}
 start=$SECONDS
 LOGS=${OUT:-bench/gpu_logs}
@@ -115,6 +118,16 @@ case $plan in
         step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP
         step peers_compiled.log 220 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP --compile
         ;;
+    candidates)  # a patch already applied (a warm machine keeps the tree) is left as it is
+        for patch in bench/candidates/*.diff; do
+            git apply --reverse --check "$patch" 2>/dev/null || git apply "$patch" \
+                || { echo "$patch does not apply" | tee -a "$LOGS/session.log"; exit 1; }
+        done
+        step levers.log 150 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 --levers lora_casts
+        step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP
+        step profile.log 120 $PY bench/profile_peers.py --device "$DEVICE" --sd_scripts .peers/sd-scripts \
+            --musubi .peers/musubi-tuner --reps 10 --steps 3 --families qwen_image --precision bf16 --save-attention
+        ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
         for family in flux qwen_image; do
             step fp8.log 100 $PY bench/bench_train_step.py --device "$DEVICE" --dtype bf16 --sizes mid --families $family \
@@ -124,7 +137,7 @@ case $plan in
         step swap.log 120 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2
         ;;
     *)
-        echo "unknown plan $plan (headline, rest, profile, verify, eager, fp8swap)"
+        echo "unknown plan $plan (headline, rest, profile, verify, eager, candidates, fp8swap)"
         exit 2
         ;;
 esac
