@@ -120,9 +120,12 @@ case $plan in
         step peers_compiled.log 220 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP --compile
         ;;
     candidates)  # a patch already applied (a warm machine keeps the tree) is left as it is
-        for patch in bench/candidates/*.diff; do
-            git apply --reverse --check "$patch" 2>/dev/null || git apply "$patch" \
-                || { echo "$patch does not apply" | tee -a "$LOGS/session.log"; exit 1; }
+        for patch in bench/candidates/*.diff; do  # (git apply needs no repository; patch where git is missing)
+            if command -v git >/dev/null; then
+                git apply --reverse --check "$patch" 2>/dev/null || git apply "$patch"
+            else
+                patch -p1 -R -s -f --dry-run <"$patch" >/dev/null 2>&1 || patch -p1 -s -f <"$patch"
+            fi || { echo "$patch does not apply" | tee -a "$LOGS/session.log"; exit 1; }
         done
         step checks.log 120 $PY -m pytest -x -q -p no:cacheprovider tests/test_block_swap.py
         step swap.log 100 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2
