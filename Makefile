@@ -25,8 +25,10 @@ demo: $(STAMP)
 	$(PYTHON) train_lora.py --config_file configs/quickstart.toml
 	$(PYTHON) tools/concept_demo.py --config_file configs/quickstart.toml --concept tiny_models/concept/concept.json
 
+# One pytest-xdist worker per core (at most 4: each builds its own tiny model sets), each taking whole
+# files, the longest first (tests/conftest.py): 13 minutes on 2 cores where one process took 20.
 test: $(STAMP)
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 # The web UI on http://127.0.0.1:7860 (tools/webui.py --help: other roots, devices, a password).
 webui: $(STAMP)

@@ -9,8 +9,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# Two CPU cores in CI: keep intra-op threads matched so tests do not oversubscribe.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two CPU cores in CI, one pytest-xdist worker on each (`make test` runs `pytest -n auto`): a worker's
+# intra-op threads, and those of the trainers and tools its tests start (OMP_NUM_THREADS), are its share
+# of the cores, so that the workers do not oversubscribe them. Alone (`pytest` without -n): two threads.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
+torch.set_num_threads(THREADS)
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 
 def freeze_what_lives():
@@ -21,6 +27,23 @@ def freeze_what_lives():
     the session are frozen: what tests create later is collected as before."""
     gc.collect()
     gc.freeze()
+
+
+# The files that took longest on 2 cores (`pytest --durations=0`, summed per file), longest first. Under
+# `make test` (pytest -n auto --dist loadfile --no-loadscope-reorder) a worker takes the next whole file
+# whenever it runs short, so starting the long ones first ends the workers together rather than leaving
+# one of them alone with a long file at the end (xdist's own order, most tests first, put them last).
+LONGEST_FIRST = (
+    "test_memory_plan.py", "test_webui_api.py", "test_learning.py", "test_block_swap.py",
+    "test_webui_browser.py", "test_train_lora.py", "test_webui_faults.py", "test_precision_matrix.py",
+    "test_residual_projection.py", "test_fsdp.py", "test_webui_jobs.py", "test_train_llm.py",
+    "test_lora_clients.py", "test_crash_safety.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 def pytest_collection_finish(session):
