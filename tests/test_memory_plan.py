@@ -19,11 +19,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the planner's training peak, and the process's peak RSS during the step above its RSS just before
 # the model exists (a model quantized in memory starts in fp32: that is not the step, so the peak is reset).
 STEP = textwrap.dedent("""
-    import sys, torch
+    import os, sys, torch
     sys.path.insert(0, {root!r})
     from library.training.host_memory import return_freed_buffers
     return_freed_buffers(65536)  # freed tensors leave the RSS at once
-    torch.set_num_threads(2)
+    torch.set_num_threads(min(2, int(os.environ.get("OMP_NUM_THREADS", "2"))))  # one under make test's two workers
     from library.models.flux1.family import FluxFamily
     from library.models.flux1.model import Flux, FluxConfig
     from library.precision.fp8 import prepare_fp8, quantize_module
