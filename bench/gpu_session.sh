@@ -22,6 +22,7 @@
 #                (the device's; nothing here changes), then the CUDA block-swap tests and the eager block swap
 #                of both families (block_swap_flat), the lever lora_casts (bench_core_levers.py, both families),
 #                the eager headline lines and eager Qwen-Image's launches under the profiler, all with both
+#                patches applied
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start

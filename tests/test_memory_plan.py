@@ -19,11 +19,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the planner's training peak, and the process's peak RSS during the step above its RSS just before
 # the model exists (a model quantized in memory starts in fp32: that is not the step, so the peak is reset).
 STEP = textwrap.dedent("""
-    import os, sys, torch
+    import sys, torch
     sys.path.insert(0, {root!r})
     from library.training.host_memory import return_freed_buffers
     return_freed_buffers(65536)  # freed tensors leave the RSS at once
-    torch.set_num_threads(min(2, int(os.environ.get("OMP_NUM_THREADS", "2"))))  # one under make test's two workers
+    torch.set_num_threads({threads})  # the test process's (conftest: 2 alone, 1 under make test's two workers)
     from library.models.flux1.family import FluxFamily
     from library.models.flux1.model import Flux, FluxConfig
     from library.precision.fp8 import prepare_fp8, quantize_module
@@ -69,7 +69,7 @@ STEP = textwrap.dedent("""
 
 @pytest.mark.parametrize("base,ckpt", [("fp32", False), ("fp8_scaled", True)])
 def test_planned_training_peak_is_within_10_percent_of_the_measured_cpu_step(base, ckpt):
-    out = subprocess.run([sys.executable, "-c", STEP.format(root=ROOT, base=base, ckpt=ckpt)],
+    out = subprocess.run([sys.executable, "-c", STEP.format(root=ROOT, base=base, ckpt=ckpt, threads=torch.get_num_threads())],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     planned, measured = map(int, out.stdout.split()[-2:])
