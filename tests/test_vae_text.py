@@ -180,12 +180,25 @@ def test_clip_and_t5_single_files_load_like_folders(encoders, tmp_path):
         load_clip_l(str(tmp_path / "clip_l.safetensors"), tokenizer=encoders["clip_l"])
 
 
-def test_t5_in_float16_keeps_feed_forward_output_in_float32(encoders):
-    t5 = load_t5(encoders["t5xxl"], dtype=torch.float16)
+@pytest.mark.parametrize("stored", [torch.float32, torch.float16, torch.bfloat16])
+def test_t5_in_float16_keeps_feed_forward_output_in_float32(encoders, tmp_path, stored):
+    """Whatever the file stores (users mostly have t5xxl_fp16): until 2026-11-27 an fp16 or bf16 file
+    left `wo` in its own dtype; the output must equal transformers' float16 load of the same file."""
+    from library.io import CheckpointReader, save_safetensors
+    from transformers import T5EncoderModel
+
+    reader = CheckpointReader(os.path.join(encoders["t5xxl"], "model.safetensors"))
+    shutil.copytree(encoders["t5xxl"], tmp_path / "t5", ignore=shutil.ignore_patterns("model.safetensors"))
+    save_safetensors({k: v.to(stored) for k, v in reader.items()}, str(tmp_path / "t5" / "model.safetensors"))
+    t5 = load_t5(str(tmp_path / "t5"), dtype=torch.float16)
     ff = t5.model.encoder.block[0].layer[1].DenseReluDense
     assert ff.wo.weight.dtype == torch.float32 and ff.wi_0.weight.dtype == torch.float16
     assert t5.model.shared.weight.dtype == torch.float16
     assert torch.equal(t5.model.shared.weight, t5.model.encoder.embed_tokens.weight)
+    reference = T5EncoderModel.from_pretrained(str(tmp_path / "t5"), dtype=torch.float16).eval()
+    ids = t5.tokenizer(PROMPTS, padding="max_length", max_length=64, truncation=True, return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(t5.encode(PROMPTS, 64), reference(ids).last_hidden_state.float())
 
 
 # ----------------------------------------------------------------------------------------------

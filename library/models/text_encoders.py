@@ -204,15 +204,21 @@ def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.
     cfg = T5Config(**_read_config(path, config, T5_XXL_CONFIG))
     with init_empty_weights():
         model = T5EncoderModel(cfg)
-    keep_fp32 = (lambda name: ".wo." in name) if dtype == torch.float16 else (lambda name: False)
-    convert = _tie_t5
+    fp16 = dtype == torch.float16
+    convert = _Chain(_tie_t5, _wo_in_float32) if fp16 else _tie_t5
     if fp8:
         from library.precision.fp8 import fp8_load_converter, prepare_fp8
 
-        quantize = fp8_load_converter(prepare_fp8(model, fp8, T5_FP8))
-        convert = _Chain(_tie_t5, quantize)
-    load_streaming(model, CheckpointReader(path), _t5_key, dtype=dtype, convert=convert, keep_dtype=keep_fp32)
+        convert = _Chain(convert, fp8_load_converter(prepare_fp8(model, fp8, T5_FP8)))  # (`wo` is never fp8)
+    load_streaming(model, CheckpointReader(path), _t5_key, dtype=dtype, convert=convert,
+                   keep_dtype=(lambda name: ".wo." in name) if fp16 else (lambda name: False))
     return T5TextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer_2"))
+
+
+def _wo_in_float32(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A float16 T5's `wo` weights, widened to float32 from whatever the file stores: t5xxl_fp16 and bf16
+    files too (load_streaming keeps their dtype, which alone left them fp16 / bf16 in the fp16 model)."""
+    return {name: tensor.float() if ".wo." in name else tensor}
 
 
 class _Chain:
