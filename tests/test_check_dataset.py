@@ -346,6 +346,48 @@ def test_the_validation_split_share_is_counted_as_held_out_not_trained(tmp_path)
     assert (held.trained, held.held_out) == (0, 5)  # a [[validation_datasets]] subset said 'trained: 5'
 
 
+def test_images_both_trained_and_held_out_are_one_warning_in_the_check_and_in_training(tmp_path):
+    """Until 2026-11-27 the same file trained and validated on passed (only a copy of it was a duplicate):
+    [[validation_datasets]] over the training folder, or validation_split in one of two datasets over it."""
+    from library.data.image_folders import scan_images, split_validation
+
+    for i in range(5):
+        make_image(tmp_path / "a" / f"{i}.png", 32, 32, (40 * i, 0, 0))
+    a = {"image_dir": str(tmp_path / "a"), "class_tokens": "x"}
+    same_folder = {"datasets": [{"resolution": 32, "subsets": [a]}], "validation_datasets": [{"resolution": 32, "subsets": [a]}]}
+    one_split = {"datasets": [{"resolution": 32, "validation_split": 0.4, "subsets": [a]},
+                              {"resolution": 16, "min_bucket_reso": 16, "subsets": [a]}]}
+    both_split = {"datasets": [{**d, "validation_split": 0.4} for d in one_split["datasets"]]}
+    for config, leaked in ((same_folder, 5), (one_split, 2), (both_split, 0)):
+        bp = parse_dataset_config(config)
+        train, held_out = split_validation(scan_images(bp), bp)
+        held_out += scan_images(bp, held_out_sets=True)
+        said = [p.message for p in check.training_warnings(train, held_out, None)]
+        report = check.check_dataset(bp)
+        found = [(s.section, p.message) for s in report.subsets for p in s.problems]
+        if not leaked:
+            assert said == found == []
+            continue
+        first = sorted({item.image_path for item in held_out})[0]
+        assert said == [m for _, m in found] and len(said) == 1 and said[0].startswith(f"{leaked} validation image(s) "
+                                                                                       f"also trained: {first}")
+        assert found[0][0] == ("validation_datasets 1, subset 1" if config is same_folder else "datasets 1, subset 1")
+
+
+def test_a_validation_split_that_holds_out_nothing_is_the_checks_error_as_in_training(tmp_path):
+    from library.data.image_folders import scan_images, split_validation
+
+    for i in range(3):
+        make_image(tmp_path / "a" / f"{i}.png", 32, 32, (40 * i, 0, 0))
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "validation_split": 0.2, "subsets": [
+        {"image_dir": str(tmp_path / "a"), "class_tokens": "x"}]}]})
+    with pytest.raises(ValueError) as raised:
+        split_validation(scan_images(bp), bp)
+    problems = check.check_dataset(bp).problems()  # passed with 0 errors until 2026-11-27
+    assert [(p.severity, p.message) for p in problems] == [("error", str(raised.value))]
+    assert "validation_split 0.2 holds out no image" in str(raised.value)
+
+
 def test_images_in_subfolders_are_a_warning_of_the_check(tmp_path):
     """The scan's warning about images below image_dir is in the check's report (the web UI shows it),
     not only on stderr."""

@@ -36,8 +36,8 @@ from PIL import Image
 
 from library.data.captions import fixed_caption
 from library.data.controls import check_control_count, check_family_takes, control_files, find_controls, target_stems
-from library.data.image_folders import (bad_size, dataset_buckets, held_out_count, image_bucket, read_caption,
-                                        subset_images)
+from library.data.image_folders import (bad_size, dataset_buckets, held_out_count, held_out_paths, image_bucket,
+                                        no_held_out, read_caption, subset_images)
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import WIDE_GREY_MODES, is_image_name, load_rgb, upscale_factor, verified_image_size
 from library.data.layers import check_layers
@@ -142,10 +142,26 @@ def caption_tokens(image_path: str, subset: SubsetSpec, caption: str, limit: Tok
                                            f"{limit.max_tokens}, the rest is cut")
 
 
-def training_warnings(items, limit: TokenLimit | None) -> list[Problem]:
+def leak_problem(trained_paths, held_out_paths) -> Problem | None:
+    """One warning for the images that are both trained and held out for validation ([[validation_datasets]]
+    over a training folder, validation_split in only one of two datasets over a folder); None if none."""
+    trained = set(trained_paths)
+    both = sorted(set(held_out_paths) & trained)
+    if not both:
+        return None
+    shown = ", ".join(both[:3]) + (f" and {len(both) - 3} more" if len(both) > 3 else "")
+    return Problem("warning", "leak", f"{len(both)} validation image(s) also trained: {shown}; the validation loss on "
+                                      f"them is on images the LoRA learns (hold out other images, or give every "
+                                      f"dataset over that folder the same validation_split)")
+
+
+def training_warnings(train, validation, limit: TokenLimit | None) -> list[Problem]:
     """What the training scan (scan_images) does not warn about itself, for its ImageItems: files
-    that are the same image, and captions the text encoder cuts."""
+    that are the same image, images both trained and validated on, and captions the text encoder cuts."""
+    items = [*train, *validation]
     problems = [p for _, p in duplicate_problems(item.image_path for item in items)]
+    leak = leak_problem((item.image_path for item in train), (item.image_path for item in validation))
+    problems += [leak] if leak else []
     if limit is None:
         return problems
     captions = {(item.image_path, id(item.subset)): item for item in items}  # one image in two subsets: two captions
@@ -183,17 +199,30 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
     duplicates across all of them. takes: (model_type, min_controls, max_controls) of the family that
     trains on it: reference counts it does not take are errors, as training's check_family_takes."""
     subsets, where = [], {}  # where: image path -> the report of its first subset
+    trained, held_out = set(), {}  # held_out: image path -> the report of its first validation subset
     sections = [("datasets", blueprint.datasets), ("validation_datasets", blueprint.validation_datasets)]
     for name, datasets in sections:
         for di, ds in enumerate(datasets, start=1):
             layered = {}  # the dataset's first composite: every other needs as many layers (as scan_images)
+            reports = []
             for si, subset in enumerate(ds.subsets, start=1):
                 report = SubsetReport(f"{name} {di}, subset {si}", subset.image_dir)
-                for path in check_subset(report, ds, subset, limit, layered, takes):
+                readable, used = check_subset(report, ds, subset, limit, layered, takes)
+                for path in readable:
                     where.setdefault(path, report)
                 if name == "validation_datasets":  # every image of it is held out
-                    report.held_out, report.trained = report.held_out + report.trained, 0
-                subsets.append(report)
+                    report.held_out, report.trained, split = report.held_out + report.trained, 0, used
+                else:  # split_validation's choice (regularization images are never held out)
+                    split = [] if subset.is_reg else held_out_paths(used, subset, ds)
+                trained.update(path for path in used if path not in split)
+                for path in split:
+                    held_out.setdefault(path, report)
+                reports.append(report)
+            if name == "datasets" and ds.validation_split and not any(r.held_out for r in reports):
+                reports[0].add("error", "folder", no_held_out(blueprint.source, di - 1, ds))
+            subsets += reports
+    if leak := leak_problem(trained, held_out):
+        held_out[min(set(held_out) & trained)].problems.append(leak)
     for path, problem in duplicate_problems(where):
         where[path].problems.append(problem)
     return DatasetReport(blueprint.source, subsets, f"{limit.encoder}, {limit.max_tokens} tokens kept" if limit
@@ -201,8 +230,9 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
 
 
 def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None,
-                 layered: dict | None = None, takes: tuple[str, int, int] | None = None) -> list[str]:
-    """Fill `report` for one subset; returns the readable images' paths (for the duplicate check).
+                 layered: dict | None = None, takes: tuple[str, int, int] | None = None) -> tuple[list[str], list[str]]:
+    """Fill `report` for one subset; returns the readable images' paths (for the duplicate check) and
+    those training uses (for the held-out ones: split_validation's choice).
     layered: the dataset's first composite ({"first": (path, layer count)}), shared by its subsets;
     takes: check_dataset's."""
     layers, layered = {}, {} if layered is None else layered
@@ -220,7 +250,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
     report.images = len(paths)
     controls = control_files(subset.control_directory) if subset.control_directory else None
     buckets, readable, first_paired, targets = dataset_buckets(ds), [], None, target_stems(paths)
-    placed = []  # the images given a bucket, for the upscale line
+    placed, used = [], []  # the images given a bucket, for the upscale line; the images training uses
     for path in paths:
         # With alpha_mask the alpha is the loss mask, with multiple_target it is trained: else it is dropped.
         size = check_pixels(report, path, alpha_dropped=not (subset.alpha_mask or subset.multiple_target))
@@ -240,6 +270,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         except ValueError as e:
             report.add("error", "bucket", str(e))
         report.trained += 1
+        used.append(path)
         report.sizes["{}x{}".format(*size)] += 1
         check_caption(report, path, subset, limit)
         check_mask(report, path, subset, size)
@@ -265,7 +296,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
     if not subset.is_reg:  # split_validation's count of this subset
         report.held_out = held_out_count(report.trained, ds)
         report.trained -= report.held_out
-    return readable
+    return readable, used
 
 
 def check_pixels(report: SubsetReport, path: str, alpha_dropped: bool = True) -> tuple[int, int] | None:

@@ -196,10 +196,26 @@ def held_out_count(images: int, spec: DatasetSpec) -> int:
     return int(images * spec.validation_split + 1e-9)
 
 
+def held_out_paths(paths: list[str], subset: SubsetSpec, spec: DatasetSpec) -> list[str]:
+    """The images of one subset (its trained ones) that split_validation holds out: the
+    held_out_count(len(paths), spec) whose sha256(validation_seed | path inside the subset) ranks lowest."""
+    def rank(path: str) -> str:
+        return hashlib.sha256(f"{spec.validation_seed}|{os.path.relpath(path, subset.image_dir)}".encode()).hexdigest()
+
+    return sorted(paths, key=rank)[:held_out_count(len(paths), spec)]
+
+
+def no_held_out(source: str, index: int, spec: DatasetSpec) -> str:
+    """The line for a dataset whose validation_split holds out no image (index from 0)."""
+    return (f"{source}: [[datasets]] #{index + 1}: validation_split {spec.validation_split} holds out no image "
+            f"(floor(images of a subset x validation_split) is 0 for every subset); raise it, add images, or use "
+            f"[[validation_datasets]]")
+
+
 def split_validation(items: list[ImageItem], blueprint: DatasetBlueprint) -> tuple[list[ImageItem], list[ImageItem]]:
     """(training items, validation items). A dataset with validation_split > 0 holds out
-    floor(n * validation_split) images of each of its subsets (as sd-scripts): those whose
-    sha256(validation_seed | path inside the subset) ranks lowest. The choice depends on neither
+    floor(n * validation_split) images of each of its subsets (as sd-scripts; held_out_paths): those
+    whose sha256(validation_seed | path inside the subset) ranks lowest. The choice depends on neither
     the training seed nor the file order nor where the dataset lives, and adding an image moves
     at most one other."""
     by_subset: dict[int, list[ImageItem]] = {}
@@ -207,21 +223,14 @@ def split_validation(items: list[ImageItem], blueprint: DatasetBlueprint) -> tup
         by_subset.setdefault(id(item.subset), []).append(item)
     held_out: set[int] = set()
     for group in by_subset.values():
-        spec = blueprint.datasets[group[0].dataset_index]
         if group[0].subset.is_reg:  # regularization images are never validation images
             continue
-        count = held_out_count(len(group), spec)
-
-        def rank(item: ImageItem) -> str:
-            relpath = os.path.relpath(item.image_path, item.subset.image_dir)
-            return hashlib.sha256(f"{spec.validation_seed}|{relpath}".encode()).hexdigest()
-
-        held_out.update(id(item) for item in sorted(group, key=rank)[:count])
+        spec = blueprint.datasets[group[0].dataset_index]
+        chosen = set(held_out_paths([item.image_path for item in group], group[0].subset, spec))
+        held_out.update(id(item) for item in group if item.image_path in chosen)
     for di, spec in enumerate(blueprint.datasets):
         if spec.validation_split and not any(id(it) in held_out for it in items if it.dataset_index == di):
-            raise ValueError(f"{blueprint.source}: [[datasets]] #{di + 1}: validation_split {spec.validation_split} "
-                             f"holds out no image (floor(images of a subset x validation_split) is 0 for every "
-                             f"subset); raise it, add images, or use [[validation_datasets]]")
+            raise ValueError(no_held_out(blueprint.source, di, spec))
     return [it for it in items if id(it) not in held_out], [it for it in items if id(it) in held_out]
 
 

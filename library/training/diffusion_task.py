@@ -183,7 +183,7 @@ class DiffusionTask:
         validation = held_out + scan_images(bp, held_out_sets=True, control_bucket=rule)
         check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls)
         if self.accelerator.is_main_process:  # once, before caching; the scan warned about image sizes itself
-            warn(training_warnings(train + validation, self.family.caption_token_limit(self.args)))
+            warn(training_warnings(train, validation, self.family.caption_token_limit(self.args)))
             enlarged = upscaled(train + validation)
             if enlarged:
                 self.accelerator.print(f"{self.args.dataset_config}: {enlarged}")
