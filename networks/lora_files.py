@@ -322,8 +322,15 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
             )
         rank = down.shape[0]
         path = rename[module]
+        if path in weights:  # two names of one module (two kohya prefixes, two layouts): one would be lost
+            other = next(m for m in groups if m != module and rename[m] == path)
+            raise CheckpointError(f"{source}: modules '{other}' and '{module}' are both '{path}'; a file holds one "
+                                  f"LoRA per module (tools/combine_loras.py adds two LoRAs)")
         if "alpha" in parts:  # 0 means alpha = rank (scale 1), as sd-scripts' LoRAModule reads it
-            alpha = float(parts["alpha"].float().item()) or float(rank)
+            stored = parts["alpha"]
+            if stored.numel() != 1 or not torch.isfinite(stored.float()).all():
+                raise CheckpointError(f"{source}: module '{module}' alpha is {_described(stored)}; expected one finite number")
+            alpha = float(stored.float().item()) or float(rank)
         elif fmt == "peft" and default_alpha is not None:
             alpha = float(_pattern_alpha(path, default_alpha, alpha_pattern))
             alpha = alpha * rank**0.5 if rslora else alpha  # rsLoRA scale alpha/sqrt(r) as alpha'/r
@@ -337,6 +344,10 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
             magnitude = magnitude.reshape(-1)
         weights[path] = LoRAWeights(down, up, alpha, magnitude)
     return weights, fmt
+
+
+def _described(t: torch.Tensor) -> str:
+    return f"{t.float().item()}" if t.numel() == 1 else f"a tensor of shape {tuple(t.shape)}"
 
 
 def _common_prefix(modules: list[str], prefixes) -> str:
@@ -489,8 +500,9 @@ def tensor_hash(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def write_lora_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None):
-    """Atomic write with `sshs_model_hash` added to the (all-string) metadata."""
-    metadata = dict(metadata or {})
+    """Atomic write with `sshs_model_hash` added to the (all-string) metadata, and an input's
+    `sshs_legacy_hash` (sd-scripts' other hash of the tensors, which we do not compute) dropped as stale."""
+    metadata = {k: v for k, v in (metadata or {}).items() if k != "sshs_legacy_hash"}
     bad = [k for k, v in metadata.items() if not isinstance(v, str)]
     if bad:
         raise ValueError(f"metadata '{bad[0]}' must be a string (use build_metadata), got {type(metadata[bad[0]]).__name__}")

@@ -405,6 +405,67 @@ def test_combine_errors_are_one_line(two_flux_loras, tiny_set, tmp_path, capsys)
     assert not (tmp_path / "o.safetensors").exists()
 
 
+def test_combine_adds_a_file_under_onetrainers_kohya_prefix_and_a_file_naming_a_module_twice_is_refused(
+        two_flux_loras, tmp_path):
+    """Until 2026-11-27 combine_loras kept lora_unet_X and lora_transformer_X (OneTrainer's prefix) as two
+    modules, and every reader then kept one of the two silently: the sum was one LoRA."""
+    from safetensors.torch import load_file
+
+    from tools import combine_loras
+
+    root, model, _, _, (a, _) = two_flux_loras
+    renamed = {k.replace("lora_unet_", "lora_transformer_"): v for k, v in load_file(str(root / "a.safetensors")).items()}
+    save_file(renamed, str(tmp_path / "ot.safetensors"))
+    out = tmp_path / "sum.safetensors"
+    assert combine_loras.main(["--lora", str(root / "a.safetensors"), str(tmp_path / "ot.safetensors"), "--save_to", str(out)]) == 0
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    combined, _, _ = lf.read_lora(str(out), module_paths=linears)
+    expected = a.lora_weights()
+    assert set(combined) == set(expected) and {w.rank for w in combined.values()} == {8}  # 4 + 4, each module once
+    assert max(rel(combined[p].delta(), 2 * expected[p].delta()) for p in expected) <= 1e-6
+    both = {**load_file(str(root / "a.safetensors")), **renamed}  # one module under both prefixes
+    save_file(both, str(tmp_path / "twice.safetensors"))
+    from library.io import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"twice.safetensors: modules 'lora_\w+' and 'lora_\w+' are both 'double_blocks"):
+        lf.read_lora(str(tmp_path / "twice.safetensors"), module_paths=linears)  # what merge_lora, generate, the trainer read
+
+
+@pytest.mark.parametrize("alpha", [torch.tensor([4.0, 4.0]), torch.tensor(float("nan"))])
+def test_a_malformed_alpha_is_one_line_in_the_lora_tools(flux_lora, tmp_path, capsys, alpha):
+    """It was a traceback (a tensor of 2 elements cannot be converted to a scalar); a NaN alpha was read."""
+    from safetensors.torch import load_file
+
+    from tools import convert_lora, lora_info
+
+    tensors = load_file(str(flux_lora))
+    key = sorted(k for k in tensors if k.endswith(".alpha"))[0]
+    save_file({**tensors, key: alpha}, str(tmp_path / "bad.safetensors"))
+    for tool, argv in ((lora_info, []), (convert_lora, [str(tmp_path / "o.safetensors"), "--to", "diffusers"])):
+        code = tool.main([str(tmp_path / "bad.safetensors"), *argv])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "\n" not in err and f"module '{key[:-len('.alpha')]}' alpha is " in err, err
+        assert "expected one finite number" in err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_converted_and_combined_files_drop_sd_scripts_legacy_hash(flux_lora, tmp_path):
+    """sshs_legacy_hash describes the input's tensors: convert_lora kept it in the converted file."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from tools import combine_loras, convert_lora
+
+    with safe_open(str(flux_lora), "pt") as f:
+        metadata = dict(f.metadata())
+    save_file(load_file(str(flux_lora)), str(tmp_path / "in.safetensors"), {**metadata, "sshs_legacy_hash": "deadbeef"})
+    assert convert_lora.main([str(tmp_path / "in.safetensors"), str(tmp_path / "d.safetensors"), "--to", "diffusers"]) == 0
+    assert combine_loras.main(["--lora", str(tmp_path / "in.safetensors"), "--save_to", str(tmp_path / "c.safetensors")]) == 0
+    for name in ("d", "c"):
+        with safe_open(str(tmp_path / f"{name}.safetensors"), "pt") as f:
+            assert "sshs_legacy_hash" not in f.metadata() and f.metadata()["sshs_model_hash"] != metadata["sshs_model_hash"]
+
+
 @pytest.mark.parametrize("ratio", ["nan", "1e30", "-101"])
 def test_lora_ratio_must_be_finite_and_within_100_in_merge_and_combine(flux_lora, tiny_set, tmp_path, capsys, ratio):
     from tools import combine_loras, merge_lora

@@ -69,8 +69,11 @@ from tools.lora_common import (  # noqa: E402
 
 
 def _kohya_named(lora: LoRAFile) -> dict[str, LoRAWeights]:
+    """Names in one kohya naming: the denoiser's under lora_unet_ (sd-scripts', musubi-tuner's), also where
+    a file says lora_transformer_ (OneTrainer's): two prefixes of one module were two modules."""
     if lora.fmt == "kohya":
-        return lora.weights
+        other = "lora_transformer_"
+        return {"lora_unet_" + n[len(other):] if n.startswith(other) else n: w for n, w in lora.weights.items()}
     return {kohya_name(p, "lora_te" if p.startswith("model.") else "lora_unet"): w for p, w in lora.weights.items()}
 
 

@@ -363,7 +363,8 @@ def _metadata(base: Base, shard: str, specs: list[LoRASpec], precision: str | No
     source = os.path.join(os.path.dirname(base.reader.files[0]), shard)
     with safe_open(source, framework="pt") as f:
         metadata = dict(f.metadata() or {})
-    metadata.pop("sshs_model_hash", None)  # no longer true of the merged tensors
+    for stale in ("sshs_model_hash", "sshs_legacy_hash"):  # sd-scripts' hashes: no longer true of the merged tensors
+        metadata.pop(stale, None)
     metadata["merged_loras"] = json.dumps([{"file": os.path.basename(s.path), "ratio": s.ratio} for s in specs])
     metadata["save_precision"] = precision or "as input"
     return metadata

@@ -10,7 +10,8 @@ Severities:
 - warning: training goes on with data that is not what it seems: an image of a bad size for the
   buckets (dataset.bad_size: upscaled or cropped, or skipped with skip_bad_size_images), a caption
   longer than the text encoder keeps (TokenLimit: the rest is cut), the same file twice (content
-  hash, across subsets and validation sets: a duplicate in a validation set is a leak);
+  hash, across subsets and validation sets: a duplicate in a validation set is a leak), an image both
+  trained and held out for validation (one line for all of them);
 - note: handled, counted per subset: CMYK converted to RGB, 16-bit grey scaled to 8 bits
   (images.to_8_bit), no caption file (trains on class_tokens), no alpha channel with alpha_mask,
   transparent pixels without it (trained as stored), captions of several lines (trained whole);
