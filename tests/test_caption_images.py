@@ -165,6 +165,13 @@ def corrupt_image(tiny_set, tmp_path):
     return [*qwen2_5_vl_args(tiny_set), "--images", str(tmp_path / "images")], ["img1.png: cannot be read as an image"]
 
 
+def truncated_image(tiny_set, tmp_path):  # its header verifies: the old line loaded the model, then a traceback
+    from tests.test_check_dataset import truncated_jpeg
+
+    path = truncated_jpeg(tmp_path / "images" / "cut.jpg")
+    return [*qwen2_5_vl_args(tiny_set), "--images", str(tmp_path / "images")], [f"{path}: cannot be decoded as an image"]
+
+
 def no_images(tiny_set, tmp_path):
     (tmp_path / "empty").mkdir()
     return [*qwen2_5_vl_args(tiny_set), "--images", str(tmp_path / "empty")], [f"{tmp_path / 'empty'}: no images"]
@@ -203,7 +210,7 @@ def a_folder_where_a_caption_goes(tiny_set, tmp_path):  # the old line loaded th
             [f"{tmp_path / 'images' / 'img0.txt'}: a folder where the caption of img0.png goes"])
 
 
-@pytest.mark.parametrize("case", [not_a_model, missing_model, corrupt_image, no_images, not_a_captioner, no_new_tokens,
+@pytest.mark.parametrize("case", [not_a_model, missing_model, corrupt_image, truncated_image, no_images, not_a_captioner, no_new_tokens,
                                   image_caption_extension, images_is_a_file, two_images_one_caption,
                                   a_folder_where_a_caption_goes])
 def test_bad_input_is_one_line_exit_2_and_no_caption(tiny_set, tmp_path, capsys, case):

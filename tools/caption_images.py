@@ -121,6 +121,13 @@ def find_images(folder: str) -> list[str]:
     return paths
 
 
+def check_decodes(paths: list[str]) -> None:
+    """Each image decoded whole, as captioning decodes it (load_rgb): a truncated file, whose header
+    find_images verified, is one line naming it before the model loads, not a traceback after it."""
+    for path in tqdm(paths, unit="img", desc="decoding", dynamic_ncols=True, disable=len(paths) < 100):
+        load_rgb(path)
+
+
 def caption_path(image_path: str, extension: str) -> str:
     return os.path.splitext(image_path)[0] + extension
 
@@ -282,6 +289,7 @@ def main(argv=None) -> int:
         print(f"{len(images)} images, {len(images) - len(todo)} already captioned, {len(todo)} to caption")
         if not todo:
             return 0
+        check_decodes(todo)
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
         captioner = load_captioner(args.model, args.processor, dtype, args.quantize, device, args.max_new_tokens)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
