@@ -43,7 +43,7 @@ from tqdm import tqdm  # noqa: E402
 from library.io import CheckpointError, CheckpointReader  # noqa: E402
 from library.training import fsdp, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
-from library.training.config import (PRECISION_DTYPES, ConfigError, check_warmup, load_config,  # noqa: E402
+from library.training.config import (PRECISION_DTYPES, ConfigError, check_planned_steps, load_config,  # noqa: E402
                                      lora_network_args, optimizer_kwargs, plan_steps, warmup_steps)
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
@@ -149,9 +149,10 @@ def lora_metadata(args, task, step: int, max_steps: int, epoch: int, started: fl
     from networks.lora_files import build_metadata
 
     facts = task.metadata()
+    dim = facts.get("network_dim") or args.network_dim
     return build_metadata(
-        network_module=args.network_module, network_dim=facts.get("network_dim") or args.network_dim,
-        network_alpha=facts.get("network_alpha") or args.network_alpha,
+        network_module=args.network_module, network_dim=dim,
+        network_alpha=facts.get("network_alpha") or args.network_alpha or float(dim),  # 0: alpha = rank
         network_args=lora_network_args(args),
         base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
         base_precision=facts["base_precision"], fp8_compute=facts.get("fp8_compute"), base_loras=facts.get("base_loras"), mixed_precision=args.mixed_precision, resolution=facts["resolution"],
@@ -311,7 +312,7 @@ class Trainer:
         if args.max_train_epochs:  # it wins over max_train_steps: say what it came to, as sd-scripts does
             accelerator.print(f"max_train_epochs = {args.max_train_epochs}: {self.max_steps} optimizer steps "
                               f"({self.max_steps // args.max_train_epochs} an epoch), in place of max_train_steps")
-        check_warmup(args, self.max_steps, args.config_file or "command line")  # (an llm's epochs: known now)
+        check_planned_steps(args, self.max_steps, args.config_file or "command line")  # (an llm's epochs: known now)
         # Stepped by hand once per optimizer step (accelerate would step a prepared scheduler once
         # per process), so the schedule is the same on 1 or N processes.
         self.scheduler = create_scheduler(optimizer, args.lr_scheduler, warmup_steps(args.lr_warmup_steps, self.max_steps),

@@ -227,6 +227,15 @@ def network_weights_of_qwen_image(ts, tmp):
              "diffusers names), not for this FLUX.1 model"])
 
 
+def seed_beyond_torch(ts, tmp):  # was "error: Overflow when unpacking long long", naming nothing
+    return ["--seed", str(2**64)], [f"command line: key 'seed' must be 0 to 2^64 - 1, got {2**64}"]
+
+
+def ema_start_after_the_epochs_steps(ts, tmp):  # trained and saved an _ema file equal to the raw LoRA (2026-11-27)
+    return (["--max_train_epochs", "1", "--ema_decay", "0.9", "--ema_start_step", "100"],
+            ["key 'ema_start_step' = 100 is not before max_train_epochs = 1 (", "steps): the EMA would equal the raw weights"])
+
+
 CASES = {
     "corrupt_image": corrupt_image,
     "image_without_caption_or_class_tokens": image_without_caption,
@@ -254,6 +263,8 @@ CASES = {
     "fp8_checkpoint_for_fp8_base": lambda ts, tmp: fp8_checkpoint(ts, tmp, "true"),
     "network_weights_missing": network_weights_missing,
     "network_weights_of_qwen_image": network_weights_of_qwen_image,
+    "seed_beyond_torch": seed_beyond_torch,
+    "ema_start_after_the_epochs_steps": ema_start_after_the_epochs_steps,
 }
 
 

@@ -109,6 +109,10 @@ def test_optimizer_args_true_false_none_in_any_case_are_python_values():
 @pytest.mark.parametrize("args, message", [
     ('optimizer_args = ["betas=0.9"]', "optimizer_args (betas=0.9) do not fit AdamW"),
     ('optimizer_type = "Prodigy"\noptimizer_args = ["d_0=1e-3"]', "optimizer_args (d_0=0.001) do not fit Prodigy"),
+    # the constructor's IndexError, and a step's unpacking: a traceback after caching, an error at step 1 (2026-11-27)
+    ('optimizer_args = ["betas=(0.9,)"]', "optimizer_args (betas=(0.9,)) do not fit AdamW: tuple index out of range"),
+    ('optimizer_args = ["betas=(0.9, 0.99, 0.5)"]', "optimizer_args (betas=(0.9, 0.99, 0.5)) do not fit AdamW: its "
+                                                    "first step says: too many values to unpack"),
 ])
 def test_optimizer_args_the_optimizer_refuses_fail_at_the_config_check(tmp_path, args, message):
     """The old line took them and failed in the Trainer, after caching and loading the models."""

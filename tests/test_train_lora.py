@@ -148,8 +148,10 @@ def test_qwen_image_under_ddp_equals_one_process(tiny_set, tmp_path, monkeypatch
 
 
 def test_interrupt_saves_and_resume_is_bit_identical(tiny_set, tmp_path, monkeypatch):
+    """With dropout too: until 2026-11-27 each epoch's DataLoader drew its base seed from the global RNG, which
+    the resumed run restores first, so every dropout mask after the resume moved (LoRA max diff ~4e-4)."""
     steps = ["--max_train_steps", "9", "--optimizer_type", "Prodigy", "--optimizer_args", "d0=1e-4",
-             "--sample_prompts", ""]
+             "--sample_prompts", "", "--network_dropout", "0.1"]
     assert train_lora.main(flux_args(tiny_set, tmp_path / "straight", *steps)) == 0
 
     # A real SIGINT, delivered to this process after optimizer step 4.
@@ -174,6 +176,15 @@ def test_interrupt_saves_and_resume_is_bit_identical(tiny_set, tmp_path, monkeyp
     a, b = load_file(straight), load_file(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert read_losses(interrupted) == read_losses(tmp_path / "straight")
+
+
+def test_network_alpha_0_is_written_as_the_alpha_it_means(tiny_set, tmp_path):
+    """0 means alpha = rank (the .alpha tensors hold the rank); the header said ss_network_alpha 0.0 until 2026-11-27."""
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "1", "--network_alpha", "0", "--sample_prompts", "")) == 0
+    with safe_open(str(out / "tiny_flux_lora.safetensors"), "pt") as f:
+        meta, alphas = f.metadata(), {f.get_tensor(k).item() for k in f.keys() if k.endswith(".alpha")}
+    assert alphas == {float(meta["ss_network_dim"])} and float(meta["ss_network_alpha"]) in alphas, meta["ss_network_alpha"]
 
 
 def test_ctrl_c_before_the_loop_exits_130_in_one_line(tiny_set, tmp_path, monkeypatch, capsys):

@@ -595,6 +595,18 @@ def warmup_steps(warmup: float, max_steps: int) -> int:
     return int(round(warmup * max_steps)) if 0 < warmup < 1 else int(warmup)
 
 
+def check_planned_steps(args, max_steps: int, where: str) -> None:
+    """The keys counted in steps against the run's max_steps once it is known (with max_train_epochs: from the
+    dataset, before caching): the warmup, and an EMA start at or after the last step (the EMA would equal
+    the raw weights; with max_train_steps _validate_ema refuses it at load)."""
+    check_warmup(args, max_steps, where)
+    if args.ema_decay and args.ema_start_step >= max_steps:
+        total = (f"max_train_epochs = {args.max_train_epochs} ({max_steps} steps)" if args.max_train_epochs
+                 else f"max_train_steps = {max_steps}")
+        raise ConfigError(f"{where}: key 'ema_start_step' = {args.ema_start_step} is not before {total}: the EMA "
+                          f"would equal the raw weights")
+
+
 def check_warmup(args, max_steps: int, where: str) -> None:
     """A warmup of max_steps or more never brings the lr to learning_rate (and a decaying schedule never
     decays): refused, naming both values, once max_steps is known (with max_train_epochs: from the
@@ -625,6 +637,8 @@ def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: s
                           f"steps (>= 1) or a fraction of max_train_steps (< 1), got {args.lr_warmup_steps:g}")
     if not args.max_train_epochs:  # else the steps come from the dataset (DiffusionTask, Trainer)
         check_warmup(args, args.max_train_steps, _blame(origins, where, "lr_warmup_steps", "max_train_steps"))
+    if not 0 <= args.seed < 2**64:  # torch.manual_seed's range (beyond it: "Overflow when unpacking long long")
+        raise ConfigError(f"{_blame(origins, where, 'seed')}: key 'seed' must be 0 to 2^64 - 1, got {args.seed}")
     for key, arg in SCHEMA.items():  # the rest: any finite number
         if arg.type is float and getattr(args, key) is not None and not math.isfinite(getattr(args, key)):
             raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be a finite number, got {getattr(args, key)}")

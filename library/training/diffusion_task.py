@@ -30,7 +30,7 @@ from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
-from library.training.config import (KEEPING_KEYS, ConfigError, base_precision, check_warmup, compute_dtype,
+from library.training.config import (KEEPING_KEYS, ConfigError, base_precision, check_planned_steps, compute_dtype,
                                      lora_network_args, plan_steps)
 from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
 from library.training.state import SavedState, check_resumed_fit, sample_seed
@@ -132,7 +132,7 @@ class DiffusionTask:
                               f"validation_split or add [[validation_datasets]]")
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
         self._loader = None  # the DataLoader kept across epochs (persistent_data_loader_workers)
-        check_warmup(args, plan_steps(args, self.batches_per_epoch()), args.config_file or "command line")
+        check_planned_steps(args, plan_steps(args, self.batches_per_epoch()), args.config_file or "command line")
         if state:
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.prompts = self._read_prompts()
@@ -438,9 +438,13 @@ class DiffusionTask:
         if persistent and self._loader is not None:
             self._loader.batch_sampler.batches = shard.batches
             return self._loader
+        # Its own generator: an iterator draws its workers' base seed from it, which from the global RNG moved
+        # every later dropout draw of a resumed run (restored RNG, then the draw) off the uninterrupted run's.
+        # (The batches do not depend on it: dataset.py draws by seed, epoch and entry.)
         loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=shard, collate_fn=collate_batch, num_workers=workers,
             persistent_workers=persistent, pin_memory=self.device.type == "cuda",
+            generator=torch.Generator().manual_seed((self.args.seed * 1_000_003 + epoch) % 2**64),
         )
         if persistent:
             self._loader = loader

@@ -69,7 +69,7 @@ def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, o
         optimizer_kwargs.setdefault("fused", True)
     try:
         return cls(param_groups, lr=lr, **optimizer_kwargs)
-    except (TypeError, ValueError, NotImplementedError) as e:  # unknown names, or values the optimizer refuses
+    except (TypeError, ValueError, IndexError, KeyError, NotImplementedError) as e:  # unknown names, refused values
         raise ConfigError(f"optimizer_args ({given}) do not fit {optimizer_type}: {e}") from None
 
 
@@ -83,12 +83,21 @@ def check_optimizer(optimizer_type: str, lr: float, optimizer_kwargs: dict, grou
     cls = optimizer_class(optimizer_type)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         return
+    stand_in = torch.nn.Parameter(torch.zeros(1, 1))
     try:
-        built = create_optimizer([{"params": [torch.nn.Parameter(torch.zeros(1, 1))]}], optimizer_type, lr, optimizer_kwargs)
+        built = create_optimizer([{"params": [stand_in]}], optimizer_type, lr, optimizer_kwargs)
     except ConfigError:
         raise
     except Exception:  # noqa: BLE001 (not a verdict on the config: the stand-in is on the CPU)
         return
+    try:  # values the constructor takes and its step refuses (betas of three: "too many values to unpack")
+        stand_in.grad = torch.zeros_like(stand_in)
+        built.step()
+    except (TypeError, ValueError, IndexError, KeyError) as e:
+        given = ", ".join(f"{k}={v!r}" for k, v in optimizer_kwargs.items())
+        raise ConfigError(f"optimizer_args ({given}) do not fit {optimizer_type}: its first step says: {e}") from None
+    except Exception:  # noqa: BLE001 (as above)
+        pass
     if group_lrs and adapts_step_size(built):
         raise ConfigError(f"{group_lrs} gives the parameter groups different learning rates, which {optimizer_type} "
                           f"does not take (it adapts one step size for all); use AdamW (or another optimizer) for it")
