@@ -175,6 +175,12 @@ def output_dir_cannot_be_created(ts, tmp):
             [f"command line: output_dir '{tmp / 'a_file' / 'out'}' cannot be created: '{tmp / 'a_file'}' is a file, not a folder"])
 
 
+def logging_dir_is_a_file(ts, tmp):  # failed after caching with "[Errno 20] Not a directory" (2026-11-27)
+    (tmp / "tb").write_text("x")
+    return (["--logging_dir", str(tmp / "tb")],
+            [f"command line: logging_dir '{tmp / 'tb'}' cannot be created: '{tmp / 'tb'}' is a file, not a folder"])
+
+
 def sample_prompt_bad_flag(ts, tmp):
     (tmp / "prompts.txt").write_text("# samples\na red circle --w 64 --x 3\n")
     return ["--sample_prompts", str(tmp / "prompts.txt")], ["prompts.txt:2: unknown flag '--x' (allowed: --w, --h, --s, --d, --g, --n, --l, --ci)"]
@@ -253,6 +259,7 @@ CASES = {
     "optimizer_args_not_literals": optimizer_args_not_literals,
     "optimizer_args_wrong_value": optimizer_args_wrong_value,
     "output_dir_cannot_be_created": output_dir_cannot_be_created,
+    "logging_dir_is_a_file": logging_dir_is_a_file,
     "sample_prompt_bad_flag": sample_prompt_bad_flag,
     "checkpoint_missing": checkpoint_missing,
     "checkpoint_not_safetensors": checkpoint_not_safetensors,

@@ -732,16 +732,23 @@ def _validate_output(args: argparse.Namespace, origins: dict[str, str], where: s
     if name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0")):
         raise ConfigError(f"{_blame(origins, where, 'output_name')}: key 'output_name' must be a plain file name (not empty, "
                           f"no path separator, not '.' or '..'), got {name!r}")
+    if args.logging_dir:  # TensorBoard's folder: a file there failed after caching ('Not a directory')
+        _check_creatable(args.logging_dir, "logging_dir", origins.get("logging_dir", where))
     if args.output_dir:
         where = origins.get("output_dir", where)
-        parent = os.path.abspath(args.output_dir)
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent):  # root ignores permissions, but not this
-            raise ConfigError(f"{where}: output_dir '{args.output_dir}' cannot be created: '{parent}' is a file, not a folder")
-        if not os.access(parent, os.W_OK):
-            raise ConfigError(f"{where}: output_dir '{args.output_dir}' is not writable")
+        _check_creatable(args.output_dir, "output_dir", where)
         _validate_output_paths(args, where)
+
+
+def _check_creatable(folder: str, key: str, where: str) -> None:
+    """A folder the run creates (or writes into): below a file, or in a folder it cannot write, found now."""
+    parent = os.path.abspath(folder)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):  # root ignores permissions, but not this
+        raise ConfigError(f"{where}: {key} '{folder}' cannot be created: '{parent}' is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{where}: {key} '{folder}' is not writable")
 
 
 def _check_not_the_base(args: argparse.Namespace, where: str) -> None:
