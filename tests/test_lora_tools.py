@@ -423,6 +423,9 @@ def test_combine_adds_a_file_under_onetrainers_kohya_prefix_and_a_file_naming_a_
     expected = a.lora_weights()
     assert set(combined) == set(expected) and {w.rank for w in combined.values()} == {8}  # 4 + 4, each module once
     assert max(rel(combined[p].delta(), 2 * expected[p].delta()) for p in expected) <= 1e-6
+    first = tmp_path / "ot_first.safetensors"  # the output keeps the first kohya file's prefix
+    assert combine_loras.main(["--lora", str(tmp_path / "ot.safetensors"), str(root / "a.safetensors"), "--save_to", str(first)]) == 0
+    assert {k.split(".")[0][:17] for k in load_file(str(first))} == {"lora_transformer_"}
     both = {**load_file(str(root / "a.safetensors")), **renamed}  # one module under both prefixes
     save_file(both, str(tmp_path / "twice.safetensors"))
     from library.io import CheckpointError

@@ -68,13 +68,21 @@ from tools.lora_common import (  # noqa: E402
 )
 
 
-def _kohya_named(lora: LoRAFile) -> dict[str, LoRAWeights]:
-    """Names in one kohya naming: the denoiser's under lora_unet_ (sd-scripts', musubi-tuner's), also where
-    a file says lora_transformer_ (OneTrainer's): two prefixes of one module were two modules."""
-    if lora.fmt == "kohya":
-        other = "lora_transformer_"
-        return {"lora_unet_" + n[len(other):] if n.startswith(other) else n: w for n, w in lora.weights.items()}
-    return {kohya_name(p, "lora_te" if p.startswith("model.") else "lora_unet"): w for p, w in lora.weights.items()}
+DENOISER_PREFIXES = ("lora_unet_", "lora_transformer_")  # sd-scripts' and musubi-tuner's; OneTrainer's
+
+
+def _kohya_named(lora: LoRAFile, denoiser: str) -> dict[str, LoRAWeights]:
+    """Names in one kohya naming, the denoiser's under `denoiser` (the first kohya input's prefix): the same
+    module under lora_unet_ in one file and lora_transformer_ in another was two modules."""
+    if lora.fmt != "kohya":
+        return {kohya_name(p, "lora_te" if p.startswith("model.") else denoiser[:-1]): w for p, w in lora.weights.items()}
+    other = next(p for p in DENOISER_PREFIXES if p != denoiser)
+    return {denoiser + n[len(other):] if n.startswith(other) else n: w for n, w in lora.weights.items()}
+
+
+def _denoiser_prefix(loras: list[LoRAFile]) -> str:
+    names = (n for lora in loras if lora.fmt == "kohya" for n in lora.weights)
+    return next((p for n in names for p in DENOISER_PREFIXES if n.startswith(p)), "lora_unet_")
 
 
 def _check_naming(loras: list[LoRAFile], names: list[dict[str, LoRAWeights]]) -> None:
@@ -120,7 +128,8 @@ def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeigh
                                   "additive, so it cannot be combined; merge it into the base with tools/merge_lora.py")  # fmt: skip
     _check_architectures(loras)
     kohya = any(lora.fmt == "kohya" for lora in loras)
-    names = [_kohya_named(lora) if kohya else lora.weights for lora in loras]
+    denoiser = _denoiser_prefix(loras)
+    names = [_kohya_named(lora, denoiser) if kohya else lora.weights for lora in loras]
     _check_naming(loras, names)
     modules: dict[str, list[tuple[float, LoRAWeights]]] = {}
     for spec, lora, named in zip(specs, loras, names):
