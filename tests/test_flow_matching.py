@@ -154,6 +154,12 @@ def test_qwen_image_inference_sigmas_match_diffusers_scheduler(steps, tokens):
     assert float(ours[-2]) == pytest.approx(0.02, abs=1e-6)  # shift_terminal
 
 
+def test_one_step_is_sigma_one_then_zero_where_the_schedule_stretches_to_a_terminal():
+    """shift_terminal's stretch divided 0 by 0 at one step (as diffusers' does): an all-NaN Qwen-Image sample."""
+    for arch in ("qwen_image", "flux"):
+        assert fm.inference_sigmas(1, 4096, arch).tolist() == [1.0, 0.0], arch
+
+
 def test_schnell_schedule_is_unshifted():
     torch.testing.assert_close(fm.inference_sigmas(4, 4096, "flux", dynamic_shift=False),
                                torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))

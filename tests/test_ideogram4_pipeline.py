@@ -112,3 +112,28 @@ def test_vae_encode_inverts_decode_normalisation(setup):
     normalised = ours._latents((t - ours.bn_mean) / ours.bn_std, 4, 6)
     back = ours._latents(ours._tokens(normalised) * ours.bn_std + ours.bn_mean, 4, 6)
     assert (back - z).abs().max() <= 1e-6
+
+
+def test_sampling_at_the_pipelines_defaults_runs_its_guidance_schedule(monkeypatch):
+    """Ideogram4Pipeline() without a guidance argument runs guidance_schedule's default (7, then 3 for the last
+    3 steps); our samples at its defaults (48 steps, guidance 7) ran 7 on all 48 until 2026-11-27."""
+    import inspect
+
+    from diffusers import Ideogram4Pipeline
+
+    from library.models.ideogram4.family import Ideogram4Family
+
+    default = list(inspect.signature(Ideogram4Pipeline.__call__).parameters["guidance_schedule"].default)
+    family, seen = object.__new__(Ideogram4Family), []
+
+    def recorded(self, model, x, s, text, negative_text, h, w, guidance):
+        seen.append(guidance)
+        return torch.zeros_like(x)
+
+    monkeypatch.setattr(Ideogram4Family, "guided_velocity", recorded)
+    text = {"embeds": torch.zeros(1, 4, 8)}
+    for steps, guidance, expected in ((48, 7.0, default), (48, 5.0, [5.0] * 48), (10, 7.0, [7.0] * 10)):
+        seen.clear()
+        family.sample_latents(None, text, 32, 32, steps, 0, guidance)
+        assert seen == expected, (steps, guidance)
+    assert default[-4:] == [7.0, 3.0, 3.0, 3.0] and len(default) == 48 == family.sample_steps

@@ -276,6 +276,12 @@ def test_prompt_sizes_round_down_to_16_with_a_warning_as_generate_does(tmp_path)
     ("p.json", '[{"prompt": "x", "width": 8}]', "p.json: prompt 0: width 8: expected at least 16 pixels"),
     ("p.json", '[{"prompt": "x", "seed": "a"}]', "p.json: prompt 0: key 'seed' needs int, got 'a'"),
     ("p.json", '[{"width": 64}]', "p.json: prompt 0: empty prompt"),
+    # these three rendered NaN images or were a traceback until 2026-11-27
+    ("p.json", '[{"prompt": "x", "width": NaN}]', "p.json: prompt 0: key 'width' needs int, got nan"),
+    ("p.json", '[{"prompt": "x", "guidance_scale": Infinity}]', "p.json: prompt 0: key 'guidance_scale' needs float, got inf"),
+    ("p.json", '[{"prompt": "x", "controlnet_image": 5}]',
+     "p.json: prompt 0: key 'controlnet_image' needs a path or a list of paths, got 5"),
+    ("p.txt", 'a cat --g nan\n', "p.txt:1: guidance must be a finite number, got nan"),
     ("p.toml", 'prompt = "x"\n', "p.toml: expected a [prompt] table with [[prompt.subset]] entries"),
 ])
 def test_a_bad_structured_prompt_file_is_one_line_naming_file_and_entry(tmp_path, name, content, fragment):

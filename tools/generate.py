@@ -93,7 +93,7 @@ import torch  # noqa: E402
 from library.models.family import family_class, stack_text, warn_unread_prompt_options  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
-from library.data.prompts import (SamplePrompt, check_seed, parse_prompt_line, read_prompt_file,  # noqa: E402
+from library.data.prompts import (SamplePrompt, check_guidance, check_seed, parse_prompt_line, read_prompt_file,  # noqa: E402
                                   rendered_side, seed_or_random)
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
@@ -113,6 +113,8 @@ def check_args(args) -> torch.device:
         raise ValueError(f"--steps {args.steps}: expected at least 1")
     if args.seed is not None:
         check_seed("--seed", args.seed)
+    if args.guidance is not None:
+        check_guidance("--guidance", args.guidance)
     check_out_folder("--out", args.out, "the images are written into it")  # now, not after the models are loaded
     return device_from_flag(args.device)
 

@@ -21,6 +21,7 @@ family's own flow-matching sampler, and a setting read and ignored would lie.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -94,11 +95,19 @@ def _checked(prompt: str, fields: dict, controls: list[str], where: str, default
             fields[side] = rendered_side(f"{where}: {side}", fields[side])
     if "steps" in fields and fields["steps"] < 1:
         raise ValueError(f"{where}: steps must be >= 1")
+    if "guidance" in fields:
+        check_guidance(f"{where}: guidance", fields["guidance"])
     if "seed" in fields:
         check_seed(f"{where}: seed", fields["seed"])
     if controls:  # a line's own --ci replace the defaults' (e.g. generate.py --control_image)
         fields["control_images"] = tuple(controls)
     return replace(defaults or SamplePrompt(prompt), prompt=prompt, **fields)
+
+
+def check_guidance(what: str, guidance: float) -> None:
+    """A finite guidance: NaN or infinity rendered a NaN image (2026-11-27)."""
+    if not math.isfinite(guidance):
+        raise ValueError(f"{what} must be a finite number, got {guidance}")
 
 
 def check_seed(what: str, seed: int) -> None:
@@ -154,14 +163,16 @@ def prompt_from_dict(entry: dict, where: str, defaults: SamplePrompt | None = No
         value = entry.get(key)
         if value is None:
             continue
-        if kind is not str and (isinstance(value, bool) or not isinstance(value, (int, float))
+        if kind is not str and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                                 or (kind is int and value != int(value))):
             raise ValueError(f"{where}: key '{key}' needs {kind.__name__}, got {value!r}")
         fields[name] = kind(value)
     if "guidance" not in fields and isinstance(entry.get("scale"), (int, float)):
         fields["guidance"] = float(entry["scale"])
     image = entry.get("controlnet_image")
-    controls = [image] if isinstance(image, str) else list(image or [])
+    controls = [image] if isinstance(image, str) else image or []
+    if not (isinstance(controls, list) and all(isinstance(c, str) for c in controls)):
+        raise ValueError(f"{where}: key 'controlnet_image' needs a path or a list of paths, got {image!r}")
     prompt = entry.get("prompt")
     return _checked(prompt.strip() if isinstance(prompt, str) else "", fields, controls, where, defaults)
 

@@ -168,7 +168,7 @@ def inference_sigmas(steps: int, image_seq_len: int, arch: str, *, dynamic_shift
     if dynamic_shift:
         mu = resolution_mu(sampling, image_seq_len, steps)
         sigmas = math.exp(mu) / (math.exp(mu) + (1.0 / sigmas - 1.0))
-        if sampling.shift_terminal:
+        if sampling.shift_terminal and steps > 1:  # one step: sigma 1, which the stretch turns into 0 / 0
             one_minus = 1.0 - sigmas
             sigmas = 1.0 - one_minus / (one_minus[-1] / (1.0 - sampling.shift_terminal))
     return torch.cat([torch.from_numpy(sigmas).float(), torch.zeros(1)])

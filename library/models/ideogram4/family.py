@@ -196,7 +196,7 @@ class Ideogram4Family(DiffusionFamily):
     @torch.no_grad()
     def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None):
         """The pipeline's logit-normal schedule and guidance blend; noise drawn as its packed tokens."""
-        from library.models.ideogram4.sampling import inference_sigmas
+        from library.models.ideogram4.sampling import GUIDANCE_SCHEDULE, STEPS, inference_sigmas
         from library.models.ideogram4.vae import from_ideogram_tokens
 
         lh, lw = height // self.vae_downsample, width // self.vae_downsample
@@ -206,5 +206,9 @@ class Ideogram4Family(DiffusionFamily):
         noise = torch.randn(batch, h * w, 4 * self.latent_channels, generator=gen, dtype=torch.float32)
         x = from_ideogram_tokens(noise).to(device)  # the pipeline's tokens, in pack_latents' order
         sigmas = inference_sigmas(steps, height, width)
-        velocity = lambda x, s: self.guided_velocity(model, x, s, text, negative_text, h, w, guidance)  # noqa: E731
+        # At the pipeline's defaults (48 steps, guidance 7) its default schedule, 3 for the last 3 "polish" steps,
+        # as Ideogram4Pipeline() runs without a guidance argument; else the one guidance on every step.
+        pipeline_default = steps == STEPS and guidance == self.sample_guidance
+        per_step = iter(GUIDANCE_SCHEDULE if pipeline_default else [guidance] * steps)  # euler_sample: once a step
+        velocity = lambda x, s: self.guided_velocity(model, x, s, text, negative_text, h, w, next(per_step))  # noqa: E731
         return unpack_latents(fm.euler_sample(velocity, x, sigmas), lh, lw)
