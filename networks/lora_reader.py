@@ -109,11 +109,21 @@ def lora_in_our_names(tensors: dict, metadata: dict[str, str], adapter_config: d
         comfy_map = load_symbol(files.comfy_map)(weights, counts)
         named = {p: w for p, w in weights.items() if p in comfy_map}
         split = bfl_to_diffusers(named, comfy_map)
-        weights = {**{p: w for p, w in weights.items() if p not in named}, **split}
+        weights = joined({p: w for p, w in weights.items() if p not in named}, split, source)
     return weights, fmt, counts, set(split)
 
 
-def to_target_names(weights: dict[str, LoRAWeights], paths, module_map: dict | None, target_is_key: bool = True):
+def joined(kept: dict, converted: dict, source: str) -> dict:
+    """kept and the modules converted from the file's other naming: a module in both was in the file twice
+    (e.g. ComfyUI's fused qkv beside our split to_q), and one would silently replace the other."""
+    if twice := sorted(set(kept) & set(converted)):
+        raise CheckpointError(f"{source}: module '{twice[0]}' is in the file twice, in two namings (e.g. a fused "
+                              f"qkv beside its split to_q); a file holds one LoRA per module")
+    return {**kept, **converted}
+
+
+def to_target_names(weights: dict[str, LoRAWeights], paths, module_map: dict | None, target_is_key: bool = True,
+                    source: str = "LoRA"):
     """(weights with the modules named in the module map's other naming converted to the target's, the
     fused modules joined from parts with their own downs). module_map: {key path: [(other path, row0, row1)]};
     target_is_key: the target names its modules as the map's keys (ours: BFL names), else as its values."""
@@ -126,10 +136,10 @@ def to_target_names(weights: dict[str, LoRAWeights], paths, module_map: dict | N
         return weights, set()
     kept = {p: w for p, w in weights.items() if p not in foreign}
     if not target_is_key:
-        return {**kept, **bfl_to_diffusers(foreign, module_map)}, set()
+        return joined(kept, bfl_to_diffusers(foreign, module_map), source), set()
     converted = diffusers_to_bfl(foreign, module_map)
-    joined = {p for p, w in converted.items() if w.rank != max(foreign[d].rank for d, _, _ in module_map[p] if d in foreign)}
-    return {**kept, **converted}, joined
+    fused = {p for p, w in converted.items() if w.rank != max(foreign[d].rank for d, _, _ in module_map[p] if d in foreign)}
+    return joined(kept, converted, source), fused
 
 
 def read_for_model(source, arch: str, paths, module_map=None, target_is_key: bool = True, name: str | None = None,
@@ -173,7 +183,7 @@ def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict
     elif module_map is None and target_is_key and other_naming and files and files.module_map:
         module_map = load_symbol(files.module_map)(weights, counts)  # sized from the LoRA's shapes, as convert_lora does
     try:
-        weights, joined = to_target_names(weights, paths, module_map, target_is_key)
+        weights, joined = to_target_names(weights, paths, module_map, target_is_key, name)
     except CheckpointError as e:
         raise naming(name, e) from None
     alpha_known = peft_alpha_known(tensors, metadata, adapter_config)

@@ -289,3 +289,30 @@ def test_split_downs_on_our_fused_flux_give_diffusers_output(flux_loras):
         net.remove()
     assert (mine - base).abs().max() > 0.1  # the LoRA shows
     assert (mine - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+def test_a_module_in_the_file_twice_in_two_namings_is_refused_not_one_silently_kept(tmp_path):
+    """Z-Image's ComfyUI fused qkv beside our split to_q: until 2026-11-27 the reader kept to_q cut from the
+    qkv rows and dropped the file's own to_q without a word (and a FLUX.1 BFL qkv beside a diffusers to_q
+    became a qkv of to_q alone)."""
+    from library.models.zimage.model import ZImage
+    from library.models.zimage.tiny import tiny_config
+    from networks.lora_reader import read_for_model
+
+    model = ZImage(tiny_config())
+    paths = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    q = dict(model.named_modules())["layers.0.attention.to_q"]
+    g = torch.Generator().manual_seed(0)
+
+    def lora(rows):
+        return lf.LoRAWeights(torch.randn(4, q.in_features, generator=g), torch.randn(rows, 4, generator=g), 4.0)
+
+    lf.write_kohya({"layers.0.attention.to_q": lora(q.out_features), "layers.0.attention.qkv": lora(3 * q.out_features)},
+                   str(tmp_path / "twice.safetensors"))
+    with pytest.raises(CheckpointError, match=r"twice.safetensors: module 'layers.0.attention.to_q' is in the file "
+                                              r"twice, in two namings"):
+        read_for_model(str(tmp_path / "twice.safetensors"), "zimage", paths)
+    lf.write_kohya({"layers.0.attention.to_k": lora(q.out_features), "layers.0.attention.qkv": lora(3 * q.out_features)},
+                   str(tmp_path / "apart.safetensors"))
+    with pytest.raises(CheckpointError, match="'layers.0.attention.to_k' is in the file twice"):
+        read_for_model(str(tmp_path / "apart.safetensors"), "zimage", paths)
