@@ -25,6 +25,18 @@ def read_utf8(path: str, what: str = "text file") -> str:
     return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
+def toml_loads(text: str) -> dict:
+    """toml.loads, every failure of which is a TomlDecodeError: 0.10.2 raises IndexError for an inline
+    table left open at the end (`optimizer_args = {d0 = 1`), which the callers' one-line errors missed."""
+    try:
+        return toml.loads(text)
+    except toml.TomlDecodeError:
+        raise
+    except (IndexError, KeyError, TypeError, ValueError) as e:
+        raise toml.TomlDecodeError(f"cannot be read ({type(e).__name__}: {e}; a table, array or string left "
+                                   f"open?)", text, len(text)) from None
+
+
 class _TomlEncoder(toml.TomlEncoder):
     r"""toml 0.10.2's writer with strings written right: its own turns a backslash before an 'x' into
     an escape ("C:\\xyz" is written "C:\xyz", which no reader takes back) and drops the backslash of

@@ -296,6 +296,7 @@ def test_a_bad_structured_prompt_file_is_one_line_naming_file_and_entry(tmp_path
 @pytest.mark.parametrize("content, fragment", [
     (b"learning_rate = 1e-4\n# caf\xe9\n", "config file is not valid UTF-8: byte 0xe9 at offset 26"),
     (b"learning_rate = = 1e-4\n", "not valid TOML"),
+    (b"optimizer_args = {d0 = 1", "not valid TOML: cannot be read (IndexError"),  # toml's IndexError: a traceback
 ])
 def test_config_toml_with_invalid_utf8_or_bad_syntax_is_one_line_naming_the_file(tmp_path, capsys, content, fragment):
     path = tmp_path / "my.toml"

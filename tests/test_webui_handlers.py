@@ -114,6 +114,9 @@ def test_the_planner_and_the_lora_tools_answer_bad_fields_in_one_line(ui, tmp_pa
     assert report(resolution=0) == "resolution (px): give a whole number >= 64, got 0"  # not the preset's default
     assert report(batch=0) == "batch size: give a whole number >= 1, got 0"
     assert report(source="the job form's config", text="x = ").startswith("config: not valid TOML")
+    # toml's IndexError for an inline table left open escaped every handler (2026-11-27)
+    assert report(source="the job form's config", text="optimizer_args = {d0 = 1").startswith("config: not valid TOML")
+    assert ui.check("optimizer_args = {d0 = 1", {})["error"].startswith("config: not valid TOML: cannot be read")
     lora = str(tmp_path / "data" / "a.safetensors")
     for rank in (None, "", 2.5, 2**70):
         answer = ui.lora_tool("resize_lora", {"lora": lora, "save_to": "r.safetensors", "new_rank": rank})

@@ -228,6 +228,28 @@ def test_a_run_that_ended_while_no_ui_watched_gets_its_outcome_from_its_log(tmp_
     assert stopped.message.startswith("stopped at step 2")
 
 
+def test_a_resumed_run_is_judged_by_its_own_lines_not_the_stop_of_the_run_before(tmp_path):
+    """A resumed job appends to its log: a resumed run that died (re-attached, exit status unknown) read
+    "stopped at step 2" from the run before it, and its live bar was that run's until its own drew."""
+    from library.ui import run_files
+
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 9, queue=True)
+    store.claim_next("cpu")
+    first = ("\n$ python train_lora.py --config_file job.toml\ntraining:  22%|#  | 2/9 [00:04<00:14]SIGINT: saved "
+             "/x/lora-step000002.safetensors and state /x/lora-state at step 2; continue with --resume /x/lora-state\n")
+    resumed = "\n$ python train_lora.py --config_file job.toml --resume /x/lora-state\nresumed from /x/lora-state at step 2\n"
+    with open(job.log_path, "w") as f:
+        f.write(first + resumed)
+    assert run_files.progress(job.log_path, 2, 9) == run_files.Progress(2, 9)  # not the old bar's 2/9 and its ETA
+    with open(job.log_path, "a") as f:
+        f.write("training:  55%|#  | 5/9 [00:03<00:02]")  # killed here (exit status unknown after a UI restart)
+    assert run_files.progress(job.log_path, 5, 9) == run_files.Progress(5, 9, "00:03", "00:02")
+    ended = actions.outcome(store.get(job.id), None)
+    assert ended["state"] == "failed" and "stopped" not in ended["message"], ended
+    assert any(line.startswith("SIGINT: saved") for line in run_files.log_lines(job.log_path))  # the whole log view keeps it
+
+
 def test_a_ctrl_c_during_the_final_samples_is_a_done_job(tmp_path):
     """train_lora.py exits 130 when a Ctrl-C cuts its final samples short, after the final LoRA: the
     job was 'stopped' with a resume offered (whose state has nothing to train); it is done."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import toml
 
-from library.text_files import read_utf8
+from library.text_files import read_utf8, toml_loads
 
 # The VAE downsamples 8x and the transformers pack 2x2 latent patches into one token, so pixel
 # sizes must be multiples of 16, and 16 is the smallest image that makes one token.
@@ -122,7 +122,7 @@ class DatasetBlueprint:
 def load_dataset_config(path: str) -> DatasetBlueprint:
     """Read and validate a dataset TOML file."""
     try:
-        data = toml.loads(read_utf8(path, "dataset config"))
+        data = toml_loads(read_utf8(path, "dataset config"))
     except FileNotFoundError:
         raise ValueError(f"{path}: no such dataset config file") from None
     except toml.TomlDecodeError as e:

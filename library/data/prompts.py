@@ -32,7 +32,7 @@ import toml
 
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE
 from library.data.images import load_rgb
-from library.text_files import read_utf8
+from library.text_files import read_utf8, toml_loads
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ def prompt_texts(path: str) -> list[str]:
 
 
 def _toml_subsets(text: str, path: str) -> list:
-    table = toml.loads(text).get("prompt")
+    table = toml_loads(text).get("prompt")
     if not isinstance(table, dict) or not isinstance(table.get("subset"), list):
         raise ValueError(f"{path}: expected a [prompt] table with [[prompt.subset]] entries (sd-scripts' layout)")
     shared = {k: v for k, v in table.items() if k != "subset"}

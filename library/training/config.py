@@ -22,7 +22,7 @@ import toml
 
 from library.errors import ConfigError
 from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, SAMPLING_METHODS, arch_specs
-from library.text_files import read_utf8
+from library.text_files import read_utf8, toml_loads
 
 PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (PRECISION_DTYPES below)
 
@@ -288,7 +288,7 @@ def read_toml(path: str) -> dict:
     except ValueError as e:  # not UTF-8: read_utf8 names the file and the byte
         raise ConfigError(str(e)) from None
     try:
-        return toml.loads(text)
+        return toml_loads(text)
     except toml.TomlDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
 

@@ -153,11 +153,11 @@ def not_an_optimizer(args) -> dict | None:
 def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
     import toml
 
-    from library.text_files import toml_dumps
+    from library.text_files import toml_dumps, toml_loads
     from library.training.config import ConfigError, _flatten, load_config
 
     try:
-        settings = _flatten(toml.loads(text), "config")
+        settings = _flatten(toml_loads(text), "config")
     except toml.TomlDecodeError as e:
         return {"ok": False, "key": None, "error": f"config: not valid TOML: {e}"}
     except ConfigError as e:

@@ -14,7 +14,7 @@ import toml
 
 from library.data.prompts import parse_prompt_line
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401 (BASE_PRECISIONS: the form's choices)
-from library.text_files import read_utf8, set_toml_keys, toml_dumps
+from library.text_files import read_utf8, set_toml_keys, toml_dumps, toml_loads
 from library.training.config import SCHEMA, _flatten
 from library.ui import commands, run_files
 from library.ui import runner as actions
@@ -113,7 +113,7 @@ def toml_with(text: str, settings: dict, keys: dict, drop: tuple[str, ...] = ())
     layout (a dotted key, a key inside a multi-line string)."""
     new_text = set_toml_keys(text, keys, drop)
     try:
-        if _flatten(toml.loads(new_text), "config") == {**settings, **keys}:
+        if _flatten(toml_loads(new_text), "config") == {**settings, **keys}:
             return new_text
     except (toml.TomlDecodeError, ValueError):
         pass
@@ -176,14 +176,14 @@ class WebUI:
             raise ValueError(f"config {path!r} is a folder: pick a .toml file")
         text = read_utf8(real, "config file")  # not UTF-8 (a picture): one line naming the file
         try:
-            settings = _flatten(toml.loads(text), path)
+            settings = _flatten(toml_loads(text), path)
         except toml.TomlDecodeError as e:
             raise ValueError(f"{path}: not valid TOML: {e}") from None
         return text, form_values(settings)
 
     def settings(self, text: str, form: dict) -> dict:
         try:
-            return apply_form(_flatten(toml.loads(text or ""), "config"), form)
+            return apply_form(_flatten(toml_loads(text or ""), "config"), form)
         except toml.TomlDecodeError as e:
             raise JobError(f"config: not valid TOML: {e}") from None
 
@@ -221,7 +221,7 @@ class WebUI:
             raise ValueError(f"save to {path!r}: give a .toml file under the roots")
         real = self.roots.resolve(path.strip(), "save to")
         try:
-            settings = _flatten(toml.loads(text or ""), "config")
+            settings = _flatten(toml_loads(text or ""), "config")
         except toml.TomlDecodeError as e:
             raise ValueError(f"config: not valid TOML: {e}") from None
         changed = changed_fields(settings, form)
@@ -314,7 +314,7 @@ class WebUI:
         return (job.id, job.state, job.message, job.last_step, job.peak_rss, job.peak_vram, *stats)
 
     def _sample_prompts(self, job) -> str | None:
-        path = toml.loads(job.config).get("sample_prompts")
+        path = toml_loads(job.config).get("sample_prompts")
         if not path:
             return None
         try:
@@ -372,7 +372,7 @@ class WebUI:
         (its comments, tables and other keys kept), the form's fields as they were but base precision."""
         drop = replaced_keys(keys)
         try:
-            written = {k: v for k, v in _flatten(toml.loads(text or ""), "config").items() if k not in drop}
+            written = {k: v for k, v in _flatten(toml_loads(text or ""), "config").items() if k not in drop}
         except (toml.TomlDecodeError, ValueError):  # edited since the plan: left for Validate to explain
             return text, {**form_values({}), **form}
         new_text = toml_with(text or "", written, keys, drop)
@@ -466,7 +466,7 @@ class WebUI:
                     "--save_to", self.tool_output(v["save_to"], "output"), "--save_precision", v["save_precision"]], None
         if tool == "generate":  # with a job's models
             job = self.store.get(job_number(v["job_id"]))
-            config = toml.loads(job.config)
+            config = toml_loads(job.config)
             if config["model_type"] not in FAMILIES:
                 raise JobError(f"job {job.id} trains an LLM (model_type {config['model_type']}): generate draws images "
                                f"with a diffusion job's models (an LLM job's samples are in its log)")

@@ -14,6 +14,7 @@ from library.data.prompts import SAMPLE_NAME, prompt_texts
 
 TQDM = re.compile(r"(\d+)/(\d+) \[([0-9:]+)<([0-9:?]+)")
 BAR_THEN_TEXT = re.compile(r"(\d+/\d+ \[[^\]\n]*\])(?=\S)")
+RUN_START = "\n$ "  # library/ui/runner.py writes "$ <command>" on a line of its own before each launch
 
 
 def read_tail(path: str, size: int = 65536) -> str:
@@ -26,10 +27,19 @@ def read_tail(path: str, size: int = 65536) -> str:
         return ""
 
 
-def log_lines(path: str, count: int = 40) -> list[str]:
-    """The log's last lines; tqdm's redrawn bar (carriage returns) counts once, as its last state."""
+def this_run(text: str) -> str:
+    """Of a log's tail, what its latest run wrote: from the command line the runner writes before each
+    launch (a resumed job appends to its log: the run before it said "stopped at step N" too)."""
+    start = text.rfind(RUN_START)
+    return text if start < 0 else text[start + 1:]
+
+
+def log_lines(path: str, count: int = 40, latest_run: bool = False) -> list[str]:
+    """The log's last lines (latest_run: only its latest run's); tqdm's redrawn bar (carriage returns)
+    counts once, as its last state."""
     lines: list[str] = []
-    text = BAR_THEN_TEXT.sub("\\1\n", read_tail(path))  # a message printed right after the bar, on its line
+    tail = read_tail(path)
+    text = BAR_THEN_TEXT.sub("\\1\n", this_run(tail) if latest_run else tail)  # a message right after the bar: its line
     for line in text.replace("\r", "\n").split("\n"):
         line = line.rstrip()
         if not line:
@@ -51,7 +61,7 @@ class Progress:
 
 def progress(log_path: str, last_step: int, max_steps: int | None) -> Progress:
     """Steps done and planned, with tqdm's elapsed and remaining time from the log when it has them."""
-    bars = TQDM.findall(read_tail(log_path, 8192))
+    bars = TQDM.findall(this_run(read_tail(log_path, 8192)))  # (a resumed run's bar, not the run's before)
     if bars:
         done, total, elapsed, remaining = bars[-1]
         return Progress(int(done), int(total), elapsed, remaining)

@@ -155,7 +155,7 @@ class Runner:
         if device.startswith("cuda:"):
             env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
         with open(job.log_path, "ab") as log:
-            log.write(f"\n$ {' '.join(command)}\n".encode())
+            log.write(f"{run_files.RUN_START}{' '.join(command)}\n".encode())
             log.flush()
             process = subprocess.Popen(command, cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                        stderr=subprocess.STDOUT, start_new_session=True)
@@ -193,7 +193,7 @@ class Runner:
 def outcome(job: Job, code: int | None) -> dict:
     """The finished run's state and message, from its exit status (None: unknown, a re-attached
     trainer) and the log's last lines."""
-    lines = run_files.log_lines(job.log_path, 20)
+    lines = run_files.log_lines(job.log_path, 20, latest_run=True)
     saved = run_files.state_step(job.state_dir)
     stopped = next((m for m in map(STOPPED_LINE.search, reversed(lines)) if m), None)
     # 130 after the final LoRA (a Ctrl-C during the final samples): done, nothing to resume.
