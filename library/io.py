@@ -19,15 +19,11 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
-import errno
 import json
 import math
 import os
-import re
-import shutil
 import socket
 import sys
-import tempfile
 import time
 from typing import Callable, Iterator
 
@@ -36,14 +32,13 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from library.text_files import read_utf8  # noqa: F401  (re-exported: the loaders import it from here)
+from library.atomic_files import (  # noqa: F401  (re-exported: written files live there, torch-free)
+    NO_SPACE, DiskFullError, atomic_folder, atomic_path, atomic_target, make_parent_folder, naming_a_full_disk,
+    umask_mode, write_text)
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the model: the message names the file and the key."""
-
-
-class DiskFullError(OSError):
-    """A write that ran out of space; the message names the file and what is left of it."""
 
 
 class LockedError(OSError):
@@ -374,43 +369,6 @@ def load_streaming(
     model.load_state_dict(loaded, strict=True, assign=True)
 
 
-def make_parent_folder(path: str) -> str:
-    """Create the folder `path` goes in (and its parents); returns it. A file where a folder must
-    be is named in the error (os.makedirs would only say 'File exists')."""
-    folder = os.path.dirname(os.path.abspath(path))
-    blocker = folder
-    while not os.path.exists(blocker):
-        blocker = os.path.dirname(blocker)
-    if not os.path.isdir(blocker):
-        raise NotADirectoryError(f"{path}: cannot be written, '{blocker}' is a file, not a folder")
-    os.makedirs(folder, exist_ok=True)
-    return folder
-
-
-def umask_mode(mode: int) -> int:
-    """`mode` (0o666 for a file, 0o777 for a folder) as the process umask leaves it."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return mode & ~umask
-
-
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-@contextlib.contextmanager
-def naming_a_full_disk(path: str, kept: str = "the previous one is kept"):
-    """A write of `path` that runs out of space raises DiskFullError naming `path` and saying what
-    is `kept` of it (the callers remove their temporaries; whatever was under `path` before is
-    still there)."""
-    try:
-        yield
-    except OSError as e:
-        if not isinstance(e, DiskFullError) and e.errno not in NO_SPACE:
-            raise
-        kept = kept if os.path.exists(path) else "nothing was written"
-        raise DiskFullError(f"{path}: cannot be written, no space left on device ({kept})") from None
-
-
 def append_csv_row(path: str, row: list, header: list[str] | None = None) -> None:
     """Append `row` to the CSV log `path`; a `header` starts the file anew. A full disk is one
     DiskFullError naming the log (an append cannot be atomic: the rows before it are kept)."""
@@ -420,59 +378,6 @@ def append_csv_row(path: str, row: list, header: list[str] | None = None) -> Non
         if header is not None:
             writer.writerow(header)
         writer.writerow(row)
-
-
-@contextlib.contextmanager
-def atomic_path(path: str):
-    """Yield a temporary path beside `path`; on success it is renamed over `path` (atomic on
-    POSIX), on failure removed. A crash leaves either the old file or the new one, never half."""
-    folder = make_parent_folder(path)
-    with naming_a_full_disk(path):
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-        os.close(fd)
-        try:
-            yield tmp
-            # After the writer: mkstemp makes 0600, and some writers (safetensors' save_file) rename
-            # a 0600 file of their own over `tmp`; the result should look like any written file.
-            os.chmod(tmp, umask_mode(0o666))
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-
-
-def atomic_target(name: str) -> str | None:
-    """The file name an atomic_path temporary named `name` (`.<name>.<random>.tmp`) was written for;
-    None where `name` is no such temporary."""
-    match = re.fullmatch(r"\.(.+)\.[a-z0-9_]+\.tmp", name)
-    return match.group(1) if match else None
-
-
-@contextlib.contextmanager
-def atomic_folder(path: str):
-    """Yield a temporary folder beside `path` to fill; on success it takes the place of `path` (an
-    older folder there is moved aside first and removed after), on failure it is removed. A crash
-    leaves the old folder, the new one, or the old one under a hidden `.old` name, never a mix."""
-    folder = make_parent_folder(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise NotADirectoryError(f"{path}: a file is there; expected a folder (or nothing)")
-    with naming_a_full_disk(path):
-        tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-        os.chmod(tmp, umask_mode(0o777))  # mkdtemp makes 0700
-        old = None
-        try:
-            yield tmp
-            if os.path.isdir(path):
-                old = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".old", dir=folder)
-                os.replace(path, os.path.join(old, "folder"))
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-            if old and os.path.isdir(path):  # the old folder goes only once the new one is in place
-                shutil.rmtree(old)
 
 
 def _lock_holder(fd: int) -> str:
@@ -644,12 +549,6 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=metadata)
-
-
-def write_text(path: str, text: str):
-    with atomic_path(path) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:  # what read_utf8 reads back, whatever the locale
-            f.write(text)
 
 
 # -- transformer files in their two release layouts ----------------------------------------------

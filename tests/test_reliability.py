@@ -181,6 +181,11 @@ def logging_dir_is_a_file(ts, tmp):  # failed after caching with "[Errno 20] Not
             [f"command line: logging_dir '{tmp / 'tb'}' cannot be created: '{tmp / 'tb'}' is a file, not a folder"])
 
 
+def log_prefix_a_path(ts, tmp):  # TensorBoard wrote wherever it pointed, out of a web UI's roots too (2026-11-27)
+    return (["--logging_dir", str(tmp / "tb"), "--log_prefix", "../../elsewhere_"],
+            ["command line: key 'log_prefix' must be a plain name (no path separator, not '.' or '..'), got '../../elsewhere_'"])
+
+
 def sample_prompt_bad_flag(ts, tmp):
     (tmp / "prompts.txt").write_text("# samples\na red circle --w 64 --x 3\n")
     return ["--sample_prompts", str(tmp / "prompts.txt")], ["prompts.txt:2: unknown flag '--x' (allowed: --w, --h, --s, --d, --g, --n, --l, --ci)"]
@@ -260,6 +265,7 @@ CASES = {
     "optimizer_args_wrong_value": optimizer_args_wrong_value,
     "output_dir_cannot_be_created": output_dir_cannot_be_created,
     "logging_dir_is_a_file": logging_dir_is_a_file,
+    "log_prefix_a_path": log_prefix_a_path,
     "sample_prompt_bad_flag": sample_prompt_bad_flag,
     "checkpoint_missing": checkpoint_missing,
     "checkpoint_not_safetensors": checkpoint_not_safetensors,

@@ -73,6 +73,41 @@ def test_save_caption_refuses_what_is_not_an_image_of_the_dataset(ui, caption_da
     assert not (tmp_path / "data" / "sample_prompts.caption").exists()
 
 
+def test_the_dataset_view_reads_no_caption_or_image_through_a_link_out_of_the_roots(ui, caption_dataset, tmp_path):
+    """The gallery showed a caption file that linked out of the roots (2026-11-27), and listed such images."""
+    images = os.path.join(os.path.dirname(caption_dataset), "images")
+    first = sorted(f for f in os.listdir(images) if f.endswith(".png"))[0]
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret.caption").write_text("SECRET")
+    shutil.copy(os.path.join(images, first), tmp_path / "outside" / "x.png")
+    caption = os.path.join(images, os.path.splitext(first)[0] + ".caption")
+    os.remove(caption)
+    os.symlink(tmp_path / "outside" / "secret.caption", caption)
+    os.symlink(tmp_path / "outside" / "x.png", os.path.join(images, "zz_link.png"))
+    found = ui._images(caption_dataset)
+    assert found and all(path.startswith(str(tmp_path / "data")) for path, _ in found)
+    captions = {os.path.basename(path): ui._read_caption(path, extension) for path, extension in found}
+    assert captions[first] == "" and "zz_link.png" not in captions and len(set(captions.values())) > 1
+
+
+def test_a_file_is_written_through_a_fresh_temporary_and_a_root_of_slash_holds_every_path(tmp_path):
+    """write_whole wrote through '<path>.tmp', following a link placed there (out of the roots); --root /
+    refused every path (its prefix '//' matched none)."""
+    from library.ui.config_check import inside
+    from library.ui.files import Roots, write_whole
+
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "data").mkdir()
+    victim = tmp_path / "outside" / "victim.toml"
+    victim.write_text("kept")
+    os.symlink(victim, tmp_path / "data" / "x.toml.tmp")
+    write_whole(str(tmp_path / "data" / "x.toml"), "a = 1\n")
+    assert victim.read_text() == "kept" and (tmp_path / "data" / "x.toml").read_text() == "a = 1\n"
+    assert not os.path.islink(tmp_path / "data" / "x.toml")
+    assert Roots(["/"], str(tmp_path)).resolve("/etc/hostname") == os.path.realpath("/etc/hostname")
+    assert inside("/etc/hostname", ["/"]) and not inside("/etc/hostname", [str(tmp_path)])
+
+
 def finished_job(ui):
     job = ui.store.create("a", {"output_name": "lora"}, 5, queue=True)
     ui.store.claim_next("cpu")

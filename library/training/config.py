@@ -732,6 +732,10 @@ def _validate_output(args: argparse.Namespace, origins: dict[str, str], where: s
     if name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0")):
         raise ConfigError(f"{_blame(origins, where, 'output_name')}: key 'output_name' must be a plain file name (not empty, "
                           f"no path separator, not '.' or '..'), got {name!r}")
+    prefix = args.log_prefix  # a run folder's name in logging_dir (and accelerate's project name): one plain name
+    if prefix and (prefix in (".", "..") or any(c in prefix for c in ("/", "\\", "\0"))):
+        raise ConfigError(f"{_blame(origins, where, 'log_prefix')}: key 'log_prefix' must be a plain name (no path "
+                          f"separator, not '.' or '..'), got {prefix!r}")
     if args.logging_dir:  # TensorBoard's folder: a file there failed after caching ('Not a directory')
         _check_creatable(args.logging_dir, "logging_dir", origins.get("logging_dir", where))
     if args.output_dir:

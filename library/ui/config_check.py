@@ -23,6 +23,8 @@ import sys
 import tempfile
 import threading
 
+from library.ui.files import within
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY_IN_ERROR = re.compile(r"key '([A-Za-z0-9_]+)'|--([A-Za-z0-9_]+)")
 
@@ -49,7 +51,7 @@ GENERIC_PATH_KEYS = ("pretrained_model_name_or_path", "ae", "dataset_config", "s
 
 def inside(path: str, roots: list[str]) -> bool:
     real = os.path.realpath(path)
-    return any(real == root or real.startswith(root + os.sep) for root in roots)
+    return any(within(real, root) for root in roots)
 
 
 def refusal(key: str, message: str) -> dict:

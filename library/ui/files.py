@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import os
 
+from library.atomic_files import write_text
+
 
 def write_whole(path: str, text: str) -> None:
-    """`text` written to `path` (UTF-8) through a file beside it renamed over it: a reader (a running
-    trainer, training's caption scan) sees the old text or the new, never half of it."""
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """`text` written to `path` (UTF-8) through a fresh temporary beside it renamed over it: a reader (a
+    running trainer, training's caption scan) sees the old text or the new, never half of it. (A fixed
+    `<path>.tmp` name followed a link placed there out of the roots, and two tabs saving shared it.)"""
+    write_text(path, text)
+
+
+def within(real: str, root: str) -> bool:
+    """Whether the real path `real` is `root` or lies below it (a root of "/" too: its "//" prefix matched nothing)."""
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
 
 
 class OutsideRoots(ValueError):
@@ -30,7 +35,7 @@ class Roots:
         if not path or "\0" in path:
             raise OutsideRoots(f"{what}: no path given")
         real = os.path.realpath(os.path.join(self.workdir, os.path.expanduser(path)))
-        if not any(real == root or real.startswith(root + os.sep) for root in self.roots):
+        if not any(within(real, root) for root in self.roots):
             raise OutsideRoots(f"{what} {path!r} is outside the folders this UI may open ({', '.join(self.roots)}); "
                                f"start tools/webui.py with --root FOLDER to add one")
         return real
@@ -56,4 +61,4 @@ class Roots:
 
     def shown(self, path: str) -> str:
         real = os.path.realpath(path)
-        return os.path.relpath(real, self.workdir) if real.startswith(self.workdir + os.sep) else real
+        return os.path.relpath(real, self.workdir) if within(real, self.workdir) and real != self.workdir else real

@@ -407,16 +407,20 @@ class WebUI:
             for subset in spec.subsets:
                 folder = self.roots.resolve(subset.image_dir, "image_dir")
                 for name in sorted(os.listdir(folder)):
-                    if name.lower().endswith(IMAGE_SUFFIXES):
-                        found.append((os.path.join(folder, name), subset.caption_extension))
+                    if not name.lower().endswith(IMAGE_SUFFIXES):
+                        continue
+                    try:  # each file too: a link in the folder may lead out of the roots
+                        found.append((self.roots.resolve(os.path.join(folder, name), "image"), subset.caption_extension))
+                    except OutsideRoots:
+                        continue
         return found
 
-    @staticmethod
-    def _read_caption(image: str, extension: str) -> str:
+    def _read_caption(self, image: str, extension: str) -> str:
+        """The image's caption; "" where there is none, or where its file links out of the roots."""
         try:
-            with open(os.path.splitext(image)[0] + extension, encoding="utf-8") as f:
+            with open(self.roots.resolve(os.path.splitext(image)[0] + extension, "caption"), encoding="utf-8") as f:
                 return f.read().strip()
-        except OSError:
+        except (OSError, OutsideRoots):
             return ""
 
     def save_caption(self, dataset: str, image: str, caption: str) -> str:

@@ -1,0 +1,112 @@
+"""Files written whole or not at all, torch-free (the web UI writes configs and captions with them
+without importing torch; library.io re-exports them beside its checkpoint readers and writers): a
+temporary beside the target renamed over it, made as the umask says, a full disk named."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import shutil
+import tempfile
+
+
+class DiskFullError(OSError):
+    """A write that ran out of space; the message names the file and what is left of it."""
+
+
+def make_parent_folder(path: str) -> str:
+    """Create the folder `path` goes in (and its parents); returns it. A file where a folder must
+    be is named in the error (os.makedirs would only say 'File exists')."""
+    folder = os.path.dirname(os.path.abspath(path))
+    blocker = folder
+    while not os.path.exists(blocker):
+        blocker = os.path.dirname(blocker)
+    if not os.path.isdir(blocker):
+        raise NotADirectoryError(f"{path}: cannot be written, '{blocker}' is a file, not a folder")
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def umask_mode(mode: int) -> int:
+    """`mode` (0o666 for a file, 0o777 for a folder) as the process umask leaves it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(path: str, kept: str = "the previous one is kept"):
+    """A write of `path` that runs out of space raises DiskFullError naming `path` and saying what
+    is `kept` of it (the callers remove their temporaries; whatever was under `path` before is
+    still there)."""
+    try:
+        yield
+    except OSError as e:
+        if not isinstance(e, DiskFullError) and e.errno not in NO_SPACE:
+            raise
+        kept = kept if os.path.exists(path) else "nothing was written"
+        raise DiskFullError(f"{path}: cannot be written, no space left on device ({kept})") from None
+
+
+@contextlib.contextmanager
+def atomic_path(path: str):
+    """Yield a temporary path beside `path`; on success it is renamed over `path` (atomic on
+    POSIX), on failure removed. A crash leaves either the old file or the new one, never half."""
+    folder = make_parent_folder(path)
+    with naming_a_full_disk(path):
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+        os.close(fd)
+        try:
+            yield tmp
+            # After the writer: mkstemp makes 0600, and some writers (safetensors' save_file) rename
+            # a 0600 file of their own over `tmp`; the result should look like any written file.
+            os.chmod(tmp, umask_mode(0o666))
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def atomic_target(name: str) -> str | None:
+    """The file name an atomic_path temporary named `name` (`.<name>.<random>.tmp`) was written for;
+    None where `name` is no such temporary."""
+    match = re.fullmatch(r"\.(.+)\.[a-z0-9_]+\.tmp", name)
+    return match.group(1) if match else None
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str):
+    """Yield a temporary folder beside `path` to fill; on success it takes the place of `path` (an
+    older folder there is moved aside first and removed after), on failure it is removed. A crash
+    leaves the old folder, the new one, or the old one under a hidden `.old` name, never a mix."""
+    folder = make_parent_folder(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"{path}: a file is there; expected a folder (or nothing)")
+    with naming_a_full_disk(path):
+        tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+        os.chmod(tmp, umask_mode(0o777))  # mkdtemp makes 0700
+        old = None
+        try:
+            yield tmp
+            if os.path.isdir(path):
+                old = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".old", dir=folder)
+                os.replace(path, os.path.join(old, "folder"))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            if old and os.path.isdir(path):  # the old folder goes only once the new one is in place
+                shutil.rmtree(old)
+
+
+def write_text(path: str, text: str):
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:  # what read_utf8 reads back, whatever the locale
+            f.write(text)
