@@ -131,6 +131,7 @@ def test_masks_are_cached_with_the_latents_and_a_changed_mask_recomputes(tmp_pat
     ("not_a_folder", "key 'mask_dir' '/nonexistent' is not a folder"),
     ("reg_validation", "key 'is_reg' is for training subsets"),
     ("reg_only", "every subset has is_reg = true"),  # was a dataset of 0 entries: train_lora looped over empty epochs
+    ("two_of_one_name", "masks '1.jpg' and '1.png' share the name '1'"),  # the last sorted was the mask (2026-11-27)
 ])
 def test_mask_and_reg_errors_name_the_file_and_key(tmp_path, case, message):
     for i in range(2):
@@ -144,6 +145,9 @@ def test_mask_and_reg_errors_name_the_file_and_key(tmp_path, case, message):
             subset["alpha_mask"] = True
         elif case == "not_a_folder":
             subset["mask_dir"] = "/nonexistent"
+        elif case == "two_of_one_name":
+            gray(tmp_path / "masks" / "1.png", 64, 64)
+            Image.new("L", (64, 64), 0).save(tmp_path / "masks" / "1.jpg")
         elif case == "reg_only":
             parse_dataset_config({"datasets": [{"resolution": 64, "subsets": [{"image_dir": str(tmp_path), "is_reg": True}]}]},
                                  source="t.toml")

@@ -249,7 +249,11 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
             return []
         paths = [os.path.join(subset.image_dir, f) for f in sorted(os.listdir(subset.image_dir)) if is_image_name(f)]
     report.images = len(paths)
-    controls = control_files(subset.control_directory) if subset.control_directory else None
+    try:
+        controls = control_files(subset.control_directory) if subset.control_directory else None
+    except (ValueError, OSError) as e:  # two references of one name (a.png, a.jpg), or no such folder
+        report.add("error", "reference", str(e) if isinstance(e, ValueError) else f"{subset.control_directory}: {e.strerror}")
+        controls = None
     buckets, readable, first_paired, targets = dataset_buckets(ds), [], None, target_stems(paths)
     placed, used = [], []  # the images given a bucket, for the upscale line; the images training uses
     for path in paths:

@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from library.data.images import is_image_name, load_image, load_rgb, verified_image_size
+from library.data.images import images_by_stem, load_image, load_rgb, verified_image_size
 
 
 def target_stems(paths: list[str]) -> frozenset[str]:
@@ -27,8 +27,8 @@ def target_stems(paths: list[str]) -> frozenset[str]:
 
 
 def control_files(folder: str) -> dict[str, str]:
-    """stem -> file name of every image in a control_directory (read once per subset)."""
-    return {os.path.splitext(f)[0]: f for f in sorted(os.listdir(folder)) if is_image_name(f)}
+    """stem -> file name of every image in a control_directory (read once per subset; two of one stem: an error)."""
+    return images_by_stem(folder, os.listdir(folder), "control_directory images")
 
 
 def find_controls(image_path: str, folder: str, files: dict[str, str], targets: frozenset[str] = frozenset()) -> list[str]:

@@ -19,7 +19,8 @@ from typing import NamedTuple
 
 from library.data.controls import check_control_count, control_files, find_controls, scan_controls, target_stems
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec, make_buckets
-from library.data.images import IMAGE_EXTENSIONS, UNREAD_IMAGE_EXTENSIONS, is_image_name, verified_image_size
+from library.data.images import (IMAGE_EXTENSIONS, UNREAD_IMAGE_EXTENSIONS, images_by_stem, is_image_name,
+                                 verified_image_size)
 from library.data.layers import check_layers, split_layers
 from library.data.masks import find_mask, warn_missing_alpha
 from library.io import read_utf8
@@ -290,12 +291,7 @@ def _image_files(folder: str, other_folders=(), warn: bool = True) -> list[str]:
         warnings.warn(f"{folder}: {below} images are not trained: {not_searched}", stacklevel=2)
     if unread and warn:
         warnings.warn(f"{folder}: {unread}", stacklevel=2)
-    stems: dict[str, str] = {}
-    for f in files:
-        stem = os.path.splitext(f)[0]
-        if stem in stems:  # they would share one caption file and one cache file
-            raise ValueError(f"{folder}: images '{stems[stem]}' and '{f}' share the name '{stem}'")
-        stems[stem] = f
+    images_by_stem(folder, files)  # two of one name would share one caption file and one cache file
     return [os.path.join(folder, f) for f in files]
 
 

@@ -5,6 +5,8 @@ labels, settings in the PNG's text chunks, written atomically."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageOps, PngImagePlugin
@@ -17,6 +19,19 @@ UNREAD_IMAGE_EXTENSIONS = (".heic", ".heif", ".avif", ".jxl", ".tif", ".tiff", "
 # Pillow opens 16-bit grey PNGs in the I;16 modes ("I": 32-bit integers). Its convert("RGB") /
 # convert("L") clips those values to 255 instead of scaling them: nearly every pixel turns white.
 WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
+def images_by_stem(folder: str, names, what: str = "images") -> dict[str, str]:
+    """File stem -> name of the images among `names` (sorted) in `folder`. Two of one stem (a.png and
+    a.jpg) are an error naming both: an image's caption, cache, reference or mask is found by its stem,
+    and which of the two is meant is unknown (a mask folder kept the last one sorted, silently)."""
+    stems: dict[str, str] = {}
+    for name in sorted(n for n in names if is_image_name(n)):
+        stem = os.path.splitext(name)[0]
+        if stem in stems:
+            raise ValueError(f"{folder}: {what} '{stems[stem]}' and '{name}' share the name '{stem}'")
+        stems[stem] = name
+    return stems
 
 
 def is_image_name(name: str) -> bool:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageOps
 
 from library.data.dataset_config import SubsetSpec
-from library.data.images import WIDE_GREY_MODES, fit_to_bucket, is_image_name, to_8_bit
+from library.data.images import WIDE_GREY_MODES, fit_to_bucket, images_by_stem, to_8_bit
 
 LATENT_DOWNSAMPLE = 8  # VAE pixels per latent element, per side
 # A mask's R, G and B may differ by this much (of 255) and still count as grey: a grey mask saved as
@@ -40,8 +40,8 @@ GREY_TOLERANCE = 8
 
 @functools.lru_cache(maxsize=None)
 def _mask_files(folder: str) -> dict[str, str]:
-    """File stem -> file name of the images in a mask folder (listed once)."""
-    return {os.path.splitext(f)[0]: f for f in sorted(os.listdir(folder)) if is_image_name(f)}
+    """File stem -> file name of the images in a mask folder (listed once; two of one stem: an error)."""
+    return images_by_stem(folder, os.listdir(folder), "masks")
 
 
 def find_mask(image_path: str, subset: SubsetSpec, size: tuple[int, int]) -> str | None:
