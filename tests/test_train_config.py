@@ -204,6 +204,22 @@ def test_prodigy_logs_lr_and_d_times_lr_per_group(tmp_path):
     assert float(rows[-1][4]) > float(rows[1][4]) >= 1e-6
 
 
+def test_a_resumed_log_takes_the_columns_its_run_adds(tmp_path):
+    """Validation added at a resume: its val_loss was dropped from the CSV (the header was the run before's)."""
+    opt = optim.create_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2))], "name": "lora"}], "AdamW", 1e-3, {})
+    path = str(tmp_path / "run_log.csv")
+    first = optim.LRLogger(path)
+    for step in (1, 2, 3):
+        first.log(step, 0, 0.5, opt)
+    resumed = optim.LRLogger(path, append=True, resumed_step=2)  # step 3 was logged after the state's save
+    resumed.log(3, 0, 0.4, opt, {"val_loss": 0.25})
+    resumed.log(4, 0, 0.3, opt, {"val_loss": None})
+    with open(path) as f:
+        rows = list(csv.reader(f))
+    assert rows == [["step", "epoch", "loss", "lr/lora", "val_loss"], ["1", "0", "0.5", "0.001", ""],
+                    ["2", "0", "0.5", "0.001", ""], ["3", "0", "0.4", "0.001", "0.25"], ["4", "0", "0.3", "0.001", ""]]
+
+
 def test_adamw_logs_no_d_column_and_weight_decay_skips_1d(tmp_path):
     lin = torch.nn.Linear(4, 4)
     decay, no_decay = optim.split_weight_decay(lin.named_parameters())

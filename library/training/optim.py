@@ -174,10 +174,23 @@ class LRLogger:
         header = None
         if self.columns is None:
             self.columns = header = list(values)
+        elif new := [k for k in values if k not in self.columns]:
+            self._widen(new)
         append_csv_row(self.path, [values.get(c, "") for c in self.columns], header)
         if self.accelerator is not None and self.accelerator.trackers:  # None: not measured this step (val_loss)
             self.accelerator.log({k: v for k, v in values.items() if k != "step" and v is not None}, step=step)
         return values
+
+
+    def _widen(self, new: list[str]) -> None:
+        """Columns a resumed run brings that its log lacks (val_loss, where validation was added at the
+        resume; its values were dropped until 2026-11-27): the file rewritten with them, the earlier rows'
+        cells empty."""
+        self.columns = self.columns + new
+        with open(self.path, newline="") as f:
+            rows = list(csv.reader(f))[1:]
+        with atomic_path(self.path) as tmp, open(tmp, "w", newline="") as f:
+            csv.writer(f).writerows([self.columns] + [row + [""] * len(new) for row in rows])
 
 
 def progress_postfix(values: dict) -> dict:
