@@ -347,6 +347,9 @@ def test_resume_from_a_state_of_another_run_config_is_refused(trained, tiny_set,
 
     code = train_lora.main(flux_args(tiny_set, out, "--network_dim", "8", "--resume", str(trained)))
     assert f"{trained}: not a training state (no train_state.json)" in one_error_line(capsys, code)
+    # network_dropout was not compared (its network_args form was): resumed, and the header said 0.3 for the run
+    code = train_lora.main(flux_args(tiny_set, out, "--network_dim", "8", "--network_dropout", "0.3", "--resume", str(state)))
+    assert "state was written with network_dropout = 0.0, this run has 0.3" in one_error_line(capsys, code)
 
 
 def truncate_optimizer(state) -> str:

@@ -29,8 +29,10 @@ from library.training.config import plan_steps
 RUN_IDENTITY = (
     "model_type", "network_module", "network_dim", "network_alpha", "network_args", "optimizer_type",
     "optimizer_args", "learning_rate", "lr_scheduler", "gradient_accumulation_steps", "fp8_base", "fp8_scaled",
-    "mixed_precision", "seed", "pretrain",
+    "mixed_precision", "seed", "pretrain", "network_dropout",
 )
+# Compared where the state has them (states written before a key was kept still resume).
+KEPT_SINCE = ("network_dropout",)  # its own key: network_args' dropout=... was compared, it was not (2026-11-27)
 
 # The schedule's shape: the scheduler's state holds its step, not its lambda, which the resumed run
 # rebuilds from these. Compared where the state has them (states written before they were kept resume).
@@ -97,7 +99,7 @@ def load_state(folder: str, args) -> SavedState:
     saved, current = progress.pop("run"), json.loads(json.dumps(run_digest(args), default=str))
     # A state with an EMA resumed with it off: the EMA would be dropped and its old _ema file left stale.
     current.update({k: getattr(args, k) for k in EMA_IDENTITY if k in saved and k not in current})
-    for key in SCHEDULE_IDENTITY + LLM_DATA_IDENTITY:
+    for key in SCHEDULE_IDENTITY + LLM_DATA_IDENTITY + KEPT_SINCE:
         if key not in saved:
             current.pop(key, None)
     for key, before in LLM_TRAINED_BEFORE_KEY.items():
