@@ -363,6 +363,9 @@ def test_quickstart_short_run_writes_outputs_and_lowers_val_loss(tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--heads", "3"], "^error: --hidden 128, --heads 3, --kv_heads 2: expected --hidden a multiple of --heads"),
+    # a traceback after the tokenizer trained, and a model of width-0 MLPs (2026-11-27)
+    (["--hidden", "12", "--heads", "4", "--kv_heads", "2"], "^error: --hidden 12 / --heads 4 = 3: a head's width must be even"),
+    (["--hidden", "8", "--heads", "2", "--kv_heads", "1"], "^error: --hidden 8: expected at least 12"),
     (["--corpus_chars", "800", "--vocab_size", "300"],
      r"^error: --corpus_chars 800: \d+ tokens leave the validation tenth \d+, fewer than --context \+ 1 = 129"),
 ])

@@ -145,6 +145,18 @@ def test_text_records_and_txt_files_are_the_same_documents(tmp_path, monkeypatch
     assert files[1] == jsonl
 
 
+def test_empty_text_records_and_files_are_no_documents(tmp_path):
+    """They were counted as none but tokenized as BOS (where the tokenizer adds one) + EOS: 'stop at once', trained
+    (2026-11-27)."""
+    (tmp_path / "blank.txt").write_text(" \n\n ")
+    write_jsonl(tmp_path / "b.jsonl", [{"text": ""}, {"text": "one"}, {"text": " \n"}, {"text": "two"}])
+    encode = lambda s: [1] + [ord(c) for c in s]  # noqa: E731  (a BOS first, as Llama's tokenizer adds)
+    files, count = text_corpus.check_corpus([str(tmp_path)], None, all_tokens=False)
+    ids, _, starts = text_corpus.tokenize_corpus(files, encode, encode, eos_id=0)
+    assert count == (2, 0) and files == [str(tmp_path / "b.jsonl")]
+    assert ids.tolist() == encode("one") + [0] + encode("two") + [0] and starts.tolist() == [0, 5]
+
+
 def test_a_bad_utf8_byte_past_the_first_read_is_named_at_its_file_offset(tmp_path, monkeypatch):
     """The same message and offset as read_utf8 gives for the whole file, with a character split across reads."""
     from library.io import read_utf8

@@ -96,7 +96,16 @@ def parse_args(argv=None):
     if args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads or args.hidden % args.heads:
         refuse(f"--hidden {args.hidden}, --heads {args.heads}, --kv_heads {args.kv_heads}: expected --hidden a multiple "
                f"of --heads and --heads a multiple of --kv_heads")
+    if (args.hidden // args.heads) % 2:  # RoPE turns pairs of a head's dimensions (a traceback after the tokenizer)
+        refuse(f"--hidden {args.hidden} / --heads {args.heads} = {args.hidden // args.heads}: a head's width must be even")
+    if mlp_width(args.hidden) < 32:  # (--hidden 8 trained a model whose MLPs had width 0)
+        refuse(f"--hidden {args.hidden}: expected at least 12 (the MLP is 8/3 x hidden, rounded down to a multiple of 32)")
     return args
+
+
+def mlp_width(hidden: int) -> int:
+    """The MLP's width: 8/3 x hidden (a SwiGLU's), rounded down to a multiple of 32."""
+    return int(8 * hidden / 3) // 32 * 32
 
 
 def refuse(message: str):
@@ -170,7 +179,7 @@ def build_model_and_optimizer(vocab_size: int, args):
         num_layers=args.layers,
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
-        intermediate_size=int(8 * args.hidden / 3) // 32 * 32,
+        intermediate_size=mlp_width(args.hidden),
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,

@@ -71,13 +71,14 @@ class TextCounts(NamedTuple):
 
 def check_corpus(paths: list[str], no_template: str | None, all_tokens: bool) -> tuple[list[str], TextCounts]:
     """train_data's files (corpus_files), each read once before the model loads, keeping nothing: .txt
-    files as UTF-8 (check_text_file), .jsonl records as check_jsonl checks them. Returns the files and
-    how many documents and conversations hold text; none is a ConfigError."""
-    files = corpus_files(paths)
-    documents = conversations = 0
-    for f in files:
+    files as UTF-8 (check_text_file), .jsonl records as check_jsonl checks them. Returns the files that
+    hold text and how many documents and conversations do; none is a ConfigError."""
+    files, documents, conversations = [], 0, 0
+    for f in corpus_files(paths):
         docs, chats = check_jsonl(f, no_template, all_tokens) if is_jsonl(f) else (check_text_file(f), 0)
         documents, conversations = documents + docs, conversations + chats
+        if docs or chats:  # a file of whitespace (or of empty records) is no document: left out
+            files.append(f)
     if not documents + conversations:
         raise ConfigError(f"train_data {', '.join(paths)}: every text file and record is empty")
     return files, TextCounts(documents, conversations)
@@ -264,8 +265,9 @@ def tokenize_corpus(files: list[str], encode: Callable[[str], list[int]], encode
             add_text(stream, file_pieces(path) if split else [read_utf8(path)], encode, encode_more, end)
             continue
         for where, record in jsonl_records(path):
-            if "text" in record:
-                add_text(stream, text_pieces(record["text"]) if split else [record["text"]], encode, encode_more, end)
+            if "text" in record:  # an empty one is no document (it trained BOS -> EOS: "stop at once")
+                if record["text"].strip():
+                    add_text(stream, text_pieces(record["text"]) if split else [record["text"]], encode, encode_more, end)
             else:
                 stream.start_document()
                 stream.add(*chat(record["messages"], where))
