@@ -145,18 +145,20 @@ def build_task(args, accelerator, state: SavedState | None = None,
     return DiffusionTask(args, accelerator, state, held)
 
 
-def lora_metadata(args, task, step: int, max_steps: int, epoch: int, started: float) -> dict:
+def lora_metadata(args, task, step: int, max_steps: int, started: float) -> dict:
     from networks.lora_files import build_metadata
 
     facts = task.metadata()
     dim = facts.get("network_dim") or args.network_dim
+    per_epoch = max(1, math.ceil(task.batches_per_epoch() / args.gradient_accumulation_steps))  # optimizer steps
     return build_metadata(
         network_module=args.network_module, network_dim=dim,
         network_alpha=facts.get("network_alpha") or args.network_alpha or float(dim),  # 0: alpha = rank
         network_args=lora_network_args(args),
         base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
         base_precision=facts["base_precision"], fp8_compute=facts.get("fp8_compute"), base_loras=facts.get("base_loras"), mixed_precision=args.mixed_precision, resolution=facts["resolution"],
-        steps=step, max_steps=max_steps, epochs=epoch, batch_size=facts["batch_size"], optimizer=args.optimizer_type
+        steps=step, max_steps=max_steps, epochs=math.ceil(max_steps / per_epoch), epoch=max(1, math.ceil(step / per_epoch)),
+        batch_size=facts["batch_size"], optimizer=args.optimizer_type
         + (f" ({' '.join(args.optimizer_args)})" if args.optimizer_args else ""),
         lr=args.learning_rate, lr_scheduler=args.lr_scheduler, timestep_sampling=facts["timestep_sampling"],
         shift=args.discrete_flow_shift if facts["timestep_sampling"] == "shift" else None,  # read by that draw only
@@ -236,7 +238,7 @@ class Saver:
         name = self.args.output_name + ("" if final else f"-step{step:06d}")
         path = os.path.join(self.args.output_dir, name + ".safetensors")
         if self.accelerator.is_main_process:
-            metadata = lora_metadata(self.args, self.task, step, self.max_steps, epoch, self.started)
+            metadata = lora_metadata(self.args, self.task, step, self.max_steps, self.started)
             # A task may write a folder (PEFT adapter, pretrained model) and/or the file: it says which.
             dtype = PRECISION_DTYPES[self.args.save_precision]
             written = self.task.save(path, metadata, dtype) or [path]  # the raw weights, always
@@ -357,8 +359,9 @@ class Trainer:
     def run(self) -> int:
         args = self.args
         if self.step >= self.max_steps:  # resumed at the end: the run that wrote the state saved its LoRA
-            self.accelerator.print(f"nothing to train: {args.resume} is at step {self.step}, max_train_steps is "
-                                   f"{self.max_steps}")
+            planned = (f"the run is {self.max_steps} steps (max_train_epochs = {args.max_train_epochs})" if args.max_train_epochs
+                       else f"max_train_steps is {self.max_steps}")
+            self.accelerator.print(f"nothing to train: {args.resume} is at step {self.step}, {planned}")
             self.accelerator.end_training()
             return 0
         # Kept to the end: a Ctrl-C during the last step lets the final LoRA and state be written (and

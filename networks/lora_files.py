@@ -668,7 +668,8 @@ METADATA_KEYS = {
     "resolution": "ss_resolution",
     "steps": "ss_steps",  # optimizer steps trained (fewer than max_steps after a Ctrl-C)
     "max_steps": "ss_max_train_steps",  # as configured
-    "epochs": "ss_num_epochs",
+    "epochs": "ss_num_epochs",  # the run's epochs as planned (sd-scripts' num_train_epochs)
+    "epoch": "ss_epoch",  # the epoch the save falls in, from 1 (the last one for the final file)
     "batch_size": "ss_total_batch_size",
     "optimizer": "ss_optimizer",
     "lr": "ss_learning_rate",

@@ -104,10 +104,11 @@ def header_of_run(task_facts: dict, **args) -> dict:
     args = SimpleNamespace(**{"network_module": "networks.lora", "network_dim": 4, "network_alpha": 2.0, "network_args": [], "network_dropout": None, "config_file": None,
                               "pretrained_model_name_or_path": "base.safetensors", "mixed_precision": "bf16",
                               "optimizer_type": "AdamW", "optimizer_args": [], "learning_rate": 1e-4, "lr_scheduler": "constant",
-                              "discrete_flow_shift": 3.0, "guidance_scale": 1.0, "seed": 0, "output_name": "x", **args})
+                              "discrete_flow_shift": 3.0, "guidance_scale": 1.0, "seed": 0, "output_name": "x",
+                              "gradient_accumulation_steps": 1, **args})
     facts = {"base_model_version": "flux1", "base_precision": "bf16", "resolution": "64x64", "batch_size": 1,
              "timestep_sampling": "flux_shift", "dataset": [], **task_facts}
-    return lora_metadata(args, SimpleNamespace(metadata=lambda: facts), 1, 1, 1, 0.0)
+    return lora_metadata(args, SimpleNamespace(metadata=lambda: facts, batches_per_epoch=lambda: 1), 1, 1, 0.0)
 
 
 def test_the_header_after_network_weights_rebuilt_a_module_says_the_ranks_the_file_holds(flux_loras):
@@ -151,3 +152,20 @@ def test_the_header_names_discrete_flow_shift_only_where_the_timestep_draw_read_
     """flow_matching.sample_sigmas reads discrete_flow_shift for timestep_sampling = "shift" alone; the header
     said ss_discrete_flow_shift 3.0 for every run (a flux_shift run's own mu, not 3.0, shifted its draws)."""
     assert header_of_run({"timestep_sampling": sampling}).get("ss_discrete_flow_shift") == written
+
+
+def test_total_batch_size_counts_each_datasets_own_images_where_two_share_their_subsets():
+    """Two [[datasets]] over one folder (two resolutions) have equal subsets: each counted the other's images, so a
+    3-image dataset of batch 4 said 4 (its batch is its 3 images) until 2026-11-27."""
+    from types import SimpleNamespace
+
+    from library.data.dataset_config import parse_dataset_config
+    from library.training.diffusion_task import DiffusionTask
+
+    subset = {"image_dir": "/data/a", "class_tokens": "x"}
+    blueprint = parse_dataset_config({"datasets": [{"resolution": 64, "batch_size": 4, "subsets": [subset]},
+                                                   {"resolution": 48, "batch_size": 4, "subsets": [subset]}]}, source="d.toml")
+    items = [SimpleNamespace(dataset_index=i, subset=blueprint.datasets[i].subsets[0]) for i in (0, 1) for _ in range(3)]
+    task = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1), args=SimpleNamespace(gradient_accumulation_steps=1),
+                           dataset=SimpleNamespace(items=items), blueprint=blueprint)
+    assert DiffusionTask._total_batch_size(task) == "3"

@@ -380,8 +380,12 @@ def test_epochs_with_accumulation_samples_and_an_unusual_output_dir(tiny_set, tm
     out = tmp_path / "my runs ü"
     assert train_lora.main(flux_args(tiny_set, out, "--max_train_epochs", "2", "--gradient_accumulation_steps", "3",
                                      "--sample_prompts", str(prompts), "--sample_bf16_reference", "false",
-                                     "--sample_at_first", "true", "--sample_every_n_epochs", "1")) == 0
+                                     "--sample_at_first", "true", "--sample_every_n_epochs", "1",
+                                     "--save_every_n_epochs", "1")) == 0
     tags = sorted(p.name.split("_")[3] for p in out.glob("tiny_flux_lora_*_00_*.png"))
     assert tags == ["epoch0001", "final", "start"], tags
     with safe_open(str(out / "tiny_flux_lora.safetensors"), "pt") as f:
         assert f.metadata()["ss_steps"] == "4" and f.metadata()["ss_num_epochs"] == "2", f.metadata()
+    with safe_open(str(out / "tiny_flux_lora-step000002.safetensors"), "pt") as f:  # save_every_n_epochs' save
+        # sd-scripts' meaning: the epochs planned, and the epoch the save falls in (ss_num_epochs was the ones done)
+        assert (f.metadata()["ss_num_epochs"], f.metadata()["ss_epoch"]) == ("2", "1"), f.metadata()

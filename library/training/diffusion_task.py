@@ -538,7 +538,7 @@ class DiffusionTask:
         """Images per optimizer step (ss_total_batch_size): each dataset's batch (no more than its
         images) x processes x accumulation; datasets of different batches are listed each."""
         per_step = self.accelerator.num_processes * self.args.gradient_accumulation_steps
-        images = [sum(1 for it in self.dataset.items if it.subset in d.subsets) for d in self.blueprint.datasets]
+        images = [sum(1 for it in self.dataset.items if it.dataset_index == i) for i in range(len(self.blueprint.datasets))]
         sizes = dict.fromkeys(min(d.batch_size, n or d.batch_size) * per_step
                               for d, n in zip(self.blueprint.datasets, images))
         return ",".join(str(size) for size in sizes)
