@@ -465,6 +465,12 @@ def test_the_keeping_keys_are_planned_for_the_largest_step_of_all_datasets(tmp_p
         {"resolution": [768, 640], "batch_size": 1,
          "subsets": [{"image_dir": str(tmp_path / "edit"), "control_directory": str(tmp_path / "refs")}]}]})
     assert largest_step(blueprint) == (768, 640, 4, 2)
+    # A bucketed resolution off the 16-pixel grid is an area: the plans sized 72 x 72 (9 x 9 latents, which no
+    # latent packs: train_lora stopped on a card, plan_memory failed) until 2026-11-27; its largest bucket now.
+    off_grid = parse_dataset_config({"datasets": [{"resolution": 72, "enable_bucket": True, "bucket_reso_steps": 16,
+                                                   "min_bucket_reso": 16,
+                                                   "max_bucket_reso": 320, "subsets": [{"image_dir": str(tmp_path / "plain")}]}]})
+    assert largest_step(off_grid)[:2] == (80, 64)  # of the buckets of the largest area under 72 x 72, the squarest
 
     planned = []
     monkeypatch.setattr(memory_plan, "device_memory", lambda device: 80 * GIB)

@@ -163,13 +163,24 @@ class LargestStep(NamedTuple):
 
 def largest_step(blueprint: DatasetBlueprint, references: int | None = None) -> LargestStep:
     """The largest training step `blueprint` asks for, as the memory plans size it (train_lora.py's
-    settle_keeping_keys, tools/plan_memory.py): the datasets' largest resolution by area (their buckets
-    keep within its area), their largest batch_size and reference_count; the held-out
+    settle_keeping_keys, tools/plan_memory.py): the datasets' largest bucket by area (largest_bucket), their
+    largest batch_size and reference_count; the held-out
     validation_datasets take no training step. references: a count given instead (plan_memory's
     --references): the folders are not read, so a plan needs no references on disk yet."""
-    width, height = max((d.resolution for d in blueprint.datasets), key=lambda r: r[0] * r[1])
+    width, height = max((largest_bucket(d) for d in blueprint.datasets), key=lambda r: r[0] * r[1])
     count = reference_count(blueprint) if references is None else references
     return LargestStep(width, height, max(d.batch_size for d in blueprint.datasets), count)
+
+
+def largest_bucket(ds: DatasetSpec) -> tuple[int, int]:
+    """The largest (w, h) by area that a step of `ds` trains at: with buckets the largest of its grid (a
+    resolution off the 16-pixel grid, e.g. 72, is a bucketed dataset's area, not a size it trains at: the
+    plans sized 72 x 72, which no latent packs), else its resolution. bucket_no_upscale's sizes lie on the
+    same grid within the same area."""
+    if not ds.enable_bucket:
+        return ds.resolution
+    buckets = make_buckets(ds.resolution, ds.min_bucket_reso, ds.max_bucket_reso, ds.bucket_reso_steps)
+    return max(buckets, key=lambda b: (b[0] * b[1], -abs(b[0] - b[1]), b[0]))  # of equal areas the squarest
 
 
 def dataset_buckets(ds: DatasetSpec) -> list[tuple[int, int]]:
