@@ -91,6 +91,9 @@ def test_plan_memory_on_the_tiny_config_prints_every_phase_and_what_fits(tiny_se
                           ae=tiny_set["flux_vae_single"], clip_l=tiny_set["clip_l"], t5xxl=tiny_set["t5xxl"],
                           dataset_config=tiny_set["dataset_config"], output_dir=str(tmp_path / "out"), fp8_base=True,
                           blocks_to_swap=2)
+    too_many = write_config(tmp_path / "swap.toml", **{**toml.load(config), "blocks_to_swap": 50})
+    assert plan_memory.main(["--config_file", too_many, "--vram", "12"]) == 2  # planned as 50 - 4 blocks wrapped round
+    assert f"{too_many}: blocks_to_swap must be between 1 and 3" in capsys.readouterr().err
     assert plan_memory.main(["--config_file", config, "--vram", "12"]) == 0
     out = capsys.readouterr().out
     for phase in ("caching", "training", "sampling"):
@@ -161,6 +164,37 @@ def test_the_memoized_plan_equals_the_plan_of_the_meta_kernels_themselves(tiny_s
     plans = [memory_plan.training_plan(family, args, 64, 64, 1, 8) for _ in range(2)]  # the second from the cache
     monkeypatch.setattr(memory_plan, "META_KERNELS", lambda func, args, kwargs: func(*args, **kwargs))
     assert plans[0] == plans[1] == memory_plan.training_plan(family, args, 64, 64, 1, 8)
+
+
+def test_the_plan_counts_the_ema_on_the_device_drops_no_module_and_swaps_only_real_blocks(tiny_set):
+    """Until 2026-11-27: the EMA's float32 copy (and sample_with_ema's raw weights) were not planned; with
+    module_dropout the meta step drew modules to skip (a random plan, below the step that drops none); a
+    blocks_to_swap past the blocks wrapped round the list; one swapped block counted prefetch + 1 buffers."""
+    import copy
+
+    from library.training import memory_plan
+    from library.training.memory_plan import resident_parts, sampling_phase, training_plan
+    from tools import plan_memory
+
+    family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
+    plain = training_plan(family, args, 64, 64, 1, 8)
+    ema = copy.copy(args)
+    ema.ema_decay, ema.ema_device, ema.sample_with_ema = 0.999, "same", True
+    with_ema = training_plan(family, ema, 64, 64, 1, 8)
+    assert with_ema.ema == plain.lora_grads and with_ema.phase(0).peak == plain.phase(0).peak + plain.lora_grads
+    sampled = sampling_phase(family, ema, 64, 64, 8).parts["resident (base, lora, optimizer)"]
+    assert sampled == sampling_phase(family, args, 64, 64, 8).parts["resident (base, lora, optimizer)"] + 2 * plain.lora_grads
+    ema.ema_device = "cpu"  # off the card: only sample_with_ema's raw weights are
+    assert training_plan(family, ema, 64, 64, 1, 8).ema == 0
+    dropped = copy.copy(args)
+    dropped.network_args = ["module_dropout=0.9"]
+    with memory_plan.reusing_meta_models():
+        peaks = {training_plan(family, dropped, 64, 64, 1, 8).activations for _ in range(3)}
+    assert peaks == {plain.activations}
+    blocks = plain.block_bytes
+    assert resident_parts(0, blocks, 0, 0, 1, prefetch=2)["swap buffers"] == blocks[-1]  # one block, not 3
+    with pytest.raises(ValueError, match=f"blocks_to_swap {len(blocks) + 1}: the model has {len(blocks)} blocks"):
+        plain.phase(len(blocks) + 1)
 
 
 def test_caching_plans_the_vae_batch_that_cache_latents_encodes(tiny_set):
@@ -503,7 +537,7 @@ def test_plan_memory_with_its_overrides_reads_no_reference_folder(tmp_path, monk
     blueprint = parse_dataset_config({"datasets": [
         {"resolution": [768, 640], "batch_size": 4,
          "subsets": [{"image_dir": str(tmp_path / "edit"), "control_directory": str(tmp_path / "refs")}]}]})
-    monkeypatch.setattr(config, "load_config", lambda argv: SimpleNamespace(dataset_config="run.toml"))
+    monkeypatch.setattr(config, "load_config", lambda argv: SimpleNamespace(dataset_config="run.toml", blocks_to_swap=0))
     monkeypatch.setattr(dataset_config, "load_dataset_config", lambda path: blueprint)
     monkeypatch.setattr(family, "get_family", lambda run: SimpleNamespace(
         name="edit", min_controls=1, max_controls=3, check_model_files=lambda: None))

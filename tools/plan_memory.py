@@ -269,6 +269,13 @@ def what_to_plan(cli) -> tuple:
     family = get_family(run)
     family.check_model_files()  # from the headers: a missing or wrong file is one line before any plan
     check_base_precision(family, cli.base_precision)
+    if run.blocks_to_swap:  # as train_lora refuses it (a count past the blocks was planned as another count)
+        from library.models.block_swap import check_swap_count
+
+        try:
+            check_swap_count(run.blocks_to_swap, family.swappable_block_count())
+        except ValueError as e:
+            raise ValueError(f"{cli.config_file}: {e}") from None
     step = largest_step(load_dataset_config(run.dataset_config), cli.references)
     size = (cli.resolution, cli.resolution) if cli.resolution else (step.width, step.height)
     check_references(family, step.references, "--references" if cli.references is not None else run.dataset_config)

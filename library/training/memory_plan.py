@@ -231,14 +231,25 @@ def _optimizer_bytes(network: nn.Module, args) -> int:
     return trainable * OPTIMIZER_STATE_BYTES.get(args.optimizer_type.lower().rsplit(".", 1)[-1], 8)
 
 
+def _ema_bytes(network: nn.Module, args) -> int:
+    """The EMA's float32 copy of the trainable weights where it lives beside them (ema_device "same"); the
+    planner left it out until 2026-11-27 (at FLUX.1 rank 64, ~0.3 GiB)."""
+    if not args.ema_decay or args.ema_device != "same":
+        return 0
+    return 4 * sum(p.numel() for p in network.parameters() if p.requires_grad)
+
+
 def resident_parts(base: int, block_bytes: list[int], lora: int, optimizer: int, blocks_to_swap: int,
-                   prefetch: int = 1) -> dict[str, int]:
+                   prefetch: int = 1, ema: int = 0) -> dict[str, int]:
     """What stays on the device between steps: the base less its swapped blocks (counted off the
-    device, prefetch + 1 of them back: the schedule of library/models/block_swap.py), the LoRA, its
-    optimizer state."""
+    device, prefetch + 1 of them back, or all of them where fewer are swapped: the schedule of
+    library/models/block_swap.py), the LoRA, its optimizer state and, where it lives there, its EMA."""
+    if not 0 <= blocks_to_swap <= len(block_bytes):  # (a count past the blocks wrapped round the list)
+        raise ValueError(f"blocks_to_swap {blocks_to_swap}: the model has {len(block_bytes)} blocks")
     swapped = block_bytes[len(block_bytes) - blocks_to_swap:] if blocks_to_swap else []
-    return {"base": base - sum(swapped), "swap buffers": (prefetch + 1) * max(swapped, default=0), "lora": lora,
-            "optimizer": optimizer}
+    parts = {"base": base - sum(swapped), "swap buffers": min(len(swapped), prefetch + 1) * max(swapped, default=0),
+             "lora": lora, "optimizer": optimizer}
+    return {**parts, "ema": ema} if ema else parts
 
 
 @dataclass
@@ -253,9 +264,11 @@ class TrainingPlan:
     activations: int  # the step's peak above everything resident (activations, LoRA grads, temporaries)
     inputs: int
     prefetch: int = 1  # block_swap_prefetch
+    ema: int = 0  # the EMA's bytes on the device (ema_device "same")
 
     def phase(self, blocks_to_swap: int = 0) -> Phase:
-        parts = {**resident_parts(self.base, self.block_bytes, self.lora, self.optimizer, blocks_to_swap, self.prefetch),
+        parts = {**resident_parts(self.base, self.block_bytes, self.lora, self.optimizer, blocks_to_swap, self.prefetch,
+                                  self.ema),
                  "activations + lora grads (peak)": self.activations}
         return Phase("training", parts, sum(parts.values()) + self.inputs)
 
@@ -269,7 +282,7 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
                                                  args.checkpoint_saves_attention)
     network.train()
     lora = [p for p in network.parameters() if p.requires_grad]
-    optimizer = _optimizer_bytes(network, args)
+    optimizer, ema = _optimizer_bytes(network, args), _ema_bytes(network, args)
     down = family.vae_downsample
     latents = family.target_on_meta(batch, height // down, width // down)
     # Edit families: the references (at the target's size) add their tokens to every block.
@@ -282,17 +295,33 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
         for t in (*model.parameters(), *model.buffers(), *network.state_dict().values(), latents, *control,
                   *text.values()):
             live.track(t)
-        live.add(optimizer)  # from the first optimizer step on, resident during every step
+        live.add(optimizer + ema)  # from the first optimizer step on, resident during every step
         resident = live.live
-        loss, _ = family.training_loss(model, latents, text, args, generators, control=control or None)
-        loss.backward()
+        with no_module_dropout(network):  # the step that drops no module: the largest, and the same each plan
+            loss, _ = family.training_loss(model, latents, text, args, generators, control=control or None)
+            loss.backward()
         del loss
     return TrainingPlan(
         base=module_bytes(model), block_bytes=[module_bytes(b) for b in model.swappable_blocks()],
         lora=tensor_bytes(network.state_dict().values()), lora_grads=tensor_bytes(lora), optimizer=optimizer,
         activations=live.peak - resident, inputs=tensor_bytes([latents, *control, *text.values()]),
-        prefetch=args.block_swap_prefetch,
+        prefetch=args.block_swap_prefetch, ema=ema,
     )
+
+
+@contextlib.contextmanager
+def no_module_dropout(network: nn.Module):
+    """Within: no LoRA module skips its branch (module_dropout draws at random: a plan drew a step with some
+    modules skipped, their activations uncounted, and each plan another)."""
+    modules = [m for m in network.modules() if getattr(m, "module_dropout", None)]
+    rates = [m.module_dropout for m in modules]
+    for m in modules:
+        m.module_dropout = None
+    try:
+        yield
+    finally:
+        for m, rate in zip(modules, rates):
+            m.module_dropout = rate
 
 
 def _vae_peak(vae, width: int, height: int, batch: int, decode: bool, downsample: int = 8) -> int:
@@ -365,8 +394,11 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     model, network = _meta_model_and_network(family, args)
     lora = tensor_bytes(network.state_dict().values())
     blocks = [module_bytes(b) for b in model.swappable_blocks()]
+    ema = _ema_bytes(network, args)
     resident = resident_parts(module_bytes(model), blocks, lora, _optimizer_bytes(network, args), args.blocks_to_swap,
-                              args.block_swap_prefetch)
+                              args.block_swap_prefetch, ema)
+    if args.ema_decay and args.sample_with_ema:  # the raw weights wait on the device while the EMA's render
+        resident["raw weights (sample_with_ema)"] = tensor_bytes([p for p in network.parameters() if p.requires_grad])
     count = family.plan_controls if references is None else references
     down = family.vae_downsample
     rw, rh = family.sample_control_bucket((width, height), (width, height))
