@@ -90,6 +90,8 @@ CASES = {
         "--negative is not read: model_type flux samples without a negative prompt (no true CFG)"]),
     "guidance_without_embedding": lambda tmp, tiny: schnell_like(tmp, tiny),
     "control_image_without_references": lambda tmp, tiny: control_image(tmp),
+    # --ci, the docs' and the prompts' name: "unrecognized arguments" until 2026-11-27
+    "ci_without_references": lambda tmp, tiny: (["--ci", *control_image(tmp)[0][1:]], control_image(tmp)[1]),
     "another_familys_key": lambda tmp, tiny: (["--text_encoder", "te"], [
         "--text_encoder is read by model_type ", "not by --model_type flux"]),
 }

@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{key}", type=kind, default=arg.default, help=arg.help)
     p.add_argument("--prompt", action="append", default=[], help="a prompt (sd-scripts flags allowed); repeatable")
     p.add_argument("--prompt_file", help="prompt file, one per line, sd-scripts syntax")
-    p.add_argument("--control_image", action="append", default=[],
-                   help="edit models: a reference image for every prompt without its own --ci; repeatable")
+    p.add_argument("--control_image", "--ci", action="append", default=[],
+                   help="edit models: a reference image for every prompt without its own --ci; repeatable (--ci: the "
+                        "prompts' own name for it)")
     p.add_argument("--negative", default="",
                    help="negative prompt, for the models that sample with true CFG (default: empty; such a model runs CFG "
                         "by default, with the empty prompt as the negative, as musubi-tuner's samples and ComfyUI's "

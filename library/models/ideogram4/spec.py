@@ -22,6 +22,7 @@ LORA = S.LoRATargets(
     block_args={"block_indices": "block"},
     modulation_types=("mod",),
     in_dim_types=("input_proj", "llm_cond_proj", "t_embedding", "adaln_proj", "final_layer"),
+    extra_args=("in_dims",),  # those types' ranks, in in_dim_types' order (as FLUX.1's in_dims)
 )
 
 

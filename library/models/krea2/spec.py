@@ -32,6 +32,7 @@ LORA = S.LoRATargets(
     block_args={"block_indices": "block"},
     kohya_prefix="lora_unet",  # musubi-tuner's Krea 2 LoRAs
     in_dim_types=("first", "tmlp", "tproj", "txtmlp", "projector", "last"),
+    extra_args=("in_dims",),  # those types' ranks, in in_dim_types' order (as FLUX.1's in_dims)
     type_groups={"text": ("text_attn", "text_mlp")},
     diffusers_module_map="library.models.krea2.lora_files:module_map_of_config",
     diffusers_blocks=("transformer_blocks.", "text_fusion.", "img_in", "time_embed.", "time_mod_proj", "txt_in.",

@@ -24,6 +24,7 @@ LORA = S.LoRATargets(
     block_args={"block_indices": "block"},
     modulation_types=("mod",),
     in_dim_types=("img_in", "txt_in", "time", "norm_out", "proj_out"),
+    extra_args=("in_dims",),  # those types' ranks, in in_dim_types' order (as FLUX.1's in_dims)
 )
 
 
