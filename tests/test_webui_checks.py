@@ -95,3 +95,16 @@ def test_sample_prompts_with_a_reference_outside_the_roots_are_refused(checked, 
     Image.new("RGB", (16, 16)).save(inside)
     prompts.write_text(f"a cat --ci {inside}\n")
     assert checked(sample_prompts=str(prompts))["ok"] is True
+
+
+def test_zimage_omnis_siglip_folder_outside_the_roots_is_refused(tmp_path):
+    """siglip (optional: the Omni repo's own by default) was in no list of path keys the UI checks (2026-11-27)."""
+    from types import SimpleNamespace
+
+    from library.ui.config_check import outside_roots
+
+    args = SimpleNamespace(model_type="zimage_omni", pretrained_model_name_or_path=str(tmp_path), siglip="/etc",
+                           base_loras=[], train_data=[])
+    answer = outside_roots(args, [str(tmp_path)])
+    assert answer["key"] == "siglip" and "'/etc' is outside the folders" in answer["error"], answer
+    assert outside_roots(SimpleNamespace(**{**vars(args), "siglip": None}), [str(tmp_path)]) is None

@@ -46,7 +46,7 @@ def file_key(args, message: str) -> str | None:
 # -- the helper process ------------------------------------------------------------------------
 
 GENERIC_PATH_KEYS = ("pretrained_model_name_or_path", "ae", "dataset_config", "sample_prompts", "network_weights",
-                     "resume", "logging_dir")
+                     "resume", "logging_dir", "siglip")  # siglip: zimage_omni's optional folder (not a required path)
 
 
 def inside(path: str, roots: list[str]) -> bool:
