@@ -374,6 +374,11 @@ def test_images_both_trained_and_held_out_are_one_warning_in_the_check_and_in_tr
         assert found[0][0] == ("validation_datasets 1, subset 1" if config is same_folder else "datasets 1, subset 1")
 
 
+def test_a_subset_whose_folder_is_missing_is_one_error_of_the_check():
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [{"image_dir": "/nonexistent/x", "class_tokens": "x"}]}]})
+    assert [p.message for p in check.check_dataset(bp).problems()] == ["/nonexistent/x: image_dir does not exist or is not a folder"]
+
+
 def test_a_validation_split_that_holds_out_nothing_is_the_checks_error_as_in_training(tmp_path):
     from library.data.image_folders import scan_images, split_validation
 

@@ -246,7 +246,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
     except ValueError as e:  # no folder, no images, or two images of one name (then check them anyway)
         report.add("error", "folder", str(e))
         if not os.path.isdir(subset.image_dir):
-            return []
+            return [], []
         paths = [os.path.join(subset.image_dir, f) for f in sorted(os.listdir(subset.image_dir)) if is_image_name(f)]
     report.images = len(paths)
     try:
