@@ -250,6 +250,8 @@ class DiffusionFamily:
         from library.models.text_encoders import tokenizer_files
 
         settings = (sorted(options.items()), str(precision), sorted(self.text_encoding_constants().items()))
+        if precision == "fp16" and "t5_max_length" in options:  # a T5's (FLUX.1, Chroma): its fp16 caches before
+            settings += ("t5 wo float32",)  # 2026-11-27 ran wo in the file's fp16 / bf16 (load_t5): encoded anew
         digest = hashlib.sha256(repr(settings).encode()).hexdigest()[:8]  # apart: a constant named as an option hid it
         paths = [p for p in self.text_paths.values() if p]
         tokenizers = sorted({f for p in paths if os.path.exists(p) for f in tokenizer_files(p)})
