@@ -31,7 +31,6 @@ from dataclasses import dataclass, replace
 import toml
 
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE
-from library.data.images import load_rgb
 from library.text_files import read_utf8, toml_loads
 
 
@@ -86,6 +85,8 @@ def _checked(prompt: str, fields: dict, controls: list[str], where: str, default
     for path in controls:
         if not os.path.isfile(path):
             raise ValueError(f"{where}: --ci {path!r} is not an image file")
+        from library.data.images import load_rgb  # (here: the web UI reads prompt files without torch)
+
         try:  # decoded whole, as each sample decodes it: here, not after caching or at every render
             load_rgb(path)
         except ValueError as e:

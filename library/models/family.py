@@ -94,6 +94,7 @@ class CheckpointNames:
 class DiffusionFamily:
     name: str  # the model_type of the training config: the name the family is registered under
     text_path_keys: tuple[str, ...] = ()  # config keys of the text encoder files
+    optional_path_keys: tuple[str, ...] = ()  # config keys of files the family finds itself when unset
     sample_guidance: float = 4.0  # default --g of sample prompts
     sample_steps: int = 20  # default --s of sample prompts: each family's own, from its spec's sample_steps
     true_cfg = False  # samples run a negative prompt (classifier-free guidance)
@@ -250,7 +251,7 @@ class DiffusionFamily:
         from library.models.text_encoders import tokenizer_files
 
         settings = (sorted(options.items()), str(precision), sorted(self.text_encoding_constants().items()))
-        if precision == "fp16" and "t5_max_length" in options:  # a T5's (FLUX.1, Chroma): its fp16 caches before
+        if precision == "fp16" and "t5_max_length" in options:  # a T5 family's: its fp16 caches before
             settings += ("t5 wo float32",)  # 2026-11-27 ran wo in the file's fp16 / bf16 (load_t5): encoded anew
         digest = hashlib.sha256(repr(settings).encode()).hexdigest()[:8]  # apart: a constant named as an option hid it
         paths = [p for p in self.text_paths.values() if p]

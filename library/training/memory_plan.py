@@ -233,7 +233,7 @@ def _optimizer_bytes(network: nn.Module, args) -> int:
 
 def _ema_bytes(network: nn.Module, args) -> int:
     """The EMA's float32 copy of the trainable weights where it lives beside them (ema_device "same"); the
-    planner left it out until 2026-11-27 (at FLUX.1 rank 64, ~0.3 GiB)."""
+    planner left it out until 2026-11-27 (a 12 B model's rank-64 LoRA: ~0.3 GiB)."""
     if not args.ema_decay or args.ema_device != "same":
         return 0
     return 4 * sum(p.numel() for p in network.parameters() if p.requires_grad)

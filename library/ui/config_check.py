@@ -46,7 +46,7 @@ def file_key(args, message: str) -> str | None:
 # -- the helper process ------------------------------------------------------------------------
 
 GENERIC_PATH_KEYS = ("pretrained_model_name_or_path", "ae", "dataset_config", "sample_prompts", "network_weights",
-                     "resume", "logging_dir", "siglip")  # siglip: zimage_omni's optional folder (not a required path)
+                     "resume", "logging_dir")
 
 
 def inside(path: str, roots: list[str]) -> bool:
@@ -65,7 +65,8 @@ def outside_roots(args, roots: list[str]) -> dict | None:
     if args.model_type != "llm":
         from library.models.family import family_class
 
-        keys += [k for k in family_class(args.model_type).required_paths() if k not in keys]
+        family = family_class(args.model_type)
+        keys += [k for k in (*family.required_paths(), *family.optional_path_keys) if k not in keys]
     values = [(k, getattr(args, k)) for k in keys if getattr(args, k, None)]
     values += [("base_loras", entry.rsplit(":", 1)[0]) for entry in args.base_loras]
     values += [("train_data", entry) for entry in args.train_data]

@@ -45,6 +45,7 @@ class ZImageOmniFamily(ZImageFamily):
     min_controls = 0  # no reference: the pipeline's text-to-image mode
     plan_controls = 1
     text_sees_controls = True  # encode(captions, condition_images): segments + SigLIP features
+    optional_path_keys = ("siglip",)  # the repo's siglip/ where unset
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None,
                  siglip: str | None = None, **text_paths):
