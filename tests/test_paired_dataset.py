@@ -164,9 +164,12 @@ def test_ci_flags_keep_their_order_and_a_missing_file_is_an_error(tmp_path):
     with pytest.raises(ValueError, match=r"p.txt:2: --ci '.*missing.png' is not an image file"):
         parse_prompt_line(f"x --ci {tmp_path / 'missing.png'}", "p.txt:2")
     # decoded as the prompt file is read: an undecodable one failed after caching or at every render until 2026-11-27
+    from library.data.prompts import read_prompt_file
+
     (tmp_path / "pointer.png").write_text("version https://git-lfs.github.com/spec/v1\n")
+    (tmp_path / "p.txt").write_text(f"# samples\nmake it red --ci {b}\nx --ci {tmp_path / 'pointer.png'}\n")
     with pytest.raises(ValueError, match=r"p.txt:3: --ci .*pointer.png: cannot be decoded as an image"):
-        parse_prompt_line(f"x --ci {tmp_path / 'pointer.png'}", "p.txt:3")
+        read_prompt_file(str(tmp_path / "p.txt"))
 
 
 def paired_images(tmp_path, count: int) -> None:

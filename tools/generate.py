@@ -94,8 +94,8 @@ import torch  # noqa: E402
 from library.models.family import family_class, stack_text, warn_unread_prompt_options  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
-from library.data.prompts import (SamplePrompt, check_guidance, check_seed, parse_prompt_line, read_prompt_file,  # noqa: E402
-                                  rendered_side, seed_or_random)
+from library.data.prompts import (SamplePrompt, check_guidance, check_seed, decode_references,  # noqa: E402
+                                  parse_prompt_line, read_prompt_file, rendered_side, seed_or_random)
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import one_line, parse_lora_spec  # noqa: E402
@@ -149,6 +149,7 @@ def collect_prompts(args, family) -> list[SamplePrompt]:
     width, height = rendered_side("--width", args.width, multiple), rendered_side("--height", args.height, multiple)
     defaults = SamplePrompt("", width, height, steps, args.seed, guidance, args.negative, tuple(args.control_image))
     prompts = [parse_prompt_line(p, "--prompt", defaults) for p in args.prompt]
+    decode_references([("--prompt", p) for p in prompts])
     if args.prompt_file:
         prompts += read_prompt_file(args.prompt_file, defaults)
     if not prompts:

@@ -85,12 +85,6 @@ def _checked(prompt: str, fields: dict, controls: list[str], where: str, default
     for path in controls:
         if not os.path.isfile(path):
             raise ValueError(f"{where}: --ci {path!r} is not an image file")
-        from library.data.images import load_rgb  # (here: the web UI reads prompt files without torch)
-
-        try:  # decoded whole, as each sample decodes it: here, not after caching or at every render
-            load_rgb(path)
-        except ValueError as e:
-            raise ValueError(f"{where}: --ci {e}") from None
     for side in ("width", "height"):
         if side in fields:
             fields[side] = rendered_side(f"{where}: {side}", fields[side])
@@ -103,6 +97,22 @@ def _checked(prompt: str, fields: dict, controls: list[str], where: str, default
     if controls:  # a line's own --ci replace the defaults' (e.g. generate.py --control_image)
         fields["control_images"] = tuple(controls)
     return replace(defaults or SamplePrompt(prompt), prompt=prompt, **fields)
+
+
+def decode_references(prompts: list[tuple[str, SamplePrompt]]) -> None:
+    """Each reference image of the (where, prompt)s decoded whole, once, as a sample decodes it: one that does not
+    decode is one line naming the prompt, as the prompts are read, not after caching or at every render
+    (2026-11-27). Not in the line parser: the web UI parses prompt lines in its torch-free process."""
+    from library.data.images import load_rgb
+
+    seen = set()
+    for where, prompt in prompts:
+        for path in (p for p in prompt.control_images if p not in seen):
+            seen.add(path)
+            try:
+                load_rgb(path)
+            except ValueError as e:
+                raise ValueError(f"{where}: --ci {e}") from None
 
 
 def check_guidance(what: str, guidance: float) -> None:
@@ -186,21 +196,19 @@ def read_prompt_file(path: str, defaults: SamplePrompt | None = None) -> list[Sa
         raise ValueError(f"{path}: cannot read prompt file ({e.strerror})") from None
     kind = os.path.splitext(path)[1].lower()
     if kind in (".json", ".toml"):
-        prompts = _structured_prompts(text, path, kind, defaults)
+        found = _structured_prompts(text, path, kind, defaults)
     else:
-        prompts = [
-            parse_prompt_line(line, f"{path}:{i}", defaults)
-            for i, line in enumerate(text.splitlines(), 1)
-            if line.strip() and not line.lstrip().startswith("#")
-        ]
-    if not prompts:
+        found = [(f"{path}:{i}", parse_prompt_line(line, f"{path}:{i}", defaults))
+                 for i, line in enumerate(text.splitlines(), 1) if line.strip() and not line.lstrip().startswith("#")]
+    if not found:
         raise ValueError(f"{path}: no prompts")
-    return prompts
+    decode_references(found)
+    return [prompt for _, prompt in found]
 
 
-def _structured_prompts(text: str, path: str, kind: str, defaults: SamplePrompt | None) -> list[SamplePrompt]:
+def _structured_prompts(text: str, path: str, kind: str, defaults: SamplePrompt | None) -> list[tuple[str, SamplePrompt]]:
     """sd-scripts' load_prompts: a JSON list (objects or prompt lines), or a TOML [prompt] table whose
-    keys are the defaults of its [[prompt.subset]] entries."""
+    keys are the defaults of its [[prompt.subset]] entries; each (where, prompt)."""
     try:
         data = json.loads(text) if kind == ".json" else _toml_subsets(text, path)
     except (json.JSONDecodeError, toml.TomlDecodeError) as e:
@@ -211,9 +219,9 @@ def _structured_prompts(text: str, path: str, kind: str, defaults: SamplePrompt 
     for i, entry in enumerate(data):
         where = f"{path}: prompt {i}"
         if isinstance(entry, str):
-            prompts.append(parse_prompt_line(entry, where, defaults))
+            prompts.append((where, parse_prompt_line(entry, where, defaults)))
         elif isinstance(entry, dict):
-            prompts.append(prompt_from_dict(entry, where, defaults))
+            prompts.append((where, prompt_from_dict(entry, where, defaults)))
         else:
             raise ValueError(f"{where}: expected an object or a prompt line, got {type(entry).__name__}")
     return prompts
