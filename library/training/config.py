@@ -438,10 +438,8 @@ def _validate_ema(args, origins: dict[str, str], where: str) -> None:
     if args.ema_start_step < 0:
         raise ConfigError(f"{origins.get('ema_start_step', where)}: key 'ema_start_step' must be >= 0, "
                           f"got {args.ema_start_step}")
-    if args.ema_decay and not args.max_train_epochs and args.ema_start_step >= args.max_train_steps:
-        raise ConfigError(f"{_blame(origins, where, 'ema_start_step', 'max_train_steps')}: key 'ema_start_step' = "
-                          f"{args.ema_start_step} is not before max_train_steps = {args.max_train_steps}: the EMA would "
-                          f"equal the raw weights")
+    if not args.max_train_epochs:  # else the steps come from the dataset (DiffusionTask, Trainer)
+        check_ema_start(args, args.max_train_steps, _blame(origins, where, "ema_start_step", "max_train_steps"))
     if not args.ema_decay:  # the EMA keys mean nothing without it: say so instead of ignoring them
         for key in ("ema_warmup", "sample_with_ema", "ema_start_step"):
             if getattr(args, key):
@@ -597,9 +595,13 @@ def warmup_steps(warmup: float, max_steps: int) -> int:
 
 def check_planned_steps(args, max_steps: int, where: str) -> None:
     """The keys counted in steps against the run's max_steps once it is known (with max_train_epochs: from the
-    dataset, before caching): the warmup, and an EMA start at or after the last step (the EMA would equal
-    the raw weights; with max_train_steps _validate_ema refuses it at load)."""
+    dataset, before caching): the warmup and the EMA's start (with max_train_steps both are refused at load too)."""
     check_warmup(args, max_steps, where)
+    check_ema_start(args, max_steps, where)
+
+
+def check_ema_start(args, max_steps: int, where: str) -> None:
+    """An EMA that starts at or after the run's last step would equal the raw weights: refused."""
     if args.ema_decay and args.ema_start_step >= max_steps:
         total = (f"max_train_epochs = {args.max_train_epochs} ({max_steps} steps)" if args.max_train_epochs
                  else f"max_train_steps = {max_steps}")

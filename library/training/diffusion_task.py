@@ -440,11 +440,11 @@ class DiffusionTask:
             return self._loader
         # Its own generator: an iterator draws its workers' base seed from it, which from the global RNG moved
         # every later dropout draw of a resumed run (restored RNG, then the draw) off the uninterrupted run's.
-        # (The batches do not depend on it: dataset.py draws by seed, epoch and entry.)
+        # (Neither the batches nor the workers' draws depend on it: dataset.py draws by seed, epoch and entry.)
         loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=shard, collate_fn=collate_batch, num_workers=workers,
             persistent_workers=persistent, pin_memory=self.device.type == "cuda",
-            generator=torch.Generator().manual_seed((self.args.seed * 1_000_003 + epoch) % 2**64),
+            generator=torch.Generator().manual_seed(self.args.seed),
         )
         if persistent:
             self._loader = loader
