@@ -131,6 +131,24 @@ def test_a_trainer_gone_during_a_restart_is_marked_interrupted_with_its_step(tmp
     assert "last logged step 2" in job.message and "retry" in job.message
 
 
+@pytest.mark.parametrize("last_line", ["error: the loss is nan at step 3 (epoch 0); the LoRA was not saved",
+                                       "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"])
+def test_a_trainer_that_failed_while_no_ui_watched_is_failed_with_its_error_not_interrupted(tmp_path, last_line):
+    """Old: a trainer that ended in an error while the UI was down read 'interrupted: the UI restarted
+    and the trainer was gone', as if the restart had lost it; Retry then failed the same way."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    with open(job.csv_path, "w") as f:
+        f.write("step,epoch,loss\n1,0,1.5\n2,0,1.4\n")
+    with open(job.log_path, "w") as f:
+        f.write(f"$ python train_lora.py\nsteps:  40%|####      | 2/5\nTraceback (most recent call last):\n  ...\n{last_line}\n")
+    store.update(job.id, pid=2**22 + 7, pid_started=1)  # no such process
+    Runner(store, str(tmp_path)).recover()
+    job = store.get(job.id)
+    assert job.state == "failed" and job.message == last_line and job.last_step == 2
+
+
 def test_a_trainer_gone_while_stopping_after_steps_is_interrupted_not_stopped_before_its_first_step(tmp_path):
     """Old: a job Stop was asked of, whose trainer was gone at the restart without its 'SIGINT: saved'
     line (killed while saving), read 'stopped before the first step: nothing to save' after 3 steps."""

@@ -26,6 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TRAIN_SCRIPT = os.path.join(ROOT, "train_lora.py")
 STOPPED_LINE = re.compile(r"SIG(?:INT|TERM): saved .* at step (\d+)")
 DONE_LINE = re.compile(r"^saved .* after (\d+) steps")
+# The last line a trainer that failed prints: train_lora.py's "error: ..." or an uncaught exception's.
+FAILED_LINE = re.compile(r"^(?:error: |(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)\b)")
 
 
 # -- queue actions (state changes the UI asks for) -------------------------------------------
@@ -108,6 +110,11 @@ class Runner:
             ended = outcome(job, None)  # it may have finished (or stopped cleanly) while no UI watched
             if ended["state"] in ("done", "stopped"):
                 self.store.update(job.id, **ended, finished=time.time(), last_step=step, pid=None)
+                continue
+            lines = run_files.log_lines(job.log_path, 1, latest_run=True)
+            if lines and FAILED_LINE.match(lines[-1]):  # it failed while no UI watched: not a restart's loss
+                self.store.update(job.id, state="failed", message=lines[-1], finished=time.time(),
+                                  last_step=step, pid=None, resume=ended["resume"])
                 continue
             saved = run_files.state_step(job.state_dir)
             where = f"; resume continues from the state at step {saved}" if saved is not None else "; no state saved: retry"
