@@ -95,6 +95,17 @@ def test_sample_prompts_with_a_reference_outside_the_roots_are_refused(checked, 
     Image.new("RGB", (16, 16)).save(inside)
     prompts.write_text(f"a cat --ci {inside}\n")
     assert checked(sample_prompts=str(prompts))["ok"] is True
+    # Old: the references were decoded before the roots check: an outside file that is no image answered
+    # with its decode error (the check had opened it), not the roots refusal.
+    not_an_image = outside.parent / "notes.png"
+    not_an_image.write_text("not an image")
+    prompts.write_text(f"a cat --ci {not_an_image}\n")
+    assert "is outside the folders" in checked(sample_prompts=str(prompts))["error"]
+    broken = tmp_path / "broken.png"
+    broken.write_text("not an image")
+    prompts.write_text(f"a cat --ci {broken}\n")  # inside: decoded, its error named
+    answer = checked(sample_prompts=str(prompts))
+    assert answer["ok"] is False and answer["key"] == "sample_prompts" and str(broken) in answer["error"], answer
 
 
 def test_zimage_omnis_siglip_folder_outside_the_roots_is_refused(tmp_path):

@@ -188,8 +188,9 @@ def prompt_from_dict(entry: dict, where: str, defaults: SamplePrompt | None = No
     return _checked(prompt.strip() if isinstance(prompt, str) else "", fields, controls, where, defaults)
 
 
-def read_prompt_file(path: str, defaults: SamplePrompt | None = None) -> list[SamplePrompt]:
-    """A prompt file: sd-scripts' text lines, or its .json / .toml prompt objects (by extension)."""
+def read_prompt_file(path: str, defaults: SamplePrompt | None = None, decode: bool = True) -> list[SamplePrompt]:
+    """A prompt file: sd-scripts' text lines, or its .json / .toml prompt objects (by extension), its
+    reference images decoded (decode=False: the web UI's check reads none before its roots check)."""
     try:
         text = read_utf8(path, "prompt file")
     except OSError as e:
@@ -202,7 +203,8 @@ def read_prompt_file(path: str, defaults: SamplePrompt | None = None) -> list[Sa
                  for i, line in enumerate(text.splitlines(), 1) if line.strip() and not line.lstrip().startswith("#")]
     if not found:
         raise ValueError(f"{path}: no prompts")
-    decode_references(found)
+    if decode:
+        decode_references(found)
     return [prompt for _, prompt in found]
 
 

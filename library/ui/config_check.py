@@ -134,9 +134,11 @@ def prompt_images_outside_roots(args, roots: list[str]) -> dict | None:
     sample_prompts (None: all inside): an edit model's sample draws them where the pages show it."""
     from library.data.prompts import read_prompt_file
 
-    return listed_outside_roots(args, "sample_prompts", read_prompt_file,
-                                lambda prompts: (("--ci", path) for prompt in prompts for path in prompt.control_images),
-                                roots)
+    refused = listed_outside_roots(args, "sample_prompts", lambda file: read_prompt_file(file, decode=False),
+                                   lambda prompts: (("--ci", path) for prompt in prompts for path in prompt.control_images),
+                                   roots)
+    # Decoded only once every reference lies inside: an outside file is never opened by this check.
+    return refused or listed_outside_roots(args, "sample_prompts", read_prompt_file, lambda prompts: (), roots)
 
 
 def not_an_optimizer(args) -> dict | None:
