@@ -148,6 +148,26 @@ def test_base_loras_merge_before_fp8_quantization(tiny_set, trained):
     assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.weight_scale, scale)
 
 
+@pytest.mark.parametrize("precision", ["nf4", "int8"])
+def test_base_loras_merge_before_bitsandbytes_quantization(tiny_set, trained, precision):
+    """Old: a bitsandbytes base precision with base_loras went to fp8's quantizer and stopped after
+    caching ("fp8 mode must be one of ..., got 'nf4'"). Now merged in float32, then quantized as
+    bitsandbytes quantizes the float32-merged weight."""
+    from library.lora_spec import LoRASpec
+    from library.precision.bnb_weights import quantize
+    from library.training.base_loras import load_merged_base, merge_base_loras
+
+    family = ZImageFamily(tiny_set["zimage"])
+    spec = [LoRASpec(str(trained / "zimage.safetensors"), 1.0)]
+    layer = load_merged_base(family, torch.float32, precision, spec).layers[0].attention.to_q
+    assert layer.mode == precision
+    reference = family.load_transformer(torch.float32)
+    assert merge_base_loras(reference, "zimage", spec) > 0
+    expected = quantize(reference.layers[0].attention.to_q.weight, precision)
+    assert set(layer.stored_names) == set(expected)
+    assert all(torch.equal(getattr(layer, k), v) for k, v in expected.items())
+
+
 @pytest.mark.parametrize("version,shift", [("zimage-turbo", 3.0), ("zimage-base", 6.0)])
 def test_sample_schedule_is_the_release_schedulers(tiny_set, version, shift):
     """Turbo / Base: FlowMatchEulerDiscreteScheduler with use_dynamic_shifting false and the release's

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from library.lora_spec import LoRASpec, parse_lora_spec
-from library.models.registry import arch_spec
+from library.models.registry import LOWBIT_PRECISIONS, arch_spec
 
 
 def base_lora_specs(entries: list[str]) -> list[LoRASpec]:
@@ -62,13 +62,18 @@ def merge_base_loras(model: nn.Module, arch: str, specs: list[LoRASpec], keep_fl
 
 
 def load_merged_base(family, compute_dtype: torch.dtype, precision: str, specs: list[LoRASpec]) -> nn.Module:
-    """The frozen transformer with `specs` merged, stored as `precision` (bf16 / fp8 / fp8_scaled)."""
+    """The frozen transformer with `specs` merged, stored as `precision` (a BASE_PRECISIONS name: bf16,
+    fp8 / fp8_scaled, or bitsandbytes' nf4 / nf4_dq / int8)."""
     from library.precision.fp8 import is_high_precision, quantize_module
 
     model = family.load_transformer(compute_dtype, "bf16")
     rules = arch_spec(family.arch).fp8
-    fp8 = precision != "bf16"
-    merge_base_loras(model, family.arch, specs, keep_float32=lambda name: fp8 and not is_high_precision(name, rules))
-    if fp8:
+    quantized = precision != "bf16"
+    merge_base_loras(model, family.arch, specs, keep_float32=lambda name: quantized and not is_high_precision(name, rules))
+    if precision in LOWBIT_PRECISIONS:  # every non-bf16 precision was sent to fp8's quantizer, which refused nf4
+        from library.precision.bnb_weights import prepare_bnb
+
+        prepare_bnb(model, precision, rules)
+    elif quantized:
         quantize_module(model, precision, rules)
     return model
