@@ -249,3 +249,22 @@ def test_a_comfyui_lora_on_the_fused_gate_up_converts_to_ours_by_rows(tmp_path):
         assert torch.allclose(delta, up[rows] @ down, atol=1e-5), name
     q = "lora_unet_transformer_blocks_1_attn_to_q"
     assert torch.allclose(scale(q) * out[f"{q}.lora_up.weight"] @ out[f"{q}.lora_down.weight"], q_up @ q_down, atol=1e-5)
+
+
+def test_loss_masks_are_pooled_to_the_16x_latent_grid(tiny_set, monkeypatch):
+    """Old: masks are cached on the 8-pixel grid (alpha_mask, mask_dir), and Qwen-Image-2.1's 16x VAE
+    gives latents half that size: every masked run stopped at its first step (expand_as). The loss
+    now gets each mask's 2 x 2 means, one per latent element."""
+    from types import SimpleNamespace
+
+    family = QwenImage21Family(tiny_set["qwen_image21"])
+    seen = {}
+    monkeypatch.setattr(family, "loss_at", lambda *a, **k: seen.setdefault("mask", a[9]))
+    masks = torch.zeros(1, 1, 8, 8)
+    masks[..., :3] = 1.0  # the left 3 of 8 columns: latent columns 0 (1.0) and 1 (0.5)
+    latents = torch.zeros(1, family.latent_channels, 4, 4)
+    args = SimpleNamespace(timestep_sampling="uniform", discrete_flow_shift=1.0, sigmoid_scale=1.0, guidance_scale=1.0,
+                           weighting_scheme="none", loss_type="l2", huber_c=0.1)
+    family.training_loss(None, latents, {}, args, [torch.Generator().manual_seed(0)], masks)
+    assert seen["mask"].shape == (1, 1, 4, 4)
+    assert seen["mask"][0, 0, 0].tolist() == [1.0, 0.5, 0.0, 0.0]

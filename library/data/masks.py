@@ -117,6 +117,15 @@ def load_mask(image_path: str, mask_path: str | None, bucket: tuple[int, int], f
     return F.avg_pool2d(mask[None, None], LATENT_DOWNSAMPLE)[0]
 
 
+def on_latent_grid(masks: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Loss masks [B, 1, H/8, W/8] (load_mask's grid) area-averaged to a latent grid of `size` (h, w)
+    that a VAE with a larger downsampling gives (a 16x VAE: each element the mean of 2 x 2)."""
+    (mh, mw), (h, w) = masks.shape[-2:], size
+    if mh % h or mw % w:
+        raise ValueError(f"loss masks of {mh} x {mw} do not pool to the {h} x {w} latent grid")
+    return masks if (mh, mw) == (h, w) else F.avg_pool2d(masks, (mh // h, mw // w))
+
+
 def balance_reg_repeats(train_images: int, reg_items: list) -> dict[int, int]:
     """id(item) -> repeats of each regularization item of one dataset, as sd-scripts balances them:
     items in order, each with its subset's num_repeats until their total reaches the training

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from library.data.masks import on_latent_grid
 from library.models import flow_matching as fm
 from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, arch_spec  # noqa: F401  (their importers find them here too)
 from library.models.latents import pack_latents, unpack_latents
@@ -292,8 +293,11 @@ class DiffusionFamily:
         batch position or process. mask: [B, 1, H/8, W/8] loss masks; sample_weights: [B] (e.g.
         prior_loss_weight on regularization images); control: reference latents (edit families).
         Layered targets: latents [B, C, F, H/8, W/8] (pack_target). Returns the scalar float32 loss
-        and the sigmas."""
+        and the sigmas. A family whose VAE downsamples more (16x) gets the masks area-averaged to
+        its latent grid (they are cached on the 8-pixel grid: they broadcast nowhere else)."""
         lh, lw = latents.shape[-2:]
+        if mask is not None:
+            mask = on_latent_grid(mask, (lh, lw))
         h, w = lh // self.patch, lw // self.patch  # one frame's patch grid: the shift's token count
         method = args.timestep_sampling or fm.sampling_of(self.arch).method
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=torch.float32) for g in generators])
