@@ -240,6 +240,13 @@ def test_scheduler_warmup_ratio_and_steps():
     assert lrs[0] == 0.0 and lrs[5] == pytest.approx(0.5) and lrs[11] == 1.0
 
 
+@pytest.mark.parametrize("ratio,steps,warmup", [(0.15, 10, 1), (0.35, 10, 3), (0.999, 10, 9), (0.1, 100, 10)])
+def test_a_warmup_ratio_is_rounded_down_as_sd_scripts_does(ratio, steps, warmup):
+    """sd-scripts: int(lr_warmup_steps * steps). Old: round(), one warmup step more at .5 and above
+    (0.999 of 10 steps was 10, then refused as no shorter than the run)."""
+    assert config.warmup_steps(ratio, steps) == warmup
+
+
 def test_plot_lr_overlays_runs_and_summarises(tmp_path):
     for run, scale in (("a", 1.0), ("b", 2.0)):
         (tmp_path / run).mkdir()
@@ -469,11 +476,10 @@ def test_a_bad_flag_is_one_line_not_the_usage(capsys):
     assert err == "error: command line: unrecognized arguments: --bogus 1 (python train_lora.py --help lists the keys)\n"
 
 
-@pytest.mark.parametrize("warmup, said", [("10", "lr_warmup_steps = 10 is not below max_train_steps = 10"),
-                                           ("0.96", "lr_warmup_steps = 0.96 (10 steps) is not below max_train_steps = 10")])
+@pytest.mark.parametrize("warmup, said", [("10", "lr_warmup_steps = 10 is not below max_train_steps = 10")])
 def test_a_warmup_as_long_as_the_run_is_refused_naming_both_keys(tmp_path, warmup, said):
     """lr_warmup_steps >= max_train_steps was taken: the lr never reached learning_rate (10 of 10 steps
-    of warmup ended at 0.9 x lr; 0.96 of 10 rounds to 10)."""
+    of warmup ended at 0.9 x lr). A ratio below 1 rounds down, below the run's steps."""
     cfg = write(tmp_path, BASE + 'lr_scheduler = "constant_with_warmup"\nmax_train_steps = 10\n')
     with pytest.raises(ConfigError) as e:
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", warmup])

@@ -589,8 +589,9 @@ def plan_steps(args, batches_per_epoch: int) -> int:
 
 
 def warmup_steps(warmup: float, max_steps: int) -> int:
-    """lr_warmup_steps as steps: itself where >= 1, a fraction of max_steps where < 1."""
-    return int(round(warmup * max_steps)) if 0 < warmup < 1 else int(warmup)
+    """lr_warmup_steps as steps: itself where >= 1, a fraction of max_steps where < 1, rounded down as
+    sd-scripts does (int(ratio * steps)): rounding gave 0.15 of 10 steps a warmup of 2, sd-scripts' 1."""
+    return int(warmup * max_steps) if 0 < warmup < 1 else int(warmup)
 
 
 def check_planned_steps(args, max_steps: int, where: str) -> None:
