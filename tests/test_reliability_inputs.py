@@ -423,3 +423,57 @@ def test_prompts_without_a_size_sample_at_the_resolution_on_the_16_pixel_grid(tm
                                                   min_controls=0, unread_prompt_options=lambda negative, guidance: {}))
     prompts = DiffusionTask._read_prompts(task)
     assert [(p.width, p.height) for p in prompts] == [(64, 992), (96, 992)]  # was (72, 1000), (96, 1000)
+
+
+@pytest.mark.parametrize("model_type,key,value,why", [
+    ("qwen_image", "guidance_scale", "7", "model_type qwen_image has no guidance embedding"),
+    ("zimage", "guidance_scale", "3.5", "model_type zimage has no guidance embedding"),
+    ("ideogram4", "sigmoid_scale", "3", "draws sigma = expit(mu + 1.5 n), its pipeline's law")])
+def test_a_training_key_the_model_never_reads_is_refused_before_caching(tiny_set, tmp_path, capsys, model_type, key,
+                                                                        value, why):
+    """Old: guidance_scale on a model without a guidance embedding, and sigmoid_scale on Ideogram 4's own
+    sigma law, trained bit-identically to their defaults, and the LoRA's header recorded the value."""
+    from tools.make_tiny_models import tiny_config
+
+    cfg = copy_dataset(tiny_set, tmp_path / "data")
+    config = tmp_path / "config.toml"
+    config.write_text(tiny_config(model_type, tiny_set, dataset_config=cfg))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = train_lora.main(["--config_file", str(config), "--output_dir", str(out), "--max_train_steps", "1",
+                            "--mixed_precision", "no", f"--{key}", value])
+    line = one_error_line(capsys, code)
+    assert f"key '{key}' = {float(value)} does nothing: " in line and why in line, line
+    assert not [f for f in files_under(tmp_path / "data" / "images") if f.endswith(".safetensors")]  # no cache written
+
+
+def test_a_guidance_distilled_model_reads_guidance_scale(tiny_set, tmp_path):
+    """FLUX.1 dev's guidance embedding takes it in training: not refused (schnell's checkpoint has none)."""
+    from library.models.family import get_family
+    from library.training.config import load_config
+    from tools.make_tiny_models import tiny_config
+
+    config = tmp_path / "config.toml"
+    config.write_text(tiny_config("flux", tiny_set, guidance_scale=3.5, output_dir=str(tmp_path)))
+    args = load_config(["--config_file", str(config)])
+    family = get_family(args)
+    assert family.has_guidance_embedding() and family.unread_training_keys(args) == {}
+
+
+def test_sd_scripts_guidance_scale_0_for_a_model_without_guidance_is_taken(tiny_set, tmp_path):
+    """sd-scripts' Chroma docs ask for guidance_scale = 0.0 ("to disable guidance"): a ported config runs."""
+    from types import SimpleNamespace
+
+    from library.models.family import get_family
+    from library.training.config import load_config
+    from library.training.diffusion_task import DiffusionTask
+    from tools.make_tiny_models import tiny_config
+
+    config = tmp_path / "config.toml"
+    config.write_text(tiny_config("chroma", tiny_set, guidance_scale=0.0, output_dir=str(tmp_path)))
+    args = load_config(["--config_file", str(config)])
+    DiffusionTask._check_unread_keys(SimpleNamespace(family=get_family(args), args=args))
+    args.guidance_scale = 2.0
+    with pytest.raises(ValueError, match="key 'guidance_scale' = 2.0 does nothing"):
+        DiffusionTask._check_unread_keys(SimpleNamespace(family=get_family(args), args=args))
+

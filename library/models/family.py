@@ -359,6 +359,18 @@ class DiffusionFamily:
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
         return self.predict(model, x, s, text, h, w, guidance, **control_kwargs(control)).float()
 
+    def reads_training_guidance(self) -> bool:
+        """The model takes guidance_scale in training (a guidance-distilled model's embedding): its
+        spec's sampling names a training guidance."""
+        return fm.sampling_of(self.arch).guidance_scale is not None
+
+    def unread_training_keys(self, args) -> dict[str, str]:
+        """Training-config keys this model's training never reads with `args` -> why: set off their
+        default, the run refuses them before caching (a loss or header that claims what was not done)."""
+        if self.reads_training_guidance():
+            return {}
+        return {"guidance_scale": f"model_type {self.name} has no guidance embedding to feed it to"}
+
     def unread_sample_options(self) -> dict[str, str]:
         """Sampling options this model never reads ("negative", "guidance") -> why, from the class and
         the checkpoint's header (no weights): tools/generate.py refuses them as flags."""

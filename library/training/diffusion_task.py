@@ -30,8 +30,8 @@ from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
-from library.training.config import (KEEPING_KEYS, ConfigError, base_precision, check_planned_steps, compute_dtype,
-                                     lora_network_args, plan_steps)
+from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, check_planned_steps,
+                                     compute_dtype, lora_network_args, plan_steps)
 from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
 from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
@@ -118,6 +118,7 @@ class DiffusionTask:
         self.family = get_family(args)
         self.family.check_model_files()  # from the headers: a wrong file stops the run now, not after caching
         self._check_blocks_to_swap()
+        self._check_unread_keys()
         try:  # here, not in the config check: the network modules (and LyCORIS) import torch, the web UI does not
             check_network_args(args.network_module, self.family.arch, lora_network_args(args))
         except ValueError as e:
@@ -164,6 +165,16 @@ class DiffusionTask:
         if self.stored_precision and self.args.base_loras:
             raise ConfigError(f"{self.args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "
                               f"this checkpoint is pre-quantized ({self.stored_precision}): give the bf16 one")
+
+    def _check_unread_keys(self):
+        """Keys set off their default that this model's training never reads (the family says which,
+        from the checkpoint's header): refused, not trained without and recorded in the LoRA's header."""
+        for key, why in self.family.unread_training_keys(self.args).items():
+            value = getattr(self.args, key)
+            # guidance_scale 0: sd-scripts' setting for a model without guidance (its Chroma docs): as idle as 1
+            if value != SCHEMA[key].default and not (key == "guidance_scale" and value == 0):
+                raise ConfigError(f"{self.args.config_file or 'command line'}: key '{key}' = {value} does nothing: "
+                                  f"{why}; remove it")
 
     def _check_blocks_to_swap(self):
         """blocks_to_swap against the model's blocks (its header), before caching rather than after it."""

@@ -108,6 +108,9 @@ class FluxFamily(DiffusionFamily):
         """dev's guidance embedding (schnell has none)."""
         return checkpoint_has_guidance_embedding(self.model_path)
 
+    def reads_training_guidance(self) -> bool:
+        return self.has_guidance_embedding()  # schnell's checkpoint has none
+
     def unread_sample_options(self) -> dict[str, str]:
         unread = super().unread_sample_options()
         if not self.has_guidance_embedding():

@@ -148,6 +148,9 @@ class Flux2Family(DiffusionFamily):
 
         return checkpoint_has_guidance_embedding(self.model_path)
 
+    def reads_training_guidance(self) -> bool:
+        return self.is_dev()  # [klein] has no guidance embedding
+
     def unread_sample_options(self) -> dict[str, str]:
         if self.is_dev():
             return {"negative": f"{self.model_path} is FLUX.2 [dev]: it samples with its guidance embedding, without CFG"}

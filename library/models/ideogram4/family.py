@@ -178,6 +178,14 @@ class Ideogram4Family(DiffusionFamily):
         return self._uncond
 
     # -- training and sampling schedules --------------------------------------------------------
+    def unread_training_keys(self, args) -> dict[str, str]:
+        unread = super().unread_training_keys(args)
+        if args.timestep_sampling in (None, self.arch + "_shift"):  # its law's spread is the pipeline's 1.5
+            unread["sigmoid_scale"] = (f"timestep_sampling {args.timestep_sampling or 'unset'}: model_type {self.name} "
+                                       f"draws sigma = expit(mu + 1.5 n), its pipeline's law; a sigmoid draw "
+                                       f"(timestep_sampling = \"sigmoid\") reads it")
+        return unread
+
     def training_loss(self, model, latents, text, args, generators, mask=None, sample_weights=None, control=None):
         """The pipeline's law, sigma = expit(mu + 1.5 n) at the image's resolution, unless the config
         names another timestep_sampling."""
