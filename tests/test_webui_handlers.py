@@ -279,3 +279,20 @@ def test_generate_with_a_blank_seed_lets_generate_draw_one(checked_ui, tiny_set,
     for seed, expected in ((None, None), ("", None), (0, 0), (7, 7)):
         args, _ = checked_ui._tool_args("generate", {**fields, "seed": seed})
         assert (args[args.index("--seed") + 1] if "--seed" in args else None) == expected, (seed, args)
+
+
+def test_generate_passes_the_jobs_boolean_family_keys(tmp_path):
+    """Old: the job config's family keys reached tools/generate.py but its booleans were skipped: a
+    krea2_edit job trained with reference_kv_cache = true (another attention mask) drew with false."""
+    from library.ui.handlers import WebUI
+    from tools.generate import build_parser
+
+    (tmp_path / "data").mkdir()
+    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [str(tmp_path / "data")])
+    for kv_cache in (True, False):
+        job = ui.store.create("edit", {"model_type": "krea2_edit", "pretrained_model_name_or_path": "m.safetensors",
+                                       "ae": "ae.safetensors", "text_encoder": "te", "reference_kv_cache": kv_cache,
+                                       "output_name": "lora"}, 10)
+        args, _ = ui._tool_args("generate", {"job_id": job.id, "prompt": "a cat", "width": 64, "steps": 2, "seed": 1,
+                                             "lora": None, "weight": 1.0})
+        assert build_parser().parse_args([str(a) for a in args]).reference_kv_cache is kv_cache

@@ -481,9 +481,9 @@ class WebUI:
                     "--base_precision", base_precision_of(config), "--out", out, "--dtype", v.get("dtype", "fp32")]
             from library.training.config import FAMILY_KEYS
 
-            for key in FAMILY_KEYS:
-                if key in config and FAMILY_KEYS[key].type is not bool:  # generate.py reads these as the config's
-                    args += [f"--{key}", config[key]]
+            for key in (k for k in FAMILY_KEYS if k in config):  # generate.py reads these as the config's
+                value = config[key]  # a bool as generate.py's true / false (a skipped one drew with its default)
+                args += [f"--{key}", str(value).lower() if isinstance(value, bool) else value]
             if v.get("seed") not in (None, ""):  # blank: generate.py draws one and names the file with it
                 args += ["--seed", whole_number(v["seed"], "seed", 0)]
             for path in parse_prompt_line(v["prompt"], "prompt").control_images:  # an edit model draws them
