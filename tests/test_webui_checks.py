@@ -119,3 +119,22 @@ def test_zimage_omnis_siglip_folder_outside_the_roots_is_refused(tmp_path):
     answer = outside_roots(args, [str(tmp_path)])
     assert answer["key"] == "siglip" and "'/etc' is outside the folders" in answer["error"], answer
     assert outside_roots(SimpleNamespace(**{**vars(args), "siglip": None}), [str(tmp_path)]) is None
+
+
+def test_a_base_lora_under_a_folder_with_a_colon_is_checked_as_the_trainer_reads_it(tmp_path):
+    """Old: the check cut each base_loras entry at its last colon, where the trainer reads the whole
+    entry as the path when it exists: 'root/run 12:30/../../outside/x' was checked as 'root/run 12' (inside)."""
+    from types import SimpleNamespace
+
+    from library.ui.config_check import outside_roots
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "run 12:30").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "x.safetensors").write_bytes(b"")
+    entry = f"{root}/run 12:30/../../outside/x.safetensors"
+    args = SimpleNamespace(model_type="llm", base_loras=[entry], train_data=[])
+    answer = outside_roots(args, [str(root)])
+    assert answer is not None and answer["key"] == "base_loras" and "is outside the folders" in answer["error"], answer
+    (root / "x.safetensors").write_bytes(b"")
+    assert outside_roots(SimpleNamespace(**{**vars(args), "base_loras": [f"{root}/x.safetensors:0.5"]}), [str(root)]) is None

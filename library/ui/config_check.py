@@ -68,7 +68,10 @@ def outside_roots(args, roots: list[str]) -> dict | None:
         family = family_class(args.model_type)
         keys += [k for k in (*family.required_paths(), *family.optional_path_keys) if k not in keys]
     values = [(k, getattr(args, k)) for k in keys if getattr(args, k, None)]
-    values += [("base_loras", entry.rsplit(":", 1)[0]) for entry in args.base_loras]
+    from library.lora_spec import parse_lora_spec
+
+    # As the trainer splits an entry: "a/b 12:30/../x" names the whole path where that exists, not "a/b 12"
+    values += [("base_loras", parse_lora_spec(entry, "base_loras").path) for entry in args.base_loras]
     values += [("train_data", entry) for entry in args.train_data]
     for key, path in values:
         if not inside(path, roots):
