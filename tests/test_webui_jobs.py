@@ -163,6 +163,22 @@ def test_a_trainer_gone_while_stopping_after_steps_is_interrupted_not_stopped_be
     assert job.state == "interrupted" and job.last_step == 3 and "last logged step 3" in job.message
 
 
+def test_a_done_job_is_not_resumed_from_the_state_a_stop_left(tmp_path):
+    """Old: a job stopped at step 2, resumed and finished (done at 4) still had the stop's state in its
+    folder; Resume queued it from step 2, re-training steps 3-4 over the finished LoRA."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 4, queue=True)
+    os.makedirs(job.state_dir)
+    with open(os.path.join(job.state_dir, "train_state.json"), "w") as f:
+        f.write('{"step": 2}')
+    store.update(job.id, state="done", resume=None, last_step=4)
+    with pytest.raises(JobError, match=f"job {job.id} is done: nothing to resume"):
+        actions.resume(store, job.id)
+    assert store.get(job.id).state == "done"
+    store.update(job.id, state="stopped")
+    assert actions.resume(store, job.id).state == "queued"
+
+
 def test_a_resumed_run_stopped_before_its_first_step_keeps_its_state(tmp_path):
     """Old: Stop while a resumed run was still caching ended it with 'nothing to save; retry to start
     again' and resume None: the state it had resumed from (step 3) was no longer offered."""

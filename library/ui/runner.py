@@ -46,11 +46,15 @@ def stop(store: JobStore, job_id: int) -> Job:
 
 
 def resume(store: JobStore, job_id: int) -> Job:
+    """A stopped, failed or interrupted job, from its saved state. Not a done one: a state a stop saved
+    mid-run stays in its folder, and resuming from it re-trained steps and overwrote the finished LoRA."""
     job = store.get(job_id)
     step = run_files.state_step(job.state_dir)
+    if job.state == "done":
+        raise JobError(f"job {job_id} is done: nothing to resume (retry trains it again from the start)")
     if step is None:
         raise JobError(f"job {job_id} has no saved state ({job.state_dir}): retry it from the start instead")
-    return store.transition(job_id, FINISHED, "resume", state="queued", queued=time.time(), resume=job.state_dir,
+    return store.transition(job_id, tuple(s for s in FINISHED if s != "done"), "resume", state="queued", queued=time.time(), resume=job.state_dir,
                             device=None, message=f"resumes from the state at step {step}")
 
 
