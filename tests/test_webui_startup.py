@@ -21,7 +21,11 @@ def test_bad_start_up_options_get_one_line_naming_the_option(tmp_path, capsys):
                  ("--port", "99999"): "error: --port 99999: a port is 1 to 65535",
                  ("--jobs_dir", "/etc/passwd"): "error: --jobs_dir /etc/passwd: not a folder (the queue's database "
                                                 "and the jobs' folders go there)",
-                 ("--root", "/nonexistent"): "error: --root /nonexistent: no such folder"}
+                 ("--root", "/nonexistent"): "error: --root /nonexistent: no such folder",
+                 # Old: taken, and each entry got a worker: two jobs at once on cuda:0
+                 ("--device", "cuda:0", "--device", "cuda:0"): "error: --device cuda:0: given twice (each device "
+                                                                "runs one job at a time: name it once)",
+                 ("--device", "gpu0"): "error: --device gpu0: expected cpu, cuda or cuda:N (N the GPU's index)"}
         for option, expected in cases.items():
             argv = ["--jobs_dir", jobs, "--root", str(tmp_path), *option]
             assert main(argv) == 2

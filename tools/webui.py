@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,6 +50,11 @@ def start_up_problem(args, jobs_dir: str, roots: list[str]) -> str | None:
                 f"anyone who reaches it can start processes and read files under the roots")
     if not 1 <= args.port <= 65535:
         return f"--port {args.port}: a port is 1 to 65535"
+    for i, device in enumerate(args.device or []):  # a worker per entry: one named twice ran two jobs on it at once
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+            return f"--device {device}: expected cpu, cuda or cuda:N (N the GPU's index)"
+        if device in args.device[:i]:
+            return f"--device {device}: given twice (each device runs one job at a time: name it once)"
     if os.path.exists(jobs_dir) and not os.path.isdir(jobs_dir):
         return f"--jobs_dir {jobs_dir}: not a folder (the queue's database and the jobs' folders go there)"
     for root in roots:
