@@ -8,7 +8,9 @@ single file, ComfyUI prefixes included, or diffusers folder; a Hugging Face LLM 
 pre-quantized fp8 files are dequantized as merge_lora does) and must be the same family and naming.
 The LoRA targets are the architecture's Linears that the spec's LoRA targets name (what training
 adapts: e.g. the block Linears, with or without modulation, and some embedders; for an LLM the
-attention and MLP projections), found through the same key maps merge_lora uses.
+attention and MLP projections), found through the same key maps merge_lora uses. A single file that
+fuses or renames the model's modules (a fused qkv: the family's checkpoint_names, parts_are_model) gives
+each part its own LoRA, from its rows' delta, in the model's name, as training and merge_lora name it.
 
 Per target module, D = W_tuned - W_base (float32), and its SVD D = U S Vh (torch.linalg.svd on
 --device) gives the best rank-k approximation: down = Vh_k, up = U_k S_k, alpha = k (scale 1).
@@ -33,10 +35,12 @@ and generate. Errors are one line on stderr, exit status 2, and nothing is writt
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import sys
+from dataclasses import dataclass
 
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,11 +85,34 @@ def read_weight(base: Base, key: str) -> torch.Tensor:
     return base.reader.get(key).float()
 
 
-def target_modules(base: Base) -> list[str]:
-    """Module paths (base naming, checkpoint order) whose weight the arch's LoRA targets name; names
-    in the other naming of the model's module map are matched through the module they are part of."""
+@dataclass(frozen=True)
+class Target:
+    """One LoRA module to extract: the rows `rows` of checkpoint module `module`'s weight, written as `name`."""
+
+    module: str  # the checkpoint's module path (a key of base.weight_key)
+    name: str  # the LoRA module written
+    rows: tuple[tuple[int, int], ...] | None = None  # row ranges of the weight (None: all of it)
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight if self.rows is None else torch.cat([weight[start:end] for start, end in self.rows])
+
+
+def target_modules(base: Base) -> list[Target]:
+    """The LoRA modules the arch's LoRA targets name, in checkpoint order. A module in the other naming
+    of the model's module map is matched through the module it is part of and written in its own name.
+    A checkpoint module holding model modules under other names (parts_are_model: a fused qkv, a renamed
+    projection) gives each part a target names its own LoRA, in the model's name: training gives each
+    part its own, and a fused name matches no target (its rows' deltas were left out)."""
     patterns = [re.compile(p) for p in lora_targets(base.family).targets.values()]
-    return [p for p in base.weight_key if any(r.fullmatch(base.fp8_name(p)) for r in patterns)]
+    wanted = lambda name: any(r.fullmatch(name) for r in patterns)  # noqa: E731
+    targets = []
+    for module in base.weight_key:
+        parts = base.model_parts(module)
+        if parts is None:
+            targets += [Target(module, module)] if wanted(base.fp8_name(module)) else []
+        else:
+            targets += [Target(module, name, tuple(rows)) for name, rows in parts.items() if wanted(name)]
+    return targets
 
 
 def extract_module(delta: torch.Tensor, rank: int | None, energy: float | None, dtype: torch.dtype, device=None,
@@ -125,24 +152,24 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
     dtype = save_dtype(precision, torch.float32)
     targets = target_modules(base)
     weights, rows, skipped = {}, [], []
-    for path in targets:
-        key = base.weight_key[path]
+    for module, parts in itertools.groupby(targets, key=lambda t: t.module):  # a fused weight is read once
+        key = base.weight_key[module]
         if key not in other.reader or other.reader.shape(key) != base.reader.shape(key):
             raise CheckpointError(f"--tuned {tuned}: no weight '{key}' of shape {base.reader.shape(key)} (the base has it)")
         w_base = read_weight(base, key)
         delta = read_weight(other, key) - w_base
-        if not delta.any():
-            skipped.append(path)
-            continue
-        weights[path], stats = extract_module(delta, rank, energy, dtype, device, lowrank=svd == "lowrank")
-        rows.append({"module": path, "shape": list(delta.shape), **stats,
-                     "delta_rel_to_weight": float(delta.norm() / w_base.norm().clamp_min(1e-30))})  # fmt: skip
-        log(f"{path:60s} {str(tuple(delta.shape)):14s} rank {stats['rank']:4d}  fro retained {stats['fro_retained']:7.2%}  "
-            f"rel error {stats['rel_error']:.2e}  |dW|/|W| {rows[-1]['delta_rel_to_weight']:.2e}")
+        for target in parts:
+            row = _extract_target(target, target.of(delta), target.of(w_base), weights, rank, energy, dtype, device, svd)
+            if row is None:
+                skipped.append(target.name)
+                continue
+            rows.append(row)
+            log(f"{target.name:60s} {str(tuple(row['shape'])):14s} rank {row['rank']:4d}  fro retained "
+                f"{row['fro_retained']:7.2%}  rel error {row['rel_error']:.2e}  |dW|/|W| {row['delta_rel_to_weight']:.2e}")
         del w_base, delta
     if not weights:
         raise CheckpointError(f"--tuned {tuned}: no LoRA target weight differs from the base {model}")
-    other_changed = _other_changed(base, other, {base.weight_key[p] for p in targets})
+    other_changed = _other_changed(base, other, {base.weight_key[t.module] for t in targets})
     dim, alpha = dim_and_alpha([w.rank for w in weights.values()], [w.alpha for w in weights.values()])  # as written
     metadata = build_metadata(network_module="networks.lora", network_dim=dim, network_alpha=alpha, base_model=base.path,
                               base_model_version=base.version)  # what train_lora.py writes: merge checks it
@@ -153,6 +180,16 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
     else:
         write_kohya(weights, save_to, dtype, metadata, prefix=lora_targets(base.family).kohya_prefix)
     return {"modules": rows, "skipped": skipped, "other_changed": other_changed, "family": base.family}
+
+
+def _extract_target(target: Target, delta: torch.Tensor, w_base: torch.Tensor, weights: dict, rank, energy, dtype,
+                    device, svd: str) -> dict | None:
+    """Add `target`'s LoRA of `delta` to `weights`; its stats row, or None where its delta is zero."""
+    if not delta.any():
+        return None
+    weights[target.name], stats = extract_module(delta, rank, energy, dtype, device, lowrank=svd == "lowrank")
+    return {"module": target.name, "shape": list(delta.shape), **stats,
+            "delta_rel_to_weight": float(delta.norm() / w_base.norm().clamp_min(1e-30))}  # fmt: skip
 
 
 def _other_changed(base: Base, other: Base, done: set[str]) -> int:

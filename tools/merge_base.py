@@ -38,9 +38,9 @@ from tools.cli import LoRASpec
 
 @dataclass
 class Base:
-    """A checkpoint and what its names mean. `module_of` maps a checkpoint key to the model module
-    path LoRAs name (None for tensors no LoRA can target); `fp8_name` gives the module name that
-    the architecture's fp8 keep rules (its spec) are written in."""
+    """A checkpoint and what its names mean. `to_model` maps a checkpoint key to the module path LoRAs
+    name (None for tensors no LoRA can target); `fp8_name` gives the module name that the
+    architecture's fp8 keep rules (its spec) are written in."""
 
     path: str  # the checkpoint file or folder actually read
     reader: CheckpointReader
@@ -51,6 +51,7 @@ class Base:
     weight_key: dict[str, str] = field(default_factory=dict)  # model module path -> checkpoint weight key
     fp8: Fp8Checkpoint | None = None  # a pre-quantized base (its layout; Fp8BasePlan reads and keeps it)
     native: bool = True  # named as the model names its modules (False: module_map's other naming)
+    parts_are_model: bool = False  # module_map's keys are the checkpoint's modules, its parts the model's
 
     @property
     def is_folder(self) -> bool:
@@ -60,6 +61,16 @@ class Base:
         if not self.native:
             return self._native_owner.get(module, module)
         return module
+
+    def model_parts(self, module: str) -> dict[str, list[tuple[int, int]]] | None:
+        """{model module: its row ranges in checkpoint module `module`'s weight} where the checkpoint
+        fuses or renames the model's modules (parts_are_model: a single file's qkv); None elsewhere."""
+        if not self.parts_are_model or module not in (self.module_map or {}):
+            return None
+        parts = {}
+        for name, start, end in self.module_map[module]:
+            parts.setdefault(name, []).append((start, end))
+        return parts
 
     @functools.cached_property
     def _native_owner(self) -> dict[str, str]:
@@ -94,7 +105,8 @@ def _family_base(path: str, reader: CheckpointReader, keys: list[str]) -> Base |
         if (names := family.checkpoint_names(keys, reader.shape)) is not None:
             prefix = names.prefix
             to_model = lambda k: k[len(prefix) :] if k.startswith(prefix) else None  # noqa: E731
-            return Base(path, reader, arch, names.naming, to_model, names.module_map, native=names.native)
+            return Base(path, reader, arch, names.naming, to_model, names.module_map, native=names.native,
+                        parts_are_model=names.parts_are_model)
     return None
 
 

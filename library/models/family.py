@@ -90,6 +90,9 @@ class CheckpointNames:
     prefix: str = ""  # before every transformer key (a ComfyUI file's "model.diffusion_model."); others are not its
     module_map: dict | None = None  # fused modules: model module -> [(module in the other naming, row0, row1)]
     native: bool = True  # the model's own module names (False: the other naming of module_map, converted)
+    # module_map's keys are the checkpoint's modules and its parts the model's own (a single file that fuses
+    # or renames the model's modules): the spec's LoRA targets and fp8 rules name the parts
+    parts_are_model: bool = False
 
 
 class DiffusionFamily:

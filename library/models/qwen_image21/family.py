@@ -188,7 +188,7 @@ class QwenImage21Family(DiffusionFamily):
             if key.startswith(prefix) and (m := FUSED.fullmatch(key[len(prefix):])):
                 rows = shape(key)[0] // 2
                 fused[m.group(1) + "gate_up"] = [(m.group(1) + "gate_layer", 0, rows), (m.group(1) + "proj", rows, 2 * rows)]
-        return CheckpointNames("diffusers", prefix, fused or None)
+        return CheckpointNames("diffusers", prefix, fused or None, parts_are_model=True)
 
     # -- the denoiser --------------------------------------------------------------------------
     def predict(self, model, x_t, sigmas, text, h, w, guidance, control=None):

@@ -151,8 +151,8 @@ class ZImageFamily(DiffusionFamily):
             return None
         from library.models.zimage.lora_files import single_file_module_map
 
-        return CheckpointNames("single_file", prefix, single_file_module_map([k[len(prefix):] for k in keys if k.startswith(prefix)],
-                                                                            lambda k: shape(prefix + k)))
+        module_map = single_file_module_map([k[len(prefix):] for k in keys if k.startswith(prefix)], lambda k: shape(prefix + k))
+        return CheckpointNames("single_file", prefix, module_map, parts_are_model=True)
 
     def load_text_encoder(self, precision="bf16", device=None):
         from library.models.text_encoders import encoder_precision
