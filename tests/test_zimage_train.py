@@ -130,6 +130,28 @@ def test_base_loras_train_as_a_base_merged_beforehand(tiny_set, trained, tmp_pat
     assert recorded == [{"file": "zimage.safetensors", "ratio": 0.7}]
 
 
+@pytest.mark.parametrize("layout", ["plain", "block64"])
+def test_fp8_merge_of_the_single_file_keeps_what_the_folder_keeps(tiny_set, trained, tmp_path, layout):
+    """merge_lora --save_precision fp8 keeps the fp8 keep rules' modules (written in the model's diffusers
+    names: all_x_embedder, all_final_layer) bf16 in the single file too, under its own names (x_embedder,
+    final_layer). Old: the rules were matched against the single file's names and missed them: e4m3."""
+    from library.models.zimage.checkpoint import diffusers_key
+    from tools import merge_lora
+
+    def bf16_linears(path):
+        with safe_open(str(path), "pt") as f:
+            return {k for k in f.keys() if k.endswith(".weight") and len(f.get_slice(k).get_shape()) == 2
+                    and f.get_slice(k).get_dtype() == "BF16"}
+
+    args = ["--lora", str(trained / "zimage.safetensors"), "--save_precision", "fp8", "--fp8_layout", layout]
+    assert merge_lora.main(["--model", tiny_set["zimage"], "--save_to", str(tmp_path / "f.safetensors"), *args]) == 0
+    assert merge_lora.main(["--model", tiny_set["zimage_diffusers"], "--save_to", str(tmp_path / "d"), *args]) == 0
+    single_file = {diffusers_key(k) for k in bf16_linears(tmp_path / "f.safetensors")}
+    folder = bf16_linears(tmp_path / "d" / "diffusion_pytorch_model.safetensors")
+    assert "all_x_embedder.2-1.weight" in folder and "all_final_layer.2-1.linear.weight" in folder
+    assert single_file == folder
+
+
 def test_base_loras_merge_before_fp8_quantization(tiny_set, trained):
     """An fp8 base with base_loras: merged in float32, then quantized (a delta merged into fp8 weights
     would round away): the quantized weight equals quantizing the float32-merged one."""

@@ -109,7 +109,7 @@ def target_modules(base: Base) -> list[Target]:
     for module in base.weight_key:
         parts = base.model_parts(module)
         if parts is None:
-            targets += [Target(module, module)] if wanted(base.fp8_name(module)) else []
+            targets += [Target(module, module)] if any(map(wanted, base.spec_names(module))) else []
         else:
             targets += [Target(module, name, tuple(rows)) for name, rows in parts.items() if wanted(name)]
     return targets

@@ -39,8 +39,8 @@ from tools.cli import LoRASpec
 @dataclass
 class Base:
     """A checkpoint and what its names mean. `to_model` maps a checkpoint key to the module path LoRAs
-    name (None for tensors no LoRA can target); `fp8_name` gives the module name that the
-    architecture's fp8 keep rules (its spec) are written in."""
+    name (None for tensors no LoRA can target); `spec_names` gives the module names that the
+    architecture's spec (its LoRA targets and fp8 keep rules) is written in."""
 
     path: str  # the checkpoint file or folder actually read
     reader: CheckpointReader
@@ -57,10 +57,13 @@ class Base:
     def is_folder(self) -> bool:
         return os.path.isdir(self.path)
 
-    def fp8_name(self, module: str) -> str:
+    def spec_names(self, module: str) -> list[str]:
+        """The model's module names of checkpoint module `module`, which the spec's LoRA targets and fp8
+        rules are written in: itself, the module it is part of (the other naming: not native), or the
+        modules it holds (parts_are_model: the single file's fused and renamed modules)."""
         if not self.native:
-            return self._native_owner.get(module, module)
-        return module
+            return [self._native_owner.get(module, module)]
+        return list(self.model_parts(module) or [module])
 
     def model_parts(self, module: str) -> dict[str, list[tuple[int, int]]] | None:
         """{model module: its row ranges in checkpoint module `module`'s weight} where the checkpoint

@@ -203,8 +203,12 @@ class Plan:
     def is_fp8_weight(self, key: str) -> bool:
         if self.precision not in FP8_MODES or not self._is_linear_weight(key):
             return False
-        name = self.base.to_model(key)  # ComfyUI makes every Linear fp8; ours keep some in bf16
-        return self.comfy or not fp8.is_high_precision(self.base.fp8_name(name[: -len(".weight")]), arch_spec(self.base.family).fp8)
+        if self.comfy:  # ComfyUI makes every Linear fp8; ours keep some in bf16
+            return True
+        # matched in the spec's names (a single file's renamed embedder is kept as the model's module it is);
+        # a fused module stays high precision where any of its parts does
+        names = self.base.spec_names(self.base.to_model(key)[: -len(".weight")])
+        return not any(fp8.is_high_precision(name, arch_spec(self.base.family).fp8) for name in names)
 
     def is_fp8_bias(self, key: str) -> bool:
         """comfy: a Linear's bias, which ComfyUI holds in fp8 with its weight (stored so, not rounded on load)."""
