@@ -117,6 +117,16 @@ def test_resize_reports_output_error_on_the_tiny_model(flux_lora, tiny_set, tmp_
     assert "of the LoRA's effect" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("model", ["missing", "zimage", "the LoRA"])
+def test_resize_with_a_model_that_cannot_take_the_lora_writes_nothing(flux_lora, tiny_set, tmp_path, model):
+    """Old: --model was opened after the output was written: a missing file, another family's base or a
+    LoRA given as the model exited 2 with the resized file left behind."""
+    path = {"missing": str(tmp_path / "nope.safetensors"), "zimage": tiny_set["zimage"], "the LoRA": str(flux_lora)}[model]
+    out = tmp_path / "o.safetensors"
+    assert resize_lora.main(["--lora", str(flux_lora), "--save_to", str(out), "--new_rank", "2", "--model", path]) == 2
+    assert not out.exists()
+
+
 def test_resize_keeps_a_peft_file_peft_with_the_same_delta(flux_lora, tmp_path):
     """A diffusers PEFT file whose alpha is in its adapter-config header: the output folds alpha
     into lora_B and drops the header (keeping it would apply the scale twice)."""

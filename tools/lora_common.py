@@ -153,19 +153,30 @@ def load_model(model_path: str):
 
 
 @torch.no_grad()
-def output_error(model_path: str, reference: str, candidate: str) -> dict[str, float]:
-    """Model outputs with LoRA `reference` and with LoRA `candidate` (files, applied unmerged):
-    {"rel_to_lora_effect": ||y_c - y_r|| / ||y_r - y_base||, "rel_to_output": ||y_c - y_r|| / ||y_r||}."""
+def output_error(model_path: str, reference: str):
+    """A measure of LoRA files against LoRA `reference` on the model at `model_path`: the model is
+    loaded and `reference` applied now (a bad --model is an error before anything is written), then
+    measure(candidate) -> {"rel_to_lora_effect": ||y_c - y_r|| / ||y_r - y_base||, "rel_to_output":
+    ||y_c - y_r|| / ||y_r||}, each LoRA applied unmerged."""
     from networks.lora import LoRANetwork
 
     model, family, kwargs = load_model(model_path)
-    outputs = [model(**kwargs).float()]
-    for path in (reference, candidate):
+
+    def output_with(path: str | None) -> torch.Tensor:
+        if path is None:
+            return model(**kwargs).float()
         net = LoRANetwork.from_weights(model, family, path)
         net.apply()
-        outputs.append(model(**kwargs).float())
-        net.remove()
-    base, ref, cand = outputs
-    diff = float((cand - ref).norm())
-    return {"rel_to_lora_effect": diff / max(float((ref - base).norm()), 1e-30),
-            "rel_to_output": diff / max(float(ref.norm()), 1e-30)}
+        try:
+            return model(**kwargs).float()
+        finally:
+            net.remove()
+
+    base, ref = output_with(None), output_with(reference)
+
+    def measure(candidate: str) -> dict[str, float]:
+        diff = float((output_with(candidate) - ref).norm())
+        return {"rel_to_lora_effect": diff / max(float((ref - base).norm()), 1e-30),
+                "rel_to_output": diff / max(float(ref.norm()), 1e-30)}
+
+    return measure

@@ -111,6 +111,7 @@ def resize_lora(src: str, dst: str, new_rank: int, method: str | None = None, pa
     check_args(new_rank, method, param)
     check_output_path(dst, src)
     lora = read_lora_file(src, "resize_lora")
+    measure = output_error(model, src) if model else None  # a --model that cannot take the LoRA: before writing
     weights, rows = resize_weights(lora.weights, new_rank, method, param, device)
     old_dim = max(w.rank for w in lora.weights.values())
     metadata = dict(lora.metadata)
@@ -130,7 +131,7 @@ def resize_lora(src: str, dst: str, new_rank: int, method: str | None = None, pa
     summary = {"modules": len(rows), "mean_fro_retained": statistics.fmean(fro), "min_fro_retained": min(fro),
                "max_rel_error": max(r["rel_error"] for r in rows),
                "ranks": sorted({r["new_rank"] for r in rows})}  # fmt: skip
-    error = output_error(model, src, dst) if model else None
+    error = measure(dst) if measure else None
     return {"modules": rows, "summary": summary, "output_error": error}
 
 
