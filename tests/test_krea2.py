@@ -154,6 +154,21 @@ def test_wrong_file_is_one_error_naming_it(tiny_files, tmp_path):
         load_krea2(wrong)
 
 
+@pytest.mark.parametrize("mode, scale", [("fp8_tensor_scaled", "scale_weight"), ("fp8_scaled", "weight_scale")])
+def test_a_pre_quantized_file_is_refused_as_such_not_for_its_scale_keys(tiny_files, tmp_path, mode, scale):
+    """The key check ran first and named the first stored scale an unexpected key."""
+    from library.precision.fp8 import FP8_DTYPE, quantize_weight
+
+    sd = load_file(tiny_files["krea2"])
+    q, s = quantize_weight(sd["blocks.0.attn.gate.weight"].float(), mode)
+    sd.update({"blocks.0.attn.gate.weight": q, f"blocks.0.attn.gate.{scale}": s})
+    if mode == "fp8_tensor_scaled":
+        sd["scaled_fp8"] = torch.zeros(2, dtype=FP8_DTYPE)  # ComfyUI's marker
+    save_file(sd, tmp_path / "fp8.safetensors")
+    with pytest.raises(CheckpointError, match=rf"fp8\.safetensors: a pre-quantized \({mode}\) Krea 2 file is not read yet"):
+        load_krea2(str(tmp_path / "fp8.safetensors"))
+
+
 def test_fp8_prepare_hook_quantizes_the_blocks_only(tiny_files):
     from library.models.family import fp8_prepare
     from library.precision.fp8 import FP8Linear

@@ -346,6 +346,38 @@ def test_merged_fp8_file_generates_an_image(tiny_set, tmp_path):
         assert len(os.listdir(tmp_path / mode)) == 1
 
 
+# Every tiny transformer merge_lora reads; those whose loader reads no stored fp8 in their naming (a diffusers
+# folder whose fused rows a stored scale would not survive; Krea 2, which quantizes while loading) are refused.
+FP8_MERGE_BASES = {"flux_bfl": True, "flux_diffusers": False, "chroma_bfl": True, "chroma_diffusers": False,
+                   "flux2_tiny": True, "flux2_diffusers": False, "krea2": False, "krea2_diffusers": False,
+                   "zimage": True, "zimage_diffusers": True, "qwen_image": True, "qwen_image21": True,
+                   "qwen_image21_comfy": True}  # fmt: skip
+
+
+@pytest.mark.parametrize("base_key, reads_fp8", FP8_MERGE_BASES.items())
+def test_every_fp8_merge_loads_through_the_family_loader_or_is_refused_in_one_line(tiny_set, tmp_path, capsys,
+                                                                                   base_key, reads_fp8):
+    """Such a merge used to end with exit 0 and write a file or folder that train_lora and generate refused."""
+    from library.models.spec import load_symbol
+    from tools.merge_base import open_base
+
+    base = open_base(tiny_set[base_key])
+    load = load_symbol(arch_spec(base.family).transformer.load)
+    LoRANetwork(load(tiny_set[base_key]), base.family, 4, 4.0).save(str(tmp_path / "l.safetensors"))
+    for layout in ("plain", "block64") if base.is_folder else ("comfy", "plain", "block64"):  # comfy: single files
+        out = tmp_path / (layout if base.is_folder else f"{layout}.safetensors")
+        capsys.readouterr()
+        rc = merge("--model", tiny_set[base_key], "--lora", tmp_path / "l.safetensors", "--save_to", out,
+                   "--save_precision", "fp8", "--fp8_layout", layout)  # fmt: skip
+        assert rc == (0 if reads_fp8 else 2), (layout, capsys.readouterr().err)
+        if reads_fp8:
+            load(str(out), torch.bfloat16)
+        else:
+            line = only_line(capsys.readouterr().err)
+            assert "loader does not read a stored" in line and f"--fp8_layout {layout}" in line, line
+            assert not out.exists() and os.listdir(tmp_path) == ["l.safetensors"]
+
+
 def test_stochastic_rounding_keeps_a_delta_that_round_to_nearest_drops(tmp_path):
     model = randomized(LLM(LLM_CFG), 8)
     # q_proj of layer 0: weights that are exact e4m3 values of one binade (step 2^-7) and a uniform

@@ -43,7 +43,9 @@ or unbiased stochastic rounding with --stochastic_rounding) in one of three layo
            modules its architecture's fp8 rules keep and every other float tensor bf16.
   block64  ours (`--save_precision fp8_scaled` is the same): e4m3 + bf16 `X.weight_scale` per 64 input
            columns (library/precision/fp8.py), high-precision modules bf16. Only our loaders read it.
-All three load back as they are through the families' transformer loaders (train_lora.py, generate.py).
+Each loads back as it is through the family's transformer loader (train_lora.py, generate.py); a layout
+and naming that loader does not read as stored (its spec's FP8Rules.stored: a diffusers folder whose
+fused rows are split, a family that quantizes only while loading) is refused before anything is written.
 
 An fp8 BASE (plain e4m3, our fp8_scaled, ComfyUI's per-tensor scaled fp8 with its `scaled_fp8` marker or
 comfy_quant; library/precision/fp8_checkpoints.py) is merged into as ComfyUI patches one: each merged
@@ -479,6 +481,23 @@ def _output_precision(base: Base, save_precision: str | None, fp8_layout: str | 
     return FP8_LAYOUTS[fp8_layout]
 
 
+def _check_fp8_output(base: Base, precision: str | None, save_precision: str | None) -> None:
+    """An fp8 output (written, or an fp8 base's layout kept) only where the family's loader reads it as
+    stored (FP8Rules.stored): the merge would otherwise end well and train_lora / generate refuse its file."""
+    layout = base.fp8.layout if precision is None and base.fp8 is not None else precision
+    if layout not in FP8_MODES:
+        return
+    spec = arch_spec(base.family)
+    if layout in spec.fp8.stored.get(base.naming, ()):
+        return
+    flag = next(k for k, v in FP8_LAYOUTS.items() if v == layout)
+    namings = [naming for naming, layouts in spec.fp8.stored.items() if layout in layouts]
+    instead = f"merge into a checkpoint in {' or '.join(namings)} names" if namings else "save bf16"
+    raise ValueError(f"--save_precision {save_precision or 'as input'} (--fp8_layout {flag}): the {spec.title} loader "
+                     f"does not read a stored {layout} checkpoint in {base.naming} names ({base.path}); {instead}, "
+                     f"or let training quantize a bf16 base while loading (base_precision fp8 / fp8_scaled)")
+
+
 def _check_save_to(save_to: str, model: str, base: Base, loras: list[LoRASpec], qtype: str | None) -> None:
     """The output is neither the base nor a LoRA (a PEFT folder counts with its weights file), and a
     file output's extension says what is written (.gguf for GGUF, else .safetensors)."""
@@ -530,6 +549,7 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
         raise ValueError(f"--save_precision {save_precision} --fp8_layout {fp8_layout}: {base.path} is a pre-quantized "
                          f"{base.fp8.layout} base; another fp8 layout would re-round all its weights: leave them out "
                          f"(keeps {base.fp8.layout}, re-quantizes only merged weights) or give bf16 / fp16 / fp32")
+    _check_fp8_output(base, precision, save_precision)
     _check_save_to(save_to, model, base, loras, qtype)
     deltas: dict[str, list[tuple[float, LoRAWeights]]] = {}
     for spec in loras:

@@ -31,7 +31,8 @@ LORA_FILES = S.LoRAFiles(
 
 
 # -- fp8: modules kept in high precision (library/precision/fp8.py)
-FP8 = S.FP8Rules(keep=(r"lm_head", r"model\.embed_tokens"))
+# stored: transformers reads plain e4m3 weights and drops a block64 file's scales
+FP8 = S.FP8Rules(keep=(r"lm_head", r"model\.embed_tokens"), stored={"hf": ("fp8",)})
 
 
 # -- memory planner shapes and presets

@@ -112,16 +112,24 @@ class LoRAFiles:
 # fp8: which modules stay in high precision (library/precision/fp8.py)
 
 
+STORED_FP8 = ("fp8", "fp8_scaled", "fp8_tensor_scaled")  # every fp8 layout precision/stored_layouts.py reads (fp8.MODES)
+
+
 @dataclass(frozen=True)
 class FP8Rules:
     """The Linears that stay in high precision (bf16 / fp32) when the base is stored in fp8, as
-    regexes full-matched against qualified module names. library/precision/fp8.py takes this object
-    itself (it sits below the registry and never looks an architecture up by name)."""
+    regexes full-matched against qualified module names, and the fp8 checkpoints its loader reads as
+    stored. library/precision/fp8.py takes this object itself (it sits below the registry and never
+    looks an architecture up by name)."""
 
     keep: tuple[str, ...]  # always kept: embedders, input / output projections, the final layer
     # Per-block modulation Linears: quantized while fp8.QUANTIZE_MODULATION is True (the default,
     # measured where it was decided: the first family's FP8 comment), kept otherwise.
     modulation: tuple[str, ...] = ()
+    # The fp8 layouts (fp8.MODES) the transformer's loader reads as they are stored, per checkpoint naming
+    # (CheckpointNames.naming): tools/merge_lora.py writes fp8 only where they load back. A naming left out
+    # reads none (a loader that quantizes while loading, or whose fused rows a stored scale would not survive).
+    stored: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -50,7 +50,11 @@ LORA_FILES = S.LoRAFiles(
 # approximator (distilled_guidance_layer, 278 M of the 8.9 B weights: 3.1%), whose one output carries every
 # block's modulation, so an fp8 error there would reach all blocks at once (FLUX.2's shared modulation
 # measured 13% less block error kept, flux2/spec.py). No per-block modulation Linears to quantize.
-FP8 = S.FP8Rules(keep=(r"img_in", r"txt_in", r"distilled_guidance_layer\..*", r"final_layer\..*"))
+FP8 = S.FP8Rules(
+    keep=(r"img_in", r"txt_in", r"distilled_guidance_layer\..*", r"final_layer\..*"),
+    # BFL names only: a diffusers folder splits the fused qkv / linear1 rows, which one stored scale does not survive
+    stored={"bfl": S.STORED_FP8},
+)
 
 
 # -- GGUF: ComfyUI-GGUF's layout (library/precision/gguf_writer.py)

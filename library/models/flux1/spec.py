@@ -81,6 +81,8 @@ LORA_FILES = S.LoRAFiles(
 FP8 = S.FP8Rules(
     keep=(r"img_in", r"txt_in", r"time_in\..*", r"vector_in\..*", r"guidance_in\..*", r"final_layer\..*"),
     modulation=(r".*_mod\.lin", r".*\.modulation\.lin"),
+    # BFL names only: a diffusers folder splits the fused qkv / linear1 rows, which one stored scale does not survive
+    stored={"bfl": S.STORED_FP8},
 )
 
 

@@ -52,6 +52,7 @@ LORA_FILES = S.LoRAFiles(
 SHARED_MODULATION = (r"double_stream_modulation_(img|txt)\.lin", r"single_stream_modulation\.lin")
 FP8 = S.FP8Rules(
     keep=(r"img_in", r"txt_in", r"time_in\..*", r"guidance_in\..*", r"final_layer\..*", *SHARED_MODULATION),
+    stored={"bfl": S.STORED_FP8},  # BFL names only: a diffusers folder splits the fused qkv rows (one stored scale)
 )
 
 

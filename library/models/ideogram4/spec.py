@@ -52,6 +52,7 @@ LORA_FILES = S.LoRAFiles(
 FP8 = S.FP8Rules(
     keep=(r"input_proj", r"llm_cond_proj", r"t_embedding\..*", r"adaln_proj", r"final_layer\..*"),
     modulation=(r"layers\.\d+\.adaln_modulation",),
+    # stored: none of these; the releases' own BFL fp8r / nvfp4 (precision/bfl_weights.py) are what its loader reads
 )
 
 

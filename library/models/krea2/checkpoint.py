@@ -257,10 +257,11 @@ def load_krea2(
         raise ValueError(f"load_krea2 dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
-    config, source = _source(path, reader, config)
+    # Refused before the key check, which would name a stored scale an unexpected key (spec.py: FP8Rules.stored)
     if (stored := read_stored_layout(reader, path)) is not None:
         raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) Krea 2 file is not read yet; load a bf16 "
                               f"one with prepare=fp8_prepare(...) to quantize while loading")
+    config, source = _source(path, reader, config)
     with torch.device("meta"):
         model = Krea2(config)
     convert = prepared_convert(model, prepare, convert, "load_krea2")

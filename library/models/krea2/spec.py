@@ -65,6 +65,7 @@ LORA_FILES = S.LoRAFiles(
 # every block's modulation, as Chroma's approximator), the final projection and the whole text-fusion
 # transformer (343 M of the 12.8 B weights, 2.7%: musubi-tuner quantizes the 28 main blocks only and
 # keeps it bf16) stay in high precision; the main blocks' Linears go to fp8.
+# stored: none yet (load_krea2 quantizes a bf16 file while loading; a pre-quantized one is refused)
 FP8 = S.FP8Rules(keep=(r"first", r"tmlp\..*", r"tproj\..*", r"txtmlp\..*", r"txtfusion\..*", r"last\..*"))
 
 

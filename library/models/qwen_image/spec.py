@@ -36,6 +36,7 @@ LORA_FILES = S.LoRAFiles(
 FP8 = S.FP8Rules(
     keep=(r"img_in", r"txt_in", r"time_text_embed\..*", r"norm_out\..*", r"proj_out"),
     modulation=(r".*\.(img|txt)_mod\.1",),
+    stored={"diffusers": S.STORED_FP8},  # a folder or a single file in the folder's names (ComfyUI's)
 )
 
 

@@ -52,7 +52,8 @@ LORA_FILES = S.LoRAFiles(
 # the shared modulation Linear (every block's scales and gates, as Krea 2's tproj) is kept too: one
 # 67 M-parameter matrix whose error would reach all 32 blocks. The blocks' Linears go to fp8.
 FP8 = S.FP8Rules(keep=(r"img_in", r"txt_in\..*", r"time_text_embed\..*", r"modulation\..*", r"norm_out\..*",
-                       r"proj_out"))
+                       r"proj_out"),
+                 stored={"diffusers": S.STORED_FP8})  # a folder or a single file in the folder's names (ComfyUI's)
 
 
 # -- timestep sampling and shift defaults (library/models/flow_matching.py)

@@ -62,6 +62,7 @@ FP8 = S.FP8Rules(
     keep=(r"all_x_embedder\..*", r"cap_embedder\..*", r"t_embedder\..*", r"all_final_layer\..*",
           r"siglip_embedder\..*"),
     modulation=(r".*\.adaLN_modulation\.0",),
+    stored={"single_file": S.STORED_FP8, "diffusers": S.STORED_FP8},  # a fused qkv splits by rows, scales too
 )
 
 
