@@ -477,12 +477,13 @@ def peft_state_dict(weights: dict[str, LoRAWeights], prefix="transformer", dtype
     return out
 
 
-def comfy_state_dict(weights: dict[str, LoRAWeights], dtype=torch.float32) -> dict[str, torch.Tensor]:
+def comfy_state_dict(weights: dict[str, LoRAWeights], dtype=torch.float32,
+                     prefix: str = "diffusion_model") -> dict[str, torch.Tensor]:
     """ComfyUI's dotted layout: `diffusion_model.<path>.lora_A.weight` / `.lora_B.weight` with the scale
     folded in (peft_state_dict), a DoRA magnitude as `.dora_scale` [out, 1]: comfy/lora.py load_lora
     reads `{name}.dora_scale` (per output row when its first dim is out), not PEFT's lora_magnitude_vector."""
     out = {}
-    for key, tensor in peft_state_dict(weights, "diffusion_model", dtype).items():
+    for key, tensor in peft_state_dict(weights, prefix, dtype).items():
         if key.endswith(".lora_magnitude_vector"):
             out[key[: -len(".lora_magnitude_vector")] + ".dora_scale"] = tensor.reshape(-1, 1)
         else:

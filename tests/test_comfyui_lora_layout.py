@@ -179,3 +179,26 @@ def test_dora_for_comfyui_has_its_magnitude_as_dora_scale_per_output_row(tiny_se
     for path, w in net.lora_weights().items():
         assert torch.equal(read_back[path].magnitude, w.magnitude.reshape(-1)), path
         assert (read_back[path].delta() - w.delta()).abs().max().item() <= 1e-6, path
+
+
+
+def test_resize_and_combine_write_a_comfy_file_back_in_comfyuis_layout(tiny_set, tmp_path):
+    """resize_lora read --to comfy's lora_A / lora_B as PEFT's and wrote the DoRA magnitude as
+    lora_magnitude_vector, which ComfyUI leaves unloaded: it rendered the resized DoRA as a plain LoRA."""
+    from tools import combine_loras, resize_lora
+
+    model = load_flux(tiny_set["flux_bfl"]).float()
+    save_flux_bfl(model, str(tmp_path / "single.safetensors"), model.config)
+    comfy_sd = load_file(str(tmp_path / "single.safetensors"))
+    names = comfy.key_map(comfy_sd)
+    for dora in (True, False):  # combine_loras refuses a DoRA (not additive)
+        kohya, comfy_file, out = (str(tmp_path / f"{n}_{dora}.safetensors") for n in ("kohya", "comfy", "out"))
+        lora(model, "flux", rank=4, alpha=2.0, seed=8, dora=dora).save(kohya)
+        assert convert_lora.main([kohya, comfy_file, "--to", "comfy"]) == 0
+        tool = resize_lora.main(["--lora", comfy_file, "--save_to", out, "--new_rank", "4"]) if dora else \
+            combine_loras.main(["--lora", f"{comfy_file}:0.5", f"{comfy_file}:0.5", "--save_to", out])
+        assert tool == 0
+        written, wanted = load_file(out), load_file(comfy_file)
+        assert set(written) == set(wanted), sorted(set(written) ^ set(wanted))
+        (theirs, not_loaded), (want, _) = comfy.load_lora(written, names), comfy.load_lora(wanted, names)
+        assert not not_loaded and max_diff(comfy.patched(comfy_sd, theirs), comfy.patched(comfy_sd, want)) <= 1e-5

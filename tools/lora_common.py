@@ -6,7 +6,9 @@ A LoRAFile keeps module names as the file spells them: kohya names (`lora_unet_d
 img_attn_qkv`, no model needed to resolve '_') or dotted paths with the prefix (`transformer.`,
 `base_model.model.`, `diffusion_model.`) stripped and remembered, so a tool writes its result in
 the layout it read. PEFT output has alpha / rank folded into lora_B (float32), as convert_lora
-writes it, so every PEFT loader applies the right delta without an adapter config.
+writes it, so every PEFT loader applies the right delta without an adapter config. ComfyUI's own
+file of PEFT names (`diffusion_model.` prefix or a DoRA `dora_scale`: convert_lora --to comfy) is
+"comfy_peft" and written back so (comfy_state_dict): ComfyUI reads no `lora_magnitude_vector`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
     COMFY_PREFIXES,
     FOLDED_MARK,
+    comfy_state_dict,
     PEFT_PREFIXES,
     LoRAWeights,
     _split_key,
@@ -42,12 +45,15 @@ from networks.lycoris_network import is_lycoris_file  # noqa: E402
 from tools.cli import LoRASpec, Parser, one_line, parse_lora_spec  # noqa: E402,F401  (the LoRA tools' parser, error line, --lora)
 
 DROPPED_METADATA = ("sshs_model_hash", "sshs_legacy_hash", ADAPTER_METADATA_KEY, FOLDED_MARK)
+COMFY_ONLY_PREFIXES = tuple(p for p in COMFY_PREFIXES if p != "transformer.")  # diffusers' prefix is PEFT's too
+
+
 @dataclass
 class LoRAFile:
     path: str
     weights: dict[str, LoRAWeights]  # file module name (kohya name, or dotted path without prefix) -> LoRA
     metadata: dict[str, str]
-    fmt: str  # "kohya" | "peft" | "comfy"
+    fmt: str  # "kohya" | "peft" | "comfy" (dotted lora_down / lora_up) | "comfy_peft" (ComfyUI's lora_A / lora_B)
     prefix: str  # stripped from dotted names ("" for kohya)
     dtype: torch.dtype
     shapes: dict[str, torch.Tensor] | None = None  # key -> meta tensor of the file's shape (tells the architecture)
@@ -77,6 +83,8 @@ def read_lora_file(path: str, tool: str) -> LoRAFile:
         modules = list(dict.fromkeys(_split_key(k)[0] for k in tensors))
         prefixes = PEFT_PREFIXES if fmt == "peft" else COMFY_PREFIXES
         prefix = next((p for p in prefixes if all(m.startswith(p) for m in modules)), "")
+    if fmt == "peft" and (prefix in COMFY_ONLY_PREFIXES or any(k.endswith(".dora_scale") for k in tensors)):
+        fmt = "comfy_peft"
     dtype = next(iter(weights.values())).down.dtype
     shapes = {k: torch.empty(t.shape, device="meta") for k, t in tensors.items()}
     return LoRAFile(path, weights, dict(metadata), fmt, prefix, dtype, shapes)
@@ -92,6 +100,8 @@ def layout_tensors(weights: dict[str, LoRAWeights], fmt: str, prefix: str, dtype
     """Modules (named as LoRAFile names them) -> tensors of layout `fmt`; alpha a float32 scalar."""
     if fmt == "peft":
         return peft_state_dict(weights, prefix.rstrip("."), dtype)
+    if fmt == "comfy_peft":
+        return comfy_state_dict(weights, dtype, prefix.rstrip("."))
     out = {}
     for name, w in weights.items():
         key = prefix + name
@@ -108,7 +118,7 @@ def write_lora_file(path: str, weights: dict[str, LoRAWeights], fmt: str, prefix
     """Atomic write in layout `fmt`; hashes and PEFT alpha headers of the input are dropped (they
     describe other tensors), PEFT output is marked as alpha-folded."""
     header = {k: v for k, v in metadata.items() if k not in DROPPED_METADATA}
-    if fmt == "peft":
+    if fmt in ("peft", "comfy_peft"):
         header[FOLDED_MARK] = "true"
     write_lora_tensors(layout_tensors(weights, fmt, prefix, dtype), path, header)
 
