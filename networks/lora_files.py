@@ -384,6 +384,23 @@ def adapter_name_dropped(keys, source: str = "LoRA") -> dict[str, str]:
             for k, m in found.items()}
 
 
+# PEFT's LoRA of an nn.Embedding (target_modules naming embed_tokens) saves `<module>.lora_embedding_A` [r, vocab] /
+# `lora_embedding_B` [dim, r] (Parameters: no `.weight`; a raw state_dict() adds the adapter name), beside the
+# embedding's own `<module>.base_layer.weight`. LoRA networks here adapt Linears alone.
+EMBEDDING_LORA = re.compile(r"\.lora_embedding_[AB](\.[^.]+)?$")
+
+
+def refuse_embedding_lora(keys, source: str = "LoRA") -> None:
+    """A CheckpointError naming the module of the first PEFT embedding LoRA (EMBEDDING_LORA) among `keys`: left
+    unsaid, its keys read as a whole model's beside the LoRA (base_layer_keys) or as keys mixed with PEFT's."""
+    found = next((m for k in keys if (m := EMBEDDING_LORA.search(k))), None)
+    if found is not None:
+        module = found.string[: found.start()]
+        raise CheckpointError(f"{source}: an embedding LoRA (lora_embedding_A / lora_embedding_B on '{module}') is not "
+                              f"supported: LoRAs of Linear modules (lora_A / lora_B) are; train the adapter without the "
+                              f"embedding in target_modules")
+
+
 # A PEFT-wrapped Linear keeps its own weight and bias as `<module>.base_layer.weight` / `.bias` beside its
 # lora_A / lora_B: a raw model.state_dict() saves them too (peft's LoraLayer.base_layer).
 BASE_LAYER = ".base_layer."
@@ -407,11 +424,12 @@ def base_layer_keys(keys, source: str = "LoRA") -> list[str]:
 def lora_reader(path: str) -> tuple[CheckpointReader, dict | None]:
     """A LoRA safetensors file or PEFT adapter folder -> (reader of its tensors, keys under their PEFT names
     less an adapter name (adapter_name_dropped) and a raw PEFT state dict's base_layer tensors (base_layer_keys,
-    with one warning saying how many), the folder's adapter_config.json or None). Any other folder is a
-    CheckpointError saying what is expected."""
+    with one warning saying how many), the folder's adapter_config.json or None). Any other folder, and a PEFT
+    embedding LoRA (refuse_embedding_lora), is a CheckpointError saying what is expected."""
     folder = peft_folder_of(path)
     config = read_adapter_config(folder) if folder else None
     reader = CheckpointReader(os.path.join(folder, PEFT_WEIGHTS_FILE) if folder else path)
+    refuse_embedding_lora(reader.keys(), path)
     reader.rename(adapter_name_dropped(reader.keys(), path))
     if base := base_layer_keys(reader.keys(), path):
         reader.leave_out(base)

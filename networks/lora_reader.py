@@ -63,6 +63,7 @@ from networks.lora_files import (
     parse_lora,
     peft_alpha_known,
     read_lora_tensors,
+    refuse_embedding_lora,
     resolve_kohya_names,
     split_beside_lora,
     split_text_encoders,
@@ -150,6 +151,7 @@ def read_for_model(source, arch: str, paths, module_map=None, target_is_key: boo
     if isinstance(source, str):
         tensors, metadata, config = read_lora_tensors(source)
     else:  # a state dict: keys under their PEFT names, as a file's (lora_reader)
+        refuse_embedding_lora(source, name)
         names = adapter_name_dropped(source, name)
         tensors, metadata, config = {names.get(k, k): v for k, v in source.items()}, {}, None
     return lora_for_model(tensors, metadata, config, arch, paths, module_map, target_is_key, name, strict)

@@ -161,6 +161,29 @@ def test_peft_folder_errors_are_one_line(tmp_path, capsys):
     assert "--to diffusers: LLM LoRAs convert with --to peft" in capsys.readouterr().err
 
 
+def test_a_peft_embedding_lora_is_refused_naming_it(tmp_path, capsys):
+    """PEFT's save_pretrained with embed_tokens in target_modules writes lora_embedding_A / _B and the embedding's
+    base_layer.weight: as network_weights, in merge_lora.py and as a raw state dict it is one line naming the
+    embedding LoRA. The old line called it "a whole PEFT model's state_dict()" and advised
+    get_peft_model_state_dict, which save_pretrained had used."""
+    from peft import LoraConfig, get_peft_model
+
+    model = hf_folder(tmp_path / "base", True)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"], task_type="CAUSAL_LM")
+    peft_model = get_peft_model(hf_model(tmp_path / "base"), config)
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    said = (f"{tmp_path / 'adapter'}: an embedding LoRA (lora_embedding_A / lora_embedding_B on "
+            f"'base_model.model.model.embed_tokens') is not supported: LoRAs of Linear modules (lora_A / lora_B) are")
+    with pytest.raises(ValueError) as refused:
+        LoRANetwork.from_weights(model, "llm", str(tmp_path / "adapter"))
+    assert str(refused.value).startswith(said)
+    assert merge_lora.main(["--model", str(tmp_path / "base"), "--lora", str(tmp_path / "adapter"),
+                            "--save_to", str(tmp_path / "merged")]) == 2
+    assert f"error: {said}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"state dict: an embedding LoRA \(.* on 'base_model.model.model.embed_tokens'\)"):
+        LoRANetwork.from_weights(model, "llm", peft_model.state_dict())
+
+
 def test_merge_lora_into_a_plain_fp8_folder_keeps_it_fp8(tmp_path):
     """A LoRA trained on a plain-fp8 LLM folder (train_lora.py uses it as stored) merges into it: each
     merged Linear is the fp32 merge into the widened base, rounded once to float8_e4m3fn. The old line
