@@ -618,9 +618,12 @@ class LoRANetwork(nn.Module):
                 raise CheckpointError(f"{name}: LoRA module '{path}' is {kinds[0]} in the file, {kinds[1]} in the network "
                                       f"(network_args dora={self.dora})")
             if w.down.shape != m.lora_down.weight.shape or w.up.shape != m.lora_up.weight.shape:
+                other_rank = (w.down.shape[1], w.up.shape[0]) == (m.lora_down.weight.shape[1], m.lora_up.weight.shape[0])
                 raise CheckpointError(
                     f"{name}: LoRA module '{path}' has down {tuple(w.down.shape)} / up {tuple(w.up.shape)}, "
                     f"the network expects {tuple(m.lora_down.weight.shape)} / {tuple(m.lora_up.weight.shape)}"
+                    + (f" (rank {w.rank}, not {m.rank}: the network keeps the ranks network_dim and the *_dim "
+                       f"network_args give it)" if other_rank else "")
                 )
             m.lora_down.weight.copy_(w.down)  # cast to the LoRA dtype
             m.lora_up.weight.copy_(w.up)

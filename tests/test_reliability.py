@@ -310,14 +310,22 @@ def test_missing_caption_trains_on_the_class_tokens(tiny_set, tmp_path, monkeypa
     assert (out / "tiny_flux_lora.safetensors").stat().st_size > 0
 
 
-def test_network_weights_of_another_rank_is_refused(trained, tiny_set, tmp_path, capsys):
+def test_network_weights_of_another_rank_is_refused(trained, tiny_set, tmp_path, capsys, monkeypatch):
+    """Refused from the file and the transformer's header (the network on meta), before caching, naming the key.
+    The old line refused once the model had loaded, after caching."""
+    from library.training import diffusion_task
+
+    for name in ("cache_latents", "cache_text"):
+        monkeypatch.setattr(diffusion_task, name, lambda *a, **k: pytest.fail("cached before the refusal"))
     out = tmp_path / "out"
     capsys.readouterr()
     code = train_lora.main(flux_args(tiny_set, out, "--network_dim", "4",
                                      "--network_weights", str(trained / "tiny_flux_lora.safetensors")))
     line = one_error_line(capsys, code)
+    assert "key 'network_weights': " in line, line
     assert ("tiny_flux_lora.safetensors: LoRA module 'double_blocks.0.img_attn.proj' has down (8, 64) / up (64, 8), "
-            "the network expects (4, 64) / (64, 4)") in line, line
+            "the network expects (4, 64) / (64, 4) (rank 8, not 4: the network keeps the ranks network_dim and the "
+            "*_dim network_args give it)") in line, line
     assert files_under(out) == []
 
 

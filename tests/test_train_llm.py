@@ -140,6 +140,43 @@ def test_max_length_beyond_the_context_window_is_refused_before_the_weights_load
     assert "max_length 4096 is longer than the model's context window (max_position_embeddings = 2048)" in capsys.readouterr().err
 
 
+def peft_folder(base: str, folder: str, rank_pattern: dict) -> None:
+    """A PEFT adapter folder PEFT itself writes on `base`: rank 4, alpha 8, q / v / down_proj, lora_B random."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                        rank_pattern=rank_pattern, task_type="CAUSAL_LM")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), config).save_pretrained(folder)
+
+
+def test_network_weights_of_other_ranks_is_refused_before_tokenizing_and_the_networks_ranks_train(tiny_set, tmp_path,
+                                                                                                 capsys, monkeypatch):
+    """network_weights keeps the network's ranks (as for a diffusion model, and sd-scripts without dim_from_weights).
+    A PEFT folder whose rank_pattern puts one down_proj at 2 beside a rank-4 network: the old line tokenized the
+    corpus and loaded the model, then refused ("LoRA module 'model.layers.1.mlp.down_proj' has down (2, 64) ...").
+    Now one line naming the key, from the folder and the config alone. A rank_pattern the *_dim network_args give
+    (every down_proj at 2: mlp_dim=2) trains on and saves back its rank_pattern."""
+    from library.training import llm_task
+
+    peft_folder(tiny_set["llm"], str(tmp_path / "one"), {"layers.1.mlp.down_proj": 2})
+    peft_folder(tiny_set["llm"], str(tmp_path / "mlp"), {"down_proj": 2})
+    run = ["--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm", "--max_train_steps", "1",
+           "--network_dim", "4", "--network_alpha", "8"]
+    with monkeypatch.context() as patched:
+        for name in ("tokenize_corpus", "load_llm"):
+            patched.setattr(llm_task, name, lambda *a, **k: pytest.fail("the corpus was tokenized or the model loaded"))
+        code = train_lora.main(llm_args(tiny_set, tmp_path / "out", *run, "--network_weights", str(tmp_path / "one")))
+    assert code == 2
+    assert (f"error: command line: key 'network_weights': {tmp_path / 'one'}: LoRA module 'model.layers.1.mlp.down_proj' "
+            f"has down (2, 64) / up (32, 2), the network expects (4, 64) / (32, 4) (rank 2, not 4: the network keeps the "
+            f"ranks network_dim and the *_dim network_args give it)") in capsys.readouterr().err
+    assert train_lora.main(llm_args(tiny_set, tmp_path / "out", *run, "--network_weights", str(tmp_path / "mlp"),
+                                    "--network_args", "mlp_dim=2")) == 0
+    config = json.loads((tmp_path / "out" / "lm" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and set(config["rank_pattern"].values()) == {2} and len(config["rank_pattern"]) == 6
+
+
 def test_a_config_json_without_a_shape_key_is_one_line_naming_it(tiny_set, tmp_path, capsys):
     """The old line raised KeyError: 'hidden_size' (a traceback), and KeyError: 'rms_norm_eps' for a config
     that leaves the eps to transformers' default 1e-6, which it now takes."""

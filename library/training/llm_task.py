@@ -35,7 +35,7 @@ from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss,
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import ConfigError, base_precision, compute_dtype, lora_formats, lora_network_args
-from library.training.lora_inputs import check_lora_inputs, loaded_dim_alpha
+from library.training.lora_inputs import check_lora_inputs, check_network_weights_fit, loaded_dim_alpha
 from library.training.optim import drop_rows_after
 from library.training.state import SavedState, check_resumed_fit
 from networks.factory import build_network
@@ -161,6 +161,8 @@ class LLMTask:
         self.sample_stops = tuple(dict.fromkeys(i for i in stops if i is not None)) or None
         self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
         config, self.from_scratch, prepare = self._model_config(path)
+        if not args.pretrain:  # network_weights' ranks against the network's, before tokenizing
+            check_network_weights_fit(args, lambda: self._meta_network(config))
         self.train_set, self.val_set = self._load_data(files, counts.documents, config.vocab_size)
         if state:  # before the weights load (minutes for a large base): a resume that does not fit fails at once
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
@@ -189,6 +191,13 @@ class LLMTask:
                 os.remove(self.eval_log)  # a new run's evals, as its log CSV (appended to, they mixed two runs)
             else:  # the evals a run killed after its last save logged are logged again
                 drop_rows_after(self.eval_log, state.progress["step"])
+
+    def _meta_network(self, config: LLMConfig) -> nn.Module:
+        """The run's network on the model built on the meta device: its modules and ranks, no weights."""
+        args = self.args
+        with torch.device("meta"):
+            return build_network(args.network_module, LLM(config), "llm", args.network_dim, args.network_alpha,
+                                 network_args=lora_network_args(args))
 
     def _model_config(self, path: str) -> tuple[LLMConfig, bool, Callable | None]:
         """(the model's config, whether it trains from scratch, load_llm's prepare hook), read and checked
