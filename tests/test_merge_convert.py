@@ -518,6 +518,19 @@ def test_merge_into_a_folder_never_replaces_one_holding_the_inputs_or_other_file
     assert os.path.isfile(tmp_path / "models" / "flux" / "transformer" / "config.json")
     for _ in range(2):  # into a new folder, then over that earlier merge
         assert merge("--model", tmp_path / "models" / "flux", "--lora", root / "a.safetensors", "--save_to", tmp_path / "m") == 0
+    # Old: a folder named m.safetensors, exit 0; and the copied config.json kept the source's mode, not the umask's
+    assert merge("--model", tmp_path / "models" / "flux", "--lora", root / "a.safetensors", "--save_to",
+                 tmp_path / "m.safetensors") == 2
+    assert "is a folder and so is the merge; name a folder" in only_line(capsys.readouterr().err)
+    assert not (tmp_path / "m.safetensors").exists()
+    config = tmp_path / "models" / "flux" / "transformer" / "config.json"
+    os.chmod(config, 0o600)
+    old = os.umask(0o022)
+    try:
+        assert merge("--model", tmp_path / "models" / "flux", "--lora", root / "a.safetensors", "--save_to", tmp_path / "n") == 0
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "n" / "config.json").st_mode & 0o777 == 0o644
 
 
 def test_unmatched_modules_are_listed_and_skipped_with_allow_unmatched(flux_bfl, tmp_path, capsys):
@@ -628,6 +641,12 @@ def test_convert_errors_are_one_line_exit_2(tmp_path, capsys):
     assert "no such file" in only_line(capsys.readouterr().err)
     assert convert(tmp_path / "attn.safetensors", tmp_path / "o.safetensors", "--to", "diffusers", "--alpha", "4") == 2
     assert "--alpha" in only_line(capsys.readouterr().err)
+    # Old: inf rescaled every lora_up to 0 and 1e-45 to inf, both written with exit status 0
+    for alpha, said in (("inf", "must be a finite number > 0"), ("1e-45", "overflows float32")):
+        assert convert(tmp_path / "attn.safetensors", tmp_path / "o.safetensors", "--to", "kohya", "--model_type",
+                       "qwen_image", "--alpha", alpha) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]  # after the warning that the file's alpha is unknown
+        assert last.startswith("error: ") and said in last, last
     assert not os.path.exists(tmp_path / "o.safetensors")
 
 

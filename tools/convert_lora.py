@@ -143,9 +143,16 @@ def lycoris_refusal() -> str:
 
 
 def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAWeights]:
-    """Same deltas with every alpha set to `alpha`: up *= old_alpha / alpha (float32 math)."""
-    return {p: LoRAWeights(w.down, (w.up.float() * (w.alpha / alpha)).to(w.up.dtype), alpha, w.magnitude)
-            for p, w in weights.items()}
+    """Same deltas with every alpha set to `alpha`: up *= old_alpha / alpha (float32 math). An up that
+    this leaves non-finite in its dtype (a tiny alpha) is an error: it was written as inf."""
+    out = {}
+    for p, w in weights.items():
+        up = (w.up.float() * (w.alpha / alpha)).to(w.up.dtype)
+        if not bool(up.isfinite().all()):
+            raise ValueError(f"--alpha {alpha:g}: module {p}'s lora_up times its alpha {w.alpha:g} / {alpha:g} "
+                             f"overflows {str(w.up.dtype).removeprefix('torch.')}; give an alpha nearer the file's")
+        out[p] = LoRAWeights(w.down, up, alpha, w.magnitude)
+    return out
 
 
 def check_destination(src: str, dst: str, to: str) -> None:
@@ -169,8 +176,9 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     """Convert `src` to layout `to` ("kohya" | "diffusers" | "comfy" | "peft") at `dst`; returns what was done."""
     if to not in ("kohya", "diffusers", "comfy", "peft"):
         raise ValueError(f"--to {to!r}: expected kohya, diffusers, comfy or peft")
-    if alpha is not None and (to != "kohya" or not alpha > 0):
-        raise ValueError(f"--alpha {alpha}: only for --to kohya, and must be > 0 (diffusers output has alpha folded in)")
+    if alpha is not None and (to != "kohya" or not 0 < alpha < float("inf")):  # inf rescaled every up to 0
+        raise ValueError(f"--alpha {alpha}: only for --to kohya, and must be a finite number > 0 (diffusers output "
+                         f"has alpha folded in)")
     check_destination(src, dst, to)
     weights, metadata, fmt, model_type, known, counts, te = read_source(src, model_type and lora_arch(model_type))
     kept_te = {k: v for k, v in te.items() if k.startswith(KOHYA_TEXT_ENCODERS)} if to == "kohya" else {}

@@ -391,7 +391,7 @@ def write_merged(plan: Plan, specs: list[LoRASpec], out: str) -> list[str]:
         for name in os.listdir(plan.base.path):
             source = os.path.join(plan.base.path, name)
             if os.path.isfile(source) and not name.endswith(NOT_COPIED):
-                shutil.copy2(source, os.path.join(out, name))
+                shutil.copyfile(source, os.path.join(out, name))  # new files, as the umask says (copy2 kept the source's mode)
     return written
 
 
@@ -511,6 +511,8 @@ def _check_save_to(save_to: str, model: str, base: Base, loras: list[LoRASpec], 
     if base.is_folder and os.path.isdir(save_to):  # the output folder replaces save_to whole (atomic_folder)
         _check_replaced_folder(save_to, [model, base.path, *(s.path for s in loras)])
     suffix = ".gguf" if qtype else ".safetensors"
+    if base.is_folder and save_to.endswith((".safetensors", ".gguf")):  # a folder was written under the file's name
+        raise ValueError(f"--save_to {save_to}: the base {base.path} is a folder and so is the merge; name a folder")
     if not base.is_folder and not save_to.endswith(suffix):
         written = "a GGUF file" if qtype else "a safetensors file"
         raise ValueError(f"--save_to {save_to}: expected a {suffix} name ({written} is written)")
