@@ -174,6 +174,9 @@ def test_check_tool_bad_input_is_one_line_exit_2(tmp_path, capsys):
                            ([str(tmp_path / "none.toml")], "no such dataset config file"),
                            ([], "no dataset: give a dataset TOML or --config_file"),
                            ([str(tmp_path / "bad.toml"), "--max_tokens", "5"], "--max_tokens needs --tokenizer"),
+                           # Old: 0 was read as unset (the tokenizer's limit), -3 as a limit of -3
+                           ([str(tmp_path / "bad.toml"), "--tokenizer", str(tmp_path), "--max_tokens", "0"],
+                            "--max_tokens 0: expected the tokens the encoder keeps, >= 1"),
                            # the old line: "no tokenizer found in ['models', 'tokenizer']; pass tokenizer=<folder>"
                            (["--config_file", os.path.join(ROOT, "configs", "qwen_image.toml")],
                             "error: models/Qwen-Image: no such file or folder")):
@@ -315,17 +318,22 @@ def test_with_a_training_config_references_the_family_does_not_take_are_errors_a
 
     edit = load_dataset_config(make_tiny_edit_dataset(str(tmp_path / "e"), count=2, size=32)["edit_dataset_config"])
     assert found(check.check_dataset(edit)) == []
-    assert found(check.check_dataset(edit, takes=("t2i", 0, 0))) == [("error", "reference", "000.png"),
+    assert found(check.check_dataset(edit, takes=("t2i", 0, 0, False))) == [("error", "reference", "000.png"),
                                                                       ("error", "reference", "001.png")]
-    assert "but model_type t2i takes no reference images" in check.check_dataset(edit, takes=("t2i", 0, 0)).problems()[0].message
-    assert found(check.check_dataset(edit, takes=("edit", 1, 3))) == []
+    assert "but model_type t2i takes no reference images" in check.check_dataset(edit, takes=("t2i", 0, 0, False)).problems()[0].message
+    assert found(check.check_dataset(edit, takes=("edit", 1, 3, False))) == []
     for i in range(2):
         make_image(tmp_path / "plain" / f"{i}.png", 32, 32, (90 * i, 0, 0))
     plain = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [
         {"image_dir": str(tmp_path / "plain"), "class_tokens": "x"}]}]})
-    assert "needs at least 1 per image" in check.check_dataset(plain, takes=("edit", 1, 3)).problems()[0].message
+    assert "needs at least 1 per image" in check.check_dataset(plain, takes=("edit", 1, 3, False)).problems()[0].message
     layered = make_tiny_layered_dataset(str(tmp_path / "l"), count=2, size=32)["layered_dataset_config"]
-    assert found(check.check_dataset(load_dataset_config(layered), takes=("layered", 1, 1))) == []  # the composite
+    assert found(check.check_dataset(load_dataset_config(layered), takes=("layered", 1, 1, True))) == []  # the composite
+    # Old: an edit family took the composite as its one reference (caching then met RGBA in its VAE), and a
+    # text-to-image family's error named a control_directory the subset never set
+    for takes in (("edit", 1, 3, False), ("t2i", 0, 0, False)):
+        problems = check.check_dataset(load_dataset_config(layered), takes=takes).problems()
+        assert problems and all(f"but model_type {takes[0]} trains no layers" in p.message for p in problems), problems
 
 
 def test_the_validation_split_share_is_counted_as_held_out_not_trained(tmp_path):

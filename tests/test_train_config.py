@@ -298,6 +298,7 @@ def test_plot_lr_text_in_a_number_column_is_one_line_naming_file_line_and_column
     ("folder", "--out {tmp}/folder: expected a .png file name (the plot is written as a PNG)"),  # was 'Is a directory: .folder.x.tmp'
     ("link.png", "--out {tmp}/link.png: is one of the logs read; write the plot elsewhere"),  # a PNG name linked to the log
     (None, "{tmp}/latin1_log.csv: training log is not valid UTF-8: byte 0xe9 at offset 24"),  # was the codec's, no file named
+    ("p.png --smooth 90", "--smooth 90.0: expected an EMA factor in [0, 1)"),  # drew a "smoothed" loss of 1e34
 ])
 def test_plot_lr_refuses_an_out_that_is_a_log_or_a_folder_and_names_a_log_that_is_not_utf8(tmp_path, capsys, out, message):
     log = tmp_path / "lora_log.csv"
@@ -306,7 +307,8 @@ def test_plot_lr_refuses_an_out_that_is_a_log_or_a_folder_and_names_a_log_that_i
     (tmp_path / "folder").mkdir()
     os.symlink(log, tmp_path / "link.png")
     (tmp_path / "latin1_log.csv").write_bytes("step,loss,note\n1,0.5,caf\u00e9\n".encode("latin-1"))
-    argv = [str(log), "--out", str(tmp_path / out)] if out else [str(tmp_path / "latin1_log.csv"), "--out", str(tmp_path / "p.png")]
+    out, *more = out.split(" ") if out else [None]
+    argv = [str(log), "--out", str(tmp_path / out), *more] if out else [str(tmp_path / "latin1_log.csv"), "--out", str(tmp_path / "p.png")]
     with pytest.raises(SystemExit) as raised:
         plot_lr.main(argv)
     assert raised.value.code == 2

@@ -68,7 +68,7 @@ def token_limit(args, config, family) -> tuple[object, str]:
     if not os.path.isdir(args.tokenizer):
         raise ValueError(f"--tokenizer {args.tokenizer}: no such folder")
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
-    limit = args.max_tokens or tokenizer.model_max_length
+    limit = tokenizer.model_max_length if args.max_tokens is None else args.max_tokens
     if limit > 1_000_000:  # transformers' "no limit"
         raise ValueError(f"--tokenizer {args.tokenizer}: the tokenizer sets no model_max_length; pass --max_tokens")
     return TokenLimit(f"{os.path.basename(os.path.normpath(args.tokenizer))} tokenizer", limit,
@@ -82,6 +82,8 @@ def main(argv=None) -> int:
             raise ValueError("--tokenizer and --config_file both given; the config's text encoder sets the tokenizer")
         if args.max_tokens is not None and not args.tokenizer:
             raise ValueError("--max_tokens needs --tokenizer")
+        if args.max_tokens is not None and args.max_tokens < 1:  # 0 read as unset: the tokenizer's limit
+            raise ValueError(f"--max_tokens {args.max_tokens}: expected the tokens the encoder keeps, >= 1")
         config = training_config(args.config_file) if args.config_file else None
         dataset = args.dataset_config or (config.dataset_config if config else None)
         if not dataset:
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
 
             family = get_family(config)
         limit, why = token_limit(args, config, family)
-        takes = (family.name, family.min_controls, family.max_controls) if family else None  # as training checks them
+        takes = (family.name, family.min_controls, family.max_controls, family.takes_layers) if family else None  # as training
         report = check_dataset(blueprint, limit, why, takes)
     except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
         print(one_line(e), file=sys.stderr)

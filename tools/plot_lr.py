@@ -44,6 +44,8 @@ def main(argv=None) -> list[str]:
     args = build_parser().parse_args(argv)
     try:
         check_out(args.out, args.runs)
+        if not 0 <= args.smooth < 1:  # 90 (a percent) drew a "smoothed" loss of 1e34
+            raise ValueError(f"--smooth {args.smooth}: expected an EMA factor in [0, 1) (0.9 keeps 90% of the last value)")
         return plot_runs(args.runs, args.out, args.log, args.smooth)
     except (ValueError, OSError) as e:  # bad input: one line, exit status 2, no plot written
         print(f"error: {e}", file=sys.stderr)
