@@ -226,3 +226,18 @@ def test_latent_caching_overlaps_loading_the_next_batch_with_encoding_this_one(t
     ds = D.ImageDataset(paired_blueprint(tmp_path))
     caches.cache_latents(ds.items, encode, "k", batch_size=2, to_disk=False, load_workers=2)
     assert overlapped == [True]
+
+
+def test_layered_targets_are_refused_for_a_family_that_trains_no_layers(tmp_path):
+    """Old: multiple_target's composite counted as a reference: an edit family took it (its VAE met RGBA
+    after the text was cached), a text-to-image one was told of a control_directory never set."""
+    from library.data.dataset_config import load_dataset_config
+    from library.data.image_folders import scan_images
+    from tools.make_tiny_dataset import make_tiny_layered_dataset
+
+    layered = make_tiny_layered_dataset(str(tmp_path / "l"), count=2, size=32)["layered_dataset_config"]
+    items = scan_images(load_dataset_config(layered))
+    check_family_takes(items, "layered", 1, 1, takes_layers=True)
+    for model_type, most in (("flux_kontext", 4), ("flux", 0)):
+        with pytest.raises(ValueError, match=f"multiple_target = true .*, but model_type {model_type} trains no layers"):
+            check_family_takes(items, model_type, most)

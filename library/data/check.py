@@ -195,10 +195,11 @@ def warn(problems: list[Problem]) -> None:
 
 
 def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
-                  token_check: str = "not counted (no tokenizer)", takes: tuple[str, int, int] | None = None) -> DatasetReport:
+                  token_check: str = "not counted (no tokenizer)", takes: tuple[str, int, int, bool] | None = None) -> DatasetReport:
     """Every subset of the training and validation datasets, checked image by image, plus
-    duplicates across all of them. takes: (model_type, min_controls, max_controls) of the family that
-    trains on it: reference counts it does not take are errors, as training's check_family_takes."""
+    duplicates across all of them. takes: (model_type, min_controls, max_controls, takes_layers) of the
+    family that trains on it: reference counts and layered targets it does not take are errors, as
+    training's check_family_takes."""
     subsets, where = [], {}  # where: image path -> the report of its first subset
     trained, held_out = set(), {}  # held_out: image path -> the report of its first validation subset
     sections = [("datasets", blueprint.datasets), ("validation_datasets", blueprint.validation_datasets)]
@@ -231,7 +232,7 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
 
 
 def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None,
-                 layered: dict | None = None, takes: tuple[str, int, int] | None = None) -> tuple[list[str], list[str]]:
+                 layered: dict | None = None, takes: tuple[str, int, int, bool] | None = None) -> tuple[list[str], list[str]]:
     """Fill `report` for one subset; returns the readable images' paths (for the duplicate check) and
     those training uses (for the held-out ones: split_validation's choice).
     layered: the dataset's first composite ({"first": (path, layer count)}), shared by its subsets;
@@ -284,9 +285,9 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
             first_paired, references = check_references(report, path, subset, controls, first_paired, targets)
         if takes is not None and references is not None:
             try:
-                model_type, fewest, most = takes
+                model_type, fewest, most, layered_ok = takes
                 check_family_takes([SimpleNamespace(image_path=path, control_paths=references, subset=subset)],
-                                   model_type, most, fewest)
+                                   model_type, most, fewest, layered_ok)
             except ValueError as e:
                 report.add("error", "reference", str(e))
         if subset.multiple_target:

@@ -72,9 +72,15 @@ def check_control_count(item, first) -> None:
                          f"every image of a subset needs the same number")
 
 
-def check_family_takes(items, model_type: str, max_controls: int, min_controls: int = 0) -> None:
-    """The training family takes this many references per image (0: it is no edit model)."""
+def check_family_takes(items, model_type: str, max_controls: int, min_controls: int = 0,
+                       takes_layers: bool = False) -> None:
+    """The training family takes this many references per image (0: it is no edit model), and layered
+    targets only if it trains layers (takes_layers)."""
     for item in items:
+        if item.subset.multiple_target and not takes_layers:  # its composite counted as a reference: the
+            # refusal named a control_directory never set, or an edit model's VAE met RGBA after caching text
+            raise ValueError(f"{item.image_path}: its subset sets multiple_target = true (layered targets), but "
+                             f"model_type {model_type} trains no layers (a layer-decomposition model_type does)")
         n = len(item.control_paths)
         if n < min_controls:
             raise ValueError(f"{item.image_path}: {n} reference image(s), but model_type {model_type} needs at least "

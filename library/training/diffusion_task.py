@@ -172,7 +172,7 @@ class DiffusionTask:
         from the checkpoint's header): refused, not trained without and recorded in the LoRA's header."""
         for key, why in self.family.unread_training_keys(self.args).items():
             value = getattr(self.args, key)
-            # guidance_scale 0: sd-scripts' setting for a model without guidance (its Chroma docs): as idle as 1
+            # guidance_scale 0: sd-scripts' setting for a model without guidance (its docs): as idle as 1
             if value != SCHEMA[key].default and not (key == "guidance_scale" and value == 0):
                 raise ConfigError(f"{self.args.config_file or 'command line'}: key '{key}' = {value} does nothing: "
                                   f"{why}; remove it")
@@ -193,7 +193,8 @@ class DiffusionTask:
         bp, rule = self.blueprint, self.family.control_bucket  # the family sizes reference images
         train, held_out = split_validation(scan_images(bp, control_bucket=rule), bp)
         validation = held_out + scan_images(bp, held_out_sets=True, control_bucket=rule)
-        check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls)
+        check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls,
+                           self.family.takes_layers)
         if self.accelerator.is_main_process:  # once, before caching; the scan warned about image sizes itself
             warn(training_warnings(train, validation, self.family.caption_token_limit(self.args)))
             enlarged = upscaled(train + validation)

@@ -96,6 +96,7 @@ class QwenImageLayeredFamily(QwenImageFamily):
     name = "qwen_image_layered"
     arch = "qwen_image"  # Qwen-Image's transformer: its LoRA targets, fp8 rules and flow-matching constants
     min_controls = max_controls = plan_controls = 1  # the image to decompose (training: the composite itself)
+    takes_layers = True
     sample_steps = SPEC.sample_steps["layered"]  # QwenImageLayeredPipeline's 50
 
     def __init__(self, model_path: str, vae_path: str | None = None, layers: int | None = None, **text_paths):
