@@ -138,8 +138,9 @@ def lycoris_refusal() -> str:
     loaded = [f.diffusers_lokr for f in files.values() if f.diffusers_lokr]
     not_loaded = [arch_spec(a).title for a, f in files.items() if "diffusers" in f.layouts and not f.diffusers_lokr]
     return ("a LyCORIS file (LoKr/LoHa/...) has no kohya/diffusers LoRA form: its own keys (lora_unet_*.lokr_w1 ...) "
-            f"are what ComfyUI and LyCORIS load, and diffusers 0.42.1 loads LoKr only for {' and '.join(loaded)}, "
-            f"not {title_list(not_loaded)}; merge it with tools/merge_lora.py instead")
+            f"are what ComfyUI and LyCORIS load; diffusers 0.42.1 loads LoKr only for {' and '.join(loaded)} (not "
+            f"{title_list(not_loaded)}) and only in ai-toolkit's diffusion_model.* names; merge it with "
+            f"tools/merge_lora.py instead")
 
 
 def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAWeights]:
