@@ -368,6 +368,10 @@ def test_quickstart_short_run_writes_outputs_and_lowers_val_loss(tmp_path):
     (["--hidden", "8", "--heads", "2", "--kv_heads", "1"], "^error: --hidden 8: expected at least 12"),
     (["--corpus_chars", "800", "--vocab_size", "300"],
      r"^error: --corpus_chars 800: \d+ tokens leave the validation tenth \d+, fewer than --context \+ 1 = 129"),
+    # ZeroDivisionErrors after the tokenizer trained, and NotADirectoryError (2026-11-27)
+    (["--max_steps", "0"], "^error: --max_steps 0: expected at least 1$"),
+    (["--eval_every", "0"], "^error: --eval_every 0: expected at least 1$"),
+    (["--output_dir", "/etc/passwd/run"], "^error: --output_dir /etc/passwd/run: cannot be created, '/etc/passwd' is a file"),
 ])
 def test_quickstart_bad_settings_are_one_line_before_training(tmp_path, capsys, extra, message):
     """The old line trained the tokenizer and then died in a traceback: LLMConfig's ValueError for --heads 3, and

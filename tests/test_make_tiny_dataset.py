@@ -86,3 +86,13 @@ def test_every_command_shown_into_tiny_models_runs_twice():
         with open(path, encoding="utf-8") as f:
             shown += [(os.path.relpath(path, root), m.group(0)) for m in command.finditer(f.read())]
     assert len(shown) >= 8 and [s for s in shown if "--overwrite" not in s[1].split()] == [], shown
+
+
+def test_make_tiny_models_out_under_a_file_is_one_line(tmp_path, capsys):
+    """Old: NotADirectoryError's traceback after no file was written."""
+    from tools import make_tiny_models
+
+    (tmp_path / "notes.txt").write_text("notes")
+    assert make_tiny_models.main(["--out", str(tmp_path / "notes.txt" / "set")]) == 2
+    assert capsys.readouterr().err == (f"error: --out {tmp_path / 'notes.txt' / 'set'}: cannot be created, "
+                                       f"'{tmp_path / 'notes.txt'}' is a file, not a folder\n")

@@ -89,7 +89,17 @@ def test_bad_sigmas_and_unused_loras_are_one_line_before_training(tiny_set, tmp_
     assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "m"), *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
-    assert not any(p.startswith("train_") for p in os.listdir(tmp_path / "m"))
+    assert not (tmp_path / "m").exists()  # old: the folder was made before the settings were read
+
+
+def test_an_out_below_a_file_is_one_line(tiny_set, tmp_path, capsys):
+    """Old: NotADirectoryError's traceback (exit 1)."""
+    config = write_config(tmp_path, tiny_set, "flux")
+    (tmp_path / "file").write_text("")
+    assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "file" / "m"), "--rows", "bf16",
+                                  "--columns", "bf16+lora"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --out {tmp_path / 'file' / 'm'}: cannot be created, '{tmp_path / 'file'}' is a file, not a folder"], err
 
 
 def test_a_given_lora_of_another_model_is_one_line_before_training(tiny_set, tmp_path, capsys):
@@ -105,7 +115,7 @@ def test_a_given_lora_of_another_model_is_one_line_before_training(tiny_set, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {qwen}: a LoRA for Qwen-Image (tools/lora_info.py: arch qwen_image, diffusers names), "
                    f"not for this FLUX.1 model"]
-    assert not any(p.startswith("train_") for p in os.listdir(tmp_path / "m"))
+    assert not (tmp_path / "m").exists()  # refused before the folder is made
 
 
 
@@ -122,7 +132,7 @@ def test_a_pre_quantized_base_is_one_line_before_training(tiny_set, tmp_path, ca
     assert err == [f"error: {config}: pretrained_model_name_or_path {stored}: the transformer is stored pre-quantized "
                    f"(fp8_tensor_scaled) and loads as stored whatever precision is asked for, so every row and column "
                    f"would train and deploy on that one base; give the bf16 checkpoint"]
-    assert not any(p.startswith("train_") for p in os.listdir(tmp_path / "m"))
+    assert not (tmp_path / "m").exists()  # refused before the folder is made
 
 def test_an_llm_config_is_refused_as_such(tiny_set, tmp_path, capsys):
     """The old line blamed sample_prompts, a key the tool itself adds for its training runs."""
@@ -153,7 +163,7 @@ def test_fp8_compute_row_and_column_need_bf16_then_run(tiny_set, tmp_path, capsy
         patch.setattr(precision_matrix, "fp8_gemm_available", lambda device: False)
         assert precision_matrix.main(base) == 2
     assert "no CPU fp8 GEMMs with per-row scales" in capsys.readouterr().err
-    assert not any(p.startswith("train_") for p in os.listdir(tmp_path / "m"))  # refused before training
+    assert not (tmp_path / "m").exists()  # refused before training, before the folder is made
     if not precision_matrix.fp8_gemm_available("cpu"):
         pytest.skip("this torch's CPU _scaled_mm takes no per-row scales")
     assert precision_matrix.main(base, log=print) == 0

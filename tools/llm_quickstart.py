@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools.cli import check_command_line  # noqa: E402
+from tools.cli import check_command_line, check_out_folder  # noqa: E402
 
 # Pure-Python, well-documented modules that import without side effects on every platform.
 CORPUS_MODULES = (
@@ -100,6 +100,13 @@ def parse_args(argv=None):
         refuse(f"--hidden {args.hidden} / --heads {args.heads} = {args.hidden // args.heads}: a head's width must be even")
     if mlp_width(args.hidden) < 32:  # (--hidden 8 trained a model whose MLPs had width 0)
         refuse(f"--hidden {args.hidden}: expected at least 12 (the MLP is 8/3 x hidden, rounded down to a multiple of 32)")
+    for key in ("max_steps", "eval_every", "eval_batches", "batch_size", "context", "threads"):  # 0: a division by
+        if getattr(args, key) < 1:  # zero after the tokenizer trained, or nothing trained
+            refuse(f"--{key} {getattr(args, key)}: expected at least 1")
+    try:  # NotADirectoryError's traceback
+        check_out_folder("--output_dir", args.output_dir, "the model, tokenizer and log go there")
+    except ValueError as e:
+        refuse(str(e))
     return args
 
 

@@ -26,7 +26,7 @@ import sys
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import check_command_line  # noqa: E402
+from tools.cli import check_command_line, check_out_folder  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +148,11 @@ def write_qwen3_vl(out: str, seed: int, width: int = TINY["lm_hidden"]) -> dict[
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    try:
+        check_out_folder("--out", args.out, "the tiny models go there")  # a traceback after the first files
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     paths = make_tiny_models(args.out, args.seed)
     for name, path in paths.items():
         print(f"{name:26s} {_size(path) / 1024:8.1f} KiB  {path}")
@@ -155,4 +160,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -50,7 +50,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line  # noqa: E402
+from tools.cli import Parser, check_command_line, check_out_folder  # noqa: E402
 
 DEFAULT_ROWS = ("bf16", "fp8", "fp8_scaled", "fp8+posbug")
 LOWBIT = ("nf4", "nf4_dq", "int8")  # bitsandbytes' layers, quantized while loading (base_precision)
@@ -441,12 +441,13 @@ def parse_sigmas(text: str) -> list[float]:
 def main(argv=None, log=print) -> int:
     try:
         cli = build_parser().parse_args(argv)
-        os.makedirs(cli.out, exist_ok=True)
+        check_out_folder("--out", cli.out, "the matrix and its rows' runs go there")  # NotADirectoryError's traceback
         overrides = ["--max_train_steps", str(cli.steps)] if cli.steps else []
         base = load_config(["--config_file", cli.config_file])
         if base.model_type == "llm":  # before run_args' diffusion keys, which an llm config refuses
             raise ValueError(f"{cli.config_file}: model_type llm: the precision matrix is for the diffusion models")
         if cli.resolution:
+            os.makedirs(cli.out, exist_ok=True)
             overrides += ["--dataset_config", resized_dataset(base.dataset_config, cli.resolution, cli.out)]
         args = load_config(run_args(cli.config_file, overrides))
         family = get_family(args)
@@ -469,6 +470,7 @@ def main(argv=None, log=print) -> int:
         for path in given.values():  # headers only: not a LoRA, or another model's, is named before any row trains
             check_lora_arch(path, family.arch)
         concept_path = find_concept(cli.concept, base.dataset_config)
+        os.makedirs(cli.out, exist_ok=True)  # once the settings are checked: a refused run leaves no folder behind
         bases = Bases(args.pretrained_model_name_or_path, family.arch, getattr(torch, DTYPES[cli.dtype]), cli.out, cli.seed)
         loras = {r: given.get(r) or train_row(r, cli.config_file, cli.out, overrides, bases) for r in rows}
         data = eval_data(args, family, cli.max_items)
