@@ -241,3 +241,26 @@ def test_layered_targets_are_refused_for_a_family_that_trains_no_layers(tmp_path
     for model_type, most in (("flux_kontext", 4), ("flux", 0)):
         with pytest.raises(ValueError, match=f"multiple_target = true .*, but model_type {model_type} trains no layers"):
             check_family_takes(items, model_type, most)
+
+
+def test_a_family_that_stretches_references_trains_on_them_stretched_in_their_own_cache_entries(tmp_path):
+    """Training sees a reference as its sample does (stretched: Qwen-Image-Edit, Qwen-Image-2.1), and a
+    cache written with cropped references is not reused for stretched ones."""
+    from PIL import Image
+
+    from library.data.images import load_rgb
+
+    make_image(tmp_path / "img" / "a.png", 32, 32, (255, 0, 0))
+    ref = Image.new("RGB", (48, 32))
+    ref.paste((255, 255, 255), (0, 0, 8, 32))  # a white band on the left: a centre crop cuts it
+    os.makedirs(tmp_path / "ctrl")
+    ref.save(tmp_path / "ctrl" / "a.png")
+    cropped = image_folders.scan_images(paired_blueprint(tmp_path))
+    stretched = image_folders.scan_images(paired_blueprint(tmp_path), stretch_controls=True)
+    assert stretched[0].controls_stretched and not cropped[0].controls_stretched
+    assert caches.latent_entry(stretched[0]) != caches.latent_entry(cropped[0])
+    sample = D.ImageDataset(paired_blueprint(tmp_path), items=stretched)[0]
+    expected = load_rgb(str(tmp_path / "ctrl" / "a.png")).resize((32, 32), Image.Resampling.LANCZOS)
+    pixels = torch.tensor(list(expected.getdata()), dtype=torch.float32).T.reshape(3, 32, 32) / 127.5 - 1
+    assert torch.allclose(sample["control_images"][0], pixels, atol=1e-6)
+    assert float(sample["control_images"][0][:, :, 0].mean()) > 0.9  # the band is kept

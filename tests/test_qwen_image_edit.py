@@ -317,3 +317,30 @@ def test_sampling_matches_qwen_image_and_edit_plus_pipelines(tiny_set, tmp_path,
     relative = ((ours - theirs).norm() / theirs.norm()).item()
     print(f"{name} sampling vs its pipeline: relative {relative:.3g}")
     assert relative <= 1e-5
+
+
+def test_sample_references_are_stretched_as_the_pipelines_resize_them(tmp_path):
+    """Old: a reference was covered and centre-cropped to the pipeline's size (up to ~9 px off at 1000 x 700,
+    mean |diff| 0.14 in [-1, 1]) while the VL encoder saw it whole: QwenImageEditPlusPipeline and
+    QwenImage21Pipeline stretch it (VaeImageProcessor.resize, Lanczos); ComfyUI's node does too."""
+    import numpy as np
+    from PIL import Image
+    from diffusers.image_processor import VaeImageProcessor
+
+    from library.data.controls import reference_images
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+    from library.models.qwen_image21.family import QwenImage21Family
+
+    rng = np.random.default_rng(0)
+    image = Image.fromarray((rng.random((70, 100, 3)) * 255).astype(np.uint8)).resize((1000, 700), Image.BICUBIC)
+    path = tmp_path / "ref.png"
+    image.save(path)
+    processor = VaeImageProcessor(vae_scale_factor=16)
+    for family in (QwenImageEditFamily("unused.safetensors", model_version="qwen-image-edit-2511"),
+                   QwenImage21Family("unused.safetensors")):
+        assert family.stretches_references
+        ours = reference_images([str(path)], family.sample_control_bucket, 1024, 1024, family.stretches_references)[0][0]
+        h, w = ours.shape[1:]
+        assert (w, h) != (1000, 700) and abs(w / h - 1000 / 700) > 1e-3  # the size's ratio is not the image's: a crop differed
+        theirs = processor.preprocess(processor.resize(image, h, w), h, w)[0]
+        assert float((ours - theirs).abs().max()) < 1e-5, family.name

@@ -32,10 +32,10 @@ def test_merged_edit_lora_predicts_like_the_runtime_lora(tiny_set, tmp_path):
     sigma = torch.tensor([0.5])
     with torch.no_grad():
         runtime = family.predict(model, x_t, sigma, text, 4, 4, None, control=[reference])
-    out = tmp_path / "merged.safetensors"
+    out = tmp_path / "merged"  # a folder, as its base is (it was named .safetensors)
     assert merge_lora.main(["--model", tiny_set["qwen_image_edit_2511"], "--lora", str(tmp_path / "edit_lora.safetensors"),
                             "--save_to", str(out), "--save_precision", "fp32"]) == 0
-    merged = QwenImageEditFamily(str(out), model_version=EDIT_2511).load_transformer(torch.float32)  # a single file
+    merged = QwenImageEditFamily(str(out), model_version=EDIT_2511).load_transformer(torch.float32)
     with torch.no_grad():
         baked = family.predict(merged, x_t, sigma, text, 4, 4, None, control=[reference])
         base = family.predict(family.load_transformer(torch.float32), x_t, sigma, text, 4, 4, None, control=[reference])

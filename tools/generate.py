@@ -205,7 +205,8 @@ def generate(args) -> list[str]:
     for i, (prompt, (text, negative)) in enumerate(zip(prompts, texts)):
         seed = seed_or_random(prompt.seed)  # (the defaults' is --seed)
         to_device = lambda d: {k: v.to(device) for k, v in d.items()} if d else None  # noqa: E731
-        references = reference_images(prompt.control_images, family.sample_control_bucket, prompt.width, prompt.height)
+        references = reference_images(prompt.control_images, family.sample_control_bucket, prompt.width, prompt.height,
+                                      family.stretches_references)
         control = [vae.encode(r.to(device)) for r in references] or None  # float32 [1, 16, h, w] each
         latents = family.sample_latents(model, to_device(text), prompt.width, prompt.height, prompt.steps, seed,
                                         prompt.guidance, to_device(negative), control=control)

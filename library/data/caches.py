@@ -94,7 +94,8 @@ def latent_entry(item: ImageItem) -> str:
     """The subset's inputs of a latent entry: flip_aug, the mask, the references and their sizes."""
     mask = _beside(item, [item.mask_path] if item.mask_path else [])
     return _entry_tag(item.subset.flip_aug, item.subset.alpha_mask, mask, _beside(item, item.control_paths),
-                      item.control_buckets, *([_beside(item, item.layer_paths)] if item.layer_paths else []))
+                      item.control_buckets, *([_beside(item, item.layer_paths)] if item.layer_paths else []),
+                      *(["stretched"] if item.controls_stretched else []))  # (the cropped ones keep their entries)
 
 
 def text_entry(item: ImageItem, with_references: bool) -> str:
@@ -262,9 +263,10 @@ def _load_images(chunk, flip: bool, control: int | None = None) -> tuple[list[to
         frames = [[item.image_path, *item.layer_paths] for item, _, _ in chunk]
         return [torch.stack([load_image(paths[f], item.bucket, flip, mode)
                              for paths, (item, _, _) in zip(frames, chunk)]) for f in range(len(frames[0]))], True
-    sources = [(item.image_path, item.bucket) if control is None
-               else (item.control_paths[control], item.control_buckets[control]) for item, _, _ in chunk]
-    return [torch.stack([load_image(path, bucket, flip, mode) for path, bucket in sources])], False
+    sources = [(item.image_path, item.bucket, False) if control is None
+               else (item.control_paths[control], item.control_buckets[control], item.controls_stretched)
+               for item, _, _ in chunk]
+    return [torch.stack([load_image(path, bucket, flip, mode, stretch) for path, bucket, stretch in sources])], False
 
 
 def _encode(encode_fn, frames: list[torch.Tensor], layered: bool) -> torch.Tensor:

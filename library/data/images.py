@@ -69,9 +69,14 @@ def load_rgb(path: str, mode: str = "RGB") -> Image.Image:
         raise ValueError(f"{path}: cannot be decoded as an image ({type(e).__name__}: {e})") from None
 
 
-def fit_to_bucket(img: Image.Image, bucket: tuple[int, int], flip: bool = False) -> Image.Image:
+def fit_to_bucket(img: Image.Image, bucket: tuple[int, int], flip: bool = False, stretch: bool = False) -> Image.Image:
     """`img` resized to cover `bucket` (w, h) (box filter when shrinking, Lanczos when enlarging),
-    centre-cropped to it, optionally mirrored: the same pixels for an image and its mask."""
+    centre-cropped to it, optionally mirrored: the same pixels for an image and its mask. stretch:
+    resized to exactly `bucket` (Lanczos, no crop), as diffusers' VaeImageProcessor.resize fits an
+    edit pipeline's reference to a size of nearly its own aspect ratio."""
+    if stretch:
+        img = img if img.size == tuple(bucket) else img.resize(tuple(bucket), Image.Resampling.LANCZOS)
+        return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else img
     (bw, bh), (w, h) = bucket, img.size
     scale = upscale_factor(img.size, bucket)
     rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
@@ -126,10 +131,11 @@ def _metadata_after_pixels(img: Image.Image, path: str) -> bool:
     return False
 
 
-def load_image(path: str, bucket: tuple[int, int], flip: bool = False, mode: str = "RGB") -> torch.Tensor:
-    """The image fitted to `bucket` (fit_to_bucket). Returns float32 [3, H, W] in [-1, 1]
-    ([4, H, W] for mode "RGBA": layered targets, library/data/layers.py)."""
-    img = fit_to_bucket(load_rgb(path, mode), bucket, flip)
+def load_image(path: str, bucket: tuple[int, int], flip: bool = False, mode: str = "RGB",
+               stretch: bool = False) -> torch.Tensor:
+    """The image fitted to `bucket` (fit_to_bucket, stretched or not). Returns float32 [3, H, W] in
+    [-1, 1] ([4, H, W] for mode "RGBA": layered targets, library/data/layers.py)."""
+    img = fit_to_bucket(load_rgb(path, mode), bucket, flip, stretch)
     pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())  # [H, W, 3 or 4] uint8
     return pixels.permute(2, 0, 1).float() / 127.5 - 1.0
 

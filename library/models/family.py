@@ -111,6 +111,9 @@ class DiffusionFamily:
     text_sees_controls = False  # the text encoder takes the reference images with the captions
     plan_controls = 0  # references the memory planner sizes a training sample for
     takes_layers = False  # trains on layered targets (a dataset's multiple_target: library/data/layers.py)
+    # References resized to their control_bucket without a crop (Lanczos), as the family's pipeline fits them
+    # (False: covered and centre-cropped, as the images)
+    stretches_references = False
 
     # The transformer architecture: key of the LoRA targets, fp8 rules and flow-matching constants.
     # It is the family's name unless the class names another: a variant with the same transformer

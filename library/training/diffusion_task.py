@@ -191,8 +191,9 @@ class DiffusionTask:
         """(training set, validation set): the validation_split share of each subset and every
         [[validation_datasets]] image go to validation only."""
         bp, rule = self.blueprint, self.family.control_bucket  # the family sizes reference images
-        train, held_out = split_validation(scan_images(bp, control_bucket=rule), bp)
-        validation = held_out + scan_images(bp, held_out_sets=True, control_bucket=rule)
+        stretch = self.family.stretches_references
+        train, held_out = split_validation(scan_images(bp, control_bucket=rule, stretch_controls=stretch), bp)
+        validation = held_out + scan_images(bp, held_out_sets=True, control_bucket=rule, stretch_controls=stretch)
         check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls,
                            self.family.takes_layers)
         if self.accelerator.is_main_process:  # once, before caching; the scan warned about image sizes itself
@@ -599,7 +600,8 @@ class DiffusionTask:
             if stop is not None and stop():
                 break
             images = []
-            references = reference_images(prompt.control_images, self.family.sample_control_bucket, prompt.width, prompt.height)
+            references = reference_images(prompt.control_images, self.family.sample_control_bucket, prompt.width,
+                                          prompt.height, self.family.stretches_references)
             control = [vae.encode(r.to(self.device)) for r in references] or None  # float32 [1, 16, h, w]
             for label, model in bases:
                 latents = self.family.sample_latents(

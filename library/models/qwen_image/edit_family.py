@@ -44,6 +44,7 @@ class QwenImageEditFamily(QwenImageFamily):
     min_controls = 1  # the pipelines always condition on an image
     plan_controls = 1
     text_sees_controls = True  # encode(captions, condition_images)
+    stretches_references = True  # the pipelines' VaeImageProcessor.resize: what the VL encoder sees too
     # Qwen2.5-VL with its vision tower: the text encoder sees the condition images.
     text_encoder_kind = ("Qwen2.5-VL with its vision tower",
                          {**QwenImageFamily.text_encoder_kind[1], "patch_embed.proj.weight": None})

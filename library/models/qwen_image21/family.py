@@ -63,6 +63,7 @@ class QwenImage21Family(DiffusionFamily):
     max_controls = 3  # the pipeline takes any number; three as the Qwen-Image-Edit-Plus releases
     min_controls = 0  # text-to-image and editing are one model
     text_sees_controls = True  # encode(captions, reference views): the prompt holds the references' vision tokens
+    stretches_references = True  # QwenImage21Pipeline resizes them to reference_size (VaeImageProcessor.resize)
     reference_resolution = REFERENCE_RESOLUTION  # an instance takes the config's
 
     def __init__(self, model_path: str, vae_path: str | None = None, reference_resolution: int | None = None,
