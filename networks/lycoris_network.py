@@ -221,8 +221,10 @@ class LycorisNetwork(nn.Module):
                              f"'preset' the preset selects them (give one or the other)")
         try:
             with _fp8_views(model) as views, _quiet_lycoris():
+                # An empty module, not None, where the model is the other part: lycoris scans the "unet" always
+                # (None: AttributeError, every LLM LyCORIS run stopped as its network was built)
                 lyco = kohya.create_network(self.multiplier, self.rank, self.alpha, None,
-                                            model if te else None, None if te else model, **lyco_args)
+                                            model if te else nn.Module(), nn.Module() if te else model, **lyco_args)
         finally:
             kohya.PRESET.pop(_PRESET_NAME, None)
         loras = lyco.text_encoder_loras + lyco.unet_loras

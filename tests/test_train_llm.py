@@ -694,3 +694,16 @@ def test_llm_evals_reach_tensorboard_at_their_step(tiny_set, tmp_path):
     assert [e.step for e in acc.Scalars("val_loss")] == [0, 2, 2]
     with open(out / "lm_eval.csv") as f:
         assert [row["step"] for row in csv.DictReader(f)] == ["start", "2", "final"]
+
+
+def test_an_llm_lycoris_lokr_trains_and_saves(tiny_set, tmp_path):
+    """Old: the LyCORIS network of an LLM was built with no 'unet' (None), which lycoris scans always:
+    every LLM run with network_module = lycoris.kohya stopped with an AttributeError as it started."""
+    from safetensors import safe_open
+
+    out = tmp_path / "lokr"
+    assert train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--max_train_steps",
+                                    "2", "--network_dim", "4", "--network_module", "lycoris.kohya",
+                                    "--network_args", "algo=lokr")) == 0
+    with safe_open(str(out / "lora.safetensors"), "pt") as f:
+        assert any(k.endswith(".lokr_w1") for k in f.keys())
