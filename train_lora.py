@@ -290,6 +290,18 @@ class Saver:
                 remove_save(old)
 
 
+def saves_at(args) -> list[str]:
+    """Where a run's intermediate saves are: its output folder (real path) and output_name."""
+    return [os.path.realpath(args.output_dir), args.output_name]
+
+
+def resumed_saves(progress: dict, args) -> list[int] | None:
+    """The steps of the saves the resumed run wrote, for save_last_n_saves to prune: only where this run
+    writes to the same folder and name (resumed elsewhere, the same step numbers there are another run's
+    files, which were deleted). States from before saves_at: none known, nothing of theirs pruned."""
+    return progress.get("saves") if progress.get("saves_at") == saves_at(args) else None
+
+
 class Trainer:
     """The run's objects and counters; `run()` is the loop."""
 
@@ -342,7 +354,7 @@ class Trainer:
         # A resumed run continues the log from its state's step (rows after it, logged before a kill, go).
         self.logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator,
                                append=bool(args.resume), resumed_step=self.step)
-        saves = state.progress.get("saves") if state else None  # (states before the list: none known)
+        saves = resumed_saves(state.progress, args) if state else None
         self.saver = Saver(args, task, accelerator, self.started, self.max_steps, self.ema, saves, earlier)
 
     def resume(self, folder: str, state: SavedState):
@@ -441,7 +453,7 @@ class Trainer:
 
     def progress(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run,
-                "saves": self.saver.saves, "max_steps": self.max_steps,
+                "saves": self.saver.saves, "saves_at": saves_at(self.args), "max_steps": self.max_steps,
                 "batches_per_epoch": self.task.batches_per_epoch(), "data_items": self.data_digests}
 
     @contextlib.contextmanager

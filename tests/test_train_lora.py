@@ -303,6 +303,20 @@ def test_save_last_n_saves_prunes_the_saves_written_before_a_resume(killed_and_r
         "tiny_flux_lora-step000004.safetensors", "tiny_flux_lora.safetensors"]
 
 
+def test_a_run_resumed_into_another_folder_prunes_none_of_the_files_there(killed_and_resumed, tiny_set, tmp_path):
+    """Old: the state's save steps were looked up in the new output_dir: resumed there with
+    save_last_n_saves, another run's <name>-step000004 (a step the state lists) was deleted."""
+    out, _ = killed_and_resumed
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tiny_flux_lora-step000004.safetensors").write_bytes(b"another run's LoRA")
+    args = flux_args(tiny_set, other, "--max_train_steps", "10", "--save_every_n_steps", "2", "--save_last_n_saves", "1",
+                     "--sample_prompts", "")
+    assert train_lora.main(args + ["--resume", str(out / "tiny_flux_lora-state")]) == 0
+    assert (other / "tiny_flux_lora-step000004.safetensors").read_bytes() == b"another run's LoRA"
+    assert (other / "tiny_flux_lora-step000008.safetensors").exists()
+
+
 def test_resume_after_a_kill_logs_each_step_once(killed_and_resumed):
     out, _ = killed_and_resumed
     with open(out / "tiny_flux_lora_log.csv") as f:
