@@ -366,12 +366,17 @@ def truncate_optimizer(state) -> str:
     return f"{state / 'optimizer.pt'}: cannot be read (truncated or not a torch file"
 
 
+def empty_optimizer(state) -> str:  # old: an IndexError's traceback (torch's EOFError has no message)
+    (state / "optimizer.pt").write_bytes(b"")
+    return f"{state / 'optimizer.pt'}: cannot be read (truncated or not a torch file: EOFError)"
+
+
 def break_train_state(state) -> str:
     (state / "train_state.json").write_text('{"step": 1, "epoch": ')
     return f"{state / 'train_state.json'}: not valid JSON"
 
 
-@pytest.mark.parametrize("damage", [truncate_optimizer, break_train_state])
+@pytest.mark.parametrize("damage", [truncate_optimizer, empty_optimizer, break_train_state])
 def test_resume_from_a_damaged_state_is_one_error_line_before_the_models_load(trained, tiny_set, tmp_path, capsys,
                                                                               monkeypatch, damage):
     state = tmp_path / "state"

@@ -195,7 +195,8 @@ def read_optimizer_state(path: str) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
-        reason = str(e).strip().splitlines()[0].split(". ")[0]  # torch's first sentence; the rest is advice
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0]  # torch's first sentence
+        # (an empty file's EOFError has no message: its IndexError escaped as a traceback)
         raise CheckpointError(f"{path}: cannot be read (truncated or not a torch file: {reason})") from None
 
 
