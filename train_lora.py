@@ -515,8 +515,9 @@ class Trainer:
             # Gradients are all-reduced (DDP) only on the step's last micro-batch.
             with contextlib.nullcontext() if last else accelerator.no_sync(self.module):
                 loss = self.module(*self.task.batch_inputs(batch, self.step))
-                if not torch.isfinite(loss.detach()):
-                    raise StopTraining(self.diverged(f"loss is {loss.item()}"), code=3)
+                if not self.every_loss_finite(loss):
+                    what = f"loss is {loss.item()}" if not torch.isfinite(loss.detach()) else "another process's loss is not finite"
+                    raise StopTraining(self.diverged(what), code=3)
                 accelerator.backward(loss / micro_batches)
             self.batches_done += 1
             losses.append(loss.detach())
@@ -540,6 +541,15 @@ class Trainer:
             if self.step >= self.max_steps and self.batches_done < total:  # at the epoch's end: it counts as run
                 return
         self.batches_done = 0
+
+    def every_loss_finite(self, loss: torch.Tensor) -> bool:
+        """Whether every process's micro-batch loss is finite. Checked together: a process that stopped on
+        its own NaN left the others (the main one saves and prints) to fail in the next collective,
+        with no line and no save."""
+        bad = (~torch.isfinite(loss.detach())).float().reshape(1)
+        if self.accelerator.num_processes > 1:
+            bad = self.accelerator.reduce(bad, reduction="sum")
+        return bad.item() == 0
 
     def diverged(self, what: str | None = None) -> str:
         """The stop line for a non-finite loss (`what`) or, with `what` None, for the non-finite

@@ -454,3 +454,39 @@ def test_the_last_step_renders_its_samples_once_as_the_final_ones(tiny_set, tmp_
     monkeypatch.setattr(DiffusionTask, "render_samples", lambda self, out_dir, tag, stop=None: tags.append(tag) or [])
     assert train_lora.main(flux_args(tiny_set, tmp_path, "--max_train_steps", "2", "--sample_every_n_steps", "1")) == 0
     assert tags == ["step000001", "final"]
+
+
+POISON_ONE_PROCESS = '''
+import os, sys
+sys.path.insert(0, os.getcwd())
+from library.models.family import DiffusionFamily
+import train_lora
+
+real, calls = DiffusionFamily.training_loss, []
+
+
+def poisoned(self, *a, **k):  # the second batch of process 1 only
+    loss, sigmas = real(self, *a, **k)
+    calls.append(1)
+    return (loss * float("nan") if len(calls) == 2 and os.environ["RANK"] == "1" else loss), sigmas
+
+
+DiffusionFamily.training_loss = poisoned
+sys.exit(train_lora.main(sys.argv[1:]))
+'''
+
+
+def test_a_nan_loss_in_another_process_stops_every_process_with_the_line_and_the_save(tiny_set, tmp_path):
+    """Old: process 1's NaN stopped process 1 alone; the main process (which saves and prints) died in
+    the next all-reduce: no line, no LoRA, exit 1 through torchrun's traceback."""
+    write_ddp_datasets(tiny_set, tmp_path)
+    (tmp_path / "poison.py").write_text(POISON_ONE_PROCESS)
+    out = tmp_path / "multi"
+    argv = flux_args(tiny_set, out, "--dataset_config", str(tmp_path / "ds1.toml"), "--max_train_steps", "3",
+                     "--sample_prompts", "", "--save_every_n_steps", "1")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          free_port(), str(tmp_path / "poison.py"), *argv], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert "error: another process's loss is not finite at step 2" in run.stderr, run.stderr[-2000:]
+    assert (out / "tiny_flux_lora-step000001.safetensors").exists()
