@@ -124,7 +124,7 @@ SCHEMA: dict[str, Arg] = {
                                                  "block (the planner counts it); eager or torch_compile. Unset: on a "
                                                  "CUDA card, on where the planned step fits with it"),
     "blocks_to_swap": A(int, 0, "keep the last N transformer blocks' frozen weights in CPU memory, copied in per use "
-                                "(each block counts one: not sd-scripts' FLUX count, docs/configuration.md)"),
+                                "(each block counts one, unlike sd-scripts' count for double-stream models: docs/configuration.md)"),
     "block_swap_prefetch": A(int, 1, "swapped blocks copied ahead of their use (each one more block of device memory; "
                                      "deeper hides large blocks' copies behind more compute)"),
     "allow_tf32": A(bool, True, "TF32 matmuls on CUDA"),
