@@ -22,6 +22,14 @@ from library.ui.runner import Runner
 from tests.ui_support import mark_to_pause, pause_hook_env, paused, tiny_job_settings, wait_for
 
 
+def claimed_job(tmp_path) -> tuple[JobStore, object]:
+    """A queue with one job of 5 steps, claimed by the cpu worker (running, no process yet)."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    store.claim_next("cpu")
+    return store, job
+
+
 def csv_steps(path: str) -> list[int]:
     with open(path) as f:
         return [int(row["step"]) for row in csv.DictReader(f)]
@@ -94,9 +102,7 @@ def test_a_queued_job_claimed_while_it_is_deleted_is_not_deleted(tmp_path, monke
 def test_a_retry_does_not_clear_the_files_of_a_job_another_tab_retried_and_started(tmp_path, monkeypatch):
     """Old: Retry read the state (failed), then cleared the folder, then queued it: another tab's retry
     and the runner's start in between lost their train.log (and the trainer's outputs) to the clear."""
-    store = JobStore(str(tmp_path / "jobs"))
-    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
-    store.claim_next("cpu")
+    store, job = claimed_job(tmp_path)
     store.update(job.id, state="failed")
     read, raced = store.get, []
 
@@ -117,9 +123,7 @@ def test_a_retry_does_not_clear_the_files_of_a_job_another_tab_retried_and_start
 
 
 def test_a_trainer_gone_during_a_restart_is_marked_interrupted_with_its_step(tmp_path):
-    store = JobStore(str(tmp_path / "jobs"))
-    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
-    store.claim_next("cpu")
+    store, job = claimed_job(tmp_path)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     with open(job.csv_path, "w") as f:
@@ -136,9 +140,7 @@ def test_a_trainer_gone_during_a_restart_is_marked_interrupted_with_its_step(tmp
 def test_a_trainer_that_failed_while_no_ui_watched_is_failed_with_its_error_not_interrupted(tmp_path, last_line):
     """Old: a trainer that ended in an error while the UI was down read 'interrupted: the UI restarted
     and the trainer was gone', as if the restart had lost it; Retry then failed the same way."""
-    store = JobStore(str(tmp_path / "jobs"))
-    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
-    store.claim_next("cpu")
+    store, job = claimed_job(tmp_path)
     with open(job.csv_path, "w") as f:
         f.write("step,epoch,loss\n1,0,1.5\n2,0,1.4\n")
     with open(job.log_path, "w") as f:
@@ -152,9 +154,7 @@ def test_a_trainer_that_failed_while_no_ui_watched_is_failed_with_its_error_not_
 def test_a_trainer_gone_while_stopping_after_steps_is_interrupted_not_stopped_before_its_first_step(tmp_path):
     """Old: a job Stop was asked of, whose trainer was gone at the restart without its 'SIGINT: saved'
     line (killed while saving), read 'stopped before the first step: nothing to save' after 3 steps."""
-    store = JobStore(str(tmp_path / "jobs"))
-    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
-    store.claim_next("cpu")
+    store, job = claimed_job(tmp_path)
     with open(job.csv_path, "w") as f:
         f.write("step,epoch,loss\n1,0,1.5\n2,0,1.4\n3,0,1.3\n")
     store.update(job.id, state="stopping", pid=2**22 + 7, pid_started=1)  # no such process
@@ -182,9 +182,7 @@ def test_a_done_job_is_not_resumed_from_the_state_a_stop_left(tmp_path):
 def test_a_resumed_run_stopped_before_its_first_step_keeps_its_state(tmp_path):
     """Old: Stop while a resumed run was still caching ended it with 'nothing to save; retry to start
     again' and resume None: the state it had resumed from (step 3) was no longer offered."""
-    store = JobStore(str(tmp_path / "jobs"))
-    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
-    store.claim_next("cpu")
+    store, job = claimed_job(tmp_path)
     with open(job.csv_path, "w") as f:
         f.write("step,epoch,loss\n1,0,1.5\n2,0,1.4\n3,0,1.3\n")  # the first run's steps
     os.makedirs(job.state_dir)
@@ -300,9 +298,7 @@ def test_a_ctrl_c_during_the_final_samples_is_a_done_job(tmp_path):
 def test_a_stop_during_the_first_samples_is_stopped_before_its_first_step(tmp_path):
     """train_lora.py exits 130 when Stop lands during sample_at_first's samples, before step 1 and
     without saving: the job read 'stopped at step None: LoRA and state saved'."""
-    store = JobStore(str(tmp_path / "jobs"))
-    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
-    store.claim_next("cpu")
+    store, job = claimed_job(tmp_path)
     with open(job.log_path, "w") as f:
         f.write("SIGINT during the first samples: stopped before step 1; nothing trained, nothing saved\n")
     with open(job.csv_path, "w") as f:
@@ -314,9 +310,7 @@ def test_a_stop_during_the_first_samples_is_stopped_before_its_first_step(tmp_pa
 
 
 def test_retry_starts_over_keeping_only_the_config(tmp_path):
-    store = JobStore(str(tmp_path / "jobs"))
-    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
-    store.claim_next("cpu")
+    store, job = claimed_job(tmp_path)
     for name in ("config.toml", "lora-step000002.safetensors", "lora_log.csv"):
         open(os.path.join(job.output_dir, name), "w").close()
     os.makedirs(job.state_dir)
@@ -388,9 +382,7 @@ time.sleep(120)
 def test_a_ui_restarted_while_a_job_stops_does_not_send_a_second_sigint(tmp_path):
     """train_lora.py takes a second SIGINT as 'leave now' (no LoRA, no state saved). The watcher of a
     restarted UI sent Stop's SIGINT again to a trainer still saving after the first: two in the log."""
-    store = JobStore(str(tmp_path / "jobs"))
-    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
-    store.claim_next("cpu")
+    store, job = claimed_job(tmp_path)
     trainer = subprocess.Popen([sys.executable, "-c", SLOW_SAVER, job.log_path], start_new_session=True)
     try:
         wait_for(lambda: os.path.exists(job.log_path), 30, "the fake trainer's start")
