@@ -43,8 +43,8 @@ from tqdm import tqdm  # noqa: E402
 from library.io import CheckpointError, CheckpointReader  # noqa: E402
 from library.training import fsdp, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
-from library.training.config import (PRECISION_DTYPES, ConfigError, check_planned_steps, load_config,  # noqa: E402
-                                     lora_network_args, optimizer_kwargs, plan_steps, warmup_steps)
+from library.training.config import (PRECISION_DTYPES, ConfigError, check_planned_steps, epoch_steps,  # noqa: E402
+                                     load_config, lora_network_args, optimizer_kwargs, plan_steps, warmup_steps)
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
@@ -150,7 +150,7 @@ def lora_metadata(args, task, step: int, max_steps: int, started: float) -> dict
 
     facts = task.metadata()
     dim = facts.get("network_dim") or args.network_dim
-    per_epoch = max(1, math.ceil(task.batches_per_epoch() / args.gradient_accumulation_steps))  # optimizer steps
+    per_epoch = epoch_steps(args, task.batches_per_epoch())
     return build_metadata(
         network_module=args.network_module, network_dim=dim,
         network_alpha=facts.get("network_alpha") or args.network_alpha or float(dim),  # 0: alpha = rank

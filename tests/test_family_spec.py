@@ -118,3 +118,14 @@ def test_the_precision_doctor_drives_each_tiny_transformer_through_the_spec(arch
     out = model(**inputs.make_kwargs(0.5))
     assert out.shape == (1, 4 * 3, doctor.token_width(model.config)) and torch.isfinite(out).all()
     assert inputs.positions.shape[-1] == len(inputs.axes_dim)
+
+
+def test_the_specs_stored_fp8_layouts_are_the_ones_the_loaders_read():
+    """spec.py stays torch-free, so it spells fp8.MODES again as STORED_FP8: the two must not drift; and
+    each family's FP8Rules.stored names only those layouts."""
+    from library.models import spec as S
+    from library.precision import fp8
+
+    assert S.STORED_FP8 == fp8.MODES
+    for arch, spec in arch_specs().items():
+        assert all(set(layouts) <= set(fp8.MODES) for layouts in spec.fp8.stored.values()), arch

@@ -372,7 +372,7 @@ def test_the_plan_counts_the_projections_checkpointing_saves(tiny_set):
     saving = copy.copy(args)
     saving.checkpoint_saves_projections = True
     plain, saved = (memory_plan.training_plan(family, a, 256, 256, 1, 8).phase(0).peak for a in (args, saving))
-    model = memory_plan._meta_model_and_network(family, args)[0]
+    model = memory_plan.meta_model_and_network(family, args)[0]
     tokens = (len(model.double_blocks) + len(model.single_blocks)) * ((256 // 16) ** 2 + 8)
     assert 0 < saved - plain <= tokens * model.config.hidden_size * 2
 

@@ -162,7 +162,6 @@ def load_model(model_path: str):
     return model, base.family, kwargs
 
 
-@torch.no_grad()
 def output_error(model_path: str, reference: str):
     """A measure of LoRA files against LoRA `reference` on the model at `model_path`: the model is
     loaded and `reference` applied now (a bad --model is an error before anything is written), then
@@ -172,6 +171,7 @@ def output_error(model_path: str, reference: str):
 
     model, family, kwargs = load_model(model_path)
 
+    @torch.no_grad()  # (here: measure runs after this function returned, outside any no_grad of its own)
     def output_with(path: str | None) -> torch.Tensor:
         if path is None:
             return model(**kwargs).float()

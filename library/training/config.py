@@ -585,8 +585,13 @@ def plan_steps(args, batches_per_epoch: int) -> int:
     """The run's optimizer steps: max_train_epochs x the steps of an epoch where it is set (it wins
     over max_train_steps, as in sd-scripts), else max_train_steps."""
     if args.max_train_epochs:
-        return args.max_train_epochs * max(1, math.ceil(batches_per_epoch / args.gradient_accumulation_steps))
+        return args.max_train_epochs * epoch_steps(args, batches_per_epoch)
     return args.max_train_steps
+
+
+def epoch_steps(args, batches_per_epoch: int) -> int:
+    """An epoch's optimizer steps: its batches in groups of gradient_accumulation_steps, the last group short."""
+    return max(1, math.ceil(batches_per_epoch / args.gradient_accumulation_steps))
 
 
 def warmup_steps(warmup: float, max_steps: int) -> int:

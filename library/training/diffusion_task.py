@@ -126,7 +126,8 @@ class DiffusionTask:
         check_lora_inputs(args, self.family.arch)  # network_weights, base_loras: their headers, before caching
         self._check_stored_precision()
         self.compute_dtype = compute_dtype(args)
-        check_network_weights_fit(args, self._meta_network)  # its ranks against the network's, before caching
+        # its ranks against the network's, before caching
+        check_network_weights_fit(args, lambda: memory_plan.meta_model_and_network(self.family, args)[1])
         self.blueprint = load_dataset_config(args.dataset_config)
         self.dataset, self.validation_set = self._read_images()
         if args.validate_every_n_steps and not self.validation_set:  # said before minutes of caching
@@ -396,14 +397,6 @@ class DiffusionTask:
                                 network_args=lora_network_args(args))
         network.apply()
         return network.to(self.device)
-
-    def _meta_network(self) -> nn.Module:
-        """The run's network on the transformer built on meta from its file's header: modules and ranks, no weights."""
-        args = self.args
-        model = self.family.load_transformer(self.compute_dtype, base_precision(args), read_weights=False)
-        with torch.device("meta"):
-            return build_network(args.network_module, model, self.family.arch, args.network_dim, args.network_alpha,
-                                 network_args=lora_network_args(args))
 
     def _make_network(self) -> nn.Module:
         network = self._make_network_for(self.base)

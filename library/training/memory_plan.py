@@ -190,9 +190,9 @@ def reusing_meta_models():
         _REUSED = outer
 
 
-def _meta_model_and_network(family, args):
+def meta_model_and_network(family, args):
     """The transformer on meta as train_lora.py builds it (the family's loader without weights) and
-    the run's LoRA network applied to it."""
+    the run's LoRA network applied to it (the planner's, and the run's check of network_weights' ranks)."""
     from library.training.config import base_precision, compute_dtype, lora_network_args
 
     key = (id(family), compute_dtype(args), base_precision(args), args.network_module, args.network_dim,
@@ -277,7 +277,7 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
                   references: int | None = None) -> TrainingPlan:
     """One training step of `family` under `args` (the train_lora config) at width x height, on meta.
     references: reference images per sample of an edit family (default: family.plan_controls)."""
-    model, network = _meta_model_and_network(family, args)
+    model, network = meta_model_and_network(family, args)
     model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
                                                  args.checkpoint_saves_attention)
     network.train()
@@ -391,7 +391,7 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     forward (batch 1 at the sample size) and the decode."""
     from library.models.family import control_kwargs
 
-    model, network = _meta_model_and_network(family, args)
+    model, network = meta_model_and_network(family, args)
     lora = tensor_bytes(network.state_dict().values())
     blocks = [module_bytes(b) for b in model.swappable_blocks()]
     ema = _ema_bytes(network, args)

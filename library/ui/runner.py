@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TRAIN_SCRIPT = os.path.join(ROOT, "train_lora.py")
 STOPPED_LINE = re.compile(r"SIG(?:INT|TERM): saved .* at step (\d+)")
 DONE_LINE = re.compile(r"^saved .* after (\d+) steps")
+RESUMABLE = tuple(s for s in FINISHED if s != "done")  # a done job's folder may hold a stop's older state
 # The last line a trainer that failed prints: train_lora.py's "error: ..." or an uncaught exception's.
 FAILED_LINE = re.compile(r"^(?:error: |(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)\b)")
 
@@ -54,7 +55,7 @@ def resume(store: JobStore, job_id: int) -> Job:
         raise JobError(f"job {job_id} is done: nothing to resume (retry trains it again from the start)")
     if step is None:
         raise JobError(f"job {job_id} has no saved state ({job.state_dir}): retry it from the start instead")
-    return store.transition(job_id, tuple(s for s in FINISHED if s != "done"), "resume", state="queued", queued=time.time(), resume=job.state_dir,
+    return store.transition(job_id, RESUMABLE, "resume", state="queued", queued=time.time(), resume=job.state_dir,
                             device=None, message=f"resumes from the state at step {step}")
 
 
