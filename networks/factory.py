@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
+from library.io import CheckpointError
+
 NETWORK_MODULES = ("networks.lora", "lycoris.kohya")
 
 
@@ -79,9 +81,24 @@ def network_class(name: str):
 
 
 def build_network(network_module: str, model: nn.Module, arch: str, rank: int, alpha=None,
-                  network_args: dict | None = None, multiplier: float = 1.0) -> Network:
-    """A fresh network of the chosen type on `model` (not applied; in eval mode)."""
-    return network_class(network_module)(model, arch, rank, alpha, multiplier=multiplier, network_args=network_args)
+                  network_args: dict | None = None, multiplier: float = 1.0, modules_from: str | None = None) -> Network:
+    """A fresh network of the chosen type on `model` (not applied; in eval mode). modules_from (networks.lora:
+    sd-scripts' dim_from_weights): a LoRA file whose modules, at its ranks and alphas and with its weights, are
+    the network's, and no others; network_args' dropouts, LoRA+ and dora apply (a DoRA file needs dora=true)."""
+    cls = network_class(network_module)
+    if modules_from is None:
+        return cls(model, arch, rank, alpha, multiplier=multiplier, network_args=network_args)
+    built_on = torch.empty(0).device  # meta inside the planner's `with torch.device("meta")`
+    with torch.device("cpu"):  # the file is read and its modules made on the CPU (file-sized), then moved
+        network = cls(model, arch, rank, alpha, multiplier=multiplier, network_args=network_args, select=False)
+        network.load_weights(modules_from, strict=False)
+    if built_on.type == "meta":
+        network.to(built_on)
+    kinds = {m.dora_scale is not None for m in network.lora_modules()}
+    if kinds != {network.dora}:
+        raise CheckpointError(f"{modules_from}: {'DoRA' if True in kinds else 'plain LoRA'} modules, network_args dora="
+                              f"{network.dora}: with dim_from_weights the file's modules are the network's; set dora to match")
+    return network
 
 
 def network_module_of_file(path: str) -> str:

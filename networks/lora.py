@@ -47,6 +47,10 @@ COMMON_ARGS = {
     "dropout", "rank_dropout", "module_dropout", "include_patterns", "exclude_patterns",
     "loraplus_lr_ratio", "train_modulation", "dora", "use_dora",
 }
+# The network_args that choose which modules train (beside the <type>_dim / in_dims ranks): a LyCORIS
+# network passes them to our selection; a network built from a file's modules (dim_from_weights) has none.
+SELECTION_ARGS = {"train_blocks", "train_modulation", "include_patterns", "exclude_patterns"}
+SELECTION_ARGS |= {key for spec in arch_specs().values() if spec.lora for key in spec.lora.block_args}
 
 
 def lora_targets(arch: str) -> LoRATargets:
@@ -623,7 +627,7 @@ class LoRANetwork(nn.Module):
                     f"{name}: LoRA module '{path}' has down {tuple(w.down.shape)} / up {tuple(w.up.shape)}, "
                     f"the network expects {tuple(m.lora_down.weight.shape)} / {tuple(m.lora_up.weight.shape)}"
                     + (f" (rank {w.rank}, not {m.rank}: the network keeps the ranks network_dim and the *_dim "
-                       f"network_args give it)" if other_rank else "")
+                       f"network_args give it; dim_from_weights = true takes the file's)" if other_rank else "")
                 )
             m.lora_down.weight.copy_(w.down)  # cast to the LoRA dtype
             m.lora_up.weight.copy_(w.up)

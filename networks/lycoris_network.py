@@ -34,8 +34,8 @@ import torch
 import torch.nn as nn
 
 from library.io import CheckpointError, CheckpointReader, save_safetensors
-from library.models.registry import arch_specs
-from networks.lora import LoRANetwork, _as_bool, _as_float, _as_int, _as_probability, check_lora_args, lora_targets
+from networks.lora import (SELECTION_ARGS, LoRANetwork, _as_bool, _as_float, _as_int, _as_probability, check_lora_args,
+                           lora_targets)
 from networks.lora_files import build_metadata, is_lycoris_file, lycoris_kind, tensor_hash  # noqa: F401 (the tools import them from here)
 from networks.lora_files import naming, split_text_encoders
 from networks.lora_reader import leave_out_text_encoders, without_base_only
@@ -59,8 +59,6 @@ LYCORIS_FLOAT_ARGS = {"conv_alpha", "dropout", "rank_dropout", "module_dropout",
 LYCORIS_BOOL_ARGS = LYCORIS_ARGS - LYCORIS_INT_ARGS - LYCORIS_FLOAT_ARGS - {"algo", "preset"}
 # Our target-selection args (networks.lora), used to build the target list when no preset is given:
 # these and every architecture's block_args (its spec's LORA).
-SELECTION_ARGS = {"train_blocks", "train_modulation", "include_patterns", "exclude_patterns"}
-SELECTION_ARGS |= {key for spec in arch_specs().values() if spec.lora for key in spec.lora.block_args}
 _PRESET_NAME = "_networks_lycoris_targets"  # our per-network preset, registered only while building
 
 

@@ -238,6 +238,17 @@ def network_weights_of_qwen_image(ts, tmp):
              "diffusers names), not for this FLUX.1 model"])
 
 
+def dim_from_weights_without_network_weights(ts, tmp):
+    return ["--dim_from_weights", "true"], ["key 'dim_from_weights' needs network_weights"]
+
+
+def dim_from_weights_with_a_selection(ts, tmp):  # sd-scripts ignores them: the file's modules are the network's
+    (tmp / "init.safetensors").write_bytes(b"")  # refused from the config, before the file is read
+    return (["--dim_from_weights", "true", "--network_weights", str(tmp / "init.safetensors"), "--network_args",
+             "train_blocks=single"], ["network_args 'train_blocks' selects modules or ranks; with dim_from_weights the "
+                                      "network holds network_weights' modules at their ranks"])
+
+
 def seed_beyond_torch(ts, tmp):  # was "error: Overflow when unpacking long long", naming nothing
     return ["--seed", str(2**64)], [f"command line: key 'seed' must be 0 to 2^64 - 1, got {2**64}"]
 
@@ -277,6 +288,8 @@ CASES = {
     "network_weights_missing": network_weights_missing,
     "network_weights_of_qwen_image": network_weights_of_qwen_image,
     "seed_beyond_torch": seed_beyond_torch,
+    "dim_from_weights_without_network_weights": dim_from_weights_without_network_weights,
+    "dim_from_weights_with_a_selection": dim_from_weights_with_a_selection,
     "ema_start_after_the_epochs_steps": ema_start_after_the_epochs_steps,
 }
 
@@ -325,8 +338,27 @@ def test_network_weights_of_another_rank_is_refused(trained, tiny_set, tmp_path,
     assert "key 'network_weights': " in line, line
     assert ("tiny_flux_lora.safetensors: LoRA module 'double_blocks.0.img_attn.proj' has down (8, 64) / up (64, 8), "
             "the network expects (4, 64) / (64, 4) (rank 8, not 4: the network keeps the ranks network_dim and the "
-            "*_dim network_args give it)") in line, line
+            "*_dim network_args give it; dim_from_weights = true takes the file's)") in line, line
     assert files_under(out) == []
+
+
+def test_dim_from_weights_trains_exactly_the_files_modules_at_their_ranks(trained, tiny_set, tmp_path, capsys):
+    """sd-scripts' dim_from_weights: the network is the file's modules (a rank-8 file cut to its attention
+    projections) at the file's ranks and alphas, not network_dim's 4 (refused without the key, above); the
+    header says the file's rank."""
+    tensors = load_file(str(trained / "tiny_flux_lora.safetensors"))
+    kept = {k: v for k, v in tensors.items() if "_attn_proj." in k}
+    assert kept and len(kept) < len(tensors)
+    save_file(kept, str(tmp_path / "proj.safetensors"))
+    out = tmp_path / "out"
+    assert train_lora.main(flux_args(tiny_set, out, "--network_dim", "4", "--network_alpha", "2", "--max_train_steps", "1",
+                                     "--dim_from_weights", "true", "--network_weights",
+                                     str(tmp_path / "proj.safetensors"))) == 0
+    saved = load_file(str(out / "tiny_flux_lora.safetensors"))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in kept.items()}
+    assert {float(v) for k, v in saved.items() if k.endswith(".alpha")} == {8.0}
+    with safe_open(str(out / "tiny_flux_lora.safetensors"), "pt") as f:
+        assert (f.metadata()["ss_network_dim"], f.metadata()["ss_network_alpha"]) == ("8", "8")
 
 
 def test_network_weights_alpha_is_kept_and_the_header_says_so(trained, tiny_set, tmp_path, capsys):

@@ -170,11 +170,27 @@ def test_network_weights_of_other_ranks_is_refused_before_tokenizing_and_the_net
     assert code == 2
     assert (f"error: command line: key 'network_weights': {tmp_path / 'one'}: LoRA module 'model.layers.1.mlp.down_proj' "
             f"has down (2, 64) / up (32, 2), the network expects (4, 64) / (32, 4) (rank 2, not 4: the network keeps the "
-            f"ranks network_dim and the *_dim network_args give it)") in capsys.readouterr().err
+            f"ranks network_dim and the *_dim network_args give it; dim_from_weights = true takes the file's)") in capsys.readouterr().err
     assert train_lora.main(llm_args(tiny_set, tmp_path / "out", *run, "--network_weights", str(tmp_path / "mlp"),
                                     "--network_args", "mlp_dim=2")) == 0
     config = json.loads((tmp_path / "out" / "lm" / "adapter_config.json").read_text())
     assert config["r"] == 4 and set(config["rank_pattern"].values()) == {2} and len(config["rank_pattern"]) == 6
+
+
+def test_dim_from_weights_continues_a_peft_folder_at_its_rank_pattern(tiny_set, tmp_path):
+    """dim_from_weights (sd-scripts' key): the network is the folder's modules (q / v / down_proj, PEFT's
+    targets, not our defaults) at the folder's ranks: one down_proj at 2 beside rank 4, refused above without
+    the key. network_dim 8 is unused; the saved folder holds the same modules, ranks and alphas."""
+    peft_folder(tiny_set["llm"], str(tmp_path / "one"), {"layers.1.mlp.down_proj": 2})
+    assert train_lora.main(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", tiny_set["llm"],
+                                    "--output_name", "lm", "--max_train_steps", "1", "--network_dim", "8",
+                                    "--dim_from_weights", "true", "--network_weights", str(tmp_path / "one"))) == 0
+    source = load_file(str(tmp_path / "one" / "adapter_model.safetensors"))
+    saved = load_file(str(tmp_path / "out" / "lm" / "adapter_model.safetensors"))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in source.items()}
+    config = json.loads((tmp_path / "out" / "lm" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["rank_pattern"] == {"layers.1.mlp.down_proj": 2}
+    assert set(config["target_modules"]) == {"q_proj", "v_proj", "down_proj"}
 
 
 def test_a_config_json_without_a_shape_key_is_one_line_naming_it(tiny_set, tmp_path, capsys):

@@ -82,6 +82,8 @@ SCHEMA: dict[str, Arg] = {
     "network_alpha": A(float, 16.0, "LoRA alpha; scale = alpha / rank (0 means alpha = rank)"),
     "network_args": A(list, [], "extra network options as 'key=value' strings"),
     "network_weights": A(str, None, "initial LoRA weights: a .safetensors LoRA, or (llm) a PEFT adapter folder"),
+    "dim_from_weights": A(bool, False, "the network takes network_weights' modules, ranks and alphas (sd-scripts' key; "
+                                       "networks.lora): no others, network_dim / network_alpha unused"),
     "base_loras": A(list, [], "LoRAs merged into the frozen base before training, 'path[:ratio]' (e.g. a distilled "
                              "model's de-distillation adapter): not trained, not saved, recorded in the LoRA's metadata"),
     "network_dropout": A(float, 0.0, "dropout on the LoRA down projection"),
@@ -419,6 +421,32 @@ def optimizer_kwargs(args, where: str | None = None) -> dict[str, Any]:
     return parse_kv_literals(args.optimizer_args, "optimizer_args", where or args.config_file or "command line")
 
 
+def network_modules_from(args) -> str | None:
+    """The LoRA file whose modules, ranks and alphas the network takes (dim_from_weights), or None: the
+    network selects its modules itself, at network_dim's ranks."""
+    return args.network_weights if args.dim_from_weights else None
+
+
+def _validate_dim_from_weights(args, origins: dict[str, str], where: str) -> None:
+    """dim_from_weights builds the network from network_weights' modules: the keys that would select modules
+    or ranks mean nothing then; one line names the first (sd-scripts ignores them)."""
+    if not args.dim_from_weights:
+        return
+    where = origins.get("dim_from_weights", where)
+    if not args.network_weights:
+        raise ConfigError(f"{where}: key 'dim_from_weights' needs network_weights (the file whose modules, ranks "
+                          f"and alphas the network takes)")
+    if args.network_module != "networks.lora":
+        raise ConfigError(f"{where}: key 'dim_from_weights' is for network_module networks.lora (a LyCORIS network "
+                          f"is built by its network_args)")
+    from networks.lora import SELECTION_ARGS
+
+    chosen = [k for k in lora_network_args(args) if k in SELECTION_ARGS or k.endswith("_dim") or k == "in_dims"]
+    if chosen:
+        raise ConfigError(f"{origins.get('network_args', where)}: network_args '{chosen[0]}' selects modules or "
+                          f"ranks; with dim_from_weights the network holds network_weights' modules at their ranks")
+
+
 def lora_network_args(args, where: str | None = None) -> dict[str, Any]:
     """network_args of the config as a dict, with network_dropout as the LoRA `dropout` (sd-scripts):
     what the network is built with, and what its file's metadata records."""
@@ -546,6 +574,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         check_network_module(args.network_module)
     except ValueError as e:
         raise ConfigError(f"{origins.get('network_module', where)}: {e}") from None
+    _validate_dim_from_weights(args, origins, where)
     _validate_input_paths(args, origins, where)
     _validate_output(args, origins, where)
 
@@ -572,7 +601,8 @@ _IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v
 LLM_KEYS = ("train_data", "train_on_all_tokens", "attend_across_documents", "max_length", "stride", "val_fraction",
             "eval_every_n_steps", "sample_prompt", "sample_chat_template", "sample_max_new_tokens", "temperature",
             "top_k", "batch_size", "pretrain", "scaled_residual_init")
-LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "network_weights", "network_dropout")
+LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "network_weights", "network_dropout",
+             "dim_from_weights")
 DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
                   "sample_prompts", "sample_bf16_reference", "timestep_sampling", "discrete_flow_shift",
                   "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "guidance_scale", "prior_loss_weight",

@@ -31,7 +31,7 @@ from library.models.family import get_family, stack_text, warn_unread_prompt_opt
 from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
 from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, check_planned_steps,
-                                     compute_dtype, lora_network_args, plan_steps)
+                                     compute_dtype, lora_network_args, network_modules_from, plan_steps)
 from library.training.lora_inputs import check_lora_inputs, check_network_weights_fit, loaded_dim_alpha
 from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
@@ -394,7 +394,7 @@ class DiffusionTask:
     def _make_network_for(self, base: nn.Module) -> nn.Module:
         args = self.args
         network = build_network(args.network_module, base, self.family.arch, args.network_dim, args.network_alpha,
-                                network_args=lora_network_args(args))
+                                network_args=lora_network_args(args), modules_from=network_modules_from(args))
         network.apply()
         return network.to(self.device)
 

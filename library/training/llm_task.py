@@ -34,7 +34,8 @@ from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
-from library.training.config import ConfigError, base_precision, compute_dtype, lora_formats, lora_network_args
+from library.training.config import (ConfigError, base_precision, compute_dtype, lora_formats, lora_network_args,
+                                     network_modules_from)
 from library.training.lora_inputs import check_lora_inputs, check_network_weights_fit, loaded_dim_alpha
 from library.training.optim import drop_rows_after
 from library.training.state import SavedState, check_resumed_fit
@@ -174,7 +175,7 @@ class LLMTask:
             self.model.requires_grad_(True).train()
         else:
             self.network = build_network(args.network_module, self.model, "llm", args.network_dim, args.network_alpha,
-                                         network_args=lora_network_args(args))
+                                         network_args=lora_network_args(args), modules_from=network_modules_from(args))
             if args.network_weights:
                 counts = self.network.load_weights(args.network_weights, strict=False)
                 accelerator.print(f"network_weights: {self.network.describe_loaded(counts)}")
@@ -197,7 +198,7 @@ class LLMTask:
         args = self.args
         with torch.device("meta"):
             return build_network(args.network_module, LLM(config), "llm", args.network_dim, args.network_alpha,
-                                 network_args=lora_network_args(args))
+                                 network_args=lora_network_args(args), modules_from=network_modules_from(args))
 
     def _model_config(self, path: str) -> tuple[LLMConfig, bool, Callable | None]:
         """(the model's config, whether it trains from scratch, load_llm's prepare hook), read and checked

@@ -193,10 +193,10 @@ def reusing_meta_models():
 def meta_model_and_network(family, args):
     """The transformer on meta as train_lora.py builds it (the family's loader without weights) and
     the run's LoRA network applied to it (the planner's, and the run's check of network_weights' ranks)."""
-    from library.training.config import base_precision, compute_dtype, lora_network_args
+    from library.training.config import base_precision, compute_dtype, lora_network_args, network_modules_from
 
     key = (id(family), compute_dtype(args), base_precision(args), args.network_module, args.network_dim,
-           args.network_alpha, repr(lora_network_args(args)))
+           args.network_alpha, repr(lora_network_args(args)), network_modules_from(args))
     if _REUSED is None:
         return _build_model_and_network(family, args)
     if key not in _REUSED:
@@ -214,14 +214,14 @@ def meta_model_and_network(family, args):
 
 
 def _build_model_and_network(family, args):
-    from library.training.config import base_precision, compute_dtype, lora_network_args
+    from library.training.config import base_precision, compute_dtype, lora_network_args, network_modules_from
     from networks.factory import build_network
 
     model = family.load_transformer(compute_dtype(args), base_precision(args), read_weights=False)
     model.requires_grad_(False).eval()
     with torch.device("meta"):
         network = build_network(args.network_module, model, family.arch, args.network_dim, args.network_alpha,
-                                network_args=lora_network_args(args))
+                                network_args=lora_network_args(args), modules_from=network_modules_from(args))
     network.apply()
     return model, network
 
