@@ -31,7 +31,11 @@ from library.models import core
 from library.precision.fp8 import FP8_DTYPE, FP8_MAX, FP8Linear, dequantize_weight, quantize_weight, stochastic_round_to_fp8
 
 BLOCK_NAME = re.compile(r"(double_blocks|single_blocks|transformer_blocks)\.\d+")
-POSITION_NAME = re.compile(r"freq|rope|pos", re.IGNORECASE)
+# A name segment (between dots / underscores) that names positions or RoPE: "pos" inside "postnorm" is not one.
+POSITION_NAME = re.compile(r"(?:^|[._])(?:freqs?|inv_freq|rope|pe|pos|positions?|pos_embed)(?:[._]|$)", re.IGNORECASE)
+# The largest |cos / sin - float64 reference| of float32 tables: ~1e-7 x the position (5e-4 at 4096); one
+# rounded position or a bf16 table is off by 1e-2 to 1.
+TABLE_TOLERANCE = 1e-2
 ROUNDINGS = ("nearest", "stochastic")
 
 
@@ -263,12 +267,24 @@ def map_ratios(error_map: torch.Tensor, band: float = 1 / 8, regions: int = 4) -
     }
 
 
-def verdict(ratios: dict, output_error: float, threshold: float, position_ratio: float = 2.0) -> str:
-    """One line: position damage (uneven map), weight quantization (flat map over threshold), or ok."""
-    if output_error > 1e-6 and max(ratios["border_centre_ratio"], ratios["region_ratio"]) > position_ratio:
-        where = "borders" if ratios["border_centre_ratio"] > position_ratio else "high-index side (far from position 0)"
-        return (f"POSITION DAMAGE: error concentrated at the {where} (border/centre {ratios['border_centre_ratio']:.2f}, "
-                f"regions max/min {ratios['region_ratio']:.2f}): positions or RoPE tables went through a low-precision dtype")
+def verdict(ratios: dict, output_error: float, threshold: float, positions: dict | None = None,
+            position_ratio: float = 2.0) -> str:
+    """One line: position damage, weight quantization (flat map over threshold), or ok. Position damage is
+    what the position audit saw (positions reaching rope_tables changed, or tables off the float64 ones),
+    else an uneven error map. The audit comes first: on a model that has learned, wrong positions spread
+    their error over the image (a learned base's border / centre ratio stays ~0.9 under the e4m3 bug)."""
+    uneven = output_error > 1e-6 and max(ratios["border_centre_ratio"], ratios["region_ratio"]) > position_ratio
+    where = ("borders" if ratios["border_centre_ratio"] > position_ratio else "high-index side (far from position 0)")
+    shape = (f"border/centre {ratios['border_centre_ratio']:.2f}, regions max/min {ratios['region_ratio']:.2f}")
+    audit = positions or {}
+    if audit.get("positions_changed", 0) > 0 or audit.get("table_max_abs_diff", 0.0) > TABLE_TOLERANCE:
+        found = (f"{audit['positions_changed']} positions reached the RoPE tables changed" if audit.get("positions_changed")
+                 else "the RoPE tables are off")
+        return (f"POSITION DAMAGE: {found} (table error {audit['table_max_abs_diff']:.2g}; output error "
+                f"{output_error:.4f}, {shape}): positions or RoPE tables went through a low-precision dtype")
+    if uneven:
+        return (f"POSITION DAMAGE: error concentrated at the {where} ({shape}): positions or RoPE tables went "
+                f"through a low-precision dtype")
     if output_error > threshold:
         return (f"WEIGHT QUANTIZATION: flat error map, output error {output_error:.4f} > {threshold}: "
                 "use fp8_scaled, keep more layers in bf16, or train the LoRA on this base")
@@ -438,7 +454,7 @@ def summarise(runs: dict[str, ModeRun], inputs: DoctorInputs, timesteps, thresho
             output_error = sum(per_step) / len(per_step)
             first = next((n for n in run.order if run.layers.get(n, 0.0) > threshold), None)
             entry.update(reference=reference_of(name), output_error=output_error, per_timestep=per_step, map=ratios,
-                         verdict=verdict(ratios, output_error, threshold), layers=run.layers,
+                         verdict=verdict(ratios, output_error, threshold, run.positions), layers=run.layers,
                          first_layer_over_threshold=first)
             result["maps"][name] = error_map
         else:
