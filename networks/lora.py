@@ -423,7 +423,8 @@ class LoRANetwork(nn.Module):
           the types of one of the spec's type_groups (unless a type's own _dim is given).
       in_dims (extra_args): "[r1, r2, ...]" ranks of the spec's in_dim_types, in order (default off)
       train_modulation: train the spec's modulation_types (default: its modulation_default)
-      include_patterns / exclude_patterns: regexes searched in the qualified module name. A module
+      include_patterns / exclude_patterns: regexes matching the whole qualified module name (fullmatch, as
+          musubi-tuner and sd-scripts: ".*txt_.*", not "txt_"). A module
           is trained if (its type and block are on and no exclude matches) or an include matches.
       dropout, rank_dropout, module_dropout: see LoRAModule
       loraplus_lr_ratio: lora_up learning rate = lr * ratio (LoRA+)
@@ -505,7 +506,7 @@ class LoRANetwork(nn.Module):
         include = _as_patterns("include_patterns", args.get("include_patterns"))
         exclude = _as_patterns("exclude_patterns", args.get("exclude_patterns"))
         for pattern in include + exclude:
-            if not any(pattern.search(c[0]) for c in candidates):
+            if not any(pattern.fullmatch(c[0]) for c in candidates):
                 raise ValueError(
                     f"network_args pattern {pattern.pattern!r} matches no LoRA target module "
                     f"(targets look like '{candidates[0][0]}')"
@@ -513,8 +514,8 @@ class LoRANetwork(nn.Module):
         selected = []
         for path, module, mtype, kind, index in candidates:
             rank, type_on = ranks[mtype]
-            default_on = type_on and index in blocks.get(kind, {0}) and not any(p.search(path) for p in exclude)
-            if rank > 0 and (default_on or any(p.search(path) for p in include)):
+            default_on = type_on and index in blocks.get(kind, {0}) and not any(p.fullmatch(path) for p in exclude)
+            if rank > 0 and (default_on or any(p.fullmatch(path) for p in include)):
                 selected.append((path, module, rank))
         if not selected:
             raise ValueError(f"LoRA: network_args {self.network_args} select no module of the {self.arch} model")

@@ -288,11 +288,17 @@ def test_flux_train_blocks_indices_and_per_type_ranks():
 def test_include_and_exclude_patterns():
     model = StandIn(flux_names(2, 2))
     net = LoRANetwork(model, "flux", rank=4, network_args={"train_modulation": False,
-        "exclude_patterns": [r"txt_", r"single_blocks\.1\."], "include_patterns": [r"double_blocks\.0\.txt_attn\.qkv", "modulation"]})
+        "exclude_patterns": [r".*txt_.*", r"single_blocks\.1\..*"], "include_patterns": [r"double_blocks\.0\.txt_attn\.qkv", ".*modulation.*"]})
     expected = {f"double_blocks.{i}.img_{p}" for i in (0, 1) for p in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")}
     expected |= {"single_blocks.0.linear1", "single_blocks.0.linear2", "double_blocks.0.txt_attn.qkv"}
     expected |= {f"single_blocks.{i}.modulation.lin" for i in (0, 1)}  # include overrides the default-off type
     assert set(selected(net)) == expected
+    # whole names, as musubi-tuner's fullmatch: "double_blocks\.1" searched dropped blocks 1 and 10-18 of FLUX.1
+    searched = {"exclude_patterns": [r"double_blocks\.1"]}
+    with pytest.raises(ValueError, match="matches no LoRA target module"):
+        LoRANetwork(StandIn(flux_names(12, 1)), "flux", rank=4, network_args=searched)
+    one = LoRANetwork(StandIn(flux_names(12, 1)), "flux", rank=4, network_args={"exclude_patterns": [r"double_blocks\.1\..*"]})
+    assert sorted({int(n.split(".")[1]) for n in selected(one) if n.startswith("double")}) == [0] + list(range(2, 12))
 
 
 def test_qwen_image_and_llm_targets_and_block_indices():

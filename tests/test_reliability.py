@@ -342,6 +342,26 @@ def test_network_weights_of_another_rank_is_refused(trained, tiny_set, tmp_path,
     assert files_under(out) == []
 
 
+@pytest.mark.parametrize("network_args, fragment", [
+    ("train_single_block_indices=0-37", "network_args 'train_single_block_indices': index 2 is out of range, the model "
+                                        "has 2 such blocks"),
+    ("exclude_patterns=['.*img_atn.*']", "network_args pattern '.*img_atn.*' matches no LoRA target module"),
+])
+def test_network_args_the_model_judges_are_refused_before_caching(tiny_set, tmp_path, capsys, monkeypatch, network_args,
+                                                                  fragment):
+    """FLUX.1's block indices copied to a model of fewer blocks, a pattern matching no module: judged on the meta
+    model before caching (the old line encoded every latent and caption first: 1 min 50 s on 210 images)."""
+    from library.training import diffusion_task
+
+    for name in ("cache_latents", "cache_text"):
+        monkeypatch.setattr(diffusion_task, name, lambda *a, **k: pytest.fail("cached before the refusal"))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--network_args", network_args)))
+    assert fragment in line, line
+    assert files_under(out) == []
+
+
 def test_dim_from_weights_trains_exactly_the_files_modules_at_their_ranks(trained, tiny_set, tmp_path, capsys):
     """sd-scripts' dim_from_weights: the network is the file's modules (a rank-8 file cut to its attention
     projections) at the file's ranks and alphas, not network_dim's 4 (refused without the key, above); the

@@ -32,7 +32,7 @@ from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_nam
 from library.training import fsdp, memory_plan
 from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, check_planned_steps,
                                      compute_dtype, lora_network_args, network_modules_from, plan_steps)
-from library.training.lora_inputs import check_lora_inputs, check_network_weights_fit, loaded_dim_alpha
+from library.training.lora_inputs import check_lora_inputs, check_network_fits, loaded_dim_alpha
 from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
 from networks.factory import build_network, check_network_args
@@ -126,8 +126,8 @@ class DiffusionTask:
         check_lora_inputs(args, self.family.arch)  # network_weights, base_loras: their headers, before caching
         self._check_stored_precision()
         self.compute_dtype = compute_dtype(args)
-        # its ranks against the network's, before caching
-        check_network_weights_fit(args, lambda: memory_plan.meta_model_and_network(self.family, args)[1])
+        # network_args against the model's blocks and names, network_weights' ranks against the network's: before caching
+        check_network_fits(args, lambda: memory_plan.meta_model_and_network(self.family, args)[1])
         self.blueprint = load_dataset_config(args.dataset_config)
         self.dataset, self.validation_set = self._read_images()
         if args.validate_every_n_steps and not self.validation_set:  # said before minutes of caching

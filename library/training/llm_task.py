@@ -36,7 +36,7 @@ from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import (ConfigError, base_precision, compute_dtype, lora_formats, lora_network_args,
                                      network_modules_from)
-from library.training.lora_inputs import check_lora_inputs, check_network_weights_fit, loaded_dim_alpha
+from library.training.lora_inputs import check_lora_inputs, check_network_fits, loaded_dim_alpha
 from library.training.optim import drop_rows_after
 from library.training.state import SavedState, check_resumed_fit
 from networks.factory import build_network
@@ -162,8 +162,8 @@ class LLMTask:
         self.sample_stops = tuple(dict.fromkeys(i for i in stops if i is not None)) or None
         self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
         config, self.from_scratch, prepare = self._model_config(path)
-        if not args.pretrain:  # network_weights' ranks against the network's, before tokenizing
-            check_network_weights_fit(args, lambda: self._meta_network(config))
+        if not args.pretrain:  # network_args against the model, network_weights' ranks against the network's: before tokenizing
+            check_network_fits(args, lambda: self._meta_network(config))
         self.train_set, self.val_set = self._load_data(files, counts.documents, config.vocab_size)
         if state:  # before the weights load (minutes for a large base): a resume that does not fit fails at once
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())

@@ -1,7 +1,7 @@
 """The LoRA files a run reads (network_weights, base_loras), checked from their headers before the
 model loads and before caching: a file that is not a LoRA, holds text-encoder modules only, or is
 another model's (networks/lora_reader.py check_lora_arch), or whose modules the run's network cannot take
-(check_network_weights_fit), stops the run in one line naming the key; and what the saved header says of the
+(check_network_fits), stops the run in one line naming the key; and what the saved header says of the
 ranks and alphas network_weights loaded (loaded_dim_alpha)."""
 
 from __future__ import annotations
@@ -33,22 +33,31 @@ def check_lora_inputs(args, arch: str) -> None:
                 "merge it into the checkpoint with tools/merge_lora.py and train on the merged checkpoint"))
 
 
-def check_network_weights_fit(args, meta_network) -> None:
-    """network_weights loaded into meta_network(), the run's LoRA network built on a meta-device model (no weights
-    read: seconds), as the run loads it later: a module of another rank than the network's (network_weights keeps
-    the network's ranks, as sd-scripts does without dim_from_weights), a name no Linear of the model has, is a
-    ConfigError naming the key before the data is read and the model loads. The load's warnings are the run's.
-    LyCORIS networks are left to their load: the lycoris package builds its modules from the model's weights."""
+def check_network_fits(args, meta_network) -> None:
+    """The run's LoRA network built by meta_network() on a meta-device model (no weights read: seconds) before
+    the data is read and the model loads: network_args that only the model can judge (block indices past its
+    blocks, a pattern matching no module, a selection of none) are a ConfigError now, not after minutes of
+    caching; and network_weights loaded into it as the run loads it later: a module of another rank than the
+    network's (network_weights keeps the network's ranks, as sd-scripts does without dim_from_weights), a name no
+    Linear of the model has. The load's warnings are the run's. LyCORIS networks are left to their build: the
+    lycoris package builds its modules from the model's weights."""
     import warnings
 
-    if not args.network_weights or (args.network_module or "networks.lora") != "networks.lora":
+    if (args.network_module or "networks.lora") != "networks.lora":
+        return
+    where = args.config_file or "command line"
+    try:  # with dim_from_weights the build reads network_weights: its errors are that key's
+        network = meta_network()
+    except ValueError as e:  # CheckpointError is a ValueError
+        raise ConfigError(f"{where}: key 'network_weights': {e}" if args.dim_from_weights else f"{where}: {e}") from None
+    if not args.network_weights or args.dim_from_weights:
         return
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            meta_network().load_weights(args.network_weights, strict=False)
+            network.load_weights(args.network_weights, strict=False)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-        raise ConfigError(f"{args.config_file or 'command line'}: key 'network_weights': {e}") from None
+        raise ConfigError(f"{where}: key 'network_weights': {e}") from None
 
 
 _KIND = {"networks.lora": "a down/up LoRA file (network_module networks.lora)",
