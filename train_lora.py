@@ -42,7 +42,7 @@ from tqdm import tqdm  # noqa: E402
 
 from library.io import CheckpointError, CheckpointReader  # noqa: E402
 from library.training import fsdp, tracking  # noqa: E402
-from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix  # noqa: E402
+from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix, step_ds  # noqa: E402
 from library.training.config import (PRECISION_DTYPES, ConfigError, check_planned_steps, epoch_steps,  # noqa: E402
                                      load_config, lora_network_args, optimizer_kwargs, plan_steps, warmup_steps)
 from library.training.ema import TrainableEMA  # noqa: E402
@@ -339,6 +339,7 @@ class Trainer:
             self.module, self.optimizer = accelerator.prepare(task.module, optimizer)
         self.step, self.epoch, self.batches_done = 0, 0, 0
         self.val_loss = None  # the latest, shown in the progress bar between validations
+        self.step_ds = None  # each group's d the last optimizer step applied (adaptive optimizers)
         self.ema = None
         if args.ema_decay:  # after prepare and network_weights: the EMA starts from the weights training starts from
             self.ema = TrainableEMA(task.named_trainable_parameters(), args.ema_decay, args.ema_warmup,
@@ -580,6 +581,7 @@ class Trainer:
         False for optimizers that skip inside their own kernel (fused AdamW)."""
         scaler = self.accelerator.scaler
         scale = scaler.get_scale() if scaler is not None else None
+        self.step_ds = step_ds(self.optimizer)  # Prodigy's d this step applies: the step leaves the next one's
         self.optimizer.step()
         return scaler is None or scaler.get_scale() >= scale
 
@@ -601,7 +603,7 @@ class Trainer:
         extras.update(timing)
         values = {"loss": loss}
         if self.accelerator.is_main_process:
-            values = self.logger.log(self.step + 1, self.epoch, loss, self.optimizer, extras)
+            values = self.logger.log(self.step + 1, self.epoch, loss, self.optimizer, extras, self.step_ds)
         self.scheduler.step()
         self.step += 1
         self.progress_bar.update(1)

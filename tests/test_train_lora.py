@@ -401,13 +401,30 @@ def test_unknown_config_key_is_one_line_and_exit_2(tmp_path, capsys):
     assert err == [f"error: {cfg}: unknown key 'network_dimm'"]
 
 
-def test_tensorboard_gets_loss_lr_and_d_times_lr_once_per_step(tiny_set, tmp_path):
+def test_tensorboard_gets_loss_lr_and_d_times_lr_once_per_step(tiny_set, tmp_path, monkeypatch):
+    """d*lr is the one each step applied: prodigyopt computes its step from d, then leaves the next step's d in
+    the group; the old line read it after the step and logged each step the next one's (2-3x early on)."""
+    from prodigyopt import Prodigy
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    applied, after, real_step = [], [], Prodigy.step
+
+    def recording(self, *args, **kwargs):
+        applied.append(self.param_groups[0]["d"] * self.param_groups[0]["lr"])
+        result = real_step(self, *args, **kwargs)
+        after.append(self.param_groups[0]["d"] * self.param_groups[0]["lr"])
+        return result
+
+    monkeypatch.setattr(Prodigy, "step", recording)
     out, logs = tmp_path / "run", tmp_path / "tb"
     code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "3", "--sample_prompts", "",
-                                     "--logging_dir", str(logs), "--log_prefix", "probe"))
+                                     "--logging_dir", str(logs), "--log_prefix", "probe",
+                                     "--optimizer_args", "d0=1e-4", "d_coef=2.0"))
     assert code == 0
+    applied, after = applied[-3:], after[-3:]  # (the config check steps a stand-in optimizer first)
+    assert applied != after  # d grew: the test tells the two apart
+    with open(out / "tiny_flux_lora_log.csv") as f:
+        assert [float(r["d*lr/lora"]) for r in csv.DictReader(f)] == pytest.approx(applied, rel=1e-6)
     events = [os.path.join(d, f) for d, _, fs in os.walk(logs) for f in fs if f.startswith("events.out")]
     assert events
     acc = EventAccumulator(os.path.dirname(events[0]))
@@ -415,6 +432,7 @@ def test_tensorboard_gets_loss_lr_and_d_times_lr_once_per_step(tiny_set, tmp_pat
     tags = set(acc.Tags()["scalars"])
     assert {"loss", "lr/lora", "d*lr/lora"} <= tags
     assert [e.step for e in acc.Scalars("d*lr/lora")] == [1, 2, 3]
+    assert [e.value for e in acc.Scalars("d*lr/lora")] == pytest.approx(applied, rel=1e-6)
 
 
 def test_bf16_compute_on_fp8_base_trains_fp32_lora(tiny_set, tmp_path):

@@ -123,14 +123,22 @@ def group_names(optimizer) -> list[str]:
     return names
 
 
-def effective_lrs(optimizer) -> dict[str, float]:
-    """{'lr/<group>': lr, 'd*lr/<group>': d * lr (adaptive optimizers only)}."""
+def step_ds(optimizer) -> list[float] | None:
+    """Each group's d (adaptive optimizers; else None), read before optimizer.step(): the step applies
+    d * lr with this d and leaves the next step's d in the group (prodigyopt computes dlr first, then d)."""
+    return [float(g["d"]) for g in optimizer.param_groups] if adapts_step_size(optimizer) else None
+
+
+def effective_lrs(optimizer, ds: list[float] | None = None) -> dict[str, float]:
+    """{'lr/<group>': lr, 'd*lr/<group>': d * lr (adaptive optimizers only)}; ds: the d each group's step
+    applied (step_ds before the step), else the groups' d now (after a step: the next step's)."""
     out = {}
     adaptive = adapts_step_size(optimizer)
-    for name, g in zip(group_names(optimizer), optimizer.param_groups):
+    ds = ds if ds is not None else [g.get("d") for g in optimizer.param_groups]
+    for name, g, d in zip(group_names(optimizer), optimizer.param_groups, ds):
         out[f"lr/{name}"] = float(g["lr"])
         if adaptive:
-            out[f"d*lr/{name}"] = float(g["d"]) * float(g["lr"])
+            out[f"d*lr/{name}"] = float(d) * float(g["lr"])
     return out
 
 
@@ -169,8 +177,9 @@ class LRLogger:
         elif os.path.exists(path):
             os.remove(path)
 
-    def log(self, step: int, epoch: int, loss: float, optimizer, extra: dict | None = None):
-        values = {"step": step, "epoch": epoch, "loss": loss, **effective_lrs(optimizer), **(extra or {})}
+    def log(self, step: int, epoch: int, loss: float, optimizer, extra: dict | None = None, ds: list[float] | None = None):
+        """One row: the lr and d * lr the step applied (ds: step_ds before optimizer.step())."""
+        values = {"step": step, "epoch": epoch, "loss": loss, **effective_lrs(optimizer, ds), **(extra or {})}
         header = None
         if self.columns is None:
             self.columns = header = list(values)
