@@ -574,3 +574,12 @@ def test_persistent_data_loader_workers_reaches_one_dataloader_that_serves_every
     task._loader = None
     loader = DiffusionTask.epoch_batches(task, 0)
     assert not loader.persistent_workers and task._loader is None
+
+
+def test_a_resumed_eval_log_keeps_its_start_row(tmp_path):
+    """An LLM eval log's "start" row (the baseline before step 1, sample_at_first) was dropped at a resume
+    with the rows after the state's step: the CSV lost it while TensorBoard kept it at step 0."""
+    path = tmp_path / "lm_eval.csv"
+    path.write_text("step,val_loss\nstart,5.1\n2,4.9\n4,4.7\nfinal,4.6\n")
+    optim.drop_rows_after(str(path), 2)
+    assert path.read_text().splitlines() == ["step,val_loss", "start,5.1", "2,4.9"]

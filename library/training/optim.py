@@ -150,7 +150,8 @@ def drop_rows_after(path: str, step: int) -> None:
     if not rows or "step" not in rows[0]:
         return
     col = rows[0].index("step")  # a row cut short by a kill has no valid step: it goes too
-    kept = [rows[0]] + [r for r in rows[1:] if len(r) > col and r[col].isdigit() and int(r[col]) <= step]
+    # an LLM eval log's "start" row (before step 1) stays, its "final" goes (the resumed run writes its own)
+    kept = [rows[0]] + [r for r in rows[1:] if len(r) > col and (r[col] == "start" or (r[col].isdigit() and int(r[col]) <= step))]
     if len(kept) < len(rows):
         with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
             csv.writer(f).writerows(kept)
