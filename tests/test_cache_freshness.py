@@ -43,6 +43,29 @@ def test_a_model_file_rewritten_within_the_same_second_changes_its_cache_key(tmp
     assert family.text_cache_key({"max_length": 256}, "bf16") != family.text_cache_key({"max_length": 512}, "bf16")
 
 
+def test_an_encoder_given_as_an_index_or_a_file_counts_its_shards_and_config_json(tmp_path):
+    """t5xxl = <folder>/model.safetensors.index.json with shard 2 replaced (same shapes): the old key stat'ed the
+    index alone and reused 8 stale caption caches (t5 embeddings off by up to 7.05). A config.json beside a
+    single file is read by the text-encoder loader too (layer_norm_epsilon edited: the key stayed)."""
+    import json
+
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        rewrite(folder / name, b"a" * 64, 1_700_000_000 * 10**9)
+    (folder / "config.json").write_text('{"layer_norm_epsilon": 1e-6}')
+    family = Family("model.safetensors", "ae.safetensors", t5xxl=str(index))
+    key = family.text_cache_key({"max_length": 512}, "bf16")
+    rewrite(folder / "model-00002-of-00002.safetensors", b"b" * 64, 1_700_000_000 * 10**9 + 1)
+    assert family.text_cache_key({"max_length": 512}, "bf16") != key
+    single = Family("model.safetensors", "ae.safetensors", t5xxl=str(folder / "model-00001-of-00002.safetensors"))
+    key = single.text_cache_key({"max_length": 512}, "bf16")
+    (folder / "config.json").write_text('{"layer_norm_epsilon": 0.5}')
+    assert single.text_cache_key({"max_length": 512}, "bf16") != key
+
+
 # (where the encoder's path points, the tokenizer file changed) in a diffusers-style repo: text_encoder_2/ + tokenizer_2/
 TOKENIZER_CHANGES = [
     ("repo/text_encoder_2/model.safetensors", "repo/tokenizer_2/spiece.model"),  # a single file, its tokenizer beside

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from library.io import safetensors_files
 from library.data.masks import on_latent_grid
 from library.models import flow_matching as fm
 from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, arch_spec  # noqa: F401  (their importers find them here too)
@@ -38,17 +39,22 @@ from library.models.latents import pack_latents, unpack_latents
 def file_fingerprint(*paths: str | None) -> str:
     """Short id of model files (names, sizes, mtimes in nanoseconds) for cache keys: a changed model
     file invalidates the caches made with it without hashing gigabytes (whole seconds missed a
-    same-size file rewritten within the second)."""
+    same-size file rewritten within the second). A file counts with what its loader reads: the shards
+    a .safetensors.index.json lists and a config.json beside it (a replaced shard kept the key)."""
     h = hashlib.sha256()
     for path in paths:
         if not path:
             continue
-        files = [path] if os.path.isfile(path) else sorted(
-            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith((".safetensors", ".json"))
-        )
+        if os.path.isfile(path):  # with what the loaders read beside it: an index's shards, a config.json
+            folder, files = os.path.dirname(path), [path]
+            files += safetensors_files(path) if path.endswith(".index.json") else []
+            files += [c for c in [os.path.join(folder, "config.json")] if os.path.isfile(c) and c != path]
+        else:
+            folder = path
+            files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith((".safetensors", ".json")))
         for f in files:
             st = os.stat(f)
-            h.update(f"{os.path.relpath(f, path) if f != path else os.path.basename(f)}:{st.st_size}:{st.st_mtime_ns}".encode())
+            h.update(f"{os.path.relpath(f, folder)}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:10]
 
 
