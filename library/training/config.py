@@ -732,6 +732,10 @@ def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where
                      f'{other} = "{value}"' if isinstance(value, str) else f"{other} = {value}")
             raise ConfigError(f"{_blame(origins, where, key, other)}: key '{key}' does nothing with {shown}; "
                               f"it needs {needs}")
+    if args.sample_every_n_steps and args.sample_every_n_epochs:  # sd-scripts renders the epochs' only; both fired here
+        raise ConfigError(f"{_blame(origins, where, 'sample_every_n_steps', 'sample_every_n_epochs')}: key "
+                          f"'sample_every_n_steps' does nothing with sample_every_n_epochs = {args.sample_every_n_epochs} "
+                          f"(sd-scripts renders the epochs' samples only); keep one")
     sampling = [k for k in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first") if getattr(args, k)]
     if args.model_type != "llm" and sampling and args.sample_prompts is None:  # "" is an explicit "no samples"
         raise ConfigError(f"{_blame(origins, where, sampling[0])}: key '{sampling[0]}' renders the prompts of "
