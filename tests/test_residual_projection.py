@@ -20,6 +20,7 @@ DIFFUSION_ARCHS = sorted({arch_specs()[a].arch for a in arch_specs()} - {"llm"})
 # Families whose blocks end in `x + gate * proj(h)` with an untrained gate by default; FLUX.1 trains its
 # modulation by default (sd-scripts' targets), Z-Image and Ideogram-4 norm the projection's output.
 SKIPPING = {"chroma", "flux2", "krea2", "qwen_image", "qwen_image21"}
+NOT_SKIPPING = {"flux", "zimage", "ideogram4"}  # (a family added later: the bits alone, until it joins a set)
 
 
 def tiny_model(arch: str, tiny_set):
@@ -78,7 +79,8 @@ def test_every_family_trains_the_same_bits_with_the_skip(arch, tiny_set, monkeyp
     assert_same(with_skip, without)
     assert not none
     # Every skip is in the recompute (never the forward) of a block's last projection.
-    assert bool(skipped) == (arch in SKIPPING), skipped
+    if arch in SKIPPING | NOT_SKIPPING:
+        assert bool(skipped) == (arch in SKIPPING), skipped
 
 
 def test_bf16_autocast_and_a_trained_gate(tiny_set, monkeypatch):

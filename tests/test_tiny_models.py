@@ -63,9 +63,12 @@ def test_tool_writes_every_component_small_with_manifest(tiny_set):
     }
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)
-    assert manifest["paths"] == expected and manifest["seed"] == 0
+    # a family added later writes its own folder (docs/adding_a_family.md): its files are its tests'
+    folders = {path.split("/")[0] for path in expected.values()}
+    known = {k: v for k, v in manifest["paths"].items() if v.split("/")[0] in folders}
+    assert known == expected and manifest["seed"] == 0
     assert all(os.path.exists(p) for p in paths.values())
-    total = sum(manifest["bytes"].values())
+    total = sum(manifest["bytes"][k] for k in known)
     # a few MB (about 14 with FLUX.2, 17.6 with Qwen-Image-Edit, 19.4 with [dev]'s Mistral3, 25.4 with Z-Image: its
     # timestep MLP is 1024 wide at any model width, 2.8 MB per transformer copy, written in two layouts; 28.1 with Chroma;
     # 31.7 with the Z-Image Omni repo: its transformer, SigLIP and Qwen3; 33.7 with Krea 2; 35.2 with Ideogram 4: nvfp4 + fp8r transformers, Qwen3-VL;
