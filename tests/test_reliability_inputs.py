@@ -115,6 +115,27 @@ def test_the_aspect_limit_is_the_widest_buckets_not_max_over_min_bucket_reso(tmp
                                       f"bucket, 1024x256 = 4.0 (it is cropped)")
 
 
+def test_without_buckets_a_non_square_resolution_judges_each_image_against_its_own_shape(tmp_path):
+    """resolution 128x32 without buckets: a 32x128 image is upscaled 4x and keeps 6% of itself; the old check
+    compared its short side with min(resolution) and its ratio with 1:1, so neither warned."""
+    make_image(tmp_path / "img" / "tall.png", 32, 128)
+    make_image(tmp_path / "img" / "wide.png", 128, 32)
+    with pytest.warns(UserWarning) as caught:
+        image_folders.scan_images(blueprint(tmp_path / "img", resolution=[128, 32], class_tokens="x"))
+    messages = [str(w.message) for w in caught]
+    assert messages[0] == (f"{tmp_path / 'img' / 'tall.png'}: 32x128 is smaller than resolution 128x32 (it is upscaled) "
+                           f"and has aspect ratio 4.0 against resolution 128x32's 4.00 (x16.0), beyond max_bucket_reso / "
+                           f"min_bucket_reso = 4.0 (it is cropped)")
+    assert len(messages) == 2 and "1 of 2 images" in messages[1]  # the wide one fits
+
+
+def test_bucket_no_upscale_without_buckets_is_refused(tmp_path):
+    """It did nothing there: every image was resized to the resolution (a 300x200 image enlarged 2.56x)."""
+    make_image(tmp_path / "img" / "a.png", 64, 64)
+    with pytest.raises(ValueError, match="key 'bucket_no_upscale' = true does nothing without enable_bucket = true"):
+        blueprint(tmp_path / "img", bucket_no_upscale=True, class_tokens="x")
+
+
 def test_a_subset_whose_every_image_is_skipped_is_an_error(tmp_path):
     keys = bad_size_set(tmp_path / "img")
     os.remove(tmp_path / "img" / "fine.png")

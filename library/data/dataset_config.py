@@ -236,6 +236,9 @@ def _check_dataset_values(source: str, d: DatasetSpec):
     if d.min_bucket_reso > d.max_bucket_reso:
         raise ValueError(f"{source}: [datasets] min_bucket_reso {d.min_bucket_reso} is larger than "
                          f"max_bucket_reso {d.max_bucket_reso}")
+    if d.bucket_no_upscale and not d.enable_bucket:  # an image was enlarged to the resolution all the same
+        raise ValueError(f"{source}: [datasets] key 'bucket_no_upscale' = true does nothing without enable_bucket = "
+                         f"true (every image is resized to the resolution); set enable_bucket = true or remove it")
     if not d.enable_bucket and any(s % step for s in d.resolution):
         raise ValueError(f"{source}: [datasets] key 'resolution' must be a multiple of {step} per side "
                          f"when enable_bucket is false, got {list(d.resolution)}")

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from library.data.controls import check_control_count, control_files, find_controls, scan_controls, target_stems
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec, make_buckets
 from library.data.images import (IMAGE_EXTENSIONS, UNREAD_IMAGE_EXTENSIONS, images_by_stem, is_image_name,
-                                 verified_image_size)
+                                 upscale_factor, verified_image_size)
 from library.data.layers import check_layers, split_layers
 from library.data.masks import find_mask, warn_missing_alpha
 from library.io import read_utf8
@@ -86,8 +86,10 @@ def size_limits(ds: DatasetSpec) -> tuple[int, str, float, str]:
 def bad_size(size: tuple[int, int], ds: DatasetSpec) -> str | None:
     """Why an image of `size` (w, h) trains badly in dataset `ds`, or None. A 1x1 image would be
     upscaled to a whole bucket, a 4000x16 strip cropped to its middle 2%: both silently."""
+    if not ds.enable_bucket:
+        return _bad_for_resolution(size, ds)
     (w, h), (min_side, name, max_aspect, widest) = size, size_limits(ds)
-    problems, own_shape = [], ds.enable_bucket and ds.bucket_no_upscale  # a bucket of the image's own shape
+    problems, own_shape = [], ds.bucket_no_upscale  # a bucket of the image's own shape
     if min(w, h) < min_side and not own_shape:  # that never upscales
         problems.append(f"is smaller than {name} {min_side} (it is upscaled)")
     if max(w, h) / min(w, h) > max_aspect and not own_shape:  # nor crops beyond rounding to bucket_reso_steps
@@ -95,6 +97,26 @@ def bad_size(size: tuple[int, int], ds: DatasetSpec) -> str | None:
     if own_shape and min(bucket_without_upscale(size, ds.resolution[0] * ds.resolution[1], ds.bucket_reso_steps)) == 0:
         problems.append(f"has a side below bucket_reso_steps {ds.bucket_reso_steps} at the area budget (no bucket "
                         f"holds it without upscaling: an error, unless skip_bad_size_images leaves it out)")
+    return f"{w}x{h} " + " and ".join(problems) if problems else None
+
+
+def _bad_for_resolution(size: tuple[int, int], ds: DatasetSpec) -> str | None:
+    """bad_size without buckets: every image is resized to cover the resolution (w, h) and centre-cropped, so
+    an image is upscaled where one side falls short of the resolution's, and cropped beyond max_bucket_reso /
+    min_bucket_reso in aspect ratio against the resolution's own (a 256x1024 image at 1024x256 keeps 6%: the
+    old check compared the short side with min(resolution) and the image's ratio with 1:1)."""
+    (w, h), (rw, rh) = size, ds.resolution
+    square = rw == rh
+    named = f"resolution {rw}" if square else f"resolution {rw}x{rh}"
+    relative = max((w / h) / (rw / rh), (rw / rh) / (w / h))
+    limit = ds.max_bucket_reso / ds.min_bucket_reso
+    problems = []
+    if upscale_factor(size, (rw, rh)) > 1:
+        problems.append(f"is smaller than {named} (it is upscaled)")
+    if relative > limit:
+        against = "" if square else f" against {named}'s {rw / rh:.2f} (x{relative:.1f})"
+        problems.append(f"has aspect ratio {w / h if w >= h else h / w:.1f}{against}, beyond max_bucket_reso / "
+                        f"min_bucket_reso = {limit:.1f} (it is cropped)")
     return f"{w}x{h} " + " and ".join(problems) if problems else None
 
 
