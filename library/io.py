@@ -123,7 +123,7 @@ def _read_gguf_header(path: str) -> tuple[dict, dict[str, str], int]:
     try:
         reader = GGUFReader(path)
     except (ValueError, IndexError, KeyError, OSError) as e:  # the package's parse errors: bad magic, truncation
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
+        raise CheckpointError(f"{path}: not a readable GGUF file (truncated, or not GGUF: {e})") from None
     if reader.byte_order != "I":
         raise CheckpointError(f"{path}: a big-endian GGUF file; only little-endian files are read")
     size = os.path.getsize(path)

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from gguf import GGMLQuantizationType as T
 from safetensors import safe_open
+from safetensors.torch import load_file as load_file_tensors
 
 import train_lora
 from library.io import CheckpointError, CheckpointReader
@@ -255,6 +256,24 @@ def test_other_ggml_types_are_refused_in_one_line_naming_the_tensor_and_type(tin
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 10)
     with pytest.raises(CheckpointError, match=r"bad.gguf: not a readable GGUF file"):
         CheckpointReader(str(tmp_path / "bad.gguf"))
+
+
+def test_a_truncated_or_another_models_gguf_is_named_as_such(flux_gguf, tiny_set, tmp_path):
+    """A cut file read 'not a readable GGUF file (cannot reshape array ...)'; another model's GGUF was sent to
+    merge into a BFL file (FLUX.1 given Z-Image's) or called a Krea 2 file (Krea 2 given FLUX.1's)."""
+    from library.models.krea2.checkpoint import load_krea2
+
+    with open(flux_gguf[0], "rb") as f:
+        data = f.read()
+    (tmp_path / "cut.gguf").write_bytes(data[:-1000])
+    with pytest.raises(CheckpointError, match=r"cut.gguf: not a readable GGUF file \(truncated, or not GGUF: "):
+        CheckpointReader(str(tmp_path / "cut.gguf"))
+    with pytest.raises(CheckpointError, match=r"flux1-tiny-Q8_0.gguf: not a Krea 2 transformer"):
+        load_krea2(flux_gguf[0])
+    sd = load_file_tensors(tiny_set["zimage"])
+    path = write_gguf(sd, tmp_path / "zimage.gguf", {k: "Q8_0" for k, v in sd.items() if v.dim() == 2 and v.shape[1] % 32 == 0})
+    with pytest.raises(CheckpointError, match=r"zimage.gguf: not a FLUX.1 transformer"):
+        load_flux(path)
 
 
 def test_planned_weight_bytes_are_the_buffers_bytes(flux_gguf, tiny_set):

@@ -271,7 +271,7 @@ def load_chroma(
     prefix = _bfl_prefix(keys)
     _refuse_other_models(path, keys, prefix)
     stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
-    if stored and prefix is None:
+    if stored and prefix is None and any(k.startswith("single_transformer_blocks.") for k in keys):  # diffusers names
         raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) Chroma checkpoint must use BFL key names "
                               f"(diffusers folders split the fused qkv / linear1 rows, which stored scales do not "
                               f"survive); use the single file")

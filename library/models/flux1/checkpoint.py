@@ -367,7 +367,8 @@ def load_flux(
     keys = reader.keys()
     _refuse_other_family(path, keys)
     prefix = _bfl_prefix(keys)
-    if stored and prefix is None:
+    diffusers_named = any(k.startswith(("transformer_blocks.", "single_transformer_blocks.")) for k in keys)
+    if stored and prefix is None and diffusers_named:
         raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) FLUX checkpoint must use BFL key names "
                               f"(diffusers folders fuse and split rows, which stored scales do not survive); merge "
                               f"into the BFL file instead")
@@ -380,7 +381,7 @@ def load_flux(
             config = config_from_bfl_shapes(shapes, source=path)
         source = reader
         rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
-    elif any(k.startswith(("transformer_blocks.", "x_embedder.")) for k in keys):
+    elif diffusers_named:  # (x_embedder. alone is Z-Image's too)
         config_json = os.path.join(path, "config.json") if os.path.isdir(path) else None
         if config is None and config_json and os.path.exists(config_json):
             with open(config_json) as f:

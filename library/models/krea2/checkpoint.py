@@ -259,8 +259,11 @@ def load_krea2(
     reader = CheckpointReader(path)
     # Refused before the key check, which would name a stored scale an unexpected key (spec.py: FP8Rules.stored)
     if (stored := read_stored_layout(reader, path)) is not None:
-        raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) Krea 2 file is not read yet; load a bf16 "
-                              f"one with prepare=fp8_prepare(...) to quantize while loading")
+        keys = reader.keys()
+        if not any(p + MARKER in keys for p in PREFIXES) and DIFFUSERS_MARKER not in keys:  # another model's
+            raise CheckpointError(f"{path}: not a Krea 2 transformer (no key '{MARKER}' or '{DIFFUSERS_MARKER}')")
+        raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) Krea 2 file is not read yet; use the bf16 "
+                              f"file (base_precision / fp8_base quantize it while loading)")
     config, source = _source(path, reader, config)
     with torch.device("meta"):
         model = Krea2(config)
