@@ -84,7 +84,7 @@ class JointLayout:
     """The layout of [prompt tokens with condition images at their slots, target image].
 
     text_at / image_at: int64 indices of the text and the image tokens in the joint sequence; prefix_len: tokens before the target (text, conditions);
-    positions: int64 [J, 3]; segments: (start, end, is_text) runs of the prefix, each one text run or
+    positions: int64 [J, 3] ([B, J, 3] for a padded batch: the target after each prompt's real tokens); segments: (start, end, is_text) runs of the prefix, each one text run or
     one condition image; key_valid: bool [B, J] (False = a padded text key) or None."""
 
     text_at: torch.Tensor
@@ -139,6 +139,12 @@ def joint_layout(text_len: int, h: int, w: int, image_slots: torch.Tensor | None
         prompt_text = torch.tensor([i for i, s in enumerate(slots) if not s], dtype=torch.int64, device=txt_mask.device)
         key_valid = torch.ones(txt_mask.shape[0], len(is_image), dtype=torch.bool, device=txt_mask.device)
         key_valid[:, text_at.to(txt_mask.device)] = txt_mask.bool()[:, prompt_text]
+    if key_valid is not None:  # a padded batch: each target where its own prompt ends (pads: the last text run)
+        # diffusers counts the pads, so a short caption's target sat later in a batch than alone (7e-3 apart);
+        # the pipeline encodes one prompt unpadded: the batch trains what it samples
+        pads = (~txt_mask.bool()).sum(1).to(positions.device)
+        positions = positions.expand(len(pads), -1, -1).clone()
+        positions[:, prefix_len:, 0] -= pads[:, None]
     return JointLayout(text_at, image_at, prefix_len, positions, segments[:-1], key_valid)
 
 
@@ -322,7 +328,7 @@ class QwenImage21(nn.Module):
         if img.shape[1] != h * w:
             raise ValueError(f"Qwen-Image-2.1: {img.shape[1]} image tokens do not fit an {h} x {w} grid")
         layout = joint_layout(txt.shape[1], h, w, image_slots, tuple(control_shapes), txt_mask, img.device)
-        cos, sin = core.rope_tables(layout.positions, cfg.axes_dims_rope, cfg.rope_theta)  # float32 [J, 64]
+        cos, sin = core.rope_tables(layout.positions, cfg.axes_dims_rope, cfg.rope_theta)  # float32 [(B,) J, 64]
 
         sigma = timesteps.reshape(-1).expand(batch).float()
         if cfg.causal_condition:  # one more row: t = 0 for the prefix
@@ -337,7 +343,7 @@ class QwenImage21(nn.Module):
             x = torch.cat((text, images), dim=1)
         else:  # text tokens where is_image is False, in order; image tokens (conditions, target) where True
             prompt_text = (~image_slots.bool()).nonzero().flatten().to(text.device)
-            x = text.new_zeros(batch, layout.positions.shape[0], text.shape[-1])
+            x = text.new_zeros(batch, layout.positions.shape[-2], text.shape[-1])
             x[:, layout.text_at] = text[:, prompt_text]
             x[:, layout.image_at] = images
         for i, block in enumerate(self.transformer_blocks):
@@ -358,6 +364,6 @@ def random_inputs(config: QwenImage21Config, h: int, w: int, text_len: int, gene
     real = max(1, (3 * text_len + 3) // 4)
     mask = torch.arange(text_len)[None] < real
     txt = torch.randn(1, text_len, config.context_in_dim, generator=generator)
-    positions = joint_layout(text_len, h, w).positions
+    positions = joint_layout(text_len, h, w, txt_mask=mask).positions  # [1, J, 3]: the target after the real tokens
     fixed = dict(txt=txt, txt_mask=mask, h=h, w=w)
-    return RandomInputs(fixed, positions[None], tuple(config.axes_dims_rope), float(config.rope_theta))
+    return RandomInputs(fixed, positions, tuple(config.axes_dims_rope), float(config.rope_theta))
