@@ -113,3 +113,33 @@ def test_encode_prompt_with_condition_images_matches_pipeline(tiny_files, monkey
     forward = ours.llm.selected_hidden_states
     monkeypatch.setattr(ours.llm, "selected_hidden_states", lambda *a, deepstack=None, **k: forward(*a, **k))
     assert (ours.encode_with_images(prompts, [images, images])[0] - expected).abs().max() > 1e-3 * scale
+
+
+def test_a_transparent_reference_of_another_size_reaches_the_encoder_as_the_pipelines(tiny_files, tmp_path):
+    """The family's encode on the reference file (reference_views): a 150 x 90 cut-out (right half transparent,
+    black under it) at reference_resolution 64 -> 96 x 64. The pipeline resizes the RGBA picture with Lanczos
+    and composites it over white; the old view was RGB (alpha dropped: 0.11 off, values up to 0.08) resized
+    bicubic (2.4e-3 off)."""
+    import numpy as np
+    from diffusers.image_processor import VaeImageProcessor
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+    from PIL import Image
+
+    from library.data.controls import reference_views
+    from library.models.qwen_image21.family import QwenImage21Family, reference_size
+
+    rng = np.random.default_rng(1)
+    rgba = rng.integers(0, 255, (90, 150, 4), dtype=np.uint8)
+    rgba[:, 75:, 3], rgba[:, 75:, :3] = 0, 0
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "cutout.png")
+    family = QwenImage21Family("unused", None, 64, text_encoder=tiny_files["root"])
+    (ours,) = family.load_text_encoder("fp32")(["make the cat red"], [reference_views([str(tmp_path / "cutout.png")])])
+    picture = Image.open(tmp_path / "cutout.png")
+    w, h, _ = calculate_dimensions(64 * 64, picture.size[0] / picture.size[1])
+    assert (w, h) == reference_size(*picture.size, 64) == (96, 64)
+    sized = VaeImageProcessor(vae_scale_factor=16, vae_latent_channels=64).resize(picture, width=w, height=h)
+    with torch.no_grad():
+        expected, _, _ = pipeline(tiny_files).encode_prompt(["make the cat red"], image=[sized], device="cpu")
+    diff, scale = (ours["embeds"] - expected[0]).abs().max().item(), expected.abs().max().item()
+    print(f"Qwen-Image-2.1 family encode of a resized cut-out: max abs diff {diff:.2e} (values up to {scale:.2e})")
+    assert diff <= 1e-5 * scale

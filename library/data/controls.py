@@ -93,9 +93,11 @@ def check_family_takes(items, model_type: str, max_controls: int, min_controls: 
 
 
 def reference_views(paths: list[str] | tuple[str, ...]) -> list:
-    """The reference images as PIL RGB images at their own size (EXIF rotation applied): what a
-    text encoder that sees them (an edit family's text_sees_controls) is given; it resizes them by its own rule."""
-    return [load_rgb(p) for p in paths]
+    """The reference images as PIL RGBA images at their own size (EXIF rotation applied; alpha 255 where the
+    file has none): what a text encoder that sees them (an edit family's text_sees_controls) is given; it
+    resizes them by its own rule and takes their colour its pipeline's way (RGB: alpha dropped, as diffusers'
+    load_image; Qwen-Image-2.1: composited over white)."""
+    return [load_rgb(p, "RGBA") for p in paths]
 
 
 def encode_prompts(encode, captions: list[str], references: list, sees_references: bool) -> list[dict]:

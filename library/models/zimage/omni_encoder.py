@@ -130,7 +130,7 @@ class OmniConditionEncoder:
             entry = {"embeds": torch.cat(caption_segments),
                      "segments": torch.tensor([s.shape[0] for s in caption_segments], dtype=torch.int64)}
             if images:
-                grids = [self.siglip(image) for image in images]
+                grids = [self.siglip(image.convert("RGB")) for image in images]  # (reference views are RGBA)
                 entry["siglip"] = torch.cat([g.reshape(-1, g.shape[-1]) for g in grids])
                 entry["siglip_grid"] = torch.tensor([g.shape[:2] for g in grids], dtype=torch.int64)
             out.append(entry)
