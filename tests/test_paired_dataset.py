@@ -99,6 +99,8 @@ def test_batches_hold_one_reference_size(tmp_path):
     ("gap", r"img/b.png: control_directory .*ctrl lacks reference 'b_1.<ext>'"),
     ("both", r"img/b.png: control_directory .*ctrl has both 'b.png' and numbered references 'b_0.png'"),
     ("unreadable", r"ctrl/b.png: cannot be read as an image"),
+    # b_1 was silently replaced by b_01 (a dict by number), a reference fewer than the folder holds
+    ("one_number_twice", r"img/b.png: control_directory .*ctrl has 'b_01.png' and 'b_1.png', both reference 1"),
     # the last one sorted was b's reference, silently (2026-11-27); image_dir refused the same pair
     ("two_of_one_name", r"ctrl: control_directory images 'b.jpg' and 'b.png' share the name 'b'"),
 ])  # fmt: skip
@@ -107,7 +109,8 @@ def test_bad_references_are_one_line_errors_naming_the_file(tmp_path, case, expe
         make_image(tmp_path / "img" / f"{name}.png", 32, 32)
     make_image(tmp_path / "ctrl" / "a.png", 32, 32)
     files = {"missing": [], "count": ["b_0.png", "b_1.png"], "gap": ["b_0.png", "b_2.png"],
-             "both": ["b.png", "b_0.png"], "unreadable": [], "two_of_one_name": ["b.png", "b.jpg"]}[case]
+             "both": ["b.png", "b_0.png"], "unreadable": [], "two_of_one_name": ["b.png", "b.jpg"],
+             "one_number_twice": ["b_0.png", "b_1.png", "b_01.png"]}[case]
     for f in files:
         make_image(tmp_path / "ctrl" / f, 32, 32)
     if case == "unreadable":

@@ -37,9 +37,14 @@ def find_controls(image_path: str, folder: str, files: dict[str, str], targets: 
     `photo_1`, not the second of `photo`. Missing references, both naming forms at once, and gaps in
     the numbering are errors."""
     stem = os.path.splitext(os.path.basename(image_path))[0]
-    numbered = {int(m.group(1)): f for s, f in files.items()
-                if s not in targets and (m := re.fullmatch(re.escape(stem) + r"_(\d+)", s))}
     expected = f"expected '{stem}.<ext>' or '{stem}_0.<ext>', '{stem}_1.<ext>', ..."
+    numbered: dict[int, str] = {}
+    for s, f in sorted(files.items()):
+        if s not in targets and (m := re.fullmatch(re.escape(stem) + r"_(\d+)", s)):
+            if (n := int(m.group(1))) in numbered:  # a_1 and a_01: one would silently replace the other
+                raise ValueError(f"{image_path}: control_directory {folder} has '{numbered[n]}' and '{f}', both "
+                                 f"reference {n}; {expected}")
+            numbered[n] = f
     if stem in files and numbered:
         raise ValueError(f"{image_path}: control_directory {folder} has both '{files[stem]}' and numbered references "
                          f"'{numbered[min(numbered)]}'; {expected}, not both")
