@@ -11,7 +11,7 @@ import re
 from library.io import CheckpointError
 from library.models.registry import arch_spec, arch_specs
 from library.models.spec import LoRAFiles, load_symbol
-from networks.lora_files import _PART_OF_SUFFIX, TEXT_ENCODER_PREFIXES
+from networks.lora_files import _PART_OF_SUFFIX, LYCORIS_COMFY_PREFIX, TEXT_ENCODER_PREFIXES
 
 
 def lora_files() -> dict[str, LoRAFiles]:
@@ -270,4 +270,6 @@ def module_of_key(key: str) -> str:
     for suffix in _PART_OF_SUFFIX:
         if key.endswith(suffix):
             return key[: -len(suffix)]
+    if key.startswith(LYCORIS_COMFY_PREFIX):  # a LyCORIS key in ai-toolkit's names: `diffusion_model.<path>.<part>`
+        return key.rpartition(".")[0]
     return key.split(".")[0]  # a LyCORIS key: `lora_unet_<module>.<part>`

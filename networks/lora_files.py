@@ -206,6 +206,24 @@ def is_lycoris_file(tensors) -> bool:
     return any(lycoris_kind(k) for k in split_beside_lora(dict.fromkeys(tensors))[0])
 
 
+LYCORIS_COMFY_PREFIX = "diffusion_model."  # ai-toolkit's dotted LyCORIS names, as convert_lora --to comfy writes them
+
+
+def lycoris_kohya_names(tensors: dict, prefix: str = "lora_unet") -> dict:
+    """A LyCORIS file's tensors under LyCORIS' kohya names, the ones its loader (and ours) looks modules up by:
+    `diffusion_model.<module path>.<part>` -> `<prefix>_<module path, '.' as '_'>.<part>`, as LyCORIS names a
+    module; kohya names as they are. A part is one name (lokr_w1, hada_w2_a, alpha, dora_scale ...) or a LoCon
+    module's lora_down.weight / lora_up.weight."""
+    out = {}
+    for key, tensor in tensors.items():
+        if key.startswith(LYCORIS_COMFY_PREFIX):
+            part = next((s for s in _PART_OF_SUFFIX if key.endswith(s)), "." + key.rpartition(".")[2])
+            module = key[len(LYCORIS_COMFY_PREFIX) : -len(part)]
+            key = f"{prefix}_{module.replace('.', '_')}{part}"
+        out[key] = tensor
+    return out
+
+
 # Tensors trainers save beside a down/up LoRA that no LoRA network applies: kind -> what it is. ".diff" / ".diff_b":
 # the last part of a key (ComfyUI's Extract and Save Lora writes them for 1-D weights and, with bias_diff, its
 # default, for biases); "bundle_emb.": the first (OneTrainer's embeddings bundled with the LoRA).

@@ -192,6 +192,17 @@ def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict
     return LoRARead(weights, dict(metadata), fmt, alpha_known, te, (split & set(weights)) | joined)
 
 
+def lycoris_module_paths(tensors: dict, arch: str, source: str = "LyCORIS file") -> dict[str, str]:
+    """{kohya module name: dotted module path} of a LyCORIS file's modules, resolved as lora_in_our_names resolves a
+    LoRA's: against the architecture's module paths at the file's block counts (either naming); a name that fits
+    none is an error naming it."""
+    _, paths = _names_to_resolve(tensors, lora_files().get(arch))
+    try:
+        return resolve_kohya_names(dict.fromkeys(module_of_key(k) for k in tensors), paths)
+    except CheckpointError as e:
+        raise naming(source, e) from None
+
+
 def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arch: str, paths, module_map=None,
                       target_is_key: bool = True, name: str = "LoRA") -> dict:
     """A LyCORIS file's modules ({kohya name: its delta}, networks/lycoris_network.py lycoris_deltas) by the
@@ -199,7 +210,7 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
     kohya names resolved against the target's paths and the architecture's (a name that fits none keeps its
     kohya name: the caller reports it), a module in the other naming renamed where the module map maps it
     whole. A module the map splits or joins by rows is an error: LyCORIS' factors (Kronecker, Hadamard) are
-    no rows of the parts' (convert_lora refuses LyCORIS files for that reason)."""
+    no rows of the parts' (convert_lora writes them in their own naming only, for that reason)."""
     tensors = without_base_only(name, tensors, metadata, arch)
     kept = {module_of_key(k) for k in tensors}
     deltas = {n: d for n, d in deltas.items() if n in kept}

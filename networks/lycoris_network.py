@@ -37,7 +37,7 @@ from library.io import CheckpointError, CheckpointReader, save_safetensors
 from networks.lora import (SELECTION_ARGS, LoRANetwork, _as_bool, _as_float, _as_int, _as_probability, check_lora_args,
                            lora_targets)
 from networks.lora_files import build_metadata, is_lycoris_file, lycoris_kind, tensor_hash  # noqa: F401 (the tools import them from here)
-from networks.lora_files import naming, split_text_encoders
+from networks.lora_files import lycoris_kohya_names, naming, split_text_encoders
 from networks.lora_reader import leave_out_text_encoders, without_base_only
 
 # network_args LyCORIS' create_network reads (lycoris-lora 4.1.3, lycoris/kohya.py), passed as given.
@@ -277,7 +277,7 @@ class LycorisNetwork(nn.Module):
         """Load a LyCORIS file (path or tensor dict) into this network's modules. Every key must
         belong to a module of the network; strict: every module must be in the file."""
         name = source if isinstance(source, str) else "state dict"
-        source = _tensors_of(source)
+        source = lycoris_kohya_names(_tensors_of(source), lora_targets(self.arch).kohya_prefix)
         own = self.state_dict()
         foreign = [k for k in source if k not in own]
         if foreign:
@@ -303,6 +303,7 @@ class LycorisNetwork(nn.Module):
         with one warning, and an error names the file."""
         name = source if isinstance(source, str) else "state dict"
         source, te = split_text_encoders(_tensors_of(source))
+        source = lycoris_kohya_names(source, lora_targets(arch).kohya_prefix)  # ai-toolkit's names (convert_lora --to comfy)
         leave_out_text_encoders(name, te, bool(source), arch, stacklevel=2)
         source = without_base_only(name, source, {}, arch)
         network = cls.__new__(cls)
@@ -337,9 +338,11 @@ def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], mul
                          prefix: str = "lora_unet", with_fp8: bool = False) -> list:
     """LyCORIS modules rebuilt from a file's tensors by LyCORIS itself (any algo it knows), each
     bound to the model module it names (FP8Linears through an FP8LinearView); not applied.
-    with_fp8: (module, the FP8Linear it wraps or None) pairs, as LycorisNetwork keeps them."""
+    with_fp8: (module, the FP8Linear it wraps or None) pairs, as LycorisNetwork keeps them. Keys in kohya names or
+    ai-toolkit's `diffusion_model.<path>.<part>` (lycoris_kohya_names)."""
     from lycoris.modules import get_module, make_module
 
+    tensors = lycoris_kohya_names(tensors, prefix)
     names = sorted({k.split(".")[0] for k in tensors})
     by_name = {f"{prefix}_{p}".replace(".", "_"): m for p, m in model.named_modules() if p}
     unknown = [n for n in names if n not in by_name]

@@ -38,7 +38,13 @@ for modules that differ, so kohya -> PEFT -> kohya gives back the same tensors b
 
 DoRA: the magnitude travels along (`dora_scale` [out, 1] in kohya and ComfyUI files, which is what
 ComfyUI reads, `lora_magnitude_vector` [out] in diffusers/PEFT files); it is per output row, so fused modules split and join exactly
-(joining needs every part). LyCORIS files (LoKr, LoHa, ...) are refused with the reason.
+(joining needs every part).
+
+LyCORIS (LoKr, LoHa, ...): --to comfy writes `diffusion_model.<path>.lokr_w1` ... (tensors and alpha as they
+are, the path as for a LoRA), ai-toolkit's layout, which diffusers converts for the families whose spec names
+diffusers_lokr (a fused qkv of BFL names included: it fuses the model's q / k / v for it). Other families are refused:
+diffusers loads no LoKr for them and ComfyUI reads the file as saved. The other layouts are refused with the
+reason: a Kronecker or Hadamard factor is no down / up pair.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
     FOLDED_MARK,
     KOHYA_TEXT_ENCODERS,
+    LYCORIS_COMFY_PREFIX,
     PEFT_CONFIG_FILE,
     LoRAWeights,
     beside_lora_note,
@@ -85,6 +92,7 @@ from networks.lora_files import (  # noqa: E402
     detect_format,
     dim_and_alpha,
     kohya_state_dict,
+    lycoris_kohya_names,
     naming,
     peft_alpha_known,
     read_lora_tensors,
@@ -96,9 +104,9 @@ from networks.lora_files import (  # noqa: E402
     write_peft_folder,
 )
 from networks.lora_module_map import bfl_to_diffusers, diffusers_to_bfl  # noqa: E402
-from networks.lora_reader import lora_in_our_names  # noqa: E402
+from networks.lora_reader import lora_in_our_names, lycoris_module_paths  # noqa: E402
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
-from networks.lora_arch import detect_arch, lora_files, text_encoder_labels, title_list  # noqa: E402
+from networks.lora_arch import detect_arch, lora_files, module_of_key, text_encoder_labels, title_list  # noqa: E402
 from tools.lora_common import check_output_path, warn_unknown_peft_alpha  # noqa: E402
 
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
@@ -109,13 +117,10 @@ LAYOUT_ADVICE = {"diffusers": "--to diffusers", "comfy": "--to comfy", "peft": "
 # Conversion
 
 
-def read_source(path: str, model_type: str | None):
-    """-> (weights by dotted module path, metadata, format, model type (its arch), alpha known?, block
-    counts, the text encoders' tensors as read: split_text_encoders). The layouts are read by
-    networks/lora_reader.py, the reader every LoRA-applying tool shares."""
-    tensors, metadata, adapter_config = read_lora_tensors(path)  # a file, or a PEFT adapter folder
-    if is_lycoris_file(tensors):
-        raise CheckpointError(f"{path}: {lycoris_refusal()}")
+def read_source(path: str, tensors: dict, metadata: dict, adapter_config: dict | None, model_type: str | None):
+    """A LoRA's tensors (read_lora_tensors) -> (weights by dotted module path, metadata, format, model type (its
+    arch), alpha known?, block counts, the text encoders' tensors as read: split_text_encoders). The layouts are
+    read by networks/lora_reader.py, the reader every LoRA-applying tool shares."""
     tensors, te = split_text_encoders(tensors)
     if te and not tensors:
         raise CheckpointError(f"{path}: holds only {text_encoder_note(te, text_encoder_labels(model_type))}; convert_lora converts a transformer's LoRA")
@@ -139,8 +144,37 @@ def lycoris_refusal() -> str:
     not_loaded = [arch_spec(a).title for a, f in files.items() if "diffusers" in f.layouts and not f.diffusers_lokr]
     return ("a LyCORIS file (LoKr/LoHa/...) has no kohya/diffusers LoRA form: its own keys (lora_unet_*.lokr_w1 ...) "
             f"are what ComfyUI and LyCORIS load; diffusers 0.42.1 loads LoKr only for {' and '.join(loaded)} (not "
-            f"{title_list(not_loaded)}) and only in ai-toolkit's diffusion_model.* names; merge it with "
-            f"tools/merge_lora.py instead")
+            f"{title_list(not_loaded)}), in ai-toolkit's diffusion_model.* names: --to comfy writes those for them; "
+            f"else merge it with tools/merge_lora.py")
+
+
+def convert_lycoris(src: str, dst: str, to: str, tensors: dict, metadata: dict, model_type: str | None) -> dict:
+    """A LyCORIS file in ai-toolkit's names, `diffusion_model.<module path>.<part>` (--to comfy, the families whose
+    spec names diffusers_lokr): the tensors and alphas as they are, each kohya name resolved to its path by the
+    readers' resolution (our names: the BFL ones for models with them, as ComfyUI's key map takes them). diffusers
+    converts LoKr from these names (lora_state_dict's is_lokr branches: alpha baked in as LyCORIS scales);
+    ComfyUI reads LyCORIS keys under any name its key map takes. A LyCORIS factor is no rows of a fused module's,
+    so the other layouts are refused with the reason."""
+    if to != "comfy":
+        raise CheckpointError(f"{src}: {lycoris_refusal()}")
+    tensors, te = split_text_encoders(lycoris_kohya_names(tensors))  # a converted file converts again
+    try:
+        model_type = model_type or detect_arch(tensors, metadata)
+    except CheckpointError as e:
+        raise naming(src, e) from None
+    if not getattr(lora_files().get(model_type), "diffusers_lokr", None):  # names a header does not settle: --model_type
+        raise CheckpointError(f"{src}: read as {arch_spec(model_type).title}'s: {lycoris_refusal()}")
+    if te:
+        print(f"warning: {src}: left out {text_encoder_note(te, text_encoder_labels(model_type))}: --to comfy holds the "
+              f"transformer's modules only", file=sys.stderr)
+    paths = lycoris_module_paths(tensors, model_type, src)
+    out = {}
+    for key, tensor in tensors.items():
+        module = module_of_key(key)
+        out[LYCORIS_COMFY_PREFIX + paths[module] + key[len(module) :]] = tensor  # `.lokr_w1`, `.alpha` ... as they are
+    header = {k: v for k, v in metadata.items() if k not in DROPPED_METADATA}
+    write_lora_tensors(out, dst, {**header, "lora_converted_from": "lycoris"})
+    return {"from": "lycoris", "to": to, "model_type": model_type, "modules": len(paths), "scale_known": True}
 
 
 def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAWeights]:
@@ -181,7 +215,11 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
         raise ValueError(f"--alpha {alpha}: only for --to kohya, and must be a finite number > 0 (diffusers output "
                          f"has alpha folded in)")
     check_destination(src, dst, to)
-    weights, metadata, fmt, model_type, known, counts, te = read_source(src, model_type and lora_arch(model_type))
+    model_type = model_type and lora_arch(model_type)
+    tensors, metadata, adapter_config = read_lora_tensors(src)  # a file, or a PEFT adapter folder
+    if is_lycoris_file(tensors):
+        return convert_lycoris(src, dst, to, tensors, metadata, model_type)
+    weights, metadata, fmt, model_type, known, counts, te = read_source(src, tensors, metadata, adapter_config, model_type)
     kept_te = {k: v for k, v in te.items() if k.startswith(KOHYA_TEXT_ENCODERS)} if to == "kohya" else {}
     if left_te := {k: v for k, v in te.items() if k not in kept_te}:
         print(f"warning: {src}: left out {text_encoder_note(left_te, text_encoder_labels(model_type))}: --to {to} holds the transformer's modules only "

@@ -60,7 +60,6 @@ from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
     METADATA_KEYS,
     TEXT_ENCODER_PREFIXES,
-    _split_key,
     beside_lora_note,
     detect_format,
     lora_reader,
@@ -78,6 +77,7 @@ from networks.lora_arch import (  # noqa: E402
     fitted_releases,
     info_block_counts,
     lora_files,
+    module_of_key,
     text_encoder_labels,
     title_list,
     variant_of,
@@ -131,14 +131,8 @@ def fits(arch: str, width: int | None, counts: dict[str, int]) -> str:
 
 
 def _modules(keys: list[str]) -> list[str]:
-    """Module names in file order (LyCORIS keys are kohya names: `lora_unet_<module>.<part>`)."""
-    names = []
-    for key in keys:
-        try:
-            names.append(_split_key(key)[0])
-        except CheckpointError:
-            names.append(key.split(".")[0])
-    return list(dict.fromkeys(names))
+    """Module names in file order (LyCORIS keys: `lora_unet_<module>.<part>` or `diffusion_model.<path>.<part>`)."""
+    return list(dict.fromkeys(module_of_key(key) for key in keys))
 
 
 def _alpha_source(keys: list[str], metadata: dict[str, str], adapter_config: dict | None) -> str:

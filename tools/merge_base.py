@@ -28,7 +28,7 @@ from library.precision.gguf_weights import is_gguf
 from networks.lora_files import LoRAWeights, read_lora_tensors, split_text_encoders, text_encoder_note
 from networks.lora_arch import begins_release, detect_arch, header_arch, header_version, takes_loras_of, text_encoder_labels
 from networks.lora_reader import lora_for_model, lycoris_for_model
-from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas
+from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas, lycoris_kohya_names
 from tools.cli import LoRASpec
 
 
@@ -189,6 +189,7 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
         print(f"warning: {spec.path}: skipped {text_encoder_note(te, text_encoder_labels(base.family))}: they adapt the text encoders, not the transformer "
               f"merged here", file=sys.stderr)  # fmt: skip
     if is_lycoris_file(body):  # LoKr, LoHa, ...: kohya names; another naming's modules renamed where whole
+        body = lycoris_kohya_names(body)  # ai-toolkit's diffusion_model.* names (convert_lora --to comfy) too
         weights = lycoris_for_model(lycoris_deltas(body), body, metadata, base.family, base.weight_key, base.module_map,
                                     target_is_key=base.native, name=spec.path)
     else:
