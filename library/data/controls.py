@@ -101,7 +101,7 @@ def reference_views(paths: list[str] | tuple[str, ...]) -> list:
     """The reference images as PIL RGBA images at their own size (EXIF rotation applied; alpha 255 where the
     file has none): what a text encoder that sees them (an edit family's text_sees_controls) is given; it
     resizes them by its own rule and takes their colour its pipeline's way (RGB: alpha dropped, as diffusers'
-    load_image; Qwen-Image-2.1: composited over white)."""
+    load_image; or composited over white where its pipeline does so)."""
     return [load_rgb(p, "RGBA") for p in paths]
 
 
