@@ -211,6 +211,45 @@ def test_caching_plans_the_vae_batch_that_cache_latents_encodes(tiny_set):
     assert round(caching_phase(qwen, plan_memory.default_args("qwen_image"), 1328, 1328).peak / GiB, 2) == 25.88
 
 
+def test_the_card_verdict_needs_the_samples_to_fit_and_caching_says_what_brings_it_under(tiny_set):
+    """The swap chosen for the training step alone left the first sample over the card (Qwen-Image fp8 on 24 GB:
+    swap 6, sampling 26.8 GiB of 22.2 usable). The verdict's swap fits both; the sample's peak at a swap is its
+    resident training state plus what sampling_phase adds (the same sum), and caching over the card names the
+    vae_batch_size that fits."""
+    import copy
+
+    from library.training.memory_plan import (CUDA_CONTEXT_BYTES, GiB, TrainingPlan, caching_phase, sampling_phase,
+                                              text_tokens_for)
+    from tools import plan_memory
+
+    family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
+    args.t5xxl_max_token_length = 8
+    plan = plan_memory.setting_plans(family, args, 64, 64, 1, bases=("bf16",))["bf16", True]
+    extra = plan_memory.sampling_extra(family, args, 128, 128, 0)
+    for swap in (0, 2):
+        trial = copy.copy(args)
+        trial.blocks_to_swap = swap
+        phase = sampling_phase(family, trial, 128, 128, text_tokens_for(family, trial, 0, 128, 128), 0)
+        assert plan_memory.sampling_peak(plan, swap, extra) == phase.peak
+    # 12 blocks of 1 GiB in a 14 GiB base, a step's activations 1 GiB, a sample's VAE decode and forward 3 GiB, on
+    # a card of 12 GiB usable: the samples need two more blocks swapped than the step alone
+    synthetic = TrainingPlan(base=14 * GiB, block_bytes=[GiB] * 12, lora=0, lora_grads=0, optimizer=0,
+                             activations=GiB, inputs=0)
+    vram = (CUDA_CONTEXT_BYTES + 12 * GiB / 0.95) / GiB
+    alone, with_samples = plan_memory.fewest_swaps(synthetic, vram), plan_memory.fewest_swaps(synthetic, vram, 3 * GiB)
+    assert alone is not None and with_samples == alone + 2, (alone, with_samples)
+    assert plan_memory.sampling_peak(synthetic, alone, 3 * GiB) > plan_memory.usable(vram)
+    # caching over the card: the advice names the largest vae_batch_size whose encode fits
+    args.vae_batch_size = 4
+    caching = caching_phase(family, args, 64, 64, 0)
+    one = copy.copy(args)
+    one.vae_batch_size = 1
+    room = (caching_phase(family, one, 64, 64, 0).parts["vae encode (batch 1)"] + caching.parts["vae encode (batch 4)"]) / 2
+    vram = (CUDA_CONTEXT_BYTES + room / 0.95) / GiB
+    advice = plan_memory.caching_advice(family, args, 64, 64, 0, vram, caching)
+    assert advice.startswith(f"caching does not fit a {vram:g} GiB card") and "set vae_batch_size = " in advice
+
+
 def test_latent_caching_encodes_vae_batch_size_images_at_a_time(monkeypatch):
     from types import SimpleNamespace
 
@@ -296,7 +335,7 @@ def test_sampling_counts_the_bf16_reference_an_fp8_run_loads(tiny_set):
 
 
 def test_a_bf16_reference_that_does_not_fit_the_card_is_turned_off_unless_set_true(tiny_set):
-    from library.training.memory_plan import CUDA_CONTEXT_BYTES, sampling_phase, settle_bf16_reference
+    from library.training.memory_plan import CUDA_CONTEXT_BYTES, sampling_phase, settle_sampling
     from tools import plan_memory
 
     family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
@@ -304,14 +343,34 @@ def test_a_bf16_reference_that_does_not_fit_the_card_is_turned_off_unless_set_tr
     phase = sampling_phase(family, args, 64, 64, 8, 0)
     copy = phase.parts["bf16 reference (base, lora)"]
     card = CUDA_CONTEXT_BYTES + (phase.peak - copy / 2) / 0.95  # the rest fits, the copy does not
-    assert settle_bf16_reference(family, args, card + copy, 64, 64) is None and args.sample_bf16_reference is None
-    warning = settle_bf16_reference(family, args, card, 64, 64)
+    assert settle_sampling(family, args, card + copy, 64, 64) is None and args.sample_bf16_reference is None
+    warning = settle_sampling(family, args, card, 64, 64)
     assert warning.startswith("warning: sample_bf16_reference turned off: sampling with the bf16 reference base")
     assert args.sample_bf16_reference is False
     args.sample_bf16_reference = True  # explicit: kept, with a clear warning
-    warning = settle_bf16_reference(family, args, card, 64, 64)
+    warning = settle_sampling(family, args, card, 64, 64)
     assert warning.startswith("warning: sample_bf16_reference = true, but sampling with the bf16 reference base")
     assert "will likely run out of memory" in warning and args.sample_bf16_reference is True
+
+
+def test_a_sample_over_the_card_is_said_before_caching_with_or_without_the_bf16_reference(tiny_set):
+    """The planner's training verdict says nothing of the VAE decode at the sample size (Qwen-Image fp8 at the
+    swap plan_memory chose for 24 GB: sampling 26.8 GiB of 22.2 usable); the old check looked at the bf16
+    copy alone and said nothing where the sample without it was over the card too."""
+    from library.training.memory_plan import CUDA_CONTEXT_BYTES, sampling_phase, settle_sampling
+    from tools import plan_memory
+
+    family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
+    args.t5xxl_max_token_length = 8
+    phase = sampling_phase(family, args, 64, 64, 8, 0)  # a bf16 base: no copy
+    card = CUDA_CONTEXT_BYTES + phase.peak / 2 / 0.95
+    assert settle_sampling(family, args, CUDA_CONTEXT_BYTES + phase.peak / 0.95 + 1, 64, 64) is None
+    assert settle_sampling(family, args, card, 64, 64).startswith(
+        f"warning: sampling at 64x64 is planned to peak at {phase.peak / 2**30:.2f} GiB, over the ")
+    args.fp8_base = True  # the copy turned off, and the rest still over: both said, in one line
+    warning = settle_sampling(family, args, card, 64, 64)
+    assert warning.startswith("warning: sample_bf16_reference turned off") and "; even so: the first sample will " \
+        "likely run out of memory" in warning and args.sample_bf16_reference is False
 
 
 def test_train_lora_renders_no_bf16_reference_that_does_not_fit_and_says_so(tiny_set, tmp_path, capsys, monkeypatch):
@@ -375,6 +434,22 @@ def test_the_plan_counts_the_projections_checkpointing_saves(tiny_set):
     model = memory_plan.meta_model_and_network(family, args)[0]
     tokens = (len(model.double_blocks) + len(model.single_blocks)) * ((256 // 16) ** 2 + 8)
     assert 0 < saved - plain <= tokens * model.config.hidden_size * 2
+
+
+def test_plan_memory_plans_the_samples_at_the_prompts_size(tiny_set, tmp_path, capsys):
+    """Training at 64 px, a prompt at 128: the old line planned sampling at the training bucket (a 256 px run
+    sampling at 1024 px: 0.80 GiB planned, 3.61 at the prompt's size), where train_lora plans the largest prompt."""
+    from tools import plan_memory
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat --w 64 --h 64\na dog --w 128 --h 96\n")
+    config = write_config(tmp_path / "tiny.toml", model_type="flux", pretrained_model_name_or_path=tiny_set["flux_bfl"],
+                          ae=tiny_set["flux_vae_single"], clip_l=tiny_set["clip_l"], t5xxl=tiny_set["t5xxl"],
+                          dataset_config=tiny_set["dataset_config"], output_dir=str(tmp_path / "out"),
+                          sample_prompts=str(prompts))
+    assert plan_memory.main(["--config_file", config, "--vram", "12", "--base_precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "training and samples of 128x96:" in out and "samples at 128x96 peak at" in out, out
 
 
 def test_plan_memory_plans_the_shipped_qwen_image_quickstart(tmp_path, capsys):

@@ -76,8 +76,8 @@ import torch  # noqa: E402
 
 from library.training.config import KEEPING_KEYS  # noqa: E402
 from library.training.memory_plan import (  # noqa: E402
-    KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, reusing_meta_models, sampling_phase, training_plan,
-    usable_bytes)
+    KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, resident_parts, reusing_meta_models, sampling_phase,
+    text_tokens_for, training_plan, usable_bytes)
 
 
 class PresetFamily:
@@ -139,15 +139,18 @@ def usable(vram_gib: float) -> float:
 
 
 def plan_run(family, args, width: int, height: int, batch: int, references: int | None = None,
-             planned: dict | None = None) -> list:
-    """The three phases of this run (caching, training, sampling); references: per image (edit families).
-    planned: setting_plans' answers for the same card; the run's training step is taken from them
-    where one of them is the same step (a full-size step is seconds of simulation)."""
+             planned: dict | None = None, sample_size: tuple[int, int] | None = (0, 0)) -> list:
+    """The phases of this run (caching, training, and sampling at sample_size: (0, 0) the training size, None no
+    samples); references: per image (edit families). planned: setting_plans' answers for the same card; the run's
+    training step is taken from them where one of them is the same step (a full-size step is seconds of simulation)."""
     count, tokens = references_and_tokens(family, args, references, width, height)
     same = next((plan for setting, plan in (planned or {}).items() if same_step(args, setting_args(family, args, *setting))), None)
     training = (same or training_plan(family, args, width, height, batch, tokens, count)).phase(args.blocks_to_swap)
     caching = caching_phase(family, args, width, height, count)
-    return [caching, training, sampling_phase(family, args, width, height, tokens, count)]
+    if sample_size is None:
+        return [caching, training]
+    sw, sh = sample_size if sample_size != (0, 0) else (width, height)
+    return [caching, training, sampling_phase(family, args, sw, sh, text_tokens_for(family, args, count, sw, sh), count)]
 
 
 def setting_plans(family, args, width: int, height: int, batch: int, references: int | None = None,
@@ -182,9 +185,29 @@ def same_step(a, b) -> bool:
     return step(a) == step(b)
 
 
-def fewest_swaps(plan, vram_gib: float) -> int | None:
-    """The fewest blocks_to_swap whose training peak fits the card, or None."""
-    return next((n for n in range(len(plan.block_bytes)) if plan.phase(n).peak <= usable(vram_gib)), None)
+def fewest_swaps(plan, vram_gib: float, sample_extra: int | None = None) -> int | None:
+    """The fewest blocks_to_swap whose training peak fits the card and, with sample_extra (sampling_extra), the
+    samples' peak at that swap too (sampling_peak), or None. (Training alone chose swaps whose first sample
+    ran out of memory: Qwen-Image fp8 on 24 GB, swap 6: sampling 26.8 GiB of 22.2 usable.)"""
+    room = usable(vram_gib)
+    return next((n for n in range(len(plan.block_bytes)) if plan.phase(n).peak <= room
+                 and (sample_extra is None or sampling_peak(plan, n, sample_extra) <= room)), None)
+
+
+def sampling_extra(family, args, width: int, height: int, references: int) -> int:
+    """What a sample of width x height holds above the resident training state (its forward, the VAE with its
+    decode), without the bf16 reference copy (train_lora.py turns that off where it does not fit)."""
+    trial = copy.copy(args)
+    trial.blocks_to_swap, trial.sample_bf16_reference = 0, False
+    phase = sampling_phase(family, trial, width, height, text_tokens_for(family, trial, references, width, height),
+                           references)
+    return phase.peak - phase.parts["resident (base, lora, optimizer)"]
+
+
+def sampling_peak(plan, blocks_to_swap: int, extra: int) -> int:
+    """A sample's peak at this swap: the training state resident as the plan's (sampling_phase's own sum) + extra."""
+    return sum(resident_parts(plan.base, plan.block_bytes, plan.lora, plan.optimizer, blocks_to_swap, plan.prefetch,
+                              plan.ema).values()) + extra
 
 
 def card_plans(family, args, width: int, height: int, batch: int, vram_gib: float, references: int | None = None,
@@ -195,14 +218,18 @@ def card_plans(family, args, width: int, height: int, batch: int, vram_gib: floa
 
 
 def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib: float,
-                     references: int | None = None, planned: dict | None = None) -> list[tuple]:
-    """(base precision, checkpointing, fewest blocks_to_swap that fits or None, its training peak);
-    planned: card_plans' answer where already planned."""
+                     references: int | None = None, planned: dict | None = None,
+                     sample_size: tuple[int, int] | None = None) -> list[tuple]:
+    """(base precision, checkpointing, fewest blocks_to_swap that fits or None, its training peak, its samples'
+    peak or None); sample_size: samples of that size fit too (None: no samples planned); planned: card_plans'
+    answer where already planned."""
     rows = []
     planned = planned or card_plans(family, args, width, height, batch, vram_gib, references)
+    count = family.plan_controls if references is None else references
     for (base, ckpt), plan in planned.items():
-        fit = fewest_swaps(plan, vram_gib)
-        rows.append((base, ckpt, fit, plan.phase(fit or 0).peak))
+        extra = sampling_extra(family, setting_args(family, args, base, ckpt), *sample_size, count) if sample_size else None
+        fit = fewest_swaps(plan, vram_gib, extra)
+        rows.append((base, ckpt, fit, plan.phase(fit or 0).peak, None if extra is None else sampling_peak(plan, fit or 0, extra)))
     return rows
 
 
@@ -282,13 +309,60 @@ def what_to_plan(cli) -> tuple:
     return family, run, size, cli.batch_size or step.batch, step.references
 
 
-def fit_text(fit: int | None, peak: int) -> str:
-    """A card row's verdict, as the web UI reads it (library/ui/commands.py PLAN_ROW)."""
-    return "does not fit" if fit is None else f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)"
+def sample_size_of(cli, run, size: tuple[int, int]) -> tuple[int, int] | None:
+    """The largest sample the run renders (its sample_prompts at their --w / --h, the resolution where a line gives
+    none; the training size before the file exists), the training size for a preset, None for a config without
+    samples."""
+    if cli.preset:
+        return size
+    if not run.sample_prompts:
+        return None
+    if not os.path.isfile(run.sample_prompts):  # a file a tool writes later (the quickstarts'): the training size
+        return size
+    from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
+    from library.data.prompts import SamplePrompt, read_prompt_file
+
+    side = PIXELS_PER_TOKEN_SIDE
+    res = [n // side * side for n in load_dataset_config(run.dataset_config).datasets[0].resolution]
+    prompts = read_prompt_file(run.sample_prompts, SamplePrompt("", width=res[0], height=res[1]), decode=False)
+    largest = max(prompts, key=lambda p: p.width * p.height, default=None)
+    return (largest.width, largest.height) if largest else None
+
+
+def fit_text(fit: int | None, peak: int, sample: int | None = None, sample_size: tuple[int, int] | None = None) -> str:
+    """A card row's verdict, as the web UI reads it (library/ui/commands.py PLAN_ROW), and its samples' peak."""
+    samples = f"; samples at {sample_size[0]}x{sample_size[1]} peak at {sample / GiB:.1f} GiB" if sample is not None else ""
+    if fit is None:
+        return "does not fit" + (" with its samples" if sample is not None else "")
+    return f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)" + samples
+
+
+def caching_advice(family, run, width: int, height: int, references: int | None, vram_gib: float, caching) -> str | None:
+    """What brings caching under the card where its plan is over (the VAE's batch, the text encoders' precision),
+    or None where it fits: caching runs before training, so a run planned to fit stopped there."""
+    room = usable(vram_gib)
+    if caching.peak <= room:
+        return None
+    count = family.plan_controls if references is None else references
+    advice = []
+    if max(v for k, v in caching.parts.items() if k.startswith("vae encode")) > room:
+        trial = copy.copy(run)
+        for batch in range(run.vae_batch_size - 1, 0, -1):
+            trial.vae_batch_size = batch
+            planned = caching_phase(family, trial, width, height, count)
+            if max(v for k, v in planned.parts.items() if k.startswith("vae encode")) <= room:
+                advice.append(f"vae_batch_size = {batch}")
+                break
+        else:
+            advice.append("a smaller resolution (the VAE encode of one image is over)")
+    if next(v for k, v in caching.parts.items() if k.startswith("text encoders")) > room:
+        advice.append("text_encoder_precision = \"fp8\"" if run.text_encoder_precision != "fp8" else
+                      "a larger card for the text encoders (over in fp8)")
+    return f"caching does not fit a {vram_gib:g} GiB card (usable {room / GiB:.1f}): set {' and '.join(advice)}"
 
 
 def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib: float,
-                     references: int | None, planned: dict) -> list[str]:
+                     references: int | None, planned: dict, sample_size: tuple[int, int] | None = None) -> list[str]:
     """What each of KEEPING_KEYS (unset in args) would cost on this card, per base precision with
     checkpointing: one more plan each; none for a key that keeps nothing here (projections where no gate
     trains)."""
@@ -304,9 +378,11 @@ def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib
             extra = plan.phase(0).peak - planned[(base, True)].phase(0).peak
             if extra <= 0:
                 break
-            fit = fewest_swaps(plan, vram_gib)
-            rows.append(f"  {base:10s} gradient_checkpointing=true with {key} = true "
-                        f"(+{extra / GiB:.2f} GiB, {gain}): {fit_text(fit, plan.phase(fit or 0).peak)}")
+            samples = sampling_extra(family, trial, *sample_size, count) if sample_size else None
+            fit = fewest_swaps(plan, vram_gib, samples)
+            sample = None if samples is None else sampling_peak(plan, fit or 0, samples)
+            rows.append(f"  {base:10s} gradient_checkpointing=true with {key} = true (+{extra / GiB:.2f} GiB, {gain}): "
+                        f"{fit_text(fit, plan.phase(fit or 0).peak, sample, sample_size)}")
     if rows and any(getattr(args, key) is None for key in KEEPING_KEYS):
         rows.append(f"  (a key left unset: train_lora.py turns it on where the step with it fits the card, "
                     f"{KEEPING_MARGIN - 1:.0%} to spare)")
@@ -336,16 +412,23 @@ def report(args, family, run, size: tuple[int, int], batch: int, references: int
     print(f"{args.preset or args.config_file}: {width}x{height}, batch {batch}{refs}, LoRA rank {run.network_dim}, "
           f"{run.optimizer_type}; predicted peak device memory (tensors; add ~0.6 GiB of CUDA context):")
     planned = card_plans(family, run, width, height, batch, args.vram, references, args.base_precision)
-    phases = plan_run(family, run, width, height, batch, references, planned)
+    samples = sample_size_of(args, run, size)
+    phases = plan_run(family, run, width, height, batch, references, planned, samples)
     for phase in phases:
         print("  " + phase.row())
     if "bf16 reference (base, lora)" in phases[-1].parts and phases[-1].peak > usable(args.vram):
         print(f"  sampling with the bf16 reference base does not fit a {args.vram:g} GiB card: train_lora.py turns "
               f"sample_bf16_reference off (unless the config sets it true)")
-    print(f"\nOn a {args.vram:g} GiB card (usable {usable(args.vram) / GiB:.1f} GiB), training:")
-    for base, ckpt, fit, peak in fitting_settings(family, run, width, height, batch, args.vram, references, planned):
-        print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {fit_text(fit, peak)}")
-    for row in kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned):
+    if samples is None:
+        print("  sampling  none (no sample_prompts)")
+    if advice := caching_advice(family, run, width, height, references, args.vram, phases[0]):
+        print("  " + advice)
+    print(f"\nOn a {args.vram:g} GiB card (usable {usable(args.vram) / GiB:.1f} GiB), training"
+          + (f" and samples of {samples[0]}x{samples[1]}:" if samples else ":"))
+    for base, ckpt, fit, peak, sample in fitting_settings(family, run, width, height, batch, args.vram, references,
+                                                          planned, samples):
+        print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {fit_text(fit, peak, sample, samples)}")
+    for row in kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned, samples):
         print(row)
 
 

@@ -140,7 +140,7 @@ class DiffusionTask:
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.prompts = self._read_prompts()
         self._hold_cache_folders(contextlib.ExitStack() if held is None else held)
-        self._settle_bf16_reference()  # before minutes of caching
+        self._settle_sampling()  # before minutes of caching
         self._settle_keeping_keys()
         self._fill_caches()  # also encodes the sample prompts, then frees the encoders
         self.base = self._load_base()
@@ -221,19 +221,19 @@ class DiffusionTask:
         warn_unread_prompt_options(self.family, prompts, self.args.sample_prompts)
         return prompts
 
-    def _settle_bf16_reference(self):
-        """On an fp8 base, samples also render on a bf16 copy of it (sample_bf16_reference): where the
-        memory plan says that copy does not fit the card, unset turns it off and an explicit true
-        stays, each with one warning line. No card (the CPU) or a sharded base (FSDP): not planned."""
-        if not (self.prompts and memory_plan.renders_bf16_reference(self.args)) or fsdp.uses_fsdp(self.accelerator):
+    def _settle_sampling(self):
+        """The largest sample prompt against the card (memory_plan.settle_sampling): on an fp8 base samples also
+        render on a bf16 copy of it (sample_bf16_reference), turned off where unset and the copy does not fit;
+        a sample over the card without it is one warning line before caching, not an out-of-memory error at the
+        first sample. No card (the CPU) or a sharded base (FSDP): not planned."""
+        if not self.prompts or fsdp.uses_fsdp(self.accelerator):
             return
         card = memory_plan.device_memory(self.device)
         if card is None:
             return
         largest = max(self.prompts, key=lambda p: p.width * p.height)
         references = max(len(p.control_images) for p in self.prompts)
-        warning = memory_plan.settle_bf16_reference(self.family, self.args, card, largest.width, largest.height,
-                                                    references)
+        warning = memory_plan.settle_sampling(self.family, self.args, card, largest.width, largest.height, references)
         if warning:
             self.accelerator.print(warning, file=sys.stderr)
 

@@ -367,7 +367,7 @@ def caching_phase(family, args, width: int, height: int, references: int = 0) ->
 
 def renders_bf16_reference(args) -> bool:
     """Whether samples also render on a bf16 copy of the base (DiffusionTask.render_samples): on an
-    fp8 / nf4 / int8 base, unless sample_bf16_reference is false (unset counts as on; settle_bf16_reference)."""
+    fp8 / nf4 / int8 base, unless sample_bf16_reference is false (unset counts as on; settle_sampling)."""
     from library.training.config import base_precision
 
     return base_precision(args) != "bf16" and getattr(args, "sample_bf16_reference", True) is not False
@@ -444,24 +444,29 @@ def usable_bytes(card_bytes: float) -> float:
     return 0.95 * (card_bytes - CUDA_CONTEXT_BYTES)
 
 
-def settle_bf16_reference(family, args, card_bytes: int, width: int, height: int, references: int = 0) -> str | None:
-    """sample_bf16_reference against the card, for samples of width x height: the sampling phase
-    planned with the bf16 copy of the base. Where it does not fit, unset turns it off (args is
-    changed) and an explicit true stays; either way the returned line says so (None: it fits)."""
+def settle_sampling(family, args, card_bytes: int, width: int, height: int, references: int = 0) -> str | None:
+    """The samples of width x height against the card (the sampling phase: the training state stays
+    resident). With the bf16 reference copy of an fp8 base over the card, unset sample_bf16_reference
+    turns it off (args is changed) and an explicit true stays; a sample over the card even without it is
+    said too (training fitting says nothing of the VAE decode at the sample size). None: it fits."""
     tokens = text_tokens_for(family, args, references, width, height)
     phase = sampling_phase(family, args, width, height, tokens, references)
-    copy, usable = phase.parts["bf16 reference (base, lora)"], usable_bytes(card_bytes)
+    copy, usable = phase.parts.get("bf16 reference (base, lora)", 0), usable_bytes(card_bytes)
     if phase.peak <= usable:
         return None
+    over = f"over the {usable / GiB:.2f} GiB usable of this {card_bytes / GiB:.1f} GiB card"
     plan = (f"sampling with the bf16 reference base ({copy / GiB:.2f} GiB) is planned to peak at "
-            f"{phase.peak / GiB:.2f} GiB ({(phase.peak - copy) / GiB:.2f} without it), over the {usable / GiB:.2f} "
-            f"GiB usable of this {card_bytes / GiB:.1f} GiB card")
-    if args.sample_bf16_reference:
-        return (f"warning: sample_bf16_reference = true, but {plan}: the first sample will likely run out of "
-                f"memory (set it false, or raise blocks_to_swap)")
+            f"{phase.peak / GiB:.2f} GiB ({(phase.peak - copy) / GiB:.2f} without it), {over}")
+    still = (f": the first sample will likely run out of memory (raise blocks_to_swap, or sample at a smaller "
+             f"--w / --h than {width}x{height})")
+    if copy and args.sample_bf16_reference:
+        return f"warning: sample_bf16_reference = true, but {plan}" + still.replace(" (raise", " (set it false, or raise")
+    if not copy:
+        return f"warning: sampling at {width}x{height} is planned to peak at {phase.peak / GiB:.2f} GiB, {over}" + still
     args.sample_bf16_reference = False
-    return (f"warning: sample_bf16_reference turned off: {plan}; samples render on the fp8 base only (set "
+    said = (f"warning: sample_bf16_reference turned off: {plan}; samples render on the fp8 base only (set "
             f"sample_bf16_reference = true to render it anyway)")
+    return said + ("; even so" + still if phase.peak - copy > usable else "")
 
 
 # A KEEPING_KEYS key (config.py) left unset is turned on where the training step planned with it fits
