@@ -507,10 +507,9 @@ class LoRANetwork(nn.Module):
         exclude = _as_patterns("exclude_patterns", args.get("exclude_patterns"))
         for pattern in include + exclude:
             if not any(pattern.fullmatch(c[0]) for c in candidates):
-                raise ValueError(
-                    f"network_args pattern {pattern.pattern!r} matches no LoRA target module "
-                    f"(targets look like '{candidates[0][0]}')"
-                )
+                example = next((c[0] for c in candidates if c[3] != "embed"), candidates[0][0])  # a block's, not img_in
+                raise ValueError(f"network_args pattern {pattern.pattern!r} matches no LoRA target module "
+                                 f"(a whole name: targets look like '{example}')")
         selected = []
         for path, module, mtype, kind, index in candidates:
             rank, type_on = ranks[mtype]
