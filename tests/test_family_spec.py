@@ -120,6 +120,38 @@ def test_the_precision_doctor_drives_each_tiny_transformer_through_the_spec(arch
     assert inputs.positions.shape[-1] == len(inputs.axes_dim)
 
 
+VARIANT_FILES = ("qwen_image_edit", "qwen_image_layered")  # a variant whose tiny file is its own (other flags)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_the_doctors_expected_positions_are_the_ones_each_tiny_model_uses(model_type, tiny_set):
+    """The doctor's verdict reads its position audit first: the positions random_inputs expects must be the ones
+    the model computes, or a correct model reads POSITION DAMAGE (Qwen-Image-Layered's layer-3D ids: 64 of them
+    'changed'; its random inputs also lacked additional_t_cond, a crash before any report)."""
+    from library.models import precision_doctor as precision
+    from library.models.family import lora_arch
+    from library.precision.stored_layouts import refuse_stored_base
+    from tools import precision_doctor as doctor
+
+    arch = lora_arch(model_type)
+    path = tiny_set.get(model_type) if model_type in VARIANT_FILES else tiny_set[arch_specs()[arch].tiny.transformer]
+    if path is None:
+        pytest.skip(f"{model_type}: its tiny transformer is its base family's")
+    try:  # a pre-quantized tiny file (Ideogram 4's nvfp4): the doctor refuses it, as tools/precision_doctor.py
+        refuse_stored_base(path, "--model", "the doctor compares nothing")
+    except ValueError as e:
+        pytest.skip(str(e))
+    model = doctor.disk_variant(path, arch, "fp32")
+    # (a grid whose token count no text run shares: the audit matches calls to the inputs by shape)
+    inputs = doctor.make_inputs(arch, model.config, 128, 96, seed=0, text_len=8)
+    audit = precision.PositionAudit(inputs.positions, inputs.axes_dim, inputs.theta)
+    with torch.no_grad(), precision.patched_rope_tables(audit.wrap):
+        model(**inputs.make_kwargs(0.5))
+    summary = audit.summary()
+    assert summary["calls"] and summary.get("matches_inputs"), summary
+    assert summary["positions_changed"] == 0 and summary["table_max_abs_diff"] < 1e-4, summary
+
+
 def test_the_specs_stored_fp8_layouts_are_the_ones_the_loaders_read():
     """spec.py stays torch-free, so it spells fp8.MODES again as STORED_FP8: the two must not drift; and
     each family's FP8Rules.stored names only those layouts."""

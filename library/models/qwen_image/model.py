@@ -196,7 +196,10 @@ def random_inputs(config: "QwenImageConfig", h: int, w: int, text_len: int, gene
     mask = torch.arange(text_len)[None] < max(1, (3 * text_len + 3) // 4)
     fixed = dict(txt=torch.randn(1, text_len, config.joint_attention_dim, generator=generator), txt_mask=mask,
                  img_shapes=[(1, h, w)])
-    return RandomInputs(fixed, joint_positions(fixed["img_shapes"], text_len), tuple(config.axes_dims_rope),
+    if config.use_additional_t_cond:  # Qwen-Image-Layered: an RGB(A) target's row (0, as its pipeline's)
+        fixed["additional_t_cond"] = torch.zeros(1, dtype=torch.int64)
+    positions = joint_positions(fixed["img_shapes"], text_len, config.use_layer3d_rope)  # as forward computes them
+    return RandomInputs(fixed, positions, tuple(config.axes_dims_rope),
                         float(config.rope_theta))
 
 @dataclass
