@@ -224,13 +224,17 @@ def test_the_card_verdict_needs_the_samples_to_fit_and_caching_says_what_brings_
 
     family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
     args.t5xxl_max_token_length = 8
-    plan = plan_memory.setting_plans(family, args, 64, 64, 1, bases=("bf16",))["bf16", True]
-    extra = plan_memory.sampling_extra(family, args, 128, 128, 0)
-    for swap in (0, 2):
-        trial = copy.copy(args)
-        trial.blocks_to_swap = swap
-        phase = sampling_phase(family, trial, 128, 128, text_tokens_for(family, trial, 0, 128, 128), 0)
-        assert plan_memory.sampling_peak(plan, swap, extra) == phase.peak
+    ema = copy.copy(args)  # sample_with_ema: the raw weights wait beside the EMA's render (0.4 GiB lost before)
+    ema.ema_decay, ema.sample_with_ema = 0.99, True
+    for run in (args, ema):
+        plan = plan_memory.setting_plans(family, run, 64, 64, 1, bases=("bf16",))["bf16", True]
+        extra = plan_memory.sampling_extra(family, run, 128, 128, 0)
+        for swap in (0, 2):
+            trial = copy.copy(run)
+            trial.blocks_to_swap = swap
+            phase = sampling_phase(family, trial, 128, 128, text_tokens_for(family, trial, 0, 128, 128), 0)
+            assert plan_memory.sampling_peak(plan, swap, extra) == phase.peak
+    assert "raw weights (sample_with_ema)" in phase.parts
     # 12 blocks of 1 GiB in a 14 GiB base, a step's activations 1 GiB, a sample's VAE decode and forward 3 GiB, on
     # a card of 12 GiB usable: the samples need two more blocks swapped than the step alone
     synthetic = TrainingPlan(base=14 * GiB, block_bytes=[GiB] * 12, lora=0, lora_grads=0, optimizer=0,
@@ -248,6 +252,10 @@ def test_the_card_verdict_needs_the_samples_to_fit_and_caching_says_what_brings_
     vram = (CUDA_CONTEXT_BYTES + room / 0.95) / GiB
     advice = plan_memory.caching_advice(family, args, 64, 64, 0, vram, caching)
     assert advice.startswith(f"caching does not fit a {vram:g} GiB card") and "set vae_batch_size = " in advice
+    # text encoders over the card even in fp8: no fp8 advice that would fail as well
+    text = next(v for k, v in caching.parts.items() if k.startswith("text"))
+    tiny_card = (CUDA_CONTEXT_BYTES + text / 1000 / 0.95) / GiB
+    assert "a larger card for the text encoders" in plan_memory.caching_advice(family, args, 64, 64, 0, tiny_card, caching)
 
 
 def test_latent_caching_encodes_vae_batch_size_images_at_a_time(monkeypatch):

@@ -356,8 +356,11 @@ def caching_advice(family, run, width: int, height: int, references: int | None,
         else:
             advice.append("a smaller resolution (the VAE encode of one image is over)")
     if next(v for k, v in caching.parts.items() if k.startswith("text encoders")) > room:
-        advice.append("text_encoder_precision = \"fp8\"" if run.text_encoder_precision != "fp8" else
-                      "a larger card for the text encoders (over in fp8)")
+        trial = copy.copy(run)
+        trial.text_encoder_precision = "fp8"
+        fp8 = next(v for k, v in caching_phase(family, trial, width, height, count).parts.items() if k.startswith("text"))
+        advice.append("text_encoder_precision = \"fp8\"" if fp8 <= room else
+                      f"a larger card for the text encoders ({fp8 / GiB:.2f} GiB in fp8)")
     return f"caching does not fit a {vram_gib:g} GiB card (usable {room / GiB:.1f}): set {' and '.join(advice)}"
 
 

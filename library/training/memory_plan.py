@@ -397,8 +397,9 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     ema = _ema_bytes(network, args)
     resident = resident_parts(module_bytes(model), blocks, lora, _optimizer_bytes(network, args), args.blocks_to_swap,
                               args.block_swap_prefetch, ema)
+    raw = 0
     if args.ema_decay and args.sample_with_ema:  # the raw weights wait on the device while the EMA's render
-        resident["raw weights (sample_with_ema)"] = tensor_bytes([p for p in network.parameters() if p.requires_grad])
+        raw = tensor_bytes([p for p in network.parameters() if p.requires_grad])
     count = family.plan_controls if references is None else references
     down = family.vae_downsample
     rw, rh = family.sample_control_bucket((width, height), (width, height))
@@ -414,6 +415,8 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
                        **control)
     vae = family.vae_on_meta()
     phase = Phase("sampling", {"resident (base, lora, optimizer)": sum(resident.values())})
+    if raw:  # a part of its own: the resident training state is resident_parts' sum (plan_memory's sampling_peak)
+        phase.parts["raw weights (sample_with_ema)"] = raw
     if renders_bf16_reference(args):
         phase.parts["bf16 reference (base, lora)"] = _bf16_reference_bytes(family, args, lora)
     phase.parts["vae (weights)"] = module_bytes(vae.vae)
@@ -425,7 +428,7 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
         vae_peak = max(vae_peak, phase.parts["vae encode of references (peak)"])
     # _vae_peak counts the VAE's weights; they are resident during the forward too.
     phase.peak = (phase.parts["resident (base, lora, optimizer)"] + phase.parts.get("bf16 reference (base, lora)", 0)
-                  + max(phase.parts["vae (weights)"] + live.peak, vae_peak))
+                  + raw + max(phase.parts["vae (weights)"] + live.peak, vae_peak))
     return phase
 
 

@@ -142,6 +142,14 @@ def effective_lrs(optimizer, ds: list[float] | None = None) -> dict[str, float]:
     return out
 
 
+def _logged_step(cell: str) -> int | None:
+    """The optimizer step a log row was written at: "12" or "step000012" -> 12, "start" -> 0; else None."""
+    if cell == "start":
+        return 0
+    digits = cell.removeprefix("step")
+    return int(digits) if digits.isdigit() else None
+
+
 def drop_rows_after(path: str, step: int) -> None:
     """A resumed run's CSV log (its `step` column) without the rows after the state's `step`: a run
     killed after its last save logged them, and the resumed run logs those steps again."""
@@ -149,9 +157,12 @@ def drop_rows_after(path: str, step: int) -> None:
         rows = list(csv.reader(f))
     if not rows or "step" not in rows[0]:
         return
-    col = rows[0].index("step")  # a row cut short by a kill has no valid step: it goes too
-    # an LLM eval log's "start" row (before step 1) stays, its "final" goes (the resumed run writes its own)
-    kept = [rows[0]] + [r for r in rows[1:] if len(r) > col and (r[col] == "start" or (r[col].isdigit() and int(r[col]) <= step))]
+    col = rows[0].index("step")
+    # Rows are in the order they were logged: kept up to the last one at or before `step` (a training log's step;
+    # an LLM eval log's "start", "stepNNNNNN" and the "epochNNNN" rows between them); what follows goes (later
+    # steps, "final", an epoch end the resumed run renders again, a row cut short by a kill).
+    at = [i for i, r in enumerate(rows[1:], 1) if len(r) > col and (n := _logged_step(r[col])) is not None and n <= step]
+    kept = rows[: at[-1] + 1] if at else rows[:1]
     if len(kept) < len(rows):
         with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
             csv.writer(f).writerows(kept)
