@@ -583,7 +583,7 @@ def test_a_resumed_eval_log_keeps_its_start_row(tmp_path):
     path.write_text("step,val_loss\nstart,5.1\n2,4.9\n4,4.7\nfinal,4.6\n")
     optim.drop_rows_after(str(path), 2)
     assert path.read_text().splitlines() == ["step,val_loss", "start,5.1", "2,4.9"]
-    # the sample tags an eval log also holds: step000002 (before the state's step 3) stays (it went); the epoch end
+    # the sample tags an eval log also holds: step000002 (before the state's step 3) stays (the old line dropped it); the epoch end
     # logged after it is the resumed run's to render again
     path.write_text("step,val_loss\nstart,5.1\nstep000002,4.9\nepoch0001,4.8\nstep000004,4.7\nfinal,4.6\n")
     optim.drop_rows_after(str(path), 3)
