@@ -3,6 +3,7 @@ torch.distributed.run on the CPU): DiffusionTask._fill_caches with a stand-in fa
 images in argv[1]/img, then one JSON line of what this process encoded and printed."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -19,5 +20,6 @@ if __name__ == "__main__":
                              accelerator=accelerator)
     loaded = list(loads)
     encoder = family.load_text_encoder("bf16", None).__self__  # (the CountingEncoder behind both)
-    print(json.dumps({"process": accelerator.process_index, "loads": loaded, "images": encoder.images,
-                      "captions": sorted(encoder.captions), "printed": printed}), flush=True)
+    line = json.dumps({"process": accelerator.process_index, "loads": loaded, "images": encoder.images,
+                       "captions": sorted(encoder.captions), "printed": printed})
+    os.write(1, (line + "\n").encode())  # one write (under PIPE_BUF): print's two let the processes' lines interleave

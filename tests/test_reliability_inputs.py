@@ -56,7 +56,7 @@ def test_16_bit_grey_and_rgb_pngs_load_as_mid_grey_8_bit(tmp_path):
     for path in (grey, rgb):  # Pillow opens 16-bit RGB as 8-bit RGB (the high byte) itself
         x = load_image(path, (32, 32))
         assert x.shape == (3, 32, 32) and float((x - mid).abs().max()) < 1e-6, (path, float(x.mean()))
-        assert np.asarray(reference_views([path])[0]).tolist() == np.full((32, 32, 3), 128).tolist()
+        assert np.asarray(reference_views([path])[0].convert("RGB")).tolist() == np.full((32, 32, 3), 128).tolist()
     mask = load_mask(str(tmp_path / "image.png"), grey, (32, 32), flip=False)  # a 16-bit grey mask file
     assert float((mask - 128 / 255).abs().max()) < 1e-6
 

@@ -188,7 +188,7 @@ def same_step(a, b) -> bool:
 def fewest_swaps(plan, vram_gib: float, sample_extra: int | None = None) -> int | None:
     """The fewest blocks_to_swap whose training peak fits the card and, with sample_extra (sampling_extra), the
     samples' peak at that swap too (sampling_peak), or None. (Training alone chose swaps whose first sample
-    ran out of memory: Qwen-Image fp8 on 24 GB, swap 6: sampling 26.8 GiB of 22.2 usable.)"""
+    ran out of memory: a 20 B model's fp8 base on 24 GB, swap 6: sampling 26.8 GiB of 22.2 usable.)"""
     room = usable(vram_gib)
     return next((n for n in range(len(plan.block_bytes)) if plan.phase(n).peak <= room
                  and (sample_extra is None or sampling_peak(plan, n, sample_extra) <= room)), None)
