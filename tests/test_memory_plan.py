@@ -182,7 +182,8 @@ def test_the_plan_counts_the_ema_on_the_device_drops_no_module_and_swaps_only_re
     ema.ema_decay, ema.ema_device, ema.sample_with_ema = 0.999, "same", True
     with_ema = training_plan(family, ema, 64, 64, 1, 8)
     assert with_ema.ema == plain.lora_grads and with_ema.phase(0).peak == plain.phase(0).peak + plain.lora_grads
-    sampled = sampling_phase(family, ema, 64, 64, 8).parts["resident (base, lora, optimizer)"]
+    parts = sampling_phase(family, ema, 64, 64, 8).parts  # the EMA resident, sample_with_ema's raw weights beside it
+    sampled = parts["resident (base, lora, optimizer)"] + parts["raw weights (sample_with_ema)"]
     assert sampled == sampling_phase(family, args, 64, 64, 8).parts["resident (base, lora, optimizer)"] + 2 * plain.lora_grads
     ema.ema_device = "cpu"  # off the card: only sample_with_ema's raw weights are
     assert training_plan(family, ema, 64, 64, 1, 8).ema == 0
