@@ -32,7 +32,7 @@ from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_nam
 from library.training import fsdp, memory_plan
 from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, check_planned_steps,
                                      compute_dtype, lora_network_args, network_modules_from, plan_steps)
-from library.training.lora_inputs import check_lora_inputs, check_network_fits, loaded_dim_alpha
+from library.training.lora_inputs import check_lora_inputs, check_network_fits, load_network_weights
 from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
 from networks.factory import build_network, check_network_args
@@ -401,9 +401,8 @@ class DiffusionTask:
     def _make_network(self) -> nn.Module:
         network = self._make_network_for(self.base)
         if self.args.network_weights:
-            counts = network.load_weights(self.args.network_weights, strict=False)
-            self.accelerator.print(f"network_weights: {network.describe_loaded(counts)}")
-            self.loaded = loaded_dim_alpha(network, self.args)
+            said, self.loaded = load_network_weights(network, self.args)
+            self.accelerator.print(said)
             if "network_alpha" in self.loaded:
                 self.accelerator.print(f"network_weights: its alpha ({self.loaded['network_alpha']}) is kept; "
                                        f"network_alpha applies only to modules the file lacks")

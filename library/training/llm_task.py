@@ -36,7 +36,7 @@ from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import (ConfigError, base_precision, compute_dtype, lora_formats, lora_network_args,
                                      network_modules_from)
-from library.training.lora_inputs import check_lora_inputs, check_network_fits, loaded_dim_alpha
+from library.training.lora_inputs import check_lora_inputs, check_network_fits, load_network_weights
 from library.training.optim import drop_rows_after
 from library.training.state import SavedState, check_resumed_fit
 from networks.factory import build_network
@@ -176,10 +176,9 @@ class LLMTask:
         else:
             self.network = build_network(args.network_module, self.model, "llm", args.network_dim, args.network_alpha,
                                          network_args=lora_network_args(args), modules_from=network_modules_from(args))
-            if args.network_weights:
-                counts = self.network.load_weights(args.network_weights, strict=False)
-                accelerator.print(f"network_weights: {self.network.describe_loaded(counts)}")
-                self.loaded = loaded_dim_alpha(self.network, args)  # the header says the file's ranks and alphas
+            if args.network_weights:  # the header says the file's ranks and alphas (self.loaded)
+                said, self.loaded = load_network_weights(self.network, args)
+                accelerator.print(said)
             self.network.apply()
         self.model.to(self.device)
         if self.network is not None:

@@ -1,8 +1,8 @@
 """The LoRA files a run reads (network_weights, base_loras), checked from their headers before the
 model loads and before caching: a file that is not a LoRA, holds text-encoder modules only, or is
 another model's (networks/lora_reader.py check_lora_arch), or whose modules the run's network cannot take
-(check_network_fits), stops the run in one line naming the key; and what the saved header says of the
-ranks and alphas network_weights loaded (loaded_dim_alpha)."""
+(check_network_fits), stops the run in one line naming the key; network_weights loaded into the run's network
+(load_network_weights) and what the saved header says of the ranks and alphas it loaded (loaded_dim_alpha)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,17 @@ def check_network_fits(args, meta_network) -> None:
 
 _KIND = {"networks.lora": "a down/up LoRA file (network_module networks.lora)",
          "lycoris.kohya": "a LyCORIS file (LoKr / LoHa / ...; network_module lycoris.kohya)"}
+
+
+def load_network_weights(network, args) -> tuple[str, dict[str, str]]:
+    """network_weights into the run's network: (the log line, loaded_dim_alpha). A network built with
+    dim_from_weights holds the file's modules with their weights already (build_network's modules_from): the
+    file is not read a second time."""
+    if args.dim_from_weights:
+        said = f"{len(network.lora_modules())} LoRA modules at the file's ranks and alphas (dim_from_weights)"
+    else:
+        said = network.describe_loaded(network.load_weights(args.network_weights, strict=False))
+    return f"network_weights: {said}", loaded_dim_alpha(network, args)
 
 
 def loaded_dim_alpha(network, args) -> dict[str, str]:
