@@ -76,8 +76,8 @@ import torch  # noqa: E402
 
 from library.training.config import KEEPING_KEYS  # noqa: E402
 from library.training.memory_plan import (  # noqa: E402
-    KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, resident_parts, reusing_meta_models, sampling_phase,
-    text_tokens_for, training_plan, usable_bytes)
+    KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, reusing_meta_models, sampling_phase, text_tokens_for,
+    training_plan, usable_bytes)
 
 
 class PresetFamily:
@@ -204,10 +204,19 @@ def sampling_extra(family, args, width: int, height: int, references: int) -> in
     return phase.peak - phase.parts["resident (base, lora, optimizer)"]
 
 
+def sampling_extras(family, args, planned: dict, sample_size: tuple[int, int] | None,
+                    references: int | None) -> dict | None:
+    """{(base precision, checkpointing): sampling_extra} for each planned setting (None: no samples planned). One
+    sample's simulation each; the rows that add a KEEPING_KEYS key take their setting's: a sample runs no backward."""
+    if sample_size is None:
+        return None
+    count = family.plan_controls if references is None else references
+    return {setting: sampling_extra(family, setting_args(family, args, *setting), *sample_size, count) for setting in planned}
+
+
 def sampling_peak(plan, blocks_to_swap: int, extra: int) -> int:
     """A sample's peak at this swap: the training state resident as the plan's (sampling_phase's own sum) + extra."""
-    return sum(resident_parts(plan.base, plan.block_bytes, plan.lora, plan.optimizer, blocks_to_swap, plan.prefetch,
-                              plan.ema).values()) + extra
+    return sum(plan.resident(blocks_to_swap).values()) + extra
 
 
 def card_plans(family, args, width: int, height: int, batch: int, vram_gib: float, references: int | None = None,
@@ -218,16 +227,14 @@ def card_plans(family, args, width: int, height: int, batch: int, vram_gib: floa
 
 
 def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib: float,
-                     references: int | None = None, planned: dict | None = None,
-                     sample_size: tuple[int, int] | None = None) -> list[tuple]:
+                     references: int | None = None, planned: dict | None = None, extras: dict | None = None) -> list[tuple]:
     """(base precision, checkpointing, fewest blocks_to_swap that fits or None, its training peak, its samples'
-    peak or None); sample_size: samples of that size fit too (None: no samples planned); planned: card_plans'
+    peak or None); extras: sampling_extras, whose samples fit too (None: no samples planned); planned: card_plans'
     answer where already planned."""
     rows = []
     planned = planned or card_plans(family, args, width, height, batch, vram_gib, references)
-    count = family.plan_controls if references is None else references
     for (base, ckpt), plan in planned.items():
-        extra = sampling_extra(family, setting_args(family, args, base, ckpt), *sample_size, count) if sample_size else None
+        extra = extras[base, ckpt] if extras else None
         fit = fewest_swaps(plan, vram_gib, extra)
         rows.append((base, ckpt, fit, plan.phase(fit or 0).peak, None if extra is None else sampling_peak(plan, fit or 0, extra)))
     return rows
@@ -364,8 +371,8 @@ def caching_advice(family, run, width: int, height: int, references: int | None,
     return f"caching does not fit a {vram_gib:g} GiB card (usable {room / GiB:.1f}): set {' and '.join(advice)}"
 
 
-def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib: float,
-                     references: int | None, planned: dict, sample_size: tuple[int, int] | None = None) -> list[str]:
+def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib: float, references: int | None,
+                     planned: dict, extras: dict | None = None, sample_size: tuple[int, int] | None = None) -> list[str]:
     """What each of KEEPING_KEYS (unset in args) would cost on this card, per base precision with
     checkpointing: one more plan each; none for a key that keeps nothing here (projections where no gate
     trains)."""
@@ -381,7 +388,7 @@ def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib
             extra = plan.phase(0).peak - planned[(base, True)].phase(0).peak
             if extra <= 0:
                 break
-            samples = sampling_extra(family, trial, *sample_size, count) if sample_size else None
+            samples = extras[base, True] if extras else None
             fit = fewest_swaps(plan, vram_gib, samples)
             sample = None if samples is None else sampling_peak(plan, fit or 0, samples)
             rows.append(f"  {base:10s} gradient_checkpointing=true with {key} = true (+{extra / GiB:.2f} GiB, {gain}): "
@@ -428,10 +435,11 @@ def report(args, family, run, size: tuple[int, int], batch: int, references: int
         print("  " + advice)
     print(f"\nOn a {args.vram:g} GiB card (usable {usable(args.vram) / GiB:.1f} GiB), training"
           + (f" and samples of {samples[0]}x{samples[1]}:" if samples else ":"))
+    extras = sampling_extras(family, run, planned, samples, references)
     for base, ckpt, fit, peak, sample in fitting_settings(family, run, width, height, batch, args.vram, references,
-                                                          planned, samples):
+                                                          planned, extras):
         print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {fit_text(fit, peak, sample, samples)}")
-    for row in kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned, samples):
+    for row in kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned, extras, samples):
         print(row)
 
 

@@ -266,10 +266,13 @@ class TrainingPlan:
     prefetch: int = 1  # block_swap_prefetch
     ema: int = 0  # the EMA's bytes on the device (ema_device "same")
 
+    def resident(self, blocks_to_swap: int = 0) -> dict[str, int]:
+        """What stays on the device at this swap between steps (and through a sample): resident_parts."""
+        return resident_parts(self.base, self.block_bytes, self.lora, self.optimizer, blocks_to_swap, self.prefetch,
+                              self.ema)
+
     def phase(self, blocks_to_swap: int = 0) -> Phase:
-        parts = {**resident_parts(self.base, self.block_bytes, self.lora, self.optimizer, blocks_to_swap, self.prefetch,
-                                  self.ema),
-                 "activations + lora grads (peak)": self.activations}
+        parts = {**self.resident(blocks_to_swap), "activations + lora grads (peak)": self.activations}
         return Phase("training", parts, sum(parts.values()) + self.inputs)
 
 
