@@ -326,12 +326,11 @@ def sample_size_of(cli, run, size: tuple[int, int]) -> tuple[int, int] | None:
         return None
     if not os.path.isfile(run.sample_prompts):  # a file a tool writes later (the quickstarts'): the training size
         return size
-    from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
-    from library.data.prompts import SamplePrompt, read_prompt_file
+    from library.data.dataset_config import load_dataset_config
+    from library.data.prompts import SamplePrompt, default_sample_size, read_prompt_file
 
-    side = PIXELS_PER_TOKEN_SIDE
-    res = [n // side * side for n in load_dataset_config(run.dataset_config).datasets[0].resolution]
-    prompts = read_prompt_file(run.sample_prompts, SamplePrompt("", width=res[0], height=res[1]), decode=False)
+    width, height = default_sample_size(load_dataset_config(run.dataset_config).datasets[0].resolution)
+    prompts = read_prompt_file(run.sample_prompts, SamplePrompt("", width=width, height=height), decode=False)
     largest = max(prompts, key=lambda p: p.width * p.height, default=None)
     return (largest.width, largest.height) if largest else None
 

@@ -188,6 +188,14 @@ def prompt_from_dict(entry: dict, where: str, defaults: SamplePrompt | None = No
     return _checked(prompt.strip() if isinstance(prompt, str) else "", fields, controls, where, defaults)
 
 
+def default_sample_size(resolution: tuple[int, int]) -> tuple[int, int]:
+    """(width, height) of a prompt line without --w / --h: the first dataset's resolution on the 16-pixel grid.
+    With buckets a resolution may lie off it (72, 1000); a sample needs whole 2x2 latent patches (the dataset
+    config refuses a side under PIXELS_PER_TOKEN_SIDE, so none floors to 0)."""
+    side = PIXELS_PER_TOKEN_SIDE
+    return resolution[0] // side * side, resolution[1] // side * side
+
+
 def read_prompt_file(path: str, defaults: SamplePrompt | None = None, decode: bool = True) -> list[SamplePrompt]:
     """A prompt file: sd-scripts' text lines, or its .json / .toml prompt objects (by extension), its
     reference images decoded (decode=False: the web UI's check reads none before its roots check)."""

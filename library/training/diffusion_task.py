@@ -25,10 +25,10 @@ from library.data.check import training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import largest_step, scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, reference_images
-from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE, load_dataset_config
+from library.data.dataset_config import load_dataset_config
 from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import get_family, stack_text, warn_unread_prompt_options
-from library.data.prompts import SamplePrompt, read_prompt_file, sample_file_name, seed_or_random
+from library.data.prompts import SamplePrompt, default_sample_size, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
 from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, check_planned_steps,
                                      compute_dtype, lora_network_args, network_modules_from, plan_steps)
@@ -210,10 +210,8 @@ class DiffusionTask:
     def _read_prompts(self) -> list[SamplePrompt]:
         if not self.args.sample_prompts:
             return []
-        # With buckets a resolution may lie off the 16-pixel grid (72, 1000); a sample needs whole 2x2 latent patches
-        # (the dataset config refuses a side under PIXELS_PER_TOKEN_SIDE, so none floors to 0).
-        res = [side // PIXELS_PER_TOKEN_SIDE * PIXELS_PER_TOKEN_SIDE for side in self.blueprint.datasets[0].resolution]
-        defaults = SamplePrompt("", width=res[0], height=res[1], steps=self.family.sample_steps,
+        width, height = default_sample_size(self.blueprint.datasets[0].resolution)
+        defaults = SamplePrompt("", width=width, height=height, steps=self.family.sample_steps,
                                 guidance=self.family.sample_guidance)
         prompts = read_prompt_file(self.args.sample_prompts, defaults)
         check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls,
