@@ -106,6 +106,10 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(cha
     ('{"messages": [{"role": "user", "content": "q"}]}', "no assistant message, so nothing to train on"),
     ('{"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "q"}]}',
      "messages[0] is an assistant message; with the loss on assistant tokens only a conversation starts with"),
+    ("null", "a JSON NoneType; expected an object"),  # it was skipped as a blank line
+    ('{"text": "an emoji cut \\ud83d here"}', "holds a lone UTF-16 surrogate (\\ud83d: half of a character"),
+    ('{"messages": [{"role": "user", "content": "q \\uDE00"}, {"role": "assistant", "content": "a"}]}',
+     "holds a lone UTF-16 surrogate (\\ude00"),  # they passed the check, then failed tokenizing: a traceback
 ])
 def test_a_bad_record_is_one_config_error_naming_file_and_line(tmp_path, line, message):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine"}, "", line, {"text": "never read"}])
@@ -147,14 +151,24 @@ def test_text_records_and_txt_files_are_the_same_documents(tmp_path, monkeypatch
 
 def test_empty_text_records_and_files_are_no_documents(tmp_path):
     """They were counted as none but tokenized as BOS (where the tokenizer adds one) + EOS: 'stop at once', trained
-    (2026-11-27)."""
+    (2026-11-27); a file of a BOM and whitespace too (2026-11-28)."""
     (tmp_path / "blank.txt").write_text(" \n\n ")
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf \n")
     write_jsonl(tmp_path / "b.jsonl", [{"text": ""}, {"text": "one"}, {"text": " \n"}, {"text": "two"}])
     encode = lambda s: [1] + [ord(c) for c in s]  # noqa: E731  (a BOS first, as Llama's tokenizer adds)
     files, count = text_corpus.check_corpus([str(tmp_path)], None, all_tokens=False)
     ids, _, starts = text_corpus.tokenize_corpus(files, encode, encode, eos_id=0)
     assert count == (2, 0) and files == [str(tmp_path / "b.jsonl")]
     assert ids.tolist() == encode("one") + [0] + encode("two") + [0] and starts.tolist() == [0, 5]
+
+
+@pytest.mark.parametrize("spans", [[(6, 20), (30, 40)], [(6, 20), (30, 40), (35, 36)]])  # apart (bisection); overlapping
+def test_a_token_holding_a_replys_first_character_is_trained_as_transformers_marks_it(spans):
+    """A ChatML reply opening with newlines: the template's "\\n" and the reply's "\\n\\n" are one token
+    (characters 5-8 here; the reply starts at 6). transformers' return_assistant_tokens_mask trains it
+    (char_to_token of the span's start); it was left out. A token ending at the span's start is not."""
+    offsets = [(0, 5), (5, 8), (8, 20), (20, 22), (22, 30), (28, 31), (31, 40), (40, 41)]
+    assert chat_records.starts_inside(offsets, spans) == [False, True, True, False, False, True, True, False]
 
 
 def test_a_bad_utf8_byte_past_the_first_read_is_named_at_its_file_offset(tmp_path, monkeypatch):

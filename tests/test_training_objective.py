@@ -82,6 +82,19 @@ def test_flux_step_feeds_sigma_in_0_1_the_guidance_and_the_token_count_shift(tin
     assert loss.item() == pytest.approx(((pred - pack_latents(noise - latents)) ** 2).mean().item(), rel=1e-6)
 
 
+def test_a_schnell_checkpoint_draws_unshifted_sigmas_by_default(tiny_set):
+    """FLUX.1 schnell (no guidance embedding) samples without a shift; with timestep_sampling unset it
+    trained on FLUX.1-dev's flux_shift draw (86% of sigmas above 0.5 at 1024 px). The unshifted sigmoid
+    draw now, as the schnell config sets it."""
+    family = FluxFamily(tiny_set["flux_bfl"])
+    model = family.load_transformer(torch.float32)
+    model.guidance_in = None
+    latents, text, seeds = torch.randn(2, 16, 8, 16), {"t5": torch.randn(2, 7, 32), "clip_pooled": torch.randn(2, 32)}, [3, 4]
+    _, sigmas = family.training_loss(model, latents, text, loss_args(), [torch.Generator().manual_seed(s) for s in seeds])
+    assert torch.equal(sigmas, expected_draws(seeds, latents.shape[1:], "sigmoid", tokens=32)[1])
+    assert family.default_timestep_sampling(model) == "sigmoid"
+
+
 def test_qwen_image_step_feeds_the_text_mask_and_sigma(tiny_set):
     family = QwenImageFamily(tiny_set["qwen_image"])
     model = Recorder(family.load_transformer(torch.float32))

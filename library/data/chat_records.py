@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import bisect
 import json
+import re
 from typing import Callable, Iterator
 
 from library.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
 FORMS = '{"text": "..."} or {"messages": [{"role": ..., "content": "..."}, ...]}'
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where a line may hold half a UTF-16 pair (lone_surrogate)
+BLANK = object()  # jsonl_records' marker of a blank line
 # A conversation's (ids, trained): one flag a token (True: the loss predicts it), or True for all of them.
 ChatEncoder = Callable[[list, str], "tuple[list[int], bool | list[bool]]"]
 
@@ -29,15 +32,15 @@ def jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
             where = f"{path}:{n}"
             try:
                 line = raw.decode("utf-8").removeprefix("\ufeff").rstrip("\r\n")
-                record = json.loads(line) if line.strip() else None
+                record = json.loads(line) if line.strip() else BLANK
             except UnicodeDecodeError as e:
                 raise ConfigError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
                                   f"save it as UTF-8") from None
             except ValueError as e:
                 raise ConfigError(f"{where}: not JSON ({e}); expected one object a line, {FORMS}") from None
-            if record is None:
+            if record is BLANK:  # (a line reading null is a record, and refused as one)
                 continue
-            if problem := record_problem(record):
+            if problem := record_problem(record) or (SURROGATE_ESCAPE.search(line) and lone_surrogate(record)):
                 raise ConfigError(f"{where}: {problem}")
             yield where, record
 
@@ -66,6 +69,17 @@ def record_problem(record) -> str | None:
         if m["role"] == "assistant" and not calls and not m["content"].strip():
             return (f"messages[{i}] is an assistant message with empty content and no tool_calls; expected the "
                     f"reply to train on")
+    return None
+
+
+def lone_surrogate(record: dict) -> str | None:
+    """JSON may escape half of a UTF-16 pair ("\\ud83d": an emoji cut in two by a scraper); such a string
+    is no Unicode text and the tokenizer fails on it with a traceback naming no record."""
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"holds a lone UTF-16 surrogate (\\u{ord(e.object[e.start]):04x}: half of a character, e.g. an emoji "
+                f"cut in two); expected whole characters")
     return None
 
 
@@ -119,14 +133,19 @@ def chat_encoder(tokenizer, all_tokens: bool) -> ChatEncoder:
 
 
 def starts_inside(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
-    """For each token's (start, end) characters, whether its start lies in one of the [a, b) spans: by
+    """For each token's (start, end) characters, whether it starts in one of the [a, b) spans or holds a
+    span's first character (a reply opening "\\n\\n" after the template's "\\n": one token "\\n\\n\\n";
+    transformers' return_assistant_tokens_mask trains it too: char_to_token of the span's start): by
     bisection where the spans are in order and apart (as assistant_spans gives them), else by trying each
     (tokens x spans: quadratic in a conversation's turns)."""
     starts = [a for a, _ in spans]
     if any(b > next_a for (_, b), next_a in zip(spans, starts[1:])):
-        return [any(a <= start < b for a, b in spans) for start, _ in offsets]
-    at = [bisect.bisect_right(starts, start) - 1 for start, _ in offsets]  # the last span starting at or before
-    return [k >= 0 and start < spans[k][1] for k, (start, _) in zip(at, offsets)]
+        return [any(a <= start < b or start < a < end for a, b in spans) for start, end in offsets]
+    trained = []
+    for start, end in offsets:
+        k = bisect.bisect_right(starts, start)  # the first span starting after the token's start
+        trained.append((k > 0 and start < spans[k - 1][1]) or (k < len(starts) and starts[k] < end))
+    return trained
 
 
 def user_turn_ids(tokenizer, prompt: str, where: str) -> list[int]:

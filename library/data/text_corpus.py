@@ -95,7 +95,9 @@ def check_text_file(path: str) -> bool:
         while True:
             data, pending = f.read(READ_BYTES), len(decoder.getstate()[0])  # pending: bytes of a split character
             try:
-                has_text = bool(decoder.decode(data, final=not data).strip()) or has_text
+                text = decoder.decode(data, final=not data)
+                text = text.removeprefix("\ufeff") if offset == 0 else text  # the BOM the reader drops is no text
+                has_text = bool(text.strip()) or has_text
             except UnicodeDecodeError as e:
                 at = offset - pending + e.start
                 raise ValueError(f"{path}: text file is not valid UTF-8: byte 0x{e.object[e.start]:02x} at offset "

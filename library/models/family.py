@@ -312,7 +312,7 @@ class DiffusionFamily:
         if mask is not None:
             mask = on_latent_grid(mask, (lh, lw))
         h, w = lh // self.patch, lw // self.patch  # one frame's patch grid: the shift's token count
-        method = args.timestep_sampling or fm.sampling_of(self.arch).method
+        method = args.timestep_sampling or self.default_timestep_sampling(model)
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=torch.float32) for g in generators])
         sigmas = torch.cat([
             fm.sample_sigmas(1, method, generator=g, shift=args.discrete_flow_shift,
@@ -407,6 +407,11 @@ class DiffusionFamily:
 
     def dynamic_shift(self, model) -> bool:
         return True
+
+    def default_timestep_sampling(self, model) -> str:
+        """timestep_sampling unset: sigmas drawn as the release's scheduler runs at inference (the
+        architecture's shift), unshifted for a release whose scheduler has no shift (dynamic_shift)."""
+        return fm.sampling_of(self.arch).method if self.dynamic_shift(model) else "sigmoid"
 
     def inference_sampling(self):
         """The release's own inference schedule (a spec Sampling) where it differs from the

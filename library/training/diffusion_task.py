@@ -530,7 +530,6 @@ class DiffusionTask:
         return self.stored_precision or self.widened_precision or base_precision(self.args)
 
     def metadata(self) -> dict:
-        from library.models.flow_matching import sampling_of
         from library.training.base_loras import base_lora_specs, base_loras_metadata
 
         datasets, args = self.blueprint.datasets, self.args
@@ -540,7 +539,7 @@ class DiffusionTask:
             "fp8_compute": "true" if args.fp8_compute else None,
             "resolution": ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in datasets),
             "batch_size": self._total_batch_size(),
-            "timestep_sampling": args.timestep_sampling or sampling_of(self.family.arch).method,
+            "timestep_sampling": args.timestep_sampling or self.family.default_timestep_sampling(self.base),
             "dataset": self._dataset_summary(),
             "base_loras": base_loras_metadata(base_lora_specs(args.base_loras)) if args.base_loras else None,
             **getattr(self, "loaded", {}),  # network_dim / network_alpha where network_weights set them
