@@ -152,6 +152,30 @@ def test_flux_kontext_lora_loads_in_flux_kontext_pipeline_with_our_output(flux_p
     assert out.abs().mean() > 0.1 and diff <= TOLERANCE
 
 
+def test_flux_in_dims_embedders_load_in_diffusers_after_convert_lora_only(flux_pair):
+    """diffusers 0.42.1's kohya FLUX reader names the embedders (x_embedder, context_embedder, time_text_embed)
+    without its transformer prefix, so a LoRA trained with in_dims lost its 6 embedder modules in
+    load_lora_weights with no warning (4.8 off against a LoRA effect of 7.4); README said it loads as saved.
+    The documented way: convert_lora.py --to diffusers, which loads them (its output: the test above). This
+    pins diffusers' drop: when it loads the kohya file whole, the README's line can go."""
+    ours, theirs, root = flux_pair
+    net = random_lora(ours, "flux", in_dims="[4, 4, 4, 0, 4]")  # (not applied: only its file is read)
+    assert sum(m.split(".")[0] in ("img_in", "txt_in", "time_in", "vector_in") for m in net.lora_weights()) == 6
+    net.save(str(root / "in_dims.safetensors"))
+    assert convert_lora.main([str(root / "in_dims.safetensors"), str(root / "in_dims_diffusers.safetensors"),
+                              "--to", "diffusers"]) == 0
+    pipe = FluxPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                        tokenizer_2=None, transformer=theirs)
+    loaded = {}
+    for name in ("in_dims", "in_dims_diffusers"):
+        pipe.unload_lora_weights()
+        pipe.load_lora_weights(str(root / f"{name}.safetensors"))
+        layers = [n for n, m in theirs.named_modules() if hasattr(m, "lora_A") and len(m.lora_A)]
+        loaded[name] = sum(n.startswith(("x_embedder", "context_embedder", "time_text_embed")) for n in layers)
+    pipe.unload_lora_weights()
+    assert loaded == {"in_dims": 0, "in_dims_diffusers": 6}
+
+
 # ----------------------------------------------------------------------------------------------
 # Qwen-Image
 

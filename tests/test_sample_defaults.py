@@ -49,6 +49,14 @@ def test_default_guidance_of_the_true_cfg_families_runs_cfg_with_the_empty_negat
     assert "Qwen-Image: qwen-image 50, edit 50, layered 50" in help_text
 
 
+def test_qwen_image21_samples_without_cfg_as_its_pipeline():
+    """QwenImage21Pipeline's true_cfg_scale default is 1.0 ("meant to be sampled without guidance"); samples ran
+    CFG 4 against the empty negative (twice the transformer calls, another image)."""
+    family = family_class("qwen_image21")
+    assert family.sample_guidance == _pipeline_default("QwenImage21Pipeline", "true_cfg_scale") == 1.0
+    assert set(family("unused").unread_prompt_options("blurry", family.sample_guidance)) == {"negative"}
+
+
 def test_a_negative_that_no_cfg_reads_is_named_in_one_warning(tiny_set):
     """Z-Image Turbo (guidance 0: ZImagePipeline runs CFG only above 0) took --negative / --n and never
     read it, silently; Base reads it at its 5. Each unread option is one warning line naming the file."""

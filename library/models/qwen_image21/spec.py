@@ -112,5 +112,5 @@ SPEC = S.ArchSpec(
     default_config="qwen_image21.toml",
     config_keys=CONFIG_KEYS,
     sample_steps={"qwen-image-2.1": 40},  # QwenImage21Pipeline
-    sample_guidance={"qwen-image-2.1": 4.0},
+    sample_guidance={"qwen-image-2.1": 1.0},  # QwenImage21Pipeline: "meant to be sampled without guidance"
 )
