@@ -482,11 +482,18 @@ def test_musubi_state_dicts_load_as_they_are_and_equal_musubis_dequantized_model
     expected.compute_dtype = torch.bfloat16
     assert torch.equal(run(loaded, inputs()), run(expected.eval(), inputs()))
     if family == "flux":  # merged into as it is: only the merged weights change, scales keep musubi's shapes
-        lora(expected.float(), family, rank=4, alpha=4.0, seed=2).save(str(tmp_path / "l.safetensors"))
+        net = lora(expected.float(), family, rank=4, alpha=4.0, seed=2)
+        net.save(str(tmp_path / "l.safetensors"))
         assert merge("--model", path, "--lora", tmp_path / "l.safetensors", "--save_to", tmp_path / "m.safetensors") == 0
         before, after = read_all(path), read_all(tmp_path / "m.safetensors")
         assert {k: (v.dtype, v.shape) for k, v in after.items()} == {k: (v.dtype, v.shape) for k, v in before.items()}
         load(str(tmp_path / "m.safetensors"), config=config)
+        if mode == "tensor":  # the codes divide by the bf16 scale stored (by its fp32 value: every weight off by up
+            for module, weights in net.lora_weights().items():  # to 0.4%, the scale's bf16 rounding)
+                scale = after[f"{module}.scale_weight"].float()
+                target = before[f"{module}.weight"].float() * before[f"{module}.scale_weight"].float() + weights.delta()
+                codes = (target / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+                assert torch.equal(after[f"{module}.weight"].view(torch.uint8), codes.view(torch.uint8)), module
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ Oracles: torch.linalg.svd of the full delta, hand-computed sd-scripts ranks, too
 merged checkpoints, and model outputs with the LoRAs applied unmerged."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -61,6 +62,15 @@ def test_resize_to_the_same_rank_is_lossless(flux_lora, tmp_path):
     assert meta["ss_network_dim"] == "8" and meta["ss_training_comment"].startswith("dimension is resized from 8 to 8;")
     alphas = {w.alpha for w in read_lora_file(str(out), "test").weights.values()}
     assert alphas == {4.0}  # scale 4 / 8 kept at rank 8
+
+
+def test_resize_reports_the_error_of_the_delta_as_written_in_bf16(flux_lora, tmp_path):
+    """A bf16 file resized at its own rank printed "rel error 0.00e+00" (the truncation's), while its new bf16
+    factors moved each delta by up to 2.4e-3: the printed error is the written delta's."""
+    done = resize_lora.resize_lora(str(flux_lora), str(tmp_path / "bf16.safetensors"), 8, precision="bf16")
+    before, after = deltas(flux_lora), deltas(tmp_path / "bf16.safetensors")
+    worst = max(rel(after[n], before[n]) for n in before)
+    assert worst > 1e-4 and done["summary"]["max_rel_error"] == pytest.approx(worst, rel=1e-3)
 
 
 def test_resize_to_a_lower_rank_keeps_the_top_singular_values(flux_lora, tmp_path):
@@ -237,6 +247,38 @@ def test_extract_from_base_plus_merged_lora_recovers_its_delta(tiny_set, tmp_pat
     expected = _lora_output(model, family, kwargs, net)
     got = _lora_output(model, family, kwargs, str(out))  # loads with our loader (diffusers names converted)
     assert rel(got, expected) <= 1e-5 * float(expected.norm() / (expected - base_out).norm()) + 1e-5
+
+
+def test_extract_from_an_fp8_base_and_a_float_fine_tune_counts_no_scale_as_another_tensor(tiny_set, tmp_path):
+    """A ComfyUI-style plain fp8 base (every tensor e4m3, biases too) beside a float fine-tune raised "Promotion
+    for Float8 Types is not supported" after every module's SVD, nothing written; two scaled fp8 files counted
+    the changed weights' scales as "other tensors differ". Both: 0 other tensors, the file written."""
+    from safetensors.torch import load_file, save_file
+
+    from library.precision.fp8_checkpoints import COMFY_MARKER
+    from tools import extract_lora
+
+    _, _, _, _, merged = _lora_and_merge(tiny_set, "flux_bfl", tmp_path)
+    base = load_file(tiny_set["flux_bfl"])
+    save_file({k: v.to(torch.float8_e4m3fn) for k, v in base.items()}, str(tmp_path / "plain_fp8.safetensors"))
+    done = extract_lora.extract_lora(str(tmp_path / "plain_fp8.safetensors"), str(merged),
+                                     str(tmp_path / "from_fp8.safetensors"), rank=4, log=lambda line: None)
+    assert done["other_changed"] == 0 and os.path.isfile(tmp_path / "from_fp8.safetensors")
+
+    def scaled(weights: dict, path: str) -> str:  # ComfyUI's scaled fp8: e4m3 2-D weights, a float32 scale each
+        out = {COMFY_MARKER: torch.empty(0, dtype=torch.float8_e4m3fn)}
+        for k, v in weights.items():
+            if k.endswith(".weight") and v.dim() == 2:
+                scale = v.float().abs().max().clamp_min(1e-12) / 448
+                out[k], out[k[:-6] + "scale_weight"] = (v.float() / scale).to(torch.float8_e4m3fn), scale.reshape(1)
+            else:
+                out[k] = v
+        save_file(out, str(tmp_path / path))
+        return str(tmp_path / path)
+
+    done = extract_lora.extract_lora(scaled(base, "a.safetensors"), scaled(load_file(str(merged)), "b.safetensors"),
+                                     str(tmp_path / "scaled.safetensors"), rank=4, log=lambda line: None)
+    assert done["modules"] and done["other_changed"] == 0
 
 
 def test_extract_with_randomized_svd_recovers_a_merged_lora_exactly(tiny_set, tmp_path):

@@ -151,6 +151,7 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
     check_output_path(save_to, *base.reader.files, *other.reader.files)  # a file of a folder base, or a shard
     dtype = save_dtype(precision, torch.float32)
     targets = target_modules(base)
+    other_changed = _other_changed(base, other, {base.weight_key[t.module] for t in targets})  # before minutes of SVDs
     weights, rows, skipped = {}, [], []
     for module, parts in itertools.groupby(targets, key=lambda t: t.module):  # a fused weight is read once
         key = base.weight_key[module]
@@ -169,7 +170,6 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
         del w_base, delta
     if not weights:
         raise CheckpointError(f"--tuned {tuned}: no LoRA target weight differs from the base {model}")
-    other_changed = _other_changed(base, other, {base.weight_key[t.module] for t in targets})
     dim, alpha = dim_and_alpha([w.rank for w in weights.values()], [w.alpha for w in weights.values()])  # as written
     metadata = build_metadata(network_module="networks.lora", network_dim=dim, network_alpha=alpha, base_model=base.path,
                               base_model_version=base.version)  # what train_lora.py writes: merge checks it
@@ -192,13 +192,22 @@ def _extract_target(target: Target, delta: torch.Tensor, w_base: torch.Tensor, w
             "delta_rel_to_weight": float(delta.norm() / w_base.norm().clamp_min(1e-30))}  # fmt: skip
 
 
+# What a quantized checkpoint keeps beside a target's weight (fp8 / comfy_quant scales and markers): it
+# changes with the weight, and is no "other tensor" of the summary.
+WEIGHT_COMPANIONS = ("scale_weight", "weight_scale", "weight_scale_2", "scale_input", "input_scale", "comfy_quant")
+
+
 def _other_changed(base: Base, other: Base, done: set[str]) -> int:
-    """How many tensors outside the LoRA targets differ between the checkpoints (one at a time)."""
+    """How many tensors outside the LoRA targets differ between the checkpoints (one at a time). Where their
+    dtypes differ (an fp8 base's e4m3 bias beside a bf16 fine-tune's), the other is cast to the base's first:
+    a mixed pair is no error (it raised after every module's SVD)."""
+    done = done | {key[: -len("weight")] + suffix for key in done if key.endswith("weight") for suffix in WEIGHT_COMPANIONS}
     changed = 0
     for key in base.reader.keys():
         if key in done or key not in other.reader or other.reader.shape(key) != base.reader.shape(key):
             continue
-        changed += not torch.equal(base.reader.get(key), other.reader.get(key))
+        a, b = base.reader.get(key), other.reader.get(key)
+        changed += not torch.equal(a.float(), b.to(a.dtype).float()) if a.dtype != b.dtype else not torch.equal(a, b)
     return changed
 
 

@@ -332,9 +332,17 @@ class Fp8BasePlan(Plan):
         if scale_key not in self.base.reader:  # plain codes (or a ComfyUI layer without scale: 1.0)
             return self.quantized(weight_key, merged, "fp8")
         per_tensor = self.base.fp8.layout == "fp8_tensor_scaled"
+        stored, shape = ST_DTYPES[self.base.reader.dtype_name(scale_key)], self.base.reader.shape(scale_key)
+        if per_tensor and stored == torch.bfloat16:
+            # musubi-tuner's bf16 per-tensor scale: the codes divide by the scale as stored (rounded up, so no code
+            # passes 448); codes of an fp32 scale times its bf16 rounding scaled every merged weight by up to 0.4%
+            scale = fp8.round_up_to_bf16((merged.float().abs().amax() / fp8.FP8_MAX).clamp_min(torch.finfo(stored).tiny))
+            out = self.quantized(weight_key, merged.float() / scale.float(), "fp8")
+            out[scale_key] = scale.reshape(shape)
+            return out
         out = self.quantized(weight_key, merged, "fp8_tensor_scaled" if per_tensor else "fp8_scaled")
         scale = out.pop(next(k for k in out if k != weight_key))
-        out[scale_key] = scale.to(ST_DTYPES[self.base.reader.dtype_name(scale_key)]).reshape(self.base.reader.shape(scale_key))
+        out[scale_key] = scale.to(stored).reshape(shape)
         return out
 
     def tensors(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -16,8 +16,9 @@ the module's old rank (the singular values past it are zero).
 
 Alpha (sd-scripts' convention): the scale alpha / rank of each module is preserved, so the new
 alpha is old_alpha / old_rank * k; down = the top k right singular vectors (orthonormal rows),
-up = the left ones times the singular values. At k = old rank the delta is unchanged (to float32
-rounding). DoRA files keep their magnitudes (the direction is resized, m * (W + dW') / ||W + dW'||).
+up = the left ones times the singular values. At k = old rank the delta is unchanged (to the rounding
+of the save precision: a bf16 file's factors are new bf16 numbers, 2e-3 off; the error printed is the
+written one's). DoRA files keep their magnitudes (the direction is resized, m * (W + dW') / ||W + dW'||).
 LyCORIS files are refused. The output has the layout of the input (kohya, PEFT with alpha folded
 into lora_B, ComfyUI) and its metadata, with ss_network_dim / ss_network_alpha updated (
 "Dynamic" for dynamic resizing, as sd-scripts writes) and `lora_resized` describing the run.
@@ -64,6 +65,8 @@ def build_parser() -> Parser:
 if __name__ == "__main__":
     check_command_line(build_parser)
 
+import torch  # noqa: E402
+
 from networks.lora_files import LoRAWeights  # noqa: E402
 from networks.lora_svd import DYNAMIC_METHODS, choose_rank, factors, svd_of_product  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
@@ -78,8 +81,10 @@ from tools.lora_common import (  # noqa: E402
 
 
 def resize_weights(weights: dict[str, LoRAWeights], new_rank: int, method: str | None = None,
-                   param: float | None = None, device=None) -> tuple[dict[str, LoRAWeights], list[dict]]:
-    """Every module resized; returns (new weights, one stats row per module)."""
+                   param: float | None = None, device=None,
+                   dtype: torch.dtype = torch.float32) -> tuple[dict[str, LoRAWeights], list[dict]]:
+    """Every module resized; returns (new weights, one stats row per module). rel_error is the delta's as
+    written in `dtype` (the truncation's alone said 0 for a bf16 file at its own rank, 2.4e-3 off)."""
     out, rows = {}, []
     for name, w in weights.items():
         spectrum = svd_of_product(w.up, w.down, device)  # of up @ down: the scale stays in alpha
@@ -88,8 +93,15 @@ def resize_weights(weights: dict[str, LoRAWeights], new_rank: int, method: str |
         out[name] = LoRAWeights(down, up, w.scale * k, w.magnitude)
         rows.append({"module": name, "old_rank": w.rank, "new_rank": k, "alpha": w.scale * k,
                      "fro_retained": spectrum.fro_retained(k), "sum_retained": spectrum.sum_retained(k),
-                     "rel_error": spectrum.rel_error(k)})  # fmt: skip
+                     "rel_error": spectrum.rel_error(k) if dtype == torch.float32 else _written_error(w, up, down, dtype)})
     return out, rows
+
+
+def _written_error(w: LoRAWeights, up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype) -> float:
+    """||D' - D|| / ||D|| of the resized factors as `dtype` stores them (float32 products)."""
+    old = w.up.float() @ w.down.float()
+    new = up.to(dtype).float() @ down.to(dtype).float()
+    return float((new - old).norm() / old.norm().clamp_min(1e-30))
 
 
 def check_args(new_rank: int, method: str | None, param: float | None) -> None:
@@ -112,7 +124,8 @@ def resize_lora(src: str, dst: str, new_rank: int, method: str | None = None, pa
     check_output_path(dst, src)
     lora = read_lora_file(src, "resize_lora")
     measure = output_error(model, src) if model else None  # a --model that cannot take the LoRA: before writing
-    weights, rows = resize_weights(lora.weights, new_rank, method, param, device)
+    dtype = save_dtype(precision, lora.dtype)
+    weights, rows = resize_weights(lora.weights, new_rank, method, param, device, dtype)
     old_dim = max(w.rank for w in lora.weights.values())
     metadata = dict(lora.metadata)
     comment = metadata.get("ss_training_comment", "")
@@ -126,7 +139,7 @@ def resize_lora(src: str, dst: str, new_rank: int, method: str | None = None, pa
                         ss_training_comment=f"dimension is resized from {old_dim} to {dim}; {comment}")
     metadata["lora_resized"] = json.dumps({"from": os.path.basename(src), "new_rank": new_rank,
                                            "dynamic_method": method, "dynamic_param": param})  # fmt: skip
-    write_lora_file(dst, weights, lora.fmt, lora.prefix, save_dtype(precision, lora.dtype), metadata)
+    write_lora_file(dst, weights, lora.fmt, lora.prefix, dtype, metadata)
     fro = [r["fro_retained"] for r in rows]
     summary = {"modules": len(rows), "mean_fro_retained": statistics.fmean(fro), "min_fro_retained": min(fro),
                "max_rel_error": max(r["rel_error"] for r in rows),

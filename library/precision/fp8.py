@@ -88,7 +88,7 @@ def scale_shape(out_features: int, in_features: int) -> tuple[int, int]:
     return (out_features, in_features // BLOCK) if in_features % BLOCK == 0 else (out_features, 1)
 
 
-def _round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
+def round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:
     """fp32 (positive) -> the smallest bf16 >= x, so dividing by it never pushes a block past 448."""
     y = x.to(torch.bfloat16)
     below = y.float() < x
@@ -120,7 +120,7 @@ def quantize_weight(w: torch.Tensor, mode: str, per_row: bool = False) -> tuple[
     w32 = w32.reshape(rows, blocks, in_features // blocks)
     # Zero blocks get the tiniest normal scale instead of 0: 0 / tiny = 0, never 0 / 0.
     absmax = w32.abs().amax(-1)  # fp32 [out, blocks]
-    scale = _round_up_to_bf16((absmax / FP8_MAX).clamp_min(torch.finfo(SCALE_DTYPE).tiny))
+    scale = round_up_to_bf16((absmax / FP8_MAX).clamp_min(torch.finfo(SCALE_DTYPE).tiny))
     q = (w32 / scale.float()[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.reshape(out_features, in_features), scale
 
