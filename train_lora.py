@@ -30,6 +30,10 @@ from library.training.config import build_parser
 
 # The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
 if __name__ == "__main__":
+    # SIGINT is the stop request (Ctrl-C, the web UI's Stop): a process started with it ignored (a script's
+    # background job, as a UI started with `... &` runs its jobs) lost a Stop before the loop's handler.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         build_parser().parse_args()
     except ValueError as e:  # ConfigError: an unknown or malformed flag, one line

@@ -508,3 +508,15 @@ def test_a_nan_loss_in_another_process_stops_every_process_with_the_line_and_the
                          text=True, timeout=300)
     assert "error: another process's loss is not finite at step 2" in run.stderr, run.stderr[-2000:]
     assert (out / "tiny_flux_lora-step000001.safetensors").exists()
+
+
+def test_a_trainer_started_with_sigint_ignored_still_stops_on_it(tiny_set, tmp_path):
+    """A script's background job starts with SIGINT ignored (a web UI started with `... &` launches its jobs so):
+    Stop during loading / caching was lost and the run trained to its end. SIGINT is handled from the start."""
+    argv = [sys.executable, os.path.join(ROOT, "train_lora.py"), *flux_args(tiny_set, tmp_path, "--max_train_steps", "400")]
+    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    first = process.stdout.readline()  # its first line: loading, before the loop's handler
+    process.send_signal(signal.SIGINT)
+    out = first + process.communicate(timeout=300)[0]
+    assert process.returncode == 130 and "interrupted: stopped before the next save" in out, out[-400:]

@@ -185,6 +185,15 @@ def test_planner_suggests_settings_and_applies_them_to_the_form(client, tiny_tom
     assert fields[FORM_KEYS.index("base_precision")] == keys["base_precision"]
 
 
+def test_the_planner_plans_the_configs_own_size_and_batch_unless_asked_another(client):
+    """The planner tab sent 1024 px and batch 1 with the job form's config (the config trained 64 px, batch 2): its
+    fields are empty until the user fills them, as plan_memory.py's --resolution / --batch_size."""
+    parameters = {p["label"]: p for p in client.view_api(print_info=False, return_format="dict")["named_endpoints"]
+                  ["/plan"]["parameters"]}
+    assert parameters["resolution (px; empty: the config's)"]["parameter_default"] is None
+    assert parameters["batch size (empty: the config's)"]["parameter_default"] is None
+
+
 def test_dataset_view_lists_captions_buckets_and_problems(client, tiny_set, server):
     data = os.path.join(os.path.dirname(server.jobs_dir), "data")
     shutil.copytree(os.path.dirname(tiny_set["dataset_config"]), data, dirs_exist_ok=True)

@@ -90,6 +90,19 @@ def test_the_dataset_view_reads_no_caption_or_image_through_a_link_out_of_the_ro
     assert captions[first] == "" and "zz_link.png" not in captions and len(set(captions.values())) > 1
 
 
+def test_a_caption_that_is_not_utf8_is_one_problem_of_the_dataset_report_not_its_end(ui, caption_dataset):
+    """One Latin-1 caption made the whole Dataset tab one "'utf-8' codec can't decode" line naming no file: no
+    buckets, no problems table, no gallery. The report names it as check_dataset.py does; its caption is empty."""
+    images = os.path.join(os.path.dirname(caption_dataset), "images")
+    first = sorted(f for f in os.listdir(images) if f.endswith(".png"))[0]
+    with open(os.path.join(images, os.path.splitext(first)[0] + ".caption"), "wb") as f:
+        f.write("caf\u00e9 au lait".encode("latin-1"))
+    view = ui.dataset(caption_dataset)
+    assert view["ok"] and dict(view["images"])[os.path.join(images, first)] == ""
+    assert any("caption file is not valid UTF-8" in message and first[:-4] in message
+               for message in view["problems"]["message"]), view["problems"]
+
+
 def test_a_file_is_written_through_a_fresh_temporary_and_a_root_of_slash_holds_every_path(tmp_path):
     """write_whole wrote through '<path>.tmp', following a link placed there (out of the roots); --root /
     refused every path (its prefix '//' matched none)."""

@@ -62,6 +62,21 @@ def test_each_job_writes_to_its_own_folder_whatever_its_config_says(tmp_path):
     assert os.path.dirname(a.output_dir) == store.root
 
 
+def test_a_new_job_never_gets_a_folder_holding_another_runs_files(tmp_path):
+    """With jobs.sqlite gone and the job folders kept, ids restarted at 1: the new job's folder held the old
+    run's log and state (its view showed step 7 of 4; Resume continued the old run). Such ids are skipped;
+    an empty folder is taken."""
+    store = JobStore(str(tmp_path / "jobs"))
+    old = store.create("old", {"output_name": "lora"}, 9)
+    (tmp_path / "jobs" / "job-0001" / "lora_log.csv").write_text("step,loss\n7,0.5\n")
+    os.remove(store.path)
+    os.makedirs(store.job_folder(3))  # empty: free
+    store = JobStore(str(tmp_path / "jobs"))
+    new = store.create("new", {"output_name": "lora"}, 4)
+    assert old.id == 1 and new.id == 2 and os.listdir(new.output_dir) == []
+    assert [store.create(n, {}, 1).id for n in "ab"] == [3, 4]
+
+
 def test_delete_removes_only_the_jobs_own_folder(tmp_path):
     store = JobStore(str(tmp_path / "jobs"))
     outside = tmp_path / "precious"

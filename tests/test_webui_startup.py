@@ -48,3 +48,21 @@ def test_a_second_ui_on_the_same_jobs_folder_is_refused(tmp_path, capsys):
     assert main(["--jobs_dir", jobs, "--root", str(tmp_path), "--port", str(port)]) == 2
     assert capsys.readouterr().err == (f"error: --jobs_dir {jobs}: another UI (pid {os.getpid()}) serves this queue: "
                                        f"use that one, stop it, or give another --jobs_dir\n")
+
+
+def test_a_root_is_added_to_the_repositorys_folders(tmp_path, monkeypatch, capsys):
+    """--root replaced configs / tiny_models / learned / out, while its help and every refusal said "add": the
+    shipped configs and their prompt files could no longer be opened."""
+    from library.ui import handlers
+    from tools.webui import ROOT
+
+    seen = []
+
+    def recorded(jobs_dir, workdir, roots, devices):
+        seen.extend(roots)
+        raise OSError(13, "stopped here", jobs_dir)
+
+    monkeypatch.setattr(handlers, "WebUI", recorded)
+    assert main(["--jobs_dir", str(tmp_path / "jobs"), "--root", str(tmp_path)]) == 2
+    assert seen == [os.path.join(ROOT, r) for r in ("configs", "tiny_models", "learned", "out")] + [str(tmp_path)]
+    capsys.readouterr()

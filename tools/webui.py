@@ -7,8 +7,8 @@ resume them; the memory planner, the dataset view and the LoRA tools as forms.
 
 Jobs are kept in --jobs_dir (a SQLite queue and one folder per job) and run one at a time per
 --device as `train_lora.py` processes, with paths relative to the repository (as on the command line).
-The pages read and write files only under the --root folders (default: configs, tiny_models, learned, out,
-and the jobs folder). A job left running when the UI stops goes on; the next start re-attaches to it.
+The pages read and write files only under configs, tiny_models, learned, out, the jobs folder and the
+--root folders. A job left running when the UI stops goes on; the next start re-attaches to it.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs_dir", default=None,
                    help="the queue's database and the jobs' output folders (default: runs/webui in the repository)")
     p.add_argument("--root", action="append", default=None,
-                   help="a folder the pages may read files from and write to (repeatable; default: configs, "
-                        "tiny_models, learned, out)")
+                   help="a folder the pages may read files from and write to, besides configs, tiny_models, "
+                        "learned, out and the jobs folder (repeatable)")
     p.add_argument("--device", action="append", default=None,
                    help="a device to run jobs on, one job at a time each (cpu, cuda:0, cuda:1, ...; default one)")
     return p
@@ -79,9 +79,11 @@ def main(argv=None) -> int:
     # Folders given on the command line are the caller's; the defaults are the repository's, where
     # jobs run (a config's relative paths mean there what they mean to train_lora.py run from it).
     jobs_dir = os.path.abspath(args.jobs_dir) if args.jobs_dir else os.path.join(ROOT, "runs", "webui")
-    roots = [os.path.abspath(r) for r in args.root] if args.root else [
-        os.path.join(ROOT, r) for r in ("configs", "tiny_models", "learned", "out")]
-    if problem := start_up_problem(args, jobs_dir, roots if args.root else []):  # default roots may not exist yet
+    # --root adds to the repository's folders (it replaced them: the shipped configs and their prompt files could
+    # not be opened, while the help and the refusals said "add")
+    given = [os.path.abspath(r) for r in args.root or []]
+    roots = [os.path.join(ROOT, r) for r in ("configs", "tiny_models", "learned", "out")] + given
+    if problem := start_up_problem(args, jobs_dir, given):  # default roots may not exist yet
         print(f"error: {problem}", file=sys.stderr)
         return 2
     os.chdir(ROOT)

@@ -416,11 +416,12 @@ class WebUI:
         return found
 
     def _read_caption(self, image: str, extension: str) -> str:
-        """The image's caption; "" where there is none, or where its file links out of the roots."""
+        """The image's caption; "" where there is none, where its file links out of the roots, or where it is
+        not UTF-8 (check_dataset's report names that file; raised, it hid the whole report)."""
         try:
             with open(self.roots.resolve(os.path.splitext(image)[0] + extension, "caption"), encoding="utf-8") as f:
                 return f.read().strip()
-        except (OSError, OutsideRoots):
+        except (OSError, OutsideRoots, UnicodeDecodeError):
             return ""
 
     def save_caption(self, dataset: str, image: str, caption: str) -> str:

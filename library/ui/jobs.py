@@ -162,11 +162,12 @@ class JobStore:
         output_name = settings.get("output_name") or "lora"
         now = time.time()
         with self._transaction() as db:
-            cursor = db.execute(
-                "INSERT INTO jobs (name, config, state, device, output_dir, output_name, max_steps, created, queued) "
-                "VALUES (?, ?, ?, ?, '', ?, ?, ?, ?)",
-                (name, "", "queued" if queue else "draft", device, output_name, max_steps, now, now if queue else None))
-            job_id = cursor.lastrowid
+            job_id = self._free_id(db)
+            db.execute(
+                "INSERT INTO jobs (id, name, config, state, device, output_dir, output_name, max_steps, created, queued) "
+                "VALUES (?, ?, ?, ?, ?, '', ?, ?, ?, ?)",
+                (job_id, name, "", "queued" if queue else "draft", device, output_name, max_steps, now,
+                 now if queue else None))
             folder = self.job_folder(job_id)
             if os.path.exists(folder) and not os.path.isdir(folder):  # raised here: the new row is rolled back
                 raise JobError(f"job {job_id}: its output folder {folder!r} is not a folder; remove what is there")
@@ -175,6 +176,16 @@ class JobStore:
             db.execute("UPDATE jobs SET output_dir = ?, config = ? WHERE id = ?", (folder, config, job_id))
         os.makedirs(folder, exist_ok=True)
         return self.get(job_id)
+
+    def _free_id(self, db) -> int:
+        """The next id whose job-NNNN folder holds nothing: ids restart at 1 with a new jobs.sqlite beside the
+        old folders, and a job given one of those showed the other run's curve, step and samples, and resumed
+        from its state."""
+        row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'jobs'").fetchone()
+        job_id = (row[0] if row else 0) + 1
+        while os.path.isdir(folder := self.job_folder(job_id)) and os.listdir(folder):
+            job_id += 1
+        return job_id
 
     def job_folder(self, job_id: int) -> str:
         return os.path.join(self.root, f"job-{int(job_id):04d}")
