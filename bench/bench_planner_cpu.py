@@ -234,7 +234,7 @@ def planned(config: str, work: str) -> dict[str, tuple[int, int]]:
     tokens = mp.text_tokens_for(family, run) if family.arch == "flux" else cached_text_tokens(work)
     caching = mp.caching_phase(family, run, w, h, refs)
     vae = max(v for k, v in caching.parts.items() if k.startswith("vae"))
-    plans = {"caching": (vae, mp._vae_peak(family.vae_on_meta(), w, h, 1, decode=False))}
+    plans = {"caching": (vae, mp.vae_pass_peak(family.vae_on_meta(), w, h, 1, decode=False))}
     plan = mp.training_plan(family, run, w, h, 1, tokens, refs).phase(run.blocks_to_swap).peak
     plans["training"] = (plan, mp.training_plan(family, run, w, h, 1, tokens, 1).phase(run.blocks_to_swap).peak
                          if refs else plan)

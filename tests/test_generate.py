@@ -139,3 +139,16 @@ def test_schnell_renders_its_own_4_steps_by_default_and_dev_28(tiny_set, tmp_pat
         (png,) = out.glob("*.png")
         with Image.open(png) as image:
             assert image.text["steps"] == steps
+
+
+def test_vae_tiling_decodes_the_image_in_tiles(tiny_set, tmp_path, monkeypatch):
+    """--vae_tiling: the decode in tiles (library.models.vae.decoding_in_tiles), the same latents."""
+    from library.models import vae
+
+    monkeypatch.setattr(vae, "TILE_PIXELS", 32)  # tiles that cut the 64 px image
+    images = []
+    for k, flag in enumerate(((), ("--vae_tiling",))):
+        assert generate.main(generate_args(tiny_set, tmp_path / "out", "--seed", "3") + list(flag)) == 0
+        with Image.open(tmp_path / "out" / f"00{k}_3.png") as png:
+            images.append(torch.tensor(list(png.getdata()), dtype=torch.float32))
+    assert (images[0] - images[1]).abs().max() > 2

@@ -199,14 +199,14 @@ def test_the_plan_counts_the_ema_on_the_device_drops_no_module_and_swaps_only_re
 
 
 def test_caching_plans_the_vae_batch_that_cache_latents_encodes(tiny_set):
-    from library.training.memory_plan import GiB, _vae_peak, caching_phase
+    from library.training.memory_plan import GiB, vae_pass_peak, caching_phase
     from tools import plan_memory
 
     family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
     args.vae_batch_size = 3  # the training batch below is 1
     caching = plan_memory.plan_run(family, args, 64, 64, 1)[0]
     encode = next(v for k, v in caching.parts.items() if k.startswith("vae encode"))
-    assert encode == _vae_peak(family.vae_on_meta(), 64, 64, 3, decode=False)
+    assert encode == vae_pass_peak(family.vae_on_meta(), 64, 64, 3, decode=False)
     # Qwen-Image at 1328 px: cache_latents' default batch of 4 needs 25.88 GiB (batch 1: 6.82)
     qwen = plan_memory.PresetFamily("qwen-image")
     assert round(caching_phase(qwen, plan_memory.default_args("qwen_image"), 1328, 1328).peak / GiB, 2) == 25.88
@@ -234,16 +234,17 @@ def test_the_card_verdict_needs_the_samples_to_fit_and_caching_says_what_brings_
             trial = copy.copy(run)
             trial.blocks_to_swap = swap
             phase = sampling_phase(family, trial, 128, 128, text_tokens_for(family, trial, 0, 128, 128), 0)
-            assert plan_memory.sampling_peak(plan, swap, extra) == phase.peak
+            assert plan_memory.sampling_peak(plan, swap, extra, float("inf")) == (phase.peak, False)
     assert "raw weights (sample_with_ema)" in phase.parts
     # 12 blocks of 1 GiB in a 14 GiB base, a step's activations 1 GiB, a sample's VAE decode and forward 3 GiB, on
     # a card of 12 GiB usable: the samples need two more blocks swapped than the step alone
     synthetic = TrainingPlan(base=14 * GiB, block_bytes=[GiB] * 12, lora=0, lora_grads=0, optimizer=0,
                              activations=GiB, inputs=0)
     vram = (CUDA_CONTEXT_BYTES + 12 * GiB / 0.95) / GiB
-    alone, with_samples = plan_memory.fewest_swaps(synthetic, vram), plan_memory.fewest_swaps(synthetic, vram, 3 * GiB)
+    extra = plan_memory.SampleExtra(3 * GiB, None)  # vae_tiling = false
+    alone, with_samples = plan_memory.fewest_swaps(synthetic, vram), plan_memory.fewest_swaps(synthetic, vram, extra)
     assert alone is not None and with_samples == alone + 2, (alone, with_samples)
-    assert plan_memory.sampling_peak(synthetic, alone, 3 * GiB) > plan_memory.usable(vram)
+    assert plan_memory.sampling_peak(synthetic, alone, extra, plan_memory.usable(vram))[0] > plan_memory.usable(vram)
     # caching over the card: the advice names the largest vae_batch_size whose encode fits
     args.vae_batch_size = 4
     caching = caching_phase(family, args, 64, 64, 0)
@@ -289,10 +290,10 @@ def test_planned_qwen_vae_encode_is_the_live_tensor_peak_of_a_real_cpu_encode():
 
     from library.models.qwen_image.vae import QwenImageVAE
     from library.models.vae import _build
-    from library.training.memory_plan import LiveBytes, _vae_peak
+    from library.training.memory_plan import LiveBytes, vae_pass_peak
 
     config = {"base_dim": 4, "z_dim": 16}
-    planned = _vae_peak(QwenImageVAE(_build(AutoencoderKLQwenImage, config)), 64, 64, 1, decode=False)
+    planned = vae_pass_peak(QwenImageVAE(_build(AutoencoderKLQwenImage, config)), 64, 64, 1, decode=False)
     torch.manual_seed(0)
     real = QwenImageVAE(AutoencoderKLQwenImage(**config))
     with LiveBytes("cpu") as live:
@@ -382,24 +383,82 @@ def test_a_sample_over_the_card_is_said_before_caching_with_or_without_the_bf16_
         "likely run out of memory" in warning and args.sample_bf16_reference is False
 
 
+def test_an_unset_vae_tiling_decodes_samples_in_tiles_where_the_whole_decode_is_over_the_card(tiny_set, monkeypatch):
+    """A 1024 px float32 decode held 7.2 GiB of a 20 B model's sample on 24 GB; the planner swapped 14 more blocks
+    for it. Unset vae_tiling is turned on where the whole decode is over the card and tiles fit (as ComfyUI falls
+    back to a tiled decode); false stays false and is warned of; the planner's swap counts the tiles."""
+    import copy
+
+    from library.models import vae
+    from library.training.memory_plan import CUDA_CONTEXT_BYTES, GiB, TrainingPlan, sampling_phase, settle_sampling
+    from tools import plan_memory
+
+    monkeypatch.setattr(vae, "TILE_PIXELS", 32)  # the tiny VAE's decode at 128 px: 3.4 MB whole, 1.1 MB in tiles
+    family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
+    args.t5xxl_max_token_length = 8
+    whole = sampling_phase(family, args, 128, 128, 8, 0)
+    tiled_args = copy.copy(args)
+    tiled_args.vae_tiling = True
+    tiled = sampling_phase(family, tiled_args, 128, 128, 8, 0)
+    assert tiled.parts["vae decode in tiles (peak)"] < whole.parts["vae decode (peak)"] / 2 and tiled.peak < whole.peak
+    card = CUDA_CONTEXT_BYTES + (whole.peak + tiled.peak) / 2 / 0.95
+    assert settle_sampling(family, args, card, 128, 128) == (
+        f"vae_tiling turned on: samples at 128x128 decode in tiles (the decode's peak "
+        f"{whole.parts['vae decode (peak)'] / GiB:.2f} -> {tiled.parts['vae decode in tiles (peak)'] / GiB:.2f} GiB; "
+        f"set vae_tiling = false to decode them whole)") and args.vae_tiling is True
+    args.vae_tiling = False
+    assert settle_sampling(family, args, card, 128, 128).startswith("warning: sampling at 128x128 is planned to peak")
+    assert args.vae_tiling is False
+    # the planner: 12 blocks of 1 GiB, a sample's extra 3 GiB whole, 1 GiB in tiles, 12 GiB usable
+    synthetic = TrainingPlan(base=14 * GiB, block_bytes=[GiB] * 12, lora=0, lora_grads=0, optimizer=0,
+                             activations=GiB, inputs=0)
+    vram = (CUDA_CONTEXT_BYTES + 12 * GiB / 0.95) / GiB
+    whole_only = plan_memory.fewest_swaps(synthetic, vram, plan_memory.SampleExtra(3 * GiB, None))
+    with_tiles = plan_memory.fewest_swaps(synthetic, vram, plan_memory.SampleExtra(3 * GiB, GiB))
+    assert with_tiles == plan_memory.fewest_swaps(synthetic, vram) and whole_only == with_tiles + 2
+    peak, tiles = plan_memory.sampling_peak(synthetic, with_tiles, plan_memory.SampleExtra(3 * GiB, GiB),
+                                            plan_memory.usable(vram))
+    assert tiles and plan_memory.fit_text(with_tiles, 0, (peak, tiles), (1024, 1024)).endswith(
+        f"samples at 1024x1024 peak at {peak / GiB:.1f} GiB (decoded in tiles: vae_tiling)")
+    assert plan_memory.sampling_peak(synthetic, whole_only, plan_memory.SampleExtra(3 * GiB, GiB),
+                                     plan_memory.usable(vram))[1] is False  # the whole decode fits there
+
+
 def test_train_lora_renders_no_bf16_reference_that_does_not_fit_and_says_so(tiny_set, tmp_path, capsys, monkeypatch):
+    """... and decodes the samples in tiles (vae_tiling unset), both said before caching."""
+    import contextlib
+
     import train_lora
+    from library.models import vae
     from library.models.flux1.family import FluxFamily
     from library.training import memory_plan
     from tests.test_train_lora import flux_args
 
     monkeypatch.setattr(memory_plan, "device_memory", lambda device: memory_plan.CUDA_CONTEXT_BYTES + 2**20,
                         raising=False)  # a 0.6 GiB card: nothing fits
+    monkeypatch.setattr(vae, "TILE_PIXELS", 32)  # tiles that cut the 64 px sample (its decode over its forward)
+    tiled, tiles = [], vae.decoding_in_tiles
+
+    @contextlib.contextmanager
+    def recorded(module, tile_pixels=None):
+        tiled.append(module)
+        with tiles(module, tile_pixels):
+            yield
+
+    monkeypatch.setattr(vae, "decoding_in_tiles", recorded)
     loads, load = [], FluxFamily.load_transformer
     monkeypatch.setattr(FluxFamily, "load_transformer", lambda self, dtype, base="bf16", read_weights=True: (
         loads.append(base) if read_weights else None) or load(self, dtype, base, read_weights))
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red circle --w 32 --h 32 --s 2 --d 1\n")
+    prompts.write_text("a red circle --w 64 --h 64 --s 2 --d 1\n")
     assert train_lora.main(flux_args(tiny_set, tmp_path, "--max_train_steps", "1", "--sample_prompts", str(prompts))) == 0
     assert loads == ["fp8_scaled"], loads  # quickstart's fp8 base only: no bf16 copy for the sample
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "sample_bf16_reference" in line]
+    err = capsys.readouterr().err.splitlines()
+    warnings = [line for line in err if "sample_bf16_reference" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: sample_bf16_reference turned off"), warnings
-    assert sample_png(tmp_path, "tiny_flux_lora", "final").exists()
+    assert sum(line.startswith("vae_tiling turned on: samples at 64x64 decode in tiles") for line in err) == 1
+    rendered = [m for m in tiled if next(m.parameters()).device.type != "meta"]  # (the plan's decodes: on meta)
+    assert sample_png(tmp_path, "tiny_flux_lora", "final").exists() and len(rendered) == 1  # one prompt, one base
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -159,7 +159,7 @@ def test_kohya_diffusers_kohya_round_trip_and_lora_info(trained, tmp_path):
 def test_planner_sizes_the_16x_vae_and_its_tokens(capsys):
     """The planner's latents follow the family's VAE (16x) and patch (1): at 512 px the sample's decode is
     of a 32 x 32 latent (a 512 px image), not 64 x 64 as an 8x VAE's would be (4x the memory)."""
-    from library.training.memory_plan import _vae_peak
+    from library.training.memory_plan import vae_pass_peak
     from tools import plan_memory
 
     assert plan_memory.main(["--preset", "qwen-image-2.1", "--vram", "24", "--resolution", "512",
@@ -167,7 +167,7 @@ def test_planner_sizes_the_16x_vae_and_its_tokens(capsys):
     out = capsys.readouterr().out
     planned = float(out.split("vae decode (peak) ")[1].split(")")[0].split(",")[0])
     vae = QwenImage21Family("unused").vae_on_meta()
-    right, wrong = (_vae_peak(vae, 512, 512, 1, decode=True, downsample=d) / 2**30 for d in (16, 8))
+    right, wrong = (vae_pass_peak(vae, 512, 512, 1, decode=True, downsample=d) / 2**30 for d in (16, 8))
     assert abs(planned - right) < 0.01 and wrong > 3 * right
 
 

@@ -327,6 +327,16 @@ def test_example_configs_pass_the_schema(name):
 
     args = load_config(["--config_file", os.path.join(_CONFIGS, f"{name}.toml")])
     assert args.model_type in (*FAMILIES, "llm")
+    dataset = args.model_type != "llm" and args.dataset_config
+    if dataset and dataset.startswith("configs/") and args.validate_every_n_steps:
+        # ten configs asked for val_loss of a shipped dataset TOML that holds no image out: refused at start
+        import toml
+
+        data = toml.load(os.path.join(os.path.dirname(_CONFIGS), dataset))
+        tables = [data.get("general", {}), *data.get("datasets", []),
+                  *(s for d in data.get("datasets", []) for s in d.get("subsets", []))]
+        assert data.get("validation_datasets") or any(t.get("validation_split") for t in tables), \
+            f"{name}.toml: validate_every_n_steps, but {dataset} holds no image out"
 
 
 def test_dataset_example_config_parses():

@@ -143,6 +143,40 @@ def test_qwen_vae_latents_are_normalised_per_channel():
     assert (wrapper.decode(latents[:, :, None]) - decoded).abs().max().item() <= 1e-6  # 5-D accepted
 
 
+def test_decoding_in_tiles_is_diffusers_tiled_decode_at_our_tile_size_and_only_inside_the_block():
+    """vae_tiling's decode: diffusers' tiled_decode with TILE_PIXELS tiles for a one-size-tiling VAE (its own
+    tile is the config's sample_size, 1024 for the released ones: nothing tiled at 1024 px), the VAE's own
+    tile sizes otherwise; whole again after the block, and whole where the image is not over a tile."""
+    from library.models.vae import decoding_in_tiles
+
+    vae, _ = _tiny_flux_vae()
+    wrapper = FluxVAE(vae)
+    latents = wrapper.encode(_images(1, 64))
+    whole = wrapper.decode(latents)
+    with decoding_in_tiles(vae, 64):
+        assert torch.equal(wrapper.decode(latents), whole)  # 64 px is not over a 64 px tile
+    with decoding_in_tiles(vae, 32):
+        tiled = wrapper.decode(latents)
+    assert (vae.use_tiling, vae.tile_sample_min_size, vae.tile_latent_min_size) == (False, 1024, 128)
+    vae.tile_sample_min_size, vae.tile_latent_min_size = 32, 4
+    with torch.no_grad():
+        expected = vae.tiled_decode(latents / 0.3611 + 0.1159).sample.clamp(-1, 1)
+    assert torch.equal(tiled, expected) and (tiled - whole).abs().max() > 1e-3
+
+    qwen = AutoencoderKLQwenImage(base_dim=4, z_dim=16).eval()
+    qwen.tile_sample_min_height = qwen.tile_sample_min_width = 16  # its own sizes (diffusers' default 256)
+    qwen.tile_sample_stride_height = qwen.tile_sample_stride_width = 8
+    wrapper = QwenImageVAE(qwen)
+    latents = wrapper.encode(_images(1, 32))
+    with decoding_in_tiles(qwen):
+        tiled = wrapper.decode(latents)
+    assert qwen.use_tiling is False and qwen.tile_sample_min_height == 16
+    qwen.use_tiling = True
+    assert torch.equal(tiled, wrapper.decode(latents))  # diffusers' own tiled decode
+    qwen.use_tiling = False
+    assert (tiled - wrapper.decode(latents)).abs().max() > 1e-4
+
+
 # ----------------------------------------------------------------------------------------------
 # FLUX text encoders
 

@@ -26,6 +26,7 @@ import copy
 import math
 import os
 import sys
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -77,7 +78,7 @@ import torch  # noqa: E402
 from library.training.config import KEEPING_KEYS  # noqa: E402
 from library.training.memory_plan import (  # noqa: E402
     KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, reusing_meta_models, sampling_phase, text_tokens_for,
-    training_plan, usable_bytes)
+    training_plan, usable_bytes, vae_pass_peak)
 
 
 class PresetFamily:
@@ -185,23 +186,34 @@ def same_step(a, b) -> bool:
     return step(a) == step(b)
 
 
-def fewest_swaps(plan, vram_gib: float, sample_extra: int | None = None) -> int | None:
+def fewest_swaps(plan, vram_gib: float, sample_extra: SampleExtra | None = None) -> int | None:
     """The fewest blocks_to_swap whose training peak fits the card and, with sample_extra (sampling_extra), the
     samples' peak at that swap too (sampling_peak), or None. (Training alone chose swaps whose first sample
     ran out of memory: a 20 B model's fp8 base on 24 GB, swap 6: sampling 26.8 GiB of 22.2 usable.)"""
     room = usable(vram_gib)
     return next((n for n in range(len(plan.block_bytes)) if plan.phase(n).peak <= room
-                 and (sample_extra is None or sampling_peak(plan, n, sample_extra) <= room)), None)
+                 and (sample_extra is None or sampling_peak(plan, n, sample_extra, room)[0] <= room)), None)
 
 
-def sampling_extra(family, args, width: int, height: int, references: int) -> int:
-    """What a sample of width x height holds above the resident training state (its forward, the VAE with its
-    decode), without the bf16 reference copy (train_lora.py turns that off where it does not fit)."""
-    trial = copy.copy(args)
-    trial.blocks_to_swap, trial.sample_bf16_reference = 0, False
-    phase = sampling_phase(family, trial, width, height, text_tokens_for(family, trial, references, width, height),
-                           references)
-    return phase.peak - phase.parts["resident (base, lora, optimizer)"]
+class SampleExtra(NamedTuple):
+    """What a sample holds above the resident training state (its forward, the VAE with its decode): decoded
+    whole (None: vae_tiling = true) and in tiles (None: vae_tiling = false)."""
+    whole: int | None
+    tiled: int | None
+
+
+def sampling_extra(family, args, width: int, height: int, references: int) -> SampleExtra:
+    """A sample of width x height above the resident training state, without the bf16 reference copy
+    (train_lora.py turns that off where it does not fit), decoded whole and in tiles as vae_tiling allows."""
+    def extra(tiling: bool) -> int:
+        trial = copy.copy(args)
+        trial.blocks_to_swap, trial.sample_bf16_reference, trial.vae_tiling = 0, False, tiling
+        phase = sampling_phase(family, trial, width, height, text_tokens_for(family, trial, references, width, height),
+                               references)
+        return phase.peak - phase.parts["resident (base, lora, optimizer)"]
+
+    tiling = getattr(args, "vae_tiling", None)
+    return SampleExtra(None if tiling else extra(False), None if tiling is False else extra(True))
 
 
 def sampling_extras(family, args, planned: dict, sample_size: tuple[int, int] | None,
@@ -214,9 +226,13 @@ def sampling_extras(family, args, planned: dict, sample_size: tuple[int, int] | 
     return {setting: sampling_extra(family, setting_args(family, args, *setting), *sample_size, count) for setting in planned}
 
 
-def sampling_peak(plan, blocks_to_swap: int, extra: int) -> int:
-    """A sample's peak at this swap: the training state resident as the plan's (sampling_phase's own sum) + extra."""
-    return sum(plan.resident(blocks_to_swap).values()) + extra
+def sampling_peak(plan, blocks_to_swap: int, extra: SampleExtra, room: float) -> tuple[int, bool]:
+    """A sample's peak at this swap (the training state resident as the plan's, sampling_phase's own sum, + extra)
+    and whether it decodes in tiles: where the whole decode is over `room` and vae_tiling allows tiles, as
+    train_lora.py's settle_sampling turns them on."""
+    resident = sum(plan.resident(blocks_to_swap).values())
+    tiles = extra.whole is None or (extra.tiled is not None and extra.tiled < extra.whole and resident + extra.whole > room)
+    return resident + (extra.tiled if tiles else extra.whole), tiles
 
 
 def card_plans(family, args, width: int, height: int, batch: int, vram_gib: float, references: int | None = None,
@@ -229,14 +245,15 @@ def card_plans(family, args, width: int, height: int, batch: int, vram_gib: floa
 def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib: float,
                      references: int | None = None, planned: dict | None = None, extras: dict | None = None) -> list[tuple]:
     """(base precision, checkpointing, fewest blocks_to_swap that fits or None, its training peak, its samples'
-    peak or None); extras: sampling_extras, whose samples fit too (None: no samples planned); planned: card_plans'
+    (peak, in tiles) or None); extras: sampling_extras, whose samples fit too (None: no samples planned); planned: card_plans'
     answer where already planned."""
     rows = []
     planned = planned or card_plans(family, args, width, height, batch, vram_gib, references)
     for (base, ckpt), plan in planned.items():
         extra = extras[base, ckpt] if extras else None
         fit = fewest_swaps(plan, vram_gib, extra)
-        rows.append((base, ckpt, fit, plan.phase(fit or 0).peak, None if extra is None else sampling_peak(plan, fit or 0, extra)))
+        sample = None if extra is None else sampling_peak(plan, fit or 0, extra, usable(vram_gib))
+        rows.append((base, ckpt, fit, plan.phase(fit or 0).peak, sample))
     return rows
 
 
@@ -335,9 +352,14 @@ def sample_size_of(cli, run, size: tuple[int, int]) -> tuple[int, int] | None:
     return (largest.width, largest.height) if largest else None
 
 
-def fit_text(fit: int | None, peak: int, sample: int | None = None, sample_size: tuple[int, int] | None = None) -> str:
-    """A card row's verdict, as the web UI reads it (library/ui/commands.py PLAN_ROW), and its samples' peak."""
-    samples = f"; samples at {sample_size[0]}x{sample_size[1]} peak at {sample / GiB:.1f} GiB" if sample is not None else ""
+def fit_text(fit: int | None, peak: int, sample: tuple[int, bool] | None = None,
+             sample_size: tuple[int, int] | None = None) -> str:
+    """A card row's verdict, as the web UI reads it (library/ui/commands.py PLAN_ROW), and its samples' peak
+    (sampling_peak's (peak, in tiles))."""
+    samples = ""
+    if sample is not None:
+        tiles = " (decoded in tiles: vae_tiling)" if sample[1] else ""
+        samples = f"; samples at {sample_size[0]}x{sample_size[1]} peak at {sample[0] / GiB:.1f} GiB{tiles}"
     if fit is None:
         return "does not fit" + (" with its samples" if sample is not None else "")
     return f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)" + samples
@@ -389,7 +411,7 @@ def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib
                 break
             samples = extras[base, True] if extras else None
             fit = fewest_swaps(plan, vram_gib, samples)
-            sample = None if samples is None else sampling_peak(plan, fit or 0, samples)
+            sample = None if samples is None else sampling_peak(plan, fit or 0, samples, usable(vram_gib))
             rows.append(f"  {base:10s} gradient_checkpointing=true with {key} = true (+{extra / GiB:.2f} GiB, {gain}): "
                         f"{fit_text(fit, plan.phase(fit or 0).peak, sample, sample_size)}")
     if rows and any(getattr(args, key) is None for key in KEEPING_KEYS):
@@ -435,11 +457,18 @@ def report(args, family, run, size: tuple[int, int], batch: int, references: int
     print(f"\nOn a {args.vram:g} GiB card (usable {usable(args.vram) / GiB:.1f} GiB), training"
           + (f" and samples of {samples[0]}x{samples[1]}:" if samples else ":"))
     extras = sampling_extras(family, run, planned, samples, references)
-    for base, ckpt, fit, peak, sample in fitting_settings(family, run, width, height, batch, args.vram, references,
-                                                          planned, extras):
-        print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {fit_text(fit, peak, sample, samples)}")
-    for row in kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned, extras, samples):
+    rows = [fit_text(fit, peak, sample, samples) for _, _, fit, peak, sample in fitting_settings(
+        family, run, width, height, batch, args.vram, references, planned, extras)]
+    for (base, ckpt), row in zip(planned, rows):
+        print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {row}")
+    rows += kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned, extras, samples)
+    for row in rows[len(planned):]:
         print(row)
+    if run.vae_tiling is None and any(row.endswith("(decoded in tiles: vae_tiling)") for row in rows):
+        whole, tiles = (vae_pass_peak(family.vae_on_meta(), *samples, 1, decode=True, downsample=family.vae_downsample,
+                                  tiled=tiled) for tiled in (False, True))
+        print(f"  (vae_tiling unset: train_lora.py decodes the samples in tiles where decoded whole they do not fit "
+              f"the card: the decode's peak {whole / GiB:.2f} -> {tiles / GiB:.2f} GiB)")
 
 
 if __name__ == "__main__":

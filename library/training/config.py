@@ -164,6 +164,9 @@ SCHEMA: dict[str, Arg] = {
     "sample_at_first": A(bool, False, "render samples before training"),
     "sample_bf16_reference": A(bool, None, "on an fp8 / nf4 / int8 base: also render each sample on a bf16 base, side by side "
                                            "(unset: on, unless the memory plan says that copy does not fit the card)"),
+    "vae_tiling": A(bool, None, "decode samples in tiles (diffusers' tiled decode, as ComfyUI's tiled VAE decode; the "
+                                "decode's peak memory 3-8x lower at 1024 px; unset: on where the memory plan says a "
+                                "sample decoded whole does not fit the card)"),
     "logging_dir": A(str, None, "TensorBoard log folder, a timestamped subfolder per run (CSV is always written)"),
     # validation (diffusion; the held-out images are chosen in the dataset TOML)
     "validate_every_n_steps": A(int, 0, "val_loss on the held-out images every N steps; always at the end (0 = end only)"),
@@ -604,7 +607,7 @@ LLM_KEYS = ("train_data", "train_on_all_tokens", "attend_across_documents", "max
 LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "network_weights", "network_dropout",
              "dim_from_weights")
 DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
-                  "sample_prompts", "sample_bf16_reference", "timestep_sampling", "discrete_flow_shift",
+                  "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "discrete_flow_shift",
                   "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
                   "validate_every_n_steps", "persistent_data_loader_workers",

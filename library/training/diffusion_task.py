@@ -572,6 +572,7 @@ class DiffusionTask:
         if not self.prompts:
             return []
         from library.data.images import save_side_by_side
+        from library.models.vae import decoding_in_tiles
 
         bases = [(self.trained_precision(), self.base)]  # the layout loaded
         if memory_plan.renders_bf16_reference(self.args):
@@ -598,7 +599,8 @@ class DiffusionTask:
                     seeds[i], prompt.guidance,
                     {k: v.to(self.device) for k, v in negative.items()} if negative else None, control=control,
                 )
-                images.append((label, vae.decode(latents)[0]))
+                with decoding_in_tiles(vae.vae) if self.args.vae_tiling else contextlib.nullcontext():
+                    images.append((label, vae.decode(latents)[0]))
             names = ["reference"] if len(references) == 1 else [f"reference {k}" for k in range(len(references))]
             images += [(name, r[0]) for name, r in zip(names, references)]
             path = os.path.join(out_dir, sample_file_name(self.args.output_name, tag, i, stamp, seeds[i]))

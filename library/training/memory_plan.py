@@ -327,14 +327,18 @@ def no_module_dropout(network: nn.Module):
             m.module_dropout = rate
 
 
-def _vae_peak(vae, width: int, height: int, batch: int, decode: bool, downsample: int = 8) -> int:
-    """Peak bytes of one VAE encode (images -> latents) or decode (latents of a `downsample`x VAE), fp32,
-    no grad, on meta."""
+def vae_pass_peak(vae, width: int, height: int, batch: int, decode: bool, downsample: int = 8, tiled: bool = False) -> int:
+    """Peak bytes of one VAE encode (images -> latents) or decode (latents of a `downsample`x VAE; tiled:
+    in tiles, vae_tiling), fp32, no grad, on meta."""
+    from library.models.vae import decoding_in_tiles
+
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
         for t in (*vae.vae.parameters(), *vae.vae.buffers()):
             live.track(t)
         if decode:
-            vae.decode(torch.empty(batch, vae.latent_channels, height // downsample, width // downsample, device="meta"))
+            with decoding_in_tiles(vae.vae) if tiled else contextlib.nullcontext():
+                vae.decode(torch.empty(batch, vae.latent_channels, height // downsample, width // downsample,
+                                       device="meta"))
         else:
             vae.encode(torch.empty(batch, 3, height, width, device="meta"))
     return live.peak
@@ -353,10 +357,10 @@ def caching_phase(family, args, width: int, height: int, references: int = 0) ->
     vae = family.vae_on_meta()
     batch = args.vae_batch_size
     phase = Phase("caching")
-    target = phase.parts[f"vae encode (batch {batch})"] = _vae_peak(vae, width, height, batch, decode=False)
+    target = phase.parts[f"vae encode (batch {batch})"] = vae_pass_peak(vae, width, height, batch, decode=False)
     if references:
         size = tuple(family.control_bucket((width, height), (width, height)))
-        peak = target if size == (width, height) else _vae_peak(vae, *size, batch, decode=False)
+        peak = target if size == (width, height) else vae_pass_peak(vae, *size, batch, decode=False)
         phase.parts[f"vae encode of {references} reference(s) ({size[0]}x{size[1]}, batch {batch}, each)"] = peak
     precision = args.text_encoder_precision
     known = getattr(family, "text_params", None)  # presets (tools/plan_memory.py): no files
@@ -424,12 +428,13 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
         phase.parts["bf16 reference (base, lora)"] = _bf16_reference_bytes(family, args, lora)
     phase.parts["vae (weights)"] = module_bytes(vae.vae)
     phase.parts["forward (peak)"] = live.peak
-    vae_peak = _vae_peak(vae, width, height, 1, decode=True, downsample=family.vae_downsample)
-    phase.parts["vae decode (peak)"] = vae_peak
+    tiled = bool(getattr(args, "vae_tiling", False))
+    vae_peak = vae_pass_peak(vae, width, height, 1, decode=True, downsample=family.vae_downsample, tiled=tiled)
+    phase.parts["vae decode in tiles (peak)" if tiled else "vae decode (peak)"] = vae_peak
     if count:
-        phase.parts["vae encode of references (peak)"] = _vae_peak(vae, rw, rh, 1, decode=False)
+        phase.parts["vae encode of references (peak)"] = vae_pass_peak(vae, rw, rh, 1, decode=False)
         vae_peak = max(vae_peak, phase.parts["vae encode of references (peak)"])
-    # _vae_peak counts the VAE's weights; they are resident during the forward too.
+    # vae_pass_peak counts the VAE's weights; they are resident during the forward too.
     phase.peak = (phase.parts["resident (base, lora, optimizer)"] + phase.parts.get("bf16 reference (base, lora)", 0)
                   + raw + max(phase.parts["vae (weights)"] + live.peak, vae_peak))
     return phase
@@ -452,27 +457,46 @@ def usable_bytes(card_bytes: float) -> float:
 
 def settle_sampling(family, args, card_bytes: int, width: int, height: int, references: int = 0) -> str | None:
     """The samples of width x height against the card (the sampling phase: the training state stays
-    resident). With the bf16 reference copy of an fp8 base over the card, unset sample_bf16_reference
-    turns it off (args is changed) and an explicit true stays; a sample over the card even without it is
-    said too (training fitting says nothing of the VAE decode at the sample size). None: it fits."""
+    resident). Over the card, unset vae_tiling turns tiled decoding on (args is changed), then, still
+    over, unset sample_bf16_reference turns the bf16 reference copy of an fp8 base off; explicit values
+    stay. A sample over the card even so is said too (training fitting says nothing of the VAE decode
+    at the sample size). Returns the lines to print, None where the samples fit as configured."""
     tokens = text_tokens_for(family, args, references, width, height)
-    phase = sampling_phase(family, args, width, height, tokens, references)
-    copy, usable = phase.parts.get("bf16 reference (base, lora)", 0), usable_bytes(card_bytes)
+    phase, usable = sampling_phase(family, args, width, height, tokens, references), usable_bytes(card_bytes)
     if phase.peak <= usable:
         return None
+    said = []
+    if args.vae_tiling is None:
+        trial = copy.copy(args)
+        trial.vae_tiling = True
+        tiled = sampling_phase(family, trial, width, height, tokens, references)
+        if tiled.peak < phase.peak:
+            whole, tiles = phase.parts["vae decode (peak)"], tiled.parts["vae decode in tiles (peak)"]
+            args.vae_tiling, phase = True, tiled
+            said.append(f"vae_tiling turned on: samples at {width}x{height} decode in tiles (the decode's peak "
+                        f"{whole / GiB:.2f} -> {tiles / GiB:.2f} GiB; set vae_tiling = false to decode them whole)")
+    if phase.peak > usable:
+        said.append(_sampling_over(phase, args, usable, card_bytes, width, height))
+    return "\n".join(said)
+
+
+def _sampling_over(phase: Phase, args, usable: float, card_bytes: int, width: int, height: int) -> str:
+    """settle_sampling's line for a sampling phase over the card: with the bf16 reference copy in it and
+    sample_bf16_reference unset, the copy is turned off (args is changed)."""
+    reference = phase.parts.get("bf16 reference (base, lora)", 0)
     over = f"over the {usable / GiB:.2f} GiB usable of this {card_bytes / GiB:.1f} GiB card"
-    plan = (f"sampling with the bf16 reference base ({copy / GiB:.2f} GiB) is planned to peak at "
-            f"{phase.peak / GiB:.2f} GiB ({(phase.peak - copy) / GiB:.2f} without it), {over}")
+    plan = (f"sampling with the bf16 reference base ({reference / GiB:.2f} GiB) is planned to peak at "
+            f"{phase.peak / GiB:.2f} GiB ({(phase.peak - reference) / GiB:.2f} without it), {over}")
     still = (f": the first sample will likely run out of memory (raise blocks_to_swap, or sample at a smaller "
              f"--w / --h than {width}x{height})")
-    if copy and args.sample_bf16_reference:
+    if reference and args.sample_bf16_reference:
         return f"warning: sample_bf16_reference = true, but {plan}" + still.replace(" (raise", " (set it false, or raise")
-    if not copy:
+    if not reference:
         return f"warning: sampling at {width}x{height} is planned to peak at {phase.peak / GiB:.2f} GiB, {over}" + still
     args.sample_bf16_reference = False
     said = (f"warning: sample_bf16_reference turned off: {plan}; samples render on the fp8 base only (set "
             f"sample_bf16_reference = true to render it anyway)")
-    return said + ("; even so" + still if phase.peak - copy > usable else "")
+    return said + ("; even so" + still if phase.peak - reference > usable else "")
 
 
 # A KEEPING_KEYS key (config.py) left unset is turned on where the training step planned with it fits
