@@ -291,6 +291,35 @@ def test_a_compiled_checkpointed_block_is_one_region_and_trains_like_eager(make,
     assert all(b._compiled_call_impl is not None for b in model.swappable_blocks())
 
 
+def test_a_compiled_checkpointed_block_before_every_adapter_runs_without_a_graph(monkeypatch):
+    """A block holding no adapter, whose inputs need no grad (FLUX.1's double blocks with train_blocks = single,
+    Z-Image's refiners with its default targets), sent into the compiled checkpoint region failed the first step:
+    "Activation checkpoint rematerialization ... does not support RNG ops in recompute regions" (AOTAutograd's
+    inference path). It runs under no_grad now, and the step equals eager's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model, family, inputs = two_blocks(tiny_flux)
+    eager = copy.deepcopy(model)
+    nets = []
+    for m in (model, eager):
+        net = LoRANetwork(m, family, rank=4, alpha=2.0, network_args={"train_blocks": "single"})
+        for lora in net.lora_modules():
+            torch.nn.init.normal_(lora.lora_up.weight, std=0.1)
+        net.apply()
+        m.gradient_checkpointing = True
+        nets.append(net)
+    nets[1].load_state_dict(nets[0].state_dict())
+    assert not any(n.startswith("double") for n, _ in nets[0].named_parameters())
+    for block in model.swappable_blocks():
+        compile_block(block, backend="aot_eager")
+    loss, grads = step(eager, nets[1], inputs)
+    compiled_loss, compiled_grads = step(model, nets[0], inputs)
+    torch.testing.assert_close(compiled_loss, loss, rtol=1e-6, atol=1e-7)
+    for k, g in grads.items():
+        torch.testing.assert_close(compiled_grads[k], g, rtol=1e-5, atol=1e-7)
+
+
 def test_compiled_checkpointed_blocks_share_their_compiled_code():
     """Every block's checkpointed region runs one code object (torch.utils.checkpoint's), so dynamo's
     recompile_limit counts all blocks' variants together. A region compiles once per kind of block and

@@ -672,13 +672,28 @@ def saves_only_weights(layer: nn.Module) -> bool:
     return known and not any(p.requires_grad for p in layer.parameters())
 
 
+def _builds_graph(block: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether a training call of the block records anything backward needs: an input that requires grad,
+    a parameter of it that does, or a layer an adapter routes (its forward set on the instance: a LoRA's
+    weights are the adapter's, not the block's). A block before the first adapted one has none (Z-Image's
+    refiners with its default targets, FLUX.1's double blocks with train_blocks = single); its compiled
+    checkpoint region then ran AOTAutograd's inference path, which refuses the attention's RNG tag."""
+    if any(t.requires_grad for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+        return True
+    return (any(p.requires_grad for p in block.parameters())
+            or any("forward" in vars(m) for m in block.modules() if m is not block))
+
+
 def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: int = 0, **kwargs):
     """Call a block, through non-reentrant activation checkpointing when training with it on.
     swap: the model's BlockSwap (library/models/block_swap.py) or None; `index` is the block's
     position in run order, so the swap can bring its weights in before and release them after."""
     if swap is not None:
         swap.before_forward(index)
-    if use_checkpoint and torch.is_grad_enabled():
+    if use_checkpoint and torch.is_grad_enabled() and not _builds_graph(block, args, kwargs):
+        with torch.no_grad():  # nothing in or before it trains: no graph, so nothing to checkpoint
+            out = block(*args, **kwargs)
+    elif use_checkpoint and torch.is_grad_enabled():
         keep = use_checkpoint if isinstance(use_checkpoint, Checkpointing) else Checkpointing()
         if hasattr(block, "_compiled_checkpoints"):  # compile_block's
             out = block._compiled_checkpoints[keep](*args, **kwargs)
