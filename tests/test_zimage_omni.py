@@ -101,6 +101,26 @@ def rounded_rope_tables(positions, axes_dims, theta):
     return torch.cat(cos, -1), torch.cat(sin, -1)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[1]], ids=["no_reference", "one_reference"])
+def test_block_swap_gives_the_same_output_with_and_without_siglip_rows(pair, case):
+    """Text to image (no references, no SigLIP rows): the main layers ran under swap indices that left the
+    SigLIP refiner out, so a swapped layer kept its empty placeholder weights ("mat2 must be a matrix",
+    in training and in sampling). Swap indices are swappable_blocks' positions now, whatever runs."""
+    import copy
+
+    from library.models.block_swap import enable_block_swap
+
+    x = omni_inputs(*case)
+    expected = ours_omni(pair[1], *x)
+    model = copy.deepcopy(pair[1]).requires_grad_(False)
+    blocks = len(model.swappable_blocks())
+    for swap in (1, blocks - 1):
+        enable_block_swap(model, swap, "cpu")
+        assert torch.equal(ours_omni(model, *x), expected), swap
+        assert not model.block_swap.resident and not model.block_swap.pending
+    model.block_swap.restore()
+
+
 def test_references_condition_the_target(pair):
     """The references reach the target: other reference latents or other SigLIP features change it."""
     target, refs, caps, sig, sigmas = omni_inputs(*CASES[1])

@@ -162,6 +162,13 @@ class BlockSwap:
         for j in range(i + 1, i + 1 + self.prefetch):
             self._start_load(j)
 
+    def skip(self, i: int):
+        """Block i does not run in this forward (a stream without tokens): a prefetch of it is released and
+        the blocks after it start on their way, as after it ran."""
+        self._release(i)
+        for j in range(i + 1, i + 1 + self.prefetch):
+            self._start_load(j)
+
     def after_forward(self, i: int, out):
         """Called with block i's outputs; returns them (wrapped for backward when they need it)."""
         if not self.swapped(i):

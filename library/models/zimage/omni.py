@@ -200,6 +200,9 @@ class ZImageOmni(ZImage):
             for i, block in enumerate(self.siglip_refiner):
                 sig = run_block(block, ckpt, sig, s_cos, s_sin, s_mask, swap=swap, index=n_ref + n_refine + i)
             streams.append((sig, s_cos, s_sin, s_noisy, s_len))
+        elif swap is not None:  # text to image: the SigLIP refiner does not run, its swapped weights are not wanted
+            for i in range(len(self.siglip_refiner)):
+                swap.skip(n_ref + n_refine + i)
 
         # Each row: its own tokens of every stream, in order; rows padded at the end (masked).
         rows = range(x.shape[0])
@@ -211,7 +214,7 @@ class ZImageOmni(ZImage):
         if any(n != max(lengths) for n in lengths):
             mask = torch.arange(u.shape[1], device=u.device)[None] < torch.tensor(lengths, device=u.device)[:, None]
         times = TokenTimes(t_noisy, t_clean, noisy)
-        first = n_ref + n_refine + (len(self.siglip_refiner) if sig_rows else 0)
+        first = n_ref + n_refine + len(self.siglip_refiner)  # swap indices: swappable_blocks' positions, always
         for i, block in enumerate(self.layers):
             u = run_block(block, ckpt, u, cos, sin, mask, times, swap=swap, index=first + i)
 
