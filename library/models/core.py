@@ -675,8 +675,8 @@ def saves_only_weights(layer: nn.Module) -> bool:
 def _builds_graph(block: nn.Module, args: tuple, kwargs: dict) -> bool:
     """Whether a training call of the block records anything backward needs: an input that requires grad,
     a parameter of it that does, or a layer an adapter routes (its forward set on the instance: a LoRA's
-    weights are the adapter's, not the block's). A block before the first adapted one has none (Z-Image's
-    refiners with its default targets, FLUX.1's double blocks with train_blocks = single); its compiled
+    weights are the adapter's, not the block's). A block before the first adapted one has none (a model's
+    refiner blocks outside its default targets, the double blocks under train_blocks = single); its compiled
     checkpoint region then ran AOTAutograd's inference path, which refuses the attention's RNG tag."""
     if any(t.requires_grad for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
         return True
