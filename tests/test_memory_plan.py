@@ -409,6 +409,17 @@ def test_an_unset_vae_tiling_decodes_samples_in_tiles_where_the_whole_decode_is_
     args.vae_tiling = False
     assert settle_sampling(family, args, card, 128, 128).startswith("warning: sampling at 128x128 is planned to peak")
     assert args.vae_tiling is False
+    # an fp8 base: the bf16 reference copy goes first; where the whole decode then fits, no tiles (they were
+    # turned on while the copy was still counted, and the copy dropped after: tiles the plan had not asked for)
+    args.vae_tiling, args.fp8_base = None, True
+    with_copy = sampling_phase(family, args, 128, 128, 8, 0)
+    args.sample_bf16_reference = False
+    without = sampling_phase(family, args, 128, 128, 8, 0)
+    args.sample_bf16_reference = None
+    assert with_copy.peak > without.peak
+    said = settle_sampling(family, args, CUDA_CONTEXT_BYTES + (without.peak + 1) / 0.95, 128, 128)
+    assert said.startswith("warning: sample_bf16_reference turned off") and "\n" not in said
+    assert args.sample_bf16_reference is False and args.vae_tiling is None
     # the planner: 12 blocks of 1 GiB, a sample's extra 3 GiB whole, 1 GiB in tiles, 12 GiB usable
     synthetic = TrainingPlan(base=14 * GiB, block_bytes=[GiB] * 12, lora=0, lora_grads=0, optimizer=0,
                              activations=GiB, inputs=0)

@@ -457,46 +457,47 @@ def usable_bytes(card_bytes: float) -> float:
 
 def settle_sampling(family, args, card_bytes: int, width: int, height: int, references: int = 0) -> str | None:
     """The samples of width x height against the card (the sampling phase: the training state stays
-    resident). Over the card, unset vae_tiling turns tiled decoding on (args is changed), then, still
-    over, unset sample_bf16_reference turns the bf16 reference copy of an fp8 base off; explicit values
+    resident). Over the card, unset sample_bf16_reference turns the bf16 reference copy of an fp8 base
+    off, then, still over, unset vae_tiling turns tiled decoding on (args is changed; the order
+    plan_memory plans samples in: without the copy, decoded whole where that fits); explicit values
     stay. A sample over the card even so is said too (training fitting says nothing of the VAE decode
     at the sample size). Returns the lines to print, None where the samples fit as configured."""
     tokens = text_tokens_for(family, args, references, width, height)
-    phase, usable = sampling_phase(family, args, width, height, tokens, references), usable_bytes(card_bytes)
+
+    def planned(**changes) -> Phase:
+        trial = copy.copy(args)
+        vars(trial).update(changes)
+        return sampling_phase(family, trial, width, height, tokens, references)
+
+    phase, usable = planned(), usable_bytes(card_bytes)
     if phase.peak <= usable:
         return None
+    over = f"over the {usable / GiB:.2f} GiB usable of this {card_bytes / GiB:.1f} GiB card"
+    reference = phase.parts.get("bf16 reference (base, lora)", 0)
+    plan = (f"sampling with the bf16 reference base ({reference / GiB:.2f} GiB) is planned to peak at "
+            f"{phase.peak / GiB:.2f} GiB ({(phase.peak - reference) / GiB:.2f} without it), {over}")
     said = []
-    if args.vae_tiling is None:
-        trial = copy.copy(args)
-        trial.vae_tiling = True
-        tiled = sampling_phase(family, trial, width, height, tokens, references)
+    if reference and args.sample_bf16_reference is None:
+        args.sample_bf16_reference, phase = False, planned(sample_bf16_reference=False)
+        said.append(f"warning: sample_bf16_reference turned off: {plan}; samples render on the fp8 base only (set "
+                    f"sample_bf16_reference = true to render it anyway)")
+    if phase.peak > usable and args.vae_tiling is None:
+        tiled = planned(vae_tiling=True)
         if tiled.peak < phase.peak:
             whole, tiles = phase.parts["vae decode (peak)"], tiled.parts["vae decode in tiles (peak)"]
             args.vae_tiling, phase = True, tiled
             said.append(f"vae_tiling turned on: samples at {width}x{height} decode in tiles (the decode's peak "
                         f"{whole / GiB:.2f} -> {tiles / GiB:.2f} GiB; set vae_tiling = false to decode them whole)")
     if phase.peak > usable:
-        said.append(_sampling_over(phase, args, usable, card_bytes, width, height))
+        still = (f": the first sample will likely run out of memory (raise blocks_to_swap, or sample at a smaller "
+                 f"--w / --h than {width}x{height})")
+        if said and said[0].startswith("warning: sample_bf16_reference turned off"):
+            said[0] += "; even so" + still
+        elif reference:  # set true
+            said.append(f"warning: sample_bf16_reference = true, but {plan}" + still.replace(" (raise", " (set it false, or raise"))
+        else:
+            said.append(f"warning: sampling at {width}x{height} is planned to peak at {phase.peak / GiB:.2f} GiB, {over}" + still)
     return "\n".join(said)
-
-
-def _sampling_over(phase: Phase, args, usable: float, card_bytes: int, width: int, height: int) -> str:
-    """settle_sampling's line for a sampling phase over the card: with the bf16 reference copy in it and
-    sample_bf16_reference unset, the copy is turned off (args is changed)."""
-    reference = phase.parts.get("bf16 reference (base, lora)", 0)
-    over = f"over the {usable / GiB:.2f} GiB usable of this {card_bytes / GiB:.1f} GiB card"
-    plan = (f"sampling with the bf16 reference base ({reference / GiB:.2f} GiB) is planned to peak at "
-            f"{phase.peak / GiB:.2f} GiB ({(phase.peak - reference) / GiB:.2f} without it), {over}")
-    still = (f": the first sample will likely run out of memory (raise blocks_to_swap, or sample at a smaller "
-             f"--w / --h than {width}x{height})")
-    if reference and args.sample_bf16_reference:
-        return f"warning: sample_bf16_reference = true, but {plan}" + still.replace(" (raise", " (set it false, or raise")
-    if not reference:
-        return f"warning: sampling at {width}x{height} is planned to peak at {phase.peak / GiB:.2f} GiB, {over}" + still
-    args.sample_bf16_reference = False
-    said = (f"warning: sample_bf16_reference turned off: {plan}; samples render on the fp8 base only (set "
-            f"sample_bf16_reference = true to render it anyway)")
-    return said + ("; even so" + still if phase.peak - reference > usable else "")
 
 
 # A KEEPING_KEYS key (config.py) left unset is turned on where the training step planned with it fits

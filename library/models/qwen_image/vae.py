@@ -23,7 +23,7 @@ QWEN_IMAGE_VAE_CONFIG: dict = {}
 class QwenImageVAE:
     """Qwen-Image VAE (diffusers AutoencoderKLQwenImage). encode: images [B,3,H,W] in [-1,1] ->
     float32 latents [B,16,H/8,W/8] = (z - mean) / std per channel; decode: the inverse, images
-    float32 in [-1,1] (the diffusers decoder clamps)."""
+    float32 in [-1,1] (clamped here too: diffusers' tiled decode does not clamp, its whole one does)."""
 
     diffusers_class = AutoencoderKLQwenImage
     default_config = QWEN_IMAGE_VAE_CONFIG
@@ -51,7 +51,7 @@ class QwenImageVAE:
             latents = latents[:, :, 0]
         z = latents.float() * self.latents_std.to(latents.device) + self.latents_mean.to(latents.device)
         images = self.vae.decode(z.to(self.dtype)[:, :, None]).sample  # [B, 3, 1, H, W]
-        return images[:, :, 0].float()
+        return images[:, :, 0].float().clamp(-1, 1)  # (diffusers' tiled decode does not clamp: vae_tiling)
 
 
 def load_qwen_image_vae(path: str, dtype: torch.dtype = torch.float32, config: dict | None = None) -> QwenImageVAE:
