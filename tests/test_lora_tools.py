@@ -279,6 +279,9 @@ def test_extract_from_an_fp8_base_and_a_float_fine_tune_counts_no_scale_as_anoth
     done = extract_lora.extract_lora(scaled(base, "a.safetensors"), scaled(load_file(str(merged)), "b.safetensors"),
                                      str(tmp_path / "scaled.safetensors"), rank=4, log=lambda line: None)
     assert done["modules"] and done["other_changed"] == 0
+    done = extract_lora.extract_lora(str(tmp_path / "a.safetensors"), str(merged), str(tmp_path / "mixed.safetensors"),
+                                     rank=4, log=lambda line: None)  # scaled base, float fine-tune: no cast equals codes
+    assert done["modules"] and done["other_changed"] == 0
 
 
 def test_extract_with_randomized_svd_recovers_a_merged_lora_exactly(tiny_set, tmp_path):

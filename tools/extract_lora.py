@@ -200,14 +200,19 @@ WEIGHT_COMPANIONS = ("scale_weight", "weight_scale", "weight_scale_2", "scale_in
 def _other_changed(base: Base, other: Base, done: set[str]) -> int:
     """How many tensors outside the LoRA targets differ between the checkpoints (one at a time). Where their
     dtypes differ (an fp8 base's e4m3 bias beside a bf16 fine-tune's), the other is cast to the base's first:
-    a mixed pair is no error (it raised after every module's SVD)."""
-    done = done | {key[: -len("weight")] + suffix for key in done if key.endswith("weight") for suffix in WEIGHT_COMPANIONS}
+    a mixed pair is no error (it raised after every module's SVD). A scaled fp8 weight beside a float one is
+    not compared: its codes are of weight / scale, which no cast of the float weight gives."""
+    companions = lambda key: {key[: -len("weight")] + s for s in WEIGHT_COMPANIONS} if key.endswith("weight") else set()  # noqa: E731
+    done = done.union(*(companions(key) for key in done))
     changed = 0
     for key in base.reader.keys():
         if key in done or key not in other.reader or other.reader.shape(key) != base.reader.shape(key):
             continue
         a, b = base.reader.get(key), other.reader.get(key)
-        changed += not torch.equal(a.float(), b.to(a.dtype).float()) if a.dtype != b.dtype else not torch.equal(a, b)
+        if a.dtype == b.dtype:
+            changed += not torch.equal(a, b)
+        elif not any(c in base.reader for c in companions(key)):
+            changed += not torch.equal(a.float(), b.to(a.dtype).float())
     return changed
 
 

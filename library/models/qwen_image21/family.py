@@ -35,7 +35,7 @@ def reference_size(width: int, height: int, resolution: int = REFERENCE_RESOLUTI
     h = w / ratio
     w, h = round(w / REFERENCE_MULTIPLE) * REFERENCE_MULTIPLE, round(h / REFERENCE_MULTIPLE) * REFERENCE_MULTIPLE
     return max(w, REFERENCE_MULTIPLE), max(h, REFERENCE_MULTIPLE)
-SAMPLE_GUIDANCE = SPEC.sample_guidance["qwen-image-2.1"]  # true_cfg_scale: the pipeline's 1.0 runs no CFG (--g above 1 with --n does)
+SAMPLE_GUIDANCE = SPEC.sample_guidance["qwen-image-2.1"]  # true_cfg_scale: the pipeline's 1.0 runs no CFG (--g above 1 does, against --n or the empty prompt)
 
 
 def to_tokens(latents: torch.Tensor) -> torch.Tensor:
