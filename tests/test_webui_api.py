@@ -190,8 +190,8 @@ def test_the_planner_plans_the_configs_own_size_and_batch_unless_asked_another(c
     fields are empty until the user fills them, as plan_memory.py's --resolution / --batch_size."""
     parameters = {p["label"]: p for p in client.view_api(print_info=False, return_format="dict")["named_endpoints"]
                   ["/plan"]["parameters"]}
-    assert parameters["resolution (px; empty: the config's)"]["parameter_default"] is None
-    assert parameters["batch size (empty: the config's)"]["parameter_default"] is None
+    assert parameters["resolution (px; empty: the config's)"]["parameter_default"] == ""
+    assert parameters["batch size (empty: the config's)"]["parameter_default"] == ""
 
 
 def test_dataset_view_lists_captions_buckets_and_problems(client, tiny_set, server):

@@ -279,9 +279,10 @@ def planner_tab(ui: WebUI, form: dict) -> None:
         preset = gr.Dropdown(presets(), value=presets()[0], label="released model (preset)")
         vram = gr.Number(24, label="card memory (GiB)", elem_id="plan-vram")
         # empty: the config's own (its largest bucket and batch; a preset's 1024 and 1), as plan_memory.py does:
-        # 1024 and 1 here planned the job form's config at another size than it trains
-        resolution = gr.Number(None, label="resolution (px; empty: the config's)", precision=0)
-        batch = gr.Number(None, label="batch size (empty: the config's)", precision=0)
+        # 1024 and 1 here planned the job form's config at another size than it trains. Text boxes: an empty
+        # gr.Number reaches the handler as 0 from the browser.
+        resolution = gr.Textbox("", label="resolution (px; empty: the config's)", placeholder="the config's")
+        batch = gr.Textbox("", label="batch size (empty: the config's)", placeholder="the config's")
     run = gr.Button("Plan", variant="primary", elem_id="plan-run")
     suggestion = gr.Markdown(elem_id="plan-suggestion")
     report = gr.Textbox(label="plan", lines=14, elem_id="plan-report")

@@ -343,8 +343,9 @@ class WebUI:
         except (TypeError, ValueError):
             return self._plan_refused(f"card memory (GiB): give a number > 0, got {vram!r}")
         try:
-            resolution = whole_number(resolution, "resolution (px)", 64) if resolution not in (None, "") else None
-            batch_size = whole_number(batch_size, "batch size") if batch_size not in (None, "") else None
+            given = lambda value: value is not None and str(value).strip() != ""  # noqa: E731
+            resolution = whole_number(resolution, "resolution (px)", 64) if given(resolution) else None
+            batch_size = whole_number(batch_size, "batch size") if given(batch_size) else None
             settings = self.settings(text, form) if source != "preset" else None
         except (JobError, ValueError) as e:
             return self._plan_refused(str(e))
