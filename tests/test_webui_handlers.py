@@ -143,13 +143,14 @@ def test_retrying_a_job_whose_folder_was_removed_or_replaced(ui):
     assert ui.store.get(other.id).state == "failed"  # left as it was
 
 
-def test_a_file_where_a_new_jobs_folder_goes_is_one_line_and_no_job(ui, monkeypatch):
-    """Old: a NameError ('job' used before it was assigned) out of the Create button, the row kept."""
+def test_a_file_where_a_new_jobs_folder_goes_is_passed_over(ui, monkeypatch):
+    """Old: a NameError ('job' used before it was assigned) out of the Create button, the row kept; then one error
+    line, and every Create failed until the file went. The id is passed over now, the file left alone."""
     open(ui.store.job_folder(1), "w").close()
     monkeypatch.setattr(ui, "check", lambda text, form: {"ok": True, "settings": {}, "max_steps": 1})
-    assert ui.create("a", "", {}, queue=True) == {"ok": False, "key": None, "error": (
-        f"job 1: its output folder {ui.store.job_folder(1)!r} is not a folder; remove what is there")}
-    assert ui.store.list() == []
+    answer = ui.create("a", "", {}, queue=True)
+    assert answer["ok"] and [job.id for job in ui.store.list()] == [2]
+    assert os.path.isfile(ui.store.job_folder(1)) and os.path.isdir(ui.store.job_folder(2))
 
 
 def test_the_planner_and_the_lora_tools_answer_bad_fields_in_one_line(ui, tmp_path):

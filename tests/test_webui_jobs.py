@@ -74,7 +74,8 @@ def test_a_new_job_never_gets_a_folder_holding_another_runs_files(tmp_path):
     store = JobStore(str(tmp_path / "jobs"))
     new = store.create("new", {"output_name": "lora"}, 4)
     assert old.id == 1 and new.id == 2 and os.listdir(new.output_dir) == []
-    assert [store.create(n, {}, 1).id for n in "ab"] == [3, 4]
+    (tmp_path / "jobs" / "job-0004").write_text("a file where a folder goes")  # skipped too
+    assert [store.create(n, {}, 1).id for n in "ab"] == [3, 5]
 
 
 def test_delete_removes_only_the_jobs_own_folder(tmp_path):

@@ -178,12 +178,12 @@ class JobStore:
         return self.get(job_id)
 
     def _free_id(self, db) -> int:
-        """The next id whose job-NNNN folder holds nothing: ids restart at 1 with a new jobs.sqlite beside the
+        """The next id whose job-NNNN folder holds nothing (or is not there): ids restart at 1 with a new jobs.sqlite beside the
         old folders, and a job given one of those showed the other run's curve, step and samples, and resumed
         from its state."""
         row = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'jobs'").fetchone()
         job_id = (row[0] if row else 0) + 1
-        while os.path.isdir(folder := self.job_folder(job_id)) and os.listdir(folder):
+        while os.path.exists(folder := self.job_folder(job_id)) and (not os.path.isdir(folder) or os.listdir(folder)):
             job_id += 1
         return job_id
 
