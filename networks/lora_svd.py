@@ -143,3 +143,10 @@ def factors(spectrum: Spectrum, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(down [rank, in] = Vh_k, up [out, rank] = U_k diag(S_k)): sd-scripts' split, which keeps
     the rows of down orthonormal and puts the singular values into up."""
     return spectrum.Vh[:rank].contiguous(), (spectrum.U[:, :rank] * spectrum.S[:rank]).contiguous()
+
+
+def written_error(delta: torch.Tensor, up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype) -> float:
+    """||up @ down - delta|| / ||delta|| with the factors as a file stores them in `dtype` (float32 products):
+    the error the written LoRA has, rounding included (a bf16 file's factors are new bf16 numbers)."""
+    written = up.to(dtype).float() @ down.to(dtype).float()
+    return float((written - delta.float()).norm() / delta.float().norm().clamp_min(1e-30))

@@ -451,9 +451,10 @@ def test_train_lora_renders_no_bf16_reference_that_does_not_fit_and_says_so(tiny
     tiled, tiles = [], vae.decoding_in_tiles
 
     @contextlib.contextmanager
-    def recorded(module, tile_pixels=None):
-        tiled.append(module)
-        with tiles(module, tile_pixels):
+    def recorded(module, on=True, tile_pixels=None):
+        if on:
+            tiled.append(module)
+        with tiles(module, on, tile_pixels):
             yield
 
     monkeypatch.setattr(vae, "decoding_in_tiles", recorded)

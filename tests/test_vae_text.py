@@ -153,9 +153,9 @@ def test_decoding_in_tiles_is_diffusers_tiled_decode_at_our_tile_size_and_only_i
     wrapper = FluxVAE(vae)
     latents = wrapper.encode(_images(1, 64))
     whole = wrapper.decode(latents)
-    with decoding_in_tiles(vae, 64):
+    with decoding_in_tiles(vae, tile_pixels=64):
         assert torch.equal(wrapper.decode(latents), whole)  # 64 px is not over a 64 px tile
-    with decoding_in_tiles(vae, 32):
+    with decoding_in_tiles(vae, tile_pixels=32):
         tiled = wrapper.decode(latents)
     assert (vae.use_tiling, vae.tile_sample_min_size, vae.tile_latent_min_size) == (False, 1024, 128)
     vae.tile_sample_min_size, vae.tile_latent_min_size = 32, 4

@@ -69,9 +69,10 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
+from library.precision.fp8_checkpoints import SCALE_SUFFIXES  # noqa: E402
 from networks.lora import lora_targets  # noqa: E402
 from networks.lora_files import FOLDED_MARK, LoRAWeights, build_metadata, dim_and_alpha, write_kohya, write_peft  # noqa: E402
-from networks.lora_svd import factors, rank_for_energy, svd_lowrank_of_matrix, svd_of_matrix  # noqa: E402
+from networks.lora_svd import factors, rank_for_energy, svd_lowrank_of_matrix, svd_of_matrix, written_error  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import check_output_path, one_line, save_dtype  # noqa: E402
 from tools.merge_base import Base, open_base  # noqa: E402
@@ -122,9 +123,7 @@ def extract_module(delta: torch.Tensor, rank: int | None, energy: float | None, 
     k = rank_for_energy(spectrum, energy, rank) if energy is not None else min(rank, len(spectrum.S))
     down, up = factors(spectrum, k)
     w = LoRAWeights(down.to(dtype), up.to(dtype), float(k))
-    written = w.up.float() @ w.down.float()  # what the file holds, in float32 (scale 1)
-    error = float((delta - written).norm() / delta.norm())
-    return w, {"rank": k, "fro_retained": spectrum.fro_retained(k), "rel_error": error}
+    return w, {"rank": k, "fro_retained": spectrum.fro_retained(k), "rel_error": written_error(delta, up, down, dtype)}
 
 
 def open_pair(model: str, tuned: str) -> tuple[Base, Base]:
@@ -192,9 +191,9 @@ def _extract_target(target: Target, delta: torch.Tensor, w_base: torch.Tensor, w
             "delta_rel_to_weight": float(delta.norm() / w_base.norm().clamp_min(1e-30))}  # fmt: skip
 
 
-# What a quantized checkpoint keeps beside a target's weight (fp8 / comfy_quant scales and markers): it
-# changes with the weight, and is no "other tensor" of the summary.
-WEIGHT_COMPANIONS = ("scale_weight", "weight_scale", "weight_scale_2", "scale_input", "input_scale", "comfy_quant")
+# What a quantized checkpoint keeps beside a target's weight (fp8 / comfy_quant scales and markers, nvfp4's
+# second scale): it changes with the weight, and is no "other tensor" of the summary.
+WEIGHT_COMPANIONS = (*SCALE_SUFFIXES, ".weight_scale_2")
 
 
 def _other_changed(base: Base, other: Base, done: set[str]) -> int:
@@ -202,7 +201,7 @@ def _other_changed(base: Base, other: Base, done: set[str]) -> int:
     dtypes differ (an fp8 base's e4m3 bias beside a bf16 fine-tune's), the other is cast to the base's first:
     a mixed pair is no error (it raised after every module's SVD). A scaled fp8 weight beside a float one is
     not compared: its codes are of weight / scale, which no cast of the float weight gives."""
-    companions = lambda key: {key[: -len("weight")] + s for s in WEIGHT_COMPANIONS} if key.endswith("weight") else set()  # noqa: E731
+    companions = lambda key: {key[: -len(".weight")] + s for s in WEIGHT_COMPANIONS} if key.endswith(".weight") else set()  # noqa: E731
     done = done.union(*(companions(key) for key in done))
     changed = 0
     for key in base.reader.keys():

@@ -20,7 +20,6 @@ before any model is loaded).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import sys
@@ -214,8 +213,11 @@ def generate(args) -> list[str]:
         control = [vae.encode(r.to(device)) for r in references] or None  # float32 [1, 16, h, w] each
         latents = family.sample_latents(model, to_device(text), prompt.width, prompt.height, prompt.steps, seed,
                                         prompt.guidance, to_device(negative), control=control)
-        with decoding_in_tiles(vae.vae) if args.vae_tiling else contextlib.nullcontext():
+        with decoding_in_tiles(vae.vae, args.vae_tiling):
             image = to_pil(vae.decode(latents)[0])
+            # A layered family's latents are frames [B, C, F, h, w]: besides the preview strip, each frame
+            # (the composite, then every layer) as the RGBA PNG its VAE decodes.
+            frames = vae.decode_rgba(latents) if latents.dim() == 5 else []
         path = os.path.join(args.out, f"{first + i:03d}_{seed}.png")
         info = {
             "prompt": prompt.prompt, "negative": prompt.negative, "size": f"{prompt.width}x{prompt.height}",
@@ -225,10 +227,6 @@ def generate(args) -> list[str]:
             "control_images": ",".join(os.path.basename(p) for p in prompt.control_images),
         }
         save_png(image, path, info)
-        # A layered family's latents are frames [B, C, F, h, w]: besides the preview strip, each frame
-        # (the composite, then every layer) as the RGBA PNG its VAE decodes.
-        with decoding_in_tiles(vae.vae) if args.vae_tiling else contextlib.nullcontext():
-            frames = vae.decode_rgba(latents) if latents.dim() == 5 else []
         for k, frame in enumerate(frames):
             save_png(to_pil(frame[0]), os.path.join(args.out, f"{first + i:03d}_{seed}_layer{k}.png"), info)
         written.append(path)

@@ -352,13 +352,16 @@ def sample_size_of(cli, run, size: tuple[int, int]) -> tuple[int, int] | None:
     return (largest.width, largest.height) if largest else None
 
 
+TILES_SAID = " (decoded in tiles: vae_tiling)"  # a card row whose samples decode in tiles ends so
+
+
 def fit_text(fit: int | None, peak: int, sample: tuple[int, bool] | None = None,
              sample_size: tuple[int, int] | None = None) -> str:
     """A card row's verdict, as the web UI reads it (library/ui/commands.py PLAN_ROW), and its samples' peak
     (sampling_peak's (peak, in tiles))."""
     samples = ""
     if sample is not None:
-        tiles = " (decoded in tiles: vae_tiling)" if sample[1] else ""
+        tiles = TILES_SAID if sample[1] else ""
         samples = f"; samples at {sample_size[0]}x{sample_size[1]} peak at {sample[0] / GiB:.1f} GiB{tiles}"
     if fit is None:
         return "does not fit" + (" with its samples" if sample is not None else "")
@@ -457,16 +460,15 @@ def report(args, family, run, size: tuple[int, int], batch: int, references: int
     print(f"\nOn a {args.vram:g} GiB card (usable {usable(args.vram) / GiB:.1f} GiB), training"
           + (f" and samples of {samples[0]}x{samples[1]}:" if samples else ":"))
     extras = sampling_extras(family, run, planned, samples, references)
-    rows = [fit_text(fit, peak, sample, samples) for _, _, fit, peak, sample in fitting_settings(
-        family, run, width, height, batch, args.vram, references, planned, extras)]
-    for (base, ckpt), row in zip(planned, rows):
-        print(f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {row}")
+    rows = [f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {fit_text(fit, peak, sample, samples)}"
+            for base, ckpt, fit, peak, sample in fitting_settings(family, run, width, height, batch, args.vram,
+                                                                  references, planned, extras)]
     rows += kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned, extras, samples)
-    for row in rows[len(planned):]:
-        print(row)
-    if run.vae_tiling is None and any(row.endswith("(decoded in tiles: vae_tiling)") for row in rows):
-        whole, tiles = (vae_pass_peak(family.vae_on_meta(), *samples, 1, decode=True, downsample=family.vae_downsample,
-                                  tiled=tiled) for tiled in (False, True))
+    print("\n".join(rows))
+    if run.vae_tiling is None and any(row.endswith(TILES_SAID) for row in rows):
+        vae = family.vae_on_meta()
+        whole, tiles = (vae_pass_peak(vae, *samples, 1, decode=True, downsample=family.vae_downsample, tiled=tiled)
+                        for tiled in (False, True))
         print(f"  (vae_tiling unset: train_lora.py decodes the samples in tiles where decoded whole they do not fit "
               f"the card: the decode's peak {whole / GiB:.2f} -> {tiles / GiB:.2f} GiB)")
 

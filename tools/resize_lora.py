@@ -68,7 +68,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from networks.lora_files import LoRAWeights  # noqa: E402
-from networks.lora_svd import DYNAMIC_METHODS, choose_rank, factors, svd_of_product  # noqa: E402
+from networks.lora_svd import DYNAMIC_METHODS, choose_rank, factors, svd_of_product, written_error  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import (  # noqa: E402
     check_output_path,
@@ -93,15 +93,9 @@ def resize_weights(weights: dict[str, LoRAWeights], new_rank: int, method: str |
         out[name] = LoRAWeights(down, up, w.scale * k, w.magnitude)
         rows.append({"module": name, "old_rank": w.rank, "new_rank": k, "alpha": w.scale * k,
                      "fro_retained": spectrum.fro_retained(k), "sum_retained": spectrum.sum_retained(k),
-                     "rel_error": spectrum.rel_error(k) if dtype == torch.float32 else _written_error(w, up, down, dtype)})
+                     "rel_error": spectrum.rel_error(k) if dtype == torch.float32
+                     else written_error(w.up.float() @ w.down.float(), up, down, dtype)})
     return out, rows
-
-
-def _written_error(w: LoRAWeights, up: torch.Tensor, down: torch.Tensor, dtype: torch.dtype) -> float:
-    """||D' - D|| / ||D|| of the resized factors as `dtype` stores them (float32 products)."""
-    old = w.up.float() @ w.down.float()
-    new = up.to(dtype).float() @ down.to(dtype).float()
-    return float((new - old).norm() / old.norm().clamp_min(1e-30))
 
 
 def check_args(new_rank: int, method: str | None, param: float | None) -> None:

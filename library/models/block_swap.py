@@ -159,13 +159,15 @@ class BlockSwap:
     def before_forward(self, i: int):
         """Called for every block index before the block runs: block i resident, i+1 .. i+p on their way."""
         self._wait(i)
-        for j in range(i + 1, i + 1 + self.prefetch):
-            self._start_load(j)
+        self._prefetch_after(i)
 
     def skip(self, i: int):
         """Block i does not run in this forward (a stream without tokens): a prefetch of it is released and
         the blocks after it start on their way, as after it ran."""
         self._release(i)
+        self._prefetch_after(i)
+
+    def _prefetch_after(self, i: int):
         for j in range(i + 1, i + 1 + self.prefetch):
             self._start_load(j)
 

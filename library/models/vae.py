@@ -54,13 +54,16 @@ TILE_PIXELS = 512
 
 
 @contextmanager
-def decoding_in_tiles(vae: torch.nn.Module, tile_pixels: int | None = None):
-    """diffusers' tiled decode for the VAE calls inside the block, to enter around a decode only
-    (diffusers tiles encodes too): tiles decoded one at a time and blended over their overlap, as
-    ComfyUI's tiled VAE decode and ai-toolkit's low_vram do. The decode's peak memory falls to about
-    a tile's (a 1024 px float32 decode of the released VAEs: 3.3 -> 1.1 GiB for the AutoencoderKL-style
-    ones, 7.2 -> 0.9 for the video-style one);
-    the image differs from the whole decode near the seams."""
+def decoding_in_tiles(vae: torch.nn.Module, on: bool = True, tile_pixels: int | None = None):
+    """diffusers' tiled decode for the VAE calls inside the block (on: false, the block changes nothing),
+    to enter around a decode only (diffusers tiles encodes too): tiles decoded one at a time and blended
+    over their overlap, as ComfyUI's tiled VAE decode and ai-toolkit's low_vram do. The decode's peak
+    memory falls to about a tile's (a 1024 px float32 decode of the released VAEs: 3.3 -> 1.1 GiB for the
+    AutoencoderKL-style ones, 7.2 -> 0.9 for the video-style one); the image differs from the whole
+    decode near the seams."""
+    if not on:
+        yield
+        return
     names = ("use_tiling", "tile_sample_min_size", "tile_latent_min_size")
     saved = {k: getattr(vae, k) for k in names if hasattr(vae, k)}
     if isinstance(saved.get("tile_latent_min_size"), int):  # the latent tile scales by the VAE's downsampling

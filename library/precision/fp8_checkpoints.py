@@ -76,6 +76,7 @@ COMFY_FORMAT = "float8_e4m3fn"  # the only comfy_quant format with our per-tenso
 # metadata then records the stored layout itself (DiffusionTask.base_precision).
 CONFIG_PRECISION = {"fp8": "fp8", "fp8_scaled": "fp8_scaled", "fp8_tensor_scaled": "fp8_scaled"}
 DROPPED_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant")  # activation scales, per-layer markers
+SCALE_SUFFIXES = (".scale_weight", ".weight_scale", *DROPPED_SUFFIXES)  # what a quantized Linear keeps beside .weight
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,8 @@ def _musubi_layout(reader: CheckpointReader, where: str, prefix: str, scales: li
 def _quantization_extras(reader: CheckpointReader, names: list[str]) -> bool:
     """Whether the transformer's tensors carry fp8 scales or markers (of any layout above; transformers'
     `.weight_scale_inv` never gets here: _transformer_fp8 refuses it first)."""
-    suffixes = (".scale_weight", ".weight_scale", *DROPPED_SUFFIXES)
-    return COMFY_MARKER in names or "_quantization_metadata" in reader.metadata or any(n.endswith(suffixes) for n in names)
+    return (COMFY_MARKER in names or "_quantization_metadata" in reader.metadata
+            or any(n.endswith(SCALE_SUFFIXES) for n in names))
 
 
 def _transformer_fp8(reader: CheckpointReader, where: str) -> tuple[str, list[str], list[str]]:

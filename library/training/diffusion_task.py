@@ -599,7 +599,7 @@ class DiffusionTask:
                     seeds[i], prompt.guidance,
                     {k: v.to(self.device) for k, v in negative.items()} if negative else None, control=control,
                 )
-                with decoding_in_tiles(vae.vae) if self.args.vae_tiling else contextlib.nullcontext():
+                with decoding_in_tiles(vae.vae, bool(self.args.vae_tiling)):
                     images.append((label, vae.decode(latents)[0]))
             names = ["reference"] if len(references) == 1 else [f"reference {k}" for k in range(len(references))]
             images += [(name, r[0]) for name, r in zip(names, references)]

@@ -336,7 +336,7 @@ def vae_pass_peak(vae, width: int, height: int, batch: int, decode: bool, downsa
         for t in (*vae.vae.parameters(), *vae.vae.buffers()):
             live.track(t)
         if decode:
-            with decoding_in_tiles(vae.vae) if tiled else contextlib.nullcontext():
+            with decoding_in_tiles(vae.vae, tiled):
                 vae.decode(torch.empty(batch, vae.latent_channels, height // downsample, width // downsample,
                                        device="meta"))
         else:
@@ -476,8 +476,8 @@ def settle_sampling(family, args, card_bytes: int, width: int, height: int, refe
     reference = phase.parts.get("bf16 reference (base, lora)", 0)
     plan = (f"sampling with the bf16 reference base ({reference / GiB:.2f} GiB) is planned to peak at "
             f"{phase.peak / GiB:.2f} GiB ({(phase.peak - reference) / GiB:.2f} without it), {over}")
-    said = []
-    if reference and args.sample_bf16_reference is None:
+    said, dropped = [], bool(reference) and args.sample_bf16_reference is None
+    if dropped:
         args.sample_bf16_reference, phase = False, planned(sample_bf16_reference=False)
         said.append(f"warning: sample_bf16_reference turned off: {plan}; samples render on the fp8 base only (set "
                     f"sample_bf16_reference = true to render it anyway)")
@@ -491,7 +491,7 @@ def settle_sampling(family, args, card_bytes: int, width: int, height: int, refe
     if phase.peak > usable:
         still = (f": the first sample will likely run out of memory (raise blocks_to_swap, or sample at a smaller "
                  f"--w / --h than {width}x{height})")
-        if said and said[0].startswith("warning: sample_bf16_reference turned off"):
+        if dropped:
             said[0] += "; even so" + still
         elif reference:  # set true
             said.append(f"warning: sample_bf16_reference = true, but {plan}" + still.replace(" (raise", " (set it false, or raise"))
