@@ -716,6 +716,11 @@ METADATA_KEYS = {
     "guidance": "ss_guidance_scale",
     "seed": "ss_seed",
     "dataset": "ss_datasets",
+    "dataset_dirs": "ss_dataset_dirs",  # sd-scripts': {folder: {"n_repeats", "img_count"}}, training folders
+    "tag_frequency": "ss_tag_frequency",  # sd-scripts': {folder: {tag: count}}, what A1111 / Civitai show
+    "num_train_images": "ss_num_train_images",  # images x num_repeats (sd-scripts' count)
+    "num_reg_images": "ss_num_reg_images",
+    "num_batches_per_epoch": "ss_num_batches_per_epoch",  # this process's batches per epoch
     "training_started_at": "ss_training_started_at",
     "training_finished_at": "ss_training_finished_at",
     "training_seconds": "ss_training_seconds",

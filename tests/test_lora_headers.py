@@ -6,6 +6,7 @@ the values those trainers' sources write, and merge_lora's answer to an ss_base_
 Then what else a LoRA's header says: the ranks and alphas a file holds (train_lora.py after network_weights
 rebuilt a module, convert_lora), and discrete_flow_shift only where the run's timestep draw read it."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -169,3 +170,30 @@ def test_total_batch_size_counts_each_datasets_own_images_where_two_share_their_
     task = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1), args=SimpleNamespace(gradient_accumulation_steps=1),
                            dataset=SimpleNamespace(items=items), blueprint=blueprint)
     assert DiffusionTask._total_batch_size(task) == "3"
+
+
+def test_folder_facts_are_sd_scripts_dataset_dirs_tag_frequency_and_image_counts():
+    """sd-scripts writes ss_dataset_dirs / ss_tag_frequency / ss_num_train_images / ss_num_reg_images (A1111's
+    LoRA page and Civitai show the trained tags from them); we wrote none until 2026-11-28. Its semantics: tags
+    split on ",", stripped, lowercased, counted per folder basename over the captions as written (reg folders
+    too; a folder in two datasets counted once); dirs are the training folders, a repeat named "name (2)"."""
+    from types import SimpleNamespace
+
+    from library.data.dataset_config import parse_dataset_config
+    from library.training.diffusion_task import DiffusionTask
+
+    train, reg = {"image_dir": "/data/me/cat", "num_repeats": 3}, {"image_dir": "/data/reg", "is_reg": True, "num_repeats": 1}
+    blueprint = parse_dataset_config({"datasets": [{"resolution": 64, "subsets": [train, reg, {**train, "num_repeats": 2}]},
+                                                   {"resolution": 48, "subsets": [train]}]}, source="d.toml")
+    captions = {(0, 0): ["Cat, sitting", "cat,  on a mat ,"], (0, 1): ["a cat"], (0, 2): ["Cat, sitting", "cat,  on a mat ,"],
+                (1, 0): ["cat, sitting", "cat, on a mat"]}
+    items = [SimpleNamespace(dataset_index=d, subset_index=s, caption=c) for (d, s), cs in captions.items() for c in cs]
+    facts = DiffusionTask._folder_facts(SimpleNamespace(blueprint=blueprint, dataset=SimpleNamespace(items=items)))
+    assert facts["tag_frequency"] == {"cat": {"cat": 4, "sitting": 2, "on a mat": 2}, "reg": {"a cat": 1}}
+    assert facts["dataset_dirs"] == {"cat": {"n_repeats": 3, "img_count": 2}, "cat (2)": {"n_repeats": 2, "img_count": 2},
+                                     "cat (3)": {"n_repeats": 3, "img_count": 2}}
+    assert (facts["num_train_images"], facts["num_reg_images"]) == (2 * 3 + 2 * 2 + 2 * 3, 1)
+    meta = header_of_run(facts)
+    assert json.loads(meta["ss_tag_frequency"]) == facts["tag_frequency"] and meta["ss_num_train_images"] == "16"
+    assert json.loads(meta["ss_dataset_dirs"])["cat (2)"] == {"n_repeats": 2, "img_count": 2}
+    assert meta["ss_num_reg_images"] == "1" and meta["ss_num_batches_per_epoch"] == "1"

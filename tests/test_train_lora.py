@@ -267,6 +267,7 @@ def test_epoch_save_with_save_state_writes_a_state_that_resumes(tiny_set, tmp_pa
     with safe_open(str(straight / "tiny_flux_lora.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["ss_num_epochs"] == "2" and meta["ss_total_batch_size"] == str(min(batch, 8) * 8), meta
+    assert json.loads(meta["ss_dataset_dirs"]) and json.loads(meta["ss_tag_frequency"]), meta  # sd-scripts' folder keys
 
 
 class Killed(Exception):

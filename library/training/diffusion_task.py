@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from library.data.captions import drops_captions
+from library.data.captions import drops_captions, tag_frequency
 from library.data.caches import (cache_empty_caption, cache_folder, cache_latents, cache_prompts, cache_text,
                                  hold_cache_folders, loaded_on_first_call, remove_unused_caches)
 from library.data.check import training_warnings, upscaled, warn
@@ -541,6 +541,7 @@ class DiffusionTask:
             "batch_size": self._total_batch_size(),
             "timestep_sampling": args.timestep_sampling or self.family.default_timestep_sampling(self.base),
             "dataset": self._dataset_summary(),
+            **self._folder_facts(),
             "base_loras": base_loras_metadata(base_lora_specs(args.base_loras)) if args.base_loras else None,
             **getattr(self, "loaded", {}),  # network_dim / network_alpha where network_weights set them
         }
@@ -561,6 +562,29 @@ class DiffusionTask:
                           "images": sum(1 for it in self.dataset.items if it.subset is s)} for s in d.subsets]}
             for d in self.blueprint.datasets
         ]
+
+    def _folder_facts(self) -> dict:
+        """sd-scripts' per-folder header keys as its train_network.py writes them: ss_dataset_dirs (each
+        training folder's num_repeats and images; a folder met again is "name (2)"), ss_tag_frequency (each
+        folder's tags over its captions as written, regularization folders too; a folder in two datasets
+        counted once) and ss_num_train_images / ss_num_reg_images (images x num_repeats)."""
+        dirs, tags, images = {}, {}, {False: 0, True: 0}
+        for d, dataset in enumerate(self.blueprint.datasets):
+            folder_tags: dict[str, list[str]] = {}
+            for s, subset in enumerate(dataset.subsets):
+                items = [it for it in self.dataset.items if it.dataset_index == d and it.subset_index == s]
+                name = os.path.basename(os.path.normpath(subset.image_dir))
+                images[subset.is_reg] += len(items) * subset.num_repeats
+                folder_tags.setdefault(name, []).extend(it.caption for it in items)
+                if not subset.is_reg:
+                    key, n = name, 2
+                    while key in dirs:
+                        key, n = f"{name} ({n})", n + 1
+                    dirs[key] = {"n_repeats": subset.num_repeats, "img_count": len(items)}
+            for name, captions in folder_tags.items():
+                tags.setdefault(name, tag_frequency(captions))
+        return {"dataset_dirs": dirs, "tag_frequency": tags, "num_train_images": images[False],
+                "num_reg_images": images[True]}
 
     # -- samples -------------------------------------------------------------------------------
     @torch.no_grad()
