@@ -23,12 +23,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG_CAPTION = "a very long caption " * 10  # 40 words: beyond the 16 tokens the fixture's tokenizer limit keeps
 
 
-def truncated_jpeg(path) -> str:
-    """A JPEG of noise cut in half: its header verifies (what the training scan checks), its pixels do not decode."""
+def truncated_jpeg(path, size=(64, 48), keep=0.5) -> str:
+    """A JPEG of noise cut (to `keep` of its bytes): its header verifies (what the training scan checks), its pixels do not decode."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(np.random.RandomState(0).randint(0, 256, (48, 64, 3), dtype=np.uint8)).save(path)
+    Image.fromarray(np.random.RandomState(0).randint(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path)
     data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
+    path.write_bytes(data[: int(len(data) * keep)])
     return str(path)
 
 
@@ -76,6 +76,8 @@ def one_of_each(root) -> str:
     image(b, "paired.png", mask=False)
     image(refs, "paired.png", caption=None, mask=False)
     image(b, "unpaired.png", mask=False)  # error: reference (missing)
+    image(b, "cut_reference.png", mask=False)
+    truncated_jpeg(refs / "cut_reference.jpg")  # error: reference (does not decode; its header verifies)
     val.mkdir()
     shutil.copy(good, val / "leak.png")  # warning: duplicate (training -> validation)
     (val / "leak.txt").write_text("a red circle")
@@ -96,6 +98,7 @@ EXPECTED = [  # (severity, kind, file): the fixture's problems in report order
     ("error", "mask", "mask_size.png"), ("error", "caption", "no_caption.png"), ("error", "mask", "no_mask.png"),
     ("warning", "size", "small.png"), ("error", "image", "truncated.jpg"), ("warning", "tokens", "long_caption.txt"),
     ("warning", "duplicate", "good_copy.png"), ("error", "reference", "unpaired.png"), ("warning", "duplicate", "leak.png"),
+    ("error", "reference", "cut_reference.jpg"),
 ]
 
 
@@ -112,7 +115,7 @@ def test_check_finds_one_of_each_problem(tmp_path):
     assert truncated.endswith("truncated.jpg: cannot be decoded as an image (OSError: image file is truncated "
                               "(151 bytes not processed))"), truncated
     a, b, val = report.subsets
-    assert (a.images, a.trained, b.images, b.trained, val.images, val.trained, val.held_out) == (16, 14, 2, 2, 1, 0, 1)
+    assert (a.images, a.trained, b.images, b.trained, val.images, val.trained, val.held_out) == (16, 14, 3, 3, 1, 0, 1)
     assert a.buckets == {"80x48": 13, "64x64": 1} and a.sizes == {"64x48": 13, "1x1": 1}  # the 1x1 is upscaled
     notes = {what.split(",")[0]: [os.path.basename(f) for f in files] for what, files in a.notes.items()}
     assert notes == {"CMYK images": ["cmyk.jpg"], "16-bit grey images": ["grey16.png"],
@@ -131,16 +134,16 @@ def test_check_tool_report_json_and_strict(tmp_path, capsys):
     assert check_dataset.main([toml]) == 1
     captured = capsys.readouterr()
     out = captured.out
-    assert len(captured.err.splitlines()) == 9 and all(line.startswith("error: ") for line in captured.err.splitlines())
+    assert len(captured.err.splitlines()) == 10 and all(line.startswith("error: ") for line in captured.err.splitlines())
     assert "caption tokens: not counted (no tokenizer: pass --config_file or --tokenizer)" in out
     assert "datasets 1, subset 1: " in out and "buckets: 80x48 x13, 64x64 x1" in out
-    assert "9 errors, 3 warnings: training stops at the first error" in out  # no tokenizer: no token warning
+    assert "10 errors, 3 warnings: training stops at the first error" in out  # no tokenizer: no token warning
     assert check_dataset.main([toml, "--json", "--strict"]) == 1
     captured = capsys.readouterr()
     data = json.loads(captured.out)
-    assert (data["errors"], data["warnings"]) == (9, 3) and len(data["subsets"]) == 3
+    assert (data["errors"], data["warnings"]) == (10, 3) and len(data["subsets"]) == 3
     lines = captured.err.splitlines()
-    assert len(lines) == 12 and all(line.startswith(("error: ", "warning: ")) for line in lines)
+    assert len(lines) == 13 and all(line.startswith(("error: ", "warning: ")) for line in lines)
 
 
 def t5_tokens(tiny_set, text: str) -> int:
@@ -293,6 +296,11 @@ def test_layered_images_layer_problems_are_errors_in_the_check_as_in_training(tm
     (folder / "001_2.png").write_bytes((folder / "000_2.png").read_bytes())
     with pytest.raises(ValueError, match="002_2.png: layer is 32x16"):  # was trained, scaled to cover 32x32 and cropped out of register
         scan_images(load_dataset_config(toml))
+    # A layer whose pixels do not decode (its header verifies) passed the check; caching then stopped on it.
+    (folder / "000_1.png").unlink()
+    truncated_jpeg(folder / "000_1.jpg", size=(32, 32), keep=0.8)  # half: verify() finds it
+    assert found(check.check_dataset(load_dataset_config(toml))) == [("error", "layers", "000_1.jpg"),
+                                                                     ("error", "layers", "002_2.png")]
 
 
 def test_a_numbered_image_with_layers_of_its_own_is_a_composite_not_a_layer(tmp_path):

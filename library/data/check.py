@@ -293,6 +293,8 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         if subset.multiple_target:
             try:
                 check_layers(path, layers.get(path), layered.get("first"), size)
+                for layer in layers[path]:
+                    load_rgb(layer, "RGBA")  # the whole decode, as caching does
                 layered.setdefault("first", (path, len(layers[path])))
             except ValueError as e:  # no layers, another count, an unreadable layer or one of another size
                 report.add("error", "layers", str(e))
@@ -365,6 +367,7 @@ def check_references(report: SubsetReport, path: str, subset: SubsetSpec, contro
         paired = SimpleNamespace(image_path=path, control_paths=find_controls(path, subset.control_directory, controls, targets))
         for reference in paired.control_paths:
             verified_image_size(reference)
+            load_rgb(reference)  # the whole decode, as caching does: a truncated JPEG passes verify()
         check_control_count(paired, first or paired)
     except ValueError as e:
         report.add("error", "reference", str(e))
