@@ -211,3 +211,30 @@ def test_bad_network_args_stop_before_caching(tiny_set, tmp_path, monkeypatch, c
     monkeypatch.setattr(DiffusionTask, "_fill_caches", no_caching)
     assert train_lora.main(flux_args(tiny_set, tmp_path / "out", *extra)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_validation_noise_does_not_move_with_the_datasets_listed_before_it(tmp_path):
+    """The noise of a held-out image was seeded by 'dataset:subset:path': a second [[datasets]] or a reg subset
+    listed before it gave the same images, at unchanged weights, another val_loss (+1.06% on the tiny FLUX), so
+    the runs the number is meant to compare did not compare. Its path in its folder alone seeds it now."""
+    from library.data.dataset_config import parse_dataset_config
+    from library.training.validation import noise_seed
+    from tests.test_dataset import make_image
+
+    for i in range(4):
+        make_image(str(tmp_path / "cats" / f"{i}.png"), 32, 32, (40 * i, 90, 90))
+        make_image(str(tmp_path / "dogs" / f"{i}.png"), 32, 32, (90, 40 * i, 90))
+    cats, dogs = {"image_dir": str(tmp_path / "cats"), "class_tokens": "cat"}, {"image_dir": str(tmp_path / "dogs"), "class_tokens": "dog"}
+
+    def seeds(*datasets, split=0.0, held_out=()):
+        blueprint = parse_dataset_config({"general": {"resolution": 32, "validation_split": split},
+                                          "datasets": [{"subsets": list(d)} for d in datasets],
+                                          "validation_datasets": [{"subsets": [s]} for s in held_out]}, source="d.toml")
+        items = split_validation(scan_images(blueprint), blueprint)[1] + scan_images(blueprint, held_out_sets=True)
+        val = ImageDataset(blueprint, items=items, validation=True)
+        return sorted((os.path.basename(val[i]["image_path"]), noise_seed(val[i]["key"], 0)) for i in range(len(val)))
+
+    held = seeds([cats], held_out=[dogs])
+    assert len(held) == 4 and held == seeds([cats], [cats], held_out=[dogs])  # a second training dataset
+    split = seeds([cats], split=0.5)
+    assert len(split) == 2 and split == seeds([{**dogs, "is_reg": True}, cats], split=0.5)  # a reg subset before it

@@ -46,6 +46,8 @@ class ImageDataset(torch.utils.data.Dataset):
         if not validation:  # regularization images: repeats balanced to the training images per dataset
             reg = _reg_repeats(self.items)
             repeats = [reg.get(id(item), n) for item, n in zip(self.items, repeats)]
+            # reg images past the balance are never drawn: left out, so caching does not encode them either
+            self.items, repeats = [it for it, n in zip(self.items, repeats) if n], [n for n in repeats if n]
         self.entries = [i for i, n in enumerate(repeats) for _ in range(n)]
         self.repeat_of = [r for n in repeats for r in range(n)]
         if not validation:  # validation uses the captions as written
@@ -65,8 +67,10 @@ class ImageDataset(torch.utils.data.Dataset):
         # where the dataset lives. It seeds the noise and sigma: with the step, every repeat of an
         # image in a step, and the same image in two subsets, gets its own draw (an optimizer step
         # lies within one epoch, where each repeat occurs once).
+        # A held-out image's key is its path in its folder alone: its validation noise must not move when
+        # another dataset or subset is listed before it (a val_loss compares between such runs).
         relpath = os.path.relpath(item.image_path, item.subset.image_dir)
-        key = f"{item.dataset_index}:{item.subset_index}:{relpath}#{self.repeat_of[entry]}"
+        key = relpath if self.validation else f"{item.dataset_index}:{item.subset_index}:{relpath}#{self.repeat_of[entry]}"
         caption, variant = self._caption(item, epoch, rng)
         sample = {"image_path": item.image_path, "key": key, "bucket": item.bucket, "caption": caption,
                   "is_reg": item.subset.is_reg}

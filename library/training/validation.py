@@ -7,8 +7,9 @@ predicted velocity, averaged over images and sigmas:
     val_loss = mean over (image, s in VALIDATION_SIGMAS) of mean((v_pred - (noise - x0))^2)
 
 Nothing in it is drawn from the training step or the training seed (the noise is seeded by the
-image's key and the sigma's index), and it uses no loss weighting or Huber loss whatever the
-training uses, so two runs with other seeds or objectives compare on the same number. Each
+image's path in its folder and the sigma's index, not by where its dataset sits in the TOML), and
+it uses no loss weighting or Huber loss whatever the training uses, so two runs with other seeds,
+objectives or other datasets listed beside it compare on the same number. Each
 (image, sigma) is one forward of batch 1, so it does not depend on the batch size either.
 """
 
