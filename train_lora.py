@@ -53,7 +53,7 @@ from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
 from library.training.state import (SavedState, item_digests, load_state, restore_rng, rng_states,  # noqa: E402
-                                    save_state)
+                                    sample_seed, save_state)
 from library.training.task import Task  # noqa: E402
 from networks.lora_files import PEFT_WEIGHTS_FILE  # noqa: E402
 
@@ -509,9 +509,10 @@ class Trainer:
         0 when the epoch ran to its end, or where it stopped at max_steps.
 
         An optimizer step takes gradient_accumulation_steps micro-batches counted from the start
-        of the epoch; the epoch's last step takes what is left. Each micro-batch's loss is divided
-        by the number of micro-batches of its step, so a step's gradient is the gradient of their
-        mean (the logged loss) whatever the grouping."""
+        of the epoch; the epoch's last step takes what is left. Each micro-batch's loss is weighted
+        by the task (Task.loss_weight: an image model's divided by the number of micro-batches of its
+        step, an LLM's by its share of the step's trained tokens), so a step's gradient is the gradient
+        of the logged loss whatever the grouping and the number of processes."""
         args, accelerator = self.args, self.accelerator
         accumulation, total = args.gradient_accumulation_steps, self.task.batches_per_epoch()
         losses = []
@@ -519,15 +520,19 @@ class Trainer:
             step_start = self.batches_done - self.batches_done % accumulation
             micro_batches = min(accumulation, total - step_start)
             last = self.batches_done == step_start + micro_batches - 1
+            if self.batches_done == step_start:
+                self.seed_dropout()
+            step_batches = range(step_start, step_start + micro_batches)
+            weight, weights = self.task.loss_weight(self.epoch, self.batches_done, step_batches)
             # Gradients are all-reduced (DDP) only on the step's last micro-batch.
             with contextlib.nullcontext() if last else accelerator.no_sync(self.module):
                 loss = self.module(*self.task.batch_inputs(batch, self.step))
                 if not self.every_loss_finite(loss):
                     what = f"loss is {loss.item()}" if not torch.isfinite(loss.detach()) else "another process's loss is not finite"
                     raise StopTraining(self.diverged(what), code=3)
-                accelerator.backward(loss / micro_batches)
+                accelerator.backward(loss * weight / weights)
             self.batches_done += 1
-            losses.append(loss.detach())
+            losses.append(loss.detach() * weight / weights)
             if not last:
                 continue
             if args.max_grad_norm:
@@ -543,11 +548,28 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             if self.ema is not None and stepped:  # per optimizer step; every rank averages the same (all-reduced) weights
                 self.ema.update(self.step + 1)
-            self.finish_step(accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item())
+            self.finish_step(accelerator.reduce(torch.stack(losses).sum(), reduction="mean").item())
             losses = []
             if self.step >= self.max_steps and self.batches_done < total:  # at the epoch's end: it counts as run
                 return
         self.batches_done = 0
+
+    def interrupt_requested(self) -> str | None:
+        """The Ctrl-C / SIGTERM this process got, or where another process got one, "a signal to another
+        process": agreed every step, so all stop at the same one and the main process saves (a SIGTERM to
+        one worker's pid stopped that worker alone; the others failed in the next collective, nothing saved)."""
+        requested = self.interrupts.requested
+        if self.accelerator.num_processes > 1:
+            flag = torch.tensor([0.0 if requested is None else 1.0], device=self.accelerator.device)
+            if self.accelerator.reduce(flag, reduction="sum").item() and requested is None:
+                requested = "a signal to another process"
+        return requested
+
+    def seed_dropout(self):
+        """Seed the global RNG, from which only the LoRA's dropouts draw in the loop (every other draw is
+        seeded by its sample), by (seed, step, process): each process draws its own masks (every process
+        drew the same ones, one mask for N samples), and a resumed run the straight run's."""
+        torch.manual_seed(sample_seed(self.args.seed, self.step, f"dropout|{self.accelerator.process_index}"))
 
     def every_loss_finite(self, loss: torch.Tensor) -> bool:
         """Whether every process's micro-batch loss is finite. Checked together: a process that stopped on
@@ -622,11 +644,12 @@ class Trainer:
             self.render_samples(f"step{self.step:06d}")
         if args.save_every_n_steps and self.step % args.save_every_n_steps == 0 and self.step < self.max_steps:
             self.save_intermediate()
-        if self.interrupts.requested and self.step < self.max_steps:  # (after the last: the final save as usual)
+        requested = self.interrupt_requested()
+        if requested and self.step < self.max_steps:  # (after the last: the final save as usual)
             self.check_finite()
             path = self.saver.lora(self.step, self.epoch)
             folder = self.saver.state(self.optimizer, self.scheduler, self.progress())
-            raise StopTraining(f"{self.interrupts.requested}: saved {path} and state {folder} at step {self.step}; "
+            raise StopTraining(f"{requested}: saved {path} and state {folder} at step {self.step}; "
                                f"continue with --resume {folder}", code=130)
         self.clock.restart()
 

@@ -688,10 +688,16 @@ class LoRANetwork(nn.Module):
         """kohya safetensors; network dim/alpha/module/args are added to the header unless given."""
         write_kohya(self.lora_weights(), path, dtype, self._header(metadata), prefix=self.spec.kohya_prefix)
 
-    def save_peft(self, folder: str, dtype=torch.float32, metadata: dict | None = None, base_model: str | None = None):
+    def save_peft(self, folder: str, dtype=torch.float32, metadata: dict | None = None, base_model: str | None = None,
+                  rename=None):
         """A PEFT adapter folder (LLMs: PeftModel.from_pretrained, vLLM, llama.cpp read it); the
-        header of adapter_model.safetensors carries the same metadata as `save`."""
+        header of adapter_model.safetensors carries the same metadata as `save`. rename: our module
+        path -> the base class's own (its target_modules are then full paths: names could match
+        modules the model has beside ours, a vision tower's)."""
         linears = [p for p, m in self._model[0].named_modules()
                    if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, LoRAModule)]
         weights = self.lora_weights()
-        write_peft_folder(weights, folder, dtype, self._header(metadata), base_model, peft_target_modules(weights, linears))
+        if rename is not None:
+            weights = {rename(p): w for p, w in weights.items()}
+        targets = peft_target_modules(weights, None if rename else linears)
+        write_peft_folder(weights, folder, dtype, self._header(metadata), base_model, targets)

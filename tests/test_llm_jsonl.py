@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import train_lora
 from library.data import chat_records, text_corpus
@@ -493,3 +494,27 @@ def test_qwen3_thinking_whose_windows_each_match_is_still_refused_as_a_rewrite(c
             chat_records.chat_encoder(tok, all_tokens=False)(chat, "x.jsonl:1")
     finally:
         tok.chat_template = old
+
+
+def test_accumulated_micro_batches_train_the_loss_of_one_batch_of_all_their_tokens(tiny_set, chat_llm, tmp_path):
+    """Replies of 2..41 numbers: windows hold from a few to 31 trained tokens. Each micro-batch's token mean was
+    averaged, weighting a window of few trained tokens more: batch 4 x accumulation 2 (and 2 processes x batch 4,
+    the same code) trained another objective than batch 8 (logged loss 6.14358 vs 6.14374, the LoRA 0.054 apart
+    after 4 steps). The step's loss is the mean over all its trained tokens now (Task.loss_weight)."""
+    records = [{"messages": [{"role": "user", "content": f"Count to {n}."},
+                             {"role": "assistant", "content": " ".join(str(i) for i in range(1, n + 1))}]}
+               for n in range(2, 42)]
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+
+    def run(out, *extra):
+        argv = ["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data", path, "--output_dir",
+                str(tmp_path / out), "--output_name", "chat", "--mixed_precision", "no", "--max_length", "32",
+                "--max_train_steps", "2", "--eval_every_n_steps", "0", "--optimizer_type", "AdamW", "--learning_rate",
+                "1e-2", "--save_format", "kohya", *extra]
+        assert train_lora.main(argv) == 0
+        with open(tmp_path / out / "chat_log.csv") as f:
+            return [float(r["loss"]) for r in csv.DictReader(f)], load_file(tmp_path / out / "chat.safetensors")
+
+    (whole, a), (accumulated, b) = run("whole", "--batch_size", "8"), run("acc", "--batch_size", "4", "--gradient_accumulation_steps", "2")
+    assert whole == pytest.approx(accumulated, abs=2e-6), (whole, accumulated)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5

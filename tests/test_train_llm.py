@@ -4,6 +4,7 @@ a config.json alone whose saved folder loads in transformers; plus tools/generat
 import csv
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -729,3 +730,38 @@ def test_an_llm_lycoris_lokr_trains_and_saves(tiny_set, tmp_path):
                                     "--network_args", "algo=lokr")) == 0
     with safe_open(str(out / "lora.safetensors"), "pt") as f:
         assert any(k.endswith(".lokr_w1") for k in f.keys())
+
+
+def test_a_peft_adapter_of_a_vision_language_base_applies_in_peft_and_reads_back(tiny_set, tmp_path):
+    """A LoRA trained on a Qwen2.5-VL checkpoint (config.json with vision_config) was saved under
+    base_model.model.model.layers.N; transformers 5 builds that class with its language model at
+    model.language_model, so PeftModel.from_pretrained loaded none of it (logits moved by 0.0, while
+    merge_lora's merge moved them by 0.65) and its bare target_modules added empty LoRAs to the vision
+    tower's MLPs. Its modules are named there now, targets by full path; our tools read it back as ours."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from library.models.llm import load_llm
+    from networks.lora import LoRANetwork
+
+    base = tmp_path / "vl"
+    shutil.copytree(tiny_set["qwen_image_edit_text_encoder"], base)
+    for f in os.listdir(tiny_set["qwen_image_tokenizer"]):
+        shutil.copy(os.path.join(tiny_set["qwen_image_tokenizer"], f), base / f)
+    out = tmp_path / "out"
+    assert train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", str(base), "--output_name", "vl",
+                                    "--max_train_steps", "3", "--optimizer_type", "AdamW", "--learning_rate", "3e-2",
+                                    "--eval_every_n_steps", "0", "--save_format", "peft")) == 0
+    config = json.loads((out / "vl" / "adapter_config.json").read_text())
+    assert all(t.startswith("model.language_model.layers.") for t in config["target_modules"]), config["target_modules"]
+    ids = torch.randint(0, 200, (1, 24))
+    hf = AutoModelForImageTextToText.from_pretrained(str(base)).eval()
+    with torch.no_grad():
+        plain = hf(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(str(base)), str(out / "vl")).eval()
+        peft_logits = adapted(input_ids=ids).logits
+        model = load_llm(str(base))
+        LoRANetwork.from_weights(model, "llm", str(out / "vl")).apply()
+        ours = model(ids)
+    moved = float((peft_logits - plain).abs().max())
+    assert moved > 1e-3 and float((ours - peft_logits).abs().max()) < 1e-4 * max(1.0, moved), moved

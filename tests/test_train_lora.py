@@ -5,6 +5,7 @@ finishes bit-identical, a NaN loss stops after saving, and Qwen-Image trains too
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -509,6 +510,45 @@ def test_a_nan_loss_in_another_process_stops_every_process_with_the_line_and_the
                          text=True, timeout=300)
     assert "error: another process's loss is not finite at step 2" in run.stderr, run.stderr[-2000:]
     assert (out / "tiny_flux_lora-step000001.safetensors").exists()
+
+
+SIGTERM_ONE_PROCESS = POISON_ONE_PROCESS.replace(
+    'return (loss * float("nan") if len(calls) == 2 and os.environ["RANK"] == "1" else loss), sigmas',
+    'if len(calls) == 2 and os.environ["RANK"] == "1":\n        os.kill(os.getpid(), __import__("signal").SIGTERM)\n'
+    '    return loss, sigmas')
+
+
+def test_a_sigterm_to_one_process_stops_every_process_at_that_step_with_the_save(tiny_set, tmp_path):
+    """A SIGTERM to one worker's pid (taken from top or nvidia-smi) stopped that worker alone (exit 130, no
+    line: only the main process prints); the main one failed in the next all-reduce, nothing saved. The
+    flag is agreed every step now: both stop at step 2, the main process saves the LoRA and the state."""
+    write_ddp_datasets(tiny_set, tmp_path)
+    assert "os.kill" in SIGTERM_ONE_PROCESS
+    (tmp_path / "term.py").write_text(SIGTERM_ONE_PROCESS)
+    out = tmp_path / "multi"
+    argv = flux_args(tiny_set, out, "--dataset_config", str(tmp_path / "ds1.toml"), "--max_train_steps", "4",
+                     "--sample_prompts", "", "--save_every_n_steps", "0")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          free_port(), str(tmp_path / "term.py"), *argv], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert "a signal to another process: saved" in run.stderr + run.stdout, run.stderr[-2000:]
+    assert re.search(r"exitcode\s+: 130", run.stderr) and run.returncode == 1, run.stderr[-2000:]  # torchrun's own 1
+    assert (out / "tiny_flux_lora-step000002.safetensors").exists() and (out / "tiny_flux_lora-state").is_dir()
+
+
+def test_each_process_draws_its_own_dropout_masks_and_a_resume_the_same_ones():
+    """network_dropout / rank_dropout draw from the global RNG, seeded alike in every process: 2 processes drew
+    one mask for their 2 samples. Seeded by (seed, step, process) at each step now."""
+    from types import SimpleNamespace
+
+    def masks(rank, step):
+        trainer = SimpleNamespace(args=SimpleNamespace(seed=7), step=step, accelerator=SimpleNamespace(process_index=rank))
+        train_lora.Trainer.seed_dropout(trainer)
+        return torch.nn.functional.dropout(torch.ones(64), 0.5) != 0
+
+    assert not torch.equal(masks(0, 3), masks(1, 3)) and not torch.equal(masks(0, 3), masks(0, 4))
+    assert torch.equal(masks(1, 3), masks(1, 3))
 
 
 def test_a_trainer_started_with_sigint_ignored_still_stops_on_it(tiny_set, tmp_path):

@@ -22,6 +22,7 @@ LORA_FILES = S.LoRAFiles(
              "_mlp_gate_proj", "_mlp_up_proj", "_mlp_down_proj"),
     block_pattern=r"(layers)[._](\d+)[._]",
     module_paths="library.models.llm_lora_files:module_paths",
+    module_map="library.models.llm_lora_files:module_map_of_lora",  # a vision-language base's PEFT names
     layouts=("kohya", "peft"),
     info_markers=(("hf", r"layers_\d+_(self_attn|mlp)_"),),
     info_blocks=(("block", r"layers_(\d+)_"),),

@@ -433,6 +433,9 @@ class DiffusionTask:
     def param_groups(self, lr: float) -> list[dict]:
         return self.network.param_groups(lr)
 
+    def loss_weight(self, epoch: int, batch: int, step_batches: range) -> tuple[float, float]:
+        return 1, len(step_batches)  # every micro-batch's mean counts alike (sd-scripts' accumulation)
+
     def batches_per_epoch(self) -> int:
         return len(EpochBatches(self.sampler, 0, self.accelerator.process_index, self.accelerator.num_processes))
 

@@ -32,6 +32,7 @@ from library.data.text_corpus import (IGNORE, TextWindowDataset, batch_documents
                                       window_documents, window_targets)
 from library.models.core import checkpointing
 from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
+from library.models.llm_lora_files import nested_path, nests_language_model
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import (ConfigError, base_precision, compute_dtype, lora_formats, lora_network_args,
@@ -346,10 +347,34 @@ class LLMTask:
         (self.network if self.network is not None else self.model).load_state_dict(tensors)
 
     def _global_batches(self, epoch: int) -> list[list[int]]:
-        order = list(range(len(self.train_set)))
-        random.Random(f"{self.args.seed}:{epoch}").shuffle(order)
-        size = self.args.batch_size * self.accelerator.num_processes
-        return [order[i : i + size] for i in range(0, len(order), size)]
+        if getattr(self, "_batches_of", (None,))[0] != epoch:  # one shuffle an epoch (loss_weight asks each batch)
+            order = list(range(len(self.train_set)))
+            random.Random(f"{self.args.seed}:{epoch}").shuffle(order)
+            size = self.args.batch_size * self.accelerator.num_processes
+            self._batches_of = epoch, [order[i : i + size] for i in range(0, len(order), size)]
+        return self._batches_of[1]
+
+    @staticmethod
+    def _local(batch: list[int], rank: int, world: int) -> list[int]:
+        """Process `rank`'s slice of a global batch; a short one is padded by cycling (every process
+        gets as many windows, as DDP needs)."""
+        per = -(-len(batch) // world)
+        return (batch * world)[: per * world][rank * per : (rank + 1) * per]
+
+    def loss_weight(self, epoch: int, batch: int, step_batches: range) -> tuple[float, float]:
+        """(this process's trained tokens in `batch` x processes, the trained tokens of the step's batches on
+        every process): the step's loss is the mean over all its trained tokens, as one process with the
+        N-times batch (transformers' num_items_in_batch). A mean per micro-batch weighted the tokens of
+        windows with few trained ones (short replies) more, so N processes or accumulation trained another
+        objective (the first step's loss 6.14374 vs 6.14358 on a chat corpus, 2 processes; plain text, every
+        window full, was equal)."""
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        batches = self._global_batches(epoch)
+
+        def tokens(j: int, r: int) -> int:
+            return sum(int((self.train_set[i][1] != IGNORE).sum()) for i in self._local(batches[j], r, world))
+
+        return world * tokens(batch, rank), sum(tokens(j, r) for j in step_batches for r in range(world))
 
     def batches_per_epoch(self) -> int:
         return len(self._global_batches(0))
@@ -361,8 +386,7 @@ class LLMTask:
         """This process's slice of each global batch (batch_size * processes windows)."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         for batch in self._global_batches(epoch)[skip:]:
-            per = -(-len(batch) // world)
-            local = (batch * world)[: per * world][rank * per : (rank + 1) * per]
+            local = self._local(batch, rank, world)
             inputs, targets = zip(*(self.train_set[i] for i in local))
             yield torch.stack(inputs), torch.stack(targets), self.train_set.documents(local)
 
@@ -473,8 +497,9 @@ class LLMTask:
             written = []
             if "peft" in lora_formats(self.args):
                 base = self.args.pretrained_model_name_or_path  # PEFT's pointer to the base; a basename if absolute
+                nested = nests_language_model(self._base_config())
                 self.network.save_peft(folder, dtype, metadata, base_model=os.path.basename(base.rstrip("/\\"))
-                                       if os.path.isabs(base) else base)
+                                       if os.path.isabs(base) else base, rename=nested_path if nested else None)
                 written.append(folder)
             if "kohya" in lora_formats(self.args):
                 self.network.save(path, dtype=dtype, metadata=metadata)
@@ -482,12 +507,16 @@ class LLMTask:
             return written
         # Pretraining: a Hugging Face folder (weights, config.json with the special token ids,
         # generation_config.json, tokenizer) beside path, loadable by transformers 4.x and 5.x.
-        source, source_config = os.path.join(self.args.pretrained_model_name_or_path, "config.json"), None
-        if os.path.isfile(source):
-            with open(source) as f:
-                source_config = json.load(f)
-        save_hf_folder(self.model, folder, self.tokenizer, dtype, metadata, source_config)
+        save_hf_folder(self.model, folder, self.tokenizer, dtype, metadata, self._base_config())
         return [folder]
+
+    def _base_config(self) -> dict | None:
+        """The base's config.json (None: none beside it, a model built from a config)."""
+        source = os.path.join(self.args.pretrained_model_name_or_path or "", "config.json")
+        if not os.path.isfile(source):
+            return None
+        with open(source) as f:
+            return json.load(f)
 
     def finish(self, output_dir: str, stop=None):
         if self.args.eval_every_n_steps:

@@ -40,6 +40,11 @@ class Task(Protocol):
     def epoch_batches(self, epoch: int, skip: int = 0) -> Iterable:
         """This process's batches of `epoch`, after the first `skip` (those trained before a resume)."""
 
+    def loss_weight(self, epoch: int, batch: int, step_batches: range) -> tuple[float, float]:
+        """(w, d): the loss of this process's batch `batch` of `epoch` enters the gradient of its optimizer
+        step (the epoch's batches `step_batches`, on every process: DDP averages the processes' gradients)
+        as loss * w / d, and the step's logged loss is the processes' mean of their sums of loss * w / d."""
+
     def batch_inputs(self, batch, step: int) -> tuple:
         """The module's forward arguments for `batch` at optimizer step `step`, on the device."""
 
