@@ -370,6 +370,12 @@ class Trainer:
         self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(progress["scheduler"])
         self.step, self.epoch, self.batches_done = progress["step"], progress["epoch"], progress["batches_done"]
+        if self.batches_done and self.batches_done == progress.get("batches_per_epoch"):
+            # written at its epoch's end (a step save, a Ctrl-C): that epoch is done whatever this run's count
+            # (the new data's longer epoch went on with the batches after the old count, as the same epoch)
+            self.batches_done = self.task.batches_per_epoch()
+        if self.accelerator.scaler is not None and "grad_scaler" in progress:
+            self.accelerator.scaler.load_state_dict(progress["grad_scaler"])
         if self.ema is not None:
             self.ema.load_state_tensors(state.ema, folder)
         restore_rng(state.rng)
@@ -461,7 +467,9 @@ class Trainer:
     def progress(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run,
                 "saves": self.saver.saves, "saves_at": saves_at(self.args), "max_steps": self.max_steps,
-                "batches_per_epoch": self.task.batches_per_epoch(), "data_items": self.data_digests}
+                "batches_per_epoch": self.task.batches_per_epoch(), "data_items": self.data_digests,
+                # fp16's loss scale: a resume at 65536 again skipped the steps until it fell back (4 of 5 here)
+                **({"grad_scaler": self.accelerator.scaler.state_dict()} if self.accelerator.scaler is not None else {})}
 
     @contextlib.contextmanager
     def evaluating(self):

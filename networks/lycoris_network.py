@@ -130,6 +130,11 @@ def check_lycoris_args(args: dict, arch: str | None = None) -> None:
     typed = _typed_lycoris_args(args)
     if arch is not None:
         check_lora_args(arch, {k: v for k, v in args.items() if k in SELECTION_ARGS})
+    if (typed.get("rank_dropout") and str(typed.get("algo", "lora")).lower() == "lokr"
+            and typed.get("bypass_mode", _default_bypass(typed))):
+        raise ValueError("network_args 'rank_dropout' with algo=lokr: LyCORIS' LoKr bypass forward (the default here) "
+                         "never reads it (it would train without rank dropout): set 'bypass_mode=false', or use "
+                         "'dropout' / 'module_dropout'")
     idle = [k for k, layers in PRESET_ONLY_ARGS.items() if typed.get(k) and "preset" not in args]
     if idle:
         raise ValueError(f"network_args '{idle[0]}' acts on {PRESET_ONLY_ARGS[idle[0]]}, and without a LyCORIS "

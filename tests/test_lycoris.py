@@ -94,7 +94,10 @@ def test_lycoris_selection_args_are_checked_for_the_arch_without_a_model():
     ({**LOKR, "conv_dim": 8}, "network_args 'conv_dim' acts on convolution layers, and without a LyCORIS 'preset'"),
     ({**LOKR, "train_norm": "true"}, "network_args 'train_norm' acts on norm layers"),
     ({**LOKR, "dropout": 1.5}, "network_args 'dropout': expected a probability in [0, 1), got 1.5"),  # F.dropout raised at step 1
-], ids=["algo", "factor", "dropout", "use_tucker", "preset", "rank_dropout_scale", "conv_dim", "train_norm", "dropout_range"])
+    # LoKr's bypass forward never reads it: two training forwards were equal (LoHa / LoCon / our LoRA: 1e-2 apart)
+    ({**LOKR, "rank_dropout": 0.5}, "LyCORIS' LoKr bypass forward (the default here) never reads it"),
+], ids=["algo", "factor", "dropout", "use_tucker", "preset", "rank_dropout_scale", "conv_dim", "train_norm", "dropout_range",
+        "lokr_rank_dropout"])
 def test_bad_lycoris_args_name_the_key_the_value_and_what_is_allowed(args, message):
     with pytest.raises(ValueError) as raised:
         LycorisNetwork(tiny_flux(), "flux", 4, network_args=args)

@@ -417,6 +417,15 @@ def test_resume_from_a_state_of_another_run_config_is_refused(trained, tiny_set,
     # network_dropout was not compared (its network_args form was): resumed, and the header said 0.3 for the run
     code = train_lora.main(flux_args(tiny_set, out, "--network_dim", "8", "--network_dropout", "0.3", "--resume", str(state)))
     assert "state was written with network_dropout = 0.0, this run has 0.3" in one_error_line(capsys, code)
+    # base_loras (LoRAs merged into the frozen base) were not compared: a resume without them trained on another
+    # base without a word, and the final header said no base_loras though half its steps had them
+    merged = tmp_path / "merged"
+    assert train_lora.main(flux_args(tiny_set, merged, "--save_state", "true", "--network_dim", "8",
+                                     "--base_loras", str(trained / "tiny_flux_lora.safetensors"))) == 0
+    capsys.readouterr()
+    code = train_lora.main(flux_args(tiny_set, out, "--network_dim", "8", "--resume", str(merged / "tiny_flux_lora-state")))
+    assert ("state was written with base_loras = [{'file': 'tiny_flux_lora.safetensors', 'ratio': 1.0}], this run "
+            "has None") in one_error_line(capsys, code)
 
 
 def truncate_optimizer(state) -> str:

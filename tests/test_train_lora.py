@@ -122,6 +122,59 @@ def assert_close_loras(a_path, b_path):
     assert sorted(a) == sorted(b) and up > 1e-3 and diff <= 0.02 * up, (diff, up)
 
 
+def test_fp16_loss_scale_is_in_the_state(tiny_set, tmp_path, monkeypatch):
+    """fp16's GradScaler was not saved: a resumed run started at 65536 again and skipped the steps until the scale
+    fell back (steps 6-9 of 10 where the straight run applied them). A CPU GradScaler stands in for CUDA's (accelerate
+    makes none on a CPU); growing every step, a fresh one holds another scale than the state's."""
+    from library.training.diffusion_task import DiffusionTask
+
+    scalers, real = [], train_lora.make_accelerator
+
+    def with_scaler(args):
+        accelerator = real(args)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+        scalers.append(accelerator.scaler)
+        return accelerator
+
+    monkeypatch.setattr(train_lora, "make_accelerator", with_scaler)
+    steps = ["--max_train_steps", "4", "--mixed_precision", "fp16", "--sample_prompts", ""]
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "straight", *steps)) == 0
+    monkeypatch.setattr(DiffusionTask, "after_step", lambda self, step, out: step == 2 and os.kill(os.getpid(), signal.SIGINT))
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "cut", *steps)) == 130
+    monkeypatch.setattr(DiffusionTask, "after_step", lambda self, step, out: None)
+    state = str(tmp_path / "cut" / "tiny_flux_lora-state")
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "cut", *steps, "--resume", state)) == 0
+    assert scalers[0].get_scale() == scalers[2].get_scale() == 2.0**14, [s.get_scale() for s in scalers]
+    a, b = load_file(tmp_path / "straight" / "tiny_flux_lora.safetensors"), load_file(tmp_path / "cut" / "tiny_flux_lora.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_state_at_an_epochs_end_resumed_on_longer_epochs_starts_the_next_epoch(tiny_set, tmp_path, monkeypatch):
+    """A state written at an epoch's last step (a step save, a Ctrl-C) held batches_done = that epoch's batches; on data
+    with more batches an epoch (num_repeats 2) the resumed run trained the rest of the new order as the same epoch (4
+    more steps of epoch 0, two images never seen), where a state from the epoch save went on with epoch 1."""
+    from library.training.diffusion_task import DiffusionTask
+
+    def ds(repeats):
+        image_dir = load_dataset_config(tiny_set["dataset_config"]).datasets[0].subsets[0].image_dir
+        path = tmp_path / f"ds{repeats}.toml"
+        path.write_text(f'[general]\nresolution = 64\nbatch_size = 2\n[[datasets]]\n[[datasets.subsets]]\n'
+                        f'image_dir = "{image_dir}"\nnum_repeats = {repeats}\n')
+        return str(path)
+
+    steps = ["--max_train_steps", "8", "--sample_prompts", ""]
+    monkeypatch.setattr(DiffusionTask, "after_step",
+                        lambda self, step, out: step == self.batches_per_epoch() and os.kill(os.getpid(), signal.SIGINT))
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, *steps, "--dataset_config", ds(1))) == 130
+    monkeypatch.setattr(DiffusionTask, "after_step", lambda self, step, out: None)
+    assert train_lora.main(flux_args(tiny_set, out, *steps, "--dataset_config", ds(2),
+                                     "--resume", str(out / "tiny_flux_lora-state"))) == 0
+    with open(out / "tiny_flux_lora_log.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["epoch"] for r in rows] == ["0"] * 4 + ["1"] * 4, [(r["step"], r["epoch"]) for r in rows]
+
+
 def test_two_ddp_processes_equal_one_process_with_doubled_batch(tiny_set, tmp_path, monkeypatch):
     write_ddp_datasets(tiny_set, tmp_path)
     common = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",

@@ -23,6 +23,7 @@ import torch
 
 from library.io import CheckpointError, CheckpointReader, atomic_folder, save_safetensors
 from library.models.registry import LOWBIT_PRECISIONS
+from library.training.base_loras import base_lora_specs, base_loras_metadata
 from library.training.config import plan_steps
 
 # Settings a resumed run must share with the run that wrote the state.
@@ -32,7 +33,8 @@ RUN_IDENTITY = (
     "mixed_precision", "seed", "pretrain", "network_dropout",
 )
 # Compared where the state has them (states written before a key was kept still resume).
-KEPT_SINCE = ("network_dropout",)  # its own key: network_args' dropout=... was compared, it was not (2026-11-27)
+KEPT_SINCE = ("network_dropout",  # its own key: network_args' dropout=... was compared, it was not (2026-11-27)
+              "base_loras")  # the LoRAs merged into the frozen base (files' names, ratios): another base (2026-11-28)
 
 # The schedule's shape: the scheduler's state holds its step, not its lambda, which the resumed run
 # rebuilds from these. Compared where the state has them (states written before they were kept resume).
@@ -54,6 +56,8 @@ PROGRESS_KEYS = ("step", "epoch", "batches_done", "scheduler", "run")
 
 def run_digest(args) -> dict:
     identity = {k: getattr(args, k) for k in RUN_IDENTITY + SCHEDULE_IDENTITY}
+    merged = getattr(args, "base_loras", None)
+    identity["base_loras"] = base_loras_metadata(base_lora_specs(merged)) if merged else None
     if args.model_type == "llm":
         identity.update({k: getattr(args, k) for k in (*LLM_DATA_IDENTITY, *LLM_TRAINED_BEFORE_KEY)})
     identity["base_model"] = os.path.basename(os.path.normpath(args.pretrained_model_name_or_path or ""))
