@@ -111,7 +111,7 @@ def save_llm_folder(model: LLM, folder):
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(LLM_CFG.to_hf(), f)
+        json.dump({**LLM_CFG.to_hf(), "dtype": "float32"}, f)
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         f.write('{"model_max_length": 64}')
 
@@ -232,6 +232,8 @@ def test_llm_sharded_folder_merge_equals_unmerged_lora_and_copies_files(tmp_path
     assert open(tmp_path / "out" / "tokenizer_config.json").read() == '{"model_max_length": 64}'
     merged = read_all(tmp_path / "out" / "model-00001-of-00002.safetensors")
     assert {t.dtype for t in merged.values()} == {torch.bfloat16}
+    # config.json said float32 still: transformers loaded the bf16 weights as float32 (twice the memory)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
     out = run(load_llm(str(tmp_path / "out")), llm_inputs())
     assert (out - expected).abs().max() <= 0.02 * expected.abs().max()  # bf16 storage of the merged fp32 sum
     # The old line wrote e4m3 + weight_scale, which transformers loads without the scales (logits off ~0.7).

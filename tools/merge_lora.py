@@ -119,6 +119,7 @@ from safetensors import safe_open  # noqa: E402
 
 from library.precision import fp8  # noqa: E402
 from library.precision.gguf_writer import GgufEntry, output_type, save_precision_type, write_gguf_streaming  # noqa: E402
+from library.atomic_files import write_text  # noqa: E402
 from library.io import ST_DTYPES, atomic_folder, atomic_path  # noqa: E402
 from library.models.registry import arch_specs  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
@@ -398,9 +399,27 @@ def write_merged(plan: Plan, specs: list[LoRASpec], out: str) -> list[str]:
         _write_index(plan, out)
         for name in os.listdir(plan.base.path):
             source = os.path.join(plan.base.path, name)
-            if os.path.isfile(source) and not name.endswith(NOT_COPIED):
+            if name == "config.json" and plan.precision in PRECISION_DTYPES:
+                _write_config(source, os.path.join(out, name), PRECISION_DTYPES[plan.precision])
+            elif os.path.isfile(source) and not name.endswith(NOT_COPIED):
                 shutil.copyfile(source, os.path.join(out, name))  # new files, as the umask says (copy2 kept the source's mode)
     return written
+
+
+def _write_config(source: str, target: str, dtype: torch.dtype):
+    """A Hugging Face config.json whose dtype / torch_dtype say the merged weights' float dtype: transformers
+    loads a model in it, so an fp32 base merged to bf16 loaded as float32 (twice the memory)."""
+    with open(source) as f:
+        config = json.load(f)
+    name = str(dtype).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if isinstance(config.get(key), str):
+            config[key] = name
+    for nested in ("text_config",):  # a vision-language config repeats it for its language model
+        if isinstance(config.get(nested), dict):
+            config[nested] = {k: name if k in ("dtype", "torch_dtype") and isinstance(v, str) else v
+                              for k, v in config[nested].items()}
+    write_text(target, json.dumps(config, indent=2) + "\n")
 
 
 def _write_index(plan: Plan, out: str):
