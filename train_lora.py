@@ -44,7 +44,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from library.io import CheckpointError, CheckpointReader  # noqa: E402
+from library.io import CheckpointError, CheckpointReader, recover_folder  # noqa: E402
 from library.training import fsdp, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix, step_ds  # noqa: E402
 from library.training.config import (PRECISION_DTYPES, ConfigError, check_planned_steps, epoch_steps,  # noqa: E402
@@ -319,6 +319,10 @@ class Trainer:
         if fsdp.uses_fsdp(accelerator):
             fsdp.check_fsdp(accelerator, args)
         torch.manual_seed(args.seed)
+        if accelerator.is_main_process:  # this run's output lock is held: what a killed save left is its own
+            for line in recover_folder(os.path.join(args.output_dir, f"{args.output_name}-state")):
+                accelerator.print(line)
+        accelerator.wait_for_everyone()
         # Read and checked before the models load: a damaged or foreign state fails in seconds.
         state = load_state(args.resume, args) if args.resume else None
         earlier = earlier_emas(args)

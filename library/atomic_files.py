@@ -106,6 +106,24 @@ def atomic_folder(path: str):
                 shutil.rmtree(old)
 
 
+def recover_folder(path: str) -> list[str]:
+    """Set right what a process killed inside atomic_folder(path) left (SIGKILL, a power cut): the old folder
+    put back where it was moved aside and its replacement never took its place (a training state then
+    vanished from where --resume looks), the temporaries removed. Only where nothing else writes `path`
+    (a run holding its output lock). Returns one line per folder put back."""
+    folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    left = re.compile(rf"\.{re.escape(name)}\.[a-z0-9_]+\.(tmp|old)")
+    said = []
+    for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not (match := left.fullmatch(entry)) or not os.path.isdir(hidden := os.path.join(folder, entry)):
+            continue
+        if match.group(1) == "old" and os.path.isdir(os.path.join(hidden, "folder")) and not os.path.exists(path):
+            os.replace(os.path.join(hidden, "folder"), path)
+            said.append(f"{path}: put back from {hidden} (a save was killed while it replaced this folder)")
+        shutil.rmtree(hidden)
+    return said
+
+
 def write_text(path: str, text: str):
     with atomic_path(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:  # what read_utf8 reads back, whatever the locale

@@ -428,6 +428,25 @@ def test_resume_from_a_state_of_another_run_config_is_refused(trained, tiny_set,
             "has None") in one_error_line(capsys, code)
 
 
+def test_a_state_a_killed_save_left_moved_aside_is_put_back_and_resumes(trained, tiny_set, tmp_path, capsys):
+    """SIGKILL between atomic_folder's two renames left the previous state under a hidden `.<name>-state.<x>.old`
+    and no `<name>-state`: --resume found no state (and the half-written `.tmp` stayed, GBs at full size)."""
+    out = tmp_path / "out"
+    hidden = out / ".tiny_flux_lora-state.k3j_x9ab.old"
+    shutil.copytree(trained / "tiny_flux_lora-state", hidden / "folder")
+    (out / ".tiny_flux_lora-state.q1w2e3r4.tmp").mkdir()
+    (out / ".tiny_flux_lora-state.q1w2e3r4.tmp" / "optimizer.pt").write_bytes(b"half")
+    (out / ".other-state.a1b2c3d4.tmp").mkdir()  # another output_name's (its run may be writing it): left alone
+    capsys.readouterr()
+    state = out / "tiny_flux_lora-state"
+    assert train_lora.main(flux_args(tiny_set, out, "--save_state", "true", "--network_dim", "8", "--max_train_steps", "2",
+                                     "--resume", str(state))) == 0
+    assert f"{state}: put back from {hidden}" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".other-state.a1b2c3d4.tmp"]
+    with open(state / "train_state.json") as f:
+        assert json.load(f)["step"] == 2
+
+
 def truncate_optimizer(state) -> str:
     data = (state / "optimizer.pt").read_bytes()
     (state / "optimizer.pt").write_bytes(data[: len(data) // 2])
