@@ -549,18 +549,22 @@ sys.exit(train_lora.main(sys.argv[1:]))
 '''
 
 
+def two_processes_running(tiny_set, tmp_path, script: str, out, *extra) -> subprocess.CompletedProcess:
+    """`script` (train_lora.main with a fault put in) as 2 gloo processes on the DDP datasets."""
+    write_ddp_datasets(tiny_set, tmp_path)
+    (tmp_path / "script.py").write_text(script)
+    argv = flux_args(tiny_set, out, "--dataset_config", str(tmp_path / "ds1.toml"), "--sample_prompts", "", *extra)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           free_port(), str(tmp_path / "script.py"), *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
 def test_a_nan_loss_in_another_process_stops_every_process_with_the_line_and_the_save(tiny_set, tmp_path):
     """Old: process 1's NaN stopped process 1 alone; the main process (which saves and prints) died in
     the next all-reduce: no line, no LoRA, exit 1 through torchrun's traceback."""
-    write_ddp_datasets(tiny_set, tmp_path)
-    (tmp_path / "poison.py").write_text(POISON_ONE_PROCESS)
     out = tmp_path / "multi"
-    argv = flux_args(tiny_set, out, "--dataset_config", str(tmp_path / "ds1.toml"), "--max_train_steps", "3",
-                     "--sample_prompts", "", "--save_every_n_steps", "1")
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          free_port(), str(tmp_path / "poison.py"), *argv], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = two_processes_running(tiny_set, tmp_path, POISON_ONE_PROCESS, out, "--max_train_steps", "3", "--save_every_n_steps", "1")
     assert "error: another process's loss is not finite at step 2" in run.stderr, run.stderr[-2000:]
     assert (out / "tiny_flux_lora-step000001.safetensors").exists()
 
@@ -575,16 +579,9 @@ def test_a_sigterm_to_one_process_stops_every_process_at_that_step_with_the_save
     """A SIGTERM to one worker's pid (taken from top or nvidia-smi) stopped that worker alone (exit 130, no
     line: only the main process prints); the main one failed in the next all-reduce, nothing saved. The
     flag is agreed every step now: both stop at step 2, the main process saves the LoRA and the state."""
-    write_ddp_datasets(tiny_set, tmp_path)
     assert "os.kill" in SIGTERM_ONE_PROCESS
-    (tmp_path / "term.py").write_text(SIGTERM_ONE_PROCESS)
     out = tmp_path / "multi"
-    argv = flux_args(tiny_set, out, "--dataset_config", str(tmp_path / "ds1.toml"), "--max_train_steps", "4",
-                     "--sample_prompts", "", "--save_every_n_steps", "0")
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          free_port(), str(tmp_path / "term.py"), *argv], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = two_processes_running(tiny_set, tmp_path, SIGTERM_ONE_PROCESS, out, "--max_train_steps", "4", "--save_every_n_steps", "0")
     assert "a signal to another process: saved" in run.stderr + run.stdout, run.stderr[-2000:]
     assert re.search(r"exitcode\s+: 130", run.stderr) and run.returncode == 1, run.stderr[-2000:]  # torchrun's own 1
     assert (out / "tiny_flux_lora-step000002.safetensors").exists() and (out / "tiny_flux_lora-state").is_dir()
