@@ -50,6 +50,9 @@ LYCORIS_ARGS = {
 # not rank_dropout_scale: its modules take it, but create_network never reads it (it would be dropped)
 # Without a `preset` the targets are our LoRA's, Linear layers named one by one: these would act on
 # no module (convolutions; norm layers), so they need a preset that names such modules.
+# Algos whose modules (lycoris-lora 4.1.3) never read rank_dropout, though create_network hands it to them; LoKr's
+# bypass forward neither (its weight rebuild does).
+NO_RANK_DROPOUT = ("ia3", "dylora", "tlora", "boft")
 PRESET_ONLY_ARGS = {"conv_dim": "convolution layers", "conv_alpha": "convolution layers",
                     "train_norm": "norm layers"}
 # Their value types: LyCORIS reads them with int() / float() / str_bool (which takes every word but
@@ -130,11 +133,13 @@ def check_lycoris_args(args: dict, arch: str | None = None) -> None:
     typed = _typed_lycoris_args(args)
     if arch is not None:
         check_lora_args(arch, {k: v for k, v in args.items() if k in SELECTION_ARGS})
-    if (typed.get("rank_dropout") and str(typed.get("algo", "lora")).lower() == "lokr"
-            and typed.get("bypass_mode", _default_bypass(typed))):
-        raise ValueError("network_args 'rank_dropout' with algo=lokr: LyCORIS' LoKr bypass forward (the default here) "
-                         "never reads it (it would train without rank dropout): set 'bypass_mode=false', or use "
-                         "'dropout' / 'module_dropout'")
+    algo = str(typed.get("algo", "lora")).lower()
+    lokr_bypass = algo == "lokr" and typed.get("bypass_mode", _default_bypass(typed))
+    if typed.get("rank_dropout") and (algo in NO_RANK_DROPOUT or lokr_bypass):
+        where = "LyCORIS' LoKr bypass forward (the default here)" if algo == "lokr" else f"LyCORIS' {algo} module"
+        raise ValueError(f"network_args 'rank_dropout' with algo={algo}: {where} never reads it (it would train "
+                         f"without rank dropout): " + ("set 'bypass_mode=false', or use " if algo == "lokr" else "use ")
+                         + "'dropout' / 'module_dropout'")
     idle = [k for k, layers in PRESET_ONLY_ARGS.items() if typed.get(k) and "preset" not in args]
     if idle:
         raise ValueError(f"network_args '{idle[0]}' acts on {PRESET_ONLY_ARGS[idle[0]]}, and without a LyCORIS "

@@ -96,8 +96,9 @@ def test_lycoris_selection_args_are_checked_for_the_arch_without_a_model():
     ({**LOKR, "dropout": 1.5}, "network_args 'dropout': expected a probability in [0, 1), got 1.5"),  # F.dropout raised at step 1
     # LoKr's bypass forward never reads it: two training forwards were equal (LoHa / LoCon / our LoRA: 1e-2 apart)
     ({**LOKR, "rank_dropout": 0.5}, "LyCORIS' LoKr bypass forward (the default here) never reads it"),
+    ({"algo": "ia3", "rank_dropout": 0.5}, "LyCORIS' ia3 module never reads it"),  # as dylora, tlora, boft
 ], ids=["algo", "factor", "dropout", "use_tucker", "preset", "rank_dropout_scale", "conv_dim", "train_norm", "dropout_range",
-        "lokr_rank_dropout"])
+        "lokr_rank_dropout", "ia3_rank_dropout"])
 def test_bad_lycoris_args_name_the_key_the_value_and_what_is_allowed(args, message):
     with pytest.raises(ValueError) as raised:
         LycorisNetwork(tiny_flux(), "flux", 4, network_args=args)

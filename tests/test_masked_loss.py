@@ -208,9 +208,9 @@ def test_reg_repeats_are_balanced_to_the_training_images_as_sd_scripts(tmp_path,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ds = D.ImageDataset(bp)
-    reg_items = [it for it in ds.items if it.subset.is_reg]
+    reg_items = [it for it in ds.drawn_items() if it.subset.is_reg]
     counts = [sum(1 for e in ds.entries if ds.items[e] is it) for it in reg_items]
-    # the unused ones are left out of the dataset, so caching does not encode them (it did until 2026-11-28)
+    # the unused ones are not drawn, so caching does not encode them (it did until 2026-11-28)
     assert counts == [n for n in expected if n] and len(reg_items) == reg[0] - expected.count(0)
     unused_lines = [str(w.message) for w in caught if "regularization images are not used" in str(w.message)]
     first_unused = str(tmp_path / "reg" / f"{expected.index(0)}.png") if 0 in expected else None
@@ -267,3 +267,26 @@ def test_masked_and_reg_training_runs_on_both_families(tiny_set, tmp_path, famil
     assert masks and all(m.shape[1:] == (1, 8, 8) for m in masks)
     assert set(weights.tolist()) <= {1.0, 0.25} and 0.25 in weights.tolist()
     assert any(sample[:, :, :4].sum() == 0 and sample[:, :, 4:].min() == 1 for m in masks for sample in m)  # alpha
+
+
+def test_regularization_images_past_the_balance_are_not_cached(tiny_set, tmp_path):
+    """2 training images, 5 reg images: 2 reg images are drawn an epoch, the other 3 were VAE- and text-encoded for
+    nothing (thousands of class images, most of them never drawn). The header counts them all, as sd-scripts."""
+    from safetensors import safe_open
+
+    from tests.test_train_lora import flux_args
+
+    for folder, count in (("train", 2), ("reg", 5)):
+        os.makedirs(tmp_path / folder)
+        make_set(str(tmp_path / folder), count)
+    (tmp_path / "ds.toml").write_text(
+        f'[[datasets]]\nresolution = 64\nbatch_size = 2\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "train"}"\n'
+        f'class_tokens = "sks square"\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "reg"}"\nclass_tokens = "square"\n'
+        f'is_reg = true\n')
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--dataset_config", str(tmp_path / "ds.toml"), "--max_train_steps", "1",
+                                     "--sample_prompts", "")) == 0
+    cached = {f.name.split("_")[0] for f in (tmp_path / "reg").rglob("*.safetensors")}
+    assert cached == {"0", "1"}, sorted(cached)  # file order: the first two
+    with safe_open(str(out / "tiny_flux_lora.safetensors"), "pt") as f:
+        assert f.metadata()["ss_num_reg_images"] == "5"

@@ -749,7 +749,9 @@ def test_a_peft_adapter_of_a_vision_language_base_applies_in_peft_and_reads_back
     for f in os.listdir(tiny_set["qwen_image_tokenizer"]):
         shutil.copy(os.path.join(tiny_set["qwen_image_tokenizer"], f), base / f)
     out = tmp_path / "out"
-    assert train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", str(base), "--output_name", "vl",
+    # the base as its weights file (load_llm reads config.json beside it): the adapter's names did not nest then
+    weights = str(base / "model.safetensors")
+    assert train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", weights, "--output_name", "vl",
                                     "--max_train_steps", "3", "--optimizer_type", "AdamW", "--learning_rate", "3e-2",
                                     "--eval_every_n_steps", "0", "--save_format", "peft")) == 0
     config = json.loads((out / "vl" / "adapter_config.json").read_text())

@@ -46,8 +46,6 @@ class ImageDataset(torch.utils.data.Dataset):
         if not validation:  # regularization images: repeats balanced to the training images per dataset
             reg = _reg_repeats(self.items)
             repeats = [reg.get(id(item), n) for item, n in zip(self.items, repeats)]
-            # reg images past the balance are never drawn: left out, so caching does not encode them either
-            self.items, repeats = [it for it, n in zip(self.items, repeats) if n], [n for n in repeats if n]
         self.entries = [i for i, n in enumerate(repeats) for _ in range(n)]
         self.repeat_of = [r for n in repeats for r in range(n)]
         if not validation:  # validation uses the captions as written
@@ -57,6 +55,12 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def drawn_items(self) -> list[ImageItem]:
+        """The items an epoch draws: regularization images past the balance are never drawn, so not cached
+        (they stay in `items`: the state's record of the files and the header's counts are of the scan)."""
+        drawn = set(self.entries)
+        return [item for i, item in enumerate(self.items) if i in drawn]
 
     def __getitem__(self, key) -> dict:
         entry, epoch = key if isinstance(key, tuple) else (key, 0)

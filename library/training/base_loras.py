@@ -28,9 +28,10 @@ def base_lora_specs(entries: list[str]) -> list[LoRASpec]:
     return [parse_lora_spec(e, "base_loras") for e in entries]
 
 
-def base_loras_metadata(specs: list[LoRASpec]) -> list[dict]:
-    """What the saved LoRA's header records: each file's name and ratio, in merge order."""
-    return [{"file": os.path.basename(s.path), "ratio": s.ratio} for s in specs]
+def base_loras_metadata(entries: list[str] | None) -> list[dict] | None:
+    """What the saved LoRA's header and a training state record of base_loras: each file's name and ratio,
+    in merge order (None: no LoRA merged into the base)."""
+    return [{"file": os.path.basename(s.path), "ratio": s.ratio} for s in base_lora_specs(entries)] if entries else None
 
 
 @torch.no_grad()

@@ -270,7 +270,7 @@ class DiffusionTask:
         encodes its share of the cache files (caches.owned_by) and waits for the others' (encoded_by_all);
         the prompts' files are written by the main process first, then read by the others."""
         self._cache_latents()  # the VAE is freed when this returns
-        args, items = self.args, self.dataset.items + self.validation_set.items
+        args, items = self.args, self.dataset.drawn_items() + self.validation_set.items
         options = self.family.text_options(args)
         precision = args.text_encoder_precision  # part of the cache key: another precision re-encodes
         text_key = self.family.text_cache_key(options, precision)
@@ -340,7 +340,7 @@ class DiffusionTask:
         return cache_folder(items[0])
 
     def _cache_latents(self):
-        items, latent_key = self.dataset.items + self.validation_set.items, self.family.latent_cache_key()
+        items, latent_key = self.dataset.drawn_items() + self.validation_set.items, self.family.latent_cache_key()
 
         def load():
             vae = self.family.load_vae(torch.float32)
@@ -533,7 +533,7 @@ class DiffusionTask:
         return self.stored_precision or self.widened_precision or base_precision(self.args)
 
     def metadata(self) -> dict:
-        from library.training.base_loras import base_lora_specs, base_loras_metadata
+        from library.training.base_loras import base_loras_metadata
 
         datasets, args = self.blueprint.datasets, self.args
         return {
@@ -545,7 +545,7 @@ class DiffusionTask:
             "timestep_sampling": args.timestep_sampling or self.family.default_timestep_sampling(self.base),
             "dataset": self._dataset_summary(),
             **self._folder_facts(),
-            "base_loras": base_loras_metadata(base_lora_specs(args.base_loras)) if args.base_loras else None,
+            "base_loras": base_loras_metadata(args.base_loras),
             **getattr(self, "loaded", {}),  # network_dim / network_alpha where network_weights set them
         }
 

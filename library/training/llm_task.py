@@ -347,12 +347,15 @@ class LLMTask:
         (self.network if self.network is not None else self.model).load_state_dict(tensors)
 
     def _global_batches(self, epoch: int) -> list[list[int]]:
-        if getattr(self, "_batches_of", (None,))[0] != epoch:  # one shuffle an epoch (loss_weight asks each batch)
+        shuffled = self.__dict__.setdefault("_epochs_shuffled", {})  # one shuffle an epoch (loss_weight asks each step)
+        if epoch not in shuffled:
             order = list(range(len(self.train_set)))
             random.Random(f"{self.args.seed}:{epoch}").shuffle(order)
             size = self.args.batch_size * self.accelerator.num_processes
-            self._batches_of = epoch, [order[i : i + size] for i in range(0, len(order), size)]
-        return self._batches_of[1]
+            if len(shuffled) > 1:  # kept: the epoch trained and batches_per_epoch's epoch 0
+                shuffled.clear()
+            shuffled[epoch] = [order[i : i + size] for i in range(0, len(order), size)]
+        return shuffled[epoch]
 
     @staticmethod
     def _local(batch: list[int], rank: int, world: int) -> list[int]:
@@ -369,12 +372,15 @@ class LLMTask:
         objective (the first step's loss 6.14374 vs 6.14358 on a chat corpus, 2 processes; plain text, every
         window full, was equal)."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        batches = self._global_batches(epoch)
-
-        def tokens(j: int, r: int) -> int:
-            return sum(int((self.train_set[i][1] != IGNORE).sum()) for i in self._local(batches[j], r, world))
-
-        return world * tokens(batch, rank), sum(tokens(j, r) for j in step_batches for r in range(world))
+        step = (epoch, step_batches.start, step_batches.stop)
+        if getattr(self, "_step_tokens", (None,))[0] != step:  # counted once a step, not once a micro-batch
+            batches = self._global_batches(epoch)
+            counts = {(j, r): sum(int((self.train_set[i][1] != IGNORE).sum())
+                                  for i in self._local(batches[j], r, world))
+                      for j in step_batches for r in range(world)}
+            self._step_tokens = step, counts
+        counts = self._step_tokens[1]
+        return world * counts[(batch, rank)], sum(counts.values())
 
     def batches_per_epoch(self) -> int:
         return len(self._global_batches(0))
@@ -511,8 +517,10 @@ class LLMTask:
         return [folder]
 
     def _base_config(self) -> dict | None:
-        """The base's config.json (None: none beside it, a model built from a config)."""
-        source = os.path.join(self.args.pretrained_model_name_or_path or "", "config.json")
+        """The base's config.json, beside its weights as load_llm finds it (the base given as its folder, its
+        .safetensors or its index); None: none there (a model built from a config)."""
+        path = self.args.pretrained_model_name_or_path or ""
+        source = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
         if not os.path.isfile(source):
             return None
         with open(source) as f:

@@ -23,7 +23,7 @@ import torch
 
 from library.io import CheckpointError, CheckpointReader, atomic_folder, save_safetensors
 from library.models.registry import LOWBIT_PRECISIONS
-from library.training.base_loras import base_lora_specs, base_loras_metadata
+from library.training.base_loras import base_loras_metadata
 from library.training.config import plan_steps
 
 # Settings a resumed run must share with the run that wrote the state.
@@ -56,8 +56,7 @@ PROGRESS_KEYS = ("step", "epoch", "batches_done", "scheduler", "run")
 
 def run_digest(args) -> dict:
     identity = {k: getattr(args, k) for k in RUN_IDENTITY + SCHEDULE_IDENTITY}
-    merged = getattr(args, "base_loras", None)
-    identity["base_loras"] = base_loras_metadata(base_lora_specs(merged)) if merged else None
+    identity["base_loras"] = base_loras_metadata(getattr(args, "base_loras", None))
     if args.model_type == "llm":
         identity.update({k: getattr(args, k) for k in (*LLM_DATA_IDENTITY, *LLM_TRAINED_BEFORE_KEY)})
     identity["base_model"] = os.path.basename(os.path.normpath(args.pretrained_model_name_or_path or ""))
