@@ -22,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import socket
 import sys
 import time
@@ -29,6 +30,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from library.text_files import read_utf8  # noqa: F401  (re-exported: the loaders import it from here)
@@ -548,7 +550,13 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict
     """Atomic safetensors write; tensors are made contiguous CPU tensors first."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata=metadata)
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except SafetensorError as e:  # its writer's I/O errors are no OSError: a full disk would be a traceback
+            code = re.search(r"\(os error (\d+)\)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), str(e)) from None
 
 
 # -- transformer files in their two release layouts ----------------------------------------------

@@ -199,6 +199,23 @@ def test_bases_it_cannot_write_are_one_line(tiny_set, merged, tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_full_disk_while_writing_a_gguf_is_one_line_naming_the_file(tiny_set, merged, tmp_path, capsys, monkeypatch):
+    """numpy's tofile says a short write without its errno: 'error: 69632 requested and 8160 written' named no file
+    and no full disk (a 400 KiB tmpfs)."""
+    import gguf
+
+    def short_write(self, tensor):
+        raise OSError("69632 requested and 8160 written")
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", short_write)
+    capsys.readouterr()
+    out = tmp_path / "m.gguf"
+    line = one_error_line(capsys, merge("--model", tiny_set["flux_bfl"], "--lora", merged / "l.safetensors", "--save_to", out,
+                                        "--save_precision", "gguf_q8_0"))
+    assert line == f"error: {out}: cannot be written, no space left on device (nothing was written)", line
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_zimage_merge_writes_a_lumina2_gguf_that_reads_back_to_its_dequantized_weights(tiny_set, tmp_path, capsys):
     """Z-Image: ComfyUI-GGUF's "lumina2" with the single file's names (fused attention.qkv, x_embedder ...),
     which convert.py detects and the loader accepts; our loader gives back, weight for weight, what gguf

@@ -22,6 +22,7 @@ quantized from float32 (the merged weight as merge_lora computes it).
 
 from __future__ import annotations
 
+import errno
 import re
 from dataclasses import dataclass
 from typing import Iterator, Protocol
@@ -129,6 +130,16 @@ def write_gguf_streaming(path: str, arch: str, qtype: str, entries: list[GgufEnt
     """Write a GGUF file whose tensor list is known before its tensors: header, key-values (the
     architecture, quantization version, file type, `metadata` as strings), tensor infos, then each
     tensor encoded and written as `tensors` yields it (exactly `entries`, in order), one at a time."""
+    try:
+        _write_gguf(path, arch, qtype, entries, tensors, metadata)
+    except OSError as e:  # numpy's tofile says a short write without its errno ("69632 requested and 8160 written"):
+        if e.errno is None and "requested and" in str(e):  # a full disk (or quota), as the caller then names it
+            raise OSError(errno.ENOSPC, f"short write ({e})") from None
+        raise
+
+
+def _write_gguf(path: str, arch: str, qtype: str, entries: list[GgufEntry],
+                tensors: Iterator[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> None:
     import gguf
 
     writer = gguf.GGUFWriter(path, arch=arch)
