@@ -58,6 +58,7 @@ from networks.lora_files import (
     adapter_name_dropped,
     beside_lora_note,
     detect_format,
+    is_lycoris_file,
     lora_reader,
     naming,
     parse_lora,
@@ -368,6 +369,11 @@ def check_lora_arch(path: str, arch: str) -> None:
     if te and not shapes:
         raise CheckpointError(text_encoders_only(path, te, arch))
     shapes = without_base_only(path, split_beside_lora(shapes)[0], dict(reader.metadata), arch, say=False)
+    try:  # every name a LoRA's: a VAE or a base checkpoint given as base_loras was named only after caching
+        if shapes and not is_lycoris_file(shapes):
+            detect_format(shapes)
+    except CheckpointError as e:
+        raise naming(path, e) from None
     if shapes and (error := foreign_arch_error(path, shapes, dict(reader.metadata), arch)) is not None:
         raise CheckpointError(error)
 

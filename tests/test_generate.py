@@ -75,6 +75,8 @@ CASES = {
     "lora_text_file": lambda tmp, tiny: text_named_safetensors(tmp),
     "lora_truncated": lambda tmp, tiny: truncated_lora(tmp),
     "steps_0": lambda tmp, tiny: (["--steps", "0"], ["--steps 0: expected at least 1"]),
+    # was an OverflowError traceback from the tokenizer, after the models loaded
+    "t5_tokens_negative": lambda tmp, tiny: (["--t5xxl_max_token_length", "-5"], ["--t5xxl_max_token_length -5: expected at least 1"]),
     "guidance_nan": lambda tmp, tiny: (["--guidance", "nan"], ["--guidance must be a finite number, got nan"]),  # a NaN image
     "width_negative": lambda tmp, tiny: (["--width", "-64"], ["--width -64: expected at least 16 pixels"]),
     "seed_too_large": lambda tmp, tiny: (["--seed", str(2**64)], [f"--seed {2**64}: expected 0 to 2^64 - 1"]),

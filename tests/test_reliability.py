@@ -157,6 +157,10 @@ def optimizer_unknown(ts, tmp):
     return ["--optimizer_type", "AdamQ"], ["command line: optimizer_type 'AdamQ' is unknown (AdamW, AdamW8bit, Prodigy"]
 
 
+def optimizer_not_an_optimizer(ts, tmp):  # was refused after caching and loading, blaming the empty optimizer_args
+    return ["--optimizer_type", "torch.nn.Linear"], ["optimizer_type torch.nn.Linear: a class, but no torch.optim.Optimizer"]
+
+
 def optimizer_args_not_literals(ts, tmp):
     return (["--optimizer_type", "AdamW", "--optimizer_args", "betas=__import__('os').getcwd()"],
             ["command line: optimizer_args value \"betas=__import__('os').getcwd()\" is not a Python literal"])
@@ -237,6 +241,15 @@ def network_weights_of_qwen_image(ts, tmp):
              "diffusers names), not for this FLUX.1 model"])
 
 
+def t5_tokens_negative(ts, tmp):  # an OverflowError traceback from the tokenizer after the latents were cached
+    return ["--t5xxl_max_token_length", "-1"], ["command line: key 't5xxl_max_token_length' must be >= 1, got -1"]
+
+
+def base_loras_a_vae(ts, tmp):  # its header passed: the run cached every image, then failed naming no key
+    return (["--base_loras", ts["flux_vae_single"]],
+            ["key 'base_loras': ", "ae.safetensors: LoRA key 'decoder.", "(is it a LoRA file?)"])
+
+
 def dim_from_weights_without_network_weights(ts, tmp):
     return ["--dim_from_weights", "true"], ["key 'dim_from_weights' needs network_weights"]
 
@@ -278,6 +291,7 @@ CASES = {
     "cli_bool_not_a_bool": cli_bool_not_a_bool,
     "optimizer_unknown": optimizer_unknown,
     "optimizer_args_not_literals": optimizer_args_not_literals,
+    "optimizer_not_an_optimizer": optimizer_not_an_optimizer,
     "optimizer_args_wrong_value": optimizer_args_wrong_value,
     "output_dir_cannot_be_created": output_dir_cannot_be_created,
     "logging_dir_is_a_file": logging_dir_is_a_file,
@@ -292,6 +306,8 @@ CASES = {
     "fp8_checkpoint_for_fp8_base": lambda ts, tmp: fp8_checkpoint(ts, tmp, "true"),
     "network_weights_missing": network_weights_missing,
     "network_weights_of_qwen_image": network_weights_of_qwen_image,
+    "base_loras_a_vae": base_loras_a_vae,
+    "t5_tokens_negative": t5_tokens_negative,
     "seed_beyond_torch": seed_beyond_torch,
     "samples_every_steps_and_epochs": samples_every_steps_and_epochs,
     "dim_from_weights_without_network_weights": dim_from_weights_without_network_weights,

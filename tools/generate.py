@@ -115,6 +115,9 @@ def check_args(args) -> torch.device:
             raise ValueError(f"--{key} is read by {readers}, not by --model_type {args.model_type}")
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps {args.steps}: expected at least 1")
+    for key in (k for k, a in FAMILY_KEYS.items() if a.type is int):  # counts and sizes, as the training config's
+        if getattr(args, key) is not None and getattr(args, key) < 1:
+            raise ValueError(f"--{key} {getattr(args, key)}: expected at least 1")
     if args.seed is not None:
         check_seed("--seed", args.seed)
     if args.guidance is not None:

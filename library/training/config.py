@@ -589,7 +589,8 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
 RANGES = {
     ">= 1": ("network_dim", "max_train_steps", "max_train_epochs", "gradient_accumulation_steps",
              "text_encoder_batch_size", "vae_batch_size", "block_swap_prefetch", "lr_scheduler_num_cycles",
-             "max_length", "stride", "batch_size", "sample_max_new_tokens"),
+             "max_length", "stride", "batch_size", "sample_max_new_tokens",
+             *(k for k, a in FAMILY_KEYS.items() if a.type is int)),  # the families' counts and sizes: tokens, layers, px
     ">= 0": ("blocks_to_swap", "validate_every_n_steps", "save_every_n_steps", "save_every_n_epochs",
              "save_last_n_saves", "sample_every_n_steps", "sample_every_n_epochs", "max_grad_norm",
              "lr_warmup_steps", "max_data_loader_n_workers", "ema_start_step", "prior_loss_weight", "eval_every_n_steps",

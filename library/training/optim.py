@@ -70,6 +70,8 @@ def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, o
     try:
         return cls(param_groups, lr=lr, **optimizer_kwargs)
     except (TypeError, ValueError, IndexError, KeyError, NotImplementedError) as e:  # unknown names, refused values
+        if not optimizer_kwargs:  # nothing of the user's beside the parameters and lr: the type is what failed
+            raise ConfigError(f"optimizer_type {optimizer_type}: cannot be built as an optimizer (params, lr=...): {e}") from None
         raise ConfigError(f"optimizer_args ({given}) do not fit {optimizer_type}: {e}") from None
 
 
@@ -81,7 +83,9 @@ def check_optimizer(optimizer_type: str, lr: float, optimizer_kwargs: dict, grou
     group_lrs: the setting that gives the parameter groups different lrs (LoRA+), if any: Prodigy and
     D-Adaptation apply one lr to all groups (Prodigy raises at the first step)."""
     cls = optimizer_class(optimizer_type)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+    if isinstance(cls, type) and not issubclass(cls, torch.optim.Optimizer):  # torch.nn.Linear: after caching and loading
+        raise ConfigError(f"optimizer_type {optimizer_type}: a class, but no torch.optim.Optimizer")
+    if not isinstance(cls, type):
         return
     stand_in = torch.nn.Parameter(torch.zeros(1, 1))
     try:
