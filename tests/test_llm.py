@@ -371,6 +371,10 @@ def test_quickstart_short_run_writes_outputs_and_lowers_val_loss(tmp_path):
     # ZeroDivisionErrors after the tokenizer trained, and NotADirectoryError (2026-11-27)
     (["--max_steps", "0"], "^error: --max_steps 0: expected at least 1$"),
     (["--eval_every", "0"], "^error: --eval_every 0: expected at least 1$"),
+    # tracebacks (the tokenizer's, AdamW's once tokenizer.json was written) or a model of no layers (2026-11-28)
+    (["--lr", "-1"], r"^error: --lr -1.0: expected a number above 0$"),
+    (["--vocab_size", "2"], r"^error: --vocab_size 2: expected at least 258"),
+    (["--layers", "0"], "^error: --layers 0: expected at least 1$"),
     (["--output_dir", "/etc/passwd/run"], "^error: --output_dir /etc/passwd/run: cannot be created, '/etc/passwd' is a file"),
 ])
 def test_quickstart_bad_settings_are_one_line_before_training(tmp_path, capsys, extra, message):

@@ -83,6 +83,10 @@ def test_bad_row_is_one_line_exit_2(tiny_set, tmp_path, capsys):
     (["--sigmas", "2"], "--sigmas '2': each must be in (0, 1]"),  # the old line: a matrix at sigma 2
     (["--sigmas", "-0.5"], "--sigmas '-0.5': each must be in (0, 1]"),
     (["--rows", "bf16", "--loras", "nf4=x.safetensors"], "--loras nf4=...: row 'nf4' is not in --rows bf16"),  # was dropped
+    (["--max_items", "0"], "--max_items 0: expected at least 1"),  # a ZeroDivisionError traceback after every row trained
+    (["--steps", "0"], "--steps 0: expected at least 1"),  # silently the config's
+    (["--rows", ""], "--rows '': expected at least one of"),  # an empty matrix written, then "max() arg is an empty sequence"
+    (["--loras", "foo"], "--loras 'foo': expected row=path"),  # "dictionary update sequence element #0 has length 1"
 ])
 def test_bad_sigmas_and_unused_loras_are_one_line_before_training(tiny_set, tmp_path, capsys, extra, message):
     config = write_config(tmp_path, tiny_set, "flux")

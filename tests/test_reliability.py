@@ -241,6 +241,14 @@ def network_weights_of_qwen_image(ts, tmp):
              "diffusers names), not for this FLUX.1 model"])
 
 
+def empty_paths(ts, tmp):  # "error: : no such file or folder", naming no key
+    return ["--pretrained_model_name_or_path", ""], ["command line: key 'pretrained_model_name_or_path' is empty; expected a path"]
+
+
+def dataset_config_a_folder(ts, tmp):  # "error: [Errno 21] Is a directory: ..."
+    return ["--dataset_config", str(tmp)], [f"{tmp}: a folder; expected a dataset config file"]
+
+
 def t5_tokens_negative(ts, tmp):  # an OverflowError traceback from the tokenizer after the latents were cached
     return ["--t5xxl_max_token_length", "-1"], ["command line: key 't5xxl_max_token_length' must be >= 1, got -1"]
 
@@ -308,6 +316,8 @@ CASES = {
     "network_weights_of_qwen_image": network_weights_of_qwen_image,
     "base_loras_a_vae": base_loras_a_vae,
     "t5_tokens_negative": t5_tokens_negative,
+    "empty_paths": empty_paths,
+    "dataset_config_a_folder": dataset_config_a_folder,
     "seed_beyond_torch": seed_beyond_torch,
     "samples_every_steps_and_epochs": samples_every_steps_and_epochs,
     "dim_from_weights_without_network_weights": dim_from_weights_without_network_weights,

@@ -17,6 +17,7 @@ import csv
 import importlib
 import inspect
 import io
+import math
 import os
 import sys
 import time
@@ -100,9 +101,15 @@ def parse_args(argv=None):
         refuse(f"--hidden {args.hidden} / --heads {args.heads} = {args.hidden // args.heads}: a head's width must be even")
     if mlp_width(args.hidden) < 32:  # (--hidden 8 trained a model whose MLPs had width 0)
         refuse(f"--hidden {args.hidden}: expected at least 12 (the MLP is 8/3 x hidden, rounded down to a multiple of 32)")
-    for key in ("max_steps", "eval_every", "eval_batches", "batch_size", "context", "threads"):  # 0: a division by
-        if getattr(args, key) < 1:  # zero after the tokenizer trained, or nothing trained
+    for key in ("max_steps", "eval_every", "eval_batches", "batch_size", "context", "threads", "layers"):  # 0: a
+        if getattr(args, key) < 1:  # division by zero after the tokenizer trained, or nothing trained (no layers)
             refuse(f"--{key} {getattr(args, key)}: expected at least 1")
+    if args.vocab_size < 258:  # a traceback from the tokenizer's training
+        refuse(f"--vocab_size {args.vocab_size}: expected at least 258 (256 bytes + eos + pad)")
+    if not (math.isfinite(args.lr) and args.lr > 0):  # AdamW's traceback, after the tokenizer was written
+        refuse(f"--lr {args.lr}: expected a number above 0")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        refuse(f"--weight_decay {args.weight_decay}: expected a number of at least 0")
     try:  # NotADirectoryError's traceback
         check_out_folder("--output_dir", args.output_dir, "the model, tokenizer and log go there")
     except ValueError as e:

@@ -438,10 +438,19 @@ def parse_sigmas(text: str) -> list[float]:
     return sigmas
 
 
+def check_counts(cli) -> None:
+    """--max_items, --steps, --resolution: at least 1 where given (0 evaluated nothing after every row had
+    trained: a ZeroDivisionError; 0 steps or pixels silently meant the config's)."""
+    for flag, value in (("--max_items", cli.max_items), ("--steps", cli.steps), ("--resolution", cli.resolution)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: expected at least 1")
+
+
 def main(argv=None, log=print) -> int:
     try:
         cli = build_parser().parse_args(argv)
         check_out_folder("--out", cli.out, "the matrix and its rows' runs go there")  # NotADirectoryError's traceback
+        check_counts(cli)  # before any row trains (hours at full size)
         overrides = ["--max_train_steps", str(cli.steps)] if cli.steps else []
         base = load_config(["--config_file", cli.config_file])
         if base.model_type == "llm":  # before run_args' diffusion keys, which an llm config refuses
@@ -453,8 +462,13 @@ def main(argv=None, log=print) -> int:
         family = get_family(args)
         refuse_stored_base(args.pretrained_model_name_or_path, f"{cli.config_file}: pretrained_model_name_or_path",
                            "every row and column would train and deploy on that one base")
+        bad = [item for item in cli.loras.split(",") if item and "=" not in item]
+        if bad:
+            raise ValueError(f"--loras {bad[0]!r}: expected row=path (e.g. bf16=lora.safetensors), comma-separated")
         given = dict(item.split("=", 1) for item in cli.loras.split(",") if item)
         rows = [r for r in cli.rows.split(",") if r]
+        if not rows:
+            raise ValueError(f"--rows {cli.rows!r}: expected at least one of {', '.join(TRAINED_ON)}")
         unknown = [r for r in list(given) + rows if r not in TRAINED_ON]
         if unknown:
             raise ValueError(f"row {unknown[0]!r}: expected one of {', '.join(TRAINED_ON)}")

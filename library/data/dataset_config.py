@@ -125,6 +125,8 @@ def load_dataset_config(path: str) -> DatasetBlueprint:
         data = toml_loads(read_utf8(path, "dataset config"))
     except FileNotFoundError:
         raise ValueError(f"{path}: no such dataset config file") from None
+    except IsADirectoryError:  # was "[Errno 21] Is a directory"
+        raise ValueError(f"{path}: a folder; expected a dataset config file (a TOML naming the image folders)") from None
     except toml.TomlDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
     return parse_dataset_config(data, source=path)

@@ -530,6 +530,9 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         raise ConfigError(f"{where}: key 'model_type' is required ({', '.join((*FAMILIES, 'llm'))})")
     if args.pretrained_model_name_or_path is None:
         raise ConfigError(f"{where}: key 'pretrained_model_name_or_path' is required")
+    for key in ("pretrained_model_name_or_path", "dataset_config", "output_dir"):  # "": "error: : no such file or
+        if getattr(args, key, None) == "":  # folder" (naming neither), or the current folder written into
+            raise ConfigError(f"{origins.get(key, where)}: key '{key}' is empty; expected a path")
     if args.model_type != "llm" and args.dataset_config is None:
         raise ConfigError(f"{where}: key 'dataset_config' is required for model_type {args.model_type}")
     if args.model_type == "llm" and not args.train_data:
