@@ -272,7 +272,7 @@ def test_latent_caching_encodes_vae_batch_size_images_at_a_time(monkeypatch):
     seen = {}
     monkeypatch.setattr(diffusion_task, "cache_latents", lambda items, encode, key, **kw: seen.update(kw) or 0)
     vae = SimpleNamespace(vae=torch.nn.Linear(1, 1), encode=None)
-    task = SimpleNamespace(dataset=SimpleNamespace(items=[]), validation_set=SimpleNamespace(items=[]),
+    task = SimpleNamespace(dataset=SimpleNamespace(items=[], drawn_items=lambda: []), validation_set=SimpleNamespace(items=[]),
                            family=SimpleNamespace(latent_cache_key=lambda: "k", load_vae=lambda dtype: vae),
                            device=torch.device("cpu"),
                            accelerator=SimpleNamespace(print=lambda *a, **k: None, process_index=0, num_processes=1),

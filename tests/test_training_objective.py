@@ -176,6 +176,9 @@ class FakeTask:
     def batches_per_epoch(self):
         return self.n
 
+    def loss_weight(self, epoch, batch, step_batches):
+        return 1, len(step_batches)  # the mean of the step's micro-batches, as DiffusionTask
+
     def data_items(self):
         return [f"batch {b}: {x}" for b, x in enumerate(self.values)]
 
