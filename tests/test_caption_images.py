@@ -210,9 +210,14 @@ def a_folder_where_a_caption_goes(tiny_set, tmp_path):  # the old line loaded th
             [f"{tmp_path / 'images' / 'img0.txt'}: a folder where the caption of img0.png goes"])
 
 
+def prompt_and_preset(tiny_set, tmp_path):  # the old line dropped --preset without a word
+    return ([*qwen2_5_vl_args(tiny_set), "--images", str(tmp_path / "images"), "--prompt", "Describe it.", "--preset", "tags"],
+            ["--prompt and --preset tags: give one"])
+
+
 @pytest.mark.parametrize("case", [not_a_model, missing_model, corrupt_image, truncated_image, no_images, not_a_captioner, no_new_tokens,
                                   image_caption_extension, images_is_a_file, two_images_one_caption,
-                                  a_folder_where_a_caption_goes])
+                                  a_folder_where_a_caption_goes, prompt_and_preset])
 def test_bad_input_is_one_line_exit_2_and_no_caption(tiny_set, tmp_path, capsys, case):
     make_images(tmp_path / "images", 2)
     argv, fragments = case(tiny_set, tmp_path)

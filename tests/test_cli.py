@@ -126,11 +126,14 @@ def test_lora_tools_run_without_loading_diffusers_or_transformers():
     (["--layered", "--count", "17"], "--count 17: the layered set has 16"),  # was 17 with duplicates
     (["--edit", "--concept"], "not allowed with argument"),  # was one of the two, silently
     (["--concept", "--trigger", ""], "--trigger '': one word"),
+    (["--trigger", "ohwx"], "--trigger ohwx: for --concept sets"),  # was ignored
+    (["--out", ""], "--out '': expected a folder"),  # wrote into the current folder
 ])
 def test_make_tiny_dataset_refuses_a_bad_value_in_one_line(tmp_path, capsys, argv, message):
     from tools import make_tiny_dataset
 
-    assert make_tiny_dataset.main(["--out", str(tmp_path / "d"), *argv]) == 2
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "d")]
+    assert make_tiny_dataset.main([*out, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "d").exists()

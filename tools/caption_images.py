@@ -62,7 +62,7 @@ def build_parser() -> Parser:
     p.add_argument("--images", required=True, help="folder of images (searched recursively)")
     p.add_argument("--processor", default=None, help="folder of the image processor, tokenizer and chat template "
                                                      "(default: --model)")
-    p.add_argument("--preset", default="sentence", choices=sorted(PRESETS), help="the prompt (default: sentence)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="the prompt (default: sentence)")
     p.add_argument("--prompt", default=None, help="the prompt, instead of a preset")
     p.add_argument("--prefix", default="", help="starts every caption, e.g. a trigger word ('ohwx cat')")
     p.add_argument("--max_new_tokens", type=int, default=128, help="longest caption in tokens (default 128)")
@@ -79,6 +79,8 @@ def build_parser() -> Parser:
 
 
 def check_args(args) -> None:
+    if args.prompt is not None and args.preset is not None:  # the preset was dropped without a word
+        raise ValueError(f"--prompt and --preset {args.preset}: give one (--prompt replaces the preset's prompt)")
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise ValueError(f"--max_new_tokens and --batch_size must be >= 1, got {args.max_new_tokens}, {args.batch_size}")
     if not args.caption_extension.startswith("."):
@@ -297,7 +299,7 @@ def main(argv=None) -> int:
         return 2
     interrupts, started = Interrupts(), time.time()
     try:
-        counts = caption_images(captioner, todo, args.prompt or PRESETS[args.preset], args.prefix,
+        counts = caption_images(captioner, todo, args.prompt or PRESETS[args.preset or "sentence"], args.prefix,
                                 args.caption_extension, args.batch_size, lambda: interrupts.requested is not None)
     except KeyboardInterrupt:  # a second Ctrl-C: the files written so far are whole; the rest waits
         print("interrupted: the captions written so far are kept; run the same command again to caption the rest",

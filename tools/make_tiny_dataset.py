@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "in musubi-tuner's multiple_target layout instead")
     kind.add_argument("--scenes", action="store_true", help="every base scene of the learned tiny base instead")
     kind.add_argument("--concept", action="store_true", help="a new concept (purple stars) under a trigger word instead")
-    p.add_argument("--trigger", default="zxq", help="--concept: the trigger word")
+    p.add_argument("--trigger", default=None, help="--concept: the trigger word (default zxq)")
     p.add_argument("--overwrite", action="store_true", help="write over an earlier set of this kind: delete the "
                    ".png and .txt files in its image folders first")
     return p
@@ -80,8 +80,12 @@ def bad_value(args) -> str | None:
         return f"--count {args.count}: the {'layered' if args.layered else 'plain'} set has {plain} different images at most"
     if args.size < 16 or args.size % 16:
         return f"--size {args.size}: the side must be a multiple of 16 and >= 16 (the VAE's 8 x the 2x2 patch)"
-    if not args.trigger.strip() or any(c.isspace() for c in args.trigger):
+    if args.trigger is not None and not args.concept:  # it was ignored without a word
+        return f"--trigger {args.trigger}: for --concept sets (the plain set's captions name no trigger)"
+    if args.trigger is not None and (not args.trigger.strip() or any(c.isspace() for c in args.trigger)):
         return f"--trigger {args.trigger!r}: one word (it is the caption's trigger)"
+    if not args.out:  # "" wrote the dataset into the current folder
+        return "--out '': expected a folder to write the dataset into"
     try:
         check_out_folder("--out", args.out, "the dataset is written into it")
     except ValueError as e:
@@ -353,8 +357,9 @@ def write(args) -> None:
     if args.overwrite:
         clear_set_folders(args)
     if args.concept:
-        paths = make_concept_dataset(args.out, args.count, args.size, args.seed, args.trigger)
-        print(f"wrote {args.count} images of '{args.trigger}' to {paths['concept_image_dir']}, "
+        trigger = args.trigger or "zxq"
+        paths = make_concept_dataset(args.out, args.count, args.size, args.seed, trigger)
+        print(f"wrote {args.count} images of '{trigger}' to {paths['concept_image_dir']}, "
               f"{paths['concept_dataset_config']}, {paths['concept_sample_prompts']}, {paths['concept']}")
         return
     if args.scenes:
