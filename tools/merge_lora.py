@@ -412,13 +412,11 @@ def _write_config(source: str, target: str, dtype: torch.dtype):
     with open(source) as f:
         config = json.load(f)
     name = str(dtype).removeprefix("torch.")
-    for key in ("dtype", "torch_dtype"):
-        if isinstance(config.get(key), str):
-            config[key] = name
-    for nested in ("text_config",):  # a vision-language config repeats it for its language model
-        if isinstance(config.get(nested), dict):
-            config[nested] = {k: name if k in ("dtype", "torch_dtype") and isinstance(v, str) else v
-                              for k, v in config[nested].items()}
+    # a vision-language config repeats it in text_config, for its language model
+    for part in (config, config.get("text_config")):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(part, dict) and isinstance(part.get(key), str):
+                part[key] = name
     write_text(target, json.dumps(config, indent=2) + "\n")
 
 

@@ -105,7 +105,6 @@ def caption_variants(caption: str, subset: SubsetSpec) -> list[str]:
     return [augment_tags(caption, subset, random.Random(f"{caption}|variant {k}")) for k in range(subset.caption_variants)]
 
 
-
 def tag_frequency(captions) -> dict[str, int]:
     """sd-scripts' ss_tag_frequency for one folder (BaseDataset.set_tag_frequency): every comma-separated
     tag of the captions as written, stripped and lowercased, with its count. A1111's LoRA page and

@@ -156,6 +156,13 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         return len(self.batches(self.epoch))
 
 
+def process_share(batch: list, rank: int, world: int) -> list:
+    """Process `rank`'s contiguous slice of a global batch among `world`; a short batch is padded by
+    cycling, so every process gets as many samples (DDP needs the same count everywhere)."""
+    per = -(-len(batch) // world)
+    return (batch * world)[: per * world][rank * per : (rank + 1) * per]
+
+
 class EpochBatches(torch.utils.data.Sampler):
     """This process's share of one epoch: the global batches (batch_size * world samples each)
     split into `world` equal contiguous slices, slice `rank` for this process; a short last batch
@@ -164,12 +171,7 @@ class EpochBatches(torch.utils.data.Sampler):
     before a resume) are left out; the epoch is explicit, so resuming is exact."""
 
     def __init__(self, sampler: BucketBatchSampler, epoch: int, rank: int = 0, world: int = 1, skip: int = 0):
-        local = []
-        for batch in sampler.batches(epoch, world):
-            per = -(-len(batch) // world)
-            padded = (batch * world)[: per * world]
-            local.append(padded[rank * per : (rank + 1) * per])
-        self.batches = local[skip:]
+        self.batches = [process_share(batch, rank, world) for batch in sampler.batches(epoch, world)][skip:]
 
     def __iter__(self):
         return iter(self.batches)

@@ -556,9 +556,13 @@ def _kept_layer_key(key: str | None, keep_layers: int) -> str | None:
     return key
 
 
+def config_json_path(path: str) -> str:
+    """The config.json of an LLM given as its folder, its .safetensors or its index (beside the weights)."""
+    return os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
+
+
 def _find_config(path: str) -> LLMConfig:
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    config_path = os.path.join(folder, "config.json")
+    config_path = config_json_path(path)
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{path}: no config.json beside the checkpoint; pass config=LLMConfig(...)")
     with open(config_path) as f:

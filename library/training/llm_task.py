@@ -27,11 +27,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.data.chat_records import chat_encoder, end_of_turn_id, user_turn_ids
+from library.data.dataset import process_share
 from library.data.text_corpus import (IGNORE, TextWindowDataset, batch_documents, check_corpus, document_borders,
                                       kept_windows, split_starts, tokenize_corpus, train_val_split,
                                       window_documents, window_targets)
 from library.models.core import checkpointing
-from library.models.llm import LLM, LLMConfig, _find_config, cross_entropy_loss, generate, load_llm, perplexity, save_hf_folder
+from library.models.llm import (LLM, LLMConfig, _find_config, config_json_path, cross_entropy_loss, generate, load_llm,
+                                perplexity, save_hf_folder)
 from library.models.llm_lora_files import nested_path, nests_language_model
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
@@ -136,6 +138,8 @@ class LLMTask:
     def __init__(self, args, accelerator, state: SavedState | None = None):
         """state: the one a resumed run loaded (None: a new run), checked against the data once it is read."""
         self.args, self.accelerator, self.device = args, accelerator, accelerator.device
+        self._epochs_shuffled: dict[int, list[list[int]]] = {}  # _global_batches' shuffles
+        self._step_tokens: tuple = (None, {})  # loss_weight's (step, trained tokens per batch and process)
         self.dtype = compute_dtype(args)
         # Pretraining keeps fp32 master weights and computes in self.dtype under autocast (bf16
         # weights round most small AdamW updates away; a GradScaler refuses fp16 gradients); the
@@ -347,7 +351,7 @@ class LLMTask:
         (self.network if self.network is not None else self.model).load_state_dict(tensors)
 
     def _global_batches(self, epoch: int) -> list[list[int]]:
-        shuffled = self.__dict__.setdefault("_epochs_shuffled", {})  # one shuffle an epoch (loss_weight asks each step)
+        shuffled = self._epochs_shuffled  # one shuffle an epoch (loss_weight asks each step)
         if epoch not in shuffled:
             order = list(range(len(self.train_set)))
             random.Random(f"{self.args.seed}:{epoch}").shuffle(order)
@@ -356,13 +360,6 @@ class LLMTask:
                 shuffled.clear()
             shuffled[epoch] = [order[i : i + size] for i in range(0, len(order), size)]
         return shuffled[epoch]
-
-    @staticmethod
-    def _local(batch: list[int], rank: int, world: int) -> list[int]:
-        """Process `rank`'s slice of a global batch; a short one is padded by cycling (every process
-        gets as many windows, as DDP needs)."""
-        per = -(-len(batch) // world)
-        return (batch * world)[: per * world][rank * per : (rank + 1) * per]
 
     def loss_weight(self, epoch: int, batch: int, step_batches: range) -> tuple[float, float]:
         """(this process's trained tokens in `batch` x processes, the trained tokens of the step's batches on
@@ -373,10 +370,10 @@ class LLMTask:
         window full, was equal)."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         step = (epoch, step_batches.start, step_batches.stop)
-        if getattr(self, "_step_tokens", (None,))[0] != step:  # counted once a step, not once a micro-batch
+        if self._step_tokens[0] != step:  # counted once a step, not once a micro-batch
             batches = self._global_batches(epoch)
             counts = {(j, r): sum(int((self.train_set[i][1] != IGNORE).sum())
-                                  for i in self._local(batches[j], r, world))
+                                  for i in process_share(batches[j], r, world))
                       for j in step_batches for r in range(world)}
             self._step_tokens = step, counts
         counts = self._step_tokens[1]
@@ -392,7 +389,7 @@ class LLMTask:
         """This process's slice of each global batch (batch_size * processes windows)."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         for batch in self._global_batches(epoch)[skip:]:
-            local = self._local(batch, rank, world)
+            local = process_share(batch, rank, world)
             inputs, targets = zip(*(self.train_set[i] for i in local))
             yield torch.stack(inputs), torch.stack(targets), self.train_set.documents(local)
 
@@ -519,8 +516,7 @@ class LLMTask:
     def _base_config(self) -> dict | None:
         """The base's config.json, beside its weights as load_llm finds it (the base given as its folder, its
         .safetensors or its index); None: none there (a model built from a config)."""
-        path = self.args.pretrained_model_name_or_path or ""
-        source = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
+        source = config_json_path(self.args.pretrained_model_name_or_path or "")
         if not os.path.isfile(source):
             return None
         with open(source) as f:
