@@ -137,7 +137,10 @@ def main(argv=None):
     for n in [int(s) for s in args.swaps.split(",")]:
         swap = enable_block_swap(model, n, device, args.prefetch)
         torch.cuda.empty_cache()
-        moved = 0 if swap is None else sum(h.numel() * h.element_size() for hs in swap.homes.values() for h in hs)
+        # a block's home: a list of tensors, or one flat buffer (bench/candidates/block_swap_flat.diff): never
+        # iterate a tensor here (its unbind into 330 M one-byte views stalled the 2026-11-28 run in native code)
+        homes = [] if swap is None else [h for v in swap.homes.values() for h in (v if isinstance(v, list) else [v])]
+        moved = sum(h.numel() * h.element_size() for h in homes)
         run_setting(model, net, optimizer, inputs, target, 1, device)  # warmup
         times, peak = run_setting(model, net, optimizer, inputs, target, args.steps, device)
         t = statistics.median(times)

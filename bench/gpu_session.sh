@@ -19,10 +19,9 @@
 #                headline lines with it, then the one headline line the H200 run of 2026-11-27 missed
 #                (Qwen-Image fp8_scaled compiled)
 #      candidates  code measured before it lands: each bench/candidates/*.diff applied to this copy of the tree
-#                (the device's; nothing here changes), then the CUDA block-swap tests and the eager block swap
-#                of both families (block_swap_flat), the lever lora_casts (bench_core_levers.py, both families),
-#                the eager headline lines and eager Qwen-Image's launches under the profiler, all with both
-#                patches applied
+#                (the device's; nothing here changes), then the CUDA block-swap tests and the block swap of both
+#                families, eager and compiled (block_swap_flat; the 2026-11-28 run measured none of it: the bench
+#                itself stalled on the flat buffer, mended), then the eager headline lines with the patch
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -131,10 +130,8 @@ case $plan in
         step checks.log 120 $PY -m pytest -x -q -p no:cacheprovider tests/test_block_swap.py
         step swap.log 100 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2
         step swap.log 100 $PY bench/bench_block_swap.py --family flux --swaps 0,16
-        step levers.log 150 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 --levers lora_casts
+        step swapc.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2 --compile
         step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP
-        step profile.log 120 $PY bench/profile_peers.py --device "$DEVICE" --sd_scripts .peers/sd-scripts \
-            --musubi .peers/musubi-tuner --reps 10 --steps 3 --families qwen_image --precision bf16 --save-attention
         ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
         for family in flux qwen_image; do
