@@ -15,12 +15,15 @@ swap settings then run the same compiled blocks. --fp8_compute runs the fp8 base
 GEMMs (library/precision/fp8_compute.py; --base fp8 / fp8_scaled).
 
 Weights are random (normal, std 0.02) and built straight on the device; swapped blocks go to
-pinned CPU memory. Needs CUDA (on CPU the same code runs, but there is nothing to overlap).
+pinned CPU memory. Timings need CUDA; before spending device time, check a change here on the CPU at full
+width and few blocks (nothing overlaps there, so only that it runs and counts):
+    python bench/bench_block_swap.py --device cpu --blocks 1 --res 32 --text 4 --steps 1 --swaps 0,1 [--family qwen_image]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -86,18 +89,22 @@ def inputs_for(family: str, res: int, device: torch.device, text_len: int = 512)
 
 
 def run_setting(model, net, optimizer, inputs, target, steps: int, device) -> tuple[list[float], int]:
+    cuda = device.type == "cuda"
     times = []
-    torch.cuda.reset_peak_memory_stats(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     for _ in range(steps):
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         loss = (model(**inputs).float() - target).square().mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(device)
+        if cuda:
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return times, torch.cuda.max_memory_allocated(device)
+    return times, torch.cuda.max_memory_allocated(device) if cuda else 0
 
 
 def main(argv=None):
@@ -106,14 +113,22 @@ def main(argv=None):
     p.add_argument("--base", default="fp8_scaled", choices=("bf16", "fp8", "fp8_scaled"))
     p.add_argument("--swaps", default="0,8,16")
     p.add_argument("--res", type=int, default=1024)
+    p.add_argument("--text", type=int, default=512, help="text tokens")
     p.add_argument("--steps", type=int, default=4, help="timed steps per setting (after 1 warmup)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--prefetch", type=int, default=1, help="block_swap_prefetch: swapped blocks copied ahead of use")
     p.add_argument("--compile", action="store_true", help="torch.compile every block (as torch_compile = true)")
     p.add_argument("--fp8_compute", action="store_true", help="fp8 GEMMs for the fp8 base (as fp8_compute = true)")
+    p.add_argument("--device", default="cuda", help="cuda (timings) or cpu (a smoke run with --blocks)")
+    p.add_argument("--blocks", type=int, default=0,
+                   help="build this many blocks of each kind at full width (0: the released depth)")
     args = p.parse_args(argv)
-    device = torch.device("cuda")
-    model = random_model(args.family, args.base, device)
+    device = torch.device(args.device)
+    config = None
+    if args.blocks:
+        config = (dataclasses.replace(FLUX_DEV, depth=args.blocks, depth_single=args.blocks) if args.family == "flux"
+                  else dataclasses.replace(QWEN_IMAGE, num_layers=args.blocks))
+    model = random_model(args.family, args.base, device, config)
     if args.fp8_compute:
         from library.precision.fp8_compute import enable_fp8_compute
 
@@ -125,18 +140,19 @@ def main(argv=None):
             compile_block(block)
     net.to(device).train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-5)
-    inputs, tokens = inputs_for(args.family, args.res, device)
+    inputs, tokens = inputs_for(args.family, args.res, device, args.text)
     with torch.no_grad():
         target = torch.randn_like(model(**inputs).float())
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     print(f"{args.family} {args.base} base{' (fp8 compute)' if args.fp8_compute else ''}"
           f"{', compiled' if args.compile else ''}, prefetch {args.prefetch}: {weights / GiB:.2f} GiB of weights, {tokens} image tokens "
           f"({args.res}px), LoRA {sum(p.numel() for p in net.parameters()) / 1e6:.1f} M params, torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name(device)}")
+          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
     rows, reference = [], None
     for n in [int(s) for s in args.swaps.split(",")]:
         swap = enable_block_swap(model, n, device, args.prefetch)
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         # a block's home: a list of tensors, or one flat buffer (bench/candidates/block_swap_flat.diff): never
         # iterate a tensor here (its unbind into 330 M one-byte views stalled the 2026-11-28 run in native code)
         homes = [] if swap is None else [h for v in swap.homes.values() for h in (v if isinstance(v, list) else [v])]
