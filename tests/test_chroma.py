@@ -535,3 +535,34 @@ def test_memory_planner_takes_a_chroma_config_and_the_preset(tiny_set, tmp_path,
     limit = ChromaFamily(tiny_set["chroma_bfl"], t5xxl=tiny_set["chroma_t5xxl"]).caption_token_limit(
         type("Args", (), {"t5xxl_max_token_length": None})())
     assert limit.max_tokens == 512 and limit.count("a cat") >= 2  # the words and </s>
+
+
+def test_t5_tokens_above_512_are_refused_naming_the_key_before_caching(tiny_set, tmp_path, capsys):
+    """t5xxl_max_token_length 1024 was refused only when the encoder loaded (after the latents were
+    cached), in a line naming no key; FLUX.1, which reads the same key, takes it."""
+    import train_lora
+    from library.training.config import load_config
+    from tests.test_reliability import files_under, one_error_line
+    from tools import generate
+
+    out = tmp_path / "out"
+    code = train_lora.main([
+        "--model_type", "chroma", "--pretrained_model_name_or_path", tiny_set["chroma_bfl"], "--ae", tiny_set["flux_vae"],
+        "--t5xxl", tiny_set["chroma_t5xxl"], "--t5xxl_max_token_length", "1024", "--dataset_config",
+        tiny_set["dataset_config"], "--output_dir", str(out), "--max_train_steps", "1",
+    ])  # fmt: skip
+    line = one_error_line(capsys, code)
+    assert line == "error: command line: key 't5xxl_max_token_length' must be <= 512 for model_type chroma, got 1024"
+    assert files_under(out) == []
+    code = generate.main([
+        "--model_type", "chroma", "--model", tiny_set["chroma_bfl"], "--ae", tiny_set["flux_vae"],
+        "--t5xxl", tiny_set["chroma_t5xxl"], "--t5xxl_max_token_length", "1024", "--prompt", "a cat",
+        "--out", str(tmp_path / "images"),
+    ])  # fmt: skip
+    line = one_error_line(capsys, code)
+    assert line == "error: --t5xxl_max_token_length 1024: expected at most 512 for --model_type chroma"
+    flux = load_config(["--model_type", "flux", "--pretrained_model_name_or_path", tiny_set["flux_bfl"],
+                        "--ae", tiny_set["flux_vae_single"], "--clip_l", tiny_set["clip_l"], "--t5xxl", tiny_set["t5xxl"],
+                        "--dataset_config", tiny_set["dataset_config"], "--output_dir", str(out),
+                        "--t5xxl_max_token_length", "1024"])
+    assert flux.t5xxl_max_token_length == 1024

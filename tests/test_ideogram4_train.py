@@ -187,3 +187,29 @@ def test_planner_reads_the_stored_layout_from_the_files(tiny_set, tmp_path, caps
                       f'[data]\ndataset_config = "{tiny_set["dataset_config"]}"\n')
     assert plan_memory.main(["--config_file", str(config), "--vram", "1", "--resolution", "256"]) == 0
     assert "bfl_nvfp4  gradient_checkpointing=true : fits" in capsys.readouterr().out
+
+
+def test_a_caption_over_2048_tokens_is_an_error_in_the_check_and_refused_before_caching(tiny_set, tmp_path, capsys):
+    """Ideogram4Pipeline refuses a prompt over 2048 chat tokens, and so does our encoder: such a caption
+    was a warning ("the rest is cut"), then training stopped after the latents were cached, in a line
+    naming no file."""
+    from library.data import check
+    from library.data.dataset_config import load_dataset_config
+    from tests.test_reliability import copy_dataset, files_under, one_error_line
+
+    long = ", ".join(f"word{i} tag{i}" for i in range(700))
+    toml = copy_dataset(tiny_set, tmp_path / "data", lambda images: (images / "003.txt").write_text(long))
+    family = Ideogram4Family(tiny_set["ideogram4"], tiny_set["flux2_vae"], text_encoder=tiny_set["ideogram4_text_encoder"])
+    limit = family.caption_token_limit(None)
+    n = limit.count(long)
+    caption = tmp_path / "data" / "images" / "003.txt"
+    message = f"{caption}: caption is {n} Qwen3-VL tokens; the encoder takes at most 2048 and refuses longer ones"
+    report = check.check_dataset(load_dataset_config(toml), limit)
+    assert n > 2048 and [(p.severity, p.message) for p in report.problems()] == [("error", message)]
+    out = tmp_path / "out"
+    code = train_lora.main(["--model_type", "ideogram4", "--pretrained_model_name_or_path", tiny_set["ideogram4"],
+                            "--ae", tiny_set["flux2_vae"], "--text_encoder", tiny_set["ideogram4_text_encoder"],
+                            "--dataset_config", toml, "--output_dir", str(out), "--max_train_steps", "1",
+                            "--cache_latents_to_disk", "true"])
+    assert one_error_line(capsys, code) == f"error: {message}"
+    assert files_under(out) == [] and all(f.endswith((".png", ".txt")) for f in files_under(tmp_path / "data" / "images"))

@@ -88,3 +88,32 @@ def test_how_references_are_shown_to_the_encoder_is_in_the_text_cache_key(monkey
     key = family.text_cache_key({}, "bf16")
     monkeypatch.setattr(ee, constant, value)
     assert family.text_cache_key({}, "bf16") != key
+
+
+def test_the_token_warning_is_only_for_captions_encoded_without_references(folder, encoder, tmp_path):
+    """Krea 2 edit inherited Krea 2's limit (541 with the prefix, 512 kept): the check and training warned
+    "the rest is cut" for a long caption that the edit encoder keeps whole with its reference. Only the
+    text-only encoding (an image without references) cuts it."""
+    from library.data import check
+    from library.data.dataset_config import load_dataset_config
+    from library.data.image_folders import scan_images
+    from library.models.krea2.edit_family import Krea2EditFamily
+    from tests.test_dataset import make_image
+
+    caption = " ".join(f"w{i % 7}" for i in range(400))
+    for name, colour in (("paired", (200, 30, 30)), ("alone", (30, 200, 30))):
+        make_image(tmp_path / name / f"{name}.png", 64, 64, colour)
+        (tmp_path / name / f"{name}.txt").write_text(caption)
+    make_image(tmp_path / "refs" / "paired.png", 64, 64, (30, 30, 200))
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f'[general]\nresolution = 64\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "paired"}"\n'
+                    f'control_directory = "{tmp_path / "refs"}"\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "alone"}"\n')
+    limit = Krea2EditFamily("unused", text_encoder=folder).caption_token_limit(None)
+    cut = (f"{tmp_path / 'alone' / 'alone.txt'}: caption is {limit.count(caption)} Qwen3-VL tokens; the encoder "
+           f"keeps 541, the rest is cut")
+    blueprint = load_dataset_config(str(toml))
+    assert [(p.severity, p.message) for p in check.check_dataset(blueprint, limit).problems()] == [("warning", cut)]
+    assert [p.message for p in check.training_warnings(scan_images(blueprint), [], limit)] == [cut]
+    _, with_reference = encoder.encode_with_images([caption], [pictures()[:1]])
+    _, text_only = encoder.encode([caption])
+    assert int(with_reference.sum()) > limit.count(caption) - KREA2_DROP_TOKENS and int(text_only.sum()) == 512

@@ -27,7 +27,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.models.registry import BASE_PRECISIONS, FAMILIES, arch_specs  # noqa: E402
-from library.training.config import FAMILY_KEYS, PRECISION_NAMES, unread_family_keys  # noqa: E402
+from library.training.config import FAMILY_KEYS, PRECISION_NAMES, family_key_bounds, unread_family_keys  # noqa: E402
 from tools.cli import check_command_line, check_out_folder  # noqa: E402
 
 
@@ -118,6 +118,9 @@ def check_args(args) -> torch.device:
     for key in (k for k, a in FAMILY_KEYS.items() if a.type is int):  # counts and sizes, as the training config's
         if getattr(args, key) is not None and getattr(args, key) < 1:
             raise ValueError(f"--{key} {getattr(args, key)}: expected at least 1")
+    for key, most in family_key_bounds(args.model_type).items():  # as the training config's
+        if getattr(args, key) is not None and getattr(args, key) > most:
+            raise ValueError(f"--{key} {getattr(args, key)}: expected at most {most} for --model_type {args.model_type}")
     if args.seed is not None:
         check_seed("--seed", args.seed)
     if args.guidance is not None:

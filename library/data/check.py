@@ -6,10 +6,12 @@ Severities:
   at the first such file; the check lists them all): an unreadable or undecodable image, a missing,
   empty or non-UTF-8 caption, a missing or mis-sized mask, a missing reference of an edit dataset (with
   the training family known: a reference count its model_type does not take),
-  a layered image's missing, unreadable or mis-sized layers or another layer count, two images of one name;
+  a layered image's missing, unreadable or mis-sized layers or another layer count, two images of one name,
+  a caption longer than a text encoder takes that refuses it (TokenLimit.refuses; training raises it before caching);
 - warning: training goes on with data that is not what it seems: an image of a bad size for the
   buckets (dataset.bad_size: upscaled or cropped, or skipped with skip_bad_size_images), a caption
-  longer than the text encoder keeps (TokenLimit: the rest is cut), the same file twice (content
+  longer than the text encoder keeps (TokenLimit: the rest is cut; not one it encodes whole with its
+  references, TokenLimit.cuts_with_references), the same file twice (content
   hash, across subsets and validation sets: a duplicate in a validation set is a leak), an image both
   trained and held out for validation (one line for all of them);
 - note: handled, counted per subset: CMYK converted to RGB, 16-bit grey scaled to 8 bits
@@ -19,8 +21,9 @@ Severities:
   which training prints once too.
 
 tools/check_dataset.py prints the whole report. train_lora.py (DiffusionTask) scans the dataset
-itself, which raises the errors and warns about sizes; before caching it warns, once, about what
-that scan does not look at (training_warnings: duplicates and cut captions) through warn().
+itself, which raises the errors and warns about sizes; before caching it raises on captions the text
+encoder refuses (refuse_long_captions) and warns, once, about what that scan does not look at
+(training_warnings: duplicates and cut captions) through warn().
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class TokenLimit:
     encoder: str  # "T5-XXL", ...
     max_tokens: int
     count: Callable[[str], int]
+    refuses: bool = False  # a longer caption is refused (an error: caching would stop on it), not cut
+    cuts_with_references: bool = True  # False: a caption encoded with its references (control_directory) is kept whole
 
 
 @dataclass
@@ -133,14 +138,33 @@ def duplicate_problems(paths) -> list[tuple[str, Problem]]:
 
 
 def caption_tokens(image_path: str, subset: SubsetSpec, caption: str, limit: TokenLimit) -> tuple[int, Problem | None]:
-    """(tokens of the caption as trained, a warning when the encoder cuts it)."""
+    """(tokens of the caption as trained, a warning when the encoder cuts it, an error when it refuses it)."""
     n = limit.count(fixed_caption(caption, subset))
-    if n <= limit.max_tokens:
+    kept_whole = bool(subset.control_directory) and not limit.cuts_with_references  # every image there has references
+    if n <= limit.max_tokens or kept_whole:
         return n, None
     caption_file = os.path.splitext(image_path)[0] + subset.caption_extension
     where = caption_file if os.path.exists(caption_file) else f"{image_path} (class_tokens)"
+    if limit.refuses:
+        return n, Problem("error", "tokens", f"{where}: caption is {n} {limit.encoder} tokens; the encoder takes at "
+                                             f"most {limit.max_tokens} and refuses longer ones")
     return n, Problem("warning", "tokens", f"{where}: caption is {n} {limit.encoder} tokens; the encoder keeps "
                                            f"{limit.max_tokens}, the rest is cut")
+
+
+def caption_problems(items, limit: TokenLimit) -> list[Problem]:
+    """caption_tokens' problems of the ImageItems' captions."""
+    captions = {(item.image_path, id(item.subset)): item for item in items}  # one image in two subsets: two captions
+    found = (caption_tokens(item.image_path, item.subset, item.caption, limit)[1] for item in captions.values())
+    return [p for p in found if p]
+
+
+def refuse_long_captions(items, limit: TokenLimit | None) -> None:
+    """ValueError naming the first of the ImageItems' captions that the text encoder refuses (TokenLimit.refuses):
+    caching would stop on it, after the latents, in a line naming no file."""
+    if limit is not None and limit.refuses:
+        for problem in caption_problems(items, limit):
+            raise ValueError(problem.message)
 
 
 def leak_problem(trained_paths, held_out_paths) -> Problem | None:
@@ -158,16 +182,15 @@ def leak_problem(trained_paths, held_out_paths) -> Problem | None:
 
 def training_warnings(train, validation, limit: TokenLimit | None) -> list[Problem]:
     """What the training scan (scan_images) does not warn about itself, for its ImageItems: files
-    that are the same image, images both trained and validated on, and captions the text encoder cuts."""
+    that are the same image, images both trained and validated on, and captions the text encoder cuts
+    (one that refuses long captions cuts none: refuse_long_captions raises on them)."""
     items = [*train, *validation]
     problems = [p for _, p in duplicate_problems(item.image_path for item in items)]
     leak = leak_problem((item.image_path for item in train), (item.image_path for item in validation))
     problems += [leak] if leak else []
-    if limit is None:
+    if limit is None or limit.refuses:
         return problems
-    captions = {(item.image_path, id(item.subset)): item for item in items}  # one image in two subsets: two captions
-    cut = (caption_tokens(item.image_path, item.subset, item.caption, limit)[1] for item in captions.values())
-    return problems + [p for p in cut if p]
+    return problems + caption_problems(items, limit)
 
 
 def upscaled(items) -> str | None:

@@ -199,6 +199,7 @@ class ConfigKey:
     help: str
     default: object = None
     model_types: tuple = ()  # the model_types of the folder that read it (empty: every one); the others refuse it
+    most: int | None = None  # an int key's largest value the family takes (None: no bound beyond >= 1)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -678,6 +678,10 @@ def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: s
             if value is not None and not (_IN_RANGE[rule](value) and math.isfinite(value)):
                 raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be {rule}"
                                   f"{'' if math.isfinite(value) else ' and finite'}, got {value:g}")
+    for key, most in ({} if args.model_type == "llm" else family_key_bounds(args.model_type)).items():
+        if getattr(args, key) is not None and getattr(args, key) > most:  # else the encoder refuses it, after caching
+            raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be <= {most} for model_type "
+                              f"{args.model_type}, got {getattr(args, key)}")
     if args.lr_warmup_steps >= 1 and not float(args.lr_warmup_steps).is_integer():  # int() would cut it (sd-scripts refuses)
         raise ConfigError(f"{_blame(origins, where, 'lr_warmup_steps')}: key 'lr_warmup_steps' must be a whole number of "
                           f"steps (>= 1) or a fraction of max_train_steps (< 1), got {args.lr_warmup_steps:g}")
@@ -756,6 +760,14 @@ def unread_family_keys(model_type: str) -> dict[str, str]:
 
     own = {k.key for k in spec_of(model_type).config_keys if not k.model_types or model_type in k.model_types}
     return {k: _readers(k) for k in FAMILY_KEYS if k not in own}
+
+
+def family_key_bounds(model_type: str) -> dict[str, int]:
+    """The model_type's own int keys that its family takes only up to a value (ConfigKey.most) -> that value."""
+    from library.models.registry import spec_of
+
+    return {k.key: k.most for k in spec_of(model_type).config_keys
+            if k.most is not None and (not k.model_types or model_type in k.model_types)}
 
 
 def _readers(key: str) -> str:

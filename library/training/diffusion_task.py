@@ -21,7 +21,7 @@ import torch.nn as nn
 from library.data.captions import drops_captions, tag_frequency
 from library.data.caches import (cache_empty_caption, cache_folder, cache_latents, cache_prompts, cache_text,
                                  hold_cache_folders, loaded_on_first_call, remove_unused_caches)
-from library.data.check import training_warnings, upscaled, warn
+from library.data.check import refuse_long_captions, training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import largest_step, scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls, reference_images
@@ -197,8 +197,10 @@ class DiffusionTask:
         validation = held_out + scan_images(bp, held_out_sets=True, control_bucket=rule, stretch_controls=stretch)
         check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls,
                            self.family.takes_layers)
+        limit = self.family.caption_token_limit(self.args)
+        refuse_long_captions(train + validation, limit)  # on every process, as the scan's errors
         if self.accelerator.is_main_process:  # once, before caching; the scan warned about image sizes itself
-            warn(training_warnings(train, validation, self.family.caption_token_limit(self.args)))
+            warn(training_warnings(train, validation, limit))
             enlarged = upscaled(train + validation)
             if enlarged:
                 self.accelerator.print(f"{self.args.dataset_config}: {enlarged}")

@@ -102,7 +102,8 @@ TINY = S.TinySpec(writers=("library.models.chroma.tiny:write_chroma", "library.m
 # the same keys (one T5-XXL file role, same types: the helps join).
 CONFIG_KEYS = (
     S.ConfigKey("t5xxl", str, "T5-XXL text encoder (HF folder, or the repo's text_encoder/ with tokenizer/ beside it)"),
-    S.ConfigKey("t5xxl_max_token_length", int, "T5 tokens per caption, at most 512 (default 512, as ChromaPipeline)"),
+    S.ConfigKey("t5xxl_max_token_length", int, "T5 tokens per caption, at most 512 (default 512, as ChromaPipeline)",
+                most=512),  # text_encoder.T5_MAX_LENGTH: the encoder (and ChromaPipeline) refuses more
 )
 
 

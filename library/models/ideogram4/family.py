@@ -124,7 +124,8 @@ class Ideogram4Family(DiffusionFamily):
 
     def caption_token_limit(self, args):
         """The pipeline takes up to 2048 tokens of the chat-formatted caption and refuses longer ones
-        (so does our encoder, while caching): the dataset check names them first."""
+        (so does our encoder, while caching): the dataset check names them first, as errors, and
+        training refuses them before caching."""
         from library.data.check import TokenLimit
         from library.io import component_folder
         from library.models.ideogram4 import text_encoder as te
@@ -132,7 +133,8 @@ class Ideogram4Family(DiffusionFamily):
 
         tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer")
         return TokenLimit("Qwen3-VL", te.IDEOGRAM4_MAX_SEQUENCE_LENGTH,
-                          lambda text: len(tokenizer(te.chat_prompt(tokenizer, text), add_special_tokens=False).input_ids))
+                          lambda text: len(tokenizer(te.chat_prompt(tokenizer, text), add_special_tokens=False).input_ids),
+                          refuses=True)
 
     @classmethod
     def checkpoint_names(cls, keys, shape):

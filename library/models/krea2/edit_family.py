@@ -19,6 +19,7 @@ it is recorded in the LoRA's metadata (ss_base_model_version krea2-raw-edit-kv_c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -103,6 +104,11 @@ class Krea2EditFamily(Krea2Family):
             return per_caption(*vision.encode_with_images(captions, images))
 
         return encode
+
+    def caption_token_limit(self, args):
+        """Krea 2's (cut at 541 tokens) for a caption encoded as text only; one encoded with its references
+        is kept whole (edit_encoder: ai-toolkit does not truncate it)."""
+        return dataclasses.replace(super().caption_token_limit(args), cuts_with_references=False)
 
     def text_encoding_constants(self) -> dict:
         """The base's, plus how the references are shown to Qwen3-VL (their slot, their pixel budget)."""
