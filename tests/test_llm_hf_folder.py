@@ -90,3 +90,16 @@ def test_transformers_generate_stops_at_endoftext_from_generation_config(trained
     prompt = torch.tensor([trained_tokenizer.encode("Return the", add_special_tokens=False)])
     out = hf.generate(prompt, max_new_tokens=6, do_sample=False)
     assert out.shape[1] == prompt.shape[1] + 1 and out[0, -1].item() == eos
+
+
+@pytest.mark.parametrize("source, eos", [
+    (None, [448, 450]),  # no generation_config.json in the base: config.json's ids, then the sample's stops
+    ({"eos_token_id": [450, 448], "top_k": 20}, [450, 448]),  # the base's already stops at both: kept as it is
+    ({"eos_token_id": 448, "top_k": 20}, [448, 450]),  # the base's first, no id twice
+])
+def test_generation_config_lists_the_bases_eos_ids_then_the_sample_stops(source, eos):
+    from library.models.llm import generation_config
+
+    ids = {"bos_token_id": None, "eos_token_id": 448, "pad_token_id": 449}
+    written = generation_config(ids, source, (448, 450))
+    assert written == {"pad_token_id": 449, **(source or {}), "eos_token_id": eos}

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 import train_lora
 from library.data import chat_records, text_corpus
+from library.data.tokenizer import load_tokenizer
 from library.errors import ConfigError
 from library.models.tiny_files import QWEN2_CHAT_TEMPLATE
 
@@ -86,6 +87,29 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(cha
                                               r"\(assistant\) as text that does not begin the whole conversation's"):
             chat_records.chat_encoder(tok, all_tokens=False)(CHAT, "d.jsonl:3")
         assert chat_records.chat_encoder(tok, all_tokens=True)(CHAT, "d.jsonl:3")[1] is True
+    finally:
+        tok.chat_template = old
+
+
+def test_a_generation_prompt_that_opens_think_is_refused_naming_where_it_parts_from_the_reply(chat_tokenizer):
+    """DeepSeek-R1-Distill's template: its generation prompt opens <think>, which the rendered conversation lacks,
+    so even a one-turn record has no span. The refusal names the two texts where they part and offers
+    train_on_all_tokens; it said the template rewrote earlier turns and to give each turn a record of its own."""
+    tok = chat_tokenizer
+    template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+                "{%- endfor %}"
+                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is 4, of course, as always."}]
+    old, tok.chat_template = tok.chat_template, template
+    try:
+        with pytest.raises(ConfigError) as refused:
+            chat_records.chat_encoder(tok, all_tokens=False)(chat, "r1.jsonl:1")
+        assert str(refused.value) == (
+            "r1.jsonl:1: the chat template's generation prompt is not how it opens messages[1] (assistant): where "
+            "they part, messages[:1] rendered with add_generation_prompt goes on '<think>\\n' and the conversation "
+            "'It is 4, of course, as a'..., so the assistant's tokens cannot be told apart; "
+            "set train_on_all_tokens = true")
+        assert chat_records.chat_encoder(tok, all_tokens=True)(chat, "r1.jsonl:1")[1] is True
     finally:
         tok.chat_template = old
 
@@ -450,6 +474,32 @@ def test_a_chat_sample_stops_at_the_templates_end_of_turn_where_eos_is_another_t
     script = tok.encode("1 2 3<|im_end|>\n<|im_start|>user\nCount to 4.<|im_end|>\n", add_special_tokens=False)
     task.model = ScriptedLM(task.model.config, len(task.sample_ids), script + [tok.eos_token_id])
     assert task.evaluate()["sample"] == "1 2 3"
+
+
+def test_a_pretrained_folder_keeps_the_bases_generation_config_and_stops_where_the_chat_sample_did(chat_llm, tmp_path):
+    """pretrain = true on chat data from a base whose EOS is <|endoftext|> and whose generation_config.json has
+    sampling defaults: the saved generation_config.json keeps the base's keys, and its eos_token_id lists the
+    base's ids and then <|im_end|>, where the eval sample stopped. It was {eos_token_id, pad_token_id} from
+    config.json alone, so transformers' generate() on the folder ran on past the reply into made-up turns."""
+    folder = tmp_path / "chat_llm"
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    tok = load_tokenizer(chat_llm)
+    eos, im_end = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    model_config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**model_config, "eos_token_id": eos}))  # as Qwen2.5's base says
+    base = {"bos_token_id": eos, "do_sample": True, "eos_token_id": [eos], "temperature": 0.7, "top_p": 0.8,
+            "top_k": 20}
+    (folder / "generation_config.json").write_text(json.dumps(base))
+    records = [{"messages": [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": "1 2 3"}]}
+               for n in range(2, 12)]
+    assert train_lora.main(["--model_type", "llm", "--pretrain", "true", "--pretrained_model_name_or_path", chat_llm,
+                            "--train_data", write_jsonl(tmp_path / "d.jsonl", records), "--output_dir",
+                            str(tmp_path / "out"), "--output_name", "full", "--mixed_precision", "no", "--max_length",
+                            "16", "--max_train_steps", "1", "--eval_every_n_steps", "0",
+                            "--optimizer_type", "AdamW"]) == 0
+    saved = json.loads((tmp_path / "out" / "full" / "generation_config.json").read_text())
+    assert saved == {**base, "eos_token_id": [eos, im_end], "pad_token_id": tok.pad_token_id}
 
 
 # Qwen3's rule for thinking (its chat template's, tools left out): an assistant message after the last user

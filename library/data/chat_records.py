@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import re
 from typing import Callable, Iterator
 
@@ -187,7 +188,8 @@ def assistant_spans(render: Callable[..., str], messages: list, where: str) -> t
         spans = []
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
-                spans.append(exact_span(render, messages, i, text) or refuse_rewritten(where, i))
+                spans.append(exact_span(render, messages, i, text)
+                             or refuse_unspannable(render, messages, i, text, where))
     return text, spans
 
 
@@ -199,6 +201,27 @@ def exact_span(render: Callable[..., str], messages: list, i: int, text: str) ->
     if not (through.startswith(before) and text.startswith(through)):
         return None
     return len(before), len(through)
+
+
+def refuse_unspannable(render: Callable[..., str], messages: list, i: int, text: str, where: str):
+    """exact_span found no span for messages[i]: say why. Where the first reply's prefix does begin the
+    conversation but the generation prompt does not begin it (DeepSeek-R1-Distill's opens <think>, which the
+    conversation lacks), no earlier turn is rewritten, and a record per turn would meet the same prompt."""
+    before = render(messages[:i], True)
+    through = text if i + 1 == len(messages) else render(messages[: i + 1])
+    first = all(m["role"] != "assistant" for m in messages[:i])
+    if first and text.startswith(through) and not through.startswith(before):
+        same = len(os.path.commonprefix([before, through]))
+        raise ConfigError(f"{where}: the chat template's generation prompt is not how it opens messages[{i}] "
+                          f"(assistant): where they part, messages[:{i}] rendered with add_generation_prompt goes on "
+                          f"{_tail(before, same)} and the conversation {_tail(through, same)}, so the assistant's "
+                          f"tokens cannot be told apart; set train_on_all_tokens = true")
+    refuse_rewritten(where, i)
+
+
+def _tail(text: str, start: int, most: int = 24) -> str:
+    """text from `start` as repr shows it, cut to `most` characters."""
+    return repr(text[start : start + most]) + ("..." if len(text) > start + most else "")
 
 
 def refuse_rewritten(where: str, i: int):

@@ -621,20 +621,35 @@ def special_token_ids(tokenizer=None, source_config: dict | None = None) -> dict
     return ids
 
 
+def generation_config(ids: dict, source: dict | None = None, stops: Sequence[int] = ()) -> dict:
+    """generation_config.json: the base's own (`source`: its eos list and sampling defaults kept), the special
+    token ids filling what it lacks; its eos_token_id then lists the base's ids and, after them, `stops` (where
+    our sampler stopped: a chat template's end of turn, so generate() ends the reply where the eval sample did)."""
+    generation = {**{k: v for k, v in ids.items() if v is not None}, **(source or {})}
+    eos = generation.get("eos_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    added = [i for i in dict.fromkeys(stops) if i not in eos]
+    if added:
+        generation["eos_token_id"] = eos + added
+    return generation
+
+
 def save_hf_folder(model: LLM, folder: str, tokenizer=None, dtype: torch.dtype | None = None,
-                   metadata: dict | None = None, source_config: dict | None = None) -> None:
+                   metadata: dict | None = None, source_config: dict | None = None,
+                   source_generation: dict | None = None, stops: Sequence[int] = ()) -> None:
     """A Hugging Face model folder transformers loads as it loads a downloaded one:
     model.safetensors (cast to `dtype`), config.json with the special token ids (so
-    `eos_token_id` survives), generation_config.json (what `generate()` reads to stop at EOS) and,
-    given a tokenizer, tokenizer.json + a tokenizer_config.json that transformers 4.x and 5.x read
-    alike (library.data.tokenizer.save_tokenizer). Every file is written atomically."""
+    `eos_token_id` survives), generation_config.json (what `generate()` reads to stop at EOS:
+    generation_config's) and, given a tokenizer, tokenizer.json + a tokenizer_config.json that
+    transformers 4.x and 5.x read alike (library.data.tokenizer.save_tokenizer). Every file is
+    written atomically."""
     from library.data.tokenizer import save_tokenizer
 
     tensors = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in model.state_dict().items()}
     save_safetensors(tensors, os.path.join(folder, "model.safetensors"), {"format": "pt", **(metadata or {})})
     ids = special_token_ids(tokenizer, source_config)
     write_text(os.path.join(folder, "config.json"), json.dumps({**model.config.to_hf(), **ids}, indent=2) + "\n")
-    generation = {k: v for k, v in ids.items() if v is not None}
+    generation = generation_config(ids, source_generation, stops)
     write_text(os.path.join(folder, "generation_config.json"), json.dumps(generation, indent=2) + "\n")
     if tokenizer is not None:
         save_tokenizer(tokenizer, folder)

@@ -510,13 +510,16 @@ class LLMTask:
             return written
         # Pretraining: a Hugging Face folder (weights, config.json with the special token ids,
         # generation_config.json, tokenizer) beside path, loadable by transformers 4.x and 5.x.
-        save_hf_folder(self.model, folder, self.tokenizer, dtype, metadata, self._base_config())
+        save_hf_folder(self.model, folder, self.tokenizer, dtype, metadata, self._base_config(),
+                       self._base_config("generation_config.json"), self.sample_stops or ())
         return [folder]
 
-    def _base_config(self) -> dict | None:
-        """The base's config.json, beside its weights as load_llm finds it (the base given as its folder, its
-        .safetensors or its index); None: none there (a model built from a config)."""
-        source = config_json_path(self.args.pretrained_model_name_or_path or "")
+    def _base_config(self, name: str = "config.json") -> dict | None:
+        """The base's config.json (or another JSON file `name`), beside its weights as load_llm finds it (the base
+        given as its folder, its .safetensors or its index); None: none there (a model built from a config)."""
+        if not self.args.pretrained_model_name_or_path:  # built from a config: not the current folder's files
+            return None
+        source = os.path.join(os.path.dirname(config_json_path(self.args.pretrained_model_name_or_path)), name)
         if not os.path.isfile(source):
             return None
         with open(source) as f:
