@@ -73,6 +73,26 @@ def test_a_bad_config_is_refused_with_the_error_at_its_field(client, tiny_toml):
     assert answer["ok"] is True and answer["max_steps"] == 6, answer
 
 
+def test_a_dropdown_value_not_among_its_choices_gets_the_checks_line_under_its_field(client, tiny_toml):
+    """Old: a loaded config's model_type "flux1" (a typo) failed Validate, Create, Save TOML and Plan inside gradio
+    ("Value: flux1 is not in the list of choices"), never reaching the check that names it under the field."""
+    for key, typo in (("model_type", "flux1"), ("base_precision", "fp4")):
+        text = toml.dumps({**toml.loads(tiny_toml), key: typo})
+        answer, *notes = client.predict(text, *form(**{key: typo}), api_name="/validate")
+        assert answer["ok"] is False and answer["key"] == key and f"got '{typo}'" in answer["error"], answer
+        shown = {k: n for k, n in zip([*FORM_KEYS, "toml"], notes) if n["visible"]}
+        assert list(shown) == [key], shown
+
+
+def test_retry_is_refused_unless_confirmed(client, tiny_toml):
+    """Old: /retry_job (the Retry button) removed a done job's LoRA, samples, state and log unasked."""
+    job_id = client.predict("unasked", tiny_toml, *EMPTY_FORM, api_name="/create_job")[0]["job_id"]
+    answer = client.predict(str(job_id), False, api_name="/retry_job")[0]
+    assert answer == {"ok": False, "error": f"job {job_id}: confirm to retry it from the start: its LoRAs, samples, "
+                                            f"saved state and logs are removed"}
+    assert client.predict(str(job_id), True, api_name="/delete_job")[0]["state"] == "deleted"
+
+
 def test_two_tabs_queuing_at_once_keep_the_queue_consistent(server, tiny_set):
     text = toml.dumps(tiny_job_settings(tiny_set, steps=1))
     answers: list[dict] = []

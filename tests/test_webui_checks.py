@@ -50,6 +50,17 @@ def test_an_optimizer_type_that_is_not_an_optimizer_class_is_refused(checked):
     assert answer["ok"] is False and "do not fit torch.optim.SGD" in answer["error"], answer
 
 
+def test_an_unknown_optimizer_type_is_refused_under_its_field(checked):
+    """Old: shown under the TOML editor (the error line says "optimizer_type 'x'", not "key 'optimizer_type'")."""
+    from library.ui.config_check import error_key
+
+    for name in ("NoSuchOpt", "torch.optim.NoSuchOpt"):
+        answer = checked(optimizer_type=name)
+        assert answer["ok"] is False and answer["key"] == "optimizer_type", answer
+        assert answer["error"].startswith(f"config: optimizer_type '{name}'"), answer
+    assert error_key("config: image 'a.png' is not a key") is None  # a word before a quote that names no key
+
+
 def test_a_dataset_reading_outside_the_roots_is_refused(checked, tiny_set, tmp_path):
     dataset = toml.load(tiny_set["dataset_config"])
     for key, value in (("image_dir", "/etc"), ("control_directory", "/etc"), ("mask_dir", "/usr")):

@@ -131,16 +131,44 @@ def finished_job(ui):
 def test_retrying_a_job_whose_folder_was_removed_or_replaced(ui):
     job = finished_job(ui)
     shutil.rmtree(job.output_dir)
-    assert ui.act("retry", job.id) == {"ok": True, "job_id": job.id, "state": "queued", "message": ""}
+    assert ui.act("retry", job.id, confirm=True) == {"ok": True, "job_id": job.id, "state": "queued", "message": ""}
     assert os.path.isdir(job.output_dir)  # made again: the trainer's config goes there at launch
 
     other = finished_job(ui)
     shutil.rmtree(other.output_dir)
     open(other.output_dir, "w").close()  # a file where its folder was: it cannot be cleared
-    answer = ui.act("retry", other.id)
+    answer = ui.act("retry", other.id, confirm=True)
     assert answer == {"ok": False, "error": f"job {other.id}: its output folder {other.output_dir!r} is not a folder; "
                                             f"remove what is there"}
     assert ui.store.get(other.id).state == "failed"  # left as it was
+
+
+def test_retry_removes_a_jobs_files_only_when_confirmed(ui):
+    """Old: Retry on a done job removed its LoRA, samples, state and log at once, unasked (Delete asked)."""
+    job = finished_job(ui)
+    ui.store.update(job.id, state="done")
+    files = ["config.toml", "lora.safetensors", "lora_log.csv", "train.log"]
+    for name in files:
+        open(os.path.join(job.output_dir, name), "w").close()
+    assert ui.act("retry", job.id) == {"ok": False, "error": f"job {job.id}: confirm to retry it from the start: its "
+                                                             f"LoRAs, samples, saved state and logs are removed"}
+    assert sorted(os.listdir(job.output_dir)) == sorted(files) and ui.store.get(job.id).state == "done"
+    assert ui.act("retry", job.id, confirm=True)["state"] == "queued"
+    assert os.listdir(job.output_dir) == ["config.toml"]
+
+
+def test_the_forms_dropdowns_take_a_loaded_configs_value_and_retry_asks_what_it_removes(ui):
+    """Old: a loaded model_type "flux1" (or base_precision "fp4") failed every action that sent the form inside
+    gradio ("Value: flux1 is not in the list of choices"), before the check could name it under its field."""
+    from library.ui.app import CONFIRM_QUESTIONS, LABELS, build_app
+
+    app = build_app(ui)
+    dropdowns = {block.label: block for block in app.blocks.values() if type(block).__name__ == "Dropdown"}
+    for key, typo in (("model_type", "flux1"), ("base_precision", "fp4"), ("optimizer_type", "Adam")):
+        assert dropdowns[LABELS[key]].preprocess(typo) == typo
+    assert "LoRAs, samples, saved state and logs are removed" in CONFIRM_QUESTIONS["retry"]
+    api = {fn.api_name: fn for fn in app.fns.values()}
+    assert len(api["retry_job"].inputs) == len(api["delete_job"].inputs) == 2  # the job and its confirmation
 
 
 def test_a_file_where_a_new_jobs_folder_goes_is_passed_over(ui, monkeypatch):
@@ -310,3 +338,39 @@ def test_generate_passes_the_jobs_boolean_family_keys(tmp_path):
         args, _ = ui._tool_args("generate", {"job_id": job.id, "prompt": "a cat", "width": 64, "steps": 2, "seed": 1,
                                              "lora": None, "weight": 1.0})
         assert build_parser().parse_args([str(a) for a in args]).reference_kv_cache is kv_cache
+
+
+def test_the_planners_caching_advice_is_applied_with_its_setting(ui, monkeypatch):
+    """Old: Apply set the fitting row's keys alone; the report's caching advice (a run that fits the card in
+    training stops in caching) was left for the user to read and type."""
+    from library.ui import commands
+
+    report = ("  caching   4.10 GiB ...\n"
+              "  caching does not fit a 16 GiB card (usable 14.6): set vae_batch_size = 2 and "
+              'text_encoder_precision = "fp8"\n'
+              "\nOn a 16 GiB card (usable 14.6 GiB), training:\n"
+              "  bf16       gradient_checkpointing=true : fits with blocks_to_swap = 4 (peak 14.1 GiB)\n")
+    monkeypatch.setattr(commands, "run_tool", lambda *args: commands.Result(True, report, report))
+    answer = ui.plan("preset", "flux1-dev", 16, "", "", "", {})
+    assert answer["suggested"] == {"gradient_checkpointing": True, "blocks_to_swap": 4, "base_precision": "bf16",
+                                   "vae_batch_size": 2, "text_encoder_precision": "fp8"}
+    text, _ = ui.apply_plan("[caching]\nvae_batch_size = 4\n", {}, answer["suggested"])
+    assert toml.loads(text)["caching"]["vae_batch_size"] == 2 and toml.loads(text)["text_encoder_precision"] == "fp8"
+    # what no key fixes sets none
+    unfixable = report.replace('set vae_batch_size = 2 and text_encoder_precision = "fp8"',
+                               "set a smaller resolution (the VAE encode of one image is over)")
+    assert commands.caching_keys(unfixable) == {} and commands.caching_keys("") == {}
+
+
+def test_an_llm_jobs_val_loss_from_its_eval_csv_is_in_the_live_view_and_compare(ui):
+    """Old: the LLM trainer writes val_loss to <output_name>_eval.csv, not the log CSV the pages read: it never
+    showed."""
+    job = finished_job(ui)
+    with open(job.csv_path, "w") as f:
+        f.write("step,epoch,loss,lr/unet\n1,0,2.5,0.001\n2,0,2.25,0.001\n")
+    with open(job.eval_csv_path, "w") as f:  # a "start" eval, samples with a comma and a line break
+        f.write('step,val_loss,val_perplexity,sample\nstart,3.0,20.1,"a, b"\n2,2.0,7.39,"x\ny"\nfinal,2.0,7.39,z\n')
+    loss = ui.live(job.id)["loss"]
+    assert loss.values.tolist() == [[1, 2.5, "loss"], [2, 2.25, "loss"], [2, 2.0, "val_loss"]]
+    assert ui.compare(job.id, None, "val_loss").values.tolist() == [[2, 2.0, f"{job.id} a: val_loss"]]
+    assert ui.live(job.id)["lr"]["series"].tolist() == ["lr/unet", "lr/unet"]

@@ -66,3 +66,23 @@ def test_a_root_is_added_to_the_repositorys_folders(tmp_path, monkeypatch, capsy
     assert main(["--jobs_dir", str(tmp_path / "jobs"), "--root", str(tmp_path)]) == 2
     assert seen == [os.path.join(ROOT, r) for r in ("configs", "tiny_models", "learned", "out")] + [str(tmp_path)]
     capsys.readouterr()
+
+
+def test_a_port_a_stopped_ui_served_on_is_free_at_once_but_a_served_one_is_not():
+    """Old: restarting the UI right after stopping it, with a tab connected, was refused as "another UI?": the old
+    server's closed connections wait out their close (TIME_WAIT) on the port, and the check bound it without
+    SO_REUSEADDR, which uvicorn sets (and binds fine)."""
+    from tools.webui import port_in_use
+
+    with socket.socket() as served:  # as uvicorn serves: SO_REUSEADDR, which its connections inherit
+        served.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        served.bind(("127.0.0.1", 0))
+        served.listen()
+        port = served.getsockname()[1]
+        assert "Address already in use; another UI?" in port_in_use("127.0.0.1", port)
+        tab = socket.create_connection(("127.0.0.1", port))
+        connection, _ = served.accept()
+        connection.close()  # the server closes first: its end waits in TIME_WAIT on the port
+        tab.recv(1)
+        tab.close()
+    assert port_in_use("127.0.0.1", port) is None

@@ -370,7 +370,8 @@ def fit_text(fit: int | None, peak: int, sample: tuple[int, bool] | None = None,
 
 def caching_advice(family, run, width: int, height: int, references: int | None, vram_gib: float, caching) -> str | None:
     """What brings caching under the card where its plan is over (the VAE's batch, the text encoders' precision),
-    or None where it fits: caching runs before training, so a run planned to fit stopped there."""
+    or None where it fits: caching runs before training, so a run planned to fit stopped there. The web UI
+    applies its "key = value" settings (library/ui/commands.py caching_keys)."""
     room = usable(vram_gib)
     if caching.peak <= room:
         return None

@@ -68,6 +68,9 @@ def port_in_use(host: str, port: int) -> str | None:
 
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            # As uvicorn binds: a stopped UI's closed connections (TIME_WAIT) leave the port free to
+            # serve; a port another server listens on is still refused.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
     except OSError as e:
         return f"--port {port}: cannot serve on {host}:{port} ({e.strerror}; another UI?): pick another --port"

@@ -19,6 +19,12 @@ LABELS = {
     "sample_prompts": "sample prompts file", "sample_every_n_steps": "sample every N steps",
 }
 REFRESH_SECONDS = 2.0
+# Asked before the actions that remove a job's files, each naming what goes.
+CONFIRM_QUESTIONS = {
+    "retry": "Retry the job from the start? Its LoRAs, samples, saved state and logs are removed (its config "
+             "stays); Resume continues a stopped or failed job from its state instead.",
+    "delete": "Delete the job and its output folder (LoRAs, samples, state)?",
+}
 # Field errors in red; galleries keep thumbnails small (gradio widens the columns to fill the row
 # when there are fewer images than columns: two samples would each take half the page).
 CSS = (".field-error{color:#c62828} #samples .grid-container, #dataset-images .grid-container"
@@ -88,8 +94,9 @@ def job_form(ui: WebUI):
                     with gr.Column(min_width=160):
                         choices = {"model_type": list(MODEL_TYPES), "base_precision": list(BASE_PRECISIONS),
                                    "optimizer_type": list(OPTIMIZERS)}[key]
-                        fields[key] = gr.Dropdown(choices, value=None, label=LABELS[key],
-                                                  allow_custom_value=key == "optimizer_type")
+                        # Any value: gradio refuses one not among the choices before any handler runs, so a
+                        # loaded config's typo (model_type "flux1") must reach the check, which names it here.
+                        fields[key] = gr.Dropdown(choices, value=None, label=LABELS[key], allow_custom_value=True)
                         errors[key] = gr.Markdown(visible=False, elem_classes="field-error")
             for key, choices in (("pretrained_model_name_or_path", models), ("ae", models),
                                  ("dataset_config", datasets), ("sample_prompts", prompt_files)):
@@ -125,12 +132,15 @@ def jobs_tab(ui: WebUI):
     table = gr.Dataframe(ui.jobs_table(), interactive=False, elem_id="queue-table")
     with gr.Row():
         job_id = gr.Dropdown(ui.job_choices(), value=None, label="job", allow_custom_value=True, elem_id="job-pick")
-        buttons = {a: gr.Button(a.capitalize(), elem_id=f"job-{a}") for a in ("queue", "stop", "resume", "retry")}
-        delete = gr.Button("Delete…", variant="stop", elem_id="job-delete")
-    with gr.Row(visible=False) as confirm_row:
-        gr.Markdown("Delete the job and its output folder (LoRAs, samples, state)?")
-        confirm = gr.Button("Yes, delete", variant="stop", elem_id="job-delete-confirm")
-        cancel = gr.Button("No")
+        buttons = {a: gr.Button(a.capitalize(), elem_id=f"job-{a}") for a in ("queue", "stop", "resume")}
+        asking = {"retry": gr.Button("Retry…", elem_id="job-retry"),
+                  "delete": gr.Button("Delete…", variant="stop", elem_id="job-delete")}
+    questions = {}  # per action that removes files: its row (the question, Yes, No), hidden until asked
+    for action, question in CONFIRM_QUESTIONS.items():
+        with gr.Row(visible=False) as row:
+            gr.Markdown(question)
+            questions[action] = (row, gr.Button(f"Yes, {action}", variant="stop", elem_id=f"job-{action}-confirm"),
+                                 gr.Button("No"))
     action_answer = gr.JSON(label="action", elem_id="action-result")
 
     def show_errors(result: dict) -> list:
@@ -187,17 +197,21 @@ def jobs_tab(ui: WebUI):
     for action, button in buttons.items():
         button.click(lambda j, a=action: (ui.act(a, j), ui.jobs_table()), [job_id], [action_answer, table],
                      api_name=f"{action}_job")
-    delete.click(lambda: gr.update(visible=True), None, [confirm_row], api_name=False)
-    cancel.click(lambda: gr.update(visible=False), None, [confirm_row], api_name=False)
-
-    def on_delete(j, confirmed=True):
-        return ui.act("delete", j, confirm=confirmed), ui.jobs_table(), gr.update(visible=False), \
-            gr.update(choices=ui.job_choices(), value=None)
-
-    confirm.click(on_delete, [job_id], [action_answer, table, confirm_row, job_id], api_name=False)
     api_confirm = gr.Checkbox(visible=False)
-    gr.Button(visible=False).click(on_delete, [job_id, api_confirm], [action_answer, table, confirm_row, job_id],
-                                   api_name="delete_job")
+
+    def confirmed(action: str):
+        def on_confirmed(j, yes=True):
+            picked = gr.update(choices=ui.job_choices(), value=None) if action == "delete" else \
+                gr.update(choices=ui.job_choices())
+            return ui.act(action, j, confirm=yes), ui.jobs_table(), gr.update(visible=False), picked
+        return on_confirmed
+
+    for action, (row, yes, no) in questions.items():
+        asking[action].click(lambda: gr.update(visible=True), None, [row], api_name=False)
+        no.click(lambda: gr.update(visible=False), None, [row], api_name=False)
+        outputs = [action_answer, table, row, job_id]
+        yes.click(confirmed(action), [job_id], outputs, api_name=False)
+        gr.Button(visible=False).click(confirmed(action), [job_id, api_confirm], outputs, api_name=f"{action}_job")
     gr.Button(visible=False).click(ui.jobs_table, None, [table], api_name="list_jobs")
     timer = gr.Timer(REFRESH_SECONDS)
     timer.tick(lambda: (ui.jobs_table(), gr.update(choices=ui.job_choices())), None, [table, job_id], api_name=False)

@@ -71,6 +71,22 @@ def suggestion(fits: list[Fit]) -> Fit | None:
     return min(fitting, key=lambda f: (f.blocks_to_swap, f.checkpointing, f.base != "bf16"), default=None)
 
 
+# plan_memory.py's caching advice: "caching does not fit a 16 GiB card (...): set vae_batch_size = 2 and
+# text_encoder_precision = "fp8"" (what it cannot fix, "a smaller resolution", sets no key).
+CACHING_LINE = re.compile(r"^\s*caching does not fit .*: set (.*)$", re.MULTILINE)
+CACHING_KEY = re.compile(r"\b(vae_batch_size) = (\d+)\b|\b(text_encoder_precision) = \"(\w+)\"")
+
+
+def caching_keys(output: str) -> dict:
+    """The config keys the plan's caching advice sets ({} where caching fits the card): training fitting
+    the card is not enough, caching runs first."""
+    keys = {}
+    for line in CACHING_LINE.findall(output):
+        for batch_key, batch, precision_key, precision in CACHING_KEY.findall(line):
+            keys.update({batch_key: int(batch)} if batch_key else {precision_key: precision})
+    return keys
+
+
 def suggested_keys(fit: Fit) -> dict:
     """The config keys that select a plan's setting."""
     keys = {"gradient_checkpointing": fit.checkpointing, "blocks_to_swap": fit.blocks_to_swap}

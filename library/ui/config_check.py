@@ -27,12 +27,19 @@ from library.ui.files import within
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY_IN_ERROR = re.compile(r"key '([A-Za-z0-9_]+)'|--([A-Za-z0-9_]+)")
+# A line that starts with a key before its quoted value (after the file's "config: "): optim.py's
+# "optimizer_type 'x' is unknown"
+KEY_THEN_VALUE = re.compile(r"(?:[^:' ]+: )?([a-z][a-z0-9_]*) '")
 
 
 def error_key(message: str) -> str | None:
-    """The config key an error line names (ConfigError says "key 'x'"), or None."""
-    match = KEY_IN_ERROR.search(message)
-    return (match.group(1) or match.group(2)) if match else None
+    """The config key an error line names (ConfigError says "key 'x'"; a few say "x 'value'"), or None."""
+    from library.training.config import SCHEMA
+
+    if match := KEY_IN_ERROR.search(message):
+        return match.group(1) or match.group(2)
+    first = KEY_THEN_VALUE.match(message)
+    return first.group(1) if first and first.group(1) in SCHEMA else None
 
 
 def file_key(args, message: str) -> str | None:

@@ -31,6 +31,9 @@ MODEL_TYPES = SCHEMA["model_type"].choices  # every family and the LLM mode, as 
 PLOT_COLUMNS = ["step", "value", "series"]
 MAX_INT = 10**15  # beyond any real count or seed, and well inside SQLite's (and torch's) 64-bit integers
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+# The actions that remove a job's files: done only when confirmed (a Retry on a done job removed its LoRA at once).
+CONFIRM_TO = {"delete": "delete it and its folder",
+              "retry": "retry it from the start: its LoRAs, samples, saved state and logs are removed"}
 
 
 # The keys base_precision replaces: the form writes base_precision alone, so they cannot contradict it.
@@ -147,6 +150,18 @@ def frame(rows: list[dict], columns: list[str], series_of=lambda c: c) -> pd.Dat
     return pd.DataFrame(data, columns=PLOT_COLUMNS)
 
 
+def curve_rows(job) -> tuple[list[dict], list[str]]:
+    """The job's CSV log rows and their columns, with an LLM job's val_loss from its eval CSV (rows of
+    their own, after the log's)."""
+    rows = run_files.read_rows(job.csv_path)
+    columns = list(rows[-1]) if rows else []
+    evals = [row for row in run_files.read_rows(job.eval_csv_path, ("step", "val_loss"))
+             if row.get("step") is not None and row.get("val_loss") is not None]
+    if evals and "val_loss" not in columns:
+        columns.append("val_loss")
+    return rows + evals, columns
+
+
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n else "-"
 
@@ -247,9 +262,9 @@ class WebUI:
     def act(self, action: str, job_id, confirm: bool = False) -> dict:
         try:
             job_id = job_number(job_id)
+            if action in CONFIRM_TO and not confirm:
+                raise JobError(f"job {job_id}: confirm to {CONFIRM_TO[action]}")
             if action == "delete":
-                if not confirm:
-                    raise JobError(f"job {job_id}: confirm to delete it and its folder")
                 self.store.delete(job_id)
                 return {"ok": True, "job_id": job_id, "state": "deleted"}
             job = {"queue": actions.queue, "stop": actions.stop, "resume": actions.resume,
@@ -275,8 +290,7 @@ class WebUI:
     def live(self, job_id) -> dict:
         """Progress, the CSV's curves, the samples, the log's tail and peak memory of one job."""
         job = self.store.get(job_number(job_id))
-        rows = run_files.read_rows(job.csv_path)
-        columns = list(rows[-1]) if rows else []
+        rows, columns = curve_rows(job)
         bar = run_files.progress(job.log_path, job.last_step, job.max_steps)
         if job.state not in ACTIVE:  # the bar of an earlier run would tell an old ETA
             bar = run_files.Progress(job.last_step, job.max_steps or bar.total)
@@ -305,7 +319,7 @@ class WebUI:
         samples): the page redraws nothing while it stays the same."""
         job = self.store.get(job_number(job_id))
         stats = []
-        for path in (job.csv_path, job.log_path, job.output_dir):
+        for path in (job.csv_path, job.eval_csv_path, job.log_path, job.output_dir):
             try:
                 info = os.stat(path)
                 stats.append((info.st_size, info.st_mtime_ns))
@@ -328,8 +342,8 @@ class WebUI:
             if job_id in (None, ""):
                 continue
             job = self.store.get(job_number(job_id))
-            rows = run_files.read_rows(job.csv_path)
-            picked = [c for c in (rows[-1] if rows else {}) if c == column or c.startswith(column + "/")]
+            rows, columns = curve_rows(job)
+            picked = [c for c in columns if c == column or c.startswith(column + "/")]
             frames.append(frame(rows, picked, lambda c, job=job: f"{job.id} {job.name}: {c}"))
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=PLOT_COLUMNS)
 
@@ -361,8 +375,8 @@ class WebUI:
             if config_file:
                 os.remove(config_file)
         best = commands.suggestion(fits)
-        return {"ok": result.ok, "report": result.output, "fits": [vars(f) for f in fits],
-                "suggested": commands.suggested_keys(best) if best else None}
+        suggested = {**commands.suggested_keys(best), **commands.caching_keys(result.output)} if best else None
+        return {"ok": result.ok, "report": result.output, "fits": [vars(f) for f in fits], "suggested": suggested}
 
     @staticmethod
     def _plan_refused(message: str) -> dict:

@@ -65,6 +65,11 @@ class Job:
         return os.path.join(self.output_dir, f"{self.output_name}_log.csv")
 
     @property
+    def eval_csv_path(self) -> str:
+        """An LLM job's evals (library/training/llm_task.py): its val_loss, which the log CSV lacks."""
+        return os.path.join(self.output_dir, f"{self.output_name}_eval.csv")
+
+    @property
     def state_dir(self) -> str:
         return os.path.join(self.output_dir, f"{self.output_name}-state")
 

@@ -68,9 +68,10 @@ def progress(log_path: str, last_step: int, max_steps: int | None) -> Progress:
     return Progress(last_step, max_steps)
 
 
-def read_rows(csv_path: str) -> list[dict[str, float | None]]:
+def read_rows(csv_path: str, columns: tuple[str, ...] | None = None) -> list[dict[str, float | None]]:
     """The CSV log's rows as numbers (an empty cell, e.g. val_loss between validations: None); a
-    half-written last row is left out."""
+    half-written last row is left out. columns: only these, of the rows that have them as numbers
+    (an LLM's eval CSV also holds a text sample, and a "start" / "final" step)."""
     try:
         with open(csv_path, newline="") as f:
             rows = list(csv.reader(f))
@@ -83,7 +84,8 @@ def read_rows(csv_path: str) -> list[dict[str, float | None]]:
         if len(row) != len(header):
             continue
         try:
-            out.append({k: (float(v) if v != "" else None) for k, v in zip(header, row)})
+            out.append({k: (float(v) if v != "" else None) for k, v in zip(header, row)
+                        if columns is None or k in columns})
         except ValueError:
             continue
     return out
