@@ -38,8 +38,7 @@ class Network(Protocol):
         """Load a file (path) or a tensor dict, cast to the network's dtype; counts "loaded", "added",
         "missing". strict: every module of the network must be in it."""
 
-    @staticmethod
-    def describe_loaded(counts: dict) -> str:
+    def describe_loaded(self, counts: dict) -> str:
         """load_weights' counts as one line for the log."""
 
     def save(self, path: str, dtype: torch.dtype = torch.float32, metadata: dict | None = None) -> None:

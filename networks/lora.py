@@ -650,9 +650,11 @@ class LoRANetwork(nn.Module):
         return read.weights, read.regrouped
 
     @staticmethod
-    def describe_loaded(counts: dict) -> str:
+    def describe_loaded(counts: dict, kind: str = "LoRA") -> str:
+        """load_weights' counts as one line for the log; kind: what the modules are (LycorisNetwork
+        names its LyCORIS algos)."""
         resized = f", {counts['resized']} rebuilt at the rank of their fused / split form" if counts.get("resized") else ""
-        return (f"{counts['loaded']} LoRA modules loaded ({counts['added']} added for modules the file names{resized}), "
+        return (f"{counts['loaded']} {kind} modules loaded ({counts['added']} added for modules the file names{resized}), "
                 f"{counts['missing']} start from their initial weights")
 
     @classmethod

@@ -303,7 +303,11 @@ class LycorisNetwork(nn.Module):
         self.load_state_dict({**own, **source})
         return {"loaded": len(modules) - len(missing), "added": 0, "missing": len(missing)}
 
-    describe_loaded = staticmethod(LoRANetwork.describe_loaded)
+    def describe_loaded(self, counts: dict) -> str:
+        """LoRANetwork's line naming the modules' LyCORIS kinds ('LyCORIS lokr modules', not 'LoRA
+        modules'), from the modules: a network read from a file has no algo in its network_args."""
+        kinds = sorted({type(m).__name__.removesuffix("Module").lower() for m in self.lycoris_modules()})
+        return LoRANetwork.describe_loaded(counts, kind=f"LyCORIS {' / '.join(kinds)}")
 
     @classmethod
     def from_weights(cls, model: nn.Module, arch: str, source, multiplier: float = 1.0) -> "LycorisNetwork":

@@ -165,7 +165,8 @@ def test_lokr_file_round_trips_through_our_network_and_lycoris_own_loader(tmp_pa
     net.remove()
 
     again = LycorisNetwork(model, "flux", 4, 2.0, network_args=LOKR)
-    again.load_weights(path)
+    said = again.describe_loaded(again.load_weights(path))  # the network_weights log line
+    assert said.startswith("29 LyCORIS lokr modules loaded"), said
     again.apply()
     assert (model(*x) - trained).abs().max() == 0
     again.remove()
@@ -182,6 +183,7 @@ def test_lokr_file_round_trips_through_our_network_and_lycoris_own_loader(tmp_pa
 
     from_file = network_from_file(model, "flux", path)
     assert isinstance(from_file, LycorisNetwork) and len(from_file.lycoris_modules()) == 29
+    assert from_file.describe_loaded({"loaded": 29, "added": 0, "missing": 0}).startswith("29 LyCORIS lokr modules")
     from_file.apply()
     assert (model(*x) - trained).abs().max() < 1e-6
     from_file.remove()

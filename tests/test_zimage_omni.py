@@ -212,15 +212,16 @@ def test_siglip_sees_large_images_at_the_pipelines_area():
 
 
 @torch.no_grad()
-def test_omni_sampling_matches_the_pipeline(omni_pipeline, tmp_path):
-    """Three Euler steps with CFG 5 on an 80x64 target and one reference: ZImageOmniPipeline
-    (output_type latent) against our family's sample_latents with our conditioning; our reference
-    pixels and latents against the pipeline's."""
+@pytest.mark.parametrize("reference", [(80, 64), (128, 64)])
+def test_omni_sampling_matches_the_pipeline(omni_pipeline, tmp_path, reference):
+    """Three Euler steps with CFG 5 on an 80x64 target and one reference (the target's size, or
+    larger than it): ZImageOmniPipeline (output_type latent) against our family's sample_latents
+    with our conditioning; our reference pixels (sample_control_bucket) and latents against the pipeline's."""
     from library.data.controls import reference_images
     from library.models.family import stack_text
 
     pipe, family, encode = omni_pipeline
-    image = picture(80, 64, 3)  # the pipeline takes at least 64 pixels a side
+    image = picture(*reference, 3)  # the pipeline takes at least 64 pixels a side
     captured = {}
     real = pipe.prepare_image_latents
 
@@ -233,10 +234,10 @@ def test_omni_sampling_matches_the_pipeline(omni_pipeline, tmp_path):
                     guidance_scale=5.0, generator=torch.Generator().manual_seed(7), output_type="latent").images
     path = tmp_path / "ref.png"
     image.save(path)
-    pixels = reference_images([str(path)], family.control_bucket, 80, 64)[0]
-    assert torch.equal(pixels, captured["pixels"].float())  # the same [-1, 1] reference
+    pixels = reference_images([str(path)], family.sample_control_bucket, 80, 64)[0]
+    assert torch.equal(pixels, captured["pixels"].float())  # the same [-1, 1] reference, at the same size
     vae = family.load_vae(torch.bfloat16)
-    ref_latent = captured["latents"][0].squeeze(1)[None].float()  # [1, 16, 8, 10]
+    ref_latent = captured["latents"][0].squeeze(1)[None].float()  # [1, 16, h / 8, w / 8]
     assert (vae.encode(pixels) - ref_latent).abs().max().item() < 2e-2  # bf16 VAE; the pipeline rounds to bf16 after the scale
 
     model = family.load_transformer(torch.float32)
@@ -246,6 +247,26 @@ def test_omni_sampling_matches_the_pipeline(omni_pipeline, tmp_path):
     diff = (ours - expected).abs().max().item()
     print(f"Z-Image Omni 3 CFG steps vs ZImageOmniPipeline: max abs diff {diff:.2e} (latents up to {expected.abs().max():.2f})")
     assert ours.shape == expected.shape and diff < 1e-4
+
+
+def pipeline_condition_size(target, size):
+    """The (w, h) at which ZImageOmniPipeline encodes a condition image of `size` for a `target` (w, h)
+    render: its own helper above 1024 x 1024 pixels, then each side floored to vae_scale_factor * 2."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    image = Image.new("RGB", size)
+    if size[0] * size[1] > 1024 * 1024:
+        image = Flux2ImageProcessor._resize_to_target_area(image, target[0] * target[1])
+    return image.width // 16 * 16, image.height // 16 * 16
+
+
+@pytest.mark.parametrize("target, size", [
+    ((64, 64), (128, 64)), ((1024, 1024), (768, 512)), ((1024, 1024), (100, 72)), ((1024, 1024), (512, 512)),
+    ((1024, 1024), (2048, 1536)), ((768, 1344), (1500, 1000)), ((1344, 768), (1025, 1024)), ((512, 512), (1030, 1100))])
+def test_omni_sample_references_are_sized_as_the_pipeline(target, size):
+    """References smaller than 1 MP keep their size (floored to 16), larger ones take the target's area."""
+    family = ZImageOmniFamily.__new__(ZImageOmniFamily)  # the rule reads no files
+    assert family.sample_control_bucket(target, size) == pipeline_condition_size(target, size)
 
 
 def test_fp8_base_keeps_the_siglip_embedder(tiny_set):

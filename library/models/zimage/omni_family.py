@@ -31,6 +31,7 @@ from library.models.zimage.spec import SPEC
 
 OMNI = "zimage-omni"
 VAE_MULTIPLE = 16  # the pipeline floors a condition image's sides to multiples of vae_scale_factor * 2
+PIPELINE_KEEP_AREA = 1024 * 1024  # the pipeline keeps a condition image of at most this many pixels at its size
 SIGLIP_PLAN_GRID = (16, 16)  # planner: SigLIP patches of a reference (Siglip2ImageProcessor's max_num_patches 256)
 DEFAULT_SHIFT = 6.0  # no scheduler config: Z-Image Base's constant shift (Omni samples like Base: CFG, 50 steps)
 
@@ -155,6 +156,16 @@ class ZImageOmniFamily(ZImageFamily):
         scale = math.sqrt(bucket[0] * bucket[1] / (size[0] * size[1]))
         return (max(VAE_MULTIPLE, int(size[0] * scale) // VAE_MULTIPLE * VAE_MULTIPLE),
                 max(VAE_MULTIPLE, int(size[1] * scale) // VAE_MULTIPLE * VAE_MULTIPLE))
+
+    def sample_control_bucket(self, target: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+        """Samples: ZImageOmniPipeline's size for a condition image. One of at most 1024 x 1024 pixels
+        keeps its size, a larger one is scaled to the target's area (int() of each side, as
+        Flux2ImageProcessor._resize_to_target_area, which is control_bucket's rule); then each side
+        is floored to a multiple of 16."""
+        if size[0] * size[1] > PIPELINE_KEEP_AREA:
+            return self.control_bucket(target, size)
+        return (max(VAE_MULTIPLE, size[0] // VAE_MULTIPLE * VAE_MULTIPLE),
+                max(VAE_MULTIPLE, size[1] // VAE_MULTIPLE * VAE_MULTIPLE))
 
     # -- the denoiser --------------------------------------------------------------------------
     def predict(self, model, x_t, sigmas, text, h, w, guidance, control: list[torch.Tensor] | None = None):
