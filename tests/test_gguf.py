@@ -329,16 +329,17 @@ def test_a_preset_planned_as_gguf_holds_its_types_bytes_per_weight(qtype):
         "Q6_K": 0.8203125, "Q3_K": 0.4296875, "Q2_K": 0.328125, "IQ4_NL": 0.5625, "IQ4_XS": 0.53125}
 
 
-def test_a_preset_planned_as_gguf_quantizes_flux2s_shared_modulation_as_the_files_do():
-    """FLUX.2's three shared modulation Linears are quantized in ComfyUI-GGUF's files ("flux" rules);
-    the planner kept them bf16 while it planned by the fp8 keep rules."""
+def test_a_preset_planned_as_gguf_keeps_flux2s_shared_modulation_as_the_files_do():
+    """FLUX.2's three shared modulation Linears stay BF16 in ComfyUI-GGUF's files (its auto_convert
+    branch's "flux" rules, flux2/spec.py GGUF), so the planner keeps them unquantized too."""
     from tools import plan_memory
 
     family = plan_memory.PresetFamily("flux2-klein-4b", "Q8_0")
     model = family.load_transformer(torch.bfloat16)
-    assert isinstance(model.double_stream_modulation_img.lin, GGUFLinear)
-    assert isinstance(model.single_stream_modulation.lin, GGUFLinear)
+    assert not isinstance(model.double_stream_modulation_img.lin, GGUFLinear)
+    assert not isinstance(model.single_stream_modulation.lin, GGUFLinear)
     assert not isinstance(model.final_layer.linear, GGUFLinear)
+    assert isinstance(model.double_blocks[0].img_mlp[0], GGUFLinear)
 
 
 def test_plan_memory_refuses_a_gguf_type_it_cannot_read_in_one_line(capsys):

@@ -29,17 +29,21 @@ def test_the_command_line_names_the_types_gguf_writes():
 
 
 CITY96_MIRROR = "/work/.mirror/city96+ComfyUI-GGUF/repo"  # where `fetch github:city96/ComfyUI-GGUF` puts it
-# city96's rules, spelled out here apart from gguf_writer (ComfyUI-GGUF at 795e451, `fetch github:city96/ComfyUI-GGUF`):
-# tools/convert.py:273-283 from an F32 / BF16 source keeps 1-D tensors, tensors of <= QUANTIZATION_THRESHOLD (1024,
-# :10) elements and keys_hiprec (none for flux / lumina2) F32, the rest BF16 / F16; any other source F16. Then the
-# llama.cpp patch quantizes a tensor whose name ends in "weight" (llama.cpp's own rule, as "_norm.weight" is kept),
-# of 2 ggml dims (tools/lcpp.patch:428), not named by its arch's list (:329-337 flux, :417-425 lumina2), with
-# img_tensor_get_type's ffn rule (:193-214: ".feed_forward.w2.weight" ... Q4_0 -> Q4_1, Q5_0 -> Q5_1).
+# city96's rules, spelled out here apart from gguf_writer (ComfyUI-GGUF's auto_convert branch at 4dfc025, the one
+# with FLUX.2 and Z-Image support; `fetch github:city96/ComfyUI-GGUF`): tools/convert.py:308-320 from an F32 / BF16
+# source keeps 1-D tensors, tensors of <= QUANTIZATION_THRESHOLD (1024, :10) elements and keys_hiprec (:152-156
+# lumina2's pad tokens, none for flux) F32, the rest BF16 / F16; any other source F16. Then the llama.cpp patch
+# quantizes a tensor whose name ends in "weight" (llama.cpp's own rule, as "_norm.weight" is kept), of 2 ggml dims
+# (tools/lcpp.patch:497), not named by its arch's list (:377-388 flux with FLUX.2's shared modulation, :474-486
+# lumina2), with img_tensor_get_type's ffn rule (:198-231: ".feed_forward.w2.weight" ... Q4_0 -> Q4_1, Q5_0 -> Q5_1).
+CITY96_BRANCH = "auto_convert"
 CITY96_UNQUANTIZED = {
-    "flux": ("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer."),
+    "flux": ("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer.",
+             "single_stream_modulation.", "double_stream_modulation_"),
     "lumina2": ("t_embedder.", "x_embedder.", "final_layer.", "cap_embedder.", "context_refiner.", "noise_refiner."),
 }
-# convert.py's detect_arch (keys_detect: :27-30 ModelFlux, :144-146 ModelLumina2) and loader.py:11 IMG_ARCH_LIST
+CITY96_HIPREC = {"flux": (), "lumina2": ("x_pad_token", "cap_pad_token")}
+# convert.py's detect_arch (keys_detect: :26-29 ModelFlux, :149-151 ModelLumina2) and loader.py:12 IMG_ARCH_LIST
 CITY96_DETECT = {"flux": ("double_blocks.0.img_attn.proj.weight",),
                  "lumina2": ("cap_embedder.1.weight", "context_refiner.0.attention.qkv.weight")}
 COMFYUI_GGUF_IMG_ARCHS = {"flux", "sd1", "sdxl", "sd3", "aura", "hidream", "cosmos", "ltxv", "hyvid", "wan", "lumina2",
@@ -51,8 +55,8 @@ CITY96_FAMILIES = {"flux": ("flux_bfl", "flux"), "chroma": ("chroma_bfl", "flux"
 
 def city96_type(name: str, shape: tuple, source: str, qtype: str, arch: str) -> str:
     numel = int(np.prod(shape))
-    converted = ("F32" if len(shape) == 1 or numel <= SMALL else "BF16" if source == "BF16" else "F16") \
-        if source in ("F32", "BF16") else "F16"
+    hiprec = len(shape) == 1 or numel <= SMALL or any(k in name for k in CITY96_HIPREC[arch])
+    converted = ("F32" if hiprec else "BF16" if source == "BF16" else "F16") if source in ("F32", "BF16") else "F16"
     dims = len(shape) - next((i for i, n in enumerate(shape) if n != 1), len(shape) - 1)
     if not name.endswith("weight") or "_norm.weight" in name or dims != 2 or any(k in name for k in CITY96_UNQUANTIZED[arch]):
         return converted
@@ -135,8 +139,8 @@ def city96_convert_py():
     """ComfyUI-GGUF's tools/convert.py as a module (it imports gguf, torch, tqdm, safetensors: no ComfyUI),
     from the mirror `fetch github:city96/ComfyUI-GGUF` leaves; None where there is none."""
     try:
-        text = subprocess.run(["git", "--git-dir", CITY96_MIRROR, "show", "HEAD:tools/convert.py"], capture_output=True,
-                              text=True, check=True).stdout
+        text = subprocess.run(["git", "--git-dir", CITY96_MIRROR, "show", f"{CITY96_BRANCH}:tools/convert.py"],
+                              capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
     module = types.ModuleType("city96_convert")
@@ -171,11 +175,13 @@ def test_convert_py_itself_gives_our_float_types_and_arch(tiny_set, family):
 
 
 def test_modulation_and_guidance_layers_are_quantized_as_city96_quantizes_them():
-    """Chroma's distilled_guidance_layer and FLUX.2's shared modulation Linears: "flux" to convert.py, whose
-    patch keeps only the embedders and the final layer (our fp8 rules keep these, the GGUF files do not)."""
+    """Chroma's distilled_guidance_layer: "flux" to convert.py, whose patch keeps only the embedders, the final
+    layer and (auto_convert's "Flux2 specific filter") FLUX.2's shared modulation Linears, which stay BF16."""
     shape = (3072 * 6, 3072)  # FLUX.2 [klein] 4B's double_stream_modulation_img.lin
-    assert output_type("double_stream_modulation_img.lin.weight", shape, "BF16", "Q4_0", arch_spec("flux2").gguf) == "Q4_0"
-    assert output_type("single_stream_modulation.lin.weight", (9216, 3072), "BF16", "Q8_0", arch_spec("flux2").gguf) == "Q8_0"
+    assert output_type("double_stream_modulation_img.lin.weight", shape, "BF16", "Q4_0", arch_spec("flux2").gguf) == "BF16"
+    assert output_type("double_stream_modulation_txt.lin.weight", shape, "F32", "Q8_0", arch_spec("flux2").gguf) == "F16"
+    assert output_type("single_stream_modulation.lin.weight", (9216, 3072), "BF16", "Q8_0", arch_spec("flux2").gguf) == "BF16"
+    assert output_type("double_blocks.0.img_mlp.0.weight", (18432, 3072), "BF16", "Q8_0", arch_spec("flux2").gguf) == "Q8_0"
     assert output_type("distilled_guidance_layer.layers.0.in_layer.weight", (5120, 5120), "BF16", "Q5_1",
                        arch_spec("chroma").gguf) == "Q5_1"
     assert output_type("final_layer.linear.weight", (64, 3072), "BF16", "Q8_0", arch_spec("chroma").gguf) == "BF16"
@@ -184,6 +190,14 @@ def test_modulation_and_guidance_layers_are_quantized_as_city96_quantizes_them()
     assert output_type("noise_refiner.0.attention.qkv.weight", (11520, 3840), "BF16", "Q4_0", arch_spec("zimage").gguf) == "BF16"
     assert output_type("layers.3.feed_forward.w2.weight", (3840, 10240), "BF16", "Q4_0", arch_spec("zimage").gguf) == "Q4_1"
     assert output_type("layers.3.feed_forward.w1.weight", (10240, 3840), "BF16", "Q4_0", arch_spec("zimage").gguf) == "Q4_0"
+    # Qwen-Image's MLP output: the ffn rule's step up (auto_convert tools/lcpp.patch:206-207)
+    qwen = arch_spec("qwen_image").gguf
+    assert output_type("transformer_blocks.0.img_mlp.net.2.weight", (3072, 12288), "BF16", "Q4_0", qwen) == "Q4_1"
+    assert output_type("transformer_blocks.59.txt_mlp.net.2.weight", (3072, 12288), "BF16", "Q5_0", qwen) == "Q5_1"
+    assert output_type("transformer_blocks.0.img_mlp.net.0.proj.weight", (12288, 3072), "BF16", "Q4_0", qwen) == "Q4_0"
+    # Z-Image's [1, 3840] pad tokens: F32 (keys_hiprec), as ComfyUI-GGUF reads BF16 as floats only when 1-D
+    for name in ("x_pad_token", "cap_pad_token"):
+        assert output_type(name, (1, 3840), "BF16", "Q8_0", arch_spec("zimage").gguf) == "F32"
     with pytest.raises(ValueError, match="GGUF type Q4_K: only Q8_0, Q5_1, Q5_0, Q4_1, Q4_0 can be written"):
         output_type("double_blocks.0.img_mlp.0.weight", (12288, 3072), "BF16", "Q4_K", arch_spec("flux").gguf)
 

@@ -1,8 +1,8 @@
 """Writing GGUF transformer files in ComfyUI-GGUF's layout (tools/merge_lora.py --save_precision gguf_*),
 one tensor at a time, with the `gguf` package's own quantization.
 
-The layout is what city96's two steps produce, tensor for tensor (tests/test_merge_gguf.py runs
-convert.py's own rules against ours where the mirror is at hand): `general.architecture` the family's
+The layout is what city96's two steps produce (ComfyUI-GGUF's auto_convert branch), tensor for tensor
+(tests/test_merge_gguf.py runs convert.py's own rules against ours where the mirror is at hand): `general.architecture` the family's
 ComfyUI-GGUF name (its spec's `gguf.arch`), the checkpoint's key names without the ComfyUI
 `model.diffusion_model.` prefix, and per tensor:
   1. ComfyUI-GGUF tools/convert.py handle_tensors gives the float type: from an F32 / BF16 source,
@@ -35,9 +35,10 @@ from library.precision.gguf_weights import GGUF_TYPES, GGUFLinear
 
 WRITE_TYPES = ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")  # what gguf.quants.quantize writes
 SMALL = 1024  # elements: at most this many stay F32 (ComfyUI-GGUF convert.py's QUANTIZATION_THRESHOLD)
-# tools/lcpp.patch img_tensor_get_type "Rules for ffn": the MLP output projections one step up at Q4_0 / Q5_0
+# tools/lcpp.patch img_tensor_get_type "Rules for ffn" (auto_convert branch, :198-231): the MLP output
+# projections one step up at Q4_0 / Q5_0
 FFN_DOWN = ("ffn_down", ".ffn.2.weight", ".ff.net.2.weight", ".mlp.layer2.weight", ".adaln_modulation_mlp.2.weight",
-            ".feed_forward.w2.weight")
+            ".feed_forward.w2.weight", ".img_mlp.net.2.weight", ".txt_mlp.net.2.weight")
 FFN_DOWN_TYPE = {"Q4_0": "Q4_1", "Q5_0": "Q5_1"}
 FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q5_1": "MOSTLY_Q5_1", "Q5_0": "MOSTLY_Q5_0", "Q4_1": "MOSTLY_Q4_1", "Q4_0": "MOSTLY_Q4_0"}
 

@@ -57,10 +57,13 @@ FP8 = S.FP8Rules(
 
 
 # -- GGUF: ComfyUI-GGUF's layout (library/precision/gguf_writer.py)
-# FLUX.1's: convert.py detects the BFL block keys as "flux" and its llama.cpp patch's "flux" rules apply
-# (flux1/spec.py GGUF): every 2-D weight outside its unquantized list is quantized, the three shared
-# modulation Linears (the fp8 rules keep them) included. ComfyUI tells FLUX.2 by its keys.
-GGUF = S.load_symbol("library.models.flux1.spec:GGUF")
+# FLUX.1's and more: convert.py detects the BFL block keys as "flux" and its llama.cpp patch's "flux" rules
+# apply (flux1/spec.py GGUF), which on city96's auto_convert branch (ec7506d "Flux2 specific filter",
+# tools/lcpp.patch:385-387) also leave the three shared modulation Linears unquantized (BF16), as the fp8
+# rules keep them. ComfyUI tells FLUX.2 by its keys.
+_FLUX1_GGUF = S.load_symbol("library.models.flux1.spec:GGUF")
+GGUF = S.GgufLayout(_FLUX1_GGUF.arch, unquantized=(*_FLUX1_GGUF.unquantized, "single_stream_modulation.",
+                                                   "double_stream_modulation_"))
 
 
 # -- timestep sampling and shift defaults (library/models/flow_matching.py)

@@ -41,10 +41,11 @@ FP8 = S.FP8Rules(
 
 
 # -- GGUF: ComfyUI-GGUF's layout (library/precision/gguf_writer.py)
-# "qwen_image" is in ComfyUI-GGUF's loader.py IMG_ARCH_LIST, but its convert.py and llama.cpp patch
-# have no template for it (convert.py refuses its diffusers keys: the keys_banned of the first template
-# they match): the unquantized names are the fp8 keep list's (embedders, norm_out, proj_out); the
-# per-block modulation is quantized.
+# city96's auto_convert branch: convert.py detects the diffusers keys as "qwen_image" (ModelQwenImage,
+# tools/convert.py:73-81, no keys_hiprec) and its llama.cpp patch leaves these unquantized for it
+# (tools/lcpp.patch:487-494, the fp8 keep list's names); the per-block modulation is quantized, and the
+# ffn rule (:206-207) takes img_mlp.net.2 / txt_mlp.net.2 one step up (Q4_1 / Q5_1 at Q4_0 / Q5_0). Its
+# first / last block rule (:234-253) changes only K-quant file types, which gguf cannot write.
 GGUF = S.GgufLayout("qwen_image", unquantized=("img_in.", "txt_in.", "time_text_embed.", "norm_out.", "proj_out."))
 
 

@@ -68,11 +68,15 @@ FP8 = S.FP8Rules(
 
 # -- GGUF: ComfyUI-GGUF's layout (library/precision/gguf_writer.py), in the single-file names (x_embedder,
 # fused attention.qkv ...; checkpoint.py's map): convert.py detects cap_embedder.1.weight with
-# context_refiner.0.attention.qkv.weight as "lumina2" (ModelLumina2, no keys_hiprec; loader.py's
-# IMG_ARCH_LIST has no other name for Z-Image), and its llama.cpp patch leaves these unquantized for
-# "lumina2" (tools/lcpp.patch, LLM_ARCH_LUMINA2): the embedders, the final layer and the refiner blocks.
+# context_refiner.0.attention.qkv.weight as "lumina2" (ModelLumina2; loader.py's IMG_ARCH_LIST has no
+# other name for Z-Image), and its llama.cpp patch leaves these unquantized for "lumina2" (tools/lcpp.patch,
+# LLM_ARCH_LUMINA2): the embedders, the final layer and the refiner blocks. The pad tokens are F32, as
+# ModelLumina2's keys_hiprec on city96's auto_convert branch (a0a0d2e "Z-Image conversion support",
+# tools/convert.py:152-156) keeps them: ComfyUI-GGUF's loader turns BF16 into floats only for 1-D tensors
+# (main branch loader.py:122-123), so a BF16 [1, 3840] pad token would load as raw bytes and fail ComfyUI's load.
 GGUF = S.GgufLayout("lumina2", unquantized=("t_embedder.", "x_embedder.", "final_layer.", "cap_embedder.",
-                                            "context_refiner.", "noise_refiner."))
+                                            "context_refiner.", "noise_refiner."),
+                    hiprec=("x_pad_token", "cap_pad_token"))
 
 
 # -- timestep sampling and shift defaults (library/models/flow_matching.py)
