@@ -2,9 +2,9 @@
 one tensor at a time, with the `gguf` package's own quantization.
 
 The layout is what city96's two steps produce (ComfyUI-GGUF's auto_convert branch), tensor for tensor
-(tests/test_merge_gguf.py runs convert.py's own rules against ours where the mirror is at hand): `general.architecture` the family's
-ComfyUI-GGUF name (its spec's `gguf.arch`), the checkpoint's key names without the ComfyUI
-`model.diffusion_model.` prefix, and per tensor:
+(tests/test_merge_gguf.py runs convert.py's own rules against ours where the mirror is at hand):
+`general.architecture` the family's ComfyUI-GGUF name (its spec's `gguf.arch`), the checkpoint's key
+names without the ComfyUI `model.diffusion_model.` prefix, and per tensor:
   1. ComfyUI-GGUF tools/convert.py handle_tensors gives the float type: from an F32 / BF16 source,
      F32 for 1-D tensors, tensors of at most 1024 elements (QUANTIZATION_THRESHOLD) and the arch's
      keys_hiprec, else BF16 from bf16 and F16 from f32; from any other source (F16, fp8) F16.
