@@ -258,7 +258,7 @@ def test_sd_scripts_json_and_toml_prompt_files_are_read_as_prompts(tmp_path):
 
     (tmp_path / "p.json").write_text('[{"prompt": "a zxq star", "width": 64, "height": 64, "sample_steps": 4, '
                                      '"seed": 1, "scale": 2.0, "negative_prompt": "blurry"},\n "a red circle --w 64 --h 64"]')
-    assert read_prompt_file(str(tmp_path / "p.json")) == [
+    assert read_prompt_file(str(tmp_path / "p.json"), guidance_is_cfg=True) == [
         SamplePrompt("a zxq star", 64, 64, 4, 1, 2.0, "blurry"), SamplePrompt("a red circle", 64, 64)]
     (tmp_path / "p.toml").write_text('[prompt]\nwidth = 64\nheight = 64\nsample_steps = 4\n[[prompt.subset]]\n'
                                      'prompt = "a zxq star"\nguidance_scale = 3.0\n[[prompt.subset]]\nprompt = "a square"\n'
@@ -272,9 +272,33 @@ def test_a_prompt_line_reads_sd_scripts_l_scale_and_flags_in_any_case():
     and --W 512 was unknown where sd-scripts reads it as --w."""
     from library.data.prompts import SamplePrompt, parse_prompt_line
 
-    line = parse_prompt_line("a cat --W 512 --H 256 --l 6.5 --S 3 --N blurry", "p.txt:1")
+    line = parse_prompt_line("a cat --W 512 --H 256 --l 6.5 --S 3 --N blurry", "p.txt:1", guidance_is_cfg=True)
     assert line == SamplePrompt("a cat", 512, 256, 3, None, 6.5, "blurry")
-    assert parse_prompt_line("a cat --g 3 --l 7", "p.txt:1").guidance == 3.0  # --g wins, as guidance_scale does
+
+
+@pytest.mark.parametrize("kind", ["txt", "json"])
+def test_sd_scripts_l_is_a_cfg_models_guidance_and_unread_without_cfg(tmp_path, kind):
+    """sd-scripts' --l is its CFG scale, --g FLUX.1's embedded guidance; its docs give Chroma '--l 4.0 --g 0.0'.
+    Old: --l was only a fallback for --g, dropped silently beside it (Chroma sampled at 0: no CFG) and read as
+    FLUX.1 dev's embedded guidance without one. Now a CFG model's --l wins, a model without CFG reads none; the
+    number left unread is one warning line naming the file and line (a .json's 'scale' / 'guidance_scale' alike)."""
+    from library.data.prompts import read_prompt_file
+
+    path = tmp_path / f"p.{kind}"
+    if kind == "txt":
+        path.write_text("a cat --l 4 --g 0\na dog --l 4\n")
+        g, l, where = "--g", "--l", [f"{path}:1", f"{path}:2"]
+    else:
+        path.write_text('[{"prompt": "a cat", "scale": 4, "guidance_scale": 0}, {"prompt": "a dog", "scale": 4}]')
+        g, l, where = "key 'guidance_scale'", "key 'scale'", [f"{path}: prompt 0", f"{path}: prompt 1"]
+    with pytest.warns(UserWarning) as caught:
+        assert [p.guidance for p in read_prompt_file(str(path), guidance_is_cfg=True)] == [4.0, 4.0]
+    assert [str(w.message) for w in caught] == [
+        f"{where[0]}: {g} is not read: {l} is given and sets this model's guidance, a CFG scale"]
+    with pytest.warns(UserWarning) as caught:
+        assert [p.guidance for p in read_prompt_file(str(path), guidance_is_cfg=False)] == [0.0, 3.5]
+    assert [str(w.message) for w in caught] == [
+        f"{w}: {l} is not read: it is sd-scripts' CFG scale, and this model samples without CFG" for w in where]
 
 
 def test_prompt_sizes_round_down_to_16_with_a_warning_as_generate_does(tmp_path):
@@ -302,6 +326,14 @@ def test_prompt_sizes_round_down_to_16_with_a_warning_as_generate_does(tmp_path)
     ("p.json", '[{"prompt": "x", "guidance_scale": Infinity}]', "p.json: prompt 0: key 'guidance_scale' needs float, got inf"),
     ("p.json", '[{"prompt": "x", "controlnet_image": 5}]',
      "p.json: prompt 0: key 'controlnet_image' needs a path or a list of paths, got 5"),
+    # these were taken silently until 2026-11-28: scale ignored or read as 1.0, a list negative encoded as
+    # its Python text, a number prompt called empty
+    ("p.json", '[{"prompt": "x", "scale": "7"}]', "p.json: prompt 0: key 'scale' needs float, got '7'"),
+    ("p.json", '[{"prompt": "x", "scale": [7]}]', "p.json: prompt 0: key 'scale' needs float, got [7]"),
+    ("p.json", '[{"prompt": "x", "scale": true}]', "p.json: prompt 0: key 'scale' needs float, got True"),
+    ("p.json", '[{"prompt": "x", "negative_prompt": ["a", "b"]}]',
+     "p.json: prompt 0: key 'negative_prompt' needs str, got ['a', 'b']"),
+    ("p.json", '[{"prompt": 5}]', "p.json: prompt 0: key 'prompt' needs str, got 5"),
     ("p.txt", 'a cat --g nan\n', "p.txt:1: guidance must be a finite number, got nan"),
     ("p.toml", 'prompt = "x"\n', "p.toml: expected a [prompt] table with [[prompt.subset]] entries"),
 ])
@@ -441,7 +473,8 @@ def test_prompts_without_a_size_sample_at_the_resolution_on_the_16_pixel_grid(tm
                                              "subsets": [{"image_dir": str(tmp_path)}]}]})
     task = SimpleNamespace(args=SimpleNamespace(sample_prompts=str(tmp_path / "p.txt")), blueprint=bp,
                            family=SimpleNamespace(sample_steps=4, sample_guidance=1.0, name="any", max_controls=0,
-                                                  min_controls=0, unread_prompt_options=lambda negative, guidance: {}))
+                                                  min_controls=0, unread_prompt_options=lambda negative, guidance: {},
+                                                  guidance_is_cfg_scale=lambda: True))
     prompts = DiffusionTask._read_prompts(task)
     assert [(p.width, p.height) for p in prompts] == [(64, 992), (96, 992)]  # was (72, 1000), (96, 1000)
 

@@ -2,6 +2,7 @@
 pipeline's num_inference_steps default (read from the installed pipeline's signature)."""
 
 import inspect
+import re
 
 import pytest
 
@@ -80,13 +81,45 @@ def test_a_negative_that_no_cfg_reads_is_named_in_one_warning(tiny_set):
 
 def test_generate_warns_of_a_prompts_negative_and_guidance_the_model_does_not_read(tiny_set, tmp_path):
     """FLUX.1 dev has no CFG: a prompt's --n was dropped silently (the --negative flag is refused); a
-    schnell checkpoint has no guidance input: a prompt's --g / --l were dropped silently."""
+    schnell checkpoint has no guidance input: a prompt's --g was dropped silently, and its --l (sd-scripts'
+    CFG scale) is read by no model without CFG."""
     from tests.test_generate import generate_args, schnell_like
     from tools import generate
 
     with pytest.warns(UserWarning, match=r"--prompt: --n \(--negative\) is not read: model_type flux samples without"):
         assert generate.main(generate_args(tiny_set, tmp_path / "dev", "--prompt", "a red square --n blurry")) == 0
     schnell = schnell_like(tmp_path, tiny_set)[0][1]
-    with pytest.warns(UserWarning, match=r"--g / --l \(--guidance\) is not read: .*has no guidance embedding"):
+    with pytest.warns(UserWarning) as caught:
         assert generate.main(generate_args(tiny_set, tmp_path / "schnell", "--model", schnell,
-                                           "--prompt", "a red square --l 7")) == 0
+                                           "--prompt", "a red square --g 7 --l 7")) == 0
+    said = [str(w.message) for w in caught]
+    assert "--prompt: --l is not read: it is sd-scripts' CFG scale, and this model samples without CFG" in said
+    assert any(re.match(r"--prompt: --g \(--guidance\) is not read: .*has no guidance embedding", m) for m in said)
+
+
+def test_generate_samples_a_cfg_models_l_over_its_g(tiny_set, tmp_path):
+    """sd-scripts' Chroma line '--l 4.0 --g 0.0' is CFG 4: the --g beside it was read (guidance 0, no CFG)."""
+    from PIL import Image
+
+    from tools import generate
+
+    out = tmp_path / "gen"
+    with pytest.warns(UserWarning, match=r"--prompt: --g is not read: --l is given and sets this model's guidance"):
+        assert generate.main(["--model_type", "zimage", "--model", tiny_set["zimage"], "--ae", tiny_set["flux_vae"],
+                              "--text_encoder", tiny_set["zimage_text_encoder"], "--prompt", "a red square --l 4 --g 0",
+                              "--width", "32", "--height", "32", "--steps", "1", "--dtype", "fp32", "--out", str(out)]) == 0
+    (png,) = out.glob("*.png")
+    assert Image.open(png).text["guidance"] == "4.0"
+
+
+def test_l_is_the_guidance_of_a_family_whose_guidance_is_a_cfg_scale(tiny_set):
+    """sd-scripts' --l is the CFG scale, its --g FLUX.1's embedded guidance: a family reads --l where its one
+    guidance is a CFG scale (true CFG; Ideogram 4's blend against its unconditional transformer), not where it
+    is embedded (FLUX.1 dev, FLUX.2 dev) or unused (a step-distilled FLUX.2 [klein])."""
+    cfg = ("qwen_image", "qwen_image_edit", "qwen_image_layered", "qwen_image21", "zimage", "zimage_omni", "chroma",
+           "krea2", "krea2_edit", "ideogram4")
+    assert [t for t in cfg if not family_class(t)("unused").guidance_is_cfg_scale()] == []
+    assert not family_class("flux")(tiny_set["flux_bfl"]).guidance_is_cfg_scale()
+    assert not family_class("flux_kontext")(tiny_set["flux_bfl"]).guidance_is_cfg_scale()
+    assert not family_class("flux2")(tiny_set["flux2_dev_tiny"]).guidance_is_cfg_scale()
+    assert family_class("flux2")(tiny_set["flux2_tiny"]).guidance_is_cfg_scale()  # [klein] base

@@ -7,8 +7,10 @@ import csv
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -128,6 +130,44 @@ def test_base_loras_train_as_a_base_merged_beforehand(tiny_set, trained, tmp_pat
     with safe_open(str(with_base_loras / "a.safetensors"), "pt") as f:
         recorded = json.loads(f.metadata()["ss_base_loras"])
     assert recorded == [{"file": "zimage.safetensors", "ratio": 0.7}]
+
+
+def test_samples_render_base_loras_on_both_bases_and_generate_reproduces_them(tiny_set, trained, tmp_path, capsys,
+                                                                             monkeypatch):
+    """An fp8 run with base_loras: its bf16 reference panel was rendered on the bf16 base without them, so it
+    differed from the fp8 panel by the adapter, not by precision. Now both panels render base + base_loras + LoRA:
+    generate.py on the bf16 base with --lora <base_lora> <lora> gives the bf16 panel; given the LoRA alone (the
+    deployed image, without the adapter) it says in one note line which base_loras the samples had."""
+    from library.data import images
+    from tools import generate
+
+    panels = {}  # the sample's panels as rendered, by label
+    real = images.save_side_by_side
+    monkeypatch.setattr(images, "save_side_by_side", lambda shown, *a, **k: (panels.update(shown), real(shown, *a, **k))[1])
+    adapter = f"{trained / 'zimage.safetensors'}:30"  # a large ratio: another image, as a de-distillation adapter
+    (tmp_path / "p.txt").write_text("a red circle --w 64 --h 48 --s 2 --d 7\n")
+    out = tmp_path / "run"
+    assert train_lora.main(train_args(tiny_set, out, "l", model=tiny_set["zimage"], extra=(
+        "--base_loras", adapter, "--fp8_base", "true", "--sample_prompts", str(tmp_path / "p.txt")))) == 0
+    assert set(panels) == {"bf16", "fp8_scaled"}
+    bf16_panel = np.asarray(images.to_pil(panels["bf16"])).astype(int)
+
+    def render(name, *loras):
+        """generate.py's image minus the bf16 panel (max abs, of 255) and its note lines."""
+        capsys.readouterr()
+        assert generate.main(["--model_type", "zimage", "--model", tiny_set["zimage"], "--ae", tiny_set["flux_vae"],
+                              "--text_encoder", tiny_set["zimage_text_encoder"], "--prompt_file", str(tmp_path / "p.txt"),
+                              "--dtype", "fp32", "--out", str(tmp_path / name), "--lora", *loras]) == 0
+        (png,) = (tmp_path / name).glob("*.png")
+        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+        return np.abs(np.asarray(Image.open(png).convert("RGB")).astype(int) - bf16_panel).max(), notes
+
+    lora = str(out / "l.safetensors")
+    with_adapter, notes = render("with_adapter", adapter, lora)
+    assert with_adapter <= 1 and notes == []  # old: 88
+    alone, notes = render("alone", lora)
+    assert alone > 20 and notes == [f"note: {lora} was trained with base_loras zimage.safetensors:30 merged into its "
+                                    f"base, which its training samples include: give them to --lora too to render those"]
 
 
 @pytest.mark.parametrize("layout", ["plain", "block64"])

@@ -20,6 +20,7 @@ before any model is loaded).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -74,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and musubi-tuner; the file name and the PNG's info record it)")
     p.add_argument("--guidance", type=float, default=None,
                    help="embedded guidance, or the CFG scale of models that sample with true CFG (default: the "
-                        f"release's - {_per_release('sample_guidance')}; a prompt's --g or --l wins)")
+                        f"release's - {_per_release('sample_guidance')}; a prompt's --g wins, on a CFG model its --l, "
+                        "sd-scripts' CFG scale, over both)")
     p.add_argument("--base_precision", default="bf16", choices=BASE_PRECISIONS)
     p.add_argument("--dtype", default="bf16", choices=PRECISION_NAMES, help="compute dtype")
     p.add_argument("--text_encoder_precision", default="bf16", choices=("fp32", "fp16", "bf16", "fp8", "fp8_scaled"))
@@ -157,13 +159,36 @@ def collect_prompts(args, family) -> list[SamplePrompt]:
     multiple = family.vae_downsample * family.patch  # a prompt's own --w / --h is rounded alike (to 16)
     width, height = rendered_side("--width", args.width, multiple), rendered_side("--height", args.height, multiple)
     defaults = SamplePrompt("", width, height, steps, args.seed, guidance, args.negative, tuple(args.control_image))
-    prompts = [parse_prompt_line(p, "--prompt", defaults) for p in args.prompt]
+    cfg = family.guidance_is_cfg_scale()  # a prompt's --l is its guidance, or unread
+    prompts = [parse_prompt_line(p, "--prompt", defaults, cfg) for p in args.prompt]
     decode_references([("--prompt", p) for p in prompts])
     if args.prompt_file:
-        prompts += read_prompt_file(args.prompt_file, defaults)
+        prompts += read_prompt_file(args.prompt_file, defaults, guidance_is_cfg=cfg)
     if not prompts:
         raise ValueError("give --prompt or --prompt_file")
     return prompts
+
+
+def base_loras_notes(loras) -> list[str]:
+    """One note line per --lora file trained with base_loras (its header's ss_base_loras) not also given at their
+    ratios: its training samples rendered base + base_loras + LoRA, these images render without them (a
+    de-distillation adapter is left out to deploy, as ai-toolkit's samples leave it out)."""
+    from library.io import CheckpointReader
+    from networks.lora_files import METADATA_KEYS, PEFT_WEIGHTS_FILE, peft_folder_of
+
+    given = {(os.path.basename(s.path), s.ratio) for s in loras}
+    notes = []
+    for spec in loras:
+        folder = peft_folder_of(spec.path)
+        header = CheckpointReader(os.path.join(folder, PEFT_WEIGHTS_FILE) if folder else spec.path).metadata
+        try:
+            merged = [(e["file"], float(e["ratio"])) for e in json.loads(header.get(METADATA_KEYS["base_loras"]) or "[]")]
+        except (ValueError, TypeError, KeyError):  # a header another tool wrote: nothing to say
+            continue
+        if missing := [f"{file}:{ratio:g}" for file, ratio in merged if (file, ratio) not in given]:
+            notes.append(f"note: {spec.path} was trained with base_loras {', '.join(missing)} merged into its base, "
+                         f"which its training samples include: give them to --lora too to render those")
+    return notes
 
 
 def first_free_index(folder: str) -> int:
@@ -183,6 +208,8 @@ def generate(args) -> list[str]:
     device = check_args(args)
     for spec in loras:  # headers only: an unreadable file, or another model's LoRA, is named before any model loads
         check_lora_arch(spec.path, family_class(args.model_type).arch)
+    for note in base_loras_notes(loras):
+        print(note)
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
     check_model_options(args, family)
     prompts = collect_prompts(args, family)

@@ -5,17 +5,17 @@
 Flags: --w width, --h height (each rounded down to a multiple of 16 with a warning, as sd-scripts'
 samples are: the size a model renders; below 16 is an error), --s steps, --d seed, --g guidance (the
 embedded guidance of a guidance-distilled model, the CFG scale of a true-CFG one), --l sd-scripts' CFG
-scale (the guidance where --g is not given: the one number a family samples with), --n negative prompt,
---ci a reference (control) image for edit models (musubi-tuner's flag; repeat it for several, in
-order). Flags are read in any case (--W is --w, as in sd-scripts). Lines starting with # and blank
-lines are skipped. An unknown flag or a bad value is an error naming the file and line.
+scale (a CFG model's guidance, winning over a --g beside it; unread by a model without CFG), --n
+negative prompt, --ci a reference (control) image for edit models (musubi-tuner's flag; repeat it for
+several, in order). Flags are read in any case (--W is --w, as in sd-scripts). Lines starting with # and
+blank lines are skipped. An unknown flag or a bad value is an error naming the file and line.
 
 sd-scripts' structured files load too: a `.json` list of prompt objects (or prompt lines), and a
 `.toml` with a [prompt] table of defaults and its [[prompt.subset]] entries. Their keys: prompt,
-negative_prompt, width, height, sample_steps, seed, guidance_scale (--g), scale (sd-scripts' --l: taken
-as the guidance where guidance_scale is not given: the one number a family samples with) and
-controlnet_image (--ci). Any other key (sample_sampler, ...) is an error naming it: we sample with the
-family's own flow-matching sampler, and a setting read and ignored would lie.
+negative_prompt, width, height, sample_steps, seed, guidance_scale (--g), scale (sd-scripts' --l, read as
+--l is) and controlnet_image (--ci). Any other key (sample_sampler, ...) is an error naming it: we sample
+with the family's own flow-matching sampler, and a setting read and ignored would lie; so is a value of
+another type (a list as negative_prompt, true as a number).
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ def split_prompt_line(line: str) -> list[str]:
     return [parts[0].strip(), *parts[1:]]
 
 
-def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = None) -> SamplePrompt:
+def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = None,
+                      guidance_is_cfg: bool | None = None) -> SamplePrompt:
+    """guidance_is_cfg: the family's guidance is a CFG scale (settle_scale says what that changes)."""
     parts = split_prompt_line(line)
     fields, controls = {}, []
     for part in parts[1:]:
@@ -73,10 +75,26 @@ def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = Non
             fields[name] = kind(value.strip())
         except ValueError:
             raise ValueError(f"{where}: flag '--{flag}' needs {kind.__name__}, got {value.strip()!r}") from None
-    scale = fields.pop("scale", None)  # sd-scripts' CFG scale: the guidance where --g is not given, as a .json's
-    if scale is not None:
-        fields.setdefault("guidance", scale)
+    settle_scale(fields, where, guidance_is_cfg, "--g", "--l")
     return _checked(parts[0], fields, controls, where, defaults)
+
+
+def settle_scale(fields: dict, where: str, guidance_is_cfg: bool | None, g_name: str, l_name: str) -> None:
+    """sd-scripts' two numbers onto a family's one guidance: its --l (a .json's scale) is the CFG scale run with
+    the negative prompt, its --g (guidance_scale) FLUX.1's embedded guidance. Where the family's guidance is a CFG
+    scale (DiffusionFamily.guidance_is_cfg_scale) --l sets it and wins over a --g beside it, as sd-scripts'
+    Chroma line '--l 4.0 --g 0.0' means; a family without CFG reads no --l. The number left unread is one warning
+    line, as other unread options are (prompt files are shared between models). None: the prompts are read for
+    their sizes and references only (the memory planner, the web UI's checks), --l unread and unsaid."""
+    scale = fields.pop("scale", None)
+    if scale is None or guidance_is_cfg is None:
+        return
+    if not guidance_is_cfg:
+        warnings.warn(f"{where}: {l_name} is not read: it is sd-scripts' CFG scale, and this model samples without CFG")
+        return
+    if "guidance" in fields:
+        warnings.warn(f"{where}: {g_name} is not read: {l_name} is given and sets this model's guidance, a CFG scale")
+    fields["guidance"] = scale
 
 
 def _checked(prompt: str, fields: dict, controls: list[str], where: str, defaults: SamplePrompt | None) -> SamplePrompt:
@@ -159,14 +177,16 @@ def rendered_side(what: str, value: int, multiple: int = PIXELS_PER_TOKEN_SIDE) 
     return side
 
 
-# sd-scripts' prompt-object keys -> (our field, type); "scale" is handled beside guidance_scale.
-DICT_KEYS = {"width": ("width", int), "height": ("height", int), "sample_steps": ("steps", int), "seed": ("seed", int),
-             "guidance_scale": ("guidance", float), "negative_prompt": ("negative", str)}
+# sd-scripts' prompt-object keys -> (our field, type); "scale" is settled beside guidance_scale (settle_scale).
+DICT_KEYS = {"prompt": ("prompt", str), "width": ("width", int), "height": ("height", int),
+             "sample_steps": ("steps", int), "seed": ("seed", int), "guidance_scale": ("guidance", float),
+             "scale": ("scale", float), "negative_prompt": ("negative", str)}
 
 
-def prompt_from_dict(entry: dict, where: str, defaults: SamplePrompt | None = None) -> SamplePrompt:
+def prompt_from_dict(entry: dict, where: str, defaults: SamplePrompt | None = None,
+                     guidance_is_cfg: bool | None = None) -> SamplePrompt:
     """One sd-scripts prompt object (a .json entry, a .toml subset merged over its defaults)."""
-    known = {*DICT_KEYS, "prompt", "scale", "controlnet_image"}
+    known = {*DICT_KEYS, "controlnet_image"}
     if unknown := sorted(k for k in entry if k not in known):
         raise ValueError(f"{where}: key '{unknown[0]}' is not read (known: {', '.join(sorted(known))})")
     fields = {}
@@ -174,18 +194,26 @@ def prompt_from_dict(entry: dict, where: str, defaults: SamplePrompt | None = No
         value = entry.get(key)
         if value is None:
             continue
-        if kind is not str and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                                or (kind is int and value != int(value))):
+        if not _is_a(value, kind):  # a list or a bool taken as text or a number rendered another prompt silently
             raise ValueError(f"{where}: key '{key}' needs {kind.__name__}, got {value!r}")
         fields[name] = kind(value)
-    if "guidance" not in fields and isinstance(entry.get("scale"), (int, float)):
-        fields["guidance"] = float(entry["scale"])
+    settle_scale(fields, where, guidance_is_cfg, "key 'guidance_scale'", "key 'scale'")
+    prompt = fields.pop("prompt", "").strip()
     image = entry.get("controlnet_image")
     controls = [image] if isinstance(image, str) else image or []
     if not (isinstance(controls, list) and all(isinstance(c, str) for c in controls)):
         raise ValueError(f"{where}: key 'controlnet_image' needs a path or a list of paths, got {image!r}")
-    prompt = entry.get("prompt")
-    return _checked(prompt.strip() if isinstance(prompt, str) else "", fields, controls, where, defaults)
+    return _checked(prompt, fields, controls, where, defaults)
+
+
+def _is_a(value, kind: type) -> bool:
+    """A JSON / TOML value of the type a prompt key needs: a string for text; a finite number, not a bool
+    (JSON's true is no guidance), for a number; a whole one for an int."""
+    if kind is str:
+        return isinstance(value, str)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return kind is not int or value == int(value)
 
 
 def default_sample_size(resolution: tuple[int, int]) -> tuple[int, int]:
@@ -196,18 +224,20 @@ def default_sample_size(resolution: tuple[int, int]) -> tuple[int, int]:
     return resolution[0] // side * side, resolution[1] // side * side
 
 
-def read_prompt_file(path: str, defaults: SamplePrompt | None = None, decode: bool = True) -> list[SamplePrompt]:
+def read_prompt_file(path: str, defaults: SamplePrompt | None = None, decode: bool = True,
+                     guidance_is_cfg: bool | None = None) -> list[SamplePrompt]:
     """A prompt file: sd-scripts' text lines, or its .json / .toml prompt objects (by extension), its
-    reference images decoded (decode=False: the web UI's check reads none before its roots check)."""
+    reference images decoded (decode=False: the web UI's check reads none before its roots check);
+    guidance_is_cfg: the family's guidance is a CFG scale (settle_scale)."""
     try:
         text = read_utf8(path, "prompt file")
     except OSError as e:
         raise ValueError(f"{path}: cannot read prompt file ({e.strerror})") from None
     kind = os.path.splitext(path)[1].lower()
     if kind in (".json", ".toml"):
-        found = _structured_prompts(text, path, kind, defaults)
+        found = _structured_prompts(text, path, kind, defaults, guidance_is_cfg)
     else:
-        found = [(f"{path}:{i}", parse_prompt_line(line, f"{path}:{i}", defaults))
+        found = [(f"{path}:{i}", parse_prompt_line(line, f"{path}:{i}", defaults, guidance_is_cfg))
                  for i, line in enumerate(text.splitlines(), 1) if line.strip() and not line.lstrip().startswith("#")]
     if not found:
         raise ValueError(f"{path}: no prompts")
@@ -216,7 +246,8 @@ def read_prompt_file(path: str, defaults: SamplePrompt | None = None, decode: bo
     return [prompt for _, prompt in found]
 
 
-def _structured_prompts(text: str, path: str, kind: str, defaults: SamplePrompt | None) -> list[tuple[str, SamplePrompt]]:
+def _structured_prompts(text: str, path: str, kind: str, defaults: SamplePrompt | None,
+                        guidance_is_cfg: bool | None) -> list[tuple[str, SamplePrompt]]:
     """sd-scripts' load_prompts: a JSON list (objects or prompt lines), or a TOML [prompt] table whose
     keys are the defaults of its [[prompt.subset]] entries; each (where, prompt)."""
     try:
@@ -229,9 +260,9 @@ def _structured_prompts(text: str, path: str, kind: str, defaults: SamplePrompt 
     for i, entry in enumerate(data):
         where = f"{path}: prompt {i}"
         if isinstance(entry, str):
-            prompts.append((where, parse_prompt_line(entry, where, defaults)))
+            prompts.append((where, parse_prompt_line(entry, where, defaults, guidance_is_cfg)))
         elif isinstance(entry, dict):
-            prompts.append((where, prompt_from_dict(entry, where, defaults)))
+            prompts.append((where, prompt_from_dict(entry, where, defaults, guidance_is_cfg)))
         else:
             raise ValueError(f"{where}: expected an object or a prompt line, got {type(entry).__name__}")
     return prompts

@@ -391,6 +391,11 @@ class DiffusionFamily:
             return {}
         return {"negative": f"model_type {self.name} samples without a negative prompt (no true CFG)"}
 
+    def guidance_is_cfg_scale(self) -> bool:
+        """The sample guidance is a CFG scale (sd-scripts' --l), not an embedded guidance (its --g): the
+        model samples with CFG, as a negative prompt it reads says (prompts.settle_scale reads --l by it)."""
+        return self.true_cfg and "negative" not in self.unread_sample_options()
+
     def unread_prompt_options(self, negative: str, guidance: float | None) -> dict[str, str]:
         """A sample prompt's options this model would not read ("negative", "guidance") -> why: a
         negative where unread_sample_options says so or where its guidance runs no CFG (guidance <=
@@ -419,7 +424,7 @@ class DiffusionFamily:
         return None
 
 
-PROMPT_FLAGS = {"negative": "--n (--negative)", "guidance": "--g / --l (--guidance)"}  # how a prompt sets each option
+PROMPT_FLAGS = {"negative": "--n (--negative)", "guidance": "--g (--guidance)"}  # how a prompt sets each option
 
 
 def warn_unread_prompt_options(family: DiffusionFamily, prompts, where: str) -> None:

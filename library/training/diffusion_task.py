@@ -215,7 +215,8 @@ class DiffusionTask:
         width, height = default_sample_size(self.blueprint.datasets[0].resolution)
         defaults = SamplePrompt("", width=width, height=height, steps=self.family.sample_steps,
                                 guidance=self.family.sample_guidance)
-        prompts = read_prompt_file(self.args.sample_prompts, defaults)
+        prompts = read_prompt_file(self.args.sample_prompts, defaults,
+                                   guidance_is_cfg=self.family.guidance_is_cfg_scale())
         check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls,
                               self.family.min_controls)
         warn_unread_prompt_options(self.family, prompts, self.args.sample_prompts)
@@ -356,14 +357,21 @@ class DiffusionTask:
         self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
 
     def _load_base(self) -> nn.Module:
-        """The frozen transformer, on the CPU: LoRA goes on it there, then _to_device moves it.
-        base_loras are merged into it first (library/training/base_loras.py)."""
+        """The frozen transformer, on the CPU: LoRA goes on it there, then _to_device moves it."""
+        base = self._frozen_transformer(base_precision(self.args))
+        if self.args.base_loras:
+            self.accelerator.print(f"base_loras: {len(self.args.base_loras)} merged into the frozen base")
+        return base
+
+    def _frozen_transformer(self, precision: str) -> nn.Module:
+        """The transformer stored as `precision`, base_loras merged into it first (library/training/base_loras.py),
+        frozen, on the CPU: the training base, and the bf16 reference of samples, which differs from it by
+        precision only."""
         if not self.args.base_loras:
-            return self.family.load_transformer(self.compute_dtype, base_precision(self.args)).requires_grad_(False).eval()
+            return self.family.load_transformer(self.compute_dtype, precision).requires_grad_(False).eval()
         from library.training.base_loras import base_lora_specs, load_merged_base
 
-        base = load_merged_base(self.family, self.compute_dtype, base_precision(self.args), base_lora_specs(self.args.base_loras))
-        self.accelerator.print(f"base_loras: {len(self.args.base_loras)} merged into the frozen base")
+        base = load_merged_base(self.family, self.compute_dtype, precision, base_lora_specs(self.args.base_loras))
         return base.requires_grad_(False).eval()
 
     def _enable_fp8_compute(self):
@@ -605,8 +613,8 @@ class DiffusionTask:
 
         bases = [(self.trained_precision(), self.base)]  # the layout loaded
         if memory_plan.renders_bf16_reference(self.args):
-            # The same LoRA on a bf16 copy of the base, streamed from disk for this render only.
-            reference = self.family.load_transformer(self.compute_dtype, "bf16").requires_grad_(False).eval()
+            # The same LoRA on a bf16 copy of the base (its base_loras merged), streamed from disk for this render only.
+            reference = self._frozen_transformer("bf16")
             reference_net = self._make_network_for(reference)
             reference_net.load_weights(self.network.state_dict())
             self._to_device(reference)

@@ -30,6 +30,9 @@ class Ideogram4Family(DiffusionFamily):
     true_cfg = False  # the unconditional branch takes no text: no negative prompt is encoded
     latent_channels = 32
 
+    def guidance_is_cfg_scale(self) -> bool:
+        return True  # CFG against the unconditional transformer, without a negative prompt
+
     # -- loading -------------------------------------------------------------------------------
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         from library.models.ideogram4.checkpoint import load_ideogram4
