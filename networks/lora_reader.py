@@ -21,7 +21,8 @@ names another (lora_arch.header_arch); where nothing tells, one warning says so 
 variant whose model takes its base's LoRAs (LoRAFiles.takes_base_loras) reads them less the modules it lacks,
 with one warning (`without_base_only`). Text-encoder modules and the tensors some trainers save beside a LoRA
 (lora_files.split_beside_lora) are left out, each with one warning. LyCORIS files
-are read by `lycoris_for_model` (names only: their factors are no rows of a fused module's).
+are read by `lycoris_for_model` (names only: their factors are no rows of a fused module's; a merge into a
+fused weight merges each part into its rows, `FusedRows`).
 """
 
 from __future__ import annotations
@@ -210,8 +211,10 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
     target's module paths, as lora_for_model reads a LoRA: another architecture's file refused in one line,
     kohya names resolved against the target's paths and the architecture's (a name that fits none keeps its
     kohya name: the caller reports it), a module in the other naming renamed where the module map maps it
-    whole. A module the map splits or joins by rows is an error: LyCORIS' factors (Kronecker, Hadamard) are
-    no rows of the parts' (convert_lora writes them in their own naming only, for that reason)."""
+    whole. Parts the map joins by rows into a target's fused weight (target_is_key) become one FusedRows, each
+    part merged into its rows. A module the map splits by rows is an error: LyCORIS' factors (Kronecker,
+    Hadamard) are no rows of the fused module's (convert_lora writes them in their own naming only, for that
+    reason)."""
     tensors = without_base_only(name, tensors, metadata, arch)
     kept = {module_of_key(k) for k in tensors}
     deltas = {n: d for n, d in deltas.items() if n in kept}
@@ -232,19 +235,39 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
     pairs = [(key, other, parts) for key, parts in module_map.items() for other, _, _ in parts]
     other_of = {other: (key, parts) for key, other, parts in pairs} if target_is_key else \
         {key: (other, parts) for key, other, parts in pairs}
-    out = {}
+    out, renamed, rows_of = {}, {}, {}
     for path, delta in weights.items():
         if path in own or path not in other_of:
             out[path] = delta
             continue
         target, parts = other_of[path]
-        if len(parts) != 1 or parts[0][1] != 0:
+        if len(parts) == 1 and parts[0][1] == 0:
+            renamed[target] = delta
+        elif target_is_key:  # a part of a fused weight: merged into its own rows (FusedRows)
+            rows_of.setdefault(target, []).append((delta, [(a, b) for p, a, b in parts if p == path]))
+        else:
             rows = " + ".join(f"{p} [{a}:{b}]" for p, a, b in parts)
             raise CheckpointError(f"{name}: LyCORIS module '{path}' is in the other naming, where "
-                                  f"'{target if target_is_key else path}' is the rows {rows}: LyCORIS factors do not "
+                                  f"'{path}' is the rows {rows}: LyCORIS factors do not "
                                   f"split or join by rows; apply the file to a model or checkpoint in its own naming")
-        out[target] = delta
-    return out
+    return joined(out, {**renamed, **{t: FusedRows(parts) for t, parts in rows_of.items()}}, name)
+
+
+@dataclass
+class FusedRows:
+    """The LyCORIS modules of the parts of one fused weight (a single file's attention.qkv from a file's to_q /
+    to_k / to_v), each merged into its own rows: exactly what merging them into the model in the parts' naming
+    and then fusing gives, as each part's merge reads and writes its rows only."""
+
+    parts: list[tuple[object, list[tuple[int, int]]]]  # (a part's delta: anything with merged(weight, ratio), its rows)
+
+    def merged(self, weight: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
+        """weight [out, in] -> the merged weight, float32 (a copy)."""
+        out = weight.to(torch.float32, copy=True)
+        for delta, ranges in self.parts:
+            rows = torch.cat([torch.arange(a, b) for a, b in ranges])
+            out[rows] = delta.merged(out[rows], multiplier)
+        return out
 
 
 # ----------------------------------------------------------------------------------------------

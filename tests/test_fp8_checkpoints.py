@@ -251,6 +251,17 @@ def test_training_on_a_comfy_scaled_file_needs_fp8_scaled_and_records_the_layout
         assert f.metadata()["ss_base_precision"] == "fp8_tensor_scaled"
 
 
+def test_a_stored_base_refused_under_base_precision_is_advised_in_that_key(tiny_set, tmp_path, capsys):
+    """base_precision = "nf4" (fp8_base = false) on a stored file was told "set fp8_base = true and ..." (the older
+    keys, one of them already false)."""
+    path = tiny_comfy_flux(tiny_set, tmp_path)
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path",
+                                                            path, "--base_precision", "nf4", "--fp8_base", "false")))
+    assert line.endswith("but the config asks for nf4; set base_precision = \"fp8_scaled\" (what fp8_tensor_scaled "
+                         "files need), or give the bf16 checkpoint"), line
+
+
 def tiny_e5m2_flux(tiny_set, tmp_path) -> str:
     """The tiny FLUX.1 as a plain float8_e5m2 file (every tensor e5m2, as the "-fp8-e5m2" releases)."""
     model = load_flux(tiny_set["flux_bfl"])

@@ -558,6 +558,32 @@ def test_plan_memory_with_a_missing_model_file_is_one_line_before_any_plan(capsy
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.parametrize("case", ["network_args", "stored base"])
+def test_plan_memory_refuses_what_train_lora_checks_first_in_one_line_before_any_plan(tiny_set, tmp_path, capsys, case):
+    """The planner skipped train_lora's first checks: an fp8 base asked of a stored file planned and exited 0
+    (train_lora refuses it), bad network_args printed the plan's header, then an error naming no file."""
+    from tests.test_fp8_checkpoints import tiny_comfy_flux
+    from tools import plan_memory
+
+    keys = dict(model_type="flux", pretrained_model_name_or_path=tiny_set["flux_bfl"], ae=tiny_set["flux_vae_single"],
+                clip_l=tiny_set["clip_l"], t5xxl=tiny_set["t5xxl"], dataset_config=tiny_set["dataset_config"],
+                output_dir=str(tmp_path / "out"))
+    if case == "network_args":
+        config = write_config(tmp_path / "run.toml", **keys, network_args=["dora=maybe"])
+        want = f"error: {config}: network_args 'dora': expected true/false, got 'maybe'"
+    else:
+        stored = tiny_comfy_flux(tiny_set, tmp_path)
+        config = write_config(tmp_path / "run.toml", **{**keys, "pretrained_model_name_or_path": stored},
+                              fp8_base=True, fp8_scaled=False)
+        want = (f"error: {stored}: the checkpoint stores a pre-quantized fp8_tensor_scaled base (used as it is), but the "
+                f"config asks for fp8; set fp8_base = true and fp8_scaled = true (what fp8_tensor_scaled files need), "
+                f"or give the bf16 checkpoint")
+    capsys.readouterr()
+    code = plan_memory.main(["--config_file", config, "--vram", "12"])
+    out, err = capsys.readouterr()
+    assert (code, out, err.splitlines()) == (2, "", [want])
+
+
 def _planned_peaks(monkeypatch, peaks: dict):
     """memory_plan.training_plan answering from `peaks`: {(saves attention, saves projections): bytes}."""
     from library.training import memory_plan
@@ -683,7 +709,7 @@ def test_plan_memory_with_its_overrides_reads_no_reference_folder(tmp_path, monk
     from library.data import dataset_config
     from library.data.dataset_config import parse_dataset_config
     from library.models import family
-    from library.training import config
+    from library.training import config, diffusion_task
     from tools import plan_memory
 
     for folder in ("edit", "refs"):
@@ -695,7 +721,9 @@ def test_plan_memory_with_its_overrides_reads_no_reference_folder(tmp_path, monk
     monkeypatch.setattr(config, "load_config", lambda argv: SimpleNamespace(dataset_config="run.toml", blocks_to_swap=0))
     monkeypatch.setattr(dataset_config, "load_dataset_config", lambda path: blueprint)
     monkeypatch.setattr(family, "get_family", lambda run: SimpleNamespace(
-        name="edit", min_controls=1, max_controls=3, check_model_files=lambda: None))
+        name="edit", arch="edit", min_controls=1, max_controls=3, check_model_files=lambda: None, stored_layout=lambda: None))
+    for check in ("check_network_settings", "check_stored_precision"):  # a stub run: no network, no checkpoint
+        monkeypatch.setattr(diffusion_task, check, lambda *args: None)
 
     def planned(*argv):
         _, _, size, batch, references = plan_memory.what_to_plan(

@@ -135,6 +135,36 @@ def test_lycoris_files_are_read_by_the_one_reader_into_either_naming(tmp_path, c
     assert (merged.float() - want).abs().max() <= 1e-6 * want.abs().max()
 
 
+@pytest.mark.parametrize("algo", [{"algo": "lokr", "factor": 4}, {"algo": "loha"}, {"algo": "lokr", "factor": 4, "dora_wd": True}],
+                         ids=["lokr", "loha", "lokr-dora_wd"])  # a Linear's LoCon is a down / up LoRA: read as one
+def test_zimage_lycoris_merge_into_the_fused_single_file_equals_the_diffusers_merge_fused(tmp_path, algo):
+    """A Z-Image LyCORIS file (to_q / to_k / to_v) into the single file (fused attention.qkv: the only GGUF and
+    ComfyUI fp8 source) was refused ("LyCORIS factors do not split or join by rows"); each part merges into its
+    rows of qkv, exactly (fp32) what merging into the diffusers folder and fusing its weights gives."""
+    from safetensors.torch import load_file
+
+    from library.models.zimage.checkpoint import save_zimage_diffusers, save_zimage_single_file, to_single_file_state_dict
+    from library.models.zimage.model import ZImage
+    from library.models.zimage.tiny import tiny_config
+    from tests.test_merge_convert import randomized
+
+    model = randomized(ZImage(tiny_config()), 2)
+    save_zimage_single_file(model, str(tmp_path / "base.safetensors"), tiny_config())
+    save_zimage_diffusers(model, tiny_config(), str(tmp_path / "diffusers"))
+    net = LycorisNetwork(model, "zimage", 4, 2.0, network_args=algo)
+    random_(net, 0.3)
+    net.save(str(tmp_path / "ly.safetensors"))
+    lora = f"{tmp_path / 'ly.safetensors'}:0.7"
+    assert merge("--model", tmp_path / "base.safetensors", "--lora", lora, "--save_to", tmp_path / "m.safetensors") == 0
+    assert merge("--model", tmp_path / "diffusers", "--lora", lora, "--save_to", tmp_path / "m") == 0
+    fused = load_file(str(tmp_path / "m.safetensors"))
+    want = to_single_file_state_dict(load_file(str(tmp_path / "m" / "diffusion_pytorch_model.safetensors")))
+    base = load_file(str(tmp_path / "base.safetensors"))
+    assert sorted(fused) == sorted(want) and fused["layers.0.attention.qkv.weight"].dtype == torch.float32
+    assert (fused["layers.0.attention.qkv.weight"] - base["layers.0.attention.qkv.weight"]).abs().max() > 0.01
+    assert max((fused[k] - want[k]).abs().max().item() for k in fused) == 0.0
+
+
 def test_another_familys_lycoris_file_is_named_by_merge(tmp_path, capsys):
     """A Qwen-Image LoKr into a FLUX.1 base said "no LoRA module matches a weight of the flux checkpoint ... is it
     a LoRA for another model?"; now what lora_info reports, as for a down / up LoRA."""

@@ -27,7 +27,7 @@ from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint
 from library.precision.gguf_weights import is_gguf
 from networks.lora_files import LoRAWeights, read_lora_tensors, split_text_encoders, text_encoder_note
 from networks.lora_arch import begins_release, detect_arch, header_arch, header_version, takes_loras_of, text_encoder_labels
-from networks.lora_reader import lora_for_model, lycoris_for_model
+from networks.lora_reader import FusedRows, lora_for_model, lycoris_for_model
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas, lycoris_kohya_names
 from tools.cli import LoRASpec
 
@@ -176,8 +176,8 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
           f"({base.path}): the same architecture, another release", file=sys.stderr)
 
 
-def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta]:
-    """One LoRA file -> {checkpoint weight key: LoRAWeights or LycorisDelta}, checked against the
+def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta | FusedRows]:
+    """One LoRA file -> {checkpoint weight key: LoRAWeights, LycorisDelta or FusedRows}, checked against the
     base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges). A down/up LoRA is read
     by networks/lora_reader.py (every layout convert_lora reads, in the base's naming)."""
     tensors, metadata, adapter_config = read_lora_tensors(spec.path)  # a file, or a PEFT adapter folder
@@ -211,7 +211,7 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     if unmatched:
         print(f"warning: {spec.path}: skipped {len(unmatched)} unmatched LoRA modules: {', '.join(unmatched)}", file=sys.stderr)
     for key, w in matched.items():
-        if isinstance(w, LycorisDelta):
+        if not isinstance(w, LoRAWeights):  # LyCORIS (FusedRows too): LyCORIS checks the shape as it merges
             continue
         want = base.reader.shape(key)
         got = (w.up.shape[0], w.down.shape[1])

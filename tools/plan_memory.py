@@ -315,10 +315,13 @@ def what_to_plan(cli) -> tuple:
     from library.data.dataset_config import load_dataset_config
     from library.models.family import get_family
     from library.training.config import load_config
+    from library.training.diffusion_task import check_network_settings, check_stored_precision
 
     run = load_config(["--config_file", cli.config_file])
     family = get_family(run)
     family.check_model_files()  # from the headers: a missing or wrong file is one line before any plan
+    check_network_settings(run, family.arch)  # as train_lora.py checks them first: bad ones are no run to plan
+    check_stored_precision(run, family.stored_layout())
     check_base_precision(family, cli.base_precision)
     if run.blocks_to_swap:  # as train_lora refuses it (a count past the blocks was planned as another count)
         from library.models.block_swap import check_swap_count

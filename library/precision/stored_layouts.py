@@ -77,21 +77,25 @@ def config_precision(layout: str) -> str:
     return CONFIG_PRECISION.get(layout, "bf16")
 
 
-def config_settings(layout: str) -> str:
-    """The config keys that give config_precision(layout), as a user writes them."""
+def config_settings(layout: str, by_base_precision: bool = False) -> str:
+    """The config keys that give config_precision(layout), as a user writes them: base_precision where the
+    config set that key (by_base_precision), else the older fp8_base / fp8_scaled."""
     needed = config_precision(layout)
+    if by_base_precision:
+        return f'base_precision = "{needed}"'
     if needed == "bf16":
         return "fp8_base = false"
     return f"fp8_base = true and fp8_scaled = {str(needed == 'fp8_scaled').lower()}"
 
 
-def check_config_precision(path: str, layout: str | None, wanted: str) -> None:
+def check_config_precision(path: str, layout: str | None, wanted: str, by_base_precision: bool = False) -> None:
     """ConfigError unless the config's base precision (`wanted`, config.base_precision) is the one a
-    file of `layout` needs: a pre-quantized base is used as it is stored, so the config must say so."""
+    file of `layout` needs: a pre-quantized base is used as it is stored, so the config must say so.
+    by_base_precision: the config set the base_precision key (the advice names it), not fp8_base / fp8_scaled."""
     if layout and config_precision(layout) != wanted:
         raise ConfigError(f"{path}: the checkpoint stores a pre-quantized {layout} base (used as it is), but the "
-                          f"config asks for {wanted}; set {config_settings(layout)} (what {layout} files need), "
-                          f"or give the bf16 checkpoint")
+                          f"config asks for {wanted}; set {config_settings(layout, by_base_precision)} (what {layout} "
+                          f"files need), or give the bf16 checkpoint")
 
 
 def widened_layout(path: str, wanted: str) -> str | None:

@@ -109,6 +109,25 @@ def encoded_by_all(accelerator, encoded: int, to_disk: bool) -> int:
     return sum(gather_object([encoded]))  # a collective: each process's count, once all have finished
 
 
+def check_network_settings(args, arch: str) -> None:
+    """network_args against the network type and the architecture: a ConfigError naming the config. Here, not
+    in the config check: the network modules (and LyCORIS) import torch, the web UI does not. train_lora.py and
+    tools/plan_memory.py check it before anything else is read."""
+    try:
+        check_network_args(args.network_module, arch, lora_network_args(args))
+    except ValueError as e:
+        raise ConfigError(f"{args.config_file or 'command line'}: {e}") from None
+
+
+def check_stored_precision(args, stored: str | None) -> None:
+    """A pre-quantized checkpoint (layout `stored`; None: a high-precision one) is used as it is stored: a
+    ConfigError naming it unless the config's base precision says so (train_lora.py and tools/plan_memory.py)."""
+    from library.precision.stored_layouts import check_config_precision
+
+    check_config_precision(args.pretrained_model_name_or_path, stored, base_precision(args),
+                           getattr(args, "base_precision", None) is not None)
+
+
 class DiffusionTask:
     def __init__(self, args, accelerator, state: SavedState | None = None, held: contextlib.ExitStack | None = None):
         """state: the one a resumed run loaded (None: a new run), checked against the data before caching;
@@ -119,10 +138,7 @@ class DiffusionTask:
         self.family.check_model_files()  # from the headers: a wrong file stops the run now, not after caching
         self._check_blocks_to_swap()
         self._check_unread_keys()
-        try:  # here, not in the config check: the network modules (and LyCORIS) import torch, the web UI does not
-            check_network_args(args.network_module, self.family.arch, lora_network_args(args))
-        except ValueError as e:
-            raise ConfigError(f"{args.config_file or 'command line'}: {e}") from None
+        check_network_settings(args, self.family.arch)
         check_lora_inputs(args, self.family.arch)  # network_weights, base_loras: their headers, before caching
         self._check_stored_precision()
         self.compute_dtype = compute_dtype(args)
@@ -159,10 +175,8 @@ class DiffusionTask:
         """A pre-quantized checkpoint (fp8, GGUF) is trained on as it is stored; the config must say so,
         and the LoRA's metadata and the samples name the stored layout (trained_precision()), the base
         really trained on."""
-        from library.precision.stored_layouts import check_config_precision
-
         self.stored_precision = self.family.stored_layout()
-        check_config_precision(self.args.pretrained_model_name_or_path, self.stored_precision, base_precision(self.args))
+        check_stored_precision(self.args, self.stored_precision)
         self.widened_precision = None if self.stored_precision else self.family.widened_layout(base_precision(self.args))
         if self.stored_precision and self.args.base_loras:
             raise ConfigError(f"{self.args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "

@@ -247,7 +247,8 @@ class LLMTask:
                 self.stored_precision = widened_layout(path, base_precision(self.args))
             return fp8_prepare(base_precision(self.args), "llm")
         self.stored_precision = stored.layout
-        check_config_precision(path, stored.layout, base_precision(self.args))
+        check_config_precision(path, stored.layout, base_precision(self.args),
+                               getattr(self.args, "base_precision", None) is not None)
         return lambda model: stored_converter(model, stored, arch_spec("llm").fp8, self.weights_dtype, reader, path)
 
     def _check_context(self, config: LLMConfig):
