@@ -81,11 +81,12 @@ def parse_prompt_line(line: str, where: str, defaults: SamplePrompt | None = Non
 
 def settle_scale(fields: dict, where: str, guidance_is_cfg: bool | None, g_name: str, l_name: str) -> None:
     """sd-scripts' two numbers onto a family's one guidance: its --l (a .json's scale) is the CFG scale run with
-    the negative prompt, its --g (guidance_scale) FLUX.1's embedded guidance. Where the family's guidance is a CFG
-    scale (DiffusionFamily.guidance_is_cfg_scale) --l sets it and wins over a --g beside it, as sd-scripts'
-    Chroma line '--l 4.0 --g 0.0' means; a family without CFG reads no --l. The number left unread is one warning
-    line, as other unread options are (prompt files are shared between models). None: the prompts are read for
-    their sizes and references only (the memory planner, the web UI's checks), --l unread and unsaid."""
+    the negative prompt, its --g (guidance_scale) a guidance-distilled model's embedded guidance. Where the family's
+    guidance is a CFG scale (DiffusionFamily.guidance_is_cfg_scale) --l sets it and wins over a --g beside it, as
+    the line '--l 4.0 --g 0.0' sd-scripts' docs give a CFG model means; a family without CFG reads no --l. The
+    number left unread is one warning line, as other unread options are (prompt files are shared between models).
+    None: the prompts are read for their sizes and references only (the memory planner, the web UI's checks), --l
+    unread and unsaid."""
     scale = fields.pop("scale", None)
     if scale is None or guidance_is_cfg is None:
         return

@@ -95,7 +95,7 @@ def job_form(ui: WebUI):
                         choices = {"model_type": list(MODEL_TYPES), "base_precision": list(BASE_PRECISIONS),
                                    "optimizer_type": list(OPTIMIZERS)}[key]
                         # Any value: gradio refuses one not among the choices before any handler runs, so a
-                        # loaded config's typo (model_type "flux1") must reach the check, which names it here.
+                        # loaded config's typo in model_type must reach the check, which names it here.
                         fields[key] = gr.Dropdown(choices, value=None, label=LABELS[key], allow_custom_value=True)
                         errors[key] = gr.Markdown(visible=False, elem_classes="field-error")
             for key, choices in (("pretrained_model_name_or_path", models), ("ae", models),
