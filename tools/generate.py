@@ -173,14 +173,12 @@ def base_loras_notes(loras) -> list[str]:
     """One note line per --lora file trained with base_loras (its header's ss_base_loras) not also given at their
     ratios: its training samples rendered base + base_loras + LoRA, these images render without them (a
     de-distillation adapter is left out to deploy, as ai-toolkit's samples leave it out)."""
-    from library.io import CheckpointReader
-    from networks.lora_files import METADATA_KEYS, PEFT_WEIGHTS_FILE, peft_folder_of
+    from networks.lora_files import METADATA_KEYS, lora_reader
 
     given = {(os.path.basename(s.path), s.ratio) for s in loras}
     notes = []
     for spec in loras:
-        folder = peft_folder_of(spec.path)
-        header = CheckpointReader(os.path.join(folder, PEFT_WEIGHTS_FILE) if folder else spec.path).metadata
+        header = lora_reader(spec.path)[0].metadata  # a file, or a PEFT folder's weights file
         try:
             merged = [(e["file"], float(e["ratio"])) for e in json.loads(header.get(METADATA_KEYS["base_loras"]) or "[]")]
         except (ValueError, TypeError, KeyError):  # a header another tool wrote: nothing to say
