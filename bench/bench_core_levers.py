@@ -28,6 +28,13 @@ memory (bench_train_step.PeakMemory) are printed.
              lx * 1.0 in the forward, the recompute and the backward (3 ops per module and step)
   lora_rows  networks.lora: where the up GEMM takes the sum (torch.addmm), down runs on [tokens, in] rows;
              before: on [B, L, in], its output reshaped into rows (2 view ops more per module and pass)
+  lora_addmm networks.lora: the LoRA's up GEMM takes the base output as its sum (torch.addmm, the rank-r
+             factor on the rows); before: `out + up(lx)`, the up GEMM and the add as two ops. On CUDA
+             addmm copies the base output into its result before a GEMM with beta = 1 (the H200 profile's
+             device-to-device copies and beta GEMMs), on the CPU it adds in the GEMM's epilogue.
+  lora_addmm_compiled  the same under torch_compile: inductor leaves addmm to cuBLAS, while `out + up(lx)`
+             lets it fuse the add into the pointwise kernel that reads the sum next (sd-scripts' form).
+             One model, both sides compiled (inductor) in the warm-up steps.
   rms_weight core.rms_norm widens a bf16 weight by type promotion; before: a float32 copy of it per call
   rms_fused  core.rms_norm on CUDA (FUSED_RMS_NORM_DEVICES) runs PyTorch's fused kernel where the weight is
              in x's dtype, eager; before: the composite (8 ops forward, ~14 backward). On the CPU both sides
@@ -85,7 +92,7 @@ from library.precision.dequantized_linear import DequantizedLinearFunction, need
 from networks.lora import LoRAModule  # noqa: E402
 
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
-          "lora_factor", "lora_rows", "rms_weight", "rms_fused", "quantized_compiled", "fp8_linear", "nf4_linear", "fp8_function",
+          "lora_factor", "lora_rows", "lora_addmm", "lora_addmm_compiled", "rms_weight", "rms_fused", "quantized_compiled", "fp8_linear", "nf4_linear", "fp8_function",
           "nf4_function")
 # the checkpointing each checkpointing lever's "now" side runs (its "before": plain checkpointing)
 KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS,
@@ -123,6 +130,12 @@ def add_up_multiplying(self, out, lx, factor, dtype):
         return out + (self.lora_up(lx) * factor).to(out.dtype)
     rows = (lx * factor).reshape(-1, lx.shape[-1])
     return torch.addmm(out.reshape(-1, out.shape[-1]), rows, self.lora_up.weight.t()).view(out.shape)
+
+
+def add_up_unfused(self, out, lx, factor, dtype):
+    """LoRAModule._add_up without addmm: the up GEMM, then the add (the lora_addmm levers' other side)."""
+    up = self.lora_up(lx if factor == 1 else lx * factor)
+    return out + up.to(out.dtype).view(out.shape)
 
 
 class FP8LinearFunctionSavingCodes(torch.autograd.Function):
@@ -248,6 +261,8 @@ def before(lever: str, model):
         return patched(core, "recomputing", lambda: False)
     if lever == "lora_factor":
         return patched(LoRAModule, "_add_up", add_up_multiplying)
+    if lever in ("lora_addmm", "lora_addmm_compiled"):
+        return patched(LoRAModule, "_add_up", add_up_unfused)
     if lever == "lora_rows":
         return patched(LoRAModule, "_adds_up_in_gemm", lambda *args: False)
     if lever == "rms_weight":

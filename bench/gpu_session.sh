@@ -21,7 +21,8 @@
 #      candidates  code measured before it lands: each bench/candidates/*.diff applied to this copy of the tree
 #                (the device's; nothing here changes), then the CUDA block-swap tests and the block swap of both
 #                families, eager and compiled (block_swap_flat; the 2026-11-28 run measured none of it: the bench
-#                itself stalled on the flat buffer, mended), then the eager headline lines with the patch
+#                itself stalled on the flat buffer, mended), the LoRA's addmm against a separate add (eager
+#                and compiled: bench_core_levers' lora_addmm levers), then the eager headline lines with the patch
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -131,6 +132,9 @@ case $plan in
         step swap.log 100 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2
         step swap.log 100 $PY bench/bench_block_swap.py --family flux --swaps 0,16
         step swapc.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2 --compile
+        # the LoRA's sum in the up GEMM (addmm: on CUDA a copy and a beta GEMM) against `out + up(lx)`
+        step levers.log 200 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 \
+            --levers lora_addmm,lora_addmm_compiled
         step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP
         ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost

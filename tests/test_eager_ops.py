@@ -23,7 +23,7 @@ from networks.lora import LoRAModule, LoRANetwork
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 from bench_core_levers import (  # noqa: E402  (the levers' old paths)
-    add_up_multiplying, fp8_forward_saving_codes, rms_norm_with_copy,
+    add_up_multiplying, add_up_unfused, fp8_forward_saving_codes, rms_norm_with_copy,
 )
 
 TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
@@ -86,6 +86,22 @@ def test_lora_rows_factor_one_and_rms_norm_weight_cuts_are_bit_identical(monkeyp
     assert old_ops["view"] - ops["view"] == 24 + 24 + 2 * 21
     # 4 QK norms per block (+ the text-input norm once): a weight copy in the forward and the recompute
     assert old_ops["_to_copy"] - ops["_to_copy"] == (0 if dtype == torch.float32 else 2 * 8 + 1)
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, True)])
+def test_lora_addmm_levers_other_side_is_the_same_sum(monkeypatch, dtype, autocast):
+    """bench_core_levers' lora_addmm A/B (the GPU decides which lands): `out + up(lx)` is the addmm's sum,
+    up to where bf16 rounds (addmm rounds the sum once, the separate add rounds the GEMM's output first)."""
+    pred, grads, ops = _step(dtype, autocast)
+    with monkeypatch.context() as m:
+        m.setattr(LoRAModule, "_add_up", add_up_unfused)
+        old_pred, old_grads, old_ops = _step(dtype, autocast)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert ops["addmm"] - old_ops["addmm"] == 24 + 24  # 24 LoRA sums left their GEMMs, forward and recompute
+    assert (pred.float() - old_pred.float()).abs().max() <= tol * pred.float().abs().max()
+    assert len(grads) == len(old_grads) == 42
+    for a, b in zip(grads, old_grads):
+        assert (a.float() - b.float()).abs().max() <= tol * a.float().abs().max() + 1e-12
 
 
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, True)])
