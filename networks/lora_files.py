@@ -282,6 +282,9 @@ def text_encoder_note(te_tensors, labels: dict[str, str] | None = None) -> str:
 # Reading
 
 
+PEFT_DEFAULT_ALPHA = 8  # peft.LoraConfig.lora_alpha's default
+
+
 def _peft_alphas(metadata: dict[str, str], prefix: str, adapter_config: dict | None = None):
     """(default alpha or None, alpha_pattern, use_rslora) from a PEFT folder's adapter_config.json
     when given, else from diffusers' adapter-config header."""
@@ -294,7 +297,9 @@ def _peft_alphas(metadata: dict[str, str], prefix: str, adapter_config: dict | N
         head = prefix.rstrip(".") + "."
         # Pipeline-level saves prefix every field ("transformer.lora_alpha"); model-level saves do not.
         config = {k[len(head) :] if k.startswith(head) else k: v for k, v in config.items()}
-    return config.get("lora_alpha"), dict(config.get("alpha_pattern") or {}), bool(config.get("use_rslora"))
+    # a config without lora_alpha is LoraConfig's default, 8 (what PEFT scales by), not alpha = rank
+    alpha = config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
+    return alpha, dict(config.get("alpha_pattern") or {}), bool(config.get("use_rslora"))
 
 
 def _pattern_alpha(path: str, default, patterns: dict):
@@ -471,7 +476,7 @@ def peft_alpha_known(keys, metadata: dict[str, str], adapter_config: dict | None
     if not any(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys):
         return True  # kohya / ComfyUI layouts carry .alpha (or mean alpha = rank by their own convention)
     return (any(k.endswith(".alpha") for k in keys) or ADAPTER_METADATA_KEY in metadata
-            or metadata.get(FOLDED_MARK) == "true" or (adapter_config or {}).get("lora_alpha") is not None)
+            or metadata.get(FOLDED_MARK) == "true" or adapter_config is not None)
 
 
 def read_lora(path: str, module_paths=None):
@@ -562,8 +567,11 @@ def write_peft(weights, path, prefix="transformer", dtype=torch.float32, metadat
 PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 CAUSAL_LM_PREFIX = "base_model.model."  # PeftModelForCausalLM wraps LoraModel wraps the *ForCausalLM
 # adapter_config.json fields whose non-default values add weights or behaviour a plain LoRA lacks.
+# aLoRA (alora_invocation_tokens) applies the LoRA only from its invocation tokens on, QALoRA pools the
+# LoRA's input in groups: both other math than W + BA on every token.
 PEFT_UNSUPPORTED = {"bias": "none", "modules_to_save": None, "lora_bias": False, "layer_replication": None,
-                    "trainable_token_indices": None, "target_parameters": None}
+                    "trainable_token_indices": None, "target_parameters": None, "alora_invocation_tokens": None,
+                    "use_qalora": False}
 
 
 def input_files(paths) -> list[str]:

@@ -127,6 +127,41 @@ def test_a_folder_peft_wrote_loads_as_network_weights_with_peft_logits(tmp_path,
     assert (ours_with(model, net) - expected).abs().max().item() <= 1e-5
 
 
+def test_a_peft_folder_without_lora_alpha_scales_as_peft_does(tmp_path):
+    """A hand-written adapter_config.json without lora_alpha: PEFT scales by its LoraConfig default 8 / r, not
+    by 1 (alpha = rank), which the reader took before (logits 0.22 apart)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    model = hf_folder(tmp_path / "base", True)
+    config = LoraConfig(r=16, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                        task_type="CAUSAL_LM")
+    torch.manual_seed(4)
+    get_peft_model(hf_model(tmp_path / "base"), config).save_pretrained(str(tmp_path / "theirs"))
+    config_path = tmp_path / "theirs" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    del config["lora_alpha"]
+    config_path.write_text(json.dumps(config))
+    peft_model = PeftModel.from_pretrained(hf_model(tmp_path / "base"), str(tmp_path / "theirs")).eval()
+    with torch.no_grad():
+        expected = peft_model(IDS).logits
+    net = LoRANetwork.from_weights(model, "llm", str(tmp_path / "theirs"))
+    assert (ours_with(model, net) - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("field", [{"alora_invocation_tokens": [7, 8]}, {"use_qalora": True}])
+def test_peft_variants_with_other_math_are_refused(tmp_path, capsys, field):
+    """aLoRA applies the LoRA only from its invocation tokens on (PEFT: "merging is not possible"), QALoRA
+    pools its input: merged or applied as W + BA on every token they were 0.54 from PEFT's logits."""
+    model = hf_folder(tmp_path / "base", True)
+    trained_lora(model).save_peft(str(tmp_path / "a"))
+    config_path = tmp_path / "a" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **field}))
+    assert merge_lora.main(["--model", str(tmp_path / "base"), "--lora", str(tmp_path / "a"),
+                            "--save_to", str(tmp_path / "merged")]) == 2
+    assert f"adapter_config.json: {next(iter(field))} = " in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "merged")
+
+
 def test_kohya_peft_kohya_and_peft_kohya_peft_round_trips_are_exact(tmp_path, capsys):
     model = hf_folder(tmp_path / "base", False)
     net = trained_lora(model)
