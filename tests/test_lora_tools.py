@@ -7,13 +7,12 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from library.models.flux1.checkpoint import load_flux
 from library.models.llm import load_llm
 from library.models.qwen_image.model import load_qwen_image
 from networks import lora_files as lf
-from networks.lora_module_map import bfl_to_diffusers
 from networks.lora import LoRANetwork
 from tools import resize_lora
 from tools.lora_common import load_model, read_lora_file
@@ -438,16 +437,11 @@ def test_combine_errors_are_one_line(two_flux_loras, tiny_set, tmp_path, capsys)
     root, model, _, _, (a, _) = two_flux_loras
     dora = LoRANetwork(model, "flux", rank=2, alpha=1.0, network_args={"dora": True})
     dora.save(str(tmp_path / "dora.safetensors"))
-    from library.models.flux1.checkpoint import flux_diffusers_module_map
-
-    diffusers = bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(2, 2, 64, 256, 64, True))
-    lf.write_peft(diffusers, str(tmp_path / "diffusers.safetensors"))
     _lokr(tmp_path / "k.safetensors")
     random_lora(tiny_set["llm"], tmp_path / "llm.safetensors", rank=2, family="llm", loader=load_llm)
     random_lora(tiny_set["qwen_image"], tmp_path / "qwen.safetensors", rank=2, family="qwen_image", loader=load_qwen_image)
     cases = [
         ([str(tmp_path / "dora.safetensors")], "a DoRA file (dora_scale / lora_magnitude_vector): its delta is not additive"),
-        ([str(root / "a.safetensors"), str(tmp_path / "diffusers.safetensors")], "convert one with tools/convert_lora.py first"),
         ([str(tmp_path / "k.safetensors")], "a LyCORIS file (LoKr / LoHa / ...): combine_loras works on LoRA"),
         ([str(root / "a.safetensors"), "--mode", "svd"], "--mode svd needs --rank R >= 1"),
         ([str(root / "a.safetensors"), str(tmp_path / "llm.safetensors")],
@@ -460,6 +454,32 @@ def test_combine_errors_are_one_line(two_flux_loras, tiny_set, tmp_path, capsys)
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err, err
     assert not (tmp_path / "o.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", ["flux_bfl", "krea2", "zimage"])
+def test_combine_of_one_model_in_two_namings_equals_merging_both(tiny_set, tmp_path, name):
+    """Until 2026-11-28 combine_loras wrote two namings of one module side by side (Krea 2's blocks.N.attn.gate
+    beside diffusers' transformer_blocks.N.attn.to_gate, Z-Image's to_q beside ComfyUI's fused attention.qkv), which
+    merge_lora, generate and the trainer refuse (the module is in the file twice); FLUX.1's pair it refused."""
+    from tests.lora_layouts import comfy_own_zimage
+    from tools import combine_loras, convert_lora, merge_lora
+
+    ours, other, combined = (str(tmp_path / f"{n}.safetensors") for n in ("ours", "other", "combined"))
+    model, family, _ = load_model(tiny_set[name])
+    net = random_lora(tiny_set[name], ours, rank=4, alpha=2.0, family=family, loader=lambda _: model)
+    if name == "zimage":  # musubi-tuner's ComfyUI form: q / k / v fused, out renamed
+        comfy_own_zimage(net.lora_weights(), other)
+    else:
+        convert_lora.convert_lora(ours, other, "diffusers")
+    pair = [f"{other}:0.7", f"{ours}:-0.4"]
+    assert combine_loras.main(["--lora", *pair, "--save_to", combined]) == 0
+    merged = {}
+    for loras in ([combined], pair):
+        out = str(tmp_path / f"merged{len(merged)}.safetensors")
+        assert merge_lora.main(["--model", tiny_set[name], "--lora", *loras, "--save_to", out, "--save_precision", "fp32"]) == 0
+        merged[len(merged)] = load_file(out)
+    assert merged[0].keys() == merged[1].keys()
+    assert max(float((merged[0][k] - merged[1][k]).abs().max()) for k in merged[0]) <= 1e-5
 
 
 def test_combine_adds_a_file_under_onetrainers_kohya_prefix_and_a_file_naming_a_module_twice_is_refused(

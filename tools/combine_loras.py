@@ -15,8 +15,9 @@ that have the module (float32):
 Names: LoRAs in one naming combine module by module. When every input has dotted names (PEFT /
 diffusers, ComfyUI), the output has the first input's layout; when any is kohya, dotted names are
 turned into kohya names (`lora_unet_`, `lora_te_` for `model.layers...` LLM paths) and the output is
-kohya. LoRAs of one model in two namings (BFL and diffusers names: the spec's LORA_FILES.namings) do
-not mix: convert with tools/convert_lora.py first.
+kohya. LoRAs of one model in two namings (FLUX's BFL and diffusers names, Krea 2's and diffusers',
+Z-Image's and ComfyUI's own fused attention.qkv) are read as tools/merge_lora.py reads them, by the
+model's own module paths (a fused module split by rows, parts joined: exact), and combined in those.
 DoRA (its delta is not additive) and LyCORIS files are refused. The metadata is the first input's,
 with `lora_combined` listing the files, ratios and mode. Errors are one line on stderr, exit
 status 2, and nothing is written.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,8 +54,10 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
-from library.models.registry import arch_spec, arch_specs  # noqa: E402
-from networks.lora_files import LoRAWeights, kohya_name  # noqa: E402
+from library.models.registry import arch_spec  # noqa: E402
+from networks.lora_arch import lora_files  # noqa: E402
+from networks.lora_files import KOHYA_PREFIXES, KOHYA_TEXT_ENCODERS, PEFT_PREFIXES, LoRAWeights, kohya_name  # noqa: E402
+from networks.lora_reader import read_for_model  # noqa: E402
 from networks.lora_svd import factors, svd_of_product  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import (  # noqa: E402
@@ -71,13 +75,18 @@ from tools.lora_common import (  # noqa: E402
 DENOISER_PREFIXES = ("lora_unet_", "lora_transformer_")  # sd-scripts' and musubi-tuner's; OneTrainer's
 
 
-def _kohya_named(lora: LoRAFile, denoiser: str) -> dict[str, LoRAWeights]:
+def _kohya_named(weights: dict[str, LoRAWeights], denoiser: str) -> dict[str, LoRAWeights]:
     """Names in one kohya naming, the denoiser's under `denoiser` (the first kohya input's prefix): the same
-    module under lora_unet_ in one file and lora_transformer_ in another was two modules."""
-    if lora.fmt != "kohya":
-        return {kohya_name(p, "lora_te" if p.startswith("model.") else denoiser[:-1]): w for p, w in lora.weights.items()}
+    module under lora_unet_ in one file and lora_transformer_ in another was two modules. Dotted paths
+    become kohya names (`lora_te_` for `model.layers...` LLM paths)."""
     other = next(p for p in DENOISER_PREFIXES if p != denoiser)
-    return {denoiser + n[len(other):] if n.startswith(other) else n: w for n, w in lora.weights.items()}
+
+    def kohya(name: str) -> str:
+        if "." in name or not name.startswith(KOHYA_PREFIXES):
+            return kohya_name(name, "lora_te" if name.startswith("model.") else denoiser[:-1])
+        return denoiser + name[len(other) :] if name.startswith(other) else name
+
+    return {kohya(n): w for n, w in weights.items()}
 
 
 def _denoiser_prefix(loras: list[LoRAFile]) -> str:
@@ -85,25 +94,44 @@ def _denoiser_prefix(loras: list[LoRAFile]) -> str:
     return next((p for n in names for p in DENOISER_PREFIXES if n.startswith(p)), "lora_unet_")
 
 
-def _check_naming(loras: list[LoRAFile], names: list[dict[str, LoRAWeights]]) -> None:
-    """A model's two namings (its spec's LORA_FILES.namings, e.g. BFL double_blocks and diffusers
-    transformer_blocks) must not mix."""
-    flat = [{n.replace(".", "_") for n in d} for d in names]
-    for spec in arch_specs().values():
-        if spec.lora_files is None or len(spec.lora_files.namings) != 2:
-            continue
-        (first, first_parts), (second, second_parts) = spec.lora_files.namings.items()
-        firsts = [i for i, d in enumerate(flat) if any(part in n for n in d for part in first_parts)]
-        seconds = [i for i, d in enumerate(flat) if any(part in n for n in d for part in second_parts)]
-        if firsts and seconds:
-            raise CheckpointError(f"{loras[seconds[0]].path} names {second} modules ({second_parts[0].strip('_')}), "
-                                  f"{loras[firsts[0]].path} {spec.title} {first} modules ({first_parts[0].strip('_')}): "
-                                  "convert one with tools/convert_lora.py first")
+def _flat(name: str) -> str:
+    """A module name without its kohya or PEFT prefix (a file of transformer. and text_encoder. modules keeps
+    it), '_'-flattened: a kohya and a dotted name of one module alike."""
+    prefix = next((p for p in (PEFT_PREFIXES if "." in name else KOHYA_PREFIXES) if name.startswith(p)), "")
+    return name[len(prefix) :].replace(".", "_")
 
 
-def _check_architectures(loras: list[LoRAFile]) -> None:
+def _renamed(lora: LoRAFile, read: dict[str, LoRAWeights]) -> bool:
+    """True where the reader names a module of `lora` otherwise than the file does: the model's other naming."""
+    own = {_flat(n) for n in lora.weights}
+    return any(_flat(p) not in own for p in read)
+
+
+def _in_model_names(loras: list[LoRAFile], arch: str | None) -> list[dict[str, LoRAWeights]] | None:
+    """Where the inputs are in two namings of `arch` (FLUX's BFL and diffusers', Krea 2's and diffusers', Z-Image's
+    and ComfyUI's own fused qkv): each input's modules by the model's own module paths, read as merge_lora and
+    the loaders read them (networks/lora_reader.py: a fused module split by rows, parts joined, exact), with its
+    kohya text-encoder modules as they are. None where they share one naming: each file's names are kept (side
+    by side, two namings of one module were two modules, and every loader refuses such a file)."""
+    files = lora_files().get(arch)
+    if len(loras) < 2 or files is None or not (files.module_map or files.comfy_map):
+        return None
+    with warnings.catch_warnings(record=True) as said:  # the reader's (text encoders left out ...): said if used
+        warnings.simplefilter("always")
+        reads = [read_for_model(lora.path, arch, (), name=lora.path).weights for lora in loras]
+    renamed = [_renamed(lora, read) for lora, read in zip(loras, reads)]
+    if all(renamed) or not any(renamed):
+        return None
+    for warning in said:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    return [{**read, **{n: w for n, w in lora.weights.items() if n.startswith(KOHYA_TEXT_ENCODERS)}}
+            for lora, read in zip(loras, reads)]
+
+
+def _check_architectures(loras: list[LoRAFile]) -> str | None:
     """Every input whose architecture its names tell (networks/lora_arch.py detect_arch) is of one
-    model: deltas of two models added module by module would make a file that fits neither."""
+    model: deltas of two models added module by module would make a file that fits neither. Returns
+    that architecture (None where no input's names tell one)."""
     from networks.lora_arch import detect_arch
 
     known = []
@@ -117,6 +145,7 @@ def _check_architectures(loras: list[LoRAFile]) -> None:
             first, first_arch = known[0]
             raise CheckpointError(f"{first.path} (for {arch_spec(first_arch).title}) and {lora.path} (for "
                                   f"{arch_spec(arch).title}) are LoRAs of different models: combine_loras combines one model's")
+    return known[0][1] if known else None
 
 
 def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeights]]], LoRAFile, str, str]:
@@ -126,11 +155,11 @@ def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeigh
         if lora.has_dora:
             raise CheckpointError(f"{lora.path}: a DoRA file (dora_scale / lora_magnitude_vector): its delta is not "
                                   "additive, so it cannot be combined; merge it into the base with tools/merge_lora.py")  # fmt: skip
-    _check_architectures(loras)
+    arch = _check_architectures(loras)
+    weights = _in_model_names(loras, arch) or [lora.weights for lora in loras]
     kohya = any(lora.fmt == "kohya" for lora in loras)
     denoiser = _denoiser_prefix(loras)
-    names = [_kohya_named(lora, denoiser) if kohya else lora.weights for lora in loras]
-    _check_naming(loras, names)
+    names = [_kohya_named(w, denoiser) if kohya else w for w in weights]
     modules: dict[str, list[tuple[float, LoRAWeights]]] = {}
     for spec, lora, named in zip(specs, loras, names):
         for name, w in named.items():

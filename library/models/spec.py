@@ -104,8 +104,6 @@ class LoRAFiles:
     width_modules: str = ""  # regex of module name endings whose down input is the model width
     releases: tuple[Release, ...] = ()
     fits_text: str | None = None  # what a LoRA fits when there are no releases, formatted with width and block counts
-    # combine_loras: naming -> name parts of it; LoRAs in two namings do not mix
-    namings: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -61,7 +61,6 @@ LORA_FILES = S.LoRAFiles(
     width_modules=(r"_attn_qkv|_attn_proj|_linear1|_modulation_lin|_mod_lin|_mlp_0|attn_to_[qkv]|attn_add_[qkv]_proj|"
                    r"norm1?(_context)?_linear|proj_mlp"),
     releases=(S.Release("FLUX.1 dev / schnell", 3072, {"double": 19, "single": 38}),),
-    namings={"BFL": ("double_blocks_", "single_blocks_"), "diffusers": ("transformer_blocks_",)},
     # ours and sd-scripts' flux1 / modelspec flux-1-dev, flux-1-schnell, flux-1; musubi-tuner's modelspec Flux.1-dev/lora
     model_versions=("flux1", "flux-1", "flux.1"),
     # OneTrainer writes FLUX.1's text encoders as its text_encoder_1 / _2: CLIP-L lora_te1_, T5-XXL lora_te2_
