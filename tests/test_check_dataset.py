@@ -362,6 +362,32 @@ def test_the_validation_split_share_is_counted_as_held_out_not_trained(tmp_path)
     assert (held.trained, held.held_out) == (0, 5)  # a [[validation_datasets]] subset said 'trained: 5'
 
 
+def test_regularization_images_training_leaves_out_are_not_trained_and_one_warning_as_in_training(tmp_path, capsys):
+    """Until 2026-12-01 the check said 'trained: 5, 0 warnings' for 5 reg images against 2 training images,
+    of which training draws 2 (dataset.reg_repeats, as sd-scripts) and warns about the other 3."""
+    import warnings
+
+    from library.data.dataset import ImageDataset
+
+    for i in range(7):
+        make_image(tmp_path / ("train" if i < 2 else "reg") / f"{i}.png", 32, 32, (30 * i, 0, 0))
+    toml = tmp_path / "ds.toml"
+    toml.write_text(f'[[datasets]]\nresolution = 32\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "train"}"\n'
+                    f'class_tokens = "x"\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "reg"}"\nclass_tokens = "y"\n'
+                    f'is_reg = true\n')
+    bp = load_dataset_config(str(toml))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        drawn = ImageDataset(bp).drawn_items()
+    unused_line = [str(w.message) for w in said if "regularization images are not used" in str(w.message)]
+    train, reg = check.check_dataset(bp).subsets
+    assert (train.trained, reg.images, reg.trained) == (2, 5, sum(item.subset.is_reg for item in drawn)) == (2, 5, 2)
+    assert [(p.severity, p.message) for p in reg.problems] == [("warning", m) for m in unused_line]
+    assert len(unused_line) == 1 and unused_line[0].startswith("dataset 0: 3 of 5 regularization images are not used")
+    assert check_dataset.main([str(toml), "--strict"]) == 1  # exit 0 before
+    assert "images: 5, trained: 2" in capsys.readouterr().out
+
+
 def test_images_both_trained_and_held_out_are_one_warning_in_the_check_and_in_training(tmp_path):
     """Until 2026-11-27 the same file trained and validated on passed (only a copy of it was a duplicate):
     [[validation_datasets]] over the training folder, or validation_split in one of two datasets over it."""

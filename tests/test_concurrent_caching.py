@@ -20,6 +20,7 @@ import train_lora
 from library.data import caches, dataset as D
 from library import io
 from library.data.caches import CACHE_LOCK
+from library.data.dataset_config import parse_dataset_config
 from library.io import SharedLock, save_safetensors
 from library.training.diffusion_task import DiffusionTask
 from tests.test_cache_freshness import dataset, encode
@@ -137,6 +138,34 @@ def four_images(root):
     for name in "abcd":
         make_image(root / "img" / f"{name}.png", 32, 32)
         write(root / "img" / f"{name}.txt", f"caption {name}")
+
+
+def test_one_folder_spelt_two_ways_in_a_run_is_held_once_and_the_run_alone_removes_its_unused_caches(tmp_path):
+    """A symlink and its target in one run's datasets: the run held the folder's .caches.lock twice (its
+    abspath spellings), its own shared lock kept its exclusive one out, and the cleanup said 'another run
+    is using these caches' with no other run. Keyed by the real folder, the run holds it once; the
+    removal there keeps the files the symlink's dataset uses (their paths name the same folder)."""
+    four_images(tmp_path)
+    os.symlink(tmp_path / "img", tmp_path / "link")
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [{"image_dir": str(tmp_path / "img")}]},
+                                            {"resolution": 16, "min_bucket_reso": 16, "subsets": [
+                                                {"image_dir": str(tmp_path / "link")}]}]})
+    items = D.ImageDataset(bp).items
+    assert caches.cache_latents(items, CountingEncoder().latents, "flux_0123456789", batch_size=2) == 8
+    old = tmp_path / "img" / "a_flux_0123456789_00000000_48x48.safetensors"  # an older run's, no entry's
+    save_safetensors({"latents": torch.zeros(1)}, str(old), {"content_hash": "0", "model_key": "flux_0123456789"})
+    printed = []
+    task = SimpleNamespace(args=SimpleNamespace(keep_cache=False, cache_latents_to_disk=True,
+                                                cache_text_encoder_outputs_to_disk=False),
+                           dataset=SimpleNamespace(items=items), validation_set=SimpleNamespace(items=[]),
+                           family=SimpleNamespace(name="flux"),
+                           accelerator=SimpleNamespace(is_main_process=True, num_processes=1, print=printed.append))
+    with contextlib.ExitStack() as held:
+        DiffusionTask._hold_cache_folders(task, held)
+        assert list(task._cache_locks) == [os.path.realpath(tmp_path / "img")]  # was both spellings
+        DiffusionTask._remove_unused_caches(task, items, [])
+    assert not old.exists() and all(os.path.exists(item.latent_cache) for item in items)
+    assert len(printed) == 1 and printed[0].startswith("caches: 1 files no entry uses were removed"), printed
 
 
 def test_two_processes_encode_disjoint_shares_and_every_file_once(tmp_path):

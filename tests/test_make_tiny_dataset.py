@@ -67,6 +67,25 @@ def test_a_second_set_into_the_same_out_is_refused_unless_overwrite(tmp_path, ca
     assert make_tiny_dataset.main(["--out", str(out), "--layered", "--count", "2", "--size", "16"]) == 0
 
 
+def test_an_out_with_quotes_and_backslashes_is_in_every_toml_as_written(tmp_path):
+    """The TOMLs held the folders between bare quotes: --out 'it"s' wrote a TOML that does not parse, and
+    a backslash was TOML's escape (a\\b read as 'a', backspace). Now each is a TOML string (toml_string)."""
+    from tools.make_tiny_dataset import scene_dataset_toml
+
+    out = tmp_path / 'it"s a\\b'
+    paths = {**make_tiny_dataset(str(out), count=2, size=16), **make_tiny_edit_dataset(str(out), count=2, size=16),
+             **make_tiny_layered_dataset(str(out), count=2, size=16)}
+    paths["reg_dataset_config"] = str(out / "reg.toml")  # the concept set's, without its 200 images
+    scene_dataset_toml(paths["reg_dataset_config"], str(out / "images"), 16, "2 images", reg_dir=str(out / "reg"))
+    expected = {"dataset_config": [("images", None)], "edit_dataset_config": [("edit_images", "edit_control")],
+                "layered_dataset_config": [("layered_images", None)],
+                "reg_dataset_config": [("images", None), ("reg", None)]}
+    for key, folders in expected.items():
+        (ds,) = load_dataset_config(paths[key]).datasets
+        assert [(s.image_dir, s.control_directory) for s in ds.subsets] == [
+            (str(out / image_dir), control and str(out / control)) for image_dir, control in folders], key
+
+
 def test_every_command_shown_into_tiny_models_runs_twice():
     """The configs' comments (quickstart, llm_lora, ...), README's tool table, concept_demo's docstring and
     gpu_bench.sh showed `python tools/make_tiny_dataset.py --out tiny_models/...` without --overwrite: the

@@ -111,6 +111,7 @@ if __name__ == "__main__":
 
 from library.data import shapes  # noqa: E402
 from library.io import write_text  # noqa: E402
+from library.text_files import toml_string  # noqa: E402
 
 
 def write_dataset_toml(path: str, what: str, size: int, subsets: list[tuple[str, list[str]]], batch_size: int = 2,
@@ -158,7 +159,7 @@ def make_tiny_dataset(out: str, count: int = 8, size: int = 64, seed: int = 0) -
         write_text(os.path.join(image_dir, f"{i:03d}.txt"), f"a {colour} {shape} on a {background} background")
     dataset_toml = os.path.join(out, "dataset.toml")
     smallest = min(32, *(wide or (size,)))  # every image is a bucket of its own size: none is upscaled
-    write_dataset_toml(dataset_toml, f": {count} captioned images", size, [("", [f'image_dir = "{image_dir}"', "num_repeats = 1"])],
+    write_dataset_toml(dataset_toml, f": {count} captioned images", size, [("", [f"image_dir = {toml_string(image_dir)}", "num_repeats = 1"])],
                        general=("enable_bucket = true", f"min_bucket_reso = {smallest}", f"max_bucket_reso = {2 * size}",
                                 "bucket_reso_steps = 16"))
     prompts = os.path.join(out, "prompts.txt")
@@ -182,7 +183,7 @@ def make_tiny_edit_dataset(out: str, count: int = 8, size: int = 64, seed: int =
         write_text(os.path.join(image_dir, f"{i:03d}.txt"), "make the shape red")
     dataset_toml = os.path.join(out, "edit_dataset.toml")
     write_dataset_toml(dataset_toml, f" --edit: {count} (reference, target) pairs", size, [("", [
-        f'image_dir = "{image_dir}"', f'control_directory = "{control_dir}"   # reference per target, same file name',
+        f"image_dir = {toml_string(image_dir)}", f"control_directory = {toml_string(control_dir)}   # reference per target, same file name",
         "num_repeats = 1"])])
     prompts = os.path.join(out, "edit_prompts.txt")
     write_text(prompts, f"make the shape red --ci {os.path.join(control_dir, '000.png')} --w {size} --h {size} --s 8 --d 1 --g 1.0\n")
@@ -219,7 +220,7 @@ def make_tiny_layered_dataset(out: str, count: int = 4, size: int = 64, seed: in
         write_text(os.path.join(image_dir, f"{i:03d}.txt"), f"a {colour} {shape} on a {background} background")
     dataset_toml = os.path.join(out, "layered_dataset.toml")
     write_dataset_toml(dataset_toml, f" --layered: {count} composites, 2 layers each", size, [("", [
-        f'image_dir = "{image_dir}"', "multiple_target = true   # NNN.png + NNN.txt, its layers NNN_1.png, NNN_2.png",
+        f"image_dir = {toml_string(image_dir)}", "multiple_target = true   # NNN.png + NNN.txt, its layers NNN_1.png, NNN_2.png",
         "num_repeats = 1"])])
     prompts = os.path.join(out, "layered_prompts.txt")
     write_text(prompts, f"a shape on a background --ci {os.path.join(image_dir, '000.png')} --w {size} --h {size} --s 8 --d 1 --g 1.0\n")
@@ -249,10 +250,10 @@ def write_scene_images(image_dir: str, scenes: list, size: int, trigger: str | N
 
 def scene_dataset_toml(path: str, image_dir: str, size: int, what: str, reg_dir: str | None = None,
                        batch_size: int = 2, num_repeats: int = 1) -> None:
-    subsets = [("", [f'image_dir = "{image_dir}"', f"num_repeats = {num_repeats}"])]
+    subsets = [("", [f"image_dir = {toml_string(image_dir)}", f"num_repeats = {num_repeats}"])]
     if reg_dir is not None:
         subsets.append(("  # regularization images: what the base already draws, so the trigger stays a word",
-                        [f'image_dir = "{reg_dir}"', "is_reg = true"]))
+                        [f"image_dir = {toml_string(reg_dir)}", "is_reg = true"]))
     write_dataset_toml(path, f": {what}", size, subsets, batch_size)
 
 

@@ -43,8 +43,10 @@ CACHE_LOCK = ".caches.lock"  # in each cache folder, held shared by the runs and
 
 def cache_folder(item: ImageItem) -> str:
     """The folder of the item's caches: its image's, or in cache_dir one named for the image folder
-    (plus a short hash of its path, so equal names in two folders differ)."""
-    folder = os.path.dirname(os.path.abspath(item.image_path))
+    (plus a short hash of its path, so equal names in two folders differ). The real path (symlinked
+    folders resolved, not a symlinked image file): two spellings of one folder in a run are one folder
+    to lock (hold_cache_folders; the run's two shared locks kept it from ever being alone) and clean."""
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(item.image_path)))
     if item.cache_dir:
         tag = hashlib.sha256(folder.encode()).hexdigest()[:8]
         folder = os.path.join(item.cache_dir, f"{os.path.basename(folder)}-{tag}")

@@ -13,7 +13,8 @@ Severities:
   longer than the text encoder keeps (TokenLimit: the rest is cut; not one it encodes whole with its
   references, TokenLimit.cuts_with_references), the same file twice (content
   hash, across subsets and validation sets: a duplicate in a validation set is a leak), an image both
-  trained and held out for validation (one line for all of them);
+  trained and held out for validation (one line for all of them), regularization images past the
+  training images' count (dataset.reg_repeats' line: never drawn, not counted as trained);
 - note: handled, counted per subset: CMYK converted to RGB, 16-bit grey scaled to 8 bits
   (images.to_8_bit), no caption file (trains on class_tokens), no alpha channel with alpha_mask,
   transparent pixels without it (trained as stored), captions of several lines (trained whole);
@@ -42,6 +43,7 @@ from library.data.captions import fixed_caption
 from library.data.controls import check_control_count, check_family_takes, control_files, find_controls, target_stems
 from library.data.image_folders import (bad_size, dataset_buckets, held_out_count, held_out_paths, image_bucket,
                                         no_held_out, read_caption, subset_images)
+from library.data.dataset import reg_repeats
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import WIDE_GREY_MODES, is_image_name, load_rgb, upscale_factor, verified_image_size
 from library.data.layers import check_layers
@@ -63,7 +65,7 @@ class TokenLimit:
 @dataclass
 class Problem:
     severity: str  # "error" | "warning"
-    kind: str  # image, pixels, caption, tokens, size, bucket, mask, reference, layers, duplicate, folder
+    kind: str  # image, pixels, caption, tokens, size, bucket, mask, reference, layers, duplicate, folder, regularization
     message: str  # one line naming the file
 
     def line(self) -> str:
@@ -229,7 +231,7 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
     for name, datasets in sections:
         for di, ds in enumerate(datasets, start=1):
             layered = {}  # the dataset's first composite: every other needs as many layers (as scan_images)
-            reports = []
+            reports, kept = [], []  # kept: (subset, report, its trained paths), for the regularization balance
             for si, subset in enumerate(ds.subsets, start=1):
                 report = SubsetReport(f"{name} {di}, subset {si}", subset.image_dir)
                 readable, used = check_subset(report, ds, subset, limit, layered, takes)
@@ -240,9 +242,12 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
                 else:  # split_validation's choice (regularization images are never held out)
                     split = [] if subset.is_reg else held_out_paths(used, subset, ds)
                 trained.update(path for path in used if path not in split)
+                kept.append((subset, report, [path for path in used if path not in split]))
                 for path in split:
                     held_out.setdefault(path, report)
                 reports.append(report)
+            if name == "datasets":  # validation draws every reg image once: no balance there
+                balance_regularization(di - 1, kept)
             if name == "datasets" and ds.validation_split and not any(r.held_out for r in reports):
                 reports[0].add("error", "folder", no_held_out(blueprint.source, di - 1, ds))
             subsets += reports
@@ -252,6 +257,22 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
         where[path].problems.append(problem)
     return DatasetReport(blueprint.source, subsets, f"{limit.encoder}, {limit.max_tokens} tokens kept" if limit
                          else token_check)
+
+
+def balance_regularization(dataset_index: int, kept: list) -> None:
+    """Count only the regularization images training draws (dataset.reg_repeats balances them to the
+    training images; the rest are never drawn) and add its warning on the others to their subset's report.
+    kept: (subset, report, its trained paths) of one training dataset, in order."""
+    items = [SimpleNamespace(dataset_index=dataset_index, subset=subset, image_path=path, report=report)
+             for subset, report, paths in kept for path in paths]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        repeats = reg_repeats(items)
+    unused = [item for item in items if item.subset.is_reg and repeats[id(item)] == 0]
+    for item in unused:
+        item.report.trained -= 1
+    for w in said:
+        unused[0].report.add("warning", "regularization", str(w.message))
 
 
 def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None,

@@ -44,7 +44,7 @@ class ImageDataset(torch.utils.data.Dataset):
         self.items = split_validation(scan_images(blueprint), blueprint)[0] if items is None else items
         repeats = [1 if validation else item.subset.num_repeats for item in self.items]
         if not validation:  # regularization images: repeats balanced to the training images per dataset
-            reg = _reg_repeats(self.items)
+            reg = reg_repeats(self.items)
             repeats = [reg.get(id(item), n) for item, n in zip(self.items, repeats)]
         self.entries = [i for i, n in enumerate(repeats) for _ in range(n)]
         self.repeat_of = [r for n in repeats for r in range(n)]
@@ -180,8 +180,9 @@ class EpochBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
-def _reg_repeats(items: list[ImageItem]) -> dict[int, int]:
-    """id(item) -> repeats for every regularization item, balanced within its dataset."""
+def reg_repeats(items: list[ImageItem]) -> dict[int, int]:
+    """id(item) -> repeats for every regularization item, balanced within its dataset (check_dataset's
+    count too: items need only dataset_index, subset and image_path)."""
     out: dict[int, int] = {}
     for di in sorted({item.dataset_index for item in items}):
         in_dataset = [item for item in items if item.dataset_index == di]
