@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import gradio as gr
 import pytest
 import toml
 
@@ -68,7 +69,7 @@ def test_save_caption_refuses_what_is_not_an_image_of_the_dataset(ui, caption_da
     prompts = tmp_path / "data" / "sample_prompts.toml"  # its "caption" would overwrite sample_prompts.caption
     prompts.write_text("x = 1\n")
     for image in (str(prompts), os.path.join(os.path.dirname(caption_dataset), "images", "missing.png")):
-        with pytest.raises(ValueError, match=f"image '{image}' is not an image of the dataset"):
+        with pytest.raises(ValueError, match=f"'{image}' is not an image or a caption file of the dataset"):
             ui.save_caption(caption_dataset, image, "overwritten")
     assert not (tmp_path / "data" / "sample_prompts.caption").exists()
 
@@ -84,9 +85,9 @@ def test_the_dataset_view_reads_no_caption_or_image_through_a_link_out_of_the_ro
     os.remove(caption)
     os.symlink(tmp_path / "outside" / "secret.caption", caption)
     os.symlink(tmp_path / "outside" / "x.png", os.path.join(images, "zz_link.png"))
-    found = ui._images(caption_dataset)
-    assert found and all(path.startswith(str(tmp_path / "data")) for path, _ in found)
-    captions = {os.path.basename(path): ui._read_caption(path, extension) for path, extension in found}
+    found = ui._caption_files(caption_dataset)
+    assert found and all(entry.image.startswith(str(tmp_path / "data")) for entry in found)
+    captions = {os.path.basename(entry.image): ui._read_caption(entry.path) for entry in found}
     assert captions[first] == "" and "zz_link.png" not in captions and len(set(captions.values())) > 1
 
 
@@ -101,6 +102,166 @@ def test_a_caption_that_is_not_utf8_is_one_problem_of_the_dataset_report_not_its
     assert view["ok"] and dict(view["images"])[os.path.join(images, first)] == ""
     assert any("caption file is not valid UTF-8" in message and first[:-4] in message
                for message in view["problems"]["message"]), view["problems"]
+
+
+def block(app, elem_id: str):
+    return next(b for b in app.blocks.values() if getattr(b, "elem_id", None) == elem_id)
+
+
+def event(app, name: str, elem_id: str | None = None, api_name: str | None = None):
+    """The function gradio runs on event `name` of the block with `elem_id` (or the one named `api_name`)."""
+    if api_name:
+        return next(fn for fn in app.fns.values() if fn.api_name == api_name)
+    return next(fn for fn in app.fns.values() if (block(app, elem_id)._id, name) in fn.targets)
+
+
+def run(fn, values: dict, *event_data) -> None:
+    """`fn` as gradio runs it: its inputs read from `values` (block id -> the page's value), its outputs
+    written back there."""
+    out = fn.fn(*[values.get(block._id) for block in fn.inputs], *event_data)
+    out = out if len(fn.outputs) > 1 else [out]
+    values.update({block._id: value for block, value in zip(fn.outputs, out)})
+
+
+def labelled(app, label: str):
+    return next(b for b in app.blocks.values() if getattr(b, "label", None) == label)
+
+
+def two_caption_extensions(caption_dataset) -> str:
+    """The caption dataset's folder in two subsets: .caption files (prose) and .tags files (tags)."""
+    images = os.path.join(os.path.dirname(caption_dataset), "images")
+    for name in os.listdir(images):
+        if name.endswith(".caption"):
+            with open(os.path.join(images, name[:-8] + ".tags"), "w") as f:
+                f.write("tag1, tag2\n")
+    dataset = toml.load(caption_dataset)
+    subset = dataset["datasets"][0]["subsets"][0]
+    dataset["datasets"][0]["subsets"].append({**subset, "caption_extension": ".tags"})
+    with open(caption_dataset, "w") as f:
+        toml.dump(dataset, f)
+    return images
+
+
+def test_a_picked_caption_is_saved_to_its_own_file_and_shows_what_was_saved_when_picked_again(ui, caption_dataset):
+    """Old: with one image folder in two subsets (.caption and .tags) the gallery showed each image twice; saving
+    the .caption entry wrote the .tags file (the pick named the image only, and the last subset's extension won).
+    And picking an image again showed the caption Check had read, not the one saved since: a second save put the
+    old text back."""
+    from library.ui.app import build_app
+
+    images = two_caption_extensions(caption_dataset)
+    app = build_app(ui)
+    check = event(app, "click", api_name="dataset")
+    values = {check.inputs[0]._id: caption_dataset}  # the dataset TOML picked
+    run(check, values)
+    select, caption = event(app, "select", "dataset-images"), labelled(app, "caption")
+    gallery = [image for image, _ in values[select.targets[0][0]]]
+    first = os.path.join(images, "000.png")
+    prose, tags = [i for i, image in enumerate(gallery) if image == first]
+    run(select, values, gr.SelectData(None, {"index": prose, "value": None}))
+    with open(os.path.join(images, "000.caption")) as f:
+        assert values[caption._id] == f.read().strip()
+    values[caption._id] = "an edited caption"
+    run(event(app, "click", api_name="save_caption"), values)
+    with open(os.path.join(images, "000.caption")) as f, open(os.path.join(images, "000.tags")) as g:
+        assert (f.read(), g.read()) == ("an edited caption\n", "tag1, tag2\n")
+    run(select, values, gr.SelectData(None, {"index": tags, "value": None}))
+    assert values[caption._id] == "tag1, tag2"
+    run(select, values, gr.SelectData(None, {"index": prose, "value": None}))
+    assert values[caption._id] == "an edited caption"
+    with pytest.raises(ValueError, match="has 2 caption files in the dataset"):  # the image alone: which file?
+        ui.save_caption(caption_dataset, first, "overwritten")
+
+
+def test_an_empty_caption_is_refused_and_an_image_captioned_by_class_tokens_says_so(ui, caption_dataset):
+    """Old: picking an image without a caption file (class_tokens caption it) showed an empty box; Save wrote an
+    empty caption file, which training then refuses ("caption file is empty")."""
+    images = os.path.join(os.path.dirname(caption_dataset), "images")
+    dataset = toml.load(caption_dataset)
+    dataset["datasets"][0]["subsets"][0]["class_tokens"] = "ohwx person"
+    with open(caption_dataset, "w") as f:
+        toml.dump(dataset, f)
+    os.remove(os.path.join(images, "000.caption"))
+    for empty in ("", "  \n"):
+        with pytest.raises(ValueError, match="is empty: training refuses an empty caption file"):
+            ui.save_caption(caption_dataset, os.path.join(images, "000.png"), empty)
+    assert not os.path.exists(os.path.join(images, "000.caption"))
+    entry = next(e for e in ui._caption_files(caption_dataset) if e.image.endswith("000.png"))
+    text, note = ui.picked_caption(entry)
+    assert text == "" and "class_tokens 'ohwx person'" in note
+    assert ui._gallery_caption(entry) == "(class_tokens: ohwx person)"
+
+
+def test_a_missing_or_unreachable_image_dir_is_a_row_of_the_dataset_view_not_its_end(ui, caption_dataset, tmp_path):
+    """Old: a subset whose image_dir is missing made the Dataset tab one bare FileNotFoundError (check_dataset.py
+    reports it as one error beside the rest); one outside the roots, one OutsideRoots line. The gallery also
+    listed macOS's '._000.png' files, which training skips."""
+    images = os.path.join(os.path.dirname(caption_dataset), "images")
+    with open(os.path.join(images, "._000.png"), "wb") as f:
+        f.write(b"\x00\x05\x16\x07" + b"\x00" * 60)  # an AppleDouble header
+    outside, missing = tmp_path / "outside", tmp_path / "data" / "missing"
+    shutil.copytree(images, outside)
+    dataset = toml.load(caption_dataset)
+    subset = dataset["datasets"][0]["subsets"][0]
+    dataset["datasets"][0]["subsets"] += [{**subset, "image_dir": str(missing)},
+                                          {**subset, "image_dir": str(outside)}]
+    with open(caption_dataset, "w") as f:
+        toml.dump(dataset, f)
+    view = ui.dataset(caption_dataset)
+    assert view["ok"] and sorted(os.path.basename(image) for image, _ in view["images"]) == sorted(
+        f for f in os.listdir(images) if f.endswith(".png") and not f.startswith("."))
+    rows = view["problems"].values.tolist()
+    assert [row for row in rows if str(missing) in row[2]] == [
+        ["error", "folder", f"{missing}: image_dir does not exist or is not a folder"]]
+    assert [row[:2] for row in rows if f"image_dir {str(outside)!r} is outside the folders" in row[2]] == [
+        ["warning", "folder"]]
+
+
+def test_the_planner_names_the_forms_config_and_a_missing_lora_weight_is_one_line(ui, monkeypatch, tmp_path):
+    """Old: the planner's errors named the temporary TOML it wrote the form's config to, deleted by then; a
+    None weight (a cleared slider, an API call) to merge / generate was a TypeError traceback."""
+    from library.ui import commands
+
+    monkeypatch.setattr(commands, "run_tool", lambda script, args, *rest: commands.Result(
+        False, f"error: {args[1]}: unknown key 'bogus_key'"))
+    assert ui.plan("the job form's config", "", 24, "", "", "bogus_key = 1\n", {})["report"] == (
+        "error: the job form's config: unknown key 'bogus_key'")
+    lora = str(tmp_path / "data" / "a.safetensors")
+    job = ui.store.create("g", {"model_type": "flux", "pretrained_model_name_or_path": "m", "ae": "a",
+                                "output_name": "lora"}, 5)
+    merge = {"model": lora, "save_to": "m.safetensors", "save_precision": "bf16"}
+    generate = {"job_id": job.id, "prompt": "a", "width": 64, "steps": 2}
+    for tool, values, field in (("merge_lora", merge, "weight"), ("generate", generate, "LoRA weight")):
+        for weight in (None, "abc", float("nan")):
+            answer = ui.lora_tool(tool, {**values, "lora": lora, "weight": weight})
+            assert answer == {"ok": False, "output": f"{field}: give a number, got {weight!r}", "image": None}
+
+
+def test_a_confirmation_names_its_job_and_yes_acts_on_that_job_whatever_is_picked_since(ui):
+    """Old: Delete… asked "Delete the job…?" naming none, and Yes deleted whichever job was picked when it was
+    pressed: picking another job to look at it, then Yes, deleted that one."""
+    from library.ui.app import build_app
+
+    kept, asked = finished_job(ui), finished_job(ui)
+    app = build_app(ui)
+    pick = block(app, "job-pick")
+    values = {pick._id: str(asked.id)}
+    run(event(app, "click", "job-delete"), values)
+    values[pick._id] = str(kept.id)  # looked at another job before answering
+    run(event(app, "click", "job-delete-confirm"), values)
+    assert [job.id for job in ui.store.list()] == [kept.id] and os.path.isdir(kept.output_dir)
+    question = block(app, "job-delete-question")
+    assert values[question._id].startswith(f"Delete **job {asked.id} (a, failed)** and its output folder")
+    other = finished_job(ui)  # both questions up: each Yes acts on the job its own question names
+    values[pick._id] = str(kept.id)
+    run(event(app, "click", "job-retry"), values)
+    values[pick._id] = str(other.id)
+    run(event(app, "click", "job-delete"), values)
+    run(event(app, "click", "job-retry-confirm"), values)
+    assert (ui.store.get(kept.id).state, ui.store.get(other.id).state) == ("queued", "failed")
+    values[pick._id] = ""
+    run(event(app, "click", "job-retry"), values)  # nothing picked: no question, the refusal
+    assert values[block(app, "action-result")._id] == {"ok": False, "error": "job '': not a job number; pick a job in the list"}
 
 
 def test_a_file_is_written_through_a_fresh_temporary_and_a_root_of_slash_holds_every_path(tmp_path):

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageOps, PngImagePlugin
 
+from library.data.image_names import IMAGE_EXTENSIONS, is_image_name  # noqa: F401 (re-exported: the UI's too)
 from library.io import atomic_path
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 # Image types a dataset folder may hold that are not read (a phone's HEIC, a scan's TIFF): said, not skipped silently.
 UNREAD_IMAGE_EXTENSIONS = (".heic", ".heif", ".avif", ".jxl", ".tif", ".tiff", ".gif", ".jfif", ".psd")
 # Pillow opens 16-bit grey PNGs in the I;16 modes ("I": 32-bit integers). Its convert("RGB") /
@@ -32,13 +32,6 @@ def images_by_stem(folder: str, names, what: str = "images") -> dict[str, str]:
             raise ValueError(f"{folder}: {what} '{stems[stem]}' and '{name}' share the name '{stem}'")
         stems[stem] = name
     return stems
-
-
-def is_image_name(name: str) -> bool:
-    """An image file's name: one of IMAGE_EXTENSIONS, any case, and not hidden. A hidden '._photo.png'
-    is macOS's resource fork of photo.png (a copy to a USB disk or a network share leaves one beside
-    every file): not an image, and skipped by sd-scripts' and musubi-tuner's globs too."""
-    return name.lower().endswith(IMAGE_EXTENSIONS) and not name.startswith(".")
 
 
 def to_8_bit(img: Image.Image, path: str) -> Image.Image:

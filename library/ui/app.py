@@ -9,7 +9,7 @@ import gradio as gr
 
 from library.models.registry import arch_specs
 from library.ui.files import OutsideRoots
-from library.ui.handlers import BASE_PRECISIONS, FORM_KEYS, MODEL_TYPES, OPTIMIZERS, WebUI
+from library.ui.handlers import BASE_PRECISIONS, FORM_KEYS, MODEL_TYPES, OPTIMIZERS, WebUI, job_number
 from library.ui.jobs import JobError
 
 LABELS = {
@@ -19,11 +19,11 @@ LABELS = {
     "sample_prompts": "sample prompts file", "sample_every_n_steps": "sample every N steps",
 }
 REFRESH_SECONDS = 2.0
-# Asked before the actions that remove a job's files, each naming what goes.
+# Asked before the actions that remove a job's files, each naming the job ({job}) and what goes.
 CONFIRM_QUESTIONS = {
-    "retry": "Retry the job from the start? Its LoRAs, samples, saved state and logs are removed (its config "
+    "retry": "Retry **{job}** from the start? Its LoRAs, samples, saved state and logs are removed (its config "
              "stays); Resume continues a stopped or failed job from its state instead.",
-    "delete": "Delete the job and its output folder (LoRAs, samples, state)?",
+    "delete": "Delete **{job}** and its output folder (LoRAs, samples, state)?",
 }
 # Field errors in red; galleries keep thumbnails small (gradio widens the columns to fill the row
 # when there are fewer images than columns: two samples would each take half the page).
@@ -135,12 +135,14 @@ def jobs_tab(ui: WebUI):
         buttons = {a: gr.Button(a.capitalize(), elem_id=f"job-{a}") for a in ("queue", "stop", "resume")}
         asking = {"retry": gr.Button("Retry…", elem_id="job-retry"),
                   "delete": gr.Button("Delete…", variant="stop", elem_id="job-delete")}
-    questions = {}  # per action that removes files: its row (the question, Yes, No), hidden until asked
-    for action, question in CONFIRM_QUESTIONS.items():
+    # Per action that removes files: its row (the question, Yes, No), hidden until asked, and the job
+    # asked about: Yes acts on that one, not on whichever job is picked when it is pressed.
+    questions = {}
+    for action in CONFIRM_QUESTIONS:
         with gr.Row(visible=False) as row:
-            gr.Markdown(question)
-            questions[action] = (row, gr.Button(f"Yes, {action}", variant="stop", elem_id=f"job-{action}-confirm"),
-                                 gr.Button("No"))
+            questions[action] = (row, gr.Markdown(elem_id=f"job-{action}-question"),
+                                 gr.Button(f"Yes, {action}", variant="stop", elem_id=f"job-{action}-confirm"),
+                                 gr.Button("No"), gr.State(None))
     action_answer = gr.JSON(label="action", elem_id="action-result")
 
     def show_errors(result: dict) -> list:
@@ -206,16 +208,28 @@ def jobs_tab(ui: WebUI):
             return ui.act(action, j, confirm=yes), ui.jobs_table(), gr.update(visible=False), picked
         return on_confirmed
 
-    for action, (row, yes, no) in questions.items():
-        asking[action].click(lambda: gr.update(visible=True), None, [row], api_name=False)
+    for action, (row, question, yes, no, asked) in questions.items():
+        asking[action].click(lambda j, a=action: ask(ui, a, j), [job_id], [row, question, asked, action_answer],
+                             api_name=False)
         no.click(lambda: gr.update(visible=False), None, [row], api_name=False)
         outputs = [action_answer, table, row, job_id]
-        yes.click(confirmed(action), [job_id], outputs, api_name=False)
+        yes.click(confirmed(action), [asked], outputs, api_name=False)
         gr.Button(visible=False).click(confirmed(action), [job_id, api_confirm], outputs, api_name=f"{action}_job")
     gr.Button(visible=False).click(ui.jobs_table, None, [table], api_name="list_jobs")
     timer = gr.Timer(REFRESH_SECONDS)
     timer.tick(lambda: (ui.jobs_table(), gr.update(choices=ui.job_choices())), None, [table, job_id], api_name=False)
     return {"text": text, "fields": fields, "order": order, "loaded": loaded}, errors, job_id
+
+
+def ask(ui: WebUI, action: str, job_id) -> tuple:
+    """The confirmation row of `action` shown with its question naming the picked job, and that job's id
+    (what Yes acts on); no pick, or a job that is gone: the row hidden and the refusal in the answer."""
+    try:
+        job = ui.store.get(job_number(job_id))
+    except JobError as e:
+        return gr.update(visible=False), "", None, {"ok": False, "error": str(e)}
+    question = CONFIRM_QUESTIONS[action].format(job=f"job {job.id} ({job.name}, {job.state})")
+    return gr.update(visible=True), question, str(job.id), gr.update()
 
 
 def save_row(ui: WebUI, order: list[str], inputs: list) -> None:
@@ -336,11 +350,12 @@ def dataset_tab(ui: WebUI) -> None:
                                 interactive=False)
     images = gr.Gallery(label="images with captions (click one to edit its caption)", columns=6, height=300,
                         allow_preview=False, elem_id="dataset-images")
-    picked = gr.Textbox(label="image", interactive=False)
+    # The caption file itself: an image folder shared by two subsets (.txt and .tags) shows each image twice.
+    picked = gr.Textbox(label="caption file", interactive=False)
     caption = gr.Textbox(label="caption", lines=2)
     save = gr.Button("Save caption")
     saved = gr.Markdown()
-    shown = gr.State([])
+    shown = gr.State([])  # the gallery's entries (handlers.CaptionFile), in its order
 
     def on_check(p):
         try:
@@ -349,15 +364,16 @@ def dataset_tab(ui: WebUI) -> None:
             return f"⚠ {e}", None, None, [], []
         if not view["ok"]:
             return f"⚠ {view['error']}", None, None, [], []
-        return view["summary"], view["buckets"], view["problems"], view["images"], view["images"]
+        return view["summary"], view["buckets"], view["problems"], view["images"], view["captions"]
 
     check.click(on_check, [path], [summary, buckets, problems, images, shown], api_name="dataset")
 
-    def on_select(items, event: gr.SelectData):
-        image, text = items[event.index]
-        return image, text
+    def on_select(entries, event: gr.SelectData):
+        entry = entries[event.index]
+        text, note = ui.picked_caption(entry)  # the file as it is now: a Save since Check changed it
+        return entry.path, text, note
 
-    images.select(on_select, [shown], [picked, caption], api_name=False)
+    images.select(on_select, [shown], [picked, caption, saved], api_name=False)
     save.click(lambda d, i, c: _saved(ui, d, i, c), [path, picked, caption], [saved], api_name="save_caption")
 
 

@@ -4,14 +4,17 @@ LoRA tools. Values in, plain values out (strings, dicts, pandas frames), so each
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 import pandas as pd
 import toml
 
+from library.data.image_names import is_image_name
 from library.data.prompts import parse_prompt_line
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401 (BASE_PRECISIONS: the form's choices)
 from library.text_files import read_utf8, set_toml_keys, toml_dumps, toml_loads
@@ -30,7 +33,6 @@ OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy")
 MODEL_TYPES = SCHEMA["model_type"].choices  # every family and the LLM mode, as train_lora.py accepts them
 PLOT_COLUMNS = ["step", "value", "series"]
 MAX_INT = 10**15  # beyond any real count or seed, and well inside SQLite's (and torch's) 64-bit integers
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 # The actions that remove a job's files: done only when confirmed (a Retry on a done job removed its LoRA at once).
 CONFIRM_TO = {"delete": "delete it and its folder",
               "retry": "retry it from the start: its LoRAs, samples, saved state and logs are removed"}
@@ -142,6 +144,25 @@ def whole_number(value, what: str, least: int = 1) -> int:
     if not number.is_integer() or number < least or number > MAX_INT:
         raise ValueError(f"{what}: give a whole number >= {least}, got {value!r}")
     return int(number)
+
+
+def finite_number(value, what: str) -> float:
+    """A form's number (a cleared gradio Slider or an API call sends None), or ValueError naming the field."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: give a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{what}: give a number, got {value!r}")
+    return number
+
+
+class CaptionFile(NamedTuple):
+    """One gallery entry: an image of one subset and the caption file training reads for it there (an
+    image folder shared by two subsets, .txt and .tags, is two entries, one per caption file)."""
+    image: str  # its real path
+    path: str  # the image's stem + its subset's caption_extension
+    class_tokens: str | None  # the caption training uses where that file is missing
 
 
 def frame(rows: list[dict], columns: list[str], series_of=lambda c: c) -> pd.DataFrame:
@@ -374,6 +395,8 @@ class WebUI:
         finally:
             if config_file:
                 os.remove(config_file)
+        if config_file:  # the report's errors named the temporary file, removed by now
+            result.output = result.output.replace(config_file, "the job form's config")
         best = commands.suggestion(fits)
         suggested = {**commands.suggested_keys(best), **commands.caching_keys(result.output)} if best else None
         return {"ok": result.ok, "report": result.output, "fits": [vars(f) for f in fits], "suggested": suggested}
@@ -400,53 +423,87 @@ class WebUI:
         result, report = commands.check_dataset(self.workdir, real, self.python)
         if report is None:
             return {"ok": False, "error": result.output}
-        images = [(image, self._read_caption(image, extension)) for image, extension in self._images(real)]
-        buckets, problems = {}, []
+        unshown: list[str] = []
+        entries = self._caption_files(real, unshown)
+        buckets, problems = {}, [("warning", "folder", message) for message in unshown]
         for subset in report["subsets"]:
             for bucket, count in subset["buckets"].items():
                 buckets[bucket] = buckets.get(bucket, 0) + count
             problems += [(p["severity"], p["kind"], p["message"]) for p in subset["problems"]]
-        return {"ok": True, "images": images,
+        return {"ok": True, "images": [(e.image, self._gallery_caption(e)) for e in entries], "captions": entries,
                 "buckets": pd.DataFrame(sorted(buckets.items()), columns=["bucket", "images"]),
                 "problems": pd.DataFrame(problems, columns=["severity", "kind", "message"]),
                 "summary": f"{sum(s['images'] for s in report['subsets'])} images, "
                            f"{sum(s['trained'] for s in report['subsets'])} trained; {report['errors']} errors, "
                            f"{report['warnings']} warnings; {report['token_check']}"}
 
-    def _images(self, dataset_config: str) -> list[tuple[str, str]]:
-        """The dataset's images (real paths, under the roots) with their subset's caption extension."""
+    def _caption_files(self, dataset_config: str, unshown: list[str] | None = None) -> list[CaptionFile]:
+        """The dataset's images (real paths, under the roots), each with its subset's caption file. A subset
+        whose image_dir is missing is left out (check_dataset's report names it); one outside the roots
+        too, its refusal added to `unshown`: the rest of the dataset is still shown."""
         from library.data.dataset_config import load_dataset_config
 
         found = []
         for spec in load_dataset_config(dataset_config).datasets:
             for subset in spec.subsets:
-                folder = self.roots.resolve(subset.image_dir, "image_dir")
-                for name in sorted(os.listdir(folder)):
-                    if not name.lower().endswith(IMAGE_SUFFIXES):
-                        continue
+                try:
+                    folder = self.roots.resolve(subset.image_dir, "image_dir")
+                    names = sorted(os.listdir(folder))
+                except OutsideRoots as e:
+                    if unshown is not None:
+                        unshown.append(f"{e}: its images are not shown")
+                    continue
+                except OSError:
+                    continue
+                for name in filter(is_image_name, names):  # training's images: no '._000.png' of macOS
                     try:  # each file too: a link in the folder may lead out of the roots
-                        found.append((self.roots.resolve(os.path.join(folder, name), "image"), subset.caption_extension))
+                        image = self.roots.resolve(os.path.join(folder, name), "image")
                     except OutsideRoots:
                         continue
+                    found.append(CaptionFile(image, os.path.splitext(image)[0] + subset.caption_extension,
+                                             subset.class_tokens))
         return found
 
-    def _read_caption(self, image: str, extension: str) -> str:
-        """The image's caption; "" where there is none, where its file links out of the roots, or where it is
+    def _read_caption(self, path: str) -> str:
+        """A caption file's text; "" where there is none, where it links out of the roots, or where it is
         not UTF-8 (check_dataset's report names that file; raised, it hid the whole report)."""
         try:
-            with open(self.roots.resolve(os.path.splitext(image)[0] + extension, "caption"), encoding="utf-8") as f:
+            with open(self.roots.resolve(path, "caption"), encoding="utf-8") as f:
                 return f.read().strip()
         except (OSError, OutsideRoots, UnicodeDecodeError):
             return ""
 
-    def save_caption(self, dataset: str, image: str, caption: str) -> str:
-        """The caption of one of the dataset's images, in the file training reads (its subset's
-        caption_extension); anything that is not one of its images is refused."""
-        real = self.roots.resolve(image, "image")
-        extension = dict(self._images(self.roots.resolve(dataset, "dataset config"))).get(real)
-        if extension is None:
-            raise ValueError(f"image {image!r} is not an image of the dataset {dataset!r}: pick one in its gallery")
-        path = self.roots.resolve(os.path.splitext(real)[0] + extension, "caption")
+    def _gallery_caption(self, entry: CaptionFile) -> str:
+        if not os.path.exists(entry.path) and entry.class_tokens:
+            return f"(class_tokens: {entry.class_tokens})"
+        return self._read_caption(entry.path)
+
+    def picked_caption(self, entry: CaptionFile) -> tuple[str, str]:
+        """The caption box's text for a gallery pick, read from its file now (the gallery's is Check's,
+        older than any Save since), and a note where training captions the image with class_tokens."""
+        if not os.path.exists(entry.path) and entry.class_tokens:
+            return "", (f"no caption file {os.path.basename(entry.path)}: training captions this image with "
+                        f"its subset's class_tokens {entry.class_tokens!r}; a caption saved here replaces them")
+        return self._read_caption(entry.path), ""
+
+    def save_caption(self, dataset: str, picked: str, caption: str) -> str:
+        """`caption` written to one of the dataset's caption files: `picked` is the caption file (as the
+        gallery's pick names it), or an image with one caption file (an image folder shared by two
+        subsets gives its images two, .txt and .tags: which is meant is unknown). Anything else is
+        refused, and so is an empty caption, which training refuses."""
+        if not (caption or "").strip():
+            raise ValueError(f"caption for {picked!r} is empty: training refuses an empty caption file; type one "
+                             f"(an image without a caption file takes its subset's class_tokens)")
+        real = self.roots.resolve(picked, "caption file")
+        entries = self._caption_files(self.roots.resolve(dataset, "dataset config"))
+        paths = sorted({e.path for e in entries if real in (e.image, os.path.realpath(e.path))})
+        if not paths:
+            raise ValueError(f"{picked!r} is not an image or a caption file of the dataset {dataset!r}: pick "
+                             f"an image in its gallery")
+        if len(paths) > 1:
+            raise ValueError(f"image {picked!r} has {len(paths)} caption files in the dataset {dataset!r} "
+                             f"({', '.join(paths)}): give the caption file to write")
+        path = self.roots.resolve(paths[0], "caption")
         write_whole(path, caption.strip() + "\n")
         return path
 
@@ -482,7 +539,8 @@ class WebUI:
             return ["--lora", lora(), "--save_to", self.tool_output(v["save_to"], "output"),
                     "--new_rank", whole_number(v["new_rank"], "new rank")], None
         if tool == "merge_lora":
-            return ["--model", self.roots.resolve(v["model"], "model"), "--lora", f"{lora()}:{float(v['weight'])}",
+            weight = finite_number(v["weight"], "weight")
+            return ["--model", self.roots.resolve(v["model"], "model"), "--lora", f"{lora()}:{weight}",
                     "--save_to", self.tool_output(v["save_to"], "output"), "--save_precision", v["save_precision"]], None
         if tool == "generate":  # with a job's models
             job = self.store.get(job_number(v["job_id"]))
@@ -505,6 +563,6 @@ class WebUI:
             for path in parse_prompt_line(v["prompt"], "prompt").control_images:  # an edit model draws them
                 self.roots.resolve(path, "--ci image")
             if v.get("lora"):
-                args += ["--lora", f"{lora()}:{float(v['weight'])}"]
+                args += ["--lora", f"{lora()}:{finite_number(v['weight'], 'LoRA weight')}"]
             return args, out
         raise ValueError(f"unknown tool {tool!r}")
