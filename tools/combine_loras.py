@@ -15,8 +15,8 @@ that have the module (float32):
 Names: LoRAs in one naming combine module by module. When every input has dotted names (PEFT /
 diffusers, ComfyUI), the output has the first input's layout; when any is kohya, dotted names are
 turned into kohya names (`lora_unet_`, `lora_te_` for `model.layers...` LLM paths) and the output is
-kohya. LoRAs of one model in two namings (FLUX's BFL and diffusers names, Krea 2's and diffusers',
-Z-Image's and ComfyUI's own fused attention.qkv) are read as tools/merge_lora.py reads them, by the
+kohya. LoRAs of one model in two namings (its original and diffusers' names, or ComfyUI's own fused
+qkv beside split q / k / v: the spec's module_map / comfy_map) are read as tools/merge_lora.py reads them, by the
 model's own module paths (a fused module split by rows, parts joined: exact), and combined in those.
 DoRA (its delta is not additive) and LyCORIS files are refused. The metadata is the first input's,
 with `lora_combined` listing the files, ratios and mode. Errors are one line on stderr, exit
@@ -108,8 +108,8 @@ def _renamed(lora: LoRAFile, read: dict[str, LoRAWeights]) -> bool:
 
 
 def _in_model_names(loras: list[LoRAFile], arch: str | None) -> list[dict[str, LoRAWeights]] | None:
-    """Where the inputs are in two namings of `arch` (FLUX's BFL and diffusers', Krea 2's and diffusers', Z-Image's
-    and ComfyUI's own fused qkv): each input's modules by the model's own module paths, read as merge_lora and
+    """Where the inputs are in two namings of `arch` (its original and diffusers' names, or ComfyUI's own fused
+    qkv beside split q / k / v): each input's modules by the model's own module paths, read as merge_lora and
     the loaders read them (networks/lora_reader.py: a fused module split by rows, parts joined, exact), with its
     kohya text-encoder modules as they are. None where they share one naming: each file's names are kept (side
     by side, two namings of one module were two modules, and every loader refuses such a file)."""
