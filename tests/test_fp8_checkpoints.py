@@ -381,7 +381,9 @@ def test_merge_lora_into_a_comfy_file_keeps_its_layout_or_widens_it(tmp_path, fa
     assert torch.allclose(run(realigned(merged), inputs()), expected, atol=1e-5, rtol=1e-5)
 
     # kept layout: unmerged tensors byte for byte, merged ones re-quantized per tensor from those fp32 weights
-    assert merge("--model", path, "--lora", f"{tmp_path / 'l.safetensors'}:0.7", "--save_to", tmp_path / "kept.safetensors") == 0
+    # (rounded to nearest here, to compare bits; stochastically by default)
+    assert merge("--model", path, "--lora", f"{tmp_path / 'l.safetensors'}:0.7", "--save_to", tmp_path / "kept.safetensors",
+                 "--no-stochastic_rounding") == 0
     base, kept = read_all(path), read_all(tmp_path / "kept.safetensors")
     assert {k: (v.dtype, v.shape) for k, v in kept.items()} == {k: (v.dtype, v.shape) for k, v in base.items()}
     targets = {n for n, m in ref.named_modules() if n in {t.name for t in net.lora_modules()}}
@@ -413,6 +415,36 @@ def test_merge_lora_into_an_fp8_base_refuses_another_fp8_layout_and_rounds_stoch
                      "--stochastic_rounding", "--seed", seed) == 0
         outs.append(read_all(tmp_path / f"s{seed}.safetensors")[PREFIX + "double_blocks.0.img_attn.qkv.weight"])
     assert not torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))  # the seed decides the rounding
+
+
+@pytest.mark.parametrize("layout", ["marker", "plain"])
+def test_a_gentle_lora_merged_into_an_fp8_base_is_kept_by_default_rounding_stochastically(tmp_path, capsys, layout):
+    """Into an fp8 base the merged weight starts on the fp8 grid: rounded to nearest, a delta under half a
+    step gives the same code back (a LoRA at ratio 0.1 kept 17-43% of its effect, silently). By default the
+    merge rounds stochastically, as ComfyUI's patching does: the delta is kept in expectation."""
+    sd = comfy_state_dict(randomized(Flux(FLUX_CFG), 8), "flux", layout)
+    path = write_comfy(sd, tmp_path / "base.safetensors", "flux")
+    lora(reference(Flux, FLUX_CFG, sd, torch.float32), "flux", rank=4, alpha=4.0, seed=2).save(str(tmp_path / "l.safetensors"))
+    key = PREFIX + "double_blocks.0.img_attn.qkv.weight"
+    scale_key = key[: -len("weight")] + "scale_weight"
+
+    def weight(file) -> torch.Tensor:
+        tensors = read_all(file)
+        return tensors[key].float() * (tensors[scale_key].float() if scale_key in tensors else 1.0)
+
+    assert merge("--model", path, "--lora", f"{tmp_path / 'l.safetensors'}:0.05", "--save_to", tmp_path / "wide.safetensors",
+                 "--save_precision", "fp32") == 0
+    base, delta = weight(path), read_all(tmp_path / "wide.safetensors")[key].float() - weight(path)
+    kept = {}
+    for name, extra in (("default", []), ("nearest", ["--no-stochastic_rounding"]), ("seed0", ["--stochastic_rounding"])):
+        capsys.readouterr()
+        assert merge("--model", path, "--lora", f"{tmp_path / 'l.safetensors'}:0.05", "--save_to",
+                     tmp_path / f"{name}.safetensors", *extra) == 0
+        assert ("stochastic rounding" in capsys.readouterr().out) == (name != "nearest")
+        change = weight(tmp_path / f"{name}.safetensors") - base
+        kept[name] = ((change * delta).sum() / (delta * delta).sum()).item()  # the delta's share that is there
+    assert kept["default"] == kept["seed0"]  # the same rounding (--seed 0) as the explicit flag
+    assert abs(kept["default"] - 1) < 0.3 and kept["nearest"] < 0.7, kept
 
 
 @pytest.mark.parametrize("kind", ["dora", "lokr_dora_wd"])
@@ -495,7 +527,8 @@ def test_musubi_state_dicts_load_as_they_are_and_equal_musubis_dequantized_model
     if family == "flux":  # merged into as it is: only the merged weights change, scales keep musubi's shapes
         net = lora(expected.float(), family, rank=4, alpha=4.0, seed=2)
         net.save(str(tmp_path / "l.safetensors"))
-        assert merge("--model", path, "--lora", tmp_path / "l.safetensors", "--save_to", tmp_path / "m.safetensors") == 0
+        assert merge("--model", path, "--lora", tmp_path / "l.safetensors", "--save_to", tmp_path / "m.safetensors",
+                     "--no-stochastic_rounding") == 0  # to compare bits
         before, after = read_all(path), read_all(tmp_path / "m.safetensors")
         assert {k: (v.dtype, v.shape) for k, v in after.items()} == {k: (v.dtype, v.shape) for k, v in before.items()}
         load(str(tmp_path / "m.safetensors"), config=config)

@@ -1,7 +1,7 @@
 """Merge LoRAs into a base checkpoint, one tensor at a time, and save it in the base's own layout.
 
     python tools/merge_lora.py --model BASE --lora a.safetensors:0.8 b.safetensors:1.0 --save_to OUT \
-        [--save_precision fp32|bf16|fp16|fp8|gguf_q8_0|...] [--fp8_layout comfy|plain|block64] [--stochastic_rounding] [--seed N]
+        [--save_precision fp32|bf16|fp16|fp8|gguf_q8_0|...] [--fp8_layout comfy|plain|block64] [--[no-]stochastic_rounding] [--seed N]
         [--allow_unmatched]
 
 BASE: a diffusion transformer's single file (ComfyUI prefixes too; bf16, fp8 or scaled fp8) or
@@ -52,8 +52,10 @@ An fp8 BASE (plain e4m3, our fp8_scaled, ComfyUI's per-tensor scaled fp8 with it
 comfy_quant; library/precision/fp8_checkpoints.py) is merged into as ComfyUI patches one: each merged
 weight is dequantized to float32 (codes * scale), the deltas added there, and a delta is never added to
 fp8 values. Without --save_precision the output keeps the base's layout: only the merged weights are
-re-quantized (fresh scale, round to nearest or --stochastic_rounding), every other tensor is copied
-byte for byte; with bf16/fp16/fp32 every weight is dequantized and the scales and markers left out.
+re-quantized (fresh scale; rounded stochastically, as ComfyUI's patching rounds, unless
+--no-stochastic_rounding: a merged weight starts on the fp8 grid, and round to nearest gives most codes
+back where a delta is under half a step, a LoRA at ratio 0.1 keeping 17-43% of its effect), every other
+tensor is copied byte for byte; with bf16/fp16/fp32 every weight is dequantized and the scales and markers left out.
 Another fp8 layout is refused (it would re-round every weight). Keys outside the transformer (text
 encoders and VAE bundled in a ComfyUI checkpoint) are copied as they are. fp8 bases only in the model's
 own names (BFL names, not a diffusers folder's split rows).
@@ -105,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default: keep each tensor's dtype")
     parser.add_argument("--fp8_layout", choices=list(FP8_LAYOUTS), default=None,
                         help="with --save_precision fp8: comfy (ComfyUI scaled fp8; default for single files), plain, block64")
-    parser.add_argument("--stochastic_rounding", action="store_true", help="fp8 modes: unbiased stochastic rounding")
+    parser.add_argument("--stochastic_rounding", action=argparse.BooleanOptionalAction, default=None,
+                        help="fp8 outputs: unbiased stochastic rounding (default: on into an fp8 base, as ComfyUI "
+                             "patches one; off for a high-precision base quantized to fp8)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the stochastic rounding")
     parser.add_argument("--allow_unmatched", action="store_true", help="skip LoRA modules the base has no weight for")
     return parser
@@ -285,7 +289,7 @@ class Fp8BasePlan(Plan):
     weight is first dequantized to float32 exactly as ComfyUI's LoRA patching does (codes.float() *
     scale: ComfyUI's convert_weight on a float32 copy), the deltas are added in float32, then:
       - precision None (or the base's own layout): the output keeps the layout. Only merged weights
-        are re-quantized (round to nearest or --stochastic_rounding; a fresh absmax / 448 scale per
+        are re-quantized (stochastic rounding unless --no-stochastic_rounding; a fresh absmax / 448 scale per
         tensor or per block); every other tensor (codes, scales, markers) is copied byte for byte.
       - bf16 / fp16 / fp32: every fp8 tensor is dequantized (float32) and cast; scales, markers and
         activation scales are left out, so the output is a plain high-precision checkpoint.
@@ -559,7 +563,7 @@ def _check_replaced_folder(save_to: str, inputs: list[str]) -> None:
 
 
 def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: str | None = None,
-               stochastic_rounding: bool = False, seed: int = 0, allow_unmatched: bool = False,
+               stochastic_rounding: bool | None = None, seed: int = 0, allow_unmatched: bool = False,
                fp8_layout: str | None = None) -> Plan:
     """Check everything, then write the merged checkpoint to `save_to` atomically."""
     if save_precision is not None and save_precision not in PRECISIONS:
@@ -570,6 +574,11 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
         _check_gguf_output(base, save_precision, fp8_layout, stochastic_rounding)
     precision = "fp32" if qtype else _output_precision(base, save_precision, fp8_layout)  # GGUF: from float32
     fp8_out = base.fp8 is not None and precision in (None, base.fp8.layout) or precision in FP8_MODES
+    if stochastic_rounding is None:
+        # Into an fp8 base the merged weight starts on the fp8 grid: round to nearest gives most codes back
+        # unchanged where the delta is under half a step (a LoRA at ratio 0.1 kept 17-43% of its effect),
+        # so round stochastically as ComfyUI's patching does; a high-precision base rounds all of W + dW.
+        stochastic_rounding = base.fp8 is not None and fp8_out
     if stochastic_rounding and not fp8_out:
         raise ValueError(f"--stochastic_rounding needs --save_precision fp8 (or an fp8 base kept in its layout), "
                          f"got {save_precision}")
@@ -605,6 +614,7 @@ def main(argv=None) -> int:
         return 2
     merged = sum(len(v) for v in plan.deltas.values())
     saved = args.save_precision if save_precision_type(args.save_precision) else plan.precision or "dtypes as input"
+    saved += ", stochastic rounding" if plan.stochastic else ""
     print(f"merged {merged} LoRA modules ({len(specs)} files) into {len(plan.deltas)} {plan.base.family} weights -> "
           f"{args.save_to} ({saved})")  # fmt: skip
     return 0
