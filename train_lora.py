@@ -62,18 +62,23 @@ SAVED_FOLDER_WEIGHTS = (PEFT_WEIGHTS_FILE, "model.safetensors")
 
 
 class StopTraining(Exception):
-    """Raised inside the loop to end the run; `code` becomes the exit status."""
+    """Raised inside the loop to end the run; `code` becomes the exit status. `agreed`: every process stops
+    at the same point (an agreed signal, a loss, norm or weights all processes share), so each waits there for
+    the main process's save: one that left first made the launcher kill the main one mid-save."""
 
-    def __init__(self, message: str, code: int):
+    def __init__(self, message: str, code: int, agreed: bool = True):
         super().__init__(message)
-        self.code = code
+        self.code, self.agreed = code, agreed
 
 
 class Interrupts:
-    """Ctrl-C / SIGTERM set a flag; the loop saves and exits at the next optimizer step."""
+    """Ctrl-C / SIGTERM set a flag; the loop saves and exits at the next optimizer step. A second one
+    leaves at once, except while `saving` (the stop's save, the run ends right after it): a launcher's
+    SIGTERM or a second Ctrl-C cut the save the first one asked for."""
 
     def __init__(self):
         self.requested = None
+        self.saving = False
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def close(self):
@@ -81,9 +86,9 @@ class Interrupts:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
-        if self.requested is not None:  # a second Ctrl-C: leave now
+        if self.requested is not None and not self.saving:  # a second Ctrl-C: leave now
             raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
+        self.requested = self.requested or signal.Signals(signum).name
 
 
 def make_accelerator(args):
@@ -332,10 +337,13 @@ class Trainer:
 
         optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
                                      optimizer_kwargs(args))
-        self.max_steps = plan_steps(args, task.batches_per_epoch())
+        self.max_steps = plan_steps(args, task.batches_per_epoch(), state.progress if state else None)
         if args.max_train_epochs:  # it wins over max_train_steps: say what it came to, as sd-scripts does
+            per_epoch = epoch_steps(args, task.batches_per_epoch())
+            resumed = (f", {max(0, self.max_steps - state.progress['step'])} of them after the resumed step "
+                       f"{state.progress['step']}" if state else "")
             accelerator.print(f"max_train_epochs = {args.max_train_epochs}: {self.max_steps} optimizer steps "
-                              f"({self.max_steps // args.max_train_epochs} an epoch), in place of max_train_steps")
+                              f"({per_epoch} an epoch{resumed}), in place of max_train_steps")
         check_planned_steps(args, self.max_steps, args.config_file or "command line")  # (an llm's epochs: known now)
         # Stepped by hand once per optimizer step (accelerate would step a prepared scheduler once
         # per process), so the schedule is the same on 1 or N processes.
@@ -411,7 +419,7 @@ class Trainer:
                 self.render_samples("start")
                 if requested := self.interrupts.requested:  # as a Ctrl-C while loading: nothing trained, nothing saved
                     raise StopTraining(f"{requested} during the first samples: stopped before step 1; nothing "
-                                       f"trained, nothing saved", code=130)
+                                       f"trained, nothing saved", code=130, agreed=False)  # this process's own signal
             self.clock = tracking.StepClock()
             while self.step < self.max_steps:
                 self.run_epoch()
@@ -427,6 +435,8 @@ class Trainer:
         except StopTraining as stop:
             self.progress_bar.close()  # the bar's line ends before the message
             self.accelerator.print(str(stop), file=sys.stderr) if stop.code else self.accelerator.print(str(stop))
+            if stop.agreed:  # every process is here: none leaves while the main one writes the save
+                self.accelerator.wait_for_everyone()
             self.accelerator.end_training()
             return stop.code
         finally:
@@ -658,6 +668,7 @@ class Trainer:
             self.save_intermediate()
         requested = self.interrupt_requested()
         if requested and self.step < self.max_steps:  # (after the last: the final save as usual)
+            self.interrupts.saving = True  # the run ends after this save: a second signal must not cut it
             self.check_finite()
             path = self.saver.lora(self.step, self.epoch)
             folder = self.saver.state(self.optimizer, self.scheduler, self.progress())

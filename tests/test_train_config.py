@@ -527,6 +527,27 @@ def test_resume_refuses_another_schedule_shape_and_takes_older_states(tmp_path):
         load_state(str(state), load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "10"]))
 
 
+@pytest.mark.parametrize("progress, planned", [
+    (None, 8),  # a fresh run: 2 epochs of 4 steps
+    ({"step": 4, "epoch": 0, "batches_done": 4, "batches_per_epoch": 4}, 8),  # at epoch 0's end, the same data
+    ({"step": 2, "epoch": 0, "batches_done": 2, "batches_per_epoch": 4}, 8),  # inside epoch 0
+    ({"step": 4, "epoch": 1, "batches_done": 0, "batches_per_epoch": 4}, 8),  # an epoch save's state
+    ({"step": 3, "epoch": 0, "batches_done": 3, "batches_per_epoch": 3}, 7),  # epoch 0 had 3 batches: 3 + 4
+    ({"step": 3, "epoch": 1, "batches_done": 0, "batches_per_epoch": 3}, 7),
+    ({"step": 9, "epoch": 2, "batches_done": 0, "batches_per_epoch": 3}, 9),  # both epochs done: nothing left
+])
+def test_max_train_epochs_counts_the_resumed_epochs_at_the_length_they_had(tmp_path, progress, planned):
+    """A resume onto longer epochs planned max_train_epochs x the new length from step 0, on top of the steps the
+    resumed run had trained: an extra epoch's worth."""
+    from library.training.config import plan_steps
+
+    args = load_config(["--config_file", write(tmp_path, BASE + "max_train_epochs = 2\n")])
+    assert plan_steps(args, 4, progress) == planned
+    args.gradient_accumulation_steps = 3  # epochs of 2 steps (3 batches, then 1)
+    inside = {"step": 1, "epoch": 0, "batches_done": 3, "batches_per_epoch": 4}
+    assert plan_steps(args, 4, None) == plan_steps(args, 4, inside) == 4
+
+
 @pytest.mark.parametrize("scheduler, refused", [("cosine", True), ("constant", False)])
 def test_resume_with_another_length_is_refused_where_the_schedule_follows_it(tmp_path, scheduler, refused):
     """A cosine run of 10 steps killed at 5 (lr 0.5 x) and resumed with max_train_steps = 20 went on

@@ -175,6 +175,31 @@ def test_a_state_at_an_epochs_end_resumed_on_longer_epochs_starts_the_next_epoch
     assert [r["epoch"] for r in rows] == ["0"] * 4 + ["1"] * 4, [(r["step"], r["epoch"]) for r in rows]
 
 
+def test_max_train_epochs_resumed_on_longer_epochs_ends_after_that_many_epochs(tiny_set, tmp_path, monkeypatch, capsys):
+    """max_train_epochs 2, stopped at the end of epoch 0 (4 steps), resumed on 8-step epochs (num_repeats 2): the
+    resumed run planned 2 x 8 = 16 steps, so it trained 4 steps of a third epoch (epoch 2). It ends with epoch 1 now."""
+    from library.training.diffusion_task import DiffusionTask
+
+    image_dir = load_dataset_config(tiny_set["dataset_config"]).datasets[0].subsets[0].image_dir
+    for repeats in (1, 2):
+        (tmp_path / f"ds{repeats}.toml").write_text(f'[general]\nresolution = 64\nbatch_size = 2\n[[datasets]]\n'
+                                                    f'[[datasets.subsets]]\nimage_dir = "{image_dir}"\nnum_repeats = {repeats}\n')
+    epochs = ["--max_train_epochs", "2", "--sample_prompts", ""]
+    monkeypatch.setattr(DiffusionTask, "after_step",
+                        lambda self, step, out: step == self.batches_per_epoch() and os.kill(os.getpid(), signal.SIGINT))
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, *epochs, "--dataset_config", str(tmp_path / "ds1.toml"))) == 130
+    monkeypatch.setattr(DiffusionTask, "after_step", lambda self, step, out: None)
+    capsys.readouterr()
+    assert train_lora.main(flux_args(tiny_set, out, *epochs, "--dataset_config", str(tmp_path / "ds2.toml"),
+                                     "--resume", str(out / "tiny_flux_lora-state"))) == 0
+    with open(out / "tiny_flux_lora_log.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["epoch"] for r in rows] == ["0"] * 4 + ["1"] * 8, [(r["step"], r["epoch"]) for r in rows]
+    assert ("max_train_epochs = 2: 12 optimizer steps (8 an epoch, 8 of them after the resumed step 4), in place of "
+            "max_train_steps") in capsys.readouterr().out
+
+
 def test_two_ddp_processes_equal_one_process_with_doubled_batch(tiny_set, tmp_path, monkeypatch):
     write_ddp_datasets(tiny_set, tmp_path)
     common = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",
@@ -585,6 +610,50 @@ def test_a_sigterm_to_one_process_stops_every_process_at_that_step_with_the_save
     assert "a signal to another process: saved" in run.stderr + run.stdout, run.stderr[-2000:]
     assert re.search(r"exitcode\s+: 130", run.stderr) and run.returncode == 1, run.stderr[-2000:]  # torchrun's own 1
     assert (out / "tiny_flux_lora-step000002.safetensors").exists() and (out / "tiny_flux_lora-state").is_dir()
+
+
+SLOW_MAIN_SAVE = """
+import os, signal, sys, time
+sys.path.insert(0, os.getcwd())
+from library.models.family import DiffusionFamily
+import train_lora
+
+real, calls, real_save = DiffusionFamily.training_loss, [], train_lora.save_state
+
+
+def signalled(self, *a, **k):  # SIGTERM to the main process at its second batch
+    calls.append(1)
+    if len(calls) == 2 and os.environ["RANK"] == "0":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(self, *a, **k)
+
+
+def slow_save(*a, **k):  # a full-size state takes seconds to write, and a second signal comes meanwhile
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(3)
+    real_save(*a, **k)
+    print(f"state written at {time.time()}", file=sys.stderr, flush=True)
+
+
+DiffusionFamily.training_loss, train_lora.save_state = signalled, slow_save
+code = train_lora.main(sys.argv[1:])
+print(f"rank {os.environ['RANK']} left at {time.time()}", file=sys.stderr, flush=True)
+sys.exit(code)
+"""
+
+
+def test_a_stop_waits_for_the_main_processs_slow_save_and_a_second_signal_does_not_cut_it(tiny_set, tmp_path):
+    """Old: process 1 left (exit 130) as soon as it stopped; torchrun then SIGTERMed the main one, whose save was
+    still being written: KeyboardInterrupt (a second signal), no state. A second Ctrl-C cut it alike. Every process
+    waits for the main one's save now, and a second signal during it does not cut it."""
+    out = tmp_path / "multi"
+    run = two_processes_running(tiny_set, tmp_path, SLOW_MAIN_SAVE, out, "--max_train_steps", "4", "--save_every_n_steps", "0")
+    log = run.stderr + run.stdout
+    assert "SIGTERM: saved" in log and (out / "tiny_flux_lora-state").is_dir(), log[-2000:]
+    written = float(re.search(r"state written at ([\d.]+)", log).group(1))
+    left = float(re.search(r"rank 1 left at ([\d.]+)", log).group(1))
+    assert left >= written, log[-2000:]  # process 1 waited for the save
+    assert re.search(r"exitcode\s+: 130", log) and run.returncode == 1, log[-2000:]
 
 
 def test_each_process_draws_its_own_dropout_masks_and_a_resume_the_same_ones():

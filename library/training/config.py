@@ -618,12 +618,22 @@ DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_e
                   "keep_cache")
 
 
-def plan_steps(args, batches_per_epoch: int) -> int:
+def plan_steps(args, batches_per_epoch: int, resumed: dict | None = None) -> int:
     """The run's optimizer steps: max_train_epochs x the steps of an epoch where it is set (it wins
-    over max_train_steps, as in sd-scripts), else max_train_steps."""
-    if args.max_train_epochs:
-        return args.max_train_epochs * epoch_steps(args, batches_per_epoch)
-    return args.max_train_steps
+    over max_train_steps, as in sd-scripts), else max_train_steps. `resumed`: the progress of the state
+    a resumed run continues; with max_train_epochs the run ends where epoch max_train_epochs would begin,
+    the epochs it trained counted at the length they had (the data may change between epochs)."""
+    if not args.max_train_epochs:
+        return args.max_train_steps
+    per_epoch = epoch_steps(args, batches_per_epoch)
+    if resumed is None:
+        return args.max_train_epochs * per_epoch
+    epoch, done = resumed["epoch"], resumed["batches_done"]
+    if done and done in (resumed.get("batches_per_epoch"), batches_per_epoch):  # written at its epoch's end
+        epoch, done = epoch + 1, 0
+    # (inside an epoch the state's batches per epoch are this run's: state.check_resumed_epoch)
+    left = (args.max_train_epochs - epoch) * per_epoch - math.ceil(done / args.gradient_accumulation_steps)
+    return resumed["step"] + max(0, left)
 
 
 def epoch_steps(args, batches_per_epoch: int) -> int:

@@ -151,7 +151,8 @@ class DiffusionTask:
                               f"validation_split or add [[validation_datasets]]")
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
         self._loader = None  # the DataLoader kept across epochs (persistent_data_loader_workers)
-        check_planned_steps(args, plan_steps(args, self.batches_per_epoch()), args.config_file or "command line")
+        check_planned_steps(args, plan_steps(args, self.batches_per_epoch(), state.progress if state else None),
+                            args.config_file or "command line")
         if state:
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.prompts = self._read_prompts()

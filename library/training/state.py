@@ -126,7 +126,7 @@ def check_resumed_fit(folder: str, progress: dict, args, batches_per_epoch: int,
     """The resumed state against this run's data: the run's length (with max_train_epochs, known from
     the batches), the batches per epoch and the files (Task.data_items). A task calls it as soon as it
     knows its batches, before any slow work (a diffusion task's caching)."""
-    check_resumed_length(folder, progress, plan_steps(args, batches_per_epoch), args)
+    check_resumed_length(folder, progress, plan_steps(args, batches_per_epoch, progress), args)
     check_resumed_epoch(folder, progress, batches_per_epoch)
     check_resumed_data(folder, progress, item_digests(items))
 
