@@ -45,8 +45,8 @@ from networks.lora_reader import leave_out_text_encoders, read_for_model
 
 COMMON_ARGS = {
     "dropout", "rank_dropout", "module_dropout", "include_patterns", "exclude_patterns",
-    "loraplus_lr_ratio", "train_modulation", "dora", "use_dora",
-}
+    "loraplus_lr_ratio", "dora", "use_dora",
+}  # train_modulation: only where the spec has modulation_types (elsewhere it would switch nothing)
 # The network_args that choose which modules train (beside the <type>_dim / in_dims ranks): a LyCORIS
 # network passes them to our selection; a network built from a file's modules (dim_from_weights) has none.
 SELECTION_ARGS = {"train_blocks", "train_modulation", "include_patterns", "exclude_patterns"}
@@ -271,7 +271,8 @@ def check_lora_args(arch: str, args: dict) -> None:
     the config check finds a bad one before caching."""
     spec = lora_targets(arch)
     known = (COMMON_ARGS | set(spec.block_args) | set(spec.extra_args) | set(spec.refused_args)
-             | {f"{t}_dim" for t in list(spec.targets) + list(spec.type_groups)})
+             | {f"{t}_dim" for t in list(spec.targets) + list(spec.type_groups)}
+             | ({"train_modulation"} if spec.modulation_types else set()))
     unknown = sorted(k for k in args if k not in known)
     if unknown:
         raise ValueError(f"network_args: unknown key '{unknown[0]}' for family '{arch}' (known: {', '.join(sorted(known))})")
@@ -359,6 +360,8 @@ def _as_bool(key, value):
 
 
 def _as_patterns(key, value) -> list[re.Pattern]:
+    if value is not None and not isinstance(value, (str, list, tuple)):
+        raise ValueError(f"network_args '{key}': expected a regex or a list of regexes, got {value!r}")
     values = [value] if isinstance(value, str) else list(value or [])
     compiled = []
     for v in values:
@@ -374,8 +377,12 @@ def parse_indices(key, value, count: int | None) -> set[int]:
     (None: the format alone is checked, any index >= 0 taken; 'all' is then empty)."""
     if value is None:
         return set()
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         value = [value]
+    if not isinstance(value, (str, list, tuple)) or (not isinstance(value, str) and not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in value)):
+        raise ValueError(f"network_args '{key}': expected block indices like '0-5,10', 'all', 'none', "
+                         f"an integer or a list of integers, got {value!r}")
     if isinstance(value, str):
         text = value.strip().lower()
         if text == "all":
@@ -388,7 +395,7 @@ def parse_indices(key, value, count: int | None) -> set[int]:
             if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):  # 5-2 would be empty
                 raise ValueError(f"network_args '{key}': bad range {part!r} (expected like '0-5,10', 'all' or 'none')")
             value.extend(range(int(lo), int(hi or lo) + 1))
-    bad = [i for i in value if isinstance(i, bool) or not 0 <= int(i) < (math.inf if count is None else count)]
+    bad = [i for i in value if not 0 <= int(i) < (math.inf if count is None else count)]
     if bad:
         raise ValueError(f"network_args '{key}': index {bad[0]} is out of range, the model has {count} such blocks")
     return {int(i) for i in value}
@@ -439,6 +446,9 @@ class LoRANetwork(nn.Module):
         self.spec = lora_targets(arch)  # the architecture's LoRATargets
         self.arch, self.rank, self.multiplier, self.lora_dtype = arch, int(rank), multiplier, lora_dtype
         self.alpha = float(self.rank if alpha is None or alpha == 0 else alpha)
+        # 0 / None (alpha = rank) reaches each module as such: a module of its own rank (a *_dim or in_dims
+        # network_arg) takes alpha = that rank, scale 1, as sd-scripts and musubi-tuner; not network_dim
+        self._module_alpha = None if alpha is None or alpha == 0 else self.alpha
         self.network_args = dict(network_args or {})
         self._model = [model]  # not a submodule: the network's state_dict holds LoRA tensors only
         self._applied = False
@@ -448,7 +458,7 @@ class LoRANetwork(nn.Module):
         self.dora = _as_bool("dora", args.get("dora", args.get("use_dora", False)))
         selected = self._select(model, args) if select else []
         for path, module, module_rank in selected:
-            self._add(path, module, module_rank, self.alpha)
+            self._add(path, module, module_rank, self._module_alpha)
         _warn_rank_above_width(selected)
         self.eval()
 

@@ -53,6 +53,8 @@ LYCORIS_ARGS = {
 # Algos whose modules (lycoris-lora 4.1.3) never read rank_dropout, though create_network hands it to them; LoKr's
 # bypass forward neither (its weight rebuild does).
 NO_RANK_DROPOUT = ("ia3", "dylora", "tlora", "boft")
+# Algos with a bypass forward (base output + delta(x)), the only LyCORIS forward of theirs that applies `dropout`.
+BYPASS_ALGOS = ("lora", "locon", "loha", "lokr")
 PRESET_ONLY_ARGS = {"conv_dim": "convolution layers", "conv_alpha": "convolution layers",
                     "train_norm": "norm layers"}
 # Their value types: LyCORIS reads them with int() / float() / str_bool (which takes every word but
@@ -134,12 +136,17 @@ def check_lycoris_args(args: dict, arch: str | None = None) -> None:
     if arch is not None:
         check_lora_args(arch, {k: v for k, v in args.items() if k in SELECTION_ARGS})
     algo = str(typed.get("algo", "lora")).lower()
-    lokr_bypass = algo == "lokr" and typed.get("bypass_mode", _default_bypass(typed))
+    bypass = typed.get("bypass_mode", _default_bypass(typed))
+    lokr_bypass = algo == "lokr" and bypass
     if typed.get("rank_dropout") and (algo in NO_RANK_DROPOUT or lokr_bypass):
         where = "LyCORIS' LoKr bypass forward (the default here)" if algo == "lokr" else f"LyCORIS' {algo} module"
         raise ValueError(f"network_args 'rank_dropout' with algo={algo}: {where} never reads it (it would train "
                          f"without rank dropout): " + ("set 'bypass_mode=false', or use " if algo == "lokr" else "use ")
                          + "'dropout' / 'module_dropout'")
+    if typed.get("dropout") and algo in BYPASS_ALGOS and not bypass:  # rebuild: W + delta, no dropout anywhere
+        why = "dora_wd=true needs that forward, so leave dropout out" if typed.get("dora_wd") else "set 'bypass_mode=true' or leave it out"
+        raise ValueError(f"network_args 'dropout' (network_dropout) with algo={algo}: LyCORIS' weight-rebuild forward "
+                         f"(bypass_mode=false) never applies it (it would train without dropout): {why}")
     idle = [k for k, layers in PRESET_ONLY_ARGS.items() if typed.get(k) and "preset" not in args]
     if idle:
         raise ValueError(f"network_args '{idle[0]}' acts on {PRESET_ONLY_ARGS[idle[0]]}, and without a LyCORIS "
@@ -180,7 +187,7 @@ def _default_bypass(lyco_args: dict) -> bool:
     if dora and str_bool(lyco_args.get("bypass_mode", False)):
         raise ValueError("network_args 'bypass_mode=true' with 'dora_wd=true': LyCORIS' bypass forward "
                          "ignores dora_wd (it would train a plain update but save dora_scale)")
-    return not dora and str(lyco_args.get("algo", "lora")).lower() in ("lora", "locon", "loha", "lokr")
+    return not dora and str(lyco_args.get("algo", "lora")).lower() in BYPASS_ALGOS
 
 
 def _target_preset(paths: list[str], te: bool) -> dict:

@@ -329,6 +329,11 @@ def test_qwen_image_and_llm_targets_and_block_indices():
     ({"in_dims": "[1, 0, 0, 0, 2.5]"}, "'in_dims': expected an integer"),
     ({"loraplus_lr_ratio": 0}, "'loraplus_lr_ratio': expected a number > 0"),
     ({"dora": "maybe"}, "'dora': expected true/false"),
+    # raw TypeErrors ('float' object is not iterable) or "the model has None such blocks" before
+    ({"train_double_block_indices": 1.5}, "'train_double_block_indices': expected block indices like '0-5,10'"),
+    ({"train_double_block_indices": True}, "'train_double_block_indices': expected block indices like '0-5,10'"),
+    ({"train_double_block_indices": {1: 2}}, "'train_double_block_indices': expected block indices like '0-5,10'"),
+    ({"include_patterns": 5}, "'include_patterns': expected a regex or a list of regexes, got 5"),
 ])
 def test_bad_network_args_raise_naming_the_key(args, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -345,6 +350,27 @@ def test_network_arg_values_are_checked_without_a_model(args):
 
     with pytest.raises(ValueError, match=f"network_args '{next(iter(args))}'"):
         check_lora_args("flux", args)
+
+
+@pytest.mark.parametrize("arch", ["flux2", "chroma", "krea2", "llm"])
+def test_train_modulation_is_unknown_where_the_family_has_no_modulation_types(arch):
+    """Accepted before on every family, and it switched nothing where the spec has no modulation types."""
+    from networks.lora import check_lora_args
+
+    with pytest.raises(ValueError, match=f"unknown key 'train_modulation' for family '{arch}'"):
+        check_lora_args(arch, {"train_modulation": "true"})
+
+
+def test_alpha_zero_is_each_modules_own_rank_and_survives_a_save(tmp_path):
+    """network_alpha = 0 means alpha = rank per module (sd-scripts, musubi-tuner): a module of its own rank
+    (a *_dim or in_dims network_arg) trains at scale 1, not network_dim / its rank; the file keeps it."""
+    model = StandIn(flux_names(2, 2))
+    net = LoRANetwork(model, "flux", rank=16, alpha=0, network_args={"img_attn_dim": 4, "in_dims": "[2, 0, 0, 0, 0]"})
+    assert {m.rank for m in net.lora_modules()} == {2, 4, 16}
+    assert {(m.rank, float(m.alpha), m.scale) for m in net.lora_modules()} == {(2, 2.0, 1.0), (4, 4.0, 1.0), (16, 16.0, 1.0)}
+    net.save(str(tmp_path / "a.safetensors"))
+    back = LoRANetwork.from_weights(StandIn(flux_names(2, 2)), "flux", str(tmp_path / "a.safetensors"))
+    assert {m.name: m.scale for m in back.lora_modules()} == {m.name: m.scale for m in net.lora_modules()}
 
 
 def test_rank_above_a_layer_width_warns_once_naming_the_layer_and_the_effective_rank():

@@ -97,8 +97,13 @@ def test_lycoris_selection_args_are_checked_for_the_arch_without_a_model():
     # LoKr's bypass forward never reads it: two training forwards were equal (LoHa / LoCon / our LoRA: 1e-2 apart)
     ({**LOKR, "rank_dropout": 0.5}, "LyCORIS' LoKr bypass forward (the default here) never reads it"),
     ({"algo": "ia3", "rank_dropout": 0.5}, "LyCORIS' ia3 module never reads it"),  # as dylora, tlora, boft
+    # LyCORIS' weight-rebuild forward (bypass_mode=false; dora_wd's) never applies dropout: train == eval output
+    ({"algo": "locon", "bypass_mode": False, "dropout": 0.5}, "LyCORIS' weight-rebuild forward (bypass_mode=false) "
+                                                             "never applies it"),
+    ({"algo": "locon", "dora_wd": True, "dropout": 0.5}, "dora_wd=true needs that forward, so leave dropout out"),
+    ({**LOKR, "bypass_mode": False, "dropout": 0.5}, "set 'bypass_mode=true' or leave it out"),
 ], ids=["algo", "factor", "dropout", "use_tucker", "preset", "rank_dropout_scale", "conv_dim", "train_norm", "dropout_range",
-        "lokr_rank_dropout", "ia3_rank_dropout"])
+        "lokr_rank_dropout", "ia3_rank_dropout", "rebuild_dropout", "dora_dropout", "lokr_rebuild_dropout"])
 def test_bad_lycoris_args_name_the_key_the_value_and_what_is_allowed(args, message):
     with pytest.raises(ValueError) as raised:
         LycorisNetwork(tiny_flux(), "flux", 4, network_args=args)
