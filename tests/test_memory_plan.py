@@ -722,8 +722,9 @@ def test_plan_memory_with_its_overrides_reads_no_reference_folder(tmp_path, monk
     monkeypatch.setattr(dataset_config, "load_dataset_config", lambda path: blueprint)
     monkeypatch.setattr(family, "get_family", lambda run: SimpleNamespace(
         name="edit", arch="edit", min_controls=1, max_controls=3, check_model_files=lambda: None, stored_layout=lambda: None))
-    for check in ("check_network_settings", "check_stored_precision"):  # a stub run: no network, no checkpoint
-        monkeypatch.setattr(diffusion_task, check, lambda *args: None)
+    # a stub run: no network, no checkpoint
+    monkeypatch.setattr(diffusion_task, "check_network_settings", lambda *args: None)
+    monkeypatch.setattr(config, "check_stored_precision", lambda *args: None)
 
     def planned(*argv):
         _, _, size, batch, references = plan_memory.what_to_plan(

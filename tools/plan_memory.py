@@ -314,8 +314,8 @@ def what_to_plan(cli) -> tuple:
     from library.data.image_folders import largest_step
     from library.data.dataset_config import load_dataset_config
     from library.models.family import get_family
-    from library.training.config import load_config
-    from library.training.diffusion_task import check_network_settings, check_stored_precision
+    from library.training.config import check_stored_precision, load_config
+    from library.training.diffusion_task import check_network_settings
 
     run = load_config(["--config_file", cli.config_file])
     family = get_family(run)

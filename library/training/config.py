@@ -243,6 +243,17 @@ def base_precision(args) -> str:
     return getattr(args, "base_precision", None) or _fp8_keys_precision(args)
 
 
+def check_stored_precision(args, stored: str | None, path: str | None = None) -> None:
+    """A pre-quantized checkpoint (layout `stored`; None: a high-precision one) is used as it is stored: a
+    ConfigError naming it (`path`, default the config's model) unless the config's base precision says so, the
+    advice in the keys the config used (base_precision, or fp8_base / fp8_scaled). train_lora.py's tasks and
+    tools/plan_memory.py."""
+    from library.precision.stored_layouts import check_config_precision
+
+    check_config_precision(path or args.pretrained_model_name_or_path, stored, base_precision(args),
+                           getattr(args, "base_precision", None) is not None)
+
+
 def _validate_base_precision(args, origins: dict[str, str], where: str) -> None:
     """base_precision and the older fp8_base / fp8_scaled keys must not ask for two different bases.
     Then the fp8 keys are set to match base_precision (so a state saved with either spelling resumes)."""

@@ -31,7 +31,8 @@ from library.models.family import get_family, stack_text, warn_unread_prompt_opt
 from library.data.prompts import SamplePrompt, default_sample_size, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
 from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, check_planned_steps,
-                                     compute_dtype, lora_network_args, network_modules_from, plan_steps)
+                                     check_stored_precision, compute_dtype, lora_network_args, network_modules_from,
+                                     plan_steps)
 from library.training.lora_inputs import check_lora_inputs, check_network_fits, load_network_weights
 from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
@@ -117,15 +118,6 @@ def check_network_settings(args, arch: str) -> None:
         check_network_args(args.network_module, arch, lora_network_args(args))
     except ValueError as e:
         raise ConfigError(f"{args.config_file or 'command line'}: {e}") from None
-
-
-def check_stored_precision(args, stored: str | None) -> None:
-    """A pre-quantized checkpoint (layout `stored`; None: a high-precision one) is used as it is stored: a
-    ConfigError naming it unless the config's base precision says so (train_lora.py and tools/plan_memory.py)."""
-    from library.precision.stored_layouts import check_config_precision
-
-    check_config_precision(args.pretrained_model_name_or_path, stored, base_precision(args),
-                           getattr(args, "base_precision", None) is not None)
 
 
 class DiffusionTask:

@@ -37,8 +37,8 @@ from library.models.llm import (LLM, LLMConfig, _find_config, config_json_path, 
 from library.models.llm_lora_files import nested_path, nests_language_model
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
-from library.training.config import (ConfigError, base_precision, compute_dtype, lora_formats, lora_network_args,
-                                     network_modules_from)
+from library.training.config import (ConfigError, base_precision, check_stored_precision, compute_dtype, lora_formats,
+                                     lora_network_args, network_modules_from)
 from library.training.lora_inputs import check_lora_inputs, check_network_fits, load_network_weights
 from library.training.optim import drop_rows_after
 from library.training.state import SavedState, check_resumed_fit
@@ -237,8 +237,7 @@ class LLMTask:
         from library.io import CheckpointReader
         from library.models.family import fp8_prepare
         from library.models.registry import arch_spec
-        from library.precision.stored_layouts import (check_config_precision, read_stored_layout, stored_converter,
-                                                      widened_layout)
+        from library.precision.stored_layouts import read_stored_layout, stored_converter, widened_layout
 
         reader = CheckpointReader(path)
         stored = None if self.args.pretrain else read_stored_layout(reader, path)
@@ -247,8 +246,7 @@ class LLMTask:
                 self.stored_precision = widened_layout(path, base_precision(self.args))
             return fp8_prepare(base_precision(self.args), "llm")
         self.stored_precision = stored.layout
-        check_config_precision(path, stored.layout, base_precision(self.args),
-                               getattr(self.args, "base_precision", None) is not None)
+        check_stored_precision(self.args, stored.layout, path)
         return lambda model: stored_converter(model, stored, arch_spec("llm").fp8, self.weights_dtype, reader, path)
 
     def _check_context(self, config: LLMConfig):
