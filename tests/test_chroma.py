@@ -566,3 +566,12 @@ def test_t5_tokens_above_512_are_refused_naming_the_key_before_caching(tiny_set,
                         "--dataset_config", tiny_set["dataset_config"], "--output_dir", str(out),
                         "--t5xxl_max_token_length", "1024"])
     assert flux.t5xxl_max_token_length == 1024
+
+
+def test_a_chroma_file_given_as_flux1_names_chroma(tiny_files):
+    from library.models.flux1.checkpoint import load_flux
+
+    with pytest.raises(CheckpointError) as error:
+        load_flux(tiny_files["chroma_bfl"])
+    assert str(error.value) == (f"{tiny_files['chroma_bfl']}: key 'distilled_guidance_layer.in_proj.weight' belongs to "
+                                f"a Chroma transformer, not FLUX.1; set model_type = \"chroma\"")

@@ -195,6 +195,27 @@ def test_a_missing_scale_is_one_and_a_high_precision_linear_in_the_file_is_quant
     assert torch.equal(loaded.single_blocks[0].linear2.weight.view(torch.uint8), q.view(torch.uint8))
 
 
+def test_a_comfy_quant_mixed_file_keeps_its_bf16_linear_as_stored_as_comfyui_does(tmp_path):
+    """ComfyUI's *_fp8mixed files leave some Linears bf16 (no comfy_quant entry): ComfyUI computes with
+    that weight as stored (mixed_precision_ops), so it stays a plain Linear, in the plan too."""
+    model = randomized(Flux(FLUX_CFG), 7)
+    sd = comfy_state_dict(model, "flux", "comfy_quant")
+    kept = "double_blocks.0.img_attn.qkv"
+    sd[f"{kept}.weight"] = model.get_submodule(kept).weight.detach().bfloat16()
+    for suffix in (".weight_scale", ".input_scale", ".comfy_quant"):
+        del sd[kept + suffix]
+    path = write_comfy(sd, tmp_path / "fp8mixed.safetensors", "flux")
+    assert type(load_flux(path, read_weights=False).get_submodule(kept)) is nn.Linear  # the memory planner's model
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.warns(UserWarning, match="fp8 tensors where the model keeps high precision"):
+            loaded = load_flux(path, dtype=dtype)
+        layer = loaded.get_submodule(kept)
+        assert type(layer) is nn.Linear and torch.equal(layer.weight.bfloat16(), sd[f"{kept}.weight"])
+        fp8_layers = [m for m in loaded.modules() if isinstance(m, fp8.FP8Linear)]
+        assert len(fp8_layers) == len(quantized_linears(Flux(FLUX_CFG), "flux")) - 1
+        assert torch.equal(run(realigned(loaded), flux_inputs()), run(reference(Flux, FLUX_CFG, sd, dtype), flux_inputs()))
+
+
 def one_line_refusal(path, load, match: str):
     with pytest.raises(CheckpointError, match=match) as info:
         load(path)

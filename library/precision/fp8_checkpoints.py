@@ -48,6 +48,10 @@ per 128 x 128 block, the Hugging Face "-FP8" releases), which would otherwise re
 that are not one number per tensor; the musubi scales above. Activation scales are dropped: we
 compute in bf16/fp32, as ComfyUI does whenever a LoRA is patched in.
 
+A Linear a comfy_quant file stores in high precision (ComfyUI's "fp8mixed" files: no comfy_quant entry, a
+bf16 weight) stays a plain Linear holding the file's weight in the compute dtype, as ComfyUI's
+mixed_precision_ops computes with it. In the other layouts such a weight is quantized per tensor at load.
+
 An fp8 tensor where our model keeps high precision (the architecture's fp8 keep rules: embedders,
 the final layer; and norms, biases) is widened, with one warning: widening is exact, so the base
 trained on is the very one ComfyUI computes with (ComfyUI casts those codes to the compute dtype the
@@ -57,6 +61,7 @@ same way). An error would make ComfyUI's plain fp8 files, which store everything
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -87,6 +92,10 @@ class Fp8Checkpoint:
     layout: str  # "fp8" | "fp8_scaled" | "fp8_tensor_scaled"
     scale_suffix: str | None  # ".scale_weight" (ComfyUI marker layout, musubi) | ".weight_scale" (comfy_quant)
     prefix: str
+
+    @property
+    def comfy_quant(self) -> bool:
+        return self.scale_suffix == ".weight_scale"
 
     def is_dropped(self, name: str) -> bool:
         """Tensors (named without the prefix) that carry nothing a FP8Linear keeps."""
@@ -231,9 +240,10 @@ class PrequantizedConverter:
     """load_streaming convert hook (model keys, the prefix already stripped) for an fp8 checkpoint
     used as it is: every FP8Linear gets the file's e4m3 codes and scales unchanged (a per-tensor
     scale goes in with its weight: absent means 1.0, as in ComfyUI); a Linear weight the file keeps
-    in high precision is quantized here in the file's layout; fp8 tensors where the model keeps high
-    precision are widened exactly (with their scale), one warning for all; every other floating
-    tensor is cast to `dtype`; markers and activation scales are dropped."""
+    in high precision is quantized here in the file's layout (comfy_quant: it is no FP8Linear but
+    cast to `dtype`, see prequantized_converter); fp8 tensors where the model keeps high precision
+    are widened exactly (with their scale), one warning for all; every other floating tensor is cast
+    to `dtype`; markers and activation scales are dropped."""
 
     def __init__(self, model: nn.Module, info: Fp8Checkpoint, dtype: torch.dtype, reader: CheckpointReader, source: str):
         self.inner, self.info, self.dtype, self.reader = FP8LoadConverter(model, info.layout), info, dtype, reader
@@ -299,8 +309,30 @@ class PrequantizedConverter:
         return {key: tensor.to(self.dtype) if tensor.is_floating_point() else tensor}
 
 
+@dataclass(frozen=True)
+class _StoredKeepRules:
+    """KeepRules: the architecture's, plus the exact names of the Linears the file stores in high precision."""
+
+    keep: tuple[str, ...]
+    modulation: tuple[str, ...]
+
+
+def _high_precision_linears(model: nn.Module, info: Fp8Checkpoint, reader: CheckpointReader) -> list[str]:
+    """The Linears of a comfy_quant file whose weight is not fp8 in the file (from its header): ComfyUI
+    computes with them as stored (mixed_precision_ops: a layer without comfy_quant config is a plain
+    Linear in the compute dtype), so they are never quantized. Other layouts: none."""
+    if not info.comfy_quant:
+        return []
+    weights = {name: info.prefix + name + ".weight" for name, m in model.named_modules() if type(m) is nn.Linear}
+    return [name for name, key in weights.items()
+            if key in reader and reader.dtype_name(key) not in FP8_CHECKPOINT_DTYPES]  # fmt: skip
+
+
 def prequantized_converter(model: nn.Module, info: Fp8Checkpoint, rules: KeepRules, dtype: torch.dtype,
                            reader: CheckpointReader, source: str) -> PrequantizedConverter:
-    """Swap the Linears of the meta `model` that the architecture's `rules` do not keep for FP8Linear
-    of the file's layout; the convert hook."""
+    """Swap the Linears of the meta `model` that the architecture's `rules` do not keep (and a comfy_quant
+    file stores in fp8) for FP8Linear of the file's layout; the convert hook."""
+    as_stored = _high_precision_linears(model, info, reader)
+    if as_stored:
+        rules = _StoredKeepRules((*rules.keep, *map(re.escape, as_stored)), tuple(rules.modulation))
     return PrequantizedConverter(prepare_fp8(model, info.layout, rules), info, dtype, reader, source)

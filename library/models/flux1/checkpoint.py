@@ -324,7 +324,8 @@ def _bfl_prefix(keys: list[str]) -> str | None:
 
 
 def _refuse_other_family(path: str, keys: list[str]):
-    """Qwen-Image shares `img_in.` / `transformer_blocks.` with FLUX names; say which model it is."""
+    """Qwen-Image shares `img_in.` / `transformer_blocks.` with FLUX names, FLUX.2 and Chroma `double_blocks.`;
+    say which model it is."""
     config_json = os.path.join(path, "config.json")
     if os.path.isdir(path) and os.path.isfile(config_json):
         with open(config_json) as f:
@@ -337,6 +338,10 @@ def _refuse_other_family(path: str, keys: list[str]):
     flux2 = next((k for k in keys if "single_stream_modulation." in k or "double_stream_modulation_img." in k), None)
     if flux2 is not None:
         raise CheckpointError(f"{path}: key '{flux2}' belongs to a FLUX.2 transformer, not FLUX.1")
+    chroma = next((k for k in keys if k.endswith("distilled_guidance_layer.in_proj.weight")), None)  # its approximator
+    if chroma is not None:
+        raise CheckpointError(f"{path}: key '{chroma}' belongs to a Chroma transformer, not FLUX.1; set "
+                              f"model_type = \"chroma\"")
 
 
 def load_flux(
