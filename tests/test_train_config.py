@@ -1,8 +1,11 @@
 """The training config schema, optimizer factory and LR tracking (CSV + plot)."""
 
 import csv
+import glob
 import importlib
+import math
 import re
+import warnings
 
 import os
 
@@ -106,6 +109,16 @@ def test_optimizer_args_true_false_none_in_any_case_are_python_values():
     assert parsed == {"safeguard_warmup": False, "decouple": True, "weight_decay": None, "mode": "falsy"}
 
 
+def test_optimizer_args_inf_and_nan_are_floats(tmp_path):
+    """'growth_rate=inf' (Prodigy's own default) stayed the string 'inf': the config check took it and the
+    run died at step 1, after caching, with a TypeError."""
+    parsed = parse_kv_literals(["growth_rate=inf", "low=-INF", "x=NaN"], "optimizer_args", "x")
+    assert parsed["growth_rate"] == math.inf and parsed["low"] == -math.inf and math.isnan(parsed["x"])
+    cfg = write(tmp_path, BASE + 'optimizer_type = "Prodigy"\nlearning_rate = 1.0\noptimizer_args = ["d0=1e-4", "growth_rate=inf"]\n')
+    assert config.optimizer_kwargs(load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])) == {
+        "d0": 1e-4, "growth_rate": math.inf}
+
+
 @pytest.mark.parametrize("args, message", [
     ('optimizer_args = ["betas=0.9"]', "optimizer_args (betas=0.9) do not fit AdamW"),
     ('optimizer_type = "Prodigy"\noptimizer_args = ["d_0=1e-3"]', "optimizer_args (d_0=0.001) do not fit Prodigy"),
@@ -113,6 +126,9 @@ def test_optimizer_args_true_false_none_in_any_case_are_python_values():
     ('optimizer_args = ["betas=(0.9,)"]', "optimizer_args (betas=(0.9,)) do not fit AdamW: tuple index out of range"),
     ('optimizer_args = ["betas=(0.9, 0.99, 0.5)"]', "optimizer_args (betas=(0.9, 0.99, 0.5)) do not fit AdamW: its "
                                                     "first step says: too many values to unpack"),
+    # read only by a step with a gradient: the stand-in's was zero, and Prodigy returns early on one (2026-12)
+    ('optimizer_type = "Prodigy"\nlearning_rate = 1.0\noptimizer_args = ["growth_rate=\'inf\'"]',
+     "optimizer_args (growth_rate='inf') do not fit Prodigy: its first step says: can't multiply sequence"),
 ])
 def test_optimizer_args_the_optimizer_refuses_fail_at_the_config_check(tmp_path, args, message):
     """The old line took them and failed in the Trainer, after caching and loading the models."""
@@ -132,6 +148,44 @@ def test_the_early_optimizer_check_calls_only_optimizer_classes():
     """A module.Class may name any callable (os.system): the config check builds optimizers only."""
     optim.check_optimizer("tests.test_train_config.record_call", 1e-3, {"command": "x"})
     assert importlib.import_module("tests.test_train_config").CALLED == []  # (the module optimizer_class imported)
+
+
+def test_polynomial_at_a_learning_rate_not_above_its_lr_end_is_refused_before_caching(tmp_path):
+    """diffusers' polynomial decays to a fixed lr_end = 1e-7: its ValueError came after caching and loading."""
+    cfg = write(tmp_path, BASE + 'lr_scheduler = "polynomial"\nlearning_rate = 1e-7\n')
+    with pytest.raises(ConfigError, match=r'train\.toml: learning_rate = 1e-07 does not fit lr_scheduler = "polynomial": '
+                                          r"lr_end \(1e-07\) must be smaller than initial lr"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--learning_rate", "1e-6"]).learning_rate == 1e-6
+
+
+@pytest.mark.parametrize("name, bnb_name", [("PagedAdamW32bit", "PagedAdamW32bit"), ("Adam8bit", "Adam8bit"),
+                                            ("rmsprop8bit", "RMSprop8bit"), ("PagedAdEMAMix8bit", "PagedAdEMAMix8bit")])
+def test_any_bitsandbytes_optimizer_class_is_taken(name, bnb_name):
+    """The docs promise any bitsandbytes optimizer; only 7 names were taken (sd-scripts' PagedAdamW32bit refused)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    assert optim.optimizer_class(name) is getattr(bnb.optim, bnb_name)
+    with pytest.raises(ConfigError, match="optimizer_type 'GlobalOptimManager' is unknown"):  # in bnb.optim: no optimizer
+        optim.optimizer_class("GlobalOptimManager")
+    with pytest.raises(ConfigError, match="optimizer_type 'SGD' is unknown"):  # torch.optim's name: not bnb's SGD
+        optim.optimizer_class("SGD")
+
+
+def test_an_adaptive_optimizer_at_adamws_learning_rate_is_warned_before_caching(tmp_path):
+    """Prodigy at the default learning_rate = 1e-4 stepped d * 1e-4, 10,000x smaller than meant, without a word.
+    The shipped Prodigy configs (learning_rate = 1.0) say nothing."""
+    cfg = write(tmp_path, BASE + 'optimizer_type = "Prodigy"\n')
+    with pytest.warns(UserWarning, match=r"train\.toml: learning_rate = 0\.0001 with Prodigy, whose step is d \* "
+                                         r"learning_rate .*: 10,000x smaller than at the usual learning_rate = 1\.0"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    configs = os.path.join(os.path.dirname(__file__), "..", "configs", "*.toml")
+    shipped = [c for c in glob.glob(configs) if 'optimizer_type = "Prodigy"' in open(c).read()]
+    assert len(shipped) >= 6
+    for argv in [["--config_file", cfg, "--learning_rate", "1.0"]] + [["--config_file", c] for c in shipped]:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            load_config(argv + ["--output_dir", str(tmp_path)])
+        assert [str(w.message) for w in said if "learning_rate =" in str(w.message)] == [], argv
 
 
 def test_a_warmup_of_steps_and_a_fraction_is_refused(tmp_path):

@@ -387,7 +387,7 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     args = argparse.Namespace(**values, config_file=cli.config_file)
     where = cli.config_file or "command line"
     validate(args, where, origins)
-    from library.training.optim import check_optimizer, optimizer_class  # here, not at the top: it loads torch
+    from library.training.optim import check_optimizer, check_scheduler, optimizer_class  # here: it loads torch
 
     try:  # the type alone first: its error is the one key's
         optimizer_class(args.optimizer_type)
@@ -396,14 +396,20 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     ratio = lora_network_args(args).get("loraplus_lr_ratio")
     group_lrs = f"network_args 'loraplus_lr_ratio={ratio}'" if ratio not in (None, 1, "1") else None
     try:  # fail now, not after minutes of caching
-        check_optimizer(args.optimizer_type, args.learning_rate, optimizer_kwargs(args), group_lrs)
+        check_optimizer(args.optimizer_type, args.learning_rate, optimizer_kwargs(args), group_lrs,
+                        _blame(origins, where, "learning_rate"))
     except ConfigError as e:
         keys = ("optimizer_type", "optimizer_args") + (("network_args",) if group_lrs else ())
         raise ConfigError(f"{_blame(origins, where, *keys)}: {e}") from None
+    try:
+        check_scheduler(args.lr_scheduler, args.learning_rate, args.lr_scheduler_power)
+    except ConfigError as e:
+        raise ConfigError(f"{_blame(origins, where, 'learning_rate', 'lr_scheduler')}: {e}") from None
     return args
 
 
-_WORD_LITERALS = {"true": True, "false": False, "none": None, "null": None}
+_WORD_LITERALS = {"true": True, "false": False, "none": None, "null": None,
+                   "inf": math.inf, "-inf": -math.inf, "nan": math.nan}  # words ast.literal_eval refuses
 
 
 def parse_kv_literals(items: list[str], key: str, where: str, any_text: bool = False) -> dict[str, Any]:

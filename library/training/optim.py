@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import importlib
 import os
+import warnings
 
 import torch
 
@@ -52,9 +53,27 @@ def optimizer_class(optimizer_type: str):
             return getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
             raise ConfigError(f"optimizer_type '{name}': cannot import {class_name} from {module_name}") from None
-    raise ConfigError(
-        f"optimizer_type '{name}' is unknown (AdamW, AdamW8bit, Prodigy, {', '.join(BNB_OPTIMIZERS[1:])}, or module.Class)"
-    )
+    if found := bnb_optimizer(lower):
+        return found
+    raise ConfigError(f"optimizer_type '{name}' is unknown (AdamW, AdamW8bit, Prodigy, {', '.join(BNB_OPTIMIZERS[1:])}, "
+                      f"another bitsandbytes.optim class, or module.Class)")
+
+
+def bnb_optimizer(lower: str):
+    """The optimizer class bitsandbytes.optim names `lower` in any case (PagedAdamW32bit, RMSprop8bit, ...),
+    or None: none of that name, or no bitsandbytes. Imported only for a name that is not one of ours. A
+    name torch.optim also has (SGD, Adam, RMSprop) is not taken: write torch.optim.SGD or bitsandbytes.optim.SGD."""
+    if any(name.lower() == lower for name in dir(torch.optim)):
+        return None
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return None
+    for name in dir(bnb.optim):  # "adamw" is also a module there: classes only
+        found = getattr(bnb.optim, name)
+        if name.lower() == lower and isinstance(found, type) and issubclass(found, torch.optim.Optimizer):
+            return found
+    return None
 
 
 def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, optimizer_kwargs: dict):
@@ -75,13 +94,15 @@ def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, o
         raise ConfigError(f"optimizer_args ({given}) do not fit {optimizer_type}: {e}") from None
 
 
-def check_optimizer(optimizer_type: str, lr: float, optimizer_kwargs: dict, group_lrs: str | None = None) -> None:
+def check_optimizer(optimizer_type: str, lr: float, optimizer_kwargs: dict, group_lrs: str | None = None,
+                    where: str = "command line") -> None:
     """The optimizer built on one stand-in CPU parameter: an unknown type, a missing package, an
     argument name or value it refuses is a ConfigError now, not after caching and loading. Only a
     torch.optim.Optimizer subclass is called (a module.Class may name any callable, os.system
     included); another failure (one that wants device tensors) is left to the real build.
     group_lrs: the setting that gives the parameter groups different lrs (LoRA+), if any: Prodigy and
-    D-Adaptation apply one lr to all groups (Prodigy raises at the first step)."""
+    D-Adaptation apply one lr to all groups (Prodigy raises at the first step). where: the file or "command
+    line" that set learning_rate, for the warning on an adaptive optimizer's low lr."""
     cls = optimizer_class(optimizer_type)
     if isinstance(cls, type) and not issubclass(cls, torch.optim.Optimizer):  # torch.nn.Linear: after caching and loading
         raise ConfigError(f"optimizer_type {optimizer_type}: a class, but no torch.optim.Optimizer")
@@ -95,7 +116,8 @@ def check_optimizer(optimizer_type: str, lr: float, optimizer_kwargs: dict, grou
     except Exception:  # noqa: BLE001 (not a verdict on the config: the stand-in is on the CPU)
         return
     try:  # values the constructor takes and its step refuses (betas of three: "too many values to unpack")
-        stand_in.grad = torch.zeros_like(stand_in)
+        # A nonzero gradient: on a zero one Prodigy returns before its d update and never reads growth_rate.
+        stand_in.grad = torch.ones_like(stand_in)
         built.step()
     except (TypeError, ValueError, IndexError, KeyError) as e:
         given = ", ".join(f"{k}={v!r}" for k, v in optimizer_kwargs.items())
@@ -105,6 +127,21 @@ def check_optimizer(optimizer_type: str, lr: float, optimizer_kwargs: dict, grou
     if group_lrs and adapts_step_size(built):
         raise ConfigError(f"{group_lrs} gives the parameter groups different learning rates, which {optimizer_type} "
                           f"does not take (it adapts one step size for all); use AdamW (or another optimizer) for it")
+    if lr <= 0.1 and adapts_step_size(built):  # sd-scripts warns the same; the default learning_rate is AdamW's 1e-4
+        warnings.warn(f"{where}: learning_rate = {lr:g} with {optimizer_type}, whose step is d * learning_rate (d: the "
+                      f"step size it adapts): {1 / lr:,.0f}x smaller than at the usual learning_rate = 1.0; set it "
+                      f"around 1.0", stacklevel=2)
+
+
+def check_scheduler(name: str, lr: float, power: float = 1.0) -> None:
+    """The schedule built on a stand-in optimizer at learning_rate: a value it refuses is a ConfigError
+    now, not after caching and loading (diffusers' polynomial decays to a fixed lr_end of 1e-7, which
+    learning_rate must exceed). The step counts are stand-ins: no schedule's check reads them."""
+    stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    try:
+        create_scheduler(stand_in, name, 0, 2, power=power)
+    except ValueError as e:
+        raise ConfigError(f"learning_rate = {lr:g} does not fit lr_scheduler = \"{name}\": {e}") from None
 
 
 def create_scheduler(optimizer, name: str, warmup_steps: int, max_steps: int, num_cycles: int = 1, power: float = 1.0):
