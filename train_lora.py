@@ -44,8 +44,8 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from library.io import CheckpointError, CheckpointReader, recover_folder  # noqa: E402
-from library.training import fsdp, tracking  # noqa: E402
+from library.io import CheckpointError, CheckpointReader  # noqa: E402
+from library.training import fsdp, run_locks, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix, step_ds  # noqa: E402
 from library.training.config import (PRECISION_DTYPES, ConfigError, check_planned_steps, epoch_steps,  # noqa: E402
                                      load_config, lora_network_args, optimizer_kwargs, plan_steps, warmup_steps)
@@ -133,11 +133,11 @@ def check_process_group(accelerator):
 def output_lock(args, accelerator):
     """The run holds <output_dir>/.<output_name>.lock (library/training/run_locks.py), so a second run
     writing the same outputs stops at once."""
-    from library.training.run_locks import held_by_run
+    from library.training.run_locks import held_by_run, lock_file
 
-    lock = os.path.join(args.output_dir, f".{args.output_name}.lock")
-    return held_by_run(lock, accelerator, f"another training is writing output_name '{args.output_name}' in this "
-                                          f"output_dir; let it finish, or choose another output_dir or output_name")
+    return held_by_run(lock_file(args.output_dir, args.output_name), accelerator,
+                       f"another training is writing output_name '{args.output_name}' in this output_dir; let it "
+                       f"finish, or choose another output_dir or output_name")
 
 
 def build_task(args, accelerator, state: SavedState | None = None,
@@ -154,19 +154,18 @@ def build_task(args, accelerator, state: SavedState | None = None,
     return DiffusionTask(args, accelerator, state, held)
 
 
-def lora_metadata(args, task, step: int, max_steps: int, started: float) -> dict:
+def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int, started: float) -> dict:
     from networks.lora_files import build_metadata
 
     facts = task.metadata()
     dim = facts.get("network_dim") or args.network_dim
-    per_epoch = epoch_steps(args, task.batches_per_epoch())
     return build_metadata(
         network_module=args.network_module, network_dim=dim,
         network_alpha=facts.get("network_alpha") or args.network_alpha or float(dim),  # 0: alpha = rank
         network_args=lora_network_args(args),
         base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
         base_precision=facts["base_precision"], fp8_compute=facts.get("fp8_compute"), base_loras=facts.get("base_loras"), mixed_precision=args.mixed_precision, resolution=facts["resolution"],
-        steps=step, max_steps=max_steps, epochs=math.ceil(max_steps / per_epoch), epoch=max(1, math.ceil(step / per_epoch)),
+        steps=step, max_steps=max_steps, epochs=epochs, epoch=epoch,
         batch_size=facts["batch_size"], optimizer=args.optimizer_type
         + (f" ({' '.join(args.optimizer_args)})" if args.optimizer_args else ""),
         lr=args.learning_rate, lr_scheduler=args.lr_scheduler, timestep_sampling=facts["timestep_sampling"],
@@ -235,23 +234,26 @@ class Saver:
     (its state lists them). A save it did not write (another run's, with the same output_name) is
     never deleted."""
 
-    def __init__(self, args, task, accelerator, started: float, max_steps: int, ema: TrainableEMA | None = None,
-                 saves: list[int] | None = None, earlier_emas: dict[str, list[str]] | None = None):
+    def __init__(self, args, task, accelerator, started: float, max_steps: int, epochs: int,
+                 ema: TrainableEMA | None = None, saves: list[int] | None = None,
+                 earlier_emas: dict[str, list[str]] | None = None):
         self.args, self.task, self.accelerator, self.started, self.ema = args, task, accelerator, started, ema
         self.earlier_emas = earlier_emas or {}  # LoRA name -> an earlier run's EMAs of it, removed as it is replaced
         self.max_steps = max_steps  # as planned (max_train_epochs counted in); a Ctrl-C save has trained fewer
+        self.epochs = epochs  # as planned, a resumed run's earlier epochs counted in (planned_epochs)
         self.saves = sorted(saves or [])  # the steps of the intermediate saves this run (and those it resumes) wrote
         # An intermediate save: <name>-stepNNNNNN and <name>-stepNNNNNN_ema, as .safetensors files
         # and/or folders (PEFT adapters, pretrained models).
         self.numbered = re.compile(re.escape(args.output_name) + r"-step(\d+)(_ema)?(\.safetensors)?")
 
     def lora(self, step: int, epoch: int, final: bool = False, prune: bool = True) -> str:
+        """The LoRA of `step`, which falls in `epoch` (from 1: Trainer.save_epoch)."""
         name = self.args.output_name + ("" if final else f"-step{step:06d}")
         path = os.path.join(self.args.output_dir, name + ".safetensors")
         if self.accelerator.is_main_process:
-            metadata = lora_metadata(self.args, self.task, step, self.max_steps, self.started)
+            metadata = lora_metadata(self.args, self.task, step, epoch, self.max_steps, self.epochs, self.started)
             # A task may write a folder (PEFT adapter, pretrained model) and/or the file: it says which.
-            dtype = PRECISION_DTYPES[self.args.save_precision]
+            dtype = PRECISION_DTYPES[{"float": "fp32"}.get(self.args.save_precision, self.args.save_precision)]
             written = self.task.save(path, metadata, dtype) or [path]  # the raw weights, always
             path = written[0]
             if self.ema is not None:
@@ -301,6 +303,14 @@ class Saver:
                 remove_save(old)
 
 
+def planned_epochs(args, batches_per_epoch: int, max_steps: int, step: int, epoch: int, batches_done: int) -> int:
+    """The run's epochs in all (ss_num_epochs, sd-scripts' num_train_epochs): the `epoch` epochs done where
+    it starts (a resumed run's, at the length they had: plan_steps), then those its steps left take at this
+    run's length, counted from the start of the epoch in progress (`batches_done` of it done)."""
+    done = math.ceil(batches_done / args.gradient_accumulation_steps)  # steps of the epoch in progress
+    return epoch + max(1, math.ceil((max_steps - step + done) / epoch_steps(args, batches_per_epoch)))
+
+
 def saves_at(args) -> list[str]:
     """Where a run's intermediate saves are: its output folder (real path) and output_name."""
     return [os.path.realpath(args.output_dir), args.output_name]
@@ -325,7 +335,7 @@ class Trainer:
             fsdp.check_fsdp(accelerator, args)
         torch.manual_seed(args.seed)
         if accelerator.is_main_process:  # this run's output lock is held: what a killed save left is its own
-            for line in recover_folder(os.path.join(args.output_dir, f"{args.output_name}-state")):
+            for line in run_locks.recover_saves(args):
                 accelerator.print(line)
         accelerator.wait_for_everyone()
         # Read and checked before the models load: a damaged or foreign state fails in seconds.
@@ -374,7 +384,14 @@ class Trainer:
         self.logger = LRLogger(os.path.join(args.output_dir, f"{args.output_name}_log.csv"), accelerator,
                                append=bool(args.resume), resumed_step=self.step)
         saves = resumed_saves(state.progress, args) if state else None
-        self.saver = Saver(args, task, accelerator, self.started, self.max_steps, self.ema, saves, earlier)
+        epochs = planned_epochs(args, task.batches_per_epoch(), self.max_steps, self.step, self.epoch,
+                                self.batches_done)
+        self.saver = Saver(args, task, accelerator, self.started, self.max_steps, epochs, self.ema, saves, earlier)
+
+    def save_epoch(self) -> int:
+        """The epoch a save now falls in, from 1 (ss_epoch, sd-scripts' loop counter + 1): the one in
+        progress, or the one that has just ended."""
+        return self.epoch + 1 if self.batches_done else max(1, self.epoch)
 
     def resume(self, folder: str, state: SavedState):
         progress = state.progress
@@ -441,7 +458,7 @@ class Trainer:
             return stop.code
         finally:
             self.progress_bar.close()
-        path = self.saver.lora(self.step, self.epoch, final=True)
+        path = self.saver.lora(self.step, self.save_epoch(), final=True)
         if args.save_state or args.save_state_on_train_end:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
         if self.accelerator.is_main_process:
@@ -474,7 +491,7 @@ class Trainer:
     def save_intermediate(self):
         """A step or epoch save: the LoRA, and with save_state the state to resume from it."""
         self.check_finite()
-        self.saver.lora(self.step, self.epoch)
+        self.saver.lora(self.step, self.save_epoch())
         if self.args.save_state:
             self.saver.state(self.optimizer, self.scheduler, self.progress())
 
@@ -562,7 +579,7 @@ class Trainer:
                 # fp16's grad scaler expects inf gradients (it skips those steps); otherwise the update
                 # would make every weight it touches inf or NaN: stop before it, with weights that were fine.
                 if accelerator.scaler is None and norm is not None and not torch.isfinite(norm):
-                    path = self.saver.lora(self.step, self.epoch, final=True)
+                    path = self.saver.lora(self.step, self.save_epoch(), final=True)
                     raise StopTraining(f"error: the gradient norm is {norm.item()} at step {self.step + 1} (epoch "
                                        f"{self.epoch}), not applied: the LoRA of step {self.step} (its loss was "
                                        f"finite) is saved at {path}", code=3)
@@ -613,7 +630,7 @@ class Trainer:
         lead = f"error: {what} at step {self.step + 1} (epoch {self.epoch}); the" if what else "error: the"
         if what is None or not self.weights_finite():  # (check_finite has just scanned them)
             return f"{lead} LoRA's weights are no longer finite after step {self.step}: not saved; {before}"
-        path = self.saver.lora(self.step, self.epoch, prune=False)
+        path = self.saver.lora(self.step, self.save_epoch(), prune=False)
         return (f"{lead} LoRA of step {self.step} gave it (its weights are finite: check it before use) and "
                 f"is saved at {path}; {before}")
 
@@ -670,7 +687,7 @@ class Trainer:
         if requested and self.step < self.max_steps:  # (after the last: the final save as usual)
             self.interrupts.saving = True  # the run ends after this save: a second signal must not cut it
             self.check_finite()
-            path = self.saver.lora(self.step, self.epoch)
+            path = self.saver.lora(self.step, self.save_epoch())
             folder = self.saver.state(self.optimizer, self.scheduler, self.progress())
             raise StopTraining(f"{requested}: saved {path} and state {folder} at step {self.step}; "
                                f"continue with --resume {folder}", code=130)

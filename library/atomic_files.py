@@ -74,11 +74,27 @@ def atomic_path(path: str):
                 os.remove(tmp)
 
 
+# The names tempfile gives atomic_path's and atomic_folder's temporaries: "." + the target's name + "." +
+# 8 random [a-z0-9_] + ".tmp" (".old": a folder atomic_folder moved aside). Read back by these helpers alone.
+LEFT_BEHIND = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.(tmp|old)")
+
+
 def atomic_target(name: str) -> str | None:
     """The file name an atomic_path temporary named `name` (`.<name>.<random>.tmp`) was written for;
     None where `name` is no such temporary."""
-    match = re.fullmatch(r"\.(.+)\.[a-z0-9_]+\.tmp", name)
-    return match.group(1) if match else None
+    match = LEFT_BEHIND.fullmatch(name)
+    return match.group(1) if match and match.group(2) == "tmp" else None
+
+
+def left_behind(folder: str, is_target) -> dict[str, list[str]]:
+    """What atomic_path / atomic_folder made in `folder` (temporaries, folders moved aside) for the target
+    names `is_target(name)` accepts: target name -> those entries' names. All dead where nothing else
+    writes those names (a run holding its output lock)."""
+    found: dict[str, list[str]] = {}
+    for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if (match := LEFT_BEHIND.fullmatch(entry)) and is_target(match.group(1)):
+            found.setdefault(match.group(1), []).append(entry)
+    return found
 
 
 @contextlib.contextmanager
@@ -112,12 +128,11 @@ def recover_folder(path: str) -> list[str]:
     vanished from where --resume looks), the temporaries removed. Only where nothing else writes `path`
     (a run holding its output lock). Returns one line per folder put back."""
     folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
-    left = re.compile(rf"\.{re.escape(name)}\.[a-z0-9_]+\.(tmp|old)")
     said = []
-    for entry in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if not (match := left.fullmatch(entry)) or not os.path.isdir(hidden := os.path.join(folder, entry)):
+    for entry in left_behind(folder, name.__eq__).get(name, []):
+        if not os.path.isdir(hidden := os.path.join(folder, entry)):
             continue
-        if match.group(1) == "old" and os.path.isdir(os.path.join(hidden, "folder")) and not os.path.exists(path):
+        if entry.endswith(".old") and os.path.isdir(os.path.join(hidden, "folder")) and not os.path.exists(path):
             os.replace(os.path.join(hidden, "folder"), path)
             said.append(f"{path}: put back from {hidden} (a save was killed while it replaced this folder)")
         shutil.rmtree(hidden)

@@ -747,9 +747,11 @@ def dim_and_alpha(ranks, alphas) -> tuple[str, str]:
 
 
 def _strip_paths(value):
-    """Absolute paths -> basenames (a LoRA header must not leak the trainer's file system)."""
+    """Paths -> basenames (a LoRA header must not leak the trainer's file system): absolute ones, and
+    relative ones that exist (sd-scripts' ss_sd_model_name); a hub id ('org/model') is no path here."""
     if isinstance(value, str):
-        return os.path.basename(value.rstrip("/\\")) if os.path.isabs(value) else value
+        is_path = os.path.isabs(value) or (("/" in value or os.sep in value) and os.path.exists(value))
+        return os.path.basename(value.rstrip("/\\")) if is_path else value
     if isinstance(value, dict):
         return {k: _strip_paths(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -759,7 +761,7 @@ def _strip_paths(value):
 
 def build_metadata(**fields) -> dict[str, str]:
     """Training facts -> safetensors header (all strings; dicts/lists as json; None dropped;
-    absolute paths reduced to basenames). Fields are the keys of METADATA_KEYS; `sshs_model_hash`
+    paths reduced to basenames: _strip_paths). Fields are the keys of METADATA_KEYS; `sshs_model_hash`
     is added by the writers, over the tensors actually written."""
     unknown = [k for k in fields if k not in METADATA_KEYS]
     if unknown:

@@ -285,7 +285,7 @@ def test_cache_files_no_entry_uses_are_removed_and_a_users_files_survive(tmp_pat
     _, printed = fill_caches(tmp_path, family, [SamplePrompt("a cat")], resolution=32)
     first = sorted(set(os.listdir(img)) - set(users))
     assert len(first) == 3 * 2 + 2 and not any("caches:" in line for line in printed)  # + the prompt and its negative
-    left = [img / f".a_fresh_0123456789_abcdef01_0000000{k}_te.safetensors.ab_{k}.tmp" for k in range(2)]
+    left = [img / f".a_fresh_0123456789_abcdef01_0000000{k}_te.safetensors.ab_{k}cdef.tmp" for k in range(2)]
     for path, age in zip(left, (7200, 60)):  # a killed run's, and one being written now
         path.write_bytes(b"\0" * 100)
         os.utime(path, (path.stat().st_mtime - age,) * 2)

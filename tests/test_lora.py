@@ -555,6 +555,22 @@ def test_build_metadata_is_all_strings_without_absolute_paths():
         lf.build_metadata(lr_warmup=3)
 
 
+def test_build_metadata_cuts_a_relative_model_path_to_its_name_and_keeps_a_hub_id(tmp_path, monkeypatch):
+    """ss_sd_model_name held a relative pretrained_model_name_or_path whole ('learned/flux/...', '../x/...'):
+    only absolute paths were cut. sd-scripts writes the basename of any path that exists; a hub id stays."""
+    (tmp_path / "models" / "flux").mkdir(parents=True)
+    (tmp_path / "models" / "flux" / "flux1-tiny.safetensors").write_bytes(b"")
+    monkeypatch.chdir(tmp_path / "models")
+    for given in ("flux/flux1-tiny.safetensors", "../models/flux/flux1-tiny.safetensors", "flux/"):
+        expected = "flux" if given == "flux/" else "flux1-tiny.safetensors"
+        assert lf.build_metadata(base_model=given)["ss_sd_model_name"] == expected, given
+    for kept in ("black-forest-labs/FLUX.1-dev", "flux1-dev.safetensors"):
+        assert lf.build_metadata(base_model=kept)["ss_sd_model_name"] == kept
+    meta = lf.build_metadata(network_args=["train_blocks=single", "flux"], optimizer="AdamW (betas=0.9,0.99)")
+    assert (json.loads(meta["ss_network_args"]), meta["ss_optimizer"]) == (["train_blocks=single", "flux"],
+                                                                             "AdamW (betas=0.9,0.99)")
+
+
 # ----------------------------------------------------------------------------------------------
 # fp8-like base and real tiny models
 

@@ -109,7 +109,7 @@ def header_of_run(task_facts: dict, **args) -> dict:
                               "gradient_accumulation_steps": 1, **args})
     facts = {"base_model_version": "flux1", "base_precision": "bf16", "resolution": "64x64", "batch_size": 1,
              "timestep_sampling": "flux_shift", "dataset": [], **task_facts}
-    return lora_metadata(args, SimpleNamespace(metadata=lambda: facts, batches_per_epoch=lambda: 1), 1, 1, 0.0)
+    return lora_metadata(args, SimpleNamespace(metadata=lambda: facts, batches_per_epoch=lambda: 1), 1, 1, 1, 1, 0.0)
 
 
 def test_the_header_after_network_weights_rebuilt_a_module_says_the_ranks_the_file_holds(flux_loras):

@@ -8,6 +8,7 @@ error table on toy models (tests/test_merge_convert.py); crash safety of saves
 (tests/test_crash_safety.py).
 """
 
+import argparse
 import json
 import os
 import shutil
@@ -462,14 +463,46 @@ def test_a_state_a_killed_save_left_moved_aside_is_put_back_and_resumes(trained,
     (out / ".tiny_flux_lora-state.q1w2e3r4.tmp").mkdir()
     (out / ".tiny_flux_lora-state.q1w2e3r4.tmp" / "optimizer.pt").write_bytes(b"half")
     (out / ".other-state.a1b2c3d4.tmp").mkdir()  # another output_name's (its run may be writing it): left alone
+    (out / ".tiny_flux_lora.safetensors._4zf69x5.tmp").write_bytes(b"half a LoRA")  # a final save killed mid-write
     capsys.readouterr()
     state = out / "tiny_flux_lora-state"
     assert train_lora.main(flux_args(tiny_set, out, "--save_state", "true", "--network_dim", "8", "--max_train_steps", "2",
                                      "--resume", str(state))) == 0
-    assert f"{state}: put back from {hidden}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"{state}: put back from {hidden}" in printed
+    assert f"removed what a killed save left in {out}: .tiny_flux_lora.safetensors._4zf69x5.tmp\n" in printed, printed
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".other-state.a1b2c3d4.tmp"]
     with open(state / "train_state.json") as f:
         assert json.load(f)["step"] == 2
+
+
+def test_a_run_removes_the_temporaries_killed_saves_left_for_its_output_name_only(tmp_path):
+    """A save killed mid-write (SIGKILL) left its hidden temporary (half the LoRA) that no later run removed.
+    Under its output lock a run removes those of its own saves (LoRA files, step saves, EMAs, PEFT / model
+    folders, log, lr plot) and puts back a folder save moved aside; another output_name's, or one another
+    output_name's running save may own (output_name 'x_ema' writes x_ema.safetensors), and any other name stay."""
+    out = tmp_path / "out"
+    out.mkdir()
+    ours = [".x.safetensors._4zf69x5.tmp", ".x-step000004_ema.safetensors.ab_12cd3.tmp", ".x_log.csv.q1w2e3r4.tmp",
+            ".x_lr.png.zz9yy8xx.tmp"]
+    for name in ours + [".y.safetensors._4zf69x5.tmp", ".x-step000004_ema.safetensors.k9k9k9k9.part",
+                        ".x.safetensors.tmp", "x.safetensors", ".y_ema.safetensors.a1b2c3d4.tmp", ".x2_ema.lock"]:
+        (out / name).write_bytes(b"half")
+    (out / ".x2_ema.safetensors.a1b2c3d4.tmp").write_bytes(b"half")  # output_name x2_ema's save, its lock held
+    (out / ".x-step000002.r5t6y7u8.tmp").mkdir()  # a PEFT adapter folder being written
+    (out / ".x.m1n2b3v4.old" / "folder").mkdir(parents=True)  # the adapter folder, moved aside, never replaced
+    (out / ".x.m1n2b3v4.old" / "folder" / "adapter_config.json").write_text("{}")
+    args = argparse.Namespace(output_dir=str(out), output_name="x")
+    from library.training import run_locks
+
+    lines = run_locks.recover_saves(args)
+    assert sorted(os.listdir(out)) == sorted([".y.safetensors._4zf69x5.tmp", ".x-step000004_ema.safetensors.k9k9k9k9.part",
+                                              ".x.safetensors.tmp", "x.safetensors", ".y_ema.safetensors.a1b2c3d4.tmp",
+                                              ".x2_ema.lock", ".x2_ema.safetensors.a1b2c3d4.tmp", "x"])
+    assert (out / "x" / "adapter_config.json").read_text() == "{}"
+    assert lines[0] == f"{out / 'x'}: put back from {out / '.x.m1n2b3v4.old'} (a save was killed while it replaced this folder)"
+    assert lines[1].startswith(f"removed what a killed save left in {out}: ") and len(lines) == 2, lines
+    assert sorted(lines[1].split(": ")[1].split(", ")) == sorted(ours + [".x-step000002.r5t6y7u8.tmp", ".x.m1n2b3v4.old"])
 
 
 def truncate_optimizer(state) -> str:

@@ -200,6 +200,50 @@ def test_max_train_epochs_resumed_on_longer_epochs_ends_after_that_many_epochs(t
             "max_train_steps") in capsys.readouterr().out
 
 
+def test_a_resumed_run_on_longer_epochs_writes_its_epoch_counts_in_the_header(tiny_set, tmp_path):
+    """2 epochs of 2 steps, resumed at that end on 4-step epochs (num_repeats 2) with max_train_epochs 3: the
+    header's ss_epoch / ss_num_epochs were step / 4 rounded up (2 and 2), as if every epoch had had 4 steps;
+    the run's own count is 3 (and 3 planned), for the step-6 save inside epoch 3 and for the final one."""
+    image_dir = load_dataset_config(tiny_set["dataset_config"]).datasets[0].subsets[0].image_dir
+    for repeats in (1, 2):
+        (tmp_path / f"ds{repeats}.toml").write_text(f'[general]\nresolution = 64\nbatch_size = 4\n[[datasets]]\n'
+                                                    f'[[datasets.subsets]]\nimage_dir = "{image_dir}"\nnum_repeats = {repeats}\n')
+    out, run = tmp_path / "run", ["--sample_prompts", "", "--save_state", "true"]
+    assert train_lora.main(flux_args(tiny_set, out, *run, "--max_train_epochs", "2",
+                                     "--dataset_config", str(tmp_path / "ds1.toml"))) == 0
+    assert train_lora.main(flux_args(tiny_set, out, *run, "--max_train_epochs", "3", "--save_every_n_steps", "2",
+                                     "--dataset_config", str(tmp_path / "ds2.toml"),
+                                     "--resume", str(out / "tiny_flux_lora-state"))) == 0
+    for name, steps in (("tiny_flux_lora-step000006", "6"), ("tiny_flux_lora", "8")):
+        with safe_open(str(out / f"{name}.safetensors"), "pt") as f:
+            meta = f.metadata()
+        assert (meta["ss_steps"], meta["ss_epoch"], meta["ss_num_epochs"]) == (steps, "3", "3"), (name, meta)
+
+
+def test_save_precision_float_is_sd_scripts_name_for_fp32(tiny_set, tmp_path):
+    """sd-scripts' save_precision choices are float / fp16 / bf16: a migrated config's "float" was refused
+    (key 'save_precision' must be one of fp32, bf16, fp16). It saves float32 tensors now."""
+    from types import SimpleNamespace
+
+    from library.training.config import load_config
+
+    class Task:  # what Saver.lora asks of a task; save records the dtype it is given
+        def metadata(self):
+            return {"base_model_version": "flux1", "base_precision": "bf16", "resolution": "64x64", "batch_size": 2,
+                    "timestep_sampling": "shift", "dataset": []}
+
+        def batches_per_epoch(self):
+            return 4
+
+        def save(self, path, metadata, dtype):
+            saved.append(dtype)
+
+    saved = []
+    args = load_config(flux_args(tiny_set, tmp_path / "run", "--save_precision", "float"))
+    train_lora.Saver(args, Task(), SimpleNamespace(is_main_process=True), 0.0, 1, 1).lora(1, 1, final=True)
+    assert saved == [torch.float32]
+
+
 def test_two_ddp_processes_equal_one_process_with_doubled_batch(tiny_set, tmp_path, monkeypatch):
     write_ddp_datasets(tiny_set, tmp_path)
     common = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",

@@ -65,7 +65,7 @@ SCHEMA: dict[str, Arg] = {
     # output
     "output_dir": A(str, "output", "where the LoRA, logs, samples and states go"),
     "output_name": A(str, "lora", "file stem of the saved LoRA"),
-    "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors", PRECISION_NAMES),
+    "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors (float: sd-scripts' fp32)", (*PRECISION_NAMES, "float")),
     "save_format": A(str, "auto", "LoRA layout: auto (llm: peft, diffusion families: kohya), kohya (one .safetensors), "
                                   "peft (llm: PEFT adapter folder <output_name>/), peft+kohya (both)",
                      ("auto", "kohya", "peft", "peft+kohya")),

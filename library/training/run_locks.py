@@ -8,8 +8,10 @@ held shared instead, by the main process alone: DiffusionTask._hold_cache_folder
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 
-from library.io import LockedError, held_lock
+from library.io import LockedError, held_lock, left_behind, recover_folder
 
 
 @contextlib.contextmanager
@@ -30,3 +32,34 @@ def held_by_run(path: str, accelerator, advice: str):
         if refusal is not None:
             raise LockedError(refusal)
         yield
+
+
+def lock_file(output_dir: str, output_name: str) -> str:
+    return os.path.join(output_dir, f".{output_name}.lock")
+
+
+def recover_saves(args) -> list[str]:
+    """Set right what a save killed mid-write (SIGKILL, a power cut) left for this output_name; only under
+    the run's output lock (nothing else writes these names). The state folder is put back (recover_folder);
+    the hidden temporaries atomic_path / atomic_folder made for the LoRA files, PEFT adapter and model
+    folders, EMAs, log and lr plot are removed (a folder save moved aside is put back). Returns the lines to say."""
+    lines = recover_folder(os.path.join(args.output_dir, f"{args.output_name}-state"))
+    ours = re.compile(re.escape(args.output_name) + r"((-step\d+)?(_ema)?(\.safetensors)?|_log\.csv|_lr\.png)")
+    left = left_behind(args.output_dir, lambda name: ours.fullmatch(name) and not locked_by_another_run(args, name))
+    for target, entries in left.items():
+        lines += recover_folder(os.path.join(args.output_dir, target))  # a folder save's
+        for entry in entries:
+            if os.path.isfile(path := os.path.join(args.output_dir, entry)):
+                os.remove(path)
+    if left:
+        removed = [entry for entries in left.values() for entry in entries]
+        lines.append(f"removed what a killed save left in {args.output_dir}: {', '.join(removed)}")
+    return lines
+
+
+def locked_by_another_run(args, name: str) -> bool:
+    """Whether `name` may be the save of another output_name whose run holds its lock in output_dir now:
+    output_name 'a_ema' writes a_ema.safetensors as 'a' writes its EMA ('a-step000010' alike)."""
+    stem = name.removesuffix(".safetensors")
+    owners = {stem, stem.removesuffix("_ema"), re.sub(r"-step\d+$", "", stem.removesuffix("_ema"))} - {args.output_name}
+    return any(os.path.exists(lock_file(args.output_dir, owner)) for owner in owners)
