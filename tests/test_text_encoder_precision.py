@@ -1,9 +1,15 @@
 """text_encoder_precision: the caption encoders load straight into bf16 / fp16 / fp32 / fp8, their
-embeddings stay close to fp32, batches equal one-by-one encoding, and the cache key follows it."""
+embeddings stay close to fp32, batches equal one-by-one encoding, and the cache key follows it.
+ComfyUI's scaled fp8 encoder files load (as stored at fp8, dequantized otherwise) and encode as ComfyUI does."""
+
+import os
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from library.io import CheckpointError
 from library.models.flux1.family import FluxFamily
 from library.models.qwen_image.family import QwenImageFamily
 from library.models.qwen_image.text_encoder import load_qwen_image_text_encoder
@@ -83,3 +89,73 @@ def test_a_wrong_precision_is_one_clear_error(tiny_set, tmp_path, capsys):
     assert train_lora.main(flux_args(tiny_set, tmp_path, "--text_encoder_precision", "int4")) == 2
     err = capsys.readouterr().err.strip()
     assert "text_encoder_precision" in err and "int4" in err and len(err.splitlines()) == 1
+
+
+def comfy_scaled_fp8(folder: str, out, linear) -> dict[str, torch.Tensor]:
+    """ComfyUI's scaled fp8 encoder file (`scaled_fp8` marker; e4m3 codes, a float32 0-dim `scale_weight`
+    and `scale_input` beside each Linear `linear(key)` picks) written to `out`, and the twins holding
+    what ComfyUI computes with: codes.to(dtype) * scale.to(dtype) in fp32 and in bf16. Returns the file's tensors."""
+    source = load_file(os.path.join(folder, "model.safetensors"))
+    stored, twins = {"scaled_fp8": torch.empty(2, dtype=torch.float8_e4m3fn)}, {torch.float32: {}, torch.bfloat16: {}}
+    for key, w in source.items():
+        stored[key] = w
+        if linear(key):
+            scale = w.abs().amax().float() / 448.0 * 1.5  # non-trivial: the codes do not reach 448
+            stored[key] = (w / scale).to(torch.float8_e4m3fn)
+            stored[key[: -len("weight")] + "scale_weight"], stored[key[: -len("weight")] + "scale_input"] = scale, torch.ones(())
+        for dtype, twin in twins.items():
+            twin[key] = stored[key].to(dtype) * scale.to(dtype) if linear(key) else w.to(dtype)
+    os.makedirs(out, exist_ok=True)
+    shutil.copy(os.path.join(folder, "config.json"), out)
+    save_file(stored, os.path.join(out, "encoder_fp8_scaled.safetensors"))
+    for dtype, twin in twins.items():
+        save_file(twin, os.path.join(out, f"twin_{str(dtype)[6:]}.safetensors"))
+    return stored
+
+
+def assert_codes_kept(model, stored: dict, expected: int) -> None:
+    """Every FP8Linear holds the file's codes bit for bit and its scale: per tensor, as stored."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+    assert len(layers) == expected and {m.mode for m in layers.values()} == {"fp8_tensor_scaled"}
+    for name, m in layers.items():
+        assert torch.equal(m.weight.view(torch.uint8), stored[f"{name}.weight"].view(torch.uint8))
+        assert torch.equal(m.weight_scale, stored[f"{name}.scale_weight"])
+
+
+def test_comfyuis_scaled_fp8_t5_encodes_as_its_dequantized_twin(tiny_set, tmp_path):
+    """t5xxl_fp8_e4m3fn_scaled: at fp32 dequantized while loading, at fp8 kept as stored (wo dequantized to
+    bf16); both encode exactly as the twin file of ComfyUI's dequantized weights (max |diff| 0)."""
+    linears = tuple(f".{name}.weight" for name in ("q", "k", "v", "o", "wi_0", "wi_1", "wo"))
+    stored = comfy_scaled_fp8(tiny_set["t5xxl"], tmp_path, lambda key: key.endswith(linears))
+    load = lambda name, **kw: load_t5(str(tmp_path / name), tokenizer=tiny_set["t5xxl"], **kw)  # noqa: E731
+    for kw, twin in (({}, "twin_float32"), ({"dtype": torch.bfloat16, "fp8": "fp8_scaled"}, "twin_bfloat16")):
+        t5 = load("encoder_fp8_scaled.safetensors", **kw)
+        reference = load(f"{twin}.safetensors", dtype=kw.get("dtype", torch.float32))
+        diff = (t5.encode(CAPTIONS, 16) - reference.encode(CAPTIONS, 16)).abs().max().item()
+        assert diff == 0, (kw, diff)
+    layers = dict(t5.model.named_modules())
+    wo = layers["encoder.block.0.layer.1.DenseReluDense.wo"]  # kept bf16 (T5_FP8): transformers casts wo's input to it
+    assert type(wo) is torch.nn.Linear and wo.weight.dtype == torch.bfloat16
+    assert_codes_kept(t5.model, stored, expected=2 * 6)
+
+
+def test_comfyuis_scaled_fp8_qwen_encoder_encodes_as_its_dequantized_twin(tiny_set, tmp_path):
+    """qwen_2.5_vl_7b_fp8_scaled (ComfyUI's `model.layers.*` names): at fp32 dequantized while loading, at fp8
+    kept as stored; both encode exactly as the twin of ComfyUI's dequantized weights (max |diff| 0). The same
+    layout under names the loader renames is refused naming the key (its scales would be read as 1.0)."""
+    folder = tiny_set["qwen_image_text_encoder"]
+    tokenizer = os.path.join(os.path.dirname(folder), "tokenizer")
+    stored = comfy_scaled_fp8(folder, tmp_path, lambda key: key.startswith("model.layers.") and key.endswith("proj.weight"))
+    load = lambda name, **kw: load_qwen_image_text_encoder(str(tmp_path / name), tokenizer=tokenizer, **kw)  # noqa: E731
+    for kw, twin in (({}, "twin_float32"), ({"dtype": torch.bfloat16, "fp8": "fp8"}, "twin_bfloat16")):
+        encoder = load("encoder_fp8_scaled.safetensors", **kw)
+        reference = load(f"{twin}.safetensors", dtype=kw.get("dtype", torch.float32))
+        (got, mask), (want, want_mask) = encoder.encode(CAPTIONS), reference.encode(CAPTIONS)
+        diff = (got - want).abs().max().item()
+        assert diff == 0 and torch.equal(mask, want_mask), (kw, diff)
+    assert_codes_kept(encoder.llm, stored, expected=sum(k.endswith(".scale_weight") for k in stored))  # every one
+    hf_names = {k.replace("model.", "model.language_model.", 1): v for k, v in stored.items()}  # transformers >= 4.52
+    save_file(hf_names, tmp_path / "hf_names.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model.language_model.layers.0.mlp.down_proj.scale_weight' would load as "
+                                              r"'model.layers.0.mlp.down_proj.scale_weight'"):
+        load("hf_names.safetensors", fp8="fp8")

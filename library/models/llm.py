@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 from library.models import core
 from library.models.llm_rope import RopeScaling
+from library.models.llm_spec import FP8 as LLM_FP8
+from library.precision.fp8_checkpoints import scaled_fp8_converter
 from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors, write_text
 
 # ----------------------------------------------------------------------------------------------
@@ -590,6 +592,10 @@ def load_llm(
         FP8Linear and quantizes each weight as it is read).
     keep_layers: load only the first keep_layers decoder layers, no lm_head (their tensors are
         skipped): for text encoders that read intermediate hidden states (LLM.truncate_for_hidden_states).
+    ComfyUI's scaled fp8 file (qwen_2.5_vl_7b_fp8_scaled) is never quantized again: `prepare` is not
+    run; with one (a quantized base asked for) its Linears keep their codes and per-tensor scales, as
+    the llm spec's fp8 rules place them; without, every fp8 weight is dequantized to dtype
+    (fp8_checkpoints.scaled_fp8_converter).
     Missing or unexpected keys raise CheckpointError. Returned in eval mode.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -601,10 +607,11 @@ def load_llm(
     if keep_layers is not None:
         model.truncate_for_hidden_states(keep_layers)
         rename = lambda k: _kept_layer_key(checkpoint_key_to_llm(k, True), keep_layers)  # noqa: E731
-    hook = prepare(model) if prepare is not None else None
+    reader = CheckpointReader(path)
+    stored = scaled_fp8_converter(model, reader, path, LLM_FP8 if prepare is not None else None, dtype, rename)
+    hook = stored or (prepare(model) if prepare is not None else None)
     if callable(hook) and not isinstance(hook, nn.Module):  # prepare may return the converter (as for a transformer)
         convert = hook
-    reader = CheckpointReader(path)
     load_streaming(model, reader, rename, dtype=dtype, convert=convert)
     model.compute_dtype = dtype
     return model.eval()

@@ -199,18 +199,26 @@ def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.
     """T5 encoder from an HF folder, a diffusers pipeline repo (text_encoder_2/, tokenizer_2/) or
     t5xxl_*.safetensors. In float16 the feed-forward output projections (`wo`) stay float32, as
     transformers keeps them (T5 activations overflow fp16 there). fp8 ("fp8" / "fp8_scaled"): every
-    Linear stored as FP8Linear, quantized from the file's dtype as it is read, run in `dtype`."""
+    Linear stored as FP8Linear, quantized from the file's dtype as it is read, run in `dtype`.
+    ComfyUI's scaled fp8 file (t5xxl_fp8_e4m3fn_scaled) is never quantized again: with fp8 (either) its
+    Linears keep their codes and per-tensor scales, without it they are dequantized to `dtype`; `wo`
+    is dequantized either way (fp8_checkpoints.scaled_fp8_converter)."""
+    from library.precision.fp8_checkpoints import scaled_fp8_converter
+
     path = component_folder(path, "text_encoder_2")
     cfg = T5Config(**_read_config(path, config, T5_XXL_CONFIG))
     with init_empty_weights():
         model = T5EncoderModel(cfg)
+    reader = CheckpointReader(path)
+    stored = scaled_fp8_converter(model, reader, path, T5_FP8 if fp8 else None, dtype, rename=_t5_key)
     fp16 = dtype == torch.float16
-    convert = _Chain(_tie_t5, _wo_in_float32) if fp16 else _tie_t5
-    if fp8:
+    convert = _tie_t5 if stored is None else _Chain(_tie_t5, stored)
+    convert = _Chain(convert, _wo_in_float32) if fp16 else convert
+    if fp8 and stored is None:
         from library.precision.fp8 import fp8_load_converter, prepare_fp8
 
         convert = _Chain(convert, fp8_load_converter(prepare_fp8(model, fp8, T5_FP8)))  # (`wo` is never fp8)
-    load_streaming(model, CheckpointReader(path), _t5_key, dtype=dtype, convert=convert,
+    load_streaming(model, reader, _t5_key, dtype=dtype, convert=convert,
                    keep_dtype=(lambda name: ".wo." in name) if fp16 else (lambda name: False))
     return T5TextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer_2"))
 
@@ -222,11 +230,13 @@ def _wo_in_float32(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 class _Chain:
-    """Two load_streaming convert hooks, one after the other (keep_dtype from the second)."""
+    """Two load_streaming convert hooks, one after the other; a tensor either wants in the file's dtype
+    comes so (a scaled fp8 file's codes must reach their scale before a later hook)."""
 
     def __init__(self, first, second):
         self.first, self.second = first, second
-        self.keep_dtype = getattr(second, "keep_dtype", lambda name: False)
+        keeps = [getattr(hook, "keep_dtype", lambda name: False) for hook in (first, second)]
+        self.keep_dtype = lambda name: keeps[0](name) or keeps[1](name)
 
     def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: v for name, t in self.first(key, tensor).items() for k, v in self.second(name, t).items()}

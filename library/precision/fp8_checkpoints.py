@@ -336,3 +336,25 @@ def prequantized_converter(model: nn.Module, info: Fp8Checkpoint, rules: KeepRul
     if as_stored:
         rules = _StoredKeepRules((*rules.keep, *map(re.escape, as_stored)), tuple(rules.modulation))
     return PrequantizedConverter(prepare_fp8(model, info.layout, rules), info, dtype, reader, source)
+
+
+def scaled_fp8_converter(model: nn.Module, reader: CheckpointReader, source: str, rules: KeepRules | None,
+                         dtype: torch.dtype, rename=lambda key: key) -> PrequantizedConverter | None:
+    """The convert hook of a text encoder (T5-XXL, the LLMs) whose file is ComfyUI's scaled fp8
+    (t5xxl_fp8_e4m3fn_scaled, qwen_2.5_vl_7b_fp8_scaled: layout "fp8_tensor_scaled"), else None. Never
+    quantized again: with fp8 keep `rules` (an fp8 encoder asked for) each Linear keeps its codes and
+    scale, as a transformer's does; with None every fp8 tensor is widened to `dtype` with its scale
+    (codes * scale_weight, ComfyUI's values). The scales are looked up under the model's key names, so
+    a file whose scaled Linears the loader's `rename` renames is refused (it would read scale 1.0)."""
+    if not _quantization_extras(reader, reader.keys()):  # plain fp8 / e5m2 files load as before: cast to dtype
+        return None
+    info = read_fp8_checkpoint(reader, source)
+    if info is None or info.layout != "fp8_tensor_scaled":
+        return None
+    renamed = next((k for k in reader.keys() if k.endswith(info.scale_suffix) and rename(k) not in (k, None)), None)
+    if renamed:
+        raise CheckpointError(f"{source}: '{renamed}' would load as '{rename(renamed)}': scaled fp8 is read in the "
+                              f"model's own key names only (ComfyUI's files use them); give the bf16 checkpoint")
+    if rules is None:
+        return PrequantizedConverter(model, info, dtype, reader, source)
+    return prequantized_converter(model, info, rules, dtype, reader, source)
