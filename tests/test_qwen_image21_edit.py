@@ -79,3 +79,40 @@ def test_trains_on_paired_data_and_samples_with_a_reference(edit_set, tmp_path):
             "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0"]
     assert train_lora.main(args) == 0
     assert (out / "edit.safetensors").stat().st_size > 0 and sample_png(out, "edit", "final").stat().st_size > 0
+
+
+@torch.no_grad()
+def test_references_reach_the_vae_with_their_alpha_in_samples_and_training(tiny_set, tmp_path):
+    """QwenImage21Pipeline converts every condition image to RGBA and its VAE reads all four channels (only the
+    vision tower's copy is white-backed). A transparent cut-out reference is encoded so from a sample's --ci and
+    into the training cache (control_directory), in a cache entry of its own (the RGB-loaded one's is not reused).
+    Old: loaded as RGB (alpha +1), 0.106 relative off the pipeline's latents."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    from library.data.caches import cache_latents, latent_entry, read_cache
+    from library.data.dataset_config import load_dataset_config
+    from library.data.image_folders import scan_images
+
+    data = make_tiny_edit_dataset(str(tmp_path), count=1, size=64)
+    reference = os.path.join(data["edit_control_dir"], "000.png")
+    pixels = np.zeros((64, 64, 4), np.uint8)
+    pixels[:, :32] = (10, 200, 10, 255)  # the right half: a transparent cut-out, its hidden colour black
+    Image.fromarray(pixels, "RGBA").save(reference)
+    family, processor = family_of(tiny_set), VaeImageProcessor(vae_scale_factor=16, vae_latent_channels=64)
+    vae = family.load_vae()
+    with Image.open(reference) as image:  # the pipeline's VAE input
+        theirs = processor.preprocess(image.convert("RGBA"), width=64, height=64).float()
+    expected = vae.encode(theirs)
+
+    _, _, (sample,) = family.sample_references([reference], 64, 64)
+    assert sample.shape == (1, 4, 64, 64) and (sample - theirs).abs().max().item() <= 1e-6
+
+    blueprint = load_dataset_config(data["edit_dataset_config"])
+    (item,) = scan_images(blueprint, control_bucket=family.control_bucket, stretch_controls=family.stretches_references,
+                          control_mode=family.reference_mode)  # as training scans
+    (rgb_item,) = scan_images(blueprint, control_bucket=family.control_bucket, stretch_controls=True)
+    assert latent_entry(item) != latent_entry(rgb_item)
+    assert cache_latents([item], vae.encode, "qi21", to_disk=False) == 1
+    cached = read_cache(item.latent_cache)["control_0"].float()
+    rel = ((cached - expected[0]).norm() / expected.norm()).item()
+    assert rel < 1e-2, rel  # bf16 rounding of the cache (the RGB load: 0.106)

@@ -216,7 +216,7 @@ def test_cached_latents_are_the_frames_encoded_one_by_one(layered_set):
 
     family = family_of(layered_set)
     vae = family.load_vae()
-    items = scan_images(load_dataset_config(layered_set["layered_dataset_config"]))
+    items = scan_images(load_dataset_config(layered_set["layered_dataset_config"]), control_mode=family.reference_mode)
     assert len(items) == 4 and all(len(it.layer_paths) == 2 and it.control_paths == [it.image_path] for it in items)
     assert cache_latents(items, vae.encode, "layered", to_disk=False) == 4
     cached = read_cache(items[0].latent_cache)
@@ -293,3 +293,69 @@ def test_a_plain_qwen_image_folder_is_refused(tiny_set):
 
     with pytest.raises(ValueError, match="use_layer3d_rope is False; a Qwen-Image-Layered transformer"):
         QwenImageLayeredFamily(tiny_set["qwen_image"], text_encoder="unused").load_transformer(torch.float32)
+
+
+def half_transparent(path, width: int, height: int) -> None:
+    """An RGBA composite: red, its right half transparent."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.zeros((height, width, 4), np.uint8)
+    pixels[...] = (200, 40, 40, 255)
+    pixels[:, width // 2:, 3] = 0
+    Image.fromarray(pixels, "RGBA").save(path)
+
+
+def test_a_sample_takes_the_ci_images_aspect_and_alpha_as_the_pipeline(layered_set, tmp_path):
+    """QwenImageLayeredPipeline sizes its output from the image to decompose (calculate_dimensions(resolution^2,
+    w / h)) and resizes the RGBA image to it. A 96 x 64 half-transparent --ci at --w 128 --h 128: 160 x 96, the
+    pipeline's pixels, alpha kept. Old: 128 x 128, the sides cropped, loaded as RGB (alpha +1: the transparent
+    composite rendered as its RGB copy)."""
+    from diffusers.image_processor import VaeImageProcessor
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_layered import calculate_dimensions
+    from PIL import Image
+
+    path = tmp_path / "wide.png"
+    half_transparent(path, 96, 64)
+    width, height, (ours,) = family_of(layered_set).sample_references([str(path)], 128, 128)
+    assert (width, height) == calculate_dimensions(128 * 128, 96 / 64) == (160, 96)
+    processor = VaeImageProcessor(vae_scale_factor=16)  # the pipeline's (vae_scale_factor * 2)
+    with Image.open(path) as image:
+        theirs = processor.preprocess(processor.resize(image, height, width), height, width)
+    assert ours.shape == theirs.shape == (1, 4, 96, 160)
+    assert (ours - theirs).abs().max().item() <= 1e-6
+    assert ours[0, 3, :, -1].max().item() == -1  # the transparent half
+
+
+def test_training_samples_and_generate_render_a_wide_ci_alike(layered_set, tmp_path, monkeypatch):
+    """A wide --ci in a training run's sample prompts and in generate.py with that run's LoRA: both render the
+    image's aspect ratio (160 x 96 from --w 128 --h 128), and the same composite and layers."""
+    import numpy as np
+    from PIL import Image
+
+    import train_lora
+    from library.data import images
+    from tools import generate
+
+    panels = {}  # the training sample's panels as rendered, by label
+    real = images.save_side_by_side
+    monkeypatch.setattr(images, "save_side_by_side", lambda shown, *a, **k: (panels.update(shown), real(shown, *a, **k))[1])
+    half_transparent(tmp_path / "wide.png", 96, 64)
+    prompt = f"a shape --ci {tmp_path / 'wide.png'} --w 128 --h 128 --s 2 --d 7"
+    (tmp_path / "p.txt").write_text(prompt + "\n")
+    args = train_args(layered_set, tmp_path / "run")
+    args[args.index("--sample_prompts") + 1] = str(tmp_path / "p.txt")
+    args[args.index("--max_train_steps") + 1] = "1"
+    assert train_lora.main(args) == 0
+    strip = panels.pop(next(k for k in panels if not k.startswith("reference")))  # composite | 2 layers
+    assert strip.shape == (3, 96, 3 * 160) and panels["reference"].shape == (4, 96, 160)
+    out = tmp_path / "gen"
+    assert generate.main(["--model_type", "qwen_image_layered", "--model", layered_set["qwen_image_layered"],
+                          "--ae", layered_set["qwen_image_layered_vae"], "--text_encoder",
+                          layered_set["qwen_image_text_encoder"], "--layers", "2", "--prompt", prompt, "--dtype", "fp32",
+                          "--out", str(out), "--lora", str(tmp_path / "run" / "lay.safetensors")]) == 0
+    (png,) = (p for p in out.glob("*.png") if "_layer" not in p.name)
+    with Image.open(png) as image:
+        rendered = np.asarray(image.convert("RGB")).astype(int)
+    assert rendered.shape == (96, 3 * 160, 3)
+    assert np.abs(rendered - np.asarray(images.to_pil(strip)).astype(int)).max() <= 1

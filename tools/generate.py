@@ -98,7 +98,7 @@ import torch  # noqa: E402
 from library.models.family import family_class, stack_text, warn_unread_prompt_options  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.models.vae import decoding_in_tiles  # noqa: E402
-from library.data.controls import check_prompt_controls, encode_prompts, reference_images  # noqa: E402
+from library.data.controls import check_prompt_controls, encode_prompts  # noqa: E402
 from library.data.prompts import (SamplePrompt, check_guidance, check_seed, decode_references,  # noqa: E402
                                   parse_prompt_line, read_prompt_file, rendered_side, seed_or_random)
 from library.training.config import PRECISION_DTYPES  # noqa: E402
@@ -239,10 +239,12 @@ def generate(args) -> list[str]:
     for i, (prompt, (text, negative)) in enumerate(zip(prompts, texts)):
         seed = seed_or_random(prompt.seed)  # (the defaults' is --seed)
         to_device = lambda d: {k: v.to(device) for k, v in d.items()} if d else None  # noqa: E731
-        references = reference_images(prompt.control_images, family.sample_control_bucket, prompt.width, prompt.height,
-                                      family.stretches_references)
+        width, height, references = family.sample_references(prompt.control_images, prompt.width, prompt.height)
+        if (width, height) != (prompt.width, prompt.height):
+            print(f"{prompt.prompt!r}: rendering {width}x{height}: model_type {family.name} takes the --ci image's "
+                  f"aspect ratio at the area of --w {prompt.width} x --h {prompt.height}")
         control = [vae.encode(r.to(device)) for r in references] or None  # float32 [1, 16, h, w] each
-        latents = family.sample_latents(model, to_device(text), prompt.width, prompt.height, prompt.steps, seed,
+        latents = family.sample_latents(model, to_device(text), width, height, prompt.steps, seed,
                                         prompt.guidance, to_device(negative), control=control)
         with decoding_in_tiles(vae.vae, args.vae_tiling):
             image = to_pil(vae.decode(latents)[0])
@@ -251,7 +253,7 @@ def generate(args) -> list[str]:
             frames = vae.decode_rgba(latents) if latents.dim() == 5 else []
         path = os.path.join(args.out, f"{first + i:03d}_{seed}.png")
         info = {
-            "prompt": prompt.prompt, "negative": prompt.negative, "size": f"{prompt.width}x{prompt.height}",
+            "prompt": prompt.prompt, "negative": prompt.negative, "size": f"{width}x{height}",
             "steps": prompt.steps, "seed": seed, "guidance": prompt.guidance, "model": os.path.basename(args.model),
             "base_precision": base_name, "dtype": args.dtype,
             "loras": ",".join(f"{os.path.basename(spec.path)}:{spec.ratio}" for spec in loras),

@@ -97,7 +97,10 @@ def latent_entry(item: ImageItem) -> str:
     mask = _beside(item, [item.mask_path] if item.mask_path else [])
     return _entry_tag(item.subset.flip_aug, item.subset.alpha_mask, mask, _beside(item, item.control_paths),
                       item.control_buckets, *([_beside(item, item.layer_paths)] if item.layer_paths else []),
-                      *(["stretched"] if item.controls_stretched else []))  # (the cropped ones keep their entries)
+                      *(["stretched"] if item.controls_stretched else []),  # (the cropped ones keep their entries)
+                      # references loaded in another mode than their target (RGBA beside RGB targets): the RGB
+                      # ones cached before reference_mode are encoded anew, the others keep their entries
+                      *([item.controls_mode] if item.control_paths and item.controls_mode != target_mode(item) else []))
 
 
 def text_entry(item: ImageItem, with_references: bool) -> str:
@@ -258,17 +261,22 @@ def _load_chunk(chunk, n_controls: int, flip_aug: bool) -> dict[str, tuple[list[
     return pixels
 
 
+def target_mode(item: ImageItem) -> str:
+    """The PIL mode its target loads in: RGBA for layered targets (each frame keeps its alpha), else RGB."""
+    return "RGBA" if item.layer_paths else "RGB"
+
+
 def _load_images(chunk, flip: bool, control: int | None = None) -> tuple[list[torch.Tensor], bool]:
     layered = bool(chunk[0][0].layer_paths)
-    mode = "RGBA" if layered else "RGB"
     if control is None and layered:
         frames = [[item.image_path, *item.layer_paths] for item, _, _ in chunk]
-        return [torch.stack([load_image(paths[f], item.bucket, flip, mode)
+        return [torch.stack([load_image(paths[f], item.bucket, flip, target_mode(item))
                              for paths, (item, _, _) in zip(frames, chunk)]) for f in range(len(frames[0]))], True
-    sources = [(item.image_path, item.bucket, False) if control is None
-               else (item.control_paths[control], item.control_buckets[control], item.controls_stretched)
+    sources = [(item.image_path, item.bucket, False, target_mode(item)) if control is None
+               else (item.control_paths[control], item.control_buckets[control], item.controls_stretched,
+                     item.controls_mode)  # the family's reference_mode (scan_images)
                for item, _, _ in chunk]
-    return [torch.stack([load_image(path, bucket, flip, mode, stretch) for path, bucket, stretch in sources])], False
+    return [torch.stack([load_image(path, bucket, flip, mode, stretch) for path, bucket, stretch, mode in sources])], False
 
 
 def _encode(encode_fn, frames: list[torch.Tensor], layered: bool) -> torch.Tensor:

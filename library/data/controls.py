@@ -114,12 +114,12 @@ def encode_prompts(encode, captions: list[str], references: list, sees_reference
 
 
 def reference_images(paths: list[str] | tuple[str, ...], control_bucket, width: int, height: int,
-                     stretch: bool = False) -> list[torch.Tensor]:
+                     stretch: bool = False, mode: str = "RGB") -> list[torch.Tensor]:
     """A sample prompt's references (--ci) fitted by the family's rule (its sample_control_bucket; stretched
     to it where the family stretches references) to a width x height target, each float32 [1, 3, H, W] in
-    [-1, 1] (what the VAE encodes)."""
-    return [load_image(p, tuple(control_bucket((width, height), verified_image_size(p))), stretch=stretch)[None]
-            for p in paths]
+    [-1, 1] (what the VAE encodes; [1, 4, H, W] in mode "RGBA": the family's reference_mode, as training's)."""
+    return [load_image(p, tuple(control_bucket((width, height), verified_image_size(p))), mode=mode,
+                       stretch=stretch)[None] for p in paths]
 
 
 def check_prompt_controls(prompts, where: str, model_type: str, max_controls: int, min_controls: int = 0) -> None:

@@ -91,7 +91,7 @@ class ImageDataset(torch.utils.data.Dataset):
             if item.masked:
                 sample["mask"] = load_mask(item.image_path, item.mask_path, item.bucket, flip)
             if item.control_paths:
-                sample["control_images"] = [load_image(p, b, flip, stretch=item.controls_stretched)
+                sample["control_images"] = [load_image(p, b, flip, item.controls_mode, item.controls_stretched)
                                             for p, b in zip(item.control_paths, item.control_buckets)]
         if item.text_cache is not None:
             text = read_text_cache(item.text_cache, variant)  # "dropped": the item's own, if encoded with its references

@@ -42,6 +42,7 @@ class ImageItem:
     control_paths: list[str] = field(default_factory=list)  # reference images (library/data/controls.py)
     control_buckets: list[tuple[int, int]] = field(default_factory=list)  # (w, h) each reference is encoded at
     controls_stretched: bool = False  # references resized to their bucket without a crop (fit_to_bucket's stretch)
+    controls_mode: str = "RGB"  # the PIL mode its references load in for the VAE (the family's reference_mode)
     layer_paths: list[str] = field(default_factory=list)  # multiple_target: its layers (library/data/layers.py)
     subset_index: int = 0  # its subset's place in its dataset: one image in two subsets is two samples
 
@@ -125,14 +126,15 @@ def _bad_for_resolution(size: tuple[int, int], ds: DatasetSpec) -> str | None:
 
 
 def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, control_bucket=None,
-                stretch_controls: bool = False) -> list[ImageItem]:
+                stretch_controls: bool = False, control_mode: str = "RGB") -> list[ImageItem]:
     """Every image of every subset with its caption, bucket and reference images (a subset's
     control_directory). Unreadable images, missing or empty captions, colliding file stems and
     missing references are errors naming the file; images of a bad size for the buckets (bad_size)
     are warnings, and skipped with skip_bad_size_images. held_out_sets: the [[validation_datasets]]
     instead, numbered after the training datasets. control_bucket(target bucket, reference size)
     -> (w, h): the family's reference size rule (default: the target's bucket); stretch_controls: the
-    family's references are stretched to that size, not cropped (DiffusionFamily.stretches_references)."""
+    family's references are stretched to that size, not cropped (DiffusionFamily.stretches_references);
+    control_mode: the PIL mode they load in for the VAE (DiffusionFamily.reference_mode)."""
     items = []
     datasets = blueprint.validation_datasets if held_out_sets else blueprint.datasets
     first = len(blueprint.datasets) if held_out_sets else 0
@@ -156,13 +158,14 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                 if controls is not None:
                     item.control_paths, item.control_buckets = scan_controls(
                         path, subset.control_directory, controls, bucket, control_bucket or (lambda b, _: b), targets)
-                    item.controls_stretched = stretch_controls
+                    item.controls_stretched, item.controls_mode = stretch_controls, control_mode
                     first_paired = first_paired or item
                     check_control_count(item, first_paired)
                 if subset.multiple_target:  # the composite is its own reference (the condition image)
                     check_layers(path, layers.get(path), first_layered, size)
                     first_layered = first_layered or (path, len(layers[path]))
                     item.layer_paths, item.control_paths, item.control_buckets = layers[path], [path], [bucket]
+                    item.controls_mode = control_mode
                 items.append(item)
     return items
 

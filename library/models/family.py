@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 
 from library.io import safetensors_files
+from library.data.controls import reference_images
+from library.data.images import verified_image_size
 from library.data.masks import on_latent_grid
 from library.models import flow_matching as fm
 from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, arch_spec  # noqa: F401  (their importers find them here too)
@@ -120,6 +122,9 @@ class DiffusionFamily:
     # References resized to their control_bucket without a crop (Lanczos), as the family's pipeline fits them
     # (False: covered and centre-cropped, as the images)
     stretches_references = False
+    # The PIL mode reference images load in for the VAE, in training and samples alike: "RGBA" where the VAE reads
+    # alpha and the family's pipeline feeds it the condition image's (alpha 255 for a file without)
+    reference_mode = "RGB"
 
     # The transformer architecture: key of the LoRA targets, fp8 rules and flow-matching constants.
     # It is the family's name unless the class names another: a variant with the same transformer
@@ -219,6 +224,20 @@ class DiffusionFamily:
         """(w, h) a sample's reference image of `size` is fitted to for a `target` (w, h) render
         (tools/generate.py, training samples). Default: the training rule, control_bucket."""
         return self.control_bucket(target, size)
+
+    def sample_size(self, width: int, height: int, references: list[tuple[int, int]]) -> tuple[int, int]:
+        """(w, h) a sample renders at for a prompt's --w x --h and the (w, h) of its --ci images. Default: the
+        prompt's size (a family whose pipeline sizes its output from the condition image says otherwise)."""
+        return width, height
+
+    def sample_references(self, paths, width: int, height: int) -> tuple[int, int, list[torch.Tensor]]:
+        """(w, h, references) of a sample prompt with --ci images `paths` and size width x height: the size it
+        renders at (sample_size) and its references as the VAE encodes them (library/data/controls.py
+        reference_images: sample_control_bucket, stretches_references, reference_mode). tools/generate.py and
+        training samples both render from this."""
+        width, height = self.sample_size(width, height, [verified_image_size(p) for p in paths])
+        return width, height, reference_images(paths, self.sample_control_bucket, width, height,
+                                               self.stretches_references, self.reference_mode)
 
     def reference_text_tokens(self, width: int, height: int) -> int:
         """Tokens a reference image of width x height adds to the text sequence (the memory planner):

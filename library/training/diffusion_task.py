@@ -24,7 +24,7 @@ from library.data.caches import (cache_empty_caption, cache_folder, cache_latent
 from library.data.check import refuse_long_captions, training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import largest_step, scan_images, split_validation
-from library.data.controls import check_family_takes, check_prompt_controls, reference_images
+from library.data.controls import check_family_takes, check_prompt_controls
 from library.data.dataset_config import load_dataset_config
 from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import get_family, stack_text, warn_unread_prompt_options
@@ -198,10 +198,11 @@ class DiffusionTask:
     def _read_images(self) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every
         [[validation_datasets]] image go to validation only."""
-        bp, rule = self.blueprint, self.family.control_bucket  # the family sizes reference images
-        stretch = self.family.stretches_references
-        train, held_out = split_validation(scan_images(bp, control_bucket=rule, stretch_controls=stretch), bp)
-        validation = held_out + scan_images(bp, held_out_sets=True, control_bucket=rule, stretch_controls=stretch)
+        bp, rule = self.blueprint, self.family.control_bucket  # the family sizes and loads reference images
+        fit = dict(control_bucket=rule, stretch_controls=self.family.stretches_references,
+                   control_mode=self.family.reference_mode)
+        train, held_out = split_validation(scan_images(bp, **fit), bp)
+        validation = held_out + scan_images(bp, held_out_sets=True, **fit)
         check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls,
                            self.family.takes_layers)
         limit = self.family.caption_token_limit(self.args)
@@ -634,12 +635,12 @@ class DiffusionTask:
             if stop is not None and stop():
                 break
             images = []
-            references = reference_images(prompt.control_images, self.family.sample_control_bucket, prompt.width,
-                                          prompt.height, self.family.stretches_references)
+            width, height, references = self.family.sample_references(prompt.control_images, prompt.width,
+                                                                      prompt.height)
             control = [vae.encode(r.to(self.device)) for r in references] or None  # float32 [1, 16, h, w]
             for label, model in bases:
                 latents = self.family.sample_latents(
-                    model, {k: v.to(self.device) for k, v in text.items()}, prompt.width, prompt.height, prompt.steps,
+                    model, {k: v.to(self.device) for k, v in text.items()}, width, height, prompt.steps,
                     seeds[i], prompt.guidance,
                     {k: v.to(self.device) for k, v in negative.items()} if negative else None, control=control,
                 )

@@ -37,7 +37,7 @@ PREFERRED_RESOLUTIONS = [(672, 1568), (688, 1504), (720, 1456), (752, 1392), (80
 class FluxKontextFamily(FluxFamily):
     name = "flux_kontext"
     arch = "flux"  # the FLUX.1 transformer: its LoRA targets, fp8 rules and flow-matching constants
-    sample_guidance = SPEC.sample_guidance["kontext"]  # FluxKontextPipeline's default guidance_scale
+    sample_guidance = SPEC.sample_guidance["kontext"]  # 2.5: BFL's usage example (FluxKontextPipeline's default is 3.5)
     sample_steps = SPEC.sample_steps["kontext"]
     max_controls = 4
     plan_controls = 1

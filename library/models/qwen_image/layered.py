@@ -11,7 +11,8 @@ diffusers' QwenImageLayeredPipeline and musubi-tuner's `--model_version layered`
   every frame (musubi-tuner's default), the condition's outputs are dropped.
 - Text: Qwen-Image's prompt template and Qwen2.5-VL encoding (the pipeline's encode_prompt is copied
   from QwenImagePipeline); the text encoder does not see the image.
-- Sampling: Qwen-Image's scheduler (exponential time shift, shift_terminal 0.02) at
+- Sampling: the image to decompose (RGBA) sets the size, its aspect ratio at --w x --h's area (sample_size);
+  Qwen-Image's scheduler (exponential time shift, shift_terminal 0.02) at
   mu = sqrt(condition tokens / 256) (the pipeline's rule), true CFG with norm rescale.
   Training draws sigmas as Qwen-Image (qwen_shift at one frame's token count).
 """
@@ -24,6 +25,7 @@ import math
 import torch
 
 from library.models.latents import pack_latents, unpack_latents
+from library.models.qwen_image.edit import SIZE_MULTIPLE, area_size
 from library.models.qwen_image.family import QwenImageFamily
 from library.models.qwen_image.model import QWEN_IMAGE
 from library.models.qwen_image.spec import SPEC
@@ -98,6 +100,10 @@ class QwenImageLayeredFamily(QwenImageFamily):
     min_controls = max_controls = plan_controls = 1  # the image to decompose (training: the composite itself)
     takes_layers = True
     sample_steps = SPEC.sample_steps["layered"]  # QwenImageLayeredPipeline's 50
+    reference_mode = "RGBA"  # the image to decompose keeps its alpha (training's composite is an RGBA frame)
+    # A sample's --ci is resized to its sample_size (VaeImageProcessor.resize), not cropped; training's condition
+    # is the composite, fitted as its frames are (multiple_target takes no control_directory)
+    stretches_references = True
 
     def __init__(self, model_path: str, vae_path: str | None = None, layers: int | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
@@ -129,6 +135,15 @@ class QwenImageLayeredFamily(QwenImageFamily):
                                  f"transformer has {flag}=true (model_type qwen_image_layered)")
         return self.load_flagged_transformer(LAYERED_FLAGS, dtype, base_precision, read_weights)
 
+    def sample_size(self, width: int, height: int, references: list[tuple[int, int]]) -> tuple[int, int]:
+        """QwenImageLayeredPipeline sizes its output from the image to decompose: its aspect ratio at the
+        prompt's --w x --h area (the pipeline's resolution^2), each side a multiple of 32 (calculate_dimensions);
+        the image is resized to it. A square --w 640 --h 640 is the pipeline's resolution=640."""
+        if not references:
+            return width, height
+        w, h = area_size(*references[0], width * height)
+        return max(w, SIZE_MULTIPLE), max(h, SIZE_MULTIPLE)
+
     def load_vae(self, dtype=torch.float32):
         return LayeredVAE(self.vae_path, dtype)
 
@@ -153,8 +168,9 @@ class QwenImageLayeredFamily(QwenImageFamily):
 
     def initial_noise(self, batch: int, lh: int, lw: int, generator: torch.Generator) -> torch.Tensor:
         """[B, 16, 1 + layers, lh, lw], drawn as the pipeline draws [B, 1 + layers, 16, lh, lw]. Sampling
-        (the base class's loop) then runs at one frame's token count, which is the condition's: a --ci
-        image is fitted to the sample's size (control_bucket), so mu = sqrt(condition tokens / 256)."""
+        (the base class's loop) then runs at one frame's token count, which is the condition's: the sample's
+        size follows the --ci image (sample_size) and the image is resized to it, so mu = sqrt(condition
+        tokens / 256)."""
         shape = (batch, 1 + self.layers, self.latent_channels, lh, lw)
         return torch.randn(shape, generator=generator, dtype=torch.float32).transpose(1, 2)
 

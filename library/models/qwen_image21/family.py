@@ -64,6 +64,8 @@ class QwenImage21Family(DiffusionFamily):
     min_controls = 0  # text-to-image and editing are one model
     text_sees_controls = True  # encode(captions, reference views): the prompt holds the references' vision tokens
     stretches_references = True  # QwenImage21Pipeline resizes them to reference_size (VaeImageProcessor.resize)
+    # and converts them to RGBA: the VAE reads all four channels (only the vision tower's copy is white-backed)
+    reference_mode = "RGBA"
     reference_resolution = REFERENCE_RESOLUTION  # an instance takes the config's
 
     def __init__(self, model_path: str, vae_path: str | None = None, reference_resolution: int | None = None,
