@@ -143,10 +143,10 @@ def test_a_deeper_prefetch_loads_earlier_holds_at_most_p_plus_one_and_changes_no
 def test_the_planner_counts_prefetch_plus_one_swapped_blocks():
     from library.training.memory_plan import resident_parts
 
-    blocks = [10, 20, 30, 40]
-    assert resident_parts(100, blocks, 1, 2, 2)["swap buffers"] == 2 * 40
-    assert resident_parts(100, blocks, 1, 2, 2, prefetch=3)["swap buffers"] == 2 * 40  # only 2 are swapped
-    assert resident_parts(100, blocks, 1, 2, 4, prefetch=2)["swap buffers"] == 3 * 40
+    blocks = [10, 20, 30, 40]  # the largest run of prefetch + 1 consecutive swapped blocks (the schedule's)
+    assert resident_parts(100, blocks, 1, 2, 2)["swap buffers"] == 30 + 40
+    assert resident_parts(100, blocks, 1, 2, 2, prefetch=3)["swap buffers"] == 30 + 40  # only 2 are swapped
+    assert resident_parts(100, blocks, 1, 2, 4, prefetch=2)["swap buffers"] == 20 + 30 + 40
     assert resident_parts(100, blocks, 1, 2, 0, prefetch=3)["swap buffers"] == 0
 
 

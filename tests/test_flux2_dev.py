@@ -131,4 +131,4 @@ def test_flux2_dev_memory_preset_counts_the_mistral_layers_read():
     with torch.device("meta"):
         llm = LLM(MISTRAL_SMALL_3_1)
         llm.truncate_for_hidden_states(30)
-    assert plan_memory.presets()["flux2-dev"].text_params["text_encoder"] == count_parameters(llm) == 17_343_759_360
+    assert plan_memory.presets()["flux2-dev"].text_params["text_encoder"].params == count_parameters(llm) == 17_343_759_360

@@ -189,6 +189,38 @@ def test_planner_reads_the_stored_layout_from_the_files(tiny_set, tmp_path, caps
     assert "bfl_nvfp4  gradient_checkpointing=true : fits" in capsys.readouterr().out
 
 
+def test_samples_unconditional_transformer_is_planned_and_released_after_each_round(tiny_set):
+    """Until 2026-11-28 the unconditional transformer the first sample loaded stayed on the device through every
+    training step after it (8.93 GiB at full size), and no phase of the plan counted it. Now the sampling phase
+    counts it, and render_samples releases it after each round of samples, a failed one too."""
+    import types
+
+    from library.models.ideogram4.checkpoint import load_ideogram4
+    from library.training.diffusion_task import DiffusionTask
+    from library.training.memory_plan import module_bytes, sampling_phase
+    from tools import plan_memory
+
+    family = Ideogram4Family(tiny_set["ideogram4"], tiny_set["flux2_vae"], text_encoder=tiny_set["ideogram4_text_encoder"])
+    args = plan_memory.default_args("ideogram4")
+    with_it = sampling_phase(family, args, 64, 64, 8)
+    uncond = module_bytes(load_ideogram4(family.unconditional, dtype=torch.bfloat16))  # (the plan's compute dtype)
+    family.sample_model_bytes = lambda dtype: 0
+    assert with_it.peak - sampling_phase(family, args, 64, 64, 8).peak == uncond > 0
+    del family.sample_model_bytes
+
+    model = family.load_transformer(torch.float32)
+    loaded = []
+
+    def render(out_dir, tag, stop):  # a round of samples that runs out of memory after its first image
+        family.sample_latents(model, {"embeds": torch.randn(1, 5, 64)}, 32, 32, 1, 0, 4.0)
+        loaded.append(family._uncond)
+        raise RuntimeError("CUDA out of memory")
+
+    with pytest.raises(RuntimeError):
+        DiffusionTask.render_samples(types.SimpleNamespace(family=family, _render_samples=render), "out", "step1")
+    assert loaded[0] is not None and family._uncond is None
+
+
 def test_a_caption_over_2048_tokens_is_an_error_in_the_check_and_refused_before_caching(tiny_set, tmp_path, capsys):
     """Ideogram4Pipeline refuses a prompt over 2048 chat tokens, and so does our encoder: such a caption
     was a warning ("the rest is cut"), then training stopped after the latents were cached, in a line

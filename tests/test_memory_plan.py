@@ -475,6 +475,8 @@ def test_train_lora_renders_no_bf16_reference_that_does_not_fit_and_says_so(tiny
 
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "flux1-dev", "--vram", "-5"], "--vram -5: the card's memory in GiB must be a number > 0"),
+    (["--preset", "flux1-dev", "--vram", "0.5"],
+     "--vram 0.5: the card's memory in GiB must be more than the 0.6 GiB the CUDA context takes"),
     (["--preset", "flux1-dev", "--resolution", "1000"],
      "--resolution 1000: the side must be a multiple of 16 (the VAE's 8 x the 2x2 patch), e.g. 992 or 1008"),
     (["--preset", "flux1-dev", "--batch_size", "0"], "--batch_size 0: must be >= 1"),
@@ -755,3 +757,87 @@ def test_train_lora_settles_the_keeping_keys_before_caching_on_a_card(tiny_set, 
     assert kept == [(True, True), core.Checkpointing(True, True)], kept  # settled before caching, then built
     lines = [line for line in capsys.readouterr().out.splitlines() if "gradient checkpointing on this" in line]
     assert len(lines) == 1 and "checkpoint_saves_attention on (+1.00 GiB" in lines[0], lines
+
+
+# ----------------------------------------------------------------------------------------------
+# Text encoders as their loaders keep them; the swap buffers as the schedule holds them
+
+
+def _built_bytes(model, dtype, fp8, rules, float32_in_fp16=()):
+    """A meta-built text encoder's bytes as its loader leaves it: `dtype`, these modules float32 in fp16, fp8 Linears."""
+    from library.precision.fp8 import prepare_fp8
+
+    model.to(dtype)
+    if dtype == torch.float16:
+        for name, module in model.named_modules():
+            if name.endswith(float32_in_fp16):
+                module.to(torch.float32)
+    if fp8:
+        prepare_fp8(model, fp8, rules)
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()  # a tied weight once
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp8", "fp8_scaled"])
+def test_planned_text_encoders_are_the_bytes_their_loaders_keep_at_full_size(precision):
+    """Until 2026-11-28 the caching phase took one constant per precision: fp16 2 bytes a parameter (T5-XXL keeps
+    its 1 B `wo` float32: FLUX.1 planned 9.10 GiB, 10.97 built) and fp8 1.2 for every encoder (T5 5.46 planned,
+    5.72 built; Qwen2.5-VL 8.51 planned, 8.11 built). Built here as load_t5 / load_clip_l / load_llm build them, on meta."""
+    from accelerate import init_empty_weights
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from library.models.llm import LLM, QWEN2_5_7B
+    from library.models.registry import arch_spec
+    from library.models.text_encoders import CLIP_L_CONFIG, T5_FP8, T5_XXL_CONFIG, encoder_precision
+    from library.training.memory_plan import caching_phase
+    from tools import plan_memory
+
+    def planned(preset, model_type):
+        args = plan_memory.default_args(model_type)
+        args.text_encoder_precision, args.vae_batch_size = precision, 1
+        parts = caching_phase(plan_memory.PresetFamily(preset), args, 64, 64).parts
+        return next(v for k, v in parts.items() if k.startswith("text encoders"))
+
+    dtype, fp8 = encoder_precision(precision)
+    with init_empty_weights():
+        t5, clip = T5EncoderModel(T5Config(**T5_XXL_CONFIG)), CLIPTextModel(CLIPTextConfig(**CLIP_L_CONFIG))
+    t5.encoder.embed_tokens.weight = t5.shared.weight  # one tensor, as load_t5 fills both
+    flux = _built_bytes(t5, dtype, fp8, T5_FP8, (".wo",)) + _built_bytes(clip, dtype, None, None)
+    assert planned("flux1-dev", "flux") == pytest.approx(flux, rel=0.01)
+    if fp8:
+        with torch.device("meta"):
+            qwen = _built_bytes(LLM(QWEN2_5_7B), dtype, fp8, arch_spec("llm").fp8)
+        assert planned("qwen-image", "qwen_image") == pytest.approx(qwen, rel=0.01)
+
+
+def test_a_qwen_image_plan_counts_the_text_encoder_its_loader_loads(tiny_set):
+    """A Qwen-Image repo's text_encoder/ holds Qwen2.5-VL's vision tower, which load_qwen_image_text_encoder skips and
+    the caching phase counted (full size: 8.29 B for 7.62 B loaded); the edit encoder loads it, and is planned with it."""
+    from library.models.qwen_image.edit_encoder import load_qwen_image_edit_text_encoder
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+    from library.models.qwen_image.family import QwenImageFamily
+    from library.models.qwen_image.text_encoder import load_qwen_image_text_encoder
+
+    path = tiny_set["qwen_image_edit_text_encoder"]  # with visual.* keys
+    family = QwenImageFamily(tiny_set["qwen_image"], tiny_set["qwen_image_vae"], text_encoder=path)
+    loaded = load_qwen_image_text_encoder(path, dtype=torch.bfloat16).llm
+    assert family.text_encoder_params() == sum(p.numel() for p in loaded.parameters())
+    edit = QwenImageEditFamily(tiny_set["qwen_image_edit"], tiny_set["qwen_image_vae"], text_encoder=path)
+    both = load_qwen_image_edit_text_encoder(path, edit.version, dtype=torch.bfloat16)
+    assert edit.text_encoder_params() == sum(p.numel() for m in (both.llm, both.visual) for p in m.parameters())
+
+
+def test_the_planned_peak_never_rises_with_blocks_to_swap():
+    """The swap holds a block and the next block_swap_prefetch in run order: the swap buffers are the largest run of
+    prefetch + 1 consecutive swapped blocks. Until 2026-11-28 they were prefetch + 1 of the largest, and FLUX.1 at
+    blocks_to_swap 39 (its last double block and 38 single ones) planned two double blocks: more than at 38."""
+    from library.training.memory_plan import references_and_tokens, resident_parts, training_plan
+    from tools import plan_memory
+
+    family = plan_memory.PresetFamily("flux1-dev")
+    args = plan_memory.setting_args(family, plan_memory.default_args("flux"), "bf16", True)
+    count, tokens = references_and_tokens(family, args, None, 256, 256)
+    plan = training_plan(family, args, 256, 256, 1, tokens, count)
+    peaks = [plan.phase(n).peak for n in range(len(plan.block_bytes))]
+    assert all(later <= earlier for earlier, later in zip(peaks, peaks[1:])), peaks
+    assert resident_parts(0, [4, 1, 1, 9, 1, 2], 0, 0, 5, prefetch=1)["swap buffers"] == 10  # 9 + 1, not 9 + 9

@@ -77,8 +77,8 @@ import torch  # noqa: E402
 
 from library.training.config import KEEPING_KEYS  # noqa: E402
 from library.training.memory_plan import (  # noqa: E402
-    KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, reusing_meta_models, sampling_phase, text_tokens_for,
-    training_plan, usable_bytes, vae_pass_peak)
+    CUDA_CONTEXT_BYTES, KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, reusing_meta_models, sampling_phase,
+    text_tokens_for, training_plan, usable_bytes, vae_pass_peak)
 
 
 class PresetFamily:
@@ -99,7 +99,7 @@ class PresetFamily:
 
         class Preset(family_class(preset.model_type)):
             def __init__(self):
-                self.name, self.vae_path, self.text_paths, self.text_params = preset.model_type, None, {}, preset.text_params
+                self.name, self.vae_path, self.text_paths = preset.model_type, None, {}
                 for attribute, value in preset.attributes.items():
                     setattr(self, attribute, value)
 
@@ -122,6 +122,9 @@ class PresetFamily:
 
             def text_options(self, args):
                 return dict(preset.text_options)
+
+            def text_encoder_weights(self):
+                return list(preset.text_params.values())
 
         return Preset()
 
@@ -264,6 +267,9 @@ def bad_value(cli) -> str | None:
     """The first command-line number that cannot be planned, as one line (None: all can)."""
     if not 0 < cli.vram < math.inf:
         return f"--vram {cli.vram:g}: the card's memory in GiB must be a number > 0"
+    if int(cli.vram * GiB) <= CUDA_CONTEXT_BYTES:  # nothing would be left to plan with (int: as the reserve rounds)
+        return (f"--vram {cli.vram:g}: the card's memory in GiB must be more than the "
+                f"{CUDA_CONTEXT_BYTES / GiB:g} GiB the CUDA context takes")
     if cli.batch_size is not None and cli.batch_size < 1:
         return f"--batch_size {cli.batch_size}: must be >= 1"
     if cli.resolution is not None and not 16 <= cli.resolution <= MAX_SIDE:

@@ -35,6 +35,7 @@ from library.data.images import verified_image_size
 from library.data.masks import on_latent_grid
 from library.models import flow_matching as fm
 from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, arch_spec  # noqa: F401  (their importers find them here too)
+from library.models.spec import TextWeights
 from library.models.latents import pack_latents, unpack_latents
 
 
@@ -244,15 +245,20 @@ class DiffusionFamily:
         none unless the text encoder sees the references (text_sees_controls)."""
         return 0
 
-    def text_encoder_params(self) -> int:
-        """Parameters load_text_encoder reads (the memory planner's caching phase, from the files'
-        headers): every tensor of the text encoder files, unless the family reads fewer."""
+    def text_encoder_weights(self) -> list[TextWeights]:
+        """The text encoders' parameters as load_text_encoder keeps them (the memory planner's caching
+        phase, from the files' headers): every tensor of the text encoder files, none fp8 or kept
+        float32, unless the family reads fewer or its loader stores them so."""
         from library.io import CheckpointReader, component_folder
 
         # A key's path may be a pipeline folder holding the component under the key's name (a
         # text_encoder key naming the whole repository, its text_encoder/ and tokenizer/ inside), as
         # the loaders take it.
-        return sum(CheckpointReader(component_folder(p, key)).numel() for key, p in self.text_paths.items() if p)
+        return [TextWeights(CheckpointReader(component_folder(p, key)).numel()) for key, p in self.text_paths.items() if p]
+
+    def text_encoder_params(self) -> int:
+        """Parameters load_text_encoder reads (text_encoder_weights')."""
+        return sum(w.params for w in self.text_encoder_weights())
 
     def text_on_meta(self, model: nn.Module, batch: int, tokens: int) -> dict:
         """The cached text a training batch carries (float32, as encode gives it, `tokens` long),
@@ -381,6 +387,16 @@ class DiffusionFamily:
             return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **control_kwargs(control))
 
         return self.unpack_target(fm.euler_sample(velocity, self.pack_target(noise), sigmas), noise.shape)
+
+    def sample_model_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the weights sample_latents loads onto the device beside the trained transformer (a
+        second transformer it guides with), from the files' headers, the rest in `dtype` (the memory
+        planner's sampling phase); 0: none."""
+        return 0
+
+    def release_sample_models(self) -> None:
+        """Free what sample_latents loaded for itself (DiffusionTask.render_samples, after each round
+        of samples: nothing of it may stay on the device through the training steps)."""
 
     def initial_noise(self, batch: int, lh: int, lw: int, generator: torch.Generator) -> torch.Tensor:
         """Sampling's starting noise [B, C, lh, lw] float32 (a layered family's [B, C, F, lh, lw]), drawn

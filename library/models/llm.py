@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from library.models import core
 from library.models.llm_rope import RopeScaling
 from library.models.llm_spec import FP8 as LLM_FP8
+from library.models.spec import TextWeights
 from library.precision.fp8_checkpoints import scaled_fp8_converter
 from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors, write_text
 
@@ -556,6 +557,20 @@ def _kept_layer_key(key: str | None, keep_layers: int) -> str | None:
         if int(key.split(".", 3)[2]) >= keep_layers:
             return None
     return key
+
+
+def llm_text_weights(reader: CheckpointReader, keys: list[str]) -> TextWeights:
+    """The tensors `keys` of an LLM text encoder's checkpoint (those its loader reads) as load_llm keeps them
+    with fp8_prepare(mode, "llm"): under fp8 every 2-D weight of a Linear that the LLM's fp8 rules do not
+    keep (the embeddings and the head stay bf16; all others of the LLM core are its decoder Linears)."""
+    from library.models.registry import arch_spec
+    from library.precision.fp8 import is_high_precision, scale_shape
+
+    rules = arch_spec("llm").fp8
+    fp8 = [reader.shape(k) for k in keys if len(reader.shape(k)) == 2 and (name := checkpoint_key_to_llm(k, True))
+           and name.endswith(".weight") and not is_high_precision(name.removesuffix(".weight"), rules)]
+    scales = [scale_shape(out, inp) for out, inp in fp8]
+    return TextWeights(reader.numel(keys), fp8_weights=sum(o * i for o, i in fp8), fp8_scales=sum(o * i for o, i in scales))
 
 
 def config_json_path(path: str) -> str:

@@ -228,13 +228,34 @@ class RandomInputs:
 
 
 @dataclass(frozen=True)
+class TextWeights:
+    """A text encoder's parameters as its loader keeps them (the caching phase's bytes per text_encoder_precision):
+    all of them; those of the Linear weights fp8 / fp8_scaled store as float8_e4m3fn (the rest, the Linears its
+    fp8 rules keep among them, stays bf16) and the elements of fp8_scaled's bf16 scales of those; and those
+    kept float32 in fp16."""
+
+    params: int
+    fp8_weights: int = 0
+    fp8_scales: int = 0
+    fp32_in_fp16: int = 0
+
+    def bytes(self, precision: str) -> int:
+        wide = 2 * self.params  # bf16 / fp16, and every precision's unquantized rest
+        sizes = {"fp32": 4 * self.params, "fp16": wide + 2 * self.fp32_in_fp16, "bf16": wide,
+                 "fp8": wide - self.fp8_weights, "fp8_scaled": wide - self.fp8_weights + 2 * self.fp8_scales}
+        if precision not in sizes:
+            raise ValueError(f"text_encoder_precision must be one of {', '.join(sizes)}, got {precision!r}")
+        return sizes[precision]
+
+
+@dataclass(frozen=True)
 class PlannerPreset:
     """A released model planned without its files (tools/plan_memory.py --preset NAME): the family
     it trains as, its transformer's config, and what its files would tell the family."""
 
     model_type: str  # the family it plans as
     transformer: str  # "module:NAME" of the released transformer's config (Planner.transformer builds it)
-    text_params: dict[str, int]  # per text-encoder file key: the parameters its loader reads
+    text_params: dict[str, TextWeights]  # per text-encoder file key: the parameters its loader reads
     text_options: dict = field(default_factory=dict)  # the family's text_options for a config that sets none
     attributes: dict = field(default_factory=dict)  # other family attributes its files would give (a version)
 

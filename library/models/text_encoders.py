@@ -24,7 +24,7 @@ from accelerate import init_empty_weights
 from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming
-from library.models.spec import FP8Rules
+from library.models.spec import FP8Rules, TextWeights
 
 # ----------------------------------------------------------------------------------------------
 # Built-in configs of the released encoders (openai/clip-vit-large-patch14 text tower, google/t5-v1_1-xxl)
@@ -219,14 +219,49 @@ def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.
 
         convert = _Chain(convert, fp8_load_converter(prepare_fp8(model, fp8, T5_FP8)))  # (`wo` is never fp8)
     load_streaming(model, reader, _t5_key, dtype=dtype, convert=convert,
-                   keep_dtype=(lambda name: ".wo." in name) if fp16 else (lambda name: False))
+                   keep_dtype=t5_float32_in_fp16 if fp16 else (lambda name: False))
     return T5TextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer_2"))
+
+
+def t5_float32_in_fp16(name: str) -> bool:
+    """The T5 tensors a float16 load keeps float32: the feed-forward output projections `wo`."""
+    return ".wo." in name
 
 
 def _wo_in_float32(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """A float16 T5's `wo` weights, widened to float32 from whatever the file stores: t5xxl_fp16 and bf16
     files too (load_streaming keeps their dtype, which alone left them fp16 / bf16 in the fp16 model)."""
-    return {name: tensor.float() if ".wo." in name else tensor}
+    return {name: tensor.float() if t5_float32_in_fp16(name) else tensor}
+
+
+# ----------------------------------------------------------------------------------------------
+# What the loaders keep, counted without reading a weight (the memory planner's caching phase)
+
+
+def module_text_weights(model: torch.nn.Module, fp8_rules: FP8Rules | None = None,
+                        float32_in_fp16=lambda name: False) -> TextWeights:
+    """A text encoder built as its loader builds it (on meta, before fp8 or dtype): its parameters (a tied
+    one once), the weights of the Linears prepare_fp8 makes FP8Linear under fp8_rules (None: never fp8) with
+    their fp8_scaled scales, and those float32_in_fp16(parameter name) keeps float32 in an fp16 load."""
+    from library.precision.fp8 import is_high_precision, scale_shape
+
+    params = dict(model.named_parameters())  # one entry per Parameter: a tied one once
+    fp8 = [m for name, m in model.named_modules() if fp8_rules is not None and type(m) is torch.nn.Linear
+           and not is_high_precision(name, fp8_rules)]
+    scales = [scale_shape(m.out_features, m.in_features) for m in fp8]
+    return TextWeights(params=sum(p.numel() for p in params.values()),
+                       fp8_weights=sum(m.weight.numel() for m in fp8), fp8_scales=sum(o * i for o, i in scales),
+                       fp32_in_fp16=sum(p.numel() for name, p in params.items() if float32_in_fp16(name)))
+
+
+def t5_text_weights(path: str | None = None) -> TextWeights:
+    """T5 as load_t5 builds it from `path` (its config; None: T5-XXL's), on meta: `shared` tied to the
+    encoder's embedding, T5_FP8 under fp8, `wo` float32 in fp16."""
+    config = _read_config(component_folder(path, "text_encoder_2"), None, T5_XXL_CONFIG) if path else T5_XXL_CONFIG
+    with init_empty_weights():
+        model = T5EncoderModel(T5Config(**config))
+    model.encoder.embed_tokens.weight = model.shared.weight  # one tensor, as _tie_t5 loads it
+    return module_text_weights(model, T5_FP8, t5_float32_in_fp16)
 
 
 class _Chain:

@@ -608,12 +608,19 @@ class DiffusionTask:
                 "num_reg_images": images[True]}
 
     # -- samples -------------------------------------------------------------------------------
-    @torch.no_grad()
     def render_samples(self, out_dir: str, tag: str, stop=None) -> list[str]:
         """One PNG per prompt: the training base (bf16 or the fp8 base the user deploys) and,
         on an fp8 base with sample_bf16_reference, the bf16 base beside it; then the prompt's
         reference images (--ci, edit families), as the model saw them. Ends before a prompt
-        where `stop()` is true."""
+        where `stop()` is true. What the family's sampling loaded for itself is released after,
+        failed or not: it must not stay on the device through the training steps."""
+        try:
+            return self._render_samples(out_dir, tag, stop)
+        finally:
+            self.family.release_sample_models()
+
+    @torch.no_grad()
+    def _render_samples(self, out_dir: str, tag: str, stop=None) -> list[str]:
         if not self.prompts:
             return []
         from library.data.images import save_side_by_side

@@ -17,7 +17,8 @@ Phases: caching (the VAE encoding vae_batch_size images of the largest bucket, a
 does; the text encoders' weights in their precision), training (an edit family's references add
 their latent tokens, and where its text encoder sees them, their text tokens), sampling (the
 resident training state, the VAE, the forward at the sample size, the VAE decode; on an fp8 base
-with sample_bf16_reference also the bf16 copy of the base that each render loads beside it).
+with sample_bf16_reference also the bf16 copy of the base that each render loads beside it, and any
+model the family's sampling loads for itself).
 """
 
 from __future__ import annotations
@@ -247,9 +248,16 @@ def resident_parts(base: int, block_bytes: list[int], lora: int, optimizer: int,
     if not 0 <= blocks_to_swap <= len(block_bytes):  # (a count past the blocks wrapped round the list)
         raise ValueError(f"blocks_to_swap {blocks_to_swap}: the model has {len(block_bytes)} blocks")
     swapped = block_bytes[len(block_bytes) - blocks_to_swap:] if blocks_to_swap else []
-    parts = {"base": base - sum(swapped), "swap buffers": min(len(swapped), prefetch + 1) * max(swapped, default=0),
+    parts = {"base": base - sum(swapped), "swap buffers": swap_buffer_bytes(swapped, prefetch),
              "lora": lora, "optimizer": optimizer}
     return {**parts, "ema": ema} if ema else parts
+
+
+def swap_buffer_bytes(swapped: list[int], prefetch: int) -> int:
+    """The most swapped blocks' bytes on the device at once: BlockSwap holds block i and the next `prefetch`
+    in run order (forward: i..i+p; backward: i..i-p), so the largest run of prefetch + 1 consecutive ones."""
+    run = min(len(swapped), prefetch + 1)
+    return max((sum(swapped[i:i + run]) for i in range(len(swapped) - run + 1)), default=0)
 
 
 @dataclass
@@ -344,11 +352,6 @@ def vae_pass_peak(vae, width: int, height: int, batch: int, decode: bool, downsa
     return live.peak
 
 
-# bytes per text-encoder parameter in each precision (fp8: e4m3 Linear weights, the rest bf16)
-# (T5-XXL keeps its 1 B-parameter `wo` projections in bf16: fp8 is ~1.25 bytes there, 1.03 for Qwen)
-ENCODER_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.2, "fp8_scaled": 1.23}
-
-
 def caching_phase(family, args, width: int, height: int, references: int = 0) -> Phase:
     """cache_latents: the VAE (float32) encodes vae_batch_size images of the largest bucket at a time,
     then their references (each at the family's control_bucket size) the same way, one after another;
@@ -363,11 +366,9 @@ def caching_phase(family, args, width: int, height: int, references: int = 0) ->
         peak = target if size == (width, height) else vae_pass_peak(vae, *size, batch, decode=False)
         phase.parts[f"vae encode of {references} reference(s) ({size[0]}x{size[1]}, batch {batch}, each)"] = peak
     precision = args.text_encoder_precision
-    known = getattr(family, "text_params", None)  # presets (tools/plan_memory.py): no files
-    params = sum(known.values()) if known else family.text_encoder_params()
-    # Weights in their precision; the encoders' activations at batch 8 (a few hundred MB at most)
-    # are left out: state the weights, which dominate by 20x.
-    phase.parts[f"text encoders ({precision})"] = int(params * ENCODER_BYTES.get(precision, 4.0))
+    # Weights as each loader keeps them in this precision (its fp8 Linears, what it keeps float32 in fp16); the
+    # encoders' activations at batch 8 (a few hundred MB at most) are left out: the weights dominate by 20x.
+    phase.parts[f"text encoders ({precision})"] = sum(w.bytes(precision) for w in family.text_encoder_weights())
     phase.peak = max(phase.parts.values())
     return phase
 
@@ -395,8 +396,10 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     (base, LoRA, optimizer state; the step's activations are gone); with renders_bf16_reference the
     bf16 copy of the base and its LoRA load beside it; then the VAE loads, encodes the prompt's
     references (each at the family's sample_control_bucket size for a square one) and stays through every
-    forward (batch 1 at the sample size) and the decode."""
+    forward (batch 1 at the sample size) and the decode; a model the family's sampling loads for itself
+    (sample_model_bytes: a second transformer it guides with) stays from the first forward to the end."""
     from library.models.family import control_kwargs
+    from library.training.config import compute_dtype
 
     model, network = meta_model_and_network(family, args)
     lora = tensor_bytes(network.state_dict().values())
@@ -426,6 +429,8 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
         phase.parts["raw weights (sample_with_ema)"] = raw
     if renders_bf16_reference(args):
         phase.parts["bf16 reference (base, lora)"] = _bf16_reference_bytes(family, args, lora)
+    if sampler := family.sample_model_bytes(compute_dtype(args)):  # from the first forward to the round's end
+        phase.parts["sampling's own models (weights)"] = sampler
     phase.parts["vae (weights)"] = module_bytes(vae.vae)
     phase.parts["forward (peak)"] = live.peak
     tiled = bool(getattr(args, "vae_tiling", False))
@@ -436,7 +441,7 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
         vae_peak = max(vae_peak, phase.parts["vae encode of references (peak)"])
     # vae_pass_peak counts the VAE's weights; they are resident during the forward too.
     phase.peak = (phase.parts["resident (base, lora, optimizer)"] + phase.parts.get("bf16 reference (base, lora)", 0)
-                  + raw + max(phase.parts["vae (weights)"] + live.peak, vae_peak))
+                  + raw + sampler + max(phase.parts["vae (weights)"] + live.peak, vae_peak))
     return phase
 
 

@@ -63,12 +63,12 @@ class ChromaFamily(DiffusionFamily):
         """The mask rule (tokens + EOS + one padding token attended) and the cut to that prefix."""
         return {"text_mask": "tokens+1", "cache": "attended prefix"}
 
-    def text_encoder_params(self) -> int:
-        """T5-XXL's tensors, found as load_text_encoder finds them (a repo folder: its text_encoder/)."""
-        from library.io import CheckpointReader
+    def text_encoder_weights(self):
+        """T5-XXL, found as load_text_encoder finds it (a repo folder: its text_encoder/), as load_t5 keeps it."""
         from library.models.chroma.text_encoder import t5_paths
+        from library.models.text_encoders import t5_text_weights
 
-        return CheckpointReader(t5_paths(self.text_paths["t5xxl"])[0]).numel()
+        return [t5_text_weights(t5_paths(self.text_paths["t5xxl"])[0])]
 
     def text_on_meta(self, model, batch, tokens):
         return {"t5": torch.empty(batch, tokens, model.config.context_in_dim, device="meta"),

@@ -86,7 +86,8 @@ PLANNER = S.Planner(
     text_length_option="t5_max_length",
     presets={
         # Chroma1-HD / Chroma1-Base / chroma-unlocked-v*: one released size; T5-XXL's encoder as load_t5 reads it.
-        "chroma": S.PlannerPreset("chroma", "library.models.chroma.model:CHROMA", {"t5xxl": 4_762_310_656},
+        "chroma": S.PlannerPreset("chroma", "library.models.chroma.model:CHROMA",
+                                  {"t5xxl": S.load_symbol("library.models.flux1.spec:T5_XXL_TEXT")},
                                   {"t5_max_length": 512}),
     },
 )

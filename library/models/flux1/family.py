@@ -50,6 +50,15 @@ class FluxFamily(DiffusionFamily):
         return {"t5": torch.empty(batch, tokens, cfg.context_in_dim, device="meta"),
                 "clip_pooled": torch.empty(batch, cfg.vec_in_dim, device="meta")}
 
+    def text_encoder_weights(self):
+        """T5-XXL as load_t5 keeps it, CLIP-L's every tensor (never fp8: bf16 under fp8)."""
+        from library.io import CheckpointReader, component_folder
+        from library.models.family import TextWeights
+        from library.models.text_encoders import t5_text_weights
+
+        clip = CheckpointReader(component_folder(self.text_paths["clip_l"], "text_encoder")).numel()
+        return [t5_text_weights(self.text_paths["t5xxl"]), TextWeights(clip)]
+
     @classmethod
     def checkpoint_names(cls, keys, shape):
         """BFL names or a diffusers folder's; FLUX.2 shares the block names, its shared modulation is its own."""

@@ -107,7 +107,9 @@ SAMPLING = S.Sampling(method="flux_shift", mu=S.MuLine(256, 4096, 0.5, 1.15), gu
 # -- memory planner shapes and presets
 # The text encoders' parameters: CLIP-L and T5-XXL. T5 pads a caption to 512 tokens for dev and
 # Kontext [dev], 256 for schnell (the checkpoint tells them apart by its guidance embedding).
-_TEXT_PARAMS = {"clip_l": 123_060_480, "t5xxl": 4_762_310_656}
+# T5-XXL as load_t5 keeps it (text_encoders.t5_text_weights): under fp8 every Linear but `wo`, in fp16 `wo` float32.
+T5_XXL_TEXT = S.TextWeights(4_762_310_656, fp8_weights=3_623_878_656, fp8_scales=56_623_104, fp32_in_fp16=1_006_632_960)
+_TEXT_PARAMS = {"clip_l": S.TextWeights(123_060_480), "t5xxl": T5_XXL_TEXT}
 PLANNER = S.Planner(
     transformer="library.models.flux1.model:Flux",
     text_length_option="t5_max_length",

@@ -128,19 +128,19 @@ class Flux2Family(DiffusionFamily):
 
         return encode
 
-    def text_encoder_params(self) -> int:
+    def text_encoder_weights(self):
         """What the text encoder loader reads of its files: the embeddings and the decoder layers up
         to the last stacked one (27 of Qwen3-4B's 36 for [klein], 30 of Mistral Small 3.1's 40 for
         [dev]), no lm_head, no vision tower or projector (llm.checkpoint_key_to_llm's mapping)."""
         from library.io import CheckpointReader, component_folder
         from library.models.flux2.dev_text_encoder import DEV_HIDDEN_LAYERS
         from library.models.flux2.text_encoder import KLEIN_HIDDEN_LAYERS
-        from library.models.llm import _kept_layer_key, checkpoint_key_to_llm
+        from library.models.llm import _kept_layer_key, checkpoint_key_to_llm, llm_text_weights
 
         keep = max(DEV_HIDDEN_LAYERS if self.is_dev() else KLEIN_HIDDEN_LAYERS)
         reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
         used = [k for k in reader.keys() if _kept_layer_key(checkpoint_key_to_llm(k, True), keep) is not None]
-        return reader.numel(used)
+        return [llm_text_weights(reader, used)]
 
     def is_dev(self) -> bool:
         """[dev] has the guidance embedding; read from the key names, no weights loaded."""

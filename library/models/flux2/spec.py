@@ -77,15 +77,22 @@ SAMPLING = S.Sampling(method="flux2_shift", mu="library.models.flux2.sampling:co
 
 # -- memory planner shapes and presets
 # Both text encoders pad every caption to 512 tokens, and the transformer sees them all (no mask).
+# klein's Qwen3 as load_klein_text_encoder reads it: embeddings + the first 27 of 36 layers, no head; [dev]'s
+# Mistral Small 3.1 as load_dev_text_encoder reads it: embeddings + the first 30 of 40 layers, no head (fp8: the
+# decoder Linears, LLM(...) on meta).
+_QWEN3_4B_27_LAYERS = S.TextWeights(3_114_090_752, fp8_weights=2_724_986_880, fp8_scales=42_577_920)
+_QWEN3_8B_27_LAYERS = S.TextWeights(5_831_887_616, fp8_weights=5_209_325_568, fp8_scales=81_395_712)
+_MISTRAL_SMALL_3_1_30_LAYERS = S.TextWeights(17_343_759_360, fp8_weights=16_672_358_400, fp8_scales=260_505_600)
 PLANNER = S.Planner(
     transformer="library.models.flux2.model:Flux2",
     text_tokens=512,
     presets={
-        # klein's Qwen3 as load_klein_text_encoder reads it: embeddings + the first 27 of 36 layers, no head.
-        "flux2-klein-4b": S.PlannerPreset("flux2", "library.models.flux2.model:FLUX2_KLEIN_4B", {"text_encoder": 3_114_090_752}),
-        "flux2-klein-9b": S.PlannerPreset("flux2", "library.models.flux2.model:FLUX2_KLEIN_9B", {"text_encoder": 5_831_887_616}),
-        # [dev]'s Mistral Small 3.1 as load_dev_text_encoder reads it: embeddings + the first 30 of 40 layers, no head.
-        "flux2-dev": S.PlannerPreset("flux2", "library.models.flux2.model:FLUX2_DEV", {"text_encoder": 17_343_759_360}),
+        "flux2-klein-4b": S.PlannerPreset("flux2", "library.models.flux2.model:FLUX2_KLEIN_4B",
+                                          {"text_encoder": _QWEN3_4B_27_LAYERS}),
+        "flux2-klein-9b": S.PlannerPreset("flux2", "library.models.flux2.model:FLUX2_KLEIN_9B",
+                                          {"text_encoder": _QWEN3_8B_27_LAYERS}),
+        "flux2-dev": S.PlannerPreset("flux2", "library.models.flux2.model:FLUX2_DEV",
+                                     {"text_encoder": _MISTRAL_SMALL_3_1_30_LAYERS}),
     },
 )
 

@@ -108,17 +108,17 @@ class Ideogram4Family(DiffusionFamily):
                              f"no set of layers of a {config.hidden_size}-wide, {config.num_layers}-layer encoder gives")
         return taps
 
-    def text_encoder_params(self) -> int:
+    def text_encoder_weights(self):
         """The embeddings and the decoder layers up to the deepest tap (all 36 released), no head, no vision."""
         from library.io import CheckpointReader, component_folder
-        from library.models.llm import _kept_layer_key, checkpoint_key_to_llm
+        from library.models.llm import _kept_layer_key, checkpoint_key_to_llm, llm_text_weights
 
         reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
         features = self.load_transformer(torch.float32, read_weights=False).config.llm_features_dim
         keep = max(self.taps(features)) + 1
         used = [k for k in reader.keys() if (name := _kept_layer_key(checkpoint_key_to_llm(k, True), keep)) is not None
                 and not name.startswith("lm_head.")]
-        return reader.numel(used)
+        return [llm_text_weights(reader, used)]
 
     def text_encoding_constants(self) -> dict:
         from library.models.ideogram4 import text_encoder as te
@@ -168,7 +168,8 @@ class Ideogram4Family(DiffusionFamily):
         return guidance * cond + (1.0 - guidance) * uncond
 
     def unconditional_model(self, model):
-        """The release's unconditional transformer (loaded once, in the model's dtype), else `model`."""
+        """The release's unconditional transformer (loaded once per round of samples, in the model's
+        dtype: release_sample_models frees it), else `model`."""
         if self.unconditional is None:
             if not getattr(self, "_warned", False):
                 self._warned = True
@@ -181,6 +182,26 @@ class Ideogram4Family(DiffusionFamily):
             device = next(model.parameters()).device
             self._uncond = load_ideogram4(self.unconditional, dtype=model.compute_dtype).to(device)
         return self._uncond
+
+    # The released unconditional transformer's bytes (BFL fp8r, the rest bf16): a preset's (no files) answer.
+    unconditional_bytes: int | None = None
+
+    def sample_model_bytes(self, dtype) -> int:
+        """The unconditional transformer as unconditional_model loads it, on meta from its header."""
+        if self.unconditional_bytes is not None:
+            return self.unconditional_bytes
+        if self.unconditional is None:
+            return 0
+        from library.models.ideogram4.checkpoint import load_ideogram4
+
+        uncond = load_ideogram4(self.unconditional, dtype=dtype, read_weights=False)
+        return sum(t.numel() * t.element_size() for t in (*uncond.parameters(), *uncond.buffers()))
+
+    def release_sample_models(self) -> None:
+        """Freed, not kept on the CPU: it is ~9 GiB (released fp8r) the host's memory would hold through
+        training beside block swap's copies, and reading it again is seconds beside a round of 48-step
+        samples (render_samples reads its bf16 reference base anew per round too)."""
+        self._uncond = None
 
     # -- training and sampling schedules --------------------------------------------------------
     def unread_training_keys(self, args) -> dict[str, str]:

@@ -67,12 +67,17 @@ SAMPLING = S.Sampling(method="ideogram4_shift", mu="library.models.ideogram4.sam
 # -- memory planner shapes and presets
 # Captions vary in length (we cache each one's real tokens; the pipeline pads to 2048): the plan sizes 512.
 # The text encoder: Qwen3-VL-8B's language model, all 36 layers (the last tap is the last layer), no head.
-_QWEN3_VL_8B_LANGUAGE = 7_568_405_504  # Qwen3-8B's dimensions (LLM(QWEN3_8B) on meta, lm_head aside)
+# Qwen3-8B's dimensions (LLM(QWEN3_8B) on meta, lm_head aside; fp8 on every decoder Linear)
+_QWEN3_VL_8B_LANGUAGE = S.TextWeights(7_568_405_504, fp8_weights=6_945_767_424, fp8_scales=108_527_616)
+# Samples load the release's unconditional transformer beside the trained one: IDEOGRAM4's shapes in BFL fp8r
+# (the blocks' Linears), the rest bf16, 8.93 GiB (tiny.quantized of the meta model's state dict).
+_UNCONDITIONAL_FP8R = 9_583_360_256
 PLANNER = S.Planner(
     transformer="library.models.ideogram4.model:Ideogram4",
     text_tokens=512,
     presets={"ideogram4": S.PlannerPreset("ideogram4", "library.models.ideogram4.model:IDEOGRAM4",
-                                          {"text_encoder": _QWEN3_VL_8B_LANGUAGE})},
+                                          {"text_encoder": _QWEN3_VL_8B_LANGUAGE},
+                                          attributes={"unconditional_bytes": _UNCONDITIONAL_FP8R})},
 )
 
 

@@ -146,15 +146,15 @@ class Krea2Family(DiffusionFamily):
 
         return encode
 
-    def text_encoder_params(self) -> int:
+    def text_encoder_weights(self):
         """The embeddings, the decoder layers up to the deepest tap and the final norm (no head, no vision)."""
         from library.io import CheckpointReader, component_folder
-        from library.models.llm import _kept_layer_key, checkpoint_key_to_llm
+        from library.models.llm import _kept_layer_key, checkpoint_key_to_llm, llm_text_weights
 
         reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
         used = [k for k in reader.keys() if (name := _kept_layer_key(checkpoint_key_to_llm(k, True), max(self.taps)))
                 is not None and not name.startswith("lm_head.")]
-        return reader.numel(used)
+        return [llm_text_weights(reader, used)]
 
     def text_encoding_constants(self) -> dict:
         from library.models.krea2 import text_encoder as te

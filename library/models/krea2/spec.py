@@ -84,7 +84,7 @@ SAMPLING = S.Sampling(method="krea2_shift", mu=S.MuLine(256, 6400, 0.5, 1.15))
 # Captions vary in length (we cache each one's real tokens; the pipeline pads to 512): the plan sizes
 # 512, the most the pipeline keeps. The text encoder as load_krea2_text_encoder reads Qwen3-VL-4B:
 # the embeddings, 35 of 36 decoder layers (the deepest tap, 35) and the final norm, no head, no vision.
-_QWEN3_VL_4B_35_LAYERS = 3_921_537_280
+_QWEN3_VL_4B_35_LAYERS = S.TextWeights(3_921_537_280, fp8_weights=3_532_390_400, fp8_scales=55_193_600)  # fp8: its Linears
 PLANNER = S.Planner(
     transformer="library.models.krea2.model:Krea2",
     text_tokens=512,

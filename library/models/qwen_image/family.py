@@ -99,6 +99,21 @@ class QwenImageFamily(DiffusionFamily):
 
         return vae_on_meta(QwenImageVAE, self.vae_path)
 
+    def text_encoder_weights(self):
+        """Qwen2.5-VL's language model, lm_head included, as load_llm keeps it; its vision tower (a
+        Qwen-Image repo's text_encoder/ holds one) only where the encoder sees the references, which
+        loads it too (in the encoders' float dtype: never fp8)."""
+        from library.io import CheckpointReader, component_folder
+        from library.models.family import TextWeights
+        from library.models.llm import checkpoint_key_to_llm, llm_text_weights
+
+        reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
+        language = [k for k in reader.keys() if checkpoint_key_to_llm(k) is not None]  # vision keys are skipped
+        weights = [llm_text_weights(reader, language)]
+        if self.text_sees_controls:
+            weights.append(TextWeights(reader.numel() - reader.numel(language)))
+        return weights
+
     def text_on_meta(self, model, batch, tokens):
         return {"embeds": torch.empty(batch, tokens, model.config.joint_attention_dim, device="meta"),
                 "mask": torch.ones(batch, tokens, dtype=torch.bool, device="meta")}

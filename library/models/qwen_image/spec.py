@@ -59,22 +59,25 @@ SAMPLING = S.Sampling(method="qwen_shift", mu=S.MuLine(256, 8192, 0.5, 0.9), shi
 
 # -- memory planner shapes and presets
 # Captions vary in length (a mask pads them): the plan sizes a long one, 512 tokens.
+# Qwen2.5-VL-7B's language model as load_llm keeps it (LLM(QWEN2_5_7B) on meta: fp8 on every decoder Linear).
+_QWEN2_5_VL_7B_LANGUAGE = S.TextWeights(7_615_616_512, fp8_weights=6_525_288_448, fp8_scales=101_957_632)
 PLANNER = S.Planner(
     transformer="library.models.qwen_image.model:QwenImage",
     text_tokens=512,
     presets={
         "qwen-image": S.PlannerPreset("qwen_image", "library.models.qwen_image.model:QWEN_IMAGE",
-                                      {"text_encoder": 7_615_616_512}),  # Qwen2.5-VL-7B's language model
+                                      {"text_encoder": _QWEN2_5_VL_7B_LANGUAGE}),
         # Edit(-2509/-2511): Qwen-Image's transformer, one reference's tokens; Qwen2.5-VL-7B with its vision
         # tower (0.68 B) as the text encoder. No config.json to read the version from: 2509 (2511 plans the
         # same: its text sees the references alike).
         "qwen-image-edit": S.PlannerPreset("qwen_image_edit", "library.models.qwen_image.model:QWEN_IMAGE",
-                                           {"text_encoder": 8_292_166_656},
+                                           {"text_encoder": S.TextWeights(8_292_166_656, fp8_weights=6_525_288_448,
+                                                                          fp8_scales=101_957_632)},
                                            attributes={"version": "qwen-image-edit-2509"}),
         # Layered: Qwen-Image's transformer (the flags add no weight) on the composite + 4 layers + the
         # condition image: six frames' tokens; Qwen2.5-VL-7B's language model (the text sees no image).
         "qwen-image-layered": S.PlannerPreset("qwen_image_layered", "library.models.qwen_image.layered:QWEN_IMAGE_LAYERED",
-                                              {"text_encoder": 7_615_616_512}, attributes={"layers": 4}),
+                                              {"text_encoder": _QWEN2_5_VL_7B_LANGUAGE}, attributes={"layers": 4}),
     },
 )
 

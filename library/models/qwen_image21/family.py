@@ -164,15 +164,15 @@ class QwenImage21Family(DiffusionFamily):
 
         return encode
 
-    def text_encoder_params(self) -> int:
+    def text_encoder_weights(self):
         """The embeddings and every decoder layer with the final norm (no head, no vision tower)."""
         from library.io import CheckpointReader, component_folder
-        from library.models.llm import checkpoint_key_to_llm
+        from library.models.llm import checkpoint_key_to_llm, llm_text_weights
 
         reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
         used = [k for k in reader.keys() if (name := checkpoint_key_to_llm(k, True)) is not None
                 and not name.startswith("lm_head.")]
-        return reader.numel(used)
+        return [llm_text_weights(reader, used)]
 
     def text_encoding_constants(self) -> dict:
         from library.models.qwen_image21 import text_encoder as te

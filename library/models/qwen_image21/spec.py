@@ -70,7 +70,7 @@ SAMPLING = S.Sampling(method="flux_shift", mu=S.MuLine(256, 4096, 0.5, 1.15))
 # Captions vary in length (we cache each one's real tokens; the pipeline has no limit): the plan sizes 512.
 # The text encoder: Qwen3-VL-8B's language model without head or vision tower (as Qwen3-8B's layers:
 # 36 x 4096, 8 key-value heads, MLP 12288, vocabulary 151936): 7,568,405,504 parameters.
-_QWEN3_VL_8B_LANGUAGE_MODEL = 7_568_405_504
+_QWEN3_VL_8B_LANGUAGE_MODEL = S.TextWeights(7_568_405_504, fp8_weights=6_945_767_424, fp8_scales=108_527_616)
 PLANNER = S.Planner(
     transformer="library.models.qwen_image21.model:QwenImage21",
     text_tokens=512,

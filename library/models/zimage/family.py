@@ -121,11 +121,11 @@ class ZImageFamily(DiffusionFamily):
         # host (one sync), which meta tensors cannot give; without one it runs on meta alike.
         return {"embeds": torch.empty(batch, tokens, model.config.cap_feat_dim, device="meta")}
 
-    def text_encoder_params(self) -> int:
+    def text_encoder_weights(self):
         """The embeddings, the decoder layers up to the one read (35 of Qwen3-4B's 36) and the final
         norm; no lm_head (llm.checkpoint_key_to_llm's mapping)."""
         from library.io import CheckpointReader, component_folder
-        from library.models.llm import _find_config, _kept_layer_key, checkpoint_key_to_llm
+        from library.models.llm import _find_config, _kept_layer_key, checkpoint_key_to_llm, llm_text_weights
 
         path = component_folder(self.text_paths["text_encoder"], "text_encoder")
         reader = CheckpointReader(path)
@@ -135,7 +135,7 @@ class ZImageFamily(DiffusionFamily):
             keep = 35
         used = [k for k in reader.keys() if (name := _kept_layer_key(checkpoint_key_to_llm(k, True), keep)) is not None
                 and not name.startswith("lm_head.")]
-        return reader.numel(used)
+        return [llm_text_weights(reader, used)]
 
     @classmethod
     def checkpoint_names(cls, keys, shape):

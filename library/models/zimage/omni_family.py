@@ -137,11 +137,13 @@ class ZImageOmniFamily(ZImageFamily):
         return TokenLimit("Qwen3", te.ZIMAGE_MAX_LENGTH,
                           lambda text: len(tokenizer(omni_prompt_segments(text, 1)[1], verbose=False).input_ids))
 
-    def text_encoder_params(self) -> int:
-        """Qwen3's (the layers read) plus the SigLIP vision model's."""
+    def text_encoder_weights(self):
+        """Qwen3's (the layers read) and the SigLIP vision model's (never fp8: bf16 under fp8)."""
         from library.io import CheckpointReader, component_folder
+        from library.models.family import TextWeights
 
-        return super().text_encoder_params() + CheckpointReader(component_folder(self.siglip_path, "siglip")).numel()
+        siglip = CheckpointReader(component_folder(self.siglip_path, "siglip")).numel()
+        return super().text_encoder_weights() + [TextWeights(siglip)]
 
     def reference_text_tokens(self, width: int, height: int) -> int:
         """The planner's caption length grows by one 32-token segment per reference (text_on_meta)."""

@@ -93,11 +93,11 @@ SAMPLING = S.Sampling(method="zimage_shift", shift=3.0, train_shift=2.0)
 # -- memory planner shapes and presets
 # Captions vary in length (a mask; the pipeline keeps at most 512 tokens): the plan sizes 512.
 # The text encoder as load_zimage_text_encoder reads Qwen3-4B: the embeddings, 35 of 36 decoder
-# layers (hidden_states[-2]) and the final norm, no head (tied embeddings: none in the files).
-_QWEN3_4B_35_LAYERS = 3_921_537_280
+# layers (hidden_states[-2]) and the final norm, no head (tied embeddings: none in the files); fp8: its Linears.
+_QWEN3_4B_35_LAYERS = S.TextWeights(3_921_537_280, fp8_weights=3_532_390_400, fp8_scales=55_193_600)
 # Omni's SigLIP2 so400m vision model (Siglip2VisionModel: hidden 1152, 27 layers, 4304 MLP, patch 16,
 # 256 positions, its pooling head included as from_pretrained builds it), counted on meta.
-_SIGLIP2_SO400M = 427_888_064
+_SIGLIP2_SO400M = S.TextWeights(427_888_064)  # never fp8 (bf16 under fp8)
 PLANNER = S.Planner(
     transformer="library.models.zimage.omni:zimage_transformer",  # ZImage, or ZImageOmni with the SigLIP branch
     text_tokens=512,
