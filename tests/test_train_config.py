@@ -39,6 +39,36 @@ def test_unknown_key_names_key_and_file(tmp_path):
         load_config(["--config_file", cfg])
 
 
+def test_every_unknown_key_of_a_file_is_named_in_one_line(tmp_path):
+    """An sd-scripts config brings several; the old line named one a run, the first to be refused."""
+    cfg = write(tmp_path, BASE + "cache_latents = true\n[extra]\nnetwork_train_unet_only = true\nsdpa = true\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(["--config_file", cfg])
+    assert str(raised.value) == f"{cfg}: unknown keys 'cache_latents', 'network_train_unet_only', 'sdpa'"
+
+
+def test_a_config_file_without_its_suffix_is_found_with_toml_appended(tmp_path):
+    """sd-scripts appends .toml; the old line said 'config file not found'."""
+    cfg = write(tmp_path, BASE + f'output_dir = "{tmp_path}"\nnetwork_dim = 8\n')
+    args = load_config(["--config_file", cfg[:-len(".toml")]])
+    assert args.network_dim == 8 and args.config_file == cfg
+
+
+def test_none_on_the_command_line_clears_the_files_epochs_and_steps_alone_under_them_are_refused(tmp_path):
+    """The file's max_train_epochs overrides max_train_steps: --max_train_steps 1 trained the file's epochs
+    without a word, and nothing on the command line could clear them (0 is < 1, 'none' not an int)."""
+    cfg = write(tmp_path, BASE + f'output_dir = "{tmp_path}"\nmax_train_epochs = 2\n')
+    with pytest.raises(ConfigError) as raised:
+        load_config(["--config_file", cfg, "--max_train_steps", "5"])
+    assert str(raised.value) == (f"{cfg} and command line: --max_train_steps 5 would be ignored: max_train_epochs = 2 "
+                                 f"in {cfg} overrides it; add --max_train_epochs none to train 5 steps")
+    args = load_config(["--config_file", cfg, "--max_train_steps", "5", "--max_train_epochs", "none"])
+    assert (args.max_train_steps, args.max_train_epochs) == (5, None)
+    assert load_config(["--config_file", cfg, "--max_train_steps", "5", "--max_train_epochs", "3"]).max_train_epochs == 3
+    with pytest.raises(ConfigError, match="--max_train_steps must be int, got 'none'"):  # its default is a number
+        load_config(["--config_file", cfg, "--max_train_steps", "none"])
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
@@ -117,6 +147,14 @@ def test_optimizer_args_inf_and_nan_are_floats(tmp_path):
     cfg = write(tmp_path, BASE + 'optimizer_type = "Prodigy"\nlearning_rate = 1.0\noptimizer_args = ["d0=1e-4", "growth_rate=inf"]\n')
     assert config.optimizer_kwargs(load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])) == {
         "d0": 1e-4, "growth_rate": math.inf}
+
+
+def test_optimizer_args_yes_no_on_off_are_booleans_as_network_args_reads_them():
+    """'use_bias_correction=no' reached Prodigy as the string 'no', which it read as true."""
+    parsed = parse_kv_literals(["use_bias_correction=no", "amsgrad=Off", "maximize=YES", "decouple=on", "mode=fast"],
+                               "optimizer_args", "x")
+    assert parsed == {"use_bias_correction": False, "amsgrad": False, "maximize": True, "decouple": True, "mode": "fast"}
+    assert parse_kv_literals(["dora=no"], "network_args", "x", any_text=True) == {"dora": "no"}  # the network's _as_bool
 
 
 @pytest.mark.parametrize("args, message", [
@@ -450,6 +488,9 @@ def test_numbers_out_of_range_are_refused(tmp_path, key, value, problem):
 @pytest.mark.parametrize("config, line, message", [
     (FLUX, "batch_size = 4", "key 'batch_size' is read by model_type llm, not by model_type flux "
                              r"\(the batch size of images is the dataset TOML's batch_size\)"),
+    (FLUX, "batch_size = 8", "key 'batch_size' is read by model_type llm"),  # the llm's default: was let through
+    (BASE, "torch_compile = true", "key 'torch_compile' is read by the diffusion models, not by model_type llm"),
+    (BASE, "max_data_loader_n_workers = 2", "key 'max_data_loader_n_workers' is read by the diffusion models"),
     (FLUX, 'train_data = ["x.txt"]', "key 'train_data' is read by model_type llm"),
     (FLUX, 'text_encoder = "q"', "key 'text_encoder' is read by model_type .*qwen_image.*, not by model_type flux"),
     (BASE, 'timestep_sampling = "shift"', "key 'timestep_sampling' is read by the diffusion models, not by model_type llm"),
@@ -466,11 +507,15 @@ def test_a_key_the_model_type_never_reads_is_refused(tmp_path, config, line, mes
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
 
 
-def test_a_foreign_key_at_its_default_is_let_through(tmp_path):
-    cfg = write(tmp_path, FLUX + "batch_size = 8\nblocks_to_swap = 0\n")
-    assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path)]).batch_size == 8
-    cfg = write(tmp_path, BASE + "blocks_to_swap = 0\nvalidate_every_n_steps = 0\n")
-    load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+def test_a_foreign_key_is_refused_at_its_default_too(tmp_path):
+    """batch_size = 8 (the llm's default) on a FLUX run was let through, and the dataset's batch trained;
+    4 or 16 were refused."""
+    cfg = write(tmp_path, FLUX + "blocks_to_swap = 0\n")
+    with pytest.raises(ConfigError, match=r"^command line: key 'batch_size' is read by model_type llm"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--batch_size", "8"])
+    cfg = write(tmp_path, BASE + "blocks_to_swap = 0\n")
+    with pytest.raises(ConfigError, match=r"train\.toml: key 'blocks_to_swap' is read by the diffusion models"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
 
 
 @pytest.mark.parametrize("lines, message", [
@@ -507,6 +552,24 @@ def test_a_scheduler_or_loss_key_that_its_choice_never_reads_is_refused(tmp_path
     key = re.search(r"key '(\w+)'", message).group(1)
     line = next(v for v in lines.split("\n") if v.startswith(key))
     load_config(["--config_file", write(tmp_path, FLUX + used[key] + "\n" + line + "\n"), "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("line, message, used", [
+    ("persistent_data_loader_workers = true", "does nothing with max_data_loader_n_workers = 0",
+     "max_data_loader_n_workers = 2"),
+    ('ema_device = "cpu"', "does nothing with ema_decay = 0.0; it needs ema_decay > 0", "ema_decay = 0.9"),
+    ('log_prefix = "a_"', "does nothing with log_with unset and logging_dir unset; it needs a tracker", 'logging_dir = "logs"'),
+    ("save_last_n_saves = 2", "does nothing with save_every_n_steps = 0 and save_every_n_epochs = 0",
+     "save_every_n_epochs = 1"),
+])
+def test_a_key_whose_feature_is_off_is_refused(tmp_path, line, message, used):
+    """The old line took them and did nothing: no worker to keep alive, no EMA, no tracker run to name,
+    no intermediate save to prune."""
+    cfg = write(tmp_path, FLUX + line + "\n")
+    key = line.split(" =")[0]
+    with pytest.raises(ConfigError, match=rf"train\.toml: key '{key}' {re.escape(message)}"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    load_config(["--config_file", write(tmp_path, FLUX + line + "\n" + used + "\n"), "--output_dir", str(tmp_path)])
 
 
 def test_sampling_keys_with_prompts_blanked_are_an_explicit_no(tmp_path):

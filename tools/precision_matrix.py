@@ -202,7 +202,8 @@ def find_concept(option: str | None, dataset_config: str) -> str | None:
 
 def run_args(config_file: str, overrides: list[str]) -> list[str]:
     return ["--config_file", config_file, "--sample_prompts", "", "--sample_at_first", "false",
-            "--save_every_n_steps", "0", "--save_every_n_epochs", "0", "--save_state", "false", *overrides]
+            "--save_every_n_steps", "0", "--save_every_n_epochs", "0", "--save_last_n_saves", "0", "--save_state", "false",
+            *overrides]
 
 
 def train_row(trained_on: str, config_file: str, out: str, overrides: list[str], bases: "Bases") -> str:
@@ -451,7 +452,7 @@ def main(argv=None, log=print) -> int:
         cli = build_parser().parse_args(argv)
         check_out_folder("--out", cli.out, "the matrix and its rows' runs go there")  # NotADirectoryError's traceback
         check_counts(cli)  # before any row trains (hours at full size)
-        overrides = ["--max_train_steps", str(cli.steps)] if cli.steps else []
+        overrides = ["--max_train_steps", str(cli.steps), "--max_train_epochs", "none"] if cli.steps else []
         base = load_config(["--config_file", cli.config_file])
         if base.model_type == "llm":  # before run_args' diffusion keys, which an llm config refuses
             raise ValueError(f"{cli.config_file}: model_type llm: the precision matrix is for the diffusion models")

@@ -295,6 +295,24 @@ def _coerce(key: str, value: Any, where: str) -> Any:
     return value
 
 
+def config_path(path: str) -> str:
+    """--config_file as given, or with .toml appended where it has no suffix and does not exist
+    (sd-scripts appends it: `--config_file configs/quickstart`)."""
+    if not os.path.exists(path) and not os.path.splitext(path)[1] and os.path.exists(path + ".toml"):
+        return path + ".toml"
+    return path
+
+
+def _check_steps_override(values: dict[str, Any], origins: dict[str, str]) -> None:
+    """--max_train_steps on the command line under the file's max_train_epochs, which overrides it:
+    the run would train the file's epochs without a word."""
+    file, steps = origins.get("max_train_epochs"), values["max_train_steps"]
+    if origins.get("max_train_steps") == "command line" and file not in (None, "command line"):
+        raise ConfigError(f"{file} and command line: --max_train_steps {steps} would be ignored: max_train_epochs = "
+                          f"{values['max_train_epochs']} in {file} overrides it; add --max_train_epochs none to train "
+                          f"{steps} step{'s' if steps != 1 else ''}")
+
+
 def read_toml(path: str) -> dict:
     try:
         text = read_utf8(path, "config file")
@@ -333,6 +351,8 @@ def _leaves(config: dict, table: str):
 
 def _parse_cli_value(key: str, text: str) -> Any:
     spec = SCHEMA[key]
+    if spec.default is None and text.lower() == "none":  # unset again: clears the file's value
+        return None
     if spec.type is bool:
         if text.lower() not in ("true", "false"):
             raise ConfigError(f"command line: --{key} takes true or false, got {text!r}")
@@ -371,10 +391,13 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     values = {k: s.default for k, s in SCHEMA.items()}
     origins: dict[str, str] = {}  # key -> the file or "command line" that set it
     if cli.config_file:
-        where = cli.config_file
-        for key, value in _flatten(read_toml(where), where).items():
-            if key not in SCHEMA:
-                raise ConfigError(f"{where}: unknown key '{key}'")
+        where = cli.config_file = config_path(cli.config_file)
+        flat = _flatten(read_toml(where), where)
+        unknown = [key for key in flat if key not in SCHEMA]
+        if unknown:  # all at once: an sd-scripts config brings several
+            raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} "
+                              f"{', '.join(repr(k) for k in unknown)}")
+        for key, value in flat.items():
             values[key] = _coerce(key, value, where)
             origins[key] = where
     for key in SCHEMA:
@@ -384,6 +407,9 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         value = [str(v) for v in raw] if SCHEMA[key].type is list else _parse_cli_value(key, raw)
         values[key] = _coerce(key, value, "command line")
         origins[key] = "command line"
+        if value is None:  # `none`: the key is unset, as if no one had given it
+            del origins[key]
+    _check_steps_override(values, origins)
     args = argparse.Namespace(**values, config_file=cli.config_file)
     where = cli.config_file or "command line"
     validate(args, where, origins)
@@ -410,21 +436,25 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
 
 _WORD_LITERALS = {"true": True, "false": False, "none": None, "null": None,
                    "inf": math.inf, "-inf": -math.inf, "nan": math.nan}  # words ast.literal_eval refuses
+_WORD_BOOLS = {"yes": True, "no": False, "on": True, "off": False}
 
 
 def parse_kv_literals(items: list[str], key: str, where: str, any_text: bool = False) -> dict[str, Any]:
     """['lr=1e-3', 'betas=(0.9,0.99)', 'mode=scaled'] -> dict. Values are Python literals
     (ast.literal_eval, never eval); true / false / none in any case are True / False / None (TOML's
-    and JSON's spelling: 'false' kept as a string is truthy); another bare word stays a string.
-    any_text: any other text stays a string too (network_args, which the network checks key by key:
-    sd-scripts' block ranges '0-5,10', a bare regex)."""
+    and JSON's spelling: 'false' kept as a string is truthy), and so are yes / no / on / off unless
+    any_text (the optimizer took 'use_bias_correction=no' as the truthy string); another bare word
+    stays a string (an optimizer may take one). any_text: any other text stays a string too
+    (network_args, which the network checks key by key, its booleans yes / no included: sd-scripts'
+    block ranges '0-5,10', a bare regex)."""
+    words = _WORD_LITERALS if any_text else {**_WORD_LITERALS, **_WORD_BOOLS}
     out = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"{where}: {key} entry {item!r} must be 'name=value'")
         name, text = (s.strip() for s in item.split("=", 1))
-        if text.lower() in _WORD_LITERALS:
-            out[name] = _WORD_LITERALS[text.lower()]
+        if text.lower() in words:
+            out[name] = words[text.lower()]
             continue
         try:
             out[name] = ast.literal_eval(text)
@@ -631,8 +661,8 @@ DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_e
                   "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "discrete_flow_shift",
                   "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
-                  "validate_every_n_steps", "persistent_data_loader_workers",
-                  "keep_cache")
+                  "validate_every_n_steps", "persistent_data_loader_workers", "max_data_loader_n_workers",
+                  "torch_compile", "keep_cache")
 
 
 def plan_steps(args, batches_per_epoch: int, resumed: dict | None = None) -> int:
@@ -725,8 +755,8 @@ def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: s
 
 def _validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> None:
     """A key the model_type never reads would be ignored without a word (batch_size on an image
-    model's run is the llm's, not the images'; the dataset TOML sets those). Set to its default, it changes
-    nothing either way and is let through (a UI may write every key)."""
+    model's run is the llm's, not the images'; the dataset TOML sets those). Refused whenever it was given,
+    whatever its value: at the other type's default (batch_size = 8) it was let through, and ignored."""
     if args.model_type == "llm":
         foreign = {k: "the diffusion models" for k in (*DIFFUSION_KEYS, *FAMILY_KEYS)}
         if args.pretrain:  # the whole model trains: no LoRA is built, loaded or saved
@@ -735,15 +765,17 @@ def _validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> 
         foreign = {k: "model_type llm" for k in LLM_KEYS}
         foreign.update(unread_family_keys(args.model_type))
     for key in origins:
-        if key in foreign and getattr(args, key) != SCHEMA[key].default:
+        if key in foreign:
             extra = " (the batch size of images is the dataset TOML's batch_size)" if key == "batch_size" else ""
             raise ConfigError(f"{origins[key]}: key '{key}' is read by {foreign[key]}, not by model_type "
                               f"{args.model_type}{extra}")
 
 
-# key -> (the key whose value decides whether it is read, that test, the value it needs): the
+# key -> (the key (or keys) whose values decide whether it is read, that test, what it needs): the
 # schedulers and the loss read these only there (diffusers' get_scheduler drops num_cycles and
-# power elsewhere), as sd-scripts does.
+# power elsewhere), as sd-scripts does; the DataLoader keeps no workers alive without workers, the EMA
+# lives nowhere without ema_decay, log_prefix names only a tracker's run, and a run without
+# intermediate saves has none to prune (its one Ctrl-C save is the newest).
 IDLE_UNLESS = {
     "lr_scheduler_num_cycles": ("lr_scheduler", lambda v: v == "cosine_with_restarts", 'lr_scheduler = "cosine_with_restarts"'),
     "lr_scheduler_power": ("lr_scheduler", lambda v: v == "polynomial", 'lr_scheduler = "polynomial"'),
@@ -752,7 +784,20 @@ IDLE_UNLESS = {
     "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),
     "block_swap_prefetch": ("blocks_to_swap", lambda v: v > 0, "blocks_to_swap >= 1 (a diffusion model's)"),
     "weight_decay_1d": ("pretrain", bool, "pretrain = true (a LoRA's parameters are all matrices)"),
+    "persistent_data_loader_workers": ("max_data_loader_n_workers", lambda v: v > 0, "max_data_loader_n_workers >= 1"),
+    "ema_device": ("ema_decay", lambda v: v > 0, "ema_decay > 0 (e.g. 0.999)"),
+    "log_prefix": (("log_with", "logging_dir"), lambda w, d: bool(w or d), "a tracker (logging_dir, or log_with)"),
+    "save_last_n_saves": (("save_every_n_steps", "save_every_n_epochs"), lambda n, e: bool(n or e),
+                          "intermediate saves (save_every_n_steps or save_every_n_epochs)"),
 }
+UNSET_MEANS = {"timestep_sampling": " (the model's own)"}  # an unset key's meaning, where an error line names it
+
+
+def _shown(key: str, value: Any) -> str:
+    """`key = value` as an error line says it."""
+    if value is None:
+        return f"{key} unset{UNSET_MEANS.get(key, '')}"
+    return f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value}"
 
 
 def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
@@ -763,12 +808,12 @@ def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where
     if args.lr_warmup_steps and args.lr_scheduler == "constant":  # diffusers' constant ignores it (sd-scripts refuses)
         raise ConfigError(f"{_blame(origins, where, 'lr_warmup_steps', 'lr_scheduler')}: key 'lr_warmup_steps' does "
                           f"nothing with lr_scheduler = \"constant\"; use \"constant_with_warmup\" (or another schedule)")
-    for key, (other, used, needs) in IDLE_UNLESS.items():  # set off its default where nothing reads it
-        if key in origins and getattr(args, key) != SCHEMA[key].default and not used(getattr(args, other)):
-            value = getattr(args, other)
-            shown = (f"{other} unset (the model's own)" if value is None else
-                     f'{other} = "{value}"' if isinstance(value, str) else f"{other} = {value}")
-            raise ConfigError(f"{_blame(origins, where, key, other)}: key '{key}' does nothing with {shown}; "
+    for key, (others, used, needs) in IDLE_UNLESS.items():  # set off its default where nothing reads it
+        others = (others,) if isinstance(others, str) else others
+        values = [getattr(args, other) for other in others]
+        if key in origins and getattr(args, key) != SCHEMA[key].default and not used(*values):
+            shown = " and ".join(_shown(other, value) for other, value in zip(others, values))
+            raise ConfigError(f"{_blame(origins, where, key, *others)}: key '{key}' does nothing with {shown}; "
                               f"it needs {needs}")
     if args.sample_every_n_steps and args.sample_every_n_epochs:  # sd-scripts renders the epochs' only; both fired here
         raise ConfigError(f"{_blame(origins, where, 'sample_every_n_steps', 'sample_every_n_epochs')}: key "
