@@ -1,7 +1,7 @@
 """The one place that picks the network type from `network_module` (sd-scripts' config key).
 
     networks.lora   our LoRA (networks/lora.py), with DoRA through network_args dora=True
-    lycoris.kohya   LoKr, LoHa, (IA)^3, ... through the lycoris-lora package (networks/lycoris_network.py)
+    lycoris.kohya   LoKr, LoHa, LoCon, ... through the lycoris-lora package (networks/lycoris_network.py)
 
 Both classes fulfil the Network protocol below, so the tasks and tools call build_network /
 network_from_file and never branch on the type. `arch` is the transformer architecture the network
@@ -54,14 +54,16 @@ def check_network_module(name: str) -> None:
         raise ValueError(f"network_module '{name}' is not supported (supported: {', '.join(NETWORK_MODULES)})")
 
 
-def check_network_args(name: str, arch: str, args: dict) -> None:
+def check_network_args(name: str, arch: str, args: dict, base_precision: str = "bf16",
+                       precision_key: str = "base_precision") -> None:
     """network_args named and typed for the network type and arch, without a model (a ValueError
-    naming the bad one): the config check runs it before minutes of caching."""
+    naming the bad one): the config check runs it before minutes of caching. base_precision: how the
+    base is stored, as the config said it with precision_key (LyCORIS' algo=full needs a high-precision one)."""
     check_network_module(name)
     if name == "lycoris.kohya":
         from networks.lycoris_network import check_lycoris_args
 
-        check_lycoris_args(args, arch)
+        check_lycoris_args(args, arch, base_precision, precision_key)
     else:
         from networks.lora import check_lora_args
 

@@ -1,4 +1,4 @@
-"""LyCORIS networks (LoKr, LoHa, (IA)^3, LoCon, full/diff ...) through the lycoris-lora package.
+"""LyCORIS networks (LoKr, LoHa, LoCon, full/diff, OFT ...) through the lycoris-lora package.
 
 The algorithms are LyCORIS' own: the network is built by `lycoris.kohya.create_network` with the
 network_args sd-scripts passes it (algo=lokr, factor, preset, dora_wd, ...), and files are
@@ -26,6 +26,9 @@ Precision: LyCORIS parameters are float32; in bypass mode LyCORIS casts them to 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import functools
+import io
 import logging
 import os
 import re
@@ -55,8 +58,19 @@ LYCORIS_ARGS = {
 NO_RANK_DROPOUT = ("ia3", "dylora", "tlora", "boft")
 # Algos with a bypass forward (base output + delta(x)), the only LyCORIS forward of theirs that applies `dropout`.
 BYPASS_ALGOS = ("lora", "locon", "loha", "lokr")
-PRESET_ONLY_ARGS = {"conv_dim": "convolution layers", "conv_alpha": "convolution layers",
-                    "train_norm": "norm layers"}
+PRESET_ONLY_ARGS = {"conv_dim": "convolution layers", "conv_alpha": "convolution layers"}
+# Algos refused before caching, algo -> why: each trains what its file does not apply, or writes a file that
+# our readers (network_weights, generate, merge_lora, lora_info) cannot read back (lycoris-lora 4.1.3).
+REFUSED_ALGOS = {
+    "dylora": "LyCORIS' DyLoRA trains a random rank every forward (samples and validation too) at alpha / (rank + 1), "
+              "but saves a plain LoRA that every loader applies at alpha / network_dim (1/4 to 1/16 of what was trained)",
+    "glora": "its file (a1 / a2 / b1 / b2) reads as no LyCORIS file here: network_weights, generate and lora_info "
+             "take it for a broken LoRA",
+    "tlora": "its file (p_layer / q_layer / lambda_layer) reads as no LyCORIS file here (network_weights, generate, "
+             "lora_info), nor in ComfyUI",
+    "ia3": "LyCORIS' own loader cannot rebuild its modules from the file (IA3Module.make_module_from_state_dict), so "
+           "generate cannot apply it, nor can ComfyUI",
+}
 # Their value types: LyCORIS reads them with int() / float() / str_bool (which takes every word but
 # "false" as true) and looks algo up in a dict, so bad values are named here and typed values passed.
 LYCORIS_INT_ARGS = {"conv_dim", "block_size", "factor"}
@@ -125,9 +139,12 @@ def _quiet_lycoris():
         logger.setLevel(level)
 
 
-def check_lycoris_args(args: dict, arch: str | None = None) -> None:
-    """network_args keys LyCORIS or our selection reads, with values of its types; needs no model.
-    arch: the selection args are also checked as our LoRA checks them for that architecture."""
+def check_lycoris_args(args: dict, arch: str | None = None, base_precision: str = "bf16",
+                       precision_key: str = "base_precision") -> None:
+    """network_args keys LyCORIS or our selection reads, with values of its types; needs no model files.
+    arch: the selection args are also checked as our LoRA checks them for that architecture, and a `preset`
+    against its released transformer's blocks. base_precision: how the frozen base is stored, which the
+    config said with `precision_key` (base_precision, or fp8_base)."""
     unknown = sorted(k for k in args if k not in LYCORIS_ARGS | SELECTION_ARGS)
     if unknown:
         raise ValueError(f"network_args: unknown key '{unknown[0]}' for lycoris.kohya "
@@ -136,6 +153,10 @@ def check_lycoris_args(args: dict, arch: str | None = None) -> None:
     if arch is not None:
         check_lora_args(arch, {k: v for k, v in args.items() if k in SELECTION_ARGS})
     algo = str(typed.get("algo", "lora")).lower()
+    if algo in REFUSED_ALGOS:
+        raise ValueError(f"network_args 'algo={algo}' is refused: {REFUSED_ALGOS[algo]}; use algo=lokr, loha or locon")
+    _check_read_back(typed, algo)
+    _check_full(typed, algo, base_precision, precision_key)
     bypass = typed.get("bypass_mode", _default_bypass(typed))
     lokr_bypass = algo == "lokr" and bypass
     if typed.get("rank_dropout") and (algo in NO_RANK_DROPOUT or lokr_bypass):
@@ -147,10 +168,124 @@ def check_lycoris_args(args: dict, arch: str | None = None) -> None:
         why = "dora_wd=true needs that forward, so leave dropout out" if typed.get("dora_wd") else "set 'bypass_mode=true' or leave it out"
         raise ValueError(f"network_args 'dropout' (network_dropout) with algo={algo}: LyCORIS' weight-rebuild forward "
                          f"(bypass_mode=false) never applies it (it would train without dropout): {why}")
+    if typed.get("train_norm"):  # NormModule takes nn.LayerNorm / nn.GroupNorm (or a `_norm` holder): no model here has one
+        raise ValueError("network_args 'train_norm': LyCORIS trains only nn.LayerNorm / nn.GroupNorm layers, and this "
+                         "model's norms are its own classes, so it would train no norm: leave it out")
     idle = [k for k, layers in PRESET_ONLY_ARGS.items() if typed.get(k) and "preset" not in args]
     if idle:
         raise ValueError(f"network_args '{idle[0]}' acts on {PRESET_ONLY_ARGS[idle[0]]}, and without a LyCORIS "
                          f"'preset' the targets are the LoRA's Linear layers: give a preset that names them, or leave it out")
+    if "preset" in args and arch is not None:
+        _check_preset_reaches_blocks(str(args["preset"]), arch)
+
+
+def _check_read_back(typed: dict, algo: str) -> None:
+    """Args whose files LyCORIS' loader (generate, merge_lora) misreads, or that train another scale than the file
+    applies: a ValueError naming the arg."""
+    if algo == "lokr" and typed.get("rs_lora") and typed.get("full_matrix"):
+        raise ValueError("network_args 'rs_lora=true' with algo=lokr and full_matrix=true: LyCORIS trains full-matrix "
+                         "LoKr at scale sqrt(network_dim), ComfyUI and LyCORIS' own loader apply its file at 1 "
+                         "(1/sqrt(rank) of what was trained): leave rs_lora out")
+    if algo == "lokr" and typed.get("unbalanced_factorization"):
+        raise ValueError("network_args 'unbalanced_factorization=true': LyCORIS' loader (generate, merge_lora) infers "
+                         "LoKr's factors from the saved shapes as balanced ones and cannot read the file back: leave it out")
+    if typed.get("dora_wd") and typed.get("wd_on_output") is False:
+        raise ValueError("network_args 'wd_on_output=false' with dora_wd=true: LyCORIS' loader (generate, merge_lora) "
+                         "reads dora_scale as the output axis's and cannot read the file back: leave wd_on_output out")
+
+
+def _check_full(typed: dict, algo: str, base_precision: str, precision_key: str) -> None:
+    """algo=full replaces each target's weight by a trained full-size copy: no bypass, and a weight to copy."""
+    if algo != "full":
+        return
+    if typed.get("bypass_mode"):
+        raise ValueError("network_args 'bypass_mode=true' with algo=full: LyCORIS' full module has no bypass forward "
+                         "(it refuses it when the network is built): leave bypass_mode out")
+    if base_precision != "bf16":
+        fix = 'base_precision = "bf16"' if precision_key == "base_precision" else "fp8_base = false"
+        raise ValueError(f"network_args 'algo=full' trains a full copy of each target weight, which needs a high-precision "
+                         f"base; '{precision_key}' stores it in {base_precision}: set {fix}")
+
+
+def _preset_of(value: str) -> dict:
+    """A LyCORIS preset by name, or read from its file as create_network reads it, with LyCORIS' defaults for the
+    keys it leaves out: create_network would keep the previous network's values for those (ours: the LoRA's
+    targets). An unreadable file is a ValueError."""
+    from lycoris.config import PRESET
+    from lycoris.utils.preset import read_preset
+
+    if value in PRESET:
+        preset = PRESET[value]
+    else:
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):  # read_preset prints its reason and returns None
+            preset = read_preset(value)
+        if preset is None:
+            raise ValueError(f"network_args 'preset': {value}: not a LyCORIS preset file ({' '.join(said.getvalue().split())})")
+    # LycorisNetworkKohya's class defaults: the "full" preset's targets, no algo maps, regex names, no exclusions
+    return {**PRESET["full"], "module_algo_map": {}, "name_algo_map": {}, "use_fnmatch": False, "exclude_name": [], **preset}
+
+
+def _block_classes(model: nn.Module) -> list[str]:
+    return sorted({type(block).__name__ for block in model.swappable_blocks()})
+
+
+def _block_linears(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """{path of each Linear inside a transformer block (swappable_blocks): the class names from the model down to it}."""
+    blocks = {id(block) for block in model.swappable_blocks()}
+    modules = dict(model.named_modules())
+    out = {}
+    for path, module in modules.items():
+        if isinstance(module, nn.Linear) or is_quantized_linear(module):
+            parts = path.split(".")
+            chain = [modules[".".join(parts[:i])] for i in range(len(parts) + 1)]  # "" is the model
+            if any(id(m) in blocks for m in chain):
+                out[path] = tuple(type(m).__name__ for m in chain)
+    return out
+
+
+@functools.cache
+def _released_blocks(arch: str) -> tuple[list[str], dict[str, tuple[str, ...]]] | None:
+    """(_block_classes, _block_linears) of the architecture's released transformer, built on meta from the memory
+    planner's first preset config (no files, the classes every size shares); None for an arch without one (llm)."""
+    from library.models.registry import arch_spec
+    from library.models.spec import load_symbol
+
+    planner = arch_spec(arch).planner
+    if planner is None or not planner.presets:
+        return None
+    config = load_symbol(next(iter(planner.presets.values())).transformer)
+    with torch.device("meta"):
+        model = load_symbol(planner.transformer)(config)
+    return _block_classes(model), _block_linears(model)
+
+
+def _preset_selects(preset: dict, path: str, classes: tuple[str, ...]) -> bool:
+    """Whether LyCORIS (kohya.py create_modules) adapts the transformer's Linear at `path` under `preset`: a module
+    from the model down to it is of a class the preset names, or the path matches a name (re.match, or fnmatch)."""
+    names = preset.get("unet_target_name") or []
+    match = fnmatch.fnmatch if preset.get("use_fnmatch") else re.match
+    named = set(preset.get("unet_target_module") or [])
+    return bool(named.intersection(classes)) or path in names or any(match(n, path) for n in names)
+
+
+def _no_block_error(preset: str, arch: str, block_classes: list[str], adapted: str = "") -> ValueError:
+    return ValueError(f"network_args 'preset': {preset!r} adapts {adapted}no Linear inside the {arch} model's "
+                      f"transformer blocks (LyCORIS selects by class name; the blocks are {', '.join(block_classes)}): "
+                      f"give a preset file whose unet_target_module names them, or leave preset out to train the "
+                      f"LoRA's targets")
+
+
+def _check_preset_reaches_blocks(preset: str, arch: str) -> None:
+    """LyCORIS' presets name diffusers' block classes, which ours are not: a preset that adapts
+    no Linear of the released model's blocks is refused before caching. Diffusion transformers only (the "unet")."""
+    released = _released_blocks(arch)
+    if released is None:
+        return
+    block_classes, linears = released
+    table = _preset_of(preset)
+    if not any(_preset_selects(table, path, classes) for path, classes in linears.items()):
+        raise _no_block_error(preset, arch, block_classes)
 
 
 def _typed_lycoris_args(args: dict) -> dict:
@@ -226,14 +361,16 @@ class LycorisNetwork(nn.Module):
         lyco_args.setdefault("bypass_mode", _default_bypass(lyco_args))
         selection = {k: v for k, v in self.network_args.items() if k in SELECTION_ARGS}
         te = lora_targets(self.arch).kohya_prefix == "lora_te"
-        if "preset" not in lyco_args:
-            picker = LoRANetwork(model, self.arch, self.rank, network_args=selection, select=False)
-            paths = [path for path, _, _ in picker._select(model, selection)]
-            kohya.PRESET[_PRESET_NAME] = _target_preset(paths, te)
-            lyco_args["preset"] = _PRESET_NAME
-        elif selection:
+        if "preset" in lyco_args and selection:
             raise ValueError(f"network_args '{sorted(selection)[0]}' selects our targets; with a LyCORIS "
                              f"'preset' the preset selects them (give one or the other)")
+        if "preset" in lyco_args:
+            preset = _preset_of(lyco_args["preset"])
+        else:
+            picker = LoRANetwork(model, self.arch, self.rank, network_args=selection, select=False)
+            preset = _target_preset([path for path, _, _ in picker._select(model, selection)], te)
+        kohya.PRESET[_PRESET_NAME] = preset
+        lyco_args["preset"] = _PRESET_NAME
         try:
             with _fp8_views(model) as views, _quiet_lycoris():
                 # An empty module, not None, where the model is the other part: lycoris scans the "unet" always
@@ -245,8 +382,32 @@ class LycorisNetwork(nn.Module):
         loras = lyco.text_encoder_loras + lyco.unet_loras
         if not loras:
             raise ValueError(f"lycoris.kohya: network_args {self.network_args} select no module of the {self.arch} model")
+        pairs = [(lora, views.get(lora.org_module[0])) for lora in loras]
+        self._check_built(model, pairs)
         self.loraplus_lr_ratio = lyco_args.get("loraplus_lr_ratio")
-        return [(lora, views.get(lora.org_module[0])) for lora in loras]
+        return pairs
+
+    def _check_built(self, model: nn.Module, pairs: list) -> None:
+        """What only the built modules tell (after caching in a run): a preset that adapts nothing inside the
+        model's blocks, algo=full on a quantized Linear (a GGUF base), LoKr that layer shapes force into full-matrix
+        mode under rs_lora (the rank against the module's Kronecker factors)."""
+        from lycoris.modules import FullModule, LokrModule
+
+        if "preset" in self.network_args and callable(getattr(model, "swappable_blocks", None)):
+            inside = {id(m) for block in model.swappable_blocks() for m in block.modules()}
+            if not any(id(fp8 or lora.org_module[0]) in inside for lora, fp8 in pairs):
+                raise _no_block_error(str(self.network_args["preset"]), self.arch, _block_classes(model),
+                                      f"{len(pairs)} modules but ")
+        quantized = [lora.lora_name for lora, fp8 in pairs if fp8 is not None and isinstance(lora, FullModule)]
+        if quantized:
+            raise ValueError(f"network_args 'algo=full' trains a full copy of each target weight; '{quantized[0]}' "
+                             f"is stored quantized ({len(quantized)} such modules): train on a high-precision base")
+        full = [lora.lora_name for lora, _ in pairs if isinstance(lora, LokrModule) and lora.rs_lora and lora.use_w1 and lora.use_w2]
+        if full:
+            raise ValueError(f"network_args 'rs_lora=true' with algo=lokr: '{full[0]}' is full-matrix LoKr ({len(full)} "
+                             f"such modules: network_dim {self.rank} is at least half the larger side of its lokr_w2), which "
+                             f"LyCORIS trains at scale sqrt(network_dim) and ComfyUI and LyCORIS' loader apply at 1: leave "
+                             f"rs_lora out, or lower network_dim")
 
     def _add_all(self, loras):
         for lora, fp8 in loras:
@@ -361,7 +522,7 @@ def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], mul
     bound to the model module it names (FP8Linears through an FP8LinearView); not applied.
     with_fp8: (module, the FP8Linear it wraps or None) pairs, as LycorisNetwork keeps them. Keys in kohya names or
     ai-toolkit's `diffusion_model.<path>.<part>` (lycoris_kohya_names)."""
-    from lycoris.modules import get_module, make_module
+    from lycoris.modules import get_module
 
     tensors = lycoris_kohya_names(tensors, prefix)
     names = sorted({k.split(".")[0] for k in tensors})
@@ -375,7 +536,7 @@ def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], mul
             target = by_name[name]
             base = FP8LinearView(target) if is_quantized_linear(target) else target
             algo, params = get_module(tensors, name)
-            module = make_module(algo, params, name, base) if algo is not None else None
+            module = _rebuilt(algo, params, name, base) if algo is not None else None
             if module is None:
                 raise CheckpointError(f"LyCORIS module '{name}': LyCORIS does not recognise its keys")
             if getattr(module, "wd", False):  # LyCORIS' loader picks bypass for a non-`Linear` class, which drops dora_wd
@@ -385,7 +546,18 @@ def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], mul
     return modules
 
 
+def _rebuilt(algo, params, name: str, base: nn.Module):
+    """LyCORIS' make_module, its failures (a shape or signature error deep in LyCORIS) one CheckpointError naming
+    the module: LyCORIS' loader re-infers LoKr's factors and DoRA's axis from the shapes, which some files defeat."""
+    from lycoris.modules import make_module
 
+    try:
+        return make_module(algo, params, name, base)
+    except (RuntimeError, TypeError, ValueError) as e:
+        on = f" on a weight of shape {tuple(base.weight.shape)}" if isinstance(base, nn.Linear) else ""
+        raise CheckpointError(f"LyCORIS module '{name}' ({algo.__name__}): LyCORIS' loader cannot rebuild it{on} "
+                              f"({' '.join(str(e).split())}): a file for another model, or one it misreads (LoKr with "
+                              f"unbalanced_factorization, DoRA with wd_on_output=false)") from None
 
 
 class LycorisDelta:
@@ -400,33 +572,36 @@ class LycorisDelta:
 
     MERGEABLE = ("LokrModule", "LohaModule", "LoConModule")
 
-    def __init__(self, name: str, tensors: dict[str, torch.Tensor]):
+    def __init__(self, name: str, tensors: dict[str, torch.Tensor], source: str = "LyCORIS file"):
+        """source: the file, as errors name it."""
         from lycoris.modules import get_module
 
-        self.name = name
+        self.name, self.source = name, source
         self.algo, params = get_module(tensors, name)
         if self.algo is None:
-            raise CheckpointError(f"LyCORIS module '{name}': LyCORIS does not recognise its keys")
+            raise CheckpointError(f"{source}: LyCORIS module '{name}': LyCORIS does not recognise its keys")
         if self.algo.__name__ not in self.MERGEABLE:
-            raise CheckpointError(f"LyCORIS module '{name}' is a {self.algo.__name__}: merging supports LoKr, LoHa "
-                                  f"and LoCon (with or without dora_wd) only")
+            raise CheckpointError(f"{source}: LyCORIS module '{name}' is a {self.algo.__name__}: merging supports LoKr, "
+                                  f"LoHa and LoCon (with or without dora_wd) only")
         # float32 for the merge math, whatever the file stored
         self.params = tuple(p.float() if isinstance(p, torch.Tensor) and p.is_floating_point() else p for p in params)
 
     @torch.no_grad()
     def merged(self, weight: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
         """weight [out, in] float32 -> the merged weight, float32."""
-        from lycoris.modules import make_module
-
         holder = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         holder.weight = nn.Parameter(weight.float(), requires_grad=False)
-        with _quiet_lycoris():
-            module = make_module(self.algo, self.params, self.name, holder).eval()
+        try:
+            with _quiet_lycoris():
+                module = _rebuilt(self.algo, self.params, self.name, holder).eval()
+        except CheckpointError as e:
+            raise naming(self.source, e) from None
         module.multiplier = multiplier
         try:
             return self._merged(module, holder.weight).float()
         except RuntimeError as e:
-            raise CheckpointError(f"LyCORIS module '{self.name}' does not fit a weight of shape {tuple(weight.shape)}: {e}") from None
+            raise CheckpointError(f"{self.source}: LyCORIS module '{self.name}' does not fit a weight of shape "
+                                  f"{tuple(weight.shape)}: {e}") from None
 
     @staticmethod
     def _merged(module, w: torch.Tensor) -> torch.Tensor:
@@ -440,6 +615,6 @@ class LycorisDelta:
         return w + module.multiplier * (adapted - w)
 
 
-def lycoris_deltas(tensors: dict[str, torch.Tensor]) -> dict[str, LycorisDelta]:
-    """{kohya module name: LycorisDelta} for every module of a LyCORIS file."""
-    return {name: LycorisDelta(name, tensors) for name in sorted({k.split(".")[0] for k in tensors})}
+def lycoris_deltas(tensors: dict[str, torch.Tensor], source: str = "LyCORIS file") -> dict[str, LycorisDelta]:
+    """{kohya module name: LycorisDelta} for every module of a LyCORIS file (`source`, as errors name it)."""
+    return {name: LycorisDelta(name, tensors, source) for name in sorted({k.split(".")[0] for k in tensors})}

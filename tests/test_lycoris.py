@@ -92,24 +92,117 @@ def test_lycoris_selection_args_are_checked_for_the_arch_without_a_model():
     # and our exact-name preset of Linear targets holds no convolution or norm layer
     ({**LOKR, "rank_dropout_scale": True}, "unknown key 'rank_dropout_scale' for lycoris.kohya"),
     ({**LOKR, "conv_dim": 8}, "network_args 'conv_dim' acts on convolution layers, and without a LyCORIS 'preset'"),
-    ({**LOKR, "train_norm": "true"}, "network_args 'train_norm' acts on norm layers"),
+    # LyCORIS' NormModule takes nn.LayerNorm / nn.GroupNorm only: no model here has one (a preset trained no norm)
+    ({**LOKR, "preset": "full", "train_norm": "true"}, "network_args 'train_norm': LyCORIS trains only nn.LayerNorm"),
     ({**LOKR, "dropout": 1.5}, "network_args 'dropout': expected a probability in [0, 1), got 1.5"),  # F.dropout raised at step 1
     # LoKr's bypass forward never reads it: two training forwards were equal (LoHa / LoCon / our LoRA: 1e-2 apart)
     ({**LOKR, "rank_dropout": 0.5}, "LyCORIS' LoKr bypass forward (the default here) never reads it"),
-    ({"algo": "ia3", "rank_dropout": 0.5}, "LyCORIS' ia3 module never reads it"),  # as dylora, tlora, boft
+    ({"algo": "boft", "rank_dropout": 0.5}, "LyCORIS' boft module never reads it"),  # as ia3, dylora, tlora (refused)
     # LyCORIS' weight-rebuild forward (bypass_mode=false; dora_wd's) never applies dropout: train == eval output
     ({"algo": "locon", "bypass_mode": False, "dropout": 0.5}, "LyCORIS' weight-rebuild forward (bypass_mode=false) "
                                                              "never applies it"),
     ({"algo": "locon", "dora_wd": True, "dropout": 0.5}, "dora_wd=true needs that forward, so leave dropout out"),
     ({**LOKR, "bypass_mode": False, "dropout": 0.5}, "set 'bypass_mode=true' or leave it out"),
+    # accepted before, their files applied other than trained or unreadable by our tools (each trained and exited 0):
+    # DyLoRA's random rank at alpha / (rank + 1) saved as a plain LoRA (1/4 to 1/16 of the trained delta)
+    ({"algo": "dylora"}, "network_args 'algo=dylora' is refused: LyCORIS' DyLoRA trains a random rank"),
+    ({"algo": "glora"}, "network_args 'algo=glora' is refused: its file (a1 / a2 / b1 / b2) reads as no LyCORIS file"),
+    ({"algo": "tlora"}, "network_args 'algo=tlora' is refused"),
+    ({"algo": "ia3"}, "network_args 'algo=ia3' is refused: LyCORIS' own loader cannot rebuild its modules"),
+    # full-matrix LoKr trains at sqrt(rank), ComfyUI and LyCORIS' loader apply 1
+    ({**LOKR, "full_matrix": True, "rs_lora": True}, "network_args 'rs_lora=true' with algo=lokr and full_matrix=true"),
+    ({**LOKR, "unbalanced_factorization": True}, "network_args 'unbalanced_factorization=true': LyCORIS' loader"),
+    ({"algo": "loha", "dora_wd": True, "wd_on_output": False}, "network_args 'wd_on_output=false' with dora_wd=true"),
+    ({"algo": "full", "bypass_mode": True}, "network_args 'bypass_mode=true' with algo=full"),  # LyCORIS' own refusal at build
 ], ids=["algo", "factor", "dropout", "use_tucker", "preset", "rank_dropout_scale", "conv_dim", "train_norm", "dropout_range",
-        "lokr_rank_dropout", "ia3_rank_dropout", "rebuild_dropout", "dora_dropout", "lokr_rebuild_dropout"])
+        "lokr_rank_dropout", "boft_rank_dropout", "rebuild_dropout", "dora_dropout", "lokr_rebuild_dropout", "dylora", "glora",
+        "tlora", "ia3", "rs_lora_full_matrix", "unbalanced_factorization", "dora_wd_on_input", "full_bypass"])
 def test_bad_lycoris_args_name_the_key_the_value_and_what_is_allowed(args, message):
     with pytest.raises(ValueError) as raised:
         LycorisNetwork(tiny_flux(), "flux", 4, network_args=args)
     assert message in str(raised.value), raised.value
-    if "algo" in message:
+    if "is not a LyCORIS algo" in message:
         assert "lokr, lora" in str(raised.value)
+
+
+def test_algo_full_on_a_quantized_base_is_refused_before_caching_and_when_built():
+    """algo=full on the quickstart's fp8_scaled base cached, built, then crashed as the network was applied
+    (AttributeError: FP8LinearView's `weight` has no deleter): the config check names the key that stored it."""
+    from networks.factory import check_network_args
+
+    with pytest.raises(ValueError, match=r"'algo=full' .* high-precision base; 'fp8_base' stores it in fp8_scaled: "
+                                         r"set fp8_base = false"):
+        check_network_args("lycoris.kohya", "flux", {"algo": "full"}, "fp8_scaled", "fp8_base")
+    with pytest.raises(ValueError, match=r"'base_precision' stores it in nf4: set base_precision = \"bf16\""):
+        check_network_args("lycoris.kohya", "flux", {"algo": "full"}, "nf4", "base_precision")
+    check_network_args("lycoris.kohya", "flux", {"algo": "full"}, "bf16", "base_precision")
+    model = tiny_flux()  # a base stored quantized whatever the config said (GGUF): refused as it is built
+    quantize_module(model, "fp8_scaled", arch_spec("flux").fp8)
+    with pytest.raises(ValueError, match=r"'algo=full' .*; 'lora_unet_\w+' is stored quantized \(29 such modules\)"):
+        LycorisNetwork(model, "flux", 4, network_args={"algo": "full"})
+
+
+def test_a_lycoris_preset_that_adapts_no_block_of_the_model_is_refused(tmp_path, monkeypatch):
+    """LyCORIS' presets select diffusers' class names: preset=full trained Z-Image's 2 final-layer modules only and
+    exited 0, and on Qwen-Image every built-in preset selected nothing (an error after caching). Now refused before
+    caching against the released model's blocks, naming the classes a preset file can name; FLUX.1's match."""
+    from networks import lycoris_network
+    from networks.factory import check_network_args
+
+    for arch, blocks in (("zimage", "ZImageBlock"), ("qwen_image", "QwenImageBlock")):
+        with pytest.raises(ValueError, match=rf"'preset': 'full' adapts no Linear inside the {arch} model's transformer "
+                                             rf"blocks \(LyCORIS selects by class name; the blocks are {blocks}\)"):
+            check_network_args("lycoris.kohya", arch, {**LOKR, "preset": "full"})
+    check_network_args("lycoris.kohya", "flux", {**LOKR, "preset": "full"})
+    own = tmp_path / "qwen.toml"
+    own.write_text('unet_target_module = ["QwenImageBlock"]\n')
+    check_network_args("lycoris.kohya", "qwen_image", {**LOKR, "preset": str(own)})
+    unknown = tmp_path / "typo.toml"  # LyCORIS' create_network asserted after caching
+    unknown.write_text('unet_target_modules = ["QwenImageBlock"]\n')
+    with pytest.raises(ValueError, match=r"typo.toml: not a LyCORIS preset file \(.*Unknown preset keys: unet_target_modules"):
+        check_network_args("lycoris.kohya", "qwen_image", {**LOKR, "preset": str(unknown)})
+    # the built network is checked on the run's own model too (here the released model's check is skipped)
+    last = tmp_path / "last.toml"
+    last.write_text('unet_target_module = ["LastLayer"]\n')
+    monkeypatch.setattr(lycoris_network, "_released_blocks", lambda arch: None)
+    with pytest.raises(ValueError, match=r"last.toml' adapts 2 modules but no Linear inside the flux model's transformer "
+                                         r"blocks \(.*the blocks are DoubleStreamBlock, SingleStreamBlock\)"):
+        LycorisNetwork(tiny_flux(), "flux", 4, network_args={**LOKR, "preset": str(last)})
+
+
+def test_rs_lora_on_lokr_that_its_shapes_force_into_full_matrix_is_refused_naming_the_module():
+    """A rank at least half a module's lokr_w2 side makes LyCORIS build it full-matrix (no full_matrix=true), trained
+    at scale sqrt(rank) with rs_lora while ComfyUI and LyCORIS' loader apply 1: known only from the layer shapes."""
+    with pytest.raises(ValueError, match=r"'rs_lora=true' with algo=lokr: 'lora_unet_\w+' is full-matrix LoKr \(29 such "
+                                         r"modules: network_dim 16 is at least half"):
+        LycorisNetwork(tiny_flux(), "flux", 16, network_args={"algo": "lokr", "rs_lora": True})
+    LycorisNetwork(tiny_flux(), "flux", 2, network_args={"algo": "lokr", "rs_lora": True, "factor": 2})
+
+
+@pytest.mark.parametrize("kind", ["unbalanced_lokr", "lokr_dora_on_input", "ia3"])
+def test_a_lycoris_file_lycoris_loader_misreads_is_one_error_naming_the_file_and_module(kind, tmp_path):
+    """generate (network_from_file) and merge_lora (LycorisDelta) stopped with a raw RuntimeError / TypeError from
+    LyCORIS' make_module_from_state_dict, which re-infers LoKr's factors and DoRA's axis from the shapes."""
+    from lycoris.modules import IA3Module, LokrModule
+    from safetensors.torch import save_file
+
+    from library.io import CheckpointError
+    from networks.factory import network_from_file
+    from networks.lycoris_network import lycoris_deltas
+
+    model = tiny_flux()
+    qkv, name = model.double_blocks[0].img_attn.qkv, "lora_unet_double_blocks_0_img_attn_qkv"
+    module = {"unbalanced_lokr": lambda: LokrModule(name, qkv, 1.0, 4, 2.0, factor=4, unbalanced_factorization=True),
+              "lokr_dora_on_input": lambda: LokrModule(name, qkv, 1.0, 4, 2.0, factor=4, weight_decompose=True, wd_on_out=False),
+              "ia3": lambda: IA3Module(name, qkv)}[kind]()
+    path = str(tmp_path / f"{kind}.safetensors")
+    save_file({f"{name}.{k}": v.detach().contiguous() for k, v in module.state_dict().items()}, path)
+    said = rf"^{path}: LyCORIS module '{name}' \(\w+\): LyCORIS' loader cannot rebuild it on a weight of shape \(48, 16\)"
+    with pytest.raises(CheckpointError, match=said):
+        network_from_file(model, "flux", path)
+    if kind != "ia3":  # merge_lora refuses (IA)^3 by its type
+        with pytest.raises(CheckpointError, match=said):
+            lycoris_deltas(load_file(path), path)[name].merged(qkv.weight.detach())
 
 
 @pytest.mark.parametrize("algo_args", [LOKR, {"algo": "loha"}, {**LOKR, "dora_wd": True}])

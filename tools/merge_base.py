@@ -190,7 +190,7 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
               f"merged here", file=sys.stderr)  # fmt: skip
     if is_lycoris_file(body):  # LoKr, LoHa, ...: kohya names; another naming's modules renamed where whole
         body = lycoris_kohya_names(body)  # ai-toolkit's diffusion_model.* names (convert_lora --to comfy) too
-        weights = lycoris_for_model(lycoris_deltas(body), body, metadata, base.family, base.weight_key, base.module_map,
+        weights = lycoris_for_model(lycoris_deltas(body, spec.path), body, metadata, base.family, base.weight_key, base.module_map,
                                     target_is_key=base.native, name=spec.path)
     else:
         weights = lora_for_model(body, metadata, adapter_config, base.family, base.weight_key, base.module_map,

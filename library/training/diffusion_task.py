@@ -114,8 +114,9 @@ def check_network_settings(args, arch: str) -> None:
     """network_args against the network type and the architecture: a ConfigError naming the config. Here, not
     in the config check: the network modules (and LyCORIS) import torch, the web UI does not. train_lora.py and
     tools/plan_memory.py check it before anything else is read."""
+    key = "base_precision" if getattr(args, "base_precision", None) else "fp8_base"  # the key the config said it with
     try:
-        check_network_args(args.network_module, arch, lora_network_args(args))
+        check_network_args(args.network_module, arch, lora_network_args(args), base_precision(args), key)
     except ValueError as e:
         raise ConfigError(f"{args.config_file or 'command line'}: {e}") from None
 
