@@ -266,7 +266,7 @@ def _validate_base_precision(args, origins: dict[str, str], where: str) -> None:
         ("fp8_base" in origins and not args.fp8_base) or ("fp8_scaled" in origins and args.fp8_scaled != (chosen == "fp8_scaled"))))
     if conflict:
         given = " and ".join(f"{k} = {str(getattr(args, k)).lower()}" for k in fp8_keys)
-        raise ConfigError(f"{_blame(origins, where, 'base_precision', *fp8_keys)}: base_precision = \"{chosen}\" and {given} "
+        raise ConfigError(f"{blame(origins, where, 'base_precision', *fp8_keys)}: base_precision = \"{chosen}\" and {given} "
                           f"ask for two different bases ({chosen} vs {said}); set base_precision alone (fp8_base / "
                           f"fp8_scaled are its older spelling)")
     if chosen in ("fp8", "fp8_scaled"):
@@ -418,19 +418,19 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     try:  # the type alone first: its error is the one key's
         optimizer_class(args.optimizer_type)
     except ConfigError as e:
-        raise ConfigError(f"{_blame(origins, where, 'optimizer_type')}: {e}") from None
+        raise ConfigError(f"{blame(origins, where, 'optimizer_type')}: {e}") from None
     ratio = lora_network_args(args).get("loraplus_lr_ratio")
     group_lrs = f"network_args 'loraplus_lr_ratio={ratio}'" if ratio not in (None, 1, "1") else None
     try:  # fail now, not after minutes of caching
         check_optimizer(args.optimizer_type, args.learning_rate, optimizer_kwargs(args), group_lrs,
-                        _blame(origins, where, "learning_rate"))
+                        blame(origins, where, "learning_rate"))
     except ConfigError as e:
         keys = ("optimizer_type", "optimizer_args") + (("network_args",) if group_lrs else ())
-        raise ConfigError(f"{_blame(origins, where, *keys)}: {e}") from None
+        raise ConfigError(f"{blame(origins, where, *keys)}: {e}") from None
     try:
         check_scheduler(args.lr_scheduler, args.learning_rate, args.lr_scheduler_power)
     except ConfigError as e:
-        raise ConfigError(f"{_blame(origins, where, 'learning_rate', 'lr_scheduler')}: {e}") from None
+        raise ConfigError(f"{blame(origins, where, 'learning_rate', 'lr_scheduler')}: {e}") from None
     return args
 
 
@@ -518,7 +518,7 @@ def _validate_ema(args, origins: dict[str, str], where: str) -> None:
         raise ConfigError(f"{origins.get('ema_start_step', where)}: key 'ema_start_step' must be >= 0, "
                           f"got {args.ema_start_step}")
     if not args.max_train_epochs:  # else the steps come from the dataset (DiffusionTask, Trainer)
-        check_ema_start(args, args.max_train_steps, _blame(origins, where, "ema_start_step", "max_train_steps"))
+        check_ema_start(args, args.max_train_steps, blame(origins, where, "ema_start_step", "max_train_steps"))
     if not args.ema_decay:  # the EMA keys mean nothing without it: say so instead of ignoring them
         for key in ("ema_warmup", "sample_with_ema", "ema_start_step"):
             if getattr(args, key):
@@ -530,7 +530,7 @@ def _validate_ema(args, origins: dict[str, str], where: str) -> None:
             raise ConfigError(f"{origins[key]}: key '{key}' needs ema_warmup = true (it shapes the warmup)")
 
 
-def _blame(origins: dict[str, str], where: str, *keys: str) -> str:
+def blame(origins: dict[str, str], where: str, *keys: str) -> str:
     """Where the values of `keys` were set, to begin an error about them: each key's file or
     "command line" (the distinct ones, in order), `where` for a key left at its default."""
     return " and ".join(dict.fromkeys(origins.get(key, where) for key in keys))
@@ -541,14 +541,14 @@ def _validate_fp8_compute(args, origins: dict[str, str], where: str) -> None:
     if not args.fp8_compute:
         return
     if args.model_type == "llm":
-        raise ConfigError(f"{_blame(origins, where, 'fp8_compute', 'model_type')}: key 'fp8_compute' is for the "
+        raise ConfigError(f"{blame(origins, where, 'fp8_compute', 'model_type')}: key 'fp8_compute' is for the "
                           f"diffusion transformers ({', '.join(FAMILIES)}), not llm")
     if base_precision(args) not in ("fp8", "fp8_scaled"):
         key = "base_precision" if args.base_precision else "fp8_base"
-        raise ConfigError(f"{_blame(origins, where, 'fp8_compute', key)}: fp8_compute needs an fp8 base "
+        raise ConfigError(f"{blame(origins, where, 'fp8_compute', key)}: fp8_compute needs an fp8 base "
                           f"(base_precision = \"fp8_scaled\" or \"fp8\"), got {base_precision(args)}")
     if args.mixed_precision != "bf16":
-        raise ConfigError(f"{_blame(origins, where, 'fp8_compute', 'mixed_precision')}: fp8_compute gives bf16 outputs; "
+        raise ConfigError(f"{blame(origins, where, 'fp8_compute', 'mixed_precision')}: fp8_compute gives bf16 outputs; "
                           f"it needs mixed_precision = \"bf16\", got \"{args.mixed_precision}\"")
 
 
@@ -557,7 +557,7 @@ def _validate_base_loras(args, origins: dict[str, str], where: str) -> None:
     from library.lora_spec import parse_lora_spec
 
     if args.base_loras and args.model_type == "llm":
-        raise ConfigError(f"{_blame(origins, where, 'base_loras', 'model_type')}: key 'base_loras' is for the diffusion "
+        raise ConfigError(f"{blame(origins, where, 'base_loras', 'model_type')}: key 'base_loras' is for the diffusion "
                           f"families ({', '.join(FAMILIES)}), not llm")
     for entry in args.base_loras:
         try:
@@ -585,11 +585,11 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if args.model_type == "llm" and not args.train_data:
         raise ConfigError(f"{where}: key 'train_data' is required for model_type llm")
     if args.pretrain and args.model_type != "llm":
-        raise ConfigError(f"{_blame(origins, where, 'pretrain', 'model_type')}: key 'pretrain' is only for model_type llm")
+        raise ConfigError(f"{blame(origins, where, 'pretrain', 'model_type')}: key 'pretrain' is only for model_type llm")
     _validate_base_precision(args, origins, where)
     if args.pretrain and base_precision(args) != "bf16":
         key = "base_precision" if args.base_precision else "fp8_base"
-        raise ConfigError(f"{_blame(origins, where, 'pretrain', key)}: 'pretrain' trains the base weights, which "
+        raise ConfigError(f"{blame(origins, where, 'pretrain', key)}: 'pretrain' trains the base weights, which "
                           f"cannot be stored in {base_precision(args)} ('{key}')")
     if "scaled_residual_init" in origins and not args.pretrain:  # it would be ignored: say so
         raise ConfigError(f"{origins['scaled_residual_init']}: key 'scaled_residual_init' is for llm pretraining "
@@ -652,19 +652,6 @@ _IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v
              "in [0, 1)": lambda v: 0 <= v < 1}
 # What only an llm run reads; a diffusion run reads each family's own keys (its spec's config_keys)
 # and these.
-LLM_KEYS = ("train_data", "train_on_all_tokens", "attend_across_documents", "max_length", "stride", "val_fraction",
-            "eval_every_n_steps", "sample_prompt", "sample_chat_template", "sample_max_new_tokens", "temperature",
-            "top_k", "batch_size", "pretrain", "scaled_residual_init")
-LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "network_weights", "network_dropout",
-             "dim_from_weights")
-DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
-                  "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "discrete_flow_shift",
-                  "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "guidance_scale", "prior_loss_weight",
-                  "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
-                  "validate_every_n_steps", "persistent_data_loader_workers", "max_data_loader_n_workers",
-                  "torch_compile", "keep_cache")
-
-
 def plan_steps(args, batches_per_epoch: int, resumed: dict | None = None) -> int:
     """The run's optimizer steps: max_train_epochs x the steps of an epoch where it is set (it wins
     over max_train_steps, as in sd-scripts), else max_train_steps. `resumed`: the progress of the state
@@ -727,127 +714,34 @@ def check_warmup(args, max_steps: int, where: str) -> None:
 def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
     """Numbers in range (RANGES), and no key set that this model_type does not read."""
     if not 0 <= args.network_alpha < math.inf:  # a negative alpha flips the update's sign (sd-scripts takes it)
-        raise ConfigError(f"{_blame(origins, where, 'network_alpha')}: key 'network_alpha' must be > 0 (or 0 for alpha = rank), "
+        raise ConfigError(f"{blame(origins, where, 'network_alpha')}: key 'network_alpha' must be > 0 (or 0 for alpha = rank), "
                           f"got {args.network_alpha:g}")
     for rule, keys in RANGES.items():
         for key in keys:
             value = getattr(args, key)
             if value is not None and not (_IN_RANGE[rule](value) and math.isfinite(value)):
-                raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be {rule}"
+                raise ConfigError(f"{blame(origins, where, key)}: key '{key}' must be {rule}"
                                   f"{'' if math.isfinite(value) else ' and finite'}, got {value:g}")
+    from library.training.config_keys import family_key_bounds
+
     for key, most in ({} if args.model_type == "llm" else family_key_bounds(args.model_type)).items():
         if getattr(args, key) is not None and getattr(args, key) > most:  # else the encoder refuses it, after caching
-            raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be <= {most} for model_type "
+            raise ConfigError(f"{blame(origins, where, key)}: key '{key}' must be <= {most} for model_type "
                               f"{args.model_type}, got {getattr(args, key)}")
     if args.lr_warmup_steps >= 1 and not float(args.lr_warmup_steps).is_integer():  # int() would cut it (sd-scripts refuses)
-        raise ConfigError(f"{_blame(origins, where, 'lr_warmup_steps')}: key 'lr_warmup_steps' must be a whole number of "
+        raise ConfigError(f"{blame(origins, where, 'lr_warmup_steps')}: key 'lr_warmup_steps' must be a whole number of "
                           f"steps (>= 1) or a fraction of max_train_steps (< 1), got {args.lr_warmup_steps:g}")
     if not args.max_train_epochs:  # else the steps come from the dataset (DiffusionTask, Trainer)
-        check_warmup(args, args.max_train_steps, _blame(origins, where, "lr_warmup_steps", "max_train_steps"))
+        check_warmup(args, args.max_train_steps, blame(origins, where, "lr_warmup_steps", "max_train_steps"))
     if not 0 <= args.seed < 2**64:  # torch.manual_seed's range (beyond it: "Overflow when unpacking long long")
-        raise ConfigError(f"{_blame(origins, where, 'seed')}: key 'seed' must be 0 to 2^64 - 1, got {args.seed}")
+        raise ConfigError(f"{blame(origins, where, 'seed')}: key 'seed' must be 0 to 2^64 - 1, got {args.seed}")
     for key, arg in SCHEMA.items():  # the rest: any finite number
         if arg.type is float and getattr(args, key) is not None and not math.isfinite(getattr(args, key)):
-            raise ConfigError(f"{_blame(origins, where, key)}: key '{key}' must be a finite number, got {getattr(args, key)}")
-    _validate_unread_keys(args, origins)
-    _validate_idle_keys(args, origins, where)
+            raise ConfigError(f"{blame(origins, where, key)}: key '{key}' must be a finite number, got {getattr(args, key)}")
+    from library.training.config_keys import validate_idle_keys, validate_unread_keys
 
-
-def _validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> None:
-    """A key the model_type never reads would be ignored without a word (batch_size on an image
-    model's run is the llm's, not the images'; the dataset TOML sets those). Refused whenever it was given,
-    whatever its value: at the other type's default (batch_size = 8) it was let through, and ignored."""
-    if args.model_type == "llm":
-        foreign = {k: "the diffusion models" for k in (*DIFFUSION_KEYS, *FAMILY_KEYS)}
-        if args.pretrain:  # the whole model trains: no LoRA is built, loaded or saved
-            foreign.update({k: "LoRA training (pretrain = false)" for k in LORA_KEYS})
-    else:
-        foreign = {k: "model_type llm" for k in LLM_KEYS}
-        foreign.update(unread_family_keys(args.model_type))
-    for key in origins:
-        if key in foreign:
-            extra = " (the batch size of images is the dataset TOML's batch_size)" if key == "batch_size" else ""
-            raise ConfigError(f"{origins[key]}: key '{key}' is read by {foreign[key]}, not by model_type "
-                              f"{args.model_type}{extra}")
-
-
-# key -> (the key (or keys) whose values decide whether it is read, that test, what it needs): the
-# schedulers and the loss read these only there (diffusers' get_scheduler drops num_cycles and
-# power elsewhere), as sd-scripts does; the DataLoader keeps no workers alive without workers, the EMA
-# lives nowhere without ema_decay, log_prefix names only a tracker's run, and a run without
-# intermediate saves has none to prune (its one Ctrl-C save is the newest).
-IDLE_UNLESS = {
-    "lr_scheduler_num_cycles": ("lr_scheduler", lambda v: v == "cosine_with_restarts", 'lr_scheduler = "cosine_with_restarts"'),
-    "lr_scheduler_power": ("lr_scheduler", lambda v: v == "polynomial", 'lr_scheduler = "polynomial"'),
-    "discrete_flow_shift": ("timestep_sampling", lambda v: v == "shift", 'timestep_sampling = "shift"'),
-    "sigmoid_scale": ("timestep_sampling", lambda v: v != "uniform", "a sigmoid draw (any timestep_sampling but uniform)"),
-    "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),
-    "block_swap_prefetch": ("blocks_to_swap", lambda v: v > 0, "blocks_to_swap >= 1 (a diffusion model's)"),
-    "weight_decay_1d": ("pretrain", bool, "pretrain = true (a LoRA's parameters are all matrices)"),
-    "persistent_data_loader_workers": ("max_data_loader_n_workers", lambda v: v > 0, "max_data_loader_n_workers >= 1"),
-    "ema_device": ("ema_decay", lambda v: v > 0, "ema_decay > 0 (e.g. 0.999)"),
-    "log_prefix": (("log_with", "logging_dir"), lambda w, d: bool(w or d), "a tracker (logging_dir, or log_with)"),
-    "save_last_n_saves": (("save_every_n_steps", "save_every_n_epochs"), lambda n, e: bool(n or e),
-                          "intermediate saves (save_every_n_steps or save_every_n_epochs)"),
-}
-UNSET_MEANS = {"timestep_sampling": " (the model's own)"}  # an unset key's meaning, where an error line names it
-
-
-def _shown(key: str, value: Any) -> str:
-    """`key = value` as an error line says it."""
-    if value is None:
-        return f"{key} unset{UNSET_MEANS.get(key, '')}"
-    return f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value}"
-
-
-def _validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
-    """Keys set where another key's value makes them do nothing."""
-    if args.model_type == "llm" and not args.sample_prompt:  # an empty prompt has no token to sample from
-        raise ConfigError(f"{_blame(origins, where, 'sample_prompt')}: key 'sample_prompt' must not be empty "
-                          f"(the LLM's sample at each eval continues it)")
-    if args.lr_warmup_steps and args.lr_scheduler == "constant":  # diffusers' constant ignores it (sd-scripts refuses)
-        raise ConfigError(f"{_blame(origins, where, 'lr_warmup_steps', 'lr_scheduler')}: key 'lr_warmup_steps' does "
-                          f"nothing with lr_scheduler = \"constant\"; use \"constant_with_warmup\" (or another schedule)")
-    for key, (others, used, needs) in IDLE_UNLESS.items():  # set off its default where nothing reads it
-        others = (others,) if isinstance(others, str) else others
-        values = [getattr(args, other) for other in others]
-        if key in origins and getattr(args, key) != SCHEMA[key].default and not used(*values):
-            shown = " and ".join(_shown(other, value) for other, value in zip(others, values))
-            raise ConfigError(f"{_blame(origins, where, key, *others)}: key '{key}' does nothing with {shown}; "
-                              f"it needs {needs}")
-    if args.sample_every_n_steps and args.sample_every_n_epochs:  # sd-scripts renders the epochs' only; both fired here
-        raise ConfigError(f"{_blame(origins, where, 'sample_every_n_steps', 'sample_every_n_epochs')}: key "
-                          f"'sample_every_n_steps' does nothing with sample_every_n_epochs = {args.sample_every_n_epochs} "
-                          f"(sd-scripts renders the epochs' samples only); keep one")
-    sampling = [k for k in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first") if getattr(args, k)]
-    if args.model_type != "llm" and sampling and args.sample_prompts is None:  # "" is an explicit "no samples"
-        raise ConfigError(f"{_blame(origins, where, sampling[0])}: key '{sampling[0]}' renders the prompts of "
-                          f"sample_prompts, which is not set (a prompt file, or \"\" for no samples)")
-
-
-def unread_family_keys(model_type: str) -> dict[str, str]:
-    """The families' keys (FAMILY_KEYS) that a diffusion model_type never reads -> the model_types
-    that do, for an error line (tools/generate.py refuses them as flags too)."""
-    from library.models.registry import spec_of
-
-    own = {k.key for k in spec_of(model_type).config_keys if not k.model_types or model_type in k.model_types}
-    return {k: _readers(k) for k in FAMILY_KEYS if k not in own}
-
-
-def family_key_bounds(model_type: str) -> dict[str, int]:
-    """The model_type's own int keys that its family takes only up to a value (ConfigKey.most) -> that value."""
-    from library.models.registry import spec_of
-
-    return {k.key: k.most for k in spec_of(model_type).config_keys
-            if k.most is not None and (not k.model_types or model_type in k.model_types)}
-
-
-def _readers(key: str) -> str:
-    """The model_types whose families declare `key`, for an error line."""
-    from library.models.registry import spec_of
-
-    return "model_type " + ", ".join(t for t in FAMILIES if any(k.key == key and (not k.model_types or t in k.model_types)
-                                                                for k in spec_of(t).config_keys))
+    validate_unread_keys(args, origins)
+    validate_idle_keys(args, origins, where)
 
 
 def _validate_input_paths(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
@@ -864,11 +758,11 @@ def _validate_output(args: argparse.Namespace, origins: dict[str, str], where: s
     """output_name and output_dir, found now rather than when the first file is written."""
     name = args.output_name  # it names files and a state folder in output_dir: one plain name, found now
     if name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0")):
-        raise ConfigError(f"{_blame(origins, where, 'output_name')}: key 'output_name' must be a plain file name (not empty, "
+        raise ConfigError(f"{blame(origins, where, 'output_name')}: key 'output_name' must be a plain file name (not empty, "
                           f"no path separator, not '.' or '..'), got {name!r}")
     prefix = args.log_prefix  # a run folder's name in logging_dir (and accelerate's project name): one plain name
     if prefix and (prefix in (".", "..") or any(c in prefix for c in ("/", "\\", "\0"))):
-        raise ConfigError(f"{_blame(origins, where, 'log_prefix')}: key 'log_prefix' must be a plain name (no path "
+        raise ConfigError(f"{blame(origins, where, 'log_prefix')}: key 'log_prefix' must be a plain name (no path "
                           f"separator, not '.' or '..'), got {prefix!r}")
     if args.logging_dir:  # TensorBoard's folder: a file there failed after caching ('Not a directory')
         _check_creatable(args.logging_dir, "logging_dir", origins.get("logging_dir", where))

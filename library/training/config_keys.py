@@ -1,0 +1,122 @@
+"""Which keys a run reads: a key another model_type reads (an image run's batch_size is the LLM's),
+or one another key's value makes do nothing (lr_scheduler_power without a polynomial schedule), is
+refused in one line naming where it was set, not ignored. Called by config.validate; tools/generate.py
+refuses the families' keys by the same lists."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from library.errors import ConfigError
+from library.models.registry import FAMILIES
+from library.training.config import FAMILY_KEYS, SCHEMA, blame
+
+LLM_KEYS = ("train_data", "train_on_all_tokens", "attend_across_documents", "max_length", "stride", "val_fraction",
+            "eval_every_n_steps", "sample_prompt", "sample_chat_template", "sample_max_new_tokens", "temperature",
+            "top_k", "batch_size", "pretrain", "scaled_residual_init")
+LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "network_weights", "network_dropout",
+             "dim_from_weights")
+DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
+                  "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "discrete_flow_shift",
+                  "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "guidance_scale", "prior_loss_weight",
+                  "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
+                  "validate_every_n_steps", "persistent_data_loader_workers", "max_data_loader_n_workers",
+                  "torch_compile", "keep_cache")
+
+
+def validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> None:
+    """A key the model_type never reads would be ignored without a word (batch_size on an image
+    model's run is the llm's, not the images'; the dataset TOML sets those). Refused whenever it was given,
+    whatever its value: at the other type's default (batch_size = 8) it was let through, and ignored."""
+    if args.model_type == "llm":
+        foreign = {k: "the diffusion models" for k in (*DIFFUSION_KEYS, *FAMILY_KEYS)}
+        if args.pretrain:  # the whole model trains: no LoRA is built, loaded or saved
+            foreign.update({k: "LoRA training (pretrain = false)" for k in LORA_KEYS})
+    else:
+        foreign = {k: "model_type llm" for k in LLM_KEYS}
+        foreign.update(unread_family_keys(args.model_type))
+    for key in origins:
+        if key in foreign:
+            extra = " (the batch size of images is the dataset TOML's batch_size)" if key == "batch_size" else ""
+            raise ConfigError(f"{origins[key]}: key '{key}' is read by {foreign[key]}, not by model_type "
+                              f"{args.model_type}{extra}")
+
+
+# key -> (the key (or keys) whose values decide whether it is read, that test, what it needs): the
+# schedulers and the loss read these only there (diffusers' get_scheduler drops num_cycles and
+# power elsewhere), as sd-scripts does; the DataLoader keeps no workers alive without workers, the EMA
+# lives nowhere without ema_decay, log_prefix names only a tracker's run, and a run without
+# intermediate saves has none to prune (its one Ctrl-C save is the newest).
+IDLE_UNLESS = {
+    "lr_scheduler_num_cycles": ("lr_scheduler", lambda v: v == "cosine_with_restarts", 'lr_scheduler = "cosine_with_restarts"'),
+    "lr_scheduler_power": ("lr_scheduler", lambda v: v == "polynomial", 'lr_scheduler = "polynomial"'),
+    "discrete_flow_shift": ("timestep_sampling", lambda v: v == "shift", 'timestep_sampling = "shift"'),
+    "sigmoid_scale": ("timestep_sampling", lambda v: v != "uniform", "a sigmoid draw (any timestep_sampling but uniform)"),
+    "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),
+    "block_swap_prefetch": ("blocks_to_swap", lambda v: v > 0, "blocks_to_swap >= 1 (a diffusion model's)"),
+    "weight_decay_1d": ("pretrain", bool, "pretrain = true (a LoRA's parameters are all matrices)"),
+    "persistent_data_loader_workers": ("max_data_loader_n_workers", lambda v: v > 0, "max_data_loader_n_workers >= 1"),
+    "ema_device": ("ema_decay", lambda v: v > 0, "ema_decay > 0 (e.g. 0.999)"),
+    "log_prefix": (("log_with", "logging_dir"), lambda w, d: bool(w or d), "a tracker (logging_dir, or log_with)"),
+    "save_last_n_saves": (("save_every_n_steps", "save_every_n_epochs"), lambda n, e: bool(n or e),
+                          "intermediate saves (save_every_n_steps or save_every_n_epochs)"),
+}
+UNSET_MEANS = {"timestep_sampling": " (the model's own)"}  # an unset key's meaning, where an error line names it
+
+
+def _shown(key: str, value: Any) -> str:
+    """`key = value` as an error line says it."""
+    if value is None:
+        return f"{key} unset{UNSET_MEANS.get(key, '')}"
+    return f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value}"
+
+
+def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
+    """Keys set where another key's value makes them do nothing."""
+    if args.model_type == "llm" and not args.sample_prompt:  # an empty prompt has no token to sample from
+        raise ConfigError(f"{blame(origins, where, 'sample_prompt')}: key 'sample_prompt' must not be empty "
+                          f"(the LLM's sample at each eval continues it)")
+    if args.lr_warmup_steps and args.lr_scheduler == "constant":  # diffusers' constant ignores it (sd-scripts refuses)
+        raise ConfigError(f"{blame(origins, where, 'lr_warmup_steps', 'lr_scheduler')}: key 'lr_warmup_steps' does "
+                          f"nothing with lr_scheduler = \"constant\"; use \"constant_with_warmup\" (or another schedule)")
+    for key, (others, used, needs) in IDLE_UNLESS.items():  # set off its default where nothing reads it
+        others = (others,) if isinstance(others, str) else others
+        values = [getattr(args, other) for other in others]
+        if key in origins and getattr(args, key) != SCHEMA[key].default and not used(*values):
+            shown = " and ".join(_shown(other, value) for other, value in zip(others, values))
+            raise ConfigError(f"{blame(origins, where, key, *others)}: key '{key}' does nothing with {shown}; "
+                              f"it needs {needs}")
+    if args.sample_every_n_steps and args.sample_every_n_epochs:  # sd-scripts renders the epochs' only; both fired here
+        raise ConfigError(f"{blame(origins, where, 'sample_every_n_steps', 'sample_every_n_epochs')}: key "
+                          f"'sample_every_n_steps' does nothing with sample_every_n_epochs = {args.sample_every_n_epochs} "
+                          f"(sd-scripts renders the epochs' samples only); keep one")
+    sampling = [k for k in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first") if getattr(args, k)]
+    if args.model_type != "llm" and sampling and args.sample_prompts is None:  # "" is an explicit "no samples"
+        raise ConfigError(f"{blame(origins, where, sampling[0])}: key '{sampling[0]}' renders the prompts of "
+                          f"sample_prompts, which is not set (a prompt file, or \"\" for no samples)")
+
+
+def unread_family_keys(model_type: str) -> dict[str, str]:
+    """The families' keys (FAMILY_KEYS) that a diffusion model_type never reads -> the model_types
+    that do, for an error line (tools/generate.py refuses them as flags too)."""
+    from library.models.registry import spec_of
+
+    own = {k.key for k in spec_of(model_type).config_keys if not k.model_types or model_type in k.model_types}
+    return {k: _readers(k) for k in FAMILY_KEYS if k not in own}
+
+
+def family_key_bounds(model_type: str) -> dict[str, int]:
+    """The model_type's own int keys that its family takes only up to a value (ConfigKey.most) -> that value."""
+    from library.models.registry import spec_of
+
+    return {k.key: k.most for k in spec_of(model_type).config_keys
+            if k.most is not None and (not k.model_types or model_type in k.model_types)}
+
+
+def _readers(key: str) -> str:
+    """The model_types whose families declare `key`, for an error line."""
+    from library.models.registry import spec_of
+
+    return "model_type " + ", ".join(t for t in FAMILIES if any(k.key == key and (not k.model_types or t in k.model_types)
+                                                                for k in spec_of(t).config_keys))
