@@ -17,6 +17,12 @@ class ConfigError(ValueError):
     pass
 
 
+def blame(origins: dict[str, str], where: str, *keys: str) -> str:
+    """Where the values of `keys` were set, to begin an error about them: each key's file or
+    "command line" (the distinct ones, in order), `where` for a key left at its default."""
+    return " and ".join(dict.fromkeys(origins.get(key, where) for key in keys))
+
+
 def one_line_warnings() -> None:
     """From now on, our warnings (UserWarning: a dataset image, a setting) print as 'warning: ...'
     without Python's source location and code line, which tell a user nothing; a library's other

@@ -20,7 +20,7 @@ from typing import Any
 
 import toml
 
-from library.errors import ConfigError
+from library.errors import ConfigError, blame
 from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, SAMPLING_METHODS, arch_specs
 from library.text_files import read_utf8, toml_loads
 
@@ -530,12 +530,6 @@ def _validate_ema(args, origins: dict[str, str], where: str) -> None:
             raise ConfigError(f"{origins[key]}: key '{key}' needs ema_warmup = true (it shapes the warmup)")
 
 
-def blame(origins: dict[str, str], where: str, *keys: str) -> str:
-    """Where the values of `keys` were set, to begin an error about them: each key's file or
-    "command line" (the distinct ones, in order), `where` for a key left at its default."""
-    return " and ".join(dict.fromkeys(origins.get(key, where) for key in keys))
-
-
 def _validate_fp8_compute(args, origins: dict[str, str], where: str) -> None:
     """fp8_compute runs the base's fp8 codes as fp8 GEMMs with bf16 outputs: it needs both."""
     if not args.fp8_compute:
@@ -741,7 +735,7 @@ def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: s
     from library.training.config_keys import validate_idle_keys, validate_unread_keys
 
     validate_unread_keys(args, origins)
-    validate_idle_keys(args, origins, where)
+    validate_idle_keys(args, origins, where, SCHEMA)
 
 
 def _validate_input_paths(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:

@@ -8,9 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from library.errors import ConfigError
-from library.models.registry import FAMILIES
-from library.training.config import FAMILY_KEYS, SCHEMA, blame
+from library.errors import ConfigError, blame
+from library.models.registry import FAMILIES, arch_specs, spec_of
 
 LLM_KEYS = ("train_data", "train_on_all_tokens", "attend_across_documents", "max_length", "stride", "val_fraction",
             "eval_every_n_steps", "sample_prompt", "sample_chat_template", "sample_max_new_tokens", "temperature",
@@ -30,7 +29,7 @@ def validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> N
     model's run is the llm's, not the images'; the dataset TOML sets those). Refused whenever it was given,
     whatever its value: at the other type's default (batch_size = 8) it was let through, and ignored."""
     if args.model_type == "llm":
-        foreign = {k: "the diffusion models" for k in (*DIFFUSION_KEYS, *FAMILY_KEYS)}
+        foreign = {k: "the diffusion models" for k in (*DIFFUSION_KEYS, *family_key_names())}
         if args.pretrain:  # the whole model trains: no LoRA is built, loaded or saved
             foreign.update({k: "LoRA training (pretrain = false)" for k in LORA_KEYS})
     else:
@@ -72,8 +71,8 @@ def _shown(key: str, value: Any) -> str:
     return f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value}"
 
 
-def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
-    """Keys set where another key's value makes them do nothing."""
+def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where: str, schema: dict) -> None:
+    """Keys set where another key's value makes them do nothing (schema: config.SCHEMA, for the defaults)."""
     if args.model_type == "llm" and not args.sample_prompt:  # an empty prompt has no token to sample from
         raise ConfigError(f"{blame(origins, where, 'sample_prompt')}: key 'sample_prompt' must not be empty "
                           f"(the LLM's sample at each eval continues it)")
@@ -83,7 +82,7 @@ def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where:
     for key, (others, used, needs) in IDLE_UNLESS.items():  # set off its default where nothing reads it
         others = (others,) if isinstance(others, str) else others
         values = [getattr(args, other) for other in others]
-        if key in origins and getattr(args, key) != SCHEMA[key].default and not used(*values):
+        if key in origins and getattr(args, key) != schema[key].default and not used(*values):
             shown = " and ".join(_shown(other, value) for other, value in zip(others, values))
             raise ConfigError(f"{blame(origins, where, key, *others)}: key '{key}' does nothing with {shown}; "
                               f"it needs {needs}")
@@ -98,25 +97,24 @@ def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where:
 
 
 def unread_family_keys(model_type: str) -> dict[str, str]:
-    """The families' keys (FAMILY_KEYS) that a diffusion model_type never reads -> the model_types
+    """The families' keys (config.FAMILY_KEYS) that a diffusion model_type never reads -> the model_types
     that do, for an error line (tools/generate.py refuses them as flags too)."""
-    from library.models.registry import spec_of
-
     own = {k.key for k in spec_of(model_type).config_keys if not k.model_types or model_type in k.model_types}
-    return {k: _readers(k) for k in FAMILY_KEYS if k not in own}
+    return {k: _readers(k) for k in family_key_names() if k not in own}
 
 
 def family_key_bounds(model_type: str) -> dict[str, int]:
     """The model_type's own int keys that its family takes only up to a value (ConfigKey.most) -> that value."""
-    from library.models.registry import spec_of
-
     return {k.key: k.most for k in spec_of(model_type).config_keys
             if k.most is not None and (not k.model_types or model_type in k.model_types)}
 
 
 def _readers(key: str) -> str:
     """The model_types whose families declare `key`, for an error line."""
-    from library.models.registry import spec_of
-
     return "model_type " + ", ".join(t for t in FAMILIES if any(k.key == key and (not k.model_types or t in k.model_types)
                                                                 for k in spec_of(t).config_keys))
+
+
+def family_key_names() -> list[str]:
+    """Every family's own config keys (config.FAMILY_KEYS' names), in registration order."""
+    return list(dict.fromkeys(k.key for spec in arch_specs().values() for k in spec.config_keys))
