@@ -243,6 +243,11 @@ def base_precision(args) -> str:
     return getattr(args, "base_precision", None) or _fp8_keys_precision(args)
 
 
+def base_precision_key(args) -> str:
+    """The key the config said the base's precision with, for an error line's advice: base_precision, else fp8_base."""
+    return "base_precision" if getattr(args, "base_precision", None) else "fp8_base"
+
+
 def check_stored_precision(args, stored: str | None, path: str | None = None) -> None:
     """A pre-quantized checkpoint (layout `stored`; None: a high-precision one) is used as it is stored: a
     ConfigError naming it (`path`, default the config's model) unless the config's base precision says so, the
@@ -538,7 +543,7 @@ def _validate_fp8_compute(args, origins: dict[str, str], where: str) -> None:
         raise ConfigError(f"{blame(origins, where, 'fp8_compute', 'model_type')}: key 'fp8_compute' is for the "
                           f"diffusion transformers ({', '.join(FAMILIES)}), not llm")
     if base_precision(args) not in ("fp8", "fp8_scaled"):
-        key = "base_precision" if args.base_precision else "fp8_base"
+        key = base_precision_key(args)
         raise ConfigError(f"{blame(origins, where, 'fp8_compute', key)}: fp8_compute needs an fp8 base "
                           f"(base_precision = \"fp8_scaled\" or \"fp8\"), got {base_precision(args)}")
     if args.mixed_precision != "bf16":
@@ -582,7 +587,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         raise ConfigError(f"{blame(origins, where, 'pretrain', 'model_type')}: key 'pretrain' is only for model_type llm")
     _validate_base_precision(args, origins, where)
     if args.pretrain and base_precision(args) != "bf16":
-        key = "base_precision" if args.base_precision else "fp8_base"
+        key = base_precision_key(args)
         raise ConfigError(f"{blame(origins, where, 'pretrain', key)}: 'pretrain' trains the base weights, which "
                           f"cannot be stored in {base_precision(args)} ('{key}')")
     if "scaled_residual_init" in origins and not args.pretrain:  # it would be ignored: say so

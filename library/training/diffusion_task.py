@@ -30,9 +30,9 @@ from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, default_sample_size, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
-from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, check_planned_steps,
-                                     check_stored_precision, compute_dtype, lora_network_args, network_modules_from,
-                                     plan_steps)
+from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, base_precision_key,
+                                     check_planned_steps, check_stored_precision, compute_dtype, lora_network_args,
+                                     network_modules_from, plan_steps)
 from library.training.lora_inputs import check_lora_inputs, check_network_fits, load_network_weights
 from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
@@ -114,9 +114,9 @@ def check_network_settings(args, arch: str) -> None:
     """network_args against the network type and the architecture: a ConfigError naming the config. Here, not
     in the config check: the network modules (and LyCORIS) import torch, the web UI does not. train_lora.py and
     tools/plan_memory.py check it before anything else is read."""
-    key = "base_precision" if getattr(args, "base_precision", None) else "fp8_base"  # the key the config said it with
     try:
-        check_network_args(args.network_module, arch, lora_network_args(args), base_precision(args), key)
+        check_network_args(args.network_module, arch, lora_network_args(args), base_precision(args),
+                           base_precision_key(args))
     except ValueError as e:
         raise ConfigError(f"{args.config_file or 'command line'}: {e}") from None
 
