@@ -23,3 +23,7 @@ if __name__ == "__main__":
     line = json.dumps({"process": accelerator.process_index, "loads": loaded, "images": encoder.images,
                        "captions": sorted(encoder.captions), "printed": printed})
     os.write(1, (line + "\n").encode())  # one write (under PIPE_BUF): print's two let the processes' lines interleave
+    # both past their last collective, then the process group torn down before exit, as train_lora does
+    # (end_training): left to the interpreter's teardown, gloo aborted one process in a CI run (SIGABRT)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()

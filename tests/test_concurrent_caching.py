@@ -197,7 +197,8 @@ def test_two_gloo_processes_cache_their_shares_and_the_main_one_the_prompts(tmp_
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           free_port(), "-m", "tests.caching_processes", str(tmp_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
+    # the children's own lines come first in stderr, torchrun's summary of the failure last
+    assert run.returncode == 0, run.stderr[:3000] + "\n[...]\n" + run.stderr[-1000:]
     reports = sorted((json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")),
                      key=lambda r: r["process"])
     main, other = reports
