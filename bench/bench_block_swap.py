@@ -153,8 +153,8 @@ def main(argv=None):
         swap = enable_block_swap(model, n, device, args.prefetch)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        # a block's home: a list of tensors, or one flat buffer (bench/candidates/block_swap_flat.diff): never
-        # iterate a tensor here (its unbind into 330 M one-byte views stalled the 2026-11-28 run in native code)
+        # a block's home: a list of tensors, or one flat buffer (the block_swap_flat candidate, commit 272a36d,
+        # dropped): never iterate a tensor here (its unbind into 330 M one-byte views stalled a 2026-11-28 run)
         homes = [] if swap is None else [h for v in swap.homes.values() for h in (v if isinstance(v, list) else [v])]
         moved = sum(h.numel() * h.element_size() for h in homes)
         run_setting(model, net, optimizer, inputs, target, 1, device)  # warmup

@@ -28,10 +28,10 @@ memory (bench_train_step.PeakMemory) are printed.
              lx * 1.0 in the forward, the recompute and the backward (3 ops per module and step)
   lora_rows  networks.lora: where the up GEMM takes the sum (torch.addmm), down runs on [tokens, in] rows;
              before: on [B, L, in], its output reshaped into rows (2 view ops more per module and pass)
-  lora_addmm networks.lora: the LoRA's up GEMM takes the base output as its sum (torch.addmm, the rank-r
-             factor on the rows); before: `out + up(lx)`, the up GEMM and the add as two ops. On CUDA
-             addmm copies the base output into its result before a GEMM with beta = 1 (the H200 profile's
-             device-to-device copies and beta GEMMs), on the CPU it adds in the GEMM's epilogue.
+  lora_addmm networks.lora: the LoRA's up GEMM and the base output's sum in the form ADDMM_SUM_DEVICES gives
+             this device (CPU: torch.addmm, the add in the GEMM's epilogue; CUDA: `out + up(lx)`, two ops);
+             before: the other form. On CUDA addmm copies the base output into its result before a GEMM
+             with beta = 1 (the H200 profile's device-to-device copies and beta GEMMs).
   lora_addmm_compiled  the same under torch_compile: inductor leaves addmm to cuBLAS, while `out + up(lx)`
              lets it fuse the add into the pointwise kernel that reads the sum next (sd-scripts' form).
              One model, both sides compiled (inductor) in the warm-up steps.
@@ -89,6 +89,7 @@ from library.models.registry import arch_spec  # noqa: E402
 from library.precision import bnb_weights as bnb, fp8  # noqa: E402
 from library.precision.autocast import autocast_off, matmul_input  # noqa: E402
 from library.precision.dequantized_linear import DequantizedLinearFunction, needs_backward  # noqa: E402
+from networks import lora  # noqa: E402
 from networks.lora import LoRAModule  # noqa: E402
 
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
@@ -130,12 +131,6 @@ def add_up_multiplying(self, out, lx, factor, dtype):
         return out + (self.lora_up(lx) * factor).to(out.dtype)
     rows = (lx * factor).reshape(-1, lx.shape[-1])
     return torch.addmm(out.reshape(-1, out.shape[-1]), rows, self.lora_up.weight.t()).view(out.shape)
-
-
-def add_up_unfused(self, out, lx, factor, dtype):
-    """LoRAModule._add_up without addmm: the up GEMM, then the add (the lora_addmm levers' other side)."""
-    up = self.lora_up(lx if factor == 1 else lx * factor)
-    return out + up.to(out.dtype).view(out.shape)
 
 
 class FP8LinearFunctionSavingCodes(torch.autograd.Function):
@@ -261,8 +256,10 @@ def before(lever: str, model):
         return patched(core, "recomputing", lambda: False)
     if lever == "lora_factor":
         return patched(LoRAModule, "_add_up", add_up_multiplying)
-    if lever in ("lora_addmm", "lora_addmm_compiled"):
-        return patched(LoRAModule, "_add_up", add_up_unfused)
+    if lever in ("lora_addmm", "lora_addmm_compiled"):  # before: the other form of the sum on this device
+        device, fused = next(model.parameters()).device.type, lora.ADDMM_SUM_DEVICES
+        return patched(lora, "ADDMM_SUM_DEVICES", tuple(d for d in fused if d != device) if device in fused
+                       else fused + (device,))
     if lever == "lora_rows":
         return patched(LoRAModule, "_adds_up_in_gemm", lambda *args: False)
     if lever == "rms_weight":

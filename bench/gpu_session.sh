@@ -18,11 +18,11 @@
 #      eager     the fused RMSNorm on eager steps (bench_core_levers.py rms_fused, both families), the eager
 #                headline lines with it, then the one headline line the H200 run of 2026-11-27 missed
 #                (Qwen-Image fp8_scaled compiled)
-#      candidates  code measured before it lands: each bench/candidates/*.diff applied to this copy of the tree
-#                (the device's; nothing here changes), then the CUDA block-swap tests and the block swap of both
-#                families, eager and compiled (block_swap_flat; the 2026-11-28 run measured none of it: the bench
-#                itself stalled on the flat buffer, mended), the LoRA's addmm against a separate add (eager
-#                and compiled: bench_core_levers' lora_addmm levers), then the eager headline lines with the patch
+#      candidates  code measured before it lands: each bench/candidates/*.diff (none waits since block_swap_flat
+#                was measured and dropped on 2026-11-28) applied to this copy of the tree (the device's;
+#                nothing here changes), then the CUDA block-swap tests and the block swap of both families,
+#                eager and compiled, the LoRA's sum in the up GEMM against a separate add (eager and compiled:
+#                bench_core_levers' lora_addmm levers), then the eager headline lines with the patch
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -122,6 +122,7 @@ case $plan in
         ;;
     candidates)  # a patch already applied (a warm machine keeps the tree) is left as it is
         for patch in bench/candidates/*.diff; do  # (git apply needs no repository; patch where git is missing)
+            [ -e "$patch" ] || continue  # none waiting: the rest of the plan measures the landed code
             if command -v git >/dev/null; then
                 git apply --reverse --check "$patch" 2>/dev/null || git apply "$patch"
             else

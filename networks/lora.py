@@ -38,6 +38,13 @@ from networks.lora_files import (
 )
 from networks.lora_reader import leave_out_text_encoders, read_for_model
 
+# Device types where the LoRA's up GEMM takes the base output as its sum (torch.addmm). On the CPU the
+# add runs in the GEMM's epilogue; on CUDA addmm copies the base output into its result and runs a
+# beta = 1 GEMM, and the plain `out + up` was the faster on an H200 (bench_core_levers' lora_addmm, mid
+# FLUX.1 / Qwen-Image at 1024 px, per-round medians of addmm against it: eager x1.018 / x1.031, compiled
+# x1.033 / x0.998, where inductor fuses the add into the next pointwise kernel; bench/RESULTS.md).
+ADDMM_SUM_DEVICES = ("cpu",)
+
 # ----------------------------------------------------------------------------------------------
 # Targets: each architecture's spec (library/models/<folder>/spec.py, LORA) names them: module type
 # -> regex, full-matched against qualified module names, the named group giving the block kind and
@@ -216,9 +223,10 @@ class LoRAModule(nn.Module):
 
     def _add_up(self, out: torch.Tensor, lx: torch.Tensor, factor: float, dtype: torch.dtype) -> torch.Tensor:
         """out + factor * lora_up(lx), in the base output's dtype. Where out, lx and the up weight meet in
-        `dtype` (autocast's, or no autocast and all float32), the factor goes on the rank-r side and the
-        sum into the up GEMM (torch.addmm): one pass over the [tokens, out] output instead of four (GEMM,
-        scale, cast, add) with their temporaries, and no [tokens, out] multiply in backward."""
+        `dtype` (autocast's, or no autocast and all float32), the factor goes on the rank-r side, and on
+        ADDMM_SUM_DEVICES the sum goes into the up GEMM (torch.addmm): one pass over the [tokens, out]
+        output instead of four (GEMM, scale, cast, add) with their temporaries, and no [tokens, out]
+        multiply in backward; elsewhere the GEMM, then one add."""
         # factor 1 (alpha = rank, the default, at multiplier 1): no multiply, x * 1.0 is x bit for bit; 3
         # ops fewer per module and step (forward, recompute, backward), 36 per block of 12 LoRA modules
         if out.dtype != dtype or lx.dtype != dtype:
@@ -226,6 +234,8 @@ class LoRAModule(nn.Module):
             return out + (up if factor == 1 else up * factor).to(out.dtype)  # back to the base output dtype
         rows = lx if factor == 1 else lx * factor
         rows = rows if rows.dim() == 2 else rows.reshape(-1, rows.shape[-1])  # [tokens, rank]
+        if out.device.type not in ADDMM_SUM_DEVICES:
+            return out + self.lora_up(rows).view(out.shape)
         return torch.addmm(out.reshape(-1, out.shape[-1]), rows, self.lora_up.weight.t()).view(out.shape)
 
     def _dora_delta(self, out: torch.Tensor, lx: torch.Tensor, scale: float) -> torch.Tensor:

@@ -19,11 +19,12 @@ from library.models.registry import arch_spec
 from library.precision import fp8
 from library.precision.dequantized_linear import DequantizedLinearFunction
 from library.precision.fp8 import quantize_module
+from networks import lora as lora_module
 from networks.lora import LoRAModule, LoRANetwork
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 from bench_core_levers import (  # noqa: E402  (the levers' old paths)
-    add_up_multiplying, add_up_unfused, fp8_forward_saving_codes, rms_norm_with_copy,
+    add_up_multiplying, fp8_forward_saving_codes, rms_norm_with_copy,
 )
 
 TINY = QwenImageConfig(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32,
@@ -89,12 +90,13 @@ def test_lora_rows_factor_one_and_rms_norm_weight_cuts_are_bit_identical(monkeyp
 
 
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, True)])
-def test_lora_addmm_levers_other_side_is_the_same_sum(monkeypatch, dtype, autocast):
-    """bench_core_levers' lora_addmm A/B (the GPU decides which lands): `out + up(lx)` is the addmm's sum,
-    up to where bf16 rounds (addmm rounds the sum once, the separate add rounds the GEMM's output first)."""
+def test_the_lora_sum_outside_addmm_devices_is_the_same_sum(monkeypatch, dtype, autocast):
+    """Off ADDMM_SUM_DEVICES (CUDA: the H200 ran `out + up(lx)` faster) the sum is the addmm's, up to
+    where bf16 rounds (addmm rounds the sum once, the separate add rounds the GEMM's output first)."""
+    assert lora_module.ADDMM_SUM_DEVICES == ("cpu",)
     pred, grads, ops = _step(dtype, autocast)
     with monkeypatch.context() as m:
-        m.setattr(LoRAModule, "_add_up", add_up_unfused)
+        m.setattr(lora_module, "ADDMM_SUM_DEVICES", ())
         old_pred, old_grads, old_ops = _step(dtype, autocast)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert ops["addmm"] - old_ops["addmm"] == 24 + 24  # 24 LoRA sums left their GEMMs, forward and recompute
