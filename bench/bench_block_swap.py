@@ -107,6 +107,24 @@ def run_setting(model, net, optimizer, inputs, target, steps: int, device) -> tu
     return times, torch.cuda.max_memory_allocated(device) if cuda else 0
 
 
+def profile_step(model, net, optimizer, inputs, target, device) -> None:
+    """One step under torch.profiler: where the host's time goes (self CPU: launches, copies' set-up,
+    waits) and the device's (kernels and host-to-device copies), to tell a swap's host cost from its
+    copies' bandwidth."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run_setting(model, net, optimizer, inputs, target, 1, device)
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48))
+    if device.type == "cuda":
+        print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=48))
+        kernels = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
+        copies = sum(e.self_device_time_total for e in events if "Memcpy HtoD" in e.key) / 1e6
+        print(f"device time: all {kernels:.3f} s, of which host-to-device copies {copies:.3f} s (on the side stream)")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--family", default="flux", choices=("flux", "qwen_image"))
@@ -120,6 +138,8 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile every block (as torch_compile = true)")
     p.add_argument("--fp8_compute", action="store_true", help="fp8 GEMMs for the fp8 base (as fp8_compute = true)")
     p.add_argument("--device", default="cuda", help="cuda (timings) or cpu (a smoke run with --blocks)")
+    p.add_argument("--profile", action="store_true",
+                   help="after each setting's timing, one step under torch.profiler: the host's and the device's top ops")
     p.add_argument("--blocks", type=int, default=0,
                    help="build this many blocks of each kind at full width (0: the released depth)")
     args = p.parse_args(argv)
@@ -164,6 +184,8 @@ def main(argv=None):
         rows.append((n, t, t / reference, peak / GiB, 2 * moved / GiB))
         print(f"blocks_to_swap {n:3d}: step {t:.3f} s (x{t / reference:.3f}), peak {peak / GiB:.2f} GiB, "
               f"copied {2 * moved / GiB:.2f} GiB/step ({2 * moved / GiB / t:.1f} GiB/s needed)", flush=True)
+        if args.profile:
+            profile_step(model, net, optimizer, inputs, target, device)
     enable_block_swap(model, 0, device)
     print("\n| blocks_to_swap | step (s) | vs 0 | peak allocated (GiB) | copied per step (GiB) |")
     print("|---|---|---|---|---|")

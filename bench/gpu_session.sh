@@ -23,6 +23,9 @@
 #                nothing here changes), then the CUDA block-swap tests and the block swap of both families,
 #                eager and compiled, the LoRA's sum in the up GEMM against a separate add (eager and compiled:
 #                bench_core_levers' lora_addmm levers), then the eager headline lines with the patch
+#      swapprobe the eager Qwen-Image block swap (x1.18 over no swap at prefetch 2): prefetch 4, then one step of
+#                swap 0 and 20 under torch.profiler (host and device top ops); the CUDA LoRA-sum test and the
+#                lora_addmm lever on Qwen-Image (the landed form against addmm)
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -31,7 +34,7 @@
 # Settings as bench/gpu_bench.sh: 1024 px (4096 image + 512 text tokens), full-width blocks (FLUX.1 2 double
 # + 4 single, Qwen-Image 4), bf16 autocast, gradient checkpointing, rank 16.
 set -o pipefail
-plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|eager|candidates|fp8swap [SECONDS]}
+plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|eager|candidates|swapprobe|fp8swap [SECONDS]}
 budget=${2:-540}
 start=$SECONDS
 LOGS=${OUT:-bench/gpu_logs}
@@ -137,6 +140,13 @@ case $plan in
         step levers.log 200 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 \
             --levers lora_addmm,lora_addmm_compiled
         step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP
+        ;;
+    swapprobe)  # where the eager Qwen-Image swap's x1.18 goes: a deeper prefetch, then one step under the profiler
+        step checks.log 60 $PY -m pytest -x -q -p no:cacheprovider tests/test_eager_ops.py -k cuda
+        step swap.log 100 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 4
+        step swap.log 120 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2 --profile
+        step levers.log 120 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 --families qwen_image \
+            --levers lora_addmm
         ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
         for family in flux qwen_image; do

@@ -106,6 +106,30 @@ def test_the_lora_sum_outside_addmm_devices_is_the_same_sum(monkeypatch, dtype, 
         assert (a.float() - b.float()).abs().max() <= tol * a.float().abs().max() + 1e-12
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_the_lora_sum_on_cuda_is_the_gemm_then_an_add():
+    """On CUDA (not in ADDMM_SUM_DEVICES) the LoRA's output is `out + up(rows)`: no addmm in the graph,
+    and under bf16 autocast the same output and LoRA gradients as the CPU's addmm form in float64."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(64, 48)
+    lora = LoRAModule("m", base, rank=8, alpha=4.0)
+    torch.nn.init.normal_(lora.lora_up.weight)
+    lora.apply_to_base()
+    x = torch.randn(2, 32, 64)
+    results = []
+    for device, dtype in (("cuda", torch.bfloat16), ("cpu", torch.float64)):
+        base.to(device, torch.float32 if device == "cuda" else dtype)
+        lora.to(device, torch.float32 if device == "cuda" else dtype)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            y = base(x.to(device, torch.float32 if device == "cuda" else dtype))
+        if device == "cuda":
+            assert "Addmm" not in y.grad_fn.name() and y.grad_fn.name() == "AddBackward0"
+        grads = torch.autograd.grad(y.float().square().sum(), [lora.lora_down.weight, lora.lora_up.weight])
+        results.append([t.detach().double().cpu() for t in (y, *grads)])
+    for got, want in zip(*results):
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
 @pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, True)])
 def test_fp8_linear_host_cuts_are_bit_identical(monkeypatch, dtype, autocast):
     """FP8Linear holds its codes on the Function's ctx instead of saving them, switches no autocast and
