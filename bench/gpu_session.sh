@@ -18,11 +18,10 @@
 #      eager     the fused RMSNorm on eager steps (bench_core_levers.py rms_fused, both families), the eager
 #                headline lines with it, then the one headline line the H200 run of 2026-11-27 missed
 #                (Qwen-Image fp8_scaled compiled)
-#      candidates  code measured before it lands: each bench/candidates/*.diff (none waits since block_swap_flat
-#                was measured and dropped on 2026-11-28) applied to this copy of the tree (the device's;
-#                nothing here changes), then the CUDA block-swap tests and the block swap of both families,
-#                eager and compiled, the LoRA's sum in the up GEMM against a separate add (eager and compiled:
-#                bench_core_levers' lora_addmm levers), then the eager headline lines with the patch
+#      candidates  code measured before it lands: each bench/candidates/*.diff applied to this copy of the tree
+#                (the device's; nothing here changes): fp8_dequant_fused, then its CUDA tests (tests/test_fp8*.py),
+#                its lever (bench_core_levers fp8_dequant, both families), the eager fp8 headline lines and the
+#                eager Qwen-Image block swap (an fp8_scaled base) with it
 #      swapprobe the eager Qwen-Image block swap (x1.18 over no swap at prefetch 2): prefetch 4, then one step of
 #                swap 0 and 20 under torch.profiler (host and device top ops); the CUDA LoRA-sum test and the
 #                lora_addmm lever on Qwen-Image (the landed form against addmm)
@@ -132,14 +131,12 @@ case $plan in
                 patch -p1 -R -s -f --dry-run <"$patch" >/dev/null 2>&1 || patch -p1 -s -f <"$patch"
             fi || { echo "$patch does not apply" | tee -a "$LOGS/session.log"; exit 1; }
         done
-        step checks.log 120 $PY -m pytest -x -q -p no:cacheprovider tests/test_block_swap.py
+        step checks.log 120 $PY -m pytest -x -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_compute.py
+        # fp8_dequant_fused: the eager fp8_scaled step's dequantization as one compiled kernel
+        step levers.log 200 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 --levers fp8_dequant
+        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections $KEEP
+        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP
         step swap.log 100 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2
-        step swap.log 100 $PY bench/bench_block_swap.py --family flux --swaps 0,16
-        step swapc.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2 --compile
-        # the LoRA's sum in the up GEMM (addmm: on CUDA a copy and a beta GEMM) against `out + up(lx)`
-        step levers.log 200 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 \
-            --levers lora_addmm,lora_addmm_compiled
-        step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP
         ;;
     swapprobe)  # where the eager Qwen-Image swap's x1.18 goes: a deeper prefetch, then one step under the profiler
         step checks.log 60 $PY -m pytest -x -q -p no:cacheprovider tests/test_eager_ops.py -k cuda
