@@ -238,3 +238,40 @@ def test_validation_noise_does_not_move_with_the_datasets_listed_before_it(tmp_p
     assert len(held) == 4 and held == seeds([cats], [cats], held_out=[dogs])  # a second training dataset
     split = seeds([cats], split=0.5)
     assert len(split) == 2 and split == seeds([{**dogs, "is_reg": True}, cats], split=0.5)  # a reg subset before it
+
+
+@pytest.mark.parametrize("grid", [1, 2])  # 2: a mask on the 8-pixel grid of a 16x VAE's latents, area-averaged
+def test_val_loss_applies_a_held_out_images_loss_mask_as_training_does(tiny_set, grid):
+    """validation_loss called loss_at without the mask the dataset serves (alpha_mask, mask_dir): with the
+    left half of every image transparent the training loss halved and val_loss did not move. It is now
+    loss_at's masked loss at the image's fixed noise and sigmas, the mask on the latent grid as training puts it."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    from accelerate.utils import DistributedType
+
+    from library.models.flux1.family import FluxFamily
+    from library.training.validation import VALIDATION_SIGMAS, noise_seed, validation_loss
+
+    family = FluxFamily(tiny_set["flux_bfl"])
+    model = family.load_transformer(torch.float32)
+    torch.manual_seed(0)
+    sample = {"key": "0.png", "latents": torch.randn(16, 8, 8),
+              "text": {"t5": torch.randn(7, 32), "clip_pooled": torch.randn(32)}}
+    mask = torch.ones(1, 8 * grid, 8 * grid)
+    mask[:, :, : 4 * grid] = 0.0  # the left half
+    accelerator = SimpleNamespace(device=torch.device("cpu"), num_processes=1, process_index=0,
+                                  distributed_type=DistributedType.NO, autocast=nullcontext)
+    plain = validation_loss(family, model, [sample], 1.0, accelerator)
+    masked = validation_loss(family, model, [{**sample, "mask": mask}], 1.0, accelerator)
+    on_grid = F.avg_pool2d(mask[None], grid)  # [1, 1, 8, 8]
+    by_hand = []
+    with torch.no_grad():
+        for j, sigma in enumerate(VALIDATION_SIGMAS):
+            noise = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(noise_seed("0.png", j)))
+            text = {k: v[None] for k, v in sample["text"].items()}
+            by_hand.append(family.loss_at(model, sample["latents"][None], text, noise, torch.tensor([sigma]), 1.0,
+                                          mask=on_grid).item())
+    assert masked != pytest.approx(plain, rel=0.05)
+    assert masked == pytest.approx(sum(by_hand) / len(by_hand), rel=1e-6)

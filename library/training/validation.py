@@ -4,7 +4,10 @@ Every held-out image (validation_split, [[validation_datasets]]) is noised at th
 sigmas with the same noise each time, and the loss is the plain mean squared error of the
 predicted velocity, averaged over images and sigmas:
 
-    val_loss = mean over (image, s in VALIDATION_SIGMAS) of mean((v_pred - (noise - x0))^2)
+    val_loss = mean over (image, s in VALIDATION_SIGMAS) of mean(mask * (v_pred - (noise - x0))^2)
+
+mask: the image's loss mask (alpha_mask, mask_dir), applied as the training step applies it (1
+where it has none), so the part of a held-out image that training ignores is not measured either.
 
 Nothing in it is drawn from the training step or the training seed (the noise is seeded by the
 image's path in its folder and the sigma's index, not by where its dataset sits in the TOML), and
@@ -18,6 +21,8 @@ from __future__ import annotations
 import hashlib
 
 import torch
+
+from library.data.masks import on_latent_grid
 
 # Evenly spaced over the noise range; the ends (pure image, pure noise) tell little.
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -47,11 +52,13 @@ def validation_loss(family, model, dataset, guidance: float | None, accelerator)
             latents = sample["latents"][None].to(device)  # float32 [1, C, h, w]
             text = {k: v[None].to(device) for k, v in sample["text"].items()}
             control = [c[None].to(device) for c in sample["controls"]] if "controls" in sample else None
+            # the training step's mask: on the family's latent grid, as training_loss puts it
+            mask = on_latent_grid(sample["mask"][None].to(device), latents.shape[-2:]) if "mask" in sample else None
             for j, sigma in enumerate(VALIDATION_SIGMAS):
                 gen = torch.Generator().manual_seed(noise_seed(sample["key"], j))
                 noise = torch.randn(latents.shape, generator=gen, dtype=torch.float32).to(device)
                 sigmas = torch.full((1,), sigma, dtype=torch.float32, device=device)
-                loss = family.loss_at(model, latents, text, noise, sigmas, guidance, control=control)
+                loss = family.loss_at(model, latents, text, noise, sigmas, guidance, mask=mask, control=control)
                 if i < n:
                     losses[i, j] = loss
     if accelerator.num_processes > 1:
