@@ -210,6 +210,13 @@ def a_folder_where_a_caption_goes(tiny_set, tmp_path):  # the old line loaded th
             [f"{tmp_path / 'images' / 'img0.txt'}: a folder where the caption of img0.png goes"])
 
 
+def aspect_ratio_over_200(tiny_set, tmp_path):  # the old line captioned the others, then the processor's traceback
+    strip = tmp_path / "images" / "zz_strip.png"
+    Image.fromarray(np.zeros((10, 2001, 3), dtype=np.uint8)).save(strip)
+    return ([*qwen2_5_vl_args(tiny_set), "--images", str(tmp_path / "images")],
+            [f"{strip}: 2001 x 10 pixels, an aspect ratio of 200.1; the Qwen-VL image processor takes at most 200"])
+
+
 def prompt_and_preset(tiny_set, tmp_path):  # the old line dropped --preset without a word
     return ([*qwen2_5_vl_args(tiny_set), "--images", str(tmp_path / "images"), "--prompt", "Describe it.", "--preset", "tags"],
             ["--prompt and --preset tags: give one"])
@@ -217,7 +224,7 @@ def prompt_and_preset(tiny_set, tmp_path):  # the old line dropped --preset with
 
 @pytest.mark.parametrize("case", [not_a_model, missing_model, corrupt_image, truncated_image, no_images, not_a_captioner, no_new_tokens,
                                   image_caption_extension, images_is_a_file, two_images_one_caption,
-                                  a_folder_where_a_caption_goes, prompt_and_preset])
+                                  a_folder_where_a_caption_goes, aspect_ratio_over_200, prompt_and_preset])
 def test_bad_input_is_one_line_exit_2_and_no_caption(tiny_set, tmp_path, capsys, case):
     make_images(tmp_path / "images", 2)
     argv, fragments = case(tiny_set, tmp_path)
@@ -226,6 +233,37 @@ def test_bad_input_is_one_line_exit_2_and_no_caption(tiny_set, tmp_path, capsys,
     line = one_error_line(capsys, caption_images.main(argv))
     assert all(f in line for f in fragments), line
     assert captions(tmp_path) == {} and {p: p.read_bytes() for p in (tmp_path / "images").rglob("*.png")} == images
+
+
+def test_the_aspect_ratio_limit_is_the_processors(tiny_set):
+    """MAX_ASPECT_RATIO is where the Qwen-VL processor stops: 200 passes, just over it is its error."""
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(tiny_set["qwen_image_edit_processor"], local_files_only=True)
+    processor(images=[Image.new("RGB", (2000, 10))], return_tensors="pt")
+    caption_images.check_aspect_ratio("ok.png", (2000, 10))
+    with pytest.raises(ValueError, match="aspect ratio must be smaller than 200"):
+        processor(images=[Image.new("RGB", (10, 2001))], return_tensors="pt")
+    with pytest.raises(ValueError, match="long.png: 10 x 2001 pixels"):
+        caption_images.check_aspect_ratio("long.png", (10, 2001))
+
+
+def test_hidden_folders_are_not_captioned(tmp_path, monkeypatch, capsys):
+    """Training never reads .ipynb_checkpoints/ or .Trash-1000/: the old line captioned the images there,
+    and a truncated file in the trash stopped the whole run."""
+    class Echo:
+        def caption(self, images, prompt):
+            return ["an image"] * len(images)
+
+    monkeypatch.setattr(caption_images, "load_captioner", lambda *args: Echo())
+    make_images(tmp_path, 1)
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    Image.open(tmp_path / "img0.png").save(tmp_path / ".ipynb_checkpoints" / "img0-checkpoint.png")
+    (tmp_path / ".Trash-1000" / "files").mkdir(parents=True)
+    (tmp_path / ".Trash-1000" / "files" / "old.png").write_bytes((tmp_path / "img0.png").read_bytes()[:60])
+    assert caption_images.main(["--model", str(tmp_path), "--images", str(tmp_path)]) == 0
+    assert "1 images, 0 already captioned, 1 to caption" in capsys.readouterr().out
+    assert captions(tmp_path) == {"img0.txt": "an image\n"}
 
 
 def test_an_empty_caption_file_is_no_caption_and_gets_one(tmp_path, monkeypatch, capsys):

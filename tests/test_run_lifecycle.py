@@ -300,6 +300,31 @@ def test_a_state_that_attended_across_documents_resumes_only_with_that_setting(t
         load_state(str(state), args("--attend_across_documents"))
 
 
+def test_a_state_trained_on_replies_only_resumes_only_with_that_setting(tmp_path):
+    """train_on_all_tokens changes which targets are trained (and which windows hold one): a state written
+    with the other value is refused, naming it (the old line resumed it, the rest of the epoch another loss
+    on other windows); a state written before the key was kept still resumes with either value."""
+    import json
+
+    import pytest
+
+    from library.training.state import load_state, run_digest
+
+    def args(*extra):
+        return llm_state_args(tmp_path, *extra)
+
+    state = tmp_path / "state"
+    write_llm_state(state, run_digest(args()))
+    with pytest.raises(ValueError, match="written with train_on_all_tokens = False, this run has True"):
+        load_state(str(state), args("--train_on_all_tokens", "true"))
+    before_key = json.loads(json.dumps(run_digest(args()), default=str))
+    del before_key["train_on_all_tokens"]
+    write_llm_state(state, before_key)
+    for value in ("true", "false"):
+        with pytest.raises(ValueError, match="trainable.safetensors"):  # past the settings: the files are read
+            load_state(str(state), args("--train_on_all_tokens", value))
+
+
 def test_an_earlier_runs_ema_goes_with_its_lora_and_a_foreign_one_is_refused(tiny_set, tmp_path, capsys):
     """A run without EMA after one with ema_decay 0.9 left tiny_flux_lora_ema.safetensors (the first
     run's) beside the new LoRA, taken for its EMA. Now the final save removes an _ema file this

@@ -698,6 +698,30 @@ def test_a_resume_whose_data_does_not_fit_its_state_is_refused_before_the_model_
         llm_task.LLMTask(args, train_lora.make_accelerator(args), state)
 
 
+def test_a_resume_inside_an_epoch_checks_the_files_of_a_train_data_folder(tiny_set, tmp_path):
+    """A file of a train_data folder changed since the state was written: refused as when the files are
+    listed. The old record was the folder's name and 0 (os.path.getsize of files only), so the rest of
+    the epoch trained other windows without a word."""
+    from library.training.config import load_config
+    from library.training.llm_task import LLMTask
+    from library.training.state import SavedState, item_digests
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text(open(tiny_set["corpus"], encoding="utf-8").read()[:20_000])
+    (data / "b.txt").write_text("the cat sat on the mat")
+    args = load_config(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"],
+                                "--train_data", str(data), "--max_train_steps", "4"))
+    written = LLMTask(args, train_lora.make_accelerator(args))
+    progress = {"step": 3, "epoch": 0, "batches_done": 3, "batches_per_epoch": written.batches_per_epoch(),
+                "data_items": item_digests(written.data_items()), "scheduler": {}}
+    (data / "b.txt").write_text("the cats sat on the mat")
+    args.resume = str(tmp_path / "lm-state")
+    with pytest.raises(ValueError, match="lm-state: state was written 3 batches into epoch 0; since then 1 of its "
+                                         "training files are gone and 1 are new"):
+        LLMTask(args, train_lora.make_accelerator(args), SavedState({}, {}, progress, {}, None))
+
+
 def test_llm_evals_reach_tensorboard_at_their_step(tiny_set, tmp_path):
     """The start and final evals logged their val_loss at step 'start' / 'final': TensorBoard's int(step)
     raised, so an LLM run with logging_dir ended in 'error: invalid literal for int()' after its LoRA

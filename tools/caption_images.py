@@ -8,7 +8,8 @@ transformers): one caption file per image, beside it, as training reads them.
 
 --model is a Hugging Face model folder (config.json with model_type qwen2_5_vl or qwen3_vl, safetensors
 weights); its image processor (preprocessor_config.json), tokenizer and chat template come from the same
-folder unless --processor names another. Images are found recursively (.png .jpg .jpeg .webp .bmp); each
+folder unless --processor names another. Images are found recursively (.png .jpg .jpeg .webp .bmp; hidden
+folders such as .ipynb_checkpoints are skipped, as training skips them); each
 gets `<stem>.txt` (--caption_extension), written atomically, so a run stopped at any point leaves whole
 captions only; two images that would share a caption file (a.png and a.jpg) are refused before
 any caption is written. Existing captions are kept (--skip_existing, the default; an empty caption file counts as
@@ -20,7 +21,8 @@ caption ("ohwx cat, a cat on a sofa"). --max_new_tokens bounds the caption's len
 Precision: --dtype bf16 (default on CUDA) or fp32 (default on CPU); --quantize stores the language
 model's Linears in fp8 (our FP8Linear, any device: fp8 = plain cast, fp8_scaled = block-scaled) or nf4
 (bitsandbytes 4-bit, CPU or CUDA; needs widths that are multiples of 64, as released models have); the
-vision tower stays in --dtype. Errors (an unreadable image, a folder that is no supported model):
+vision tower stays in --dtype. Errors (an unreadable image, one whose aspect ratio is over the processor's
+200, a folder that is no supported model):
 one line, exit status 2, before any caption is written.
 
 Not supported yet: Florence-2 (transformers 5 has its architecture natively, but this tool does not
@@ -114,8 +116,11 @@ from tools.devices import device_from_flag  # noqa: E402
 
 def find_images(folder: str) -> list[str]:
     """Every image below `folder`, sorted; each verified readable (one error naming the first that is not)."""
-    paths = sorted(os.path.join(d, f) for d, _, files in os.walk(folder) for f in files
-                   if is_image_name(f))
+    paths = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .ipynb_checkpoints, .Trash-1000: training reads none
+        paths += [os.path.join(root, f) for f in files if is_image_name(f)]
+    paths.sort()
     if not paths:
         raise ValueError(f"{folder}: no images ({', '.join(IMAGE_EXTENSIONS)}) in it or below it")
     for path in paths:
@@ -125,9 +130,22 @@ def find_images(folder: str) -> list[str]:
 
 def check_decodes(paths: list[str]) -> None:
     """Each image decoded whole, as captioning decodes it (load_rgb): a truncated file, whose header
-    find_images verified, is one line naming it before the model loads, not a traceback after it."""
+    find_images verified, or a shape the processor refuses (check_aspect_ratio) is one line naming it
+    before the model loads, not a traceback after it."""
     for path in tqdm(paths, unit="img", desc="decoding", dynamic_ncols=True, disable=len(paths) < 100):
-        load_rgb(path)
+        check_aspect_ratio(path, load_rgb(path).size)
+
+
+# The Qwen-VL image processor refuses an image whose long side is more than this many times its short
+# side (transformers' smart_resize: "absolute aspect ratio must be smaller than 200"), naming no file.
+MAX_ASPECT_RATIO = 200
+
+
+def check_aspect_ratio(path: str, size: tuple[int, int]) -> None:
+    w, h = size
+    if max(w, h) > MAX_ASPECT_RATIO * min(w, h):
+        raise ValueError(f"{path}: {w} x {h} pixels, an aspect ratio of {max(w, h) / min(w, h):.4g}; the Qwen-VL image "
+                         f"processor takes at most {MAX_ASPECT_RATIO}: crop it, or move it out of the folder")
 
 
 def caption_path(image_path: str, extension: str) -> str:

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 from library.data.chat_records import chat_encoder, end_of_turn_id, user_turn_ids
 from library.data.dataset import process_share
-from library.data.text_corpus import (IGNORE, TextWindowDataset, batch_documents, check_corpus, document_borders,
-                                      kept_windows, split_starts, tokenize_corpus, train_val_split,
+from library.data.text_corpus import (IGNORE, TextWindowDataset, batch_documents, check_corpus, corpus_files,
+                                      document_borders, kept_windows, split_starts, tokenize_corpus, train_val_split,
                                       window_documents, window_targets)
 from library.models.core import checkpointing
 from library.models.llm import (LLM, LLMConfig, _find_config, config_json_path, cross_entropy_loss, generate, load_llm,
@@ -382,7 +382,8 @@ class LLMTask:
         return len(self._global_batches(0))
 
     def data_items(self) -> list[str]:
-        return [f"{os.path.basename(p)} {os.path.getsize(p) if os.path.isfile(p) else 0}" for p in self.args.train_data]
+        # a folder's own files, as training reads them (the folder alone was "name 0": its files went unchecked)
+        return [f"{os.path.basename(p)} {os.path.getsize(p)}" for p in corpus_files(self.args.train_data)]
 
     def epoch_batches(self, epoch: int, skip: int = 0):
         """This process's slice of each global batch (batch_size * processes windows)."""

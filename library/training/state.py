@@ -41,8 +41,10 @@ KEPT_SINCE = ("network_dropout",  # its own key: network_args' dropout=... was c
 SCHEDULE_IDENTITY = ("lr_warmup_steps", "lr_scheduler_num_cycles", "lr_scheduler_power")
 
 # An LLM's windows (and its held-out share): another max_length / stride cuts the text into other batches,
-# so the resumed run would skip batches of another set. Compared where the state has them, as above.
-LLM_DATA_IDENTITY = ("max_length", "stride", "val_fraction", "batch_size")
+# so the resumed run would skip batches of another set; train_on_all_tokens changes which targets are
+# trained (and which windows hold one). Compared where the state has them, as above (a state written
+# before train_on_all_tokens was kept may have run with either value).
+LLM_DATA_IDENTITY = ("max_length", "stride", "val_fraction", "batch_size", "train_on_all_tokens")
 # An LLM's data settings that change which targets are trained (and so which windows are kept), each with the
 # value a state written before the key ran with: such a state resumes only with that value.
 LLM_TRAINED_BEFORE_KEY = {"attend_across_documents": True}  # border targets were trained, attention crossed
