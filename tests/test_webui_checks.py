@@ -149,3 +149,24 @@ def test_a_base_lora_under_a_folder_with_a_colon_is_checked_as_the_trainer_reads
     assert answer is not None and answer["key"] == "base_loras" and "is outside the folders" in answer["error"], answer
     (root / "x.safetensors").write_bytes(b"")
     assert outside_roots(SimpleNamespace(**{**vars(args), "base_loras": [f"{root}/x.safetensors:0.5"]}), [str(root)]) is None
+
+
+def test_a_dataset_whose_image_dir_is_not_a_folder_is_refused_with_the_trainers_line(checked, tiny_set, tmp_path):
+    """Old: Validate answered ok and the job was queued, to fail after launch with this line; now it is
+    refused before, under the dataset field."""
+    (tmp_path / "a_file").write_text("")
+    for image_dir in (str(tmp_path / "nope"), str(tmp_path / "a_file")):
+        changed = toml.load(tiny_set["dataset_config"])
+        changed["datasets"][0]["subsets"][0]["image_dir"] = image_dir
+        path = tmp_path / "dataset.toml"
+        path.write_text(toml.dumps(changed))
+        assert checked(dataset_config=str(path)) == {
+            "ok": False, "key": "dataset_config",
+            "error": f"{path}: {image_dir}: image_dir does not exist or is not a folder"}
+
+
+def test_optimizer_args_that_do_not_fit_the_optimizer_are_refused_under_the_optimizer_field(checked):
+    """Old: "config: optimizer_args (d0=...) do not fit AdamW" named no key: shown under the TOML editor."""
+    answer = checked(optimizer_type="AdamW")  # with quickstart's Prodigy optimizer_args
+    assert answer["ok"] is False and answer["key"] == "optimizer_args", answer
+    assert answer["error"].startswith("config: optimizer_args (d0=") and "do not fit AdamW" in answer["error"]

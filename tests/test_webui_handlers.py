@@ -535,3 +535,76 @@ def test_an_llm_jobs_val_loss_from_its_eval_csv_is_in_the_live_view_and_compare(
     assert loss.values.tolist() == [[1, 2.5, "loss"], [2, 2.25, "loss"], [2, 2.0, "val_loss"]]
     assert ui.compare(job.id, None, "val_loss").values.tolist() == [[2, 2.0, f"{job.id} a: val_loss"]]
     assert ui.live(job.id)["lr"]["series"].tolist() == ["lr/unet", "lr/unet"]
+
+
+def test_a_changed_steps_field_under_the_tomls_max_train_epochs_is_refused_under_it(ui, tmp_path):
+    """Old: the form's steps went into the config beside the file's max_train_epochs, which overrides them:
+    Validate said ok and the job trained the epochs (the CLI refuses --max_train_steps there)."""
+    text = "max_train_epochs = 2\nmax_train_steps = 120\n"
+    refused = {"ok": False, "key": "max_train_steps",
+               "error": "form: steps (max_train_steps) 2 would be ignored: max_train_epochs = 2 in the TOML overrides "
+                        "it; remove max_train_epochs from the TOML to train 2 steps"}
+    assert ui.check(text, {"max_train_steps": "2"}) == refused
+    assert ui.create("epochs", text, {"max_train_steps": "2"}, queue=True) == refused and ui.store.list() == []
+    with pytest.raises(ValueError, match="would be ignored: max_train_epochs = 2"):
+        ui.save_config(str(tmp_path / "data" / "x.toml"), text, {"max_train_steps": "2"})
+    # the steps field as Load filled it keeps the file's epochs; without max_train_epochs the steps are the form's
+    assert ui.settings(text, {"max_train_steps": "120"}) == {"max_train_epochs": 2, "max_train_steps": 120}
+    assert ui.settings("max_train_steps = 120\n", {"max_train_steps": "2"}) == {"max_train_steps": 2}
+
+
+class RecordingChecker:
+    """A config checker that answers `answer` and keeps the configs it was asked about (no helper process)."""
+
+    def __init__(self, answer: dict):
+        self.answer, self.asked = answer, []
+
+    def check(self, text: str, output_dir: str, roots=None) -> dict:
+        self.asked.append(toml.loads(text))
+        return dict(self.answer)
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_field_set_back_to_its_load_time_value_after_apply_is_what_the_job_gets(ui, tmp_path):
+    """Old: Load (base precision fp8_scaled), Apply a plan's base_precision = "bf16", then pick fp8_scaled again:
+    the page showed fp8_scaled but the field equalled its Load-time value, so it was dropped as untouched and the
+    job trained the TOML's bf16."""
+    from library.ui.app import build_app
+    from library.ui.handlers import FORM_KEYS
+
+    config = tmp_path / "data" / "run.toml"
+    config.write_text('base_precision = "fp8_scaled"\nnetwork_dim = 8\n')
+    ui.checker = RecordingChecker({"ok": True, "max_steps": 1})
+    app = build_app(ui)
+    load, apply, validate = (event(app, "click", api_name=n) for n in ("load_config", "apply_plan", "validate"))
+    values = {load.inputs[0]._id: str(config)}
+    run(load, values)
+    field = {k: block._id for k, block in zip(FORM_KEYS, validate.inputs[1:])}
+    assert values[field["base_precision"]] == "fp8_scaled"
+    values[apply.inputs[0]._id] = {"blocks_to_swap": 0, "base_precision": "bf16"}  # the plan's suggestion
+    run(apply, values)
+    assert values[field["base_precision"]] == "bf16"
+    run(validate, values)
+    assert ui.checker.asked[-1]["base_precision"] == "bf16"  # Apply's value, as the page shows it
+    values[field["base_precision"]] = "fp8_scaled"  # picked again
+    run(validate, values)
+    assert ui.checker.asked[-1]["base_precision"] == "fp8_scaled" and ui.checker.asked[-1]["blocks_to_swap"] == 0
+
+
+def test_optimizer_args_that_do_not_fit_are_shown_beside_the_optimizer_field(ui):
+    """Old: the error's key, optimizer_args, has no field: the line went under the TOML editor."""
+    from library.ui.app import build_app
+    from library.ui.handlers import FORM_KEYS
+
+    error = "config: optimizer_args (d0=0.003) do not fit AdamW: AdamW.__init__() got an unexpected keyword argument 'd0'"
+    ui.checker = RecordingChecker({"ok": False, "key": "optimizer_args", "error": error})
+    validate = event(build_app(ui), "click", api_name="validate")
+    values = {validate.inputs[-1]._id: {}}  # nothing loaded
+    run(validate, values)
+    notes = {k: values[block._id] for k, block in zip([*FORM_KEYS, "toml"], validate.outputs[1:])}
+    assert {k: note["value"] for k, note in notes.items() if note["visible"]} == {"optimizer_type": f"⚠ {error}"}

@@ -487,3 +487,25 @@ def test_a_job_whose_row_goes_away_while_it_runs_does_not_stop_the_devices_queue
         wait_for(lambda: real_get(after.id).state == "done", 10, "the job queued after it")
     finally:
         runner.close()
+
+
+def test_a_cpu_workers_job_sees_no_gpu(tmp_path, monkeypatch):
+    """Old: the cpu worker launched the trainer with CUDA_VISIBLE_DEVICES as the UI had it (unset: every
+    GPU); train_lora.py's Accelerator takes CUDA where it sees it, so a "cpu" job ran on cuda:0 beside
+    the cuda:0 worker's job. Now it is launched with none visible; a cuda:N worker's job sees GPU N."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "CUDA_VISIBLE_DEVICES=[${CUDA_VISIBLE_DEVICES-unset}]"\n')
+    fake.chmod(0o755)
+    store = JobStore(str(tmp_path / "jobs"))
+    jobs = {device: store.create(device, {"output_name": "lora"}, 1, queue=True, device=device)
+            for device in ("cpu", "cuda:1")}
+    runner = Runner(store, str(tmp_path), devices=tuple(jobs), python=str(fake), poll=0.05)
+    runner.start()
+    try:
+        for job in jobs.values():
+            wait_for(lambda job=job: store.get(job.id).state == "done", 10, f"the {job.device} job")
+    finally:
+        runner.close()
+    seen = {device: open(job.log_path).read().splitlines()[-1] for device, job in jobs.items()}
+    assert seen == {"cpu": "CUDA_VISIBLE_DEVICES=[]", "cuda:1": "CUDA_VISIBLE_DEVICES=[1]"}

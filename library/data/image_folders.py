@@ -310,13 +310,18 @@ def subset_images(subset: SubsetSpec) -> tuple[list[str], dict[str, list[str]]]:
     return split_layers(paths) if subset.multiple_target else (paths, {})
 
 
+def check_image_dir(folder: str) -> None:
+    """ValueError naming `folder` where it is not a folder (the web UI refuses such a dataset before queuing)."""
+    if not os.path.isdir(folder):
+        relative = "" if os.path.isabs(folder) else f" (a relative image_dir is read from the current folder, {os.getcwd()})"
+        raise ValueError(f"{folder}: image_dir does not exist or is not a folder{relative}")
+
+
 def _image_files(folder: str, other_folders=(), warn: bool = True) -> list[str]:
     """The images at the top of `folder` (image_dir is not searched recursively, as in sd-scripts and
     musubi-tuner); images in its subfolders other than `other_folders` (the subset's references and
     masks) are said: with none at the top an error, else (`warn`) a warning (they are not trained)."""
-    if not os.path.isdir(folder):
-        relative = "" if os.path.isabs(folder) else f" (a relative image_dir is read from the current folder, {os.getcwd()})"
-        raise ValueError(f"{folder}: image_dir does not exist or is not a folder{relative}")
+    check_image_dir(folder)
     names = sorted(os.listdir(folder))
     files, unread = [f for f in names if is_image_name(f)], _unread_images(names)
     # The subfolders are walked only where their count is said (reference_count's early look does not).

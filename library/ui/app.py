@@ -18,6 +18,8 @@ LABELS = {
     "learning_rate": "learning rate", "optimizer_type": "optimizer", "base_precision": "base precision",
     "sample_prompts": "sample prompts file", "sample_every_n_steps": "sample every N steps",
 }
+# Keys without a field of their own whose errors belong beside one (optimizer_args that do not fit the optimizer).
+FIELD_OF = {"fp8_base": "base_precision", "fp8_scaled": "base_precision", "optimizer_args": "optimizer_type"}
 REFRESH_SECONDS = 2.0
 # Asked before the actions that remove a job's files, each naming the job ({job}) and what goes.
 CONFIRM_QUESTIONS = {
@@ -147,7 +149,7 @@ def jobs_tab(ui: WebUI):
 
     def show_errors(result: dict) -> list:
         key = result.get("key") if not result.get("ok") else None
-        where = key if key in errors else ("base_precision" if key in ("fp8_base", "fp8_scaled") else "toml")
+        where = key if key in errors else FIELD_OF.get(key, "toml")
         message = result.get("error", "") if not result.get("ok") else ""
         return [error_note(message if k == where else "") for k in order + ["toml"]]
 
@@ -331,12 +333,15 @@ def planner_tab(ui: WebUI, form: dict) -> None:
 
     def on_apply(best, text_value, *values):
         if not best:
-            return [gr.update()] * (1 + len(order))
+            return [gr.update()] * (2 + len(order))
         new_text, new_values = ui.apply_plan(text_value, edited(order, values), best)
-        return [new_text] + [new_values[k] for k in order]
+        # A field showing Apply's value shows what the TOML now says: compared with that from here, a field set
+        # back to its Load-time value is an edit (compared with Load's, it was dropped and the TOML's value trained).
+        loaded = {**values[-1], **{k: best[k] for k in order if k in best and new_values[k] == best[k]}}
+        return [new_text] + [new_values[k] for k in order] + [loaded]
 
     apply.click(on_apply, [keys, form["text"], *[fields[k] for k in order], form["loaded"]],
-                [form["text"], *[fields[k] for k in order]], api_name="apply_plan")
+                [form["text"], *[fields[k] for k in order], form["loaded"]], api_name="apply_plan")
 
 
 def dataset_tab(ui: WebUI) -> None:

@@ -28,12 +28,13 @@ from library.ui.files import within
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY_IN_ERROR = re.compile(r"key '([A-Za-z0-9_]+)'|--([A-Za-z0-9_]+)")
 # A line that starts with a key before its quoted value (after the file's "config: "): optim.py's
-# "optimizer_type 'x' is unknown"
-KEY_THEN_VALUE = re.compile(r"(?:[^:' ]+: )?([a-z][a-z0-9_]*) '")
+# "optimizer_type 'x' is unknown", optim.py's "optimizer_args (d0=...) do not fit AdamW"
+KEY_THEN_VALUE = re.compile(r"(?:[^:' ]+: )?([a-z][a-z0-9_]*) ['(]")
 
 
 def error_key(message: str) -> str | None:
-    """The config key an error line names (ConfigError says "key 'x'"; a few say "x 'value'"), or None."""
+    """The config key an error line names (ConfigError says "key 'x'"; a few say "x 'value'" or "x (values)"),
+    or None."""
     from library.training.config import SCHEMA
 
     if match := KEY_IN_ERROR.search(message):
@@ -139,6 +140,24 @@ def dataset_outside_roots(args, roots: list[str]) -> dict | None:
     return listed_outside_roots(args, "dataset_config", load_dataset_config, folders, roots)
 
 
+def missing_image_dir(args) -> dict | None:
+    """The dataset TOML's first image_dir that is not a folder, as an error answer under dataset_config with
+    the line train_lora.py fails with (None: no dataset, or every image_dir there)."""
+    if not args.dataset_config:
+        return None
+    from library.data.dataset_config import load_dataset_config
+    from library.data.image_folders import check_image_dir
+
+    blueprint = load_dataset_config(args.dataset_config)
+    for spec in [*blueprint.datasets, *blueprint.validation_datasets]:
+        for subset in spec.subsets:
+            try:
+                check_image_dir(subset.image_dir)
+            except ValueError as e:
+                return {"ok": False, "key": "dataset_config", "error": f"{blueprint.source}: {e}"}
+    return None
+
+
 def prompt_images_outside_roots(args, roots: list[str]) -> dict | None:
     """The sample prompts' reference images (--ci) outside the roots, as an error answer under
     sample_prompts (None: all inside): an edit model's sample draws them where the pages show it."""
@@ -187,6 +206,7 @@ def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
             args = load_config(["--config_file", path])
             refused = (roots is not None and outside_roots(args, roots)) or missing_paths(args) or \
                 not_an_optimizer(args) or (roots is not None and dataset_outside_roots(args, roots)) or \
+                missing_image_dir(args) or \
                 (roots is not None and prompt_images_outside_roots(args, roots))
             if refused:
                 return refused

@@ -100,8 +100,21 @@ def changed_fields(settings: dict, form: dict) -> dict:
     written: the check then refuses what train_lora.py refuses (max_train_steps = "120", base_precision
     beside fp8_base that contradicts it), and a job's or a saved config keeps the file's keys."""
     shown = form_values(settings)
-    return {key: field_value(key, value) for key, value in form.items()
-            if value is not None and not (isinstance(value, str) and value.strip() in ("", shown.get(key)))}
+    changed = {key: field_value(key, value) for key, value in form.items()
+               if value is not None and not (isinstance(value, str) and value.strip() in ("", shown.get(key)))}
+    check_steps_override(settings, changed)
+    return changed
+
+
+def check_steps_override(settings: dict, changed: dict) -> None:
+    """A changed steps field under max_train_epochs, which overrides it: the job would train the
+    epochs without a word. Refused under the field, as train_lora.py refuses --max_train_steps there."""
+    epochs = {**settings, **changed}.get("max_train_epochs")
+    if "max_train_steps" in changed and epochs is not None:
+        steps = changed["max_train_steps"]
+        raise FormError("max_train_steps", f"form: steps (max_train_steps) {steps} would be ignored: max_train_epochs "
+                                           f"= {epochs} in the TOML overrides it; remove max_train_epochs from the "
+                                           f"TOML to train {steps} step{'s' if steps != 1 else ''}")
 
 
 def apply_form(settings: dict, form: dict) -> dict:

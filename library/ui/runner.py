@@ -164,7 +164,9 @@ class Runner:
         if job.resume:
             command += ["--resume", job.resume]
         env = dict(os.environ)
-        if device.startswith("cuda:"):
+        if device == "cpu":  # no GPU visible: train_lora.py's Accelerator takes cuda:0 wherever it sees one
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        elif device.startswith("cuda:"):
             env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
         with open(job.log_path, "ab") as log:
             log.write(f"{run_files.RUN_START}{' '.join(command)}\n".encode())
