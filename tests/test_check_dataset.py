@@ -388,6 +388,50 @@ def test_regularization_images_training_leaves_out_are_not_trained_and_one_warni
     assert "images: 5, trained: 2" in capsys.readouterr().out
 
 
+def test_regularization_images_the_balance_leaves_out_are_counted_apart_from_unreadable_ones(tmp_path):
+    """Until 2026-12-02 the report said '(4 unreadable or skipped)' for readable reg images never drawn."""
+    for i in range(6):
+        make_image(tmp_path / ("train" if i < 2 else "reg") / f"{i}.png", 32, 32, (30 * i, 0, 0))
+    (tmp_path / "reg" / "broken.png").write_bytes(b"not an image")
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [
+        {"image_dir": str(tmp_path / "train"), "class_tokens": "x"},
+        {"image_dir": str(tmp_path / "reg"), "class_tokens": "y", "is_reg": True}]}]})
+    text = check.report_text(check.check_dataset(bp))
+    assert "  images: 5, trained: 2, not drawn by the regularization balance: 2 (1 unreadable or skipped)\n" in text
+
+
+def test_caption_files_of_another_extension_beside_class_token_images_are_one_warning_in_the_check_and_in_training(
+        tmp_path, capsys):
+    """Until 2026-12-02 an sd-scripts dataset's .caption files (its default caption_extension; ours is .txt)
+    beside images of a subset with class_tokens trained every image on the class tokens, said only as a note."""
+    from library.data.image_folders import scan_images
+
+    for i in range(3):
+        make_image(tmp_path / "img" / f"{i}.png", 32, 32, (60 * i, 0, 0))
+        (tmp_path / "img" / f"{i}.caption").write_text(f"caption {i}")
+    make_image(tmp_path / "plain" / "p.png", 32, 32, (0, 90, 0))  # no caption file of any kind: stays a note
+    toml = tmp_path / "ds.toml"
+    toml.write_text(f'[[datasets]]\nresolution = 32\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "img"}"\n'
+                    f'class_tokens = "ohwx person"\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "plain"}"\n'
+                    f'class_tokens = "x"\n')
+    line = (f"{tmp_path / 'img'}: 3 images have no .txt caption file but a .caption one (first 0.png), so they train "
+            f"on class_tokens 'ohwx person'; set caption_extension = \".caption\" in this subset to train on those captions")
+    bp = load_dataset_config(str(toml))
+    with pytest.warns(UserWarning) as said:
+        scan_images(bp)
+    assert [str(w.message) for w in said] == [line]  # once for the subset, none for the plain one
+    with_caption_files, plain = check.check_dataset(bp).subsets
+    assert [(p.severity, p.message) for p in with_caption_files.problems] == [("warning", line)]
+    assert with_caption_files.notes == {}
+    assert list(plain.notes) == ["images without a caption file, trained on class_tokens 'x'"]
+    assert check_dataset.main([str(toml), "--strict"]) == 1  # 0 before: a note
+    capsys.readouterr()
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [  # the reverse: .txt files, .caption asked
+        {"image_dir": str(tmp_path / "plain"), "class_tokens": "x", "caption_extension": ".caption"}]}]})
+    (tmp_path / "plain" / "p.txt").write_text("a green square")
+    assert 'set caption_extension = ".txt"' in check.check_dataset(bp).problems()[0].message
+
+
 def test_images_both_trained_and_held_out_are_one_warning_in_the_check_and_in_training(tmp_path):
     """Until 2026-11-27 the same file trained and validated on passed (only a copy of it was a duplicate):
     [[validation_datasets]] over the training folder, or validation_split in one of two datasets over it."""

@@ -67,6 +67,15 @@ def test_sd_scripts_pixel_augmentations_say_why_they_cannot_apply_to_cached_late
                    f"cache_latents too); remove it (flip_aug works: both sides are cached)")
 
 
+def test_sd_scripts_pixel_augmentations_set_false_are_accepted_as_asking_for_nothing(tmp_path):
+    """Until 2026-12-02 `random_crop = false` was refused as a pixel augmentation (sd-scripts refuses only true)."""
+    path = write(tmp_path / "ds.toml", '[general]\ncolor_aug = false\n[[datasets]]\nresolution = 64\nrandom_crop = false\n'
+                                       '[[datasets.subsets]]\nimage_dir = "a"\nrandom_crop = false\ncolor_aug = false\n')
+    assert load_dataset_config(path).datasets[0].subsets[0].image_dir == "a"
+    msg = config_error(tmp_path, '[[datasets]]\nresolution = 512\n[[datasets.subsets]]\nimage_dir = "a"\nrandom_crop = "false"\n')
+    assert "'random_crop' is not supported: latents are always cached" in msg  # only a boolean false asks for nothing
+
+
 def test_unknown_general_key_is_an_error(tmp_path):
     msg = config_error(tmp_path, '[general]\nshuffle_captions = true\n[[datasets]]\nresolution = 512\n'
                                  '[[datasets.subsets]]\nimage_dir = "a"\n')

@@ -14,9 +14,10 @@ Severities:
   references, TokenLimit.cuts_with_references), the same file twice (content
   hash, across subsets and validation sets: a duplicate in a validation set is a leak), an image both
   trained and held out for validation (one line for all of them), regularization images past the
-  training images' count (dataset.reg_repeats' line: never drawn, not counted as trained);
+  training images' count (dataset.reg_repeats' line: never drawn, counted as not drawn, not as trained),
+  caption files of another extension beside images trained on class_tokens (image_folders.unread_caption_files);
 - note: handled, counted per subset: CMYK converted to RGB, 16-bit grey scaled to 8 bits
-  (images.to_8_bit), no caption file (trains on class_tokens), no alpha channel with alpha_mask,
+  (images.to_8_bit), no caption file of any common extension (trains on class_tokens), no alpha channel with alpha_mask,
   transparent pixels without it (trained as stored), captions of several lines (trained whole);
   and one line for the images enlarged to their bucket (upscaled: how many, by up to how much),
   which training prints once too.
@@ -42,7 +43,8 @@ from PIL import Image
 from library.data.captions import fixed_caption
 from library.data.controls import check_control_count, check_family_takes, control_files, find_controls, target_stems
 from library.data.image_folders import (bad_size, dataset_buckets, held_out_count, held_out_paths, image_bucket,
-                                        no_held_out, read_caption, subset_images)
+                                        no_held_out, other_caption_file, read_caption, subset_images,
+                                        unread_caption_files)
 from library.data.dataset import reg_repeats
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import WIDE_GREY_MODES, is_image_name, load_rgb, upscale_factor, verified_image_size
@@ -79,6 +81,7 @@ class SubsetReport:
     images: int = 0  # image files found
     trained: int = 0  # of them, the ones training uses
     held_out: int = 0  # of the readable ones, the validation_split share (validation only, never trained on)
+    not_drawn: int = 0  # readable regularization images the balance to the training images never draws (reg_repeats)
     sizes: Counter = field(default_factory=Counter)  # "WxH" -> images (as displayed)
     buckets: Counter = field(default_factory=Counter)  # "WxH" -> images
     tokens: list[int] = field(default_factory=list)  # per caption, when a TokenLimit counted them
@@ -93,8 +96,8 @@ class SubsetReport:
         self.notes.setdefault(what, []).append(path)
 
     def to_json(self) -> dict:
-        return {**{k: getattr(self, k) for k in ("section", "image_dir", "images", "trained", "held_out", "tokens", "notes",
-                                                 "upscaled")},
+        return {**{k: getattr(self, k) for k in ("section", "image_dir", "images", "trained", "held_out", "not_drawn",
+                                                 "tokens", "notes", "upscaled")},
                 "sizes": dict(self.sizes), "buckets": dict(self.buckets), "problems": [asdict(p) for p in self.problems]}
 
 
@@ -271,6 +274,7 @@ def balance_regularization(dataset_index: int, kept: list) -> None:
     unused = [item for item in items if item.subset.is_reg and repeats[id(item)] == 0]
     for item in unused:
         item.report.trained -= 1
+        item.report.not_drawn += 1
     for w in said:
         unused[0].report.add("warning", "regularization", str(w.message))
 
@@ -343,6 +347,8 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
             except ValueError as e:  # no layers, another count, an unreadable layer or one of another size
                 report.add("error", "layers", str(e))
     report.upscaled = upscaled(placed)
+    if unread := unread_caption_files(paths, subset):  # as scan_images warns
+        report.add("warning", "caption", unread)
     if paths and not report.trained and readable and subset.skip_bad_size_images:
         report.add("error", "folder", f"{subset.image_dir}: every image is skipped (skip_bad_size_images)")
     if not subset.is_reg:  # split_validation's count of this subset
@@ -383,7 +389,8 @@ def check_caption(report: SubsetReport, path: str, subset: SubsetSpec, limit: To
         return
     caption_file = os.path.splitext(path)[0] + subset.caption_extension
     if not os.path.exists(caption_file):
-        report.note(f"images without a caption file, trained on class_tokens {subset.class_tokens!r}", path)
+        if not other_caption_file(path, subset):  # those are in the subset's warning (unread_caption_files)
+            report.note(f"images without a caption file, trained on class_tokens {subset.class_tokens!r}", path)
     elif "\n" in caption:
         report.note("captions of several lines, trained whole (sd-scripts trains the first line, or with "
                     "enable_wildcard a random one)", caption_file)
@@ -427,9 +434,10 @@ def report_text(report: DatasetReport) -> str:
     lines = [f"{report.source}: {len(report.subsets)} subsets; caption tokens: {report.token_check}"]
     for s in report.subsets:
         lines.append(f"{s.section}: {s.image_dir}")
-        unused = s.images - s.trained - s.held_out
+        unused = s.images - s.trained - s.held_out - s.not_drawn
         lines.append(f"  images: {s.images}, trained: {s.trained}" + (f", held out for validation: {s.held_out}"
                                                                       if s.held_out else "")
+                     + (f", not drawn by the regularization balance: {s.not_drawn}" if s.not_drawn else "")
                      + (f" ({unused} unreadable or skipped)" if unused else ""))
         if s.sizes:
             lines.append(f"  sizes: {_histogram(s.sizes)}")

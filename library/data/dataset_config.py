@@ -277,12 +277,16 @@ def _check_table(source: str, section: str, table):
 # sd-scripts' pixel augmentations: each epoch would need new latents, and latents are always cached
 # here (sd-scripts refuses them with cache_latents too). flip_aug works: both sides are cached.
 PIXEL_AUGMENTATIONS = ("random_crop", "color_aug", "face_crop_aug_range")
+# Of them, the switches: `= false` asks for nothing (sd-scripts refuses only true), so it is accepted.
+PIXEL_AUGMENTATION_SWITCHES = ("random_crop", "color_aug")
 
 
 def _check_keys(source: str, section: str, table: dict, allowed: tuple[str, ...]):
     """Unknown keys are errors (a typo must not silently fall back to a default); known keys
     must have their type."""
     for key, value in table.items():
+        if key in PIXEL_AUGMENTATION_SWITCHES and value is False and section != "top level":
+            continue
         if key not in allowed:
             where = "top level:" if section == "top level" else f"[{section}]"
             if key in PIXEL_AUGMENTATIONS:

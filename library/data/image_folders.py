@@ -148,6 +148,8 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                 raise ValueError(f"{blueprint.source}: {e}") from None
             if subset.alpha_mask:
                 warn_missing_alpha(paths, subset)
+            if unread := unread_caption_files(paths, subset):
+                warnings.warn(unread, stacklevel=2)
             controls = control_files(subset.control_directory) if subset.control_directory else None
             targets = target_stems(paths)
             first_paired = None  # the subset's first image: every other needs as many references
@@ -363,6 +365,33 @@ def _images_in_subfolders(folder: str, other_folders) -> tuple[int, str]:
         count += len(images)
         example = example or (os.path.relpath(os.path.join(root, images[0]), folder) if images else "")
     return count, example
+
+
+# The caption extensions datasets ship: sd-scripts' default and ours (dataset_config.DEFAULTS).
+COMMON_CAPTION_EXTENSIONS = (".caption", ".txt")
+
+
+def other_caption_file(image_path: str, subset: SubsetSpec) -> str | None:
+    """The extension of a caption file beside an image that falls back to class_tokens (no file of the
+    subset's caption_extension), written with another common caption extension; None when there is none.
+    An sd-scripts dataset's `.caption` files (its default) would else be passed over without a word."""
+    stem = os.path.splitext(image_path)[0]
+    if not subset.class_tokens or os.path.exists(stem + subset.caption_extension):
+        return None
+    return next((ext for ext in COMMON_CAPTION_EXTENSIONS
+                 if ext != subset.caption_extension and os.path.exists(stem + ext)), None)
+
+
+def unread_caption_files(paths: list[str], subset: SubsetSpec) -> str | None:
+    """One line on the images of a subset trained on class_tokens though a caption file of another
+    extension (other_caption_file) sits beside them; None if there are none."""
+    found = [(path, ext) for path in paths if (ext := other_caption_file(path, subset))]
+    if not found:
+        return None
+    path, ext = found[0]
+    return (f"{subset.image_dir}: {len(found)} images have no {subset.caption_extension} caption file but a {ext} one "
+            f"(first {os.path.basename(path)}), so they train on class_tokens {subset.class_tokens!r}; set "
+            f'caption_extension = "{ext}" in this subset to train on those captions')
 
 
 def read_caption(image_path: str, subset: SubsetSpec) -> str:
