@@ -14,6 +14,7 @@ from diffusers.quantizers.bfl.utils import _replace_with_bfl_linear
 from safetensors.torch import load_file, save_file
 
 from library.io import CheckpointError
+from library.models.family import fp8_prepare
 from library.models.ideogram4.checkpoint import load_ideogram4, save_ideogram4_diffusers
 from library.models.ideogram4.tiny import original_state_dict, random_ideogram4, stored_state_dict, tiny_config, \
     write_single_file
@@ -71,6 +72,35 @@ def test_stored_layouts_match_diffusers_loader(folders, layout):
     diff = (out - expected).abs().max().item()
     print(f"Ideogram 4 {layout} file vs diffusers' loader: max abs diff {diff:.2e}")
     assert diff == 0.0  # the same dequantization, then the same float32 model
+
+
+@pytest.mark.parametrize("precision, quantized_class", [("fp8_scaled", "FP8Linear"), ("nf4", "NF4Linear"),
+                                                      ("int8", "Int8Linear")])
+def test_float_file_quantizes_while_loading_close_to_bf16(folders, precision, quantized_class):
+    """A float file under a quantized base precision: its keys are the float model's, checked before
+    prepare adds scale / absmax tensors and packs weights (the old loader checked them after)."""
+    model = load_ideogram4(folders["fp32"], dtype=torch.bfloat16, prepare=fp8_prepare(precision, "ideogram4"))
+    assert type(model.layers[0].attention.to_q).__name__ == quantized_class
+    assert type(model.layers[1].adaln_modulation).__name__ == quantized_class
+    reference = load_ideogram4(folders["fp32"], dtype=torch.bfloat16)
+    grid, lengths = (3, 5), (7, 4)
+    img, txt, mask, sigmas = inputs(*grid, lengths)
+    with torch.no_grad():
+        out = model(img, txt, sigmas, *grid, txt_mask=mask).float()
+        expected = reference(img, txt, sigmas, *grid, txt_mask=mask).float()
+    error = ((out - expected).norm() / expected.norm()).item()
+    print(f"Ideogram 4 fp32 file loaded as {precision} vs bf16: relative error {error:.4f}")
+    assert 1e-4 < error < 0.1
+
+
+def test_precision_doctor_runs_on_a_float_file(folders, tmp_path, capsys):
+    from tools import precision_doctor as doctor
+
+    rc = doctor.main(["--model_type", "ideogram4", "--model", folders["fp32"], "--resolution", "64",
+                      "--timesteps", "0.5", "--text_len", "4", "--out", str(tmp_path / "r"), "--skip_fp32",
+                      "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    assert "fp8_scaled" in json.loads((tmp_path / "r" / "report.json").read_text())["modes"]
 
 
 def test_bf16_compute_keeps_stored_dtypes(folders):

@@ -117,7 +117,8 @@ def load_ideogram4(
 
     A BFL-quantized file (fp8r / nvfp4, the released form) keeps its quantized Linears as stored
     (BFLLinear, dequantized per forward to the compute dtype); `model.stored_layout` names it (the
-    LoRA's ss_base_precision). dtype casts every other floating weight and becomes compute_dtype.
+    LoRA's ss_base_precision). dtype casts every other floating weight and becomes compute_dtype. A
+    float file is quantized while loading by `prepare` (a base precision: `fp8_prepare(mode, arch)`).
     read_weights=False gives the meta model as it would load, from the headers alone."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"load_ideogram4 dtype must be float32/bfloat16/float16, got {dtype}")
@@ -142,9 +143,10 @@ def load_ideogram4(
         if prepare is not None or convert is not None:
             raise ValueError(f"load_ideogram4: {path} is pre-quantized ({stored.layout}); it loads as stored")
         convert = bfl_converter(model, stored, dtype)
-    else:
+        check_keys_and_shapes(view, model.state_dict(), config, extra=stored.is_dropped)  # BFLLinear's own keys
+    else:  # checked before prepare: a float file holds the float model's keys, quantized while loading
+        check_keys_and_shapes(view, model.state_dict(), config)
         convert = prepared_convert(model, prepare, convert, "load_ideogram4")
-    check_keys_and_shapes(view, model.state_dict(), config, extra=stored.is_dropped if stored else lambda k: False)
     if read_weights:
         load_streaming(model, view, lambda key: key, dtype=dtype, convert=convert)
     else:
