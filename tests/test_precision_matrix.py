@@ -71,6 +71,44 @@ def test_matrix_shape_and_the_position_bug_signature(tiny_set, two_images, tmp_p
     assert diagonal["effect_kept"] >= off["effect_kept"] - 1e-3
 
 
+def test_the_posbug_row_bugs_the_transformer_alone_not_the_caption_cache(tiny_set, tmp_path, monkeypatch):
+    """The fp8+posbug row patched core.rope_tables for its whole training run, and the Qwen-Image text encoder
+    (library/models/llm.py) calls it too: its captions were encoded from fp8-rounded positions and cached on
+    disk under the normal key, which later rows and trainings reused. Now the caches equal a clean encode, and
+    the bug still reaches the transformer's positions (3 axes: frame, row, column) in training."""
+    import torch
+
+    from library.data.caches import read_cache
+    from library.models.family import get_family
+    from tools.make_tiny_dataset import make_tiny_dataset
+
+    bugged, position_bug = [], precision_matrix.precision.position_bug
+
+    def recorded(dtype):  # the positions each bugged rope_tables call receives
+        return lambda rope_tables: position_bug(dtype)(lambda positions, *a, **k: bugged.append(positions.shape)
+                                                        or rope_tables(positions, *a, **k))
+
+    monkeypatch.setattr(precision_matrix.precision, "position_bug", recorded)
+    data = tmp_path / "data"
+    config = write_config(tmp_path, tiny_set, "qwen_image", make_tiny_dataset(str(data), count=2)["dataset_config"])
+    with open(config, "a") as f:
+        f.write("cache_text_encoder_outputs_to_disk = true\n")
+    assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "matrix"), "--steps", "2",
+                                  "--resolution", "64", "--max_items", "1", "--sigmas", "0.5", "--dtype", "fp32",
+                                  "--rows", "fp8+posbug", "--columns", "bf16+lora"], log=print) == 0
+    assert len(bugged) == 2 and all(len(shape) == 3 and shape[-1] == 3 for shape in bugged), bugged  # 2 steps
+    caches = sorted(data.rglob("*_te.safetensors"))
+    assert len(caches) == 2
+    cached = {path: read_cache(str(path)) for path in caches}
+    for path in caches:
+        path.unlink()
+    args = precision_matrix.load_config(precision_matrix.run_args(config, []))
+    precision_matrix.eval_data(args, get_family(args), 2)  # encodes the captions again, clean, into the same files
+    for path, tensors in cached.items():
+        clean = read_cache(str(path))
+        assert all(torch.equal(tensors[k], clean[k]) for k in clean), path.name
+
+
 def test_bad_row_is_one_line_exit_2(tiny_set, tmp_path, capsys):
     config = write_config(tmp_path, tiny_set, "flux")
     assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "m"), "--rows", "fp16"]) == 2
@@ -94,6 +132,40 @@ def test_bad_sigmas_and_unused_loras_are_one_line_before_training(tiny_set, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "m").exists()  # old: the folder was made before the settings were read
+
+
+def test_a_bad_concept_is_one_line_before_training(tiny_set, tmp_path, capsys):
+    """--concept, and the concept.json found beside the dataset TOML, were first read after every row had trained;
+    a family without a learned tiny base (whose encoder settings encode the trigger prompts) then said
+    "Empty module name"."""
+    import json
+
+    from library.models.registry import spec_of
+    from tools.learned_base import learned_families
+    from tools.make_tiny_dataset import make_tiny_dataset
+    from tools.make_tiny_models import tiny_config
+
+    dataset = make_tiny_dataset(str(tmp_path / "data"), count=1)["dataset_config"]
+    beside = tmp_path / "data" / "concept.json"
+    beside.write_text("{")
+    concept = tmp_path / "concept.json"
+    concept.write_text(json.dumps({"trigger": "zxq", "colour": "purple", "shape": "star", "unrelated_prompts": [],
+                                   "trigger_prompts": ["a small zxq on the left, white background"]}))
+    zimage = tmp_path / "zimage.toml"
+    zimage.write_text(tiny_config("zimage", tiny_set, mixed_precision="no", output_dir=str(tmp_path / "unused")))
+    cases = [(write_config(tmp_path, tiny_set, "flux"), ["--concept", str(tmp_path / "missing.json")],
+              f"error: {tmp_path / 'missing.json'}: cannot read the concept file"),
+             (write_config(tmp_path, tiny_set, "flux", dataset), [], f"error: {beside}: cannot read the concept file"),
+             (str(zimage), ["--concept", str(concept)],
+              f"error: {concept}: concept_rate encodes the trigger prompts as a learned tiny base does, but model_type "
+              f"'zimage' has no learned tiny base: expected one of {', '.join(learned_families())}; pass --concept none")]
+    assert not spec_of("zimage").learned
+    for config, extra, message in cases:
+        assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "m"), "--rows", "bf16",
+                                      "--columns", "bf16+lora", "--steps", "1", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(message), err
+        assert not (tmp_path / "m").exists()  # no row trained
 
 
 def test_an_out_below_a_file_is_one_line(tiny_set, tmp_path, capsys):

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from library.data.shape_detector import Detection, detect
-from library.models.registry import FAMILIES, arch_spec, family_folder, spec_of
+from library.models.registry import FAMILIES, family_folder, spec_of
 from library.models.spec import load_symbol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +57,7 @@ def encode_prompts(family, prompts: list[str]) -> dict[str, torch.Tensor]:
     base's sequence lengths. Families that cache each caption at its own length (embeds
     [T, D] and a mask [T]) are padded at the end to the longest with zeros (mask False), as the
     trainer's collate does."""
-    kwargs = dict(load_symbol(arch_spec(family.arch).learned).encode_kwargs)
+    kwargs = dict(learned_spec(family.name).encode_kwargs)
     encode = family.load_text_encoder("fp32", torch.device("cpu"), **kwargs)
     per_prompt = encode(prompts)
     return {key: padded_stack([p[key] for p in per_prompt]).float() for key in per_prompt[0]}

@@ -107,6 +107,7 @@ from library.precision.fp8_compute import fp8_gemm_available  # noqa: E402
 from library.precision.stored_layouts import refuse_stored_base  # noqa: E402
 from library.models import flow_matching as fm  # noqa: E402
 from library.training.config import ConfigError, load_config  # noqa: E402
+from library.training.diffusion_task import DiffusionTask  # noqa: E402
 from library.training.state import sample_seed  # noqa: E402
 from library.models.family import fp8_prepare  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
@@ -163,23 +164,32 @@ class Bases:
 
 
 class Concept:
-    """The concept's trigger prompts, encoded once, and the VAE that decodes their renders."""
+    """The concept's trigger prompts, encoded once, and the VAE that decodes their renders. The file and the
+    family's learned base (whose encoder settings encode the prompts) are checked when made, before any row
+    trains; the prompts are encoded and the VAE loaded at the first rate()."""
 
     def __init__(self, path: str, family):
         from tools.concept_demo import read_concept, wanted_of
-        from tools.learned_base import encode_prompts
+        from tools.learned_base import learned_spec
 
         self.path, self.family = path, family
         concept = read_concept(path)
+        try:
+            learned_spec(family.name)
+        except ValueError as e:
+            raise ValueError(f"{path}: concept_rate encodes the trigger prompts as a learned tiny base does, but {e}; "
+                             f"pass --concept none") from None
         self.prompts = concept["trigger_prompts"]
         self.name = f"'{concept['trigger']}' = {concept['colour']} {concept['shape']}"
-        self.wanted, self.text = wanted_of(concept, self.prompts), encode_prompts(family, self.prompts)
-        self.vae = family.load_vae(torch.float32)
+        self.wanted, self.text, self.vae = wanted_of(concept, self.prompts), None, None
 
     def rate(self, model, seed: int, position_bug: bool) -> float:
         """Share of the trigger prompts whose render on `model` shows the concept (concept_demo's reading)."""
         from tools.concept_demo import render_and_score
+        from tools.learned_base import encode_prompts
 
+        if self.text is None:  # outside the position bug's patch below
+            self.text, self.vae = encode_prompts(self.family, self.prompts), self.family.load_vae(torch.float32)
         bug = precision.position_bug(precision.storage_dtype(model)) if position_bug else (lambda f: f)
         with precision.patched_rope_tables(bug), torch.no_grad():
             hits = render_and_score(self.family, model, self.vae, self.text, self.wanted, seed)[1]
@@ -206,14 +216,38 @@ def run_args(config_file: str, overrides: list[str]) -> list[str]:
             *overrides]
 
 
+@contextlib.contextmanager
+def bugged_transformer(dtype: torch.dtype):
+    """The position bug in the trained transformer alone: its forward (training, validation) computes RoPE
+    from positions cast to `dtype`. Not process-wide: the LLM text encoders call core.rope_tables too, and
+    the captions they encode in the run are cached on disk under the key every later run reuses."""
+    load_base = DiffusionTask._load_base
+
+    def load_bugged(task):
+        base = load_base(task)
+        forward = base.forward
+
+        def bugged(*args, **kwargs):
+            with precision.patched_rope_tables(precision.position_bug(dtype)):
+                return forward(*args, **kwargs)
+
+        base.forward = bugged
+        return base
+
+    DiffusionTask._load_base = load_bugged
+    try:
+        yield
+    finally:
+        DiffusionTask._load_base = load_base
+
+
 def train_row(trained_on: str, config_file: str, out: str, overrides: list[str], bases: "Bases") -> str:
-    """Train one row's LoRA (in this process; the position bug patched in for '+posbug'; a GGUF row
-    over its GGUF copy of the base)."""
+    """Train one row's LoRA (in this process; the position bug patched into the transformer for '+posbug';
+    a GGUF row over its GGUF copy of the base)."""
     folder = os.path.join(out, f"train_{trained_on.replace('+', '_')}")
     flags = [*TRAIN_FLAGS[trained_on], *(["--pretrained_model_name_or_path", bases.gguf(trained_on)] if trained_on in GGUF_BASES else [])]
     argv = run_args(config_file, [*overrides, *flags, "--output_dir", folder, "--output_name", "lora"])
-    bug = precision.position_bug(FP8_DTYPE) if trained_on.endswith("+posbug") else (lambda f: f)
-    with precision.patched_rope_tables(bug):
+    with bugged_transformer(FP8_DTYPE) if trained_on.endswith("+posbug") else contextlib.nullcontext():
         code = train_lora.main(argv)
     if code != 0:
         raise ValueError(f"training the {trained_on} row failed (exit {code}); run train_lora.py with the same config to see why")
@@ -485,11 +519,11 @@ def main(argv=None, log=print) -> int:
         for path in given.values():  # headers only: not a LoRA, or another model's, is named before any row trains
             check_lora_arch(path, family.arch)
         concept_path = find_concept(cli.concept, base.dataset_config)
+        concept = Concept(concept_path, family) if concept_path else None  # read and checked before any row trains
         os.makedirs(cli.out, exist_ok=True)  # once the settings are checked: a refused run leaves no folder behind
         bases = Bases(args.pretrained_model_name_or_path, family.arch, getattr(torch, DTYPES[cli.dtype]), cli.out, cli.seed)
         loras = {r: given.get(r) or train_row(r, cli.config_file, cli.out, overrides, bases) for r in rows}
         data = eval_data(args, family, cli.max_items)
-        concept = Concept(concept_path, family) if concept_path else None
         result, base_rates = run_matrix(args, family, bases, loras, columns, data, sigmas, cli.seed, concept, log=log)
         title = (f"{family.name} {os.path.basename(args.pretrained_model_name_or_path)}, {len(data)} images, sigmas {cli.sigmas}, "
                  f"{cli.dtype} compute" + (f", concept {concept.name} ({len(concept.prompts)} trigger prompts)" if concept else ""))
