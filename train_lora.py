@@ -434,7 +434,7 @@ class Trainer:
         try:
             if args.sample_at_first and self.step == 0:
                 self.render_samples("start")
-                if requested := self.interrupts.requested:  # as a Ctrl-C while loading: nothing trained, nothing saved
+                if requested := self.render_stop():  # as a Ctrl-C while loading: nothing trained, nothing saved
                     raise StopTraining(f"{requested} during the first samples: stopped before step 1; nothing "
                                        f"trained, nothing saved", code=130, agreed=False)  # this process's own signal
             self.clock = tracking.StepClock()
@@ -473,18 +473,18 @@ class Trainer:
         """The final samples (llm: the final eval), after the final LoRA is written. A Ctrl-C /
         SIGTERM before them skips them, one during them stops them at the next image (a second one
         at once); the signal's name is returned."""
-        if requested := self.interrupts.requested:  # during the last step
+        if requested := self.render_stop():  # during the last step
             self.accelerator.print(f"{requested} after the last step: final samples skipped; the LoRA is final")
             return requested
         paths, written = [], "stopped at once"
         try:
             with self.sampling():
-                paths = self.task.finish(self.args.output_dir, lambda: self.interrupts.requested is not None) or []
+                paths = self.task.finish(self.args.output_dir, lambda: self.render_stop() is not None) or []
             written = f"{len(paths)} written, the rest skipped"
         except KeyboardInterrupt:  # the second Ctrl-C: the image in progress is dropped
             pass
         tracking.log_sample_images(self.accelerator, paths, self.step)
-        if requested := self.interrupts.requested:
+        if requested := self.render_stop():
             self.accelerator.print(f"{requested} during the final samples: {written}; the LoRA is final")
         return requested
 
@@ -499,6 +499,7 @@ class Trainer:
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run,
                 "saves": self.saver.saves, "saves_at": saves_at(self.args), "max_steps": self.max_steps,
                 "batches_per_epoch": self.task.batches_per_epoch(), "data_items": self.data_digests,
+                "epoch_settings": self.task.epoch_settings(),
                 # fp16's loss scale: a resume at 65536 again skipped the steps until it fell back (4 of 5 here)
                 **({"grad_scaler": self.accelerator.scaler.state_dict()} if self.accelerator.scaler is not None else {})}
 
@@ -518,8 +519,7 @@ class Trainer:
         failure = None
         try:
             with self.sampling():
-                paths = self.task.render_samples(self.args.output_dir, tag,
-                                                 lambda: self.interrupts.requested is not None)
+                paths = self.task.render_samples(self.args.output_dir, tag, lambda: self.render_stop() is not None)
         except (RuntimeError, OSError, ValueError) as e:  # torch.OutOfMemoryError is a RuntimeError
             failure = " ".join(f"{type(e).__name__}: {e}".split())
         if failure:  # (the failed render's tensors went with its exception)
@@ -529,6 +529,13 @@ class Trainer:
                 torch.cuda.empty_cache()
             return
         tracking.log_sample_images(self.accelerator, paths or [], self.step)
+
+    def render_stop(self) -> str | None:
+        """The signal that ends a render before its next prompt. Under FSDP every process's forward
+        all-gathers the sharded base, so all render the same prompts: the stop is agreed, as each step's
+        (a SIGTERM to one process sent it from the render to the step's all-reduce while the others waited
+        in the all-gather: a deadlock, nothing saved). Otherwise this process's own: a render of its own."""
+        return self.interrupt_requested() if fsdp.uses_fsdp(self.accelerator) else self.interrupts.requested
 
     @contextlib.contextmanager
     def sampling(self):

@@ -103,6 +103,47 @@ def test_qwen_image_under_fsdp_equals_one_process(tiny_set, tmp_path, monkeypatc
     assert_same_lora(single / "qwen.safetensors", multi / "qwen.safetensors")
 
 
+SIGTERM_IN_A_RENDER = """
+import os, signal, sys
+sys.path.insert(0, os.getcwd())
+from library.models.family import DiffusionFamily
+import train_lora
+
+signal.alarm(150)  # a deadlocked worker (blocked in a collective) is ended by the kernel: nothing left behind
+real, calls = DiffusionFamily.sample_latents, []
+
+
+def signalled(self, *a, **k):  # process 1 gets a SIGTERM inside its first sample (of 2 prompts)
+    calls.append(1)
+    if len(calls) == 1 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(self, *a, **k)
+
+
+DiffusionFamily.sample_latents = signalled
+sys.exit(train_lora.main(sys.argv[1:]))
+"""
+
+
+def test_a_sigterm_to_one_fsdp_process_during_samples_stops_both_at_the_same_prompt_with_the_save(tiny_set, tmp_path):
+    """Old: process 1 left the render before prompt 2 for the step's all-reduce while process 0 waited in
+    prompt 2's all-gather of the sharded base: a deadlock, nothing saved. The render's stop is agreed now."""
+    write_datasets(tiny_set, tmp_path, validation=False)
+    (tmp_path / "script.py").write_text(SIGTERM_IN_A_RENDER)
+    out = tmp_path / "multi"
+    argv = flux_args(tiny_set, out, "--dataset_config", str(tmp_path / "ds1.toml"), "--max_train_steps", "2",
+                     "--sample_every_n_steps", "1")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                          os.path.join(ROOT, "configs", "accelerate", "fsdp.yaml"), "--num_processes", "2",
+                          "--mixed_precision", "no", "--main_process_port", free_port(), str(tmp_path / "script.py"),
+                          *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    log = run.stdout + run.stderr
+    assert "a signal to another process: saved" in log and re.search(r"exitcode\s+: 130", log), log[-2000:]
+    assert (out / "tiny_flux_lora-step000001.safetensors").exists() and (out / "tiny_flux_lora-state").is_dir()
+    assert [p.name.split("_")[4] for p in out.glob("*_step000001_*.png")] == ["00"]  # both stopped before prompt 2
+
+
 def test_fp8_codes_become_frozen_parameters_with_the_same_values(tiny_set):
     model = quantize_module(FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32), "fp8_scaled", arch_spec("flux").fp8)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -150,6 +150,28 @@ def test_resume_inside_an_epoch_with_as_many_batches_of_other_images_is_refused(
     assert cache_files(tmp_path / "b") == []
 
 
+def test_resume_inside_an_epoch_with_batch_size_and_num_repeats_both_changed_is_refused(tiny_set, tmp_path, capsys):
+    """batch_size 2 -> 4 with num_repeats 1 -> 2: 4 batches per epoch as before, of the same files, so the
+    state written 2 of 4 batches into epoch 0 resumed over another order without a word. Refused now."""
+    from tests.test_reliability import copy_dataset
+
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_state", "true")) == 0
+    state = out / "tiny_flux_lora-state"
+    capsys.readouterr()
+    toml = copy_dataset(tiny_set, tmp_path / "data", subset="num_repeats = 2")
+    with open(toml) as f:
+        doubled = f.read().replace("batch_size = 2", "batch_size = 4")
+    with open(toml, "w") as f:
+        f.write(doubled)
+    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4", "--dataset_config", toml,
+                                     "--resume", str(state)))
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"error: {state}: state was written 2 of 4 batches into epoch 0, this run has as "
+                                 f"many, but another batch_size or num_repeats: the rest of that epoch would be other "
+                                 f"images; resume with the same data\n"), err
+
+
 def test_a_diverged_run_names_its_own_last_save_not_another_runs(tiny_set, tmp_path, monkeypatch, capsys):
     """A NaN loss at step 3 of a run without saves said 'the last save before it: step 1,
     .../tiny_flux_lora-step000001.safetensors': an earlier run's file in the same output_dir."""

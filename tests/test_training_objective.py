@@ -182,6 +182,9 @@ class FakeTask:
     def data_items(self):
         return [f"batch {b}: {x}" for b, x in enumerate(self.values)]
 
+    def epoch_settings(self):
+        return None
+
     def epoch_batches(self, epoch, skip=0):
         return [(epoch, b) for b in range(skip, self.n)]
 

@@ -147,7 +147,8 @@ class DiffusionTask:
         check_planned_steps(args, plan_steps(args, self.batches_per_epoch(), state.progress if state else None),
                             args.config_file or "command line")
         if state:
-            check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
+            check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items(),
+                              self.epoch_settings())
         self.prompts = self._read_prompts()
         self._hold_cache_folders(contextlib.ExitStack() if held is None else held)
         self._settle_sampling()  # before minutes of caching
@@ -461,6 +462,13 @@ class DiffusionTask:
     def data_items(self) -> list[str]:
         return [f"{it.dataset_index}/{it.subset_index}/{os.path.basename(it.image_path)} {os.path.getsize(it.image_path)}"
                 for it in self.dataset.items]
+
+    def epoch_settings(self) -> list:
+        """Each dataset's global batch (batch_size x processes: N processes draw the batches one process
+        draws with an N-times batch) and its subsets' num_repeats: another batch_size and num_repeats can
+        give as many batches per epoch, of other images."""
+        world = self.accelerator.num_processes
+        return [[d.batch_size * world, [s.num_repeats for s in d.subsets]] for d in self.blueprint.datasets]
 
     def epoch_batches(self, epoch: int, skip: int = 0):
         """This process's batches of `epoch`, after the first `skip`. With persistent_data_loader_workers

@@ -385,6 +385,9 @@ class LLMTask:
         # a folder's own files, as training reads them (the folder alone was "name 0": its files went unchecked)
         return [f"{os.path.basename(p)} {os.path.getsize(p)}" for p in corpus_files(self.args.train_data)]
 
+    def epoch_settings(self) -> None:
+        return None  # its batch_size is in the run's identity (state.LLM_DATA_IDENTITY)
+
     def epoch_batches(self, epoch: int, skip: int = 0):
         """This process's slice of each global batch (batch_size * processes windows)."""
         rank, world = self.accelerator.process_index, self.accelerator.num_processes

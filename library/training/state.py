@@ -4,8 +4,8 @@ A state folder holds trainable.safetensors (the trained tensors), ema.safetensor
 EMA, when ema_decay is set), optimizer.pt (loaded back with
 `torch.load(weights_only=True)`: tensors and numbers only), rng.safetensors (torch/CUDA RNG
 states as uint8 tensors) and train_state.json (step, epoch, batches done in the epoch, scheduler
-state, the run's length and batches per epoch, a short digest of each training file, the
-intermediate saves it wrote, and a digest of the
+state, the run's length and batches per epoch, each dataset's batch and repeats, a short digest of each
+training file, the intermediate saves it wrote, and a digest of the
 settings that must not change across a resume). The folder is written under a temporary name and
 renamed, so a crash never leaves a half state.
 """
@@ -124,12 +124,13 @@ def load_state(folder: str, args) -> SavedState:
     return SavedState(trainable, optimizer, progress, rng, load_ema_state(folder) if args.ema_decay else None)
 
 
-def check_resumed_fit(folder: str, progress: dict, args, batches_per_epoch: int, items: list[str]) -> None:
+def check_resumed_fit(folder: str, progress: dict, args, batches_per_epoch: int, items: list[str],
+                      epoch_settings: list | None = None) -> None:
     """The resumed state against this run's data: the run's length (with max_train_epochs, known from
-    the batches), the batches per epoch and the files (Task.data_items). A task calls it as soon as it
-    knows its batches, before any slow work (a diffusion task's caching)."""
+    the batches), the batches per epoch (with Task.epoch_settings) and the files (Task.data_items). A
+    task calls it as soon as it knows its batches, before any slow work (a diffusion task's caching)."""
     check_resumed_length(folder, progress, plan_steps(args, batches_per_epoch, progress), args)
-    check_resumed_epoch(folder, progress, batches_per_epoch)
+    check_resumed_epoch(folder, progress, batches_per_epoch, epoch_settings)
     check_resumed_data(folder, progress, item_digests(items))
 
 
@@ -147,17 +148,21 @@ def check_resumed_length(folder: str, progress: dict, max_steps: int, args) -> N
                      f"{progress['step']} would jump onto another curve; resume with the same length")
 
 
-def check_resumed_epoch(folder: str, progress: dict, batches_per_epoch: int) -> None:
+def check_resumed_epoch(folder: str, progress: dict, batches_per_epoch: int, settings: list | None = None) -> None:
     """A state written inside an epoch resumes after its batches_done batches of that epoch's order;
     with another count of batches per epoch (the dataset, its batch_size or repeats, or the number of
-    processes changed) that order and what it skips would be another run's. Between epochs any data
-    may follow. States written before the count was kept resume unchecked."""
+    processes changed), or as many of another batch_size and num_repeats (Task.epoch_settings), that
+    order and what it skips would be another run's. Between epochs any data may follow. States written
+    before the count (or the settings) were kept resume unchecked (on the count)."""
     saved, done = progress.get("batches_per_epoch"), progress["batches_done"]
-    if saved is None or saved == batches_per_epoch or done in (0, saved):
+    if saved is None or done in (0, saved):
         return
+    if saved == batches_per_epoch and progress.get("epoch_settings", settings) == settings:
+        return
+    has = (f"has {batches_per_epoch} batches per epoch (the dataset, its batch_size or num_repeats, or the processes "
+           f"changed)" if saved != batches_per_epoch else "has as many, but another batch_size or num_repeats")
     raise ValueError(f"{folder}: state was written {done} of {saved} batches into epoch {progress['epoch']}, this run "
-                     f"has {batches_per_epoch} batches per epoch (the dataset, its batch_size or num_repeats, or the "
-                     f"processes changed): the rest of that epoch would be other images; resume with the same data")
+                     f"{has}: the rest of that epoch would be other images; resume with the same data")
 
 
 def item_digests(items: list[str]) -> list[str]:

@@ -37,6 +37,10 @@ class Task(Protocol):
         """One line per training file (its place in the dataset, name and size; no contents): a state
         written inside an epoch resumes only on the same files."""
 
+    def epoch_settings(self) -> list | None:
+        """What orders an epoch's batches besides its files and their count (JSON values; None: nothing
+        more): a state written inside an epoch resumes only with the same."""
+
     def epoch_batches(self, epoch: int, skip: int = 0) -> Iterable:
         """This process's batches of `epoch`, after the first `skip` (those trained before a resume)."""
 
