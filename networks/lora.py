@@ -40,8 +40,8 @@ from networks.lora_reader import leave_out_text_encoders, read_for_model
 
 # Device types where the LoRA's up GEMM takes the base output as its sum (torch.addmm). On the CPU the
 # add runs in the GEMM's epilogue; on CUDA addmm copies the base output into its result and runs a
-# beta = 1 GEMM, and the plain `out + up` was the faster on an H200 (bench_core_levers' lora_addmm, mid
-# FLUX.1 / Qwen-Image at 1024 px, per-round medians of addmm against it: eager x1.018 / x1.031, compiled
+# beta = 1 GEMM, and the plain `out + up` was the faster on an H200 (bench_core_levers' lora_addmm, the
+# two mid models at 1024 px, per-round medians of addmm against it: eager x1.018 / x1.031, compiled
 # x1.033 / x0.998, where inductor fuses the add into the next pointwise kernel; bench/RESULTS.md).
 ADDMM_SUM_DEVICES = ("cpu",)
 
