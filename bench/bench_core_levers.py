@@ -261,7 +261,7 @@ def before(lever: str, model):
         return patched(lora, "ADDMM_SUM_DEVICES", tuple(d for d in fused if d != device) if device in fused
                        else fused + (device,))
     if lever == "lora_rows":
-        return patched(LoRAModule, "_adds_up_in_gemm", lambda *args: False)
+        return patched(LoRAModule, "_up_takes_rows", lambda *args: False)
     if lever == "rms_weight":
         return patched(core, "rms_norm", rms_norm_with_copy)
     if lever == "rms_fused":

@@ -199,7 +199,7 @@ class LoRAModule(nn.Module):
         if autocast is None:
             x = x.to(self.lora_down.weight.dtype)
         dtype = autocast or self.lora_up.weight.dtype
-        if x.dim() != 2 and self._adds_up_in_gemm(out, autocast or x.dtype, dtype):
+        if x.dim() != 2 and self._up_takes_rows(out, autocast or x.dtype, dtype):
             # _add_up's GEMM takes [tokens, rank] rows: down runs on the rows as well (the same GEMM that
             # F.linear folds a [..., tokens, in] input into), no reshape of lx back and forth; 2 ops fewer
             # per module in the forward and the recompute each, 2 in backward
@@ -216,8 +216,9 @@ class LoRAModule(nn.Module):
             return out + self._dora_delta(out, self.lora_up(lx), scale)
         return self._add_up(out, lx, self.multiplier * scale, dtype)
 
-    def _adds_up_in_gemm(self, out: torch.Tensor, lx_dtype: torch.dtype, dtype: torch.dtype) -> bool:
-        """Whether this call's _add_up sums into the up GEMM (no DoRA, no rank dropout, dtypes meeting)."""
+    def _up_takes_rows(self, out: torch.Tensor, lx_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+        """Whether this call's _add_up runs the up GEMM on [tokens, rank] rows (no DoRA, no rank dropout,
+        dtypes meeting): summing into the base output on ADDMM_SUM_DEVICES, adding after it elsewhere."""
         return (self.dora_scale is None and not (self.training and self.rank_dropout)
                 and out.dtype == dtype and lx_dtype == dtype)
 

@@ -74,7 +74,7 @@ def test_lora_rows_factor_one_and_rms_norm_weight_cuts_are_bit_identical(monkeyp
     with monkeypatch.context() as m:
         m.setattr(core, "rms_norm", rms_norm_with_copy)
         m.setattr(LoRAModule, "_add_up", add_up_multiplying)
-        m.setattr(LoRAModule, "_adds_up_in_gemm", lambda *args: False)  # before: down on [B, L, in]
+        m.setattr(LoRAModule, "_up_takes_rows", lambda *args: False)  # before: down on [B, L, in]
         old_pred, old_grads, old_ops = _step(dtype, autocast)
     assert torch.equal(pred, old_pred)
     assert len(grads) == len(old_grads) == 42 and all(torch.equal(a, b) for a, b in zip(grads, old_grads))
