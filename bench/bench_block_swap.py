@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -34,6 +35,7 @@ import torch.nn as nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from library.models.block_swap import enable_block_swap  # noqa: E402
 from library.models.core import compile_block  # noqa: E402
@@ -107,11 +109,14 @@ def run_setting(model, net, optimizer, inputs, target, steps: int, device) -> tu
     return times, torch.cuda.max_memory_allocated(device) if cuda else 0
 
 
-def profile_step(model, net, optimizer, inputs, target, device) -> None:
+def profile_step(model, net, optimizer, inputs, target, device, trace: str | None = None) -> None:
     """One step under torch.profiler: where the host's time goes (self CPU: launches, copies' set-up,
     waits) and the device's (kernels and host-to-device copies), to tell a swap's host cost from its
-    copies' bandwidth."""
+    copies' bandwidth. With `trace` (a .json path) the step's timeline is also written there and read
+    back by trace_overlap.py: the compute stream's idle time split into waiting on copies and on the host."""
     from torch.profiler import ProfilerActivity, profile
+
+    from trace_overlap import overlap, report
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -123,6 +128,12 @@ def profile_step(model, net, optimizer, inputs, target, device) -> None:
         kernels = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
         copies = sum(e.self_device_time_total for e in events if "Memcpy HtoD" in e.key) / 1e6
         print(f"device time: all {kernels:.3f} s, of which host-to-device copies {copies:.3f} s (on the side stream)")
+    if trace:
+        prof.export_chrome_trace(trace)
+        if device.type == "cuda":
+            with open(trace) as f:
+                print(report(overlap(json.load(f))))
+        print(f"timeline: {trace} (chrome://tracing or ui.perfetto.dev)")
 
 
 def main(argv=None):
@@ -140,9 +151,14 @@ def main(argv=None):
     p.add_argument("--device", default="cuda", help="cuda (timings) or cpu (a smoke run with --blocks)")
     p.add_argument("--profile", action="store_true",
                    help="after each setting's timing, one step under torch.profiler: the host's and the device's top ops")
+    p.add_argument("--trace", metavar="DIR",
+                   help="profile as --profile and write each setting's profiled step as DIR/swap<N>.json (a chrome trace), "
+                        "and report copy / compute overlap from it (bench/trace_overlap.py)")
     p.add_argument("--blocks", type=int, default=0,
                    help="build this many blocks of each kind at full width (0: the released depth)")
     args = p.parse_args(argv)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     device = torch.device(args.device)
     config = None
     if args.blocks:
@@ -184,8 +200,9 @@ def main(argv=None):
         rows.append((n, t, t / reference, peak / GiB, 2 * moved / GiB))
         print(f"blocks_to_swap {n:3d}: step {t:.3f} s (x{t / reference:.3f}), peak {peak / GiB:.2f} GiB, "
               f"copied {2 * moved / GiB:.2f} GiB/step ({2 * moved / GiB / t:.1f} GiB/s needed)", flush=True)
-        if args.profile:
-            profile_step(model, net, optimizer, inputs, target, device)
+        if args.profile or args.trace:
+            trace = os.path.join(args.trace, f"swap{n}.json") if args.trace else None
+            profile_step(model, net, optimizer, inputs, target, device, trace)
     enable_block_swap(model, 0, device)
     print("\n| blocks_to_swap | step (s) | vs 0 | peak allocated (GiB) | copied per step (GiB) |")
     print("|---|---|---|---|---|")

@@ -22,9 +22,10 @@
 #                (the device's; nothing here changes): fp8_dequant_fused, then its CUDA tests (tests/test_fp8*.py),
 #                its lever (bench_core_levers fp8_dequant, both families), the eager fp8 headline lines and the
 #                eager Qwen-Image block swap (an fp8_scaled base) with it
-#      swapprobe the eager Qwen-Image block swap (x1.18 over no swap at prefetch 2): prefetch 4, then one step of
-#                swap 0 and 20 under torch.profiler (host and device top ops); the CUDA LoRA-sum test and the
-#                lora_addmm lever on Qwen-Image (the landed form against addmm)
+#      swapprobe the eager Qwen-Image block swap (x1.12-x1.19 over no swap; copies 0.26 s of a step, ~60% exposed,
+#                host time level): one step of swap 0 and 20 (prefetch 2, then 4) as a timeline
+#                (bench_block_swap.py --trace, read by bench/trace_overlap.py: the compute stream's idle time
+#                waiting on copies vs on the host, the longest gaps); traces gzipped under LOGS/traces
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -139,11 +140,11 @@ case $plan in
         step swap.log 100 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2
         ;;
     swapprobe)  # where the eager Qwen-Image swap's x1.18 goes: a deeper prefetch, then one step under the profiler
-        step checks.log 60 $PY -m pytest -x -q -p no:cacheprovider tests/test_eager_ops.py -k cuda
-        step swap.log 100 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 4
-        step swap.log 120 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2 --profile
-        step levers.log 120 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 --families qwen_image \
-            --levers lora_addmm
+        step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2 \
+            --steps 3 --trace "$LOGS/traces/prefetch2"
+        step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 20 --prefetch 4 \
+            --steps 3 --trace "$LOGS/traces/prefetch4"
+        gzip -f "$LOGS"/traces/*/*.json 2>/dev/null
         ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
         for family in flux qwen_image; do
