@@ -70,6 +70,19 @@ def test_each_fresh_run_logs_into_its_own_folder_and_a_resume_continues_its_own(
     assert sorted(e.step for e in events(logs, second).Scalars("loss")) == [1, 2, 3, 4]
 
 
+def test_two_runs_starting_together_claim_different_folders(tmp_path, monkeypatch):
+    """Two runs of one config launched together (two learning rates on two GPUs) both checked the name
+    before either's TensorBoard writer made the folder: both took it, their curves mixed in one run. The
+    main process now claims the folder as it names it (mkdir); the other processes of a run claim nothing."""
+    monkeypatch.setattr(tracking.time, "strftime", lambda fmt, *t: "20260105143000")
+    logs = tmp_path / "logs"
+    names = [tracking.run_folder(str(logs), None, "lora", claim=True) for _ in range(2)]
+    assert names == ["lora_20260105143000", "lora_20260105143000_2"]
+    assert sorted(os.listdir(logs)) == names
+    assert tracking.run_folder(str(logs), None, "lora") == "lora_20260105143000_3"  # a non-main process
+    assert sorted(os.listdir(logs)) == names
+
+
 def test_log_with_is_checked_when_the_config_loads(tiny_set, tmp_path, capsys, monkeypatch):
     assert train_lora.main(flux_args(tiny_set, tmp_path / "a", "--log_with", "tensorboard")) == 2
     assert "log_with = 'tensorboard' logs TensorBoard events to logging_dir, which is not set" in capsys.readouterr().err

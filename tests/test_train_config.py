@@ -353,6 +353,22 @@ def test_plot_lr_overlays_runs_and_summarises(tmp_path):
     assert "b/lora: d*lr/unet: peak 0.001 at step 5, final 0.001" in lines
 
 
+def test_plot_lr_draws_a_plain_lr_beside_prodigy_on_the_effective_step_axis_all_log(tmp_path):
+    """An AdamW run's 1e-3 schedule beside a Prodigy run went to the base-lr twin axis (a flat line at 0
+    under Prodigy's lr 1.0), and --log left that axis linear."""
+    from library.training.lr_plot import plot, read_log
+
+    (tmp_path / "adamw_log.csv").write_text("step,epoch,loss,lr/lora\n" + "".join(
+        f"{s},0,{1 / s},{1e-3 * s / 4}\n" for s in range(1, 5)))
+    (tmp_path / "prodigy_log.csv").write_text("step,epoch,loss,lr/lora,d*lr/lora\n" + "".join(
+        f"{s},0,{1 / s},1.0,{2e-4 * s}\n" for s in range(1, 5)))
+    runs = {n: read_log(str(tmp_path / f"{n}_log.csv")) for n in ("adamw", "prodigy")}
+    drawn = plot(runs, str(tmp_path / "plot.png"), log_scale=True, beta=0.9)
+    assert drawn["effective step axis"] == ["adamw lr/lora (its effective step)", "prodigy d*lr/lora"]
+    assert drawn["prodigy lr/lora"] == [1.0] * 4  # Prodigy's base lr stays on the twin axis
+    assert set(drawn["y scales"].values()) == {"log"}
+
+
 def test_plot_lr_keeps_two_runs_whose_folders_share_a_name(tmp_path, monkeypatch):
     """x/run and y/run were both 'run/lora': the second replaced the first, one run drawn and summarised."""
     for parent, loss in (("x", 0.5), ("y", 0.25)):

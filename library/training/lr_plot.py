@@ -105,7 +105,8 @@ def measured(log: dict[str, list[float]], col: str) -> tuple[list[float], list[f
 
 
 def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, beta: float) -> dict[str, list[float]]:
-    """Write the PNG; returns each drawn line's label -> its y values (what the figure shows)."""
+    """Write the PNG; returns each drawn line's label -> its y values (what the figure shows), with
+    "y scales" (each axis's label -> linear / log) and "effective step axis" (the labels drawn there)."""
     import matplotlib
 
     from library.io import atomic_path
@@ -119,9 +120,14 @@ def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, bet
     adaptive = any(c.startswith("d*lr/") for log in runs.values() for c in log)
     ax_base = ax_lr.twinx() if adaptive else ax_lr
     for name, log in runs.items():
+        own_step = not any(c.startswith("d*lr/") for c in log)  # AdamW & co: the lr is the step itself
         for col in log:
             if col.startswith("d*lr/"):
                 ax_lr.plot(log["step"], log[col], "-", label=f"{name} {col}")
+            elif col.startswith("lr/") and adaptive and own_step:
+                # beside a Prodigy run the lr is this run's effective step: on that axis, where the two
+                # compare (on the base-lr axis a 1e-3 schedule was a flat line at 0 under Prodigy's 1.0)
+                ax_lr.plot(log["step"], log[col], "-", label=f"{name} {col} (its effective step)")
             elif col.startswith("lr/"):
                 ax_base.plot(log["step"], log[col], "--", alpha=0.6, label=f"{name} {col}")
         line = ax_loss.plot(log["step"], log["loss"], alpha=0.25)[0]
@@ -130,16 +136,16 @@ def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, bet
         if vals:
             ax_loss.plot(steps, vals, "o--", color=line.get_color(), markersize=4, label=f"{name} val_loss")
     if adaptive:
-        ax_lr.set_ylabel("effective step d*lr (solid)")
+        ax_lr.set_ylabel("effective step: d*lr, or a plain lr (solid)")
         ax_base.set_ylabel("base lr (dashed)")
         ax_base.legend(fontsize=8, loc="lower right")
     else:
         ax_lr.set_ylabel("learning rate")
     ax_loss.set_ylabel("loss")
     ax_loss.set_xlabel("optimizer step")
-    if log_scale:
-        ax_lr.set_yscale("log")
-        ax_loss.set_yscale("log")
+    if log_scale:  # every y axis (the base-lr twin was left linear)
+        for ax in {ax_lr, ax_base, ax_loss}:
+            ax.set_yscale("log")
     for ax in (ax_lr, ax_loss):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
@@ -149,6 +155,8 @@ def plot(runs: dict[str, dict[str, list[float]]], out: str, log_scale: bool, bet
     with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     drawn = {line.get_label(): [float(y) for y in line.get_ydata()] for ax in fig.axes for line in ax.get_lines()}
+    drawn["y scales"] = {ax.get_ylabel(): ax.get_yscale() for ax in fig.axes}
+    drawn["effective step axis"] = [line.get_label() for line in ax_lr.get_lines()]
     plt.close(fig)
     return drawn
 

@@ -42,15 +42,30 @@ def check_trackers(log_with: str | None, logging_dir: str | None) -> str | None:
     return None
 
 
-def run_folder(logging_dir: str | None, log_prefix: str | None, output_name: str) -> str:
+def run_folder(logging_dir: str | None, log_prefix: str | None, output_name: str, claim: bool = False) -> str:
     """A fresh run's folder name under logging_dir: log_prefix + YYYYmmddHHMMSS (sd-scripts'
-    --log_prefix), log_prefix defaulting to '<output_name>_'; _2, _3, ... after a name already taken."""
+    --log_prefix), log_prefix defaulting to '<output_name>_'; _2, _3, ... after a name already taken.
+    With `claim` the folder is created here, atomically: two runs of one config started together (two
+    learning rates on two GPUs) reach this in the same second, and a name only checked was taken by both,
+    their curves mixed in one TensorBoard run."""
     name = (output_name + "_" if log_prefix is None else log_prefix) + time.strftime("%Y%m%d%H%M%S")
-    taken = lambda n: logging_dir is not None and os.path.exists(os.path.join(logging_dir, n))  # noqa: E731
+    if logging_dir is None:
+        return name
+    if claim:
+        os.makedirs(logging_dir, exist_ok=True)
     count = 1
-    while taken(name if count == 1 else f"{name}_{count}"):
+    while True:
+        candidate = name if count == 1 else f"{name}_{count}"
+        path = os.path.join(logging_dir, candidate)
+        try:
+            if claim:
+                os.mkdir(path)  # fails if another run holds the name, even one a moment ahead of us
+                return candidate
+            if not os.path.exists(path):
+                return candidate
+        except FileExistsError:
+            pass
         count += 1
-    return name if count == 1 else f"{name}_{count}"
 
 
 def start_trackers(accelerator, args, resumed_run: str | None, step: int) -> str | None:
@@ -58,7 +73,9 @@ def start_trackers(accelerator, args, resumed_run: str | None, step: int) -> str
     module's docstring; saved in the state so that a resume continues it), None without trackers."""
     if not accelerator.log_with:
         return None
-    run = resumed_run or run_folder(args.logging_dir, args.log_prefix, args.output_name)
+    # the main process alone writes the trackers, so it alone claims the folder (no empty twins)
+    run = resumed_run or run_folder(args.logging_dir, args.log_prefix, args.output_name,
+                                    claim=accelerator.is_main_process)
     if args.logging_dir:
         accelerator.project_configuration.logging_dir = os.path.join(args.logging_dir, run)
     init_kwargs = {"wandb": {"name": run}}
