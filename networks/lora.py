@@ -299,8 +299,8 @@ def _check_lora_values(spec: LoRATargets, args: dict) -> None:
     for key in ("dropout", "rank_dropout", "module_dropout"):
         _as_probability(key, args.get(key))
     ratio = _as_float("loraplus_lr_ratio", args.get("loraplus_lr_ratio"))
-    if ratio is not None and not ratio > 0:
-        raise ValueError(f"network_args 'loraplus_lr_ratio': expected a number > 0, got {args['loraplus_lr_ratio']!r}")
+    if ratio is not None and not 0 < ratio < math.inf:  # inf gave NaN at step 2, after caching
+        raise ValueError(f"network_args 'loraplus_lr_ratio': expected a finite number > 0, got {args['loraplus_lr_ratio']!r}")
     for key in ("dora", "use_dora", "train_modulation"):
         if key in args:
             _as_bool(key, args[key])
@@ -376,6 +376,8 @@ def _as_patterns(key, value) -> list[re.Pattern]:
     values = [value] if isinstance(value, str) else list(value or [])
     compiled = []
     for v in values:
+        if not isinstance(v, str):  # re.compile(1) raised a raw TypeError
+            raise ValueError(f"network_args '{key}': item {v!r} is not a regex string, got {value!r}")
         try:
             compiled.append(re.compile(v))
         except re.error as e:
@@ -400,12 +402,16 @@ def parse_indices(key, value, count: int | None) -> set[int]:
             return set(range(count or 0))
         if text in ("none", ""):
             return set()
-        value = []
+        indices = []
         for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):  # 5-2 would be empty
-                raise ValueError(f"network_args '{key}': bad range {part!r} (expected like '0-5,10', 'all' or 'none')")
-            value.extend(range(int(lo), int(hi or lo) + 1))
+            # "10-" (open range; was block 10 alone), "-5", "5-2" (empty) and "²" (isdigit, not int) are refused
+            bounds = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", part.strip())
+            lo, hi = (int(bounds[1]), int(bounds[2] or bounds[1])) if bounds else (0, -1)
+            if hi < lo:
+                raise ValueError(f"network_args '{key}': bad range {part!r} in {value!r} "
+                                 "(expected like '0-5,10', 'all' or 'none')")
+            indices.extend(range(lo, hi + 1))
+        value = indices
     bad = [i for i in value if not 0 <= int(i) < (math.inf if count is None else count)]
     if bad:
         raise ValueError(f"network_args '{key}': index {bad[0]} is out of range, the model has {count} such blocks")

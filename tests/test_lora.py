@@ -327,7 +327,7 @@ def test_qwen_image_and_llm_targets_and_block_indices():
     ({"img_attn_dim": "4.5"}, "'img_attn_dim': expected an integer, got '4.5'"),
     ({"attn_dim": -1}, "'attn_dim': expected a rank >= 0"),
     ({"in_dims": "[1, 0, 0, 0, 2.5]"}, "'in_dims': expected an integer"),
-    ({"loraplus_lr_ratio": 0}, "'loraplus_lr_ratio': expected a number > 0"),
+    ({"loraplus_lr_ratio": 0}, "'loraplus_lr_ratio': expected a finite number > 0, got 0"),
     ({"dora": "maybe"}, "'dora': expected true/false"),
     # raw TypeErrors ('float' object is not iterable) or "the model has None such blocks" before
     ({"train_double_block_indices": 1.5}, "'train_double_block_indices': expected block indices like '0-5,10'"),
@@ -350,6 +350,34 @@ def test_network_arg_values_are_checked_without_a_model(args):
 
     with pytest.raises(ValueError, match=f"network_args '{next(iter(args))}'"):
         check_lora_args("flux", args)
+
+
+@pytest.mark.parametrize("arch, args, message", [
+    # an open range was read as its first block alone (sd-scripts' parse_block_selection refuses it)
+    ("flux", {"train_double_block_indices": "10-"}, "network_args 'train_double_block_indices': bad range '10-' in "
+                                                    "'10-' (expected like '0-5,10', 'all' or 'none')"),
+    ("flux", {"train_single_block_indices": "0-3,20-"},
+     "network_args 'train_single_block_indices': bad range '20-' in '0-3,20-'"),
+    ("qwen_image", {"block_indices": "30-"}, "network_args 'block_indices': bad range '30-' in '30-'"),
+    ("flux", {"train_double_block_indices": "-5"}, "bad range '-5' in '-5'"),
+    ("flux", {"train_double_block_indices": "3-1"}, "bad range '3-1' in '3-1'"),
+    ("flux", {"train_double_block_indices": "a-b"}, "bad range 'a-b' in 'a-b'"),
+    ("flux", {"train_double_block_indices": "\u00b2"}, "bad range '\u00b2'"),  # isdigit() but not int(): raw ValueError
+    # inf passed 'not ratio > 0' and the loss was NaN at step 2, after caching
+    ("flux", {"loraplus_lr_ratio": "inf"}, "network_args 'loraplus_lr_ratio': expected a finite number > 0, got 'inf'"),
+    ("flux", {"loraplus_lr_ratio": float("-inf")}, "network_args 'loraplus_lr_ratio': expected a finite number > 0, got -inf"),
+    ("flux", {"loraplus_lr_ratio": float("inf")}, "network_args 'loraplus_lr_ratio': expected a finite number > 0, got inf"),
+    # re.compile(1) raised a raw TypeError
+    ("flux", {"exclude_patterns": [".*img_mod.*", 1]}, "network_args 'exclude_patterns': item 1 is not a regex "
+                                                       "string, got ['.*img_mod.*', 1]"),
+    ("flux", {"include_patterns": [None]}, "network_args 'include_patterns': item None is not a regex string"),
+])
+def test_open_ranges_infinite_ratios_and_non_string_patterns_are_refused_without_a_model(arch, args, message):
+    """check_lora_args is the config check that runs before caching: each of these got past it before."""
+    from networks.lora import check_lora_args
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_lora_args(arch, args)
 
 
 @pytest.mark.parametrize("arch", ["flux2", "chroma", "krea2", "llm"])

@@ -270,6 +270,22 @@ def test_network_args_take_sd_scripts_block_ranges_and_bare_regexes(tmp_path):
         parse_kv_literals(["betas=0.9,0.99x"], "optimizer_args", "x")
 
 
+@pytest.mark.parametrize("network_arg, message", [
+    ("train_double_block_indices=10-", "network_args 'train_double_block_indices': bad range '10-' in '10-'"),
+    ("loraplus_lr_ratio=inf", "network_args 'loraplus_lr_ratio': expected a finite number > 0, got inf"),
+    ('exclude_patterns=[".*img_mod.*", 1]', "network_args 'exclude_patterns': item 1 is not a regex string"),
+])
+def test_network_args_the_network_check_refuses_name_the_config(tmp_path, network_arg, message):
+    """As train_lora.py gives them to the check before caching; before, block 10 alone was trained, the loss was
+    NaN at step 2, and a raw TypeError ended the run."""
+    from library.training.diffusion_task import check_network_settings
+
+    cfg = write(tmp_path, FLUX + f"network_args = [{network_arg!r}]\n")
+    args = load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match=re.escape(f"train.toml: {message}")):
+        check_network_settings(args, "flux")
+
+
 def test_unknown_optimizer_is_an_error():
     p = torch.nn.Parameter(torch.zeros(2, 2))
     with pytest.raises(ConfigError, match="optimizer_type 'Adamm' is unknown"):
