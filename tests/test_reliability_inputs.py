@@ -251,6 +251,18 @@ def test_prompt_file_with_invalid_utf8_names_the_file_and_offset(tmp_path):
     assert str(e.value).startswith(f"{path}: prompt file is not valid UTF-8: byte 0xe9 at offset 18"), str(e.value)
 
 
+def test_a_prompt_line_splits_at_newlines_alone(tmp_path):
+    """A U+2028 (or \x0b, \x0c, \x85) inside a line made two prompts (str.splitlines), the first without
+    its --flags; sd-scripts' readlines splits at newlines alone."""
+    from library.data.prompts import SamplePrompt, prompt_texts, read_prompt_file
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("a cat,\u2028 in a red\x0chat --w 64 --h 64 --d 1\r\na dog --w 32 --h 32\n", encoding="utf-8")
+    assert read_prompt_file(str(path)) == [SamplePrompt("a cat,\u2028 in a red\x0chat", 64, 64, seed=1),
+                                           SamplePrompt("a dog", 32, 32)]
+    assert prompt_texts(str(path)) == ["a cat,\u2028 in a red\x0chat", "a dog"]
+
+
 def test_sd_scripts_json_and_toml_prompt_files_are_read_as_prompts(tmp_path):
     """The old line read a .json or .toml prompt file line by line: '[' and '{"prompt": ...' were
     rendered as prompts."""

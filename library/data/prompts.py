@@ -239,12 +239,19 @@ def read_prompt_file(path: str, defaults: SamplePrompt | None = None, decode: bo
         found = _structured_prompts(text, path, kind, defaults, guidance_is_cfg)
     else:
         found = [(f"{path}:{i}", parse_prompt_line(line, f"{path}:{i}", defaults, guidance_is_cfg))
-                 for i, line in enumerate(text.splitlines(), 1) if line.strip() and not line.lstrip().startswith("#")]
+                 for i, line in enumerate(prompt_lines(text), 1) if line.strip() and not line.lstrip().startswith("#")]
     if not found:
         raise ValueError(f"{path}: no prompts")
     if decode:
         decode_references(found)
     return [prompt for _, prompt in found]
+
+
+def prompt_lines(text: str) -> list[str]:
+    """A prompt file's lines as sd-scripts' readlines() splits them: at newlines alone (read_utf8 made
+    \r\n and \r newlines). str.splitlines() also split at U+2028, \x0b, \x0c, \x1c-\x1e and \x85: one
+    prompt with one of those inside became two, the first without its --flags."""
+    return text.split("\n")
 
 
 def _structured_prompts(text: str, path: str, kind: str, defaults: SamplePrompt | None,
@@ -275,7 +282,7 @@ def prompt_texts(path: str) -> list[str]:
     text = read_utf8(path, "prompt file")
     kind = os.path.splitext(path)[1].lower()
     if kind not in (".json", ".toml"):
-        lines = [line.strip() for line in text.splitlines()]
+        lines = [line.strip() for line in prompt_lines(text)]
         return [split_prompt_line(line)[0] for line in lines if line and not line.startswith("#")]
     entries = json.loads(text) if kind == ".json" else _toml_subsets(text, path)
     if not isinstance(entries, list):
