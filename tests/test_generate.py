@@ -154,3 +154,14 @@ def test_vae_tiling_decodes_the_image_in_tiles(tiny_set, tmp_path, monkeypatch):
         with Image.open(tmp_path / "out" / f"00{k}_3.png") as png:
             images.append(torch.tensor(list(png.getdata()), dtype=torch.float32))
     assert (images[0] - images[1]).abs().max() > 2
+
+
+def test_a_repeated_lora_flag_applies_every_lora():
+    """`--lora A --lora B` kept B alone (nargs="*" replaces), rendering without A and without a word."""
+    from tools.generate import build_parser
+
+    need = ["--model_type", "flux", "--model", "m", "--ae", "ae", "--prompt", "p"]
+    args = build_parser().parse_args([*need, "--lora", "a.safetensors:0.9",
+                                      "--lora", "b.safetensors:0.5", "c.safetensors"])
+    assert args.lora == ["a.safetensors:0.9", "b.safetensors:0.5", "c.safetensors"]
+    assert build_parser().parse_args(need).lora == []

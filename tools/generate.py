@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks_to_swap", type=int, default=0, help="keep the last N blocks' weights in CPU memory")
     p.add_argument("--vae_tiling", action="store_true", help="decode in tiles (the decode's peak memory 3-8x lower "
                    "at 1024 px; the image differs near the seams)")
-    p.add_argument("--lora", nargs="*", default=[], help="LoRA files, each FILE or FILE:RATIO")
+    # extend: `--lora A --lora B` applies both (nargs="*" alone kept B only, without a word)
+    p.add_argument("--lora", nargs="*", action="extend", default=[],
+                   help="LoRA files, each FILE or FILE:RATIO (--lora A B, or --lora A --lora B)")
     p.add_argument("--out", default="generated", help="output folder")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     return p
