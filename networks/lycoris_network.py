@@ -141,7 +141,8 @@ def _quiet_lycoris():
 
 def check_lycoris_args(args: dict, arch: str | None = None, base_precision: str = "bf16",
                        precision_key: str = "base_precision") -> None:
-    """network_args keys LyCORIS or our selection reads, with values of its types; needs no model files.
+    """network_args keys LyCORIS or our selection reads, with values of its types, and a `preset` without our
+    selection args (one or the other selects the targets); needs no model files.
     arch: the selection args are also checked as our LoRA checks them for that architecture, and a `preset`
     against its released transformer's blocks. base_precision: how the frozen base is stored, which the
     config said with `precision_key` (base_precision, or fp8_base)."""
@@ -150,8 +151,12 @@ def check_lycoris_args(args: dict, arch: str | None = None, base_precision: str 
         raise ValueError(f"network_args: unknown key '{unknown[0]}' for lycoris.kohya "
                          f"(known: {', '.join(sorted(LYCORIS_ARGS | SELECTION_ARGS))})")
     typed = _typed_lycoris_args(args)
+    selection = sorted(k for k in args if k in SELECTION_ARGS)
     if arch is not None:
-        check_lora_args(arch, {k: v for k, v in args.items() if k in SELECTION_ARGS})
+        check_lora_args(arch, {k: args[k] for k in selection})
+    if "preset" in args and selection:
+        raise ValueError(f"network_args '{selection[0]}' selects our targets; with a LyCORIS "
+                         f"'preset' the preset selects them (give one or the other)")
     algo = str(typed.get("algo", "lora")).lower()
     if algo in REFUSED_ALGOS:
         raise ValueError(f"network_args 'algo={algo}' is refused: {REFUSED_ALGOS[algo]}; use algo=lokr, loha or locon")
@@ -288,6 +293,18 @@ def _check_preset_reaches_blocks(preset: str, arch: str) -> None:
         raise _no_block_error(preset, arch, block_classes)
 
 
+def lycoris_targets(model: nn.Module, arch: str, rank: int, network_args: dict) -> list[str] | None:
+    """The paths of the Linears LycorisNetwork hands LyCORIS: our LoRA's targets under the selection args, with
+    networks.lora's errors (block indices past the model's blocks, a pattern matching no module, a selection of
+    none); None where a `preset` selects them. Reads no weight: on a meta model it is the run's check before caching
+    (LyCORIS itself cannot build on one: dora_wd and algo=full copy the target weights)."""
+    if "preset" in network_args:
+        return None
+    selection = {k: v for k, v in network_args.items() if k in SELECTION_ARGS}
+    picker = LoRANetwork(model, arch, rank, network_args=selection, select=False)
+    return [path for path, _, _ in picker._select(model, selection)]
+
+
 def _typed_lycoris_args(args: dict) -> dict:
     """The LYCORIS_ARGS of `args`, each checked and converted to the type LyCORIS reads; a bad value
     is a ValueError naming the key, the value and what is allowed."""
@@ -359,16 +376,9 @@ class LycorisNetwork(nn.Module):
 
         lyco_args = _typed_lycoris_args(self.network_args)
         lyco_args.setdefault("bypass_mode", _default_bypass(lyco_args))
-        selection = {k: v for k, v in self.network_args.items() if k in SELECTION_ARGS}
         te = lora_targets(self.arch).kohya_prefix == "lora_te"
-        if "preset" in lyco_args and selection:
-            raise ValueError(f"network_args '{sorted(selection)[0]}' selects our targets; with a LyCORIS "
-                             f"'preset' the preset selects them (give one or the other)")
-        if "preset" in lyco_args:
-            preset = _preset_of(lyco_args["preset"])
-        else:
-            picker = LoRANetwork(model, self.arch, self.rank, network_args=selection, select=False)
-            preset = _target_preset([path for path, _, _ in picker._select(model, selection)], te)
+        targets = lycoris_targets(model, self.arch, self.rank, self.network_args)
+        preset = _preset_of(lyco_args["preset"]) if targets is None else _target_preset(targets, te)
         kohya.PRESET[_PRESET_NAME] = preset
         lyco_args["preset"] = _PRESET_NAME
         try:

@@ -375,23 +375,34 @@ def test_network_weights_of_another_rank_is_refused(trained, tiny_set, tmp_path,
     assert files_under(out) == []
 
 
-@pytest.mark.parametrize("network_args, fragment", [
-    ("train_single_block_indices=0-37", "network_args 'train_single_block_indices': index 2 is out of range, the model "
-                                        "has 2 such blocks"),
-    ("exclude_patterns=['.*img_atn.*']", "network_args pattern '.*img_atn.*' matches no LoRA target module"),
+LYCORIS = ("--network_module", "lycoris.kohya", "--network_args", "algo=lokr")
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (("--network_args", "train_single_block_indices=0-37"),
+     "network_args 'train_single_block_indices': index 2 is out of range, the model has 2 such blocks"),
+    (("--network_args", "exclude_patterns=['.*img_atn.*']"),
+     "network_args pattern '.*img_atn.*' matches no LoRA target module"),
+    ((*LYCORIS, "train_single_block_indices=0-37"),
+     "network_args 'train_single_block_indices': index 2 is out of range, the model has 2 such blocks"),
+    ((*LYCORIS, "exclude_patterns=['.*img_atn.*']"), "network_args pattern '.*img_atn.*' matches no LoRA target module"),
+    ((*LYCORIS, "preset=full", "exclude_patterns=['.*img_mod.*']"),
+     "network_args 'exclude_patterns' selects our targets; with a LyCORIS 'preset' the preset selects them"),
 ])
-def test_network_args_the_model_judges_are_refused_before_caching(tiny_set, tmp_path, capsys, monkeypatch, network_args,
+def test_network_args_the_model_judges_are_refused_before_caching(tiny_set, tmp_path, capsys, monkeypatch, extra,
                                                                   fragment):
     """FLUX.1's block indices copied to a model of fewer blocks, a pattern matching no module: judged on the meta
-    model before caching (the old line encoded every latent and caption first: 1 min 50 s on 210 images)."""
+    model before caching (the old line encoded every latent and caption first: 1 min 50 s on 210 images). With
+    lycoris.kohya too, whose targets are our selection (the old line judged it, and a preset given beside it, only
+    as LyCORIS built its modules: after caching and loading the transformer)."""
     from library.training import diffusion_task
 
     for name in ("cache_latents", "cache_text"):
         monkeypatch.setattr(diffusion_task, name, lambda *a, **k: pytest.fail("cached before the refusal"))
     out = tmp_path / "out"
     capsys.readouterr()
-    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--network_args", network_args)))
-    assert fragment in line, line
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, *extra)))
+    assert f"quickstart.toml: {fragment}" in line, line
     assert files_under(out) == []
 
 

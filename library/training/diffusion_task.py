@@ -136,7 +136,8 @@ class DiffusionTask:
         self._check_stored_precision()
         self.compute_dtype = compute_dtype(args)
         # network_args against the model's blocks and names, network_weights' ranks against the network's: before caching
-        check_network_fits(args, lambda: memory_plan.meta_model_and_network(self.family, args)[1])
+        check_network_fits(args, self.family.arch, lambda: self.family.load_transformer(
+            self.compute_dtype, base_precision(args), read_weights=False))
         self.blueprint = load_dataset_config(args.dataset_config)
         self.dataset, self.validation_set = self._read_images()
         if args.validate_every_n_steps and not self.validation_set:  # said before minutes of caching

@@ -168,7 +168,7 @@ class LLMTask:
         self.stored_precision = None  # a pre-quantized (or plain e5m2) base's layout (_base_prepare)
         config, self.from_scratch, prepare = self._model_config(path)
         if not args.pretrain:  # network_args against the model, network_weights' ranks against the network's: before tokenizing
-            check_network_fits(args, lambda: self._meta_network(config))
+            check_network_fits(args, "llm", lambda: self._meta_model(config))
         self.train_set, self.val_set = self._load_data(files, counts.documents, config.vocab_size)
         if state:  # before the weights load (minutes for a large base): a resume that does not fit fails at once
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
@@ -197,12 +197,10 @@ class LLMTask:
             else:  # the evals a run killed after its last save logged are logged again
                 drop_rows_after(self.eval_log, state.progress["step"])
 
-    def _meta_network(self, config: LLMConfig) -> nn.Module:
-        """The run's network on the model built on the meta device: its modules and ranks, no weights."""
-        args = self.args
+    def _meta_model(self, config: LLMConfig) -> nn.Module:
+        """The model built on the meta device (no weights): what check_network_fits builds the run's network on."""
         with torch.device("meta"):
-            return build_network(args.network_module, LLM(config), "llm", args.network_dim, args.network_alpha,
-                                 network_args=lora_network_args(args), modules_from=network_modules_from(args))
+            return LLM(config)
 
     def _model_config(self, path: str) -> tuple[LLMConfig, bool, Callable | None]:
         """(the model's config, whether it trains from scratch, load_llm's prepare hook), read and checked

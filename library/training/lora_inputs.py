@@ -33,24 +33,22 @@ def check_lora_inputs(args, arch: str) -> None:
                 "merge it into the checkpoint with tools/merge_lora.py and train on the merged checkpoint"))
 
 
-def check_network_fits(args, meta_network) -> None:
-    """The run's LoRA network built by meta_network() on a meta-device model (no weights read: seconds) before
-    the data is read and the model loads: network_args that only the model can judge (block indices past its
-    blocks, a pattern matching no module, a selection of none) are a ConfigError now, not after minutes of
-    caching; and network_weights loaded into it as the run loads it later: a module of another rank than the
-    network's (network_weights keeps the network's ranks, as sd-scripts does without dim_from_weights), a name no
-    Linear of the model has. The load's warnings are the run's. LyCORIS networks are left to their build: the
-    lycoris package builds its modules from the model's weights."""
+def check_network_fits(args, arch: str, meta_model) -> None:
+    """The run's network built on meta_model() (the model on the meta device: no weights read, seconds) before the
+    data is read and the model loads: network_args that only the model can judge (block indices past its blocks, a
+    pattern matching no module, a selection of none) are a ConfigError now, not after minutes of caching; and
+    network_weights loaded into it as the run loads it later: a module of another rank than the network's
+    (network_weights keeps the network's ranks, as sd-scripts does without dim_from_weights), a name no Linear of
+    the model has. The load's warnings are the run's. lycoris.kohya: only our selection of its targets
+    (lycoris_targets), which judges the same args; LyCORIS builds its modules from the target weights."""
     import warnings
 
-    if (args.network_module or "networks.lora") != "networks.lora":
-        return
     where = args.config_file or "command line"
     try:  # with dim_from_weights the build reads network_weights: its errors are that key's
-        network = meta_network()
+        network = _network_on_meta(args, arch, meta_model())
     except ValueError as e:  # CheckpointError is a ValueError
         raise ConfigError(f"{where}: key 'network_weights': {e}" if args.dim_from_weights else f"{where}: {e}") from None
-    if not args.network_weights or args.dim_from_weights:
+    if network is None or not args.network_weights or args.dim_from_weights:
         return
     try:
         with warnings.catch_warnings():
@@ -58,6 +56,25 @@ def check_network_fits(args, meta_network) -> None:
             network.load_weights(args.network_weights, strict=False)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         raise ConfigError(f"{where}: key 'network_weights': {e}") from None
+
+
+def _network_on_meta(args, arch: str, model):
+    """networks.lora: the run's network on the meta `model`; lycoris.kohya: None, once lycoris_targets has judged
+    the selection args on it."""
+    import torch
+
+    from library.training.config import lora_network_args, network_modules_from
+    from networks.factory import build_network
+
+    network_args = lora_network_args(args)
+    if (args.network_module or "networks.lora") == "lycoris.kohya":
+        from networks.lycoris_network import lycoris_targets
+
+        lycoris_targets(model, arch, args.network_dim, network_args)
+        return None
+    with torch.device("meta"):
+        return build_network(args.network_module, model, arch, args.network_dim, args.network_alpha,
+                             network_args=network_args, modules_from=network_modules_from(args))
 
 
 _KIND = {"networks.lora": "a down/up LoRA file (network_module networks.lora)",
