@@ -305,6 +305,21 @@ def lycoris_targets(model: nn.Module, arch: str, rank: int, network_args: dict) 
     return [path for path, _, _ in picker._select(model, selection)]
 
 
+class _MetaCopiesStayMeta(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cpu and args[0].is_meta:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def _cpu_copies_of_meta_stay_meta(model: nn.Module):
+    """LyCORIS copies a target's weight to the CPU as it builds and applies (dora_wd's weight norms, algo=full's
+    frozen copy): on a meta model (the memory planner's, a run's plan before caching) `.cpu()` raised "Cannot copy out of
+    meta tensor". There the copy stays on meta: its shape is all a plan needs."""
+    on_meta = any(p.is_meta for p in model.parameters())
+    return _MetaCopiesStayMeta() if on_meta else contextlib.nullcontext()
+
+
 def _typed_lycoris_args(args: dict) -> dict:
     """The LYCORIS_ARGS of `args`, each checked and converted to the type LyCORIS reads; a bad value
     is a ValueError naming the key, the value and what is allowed."""
@@ -382,7 +397,7 @@ class LycorisNetwork(nn.Module):
         kohya.PRESET[_PRESET_NAME] = preset
         lyco_args["preset"] = _PRESET_NAME
         try:
-            with _fp8_views(model) as views, _quiet_lycoris():
+            with _fp8_views(model) as views, _quiet_lycoris(), _cpu_copies_of_meta_stay_meta(model):
                 # An empty module, not None, where the model is the other part: lycoris scans the "unet" always
                 # (None: AttributeError, every LLM LyCORIS run stopped as its network was built)
                 lyco = kohya.create_network(self.multiplier, self.rank, self.alpha, None,
@@ -436,7 +451,8 @@ class LycorisNetwork(nn.Module):
         self._model[0].requires_grad_(False)
         self._applied = True
         for lora in self.lycoris_modules():
-            lora.apply_to()  # patches the module LyCORIS holds (an FP8LinearView for fp8 targets)
+            with _cpu_copies_of_meta_stay_meta(lora):  # algo=full keeps a CPU copy of the weight it replaces
+                lora.apply_to()  # patches the module LyCORIS holds (an FP8LinearView for fp8 targets)
             if lora in self._fp8_targets:
                 self._fp8_targets[lora].forward = lora.forward  # the model calls the FP8Linear
 

@@ -70,6 +70,20 @@ def test_lokr_adapts_our_lora_targets_with_lycoris_keys():
         f"lora_unet_single_blocks_{i}_{n}" for i in range(3) for n in ("linear1", "linear2", "modulation_lin")}
 
 
+@pytest.mark.parametrize("args", [{**LOKR, "dora_wd": True}, {"algo": "loha", "dora_wd": True}, {"algo": "full"}])
+def test_a_lycoris_network_that_copies_target_weights_builds_on_a_meta_model(args):
+    """dora_wd and algo=full copy each target weight to the CPU as LyCORIS builds: on the meta model of the
+    memory planner (plan_memory, the web UI's plan, a CUDA run's plan before caching) that raised "Cannot copy out
+    of meta tensor". The meta build has the real build's parameters, shape for shape."""
+    real = build_network("lycoris.kohya", tiny_flux(), "flux", 4, 2.0, network_args=args)
+    with torch.device("meta"):
+        model = tiny_flux()
+        meta = build_network("lycoris.kohya", model, "flux", 4, 2.0, network_args=args)
+    assert {k: v.shape for k, v in meta.named_parameters()} == {k: v.shape for k, v in real.named_parameters()}
+    assert all(p.is_meta for p in meta.parameters())
+    meta.apply()  # algo=full: the weight it replaces copied to the CPU, here to meta
+
+
 def test_lycoris_selection_args_are_checked_for_the_arch_without_a_model():
     """The old line checked only the names of the selection args before caching: a block arg of
     another family or a bad index range failed when the network was built, after caching."""

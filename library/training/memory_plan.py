@@ -191,6 +191,12 @@ def reusing_meta_models():
         _REUSED = outer
 
 
+def network_tensors(network: nn.Module) -> list[torch.Tensor]:
+    """The network's tensors as they sit on the device: its parameters and buffers (not its state_dict, which
+    LyCORIS computes for algo=full: the trained weight minus a CPU copy, which fails on meta)."""
+    return [*network.parameters(), *network.buffers()]
+
+
 def meta_model_and_network(family, args):
     """The transformer on meta as train_lora.py builds it (the family's loader without weights) and
     the run's LoRA network applied to it (the planner's, and the run's check of network_weights' ranks)."""
@@ -303,7 +309,7 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     text = family.text_on_meta(model, batch, text_tokens)
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]
     with LiveBytes() as live, fused_attention_on_meta():
-        for t in (*model.parameters(), *model.buffers(), *network.state_dict().values(), latents, *control,
+        for t in (*model.parameters(), *model.buffers(), *network_tensors(network), latents, *control,
                   *text.values()):
             live.track(t)
         live.add(optimizer + ema)  # from the first optimizer step on, resident during every step
@@ -314,7 +320,7 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
         del loss
     return TrainingPlan(
         base=module_bytes(model), block_bytes=[module_bytes(b) for b in model.swappable_blocks()],
-        lora=tensor_bytes(network.state_dict().values()), lora_grads=tensor_bytes(lora), optimizer=optimizer,
+        lora=tensor_bytes(network_tensors(network)), lora_grads=tensor_bytes(lora), optimizer=optimizer,
         activations=live.peak - resident, inputs=tensor_bytes([latents, *control, *text.values()]),
         prefetch=args.block_swap_prefetch, ema=ema,
     )
@@ -402,7 +408,7 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     from library.training.config import compute_dtype
 
     model, network = meta_model_and_network(family, args)
-    lora = tensor_bytes(network.state_dict().values())
+    lora = tensor_bytes(network_tensors(network))
     blocks = [module_bytes(b) for b in model.swappable_blocks()]
     ema = _ema_bytes(network, args)
     resident = resident_parts(module_bytes(model), blocks, lora, _optimizer_bytes(network, args), args.blocks_to_swap,
@@ -416,7 +422,7 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     latents = family.target_on_meta(1, height // down, width // down)
     text = family.text_on_meta(model, 1, text_tokens)
     with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
-        for t in (*model.parameters(), *model.buffers(), *network.state_dict().values()):
+        for t in (*model.parameters(), *model.buffers(), *network_tensors(network)):
             live.ignore(t)  # counted in `resident`
         control = control_kwargs([torch.empty(1, family.latent_channels, rh // down, rw // down, device="meta")
                                   for _ in range(count)])
