@@ -274,4 +274,7 @@ def test_a_checkpoint_stored_by_bitsandbytes_is_refused_naming_its_key(tmp_path,
     # merge_lora: the old line said "LoRA for '...proj.weight' gives a delta of shape (64, 64), the checkpoint weight is (2048, 1)"
     from tools.merge_lora import open_base
 
-    one_line_refusal(path, open_base, refusal)
+    one_line_refusal(path, open_base, refusal + r", which is not read; merge_lora reads bf16 / fp16 / fp32 / fp8 bases: "
+                     r"give the bf16 checkpoint$")
+    # extract_lora and lora_info --model open bases here too: the line names the tool run, not merge_lora
+    one_line_refusal(path, lambda p: open_base(p, "extract_lora"), refusal + r", which is not read; extract_lora reads")

@@ -438,6 +438,32 @@ def test_merge_lora_into_an_fp8_base_refuses_another_fp8_layout_and_rounds_stoch
     assert not torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8))  # the seed decides the rounding
 
 
+def test_a_comfy_quant_header_is_kept_only_where_the_merge_keeps_the_fp8_layout(tmp_path):
+    """comfy_quant files may list their fp8 layers in the `_quantization_metadata` header alone (ComfyUI's
+    convert_old_quants reads it). A bf16 / fp16 / fp32 merge leaves it out: ComfyUI would build those bf16
+    Linears as fp8 layers without a scale. A merge that keeps the fp8 layout keeps it, true of its layers."""
+    sd = comfy_state_dict(randomized(Flux(FLUX_CFG), 8), "flux", "comfy_quant")
+    layers = {k[: -len(".comfy_quant")]: {"format": "float8_e4m3fn"} for k in sd if k.endswith(".comfy_quant")}
+    sd = {k: v for k, v in sd.items() if not k.endswith(".comfy_quant")}
+    header = json.dumps({"format_version": "1.0", "layers": layers})
+    path = str(tmp_path / "base.safetensors")
+    save_flux_bfl(sd, path, config=FLUX_CFG, metadata={"_quantization_metadata": header})
+    assert fp8_checkpoint_layout(CheckpointReader(path)) == "fp8_tensor_scaled" and len(layers) == 14
+    lora(reference(Flux, FLUX_CFG, sd, torch.float32), "flux", rank=4, alpha=4.0, seed=2).save(str(tmp_path / "l.safetensors"))
+    for precision in ("bf16", "fp16", "fp32"):
+        out = tmp_path / f"{precision}.safetensors"
+        assert merge("--model", path, "--lora", tmp_path / "l.safetensors", "--save_to", out, "--save_precision", precision) == 0
+        assert "_quantization_metadata" not in CheckpointReader(str(out)).metadata, precision
+        assert not any(v.dtype == torch.float8_e4m3fn for v in read_all(out).values())
+    for name, extra in (("kept", []), ("fp8", ["--save_precision", "fp8"])):
+        out = tmp_path / f"{name}.safetensors"
+        assert merge("--model", path, "--lora", tmp_path / "l.safetensors", "--save_to", out, *extra) == 0
+        assert CheckpointReader(str(out)).metadata["_quantization_metadata"] == header, name
+        tensors = read_all(out)
+        scaled = {k[: -len(".weight")] for k, v in tensors.items() if v.dtype == torch.float8_e4m3fn and f"{k}_scale" in tensors}
+        assert scaled == set(layers), name
+
+
 @pytest.mark.parametrize("layout", ["marker", "plain"])
 def test_a_gentle_lora_merged_into_an_fp8_base_is_kept_by_default_rounding_stochastically(tmp_path, capsys, layout):
     """Into an fp8 base the merged weight starts on the fp8 grid: rounded to nearest, a delta under half a

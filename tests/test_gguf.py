@@ -361,6 +361,21 @@ def test_merge_lora_refuses_a_gguf_base_in_one_line(flux_gguf, tmp_path, capsys)
     assert "flux1-tiny-Q8_0.gguf: a GGUF base; merge_lora reads bf16 / fp16 / fp32 / fp8 bases" in line, line
 
 
+def test_extract_lora_and_lora_info_refuse_a_gguf_base_naming_themselves_not_merge_lora(flux_gguf, tiny_set, tmp_path, capsys):
+    """open_base is shared: the old line of every tool said "merge_lora reads ... merge into the bf16 checkpoint"."""
+    from tools import extract_lora, lora_info
+
+    lora(load_flux(tiny_set["flux_bfl"]), "flux", rank=4, alpha=4.0, seed=1).save(str(tmp_path / "l.safetensors"))
+    capsys.readouterr()
+    runs = {"extract_lora": lambda: extract_lora.main(["--model", flux_gguf[0], "--tuned", tiny_set["flux_bfl"],
+                                                       "--save_to", str(tmp_path / "e.safetensors"), "--rank", "4"]),
+            "lora_info": lambda: lora_info.main([str(tmp_path / "l.safetensors"), "--model", flux_gguf[0]])}
+    for tool, main in runs.items():
+        line = one_error_line(capsys, main())
+        assert line.endswith(f"flux1-tiny-Q8_0.gguf: a GGUF base; {tool} reads bf16 / fp16 / fp32 / fp8 bases: pass that "
+                             f"model's checkpoint in one of those"), line
+
+
 def test_a_qwen_image_gguf_with_diffusers_names_loads_and_computes_as_its_dequantized_twin(tiny_set, tmp_path):
     from library.models.qwen_image.model import load_qwen_image
     from tests.test_merge_convert import qwen_inputs

@@ -127,7 +127,7 @@ def extract_module(delta: torch.Tensor, rank: int | None, energy: float | None, 
 
 
 def open_pair(model: str, tuned: str) -> tuple[Base, Base]:
-    base, other = open_base(model), open_base(tuned)
+    base, other = open_base(model, "extract_lora"), open_base(tuned, "extract_lora")
     if (base.family, base.naming) != (other.family, other.naming):
         raise CheckpointError(f"--tuned {tuned}: a {other.family} checkpoint in {other.naming} names, the base {model} "
                               f"is {base.family} in {base.naming} names")  # fmt: skip

@@ -144,11 +144,12 @@ def check_output_path(path: str, *inputs: str, flag: str = "--save_to") -> None:
 # Output error on a model (small models: the forward runs on the CPU in float32)
 
 
-def load_model(model_path: str):
-    """(model float32 eval, family, forward kwargs) for a checkpoint of a registered family or an LLM."""
+def load_model(model_path: str, tool: str = "resize_lora"):
+    """(model float32 eval, family, forward kwargs) for a checkpoint of a registered family or an LLM;
+    `tool` is named where its stored layout is refused (resize_lora --model: output_error's caller)."""
     from tools.merge_base import open_base
 
-    base = open_base(model_path)
+    base = open_base(model_path, tool)
     if base.family == "llm":
         from library.models.llm import load_llm
 

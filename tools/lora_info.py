@@ -199,7 +199,7 @@ def check_against(path: str, model: str) -> str:
     """merge_lora's own matching of the LoRA against the checkpoint: 'fits ...' or the reason not."""
     from tools.merge_base import LoRASpec, lora_deltas, open_base
 
-    base = open_base(model)
+    base = open_base(model, "lora_info")
     try:
         matched = lora_deltas(base, LoRASpec(path, 1.0), allow_unmatched=False)
     except CheckpointError as e:

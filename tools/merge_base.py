@@ -113,19 +113,26 @@ def _family_base(path: str, reader: CheckpointReader, keys: list[str]) -> Base |
     return None
 
 
-def open_base(path: str) -> Base:
-    """Detect family and naming of the checkpoint at `path` from its tensor names."""
+def _unread_base(path: str, layout: str, tool: str, merge_advice: str) -> CheckpointError:
+    """The refusal of a base stored in `layout`, naming the `tool` run; merge_lora's advice is its own."""
+    advice = merge_advice if tool == "merge_lora" else "pass that model's checkpoint in one of those"
+    return CheckpointError(f"{path}: a {layout} base; {tool} reads bf16 / fp16 / fp32 / fp8 bases: {advice}")
+
+
+def open_base(path: str, tool: str = "merge_lora") -> Base:
+    """Detect family and naming of the checkpoint at `path` from its tensor names; `tool` (merge_lora,
+    extract_lora, ...) is the one named where a stored layout is refused."""
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
     if is_gguf(reader):  # merging into its blocks would re-quantize every merged weight from rounded values
-        raise CheckpointError(f"{path}: a GGUF base; merge_lora reads bf16 / fp16 / fp32 / fp8 bases: merge into the "
-                              f"bf16 checkpoint (--save_precision gguf_q8_0 ... writes a GGUF), or load the LoRA beside "
-                              f"the .gguf (ComfyUI-GGUF applies LoRAs at runtime)")
+        raise _unread_base(path, "GGUF", tool, "merge into the bf16 checkpoint (--save_precision gguf_q8_0 ... writes "
+                           "a GGUF), or load the LoRA beside the .gguf (ComfyUI-GGUF applies LoRAs at runtime)")
     if is_bfl(reader):  # nvfp4 / fp8r: re-quantizing every merged weight would round it again
-        raise CheckpointError(f"{path}: a BFL fp8r / nvfp4 base; merge_lora reads bf16 / fp16 / fp32 / fp8 bases: "
-                              f"load the LoRA beside it (diffusers' load_lora_weights, generate.py --lora) instead")
+        raise _unread_base(path, "BFL fp8r / nvfp4", tool, "load the LoRA beside it (diffusers' load_lora_weights, "
+                           "generate.py --lora) instead")
     keys = reader.keys()
-    refuse_serialized(keys, path)  # bitsandbytes' packed layers: no float weight to merge into
+    # bitsandbytes' packed layers: no float weight to merge into (or to read)
+    refuse_serialized(keys, path, f"{tool} reads bf16 / fp16 / fp32 / fp8 bases: give the bf16 checkpoint")
     base = _family_base(path, reader, keys)
     if base is None and any(checkpoint_key_to_llm(k) and checkpoint_key_to_llm(k).startswith("model.layers.") for k in keys):
         base = Base(path, reader, "llm", "hf", checkpoint_key_to_llm)

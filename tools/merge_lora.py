@@ -55,7 +55,8 @@ fp8 values. Without --save_precision the output keeps the base's layout: only th
 re-quantized (fresh scale; rounded stochastically, as ComfyUI's patching rounds, unless
 --no-stochastic_rounding: a merged weight starts on the fp8 grid, and round to nearest gives most codes
 back where a delta is under half a step, a LoRA at ratio 0.1 keeping 17-43% of its effect), every other
-tensor is copied byte for byte; with bf16/fp16/fp32 every weight is dequantized and the scales and markers left out.
+tensor is copied byte for byte; with bf16/fp16/fp32 every weight is dequantized and the scales and markers left out
+(comfy_quant's `_quantization_metadata` header too).
 Another fp8 layout is refused (it would re-round every weight). Keys outside the transformer (text
 encoders and VAE bundled in a ComfyUI checkpoint) are copied as they are. fp8 bases only in the model's
 own names (BFL names, not a diffusers folder's split rows).
@@ -196,6 +197,7 @@ class Plan:
     deltas: dict[str, list[tuple[float, LoRAWeights]]]  # checkpoint key -> [(ratio, lora)]
     stochastic: bool = False
     seed: int = 0
+    keeps_layout = False  # a high-precision base: no fp8 layout of the base's is kept (Fp8BasePlan may keep one)
 
     def __post_init__(self):
         self.generator = torch.Generator().manual_seed(self.seed)  # one stream across all shards
@@ -292,7 +294,8 @@ class Fp8BasePlan(Plan):
         are re-quantized (stochastic rounding unless --no-stochastic_rounding; a fresh absmax / 448 scale per
         tensor or per block); every other tensor (codes, scales, markers) is copied byte for byte.
       - bf16 / fp16 / fp32: every fp8 tensor is dequantized (float32) and cast; scales, markers and
-        activation scales are left out, so the output is a plain high-precision checkpoint.
+        activation scales are left out (and comfy_quant's `_quantization_metadata` header), so the output is a
+        plain high-precision checkpoint.
     Tensors outside the transformer (a ComfyUI file's bundled text encoders and VAE) are copied as
     they are. Another fp8 layout is refused: it would re-round every weight of the base."""
 
@@ -379,12 +382,15 @@ def _shard_keys(base: Base) -> dict[str, list[str]]:
     return shards
 
 
-def _metadata(base: Base, shard: str, specs: list[LoRASpec], precision: str | None) -> dict[str, str]:
+def _metadata(base: Base, shard: str, specs: list[LoRASpec], precision: str | None, keeps_layout: bool) -> dict[str, str]:
+    """The base shard's header, less what is no longer true of the output, plus what was merged."""
     source = os.path.join(os.path.dirname(base.reader.files[0]), shard)
     with safe_open(source, framework="pt") as f:
         metadata = dict(f.metadata() or {})
     for stale in ("sshs_model_hash", "sshs_legacy_hash"):  # sd-scripts' hashes: no longer true of the merged tensors
         metadata.pop(stale, None)
+    if not keeps_layout:  # comfy_quant's per-layer formats: ComfyUI would load the written bf16 Linears as fp8 layers
+        metadata.pop("_quantization_metadata", None)
     metadata["merged_loras"] = json.dumps([{"file": os.path.basename(s.path), "ratio": s.ratio} for s in specs])
     metadata["save_precision"] = precision or "as input"
     return metadata
@@ -398,7 +404,8 @@ def write_merged(plan: Plan, specs: list[LoRASpec], out: str) -> list[str]:
         entries = [e for k in keys for e in plan.entries(k)] + [e for e, _ in trailer]
         tensors = itertools.chain(plan.tensors(keys), ((e.key, t) for e, t in trailer))
         target = os.path.join(out, shard) if plan.base.is_folder else out
-        write_safetensors_streaming(target, entries, tensors, _metadata(plan.base, shard, specs, plan.precision))
+        metadata = _metadata(plan.base, shard, specs, plan.precision, plan.keeps_layout)
+        write_safetensors_streaming(target, entries, tensors, metadata)
         written.append(target)
     if plan.base.is_folder:
         _write_index(plan, out)
@@ -453,7 +460,7 @@ def write_merged_gguf(plan: Plan, specs: list[LoRASpec], out: str, qtype: str) -
         name, shape = base.to_model(key), tuple(base.reader.shape(key))
         entries.append(GgufEntry(name, shape, output_type(name, shape, base.reader.dtype_name(key), qtype, layout)))
     tensors = ((base.to_model(key), tensor) for key, tensor in plan.tensors(keys))
-    metadata = _metadata(base, os.path.basename(base.reader.files[0]), specs, f"gguf_{qtype.lower()}")
+    metadata = _metadata(base, os.path.basename(base.reader.files[0]), specs, f"gguf_{qtype.lower()}", keeps_layout=False)
     write_gguf_streaming(out, layout.arch, qtype, entries, tensors, metadata)
 
 

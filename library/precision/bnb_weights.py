@@ -66,15 +66,18 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"bitsandbytes base precision must be one of {MODES}, got {mode!r}")
 
 
-def refuse_serialized(keys, where: str) -> None:
+LOADING_ADVICE = 'give the bf16 checkpoint (base_precision = "nf4" or "int8" quantizes it while loading)'
+
+
+def refuse_serialized(keys, where: str, advice: str = LOADING_ADVICE) -> None:
     """CheckpointError naming the first key that shows a checkpoint stored by bitsandbytes itself:
-    its packed layers are not read (our nf4 / int8 quantize a high-precision file while loading)."""
+    its packed layers are not read (our nf4 / int8 quantize a high-precision file while loading).
+    `advice` ends the line: the default is for training and generating; a tool reading bases gives its own."""
     for key in keys:
         kind = next((k for suffix, k in SERIALIZED.items() if key.endswith(suffix)), None)
         if kind:
             raise CheckpointError(f"{where}: '{key}' shows a checkpoint stored by bitsandbytes ({kind}), which is not "
-                                  f"read; give the bf16 checkpoint (base_precision = \"nf4\" or \"int8\" quantizes "
-                                  f"it while loading)")
+                                  f"read; {advice}")
 
 
 # ----------------------------------------------------------------------------------------------
