@@ -245,3 +245,53 @@ def test_a_caption_over_2048_tokens_is_an_error_in_the_check_and_refused_before_
                             "--cache_latents_to_disk", "true"])
     assert one_error_line(capsys, code) == f"error: {message}"
     assert files_under(out) == [] and all(f.endswith((".png", ".txt")) for f in files_under(tmp_path / "data" / "images"))
+
+
+LONG = ", ".join(f"word{i} tag{i}" for i in range(700))  # over Ideogram 4's 2048 chat tokens
+
+
+@pytest.mark.parametrize("line,what", [(f"{LONG} --s 4", "prompt"), (f"a red square --s 4 --n {LONG}", "negative prompt")])
+def test_a_sample_prompt_over_2048_tokens_is_refused_before_caching(tiny_set, tmp_path, capsys, line, what):
+    """A sample prompt (or its --n, which training encodes too) the encoder refuses stopped training only after
+    the latents and captions were cached: 'prompt has 3609 tokens, exceeds max_sequence_length=2048', naming no
+    file or line."""
+    from tests.test_reliability import copy_dataset, files_under, one_error_line
+
+    toml = copy_dataset(tiny_set, tmp_path / "data")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"# samples\na red square --s 4\n{line}\n")
+    family = Ideogram4Family(tiny_set["ideogram4"], tiny_set["flux2_vae"], text_encoder=tiny_set["ideogram4_text_encoder"])
+    n = family.caption_token_limit(None).count(LONG)
+    out = tmp_path / "out"
+    code = train_lora.main(["--model_type", "ideogram4", "--pretrained_model_name_or_path", tiny_set["ideogram4"],
+                            "--ae", tiny_set["flux2_vae"], "--text_encoder", tiny_set["ideogram4_text_encoder"],
+                            "--dataset_config", toml, "--output_dir", str(out), "--max_train_steps", "1",
+                            "--cache_latents_to_disk", "true", "--cache_text_encoder_outputs_to_disk", "true",
+                            "--sample_prompts", str(prompts), "--sample_at_first", "true"])
+    assert n > 2048 and one_error_line(capsys, code) == (f"error: {prompts}:3: {what} is {n} Qwen3-VL tokens; the "
+                                                         f"encoder takes at most 2048 and refuses longer ones")
+    assert files_under(out) == [] and all(f.endswith((".png", ".txt")) for f in files_under(tmp_path / "data" / "images"))
+
+
+def test_generate_refuses_a_prompt_over_2048_tokens_before_the_text_encoder_loads(tiny_set, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """generate.py named no prompt either, after loading the text encoder; an unread --n (no true CFG: not
+    encoded) is not refused."""
+    from tools import generate
+
+    def loaded(*args, **kwargs):
+        raise ValueError("text encoder loaded")
+
+    monkeypatch.setattr(Ideogram4Family, "load_text_encoder", loaded)
+    prompts = tmp_path / "prompts.txt"
+    args = ["--model_type", "ideogram4", "--model", tiny_set["ideogram4"], "--ae", tiny_set["flux2_vae"],
+            "--text_encoder", tiny_set["ideogram4_text_encoder"], "--prompt_file", str(prompts),
+            "--out", str(tmp_path / "out"), "--device", "cpu"]
+    n = Ideogram4Family("unused", text_encoder=tiny_set["ideogram4_text_encoder"]).caption_token_limit(None).count(LONG)
+    prompts.write_text(f"a red square\n{LONG}\n")
+    assert generate.main(args) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {prompts}:2: prompt is {n} Qwen3-VL tokens; the encoder takes at "
+                                               f"most 2048 and refuses longer ones")
+    prompts.write_text(f"a red square --n {LONG}\n")
+    assert generate.main(args) == 2
+    assert capsys.readouterr().err.strip().endswith("text encoder loaded")

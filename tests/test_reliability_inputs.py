@@ -487,7 +487,7 @@ def test_prompts_without_a_size_sample_at_the_resolution_on_the_16_pixel_grid(tm
                            family=SimpleNamespace(sample_steps=4, sample_guidance=1.0, name="any", max_controls=0,
                                                   min_controls=0, unread_prompt_options=lambda negative, guidance: {},
                                                   guidance_is_cfg_scale=lambda: True))
-    prompts = DiffusionTask._read_prompts(task)
+    prompts = DiffusionTask._read_prompts(task, None)
     assert [(p.width, p.height) for p in prompts] == [(64, 992), (96, 992)]  # was (72, 1000), (96, 1000)
 
 

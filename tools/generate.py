@@ -103,7 +103,8 @@ from library.io import CheckpointError  # noqa: E402
 from library.models.vae import decoding_in_tiles  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts  # noqa: E402
 from library.data.prompts import (SamplePrompt, check_guidance, check_seed, decode_references,  # noqa: E402
-                                  parse_prompt_line, read_prompt_file, rendered_side, seed_or_random)
+                                  parse_prompt_line, read_prompt_file, refuse_long_prompts, rendered_side,
+                                  seed_or_random)
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import one_line, parse_lora_spec  # noqa: E402
@@ -165,8 +166,13 @@ def collect_prompts(args, family) -> list[SamplePrompt]:
     cfg = family.guidance_is_cfg_scale()  # a prompt's --l is its guidance, or unread
     prompts = [parse_prompt_line(p, "--prompt", defaults, cfg) for p in args.prompt]
     decode_references([("--prompt", p) for p in prompts])
+    # a text the encoder refuses is named now, from its tokenizer, not after the encoder loads (a negative is encoded
+    # for true CFG only)
+    limit = family.caption_token_limit(args)
+    refuse_long_prompts([("--prompt", p) for p in prompts], limit, family.true_cfg)
     if args.prompt_file:
-        prompts += read_prompt_file(args.prompt_file, defaults, guidance_is_cfg=cfg)
+        prompts += read_prompt_file(args.prompt_file, defaults, guidance_is_cfg=cfg, token_limit=limit,
+                                    negatives=family.true_cfg)
     if not prompts:
         raise ValueError("give --prompt or --prompt_file")
     return prompts

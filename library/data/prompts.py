@@ -226,10 +226,12 @@ def default_sample_size(resolution: tuple[int, int]) -> tuple[int, int]:
 
 
 def read_prompt_file(path: str, defaults: SamplePrompt | None = None, decode: bool = True,
-                     guidance_is_cfg: bool | None = None) -> list[SamplePrompt]:
+                     guidance_is_cfg: bool | None = None, token_limit=None,
+                     negatives: bool = True) -> list[SamplePrompt]:
     """A prompt file: sd-scripts' text lines, or its .json / .toml prompt objects (by extension), its
     reference images decoded (decode=False: the web UI's check reads none before its roots check);
-    guidance_is_cfg: the family's guidance is a CFG scale (settle_scale)."""
+    guidance_is_cfg: the family's guidance is a CFG scale (settle_scale); token_limit, negatives:
+    refuse_long_prompts'."""
     try:
         text = read_utf8(path, "prompt file")
     except OSError as e:
@@ -244,14 +246,31 @@ def read_prompt_file(path: str, defaults: SamplePrompt | None = None, decode: bo
         raise ValueError(f"{path}: no prompts")
     if decode:
         decode_references(found)
+    refuse_long_prompts(found, token_limit, negatives)
     return [prompt for _, prompt in found]
 
 
 def prompt_lines(text: str) -> list[str]:
     """A prompt file's lines as sd-scripts' readlines() splits them: at newlines alone (read_utf8 made
-    \r\n and \r newlines). str.splitlines() also split at U+2028, \x0b, \x0c, \x1c-\x1e and \x85: one
-    prompt with one of those inside became two, the first without its --flags."""
+    CR LF and CR newlines). str.splitlines() also split at U+2028, form feeds, U+001C-U+001E and U+0085:
+    one prompt with one of those inside became two, the first without its --flags."""
     return text.split("\n")
+
+
+def refuse_long_prompts(prompts: list[tuple[str, SamplePrompt]], limit, negatives: bool = True) -> None:
+    """ValueError naming the first of the (where, prompt)s whose text, or negative (negatives: they are encoded),
+    is longer than a text encoder that refuses long texts takes (limit: the family's check.TokenLimit, counted as
+    captions are; None or one that cuts: nothing refused). Encoding stopped on it only after the latents were
+    cached (training) or the text encoder loaded (generate.py), in a line naming no file."""
+    if limit is None or not limit.refuses:
+        return
+    for where, prompt in prompts:
+        texts = [("prompt", prompt.prompt)] + ([("negative prompt", prompt.negative)] if negatives else [])
+        for what, text in texts:
+            n = limit.count(text) if text else 0
+            if n > limit.max_tokens:
+                raise ValueError(f"{where}: {what} is {n} {limit.encoder} tokens; the encoder takes at most "
+                                 f"{limit.max_tokens} and refuses longer ones")
 
 
 def _structured_prompts(text: str, path: str, kind: str, defaults: SamplePrompt | None,

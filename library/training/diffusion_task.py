@@ -21,7 +21,7 @@ import torch.nn as nn
 from library.data.captions import drops_captions, tag_frequency
 from library.data.caches import (cache_empty_caption, cache_folder, cache_latents, cache_prompts, cache_text,
                                  hold_cache_folders, loaded_on_first_call, remove_unused_caches)
-from library.data.check import refuse_long_captions, training_warnings, upscaled, warn
+from library.data.check import TokenLimit, refuse_long_captions, training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import largest_step, scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls
@@ -139,7 +139,8 @@ class DiffusionTask:
         check_network_fits(args, self.family.arch, lambda: self.family.load_transformer(
             self.compute_dtype, base_precision(args), read_weights=False))
         self.blueprint = load_dataset_config(args.dataset_config)
-        self.dataset, self.validation_set = self._read_images()
+        limit = self.family.caption_token_limit(args)  # captions and sample prompts, as the text encoder counts them
+        self.dataset, self.validation_set = self._read_images(limit)
         if args.validate_every_n_steps and not self.validation_set:  # said before minutes of caching
             raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
                               f"validation_split or add [[validation_datasets]]")
@@ -150,7 +151,7 @@ class DiffusionTask:
         if state:
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items(),
                               self.epoch_settings())
-        self.prompts = self._read_prompts()
+        self.prompts = self._read_prompts(limit)
         self._hold_cache_folders(contextlib.ExitStack() if held is None else held)
         self._settle_sampling()  # before minutes of caching
         self._settle_keeping_keys()
@@ -198,7 +199,7 @@ class DiffusionTask:
             except ValueError as e:
                 raise ConfigError(f"{self.args.pretrained_model_name_or_path}: {e}") from None
 
-    def _read_images(self) -> tuple[ImageDataset, ImageDataset]:
+    def _read_images(self, limit: TokenLimit | None) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every
         [[validation_datasets]] image go to validation only."""
         bp, rule = self.blueprint, self.family.control_bucket  # the family sizes and loads reference images
@@ -208,7 +209,6 @@ class DiffusionTask:
         validation = held_out + scan_images(bp, held_out_sets=True, **fit)
         check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls,
                            self.family.takes_layers)
-        limit = self.family.caption_token_limit(self.args)
         refuse_long_captions(train + validation, limit)  # on every process, as the scan's errors
         if self.accelerator.is_main_process:  # once, before caching; the scan warned about image sizes itself
             warn(training_warnings(train, validation, limit))
@@ -220,14 +220,16 @@ class DiffusionTask:
         return (ImageDataset(bp, seed=self.args.seed, items=train),
                 ImageDataset(bp, seed=self.args.seed, items=validation, validation=True))
 
-    def _read_prompts(self) -> list[SamplePrompt]:
+    def _read_prompts(self, limit: TokenLimit | None) -> list[SamplePrompt]:
+        """The sample prompts; one the text encoder refuses (limit) is named now, not after caching (every
+        negative given is encoded: _cache_prompt_texts)."""
         if not self.args.sample_prompts:
             return []
         width, height = default_sample_size(self.blueprint.datasets[0].resolution)
         defaults = SamplePrompt("", width=width, height=height, steps=self.family.sample_steps,
                                 guidance=self.family.sample_guidance)
         prompts = read_prompt_file(self.args.sample_prompts, defaults,
-                                   guidance_is_cfg=self.family.guidance_is_cfg_scale())
+                                   guidance_is_cfg=self.family.guidance_is_cfg_scale(), token_limit=limit)
         check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls,
                               self.family.min_controls)
         warn_unread_prompt_options(self.family, prompts, self.args.sample_prompts)
