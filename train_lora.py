@@ -52,8 +52,8 @@ from library.training.config import (PRECISION_DTYPES, ConfigError, check_planne
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
-from library.training.state import (SavedState, item_digests, load_state, restore_rng, rng_states,  # noqa: E402
-                                    sample_seed, save_state)
+from library.training.state import (SavedState, check_trainable_fit, item_digests, load_state,  # noqa: E402
+                                    restore_rng, rng_states, sample_seed, save_state)
 from library.training.task import Task  # noqa: E402
 from networks.lora_files import PEFT_WEIGHTS_FILE  # noqa: E402
 
@@ -395,6 +395,7 @@ class Trainer:
 
     def resume(self, folder: str, state: SavedState):
         progress = state.progress
+        check_trainable_fit(folder, state.trainable, self.task.trainable_tensors())
         self.task.load_trainable_tensors(state.trainable)
         self.optimizer.load_state_dict(state.optimizer)
         self.scheduler.load_state_dict(progress["scheduler"])

@@ -172,6 +172,55 @@ def test_resume_inside_an_epoch_with_batch_size_and_num_repeats_both_changed_is_
                                  f"images; resume with the same data\n"), err
 
 
+def test_a_state_whose_network_took_modules_from_network_weights_resumes_only_with_that_file(tiny_set, tmp_path,
+                                                                                             capsys):
+    """A state trained on double block 1 with network_weights of a block-0 LoRA (the network adds the file's
+    modules), resumed without network_weights: 'RuntimeError: Error(s) in loading state_dict for LoRANetwork:
+    Unexpected key(s)' after caching and the model load. Now refused before caching, naming the key; a state
+    written before the key was kept gets one line naming its first foreign key, and resumes with the file; the
+    same file in another folder is the same setting."""
+    import json
+    import shutil
+
+    from library.training.config import load_config
+    from library.training.state import load_state
+    from tests.test_reliability import copy_dataset
+
+    first, out = tmp_path / "first", tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, first, "--network_args", "train_double_block_indices=0")) == 0
+    block1 = ("--network_args", "train_double_block_indices=1", "--max_train_steps", "2")
+    assert train_lora.main(flux_args(tiny_set, out, *block1[:2], "--save_state", "true", "--network_weights",
+                                     str(first / "tiny_flux_lora.safetensors"))) == 0
+    state = out / "tiny_flux_lora-state"
+    capsys.readouterr()
+    data = copy_dataset(tiny_set, tmp_path / "data")
+    assert train_lora.main(flux_args(tiny_set, out, *block1, "--dataset_config", data, "--resume", str(state))) == 2
+    assert capsys.readouterr().err == (f"error: {state}: state was written with network_weights = "
+                                       f"'tiny_flux_lora.safetensors', this run has None; resume needs the same "
+                                       f"settings\n")
+    assert cache_files(tmp_path / "data") == []  # refused before caching
+
+    written = json.loads((state / "train_state.json").read_text())
+    older = {**written, "run": {k: v for k, v in written["run"].items()
+                                if k not in ("network_weights", "dim_from_weights")}}
+    (state / "train_state.json").write_text(json.dumps(older))  # a state from before the keys were kept
+    assert train_lora.main(flux_args(tiny_set, out, *block1, "--resume", str(state))) == 2
+    assert capsys.readouterr().err == (f"error: {state / 'trainable.safetensors'}: holds tensors this run's network "
+                                       f"has no module for: 30 (first "
+                                       f"'lora_unet_double_blocks_0_img_attn_proj.alpha'); resume with the network "
+                                       f"settings the state was written with (network_args, network_weights, "
+                                       f"dim_from_weights)\n")
+
+    moved = tmp_path / "moved" / "tiny_flux_lora.safetensors"
+    moved.parent.mkdir()
+    shutil.copy(first / "tiny_flux_lora.safetensors", moved)
+    with_file = flux_args(tiny_set, out, *block1, "--network_weights", str(moved), "--resume", str(state))
+    assert train_lora.main(with_file) == 0  # the older state resumes with the file
+    assert f"resumed from {state} at step 1" in capsys.readouterr().out
+    (state / "train_state.json").write_text(json.dumps(written))
+    assert load_state(str(state), load_config(with_file)).progress["step"] == 1  # the same file in another folder
+
+
 def test_a_diverged_run_names_its_own_last_save_not_another_runs(tiny_set, tmp_path, monkeypatch, capsys):
     """A NaN loss at step 3 of a run without saves said 'the last save before it: step 1,
     .../tiny_flux_lora-step000001.safetensors': an earlier run's file in the same output_dir."""

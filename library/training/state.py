@@ -30,11 +30,14 @@ from library.training.config import plan_steps
 RUN_IDENTITY = (
     "model_type", "network_module", "network_dim", "network_alpha", "network_args", "optimizer_type",
     "optimizer_args", "learning_rate", "lr_scheduler", "gradient_accumulation_steps", "fp8_base", "fp8_scaled",
-    "mixed_precision", "seed", "pretrain", "network_dropout",
+    "mixed_precision", "seed", "pretrain", "network_dropout", "dim_from_weights",
 )
 # Compared where the state has them (states written before a key was kept still resume).
 KEPT_SINCE = ("network_dropout",  # its own key: network_args' dropout=... was compared, it was not (2026-11-27)
-              "base_loras")  # the LoRAs merged into the frozen base (files' names, ratios): another base (2026-11-28)
+              "base_loras",  # the LoRAs merged into the frozen base (files' names, ratios): another base (2026-11-28)
+              # network_weights adds the modules its file names to the network (dim_from_weights: the file's modules
+              # and ranks are the network's): resumed without it, the state's tensors had no modules to go to
+              "network_weights", "dim_from_weights")
 
 # The schedule's shape: the scheduler's state holds its step, not its lambda, which the resumed run
 # rebuilds from these. Compared where the state has them (states written before they were kept resume).
@@ -59,6 +62,7 @@ PROGRESS_KEYS = ("step", "epoch", "batches_done", "scheduler", "run")
 def run_digest(args) -> dict:
     identity = {k: getattr(args, k) for k in RUN_IDENTITY + SCHEDULE_IDENTITY}
     identity["base_loras"] = base_loras_metadata(getattr(args, "base_loras", None))
+    identity["network_weights"] = file_name(args.network_weights)  # the same file moved or copied elsewhere resumes
     if args.model_type == "llm":
         identity.update({k: getattr(args, k) for k in (*LLM_DATA_IDENTITY, *LLM_TRAINED_BEFORE_KEY)})
     identity["base_model"] = os.path.basename(os.path.normpath(args.pretrained_model_name_or_path or ""))
@@ -69,6 +73,11 @@ def run_digest(args) -> dict:
         if args.ema_warmup:  # likewise: the warmup's shape only where there is a warmup
             identity.update({k: getattr(args, k) for k in EMA_WARMUP_IDENTITY})
     return identity
+
+
+def file_name(path: str | None) -> str | None:
+    """A file's (or a PEFT adapter folder's) name without its folder, as the state records it."""
+    return os.path.basename(os.path.normpath(path)) if path else None
 
 
 def save_state(folder: str, trainable: dict[str, torch.Tensor], optimizer, scheduler, progress: dict, args,
@@ -132,6 +141,26 @@ def check_resumed_fit(folder: str, progress: dict, args, batches_per_epoch: int,
     check_resumed_length(folder, progress, plan_steps(args, batches_per_epoch, progress), args)
     check_resumed_epoch(folder, progress, batches_per_epoch, epoch_settings)
     check_resumed_data(folder, progress, item_digests(items))
+
+
+def check_trainable_fit(folder: str, saved: dict[str, torch.Tensor], network: dict[str, torch.Tensor]) -> None:
+    """The state's tensors against this run's network (Task.trainable_tensors), before they are loaded:
+    a network of other modules or ranks than the state's run (its network_weights or dim_from_weights,
+    where the state predates their record, or another file under the same name) is one line naming
+    the state and the first keys, not load_state_dict's traceback listing them all."""
+    path = os.path.join(folder, "trainable.safetensors")
+    unexpected, missing = [k for k in saved if k not in network], [k for k in network if k not in saved]
+    if unexpected or missing:
+        said = [f"{what} {len(keys)} (first '{keys[0]}')" for keys, what in
+                ((unexpected, "holds tensors this run's network has no module for:"),
+                 (missing, "lacks tensors of this run's network:")) if keys]
+        raise CheckpointError(f"{path}: {'; '.join(said)}; resume with the network settings the state was written "
+                              f"with (network_args, network_weights, dim_from_weights)")
+    other = next((k for k in saved if saved[k].shape != network[k].shape), None)
+    if other is not None:
+        raise CheckpointError(f"{path}: '{other}' has shape {tuple(saved[other].shape)}, this run's network "
+                              f"{tuple(network[other].shape)}: resume with the network settings the state was written "
+                              f"with (network_dim, network_args, network_weights, dim_from_weights)")
 
 
 def check_resumed_length(folder: str, progress: dict, max_steps: int, args) -> None:
