@@ -165,3 +165,21 @@ def test_a_repeated_lora_flag_applies_every_lora():
                                       "--lora", "b.safetensors:0.5", "c.safetensors"])
     assert args.lora == ["a.safetensors:0.9", "b.safetensors:0.5", "c.safetensors"]
     assert build_parser().parse_args(need).lora == []
+
+
+@pytest.mark.parametrize("precision", ["nf4", "fp8_scaled"])
+def test_an_explicit_base_precision_on_a_gguf_is_refused_before_any_model_loads(tiny_set, tmp_path, capsys,
+                                                                                 monkeypatch, precision):
+    """A pre-quantized file renders as it is stored: the images were written from its GGUF blocks without a word
+    (train_lora.py, plan_memory and precision_doctor refuse the same combination)."""
+    from library.models.flux1.family import FluxFamily
+    from tests.test_gguf import tiny_gguf
+
+    path, _ = tiny_gguf(tiny_set, tmp_path / "flux1-tiny-Q8_0.gguf")
+    monkeypatch.setattr(FluxFamily, "load_text_encoder", lambda *a, **k: pytest.fail("a model loaded"))
+    capsys.readouterr()
+    line = one_error_line(capsys, generate.main(generate_args(tiny_set, tmp_path / "out", "--model", path,
+                                                              "--base_precision", precision)))
+    assert line == (f"error: --base_precision {precision}: {path} stores a pre-quantized gguf_q8_0+q4_k base, which "
+                    f"renders as it is stored; leave --base_precision out"), line
+    assert files_under(tmp_path / "out") == []

@@ -361,19 +361,37 @@ def test_merge_lora_refuses_a_gguf_base_in_one_line(flux_gguf, tmp_path, capsys)
     assert "flux1-tiny-Q8_0.gguf: a GGUF base; merge_lora reads bf16 / fp16 / fp32 / fp8 bases" in line, line
 
 
-def test_extract_lora_and_lora_info_refuse_a_gguf_base_naming_themselves_not_merge_lora(flux_gguf, tiny_set, tmp_path, capsys):
+def test_extract_lora_refuses_a_gguf_base_naming_itself_not_merge_lora(flux_gguf, tiny_set, tmp_path, capsys):
     """open_base is shared: the old line of every tool said "merge_lora reads ... merge into the bf16 checkpoint"."""
-    from tools import extract_lora, lora_info
+    from tools import extract_lora
 
-    lora(load_flux(tiny_set["flux_bfl"]), "flux", rank=4, alpha=4.0, seed=1).save(str(tmp_path / "l.safetensors"))
     capsys.readouterr()
-    runs = {"extract_lora": lambda: extract_lora.main(["--model", flux_gguf[0], "--tuned", tiny_set["flux_bfl"],
-                                                       "--save_to", str(tmp_path / "e.safetensors"), "--rank", "4"]),
-            "lora_info": lambda: lora_info.main([str(tmp_path / "l.safetensors"), "--model", flux_gguf[0]])}
-    for tool, main in runs.items():
-        line = one_error_line(capsys, main())
-        assert line.endswith(f"flux1-tiny-Q8_0.gguf: a GGUF base; {tool} reads bf16 / fp16 / fp32 / fp8 bases: pass that "
-                             f"model's checkpoint in one of those"), line
+    line = one_error_line(capsys, extract_lora.main(["--model", flux_gguf[0], "--tuned", tiny_set["flux_bfl"],
+                                                     "--save_to", str(tmp_path / "e.safetensors"), "--rank", "4"]))
+    assert line.endswith("flux1-tiny-Q8_0.gguf: a GGUF base; extract_lora reads bf16 / fp16 / fp32 / fp8 bases: pass that "
+                         "model's checkpoint in one of those"), line
+
+
+def test_lora_info_checks_a_lora_against_a_gguf_base_by_its_logical_shapes(flux_gguf, tiny_set, tmp_path, capsys):
+    """lora_info refused a GGUF base with merge_lora's refusal, though names and shapes are all its check reads;
+    its blocks' packed byte shapes ([64, 68] for a Q8_0 [64, 64]) are not the weights' shapes."""
+    from networks import lora_files
+    from tools import lora_info
+
+    path, types = flux_gguf
+    lora(load_flux(tiny_set["flux_bfl"]), "flux", rank=4, alpha=4.0, seed=1).save(str(tmp_path / "l.safetensors"))
+    wrong = {"double_blocks.0.img_attn.proj": lora_files.LoRAWeights(torch.ones(4, 32), torch.ones(64, 4), 4.0)}
+    lora_files.write_kohya(wrong, str(tmp_path / "wrong.safetensors"))
+    assert "double_blocks.0.img_attn.proj.weight" in types  # stored in blocks: packed bytes, not [64, 64]
+    checked = {}
+    for name in ("l", "wrong"):
+        capsys.readouterr()
+        assert lora_info.main([str(tmp_path / f"{name}.safetensors"), "--model", path, "--json"]) == 0
+        checked[name] = json.loads(capsys.readouterr().out)["checked"]
+    assert checked["l"] == f"fits {path} (flux, bfl names): 26 weights", checked
+    assert checked["wrong"] == (f"does not fit {path}: {tmp_path / 'wrong.safetensors'}: LoRA for "
+                                f"'double_blocks.0.img_attn.proj.weight' gives a delta of shape (64, 32), the checkpoint "
+                                f"weight is (64, 64)"), checked
 
 
 def test_a_qwen_image_gguf_with_diffusers_names_loads_and_computes_as_its_dequantized_twin(tiny_set, tmp_path):

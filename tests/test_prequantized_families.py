@@ -255,6 +255,39 @@ def test_wrong_files_are_one_error_naming_the_key(tiny_set, tmp_path):
         load_chroma(str(folder))
 
 
+def test_samples_on_a_prequantized_file_render_no_bf16_reference_and_a_set_true_is_refused(tiny_set, tmp_path,
+                                                                                             monkeypatch, capsys):
+    """The "bf16" panel beside a pre-quantized file's sample was the same file loaded again (max diff 0): it loads
+    as stored in any precision. Unset: that base alone, said in one line, and the planner counts no copy; true:
+    refused before caching, naming the key and the stored layout."""
+    from library.data import images
+    from library.models.family import get_family
+    from library.training.config import load_config
+    from library.training.memory_plan import sampling_phase
+
+    panels = []
+    real = images.save_side_by_side
+    monkeypatch.setattr(images, "save_side_by_side",
+                        lambda shown, *a, **k: (panels.append([n for n, _ in shown]), real(shown, *a, **k))[1])
+    path, _ = write_fp8(tiny_set, "zimage", "comfy_marker", tmp_path / "z_image_tiny_fp8_e4m3fn_scaled.safetensors")
+    args = train_args(tiny_set, tmp_path / "out", "prequant", model=path, steps=1, extra=(
+        "--base_precision", "fp8_scaled", "--sample_prompts", tiny_set["sample_prompts"]))
+    run = load_config(args)
+    assert "bf16 reference (base, lora)" not in sampling_phase(get_family(run), run, 64, 64, 8, 0).parts
+    with pytest.warns(UserWarning, match="widened"):
+        assert train_lora.main(args) == 0
+    assert panels and all(labels == ["fp8_tensor_scaled"] for labels in panels), panels
+    said = [line for line in capsys.readouterr().out.splitlines() if "sample_bf16_reference" in line]
+    assert said == [f"samples render on the fp8_tensor_scaled base alone: no bf16 reference beside it "
+                    f"(sample_bf16_reference), {path} is stored pre-quantized and has no bf16 base to load"], said
+    assert train_lora.main(args + ["--sample_bf16_reference", "true", "--output_dir", str(tmp_path / "true")]) != 0
+    out, err = capsys.readouterr()
+    assert err.strip() == (f"error: {path}: sample_bf16_reference = true, but the checkpoint stores a pre-quantized "
+                           f"fp8_tensor_scaled base, which loads as stored in any precision: there is no bf16 base to "
+                           f"render beside it; remove the key, or give the bf16 checkpoint"), err
+    assert "latents:" not in out  # before caching
+
+
 def test_a_lora_trains_two_steps_on_a_comfyui_scaled_fp8_zimage(tiny_set, tmp_path, monkeypatch):
     from library.data import images
 

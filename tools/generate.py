@@ -152,6 +152,18 @@ def check_model_options(args, family) -> None:
         check_swap_count(args.blocks_to_swap, family.swappable_block_count(), "--blocks_to_swap")
 
 
+def check_stored_base(args, family) -> None:
+    """A pre-quantized file (ours, ComfyUI's fp8 / scaled fp8, GGUF) renders as it is stored: a --base_precision
+    other than the default that another base would need is refused, as train_lora.py refuses it
+    (stored_layouts.config_precision), not rendered on the stored base without a word."""
+    from library.precision.stored_layouts import config_precision
+
+    stored = family.stored_layout()
+    if stored and args.base_precision != "bf16" and config_precision(stored) != args.base_precision:
+        raise ValueError(f"--base_precision {args.base_precision}: {args.model} stores a pre-quantized {stored} base, "
+                         f"which renders as it is stored; leave --base_precision out")
+
+
 def collect_prompts(args, family) -> list[SamplePrompt]:
     """The prompts with the flags' values as defaults, and the family's where a flag is not given: the
     instance's, which know the release (a step-distilled one samples with fewer steps and no CFG)."""
@@ -219,6 +231,7 @@ def generate(args) -> list[str]:
         print(note)
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
     check_model_options(args, family)
+    check_stored_base(args, family)  # before any model loads
     prompts = collect_prompts(args, family)
     check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls)
     warn_unread_prompt_options(family, prompts, args.prompt_file or "--prompt")

@@ -15,7 +15,8 @@ training metadata and which model it fits.
   from the shapes and the block counts from the highest index named, which tell a full-size
   release (the spec's releases) from another size (the tiny test models). With --model, the LoRA is
   also matched against that checkpoint exactly as tools/merge_lora.py matches it (names and shapes):
-  "fits" or the reason it does not.
+  "fits" or the reason it does not; a GGUF base too (the weights' shapes, not its blocks' packed bytes),
+  which merge_lora refuses to merge into.
 - metadata: the training settings our trainer and sd-scripts write (ss_* keys, networks/lora_files.py
   METADATA_KEYS: rank, alpha, network args, base model and its precision, optimizer, lr, steps ...),
   then every other header entry (modelspec.*, sshs_model_hash, our tools' lora_* records).
@@ -199,7 +200,7 @@ def check_against(path: str, model: str) -> str:
     """merge_lora's own matching of the LoRA against the checkpoint: 'fits ...' or the reason not."""
     from tools.merge_base import LoRASpec, lora_deltas, open_base
 
-    base = open_base(model, "lora_info")
+    base = open_base(model, "lora_info", names_only=True)  # a GGUF base too: names and logical shapes
     try:
         matched = lora_deltas(base, LoRASpec(path, 1.0), allow_unmatched=False)
     except CheckpointError as e:

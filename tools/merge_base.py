@@ -119,12 +119,14 @@ def _unread_base(path: str, layout: str, tool: str, merge_advice: str) -> Checkp
     return CheckpointError(f"{path}: a {layout} base; {tool} reads bf16 / fp16 / fp32 / fp8 bases: {advice}")
 
 
-def open_base(path: str, tool: str = "merge_lora") -> Base:
+def open_base(path: str, tool: str = "merge_lora", names_only: bool = False) -> Base:
     """Detect family and naming of the checkpoint at `path` from its tensor names; `tool` (merge_lora,
-    extract_lora, ...) is the one named where a stored layout is refused."""
+    extract_lora, ...) is the one named where a stored layout is refused. names_only: the caller reads
+    names and shapes alone (lora_info's fit check), which a GGUF file has (its logical shapes: reader.shape)."""
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
-    if is_gguf(reader):  # merging into its blocks would re-quantize every merged weight from rounded values
+    # merging into its blocks would re-quantize every merged weight from rounded values
+    if is_gguf(reader) and not names_only:
         raise _unread_base(path, "GGUF", tool, "merge into the bf16 checkpoint (--save_precision gguf_q8_0 ... writes "
                            "a GGUF), or load the LoRA beside the .gguf (ComfyUI-GGUF applies LoRAs at runtime)")
     if is_bfl(reader):  # nvfp4 / fp8r: re-quantizing every merged weight would round it again

@@ -163,7 +163,8 @@ SCHEMA: dict[str, Arg] = {
     "sample_every_n_epochs": A(int, 0, "render samples every N epochs (0 = off)"),
     "sample_at_first": A(bool, False, "render samples before training"),
     "sample_bf16_reference": A(bool, None, "on an fp8 / nf4 / int8 base: also render each sample on a bf16 base, side by side "
-                                           "(unset: on, unless the memory plan says that copy does not fit the card)"),
+                                           "(unset: on, unless the memory plan says that copy does not fit the card; never "
+                                           "on a pre-quantized checkpoint, which has no bf16 base)"),
     "vae_tiling": A(bool, None, "decode samples in tiles (diffusers' tiled decode, as ComfyUI's tiled VAE decode; the "
                                 "decode's peak memory 3-8x lower at 1024 px; unset: on where the memory plan says a "
                                 "sample decoded whole does not fit the card)"),
@@ -251,12 +252,17 @@ def base_precision_key(args) -> str:
 def check_stored_precision(args, stored: str | None, path: str | None = None) -> None:
     """A pre-quantized checkpoint (layout `stored`; None: a high-precision one) is used as it is stored: a
     ConfigError naming it (`path`, default the config's model) unless the config's base precision says so, the
-    advice in the keys the config used (base_precision, or fp8_base / fp8_scaled). train_lora.py's tasks and
-    tools/plan_memory.py."""
+    advice in the keys the config used (base_precision, or fp8_base / fp8_scaled); sample_bf16_reference = true
+    on it too: it has no bf16 base to render beside (memory_plan.renders_bf16_reference). train_lora.py's tasks
+    and tools/plan_memory.py."""
     from library.precision.stored_layouts import check_config_precision
 
-    check_config_precision(path or args.pretrained_model_name_or_path, stored, base_precision(args),
-                           getattr(args, "base_precision", None) is not None)
+    path = path or args.pretrained_model_name_or_path
+    check_config_precision(path, stored, base_precision(args), getattr(args, "base_precision", None) is not None)
+    if stored and getattr(args, "sample_bf16_reference", None):
+        raise ConfigError(f"{path}: sample_bf16_reference = true, but the checkpoint stores a pre-quantized {stored} "
+                          f"base, which loads as stored in any precision: there is no bf16 base to render beside it; "
+                          f"remove the key, or give the bf16 checkpoint")
 
 
 def _validate_base_precision(args, origins: dict[str, str], where: str) -> None:

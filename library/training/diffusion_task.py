@@ -171,9 +171,13 @@ class DiffusionTask:
     def _check_stored_precision(self):
         """A pre-quantized checkpoint (fp8, GGUF) is trained on as it is stored; the config must say so,
         and the LoRA's metadata and the samples name the stored layout (trained_precision()), the base
-        really trained on."""
+        really trained on, alone: it loads as stored in any precision, so it has no bf16 reference copy."""
         self.stored_precision = self.family.stored_layout()
-        check_stored_precision(self.args, self.stored_precision)
+        check_stored_precision(self.args, self.stored_precision)  # sample_bf16_reference = true on it too
+        if self.stored_precision and self.args.sample_prompts and self.args.sample_bf16_reference is None:
+            self.accelerator.print(f"samples render on the {self.stored_precision} base alone: no bf16 reference beside "
+                                   f"it (sample_bf16_reference), {self.args.pretrained_model_name_or_path} is stored "
+                                   f"pre-quantized and has no bf16 base to load")
         self.widened_precision = None if self.stored_precision else self.family.widened_layout(base_precision(self.args))
         if self.stored_precision and self.args.base_loras:
             raise ConfigError(f"{self.args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "
@@ -639,7 +643,7 @@ class DiffusionTask:
         from library.models.vae import decoding_in_tiles
 
         bases = [(self.trained_precision(), self.base)]  # the layout loaded
-        if memory_plan.renders_bf16_reference(self.args):
+        if memory_plan.renders_bf16_reference(self.family, self.args):
             # The same LoRA on a bf16 copy of the base (its base_loras merged), streamed from disk for this render only.
             reference = self._frozen_transformer("bf16")
             reference_net = self._make_network_for(reference)

@@ -379,12 +379,15 @@ def caching_phase(family, args, width: int, height: int, references: int = 0) ->
     return phase
 
 
-def renders_bf16_reference(args) -> bool:
+def renders_bf16_reference(family, args) -> bool:
     """Whether samples also render on a bf16 copy of the base (DiffusionTask.render_samples): on an
-    fp8 / nf4 / int8 base, unless sample_bf16_reference is false (unset counts as on; settle_sampling)."""
+    fp8 / nf4 / int8 base, unless sample_bf16_reference is false (unset counts as on; settle_sampling).
+    Never on a pre-quantized file (family.stored_layout()): it loads as stored in any precision, so its
+    "bf16" copy would be the same base again."""
     from library.training.config import base_precision
 
-    return base_precision(args) != "bf16" and getattr(args, "sample_bf16_reference", True) is not False
+    return (base_precision(args) != "bf16" and getattr(args, "sample_bf16_reference", True) is not False
+            and not family.stored_layout())
 
 
 def _bf16_reference_bytes(family, args, lora: int) -> int:
@@ -433,7 +436,7 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     phase = Phase("sampling", {"resident (base, lora, optimizer)": sum(resident.values())})
     if raw:  # a part of its own: the resident training state is resident_parts' sum (plan_memory's sampling_peak)
         phase.parts["raw weights (sample_with_ema)"] = raw
-    if renders_bf16_reference(args):
+    if renders_bf16_reference(family, args):
         phase.parts["bf16 reference (base, lora)"] = _bf16_reference_bytes(family, args, lora)
     if sampler := family.sample_model_bytes(compute_dtype(args)):  # from the first forward to the round's end
         phase.parts["sampling's own models (weights)"] = sampler
