@@ -4,7 +4,8 @@ from the config schema (library/training/config.py), so that the modules the sch
 check a value (library/training/optim.py) can raise it without importing the schema back; nothing
 here imports torch.
 
-Also here: how a command line prints the warnings it raises (one_line_warnings, printed_warnings)."""
+Also here: how a command line prints the warnings it raises (one_line_warnings, printed_warnings), and
+a family folder's registration error (SpecError)."""
 
 import contextlib
 import sys
@@ -15,6 +16,11 @@ _python_warning = warnings.formatwarning
 
 class ConfigError(ValueError):
     pass
+
+
+class SpecError(ValueError):
+    """A family folder that does not register: its spec.py or its adapter (library/models/registry.py,
+    family.family_class), in one line naming the file and the field."""
 
 
 def blame(origins: dict[str, str], where: str, *keys: str) -> str:

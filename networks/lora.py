@@ -508,6 +508,15 @@ class LoRANetwork(nn.Module):
             raise ValueError(f"LoRA: the model has no module that the {self.arch} LoRA targets name (is it a {self.arch} model?)")
         return found
 
+    def _refuse_absent_types(self, args, present: set[str]) -> None:
+        """A rank for a type the model has no module of would train nothing there without a word (a target
+        regex with a typo, a model of another variant); a 0 (skip the type) asks for nothing and passes."""
+        for mtype, pattern in self.spec.targets.items():
+            key = f"{mtype}_dim"
+            if mtype not in present and key in args and _as_int(key, args[key]) > 0:
+                raise ValueError(f"network_args '{key}': this {self.arch} model has no {mtype} module (the spec's "
+                                 f"LoRA target {pattern!r} matches none of its modules)")
+
     def _type_ranks(self, args) -> dict[str, tuple[int, bool]]:
         """{module type: (rank, on by default)} from the network rank and network_args."""
         spec, types = self.spec, self.spec.targets
@@ -528,6 +537,7 @@ class LoRANetwork(nn.Module):
 
     def _select(self, model, args):
         candidates = self._candidates(model)
+        self._refuse_absent_types(args, {c[2] for c in candidates})
         blocks = self._blocks_on(args, candidates)
         ranks = self._type_ranks(args)
         include = _as_patterns("include_patterns", args.get("include_patterns"))

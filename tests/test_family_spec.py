@@ -5,8 +5,10 @@ its sampling method and config keys reach the schema, and the precision doctor d
 through the spec alone."""
 
 import dataclasses
+import importlib
 import os
 import re
+import uuid
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ import torch.nn as nn
 
 from library.models import core
 from library.models import flow_matching as fm
-from library.models.registry import FAMILIES, SAMPLING_METHODS, arch_specs, spec_of
+from library.models.registry import FAMILIES, SAMPLING_METHODS, arch_specs, family_folder, spec_of
 from library.models.spec import ConfigKey, load_symbol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +50,19 @@ def test_fp8_rules_name_linears_the_released_model_has(arch):
     linears = {n for model in released_models_on_meta(arch) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     for pattern in (*rules.keep, *rules.modulation):
         assert any(re.fullmatch(pattern, n) for n in linears), f"{arch}: fp8 rule {pattern!r} matches no Linear"
+
+
+@pytest.mark.parametrize("arch", DIFFUSION_ARCHS)
+def test_lora_targets_name_modules_the_released_model_has(arch):
+    """A target that matches nothing (a renamed module, a typo) drops its whole type from every LoRA without a
+    word; each module counts for the first target it matches, as networks/lora.py selects."""
+    targets = arch_specs()[arch].lora.targets
+    found = set()
+    for model in released_models_on_meta(arch):
+        for name, _ in model.named_modules():
+            found.update(next(([t] for t, pattern in targets.items() if re.fullmatch(pattern, name)), []))
+    for mtype, pattern in targets.items():
+        assert mtype in found, f"{family_folder(arch).replace('.', '/')}/spec.py: lora.targets[{mtype!r}] {pattern!r} matches no module"
 
 
 @pytest.mark.parametrize("arch", DIFFUSION_ARCHS)
@@ -161,3 +176,76 @@ def test_the_specs_stored_fp8_layouts_are_the_ones_the_loaders_read():
     assert S.STORED_FP8 == fp8.MODES
     for arch, spec in arch_specs().items():
         assert all(set(layouts) <= set(fp8.MODES) for layouts in spec.fp8.stored.values()), arch
+
+
+# A folder registered beside the others: spec.py copies the first family's spec as arch "toy" without its planner
+# presets (their names are the first family's), with one change; family.py subclasses the first family's adapter.
+TOY_SPEC = """import dataclasses
+from library.models import spec as S
+from library.models.registry import FAMILIES, spec_of
+BASE = spec_of(next(iter(FAMILIES)))
+SPEC = {}
+"""
+TOY_BASE = 'dataclasses.replace(BASE, **{{"arch": "toy", "planner": dataclasses.replace(BASE.planner, presets={{}}), **dict({})}})'
+TOY_FAMILY = """from library.models.family import family_class
+from library.models.registry import FAMILIES
+class ToyFamily(family_class(next(iter(FAMILIES)))):
+    {}
+"""
+
+
+def register_toy(monkeypatch, tmp_path, spec: str, family: str = 'name = "toy"') -> str:
+    """A folder with that SPEC expression and ToyFamily body, registered as model_type toy: its package path."""
+    package = f"toy_{uuid.uuid4().hex[:8]}"  # a fresh module per test: imports are cached
+    os.makedirs(tmp_path / package)
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "spec.py").write_text(TOY_SPEC.format(spec))
+    (tmp_path / package / "family.py").write_text(TOY_FAMILY.format(family))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    monkeypatch.setitem(FAMILIES, "toy", f"{package}.family:ToyFamily")
+    return package
+
+
+@pytest.mark.parametrize("change, message", [
+    # the first family's arch / a preset name of it: the first family's spec or preset was replaced by the toy's
+    ('arch=BASE.arch', "spec.py: arch {base.arch!r} is already {base_file}'s"),
+    ('planner=BASE.planner', "spec.py: planner preset {preset!r} is already {base_file}'s"),
+    # an arch no model_type of the folder is: the adapter found no spec by its name
+    ('arch="toy_img"', "spec.py: arch 'toy_img' is no model_type this folder registers in registry.FAMILIES (toy)"),
+    ('lora_files=None', "spec.py: SPEC gives no lora_files"),
+    ('fp8=None', "spec.py: SPEC gives no fp8"),
+    # a plain tuple for a MuLine crashed the end-of-run samples, after training
+    ('sampling=dataclasses.replace(BASE.sampling, mu=(256, 4096, 0.5, 1.15))',
+     "spec.py: SPEC.sampling.mu: expected MuLine | str | None, got (256, 4096, 0.5, 1.15)"),
+    ('fp8=S.FP8Rules(keep=r"img_in")', "spec.py: SPEC.fp8.keep: expected tuple[str, ...], got 'img_in'"),
+])
+def test_a_spec_mistake_is_one_line_at_registration_naming_the_file_and_field(monkeypatch, tmp_path, change, message):
+    base = spec_of(next(iter(FAMILIES)))
+    base_file = family_folder(next(iter(FAMILIES))).replace(".", "/") + "/spec.py"
+    message = message.format(base=base, base_file=base_file, preset=next(iter(base.planner.presets)))
+    package = register_toy(monkeypatch, tmp_path, TOY_BASE.format(change))
+    with pytest.raises(ValueError) as error:
+        arch_specs()
+    assert str(error.value).startswith(f"{package}/spec.py: ") and message in str(error.value), str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_spec_without_arch_is_one_line_naming_the_file(monkeypatch, tmp_path):
+    package = register_toy(monkeypatch, tmp_path, 'S.ArchSpec(title="Toy")')
+    with pytest.raises(ValueError, match=re.escape(f"{package}/spec.py: ArchSpec.__init__() missing 1 required "
+                                                   "positional argument: 'arch'")):
+        arch_specs()
+
+
+@pytest.mark.parametrize("body, message", [
+    ('name = "toy_img"', "ToyFamily.name is 'toy_img', registered in registry.FAMILIES as 'toy'"),
+    ('name = "toy"\n    arch = "toy_img"', "ToyFamily.arch is 'toy_img', its folder's spec.py says arch 'toy'"),
+])
+def test_an_adapter_whose_name_or_arch_is_not_its_registration_is_one_line(monkeypatch, tmp_path, body, message):
+    from library.models.family import family_class
+
+    package = register_toy(monkeypatch, tmp_path, TOY_BASE.format(""), body)
+    assert set(arch_specs()) >= {"toy"}  # the spec itself registers
+    with pytest.raises(ValueError, match=re.escape(f"{package}/family.py: {message}")):
+        family_class("toy")

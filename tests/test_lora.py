@@ -340,6 +340,14 @@ def test_bad_network_args_raise_naming_the_key(args, message):
         LoRANetwork(StandIn(flux_names(3, 2)), "flux", rank=4, network_args=args)
 
 
+def test_a_rank_for_a_type_the_model_lacks_is_refused_and_a_zero_passes():
+    """A model without guidance_in (a released config without the guidance embedder; a target regex with a
+    typo reads the same) trained nothing for guidance_in_dim without a word."""
+    with pytest.raises(ValueError, match=re.escape("network_args 'guidance_in_dim': this flux model has no guidance_in module")):
+        LoRANetwork(StandIn(flux_names(1, 1)), "flux", rank=4, network_args={"guidance_in_dim": 4})
+    assert LoRANetwork(StandIn(flux_names(1, 1)), "flux", rank=4, network_args={"guidance_in_dim": 0}).lora_modules()
+
+
 @pytest.mark.parametrize("args", [{"rank_dropout": 1.0}, {"img_attn_dim": 4.5}, {"train_double_block_indices": "x"},
                                   {"loraplus_lr_ratio": "many"}, {"train_modulation": "on"}, {"train_blocks": "both"},
                                   {"exclude_patterns": "(unclosed"}, {"dora": "true", "use_dora": "false"}])

@@ -29,12 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from library.errors import SpecError
 from library.io import safetensors_files
 from library.data.controls import reference_images
 from library.data.images import verified_image_size
 from library.data.masks import on_latent_grid
 from library.models import flow_matching as fm
-from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, arch_spec  # noqa: F401  (their importers find them here too)
+from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, arch_spec, spec_of  # noqa: F401  (their importers find them here too)
 from library.models.spec import TextWeights
 from library.models.latents import pack_latents, unpack_latents
 
@@ -490,7 +491,22 @@ def family_class(model_type: str) -> type[DiffusionFamily]:
     if model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not a diffusion family (expected one of {', '.join(FAMILIES)})")
     module, _, name = FAMILIES[model_type].partition(":")
-    return getattr(importlib.import_module(module), name)
+    cls = getattr(importlib.import_module(module), name)
+    _check_adapter(cls, model_type, module.replace(".", "/") + ".py")
+    return cls
+
+
+def _check_adapter(cls, model_type: str, file: str) -> None:
+    """The adapter's `name` is the model_type it is registered under, and its `arch` its folder's spec arch:
+    configs, caches and LoRA metadata say the name, and the arch finds the spec's LoRA targets, fp8 rules and
+    sampling (otherwise an error far off naming neither)."""
+    if getattr(cls, "name", None) != model_type:
+        raise SpecError(f"{file}: {cls.__name__}.name is {getattr(cls, 'name', None)!r}, registered in "
+                        f"registry.FAMILIES as {model_type!r}: the two must be the same")
+    spec_arch = spec_of(model_type).arch
+    if cls.arch != spec_arch:
+        raise SpecError(f"{file}: {cls.__name__}.arch is {cls.arch!r}, its folder's spec.py says arch {spec_arch!r}: "
+                        f"the two must be the same (a variant sets arch = its base family's name)")
 
 
 def get_family(args) -> DiffusionFamily:

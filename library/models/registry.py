@@ -12,6 +12,10 @@ One word for one thing:
   flow-matching constants are per arch: networks and precision take an `arch`, never a model_type.
 """
 
+# A spec that does not register fails every command as it imports this module: a contributor's error, raised as
+# a SpecError whose line names the file and the field (the traceback's last line).
+from library.errors import SpecError
+
 # model_type -> "module:class" of its adapter; imported on first use (family.family_class).
 FAMILIES = {
     "flux": "library.models.flux1.family:FluxFamily",
@@ -52,12 +56,63 @@ def _spec_modules() -> dict[str, str]:
     return {**modules, **{m: None for m in OTHER_ARCHS.values()}}
 
 
-def arch_specs() -> dict:
-    """arch -> ArchSpec of every architecture (families first, in registration order)."""
-    from library.models.spec import load_symbol
+# The parts every spec gives (networks/, tools/ and precision/ read them for any arch), then those a
+# family's adds (its sampling, the precision doctor, the memory planner, the tiny set).
+REQUIRED_PARTS = ("lora", "lora_files", "fp8")
+FAMILY_PARTS = REQUIRED_PARTS + ("sampling", "transformer", "planner", "tiny")
 
-    specs = [load_symbol(module + ":SPEC") for module in _spec_modules()]
-    return {s.arch: s for s in specs}
+
+def arch_specs() -> dict:
+    """arch -> ArchSpec of every architecture (families first, in registration order). Every command
+    reads this first, so a spec that would replace another's or fail late is refused here, in one line
+    naming its file."""
+    specs, files, presets = {}, {}, {}
+    for module in _spec_modules():
+        spec, file = _load_spec(module), _spec_file(module)
+        _check_spec(spec, module, files, presets)
+        specs[spec.arch], files[spec.arch] = spec, file
+        presets.update(dict.fromkeys(spec.planner.presets if spec.planner else (), file))
+    return specs
+
+
+def _spec_file(module: str) -> str:
+    return module.replace(".", "/") + ".py"
+
+
+def _load_spec(module: str):
+    """The module's SPEC; one that cannot be built (a missing or mistyped field: spec.py checks the types)
+    is a SpecError naming the file."""
+    from library.models.spec import ArchSpec, load_symbol
+
+    try:
+        spec = load_symbol(module + ":SPEC")
+    except (TypeError, ValueError) as e:
+        raise SpecError(f"{_spec_file(module)}: {' '.join(str(e).split())}") from None
+    if not isinstance(spec, ArchSpec):
+        raise SpecError(f"{_spec_file(module)}: SPEC is a {type(spec).__name__}, expected an ArchSpec")
+    return spec
+
+
+def _check_spec(spec, module: str, files: dict[str, str], presets: dict[str, str]) -> None:
+    """A spec against the registration and the specs before it (files: arch -> spec file; presets: planner
+    preset name -> spec file). A repeated arch or preset name would replace the other's without a word; a
+    family's arch is the model_type its base family is registered under (its FAMILIES key, the adapter's
+    `name`): the adapter finds its LoRA targets, fp8 rules and sampling by that arch."""
+    file, family = _spec_file(module), module not in OTHER_ARCHS.values()
+    if spec.arch in files:
+        raise SpecError(f"{file}: arch {spec.arch!r} is already {files[spec.arch]}'s: each spec names its own")
+    taken = [name for name in (spec.planner.presets if spec.planner else ()) if name in presets]
+    if taken:
+        raise SpecError(f"{file}: planner preset {taken[0]!r} is already {presets[taken[0]]}'s: each name is one model")
+    model_types = [m for m in FAMILIES if family_folder(m) + ".spec" == module]
+    if family and spec.arch not in model_types:
+        raise SpecError(f"{file}: arch {spec.arch!r} is no model_type this folder registers in registry.FAMILIES "
+                        f"({', '.join(model_types)}): a family's arch is its base family's FAMILIES name")
+    parts = FAMILY_PARTS if family else REQUIRED_PARTS
+    missing = [part for part in parts if getattr(spec, part) is None]
+    if missing:
+        raise SpecError(f"{file}: SPEC gives no {missing[0]} (every {'family ' if family else ''}spec gives "
+                        f"{', '.join(parts)}: library/models/spec.py)")
 
 
 def arch_spec(arch: str):

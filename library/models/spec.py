@@ -15,8 +15,11 @@ Each part below is one concern, read by one place (named in the comment above it
 
 from __future__ import annotations
 
+import functools
 import importlib
-from dataclasses import dataclass, field
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
 
 
 def load_symbol(path: str):
@@ -325,15 +328,16 @@ class ArchSpec:
     # Regexes (case-insensitive) of the names the family goes by in code and text; the name-scan
     # test (tests/test_family_names.py) fails on any of them outside the family's folder.
     names: tuple[str, ...] = ()
-    lora: object = None  # LoRA targets and key names (section above)
-    lora_files: object = None  # converters' key tables
-    fp8: object = None  # keep-high-precision rules
-    gguf: object = None  # GgufLayout: ComfyUI-GGUF's layout (merge_lora --save_precision gguf_*); None: not written
-    sampling: object = None  # timestep sampling and shift defaults (diffusion architectures)
-    transformer: object = None  # loading and driving the transformer from a checkpoint
-    config_keys: tuple = ()  # ConfigKey of the family's own training-config keys
-    planner: object = None  # memory planner shapes and presets
-    tiny: object = None  # tiny model writers
+    # lora, lora_files and fp8 every spec gives, a family's also sampling to tiny (registry.REQUIRED_PARTS)
+    lora: LoRATargets | None = None  # LoRA targets and key names (section above)
+    lora_files: LoRAFiles | None = None  # converters' key tables
+    fp8: FP8Rules | None = None  # keep-high-precision rules
+    gguf: GgufLayout | None = None  # ComfyUI-GGUF's layout (merge_lora --save_precision gguf_*); None: not written
+    sampling: Sampling | None = None  # timestep sampling and shift defaults (diffusion architectures)
+    transformer: TransformerHooks | None = None  # loading and driving the transformer from a checkpoint
+    config_keys: tuple[ConfigKey, ...] = ()  # the family's own training-config keys
+    planner: Planner | None = None  # memory planner shapes and presets
+    tiny: TinySpec | None = None  # tiny model writers
     learned: str = ""  # "module:NAME" of its LearnedBase (the tiny base that has learned), if it has one
     default_config: str | None = None  # configs/<file>: the config the README points a new user to
     # release -> the sample steps it renders with where a prompt has no --s (tools/generate.py --help lists
@@ -344,3 +348,49 @@ class ArchSpec:
     # runs a negative prompt (each family's comment says where it is not its pipeline's default); a release
     # that reads no guidance is not listed.
     sample_guidance: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        _check_type(self, ArchSpec, "SPEC")
+
+
+# ----------------------------------------------------------------------------------------------
+# Type checks of a spec as it is built: a mistyped field (a tuple for a MuLine, a string for a tuple of
+# rules) is one error naming it at import, not a crash in the code that reads it minutes into a run.
+
+
+@functools.cache
+def _field_types(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _fits(value, hint) -> bool:
+    """value is of hint at its top level (a union: of one member; a float field takes an int)."""
+    if hint is object:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, member) for member in typing.get_args(hint))
+    return isinstance(value, (int, float) if hint is float else typing.get_origin(hint) or hint)
+
+
+def _check_type(value, hint, path: str) -> None:
+    """value is of hint, and so are its items and, for a spec part, its fields; else a TypeError naming `path`
+    (SPEC.sampling.mu)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = next((member for member in typing.get_args(hint) if _fits(value, member)), hint)
+    if not _fits(value, hint):
+        expected = hint.__name__ if isinstance(hint, type) else str(hint).replace(f"{__name__}.", "")
+        raise TypeError(f"{path}: expected {expected}, got {value!r}")
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple and args:
+        items = args[:1] * len(value) if args[-1] is Ellipsis else args
+        if len(items) != len(value):
+            raise TypeError(f"{path}: expected {len(items)} items, got {value!r}")
+        for i, (item, item_hint) in enumerate(zip(value, items)):
+            _check_type(item, item_hint, f"{path}[{i}]")
+    elif origin is dict and args:
+        for key, item in value.items():
+            _check_type(key, args[0], f"{path} key")
+            _check_type(item, args[1], f"{path}[{key!r}]")
+    elif is_dataclass(value):
+        for f in fields(value):
+            _check_type(getattr(value, f.name), _field_types(type(value))[f.name], f"{path}.{f.name}")
