@@ -608,3 +608,27 @@ def test_optimizer_args_that_do_not_fit_are_shown_beside_the_optimizer_field(ui)
     run(validate, values)
     notes = {k: values[block._id] for k, block in zip([*FORM_KEYS, "toml"], validate.outputs[1:])}
     assert {k: note["value"] for k, note in notes.items() if note["visible"]} == {"optimizer_type": f"⚠ {error}"}
+
+
+def test_a_planned_setting_applied_to_the_config_is_one_train_lora_loads(ui, tiny_set, tmp_path):
+    """Old: the planner's rows tried every base precision and Apply set a row's keys alone: with fp8_compute on an
+    fp8_scaled base the bf16 row fit and was applied (refused: fp8_compute needs an fp8 base), and at blocks_to_swap = 0
+    block_swap_prefetch stayed, as did checkpoint_saves_attention at gradient_checkpointing = false (each refused: it
+    does nothing there). The rows now hold what the trainer accepts with the config, and Apply drops what the
+    applied keys leave idle: the applied config loads."""
+    from library.training.config import load_config
+    from tests.ui_support import tiny_job_settings
+
+    text = toml.dumps(tiny_job_settings(tiny_set, steps=1, base_precision="fp8_scaled", mixed_precision="bf16",
+                                        fp8_compute=True, blocks_to_swap=2, block_swap_prefetch=2,
+                                        gradient_checkpointing=True, checkpoint_saves_attention=True))
+    answer = ui.plan("the job form's config", "", 24, "", "", text, {})
+    assert answer["suggested"] == {"gradient_checkpointing": False, "blocks_to_swap": 0,
+                                   "base_precision": "fp8_scaled"}, answer["report"]
+    assert {fit["base"] for fit in answer["fits"]} == {"fp8_scaled"}
+    assert "  bf16       left out: fp8_compute needs an fp8 base" in answer["report"], answer["report"]
+    applied = tmp_path / "data" / "applied.toml"
+    applied.write_text(ui.apply_plan(text, {}, answer["suggested"])[0])
+    args = load_config(["--config_file", str(applied)])
+    assert (args.base_precision, args.blocks_to_swap, args.gradient_checkpointing, args.block_swap_prefetch,
+            args.checkpoint_saves_attention) == ("fp8_scaled", 0, False, 1, None)

@@ -12,7 +12,8 @@ headers give the shapes. With a config file the run's own settings are planned (
 blocks_to_swap, checkpointing, network, optimizer, vae_batch_size, largest bucket, the references
 per image of its control_directory); then, for the card, every base precision x checkpointing pair
 gets the fewest blocks_to_swap that fit (--base_precision: that one's rows only, each base left out
-one to two full-size simulations less). A card fits a plan when the peak stays under 95% of (its
+one to two full-size simulations less; a base the rest of the config rules out, fp8_compute's bf16 or LyCORIS
+algo=full's fp8, is one line saying why). A card fits a plan when the peak stays under 95% of (its
 memory - the CUDA context, ~0.6 GiB). The presets (each family's spec: planner.presets) are the
 released models' configs and text-encoder sizes; an edit model is planned with one reference per
 image unless --references says otherwise. A pre-quantized base (an fp8 or GGUF file, or a preset with
@@ -238,11 +239,47 @@ def sampling_peak(plan, blocks_to_swap: int, extra: SampleExtra, room: float) ->
     return resident + (extra.tiled if tiles else extra.whole), tiles
 
 
+def card_bases(family, args, vram_gib: float, only: str | None = None) -> tuple[str, ...]:
+    """The base precisions tried on a card of vram_gib (only: that one, --base_precision), and a config's own
+    (an nf4 run on a 24 GB card was planned in every precision but the one it trains in)."""
+    from library.training.config import base_precision
+
+    if only:
+        return (only,)
+    bases = PLANNED_PRECISIONS + (LOWBIT_PRECISIONS if vram_gib < LOWBIT_BELOW_GIB else ())
+    own = base_precision(args) if args.config_file and not family.stored_layout() else None
+    return bases + ((own,) if own and own not in bases else ())
+
+
+def refused_bases(family, args, bases: tuple[str, ...]) -> dict[str, str]:
+    """{base precision: the line train_lora.py refuses it with, the rest of the config kept} among `bases`: the
+    config's own checks run on the trial (fp8_compute needs an fp8 base, LyCORIS algo=full a high-precision one).
+    A row the trainer refuses is no setting to offer (the web UI applies the fitting row's keys as they are). A
+    preset's default keys take every base; a pre-quantized base is planned as stored, which the run's checks passed."""
+    if args.config_file is None or family.stored_layout():
+        return {}
+    from library.training.config import validate
+    from library.training.diffusion_task import check_network_settings
+
+    refused = {}
+    for base in bases:
+        trial = setting_args(family, args, base, args.gradient_checkpointing)
+        trial.fp8_base = False  # base_precision replaces the older spelling (the web UI's Apply drops fp8_base)
+        try:
+            validate(trial, args.config_file)
+            check_network_settings(trial, family.arch)
+        except ValueError as e:
+            refused[base] = str(e)
+    return refused
+
+
 def card_plans(family, args, width: int, height: int, batch: int, vram_gib: float, references: int | None = None,
                only: str | None = None) -> dict:
-    """setting_plans for the base precisions planned on a card of vram_gib (only: that one, --base_precision)."""
-    bases = (only,) if only else PLANNED_PRECISIONS + (LOWBIT_PRECISIONS if vram_gib < LOWBIT_BELOW_GIB else ())
-    return setting_plans(family, args, width, height, batch, references, bases)
+    """setting_plans for the base precisions planned on a card of vram_gib (only: that one, --base_precision), less
+    those the config cannot train with (refused_bases)."""
+    bases = card_bases(family, args, vram_gib, only)
+    refused = refused_bases(family, args, bases)
+    return setting_plans(family, args, width, height, batch, references, tuple(b for b in bases if b not in refused))
 
 
 def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib: float,
@@ -329,6 +366,8 @@ def what_to_plan(cli) -> tuple:
     check_network_settings(run, family.arch)  # as train_lora.py checks them first: bad ones are no run to plan
     check_stored_precision(run, family.stored_layout())
     check_base_precision(family, cli.base_precision)
+    if cli.base_precision and (why := refused_bases(family, run, (cli.base_precision,)).get(cli.base_precision)):
+        raise ValueError(f"--base_precision {cli.base_precision}: {why}")
     if run.blocks_to_swap:  # as train_lora refuses it (a count past the blocks was planned as another count)
         from library.models.block_swap import check_swap_count
 
@@ -473,6 +512,8 @@ def report(args, family, run, size: tuple[int, int], batch: int, references: int
     rows = [f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {fit_text(fit, peak, sample, samples)}"
             for base, ckpt, fit, peak, sample in fitting_settings(family, run, width, height, batch, args.vram,
                                                                   references, planned, extras)]
+    rows += [f"  {base:10s} left out: {why.removeprefix(f'{run.config_file}: ')}"
+             for base, why in refused_bases(family, run, card_bases(family, run, args.vram, args.base_precision)).items()]
     rows += kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned, extras, samples)
     print("\n".join(rows))
     if run.vae_tiling is None and any(row.endswith(TILES_SAID) for row in rows):

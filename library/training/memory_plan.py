@@ -314,6 +314,9 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
             live.track(t)
         live.add(optimizer + ema)  # from the first optimizer step on, resident during every step
         resident = live.live
+        if args.gradient_accumulation_steps > 1:  # train_lora.py zeroes the grads after the step's last micro-batch:
+            for p in lora:  # a later one runs its forward and backward with the earlier ones' LoRA grads held
+                p.grad = torch.zeros_like(p)
         with no_module_dropout(network):  # the step that drops no module: the largest, and the same each plan
             loss, _ = family.training_loss(model, latents, text, args, generators, control=control or None)
             loss.backward()

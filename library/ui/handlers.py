@@ -18,7 +18,7 @@ from library.data.image_names import is_image_name
 from library.data.prompts import parse_prompt_line
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401 (BASE_PRECISIONS: the form's choices)
 from library.text_files import read_utf8, set_toml_keys, toml_dumps, toml_loads
-from library.training.config import SCHEMA, _flatten
+from library.training.config import KEEPING_KEYS, SCHEMA, _flatten
 from library.ui import commands, run_files
 from library.ui import runner as actions
 from library.ui.config_check import ConfigChecker
@@ -43,8 +43,15 @@ FP8_KEYS = ("fp8_base", "fp8_scaled")
 
 
 def replaced_keys(keys: dict) -> tuple[str, ...]:
-    """The config's keys that setting `keys` removes: fp8_base / fp8_scaled where base_precision is set."""
-    return FP8_KEYS if "base_precision" in keys else ()
+    """The config's keys that setting `keys` removes: fp8_base / fp8_scaled where base_precision is set, and the
+    keys train_lora.py refuses beside a plan's setting (they would do nothing): block_swap_prefetch at
+    blocks_to_swap = 0, the checkpoint keeping keys without gradient_checkpointing."""
+    drop = FP8_KEYS if "base_precision" in keys else ()
+    if keys.get("blocks_to_swap") == 0:
+        drop += ("block_swap_prefetch",)
+    if keys.get("gradient_checkpointing") is False:
+        drop += tuple(KEEPING_KEYS)
+    return drop
 
 
 def base_precision_of(settings: dict) -> str:
