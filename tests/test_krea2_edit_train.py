@@ -144,3 +144,47 @@ def test_a_text_encoder_without_its_image_processor_is_refused_before_caching(ed
         family.check_model_files()
     Krea2EditFamily(edit_set["krea2_diffusers"], edit_set["qwen_image_vae"],
                     text_encoder=edit_set["krea2_edit_text_encoder"]).check_model_files()
+
+
+def test_references_are_planned_at_the_size_the_trainer_encodes_them(edit_set, tmp_path, monkeypatch):
+    """A reference keeps its own size up to reference_resolution^2, whatever the target's: the memory plan sized it
+    as the target (32 px targets with 64 px references: planned 4 x 4 latents, encoded 8 x 8; at full size, 512 px
+    targets with 1024 px references: 16.05 GiB planned, 18.69 with them). Now the plan's step and caching take the
+    dataset's largest reference, and without one (a preset, --references) the largest the family encodes."""
+    from library.data.dataset_config import parse_dataset_config
+    from library.data.image_folders import largest_step, scan_images
+    from library.training.memory_plan import caching_phase, references_and_tokens, training_plan
+    from tools import plan_memory
+
+    control = tmp_path / "control"
+    control.mkdir()
+    for name in os.listdir(edit_set["edit_control_dir"]):  # the 32 px references at 64 px
+        with Image.open(os.path.join(edit_set["edit_control_dir"], name)) as image:
+            image.resize((64, 64)).save(control / name)
+    blueprint = parse_dataset_config({"datasets": [{"resolution": 32, "batch_size": 2, "subsets": [
+        {"image_dir": edit_set["edit_image_dir"], "control_directory": str(control)}]}]})
+    seen, real = [], Krea2EditFamily.predict
+
+    def recording(self, *args, control=None, **kwargs):
+        seen.append({tuple(c.shape[2:]) for c in control or []})
+        return real(self, *args, control=control, **kwargs)
+
+    monkeypatch.setattr(Krea2EditFamily, "predict", recording)
+    family = Krea2EditFamily(edit_set["krea2_diffusers"], edit_set["qwen_image_vae"],
+                             text_encoder=edit_set["krea2_edit_text_encoder"])
+    encoded = {tuple(b) for item in scan_images(blueprint, control_bucket=family.control_bucket)
+               for b in item.control_buckets}
+    assert encoded == {(64, 64)}
+    args, step = plan_memory.default_args("krea2_edit"), largest_step(blueprint)
+    assert step.reference_size == (64, 64)
+    count, tokens = references_and_tokens(family, args, step.references, 32, 32, step.reference_size)
+    training_plan(family, args, 32, 32, 2, tokens, count, step.reference_size)
+    assert seen == [{(8, 8)}], seen  # 64 px / the 8x VAE
+    assert "(64x64, batch 4, each)" in str(caching_phase(family, args, 32, 32, count, step.reference_size).parts)
+
+    seen.clear()  # a reference of unknown size: the largest the family encodes, 48 x 48 here
+    family = Krea2EditFamily(edit_set["krea2_diffusers"], edit_set["qwen_image_vae"], reference_resolution=48,
+                             text_encoder=edit_set["krea2_edit_text_encoder"])
+    count, tokens = references_and_tokens(family, args, 1, 32, 32)
+    training_plan(family, args, 32, 32, 2, tokens, count)
+    assert seen == [{(6, 6)}], seen

@@ -662,7 +662,8 @@ def test_unset_keeping_keys_are_off_on_the_cpu_without_a_plan(monkeypatch):
 
 def test_the_keeping_keys_are_planned_for_the_largest_step_of_all_datasets(tmp_path, monkeypatch):
     """The trainer plans the keeping keys for the step tools/plan_memory.py plans (image_folders.largest_step):
-    the largest resolution by area, the largest batch and the most references, each from any dataset."""
+    the largest resolution by area, the largest batch, the most references and the largest reference image by
+    area (an edit family may encode it at its own size), each from any dataset."""
     from types import SimpleNamespace
 
     from PIL import Image
@@ -676,12 +677,12 @@ def test_the_keeping_keys_are_planned_for_the_largest_step_of_all_datasets(tmp_p
     for folder, names in (("plain", ["a"]), ("edit", ["b"]), ("refs", ["b_0", "b_1"])):
         (tmp_path / folder).mkdir()
         for name in names:
-            Image.new("RGB", (64, 64)).save(tmp_path / folder / f"{name}.png")
+            Image.new("RGB", (96, 48) if name == "b_1" else (64, 64)).save(tmp_path / folder / f"{name}.png")
     blueprint = parse_dataset_config({"datasets": [
         {"resolution": 512, "batch_size": 4, "subsets": [{"image_dir": str(tmp_path / "plain")}]},
         {"resolution": [768, 640], "batch_size": 1,
          "subsets": [{"image_dir": str(tmp_path / "edit"), "control_directory": str(tmp_path / "refs")}]}]})
-    assert largest_step(blueprint) == (768, 640, 4, 2)
+    assert largest_step(blueprint) == (768, 640, 4, 2, (96, 48), None)
     # A bucketed resolution off the 16-pixel grid is an area: the plans sized 72 x 72 (9 x 9 latents, which no
     # latent packs: train_lora stopped on a card, plan_memory failed) until 2026-11-27; its largest bucket now.
     off_grid = parse_dataset_config({"datasets": [{"resolution": 72, "enable_bucket": True, "bucket_reso_steps": 16,
@@ -696,7 +697,7 @@ def test_the_keeping_keys_are_planned_for_the_largest_step_of_all_datasets(tmp_p
                                                gradient_checkpointing=True), blueprint=blueprint, family=None,
                            accelerator=SimpleNamespace(distributed_type=DistributedType.NO), device=torch.device("cuda"))
     DiffusionTask._settle_keeping_keys(task)
-    assert planned == [(768, 640, 4, 2)]
+    assert planned == [(768, 640, 4, 2, (96, 48), None)]
 
 
 def test_plan_memory_with_its_overrides_reads_no_reference_folder(tmp_path, monkeypatch):
@@ -729,7 +730,7 @@ def test_plan_memory_with_its_overrides_reads_no_reference_folder(tmp_path, monk
     monkeypatch.setattr(config, "check_stored_precision", lambda *args: None)
 
     def planned(*argv):
-        _, _, size, batch, references = plan_memory.what_to_plan(
+        _, _, size, batch, references, _, _ = plan_memory.what_to_plan(
             plan_memory.build_parser().parse_args(["--config_file", "run.toml", *argv]))
         return size, batch, references
 

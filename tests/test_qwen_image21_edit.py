@@ -69,6 +69,51 @@ def test_sampling_with_a_reference_equals_the_pipeline(tiny_set):
     assert rel < 1e-5
 
 
+def test_a_step_with_references_is_planned_at_the_references_size(tiny_set, monkeypatch):
+    """The memory plan of a step with a reference on meta: its prompt's slots are the planner's (text_on_meta
+    gives none: KeyError 'slots' stopped plan_memory --references and a CUDA run's settle_keeping_keys), and the
+    reference's latents are at reference_resolution^2 (the pipeline resizes it so at any target size), not at the
+    128 px target's size."""
+    from library.training.memory_plan import references_and_tokens, training_plan
+    from tools import plan_memory
+
+    family, args = family_of(tiny_set), plan_memory.default_args("qwen_image21")
+    seen, real = [], QwenImage21Family.predict
+
+    def recording(self, model, x_t, sigmas, text, h, w, guidance, control=None):
+        seen.append([tuple(c.shape) for c in control or []])
+        return real(self, model, x_t, sigmas, text, h, w, guidance, control=control)
+
+    monkeypatch.setattr(QwenImage21Family, "predict", recording)
+    count, tokens = references_and_tokens(family, args, 1, 128, 128)
+    assert training_plan(family, args, 128, 128, 2, tokens, count).activations > 0
+    assert seen == [[(2, 64, 4, 4)]], seen  # 64 px / the 16x VAE
+
+
+def test_a_run_on_a_card_plans_its_references_before_caching(edit_set, tmp_path, monkeypatch):
+    """train_lora on a CUDA card (its size answered on the CPU) plans the keeping keys with the step's reference:
+    the plan stopped it before caching (KeyError 'slots') where gradient checkpointing left them unset."""
+    from library.training import memory_plan
+
+    planned, real = [], memory_plan.training_plan
+
+    def recording(family, args, width, height, batch, tokens, *step):
+        planned.append(step)  # (references, the largest reference's size, layers)
+        return real(family, args, width, height, batch, tokens, *step)
+
+    monkeypatch.setattr(memory_plan, "device_memory", lambda device: 24 * 2**30)
+    monkeypatch.setattr(memory_plan, "training_plan", recording)
+    out = tmp_path / "run"
+    args = ["--model_type", "qwen_image21", "--pretrained_model_name_or_path", edit_set["qwen_image21"],
+            "--ae", edit_set["qwen_image21_vae"], "--text_encoder", edit_set["qwen_image21_text_encoder"],
+            "--reference_resolution", str(RESOLUTION), "--dataset_config", edit_set["edit_dataset_config"],
+            "--output_dir", str(out), "--output_name", "edit", "--max_train_steps", "1", "--mixed_precision", "no",
+            "--network_dim", "4", "--network_alpha", "4", "--optimizer_type", "AdamW",
+            "--gradient_checkpointing", "true"]
+    assert train_lora.main(args) == 0
+    assert planned and set(planned) == {(1, (64, 64), None)}, planned
+
+
 def test_trains_on_paired_data_and_samples_with_a_reference(edit_set, tmp_path):
     out = tmp_path / "run"
     args = ["--model_type", "qwen_image21", "--pretrained_model_name_or_path", edit_set["qwen_image21"],

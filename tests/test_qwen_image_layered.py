@@ -163,6 +163,54 @@ def test_trains_on_layered_targets_and_decomposes_a_sample(trained):
         assert sample.width == 4 * 64
 
 
+def test_plan_memory_plans_a_layered_dataset_with_its_composite_and_its_layers(layered_set, tmp_path, capsys,
+                                                                              monkeypatch):
+    """plan_memory --config_file on multiple_target data: the composite is each image's reference (the planner
+    counted control_directory's only and refused every config: "0 reference image(s), but qwen_image_layered takes
+    1 to 1"), and the target is planned as the dataset's 1 + 2 frames, not the family's default 1 + 4."""
+    from library.models.qwen_image.layered import QwenImageLayeredFamily
+    from tools import plan_memory
+
+    config = tmp_path / "layered.toml"
+    config.write_text("\n".join(f'{k} = "{v}"' for k, v in (
+        ("model_type", "qwen_image_layered"), ("pretrained_model_name_or_path", layered_set["qwen_image_layered"]),
+        ("ae", layered_set["qwen_image_layered_vae"]), ("text_encoder", layered_set["qwen_image_text_encoder"]),
+        ("dataset_config", layered_set["layered_dataset_config"]), ("output_dir", str(tmp_path / "out")))))
+    frames, real = [], QwenImageLayeredFamily.target_on_meta
+
+    def recording(self, *args):
+        latents = real(self, *args)
+        frames.append(latents.shape[2])
+        return latents
+
+    monkeypatch.setattr(QwenImageLayeredFamily, "target_on_meta", recording)
+    assert plan_memory.main(["--config_file", str(config), "--vram", "24", "--base_precision", "bf16"]) == 0
+    assert "64x64, batch 2, 1 reference(s) per image" in capsys.readouterr().out
+    assert frames and set(frames) == {3}, frames
+
+
+def test_a_run_on_a_card_plans_its_layered_step_before_caching(layered_set, tmp_path, monkeypatch):
+    """train_lora on a CUDA card plans the keeping keys from the memory plan of its largest step (run here with
+    the card's size answered on the CPU): the step's composite reference was planned as none, and the run
+    stopped before caching ("predict needs the image to decompose") unless checkpoint_saves_* were set. Now
+    each step is planned with the composite and the dataset's 2 layers."""
+    import train_lora
+    from library.training import memory_plan
+
+    planned, real = [], memory_plan.training_plan
+
+    def recording(family, args, width, height, batch, tokens, *step):
+        planned.append(step)  # (references, the largest reference's size, layers)
+        return real(family, args, width, height, batch, tokens, *step)
+
+    monkeypatch.setattr(memory_plan, "device_memory", lambda device: 24 * 2**30)
+    monkeypatch.setattr(memory_plan, "training_plan", recording)
+    args = train_args(layered_set, tmp_path)
+    args[args.index("--max_train_steps") + 1] = "1"
+    assert train_lora.main(args + ["--gradient_checkpointing", "true"]) == 0
+    assert planned and set(planned) == {(1, None, 2)}, planned
+
+
 @torch.no_grad()
 def test_converted_lora_loads_in_the_layered_pipeline_and_matches_runtime(layered_set, trained, tmp_path):
     """convert_lora --to diffusers -> QwenImageLayeredPipeline.load_lora_weights: diffusers' transformer

@@ -10,14 +10,16 @@
 Everything is simulated on `meta` (library/training/memory_plan.py): no weight is read, the files'
 headers give the shapes. With a config file the run's own settings are planned (its base precision,
 blocks_to_swap, checkpointing, network, optimizer, vae_batch_size, largest bucket, the references
-per image of its control_directory); then, for the card, every base precision x checkpointing pair
-gets the fewest blocks_to_swap that fit (--base_precision: that one's rows only, each base left out
-one to two full-size simulations less; a base the rest of the config rules out, fp8_compute's bf16 or LyCORIS
-algo=full's fp8, is one line saying why). A card fits a plan when the peak stays under 95% of (its
+per image of its control_directory, each at the size the family encodes the largest of them, or a
+multiple_target composite and its layers); then, for the card, every base precision x checkpointing
+pair gets the fewest blocks_to_swap that fit (--base_precision: that one's rows only, each base left
+out one to two full-size simulations less; a base the rest of the config rules out, fp8_compute's bf16
+or LyCORIS algo=full's fp8, is one line saying why). A card fits a plan when the peak stays under 95% of (its
 memory - the CUDA context, ~0.6 GiB). The presets (each family's spec: planner.presets) are the
 released models' configs and text-encoder sizes; an edit model is planned with one reference per
-image unless --references says otherwise. A pre-quantized base (an fp8 or GGUF file, or a preset with
---gguf) is planned as it is stored: its layout is the one base precision tried.
+image unless --references says otherwise, as large as the family encodes one. A pre-quantized base
+(an fp8 or GGUF file, or a preset with --gguf) is planned as it is stored: its layout is the one base
+precision tried.
 """
 
 from __future__ import annotations
@@ -144,14 +146,17 @@ def usable(vram_gib: float) -> float:
 
 
 def plan_run(family, args, width: int, height: int, batch: int, references: int | None = None,
-             planned: dict | None = None, sample_size: tuple[int, int] | None = (0, 0)) -> list:
+             planned: dict | None = None, sample_size: tuple[int, int] | None = (0, 0),
+             reference_size: tuple[int, int] | None = None, layers: int | None = None) -> list:
     """The phases of this run (caching, training, and sampling at sample_size: (0, 0) the training size, None no
-    samples); references: per image (edit families). planned: setting_plans' answers for the same card; the run's
-    training step is taken from them where one of them is the same step (a full-size step is seconds of simulation)."""
-    count, tokens = references_and_tokens(family, args, references, width, height)
+    samples); references: per image (edit families), reference_size and layers: training_plan's. planned:
+    setting_plans' answers for the same card; the run's training step is taken from them where one of them is the
+    same step (a full-size step is seconds of simulation)."""
+    count, tokens = references_and_tokens(family, args, references, width, height, reference_size)
     same = next((plan for setting, plan in (planned or {}).items() if same_step(args, setting_args(family, args, *setting))), None)
-    training = (same or training_plan(family, args, width, height, batch, tokens, count)).phase(args.blocks_to_swap)
-    caching = caching_phase(family, args, width, height, count)
+    training = (same or training_plan(family, args, width, height, batch, tokens, count, reference_size,
+                                      layers)).phase(args.blocks_to_swap)
+    caching = caching_phase(family, args, width, height, count, reference_size)
     if sample_size is None:
         return [caching, training]
     sw, sh = sample_size if sample_size != (0, 0) else (width, height)
@@ -159,12 +164,14 @@ def plan_run(family, args, width: int, height: int, batch: int, references: int 
 
 
 def setting_plans(family, args, width: int, height: int, batch: int, references: int | None = None,
-                  bases: tuple[str, ...] = PLANNED_PRECISIONS) -> dict:
+                  bases: tuple[str, ...] = PLANNED_PRECISIONS, reference_size: tuple[int, int] | None = None,
+                  layers: int | None = None) -> dict:
     """{(base precision, checkpointing): TrainingPlan} for each of `bases` x checkpointing off / on; a
     pre-quantized base (family.stored_layout()) only in its stored layout, which the loader always uses."""
-    count, tokens = references_and_tokens(family, args, references, width, height)
+    count, tokens = references_and_tokens(family, args, references, width, height, reference_size)
     stored = family.stored_layout()
-    return {(base, ckpt): training_plan(family, setting_args(family, args, base, ckpt), width, height, batch, tokens, count)
+    return {(base, ckpt): training_plan(family, setting_args(family, args, base, ckpt), width, height, batch, tokens,
+                                        count, reference_size, layers)
             for base in ((stored,) if stored else bases) for ckpt in (False, True)}
 
 
@@ -274,12 +281,14 @@ def refused_bases(family, args, bases: tuple[str, ...]) -> dict[str, str]:
 
 
 def card_plans(family, args, width: int, height: int, batch: int, vram_gib: float, references: int | None = None,
-               only: str | None = None) -> dict:
+               only: str | None = None, reference_size: tuple[int, int] | None = None,
+               layers: int | None = None) -> dict:
     """setting_plans for the base precisions planned on a card of vram_gib (only: that one, --base_precision), less
     those the config cannot train with (refused_bases)."""
     bases = card_bases(family, args, vram_gib, only)
     refused = refused_bases(family, args, bases)
-    return setting_plans(family, args, width, height, batch, references, tuple(b for b in bases if b not in refused))
+    return setting_plans(family, args, width, height, batch, references, tuple(b for b in bases if b not in refused),
+                         reference_size, layers)
 
 
 def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib: float,
@@ -338,7 +347,8 @@ def check_base_precision(family, only: str | None) -> None:
 
 
 def what_to_plan(cli) -> tuple:
-    """(family, run config, (width, height), batch, references per image) from the command line."""
+    """(family, run config, (width, height), batch, references per image, the largest reference's (w, h), a layered
+    target's layers) from the command line; the last two None where unknown (a preset, --references)."""
     if cli.gguf and not cli.preset:
         raise ValueError("--gguf plans a preset as a GGUF file; with --config_file the file's own layout is planned")
     if cli.preset:
@@ -353,7 +363,7 @@ def what_to_plan(cli) -> tuple:
         check_references(family, references, "--references")
         run = default_args(family.name)
         run.base_precision = cli.base_precision or run.base_precision  # the phases above the rows: that base
-        return family, run, (side, side), cli.batch_size or 1, references
+        return family, run, (side, side), cli.batch_size or 1, references, None, None
     from library.data.image_folders import largest_step
     from library.data.dataset_config import load_dataset_config
     from library.models.family import get_family
@@ -378,7 +388,7 @@ def what_to_plan(cli) -> tuple:
     step = largest_step(load_dataset_config(run.dataset_config), cli.references)
     size = (cli.resolution, cli.resolution) if cli.resolution else (step.width, step.height)
     check_references(family, step.references, "--references" if cli.references is not None else run.dataset_config)
-    return family, run, size, cli.batch_size or step.batch, step.references
+    return family, run, size, cli.batch_size or step.batch, step.references, step.reference_size, step.layers
 
 
 def sample_size_of(cli, run, size: tuple[int, int]) -> tuple[int, int] | None:
@@ -416,7 +426,8 @@ def fit_text(fit: int | None, peak: int, sample: tuple[int, bool] | None = None,
     return f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)" + samples
 
 
-def caching_advice(family, run, width: int, height: int, references: int | None, vram_gib: float, caching) -> str | None:
+def caching_advice(family, run, width: int, height: int, references: int | None, vram_gib: float, caching,
+                   reference_size: tuple[int, int] | None = None) -> str | None:
     """What brings caching under the card where its plan is over (the VAE's batch, the text encoders' precision),
     or None where it fits: caching runs before training, so a run planned to fit stopped there. The web UI
     applies its "key = value" settings (library/ui/commands.py caching_keys)."""
@@ -429,7 +440,7 @@ def caching_advice(family, run, width: int, height: int, references: int | None,
         trial = copy.copy(run)
         for batch in range(run.vae_batch_size - 1, 0, -1):
             trial.vae_batch_size = batch
-            planned = caching_phase(family, trial, width, height, count)
+            planned = caching_phase(family, trial, width, height, count, reference_size)
             if max(v for k, v in planned.parts.items() if k.startswith("vae encode")) <= room:
                 advice.append(f"vae_batch_size = {batch}")
                 break
@@ -438,18 +449,20 @@ def caching_advice(family, run, width: int, height: int, references: int | None,
     if next(v for k, v in caching.parts.items() if k.startswith("text encoders")) > room:
         trial = copy.copy(run)
         trial.text_encoder_precision = "fp8"
-        fp8 = next(v for k, v in caching_phase(family, trial, width, height, count).parts.items() if k.startswith("text"))
+        fp8 = next(v for k, v in caching_phase(family, trial, width, height, count, reference_size).parts.items()
+                   if k.startswith("text"))
         advice.append("text_encoder_precision = \"fp8\"" if fp8 <= room else
                       f"a larger card for the text encoders ({fp8 / GiB:.2f} GiB in fp8)")
     return f"caching does not fit a {vram_gib:g} GiB card (usable {room / GiB:.1f}): set {' and '.join(advice)}"
 
 
 def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib: float, references: int | None,
-                     planned: dict, extras: dict | None = None, sample_size: tuple[int, int] | None = None) -> list[str]:
+                     planned: dict, extras: dict | None = None, sample_size: tuple[int, int] | None = None,
+                     reference_size: tuple[int, int] | None = None, layers: int | None = None) -> list[str]:
     """What each of KEEPING_KEYS (unset in args) would cost on this card, per base precision with
     checkpointing: one more plan each; none for a key that keeps nothing here (projections where no gate
     trains)."""
-    count, tokens = references_and_tokens(family, args, references, width, height)
+    count, tokens = references_and_tokens(family, args, references, width, height, reference_size)
     rows = []
     for key, gain in KEEPING_KEYS.items():
         if getattr(args, key):
@@ -457,7 +470,7 @@ def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib
         for base in [base for base, ckpt in planned if ckpt]:
             trial = setting_args(family, args, base, True)
             setattr(trial, key, True)
-            plan = training_plan(family, trial, width, height, batch, tokens, count)
+            plan = training_plan(family, trial, width, height, batch, tokens, count, reference_size, layers)
             extra = plan.phase(0).peak - planned[(base, True)].phase(0).peak
             if extra <= 0:
                 break
@@ -488,15 +501,17 @@ def main(argv=None) -> int:
     return 0
 
 
-def report(args, family, run, size: tuple[int, int], batch: int, references: int) -> None:
-    """The plan's phases, then what fits the card, printed."""
+def report(args, family, run, size: tuple[int, int], batch: int, references: int,
+           reference_size: tuple[int, int] | None = None, layers: int | None = None) -> None:
+    """The plan's phases, then what fits the card, printed (what_to_plan's answer)."""
     width, height = size
     refs = f", {references} reference(s) per image" if family.max_controls else ""
     print(f"{args.preset or args.config_file}: {width}x{height}, batch {batch}{refs}, LoRA rank {run.network_dim}, "
           f"{run.optimizer_type}; predicted peak device memory (tensors; add ~0.6 GiB of CUDA context):")
-    planned = card_plans(family, run, width, height, batch, args.vram, references, args.base_precision)
+    planned = card_plans(family, run, width, height, batch, args.vram, references, args.base_precision, reference_size,
+                         layers)
     samples = sample_size_of(args, run, size)
-    phases = plan_run(family, run, width, height, batch, references, planned, samples)
+    phases = plan_run(family, run, width, height, batch, references, planned, samples, reference_size, layers)
     for phase in phases:
         print("  " + phase.row())
     if "bf16 reference (base, lora)" in phases[-1].parts and phases[-1].peak > usable(args.vram):
@@ -504,7 +519,7 @@ def report(args, family, run, size: tuple[int, int], batch: int, references: int
               f"sample_bf16_reference off (unless the config sets it true)")
     if samples is None:
         print("  sampling  none (no sample_prompts)")
-    if advice := caching_advice(family, run, width, height, references, args.vram, phases[0]):
+    if advice := caching_advice(family, run, width, height, references, args.vram, phases[0], reference_size):
         print("  " + advice)
     print(f"\nOn a {args.vram:g} GiB card (usable {usable(args.vram) / GiB:.1f} GiB), training"
           + (f" and samples of {samples[0]}x{samples[1]}:" if samples else ":"))
@@ -514,7 +529,8 @@ def report(args, family, run, size: tuple[int, int], batch: int, references: int
                                                                   references, planned, extras)]
     rows += [f"  {base:10s} left out: {why.removeprefix(f'{run.config_file}: ')}"
              for base, why in refused_bases(family, run, card_bases(family, run, args.vram, args.base_precision)).items()]
-    rows += kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned, extras, samples)
+    rows += kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned, extras, samples,
+                             reference_size, layers)
     print("\n".join(rows))
     if run.vae_tiling is None and any(row.endswith(TILES_SAID) for row in rows):
         vae = family.vae_on_meta()

@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 from library.data.controls import check_control_count, control_files, find_controls, scan_controls, target_stems
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec, make_buckets
-from library.data.images import (IMAGE_EXTENSIONS, UNREAD_IMAGE_EXTENSIONS, images_by_stem, is_image_name,
-                                 upscale_factor, verified_image_size)
+from library.data.images import (IMAGE_EXTENSIONS, UNREAD_IMAGE_EXTENSIONS, header_size, images_by_stem,
+                                 is_image_name, upscale_factor, verified_image_size)
 from library.data.layers import check_layers, split_layers
 from library.data.masks import find_mask, warn_missing_alpha
 from library.io import read_utf8
@@ -174,15 +174,39 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
 
 def reference_count(blueprint: DatasetBlueprint) -> int:
     """The most reference images a training image of `blueprint` has, read from each subset's first
-    image (scan_images holds every image of a subset to as many), without opening an image."""
+    image (scan_images holds every image of a subset to as many), without opening an image. A layered
+    (multiple_target) image has one: its composite is its own reference (scan_images)."""
     counts = [0]
     for ds in blueprint.datasets:
         for subset in ds.subsets:
-            if subset.control_directory:
+            if subset.multiple_target:
+                counts.append(1)
+            elif subset.control_directory:
                 paths = _image_files(subset.image_dir, (subset.control_directory, subset.mask_dir), warn=False)
                 counts.append(len(find_controls(paths[0], subset.control_directory, control_files(subset.control_directory),
                                                 target_stems(paths))))
     return max(counts)
+
+
+def largest_reference(blueprint: DatasetBlueprint) -> tuple[int, int] | None:
+    """(w, h) of the largest image by area in any subset's control_directory, from the files' headers (as
+    stored: a rotation keeps the area); None where no subset has references. An edit family may encode a
+    reference at its own size, not its target's (DiffusionFamily.control_bucket): the plans size it so."""
+    sizes = [header_size(os.path.join(s.control_directory, name)) for ds in blueprint.datasets for s in ds.subsets
+             if s.control_directory for name in control_files(s.control_directory).values()]
+    return max(sizes, key=lambda wh: wh[0] * wh[1], default=None)
+
+
+def layer_count(blueprint: DatasetBlueprint) -> int | None:
+    """The most layer files a layered (multiple_target) image of `blueprint` has (its target is the composite
+    and these: library/data/layers.py), from the file names; None where no subset is layered."""
+    counts = []
+    for ds in blueprint.datasets:
+        for subset in ds.subsets:
+            if subset.multiple_target:
+                paths = _image_files(subset.image_dir, warn=False)
+                counts += [len(layers) for layers in split_layers(paths)[1].values()]
+    return max(counts, default=None)
 
 
 class LargestStep(NamedTuple):
@@ -190,17 +214,22 @@ class LargestStep(NamedTuple):
     height: int
     batch: int
     references: int  # per training image
+    reference_size: tuple[int, int] | None = None  # the largest reference image (w, h); None: not read
+    layers: int | None = None  # a layered target's layers; None: none, or not read
 
 
 def largest_step(blueprint: DatasetBlueprint, references: int | None = None) -> LargestStep:
     """The largest training step `blueprint` asks for, as the memory plans size it (train_lora.py's
     settle_keeping_keys, tools/plan_memory.py): the datasets' largest bucket by area (largest_bucket), their
-    largest batch_size and reference_count; the held-out
+    largest batch_size, reference_count, largest_reference and layer_count; the held-out
     validation_datasets take no training step. references: a count given instead (plan_memory's
     --references): the folders are not read, so a plan needs no references on disk yet."""
     width, height = max((largest_bucket(d) for d in blueprint.datasets), key=lambda r: r[0] * r[1])
-    count = reference_count(blueprint) if references is None else references
-    return LargestStep(width, height, max(d.batch_size for d in blueprint.datasets), count)
+    batch = max(d.batch_size for d in blueprint.datasets)
+    if references is not None:
+        return LargestStep(width, height, batch, references)
+    return LargestStep(width, height, batch, reference_count(blueprint), largest_reference(blueprint),
+                       layer_count(blueprint))
 
 
 def largest_bucket(ds: DatasetSpec) -> tuple[int, int]:

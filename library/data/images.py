@@ -86,6 +86,16 @@ def upscale_factor(size: tuple[int, int], bucket: tuple[int, int]) -> float:
     return max(bucket[0] / size[0], bucket[1] / size[1])
 
 
+def header_size(path: str) -> tuple[int, int]:
+    """(width, height) as stored, from the file's header alone (no check of the pixels, no EXIF rotation): a
+    quick look at many files (the memory plans' largest reference); an unreadable file is one error naming it."""
+    try:
+        with Image.open(path) as img:
+            return img.size
+    except Exception as e:  # PIL raises many kinds for broken files
+        raise ValueError(f"{path}: cannot be read as an image ({type(e).__name__}: {e})") from None
+
+
 def verified_image_size(path: str) -> tuple[int, int]:
     """(width, height) as displayed (EXIF rotation applied); an unreadable file is one error naming it."""
     try:

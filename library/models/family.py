@@ -222,6 +222,11 @@ class DiffusionFamily:
         Default: the target's bucket."""
         return bucket
 
+    def largest_reference(self, bucket: tuple[int, int]) -> tuple[int, int]:
+        """(w, h) of the largest reference image control_bucket encodes for a target `bucket`: the memory
+        planner's reference where it knows none (a preset, plan_memory's --references). Default: the bucket."""
+        return bucket
+
     def sample_control_bucket(self, target: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
         """(w, h) a sample's reference image of `size` is fitted to for a `target` (w, h) render
         (tools/generate.py, training samples). Default: the training rule, control_bucket."""
@@ -312,8 +317,9 @@ class DiffusionFamily:
         """The inverse of pack_target: tokens -> latents of `shape`."""
         return unpack_latents(tokens, shape[-2], shape[-1])
 
-    def target_on_meta(self, batch: int, lh: int, lw: int) -> torch.Tensor:
-        """A training batch's latents at lh x lw on meta (the memory planner)."""
+    def target_on_meta(self, batch: int, lh: int, lw: int, layers: int | None = None) -> torch.Tensor:
+        """A training batch's latents at lh x lw on meta (the memory planner); layers: a layered target's
+        (takes_layers families; None: the family's own)."""
         return torch.empty(batch, self.latent_channels, lh, lw, device="meta")
 
     def predict(self, model: nn.Module, x_t: torch.Tensor, sigmas: torch.Tensor, text: dict, h: int, w: int,

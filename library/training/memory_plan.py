@@ -167,11 +167,18 @@ def text_tokens_for(family, args, references: int = 0, width: int = 1024, height
     return (length or planner.text_tokens) + references * family.reference_text_tokens(width, height)
 
 
-def references_and_tokens(family, args, references: int | None, width: int, height: int) -> tuple[int, int]:
-    """(references per image, text tokens) a plan sizes a sample with; references None: the family's
-    plan_controls (one for edit presets)."""
+def references_and_tokens(family, args, references: int | None, width: int, height: int,
+                          reference_size: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(references per image, text tokens) a plan sizes a width x height sample with; references None: the
+    family's plan_controls (one for edit presets); each reference of planned_reference's size."""
     count = family.plan_controls if references is None else references
-    return count, text_tokens_for(family, args, count, width, height)
+    return count, text_tokens_for(family, args, count, *planned_reference(family, (width, height), reference_size))
+
+
+def planned_reference(family, bucket: tuple[int, int], reference_size: tuple[int, int] | None) -> tuple[int, int]:
+    """(w, h) of the reference image a plan of a `bucket` target sizes: the dataset's largest (reference_size), else
+    the largest the family encodes (family.largest_reference). Its latents are at family.control_bucket's size."""
+    return tuple(reference_size or family.largest_reference(bucket))
 
 
 _REUSED: dict | None = None  # reusing_meta_models' builds, while one is open
@@ -291,9 +298,11 @@ class TrainingPlan:
 
 
 def training_plan(family, args, width: int, height: int, batch: int, text_tokens: int,
-                  references: int | None = None) -> TrainingPlan:
+                  references: int | None = None, reference_size: tuple[int, int] | None = None,
+                  layers: int | None = None) -> TrainingPlan:
     """One training step of `family` under `args` (the train_lora config) at width x height, on meta.
-    references: reference images per sample of an edit family (default: family.plan_controls)."""
+    references: reference images per sample of an edit family (default: family.plan_controls), each of
+    reference_size (planned_reference); layers: a layered target's (the dataset's; None: the family's own)."""
     model, network = meta_model_and_network(family, args)
     model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
                                                  args.checkpoint_saves_attention)
@@ -301,11 +310,11 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     lora = [p for p in network.parameters() if p.requires_grad]
     optimizer, ema = _optimizer_bytes(network, args), _ema_bytes(network, args)
     down = family.vae_downsample
-    latents = family.target_on_meta(batch, height // down, width // down)
-    # Edit families: the references (at the target's size) add their tokens to every block.
+    latents = family.target_on_meta(batch, height // down, width // down, layers)
+    # Edit families: the references (at the family's size for them) add their tokens to every block.
     count = family.plan_controls if references is None else references
-    control = [torch.empty(batch, family.latent_channels, height // down, width // down, device="meta")
-               for _ in range(count)]
+    rw, rh = family.control_bucket((width, height), planned_reference(family, (width, height), reference_size))
+    control = [torch.empty(batch, family.latent_channels, rh // down, rw // down, device="meta") for _ in range(count)]
     text = family.text_on_meta(model, batch, text_tokens)
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]
     with LiveBytes() as live, fused_attention_on_meta():
@@ -361,17 +370,19 @@ def vae_pass_peak(vae, width: int, height: int, batch: int, decode: bool, downsa
     return live.peak
 
 
-def caching_phase(family, args, width: int, height: int, references: int = 0) -> Phase:
+def caching_phase(family, args, width: int, height: int, references: int = 0,
+                  reference_size: tuple[int, int] | None = None) -> Phase:
     """cache_latents: the VAE (float32) encodes vae_batch_size images of the largest bucket at a time,
     then their references (each at the family's control_bucket size) the same way, one after another;
     each encode's latents leave the device before the next, so the VAE's peak is its largest single
-    encode. Then, the VAE freed, the text encoders encode the captions: the phase's peak is the larger."""
+    encode (a reference of reference_size: planned_reference). Then, the VAE freed, the text encoders
+    encode the captions: the phase's peak is the larger."""
     vae = family.vae_on_meta()
     batch = args.vae_batch_size
     phase = Phase("caching")
     target = phase.parts[f"vae encode (batch {batch})"] = vae_pass_peak(vae, width, height, batch, decode=False)
     if references:
-        size = tuple(family.control_bucket((width, height), (width, height)))
+        size = tuple(family.control_bucket((width, height), planned_reference(family, (width, height), reference_size)))
         peak = target if size == (width, height) else vae_pass_peak(vae, *size, batch, decode=False)
         phase.parts[f"vae encode of {references} reference(s) ({size[0]}x{size[1]}, batch {batch}, each)"] = peak
     precision = args.text_encoder_precision
@@ -524,8 +535,10 @@ KEEPING_MARGIN = 1.05
 
 
 def settle_keeping_keys(family, args, card_bytes: int, width: int, height: int, batch: int,
-                        references: int | None = None) -> str | None:
-    """KEEPING_KEYS left unset (None), against the card, for a step of `batch` images of width x height:
+                        references: int | None = None, reference_size: tuple[int, int] | None = None,
+                        layers: int | None = None) -> str | None:
+    """KEEPING_KEYS left unset (None), against the card, for a step of `batch` images of width x height
+    (references, reference_size and layers: training_plan's; image_folders.largest_step gives them in order):
     with gradient checkpointing, each is turned on where the step planned with it (at the run's
     blocks_to_swap) fits with KEEPING_MARGIN to spare, and off otherwise; set keys stay as set (args is
     changed). Returns the line that says what was chosen (None: nothing was unset, or checkpointing off)."""
@@ -534,11 +547,12 @@ def settle_keeping_keys(family, args, card_bytes: int, width: int, height: int, 
         setattr(args, key, False)
     if not (unset and args.gradient_checkpointing):
         return None
-    count, tokens = references_and_tokens(family, args, references, width, height)
+    count, tokens = references_and_tokens(family, args, references, width, height, reference_size)
     usable = usable_bytes(card_bytes)
 
     def peak(trial) -> int:
-        return training_plan(family, trial, width, height, batch, tokens, count).phase(args.blocks_to_swap).peak
+        plan = training_plan(family, trial, width, height, batch, tokens, count, reference_size, layers)
+        return plan.phase(args.blocks_to_swap).peak
 
     with reusing_meta_models():  # one model for every trial
         current, said = peak(args), []

@@ -83,6 +83,11 @@ class Krea2EditFamily(Krea2Family):
         """ai-toolkit's rule, whatever the target's size (its references keep their own size)."""
         return reference_size(size[0], size[1], self.reference_resolution)
 
+    def largest_reference(self, bucket: tuple[int, int]) -> tuple[int, int]:
+        """A reference is scaled down to reference_resolution^2 pixels, never up: one that size, whatever the
+        target's."""
+        return self.reference_resolution, self.reference_resolution
+
     def load_text_encoder(self, precision="bf16", device=None):
         """-> encode(captions, condition_images=None): condition_images[i] is caption i's references (PIL,
         any size: edit_encoder resizes them to ai-toolkit's <= 384^2). The vision tower loads on the first

@@ -163,8 +163,9 @@ class QwenImageLayeredFamily(QwenImageFamily):
         return unpack_frames(tokens, shape[2], shape[-2], shape[-1]) if len(shape) == 5 else unpack_latents(
             tokens, shape[-2], shape[-1])
 
-    def target_on_meta(self, batch: int, lh: int, lw: int) -> torch.Tensor:
-        return torch.empty(batch, self.latent_channels, 1 + self.layers, lh, lw, device="meta")
+    def target_on_meta(self, batch: int, lh: int, lw: int, layers: int | None = None) -> torch.Tensor:
+        """The composite and `layers` frames (the dataset's; None: the layers a sample decomposes into)."""
+        return torch.empty(batch, self.latent_channels, 1 + (layers or self.layers), lh, lw, device="meta")
 
     def initial_noise(self, batch: int, lh: int, lw: int, generator: torch.Generator) -> torch.Tensor:
         """[B, 16, 1 + layers, lh, lw], drawn as the pipeline draws [B, 1 + layers, 16, lh, lw]. Sampling

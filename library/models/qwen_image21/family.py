@@ -38,6 +38,17 @@ def reference_size(width: int, height: int, resolution: int = REFERENCE_RESOLUTI
 SAMPLE_GUIDANCE = SPEC.sample_guidance["qwen-image-2.1"]  # true_cfg_scale: the pipeline's 1.0 runs no CFG (--g above 1 does, against --n or the empty prompt)
 
 
+def planned_slots(embeds: torch.Tensor, control: list[torch.Tensor]) -> torch.Tensor:
+    """The memory planner's stand-in for a cached prompt's slots (text_on_meta gives `embeds` alone, its tokens
+    counting the references' vision tokens: reference_text_tokens): bool [B, T] on the host, the first ones the
+    references' slots, one per SLOT_TOKENS latent tokens of theirs."""
+    from library.models.qwen_image21.model import SLOT_TOKENS
+
+    slots = torch.zeros(embeds.shape[:2], dtype=torch.bool)
+    slots[:, : sum(c.shape[2] * c.shape[3] for c in control) // SLOT_TOKENS] = True
+    return slots
+
+
 def to_tokens(latents: torch.Tensor) -> torch.Tensor:
     """[B, C, H, W] -> [B, H*W, C], one token per latent pixel, row-major (QwenImage21Pipeline._pack_latents)."""
     return latents.flatten(2).transpose(1, 2)
@@ -204,13 +215,15 @@ class QwenImage21Family(DiffusionFamily):
         """x_t [B, h*w, C]: the latent's h x w pixels as tokens. The shared tools' 2 x 2-packed latents
         ([B, h*w / 4, 4C], pack_latents) are taken too and answered in their layout. control: the references'
         latents, each [B, C, H_i, W_i]; they take the prompt's image slots (text["slots"], one layout for the
-        batch: a bucket holds one reference count and size, and the slots precede the caption)."""
+        batch: a bucket holds one reference count and size, and the slots precede the caption; the planner's meta
+        text has none: planned_slots)."""
         packed = x_t.shape[1] != h * w
         img = to_tokens(unpack_latents(x_t, h, w)) if packed else x_t
         mask = text.get("mask")
         references = {}
         if control:
-            slots = text["slots"].to(x_t.device).bool()
+            # read where they are (a host copy stays there: the layout reads them, which meta cannot)
+            slots = (text["slots"] if "slots" in text else planned_slots(text["embeds"], control)).bool()
             if not bool((slots == slots[:1]).all()):
                 raise ValueError("qwen_image21: the batch's prompts hold their references' slots at different places")
             references = dict(control=torch.cat([to_tokens(c.to(x_t.device, img.dtype)) for c in control], dim=1),
