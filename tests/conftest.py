@@ -91,3 +91,21 @@ def qwen_lora(tmp_path_factory) -> str:
     from tests.lora_layouts import qwen_lora
 
     return qwen_lora(tmp_path_factory.mktemp("reader_qwen"))
+
+
+@pytest.fixture
+def planned_on_a_card(monkeypatch) -> list:
+    """A 24 GiB CUDA card's answer on the CPU (memory_plan.device_memory), so that train_lora plans its steps as on
+    one; returns the list each training_plan call appends its step to: (references, the largest reference's size,
+    layers)."""
+    from library.training import memory_plan
+
+    planned, real = [], memory_plan.training_plan
+
+    def recording(family, args, width, height, batch, tokens, *step):
+        planned.append(step)
+        return real(family, args, width, height, batch, tokens, *step)
+
+    monkeypatch.setattr(memory_plan, "device_memory", lambda device: 24 * 2**30)
+    monkeypatch.setattr(memory_plan, "training_plan", recording)
+    return planned

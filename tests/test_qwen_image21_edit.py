@@ -90,19 +90,10 @@ def test_a_step_with_references_is_planned_at_the_references_size(tiny_set, monk
     assert seen == [[(2, 64, 4, 4)]], seen  # 64 px / the 16x VAE
 
 
-def test_a_run_on_a_card_plans_its_references_before_caching(edit_set, tmp_path, monkeypatch):
+def test_a_run_on_a_card_plans_its_references_before_caching(edit_set, tmp_path, planned_on_a_card):
     """train_lora on a CUDA card (its size answered on the CPU) plans the keeping keys with the step's reference:
     the plan stopped it before caching (KeyError 'slots') where gradient checkpointing left them unset."""
-    from library.training import memory_plan
-
-    planned, real = [], memory_plan.training_plan
-
-    def recording(family, args, width, height, batch, tokens, *step):
-        planned.append(step)  # (references, the largest reference's size, layers)
-        return real(family, args, width, height, batch, tokens, *step)
-
-    monkeypatch.setattr(memory_plan, "device_memory", lambda device: 24 * 2**30)
-    monkeypatch.setattr(memory_plan, "training_plan", recording)
+    planned = planned_on_a_card  # each step train_lora plans: (references, the largest one's size, layers)
     out = tmp_path / "run"
     args = ["--model_type", "qwen_image21", "--pretrained_model_name_or_path", edit_set["qwen_image21"],
             "--ae", edit_set["qwen_image21_vae"], "--text_encoder", edit_set["qwen_image21_text_encoder"],

@@ -189,22 +189,13 @@ def test_plan_memory_plans_a_layered_dataset_with_its_composite_and_its_layers(l
     assert frames and set(frames) == {3}, frames
 
 
-def test_a_run_on_a_card_plans_its_layered_step_before_caching(layered_set, tmp_path, monkeypatch):
+def test_a_run_on_a_card_plans_its_layered_step_before_caching(layered_set, tmp_path, planned_on_a_card):
     """train_lora on a CUDA card plans the keeping keys from the memory plan of its largest step (run here with
     the card's size answered on the CPU): the step's composite reference was planned as none, and the run
     stopped before caching ("predict needs the image to decompose") unless checkpoint_saves_* were set. Now
     each step is planned with the composite and the dataset's 2 layers."""
     import train_lora
-    from library.training import memory_plan
-
-    planned, real = [], memory_plan.training_plan
-
-    def recording(family, args, width, height, batch, tokens, *step):
-        planned.append(step)  # (references, the largest reference's size, layers)
-        return real(family, args, width, height, batch, tokens, *step)
-
-    monkeypatch.setattr(memory_plan, "device_memory", lambda device: 24 * 2**30)
-    monkeypatch.setattr(memory_plan, "training_plan", recording)
+    planned = planned_on_a_card  # each step train_lora plans: (references, the largest one's size, layers)
     args = train_args(layered_set, tmp_path)
     args[args.index("--max_train_steps") + 1] = "1"
     assert train_lora.main(args + ["--gradient_checkpointing", "true"]) == 0
