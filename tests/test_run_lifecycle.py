@@ -102,20 +102,25 @@ def test_a_folder_where_the_lora_goes_or_a_file_where_the_state_goes_is_refused_
         load_config(flux_args(tiny_set, out, "--save_state", "true"))
 
 
+def resume_mid_epoch(tiny_set, out, capsys, dataset_config: str, *first_args):
+    """A state written 2 of 4 batches into epoch 0 (its run given `first_args`), resumed on `dataset_config`:
+    (the state folder, the resume's exit code, its stderr)."""
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_state", "true", *first_args)) == 0
+    state = out / "tiny_flux_lora-state"
+    capsys.readouterr()
+    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4", "--dataset_config", dataset_config,
+                                     "--resume", str(state)))
+    return state, code, capsys.readouterr().err
+
+
 def test_resume_inside_an_epoch_with_other_data_is_refused(tiny_set, tmp_path, capsys):
     """A state written 2 of 4 batches into epoch 0 resumed on the set repeated twice (8 batches per
     epoch) skipped 2 batches of the new set's order and trained the rest: other images than the
     epoch had left, without a word. Refused now, naming both counts."""
     from tests.test_reliability import copy_dataset
 
-    out = tmp_path / "run"
-    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_state", "true")) == 0
-    state = out / "tiny_flux_lora-state"
-    capsys.readouterr()
     repeated = copy_dataset(tiny_set, tmp_path / "data", subset="num_repeats = 2")
-    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4", "--dataset_config", repeated,
-                                     "--resume", str(state)))
-    err = capsys.readouterr().err
+    state, code, err = resume_mid_epoch(tiny_set, tmp_path / "run", capsys, repeated)
     assert code == 2 and err == (f"error: {state}: state was written 2 of 4 batches into epoch 0, this run has 8 batches "
                                  f"per epoch (the dataset, its batch_size or num_repeats, or the processes changed): "
                                  f"the rest of that epoch would be other images; resume with the same data\n"), err
@@ -133,16 +138,8 @@ def test_resume_inside_an_epoch_with_as_many_batches_of_other_images_is_refused(
         (images / "003.png").rename(images / "103.png")
         (images / "003.txt").rename(images / "103.txt")
 
-    out = tmp_path / "run"
-    first = copy_dataset(tiny_set, tmp_path / "a")
-    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_state", "true",
-                                     "--dataset_config", first)) == 0
-    state = out / "tiny_flux_lora-state"
-    capsys.readouterr()
-    renamed = copy_dataset(tiny_set, tmp_path / "b", rename)
-    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4", "--dataset_config", renamed,
-                                     "--resume", str(state)))
-    err = capsys.readouterr().err
+    first, renamed = copy_dataset(tiny_set, tmp_path / "a"), copy_dataset(tiny_set, tmp_path / "b", rename)
+    state, code, err = resume_mid_epoch(tiny_set, tmp_path / "run", capsys, renamed, "--dataset_config", first)
     assert code == 2 and err == (f"error: {state}: state was written 2 batches into epoch 0; since then 1 of its "
                                  f"training files are gone and 1 are new (a renamed or resized file counts in both): "
                                  f"the rest of that epoch would be other images; resume with the same data, or from a "
@@ -155,18 +152,12 @@ def test_resume_inside_an_epoch_with_batch_size_and_num_repeats_both_changed_is_
     state written 2 of 4 batches into epoch 0 resumed over another order without a word. Refused now."""
     from tests.test_reliability import copy_dataset
 
-    out = tmp_path / "run"
-    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_state", "true")) == 0
-    state = out / "tiny_flux_lora-state"
-    capsys.readouterr()
     toml = copy_dataset(tiny_set, tmp_path / "data", subset="num_repeats = 2")
     with open(toml) as f:
         doubled = f.read().replace("batch_size = 2", "batch_size = 4")
     with open(toml, "w") as f:
         f.write(doubled)
-    code = train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4", "--dataset_config", toml,
-                                     "--resume", str(state)))
-    err = capsys.readouterr().err
+    state, code, err = resume_mid_epoch(tiny_set, tmp_path / "run", capsys, toml)
     assert code == 2 and err == (f"error: {state}: state was written 2 of 4 batches into epoch 0, this run has as "
                                  f"many, but another batch_size or num_repeats: the rest of that epoch would be other "
                                  f"images; resume with the same data\n"), err
