@@ -177,8 +177,13 @@ def references_and_tokens(family, args, references: int | None, width: int, heig
 
 def planned_reference(family, bucket: tuple[int, int], reference_size: tuple[int, int] | None) -> tuple[int, int]:
     """(w, h) of the reference image a plan of a `bucket` target sizes: the dataset's largest (reference_size), else
-    the largest the family encodes (family.largest_reference). Its latents are at family.control_bucket's size."""
+    the largest the family encodes (family.largest_reference). Its latents are at planned_control's size."""
     return tuple(reference_size or family.largest_reference(bucket))
+
+
+def planned_control(family, bucket: tuple[int, int], reference_size: tuple[int, int] | None) -> tuple[int, int]:
+    """(w, h) the planned reference (planned_reference) is encoded at for a `bucket` target: family.control_bucket."""
+    return tuple(family.control_bucket(bucket, planned_reference(family, bucket, reference_size)))
 
 
 _REUSED: dict | None = None  # reusing_meta_models' builds, while one is open
@@ -313,7 +318,7 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     latents = family.target_on_meta(batch, height // down, width // down, layers)
     # Edit families: the references (at the family's size for them) add their tokens to every block.
     count = family.plan_controls if references is None else references
-    rw, rh = family.control_bucket((width, height), planned_reference(family, (width, height), reference_size))
+    rw, rh = planned_control(family, (width, height), reference_size)
     control = [torch.empty(batch, family.latent_channels, rh // down, rw // down, device="meta") for _ in range(count)]
     text = family.text_on_meta(model, batch, text_tokens)
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]
@@ -382,7 +387,7 @@ def caching_phase(family, args, width: int, height: int, references: int = 0,
     phase = Phase("caching")
     target = phase.parts[f"vae encode (batch {batch})"] = vae_pass_peak(vae, width, height, batch, decode=False)
     if references:
-        size = tuple(family.control_bucket((width, height), planned_reference(family, (width, height), reference_size)))
+        size = planned_control(family, (width, height), reference_size)
         peak = target if size == (width, height) else vae_pass_peak(vae, *size, batch, decode=False)
         phase.parts[f"vae encode of {references} reference(s) ({size[0]}x{size[1]}, batch {batch}, each)"] = peak
     precision = args.text_encoder_precision
