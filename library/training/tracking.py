@@ -54,18 +54,21 @@ def run_folder(logging_dir: str | None, log_prefix: str | None, output_name: str
     if claim:
         os.makedirs(logging_dir, exist_ok=True)
     count = 1
-    while True:
-        candidate = name if count == 1 else f"{name}_{count}"
-        path = os.path.join(logging_dir, candidate)
-        try:
-            if claim:
-                os.mkdir(path)  # fails if another run holds the name, even one a moment ahead of us
-                return candidate
-            if not os.path.exists(path):
-                return candidate
-        except FileExistsError:
-            pass
+    while not _free(os.path.join(logging_dir, name if count == 1 else f"{name}_{count}"), claim):
         count += 1
+    return name if count == 1 else f"{name}_{count}"
+
+
+def _free(path: str, claim: bool) -> bool:
+    """Whether no run holds `path`; claim: and this one does now (mkdir fails where another run made it first,
+    even a moment ahead of us)."""
+    if not claim:
+        return not os.path.exists(path)
+    try:
+        os.mkdir(path)
+        return True
+    except FileExistsError:
+        return False
 
 
 def start_trackers(accelerator, args, resumed_run: str | None, step: int) -> str | None:
