@@ -47,8 +47,9 @@ from tqdm import tqdm  # noqa: E402
 from library.io import CheckpointError, CheckpointReader  # noqa: E402
 from library.training import fsdp, run_locks, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix, step_ds  # noqa: E402
-from library.training.config import (PRECISION_DTYPES, ConfigError, check_planned_steps, epoch_steps,  # noqa: E402
-                                     load_config, lora_network_args, optimizer_kwargs, plan_steps, warmup_steps)
+from library.training.config import (PRECISION_DTYPES, ConfigError, load_config, lora_network_args,  # noqa: E402
+                                     optimizer_kwargs)
+from library.training.run_length import check_planned_steps, epoch_steps, plan_steps, warmup_steps  # noqa: E402
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from library.io import CheckpointError
-from library.training import config, optim
+from library.training import config, optim, run_length
 from library.training.config import ConfigError, load_config, lora_network_args, parse_kv_literals
 from tools import plot_lr
 
@@ -339,7 +339,7 @@ def test_adamw_logs_no_d_column_and_weight_decay_skips_1d(tmp_path):
 def test_scheduler_warmup_ratio_and_steps():
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=1.0)
-    sched = optim.create_scheduler(opt, "constant_with_warmup", config.warmup_steps(0.1, 100), 100)
+    sched = optim.create_scheduler(opt, "constant_with_warmup", run_length.warmup_steps(0.1, 100), 100)
     lrs = []
     for _ in range(12):
         lrs.append(opt.param_groups[0]["lr"])
@@ -352,7 +352,7 @@ def test_scheduler_warmup_ratio_and_steps():
 def test_a_warmup_ratio_is_rounded_down_as_sd_scripts_does(ratio, steps, warmup):
     """sd-scripts: int(lr_warmup_steps * steps). Old: round(), one warmup step more at .5 and above
     (0.999 of 10 steps was 10, then refused as no shorter than the run)."""
-    assert config.warmup_steps(ratio, steps) == warmup
+    assert run_length.warmup_steps(ratio, steps) == warmup
 
 
 def test_plot_lr_overlays_runs_and_summarises(tmp_path):
@@ -688,7 +688,7 @@ def test_resume_refuses_another_schedule_shape_and_takes_older_states(tmp_path):
 def test_max_train_epochs_counts_the_resumed_epochs_at_the_length_they_had(tmp_path, progress, planned):
     """A resume onto longer epochs planned max_train_epochs x the new length from step 0, on top of the steps the
     resumed run had trained: an extra epoch's worth."""
-    from library.training.config import plan_steps
+    from library.training.run_length import plan_steps
 
     args = load_config(["--config_file", write(tmp_path, BASE + "max_train_epochs = 2\n")])
     assert plan_steps(args, 4, progress) == planned

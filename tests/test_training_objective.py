@@ -20,7 +20,8 @@ from library.models.flux1.family import FluxFamily
 from library.models.qwen_image.family import QwenImageFamily
 from library.models.latents import pack_latents
 from library.models import flow_matching as fm
-from library.training.config import load_config, plan_steps
+from library.training.config import load_config
+from library.training.run_length import plan_steps
 
 
 class Recorder(nn.Module):

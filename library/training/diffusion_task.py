@@ -31,8 +31,8 @@ from library.models.family import get_family, stack_text, warn_unread_prompt_opt
 from library.data.prompts import SamplePrompt, default_sample_size, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
 from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, base_precision_key,
-                                     check_planned_steps, check_stored_precision, compute_dtype, lora_network_args,
-                                     network_modules_from, plan_steps)
+                                     check_stored_precision, compute_dtype, lora_network_args, network_modules_from)
+from library.training.run_length import check_planned_steps, plan_steps
 from library.training.lora_inputs import check_lora_inputs, check_network_fits, load_network_weights
 from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss

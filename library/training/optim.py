@@ -145,7 +145,7 @@ def check_scheduler(name: str, lr: float, power: float = 1.0) -> None:
 
 
 def create_scheduler(optimizer, name: str, warmup_steps: int, max_steps: int, num_cycles: int = 1, power: float = 1.0):
-    """diffusers schedulers; warmup_steps in steps (config.warmup_steps reads lr_warmup_steps' fraction form)."""
+    """diffusers schedulers; warmup_steps in steps (run_length.warmup_steps reads lr_warmup_steps' fraction form)."""
     from diffusers.optimization import get_scheduler
 
     return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps,

@@ -24,7 +24,7 @@ import torch
 from library.io import CheckpointError, CheckpointReader, atomic_folder, save_safetensors
 from library.models.registry import LOWBIT_PRECISIONS
 from library.training.base_loras import base_loras_metadata
-from library.training.config import plan_steps
+from library.training.run_length import plan_steps
 
 # Settings a resumed run must share with the run that wrote the state.
 RUN_IDENTITY = (
