@@ -11,6 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from library.data.image_folders import LargestStep  # noqa: E402
 from library.training.memory_plan import GiB  # noqa: E402
 from tools.plan_memory import PresetFamily, default_args, fewest_swaps, setting_plans  # noqa: E402
 
@@ -42,7 +43,7 @@ def lowbit_table(cards: list[float], resolutions=(512, 1024), preset="flux1-dev"
         family = PresetFamily(preset, qtype)
         base = f"gguf_{qtype.lower()}" if qtype else row
         for side in resolutions:
-            found = setting_plans(family, default_args(family.name), side, side, 1, bases=(base,))
+            found = setting_plans(family, default_args(family.name), LargestStep(side, side, 1, None), bases=(base,))
             plans[row, side] = {ckpt: found[base, ckpt] for ckpt in (False, True)}
     columns = [(vram, side) for side in resolutions for vram in cards]
     print(f"{preset}, LoRA rank 16, AdamW, batch 1; the fastest training setting that fits (planned peak GiB)\n")
@@ -79,8 +80,8 @@ def main():
     plans = {}
     for preset in presets:
         family = PresetFamily(preset)
-        plans[preset] = setting_plans(family, default_args(family.name), args.resolution, args.resolution, 1,
-                                      bases=("bf16", "fp8_scaled"))
+        step = LargestStep(args.resolution, args.resolution, 1, None)
+        plans[preset] = setting_plans(family, default_args(family.name), step, bases=("bf16", "fp8_scaled"))
     print(f"| card (GiB) | {' | '.join(presets)} |")
     print("|---|" + "---|" * len(presets))
     for vram in cards:

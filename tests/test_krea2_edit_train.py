@@ -152,8 +152,8 @@ def test_references_are_planned_at_the_size_the_trainer_encodes_them(edit_set, t
     targets with 1024 px references: 16.05 GiB planned, 18.69 with them). Now the plan's step and caching take the
     dataset's largest reference, and without one (a preset, --references) the largest the family encodes."""
     from library.data.dataset_config import parse_dataset_config
-    from library.data.image_folders import largest_step, scan_images
-    from library.training.memory_plan import caching_phase, references_and_tokens, training_plan
+    from library.data.image_folders import LargestStep, largest_step, scan_images
+    from library.training.memory_plan import caching_phase, step_plan
     from tools import plan_memory
 
     control = tmp_path / "control"
@@ -177,14 +177,13 @@ def test_references_are_planned_at_the_size_the_trainer_encodes_them(edit_set, t
     assert encoded == {(64, 64)}
     args, step = plan_memory.default_args("krea2_edit"), largest_step(blueprint)
     assert step.reference_size == (64, 64)
-    count, tokens = references_and_tokens(family, args, step.references, 32, 32, step.reference_size)
-    training_plan(family, args, 32, 32, 2, tokens, count, step.reference_size)
+    step = step._replace(width=32, height=32, batch=2)
+    step_plan(family, args, step)
     assert seen == [{(8, 8)}], seen  # 64 px / the 8x VAE
-    assert "(64x64, batch 4, each)" in str(caching_phase(family, args, 32, 32, count, step.reference_size).parts)
+    assert "(64x64, batch 4, each)" in str(caching_phase(family, args, 32, 32, step.references, step.reference_size).parts)
 
     seen.clear()  # a reference of unknown size: the largest the family encodes, 48 x 48 here
     family = Krea2EditFamily(edit_set["krea2_diffusers"], edit_set["qwen_image_vae"], reference_resolution=48,
                              text_encoder=edit_set["krea2_edit_text_encoder"])
-    count, tokens = references_and_tokens(family, args, 1, 32, 32)
-    training_plan(family, args, 32, 32, 2, tokens, count)
+    step_plan(family, args, LargestStep(32, 32, 2, 1))
     assert seen == [{(6, 6)}], seen

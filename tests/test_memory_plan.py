@@ -9,6 +9,7 @@ import textwrap
 import pytest
 import torch
 import toml
+from library.data.image_folders import LargestStep
 from tests.test_train_lora import sample_png
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -204,7 +205,7 @@ def test_caching_plans_the_vae_batch_that_cache_latents_encodes(tiny_set):
 
     family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
     args.vae_batch_size = 3  # the training batch below is 1
-    caching = plan_memory.plan_run(family, args, 64, 64, 1)[0]
+    caching = plan_memory.plan_run(family, args, LargestStep(64, 64, 1, None))[0]
     encode = next(v for k, v in caching.parts.items() if k.startswith("vae encode"))
     assert encode == vae_pass_peak(family.vae_on_meta(), 64, 64, 3, decode=False)
     # Qwen-Image at 1328 px: cache_latents' default batch of 4 needs 25.88 GiB (batch 1: 6.82)
@@ -228,7 +229,7 @@ def test_the_card_verdict_needs_the_samples_to_fit_and_caching_says_what_brings_
     ema = copy.copy(args)  # sample_with_ema: the raw weights wait beside the EMA's render (0.4 GiB lost before)
     ema.ema_decay, ema.sample_with_ema = 0.99, True
     for run in (args, ema):
-        plan = plan_memory.setting_plans(family, run, 64, 64, 1, bases=("bf16",))["bf16", True]
+        plan = plan_memory.setting_plans(family, run, LargestStep(64, 64, 1, None), bases=("bf16",))["bf16", True]
         extra = plan_memory.sampling_extra(family, run, 128, 128, 0)
         for swap in (0, 2):
             trial = copy.copy(run)
@@ -252,12 +253,13 @@ def test_the_card_verdict_needs_the_samples_to_fit_and_caching_says_what_brings_
     one.vae_batch_size = 1
     room = (caching_phase(family, one, 64, 64, 0).parts["vae encode (batch 1)"] + caching.parts["vae encode (batch 4)"]) / 2
     vram = (CUDA_CONTEXT_BYTES + room / 0.95) / GiB
-    advice = plan_memory.caching_advice(family, args, 64, 64, 0, vram, caching)
+    advice = plan_memory.caching_advice(family, args, LargestStep(64, 64, 1, 0), vram, caching)
     assert advice.startswith(f"caching does not fit a {vram:g} GiB card") and "set vae_batch_size = " in advice
     # text encoders over the card even in fp8: no fp8 advice that would fail as well
     text = next(v for k, v in caching.parts.items() if k.startswith("text"))
     tiny_card = (CUDA_CONTEXT_BYTES + text / 1000 / 0.95) / GiB
-    assert "a larger card for the text encoders" in plan_memory.caching_advice(family, args, 64, 64, 0, tiny_card, caching)
+    step = LargestStep(64, 64, 1, 0)
+    assert "a larger card for the text encoders" in plan_memory.caching_advice(family, args, step, tiny_card, caching)
 
 
 def test_latent_caching_encodes_vae_batch_size_images_at_a_time(monkeypatch):
@@ -621,26 +623,27 @@ def test_unset_checkpoint_keeping_keys_turn_on_where_the_planned_step_fits_the_c
     card = lambda peak: CUDA_CONTEXT_BYTES + peak * KEEPING_MARGIN / 0.95 + 1  # noqa: E731  just fits
 
     roomy = copy.copy(args)
-    said = settle_keeping_keys(family, roomy, card(13 * GIB), 64, 64, 1, 0)
+    said = settle_keeping_keys(family, roomy, card(13 * GIB), LargestStep(64, 64, 1, 0))
     assert roomy.checkpoint_saves_attention is True and roomy.checkpoint_saves_projections is True
     assert said.startswith(f"gradient checkpointing on this {card(13 * GIB) / GIB:.1f} GiB card: "
                            f"checkpoint_saves_attention on (+1.00 GiB, the step planned at 11.00 GiB of "), said
     assert "checkpoint_saves_projections on (+2.00 GiB, the step planned at 13.00 GiB" in said, said
 
     tight = copy.copy(args)
-    said = settle_keeping_keys(family, tight, card(12.5 * GIB), 64, 64, 1, 0)
+    said = settle_keeping_keys(family, tight, card(12.5 * GIB), LargestStep(64, 64, 1, 0))
     assert tight.checkpoint_saves_attention is True and tight.checkpoint_saves_projections is False
     assert "checkpoint_saves_projections off (+2.00 GiB, the step planned at 13.00 GiB: over 12.50" in said, said
     assert said.endswith("less 5%); set a key true or false to choose"), said
 
     chosen = copy.copy(args)
     chosen.checkpoint_saves_attention = False  # set: stays, and only the unset key is planned
-    assert "checkpoint_saves_attention" not in settle_keeping_keys(family, chosen, card(13 * GIB), 64, 64, 1, 0)
+    said = settle_keeping_keys(family, chosen, card(13 * GIB), LargestStep(64, 64, 1, 0))
+    assert "checkpoint_saves_attention" not in said
     assert chosen.checkpoint_saves_attention is False and chosen.checkpoint_saves_projections is True
 
     off = copy.copy(args)
     off.gradient_checkpointing = False
-    assert settle_keeping_keys(family, off, card(13 * GIB), 64, 64, 1, 0) is None
+    assert settle_keeping_keys(family, off, card(13 * GIB), LargestStep(64, 64, 1, 0)) is None
     assert off.checkpoint_saves_attention is False and off.checkpoint_saves_projections is False
 
 
@@ -692,7 +695,7 @@ def test_the_keeping_keys_are_planned_for_the_largest_step_of_all_datasets(tmp_p
 
     planned = []
     monkeypatch.setattr(memory_plan, "device_memory", lambda device: 80 * GIB)
-    monkeypatch.setattr(memory_plan, "settle_keeping_keys", lambda family, args, card, *step: planned.append(step))
+    monkeypatch.setattr(memory_plan, "settle_keeping_keys", lambda family, args, card, step: planned.append(step))
     task = SimpleNamespace(args=SimpleNamespace(checkpoint_saves_attention=None, checkpoint_saves_projections=None,
                                                gradient_checkpointing=True), blueprint=blueprint, family=None,
                            accelerator=SimpleNamespace(distributed_type=DistributedType.NO), device=torch.device("cuda"))
@@ -730,9 +733,8 @@ def test_plan_memory_with_its_overrides_reads_no_reference_folder(tmp_path, monk
     monkeypatch.setattr(config, "check_stored_precision", lambda *args: None)
 
     def planned(*argv):
-        _, _, size, batch, references, _, _ = plan_memory.what_to_plan(
-            plan_memory.build_parser().parse_args(["--config_file", "run.toml", *argv]))
-        return size, batch, references
+        _, _, step = plan_memory.what_to_plan(plan_memory.build_parser().parse_args(["--config_file", "run.toml", *argv]))
+        return (step.width, step.height), step.batch, step.references
 
     assert planned("--references", "2") == ((768, 640), 4, 2)
     assert planned("--references", "3", "--resolution", "512", "--batch_size", "1") == ((512, 512), 1, 3)
@@ -832,13 +834,12 @@ def test_the_planned_peak_never_rises_with_blocks_to_swap():
     """The swap holds a block and the next block_swap_prefetch in run order: the swap buffers are the largest run of
     prefetch + 1 consecutive swapped blocks. Until 2026-11-28 they were prefetch + 1 of the largest, and FLUX.1 at
     blocks_to_swap 39 (its last double block and 38 single ones) planned two double blocks: more than at 38."""
-    from library.training.memory_plan import references_and_tokens, resident_parts, training_plan
+    from library.training.memory_plan import resident_parts, step_plan
     from tools import plan_memory
 
     family = plan_memory.PresetFamily("flux1-dev")
     args = plan_memory.setting_args(family, plan_memory.default_args("flux"), "bf16", True)
-    count, tokens = references_and_tokens(family, args, None, 256, 256)
-    plan = training_plan(family, args, 256, 256, 1, tokens, count)
+    plan = step_plan(family, args, LargestStep(256, 256, 1, None))
     peaks = [plan.phase(n).peak for n in range(len(plan.block_bytes))]
     assert all(later <= earlier for earlier, later in zip(peaks, peaks[1:])), peaks
     assert resident_parts(0, [4, 1, 1, 9, 1, 2], 0, 0, 5, prefetch=1)["swap buffers"] == 10  # 9 + 1, not 9 + 9

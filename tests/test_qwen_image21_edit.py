@@ -74,7 +74,8 @@ def test_a_step_with_references_is_planned_at_the_references_size(tiny_set, monk
     gives none: KeyError 'slots' stopped plan_memory --references and a CUDA run's settle_keeping_keys), and the
     reference's latents are at reference_resolution^2 (the pipeline resizes it so at any target size), not at the
     128 px target's size."""
-    from library.training.memory_plan import references_and_tokens, training_plan
+    from library.data.image_folders import LargestStep
+    from library.training.memory_plan import step_plan
     from tools import plan_memory
 
     family, args = family_of(tiny_set), plan_memory.default_args("qwen_image21")
@@ -85,8 +86,7 @@ def test_a_step_with_references_is_planned_at_the_references_size(tiny_set, monk
         return real(self, model, x_t, sigmas, text, h, w, guidance, control=control)
 
     monkeypatch.setattr(QwenImage21Family, "predict", recording)
-    count, tokens = references_and_tokens(family, args, 1, 128, 128)
-    assert training_plan(family, args, 128, 128, 2, tokens, count).activations > 0
+    assert step_plan(family, args, LargestStep(128, 128, 2, 1)).activations > 0
     assert seen == [[(2, 64, 4, 4)]], seen  # 64 px / the 16x VAE
 
 

@@ -79,9 +79,10 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from library.training.config import KEEPING_KEYS  # noqa: E402
+from library.data.image_folders import LargestStep, largest_step  # noqa: E402
 from library.training.memory_plan import (  # noqa: E402
     CUDA_CONTEXT_BYTES, KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, reusing_meta_models, sampling_phase,
-    text_tokens_for, training_plan, usable_bytes, vae_pass_peak)
+    step_plan, text_tokens_for, usable_bytes, vae_pass_peak)
 
 
 class PresetFamily:
@@ -145,33 +146,27 @@ def usable(vram_gib: float) -> float:
     return usable_bytes(vram_gib * GiB)
 
 
-def plan_run(family, args, width: int, height: int, batch: int, references: int | None = None,
-             planned: dict | None = None, sample_size: tuple[int, int] | None = (0, 0),
-             reference_size: tuple[int, int] | None = None, layers: int | None = None) -> list:
+def plan_run(family, args, step: LargestStep, planned: dict | None = None,
+             sample_size: tuple[int, int] | None = (0, 0)) -> list:
     """The phases of this run (caching, training, and sampling at sample_size: (0, 0) the training size, None no
-    samples); references: per image (edit families), reference_size and layers: training_plan's. planned:
+    samples) for `step` (image_folders.LargestStep: size, batch, references, their size, layers). planned:
     setting_plans' answers for the same card; the run's training step is taken from them where one of them is the
     same step (a full-size step is seconds of simulation)."""
-    count, tokens = references_and_tokens(family, args, references, width, height, reference_size)
+    count, _ = references_and_tokens(family, args, step)
     same = next((plan for setting, plan in (planned or {}).items() if same_step(args, setting_args(family, args, *setting))), None)
-    training = (same or training_plan(family, args, width, height, batch, tokens, count, reference_size,
-                                      layers)).phase(args.blocks_to_swap)
-    caching = caching_phase(family, args, width, height, count, reference_size)
+    training = (same or step_plan(family, args, step)).phase(args.blocks_to_swap)
+    caching = caching_phase(family, args, step.width, step.height, count, step.reference_size)
     if sample_size is None:
         return [caching, training]
-    sw, sh = sample_size if sample_size != (0, 0) else (width, height)
+    sw, sh = sample_size if sample_size != (0, 0) else (step.width, step.height)
     return [caching, training, sampling_phase(family, args, sw, sh, text_tokens_for(family, args, count, sw, sh), count)]
 
 
-def setting_plans(family, args, width: int, height: int, batch: int, references: int | None = None,
-                  bases: tuple[str, ...] = PLANNED_PRECISIONS, reference_size: tuple[int, int] | None = None,
-                  layers: int | None = None) -> dict:
-    """{(base precision, checkpointing): TrainingPlan} for each of `bases` x checkpointing off / on; a
+def setting_plans(family, args, step: LargestStep, bases: tuple[str, ...] = PLANNED_PRECISIONS) -> dict:
+    """{(base precision, checkpointing): TrainingPlan of `step`} for each of `bases` x checkpointing off / on; a
     pre-quantized base (family.stored_layout()) only in its stored layout, which the loader always uses."""
-    count, tokens = references_and_tokens(family, args, references, width, height, reference_size)
     stored = family.stored_layout()
-    return {(base, ckpt): training_plan(family, setting_args(family, args, base, ckpt), width, height, batch, tokens,
-                                        count, reference_size, layers)
+    return {(base, ckpt): step_plan(family, setting_args(family, args, base, ckpt), step)
             for base in ((stored,) if stored else bases) for ckpt in (False, True)}
 
 
@@ -280,24 +275,21 @@ def refused_bases(family, args, bases: tuple[str, ...]) -> dict[str, str]:
     return refused
 
 
-def card_plans(family, args, width: int, height: int, batch: int, vram_gib: float, references: int | None = None,
-               only: str | None = None, reference_size: tuple[int, int] | None = None,
-               layers: int | None = None) -> dict:
+def card_plans(family, args, step: LargestStep, vram_gib: float, only: str | None = None) -> dict:
     """setting_plans for the base precisions planned on a card of vram_gib (only: that one, --base_precision), less
     those the config cannot train with (refused_bases)."""
     bases = card_bases(family, args, vram_gib, only)
     refused = refused_bases(family, args, bases)
-    return setting_plans(family, args, width, height, batch, references, tuple(b for b in bases if b not in refused),
-                         reference_size, layers)
+    return setting_plans(family, args, step, tuple(b for b in bases if b not in refused))
 
 
-def fitting_settings(family, args, width: int, height: int, batch: int, vram_gib: float,
-                     references: int | None = None, planned: dict | None = None, extras: dict | None = None) -> list[tuple]:
+def fitting_settings(family, args, step: LargestStep, vram_gib: float, planned: dict | None = None,
+                     extras: dict | None = None) -> list[tuple]:
     """(base precision, checkpointing, fewest blocks_to_swap that fits or None, its training peak, its samples'
     (peak, in tiles) or None); extras: sampling_extras, whose samples fit too (None: no samples planned); planned: card_plans'
     answer where already planned."""
     rows = []
-    planned = planned or card_plans(family, args, width, height, batch, vram_gib, references)
+    planned = planned or card_plans(family, args, step, vram_gib)
     for (base, ckpt), plan in planned.items():
         extra = extras[base, ckpt] if extras else None
         fit = fewest_swaps(plan, vram_gib, extra)
@@ -347,8 +339,8 @@ def check_base_precision(family, only: str | None) -> None:
 
 
 def what_to_plan(cli) -> tuple:
-    """(family, run config, (width, height), batch, references per image, the largest reference's (w, h), a layered
-    target's layers) from the command line; the last two None where unknown (a preset, --references)."""
+    """(family, run config, the step to plan: image_folders.LargestStep) from the command line; the step's
+    reference_size and layers None where unknown (a preset, --references)."""
     if cli.gguf and not cli.preset:
         raise ValueError("--gguf plans a preset as a GGUF file; with --config_file the file's own layout is planned")
     if cli.preset:
@@ -363,8 +355,7 @@ def what_to_plan(cli) -> tuple:
         check_references(family, references, "--references")
         run = default_args(family.name)
         run.base_precision = cli.base_precision or run.base_precision  # the phases above the rows: that base
-        return family, run, (side, side), cli.batch_size or 1, references, None, None
-    from library.data.image_folders import largest_step
+        return family, run, LargestStep(side, side, cli.batch_size or 1, references)
     from library.data.dataset_config import load_dataset_config
     from library.models.family import get_family
     from library.training.config import check_stored_precision, load_config
@@ -386,9 +377,10 @@ def what_to_plan(cli) -> tuple:
         except ValueError as e:
             raise ValueError(f"{cli.config_file}: {e}") from None
     step = largest_step(load_dataset_config(run.dataset_config), cli.references)
-    size = (cli.resolution, cli.resolution) if cli.resolution else (step.width, step.height)
     check_references(family, step.references, "--references" if cli.references is not None else run.dataset_config)
-    return family, run, size, cli.batch_size or step.batch, step.references, step.reference_size, step.layers
+    if cli.resolution:
+        step = step._replace(width=cli.resolution, height=cli.resolution)
+    return family, run, step._replace(batch=cli.batch_size or step.batch)
 
 
 def sample_size_of(cli, run, size: tuple[int, int]) -> tuple[int, int] | None:
@@ -426,21 +418,20 @@ def fit_text(fit: int | None, peak: int, sample: tuple[int, bool] | None = None,
     return f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)" + samples
 
 
-def caching_advice(family, run, width: int, height: int, references: int | None, vram_gib: float, caching,
-                   reference_size: tuple[int, int] | None = None) -> str | None:
+def caching_advice(family, run, step: LargestStep, vram_gib: float, caching) -> str | None:
     """What brings caching under the card where its plan is over (the VAE's batch, the text encoders' precision),
     or None where it fits: caching runs before training, so a run planned to fit stopped there. The web UI
     applies its "key = value" settings (library/ui/commands.py caching_keys)."""
     room = usable(vram_gib)
     if caching.peak <= room:
         return None
-    count = family.plan_controls if references is None else references
+    count, _ = references_and_tokens(family, run, step)
     advice = []
     if max(v for k, v in caching.parts.items() if k.startswith("vae encode")) > room:
         trial = copy.copy(run)
         for batch in range(run.vae_batch_size - 1, 0, -1):
             trial.vae_batch_size = batch
-            planned = caching_phase(family, trial, width, height, count, reference_size)
+            planned = caching_phase(family, trial, step.width, step.height, count, step.reference_size)
             if max(v for k, v in planned.parts.items() if k.startswith("vae encode")) <= room:
                 advice.append(f"vae_batch_size = {batch}")
                 break
@@ -449,20 +440,18 @@ def caching_advice(family, run, width: int, height: int, references: int | None,
     if next(v for k, v in caching.parts.items() if k.startswith("text encoders")) > room:
         trial = copy.copy(run)
         trial.text_encoder_precision = "fp8"
-        fp8 = next(v for k, v in caching_phase(family, trial, width, height, count, reference_size).parts.items()
-                   if k.startswith("text"))
+        fp8 = next(v for k, v in caching_phase(family, trial, step.width, step.height, count,
+                                               step.reference_size).parts.items() if k.startswith("text"))
         advice.append("text_encoder_precision = \"fp8\"" if fp8 <= room else
                       f"a larger card for the text encoders ({fp8 / GiB:.2f} GiB in fp8)")
     return f"caching does not fit a {vram_gib:g} GiB card (usable {room / GiB:.1f}): set {' and '.join(advice)}"
 
 
-def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib: float, references: int | None,
-                     planned: dict, extras: dict | None = None, sample_size: tuple[int, int] | None = None,
-                     reference_size: tuple[int, int] | None = None, layers: int | None = None) -> list[str]:
+def kept_tensor_rows(family, args, step: LargestStep, vram_gib: float, planned: dict, extras: dict | None = None,
+                     sample_size: tuple[int, int] | None = None) -> list[str]:
     """What each of KEEPING_KEYS (unset in args) would cost on this card, per base precision with
     checkpointing: one more plan each; none for a key that keeps nothing here (projections where no gate
     trains)."""
-    count, tokens = references_and_tokens(family, args, references, width, height, reference_size)
     rows = []
     for key, gain in KEEPING_KEYS.items():
         if getattr(args, key):
@@ -470,7 +459,7 @@ def kept_tensor_rows(family, args, width: int, height: int, batch: int, vram_gib
         for base in [base for base, ckpt in planned if ckpt]:
             trial = setting_args(family, args, base, True)
             setattr(trial, key, True)
-            plan = training_plan(family, trial, width, height, batch, tokens, count, reference_size, layers)
+            plan = step_plan(family, trial, step)
             extra = plan.phase(0).peak - planned[(base, True)].phase(0).peak
             if extra <= 0:
                 break
@@ -501,17 +490,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def report(args, family, run, size: tuple[int, int], batch: int, references: int,
-           reference_size: tuple[int, int] | None = None, layers: int | None = None) -> None:
+def report(args, family, run, step: LargestStep) -> None:
     """The plan's phases, then what fits the card, printed (what_to_plan's answer)."""
-    width, height = size
-    refs = f", {references} reference(s) per image" if family.max_controls else ""
-    print(f"{args.preset or args.config_file}: {width}x{height}, batch {batch}{refs}, LoRA rank {run.network_dim}, "
-          f"{run.optimizer_type}; predicted peak device memory (tensors; add ~0.6 GiB of CUDA context):")
-    planned = card_plans(family, run, width, height, batch, args.vram, references, args.base_precision, reference_size,
-                         layers)
-    samples = sample_size_of(args, run, size)
-    phases = plan_run(family, run, width, height, batch, references, planned, samples, reference_size, layers)
+    refs = f", {step.references} reference(s) per image" if family.max_controls else ""
+    print(f"{args.preset or args.config_file}: {step.width}x{step.height}, batch {step.batch}{refs}, LoRA rank "
+          f"{run.network_dim}, {run.optimizer_type}; predicted peak device memory (tensors; add ~0.6 GiB of CUDA context):")
+    planned = card_plans(family, run, step, args.vram, args.base_precision)
+    samples = sample_size_of(args, run, (step.width, step.height))
+    phases = plan_run(family, run, step, planned, samples)
     for phase in phases:
         print("  " + phase.row())
     if "bf16 reference (base, lora)" in phases[-1].parts and phases[-1].peak > usable(args.vram):
@@ -519,18 +505,16 @@ def report(args, family, run, size: tuple[int, int], batch: int, references: int
               f"sample_bf16_reference off (unless the config sets it true)")
     if samples is None:
         print("  sampling  none (no sample_prompts)")
-    if advice := caching_advice(family, run, width, height, references, args.vram, phases[0], reference_size):
+    if advice := caching_advice(family, run, step, args.vram, phases[0]):
         print("  " + advice)
     print(f"\nOn a {args.vram:g} GiB card (usable {usable(args.vram) / GiB:.1f} GiB), training"
           + (f" and samples of {samples[0]}x{samples[1]}:" if samples else ":"))
-    extras = sampling_extras(family, run, planned, samples, references)
+    extras = sampling_extras(family, run, planned, samples, step.references)
     rows = [f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {fit_text(fit, peak, sample, samples)}"
-            for base, ckpt, fit, peak, sample in fitting_settings(family, run, width, height, batch, args.vram,
-                                                                  references, planned, extras)]
+            for base, ckpt, fit, peak, sample in fitting_settings(family, run, step, args.vram, planned, extras)]
     rows += [f"  {base:10s} left out: {why.removeprefix(f'{run.config_file}: ')}"
              for base, why in refused_bases(family, run, card_bases(family, run, args.vram, args.base_precision)).items()]
-    rows += kept_tensor_rows(family, run, width, height, batch, args.vram, references, planned, extras, samples,
-                             reference_size, layers)
+    rows += kept_tensor_rows(family, run, step, args.vram, planned, extras, samples)
     print("\n".join(rows))
     if run.vae_tiling is None and any(row.endswith(TILES_SAID) for row in rows):
         vae = family.vae_on_meta()

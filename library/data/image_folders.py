@@ -213,7 +213,7 @@ class LargestStep(NamedTuple):
     width: int
     height: int
     batch: int
-    references: int  # per training image
+    references: int | None  # per training image; None: the family's own count (family.plan_controls)
     reference_size: tuple[int, int] | None = None  # the largest reference image (w, h); None: not read
     layers: int | None = None  # a layered target's layers; None: none, or not read
 

@@ -266,7 +266,7 @@ class DiffusionTask:
             for key in keys:
                 setattr(args, key, bool(getattr(args, key)))
             return
-        said = memory_plan.settle_keeping_keys(self.family, args, card, *largest_step(self.blueprint))
+        said = memory_plan.settle_keeping_keys(self.family, args, card, largest_step(self.blueprint))
         if said:
             self.accelerator.print(said)
 

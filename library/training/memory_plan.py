@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from library.data.image_folders import LargestStep
 from library.models.core import checkpointing
 from library.models.registry import spec_of
 from library.training.config import KEEPING_KEYS
@@ -167,12 +168,12 @@ def text_tokens_for(family, args, references: int = 0, width: int = 1024, height
     return (length or planner.text_tokens) + references * family.reference_text_tokens(width, height)
 
 
-def references_and_tokens(family, args, references: int | None, width: int, height: int,
-                          reference_size: tuple[int, int] | None = None) -> tuple[int, int]:
-    """(references per image, text tokens) a plan sizes a width x height sample with; references None: the
-    family's plan_controls (one for edit presets); each reference of planned_reference's size."""
-    count = family.plan_controls if references is None else references
-    return count, text_tokens_for(family, args, count, *planned_reference(family, (width, height), reference_size))
+def references_and_tokens(family, args, step: LargestStep) -> tuple[int, int]:
+    """(references per image, text tokens) a plan sizes `step`'s samples with; step.references None: the family's
+    plan_controls (one for edit presets); each reference of planned_reference's size."""
+    count = family.plan_controls if step.references is None else step.references
+    reference = planned_reference(family, (step.width, step.height), step.reference_size)
+    return count, text_tokens_for(family, args, count, *reference)
 
 
 def planned_reference(family, bucket: tuple[int, int], reference_size: tuple[int, int] | None) -> tuple[int, int]:
@@ -375,6 +376,13 @@ def vae_pass_peak(vae, width: int, height: int, batch: int, decode: bool, downsa
     return live.peak
 
 
+def step_plan(family, args, step: LargestStep) -> TrainingPlan:
+    """training_plan of `step` (image_folders.LargestStep: size, batch, references, their size, layers)."""
+    count, tokens = references_and_tokens(family, args, step)
+    return training_plan(family, args, step.width, step.height, step.batch, tokens, count, step.reference_size,
+                         step.layers)
+
+
 def caching_phase(family, args, width: int, height: int, references: int = 0,
                   reference_size: tuple[int, int] | None = None) -> Phase:
     """cache_latents: the VAE (float32) encodes vae_batch_size images of the largest bucket at a time,
@@ -539,11 +547,8 @@ def settle_sampling(family, args, card_bytes: int, width: int, height: int, refe
 KEEPING_MARGIN = 1.05
 
 
-def settle_keeping_keys(family, args, card_bytes: int, width: int, height: int, batch: int,
-                        references: int | None = None, reference_size: tuple[int, int] | None = None,
-                        layers: int | None = None) -> str | None:
-    """KEEPING_KEYS left unset (None), against the card, for a step of `batch` images of width x height
-    (references, reference_size and layers: training_plan's; image_folders.largest_step gives them in order):
+def settle_keeping_keys(family, args, card_bytes: int, step: LargestStep) -> str | None:
+    """KEEPING_KEYS left unset (None), against the card, for `step` (image_folders.largest_step's):
     with gradient checkpointing, each is turned on where the step planned with it (at the run's
     blocks_to_swap) fits with KEEPING_MARGIN to spare, and off otherwise; set keys stay as set (args is
     changed). Returns the line that says what was chosen (None: nothing was unset, or checkpointing off)."""
@@ -552,12 +557,10 @@ def settle_keeping_keys(family, args, card_bytes: int, width: int, height: int, 
         setattr(args, key, False)
     if not (unset and args.gradient_checkpointing):
         return None
-    count, tokens = references_and_tokens(family, args, references, width, height, reference_size)
     usable = usable_bytes(card_bytes)
 
     def peak(trial) -> int:
-        plan = training_plan(family, trial, width, height, batch, tokens, count, reference_size, layers)
-        return plan.phase(args.blocks_to_swap).peak
+        return step_plan(family, trial, step).phase(args.blocks_to_swap).peak
 
     with reusing_meta_models():  # one model for every trial
         current, said = peak(args), []
