@@ -256,7 +256,7 @@ def test_loraplus_with_prodigy_is_refused_before_training(tmp_path):
 
 def test_weight_decay_1d_is_refused_where_no_pretraining_reads_it(tmp_path):
     cfg = write(tmp_path, BASE + "weight_decay_1d = true\n")
-    with pytest.raises(ConfigError, match="key 'weight_decay_1d' does nothing with pretrain = False"):
+    with pytest.raises(ConfigError, match="key 'weight_decay_1d' does nothing with pretrain = false"):
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
 
 
@@ -571,6 +571,9 @@ def test_keys_that_would_do_nothing_or_fail_after_caching_are_refused_first(tmp_
     ('timestep_sampling = "uniform"\nsigmoid_scale = 2.0', "key 'sigmoid_scale' does nothing with timestep_sampling = \"uniform\""),
     ("huber_c = 0.5", "key 'huber_c' does nothing with loss_type = \"l2\""),
     ("block_swap_prefetch = 2", "key 'block_swap_prefetch' does nothing with blocks_to_swap = 0"),
+    # fp8_scaled = false (sd-scripts' plain cast) without fp8_base trained a bf16 base without a word
+    ("fp8_scaled = false", "key 'fp8_scaled' does nothing with fp8_base = false"),
+    ('base_precision = "nf4"\nfp8_scaled = false', "key 'fp8_scaled' does nothing with fp8_base = false"),
 ])
 def test_a_scheduler_or_loss_key_that_its_choice_never_reads_is_refused(tmp_path, lines, message):
     """The old line trained without them: diffusers' get_scheduler passes num_cycles only to
@@ -580,9 +583,9 @@ def test_a_scheduler_or_loss_key_that_its_choice_never_reads_is_refused(tmp_path
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
     used = {"lr_scheduler_num_cycles": 'lr_scheduler = "cosine_with_restarts"', "lr_scheduler_power": 'lr_scheduler = "polynomial"',
             "discrete_flow_shift": 'timestep_sampling = "shift"', "sigmoid_scale": 'timestep_sampling = "sigmoid"',
-            "huber_c": 'loss_type = "huber"', "block_swap_prefetch": "blocks_to_swap = 2"}
+            "huber_c": 'loss_type = "huber"', "block_swap_prefetch": "blocks_to_swap = 2", "fp8_scaled": "fp8_base = true"}
     key = re.search(r"key '(\w+)'", message).group(1)
-    line = next(v for v in lines.split("\n") if v.startswith(key))
+    line = next(v for v in lines.split("\n") if v.startswith(key))  # the key alone, where its mode reads it
     load_config(["--config_file", write(tmp_path, FLUX + used[key] + "\n" + line + "\n"), "--output_dir", str(tmp_path)])
 
 

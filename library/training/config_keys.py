@@ -53,6 +53,9 @@ IDLE_UNLESS = {
     "discrete_flow_shift": ("timestep_sampling", lambda v: v == "shift", 'timestep_sampling = "shift"'),
     "sigmoid_scale": ("timestep_sampling", lambda v: v != "uniform", "a sigmoid draw (any timestep_sampling but uniform)"),
     "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),
+    # (base_precision = "fp8" / "fp8_scaled" sets fp8_base first: config._validate_base_precision); musubi-tuner
+    # refuses fp8_scaled without fp8_base too
+    "fp8_scaled": ("fp8_base", bool, 'fp8_base = true (a base stored in fp8), or base_precision = "fp8"'),
     "block_swap_prefetch": ("blocks_to_swap", lambda v: v > 0, "blocks_to_swap >= 1 (a diffusion model's)"),
     "weight_decay_1d": ("pretrain", bool, "pretrain = true (a LoRA's parameters are all matrices)"),
     "persistent_data_loader_workers": ("max_data_loader_n_workers", lambda v: v > 0, "max_data_loader_n_workers >= 1"),
@@ -68,6 +71,8 @@ def _shown(key: str, value: Any) -> str:
     """`key = value` as an error line says it."""
     if value is None:
         return f"{key} unset{UNSET_MEANS.get(key, '')}"
+    if isinstance(value, bool):
+        return f"{key} = {str(value).lower()}"  # as TOML writes it
     return f'{key} = "{value}"' if isinstance(value, str) else f"{key} = {value}"
 
 
