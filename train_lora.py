@@ -474,7 +474,8 @@ class Trainer:
     def final_samples(self) -> str | None:
         """The final samples (llm: the final eval), after the final LoRA is written. A Ctrl-C /
         SIGTERM before them skips them, one during them stops them at the next image (a second one
-        at once); the signal's name is returned."""
+        at once); the signal's name is returned. A render that fails is one warning line, as
+        render_samples' (a finished run exits 0: its LoRA is final)."""
         if requested := self.render_stop():  # during the last step
             self.accelerator.print(f"{requested} after the last step: final samples skipped; the LoRA is final")
             return requested
@@ -485,6 +486,10 @@ class Trainer:
             written = f"{len(paths)} written, the rest skipped"
         except KeyboardInterrupt:  # the second Ctrl-C: the image in progress is dropped
             pass
+        except (RuntimeError, OSError, ValueError) as e:  # as render_samples: torch.OutOfMemoryError is a RuntimeError
+            failure = " ".join(f"{type(e).__name__}: {e}".split())
+            self.accelerator.print(f"warning: the final samples failed and are skipped; the LoRA is final: {failure}",
+                                   file=sys.stderr)
         tracking.log_sample_images(self.accelerator, paths, self.step)
         if requested := self.render_stop():
             self.accelerator.print(f"{requested} during the final samples: {written}; the LoRA is final")

@@ -196,3 +196,23 @@ def test_a_failed_sample_render_is_a_warning_and_training_goes_on(tiny_set, tmp_
             "of memory. Tried to allocate 2.00 GiB") in capsys.readouterr().err
     assert sorted(p for p in os.listdir(out) if p.endswith((".png", ".safetensors"))) == [
         "tiny_flux_lora.safetensors", sample_png(out, "tiny_flux_lora", "final").name, "tiny_flux_lora_lr.png"]
+
+
+def test_a_failed_final_render_is_a_warning_and_the_finished_run_exits_0(tiny_set, tmp_path, monkeypatch, capsys):
+    """The final samples come after the final LoRA: a render failing there (out of memory, a sample wider than
+    the model's RoPE table) ended a finished run with an error line and exit 2 (1 for out of memory), the
+    trackers left open. Now one warning line, as the samples during training."""
+    from library.training.diffusion_task import DiffusionTask
+
+    def disk_full(self, out_dir, tag, stop=None):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(DiffusionTask, "render_samples", disk_full)
+    (tmp_path / "p.txt").write_text("a red circle --w 32 --h 32 --s 1\n")
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "1", "--sample_prompts", str(tmp_path / "p.txt"),
+                                     "--sample_bf16_reference", "false")) == 0
+    captured = capsys.readouterr()
+    assert ("warning: the final samples failed and are skipped; the LoRA is final: OSError: [Errno 28] No space left "
+            "on device") in captured.err, captured.err
+    assert "saved " in captured.out and (out / "tiny_flux_lora.safetensors").exists()
