@@ -219,6 +219,37 @@ def test_clip_and_t5_single_files_load_like_folders(encoders, tmp_path):
         load_clip_l(str(tmp_path / "clip_l.safetensors"), tokenizer=encoders["clip_l"])
 
 
+def test_single_files_in_one_folder_take_only_their_own_kind_of_tokenizer(encoders, tmp_path):
+    """ComfyUI's layout: clip_l and t5xxl files in one folder, which holds one tokenizer (T5's here). Until
+    2026-11-28 CLIP-L took T5's tokenizer from it (T5 ids, another pooled vector) and trained on."""
+    folder, beside = tmp_path / "text_encoders", tmp_path / "tokenizer"
+    folder.mkdir()
+    for name in ("clip_l", "t5xxl"):
+        shutil.copy(os.path.join(encoders[name], "model.safetensors"), folder / f"{name}.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(encoders["t5xxl"], name), folder / name)
+    clip_file, clip_config = str(folder / "clip_l.safetensors"), os.path.join(encoders["clip_l"], "config.json")
+    with pytest.raises(CheckpointError) as error:
+        load_clip_l(clip_file, config=clip_config)
+    assert str(error.value) == (f"{clip_file}: no CLIP tokenizer found in {[str(folder), str(beside)]}; skipped "
+                                f"{folder}: a T5 tokenizer; put the CLIP tokenizer's files in one of those folders")
+    shutil.copytree(encoders["clip_l"], beside, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    clip = load_clip_l(clip_file, config=clip_config)
+    t5 = load_t5(str(folder / "t5xxl.safetensors"), config=os.path.join(encoders["t5xxl"], "config.json"))
+    assert clip.tokenizer.name_or_path == str(beside) and t5.tokenizer.name_or_path == str(folder)
+    assert torch.equal(clip.encode(PROMPTS), load_clip_l(encoders["clip_l"]).encode(PROMPTS))
+    assert torch.equal(t5.encode(PROMPTS, 64), load_t5(encoders["t5xxl"]).encode(PROMPTS, 64))
+    # The released tokenizers say their class; the generic tiny ones (Qwen's, Mistral's) their BOS / EOS.
+    from library.models.text_encoders import tokenizer_kind
+    from library.models.tiny_files import build_mistral_tokenizer, save_tokenizer
+
+    save_tokenizer(build_mistral_tokenizer(()), str(tmp_path / "mistral"))
+    assert tokenizer_kind(encoders["qwen_image_tokenizer"]) == "Qwen2" and tokenizer_kind(tmp_path / "mistral") == "Mistral"
+    for name, kind in (("CLIPTokenizer", "CLIP"), ("T5TokenizerFast", "T5"), ("Qwen2Tokenizer", "Qwen2"), ("Other", None)):
+        (beside / "tokenizer_config.json").write_text(f'{{"tokenizer_class": "{name}", "eos_token": "x"}}')
+        assert tokenizer_kind(beside) == kind, name
+
+
 @pytest.mark.parametrize("stored", [torch.float32, torch.float16, torch.bfloat16])
 def test_t5_in_float16_keeps_feed_forward_output_in_float32(encoders, tmp_path, stored):
     """Whatever the file stores (users mostly have t5xxl_fp16): until 2026-11-27 an fp16 or bf16 file

@@ -121,18 +121,42 @@ def tokenizer_files(path: str) -> list[str]:
     return [os.path.join(f, name) for f in folders for name in TOKENIZER_FILES if os.path.isfile(os.path.join(f, name))]
 
 
-def _load_tokenizer(weights_path: str, tokenizer: str | None, sibling: str):
-    """The tokenizer: `tokenizer` path if given, else the weights folder itself when it holds one,
-    else `sibling` next to it (diffusers repo layout: text_encoder/ + tokenizer/)."""
+# Each encoder's kind of tokenizer, told from tokenizer_config.json before loading one (a ComfyUI folder
+# may hold another encoder's): the released tokenizers name their class (the Fast twin alike); a generic
+# class (PreTrainedTokenizerFast, as the tiny test files and library/data/tokenizer.py save) is told by
+# its BOS / EOS, which each kind's prompts are built with. A folder neither tells fits any encoder.
+TOKENIZER_KIND_CLASSES = {"CLIPTokenizer": "CLIP", "T5Tokenizer": "T5", "Qwen2Tokenizer": "Qwen2"}
+TOKENIZER_KIND_SPECIALS = {("<|startoftext|>", "<|endoftext|>"): "CLIP", (None, "</s>"): "T5",
+                           (None, "<|im_end|>"): "Qwen2", (None, "<|endoftext|>"): "Qwen2", ("<s>", "</s>"): "Mistral"}
+
+
+def tokenizer_kind(folder: str) -> str | None:
+    """CLIP, T5, Qwen2 or Mistral: the kind of the tokenizer in `folder`, None when its config does not tell."""
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    kind = TOKENIZER_KIND_CLASSES.get(str(config.get("tokenizer_class")).removesuffix("Fast"))
+    return kind or TOKENIZER_KIND_SPECIALS.get((_token(config.get("bos_token")), _token(config.get("eos_token"))))
+
+
+def _token(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value  # an AddedToken is saved as a dict
+
+
+def _load_tokenizer(weights_path: str, tokenizer: str | None, sibling: str, kind: str):
+    """The tokenizer: `tokenizer` path if given, else the weights folder itself when it holds one of
+    `kind` (tokenizer_kind), else `sibling` next to it (diffusers repo layout: text_encoder/ + tokenizer/)."""
     if tokenizer is None:
         if not os.path.exists(weights_path):  # before looking beside it: the path itself is the mistake
             raise CheckpointError(f"{weights_path}: no such file or folder")
         folder = weights_path if os.path.isdir(weights_path) else os.path.dirname(weights_path)
         candidates = [folder, os.path.join(os.path.dirname(folder.rstrip("/")), sibling)]
         found = [c for c in candidates if os.path.isfile(os.path.join(c, "tokenizer_config.json"))]
-        if not found:
-            raise CheckpointError(f"{weights_path}: no tokenizer found in {candidates}; pass tokenizer=<folder>")
-        tokenizer = found[0]
+        fits = [c for c in found if tokenizer_kind(c) in (kind, None)]
+        if not fits:
+            skipped = "".join(f"; skipped {c}: a {tokenizer_kind(c)} tokenizer" for c in found)
+            raise CheckpointError(f"{weights_path}: no {kind} tokenizer found in {candidates}{skipped}; "
+                                  f"put the {kind} tokenizer's files in one of those folders")
+        tokenizer = fits[0]
     return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
 
 
@@ -191,7 +215,7 @@ def load_clip_l(path: str, tokenizer: str | None = None, dtype: torch.dtype = to
     with init_empty_weights():  # parameters on meta; the position_ids buffer stays real
         model = CLIPTextModel(cfg)
     load_streaming(model, CheckpointReader(path), _clip_key, dtype=dtype)
-    return CLIPTextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer"))
+    return CLIPTextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer", "CLIP"))
 
 
 def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None,
@@ -220,7 +244,7 @@ def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.
         convert = _Chain(convert, fp8_load_converter(prepare_fp8(model, fp8, T5_FP8)))  # (`wo` is never fp8)
     load_streaming(model, reader, _t5_key, dtype=dtype, convert=convert,
                    keep_dtype=t5_float32_in_fp16 if fp16 else (lambda name: False))
-    return T5TextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer_2"))
+    return T5TextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer_2", "T5"))
 
 
 def t5_float32_in_fp16(name: str) -> bool:

@@ -67,7 +67,7 @@ def t5_tokenizer(path: str):
     from library.models.text_encoders import _load_tokenizer
 
     weights, tokenizer = t5_paths(path)
-    return _load_tokenizer(weights, tokenizer, "tokenizer_2")
+    return _load_tokenizer(weights, tokenizer, "tokenizer_2", "T5")
 
 
 def load_chroma_t5(path: str, dtype: torch.dtype = torch.float32, fp8: str | None = None) -> T5TextEncoder:

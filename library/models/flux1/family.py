@@ -86,7 +86,7 @@ class FluxFamily(DiffusionFamily):
         from library.io import component_folder
         from library.models.text_encoders import _load_tokenizer
 
-        tokenizer = _load_tokenizer(component_folder(self.text_paths["t5xxl"], "text_encoder_2"), None, "tokenizer_2")
+        tokenizer = _load_tokenizer(component_folder(self.text_paths["t5xxl"], "text_encoder_2"), None, "tokenizer_2", "T5")
         return TokenLimit("T5-XXL", self.text_options(args)["t5_max_length"], lambda text: len(tokenizer(text, verbose=False).input_ids))
 
     def load_text_encoder(self, precision="bf16", device=None, t5_max_length: int = 512):

@@ -100,4 +100,4 @@ def load_dev_text_encoder(path: str, tokenizer: str | None = None, dtype=None, c
                          f"this is a Qwen-style model (q/k norms or qkv bias); FLUX.2 [klein] uses Qwen3")
     llm = load_llm(path, config=config, dtype=dtype or torch.float32, prepare=fp8_prepare(fp8, "llm"),
                    keep_layers=max(hidden_layers))
-    return DevTextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer"), hidden_layers, max_length)
+    return DevTextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer", "Mistral"), hidden_layers, max_length)

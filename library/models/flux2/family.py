@@ -100,7 +100,8 @@ class Flux2Family(DiffusionFamily):
         from library.models.flux2 import text_encoder as te
         from library.models.text_encoders import _load_tokenizer
 
-        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer")
+        kind = "Mistral" if self.is_dev() else "Qwen2"
+        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer", kind)
         if not self.is_dev():
             return TokenLimit("Qwen3", te.KLEIN_MAX_LENGTH,
                               lambda text: len(tokenizer(te.klein_prompt_text(tokenizer, text), verbose=False).input_ids))

@@ -112,4 +112,4 @@ def load_klein_text_encoder(
     if config is None and os.path.isfile(path) and not os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
         config = _single_file_config(path)
     llm = load_llm(path, config=config, dtype=dtype, prepare=fp8_prepare(fp8, "llm"), keep_layers=max(hidden_layers))
-    return KleinTextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer"), hidden_layers, max_length)
+    return KleinTextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer", "Qwen2"), hidden_layers, max_length)

@@ -134,7 +134,7 @@ class Ideogram4Family(DiffusionFamily):
         from library.models.ideogram4 import text_encoder as te
         from library.models.text_encoders import _load_tokenizer
 
-        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer")
+        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer", "Qwen2")
         return TokenLimit("Qwen3-VL", te.IDEOGRAM4_MAX_SEQUENCE_LENGTH,
                           lambda text: len(tokenizer(te.chat_prompt(tokenizer, text), add_special_tokens=False).input_ids),
                           refuses=True)

@@ -84,4 +84,4 @@ def load_ideogram4_text_encoder(path: str, tokenizer: str | None = None, dtype: 
     path = component_folder(path, "text_encoder")
     config = _find_config(path)
     llm = load_llm(path, config=config, dtype=dtype, prepare=fp8_prepare(fp8, "llm"), keep_layers=max(taps) + 1)
-    return Ideogram4TextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer"), taps, max_length)
+    return Ideogram4TextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer", "Qwen2"), taps, max_length)

@@ -170,7 +170,7 @@ class Krea2Family(DiffusionFamily):
         from library.models.krea2 import text_encoder as te
         from library.models.text_encoders import _load_tokenizer
 
-        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer")
+        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer", "Qwen2")
         limit = te.KREA2_MAX_SEQUENCE_LENGTH + te.KREA2_DROP_TOKENS - te.KREA2_SUFFIX_TOKENS
         return TokenLimit("Qwen3-VL", limit, lambda text: len(tokenizer(te.KREA2_PROMPT_PREFIX + text, verbose=False).input_ids))
 

@@ -141,4 +141,4 @@ def load_krea2_text_encoder(
     config = config or _find_config(path)
     keep = max(taps) if max(taps) < config.num_layers else config.num_layers  # the final norm needs them all
     llm = load_llm(path, config=config, dtype=dtype, prepare=fp8_prepare(fp8, "llm"), keep_layers=keep)
-    return Krea2TextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer"), taps, max_length)
+    return Krea2TextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer", "Qwen2"), taps, max_length)

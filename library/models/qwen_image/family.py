@@ -40,7 +40,7 @@ class QwenImageFamily(DiffusionFamily):
         from library.io import component_folder
         from library.models.qwen_image import text_encoder as te
 
-        tokenizer = te._load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer")
+        tokenizer = te._load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer", "Qwen2")
         return TokenLimit("Qwen2.5-VL", te.QWEN_IMAGE_MAX_TOKENS, lambda text: len(
             tokenizer(te.QWEN_IMAGE_PROMPT_TEMPLATE.format(text), verbose=False).input_ids) - te.QWEN_IMAGE_DROP_TOKENS)
 

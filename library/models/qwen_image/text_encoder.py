@@ -71,4 +71,4 @@ def load_qwen_image_text_encoder(
     if config is None and os.path.isfile(path) and not os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
         config = QWEN2_5_7B
     llm = load_llm(path, config=config, dtype=dtype, prepare=fp8_prepare(fp8, "llm"))
-    return QwenImageTextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer"))
+    return QwenImageTextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer", "Qwen2"))

@@ -76,7 +76,7 @@ def load_qwen_image21_text_encoder(path: str, tokenizer: str | None = None, dtyp
     llm = load_llm(path, config=config, dtype=dtype, prepare=fp8_prepare(fp8, "llm"), keep_layers=config.num_layers)
     if tokenizer is None and os.path.isdir(os.path.join(root, "processor")):
         tokenizer = os.path.join(root, "processor")
-    return QwenImage21TextEncoder(llm, _load_tokenizer(path, tokenizer, "processor"))
+    return QwenImage21TextEncoder(llm, _load_tokenizer(path, tokenizer, "processor", "Qwen2"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -180,7 +180,7 @@ class ZImageFamily(DiffusionFamily):
         from library.models.text_encoders import _load_tokenizer
         from library.models.zimage import text_encoder as te
 
-        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer")
+        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer", "Qwen2")
         return TokenLimit("Qwen3", te.ZIMAGE_MAX_LENGTH,
                           lambda text: len(tokenizer(te.zimage_prompt_text(tokenizer, text), verbose=False).input_ids))
 

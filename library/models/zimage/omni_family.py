@@ -133,7 +133,7 @@ class ZImageOmniFamily(ZImageFamily):
         from library.models.zimage import text_encoder as te
         from library.models.zimage.omni_encoder import omni_prompt_segments
 
-        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer")
+        tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer", "Qwen2")
         return TokenLimit("Qwen3", te.ZIMAGE_MAX_LENGTH,
                           lambda text: len(tokenizer(omni_prompt_segments(text, 1)[1], verbose=False).input_ids))
 

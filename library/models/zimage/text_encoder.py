@@ -116,4 +116,4 @@ def load_zimage_text_encoder(
         config = _single_file_config(path)
     config = config or _find_config(path)
     llm = load_llm(path, config=config, dtype=dtype, prepare=fp8_prepare(fp8, "llm"), keep_layers=config.num_layers - 1)
-    return ZImageTextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer"), max_length)
+    return ZImageTextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer", "Qwen2"), max_length)
