@@ -251,7 +251,7 @@ def test_an_edit_of_the_loaded_toml_is_not_undone_by_the_fields_load_filled(serv
     assert tab.predict(edited, *fields, api_name="/validate")[0] == {"ok": True, "max_steps": 3}
     fields[FORM_KEYS.index("max_train_steps")] = "4"
     assert tab.predict(edited, *fields, api_name="/validate")[0] == {"ok": True, "max_steps": 4}
-    saved = tab.predict(path, edited, *fields, api_name="/save_config")  # Save TOML: the edit and the field
+    saved, *_ = tab.predict(path, edited, *fields, api_name="/save_config")  # Save TOML: the edit and the field
     with open(path) as f:
         assert saved == f"saved {path}" and f.read() == edited.replace("max_train_steps = 3", "max_train_steps = 4")
 

@@ -596,6 +596,31 @@ def test_a_field_set_back_to_its_load_time_value_after_apply_is_what_the_job_get
     assert ui.checker.asked[-1]["base_precision"] == "fp8_scaled" and ui.checker.asked[-1]["blocks_to_swap"] == 0
 
 
+
+def test_a_saved_config_is_no_unsaved_edit_when_another_is_picked(ui, tmp_path):
+    """Old: after Save TOML to the loaded file, picking another config still said "the form has unsaved edits
+    (the TOML) ... or Save TOML first": the edit was compared with the text as first loaded."""
+    from library.ui.app import build_app
+    from library.ui.handlers import FORM_KEYS
+
+    first, second = tmp_path / "data" / "first.toml", tmp_path / "data" / "second.toml"
+    first.write_text("network_dim = 8\nmax_train_steps = 6\n")
+    second.write_text("network_dim = 8\nmax_train_steps = 7\n")
+    app = build_app(ui)
+    pick, save = event(app, "change", api_name="pick_config"), event(app, "click", api_name="save_config")
+    values = {block._id: block.value for block in pick.inputs if isinstance(block, gr.State)}  # as a page starts
+    values[pick.inputs[0]._id] = str(first)
+    run(pick, values)
+    text = pick.inputs[1]._id
+    values[text] = values[text].replace("max_train_steps = 6", "max_train_steps = 3")
+    values[save.inputs[0]._id] = str(first)  # save to the file loaded
+    run(save, values)
+    assert first.read_text() == "network_dim = 8\nmax_train_steps = 3\n"
+    values[pick.inputs[0]._id] = str(second)
+    run(pick, values)
+    note = values[pick.outputs[1 + len(FORM_KEYS)]._id]
+    assert not note["visible"] and "max_train_steps = 7" in values[text], note
+
 def test_optimizer_args_that_do_not_fit_are_shown_beside_the_optimizer_field(ui):
     """Old: the error's key, optimizer_args, has no field: the line went under the TOML editor."""
     from library.ui.app import build_app

@@ -440,6 +440,34 @@ def test_a_trainer_killed_by_a_signal_says_so_not_its_progress_bar(tmp_path):
     assert ended["message"] == "killed by signal 9 (SIGKILL: out of memory? the kernel's OOM killer sends it)"
 
 
+
+def test_a_trainer_that_crashed_says_so_with_its_last_line(tmp_path):
+    """Old: a SIGABRT (glibc's abort, a CUDA assert) or SIGSEGV read 'killed by signal 6 (SIGABRT: sent by another
+    process)', and the log's last line, which says why, was dropped."""
+    store = JobStore(str(tmp_path / "jobs"))
+    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
+    with open(job.log_path, "w") as f:
+        f.write("\n$ python train_lora.py\ntraining:  20%|#  | 1/5 [00:01<00:04, 1.2it/s]free(): invalid pointer\n")
+    ended = actions.outcome(store.get(job.id), -signal.SIGABRT)
+    assert ended["state"] == "failed"
+    assert ended["message"] == "crashed with signal 6 (SIGABRT: a fault of its own, in native or CUDA code); " \
+                               "free(): invalid pointer"
+
+
+def test_a_reattached_trainer_gone_without_a_word_is_not_reported_as_its_progress_bar(tmp_path):
+    """Old: a trainer re-attached after a UI restart, then killed (SIGKILL: the OOM killer; its exit status is
+    unknown), failed with its tqdm bar as the message."""
+    store, job = claimed_job(tmp_path)
+    with open(job.csv_path, "w") as f:
+        f.write("step,epoch,loss\n1,0,1.5\n2,0,1.4\n")
+    with open(job.log_path, "w") as f:
+        f.write("\n$ python train_lora.py\ntraining:  40%|#  | 2/5 [00:01<00:02, 1.2it/s]")
+    store.update(job.id, pid=4321)
+    ended = actions.outcome(store.get(job.id), None)
+    assert ended["state"] == "failed"
+    assert ended["message"] == ("the trainer (pid 4321) was gone, its exit status unknown (re-attached after a UI "
+                                "restart); last logged step 2")
+
 def test_sample_captions_read_json_and_toml_prompt_files(tmp_path):
     """The gallery captioned a .json prompt file's samples with its raw lines ('[{"prompt": "a cat"},');
     now with each entry's prompt, as training numbers them, and a text file's lines without --flags."""

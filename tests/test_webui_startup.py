@@ -33,6 +33,18 @@ def test_bad_start_up_options_get_one_line_naming_the_option(tmp_path, capsys):
     assert not (tmp_path / "jobs").exists()
 
 
+
+def test_a_jobs_folder_whose_queue_cannot_be_opened_gets_one_line(tmp_path, capsys):
+    """Old: a sqlite3.OperationalError traceback (a folder it may not write; no OSError, which was caught).
+    Here jobs.sqlite is a folder: unwritable alike, also as root."""
+    jobs = tmp_path / "jobs"
+    (jobs / "jobs.sqlite").mkdir(parents=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["--jobs_dir", str(jobs), "--root", str(tmp_path), "--port", str(port)]) == 2
+    assert capsys.readouterr().err == f"error: --jobs_dir {jobs}: unable to open database file: {jobs}/jobs.sqlite\n"
+
 def test_help_gives_the_whole_first_paragraph():
     assert build_parser().description.endswith("the memory planner, the dataset view and the LoRA tools as forms.")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sqlite3
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,6 +97,9 @@ def main(argv=None) -> int:
         ui = WebUI(jobs_dir, ROOT, roots, tuple(args.device or ["default"]))
     except OSError as e:  # e.g. a jobs folder it may not write
         print(f"error: --jobs_dir {jobs_dir}: {e.strerror}: {e.filename}", file=sys.stderr)
+        return 2
+    except sqlite3.Error as e:  # no OSError: e.g. a jobs folder it may not write, or a jobs.sqlite that is no database
+        print(f"error: --jobs_dir {jobs_dir}: {e}: {os.path.join(jobs_dir, 'jobs.sqlite')}", file=sys.stderr)
         return 2
     if holder := ui.store.hold():
         print(f"error: --jobs_dir {jobs_dir}: {holder} serves this queue: use that one, stop it, or give another "

@@ -123,11 +123,13 @@ def jobs_tab(ui: WebUI):
     error_outputs = [errors[k] for k in order] + [errors["toml"]]
     # The fields as the last Load filled them: one left so gives way to the TOML (an edit there wins).
     loaded = gr.State({})
+    # The editor's text as the last Load put it there: another text is an edit a new pick must not drop.
+    loaded_text = gr.State("")
     with gr.Row():
         check_button = gr.Button("Validate")
         create_button = gr.Button("Create (draft)")
         queue_new = gr.Button("Create and queue", variant="primary", elem_id="create-and-queue")
-    save_row(ui, order, [text, *form_inputs, loaded])
+    save_row(ui, order, [text, *form_inputs, loaded], [text, *form_inputs, loaded, loaded_text])
     answer = gr.JSON(label="result", elem_id="job-result")
 
     gr.Markdown("## Queue")
@@ -153,8 +155,6 @@ def jobs_tab(ui: WebUI):
         message = result.get("error", "") if not result.get("ok") else ""
         return [error_note(message if k == where else "") for k in order + ["toml"]]
 
-    # The editor's text as the last Load put it there: another text is an edit a new pick must not drop.
-    loaded_text = gr.State("")
     keep = [gr.update()] * (1 + len(order))  # the editor and the fields, as they are
 
     def on_load(path):
@@ -234,9 +234,10 @@ def ask(ui: WebUI, action: str, job_id) -> tuple:
     return gr.update(visible=True), question, str(job.id), gr.update()
 
 
-def save_row(ui: WebUI, order: list[str], inputs: list) -> None:
+def save_row(ui: WebUI, order: list[str], inputs: list, reloaded: list) -> None:
     """Save TOML: the editor's config written back under the roots. inputs: the TOML, the fields, the
-    values Load filled them with."""
+    values Load filled them with. reloaded: the TOML, the fields and Load's baselines (fields, text),
+    set from the file saved: what it holds is no unsaved edit (a pick then asked to "Save TOML first")."""
     with gr.Row():
         save_to = gr.Textbox(label="save the config to (a .toml under the roots; comments and tables kept)", scale=3)
         save = gr.Button("Save TOML", scale=1)
@@ -244,11 +245,13 @@ def save_row(ui: WebUI, order: list[str], inputs: list) -> None:
 
     def on_save(path, text_value, *values):
         try:
-            return f"saved {ui.save_config(path, text_value, edited(order, values))}"
+            real = ui.save_config(path, text_value, edited(order, values))
+            new_text, filled = ui.load_config(real)
         except (OutsideRoots, OSError, ValueError) as e:
-            return f"⚠ {e}"
+            return [f"⚠ {e}"] + [gr.update()] * len(reloaded)
+        return [f"saved {real}", new_text] + [filled[k] for k in order] + [filled, new_text]
 
-    save.click(on_save, [save_to, *inputs], [saved], api_name="save_config")
+    save.click(on_save, [save_to, *inputs], [saved, *reloaded], api_name="save_config")
 
 
 def live_tab(ui: WebUI, job_id) -> None:

@@ -27,6 +27,11 @@ TRAIN_SCRIPT = os.path.join(ROOT, "train_lora.py")
 STOPPED_LINE = re.compile(r"SIG(?:INT|TERM): saved .* at step (\d+)")
 DONE_LINE = re.compile(r"^saved .* after (\d+) steps")
 RESUMABLE = tuple(s for s in FINISHED if s != "done")  # a done job's folder may hold a stop's older state
+# Signals a process gets from its own fault (native code, CUDA, an abort()), not from another process.
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL)
+# Of a crashed trainer's log, lines that do not say why: the runner's command line, faulthandler's
+# dump after its "Fatal Python error: Segmentation fault" (with PYTHONFAULTHANDLER set).
+NOT_WHY_IT_CRASHED = re.compile(r"^(?:\$ |Extension modules: |Thread 0x|Current thread 0x|  File |  <no Python frame>)")
 # The last line a trainer that failed prints: train_lora.py's "error: ..." or an uncaught exception's.
 FAILED_LINE = re.compile(r"^(?:error: |(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception)\b)")
 
@@ -224,18 +229,32 @@ def outcome(job: Job, code: int | None) -> dict:
         return {"state": "stopped", "message": f"stopped at step {stopped.group(1) if stopped else saved}: "
                                                f"LoRA and state saved; resume continues from there",
                 "resume": job.state_dir if saved is not None else None}
-    if code is not None and code < 0:  # killed: its log's last line is whatever it printed before
-        return {"state": "failed", "message": killed_by(-code), "resume": job.state_dir if saved is not None else None}
+    if code is not None and code < 0:
+        return {"state": "failed", "message": killed_by(-code, lines),
+                "resume": job.state_dir if saved is not None else None}
     errors = [line for line in lines if line.startswith("error:") or "Error" in line]
-    why = errors[-1] if errors else (lines[-1] if lines else f"exit status {code}")
+    if errors:
+        why = errors[-1]
+    elif code is None:  # re-attached, gone without a word (SIGKILL: the OOM killer?): its last line is a progress bar
+        why = (f"the trainer (pid {job.pid}) was gone, its exit status unknown (re-attached after a UI restart); "
+               f"last logged step {run_files.last_step(job.csv_path)}")
+    else:
+        why = lines[-1] if lines else f"exit status {code}"
     return {"state": "failed", "message": why, "resume": job.state_dir if saved is not None else None}
 
 
-def killed_by(number: int) -> str:
+def killed_by(number: int, lines: list[str]) -> str:
+    """A crash signal is the trainer's own (a native or CUDA fault, glibc's abort): its log's last line
+    (not the progress bar) may say why, e.g. "free(): invalid pointer". Others were sent to it."""
     try:
         name = signal.Signals(number).name
     except ValueError:
         name = "unknown signal"
+    if number in CRASH_SIGNALS:
+        said = next((line for line in reversed(lines) if not run_files.TQDM.search(line)
+                     and not NOT_WHY_IT_CRASHED.match(line)), None)
+        crashed = f"crashed with signal {number} ({name}: a fault of its own, in native or CUDA code)"
+        return f"{crashed}; {said}" if said else crashed
     why = "out of memory? the kernel's OOM killer sends it" if number == signal.SIGKILL else "sent by another process"
     return f"killed by signal {number} ({name}: {why})"
 
