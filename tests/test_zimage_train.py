@@ -303,3 +303,71 @@ def test_base_sampling_matches_zimage_pipeline_with_cfg(tiny_set):
     relative = ((ours - theirs).norm() / theirs.norm()).item()
     print(f"Z-Image Base sampling vs ZImagePipeline: relative {relative:.3g}")
     assert relative <= 1e-5
+
+
+OVER = "over the largest image the model takes, 8192 wide by 8192 high (the positions its RoPE was built for)"
+
+
+def test_zimage_largest_image_is_its_rope_positions_times_16_pixels(tiny_set):
+    """axes_lens (1536, 512, 512): 512 patch rows and columns of 16 pixels; the omni forward refuses none."""
+    from library.models.zimage.omni_family import ZImageOmniFamily
+
+    assert ZImageFamily(tiny_set["zimage_diffusers"]).largest_image() == (8192, 8192)
+    assert ZImageOmniFamily(tiny_set["zimage_diffusers"]).largest_image() is None
+
+
+def test_a_sample_prompt_over_zimages_positions_is_refused_before_caching(tiny_set, tmp_path, capsys):
+    """--w 8224 (514 patch columns, RoPE built for 512) failed only when the sample rendered, a warning at every
+    sample round minutes into training."""
+    from tests.test_reliability import copy_dataset, files_under, one_error_line
+
+    toml = copy_dataset(tiny_set, tmp_path / "data")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle --s 1\na red circle --w 8224 --h 16 --s 1 --d 5\n")
+    out = tmp_path / "out"
+    code = train_lora.main(train_args(tiny_set, out, "z", extra=(
+        "--dataset_config", toml, "--cache_latents_to_disk", "true", "--sample_prompts", str(prompts),
+        "--sample_every_n_steps", "1")))
+    assert one_error_line(capsys, code) == f"error: {prompts}:2: size 8224x16 is {OVER}"
+    assert files_under(out) == [] and all(f.endswith((".png", ".txt")) for f in files_under(tmp_path / "data" / "images"))
+
+
+@pytest.mark.parametrize("general", [
+    "resolution = [8224, 16]",  # no buckets: every image trains at the resolution
+    "resolution = [8224, 16]\nenable_bucket = true\nmin_bucket_reso = 16\nmax_bucket_reso = 8224\nbucket_reso_steps = 16",
+])
+def test_a_training_bucket_over_zimages_positions_is_refused_before_caching(tiny_set, tmp_path, capsys, general):
+    """A bucket wider than 8192 pixels (no buckets: the resolution; buckets: max_bucket_reso lets a wide image's
+    be) failed at the first step, after caching."""
+    from tests.test_reliability import files_under, one_error_line
+
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (8224, 16), "red").save(images / "wide.png")
+    (images / "wide.txt").write_text("a red stripe")
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f'[general]\n{general}\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{images}"\n')
+    out = tmp_path / "out"
+    code = train_lora.main(train_args(tiny_set, out, "z", extra=("--dataset_config", str(toml),
+                                                                 "--cache_latents_to_disk", "true")))
+    assert one_error_line(capsys, code) == (f"error: {images / 'wide.png'}: its bucket 8224x16 is {OVER}; {toml}'s "
+                                            f"resolution, max_bucket_reso or bucket_no_upscale set it")
+    assert files_under(out) == [] and sorted(os.listdir(images)) == ["wide.png", "wide.txt"]
+
+
+def test_generate_refuses_a_size_over_zimages_positions_before_loading_models(tiny_set, tmp_path, capsys, monkeypatch):
+    """generate.py failed the same way only after loading the text encoder and the transformer."""
+    from tools import generate
+
+    def loaded(*args, **kwargs):
+        raise ValueError("text encoder loaded")
+
+    monkeypatch.setattr(ZImageFamily, "load_text_encoder", loaded)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square\na red square --w 16 --h 8208\n")
+    args = ["--model_type", "zimage", "--model", tiny_set["zimage"], "--ae", tiny_set["flux_vae"],
+            "--text_encoder", tiny_set["zimage_text_encoder"], "--out", str(tmp_path / "out"), "--device", "cpu"]
+    assert generate.main([*args, "--prompt_file", str(prompts)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {prompts}:2: size 16x8208 is {OVER}"
+    assert generate.main([*args, "--prompt", "a red square", "--width", "8224", "--height", "16"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --prompt: size 8224x16 is {OVER}"

@@ -103,8 +103,8 @@ from library.io import CheckpointError  # noqa: E402
 from library.models.vae import decoding_in_tiles  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts  # noqa: E402
 from library.data.prompts import (SamplePrompt, check_guidance, check_seed, decode_references,  # noqa: E402
-                                  parse_prompt_line, read_prompt_file, refuse_long_prompts, rendered_side,
-                                  seed_or_random)
+                                  parse_prompt_line, read_prompt_file, refuse_large_prompts, refuse_long_prompts,
+                                  rendered_side, seed_or_random)
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import one_line, parse_lora_spec  # noqa: E402
@@ -182,9 +182,11 @@ def collect_prompts(args, family) -> list[SamplePrompt]:
     # for true CFG only)
     limit = family.caption_token_limit(args)
     refuse_long_prompts([("--prompt", p) for p in prompts], limit, family.true_cfg)
+    largest = family.largest_image()  # a size the transformer refuses, from its header, before any model loads
+    refuse_large_prompts([("--prompt", p) for p in prompts], largest)
     if args.prompt_file:
         prompts += read_prompt_file(args.prompt_file, defaults, guidance_is_cfg=cfg, token_limit=limit,
-                                    negatives=family.true_cfg)
+                                    negatives=family.true_cfg, largest=largest)
     if not prompts:
         raise ValueError("give --prompt or --prompt_file")
     return prompts

@@ -262,6 +262,21 @@ def image_bucket(path: str, size: tuple[int, int], ds: DatasetSpec, buckets: lis
     return bucket
 
 
+def refuse_large_buckets(items, largest: tuple[int, int] | None, source: str) -> None:
+    """ValueError naming the first ImageItem whose bucket is over the family's largest image (width, height;
+    DiffusionFamily.largest_image; None: any size): the forward refused it at its first step, after caching.
+    Without buckets that is the resolution; with them max_bucket_reso bounds a bucket's side, and bucket_no_upscale
+    keeps a wide image's own aspect (any side, within the resolution's area)."""
+    if largest is None:
+        return
+    for item in items:
+        (w, h), (max_w, max_h) = item.bucket, largest
+        if w > max_w or h > max_h:
+            raise ValueError(f"{item.image_path}: its bucket {w}x{h} is over the largest image the model takes, {max_w} "
+                             f"wide by {max_h} high (the positions its RoPE was built for); {source}'s resolution, "
+                             f"max_bucket_reso or bucket_no_upscale set it")
+
+
 def held_out_count(images: int, spec: DatasetSpec) -> int:
     """How many of a subset's `images` split_validation holds out: floor(images x validation_split),
     robust to 0.1 * 30 = 3.0000000000000004."""

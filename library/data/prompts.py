@@ -227,11 +227,11 @@ def default_sample_size(resolution: tuple[int, int]) -> tuple[int, int]:
 
 def read_prompt_file(path: str, defaults: SamplePrompt | None = None, decode: bool = True,
                      guidance_is_cfg: bool | None = None, token_limit=None,
-                     negatives: bool = True) -> list[SamplePrompt]:
+                     negatives: bool = True, largest: tuple[int, int] | None = None) -> list[SamplePrompt]:
     """A prompt file: sd-scripts' text lines, or its .json / .toml prompt objects (by extension), its
     reference images decoded (decode=False: the web UI's check reads none before its roots check);
     guidance_is_cfg: the family's guidance is a CFG scale (settle_scale); token_limit, negatives:
-    refuse_long_prompts'."""
+    refuse_long_prompts'; largest: refuse_large_prompts'."""
     try:
         text = read_utf8(path, "prompt file")
     except OSError as e:
@@ -247,6 +247,7 @@ def read_prompt_file(path: str, defaults: SamplePrompt | None = None, decode: bo
     if decode:
         decode_references(found)
     refuse_long_prompts(found, token_limit, negatives)
+    refuse_large_prompts(found, largest)
     return [prompt for _, prompt in found]
 
 
@@ -271,6 +272,18 @@ def refuse_long_prompts(prompts: list[tuple[str, SamplePrompt]], limit, negative
             if n > limit.max_tokens:
                 raise ValueError(f"{where}: {what} is {n} {limit.encoder} tokens; the encoder takes at most "
                                  f"{limit.max_tokens} and refuses longer ones")
+
+
+def refuse_large_prompts(prompts: list[tuple[str, SamplePrompt]], largest: tuple[int, int] | None) -> None:
+    """ValueError naming the first of the (where, prompt)s larger than the family's largest image (width, height;
+    DiffusionFamily.largest_image; None: any size). The forward refused it only when the sample rendered, minutes
+    into training (a warning at every sample round) or after the models loaded (generate.py)."""
+    if largest is None:
+        return
+    for where, prompt in prompts:
+        if prompt.width > largest[0] or prompt.height > largest[1]:
+            raise ValueError(f"{where}: size {prompt.width}x{prompt.height} is over the largest image the model "
+                             f"takes, {largest[0]} wide by {largest[1]} high (the positions its RoPE was built for)")
 
 
 def _structured_prompts(text: str, path: str, kind: str, defaults: SamplePrompt | None,

@@ -217,6 +217,12 @@ class DiffusionFamily:
         None where the encoder keeps every token."""
         return None
 
+    def largest_image(self) -> tuple[int, int] | None:
+        """(width, height) in pixels of the largest image the transformer takes, from its config (the header, no
+        tensor read): training images and sample prompts over it are refused before caching. None: any size (RoPE
+        computed for every position, as most families do)."""
+        return None
+
     def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
         """(w, h) a reference image of `size` is fitted to when its target's bucket is `bucket`.
         Default: the target's bucket."""

@@ -23,7 +23,7 @@ from library.data.caches import (cache_empty_caption, cache_folder, cache_latent
                                  hold_cache_folders, loaded_on_first_call, remove_unused_caches)
 from library.data.check import TokenLimit, refuse_long_captions, training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
-from library.data.image_folders import largest_step, scan_images, split_validation
+from library.data.image_folders import largest_step, refuse_large_buckets, scan_images, split_validation
 from library.data.controls import check_family_takes, check_prompt_controls
 from library.data.dataset_config import load_dataset_config
 from library.models.core import checkpointing, compile_block, compile_limit_hits
@@ -140,7 +140,8 @@ class DiffusionTask:
             self.compute_dtype, base_precision(args), read_weights=False))
         self.blueprint = load_dataset_config(args.dataset_config)
         limit = self.family.caption_token_limit(args)  # captions and sample prompts, as the text encoder counts them
-        self.dataset, self.validation_set = self._read_images(limit)
+        largest = self.family.largest_image()  # training images and sample prompts, as the transformer takes them
+        self.dataset, self.validation_set = self._read_images(limit, largest)
         if args.validate_every_n_steps and not self.validation_set:  # said before minutes of caching
             raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
                               f"validation_split or add [[validation_datasets]]")
@@ -151,7 +152,7 @@ class DiffusionTask:
         if state:
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items(),
                               self.epoch_settings())
-        self.prompts = self._read_prompts(limit)
+        self.prompts = self._read_prompts(limit, largest)
         self._hold_cache_folders(contextlib.ExitStack() if held is None else held)
         self._settle_sampling()  # before minutes of caching
         self._settle_keeping_keys()
@@ -203,9 +204,9 @@ class DiffusionTask:
             except ValueError as e:
                 raise ConfigError(f"{self.args.pretrained_model_name_or_path}: {e}") from None
 
-    def _read_images(self, limit: TokenLimit | None) -> tuple[ImageDataset, ImageDataset]:
+    def _read_images(self, limit: TokenLimit | None, largest: tuple[int, int] | None) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every
-        [[validation_datasets]] image go to validation only."""
+        [[validation_datasets]] image go to validation only; a bucket over the model's largest image is refused."""
         bp, rule = self.blueprint, self.family.control_bucket  # the family sizes and loads reference images
         fit = dict(control_bucket=rule, stretch_controls=self.family.stretches_references,
                    control_mode=self.family.reference_mode)
@@ -214,6 +215,7 @@ class DiffusionTask:
         check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls,
                            self.family.takes_layers)
         refuse_long_captions(train + validation, limit)  # on every process, as the scan's errors
+        refuse_large_buckets(train + validation, largest, bp.source)
         if self.accelerator.is_main_process:  # once, before caching; the scan warned about image sizes itself
             warn(training_warnings(train, validation, limit))
             enlarged = upscaled(train + validation)
@@ -224,16 +226,17 @@ class DiffusionTask:
         return (ImageDataset(bp, seed=self.args.seed, items=train),
                 ImageDataset(bp, seed=self.args.seed, items=validation, validation=True))
 
-    def _read_prompts(self, limit: TokenLimit | None) -> list[SamplePrompt]:
-        """The sample prompts; one the text encoder refuses (limit) is named now, not after caching (every
-        negative given is encoded: _cache_prompt_texts)."""
+    def _read_prompts(self, limit: TokenLimit | None, largest: tuple[int, int] | None = None) -> list[SamplePrompt]:
+        """The sample prompts; one the text encoder refuses (limit) or larger than the transformer takes (largest)
+        is named now, not after caching (every negative given is encoded: _cache_prompt_texts)."""
         if not self.args.sample_prompts:
             return []
         width, height = default_sample_size(self.blueprint.datasets[0].resolution)
         defaults = SamplePrompt("", width=width, height=height, steps=self.family.sample_steps,
                                 guidance=self.family.sample_guidance)
         prompts = read_prompt_file(self.args.sample_prompts, defaults,
-                                   guidance_is_cfg=self.family.guidance_is_cfg_scale(), token_limit=limit)
+                                   guidance_is_cfg=self.family.guidance_is_cfg_scale(), token_limit=limit,
+                                   largest=largest)
         check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls,
                               self.family.min_controls)
         warn_unread_prompt_options(self.family, prompts, self.args.sample_prompts)

@@ -184,6 +184,13 @@ class ZImageFamily(DiffusionFamily):
         return TokenLimit("Qwen3", te.ZIMAGE_MAX_LENGTH,
                           lambda text: len(tokenizer(te.zimage_prompt_text(tokenizer, text), verbose=False).input_ids))
 
+    def largest_image(self) -> tuple[int, int]:
+        """RoPE axes 1 and 2 (patch rows, columns) hold axes_lens positions each, as diffusers' tables do (the
+        forward refuses more): 512 patches of 16 pixels, 8192 per side, for the releases."""
+        config = self.load_transformer(torch.float32, read_weights=False).config
+        pixels = self.vae_downsample * self.patch
+        return config.axes_lens[2] * pixels, config.axes_lens[1] * pixels
+
     # -- the denoiser --------------------------------------------------------------------------
     def predict(self, model, x_t, sigmas, text, h, w, guidance):
         """Captions of a batch differ in length: the cached ones are stacked to the longest with

@@ -125,6 +125,11 @@ class ZImageOmniFamily(ZImageFamily):
         return {"template": oe.omni_prompt_segments("{}", 1), "max_length": te.ZIMAGE_MAX_LENGTH, "hidden_state": -2,
                 "siglip_max_area": oe.SIGLIP_MAX_AREA}
 
+    def largest_image(self) -> None:
+        """Any size: the omni forward (omni.py) computes RoPE for every position; only the text-to-image one
+        refuses positions past axes_lens."""
+        return None
+
     def caption_token_limit(self, args):
         """Each segment is cut at 512 tokens: the prompt's segment (with one reference) is the long one."""
         from library.data.check import TokenLimit
