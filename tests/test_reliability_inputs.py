@@ -215,12 +215,30 @@ def flux2_vae_as_ae(ts, tmp):
              f"(64, 16, 3, 3), expected (32, *, 3, 3)"])
 
 
+def clip_l_beside_only_t5s_tokenizer(ts, tmp):
+    """ComfyUI's one folder of single files with T5's tokenizer alone: CLIP-L's tokenizer was looked for
+    only when the encoder loaded, after the latents were cached (minutes at full size)."""
+    import shutil
+
+    folder = tmp / "text_encoders"
+    folder.mkdir()
+    for key in ("clip_l", "t5xxl"):
+        shutil.copy(os.path.join(ts[key], "model.safetensors"), folder / f"{key}.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(ts["t5xxl"], name), folder / name)
+    clip_l = str(folder / "clip_l.safetensors")
+    return (["--clip_l", clip_l, "--t5xxl", str(folder / "t5xxl.safetensors")],
+            [f"{clip_l}: no CLIP tokenizer found in {[str(folder), str(tmp / 'tokenizer')]}; skipped {folder}: a T5 "
+             f"tokenizer; put the CLIP tokenizer's files in one of those folders"])
+
+
 MODEL_FILE_CASES = {
     "vae_as_transformer": vae_as_transformer,
     "flux2_transformer_for_flux": flux2_transformer_for_flux,
     "clip_l_missing": clip_l_missing,
     "t5_as_clip_l": t5_as_clip_l,
     "flux2_vae_as_ae": flux2_vae_as_ae,
+    "clip_l_beside_only_t5s_tokenizer": clip_l_beside_only_t5s_tokenizer,
 }
 
 

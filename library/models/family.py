@@ -89,6 +89,9 @@ class ModelFile:
     what: str  # what it must be, for the error: "a CLIP-L text encoder"
     component: str  # its folder when `path` is a diffusers pipeline folder: "vae", "text_encoder", ...
     markers: dict[str, tuple | None]  # key ending -> its shape (None: any); every such file has them
+    # A text encoder's tokenizer as its loader looks for it (text_encoders.tokenizer_folder's arguments
+    # after the weights): (tokenizer folder or None, sibling, kind); None: the file has none
+    tokenizer: tuple[str | None, str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,13 +160,18 @@ class DiffusionFamily:
     def check_model_files(self) -> None:
         """Before anything is loaded or cached (a VAE given as the transformer or a missing encoder
         would otherwise show after minutes of caching): the transformer through its own loader on
-        meta, from its header, and every model_files() entry by its markers. No tensor is read; a
-        file that is missing or not what it must be is one CheckpointError naming its path."""
+        meta, from its header, and every model_files() entry by its markers and its tokenizer (a
+        CLIP-L beside only T5's). No tensor is read; a file that is missing or not what it must be, or
+        a tokenizer not found, is one CheckpointError naming its path."""
         from library.io import check_model_file, component_folder
+        from library.models.text_encoders import tokenizer_folder
 
         self.load_transformer(torch.float32, read_weights=False)
         for f in self.model_files():
-            check_model_file(component_folder(f.path, f.component), f.key, f.what, f.markers)
+            path = component_folder(f.path, f.component)
+            check_model_file(path, f.key, f.what, f.markers)
+            if f.tokenizer:
+                tokenizer_folder(path, *f.tokenizer)
 
     def swappable_block_count(self) -> int:
         """The transformer's swappable_blocks(), counted on meta from its header (no tensor read)."""

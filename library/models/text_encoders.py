@@ -113,7 +113,7 @@ TOKENIZER_FOLDERS = ("tokenizer", "tokenizer_2", "processor")  # a diffusers rep
 def tokenizer_files(path: str) -> list[str]:
     """Every tokenizer file the loaders may read for the encoder at `path` (a file, an HF folder, a
     pipeline's component folder or the pipeline folder): TOKENIZER_FILES in its folder and in the
-    TOKENIZER_FOLDERS inside it and beside it (_load_tokenizer's and the processors' candidates). A few
+    TOKENIZER_FOLDERS inside it and beside it (tokenizer_folder's and the processors' candidates). A few
     more than one loader reads is harmless: they only go into the text cache key."""
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     parent = os.path.dirname(folder.rstrip("/"))
@@ -142,22 +142,28 @@ def _token(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value  # an AddedToken is saved as a dict
 
 
+def tokenizer_folder(weights_path: str, tokenizer: str | None, sibling: str, kind: str) -> str:
+    """The folder an encoder's tokenizer loads from: `tokenizer` if given, else the weights folder itself
+    when it holds one of `kind` (tokenizer_kind), else `sibling` next to it (diffusers repo layout:
+    text_encoder/ + tokenizer/). No torch: the families' check_model_files ask it before any caching."""
+    if tokenizer is not None:
+        return tokenizer
+    if not os.path.exists(weights_path):  # before looking beside it: the path itself is the mistake
+        raise CheckpointError(f"{weights_path}: no such file or folder")
+    folder = weights_path if os.path.isdir(weights_path) else os.path.dirname(weights_path)
+    candidates = [folder, os.path.join(os.path.dirname(folder.rstrip("/")), sibling)]
+    found = [c for c in candidates if os.path.isfile(os.path.join(c, "tokenizer_config.json"))]
+    fits = [c for c in found if tokenizer_kind(c) in (kind, None)]
+    if not fits:
+        skipped = "".join(f"; skipped {c}: a {tokenizer_kind(c)} tokenizer" for c in found)
+        raise CheckpointError(f"{weights_path}: no {kind} tokenizer found in {candidates}{skipped}; "
+                              f"put the {kind} tokenizer's files in one of those folders")
+    return fits[0]
+
+
 def _load_tokenizer(weights_path: str, tokenizer: str | None, sibling: str, kind: str):
-    """The tokenizer: `tokenizer` path if given, else the weights folder itself when it holds one of
-    `kind` (tokenizer_kind), else `sibling` next to it (diffusers repo layout: text_encoder/ + tokenizer/)."""
-    if tokenizer is None:
-        if not os.path.exists(weights_path):  # before looking beside it: the path itself is the mistake
-            raise CheckpointError(f"{weights_path}: no such file or folder")
-        folder = weights_path if os.path.isdir(weights_path) else os.path.dirname(weights_path)
-        candidates = [folder, os.path.join(os.path.dirname(folder.rstrip("/")), sibling)]
-        found = [c for c in candidates if os.path.isfile(os.path.join(c, "tokenizer_config.json"))]
-        fits = [c for c in found if tokenizer_kind(c) in (kind, None)]
-        if not fits:
-            skipped = "".join(f"; skipped {c}: a {tokenizer_kind(c)} tokenizer" for c in found)
-            raise CheckpointError(f"{weights_path}: no {kind} tokenizer found in {candidates}{skipped}; "
-                                  f"put the {kind} tokenizer's files in one of those folders")
-        tokenizer = fits[0]
-    return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+    """The tokenizer from tokenizer_folder."""
+    return AutoTokenizer.from_pretrained(tokenizer_folder(weights_path, tokenizer, sibling, kind), local_files_only=True)
 
 
 def _clip_key(key: str) -> str | None:

@@ -26,12 +26,14 @@ class ChromaFamily(DiffusionFamily):
                            read_weights=read_weights)
 
     def model_files(self) -> list[ModelFile]:
+        from library.models.chroma.text_encoder import t5_paths
         from library.models.vae import vae_markers
 
         return [
             ModelFile("ae", self.vae_path, "a FLUX.1 VAE (16 latent channels)", "vae", vae_markers(self.latent_channels)),
             ModelFile("t5xxl", self.text_paths["t5xxl"], "a T5 encoder", "text_encoder",
-                      {"block.0.layer.0.SelfAttention.q.weight": None}),
+                      {"block.0.layer.0.SelfAttention.q.weight": None},
+                      (t5_paths(self.text_paths["t5xxl"])[1], "tokenizer_2", "T5")),  # as load_chroma_t5 looks
         ]
 
     def model_version(self, model) -> str:

@@ -30,8 +30,10 @@ class FluxFamily(DiffusionFamily):
         clip_l, t5xxl = self.text_paths["clip_l"], self.text_paths["t5xxl"]
         return [
             ModelFile("ae", self.vae_path, "a FLUX.1 VAE (16 latent channels)", "vae", vae_markers(self.latent_channels)),
-            ModelFile("clip_l", clip_l, "a CLIP-L text encoder", "text_encoder", {"embeddings.token_embedding.weight": None}),
-            ModelFile("t5xxl", t5xxl, "a T5 encoder", "text_encoder_2", {"block.0.layer.0.SelfAttention.q.weight": None}),
+            ModelFile("clip_l", clip_l, "a CLIP-L text encoder", "text_encoder", {"embeddings.token_embedding.weight": None},
+                      (None, "tokenizer", "CLIP")),  # as load_clip_l and load_t5 look for them
+            ModelFile("t5xxl", t5xxl, "a T5 encoder", "text_encoder_2", {"block.0.layer.0.SelfAttention.q.weight": None},
+                      (None, "tokenizer_2", "T5")),
         ]
 
     def load_vae(self, dtype=torch.float32):

@@ -43,13 +43,14 @@ class Flux2Family(DiffusionFamily):
         from library.models.vae import vae_markers
 
         # [dev]: Mistral Small 3.1's language model; [klein]: Qwen3, whose attention has q_norm.
-        what, attention = (("a Mistral Small 3.1 language model", "q_proj.weight") if self.is_dev()
-                           else ("a Qwen3 language model", "q_norm.weight"))
+        what, attention, kind = (("a Mistral Small 3.1 language model", "q_proj.weight", "Mistral") if self.is_dev()
+                                 else ("a Qwen3 language model", "q_norm.weight", "Qwen2"))
         markers = {"embed_tokens.weight": None, f"layers.0.self_attn.{attention}": None}
         return [
             ModelFile("ae", self.vae_path, "a FLUX.2 VAE (32 latent channels)", "vae",
                       {**vae_markers(self.latent_channels), "bn.running_mean": None}),  # the BatchNorm of its latents
-            ModelFile("text_encoder", self.text_paths["text_encoder"], what, "text_encoder", markers),
+            ModelFile("text_encoder", self.text_paths["text_encoder"], what, "text_encoder", markers,
+                      (None, "tokenizer", kind)),
         ]
 
     def load_vae(self, dtype=torch.float32):

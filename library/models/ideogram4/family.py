@@ -57,7 +57,8 @@ class Ideogram4Family(DiffusionFamily):
             ModelFile("ae", self.vae_path, "a FLUX.2 VAE (32 latent channels)", "vae",
                       {**vae_markers(self.latent_channels), "bn.running_mean": None}),
             ModelFile("text_encoder", self.text_paths["text_encoder"], "a Qwen3-VL language model", "text_encoder",
-                      {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None}),
+                      {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None},
+                      (None, "tokenizer", "Qwen2")),  # as its loader looks for the tokenizer
         ]
 
     def load_vae(self, dtype=torch.float32):

@@ -98,7 +98,8 @@ class Krea2Family(DiffusionFamily):
             ModelFile("ae", self.vae_path, "a Qwen-Image VAE (16 latent channels, 3-D convolutions)", "vae",
                       vae_markers(self.latent_channels, video=True)),
             ModelFile("text_encoder", self.text_paths["text_encoder"], "a Qwen3-VL language model", "text_encoder",
-                      {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None}),
+                      {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None},
+                      (None, "tokenizer", "Qwen2")),  # as its loader looks for the tokenizer
         ]
 
     def load_vae(self, dtype=torch.float32):

@@ -170,6 +170,17 @@ def load_vision_tower(path: str, dtype: torch.dtype = torch.float32):
     return visual
 
 
+def find_processor(path: str) -> str:
+    """The processor folder (preprocessor_config.json + tokenizer) of the text encoder at `path`: the repo's
+    processor/, one beside the text encoder folder, or that folder itself."""
+    folder = component_folder(path, "text_encoder")
+    candidates = [os.path.join(path, "processor"), os.path.join(os.path.dirname(folder.rstrip("/")), "processor"), folder]
+    found = [c for c in candidates if os.path.isfile(os.path.join(c, "preprocessor_config.json"))]
+    if not found:
+        raise CheckpointError(f"{folder}: no processor (preprocessor_config.json) in {candidates}; pass processor=<folder>")
+    return found[0]
+
+
 def load_qwen_image_edit_text_encoder(path: str, version: str, processor: str | None = None,
                                       dtype: torch.dtype = torch.float32, fp8: str | None = None) -> QwenImageEditTextEncoder:
     """From a Qwen-Image-Edit repo (text_encoder/ + processor/) or a Qwen2.5-VL folder holding its
@@ -180,15 +191,9 @@ def load_qwen_image_edit_text_encoder(path: str, version: str, processor: str | 
     from library.models.family import fp8_prepare
     from library.models.llm import load_llm
 
-    root = path
+    processor = processor or find_processor(path)
     path = component_folder(path, "text_encoder")
     llm = load_llm(path, dtype=dtype, prepare=fp8_prepare(fp8, "llm"))
-    if processor is None:
-        candidates = [os.path.join(root, "processor"), os.path.join(os.path.dirname(path.rstrip("/")), "processor"), path]
-        found = [c for c in candidates if os.path.isfile(os.path.join(c, "preprocessor_config.json"))]
-        if not found:
-            raise CheckpointError(f"{path}: no processor (preprocessor_config.json) in {candidates}; pass processor=<folder>")
-        processor = found[0]
     image_processor = Qwen2VLImageProcessor.from_pretrained(processor, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(processor, local_files_only=True)
     return QwenImageEditTextEncoder(llm, load_vision_tower(path, dtype), image_processor, tokenizer, version)

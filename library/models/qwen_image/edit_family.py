@@ -48,6 +48,7 @@ class QwenImageEditFamily(QwenImageFamily):
     # Qwen2.5-VL with its vision tower: the text encoder sees the condition images.
     text_encoder_kind = ("Qwen2.5-VL with its vision tower",
                          {**QwenImageFamily.text_encoder_kind[1], "patch_embed.proj.weight": None})
+    text_tokenizer = None  # the tokenizer is the processor folder's (check_model_files finds it)
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
@@ -75,6 +76,14 @@ class QwenImageEditFamily(QwenImageFamily):
                 raise ValueError(f"{path}/config.json: {flag}={config.get(flag, False)!r} but model_version "
                                  f"{self._version} expects {value!r}")
         return self._version
+
+    def check_model_files(self) -> None:
+        """Also the processor (tokenizer + image processor) the text encoder loads with: without this it is
+        looked for when the text encoder loads, after the latents are cached."""
+        from library.models.qwen_image.edit_encoder import find_processor
+
+        super().check_model_files()
+        find_processor(self.text_paths["text_encoder"])
 
     def model_version(self, model) -> str:
         return self.version

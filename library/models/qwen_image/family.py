@@ -23,6 +23,7 @@ class QwenImageFamily(DiffusionFamily):
     true_cfg = True
     # The text encoder: Qwen2.5-VL's language model (Qwen2 layers: q_proj has a bias).
     text_encoder_kind = ("a Qwen2.5-VL language model", {"embed_tokens.weight": None, "layers.0.self_attn.q_proj.bias": None})
+    text_tokenizer = (None, "tokenizer", "Qwen2")  # as load_qwen_image_text_encoder looks for it (ModelFile.tokenizer)
 
     def model_version(self, model) -> str:
         return "qwen-image"
@@ -85,7 +86,7 @@ class QwenImageFamily(DiffusionFamily):
         return [
             ModelFile("ae", self.vae_path, "a Qwen-Image VAE (16 latent channels, 3-D convolutions)", "vae",
                       vae_markers(self.latent_channels, video=True)),
-            ModelFile("text_encoder", self.text_paths["text_encoder"], what, "text_encoder", markers),
+            ModelFile("text_encoder", self.text_paths["text_encoder"], what, "text_encoder", markers, self.text_tokenizer),
         ]
 
     def load_vae(self, dtype=torch.float32):

@@ -108,13 +108,16 @@ class QwenImage21Family(DiffusionFamily):
                                  read_weights=read_weights)
 
     def model_files(self) -> list[ModelFile]:
+        from library.models.qwen_image21.text_encoder import pipeline_tokenizer
+
         return [
             # AutoencoderKLQwenImage21 stores its causal convolutions' kernels as 3 x 3 (one frame).
             ModelFile("ae", self.vae_path, "a Qwen-Image-2.1 VAE (RGBA in, 64 latent channels)", "vae",
                       {"encoder.conv_out.weight": (2 * self.latent_channels, None, 3, 3),
                        "encoder.conv_in.weight": (None, 4, 3, 3)}),
             ModelFile("text_encoder", self.text_paths["text_encoder"], "a Qwen3-VL language model", "text_encoder",
-                      {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None}),
+                      {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None},
+                      (pipeline_tokenizer(self.text_paths["text_encoder"]), "processor", "Qwen2")),  # as its loader looks
         ]
 
     def load_vae(self, dtype=torch.float32):

@@ -61,6 +61,13 @@ class QwenImage21TextEncoder:
         return embeds * mask[..., None], mask
 
 
+def pipeline_tokenizer(path: str) -> str | None:
+    """The pipeline folder's processor/ (the tokenizer's folder in Qwen-Image-2.1's repo), None when `path`
+    has none (tokenizer_folder then looks beside the weights)."""
+    processor = os.path.join(path, "processor")
+    return processor if os.path.isdir(processor) else None
+
+
 def load_qwen_image21_text_encoder(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32,
                                    fp8: str | None = None) -> QwenImage21TextEncoder:
     """The text encoder from a Qwen-Image-2.1 pipeline folder (text_encoder/: Qwen3VLForConditionalGeneration,
@@ -70,12 +77,10 @@ def load_qwen_image21_text_encoder(path: str, tokenizer: str | None = None, dtyp
     from library.models.llm import _find_config, load_llm
     from library.models.text_encoders import _load_tokenizer
 
-    root = path
+    tokenizer = tokenizer or pipeline_tokenizer(path)
     path = component_folder(path, "text_encoder")
     config = _find_config(path)
     llm = load_llm(path, config=config, dtype=dtype, prepare=fp8_prepare(fp8, "llm"), keep_layers=config.num_layers)
-    if tokenizer is None and os.path.isdir(os.path.join(root, "processor")):
-        tokenizer = os.path.join(root, "processor")
     return QwenImage21TextEncoder(llm, _load_tokenizer(path, tokenizer, "processor", "Qwen2"))
 
 
