@@ -279,3 +279,62 @@ def test_a_tiny_matrix_runs_on_the_families_tiny_set(tiny_set, tmp_path, family)
         kept, error = cell[deploy]["effect_kept"], cell[deploy]["effect_error"]
         assert 0.9 < kept < 1.1 and 0.0 < error < 0.2, (deploy, cell[deploy])
     assert all(0.0 < c["val_loss"] < 10.0 for c in cell.values())
+
+
+def edit_config(tmp_path, tiny_set, model_type: str) -> tuple[str, str]:
+    """(config, image folder) of a 2-pair edit set (32 px) on the tiny model_type, caches on disk."""
+    from library.models.krea2.tiny import write_krea2_edit_text_encoder
+    from tools.make_tiny_dataset import make_tiny_edit_dataset
+
+    data = make_tiny_edit_dataset(str(tmp_path / "data"), count=2, size=32)
+    if model_type == "krea2_edit":
+        text_encoder = write_krea2_edit_text_encoder(str(tmp_path), 0)["krea2_edit_text_encoder"]
+        files = [tiny_set["krea2_diffusers"], text_encoder]
+    else:
+        files = [tiny_set["qwen_image_edit"], tiny_set["qwen_image_edit_text_encoder"]]
+    config = tmp_path / "train.toml"
+    config.write_text(f'model_type = "{model_type}"\npretrained_model_name_or_path = "{files[0]}"\n'
+                      f'ae = "{tiny_set["qwen_image_vae"]}"\ntext_encoder = "{files[1]}"\n'
+                      f'dataset_config = "{data["edit_dataset_config"]}"\ncache_latents_to_disk = true\n'
+                      f'cache_text_encoder_outputs_to_disk = true\nmixed_precision = "no"\nnetwork_dim = 4\n'
+                      f'network_alpha = 4\noptimizer_type = "AdamW"\nlearning_rate = 1e-3\n'
+                      f'output_dir = "{tmp_path / "unused"}"\nseed = 42\n')
+    return str(config), data["edit_image_dir"]
+
+
+@pytest.mark.parametrize("model_type", ["krea2_edit", "qwen_image_edit"])
+def test_an_edit_family_is_evaluated_with_its_references(tiny_set, tmp_path, monkeypatch, model_type):
+    """The evaluation scanned, encoded and predicted the edit set as a text-to-image one, after the row had trained:
+    krea2_edit's cells were measured without the references (the captions encoded without them, beside the
+    training's caches), qwen_image_edit's text encoder raised a TypeError. Now every prediction, the row's
+    training and the matrix's, sees the reference, from the caches the training wrote."""
+    from library.models.family import get_family
+
+    config, images = edit_config(tmp_path, tiny_set, model_type)
+    family = type(get_family(precision_matrix.load_config(["--config_file", config])))
+    seen, predict = [], family.predict
+
+    def recording(self, *args, control=None, **kwargs):
+        seen.append(len(control or []))
+        return predict(self, *args, control=control, **kwargs)
+
+    monkeypatch.setattr(family, "predict", recording)
+    assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "m"), "--steps", "1",
+                                  "--rows", "bf16", "--columns", "bf16+lora", "--max_items", "2", "--sigmas", "0.5",
+                                  "--dtype", "fp32", "--concept", "none"], log=print) == 0
+    # a training step, then 2 images on 2 bases (bf16 with the LoRA, without): each with its one reference
+    assert len(seen) == 1 + 2 * 2 and set(seen) == {1}, seen
+    caches = sorted(f for f in os.listdir(images) if f.endswith(".safetensors"))
+    assert len(caches) == 2 * 2, caches  # a latent and a text cache per image: the training's, read again
+
+
+def test_a_layered_family_is_one_line_before_training(tiny_set, tmp_path, capsys):
+    """Its targets are frames (per-token maps of one image) and its base loads as Qwen-Image's: refused, not trained."""
+    from tools.make_tiny_models import tiny_config
+
+    config = tmp_path / "layered.toml"
+    config.write_text(tiny_config("qwen_image_layered", tiny_set, tiny_set["qwen_image_layered"]))
+    assert precision_matrix.main(["--config_file", str(config), "--out", str(tmp_path / "m"), "--rows", "bf16"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {config}: model_type qwen_image_layered trains on layered "
+                                               f"targets; the precision matrix evaluates single-image models")
+    assert not (tmp_path / "m").exists()  # no row trained

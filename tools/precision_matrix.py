@@ -97,9 +97,11 @@ import torch  # noqa: E402
 import train_lora  # noqa: E402
 from library.data.caches import cache_latents, cache_text, hold_cache_folders, loaded_on_first_call  # noqa: E402
 from library.data.dataset import ImageDataset  # noqa: E402
+from library.data.controls import check_family_takes  # noqa: E402
 from library.data.dataset_config import load_dataset_config  # noqa: E402
+from library.data.image_folders import split_validation  # noqa: E402
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
-from library.models.family import get_family  # noqa: E402
+from library.models.family import control_kwargs, get_family  # noqa: E402
 from library.models.latents import pack_latents  # noqa: E402
 from library.models import precision_doctor as precision  # noqa: E402
 from library.precision.fp8 import FP8_DTYPE  # noqa: E402
@@ -107,7 +109,7 @@ from library.precision.fp8_compute import fp8_gemm_available  # noqa: E402
 from library.precision.stored_layouts import refuse_stored_base  # noqa: E402
 from library.models import flow_matching as fm  # noqa: E402
 from library.training.config import ConfigError, load_config  # noqa: E402
-from library.training.diffusion_task import DiffusionTask  # noqa: E402
+from library.training.diffusion_task import DiffusionTask, scan_family_images  # noqa: E402
 from library.training.state import sample_seed  # noqa: E402
 from library.models.family import fp8_prepare  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
@@ -258,12 +260,16 @@ def train_row(trained_on: str, config_file: str, out: str, overrides: list[str],
 # Evaluation data: the config's images, from the training caches (encoders load only if needed)
 
 
-def eval_data(args, family, max_items: int) -> list[tuple[str, torch.Tensor, dict]]:
-    """[(key, latents [1, C, h, w] float32, text {k: [1, ...]})] for the first max_items images, their
-    cache folders held shared while cached and read (a training run alone there removes the cache
-    files its own entries do not use)."""
-    dataset = ImageDataset(load_dataset_config(args.dataset_config), seed=args.seed)
+def eval_data(args, family, max_items: int) -> list[tuple[str, torch.Tensor, dict, list | None]]:
+    """[(key, latents [1, C, h, w] float32, text {k: [1, ...]}, reference latents [[1, C, h', w'], ...] or None)]
+    for the first max_items images, scanned, cached and encoded as training does them (an edit family's text
+    sees the references), their cache folders held shared while cached and read (a training run alone there
+    removes the cache files its own entries do not use)."""
+    blueprint = load_dataset_config(args.dataset_config)
+    training_items = split_validation(scan_family_images(blueprint, family), blueprint)[0]
+    dataset = ImageDataset(blueprint, seed=args.seed, items=training_items)
     items = dataset.items[:max_items]
+    check_family_takes(items, family.name, family.max_controls, family.min_controls, family.takes_layers)
     with contextlib.ExitStack() as held:
         if args.cache_latents_to_disk or args.cache_text_encoder_outputs_to_disk:
             hold_cache_folders(items, held)
@@ -272,12 +278,14 @@ def eval_data(args, family, max_items: int) -> list[tuple[str, torch.Tensor, dic
         options = family.text_options(args)
         precision = args.text_encoder_precision
         cache_text(items, loaded_on_first_call(lambda: family.load_text_encoder(precision, **options)),
-                   family.text_cache_key(options, precision), to_disk=args.cache_text_encoder_outputs_to_disk)
+                   family.text_cache_key(options, precision), to_disk=args.cache_text_encoder_outputs_to_disk,
+                   with_references=family.text_sees_controls)
         data = []
         for i in range(len(items)):
             sample = dataset[dataset.entries.index(i)]
             text = {k: v[None] for k, v in sample["text"].items()}
-            data.append((sample["key"], sample["latents"][None], text))
+            controls = [c[None] for c in sample["controls"]] if "controls" in sample else None
+            data.append((sample["key"], sample["latents"][None], text, controls))
     return data
 
 
@@ -287,14 +295,15 @@ def predictions(family, model, data, sigmas, seed: int, guidance, position_bug: 
     bug = precision.position_bug(precision.storage_dtype(model)) if position_bug else (lambda f: f)
     preds, losses = [], []
     with precision.patched_rope_tables(bug):
-        for key, latents, text in data:
+        for key, latents, text, control in data:
             _, _, lh, lw = latents.shape
             for s in sigmas:
                 gen = torch.Generator().manual_seed(sample_seed(seed, -1, f"{key}@{s}"))  # fixed noise per image, sigma
                 noise = torch.randn(latents.shape, generator=gen)
                 sigma = torch.tensor([s], dtype=torch.float32)
                 x_t = pack_latents(fm.noisy_input(latents, noise, sigma))
-                pred = family.predict(model, x_t, sigma, text, lh // family.patch, lw // family.patch, guidance).float()
+                pred = family.predict(model, x_t, sigma, text, lh // family.patch, lw // family.patch, guidance,
+                                      **control_kwargs(control)).float()
                 losses.append(fm.flow_loss(pred, pack_latents(fm.flow_target(latents, noise))).item())
                 preds.append(pred.cpu())
     return preds, sum(losses) / len(losses)
@@ -312,7 +321,7 @@ def cell_metrics(preds, base_preds, ref_preds, ref_base_preds, data, grid) -> di
     effect = [p - b for p, b in zip(preds, base_preds)]
     ref_effect = [p - b for p, b in zip(ref_preds, ref_base_preds)]
     ref_size = _norm(ref_effect)
-    same_grid = [i for i, (_, lat, _) in enumerate(data) for _ in (0,) if tuple(lat.shape[-2:]) == grid]
+    same_grid = [i for i, (_, lat, *_) in enumerate(data) for _ in (0,) if tuple(lat.shape[-2:]) == grid]
     per = len(preds) // len(data)
     chosen = [i * per + j for i in same_grid for j in range(per)]
     h, w = grid[0] // 2, grid[1] // 2
@@ -338,7 +347,7 @@ def run_matrix(args, family, bases: Bases, loras: dict[str, str], columns, data,
         base_preds[base], _ = predictions(family, model, data, sigmas, seed, guidance, base.endswith("+posbug"))
         base_rates[base] = concept.rate(model, seed, base.endswith("+posbug")) if concept else nan
         del model
-    shapes = [tuple(lat.shape[-2:]) for _, lat, _ in data]
+    shapes = [tuple(lat.shape[-2:]) for _, lat, *_ in data]
     grid = max(set(shapes), key=shapes.count)
     rows = []
     for trained_on, path in loras.items():
@@ -495,6 +504,9 @@ def main(argv=None, log=print) -> int:
             overrides += ["--dataset_config", resized_dataset(base.dataset_config, cli.resolution, cli.out)]
         args = load_config(run_args(cli.config_file, overrides))
         family = get_family(args)
+        if family.takes_layers:  # its targets are frames: the per-token maps and the bases' loaders are of one image
+            raise ValueError(f"{cli.config_file}: model_type {args.model_type} trains on layered targets; the "
+                             f"precision matrix evaluates single-image models")
         refuse_stored_base(args.pretrained_model_name_or_path, f"{cli.config_file}: pretrained_model_name_or_path",
                            "every row and column would train and deploy on that one base")
         bad = [item for item in cli.loras.split(",") if item and "=" not in item]

@@ -110,6 +110,13 @@ def encoded_by_all(accelerator, encoded: int, to_disk: bool) -> int:
     return sum(gather_object([encoded]))  # a collective: each process's count, once all have finished
 
 
+def scan_family_images(blueprint, family, held_out_sets: bool = False) -> list:
+    """scan_images with the family's rule for reference images (sized by control_bucket, stretched or cropped,
+    loaded in reference_mode): training and tools/precision_matrix.py evaluate the same references."""
+    return scan_images(blueprint, held_out_sets, control_bucket=family.control_bucket,
+                       stretch_controls=family.stretches_references, control_mode=family.reference_mode)
+
+
 def check_network_settings(args, arch: str) -> None:
     """network_args against the network type and the architecture: a ConfigError naming the config. Here, not
     in the config check: the network modules (and LyCORIS) import torch, the web UI does not. train_lora.py and
@@ -207,11 +214,9 @@ class DiffusionTask:
     def _read_images(self, limit: TokenLimit | None, largest: tuple[int, int] | None) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every
         [[validation_datasets]] image go to validation only; a bucket over the model's largest image is refused."""
-        bp, rule = self.blueprint, self.family.control_bucket  # the family sizes and loads reference images
-        fit = dict(control_bucket=rule, stretch_controls=self.family.stretches_references,
-                   control_mode=self.family.reference_mode)
-        train, held_out = split_validation(scan_images(bp, **fit), bp)
-        validation = held_out + scan_images(bp, held_out_sets=True, **fit)
+        bp = self.blueprint
+        train, held_out = split_validation(scan_family_images(bp, self.family), bp)
+        validation = held_out + scan_family_images(bp, self.family, held_out_sets=True)
         check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls,
                            self.family.takes_layers)
         refuse_long_captions(train + validation, limit)  # on every process, as the scan's errors
