@@ -49,6 +49,7 @@ from library.training import fsdp, run_locks, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix, step_ds  # noqa: E402
 from library.training.config import (PRECISION_DTYPES, ConfigError, load_config, lora_network_args,  # noqa: E402
                                      optimizer_kwargs)
+from library.training.output_names import lora_save_name  # noqa: E402
 from library.training.run_length import check_planned_steps, epoch_steps, plan_steps, warmup_steps  # noqa: E402
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
@@ -249,7 +250,7 @@ class Saver:
 
     def lora(self, step: int, epoch: int, final: bool = False, prune: bool = True) -> str:
         """The LoRA of `step`, which falls in `epoch` (from 1: Trainer.save_epoch)."""
-        name = self.args.output_name + ("" if final else f"-step{step:06d}")
+        name = lora_save_name(self.args.output_name, None if final else step)
         path = os.path.join(self.args.output_dir, name + ".safetensors")
         if self.accelerator.is_main_process:
             metadata = lora_metadata(self.args, self.task, step, epoch, self.max_steps, self.epochs, self.started)

@@ -79,6 +79,12 @@ def atomic_path(path: str):
 LEFT_BEHIND = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.(tmp|old)")
 
 
+def temporary_name(name: str) -> str:
+    """The name of the temporary atomic_path / atomic_folder make for `name`: the longest name a save of
+    `name` puts in its folder (the file system's name limit counts it, not `name` alone)."""
+    return f".{name}.{'x' * 8}.tmp"
+
+
 def atomic_target(name: str) -> str | None:
     """The file name an atomic_path temporary named `name` (`.<name>.<random>.tmp`) was written for;
     None where `name` is no such temporary."""

@@ -613,6 +613,33 @@ def test_sampling_keys_with_prompts_blanked_are_an_explicit_no(tmp_path):
     load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
 
 
+@pytest.mark.parametrize("config, lines, margin", [
+    (FLUX, "", 37),  # .<name>-step001600.safetensors.xxxxxxxx.tmp: a step save's temporary
+    (FLUX, "ema_decay = 0.999\n", 41),  # its EMA's: -step001600_ema.safetensors
+    (FLUX, 'sample_prompts = "p.txt"\nsample_every_n_steps = 100\n', 58),  # _step001600_00_<time>_<seed>.png
+    (BASE, "", 25),  # an LLM's PEFT adapter folder: .<name>-step001600.xxxxxxxx.tmp
+])
+def test_an_output_name_too_long_for_the_names_the_run_writes_is_refused_at_load(tmp_path, config, lines, margin):
+    """The old line took it, trained every step, and lost the LoRA at its save (or failed at the first sample):
+    'File name too long' for the save's temporary, the name itself under the limit."""
+    cfg, limit = write(tmp_path, config + lines), os.pathconf(tmp_path, "PC_NAME_MAX")
+    load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--output_name", "x" * (limit - margin)])
+    refused = rf"'output_name' is {limit - margin + 1} bytes \(UTF-8\): .* is {limit + 1} bytes, over .* of {limit}"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--output_name", "x" * (limit - margin + 1)])
+
+
+def test_an_output_name_is_measured_in_utf8_bytes(tmp_path):
+    """80 CJK characters are 240 bytes: under 255 as a name, over it in the save's temporary."""
+    cfg, limit = write(tmp_path, FLUX), os.pathconf(tmp_path, "PC_NAME_MAX")
+    with pytest.raises(ConfigError) as raised:
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--output_name", "\u5b57" * 80])
+    assert str(raised.value) == (
+        f"command line: key 'output_name' is 240 bytes (UTF-8): the longest file name the run writes from it, "
+        f"'.<output_name>-step001600.safetensors.xxxxxxxx.tmp', is 277 bytes, over the file system's limit of {limit} "
+        f"in output_dir '{tmp_path}'; use at most {limit - 37} bytes")
+
+
 def test_a_folder_given_as_the_config_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"is a folder; expected a training config \(\.toml\) file"):
         load_config(["--config_file", str(tmp_path)])

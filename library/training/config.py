@@ -23,6 +23,7 @@ import toml
 from library.errors import ConfigError, blame
 from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, SAMPLING_METHODS, arch_specs
 from library.text_files import read_utf8, toml_loads
+from library.training.output_names import check_name_length
 from library.training.run_length import check_ema_start, check_warmup
 
 PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (PRECISION_DTYPES below)
@@ -714,6 +715,7 @@ def _validate_output(args: argparse.Namespace, origins: dict[str, str], where: s
     if args.output_dir:
         where = origins.get("output_dir", where)
         _check_creatable(args.output_dir, "output_dir", where)
+        check_name_length(args, origins.get("output_name", where), lora_formats(args))
         _validate_output_paths(args, where)
 
 
