@@ -168,3 +168,45 @@ def test_text_cache_is_per_caption_and_references_with_the_dropped_caption_seein
     Image.new("RGB", (32, 32), (7, 7, 7)).save(control / "003.png")
     items = scan_images(blueprint)
     assert cache_text(items, encode, "k", with_references=True) == 1  # only the changed pair re-encodes
+
+
+def test_a_reference_the_vl_processor_refuses_is_named_before_caching(edit_set, tmp_path, capsys, monkeypatch):
+    """An 8000 x 16 reference (aspect 500) is 8576 x 32 at the VL encoder's ~384x384 area: aspect 268, over the
+    Qwen-VL image processor's 200. It passed check_dataset; training cached every latent, then the processor's
+    line named no file. Now the scan, check_dataset, a sample prompt's --ci and generate.py name it first."""
+    from tools import check_dataset, generate
+
+    control = tmp_path / "long_control"
+    shutil.copytree(edit_set["edit_control_dir"], control)
+    long = str(control / "003.png")
+    Image.new("RGB", (8000, 16), "grey").save(long)
+    ds = tmp_path / "long.toml"
+    with open(edit_set["edit_dataset_config"]) as f:
+        ds.write_text(f.read().replace(edit_set["edit_control_dir"], str(control)))
+    refused = (f"{long}: 8000 x 16 pixels, 8576 x 32 as the text encoder resizes it, an aspect ratio of 268; "
+               f"the Qwen-VL image processor takes at most 200")
+    monkeypatch.setattr(QwenImageEditFamily, "load_vae", lambda *a, **k: pytest.fail("the VAE loaded: caching began"))
+
+    def one_line(code):
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1, (code, err)
+        return err[0]
+
+    assert refused in one_line(train_lora.main(edit_args(edit_set, tmp_path / "run", "--max_train_steps", "1",
+                                                         "--dataset_config", str(ds), "--sample_prompts", "")))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(f"make it red --ci {long}\n")
+    line = one_line(train_lora.main(edit_args(edit_set, tmp_path / "run", "--max_train_steps", "1",
+                                              "--sample_prompts", str(prompts))))
+    assert f"{prompts}: prompt 'make it red': --ci {refused}" in line, line
+    line = one_line(generate.main(["--model_type", "qwen_image_edit", "--model", edit_set["qwen_image_edit"],
+                                   "--ae", edit_set["qwen_image_vae"], "--text_encoder", edit_set["qwen_image_edit_text_encoder"],
+                                   "--prompt", "make it red", "--control_image", long, "--out", str(tmp_path / "gen")]))
+    assert refused in line, line
+    run = tmp_path / "run.toml"
+    run.write_text(f'model_type = "qwen_image_edit"\npretrained_model_name_or_path = "{edit_set["qwen_image_edit"]}"\n'
+                   f'ae = "{edit_set["qwen_image_vae"]}"\ntext_encoder = "{edit_set["qwen_image_edit_text_encoder"]}"\n'
+                   f'dataset_config = "{ds}"\noutput_dir = "{tmp_path / "out"}"\noutput_name = "t"\n')
+    assert check_dataset.main(["--config_file", str(run)]) == 1
+    out = capsys.readouterr()
+    assert f"error: {refused}" in out.out and "1 errors" in out.out, out.out

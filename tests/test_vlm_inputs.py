@@ -10,7 +10,8 @@ from PIL import Image
 from transformers import AutoTokenizer, Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
-from library.data.vlm_inputs import IMAGE_PLACEHOLDER, qwen_vl_inputs
+from library.data.controls import check_vl_views
+from library.data.vlm_inputs import IMAGE_PLACEHOLDER, check_aspect_ratio, qwen_vl_inputs
 from tools.make_tiny_models import write_qwen3_vl
 
 
@@ -85,3 +86,52 @@ def test_text_without_images_has_no_pixels():
     assert sorted(out) == ["attention_mask", "input_ids", "mm_token_type_ids"] and not out["mm_token_type_ids"].any()
     with pytest.raises(ValueError, match="2 prompts but images for 1"):
         qwen_vl_inputs(["a", "b"], [[]], None, Tokenizer())
+
+
+@pytest.mark.parametrize("size", [(8000, 16), (6000, 20), (4200, 20), (20, 4200)])
+def test_the_reference_check_says_what_the_processor_says_of_the_encoders_view(tiny_set, size):
+    """Qwen-Image-Edit-2509 shows a reference at ~384x384 area, sides rounded to 32, and the processor checks
+    that view: 8000 x 16 (aspect 500) is 268 there and 6000 x 20 (300) 208, both refused; 4200 x 20 (210) is 174,
+    taken, though its own aspect is over 200."""
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+
+    seen = QwenImageEditFamily(tiny_set["qwen_image_edit"], model_version="qwen-image-edit-2509").reference_vl_size(*size)
+    processor = Qwen2VLImageProcessor.from_pretrained(tiny_set["qwen_image_edit_processor"])
+    try:
+        processor(images=[Image.new("RGB", seen)], return_tensors="pt")
+        taken = True
+    except ValueError as e:
+        assert "aspect ratio must be smaller than 200" in str(e)
+        taken = False
+    assert taken == (max(size) == 4200), (size, seen)
+    if taken:
+        check_aspect_ratio("r.png", size, seen)
+    else:
+        with pytest.raises(ValueError, match=f"r.png: {size[0]} x {size[1]} pixels, {seen[0]} x {seen[1]} as the text "
+                                             f"encoder resizes it, an aspect ratio of"):
+            check_aspect_ratio("r.png", size, seen)
+
+
+def test_each_family_checks_its_own_view_of_a_reference(tmp_path):
+    """Krea 2 edit shows a reference at most 384^2 pixels, sides at least 28 (8000 x 16 -> 8000 x 28: 286);
+    Qwen-Image-2.1 at 1024^2 pixels in 32-pixel steps (-> 22912 x 32: 716); Z-Image Omni's SigLIP has no such
+    limit (reference_vl_size None)."""
+    from library.models.krea2.edit_family import Krea2EditFamily
+    from library.models.qwen_image21.family import QwenImage21Family
+    from library.models.zimage.omni_family import ZImageOmniFamily
+
+    long, wide = str(tmp_path / "long.png"), str(tmp_path / "wide.png")
+    Image.new("RGB", (8000, 16)).save(long)
+    Image.new("RGB", (4000, 30)).save(wide)  # 133
+    for family, view in ((Krea2EditFamily("m"), "8000 x 28"), (QwenImage21Family("m"), "22912 x 32")):
+        check_vl_views([wide], family.reference_vl_size)
+        with pytest.raises(ValueError, match=f"long.png: 8000 x 16 pixels, {view} as the text encoder resizes it"):
+            check_vl_views([long], family.reference_vl_size)
+    check_vl_views([long], ZImageOmniFamily("m").reference_vl_size)
+
+
+def test_an_image_the_processor_refuses_is_named_by_its_place():
+    """The processor's own line ("absolute aspect ratio must be smaller than 200, got 200.1") named no image."""
+    with pytest.raises(ValueError, match="image 2 of 2: 10 x 2001 pixels, an aspect ratio of 200.1; the Qwen-VL image "
+                                         "processor takes at most 200"):
+        qwen_vl_inputs([IMAGE_PLACEHOLDER * 2], [[image(10, 10, 0), image(10, 2001, 0)]], None, None)

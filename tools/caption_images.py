@@ -104,7 +104,7 @@ from tqdm import tqdm  # noqa: E402
 
 from library.data.images import IMAGE_EXTENSIONS, is_image_name, load_rgb, verified_image_size  # noqa: E402
 from library.data.tokenizer import folder_chat_template  # noqa: E402
-from library.data.vlm_inputs import IMAGE_PLACEHOLDER, qwen_vl_inputs  # noqa: E402
+from library.data.vlm_inputs import IMAGE_PLACEHOLDER, check_aspect_ratio, qwen_vl_inputs  # noqa: E402
 from library.io import CheckpointError, write_text  # noqa: E402
 from library.text_files import read_utf8  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
@@ -133,19 +133,7 @@ def check_decodes(paths: list[str]) -> None:
     find_images verified, or a shape the processor refuses (check_aspect_ratio) is one line naming it
     before the model loads, not a traceback after it."""
     for path in tqdm(paths, unit="img", desc="decoding", dynamic_ncols=True, disable=len(paths) < 100):
-        check_aspect_ratio(path, load_rgb(path).size)
-
-
-# The Qwen-VL image processor refuses an image whose long side is more than this many times its short
-# side (transformers' smart_resize: "absolute aspect ratio must be smaller than 200"), naming no file.
-MAX_ASPECT_RATIO = 200
-
-
-def check_aspect_ratio(path: str, size: tuple[int, int]) -> None:
-    w, h = size
-    if max(w, h) > MAX_ASPECT_RATIO * min(w, h):
-        raise ValueError(f"{path}: {w} x {h} pixels, an aspect ratio of {max(w, h) / min(w, h):.4g}; the Qwen-VL image "
-                         f"processor takes at most {MAX_ASPECT_RATIO}: crop it, or move it out of the folder")
+        check_aspect_ratio(path, load_rgb(path).size, fix="crop it, or move it out of the folder")
 
 
 def caption_path(image_path: str, extension: str) -> str:

@@ -235,7 +235,8 @@ def generate(args) -> list[str]:
     check_model_options(args, family)
     check_stored_base(args, family)  # before any model loads
     prompts = collect_prompts(args, family)
-    check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls)
+    check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls,
+                          family.reference_vl_size)
     warn_unread_prompt_options(family, prompts, args.prompt_file or "--prompt")
     encode = family.load_text_encoder(args.text_encoder_precision, device, **family.text_options(args))
     def encode_one(text: str, references) -> dict:  # with the references where the text encoder sees them

@@ -223,11 +223,13 @@ def warn(problems: list[Problem]) -> None:
 
 
 def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
-                  token_check: str = "not counted (no tokenizer)", takes: tuple[str, int, int, bool] | None = None) -> DatasetReport:
+                  token_check: str = "not counted (no tokenizer)", takes: tuple[str, int, int, bool] | None = None,
+                  vl_size=None) -> DatasetReport:
     """Every subset of the training and validation datasets, checked image by image, plus
     duplicates across all of them. takes: (model_type, min_controls, max_controls, takes_layers) of the
     family that trains on it: reference counts and layered targets it does not take are errors, as
-    training's check_family_takes."""
+    training's check_family_takes, and with takes, vl_size (its reference_vl_size) refuses references
+    its Qwen-VL image processor does not take."""
     subsets, where = [], {}  # where: image path -> the report of its first subset
     trained, held_out = set(), {}  # held_out: image path -> the report of its first validation subset
     sections = [("datasets", blueprint.datasets), ("validation_datasets", blueprint.validation_datasets)]
@@ -237,7 +239,7 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
             reports, kept = [], []  # kept: (subset, report, its trained paths), for the regularization balance
             for si, subset in enumerate(ds.subsets, start=1):
                 report = SubsetReport(f"{name} {di}, subset {si}", subset.image_dir)
-                readable, used = check_subset(report, ds, subset, limit, layered, takes)
+                readable, used = check_subset(report, ds, subset, limit, layered, takes, vl_size)
                 for path in readable:
                     where.setdefault(path, report)
                 if name == "validation_datasets":  # every image of it is held out
@@ -280,11 +282,12 @@ def balance_regularization(dataset_index: int, kept: list) -> None:
 
 
 def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None,
-                 layered: dict | None = None, takes: tuple[str, int, int, bool] | None = None) -> tuple[list[str], list[str]]:
+                 layered: dict | None = None, takes: tuple[str, int, int, bool] | None = None,
+                 vl_size=None) -> tuple[list[str], list[str]]:
     """Fill `report` for one subset; returns the readable images' paths (for the duplicate check) and
     those training uses (for the held-out ones: split_validation's choice).
     layered: the dataset's first composite ({"first": (path, layer count)}), shared by its subsets;
-    takes: check_dataset's."""
+    takes, vl_size: check_dataset's."""
     layers, layered = {}, {} if layered is None else layered
     try:
         with warnings.catch_warnings(record=True) as said:  # images in subfolders: this report's warnings
@@ -335,7 +338,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
             try:
                 model_type, fewest, most, layered_ok = takes
                 check_family_takes([SimpleNamespace(image_path=path, control_paths=references, subset=subset)],
-                                   model_type, most, fewest, layered_ok)
+                                   model_type, most, fewest, layered_ok, vl_size)
             except ValueError as e:
                 report.add("error", "reference", str(e))
         if subset.multiple_target:

@@ -19,6 +19,7 @@ import re
 import torch
 
 from library.data.images import images_by_stem, load_image, load_rgb, verified_image_size
+from library.data.vlm_inputs import check_aspect_ratio
 
 
 def target_stems(paths: list[str]) -> frozenset[str]:
@@ -78,9 +79,10 @@ def check_control_count(item, first) -> None:
 
 
 def check_family_takes(items, model_type: str, max_controls: int, min_controls: int = 0,
-                       takes_layers: bool = False) -> None:
-    """The training family takes this many references per image (0: it is no edit model), and layered
-    targets only if it trains layers (takes_layers)."""
+                       takes_layers: bool = False, vl_size=None) -> None:
+    """The training family takes this many references per image (0: it is no edit model), layered
+    targets only if it trains layers (takes_layers), and references its Qwen-VL image processor takes
+    (vl_size: check_vl_views')."""
     for item in items:
         if item.subset.multiple_target and not takes_layers:  # its composite counted as a reference: the
             # refusal named a control_directory never set, or an edit model's VAE met RGBA after caching text
@@ -95,6 +97,17 @@ def check_family_takes(items, model_type: str, max_controls: int, min_controls: 
                     if not max_controls else f"takes at most {max_controls} reference image(s)")
             raise ValueError(f"{item.image_path}: {n} reference image(s) in {item.subset.control_directory}, "
                              f"but model_type {model_type} {what}")
+        check_vl_views(item.control_paths, vl_size)
+
+
+def check_vl_views(paths, vl_size) -> None:
+    """Each reference at `paths` as the text encoder shows it to its Qwen-VL image processor: vl_size(w, h) ->
+    its resized (w, h), or None where none sees it (DiffusionFamily.reference_vl_size). One the processor
+    refuses (check_aspect_ratio) stopped text caching, after every latent, naming no file."""
+    for path in paths if vl_size else ():
+        size = verified_image_size(path)
+        if (seen := vl_size(*size)) is not None:
+            check_aspect_ratio(path, size, seen)
 
 
 def reference_views(paths: list[str] | tuple[str, ...]) -> list:
@@ -122,8 +135,10 @@ def reference_images(paths: list[str] | tuple[str, ...], control_bucket, width: 
                        stretch=stretch)[None] for p in paths]
 
 
-def check_prompt_controls(prompts, where: str, model_type: str, max_controls: int, min_controls: int = 0) -> None:
-    """Sample prompts give no more --ci than the family takes, and as many as it needs."""
+def check_prompt_controls(prompts, where: str, model_type: str, max_controls: int, min_controls: int = 0,
+                          vl_size=None) -> None:
+    """Sample prompts give no more --ci than the family takes, as many as it needs, and ones its Qwen-VL
+    image processor takes (vl_size: check_vl_views')."""
     for p in prompts:
         if len(p.control_images) < min_controls:
             raise ValueError(f"{where}: prompt {p.prompt!r} has {len(p.control_images)} --ci image(s), but model_type "
@@ -132,3 +147,7 @@ def check_prompt_controls(prompts, where: str, model_type: str, max_controls: in
             what = "takes no reference images" if not max_controls else f"takes at most {max_controls}"
             raise ValueError(f"{where}: prompt {p.prompt!r} has {len(p.control_images)} --ci image(s), but "
                              f"model_type {model_type} {what}")
+        try:
+            check_vl_views(p.control_images, vl_size)
+        except ValueError as e:
+            raise ValueError(f"{where}: prompt {p.prompt!r}: --ci {e}") from None

@@ -23,6 +23,21 @@ IMAGE_TOKEN = "<|image_pad|>"
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", IMAGE_TOKEN, "<|video_pad|>")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # one image in a Qwen-VL chat
 IMAGE_TOKEN_TYPE = 1  # mm_token_type_ids: 0 text, 1 image (2 video, never made here)
+# The image processor refuses an image whose long side is more than this many times its short side
+# (transformers' smart_resize: "absolute aspect ratio must be smaller than 200"), naming no file.
+MAX_ASPECT_RATIO = 200
+
+
+def check_aspect_ratio(path: str, size: tuple[int, int], seen: tuple[int, int] | None = None,
+                       fix: str = "crop it") -> None:
+    """ValueError naming `path` (size: its width, height) when the image processor would refuse it; seen:
+    the (width, height) its caller resizes it to for the processor, what smart_resize checks (default: size)."""
+    w, h = seen or size
+    if min(w, h) == 0 or max(w, h) > MAX_ASPECT_RATIO * min(w, h):
+        shown = f", {w} x {h} as the text encoder resizes it" if seen and tuple(seen) != tuple(size) else ""
+        ratio = max(w, h) / min(w, h) if min(w, h) else float("inf")
+        raise ValueError(f"{path}: {size[0]} x {size[1]} pixels{shown}, an aspect ratio of {ratio:.4g}; the Qwen-VL "
+                         f"image processor takes at most {MAX_ASPECT_RATIO}: {fix}")
 
 
 def expand_image_tokens(text: str, counts: list[int]) -> str:
@@ -45,6 +60,8 @@ def qwen_vl_inputs(texts: list[str], images: list[list], image_processor, tokeni
     flat = [img for sample in images for img in sample]
     vision = {}
     if flat:
+        for i, img in enumerate(flat):  # a file's path where PIL kept it (the processor's own error names none)
+            check_aspect_ratio(getattr(img, "filename", "") or f"image {i + 1} of {len(flat)}", img.size)
         vision = dict(image_processor(images=flat, return_tensors="pt"))
         counts = (vision["image_grid_thw"].prod(-1) // image_processor.merge_size**2).tolist()
         starts = [sum(len(s) for s in images[:i]) for i in range(len(images))]

@@ -260,6 +260,12 @@ class DiffusionFamily:
         return width, height, reference_images(paths, self.sample_control_bucket, width, height,
                                                self.stretches_references, self.reference_mode)
 
+    def reference_vl_size(self, width: int, height: int) -> tuple[int, int] | None:
+        """(w, h) the text encoder resizes a reference image of width x height to for its Qwen-VL image processor,
+        whose aspect ratio limit (library/data/vlm_inputs.py check_aspect_ratio) the scan and the sample prompts
+        check it against before caching; None: no Qwen-VL image processor sees the references."""
+        return None
+
     def reference_text_tokens(self, width: int, height: int) -> int:
         """Tokens a reference image of width x height adds to the text sequence (the memory planner):
         none unless the text encoder sees the references (text_sees_controls)."""

@@ -218,7 +218,7 @@ class DiffusionTask:
         train, held_out = split_validation(scan_family_images(bp, self.family), bp)
         validation = held_out + scan_family_images(bp, self.family, held_out_sets=True)
         check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls,
-                           self.family.takes_layers)
+                           self.family.takes_layers, self.family.reference_vl_size)
         refuse_long_captions(train + validation, limit)  # on every process, as the scan's errors
         refuse_large_buckets(train + validation, largest, bp.source)
         if self.accelerator.is_main_process:  # once, before caching; the scan warned about image sizes itself
@@ -243,7 +243,7 @@ class DiffusionTask:
                                    guidance_is_cfg=self.family.guidance_is_cfg_scale(), token_limit=limit,
                                    largest=largest)
         check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls,
-                              self.family.min_controls)
+                              self.family.min_controls, self.family.reference_vl_size)
         warn_unread_prompt_options(self.family, prompts, self.args.sample_prompts)
         return prompts
 

@@ -122,6 +122,11 @@ class Krea2EditFamily(Krea2Family):
         return {**super().text_encoding_constants(), "image_slot": ee.IMAGE_SLOT, "vlm_area": ee.VLM_AREA,
                 "vlm_min_side": ee.VLM_MIN_SIDE}
 
+    def reference_vl_size(self, width: int, height: int) -> tuple[int, int]:
+        from library.models.krea2.edit_encoder import vlm_size
+
+        return vlm_size(width, height)  # Krea2ImageTextEncoder.vl_inputs' resize
+
     def reference_text_tokens(self, width: int, height: int) -> int:
         """Qwen3-VL sees a reference at <= 384^2 pixels, one token per 32 x 32 (16-pixel patches merged 2 x 2)."""
         from library.models.krea2.edit_encoder import vlm_size

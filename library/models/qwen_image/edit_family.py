@@ -105,6 +105,9 @@ class QwenImageEditFamily(QwenImageFamily):
         w, h = area_size(size[0], size[1], edit.VAE_IMAGE_AREA)
         return max(w, SIZE_MULTIPLE), max(h, SIZE_MULTIPLE)
 
+    def reference_vl_size(self, width: int, height: int) -> tuple[int, int]:
+        return edit_sizes(self.version, [(width, height)]).encoder[0]  # load_text_encoder's resize
+
     def reference_text_tokens(self, width: int, height: int) -> int:
         """The VL encoder sees each reference at the version's size (edit_sizes: ~384x384 area for
         2509 / 2511, ~1024x1024 for Edit), one vision token per 28x28 pixels, as the processor rounds."""

@@ -93,6 +93,9 @@ class QwenImage21Family(DiffusionFamily):
         """The pipeline's rule, whatever the target's size: the reference's ratio at reference_resolution^2."""
         return reference_size(size[0], size[1], self.reference_resolution)
 
+    def reference_vl_size(self, width: int, height: int) -> tuple[int, int]:
+        return reference_size(width, height, self.reference_resolution)  # load_text_encoder's resize
+
     def reference_text_tokens(self, width: int, height: int) -> int:
         w, h = reference_size(width, height, self.reference_resolution)
         return (w // REFERENCE_MULTIPLE) * (h // REFERENCE_MULTIPLE)
