@@ -171,6 +171,39 @@ def test_check_tool_counts_caption_tokens_with_a_tokenizer_or_a_training_config(
                                          f"tokens; the encoder keeps 512, the rest is cut"]
 
 
+def test_a_bucket_over_zimages_rope_positions_is_a_check_error_per_image_as_in_training(tiny_set, tmp_path, capsys):
+    """check_dataset --config_file passed 8224 px wide buckets (0 errors) that training refuses before caching
+    (refuse_large_buckets: Z-Image's RoPE takes 8192 px a side)."""
+    from tools.make_tiny_models import tiny_config
+
+    for name, colour in (("wide.png", (200, 0, 0)), ("wide2.png", (0, 200, 0))):
+        make_image(tmp_path / "img" / name, 8224, 16, colour)
+    toml = tmp_path / "ds.toml"
+    toml.write_text(f'[general]\nresolution = [8224, 16]\n[[datasets]]\n[[datasets.subsets]]\n'
+                    f'image_dir = "{tmp_path / "img"}"\nclass_tokens = "a stripe"\n')
+    config = tmp_path / "run.toml"
+    config.write_text(tiny_config("zimage", {**tiny_set, "dataset_config": str(toml)}))
+    assert check_dataset.main(["--config_file", str(config)]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {tmp_path / 'img' / name}: its bucket 8224x16 is over the largest image the model takes, 8192 wide by "
+        f"8192 high (the positions its RoPE was built for); {toml}'s resolution, max_bucket_reso or bucket_no_upscale set it"
+        for name in ("wide.png", "wide2.png")]
+
+
+def test_a_caption_path_that_is_a_folder_is_one_error_of_the_report(tmp_path, capsys):
+    """Its OSError discarded the whole report: one errno line, exit 2 as for an unreadable config."""
+    for i in range(2):
+        make_image(tmp_path / "img" / f"{i}.png", 32, 32, (90 * i, 0, 0))
+    (tmp_path / "img" / "0.txt").write_text("a red square")
+    (tmp_path / "img" / "1.txt").mkdir()
+    toml = tmp_path / "ds.toml"
+    toml.write_text(f'[[datasets]]\nresolution = 32\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "img"}"\n')
+    assert check_dataset.main([str(toml)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [f"error: {tmp_path / 'img' / '1.txt'}: cannot read caption file (Is a directory)"]
+    assert "images: 2, trained: 2" in captured.out
+
+
 def test_check_tool_bad_input_is_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "bad.toml").write_text("[[datasets]]\nresolution = 64\nbogus = 1\n")
     for argv, fragment in (([str(tmp_path / "bad.toml")], "unknown key 'bogus'"),
@@ -301,6 +334,19 @@ def test_layered_images_layer_problems_are_errors_in_the_check_as_in_training(tm
     truncated_jpeg(folder / "000_1.jpg", size=(32, 32), keep=0.8)  # half: verify() finds it
     assert found(check.check_dataset(load_dataset_config(toml))) == [("error", "layers", "000_1.jpg"),
                                                                      ("error", "layers", "002_2.png")]
+
+
+def test_layered_images_of_one_name_are_that_error_alone_their_layers_are_still_layers(tmp_path):
+    """001.png and 001.jpg beside 001_1.png, 001_2.png: the check went on listing every file as an image,
+    11 errors more (layers without captions or layers of their own, composites without layers)."""
+    from tools.make_tiny_dataset import make_tiny_layered_dataset
+
+    toml = make_tiny_layered_dataset(str(tmp_path), count=2, size=32)["layered_dataset_config"]
+    shutil.copy(tmp_path / "layered_images" / "001.png", tmp_path / "layered_images" / "001.jpg")
+    report = check.check_dataset(load_dataset_config(toml))
+    assert found(report) == [("error", "folder", "layered_images"), ("warning", "duplicate", "001.png")]
+    assert "images '001.jpg' and '001.png' share the name '001'" in report.problems()[0].message
+    assert report.subsets[0].images == 3
 
 
 def test_a_numbered_image_with_layers_of_its_own_is_a_composite_not_a_layer(tmp_path):

@@ -99,7 +99,9 @@ def main(argv=None) -> int:
             family = get_family(config)
         limit, why = token_limit(args, config, family)
         takes = (family.name, family.min_controls, family.max_controls, family.takes_layers) if family else None  # as training
-        report = check_dataset(blueprint, limit, why, takes, family.reference_vl_size if family else None)
+        largest = family.largest_image() if family else None  # the bucket training refuses before caching
+        report = check_dataset(blueprint, limit, why, takes, vl_size=family.reference_vl_size if family else None,
+                               largest=largest)
     except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
         print(one_line(e), file=sys.stderr)
         return 2

@@ -4,8 +4,8 @@ sizes and buckets, and every problem, each one line naming the file and what was
 Severities:
 - error: training stops on it (scan_images, or caching for pixels it refuses, raises that message
   at the first such file; the check lists them all): an unreadable or undecodable image, a missing,
-  empty or non-UTF-8 caption, a missing or mis-sized mask, a missing reference of an edit dataset (with
-  the training family known: a reference count its model_type does not take),
+  empty, unreadable or non-UTF-8 caption, a missing or mis-sized mask, a missing reference of an edit dataset (with
+  the training family known: a reference count its model_type does not take, a bucket over its largest image),
   a layered image's missing, unreadable or mis-sized layers or another layer count, two images of one name,
   a caption longer than a text encoder takes that refuses it (TokenLimit.refuses; training raises it before caching);
 - warning: training goes on with data that is not what it seems: an image of a bad size for the
@@ -43,12 +43,12 @@ from PIL import Image
 from library.data.captions import fixed_caption
 from library.data.controls import check_control_count, check_family_takes, control_files, find_controls, target_stems
 from library.data.image_folders import (bad_size, dataset_buckets, held_out_count, held_out_paths, image_bucket,
-                                        no_held_out, other_caption_file, read_caption, subset_images,
-                                        unread_caption_files)
+                                        no_held_out, other_caption_file, read_caption, refuse_large_buckets,
+                                        subset_images, unread_caption_files)
 from library.data.dataset import reg_repeats
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import WIDE_GREY_MODES, is_image_name, load_rgb, upscale_factor, verified_image_size
-from library.data.layers import check_layers
+from library.data.layers import check_layers, split_layers
 from library.data.masks import find_mask, has_alpha
 
 
@@ -224,12 +224,13 @@ def warn(problems: list[Problem]) -> None:
 
 def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
                   token_check: str = "not counted (no tokenizer)", takes: tuple[str, int, int, bool] | None = None,
-                  vl_size=None) -> DatasetReport:
+                  vl_size=None, largest: tuple[int, int] | None = None) -> DatasetReport:
     """Every subset of the training and validation datasets, checked image by image, plus
     duplicates across all of them. takes: (model_type, min_controls, max_controls, takes_layers) of the
     family that trains on it: reference counts and layered targets it does not take are errors, as
     training's check_family_takes, and with takes, vl_size (its reference_vl_size) refuses references
-    its Qwen-VL image processor does not take."""
+    its Qwen-VL image processor does not take; largest: its largest_image(), a bucket over it is an error
+    (refuse_large_buckets)."""
     subsets, where = [], {}  # where: image path -> the report of its first subset
     trained, held_out = set(), {}  # held_out: image path -> the report of its first validation subset
     sections = [("datasets", blueprint.datasets), ("validation_datasets", blueprint.validation_datasets)]
@@ -239,7 +240,8 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
             reports, kept = [], []  # kept: (subset, report, its trained paths), for the regularization balance
             for si, subset in enumerate(ds.subsets, start=1):
                 report = SubsetReport(f"{name} {di}, subset {si}", subset.image_dir)
-                readable, used = check_subset(report, ds, subset, limit, layered, takes, vl_size)
+                readable, used = check_subset(report, ds, subset, limit, layered, takes, vl_size=vl_size,
+                                              largest=largest, source=blueprint.source)
                 for path in readable:
                     where.setdefault(path, report)
                 if name == "validation_datasets":  # every image of it is held out
@@ -283,11 +285,12 @@ def balance_regularization(dataset_index: int, kept: list) -> None:
 
 def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None,
                  layered: dict | None = None, takes: tuple[str, int, int, bool] | None = None,
-                 vl_size=None) -> tuple[list[str], list[str]]:
+                 vl_size=None, largest: tuple[int, int] | None = None,
+                 source: str = "<dict>") -> tuple[list[str], list[str]]:
     """Fill `report` for one subset; returns the readable images' paths (for the duplicate check) and
     those training uses (for the held-out ones: split_validation's choice).
     layered: the dataset's first composite ({"first": (path, layer count)}), shared by its subsets;
-    takes, vl_size: check_dataset's."""
+    takes, vl_size, largest: check_dataset's; source: the dataset TOML, for refuse_large_buckets' line."""
     layers, layered = {}, {} if layered is None else layered
     try:
         with warnings.catch_warnings(record=True) as said:  # images in subfolders: this report's warnings
@@ -300,6 +303,8 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         if not os.path.isdir(subset.image_dir):
             return [], []
         paths = [os.path.join(subset.image_dir, f) for f in sorted(os.listdir(subset.image_dir)) if is_image_name(f)]
+        if subset.multiple_target:  # the layer files are layers here too, as subset_images takes them
+            paths, layers = split_layers(paths)
     report.images = len(paths)
     try:
         controls = control_files(subset.control_directory) if subset.control_directory else None
@@ -324,6 +329,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
             bucket = image_bucket(path, size, ds, buckets)
             report.buckets["{}x{}".format(*bucket)] += 1
             placed.append(SimpleNamespace(image_path=path, size=size, bucket=bucket))
+            refuse_large_buckets(placed[-1:], largest, source)  # as training does before caching
         except ValueError as e:
             report.add("error", "bucket", str(e))
         report.trained += 1
@@ -385,12 +391,15 @@ def check_pixels(report: SubsetReport, path: str, alpha_dropped: bool = True) ->
 
 
 def check_caption(report: SubsetReport, path: str, subset: SubsetSpec, limit: TokenLimit | None) -> None:
+    caption_file = os.path.splitext(path)[0] + subset.caption_extension
     try:
         caption = read_caption(path, subset)
     except ValueError as e:  # missing, empty, not UTF-8
         report.add("error", "caption", str(e))
         return
-    caption_file = os.path.splitext(path)[0] + subset.caption_extension
+    except OSError as e:  # a folder of its name, no permission: training stops on it too, the check goes on
+        report.add("error", "caption", f"{caption_file}: cannot read caption file ({e.strerror or type(e).__name__})")
+        return
     if not os.path.exists(caption_file):
         if not other_caption_file(path, subset):  # those are in the subset's warning (unread_caption_files)
             report.note(f"images without a caption file, trained on class_tokens {subset.class_tokens!r}", path)

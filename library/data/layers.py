@@ -25,13 +25,16 @@ def split_layers(paths: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """(the composites, composite -> its layer files in numeric order) of a subset's image files:
     a file named <stem>_<n> beside an image named <stem> is one of its layers, unless it has layers
     of its own (<stem>_<n>_<k>): then it is a composite too (poster.png, poster_1.png, poster_1_1.png)."""
-    by_stem = {os.path.splitext(p)[0]: p for p in paths}
+    by_stem: dict[str, list[str]] = {}
+    for p in paths:  # two images of one stem (the check goes on past that error) are both beside its layers
+        by_stem.setdefault(os.path.splitext(p)[0], []).append(p)
     matches = {p: m for p in paths if (m := _NUMBERED.fullmatch(os.path.splitext(p)[0])) and m.group(1) in by_stem}
     bases = {m.group(1) for m in matches.values()}  # the stems that have layers
     numbered: dict[str, list[tuple[int, str]]] = {}
     for p, m in matches.items():
         if os.path.splitext(p)[0] not in bases:
-            numbered.setdefault(by_stem[m.group(1)], []).append((int(m.group(2)), p))
+            for composite in by_stem[m.group(1)]:
+                numbered.setdefault(composite, []).append((int(m.group(2)), p))
     layer_files = {p for group in numbered.values() for _, p in group}
     composites = [p for p in paths if p not in layer_files]
     return composites, {c: [p for _, p in sorted(group)] for c, group in numbered.items()}
