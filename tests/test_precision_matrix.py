@@ -195,6 +195,42 @@ def test_a_given_lora_of_another_model_is_one_line_before_training(tiny_set, tmp
 
 
 
+@pytest.mark.parametrize("lines", ['base_precision = "nf4"\n', 'base_precision = "fp8_scaled"\n',
+                                   'fp8_base = true\nfp8_scaled = false\n', 'fp8_compute = true\n', ""])
+def test_each_row_trains_on_its_own_base_whatever_the_config_says(tiny_set, tmp_path, lines):
+    """A config's base_precision = "nf4" trained the "bf16" row on nf4 (exit 0, the row mislabelled); one with
+    base_precision = "fp8_scaled" or fp8_scaled = false failed rows after others had trained (two bases asked, or
+    fp8_scaled set where no fp8 base reads it: every nf4 / int8 / GGUF row failed so)."""
+    from library.training.config import base_precision, load_config
+
+    config = write_config(tmp_path, tiny_set, "flux")
+    with open(config, "a") as f:
+        f.write(lines)
+    for row in precision_matrix.TRAINED_ON:
+        bf16 = ["--mixed_precision", "bf16"] if row == "fp8_compute" else []  # (its bf16 outputs: the config's is "no")
+        args = load_config(precision_matrix.run_args(config, precision_matrix.TRAIN_FLAGS[row] + bf16))
+        wanted = {"fp8+posbug": "fp8", "fp8_compute": "fp8_scaled"}.get(row, "bf16" if row in precision_matrix.GGUF_BASES else row)
+        assert (base_precision(args), args.fp8_compute) == (wanted, row == "fp8_compute"), row
+
+
+@pytest.mark.parametrize("lines, message", [
+    ('network_args = ["dora=True"]\n', "DoRA: the precision matrix applies and merges plain LoRAs"),
+    ('network_module = "lycoris.kohya"\nnetwork_args = ["algo=lokr"]\n', "network_module lycoris.kohya: the precision"),
+    ('base_loras = ["{lora}"]\n', "base_loras: the matrix evaluates each LoRA on the bare checkpoint"),
+])
+def test_a_network_the_columns_cannot_take_is_one_line_before_training(tiny_set, tmp_path, capsys, lines, message):
+    """A DoRA or LoKr config trained every row, then the evaluation refused the files; base_loras trained the rows
+    on the merged base and evaluated them on the bare one (silently)."""
+    config = write_config(tmp_path, tiny_set, "flux")
+    with open(config, "a") as f:
+        f.write(lines.format(lora=tmp_path / "style.safetensors"))
+    (tmp_path / "style.safetensors").write_bytes(b"")  # (only its name is read before training)
+    assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "m"), "--rows", "bf16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "m").exists()
+
+
 def test_a_pre_quantized_base_is_one_line_before_training(tiny_set, tmp_path, capsys):
     """A ComfyUI scaled-fp8 checkpoint loads as stored whatever row or column asks: the old matrix went
     on to train (or, with every --loras given, to deploy) on that one base in every cell."""

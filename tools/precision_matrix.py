@@ -57,12 +57,21 @@ LOWBIT = ("nf4", "nf4_dq", "int8")  # bitsandbytes' layers, quantized while load
 GGUF_BASES = {"gguf_q8_0": "Q8_0", "gguf_q4_0": "Q4_0"}  # written from the base by gguf_writer (OUT/bases/)
 COMPUTED = ("fp8_compute",)  # the fp8_scaled base run as fp8 GEMMs (bf16 only)
 TRAINED_ON = DEFAULT_ROWS + COMPUTED + LOWBIT + tuple(GGUF_BASES)
-TRAIN_FLAGS = {"bf16": ["--fp8_base", "false"], "fp8": ["--fp8_base", "true", "--fp8_scaled", "false"],
-               "fp8_scaled": ["--fp8_base", "true", "--fp8_scaled", "true"]}
+
+
+def row_flags(base: str, fp8_compute: bool = False) -> list[str]:
+    """train_lora's flags for a row trained on `base` whatever the config says of its base: base_precision,
+    the older fp8_base / fp8_scaled spelling agreeing with it (fp8_scaled at its default where no fp8 base
+    reads it), fp8_compute. A config's base_precision = "nf4" trained the "bf16" row on nf4."""
+    fp8 = base in ("fp8", "fp8_scaled")
+    return ["--base_precision", base, "--fp8_base", str(fp8).lower(), "--fp8_scaled", str(base != "fp8").lower(),
+            "--fp8_compute", str(fp8_compute).lower()]
+
+
+TRAIN_FLAGS = {row: row_flags(row) for row in ("bf16", "fp8", "fp8_scaled", *LOWBIT)}
 TRAIN_FLAGS["fp8+posbug"] = TRAIN_FLAGS["fp8"]
-TRAIN_FLAGS["fp8_compute"] = TRAIN_FLAGS["fp8_scaled"] + ["--fp8_compute", "true"]
-TRAIN_FLAGS.update({m: ["--fp8_base", "false", "--fp8_scaled", "false", "--base_precision", m] for m in LOWBIT})
-TRAIN_FLAGS.update({g: ["--fp8_base", "false", "--fp8_scaled", "false"] for g in GGUF_BASES})  # + the file as the base
+TRAIN_FLAGS["fp8_compute"] = row_flags("fp8_scaled", fp8_compute=True)
+TRAIN_FLAGS.update({g: row_flags("bf16") for g in GGUF_BASES})  # + the file as the base (a GGUF base trains as bf16)
 DEPLOYED_ON = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8+merge_rtn", "fp8+merge_sr",
                "fp8_scaled+merge_rtn", "fp8_scaled+merge_sr", "fp8+lora+posbug")  # the default columns
 DEPLOYABLE = DEPLOYED_ON + tuple(f"{m}+lora" for m in COMPUTED + LOWBIT) + tuple(f"{g}+{how}" for g in GGUF_BASES for how in ("lora", "merge"))
@@ -108,7 +117,7 @@ from library.precision.fp8 import FP8_DTYPE  # noqa: E402
 from library.precision.fp8_compute import fp8_gemm_available  # noqa: E402
 from library.precision.stored_layouts import refuse_stored_base  # noqa: E402
 from library.models import flow_matching as fm  # noqa: E402
-from library.training.config import ConfigError, load_config  # noqa: E402
+from library.training.config import ConfigError, load_config, lora_network_args  # noqa: E402
 from library.training.diffusion_task import DiffusionTask, scan_family_images  # noqa: E402
 from library.training.state import sample_seed  # noqa: E402
 from library.models.family import fp8_prepare  # noqa: E402
@@ -257,6 +266,20 @@ def train_row(trained_on: str, config_file: str, out: str, overrides: list[str],
 
 
 # ----------------------------------------------------------------------------------------------
+def refuse_unevaluated_networks(args, config_file: str) -> None:
+    """What the rows would train but the evaluation cannot take, before any row trains (hours at full size): the
+    columns apply and merge plain LoRAs (a DoRA or LyCORIS file was refused after every row trained), on the bare
+    checkpoint (base_loras were merged into the rows' training base only: each LoRA measured on another base)."""
+    net_args = lora_network_args(args)
+    if args.network_module != "networks.lora" or net_args.get("dora") or net_args.get("use_dora"):
+        network = "DoRA" if args.network_module == "networks.lora" else f"network_module {args.network_module}"
+        raise ValueError(f"{config_file}: {network}: the precision matrix applies and merges plain LoRAs "
+                         f"(networks.lora without dora)")
+    if args.base_loras:
+        raise ValueError(f"{config_file}: base_loras: the matrix evaluates each LoRA on the bare checkpoint; merge them "
+                         f"into it with tools/merge_lora.py and give that file as pretrained_model_name_or_path")
+
+
 # Evaluation data: the config's images, from the training caches (encoders load only if needed)
 
 
@@ -509,6 +532,7 @@ def main(argv=None, log=print) -> int:
                              f"precision matrix evaluates single-image models")
         refuse_stored_base(args.pretrained_model_name_or_path, f"{cli.config_file}: pretrained_model_name_or_path",
                            "every row and column would train and deploy on that one base")
+        refuse_unevaluated_networks(args, cli.config_file)
         bad = [item for item in cli.loras.split(",") if item and "=" not in item]
         if bad:
             raise ValueError(f"--loras {bad[0]!r}: expected row=path (e.g. bf16=lora.safetensors), comma-separated")
