@@ -283,6 +283,17 @@ def balance_regularization(dataset_index: int, kept: list) -> None:
         unused[0].report.add("warning", "regularization", str(w.message))
 
 
+def check_layered(report: SubsetReport, path: str, its_layers: list[str] | None, layered: dict, size) -> None:
+    """A layered target's layer files (check_subset's layered: the dataset's first composite, for the count)."""
+    try:
+        check_layers(path, its_layers, layered.get("first"), size)
+        for layer in its_layers:
+            load_rgb(layer, "RGBA")  # the whole decode, as caching does
+        layered.setdefault("first", (path, len(its_layers)))
+    except ValueError as e:  # no layers, another count, an unreadable layer or one of another size
+        report.add("error", "layers", str(e))
+
+
 def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None,
                  layered: dict | None = None, takes: tuple[str, int, int, bool] | None = None,
                  vl_size=None, largest: tuple[int, int] | None = None,
@@ -348,13 +359,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
             except ValueError as e:
                 report.add("error", "reference", str(e))
         if subset.multiple_target:
-            try:
-                check_layers(path, layers.get(path), layered.get("first"), size)
-                for layer in layers[path]:
-                    load_rgb(layer, "RGBA")  # the whole decode, as caching does
-                layered.setdefault("first", (path, len(layers[path])))
-            except ValueError as e:  # no layers, another count, an unreadable layer or one of another size
-                report.add("error", "layers", str(e))
+            check_layered(report, path, layers.get(path), layered, size)
     report.upscaled = upscaled(placed)
     if unread := unread_caption_files(paths, subset):  # as scan_images warns
         report.add("warning", "caption", unread)
