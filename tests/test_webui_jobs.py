@@ -430,28 +430,21 @@ def test_a_queue_made_by_an_older_ui_gets_the_new_columns(tmp_path):
     assert JobStore(str(tmp_path / "jobs")).get(1).stop_sent is None
 
 
-def test_a_trainer_killed_by_a_signal_says_so_not_its_progress_bar(tmp_path):
+@pytest.mark.parametrize("log, number, message", [
+    ("training:  40%|#  | 2/5 [00:01<00:02, 1.2it/s]", signal.SIGKILL,
+     "killed by signal 9 (SIGKILL: out of memory? the kernel's OOM killer sends it)"),
+    # Old: a SIGABRT (glibc's abort, a CUDA assert) or SIGSEGV read 'killed by signal 6 (SIGABRT: sent by another
+    # process)', and the log's last line, which says why, was dropped.
+    ("\n$ python train_lora.py\ntraining:  20%|#  | 1/5 [00:01<00:04, 1.2it/s]free(): invalid pointer\n", signal.SIGABRT,
+     "crashed with signal 6 (SIGABRT: a fault of its own, in native or CUDA code); free(): invalid pointer"),
+])
+def test_a_trainer_ended_by_a_signal_says_so_not_its_progress_bar(tmp_path, log, number, message):
     store = JobStore(str(tmp_path / "jobs"))
     job = store.create("a", {"output_name": "lora"}, 5, queue=True)
     with open(job.log_path, "w") as f:
-        f.write("training:  40%|#  | 2/5 [00:01<00:02, 1.2it/s]")
-    ended = actions.outcome(store.get(job.id), -signal.SIGKILL)
-    assert ended["state"] == "failed"
-    assert ended["message"] == "killed by signal 9 (SIGKILL: out of memory? the kernel's OOM killer sends it)"
-
-
-
-def test_a_trainer_that_crashed_says_so_with_its_last_line(tmp_path):
-    """Old: a SIGABRT (glibc's abort, a CUDA assert) or SIGSEGV read 'killed by signal 6 (SIGABRT: sent by another
-    process)', and the log's last line, which says why, was dropped."""
-    store = JobStore(str(tmp_path / "jobs"))
-    job = store.create("a", {"output_name": "lora"}, 5, queue=True)
-    with open(job.log_path, "w") as f:
-        f.write("\n$ python train_lora.py\ntraining:  20%|#  | 1/5 [00:01<00:04, 1.2it/s]free(): invalid pointer\n")
-    ended = actions.outcome(store.get(job.id), -signal.SIGABRT)
-    assert ended["state"] == "failed"
-    assert ended["message"] == "crashed with signal 6 (SIGABRT: a fault of its own, in native or CUDA code); " \
-                               "free(): invalid pointer"
+        f.write(log)
+    ended = actions.outcome(store.get(job.id), -number)
+    assert ended["state"] == "failed" and ended["message"] == message
 
 
 def test_a_reattached_trainer_gone_without_a_word_is_not_reported_as_its_progress_bar(tmp_path):
