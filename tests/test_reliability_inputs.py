@@ -504,7 +504,7 @@ def test_prompts_without_a_size_sample_at_the_resolution_on_the_16_pixel_grid(tm
     task = SimpleNamespace(args=SimpleNamespace(sample_prompts=str(tmp_path / "p.txt")), blueprint=bp,
                            family=SimpleNamespace(sample_steps=4, sample_guidance=1.0, name="any", max_controls=0,
                                                   min_controls=0, unread_prompt_options=lambda negative, guidance: {},
-                                                  guidance_is_cfg_scale=lambda: True))
+                                                  guidance_is_cfg_scale=lambda: True, reference_vl_size=lambda w, h: None))
     prompts = DiffusionTask._read_prompts(task, None)
     assert [(p.width, p.height) for p in prompts] == [(64, 992), (96, 992)]  # was (72, 1000), (96, 1000)
 
