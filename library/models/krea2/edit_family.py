@@ -129,9 +129,7 @@ class Krea2EditFamily(Krea2Family):
 
     def reference_text_tokens(self, width: int, height: int) -> int:
         """Qwen3-VL sees a reference at <= 384^2 pixels, one token per 32 x 32 (16-pixel patches merged 2 x 2)."""
-        from library.models.krea2.edit_encoder import vlm_size
-
-        w, h = vlm_size(width, height)
+        w, h = self.reference_vl_size(width, height)
         return max(1, round(w / 32)) * max(1, round(h / 32))
 
     def predict(self, model, x_t, sigmas, text, h, w, guidance, control: list[torch.Tensor] | None = None):

@@ -111,7 +111,7 @@ class QwenImageEditFamily(QwenImageFamily):
     def reference_text_tokens(self, width: int, height: int) -> int:
         """The VL encoder sees each reference at the version's size (edit_sizes: ~384x384 area for
         2509 / 2511, ~1024x1024 for Edit), one vision token per 28x28 pixels, as the processor rounds."""
-        (w, h), = edit_sizes(self.version, [(width, height)]).encoder
+        w, h = self.reference_vl_size(width, height)
         return round(w / VL_TOKEN_PIXELS) * round(h / VL_TOKEN_PIXELS)
 
     def text_encoding_constants(self) -> dict:

@@ -97,7 +97,7 @@ class QwenImage21Family(DiffusionFamily):
         return reference_size(width, height, self.reference_resolution)  # load_text_encoder's resize
 
     def reference_text_tokens(self, width: int, height: int) -> int:
-        w, h = reference_size(width, height, self.reference_resolution)
+        w, h = self.reference_vl_size(width, height)
         return (w // REFERENCE_MULTIPLE) * (h // REFERENCE_MULTIPLE)
 
     def model_version(self, model) -> str:
