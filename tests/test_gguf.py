@@ -221,6 +221,15 @@ def test_a_lora_trains_over_a_gguf_base_and_records_its_layout(flux_gguf, tiny_s
         assert f.metadata()["ss_base_precision"] == "gguf_q8_0+q4_k"
 
 
+def test_a_plain_fp8_configs_advice_on_a_gguf_base_is_one_that_passes(flux_gguf, tiny_set, tmp_path, capsys):
+    """fp8_base = true with fp8_scaled = false (sd-scripts' plain cast) on a GGUF base was told "set fp8_base =
+    false", which the idle-key check then refused (fp8_scaled = false without fp8_base): the advice drops both."""
+    path, _ = flux_gguf
+    args = flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", path, "--fp8_scaled", "false")
+    line = one_error_line(capsys, train_lora.main(args))
+    assert "asks for fp8; set fp8_base = false without fp8_scaled = false (what gguf" in line, line
+
+
 @pytest.mark.parametrize("mlps", [("Q2_K", "Q3_K"), ("IQ4_XS", "IQ4_NL")])
 def test_low_bit_files_q2_k_q3_k_and_iq4_load_as_ggufs_own_dequantization(tiny_set, tmp_path, mlps):
     """city96's Q2_K and Q3_K_S files (Q2_K / Q3_K MLPs) and IQ4_NL / IQ4_XS files (ComfyUI-GGUF reads them),

@@ -77,14 +77,16 @@ def config_precision(layout: str) -> str:
     return CONFIG_PRECISION.get(layout, "bf16")
 
 
-def config_settings(layout: str, by_base_precision: bool = False) -> str:
+def config_settings(layout: str, by_base_precision: bool = False, wanted: str = "") -> str:
     """The config keys that give config_precision(layout), as a user writes them: base_precision where the
-    config set that key (by_base_precision), else the older fp8_base / fp8_scaled."""
+    config set that key (by_base_precision), else the older fp8_base / fp8_scaled. `wanted`: the config's
+    base precision now; "fp8" came from fp8_scaled = false, a key refused without fp8_base
+    (config_keys.IDLE_UNLESS), so the advice drops it too."""
     needed = config_precision(layout)
     if by_base_precision:
         return f'base_precision = "{needed}"'
     if needed == "bf16":
-        return "fp8_base = false"
+        return "fp8_base = false without fp8_scaled = false" if wanted == "fp8" else "fp8_base = false"
     return f"fp8_base = true and fp8_scaled = {str(needed == 'fp8_scaled').lower()}"
 
 
@@ -94,7 +96,7 @@ def check_config_precision(path: str, layout: str | None, wanted: str, by_base_p
     by_base_precision: the config set the base_precision key (the advice names it), not fp8_base / fp8_scaled."""
     if layout and config_precision(layout) != wanted:
         raise ConfigError(f"{path}: the checkpoint stores a pre-quantized {layout} base (used as it is), but the "
-                          f"config asks for {wanted}; set {config_settings(layout, by_base_precision)} (what {layout} "
+                          f"config asks for {wanted}; set {config_settings(layout, by_base_precision, wanted)} (what {layout} "
                           f"files need), or give the bf16 checkpoint")
 
 
