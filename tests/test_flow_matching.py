@@ -109,6 +109,13 @@ def test_loss_weighting_matches_diffusers_sd3_weighting(scheme):
     torch.testing.assert_close(ours, torch.tensor(expected, dtype=torch.float32), rtol=1e-6, atol=0)
 
 
+def test_sigma_sqrt_weight_is_capped_where_the_peers_discrete_sigmas_stop():
+    """A uniform draw near 0 weighted s^-2 without bound (1e10 at s = 1e-5, once in 1e5 samples); diffusers'
+    and musubi-tuner's sigmas are k / 1000 of their scheduler, so their weight stops at 1e6."""
+    w = fm.loss_weighting(torch.tensor([1e-5, 1e-3, 0.5]), "sigma_sqrt")
+    torch.testing.assert_close(w, torch.tensor([1e6, 1e6, 4.0]), rtol=1e-5, atol=0)
+
+
 def test_l2_loss_is_per_sample_mean_times_weight_then_batch_mean():
     pred = torch.zeros(2, 3, 4)
     target = torch.ones(2, 3, 4)

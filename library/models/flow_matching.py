@@ -28,6 +28,7 @@ from library.models.registry import SAMPLING_METHODS, arch_specs  # the names th
 from library.models.spec import MuLine, Sampling, load_symbol
 
 WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap")
+SIGMA_SQRT_FLOOR = 1e-3  # the smallest sigma of a 1000-step scheduler (loss_weighting)
 LOSS_TYPES = ("l2", "huber")
 
 
@@ -118,12 +119,17 @@ def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 def loss_weighting(sigmas: torch.Tensor, scheme: str) -> torch.Tensor:
     """Per-sample weights, float32 [B], as sd-scripts / diffusers compute_loss_weighting_for_sd3:
-    none -> 1, sigma_sqrt -> s^-2, cosmap -> 2 / (pi (1 - 2 s + 2 s^2))."""
+    none -> 1, sigma_sqrt -> s^-2, cosmap -> 2 / (pi (1 - 2 s + 2 s^2)).
+
+    sigma_sqrt takes s no smaller than SIGMA_SQRT_FLOOR: the peers draw s from the 1000 sigmas of a
+    scheduler (k / 1000), so their weight is at most 1e6; our continuous draw reaches 1e-5 about once in
+    1e5 samples with uniform sampling (a weight of 1e10: one sample's loss then swamps Adam's second
+    moment for hundreds of steps)."""
     s = sigmas.float()
     if scheme == "none":
         return torch.ones_like(s)
     if scheme == "sigma_sqrt":
-        return s**-2.0
+        return s.clamp(min=SIGMA_SQRT_FLOOR) ** -2.0
     if scheme == "cosmap":
         return 2.0 / (math.pi * (1.0 - 2.0 * s + 2.0 * s**2))
     raise ValueError(f"weighting_scheme {scheme!r} is not one of {', '.join(WEIGHTING_SCHEMES)}")

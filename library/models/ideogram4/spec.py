@@ -59,8 +59,9 @@ FP8 = S.FP8Rules(
 # -- timestep sampling and shift defaults (library/models/flow_matching.py)
 # Ideogram4Pipeline: sigma = expit(mu + 1.5 z) quantiles with mu = 0.5 ln(H W / 512^2) (sampling.py); in
 # tokens of 16 x 16 pixels, mu = 0.5 ln(tokens / 1024). The family draws training sigmas from that law
-# (std 1.5) and samples with the pipeline's quantile schedule; the method's time shift by this mu of a
-# sigmoid(randn) draw is the same law at std 1 (timestep_sampling = "ideogram4_shift" with sigmoid_scale).
+# (std 1.5) and samples with the pipeline's quantile schedule, unset or as timestep_sampling = "ideogram4_shift"
+# (sigmoid_scale refused there: family.unread_training_keys); on other families that method's time shift
+# by this mu of a sigmoid(randn) draw is the same law at std 1.
 SAMPLING = S.Sampling(method="ideogram4_shift", mu="library.models.ideogram4.sampling:token_mu")
 
 
