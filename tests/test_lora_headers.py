@@ -197,3 +197,23 @@ def test_folder_facts_are_sd_scripts_dataset_dirs_tag_frequency_and_image_counts
     assert json.loads(meta["ss_tag_frequency"]) == facts["tag_frequency"] and meta["ss_num_train_images"] == "16"
     assert json.loads(meta["ss_dataset_dirs"])["cat (2)"] == {"n_repeats": 2, "img_count": 2}
     assert meta["ss_num_reg_images"] == "1" and meta["ss_num_batches_per_epoch"] == "1"
+
+
+def test_tag_frequency_counts_the_captions_without_the_subsets_prefix_and_suffix():
+    """caption_prefix / caption_suffix joined the first and last tags ("ohwx 1girl", "smile masterpiece"):
+    sd-scripts counts read_caption's text and joins them later, in process_caption."""
+    from types import SimpleNamespace
+
+    from library.data.dataset_config import parse_dataset_config
+    from library.data.image_folders import read_caption
+    from library.training.diffusion_task import DiffusionTask
+
+    blueprint = parse_dataset_config({"datasets": [{"resolution": 64, "subsets": [
+        {"image_dir": "/data/imgs", "class_tokens": "ohwx girl", "caption_prefix": "ohwx", "caption_suffix": "masterpiece"}]}]},
+        source="d.toml")
+    subset = blueprint.datasets[0].subsets[0]
+    joined = [" ".join(("ohwx", c, "masterpiece")) for c in ("1girl, red hair, smile", "1girl, blue eyes")]
+    joined.append(read_caption("/data/imgs/no_caption_file.png", subset))  # class_tokens, joined too
+    items = [SimpleNamespace(dataset_index=0, subset_index=0, caption=c) for c in joined]
+    facts = DiffusionTask._folder_facts(SimpleNamespace(blueprint=blueprint, dataset=SimpleNamespace(items=items)))
+    assert facts["tag_frequency"] == {"imgs": {"1girl": 2, "red hair": 1, "smile": 1, "blue eyes": 1, "ohwx girl": 1}}

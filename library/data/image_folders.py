@@ -452,3 +452,13 @@ def read_caption(image_path: str, subset: SubsetSpec) -> str:
         raise ValueError(f"{image_path}: no caption file '{os.path.basename(caption_path)}' "
                          f"and no class_tokens for its subset")
     return " ".join(part for part in (subset.caption_prefix, caption, subset.caption_suffix) if part)
+
+
+def caption_as_written(caption: str, subset: SubsetSpec) -> str:
+    """read_caption's text without the subset's caption_prefix / caption_suffix: the caption file's (or
+    class_tokens), which sd-scripts' ss_tag_frequency counts (its prefix joins later, in process_caption)."""
+    if subset.caption_prefix and caption.startswith(subset.caption_prefix + " "):
+        caption = caption[len(subset.caption_prefix) + 1:]
+    if subset.caption_suffix and caption.endswith(" " + subset.caption_suffix):
+        caption = caption[: -len(subset.caption_suffix) - 1]
+    return caption

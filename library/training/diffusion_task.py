@@ -23,7 +23,8 @@ from library.data.caches import (cache_empty_caption, cache_folder, cache_latent
                                  hold_cache_folders, loaded_on_first_call, remove_unused_caches)
 from library.data.check import TokenLimit, refuse_long_captions, training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
-from library.data.image_folders import largest_step, refuse_large_buckets, scan_images, split_validation
+from library.data.image_folders import (caption_as_written, largest_step, refuse_large_buckets, scan_images,
+                                       split_validation)
 from library.data.controls import check_family_takes, check_prompt_controls
 from library.data.dataset_config import load_dataset_config
 from library.models.core import checkpointing, compile_block, compile_limit_hits
@@ -620,7 +621,7 @@ class DiffusionTask:
                 items = [it for it in self.dataset.items if it.dataset_index == d and it.subset_index == s]
                 name = os.path.basename(os.path.normpath(subset.image_dir))
                 images[subset.is_reg] += len(items) * subset.num_repeats
-                folder_tags.setdefault(name, []).extend(it.caption for it in items)
+                folder_tags.setdefault(name, []).extend(caption_as_written(it.caption, subset) for it in items)
                 if not subset.is_reg:
                     key, n = name, 2
                     while key in dirs:
