@@ -104,6 +104,19 @@ def test_alpha_mask_follows_the_crop_and_flip_of_its_image(tmp_path):
     assert torch.equal(load_mask(str(tmp_path / "opaque.png"), None, (64, 64), False), torch.ones(1, 8, 8))
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_alpha_mask_reads_a_grey_pngs_transparent_value_at_8_and_16_bits(tmp_path, dtype):
+    """A 16-bit grey PNG whose tRNS key makes one value transparent trained fully (Pillow's RGBA conversion
+    of I;16 drops the key; has_alpha said it had alpha, so nothing warned); the 8-bit one read 0 there."""
+    grey = np.full((64, 128), 200 if dtype == np.uint8 else 0x4000, dtype)
+    key = 17 if dtype == np.uint8 else 0x1234
+    grey[:, 64:] = key
+    path = str(tmp_path / "grey.png")
+    Image.fromarray(grey).save(path, transparency=key)
+    mask = load_mask(path, None, (128, 64), flip=False)
+    assert torch.equal(mask[0, :, :8], torch.ones(8, 8)) and torch.equal(mask[0, :, 8:], torch.zeros(8, 8))
+
+
 def test_masks_are_cached_with_the_latents_and_a_changed_mask_recomputes(tmp_path):
     from tests.test_dataset import CountingEncoder
 

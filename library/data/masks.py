@@ -108,6 +108,8 @@ def load_mask(image_path: str, mask_path: str | None, bucket: tuple[int, int], f
         img = ImageOps.exif_transpose(img)
         if mask_path:
             gray = to_8_bit(img, mask_path).convert("L")
+        elif img.mode.startswith("I") and "transparency" in img.info:  # Pillow's RGBA drops a 16-bit grey key
+            gray = Image.fromarray(np.where(np.asarray(img) == img.info["transparency"], 0, 255).astype(np.uint8))
         elif "A" in img.getbands() or "transparency" in img.info:
             gray = img.convert("RGBA").getchannel("A")
         else:
