@@ -132,6 +132,7 @@ def test_a_generation_prompt_that_opens_think_is_refused_naming_where_it_parts_f
     ('{"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "q"}]}',
      "messages[0] is an assistant message; with the loss on assistant tokens only a conversation starts with"),
     ("null", "a JSON NoneType; expected an object"),  # it was skipped as a blank line
+    ('{"text": "x", "meta": ' + "[" * 3000 + "]" * 3000 + "}", "JSON nested too deep to read"),  # a RecursionError traceback
     ('{"text": "an emoji cut \\ud83d here"}', "holds a lone UTF-16 surrogate (\\ud83d: half of a character"),
     ('{"messages": [{"role": "user", "content": "q \\uDE00"}, {"role": "assistant", "content": "a"}]}',
      "holds a lone UTF-16 surrogate (\\ude00"),  # they passed the check, then failed tokenizing: a traceback

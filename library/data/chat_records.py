@@ -39,6 +39,8 @@ def jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
                                   f"save it as UTF-8") from None
             except ValueError as e:
                 raise ConfigError(f"{where}: not JSON ({e}); expected one object a line, {FORMS}") from None
+            except RecursionError:  # json's decoder recurses once per level of nesting
+                raise ConfigError(f"{where}: JSON nested too deep to read; expected one object a line, {FORMS}") from None
             if record is BLANK:  # (a line reading null is a record, and refused as one)
                 continue
             if problem := record_problem(record) or (SURROGATE_ESCAPE.search(line) and lone_surrogate(record)):
