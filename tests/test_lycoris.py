@@ -366,7 +366,7 @@ def test_lokr_on_qwen_image_uses_musubi_targets():
     net = LycorisNetwork(model, "qwen_image", 4, network_args=LOKR)
     ours = LoRANetwork(model, "qwen_image", 4)
     assert {m.lora_name for m in net.lycoris_modules()} == {n for n, _ in ours.named_children()}
-    assert len(net.lycoris_modules()) == 2 * (8 + 4)  # attention + MLP, no _mod_ (musubi-tuner's default)
+    assert len(net.lycoris_modules()) == 2 * (8 + 4)  # attention + MLP, no modulation (our default)
     # on the fp8 base: the LoKr changes the output, gradients reach only the LoKr
     quantize_module(model, "fp8_scaled", arch_spec("qwen_image").fp8)
     net8 = LycorisNetwork(model, "qwen_image", 4, network_args=LOKR)

@@ -3,8 +3,9 @@
 from library.models import spec as S
 
 # -- LoRA targets and key names (networks/)
-# musubi-tuner's Qwen-Image default: the blocks' attention and MLP Linears; the modulation (`_mod_`)
-# only with train_modulation or mod_dim (off by default, as musubi-tuner).
+# The blocks' attention and MLP Linears; the modulation only with train_modulation or mod_dim. musubi-tuner
+# means the same (its exclude `.*(_mod_).*`) but matches it against dotted names (`img_mod.1`), where it
+# excludes nothing: its files carry the modulation, which train_modulation = true matches.
 LORA = S.LoRATargets(
     targets={
         "attn": r"transformer_blocks\.(?P<block>\d+)\.attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out\.0|to_add_out)",
