@@ -67,12 +67,15 @@ def write_lora(base_path: str, path: str, rank: int) -> int:
     base = merge_lora.open_base(base_path)
     g = torch.Generator().manual_seed(1)
     weights = {}
-    for module in extract_lora.target_modules(base):
-        out_f, in_f = base.reader.shape(base.weight_key[module])
-        weights[module] = LoRAWeights(torch.randn(rank, in_f, generator=g) / in_f**0.5,
-                                      torch.randn(out_f, rank, generator=g) * 0.01, float(rank))  # fmt: skip
+    elements = 0
+    for target in extract_lora.target_modules(base):  # (a part of a fused weight: its rows)
+        out_f, in_f = base.reader.shape(base.weight_key[target.module])
+        out_f = out_f if target.rows is None else sum(end - start for start, end in target.rows)
+        weights[target.name] = LoRAWeights(torch.randn(rank, in_f, generator=g) / in_f**0.5,
+                                           torch.randn(out_f, rank, generator=g) * 0.01, float(rank))  # fmt: skip
+        elements += out_f * in_f
     write_kohya(weights, path)
-    return sum(base.reader.shape(base.weight_key[m])[0] * base.reader.shape(base.weight_key[m])[1] for m in weights)
+    return elements
 
 
 def full_svd_resize_seconds(lora_path: str, new_rank: int) -> float:
