@@ -44,6 +44,7 @@ from library.models.qwen_image.model import QWEN_IMAGE, QwenImage  # noqa: E402
 from library.precision.fp8 import FP8Linear, prepare_fp8, quantize_weight  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
+from tools.devices import device_or_exit  # noqa: E402
 
 GiB = 2**30
 
@@ -159,7 +160,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
-    device = torch.device(args.device)
+    device = device_or_exit(args.device)
     config = None
     if args.blocks:
         config = (dataclasses.replace(FLUX_DEV, depth=args.blocks, depth_single=args.blocks) if args.family == "flux"

@@ -23,13 +23,13 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The child imports only its side's library: the conversations come from this tree as JSON (the tests'
+# module imports train_lora.py, whose imports an old library may lack).
 CHILD = r"""
 import hashlib, json, sys, time
 sys.path.insert(0, sys.argv[1])
-sys.path.insert(1, sys.argv[2])  # the tests' conversation, from this tree
 from library.data import chat_records
 from library.models.tiny_files import QWEN2_CHAT_TEMPLATE, build_qwen_tokenizer
-from tests.test_llm_jsonl import many_turn_chat
 
 tok = build_qwen_tokenizer()
 tok.chat_template = QWEN2_CHAT_TEMPLATE
@@ -40,9 +40,9 @@ def counted(messages, **kwargs):
 tok.apply_chat_template = counted
 encode = chat_records.chat_encoder(tok, all_tokens=False)
 out = {}
-for turns in json.loads(sys.argv[3]):
-    chat, best = many_turn_chat(turns, system=True), float("inf")
-    for _ in range(int(sys.argv[4])):
+for turns, chat in json.load(open(sys.argv[2])).items():
+    best = float("inf")
+    for _ in range(int(sys.argv[3])):
         renders[0] = 0
         start = time.perf_counter()
         ids, trained = encode(chat, "bench.jsonl:1")
@@ -53,9 +53,11 @@ print(json.dumps(out))
 """
 
 
-def run_side(library: str, turns: list[int], repeats: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, library, ROOT, json.dumps(turns), str(repeats)],
-                         capture_output=True, text=True, check=True)
+def run_side(library: str, chats: str, repeats: int) -> dict:
+    """The child's timings with `library` first on its path; `chats`: a JSON file {turns: conversation}."""
+    out = subprocess.run([sys.executable, "-c", CHILD, library, chats, str(repeats)], capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"error: the side with {library}/library failed:\n{out.stderr.strip()}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -65,10 +67,16 @@ def main() -> int:
     parser.add_argument("--turns", type=int, nargs="+", default=[1, 3, 10, 30, 100])
     parser.add_argument("--repeats", type=int, default=3, help="timings per conversation (the best is kept)")
     args = parser.parse_args()
+    sys.path.insert(0, ROOT)
+    from tests.test_llm_jsonl import many_turn_chat
+
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", ROOT, "archive", args.base, "library"], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        old, new = run_side(tmp, args.turns, args.repeats), run_side(ROOT, args.turns, args.repeats)
+        chats = os.path.join(tmp, "chats.json")
+        with open(chats, "w") as f:
+            json.dump({t: many_turn_chat(t, system=True) for t in args.turns}, f)
+        old, new = run_side(tmp, chats, args.repeats), run_side(ROOT, chats, args.repeats)
     print("| turns | messages | old ms (renders) | new ms (renders) | old / new | same ids and flags |")
     print("|---|---|---|---|---|---|")
     for t in map(str, args.turns):

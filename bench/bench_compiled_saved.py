@@ -30,6 +30,7 @@ from library.models.core import compile_block  # noqa: E402
 from library.models.flux1.model import FLUX_DEV  # noqa: E402
 from library.models.qwen_image.model import QWEN_IMAGE  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
+from tools.devices import device_or_exit  # noqa: E402
 
 MiB = 2**20
 
@@ -65,7 +66,7 @@ def main(argv=None):
     p.add_argument("--autocast", action="store_true", help="the forward under bf16 autocast")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    device = torch.device(args.device)
+    device = device_or_exit(args.device)
     config = (dataclasses.replace(FLUX_DEV, depth=args.double, depth_single=args.single) if args.family == "flux"
               else dataclasses.replace(QWEN_IMAGE, num_layers=args.blocks))
     model = random_model(args.family, args.base, device, config)

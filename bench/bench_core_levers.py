@@ -91,6 +91,7 @@ from library.precision.autocast import autocast_off, matmul_input  # noqa: E402
 from library.precision.dequantized_linear import DequantizedLinearFunction, needs_backward  # noqa: E402
 from networks import lora  # noqa: E402
 from networks.lora import LoRAModule  # noqa: E402
+from tools.devices import device_or_exit  # noqa: E402
 
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
           "lora_factor", "lora_rows", "lora_addmm", "lora_addmm_compiled", "rms_weight", "rms_fused", "quantized_compiled", "fp8_linear", "nf4_linear", "fp8_function",
@@ -355,7 +356,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
-    args.device = torch.device(args.device)
+    args.device = device_or_exit(args.device)
     unknown = set(args.levers.split(",")) - set(LEVERS)
     if unknown:
         raise SystemExit(f"--levers: unknown {sorted(unknown)}; expected some of {', '.join(LEVERS)}")

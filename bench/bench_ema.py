@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)
 from bench_train_step import (DTYPES, add_our_lora, alternate, build_ours, machine_summary, make_inputs,  # noqa: E402
                               make_step, median, our_forward, synchronize)
 from library.training.ema import TrainableEMA  # noqa: E402
+from tools.devices import device_or_exit  # noqa: E402
 
 
 def bench_size(family: str, size: str, args, dtype, device) -> dict:
@@ -88,7 +89,7 @@ def main(argv=None):
     p.add_argument("--tiny-reps", type=int, default=30)
     p.add_argument("--update-reps", type=int, default=50)
     args = p.parse_args(argv)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype = device_or_exit(args.device), DTYPES[args.dtype]
     print(f"machine: {machine_summary()}; device {device}")
     summary, start, mid_reps = [], time.time(), args.reps
     for size in args.sizes.split(","):

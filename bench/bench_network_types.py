@@ -25,6 +25,7 @@ from bench.bench_train_step import (  # noqa: E402
     DTYPES, alternate, build_ours, fp8_twin, machine_summary, make_inputs, make_step, median, our_forward,
 )
 from networks.factory import build_network  # noqa: E402
+from tools.devices import device_or_exit  # noqa: E402
 
 NETWORKS = {  # name -> (network_module, network_args)
     "lora": ("networks.lora", {}),
@@ -51,7 +52,7 @@ def attached_step(network, family, model, x):
 
 
 def run(size: str, args) -> dict[str, float]:
-    dtype, device = DTYPES[args.dtype], torch.device(args.device)
+    dtype, device = DTYPES[args.dtype], device_or_exit(args.device)
     base = build_ours("flux", size, args, dtype, device)
     if args.base != "hp":
         base = fp8_twin(base, "flux", args.base)

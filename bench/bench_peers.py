@@ -72,6 +72,7 @@ from library.models.core import checkpointing  # noqa: E402
 from library.models.flux1.model import make_img_ids  # noqa: E402
 from step_flops import count_step, matmul_peak  # noqa: E402
 import op_counts  # noqa: E402
+from tools.devices import device_or_exit  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp8", "fp8_scaled")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -432,7 +433,7 @@ def add_pair_arguments(p: argparse.ArgumentParser, blocks: tuple[int, int, int],
 
 def load_peers(args, families: list[str]) -> dict:
     """args.device as a torch.device, and {family: the peer's imported modules} from the checkouts given."""
-    args.device = torch.device(args.device)
+    args.device = device_or_exit(args.device)
     if args.device.type == "cuda":
         # torch 2.11 + H100: cuDNN attention hits an illegal memory access on diffusers' FLUX call
         # (its strided q/k/v) at 4608 tokens; both sides then use flash / memory-efficient SDPA.

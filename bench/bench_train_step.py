@@ -59,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_flops import count_step, matmul_peak  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
+from tools.devices import device_or_exit  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GiB, MiB = 2**30, 2**20
@@ -472,7 +473,7 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile each block (both models)")
     p.add_argument("--mfu", action="store_true", help="measure the device's GEMM peak in --dtype and print MFU")
     args = p.parse_args(argv)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype = device_or_exit(args.device), DTYPES[args.dtype]
     if torch.device(args.device).type == "cuda":
         # torch 2.11 + H100: cuDNN attention hits an illegal memory access on diffusers' FLUX call
         # (its strided q/k/v) at 4608 tokens; both sides then use flash / memory-efficient SDPA.

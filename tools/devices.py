@@ -23,3 +23,12 @@ def device_from_flag(name: str | None, default: str | None = None) -> torch.devi
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+def device_or_exit(name: str) -> torch.device:
+    """device_from_flag for the bench scripts: a device this machine lacks ends the run with its one line
+    (exit 2), before any model is built."""
+    try:
+        return device_from_flag(name)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
