@@ -212,6 +212,33 @@ def test_siglip_sees_large_images_at_the_pipelines_area():
 
 
 @torch.no_grad()
+def test_sample_siglip_sees_a_large_reference_as_the_pipeline_given_a_size(omni_pipeline, tmp_path):
+    """A --ci over 1 MP with a sample size: ZImageOmniPipeline (height / width given) shows SigLIP the image
+    resized to the output's area, the one its VAE path takes; the sample prompt cache encodes it so."""
+    from library.data.caches import cache_prompts
+
+    pipe, family, encode = omni_pipeline
+    image = picture(1100, 1000, 4)
+    captured = {}
+    real = pipe.prepare_siglip_embeds
+
+    def capture(images, *args, **kwargs):
+        captured["siglip"] = real(images, *args, **kwargs)[0]
+        return [captured["siglip"]]  # batch 1
+
+    pipe.prepare_siglip_embeds = capture
+    pipe(image=[image], prompt="make the shape red", height=64, width=80, num_inference_steps=1,
+         generator=torch.Generator().manual_seed(7), output_type="latent")
+    path = str(tmp_path / "ref.png")
+    image.save(path)
+    jobs = [("make the shape red", (path,), family.sample_text_size((path,), 80, 64))]
+    (ours,), _ = cache_prompts(jobs, encode, "key", None, with_references=True)
+    (expected,) = captured["siglip"]
+    assert tuple(ours["siglip_grid"][0].tolist()) == expected.shape[:2]
+    assert (ours["siglip"].view(expected.shape) - expected).abs().max().item() < 1e-6
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("reference", [(80, 64), (128, 64)])
 def test_omni_sampling_matches_the_pipeline(omni_pipeline, tmp_path, reference):
     """Three Euler steps with CFG 5 on an 80x64 target and one reference (the target's size, or

@@ -239,11 +239,11 @@ def generate(args) -> list[str]:
                           family.reference_vl_size)
     warn_unread_prompt_options(family, prompts, args.prompt_file or "--prompt")
     encode = family.load_text_encoder(args.text_encoder_precision, device, **family.text_options(args))
-    def encode_one(text: str, references) -> dict:  # with the references where the text encoder sees them
-        return stack_text(encode_prompts(encode, [text], [references], family.text_sees_controls))
+    def encode_one(text: str, prompt) -> dict:  # with the references where the text encoder sees them
+        size = family.sample_text_size(prompt.control_images, prompt.width, prompt.height)
+        return stack_text(encode_prompts(encode, [text], [prompt.control_images], family.text_sees_controls, size))
 
-    texts = [(encode_one(p.prompt, p.control_images), encode_one(p.negative, p.control_images) if family.true_cfg else None)
-             for p in prompts]
+    texts = [(encode_one(p.prompt, p), encode_one(p.negative, p) if family.true_cfg else None) for p in prompts]
     del encode  # text encoders are freed before the transformer is loaded
     # A pre-quantized file (ours, ComfyUI's fp8 / scaled fp8, GGUF) is used as it is stored, whatever --base_precision says.
     base_precision = family.stored_layout() or args.base_precision

@@ -336,29 +336,33 @@ def cache_empty_caption(dataset, encode_fn: Callable[[list[str]], list[dict[str,
     """What caption dropout substitutes: the empty caption's text, encoded once (kept in `folder` as
     a prompt is: cache_prompts), in the cache dtype (so it goes through the same bf16 rounding as
     every cached caption), as the ImageDataset `dataset`'s empty_text. Returns its file."""
-    (out,), (path,) = cache_prompts([("", ())], encode_fn, model_key, folder)
+    (out,), (path,) = cache_prompts([("", (), None)], encode_fn, model_key, folder)
     dataset.empty_text = {name: _to_cache_dtype(v) for name, v in out.items()}
     return path
 
 
-def prompt_cache_path(folder: str, model_key: str, text: str, references) -> str:
-    """`prompt-<tag>_<model_key>_te.safetensors`: named for the text and its reference paths."""
-    tag = hashlib.sha256(repr((text, list(references))).encode()).hexdigest()[:16]
+def prompt_cache_path(folder: str, model_key: str, text: str, references, sample_size=None) -> str:
+    """`prompt-<tag>_<model_key>_te.safetensors`: named for the text, its reference paths and the
+    sample size its encoder fits them to (where it does)."""
+    named = (text, list(references)) if sample_size is None else (text, list(references), tuple(sample_size))
+    tag = hashlib.sha256(repr(named).encode()).hexdigest()[:16]
     return os.path.join(folder, f"prompt-{tag}_{model_key}_te.safetensors")
 
 
-def cache_prompts(prompts: list[tuple[str, tuple[str, ...]]], encode_fn: Callable, model_key: str, folder: str | None,
+def cache_prompts(prompts: list[tuple[str, tuple[str, ...], tuple[int, int] | None]], encode_fn: Callable,
+                  model_key: str, folder: str | None,
                   with_references: bool = False) -> tuple[list[dict[str, torch.Tensor]], list[str | None]]:
-    """The encoding of each (text, reference image paths) as encode_prompts gives it (one dict per
-    prompt, no batch axis, dtypes as encoded): the sample prompts and the empty caption. With
-    `folder` each is kept there (prompt_cache_path), its content hash over the text, the model key
-    and, where the encoder sees them, the references' bytes, and read back while current: a re-run
-    whose captions and prompts are all cached loads no text encoder. A folder that cannot be written
-    (read-only) keeps new ones in memory. Returns (encodings, their files: None where not kept)."""
+    """The encoding of each (text, reference image paths, the family's sample_text_size) as
+    encode_prompts gives it (one dict per prompt, no batch axis, dtypes as encoded): the sample
+    prompts and the empty caption. With `folder` each is kept there (prompt_cache_path: a file per
+    sample size too), its content hash over the text, the model key and, where the encoder sees
+    them, the references' bytes, and read back while current: a re-run whose captions and prompts
+    are all cached loads no text encoder. A folder that cannot be written (read-only) keeps new
+    ones in memory. Returns (encodings, their files: None where not kept)."""
     out, files = [], []
-    for text, references in prompts:
-        references = tuple(references) if with_references else ()
-        path = prompt_cache_path(folder, model_key, text, references) if folder else None
+    for text, references, sample_size in prompts:
+        references, sample_size = (tuple(references), sample_size) if with_references else ((), None)
+        path = prompt_cache_path(folder, model_key, text, references, sample_size) if folder else None
         h = hashlib.sha256(f"{text}|{model_key}".encode())
         for reference in references:
             _hash_file(h, reference, b"|control|")
@@ -367,7 +371,7 @@ def cache_prompts(prompts: list[tuple[str, tuple[str, ...]]], encode_fn: Callabl
             out.append(read_cache(path))
             continue
         with torch.no_grad():
-            (tensors,) = encode_prompts(encode_fn, [text], [list(references)], with_references)
+            (tensors,) = encode_prompts(encode_fn, [text], [list(references)], with_references, sample_size)
         tensors = {name: v.detach().cpu() for name, v in tensors.items()}
         if path:
             try:

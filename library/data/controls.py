@@ -118,12 +118,15 @@ def reference_views(paths: list[str] | tuple[str, ...]) -> list:
     return [load_rgb(p, "RGBA") for p in paths]
 
 
-def encode_prompts(encode, captions: list[str], references: list, sees_references: bool) -> list[dict]:
+def encode_prompts(encode, captions: list[str], references: list, sees_references: bool,
+                   sample_size: tuple[int, int] | None = None) -> list[dict]:
     """encode(captions), or encode(captions, their reference views) for a family whose text
-    encoder sees the references (references: per caption, its reference image paths)."""
+    encoder sees the references (references: per caption, its reference image paths); with
+    sample_size (the family's sample_text_size) encode(captions, views, sample_size)."""
     if not sees_references:
         return encode(captions)
-    return encode(captions, [reference_views(paths) for paths in references])
+    views = [reference_views(paths) for paths in references]
+    return encode(captions, views) if sample_size is None else encode(captions, views, sample_size)
 
 
 def reference_images(paths: list[str] | tuple[str, ...], control_bucket, width: int, height: int,

@@ -260,6 +260,11 @@ class DiffusionFamily:
         return width, height, reference_images(paths, self.sample_control_bucket, width, height,
                                                self.stretches_references, self.reference_mode)
 
+    def sample_text_size(self, paths, width: int, height: int) -> tuple[int, int] | None:
+        """The (w, h) a sample prompt's text encoder fits its --ci images `paths` to (encode(captions, views,
+        sample_size)) at size width x height; None (default): its own rule, the same as training's."""
+        return None
+
     def reference_vl_size(self, width: int, height: int) -> tuple[int, int] | None:
         """(w, h) the text encoder resizes a reference image of width x height to for its Qwen-VL image processor,
         whose aspect ratio limit (library/data/vlm_inputs.py check_aspect_ratio) the scan and the sample prompts

@@ -329,7 +329,9 @@ class DiffusionTask:
         if not sees and any(drops_captions(item.subset) for item in self.dataset.items):  # else: per item
             files.append(cache_empty_caption(self.dataset, encode_text, text_key, folder))
         negatives = [p.negative if p.negative or self.family.true_cfg else None for p in self.prompts]
-        jobs = [(text, p.control_images) for p, negative in zip(self.prompts, negatives)
+        sizes = [self.family.sample_text_size(p.control_images, p.width, p.height) if sees else None
+                 for p in self.prompts]
+        jobs = [(text, p.control_images, size) for p, negative, size in zip(self.prompts, negatives, sizes)
                 for text in (p.prompt, *([negative] if negative is not None else []))]
         encodings, prompt_files = cache_prompts(jobs, encode_text, text_key, folder, sees)
         texts = iter(encodings)

@@ -13,12 +13,14 @@ and without images the one string "<|im_start|>user\\n" + prompt + "<|im_end|>\\
 (no chat template, no think tokens). Each string is tokenized on its own (padded to 512, truncated
 there) and encoded on its own; hidden_states[-2], each string's real tokens only.
 
-SigLIP (prepare_siglip_embeds): an image larger than 1024 x 1024 pixels is first resized (Lanczos) to
-that area at its aspect ratio (Flux2ImageProcessor._resize_to_target_area: the pipeline's rule when
-no output size is given), then Siglip2ImageProcessor makes its patches (at most max_num_patches, the
-aspect kept) and Siglip2VisionModel's last_hidden_state, cut to the sH x sW real patches, is the
-feature grid [sH, sW, C] float32 (C = 1152 for SigLIP2 so400m). The pipeline loads both from the
-repo's siglip/ and siglip_processor/ folders; so do we (transformers' classes).
+SigLIP (prepare_siglip_embeds): an image larger than 1024 x 1024 pixels is first resized (Lanczos) at
+its aspect ratio to the output's height x width area where the pipeline is given a size (samples:
+encode's sample_size), else to 1024 x 1024 (training's references) (Flux2ImageProcessor.
+_resize_to_target_area: the image its VAE path takes too), then Siglip2ImageProcessor makes its
+patches (at most max_num_patches, the aspect kept) and Siglip2VisionModel's last_hidden_state, cut to
+the sH x sW real patches, is the feature grid [sH, sW, C] float32 (C = 1152 for SigLIP2 so400m). The
+pipeline loads both from the repo's siglip/ and siglip_processor/ folders; so do we (transformers'
+classes).
 
 The cache entry of one caption with its references (library/data/caches.py; no batch axis):
   embeds [T, 2560] float32   the segments' real tokens, concatenated
@@ -65,15 +67,16 @@ class ZImageOmniTextEncoder(ZImageTextEncoder):
         return out
 
 
-def siglip_view(image):
+def siglip_view(image, area: int = SIGLIP_MAX_AREA):
     """A PIL image as the pipeline hands it to SigLIP: larger than SIGLIP_MAX_AREA pixels -> resized
-    (Lanczos) to that area, int-truncated sides (Flux2ImageProcessor._resize_to_target_area)."""
+    (Lanczos) to `area` (the output's width x height where the pipeline is given a size, else
+    SIGLIP_MAX_AREA), int-truncated sides (Flux2ImageProcessor._resize_to_target_area)."""
     from PIL import Image
 
     w, h = image.size
     if w * h <= SIGLIP_MAX_AREA:
         return image
-    scale = math.sqrt(SIGLIP_MAX_AREA / (w * h))
+    scale = math.sqrt(area / (w * h))
     return image.resize((int(w * scale), int(h * scale)), Image.Resampling.LANCZOS)
 
 
@@ -88,9 +91,9 @@ class SiglipFeatures:
         return self.model.config.hidden_size
 
     @torch.no_grad()
-    def __call__(self, image) -> torch.Tensor:
+    def __call__(self, image, area: int = SIGLIP_MAX_AREA) -> torch.Tensor:
         param = next(self.model.parameters())
-        inputs = self.processor(images=[siglip_view(image)], return_tensors="pt")
+        inputs = self.processor(images=[siglip_view(image, area)], return_tensors="pt")
         inputs = {k: (v.to(param.device, param.dtype) if v.is_floating_point() else v.to(param.device))
                   for k, v in inputs.items()}
         sh, sw = (int(v) for v in inputs["spatial_shapes"][0])
@@ -118,19 +121,22 @@ def load_siglip(path: str, dtype: torch.dtype = torch.float32) -> SiglipFeatures
 
 
 class OmniConditionEncoder:
-    """encode(captions, condition_images) -> one cache dict per caption (module docstring)."""
+    """encode(captions, condition_images, sample_size=None) -> one cache dict per caption (module
+    docstring); sample_size: the (w, h) a sample renders at, the area large references are fitted to."""
 
     def __init__(self, text: ZImageOmniTextEncoder, siglip: SiglipFeatures):
         self.text, self.siglip = text, siglip
 
-    def __call__(self, captions: list[str], condition_images: list[list]) -> list[dict]:
+    def __call__(self, captions: list[str], condition_images: list[list],
+                 sample_size: tuple[int, int] | None = None) -> list[dict]:
+        area = sample_size[0] * sample_size[1] if sample_size else SIGLIP_MAX_AREA
         segments = self.text.encode_segments(captions, [len(images) for images in condition_images])
         out = []
         for caption_segments, images in zip(segments, condition_images):
             entry = {"embeds": torch.cat(caption_segments),
                      "segments": torch.tensor([s.shape[0] for s in caption_segments], dtype=torch.int64)}
             if images:
-                grids = [self.siglip(image.convert("RGB")) for image in images]  # (reference views are RGBA)
+                grids = [self.siglip(image.convert("RGB"), area) for image in images]  # (reference views are RGBA)
                 entry["siglip"] = torch.cat([g.reshape(-1, g.shape[-1]) for g in grids])
                 entry["siglip_grid"] = torch.tensor([g.shape[:2] for g in grids], dtype=torch.int64)
             out.append(entry)

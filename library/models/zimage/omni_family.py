@@ -174,6 +174,12 @@ class ZImageOmniFamily(ZImageFamily):
         return (max(VAE_MULTIPLE, size[0] // VAE_MULTIPLE * VAE_MULTIPLE),
                 max(VAE_MULTIPLE, size[1] // VAE_MULTIPLE * VAE_MULTIPLE))
 
+    def sample_text_size(self, paths, width: int, height: int) -> tuple[int, int] | None:
+        """Given a size, ZImageOmniPipeline shows SigLIP a condition image over 1024 x 1024 pixels at the
+        output's area, the image its VAE path takes (sample_control_bucket). Training's references are
+        encoded by its rule without a size (at most 1024 x 1024)."""
+        return (width, height) if paths else None
+
     # -- the denoiser --------------------------------------------------------------------------
     def predict(self, model, x_t, sigmas, text, h, w, guidance, control: list[torch.Tensor] | None = None):
         """x_t: packed noisy target [B, h*w, 64]; control: reference latents [B, 16, H_k, W_k] float32;
