@@ -74,6 +74,54 @@ def test_an_assistant_turn_that_calls_a_tool_is_trained_on_its_call(chat_tokeniz
         "It is 18 C.<|im_end|>\n")
 
 
+def test_tool_call_arguments_as_openai_writes_them_a_json_string_train_as_their_object(chat_tokenizer, tmp_path):
+    """OpenAI's API writes "arguments" as the JSON text of the object: it is decoded before rendering, so a
+    tojson template (Qwen2.5's) trains the same 85 tokens (the call, the reply) as the object; it trained the string
+    double-encoded ("{\\"city\\": \\"Paris\\"}"). The caller's messages are left as they were."""
+    def chat(arguments):
+        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+        return [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "18 C"},
+                {"role": "assistant", "content": "It is 18 C."}]
+
+    as_string = chat('{"city": "Paris"}')
+    text_corpus.check_corpus([write_jsonl(tmp_path / "openai.jsonl", [{"messages": as_string}])], None, False)
+    ids, trained = chat_records.chat_encoder(chat_tokenizer, all_tokens=False)(as_string, "x.jsonl:1")
+    assert (ids, trained) == chat_records.chat_encoder(chat_tokenizer, all_tokens=False)(chat({"city": "Paris"}), "")
+    assert sum(trained) == 85
+    assert chat_tokenizer.decode([i for i, t in zip(ids, trained) if t]) == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        "It is 18 C.<|im_end|>\n")
+    assert as_string == chat('{"city": "Paris"}')
+
+
+def test_a_template_that_drops_the_system_prompt_once_a_reply_follows_is_refused_as_a_rewrite(chat_tokenizer):
+    """Mistral v0.3's template writes the system prompt only into a user message that is the last message: the
+    first reply's prefix renders it, the conversation does not. That is a rewrite of earlier turns; it was
+    refused as a generation prompt that is not how the reply opens (the template has none), advising
+    train_on_all_tokens without saying that drops the system prompt."""
+    tok = chat_tokenizer
+    template = ("{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}"
+                "{%- set turns = messages[1:] %}{%- else %}{%- set turns = messages %}{%- endif %}"
+                "{%- for m in turns %}{%- if m.role == 'user' %}{{- '[INST] ' }}"
+                "{%- if loop.last and system is defined %}{{- system + '\\n\\n' }}{%- endif %}"
+                "{{- m.content + '[/INST]' }}{%- else %}{{- ' ' + m.content + '</s>' }}{%- endif %}{%- endfor %}")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"}]
+    old, tok.chat_template = tok.chat_template, template
+    try:
+        with pytest.raises(ConfigError) as refused:
+            chat_records.chat_encoder(tok, all_tokens=False)(chat, "m.jsonl:1")
+        assert str(refused.value) == (
+            "m.jsonl:1: the chat template renders the conversation up to messages[2] (assistant) as text that does "
+            "not begin the whole conversation's (it rewrites earlier turns), so the assistant's tokens cannot be "
+            "told apart; set train_on_all_tokens = true (the conversation as the template renders it whole, "
+            "without what it drops from earlier turns), or give each turn a record of its own")
+        assert sum(chat_records.chat_encoder(tok, all_tokens=False)(chat[1:], "m.jsonl:2")[1]) == 9  # " Hello</s>"
+    finally:
+        tok.chat_template = old
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(chat_tokenizer):
     """A template that marks only the last reply (as Qwen3's keeps only the last turn's thinking): the reply
     rendered as the last message is not how the whole conversation renders it."""
@@ -128,6 +176,10 @@ def test_a_generation_prompt_that_opens_think_is_refused_naming_where_it_parts_f
      "messages[1] (assistant) content is a NoneType; expected a string"),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, "tool_calls": []}]}',
      "messages[1] (assistant) tool_calls is []; expected a list of at least one call object"),
+    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, "tool_calls": '
+     '[{"type": "function", "function": {"name": "f", "arguments": "city=Paris"}}]}]}',
+     "messages[1] (assistant) tool_calls[0] arguments 'city=Paris' is a string that is no JSON object; expected an "
+     "object or its JSON text"),  # it was trained as the string
     ('{"messages": [{"role": "user", "content": "q"}]}', "no assistant message, so nothing to train on"),
     ('{"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "q"}]}',
      "messages[0] is an assistant message; with the loss on assistant tokens only a conversation starts with"),

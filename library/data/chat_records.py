@@ -67,12 +67,66 @@ def record_problem(record) -> str | None:
         calls = m.get("tool_calls") if m["role"] == "assistant" else None
         if calls is not None and not (isinstance(calls, list) and calls and all(isinstance(c, dict) for c in calls)):
             return f"messages[{i}] (assistant) tool_calls is {calls!r}; expected a list of at least one call object"
+        if calls and (problem := arguments_problem(calls)):
+            return f"messages[{i}] (assistant) {problem}"
         if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
             return f"messages[{i}] ({m['role']}) content is a {type(m.get('content')).__name__}; expected a string"
         if m["role"] == "assistant" and not calls and not m["content"].strip():
             return (f"messages[{i}] is an assistant message with empty content and no tool_calls; expected the "
                     f"reply to train on")
     return None
+
+
+def call_function(call: dict) -> dict:
+    """A tool call's {"name", "arguments"}: OpenAI's "function" object, or the call itself (as Qwen's templates
+    read a call without one)."""
+    return call["function"] if isinstance(call.get("function"), dict) else call
+
+
+def json_object(text: str) -> dict | None:
+    """The JSON object `text` encodes, or None where it encodes none."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def arguments_problem(calls: list) -> str | None:
+    """What is wrong with the first call whose "arguments" string is no JSON object (decoded_arguments cannot
+    decode it), or None."""
+    for j, call in enumerate(calls):
+        arguments = call_function(call).get("arguments")
+        if isinstance(arguments, str) and json_object(arguments) is None:
+            shown = arguments if len(arguments) <= 40 else arguments[:40] + "..."
+            return (f"tool_calls[{j}] arguments {shown!r} is a string that is no JSON object; expected an object "
+                    f"or its JSON text (as OpenAI writes it)")
+    return None
+
+
+def decoded_arguments(messages: list, where: str) -> list:
+    """The messages (as record_problem passes them) with each tool call's "arguments" string (OpenAI's API
+    writes the JSON text) decoded to its object: templates render arguments with tojson (Qwen2.5's, Llama
+    3.1's), which would train the string double-encoded ("{\\"city\\": ...}"); Qwen3's writes a string as it is
+    and an object with tojson. Copies what it decodes; the caller's messages are unchanged."""
+    decoded = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if calls and any(isinstance(call_function(c).get("arguments"), str) for c in calls):
+            if problem := arguments_problem(calls):
+                raise ConfigError(f"{where}: messages[{i}] (assistant) {problem}")
+            m = {**m, "tool_calls": [decoded_call(c) for c in calls]}
+        decoded.append(m)
+    return decoded
+
+
+def decoded_call(call: dict) -> dict:
+    """The call with its "arguments" string decoded, a copy (the call itself where they are no string)."""
+    function = call_function(call)
+    if not isinstance(function.get("arguments"), str):
+        return call
+    decoded = {**function, "arguments": json_object(function["arguments"])}
+    return decoded if function is call else {**call, "function": decoded}
 
 
 def lone_surrogate(record: dict) -> str | None:
@@ -126,6 +180,7 @@ def chat_encoder(tokenizer, all_tokens: bool) -> ChatEncoder:
     token (all_tokens) or on the assistant messages' tokens only (assistant_spans)."""
 
     def encode(messages: list, where: str):
+        messages = decoded_arguments(messages, where)
         if all_tokens:
             return tokenizer(render_chat(tokenizer, messages, where), add_special_tokens=False)["input_ids"], True
         text, spans = assistant_spans(lambda m, g=False: render_chat(tokenizer, m, where, g), messages, where)
@@ -206,13 +261,17 @@ def exact_span(render: Callable[..., str], messages: list, i: int, text: str) ->
 
 
 def refuse_unspannable(render: Callable[..., str], messages: list, i: int, text: str, where: str):
-    """exact_span found no span for messages[i]: say why. Where the first reply's prefix does begin the
-    conversation but the generation prompt does not begin it (DeepSeek-R1-Distill's opens <think>, which the
-    conversation lacks), no earlier turn is rewritten, and a record per turn would meet the same prompt."""
+    """exact_span found no span for messages[i]: say why. Where the first reply's prefix, rendered without
+    the generation prompt, begins the conversation but the generation prompt does not begin it
+    (DeepSeek-R1-Distill's opens <think>, which the conversation lacks), no earlier turn is rewritten, and a
+    record per turn would meet the same prompt. Where the prefix itself renders otherwise once a reply
+    follows (Mistral v0.3's writes the system prompt only into a user message that is the last), the
+    template rewrites earlier turns."""
     before = render(messages[:i], True)
     through = text if i + 1 == len(messages) else render(messages[: i + 1])
     first = all(m["role"] != "assistant" for m in messages[:i])
-    if first and text.startswith(through) and not through.startswith(before):
+    if (first and text.startswith(through) and not through.startswith(before)
+            and through.startswith(render(messages[:i]))):
         same = len(os.path.commonprefix([before, through]))
         raise ConfigError(f"{where}: the chat template's generation prompt is not how it opens messages[{i}] "
                           f"(assistant): where they part, messages[:{i}] rendered with add_generation_prompt goes on "
@@ -229,7 +288,8 @@ def _tail(text: str, start: int, most: int = 24) -> str:
 def refuse_rewritten(where: str, i: int):
     raise ConfigError(f"{where}: the chat template renders the conversation up to messages[{i}] (assistant) "
                       f"as text that does not begin the whole conversation's (it rewrites earlier turns), so "
-                      f"the assistant's tokens cannot be told apart; set train_on_all_tokens = true, or give "
+                      f"the assistant's tokens cannot be told apart; set train_on_all_tokens = true (the conversation "
+                      f"as the template renders it whole, without what it drops from earlier turns), or give "
                       f"each turn a record of its own")
 
 
