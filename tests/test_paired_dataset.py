@@ -87,7 +87,7 @@ def test_batches_hold_one_reference_size(tmp_path):
         make_image(tmp_path / "ctrl" / f"{name}.png", size, size)
     bp = paired_blueprint(tmp_path)
     bp.datasets[0].batch_size = 3
-    items = image_folders.scan_images(bp, control_bucket=lambda bucket, size: size)  # a family that keeps the reference size
+    items = image_folders.scan_images(bp, control_bucket=lambda bucket, size, resolution: size)  # a family that keeps the reference size
     ds = D.ImageDataset(bp, items=items)
     batches = D.BucketBatchSampler(ds, seed=0).batches(0)
     assert sorted(len(b) for b in batches) == [1, 2]

@@ -173,7 +173,7 @@ def test_edit_plus_sizes_follow_plus_pipeline(version):
 def test_sample_reference_is_encoded_at_the_pipelines_vae_area_whatever_the_target(bucket):
     """A sample's reference is encoded at the Plus pipeline's calculate_dimensions(VAE_IMAGE_SIZE, its ratio)
     for any target: a 2000 x 1000 reference for a 512 x 512 sample was 736 x 352 (the target's area), the
-    pipeline encodes it at 1440 x 736. Training keeps the target bucket's area (equal at 1024 x 1024)."""
+    pipeline encodes it at 1440 x 736. Training (control_bucket without a resolution) keeps the target bucket's area."""
     from library.models.qwen_image.edit_family import QwenImageEditFamily
 
     family = QwenImageEditFamily("unused.safetensors", model_version=EDIT_2509)
@@ -344,3 +344,35 @@ def test_sample_references_are_stretched_as_the_pipelines_resize_them(tmp_path):
         assert (w, h) != (1000, 700) and abs(w / h - 1000 / 700) > 1e-3  # the size's ratio is not the image's: a crop differed
         theirs = processor.preprocess(processor.resize(image, h, w), h, w)[0]
         assert float((ours - theirs).abs().max()) < 1e-5, family.name
+
+
+@pytest.mark.parametrize("resolution", [1024, 512])
+def test_training_reference_is_encoded_at_the_resolutions_area_whatever_the_bucket(tmp_path, resolution):
+    """A scanned training reference is sized at the dataset resolution's area with its own ratio: at 1024 the Plus
+    pipeline's calculate_dimensions(1024 * 1024, ratio) for any target bucket, at 512 the same rule at 512^2.
+    Old: the target bucket's area, under 1024^2 for a non-square bucket: a 1920 x 1080 reference in a 1344 x 768
+    bucket was encoded at 1344 x 768, the pipeline's 1376 x 768."""
+    from PIL import Image
+
+    from library.data.dataset_config import load_dataset_config
+    from library.data.image_folders import scan_images
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+
+    targets, references = tmp_path / "targets", tmp_path / "references"
+    targets.mkdir(), references.mkdir()
+    sizes = [(1920, 1080), (4032, 3024), (3024, 4032), (1500, 1000), (1216, 832)]
+    for i, size in enumerate(sizes):  # each target in the bucket of its reference's ratio
+        Image.new("RGB", size).save(targets / f"{i}.png")
+        Image.new("RGB", size).save(references / f"{i}.png")
+        (targets / f"{i}.txt").write_text("edit")
+    config = tmp_path / "dataset.toml"
+    config.write_text(f"[general]\nresolution = {resolution}\nenable_bucket = true\nmin_bucket_reso = 256\n"
+                      f"max_bucket_reso = 2048\nbucket_reso_steps = 64\ncaption_extension = \".txt\"\n\n"
+                      f"[[datasets]]\n  [[datasets.subsets]]\n  image_dir = \"{targets}\"\n"
+                      f"  control_directory = \"{references}\"\n")
+    family = QwenImageEditFamily("unused.safetensors", model_version=EDIT_2509)
+    items = scan_images(load_dataset_config(str(config)), control_bucket=family.control_bucket)
+    encoded = {item.size: (item.bucket, item.control_buckets[0]) for item in items}
+    assert any(b[0] * b[1] < resolution ** 2 for b, _ in encoded.values())  # non-square buckets of a smaller area
+    for w, h in sizes:
+        assert encoded[(w, h)][1] == tuple(plus_pipe.calculate_dimensions(resolution * resolution, w / h)), (w, h)

@@ -63,11 +63,13 @@ def find_controls(image_path: str, folder: str, files: dict[str, str], targets: 
 
 
 def scan_controls(image_path: str, folder: str, files: dict[str, str], bucket: tuple[int, int],
-                  control_bucket, targets: frozenset[str] = frozenset()) -> tuple[list[str], list[tuple[int, int]]]:
+                  control_bucket, resolution: tuple[int, int],
+                  targets: frozenset[str] = frozenset()) -> tuple[list[str], list[tuple[int, int]]]:
     """(reference paths, the bucket each is encoded at): every reference verified readable;
-    control_bucket(target bucket, reference size) -> (w, h) is the family's rule; targets: find_controls'."""
+    control_bucket(target bucket, reference size, the dataset's resolution) -> (w, h) is the family's rule
+    (DiffusionFamily.control_bucket); targets: find_controls'."""
     paths = find_controls(image_path, folder, files, targets)
-    return paths, [tuple(control_bucket(bucket, verified_image_size(p))) for p in paths]
+    return paths, [tuple(control_bucket(bucket, verified_image_size(p), resolution)) for p in paths]
 
 
 def check_control_count(item, first) -> None:

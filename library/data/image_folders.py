@@ -131,10 +131,10 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
     control_directory). Unreadable images, missing or empty captions, colliding file stems and
     missing references are errors naming the file; images of a bad size for the buckets (bad_size)
     are warnings, and skipped with skip_bad_size_images. held_out_sets: the [[validation_datasets]]
-    instead, numbered after the training datasets. control_bucket(target bucket, reference size)
-    -> (w, h): the family's reference size rule (default: the target's bucket); stretch_controls: the
-    family's references are stretched to that size, not cropped (DiffusionFamily.stretches_references);
-    control_mode: the PIL mode they load in for the VAE (DiffusionFamily.reference_mode)."""
+    instead, numbered after the training datasets. control_bucket(target bucket, reference size, the
+    dataset's resolution) -> (w, h): the family's reference size rule (DiffusionFamily.control_bucket;
+    default: the target's bucket); stretch_controls: the family's references are stretched to that size,
+    not cropped (DiffusionFamily.stretches_references); control_mode: the PIL mode they load in for the VAE (DiffusionFamily.reference_mode)."""
     items = []
     datasets = blueprint.validation_datasets if held_out_sets else blueprint.datasets
     first = len(blueprint.datasets) if held_out_sets else 0
@@ -159,7 +159,8 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                                  mask_path=find_mask(path, subset, size), subset_index=si)
                 if controls is not None:
                     item.control_paths, item.control_buckets = scan_controls(
-                        path, subset.control_directory, controls, bucket, control_bucket or (lambda b, _: b), targets)
+                        path, subset.control_directory, controls, bucket, control_bucket or (lambda b, *_: b),
+                        ds.resolution, targets)
                     item.controls_stretched, item.controls_mode = stretch_controls, control_mode
                     first_paired = first_paired or item
                     check_control_count(item, first_paired)

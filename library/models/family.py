@@ -231,8 +231,10 @@ class DiffusionFamily:
         computed for every position, as most families do)."""
         return None
 
-    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
-        """(w, h) a reference image of `size` is fitted to when its target's bucket is `bucket`.
+    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
+                       resolution: tuple[int, int] | None = None) -> tuple[int, int]:
+        """(w, h) a reference image of `size` is fitted to when its target's bucket is `bucket`; resolution: the
+        target's dataset `resolution` (w, h), None where unknown (then the bucket stands for it).
         Default: the target's bucket."""
         return bucket
 

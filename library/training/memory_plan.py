@@ -189,7 +189,8 @@ def planned_reference(family, bucket: tuple[int, int], reference_size: tuple[int
 
 
 def planned_control(family, bucket: tuple[int, int], reference_size: tuple[int, int] | None) -> tuple[int, int]:
-    """(w, h) the planned reference (planned_reference) is encoded at for a `bucket` target: family.control_bucket."""
+    """(w, h) the planned reference (planned_reference) is encoded at for a `bucket` target: family.control_bucket,
+    the plan's largest bucket standing for the dataset's resolution (its area, to a grid step)."""
     return tuple(family.control_bucket(bucket, planned_reference(family, bucket, reference_size)))
 
 

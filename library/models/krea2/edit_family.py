@@ -79,7 +79,8 @@ class Krea2EditFamily(Krea2Family):
         """krea2-raw-edit (or -turbo-): the LoRA's ss_base_model_version; "-kv_cache" when trained with it."""
         return f"{self.version}-edit" + ("-kv_cache" if self.reference_kv_cache else "")
 
-    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
+                       resolution: tuple[int, int] | None = None) -> tuple[int, int]:
         """ai-toolkit's rule, whatever the target's size (its references keep their own size)."""
         return reference_size(size[0], size[1], self.reference_resolution)
 

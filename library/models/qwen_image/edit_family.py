@@ -12,11 +12,11 @@ is on the target's tokens. Edit takes one reference, 2509 / 2511 up to three (th
 prompt names "Picture 1..n"; three is what the releases were trained with). For the VAE a
 reference keeps its own aspect ratio: in samples (sample_control_bucket) at the pipelines' ~1024x1024
 area whatever the target's size (calculate_dimensions(VAE_IMAGE_SIZE, ratio)); in training
-(control_bucket) at the target bucket's area, which is the same at the 1024 training resolution
-(musubi-tuner's recommended control_resolution = [1024, 1024]) and scales down with a lower one. The text sees the
-references too, at the pipeline's fixed VL-encoder size (edit_sizes: ~384x384 area for 2509 /
-2511, ~1024x1024 for Edit), so a text cache entry is per (caption, references)
-(text_sees_controls; library/data/caches.py cache_text). LoRA targets, fp8 rules and
+(control_bucket) at the dataset resolution's area whatever the target's bucket, which is the same at
+the 1024 training resolution (musubi-tuner's recommended control_resolution = [1024, 1024]) and
+scales down with a lower one. The text sees the references too, at the pipeline's fixed
+VL-encoder size (edit_sizes: ~384x384 area for 2509 / 2511, ~1024x1024 for Edit), so a text cache
+entry is per (caption, references) (text_sees_controls; library/data/caches.py cache_text). LoRA targets, fp8 rules and
 flow-matching constants are Qwen-Image's (arch). Samples use true CFG with the negative prompt,
 encoded with the same references, as the pipelines do.
 """
@@ -93,10 +93,14 @@ class QwenImageEditFamily(QwenImageFamily):
         """Edit: one condition image; 2509 / 2511: up to three."""
         return 1 if self.version == EDIT else 3
 
-    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
-        """Training: a reference keeps its aspect ratio at the target bucket's area, sides multiples
-        of 32 (the pipelines' rule, scaled to the training resolution)."""
-        w, h = area_size(size[0], size[1], bucket[0] * bucket[1])
+    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
+                       resolution: tuple[int, int] | None = None) -> tuple[int, int]:
+        """Training: a reference keeps its aspect ratio at the training resolution's area (the dataset's
+        `resolution`; None: the target bucket's), sides multiples of 32: the pipelines' rule scaled to it.
+        Not the bucket's: a non-square bucket's area is under the resolution's, so a reference came out
+        one 32-pixel step smaller than the pipelines' at 1024 (1344 x 768, not 1376 x 768, for 1920 x 1080)."""
+        w, h = resolution or bucket
+        w, h = area_size(size[0], size[1], w * h)
         return max(w, SIZE_MULTIPLE), max(h, SIZE_MULTIPLE)
 
     def sample_control_bucket(self, target: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:

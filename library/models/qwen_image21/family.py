@@ -89,7 +89,8 @@ class QwenImage21Family(DiffusionFamily):
         return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "reference_resolution", None),
                    **{k: getattr(args, k) for k in cls.text_path_keys})
 
-    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
+                       resolution: tuple[int, int] | None = None) -> tuple[int, int]:
         """The pipeline's rule, whatever the target's size: the reference's ratio at reference_resolution^2."""
         return reference_size(size[0], size[1], self.reference_resolution)
 

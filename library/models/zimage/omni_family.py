@@ -156,7 +156,8 @@ class ZImageOmniFamily(ZImageFamily):
 
         return SEQ_MULTIPLE
 
-    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
+                       resolution: tuple[int, int] | None = None) -> tuple[int, int]:
         """A reference keeps its aspect ratio at the target bucket's area, sides floored to multiples of
         16 (the pipeline keeps a reference at its own size, at most 1024 x 1024 pixels, and makes the
         output that size: the target's area stands for it)."""
