@@ -540,6 +540,27 @@ def test_images_in_subfolders_are_a_warning_of_the_check(tmp_path):
     assert "1 images are not trained: its subfolders hold 1 (e.g. sub/b.png)" in report.problems()[0].message
 
 
+def test_every_name_collision_and_the_folders_warnings_are_in_the_check_training_stops_at_the_first(tmp_path):
+    """a.png and a.jpg hid b.png and b.webp's collision and the warnings on sub/ and the .gif: the check
+    said one error of the folder, though it lists them all. Training still stops on the first, one line."""
+    from library.data.image_folders import scan_images
+
+    folder = tmp_path / "imgs"
+    for i, name in enumerate(("a.png", "a.jpg", "b.png", "b.webp", "c.png", "sub/inner.png", "anim.gif")):
+        make_image(folder / name, 32, 32, (30 * i, 0, 0))
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [
+        {"image_dir": str(folder), "class_tokens": "x"}]}]})
+    problems = check.check_dataset(bp).problems()
+    said = [(p.severity, p.message.replace(f"{folder}: ", "").split(":")[0]) for p in problems]
+    assert said == [("error", "images 'a.jpg' and 'a.png' share the name 'a'"),
+                    ("error", "images 'b.png' and 'b.webp' share the name 'b'"),
+                    ("warning", "1 images are not trained"),
+                    ("warning", "1 files of a type not read (.gif; e.g. anim.gif) are not trained")]
+    with pytest.warns(UserWarning), pytest.raises(ValueError) as raised:
+        scan_images(bp)
+    assert str(raised.value) == f"<dict>: {problems[0].message}"
+
+
 def test_images_upscaled_to_their_bucket_are_one_line_with_the_count_and_largest_factor(tmp_path, capsys):
     """Within the bucket limits, so no size warning: a 32 px image in a 64 px bucket is enlarged 2x."""
     for name, side in (("small.png", 32), ("mid.png", 48), ("full.png", 64), ("big.png", 96)):

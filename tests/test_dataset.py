@@ -619,6 +619,25 @@ def test_images_in_subfolders_of_image_dir_are_said_not_trained(tmp_path):
     assert [os.path.basename(i.image_path) for i in items] == ["top.png"]
 
 
+def test_a_subfolder_another_subset_or_validation_set_reads_is_not_said_not_trained(tmp_path):
+    """Subset 1 reads data, subset 2 (or a [[validation_datasets]] subset) data/closeups: the scan said
+    closeups' image 'not trained' and told to give it a subset of its own (a held-out one would then be
+    trained). A subfolder no subset reads is still said."""
+    root = tmp_path / "data"
+    for name in ("a.png", "closeups/c.png", "loose/x.png"):
+        make_image(root / name, 64, 64)
+    for section, sets in (("datasets", 2), ("validation_datasets", 1)):
+        config = {"datasets": [{"resolution": 64, "subsets": [{"image_dir": str(root), "class_tokens": "x"}]}]}
+        closeups = {"resolution": 64, "subsets": [{"image_dir": str(root / "closeups"), "class_tokens": "x"}]}
+        config[section] = config.get(section, []) + [closeups]
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            items = image_folders.scan_images(parse_dataset_config(config, source="t.toml"))
+        assert len(items) == sets
+        assert [str(w.message).split(": its subfolders")[0] for w in said] == [f"{root}: 1 images are not trained"]
+        assert "its subfolders hold 1 (e.g. loose/x.png)" in str(said[0].message)
+
+
 def test_hidden_files_beside_the_images_are_not_images(tmp_path):
     """macOS leaves a '._name' resource fork beside every file it copies to a USB disk or a share; sd-scripts'
     glob skips them. The old scan verified '._a.png' as an image and stopped: 'cannot be read as an image'."""

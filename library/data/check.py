@@ -42,12 +42,13 @@ from PIL import Image
 
 from library.data.captions import fixed_caption
 from library.data.controls import check_control_count, check_family_takes, control_files, find_controls, target_stems
-from library.data.image_folders import (bad_size, dataset_buckets, held_out_count, held_out_paths, image_bucket,
-                                        no_held_out, other_caption_file, read_caption, refuse_large_buckets,
-                                        subset_images, unread_caption_files)
+from library.data.image_folders import (bad_size, dataset_buckets, folders_read, held_out_count, held_out_paths,
+                                        image_bucket, no_held_out, other_caption_file, read_caption,
+                                        refuse_large_buckets, subset_images, unread_caption_files)
 from library.data.dataset import reg_repeats
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
-from library.data.images import WIDE_GREY_MODES, is_image_name, load_rgb, upscale_factor, verified_image_size
+from library.data.images import (WIDE_GREY_MODES, is_image_name, load_rgb, stem_collisions, upscale_factor,
+                                 verified_image_size)
 from library.data.layers import check_layers, split_layers
 from library.data.masks import find_mask, has_alpha
 
@@ -234,6 +235,7 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
     subsets, where = [], {}  # where: image path -> the report of its first subset
     trained, held_out = set(), {}  # held_out: image path -> the report of its first validation subset
     sections = [("datasets", blueprint.datasets), ("validation_datasets", blueprint.validation_datasets)]
+    read = folders_read(blueprint)  # a subset's folder inside another's image_dir is not 'not trained' there
     for name, datasets in sections:
         for di, ds in enumerate(datasets, start=1):
             layered = {}  # the dataset's first composite: every other needs as many layers (as scan_images)
@@ -241,7 +243,7 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
             for si, subset in enumerate(ds.subsets, start=1):
                 report = SubsetReport(f"{name} {di}, subset {si}", subset.image_dir)
                 readable, used = check_subset(report, ds, subset, limit, layered, takes, vl_size=vl_size,
-                                              largest=largest, source=blueprint.source)
+                                              largest=largest, source=blueprint.source, read=read)
                 for path in readable:
                     where.setdefault(path, report)
                 if name == "validation_datasets":  # every image of it is held out
@@ -297,25 +299,30 @@ def check_layered(report: SubsetReport, path: str, its_layers: list[str] | None,
 def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None,
                  layered: dict | None = None, takes: tuple[str, int, int, bool] | None = None,
                  vl_size=None, largest: tuple[int, int] | None = None,
-                 source: str = "<dict>") -> tuple[list[str], list[str]]:
+                 source: str = "<dict>", read=()) -> tuple[list[str], list[str]]:
     """Fill `report` for one subset; returns the readable images' paths (for the duplicate check) and
     those training uses (for the held-out ones: split_validation's choice).
     layered: the dataset's first composite ({"first": (path, layer count)}), shared by its subsets;
-    takes, vl_size, largest: check_dataset's; source: the dataset TOML, for refuse_large_buckets' line."""
+    takes, vl_size, largest: check_dataset's; source: the dataset TOML, for refuse_large_buckets' line;
+    read: the folders the dataset config reads (image_folders.folders_read), not 'not trained' below image_dir."""
     layers, layered = {}, {} if layered is None else layered
     try:
         with warnings.catch_warnings(record=True) as said:  # images in subfolders: this report's warnings
             warnings.simplefilter("always")
-            paths, layers = subset_images(subset)  # multiple_target: the layer files are not images of their own
-        for w in said:
-            report.add("warning", "folder", str(w.message))
-    except ValueError as e:  # no folder, no images, or two images of one name (then check them anyway)
+            paths, layers = subset_images(subset, read)  # multiple_target: the layer files are not images of their own
+    except ValueError as e:  # no folder, no images, or images of one name (then check them anyway)
         report.add("error", "folder", str(e))
         if not os.path.isdir(subset.image_dir):
             return [], []
-        paths = [os.path.join(subset.image_dir, f) for f in sorted(os.listdir(subset.image_dir)) if is_image_name(f)]
+        names = sorted(os.listdir(subset.image_dir))
+        for collision in stem_collisions(subset.image_dir, names):  # training stops at the first; the check lists all
+            if collision != str(e):
+                report.add("error", "folder", collision)
+        paths = [os.path.join(subset.image_dir, f) for f in names if is_image_name(f)]
         if subset.multiple_target:  # the layer files are layers here too, as subset_images takes them
             paths, layers = split_layers(paths)
+    for w in said:  # said before a collision stopped the scan too
+        report.add("warning", "folder", str(w.message))
     report.images = len(paths)
     try:
         controls = control_files(subset.control_directory) if subset.control_directory else None

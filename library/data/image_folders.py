@@ -134,8 +134,9 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
     instead, numbered after the training datasets. control_bucket(target bucket, reference size, the
     dataset's resolution) -> (w, h): the family's reference size rule (DiffusionFamily.control_bucket;
     default: the target's bucket); stretch_controls: the family's references are stretched to that size,
-    not cropped (DiffusionFamily.stretches_references); control_mode: the PIL mode they load in for the VAE (DiffusionFamily.reference_mode)."""
-    items = []
+    not cropped (DiffusionFamily.stretches_references); control_mode: the PIL mode they load in for the
+    VAE (DiffusionFamily.reference_mode)."""
+    items, read = [], folders_read(blueprint)
     datasets = blueprint.validation_datasets if held_out_sets else blueprint.datasets
     first = len(blueprint.datasets) if held_out_sets else 0
     for di, ds in enumerate(datasets, start=first):
@@ -143,7 +144,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
         first_layered = None  # (path, layer count) of the dataset's first layered image
         for si, subset in enumerate(ds.subsets):
             try:
-                paths, layers = subset_images(subset)
+                paths, layers = subset_images(subset, read)
             except ValueError as e:  # the folder's own problem: said with the dataset config that names it
                 raise ValueError(f"{blueprint.source}: {e}") from None
             if subset.alpha_mask:
@@ -350,11 +351,20 @@ def _usable_images(paths: list[str], ds: DatasetSpec, subset: SubsetSpec) -> lis
     return usable
 
 
-def subset_images(subset: SubsetSpec) -> tuple[list[str], dict[str, list[str]]]:
+def subset_images(subset: SubsetSpec, folders_read=()) -> tuple[list[str], dict[str, list[str]]]:
     """(the subset's training images, image -> its layer files): with multiple_target the numbered
-    layer files beside an image are its layers, not images of their own (library/data/layers.py)."""
-    paths = _image_files(subset.image_dir, (subset.control_directory, subset.mask_dir))
+    layer files beside an image are its layers, not images of their own (library/data/layers.py).
+    folders_read: the folders other subsets read (folders_read(blueprint)), whose images are not said
+    'not trained' where they lie below image_dir."""
+    paths = _image_files(subset.image_dir, (subset.control_directory, subset.mask_dir, *folders_read))
     return split_layers(paths) if subset.multiple_target else (paths, {})
+
+
+def folders_read(blueprint: DatasetBlueprint) -> set[str]:
+    """Every folder a subset of `blueprint` reads, training or validation: its image_dir, control_directory
+    and mask_dir. A subset's folder inside another's image_dir is read there, not left untrained."""
+    return {folder for ds in (*blueprint.datasets, *blueprint.validation_datasets) for s in ds.subsets
+            for folder in (s.image_dir, s.control_directory, s.mask_dir) if folder}
 
 
 def check_image_dir(folder: str) -> None:
@@ -366,8 +376,8 @@ def check_image_dir(folder: str) -> None:
 
 def _image_files(folder: str, other_folders=(), warn: bool = True) -> list[str]:
     """The images at the top of `folder` (image_dir is not searched recursively, as in sd-scripts and
-    musubi-tuner); images in its subfolders other than `other_folders` (the subset's references and
-    masks) are said: with none at the top an error, else (`warn`) a warning (they are not trained)."""
+    musubi-tuner); images in its subfolders other than `other_folders` (the folders the config reads:
+    subset_images) are said: with none at the top an error, else (`warn`) a warning (they are not trained)."""
     check_image_dir(folder)
     names = sorted(os.listdir(folder))
     files, unread = [f for f in names if is_image_name(f)], _unread_images(names)

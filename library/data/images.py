@@ -25,13 +25,23 @@ def images_by_stem(folder: str, names, what: str = "images") -> dict[str, str]:
     """File stem -> name of the images among `names` (sorted) in `folder`. Two of one stem (a.png and
     a.jpg) are an error naming both: an image's caption, cache, reference or mask is found by its stem,
     and which of the two is meant is unknown (a mask folder kept the last one sorted, silently)."""
+    if collisions := stem_collisions(folder, names, what):
+        raise ValueError(collisions[0])
+    return {os.path.splitext(name)[0]: name for name in sorted(n for n in names if is_image_name(n))}
+
+
+def stem_collisions(folder: str, names, what: str = "images") -> list[str]:
+    """images_by_stem's error line for every image among `names` whose stem an earlier one (sorted) has:
+    all of them, for the dataset check (training stops at the first)."""
     stems: dict[str, str] = {}
+    lines = []
     for name in sorted(n for n in names if is_image_name(n)):
         stem = os.path.splitext(name)[0]
         if stem in stems:
-            raise ValueError(f"{folder}: {what} '{stems[stem]}' and '{name}' share the name '{stem}'")
-        stems[stem] = name
-    return stems
+            lines.append(f"{folder}: {what} '{stems[stem]}' and '{name}' share the name '{stem}'")
+        else:
+            stems[stem] = name
+    return lines
 
 
 def to_8_bit(img: Image.Image, path: str) -> Image.Image:
