@@ -90,6 +90,7 @@ class FP8LinearView(nn.Linear):
         nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a weight
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self._layer = [layer]  # a list: not a submodule
+        self._patched = None  # the layer's instance forward before this network's (an earlier network's LoRA)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -100,6 +101,8 @@ class FP8LinearView(nn.Linear):
         return self._layer[0].bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._patched is not None:  # networks applied before this one keep their deltas (generate's --lora a b)
+            return self._patched(x)
         return type(self._layer[0]).forward(self._layer[0], x)  # the class forward: the instance one is patched
 
 
@@ -453,14 +456,21 @@ class LycorisNetwork(nn.Module):
         for lora in self.lycoris_modules():
             with _cpu_copies_of_meta_stay_meta(lora):  # algo=full keeps a CPU copy of the weight it replaces
                 lora.apply_to()  # patches the module LyCORIS holds (an FP8LinearView for fp8 targets)
-            if lora in self._fp8_targets:
-                self._fp8_targets[lora].forward = lora.forward  # the model calls the FP8Linear
+            if lora in self._fp8_targets:  # the model calls the FP8Linear; an earlier network's forward stays inside
+                layer = self._fp8_targets[lora]
+                lora.org_module[0]._patched = layer.__dict__.get("forward")
+                layer.forward = lora.forward
 
     def remove(self):
         self._applied = False
         for lora in self.lycoris_modules():
             lora.restore()
-            self._fp8_targets.get(lora, nn.Module()).__dict__.pop("forward", None)
+            if lora in self._fp8_targets:  # back to what it was: an earlier network's forward, or the class's
+                layer, view = self._fp8_targets[lora], lora.org_module[0]
+                layer.__dict__.pop("forward", None)
+                if view._patched is not None:
+                    layer.forward = view._patched
+                view._patched = None
 
     def set_multiplier(self, multiplier: float):
         for lora in self.lycoris_modules():

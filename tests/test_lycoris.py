@@ -410,3 +410,48 @@ def test_train_lora_trains_a_lokr_on_tiny_fp8_flux(tiny_set, tmp_path):
             m.apply_to()
         after = family.predict(model, x, torch.tensor([0.5]), text, 4, 4, 1.0)
     assert ((after - before).norm() / before.norm()).item() > 1e-3
+
+
+def test_a_lokr_applied_after_a_lora_on_a_quantized_base_keeps_the_lora():
+    """generate.py --lora lora lokr on an fp8 / nf4 / GGUF base: the LoKr's forward called the quantized
+    layer's class forward, dropping the LoRA applied before it (the image was the LoKr's alone, 0.4 of
+    the output off); the same pair on the dequantized fp32 weights is the reference."""
+    import copy
+
+    cfg = qwen.QwenImageConfig(num_layers=1, attention_head_dim=32, num_attention_heads=1, joint_attention_dim=16,
+                               axes_dims_rope=(8, 12, 12))
+    torch.manual_seed(0)
+    quantized = qwen.QwenImage(cfg)
+    quantize_module(quantized, "fp8_scaled", arch_spec("qwen_image").fp8)
+    dense = copy.deepcopy(quantized)
+    for name, layer in list(dense.named_modules()):
+        for child, sub in list(layer.named_children()):
+            if isinstance(sub, FP8Linear):
+                linear = torch.nn.Linear(sub.in_features, sub.out_features, bias=sub.bias is not None)
+                linear.weight.data = sub.dequantized_weight(torch.float32)
+                if sub.bias is not None:
+                    linear.bias.data = sub.bias.data.float()
+                setattr(layer, child, linear)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(1, 4, 64, generator=g), torch.randn(1, 3, 16, generator=g), torch.ones(1, 3, dtype=torch.bool),
+         torch.tensor([0.5]), [(1, 2, 2)])
+    outputs, networks = [], []
+    for model in (dense, quantized):
+        torch.manual_seed(1)
+        lora, lokr = LoRANetwork(model, "qwen_image", 4), LycorisNetwork(model, "qwen_image", 4, network_args=LOKR)
+        randomize(lora), randomize(lokr)
+        lora.apply(), lokr.apply()
+        with torch.no_grad():
+            outputs.append(model(*x).float())
+        networks.append((lora, lokr))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-4)
+    before = quantized(*x)
+    for lora, lokr in networks:  # removed in reverse order: the base's output again
+        lokr.remove(), lora.remove()
+    assert not torch.equal(quantized(*x), before)
+    torch.manual_seed(1)
+    lora = LoRANetwork(quantized, "qwen_image", 4)
+    randomize(lora), lora.apply()
+    lora_only = quantized(*x)
+    lora.remove()
+    assert (lora_only - quantized(*x)).abs().max() > 1e-3  # (the LoRA alone changes the output)
