@@ -546,18 +546,16 @@ def test_a_guidance_distilled_model_reads_guidance_scale(tiny_set, tmp_path):
 
 def test_sd_scripts_guidance_scale_0_for_a_model_without_guidance_is_taken(tiny_set, tmp_path):
     """sd-scripts' Chroma docs ask for guidance_scale = 0.0 ("to disable guidance"): a ported config runs."""
-    from types import SimpleNamespace
-
     from library.models.family import get_family
     from library.training.config import load_config
-    from library.training.diffusion_task import DiffusionTask
+    from library.training.diffusion_task import check_unread_keys
     from tools.make_tiny_models import tiny_config
 
     config = tmp_path / "config.toml"
     config.write_text(tiny_config("chroma", tiny_set, guidance_scale=0.0, output_dir=str(tmp_path)))
     args = load_config(["--config_file", str(config)])
-    DiffusionTask._check_unread_keys(SimpleNamespace(family=get_family(args), args=args))
+    check_unread_keys(args, get_family(args))
     args.guidance_scale = 2.0
     with pytest.raises(ValueError, match="key 'guidance_scale' = 2.0 does nothing"):
-        DiffusionTask._check_unread_keys(SimpleNamespace(family=get_family(args), args=args))
+        check_unread_keys(args, get_family(args))
 

@@ -170,3 +170,62 @@ def test_optimizer_args_that_do_not_fit_the_optimizer_are_refused_under_the_opti
     answer = checked(optimizer_type="AdamW")  # with quickstart's Prodigy optimizer_args
     assert answer["ok"] is False and answer["key"] == "optimizer_args", answer
     assert answer["error"].startswith("config: optimizer_args (d0=") and "do not fit AdamW" in answer["error"]
+
+
+def test_what_train_lora_refuses_first_is_refused_at_its_field_with_its_line(checked, tiny_set, tmp_path, capsys):
+    """Old: Validate / Create ran load_config and the model files' check only, and queued configs that train_lora.py
+    refuses in its first seconds (DiffusionTask's checks before caching): blocks_to_swap past the model's blocks,
+    network_args the network refuses, a key the model never reads, a pre-quantized base the config calls bf16."""
+    import train_lora
+    from tests.test_fp8_checkpoints import tiny_comfy_flux
+    from tests.test_reliability import one_error_line
+    from tools.make_tiny_models import tiny_config
+
+    answer = checked(blocks_to_swap=100)
+    assert answer == {"ok": False, "key": "blocks_to_swap", "error": (
+        f"{tiny_set['flux_bfl']}: blocks_to_swap must be between 1 and 3 for this model (4 blocks), got 100")}, answer
+    config = tmp_path / "swap.toml"
+    config.write_text(toml.dumps(tiny_job_settings(tiny_set, blocks_to_swap=100, output_dir=str(tmp_path / "run"))))
+    assert one_error_line(capsys, train_lora.main(["--config_file", str(config)])) == f"error: {answer['error']}"
+    answer = checked(network_args=["conv_dim=4"])
+    assert answer["key"] == "network_args", answer  # not under conv_dim, the unknown key the line names
+    assert answer["error"].startswith("config: network_args: unknown key 'conv_dim' for family 'flux'"), answer
+    answer = checked(network_module="lycoris.kohya", network_args=["algo=dylora"])
+    assert answer["key"] == "network_args" and "'algo=dylora' is refused" in answer["error"], answer
+    zimage = tiny_config("zimage", tiny_set, guidance_scale=3.5)
+    answer = check(zimage, str(tmp_path / "out"), [os.path.realpath(tiny_set["root"])])
+    assert answer == {"ok": False, "key": "guidance_scale", "error": (
+        "config: key 'guidance_scale' = 3.5 does nothing: model_type zimage has no guidance embedding to feed it to; "
+        "remove it")}, answer
+    stored = tiny_comfy_flux(tiny_set, tmp_path)
+    bf16 = {k: v for k, v in tiny_job_settings(tiny_set, pretrained_model_name_or_path=stored).items()
+            if k not in ("fp8_base", "fp8_scaled")}
+    roots = [os.path.realpath(tiny_set["root"]), os.path.realpath(str(tmp_path))]
+    answer = check(toml.dumps(bf16), str(tmp_path / "out"), roots)
+    assert answer["key"] == "pretrained_model_name_or_path", answer
+    assert answer["error"].startswith(f"{stored}: the checkpoint stores a pre-quantized fp8_tensor_scaled base (used as "
+                                      f"it is), but the config asks for bf16"), answer
+    assert checked(pretrained_model_name_or_path=stored)["ok"] is True  # the quickstart's fp8_scaled base
+    assert checked(blocks_to_swap=3)["ok"] is True
+
+
+def test_an_llm_config_train_lora_refuses_first_is_refused_at_its_field(tiny_set, tmp_path):
+    """Old: an LLM config whose train_data is missing, or whose network_args hold a key the LLM's LoRA does not know,
+    passed Validate; train_lora.py refused it at once (LLMTask's first checks)."""
+    roots = [os.path.realpath(tiny_set["root"]), os.path.realpath(str(tmp_path))]
+
+    def checked_llm(**changes) -> dict:
+        settings = {"model_type": "llm", "pretrained_model_name_or_path": tiny_set["llm"], "train_data": [tiny_set["corpus"]],
+                    "max_length": 32, "stride": 32, "max_train_steps": 2, "network_args": ["mlp_dim=4"], **changes}
+        return check(toml.dumps(settings), str(tmp_path / "out"), roots)
+
+    assert checked_llm()["ok"] is True
+    missing = str(tmp_path / "no_corpus.txt")
+    assert checked_llm(train_data=[tiny_set["corpus"], missing]) == {
+        "ok": False, "key": "train_data", "error": f"train_data {missing}: no such text file or folder"}
+    (tmp_path / "empty").mkdir()
+    answer = checked_llm(train_data=[str(tmp_path / "empty")])  # a folder: its .txt / .jsonl files
+    assert answer["key"] == "train_data" and "no .txt or .jsonl file in this folder" in answer["error"], answer
+    answer = checked_llm(network_args=["bogus_dim=4"])
+    assert answer["key"] == "network_args", answer
+    assert answer["error"].startswith("config: network_args: unknown key 'bogus_dim' for family 'llm'"), answer

@@ -523,6 +523,18 @@ def test_the_planners_caching_advice_is_applied_with_its_setting(ui, monkeypatch
     assert commands.caching_keys(unfixable) == {} and commands.caching_keys("") == {}
 
 
+def test_the_planners_suggestion_line_is_toml_to_copy():
+    """Old: `base_precision = nf4` (a string unquoted: no TOML), as the report's own lines never write it."""
+    from library.ui.app import plan_note
+
+    suggested = {"gradient_checkpointing": True, "blocks_to_swap": 4, "base_precision": "nf4",
+                 "text_encoder_precision": "fp8"}
+    note = plan_note({"ok": True, "suggested": suggested})
+    assert note == ('**Suggested:** `gradient_checkpointing = true`, `blocks_to_swap = 4`, `base_precision = "nf4"`, '
+                    '`text_encoder_precision = "fp8"`')
+    assert toml.loads("\n".join(note.split("`")[1::2])) == suggested
+    assert plan_note({"ok": False, "suggested": None}) == "**Plan failed.**"
+
 def test_an_llm_jobs_val_loss_from_its_eval_csv_is_in_the_live_view_and_compare(ui):
     """Old: the LLM trainer writes val_loss to <output_name>_eval.csv, not the log CSV the pages read: it never
     showed."""

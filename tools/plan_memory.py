@@ -358,24 +358,15 @@ def what_to_plan(cli) -> tuple:
         return family, run, LargestStep(side, side, cli.batch_size or 1, references)
     from library.data.dataset_config import load_dataset_config
     from library.models.family import get_family
-    from library.training.config import check_stored_precision, load_config
-    from library.training.diffusion_task import check_network_settings
+    from library.training.config import load_config
+    from library.training.diffusion_task import check_before_caching
 
     run = load_config(["--config_file", cli.config_file])
     family = get_family(run)
-    family.check_model_files()  # from the headers: a missing or wrong file is one line before any plan
-    check_network_settings(run, family.arch)  # as train_lora.py checks them first: bad ones are no run to plan
-    check_stored_precision(run, family.stored_layout())
+    check_before_caching(run, family)  # as train_lora.py checks it first: a config it refuses is no run to plan
     check_base_precision(family, cli.base_precision)
     if cli.base_precision and (why := refused_bases(family, run, (cli.base_precision,)).get(cli.base_precision)):
         raise ValueError(f"--base_precision {cli.base_precision}: {why}")
-    if run.blocks_to_swap:  # as train_lora refuses it (a count past the blocks was planned as another count)
-        from library.models.block_swap import check_swap_count
-
-        try:
-            check_swap_count(run.blocks_to_swap, family.swappable_block_count())
-        except ValueError as e:
-            raise ValueError(f"{cli.config_file}: {e}") from None
     step = largest_step(load_dataset_config(run.dataset_config), cli.references)
     check_references(family, step.references, "--references" if cli.references is not None else run.dataset_config)
     if cli.resolution:

@@ -31,13 +31,14 @@ from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, default_sample_size, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan
-from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, base_precision_key,
-                                     check_stored_precision, compute_dtype, lora_network_args, network_modules_from)
+from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, check_stored_precision,
+                                     compute_dtype, lora_network_args, network_modules_from)
 from library.training.run_length import check_planned_steps, plan_steps
-from library.training.lora_inputs import check_lora_inputs, check_network_fits, load_network_weights
+from library.training.lora_inputs import (check_lora_inputs, check_network_fits, check_network_settings,
+                                          load_network_weights)
 from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
-from networks.factory import build_network, check_network_args
+from networks.factory import build_network
 
 
 
@@ -118,15 +119,51 @@ def scan_family_images(blueprint, family, held_out_sets: bool = False) -> list:
                        stretch_controls=family.stretches_references, control_mode=family.reference_mode)
 
 
-def check_network_settings(args, arch: str) -> None:
-    """network_args against the network type and the architecture: a ConfigError naming the config. Here, not
-    in the config check: the network modules (and LyCORIS) import torch, the web UI does not. train_lora.py and
-    tools/plan_memory.py check it before anything else is read."""
-    try:
-        check_network_args(args.network_module, arch, lora_network_args(args), base_precision(args),
-                           base_precision_key(args))
-    except ValueError as e:
-        raise ConfigError(f"{args.config_file or 'command line'}: {e}") from None
+def check_before_caching(args, family) -> tuple[str | None, str | None]:
+    """What train_lora.py checks of a diffusion config first, from the config and the files' headers (seconds):
+    DiffusionTask, the web UI's config check (library/ui/config_check.py) and tools/plan_memory.py run this one
+    function, so a config one refuses the others refuse with the same line. (stored, widened): the base's
+    pre-quantized layout and its plain e5m2 one (None, None: a high-precision file)."""
+    family.check_model_files()  # a wrong file stops the run now, not after caching
+    check_blocks_to_swap(args, family)
+    check_unread_keys(args, family)
+    check_network_settings(args, family.arch)
+    check_lora_inputs(args, family.arch)  # network_weights, base_loras: their headers
+    return check_base_layout(args, family)
+
+
+def check_base_layout(args, family) -> tuple[str | None, str | None]:
+    """A pre-quantized checkpoint (fp8, GGUF) is trained on as it is stored; the config must say so (and
+    sample_bf16_reference = true on it is refused: it has no bf16 reference copy), and base_loras cannot merge
+    into it. A plain e5m2 file widens exactly, to a bf16 base only. (stored, widened) as check_before_caching."""
+    stored = family.stored_layout()
+    check_stored_precision(args, stored)
+    if stored and args.base_loras:
+        raise ConfigError(f"{args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "
+                          f"this checkpoint is pre-quantized ({stored}): give the bf16 one")
+    return stored, None if stored else family.widened_layout(base_precision(args))
+
+
+def check_unread_keys(args, family) -> None:
+    """Keys set off their default that this model's training never reads (the family says which,
+    from the checkpoint's header): refused, not trained without and recorded in the LoRA's header."""
+    for key, why in family.unread_training_keys(args).items():
+        value = getattr(args, key)
+        # guidance_scale 0: sd-scripts' setting for a model without guidance (its docs): as idle as 1
+        if value != SCHEMA[key].default and not (key == "guidance_scale" and value == 0):
+            raise ConfigError(f"{args.config_file or 'command line'}: key '{key}' = {value} does nothing: "
+                              f"{why}; remove it")
+
+
+def check_blocks_to_swap(args, family) -> None:
+    """blocks_to_swap against the model's blocks (its header), before caching rather than after it."""
+    from library.models.block_swap import check_swap_count
+
+    if args.blocks_to_swap:  # (FSDP refuses it: check_fsdp)
+        try:
+            check_swap_count(args.blocks_to_swap, family.swappable_block_count())
+        except ValueError as e:
+            raise ConfigError(f"{args.pretrained_model_name_or_path}: {e}") from None
 
 
 class DiffusionTask:
@@ -136,12 +173,8 @@ class DiffusionTask:
         self.args, self.accelerator = args, accelerator
         self.device = accelerator.device
         self.family = get_family(args)
-        self.family.check_model_files()  # from the headers: a wrong file stops the run now, not after caching
-        self._check_blocks_to_swap()
-        self._check_unread_keys()
-        check_network_settings(args, self.family.arch)
-        check_lora_inputs(args, self.family.arch)  # network_weights, base_loras: their headers, before caching
-        self._check_stored_precision()
+        self.stored_precision, self.widened_precision = check_before_caching(args, self.family)
+        self._say_unreferenced_samples()
         self.compute_dtype = compute_dtype(args)
         # network_args against the model's blocks and names, network_weights' ranks against the network's: before caching
         check_network_fits(args, self.family.arch, lambda: self.family.load_transformer(
@@ -177,40 +210,14 @@ class DiffusionTask:
         self.module = LoRALoss(self.family, self.base, self.network, args)
 
     # -- setup ---------------------------------------------------------------------------------
-    def _check_stored_precision(self):
-        """A pre-quantized checkpoint (fp8, GGUF) is trained on as it is stored; the config must say so,
-        and the LoRA's metadata and the samples name the stored layout (trained_precision()), the base
-        really trained on, alone: it loads as stored in any precision, so it has no bf16 reference copy."""
-        self.stored_precision = self.family.stored_layout()
-        check_stored_precision(self.args, self.stored_precision)  # sample_bf16_reference = true on it too
+    def _say_unreferenced_samples(self):
+        """A pre-quantized checkpoint (fp8, GGUF) is trained on as it is stored: the LoRA's metadata and the samples
+        name the stored layout (trained_precision()), the base really trained on, alone: it loads as stored in any
+        precision, so it has no bf16 reference copy."""
         if self.stored_precision and self.args.sample_prompts and self.args.sample_bf16_reference is None:
             self.accelerator.print(f"samples render on the {self.stored_precision} base alone: no bf16 reference beside "
                                    f"it (sample_bf16_reference), {self.args.pretrained_model_name_or_path} is stored "
                                    f"pre-quantized and has no bf16 base to load")
-        self.widened_precision = None if self.stored_precision else self.family.widened_layout(base_precision(self.args))
-        if self.stored_precision and self.args.base_loras:
-            raise ConfigError(f"{self.args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "
-                              f"this checkpoint is pre-quantized ({self.stored_precision}): give the bf16 one")
-
-    def _check_unread_keys(self):
-        """Keys set off their default that this model's training never reads (the family says which,
-        from the checkpoint's header): refused, not trained without and recorded in the LoRA's header."""
-        for key, why in self.family.unread_training_keys(self.args).items():
-            value = getattr(self.args, key)
-            # guidance_scale 0: sd-scripts' setting for a model without guidance (its docs): as idle as 1
-            if value != SCHEMA[key].default and not (key == "guidance_scale" and value == 0):
-                raise ConfigError(f"{self.args.config_file or 'command line'}: key '{key}' = {value} does nothing: "
-                                  f"{why}; remove it")
-
-    def _check_blocks_to_swap(self):
-        """blocks_to_swap against the model's blocks (its header), before caching rather than after it."""
-        from library.models.block_swap import check_swap_count
-
-        if self.args.blocks_to_swap:  # (FSDP refuses it: check_fsdp)
-            try:
-                check_swap_count(self.args.blocks_to_swap, self.family.swappable_block_count())
-            except ValueError as e:
-                raise ConfigError(f"{self.args.pretrained_model_name_or_path}: {e}") from None
 
     def _read_images(self, limit: TokenLimit | None, largest: tuple[int, int] | None) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every

@@ -39,7 +39,8 @@ from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import (ConfigError, base_precision, check_stored_precision, compute_dtype, lora_formats,
                                      lora_network_args, network_modules_from)
-from library.training.lora_inputs import check_lora_inputs, check_network_fits, load_network_weights
+from library.training.lora_inputs import (check_lora_inputs, check_network_fits, check_network_settings,
+                                          load_network_weights)
 from library.training.optim import drop_rows_after
 from library.training.state import SavedState, check_resumed_fit
 from networks.factory import build_network
@@ -134,6 +135,17 @@ def has_weights(path: str) -> bool:
     return True
 
 
+def check_before_loading(args) -> None:
+    """What train_lora.py checks of an LLM config first, from the config and the files' names and headers (seconds:
+    no tokenizer, text or weights read): LLMTask and the web UI's config check (library/ui/config_check.py) run
+    this one function, so a config one refuses the other refuses with the same line."""
+    refuse_other_weight_formats(args.pretrained_model_name_or_path)
+    corpus_files(args.train_data)  # a missing entry, a folder without text (check_corpus reads them later)
+    if not args.pretrain:
+        check_network_settings(args, "llm")  # network_args' keys and values, before any module is built
+        check_lora_inputs(args, "llm")  # network_weights: its header, before the model loads
+
+
 class LLMTask:
     def __init__(self, args, accelerator, state: SavedState | None = None):
         """state: the one a resumed run loaded (None: a new run), checked against the data once it is read."""
@@ -147,9 +159,7 @@ class LLMTask:
         self.weights_dtype = torch.float32 if args.pretrain else self.dtype
         self.autocast_dtype = self.dtype if args.pretrain else None
         path = args.pretrained_model_name_or_path
-        refuse_other_weight_formats(path)
-        if not args.pretrain:
-            check_lora_inputs(args, "llm")  # network_weights: its header, before the model loads
+        check_before_loading(args)
         self.tokenizer = load_tokenizer(path)
         # read before the model: a bad train_data entry or record fails at once
         no_template = None if self.tokenizer.chat_template else (

@@ -2,7 +2,8 @@
 model loads and before caching: a file that is not a LoRA, holds text-encoder modules only, or is
 another model's (networks/lora_reader.py check_lora_arch), or whose modules the run's network cannot take
 (check_network_fits), stops the run in one line naming the key; network_weights loaded into the run's network
-(load_network_weights) and what the saved header says of the ranks and alphas it loaded (loaded_dim_alpha)."""
+(load_network_weights) and what the saved header says of the ranks and alphas it loaded (loaded_dim_alpha).
+network_args against the network type, from the config alone: check_network_settings."""
 
 from __future__ import annotations
 
@@ -31,6 +32,20 @@ def check_lora_inputs(args, arch: str) -> None:
             raise ConfigError(f"{where}: key '{key}': {path}: {_KIND[kind]}; " + (
                 f"set network_module = \"{kind}\" to load it" if key == "network_weights" else
                 "merge it into the checkpoint with tools/merge_lora.py and train on the merged checkpoint"))
+
+
+def check_network_settings(args, arch: str) -> None:
+    """network_args against the network type and the architecture: a ConfigError naming the config. Here, not
+    in load_config: the network modules (and LyCORIS) import torch, the web UI's process does not (its config
+    check's helper process runs it: diffusion_task.check_before_caching, llm_task.check_before_loading)."""
+    from library.training.config import base_precision, base_precision_key, lora_network_args
+    from networks.factory import check_network_args
+
+    try:
+        check_network_args(args.network_module, arch, lora_network_args(args), base_precision(args),
+                           base_precision_key(args))
+    except ValueError as e:
+        raise ConfigError(f"{args.config_file or 'command line'}: {e}") from None
 
 
 def check_network_fits(args, arch: str, meta_model) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gradio as gr
 
 from library.models.registry import arch_specs
+from library.text_files import toml_dumps
 from library.ui.files import OutsideRoots
 from library.ui.handlers import BASE_PRECISIONS, FORM_KEYS, MODEL_TYPES, OPTIMIZERS, WebUI, job_number
 from library.ui.jobs import JobError
@@ -304,6 +305,14 @@ def live_tab(ui: WebUI, job_id) -> None:
     gr.Timer(REFRESH_SECONDS * 5).tick(lambda: [gr.update(choices=ui.job_choices())] * 2, None, [a, b], api_name=False)
 
 
+def plan_note(result: dict) -> str:
+    """The line above a plan's report: its suggested keys as TOML writes them (`base_precision = "nf4"`, a line
+    to copy into a config), or why there are none."""
+    if best := result["suggested"]:
+        return "**Suggested:** " + ", ".join(f"`{toml_dumps({k: v}).strip()}`" for k, v in best.items())
+    return "**Nothing fits this card**, even with every block swapped." if result["ok"] else "**Plan failed.**"
+
+
 def planner_tab(ui: WebUI, form: dict) -> None:
     gr.Markdown("What fits your card (`tools/plan_memory.py`: every component built on `meta`, one training step "
                 "counted), and the settings to apply to the job form.")
@@ -325,10 +334,7 @@ def planner_tab(ui: WebUI, form: dict) -> None:
 
     def on_plan(src, name, gib, side, size, text_value, *values):
         result = ui.plan(src, name, gib, side, size, text_value, edited(order, values))
-        best = result["suggested"]
-        note = (f"**Suggested:** " + ", ".join(f"`{k} = {str(v).lower()}`" for k, v in best.items()) if best
-                else "**Nothing fits this card**, even with every block swapped." if result["ok"] else "**Plan failed.**")
-        return note, result["report"], best
+        return plan_note(result), result["report"], result["suggested"]
 
     run.click(on_plan, [source, preset, vram, resolution, batch, form["text"], *[fields[k] for k in order],
                         form["loaded"]],

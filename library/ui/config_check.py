@@ -5,11 +5,12 @@ The helper (`python -m library.ui.config_check WORKDIR`) reads one JSON request 
 {"toml": text, "output_dir": folder, "roots": [folders]}, and answers one JSON line: {"ok": true, "settings": {...},
 "max_steps": N} or {"ok": false, "key": "network_dim" or null, "error": "one line"}. It runs
 library.training.config.load_config on the text (the schema, types, choices and combinations that
-train_lora.py enforces, the optimizer class) and then the family's check of its model files (their
-headers only), with relative paths resolved against WORKDIR, where the jobs run; every file the config
-names, and every folder its dataset TOML names, must lie under one of the roots (the UI's --root folders),
-and the files and folders train_lora.py opens first (dataset, prompts, resume state, initial weights)
-must be there.
+train_lora.py enforces, the optimizer class) and then the checks train_lora.py runs first, its own function
+(check_before_training: the model files' headers, blocks_to_swap, network_args, the LoRA files, the base's
+stored precision; an LLM's train_data), with relative paths resolved against WORKDIR, where the jobs run;
+every file the config names, and every folder its dataset TOML names, must lie under one of the roots (the
+UI's --root folders), and the files and folders train_lora.py opens first (dataset, prompts, resume state,
+initial weights) must be there.
 """
 
 from __future__ import annotations
@@ -27,20 +28,24 @@ from library.ui.files import within
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY_IN_ERROR = re.compile(r"key '([A-Za-z0-9_]+)'|--([A-Za-z0-9_]+)")
-# A line that starts with a key before its quoted value (after the file's "config: "): optim.py's
-# "optimizer_type 'x' is unknown", optim.py's "optimizer_args (d0=...) do not fit AdamW"
-KEY_THEN_VALUE = re.compile(r"(?:[^:' ]+: )?([a-z][a-z0-9_]*) ['(]")
+# A line that starts with a key (after the file's "config: " or the model's path): optim.py's
+# "optimizer_type 'x' is unknown" and "optimizer_args (d0=...) do not fit AdamW", "network_args: unknown key
+# 'conv_dim' ...", "train_data x.txt: no such text file or folder", "blocks_to_swap must be between ..."
+KEY_FIRST = re.compile(r"(?:[^:' ]+: )?([a-z][a-z0-9_]*)[ :]")
 
 
 def error_key(message: str) -> str | None:
-    """The config key an error line names (ConfigError says "key 'x'"; a few say "x 'value'" or "x (values)"),
-    or None."""
+    """The config key an error line names (ConfigError says "key 'x'"; others start with the key), or None.
+    A key the config may not have ("network_args: unknown key 'conv_dim'") gives way to the one the line starts
+    with."""
     from library.training.config import SCHEMA
 
-    if match := KEY_IN_ERROR.search(message):
-        return match.group(1) or match.group(2)
-    first = KEY_THEN_VALUE.match(message)
-    return first.group(1) if first and first.group(1) in SCHEMA else None
+    match = KEY_IN_ERROR.search(message)
+    named = match and (match.group(1) or match.group(2))
+    if named in SCHEMA:
+        return named
+    first = KEY_FIRST.match(message)
+    return first.group(1) if first and first.group(1) in SCHEMA else named or None
 
 
 def file_key(args, message: str) -> str | None:
@@ -184,6 +189,21 @@ def not_an_optimizer(args) -> dict | None:
                                      f"subclass)")
 
 
+def check_before_training(args) -> None:
+    """train_lora.py's own first checks (model files' headers, blocks_to_swap, keys the model never reads,
+    network_args, LoRA files, the base's stored precision; an LLM's train_data), the function it runs itself:
+    a config refused in the run's first seconds is refused here with its line."""
+    if args.model_type == "llm":
+        from library.training.llm_task import check_before_loading
+
+        check_before_loading(args)
+    else:
+        from library.models.family import get_family
+        from library.training.diffusion_task import check_before_caching
+
+        check_before_caching(args, get_family(args))
+
+
 def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
     import toml
 
@@ -210,10 +230,7 @@ def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
                 (roots is not None and prompt_images_outside_roots(args, roots))
             if refused:
                 return refused
-            if args.model_type != "llm":
-                from library.models.family import get_family
-
-                get_family(args).check_model_files()
+            check_before_training(args)
         except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
             message = str(e).replace(path, "config")
             key = error_key(message) or (file_key(args, message) if args else None)
