@@ -2,6 +2,7 @@
 the loss on assistant tokens only (found by rendering the chat template prefix by prefix), bad records
 refused in one line naming file:line before the model loads, and a short LoRA run on a messages file."""
 
+import contextlib
 import csv
 import json
 import shutil
@@ -43,6 +44,16 @@ def chat_llm(tiny_set, tmp_path):
 def write_jsonl(path, records) -> str:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return str(path)
+
+
+@contextlib.contextmanager
+def chat_template(tok, template: str):
+    """The shared tokenizer with another chat template for the block."""
+    old, tok.chat_template = tok.chat_template, template
+    try:
+        yield tok
+    finally:
+        tok.chat_template = old
 
 
 def test_the_loss_mask_holds_the_assistant_replies_and_their_end_of_turn_only(chat_tokenizer):
@@ -108,8 +119,7 @@ def test_a_template_that_drops_the_system_prompt_once_a_reply_follows_is_refused
                 "{{- m.content + '[/INST]' }}{%- else %}{{- ' ' + m.content + '</s>' }}{%- endif %}{%- endfor %}")
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello"}]
-    old, tok.chat_template = tok.chat_template, template
-    try:
+    with chat_template(tok, template):
         with pytest.raises(ConfigError) as refused:
             chat_records.chat_encoder(tok, all_tokens=False)(chat, "m.jsonl:1")
         assert str(refused.value) == (
@@ -118,8 +128,6 @@ def test_a_template_that_drops_the_system_prompt_once_a_reply_follows_is_refused
             "told apart; set train_on_all_tokens = true (the conversation as the template renders it whole, "
             "without what it drops from earlier turns), or give each turn a record of its own")
         assert sum(chat_records.chat_encoder(tok, all_tokens=False)(chat[1:], "m.jsonl:2")[1]) == 9  # " Hello</s>"
-    finally:
-        tok.chat_template = old
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(chat_tokenizer):
@@ -129,14 +137,11 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_record(cha
     template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + (('[last] ' if loop.last else '') "
                 "if m.role == 'assistant' else '') + m.content + '<|im_end|>\\n' }}{%- endfor %}"
                 "{%- if add_generation_prompt %}{{- '<|im_start|>assistant ' + (messages|length + 1)|string + '\\n' }}{%- endif %}")
-    old, tok.chat_template = tok.chat_template, template
-    try:
+    with chat_template(tok, template):
         with pytest.raises(ConfigError, match=r"^d.jsonl:3: the chat template renders the conversation up to messages\[2\] "
                                               r"\(assistant\) as text that does not begin the whole conversation's"):
             chat_records.chat_encoder(tok, all_tokens=False)(CHAT, "d.jsonl:3")
         assert chat_records.chat_encoder(tok, all_tokens=True)(CHAT, "d.jsonl:3")[1] is True
-    finally:
-        tok.chat_template = old
 
 
 def test_a_generation_prompt_that_opens_think_is_refused_naming_where_it_parts_from_the_reply(chat_tokenizer):
@@ -148,8 +153,7 @@ def test_a_generation_prompt_that_opens_think_is_refused_naming_where_it_parts_f
                 "{%- endfor %}"
                 "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
     chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is 4, of course, as always."}]
-    old, tok.chat_template = tok.chat_template, template
-    try:
+    with chat_template(tok, template):
         with pytest.raises(ConfigError) as refused:
             chat_records.chat_encoder(tok, all_tokens=False)(chat, "r1.jsonl:1")
         assert str(refused.value) == (
@@ -158,8 +162,6 @@ def test_a_generation_prompt_that_opens_think_is_refused_naming_where_it_parts_f
             "'It is 4, of course, as a'..., so the assistant's tokens cannot be told apart; "
             "set train_on_all_tokens = true")
         assert chat_records.chat_encoder(tok, all_tokens=True)(chat, "r1.jsonl:1")[1] is True
-    finally:
-        tok.chat_template = old
 
 
 @pytest.mark.parametrize("line, message", [
@@ -482,12 +484,9 @@ def test_a_template_that_numbers_its_turns_falls_back_to_rendering_every_prefix(
     chat = many_turn_chat(10, system=True)
     render = lambda m, g=False: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g)  # noqa: E731
     assert chat_records.windowed_spans(render, chat, render(chat)) is not None
-    old, tok.chat_template = tok.chat_template, template
-    try:
+    with chat_template(tok, template):
         assert chat_records.windowed_spans(render, chat, render(chat)) is None
         assert chat_records.chat_encoder(tok, all_tokens=False)(chat, "x.jsonl:1") == quadratic_mask(tok, chat)
-    finally:
-        tok.chat_template = old
 
 
 class ScriptedLM(torch.nn.Module):
