@@ -306,7 +306,7 @@ def _check_lora_values(spec: LoRATargets, args: dict) -> None:
             _as_bool(key, args[key])
     if "dora" in args and "use_dora" in args and _as_bool("dora", args["dora"]) != _as_bool("use_dora", args["use_dora"]):
         raise ValueError(f"network_args 'dora' = {args['dora']!r} and 'use_dora' = {args['use_dora']!r} disagree: give one")
-    _train_blocks(args)
+    _refuse_indices_of_blocks_off(spec, args)
     for key in ("include_patterns", "exclude_patterns"):
         _as_patterns(key, args.get(key))
     for key in args:
@@ -317,6 +317,22 @@ def _check_lora_values(spec: LoRATargets, args: dict) -> None:
     for key in spec.block_args:
         if key in args:
             parse_indices(key, args[key], None)
+
+
+def _refuse_indices_of_blocks_off(spec: LoRATargets, args: dict) -> None:
+    """Block indices of a kind that train_blocks switches off select nothing, whatever they say ('none' passes)."""
+    train_blocks = _train_blocks(args)
+    for key, kind in spec.block_args.items():
+        if train_blocks == "all" or kind == train_blocks or key not in args:
+            continue
+        if str(args[key]).strip().lower() == "all" or parse_indices(key, args[key], None):
+            raise ValueError(f"network_args '{key}' = {args[key]!r} selects {kind} blocks, which 'train_blocks' = "
+                             f"{train_blocks!r} switches off: give one or the other")
+
+
+def _block_kinds(pattern: str) -> set[str]:
+    """The block kinds a target regex names (its named groups); none for a module outside the blocks."""
+    return set(re.compile(pattern).groupindex)
 
 
 def _train_blocks(args: dict) -> str:
@@ -442,14 +458,16 @@ class LoRANetwork(nn.Module):
     architecture takes beyond the common ones is in its spec's LORA (library/models/spec.py LoRATargets):
       block_args (e.g. train_double_block_indices, block_indices): the indices of one block kind,
           "0-5,10", "all", "none" or a list of ints
-      train_blocks (extra_args): "all" or one block kind, "double" | "single"
+      train_blocks (extra_args): "all" or one block kind, "double" | "single"; block indices or a rank of
+          only the kind it switches off are refused (they would do nothing)
       <type>_dim: rank per module type of the spec's targets; 0 skips the type. <group>_dim sets
           the types of one of the spec's type_groups (unless a type's own _dim is given).
       in_dims (extra_args): "[r1, r2, ...]" ranks of the spec's in_dim_types, in order (default off)
       train_modulation: train the spec's modulation_types (default: its modulation_default)
       include_patterns / exclude_patterns: regexes matching the whole qualified module name (fullmatch, as
           musubi-tuner and sd-scripts: ".*txt_.*", not "txt_"). A module
-          is trained if (its type and block are on and no exclude matches) or an include matches.
+          is trained if (its type and block are on and no exclude matches) or an include matches, at its type's
+          rank: an include matching only types of rank 0 is refused.
       dropout, rank_dropout, module_dropout: see LoRAModule
       loraplus_lr_ratio: lora_up learning rate = lr * ratio (LoRA+)
       dora / use_dora: weight-decomposed LoRA (DoRA, see LoRAModule); the magnitudes train at lr
@@ -511,28 +529,31 @@ class LoRANetwork(nn.Module):
     def _refuse_absent_types(self, args, present: set[str]) -> None:
         """A rank for a type the model has no module of would train nothing there without a word (a target
         regex with a typo, a model of another variant); a 0 (skip the type) asks for nothing and passes."""
-        for mtype, pattern in self.spec.targets.items():
-            key = f"{mtype}_dim"
-            if mtype not in present and key in args and _as_int(key, args[key]) > 0:
+        asked = [(f"{t}_dim", t, _as_int(f"{t}_dim", args[f"{t}_dim"])) for t in self.spec.targets if f"{t}_dim" in args]
+        if self.spec.in_dim_types and args.get("in_dims") is not None:  # in_dims [0, 0, 0, 8, 0]: guidance_in 8
+            asked += [("in_dims", t, rank) for t, rank in _in_dims(self.spec, args["in_dims"]).items()]
+        for key, mtype, rank in asked:
+            if mtype not in present and rank > 0:
                 raise ValueError(f"network_args '{key}': this {self.arch} model has no {mtype} module (the spec's "
-                                 f"LoRA target {pattern!r} matches none of its modules)")
+                                 f"LoRA target {self.spec.targets[mtype]!r} matches none of its modules)")
 
-    def _type_ranks(self, args) -> dict[str, tuple[int, bool]]:
-        """{module type: (rank, on by default)} from the network rank and network_args."""
+    def _type_ranks(self, args) -> dict[str, tuple[int, bool, str]]:
+        """{module type: (rank, on by default, the key that set the rank)} from the network rank and network_args."""
         spec, types = self.spec, self.spec.targets
-        dims = {t: _as_int(f"{t}_dim", args[f"{t}_dim"]) for t in types if f"{t}_dim" in args}
+        dims = {t: (_as_int(f"{t}_dim", args[f"{t}_dim"]), f"{t}_dim") for t in types if f"{t}_dim" in args}
         for group, members in spec.type_groups.items():
             if f"{group}_dim" in args:
                 for t in members:
-                    dims.setdefault(t, _as_int(f"{group}_dim", args[f"{group}_dim"]))
+                    dims.setdefault(t, (_as_int(f"{group}_dim", args[f"{group}_dim"]), f"{group}_dim"))
         in_types = spec.in_dim_types
         if in_types and args.get("in_dims") is not None:
-            dims.update(_in_dims(spec, args["in_dims"]))
+            dims.update({t: (rank, "in_dims") for t, rank in _in_dims(spec, args["in_dims"]).items()})
         train_mod = _as_bool("train_modulation", args.get("train_modulation", spec.modulation_default))
         ranks = {}
         for t in types:
             on = t in dims or (t not in in_types and (train_mod or t not in spec.modulation_types))
-            ranks[t] = (dims.get(t, self.rank), on)
+            rank, key = dims.get(t, (self.rank, "network_dim"))
+            ranks[t] = (rank, on, key)
         return ranks
 
     def _select(self, model, args):
@@ -547,15 +568,41 @@ class LoRANetwork(nn.Module):
                 example = next((c[0] for c in candidates if c[3] != "embed"), candidates[0][0])  # a block's, not img_in
                 raise ValueError(f"network_args pattern {pattern.pattern!r} matches no LoRA target module "
                                  f"(a whole name: targets look like '{example}')")
-        selected = []
+        self._refuse_includes_of_rank_0(include, candidates, ranks)
+        selected, selected_types = [], set()
         for path, module, mtype, kind, index in candidates:
-            rank, type_on = ranks[mtype]
+            rank, type_on, _ = ranks[mtype]
             default_on = type_on and index in blocks.get(kind, {0}) and not any(p.fullmatch(path) for p in exclude)
             if rank > 0 and (default_on or any(p.fullmatch(path) for p in include)):
                 selected.append((path, module, rank))
+                selected_types.add(mtype)
+        self._refuse_ranks_of_blocks_off(args, ranks, selected_types)
         if not selected:
             raise ValueError(f"LoRA: network_args {self.network_args} select no module of the {self.arch} model")
         return selected
+
+    @staticmethod
+    def _refuse_includes_of_rank_0(include, candidates, ranks) -> None:
+        """An include is trained at its type's rank: one matching only types of rank 0 would include nothing."""
+        for pattern in include:
+            matched = {c[2] for c in candidates if pattern.fullmatch(c[0])}
+            if all(ranks[t][0] == 0 for t in matched):
+                said = ", ".join(sorted({f"'{ranks[t][2]}' gives {t} rank 0" for t in matched}))
+                raise ValueError(f"network_args 'include_patterns': {pattern.pattern!r} matches only modules of rank 0 "
+                                 f"({said}): it includes nothing; give their type a rank")
+
+    def _refuse_ranks_of_blocks_off(self, args, ranks, selected_types: set[str]) -> None:
+        """A rank key (<type>_dim, <group>_dim) acting only on block kinds that train_blocks switches off does nothing,
+        unless an include pattern turned some of its modules back on."""
+        train_blocks = _train_blocks(args)
+        if train_blocks == "all":
+            return
+        for key in sorted({key for _, _, key in ranks.values()} - {"network_dim", "in_dims"}):
+            types = {t for t, (rank, _, k) in ranks.items() if k == key and rank > 0}
+            kinds = set().union(*(_block_kinds(self.spec.targets[t]) for t in types))
+            if kinds and train_blocks not in kinds and not types & selected_types:
+                raise ValueError(f"network_args '{key}' = {args[key]!r} ranks modules of the {', '.join(sorted(kinds))} "
+                                 f"blocks only, which 'train_blocks' = {train_blocks!r} switches off: give one or the other")
 
     def _blocks_on(self, args, candidates) -> dict[str, set[int]]:
         count = {}

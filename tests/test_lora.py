@@ -250,16 +250,16 @@ def test_flux_default_targets_are_sd_scripts_every_block_linear_with_modulation(
 
 
 def test_flux_sd_scripts_type_dims_and_in_dims():
-    names = flux_names(2, 2)
+    names = flux_names(2, 2) + ["txt_in"]  # without txt_in, in_dims' 7 for it is refused (it ranked no module)
     typed = LoRANetwork(StandIn(names), "flux", rank=4, network_args={
         "img_attn_dim": 8, "txt_attn_dim": 0, "img_mlp_dim": 2, "txt_mlp_dim": 3, "img_mod_dim": 0, "txt_mod_dim": 5,
         "single_dim": 6, "single_mod_dim": 0, "in_dims": "[1, 0, 0, 0, 7]"})
     ranks = selected(typed)
     assert ranks["double_blocks.1.img_attn.qkv"] == 8 and ranks["double_blocks.0.img_mlp.2"] == 2
     assert ranks["double_blocks.0.txt_mlp.0"] == 3 and ranks["double_blocks.1.txt_mod.lin"] == 5
-    assert ranks["single_blocks.1.linear1"] == 6 and ranks["img_in"] == 1
+    assert ranks["single_blocks.1.linear1"] == 6 and ranks["img_in"] == 1 and ranks["txt_in"] == 7
     assert not any("txt_attn" in n or "img_mod" in n or "modulation" in n for n in ranks)
-    assert "final_layer.linear" not in ranks and len(ranks) == 2 * (2 + 2 + 2 + 1) + 2 * 2 + 1
+    assert "final_layer.linear" not in ranks and len(ranks) == 2 * (2 + 2 + 2 + 1) + 2 * 2 + 2
     with pytest.raises(ValueError, match="in_dims.*expected 5 ranks"):
         LoRANetwork(StandIn(names), "flux", rank=4, network_args={"in_dims": "[1, 2]"})
 
@@ -346,11 +346,54 @@ def test_a_rank_for_a_type_the_model_lacks_is_refused_and_a_zero_passes():
     with pytest.raises(ValueError, match=re.escape("network_args 'guidance_in_dim': this flux model has no guidance_in module")):
         LoRANetwork(StandIn(flux_names(1, 1)), "flux", rank=4, network_args={"guidance_in_dim": 4})
     assert LoRANetwork(StandIn(flux_names(1, 1)), "flux", rank=4, network_args={"guidance_in_dim": 0}).lora_modules()
+    # the same rank as in_dims' 4th entry built the network without guidance_in modules
+    with pytest.raises(ValueError, match=re.escape("network_args 'in_dims': this flux model has no guidance_in module")):
+        LoRANetwork(StandIn(flux_names(1, 1)), "flux", rank=4, network_args={"in_dims": "[0, 0, 0, 8, 0]"})
+    assert "img_in" in selected(LoRANetwork(StandIn(flux_names(1, 1)), "flux", rank=4, network_args={"in_dims": "[2, 0, 0, 0, 0]"}))
+
+
+@pytest.mark.parametrize("args, said", [
+    ({"single_dim": 0, "include_patterns": [r"single_blocks\.0\.linear1"]}, "'single_dim' gives single rank 0"),
+    ({"in_dims": "[0, 0, 0, 0, 0]", "include_patterns": ["img_in"]}, "'in_dims' gives img_in rank 0"),
+])
+def test_an_include_matching_only_modules_of_rank_0_is_refused(args, said):
+    """The include was left out without a word (an include trains at its type's rank): 22 modules, not linear1."""
+    with pytest.raises(ValueError, match=re.escape(f"network_args 'include_patterns': {args['include_patterns'][0]!r} "
+                                                   f"matches only modules of rank 0 ({said})")):
+        LoRANetwork(StandIn(flux_names(2, 2)), "flux", rank=4, network_args=args)
+    mixed = {"single_dim": 0, "include_patterns": [r"single_blocks\.0\..*"]}  # modulation.lin has a rank: included
+    assert set(selected(LoRANetwork(StandIn(flux_names(2, 2)), "flux", rank=4, network_args=mixed))) >= {"single_blocks.0.modulation.lin"}
+    assert selected(LoRANetwork(StandIn(flux_names(2, 2)), "flux", rank=4, network_args={"include_patterns": ["img_in"]}))["img_in"] == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"train_blocks": "single", "train_double_block_indices": "0"},
+     "network_args 'train_double_block_indices' = '0' selects double blocks, which 'train_blocks' = 'single' switches off"),
+    ({"train_blocks": "double", "train_single_block_indices": "all"}, "'train_single_block_indices' = 'all' selects single"),
+    ({"train_blocks": "double", "single_dim": 8},
+     "network_args 'single_dim' = 8 ranks modules of the single blocks only, which 'train_blocks' = 'double' switches off"),
+    ({"train_blocks": "single", "attn_dim": 8}, "'attn_dim' = 8 ranks modules of the double blocks only"),
+])
+def test_a_selection_of_blocks_train_blocks_switches_off_is_refused(args, message):
+    """Accepted before caching, then doing nothing: the indices selected no block, the rank ranked no module."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LoRANetwork(StandIn(flux_names(2, 2)), "flux", rank=4, network_args=args)
+
+
+@pytest.mark.parametrize("args", [
+    {"train_blocks": "single", "train_double_block_indices": "none"},  # asks for nothing
+    {"train_blocks": "double", "single_dim": 0},  # skips the type
+    {"train_blocks": "single", "mod_dim": 2},  # single_mod is one of mod's types
+    {"train_blocks": "double", "single_dim": 2, "include_patterns": [r"single_blocks\.0\.linear1"]},  # ranks the include
+])
+def test_a_block_selection_train_blocks_leaves_a_use_for_passes(args):
+    assert LoRANetwork(StandIn(flux_names(2, 2)), "flux", rank=4, network_args=args).lora_modules()
 
 
 @pytest.mark.parametrize("args", [{"rank_dropout": 1.0}, {"img_attn_dim": 4.5}, {"train_double_block_indices": "x"},
                                   {"loraplus_lr_ratio": "many"}, {"train_modulation": "on"}, {"train_blocks": "both"},
-                                  {"exclude_patterns": "(unclosed"}, {"dora": "true", "use_dora": "false"}])
+                                  {"exclude_patterns": "(unclosed"}, {"dora": "true", "use_dora": "false"},
+                                  {"train_double_block_indices": "0", "train_blocks": "single"}])
 def test_network_arg_values_are_checked_without_a_model(args):
     """The config check (before minutes of caching) runs check_lora_args: rank_dropout=1 divided by
     zero at the first step and img_attn_dim=4.5 trained rank 4, both after caching."""
