@@ -507,12 +507,18 @@ def kohya_state_dict(weights: dict[str, LoRAWeights], dtype=torch.float32, prefi
 
 def peft_state_dict(weights: dict[str, LoRAWeights], prefix="transformer", dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Canonical -> PEFT tensors with the scale alpha/r folded into lora_B (computed in float32,
-    then cast to `dtype`), so any PEFT/diffusers loader gets the right delta without alpha."""
+    then cast to `dtype`), so any PEFT/diffusers loader gets the right delta without alpha. A folded
+    lora_B that overflows `dtype` (a large alpha / r in float16) is a ValueError naming the module: it
+    would be written as inf."""
     head = f"{prefix}." if prefix else ""
     out = {}
     for path, w in weights.items():
         out[f"{head}{path}.lora_A.weight"] = w.down.detach().to(dtype)
-        out[f"{head}{path}.lora_B.weight"] = (w.up.detach().float() * w.scale).to(dtype)
+        up = (w.up.detach().float() * w.scale).to(dtype)
+        if not bool(up.isfinite().all()) and bool(w.up.isfinite().all()):
+            raise ValueError(f"module {path}'s lora_up times its alpha / rank {w.alpha:g} / {w.rank} overflows "
+                             f"{str(dtype).removeprefix('torch.')} folded into lora_B; the kohya layout keeps the alpha apart")
+        out[f"{head}{path}.lora_B.weight"] = up
         if w.magnitude is not None:  # PEFT's DoRA magnitude [out]; its norm uses the same folded B
             out[f"{head}{path}.lora_magnitude_vector"] = w.magnitude.detach().reshape(-1).to(dtype)
     return out

@@ -55,6 +55,7 @@ from networks.lora_arch import (
     width_of,
 )
 from networks.lora_files import (
+    NAME_ADVICE,
     LoRAWeights,
     adapter_name_dropped,
     beside_lora_note,
@@ -107,6 +108,9 @@ def lora_in_our_names(tensors: dict, metadata: dict[str, str], adapter_config: d
         raise naming(source, e) from None
     weights, _ = parse_lora(tensors, metadata, paths if fmt == "kohya" else None, source=source,
                             adapter_config=adapter_config, strict=strict)
+    if strict and fmt != "kohya" and paths and (unplaced := _unplaced_module(weights, paths, files, counts)):
+        spelled = next((m for m in map(module_of_key, tensors) if m == unplaced or m.endswith("." + unplaced)), unplaced)
+        raise CheckpointError(f"{source}: LoRA module '{spelled}' matches no module of the model ({NAME_ADVICE})")
     split = {}
     if files and files.comfy_map:  # modules in ComfyUI's own names -> ours (a fused one split by rows)
         comfy_map = load_symbol(files.comfy_map)(weights, counts)
@@ -114,6 +118,20 @@ def lora_in_our_names(tensors: dict, metadata: dict[str, str], adapter_config: d
         split = bfl_to_diffusers(named, comfy_map)
         weights = joined({p: w for p, w in weights.items() if p not in named}, split, source)
     return weights, fmt, counts, set(split)
+
+
+def _unplaced_module(weights: dict, paths, files, counts: dict[str, int]) -> str | None:
+    """The first dotted module name of `weights` that is none of `paths`, nor one the architecture's module
+    map (LORA_FILES.module_map, sized from the LoRA's shapes) renames into or out of them (a vision-language
+    LLM's nested names), else None: a dotted name fits a module as a kohya name must (resolve_kohya_names)."""
+    known = set(paths)
+    unplaced = [p for p in weights if p not in known]
+    if unplaced and files and files.module_map:
+        module_map = load_symbol(files.module_map)(weights, counts)
+        known |= {part for key, parts in module_map.items() if key in known for part, _, _ in parts}
+        known |= {key for key, parts in module_map.items() if all(part in known for part, _, _ in parts)}
+        unplaced = [p for p in unplaced if p not in known]
+    return unplaced[0] if unplaced else None
 
 
 def joined(kept: dict, converted: dict, source: str) -> dict:

@@ -755,3 +755,69 @@ def test_the_runtime_reader_reads_other_trainers_names(flux_bfl, tmp_path):
     diffusers = bfl_to_diffusers(a.lora_weights(), flux_diffusers_module_map(1, 1, 64, 256))
     lf.write_kohya(diffusers, str(tmp_path / "ot.safetensors"), prefix="lora_transformer")
     deltas_match(a.lora_weights(), LoRANetwork.from_weights(Flux(FLUX_CFG), "flux", str(tmp_path / "ot.safetensors")).lora_weights())
+
+
+def modules_of(path) -> list[str]:
+    return sorted({k.rsplit(".lora_", 1)[0] for k in read_all(path)})
+
+
+def test_a_headerless_ai_toolkit_ideogram4_lora_converts_its_attention_o_to_to_out(tmp_path, capsys):
+    """ai-toolkit's Ideogram 4 LoRAs name the blocks' attention `qkv` (Z-Image's ComfyUI name too) and `o` (Ideogram
+    4's only). Without a header the file read as Z-Image: --to diffusers wrote `transformer.layers.0.attention.o`,
+    which Ideogram4Pipeline.load_lora_weights drops as unexpected (exit 0), the kohya-named form matched no module,
+    and lora_info said 'arch: unknown'. Now `o` tells Ideogram 4; Z-Image's `attention.out` still reads as Z-Image."""
+    from tools import lora_info
+
+    d, r, g = 64, 2, torch.Generator().manual_seed(0)
+    rows = {"attention.qkv": 3 * d, "attention.o": d, "attention.out": d}
+
+    def lora_of(names, key):  # key(module) -> the module's name in the file
+        return {f"{key(m)}.{part}.weight": torch.randn(*shape, generator=g) for m in names
+                for part, shape in (("lora_A", (r, d)), ("lora_B", (rows[m.split(".", 2)[2]], r)))}
+
+    ideogram = [f"layers.{i}.attention.{m}" for i in range(2) for m in ("qkv", "o")]
+    save_file(lora_of(ideogram, lambda m: f"diffusion_model.{m}"), str(tmp_path / "aitk.safetensors"))
+    kohya = {k.replace(".lora_A.", ".lora_down.").replace(".lora_B.", ".lora_up."): v
+             for k, v in lora_of(ideogram, lambda m: "lora_unet_" + m.replace(".", "_")).items()}
+    save_file(kohya, str(tmp_path / "aitk_kohya.safetensors"))
+    want = [f"transformer.layers.{i}.attention.{m}" for i in range(2) for m in ("to_k", "to_out.0", "to_q", "to_v")]
+    for name in ("aitk", "aitk_kohya"):
+        assert convert(tmp_path / f"{name}.safetensors", tmp_path / f"{name}_d.safetensors", "--to", "diffusers") == 0
+        assert capsys.readouterr().out.startswith("ideogram4 LoRA:")
+        assert modules_of(tmp_path / f"{name}_d.safetensors") == want
+        got = lora_info.read_info(str(tmp_path / f"{name}.safetensors"))
+        assert (got["arch"], got["naming"], got["width"]) == ("ideogram4", "original", d)
+    zimage = [f"layers.{i}.attention.{m}" for i in range(2) for m in ("qkv", "out")]  # ComfyUI's Z-Image names
+    save_file(lora_of(zimage, lambda m: f"diffusion_model.{m}"), str(tmp_path / "zimage.safetensors"))
+    assert convert(tmp_path / "zimage.safetensors", tmp_path / "zimage_d.safetensors", "--to", "diffusers") == 0
+    assert capsys.readouterr().out.startswith("zimage LoRA:")
+    assert modules_of(tmp_path / "zimage_d.safetensors") == want
+
+
+@pytest.mark.parametrize("to", ["diffusers", "comfy"])
+def test_a_dotted_name_of_no_module_is_refused_as_its_kohya_name_is(tmp_path, capsys, to):
+    """A diffusers-layout file naming `layers.0.attention.bogus_proj` converted with exit 0 and wrote the bogus
+    name (only kohya names were checked against the model's modules); now it is one line naming the module."""
+    tensors = {f"transformer.layers.0.attention.{m}.lora_{p}.weight": torch.randn(*s)
+               for m in ("to_q", "bogus_proj") for p, s in (("A", (4, 64)), ("B", (64, 4)))}
+    save_file(tensors, str(tmp_path / "bogus.safetensors"))
+    capsys.readouterr()
+    assert convert(tmp_path / "bogus.safetensors", tmp_path / "o.safetensors", "--to", to, "--model_type", "zimage") == 2
+    line = only_line(capsys.readouterr().err)
+    assert "'transformer.layers.0.attention.bogus_proj' matches no module of the model" in line, line
+    assert not os.path.exists(tmp_path / "o.safetensors")
+
+
+@pytest.mark.parametrize("to", ["diffusers", "comfy"])
+def test_an_fp16_lora_b_that_folding_alpha_overflows_is_refused(tmp_path, capsys, to):
+    """alpha / rank folded into an fp16 lora_B (256 / 2 times ~1000) was written as inf with exit 0; now one line,
+    as --alpha refuses the same overflow."""
+    g = torch.Generator().manual_seed(0)
+    save_file({"lora_unet_layers_0_attention_to_q.lora_down.weight": torch.randn(2, 64, generator=g).half(),
+               "lora_unet_layers_0_attention_to_q.lora_up.weight": (torch.randn(64, 2, generator=g) * 1000).half(),
+               "lora_unet_layers_0_attention_to_q.alpha": torch.tensor(256.0)}, str(tmp_path / "fp16.safetensors"))
+    capsys.readouterr()
+    assert convert(tmp_path / "fp16.safetensors", tmp_path / "o.safetensors", "--to", to, "--model_type", "zimage") == 2
+    line = only_line(capsys.readouterr().err)
+    assert line.startswith(f"error: {tmp_path / 'fp16.safetensors'}: module layers.0.attention.to_q") and "overflows float16" in line
+    assert not os.path.exists(tmp_path / "o.safetensors")

@@ -95,12 +95,12 @@ from networks.lora_files import (  # noqa: E402
     lycoris_kohya_names,
     naming,
     peft_alpha_known,
+    peft_state_dict,
     read_lora_tensors,
     split_beside_lora,
     split_text_encoders,
     text_encoder_note,
     write_lora_tensors,
-    write_peft,
     write_peft_folder,
 )
 from networks.lora_module_map import bfl_to_diffusers, diffusers_to_bfl  # noqa: E402
@@ -250,10 +250,12 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
         write_lora_tensors({**tensors, **kept_te}, dst, header)  # sd-scripts' text-encoder modules as they were
     elif to == "peft":
         write_peft_folder(weights, dst, dtype=dtype, metadata=header, base_model=metadata.get("ss_sd_model_name"))
-    elif to == "comfy":  # as diffusers' but DoRA's magnitude named and shaped as ComfyUI reads it
-        write_lora_tensors(comfy_state_dict(weights, dtype), dst, {**header, FOLDED_MARK: "true"})
-    else:
-        write_peft(weights, dst, prefix="transformer", dtype=dtype, metadata={**header, FOLDED_MARK: "true"})
+    else:  # alpha / rank folded into lora_B; comfy: DoRA's magnitude named and shaped as ComfyUI reads it
+        try:
+            tensors = comfy_state_dict(weights, dtype) if to == "comfy" else peft_state_dict(weights, "transformer", dtype)
+        except ValueError as e:  # a folded lora_B overflowing the file's dtype
+            raise naming(src, e) from None
+        write_lora_tensors(tensors, dst, {**header, FOLDED_MARK: "true"})
     return {"from": fmt, "to": to, "model_type": model_type, "modules": len(weights), "scale_known": known}
 
 

@@ -30,17 +30,20 @@ LORA = S.LoRATargets(
 # diffusers module names in every layout: converting changes the prefix only. The blocks' names
 # (layers.N.attention.to_q, feed_forward.w1..3) are Z-Image's too: names_of zimage, told apart by
 # the modules only Ideogram 4 has (markers), else the header (model_versions); --model_type settles the rest.
-# ai-toolkit's LoRAs (`diffusion_model.layers.N.attention.qkv` / `.o`, the original names) read as ours.
+# ai-toolkit's LoRAs (`diffusion_model.layers.N.attention.qkv` / `.o`, the original names) read as ours;
+# `.o` is theirs only (Z-Image's original name is attention.out): its marker ends at the module name, as
+# markers meet tensor keys (`..._attention_o_lora_down_weight`), so Z-Image's `_attention_out_` is no match.
 LORA_FILES = S.LoRAFiles(
-    markers=("llm_cond_proj", "adaln_proj", "t_embedding_mlp_", "_adaln_modulation"),
+    markers=("llm_cond_proj", "adaln_proj", "t_embedding_mlp_", "_adaln_modulation", "_attention_o_"),
     names_of="zimage",
     model_versions=("ideogram4", "ideogram-4"),  # ours and ai-toolkit's ideogram4; musubi-tuner's modelspec Ideogram-4/lora
     block_pattern=r"(layers)[._](\d+)[._]",
     module_paths="library.models.ideogram4.lora_files:module_paths",
     comfy_map="library.models.ideogram4.lora_files:comfy_module_map",  # ai-toolkit's fused qkv / o read as ours
-    info_markers=(("diffusers", r"llm_cond_proj|adaln_proj|t_embedding_mlp_|layers_\d+_adaln_modulation$"),),
+    info_markers=(("diffusers", r"llm_cond_proj|adaln_proj|t_embedding_mlp_|layers_\d+_adaln_modulation$"),
+                  ("original", r"layers_\d+_attention_o$")),
     info_blocks=(("block", r"(?:^|_)layers_(\d+)_"),),
-    width_modules=r"attention_to_[qkv]|feed_forward_w[13]",
+    width_modules=r"attention_(to_[qkv]|qkv|o)|feed_forward_w[13]",  # ai-toolkit's qkv and o: their down reads the width too
     releases=(S.Release("Ideogram 4", 4608, {"block": 34}),),
 )
 
