@@ -122,6 +122,15 @@ def import_sd_scripts(root: str):
     return flux_models, lora_flux
 
 
+def checkout_or_exit(root: str, flag: str, marker: str, repo: str) -> str:
+    """`root` made absolute, or one line naming the flag and the file a `repo` checkout has (a wrong
+    folder gave an import traceback from deep inside the importer)."""
+    root = os.path.abspath(root)
+    if not os.path.isfile(os.path.join(root, marker)):
+        raise SystemExit(f"{flag} {root}: no {marker} there; expected a {repo} checkout (git clone https://github.com/{repo})")
+    return root
+
+
 def import_musubi(root: str):
     sys.path.insert(0, os.path.join(root, "src"))
     model = importlib.import_module("musubi_tuner.qwen_image.qwen_image_model")
@@ -442,12 +451,14 @@ def load_peers(args, families: list[str]) -> dict:
     if "flux" in families:
         if not args.sd_scripts:
             raise SystemExit("--sd_scripts DIR is needed for the FLUX comparison (a kohya-ss/sd-scripts checkout)")
-        flux_models, lora_flux = import_sd_scripts(os.path.abspath(args.sd_scripts))
+        flux_models, lora_flux = import_sd_scripts(
+            checkout_or_exit(args.sd_scripts, "--sd_scripts", "library/flux_models.py", "kohya-ss/sd-scripts"))
         peers["flux"] = {"model": flux_models, "lora": lora_flux}
     if "qwen_image" in families:
         if not args.musubi:
             raise SystemExit("--musubi DIR is needed for the Qwen-Image comparison (a kohya-ss/musubi-tuner checkout)")
-        model, lora, fp8, utils = import_musubi(os.path.abspath(args.musubi))
+        model, lora, fp8, utils = import_musubi(checkout_or_exit(
+            args.musubi, "--musubi", "src/musubi_tuner/qwen_image/qwen_image_model.py", "kohya-ss/musubi-tuner"))
         peers["qwen_image"] = {"model": model, "lora": lora, "fp8": fp8, "utils": utils}
     return peers
 
