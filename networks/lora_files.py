@@ -505,6 +505,13 @@ def kohya_state_dict(weights: dict[str, LoRAWeights], dtype=torch.float32, prefi
     return out
 
 
+def rescaled_up(up: torch.Tensor, factor: float, dtype: torch.dtype) -> torch.Tensor | None:
+    """lora_up * factor computed in float32 and cast to `dtype`, or None where that overflows `dtype`
+    (a finite up turned inf: large alpha / rank in float16); the caller names the module and why."""
+    scaled = (up.detach().float() * factor).to(dtype)
+    return None if not bool(scaled.isfinite().all()) and bool(up.isfinite().all()) else scaled
+
+
 def peft_state_dict(weights: dict[str, LoRAWeights], prefix="transformer", dtype=torch.float32) -> dict[str, torch.Tensor]:
     """Canonical -> PEFT tensors with the scale alpha/r folded into lora_B (computed in float32,
     then cast to `dtype`), so any PEFT/diffusers loader gets the right delta without alpha. A folded
@@ -514,8 +521,7 @@ def peft_state_dict(weights: dict[str, LoRAWeights], prefix="transformer", dtype
     out = {}
     for path, w in weights.items():
         out[f"{head}{path}.lora_A.weight"] = w.down.detach().to(dtype)
-        up = (w.up.detach().float() * w.scale).to(dtype)
-        if not bool(up.isfinite().all()) and bool(w.up.isfinite().all()):
+        if (up := rescaled_up(w.up, w.scale, dtype)) is None:
             raise ValueError(f"module {path}'s lora_up times its alpha / rank {w.alpha:g} / {w.rank} overflows "
                              f"{str(dtype).removeprefix('torch.')} folded into lora_B; the kohya layout keeps the alpha apart")
         out[f"{head}{path}.lora_B.weight"] = up

@@ -97,6 +97,7 @@ from networks.lora_files import (  # noqa: E402
     peft_alpha_known,
     peft_state_dict,
     read_lora_tensors,
+    rescaled_up,
     split_beside_lora,
     split_text_encoders,
     text_encoder_note,
@@ -182,8 +183,7 @@ def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAW
     this leaves non-finite in its dtype (a tiny alpha) is an error: it was written as inf."""
     out = {}
     for p, w in weights.items():
-        up = (w.up.float() * (w.alpha / alpha)).to(w.up.dtype)
-        if not bool(up.isfinite().all()):
+        if (up := rescaled_up(w.up, w.alpha / alpha, w.up.dtype)) is None:
             raise ValueError(f"--alpha {alpha:g}: module {p}'s lora_up times its alpha {w.alpha:g} / {alpha:g} "
                              f"overflows {str(w.up.dtype).removeprefix('torch.')}; give an alpha nearer the file's")
         out[p] = LoRAWeights(w.down, up, alpha, w.magnitude)
