@@ -669,3 +669,21 @@ def test_a_planned_setting_applied_to_the_config_is_one_train_lora_loads(ui, tin
     args = load_config(["--config_file", str(applied)])
     assert (args.base_precision, args.blocks_to_swap, args.gradient_checkpointing, args.block_swap_prefetch,
             args.checkpoint_saves_attention) == ("fp8_scaled", 0, False, 1, None)
+
+
+def test_a_file_picker_lists_files_written_after_the_page_loaded(ui, tmp_path):
+    """Old: every file picker (configs, models, dataset TOMLs, prompt files, LoRAs) held the files found when
+    the UI started: a LoRA a job wrote since, or a TOML saved since, could only be typed in by hand."""
+    from library.ui.app import build_app
+
+    app = build_app(ui)
+    data = tmp_path / "data"
+    for label, name in (("dataset TOML", "new_dataset.toml"), ("LoRA", "new_lora.safetensors"),
+                        ("base model", "new_model.safetensors")):
+        pickers = [b for b in app.blocks.values() if isinstance(b, gr.Dropdown) and b.label == label]
+        (data / name).write_bytes(b"")
+        for picker in pickers:
+            opened = next(fn for fn in app.fns.values() if (picker._id, "focus") in fn.targets)
+            listed = [value for _, value in opened.fn()["choices"]] if isinstance(opened.fn()["choices"][0], tuple) \
+                else opened.fn()["choices"]
+            assert any(str(choice).endswith(name) for choice in listed), (label, listed)

@@ -57,6 +57,17 @@ def error_note(message: str) -> dict:
     return gr.update(value=f"⚠ {message}" if message else "", visible=bool(message))
 
 
+def file_picker(ui: WebUI, suffixes: tuple[str, ...], label: str, folders: bool = False, **kwargs) -> gr.Dropdown:
+    """A Dropdown of the files (and/or folders) under the roots, listed again each time it is opened: a
+    LoRA a job wrote, a TOML saved since the page loaded, shows without restarting the UI."""
+    def listing():
+        return ui.roots.listing(suffixes, folders=folders)
+    picker = gr.Dropdown(listing(), value=None, label=label, allow_custom_value=True, **kwargs)
+    picker.focus(lambda: gr.update(choices=listing()), None, picker, api_name=False, show_progress="hidden",
+                 queue=False)
+    return picker
+
+
 def build_app(ui: WebUI) -> gr.Blocks:
     with gr.Blocks(title="LoRA trainer") as app:
         gr.Markdown("# LoRA trainer\nQueue training jobs, watch them learn, stop and resume them. "
@@ -81,17 +92,13 @@ def build_app(ui: WebUI) -> gr.Blocks:
 
 def job_form(ui: WebUI):
     """The config picker, the form's fields (each with its error line below it) and the TOML editor."""
-    configs = ui.roots.listing((".toml",))
     with gr.Row():
         with gr.Column(scale=3):
             with gr.Row():
-                pick = gr.Dropdown(configs, value=None, label="start from a config (configs/ or any TOML under the roots)",
-                                   allow_custom_value=True, scale=3)
+                pick = file_picker(ui, (".toml",), "start from a config (configs/ or any TOML under the roots)", scale=3)
                 load = gr.Button("Load", scale=1)
             name = gr.Textbox(label="job name", placeholder="default: the config's output_name")
             fields, errors = {}, {}
-            models = ui.roots.listing((".safetensors", ".gguf"), folders=True)
-            datasets, prompt_files = ui.roots.listing((".toml",)), ui.roots.listing((".txt",))
             with gr.Row():
                 for key in ("model_type", "base_precision", "optimizer_type"):
                     with gr.Column(min_width=160):
@@ -101,9 +108,10 @@ def job_form(ui: WebUI):
                         # loaded config's typo in model_type must reach the check, which names it here.
                         fields[key] = gr.Dropdown(choices, value=None, label=LABELS[key], allow_custom_value=True)
                         errors[key] = gr.Markdown(visible=False, elem_classes="field-error")
-            for key, choices in (("pretrained_model_name_or_path", models), ("ae", models),
-                                 ("dataset_config", datasets), ("sample_prompts", prompt_files)):
-                fields[key] = gr.Dropdown(choices, value=None, label=LABELS[key], allow_custom_value=True)
+            models = (".safetensors", ".gguf")
+            for key, suffixes in (("pretrained_model_name_or_path", models), ("ae", models),
+                                  ("dataset_config", (".toml",)), ("sample_prompts", (".txt",))):
+                fields[key] = file_picker(ui, suffixes, LABELS[key], folders=suffixes == models)
                 errors[key] = gr.Markdown(visible=False, elem_classes="field-error")
             with gr.Row():
                 for key in ("network_dim", "max_train_steps", "learning_rate", "sample_every_n_steps"):
@@ -355,7 +363,7 @@ def planner_tab(ui: WebUI, form: dict) -> None:
 
 def dataset_tab(ui: WebUI) -> None:
     with gr.Row():
-        path = gr.Dropdown(ui.roots.listing((".toml",)), value=None, label="dataset TOML", allow_custom_value=True, scale=3)
+        path = file_picker(ui, (".toml",), "dataset TOML", scale=3)
         check = gr.Button("Check", scale=1)
     summary = gr.Markdown()
     with gr.Row():
@@ -399,14 +407,14 @@ def _saved(ui: WebUI, dataset: str, image: str, caption: str) -> str:
 
 
 def tools_tab(ui: WebUI) -> None:
-    loras = ui.roots.listing((".safetensors",))
+    loras = (".safetensors",)
     out = gr.Textbox(label="output", lines=12, elem_id="tool-output")
     with gr.Accordion("lora_info: what a LoRA file holds", open=True):
-        info_path = gr.Dropdown(loras, value=None, label="LoRA", allow_custom_value=True)
+        info_path = file_picker(ui, loras, "LoRA")
         gr.Button("Inspect").click(lambda p: ui.lora_tool("lora_info", {"lora": p})["output"], [info_path], [out],
                                    api_name="lora_info")
     with gr.Accordion("convert / resize", open=False):
-        src = gr.Dropdown(loras, value=None, label="LoRA", allow_custom_value=True)
+        src = file_picker(ui, loras, "LoRA")
         dst = gr.Textbox(label="save to (a name goes to the jobs folder's tools/)")
         to = gr.Dropdown(["kohya", "diffusers", "peft"], value="diffusers", label="convert to")
         rank = gr.Number(4, label="new rank", precision=0)
@@ -416,8 +424,8 @@ def tools_tab(ui: WebUI) -> None:
             gr.Button("Resize").click(lambda s, d, r: ui.lora_tool("resize_lora", {"lora": s, "save_to": d, "new_rank": r})
                                       ["output"], [src, dst, rank], [out], api_name="resize_lora")
     with gr.Accordion("merge into a checkpoint", open=False):
-        model = gr.Dropdown(ui.roots.listing((".safetensors",), folders=True), value=None, label="base model", allow_custom_value=True)
-        merge_lora = gr.Dropdown(loras, value=None, label="LoRA", allow_custom_value=True)
+        model = file_picker(ui, loras, "base model", folders=True)
+        merge_lora = file_picker(ui, loras, "LoRA")
         ratio = gr.Slider(-2, 2, 1.0, step=0.05, label="weight")
         merged = gr.Textbox(label="save to")
         precision = gr.Dropdown(["bf16", "fp16", "fp32", "fp8", "fp8_scaled"], value="bf16", label="save precision")
@@ -426,7 +434,7 @@ def tools_tab(ui: WebUI) -> None:
                                  ["output"], [model, merge_lora, ratio, merged, precision], [out], api_name="merge_lora")
     with gr.Accordion("generate a test image with a job's models", open=False):
         job = gr.Dropdown(ui.job_choices(), value=None, label="job (its model files)", allow_custom_value=True)
-        gen_lora = gr.Dropdown(loras, value=None, label="LoRA (empty: none)", allow_custom_value=True)
+        gen_lora = file_picker(ui, loras, "LoRA (empty: none)")
         weight = gr.Slider(-2, 2, 1.0, step=0.05, label="LoRA weight")
         prompt = gr.Textbox(label="prompt")
         with gr.Row():
