@@ -125,6 +125,16 @@ def test_l2_loss_is_per_sample_mean_times_weight_then_batch_mean():
     assert fm.flow_loss(pred.bfloat16(), target.bfloat16()).dtype == torch.float32
 
 
+def test_huber_with_a_large_c_keeps_its_value_in_float32():
+    """Old: 2c (sqrt(r^2 + c^2) - c) cancelled in float32: c = 1e4 on r ~ 1.4 logged 0.28 for 2.02 (the
+    gradient was right; the loss in the CSV / TensorBoard was not). The float64 value is the reference."""
+    pred, target = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(0)), torch.zeros(2, 4, 8)
+    for c in (1e3, 1e4, 1e5):
+        r = pred.double()
+        exact = float((2 * c * (torch.sqrt(r**2 + c**2) - c)).mean())
+        assert float(fm.flow_loss(pred, target, loss_type="huber", huber_c=c)) == pytest.approx(exact, rel=1e-5)
+
+
 def test_huber_is_l2_for_small_residuals_and_linear_for_large():
     c = 0.1
     small = torch.full((1, 8), 1e-3)
