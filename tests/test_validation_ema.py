@@ -197,6 +197,19 @@ def test_validate_every_n_steps_without_held_out_images_stops_before_caching(tin
     assert "validate_every_n_steps is set but no image is held out" in capsys.readouterr().err
 
 
+def test_prior_loss_weight_without_regularization_images_stops_before_caching(tiny_set, tmp_path, monkeypatch, capsys):
+    """Old: prior_loss_weight = 0.05 on a dataset without is_reg subsets trained exactly the run without it,
+    exit 0 and no word (it only weights regularization images)."""
+    from library.training.diffusion_task import DiffusionTask
+
+    def no_caching(self):
+        raise AssertionError("cached before the refusal")
+
+    monkeypatch.setattr(DiffusionTask, "_fill_caches", no_caching)
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--prior_loss_weight", "0.05")) == 2
+    assert "key 'prior_loss_weight' = 0.05 does nothing: no subset has is_reg = true" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--network_args", "bogus=3"], "network_args: unknown key 'bogus' for family 'flux'"),
     (["--network_module", "lycoris.kohya", "--network_args", "algo=bogus"], "network_args 'algo': 'bogus' is not a LyCORIS algo"),

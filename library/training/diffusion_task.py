@@ -186,6 +186,10 @@ class DiffusionTask:
         if args.validate_every_n_steps and not self.validation_set:  # said before minutes of caching
             raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
                               f"validation_split or add [[validation_datasets]]")
+        if args.prior_loss_weight != 1.0 and not any(item.subset.is_reg for item in self.dataset.items):
+            raise ConfigError(f"{args.config_file or 'command line'} and {args.dataset_config}: key 'prior_loss_weight' "
+                              f"= {args.prior_loss_weight:g} does nothing: no subset has is_reg = true (it weights "
+                              f"the regularization images' loss)")
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
         self._loader = None  # the DataLoader kept across epochs (persistent_data_loader_workers)
         check_planned_steps(args, plan_steps(args, self.batches_per_epoch(), state.progress if state else None),
