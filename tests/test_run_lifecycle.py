@@ -476,3 +476,29 @@ def test_epochs_with_accumulation_samples_and_an_unusual_output_dir(tiny_set, tm
     with safe_open(str(out / "tiny_flux_lora-step000002.safetensors"), "pt") as f:  # save_every_n_epochs' save
         # sd-scripts' meaning: the epochs planned, and the epoch the save falls in (ss_num_epochs was the ones done)
         assert (f.metadata()["ss_num_epochs"], f.metadata()["ss_epoch"]) == ("2", "1"), f.metadata()
+
+
+def test_a_state_resumed_on_another_diffusers_base_with_the_same_transformer_folder_name_is_refused(tmp_path):
+    """Old: the state kept the base's folder name only, and every diffusers base's is `transformer`: a resume on
+    another base (Qwen-Image vs Qwen-Image-2512) was accepted (its loss 54299). A state written before the
+    parent's name was kept still resumes."""
+    import json
+
+    import pytest
+
+    from library.training.state import load_state, run_digest
+
+    def args(base):
+        return llm_state_args(tmp_path, "--pretrained_model_name_or_path", str(tmp_path / base / "transformer"))
+
+    state = tmp_path / "state"
+    write_llm_state(state, run_digest(args("Qwen-Image")))
+    with pytest.raises(ValueError, match="base_model = 'Qwen-Image/transformer', this run has 'Qwen-Image-2512/transformer'"):
+        load_state(str(state), args("Qwen-Image-2512"))
+    with pytest.raises(ValueError, match="trainable.safetensors"):  # the same base moved: past the settings
+        load_state(str(state), llm_state_args(tmp_path, "--pretrained_model_name_or_path",
+                                              str(tmp_path / "moved" / "Qwen-Image" / "transformer")))
+    before = {**json.loads(json.dumps(run_digest(args("Qwen-Image")), default=str)), "base_model": "transformer"}
+    write_llm_state(state, before)
+    with pytest.raises(ValueError, match="trainable.safetensors"):
+        load_state(str(state), args("Qwen-Image-2512"))

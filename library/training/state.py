@@ -65,7 +65,7 @@ def run_digest(args) -> dict:
     identity["network_weights"] = file_name(args.network_weights)  # the same file moved or copied elsewhere resumes
     if args.model_type == "llm":
         identity.update({k: getattr(args, k) for k in (*LLM_DATA_IDENTITY, *LLM_TRAINED_BEFORE_KEY)})
-    identity["base_model"] = os.path.basename(os.path.normpath(args.pretrained_model_name_or_path or ""))
+    identity["base_model"] = base_model_name(args.pretrained_model_name_or_path)
     if getattr(args, "base_precision", None) in LOWBIT_PRECISIONS:  # fp8 and bf16 are in fp8_base / fp8_scaled
         identity["base_precision"] = args.base_precision  # (so states written before the key still resume)
     if args.ema_decay:  # only with EMA on, so states written without these keys still resume without EMA
@@ -73,6 +73,15 @@ def run_digest(args) -> dict:
         if args.ema_warmup:  # likewise: the warmup's shape only where there is a warmup
             identity.update({k: getattr(args, k) for k in EMA_WARMUP_IDENTITY})
     return identity
+
+
+def base_model_name(path: str | None) -> str:
+    """The base as the state records it: its file or folder name, with the parent's where the folder is a
+    diffusers component (`<base>/transformer`: every diffusers base's transformer folder is called
+    so, and a resume on another base was accepted without a word, its loss 54299)."""
+    path = os.path.normpath(path or "")
+    name = os.path.basename(path)
+    return f"{os.path.basename(os.path.dirname(os.path.abspath(path)))}/{name}" if name == "transformer" else name
 
 
 def file_name(path: str | None) -> str | None:
@@ -119,6 +128,8 @@ def load_state(folder: str, args) -> SavedState:
     for key, before in LLM_TRAINED_BEFORE_KEY.items():
         if key in current:
             saved.setdefault(key, before)
+    if saved.get("base_model") == current["base_model"].rpartition("/")[2]:  # written before the parent was kept
+        current["base_model"] = saved["base_model"]
     for key in current:
         if saved.get(key) != current[key]:
             raise ValueError(
