@@ -95,7 +95,9 @@ class LoRAModule(nn.Module):
     detached (the paper's section 4.3), so
         out = base(x) + multiplier * ((g - 1) * (base(x) - bias) + g * s * B(A(x))),  g = m / ||W + s*BA||
     which at multiplier 1 equals PEFT's DoRA and interpolates the merged weight otherwise (ComfyUI's
-    strength). W is the base weight dequantized to float32 (FP8Linear), read under no_grad.
+    strength). W is the base weight dequantized to float32 (FP8Linear), read under no_grad, plus the
+    deltas of the adapters applied to the base before this module (generate.py --lora a dora): the
+    weight their forward computes, as ComfyUI patches in sequence and a base_loras run trains on.
     """
 
     def __init__(self, name, base: nn.Module, rank, alpha=None, multiplier=1.0, dropout=None,
@@ -134,6 +136,19 @@ class LoRAModule(nn.Module):
             return self.base.dequantized_weight(torch.float32)
         return self.base.weight.detach().float()
 
+    @torch.no_grad()
+    def input_weight(self) -> torch.Tensor:
+        """The float32 weight [out, in] of the forward this module wraps: the base weight, plus the deltas of
+        the adapters applied to the base before this one, each at its multiplier."""
+        return forward_weight(self._original_forward, self.base_weight)
+
+    @torch.no_grad()
+    def adapted_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The float32 weight this module's forward computes (no dropouts) on a wrapped forward of `weight`."""
+        if not self.enabled or self.multiplier == 0:
+            return weight.float()
+        return self.weights().merged(weight, self.multiplier)
+
     def set_alpha(self, alpha: float):
         self.alpha.fill_(alpha)
         self.scale = float(alpha) / self.rank
@@ -150,7 +165,14 @@ class LoRAModule(nn.Module):
         """Route base calls through this module; the original forward is kept for remove()."""
         if self.applied:
             return
-        self._original_forward = self.base.__dict__.get("forward", None) or type(self.base).forward.__get__(self.base)
+        original = self.base.__dict__.get("forward", None) or type(self.base).forward.__get__(self.base)
+        if self.dora_scale is not None:  # its norm reads the adapters under it: one it cannot read is named now
+            for adapter in adapters_under(original):
+                if not isinstance(adapter, LoRAModule):
+                    from networks.lycoris_network import check_lycoris_weight
+
+                    check_lycoris_weight(adapter, f"DoRA module '{self.name}'")
+        self._original_forward = original
         self._had_instance_forward = "forward" in self.base.__dict__
         self.base.forward = self.forward
         self.base.forward_with_base_output = self.forward_with_base_output
@@ -243,7 +265,7 @@ class LoRAModule(nn.Module):
         """multiplier * ((g - 1) * W x + g * s * BAx), g = m / ||W + s*BA|| per output row, the
         norm detached and computed in float32 (the training scale s, without rank dropout)."""
         with torch.no_grad():
-            adapted = self.base_weight() + self.scale * (self.lora_up.weight.float() @ self.lora_down.weight.float())
+            adapted = self.input_weight() + self.scale * (self.lora_up.weight.float() @ self.lora_down.weight.float())
             norm = adapted.norm(dim=1)
         g = self.dora_scale.reshape(-1) / norm  # [out], float32 (grad to the magnitude only)
         bias = getattr(self.base, "bias", None)
@@ -271,6 +293,38 @@ class LoRAModule(nn.Module):
         merged = self.weights().merged(weight, self.multiplier).to(weight_dtype or weight.dtype)  # float32 math
         self.base.weight = nn.Parameter(merged, requires_grad=weight.requires_grad)
         self.remove_from_base()
+
+
+def adapters_under(forward) -> list:
+    """The adapters (LoRAModule, LyCORIS module) that a base Linear's `forward` runs, the first applied first:
+    each patched forward wraps the one before it, down to the base's own."""
+    adapters = []
+    while (owner := getattr(forward, "__self__", None)) is not None:
+        if isinstance(owner, LoRAModule):
+            forward = owner._original_forward
+        elif type(owner).__module__.startswith("lycoris."):
+            from networks.lycoris_network import lycoris_wrapped
+
+            forward = lycoris_wrapped(owner)
+        else:  # the base's own forward (or a wrapper of it that adds no delta)
+            break
+        adapters.append(owner)
+    return adapters[::-1]
+
+
+@torch.no_grad()
+def forward_weight(forward, base_weight) -> torch.Tensor:
+    """The float32 weight [out, in] that a base Linear's `forward` computes: base_weight() (the base's, float32)
+    with each adapter under `forward` applied in turn at its multiplier."""
+    weight = base_weight()
+    for adapter in adapters_under(forward):
+        if isinstance(adapter, LoRAModule):
+            weight = adapter.adapted_weight(weight)
+        else:
+            from networks.lycoris_network import lycoris_delta
+
+            weight = weight + lycoris_delta(adapter)
+    return weight
 
 
 # ----------------------------------------------------------------------------------------------

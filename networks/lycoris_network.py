@@ -651,6 +651,28 @@ class LycorisDelta:
         return w + module.multiplier * (adapted - w)
 
 
+def lycoris_wrapped(module):
+    """The forward an applied LyCORIS module wraps: an earlier network's, or the base's own (None where its
+    FP8LinearView calls the quantized layer's class forward)."""
+    view = getattr(module.org_forward, "__self__", None)
+    return view._patched if isinstance(view, FP8LinearView) else module.org_forward
+
+
+def check_lycoris_weight(module, reader: str) -> None:
+    """A ValueError unless lycoris_delta can give `module`'s weight delta to `reader` (what needs it)."""
+    if type(module).__name__ not in LycorisDelta.MERGEABLE:
+        raise ValueError(f"{reader} is applied after the LyCORIS {type(module).__name__} '{module.lora_name}': its norm "
+                         f"needs that module's weight, which only LoKr, LoHa and LoCon give; give the DoRA file first")
+
+
+@torch.no_grad()
+def lycoris_delta(module) -> torch.Tensor:
+    """The float32 weight delta [out, in] an applied LoKr / LoHa / LoCon module's forward adds at its multiplier.
+    LyCORIS computes it from the base weight, not from the networks applied before it (its dora_wd norm too)."""
+    base = module.org_module[0].weight.detach().float()  # an FP8LinearView's: the dequantized weight
+    return LycorisDelta._merged(module, base).float() - base
+
+
 def lycoris_deltas(tensors: dict[str, torch.Tensor], source: str = "LyCORIS file") -> dict[str, LycorisDelta]:
     """{kohya module name: LycorisDelta} for every module of a LyCORIS file (`source`, as errors name it)."""
     return {name: LycorisDelta(name, tensors, source) for name in sorted({k.split(".")[0] for k in tensors})}

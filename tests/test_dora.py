@@ -185,3 +185,76 @@ def test_dora_files_load_in_diffusers_with_our_output(tmp_path):
     qwen_diff = (with_dora - qwen_outputs(ours, theirs)[1]).abs().max().item()
     print(f"DoRA in diffusers: max abs diff FLUX {flux_diff:.3g}, Qwen-Image {qwen_diff:.3g}")
     assert flux_diff <= 1e-4 and qwen_diff <= 1e-4
+
+
+def random_module(base, dora: bool, multiplier: float, seed: int) -> LoRAModule:
+    module = LoRAModule("lin", base, 4, 8.0, multiplier=multiplier, dora=dora)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters_to_train():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["linear", "fp8_scaled"])
+def test_a_dora_applied_after_a_lora_equals_the_dora_on_the_base_with_the_lora_merged(kind):
+    """generate.py --lora lora.safetensors dora.safetensors: the DoRA's norm was ||W + dW|| of the raw base weight,
+    not of W + the LoRA's delta (0.11 of a module's output off), where a base_loras run trains the DoRA on the base
+    with the LoRA merged (and ComfyUI patches in sequence); a DoRA alone is unchanged."""
+    torch.manual_seed(0)
+    base = nn.Linear(16, 12)
+    if kind == "fp8_scaled":
+        base = FP8Linear.from_linear(base, kind)
+    weight = base.dequantized_weight(torch.float32) if kind != "linear" else base.weight.detach().float()
+    x = torch.randn(3, 5, 16)
+    alone = random_module(base, True, 0.8, seed=2)
+    alone.apply_to_base()
+    dora_alone = base(x).detach()
+    expected_alone = nn.functional.linear(x, alone.weights().merged(weight, 0.8), base.bias.float())
+    assert (dora_alone - expected_alone).abs().max() < 1e-5
+    alone.remove_from_base()
+    lora = random_module(base, False, 0.7, seed=1)
+    dora = random_module(base, True, 0.8, seed=2)
+    lora.apply_to_base(), dora.apply_to_base()
+    stacked = base(x)
+    merged = nn.Linear(16, 12)  # the base_loras base: the LoRA merged into the float32 weights
+    with torch.no_grad():
+        merged.weight.copy_(lf.merge_into_weight(weight, [(0.7, lora.weights())])), merged.bias.copy_(base.bias.float())
+    same = LoRAModule("lin", merged, 4, 8.0, multiplier=0.8, dora=True)
+    same.load_state_dict(dora.state_dict())  # the same magnitudes (a DoRA starts them at the norms of its base)
+    same.apply_to_base()
+    assert (stacked - merged(x)).abs().max() < 1e-5
+    dora.remove_from_base(), lora.remove_from_base()
+    alone.apply_to_base()
+    assert torch.equal(base(x), dora_alone)  # the DoRA alone: the same output, bit for bit
+
+
+def test_a_dora_applied_after_a_lokr_normalises_the_weight_its_forward_computes():
+    """--lora lokr.safetensors dora.safetensors: the DoRA's norm is of the weight with the LoKr's delta (read off the
+    LoKr'd layer itself here); after a LyCORIS module whose weight it cannot read (algo=full), it is refused."""
+    from networks.lycoris_network import LycorisNetwork
+    from tests.test_lycoris import flux_inputs, randomize, tiny_flux
+
+    torch.manual_seed(0)
+    model = tiny_flux()
+    lokr = LycorisNetwork(model, "flux", 4, network_args={"algo": "lokr", "factor": 4})
+    randomize(lokr)
+    lokr.apply()
+    reference = tiny_flux()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():  # each LoKr'd Linear's weight, probed: lin(I) - bias
+        for name, layer in reference.named_modules():
+            if isinstance(layer, nn.Linear) and "forward" in model.get_submodule(name).__dict__:
+                lin = model.get_submodule(name)
+                layer.weight.copy_((lin(torch.eye(lin.in_features)) - lin.bias).t())
+    dora = random_dora(model, "flux")
+    same = LoRANetwork(reference, "flux", rank=4, alpha=2, network_args={"dora": True})
+    same.load_state_dict(dora.state_dict())  # the same magnitudes (a DoRA starts them at the norms of its base)
+    dora.apply(), same.apply()
+    x = flux_inputs()
+    assert (model(*x) - reference(*x)).abs().max() < 1e-5
+    dora.remove(), lokr.remove()
+    full = LycorisNetwork(model, "flux", 4, network_args={"algo": "full"})
+    full.apply()
+    with pytest.raises(ValueError, match="DoRA module .* after the LyCORIS FullModule .* give the DoRA file first"):
+        random_dora(model, "flux").apply()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.test_reliability import files_under, one_error_line
+from tests.test_reliability import files_under, lora_past_the_blocks, one_error_line
 from tools import generate
 
 
@@ -182,4 +182,19 @@ def test_an_explicit_base_precision_on_a_gguf_is_refused_before_any_model_loads(
                                                               "--base_precision", precision)))
     assert line == (f"error: --base_precision {precision}: {path} stores a pre-quantized gguf_q8_0+q4_k base, which "
                     f"renders as it is stored; leave --base_precision out"), line
+    assert files_under(tmp_path / "out") == []
+
+
+def test_a_lora_naming_modules_the_checkpoint_lacks_is_refused_before_any_model_loads(tiny_set, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A LoRA of a model with more blocks (FLUX.1's double block 18 on the tiny FLUX.1's 2) was refused only after
+    the text encoders ran and the transformer loaded, minutes on a real model: now from the transformer built on
+    meta, before either loads."""
+    from library.models.flux1.family import FluxFamily
+
+    path = lora_past_the_blocks(tmp_path)
+    monkeypatch.setattr(FluxFamily, "load_text_encoder", lambda *a, **k: pytest.fail("a model loaded"))
+    capsys.readouterr()
+    line = one_error_line(capsys, generate.main(generate_args(tiny_set, tmp_path / "out", "--lora", path)))
+    assert line == f"error: {path}: LoRA module 'double_blocks.18.img_attn.proj' is not a Linear of this flux model", line
     assert files_under(tmp_path / "out") == []

@@ -375,6 +375,29 @@ def test_network_weights_of_another_rank_is_refused(trained, tiny_set, tmp_path,
     assert files_under(out) == []
 
 
+def lora_past_the_blocks(tmp) -> str:
+    """A rank-4 LoRA of double blocks 0 and 18: one of FLUX.1 (19 double blocks) on the tiny FLUX.1's 2."""
+    path = str(tmp / "more_blocks.safetensors")
+    lora_files.write_kohya({f"double_blocks.{i}.img_attn.proj": lora_files.LoRAWeights(torch.ones(4, 64), torch.ones(64, 4), 4.0)
+                            for i in (0, 18)}, path)
+    return path
+
+
+def test_base_loras_naming_blocks_the_model_lacks_are_refused_before_caching(tiny_set, tmp_path, capsys, monkeypatch):
+    """Read onto the meta model as the merge reads it; the old line refused it at the merge, after caching and
+    loading the transformer."""
+    from library.training import diffusion_task
+
+    for name in ("cache_latents", "cache_text"):
+        monkeypatch.setattr(diffusion_task, name, lambda *a, **k: pytest.fail("cached before the refusal"))
+    path, out = lora_past_the_blocks(tmp_path), tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, "--base_loras", f"{path}:0.5")))
+    assert line.endswith(f"quickstart.toml: key 'base_loras': {path}: LoRA module 'double_blocks.18.img_attn.proj' "
+                         f"is not a Linear of this flux model"), line
+    assert files_under(out) == []
+
+
 LYCORIS = ("--network_module", "lycoris.kohya", "--network_args", "algo=lokr")
 
 

@@ -13,8 +13,8 @@ Writes one PNG per prompt, NNN_SEED.png numbered after the images already in --o
 settings in its text chunks (the size is the one rendered: --width / --height and a prompt's --w / --h
 are rounded down to a multiple of 16, with a warning, as sd-scripts' samples are). LoRAs are applied unmerged (the base is never modified, so an fp8
 base keeps the LoRA's small deltas intact); a ratio is a finite number in [-100, 100].
-Bad input is one `error: ...` line on stderr and exit status 2 (arguments and LoRA headers are checked
-before any model is loaded).
+Bad input is one `error: ...` line on stderr and exit status 2 (arguments, and each LoRA's header and module
+names, are checked before any model is loaded).
 """
 
 from __future__ import annotations
@@ -164,6 +164,23 @@ def check_stored_base(args, family) -> None:
                          f"which renders as it is stored; leave --base_precision out")
 
 
+def check_lora_modules(family, loras) -> None:
+    """Each --lora read onto the transformer built on meta from its header, as the load reads it: a module the
+    checkpoint lacks (a LoRA of a model with more blocks) is one CheckpointError naming the file and the
+    module now, not after the text encoders ran and the transformer loaded (minutes)."""
+    import warnings
+
+    from networks.factory import network_from_file
+
+    if not loras:
+        return
+    skeleton = family.load_transformer(torch.float32, read_weights=False)
+    with warnings.catch_warnings():  # the load below says them once
+        warnings.simplefilter("ignore")
+        for spec in loras:
+            network_from_file(skeleton, family.arch, spec.path, multiplier=spec.ratio)
+
+
 def collect_prompts(args, family) -> list[SamplePrompt]:
     """The prompts with the flags' values as defaults, and the family's where a flag is not given: the
     instance's, which know the release (a step-distilled one samples with fewer steps and no CFG)."""
@@ -234,6 +251,7 @@ def generate(args) -> list[str]:
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
     check_model_options(args, family)
     check_stored_base(args, family)  # before any model loads
+    check_lora_modules(family, loras)
     prompts = collect_prompts(args, family)
     check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls,
                           family.reference_vl_size)
@@ -250,7 +268,9 @@ def generate(args) -> list[str]:
     model = family.load_transformer(PRECISION_DTYPES[args.dtype], base_precision).requires_grad_(False).eval()
     # A plain e5m2 file loaded (widened exactly, so bf16 was asked): the images name it as its LoRAs do.
     base_name = family.widened_layout(base_precision) or base_precision
-    for spec in loras:  # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it)
+    # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it); a DoRA's norm is of the base
+    # with the LoRAs before it (networks/lora.py forward_weight), as ComfyUI and a base_loras run take it
+    for spec in loras:
         network = network_from_file(model, family.arch, spec.path, multiplier=spec.ratio)  # LoRA, DoRA or LyCORIS: the modules the file names
         network.apply()
         network.to(device)

@@ -55,14 +55,17 @@ def check_network_fits(args, arch: str, meta_model) -> None:
     network_weights loaded into it as the run loads it later: a module of another rank than the network's
     (network_weights keeps the network's ranks, as sd-scripts does without dim_from_weights), a name no Linear of
     the model has. The load's warnings are the run's. lycoris.kohya: only our selection of its targets
-    (lycoris_targets), which judges the same args; LyCORIS builds its modules from the target weights."""
+    (lycoris_targets), which judges the same args; LyCORIS builds its modules from the target weights. Each of
+    base_loras is read onto the model as the merge reads it (a module the model lacks is named now)."""
     import warnings
 
     where = args.config_file or "command line"
+    model = meta_model()
     try:  # with dim_from_weights the build reads network_weights: its errors are that key's
-        network = _network_on_meta(args, arch, meta_model())
+        network = _network_on_meta(args, arch, model)
     except ValueError as e:  # CheckpointError is a ValueError
         raise ConfigError(f"{where}: key 'network_weights': {e}" if args.dim_from_weights else f"{where}: {e}") from None
+    _check_base_loras_fit(args, arch, model, where)
     if network is None or not args.network_weights or args.dim_from_weights:
         return
     try:
@@ -71,6 +74,25 @@ def check_network_fits(args, arch: str, meta_model) -> None:
             network.load_weights(args.network_weights, strict=False)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         raise ConfigError(f"{where}: key 'network_weights': {e}") from None
+
+
+def _check_base_loras_fit(args, arch: str, model, where: str) -> None:
+    """Each base_loras file read onto the meta `model` as merge_base_loras reads it, before caching rather than
+    at the merge after it: a module the model lacks (a LoRA of a model with more blocks) is a ConfigError."""
+    import warnings
+
+    import torch
+
+    from library.training.base_loras import base_lora_specs
+    from networks.lora import LoRANetwork
+
+    for spec in base_lora_specs(getattr(args, "base_loras", None) or []):
+        try:  # fork_rng: building the modules draws initial weights (the file's replace them), not the run's draws
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the merge says them
+                LoRANetwork.from_weights(model, arch, spec.path)
+        except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+            raise ConfigError(f"{where}: key 'base_loras': {e}") from None
 
 
 def _network_on_meta(args, arch: str, model):
