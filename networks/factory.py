@@ -65,7 +65,7 @@ def check_network_args(name: str, arch: str, args: dict, base_precision: str = "
 
         check_lycoris_args(args, arch, base_precision, precision_key)
     else:
-        from networks.lora import check_lora_args
+        from networks.lora_args import check_lora_args
 
         check_lora_args(arch, args)
 

@@ -6,7 +6,7 @@ LyCORIS' own state dict (`lora_unet_<path>.lokr_w1`, `.lokr_w2`, `.alpha`, ...),
 ComfyUI loads. This module only adapts LyCORIS to our models and trainer:
 
 - Targets: unless a LyCORIS `preset` is given, the network adapts exactly the modules our LoRA
-  would (the targets of the architecture's spec + its selection args: networks.lora.lora_targets),
+  would (the targets of the architecture's spec + its selection args: networks.lora_args.lora_targets),
   handed to LyCORIS as a preset of exact module names.
 - quantized bases (fp8, GGUF, nf4 / int8): LyCORIS wraps only `nn.Linear` (and a class literally
   named `Fp8Linear` with per-channel scales). Our FP8Linear (GGUFLinear, NF4Linear, Int8Linear) is
@@ -37,8 +37,8 @@ import torch
 import torch.nn as nn
 
 from library.io import CheckpointError, CheckpointReader, save_safetensors
-from networks.lora import (SELECTION_ARGS, LoRANetwork, _as_bool, _as_float, _as_int, _as_probability, check_lora_args,
-                           lora_targets)
+from networks.lora import LoRANetwork
+from networks.lora_args import SELECTION_ARGS, _as_bool, _as_float, _as_int, _as_probability, check_lora_args, lora_targets
 from networks.lora_files import build_metadata, is_lycoris_file, lycoris_kind, tensor_hash  # noqa: F401 (the tools import them from here)
 from networks.lora_files import lycoris_kohya_names, naming, split_text_encoders
 from networks.lora_reader import leave_out_text_encoders, without_base_only

@@ -397,7 +397,7 @@ def test_a_block_selection_train_blocks_leaves_a_use_for_passes(args):
 def test_network_arg_values_are_checked_without_a_model(args):
     """The config check (before minutes of caching) runs check_lora_args: rank_dropout=1 divided by
     zero at the first step and img_attn_dim=4.5 trained rank 4, both after caching."""
-    from networks.lora import check_lora_args
+    from networks.lora_args import check_lora_args
 
     with pytest.raises(ValueError, match=f"network_args '{next(iter(args))}'"):
         check_lora_args("flux", args)
@@ -425,7 +425,7 @@ def test_network_arg_values_are_checked_without_a_model(args):
 ])
 def test_open_ranges_infinite_ratios_and_non_string_patterns_are_refused_without_a_model(arch, args, message):
     """check_lora_args is the config check that runs before caching: each of these got past it before."""
-    from networks.lora import check_lora_args
+    from networks.lora_args import check_lora_args
 
     with pytest.raises(ValueError, match=re.escape(message)):
         check_lora_args(arch, args)
@@ -434,7 +434,7 @@ def test_open_ranges_infinite_ratios_and_non_string_patterns_are_refused_without
 @pytest.mark.parametrize("arch", ["flux2", "chroma", "krea2", "llm"])
 def test_train_modulation_is_unknown_where_the_family_has_no_modulation_types(arch):
     """Accepted before on every family, and it switched nothing where the spec has no modulation types."""
-    from networks.lora import check_lora_args
+    from networks.lora_args import check_lora_args
 
     with pytest.raises(ValueError, match=f"unknown key 'train_modulation' for family '{arch}'"):
         check_lora_args(arch, {"train_modulation": "true"})

@@ -70,7 +70,7 @@ import torch  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
 from library.precision.fp8_checkpoints import SCALE_SUFFIXES  # noqa: E402
-from networks.lora import lora_targets  # noqa: E402
+from networks.lora_args import lora_targets  # noqa: E402
 from networks.lora_files import FOLDED_MARK, LoRAWeights, build_metadata, dim_and_alpha, write_kohya, write_peft  # noqa: E402
 from networks.lora_svd import factors, rank_for_energy, svd_lowrank_of_matrix, svd_of_matrix, written_error  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402

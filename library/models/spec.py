@@ -29,7 +29,7 @@ def load_symbol(path: str):
 
 
 # ----------------------------------------------------------------------------------------------
-# LoRA: targets and key names (networks/lora.py, networks/lycoris_network.py)
+# LoRA: targets and key names (networks/lora_args.py, networks/lora.py, networks/lycoris_network.py)
 
 
 @dataclass(frozen=True)

@@ -502,7 +502,7 @@ def _validate_dim_from_weights(args, origins: dict[str, str], where: str) -> Non
     if args.network_module != "networks.lora":
         raise ConfigError(f"{where}: key 'dim_from_weights' is for network_module networks.lora (a LyCORIS network "
                           f"is built by its network_args)")
-    from networks.lora import SELECTION_ARGS
+    from networks.lora_args import SELECTION_ARGS
 
     chosen = [k for k in lora_network_args(args) if k in SELECTION_ARGS or k.endswith("_dim") or k == "in_dims"]
     if chosen:
