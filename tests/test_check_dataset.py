@@ -4,6 +4,7 @@ image in training."""
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -598,3 +599,24 @@ def test_an_image_with_alpha_is_decoded_as_often_as_one_without(tmp_path, monkey
     assert [decodes.count(f"{name}.png") for name in ("cut", "pal", "opaque")] == [decodes.count("rgb.png")] * 3
     (files,) = [files for what, files in report.subsets[0].notes.items() if "transparent pixels" in what]
     assert sorted(os.path.basename(f) for f in files) == ["cut.png", "pal.png"]
+
+
+def test_a_caption_whose_augmented_variants_are_too_long_is_refused_before_caching(tmp_path):
+    """caption_variants join the tags with ', ': with caption_separator = ' ' they are longer than the caption as
+    written. The check counted only the caption, so Ideogram 4's encoder stopped text caching on a variant (after the
+    latents), in a line naming no file; a truncating encoder's warning gave the caption's count, not the variants'."""
+    from library.data.image_folders import scan_images
+
+    make_image(tmp_path / "a" / "0.png", 32, 32, (200, 0, 0))
+    (tmp_path / "a" / "0.txt").write_text("red square small bright")  # 23 characters; a variant: 26
+    bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [{
+        "image_dir": str(tmp_path / "a"), "shuffle_caption": True, "caption_separator": " ", "caption_variants": 2}]}]})
+    limit = check.TokenLimit("character", 25, len, refuses=True)
+    message = (f"{tmp_path / 'a' / '0.txt'}: caption is 26 character tokens in an augmented variant (caption_variants "
+               f"join its tags with ', '; as written it is 23); the encoder takes at most 25 and refuses longer ones")
+    assert [(p.severity, p.message) for p in check.check_dataset(bp, limit).problems()] == [("error", message)]
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        check.refuse_long_captions(scan_images(bp), limit)
+    limit.refuses = False
+    assert check.training_warnings(scan_images(bp), [], limit)[0].message == message.replace(
+        "takes at most 25 and refuses longer ones", "keeps 25, the rest is cut")

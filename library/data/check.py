@@ -40,7 +40,7 @@ from typing import Callable
 
 from PIL import Image
 
-from library.data.captions import fixed_caption
+from library.data.captions import caption_variants, fixed_caption
 from library.data.controls import check_control_count, check_family_takes, control_files, find_controls, target_stems
 from library.data.image_folders import (bad_size, dataset_buckets, folders_read, held_out_count, held_out_paths,
                                         image_bucket, no_held_out, other_caption_file, read_caption,
@@ -144,17 +144,23 @@ def duplicate_problems(paths) -> list[tuple[str, Problem]]:
 
 
 def caption_tokens(image_path: str, subset: SubsetSpec, caption: str, limit: TokenLimit) -> tuple[int, Problem | None]:
-    """(tokens of the caption as trained, a warning when the encoder cuts it, an error when it refuses it)."""
-    n = limit.count(fixed_caption(caption, subset))
+    """(tokens of the longest text encoded for the caption, a warning when the encoder cuts it, an error when it
+    refuses it). Its augmented caption_variants are encoded too, and they join the tags with ", ": with another
+    caption_separator they are longer than the caption as written. They are seeded by the caption, so counted as cached."""
+    trained = limit.count(fixed_caption(caption, subset))
+    n = max([trained, *map(limit.count, dict.fromkeys(caption_variants(caption, subset)))])
     kept_whole = bool(subset.control_directory) and not limit.cuts_with_references  # every image there has references
     if n <= limit.max_tokens or kept_whole:
         return n, None
     caption_file = os.path.splitext(image_path)[0] + subset.caption_extension
     where = caption_file if os.path.exists(caption_file) else f"{image_path} (class_tokens)"
+    size = f"{n} {limit.encoder} tokens"
+    if n > trained:
+        size += f" in an augmented variant (caption_variants join its tags with ', '; as written it is {trained})"
     if limit.refuses:
-        return n, Problem("error", "tokens", f"{where}: caption is {n} {limit.encoder} tokens; the encoder takes at "
+        return n, Problem("error", "tokens", f"{where}: caption is {size}; the encoder takes at "
                                              f"most {limit.max_tokens} and refuses longer ones")
-    return n, Problem("warning", "tokens", f"{where}: caption is {n} {limit.encoder} tokens; the encoder keeps "
+    return n, Problem("warning", "tokens", f"{where}: caption is {size}; the encoder keeps "
                                            f"{limit.max_tokens}, the rest is cut")
 
 
