@@ -250,11 +250,10 @@ def test_a_caption_over_2048_tokens_is_an_error_in_the_check_and_refused_before_
 LONG = ", ".join(f"word{i} tag{i}" for i in range(700))  # over Ideogram 4's 2048 chat tokens
 
 
-@pytest.mark.parametrize("line,what", [(f"{LONG} --s 4", "prompt"), (f"a red square --s 4 --n {LONG}", "negative prompt")])
+@pytest.mark.parametrize("line,what", [(f"{LONG} --s 4", "prompt")])
 def test_a_sample_prompt_over_2048_tokens_is_refused_before_caching(tiny_set, tmp_path, capsys, line, what):
-    """A sample prompt (or its --n, which training encodes too) the encoder refuses stopped training only after
-    the latents and captions were cached: 'prompt has 3609 tokens, exceeds max_sequence_length=2048', naming no
-    file or line."""
+    """A sample prompt the encoder refuses stopped training only after the latents and captions were cached:
+    'prompt has 3609 tokens, exceeds max_sequence_length=2048', naming no file or line."""
     from tests.test_reliability import copy_dataset, files_under, one_error_line
 
     toml = copy_dataset(tiny_set, tmp_path / "data")
@@ -271,6 +270,30 @@ def test_a_sample_prompt_over_2048_tokens_is_refused_before_caching(tiny_set, tm
     assert n > 2048 and one_error_line(capsys, code) == (f"error: {prompts}:3: {what} is {n} Qwen3-VL tokens; the "
                                                          f"encoder takes at most 2048 and refuses longer ones")
     assert files_under(out) == [] and all(f.endswith((".png", ".txt")) for f in files_under(tmp_path / "data" / "images"))
+
+
+def test_a_long_negative_that_no_cfg_reads_is_warned_not_refused_nor_encoded(tiny_set, tmp_path, monkeypatch):
+    """Old: training refused a sample prompt's --n over 2048 tokens (and encoded a shorter one), which Ideogram 4
+    never reads (no true CFG); generate.py warned that --n is not read and rendered the same file."""
+    from library.training.diffusion_task import DiffusionTask
+    from tests.test_reliability import copy_dataset
+
+    class Settled(Exception):
+        pass
+
+    def settled(task):
+        raise Settled([negative for _, negative in task.prompt_texts])
+
+    monkeypatch.setattr(DiffusionTask, "_load_base", settled)  # right after the caches and prompts are encoded
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"a red square --s 4 --n {LONG}\na blue square --s 4 --n blurry\n")
+    with pytest.warns(UserWarning, match=r"--n \(--negative\) is not read"), pytest.raises(Settled) as stop:
+        train_lora.main(["--model_type", "ideogram4", "--pretrained_model_name_or_path", tiny_set["ideogram4"],
+                         "--ae", tiny_set["flux2_vae"], "--text_encoder", tiny_set["ideogram4_text_encoder"],
+                         "--dataset_config", copy_dataset(tiny_set, tmp_path / "data"), "--output_dir",
+                         str(tmp_path / "out"), "--max_train_steps", "1", "--sample_prompts", str(prompts),
+                         "--sample_at_first", "true"])
+    assert stop.value.args[0] == [None, None]
 
 
 def test_generate_refuses_a_prompt_over_2048_tokens_before_the_text_encoder_loads(tiny_set, tmp_path, capsys,

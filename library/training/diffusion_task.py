@@ -245,7 +245,7 @@ class DiffusionTask:
 
     def _read_prompts(self, limit: TokenLimit | None, largest: tuple[int, int] | None = None) -> list[SamplePrompt]:
         """The sample prompts; one the text encoder refuses (limit) or larger than the transformer takes (largest)
-        is named now, not after caching (every negative given is encoded: _cache_prompt_texts)."""
+        is named now, not after caching (a negative is encoded, and checked, where the family runs true CFG)."""
         if not self.args.sample_prompts:
             return []
         width, height = default_sample_size(self.blueprint.datasets[0].resolution)
@@ -253,7 +253,7 @@ class DiffusionTask:
                                 guidance=self.family.sample_guidance)
         prompts = read_prompt_file(self.args.sample_prompts, defaults,
                                    guidance_is_cfg=self.family.guidance_is_cfg_scale(), token_limit=limit,
-                                   largest=largest)
+                                   negatives=self.family.true_cfg, largest=largest)
         check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls,
                               self.family.min_controls, self.family.reference_vl_size)
         warn_unread_prompt_options(self.family, prompts, self.args.sample_prompts)
@@ -339,7 +339,7 @@ class DiffusionTask:
         folder, files = self._prompt_folder(), []
         if not sees and any(drops_captions(item.subset) for item in self.dataset.items):  # else: per item
             files.append(cache_empty_caption(self.dataset, encode_text, text_key, folder))
-        negatives = [p.negative if p.negative or self.family.true_cfg else None for p in self.prompts]
+        negatives = [p.negative if self.family.true_cfg else None for p in self.prompts]  # unread without CFG
         sizes = [self.family.sample_text_size(p.control_images, p.width, p.height) if sees else None
                  for p in self.prompts]
         jobs = [(text, p.control_images, size) for p, negative, size in zip(self.prompts, negatives, sizes)
