@@ -168,8 +168,25 @@ def test_total_batch_size_counts_each_datasets_own_images_where_two_share_their_
                                                    {"resolution": 48, "batch_size": 4, "subsets": [subset]}]}, source="d.toml")
     items = [SimpleNamespace(dataset_index=i, subset=blueprint.datasets[i].subsets[0]) for i in (0, 1) for _ in range(3)]
     task = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1), args=SimpleNamespace(gradient_accumulation_steps=1),
-                           dataset=SimpleNamespace(items=items), blueprint=blueprint)
+                           dataset=SimpleNamespace(items=items, entries=list(range(6))), blueprint=blueprint)
     assert DiffusionTask._total_batch_size(task) == "3"
+
+
+def test_total_batch_size_counts_the_repeats_batches_are_cut_from():
+    """Old: 1 image x num_repeats 4 at batch_size 4 trains 4 entries a step and the header said 1 (the cap
+    counted images; batches are cut from the epoch's entries, repeats included, as sd-scripts' are)."""
+    from types import SimpleNamespace
+
+    from library.data.dataset_config import parse_dataset_config
+    from library.training.diffusion_task import DiffusionTask
+
+    subset = {"image_dir": "/data/a", "class_tokens": "x", "num_repeats": 4}
+    blueprint = parse_dataset_config({"datasets": [{"resolution": 64, "batch_size": 4, "subsets": [subset]}]},
+                                     source="d.toml")
+    items = [SimpleNamespace(dataset_index=0, subset=blueprint.datasets[0].subsets[0])]
+    task = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1), args=SimpleNamespace(gradient_accumulation_steps=2),
+                           dataset=SimpleNamespace(items=items, entries=[0, 0, 0, 0]), blueprint=blueprint)
+    assert DiffusionTask._total_batch_size(task) == "8"
 
 
 def test_folder_facts_are_sd_scripts_dataset_dirs_tag_frequency_and_image_counts():

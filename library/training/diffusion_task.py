@@ -606,12 +606,15 @@ class DiffusionTask:
         }
 
     def _total_batch_size(self) -> str:
-        """Images per optimizer step (ss_total_batch_size): each dataset's batch (no more than its
-        images) x processes x accumulation; datasets of different batches are listed each."""
+        """Images per optimizer step (ss_total_batch_size): each dataset's batch (no more than its entries
+        an epoch: images x num_repeats, which batches are cut from) x processes x accumulation; datasets
+        of different batches are listed each."""
         per_step = self.accelerator.num_processes * self.args.gradient_accumulation_steps
-        images = [sum(1 for it in self.dataset.items if it.dataset_index == i) for i in range(len(self.blueprint.datasets))]
+        entries = [0] * len(self.blueprint.datasets)
+        for i in self.dataset.entries:
+            entries[self.dataset.items[i].dataset_index] += 1
         sizes = dict.fromkeys(min(d.batch_size, n or d.batch_size) * per_step
-                              for d, n in zip(self.blueprint.datasets, images))
+                              for d, n in zip(self.blueprint.datasets, entries))
         return ",".join(str(size) for size in sizes)
 
     def _dataset_summary(self) -> list[dict]:
