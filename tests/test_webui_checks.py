@@ -190,6 +190,9 @@ def test_what_train_lora_refuses_first_is_refused_at_its_field_with_its_line(che
     answer = checked(network_args=["conv_dim=4"])
     assert answer["key"] == "network_args", answer  # not under conv_dim, the unknown key the line names
     assert answer["error"].startswith("config: network_args: unknown key 'conv_dim' for family 'flux'"), answer
+    # Old: passed Validate (check_network_fits ran in DiffusionTask only): a block index past the model's blocks
+    answer = checked(network_args=["train_double_block_indices=7"])
+    assert answer["key"] == "network_args" and "train_double_block_indices" in answer["error"], answer
     answer = checked(network_module="lycoris.kohya", network_args=["algo=dylora"])
     assert answer["key"] == "network_args" and "'algo=dylora' is refused" in answer["error"], answer
     zimage = tiny_config("zimage", tiny_set, guidance_scale=3.5)

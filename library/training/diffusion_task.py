@@ -120,8 +120,8 @@ def scan_family_images(blueprint, family, held_out_sets: bool = False) -> list:
 
 
 def check_before_caching(args, family) -> tuple[str | None, str | None]:
-    """What train_lora.py checks of a diffusion config first, from the config and the files' headers (seconds):
-    DiffusionTask, the web UI's config check (library/ui/config_check.py) and tools/plan_memory.py run this one
+    """What train_lora.py checks of a diffusion config first, from the config, the files' headers and the model
+    built on the meta device (seconds): DiffusionTask, the web UI's config check (library/ui/config_check.py) and tools/plan_memory.py run this one
     function, so a config one refuses the others refuse with the same line. (stored, widened): the base's
     pre-quantized layout and its plain e5m2 one (None, None: a high-precision file)."""
     family.check_model_files()  # a wrong file stops the run now, not after caching
@@ -129,7 +129,11 @@ def check_before_caching(args, family) -> tuple[str | None, str | None]:
     check_unread_keys(args, family)
     check_network_settings(args, family.arch)
     check_lora_inputs(args, family.arch)  # network_weights, base_loras: their headers
-    return check_base_layout(args, family)
+    stored_and_widened = check_base_layout(args, family)
+    # network_args against the model's blocks and names, network_weights' ranks against the network's
+    check_network_fits(args, family.arch, lambda: family.load_transformer(
+        compute_dtype(args), base_precision(args), read_weights=False))
+    return stored_and_widened
 
 
 def check_base_layout(args, family) -> tuple[str | None, str | None]:
@@ -176,9 +180,6 @@ class DiffusionTask:
         self.stored_precision, self.widened_precision = check_before_caching(args, self.family)
         self._say_unreferenced_samples()
         self.compute_dtype = compute_dtype(args)
-        # network_args against the model's blocks and names, network_weights' ranks against the network's: before caching
-        check_network_fits(args, self.family.arch, lambda: self.family.load_transformer(
-            self.compute_dtype, base_precision(args), read_weights=False))
         self.blueprint = load_dataset_config(args.dataset_config)
         limit = self.family.caption_token_limit(args)  # captions and sample prompts, as the text encoder counts them
         largest = self.family.largest_image()  # training images and sample prompts, as the transformer takes them
