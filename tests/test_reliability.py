@@ -179,6 +179,13 @@ def output_dir_cannot_be_created(ts, tmp):
             [f"command line: output_dir '{tmp / 'a_file' / 'out'}' cannot be created: '{tmp / 'a_file'}' is a file, not a folder"])
 
 
+def output_dir_a_dangling_link(ts, tmp):  # makedirs failed after the checks: "[Errno 17] File exists" (2026-11-29)
+    os.symlink(tmp / "unmounted" / "disk", tmp / "out")
+    return (["--output_dir", str(tmp / "out" / "run")],
+            [f"command line: output_dir '{tmp / 'out' / 'run'}' cannot be created: '{tmp / 'out'}' is a link to "
+             f"'{tmp / 'unmounted' / 'disk'}', which does not exist"])
+
+
 def logging_dir_is_a_file(ts, tmp):  # failed after caching with "[Errno 20] Not a directory" (2026-11-27)
     (tmp / "tb").write_text("x")
     return (["--logging_dir", str(tmp / "tb")],
@@ -303,6 +310,7 @@ CASES = {
     "optimizer_not_an_optimizer": optimizer_not_an_optimizer,
     "optimizer_args_wrong_value": optimizer_args_wrong_value,
     "output_dir_cannot_be_created": output_dir_cannot_be_created,
+    "output_dir_a_dangling_link": output_dir_a_dangling_link,
     "logging_dir_is_a_file": logging_dir_is_a_file,
     "log_prefix_a_path": log_prefix_a_path,
     "sample_prompt_bad_flag": sample_prompt_bad_flag,

@@ -46,6 +46,9 @@ def test_a_config_file_without_its_suffix_is_found_with_toml_appended(tmp_path):
     cfg = write(tmp_path, BASE + f'output_dir = "{tmp_path}"\nnetwork_dim = 8\n')
     args = load_config(["--config_file", cfg[:-len(".toml")]])
     assert args.network_dim == 8 and args.config_file == cfg
+    dotted = tmp_path / "flux_v1.5.toml"  # old: a dot in the name read as a suffix: "config file not found"
+    os.rename(cfg, dotted)
+    assert load_config(["--config_file", str(dotted)[:-len(".toml")]]).config_file == str(dotted)
 
 
 def test_none_on_the_command_line_clears_the_files_epochs_and_steps_alone_under_them_are_refused(tmp_path):

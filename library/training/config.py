@@ -309,9 +309,9 @@ def _coerce(key: str, value: Any, where: str) -> Any:
 
 
 def config_path(path: str) -> str:
-    """--config_file as given, or with .toml appended where it has no suffix and does not exist
-    (sd-scripts appends it: `--config_file configs/quickstart`)."""
-    if not os.path.exists(path) and not os.path.splitext(path)[1] and os.path.exists(path + ".toml"):
+    """--config_file as given, or with .toml appended where it does not end in .toml and does not exist
+    (sd-scripts appends it: `--config_file configs/quickstart`, `configs/flux_v1.5`)."""
+    if not os.path.exists(path) and not path.lower().endswith(".toml") and os.path.exists(path + ".toml"):
         return path + ".toml"
     return path
 
@@ -723,6 +723,9 @@ def _check_creatable(folder: str, key: str, where: str) -> None:
     """A folder the run creates (or writes into): below a file, or in a folder it cannot write, found now."""
     parent = os.path.abspath(folder)
     while not os.path.exists(parent):
+        if os.path.islink(parent):  # a link to a missing target (an unmounted disk): makedirs fails on it
+            raise ConfigError(f"{where}: {key} '{folder}' cannot be created: '{parent}' is a link to "
+                              f"'{os.readlink(parent)}', which does not exist")
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):  # root ignores permissions, but not this
         raise ConfigError(f"{where}: {key} '{folder}' cannot be created: '{parent}' is a file, not a folder")
