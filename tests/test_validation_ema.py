@@ -197,6 +197,23 @@ def test_validate_every_n_steps_without_held_out_images_stops_before_caching(tin
     assert "validate_every_n_steps is set but no image is held out" in capsys.readouterr().err
 
 
+def test_an_output_dir_that_is_an_image_dir_stops_before_caching(tiny_set, tmp_path, monkeypatch, capsys):
+    """Old: the run wrote its samples and loss plot into the image folder, and the next run trained on them (with
+    class_tokens, without a word) or stopped on them (no caption file)."""
+    from library.training.diffusion_task import DiffusionTask
+    from tests.test_reliability import copy_dataset
+
+    def no_caching(self):
+        raise AssertionError("cached before the refusal")
+
+    monkeypatch.setattr(DiffusionTask, "_fill_caches", no_caching)
+    toml = copy_dataset(tiny_set, tmp_path / "data")
+    args = flux_args(tiny_set, tmp_path / "unused", "--dataset_config", toml,
+                     "--output_dir", str(tmp_path / "data" / "images" / "."))
+    assert train_lora.main(args) == 2
+    assert f"image_dir '{tmp_path / 'data' / 'images'}' is the output_dir" in capsys.readouterr().err
+
+
 def test_prior_loss_weight_without_regularization_images_stops_before_caching(tiny_set, tmp_path, monkeypatch, capsys):
     """Old: prior_loss_weight = 0.05 on a dataset without is_reg subsets trained exactly the run without it,
     exit 0 and no word (it only weights regularization images)."""

@@ -181,6 +181,7 @@ class DiffusionTask:
         self._say_unreferenced_samples()
         self.compute_dtype = compute_dtype(args)
         self.blueprint = load_dataset_config(args.dataset_config)
+        self._refuse_output_in_image_dirs()
         limit = self.family.caption_token_limit(args)  # captions and sample prompts, as the text encoder counts them
         largest = self.family.largest_image()  # training images and sample prompts, as the transformer takes them
         self.dataset, self.validation_set = self._read_images(limit, largest)
@@ -215,6 +216,18 @@ class DiffusionTask:
         self.module = LoRALoss(self.family, self.base, self.network, args)
 
     # -- setup ---------------------------------------------------------------------------------
+    def _refuse_output_in_image_dirs(self):
+        """output_dir that is an image_dir: the run writes its samples and loss plot (PNGs) there, which the next
+        run on this dataset trained as images (or stopped on, uncaptioned; a resume found other batches).
+        sd-scripts and musubi-tuner keep samples in output_dir/sample."""
+        out = os.path.realpath(self.args.output_dir)
+        for spec in self.blueprint.datasets + self.blueprint.validation_datasets:
+            for subset in spec.subsets:
+                if os.path.realpath(subset.image_dir) == out:
+                    raise ConfigError(f"{self.args.dataset_config}: image_dir '{subset.image_dir}' is the output_dir: "
+                                      f"the run's sample images and loss plot would be read as training images by "
+                                      f"the next run; give output_dir another folder")
+
     def _say_unreferenced_samples(self):
         """A pre-quantized checkpoint (fp8, GGUF) is trained on as it is stored: the LoRA's metadata and the samples
         name the stored layout (trained_precision()), the base really trained on, alone: it loads as stored in any
