@@ -16,11 +16,15 @@ import time
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+import library.io
 from library.models.flux1.checkpoint import load_flux
 from library.models.qwen_image.model import load_qwen_image
 from networks import lora_files
+from library.training.config import load_config
+from library.training.state import save_state
 from networks.lora import LoRANetwork
 from tools import merge_lora
 
@@ -200,3 +204,58 @@ def test_sigkill_while_merging_into_a_folder_keeps_the_previous_merge(tiny_set, 
     assert snapshot(out) == before  # the folder under the final name: every file as it was
     leftovers = [os.path.basename(t) for t in temporaries(out.parent, out.name)]
     assert len(leftovers) == 1 and sorted(os.listdir(out.parent)) == [leftovers[0], "transformer"]
+
+
+def no_space(*args, **kwargs):
+    """What safetensors' writer raises on a full disk (a 400 KiB tmpfs): its own error, no OSError (faked as an
+    OSError(ENOSPC) until 2026-11-28, the full disk was a traceback)."""
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def test_a_full_disk_while_saving_a_lora_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "lora.safetensors"
+    lora_files.write_kohya(small_lora(1.0), str(path))
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(library.io, "save_file", no_space)
+    with pytest.raises(OSError) as e:
+        lora_files.write_kohya(small_lora(2.0), str(path))
+    assert str(e.value) == f"{path}: cannot be written, no space left on device (the previous one is kept)"
+    assert snapshot(tmp_path) == before  # no temporary left
+
+
+def test_a_full_disk_while_saving_a_state_keeps_the_previous_state(tmp_path, monkeypatch):
+    args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", "fake", "--train_data", "fake",
+                        "--output_dir", str(tmp_path)])
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    folder = tmp_path / "run-state"
+    save_state(str(folder), {"w": weight.detach()}, optimizer, scheduler, {"step": 1}, args)
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(library.io, "save_file", no_space)
+    with pytest.raises(OSError) as e:
+        save_state(str(folder), {"w": weight.detach() * 2}, optimizer, scheduler, {"step": 2}, args)
+    assert str(e.value) == f"{folder}: cannot be written, no space left on device (the previous one is kept)"
+    assert snapshot(tmp_path) == before  # no temporary folder left
+
+
+def test_a_full_disk_at_the_final_save_is_one_error_line(tiny_set, tmp_path, monkeypatch, capsys):
+    import train_lora
+    from tests.test_reliability import files_under, flux_args
+
+    out = tmp_path / "out"
+    real_save_file = library.io.save_file
+
+    def full_below_out(tensors, filename, metadata=None):  # the image caches (elsewhere) still fit
+        if str(filename).startswith(str(out)):
+            no_space()
+        real_save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(library.io, "save_file", full_below_out)
+    capsys.readouterr()
+    code = train_lora.main(flux_args(tiny_set, out))
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    lora = out / "tiny_flux_lora.safetensors"
+    assert err.splitlines()[-1] == f"error: {lora}: cannot be written, no space left on device (nothing was written)"
+    assert not any(name.endswith(".tmp") or ".tmp" + os.sep in name for name in files_under(out)), files_under(out)

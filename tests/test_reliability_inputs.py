@@ -502,7 +502,7 @@ def test_prompts_without_a_size_sample_at_the_resolution_on_the_16_pixel_grid(tm
                                              "max_bucket_reso": 1024, "bucket_reso_steps": 16,
                                              "subsets": [{"image_dir": str(tmp_path)}]}]})
     task = SimpleNamespace(args=SimpleNamespace(sample_prompts=str(tmp_path / "p.txt")), blueprint=bp,
-                           family=SimpleNamespace(sample_steps=4, sample_guidance=1.0, name="any", max_controls=0,
+                           family=SimpleNamespace(sample_steps=4, sample_guidance=1.0, name="any", max_controls=0, true_cfg=True,
                                                   min_controls=0, unread_prompt_options=lambda negative, guidance: {},
                                                   guidance_is_cfg_scale=lambda: True, reference_vl_size=lambda w, h: None))
     prompts = DiffusionTask._read_prompts(task, None)
