@@ -580,19 +580,22 @@ def check_keys_and_shapes(reader: CheckpointReader, expected: dict[str, torch.Te
         raise CheckpointError(f"{reader.path}: missing keys: {', '.join(missing[:5])} ({len(missing)} in all)")
 
 
-def check_model_file(path: str, key: str, what: str, markers: dict[str, tuple | None]) -> None:
+def check_model_file(path: str, key: str, what: str, markers: dict[str | tuple[str, ...], tuple | None]) -> None:
     """The checkpoint at `path` (named by config key `key`) is `what` as far as its header tells: for
-    each marker some key ends in it (after any prefix, so ComfyUI, HF and diffusers layouts alike),
-    of the marker's shape (None: any shape; None on an axis: any size). No tensor is read; a missing
-    path or marker is one CheckpointError naming the path and what was expected."""
+    each marker some key ends in it (after any prefix, so ComfyUI, HF and diffusers layouts alike; a
+    tuple of endings: any one of them, the same tensor as layouts name it), of the marker's shape (None:
+    any shape; None on an axis: any size). No tensor is read; a missing path or marker is one
+    CheckpointError naming the path and what was expected."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or folder ({key}: expected {what})")
     reader = CheckpointReader(path)
     keys = reader.keys()
     for ending, shape in markers.items():
-        found = next((k for k in keys if k == ending or k.endswith("." + ending)), None)
+        endings = ending if isinstance(ending, tuple) else (ending,)
+        found = next((k for k in keys for e in endings if k == e or k.endswith("." + e)), None)
         if found is None:
-            raise CheckpointError(f"{path}: {key} is not {what}: no key ends in '{ending}' (its keys: {_few(keys)})")
+            named = " or ".join(f"'{e}'" for e in endings)
+            raise CheckpointError(f"{path}: {key} is not {what}: no key ends in {named} (its keys: {_few(keys)})")
         have = reader.shape(found)
         if shape is not None and (len(have) != len(shape) or any(w not in (None, n) for w, n in zip(shape, have))):
             want = "(" + ", ".join("*" if n is None else str(n) for n in shape) + ")"

@@ -183,6 +183,110 @@ def test_decoding_in_tiles_is_diffusers_tiled_decode_at_our_tile_size_and_only_i
 
 
 # ----------------------------------------------------------------------------------------------
+# Single VAE files in the layouts the families' VAEs are released in (BFL, ComfyUI)
+
+
+def _saved_with_config(tensors: dict, folder: str, path: str) -> str:
+    """`tensors` at `path`, carrying the diffusers `folder`'s tiny sizes only: where its config differs from the
+    class's defaults (the released VAE's, which a released file gets, as it carries no config)."""
+    import inspect
+    import json
+
+    import diffusers
+
+    from library.io import save_safetensors
+
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    defaults = inspect.signature(getattr(diffusers, config["_class_name"])).parameters
+    tiny = {k: v for k, v in config.items() if k in defaults and json.loads(json.dumps(defaults[k].default)) != v}
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, path,
+                     metadata={"diffusers_config": json.dumps(tiny)})
+    return path
+
+
+def _flux2_bfl_file(folder: str, path: str) -> str:
+    """The diffusers FLUX.2 VAE `folder` as BFL's ae.safetensors (musubi-tuner's load_ae layout): AutoencoderKL's
+    LDM keys with the quant convs inside the encoder / decoder, the latents' BatchNorm `bn.*` as diffusers has it."""
+    from library.io import CheckpointReader
+    from library.models.vae import autoencoder_kl_to_ldm_state_dict
+
+    sd = dict(CheckpointReader(os.path.join(folder, "diffusion_pytorch_model.safetensors")).items())
+    ldm = autoencoder_kl_to_ldm_state_dict({k: v for k, v in sd.items() if not k.startswith("bn.")}, 4)
+    inside = {"quant_conv.": "encoder.", "post_quant_conv.": "decoder."}
+    bfl = {next((inside[p] + k for p in inside if k.startswith(p)), k): v for k, v in ldm.items()}
+    assert {"encoder.quant_conv.weight", "decoder.post_quant_conv.weight"} <= bfl.keys()
+    return _saved_with_config({**bfl, **{k: v for k, v in sd.items() if k.startswith("bn.")}}, folder, path)
+
+
+# AutoencoderKLQwenImage keys -> the Wan layout (ComfyUI's qwen_image_vae.safetensors), in order: the inverse of
+# diffusers' convert_wan_vae_to_diffusers. A resnet's parts are a Sequential: residual.0 / 2 / 3 / 6.
+_WAN_RULES = [
+    (r"^quant_conv\.", "conv1."), (r"^post_quant_conv\.", "conv2."), (r"^(\w+)\.conv_in\.", r"\1.conv1."),
+    (r"^(\w+)\.norm_out\.", r"\1.head.0."), (r"^(\w+)\.conv_out\.", r"\1.head.2."),
+    (r"\.mid_block\.attentions\.0\.", ".middle.1."),
+    (r"\.mid_block\.resnets\.(\d)\.", lambda m: f".middle.{2 * int(m[1])}."),
+    (r"\.down_blocks\.", ".downsamples."),
+    (r"\.up_blocks\.(\d)\.resnets\.(\d)\.", lambda m: f".upsamples.{4 * int(m[1]) + int(m[2])}."),
+    (r"\.up_blocks\.(\d)\.upsamplers\.0\.", lambda m: f".upsamples.{4 * int(m[1]) + 3}."),
+    (r"\.(\d+)\.norm1\.", r".\1.residual.0."), (r"\.(\d+)\.conv1\.", r".\1.residual.2."),
+    (r"\.(\d+)\.norm2\.", r".\1.residual.3."), (r"\.(\d+)\.conv2\.", r".\1.residual.6."),
+    (r"\.(\d+)\.conv_shortcut\.", r".\1.shortcut."),
+]
+
+
+def _qwen_wan_file(folder: str, path: str) -> str:
+    """The diffusers Qwen-Image VAE `folder` in the Wan layout (ComfyUI's qwen_image_vae.safetensors)."""
+    import re
+
+    from library.io import CheckpointReader
+
+    wan = {}
+    for key, value in CheckpointReader(os.path.join(folder, "diffusion_pytorch_model.safetensors")).items():
+        for pattern, replacement in _WAN_RULES:
+            key = re.sub(pattern, replacement, key)
+        wan[key] = value
+    assert {"conv1.weight", "encoder.head.2.weight", "decoder.upsamples.4.shortcut.weight"} <= wan.keys()
+    return _saved_with_config(wan, folder, path)
+
+
+def _family(tiny_set, model_type: str, ae: str):
+    from library.models.family import family_class
+
+    transformer = {"flux2": "flux2_tiny"}.get(model_type, model_type)
+    return family_class(model_type)(tiny_set[transformer], ae, text_encoder=tiny_set[f"{model_type}_text_encoder"])
+
+
+@pytest.mark.parametrize("model_type, folder_key, write", [
+    ("flux2", "flux2_vae", _flux2_bfl_file), ("ideogram4", "flux2_vae", _flux2_bfl_file),
+    ("qwen_image", "qwen_image_vae", _qwen_wan_file), ("krea2", "qwen_image_vae", _qwen_wan_file)])
+def test_vae_single_file_in_released_layout_loads_like_diffusers_folder(tiny_set, tmp_path, model_type, folder_key,
+                                                                        write):
+    """BFL's FLUX.2 ae.safetensors passed the header check, then stopped latent caching with KeyError
+    'down_block_types'; ComfyUI's qwen_image_vae.safetensors was refused as "not a Qwen-Image VAE"."""
+    folder = tiny_set[folder_key]
+    single = write(folder, str(tmp_path / "vae.safetensors"))
+    family = _family(tiny_set, model_type, single)
+    family.check_model_files()
+    x = _images(1, 32)
+    expected = _family(tiny_set, model_type, folder).load_vae().encode(x)
+    assert (family.load_vae().encode(x) - expected).abs().max().item() == 0
+
+
+def test_vae_single_file_of_another_family_is_refused_in_one_line(tiny_set, tmp_path):
+    wan = _qwen_wan_file(tiny_set["qwen_image_vae"], str(tmp_path / "qwen_image_vae.safetensors"))
+    bfl = _flux2_bfl_file(tiny_set["flux2_vae"], str(tmp_path / "ae.safetensors"))
+    with pytest.raises(CheckpointError) as e:
+        _family(tiny_set, "flux2", wan).check_model_files()
+    assert str(e.value).startswith(f"{wan}: ae is not a FLUX.2 VAE (32 latent channels): no key ends in "
+                                   f"'encoder.conv_out.weight' (its keys: ")
+    with pytest.raises(CheckpointError) as e:
+        _family(tiny_set, "krea2", bfl).check_model_files()
+    assert str(e.value) == (f"{bfl}: ae is not a Qwen-Image VAE (16 latent channels, 3-D convolutions): "
+                            f"'encoder.conv_out.weight' has shape (64, 16, 3, 3), expected (32, *, 3, 3, 3)")
+
+
+# ----------------------------------------------------------------------------------------------
 # FLUX text encoders
 
 

@@ -88,7 +88,8 @@ class ModelFile:
     path: str
     what: str  # what it must be, for the error: "a CLIP-L text encoder"
     component: str  # its folder when `path` is a diffusers pipeline folder: "vae", "text_encoder", ...
-    markers: dict[str, tuple | None]  # key ending -> its shape (None: any); every such file has them
+    # key ending (a tuple: alternatives, as layouts name the tensor) -> its shape (None: any); every such file has them
+    markers: dict[str | tuple[str, ...], tuple | None]
     # A text encoder's tokenizer as its loader looks for it (text_encoders.tokenizer_folder's arguments
     # after the weights): (tokenizer folder or None, sibling, kind); None: the file has none
     tokenizer: tuple[str | None, str, str] | None = None

@@ -15,9 +15,9 @@ pipelines take the mode ("argmax"). The mode is deterministic, which is what lat
 the difference is the VAE's posterior std, which is small for the released VAEs.
 
 Loaders read safetensors only: a diffusers folder (the model folder itself or a repo with `vae/`),
-a single diffusers-keyed file, and an AutoencoderKL's single LDM-keyed file (e.g. BFL's
-`ae.safetensors`, converted with diffusers' own `convert_ldm_vae_checkpoint`). A VAE class that
-diffusers has no single-file converter for loads from a diffusers folder or a diffusers-keyed file.
+a single diffusers-keyed file, and a single file in the layout its family releases (LDM / BFL keys,
+e.g. `ae.safetensors`, or Wan / ComfyUI keys), converted with diffusers' own converters
+(`convert_ldm_vae_checkpoint` for an AutoencoderKL; a wrapper's `convert_single_file` for the others).
 """
 
 from __future__ import annotations
@@ -37,11 +37,14 @@ from library.io import CheckpointError, CheckpointReader, component_folder, load
 # File checks
 
 
-def vae_markers(latent_channels: int, video: bool = False) -> dict[str, tuple | None]:
+def vae_markers(latent_channels: int, video: bool = False) -> dict[str | tuple[str, ...], tuple | None]:
     """How a VAE checkpoint shows in its header (library/io.py check_model_file): the encoder's last
     convolution gives the latents' mean and log-variance, 2 x latent_channels outputs, 3x3 kernels
-    (3x3x3 for a video VAE), under the same key in diffusers and LDM/BFL files."""
-    return {"encoder.conv_out.weight": (2 * latent_channels, None, 3, 3) + ((3,) if video else ())}
+    (3x3x3 for a video VAE), under the same key in diffusers and LDM/BFL files; a video VAE's Wan /
+    ComfyUI file (`qwen_image_vae.safetensors`) names it `encoder.head.2`."""
+    if video:
+        return {("encoder.conv_out.weight", "encoder.head.2.weight"): (2 * latent_channels, None, 3, 3, 3)}
+    return {"encoder.conv_out.weight": (2 * latent_channels, None, 3, 3)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,22 +107,24 @@ def _build(cls, config: dict):
         return cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
 
 
-def _is_ldm_layout(keys: list[str]) -> bool:
-    return any(".down.0." in k or ".mid.block_1." in k for k in keys)
+def _is_single_file_layout(keys: list[str]) -> bool:
+    """LDM / BFL keys (`down.0`, `mid.block_1`) or Wan / ComfyUI keys (`downsamples.0`, `middle.0`), not diffusers'."""
+    return any(part in k for k in keys for part in (".down.0.", ".mid.block_1.", ".downsamples.0.", ".middle.0."))
 
 
-def _load_weights(model, reader: CheckpointReader, dtype: torch.dtype, config: dict):
-    """Load diffusers-keyed or (AutoencoderKL) LDM/BFL-keyed weights into `model`, cast to `dtype`."""
-    if not _is_ldm_layout(reader.keys()):
+def _load_weights(model, reader: CheckpointReader, dtype: torch.dtype, convert):
+    """Load diffusers-keyed weights, or a single file's converted by `convert`, into `model`, cast to `dtype`."""
+    if not _is_single_file_layout(reader.keys()):
         load_streaming(model, reader, rename=lambda k: k, dtype=dtype)
         return
     # A VAE is small (84 M parameters for a 16-channel AutoencoderKL): convert the whole state dict at once.
-    converted = convert_ldm_vae_checkpoint({k: reader.get(k) for k in reader.keys()}, config)
+    # The built model's config names every constructor argument (the LDM converter reads its block types).
+    converted = convert({k: reader.get(k) for k in reader.keys()}, dict(model.config))
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing, unexpected = expected.keys() - converted.keys(), converted.keys() - expected.keys()
     if missing or unexpected:
         raise CheckpointError(
-            f"{reader.path}: LDM VAE keys do not fit the config: missing {sorted(missing)[:5]}, "
+            f"{reader.path}: single-file VAE keys do not fit the config: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}"
         )
     for key, value in converted.items():
@@ -130,13 +135,15 @@ def _load_weights(model, reader: CheckpointReader, dtype: torch.dtype, config: d
     model.load_state_dict({k: v.to(dtype) for k, v in converted.items()}, strict=True, assign=True)
 
 
-def load_vae(cls, path: str, default_config: dict, dtype: torch.dtype = torch.float32, config: dict | None = None):
+def load_vae(cls, path: str, default_config: dict, dtype: torch.dtype = torch.float32, config: dict | None = None,
+             convert=convert_ldm_vae_checkpoint):
     """A diffusers VAE of class `cls` from `path` (see module docstring), in eval mode, in `dtype`.
-    Config: `config` > the one found with the weights > `default_config` (the released VAE's)."""
+    Config: `config` > the one found with the weights > `default_config` (the released VAE's).
+    `convert(state_dict, config)`: a single file's keys -> `cls`'s diffusers keys."""
     weights, found = _resolve(path)
     config = {**default_config, **(found or {}), **(config or {})}
     model = _build(cls, config)
-    _load_weights(model, CheckpointReader(weights), dtype, config)
+    _load_weights(model, CheckpointReader(weights), dtype, convert)
     return frozen_in(model, dtype)
 
 

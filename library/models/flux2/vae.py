@@ -8,14 +8,15 @@ unpatchify. Our latents are that normalised tensor unpatchified back to [B, 32, 
 is a permutation, so pack_latents of them is bit for bit the pipeline's packed tokens, and the shared
 packing, masks and latent caches keep FLUX.1's shapes.
 
-Files: a diffusers folder (`vae/` or itself) or a diffusers-keyed file (diffusers has no single-file
-converter for it).
+Files: a diffusers folder (`vae/` or itself), a diffusers-keyed file, or BFL's single file
+(`ae.safetensors`, ComfyUI's `flux2-vae.safetensors`: bfl_to_diffusers).
 """
 
 from __future__ import annotations
 
 import torch
 from diffusers import AutoencoderKLFlux2
+from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
 from library.models.latents import patchify, unpatchify
 from library.models.vae import frozen_in, load_vae
@@ -23,6 +24,23 @@ from library.models.vae import frozen_in, load_vae
 # AutoencoderKLFlux2's constructor defaults follow the released VAE (a config.json beside the
 # weights, as in the released repositories, wins).
 FLUX2_VAE_CONFIG: dict = {}
+
+# BFL's AutoEncoder keeps its quant convs inside the encoder / decoder; AutoencoderKL's LDM files (and
+# diffusers' converter for them) have them at the top.
+_BFL_QUANT_CONVS = (("encoder.quant_conv.", "quant_conv."), ("decoder.post_quant_conv.", "post_quant_conv."))
+
+
+def bfl_to_diffusers(sd: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """BFL's single-file FLUX.2 VAE -> AutoencoderKLFlux2 keys: with its quant convs moved to the top it
+    is an LDM AutoencoderKL for diffusers' convert_ldm_vae_checkpoint (`config`: the model's), and its
+    latents' BatchNorm (`bn.*`, no affine) is named as diffusers names it."""
+    moved = {}
+    for key, value in sd.items():
+        for bfl, ldm in _BFL_QUANT_CONVS:
+            key = key.replace(bfl, ldm)
+        moved[key] = value
+    converted = convert_ldm_vae_checkpoint(moved, config)
+    return {**converted, **{k: v for k, v in sd.items() if k.startswith("bn.")}}
 
 
 class Flux2VAE:
@@ -32,10 +50,11 @@ class Flux2VAE:
 
     diffusers_class = AutoencoderKLFlux2
     default_config = FLUX2_VAE_CONFIG
+    convert_single_file = staticmethod(bfl_to_diffusers)
 
     def __init__(self, vae: str | AutoencoderKLFlux2, dtype: torch.dtype = torch.float32, config: dict | None = None):
         if isinstance(vae, str):
-            vae = load_vae(self.diffusers_class, vae, self.default_config, dtype, config)
+            vae = load_vae(self.diffusers_class, vae, self.default_config, dtype, config, self.convert_single_file)
         if tuple(vae.config.patch_size) != (2, 2):
             raise ValueError(f"Flux2VAE: patch_size {tuple(vae.config.patch_size)} is not FLUX.2's (2, 2)")
         self.vae = frozen_in(vae, dtype)
@@ -61,5 +80,6 @@ class Flux2VAE:
 
 
 def load_flux2_vae(path: str, dtype: torch.dtype = torch.float32, config: dict | None = None) -> Flux2VAE:
-    """Flux2VAE from a diffusers folder (`vae/` or itself) or its diffusion_pytorch_model.safetensors."""
+    """Flux2VAE from a diffusers folder (`vae/` or itself), its diffusion_pytorch_model.safetensors or BFL's
+    ae.safetensors."""
     return Flux2VAE(path, dtype, config)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from diffusers import AutoencoderKLFlux2
 
+from library.models.flux2.vae import bfl_to_diffusers
 from library.models.latents import pack_latents, unpack_latents
 from library.models.vae import frozen_in, load_vae
 
@@ -38,10 +39,11 @@ class Ideogram4VAE:
 
     diffusers_class = AutoencoderKLFlux2
     default_config: dict = {}  # AutoencoderKLFlux2's defaults are the released VAE's (a config.json beside it wins)
+    convert_single_file = staticmethod(bfl_to_diffusers)  # FLUX.2's ae.safetensors
 
     def __init__(self, vae: str | AutoencoderKLFlux2, dtype: torch.dtype = torch.float32, config: dict | None = None):
         if isinstance(vae, str):
-            vae = load_vae(self.diffusers_class, vae, self.default_config, dtype, config)
+            vae = load_vae(self.diffusers_class, vae, self.default_config, dtype, config, self.convert_single_file)
         self.vae, self.dtype = frozen_in(vae, dtype), dtype
         self.latent_channels = int(vae.config.latent_channels)
         self.bn_mean = vae.bn.running_mean.float()  # [4C] float32, per token feature in (ph, pw, c) order
@@ -68,5 +70,6 @@ class Ideogram4VAE:
 
 
 def load_ideogram4_vae(path: str, dtype: torch.dtype = torch.float32, config: dict | None = None) -> Ideogram4VAE:
-    """From a diffusers folder (`vae/` or itself) or its diffusion_pytorch_model.safetensors."""
+    """From a diffusers folder (`vae/` or itself), its diffusion_pytorch_model.safetensors or FLUX.2's
+    ae.safetensors."""
     return Ideogram4VAE(path, dtype, config)

@@ -5,19 +5,27 @@ latents_std per channel; decode z = latents * std + mean. It is a video VAE: ima
 of 1 on the way in and lose it on the way out, so the wrapper speaks 4-D tensors as the others do.
 diffusers' Qwen-Image edit pipelines take the posterior's mode, as we do unless a generator is given.
 
-Files: a diffusers folder (`vae/` or itself) or a diffusers-keyed file.
+Files: a diffusers folder (`vae/` or itself), a diffusers-keyed file, or the Wan-layout single file
+(ComfyUI's `qwen_image_vae.safetensors`, converted with diffusers' convert_wan_vae_to_diffusers).
 """
 
 from __future__ import annotations
 
 import torch
 from diffusers import AutoencoderKLQwenImage
+from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
 from library.models.vae import frozen_in, load_vae
 
 # AutoencoderKLQwenImage's constructor defaults follow the released VAE (a config.json beside the
 # weights, as in the released repositories, wins).
 QWEN_IMAGE_VAE_CONFIG: dict = {}
+
+
+def wan_to_diffusers(sd: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """A Wan-layout single file (conv1, encoder.downsamples.*, ...) -> AutoencoderKLQwenImage keys
+    (diffusers' converter; it needs no config)."""
+    return convert_wan_vae_to_diffusers(sd)
 
 
 class QwenImageVAE:
@@ -27,10 +35,11 @@ class QwenImageVAE:
 
     diffusers_class = AutoencoderKLQwenImage
     default_config = QWEN_IMAGE_VAE_CONFIG
+    convert_single_file = staticmethod(wan_to_diffusers)  # ComfyUI's qwen_image_vae.safetensors
 
     def __init__(self, vae: str | AutoencoderKLQwenImage, dtype: torch.dtype = torch.float32, config: dict | None = None):
         if isinstance(vae, str):
-            vae = load_vae(self.diffusers_class, vae, self.default_config, dtype, config)
+            vae = load_vae(self.diffusers_class, vae, self.default_config, dtype, config, self.convert_single_file)
         self.vae = frozen_in(vae, dtype)
         self.dtype = dtype
         self.latent_channels = int(vae.config.z_dim)
@@ -55,5 +64,6 @@ class QwenImageVAE:
 
 
 def load_qwen_image_vae(path: str, dtype: torch.dtype = torch.float32, config: dict | None = None) -> QwenImageVAE:
-    """QwenImageVAE from a diffusers folder (`vae/` or itself) or its diffusion_pytorch_model.safetensors."""
+    """QwenImageVAE from a diffusers folder (`vae/` or itself), its diffusion_pytorch_model.safetensors or
+    ComfyUI's qwen_image_vae.safetensors."""
     return QwenImageVAE(path, dtype, config)
