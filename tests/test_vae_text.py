@@ -284,6 +284,14 @@ def test_vae_single_file_of_another_family_is_refused_in_one_line(tiny_set, tmp_
         _family(tiny_set, "krea2", bfl).check_model_files()
     assert str(e.value) == (f"{bfl}: ae is not a Qwen-Image VAE (16 latent channels, 3-D convolutions): "
                             f"'encoder.conv_out.weight' has shape (64, 16, 3, 3), expected (32, *, 3, 3, 3)")
+    # Old: Qwen-Image-Layered's RGBA VAE passed for an RGB family and failed at the first encode (4 channels
+    # expected, 3 given), a traceback after the check
+    rgba = tiny_set["qwen_image_layered_vae"]
+    for model_type in ("qwen_image", "krea2"):
+        with pytest.raises(CheckpointError) as e:
+            _family(tiny_set, model_type, rgba).check_model_files()
+        assert "is not a Qwen-Image VAE" in str(e.value) and "conv_in.weight' has shape (" in str(e.value), str(e.value)
+        assert str(e.value).endswith("expected (*, 3, 3, 3, 3)"), str(e.value)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from library.models.qwen_image.family import QwenImageFamily
 from library.models.qwen_image.model import QWEN_IMAGE
 from library.models.qwen_image.spec import SPEC
 from library.models.qwen_image.vae import QwenImageVAE
+from library.models.vae import VIDEO_VAE_CONV_IN
 from library.models.spec import Sampling
 
 LAYERED_FLAGS = {"use_layer3d_rope": True, "use_additional_t_cond": True}
@@ -121,7 +122,7 @@ class QwenImageLayeredFamily(QwenImageFamily):
 
     def model_files(self):
         vae, text = super().model_files()
-        rgba = {**vae.markers, "encoder.conv_in.weight": (None, 4, 3, 3, 3)}  # RGBA in (diffusers keys)
+        rgba = {**vae.markers, VIDEO_VAE_CONV_IN: (None, 4, 3, 3, 3)}  # RGBA in
         return [type(vae)(vae.key, vae.path, "a Qwen-Image-Layered VAE (RGBA in, 16 latent channels)",
                           vae.component, rgba), text]
 
