@@ -282,6 +282,17 @@ def test_a_file_is_written_through_a_fresh_temporary_and_a_root_of_slash_holds_e
     assert inside("/etc/hostname", ["/"]) and not inside("/etc/hostname", [str(tmp_path)])
 
 
+def test_a_root_below_another_lists_its_files_once(tmp_path):
+    """Old: `--root data --root data/set` listed every file of data/set twice in each picker."""
+    from library.ui.files import Roots
+
+    (tmp_path / "data" / "set").mkdir(parents=True)
+    (tmp_path / "data" / "set" / "dataset.toml").write_text("")
+    (tmp_path / "data" / "other.toml").write_text("")
+    roots = Roots(["data", "data/set"], str(tmp_path))
+    assert roots.listing((".toml",)) == [os.path.join("data", "other.toml"), os.path.join("data", "set", "dataset.toml")]
+
+
 def finished_job(ui):
     job = ui.store.create("a", {"output_name": "lora"}, 5, queue=True)
     ui.store.claim_next("cpu")

@@ -45,6 +45,7 @@ class Roots:
         """Files with one of `suffixes` (and/or folders) under the roots, as the picker's choices:
         relative to the working folder where they lie under it."""
         found: list[str] = []
+        seen: set[str] = set()  # a root below another (--root data --root data/set) is walked twice
         for root in self.roots:
             base = root.count(os.sep)
             for folder, dirs, files in os.walk(root):
@@ -54,7 +55,10 @@ class Roots:
                 names = sorted(dirs) if folders else []
                 names += sorted(f for f in files if f.endswith(suffixes)) if suffixes else []
                 for name in names:
-                    found.append(self.shown(os.path.join(folder, name)))
+                    if (shown := self.shown(os.path.join(folder, name))) in seen:
+                        continue
+                    seen.add(shown)
+                    found.append(shown)
                     if len(found) >= limit:
                         return found
         return found
