@@ -141,22 +141,7 @@ def jobs_tab(ui: WebUI):
     save_row(ui, order, [text, *form_inputs, loaded], [text, *form_inputs, loaded, loaded_text])
     answer = gr.JSON(label="result", elem_id="job-result")
 
-    gr.Markdown("## Queue")
-    table = gr.Dataframe(ui.jobs_table(), interactive=False, elem_id="queue-table")
-    with gr.Row():
-        job_id = gr.Dropdown(ui.job_choices(), value=None, label="job", allow_custom_value=True, elem_id="job-pick")
-        buttons = {a: gr.Button(a.capitalize(), elem_id=f"job-{a}") for a in ("queue", "stop", "resume")}
-        asking = {"retry": gr.Button("Retry…", elem_id="job-retry"),
-                  "delete": gr.Button("Delete…", variant="stop", elem_id="job-delete")}
-    # Per action that removes files: its row (the question, Yes, No), hidden until asked, and the job
-    # asked about: Yes acts on that one, not on whichever job is picked when it is pressed.
-    questions = {}
-    for action in CONFIRM_QUESTIONS:
-        with gr.Row(visible=False) as row:
-            questions[action] = (row, gr.Markdown(elem_id=f"job-{action}-question"),
-                                 gr.Button(f"Yes, {action}", variant="stop", elem_id=f"job-{action}-confirm"),
-                                 gr.Button("No"), gr.State(None))
-    action_answer = gr.JSON(label="action", elem_id="action-result")
+    table, job_id = queue_section(ui)
 
     def show_errors(result: dict) -> list:
         key = result.get("key") if not result.get("ok") else None
@@ -207,6 +192,29 @@ def jobs_tab(ui: WebUI):
     create_button.click(creator(False), [name, text, *form_inputs, loaded], create_outputs, api_name="create_job")
     queue_new.click(creator(True), [name, text, *form_inputs, loaded], create_outputs, api_name="create_and_queue")
 
+    return {"text": text, "fields": fields, "order": order, "loaded": loaded}, errors, job_id
+
+
+def queue_section(ui: WebUI):
+    """The queue's table, its job picker and its actions (queue, stop, resume; retry and delete asked
+    first), refreshed on a timer. Returns (table, job_id) for the form's Create to update."""
+    gr.Markdown("## Queue")
+    table = gr.Dataframe(ui.jobs_table(), interactive=False, elem_id="queue-table")
+    with gr.Row():
+        job_id = gr.Dropdown(ui.job_choices(), value=None, label="job", allow_custom_value=True, elem_id="job-pick")
+        buttons = {a: gr.Button(a.capitalize(), elem_id=f"job-{a}") for a in ("queue", "stop", "resume")}
+        asking = {"retry": gr.Button("Retry…", elem_id="job-retry"),
+                  "delete": gr.Button("Delete…", variant="stop", elem_id="job-delete")}
+    # Per action that removes files: its row (the question, Yes, No), hidden until asked, and the job
+    # asked about: Yes acts on that one, not on whichever job is picked when it is pressed.
+    questions = {}
+    for action in CONFIRM_QUESTIONS:
+        with gr.Row(visible=False) as row:
+            questions[action] = (row, gr.Markdown(elem_id=f"job-{action}-question"),
+                                 gr.Button(f"Yes, {action}", variant="stop", elem_id=f"job-{action}-confirm"),
+                                 gr.Button("No"), gr.State(None))
+    action_answer = gr.JSON(label="action", elem_id="action-result")
+
     for action, button in buttons.items():
         button.click(lambda j, a=action: (ui.act(a, j), ui.jobs_table()), [job_id], [action_answer, table],
                      api_name=f"{action}_job")
@@ -229,7 +237,7 @@ def jobs_tab(ui: WebUI):
     gr.Button(visible=False).click(ui.jobs_table, None, [table], api_name="list_jobs")
     timer = gr.Timer(REFRESH_SECONDS)
     timer.tick(lambda: (ui.jobs_table(), gr.update(choices=ui.job_choices())), None, [table, job_id], api_name=False)
-    return {"text": text, "fields": fields, "order": order, "loaded": loaded}, errors, job_id
+    return table, job_id
 
 
 def ask(ui: WebUI, action: str, job_id) -> tuple:
