@@ -430,3 +430,16 @@ def test_plan_memory_refuses_gguf_for_a_family_comfyui_gguf_has_no_layout_for(ca
     assert no_layout
     line = one_error_line(capsys, plan_memory.main(["--preset", no_layout[0], "--gguf", "Q8_0"]))
     assert f"--gguf Q8_0: ComfyUI-GGUF has no layout for" in line and f"({no_layout[0]})" in line, line
+
+
+def test_generate_applies_a_lora_over_a_gguf_base(flux_gguf, tiny_set, tmp_path):
+    """generate.py checks a LoRA's modules on the base's meta skeleton before any weights load; on a GGUF base
+    that skeleton holds GGUFLinear layers, so the check must name the same modules as on the loaded model."""
+    from tests.test_generate import generate_args
+    from tools import generate
+
+    net = lora(load_flux(flux_gguf[0]), "flux", rank=4, alpha=4.0, seed=1)
+    net.save(str(tmp_path / "l.safetensors"))
+    out = tmp_path / "out"
+    assert generate.main(generate_args(tiny_set, out, "--model", flux_gguf[0], "--lora", str(tmp_path / "l.safetensors"))) == 0
+    assert len(list(out.glob("*.png"))) == 1
