@@ -150,7 +150,7 @@ class LoRAModule(nn.Module):
         if self.dora_scale is not None:  # its norm reads the adapters under it: one it cannot read is named now
             for adapter in adapters_under(original):
                 if not isinstance(adapter, LoRAModule):
-                    from networks.lycoris_network import check_lycoris_weight
+                    from networks.lycoris_views import check_lycoris_weight
 
                     check_lycoris_weight(adapter, f"DoRA module '{self.name}'")
         self._original_forward = original
@@ -284,7 +284,7 @@ def adapters_under(forward) -> list:
         if isinstance(owner, LoRAModule):
             forward = owner._original_forward
         elif type(owner).__module__.startswith("lycoris."):
-            from networks.lycoris_network import lycoris_wrapped
+            from networks.lycoris_views import lycoris_wrapped
 
             forward = lycoris_wrapped(owner)
         else:  # the base's own forward (or a wrapper of it that adds no delta)
@@ -302,7 +302,7 @@ def forward_weight(forward, base_weight) -> torch.Tensor:
         if isinstance(adapter, LoRAModule):
             weight = adapter.adapted_weight(weight)
         else:
-            from networks.lycoris_network import lycoris_delta
+            from networks.lycoris_views import lycoris_delta
 
             weight = weight + lycoris_delta(adapter)
     return weight

@@ -38,6 +38,8 @@ import torch.nn as nn
 
 from library.io import CheckpointError, CheckpointReader, save_safetensors
 from networks.lora import LoRANetwork
+from networks.lycoris_views import (MERGEABLE, FP8LinearView, check_lycoris_weight, is_quantized_linear,  # noqa: F401
+                                    lycoris_delta, lycoris_wrapped, merged_weight)
 from networks.lora_args import SELECTION_ARGS, _as_bool, _as_float, _as_int, _as_probability, check_lora_args, lora_targets
 from networks.lora_files import build_metadata, is_lycoris_file, lycoris_kind, tensor_hash  # noqa: F401 (the tools import them from here)
 from networks.lora_files import lycoris_kohya_names, naming, split_text_encoders
@@ -79,37 +81,6 @@ LYCORIS_BOOL_ARGS = LYCORIS_ARGS - LYCORIS_INT_ARGS - LYCORIS_FLOAT_ARGS - {"alg
 # Our target-selection args (networks.lora), used to build the target list when no preset is given:
 # these and every architecture's block_args (its spec's LORA).
 _PRESET_NAME = "_networks_lycoris_targets"  # our per-network preset, registered only while building
-
-
-class FP8LinearView(nn.Linear):
-    """An nn.Linear face of a quantized Linear (FP8Linear, ...) for LyCORIS: no parameters of its
-    own, `weight` is the dequantized float32 weight (no grad), forward is the layer's (its stored
-    codes, no base grad)."""
-
-    def __init__(self, layer: nn.Module):
-        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a weight
-        self.in_features, self.out_features = layer.in_features, layer.out_features
-        self._layer = [layer]  # a list: not a submodule
-        self._patched = None  # the layer's instance forward before this network's (an earlier network's LoRA)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self._layer[0].dequantized_weight(torch.float32)
-
-    @property
-    def bias(self):
-        return self._layer[0].bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._patched is not None:  # networks applied before this one keep their deltas (generate's --lora a b)
-            return self._patched(x)
-        return type(self._layer[0]).forward(self._layer[0], x)  # the class forward: the instance one is patched
-
-
-def is_quantized_linear(module: nn.Module) -> bool:
-    """A Linear whose weight is stored quantized (FP8Linear, GGUFLinear, NF4Linear, Int8Linear): it
-    computes like a Linear and gives its weight through dequantized_weight(dtype), but is no nn.Linear."""
-    return not isinstance(module, nn.Linear) and callable(getattr(module, "dequantized_weight", None))
 
 
 @contextlib.contextmanager
@@ -606,7 +577,7 @@ class LycorisDelta:
     LyCORIS' apply_weight_decompose), LoCon takes get_merged_weight (it agrees). Other algos ((IA)^3,
     full/diff with its bias deltas, OFT, ...) are refused: this merge writes weights only."""
 
-    MERGEABLE = ("LokrModule", "LohaModule", "LoConModule")
+    MERGEABLE = MERGEABLE
 
     def __init__(self, name: str, tensors: dict[str, torch.Tensor], source: str = "LyCORIS file"):
         """source: the file, as errors name it."""
@@ -639,38 +610,7 @@ class LycorisDelta:
             raise CheckpointError(f"{self.source}: LyCORIS module '{self.name}' does not fit a weight of shape "
                                   f"{tuple(weight.shape)}: {e}") from None
 
-    @staticmethod
-    def _merged(module, w: torch.Tensor) -> torch.Tensor:
-        from lycoris.modules import LoConModule
-
-        if isinstance(module, LoConModule):
-            return module.get_merged_weight(module.multiplier, shape=tuple(w.shape), device=w.device)[0]
-        adapted = w + module.get_weight(tuple(w.shape)).to(w.dtype) * module.scalar  # LoKr, LoHa
-        if module.wd:
-            return module.apply_weight_decompose(adapted, module.multiplier)
-        return w + module.multiplier * (adapted - w)
-
-
-def lycoris_wrapped(module):
-    """The forward an applied LyCORIS module wraps: an earlier network's, or the base's own (None where its
-    FP8LinearView calls the quantized layer's class forward)."""
-    view = getattr(module.org_forward, "__self__", None)
-    return view._patched if isinstance(view, FP8LinearView) else module.org_forward
-
-
-def check_lycoris_weight(module, reader: str) -> None:
-    """A ValueError unless lycoris_delta can give `module`'s weight delta to `reader` (what needs it)."""
-    if type(module).__name__ not in LycorisDelta.MERGEABLE:
-        raise ValueError(f"{reader} is applied after the LyCORIS {type(module).__name__} '{module.lora_name}': its norm "
-                         f"needs that module's weight, which only LoKr, LoHa and LoCon give; give the DoRA file first")
-
-
-@torch.no_grad()
-def lycoris_delta(module) -> torch.Tensor:
-    """The float32 weight delta [out, in] an applied LoKr / LoHa / LoCon module's forward adds at its multiplier.
-    LyCORIS computes it from the base weight, not from the networks applied before it (its dora_wd norm too)."""
-    base = module.org_module[0].weight.detach().float()  # an FP8LinearView's: the dequantized weight
-    return LycorisDelta._merged(module, base).float() - base
+    _merged = staticmethod(merged_weight)
 
 
 def lycoris_deltas(tensors: dict[str, torch.Tensor], source: str = "LyCORIS file") -> dict[str, LycorisDelta]:

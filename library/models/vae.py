@@ -44,9 +44,9 @@ def vae_markers(latent_channels: int, video: bool = False, image_channels: int =
     """How a VAE checkpoint shows in its header (library/io.py check_model_file): the encoder's last
     convolution gives the latents' mean and log-variance, 2 x latent_channels outputs, 3x3 kernels
     (3x3x3 for a video VAE), under the same key in diffusers and LDM/BFL files; a video VAE's Wan /
-    ComfyUI file (`qwen_image_vae.safetensors`) names it `encoder.head.2`. A video VAE's first
-    convolution takes `image_channels` (the RGBA VAE of Qwen-Image-Layered shares the rest: given to an
-    RGB family it failed at the first encode)."""
+    ComfyUI single file names it `encoder.head.2`. A video VAE's first convolution takes
+    `image_channels` (a layered family's RGBA VAE shares the rest: given to an RGB family it failed
+    at the first encode)."""
     if video:
         return {("encoder.conv_out.weight", "encoder.head.2.weight"): (2 * latent_channels, None, 3, 3, 3),
                 VIDEO_VAE_CONV_IN: (None, image_channels, 3, 3, 3)}

@@ -1,0 +1,77 @@
+"""The pieces of LyCORIS handling that networks/lora.py needs too (a DoRA stacked on a LyCORIS module reads
+its delta), kept apart from networks/lycoris_network.py, which builds on networks/lora.py: the nn.Linear face
+of a quantized Linear, and an applied LoKr / LoHa / LoCon module's wrapped forward and weight delta."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+# What LycorisDelta merges and lycoris_delta reads: LyCORIS' own get_merged_weight / get_weight agree with the
+# forward for these (networks/lycoris_network.LycorisDelta).
+MERGEABLE = ("LokrModule", "LohaModule", "LoConModule")
+
+
+class FP8LinearView(nn.Linear):
+    """An nn.Linear face of a quantized Linear (FP8Linear, ...) for LyCORIS: no parameters of its
+    own, `weight` is the dequantized float32 weight (no grad), forward is the layer's (its stored
+    codes, no base grad)."""
+
+    def __init__(self, layer: nn.Module):
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a weight
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self._layer = [layer]  # a list: not a submodule
+        self._patched = None  # the layer's instance forward before this network's (an earlier network's LoRA)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._layer[0].dequantized_weight(torch.float32)
+
+    @property
+    def bias(self):
+        return self._layer[0].bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._patched is not None:  # networks applied before this one keep their deltas (generate's --lora a b)
+            return self._patched(x)
+        return type(self._layer[0]).forward(self._layer[0], x)  # the class forward: the instance one is patched
+
+
+def is_quantized_linear(module: nn.Module) -> bool:
+    """A Linear whose weight is stored quantized (FP8Linear, GGUFLinear, NF4Linear, Int8Linear): it
+    computes like a Linear and gives its weight through dequantized_weight(dtype), but is no nn.Linear."""
+    return not isinstance(module, nn.Linear) and callable(getattr(module, "dequantized_weight", None))
+
+
+def merged_weight(module, w: torch.Tensor) -> torch.Tensor:
+    """What an applied LoKr / LoHa / LoCon `module` makes of the weight w (float32 math; LycorisDelta's notes)."""
+    from lycoris.modules import LoConModule
+
+    if isinstance(module, LoConModule):
+        return module.get_merged_weight(module.multiplier, shape=tuple(w.shape), device=w.device)[0]
+    adapted = w + module.get_weight(tuple(w.shape)).to(w.dtype) * module.scalar  # LoKr, LoHa
+    if module.wd:
+        return module.apply_weight_decompose(adapted, module.multiplier)
+    return w + module.multiplier * (adapted - w)
+
+
+def lycoris_wrapped(module):
+    """The forward an applied LyCORIS module wraps: an earlier network's, or the base's own (None where its
+    FP8LinearView calls the quantized layer's class forward)."""
+    view = getattr(module.org_forward, "__self__", None)
+    return view._patched if isinstance(view, FP8LinearView) else module.org_forward
+
+
+def check_lycoris_weight(module, reader: str) -> None:
+    """A ValueError unless lycoris_delta can give `module`'s weight delta to `reader` (what needs it)."""
+    if type(module).__name__ not in MERGEABLE:
+        raise ValueError(f"{reader} is applied after the LyCORIS {type(module).__name__} '{module.lora_name}': its norm "
+                         f"needs that module's weight, which only LoKr, LoHa and LoCon give; give the DoRA file first")
+
+
+@torch.no_grad()
+def lycoris_delta(module) -> torch.Tensor:
+    """The float32 weight delta [out, in] an applied LoKr / LoHa / LoCon module's forward adds at its multiplier.
+    LyCORIS computes it from the base weight, not from the networks applied before it (its dora_wd norm too)."""
+    base = module.org_module[0].weight.detach().float()  # an FP8LinearView's: the dequantized weight
+    return merged_weight(module, base).float() - base
