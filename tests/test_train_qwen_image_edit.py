@@ -210,3 +210,30 @@ def test_a_reference_the_vl_processor_refuses_is_named_before_caching(edit_set, 
     assert check_dataset.main(["--config_file", str(run)]) == 1
     out = capsys.readouterr()
     assert f"error: {refused}" in out.out and "1 errors" in out.out, out.out
+
+
+def test_blank_prompt_preservation_encodes_the_empty_prompt_with_each_items_references(edit_set, tmp_path):
+    """An encoder that sees the references encodes the second prompt "" with the item's own references (what the
+    pipeline encodes for an empty prompt with these images), cached per item as `@preserve`; the run trains."""
+    out = tmp_path / "run"
+    assert train_lora.main(edit_args(edit_set, out, "--blank_prompt_preservation", "true", "--max_train_steps", "2",
+                                     "--sample_prompts", "", "--cache_text_encoder_outputs_to_disk", "true",
+                                     "--dataset_config", copy_edit_dataset(edit_set, tmp_path))) == 0
+    from library.data.caches import read_text_cache
+
+    caches = sorted((tmp_path / "images").glob("0*_te.safetensors"))
+    kept = [read_text_cache(str(c), "preserve")["embeds"] for c in caches]
+    own = [read_text_cache(str(c), None)["embeds"] for c in caches]
+    assert len(caches) == 8 and all(k.shape[0] < o.shape[0] for k, o in zip(kept, own))  # "" is shorter than its caption
+    assert len({round(k.float().mean().item(), 4) for k in kept}) > 1  # each sees its own reference
+    with open(out / "qedit_log.csv") as f:
+        assert "loss_preservation" in f.readline()
+
+
+def copy_edit_dataset(edit_set, tmp_path) -> str:
+    control = shutil.copytree(edit_set["edit_control_dir"], tmp_path / "control")
+    images = shutil.copytree(edit_set["edit_image_dir"], tmp_path / "images")
+    ds = tmp_path / "ds.toml"
+    ds.write_text(f'[general]\nresolution = 32\ncaption_extension = ".txt"\n[[datasets]]\n[[datasets.subsets]]\n'
+                  f'image_dir = "{images}"\ncontrol_directory = "{control}"\n')
+    return str(ds)

@@ -108,7 +108,8 @@ def text_entry(item: ImageItem, with_references: bool) -> str:
     many variants it holds (validation encodes none) and, where the encoder sees them, the
     references and whether the entry holds the dropped caption."""
     references = (_beside(item, item.control_paths), drops_captions(item.subset)) if with_references else None
-    return _entry_tag(caption_settings(item.subset), len(item.caption_variants), references)
+    preserved = () if item.preservation_caption is None else ("preserve", item.preservation_caption)  # its own entry
+    return _entry_tag(caption_settings(item.subset), len(item.caption_variants), references, *preserved)
 
 
 def latent_hash(item: ImageItem, model_key: str) -> str:
@@ -129,6 +130,8 @@ def text_hash(item: ImageItem, model_key: str, with_references: bool = False) ->
     text = fixed_caption(item.caption, item.subset)
     if item.caption_variants:  # what is encoded changes with them (and with their count)
         text = "\x1f".join([text, *item.caption_variants])
+    if item.preservation_caption is not None:
+        text += f"\x1fpreserve:{item.preservation_caption}"
     h = hashlib.sha256(f"{text}|{model_key}".encode())
     if with_references:  # the encoder sees the references, and the entry holds the dropped caption's text
         for path in item.control_paths:
@@ -328,6 +331,8 @@ def _texts(item: ImageItem, with_references: bool) -> list[tuple[str, str]]:
     texts += [(f"@{k}", variant) for k, variant in enumerate(item.caption_variants)]
     if with_references and drops_captions(item.subset):
         texts.append(("@dropped", ""))
+    if item.preservation_caption or (item.preservation_caption == "" and with_references):  # else: the empty caption's
+        texts.append(("@preserve", item.preservation_caption))
     return texts
 
 
@@ -440,8 +445,8 @@ def _to_cache_dtype(v: torch.Tensor) -> torch.Tensor:
 
 
 def read_text_cache(cache: str | dict, variant: int | str | None) -> dict[str, torch.Tensor]:
-    """The caption's own tensors (variant None), those of its variant k or of the dropped caption
-    ("dropped", when cached per item), under their plain names."""
+    """The caption's own tensors (variant None), those of its variant k, of the dropped caption
+    ("dropped", when cached per item) or of its preservation prompt ("preserve"), under their plain names."""
     source = cache if isinstance(cache, dict) else CheckpointReader(cache)
     names = source.keys()
     if variant is None:

@@ -52,6 +52,7 @@ class ImageDataset(torch.utils.data.Dataset):
             for item in self.items:
                 item.caption_variants = caption_variants(item.caption, item.subset)
         self.empty_text: dict | None = None  # the empty caption's cached text (cache_empty_caption)
+        self.preserving = any(item.preservation_caption is not None for item in self.items)  # output preservation
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -98,6 +99,11 @@ class ImageDataset(torch.utils.data.Dataset):
             if variant == "dropped" and not text:
                 text = self._empty_text()
             sample["text"] = {k: v.float() if v.is_floating_point() else v for k, v in text.items()}
+            if self.preserving:  # output preservation: every sample of the batch has a second prompt, used or not
+                sample["preserved"] = item.preservation_caption is not None
+                kept = read_text_cache(item.text_cache, "preserve") if sample["preserved"] else sample["text"]
+                kept = kept or self._empty_text()  # "": the empty caption's, unless encoded with the item's references
+                sample["preservation_text"] = {k: v.float() if v.is_floating_point() else v for k, v in kept.items()}
         return sample
 
     def _caption(self, item: ImageItem, epoch: int, rng: random.Random) -> tuple[str, int | str | None]:
@@ -215,6 +221,10 @@ def collate_batch(samples: list[dict]) -> dict:
             batch[key] = [torch.stack(refs) for refs in zip(*(s[key] for s in samples))]
     if "text" in samples[0]:
         batch["text"] = {k: _pad_stack([s["text"][k] for s in samples]) for k in samples[0]["text"]}
+    if "preservation_text" in samples[0]:
+        batch["preservation_text"] = {k: _pad_stack([s["preservation_text"][k] for s in samples])
+                                      for k in samples[0]["preservation_text"]}
+        batch["preserved"] = torch.tensor([s["preserved"] for s in samples])
     batch["is_reg"] = torch.tensor([s.get("is_reg", False) for s in samples])
     if any("mask" in s for s in samples):  # unmasked samples of a mixed batch train everywhere
         like = next(s["mask"] for s in samples if "mask" in s)

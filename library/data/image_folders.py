@@ -38,6 +38,7 @@ class ImageItem:
     latent_cache: str | dict | None = None  # file path, or tensors held in memory
     text_cache: str | dict | None = None
     caption_variants: list[str] = field(default_factory=list)  # augmented captions, cached beside the caption
+    preservation_caption: str | None = None  # output preservation's second prompt, cached beside it (training/preservation.py)
     mask_path: str | None = None  # mask_dir's file for it (library/data/masks.py)
     control_paths: list[str] = field(default_factory=list)  # reference images (library/data/controls.py)
     control_buckets: list[tuple[int, int]] = field(default_factory=list)  # (w, h) each reference is encoded at

@@ -20,10 +20,12 @@ casts its inputs to its `compute_dtype`; sigmas and positions stay float32/int64
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +79,18 @@ def fp8_prepare(mode: str | None, arch: str):
     from library.precision.fp8 import fp8_load_converter, prepare_fp8
 
     return lambda model: fp8_load_converter(prepare_fp8(model, mode, rules))
+
+
+@dataclass
+class Preservation:
+    """Output preservation's second prompt for a batch (library/training/preservation.py): its text
+    (as `text`), weights [B] (1: the sample has the term, 0: not), the multiplier, and base_off(), a
+    context in which the model predicts as the base (the trained network off). `loss` keeps the last term."""
+    text: dict
+    weights: torch.Tensor
+    multiplier: float
+    base_off: Callable[[], contextlib.AbstractContextManager]
+    loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -360,14 +374,15 @@ class DiffusionFamily:
     # -- training objective --------------------------------------------------------------------
     def training_loss(self, model, latents: torch.Tensor, text: dict, args, generators: list[torch.Generator],
                       mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None,
-                      control: list[torch.Tensor] | None = None):
+                      control: list[torch.Tensor] | None = None, preservation: Preservation | None = None):
         """Flow-matching loss for a batch of latents [B, C, H/8, W/8] (float32). One CPU
         generator per sample draws its noise and sigma, so a sample's draw does not depend on its
         batch position or process. mask: [B, 1, H/8, W/8] loss masks; sample_weights: [B] (e.g.
         prior_loss_weight on regularization images); control: reference latents (edit families).
         Layered targets: latents [B, C, F, H/8, W/8] (pack_target). Returns the scalar float32 loss
         and the sigmas. A family whose VAE downsamples more (16x) gets the masks area-averaged to
-        its latent grid (they are cached on the 8-pixel grid: they broadcast nowhere else)."""
+        its latent grid (they are cached on the 8-pixel grid: they broadcast nowhere else).
+        preservation: a second prompt's term added to the loss (Preservation)."""
         lh, lw = latents.shape[-2:]
         if mask is not None:
             mask = on_latent_grid(mask, (lh, lw))
@@ -381,13 +396,14 @@ class DiffusionFamily:
         ])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
         loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
-                            args.loss_type, args.huber_c, mask, sample_weights, control=control)
+                            args.loss_type, args.huber_c, mask, sample_weights, control=control,
+                            preservation=preservation)
         return loss, sigmas
 
     def loss_at(self, model, latents: torch.Tensor, text: dict, noise: torch.Tensor, sigmas: torch.Tensor,
                 guidance: float | None, weighting: str = "none", loss_type: str = "l2", huber_c: float = 0.1,
                 mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None,
-                control: list[torch.Tensor] | None = None):
+                control: list[torch.Tensor] | None = None, preservation: Preservation | None = None):
         """The flow-matching loss at given noise (float32, latents' shape) and sigmas (float32 [B]),
         all on the latents' device: scalar float32. training_loss draws them; validation fixes them.
         Only the target's tokens are in the loss (predict returns no reference tokens)."""
@@ -400,7 +416,24 @@ class DiffusionFamily:
         weights = fm.loss_weighting(sigmas, weighting)
         if sample_weights is not None:
             weights = sample_weights.float() if weights is None else weights * sample_weights.float()
-        return fm.flow_loss(pred, target, weights, loss_type, huber_c, mask)
+        loss = fm.flow_loss(pred, target, weights, loss_type, huber_c, mask)
+        if preservation is not None:
+            loss = loss + self.preservation_term(model, x_t, sigmas, h, w, guidance, control, preservation)
+        return loss
+
+    def preservation_term(self, model, x_t: torch.Tensor, sigmas: torch.Tensor, h: int, w: int, guidance: float | None,
+                          control: list[torch.Tensor] | None, preservation: Preservation) -> torch.Tensor:
+        """multiplier * the batch mean of each sample's mean squared difference between the prediction for
+        the second prompt with the trained network and without it (no gradient), at the same packed noisy
+        input x_t and sigmas: scalar float32. Samples of weight 0 add 0."""
+        p = preservation
+        with torch.no_grad(), p.base_off():
+            prior = self.predict(model, x_t, sigmas, p.text, h, w, guidance, **control_kwargs(control))
+        pred = self.predict(model, x_t, sigmas, p.text, h, w, guidance, **control_kwargs(control))
+        per_sample = (pred.float() - prior.float()).pow(2).flatten(1).mean(1)
+        term = p.multiplier * (per_sample * p.weights.float()).mean()
+        p.loss = term.detach()
+        return term
 
     # -- sampling ------------------------------------------------------------------------------
     @torch.no_grad()

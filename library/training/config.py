@@ -24,6 +24,7 @@ from library.errors import ConfigError, blame
 from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, SAMPLING_METHODS, arch_specs
 from library.text_files import read_utf8, toml_loads
 from library.training.output_names import check_name_length
+from library.training.preservation import validate_preservation
 from library.training.run_length import check_ema_start, check_warmup
 
 PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (PRECISION_DTYPES below)
@@ -159,6 +160,14 @@ SCHEMA: dict[str, Arg] = {
     "loss_type": A(str, "l2", "loss", ("l2", "huber")),
     "huber_c": A(float, 0.1, "huber threshold"),
     "guidance_scale": A(float, 1.0, "guidance fed to a guidance-distilled model's embedding during training"),
+    # output preservation (ai-toolkit's; library/training/preservation.py): a second prompt's prediction held to the base's
+    "diff_output_preservation": A(bool, False, "hold the prediction for each caption with trigger_word replaced by "
+                                               "diff_output_preservation_class to the base's (the class keeps its look)"),
+    "trigger_word": A(str, None, "the word the captions use for the trained concept (read by diff_output_preservation)"),
+    "diff_output_preservation_class": A(str, None, "what replaces trigger_word in the second prompt, e.g. \"woman\""),
+    "diff_output_preservation_multiplier": A(float, 1.0, "weight of the diff_output_preservation term"),
+    "blank_prompt_preservation": A(bool, False, "hold the prediction for the empty prompt to the base's"),
+    "blank_prompt_preservation_multiplier": A(float, 1.0, "weight of the blank_prompt_preservation term"),
     # samples and logging
     "sample_prompts": A(str, None, "prompt file (sd-scripts syntax: prompt --w --h --s --d --g --n)"),
     "sample_every_n_steps": A(int, 0, "render samples every N steps (0 = off)"),
@@ -310,7 +319,7 @@ def _coerce(key: str, value: Any, where: str) -> Any:
 
 def config_path(path: str) -> str:
     """--config_file as given, or with .toml appended where it does not end in .toml and does not exist
-    (sd-scripts appends it: `--config_file configs/quickstart`, `configs/flux_v1.5`)."""
+    (sd-scripts appends it: `--config_file configs/quickstart`, `configs/my_run_v1.5`)."""
     if not os.path.exists(path) and not path.lower().endswith(".toml") and os.path.exists(path + ".toml"):
         return path + ".toml"
     return path
@@ -610,6 +619,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
                           f"networks.lora (LyCORIS files have no PEFT LoRA form)")
     _validate_ema(args, origins, where)
     _validate_fp8_compute(args, origins, where)
+    validate_preservation(args, origins, where)
     for key in KEEPING_KEYS:
         if getattr(args, key) and not args.gradient_checkpointing:
             raise ConfigError(f"{origins.get(key, where)}: key '{key}' needs gradient_checkpointing = true "
@@ -652,7 +662,8 @@ RANGES = {
              "save_last_n_saves", "sample_every_n_steps", "sample_every_n_epochs", "max_grad_norm",
              "lr_warmup_steps", "max_data_loader_n_workers", "ema_start_step", "prior_loss_weight", "eval_every_n_steps",
              "guidance_scale", "temperature", "top_k"),
-    "> 0": ("learning_rate", "discrete_flow_shift", "sigmoid_scale", "huber_c", "lr_scheduler_power"),
+    "> 0": ("learning_rate", "discrete_flow_shift", "sigmoid_scale", "huber_c", "lr_scheduler_power",
+            "diff_output_preservation_multiplier", "blank_prompt_preservation_multiplier"),
     "in [0, 1)": ("network_dropout", "val_fraction"),
 }
 _IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,

@@ -21,7 +21,8 @@ DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_e
                   "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
                   "validate_every_n_steps", "persistent_data_loader_workers", "max_data_loader_n_workers",
-                  "torch_compile", "keep_cache")
+                  "torch_compile", "keep_cache", "diff_output_preservation", "trigger_word", "diff_output_preservation_class",
+                  "diff_output_preservation_multiplier", "blank_prompt_preservation", "blank_prompt_preservation_multiplier")
 
 
 def validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> None:
@@ -63,6 +64,9 @@ IDLE_UNLESS = {
     "log_prefix": (("log_with", "logging_dir"), lambda w, d: bool(w or d), "a tracker (logging_dir, or log_with)"),
     "save_last_n_saves": (("save_every_n_steps", "save_every_n_epochs"), lambda n, e: bool(n or e),
                           "intermediate saves (save_every_n_steps or save_every_n_epochs)"),
+    **{key: ("diff_output_preservation", bool, "diff_output_preservation = true")
+       for key in ("trigger_word", "diff_output_preservation_class", "diff_output_preservation_multiplier")},
+    "blank_prompt_preservation_multiplier": ("blank_prompt_preservation", bool, "blank_prompt_preservation = true"),
 }
 UNSET_MEANS = {"timestep_sampling": " (the model's own)"}  # an unset key's meaning, where an error line names it
 

@@ -28,9 +28,9 @@ from library.data.image_folders import (caption_as_written, largest_step, refuse
 from library.data.controls import check_family_takes, check_prompt_controls
 from library.data.dataset_config import load_dataset_config
 from library.models.core import checkpointing, compile_block, compile_limit_hits
-from library.models.family import get_family, stack_text, warn_unread_prompt_options
+from library.models.family import Preservation, get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, default_sample_size, read_prompt_file, sample_file_name, seed_or_random
-from library.training import fsdp, memory_plan
+from library.training import fsdp, memory_plan, preservation
 from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, check_stored_precision,
                                      compute_dtype, lora_network_args, network_modules_from)
 from library.training.run_length import check_planned_steps, plan_steps
@@ -50,6 +50,7 @@ class LoRALoss(nn.Module):
         super().__init__()
         self.network = network
         self._base = [base]
+        self.preservation_losses = []
         self.family, self.args = family, args
 
     @property
@@ -58,10 +59,19 @@ class LoRALoss(nn.Module):
 
     def forward(self, latents: torch.Tensor, text: dict, generators: list[torch.Generator],
                 mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None,
-                control: list[torch.Tensor] | None = None) -> torch.Tensor:
+                control: list[torch.Tensor] | None = None, preservation_text: dict | None = None,
+                preserved: torch.Tensor | None = None) -> torch.Tensor:
+        kept = None
+        if preservation_text is not None:  # output preservation's second prompt (library/training/preservation.py)
+            kept = Preservation(preservation_text, preserved, preservation.multiplier(self.args),
+                                lambda: preservation.network_off(self.network))
         loss, _ = self.family.training_loss(self.base, latents, text, self.args, generators, mask, sample_weights,
-                                            control)
+                                            control, kept)
+        if kept is not None:
+            self.preservation_losses.append(float(kept.loss))
         return loss
+
+    preservation_losses: list[float]  # this optimizer step's terms, for the log (DiffusionTask.step_extras)
 
 
 # torch_compile unset: compiled where it was measured (bench/RESULTS.md, H100 2026-11-26: the full-size step of
@@ -254,6 +264,8 @@ class DiffusionTask:
                 self.accelerator.print(f"{self.args.dataset_config}: {enlarged}")
         if validation:
             self.accelerator.print(f"validation: {len(validation)} images held out, {len(train)} for training")
+        if said := preservation.set_preservation_captions(train, self.args, limit, self.args.dataset_config):
+            self.accelerator.print(said)
         return (ImageDataset(bp, seed=self.args.seed, items=train),
                 ImageDataset(bp, seed=self.args.seed, items=validation, validation=True))
 
@@ -351,7 +363,8 @@ class DiffusionTask:
         families always need a, possibly empty, negative prompt), kept beside the first image's
         caches. Returns their files."""
         folder, files = self._prompt_folder(), []
-        if not sees and any(drops_captions(item.subset) for item in self.dataset.items):  # else: per item
+        blank = any(item.preservation_caption == "" for item in self.dataset.items)  # blank_prompt_preservation's
+        if not sees and (blank or any(drops_captions(item.subset) for item in self.dataset.items)):  # else: per item
             files.append(cache_empty_caption(self.dataset, encode_text, text_key, folder))
         negatives = [p.negative if self.family.true_cfg else None for p in self.prompts]  # unread without CFG
         sizes = [self.family.sample_text_size(p.control_images, p.width, p.height) if sees else None
@@ -549,7 +562,10 @@ class DiffusionTask:
         if batch["is_reg"].any():
             weights = torch.where(batch["is_reg"], self.args.prior_loss_weight, 1.0).to(self.device)
         control = [c.to(self.device) for c in batch["controls"]] if "controls" in batch else None
-        return latents, text, gens, mask, weights, control
+        if "preservation_text" not in batch:
+            return latents, text, gens, mask, weights, control
+        kept = {k: v.to(self.device) for k, v in batch["preservation_text"].items()}
+        return latents, text, gens, mask, weights, control, kept, batch["preserved"].float().to(self.device)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return self.network.trainable_parameters()
@@ -571,7 +587,9 @@ class DiffusionTask:
         self.network.load_state_dict(tensors)
 
     def step_extras(self) -> dict:
-        return {}
+        """The step's mean output-preservation term (loss_preservation, included in loss), when there is one."""
+        terms, self.module.preservation_losses[:] = list(self.module.preservation_losses), []
+        return {"loss_preservation": sum(terms) / len(terms)} if terms else {}
 
     _said_compile_limit = False  # after_step's warning, once a run
     _compile_limit_hits = 0  # core.compile_limit_hits() when the blocks were compiled (an earlier run in this process)
@@ -616,6 +634,7 @@ class DiffusionTask:
             "dataset": self._dataset_summary(),
             **self._folder_facts(),
             "base_loras": base_loras_metadata(args.base_loras),
+            "output_preservation": preservation.metadata(args),
             **getattr(self, "loaded", {}),  # network_dim / network_alpha where network_weights set them
         }
 

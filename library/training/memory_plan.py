@@ -35,9 +35,11 @@ from torch.utils._pytree import tree_flatten
 
 from library.data.image_folders import LargestStep
 from library.models.core import checkpointing
+from library.models.family import Preservation
 from library.models.registry import spec_of
 from library.training.config import KEEPING_KEYS
 from library.training.meta_cache import META_KERNELS
+from library.training.preservation import multiplier as preservation_multiplier, network_off, preserving
 
 GiB = 2**30
 
@@ -329,10 +331,14 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     rw, rh = planned_control(family, (width, height), reference_size)
     control = [torch.empty(batch, family.latent_channels, rh // down, rw // down, device="meta") for _ in range(count)]
     text = family.text_on_meta(model, batch, text_tokens)
+    kept = None  # output preservation: a second prompt, two more forwards, two graphs held until the backward
+    if preserving(args):
+        kept = Preservation(family.text_on_meta(model, batch, text_tokens), torch.ones(batch, device="meta"),
+                            preservation_multiplier(args), lambda: network_off(network))
+    inputs = [latents, *control, *text.values(), *(kept.text.values() if kept else ())]
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]
     with LiveBytes() as live, fused_attention_on_meta():
-        for t in (*model.parameters(), *model.buffers(), *network_tensors(network), latents, *control,
-                  *text.values()):
+        for t in (*model.parameters(), *model.buffers(), *network_tensors(network), *inputs):
             live.track(t)
         live.add(optimizer + ema)  # from the first optimizer step on, resident during every step
         resident = live.live
@@ -340,13 +346,14 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
             for p in lora:  # a later one runs its forward and backward with the earlier ones' LoRA grads held
                 p.grad = torch.zeros_like(p)
         with no_module_dropout(network):  # the step that drops no module: the largest, and the same each plan
-            loss, _ = family.training_loss(model, latents, text, args, generators, control=control or None)
+            loss, _ = family.training_loss(model, latents, text, args, generators, control=control or None,
+                                           preservation=kept)
             loss.backward()
         del loss
     return TrainingPlan(
         base=module_bytes(model), block_bytes=[module_bytes(b) for b in model.swappable_blocks()],
         lora=tensor_bytes(network_tensors(network)), lora_grads=tensor_bytes(lora), optimizer=optimizer,
-        activations=live.peak - resident, inputs=tensor_bytes([latents, *control, *text.values()]),
+        activations=live.peak - resident, inputs=tensor_bytes(inputs),
         prefetch=args.block_swap_prefetch, ema=ema,
     )
 

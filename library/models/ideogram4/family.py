@@ -213,11 +213,13 @@ class Ideogram4Family(DiffusionFamily):
                                        f"(timestep_sampling = \"sigmoid\") reads it")
         return unread
 
-    def training_loss(self, model, latents, text, args, generators, mask=None, sample_weights=None, control=None):
+    def training_loss(self, model, latents, text, args, generators, mask=None, sample_weights=None, control=None,
+                      preservation=None):
         """The pipeline's law, sigma = expit(mu + 1.5 n) at the image's resolution, unless the config
         names another timestep_sampling."""
         if args.timestep_sampling not in (None, self.arch + "_shift"):
-            return super().training_loss(model, latents, text, args, generators, mask, sample_weights, control)
+            return super().training_loss(model, latents, text, args, generators, mask, sample_weights, control,
+                                         preservation)
         from library.models.ideogram4.sampling import training_sigmas
 
         _, _, lh, lw = latents.shape
@@ -225,7 +227,7 @@ class Ideogram4Family(DiffusionFamily):
         sigmas = torch.cat([training_sigmas(1, lh * self.vae_downsample, lw * self.vae_downsample, g) for g in generators])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
         loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
-                            args.loss_type, args.huber_c, mask, sample_weights)
+                            args.loss_type, args.huber_c, mask, sample_weights, preservation=preservation)
         return loss, sigmas
 
     @torch.no_grad()

@@ -242,18 +242,21 @@ class QwenImage21Family(DiffusionFamily):
         return pack_latents(from_tokens(out, h, w)) if packed else out
 
     def loss_at(self, model, latents, text, noise, sigmas, guidance, weighting="none", loss_type="l2", huber_c=0.1,
-                mask=None, sample_weights=None, control=None):
+                mask=None, sample_weights=None, control=None, preservation=None):
         """The shared flow-matching loss (DiffusionFamily.loss_at) on latent-pixel tokens."""
         h, w = latents.shape[2], latents.shape[3]
-        pred = self.predict(model, to_tokens(fm.noisy_input(latents, noise, sigmas)), sigmas, text, h, w, guidance,
-                            **control_kwargs(control))
+        x_t = to_tokens(fm.noisy_input(latents, noise, sigmas))
+        pred = self.predict(model, x_t, sigmas, text, h, w, guidance, **control_kwargs(control))
         target = to_tokens(fm.flow_target(latents, noise))
         if mask is not None:  # one weight per latent element, laid out like the latents
             mask = to_tokens(mask.expand_as(latents))
         weights = fm.loss_weighting(sigmas, weighting)
         if sample_weights is not None:
             weights = sample_weights.float() if weights is None else weights * sample_weights.float()
-        return fm.flow_loss(pred, target, weights, loss_type, huber_c, mask)
+        loss = fm.flow_loss(pred, target, weights, loss_type, huber_c, mask)
+        if preservation is not None:
+            loss = loss + self.preservation_term(model, x_t, sigmas, h, w, guidance, control, preservation)
+        return loss
 
     @torch.no_grad()
     def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None):

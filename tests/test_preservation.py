@@ -1,0 +1,176 @@
+"""Output preservation (library/training/preservation.py, ai-toolkit's diff_output_preservation and
+blank_prompt_preservation): the term is the mean squared difference between the LoRA's and the base's
+prediction for the second prompt at the same noisy input; the second prompts are the captions with the
+trigger replaced (whole words) and are cached with them; the keys are refused in one line where they do
+nothing or disagree; block swap and checkpointing give the same gradients; the planner counts the graphs."""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import train_lora
+from library.data.caches import read_text_cache
+from library.models.family import Preservation
+from library.training.preservation import class_caption, network_off
+from tests.test_reliability import flux_args, one_error_line
+
+DOP = ("--diff_output_preservation", "true", "--trigger_word", "circle", "--diff_output_preservation_class", "shape")
+
+
+@pytest.mark.parametrize("caption, expected", [
+    ("a red circle on a white background", "a red shape on a white background"),
+    ("circle, (circle), red", "shape, (shape), red"),
+    ("circles and semicircle", None),  # whole words only
+    ("a Circle", None),  # case as written
+])  # fmt: skip
+def test_the_trigger_is_replaced_as_whole_words(caption, expected):
+    assert class_caption(caption, "circle", "shape") == expected
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--diff_output_preservation", "true", "--diff_output_preservation_class", "shape"),
+     "key 'trigger_word' must be set with diff_output_preservation = true"),
+    (("--diff_output_preservation", "true", "--trigger_word", "circle"),
+     "key 'diff_output_preservation_class' must be set with diff_output_preservation = true"),
+    (("--diff_output_preservation", "true", "--trigger_word", "circle", "--diff_output_preservation_class", "circle"),
+     "diff_output_preservation_class is the trigger_word ('circle')"),
+    ((*DOP, "--blank_prompt_preservation", "true"),
+     "keys 'diff_output_preservation' and 'blank_prompt_preservation' are both true; keep one"),
+    (("--trigger_word", "circle"), "key 'trigger_word' does nothing with diff_output_preservation = false"),
+    (("--blank_prompt_preservation_multiplier", "2"),
+     "key 'blank_prompt_preservation_multiplier' does nothing with blank_prompt_preservation = false"),
+    ((*DOP, "--diff_output_preservation_multiplier", "0"), "key 'diff_output_preservation_multiplier' must be > 0"),
+    ((*DOP[:2], "--trigger_word", "zxq", *DOP[4:]), "trigger_word 'zxq' is in none of the 8 training captions"),
+])  # fmt: skip
+def test_keys_that_disagree_or_do_nothing_are_refused_in_one_line(tiny_set, tmp_path, capsys, extra, message):
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "out", *extra)))
+    assert message in line, line
+
+
+def flux_with_lora(tiny_set, seed=1):
+    """The tiny FLUX.1, its family and a rank-4 LoRA with nonzero up weights."""
+    from library.models.flux1.family import FluxFamily
+    from tests.test_merge_convert import lora
+
+    family = FluxFamily(tiny_set["flux_bfl"])
+    model = family.load_transformer(torch.float32)
+    network = lora(model, "flux", rank=4, alpha=4.0, seed=seed)
+    network.apply()
+    return family, model, network
+
+
+def flux_batch():
+    g = torch.Generator().manual_seed(3)
+    latents = torch.randn(2, 16, 8, 8, generator=g)
+    text = {"t5": torch.randn(2, 7, 32, generator=g), "clip_pooled": torch.randn(2, 32, generator=g)}
+    kept = {k: torch.randn(v.shape, generator=g) for k, v in text.items()}
+    return latents, text, kept
+
+
+def preservation_args():
+    from tests.test_training_objective import loss_args
+
+    return loss_args(guidance_scale=3.5)
+
+
+def test_the_term_is_the_mean_squared_difference_to_the_base_at_the_same_noisy_input(tiny_set):
+    family, model, network = flux_with_lora(tiny_set)
+    latents, text, kept = flux_batch()
+    args, gens = preservation_args(), lambda: [torch.Generator().manual_seed(i) for i in range(2)]
+    weights = torch.tensor([1.0, 0.0])
+    p = Preservation(kept, weights, 0.5, lambda: network_off(network))
+    with_term, sigmas = family.training_loss(model, latents, text, args, gens(), preservation=p)
+    without, same_sigmas = family.training_loss(model, latents, text, args, gens())
+    assert torch.equal(sigmas, same_sigmas)
+    noise = torch.stack([torch.randn(latents.shape[1:], generator=g) for g in gens()])
+    from library.models import flow_matching as fm
+
+    x_t = family.pack_target(fm.noisy_input(latents, noise, sigmas))
+    with torch.no_grad():
+        on = family.predict(model, x_t, sigmas, kept, 4, 4, 3.5)
+        with network_off(network):
+            off = family.predict(model, x_t, sigmas, kept, 4, 4, 3.5)
+    expected = 0.5 * ((on - off).pow(2).flatten(1).mean(1) * weights).mean()
+    assert expected > 1e-6  # the LoRA changes the prediction
+    torch.testing.assert_close(with_term - without, expected, rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(p.loss, expected, rtol=1e-4, atol=1e-9)
+    assert all(m.multiplier == 1.0 for m in network.lora_modules())  # restored after the base's prediction
+    with_term.backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None for p in network.trainable_parameters())
+
+
+def test_block_swap_and_checkpointing_give_the_same_gradients_with_the_term(tiny_set):
+    from library.models.block_swap import enable_block_swap
+
+    grads = []
+    for swap, checkpoint in ((0, False), (2, True)):
+        family, model, network = flux_with_lora(tiny_set)
+        model.gradient_checkpointing = checkpoint
+        if swap:
+            enable_block_swap(model, swap, torch.device("cpu"))
+        latents, text, kept = flux_batch()
+        p = Preservation(kept, torch.ones(2), 1.0, lambda: network_off(network))
+        gens = [torch.Generator().manual_seed(i) for i in range(2)]
+        loss, _ = family.training_loss(model, latents, text, preservation_args(), gens, preservation=p)
+        loss.backward()
+        grads.append([q.grad.clone() for q in network.trainable_parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_run_caches_the_second_prompts_logs_the_term_and_names_it_in_the_header(tiny_set, tmp_path, capsys):
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert train_lora.main(flux_args(tiny_set, out, *DOP, "--max_train_steps", "2", "--cache_text_encoder_outputs_to_disk", "true",
+                                     "--dataset_config", copy_of_dataset(tiny_set, tmp_path))) == 0
+    said = capsys.readouterr().out
+    assert "diff_output_preservation: 'circle' -> 'shape' in 4 of 8 training captions (x1); the 4 without 'circle' " \
+           "get no preservation term" in said, said
+    with safe_open(str(out / "tiny_flux_lora.safetensors"), framework="pt") as f:
+        assert f.metadata()["ss_output_preservation"] == "diff: circle -> shape x1"
+    caches = sorted((tmp_path / "data" / "images").glob("0*_te.safetensors"))
+    with_circle = [c for c in caches if read_text_cache(str(c), "preserve")]
+    assert len(caches) == 8 and len(with_circle) == 4
+    header, *rows = (out / "tiny_flux_lora_log.csv").read_text().splitlines()
+    column = header.split(",").index("loss_preservation")
+    assert len(rows) == 2 and all(float(row.split(",")[column]) >= 0 for row in rows)
+
+
+def copy_of_dataset(tiny_set, tmp_path) -> str:
+    from tests.test_reliability import copy_dataset
+
+    return copy_dataset(tiny_set, tmp_path / "data")
+
+
+def test_blank_prompt_preservation_holds_every_sample_to_the_base_on_the_empty_caption(tiny_set, tmp_path, capsys):
+    """A family whose encoder does not see references takes the empty caption's one encoding (no copy per item);
+    the term is 0 at the first step (the LoRA's up weights start at 0) and live from the second."""
+    out = tmp_path / "out"
+    assert train_lora.main(flux_args(tiny_set, out, "--blank_prompt_preservation", "true", "--max_train_steps", "2",
+                                     "--cache_text_encoder_outputs_to_disk", "true",
+                                     "--dataset_config", copy_of_dataset(tiny_set, tmp_path))) == 0
+    assert "blank_prompt_preservation: every sample's prediction for the empty prompt" in capsys.readouterr().out
+    caches = sorted((tmp_path / "data" / "images").glob("0*_te.safetensors"))  # (prompt-*: the empty caption's)
+    assert len(caches) == 8 and not any(read_text_cache(str(c), "preserve") for c in caches)
+    header, *rows = (out / "tiny_flux_lora_log.csv").read_text().splitlines()
+    terms = [float(row.split(",")[header.split(",").index("loss_preservation")]) for row in rows]
+    assert terms[0] == 0.0 and terms[1] > 0.0, terms
+    with safe_open(str(out / "tiny_flux_lora.safetensors"), framework="pt") as f:
+        assert f.metadata()["ss_output_preservation"] == "blank x1"
+
+
+def test_the_planner_counts_the_second_prompts_graph(tiny_set):
+    import copy
+
+    from library.training.memory_plan import training_plan
+    from tests.test_memory_plan import tiny_flux
+    from tools import plan_memory
+
+    family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
+    kept_args = copy.copy(args)
+    kept_args.blank_prompt_preservation = True
+    plain, kept = training_plan(family, args, 64, 64, 2, 8), training_plan(family, kept_args, 64, 64, 2, 8)
+    graphs = [plan.activations - plan.lora_grads for plan in (plain, kept)]  # the step's peak, less the LoRA's grads
+    assert graphs[1] > 1.5 * graphs[0], graphs
+    assert kept.inputs > plain.inputs and kept.base == plain.base
