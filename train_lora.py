@@ -167,7 +167,8 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         network_args=lora_network_args(args),
         base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
         base_precision=facts["base_precision"], fp8_compute=facts.get("fp8_compute"), base_loras=facts.get("base_loras"),
-        output_preservation=facts.get("output_preservation"), mixed_precision=args.mixed_precision, resolution=facts["resolution"],
+        output_preservation=facts.get("output_preservation"), scale_weight_norms=getattr(args, "scale_weight_norms", None),
+        mixed_precision=args.mixed_precision, resolution=facts["resolution"],
         steps=step, max_steps=max_steps, epochs=epochs, epoch=epoch,
         batch_size=facts["batch_size"], optimizer=args.optimizer_type
         + (f" ({' '.join(args.optimizer_args)})" if args.optimizer_args else ""),
@@ -601,6 +602,8 @@ class Trainer:
                                        f"finite) is saved at {path}", code=3)
             stepped = self.optimizer_step()
             self.optimizer.zero_grad(set_to_none=True)
+            if args.scale_weight_norms and stepped:  # before the EMA takes the step's weights
+                self.task.scale_weight_norms(args.scale_weight_norms)
             if self.ema is not None and stepped:  # per optimizer step; every rank averages the same (all-reduced) weights
                 self.ema.update(self.step + 1)
             self.finish_step(accelerator.reduce(torch.stack(losses).sum(), reduction="mean").item())

@@ -512,6 +512,27 @@ class LoRANetwork(nn.Module):
 
     # -- training ----------------------------------------------------------------------------
 
+    @torch.no_grad()
+    def scale_weight_norms(self, max_norm: float) -> dict[str, float]:
+        """sd-scripts' max-norm regularization (scale_weight_norms): each module whose delta
+        ||(alpha / rank) * up @ down|| (Frobenius, float32) is over max_norm gets up and down multiplied by
+        sqrt(max_norm / norm), so the delta's norm is max_norm; the others are left bit for bit. Returns
+        the log's keys_scaled, average_key_norm and max_key_norm (the norms after scaling). DoRA: it
+        bounds the direction's update s * BA; the magnitude trains free."""
+        norms, scaled = [], 0
+        for m in self.lora_modules():
+            up, down = m.lora_up.weight, m.lora_down.weight
+            norm = (m.scale * (up.float() @ down.float())).norm().item()
+            if norm > max_norm:
+                root = math.sqrt(max_norm / norm)
+                up.mul_(root)
+                down.mul_(root)
+                scaled, norm = scaled + 1, max_norm
+            norms.append(norm)
+        if not norms:
+            return {}
+        return {"keys_scaled": scaled, "average_key_norm": sum(norms) / len(norms), "max_key_norm": max(norms)}
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for m in self.lora_modules() for p in m.parameters_to_train()]
 

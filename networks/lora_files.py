@@ -721,6 +721,7 @@ METADATA_KEYS = {
     "base_precision": "ss_base_precision",
     "fp8_compute": "ss_fp8_compute",  # the base's Linears ran as fp8 GEMMs (library/precision/fp8_compute.py)
     "base_loras": "ss_base_loras",  # LoRAs merged into the frozen base while training (not in this file)
+    "scale_weight_norms": "ss_scale_weight_norms",  # sd-scripts' max-norm regularization's bound
     "output_preservation": "ss_output_preservation",  # diff_output_preservation / blank_prompt_preservation's prompt
     "mixed_precision": "ss_mixed_precision",
     "resolution": "ss_resolution",

@@ -90,6 +90,8 @@ SCHEMA: dict[str, Arg] = {
     "base_loras": A(list, [], "LoRAs merged into the frozen base before training, 'path[:ratio]' (e.g. a distilled "
                              "model's de-distillation adapter): not trained, not saved, recorded in the LoRA's metadata"),
     "network_dropout": A(float, 0.0, "dropout on the LoRA down projection"),
+    "scale_weight_norms": A(float, None, "after each optimizer step, scale each LoRA module so ||(alpha/rank) up @ down|| "
+                                         "<= this (sd-scripts' max-norm regularization; 1 is its suggested start)"),
     "pretrain": A(bool, False, "llm only: train the whole model instead of a LoRA"),
     "scaled_residual_init": A(bool, True, "llm pretraining from a config.json: o_proj / down_proj start at std "
                                           "0.02 / sqrt(2 * num_layers) as in GPT-2 (false: 0.02 like the other matrices)"),
@@ -614,6 +616,9 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     if (args.save_format.startswith("peft") and args.model_type != "llm") or (args.pretrain and args.save_format != "auto"):
         raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' is for LLM LoRAs "
                           f"(model_type llm without pretrain); diffusion LoRAs convert with tools/convert_lora.py --to diffusers")
+    if args.scale_weight_norms is not None and args.network_module != "networks.lora":  # LyCORIS scales its own scalar
+        raise ConfigError(f"{blame(origins, where, 'scale_weight_norms', 'network_module')}: scale_weight_norms needs "
+                          f"network_module networks.lora (LoRA, DoRA); {args.network_module} is not scaled by it")
     if args.save_format.startswith("peft") and args.network_module != "networks.lora":
         raise ConfigError(f"{origins.get('save_format', where)}: save_format '{args.save_format}' needs network_module "
                           f"networks.lora (LyCORIS files have no PEFT LoRA form)")
@@ -662,7 +667,7 @@ RANGES = {
              "save_last_n_saves", "sample_every_n_steps", "sample_every_n_epochs", "max_grad_norm",
              "lr_warmup_steps", "max_data_loader_n_workers", "ema_start_step", "prior_loss_weight", "eval_every_n_steps",
              "guidance_scale", "temperature", "top_k"),
-    "> 0": ("learning_rate", "discrete_flow_shift", "sigmoid_scale", "huber_c", "lr_scheduler_power",
+    "> 0": ("learning_rate", "scale_weight_norms", "discrete_flow_shift", "sigmoid_scale", "huber_c", "lr_scheduler_power",
             "diff_output_preservation_multiplier", "blank_prompt_preservation_multiplier"),
     "in [0, 1)": ("network_dropout", "val_fraction"),
 }

@@ -15,7 +15,7 @@ LLM_KEYS = ("train_data", "train_on_all_tokens", "attend_across_documents", "max
             "eval_every_n_steps", "sample_prompt", "sample_chat_template", "sample_max_new_tokens", "temperature",
             "top_k", "batch_size", "pretrain", "scaled_residual_init")
 LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "network_weights", "network_dropout",
-             "dim_from_weights")
+             "dim_from_weights", "scale_weight_norms")
 DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
                   "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "discrete_flow_shift",
                   "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "guidance_scale", "prior_loss_weight",

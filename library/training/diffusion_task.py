@@ -586,10 +586,17 @@ class DiffusionTask:
     def load_trainable_tensors(self, tensors: dict[str, torch.Tensor]):
         self.network.load_state_dict(tensors)
 
+    _norms: dict = {}  # scale_weight_norms' counts of the last step
+
+    def scale_weight_norms(self, max_norm: float) -> None:
+        self._norms = self.network.scale_weight_norms(max_norm)
+
     def step_extras(self) -> dict:
-        """The step's mean output-preservation term (loss_preservation, included in loss), when there is one."""
+        """The step's mean output-preservation term (loss_preservation, included in loss), when there is one,
+        and scale_weight_norms' counts."""
         terms, self.module.preservation_losses[:] = list(self.module.preservation_losses), []
-        return {"loss_preservation": sum(terms) / len(terms)} if terms else {}
+        extras, self._norms = dict(self._norms), {}
+        return {**extras, "loss_preservation": sum(terms) / len(terms)} if terms else extras
 
     _said_compile_limit = False  # after_step's warning, once a run
     _compile_limit_hits = 0  # core.compile_limit_hits() when the blocks were compiled (an earlier run in this process)
