@@ -553,14 +553,22 @@ def tensor_hash(tensors: dict[str, torch.Tensor]) -> str:
     return hashlib.sha256(blob[8 + header_len :]).hexdigest()
 
 
+# ModelSpec's "0x" + sha256 of the bytes after the header (sshs_model_hash with "0x"): metadata editors (SwarmUI's)
+# write it into a header, and SwarmUI shows and records it as the model's hash. sd-scripts / musubi-tuner write none.
+MODELSPEC_HASH = "modelspec.hash_sha256"
+
+
 def write_lora_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str] | None = None):
-    """Atomic write with `sshs_model_hash` added to the (all-string) metadata, and an input's
+    """Atomic write with `sshs_model_hash` added to the (all-string) metadata, an input's
+    `modelspec.hash_sha256` (MODELSPEC_HASH) set to that of these tensors, and an input's
     `sshs_legacy_hash` (sd-scripts' other hash of the tensors, which we do not compute) dropped as stale."""
     metadata = {k: v for k, v in (metadata or {}).items() if k != "sshs_legacy_hash"}
     bad = [k for k, v in metadata.items() if not isinstance(v, str)]
     if bad:
         raise ValueError(f"metadata '{bad[0]}' must be a string (use build_metadata), got {type(metadata[bad[0]]).__name__}")
     metadata["sshs_model_hash"] = tensor_hash(tensors)
+    if MODELSPEC_HASH in metadata:
+        metadata[MODELSPEC_HASH] = "0x" + metadata["sshs_model_hash"]
     save_safetensors(tensors, path, metadata)
 
 

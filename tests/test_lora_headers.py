@@ -148,6 +148,42 @@ def load_file_metadata(path: str) -> dict:
         return f.metadata()
 
 
+def data_sha256(path) -> str:
+    """ModelSpec's hash_sha256 of a safetensors file: "0x" + the sha256 of every byte after its header."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        f.seek(8 + int.from_bytes(f.read(8), "little"))
+        return "0x" + hashlib.sha256(f.read()).hexdigest()
+
+
+def test_tools_write_the_modelspec_hash_of_the_tensors_they_wrote(tiny_set, tmp_path):
+    """A header's modelspec.hash_sha256 (a metadata editor's, SwarmUI's; SwarmUI shows and records it as the model's
+    hash) passed through resize_lora, combine_loras, convert_lora and merge_lora unchanged (a rank-8 LoRA resized to 4:
+    the header said 0x23a2..., its tensors are 0x905c...). Now the tools' LoRAs carry their tensors' hash, a merge none."""
+    from safetensors.torch import load_file
+
+    from tools import combine_loras, resize_lora
+
+    model, family, _ = load_model(tiny_set["flux_bfl"])
+    LoRANetwork(model, family, rank=4).save(str(tmp_path / "a.safetensors"))
+    meta = {**load_file_metadata(str(tmp_path / "a.safetensors")), lf.MODELSPEC_HASH: data_sha256(tmp_path / "a.safetensors")}
+    save_file(load_file(str(tmp_path / "a.safetensors")), str(tmp_path / "in.safetensors"), meta)
+    src = str(tmp_path / "in.safetensors")
+    assert resize_lora.main(["--lora", src, "--save_to", str(tmp_path / "r.safetensors"), "--new_rank", "2"]) == 0
+    assert combine_loras.main(["--lora", src, src, "--save_to", str(tmp_path / "c.safetensors")]) == 0
+    assert convert_lora.main([src, str(tmp_path / "d.safetensors"), "--to", "diffusers"]) == 0
+    for name in ("r", "c", "d"):
+        written = load_file_metadata(str(tmp_path / f"{name}.safetensors"))
+        assert written[lf.MODELSPEC_HASH] == data_sha256(tmp_path / f"{name}.safetensors") != meta[lf.MODELSPEC_HASH], name
+        assert written[lf.MODELSPEC_HASH] == "0x" + written["sshs_model_hash"]
+    base = load_file(tiny_set["flux_bfl"])
+    save_file(base, str(tmp_path / "base.safetensors"), {lf.MODELSPEC_HASH: "0x" + "ab" * 32})
+    assert merge_lora.main(["--model", str(tmp_path / "base.safetensors"), "--lora", src,
+                            "--save_to", str(tmp_path / "m.safetensors")]) == 0
+    assert lf.MODELSPEC_HASH not in load_file_metadata(str(tmp_path / "m.safetensors"))
+
+
 @pytest.mark.parametrize("sampling, written", [("shift", "3.0"), ("flux_shift", None), ("sigmoid", None), ("uniform", None)])
 def test_the_header_names_discrete_flow_shift_only_where_the_timestep_draw_read_it(sampling, written):
     """flow_matching.sample_sigmas reads discrete_flow_shift for timestep_sampling = "shift" alone; the header

@@ -129,7 +129,7 @@ from library.atomic_files import write_text  # noqa: E402
 from library.io import ST_DTYPES, atomic_folder, atomic_path  # noqa: E402
 from library.models.registry import arch_specs  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
-from networks.lora_files import LoRAWeights, input_files, merge_into_weight  # noqa: E402
+from networks.lora_files import MODELSPEC_HASH, LoRAWeights, input_files, merge_into_weight  # noqa: E402
 from tools.cli import LoRASpec, parse_lora_spec  # noqa: E402,F401 (parse_lora_spec: merge_lora's callers use it)
 from tools.merge_base import Base, lora_deltas, open_base  # noqa: E402
 
@@ -387,7 +387,7 @@ def _metadata(base: Base, shard: str, specs: list[LoRASpec], precision: str | No
     source = os.path.join(os.path.dirname(base.reader.files[0]), shard)
     with safe_open(source, framework="pt") as f:
         metadata = dict(f.metadata() or {})
-    for stale in ("sshs_model_hash", "sshs_legacy_hash"):  # sd-scripts' hashes: no longer true of the merged tensors
+    for stale in ("sshs_model_hash", "sshs_legacy_hash", MODELSPEC_HASH):  # hashes of the base's tensors, not the merged
         metadata.pop(stale, None)
     if not keeps_layout:  # comfy_quant's per-layer formats: ComfyUI would load the written bf16 Linears as fp8 layers
         metadata.pop("_quantization_metadata", None)
