@@ -546,6 +546,29 @@ def test_converted_and_combined_files_drop_sd_scripts_legacy_hash(flux_lora, tmp
             assert "sshs_legacy_hash" not in f.metadata() and f.metadata()["sshs_model_hash"] != metadata["sshs_model_hash"]
 
 
+def test_combined_header_lists_every_inputs_tags_and_names_the_output(flux_lora, tmp_path):
+    """combine_loras wrote the first input's header: A1111's trained tags (ss_tag_frequency) and dataset size
+    (ss_dataset_dirs) showed the first LoRA's alone ({'img': {'ohwx': 10}} of 10 + 4 images) and its alias / SwarmUI's
+    title (ss_output_name, modelspec.title) named the first LoRA. Now every input's folders, a repeated one as
+    sd-scripts names it ('img (2)'), and the output's name."""
+    from safetensors import safe_open
+
+    from tools import combine_loras
+
+    tensors = load_file(str(flux_lora))
+    for name, tag, n in (("a", "ohwx", 10), ("b", "sks", 4)):
+        save_file(tensors, str(tmp_path / f"{name}.safetensors"), {
+            "ss_output_name": name, "modelspec.title": name, "ss_tag_frequency": json.dumps({"img": {tag: n}}),
+            "ss_dataset_dirs": json.dumps({"img": {"n_repeats": 1, "img_count": n}})})
+    assert combine_loras.main(["--lora", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"),
+                               "--save_to", str(tmp_path / "both.safetensors")]) == 0
+    with safe_open(str(tmp_path / "both.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["ss_tag_frequency"]) == {"img": {"ohwx": 10}, "img (2)": {"sks": 4}}
+    assert sum(d["img_count"] for d in json.loads(meta["ss_dataset_dirs"]).values()) == 14
+    assert meta["ss_output_name"] == meta["modelspec.title"] == "both"
+
+
 @pytest.mark.parametrize("ratio", ["nan", "1e30", "-101"])
 def test_lora_ratio_must_be_finite_and_within_100_in_merge_and_combine(flux_lora, tiny_set, tmp_path, capsys, ratio):
     from tools import combine_loras, merge_lora

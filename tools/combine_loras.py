@@ -19,8 +19,9 @@ kohya. LoRAs of one model in two namings (its original and diffusers' names, or 
 qkv beside split q / k / v: the spec's module_map / comfy_map) are read as tools/merge_lora.py reads them, by the
 model's own module paths (a fused module split by rows, parts joined: exact), and combined in those.
 DoRA (its delta is not additive) and LyCORIS files are refused. The metadata is the first input's,
-with `lora_combined` listing the files, ratios and mode. Errors are one line on stderr, exit
-status 2, and nothing is written.
+with `lora_combined` listing the files, ratios and mode, every input's training folders and tags (ss_dataset_dirs,
+ss_tag_frequency: combined_folders) and the output's own name (ss_output_name, modelspec.title where present).
+Errors are one line on stderr, exit status 2, and nothing is written.
 """
 
 from __future__ import annotations
@@ -148,8 +149,8 @@ def _check_architectures(loras: list[LoRAFile]) -> str | None:
     return known[0][1] if known else None
 
 
-def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeights]]], LoRAFile, str, str]:
-    """{module name: [(ratio, LoRA)]} in a common naming, the first file, and the output (fmt, prefix)."""
+def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeights]]], list[LoRAFile], str, str]:
+    """{module name: [(ratio, LoRA)]} in a common naming, the files, and the output (fmt, prefix)."""
     loras = [read_lora_file(s.path, "combine_loras") for s in specs]
     for lora in loras:
         if lora.has_dora:
@@ -169,7 +170,28 @@ def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeigh
                                       f"another input {(first.up.shape[0], first.down.shape[1])}")  # fmt: skip
             modules.setdefault(name, []).append((spec.ratio, w))
     fmt, prefix = ("kohya", "") if kohya else (loras[0].fmt, loras[0].prefix)
-    return modules, loras[0], fmt, prefix
+    return modules, loras, fmt, prefix
+
+
+FOLDER_KEYS = ("ss_dataset_dirs", "ss_tag_frequency")  # sd-scripts' {training folder: ...}: A1111 shows the tags
+NAME_KEYS = ("ss_output_name", "modelspec.title")  # the name A1111 (alias) and SwarmUI (title) list a LoRA by
+
+
+def combined_folders(loras: list[LoRAFile], key: str) -> str | None:
+    """The inputs' `key` entries (FOLDER_KEYS, json {folder: ...}) as one, a folder name met again as "name (2)" (as
+    sd-scripts names a repeated folder); None where no input has one."""
+    folders: dict = {}
+    for lora in loras:
+        try:
+            entries = json.loads(lora.metadata.get(key) or "{}")
+        except json.JSONDecodeError:
+            entries = None
+        for name, value in (entries.items() if isinstance(entries, dict) else ()):
+            unique, n = name, 2
+            while unique in folders:
+                unique, n = f"{name} ({n})", n + 1
+            folders[unique] = value
+    return json.dumps(folders) if any(key in lora.metadata for lora in loras) else None
 
 
 def stacked(parts: list[tuple[float, LoRAWeights]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +209,8 @@ def combine_loras(specs: list[LoRASpec], save_to: str, mode: str = "concat", ran
     if (mode == "svd") != (rank is not None) or (rank is not None and rank < 1):
         raise ValueError(f"--rank {rank}: --mode svd needs --rank R >= 1, --mode concat takes no --rank")
     check_output_path(save_to, *(s.path for s in specs))
-    modules, first, fmt, prefix = gather(specs)
+    modules, loras, fmt, prefix = gather(specs)
+    first = loras[0]
     out, rows = {}, []
     for name, parts in modules.items():
         down, up = stacked(parts)
@@ -203,6 +226,12 @@ def combine_loras(specs: list[LoRASpec], save_to: str, mode: str = "concat", ran
     ranks = {r["rank"] for r in rows}
     metadata = dict(first.metadata)
     metadata["ss_network_dim"] = metadata["ss_network_alpha"] = str(ranks.pop()) if len(ranks) == 1 else "Dynamic"
+    for key in FOLDER_KEYS:
+        if (folders := combined_folders(loras, key)) is not None:
+            metadata[key] = folders
+    for key in NAME_KEYS:
+        if key in metadata:
+            metadata[key] = os.path.splitext(os.path.basename(save_to))[0]
     metadata["lora_combined"] = json.dumps({"mode": mode, "rank": rank,
                                             "loras": [{"file": os.path.basename(s.path), "ratio": s.ratio} for s in specs]})  # fmt: skip
     write_lora_file(save_to, out, fmt, prefix, save_dtype(precision, first.dtype), metadata)
