@@ -223,6 +223,41 @@ def test_sampling_equals_the_pipelines_denoising_loop(tiny_set):
     assert ours.shape == (1, 64, 4, 6) and rel < 1e-5
 
 
+
+@torch.no_grad()
+@pytest.mark.parametrize("scheduler", [{}, {"use_dynamic_shifting": False, "shift": 2.0}])
+def test_a_shipped_sample_grid_and_scheduler_config_sample_as_the_pipeline(tiny_set, tmp_path, scheduler):
+    """A folder whose model_index.json ships `sample_sigmas` (the Turbo checkpoint's few-step grid) samples on
+    it, its length the default steps, and the folder's scheduler config shifts it, as QwenImage21Pipeline does
+    (we ran 40 linspace steps with the spec's shift: 3.8e-2 relative on the tiny model)."""
+    import json
+
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
+
+    from library.models.qwen_image21.family import to_tokens
+    from tests.test_qwen_image21_text import pipeline
+
+    grid = [1.0, 0.9, 0.6, 0.3]
+    (tmp_path / "transformer").symlink_to(tiny_set["qwen_image21"])
+    index = {"_class_name": "QwenImage21Pipeline", "sample_sigmas": grid}
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    config = {"use_dynamic_shifting": True, **scheduler}
+    (tmp_path / "scheduler").mkdir()
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    family = QwenImage21Family(str(tmp_path / "transformer"))
+    cond = torch.randn(1, 7, 32, generator=torch.Generator().manual_seed(3))
+    ours = family.sample_latents(family.load_transformer(torch.float32), {"embeds": cond}, 96, 64, family.sample_steps,
+                                 11, family.sample_guidance)
+    pipe = pipeline({"qwen_image21_text_encoder": tiny_set["qwen_image21_text_encoder"],
+                     "qwen_image21_processor": os.path.join(os.path.dirname(tiny_set["qwen_image21"]), "processor")},
+                    transformer=QwenImage21Transformer2DModel.from_pretrained(tiny_set["qwen_image21"]).eval(),
+                    scheduler=FlowMatchEulerDiscreteScheduler(**config))
+    pipe.register_to_config(sample_sigmas=grid)
+    theirs = pipe(prompt_embeds=cond, height=64, width=96, generator=torch.Generator().manual_seed(11),
+                  output_type="latent").images
+    rel = ((to_tokens(ours) - theirs).norm() / theirs.norm()).item()
+    assert family.sample_steps == pipe.num_timesteps == 4 and rel < 1e-5, rel
+
 def test_a_comfyui_lora_on_the_fused_gate_up_converts_to_ours_by_rows(tmp_path):
     """A ComfyUI / ai-toolkit LoRA on `diffusion_model.transformer_blocks.N.img_mlp.gate_up` (the released
     file's fused SwiGLU, gate rows first) converts to kohya gate_layer (the first half of up's rows) and

@@ -12,6 +12,11 @@ h, w the latent's size), and answers in it.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+from functools import cached_property
+
 import torch
 
 from library.models import flow_matching as fm
@@ -66,7 +71,7 @@ class QwenImage21Family(DiffusionFamily):
 
     name = "qwen_image21"
     text_path_keys = ("text_encoder",)
-    sample_guidance, sample_steps = SAMPLE_GUIDANCE, SAMPLE_STEPS
+    sample_guidance, sample_steps = SAMPLE_GUIDANCE, SAMPLE_STEPS  # an instance's steps: a shipped grid's length
     true_cfg = True
     vae_downsample = 16
     patch = 1  # the transformer takes latent pixels
@@ -83,6 +88,7 @@ class QwenImage21Family(DiffusionFamily):
                  **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
         self.reference_resolution = reference_resolution or REFERENCE_RESOLUTION
+        self.sample_steps = len(self.sample_sigmas) if self.sample_sigmas else SAMPLE_STEPS
 
     @classmethod
     def from_args(cls, args) -> "QwenImage21Family":
@@ -93,6 +99,41 @@ class QwenImage21Family(DiffusionFamily):
                        resolution: tuple[int, int] | None = None) -> tuple[int, int]:
         """The pipeline's rule, whatever the target's size: the reference's ratio at reference_resolution^2."""
         return reference_size(size[0], size[1], self.reference_resolution)
+
+    # -- the release's sampling -----------------------------------------------------------------
+    def _pipeline_json(self, *parts: str) -> dict:
+        """A json file of the pipeline folder holding the transformer (its model_index.json, scheduler/...), or {}."""
+        folder = self.model_path if os.path.isdir(self.model_path) else os.path.dirname(self.model_path)
+        for candidate in (folder, os.path.dirname(folder.rstrip("/"))):
+            path = os.path.join(candidate, *parts)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    return json.load(f)
+        return {}
+
+    @cached_property
+    def sample_sigmas(self) -> list[float] | None:
+        """model_index.json's `sample_sigmas`: the grid a release ships (the Turbo checkpoint's few steps), which
+        QwenImage21Pipeline samples on in place of linspace(1, 1/n, n); None where the folder has none (the base)."""
+        grid = self._pipeline_json("model_index.json").get("sample_sigmas")
+        return [float(s) for s in grid] if grid else None
+
+    def inference_sampling(self):
+        """The folder's scheduler/scheduler_config.json as QwenImage21Pipeline reads it: mu from its constants
+        (fallbacks 256, 4096, 0.5, 1.15) where it shifts dynamically, else its constant `shift`; None without
+        the file (the spec's line)."""
+        from library.models.flow_matching import sampling_of
+        from library.models.spec import MuLine
+
+        config = self._pipeline_json("scheduler", "scheduler_config.json")
+        if not config:
+            return None
+        sampling = dataclasses.replace(sampling_of(self.arch), shift_terminal=config.get("shift_terminal"))
+        if config.get("use_dynamic_shifting"):
+            mu = MuLine(config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                        config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+            return dataclasses.replace(sampling, mu=mu, shift=None)
+        return dataclasses.replace(sampling, mu=None, shift=float(config.get("shift", 1.0)))
 
     def reference_vl_size(self, width: int, height: int) -> tuple[int, int]:
         return reference_size(width, height, self.reference_resolution)  # load_text_encoder's resize
@@ -265,7 +306,9 @@ class QwenImage21Family(DiffusionFamily):
         h, w = height // self.vae_downsample, width // self.vae_downsample
         batch, device = next(iter(text.values())).shape[0], next(iter(text.values())).device
         noise = self.initial_noise(batch, h, w, torch.Generator("cpu").manual_seed(seed)).to(device)
-        sigmas = fm.inference_sigmas(steps, h * w, self.arch, dynamic_shift=True, sampling=None)
+        # the shipped grid at its own step count (the pipeline takes it whatever the count; another --s: linspace)
+        grid = self.sample_sigmas if self.sample_sigmas and len(self.sample_sigmas) == steps else None
+        sigmas = fm.inference_sigmas(steps, h * w, self.arch, sampling=self.inference_sampling(), grid=grid)
 
         def velocity(x, s):
             return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **control_kwargs(control))

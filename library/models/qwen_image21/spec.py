@@ -60,9 +60,10 @@ FP8 = S.FP8Rules(keep=(r"img_in", r"txt_in\..*", r"time_text_embed\..*", r"modul
 # QwenImage21Pipeline: mu = calculate_shift(image tokens, base_image_seq_len, max_image_seq_len, base_shift,
 # max_shift) read from the scheduler config with the fallbacks 256, 4096, 0.5, 1.15 (FLUX.1's constants:
 # its method, as Chroma), exponential time shift (FlowMatchEulerDiscreteScheduler's default). The released
-# scheduler_config.json and any `sample_sigmas` of the model_index could not be read offline; where they
-# differ, they win at inference through the pipeline and this line is to be updated. Tokens are latent
-# pixels of the 16x VAE: 1024 px = 4096 tokens, so mu 1.15 (shift e^1.15 = 3.16) there.
+# scheduler_config.json could not be read offline: samples read a pipeline folder's own (family.py
+# inference_sampling) and its model_index.json `sample_sigmas`, the grid the Turbo checkpoint ships (diffusers'
+# modular QwenImage21 blocks), which the pipeline samples on in place of the linspace; training draws on this
+# line. Tokens are latent pixels of the 16x VAE: 1024 px = 4096 tokens, so mu 1.15 (shift e^1.15 = 3.16) there.
 SAMPLING = S.Sampling(method="flux_shift", mu=S.MuLine(256, 4096, 0.5, 1.15))
 
 
