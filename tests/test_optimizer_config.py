@@ -102,8 +102,56 @@ def test_any_bitsandbytes_optimizer_class_is_taken(name, bnb_name):
     assert optim.optimizer_class(name) is getattr(bnb.optim, bnb_name)
     with pytest.raises(ConfigError, match="optimizer_type 'GlobalOptimManager' is unknown"):  # in bnb.optim: no optimizer
         optim.optimizer_class("GlobalOptimManager")
-    with pytest.raises(ConfigError, match="optimizer_type 'SGD' is unknown"):  # torch.optim's name: not bnb's SGD
-        optim.optimizer_class("SGD")
+    assert optim.optimizer_class("SGD") is torch.optim.SGD  # torch.optim's name (sd-scripts'), not bnb's SGD
+
+
+class ScheduleFreeLike(torch.optim.SGD):
+    """Stepped in train mode, read in eval mode, as schedulefree.AdamWScheduleFree."""
+
+    def train(self):
+        pass
+
+    def eval(self):
+        pass
+
+
+def test_sd_scripts_and_musubi_optimizer_names_build_what_they_build_there(tmp_path):
+    """SGD, SGDNesterov, Adafactor (musubi-tuner's docs: with relative_step=False ...) and the DAdapt names were
+    'unknown'; the run refused them, naming none of what to write."""
+    def built(name, *args):
+        cfg = write(tmp_path, BASE + f'optimizer_type = "{name}"\noptimizer_args = {list(args)!r}\n'.replace("'", '"'))
+        args = load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+        return optim.create_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2, 2))]}], name, 1e-3,
+                                      config.optimizer_kwargs(args))
+
+    assert type(built("SGD", "momentum=0.9")) is torch.optim.SGD
+    sgd = built("SGDNesterov").defaults  # sd-scripts: torch's SGD, nesterov, momentum 0.9 unless given
+    assert (sgd["nesterov"], sgd["momentum"]) == (True, 0.9) and built("SGDNesterov", "momentum=0.5").defaults["momentum"] == 0.5
+    from transformers.optimization import Adafactor
+
+    adafactor = built("adafactor", "relative_step=False", "scale_parameter=False", "warmup_init=False")
+    assert type(adafactor) is Adafactor and adafactor.defaults["lr"] == 1e-3
+    with pytest.raises(ConfigError, match=r"train\.toml: optimizer_type Adafactor: Adafactor's relative_step .* not supported; "
+                                          r"add optimizer_args = \[\"relative_step=False\", \"scale_parameter=False\""):
+        built("Adafactor")
+    try:
+        import dadaptation
+    except ImportError:
+        with pytest.raises(ConfigError, match="optimizer_type 'DAdaptAdam' needs the package 'dadaptation'"):
+            optim.optimizer_class("DAdaptAdam")
+    else:
+        assert optim.optimizer_class("DAdaptation") is dadaptation.experimental.DAdaptAdamPreprint
+
+
+@pytest.mark.parametrize("name", ["AdamWScheduleFree", "schedulefree.RAdamScheduleFree",
+                                  "tests.test_optimizer_config.ScheduleFreeLike"])
+def test_a_schedule_free_optimizer_is_refused_before_caching(tmp_path, name):
+    """It needs optimizer.train() / .eval() around steps, samples and saves (sd-scripts and musubi-tuner call them):
+    the config check passed schedulefree.AdamWScheduleFree and its first step raised after caching and loading."""
+    cfg = write(tmp_path, BASE + f'optimizer_type = "{name}"\n')
+    with pytest.raises(ConfigError, match=rf"train\.toml: optimizer_type '{re.escape(name)}' is schedule-free .* use AdamW or "
+                                          r"Prodigy with an lr_scheduler"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
 
 
 def test_an_adaptive_optimizer_at_adamws_learning_rate_is_warned_before_caching(tmp_path):

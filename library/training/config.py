@@ -96,7 +96,8 @@ SCHEMA: dict[str, Arg] = {
     "scaled_residual_init": A(bool, True, "llm pretraining from a config.json: o_proj / down_proj start at std "
                                           "0.02 / sqrt(2 * num_layers) as in GPT-2 (false: 0.02 like the other matrices)"),
     # optimisation
-    "optimizer_type": A(str, "AdamW", "AdamW, AdamW8bit, Prodigy, any bitsandbytes optimizer, or module.Class"),
+    "optimizer_type": A(str, "AdamW", "AdamW, AdamW8bit, Prodigy, Adafactor, SGDNesterov, DAdaptAdam, any torch.optim or "
+                                      "bitsandbytes optimizer, or module.Class (schedule-free ones refused)"),
     "optimizer_args": A(list, [], "optimizer options as 'key=value' strings (values are Python literals)"),
     "learning_rate": A(float, 1e-4, "base learning rate (for Prodigy: 1.0, the step is d * lr)"),
     "lr_scheduler": A(str, "constant", "diffusers scheduler", ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")),

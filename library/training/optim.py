@@ -30,10 +30,28 @@ def split_weight_decay(named_params, weight_decay_1d: bool = False):
     return decay, no_decay
 
 
+# sd-scripts' and musubi-tuner's optimizer_type names for classes of other packages: (module, class, the
+# arguments they add where the config gives none). Adafactor is transformers' (torch.optim has one of that name).
+PEER_OPTIMIZERS = {
+    "sgdnesterov": ("torch.optim", "SGD", {"nesterov": True, "momentum": 0.9}),
+    "sgdnesterov8bit": ("bitsandbytes.optim", "SGD8bit", {"nesterov": True, "momentum": 0.9}),
+    "dadaptation": ("dadaptation.experimental", "DAdaptAdamPreprint", {}),
+    "dadaptadampreprint": ("dadaptation.experimental", "DAdaptAdamPreprint", {}),
+    "dadaptadanip": ("dadaptation.experimental", "DAdaptAdanIP", {}),
+    **{name.lower(): ("dadaptation", name, {}) for name in ("DAdaptAdaGrad", "DAdaptAdam", "DAdaptAdan", "DAdaptLion",
+                                                             "DAdaptSGD")},
+    "adafactor": ("transformers.optimization", "Adafactor", {}),
+}
+
+
 def optimizer_class(optimizer_type: str):
-    """The optimizer class for `optimizer_type`; ConfigError naming it if unknown or not installed."""
+    """The optimizer class for `optimizer_type`; ConfigError naming it if unknown, not installed or
+    schedule-free. A bare name is looked up as sd-scripts does: its own names, then torch.optim's
+    classes, then bitsandbytes.optim's (any case)."""
     name = optimizer_type
     lower = name.lower()
+    if lower.endswith("schedulefree"):  # sd-scripts' AdamWScheduleFree, RAdamScheduleFree, SGDScheduleFree
+        raise ConfigError(schedule_free_refusal(name))
     try:
         if lower == "adamw":
             return torch.optim.AdamW
@@ -41,6 +59,9 @@ def optimizer_class(optimizer_type: str):
             from prodigyopt import Prodigy
 
             return Prodigy
+        if lower in PEER_OPTIMIZERS:
+            module_name, class_name, _ = PEER_OPTIMIZERS[lower]
+            return getattr(importlib.import_module(module_name), class_name)
         if name in BNB_OPTIMIZERS or lower in (n.lower() for n in BNB_OPTIMIZERS):
             import bitsandbytes as bnb
 
@@ -50,21 +71,41 @@ def optimizer_class(optimizer_type: str):
     if "." in name:
         module_name, _, class_name = name.rpartition(".")
         try:
-            return getattr(importlib.import_module(module_name), class_name)
+            found = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
             raise ConfigError(f"optimizer_type '{name}': cannot import {class_name} from {module_name}") from None
-    if found := bnb_optimizer(lower):
+        if isinstance(found, type) and callable(getattr(found, "train", None)) and callable(getattr(found, "eval", None)):
+            raise ConfigError(schedule_free_refusal(name))
+        return found
+    if found := torch_optimizer(lower) or bnb_optimizer(lower):
         return found
     raise ConfigError(f"optimizer_type '{name}' is unknown (AdamW, AdamW8bit, Prodigy, {', '.join(BNB_OPTIMIZERS[1:])}, "
-                      f"another bitsandbytes.optim class, or module.Class)")
+                      f"Adafactor, SGDNesterov, DAdaptAdam and sd-scripts' other DAdapt names, a torch.optim or "
+                      f"bitsandbytes.optim class, or module.Class)")
+
+
+def schedule_free_refusal(name: str) -> str:
+    """A schedule-free optimizer steps at one point of its weights and is read (saved, sampled) at another:
+    it needs optimizer.train() / .eval() around every step, sample and save (sd-scripts and musubi-tuner
+    call them), and this trainer calls neither (its step raised after caching and loading)."""
+    return (f"optimizer_type '{name}' is schedule-free (its weights are stepped in train mode and read in eval mode), "
+            f"which this trainer does not switch; use AdamW or Prodigy with an lr_scheduler")
+
+
+def torch_optimizer(lower: str):
+    """torch.optim's optimizer class `lower` names in any case (SGD, Adam, RMSprop: sd-scripts' and musubi-tuner's
+    bare names), or None."""
+    for name in dir(torch.optim):
+        found = getattr(torch.optim, name)
+        if name.lower() == lower and isinstance(found, type) and issubclass(found, torch.optim.Optimizer):
+            return found
+    return None
 
 
 def bnb_optimizer(lower: str):
     """The optimizer class bitsandbytes.optim names `lower` in any case (PagedAdamW32bit, RMSprop8bit, ...),
-    or None: none of that name, or no bitsandbytes. Imported only for a name that is not one of ours. A
-    name torch.optim also has (SGD, Adam, RMSprop) is not taken: write torch.optim.SGD or bitsandbytes.optim.SGD."""
-    if any(name.lower() == lower for name in dir(torch.optim)):
-        return None
+    or None: none of that name, or no bitsandbytes. Imported only for a name that is not one of ours or
+    torch.optim's (SGD, Adam, RMSprop are torch's, as in sd-scripts: write bitsandbytes.optim.SGD for its)."""
     try:
         import bitsandbytes as bnb
     except ImportError:
@@ -76,12 +117,30 @@ def bnb_optimizer(lower: str):
     return None
 
 
+def preset_kwargs(optimizer_type: str) -> dict:
+    """The arguments sd-scripts gives its name's class where the config does not (SGDNesterov: nesterov=True,
+    momentum=0.9)."""
+    return dict(PEER_OPTIMIZERS.get(optimizer_type.lower(), (None, None, {}))[2])
+
+
+def check_adafactor(cls, optimizer_type: str, optimizer_kwargs: dict) -> None:
+    """transformers' Adafactor with relative_step (its default, and sd-scripts'): it computes its own lr, ignoring
+    learning_rate and the schedule (sd-scripts switches to its "adafactor" scheduler, which this trainer has
+    not); transformers refused it in a line that did not say what to write."""
+    if getattr(cls, "__module__", "").startswith("transformers") and cls.__name__ == "Adafactor" and (
+            optimizer_kwargs.get("relative_step", True) or optimizer_kwargs.get("warmup_init", False)):
+        raise ConfigError(f"optimizer_type {optimizer_type}: Adafactor's relative_step (its own lr schedule, sd-scripts' "
+                          f"default) is not supported; add optimizer_args = [\"relative_step=False\", "
+                          f"\"scale_parameter=False\", \"warmup_init=False\"] to train at learning_rate with an lr_scheduler")
+
+
 def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, optimizer_kwargs: dict):
     """param_groups: [{"params": [...], "name": str, "lr": float (optional)}, ...]."""
     cls = optimizer_class(optimizer_type)
     given = ", ".join(f"{k}={v!r}" for k, v in optimizer_kwargs.items())  # what the user wrote, for errors
     devices = {p.device.type for g in param_groups for p in g["params"]}
-    optimizer_kwargs = dict(optimizer_kwargs)
+    user_kwargs, optimizer_kwargs = optimizer_kwargs, {**preset_kwargs(optimizer_type), **optimizer_kwargs}
+    check_adafactor(cls, optimizer_type, optimizer_kwargs)
     if cls is torch.optim.AdamW and len(devices) == 1 and devices <= {"cuda", "cpu"} and "foreach" not in optimizer_kwargs:
         # One kernel for all parameters. On the CPU the per-tensor loop cost ~8 ms an op on a busy
         # 2-core machine (bench_peers profile): fused is 20x faster on a mid-size model's LoRA shapes.
@@ -89,7 +148,7 @@ def create_optimizer(param_groups: list[dict], optimizer_type: str, lr: float, o
     try:
         return cls(param_groups, lr=lr, **optimizer_kwargs)
     except (TypeError, ValueError, IndexError, KeyError, NotImplementedError) as e:  # unknown names, refused values
-        if not optimizer_kwargs:  # nothing of the user's beside the parameters and lr: the type is what failed
+        if not user_kwargs:  # nothing of the user's beside the parameters and lr: the type is what failed
             raise ConfigError(f"optimizer_type {optimizer_type}: cannot be built as an optimizer (params, lr=...): {e}") from None
         raise ConfigError(f"optimizer_args ({given}) do not fit {optimizer_type}: {e}") from None
 
