@@ -101,6 +101,32 @@ def test_the_term_is_the_mean_squared_difference_to_the_base_at_the_same_noisy_i
     assert all(p.grad is not None for p in network.trainable_parameters())
 
 
+@pytest.mark.parametrize("network_args", [{"algo": "lokr", "dora_wd": "true"}, {"algo": "locon", "dora_wd": "true"},
+                                          {"algo": "loha"}, {"dora": "true"}])
+def test_the_base_prediction_is_the_base_with_every_network_kind(tiny_set, network_args):
+    """Until 2026-11-29 a LyCORIS module with dora_wd kept its whole update at multiplier 0 (the multiplier
+    blends only its magnitude): the 'base' prediction differed from the base's by up to 0.18 on the tiny FLUX.1."""
+    from library.models.flux1.family import FluxFamily
+    from networks.factory import build_network
+
+    family, (_, text, _) = FluxFamily(tiny_set["flux_bfl"]), flux_batch()
+    model = family.load_transformer(torch.float32)
+    x_t, sigmas = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(5)), torch.tensor([0.3, 0.8])
+    with torch.no_grad():
+        base = family.predict(model, x_t, sigmas, text, 4, 4, 3.5)
+        module = "networks.lora" if "dora" in network_args else "lycoris.kohya"
+        network = build_network(module, model, "flux", 4, 4.0, network_args=network_args)
+        for p in network.parameters():  # a trained update and magnitude
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+        network.apply()
+        on = family.predict(model, x_t, sigmas, text, 4, 4, 3.5)
+        with network_off(network):
+            off = family.predict(model, x_t, sigmas, text, 4, 4, 3.5)
+    assert (on - base).abs().max() > 1e-2
+    assert torch.equal(off, base)
+    assert torch.equal(family.predict(model, x_t, sigmas, text, 4, 4, 3.5), on)  # restored
+
+
 def test_block_swap_and_checkpointing_give_the_same_gradients_with_the_term(tiny_set):
     from library.models.block_swap import enable_block_swap
 

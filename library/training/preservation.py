@@ -105,13 +105,19 @@ def metadata(args) -> str | None:
 
 @contextlib.contextmanager
 def network_off(network):
-    """Within: the trained network's modules at multiplier 0 (the base's prediction); restored after."""
+    """Within: the trained network's modules at multiplier 0 (the base's prediction); restored after. A
+    LyCORIS module with dora_wd (`wd`) adds its whole update at multiplier 0 (the multiplier blends only its
+    magnitude: (W + dW) * (multiplier * (m / ||W + dW|| - 1) + 1)), so its decomposition is off too."""
     modules = [m for m in network.modules() if m is not network and isinstance(getattr(m, "multiplier", None), float | int)]
-    saved = [m.multiplier for m in modules]
+    saved = [(m.multiplier, getattr(m, "wd", None)) for m in modules]
     try:
         for m in modules:
             m.multiplier = 0.0
+            if getattr(m, "wd", False):
+                m.wd = False
         yield
     finally:
-        for m, value in zip(modules, saved):
+        for m, (value, wd) in zip(modules, saved):
             m.multiplier = value
+            if wd is not None:
+                m.wd = wd
