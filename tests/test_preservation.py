@@ -27,6 +27,28 @@ def test_the_trigger_is_replaced_as_whole_words(caption, expected):
     assert class_caption(caption, "circle", "shape") == expected
 
 
+def test_a_second_prompt_the_encoder_cuts_is_said_and_one_it_refuses_stops_the_run():
+    """Until 2026-11-29 a class caption longer than a cutting encoder keeps (T5-XXL at t5xxl_max_token_length)
+    was cut without a word, though check_dataset and the run warn of such captions."""
+    from types import SimpleNamespace
+
+    from library.data.check import TokenLimit
+    from library.training.preservation import set_preservation_captions
+
+    subset = SimpleNamespace(is_reg=False, keep_tokens_separator=None, control_directory=None)
+    items = [SimpleNamespace(image_path=f"{k}.png", caption=c, subset=subset, preservation_caption=None)
+             for k, c in enumerate(["a circle", "a red circle", "a square"])]
+    args = SimpleNamespace(diff_output_preservation=True, blank_prompt_preservation=False, trigger_word="circle",
+                           diff_output_preservation_class="big round shape", diff_output_preservation_multiplier=1.0)
+    words = lambda text: len(text.split())  # noqa: E731
+    said = set_preservation_captions(items, args, TokenLimit("T5-XXL", 4, words))
+    assert said.endswith("; warning: 1 of these second prompts are longer than the 4 T5-XXL tokens the encoder "
+                         "keeps, the rest is cut (first: 1.png, 5 tokens)"), said  # "a red big round shape"
+    assert "warning" not in set_preservation_captions(items, args, TokenLimit("T5-XXL", 5, words))
+    with pytest.raises(ValueError, match=r"^1.png: its caption with 'circle' replaced by 'big round shape' has 5 "):
+        set_preservation_captions(items, args, TokenLimit("Qwen3-VL", 4, words, refuses=True))
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--diff_output_preservation", "true", "--diff_output_preservation_class", "shape"),
      "key 'trigger_word' must be set with diff_output_preservation = true"),

@@ -66,7 +66,7 @@ def set_preservation_captions(items: list, args, limit=None, source: str = "data
     """Each training ImageItem's second prompt (item.preservation_caption; None: no term for it), from its
     caption as trained without augmentation. Returns a line for the log; ValueError where no caption holds
     the trigger (the term would add nothing) or a second prompt is longer than an encoder that refuses
-    long captions takes."""
+    long captions takes (one that cuts them: the line says how many it cuts)."""
     if not preserving(args):
         return None
     if args.blank_prompt_preservation:
@@ -83,15 +83,29 @@ def set_preservation_captions(items: list, args, limit=None, source: str = "data
     if not with_trigger:
         raise ValueError(f"{source}: trigger_word '{trigger}' is in none of the {len(trained)} training captions "
                          f"(diff_output_preservation replaces it with '{cls}'; it matches whole words, case as written)")
-    if limit is not None and limit.refuses:
-        for item in with_trigger:
-            if (n := limit.count(item.preservation_caption)) > limit.max_tokens:
-                raise ValueError(f"{item.image_path}: its caption with '{trigger}' replaced by '{cls}' has {n} "
-                                 f"{limit.encoder} tokens, over the {limit.max_tokens} it takes")
+    cut = _longer_than_kept(with_trigger, limit, trigger, cls)
     missing = len(trained) - len(with_trigger)
     return (f"diff_output_preservation: '{trigger}' -> '{cls}' in {len(with_trigger)} of {len(trained)} training "
             f"captions (x{args.diff_output_preservation_multiplier:g})"
-            + (f"; the {missing} without '{trigger}' get no preservation term" if missing else ""))
+            + (f"; the {missing} without '{trigger}' get no preservation term" if missing else "") + cut)
+
+
+def _longer_than_kept(items: list, limit, trigger: str, cls: str) -> str:
+    """ValueError for the first second prompt longer than an encoder that refuses long captions takes; else
+    "" or the clause for the log saying how many the encoder cuts (as check_dataset says of captions)."""
+    if limit is None:
+        return ""
+    whole = not limit.cuts_with_references  # a caption encoded with its references is kept whole
+    long = [(item, n) for item in items if not (whole and item.subset.control_directory)
+            and (n := limit.count(item.preservation_caption)) > limit.max_tokens]
+    if not long:
+        return ""
+    (item, n), *_ = long
+    if limit.refuses:
+        raise ValueError(f"{item.image_path}: its caption with '{trigger}' replaced by '{cls}' has {n} "
+                         f"{limit.encoder} tokens, over the {limit.max_tokens} it takes")
+    return (f"; warning: {len(long)} of these second prompts are longer than the {limit.max_tokens} {limit.encoder} "
+            f"tokens the encoder keeps, the rest is cut (first: {item.image_path}, {n} tokens)")
 
 
 def metadata(args) -> str | None:
