@@ -173,6 +173,26 @@ def test_each_change_re_encodes_exactly_what_it_changes(tmp_path, change, images
     assert encode(tmp_path, CountingEncoder(), **change) == (0, 0)  # and the run after that hits the cache
 
 
+def test_an_empty_second_prompt_the_encoder_sees_alone_keeps_the_captions_entries(tmp_path):
+    """blank_prompt_preservation where the encoder does not see references: the run's one empty caption serves
+    every item, so the entries stay those of a run without it (until 2026-11-29 its name and hash took the
+    empty prompt: turning it on or off re-encoded every caption, 8 of 8 on the tiny Qwen-Image set, and
+    removed the files); a class caption (diff_output_preservation) is its item's own entry."""
+    make_image(tmp_path / "img" / "a.png", 64, 32)
+    make_image(tmp_path / "img" / "b.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "caption A")
+    write(tmp_path / "img" / "b.txt", "caption b")
+    assert encode(tmp_path, CountingEncoder()) == (2, 2)
+    items = D.ImageDataset(dataset(tmp_path)).items
+    for item in items:
+        item.preservation_caption = ""
+    assert caches.cache_text(items, CountingEncoder().text, "te-1") == 0
+    assert all(caches.read_text_cache(item.text_cache, "preserve") == {} for item in items)
+    items[0].preservation_caption = "caption shape"
+    assert caches.cache_text(items, CountingEncoder().text, "te-1") == 1
+    assert caches.read_text_cache(items[0].text_cache, "preserve")
+
+
 def test_a_cache_folder_that_cannot_be_written_is_one_error_before_encoding(tmp_path, monkeypatch):
     make_image(tmp_path / "img" / "a.png", 32, 32)
     write(tmp_path / "img" / "a.txt", "caption A")

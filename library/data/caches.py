@@ -108,8 +108,17 @@ def text_entry(item: ImageItem, with_references: bool) -> str:
     many variants it holds (validation encodes none) and, where the encoder sees them, the
     references and whether the entry holds the dropped caption."""
     references = (_beside(item, item.control_paths), drops_captions(item.subset)) if with_references else None
-    preserved = () if item.preservation_caption is None else ("preserve", item.preservation_caption)  # its own entry
+    kept = stored_preservation(item, with_references)
+    preserved = () if kept is None else ("preserve", kept)  # its own entry
     return _entry_tag(caption_settings(item.subset), len(item.caption_variants), references, *preserved)
+
+
+def stored_preservation(item: ImageItem, with_references: bool) -> str | None:
+    """The output-preservation prompt an item's text entry holds (`@preserve`), or None: none, or the empty
+    caption of an encoder that does not see the references (the run's one empty caption serves it; the
+    entry, its name and hash stay those of a run without it)."""
+    kept = item.preservation_caption
+    return kept if kept or (kept == "" and with_references) else None
 
 
 def latent_hash(item: ImageItem, model_key: str) -> str:
@@ -130,8 +139,8 @@ def text_hash(item: ImageItem, model_key: str, with_references: bool = False) ->
     text = fixed_caption(item.caption, item.subset)
     if item.caption_variants:  # what is encoded changes with them (and with their count)
         text = "\x1f".join([text, *item.caption_variants])
-    if item.preservation_caption is not None:
-        text += f"\x1fpreserve:{item.preservation_caption}"
+    if (kept := stored_preservation(item, with_references)) is not None:
+        text += f"\x1fpreserve:{kept}"
     h = hashlib.sha256(f"{text}|{model_key}".encode())
     if with_references:  # the encoder sees the references, and the entry holds the dropped caption's text
         for path in item.control_paths:
@@ -331,8 +340,8 @@ def _texts(item: ImageItem, with_references: bool) -> list[tuple[str, str]]:
     texts += [(f"@{k}", variant) for k, variant in enumerate(item.caption_variants)]
     if with_references and drops_captions(item.subset):
         texts.append(("@dropped", ""))
-    if item.preservation_caption or (item.preservation_caption == "" and with_references):  # else: the empty caption's
-        texts.append(("@preserve", item.preservation_caption))
+    if (kept := stored_preservation(item, with_references)) is not None:  # else: none, or the empty caption's
+        texts.append(("@preserve", kept))
     return texts
 
 
