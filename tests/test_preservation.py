@@ -222,3 +222,28 @@ def test_the_planner_counts_the_second_prompts_graph(tiny_set):
     graphs = [plan.activations - plan.lora_grads for plan in (plain, kept)]  # the step's peak, less the LoRA's grads
     assert graphs[1] > 1.5 * graphs[0], graphs
     assert kept.inputs > plain.inputs and kept.base == plain.base
+
+
+def test_a_batch_without_a_second_prompt_runs_no_extra_forwards(tiny_set, tmp_path, monkeypatch):
+    """The two extra forwards were run for a term of 0 wherever no caption of the batch held the trigger."""
+    import collections
+    import os
+
+    from library.models.family import DiffusionFamily
+
+    dataset = copy_of_dataset(tiny_set, tmp_path)
+    captions = {f: (tmp_path / "data" / "images" / f).read_text().split() for f in os.listdir(tmp_path / "data" / "images")
+                if f.endswith(".txt")}
+    counts = collections.Counter(w for words in captions.values() for w in set(words))
+    word = next(w for w, n in sorted(counts.items()) if n == 1)  # in one caption: one batch of the 4 holds it
+    calls = []
+    real = DiffusionFamily.preservation_term
+    monkeypatch.setattr(DiffusionFamily, "preservation_term", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = tmp_path / "out"
+    assert train_lora.main(flux_args(tiny_set, out, "--diff_output_preservation", "true", "--trigger_word", word,
+                                     "--diff_output_preservation_class", "shape", "--max_train_steps", "4",
+                                     "--dataset_config", dataset)) == 0
+    assert len(calls) == 1
+    header, *rows = (out / "tiny_flux_lora_log.csv").read_text().splitlines()
+    terms = [row.split(",")[header.split(",").index("loss_preservation")] for row in rows]
+    assert len(terms) == 4 and sum(float(t) == 0.0 for t in terms) >= 3, terms

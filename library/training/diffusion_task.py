@@ -69,6 +69,8 @@ class LoRALoss(nn.Module):
                                             control, kept)
         if kept is not None:
             self.preservation_losses.append(float(kept.loss))
+        elif preservation.preserving(self.args):  # a batch without a second prompt: its term is 0, not computed
+            self.preservation_losses.append(0.0)
         return loss
 
     preservation_losses: list[float]  # this optimizer step's terms, for the log (DiffusionTask.step_extras)
@@ -562,7 +564,7 @@ class DiffusionTask:
         if batch["is_reg"].any():
             weights = torch.where(batch["is_reg"], self.args.prior_loss_weight, 1.0).to(self.device)
         control = [c.to(self.device) for c in batch["controls"]] if "controls" in batch else None
-        if "preservation_text" not in batch:
+        if "preservation_text" not in batch or not batch["preserved"].any():  # no sample has a term: no two forwards
             return latents, text, gens, mask, weights, control
         kept = {k: v.to(self.device) for k, v in batch["preservation_text"].items()}
         return latents, text, gens, mask, weights, control, kept, batch["preserved"].float().to(self.device)
@@ -596,7 +598,10 @@ class DiffusionTask:
         and scale_weight_norms' counts."""
         terms, self.module.preservation_losses[:] = list(self.module.preservation_losses), []
         extras, self._norms = dict(self._norms), {}
-        return {**extras, "loss_preservation": sum(terms) / len(terms)} if terms else extras
+        if not preservation.preserving(self.args):
+            return extras
+        mean = torch.tensor([sum(terms) / max(len(terms), 1)], device=self.device)  # the processes' mean, as `loss`
+        return {**extras, "loss_preservation": self.accelerator.reduce(mean, reduction="mean").item()}
 
     _said_compile_limit = False  # after_step's warning, once a run
     _compile_limit_hits = 0  # core.compile_limit_hits() when the blocks were compiled (an earlier run in this process)
