@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 
 from library.errors import one_line_warnings
 from library.training.config import build_parser
@@ -157,10 +158,19 @@ def build_task(args, accelerator, state: SavedState | None = None,
 
 
 def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int, started: float) -> dict:
-    from networks.lora_files import build_metadata
+    from library.models.registry import spec_of
+    from networks.lora_files import build_metadata, modelspec_fields
 
-    facts = task.metadata()
+    facts, now = task.metadata(), time.time()
     dim = facts.get("network_dim") or args.network_dim
+    # ModelSpec's keys, as sd-scripts and musubi-tuner write them: the release's names from its family's spec, the
+    # first dataset's resolution. An LLM's spec gives none: its PEFT adapters carry none (neither peer trains one).
+    spec = spec_of(args.model_type)
+    names = spec.modelspec_of(facts["base_model_version"])
+    if names is None and spec.modelspec is not None:  # a contributor's miss: the LoRA still saves
+        warnings.warn(f"{args.model_type}'s spec.py: modelspec names no release {facts['base_model_version']!r}; "
+                      f"the LoRA's header has no modelspec.* keys", stacklevel=2)
+    modelspec = modelspec_fields(names, args.output_name, facts["resolution"].split(",")[0], now) if names else {}
     return build_metadata(
         network_module=args.network_module, network_dim=dim,
         network_alpha=facts.get("network_alpha") or args.network_alpha or float(dim),  # 0: alpha = rank
@@ -177,8 +187,8 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         guidance=args.guidance_scale, seed=args.seed, dataset=facts["dataset"],
         **{key: facts.get(key) for key in ("dataset_dirs", "tag_frequency", "num_train_images", "num_reg_images")},
         num_batches_per_epoch=task.batches_per_epoch(),
-        training_started_at=int(started), training_finished_at=int(time.time()),
-        training_seconds=round(time.time() - started, 1), output_name=args.output_name,
+        training_started_at=int(started), training_finished_at=int(now),
+        training_seconds=round(now - started, 1), output_name=args.output_name, **modelspec,
     )
 
 

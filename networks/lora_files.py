@@ -25,6 +25,7 @@ BFL-named models' split and fused modules: networks/lora_module_map.py.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -755,7 +756,32 @@ METADATA_KEYS = {
     "training_finished_at": "ss_training_finished_at",
     "training_seconds": "ss_training_seconds",
     "output_name": "ss_output_name",
+    # Stability's ModelSpec (sd-scripts' / musubi-tuner's sai_model_spec.build_metadata; modelspec_fields)
+    "modelspec_version": "modelspec.sai_model_spec",
+    "modelspec_architecture": "modelspec.architecture",  # the release's (its spec's modelspec) + "/lora"
+    "modelspec_implementation": "modelspec.implementation",
+    "modelspec_title": "modelspec.title",
+    "modelspec_resolution": "modelspec.resolution",  # "WxH"
+    "modelspec_date": "modelspec.date",
+    "modelspec_hash": MODELSPEC_HASH,  # write_lora_tensors sets it to the written tensors'
 }
+
+# The ModelSpec version the keys follow: the spec's own (Stability-AI/ModelSpec README), musubi-tuner's; sd-scripts
+# writes 1.0.1 over the same keys.
+MODELSPEC_VERSION = "1.0.0"
+
+
+def modelspec_fields(names, title: str, resolution: str, timestamp: float) -> dict[str, str]:
+    """build_metadata's ModelSpec fields of a trained LoRA of the release `names` (an ArchSpec.modelspec entry) as
+    sd-scripts' and musubi-tuner's sai_model_spec.build_metadata write them: "<architecture>/lora", the
+    implementation, the title (their default: output_name), the resolution "WxH" (width x height: sd-scripts' of
+    its resolution, ours of the first dataset's), the save's date in ISO 8601 local time to the second
+    (datetime.fromtimestamp(int(t)).isoformat()); and modelspec.hash_sha256, which neither writes (the spec's
+    SHOULD: write_lora_tensors fills it in)."""
+    return {"modelspec_version": MODELSPEC_VERSION, "modelspec_architecture": f"{names.architecture}/lora",
+            "modelspec_implementation": names.implementation, "modelspec_title": title,
+            "modelspec_resolution": resolution,
+            "modelspec_date": datetime.datetime.fromtimestamp(int(timestamp)).isoformat(), "modelspec_hash": "0x"}
 
 
 def dim_and_alpha(ranks, alphas) -> tuple[str, str]:

@@ -36,13 +36,13 @@ import re
 import torch
 import torch.nn as nn
 
-from library.io import CheckpointError, CheckpointReader, save_safetensors
+from library.io import CheckpointError, CheckpointReader
 from networks.lora import LoRANetwork
 from networks.lycoris_views import (MERGEABLE, FP8LinearView, check_lycoris_weight, is_quantized_linear,  # noqa: F401
                                     lycoris_delta, lycoris_wrapped, merged_weight)
 from networks.lora_args import SELECTION_ARGS, _as_bool, _as_float, _as_int, _as_probability, check_lora_args, lora_targets
 from networks.lora_files import build_metadata, is_lycoris_file, lycoris_kind, tensor_hash  # noqa: F401 (the tools import them from here)
-from networks.lora_files import lycoris_kohya_names, naming, split_text_encoders
+from networks.lora_files import lycoris_kohya_names, naming, split_text_encoders, write_lora_tensors
 from networks.lora_reader import leave_out_text_encoders, without_base_only
 
 # network_args LyCORIS' create_network reads (lycoris-lora 4.1.3, lycoris/kohya.py), passed as given.
@@ -512,9 +512,9 @@ class LycorisNetwork(nn.Module):
         header = build_metadata(network_module=self.network_module, network_dim=self.rank,
                                 network_alpha=self.alpha, network_args=self.network_args)
         header.update(metadata or {})
-        tensors = {k: v.detach().to(dtype) for k, v in self.state_dict().items()}
-        header["sshs_model_hash"] = tensor_hash(tensors)
-        save_safetensors(tensors, path, header)
+        # the one writer of LoRA files: sshs_model_hash and modelspec.hash_sha256 of these tensors, a stale
+        # sshs_legacy_hash dropped
+        write_lora_tensors({k: v.detach().to(dtype) for k, v in self.state_dict().items()}, path, header)
 
 
 def _tensors_of(source) -> dict[str, torch.Tensor]:

@@ -377,6 +377,7 @@ def test_chroma_lora_trains_saves_and_samples(trained):
     assert "lora_unet_single_blocks_1_linear2.lora_up.weight" in keys
     assert not any("_mod" in k or "distilled" in k or "_in." in k for k in keys)  # no modulation, approximator, embedders
     assert metadata["ss_base_model_version"] == "chroma" and metadata["ss_timestep_sampling"] == "flux_shift"
+    assert metadata["modelspec.architecture"] == "chroma/lora"  # sd-scripts' (flux_train_network, chroma)
     assert sample_png(trained, "chroma", "final").stat().st_size > 0
 
 

@@ -34,13 +34,62 @@ def released_models_on_meta(arch: str) -> list[nn.Module]:
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_every_family_spec_has_every_part_and_each_resolves(model_type):
     spec = spec_of(model_type)
-    for part in ("lora", "lora_files", "fp8", "sampling", "transformer", "planner", "tiny"):
+    for part in ("lora", "lora_files", "fp8", "sampling", "transformer", "planner", "tiny", "modelspec"):
         assert getattr(spec, part) is not None, f"{spec.arch}'s spec.py gives no {part}"
     assert os.path.isfile(os.path.join(ROOT, "configs", spec.default_config)), spec.default_config
     for path in (spec.transformer.load, spec.transformer.random_inputs, spec.planner.transformer, *spec.tiny.writers):
         assert callable(load_symbol(path)), path
     assert spec.tiny.transformer, f"{spec.arch}: TinySpec.transformer names no manifest key"
     assert all(isinstance(k, ConfigKey) for k in spec.config_keys)
+
+
+def _releases() -> dict[str, dict[str, str]]:
+    """model_type -> {every release its family's model_version writes (ss_base_model_version): the
+    modelspec.architecture its LoRAs carry}. The peers' strings (sd-scripts' and musubi-tuner's
+    sai_model_spec) where one trains that model, else ours in their style (each spec's comment says which)."""
+    from library.models.krea2.family import RAW, TURBO as KREA2_TURBO
+    from library.models.qwen_image.edit import EDIT, EDIT_2509, EDIT_2511
+    from library.models.zimage.family import BASE, TURBO
+    from library.models.zimage.omni_family import OMNI
+
+    return {
+        "flux": {"flux1-dev": "flux-1-dev/lora", "flux1-schnell": "flux-1-schnell/lora"},  # sd-scripts
+        "flux_kontext": {"flux1-kontext-dev": "Flux.1-dev/lora"},  # musubi-tuner (its Kontext)
+        "chroma": {"chroma": "chroma/lora"},  # sd-scripts
+        "flux2": {"flux2-dev": "Flux.2-dev/lora", "flux2-klein-4b": "Flux.2-klein-4b/lora",  # musubi-tuner
+                  "flux2-klein-9b": "Flux.2-klein-9b/lora", "flux2-klein": "Flux.2-klein/lora"},  # (ours: other widths)
+        "qwen_image": {"qwen-image": "Qwen-Image/lora"},  # musubi-tuner, as the rest of the line but 2.1
+        "qwen_image_edit": {EDIT: "Qwen-Image-Edit/lora", EDIT_2509: "Qwen-Image-Edit-Plus/lora",
+                            EDIT_2511: "Qwen-Image-Edit-2511/lora"},
+        "qwen_image_layered": {"qwen-image-layered": "Qwen-Image-Layered/lora"},
+        "qwen_image21": {"qwen-image-2.1": "Qwen-Image-2.1/lora"},  # ours
+        "zimage": {TURBO: "Z-Image/lora", BASE: "Z-Image/lora"},  # musubi-tuner
+        "zimage_omni": {OMNI: "Z-Image-Omni/lora"},  # ours
+        "krea2": {RAW: "Krea-2/lora", KREA2_TURBO: "Krea-2/lora"},  # musubi-tuner
+        "krea2_edit": {f"{RAW}-edit": "Krea-2-Edit/lora", f"{KREA2_TURBO}-edit-kv_cache": "Krea-2-Edit/lora"},  # ours
+        "ideogram4": {"ideogram4": "Ideogram-4/lora"},  # musubi-tuner
+    }
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_every_family_names_each_of_its_releases_in_modelspec_as_the_peers_do(model_type):
+    """A trained LoRA's header carried no modelspec.* keys (sd-scripts and musubi-tuner write them; SwarmUI and
+    LoRA managers tell a LoRA's model by modelspec.architecture). Each release a registered family trains names
+    its ModelSpec architecture and implementation through its own spec, and our readers take that name back as
+    the family's architecture."""
+    from networks.lora_arch import header_arch
+    from networks.lora_files import modelspec_fields
+
+    releases = _releases()
+    assert model_type in releases, f"{model_type}: list the releases its model_version writes in _releases()"
+    spec = spec_of(model_type)
+    for release, written in releases[model_type].items():
+        names = spec.modelspec_of(release)
+        assert names is not None, f"{model_type}: its spec's modelspec names no release {release!r}"
+        fields = modelspec_fields(names, "run", "1024x768", 0.0)
+        assert fields["modelspec_architecture"] == written, release
+        assert fields["modelspec_implementation"].startswith("https://"), release
+        assert header_arch({"modelspec.architecture": written}) == spec.arch, written
 
 
 @pytest.mark.parametrize("arch", DIFFUSION_ARCHS)
@@ -219,6 +268,9 @@ def register_toy(monkeypatch, tmp_path, spec: str, family: str = 'name = "toy"')
     ('sampling=dataclasses.replace(BASE.sampling, mu=(256, 4096, 0.5, 1.15))',
      "spec.py: SPEC.sampling.mu: expected MuLine | str | None, got (256, 4096, 0.5, 1.15)"),
     ('fp8=S.FP8Rules(keep=r"img_in")', "spec.py: SPEC.fp8.keep: expected tuple[str, ...], got 'img_in'"),
+    ('modelspec=None', "spec.py: SPEC gives no modelspec"),  # its LoRAs would carry no ModelSpec keys
+    ('modelspec={"toy": ("Toy", "https://example.com")}',
+     "spec.py: SPEC.modelspec['toy']: expected ModelSpecNames, got ('Toy', 'https://example.com')"),
 ])
 def test_a_spec_mistake_is_one_line_at_registration_naming_the_file_and_field(monkeypatch, tmp_path, change, message):
     base = spec_of(next(iter(FAMILIES)))

@@ -51,6 +51,7 @@ def test_ideogram4_lora_trains_over_nvfp4_and_records_the_layout(trained):
     with safe_open(str(trained / "ideogram4.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["ss_base_precision"] == "bfl_nvfp4" and meta["ss_timestep_sampling"] == "ideogram4_shift"
+    assert meta["modelspec.architecture"] == "Ideogram-4/lora"  # musubi-tuner's
     assert any(p.endswith(".png") for p in os.listdir(trained))
 
 

@@ -78,6 +78,7 @@ def test_krea2_edit_trains_with_references_and_samples(trained):
     assert train_steps and all(s == [(s[0][0], 16, 4, 4)] for s in train_steps), seen  # one 32 x 32 reference
     with safe_open(str(out / "k2edit.safetensors"), "pt") as f:
         assert f.metadata()["ss_base_model_version"] == "krea2-raw-edit-kv_cache"
+        assert f.metadata()["modelspec.architecture"] == "Krea-2-Edit/lora"  # ours, in musubi-tuner's style
     # the final sample by its name: the output folder also holds the lr plot (k2edit_lr.png)
     with Image.open(sample_png(out, "k2edit", "final")) as sample:
         assert sample.text["panels"].split(",")[-1] == "reference"

@@ -56,6 +56,7 @@ def test_krea2_lora_trains_saves_and_samples(trained):
     with safe_open(str(trained / "krea2.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["ss_base_model_version"] == "krea2-raw" and meta["ss_timestep_sampling"] == "krea2_shift"
+    assert meta["modelspec.architecture"] == "Krea-2/lora"  # musubi-tuner's
     assert sample_png(trained, "krea2", "final").stat().st_size > 0
 
 

@@ -102,7 +102,7 @@ def header_of_run(task_facts: dict, **args) -> dict:
 
     from train_lora import lora_metadata
 
-    args = SimpleNamespace(**{"network_module": "networks.lora", "network_dim": 4, "network_alpha": 2.0, "network_args": [], "network_dropout": None, "config_file": None,
+    args = SimpleNamespace(**{"network_module": "networks.lora", "network_dim": 4, "network_alpha": 2.0, "network_args": [], "network_dropout": None, "config_file": None, "model_type": "flux",
                               "pretrained_model_name_or_path": "base.safetensors", "mixed_precision": "bf16",
                               "optimizer_type": "AdamW", "optimizer_args": [], "learning_rate": 1e-4, "lr_scheduler": "constant",
                               "discrete_flow_shift": 3.0, "guidance_scale": 1.0, "seed": 0, "output_name": "x",
@@ -110,6 +110,19 @@ def header_of_run(task_facts: dict, **args) -> dict:
     facts = {"base_model_version": "flux1", "base_precision": "bf16", "resolution": "64x64", "batch_size": 1,
              "timestep_sampling": "flux_shift", "dataset": [], **task_facts}
     return lora_metadata(args, SimpleNamespace(metadata=lambda: facts, batches_per_epoch=lambda: 1), 1, 1, 1, 1, 0.0)
+
+
+def test_the_modelspec_keys_name_the_release_and_an_unnamed_one_warns_and_saves_without_them(recwarn):
+    """The release's ModelSpec names come from its family's spec (sd-scripts' flux-1/lora for a FLUX.1 it does not
+    tell apart); a release no entry names (a contributor's miss) still saves, with one warning and no modelspec
+    keys; an LLM's PEFT adapter carries none (no peer writes ModelSpec for one)."""
+    header = header_of_run({})
+    assert (header["modelspec.architecture"], header["modelspec.title"], header["modelspec.resolution"]) == (
+        "flux-1/lora", "x", "64x64") and not recwarn
+    assert not any(k.startswith("modelspec.") for k in header_of_run({"base_model_version": "flux9-dev"}))
+    assert [str(w.message) for w in recwarn] == ["flux's spec.py: modelspec names no release 'flux9-dev'; the LoRA's "
+                                                 "header has no modelspec.* keys"]
+    assert not any(k.startswith("modelspec.") for k in header_of_run({"base_model_version": "llm-2x64"}, model_type="llm"))
 
 
 def test_the_header_after_network_weights_rebuilt_a_module_says_the_ranks_the_file_holds(flux_loras):

@@ -2,10 +2,12 @@
 bf16/fp32 and fp8 bases, files in LyCORIS' key layout loaded back with equal outputs, training
 end to end, and the one-line error for any other network_module."""
 
+import hashlib
 import importlib
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from library.precision.fp8 import FP8Linear, quantize_module
@@ -267,9 +269,13 @@ def test_lokr_file_round_trips_through_our_network_and_lycoris_own_loader(tmp_pa
     net = LycorisNetwork(model, "flux", 4, 2.0, network_args=LOKR)
     randomize(net)
     path = str(tmp_path / "lokr.safetensors")
-    net.save(path, metadata={"ss_output_name": "lokr"})
+    net.save(path, metadata={"ss_output_name": "lokr", "modelspec.hash_sha256": "0x"})  # a training save's header
     tensors = load_file(path)
     assert set(tensors) == set(net.state_dict()) and all(k.startswith("lora_unet_") for k in tensors)
+    with open(path, "rb") as f:  # ModelSpec's hash of the tensors written (LyCORIS saves wrote the header's "0x")
+        data = f.read()
+    with safe_open(path, "pt") as f:
+        assert f.metadata()["modelspec.hash_sha256"] == "0x" + hashlib.sha256(data[8 + int.from_bytes(data[:8], "little"):]).hexdigest()
     x = flux_inputs()
     base = model(*x).detach()
     net.apply()

@@ -49,6 +49,7 @@ def test_qwen_image21_lora_trains_saves_and_samples(trained):
     with safe_open(str(trained / "qi21.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["ss_base_model_version"] == "qwen-image-2.1" and meta["ss_timestep_sampling"] == "flux_shift"
+    assert meta["modelspec.architecture"] == "Qwen-Image-2.1/lora"  # ours, in musubi-tuner's style
     assert sample_png(trained, "qi21", "final").stat().st_size > 0
 
 

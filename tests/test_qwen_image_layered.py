@@ -158,6 +158,7 @@ def test_trains_on_layered_targets_and_decomposes_a_sample(trained):
     with safe_open(str(trained / "lay.safetensors"), "pt") as f:
         meta, names = f.metadata(), {k.split(".")[0] for k in f.keys()}
     assert meta["ss_base_model_version"] == "qwen-image-layered"
+    assert meta["modelspec.architecture"] == "Qwen-Image-Layered/lora"  # musubi-tuner's
     assert "lora_unet_transformer_blocks_0_attn_to_q" in names  # Qwen-Image's names: its LoRA files and tools
     with Image.open(sample_png(trained, "lay", "final")) as sample:  # 3 frames then the reference, 64 px each
         assert sample.width == 4 * 64

@@ -64,6 +64,7 @@ def test_kontext_edit_lora_loss_falls_with_references_in_every_step(edit_set, tm
     assert last < 0.9 * first, (first, last)
     with safe_open(str(out / "kontext.safetensors"), "pt") as f:
         assert f.metadata()["ss_base_model_version"] == "flux1-kontext-dev"
+        assert f.metadata()["modelspec.architecture"] == "Flux.1-dev/lora"  # musubi-tuner's for its Kontext LoRAs
     with Image.open(sample_png(out, "kontext", "final")) as sample:
         panels = sample.text["panels"].split(",")  # the target on each sampled base, then the reference
         assert panels[-1] == "reference" and len(panels) >= 2 and sample.size[0] == 32 * len(panels)

@@ -301,13 +301,40 @@ def test_interrupt_saves_and_resume_is_bit_identical(tiny_set, tmp_path, monkeyp
     assert read_losses(interrupted) == read_losses(tmp_path / "straight")
 
 
-def test_network_alpha_0_is_written_as_the_alpha_it_means(tiny_set, tmp_path):
-    """0 means alpha = rank (the .alpha tensors hold the rank); the header said ss_network_alpha 0.0 until 2026-11-27."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def one_step_flux(tiny_set, tmp_path_factory) -> str:
+    """The LoRA of one step with network_alpha 0 (the header tests below read it)."""
+    out = tmp_path_factory.mktemp("one_step")
     assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "1", "--network_alpha", "0", "--sample_prompts", "")) == 0
-    with safe_open(str(out / "tiny_flux_lora.safetensors"), "pt") as f:
+    return str(out / "tiny_flux_lora.safetensors")
+
+
+def test_network_alpha_0_is_written_as_the_alpha_it_means(one_step_flux):
+    """0 means alpha = rank (the .alpha tensors hold the rank); the header said ss_network_alpha 0.0 until 2026-11-27."""
+    with safe_open(one_step_flux, "pt") as f:
         meta, alphas = f.metadata(), {f.get_tensor(k).item() for k in f.keys() if k.endswith(".alpha")}
     assert alphas == {float(meta["ss_network_dim"])} and float(meta["ss_network_alpha"]) in alphas, meta["ss_network_alpha"]
+
+
+def test_a_saved_lora_carries_the_modelspec_keys_sd_scripts_writes(one_step_flux):
+    """The header had no modelspec.* keys (Stability's ModelSpec, which sd-scripts' and musubi-tuner's saves carry
+    and SwarmUI and LoRA managers read to tell a LoRA's model): now sd-scripts' own for FLUX.1 [dev]
+    (flux_train_network: flux-1-dev/lora, IMPL_FLUX), the title output_name, the dataset's resolution "WxH", the
+    save's date, and the hash of the tensors written (sshs_model_hash with "0x")."""
+    import datetime
+    import hashlib
+
+    with safe_open(one_step_flux, "pt") as f:
+        meta = f.metadata()
+    written = {k: v for k, v in meta.items() if k.startswith("modelspec.")}
+    assert {k: written.pop(k) for k in ("modelspec.date", "modelspec.hash_sha256")} and written == {
+        "modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": "flux-1-dev/lora",
+        "modelspec.implementation": "https://github.com/black-forest-labs/flux", "modelspec.title": "tiny_flux_lora",
+        "modelspec.resolution": "64x64"}
+    assert meta["modelspec.date"] == datetime.datetime.fromtimestamp(int(meta["ss_training_finished_at"])).isoformat()
+    with open(one_step_flux, "rb") as f:  # ModelSpec's hash: sha256 of the bytes after the header
+        data = f.read()
+    assert meta["modelspec.hash_sha256"] == "0x" + hashlib.sha256(data[8 + int.from_bytes(data[:8], "little"):]).hexdigest()
 
 
 def test_ctrl_c_before_the_loop_exits_130_in_one_line(tiny_set, tmp_path, monkeypatch, capsys):
@@ -513,6 +540,10 @@ def test_qwen_image_lora_trains_from_diffusers_folders(tiny_set, tmp_path):
     ])
     assert code == 0
     tensors = load_file(out / "qwen.safetensors")
+    with safe_open(str(out / "qwen.safetensors"), "pt") as f:  # musubi-tuner's ModelSpec names (ARCH_QWEN_IMAGE)
+        meta = f.metadata()
+    assert (meta["modelspec.architecture"], meta["modelspec.implementation"], meta["modelspec.title"]) == (
+        "Qwen-Image/lora", "https://github.com/QwenLM/Qwen-Image", "qwen")
     assert any(k.startswith("lora_unet_transformer_blocks_0_attn_to_q") for k in tensors)
     assert len(read_losses(out, "qwen")) == 6
 

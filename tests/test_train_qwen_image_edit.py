@@ -72,6 +72,7 @@ def test_qwen_image_edit_lora_loss_falls_with_references_in_every_step(edit_set,
     lora = out / "qedit.safetensors"
     with safe_open(str(lora), "pt") as f:
         assert f.metadata()["ss_base_model_version"] == "qwen-image-edit-2509"
+        assert f.metadata()["modelspec.architecture"] == "Qwen-Image-Edit-Plus/lora"  # musubi-tuner's for 2509
         assert any("transformer_blocks" in k for k in f.keys())
     with Image.open(sample_png(out, "qedit", "final")) as sample:
         panels = sample.text["panels"].split(",")  # the target, then the reference

@@ -64,6 +64,7 @@ def test_omni_lora_trains_from_its_config_with_references(trained):
     with safe_open(str(out / "omni.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["ss_base_model_version"] == "zimage-omni" and meta["ss_base_precision"] == "fp8_scaled"
+    assert meta["modelspec.architecture"] == "Z-Image-Omni/lora"  # ours, in musubi-tuner's style
     assert any(p.endswith(".png") for p in os.listdir(out))  # the sample (target | reference)
 
 

@@ -56,6 +56,7 @@ def test_zimage_lora_trains_saves_and_samples(trained):
     with safe_open(str(trained / "zimage.safetensors"), "pt") as f:
         meta = f.metadata()
     assert meta["ss_base_model_version"] == "zimage-turbo" and meta["ss_timestep_sampling"] == "zimage_shift"
+    assert meta["modelspec.architecture"] == "Z-Image/lora"  # musubi-tuner's
     assert sample_png(trained, "zimage", "final").stat().st_size > 0
 
 

@@ -57,9 +57,9 @@ def _spec_modules() -> dict[str, str]:
 
 
 # The parts every spec gives (networks/, tools/ and precision/ read them for any arch), then those a
-# family's adds (its sampling, the precision doctor, the memory planner, the tiny set).
+# family's adds (its sampling, the precision doctor, the memory planner, the tiny set, its LoRAs' ModelSpec names).
 REQUIRED_PARTS = ("lora", "lora_files", "fp8")
-FAMILY_PARTS = REQUIRED_PARTS + ("sampling", "transformer", "planner", "tiny")
+FAMILY_PARTS = REQUIRED_PARTS + ("sampling", "transformer", "planner", "tiny", "modelspec")
 
 
 def arch_specs() -> dict:

@@ -110,6 +110,21 @@ class LoRAFiles:
 
 
 # ----------------------------------------------------------------------------------------------
+# ModelSpec: the trained LoRA's modelspec.* header keys (train_lora.py lora_metadata)
+
+
+@dataclass(frozen=True)
+class ModelSpecNames:
+    """A release's names in Stability's ModelSpec (github.com/Stability-AI/ModelSpec), as sd-scripts' and
+    musubi-tuner's sai_model_spec.build_metadata write them into a LoRA's header, where SwarmUI and LoRA
+    managers read which model the LoRA is for: modelspec.architecture (the LoRA's is this + "/lora") and
+    modelspec.implementation (the reference code base, a URL). Each family's comment says whose strings they are."""
+
+    architecture: str
+    implementation: str
+
+
+# ----------------------------------------------------------------------------------------------
 # fp8: which modules stay in high precision (library/precision/fp8.py)
 
 
@@ -348,9 +363,18 @@ class ArchSpec:
     # runs a negative prompt (each family's comment says where it is not its pipeline's default); a release
     # that reads no guidance is not listed.
     sample_guidance: dict = field(default_factory=dict)
+    # release -> its ModelSpec names (a family's spec gives them: registry.FAMILY_PARTS). A key is a release as the
+    # family's model_version writes it (ss_base_model_version), or its beginning up to a "-": the longest key that
+    # is the release or begins it followed by "-" names it (modelspec_of).
+    modelspec: dict[str, ModelSpecNames] | None = None
 
     def __post_init__(self):
         _check_type(self, ArchSpec, "SPEC")
+
+    def modelspec_of(self, release: str) -> ModelSpecNames | None:
+        """The ModelSpec names of `release` (a model_version: "<key>" or "<key>-..."), None where no key names it."""
+        keys = [k for k in (self.modelspec or {}) if release == k or release.startswith(k + "-")]
+        return self.modelspec[max(keys, key=len)] if keys else None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -108,6 +108,10 @@ CONFIG_KEYS = (
 )
 
 
+# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata): sd-scripts' (ARCH_FLUX_1_CHROMA, IMPL_CHROMA)
+MODELSPEC = {"chroma": S.ModelSpecNames("chroma", "https://huggingface.co/lodestones/Chroma")}
+
+
 SPEC = S.ArchSpec(
     arch="chroma",
     title="Chroma",
@@ -125,4 +129,5 @@ SPEC = S.ArchSpec(
     config_keys=CONFIG_KEYS,
     sample_steps={"chroma": 35},  # ChromaPipeline
     sample_guidance={"chroma": 5.0},
+    modelspec=MODELSPEC,
 )

@@ -141,6 +141,19 @@ CONFIG_KEYS = (
 )
 
 
+# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata), by release (the family's model_version)
+# sd-scripts' sai_model_spec (flux_train_network get_sai_model_spec: "dev" / "schnell", else ARCH_FLUX_1_UNKNOWN)
+# for FLUX.1 dev / schnell / another flux1-*; musubi-tuner's ARCH_FLUX_KONTEXT ("Flux.1-dev", the only trainer of
+# Kontext LoRAs that writes one) for Kontext [dev]. Implementation: both peers' IMPL_FLUX.
+_BFL = "https://github.com/black-forest-labs/flux"
+MODELSPEC = {
+    "flux1": S.ModelSpecNames("flux-1", _BFL),
+    "flux1-dev": S.ModelSpecNames("flux-1-dev", _BFL),
+    "flux1-schnell": S.ModelSpecNames("flux-1-schnell", _BFL),
+    "flux1-kontext-dev": S.ModelSpecNames("Flux.1-dev", _BFL),
+}
+
+
 SPEC = S.ArchSpec(
     arch="flux",
     title="FLUX.1",
@@ -159,4 +172,5 @@ SPEC = S.ArchSpec(
     config_keys=CONFIG_KEYS,
     sample_steps={"dev": 28, "kontext": 28, "schnell": 4},  # FluxPipeline / FluxKontextPipeline; schnell's card
     sample_guidance={"dev": 3.5, "kontext": 2.5},
+    modelspec=MODELSPEC,
 )

@@ -115,6 +115,18 @@ CONFIG_KEYS = (
 )
 
 
+# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata), by release (the family's model_version):
+# musubi-tuner's (ARCH_FLUX_2_DEV / _KLEIN_4B / _KLEIN_9B, IMPL_FLUX_2); a klein of another width (flux2-klein,
+# no peer names one) ours in their style.
+_BFL = "https://github.com/black-forest-labs/flux2"
+MODELSPEC = {
+    "flux2-dev": S.ModelSpecNames("Flux.2-dev", _BFL),
+    "flux2-klein-4b": S.ModelSpecNames("Flux.2-klein-4b", _BFL),
+    "flux2-klein-9b": S.ModelSpecNames("Flux.2-klein-9b", _BFL),
+    "flux2-klein": S.ModelSpecNames("Flux.2-klein", _BFL),
+}
+
+
 SPEC = S.ArchSpec(
     arch="flux2",
     title="FLUX.2",
@@ -132,4 +144,5 @@ SPEC = S.ArchSpec(
     config_keys=CONFIG_KEYS,
     sample_steps={"dev": 50, "klein base": 50, "klein distilled": 4},  # Flux2Pipeline / Flux2KleinPipeline; the distilled cards
     sample_guidance={"dev": 4.0, "klein base": 4.0},
+    modelspec=MODELSPEC,
 )

@@ -97,6 +97,10 @@ CONFIG_KEYS = (
 )
 
 
+# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata): musubi-tuner's (ARCH_IDEOGRAM4, IMPL_IDEOGRAM4)
+MODELSPEC = {"ideogram4": S.ModelSpecNames("Ideogram-4", "https://huggingface.co/Comfy-Org/Ideogram-4")}
+
+
 SPEC = S.ArchSpec(
     arch="ideogram4",
     title="Ideogram 4",
@@ -113,4 +117,5 @@ SPEC = S.ArchSpec(
     config_keys=CONFIG_KEYS,
     sample_steps={"ideogram4": 48},  # Ideogram4Pipeline
     sample_guidance={"ideogram4": 7.0},
+    modelspec=MODELSPEC,
 )

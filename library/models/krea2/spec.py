@@ -122,6 +122,17 @@ CONFIG_KEYS = (
 )
 
 
+# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata), by release (the families' model_version):
+# musubi-tuner's (ARCH_KREA2, IMPL_KREA2) for Raw and Turbo; the edit variant (no peer trains it) ours in that
+# style, as musubi-tuner names Qwen-Image's edit model.
+_KREA = "https://github.com/krea-ai/krea-2"
+MODELSPEC = {
+    "krea2": S.ModelSpecNames("Krea-2", _KREA),
+    "krea2-raw-edit": S.ModelSpecNames("Krea-2-Edit", _KREA),
+    "krea2-turbo-edit": S.ModelSpecNames("Krea-2-Edit", _KREA),
+}
+
+
 SPEC = S.ArchSpec(
     arch="krea2",
     title="Krea 2",
@@ -138,4 +149,5 @@ SPEC = S.ArchSpec(
     config_keys=CONFIG_KEYS,
     sample_steps={"raw": 28, "turbo": 8},  # Krea2Pipeline (turbo: is_distilled); the edit variant: its release's
     sample_guidance={"raw": 4.5, "turbo": 0.0},
+    modelspec=MODELSPEC,
 )

@@ -104,6 +104,18 @@ CONFIG_KEYS = (
 )
 
 
+# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata), by release (the families' model_version):
+# musubi-tuner's (ARCH_QWEN_IMAGE, _EDIT, _EDIT_PLUS for 2509, _EDIT_2511, _LAYERED, with their IMPL_ URLs).
+_QWEN = "https://github.com/QwenLM/Qwen-Image"
+MODELSPEC = {
+    "qwen-image": S.ModelSpecNames("Qwen-Image", _QWEN),
+    "qwen-image-edit": S.ModelSpecNames("Qwen-Image-Edit", _QWEN),
+    "qwen-image-edit-2509": S.ModelSpecNames("Qwen-Image-Edit-Plus", _QWEN),
+    "qwen-image-edit-2511": S.ModelSpecNames("Qwen-Image-Edit-2511", _QWEN),
+    "qwen-image-layered": S.ModelSpecNames("Qwen-Image-Layered", "https://github.com/QwenLM/Qwen-Image-Layered"),
+}
+
+
 SPEC = S.ArchSpec(
     arch="qwen_image",
     title="Qwen-Image",
@@ -122,4 +134,5 @@ SPEC = S.ArchSpec(
     config_keys=CONFIG_KEYS,
     sample_steps={"qwen-image": 50, "edit": 50, "layered": 50},  # QwenImage(Edit(Plus)|Layered)Pipeline
     sample_guidance={"qwen-image": 4.0, "edit": 4.0, "layered": 4.0},
+    modelspec=MODELSPEC,
 )

@@ -98,6 +98,12 @@ CONFIG_KEYS = (
 )
 
 
+# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata): no peer trains it, so ours in musubi-tuner's style
+# for the Qwen-Image line (the release's name); the implementation is the release's weights page (as sd-scripts
+# names Chroma's).
+MODELSPEC = {"qwen-image-2.1": S.ModelSpecNames("Qwen-Image-2.1", "https://huggingface.co/Qwen/Qwen-Image-2.1")}
+
+
 SPEC = S.ArchSpec(
     arch="qwen_image21",
     title="Qwen-Image-2.1",
@@ -114,4 +120,5 @@ SPEC = S.ArchSpec(
     config_keys=CONFIG_KEYS,
     sample_steps={"qwen-image-2.1": 40},  # QwenImage21Pipeline
     sample_guidance={"qwen-image-2.1": 1.0},  # QwenImage21Pipeline: "meant to be sampled without guidance"
+    modelspec=MODELSPEC,
 )

@@ -131,6 +131,16 @@ CONFIG_KEYS = (
 )
 
 
+# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata), by release (the families' model_version):
+# musubi-tuner's (ARCH_Z_IMAGE, IMPL_Z_IMAGE) for Turbo and Base, which it names alike; Omni (no peer trains it,
+# and it runs with other inputs) ours in that style.
+_ZIMAGE = "https://github.com/Tongyi-MAI/Z-Image"
+MODELSPEC = {
+    "zimage": S.ModelSpecNames("Z-Image", _ZIMAGE),
+    "zimage-omni": S.ModelSpecNames("Z-Image-Omni", _ZIMAGE),
+}
+
+
 SPEC = S.ArchSpec(
     arch="zimage",
     title="Z-Image",
@@ -148,4 +158,5 @@ SPEC = S.ArchSpec(
     config_keys=CONFIG_KEYS,
     sample_steps={"turbo": 8, "base": 50, "omni": 50},  # ZImagePipeline / ZImageOmniPipeline; Turbo's card: 8 steps
     sample_guidance={"turbo": 0.0, "base": 5.0, "omni": 5.0},
+    modelspec=MODELSPEC,
 )
