@@ -74,7 +74,8 @@ def optimizer_class(optimizer_type: str):
             found = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
             raise ConfigError(f"optimizer_type '{name}': cannot import {class_name} from {module_name}") from None
-        if isinstance(found, type) and callable(getattr(found, "train", None)) and callable(getattr(found, "eval", None)):
+        if (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)  # (an nn.Module has train / eval too)
+                and callable(getattr(found, "train", None)) and callable(getattr(found, "eval", None))):
             raise ConfigError(schedule_free_refusal(name))
         return found
     if found := torch_optimizer(lower) or bnb_optimizer(lower):
