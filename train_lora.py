@@ -381,6 +381,7 @@ class Trainer:
             self.module, self.optimizer = accelerator.prepare(task.module, optimizer)
         self.step, self.epoch, self.batches_done = 0, 0, 0
         self.val_loss = None  # the latest, shown in the progress bar between validations
+        self.norm_counts = {}  # scale_weight_norms' counts of this step, for its log row
         self.step_ds = None  # each group's d the last optimizer step applied (adaptive optimizers)
         self.ema = None
         if args.ema_decay:  # after prepare and network_weights: the EMA starts from the weights training starts from
@@ -613,7 +614,7 @@ class Trainer:
             stepped = self.optimizer_step()
             self.optimizer.zero_grad(set_to_none=True)
             if args.scale_weight_norms and stepped:  # before the EMA takes the step's weights
-                self.task.scale_weight_norms(args.scale_weight_norms)
+                self.norm_counts = self.task.scale_weight_norms(args.scale_weight_norms)
             if self.ema is not None and stepped:  # per optimizer step; every rank averages the same (all-reduced) weights
                 self.ema.update(self.step + 1)
             self.finish_step(accelerator.reduce(torch.stack(losses).sum(), reduction="mean").item())
@@ -689,7 +690,7 @@ class Trainer:
         """After an optimizer step: validate (when due), log (with the lr this step used),
         schedule, sample, save, and honour Ctrl-C / SIGTERM."""
         args = self.args
-        extras = self.task.step_extras()
+        extras, self.norm_counts = {**self.task.step_extras(), **self.norm_counts}, {}
         timing = self.clock.lap()  # before validation: a step's time is its training
         if self.task.validation_size():  # a val_loss column from the first row on, empty between validations
             extras["val_loss"] = None

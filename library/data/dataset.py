@@ -98,12 +98,12 @@ class ImageDataset(torch.utils.data.Dataset):
             text = read_text_cache(item.text_cache, variant)  # "dropped": the item's own, if encoded with its references
             if variant == "dropped" and not text:
                 text = self._empty_text()
-            sample["text"] = {k: v.float() if v.is_floating_point() else v for k, v in text.items()}
+            sample["text"] = _floats(text)
             if self.preserving:  # output preservation: every sample of the batch has a second prompt, used or not
                 sample["preserved"] = item.preservation_caption is not None
-                kept = read_text_cache(item.text_cache, "preserve") if sample["preserved"] else sample["text"]
+                kept = read_text_cache(item.text_cache, "preserve") if sample["preserved"] else text
                 kept = kept or self._empty_text()  # "": the empty caption's, unless encoded with the item's references
-                sample["preservation_text"] = {k: v.float() if v.is_floating_point() else v for k, v in kept.items()}
+                sample["preservation_text"] = _floats(kept)
         return sample
 
     def _caption(self, item: ImageItem, epoch: int, rng: random.Random) -> tuple[str, int | str | None]:
@@ -219,17 +219,21 @@ def collate_batch(samples: list[dict]) -> dict:
     for key in ("controls", "control_images"):  # a batch holds one reference count and size
         if key in samples[0]:
             batch[key] = [torch.stack(refs) for refs in zip(*(s[key] for s in samples))]
-    if "text" in samples[0]:
-        batch["text"] = {k: _pad_stack([s["text"][k] for s in samples]) for k in samples[0]["text"]}
-    if "preservation_text" in samples[0]:
-        batch["preservation_text"] = {k: _pad_stack([s["preservation_text"][k] for s in samples])
-                                      for k in samples[0]["preservation_text"]}
+    for key in ("text", "preservation_text"):  # (the second: output preservation's prompts)
+        if key in samples[0]:
+            batch[key] = {k: _pad_stack([s[key][k] for s in samples]) for k in samples[0][key]}
+    if "preserved" in samples[0]:
         batch["preserved"] = torch.tensor([s["preserved"] for s in samples])
     batch["is_reg"] = torch.tensor([s.get("is_reg", False) for s in samples])
     if any("mask" in s for s in samples):  # unmasked samples of a mixed batch train everywhere
         like = next(s["mask"] for s in samples if "mask" in s)
         batch["masks"] = torch.stack([s.get("mask", torch.ones_like(like)) for s in samples])
     return batch
+
+
+def _floats(text: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A cached text's floating tensors in float32 (bf16 on disk), the others as they are."""
+    return {k: v.float() if v.is_floating_point() else v for k, v in text.items()}
 
 
 def _pad_stack(tensors: list[torch.Tensor]) -> torch.Tensor:

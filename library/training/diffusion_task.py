@@ -588,20 +588,16 @@ class DiffusionTask:
     def load_trainable_tensors(self, tensors: dict[str, torch.Tensor]):
         self.network.load_state_dict(tensors)
 
-    _norms: dict = {}  # scale_weight_norms' counts of the last step
-
-    def scale_weight_norms(self, max_norm: float) -> None:
-        self._norms = self.network.scale_weight_norms(max_norm)
+    def scale_weight_norms(self, max_norm: float) -> dict:
+        return self.network.scale_weight_norms(max_norm)
 
     def step_extras(self) -> dict:
-        """The step's mean output-preservation term (loss_preservation, included in loss), when there is one,
-        and scale_weight_norms' counts."""
-        terms, self.module.preservation_losses[:] = list(self.module.preservation_losses), []
-        extras, self._norms = dict(self._norms), {}
+        """The step's mean output-preservation term (loss_preservation, included in loss), when there is one."""
         if not preservation.preserving(self.args):
-            return extras
+            return {}
+        terms, self.module.preservation_losses = self.module.preservation_losses, []
         mean = torch.tensor([sum(terms) / max(len(terms), 1)], device=self.device)  # the processes' mean, as `loss`
-        return {**extras, "loss_preservation": self.accelerator.reduce(mean, reduction="mean").item()}
+        return {"loss_preservation": self.accelerator.reduce(mean, reduction="mean").item()}
 
     _said_compile_limit = False  # after_step's warning, once a run
     _compile_limit_hits = 0  # core.compile_limit_hits() when the blocks were compiled (an earlier run in this process)

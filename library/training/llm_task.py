@@ -409,14 +409,11 @@ class LLMTask:
         inputs, targets, documents = batch
         return inputs.to(self.device), targets.to(self.device), None if documents is None else documents.to(self.device)
 
-    _norms: dict = {}  # scale_weight_norms' counts of the last step
-
-    def scale_weight_norms(self, max_norm: float) -> None:
-        self._norms = self.network.scale_weight_norms(max_norm)
+    def scale_weight_norms(self, max_norm: float) -> dict:
+        return self.network.scale_weight_norms(max_norm)
 
     def step_extras(self) -> dict:
-        extras, self._norms = dict(self._norms), {}
-        return extras
+        return {}
 
     def validation_size(self) -> int:
         return 0  # the trainer's val_loss is for images; the LLM's own eval runs in after_step

@@ -71,9 +71,9 @@ class Task(Protocol):
         """The held-out loss of the current weights (float32 math, no grad); called only when
         validation_size() > 0."""
 
-    def scale_weight_norms(self, max_norm: float) -> None:
+    def scale_weight_norms(self, max_norm: float) -> dict:
         """After an optimizer step: the trained LoRA's modules scaled to a delta norm <= max_norm (sd-scripts'
-        max-norm regularization); its counts go in this step's step_extras."""
+        max-norm regularization); returns the counts for the step's log row."""
 
     def step_extras(self) -> dict:
         """Extra columns for this optimizer step's log row."""
