@@ -420,8 +420,10 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         flat = _flatten(read_toml(where), where)
         unknown = [key for key in flat if key not in SCHEMA]
         if unknown:  # all at once: an sd-scripts config brings several
+            from library.training.peers import peer_key_hint
+
             raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} "
-                              f"{', '.join(repr(k) for k in unknown)}")
+                              f"{', '.join(repr(k) for k in unknown)}{peer_key_hint(unknown, where)}")
         for key, value in flat.items():
             values[key] = _coerce(key, value, where)
             origins[key] = where

@@ -1,0 +1,40 @@
+"""The peers' configs (sd-scripts, musubi-tuner, ai-toolkit) translated into ours: one module per peer
+holds its keys' rules (rules.py says what a rule is) and its `translate`; tools/convert_config.py reads
+the files and writes ours. config.py asks `peer_key_hint` to name the peer of an unknown key. No torch."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# name -> module; each has RULES (its training keys) and
+# translate(config, source, *, model_type=None, dataset=None, dataset_source=None, script=None) -> Translation
+PEERS = {
+    "sd-scripts": "library.training.peers.sd_scripts",
+    "musubi-tuner": "library.training.peers.musubi_tuner",
+    "ai-toolkit": "library.training.peers.ai_toolkit",
+}
+
+
+def peer_module(name: str) -> ModuleType:
+    return importlib.import_module(PEERS[name])
+
+
+def peers_of(key: str) -> list[str]:
+    """The peers that document `key` (a rule for it that is not a plain `same`: those are ours too)."""
+    found = []
+    for name in PEERS:
+        rules = peer_module(name).RULES
+        if key in rules and rules[key].kind != "same":
+            found.append(name)
+    return found
+
+
+def peer_key_hint(keys: list[str], path: str) -> str:
+    """The end of config.py's unknown-key line when the keys are a peer's: which peer, and the command
+    that translates the file ('' when none is)."""
+    names = list(dict.fromkeys(name for key in keys for name in peers_of(key)))
+    if not names:
+        return ""
+    return (f" ({' / '.join(names)} key{'s' if len(keys) > 1 else ''}: `python tools/convert_config.py {path}` "
+            f"writes the config as ours and says what each key became)")

@@ -1,0 +1,176 @@
+"""A peer's config read key by key into ours. Each peer module (sd_scripts.py, musubi_tuner.py,
+ai_toolkit.py) holds one Rule per key the peer documents, so every key of a config carried over either
+means the same thing here, or is dropped because it asks for what we always do, or is named in one line
+saying why it is not carried (it would change the training, and we do not do it).
+
+Verdicts, in the order a person reads the report:
+- kept / renamed: set in our config, with our name and value;
+- dropped: the peer's machinery or what we always do (sdpa, cache_latents, network_train_unet_only =
+  true, a logging level): nothing changes by leaving it out;
+- not carried: it changes the training and we do not do it (noise_offset, xformers = false ...), or it
+  asks for the opposite of what we always do (network_train_unet_only = false);
+- unknown: no rule knows the key (a newer peer version, a typo).
+No torch here: the converter and config.py's unknown-key hint import this before torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+KEPT, RENAMED, DROPPED, NOT_CARRIED, UNKNOWN = "kept", "renamed", "dropped", "not carried", "unknown"
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str  # "same", "renamed", "implied", "unsupported", "ignored", "custom"
+    ours: str | None = None  # our key (same / renamed)
+    convert: Callable[[Any], Any] | None = None  # peer value -> ours; raises ValueError(reason) when it cannot
+    fits: Callable[[Any], bool] | None = None  # implied: the value asks for what we always do
+    why: str = ""
+    handle: Callable[["Translation", str, Any], None] | None = None  # custom: sets what it needs itself
+
+
+def same(why: str = "", convert: Callable[[Any], Any] | None = None) -> Rule:
+    """Our key of the same name and meaning (convert: a value spelled another way, "1024,1024" -> [1024, 1024])."""
+    return Rule("same", convert=convert, why=why)
+
+
+def renamed(ours: str, convert: Callable[[Any], Any] | None = None, why: str = "") -> Rule:
+    return Rule("renamed", ours=ours, convert=convert, why=why)
+
+
+def implied(fits: Callable[[Any], bool], why: str) -> Rule:
+    """Dropped when fits(value) (it asks for what we always do: `why` says what that is); not carried else."""
+    return Rule("implied", fits=fits, why=why)
+
+
+def unsupported(why: str) -> Rule:
+    """Changes the training; we do not do it. Not carried, whatever its value, unless it is falsy (off)."""
+    return Rule("unsupported", why=why)
+
+
+def ignored(why: str) -> Rule:
+    """The peer's own machinery or output (logging level, a Hub upload): dropped, nothing changes."""
+    return Rule("ignored", why=why)
+
+
+def custom(handle: Callable[["Translation", str, Any], None]) -> Rule:
+    return Rule("custom", handle=handle)
+
+
+def is_true(value: Any) -> bool:
+    return value is True or (isinstance(value, str) and value.lower() == "true")
+
+
+def is_off(value: Any) -> bool:
+    """None, false, 0, "", [] and the peers' "none" spellings: a key given at its off value."""
+    return value in (None, False, 0, 0.0, "", [], {}) or (isinstance(value, str) and value.lower() in ("none", "false"))
+
+
+@dataclass
+class Line:
+    key: str  # the peer's key, as written (a dotted path for nested YAML)
+    value: Any
+    verdict: str
+    text: str = ""  # renamed: our key; dropped / not carried: why
+
+
+@dataclass
+class Translation:
+    peer: str  # "sd-scripts", "musubi-tuner", "ai-toolkit"
+    source: str  # the file (or "command line") it came from
+    config: dict[str, Any] = field(default_factory=dict)  # our training keys, flat
+    dataset: dict[str, Any] | None = None  # our dataset TOML ([general], [[datasets]] ...), None: none written
+    lines: list[Line] = field(default_factory=list)
+
+    def set(self, ours: str, value: Any, key: str, peer_value: Any, verdict: str = KEPT, text: str = "") -> None:
+        """Our key set from the peer's key; two peer keys that set one of ours to different values are
+        one ValueError naming both (sd-scripts' fp8_base and fp8_base_unet, say)."""
+        setter = next((line.key for line in self.lines if line.verdict in (KEPT, RENAMED) and line.text == ours), None)
+        if ours in self.config and self.config[ours] != value:
+            raise ValueError(f"{self.source}: {key!r} = {peer_value!r} and {setter or ours!r} both set our "
+                             f"{ours!r}, to {value!r} and {self.config[ours]!r}")
+        self.config[ours] = value
+        self.lines.append(Line(key, peer_value, verdict, ours))
+
+    def drop(self, key: str, value: Any, why: str) -> None:
+        self.lines.append(Line(key, value, DROPPED, why))
+
+    def refuse(self, key: str, value: Any, why: str) -> None:
+        self.lines.append(Line(key, value, NOT_CARRIED, why))
+
+    @property
+    def not_carried(self) -> list[Line]:
+        return [line for line in self.lines if line.verdict in (NOT_CARRIED, UNKNOWN)]
+
+
+def apply_rule(t: Translation, key: str, value: Any, rule: Rule | None) -> None:
+    """One peer key into `t`, by its rule (None: no rule knows it)."""
+    if rule is None:
+        t.lines.append(Line(key, value, UNKNOWN, f"not a key {t.peer} documents (a newer version's, or a typo?)"))
+    elif rule.kind == "custom":
+        rule.handle(t, key, value)
+    elif rule.kind in ("same", "renamed"):
+        ours = key if rule.kind == "same" else rule.ours
+        try:
+            converted = rule.convert(value) if rule.convert else value
+        except ValueError as e:
+            t.refuse(key, value, str(e))
+            return
+        t.set(ours, converted, key, value, KEPT if rule.kind == "same" else RENAMED, ours)
+    elif rule.kind == "implied":
+        (t.drop if rule.fits(value) else t.refuse)(key, value, rule.why)
+    elif rule.kind == "unsupported":
+        (t.drop if is_off(value) else t.refuse)(key, value, "off" if is_off(value) else rule.why)
+    else:
+        t.drop(key, value, rule.why)
+
+
+def apply_rules(t: Translation, flat: dict[str, Any], rules: dict[str, Rule]) -> None:
+    for key, value in flat.items():
+        apply_rule(t, key, value, rules.get(key))
+
+
+def flatten_tables(config: dict[str, Any]) -> dict[str, Any]:
+    """sd-scripts' and musubi-tuner's config reading: tables are for people ([model], [training] ...),
+    every leaf key is an argument."""
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(flatten_tables(value))
+        else:
+            flat[key] = value
+    return flat
+
+
+def argv_to_dict(argv: list[str], list_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A peer's command line (`--key value`, `--flag`, `--network_args a=1 b=2`) as the dict its TOML
+    would hold: a flag alone is true, several values (or one of `list_keys`) a list; numbers stay text
+    where the rule's convert reads them (a command line does not say 1 from "1")."""
+    flat: dict[str, Any] = {}
+    key = None
+    for word in argv:
+        if word.startswith("--"):
+            key = word[2:].split("=", 1)[0]
+            flat[key] = [] if key in list_keys else True
+            if "=" in word:
+                _append(flat, key, word.split("=", 1)[1])
+        elif key is not None:
+            _append(flat, key, word)
+    return {k: _number(v) for k, v in flat.items()}
+
+
+def _append(flat: dict[str, Any], key: str, word: str) -> None:
+    current = flat[key]
+    flat[key] = word if current is True else ([*current, word] if isinstance(current, list) else [current, word])
+
+
+def _number(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(value.lower(), value)

@@ -1,0 +1,196 @@
+"""Translate a training config written for sd-scripts, musubi-tuner or ai-toolkit into ours, and say
+what every key became.
+
+    python tools/convert_config.py my_flux_lora.toml                      # sd-scripts (its dataset TOML too)
+    python tools/convert_config.py qwen.toml --model_type qwen_image      # musubi-tuner (the script names the model)
+    python tools/convert_config.py train_lora_flux_24gb.yaml              # ai-toolkit (its datasets inside)
+    python tools/convert_config.py --command "accelerate launch flux_train_network.py --pretrained_model_name_or_path ..."
+
+Writes OUT (default: the input's name + "_converted.toml", beside it) and, where the peer's config has a
+dataset (a dataset_config file it names, musubi-tuner's dataset TOML, ai-toolkit's datasets, sd-scripts'
+train_data_dir folders), OUT's name + "_dataset.toml", which OUT's dataset_config names. Each key is
+kept, renamed, dropped (it asks for what we always do, or is the peer's own machinery) or not carried
+(it would change the training and we do not do it; written as a comment, with why): the report lists
+them all, and the written config is then checked as train_lora.py checks it (a model path not on this
+machine is reported, not fatal). Peers' facts: library/training/peers/<peer>.py.
+
+--from names the peer where it cannot be told: a .yaml / .yml file is ai-toolkit's, a config with musubi-
+tuner's model keys (dit, vae) or its dataset keys (image_directory) musubi-tuner's, the rest sd-scripts'.
+--strict: exit status 1 when a key is not carried. Bad input: one line, exit status 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+if __package__ in (None, ""):  # run as a script: make `library` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from library.training.peers import PEERS, peer_module  # noqa: E402
+from library.training.peers.rules import DROPPED, KEPT, NOT_CARRIED, RENAMED, UNKNOWN, Translation  # noqa: E402
+from tools.cli import Parser, check_command_line  # noqa: E402
+
+# The scripts whose command lines --command reads -> their peer (the rest of the name is the model).
+SCRIPT_PEERS = {"flux_train_network.py": "sd-scripts", "train_network.py": "sd-scripts"}
+
+
+def build_parser() -> Parser:
+    p = Parser(description="Translate an sd-scripts / musubi-tuner / ai-toolkit training config into ours.")
+    p.add_argument("config", nargs="?", help="the peer's training config (.toml, or ai-toolkit's .yaml)")
+    p.add_argument("--command", help="the peer's command line instead of a config file, quoted as one argument")
+    p.add_argument("--dataset_config", help="the peer's dataset TOML (default: the one its config names)")
+    p.add_argument("--from", dest="peer", choices=tuple(PEERS), help="the peer (default: told from the file)")
+    p.add_argument("--model_type", help="our model_type where the peer's config does not say it (musubi-tuner)")
+    p.add_argument("--out", help="our config to write (default: the input's name + '_converted.toml')")
+    p.add_argument("--strict", action="store_true", help="exit status 1 when a key is not carried over")
+    return p
+
+
+def read_peer_config(args) -> tuple[dict, str, str | None]:
+    """(the peer's config as read, where it came from, the script a --command ran)."""
+    if bool(args.config) == bool(args.command):
+        raise ValueError("give the peer's config file, or --command with its command line (one of them)")
+    if args.command:
+        from library.training.peers.rules import argv_to_dict
+
+        words = shlex.split(args.command)
+        script = next((w for w in words if w.endswith(".py")), None)
+        if script is None:
+            raise ValueError("--command: no training script (*.py) in the command line")
+        rest = words[words.index(script) + 1:]
+        return argv_to_dict(rest, list_keys=("network_args", "optimizer_args", "lr_scheduler_args")), "command line", script
+    if not os.path.isfile(args.config):
+        raise ValueError(f"{args.config}: no such file (the peer's training config)")
+    if args.config.lower().endswith((".yaml", ".yml")):
+        import yaml
+
+        from library.text_files import read_utf8
+
+        try:
+            doc = yaml.safe_load(read_utf8(args.config, "YAML config"))
+        except yaml.YAMLError as e:
+            raise ValueError(f"{args.config}: not YAML: {' '.join(str(e).split())}") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"{args.config}: expected a YAML mapping (ai-toolkit's config:), got {type(doc).__name__}")
+        return doc, args.config, None
+    return read_toml_file(args.config, "training config"), args.config, None
+
+
+def read_toml_file(path: str, what: str) -> dict:
+    from library.text_files import read_utf8, toml_loads
+
+    try:
+        return toml_loads(read_utf8(path, what))
+    except Exception as e:  # TomlDecodeError, ValueError (UTF-8)
+        raise ValueError(f"{path}: {what} cannot be read: {' '.join(str(e).split())}") from None
+
+
+def tell_peer(args, config: dict, source: str, script: str | None) -> str:
+    if args.peer:
+        return args.peer
+    if source.lower().endswith((".yaml", ".yml")):
+        return "ai-toolkit"
+    if script is not None:
+        name = os.path.basename(script)
+        return SCRIPT_PEERS.get(name, "musubi-tuner")
+    from library.training.peers.rules import flatten_tables
+
+    flat = flatten_tables(config)
+    return "musubi-tuner" if {"dit", "vae", "image_directory"} & set(flat) else "sd-scripts"
+
+
+def dataset_of(args, config: dict, source: str) -> tuple[dict | None, str | None]:
+    """The peer's dataset TOML: --dataset_config, else the file its config names (relative to where the
+    peer would have run: the working folder, then the config's folder)."""
+    from library.training.peers.rules import flatten_tables
+
+    path = args.dataset_config or flatten_tables(config).get("dataset_config")
+    if not path or not isinstance(path, str):
+        return None, None
+    if not args.dataset_config and not os.path.isfile(path) and source != "command line":
+        beside = os.path.join(os.path.dirname(source), path)
+        path = beside if os.path.isfile(beside) else path
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: no such file (the dataset config {'--dataset_config' if args.dataset_config else source} names)")
+    return read_toml_file(path, "dataset config"), path
+
+
+def out_paths(args, source: str) -> tuple[str, str]:
+    out = args.out or (os.path.splitext(source)[0] + "_converted.toml" if source != "command line" else "converted.toml")
+    if not out.endswith(".toml"):
+        raise ValueError(f"--out {out}: expected a .toml file name")
+    return out, out[:-len(".toml")] + "_dataset.toml"
+
+
+def render_config(t: Translation, dataset_file: str | None) -> str:
+    """Our config as TOML: its keys in the schema's order, then the keys not carried as comments."""
+    from library.text_files import toml_dumps
+    from library.training.config import SCHEMA
+
+    keys = dict(t.config)
+    if dataset_file is not None:
+        keys["dataset_config"] = dataset_file
+    ordered = {k: keys[k] for k in SCHEMA if k in keys and keys[k] is not None}
+    head = [f"# Translated from {t.peer}'s {t.source} by tools/convert_config.py.",
+            "# Keys not carried over are at the end, commented, with why; the report printed says what each key became.", ""]
+    tail = [""] + [f"# not carried: {line.key} = {line.value!r}: {line.text}" for line in t.not_carried] if t.not_carried else []
+    return "\n".join(head) + toml_dumps(ordered) + "\n".join(tail) + ("\n" if tail else "")
+
+
+def report(t: Translation) -> str:
+    order = (KEPT, RENAMED, DROPPED, NOT_CARRIED, UNKNOWN)
+    rows = []
+    for verdict in order:
+        for line in (x for x in t.lines if x.verdict == verdict):
+            what = {KEPT: "", RENAMED: f"-> {line.text}"}.get(verdict, line.text)
+            rows.append(f"  {verdict:<11} {line.key} = {line.value!r}" + (f"  ({what})" if what else ""))
+    counts = ", ".join(f"{sum(x.verdict == v for x in t.lines)} {v}" for v in order)
+    return f"{t.peer} -> ours: {counts}\n" + "\n".join(rows)
+
+
+def check_written(out: str) -> str | None:
+    """train_lora.py's check of the written config: None, or its one line (a model path this machine
+    lacks is expected where the config was translated elsewhere)."""
+    from library.errors import ConfigError
+    from library.training.config import load_config
+
+    try:
+        load_config(["--config_file", out])
+    except (ConfigError, ValueError, OSError) as e:
+        return " ".join(str(e).split())
+    return None
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config, source, script = read_peer_config(args)
+        peer = tell_peer(args, config, source, script)
+        dataset, dataset_source = dataset_of(args, config, source) if peer != "ai-toolkit" else (None, None)
+        t = peer_module(peer).translate(config, source, model_type=args.model_type, dataset=dataset,
+                                        dataset_source=dataset_source, script=script)
+        out, dataset_out = out_paths(args, source)
+        from library.atomic_files import write_text
+        from library.text_files import toml_dumps
+
+        if t.dataset is not None:
+            write_text(dataset_out, f"# Translated from {t.peer}'s {dataset_source or source} by tools/convert_config.py.\n\n"
+                       + toml_dumps(t.dataset))
+        write_text(out, render_config(t, dataset_out if t.dataset is not None else None))
+    except (ValueError, OSError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(report(t))
+    print(f"wrote {out}" + (f" and {dataset_out}" if t.dataset is not None else ""))
+    problem = check_written(out)
+    print(f"check: {problem}" if problem else "check: train_lora.py reads it as written")
+    if t.not_carried:
+        print(f"{len(t.not_carried)} key(s) not carried over: the run will differ from {t.peer}'s in these", file=sys.stderr)
+    return 1 if args.strict and t.not_carried else 0
+
+
+if __name__ == "__main__":
+    check_command_line(build_parser)
+    sys.exit(main())
