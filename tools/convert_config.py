@@ -178,6 +178,9 @@ def main(argv=None) -> int:
         if t.dataset is not None:
             write_text(dataset_out, f"# Translated from {t.peer}'s {dataset_source or source} by tools/convert_config.py.\n\n"
                        + toml_dumps(t.dataset))
+        for key, (suffix, text) in t.files.items():
+            t.config[key] = out[:-len(".toml")] + suffix
+            write_text(t.config[key], text)
         write_text(out, render_config(t, dataset_out if t.dataset is not None else None))
     except (ValueError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -82,6 +82,9 @@ class Translation:
     config: dict[str, Any] = field(default_factory=dict)  # our training keys, flat
     dataset: dict[str, Any] | None = None  # our dataset TOML ([general], [[datasets]] ...), None: none written
     lines: list[Line] = field(default_factory=list)
+    # our key -> (file name suffix, text): a file the converter writes beside our config (OUT's name + suffix)
+    # and sets the key to, e.g. "sample_prompts" -> ("_prompts.txt", ai-toolkit's prompts in our syntax)
+    files: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def set(self, ours: str, value: Any, key: str, peer_value: Any, verdict: str = KEPT, text: str = "") -> None:
         """Our key set from the peer's key; two peer keys that set one of ours to different values are
