@@ -241,6 +241,15 @@ def test_extract_from_base_plus_merged_lora_recovers_its_delta(tiny_set, tmp_pat
         assert fmt == "kohya" and set(extracted) == set(original)
         worst = max(rel(extracted[p].delta(), original[p].delta()) for p in original)
         assert worst <= 1e-5, worst
+    # ModelSpec as sd-scripts' flux_extract_lora.py writes it (none for the LLM: no peer trains one)
+    meta = read_lora_file(str(out), "t").metadata
+    spec = {k: v for k, v in meta.items() if k.startswith("modelspec.")}
+    if name == "llm":
+        assert spec == {}
+    else:
+        assert spec["modelspec.architecture"].endswith("/lora") and spec["modelspec.title"] == "extracted"
+        assert spec["modelspec.resolution"] == "1024x1024" and spec["modelspec.sai_model_spec"] == "1.0.0"
+        assert spec["modelspec.hash_sha256"] == "0x" + meta["sshs_model_hash"]  # the tensors written
     with torch.no_grad():
         base_out = model(**kwargs).float()
     expected = _lora_output(model, family, kwargs, net)

@@ -40,6 +40,7 @@ import json
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 
 if __package__ in (None, ""):  # run as a script: make `library` importable
@@ -71,7 +72,8 @@ import torch  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.precision.fp8_checkpoints import SCALE_SUFFIXES  # noqa: E402
 from networks.lora_args import lora_targets  # noqa: E402
-from networks.lora_files import FOLDED_MARK, LoRAWeights, build_metadata, dim_and_alpha, write_kohya, write_peft  # noqa: E402
+from networks.lora_files import (FOLDED_MARK, LoRAWeights, build_metadata, dim_and_alpha, modelspec_fields,  # noqa: E402
+                                 write_kohya, write_peft)
 from networks.lora_svd import factors, rank_for_energy, svd_lowrank_of_matrix, svd_of_matrix, written_error  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import check_output_path, one_line, save_dtype  # noqa: E402
@@ -171,7 +173,8 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
         raise CheckpointError(f"--tuned {tuned}: no LoRA target weight differs from the base {model}")
     dim, alpha = dim_and_alpha([w.rank for w in weights.values()], [w.alpha for w in weights.values()])  # as written
     metadata = build_metadata(network_module="networks.lora", network_dim=dim, network_alpha=alpha, base_model=base.path,
-                              base_model_version=base.version)  # what train_lora.py writes: merge checks it
+                              base_model_version=base.version,  # what train_lora.py writes: merge checks it
+                              **extracted_modelspec(base, save_to))
     metadata["lora_extracted"] = json.dumps({"base": os.path.basename(base.path), "tuned": os.path.basename(other.path),
                                              "rank": rank, "energy": energy, "family": base.family})  # fmt: skip
     if not base.native:  # diffusers names of a BFL-named model: PEFT, as diffusers writes it
@@ -179,6 +182,18 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
     else:
         write_kohya(weights, save_to, dtype, metadata, prefix=lora_targets(base.family).kohya_prefix)
     return {"modules": rows, "skipped": skipped, "other_changed": other_changed, "family": base.family}
+
+
+def extracted_modelspec(base: Base, save_to: str) -> dict[str, str]:
+    """The ModelSpec keys sd-scripts' flux_extract_lora.py writes (sai_model_spec.build_metadata): the release's
+    architecture + "/lora", the title from the file's name, its default resolution 1024x1024 (an extraction
+    trains at none), the date; none for a release its spec names no ModelSpec strings for (the LLM)."""
+    from library.models.registry import arch_specs
+
+    spec = arch_specs().get(base.family)
+    names = spec.modelspec_of(base.version) if spec is not None and base.version else None
+    title = os.path.splitext(os.path.basename(save_to.rstrip("/")))[0]
+    return modelspec_fields(names, title, "1024x1024", time.time()) if names else {}
 
 
 def _extract_target(target: Target, delta: torch.Tensor, w_base: torch.Tensor, weights: dict, rank, energy, dtype,
