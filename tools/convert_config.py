@@ -55,7 +55,7 @@ def read_peer_config(args) -> tuple[dict, str, str | None]:
     if args.command:
         from library.training.peers.rules import argv_to_dict
 
-        words = shlex.split(args.command)
+        words = shlex.split(args.command.replace("\\\n", " "))  # a pasted multi-line command's continuations
         script = next((w for w in words if w.endswith(".py")), None)
         if script is None:
             raise ValueError("--command: no training script (*.py) in the command line")
@@ -145,6 +145,7 @@ def report(t: Translation) -> str:
     for verdict in order:
         for line in (x for x in t.lines if x.verdict == verdict):
             what = {KEPT: "", RENAMED: f"-> {line.text}"}.get(verdict, line.text)
+            what = "; ".join(x for x in (what, line.note) if x)
             rows.append(f"  {verdict:<11} {line.key} = {line.value!r}" + (f"  ({what})" if what else ""))
     counts = ", ".join(f"{sum(x.verdict == v for x in t.lines)} {v}" for v in order)
     return f"{t.peer} -> ours: {counts}\n" + "\n".join(rows)

@@ -73,6 +73,7 @@ class Line:
     value: Any
     verdict: str
     text: str = ""  # renamed: our key; dropped / not carried: why
+    note: str = ""  # kept / renamed: what a reader should know (a value converted, a default that differs)
 
 
 @dataclass
@@ -86,15 +87,16 @@ class Translation:
     # and sets the key to, e.g. "sample_prompts" -> ("_prompts.txt", ai-toolkit's prompts in our syntax)
     files: dict[str, tuple[str, str]] = field(default_factory=dict)
 
-    def set(self, ours: str, value: Any, key: str, peer_value: Any, verdict: str = KEPT, text: str = "") -> None:
+    def set(self, ours: str, value: Any, key: str, peer_value: Any, verdict: str = KEPT, text: str = "",
+            note: str = "") -> None:
         """Our key set from the peer's key; two peer keys that set one of ours to different values are
-        one ValueError naming both (sd-scripts' fp8_base and fp8_base_unet, say)."""
+        one ValueError naming both (sd-scripts' fp8_base and fp8_base_unet, say). note: shown beside it."""
         setter = next((line.key for line in self.lines if line.verdict in (KEPT, RENAMED) and line.text == ours), None)
         if ours in self.config and self.config[ours] != value:
             raise ValueError(f"{self.source}: {key!r} = {peer_value!r} and {setter or ours!r} both set our "
                              f"{ours!r}, to {value!r} and {self.config[ours]!r}")
         self.config[ours] = value
-        self.lines.append(Line(key, peer_value, verdict, ours))
+        self.lines.append(Line(key, peer_value, verdict, ours, note))
 
     def drop(self, key: str, value: Any, why: str) -> None:
         self.lines.append(Line(key, value, DROPPED, why))
