@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import toml
 
+from library.data.peer_keys import peer_dataset_hint
 from library.text_files import read_utf8, toml_loads
 
 # The VAE downsamples 8x and the transformers pack 2x2 latent patches into one token, so pixel
@@ -293,7 +294,8 @@ def _check_keys(source: str, section: str, table: dict, allowed: tuple[str, ...]
                 raise ValueError(f"{source}: {where} {key!r} is not supported: latents are always cached before "
                                  f"training, so a per-epoch pixel augmentation cannot apply (sd-scripts refuses it "
                                  f"with cache_latents too); remove it (flip_aug works: both sides are cached)")
-            raise ValueError(f"{source}: {where} unknown key {key!r} (allowed: {', '.join(allowed)})")
+            raise ValueError(f"{source}: {where} unknown key {key!r} (allowed: {', '.join(allowed)})"
+                             f"{peer_dataset_hint(key, source)}")
         if key in KEY_TYPES and not _has_type(value, KEY_TYPES[key]):
             raise ValueError(f"{source}: [{section}] key {key!r} must be {_TYPE_WORDS[KEY_TYPES[key]]}, "
                              f"got {value!r}")
