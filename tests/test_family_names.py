@@ -19,6 +19,9 @@ SCANNED = ("library", "networks", "tools", "train_lora.py")
 # Files that may name every family, each with why.
 ALLOWED = {
     "library/models/registry.py": "the registration lines themselves",
+    "library/training/peers/musubi_tuner.py": "musubi-tuner's scripts and LoRA modules, named per model as it names them",
+    "library/training/peers/musubi_dataset.py": "which of musubi-tuner's models take reference images or layers",
+    "library/data/peer_keys.py": "musubi-tuner's dataset keys (qwen_image_edit_control_resolution ...)",
 }
 
 

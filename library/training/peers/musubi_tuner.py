@@ -1,11 +1,602 @@
-"""Placeholder: this peer's rules are being written (tools/convert_config.py)."""
+"""musubi-tuner's LoRA training configs for its image models, read into ours (tools/convert_config.py).
+
+musubi-tuner names the model by its script (qwen_image_train_network.py ...); a config file says it only
+through its LoRA module (networks.lora_qwen_image ...) and version keys (model_version, edit, edit_plus).
+The model comes from whichever of these, and --model_type, say it (they must agree); from none of them it is
+one ValueError asking for --model_type. RULES holds every argument the image scripts accept: the common parser
+(training/parser_common.py), hv_train_network.py's (a HunyuanVideo config copied over), and the six scripts' own
+with their *_utils version arguments. Where musubi-tuner's default differs from ours and changes the training
+(network_alpha 1, the sigma draw, fp8_scaled off ...), the translation writes theirs (settle_defaults). Its
+dataset TOML: musubi_dataset.py. This module names each model as musubi-tuner's scripts do (it is its table)."""
 
 from __future__ import annotations
 
-from library.training.peers.rules import Rule, Translation
+import os
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
-RULES: dict[str, Rule] = {}
+from library.training.peers.musubi_dataset import translate_dataset
+from library.training.peers.rules import (
+    KEPT,
+    RENAMED,
+    Line,
+    Rule,
+    Translation,
+    apply_rules,
+    flatten_tables,
+    ignored,
+    implied,
+    is_off,
+    is_true,
+    renamed,
+    same,
+    unsupported,
+)
+
+PEER = "musubi-tuner"
+
+# -- the models: which script, LoRA module and version trains which of ours
+
+SCRIPTS = {"qwen_image_train_network.py": "qwen_image", "flux_kontext_train_network.py": "flux_kontext",
+           "flux_2_train_network.py": "flux2", "zimage_train_network.py": "zimage",
+           "krea2_train_network.py": "krea2", "ideogram4_train_network.py": "ideogram4"}
+LORA_MODULES = {"networks.lora_qwen_image": "qwen_image", "networks.lora_flux": "flux_kontext",
+                "networks.lora_flux_2": "flux2", "networks.lora_zimage": "zimage", "networks.lora_krea2": "krea2",
+                "networks.lora_ideogram4": "ideogram4"}
+LYCORIS_MODULES = {"networks.loha": "loha", "networks.lokr": "lokr"}  # musubi-tuner's own, after LyCORIS
+# qwen_image_train_network.py's model_version -> (our model_type, our model_version)
+QWEN_VERSIONS = {"original": ("qwen_image", None), "layered": ("qwen_image_layered", None),
+                 "edit": ("qwen_image_edit", "qwen-image-edit"), "edit-2509": ("qwen_image_edit", "qwen-image-edit-2509"),
+                 "edit-2511": ("qwen_image_edit", "qwen-image-edit-2511")}
+FLUX2_VERSIONS = ("dev", "klein-4b", "klein-base-4b", "klein-9b", "klein-base-9b")  # ours reads it from the checkpoint
+MODEL_TYPES = ("qwen_image", "qwen_image_edit", "qwen_image_layered", "flux_kontext", "flux2", "zimage", "krea2",
+               "ideogram4")
+VARIANTS = {"qwen_image_edit": "qwen_image", "qwen_image_layered": "qwen_image"}  # -> the script / LoRA module's model
+GUIDED = ("flux_kontext", "flux2")  # a guidance embedding that training feeds guidance_scale (FLUX.2 [dev] only)
+# Its latents are the token grid there; elsewhere a 2x2 patch of the 8x latents is one token, and the *_shift
+# draws that read (h // 2) * (w // 2) count tokens. flux2_shift reads h * w, ideogram4_shift 16 px per cell.
+TOKEN_GRID = ("flux2", "ideogram4")
+HALVED = ("flux_shift", "qwen_shift", "krea2_shift")
+SAME_DRAWS = ("uniform", "sigmoid", "shift", *HALVED, "ideogram4_shift")
+SIGMOID_DRAWS = ("sigmoid", "shift", "flux2_shift", *HALVED)  # the draws that read sigmoid_scale
+
+
+def family(model_type: str) -> str:
+    return VARIANTS.get(model_type, model_type)
+
+
+def choose_model(flat: dict, source: str, script: str | None, model_type: str | None) -> tuple[str, str]:
+    """(our model_type, what said it) from the script, network_module, the version keys and --model_type; two that disagree, or none at all, are one ValueError. A Qwen-Image script or module
+    says the family; its version keys or --model_type the variant (none: musubi-tuner's "original")."""
+    said: list[tuple[str, str]] = []  # (who, model_type)
+    if script is not None:
+        name = os.path.basename(script)
+        if name not in SCRIPTS:
+            raise ValueError(f"{name}: not one of musubi-tuner's image LoRA scripts, which are what this translates "
+                             f"({', '.join(SCRIPTS)})")
+        said.append((name, SCRIPTS[name]))
+    module = flat.get("network_module")
+    if isinstance(module, str) and module in LORA_MODULES:
+        said.append((f"network_module {module}", LORA_MODULES[module]))
+    version = version_said(flat, source)
+    if version:
+        said.append(version[:2])
+    if model_type is not None:
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"--model_type {model_type}: not a model musubi-tuner trains LoRAs for (expected one of "
+                             f"{', '.join(MODEL_TYPES)})")
+        said.append(("--model_type", model_type))
+    if not said:
+        raise ValueError(f"{source}: musubi-tuner's config does not say the model (its training script does): give "
+                         f"--model_type (one of {', '.join(MODEL_TYPES)})")
+    for who, told in said[1:]:
+        if family(told) != family(said[0][1]):
+            raise ValueError(f"{source}: {said[0][0]} trains {said[0][1]}, {who} {told}: they disagree")
+    exact = [(who, told) for who, told in said if who == "--model_type" or (version and who == version[0])]
+    if len({told for _, told in exact}) > 1:
+        raise ValueError(f"{source}: {exact[0][0]} says {exact[0][1]}, {exact[1][0]} {exact[1][1]}: they disagree")
+    return (exact or said)[0][1], " / ".join(who for who, _ in said)
+
+
+def version_said(flat: dict, source: str) -> tuple[str, str, str | None] | None:
+    """(the key as written, our model_type, our model_version) of the version keys, in musubi-tuner's order
+    (model_version, then edit_plus, then edit); None where none is given."""
+    value = flat.get("model_version")
+    if isinstance(value, str):
+        lower = value.lower()
+        if lower in QWEN_VERSIONS:
+            return (f"model_version {value}", *QWEN_VERSIONS[lower])
+        if lower in FLUX2_VERSIONS:
+            return f"model_version {value}", "flux2", None
+        raise ValueError(f"{source}: model_version {value!r}: not one of musubi-tuner's (Qwen-Image: "
+                         f"{', '.join(QWEN_VERSIONS)}; FLUX.2: {', '.join(FLUX2_VERSIONS)})")
+    for key, version in (("edit_plus", "edit-2509"), ("edit", "edit")):
+        if is_true(flat.get(key)):
+            return (f"{key} = true", *QWEN_VERSIONS[version])
+    return None
+
+
+# -- one translation's context: the whole config, for the keys whose meaning another key decides
+
+
+@dataclass
+class Run:
+    flat: dict[str, Any]  # musubi-tuner's keys as read
+    source: str
+    model_type: str
+    draw: tuple[str | None, str] = (None, "")  # our timestep_sampling (None: not carried) and the note / why
+    dataset_read: bool = False  # its dataset TOML was translated (t.dataset None then: none of it carried)
+
+    def peer_draw(self) -> str:
+        """musubi-tuner's timestep_sampling, given or its script's default."""
+        return self.flat.get("timestep_sampling") or ("ideogram4_shift" if self.model_type == "ideogram4" else "sigma")
+
+
+def joint(handler) -> Rule:
+    """A key whose meaning another key decides: handler(t, key, value, run), bound to the Run by translate."""
+    return Rule("custom", handle=handler)
+
+
+def timestep_draw(flat: dict, model_type: str, peer: str) -> tuple[str | None, str]:
+    """(our timestep_sampling, a note) for musubi-tuner's draw on this model; (None, why) where we have none."""
+    if peer == "sigma":  # FlowMatchDiscreteScheduler's 1000 unshifted sigmas, indexed by weighting_scheme's density
+        scheme = flat.get("weighting_scheme", "none")
+        if scheme == "mode":
+            return None, "its sigma draw follows weighting_scheme mode's density: ours has no such draw"
+        if scheme == "logit_normal":
+            if flat.get("logit_mean", 0.0) != 0:
+                return None, "its sigma draw by logit_normal at logit_mean != 0: ours' sigmoid draw has no mean"
+            return "sigmoid", "its sigma draw by weighting_scheme logit_normal: sigmoid(logit_std * randn)"
+        return "uniform", "its sigma draw: uniform over 1000 steps, unshifted (discrete_flow_shift unread)"
+    if peer in ("logsnr", "qinglong_flux", "qinglong_qwen"):
+        return None, "a logSNR-normal draw: ours has none"
+    if peer == "flux2_shift":
+        if model_type == "flux2":
+            return "flux_shift", ("its flux2_shift is FLUX.1's mu line at the token count: ours' flux_shift "
+                                  "(our flux2_shift is the empirical mu)")
+        return None, "on this model its flux2_shift counts 4x the tokens: ours has no such draw"
+    if peer == "ideogram4_shift" and model_type != "ideogram4":
+        return None, "Ideogram 4's law on another model's latents: ours has no such draw"
+    if peer in HALVED and model_type in TOKEN_GRID:
+        return None, f"on this model its {peer} counts a quarter of the tokens: ours has no such draw"
+    if peer in SAME_DRAWS:
+        return peer, ""
+    return None, "not one of musubi-tuner's timestep_sampling values"
+
+
+def _timestep_sampling(t: Translation, key: str, value: Any, run: Run) -> None:
+    ours, text = run.draw
+    if ours is None:
+        t.refuse(key, value, text)
+    else:
+        t.set("timestep_sampling", ours, key, value, KEPT if ours == value else RENAMED, note=text)
+
+
+def _discrete_flow_shift(t: Translation, key: str, value: Any, run: Run) -> None:
+    if run.draw[0] == "shift":
+        t.set(key, float(value), key, value)
+    else:
+        t.drop(key, value, f"read by the shift draw only; timestep_sampling is {run.peer_draw()}")
+
+
+def _sigmoid_scale(t: Translation, key: str, value: Any, run: Run) -> None:
+    if run.peer_draw() in SIGMOID_DRAWS and run.draw[0] is not None:
+        t.set(key, float(value), key, value)
+    else:
+        t.drop(key, value, f"unread by musubi-tuner's {run.peer_draw()} draw")
+
+
+def _weighting_scheme(t: Translation, key: str, value: Any, run: Run) -> None:
+    if value in ("none", "sigma_sqrt", "cosmap"):  # by the drawn sigma there too (k / 1000 of the unshifted schedule)
+        t.set(key, value, key, value)
+    elif run.peer_draw() == "sigma":
+        t.drop(key, value, "its density is the sigma draw's: timestep_sampling's line says what that became")
+    else:
+        t.drop(key, value, f"unread by musubi-tuner's {run.peer_draw()} draw (no loss weighting)")
+
+
+def _logit(t: Translation, key: str, value: Any, run: Run) -> None:
+    """logit_mean / logit_std: the logit_normal sigma draw's (logit_std is our sigmoid_scale there) and logsnr's."""
+    draw = run.peer_draw()
+    if draw == "sigma" and run.flat.get("weighting_scheme") == "logit_normal" and run.draw[0] == "sigmoid":
+        if key == "logit_std":
+            t.set("sigmoid_scale", float(value), key, value, RENAMED, note="the logit_normal sigma draw's scale")
+        else:
+            t.drop(key, value, "0: the sigmoid draw")
+    elif draw in ("sigma", "logsnr", "qinglong_flux", "qinglong_qwen"):
+        t.drop(key, value, "read by the draw timestep_sampling's line names, which is not carried")
+    else:
+        t.drop(key, value, f"unread by musubi-tuner's {draw} draw")
+
+
+def _guidance_scale(t: Translation, key: str, value: Any, run: Run) -> None:
+    version = str(run.flat.get("model_version", "dev")).lower()
+    if run.model_type in GUIDED and not (run.model_type == "flux2" and version.startswith("klein")):
+        t.set(key, float(value), key, value)
+    else:
+        t.drop(key, value, "the model has no guidance embedding: musubi-tuner does not read it either")
+
+
+def _blocks_to_swap(t: Translation, key: str, value: Any, run: Run) -> None:
+    if run.model_type in ("flux_kontext", "flux2") and value:  # sd-scripts' count: N // 2 double, 2 (N - N // 2) single
+        t.set(key, 2 * int(value), key, value, RENAMED,
+              note=f"their {value} swaps ~{2 * int(value)} single blocks' bytes; ours counts each block "
+                   f"(tools/plan_memory.py says what fits)")
+    else:
+        t.set(key, int(value or 0), key, value)
+
+
+def _text_encoder_file(ours: str, t: Translation, key: str, value: Any, run: Run) -> None:
+    """text_encoder1 / text_encoder2: FLUX.1 Kontext's T5-XXL / CLIP-L; HunyuanVideo's elsewhere."""
+    if run.model_type == "flux_kontext":
+        t.set(ours, value, key, value, RENAMED)
+    else:
+        t.refuse(key, value, "HunyuanVideo's text encoder: not this model's")
+
+
+def _fp8_text_encoder(value: Any) -> str:
+    return "fp8" if is_true(value) else "bf16"
+
+
+def _version_key(t: Translation, key: str, value: Any, run: Run) -> None:
+    """model_version / edit / edit_plus: which model (model_type's line) and, for Qwen-Image-Edit, ours."""
+    said = version_said(run.flat, run.source)
+    if key != "model_version" and is_off(value):
+        t.drop(key, value, "off")
+    elif said is None or not said[0].startswith(key + " "):
+        t.drop(key, value, f"{said[0].split()[0]} decides the version" if said else "off")
+    elif said[2] is not None and run.model_type == said[1]:
+        t.set("model_version", said[2], key, value, RENAMED)
+    elif said[1] == "flux2":
+        t.drop(key, value, "ours tells FLUX.2 [dev] / [klein] 4B / 9B and a distilled [klein] from the checkpoint")
+    else:
+        t.drop(key, value, f"says model_type {said[1]}")
+
+
+def _network_module(t: Translation, key: str, value: Any, run: Run) -> None:
+    name = module_of(run)
+    if name in LORA_MODULES:
+        t.set(key, "networks.lora", key, value, RENAMED, note="ours selects the model's targets itself")
+    elif name in LYCORIS_MODULES:
+        t.set(key, "lycoris.kohya", key, value, RENAMED,
+              note=f"LyCORIS' {LYCORIS_MODULES[name]} (network_args algo=), which musubi-tuner's follows")
+    elif name == "networks.lora":
+        t.refuse(key, value, "HunyuanVideo's LoRA module (its targets): ours trains this model's own")
+    else:
+        t.refuse(key, value, "not a network module musubi-tuner's image scripts load")
+
+
+# network_args of musubi-tuner's networks/lora.py (and loha.py / lokr.py) ours takes with the same meaning
+NETWORK_ARGS_SAME = ("exclude_patterns", "include_patterns", "rank_dropout", "module_dropout", "loraplus_lr_ratio")
+LYCORIS_ARGS = ("factor",)
+
+
+def _network_args(t: Translation, key: str, value: Any, run: Run) -> None:
+    """Each `name=value` by its name; then what ours needs to train the modules musubi-tuner's module does."""
+    items = value if isinstance(value, list) else [value] if isinstance(value, str) else []
+    lycoris = module_of(run) in LYCORIS_MODULES
+    kept = []
+    if not items and key in run.flat:
+        t.drop(key, value, "empty")
+    for item in items:
+        name = str(item).split("=", 1)[0].strip()
+        label = f"{key} {name}"
+        if name in NETWORK_ARGS_SAME or (lycoris and name in LYCORIS_ARGS):
+            kept.append(str(item))
+            t.lines.append(Line(label, item, KEPT))
+        elif name == "verbose":
+            t.drop(label, item, "a log of the modules: ours lists them in the LoRA's header")
+        elif name in ("conv_dim", "conv_alpha"):
+            t.drop(label, item, "no convolution among these models' LoRA targets")
+        else:
+            t.refuse(label, item, "not an argument of musubi-tuner's LoRA module")
+    extras = network_extras(run, kept)
+    for item, note in extras:
+        t.lines.append(Line(f"{key} (added)", item, RENAMED, "network_args", note))
+    if kept or extras:
+        t.config["network_args"] = kept + [item for item, _ in extras]
+
+
+def network_extras(run: Run, kept: list[str]) -> list[tuple[str, str]]:
+    """(network_args item, why) that make our network train the modules musubi-tuner's module trains."""
+    from library.models.registry import arch_specs
+
+    module = module_of(run)
+    extras = [(f"algo={LYCORIS_MODULES[module]}", "its module's algorithm")] if module in LYCORIS_MODULES else []
+    patterns = any(item.startswith("exclude_patterns") for item in kept)
+    if family(run.model_type) == "qwen_image":
+        extras.append(("train_modulation=true", "its exclude '.*(_mod_).*' matches no dotted module name: "
+                                                "it trains img_mod / txt_mod"))
+    elif run.model_type == "flux_kontext":  # its default exclude names the modulation; one given replaces it
+        if not patterns:
+            extras.append(("train_modulation=false", "its default exclude_patterns leave the modulation out"))
+    elif run.model_type == "krea2" and module not in LYCORIS_MODULES:
+        rank = int(run.flat.get("network_dim") or 4)
+        count = len(arch_specs()["krea2"].lora.in_dim_types)
+        extras.append((f"in_dims=[{', '.join([str(rank)] * count)}]",
+                       "it wraps every Linear: the embedders and the last layer too"))
+    return extras
+
+
+def module_of(run: Run) -> str | None:
+    """Its network_module, where it is one name."""
+    module = run.flat.get("network_module")
+    return module if isinstance(module, str) else None
+
+
+def _base_weights(t: Translation, key: str, value: Any, run: Run) -> None:
+    paths = value if isinstance(value, list) else [value]
+    ratios = run.flat.get("base_weights_multiplier") or [1.0] * len(paths)
+    ratios = ratios if isinstance(ratios, list) else [ratios]
+    if len(ratios) != len(paths):
+        t.refuse(key, value, f"{len(paths)} files, {len(ratios)} base_weights_multiplier values")
+        return
+    t.set("base_loras", [f"{p}:{float(r):g}" for p, r in zip(paths, ratios)], key, value, RENAMED,
+          note="merged into the base before training, as there")
+
+
+def _save_last_n(t: Translation, key: str, value: Any, run: Run) -> None:
+    """save_last_n_epochs: the N newest epoch saves; save_last_n_steps: the saves of the last N steps."""
+    if key == "save_last_n_epochs":
+        if run.flat.get("save_every_n_epochs"):
+            t.set("save_last_n_saves", int(value), key, value, RENAMED)
+        else:
+            t.drop(key, value, "read with save_every_n_epochs only")
+    elif run.flat.get("save_every_n_steps"):
+        kept = int(value) // int(run.flat["save_every_n_steps"]) + 1
+        t.set("save_last_n_saves", kept, key, value, RENAMED, note=f"the saves of the last {value} steps: {kept}")
+    else:
+        t.drop(key, value, "read with save_every_n_steps only")
+
+
+def _sample_when(t: Translation, key: str, value: Any, run: Run) -> None:
+    if not run.flat.get("sample_prompts"):
+        t.drop(key, value, "no sample_prompts: musubi-tuner renders none")
+    elif key == "sample_every_n_steps" and run.flat.get("sample_every_n_epochs"):
+        t.drop(key, value, "with sample_every_n_epochs musubi-tuner renders the epochs' samples only")
+    else:
+        t.set(key, value, key, value)
+
+
+# musubi-tuner's prompt flags ours does not read: video frames, flow shift (ours samples with the model's
+# schedule), I2V images, control videos, FramePack's one-frame mode
+UNREAD_PROMPT_FLAGS = ("f", "fs", "i", "ei", "cn", "of")
+
+
+def _sample_prompts(t: Translation, key: str, value: Any, run: Run) -> None:
+    """The prompt file; a copy without the flags ours does not read where it has any (ours refuses them)."""
+    from library.data.prompts import prompt_lines, split_prompt_line
+    from library.text_files import read_utf8
+
+    path = value
+    if isinstance(value, str) and not os.path.isfile(value) and run.source != "command line":
+        beside = os.path.join(os.path.dirname(run.source), value)
+        path = beside if os.path.isfile(beside) else value
+    if not isinstance(path, str) or not os.path.isfile(path) or path.lower().endswith((".toml", ".json")):
+        t.set(key, value, key, value, note="" if not value or os.path.isfile(path) else "not on this machine: unchecked")
+        return
+    dropped, lines = set(), []
+    for line in prompt_lines(read_utf8(path, "sample prompts")):
+        parts = split_prompt_line(line) if line.strip() and not line.lstrip().startswith("#") else None
+        if parts is None:
+            lines.append(line)
+            continue
+        flags = [p for p in parts[1:] if p.split(" ", 1)[0].lower() not in UNREAD_PROMPT_FLAGS]
+        dropped |= {p.split(" ", 1)[0].lower() for p in parts[1:]} - {f.split(" ", 1)[0].lower() for f in flags}
+        lines.append(" ".join([parts[0], *(f"--{f}" for f in flags)]))
+    if not dropped:
+        t.set(key, path, key, value)
+        return
+    t.set(key, path, key, value, RENAMED, note=f"a copy without {', '.join('--' + f for f in sorted(dropped))}, "
+                                               f"which ours does not read")
+    t.files[key] = ("_prompts.txt", "\n".join(lines) + "\n")
+
+
+def _read_by_scheduler(scheduler: str, t: Translation, key: str, value: Any, run: Run) -> None:
+    if run.flat.get("lr_scheduler", "constant") == scheduler:
+        t.set(key, value, key, value)
+    else:
+        t.drop(key, value, f"read by lr_scheduler {scheduler} only")
+
+
+def _lr_warmup_steps(value: Any) -> float:
+    if isinstance(value, str) and value.endswith("%"):
+        return float(value[:-1]) / 100
+    return float(value)
+
+
+SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+
+
+def _scheduler(value: Any) -> str:
+    if value not in SCHEDULERS:
+        raise ValueError(f"ours offers {', '.join(SCHEDULERS)}")
+    return value
+
+
+def _dataset_config(t: Translation, key: str, value: Any, run: Run) -> None:
+    if t.dataset is not None:
+        t.lines.append(Line(key, value, RENAMED, "dataset_config", "its translation, written beside ours"))
+    elif run.dataset_read:
+        t.refuse(key, value, "none of its datasets is carried (their lines say why): ours needs image folders")
+    else:
+        t.set(key, value, key, value, note="a musubi-tuner dataset TOML: translate it too (--dataset_config)")
+
+
+def _as_list(value: Any) -> list[str]:
+    return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+
+def _always(value: Any) -> bool:
+    return True
+
+
+SDPA = "ours runs PyTorch SDPA: the same attention, another kernel"
+COMPILE = "torch.compile's settings: ours compiles each block its own way"
+DYNAMO = "accelerate's whole-model compile: ours compiles per block (torch_compile)"
+HUB = "an upload to the Hugging Face Hub: ours writes local files only"
+METADATA = "the header's ModelSpec text: ours writes its own (title = output_name)"
+HUNYUAN = "HunyuanVideo's VAE: memory only"
+SAMPLES = "how samples render: ours samples the trained base with the pipeline's schedule"
+
+RULES: dict[str, Rule] = {
+    # general, attention, compile
+    "config_file": ignored("the config file itself"),
+    "dataset_config": joint(_dataset_config),
+    "sdpa": implied(_always, "ours always runs PyTorch SDPA"),
+    "flash_attn": implied(_always, SDPA), "flash3": implied(_always, SDPA), "xformers": implied(_always, SDPA),
+    "sage_attn": unsupported("SageAttention's 8-bit approximation: ours runs exact SDPA"),
+    "split_attn": ignored("memory only: ours runs attention over the whole batch"),
+    "compile": renamed("torch_compile"),
+    **dict.fromkeys(("compile_backend", "compile_mode", "compile_dynamic", "compile_fullgraph",
+                     "compile_cache_size_limit"), ignored(COMPILE)),
+    "cuda_allow_tf32": renamed("allow_tf32"),
+    "cuda_cudnn_benchmark": ignored("cuDNN autotuning: speed only"),
+    **dict.fromkeys(("dynamo_backend", "dynamo_mode", "dynamo_fullgraph", "dynamo_dynamic"), ignored(DYNAMO)),
+    # training
+    **dict.fromkeys(("max_train_steps", "max_train_epochs", "max_data_loader_n_workers", "persistent_data_loader_workers",
+                     "seed", "gradient_checkpointing", "gradient_accumulation_steps", "mixed_precision",
+                     "save_precision"), same()),
+    "gradient_checkpointing_cpu_offload": ignored("memory only (activations in CPU memory): tools/plan_memory.py "
+                                                  "says what fits ours"),
+    # logging, DDP
+    **dict.fromkeys(("logging_dir", "log_with", "log_prefix"), same()),
+    "log_tracker_name": ignored("the tracker's run name: ours takes log_prefix"),
+    "wandb_run_name": ignored("the wandb run's name: ours takes log_prefix"),
+    "log_tracker_config": ignored("the tracker's own config file"),
+    "wandb_api_key": ignored("a login: ours uses wandb's own"),
+    "log_config": ignored("the settings in the log: ours writes them into the LoRA's header"),
+    **dict.fromkeys(("ddp_timeout", "ddp_gradient_as_bucket_view", "ddp_static_graph"),
+                    ignored("accelerate's DDP settings: ours sets its own")),
+    # samples
+    "sample_prompts": joint(_sample_prompts),
+    **dict.fromkeys(("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first"), joint(_sample_when)),
+    # optimizer and schedule
+    "optimizer_type": same(convert=lambda v: v or "AdamW"),
+    "optimizer_args": same(convert=_as_list),
+    "learning_rate": same(), "max_grad_norm": same(),
+    "lr_scheduler": same(convert=_scheduler),
+    "lr_warmup_steps": same(convert=_lr_warmup_steps),
+    "lr_decay_steps": unsupported("a decay length of its own: ours decays over the run"),
+    "lr_scheduler_num_cycles": joint(partial(_read_by_scheduler, "cosine_with_restarts")),
+    "lr_scheduler_power": joint(partial(_read_by_scheduler, "polynomial")),
+    "lr_scheduler_timescale": unsupported("inverse_sqrt's timescale: that schedule is not offered"),
+    "lr_scheduler_min_lr_ratio": unsupported("a floor under the schedule: ours decays to 0"),
+    "lr_scheduler_type": unsupported("a scheduler class of its own: ours offers diffusers' schedules"),
+    "lr_scheduler_args": unsupported("that scheduler class's arguments"),
+    # memory
+    "fp8_base": same(), "fp8_scaled": same(),
+    "blocks_to_swap": joint(_blocks_to_swap),
+    "use_pinned_memory_for_block_swap": implied(_always, "ours keeps swapped blocks in pinned memory"),
+    "block_swap_h2d_only": implied(_always, "ours copies frozen blocks host to device only"),
+    "block_swap_ring_size": ignored("block swap's buffers: ours prefetches block_swap_prefetch blocks"),
+    "img_in_txt_in_offloading": ignored("memory only"),
+    "disable_numpy_memmap": ignored("how files load: speed only"),
+    # timesteps and loss
+    "guidance_scale": joint(_guidance_scale),
+    "timestep_sampling": joint(_timestep_sampling),
+    "discrete_flow_shift": joint(_discrete_flow_shift),
+    "sigmoid_scale": joint(_sigmoid_scale),
+    "weighting_scheme": joint(_weighting_scheme),
+    "logit_mean": joint(_logit), "logit_std": joint(_logit),
+    "mode_scale": ignored("weighting_scheme mode's: read by that sigma draw only (timestep_sampling's line)"),
+    "min_timestep": implied(lambda v: v in (None, 0), "a floor on the timesteps: ours draws over all of them"),
+    "max_timestep": implied(lambda v: v in (None, 1000), "a ceiling on the timesteps: ours draws over all of them"),
+    "preserve_distribution_shape": ignored("how min_timestep / max_timestep cut the draw: nothing without them"),
+    "num_timestep_buckets": implied(lambda v: v is None or v < 2, "stratified timesteps: ours draws each independently"),
+    "show_timesteps": unsupported("plots the timesteps and exits: nothing is trained"),
+    # network
+    "no_metadata": ignored("ours always writes the header's metadata"),
+    **dict.fromkeys(("network_weights", "network_dim", "network_alpha", "network_dropout", "dim_from_weights",
+                     "scale_weight_norms"), same()),
+    "network_module": joint(_network_module),
+    "network_args": joint(_network_args),
+    "training_comment": ignored("a note in the header: ours writes none"),
+    "base_weights": joint(_base_weights),
+    "base_weights_multiplier": ignored("read with base_weights (base_loras' :ratio)"),
+    # saves
+    **dict.fromkeys(("output_dir", "output_name", "save_every_n_epochs", "save_every_n_steps", "save_state",
+                     "save_state_on_train_end"), same()),
+    "resume": unsupported("a musubi-tuner state folder: ours resumes its own states only"),
+    "save_last_n_epochs": joint(_save_last_n), "save_last_n_steps": joint(_save_last_n),
+    **dict.fromkeys(("save_last_n_epochs_state", "save_last_n_steps_state"),
+                    ignored("ours keeps one state, the newest (<output_name>-state)")),
+    **dict.fromkeys(("metadata_title", "metadata_author", "metadata_description", "metadata_license", "metadata_tags",
+                     "metadata_reso", "metadata_arch"), ignored(METADATA)),
+    **dict.fromkeys(("huggingface_repo_id", "huggingface_repo_type", "huggingface_path_in_repo", "huggingface_token",
+                     "huggingface_repo_visibility", "save_state_to_huggingface", "resume_from_huggingface",
+                     "async_upload"), ignored(HUB)),
+    # model files and their precision
+    "dit": renamed("pretrained_model_name_or_path"),
+    "vae": renamed("ae"),
+    "text_encoder": same(),
+    "text_encoder1": joint(partial(_text_encoder_file, "t5xxl")),
+    "text_encoder2": joint(partial(_text_encoder_file, "clip_l")),
+    **dict.fromkeys(("fp8_llm", "fp8_vl", "fp8_t5", "fp8_text_encoder"),
+                    renamed("text_encoder_precision", convert=_fp8_text_encoder)),
+    "vae_dtype": ignored("the VAE's dtype while caching: ours encodes in float32"),
+    "dit_dtype": ignored("ours keeps the base in the compute dtype (mixed_precision) or base_precision"),
+    "num_layers": ignored("ours reads the layer count from the checkpoint"),
+    "model_version": joint(_version_key), "edit": joint(_version_key), "edit_plus": joint(_version_key),
+    # HunyuanVideo's parser (a config copied from a video run)
+    "dit_in_channels": unsupported("HunyuanVideo's (SkyReels I2V): not a model of ours"),
+    "text_encoder_dtype": ignored("HunyuanVideo's text encoder dtype: ours is text_encoder_precision"),
+    **dict.fromkeys(("vae_tiling", "vae_chunk_size", "vae_spatial_tile_sample_min_size"), ignored(HUNYUAN)),
+    # the models' own
+    "remove_first_image_from_target": unsupported("not offered: ours trains every frame, the composite too"),
+    "use_32bit_attention": unsupported("float32 attention: ours computes it in the compute dtype"),
+    **dict.fromkeys(("turbo_dit", "turbo_dit_cache", "unconditional_dit", "use_unconditional_dit_for_lora_sampling",
+                     "sampler_preset", "initial_sigma"), ignored(SAMPLES)),
+    "log_loss_stats": ignored("diagnostics in the log"),
+    **dict.fromkeys(("ideogram4_timestep_mu", "ideogram4_timestep_std"), ignored("deprecated: musubi-tuner ignores it")),
+    **dict.fromkeys(("validate_caption_structure", "warn_on_caption_issues"),
+                    ignored("a check of sample prompts' JSON structure")),
+}
+
+
+def settle_defaults(t: Translation, run: Run) -> None:
+    """musubi-tuner's defaults where they differ from ours and change the training, for the keys its config
+    leaves out (their line: '<key> (unset)')."""
+    flat = run.flat
+
+    def default(ours, value, key, note):
+        t.set(ours, value, f"{key} (unset)", value, KEPT, note=f"musubi-tuner's default{note}")
+
+    if "network_alpha" not in flat:
+        default("network_alpha", 1.0, "network_alpha", "; ours is 16 (scale alpha / rank)")
+    if "network_dim" not in flat:
+        default("network_dim", 4, "network_dim", "; ours is 16")
+    if "learning_rate" not in flat:
+        default("learning_rate", 2e-6, "learning_rate", "; ours is 1e-4")
+    if "timestep_sampling" not in flat and run.model_type != "ideogram4":
+        ours, text = run.draw
+        if ours is None:
+            t.refuse("timestep_sampling (unset)", "sigma", text)
+        else:
+            default("timestep_sampling", ours, "timestep_sampling", f", {text}; ours is the model's own")
+    if run.draw[0] == "shift" and "discrete_flow_shift" not in flat:
+        default("discrete_flow_shift", 1.0, "discrete_flow_shift", "; ours is 3")
+    if is_true(flat.get("fp8_base")) and "fp8_scaled" not in flat:
+        default("fp8_scaled", False, "fp8_scaled", " (a plain fp8 cast); ours is per-block scales")
+    if is_true(flat.get("persistent_data_loader_workers")) and "max_data_loader_n_workers" not in flat:
+        default("max_data_loader_n_workers", 8, "max_data_loader_n_workers", "; ours is 0")
+    if "network_args" not in flat and network_extras(run, []):
+        _network_args(t, "network_args", [], run)
 
 
 def translate(config: dict, source: str, *, model_type=None, dataset=None, dataset_source=None, script=None) -> Translation:
-    raise ValueError("this peer's translation is not written yet")
+    flat = flatten_tables(config)
+    chosen, who = choose_model(flat, source, script, model_type)
+    run = Run(flat, source, chosen)
+    run.draw = timestep_draw(flat, chosen, run.peer_draw())
+    t = Translation(PEER, source)
+    t.set("model_type", chosen, who, chosen, RENAMED)
+    if dataset is not None:
+        t.dataset = translate_dataset(t, dataset, dataset_source or "dataset config", chosen)
+        run.dataset_read = True
+    rules = {key: Rule("custom", handle=partial(rule.handle, run=run)) if rule.kind == "custom" else rule
+             for key, rule in RULES.items()}
+    apply_rules(t, flat, rules)
+    settle_defaults(t, run)
+    return t

@@ -1,0 +1,169 @@
+"""musubi-tuner's dataset TOML (its docs/dataset_config.md, dataset/config_utils.py) read into ours.
+
+    [general]       resolution, caption_extension, batch_size, num_repeats, enable_bucket, bucket_no_upscale
+    [[datasets]]    those, and image_directory, cache_directory, control_directory, multiple_target, ...
+
+becomes our [general] and, per image dataset, a [[datasets]] (resolution, batch_size, buckets, cache_dir) with
+one [[datasets.subsets]] (image_dir, num_repeats, caption_extension, control_directory, multiple_target).
+Its buckets (16 px steps, sides from half the resolution's side, BucketSelector) are written as ours'
+min_bucket_reso / max_bucket_reso / bucket_reso_steps. A JSONL or video dataset is not carried, with why."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from library.training.peers.rules import KEPT, RENAMED, UNKNOWN, Line, Translation, is_off
+
+RESOLUTION = [960, 544]  # ImageDatasetParams' default
+BUCKET_STEP = 16  # BucketSelector's steps for every image model
+SHARED = ("resolution", "caption_extension", "batch_size", "num_repeats", "enable_bucket", "bucket_no_upscale")
+SUBSET_SIDE = ("num_repeats", "caption_extension")  # ours are a subset's: a [[datasets]] value goes there
+RENAMED_KEYS = {"image_directory": ("image_dir", "subset"), "cache_directory": ("cache_dir", "dataset")}
+DEPRECATED = {"flux_kontext_no_resize_control": "no_resize_control", "qwen_image_edit_no_resize_control": "no_resize_control",
+              "qwen_image_edit_control_resolution": "control_resolution"}  # load_user_config's renames
+VIDEO = ("video_directory", "video_jsonl_file", "target_frames", "frame_extraction", "frame_stride", "frame_sample",
+         "max_frames", "source_fps")
+FRAMEPACK = ("fp_latent_window_size", "fp_1f_clean_indices", "fp_1f_target_index", "fp_1f_no_post")
+REFERENCE_MODELS = ("flux_kontext", "qwen_image_edit")  # its image models that train on control_directory here
+KNOWN = (*SHARED, *RENAMED_KEYS, *DEPRECATED, *VIDEO, *FRAMEPACK, "image_jsonl_file", "control_directory",
+         "multiple_target", "no_resize_control", "control_resolution")
+
+
+def translate_dataset(t: Translation, dataset: dict, source: str, model_type: str) -> dict | None:
+    """Our dataset TOML as a dict (None: no dataset carried), each key's line in `t` ("general.resolution",
+    "datasets[0].image_directory")."""
+    for key, value in dataset.items():
+        if key not in ("general", "datasets"):
+            t.lines.append(Line(key, value, UNKNOWN, f"not a section of {t.peer}'s dataset TOML ({source})"))
+    general_in = dataset.get("general") if isinstance(dataset.get("general"), dict) else {}
+    general = {}
+    for key, value in general_in.items():
+        if key in SHARED:
+            general[key] = value
+            t.lines.append(Line(f"general.{key}", value, KEPT))
+        else:
+            t.lines.append(Line(f"general.{key}", value, UNKNOWN, f"not a [general] key of {t.peer}'s ({source})"))
+    entries = dataset.get("datasets") if isinstance(dataset.get("datasets"), list) else []
+    try:
+        ours = [d for i, entry in enumerate(entries) if isinstance(entry, dict)
+                for d in [_dataset(t, f"datasets[{i}]", entry, general_in, model_type)] if d is not None]
+    except ValueError as e:  # a value it would refuse too: one line naming the file
+        raise ValueError(f"{source}: {e}") from None
+    if not ours:
+        return None
+    return {**({"general": general} if general else {}), "datasets": ours}
+
+
+def _dataset(t: Translation, where: str, entry: dict, general: dict, model_type: str) -> dict | None:
+    entry, labels = dict(entry), {}  # labels: a deprecated name as written, read as its new one
+    for old, new in DEPRECATED.items():
+        if old not in entry:
+            continue
+        value = entry.pop(old)
+        if new in entry:  # load_user_config: the new name's value wins
+            t.drop(f"{where}.{old}", value, f"{new} is given too, and wins (there too)")
+        else:
+            entry[new], labels[new] = value, old
+    why = _not_an_image_folder(entry)
+    if why:
+        key = next((k for k in ("image_jsonl_file", *VIDEO) if k in entry), "image_directory")
+        t.refuse(f"{where}.{key}", entry.get(key), why)
+        return None
+    ds, subset = {}, {}
+    pick = {k: entry.get(k, general.get(k)) for k in ("resolution", "enable_bucket", "bucket_no_upscale")}
+    for key, value in entry.items():
+        label = f"{where}.{labels.get(key, key)}"
+        if key in SHARED:
+            (subset if key in SUBSET_SIDE else ds)[key] = value
+            t.lines.append(Line(label, value, KEPT))
+        elif key in RENAMED_KEYS:
+            ours, side = RENAMED_KEYS[key]
+            (subset if side == "subset" else ds)[ours] = value
+            t.lines.append(Line(label, value, RENAMED, ours))
+        elif key in ("control_directory", "multiple_target", "no_resize_control", "control_resolution"):
+            _references(t, label, key, value, entry, pick, model_type, subset)
+        elif key in FRAMEPACK:
+            (t.drop if is_off(value) else t.refuse)(label, value, "FramePack's one-frame training: a video model")
+        else:
+            t.lines.append(Line(label, value, UNKNOWN, f"not a [[datasets]] key of {t.peer}'s"))
+    _buckets(t, where, pick, ds)
+    return {**ds, "subsets": [subset]}
+
+
+def _not_an_image_folder(entry: dict) -> str:
+    if any(k in entry for k in VIDEO):
+        return "a video dataset: our models train on images"
+    if "image_jsonl_file" in entry:
+        return "a JSONL of image paths and captions: ours reads image folders with a caption file beside each image"
+    if "image_directory" not in entry:
+        return "no image_directory"
+    return ""
+
+
+def _references(t: Translation, label: str, key: str, value: Any, entry: dict, pick: dict, model_type: str,
+                subset: dict) -> None:
+    """control_directory and how its images are sized; multiple_target (Qwen-Image-Layered's frames)."""
+    if key == "multiple_target":
+        if model_type == "qwen_image_layered" and value:
+            subset[key] = value
+            t.lines.append(Line(label, value, KEPT))
+        else:
+            (t.drop if is_off(value) else t.refuse)(label, value, "layered targets: Qwen-Image-Layered's only")
+        return
+    if model_type not in REFERENCE_MODELS:
+        (t.drop if is_off(value) else t.refuse)(label, value, "reference images: this model takes none here")
+        return
+    if key == "control_directory":
+        subset[key] = value
+        sized = "control_resolution" in entry or entry.get("no_resize_control")
+        note = ("" if model_type != "qwen_image_edit" or sized else "it fits each reference to its target's size "
+                "here; ours encodes it at the resolution's area, its own aspect (the pipelines' rule)")
+        t.lines.append(Line(label, value, KEPT, note=note))
+    elif key == "no_resize_control":
+        (t.drop if is_off(value) else t.refuse)(label, value, "ours resizes every reference (the model's rule)")
+    elif model_type == "flux_kontext":  # control_resolution
+        t.refuse(label, value, "ours fits each reference to its target's bucket (musubi-tuner's default)")
+    elif _area(value, label) == _area(pick["resolution"] or RESOLUTION) and not entry.get("no_resize_control"):
+        t.drop(label, value, "ours encodes references at the resolution's area, their own aspect: the same")
+    else:
+        t.refuse(label, value, "ours encodes references at the dataset resolution's area: set resolution to it")
+
+
+def _area(resolution: Any, key: str = "resolution") -> int:
+    """w * h of an integer or [width, height] (musubi-tuner's scalar_or_twodim); a ValueError naming `key` else."""
+    if isinstance(resolution, int) and not isinstance(resolution, bool):
+        return resolution * resolution
+    if isinstance(resolution, list) and len(resolution) == 2 and all(isinstance(v, int) for v in resolution):
+        return resolution[0] * resolution[1]
+    raise ValueError(f"{key}: expected an integer or [width, height], got {resolution!r}")
+
+
+def _buckets(t: Translation, where: str, pick: dict, ds: dict) -> None:
+    """The resolution its default gives, and its bucket grid as our three keys."""
+    resolution = pick["resolution"]
+    if resolution is None:
+        ds["resolution"] = resolution = RESOLUTION
+        t.lines.append(Line(f"{where}.resolution (unset)", RESOLUTION, KEPT, note=f"{t.peer}'s default"))
+    if pick["bucket_no_upscale"] and not pick["enable_bucket"]:
+        ds["bucket_no_upscale"] = False  # ours refuses it there; [general]'s would reach this dataset
+        t.drop(f"{where}.bucket_no_upscale", True, "does nothing without enable_bucket (there too)")
+    if pick["enable_bucket"]:
+        low, high = bucket_sides(resolution)
+        ds.update(min_bucket_reso=low, max_bucket_reso=high, bucket_reso_steps=BUCKET_STEP)
+        t.lines.append(Line(f"{where} buckets", f"{low}..{high} px, step {BUCKET_STEP}", RENAMED,
+                            "min_bucket_reso, max_bucket_reso, bucket_reso_steps", f"{t.peer}'s bucket grid"))
+
+
+def bucket_sides(resolution: Any) -> tuple[int, int]:
+    """(shortest, longest) side of BucketSelector's buckets: widths from half the area's side, heights the
+    area over them, both on the 16 px grid."""
+    area = _area(resolution, "resolution")
+    half = int(math.sqrt(area)) // 2
+    low = half - half % BUCKET_STEP
+    return low, area // low - (area // low) % BUCKET_STEP
+
+
+def dataset_keys() -> set[str]:
+    """The keys of its dataset TOML this module knows that ours does not (the data layer's MUSUBI_DATASET_KEYS)."""
+    return {k for k in KNOWN if k not in SHARED + ("control_directory", "multiple_target")}

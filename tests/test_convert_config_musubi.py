@@ -1,0 +1,263 @@
+"""tools/convert_config.py on musubi-tuner's configs (library/training/peers/musubi_tuner.py, musubi_dataset.py):
+its documented Qwen-Image command line and a Qwen-Image-Edit config file translate into files our loaders
+accept, the script or the config names the model (else one line asking for --model_type), and each key's
+verdict says what it became; a converted config trains."""
+
+import os
+import re
+import shlex
+
+import pytest
+import toml
+from safetensors.torch import load_file
+
+from library.data.dataset_config import load_dataset_config
+from library.training.config import load_config
+from library.training.peers import musubi_tuner
+from library.training.peers.musubi_dataset import bucket_sides
+from library.training.peers.rules import DROPPED, KEPT, NOT_CARRIED, RENAMED, argv_to_dict
+from tools import convert_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MUSUBI = os.path.join(ROOT, ".peers", "musubi-tuner", "src", "musubi_tuner")
+
+# docs/qwen_image.md's LoRA training command, the paths ours (DIT, VAE, TE, DATASET, OUT filled in)
+DOCUMENTED = """accelerate launch --num_cpu_threads_per_process 1 --mixed_precision bf16 src/musubi_tuner/qwen_image_train_network.py \\
+    --dit {dit} --vae {vae} --text_encoder {te} --model_version original --dataset_config {dataset} \\
+    --sdpa --mixed_precision bf16 --timestep_sampling shift --weighting_scheme none --discrete_flow_shift 2.2 \\
+    --optimizer_type adamw8bit --learning_rate 5e-5 --gradient_checkpointing \\
+    --max_data_loader_n_workers 2 --persistent_data_loader_workers --network_module networks.lora_qwen_image \\
+    --network_dim 16 --max_train_epochs 16 --save_every_n_epochs 1 --seed 42 \\
+    --output_dir {out} --output_name name-of-lora"""
+
+
+def musubi_dataset(path, image_dir, cache_dir, resolution="[64, 64]", extra=""):
+    """A dataset TOML in musubi-tuner's format (its docs/dataset_config.md sample)."""
+    path.write_text(f'[general]\nresolution = {resolution}\ncaption_extension = ".txt"\nbatch_size = 1\n'
+                    f'enable_bucket = true\nbucket_no_upscale = false\n\n[[datasets]]\n'
+                    f'image_directory = "{image_dir}"\ncache_directory = "{cache_dir}"\nnum_repeats = 1\n{extra}')
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def documented(tiny_set, tmp_path_factory):
+    """The documented command converted: (our config, our dataset TOML, its report)."""
+    root = tmp_path_factory.mktemp("musubi_qwen")
+    dataset = musubi_dataset(root / "musubi_dataset.toml", tiny_set["image_dir"], root / "cache")
+    command = DOCUMENTED.format(dit=tiny_set["qwen_image"], vae=tiny_set["qwen_image_vae"],
+                                te=tiny_set["qwen_image_text_encoder"], dataset=dataset, out=root / "out")
+    out = str(root / "ours.toml")
+    assert convert_config.main(["--command", command, "--out", out]) == 0
+    return out, out[:-len(".toml")] + "_dataset.toml"
+
+
+def test_documented_qwen_image_command_converts_to_files_our_loaders_accept(documented, tiny_set):
+    config, dataset = documented
+    args = load_config(["--config_file", config])
+    assert (args.model_type, args.pretrained_model_name_or_path, args.ae) == (
+        "qwen_image", tiny_set["qwen_image"], tiny_set["qwen_image_vae"])
+    assert (args.timestep_sampling, args.discrete_flow_shift, args.weighting_scheme) == ("shift", 2.2, "none")
+    assert (args.network_module, args.network_dim, args.network_alpha) == ("networks.lora", 16, 1.0)  # their alpha 1
+    assert args.network_args == ["train_modulation=true"]  # musubi-tuner's Qwen-Image LoRA trains img_mod / txt_mod
+    assert (args.learning_rate, args.max_train_epochs, args.optimizer_type) == (5e-5, 16, "adamw8bit")
+    assert args.dataset_config == dataset
+    ours = load_dataset_config(dataset).datasets[0]
+    assert (ours.resolution, ours.enable_bucket, ours.subsets[0].image_dir) == ((64, 64), True, tiny_set["image_dir"])
+    assert (ours.min_bucket_reso, ours.max_bucket_reso, ours.bucket_reso_steps) == (32, 128, 16)
+
+
+def test_bucket_grid_is_musubi_tunes_bucket_selector():
+    # BucketSelector: widths from divisible_by(sqrt(area) // 2, 16), heights divisible_by(area // w, 16)
+    assert bucket_sides([960, 544]) == (352, 1472)
+    assert bucket_sides(1024) == (512, 2048)
+
+
+def test_a_converted_config_trains_two_steps(documented, tmp_path):
+    import train_lora
+
+    config, _ = documented
+    code = train_lora.main(["--config_file", config, "--output_dir", str(tmp_path), "--max_train_epochs", "none",
+                            "--max_train_steps", "2", "--mixed_precision", "no", "--optimizer_type", "AdamW",
+                            "--max_data_loader_n_workers", "0", "--persistent_data_loader_workers", "false",
+                            "--save_every_n_epochs", "0", "--gradient_checkpointing", "false"])
+    assert code == 0
+    tensors = load_file(tmp_path / "name-of-lora.safetensors")
+    assert tensors["lora_unet_transformer_blocks_0_img_mod_1.alpha"].item() == 1.0  # modulation trained, at alpha 1
+    assert tensors["lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight"].shape[0] == 16
+
+
+def test_qwen_image_edit_config_with_control_directory(tmp_path):
+    images, control = tmp_path / "images", tmp_path / "control"
+    images.mkdir()
+    control.mkdir()
+    dataset = musubi_dataset(tmp_path / "ds.toml", images, tmp_path / "cache", "[1024, 1024]",
+                             f'control_directory = "{control}"\ncontrol_resolution = [1024, 1024]\n')
+    config = tmp_path / "edit.toml"
+    config.write_text(f'[model]\ndit = "edit_dit.safetensors"\nvae = "vae.safetensors"\n'
+                      f'text_encoder = "qwen_2.5_vl_7b.safetensors"\nmodel_version = "edit-2511"\n'
+                      f'dataset_config = "{dataset}"\n[network]\nnetwork_module = "networks.lora_qwen_image"\n'
+                      f'network_dim = 32\nnetwork_alpha = 32\n[training]\nfp8_base = true\nfp8_scaled = true\n'
+                      f'timestep_sampling = "qwen_shift"\nblocks_to_swap = 16\noutput_dir = "{tmp_path / "out"}"\n'
+                      f'output_name = "edit"\n')
+    assert convert_config.main([str(config)]) == 0
+    args = load_config(["--config_file", str(tmp_path / "edit_converted.toml")])
+    assert (args.model_type, args.model_version, args.timestep_sampling) == ("qwen_image_edit", "qwen-image-edit-2511", "qwen_shift")
+    assert (args.fp8_base, args.fp8_scaled, args.blocks_to_swap, args.network_alpha) == (True, True, 16, 32.0)
+    subset = load_dataset_config(args.dataset_config).datasets[0].subsets[0]
+    assert (subset.image_dir, subset.control_directory) == (str(images), str(control))
+
+
+@pytest.mark.parametrize("control, verdict", [([1024, 1024], DROPPED), ([512, 512], NOT_CARRIED)])
+def test_control_resolution_is_carried_where_it_is_the_resolutions_area(tmp_path, control, verdict):
+    dataset = {"general": {"resolution": [1024, 1024]},
+               "datasets": [{"image_directory": "i", "control_directory": "c", "control_resolution": control}]}
+    t = musubi_tuner.translate({"network_module": "networks.lora_qwen_image", "model_version": "edit"}, "c.toml",
+                               dataset=dataset, dataset_source="d.toml")
+    assert verdict_of(t, "datasets[0].control_resolution")[0] == verdict
+    assert t.dataset["datasets"][0]["subsets"][0]["control_directory"] == "c"
+
+
+def test_command_tells_the_model_from_the_script(tmp_path):
+    command = ("accelerate launch src/musubi_tuner/flux_kontext_train_network.py --dit flux1-kontext-dev.safetensors "
+               "--vae ae.safetensors --text_encoder1 t5xxl_fp16.safetensors --text_encoder2 clip_l.safetensors "
+               "--blocks_to_swap 10 --timestep_sampling flux_shift --network_module networks.lora_flux "
+               f"--output_dir {tmp_path}")
+    t = musubi_tuner.translate(argv_to_dict(shlex.split(command)[3:]), "command line",
+                               script="src/musubi_tuner/flux_kontext_train_network.py")
+    assert t.config["model_type"] == "flux_kontext"
+    assert (t.config["t5xxl"], t.config["clip_l"]) == ("t5xxl_fp16.safetensors", "clip_l.safetensors")
+    assert t.config["blocks_to_swap"] == 20  # their count: 5 double + 10 single blocks, ~20 single blocks' bytes
+    assert t.config["network_args"] == ["train_modulation=false"]  # its default excludes the modulation
+    assert t.config["network_alpha"] == 1.0 and t.config["learning_rate"] == 2e-6  # its defaults
+
+
+def verdict_of(t, key):
+    line = next(line for line in t.lines if line.key == key)
+    return line.verdict, line.text
+
+
+@pytest.mark.parametrize("config, key, verdict, ours", [
+    ({"timestep_sampling": "flux2_shift", "model_version": "klein-4b"}, "timestep_sampling", RENAMED, "flux_shift"),
+    ({"timestep_sampling": "flux2_shift", "network_module": "networks.lora_zimage"}, "timestep_sampling", NOT_CARRIED, None),
+    ({"timestep_sampling": "qwen_shift", "model_version": "dev"}, "timestep_sampling", NOT_CARRIED, None),
+    ({"timestep_sampling": "logsnr", "network_module": "networks.lora_qwen_image"}, "timestep_sampling", NOT_CARRIED, None),
+    ({"weighting_scheme": "logit_normal", "logit_std": 1.5, "network_module": "networks.lora_zimage"},
+     "logit_std", RENAMED, ("sigmoid_scale", 1.5)),
+    ({"xformers": True, "network_module": "networks.lora_zimage"}, "xformers", DROPPED, None),
+    ({"sage_attn": True, "network_module": "networks.lora_zimage"}, "sage_attn", NOT_CARRIED, None),
+    ({"fp8_vl": True, "network_module": "networks.lora_qwen_image"}, "fp8_vl", RENAMED, ("text_encoder_precision", "fp8")),
+    ({"resume": "out/state", "network_module": "networks.lora_krea2"}, "resume", NOT_CARRIED, None),
+    ({"lr_scheduler": "rex", "network_module": "networks.lora_krea2"}, "lr_scheduler", NOT_CARRIED, None),
+    ({"min_timestep": 0, "network_module": "networks.lora_krea2"}, "min_timestep", DROPPED, None),
+    ({"min_timestep": 100, "network_module": "networks.lora_krea2"}, "min_timestep", NOT_CARRIED, None),
+    ({"guidance_scale": 3.5, "network_module": "networks.lora_qwen_image"}, "guidance_scale", DROPPED, None),
+    ({"guidance_scale": 3.5, "network_module": "networks.lora_flux"}, "guidance_scale", KEPT, ("guidance_scale", 3.5)),
+    ({"network_module": "networks.lokr", "model_version": "edit-2509"}, "network_module", RENAMED,
+     ("network_module", "lycoris.kohya")),
+    ({"base_weights": ["a.safetensors"], "base_weights_multiplier": [0.5], "network_module": "networks.lora_zimage"},
+     "base_weights", RENAMED, ("base_loras", ["a.safetensors:0.5"])),
+    ({"save_last_n_steps": 300, "save_every_n_steps": 100, "network_module": "networks.lora_zimage"},
+     "save_last_n_steps", RENAMED, ("save_last_n_saves", 4)),
+])
+def test_each_key_says_what_it_became(config, key, verdict, ours):
+    t = musubi_tuner.translate(config, "c.toml")
+    assert verdict_of(t, key)[0] == verdict
+    if isinstance(ours, tuple):
+        assert t.config[ours[0]] == ours[1]
+    elif ours is not None:
+        assert t.config[key] == ours
+
+
+def test_musubi_tuners_defaults_are_written_where_they_differ():
+    # its sigma draw (uniform, unshifted), alpha 1, dim 4, lr 2e-6, fp8_base's plain cast, 8 workers
+    t = musubi_tuner.translate({"network_module": "networks.lora_zimage", "fp8_base": True,
+                                "persistent_data_loader_workers": True}, "c.toml")
+    assert {k: t.config[k] for k in ("timestep_sampling", "network_alpha", "network_dim", "learning_rate", "fp8_scaled",
+                                     "max_data_loader_n_workers")} == {
+        "timestep_sampling": "uniform", "network_alpha": 1.0, "network_dim": 4, "learning_rate": 2e-6,
+        "fp8_scaled": False, "max_data_loader_n_workers": 8}
+    shifted = musubi_tuner.translate({"network_module": "networks.lora_zimage", "timestep_sampling": "shift"}, "c.toml")
+    assert shifted.config["discrete_flow_shift"] == 1.0  # theirs; ours would be 3
+
+
+def test_a_config_that_does_not_say_the_model_asks_for_model_type(tmp_path, capsys):
+    config = tmp_path / "musubi.toml"
+    config.write_text('dit = "dit.safetensors"\nvae = "vae.safetensors"\nnetwork_dim = 16\n')
+    assert convert_config.main([str(config)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {config}: musubi-tuner's config does not say the model (its training script does): give "
+                   f"--model_type (one of {', '.join(musubi_tuner.MODEL_TYPES)})"]
+    assert not (tmp_path / "musubi_converted.toml").exists()
+    assert convert_config.main([str(config), "--model_type", "zimage"]) == 0
+
+
+def test_the_script_and_the_config_disagreeing_is_one_error():
+    with pytest.raises(ValueError, match="zimage_train_network.py trains zimage, network_module networks.lora_qwen_image "
+                                         "qwen_image: they disagree"):
+        musubi_tuner.translate({"network_module": "networks.lora_qwen_image"}, "command line",
+                               script="zimage_train_network.py")
+
+
+def test_sample_prompts_lose_the_flags_ours_does_not_read(tmp_path):
+    from library.data.prompts import read_prompt_file
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# cats\nA cat on the grass. --w 640 --h 480 --f 1 --d 1 --s 20 --fs 3.0\n")
+    config = tmp_path / "c.toml"
+    config.write_text(f'dit = "d"\nnetwork_module = "networks.lora_zimage"\nsample_prompts = "{prompts}"\n')
+    assert convert_config.main([str(config)]) == 0
+    ours = toml.load(tmp_path / "c_converted.toml")["sample_prompts"]
+    assert ours == str(tmp_path / "c_converted_prompts.txt")
+    prompt, = read_prompt_file(ours, decode=False)
+    assert (prompt.prompt, prompt.width, prompt.height, prompt.seed, prompt.steps) == ("A cat on the grass.", 640, 480, 1, 20)
+
+
+def test_our_dataset_loader_names_the_command_for_a_musubi_dataset(tmp_path):
+    path = musubi_dataset(tmp_path / "musubi.toml", tmp_path, tmp_path / "cache")
+    with pytest.raises(ValueError) as e:
+        load_dataset_config(path)
+    assert str(e.value).endswith(f"; {path} is a musubi-tuner dataset TOML: `python tools/convert_config.py <its "
+                                 f"training config> --dataset_config {path}` writes it as ours")
+    assert "unknown key 'image_directory'" in str(e.value)
+
+
+def test_our_config_loader_names_musubi_tuner_for_its_keys(tmp_path):
+    from library.errors import ConfigError
+
+    config = tmp_path / "musubi.toml"
+    config.write_text('dit = "d"\nvae = "v"\n')
+    with pytest.raises(ConfigError, match=re.escape("(musubi-tuner keys: `python tools/convert_config.py")):
+        load_config(["--config_file", str(config)])
+
+
+def test_a_dataset_ours_cannot_read_is_not_carried_with_why():
+    dataset = {"datasets": [{"image_jsonl_file": "meta.jsonl", "cache_directory": "c"},
+                            {"video_directory": "v", "target_frames": [1, 25]}]}
+    t = musubi_tuner.translate({"network_module": "networks.lora_zimage", "dataset_config": "d.toml"}, "c.toml",
+                               dataset=dataset, dataset_source="d.toml")
+    assert t.dataset is None
+    assert [verdict_of(t, k)[0] for k in ("datasets[0].image_jsonl_file", "datasets[1].video_directory",
+                                          "dataset_config")] == [NOT_CARRIED] * 3
+
+
+@pytest.mark.skipif(not os.path.isdir(MUSUBI), reason="no musubi-tuner checkout in .peers/")
+def test_every_argument_of_the_image_scripts_has_a_rule():
+    files = ["training/parser_common.py", "hv_train_network.py", "qwen_image/qwen_image_utils.py",
+             "flux_2/flux2_utils.py", *musubi_tuner.SCRIPTS]
+    arguments = set()
+    for name in files:
+        with open(os.path.join(MUSUBI, name), encoding="utf-8") as f:
+            text = f.read()
+        if name == "hv_train_network.py":  # its own parser only (the rest is HunyuanVideo's trainer)
+            text = text[text.index("def hv_setup_parser"):text.index("def main")]
+        text = "\n".join(line for line in text.splitlines() if not line.strip().startswith("#"))
+        arguments |= set(re.findall(r'add_argument\(\s*"--(\w+)"', text))
+    assert sorted(arguments - set(musubi_tuner.RULES)) == []
+    assert sorted(set(musubi_tuner.RULES) - arguments) == []
+
+
+def test_the_data_layers_musubi_keys_are_the_peer_modules():
+    from library.data.peer_keys import MUSUBI_DATASET_KEYS
+    from library.training.peers.musubi_dataset import dataset_keys
+
+    assert set(MUSUBI_DATASET_KEYS) == dataset_keys()
