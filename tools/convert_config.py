@@ -1,10 +1,10 @@
 """Translate a training config written for sd-scripts, musubi-tuner or ai-toolkit into ours, and say
 what every key became.
 
-    python tools/convert_config.py my_flux_lora.toml                      # sd-scripts (its dataset TOML too)
-    python tools/convert_config.py qwen.toml --model_type qwen_image      # musubi-tuner (the script names the model)
-    python tools/convert_config.py train_lora_flux_24gb.yaml              # ai-toolkit (its datasets inside)
-    python tools/convert_config.py --command "accelerate launch flux_train_network.py --pretrained_model_name_or_path ..."
+    python tools/convert_config.py my_lora.toml                      # sd-scripts (its dataset TOML too)
+    python tools/convert_config.py my_lora.toml --model_type TYPE    # musubi-tuner (its script names the model)
+    python tools/convert_config.py train_lora_24gb.yaml              # ai-toolkit (its datasets inside)
+    python tools/convert_config.py --command "accelerate launch <script>.py --pretrained_model_name_or_path ..."
 
 Writes OUT (default: the input's name + "_converted.toml", beside it) and, where the peer's config has a
 dataset (a dataset_config file it names, musubi-tuner's dataset TOML, ai-toolkit's datasets, sd-scripts'
@@ -32,8 +32,6 @@ from library.training.peers import PEERS, peer_module  # noqa: E402
 from library.training.peers.rules import DROPPED, KEPT, NOT_CARRIED, RENAMED, UNKNOWN, Translation  # noqa: E402
 from tools.cli import Parser, check_command_line  # noqa: E402
 
-# The scripts whose command lines --command reads -> their peer (the rest of the name is the model).
-SCRIPT_PEERS = {"flux_train_network.py": "sd-scripts", "train_network.py": "sd-scripts"}
 
 
 def build_parser() -> Parser:
@@ -93,8 +91,8 @@ def tell_peer(args, config: dict, source: str, script: str | None) -> str:
     if source.lower().endswith((".yaml", ".yml")):
         return "ai-toolkit"
     if script is not None:
-        name = os.path.basename(script)
-        return SCRIPT_PEERS.get(name, "musubi-tuner")
+        name = os.path.basename(script)  # a peer module's SCRIPTS: the training scripts it reads the command lines of
+        return next((peer for peer in PEERS if name in getattr(peer_module(peer), "SCRIPTS", ())), "musubi-tuner")
     from library.training.peers.rules import flatten_tables
 
     flat = flatten_tables(config)

@@ -185,7 +185,7 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
 
 
 def extracted_modelspec(base: Base, save_to: str) -> dict[str, str]:
-    """The ModelSpec keys sd-scripts' flux_extract_lora.py writes (sai_model_spec.build_metadata): the release's
+    """The ModelSpec keys sd-scripts' LoRA extraction writes (sai_model_spec.build_metadata): the release's
     architecture + "/lora", the title from the file's name, its default resolution 1024x1024 (an extraction
     trains at none), the date; none for a release its spec names no ModelSpec strings for (the LLM)."""
     from library.models.registry import arch_specs
