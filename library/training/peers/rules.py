@@ -90,13 +90,15 @@ class Translation:
     def set(self, ours: str, value: Any, key: str, peer_value: Any, verdict: str = KEPT, text: str = "",
             note: str = "") -> None:
         """Our key set from the peer's key; two peer keys that set one of ours to different values are
-        one ValueError naming both (sd-scripts' fp8_base and fp8_base_unet, say). note: shown beside it."""
-        setter = next((line.key for line in self.lines if line.verdict in (KEPT, RENAMED) and line.text == ours), None)
+        one ValueError naming both (sd-scripts' fp8_base and fp8_base_unet, say). text: the line's (our key and
+        what else the rule says); note: shown beside it."""
+        setter = next((line.key for line in self.lines if line.verdict in (KEPT, RENAMED)
+                       and (line.text == ours or line.text.startswith(ours + " "))), None)
         if ours in self.config and self.config[ours] != value:
             raise ValueError(f"{self.source}: {key!r} = {peer_value!r} and {setter or ours!r} both set our "
                              f"{ours!r}, to {value!r} and {self.config[ours]!r}")
         self.config[ours] = value
-        self.lines.append(Line(key, peer_value, verdict, ours, note))
+        self.lines.append(Line(key, peer_value, verdict, text or ours, note))  # text: ours and what else it says
 
     def drop(self, key: str, value: Any, why: str) -> None:
         self.lines.append(Line(key, value, DROPPED, why))
