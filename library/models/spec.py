@@ -367,6 +367,10 @@ class ArchSpec:
     # family's model_version writes it (ss_base_model_version), or its beginning up to a "-": the longest key that
     # is the release or begins it followed by "-" names it (modelspec_of).
     modelspec: dict[str, ModelSpecNames] | None = None
+    # peer (library/training/peers PEERS name) -> {the peer's name for one of this folder's models (ai-toolkit's
+    # model.arch, ...): the config keys that name that model here (model_type, and model_version where the peer's
+    # name says it)}: tools/convert_config.py reads a peer's config by it, and refuses a name no spec lists.
+    peer_models: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
 
     def __post_init__(self):
         _check_type(self, ArchSpec, "SPEC")

@@ -130,4 +130,6 @@ SPEC = S.ArchSpec(
     sample_steps={"chroma": 35},  # ChromaPipeline
     sample_guidance={"chroma": 5.0},
     modelspec=MODELSPEC,
+    # ai-toolkit's model.arch
+    peer_models={"ai-toolkit": {"chroma": {"model_type": "chroma"}}},
 )

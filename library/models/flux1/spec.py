@@ -173,4 +173,6 @@ SPEC = S.ArchSpec(
     sample_steps={"dev": 28, "kontext": 28, "schnell": 4},  # FluxPipeline / FluxKontextPipeline; schnell's card
     sample_guidance={"dev": 3.5, "kontext": 2.5},
     modelspec=MODELSPEC,
+    # ai-toolkit's model.arch (or its older is_flux: true): dev and schnell are one arch there and here
+    peer_models={"ai-toolkit": {"flux": {"model_type": "flux"}, "flux_kontext": {"model_type": "flux_kontext"}}},
 )

@@ -145,4 +145,6 @@ SPEC = S.ArchSpec(
     sample_steps={"dev": 50, "klein base": 50, "klein distilled": 4},  # Flux2Pipeline / Flux2KleinPipeline; the distilled cards
     sample_guidance={"dev": 4.0, "klein base": 4.0},
     modelspec=MODELSPEC,
+    # ai-toolkit's model.arch: [dev] and both [klein] sizes are one model_type here ([klein] / [dev] read from the checkpoint)
+    peer_models={"ai-toolkit": {name: {"model_type": "flux2"} for name in ("flux2", "flux2_klein_4b", "flux2_klein_9b")}},
 )

@@ -118,4 +118,6 @@ SPEC = S.ArchSpec(
     sample_steps={"ideogram4": 48},  # Ideogram4Pipeline
     sample_guidance={"ideogram4": 7.0},
     modelspec=MODELSPEC,
+    # ai-toolkit's model.arch
+    peer_models={"ai-toolkit": {"ideogram4": {"model_type": "ideogram4"}}},
 )

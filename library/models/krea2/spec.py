@@ -150,4 +150,6 @@ SPEC = S.ArchSpec(
     sample_steps={"raw": 28, "turbo": 8},  # Krea2Pipeline (turbo: is_distilled); the edit variant: its release's
     sample_guidance={"raw": 4.5, "turbo": 0.0},
     modelspec=MODELSPEC,
+    # ai-toolkit's model.arch (its edit mode, model_kwargs edit: true, is our krea2_edit: not read from there)
+    peer_models={"ai-toolkit": {"krea2": {"model_type": "krea2"}}},
 )

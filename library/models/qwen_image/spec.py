@@ -135,4 +135,9 @@ SPEC = S.ArchSpec(
     sample_steps={"qwen-image": 50, "edit": 50, "layered": 50},  # QwenImage(Edit(Plus)|Layered)Pipeline
     sample_guidance={"qwen-image": 4.0, "edit": 4.0, "layered": 4.0},
     modelspec=MODELSPEC,
+    # ai-toolkit's model.arch: its qwen_image_edit is the first Edit, qwen_image_edit_plus 2509 / 2511 (ours reads
+    # which from the folder's config, 2509 when it cannot tell)
+    peer_models={"ai-toolkit": {"qwen_image": {"model_type": "qwen_image"},
+                                "qwen_image_edit": {"model_type": "qwen_image_edit", "model_version": "qwen-image-edit"},
+                                "qwen_image_edit_plus": {"model_type": "qwen_image_edit"}}},
 )

@@ -159,4 +159,6 @@ SPEC = S.ArchSpec(
     sample_steps={"turbo": 8, "base": 50, "omni": 50},  # ZImagePipeline / ZImageOmniPipeline; Turbo's card: 8 steps
     sample_guidance={"turbo": 0.0, "base": 5.0, "omni": 5.0},
     modelspec=MODELSPEC,
+    # ai-toolkit's model.arch: Turbo and Base (told apart by the folder's scheduler)
+    peer_models={"ai-toolkit": {"zimage": {"model_type": "zimage"}}},
 )
