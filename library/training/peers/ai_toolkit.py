@@ -1,11 +1,190 @@
-"""Placeholder: this peer's rules are being written (tools/convert_config.py)."""
+"""ai-toolkit's (ostris) LoRA training YAML read into our training config, dataset TOML and sample prompts.
+
+The YAML is `job` / `config: {name, process: [{type, training_folder, trigger_word, network, save,
+datasets, train, model, sample, logging}]}`; one process (a LoRA trainer: sd_trainer, diffusion_trainer,
+ui_trainer) is translated. Keys are named by their dotted path in the process: "train.lr",
+"train.ema_config.ema_decay", "network.network_kwargs.only_if_contains", "trigger_word"; the job's own
+as "job", "config.name", "meta"; a dataset's keys as "datasets[].folder_path" in RULES and
+"datasets[0].folder_path" in the report; the older model switches (model.is_xl, ...) share the rule
+"model.is_*", model.use_<arch>_cfg the rule "model.use_*_cfg". A key left out whose ai-toolkit default
+differs from ours (train.lr 1e-6, train.steps 1000, network.linear 4 ...: DEFAULTS) is read at that
+default and reported as "<key> (ai-toolkit's default)", so the run is ai-toolkit's, not ours.
+
+This module names the keys (RULES) and runs the translation; the sections' rules are in
+ai_toolkit_model.py (model, network, save), ai_toolkit_train.py (train) and ai_toolkit_data.py (datasets
+and samples). The model: model.arch (or model.is_<arch>) names it, the family specs' peer_models say
+which of ours it is (library/models/<family>/spec.py), and an arch none lists is one ValueError.
+"""
 
 from __future__ import annotations
 
-from library.training.peers.rules import Rule, Translation
+import fnmatch
+import os
+from typing import Any
 
-RULES: dict[str, Rule] = {}
+from library.training.peers.ai_toolkit_data import DATASET_RULES, SAMPLE_RULES, sample_prompts, to_dataset_toml
+from library.training.peers.ai_toolkit_model import (MODEL_RULES, NETWORK_RULES, PEER, SAVE_RULES, Job, model_keys,
+                                                    read_elsewhere)
+from library.training.peers.ai_toolkit_train import ADAPTIVE, TRAIN_RULES
+from library.training.peers.rules import (RENAMED, Line, Rule, Translation, apply_rule, custom, ignored, implied,
+                                          renamed, unsupported)
+
+LORA_TRAINERS = ("sd_trainer", "diffusion_trainer", "ui_trainer")  # extensions_built_in/sd_trainer's process types
+# Dicts read as one value (their keys are the optimizer's, the scheduler's, the model's), not flattened.
+LEAF_DICTS = ("train.optimizer_params", "train.lr_scheduler_params", "train.validation_config", "model.model_kwargs",
+              "model.quantize_kwargs", "model.model_paths", "network.lorm")
+# ai-toolkit's defaults where they differ from ours (toolkit/config_modules.py): read when the key is left out.
+DEFAULTS = {"train.steps": 1000, "train.lr": 1e-6, "train.optimizer": "adamw", "train.dtype": "fp32",
+            "train.gradient_checkpointing": True, "train.timestep_type": "sigmoid", "save.dtype": "float16",
+            "save.save_every": 1000, "save.max_step_saves_to_keep": 5}
+
+
+# ----------------------------------------------------------------------------------------------
+# The job, the process, logging
+
+
+def _output_dir(t: Job, key: str, value: Any) -> None:
+    """ai-toolkit writes into training_folder/<name>/ (the LoRA as <name>.safetensors, and its steps)."""
+    name = t.config.get("output_name", "lora")
+    t.set("output_dir", os.path.join(str(value), name), key, value, RENAMED, f"output_dir ({value}/{name}, as ai-toolkit's)")
+
+
+PROCESS_RULES: dict[str, Rule] = {
+    "job": implied(lambda v: v == "extension", "ai-toolkit's job that runs its trainers"),
+    "config.name": renamed("output_name"),
+    "meta": ignored("ai-toolkit's extra header fields: ours writes its own metadata"),
+    "type": implied(lambda v: v in LORA_TRAINERS, "ai-toolkit's LoRA trainer"),
+    "training_folder": custom(_output_dir),
+    "device": ignored("accelerate chooses the device (CUDA_VISIBLE_DEVICES, accelerate config)"),
+    "trigger_word": custom(read_elsewhere),  # the datasets' captions (ai_toolkit_data.add_trigger), the prompts, DOP
+    "training_seed": renamed("seed"),
+    "log_dir": renamed("logging_dir"),
+    "performance_log_every": ignored("ai-toolkit's timing printout"),
+    "first_sample": ignored("ai-toolkit's own settings for the first samples: ours renders the sample section's"),
+    "logging.use_wandb": custom(lambda t, key, value: t.set("log_with", "wandb", key, value, RENAMED, "log_with = wandb")
+                                if value else t.drop(key, value, "off")),
+    "logging.project_name": ignored("wandb's project name (ours: log_prefix, default output_name)"),
+    "logging.run_name": ignored("wandb's run name"),
+    "logging.log_every": ignored("ours logs every step"),
+    "logging.verbose": ignored("ai-toolkit's printout"),
+    "logging.use_ui_logger": ignored("ai-toolkit's web UI"),
+    **{k: unsupported("trains something else than a LoRA: not ours") for k in (
+        "adapter", "embedding", "decorator", "slider", "guidance")},
+}
+
+
+RULES: dict[str, Rule] = {**PROCESS_RULES, **MODEL_RULES, **NETWORK_RULES, **SAVE_RULES, **TRAIN_RULES,
+                          **DATASET_RULES, **SAMPLE_RULES}
+
+
+def rule_for(key: str) -> Rule | None:
+    """The rule of a key as the report names it ("train.lr", "train.steps (ai-toolkit's default)", model.is_xl)."""
+    key = key.split(" (")[0]
+    return RULES.get(key) or next((RULES[k] for k in RULES if "*" in k and fnmatch.fnmatchcase(key, k)), None)
+
+
+# ----------------------------------------------------------------------------------------------
+# The translation
 
 
 def translate(config: dict, source: str, *, model_type=None, dataset=None, dataset_source=None, script=None) -> Translation:
-    raise ValueError("this peer's translation is not written yet")
+    """ai-toolkit's whole YAML document (dataset and script: other peers' inputs, unused) into ours."""
+    process = _the_process(config, source)
+    t = Job(PEER, source, process=process)
+    keys = model_keys(t, source, model_type)
+    t.model_type = keys["model_type"]
+    t.config.update(keys)
+    if not t.section("model").get("name_or_path"):
+        raise ValueError(f"{source}: model.name_or_path is required (the model to train: a diffusers folder, a file "
+                         f"or a Hub id)")
+    if not isinstance(process.get("network"), dict):
+        raise ValueError(f"{source}: the process has no network: ai-toolkit then trains the whole model (a fine-tune); "
+                         f"ours trains LoRAs")
+    for key, value in _flat_keys(config, process).items():
+        apply_rule(t, key, value, rule_for(key))
+    train = t.section("train")
+    trigger = process.get("trigger_word")
+    t.dataset = to_dataset_toml(t, process.get("datasets"), train, trigger)
+    text = sample_prompts(t, t.section("sample"), train, trigger) if "sample" in process else None
+    if text:
+        t.files["sample_prompts"] = ("_prompts.txt", text)
+    for key in ("skip_first_sample", "force_first_sample", "disable_sampling"):
+        if key in train and (not text or key == "disable_sampling"):
+            t.drop(f"train.{key}", train[key], "off" if text else "no samples")
+    _finish(t)
+    return t
+
+
+def _the_process(config: dict, source: str) -> dict:
+    """The one LoRA process of ai-toolkit's job, with the job-level keys its processes fall back to."""
+    job = config.get("config")
+    if not isinstance(job, dict) or not isinstance(job.get("process"), list) or not job["process"]:
+        raise ValueError(f"{source}: expected ai-toolkit's job (config: {{name, process: [...]}}), got keys "
+                         f"{', '.join(map(str, config)) or 'none'}")
+    if len(job["process"]) > 1:
+        raise ValueError(f"{source}: {len(job['process'])} processes; ours translates one (a file per process)")
+    process = job["process"][0]
+    if not isinstance(process, dict):
+        raise ValueError(f"{source}: config.process[0] must be a mapping, got {process!r}")
+    if process.get("type") not in LORA_TRAINERS:
+        raise ValueError(f"{source}: process type {process.get('type')!r}: ours translates ai-toolkit's LoRA "
+                         f"trainers ({', '.join(LORA_TRAINERS)})")
+    return {**{k: job[k] for k in ("training_folder", "log_dir", "training_seed", "device") if k in job}, **process}
+
+
+def _flat_keys(config: dict, process: dict) -> dict[str, Any]:
+    """Every key but datasets and samples (ai_toolkit_data reads those), by its dotted path, then ai-toolkit's
+    defaults for those left out ("<key> (ai-toolkit's default)")."""
+    flat = {"job": config.get("job"), "config.name": config["config"].get("name")}
+    flat = {k: v for k, v in flat.items() if v is not None}
+    flat.update({k: v for k, v in config.items() if k not in ("job", "config")})
+    flat.update({f"config.{k}": v for k, v in config["config"].items()
+                 if k not in ("name", "process", "training_folder", "log_dir", "training_seed", "device")})
+    flat.update(_flatten({k: v for k, v in process.items() if k not in ("datasets", "sample")}))
+    network, model = process.get("network") or {}, process.get("model") or {}
+    defaults = dict(DEFAULTS)
+    if str(network.get("type", "lora")).lower() == "lora":  # the rank and alpha ai-toolkit gives a LoRA
+        defaults.update({k: v for k, v, given in (("network.linear", 4, ("linear", "rank")),
+                                                  ("network.linear_alpha", 1.0, ("linear_alpha", "alpha")))
+                         if not any(g in network for g in given)})
+    if "quantize" in model:  # quantize_te follows quantize
+        defaults["model.quantize_te"] = model["quantize"]
+    for key, value in defaults.items():
+        if key not in flat:
+            flat[f"{key} (ai-toolkit's default)"] = value
+    return flat
+
+
+def _flatten(section: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in section.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and path not in LEAF_DICTS:
+            flat.update(_flatten(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _finish(t: Job) -> None:
+    """What several keys give together: network_args, optimizer_args, the adaptive optimizers' lr, and the
+    step counts of the older gradient_accumulation_steps."""
+    if t.network_args:
+        t.config["network_args"] = t.network_args
+    if t.optimizer_args and "optimizer_type" in t.config:
+        t.config["optimizer_args"] = [f"{k}={_literal(v)}" for k, v in t.optimizer_args.items()]
+    if t.config.get("optimizer_type") in ADAPTIVE and t.config.get("learning_rate", 1.0) < 0.1:
+        t.lines.append(Line("train.lr", t.config["learning_rate"], RENAMED, "learning_rate = 1.0 (ai-toolkit runs "
+                            f"{t.config['optimizer_type']} at 1.0 below 0.1)"))
+        t.config["learning_rate"] = 1.0
+    if t.micro_steps > 1:
+        for key in ("max_train_steps", "save_every_n_steps", "sample_every_n_steps"):
+            if t.config.get(key):
+                t.config[key] = max(1, t.config[key] // t.micro_steps)
+    if "save_last_n_saves" in t.config and not t.config.get("save_every_n_steps"):
+        del t.config["save_last_n_saves"]
+
+
+def _literal(value: Any) -> str:
+    """optimizer_args' Python literal for a YAML value (lists as tuples: betas)."""
+    return repr(tuple(value)) if isinstance(value, list) else repr(value)

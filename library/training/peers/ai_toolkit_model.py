@@ -1,0 +1,371 @@
+"""ai-toolkit's model, network and save sections read into ours (library/training/peers/ai_toolkit.py
+names the keys and runs the translation), and what its other parts share: Job, the Translation that
+carries the process while its keys are read, and the small rules built over it."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from library.training.peers.rules import (KEPT, RENAMED, Line, Rule, Translation, custom,
+                                          ignored, implied, is_off, renamed, unsupported)
+
+PEER = "ai-toolkit"
+# the older model switches -> ai-toolkit's arch (toolkit/config_modules.py ModelConfig): is_<arch> for the rest
+LEGACY_ARCHS = {"is_v2": "sd2", "is_v3": "sd3", "is_xl": "sdxl"}
+SAVE_EVERY = 1000  # ai-toolkit's save.save_every where the key is left out
+
+
+@dataclass
+class Job(Translation):
+    """A Translation with what ai-toolkit's keys read from each other while they are translated."""
+    process: dict = field(default_factory=dict)
+    model_type: str | None = None
+    network_args: list = field(default_factory=list)
+    optimizer_args: dict = field(default_factory=dict)
+    micro_steps: int = 1  # gradient_accumulation_steps (its older key): ai-toolkit's steps are micro-batches
+
+    def section(self, name: str) -> dict:
+        value = self.process.get(name)
+        return value if isinstance(value, dict) else {}
+
+
+def read_elsewhere(t, key, value) -> None:  # read with another key, which says what it became
+    pass
+
+
+def read_as(text: str) -> Rule:
+    """A key another part reads (the datasets, the samples): its line says what it became there."""
+    return custom(lambda t, key, value: t.lines.append(Line(key, value, RENAMED, text)))
+
+
+def _peer_models() -> dict[str, dict[str, str]]:
+    """ai-toolkit's arch names -> our config keys naming that model (the family specs' peer_models)."""
+    from library.models.registry import arch_specs
+
+    return {name: keys for spec in arch_specs().values() for name, keys in spec.peer_models.get(PEER, {}).items()}
+
+
+def as_number(value: Any) -> float:
+    """A YAML number (PyYAML reads 1e-4, without a dot, as text; ai-toolkit float()s it)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number, got {value!r}") from None
+
+
+def our_key(name: str, when: str | None = None, convert=None) -> Rule:
+    """Our key `name` (ai-toolkit's of the same name sits in a section: "train.<name>"); when: the train key
+    that must be on for ours to be read (the rest is dropped, as ours refuses a key that does nothing)."""
+    def handle(t: Job, key: str, value: Any) -> None:
+        if when and not t.section("train").get(when):
+            t.drop(key, value, f"train.{when} is off")
+            return
+        try:
+            converted = convert(value) if convert else value
+        except ValueError as e:
+            t.refuse(key, value, str(e))
+            return
+        t.set(name, converted, key, value, KEPT if key.split(" (")[0].endswith("." + name) else RENAMED, name)
+    return custom(handle)
+
+
+# ----------------------------------------------------------------------------------------------
+# model
+
+
+def _arch(t: Job, key: str, value: Any) -> None:
+    keys = _peer_models()[_arch_name(t.section("model"))]
+    t.lines.append(Line(key, value, RENAMED, ", ".join(f"{k} = {v!r}" for k, v in keys.items())))
+
+
+def _arch_name(model: dict) -> str:
+    """ai-toolkit's arch of the model section: `arch` (without a UI tag "arch:tag"), else the is_<arch>
+    switch that is on, else its default sd1."""
+    if model.get("arch"):
+        return str(model["arch"]).split(":")[0]
+    on = [k for k, v in model.items() if k.startswith("is_") and k != "is_v_pred" and v is True]
+    return LEGACY_ARCHS.get(on[0], on[0][len("is_"):]) if on else "sd1"
+
+
+def _model_switch(t: Job, key: str, value: Any) -> None:
+    if value is True and "arch" not in t.section("model"):
+        _arch(t, key, value)
+    else:
+        t.drop(key, value, "off" if not value else "model.arch names the model")
+
+
+def model_keys(t: Job, source: str, asked: str | None) -> dict[str, str]:
+    """Our keys naming the model (model_type, model_version) from model.arch, or --model_type where the YAML
+    names no arch; an arch we do not train is one ValueError naming it."""
+    model = t.section("model")
+    models = _peer_models()
+    if not model.get("arch") and _arch_name(model) == "sd1" and asked:
+        return {"model_type": asked}
+    arch = _arch_name(model)
+    if arch not in models:
+        raise ValueError(f"{source}: model.arch {arch!r}: not a model we train (ai-toolkit's archs we train: "
+                         f"{', '.join(models)})")
+    keys = models[arch]
+    if asked and asked != keys["model_type"]:
+        raise ValueError(f"{source}: --model_type {asked} disagrees with model.arch {arch!r} (our {keys['model_type']})")
+    return keys
+
+
+def _name_or_path(t: Job, key: str, value: Any) -> None:
+    """The model's files: a diffusers folder names every file key of ours (each loader takes its subfolder);
+    a single file only the transformer; a Hub id a folder under models/ that the user downloads."""
+    from library.models.family import family_class  # (torch: the converter checks the written config with it too)
+
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{t.source}: model.name_or_path must name the model, got {value!r}")
+    model = t.section("model")
+    others = [k for k in family_class(t.model_type).required_paths()[1:] if not (k == "ae" and model.get("vae_path"))]
+    path, hub = _local(value)
+    t.config["pretrained_model_name_or_path"] = path
+    extras = _local(model["extras_name_or_path"])[0] if model.get("extras_name_or_path") else path
+    te = _local(model["te_name_or_path"])[0] if model.get("te_name_or_path") else None
+    folder = not path.endswith((".safetensors", ".sft", ".gguf")) and (not os.path.exists(path) or _is_pipeline(path))
+    derived = []
+    for k in others:
+        source = te if te and k != "ae" else extras
+        if source != path or folder:
+            t.config[k] = source
+            derived.append(k)
+    missing = [k for k in others if k not in derived]
+    text = ", ".join(["pretrained_model_name_or_path", *derived])
+    text += " (a diffusers folder: each its subfolder, transformer/, vae/, text_encoder/ ...)" if folder else ""
+    if hub:
+        text += f"; a Hub id, which ours does not download: `hf download {value} --local-dir {path}`"
+    if missing:
+        text += f"; give {', '.join(missing)} yourself (a single file holds the transformer only)"
+    t.lines.append(Line(key, value, RENAMED, text))
+
+
+def _local(value: str) -> tuple[str, str | None]:
+    """(the path ours reads, the Hub id where `value` is one: owner/name not on this machine)."""
+    if not os.path.exists(value) and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith("."):
+        return os.path.join("models", value.split("/")[1]), value
+    return value, None
+
+
+def _is_pipeline(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "model_index.json")) or os.path.isdir(os.path.join(path, "transformer"))
+
+
+def _path_read_with_name(t: Job, key: str, value: Any) -> None:
+    if is_off(value):
+        t.drop(key, value, "off")
+    elif "name_or_path" not in t.section("model"):
+        raise ValueError(f"{t.source}: model.name_or_path is required (ai-toolkit refuses a model without it)")
+    else:
+        t.lines.append(Line(key, value, RENAMED, "the text encoder / VAE keys (read with model.name_or_path)"))
+
+
+def _assistant_lora(t: Job, key: str, value: Any) -> None:
+    """ai-toolkit's assistant LoRA (a de-distillation adapter) is applied while training, off in its samples;
+    ours merges base_loras into the frozen base for both."""
+    if is_off(value):
+        t.drop(key, value, "off")
+    elif _local(str(value))[1]:
+        t.refuse(key, value, f"a Hub repository, which ours does not download: `hf download {value} --local-dir "
+                             f"{_local(str(value))[0]}`, then base_loras = [\"<its .safetensors>:1.0\"]")
+    else:
+        t.set("base_loras", [f"{value}:1.0"], key, value, RENAMED, "base_loras (merged while training, as there; our "
+              "samples keep it too, ai-toolkit's leave it out)")
+
+
+# quantize's qtype -> our base_precision (quanto's qfloat8 keeps a scale per output channel, ours per 64 weights)
+QTYPES = {"qfloat8": "fp8_scaled", "float8": "fp8_scaled", "qint8": "int8", "int8": "int8"}
+TE_QTYPES = {"qfloat8": "fp8_scaled", "float8": "fp8_scaled"}
+
+
+def _quantize(t: Job, key: str, value: Any) -> None:
+    """model.quantize with model.qtype -> base_precision; model.quantize_te (default: quantize) with qtype_te
+    -> text_encoder_precision."""
+    model, te = t.section("model"), key.split(" (")[0].endswith("_te")
+    qtype = str(model.get("qtype_te" if te else "qtype", "qfloat8"))
+    ours = "text_encoder_precision" if te else "base_precision"
+    if not value:
+        t.drop(key, value, "off")
+    elif (TE_QTYPES if te else QTYPES).get(qtype.split("|")[0]) and "|" not in qtype:
+        t.set(ours, (TE_QTYPES if te else QTYPES)[qtype], key, value, RENAMED, f"{ours} ({qtype})")
+    else:
+        nearest = "\"fp8_scaled\"" if te else "\"nf4\" (4 bits) or \"fp8_scaled\""
+        adapter = ", with ai-toolkit's accuracy recovery adapter" if "|" in qtype else ""
+        t.refuse(key, value, f"qtype {qtype.split('|')[0]!r} (torchao's low-bit weights{adapter}) is not ours: "
+                             f"the nearest is {ours} = {nearest}")
+
+
+def _qtype(t: Job, key: str, value: Any) -> None:
+    model, te = t.section("model"), key.endswith("_te")
+    on = model.get("quantize_te", model.get("quantize", False)) if te else model.get("quantize", False)
+    t.drop(key, value, f"read with model.quantize{'_te' if te else ''}" if on else "quantizing is off")
+
+
+MODEL_RULES: dict[str, Rule] = {f"model.{k}": r for k, r in {
+    "arch": custom(_arch),
+    "name_or_path": custom(_name_or_path),
+    "extras_name_or_path": custom(_path_read_with_name),
+    "te_name_or_path": custom(_path_read_with_name),
+    "vae_path": renamed("ae"),
+    "quantize": custom(_quantize),
+    "quantize_te": custom(_quantize),
+    "qtype": custom(_qtype),
+    "qtype_te": custom(_qtype),
+    "assistant_lora_path": custom(_assistant_lora),
+    "dtype": ignored("ai-toolkit replaces it with train.dtype"),
+    "low_vram": ignored("memory while quantizing only: ours quantizes tensor by tensor while loading"),
+    "layer_offloading": ignored("memory only (ours: blocks_to_swap)"),
+    "layer_offloading_transformer_percent": ignored("memory only (ours: blocks_to_swap)"),
+    "layer_offloading_text_encoder_percent": ignored("memory only"),
+    "auto_memory": ignored("memory only (ours: blocks_to_swap)"),
+    "split_model_over_gpus": ignored("memory only (ours: FSDP shards the base)"),
+    "split_model_other_module_param_count_scale": ignored("memory only"),
+    "quantize_kwargs": ignored("which modules quanto skips: ours keeps each model's own list in high precision"),
+    "compile": ignored("speed only (ours: torch_compile, on where measured faster)"),
+    **{k: ignored("speed only") for k in ("block_compile", "compile_mode", "compile_fullgraph", "compile_dynamic",
+                                          "cache_size_limit")},
+    **{k: ignored("where ai-toolkit runs or keeps the VAE / text encoder: ours caches with them, then frees them")
+       for k in ("vae_device", "te_device", "vae_dtype", "te_dtype", "text_encoder_bits")},
+    "inference_lora_path": ignored("a LoRA for ai-toolkit's samples only"),
+    "lora_path": unsupported("a LoRA loaded into the base: ours merges base_loras (with their ratio)"),
+    "unconditional_lora_path": unsupported("a LoRA for the negative prompt only: not ours"),
+    "accuracy_recovery_adapter": unsupported("ai-toolkit's accuracy recovery adapter for its low-bit bases: not ours"),
+    "attn_masking": unsupported("ai-toolkit's attention mask over the text padding: ours follows each model's pipeline"),
+    "is_v_pred": unsupported("v-prediction: ours trains flow matching"),
+    "use_*_cfg": unsupported("a guidance-distilled model trained with CFG: not ours"),
+    "latent_space_version": unsupported("another latent space: not ours"),
+    "refiner_name_or_path": unsupported("a refiner model: not ours"),
+    "refiner_start_at": ignored("a refiner model's key"),
+    "unet_path": unsupported("a separate denoiser file: ours takes it as name_or_path"),
+    "unet_sample_size": ignored("older models' key"),
+    "use_text_encoder_1": ignored("older models' key"),
+    "use_text_encoder_2": ignored("older models' key"),
+    "experimental_xl": ignored("older models' key"),
+    "in_context": unsupported("in-context training: not ours"),
+    "model_kwargs": unsupported("a model's own options in ai-toolkit: set ours by their keys"),
+    "model_paths": unsupported("a model's extra files in ai-toolkit: set ours by their keys"),
+    "ignore_if_contains": unsupported("frozen parameters of a full fine-tune: ours trains a LoRA"),
+    "only_if_contains": unsupported("trained parameters of a full fine-tune: ours trains a LoRA"),
+    "is_*": custom(_model_switch),
+}.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# network
+
+
+def _network_type(t: Job, key: str, value: Any) -> None:
+    """lora -> our LoRA; lokr -> LyCORIS' LoKr with ai-toolkit's factor, full rank (its default: w2 a full matrix,
+    scale 1) or the rank of network.linear."""
+    network = t.section("network")
+    kind = str(value).lower()
+    if kind == "lora":
+        t.set("network_module", "networks.lora", key, value, RENAMED, "network_module")
+        return
+    if kind != "lokr":
+        raise ValueError(f"{t.source}: network.type {value!r}: ours trains lora and lokr (ai-toolkit's {kind} is not ours)")
+    t.set("network_module", "lycoris.kohya", key, value, RENAMED, "network_module (network_args algo=lokr)")
+    t.network_args += ["algo=lokr", f"factor={int(network.get('lokr_factor', -1))}"]
+    if network.get("lokr_full_rank", True):
+        t.network_args.append("full_matrix=True")
+
+
+def _lokr_key(t: Job, key: str, value: Any) -> None:
+    if str(t.section("network").get("type", "lora")).lower() != "lokr":
+        t.drop(key, value, "network.type is not lokr")
+    else:
+        t.lines.append(Line(key, value, RENAMED, "network_args (factor / full_matrix)"))
+
+
+def _rank(t: Job, key: str, value: Any) -> None:
+    network = t.section("network")
+    if str(network.get("type", "lora")).lower() == "lokr" and network.get("lokr_full_rank", True):
+        t.drop(key, value, "full-rank LoKr (lokr_full_rank): no rank")
+    elif key == "network.rank" and "linear" in network:
+        t.drop(key, value, "network.linear sets it")
+    else:
+        t.set("network_dim", value, key, value, RENAMED, "network_dim")
+
+
+def _alpha(t: Job, key: str, value: Any) -> None:
+    network = t.section("network")
+    if str(network.get("type", "lora")).lower() == "lokr" and network.get("lokr_full_rank", True):
+        t.drop(key, value, "full-rank LoKr (lokr_full_rank): scale 1")
+    elif key == "network.alpha" and "linear_alpha" in network:
+        t.drop(key, value, "network.linear_alpha sets it")
+    else:
+        t.set("network_alpha", float(value), key, value, RENAMED, "network_alpha")
+
+
+def _module_names(t: Job, key: str, value: Any) -> None:
+    words = [value] if isinstance(value, str) else list(value or [])
+    if not words:
+        t.drop(key, value, "off")
+        return
+    alternatives = "|".join(re.escape(str(w)) for w in words)
+    pattern = f".*(?:{alternatives}).*" if key.endswith("ignore_if_contains") else f"(?!.*(?:{alternatives})).*"
+    t.refuse(key, value, f"substrings of ai-toolkit's module names; ours takes regexes over ours (which may be named "
+                         f"otherwise: docs/configuration.md, network): e.g. network_args exclude_patterns=[{pattern!r}]")
+
+
+NETWORK_RULES: dict[str, Rule] = {f"network.{k}": r for k, r in {
+    "type": custom(_network_type),
+    "linear": custom(_rank),
+    "rank": custom(_rank),
+    "linear_alpha": custom(_alpha),
+    "alpha": custom(_alpha),
+    "lokr_factor": custom(_lokr_key),
+    "lokr_full_rank": custom(_lokr_key),
+    "dropout": renamed("network_dropout", lambda v: float(v or 0.0)),
+    "pretrained_lora_path": renamed("network_weights"),
+    "transformer_only": implied(bool, "ours trains the transformer's blocks only"),
+    "conv": unsupported("convolution layers: our targets are Linear layers"),
+    "conv_alpha": unsupported("convolution layers: our targets are Linear layers"),
+    "all_layers": unsupported("full-weight training of the other layers: ours trains LoRA modules"),
+    "lorm": unsupported("ai-toolkit's LoRM: not ours"),
+    "layer_offloading": ignored("memory only"),
+    "split_multistage_loras": ignored("two-stage video models only"),
+    "old_lokr_format": ignored("ai-toolkit's older LoKr file keys: ours writes LyCORIS' own"),
+    "network_kwargs": implied(lambda v: not v, "none given"),  # given as a mapping: its keys below
+    "network_kwargs.only_if_contains": custom(_module_names),
+    "network_kwargs.ignore_if_contains": custom(_module_names),
+}.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# save
+
+
+def _save_count(t: Job, key: str, value: Any) -> None:
+    """max_step_saves_to_keep: ours prunes only where there are intermediate saves (save_every)."""
+    every = t.section("save").get("save_every", SAVE_EVERY)
+    if not every:
+        t.drop(key, value, "no intermediate saves (save.save_every 0)")
+    else:
+        t.set("save_last_n_saves", value, key, value, RENAMED, "save_last_n_saves")
+
+
+PRECISIONS = {"float16": "fp16", "fp16": "fp16", "half": "fp16", "bfloat16": "bf16", "bf16": "bf16",
+              "float32": "fp32", "fp32": "fp32", "float": "fp32"}
+
+
+def _precision(value: Any) -> str:
+    if str(value).lower() not in PRECISIONS:
+        raise ValueError(f"dtype {value!r}: ours saves fp32, bf16 or fp16")
+    return PRECISIONS[str(value).lower()]
+
+
+SAVE_RULES: dict[str, Rule] = {f"save.{k}": r for k, r in {
+    "dtype": renamed("save_precision", _precision),
+    "save_every": renamed("save_every_n_steps"),
+    "max_step_saves_to_keep": custom(_save_count),
+    "save_format": implied(lambda v: v == "safetensors", "ours writes one .safetensors LoRA (kohya keys; "
+                                                         "tools/convert_lora.py --to diffusers converts)"),
+    "push_to_hub": ignored("a Hub upload: ours does not upload (huggingface-cli upload does)"),
+    "hf_repo_id": ignored("a Hub upload: ours does not upload"),
+    "hf_private": ignored("a Hub upload: ours does not upload"),
+}.items()}

@@ -1,0 +1,345 @@
+"""tools/convert_config.py on ai-toolkit's (ostris) LoRA YAML: its own examples convert into a config, dataset
+TOML and prompt file our loaders read, each key's verdict is the one library/training/peers/ai_toolkit*.py
+gives it, an arch we do not train is one line, and a list of resolutions becomes one [[datasets]] per size."""
+
+import os
+
+import pytest
+import yaml
+
+from library.data.dataset_config import load_dataset_config, parse_dataset_config
+from library.data.prompts import read_prompt_file
+from library.models.registry import FAMILIES, arch_specs
+from library.training.config import SCHEMA, load_config
+from library.training.peers.ai_toolkit import translate
+from library.training.peers.rules import DROPPED, NOT_CARRIED, RENAMED, UNKNOWN
+from tools.convert_config import main
+
+# ai-toolkit's config/examples/train_lora_flux_24gb.yaml (ostris/ai-toolkit 27a03a9), as it ships.
+FLUX_EXAMPLE = r"""---
+job: extension
+config:
+  # this name will be the folder and filename name
+  name: "my_first_flux_lora_v1"
+  process:
+    - type: 'sd_trainer'
+      # root folder to save training sessions/samples/weights
+      training_folder: "output"
+      # uncomment to see performance stats in the terminal every N steps
+#      performance_log_every: 1000
+      device: cuda:0
+      # if a trigger word is specified, it will be added to captions of training data if it does not already exist
+      # alternatively, in your captions you can add [trigger] and it will be replaced with the trigger word
+#      trigger_word: "p3r5on"
+      network:
+        type: "lora"
+        linear: 16
+        linear_alpha: 16
+      save:
+        dtype: float16 # precision to save
+        save_every: 250 # save every this many steps
+        max_step_saves_to_keep: 4 # how many intermittent saves to keep
+        push_to_hub: false #change this to True to push your trained model to Hugging Face.
+        # You can either set up a HF_TOKEN env variable or you'll be prompted to log-in
+#       hf_repo_id: your-username/your-model-slug
+#       hf_private: true #whether the repo is private or public
+      datasets:
+        # datasets are a folder of images. captions need to be txt files with the same name as the image
+        # for instance image2.jpg and image2.txt. Only jpg, jpeg, and png are supported currently
+        # images will automatically be resized and bucketed into the resolution specified
+        # on windows, escape back slashes with another backslash so
+        # "C:\\path\\to\\images\\folder"
+        - folder_path: "/path/to/images/folder"
+          caption_ext: "txt"
+          caption_dropout_rate: 0.05  # will drop out the caption 5% of time
+          shuffle_tokens: false  # shuffle caption order, split by commas
+          cache_latents_to_disk: true  # leave this true unless you know what you're doing
+          resolution: [ 512, 768, 1024 ]  # flux enjoys multiple resolutions
+      train:
+        batch_size: 1
+        steps: 2000  # total number of steps to train 500 - 4000 is a good range
+        gradient_accumulation_steps: 1
+        train_unet: true
+        train_text_encoder: false  # probably won't work with flux
+        gradient_checkpointing: true  # need the on unless you have a ton of vram
+        noise_scheduler: "flowmatch" # for training only
+        optimizer: "adamw8bit"
+        lr: 1e-4
+        # uncomment this to skip the pre training sample
+#        skip_first_sample: true
+        # uncomment to completely disable sampling
+#        disable_sampling: true
+        # uncomment to use new vell curved weighting. Experimental but may produce better results
+#        linear_timesteps: true
+
+        # ema will smooth out learning, but could slow it down. Recommended to leave on.
+        ema_config:
+          use_ema: true
+          ema_decay: 0.99
+
+        # will probably need this if gpu supports it for flux, other dtypes may not work correctly
+        dtype: bf16
+      model:
+        # huggingface model name or path
+        name_or_path: "black-forest-labs/FLUX.1-dev"
+        is_flux: true
+        quantize: true  # run 8bit mixed precision
+#        low_vram: true  # uncomment this if the GPU is connected to your monitors. It will use less vram to quantize, but is slower.
+      sample:
+        sampler: "flowmatch" # must match train.noise_scheduler
+        sample_every: 250 # sample every this many steps
+        sample_start_step: 0 # start sampling at this step
+        width: 1024
+        height: 1024
+        prompts:
+          # you can add [trigger] to the prompts here and it will be replaced with the trigger word
+#          - "[trigger] holding a sign that says 'I LOVE PROMPTS!'"\
+          - "woman with red hair, playing chess at the park, bomb going off in the background"
+          - "a woman holding a coffee cup, in a beanie, sitting at a cafe"
+          - "a horse is a DJ at a night club, fish eye lens, smoke machine, lazer lights, holding a martini"
+          - "a man showing off his cool new t shirt at the beach, a shark is jumping out of the water in the background"
+          - "a bear building a log cabin in the snow covered mountains"
+          - "woman playing the guitar, on stage, singing a song, laser lights, punk rocker"
+          - "hipster man with a beard, building a chair, in a wood shop"
+          - "photo of a man, white background, medium shot, modeling clothing, studio lighting, white backdrop"
+          - "a man holding a sign that says, 'this is a sign'"
+          - "a bulldog, in a post apocalyptic world, with a shotgun, in a leather jacket, in a desert, with a motorcycle"
+        neg: ""  # not used on flux
+        seed: 42
+        walk_seed: true
+        guidance_scale: 4
+        sample_steps: 20
+# you can add any additional meta info here. [name] is replaced with config name at top
+meta:
+  name: "[name]"
+  version: '1.0'
+"""
+
+# ai-toolkit's config/examples/train_lora_qwen_image_24gb.yaml, its comments and sample prompts left out.
+QWEN_EXAMPLE = """
+job: extension
+config:
+  name: "my_first_qwen_image_lora_v1"
+  process:
+    - type: 'sd_trainer'
+      training_folder: "output"
+      device: cuda:0
+      network: {type: "lora", linear: 16, linear_alpha: 16}
+      save: {dtype: float16, save_every: 250, max_step_saves_to_keep: 4}
+      datasets:
+        - folder_path: "/path/to/images/folder"
+          caption_ext: "txt"
+          caption_dropout_rate: 0.05
+          shuffle_tokens: false
+          cache_latents_to_disk: true
+          resolution: [ 512, 768, 1024 ]
+      train:
+        batch_size: 1
+        cache_text_embeddings: true
+        steps: 2000
+        gradient_accumulation: 1
+        train_unet: true
+        train_text_encoder: false
+        gradient_checkpointing: true
+        noise_scheduler: "flowmatch"
+        optimizer: "adamw8bit"
+        lr: 1e-4
+        dtype: bf16
+      model:
+        name_or_path: "Qwen/Qwen-Image"
+        arch: "qwen_image"
+        quantize: true
+        qtype: "uint3|ostris/accuracy_recovery_adapters/qwen_image_torchao_uint3.safetensors"
+        quantize_te: true
+        qtype_te: "qfloat8"
+        low_vram: true
+      sample:
+        sampler: "flowmatch"
+        sample_every: 250
+        sample_start_step: 0
+        width: 1024
+        height: 1024
+        prompts:
+          - "a bear building a log cabin in the snow covered mountains"
+          - "a man holding a sign that says, 'this is a sign'"
+        neg: ""
+        seed: 42
+        walk_seed: true
+        guidance_scale: 3
+        sample_steps: 25
+meta:
+  name: "[name]"
+  version: '1.0'
+"""
+
+
+def flux_pipeline_folder(tiny_set, root) -> str:
+    """The tiny FLUX.1 files laid out as a diffusers pipeline folder, as `hf download` writes FLUX.1-dev."""
+    folder = root / "FLUX.1-dev"
+    folder.mkdir()
+    for name, key in (("transformer", "flux_diffusers"), ("vae", "flux_vae"), ("text_encoder", "clip_l"),
+                      ("text_encoder_2", "t5xxl")):
+        os.symlink(tiny_set[key], folder / name)
+    return str(folder)
+
+
+def written(tmp_path, name: str, text: str, capsys, *args) -> tuple[int, str, str]:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    code = main([str(path), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ai_toolkits_flux_example_converts_into_files_our_loaders_read(tiny_set, tmp_path, capsys):
+    from library.models.family import family_class
+
+    text = (FLUX_EXAMPLE.replace("/path/to/images/folder", tiny_set["image_dir"])
+            .replace("black-forest-labs/FLUX.1-dev", flux_pipeline_folder(tiny_set, tmp_path))
+            .replace('training_folder: "output"', f'training_folder: "{tmp_path / "output"}"'))
+    code, out, err = written(tmp_path, "train_lora_flux_24gb", text, capsys, "--strict")
+    assert code == 0, out + err  # --strict: every key carried over (or dropped as ours already)
+    assert "check: train_lora.py reads it as written" in out
+    assert "0 not carried, 0 unknown" in out
+
+    args = load_config(["--config_file", str(tmp_path / "train_lora_flux_24gb_converted.toml")])
+    assert (args.model_type, args.base_precision, args.text_encoder_precision) == ("flux", "fp8_scaled", "fp8_scaled")
+    assert (args.network_module, args.network_dim, args.network_alpha) == ("networks.lora", 16, 16.0)
+    assert (args.optimizer_type, args.optimizer_args, args.learning_rate) == ("AdamW8bit", ["eps=1e-06"], 1e-4)
+    assert (args.max_train_steps, args.mixed_precision, args.gradient_checkpointing) == (2000, "bf16", True)
+    assert (args.save_every_n_steps, args.save_last_n_saves, args.save_precision) == (250, 4, "fp16")
+    assert (args.ema_decay, args.sample_with_ema, args.timestep_sampling) == (0.99, True, "sigmoid")
+    assert (args.sample_every_n_steps, args.sample_at_first) == (250, True)
+    assert args.output_dir == str(tmp_path / "output" / "my_first_flux_lora_v1")
+    family_class("flux").from_args(args).check_model_files()  # every file key found in the pipeline folder
+
+    blueprint = load_dataset_config(args.dataset_config)
+    assert [d.resolution for d in blueprint.datasets] == [(512, 512), (768, 768), (1024, 1024)]
+    for d in blueprint.datasets:
+        assert (d.enable_bucket, d.bucket_no_upscale, d.bucket_reso_steps, d.batch_size) == (True, True, 64, 1)
+        (subset,) = d.subsets
+        assert (subset.image_dir, subset.caption_extension, subset.caption_dropout_rate) == (tiny_set["image_dir"], ".txt", 0.05)
+
+    prompts = read_prompt_file(args.sample_prompts)
+    assert len(prompts) == 10
+    assert [p.seed for p in prompts] == list(range(42, 52))  # walk_seed
+    assert {(p.width, p.height, p.steps, p.guidance, p.negative) for p in prompts} == {(1024, 1024, 20, 4.0, "")}
+    assert prompts[0].prompt == "woman with red hair, playing chess at the park, bomb going off in the background"
+
+
+def test_a_qwen_image_example_converts_and_says_its_3_bit_base_is_not_ours(tiny_set, tmp_path, capsys):
+    from library.models.family import family_class
+
+    folder = os.path.dirname(tiny_set["qwen_image"])  # transformer/, vae/, text_encoder/, tokenizer/
+    text = QWEN_EXAMPLE.replace("/path/to/images/folder", tiny_set["image_dir"]).replace("Qwen/Qwen-Image", folder)
+    code, out, err = written(tmp_path, "qwen", text, capsys, "--strict")
+    assert code == 1 and "1 key(s) not carried over" in err  # --strict: the 3-bit base
+    assert "not carried model.quantize = True" in out and 'base_precision = "nf4"' in out
+    assert "check: train_lora.py reads it as written" in out
+    args = load_config(["--config_file", str(tmp_path / "qwen_converted.toml")])
+    assert (args.model_type, args.base_precision, args.text_encoder_precision) == ("qwen_image", None, "fp8_scaled")
+    assert (args.pretrained_model_name_or_path, args.ae, args.text_encoder) == (folder, folder, folder)
+    family_class("qwen_image").from_args(args).check_model_files()
+    assert len(load_dataset_config(args.dataset_config).datasets) == 3
+    prompts = read_prompt_file(args.sample_prompts)
+    assert [(p.seed, p.steps, p.guidance) for p in prompts] == [(42, 25, 3.0), (43, 25, 3.0)]
+
+
+def job(**sections) -> dict:
+    """A minimal ai-toolkit job: a LoRA on a Hub model, one dataset, the given sections merged in."""
+    process = {"type": "sd_trainer", "network": {"type": "lora", "linear": 8, "linear_alpha": 8},
+               "datasets": [{"folder_path": "/data/images"}],
+               "model": {"name_or_path": "black-forest-labs/FLUX.1-dev", "arch": "flux"}}
+    for name, keys in sections.items():
+        process[name] = {**process.get(name, {}), **keys} if isinstance(keys, dict) else keys
+    return {"job": "extension", "config": {"name": "run", "process": [process]}}
+
+
+def verdict(t, key: str):
+    return next((line.verdict, line.text) for line in t.lines if line.key == key)
+
+
+@pytest.mark.parametrize("section, key, value, expected, ours", [
+    ("train", "noise_offset", 0.1, NOT_CARRIED, {}),
+    ("train", "noise_offset", 0.0, DROPPED, {}),
+    ("train", "timestep_type", "linear", RENAMED, {"timestep_sampling": "uniform"}),
+    ("train", "timestep_type", "weighted", NOT_CARRIED, {}),
+    ("train", "timestep_type", "shift", NOT_CARRIED, {}),
+    ("train", "content_or_style", "style", NOT_CARRIED, {}),
+    ("train", "loss_type", "mse", RENAMED, {"loss_type": "l2"}),
+    ("train", "optimizer", "automagic", NOT_CARRIED, {}),
+    ("train", "optimizer", "adafactor", RENAMED, {"optimizer_type": "Adafactor"}),
+    ("train", "lr_scheduler", "linear", NOT_CARRIED, {}),
+    ("train", "lr_scheduler", "cosine", RENAMED, {"lr_scheduler": "cosine"}),
+    ("train", "gradient_accumulation", 4, RENAMED, {"gradient_accumulation_steps": 4, "max_train_steps": 1000}),
+    ("train", "gradient_accumulation_steps", 4, "kept", {"gradient_accumulation_steps": 4, "max_train_steps": 250}),
+    ("train", "unload_text_encoder", True, NOT_CARRIED, {}),
+    ("train", "diff_output_preservation", True, "kept", {"diff_output_preservation": True, "trigger_word": "zxq"}),
+    ("train", "reg_weight", 0.5, RENAMED, {"prior_loss_weight": 0.5}),
+    ("model", "quantize", True, RENAMED, {"base_precision": "fp8_scaled", "text_encoder_precision": "fp8_scaled"}),
+    ("model", "vae_path", "/models/ae.safetensors", RENAMED, {"ae": "/models/ae.safetensors"}),
+    ("model", "assistant_lora_path", "/models/adapter.safetensors", RENAMED, {"base_loras": ["/models/adapter.safetensors:1.0"]}),
+    ("network", "type", "lokr", RENAMED, {"network_module": "lycoris.kohya",
+                                          "network_args": ["algo=lokr", "factor=-1", "full_matrix=True"]}),
+    ("network", "dropout", 0.1, RENAMED, {"network_dropout": 0.1}),
+    ("save", "dtype", "bf16", RENAMED, {"save_precision": "bf16"}),
+    ("save", "push_to_hub", True, DROPPED, {}),
+    ("train", "a_key_of_a_newer_version", 1, UNKNOWN, {}),
+])
+def test_each_key_gets_its_verdict_and_our_value(section, key, value, expected, ours):
+    t = translate(job(trigger_word="zxq", **{section: {key: value}}), "run.yaml")
+    assert verdict(t, f"{section}.{key}")[0] == expected
+    assert {k: t.config.get(k) for k in ours} == ours
+
+
+def test_keys_left_out_are_read_at_ai_toolkits_defaults_and_a_hub_id_is_a_folder_to_download():
+    t = translate(job(), "run.yaml")
+    assert verdict(t, "train.lr (ai-toolkit's default)") == (RENAMED, "learning_rate")
+    assert (t.config["learning_rate"], t.config["max_train_steps"], t.config["network_alpha"]) == (1e-6, 1000, 8.0)
+    assert (t.config["save_precision"], t.config["save_every_n_steps"], t.config["mixed_precision"]) == ("fp16", 1000, "no")
+    assert t.config["optimizer_type"] == "AdamW" and t.config["timestep_sampling"] == "sigmoid"
+    assert {t.config[k] for k in ("pretrained_model_name_or_path", "ae", "clip_l", "t5xxl")} == {"models/FLUX.1-dev"}
+    assert "hf download black-forest-labs/FLUX.1-dev --local-dir models/FLUX.1-dev" in verdict(t, "model.name_or_path")[1]
+
+
+def test_an_arch_we_do_not_train_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
+    code, out, err = written(tmp_path, "sdxl", yaml.safe_dump(job(model={"arch": "sdxl"})), capsys)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "model.arch 'sdxl': not a model we train" in err
+    assert sorted(os.listdir(tmp_path)) == ["sdxl.yaml"]
+
+
+def test_a_list_of_resolutions_becomes_one_datasets_table_per_size_with_the_regularization_images_beside():
+    datasets = [{"folder_path": "/data/images", "resolution": [512, 768, 1024], "num_repeats": 2},
+                {"folder_path": "/data/reg", "resolution": 512, "is_reg": True},
+                {"folder_path": "/data/reg_wide", "resolution": 1536, "is_reg": True}]
+    t = translate(job(datasets=datasets, train={"batch_size": 2}), "run.yaml")
+    sizes = [(d["resolution"], [s["image_dir"] for s in d["subsets"]]) for d in t.dataset["datasets"]]
+    assert sizes == [(512, ["/data/images", "/data/reg"]), (768, ["/data/images"]), (1024, ["/data/images"])]
+    assert verdict(t, "datasets")[0] == NOT_CARRIED  # 1536 px regularization images with no training images there
+    blueprint = parse_dataset_config(t.dataset, "run_dataset.toml")
+    assert [(d.batch_size, [(s.num_repeats, s.is_reg) for s in d.subsets]) for d in blueprint.datasets] == [
+        (2, [(2, False), (1, True)]), (2, [(2, False)]), (2, [(2, False)])]
+
+
+def test_the_trigger_word_becomes_a_caption_prefix_only_where_the_captions_lack_it(tmp_path):
+    for folder, captions in (("without", ["a star", "a cube"]), ("with", ["zxq star", "a zxq cube"]),
+                             ("placeholder", ["[trigger] star", "a cube"])):
+        (tmp_path / folder).mkdir()
+        for i, caption in enumerate(captions):
+            (tmp_path / folder / f"{i}.txt").write_text(caption)
+    datasets = [{"folder_path": str(tmp_path / f), "resolution": 512} for f in ("without", "with", "placeholder")]
+    t = translate(job(trigger_word="zxq", datasets=datasets, sample={"prompts": ["[trigger] on a table --m 0.5"]}),
+                  "run.yaml")
+    subsets = t.dataset["datasets"][0]["subsets"]
+    assert [s.get("caption_prefix") for s in subsets] == ["zxq", None, None]
+    assert [line.verdict for line in t.lines if line.key == "trigger_word"] == [RENAMED, DROPPED, NOT_CARRIED]
+    assert t.files["sample_prompts"][1].splitlines()[1] == "zxq on a table --w 512 --h 512 --s 20 --d 0 --g 7"
+    assert verdict(t, "sample.prompts[0] --m")[0] == NOT_CARRIED  # the LoRA's strength in samples
+
+
+def test_every_peer_model_a_family_lists_is_a_model_type_with_keys_of_our_schema():
+    listed = {name: keys for spec in arch_specs().values() for name, keys in spec.peer_models.get("ai-toolkit", {}).items()}
+    assert {"flux", "flux_kontext", "qwen_image", "qwen_image_edit_plus", "zimage", "chroma"} <= set(listed)
+    for name, keys in listed.items():
+        assert keys["model_type"] in FAMILIES and set(keys) <= set(SCHEMA), name
