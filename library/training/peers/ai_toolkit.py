@@ -149,6 +149,8 @@ def _flat_keys(config: dict, process: dict) -> dict[str, Any]:
                          if not any(g in network for g in given)})
     if "quantize" in model:  # quantize_te follows quantize
         defaults["model.quantize_te"] = model["quantize"]
+    if (process.get("train") or {}).get("lr_scheduler_params"):  # read with its schedule, ai-toolkit's default one
+        defaults["train.lr_scheduler"] = "constant"
     for key, value in defaults.items():
         if key not in flat:
             flat[f"{key} (ai-toolkit's default)"] = value
@@ -181,8 +183,6 @@ def _finish(t: Job) -> None:
         for key in ("max_train_steps", "save_every_n_steps", "sample_every_n_steps"):
             if t.config.get(key):
                 t.config[key] = max(1, t.config[key] // t.micro_steps)
-    if "save_last_n_saves" in t.config and not t.config.get("save_every_n_steps"):
-        del t.config["save_last_n_saves"]
 
 
 def _literal(value: Any) -> str:

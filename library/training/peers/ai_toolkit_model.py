@@ -100,11 +100,10 @@ def _model_switch(t: Job, key: str, value: Any) -> None:
 def model_keys(t: Job, source: str, asked: str | None) -> dict[str, str]:
     """Our keys naming the model (model_type, model_version) from model.arch, or --model_type where the YAML
     names no arch; an arch we do not train is one ValueError naming it."""
-    model = t.section("model")
-    models = _peer_models()
-    if not model.get("arch") and _arch_name(model) == "sd1" and asked:
-        return {"model_type": asked}
+    model, models = t.section("model"), _peer_models()
     arch = _arch_name(model)
+    if asked and arch == "sd1" and not model.get("arch"):  # the YAML names none: ai-toolkit's default sd1
+        return {"model_type": asked}
     if arch not in models:
         raise ValueError(f"{source}: model.arch {arch!r}: not a model we train (ai-toolkit's archs we train: "
                          f"{', '.join(models)})")
@@ -158,8 +157,6 @@ def _is_pipeline(path: str) -> bool:
 def _path_read_with_name(t: Job, key: str, value: Any) -> None:
     if is_off(value):
         t.drop(key, value, "off")
-    elif "name_or_path" not in t.section("model"):
-        raise ValueError(f"{t.source}: model.name_or_path is required (ai-toolkit refuses a model without it)")
     else:
         t.lines.append(Line(key, value, RENAMED, "the text encoder / VAE keys (read with model.name_or_path)"))
 
@@ -190,7 +187,7 @@ def _quantize(t: Job, key: str, value: Any) -> None:
     ours = "text_encoder_precision" if te else "base_precision"
     if not value:
         t.drop(key, value, "off")
-    elif (TE_QTYPES if te else QTYPES).get(qtype.split("|")[0]) and "|" not in qtype:
+    elif qtype in (TE_QTYPES if te else QTYPES):  # ("qfloat8|<adapter>" is not: the adapter is not ours)
         t.set(ours, (TE_QTYPES if te else QTYPES)[qtype], key, value, RENAMED, f"{ours} ({qtype})")
     else:
         nearest = "\"fp8_scaled\"" if te else "\"nf4\" (4 bits) or \"fp8_scaled\""
@@ -270,7 +267,7 @@ def _network_type(t: Job, key: str, value: Any) -> None:
         raise ValueError(f"{t.source}: network.type {value!r}: ours trains lora and lokr (ai-toolkit's {kind} is not ours)")
     t.set("network_module", "lycoris.kohya", key, value, RENAMED, "network_module (network_args algo=lokr)")
     t.network_args += ["algo=lokr", f"factor={int(network.get('lokr_factor', -1))}"]
-    if network.get("lokr_full_rank", True):
+    if _full_rank_lokr(network):
         t.network_args.append("full_matrix=True")
 
 
@@ -281,9 +278,14 @@ def _lokr_key(t: Job, key: str, value: Any) -> None:
         t.lines.append(Line(key, value, RENAMED, "network_args (factor / full_matrix)"))
 
 
+def _full_rank_lokr(network: dict) -> bool:
+    """ai-toolkit's LoKr at its default lokr_full_rank: w2 a full matrix, no rank, scale 1."""
+    return str(network.get("type", "lora")).lower() == "lokr" and bool(network.get("lokr_full_rank", True))
+
+
 def _rank(t: Job, key: str, value: Any) -> None:
     network = t.section("network")
-    if str(network.get("type", "lora")).lower() == "lokr" and network.get("lokr_full_rank", True):
+    if _full_rank_lokr(network):
         t.drop(key, value, "full-rank LoKr (lokr_full_rank): no rank")
     elif key == "network.rank" and "linear" in network:
         t.drop(key, value, "network.linear sets it")
@@ -293,7 +295,7 @@ def _rank(t: Job, key: str, value: Any) -> None:
 
 def _alpha(t: Job, key: str, value: Any) -> None:
     network = t.section("network")
-    if str(network.get("type", "lora")).lower() == "lokr" and network.get("lokr_full_rank", True):
+    if _full_rank_lokr(network):
         t.drop(key, value, "full-rank LoKr (lokr_full_rank): scale 1")
     elif key == "network.alpha" and "linear_alpha" in network:
         t.drop(key, value, "network.linear_alpha sets it")
@@ -349,18 +351,21 @@ def _save_count(t: Job, key: str, value: Any) -> None:
         t.set("save_last_n_saves", value, key, value, RENAMED, "save_last_n_saves")
 
 
+def one_of(names: dict[str, str], what: str):
+    """A convert for a name ai-toolkit spells several ways (float16, fp16 ...): ours, or ValueError(what)."""
+    def convert(value: Any) -> str:
+        if str(value).lower() not in names:
+            raise ValueError(f"{value!r}: {what}")
+        return names[str(value).lower()]
+    return convert
+
+
 PRECISIONS = {"float16": "fp16", "fp16": "fp16", "half": "fp16", "bfloat16": "bf16", "bf16": "bf16",
               "float32": "fp32", "fp32": "fp32", "float": "fp32"}
 
 
-def _precision(value: Any) -> str:
-    if str(value).lower() not in PRECISIONS:
-        raise ValueError(f"dtype {value!r}: ours saves fp32, bf16 or fp16")
-    return PRECISIONS[str(value).lower()]
-
-
 SAVE_RULES: dict[str, Rule] = {f"save.{k}": r for k, r in {
-    "dtype": renamed("save_precision", _precision),
+    "dtype": renamed("save_precision", one_of(PRECISIONS, "ours saves fp32, bf16 or fp16")),
     "save_every": renamed("save_every_n_steps"),
     "max_step_saves_to_keep": custom(_save_count),
     "save_format": implied(lambda v: v == "safetensors", "ours writes one .safetensors LoRA (kohya keys; "

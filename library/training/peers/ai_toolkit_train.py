@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from library.training.peers.ai_toolkit_model import Job, as_number, our_key, read_as, read_elsewhere
+from library.training.peers.ai_toolkit_model import Job, as_number, one_of, our_key, read_as, read_elsewhere
 from library.training.peers.rules import KEPT, RENAMED, Line, Rule, custom, ignored, implied, unsupported
 
 
 def _lr(t: Job, key: str, value: Any) -> None:
-    if key.startswith("train.lr") and "unet_lr" in t.section("train"):
+    if key.split(" (")[0] == "train.lr" and "unet_lr" in t.section("train"):
         t.drop(key, value, "train.unet_lr is the LoRA's lr")
     else:
         our_key("learning_rate", convert=as_number).handle(t, key, value)
@@ -155,12 +155,6 @@ def _loss(t: Job, key: str, value: Any) -> None:
 MIXED = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "no", "float32": "no", "float": "no"}
 
 
-def _dtype(value: Any) -> str:
-    if str(value).lower() not in MIXED:
-        raise ValueError(f"dtype {value!r}: ours computes in bf16, fp16 or fp32")
-    return MIXED[str(value).lower()]
-
-
 NOT_OURS = "changes the training; not ours"
 TRAIN_RULES: dict[str, Rule] = {f"train.{k}": r for k, r in {
     "steps": our_key("max_train_steps", convert=int),
@@ -179,7 +173,7 @@ TRAIN_RULES: dict[str, Rule] = {f"train.{k}": r for k, r in {
     "gradient_accumulation_steps": custom(_accumulation),
     "gradient_checkpointing": our_key("gradient_checkpointing"),
     "max_grad_norm": our_key("max_grad_norm", convert=as_number),
-    "dtype": our_key("mixed_precision", convert=_dtype),
+    "dtype": our_key("mixed_precision", convert=one_of(MIXED, "ours computes in bf16, fp16 or fp32")),
     "timestep_type": custom(_timesteps),
     "linear_timesteps": unsupported("bell-curved loss weights per timestep (with uniform draws): not ours"),
     "linear_timesteps2": unsupported("half-bell loss weights per timestep (with uniform draws): not ours"),
