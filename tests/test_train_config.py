@@ -42,6 +42,19 @@ def test_every_unknown_key_of_a_file_is_named_in_one_line(tmp_path):
     assert str(raised.value).startswith(f"{cfg}: unknown keys 'cache_latents', 'network_train_unet_only', 'sdpa' (")
 
 
+def test_an_unknown_key_a_peer_documents_names_the_peer_and_the_converter(tmp_path):
+    """A musubi-tuner config's keys name musubi-tuner and `tools/convert_config.py <file>`; a key no peer's TOML
+    documents (ai-toolkit's process-level `device` is a YAML path's) names none."""
+    cfg = write(tmp_path, BASE + 'dit = "qwen_image_bf16.safetensors"\n')
+    with pytest.raises(ConfigError, match=r"'dit' \(musubi-tuner key: `python tools/convert_config.py .*` writes the "
+                                          r"config as ours"):
+        load_config(["--config_file", cfg])
+    cfg = write(tmp_path, BASE + 'device = "cuda:0"\n')
+    with pytest.raises(ConfigError) as raised:
+        load_config(["--config_file", cfg])
+    assert str(raised.value) == f"{cfg}: unknown key 'device'"
+
+
 def test_a_config_file_without_its_suffix_is_found_with_toml_appended(tmp_path):
     """sd-scripts appends .toml; the old line said 'config file not found'."""
     cfg = write(tmp_path, BASE + f'output_dir = "{tmp_path}"\nnetwork_dim = 8\n')

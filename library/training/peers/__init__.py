@@ -20,10 +20,15 @@ def peer_module(name: str) -> ModuleType:
     return importlib.import_module(PEERS[name])
 
 
-def peers_of(key: str) -> list[str]:
+# The peers whose training configs are TOML, as ours: an unknown key of a TOML config can be theirs (ai-toolkit's
+# are YAML paths, and its process-level words, `device`, `type`, would be named for any file).
+TOML_PEERS = ("sd-scripts", "musubi-tuner")
+
+
+def peers_of(key: str, peers=TOML_PEERS) -> list[str]:
     """The peers that document `key` (a rule for it that is not a plain `same`: those are ours too)."""
     found = []
-    for name in PEERS:
+    for name in peers:
         rules = peer_module(name).RULES
         if key in rules and rules[key].kind != "same":
             found.append(name)
