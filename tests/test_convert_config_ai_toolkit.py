@@ -343,3 +343,14 @@ def test_every_peer_model_a_family_lists_is_a_model_type_with_keys_of_our_schema
     assert {"flux", "flux_kontext", "qwen_image", "qwen_image_edit_plus", "zimage", "chroma"} <= set(listed)
     for name, keys in listed.items():
         assert keys["model_type"] in FAMILIES and set(keys) <= set(SCHEMA), name
+
+
+def test_the_check_names_the_paths_this_machine_lacks(tmp_path, capsys):
+    """The example as it ships names a Hub model and /path/to/images/folder: the written config parses, and the check
+    line lists what the run would not find (it said "reads it as written", as if the run could start)."""
+    (tmp_path / "flux.yaml").write_text(FLUX_EXAMPLE)
+    assert main([str(tmp_path / "flux.yaml")]) == 0
+    check = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check: ")]
+    assert check == ["check: train_lora.py reads it as written; not on this machine: pretrained_model_name_or_path = "
+                     "models/FLUX.1-dev, ae = models/FLUX.1-dev, clip_l = models/FLUX.1-dev, t5xxl = models/FLUX.1-dev, "
+                     "image_dir = /path/to/images/folder"]

@@ -149,9 +149,14 @@ def report(t: Translation) -> str:
     return f"{t.peer} -> ours: {counts}\n" + "\n".join(rows)
 
 
-def check_written(out: str) -> str | None:
-    """train_lora.py's check of the written config: None, or its one line (a model path this machine
-    lacks is expected where the config was translated elsewhere)."""
+# The keys naming files or folders the run reads (the model's, the LoRA's to go on with), and the dataset's folders.
+INPUT_PATH_KEYS = ("pretrained_model_name_or_path", "ae", "clip_l", "t5xxl", "text_encoder", "siglip", "network_weights")
+
+
+def check_written(out: str, t: Translation) -> str:
+    """train_lora.py's reading of the written config (its one line where it refuses it), then the paths it
+    names that this machine lacks (expected where a config is translated away from its files: the run's
+    model loading would stop there)."""
     from library.errors import ConfigError
     from library.training.config import load_config
 
@@ -159,7 +164,19 @@ def check_written(out: str) -> str | None:
         load_config(["--config_file", out])
     except (ConfigError, ValueError, OSError) as e:
         return " ".join(str(e).split())
-    return None
+    paths = [(k, t.config[k]) for k in INPUT_PATH_KEYS if isinstance(t.config.get(k), str)]
+    paths += [("image_dir", d) for d in dataset_folders(t.dataset)]
+    missing = list(dict.fromkeys(f"{k} = {p}" for k, p in paths if not os.path.exists(p)))
+    return ("train_lora.py reads it as written" + (f"; not on this machine: {', '.join(missing)}" if missing else ""))
+
+
+def dataset_folders(dataset: dict | None) -> list[str]:
+    """The image and reference folders of our dataset TOML's subsets (as written: relative to the working folder)."""
+    folders = []
+    for block in (dataset or {}).get("datasets", []):
+        for subset in block.get("subsets", []):
+            folders += [subset[k] for k in ("image_dir", "control_directory", "mask_dir") if isinstance(subset.get(k), str)]
+    return folders
 
 
 def main(argv=None) -> int:
@@ -185,9 +202,9 @@ def main(argv=None) -> int:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(report(t))
-    print(f"wrote {out}" + (f" and {dataset_out}" if t.dataset is not None else ""))
-    problem = check_written(out)
-    print(f"check: {problem}" if problem else "check: train_lora.py reads it as written")
+    written = [out] + ([dataset_out] if t.dataset is not None else []) + [t.config[k] for k in t.files]
+    print(f"wrote {', '.join(written)}")
+    print(f"check: {check_written(out, t)}")
     if t.not_carried:
         print(f"{len(t.not_carried)} key(s) not carried over: the run will differ from {t.peer}'s in these", file=sys.stderr)
     return 1 if args.strict and t.not_carried else 0
