@@ -193,7 +193,7 @@ def main(argv=None) -> int:
 
         if t.dataset is not None:
             write_text(dataset_out, f"# Translated from {t.peer}'s {dataset_source or source} by tools/convert_config.py.\n\n"
-                       + toml_dumps(t.dataset))
+                       + "\n".join(toml_dumps({k: v}) for k, v in sorted(t.dataset.items(), key=lambda kv: kv[0] != "general")))
         for key, (suffix, text) in t.files.items():
             t.config[key] = out[:-len(".toml")] + suffix
             write_text(t.config[key], text)
