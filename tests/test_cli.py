@@ -27,6 +27,7 @@ ABBREVIATED = {
     "tools/make_tiny_models.py": (["--out", "o", "--seed", "1"], ["--out", "o", "--se", "1"]),
     "tools/merge_lora.py": (["--model", "m", "--lora", "l", "--save_to", "o"], ["--model", "m", "--lora", "l", "--save_t", "o"]),
     "tools/pretrain_tiny_base.py": (["--out", "o", "--dit_steps", "2"], ["--out", "o", "--dit_step", "2"]),
+    "tools/convert_config.py": (["c.toml", "--model_type", "flux"], ["c.toml", "--model_typ", "flux"]),
     "tools/plan_memory.py": (["--preset", "flux1-dev", "--vram", "16"], ["--preset", "flux1-dev", "--vra", "16"]),
     "tools/plot_lr.py": (["log.csv", "--smooth", "0.5"], ["log.csv", "--smoo", "0.5"]),
     "tools/precision_doctor.py": (["--model_type", "flux", "--model", "m", "--skip_fp32"],
