@@ -58,7 +58,16 @@ def read_peer_config(args) -> tuple[dict, str, str | None]:
         if script is None:
             raise ValueError("--command: no training script (*.py) in the command line")
         rest = words[words.index(script) + 1:]
-        return argv_to_dict(rest, list_keys=("network_args", "optimizer_args", "lr_scheduler_args")), "command line", script
+        flat = argv_to_dict(rest, list_keys=("network_args", "optimizer_args", "lr_scheduler_args"))
+        if isinstance(flat.get("config_file"), str):  # the peers' --config_file: its keys, the command line's over them
+            from library.training.peers.rules import flatten_tables
+
+            path = flat.pop("config_file")
+            path = path if path.endswith(".toml") or os.path.isfile(path) else path + ".toml"
+            if not os.path.isfile(path):
+                raise ValueError(f"{path}: no such file (the --config_file of --command)")
+            flat = {**flatten_tables(read_toml_file(path, "training config")), **flat}
+        return flat, "command line", script
     if not os.path.isfile(args.config):
         raise ValueError(f"{args.config}: no such file (the peer's training config)")
     if args.config.lower().endswith((".yaml", ".yml")):
@@ -161,7 +170,11 @@ def check_written(out: str, t: Translation) -> str:
     from library.training.config import load_config
 
     try:
-        load_config(["--config_file", out])
+        args = load_config(["--config_file", out])
+        if getattr(args, "dataset_config", None):  # the dataset TOML written beside it, as train_lora.py reads it
+            from library.data.dataset_config import load_dataset_config
+
+            load_dataset_config(args.dataset_config)
     except (ConfigError, ValueError, OSError) as e:
         return " ".join(str(e).split())
     paths = [(k, t.config[k]) for k in INPUT_PATH_KEYS if isinstance(t.config.get(k), str)]

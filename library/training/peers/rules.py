@@ -86,6 +86,9 @@ class Translation:
     # our key -> (file name suffix, text): a file the converter writes beside our config (OUT's name + suffix)
     # and sets the key to, e.g. "sample_prompts" -> ("_prompts.txt", ai-toolkit's prompts in our syntax)
     files: dict[str, tuple[str, str]] = field(default_factory=dict)
+    # the peer's keys as read (flat), for a rule whose meaning depends on another key (sd-scripts'
+    # weighting_scheme weighs the loss only with model_prediction_type sigma_scaled)
+    given: dict[str, Any] = field(default_factory=dict)
 
     def set(self, ours: str, value: Any, key: str, peer_value: Any, verdict: str = KEPT, text: str = "",
             note: str = "") -> None:
