@@ -22,6 +22,8 @@ ALLOWED = {
     "library/training/peers/musubi_tuner.py": "musubi-tuner's scripts and LoRA modules, named per model as it names them",
     "library/training/peers/musubi_dataset.py": "which of musubi-tuner's models take reference images or layers",
     "library/data/peer_keys.py": "musubi-tuner's dataset keys (qwen_image_edit_control_resolution ...)",
+    "library/training/peers/sd_scripts.py": "sd-scripts' own names: its flux_train_network.py trains FLUX.1 and Chroma "
+                                            "as model_type flux / chroma, the values its configs hold",
 }
 
 

@@ -1,11 +1,770 @@
-"""Placeholder: this peer's rules are being written (tools/convert_config.py)."""
+"""sd-scripts' flux_train_network.py (FLUX.1 and Chroma LoRAs) read key by key into ours.
+
+RULES holds one rule per argument its parser takes (train_network.setup_parser and the add_* functions
+of library/train_util.py, flux_train_utils.py, sai_model_spec.py, deepspeed_utils.py, config_util.py
+and custom_train_functions.py that it calls, then flux_train_network.setup_parser's own); its dataset
+(a dataset TOML, or DreamBooth folders) is sd_scripts_dataset.py's. Facts from its code that decide
+many rules:
+
+- flux_train_network draws its noise and timesteps itself (flux_train_utils.get_noisy_model_input_and_
+  timesteps) and its post_process_loss returns the loss as it is: noise_offset, multires noise,
+  min_snr_gamma, min/max_timestep, the v-prediction losses and the other Stable Diffusion keys do
+  nothing there, so they are dropped (leaving them out changes nothing), not "not carried".
+- Where its parser's default trains otherwise than ours (network_alpha 1, learning_rate 2e-6, timestep
+  "sigma" with model_prediction_type "sigma_scaled", guidance 3.5, fp32 compute, a CLIP-L LoRA beside
+  the transformer's, captions in .caption files), a key the config leaves out is translated at that
+  default and reported as `key (default)`.
+- Its timestep draw, prediction type and loss weighting read each other (`weighting_scheme` weighs the
+  loss only with model_prediction_type sigma_scaled and shapes the draw only with timestep_sampling
+  sigma): those rules read the other keys' values (Translation.given).
+
+No torch here (rules.py).
+"""
 
 from __future__ import annotations
 
-from library.training.peers.rules import Rule, Translation
+import os
+from typing import Any
 
-RULES: dict[str, Rule] = {}
+from library.models.registry import SAMPLING_METHODS, spec_of
+from library.training.config import SCHEMA
+from library.training.peers import sd_scripts_dataset as dataset_rules
+from library.training.peers.rules import (
+    DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, apply_rules, custom, flatten_tables,
+    ignored, implied, is_off, is_true, same, unsupported,
+)
+
+# sd-scripts' parser defaults that the rules below read where the config leaves a key out.
+THEIR_DEFAULTS = {
+    "model_type": "flux", "timestep_sampling": "sigma", "weighting_scheme": "uniform",
+    "model_prediction_type": "sigma_scaled", "discrete_flow_shift": 3.0, "sigmoid_scale": 1.0, "logit_mean": 0.0,
+    "logit_std": 1.0, "mode_scale": 1.29, "guidance_scale": 3.5, "loss_type": "l2", "huber_schedule": "snr",
+    "huber_c": 0.1, "huber_scale": 1.0, "network_dim": 4,  # networks.lora_flux.create_network's, for None
+    "network_alpha": 1, "learning_rate": 2e-6, "mixed_precision": "no", "network_train_unet_only": False,
+    "lr_scheduler": "constant", "output_name": "last",  # train_util.DEFAULT_LAST_OUTPUT_NAME
+    "apply_t5_attn_mask": False, "max_data_loader_n_workers": 8,
+}
+# The keys whose default trains otherwise than ours: translated at sd-scripts' default where the config
+# leaves them out (sd_scripts_dataset.py does caption_extension's).
+DEFAULTS_CARRIED = ("model_type", "network_dim", "network_alpha", "learning_rate", "mixed_precision", "guidance_scale",
+                    "timestep_sampling", "model_prediction_type", "network_train_unet_only", "output_name")
+# Our releases' T5 padding: FluxPipeline encodes and attends without a mask, ChromaPipeline masks it.
+MASKS_T5_PADDING = {"flux": False, "chroma": True}
+IGNORED_BY_FLUX = "sd-scripts' FLUX / Chroma training does not read it either (flux_train_network)"
+
+
+def their(t: Translation, key: str) -> Any:
+    """The value sd-scripts runs with: the config's, else its parser's default."""
+    return t.given.get(key, THEIR_DEFAULTS.get(key))
+
+
+def note(t: Translation, text: str) -> None:
+    """The last line's text: what it became, where our key alone would not say it."""
+    t.lines[-1].text = text
+
+
+def model_type(t: Translation) -> str:
+    return t.config["model_type"]
+
+
+def reads(t: Translation, key: str) -> bool:
+    """Our model_type reads this family key (clip_l: FLUX.1 does, Chroma has no CLIP-L)."""
+    return any(k.key == key for k in spec_of(model_type(t)).config_keys)
+
+
+def trains_clip_l(t: Translation) -> bool:
+    """sd-scripts trains a CLIP-L LoRA beside the transformer's unless network_train_unet_only (FLUX.1)."""
+    return reads(t, "clip_l") and not is_true(their(t, "network_train_unet_only"))
+
+
+def title(t: Translation) -> str:
+    return spec_of(model_type(t)).title
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+
+
+THEIR_MODEL_TYPES = ("flux", "chroma")  # flux_train_utils.add_flux_train_arguments' model_type choices
+SCRIPT = "flux_train_network.py"
+# sd-scripts' LoRA training scripts (tools/convert_config.py tells the peer of a --command by them); the others
+# than SCRIPT train models we do not, and model_of refuses them in one line.
+SCRIPTS = (SCRIPT, "train_network.py", "sdxl_train_network.py", "sd3_train_network.py", "lumina_train_network.py",
+           "hunyuan_image_train_network.py", "anima_train_network.py")
+
+
+def model_of(flat: dict, asked: str | None, script: str | None, source: str) -> str:
+    """Our model_type: the config's model_type (flux or chroma; sd-scripts' default flux, ours too); a command
+    line's script must be flux_train_network.py, and --model_type must agree."""
+    if script is not None and os.path.basename(script) != SCRIPT:
+        name = os.path.basename(script)
+        model = name[:-len("_train_network.py")] if name.endswith("_train_network.py") else "Stable Diffusion 1.x / 2.x"
+        raise ValueError(f"{script}: sd-scripts' {name} trains {model}, which we do not train here ({SCRIPT}'s "
+                         f"configs translate)" if name.endswith("train_network.py") else
+                         f"{script}: not sd-scripts' LoRA training script ({SCRIPT}'s configs translate)")
+    found = flat.get("model_type", THEIR_DEFAULTS["model_type"])
+    if found not in THEIR_MODEL_TYPES:
+        raise ValueError(f"{source}: model_type {found!r}: expected one of sd-scripts' {', '.join(THEIR_MODEL_TYPES)}")
+    if asked is not None and asked != found:
+        raise ValueError(f"{source}: model_type {found!r} (sd-scripts' default flux), but --model_type {asked}")
+    return found
+
+
+def _model_type(t: Translation, key: str, value: Any) -> None:
+    t.lines.append(Line(key, value, KEPT, key))  # set by translate, from the config or the script
+
+
+def _clip_l(t: Translation, key: str, value: Any) -> None:
+    if reads(t, "clip_l"):
+        t.set(key, value, key, value)
+    else:
+        t.drop(key, value, f"{title(t)} has no CLIP-L (sd-scripts does not load it either)")
+
+
+def _apply_t5_attn_mask(t: Translation, key: str, value: Any) -> None:
+    masks = MASKS_T5_PADDING[model_type(t)]
+    why = (f"ours masks T5's padding for {title(t)} always, as its pipeline" if masks else
+           f"ours encodes T5 and attends without a padding mask for {title(t)}, as its pipeline")
+    if is_true(value) == masks:
+        t.drop(key, value, why)
+    elif masks:  # Chroma without it: sd-scripts stops (flux_train_network asserts it)
+        t.drop(key, value, f"sd-scripts refuses {title(t)} without it; {why}")
+    else:
+        t.refuse(key, value, why)
+
+
+def _guidance_scale(t: Translation, key: str, value: Any) -> None:
+    if spec_of(model_type(t)).sampling.guidance_scale is not None:  # a guidance-distilled model's embedding
+        t.set(key, float(value), key, value)
+    elif float(value) == 0:
+        t.drop(key, value, f"ours trains {title(t)} at guidance 0 always, as it was distilled")
+    else:
+        t.refuse(key, value, f"ours trains {title(t)} at guidance 0 always, as it was distilled (sd-scripts' docs: 0.0)")
+
+
+def _fp8_base(t: Translation, key: str, value: Any) -> None:
+    """fp8_base / fp8_base_unet: the transformer cast to float8_e4m3fn (the text encoder as its file stores it)."""
+    if not is_true(value):
+        t.drop(key, value, "off")
+        return
+    t.set("base_precision", "fp8", key, value, RENAMED)
+    note(t, 'base_precision = "fp8" (the plain cast, as sd-scripts; "fp8_scaled" is ours with per-block scales)')
+
+
+def _blocks_to_swap(t: Translation, key: str, value: Any) -> None:
+    """sd-scripts swaps N // 2 double blocks and twice the rest in single blocks; ours the last N blocks in
+    order (single blocks first), each counting one: the same number of blocks, fewer bytes."""
+    count = int(value)
+    if count <= 0:
+        t.drop(key, value, "off")
+        return
+    double = count // 2
+    single = 2 * (count - double)
+    t.set("blocks_to_swap", double + single, key, value, RENAMED)
+    note(t, f"blocks_to_swap = {double + single}: sd-scripts' {count} swaps {double} double and {single} single "
+            f"blocks; ours the last {double + single} (single first, fewer bytes): tools/plan_memory.py says what fits")
+
+
+def _split_mode(t: Translation, key: str, value: Any) -> None:
+    if is_true(value) and "blocks_to_swap" not in t.given:  # sd-scripts sets blocks_to_swap 18 for it
+        _blocks_to_swap(t, key, 18)
+        t.lines[-1].value = value
+    else:
+        t.drop(key, value, "off" if not is_true(value) else "deprecated; blocks_to_swap is set (sd-scripts ignores it too)")
+
+
+# ----------------------------------------------------------------------------------------------
+# The network
+
+
+LORA_MODULE = "networks.lora_flux"  # sd-scripts' LoRA of the FLUX.1 / Chroma blocks: ours networks.lora
+# The network_args networks.lora_flux.create_network reads (others are ignored there).
+LORA_ARGS = {
+    "conv_dim", "conv_alpha", "img_attn_dim", "txt_attn_dim", "img_mlp_dim", "txt_mlp_dim", "img_mod_dim", "txt_mod_dim",
+    "single_dim", "single_mod_dim", "in_dims", "train_double_block_indices", "train_single_block_indices",
+    "rank_dropout", "module_dropout", "train_blocks", "split_qkv", "ggpo_beta", "ggpo_sigma", "train_t5xxl", "verbose",
+    "network_reg_lrs", "network_reg_dims", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
+    "loraplus_text_encoder_lr_ratio",
+}
+LORA_ARGS_REFUSED = {
+    "split_qkv": "ours trains the fused qkv LoRA (sd-scripts saves split q/k/v as one rank-3r block that loaders "
+                 "apply at 1/3)",
+    "train_t5xxl": "ours caches T5's outputs before training: no T5-XXL LoRA",
+    "ggpo_beta": "GGPO's weight perturbation: ours perturbs nothing",
+    "ggpo_sigma": "GGPO's weight perturbation: ours perturbs nothing",
+    "network_reg_lrs": "learning rates per module regex: ours has one rate (and loraplus_lr_ratio)",
+    "network_reg_dims": "ranks per module regex: ours sets ranks per module type (img_attn_dim ...)",
+}
+
+
+def _network_module(t: Translation, key: str, value: Any) -> None:
+    if value == LORA_MODULE:
+        t.set(key, "networks.lora", key, value, RENAMED)
+        note(t, 'network_module = "networks.lora" (the same LoRA of the same Linears)')
+    elif value == "lycoris.kohya":
+        t.set(key, value, key, value)
+    else:
+        t.refuse(key, value, f"ours trains {LORA_MODULE}'s LoRA (networks.lora) or lycoris.kohya")
+
+
+def network_arg_verdict(t: Translation, name: str, text: str) -> tuple[str, str]:
+    """(verdict, why) of one networks.lora_flux argument `name=text`: KEPT, or DROPPED / NOT_CARRIED with why."""
+    from networks.lora_args import check_lora_args
+
+    if name not in LORA_ARGS:
+        return DROPPED, f"{LORA_MODULE} does not read it"
+    if name in ("verbose", "conv_dim", "conv_alpha"):
+        return DROPPED, "a log switch" if name == "verbose" else "the model has no convolutions"
+    if name in ("split_qkv", "train_t5xxl") and text != "True":  # sd-scripts' test: the string "True" only
+        return DROPPED, "off (sd-scripts turns it on only with the string True)"
+    if name in LORA_ARGS_REFUSED:
+        return NOT_CARRIED, LORA_ARGS_REFUSED[name]
+    if is_true(their(t, "dim_from_weights")) and (name.endswith(("_dim", "_dims", "_indices")) or name == "train_blocks"):
+        return DROPPED, "dim_from_weights: the network is network_weights' modules (create_network_from_weights)"
+    if name == "loraplus_text_encoder_lr_ratio":
+        return (NOT_CARRIED, "the CLIP-L LoRA's: not trained here") if trains_clip_l(t) else (
+            DROPPED, "no text encoder LoRA is trained")
+    ours = "loraplus_lr_ratio" if name == "loraplus_unet_lr_ratio" else name
+    if name == "loraplus_lr_ratio" and "loraplus_unet_lr_ratio" in network_args_of(their(t, "network_args")):
+        return DROPPED, "loraplus_unet_lr_ratio sets the transformer's"
+    arch = spec_of(model_type(t)).arch
+    try:
+        check_lora_args(arch, {ours: text})
+    except ValueError as e:  # ours' line, without its list of the keys it knows
+        return NOT_CARRIED, f"ours: {str(e).split(' (known: ')[0]}"
+    return (KEPT, "") if ours == name else (RENAMED, ours)
+
+
+def network_args_of(value: Any, source: str = "network_args") -> dict[str, str]:
+    """sd-scripts' network_args ("key=value" strings; one string from a command line) as a dict."""
+    items = value if isinstance(value, list) else [] if value is None else [value]
+    pairs = {}
+    for item in items:
+        name, sep, text = str(item).partition("=")
+        if not sep:
+            raise ValueError(f"{source}: network_args entry {item!r}: expected key=value")
+        pairs[name.strip()] = text.strip()
+    return pairs
+
+
+def _network_args(t: Translation, key: str, value: Any) -> None:
+    module = their(t, "network_module")
+    if module == "lycoris.kohya":  # LyCORIS' own arguments: ours passes them on (docs/configuration.md)
+        t.set(key, [str(v) for v in (value if isinstance(value, list) else [value])], key, value)
+        return
+    if module not in (None, LORA_MODULE):
+        t.drop(key, value, f"goes with network_module {module!r}, not carried")
+        return
+    kept = []
+    for name, text in network_args_of(value, t.source).items():
+        verdict, why = network_arg_verdict(t, name, text)
+        if verdict in (KEPT, RENAMED):
+            kept.append(f"{why or name}={text}")
+        else:
+            t.lines.append(Line(f"{key} {name}", text, verdict, why))
+    if kept:
+        same_list = kept == [str(v) for v in (value if isinstance(value, list) else [value])]
+        t.set(key, kept, key, value, KEPT if same_list else RENAMED)
+        if not same_list:
+            note(t, f"network_args = {kept}")
+    else:
+        t.drop(key, value, "none of its arguments is carried (each said above)")
+
+
+def _network_train_unet_only(t: Translation, key: str, value: Any) -> None:
+    if not reads(t, "clip_l"):
+        t.drop(key, value, f"{title(t)} has no CLIP-L: sd-scripts trains the transformer only too")
+    elif is_true(value):
+        t.drop(key, value, "ours trains the transformer's LoRA only")
+    else:
+        t.refuse(key, value, "sd-scripts then trains a CLIP-L LoRA too; ours trains the transformer's only")
+
+
+def _text_encoder_lr(t: Translation, key: str, value: Any) -> None:
+    if trains_clip_l(t):
+        t.refuse(key, value, "the CLIP-L LoRA's rate: ours trains no text encoder LoRA")
+    else:
+        t.drop(key, value, "no text encoder LoRA is trained (network_train_unet_only)")
+
+
+def _learning_rate(t: Translation, key: str, value: Any) -> None:
+    """unet_lr is the transformer's rate where given (train_network: prepare_optimizer_params); learning_rate
+    else (and the text encoders', which are not trained here)."""
+    if key == "learning_rate" and their(t, "unet_lr") is not None:
+        t.drop(key, value, "unet_lr sets the transformer's rate")
+    else:
+        t.set("learning_rate", float(value), key, value, KEPT if key == "learning_rate" else RENAMED)
+
+
+def _base_weights(t: Translation, key: str, value: Any) -> None:
+    """base_weights (+ base_weights_multiplier, 1.0 where missing): LoRAs merged into the base before training."""
+    if key == "base_weights_multiplier":
+        t.drop(key, value, "in base_loras' ratios" if their(t, "base_weights") else "no base_weights")
+        return
+    paths = value if isinstance(value, list) else [value]
+    ratios = their(t, "base_weights_multiplier")
+    ratios = ratios if isinstance(ratios, list) else [] if ratios is None else [ratios]
+    entries = [f"{path}:{float(ratios[i]) if i < len(ratios) else 1.0:g}" for i, path in enumerate(paths)]
+    t.set("base_loras", entries, key, value, RENAMED)
+    note(t, f"base_loras = {entries} (merged into the frozen base before training, as sd-scripts)")
+
+
+# ----------------------------------------------------------------------------------------------
+# The optimizer and its schedule
+
+
+def _optimizer_type(t: Translation, key: str, value: Any) -> None:
+    """The same names as ours (optim.py reads sd-scripts'); "" is AdamW, or the use_8bit_adam / use_lion_optimizer
+    switches' optimizer (train_util.get_optimizer)."""
+    name = str(value)
+    if name == "":
+        name = "AdamW8bit" if is_true(their(t, "use_8bit_adam")) else "Lion" if is_true(their(t, "use_lion_optimizer")) else ""
+        if not name:
+            t.drop(key, value, "AdamW: ours' default too")
+            return
+    if name.lower().endswith("schedulefree"):
+        t.refuse(key, value, "schedule-free: ours does not switch its train / eval weights (AdamW or Prodigy with an "
+                             "lr_scheduler instead)")
+        return
+    t.set("optimizer_type", name, key, value, KEPT if name == value else RENAMED)
+    if name != value:
+        note(t, f'optimizer_type = "{name}"')
+
+
+def _optimizer_switch(t: Translation, key: str, value: Any) -> None:
+    """use_8bit_adam / use_lion_optimizer: the optimizer where optimizer_type is not given."""
+    if not is_true(value):
+        t.drop(key, value, "off")
+    elif their(t, "optimizer_type"):
+        t.drop(key, value, "optimizer_type names the optimizer (sd-scripts ignores this then)")
+    else:
+        _optimizer_type(t, key, "")
+        t.lines[-1].value = value
+
+
+SCHEDULERS = SCHEMA["lr_scheduler"].choices  # ours: diffusers' constant ... polynomial, sd-scripts' names too
+# sd-scripts' scheduler keys -> the schedulers that read them (train_util.get_scheduler_fix).
+SCHEDULER_KEYS = {
+    "lr_scheduler_num_cycles": ("cosine_with_restarts",), "lr_scheduler_power": ("polynomial",),
+    "lr_decay_steps": ("warmup_stable_decay",), "lr_scheduler_timescale": ("inverse_sqrt",),
+    "lr_scheduler_min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay"),
+}
+
+
+def _lr_scheduler(t: Translation, key: str, value: Any) -> None:
+    if value in SCHEDULERS:
+        t.set(key, value, key, value)
+    else:
+        t.refuse(key, value, f"ours: {', '.join(SCHEDULERS)}")
+
+
+def _scheduler_key(t: Translation, key: str, value: Any) -> None:
+    schedule, readers = their(t, "lr_scheduler"), SCHEDULER_KEYS[key]
+    if schedule not in readers:
+        t.drop(key, value, f"read only by lr_scheduler {' / '.join(readers)}")
+    elif schedule in SCHEDULERS:
+        t.set(key, value, key, value)
+    else:
+        t.refuse(key, value, f"goes with lr_scheduler {schedule!r}, not carried")
+
+
+# ----------------------------------------------------------------------------------------------
+# The timestep draw, the prediction and the loss
+
+
+def sampling_of(t: Translation) -> tuple[dict | None, str]:
+    """sd-scripts' timestep draw as our keys ({} none), or (None, why ours has no such draw)."""
+    method = their(t, "timestep_sampling")
+    if method == "sigma":
+        return sigma_draw(t)
+    if method not in SAMPLING_METHODS:
+        return None, f"{method!r}: ours draws {', '.join(SAMPLING_METHODS)}"
+    keys = {"timestep_sampling": method}  # uniform, sigmoid, shift, flux_shift: the same draws by the same names
+    if method != "uniform":
+        keys["sigmoid_scale"] = their(t, "sigmoid_scale")
+    if method == "shift":
+        keys["discrete_flow_shift"] = their(t, "discrete_flow_shift")
+    return keys, ""
+
+
+def sigma_draw(t: Translation) -> tuple[dict | None, str]:
+    """sd-scripts' "sigma": u from weighting_scheme's density (uniform; sigmoid(N(logit_mean, logit_std)) for
+    logit_normal; the "mode" curve) picks one of the 1000 timesteps of a scheduler shifted by discrete_flow_shift
+    (k s / (1 + (k - 1) s)). Ours draws the same law, continuously, where it has it."""
+    scheme, shift = their(t, "weighting_scheme"), float(their(t, "discrete_flow_shift"))
+    if scheme == "logit_normal" and float(their(t, "logit_mean")) == 0:
+        std = float(their(t, "logit_std"))
+        if shift == 1:
+            return {"timestep_sampling": "sigmoid", "sigmoid_scale": std}, ""
+        return {"timestep_sampling": "shift", "sigmoid_scale": std, "discrete_flow_shift": shift}, ""
+    if scheme == "logit_normal":
+        return None, "'sigma' with logit_mean != 0: ours draws sigmoid(scale * randn), centred"
+    if scheme == "mode":
+        return None, "'sigma' with weighting_scheme mode: ours has no such draw"
+    if shift == 1:
+        return {"timestep_sampling": "uniform"}, ""
+    return None, (f"'sigma': a uniform draw shifted by discrete_flow_shift {shift:g}; ours shifts a sigmoid(randn) "
+                  f"draw (timestep_sampling shift, sd-scripts' docs' choice with raw predictions)")
+
+
+def _timestep_sampling(t: Translation, key: str, value: Any) -> None:
+    keys, why = sampling_of(t)
+    if keys is None:
+        t.refuse(key, value, why)
+        return
+    ours = keys["timestep_sampling"]
+    t.set(key, ours, key, value, KEPT if ours == value else RENAMED)
+    if ours != value:
+        extra = ", ".join(f"{k} = {v:g}" for k, v in keys.items() if k != key)
+        note(t, f'timestep_sampling = "{ours}"{" with " + extra if extra else ""} (the same draw, continuous)')
+
+
+def _discrete_flow_shift(t: Translation, key: str, value: Any) -> None:
+    keys, _ = sampling_of(t)
+    method = their(t, "timestep_sampling")
+    if keys is not None and key in keys:
+        t.set(key, float(value), key, value)
+    elif method == "sigma":
+        t.drop(key, value, "1: no shift (said with timestep_sampling)" if keys is not None
+               else "goes with timestep_sampling sigma, not carried")
+    else:
+        t.drop(key, value, "sd-scripts reads it only with timestep_sampling shift / sigma")
+
+
+def _sigmoid_scale(t: Translation, key: str, value: Any) -> None:
+    keys, _ = sampling_of(t)
+    if keys is not None and their(t, "timestep_sampling") in ("sigmoid", "shift", "flux_shift"):
+        t.set(key, float(value), key, value)
+    else:
+        t.drop(key, value, "sd-scripts reads it only with timestep_sampling sigmoid / shift / flux_shift")
+
+
+def _logit_key(t: Translation, key: str, value: Any) -> None:
+    """logit_mean, logit_std, mode_scale: the density of the "sigma" draw (weighting_scheme logit_normal / mode)."""
+    keys, _ = sampling_of(t)
+    scheme = "mode" if key == "mode_scale" else "logit_normal"
+    if their(t, "timestep_sampling") != "sigma" or their(t, "weighting_scheme") != scheme:
+        t.drop(key, value, f"sd-scripts reads it only with timestep_sampling sigma and weighting_scheme {scheme}")
+    elif key == "logit_std" and keys is not None:
+        t.set("sigmoid_scale", float(value), key, value, RENAMED)
+    elif key == "logit_mean":
+        (t.drop if float(value) == 0 else t.refuse)(key, value, "ours' sigmoid draw is centred (mean 0)")
+    else:
+        t.drop(key, value, "goes with timestep_sampling sigma, not carried")
+
+
+def _weighting_scheme(t: Translation, key: str, value: Any) -> None:
+    if value in ("sigma_sqrt", "cosmap"):
+        if their(t, "model_prediction_type") == "sigma_scaled":
+            t.refuse(key, value, "it weighs sd-scripts' sigma_scaled loss (model_prediction_type, not carried); "
+                                 "ours' weighting_scheme weighs the raw velocity loss")
+        else:
+            t.drop(key, value, "sd-scripts weighs the loss only with model_prediction_type sigma_scaled")
+    elif value in ("logit_normal", "mode"):
+        method = their(t, "timestep_sampling")
+        t.drop(key, value, "the density of the 'sigma' draw: timestep_sampling says what it became" if method == "sigma"
+               else "shapes only timestep_sampling sigma's draw")
+    else:
+        t.drop(key, value, "no weighting: ours' none")
+
+
+def huber_carried(t: Translation) -> bool:
+    """sd-scripts' huber loss with a constant threshold: ours, at huber_c x huber_scale."""
+    return their(t, "loss_type") == "huber" and their(t, "huber_schedule") == "constant"
+
+
+def _loss_type(t: Translation, key: str, value: Any) -> None:
+    if value == "l2" or huber_carried(t):
+        t.set(key, value, key, value)
+    elif value in ("huber", "smooth_l1") and their(t, "huber_schedule") != "constant":
+        t.refuse(key, value, f"with huber_schedule {their(t, 'huber_schedule')}: a threshold that follows the "
+                             f"timestep (its default snr needs an SD noise schedule: FLUX training stops); ours keeps "
+                             f"huber_c constant")
+    elif value == "smooth_l1":
+        t.refuse(key, value, "smooth_l1 is ours' huber divided by huber_c")
+    else:
+        t.refuse(key, value, "ours: l2, huber")
+
+
+def _huber_key(t: Translation, key: str, value: Any) -> None:
+    """huber_c, huber_scale, huber_schedule: with a constant schedule ours' huber_c is huber_c x huber_scale."""
+    loss = their(t, "loss_type")
+    if not huber_carried(t):
+        t.drop(key, value, f"goes with loss_type {loss}, not carried" if loss in ("huber", "smooth_l1")
+               else "read only by loss_type huber / smooth_l1")
+    elif key == "huber_schedule":
+        t.drop(key, value, "constant: ours' huber_c is constant")
+    else:
+        c = float(their(t, "huber_c")) * float(their(t, "huber_scale"))
+        t.set("huber_c", c, key, value, KEPT if key == "huber_c" and c == float(value) else RENAMED)
+        note(t, f"huber_c = {c:g} (huber_c x huber_scale)")
+
+
+def _ip_noise_gamma_random_strength(t: Translation, key: str, value: Any) -> None:
+    if is_true(value) and not is_off(their(t, "ip_noise_gamma")):
+        t.refuse(key, value, "goes with ip_noise_gamma, not carried")
+    else:
+        t.drop(key, value, "off" if not is_true(value) else "no ip_noise_gamma")
+
+
+# ----------------------------------------------------------------------------------------------
+# Saves, samples, logs
+
+
+def _save_last_n(t: Translation, key: str, value: Any) -> None:
+    """save_last_n_epochs (epoch saves kept), save_last_n_steps (a window of steps: N // save_every_n_steps + 1
+    saves kept, train_util.get_remove_step_no): ours keeps one count of the newest saves."""
+    every = their(t, "save_every_n_epochs" if key == "save_last_n_epochs" else "save_every_n_steps")
+    if is_off(value) or not every:
+        t.drop(key, value, "off" if is_off(value) else f"no {key.replace('last_n', 'every_n')}: nothing to prune")
+        return
+    keep = int(value) if key == "save_last_n_epochs" else int(value) // int(every) + 1
+    if t.config.get("save_last_n_saves", keep) != keep:
+        t.refuse(key, value, f"ours keeps one count of saves: save_last_n_saves = {t.config['save_last_n_saves']} "
+                             f"already")
+        return
+    t.set("save_last_n_saves", keep, key, value, RENAMED)
+    note(t, f"save_last_n_saves = {keep}")
+
+
+def _sample_key(t: Translation, key: str, value: Any) -> None:
+    if not their(t, "sample_prompts"):
+        t.drop(key, value, "no sample_prompts: sd-scripts renders nothing")
+    elif key == "sample_every_n_steps" and their(t, "sample_every_n_epochs"):
+        t.drop(key, value, "sd-scripts renders the epochs' samples only when both are set")
+    else:
+        t.set(key, value, key, value)
+
+
+def _log_prefix(t: Translation, key: str, value: Any) -> None:
+    if their(t, "logging_dir") or their(t, "log_with"):
+        t.set(key, str(value), key, value)
+    else:
+        t.drop(key, value, "no logging_dir or log_with: nothing is logged")
+
+
+def _persistent_workers(t: Translation, key: str, value: Any) -> None:
+    if is_true(value) and not t.given.get("max_data_loader_n_workers"):
+        t.drop(key, value, "ours loads cached latents without workers unless max_data_loader_n_workers "
+                           "is set (sd-scripts' default 8)")
+    else:
+        t.set(key, is_true(value), key, value)
+
+
+def _validate_every_n_steps(t: Translation, key: str, value: Any) -> None:
+    if dataset_rules.holds_out_images(t):
+        t.set(key, value, key, value)
+    else:
+        t.drop(key, value, "no validation_split: sd-scripts validates nothing")
+
+
+def _dataset_config(t: Translation, key: str, value: Any) -> None:
+    if t.dataset is None:
+        t.drop(key, value, "its dataset has nothing ours can train (said above)")
+    else:
+        t.lines.append(Line(key, value, RENAMED, "dataset_config: ours, written beside (OUT_dataset.toml)"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The rules: every argument of flux_train_network.py's parser
+
+
+HEADER_TEXT = "text for the LoRA's header: ours writes none (the training is the same)"
+UPLOAD = "a Hugging Face upload: ours uploads nothing (upload the LoRA yourself)"
+DEEPSPEED = "DeepSpeed: ours runs DDP or FSDP through accelerate launch (configs/accelerate/)"
+
+RULES: dict[str, Rule] = {
+    # the model and its files
+    "model_type": custom(_model_type),
+    "pretrained_model_name_or_path": same(),
+    "clip_l": custom(_clip_l),
+    "t5xxl": same(),
+    "ae": same(),
+    "t5xxl_max_token_length": same(),
+    "apply_t5_attn_mask": custom(_apply_t5_attn_mask),
+    "guidance_scale": custom(_guidance_scale),
+    "controlnet_model_name_or_path": ignored(IGNORED_BY_FLUX + " (flux_train_control_net.py does)"),
+    **{key: ignored(IGNORED_BY_FLUX + " (Stable Diffusion's)")
+       for key in ("v2", "v_parameterization", "clip_skip", "max_token_length", "vae")},
+    "no_half_vae": ignored("ours encodes latents in float32 always"),
+    "tokenizer_cache_dir": ignored("a tokenizer download cache: ours downloads nothing"),
+    "disable_mmap_load_safetensors": ignored("a file-loading switch"),
+    # precision and memory
+    "mixed_precision": same(),
+    **{key: unsupported("ours keeps the LoRA weights and their gradients in float32 (mixed_precision is the compute "
+                        "dtype)") for key in ("full_fp16", "full_bf16")},
+    "fp8_base": custom(_fp8_base),
+    "fp8_base_unet": custom(_fp8_base),
+    "gradient_checkpointing": same(),
+    "cpu_offload_checkpointing": ignored("memory only: ours offloads no activations; blocks_to_swap frees memory instead"),
+    "blocks_to_swap": custom(_blocks_to_swap),
+    "split_mode": custom(_split_mode),
+    **{key: ignored("memory machinery") for key in ("highvram", "lowram")},
+    **{key: ignored("the attention kernel: ours runs PyTorch's SDPA (the same attention)")
+       for key in ("sdpa", "xformers", "mem_eff_attn")},
+    "torch_compile": same(),
+    "dynamo_backend": ignored("ours compiles with inductor"),
+    **{key: ignored("DDP machinery (accelerate launch runs ours)")
+       for key in ("ddp_timeout", "ddp_gradient_as_bucket_view", "ddp_static_graph")},
+    **{key: ignored(DEEPSPEED) for key in (
+        "deepspeed", "zero_stage", "offload_optimizer_device", "offload_optimizer_nvme_path", "offload_param_device",
+        "offload_param_nvme_path", "zero3_init_flag", "zero3_save_16bit_model", "fp16_master_weights_and_gradients")},
+    "max_data_loader_n_workers": same(),
+    "persistent_data_loader_workers": custom(_persistent_workers),
+    "seed": same(),
+    # caching
+    "cache_latents": ignored("ours always caches the latents before training"),
+    "cache_text_encoder_outputs": ignored("ours always caches the text encoders' outputs before training"),
+    "cache_latents_to_disk": same(),
+    "cache_text_encoder_outputs_to_disk": same(),
+    "vae_batch_size": same(),
+    "text_encoder_batch_size": same(),
+    "skip_cache_check": ignored("ours checks its caches by content hash"),
+    # the network
+    "network_module": custom(_network_module),
+    "network_dim": same(),
+    "network_alpha": same(),
+    "network_args": custom(_network_args),
+    "network_weights": same(),
+    "network_dropout": same(),
+    "dim_from_weights": same(),
+    "scale_weight_norms": same(),
+    "network_train_unet_only": custom(_network_train_unet_only),
+    "network_train_text_encoder_only": unsupported("ours trains the transformer's LoRA"),
+    "text_encoder_lr": custom(_text_encoder_lr),
+    "unet_lr": custom(_learning_rate),
+    "base_weights": custom(_base_weights),
+    "base_weights_multiplier": custom(_base_weights),
+    "training_comment": ignored(HEADER_TEXT),
+    "no_metadata": unsupported("ours always writes the training metadata (folder names, tag counts) into the LoRA"),
+    **{key: ignored(HEADER_TEXT) for key in (
+        "metadata_title", "metadata_author", "metadata_description", "metadata_license", "metadata_tags",
+        "metadata_usage_hint", "metadata_thumbnail", "metadata_merged_from", "metadata_trigger_phrase",
+        "metadata_preprocessor", "metadata_is_negative_embedding")},
+    # the optimizer and its schedule
+    "optimizer_type": custom(_optimizer_type),
+    "use_8bit_adam": custom(_optimizer_switch),
+    "use_lion_optimizer": custom(_optimizer_switch),
+    "optimizer_args": same(),
+    "learning_rate": custom(_learning_rate),
+    "max_grad_norm": same(),
+    "lr_scheduler": custom(_lr_scheduler),
+    "lr_warmup_steps": same(),
+    **{key: custom(_scheduler_key) for key in SCHEDULER_KEYS},
+    "lr_scheduler_type": unsupported("a scheduler class of its own: ours runs the diffusers schedules"),
+    "lr_scheduler_args": unsupported("arguments of a scheduler class (lr_scheduler_type): ours has none"),
+    "fused_backward_pass": ignored("sd-scripts' LoRA training does not read it (its full fine-tuning does)"),
+    "gradient_accumulation_steps": same(),
+    "max_train_steps": same(),
+    "max_train_epochs": same(),
+    # the timestep draw, the prediction and the loss
+    "timestep_sampling": custom(_timestep_sampling),
+    "discrete_flow_shift": custom(_discrete_flow_shift),
+    "sigmoid_scale": custom(_sigmoid_scale),
+    **{key: custom(_logit_key) for key in ("logit_mean", "logit_std", "mode_scale")},
+    "weighting_scheme": custom(_weighting_scheme),
+    "model_prediction_type": implied(lambda v: v == "raw", "ours trains the raw velocity prediction (sd-scripts' docs "
+                                                           "recommend raw)"),
+    "loss_type": custom(_loss_type),
+    **{key: custom(_huber_key) for key in ("huber_c", "huber_scale", "huber_schedule")},
+    "ip_noise_gamma": unsupported("input perturbation noise: ours adds none"),
+    "ip_noise_gamma_random_strength": custom(_ip_noise_gamma_random_strength),
+    **{key: ignored(IGNORED_BY_FLUX) for key in (
+        "noise_offset", "noise_offset_random_strength", "multires_noise_iterations", "multires_noise_discount",
+        "adaptive_noise_scale", "zero_terminal_snr", "min_timestep", "max_timestep", "min_snr_gamma",
+        "scale_v_pred_loss_like_noise_pred", "v_pred_like_loss", "debiased_estimation_loss")},
+    "weighted_captions": ignored("sd-scripts' FLUX text encoding takes no caption weights (it stops); ours encodes "
+                                 "captions as written"),
+    "prior_loss_weight": same(),
+    "masked_loss": ignored("ours: a subset's mask_dir (sd-scripts' conditioning_data_dir) or alpha_mask masks the loss"),
+    "conditioning_data_dir": ignored(IGNORED_BY_FLUX + " (a dataset TOML's subsets do: mask_dir)"),
+    # saves
+    "output_dir": same(),
+    "output_name": same(),
+    "save_model_as": implied(lambda v: v in ("safetensors", None, "None"), "ours saves .safetensors"),
+    "save_precision": same(),
+    "save_every_n_epochs": same(),
+    "save_every_n_steps": same(),
+    "save_n_epoch_ratio": unsupported("ours saves every save_every_n_epochs / save_every_n_steps"),
+    "save_last_n_epochs": custom(_save_last_n),
+    "save_last_n_steps": custom(_save_last_n),
+    **{key: unsupported("ours keeps a save's state as long as its LoRA (save_last_n_saves)")
+       for key in ("save_last_n_epochs_state", "save_last_n_steps_state")},
+    "save_state": same(),
+    "save_state_on_train_end": same(),
+    "resume": unsupported("an sd-scripts state folder: ours resumes only its own states"),
+    **{key: unsupported("ours starts at step 0, or where a state of its own left off")
+       for key in ("initial_epoch", "initial_step", "skip_until_initial_step")},
+    **{key: ignored(UPLOAD) for key in (
+        "huggingface_repo_id", "huggingface_repo_type", "huggingface_path_in_repo", "huggingface_token",
+        "huggingface_repo_visibility", "save_state_to_huggingface", "async_upload")},
+    "resume_from_huggingface": unsupported("resumes a state from the Hub: ours resumes only its own local states"),
+    # samples, validation and logs
+    "sample_prompts": same(),
+    **{key: custom(_sample_key) for key in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first")},
+    "sample_sampler": ignored("sd-scripts' FLUX samples ignore it (Euler, as ours)"),
+    "validate_every_n_steps": custom(_validate_every_n_steps),
+    "validate_every_n_epochs": unsupported("ours validates every validate_every_n_steps and at the end"),
+    "max_validation_steps": unsupported("ours validates on every held-out image"),
+    "logging_dir": same(),
+    "log_with": same(),
+    "log_prefix": custom(_log_prefix),
+    "log_tracker_name": ignored("the tracker's project: ours names it log_prefix (default output_name)"),
+    "wandb_run_name": ignored("ours names each run by its start time"),
+    "wandb_api_key": ignored("log in with `wandb login`"),
+    "log_tracker_config": ignored("a tracker config file: ours has none"),
+    "log_config": ignored("the config logged to the tracker: ours logs none"),
+    **{key: ignored("console logging") for key in ("console_log_level", "console_log_file", "console_log_simple")},
+    # the dataset (sd_scripts_dataset.py)
+    "dataset_config": custom(_dataset_config),
+    **dataset_rules.ARG_RULES,
+    "dataset_class": unsupported("a dataset class of its own: ours reads image folders"),
+    "debug_dataset": unsupported("shows the dataset without training: tools/check_dataset.py checks ours"),
+    "config_file": ignored("its keys are read into this translation"),
+    "output_config": ignored("writes the config and trains nothing"),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The translation
 
 
 def translate(config: dict, source: str, *, model_type=None, dataset=None, dataset_source=None, script=None) -> Translation:
-    raise ValueError("this peer's translation is not written yet")
+    """sd-scripts' config (its TOML, or a command line's keys) and its dataset TOML as ours."""
+    flat = flatten_tables(config)
+    t = Translation("sd-scripts", source, given=flat)
+    t.config["model_type"] = model_of(flat, model_type, script, source)
+    t.dataset = dataset_rules.dataset_of(t, flat, dataset, dataset_source)
+    apply_rules(t, flat, RULES)
+    carry_defaults(t, flat)
+    dataset_rules.finish(t)
+    fit_schema(t)
+    return t
+
+
+def carry_defaults(t: Translation, flat: dict) -> None:
+    """The keys the config leaves out whose sd-scripts default trains otherwise than ours: translated at that
+    default, each line marked `(default)` (a default that asks for what we do is left out)."""
+    for key in DEFAULTS_CARRIED:
+        if key in flat or (key == "learning_rate" and "unet_lr" in flat):
+            continue
+        first = len(t.lines)
+        apply_rule(t, key, THEIR_DEFAULTS[key], RULES[key])
+        for line in t.lines[first:]:
+            line.key = f"{line.key} (default)"
+        t.lines[first:] = [line for line in t.lines[first:] if line.verdict != DROPPED]
+
+
+def fit_schema(t: Translation) -> None:
+    """Values as our schema types them, where a command line could not tell (an output_name of digits read
+    as a number, a list given as one word)."""
+    for key, value in t.config.items():
+        kind = SCHEMA[key].type if key in SCHEMA else None
+        if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+            t.config[key] = str(value)
+        elif kind is list and not isinstance(value, list):
+            t.config[key] = [str(value)]
+        elif kind is list:
+            t.config[key] = [str(v) for v in value]
+        elif kind is float and isinstance(value, int) and not isinstance(value, bool):
+            t.config[key] = float(value)

@@ -1,0 +1,287 @@
+"""tools/convert_config.py on sd-scripts' flux_train_network.py configs (library/training/peers/sd_scripts.py):
+its documented command line on the tiny FLUX.1 set becomes a config train_lora.py reads (and trains 2 steps
+from), a TOML config with its dataset TOML, its DreamBooth folders, a Chroma config; each key's verdict is
+the one its code gives it (kept, renamed, dropped, not carried, unknown); bad input is one line, exit 2."""
+
+import ast
+import os
+
+import pytest
+
+from library.data.dataset_config import load_dataset_config
+from library.text_files import toml_loads
+from library.training.config import load_config
+from library.training.peers import sd_scripts
+from tools import convert_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# sd-scripts' checkout (the parser's arguments): the repository's .peers/, or SD_SCRIPTS_CHECKOUT
+CHECKOUT = os.environ.get("SD_SCRIPTS_CHECKOUT", os.path.join(ROOT, ".peers", "sd-scripts"))
+
+
+def report_rows(text: str) -> dict[str, tuple[str, str]]:
+    """The report's rows: the peer's key -> (verdict, what it says after the value: a renamed key's ours)."""
+    rows = {}
+    for line in text.splitlines()[1:]:
+        if not line.startswith("  "):
+            break
+        verdict, rest = line[2:13].strip(), line[14:]
+        key = rest.split(" = ", 1)[0]
+        rows[key] = (verdict, rest.split("  (", 1)[1][:-1].removeprefix("-> ") if "  (" in rest else "")
+    return rows
+
+
+def their_dataset(tmp_path, image_dir, **extra) -> str:
+    """An sd-scripts dataset TOML (its docs' layout) over the tiny images."""
+    path = tmp_path / "my_flux_dataset_config.toml"
+    lines = ["[general]", "shuffle_caption = false", 'caption_extension = ".txt"', "keep_tokens = 1", "",
+             "[[datasets]]", "resolution = 64", "batch_size = 2", "enable_bucket = true", "min_bucket_reso = 32",
+             "max_bucket_reso = 128", "bucket_reso_steps = 16", *(f"{k} = {v}" for k, v in extra.items()), "",
+             "  [[datasets.subsets]]", f"  image_dir = {image_dir!r}".replace("'", '"'), "  num_repeats = 2"]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def documented_command(tiny_set, dataset: str, out: str, *extra: str) -> str:
+    """sd-scripts' docs/flux_train_network.md command line (section 4), its paths on the tiny set."""
+    return " ".join([
+        "accelerate launch --num_cpu_threads_per_process 1 flux_train_network.py",
+        f'--pretrained_model_name_or_path="{tiny_set["flux_bfl"]}"', f'--clip_l="{tiny_set["clip_l"]}"',
+        f'--t5xxl="{tiny_set["t5xxl"]}"', f'--ae="{tiny_set["flux_vae_single"]}"', f'--dataset_config="{dataset}"',
+        f'--output_dir="{out}"', '--output_name="my_flux_lora"', "--save_model_as=safetensors",
+        "--network_module=networks.lora_flux", "--network_dim=16", "--network_alpha=1", "--learning_rate=1e-4",
+        '--optimizer_type="AdamW8bit"', '--lr_scheduler="constant"', "--sdpa", "--max_train_epochs=10",
+        "--save_every_n_epochs=1", '--mixed_precision="fp16"', "--gradient_checkpointing", "--guidance_scale=1.0",
+        '--timestep_sampling="flux_shift"', '--model_prediction_type="raw"', "--blocks_to_swap=18",
+        "--cache_text_encoder_outputs", "--cache_latents", *extra,
+    ])
+
+
+def convert(argv: list[str], capsys) -> tuple[int, dict, str]:
+    code = convert_config.main(argv)
+    captured = capsys.readouterr()
+    return code, report_rows(captured.out), captured.out + captured.err
+
+
+def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path, capsys):
+    dataset = their_dataset(tmp_path, tiny_set["image_dir"], color_aug="true")
+    out = tmp_path / "ours.toml"
+    command = documented_command(tiny_set, dataset, str(tmp_path / "run"), "--noise_offset 0.1",
+                                 "--network_args split_qkv=True img_attn_dim=8 ggpo_beta=0.01 dropout=0.1")
+    code, rows, text = convert(["--command", command, "--out", str(out)], capsys)
+    assert code == 0, text
+    assert rows["network_dim"] == ("kept", "") and rows["mixed_precision"] == ("kept", "")
+    assert rows["network_module"][0] == "renamed" and 'network_module = "networks.lora"' in rows["network_module"][1]
+    assert rows["blocks_to_swap"][1].startswith("blocks_to_swap = 27: sd-scripts' 18 swaps 9 double and 18 single")
+    for dropped in ("sdpa", "cache_latents", "model_prediction_type", "save_model_as", "noise_offset",
+                    "network_args dropout"):  # networks.lora_flux reads network_dropout, not a dropout argument
+        assert rows[dropped][0] == "dropped", dropped
+    assert rows["noise_offset"][1].startswith("sd-scripts' FLUX / Chroma training does not read it either")
+    for refused in ("network_args split_qkv", "network_args ggpo_beta", "datasets[0].color_aug",
+                    "network_train_unet_only (default)"):  # the docs' command trains a CLIP-L LoRA too
+        assert rows[refused][0] == "not carried", refused
+    assert "check: train_lora.py reads it as written" in text
+    ours = toml_loads(out.read_text())
+    assert ours["network_module"] == "networks.lora" and ours["network_args"] == ["img_attn_dim=8"]
+    assert (ours["timestep_sampling"], ours["guidance_scale"], ours["blocks_to_swap"]) == ("flux_shift", 1.0, 27)
+    assert ours["dataset_config"] == str(tmp_path / "ours_dataset.toml")
+    args = load_config(["--config_file", str(out)])
+    assert (args.model_type, args.optimizer_type, args.max_train_epochs, args.network_alpha) == ("flux", "AdamW8bit", 10, 1.0)
+    data = load_dataset_config(args.dataset_config)
+    subset = data.datasets[0].subsets[0]
+    assert (data.datasets[0].resolution, subset.num_repeats, subset.keep_tokens) == ((64, 64), 2, 1)
+    assert "# not carried: network_args split_qkv = 'True'" in out.read_text()
+
+
+def test_toml_config_with_defaults_and_an_unknown_key(tiny_set, tmp_path, capsys):
+    """sd-scripts' TOML (tables for people, as its --output_config writes); a key it leaves out is translated at
+    its default where that trains otherwise than ours; a typo is unknown."""
+    dataset = their_dataset(tmp_path, tiny_set["image_dir"])
+    config = tmp_path / "flux_lora.toml"
+    config.write_text("\n".join([
+        "[model]", f'pretrained_model_name_or_path = "{tiny_set["flux_bfl"]}"', f'clip_l = "{tiny_set["clip_l"]}"',
+        f't5xxl = "{tiny_set["t5xxl"]}"', f'ae = "{tiny_set["flux_vae_single"]}"', "",
+        "[training]", f'dataset_config = "{dataset}"', f'output_dir = "{tmp_path / "run"}"',
+        'network_module = "networks.lora_flux"', "network_train_unet_only = true", 'timestep_sampling = "sigma"',
+        'weighting_scheme = "logit_normal"', "logit_std = 1.2", "discrete_flow_shift = 3.1582",
+        'loss_type = "huber"', 'huber_schedule = "constant"', "huber_c = 0.2", "huber_scale = 0.5",
+        "min_snr_gamma = 5", "learnig_rate = 1e-4", ""]))
+    code, rows, text = convert([str(config)], capsys)
+    assert code == 0, text
+    assert rows["learnig_rate"][0] == "unknown"
+    assert rows["min_snr_gamma"][0] == "dropped"  # flux_train_network's post_process_loss returns the loss as it is
+    assert rows["timestep_sampling"] == ("renamed", 'timestep_sampling = "shift" with sigmoid_scale = 1.2, '
+                                                    "discrete_flow_shift = 3.1582 (the same draw, continuous)")
+    assert rows["network_alpha (default)"] == ("kept", "") and rows["learning_rate (default)"] == ("kept", "")
+    assert rows["model_prediction_type (default)"][0] == "not carried"  # sigma_scaled
+    ours = toml_loads((tmp_path / "flux_lora_converted.toml").read_text())
+    assert (ours["network_dim"], ours["network_alpha"], ours["learning_rate"], ours["mixed_precision"]) == (4, 1.0, 2e-6, "no")
+    assert (ours["output_name"], ours["guidance_scale"]) == ("last", 3.5)
+    assert (ours["timestep_sampling"], ours["sigmoid_scale"], ours["discrete_flow_shift"]) == ("shift", 1.2, 3.1582)
+    assert (ours["loss_type"], ours["huber_c"]) == ("huber", 0.1)
+    assert "check: train_lora.py reads it as written" in text
+
+
+@pytest.mark.parametrize("keys, verdicts", [
+    ({}, {"timestep_sampling (default)": "not carried"}),  # a uniform draw shifted by 3: none of ours
+    ({"timestep_sampling": "sigma", "discrete_flow_shift": 1}, {"timestep_sampling": "renamed"}),  # -> uniform
+    ({"weighting_scheme": "sigma_sqrt", "model_prediction_type": "raw"}, {"weighting_scheme": "dropped"}),
+    ({"weighting_scheme": "cosmap"}, {"weighting_scheme": "not carried"}),  # weighs the sigma_scaled loss
+    ({"timestep_sampling": "uniform", "sigmoid_scale": 2.0}, {"timestep_sampling": "kept", "sigmoid_scale": "dropped"}),
+    ({"loss_type": "huber"}, {"loss_type": "not carried"}),  # huber_schedule snr: sd-scripts' FLUX stops
+    ({"optimizer_type": "AdamWScheduleFree"}, {"optimizer_type": "not carried"}),
+    ({"use_8bit_adam": True}, {"use_8bit_adam": "renamed"}),
+    ({"lr_scheduler": "cosine", "lr_scheduler_num_cycles": 3}, {"lr_scheduler_num_cycles": "dropped"}),
+    ({"unet_lr": 5e-4, "learning_rate": 1e-4}, {"unet_lr": "renamed", "learning_rate": "dropped"}),
+    ({"base_weights": ["a.safetensors", "b.safetensors"], "base_weights_multiplier": [0.5]},
+     {"base_weights": "renamed", "base_weights_multiplier": "dropped"}),
+    ({"resume": "out/last-state"}, {"resume": "not carried"}),
+    ({"apply_t5_attn_mask": True}, {"apply_t5_attn_mask": "not carried"}),  # ours' FLUX.1 runs T5 unmasked
+])
+def test_verdicts_follow_sd_scripts_code(keys, verdicts):
+    t = sd_scripts.translate({"network_train_unet_only": True, **keys}, "x.toml")
+    got = {line.key: line.verdict for line in t.lines}
+    assert {k: got.get(k) for k in verdicts} == verdicts
+    if "unet_lr" in keys:
+        assert t.config["learning_rate"] == 5e-4
+    if "base_weights" in keys:
+        assert t.config["base_loras"] == ["a.safetensors:0.5", "b.safetensors:1"]
+    if "use_8bit_adam" in keys:
+        assert t.config["optimizer_type"] == "AdamW8bit"
+
+
+def test_dreambooth_folders_become_subsets(tiny_set, tmp_path, capsys):
+    """No dataset_config: train_data_dir's `<repeats>_<class tokens>` folders (and reg_data_dir's) are the
+    subsets, the dataset arguments our [general]; a folder without the number is skipped, as sd-scripts does."""
+    images = sorted(f for f in os.listdir(tiny_set["image_dir"]) if f.endswith(".png"))
+    train, reg = tmp_path / "img" / "10_ohwx shape", tmp_path / "reg" / "1_shape"
+    for folder, names in ((train, images[:4]), (reg, images[4:])):
+        folder.mkdir(parents=True)
+        for name in names:
+            (folder / name).write_bytes(open(os.path.join(tiny_set["image_dir"], name), "rb").read())
+    (tmp_path / "img" / "notes").mkdir()
+    command = (f"flux_train_network.py --pretrained_model_name_or_path {tiny_set['flux_bfl']} --clip_l {tiny_set['clip_l']} "
+               f"--t5xxl {tiny_set['t5xxl']} --ae {tiny_set['flux_vae_single']} --train_data_dir {tmp_path / 'img'} "
+               f"--reg_data_dir {tmp_path / 'reg'} --resolution 64,64 --train_batch_size 2 --enable_bucket "
+               f"--min_bucket_reso 32 --max_bucket_reso 128 --bucket_reso_steps 16 --flip_aug --color_aug "
+               f"--network_module networks.lora_flux --network_train_unet_only --output_dir {tmp_path / 'run'}")
+    code, rows, text = convert(["--command", command, "--out", str(tmp_path / "db.toml")], capsys)
+    assert code == 0, text
+    assert rows["train_data_dir"] == ("renamed", "dataset subsets 10_ohwx shape (10 repeats)")
+    assert rows["train_data_dir notes/"][0] == "dropped" and rows["color_aug"][0] == "not carried"
+    assert rows["caption_extension (default)"][0] == "renamed"  # sd-scripts' .caption, ours .txt
+    written = toml_loads((tmp_path / "db_dataset.toml").read_text())
+    assert written["general"] == {"resolution": 64, "batch_size": 2, "enable_bucket": True, "min_bucket_reso": 32,
+                                  "max_bucket_reso": 128, "bucket_reso_steps": 16, "flip_aug": True,
+                                  "caption_extension": ".caption"}
+    assert written["datasets"][0]["subsets"] == [
+        {"image_dir": str(train), "num_repeats": 10, "class_tokens": "ohwx shape"},
+        {"image_dir": str(reg), "num_repeats": 1, "class_tokens": "shape", "is_reg": True}]
+    assert "check: train_lora.py reads it as written" in text
+
+
+def test_chroma_config(tiny_set, tmp_path, capsys):
+    """sd-scripts' Chroma command (its docs): guidance 0 and the T5 mask are what ours always does; a CLIP-L
+    given anyway is dropped (Chroma has none), and the rest reads as train_lora.py reads it."""
+    dataset = their_dataset(tmp_path, tiny_set["image_dir"])
+    command = (f"flux_train_network.py --pretrained_model_name_or_path={tiny_set['chroma_bfl']} --model_type=chroma "
+               f"--t5xxl={tiny_set['chroma_t5xxl']} --ae={tiny_set['flux_vae_single']} --clip_l={tiny_set['clip_l']} "
+               f"--dataset_config={dataset} --output_dir={tmp_path / 'run'} --output_name=my_chroma_lora "
+               f"--guidance_scale=0.0 --timestep_sampling=sigmoid --apply_t5_attn_mask --model_prediction_type=raw "
+               f"--network_module=networks.lora_flux --network_args img_mod_dim=2 train_blocks=single")
+    code, rows, text = convert(["--command", command, "--out", str(tmp_path / "chroma.toml")], capsys)
+    assert code == 0, text
+    assert {k: rows[k][0] for k in ("guidance_scale", "apply_t5_attn_mask", "clip_l", "network_args img_mod_dim")} == {
+        "guidance_scale": "dropped", "apply_t5_attn_mask": "dropped", "clip_l": "dropped",
+        "network_args img_mod_dim": "not carried"}
+    assert "network_train_unet_only (default)" not in rows  # no CLIP-L to train
+    args = load_config(["--config_file", str(tmp_path / "chroma.toml")])
+    assert (args.model_type, args.timestep_sampling, args.network_args) == ("chroma", "sigmoid", ["train_blocks=single"])
+    assert "check: train_lora.py reads it as written" in text
+
+
+def test_command_with_config_file_takes_the_command_lines_keys_over_the_files(tiny_set, tmp_path, capsys):
+    dataset = their_dataset(tmp_path, tiny_set["image_dir"])
+    (tmp_path / "base.toml").write_text(f'[model]\npretrained_model_name_or_path = "{tiny_set["flux_bfl"]}"\n'
+                                        f'clip_l = "{tiny_set["clip_l"]}"\nt5xxl = "{tiny_set["t5xxl"]}"\n'
+                                        f'ae = "{tiny_set["flux_vae_single"]}"\ndataset_config = "{dataset}"\n'
+                                        "network_dim = 8\nnetwork_alpha = 4\n")
+    command = f"accelerate launch flux_train_network.py --config_file {tmp_path / 'base'} --network_dim 32"
+    code, rows, text = convert(["--command", command, "--out", str(tmp_path / "ours.toml")], capsys)
+    assert code == 0, text
+    args = load_config(["--config_file", str(tmp_path / "ours.toml")])
+    assert (args.network_dim, args.network_alpha) == (32, 4.0)
+
+
+@pytest.mark.parametrize("command, expected", [
+    ("flux_train_network.py --model_type sd3", "command line: model_type 'sd3': expected one of sd-scripts' flux, chroma"),
+    ("sdxl_train_network.py --network_dim 4", "sdxl_train_network.py: sd-scripts' sdxl_train_network.py trains sdxl, "
+                                              "which we do not train here"),
+    ("train_network.py --network_dim 4", "train_network.py: sd-scripts' train_network.py trains Stable Diffusion 1.x"),
+    ("flux_train_network.py --network_args rank_dropout", "command line: network_args entry 'rank_dropout': expected key=value"),
+    ("flux_train_network.py --train_data_dir /nonexistent/img", "command line: train_data_dir '/nonexistent/img': no such folder"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, command, expected):
+    code = convert_config.main(["--command", command, "--out", str(tmp_path / "x.toml")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {expected}") and len(err.strip().splitlines()) == 1, err
+    assert not os.listdir(tmp_path)
+
+
+def test_two_steps_train_from_a_converted_config(tiny_set, tmp_path, capsys):
+    import train_lora
+
+    dataset = their_dataset(tmp_path, tiny_set["image_dir"])
+    command = documented_command(tiny_set, dataset, str(tmp_path / "run"), "--network_train_unet_only",
+                                 "--t5xxl_max_token_length 32", "--max_train_steps 2", "--network_dim 4")
+    command = command.replace("--blocks_to_swap=18", "").replace('--mixed_precision="fp16"', "--mixed_precision=no")
+    command = command.replace("--max_train_epochs=10 --save_every_n_epochs=1", "").replace("AdamW8bit", "AdamW")
+    assert convert_config.main(["--command", command, "--out", str(tmp_path / "ours.toml")]) == 0
+    capsys.readouterr()
+    assert train_lora.main(["--config_file", str(tmp_path / "ours.toml")]) == 0
+    assert os.path.isfile(tmp_path / "run" / "my_flux_lora.safetensors")
+
+
+def parser_arguments(checkout: str) -> set[str]:
+    """The --names flux_train_network.py's parser takes: the add_argument calls of setup_parser (its and
+    train_network's) and of the add_* functions they call, read from the source (nothing of theirs imported)."""
+    functions = {
+        "library/train_util.py": ("add_sd_models_arguments", "add_dataset_arguments", "add_training_arguments",
+                                  "add_masked_loss_arguments", "add_optimizer_arguments", "add_dit_training_arguments"),
+        "library/utils.py": ("add_logging_arguments",), "library/sai_model_spec.py": ("add_model_spec_arguments",),
+        "library/deepspeed_utils.py": ("add_deepspeed_arguments",), "library/config_util.py": ("add_config_arguments",),
+        "library/custom_train_functions.py": ("add_custom_train_arguments",),
+        "library/flux_train_utils.py": ("add_flux_train_arguments",), "train_network.py": ("setup_parser",),
+        "flux_train_network.py": ("setup_parser",),
+    }
+    found = set()
+    for path, names in functions.items():
+        tree = ast.parse(open(os.path.join(checkout, path), encoding="utf-8").read())
+        for node in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names):
+            for call in ast.walk(node):
+                if (isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "add_argument" and call.args
+                        and isinstance(call.args[0], ast.Constant) and str(call.args[0].value).startswith("--")):
+                    found.add(call.args[0].value[2:])
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir(CHECKOUT), reason="no sd-scripts checkout (.peers/sd-scripts or SD_SCRIPTS_CHECKOUT)")
+def test_every_argument_of_the_parser_has_a_rule():
+    arguments = parser_arguments(CHECKOUT)
+    assert len(arguments) > 200
+    assert sorted(arguments - set(sd_scripts.RULES)) == [] and sorted(set(sd_scripts.RULES) - arguments) == []
+
+
+def test_every_rule_says_why():
+    for key, rule in sd_scripts.RULES.items():
+        assert rule.kind in ("same", "custom") or rule.why, key
+
+
+def test_the_docs_name_every_key_that_is_never_carried():
+    """docs/moving_from_peers.md's sd-scripts section names each key whose rule never carries it."""
+    from library.training.peers.sd_scripts_dataset import DATASET_RULES
+
+    text = open(os.path.join(ROOT, "docs", "moving_from_peers.md"), encoding="utf-8").read()
+    section = text.split("## sd-scripts", 1)[1].split("\n## ", 1)[0]
+    keys = [k for rules in (sd_scripts.RULES, DATASET_RULES) for k, r in rules.items() if r.kind in ("unsupported", "implied")]
+    assert [k for k in keys if f"`{k}`" not in section] == []
