@@ -38,7 +38,9 @@ def peers_of(key: str, peers=TOML_PEERS) -> list[str]:
 def peer_key_hint(keys: list[str], path: str) -> str:
     """The end of config.py's unknown-key line when the keys are a peer's: which peer, and the command
     that translates the file ('' when none is)."""
-    names = list(dict.fromkeys(name for key in keys for name in peers_of(key)))
+    found = {key: peers_of(key) for key in keys}
+    names = [name for name in TOML_PEERS if all(name in peers for peers in found.values())]  # one that has them all
+    names = names or list(dict.fromkeys(name for peers in found.values() for name in peers))
     if not names:
         return ""
     return (f" ({' / '.join(names)} key{'s' if len(keys) > 1 else ''}: `python tools/convert_config.py {path}` "
