@@ -131,6 +131,11 @@ def out_paths(args, source: str) -> tuple[str, str]:
     return out, out[:-len(".toml")] + "_dataset.toml"
 
 
+def owner(peer: str) -> str:
+    """The possessive: sd-scripts', musubi-tuner's."""
+    return peer + ("'" if peer.endswith("s") else "'s")
+
+
 def render_config(t: Translation, dataset_file: str | None) -> str:
     """Our config as TOML: its keys in the schema's order, then the keys not carried as comments."""
     from library.text_files import toml_dumps
@@ -140,7 +145,7 @@ def render_config(t: Translation, dataset_file: str | None) -> str:
     if dataset_file is not None:
         keys["dataset_config"] = dataset_file
     ordered = {k: keys[k] for k in SCHEMA if k in keys and keys[k] is not None}
-    head = [f"# Translated from {t.peer}'s {t.source} by tools/convert_config.py.",
+    head = [f"# Translated from {owner(t.peer)} {t.source} by tools/convert_config.py.",
             "# Keys not carried over are at the end, commented, with why; the report printed says what each key became.", ""]
     tail = [""] + [f"# not carried: {line.key} = {line.value!r}: {line.text}" for line in t.not_carried] if t.not_carried else []
     return "\n".join(head) + toml_dumps(ordered) + "\n".join(tail) + ("\n" if tail else "")
@@ -205,7 +210,7 @@ def main(argv=None) -> int:
         from library.text_files import toml_dumps
 
         if t.dataset is not None:
-            write_text(dataset_out, f"# Translated from {t.peer}'s {dataset_source or source} by tools/convert_config.py.\n\n"
+            write_text(dataset_out, f"# Translated from {owner(t.peer)} {dataset_source or source} by tools/convert_config.py.\n\n"
                        + "\n".join(toml_dumps({k: v}) for k, v in sorted(t.dataset.items(), key=lambda kv: kv[0] != "general")))
         for key, (suffix, text) in t.files.items():
             t.config[key] = out[:-len(".toml")] + suffix
@@ -219,7 +224,7 @@ def main(argv=None) -> int:
     print(f"wrote {', '.join(written)}")
     print(f"check: {check_written(out, t)}")
     if t.not_carried:
-        print(f"{len(t.not_carried)} key(s) not carried over: the run will differ from {t.peer}'s in these", file=sys.stderr)
+        print(f"{len(t.not_carried)} key(s) not carried over: the run will differ from {owner(t.peer)} in these", file=sys.stderr)
     return 1 if args.strict and t.not_carried else 0
 
 
