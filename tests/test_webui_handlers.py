@@ -397,11 +397,11 @@ def test_a_loaded_config_the_cli_refuses_is_refused_with_its_line_and_unchanged_
         path.write_text(toml.dumps({**fine, **changes}))
         with pytest.raises(ConfigError) as cli:
             load_config(["--config_file", str(path)])
-        text, fields = checked_ui.load_config(str(path))
+        text, fields, _ = checked_ui.load_config(str(path))
         answer = checked_ui.check(text, fields)
         assert answer["ok"] is False and answer["error"] == str(cli.value).replace(str(path), "config")
     path.write_text(toml.dumps(fine))
-    answer = checked_ui.create("kept", *checked_ui.load_config(str(path)), queue=False)
+    answer = checked_ui.create("kept", *checked_ui.load_config(str(path))[:2], queue=False)
     assert toml.loads(checked_ui.store.get(answer["job_id"]).config) == {**fine, "output_dir": answer["output_dir"]}
 
 
@@ -453,7 +453,7 @@ def test_a_loaded_config_saved_back_is_the_same_file_and_a_changed_field_is_set_
             'fp8_base = true   # older spelling\n[network]\nnetwork_dim = 8   # rank\nnetwork_alpha = 8\n')
     source = tmp_path / "data" / "mine ü.toml"
     source.write_text(text)
-    loaded_text, fields = ui.load_config(str(source))
+    loaded_text, fields, _ = ui.load_config(str(source))
     copy = ui.save_config(str(tmp_path / "data" / "copy.toml"), loaded_text, fields)
     assert open(copy).read() == text
     fields.update(network_dim="16", base_precision="bf16", ae="vae.safetensors")

@@ -12,6 +12,7 @@ from library.text_files import toml_dumps
 from library.ui.files import OutsideRoots
 from library.ui.handlers import BASE_PRECISIONS, FORM_KEYS, MODEL_TYPES, OPTIMIZERS, WebUI, job_number
 from library.ui.jobs import JobError
+from library.ui.peer_configs import CONFIG_SUFFIXES
 
 LABELS = {
     "model_type": "model type", "pretrained_model_name_or_path": "model file (transformer)", "ae": "VAE (ae)",
@@ -95,7 +96,8 @@ def job_form(ui: WebUI):
     with gr.Row():
         with gr.Column(scale=3):
             with gr.Row():
-                pick = file_picker(ui, (".toml",), "start from a config (configs/ or any TOML under the roots)", scale=3)
+                pick = file_picker(ui, CONFIG_SUFFIXES, "start from a config (configs/ or any TOML under the roots; an "
+                                   "sd-scripts, musubi-tuner or ai-toolkit config is converted beside it)", scale=3)
                 load = gr.Button("Load", scale=1)
             name = gr.Textbox(label="job name", placeholder="default: the config's output_name")
             fields, errors = {}, {}
@@ -122,11 +124,12 @@ def job_form(ui: WebUI):
             text = gr.Textbox(label="the full config (TOML; a field you change overrides it)", lines=24,
                               max_lines=40, elem_id="config-toml")
             errors["toml"] = gr.Markdown(visible=False, elem_classes="field-error")
-    return pick, load, name, fields, errors, text
+            converted = gr.Markdown(visible=False, elem_id="converted-note")  # what Load's conversion did
+    return pick, load, name, fields, errors, text, converted
 
 
 def jobs_tab(ui: WebUI):
-    pick, load, name, fields, errors, text = job_form(ui)
+    pick, load, name, fields, errors, text, converted = job_form(ui)
     order = list(FORM_KEYS)
     form_inputs = [fields[k] for k in order]
     error_outputs = [errors[k] for k in order] + [errors["toml"]]
@@ -134,6 +137,9 @@ def jobs_tab(ui: WebUI):
     loaded = gr.State({})
     # The editor's text as the last Load put it there: another text is an edit a new pick must not drop.
     loaded_text = gr.State("")
+    # The last Load's conversion note ("": the config was ours), shown by an event of its own after Load: a State
+    # output, the note leaves /load_config's and /pick_config's outputs as API scripts unpack them.
+    conversion = gr.State("")
     with gr.Row():
         check_button = gr.Button("Validate")
         create_button = gr.Button("Create (draft)")
@@ -153,25 +159,30 @@ def jobs_tab(ui: WebUI):
 
     def on_load(path):
         try:
-            new_text, values = ui.load_config(path)
+            new_text, values, note = ui.load_config(path)
         except (OutsideRoots, OSError, ValueError) as e:
-            return keep + [error_note(str(e)), gr.update(), gr.update()]
-        return [new_text] + [values[k] for k in order] + [error_note(""), values, new_text]
+            return keep + [error_note(str(e))] + [gr.update()] * 3
+        return [new_text] + [values[k] for k in order] + [error_note(""), values, new_text, note]
 
-    load_outputs = [text, *form_inputs, errors["toml"], loaded, loaded_text]
-    load.click(on_load, [pick], load_outputs, api_name="load_config")
+    def show_conversion(note):
+        return gr.update(value=note, visible=bool(note))
+
+    load_outputs = [text, *form_inputs, errors["toml"], loaded, loaded_text, conversion]
+    load.click(on_load, [pick], load_outputs, api_name="load_config").then(
+        show_conversion, [conversion], [converted], api_name=False, show_progress="hidden")
 
     def on_pick(path, text_value, *values):
         """Picking a config loads it, unless the form holds edits: then it asks (Load replaces them)."""
         *values, filled, filled_text = values
         if not path:
-            return keep + [gr.update(), gr.update(), gr.update()]
+            return keep + [gr.update()] * 4
         if changes := unsaved_edits(order, values, filled, text_value, filled_text):
             return keep + [error_note(f"the form has unsaved edits ({', '.join(changes)}): press Load to replace "
-                                      f"them with {path}, or Save TOML first"), gr.update(), gr.update()]
+                                      f"them with {path}, or Save TOML first")] + [gr.update()] * 3
         return on_load(path)
 
-    pick.change(on_pick, [pick, text, *form_inputs, loaded, loaded_text], load_outputs, api_name="pick_config")
+    pick.change(on_pick, [pick, text, *form_inputs, loaded, loaded_text], load_outputs, api_name="pick_config").then(
+        show_conversion, [conversion], [converted], api_name=False, show_progress="hidden")
 
     def on_check(text_value, *values):
         result = ui.check(text_value, edited(order, values))
@@ -263,7 +274,7 @@ def save_row(ui: WebUI, order: list[str], inputs: list, reloaded: list) -> None:
     def on_save(path, text_value, *values):
         try:
             real = ui.save_config(path, text_value, edited(order, values))
-            new_text, filled = ui.load_config(real)
+            new_text, filled, _ = ui.load_config(real, convert=False)  # the file as saved, whatever its keys
         except (OutsideRoots, OSError, ValueError) as e:
             return [f"⚠ {e}"] + [gr.update()] * len(reloaded)
         return [f"saved {real}", new_text] + [filled[k] for k in order] + [filled, new_text]

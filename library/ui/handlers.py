@@ -19,7 +19,7 @@ from library.data.prompts import parse_prompt_line
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401 (BASE_PRECISIONS: the form's choices)
 from library.text_files import read_utf8, set_toml_keys, toml_dumps, toml_loads
 from library.training.config import KEEPING_KEYS, SCHEMA, _flatten
-from library.ui import commands, run_files
+from library.ui import commands, peer_configs, run_files
 from library.ui import runner as actions
 from library.ui.config_check import ConfigChecker
 from library.ui.files import OutsideRoots, Roots, write_whole
@@ -225,17 +225,24 @@ class WebUI:
         self.checker.close()
 
     # -- the job form ------------------------------------------------------------------------
-    def load_config(self, path: str) -> tuple[str, dict]:
-        """A TOML file (inside the roots) as the editor's text and the form's fields."""
+    def load_config(self, path: str, convert: bool = True) -> tuple[str, dict, str]:
+        """A config file (inside the roots) as the editor's text, the form's fields and a note. A peer's config
+        (ai-toolkit's YAML, a TOML with sd-scripts' or musubi-tuner's keys) is converted first, unless `convert`
+        is false (Save's reading back): tools/convert_config.py writes ours beside it, the editor gets ours and
+        the note what each key became."""
         real = self.roots.resolve(path, "config")
         if os.path.isdir(real):
-            raise ValueError(f"config {path!r} is a folder: pick a .toml file")
+            raise ValueError(f"config {path!r} is a folder: pick a .toml file (or a peer's .yaml)")
         text = read_utf8(real, "config file")  # not UTF-8 (a picture): one line naming the file
+        note = ""
+        if convert and peer_configs.is_peer_config(real, text):
+            real, note = peer_configs.convert(self.roots, real, text, self.python)
+            path, text = self.roots.shown(real), read_utf8(real, "converted config")
         try:
             settings = _flatten(toml_loads(text), path)
         except toml.TomlDecodeError as e:
             raise ValueError(f"{path}: not valid TOML: {e}") from None
-        return text, form_values(settings)
+        return text, form_values(settings), note
 
     def settings(self, text: str, form: dict) -> dict:
         try:

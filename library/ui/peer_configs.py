@@ -1,0 +1,94 @@
+"""A peer's training config picked in the Jobs tab (ai-toolkit's YAML; an sd-scripts or musubi-tuner TOML,
+told by its unknown keys as train_lora.py's loader tells them), converted on Load by tools/convert_config.py,
+which writes ours beside it under its default names (`<stem>_converted.toml`, `<stem>_converted_dataset.toml`,
+`<stem>_converted_prompts.txt`), and the note its report gives the page. The tool runs as a subprocess, as
+the UI's other tools do (library/ui sits below tools/ and never imports it); its report is ours to read."""
+
+from __future__ import annotations
+
+import os
+
+from library.text_files import toml_loads
+from library.training.config import SCHEMA
+from library.training.peers import peers_of
+from library.training.peers.rules import flatten_tables
+from library.ui import commands
+from library.ui.files import Roots
+
+YAML_SUFFIXES = (".yaml", ".yml")  # ai-toolkit's configs: convert_config.py reads every YAML as one
+CONFIG_SUFFIXES = (".toml", *YAML_SUFFIXES)  # the config picker's
+# The peer TOML's keys naming what the converter reads and copies into ours (the dataset TOML, the prompts,
+# the DreamBooth folders listed as subsets): like every file a page reads, refused outside the roots.
+READ_KEYS = ("dataset_config", "sample_prompts", "train_data_dir", "reg_data_dir")
+# The report's rows of the keys the run loses, as convert_config.report writes them ("  {verdict:<11} ...").
+LOST_ROWS = ("  not carried ", "  unknown     ")
+
+
+def toml_keys(text: str) -> dict | None:
+    """A TOML's keys, tables flattened as the peers read them; None where it is no TOML."""
+    try:
+        return flatten_tables(toml_loads(text))
+    except ValueError:  # TomlDecodeError: left for the loader's own line
+        return None
+
+
+def is_peer_config(path: str, text: str) -> bool:
+    """ai-toolkit's YAML, or a training TOML with a key ours does not have and sd-scripts or musubi-tuner
+    documents. A dataset TOML ([[datasets]]: ours, or a peer's, whose keys are sd-scripts' arguments too) is
+    none: it loads as it is (the converter would take it for a training config)."""
+    if path.lower().endswith(YAML_SUFFIXES):
+        return True
+    keys = toml_keys(text)
+    return keys is not None and "datasets" not in keys and any(peers_of(key) for key in keys if key not in SCHEMA)
+
+
+def check_reads(roots: Roots, real: str, text: str) -> None:
+    """OutsideRoots where the converter would read a file outside the roots: the path as the peer config
+    names it (relative to the working folder, where the tool runs) or beside the config, as it looks."""
+    keys = {} if real.lower().endswith(YAML_SUFFIXES) else toml_keys(text) or {}
+    for key in READ_KEYS:
+        value = keys.get(key)
+        if not isinstance(value, str) or not value:
+            continue
+        for candidate in (os.path.join(roots.workdir, value), os.path.join(os.path.dirname(real), value)):
+            if os.path.exists(candidate):
+                roots.resolve(candidate, f"{roots.shown(real)}'s {key}")
+
+
+def convert(roots: Roots, real: str, text: str, python: str) -> tuple[str, str]:
+    """tools/convert_config.py on the peer's config `real` (under the roots; its text `text`): (the real
+    path of our config written beside it, the note), or ValueError with the tool's one line (nothing written)."""
+    check_reads(roots, real, text)
+    source = roots.shown(real)  # as the picker lists it: the tool writes that name into ours
+    source = source if not source.startswith("-") else os.path.join(os.curdir, source)
+    out = os.path.splitext(source)[0] + "_converted.toml"  # the tool's default, given: the UI says where it writes
+    roots.resolve(out, "converted config")
+    result = commands.run_tool("convert_config.py", [source, "--out", out], roots.workdir, python, timeout=120)
+    if not result.ok:
+        errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+        raise ValueError(errors[-1][len("error: "):] if errors
+                         else f"convert_config.py {source}: {' '.join(result.output.split())[-300:]}")
+    return roots.resolve(out, "converted config"), conversion_note(result.stdout)
+
+
+def conversion_note(report: str) -> str:
+    """The note under the editor (Markdown): the files written, how many keys got each verdict, each key the
+    run loses with why, and the tool's check of the written config."""
+    lines = report.splitlines()
+    peer, _, counts = lines[0].partition(" -> ours: ")
+    wrote = next((line[len("wrote "):] for line in lines if line.startswith("wrote ")), "")
+    check = next((line[len("check: "):] for line in lines if line.startswith("check: ")), "")
+    rows = lost(lines)
+    note = [f"Converted from {peer} by tools/convert_config.py: wrote {', '.join(f'`{p}`' for p in wrote.split(', '))}",
+            f"keys: {counts}" + (" (the keys not carried are at the end of the TOML, commented)" if rows else "")]
+    note += ["\n".join(f"- {verdict}: `{item}`: {why}" for verdict, item, why in rows)] if rows else []
+    return "\n\n".join(note + ([f"check: {check}"] if check else []))
+
+
+def lost(lines: list[str]) -> list[tuple[str, str, str]]:
+    """(verdict, "key = value", why) of the report's rows not carried or unknown."""
+    rows = []
+    for line in (line for line in lines if line.startswith(LOST_ROWS)):
+        item, _, why = line[14:].partition("  (")
+        rows.append((line[2:13].strip(), item, why[:-1]))
+    return rows
