@@ -75,6 +75,12 @@ def test_an_sd_scripts_toml_is_converted_beside_it_and_the_editor_gets_ours_whic
     answer = checked_ui.check(text, fields)
     assert answer["ok"] is True and answer["max_steps"] == 2, answer
     assert checked_ui.load_config(ours)[2] == ""  # ours, loaded again: no conversion
+    # the peer's config picked again: the earlier conversion, edited since, is loaded, not written over (old: lost)
+    with open(ours, "a") as f:
+        f.write("# my edit\n")
+    again, _, note = checked_ui.load_config(path)
+    assert again.endswith("# my edit\n") and open(ours).read() == again
+    assert note.startswith(f"`{ours}` was converted from `{path}` before (and may hold your edits since)"), note
 
 
 def test_a_peer_config_outside_the_roots_or_reading_a_file_outside_them_is_refused(ui, tmp_path):

@@ -62,7 +62,10 @@ def convert(roots: Roots, real: str, text: str, python: str) -> tuple[str, str]:
     source = roots.shown(real)  # as the picker lists it: the tool writes that name into ours
     source = source if not source.startswith("-") else os.path.join(os.curdir, source)
     out = os.path.splitext(source)[0] + "_converted.toml"  # the tool's default, given: the UI says where it writes
-    roots.resolve(out, "converted config")
+    earlier = roots.resolve(out, "converted config")
+    if os.path.exists(earlier):  # converted before, and maybe edited since: loaded, never written over
+        return earlier, (f"`{out}` was converted from `{source}` before (and may hold your edits since): loaded as it "
+                         f"is; delete it, or rename it, to convert `{source}` again")
     result = commands.run_tool("convert_config.py", [source, "--out", out], roots.workdir, python, timeout=120)
     if not result.ok:
         errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
