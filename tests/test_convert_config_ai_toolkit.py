@@ -302,6 +302,15 @@ def test_keys_left_out_are_read_at_ai_toolkits_defaults_and_a_hub_id_is_a_folder
     assert "hf download black-forest-labs/FLUX.1-dev --local-dir models/FLUX.1-dev" in verdict(t, "model.name_or_path")[1]
 
 
+def test_the_lora_trains_at_train_lr_whatever_train_unet_lr_says():
+    """ai-toolkit's LoRA trainer gives the network train.lr (BaseSDTrainProcess); unet_lr is unread. It was read as the
+    LoRA's lr and train.lr dropped: 5e-5 where ai-toolkit trains at 1e-4 (and with unet_lr alone, at its 1e-6)."""
+    t = translate(job(train={"lr": 1e-4, "unet_lr": 5e-5}), "run.yaml")
+    assert t.config["learning_rate"] == 1e-4
+    assert verdict(t, "train.unet_lr")[0] == DROPPED
+    assert translate(job(train={"unet_lr": 5e-5}), "run.yaml").config["learning_rate"] == 1e-6
+
+
 def test_an_arch_we_do_not_train_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
     code, out, err = written(tmp_path, "sdxl", yaml.safe_dump(job(model={"arch": "sdxl"})), capsys)
     assert code == 2 and out == ""

@@ -10,13 +10,6 @@ from library.training.peers.ai_toolkit_model import Job, as_number, one_of, our_
 from library.training.peers.rules import KEPT, RENAMED, Line, Rule, custom, ignored, implied, unsupported
 
 
-def _lr(t: Job, key: str, value: Any) -> None:
-    if key.split(" (")[0] == "train.lr" and "unet_lr" in t.section("train"):
-        t.drop(key, value, "train.unet_lr is the LoRA's lr")
-    else:
-        our_key("learning_rate", convert=as_number).handle(t, key, value)
-
-
 # ai-toolkit's optimizer names (toolkit/optimizer.py) -> ours, with the arguments it adds (eps=1e-6 where it passes it)
 OPTIMIZERS = {
     "adamw": ("AdamW", {"eps": 1e-6}), "adam": ("Adam", {"eps": 1e-6}), "adamw8bit": ("AdamW8bit", {"eps": 1e-6}),
@@ -158,8 +151,8 @@ MIXED = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", 
 NOT_OURS = "changes the training; not ours"
 TRAIN_RULES: dict[str, Rule] = {f"train.{k}": r for k, r in {
     "steps": our_key("max_train_steps", convert=int),
-    "lr": custom(_lr),
-    "unet_lr": custom(_lr),
+    "lr": our_key("learning_rate", convert=as_number),
+    "unet_lr": ignored("unread by its LoRA trainer, which gives the network train.lr (BaseSDTrainProcess)"),
     "text_encoder_lr": ignored("a text encoder's lr: ours trains none"),
     "refiner_lr": ignored("a refiner's lr: ours trains none"),
     "embedding_lr": ignored("an embedding's lr: ours trains a LoRA"),
