@@ -15,7 +15,7 @@ from library.data.dataset_config import load_dataset_config
 from library.training.config import load_config
 from library.training.peers import musubi_tuner
 from library.training.peers.musubi_dataset import bucket_sides
-from library.training.peers.rules import DROPPED, KEPT, NOT_CARRIED, RENAMED, argv_to_dict
+from library.training.peers.rules import DROPPED, NOT_CARRIED, RENAMED, argv_to_dict
 from tools import convert_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,7 +151,6 @@ def verdict_of(t, key):
     ({"min_timestep": 0, "network_module": "networks.lora_krea2"}, "min_timestep", DROPPED, None),
     ({"min_timestep": 100, "network_module": "networks.lora_krea2"}, "min_timestep", NOT_CARRIED, None),
     ({"guidance_scale": 3.5, "network_module": "networks.lora_qwen_image"}, "guidance_scale", DROPPED, None),
-    ({"guidance_scale": 3.5, "network_module": "networks.lora_flux"}, "guidance_scale", KEPT, ("guidance_scale", 3.5)),
     ({"network_module": "networks.lokr", "model_version": "edit-2509"}, "network_module", RENAMED,
      ("network_module", "lycoris.kohya")),
     ({"base_weights": ["a.safetensors"], "base_weights_multiplier": [0.5], "network_module": "networks.lora_zimage"},
@@ -166,6 +165,15 @@ def test_each_key_says_what_it_became(config, key, verdict, ours):
         assert t.config[ours[0]] == ours[1]
     elif ours is not None:
         assert t.config[key] == ours
+
+
+@pytest.mark.parametrize("config", [{"network_module": "networks.lora_flux"}, {"model_version": "dev"}])
+def test_guidance_scale_is_dropped_where_its_training_feeds_the_guidance_embedding_1(config):
+    """musubi-tuner's FLUX.1 Kontext and FLUX.2 [dev] training pass guidance 1.0 and only write guidance_scale into the
+    header: it was kept, and ours then trained at 3.5."""
+    t = musubi_tuner.translate({"guidance_scale": 3.5, **config}, "c.toml")
+    assert verdict_of(t, "guidance_scale")[0] == DROPPED
+    assert "guidance_scale" not in t.config
 
 
 def test_musubi_tuners_defaults_are_written_where_they_differ():

@@ -53,7 +53,6 @@ FLUX2_VERSIONS = ("dev", "klein-4b", "klein-base-4b", "klein-9b", "klein-base-9b
 MODEL_TYPES = ("qwen_image", "qwen_image_edit", "qwen_image_layered", "flux_kontext", "flux2", "zimage", "krea2",
                "ideogram4")
 VARIANTS = {"qwen_image_edit": "qwen_image", "qwen_image_layered": "qwen_image"}  # -> the script / LoRA module's model
-GUIDED = ("flux_kontext", "flux2")  # a guidance embedding that training feeds guidance_scale (FLUX.2 [dev] only)
 # Its latents are the token grid there; elsewhere a 2x2 patch of the 8x latents is one token, and the *_shift
 # draws that read (h // 2) * (w // 2) count tokens. flux2_shift reads h * w, ideogram4_shift 16 px per cell.
 TOKEN_GRID = ("flux2", "ideogram4")
@@ -208,14 +207,6 @@ def _logit(t: Translation, key: str, value: Any, run: Run) -> None:
         t.drop(key, value, "read by the draw timestep_sampling's line names, which is not carried")
     else:
         t.drop(key, value, f"unread by musubi-tuner's {draw} draw")
-
-
-def _guidance_scale(t: Translation, key: str, value: Any, run: Run) -> None:
-    version = str(run.flat.get("model_version", "dev")).lower()
-    if run.model_type in GUIDED and not (run.model_type == "flux2" and version.startswith("klein")):
-        t.set(key, float(value), key, value)
-    else:
-        t.drop(key, value, "the model has no guidance embedding: musubi-tuner does not read it either")
 
 
 def _blocks_to_swap(t: Translation, key: str, value: Any, run: Run) -> None:
@@ -494,7 +485,9 @@ RULES: dict[str, Rule] = {
     "img_in_txt_in_offloading": ignored("memory only"),
     "disable_numpy_memmap": ignored("how files load: speed only"),
     # timesteps and loss
-    "guidance_scale": joint(_guidance_scale),
+    # its FLUX.1 Kontext and FLUX.2 training feed the guidance embedding 1.0 (ours' default too); the key is
+    # only written into the header (ss_guidance_scale): ours would train at it
+    "guidance_scale": ignored("unread by its image training (the guidance embedding gets 1.0, as ours by default)"),
     "timestep_sampling": joint(_timestep_sampling),
     "discrete_flow_shift": joint(_discrete_flow_shift),
     "sigmoid_scale": joint(_sigmoid_scale),
