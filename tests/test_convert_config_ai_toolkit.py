@@ -311,6 +311,43 @@ def test_the_lora_trains_at_train_lr_whatever_train_unet_lr_says():
     assert translate(job(train={"unet_lr": 5e-5}), "run.yaml").config["learning_rate"] == 1e-6
 
 
+def tiny_model(arch: str):
+    if arch == "qwen_image":
+        from library.models.qwen_image.model import QwenImage
+        from tests.lora_layouts import QWEN_CFG
+
+        return QwenImage(QWEN_CFG)
+    if arch == "zimage":
+        from library.models.zimage.model import ZImage
+        from library.models.zimage.tiny import tiny_config
+
+        return ZImage(tiny_config())
+    from library.models.ideogram4.model import Ideogram4
+    from library.models.ideogram4.tiny import tiny_config
+
+    return Ideogram4(tiny_config())
+
+
+# ai-toolkit's get_transformer_block_names: its LoRA wraps every Linear whose name holds one (transformer_only)
+@pytest.mark.parametrize("arch, blocks", [("qwen_image", "transformer_blocks"), ("zimage", "layers"),
+                                          ("ideogram4", "layers")])
+def test_the_network_trains_every_linear_of_the_blocks_as_ai_toolkits_lora(arch, blocks):
+    """The blocks' modulation Linears (img_mod / txt_mod, adaLN) are among them: ours leaves them out by default,
+    so the translation trained fewer modules than ai-toolkit; it adds train_modulation=true."""
+    import torch.nn as nn
+    from types import SimpleNamespace
+
+    from library.training.config import lora_network_args
+    from networks.lora import LoRANetwork
+
+    t = translate(job(model={"arch": arch, "name_or_path": "/models/base"}), "run.yaml")
+    args = lora_network_args(SimpleNamespace(network_args=t.config.get("network_args", []), network_dropout=0.0,
+                                             config_file="run.toml"))
+    model = tiny_model(arch)
+    ours = {lora.name for lora in LoRANetwork(model, arch, rank=4, network_args=args).lora_modules()}
+    assert ours == {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and blocks in name}
+
+
 def test_an_arch_we_do_not_train_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
     code, out, err = written(tmp_path, "sdxl", yaml.safe_dump(job(model={"arch": "sdxl"})), capsys)
     assert code == 2 and out == ""

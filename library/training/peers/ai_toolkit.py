@@ -111,6 +111,7 @@ def translate(config: dict, source: str, *, model_type=None, dataset=None, datas
     for key in ("skip_first_sample", "force_first_sample", "disable_sampling"):
         if key in train and (not text or key == "disable_sampling"):
             t.drop(f"train.{key}", train[key], "off" if text else "no samples")
+    _modulation(t)
     _finish(t)
     return t
 
@@ -166,6 +167,18 @@ def _flatten(section: dict, prefix: str = "") -> dict[str, Any]:
         else:
             flat[path] = value
     return flat
+
+
+def _modulation(t: Job) -> None:
+    """ai-toolkit's LoRA wraps every Linear inside the transformer blocks (lora_special.py, transformer_only), the
+    blocks' modulation too; where ours leaves the modulation out by default, train_modulation=true trains it."""
+    from library.models.registry import spec_of
+
+    lora = spec_of(t.model_type).lora
+    if lora.modulation_types and not lora.modulation_default:
+        t.network_args.append("train_modulation=true")
+        t.lines.append(Line("network_args (added)", "train_modulation=true", RENAMED, "network_args",
+                            "ai-toolkit's LoRA wraps every Linear of the blocks, their modulation too"))
 
 
 def _finish(t: Job) -> None:
