@@ -282,6 +282,7 @@ def verdict(t, key: str):
     ("network", "type", "lokr", RENAMED, {"network_module": "lycoris.kohya",
                                           "network_args": ["algo=lokr", "factor=-1", "full_matrix=True"]}),
     ("network", "dropout", 0.1, RENAMED, {"network_dropout": 0.1}),
+    ("network", "rank", 32, RENAMED, {"network_dim": 32}),  # over the job's linear 8: NetworkConfig reads rank first
     ("save", "dtype", "bf16", RENAMED, {"save_precision": "bf16"}),
     ("save", "push_to_hub", True, DROPPED, {}),
     ("train", "a_key_of_a_newer_version", 1, UNKNOWN, {}),

@@ -287,8 +287,8 @@ def _rank(t: Job, key: str, value: Any) -> None:
     network = t.section("network")
     if _full_rank_lokr(network):
         t.drop(key, value, "full-rank LoKr (lokr_full_rank): no rank")
-    elif key == "network.rank" and "linear" in network:
-        t.drop(key, value, "network.linear sets it")
+    elif key == "network.linear" and network.get("rank") is not None:  # NetworkConfig reads rank first
+        t.drop(key, value, "network.rank sets it (ai-toolkit reads rank before linear)")
     else:
         t.set("network_dim", value, key, value, RENAMED, "network_dim")
 
