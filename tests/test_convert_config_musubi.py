@@ -131,6 +131,30 @@ def test_command_tells_the_model_from_the_script(tmp_path):
     assert t.config["network_alpha"] == 1.0 and t.config["learning_rate"] == 2e-6  # its defaults
 
 
+# docs/ideogram4.md's LoRA training command: PowerShell, backtick continuations and Windows paths
+DOCUMENTED_POWERSHELL = r"""accelerate launch --num_cpu_threads_per_process 1 --mixed_precision bf16 src/musubi_tuner/ideogram4_train_network.py `
+  --dataset_config path\to\dataset.toml `
+  --dit path\to\ideogram4_fp8_scaled.safetensors `
+  --network_module networks.lora_ideogram4 `
+  --output_dir outputs\i4_lora `
+  --output_name my_i4_lora `
+  --mixed_precision bf16 `
+  --sdpa"""
+
+
+def test_a_powershell_command_keeps_its_paths_and_continuations_are_no_values(tmp_path, capsys):
+    """POSIX splitting dropped the backslashes (pathtoideogram4_fp8_scaled.safetensors) and read each backtick as a
+    second value: dit = ['...', '`'], a config train_lora.py refused."""
+    dataset = musubi_dataset(tmp_path / "dataset.toml", "images", "cache")
+    out = str(tmp_path / "i4.toml")
+    assert convert_config.main(["--command", DOCUMENTED_POWERSHELL, "--dataset_config", dataset, "--out", out]) == 0
+    written = toml.load(out)
+    assert (written["model_type"], written["pretrained_model_name_or_path"], written["output_dir"]) == (
+        "ideogram4", "path\\to\\ideogram4_fp8_scaled.safetensors", "outputs\\i4_lora")
+    assert (written["output_name"], written["mixed_precision"]) == ("my_i4_lora", "bf16")
+    assert "\n  not carried " not in capsys.readouterr().out  # no line: every key read
+
+
 def verdict_of(t, key):
     line = next(line for line in t.lines if line.key == key)
     return line.verdict, line.text

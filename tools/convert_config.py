@@ -22,6 +22,7 @@ tuner's model keys (dit, vae) or its dataset keys (image_directory) musubi-tuner
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 
@@ -53,7 +54,7 @@ def read_peer_config(args) -> tuple[dict, str, str | None]:
     if args.command:
         from library.training.peers.rules import argv_to_dict
 
-        words = shlex.split(args.command.replace("\\\n", " "))  # a pasted multi-line command's continuations
+        words = command_words(args.command)
         script = next((w for w in words if w.endswith(".py")), None)
         if script is None:
             raise ValueError("--command: no training script (*.py) in the command line")
@@ -67,7 +68,7 @@ def read_peer_config(args) -> tuple[dict, str, str | None]:
             if not os.path.isfile(path):
                 raise ValueError(f"{path}: no such file (the --config_file of --command)")
             flat = {**flatten_tables(read_toml_file(path, "training config")), **flat}
-        return flat, "command line", script
+        return flat, "command line", script.replace("\\", "/")
     if not os.path.isfile(args.config):
         raise ValueError(f"{args.config}: no such file (the peer's training config)")
     if args.config.lower().endswith((".yaml", ".yml")):
@@ -83,6 +84,19 @@ def read_peer_config(args) -> tuple[dict, str, str | None]:
             raise ValueError(f"{args.config}: expected a YAML mapping (ai-toolkit's config:), got {type(doc).__name__}")
         return doc, args.config, None
     return read_toml_file(args.config, "training config"), args.config, None
+
+
+def command_words(command: str) -> list[str]:
+    """A pasted command line's words: a shell's (backslash-newline continuations), or Windows' (PowerShell's
+    backtick and cmd's caret continuations, backslashes in paths: the peers' docs give both), whose
+    backslashes POSIX splitting would drop (path\\to\\file -> pathtofile)."""
+    text = re.sub(r"\\[ \t]*\r?\n", " ", command)
+    windows = re.search(r"[`^][ \t]*\r?\n", text) or re.search(r"\\[^\s\"'$`\\]", text)
+    if not windows:
+        return shlex.split(text)
+    text = re.sub(r"[`^][ \t]*\r?\n", " ", text)
+    words = re.findall(r"""(?:[^\s"']+|"[^"]*"|'[^']*')+""", text)  # a word: bare and quoted parts, kept whole
+    return [re.sub(r""""([^"]*)"|'([^']*)'""", lambda m: m.group(1) or m.group(2) or "", w) for w in words]
 
 
 def read_toml_file(path: str, what: str) -> dict:
