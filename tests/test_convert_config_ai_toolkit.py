@@ -401,3 +401,15 @@ def test_the_check_names_the_paths_this_machine_lacks(tmp_path, capsys):
     assert check == ["check: train_lora.py reads it as written; not on this machine: pretrained_model_name_or_path = "
                      "models/FLUX.1-dev, ae = models/FLUX.1-dev, clip_l = models/FLUX.1-dev, t5xxl = models/FLUX.1-dev, "
                      "image_dir = /path/to/images/folder"]
+
+
+def test_skip_first_sample_wins_over_force_first_sample():
+    """BaseSDTrainProcess tests skip_first_sample first; both on rendered the first samples here."""
+    t = translate(job(train={"skip_first_sample": True, "force_first_sample": True}, sample={"prompts": ["a"]}),
+                  "run.yaml")
+    assert t.config["sample_at_first"] is False
+
+
+def test_a_bad_train_batch_size_is_named_as_the_trains():
+    with pytest.raises(ValueError, match=r"run.yaml: train.batch_size must be a whole number >= 1, got '2'"):
+        translate(job(train={"batch_size": "2"}), "run.yaml")

@@ -243,7 +243,8 @@ def _sizes(t, entry: dict, where: str) -> list[int]:
 def _batch_size(t, entry: dict, train: dict, where: str) -> int:
     batch = entry.get("batch_size") or train.get("batch_size", 1)
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-        raise ValueError(f"{t.source}: {where}.batch_size must be a whole number >= 1, got {batch!r}")
+        key = f"{where}.batch_size" if entry.get("batch_size") else "train.batch_size"  # the dataset's wins (there too)
+        raise ValueError(f"{t.source}: {key} must be a whole number >= 1, got {batch!r}")
     if "batch_size" in entry:
         t.lines.append(Line(f"{where}.batch_size", entry["batch_size"], RENAMED, "batch_size of its [[datasets]]"))
     return batch
@@ -433,8 +434,9 @@ def _with_trigger(text: str, trigger: str | None) -> str:
 
 
 def _first_sample(t, train: dict) -> None:
-    """ai-toolkit renders the samples before the first step unless skip_first_sample (force_first_sample: always)."""
-    first = bool(train.get("force_first_sample") or not train.get("skip_first_sample"))
+    """ai-toolkit renders the samples before the first step unless skip_first_sample, which wins over
+    force_first_sample (that one only samples a resumed run's first step too)."""
+    first = not train.get("skip_first_sample")
     t.config["sample_at_first"] = first
     for key in ("skip_first_sample", "force_first_sample"):
         if key in train:
