@@ -413,3 +413,27 @@ def test_skip_first_sample_wins_over_force_first_sample():
 def test_a_bad_train_batch_size_is_named_as_the_trains():
     with pytest.raises(ValueError, match=r"run.yaml: train.batch_size must be a whole number >= 1, got '2'"):
         translate(job(train={"batch_size": "2"}), "run.yaml")
+
+
+# ai-toolkit's UI writes these into every job (ui/src/app/jobs/new/jobConfig.ts), whatever the model
+UI_KEYS = {"sqlite_db_path": "./aitk_db.db", "network": {"conv": 16, "conv_alpha": 16}, "save": {"save_format": "diffusers"},
+           "datasets": [{"folder_path": "/data/images", "mask_path": None, "mask_min_value": 0.1,
+                         "shrink_video_to_frames": True}]}
+
+
+def test_what_the_ui_writes_into_every_job_is_no_key_not_carried():
+    """conv (these transformers have no Conv2d), save_format (a full model's), mask_min_value without a mask and
+    shrink_video_to_frames on images change nothing there: each was 'not carried', sqlite_db_path 'unknown'."""
+    t = translate(job(**UI_KEYS), "run.yaml")
+    assert [(line.key, line.verdict) for line in t.not_carried] == []
+    masked = [{"folder_path": "/data/images", "mask_path": "/data/masks", "mask_min_value": 0.1}]
+    assert verdict(translate(job(datasets=masked), "run.yaml"), "datasets[0].mask_min_value")[0] == NOT_CARRIED
+
+
+def test_an_assistant_lora_on_the_hub_is_a_file_to_download_into_base_loras():
+    """The UI's training adapters name a Hub repository and its file: it was written as a local path."""
+    t = translate(job(model={"assistant_lora_path": "ostris/zimage_turbo_training_adapter/adapter_v2.safetensors"}),
+                  "run.yaml")
+    assert t.config["base_loras"] == ["models/zimage_turbo_training_adapter/adapter_v2.safetensors:1.0"]
+    assert ("`hf download ostris/zimage_turbo_training_adapter adapter_v2.safetensors --local-dir "
+            "models/zimage_turbo_training_adapter`") in verdict(t, "model.assistant_lora_path")[1]

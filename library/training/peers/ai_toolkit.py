@@ -60,6 +60,7 @@ PROCESS_RULES: dict[str, Rule] = {
     "training_seed": renamed("seed"),
     "log_dir": renamed("logging_dir"),
     "performance_log_every": ignored("ai-toolkit's timing printout"),
+    "sqlite_db_path": ignored("ai-toolkit's web UI's job database"),
     "first_sample": ignored("ai-toolkit's own settings for the first samples: ours renders the sample section's"),
     "logging.use_wandb": custom(lambda t, key, value: t.set("log_with", "wandb", key, value, RENAMED, "log_with = wandb")
                                 if value else t.drop(key, value, "off")),

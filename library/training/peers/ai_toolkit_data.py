@@ -122,9 +122,12 @@ DATASET_RULES: dict[str, Rule] = {f"datasets[].{k}": r for k, r in {
     "diff_output_preservation": ignored("ai-toolkit sets it from train.diff_output_preservation"),
     "diff_output_preservation_class": ignored("ai-toolkit sets it from train.diff_output_preservation_class"),
     "guidance_type": ignored("a guidance trainer's key (not a LoRA run's)"),
+    # how video files are read (the UI writes shrink_video_to_frames into every dataset): images read none of them
+    **{k: ignored("video files only") for k in (
+        "shrink_video_to_frames", "fps", "auto_frame_count", "trim_auto_frame_count_tail")},
     **{k: unsupported("video / audio training: ours trains images") for k in (
-        "shrink_video_to_frames", "fps", "auto_frame_count", "trim_auto_frame_count_tail", "do_i2v", "do_audio",
-        "audio_preserve_pitch", "audio_normalize", "cache_tensors_to_disk", "cache_clip_vision_to_disk")},
+        "do_i2v", "do_audio", "audio_preserve_pitch", "audio_normalize", "cache_tensors_to_disk",
+        "cache_clip_vision_to_disk")},
 }.items()}
 # control_path_1 .. 3: the UI's several control folders (ours: one folder, name_0.png, name_1.png ...)
 DATASET_RULES.update({f"datasets[].control_path_{i}": renamed("control_directory", _one_folder) for i in (1, 2, 3)})
@@ -181,6 +184,9 @@ def _subset(t, entry: dict, where: str) -> tuple[dict, tuple]:
         shown = f"{where}.{key}"
         if rule is not None and rule.kind == "custom":
             continue  # folder_path, resolution ...: read below and by to_dataset_toml
+        if key == "mask_min_value" and not (entry.get("mask_path") or entry.get("alpha_mask")):
+            t.lines.append(Line(shown, value, DROPPED, "no mask (mask_path, alpha_mask): unread"))  # the UI writes 0.1
+            continue
         if rule is None or rule.kind != "renamed":
             apply_rule(t, shown, value, rule)
             continue

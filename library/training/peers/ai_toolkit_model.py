@@ -164,8 +164,15 @@ def _path_read_with_name(t: Job, key: str, value: Any) -> None:
 def _assistant_lora(t: Job, key: str, value: Any) -> None:
     """ai-toolkit's assistant LoRA (a de-distillation adapter) is applied while training, off in its samples;
     ours merges base_loras into the frozen base for both."""
+    hub_file = re.fullmatch(r"([\w.-]+/[\w.-]+)/([\w.-]+\.safetensors)", str(value))
     if is_off(value):
         t.drop(key, value, "off")
+    elif hub_file and not os.path.exists(str(value)):  # the UI's adapters: a Hub repository and its file
+        repo, name = hub_file.groups()
+        folder = os.path.join("models", repo.split("/")[1])
+        t.set("base_loras", [f"{os.path.join(folder, name)}:1.0"], key, value, RENAMED, "base_loras (merged while "
+              f"training, as there; our samples keep it too, ai-toolkit's leave it out); a Hub file, which ours does not download: `hf download {repo} {name} "
+              f"--local-dir {folder}`")
     elif _local(str(value))[1]:
         t.refuse(key, value, f"a Hub repository, which ours does not download: `hf download {value} --local-dir "
                              f"{_local(str(value))[0]}`, then base_loras = [\"<its .safetensors>:1.0\"]")
@@ -325,8 +332,9 @@ NETWORK_RULES: dict[str, Rule] = {f"network.{k}": r for k, r in {
     "dropout": renamed("network_dropout", lambda v: float(v or 0.0)),
     "pretrained_lora_path": renamed("network_weights"),
     "transformer_only": implied(bool, "ours trains the transformer's blocks only"),
-    "conv": unsupported("convolution layers: our targets are Linear layers"),
-    "conv_alpha": unsupported("convolution layers: our targets are Linear layers"),
+    # the rank of Conv2d layers: these models' transformers have none (the UI writes conv: 16 into every job)
+    "conv": ignored("no convolution layer in these models' transformers: ai-toolkit's conv rank wraps none"),
+    "conv_alpha": ignored("no convolution layer in these models' transformers: ai-toolkit's conv rank wraps none"),
     "all_layers": unsupported("full-weight training of the other layers: ours trains LoRA modules"),
     "lorm": unsupported("ai-toolkit's LoRM: not ours"),
     "layer_offloading": ignored("memory only"),
@@ -368,8 +376,10 @@ SAVE_RULES: dict[str, Rule] = {f"save.{k}": r for k, r in {
     "dtype": renamed("save_precision", one_of(PRECISIONS, "ours saves fp32, bf16 or fp16")),
     "save_every": renamed("save_every_n_steps"),
     "max_step_saves_to_keep": custom(_save_count),
-    "save_format": implied(lambda v: v == "safetensors", "ours writes one .safetensors LoRA (kohya keys; "
-                                                         "tools/convert_lora.py --to diffusers converts)"),
+    # a full model's save format: ai-toolkit saves a network as one .safetensors whatever it says (the UI writes
+    # diffusers, and ai-toolkit forces it for one arch)
+    "save_format": ignored("unread for a LoRA, saved as one .safetensors there too (ours in kohya keys; "
+                           "tools/convert_lora.py converts)"),
     "push_to_hub": ignored("a Hub upload: ours does not upload (huggingface-cli upload does)"),
     "hf_repo_id": ignored("a Hub upload: ours does not upload"),
     "hf_private": ignored("a Hub upload: ours does not upload"),
