@@ -437,3 +437,21 @@ def test_an_assistant_lora_on_the_hub_is_a_file_to_download_into_base_loras():
     assert t.config["base_loras"] == ["models/zimage_turbo_training_adapter/adapter_v2.safetensors:1.0"]
     assert ("`hf download ostris/zimage_turbo_training_adapter adapter_v2.safetensors --local-dir "
             "models/zimage_turbo_training_adapter`") in verdict(t, "model.assistant_lora_path")[1]
+
+
+@pytest.mark.parametrize("sections, message", [
+    ({"trigger_word": 1990}, 'run.yaml: trigger_word must be text (quote it: "1990"), got 1990'),
+    ({"network": {"linear_alpha": "x"}}, "run.yaml: network.linear_alpha = 'x': could not convert string to float"),
+    ({"train": {"loss_type": ["mse"]}}, "run.yaml: train.loss_type = ['mse']: "),
+])
+def test_a_value_of_another_type_is_one_line_naming_its_key(sections, message):
+    """Each was a traceback (TypeError), or a ValueError naming neither the file nor the key."""
+    with pytest.raises(ValueError) as e:
+        translate(job(**sections), "run.yaml")
+    assert str(e.value).startswith(message)
+
+
+def test_a_null_sample_seed_writes_no_seed():
+    """seed: null is a random seed there; it was written as '--d None', which our prompt reader refuses."""
+    t = translate(job(sample={"prompts": ["a cat"], "seed": None, "walk_seed": True}), "run.yaml")
+    assert t.files["sample_prompts"][1].splitlines()[1] == "a cat --w 512 --h 512 --s 20 --g 7"

@@ -102,9 +102,19 @@ def translate(config: dict, source: str, *, model_type=None, dataset=None, datas
         raise ValueError(f"{source}: the process has no network: ai-toolkit then trains the whole model (a fine-tune); "
                          f"ours trains LoRAs")
     for key, value in _flat_keys(config, process).items():
-        apply_rule(t, key, value, rule_for(key))
+        try:
+            apply_rule(t, key, value, rule_for(key))
+        except (TypeError, ValueError) as e:  # a value of another type than the rule reads: one line naming it
+            if str(e).startswith(f"{source}: "):
+                raise
+            raise ValueError(f"{source}: {key} = {value!r}: {e}") from None
     train = t.section("train")
     trigger = process.get("trigger_word")
+    for where, word in [("trigger_word", trigger)] + [(f"datasets[{i}].trigger_word", d.get("trigger_word"))
+                                                      for i, d in enumerate(process.get("datasets") or [])
+                                                      if isinstance(d, dict)]:
+        if word is not None and not isinstance(word, str):  # ai-toolkit fails on it too (str methods)
+            raise ValueError(f"{source}: {where} must be text (quote it: \"{word}\"), got {word!r}")
     t.dataset = to_dataset_toml(t, process.get("datasets"), train, trigger)
     text = sample_prompts(t, t.section("sample"), train, trigger) if "sample" in process else None
     if text:

@@ -392,7 +392,8 @@ def _prompt_line(t, where: str, i: int, entry: dict, settings: dict, trigger: st
     text, flags = _inline_flags(t, entry["prompt"], where)
     t.lines.append(Line(where, entry["prompt"], RENAMED, "a line of sample_prompts"))
     ours = {"w": settings["width"], "h": settings["height"], "s": settings["sample_steps"],
-            "d": settings["seed"] + (i if settings["walk_seed"] else 0), "g": settings["guidance_scale"],
+            "d": None if settings["seed"] is None else settings["seed"] + (i if settings["walk_seed"] else 0),
+            "g": settings["guidance_scale"],
             "n": settings["neg"] or ""}
     controls = []
     for key, value in entry.items():
@@ -412,7 +413,8 @@ def _prompt_line(t, where: str, i: int, entry: dict, settings: dict, trigger: st
             controls.append(value)
         else:
             ours[flag] = value
-    line = f"{_with_trigger(text, trigger)} --w {ours['w']} --h {ours['h']} --s {ours['s']} --d {ours['d']} --g {ours['g']}"
+    # seed: null is a random seed there (none written: ours draws one too)
+    line = _with_trigger(text, trigger) + "".join(f" --{f} {ours[f]}" for f in "whsdg" if ours[f] is not None)
     line += f" --n {_with_trigger(str(ours['n']), trigger)}" if ours["n"] else ""
     return line + "".join(f" --ci {path}" for path in dict.fromkeys(controls))
 
