@@ -293,3 +293,22 @@ def test_the_data_layers_musubi_keys_are_the_peer_modules():
     from library.training.peers.musubi_dataset import dataset_keys
 
     assert set(MUSUBI_DATASET_KEYS) == dataset_keys()
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"num_timestep_buckets": "x"}, "c.toml: num_timestep_buckets = 'x': "),
+    ({"sample_prompts": ["a.txt"]}, "c.toml: sample_prompts = ['a.txt']: "),
+    ({"blocks_to_swap": "x"}, "c.toml: blocks_to_swap = 'x': invalid literal"),
+])
+def test_a_value_of_another_type_is_one_line_naming_its_key(config, message):
+    """The first two were tracebacks (TypeError), the third a ValueError naming neither the file nor the key."""
+    with pytest.raises(ValueError) as e:
+        musubi_tuner.translate({"network_module": "networks.lora_zimage", **config}, "c.toml")
+    assert str(e.value).startswith(message)
+
+
+def test_a_resolution_too_small_for_its_buckets_is_one_line():
+    """bucket_sides divided by a shortest side of 0 (ZeroDivisionError) below 32 px."""
+    dataset = {"datasets": [{"image_directory": "/i", "resolution": 8, "enable_bucket": True}]}
+    with pytest.raises(ValueError, match=r"^d.toml: resolution: 8 is too small for its buckets"):
+        musubi_tuner.translate({"network_module": "networks.lora_zimage"}, "c.toml", dataset=dataset, dataset_source="d.toml")

@@ -102,12 +102,7 @@ def translate(config: dict, source: str, *, model_type=None, dataset=None, datas
         raise ValueError(f"{source}: the process has no network: ai-toolkit then trains the whole model (a fine-tune); "
                          f"ours trains LoRAs")
     for key, value in _flat_keys(config, process).items():
-        try:
-            apply_rule(t, key, value, rule_for(key))
-        except (TypeError, ValueError) as e:  # a value of another type than the rule reads: one line naming it
-            if str(e).startswith(f"{source}: "):
-                raise
-            raise ValueError(f"{source}: {key} = {value!r}: {e}") from None
+        apply_rule(t, key, value, rule_for(key))
     train = t.section("train")
     trigger = process.get("trigger_word")
     for where, word in [("trigger_word", trigger)] + [(f"datasets[{i}].trigger_word", d.get("trigger_word"))

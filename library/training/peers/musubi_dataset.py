@@ -161,6 +161,9 @@ def bucket_sides(resolution: Any) -> tuple[int, int]:
     area = _area(resolution, "resolution")
     half = int(math.sqrt(area)) // 2
     low = half - half % BUCKET_STEP
+    if low == 0:  # musubi-tuner's BucketSelector divides by it too
+        raise ValueError(f"resolution: {resolution!r} is too small for its buckets (their shortest side is half the "
+                         f"resolution's, on the {BUCKET_STEP} px grid)")
     return low, area // low - (area // low) % BUCKET_STEP
 
 

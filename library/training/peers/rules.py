@@ -115,7 +115,18 @@ class Translation:
 
 
 def apply_rule(t: Translation, key: str, value: Any, rule: Rule | None) -> None:
-    """One peer key into `t`, by its rule (None: no rule knows it)."""
+    """One peer key into `t`, by its rule (None: no rule knows it). A value of another type than the rule
+    reads (a list where it takes a number, text where it compares) is one ValueError naming the file, key
+    and value, as the rules' own errors name the file."""
+    try:
+        _apply_rule(t, key, value, rule)
+    except (TypeError, ValueError) as e:
+        if str(e).startswith(f"{t.source}: "):
+            raise
+        raise ValueError(f"{t.source}: {key} = {value!r}: {' '.join(str(e).split())}") from None
+
+
+def _apply_rule(t: Translation, key: str, value: Any, rule: Rule | None) -> None:
     if rule is None:
         t.lines.append(Line(key, value, UNKNOWN, f"not a key {t.peer} documents (a newer version's, or a typo?)"))
     elif rule.kind == "custom":
