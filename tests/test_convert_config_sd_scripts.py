@@ -285,3 +285,12 @@ def test_the_docs_name_every_key_that_is_never_carried():
     section = text.split("## sd-scripts", 1)[1].split("\n## ", 1)[0]
     keys = [k for rules in (sd_scripts.RULES, DATASET_RULES) for k, r in rules.items() if r.kind in ("unsupported", "implied")]
     assert [k for k in keys if f"`{k}`" not in section] == []
+
+
+def test_tell_peer_takes_an_empty_or_sd_scripts_vae_for_sd_scripts():
+    args = convert_config.build_parser().parse_args(["x.toml"])
+    assert convert_config.tell_peer(args, {"pretrained_model_name_or_path": "m", "vae": ""}, "x.toml", None) == "sd-scripts"
+    assert convert_config.tell_peer(args, {"pretrained_model_name_or_path": "m", "vae": "sd_vae.pt"}, "x.toml",
+                                    None) == "sd-scripts"
+    assert convert_config.tell_peer(args, {"vae": "vae.safetensors", "network_dim": 4}, "x.toml", None) == "musubi-tuner"
+    assert convert_config.tell_peer(args, {"dit": "d", "vae": ""}, "x.toml", None) == "musubi-tuner"

@@ -15,7 +15,8 @@ them all, and the written config is then checked as train_lora.py checks it (a m
 machine is reported, not fatal). Peers' facts: library/training/peers/<peer>.py.
 
 --from names the peer where it cannot be told: a .yaml / .yml file is ai-toolkit's, a config with musubi-
-tuner's model keys (dit, vae) or its dataset keys (image_directory) musubi-tuner's, the rest sd-scripts'.
+tuner's model keys (dit; vae without sd-scripts' pretrained_model_name_or_path / ae) or its dataset keys
+(image_directory) musubi-tuner's, the rest sd-scripts'.
 --strict: exit status 1 when a key is not carried. Bad input: one line, exit status 2, nothing written.
 """
 
@@ -119,7 +120,11 @@ def tell_peer(args, config: dict, source: str, script: str | None) -> str:
     from library.training.peers.rules import flatten_tables
 
     flat = flatten_tables(config)
-    return "musubi-tuner" if {"dit", "vae", "image_directory"} & set(flat) else "sd-scripts"
+    if {"dit", "image_directory"} & set(flat):
+        return "musubi-tuner"
+    # vae is sd-scripts' key too (Stable Diffusion's VAE), and the kohya_ss GUI writes `vae = ""` for its empty field
+    sd_model_keys = {"pretrained_model_name_or_path", "ae"} & set(flat)
+    return "musubi-tuner" if flat.get("vae") and not sd_model_keys else "sd-scripts"
 
 
 def dataset_of(args, config: dict, source: str) -> tuple[dict | None, str | None]:
