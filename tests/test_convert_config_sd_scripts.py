@@ -287,6 +287,103 @@ def test_the_docs_name_every_key_that_is_never_carried():
     assert [k for k in keys if f"`{k}`" not in section] == []
 
 
+# The kohya_ss GUI's TOML (kohya_gui/lora_gui.py writes one per run and starts flux_train_network.py --config_file
+# with it): every field, the empty ones as "", 0, [] or false, and keys of its own that sd-scripts' parser lacks.
+KOHYA_SS_GUI_TOML = """
+adaptive_noise_scale = 0
+ae = "ae.safetensors"
+apply_t5_attn_mask = false
+bucket_no_upscale = true
+bucket_reso_steps = 64
+cache_latents = true
+cache_latents_to_disk = true
+cache_text_encoder_outputs = true
+caption_dropout_every_n_epochs = 0
+caption_dropout_rate = 0
+caption_extension = ".txt"
+clip_l = "clip_l.safetensors"
+dataset_config = ""
+discrete_flow_shift = 3.1582
+enable_bucket = true
+epoch = 10
+fp8_base = true
+gradient_checkpointing = true
+guidance_scale = 1.0
+huber_c = 0.1
+huber_scale = 1
+huber_schedule = "snr"
+ip_noise_gamma = 0
+learning_rate = 0.0003
+log_with = ""
+logging_dir = ""
+loss_type = "l2"
+lr_scheduler = "cosine_with_restarts"
+lr_scheduler_args = []
+lr_scheduler_num_cycles = 3
+lr_warmup_steps = 0
+max_data_loader_n_workers = 2
+max_grad_norm = 1
+max_train_epochs = 0
+max_train_steps = 1600
+mem_eff_save = false
+min_snr_gamma = 0
+mixed_precision = "bf16"
+model_prediction_type = "raw"
+network_alpha = 16
+network_args = []
+network_dim = 16
+network_module = "networks.lora_flux"
+network_train_unet_only = true
+network_weights = ""
+noise_offset = 0
+noise_offset_type = "Original"
+optimizer_args = ["weight_decay=0.01", "betas=0.9,0.99"]
+optimizer_type = "AdamW"
+output_name = "ohwx_flux"
+persistent_data_loader_workers = 1
+pretrained_model_name_or_path = "flux1-dev.safetensors"
+reg_data_dir = ""
+resolution = "512,512"
+resume = ""
+sample_every_n_steps = 0
+sample_prompts = ""
+save_every_n_steps = 0
+save_precision = "bf16"
+scale_weight_norms = 0
+single_blocks_to_swap = 0
+t5xxl = "t5xxl_fp16.safetensors"
+timestep_sampling = "shift"
+train_batch_size = 1
+unet_lr = 0.0003
+vae = ""
+vae_batch_size = 0
+wandb_api_key = ""
+"""
+
+
+def test_kohya_ss_gui_toml_converts_with_nothing_not_carried(tmp_path, capsys):
+    """Its fields at their off values mean what sd-scripts reads them as (`if args.key:`): nothing; its `vae = ""`
+    does not make it musubi-tuner's; its own keys are dropped; train_lora.py reads the written config."""
+    images = tmp_path / "img" / "10_ohwx person"
+    images.mkdir(parents=True)
+    (images / "a.png").write_bytes(b"")
+    config = tmp_path / "config_lora-20250101-120000.toml"
+    config.write_text(KOHYA_SS_GUI_TOML + f'output_dir = "{tmp_path / "run"}"\ntrain_data_dir = "{tmp_path / "img"}"\n')
+    code, rows, text = convert([str(config)], capsys)
+    assert code == 0, text
+    assert text.startswith("sd-scripts -> ours:") and ", 0 not carried, 0 unknown" in text.splitlines()[0], text
+    for key in ("log_with", "logging_dir", "network_weights", "sample_prompts", "scale_weight_norms", "vae_batch_size",
+                "max_train_epochs", "dataset_config", "reg_data_dir", "epoch", "noise_offset_type", "mem_eff_save",
+                "single_blocks_to_swap"):
+        assert rows[key][0] == "dropped", (key, rows[key])
+    assert rows["network_args"] == ("dropped", "empty") and rows["reg_data_dir"] == ("dropped", "empty: no folder")
+    assert "check: train_lora.py reads it as written" in text
+    ours = toml_loads((tmp_path / "config_lora-20250101-120000_converted.toml").read_text())
+    assert ours["persistent_data_loader_workers"] is True  # its 1
+    assert not {"log_with", "logging_dir", "network_weights", "scale_weight_norms", "vae_batch_size",
+                "max_train_epochs"} & set(ours)
+
+
 def test_tell_peer_takes_an_empty_or_sd_scripts_vae_for_sd_scripts():
     args = convert_config.build_parser().parse_args(["x.toml"])
     assert convert_config.tell_peer(args, {"pretrained_model_name_or_path": "m", "vae": ""}, "x.toml", None) == "sd-scripts"
@@ -294,3 +391,22 @@ def test_tell_peer_takes_an_empty_or_sd_scripts_vae_for_sd_scripts():
                                     None) == "sd-scripts"
     assert convert_config.tell_peer(args, {"vae": "vae.safetensors", "network_dim": 4}, "x.toml", None) == "musubi-tuner"
     assert convert_config.tell_peer(args, {"dit": "d", "vae": ""}, "x.toml", None) == "musubi-tuner"
+
+
+@pytest.mark.parametrize("keys, verdicts, config", [
+    ({"persistent_data_loader_workers": 1, "max_data_loader_n_workers": 2}, {"persistent_data_loader_workers": "kept"},
+     {"persistent_data_loader_workers": True, "max_data_loader_n_workers": 2}),  # the kohya_ss GUI writes 0 / 1; sd-scripts takes 1 as on
+    ({"log_with": "", "logging_dir": "", "network_weights": "", "sample_prompts": "", "save_precision": "",
+      "scale_weight_norms": 0, "vae_batch_size": 0, "max_train_epochs": 0},  # ours refused "" / 0 or read "" as a path
+     dict.fromkeys(("log_with", "logging_dir", "network_weights", "sample_prompts", "save_precision",
+                    "scale_weight_norms", "vae_batch_size", "max_train_epochs"), "dropped"), {}),
+    ({"base_weights": [], "base_weights_multiplier": []}, {"base_weights": "dropped"}, {}),
+    ({"log_prefix": "", "logging_dir": "logs"}, {"log_prefix": "dropped"}, {"logging_dir": "logs"}),
+    ({"vae_batch_size": 2, "scale_weight_norms": 1.0}, {"vae_batch_size": "kept", "scale_weight_norms": "kept"},
+     {"vae_batch_size": 2, "scale_weight_norms": 1.0}),
+])
+def test_off_values_are_dropped_and_the_rest_kept(keys, verdicts, config):
+    t = sd_scripts.translate({"network_train_unet_only": True, **keys}, "x.toml")
+    assert {line.key: line.verdict for line in t.lines if line.key in verdicts} == verdicts
+    assert {k: t.config[k] for k in config if k in t.config} == config
+    assert not {k for k in keys if k not in config} & set(t.config)

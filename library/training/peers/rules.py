@@ -58,6 +58,15 @@ def custom(handle: Callable[["Translation", str, Any], None]) -> Rule:
     return Rule("custom", handle=handle)
 
 
+def unless_off(why: str) -> Rule:
+    """Our key of the same name, or dropped (`why`) at the peer's off value ("", 0: sd-scripts tests `if args.key`),
+    which a config written from a GUI's empty field holds and which ours refuses or reads otherwise."""
+    def handle(t: "Translation", key: str, value: Any) -> None:
+        (t.drop(key, value, why) if is_off(value) else t.set(key, value, key, value))
+
+    return custom(handle)
+
+
 def is_true(value: Any) -> bool:
     return value is True or (isinstance(value, str) and value.lower() == "true")
 

@@ -31,7 +31,7 @@ from library.training.config import SCHEMA
 from library.training.peers import sd_scripts_dataset as dataset_rules
 from library.training.peers.rules import (
     DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, apply_rules, custom, flatten_tables,
-    ignored, implied, is_off, is_true, same, unsupported,
+    ignored, implied, is_off, is_true, same, unless_off, unsupported,
 )
 
 # sd-scripts' parser defaults that the rules below read where the config leaves a key out.
@@ -268,7 +268,7 @@ def _network_args(t: Translation, key: str, value: Any) -> None:
         if not same_list:
             note(t, f"network_args = {kept}")
     else:
-        t.drop(key, value, "none of its arguments is carried (each said above)")
+        t.drop(key, value, "none of its arguments is carried (each said above)" if not is_off(value) else "empty")
 
 
 def _network_train_unet_only(t: Translation, key: str, value: Any) -> None:
@@ -300,6 +300,9 @@ def _base_weights(t: Translation, key: str, value: Any) -> None:
     """base_weights (+ base_weights_multiplier, 1.0 where missing): LoRAs merged into the base before training."""
     if key == "base_weights_multiplier":
         t.drop(key, value, "in base_loras' ratios" if their(t, "base_weights") else "no base_weights")
+        return
+    if is_off(value):
+        t.drop(key, value, "empty: nothing merged")
         return
     paths = value if isinstance(value, list) else [value]
     ratios = their(t, "base_weights_multiplier")
@@ -537,18 +540,21 @@ def _sample_key(t: Translation, key: str, value: Any) -> None:
 
 
 def _log_prefix(t: Translation, key: str, value: Any) -> None:
-    if their(t, "logging_dir") or their(t, "log_with"):
+    if is_off(value):
+        t.drop(key, value, "empty: ours' default (output_name)")
+    elif their(t, "logging_dir") or their(t, "log_with"):
         t.set(key, str(value), key, value)
     else:
         t.drop(key, value, "no logging_dir or log_with: nothing is logged")
 
 
 def _persistent_workers(t: Translation, key: str, value: Any) -> None:
-    if is_true(value) and not t.given.get("max_data_loader_n_workers"):
+    on = not is_off(value)  # true, or the kohya_ss GUI's 1 (sd-scripts passes it on as it is: truthy)
+    if on and not t.given.get("max_data_loader_n_workers"):
         t.drop(key, value, "ours loads cached latents without workers unless max_data_loader_n_workers "
                            "is set (sd-scripts' default 8)")
     else:
-        t.set(key, is_true(value), key, value)
+        t.set(key, on, key, value)
 
 
 def _validate_every_n_steps(t: Translation, key: str, value: Any) -> None:
@@ -559,7 +565,9 @@ def _validate_every_n_steps(t: Translation, key: str, value: Any) -> None:
 
 
 def _dataset_config(t: Translation, key: str, value: Any) -> None:
-    if t.dataset is None:
+    if is_off(value):
+        t.drop(key, value, "empty: no dataset TOML")
+    elif t.dataset is None:
         t.drop(key, value, "its dataset has nothing ours can train (said above)")
     else:
         t.lines.append(Line(key, value, RENAMED, "dataset_config: ours, written beside (OUT_dataset.toml)"))
@@ -617,7 +625,7 @@ RULES: dict[str, Rule] = {
     "cache_text_encoder_outputs": ignored("ours always caches the text encoders' outputs before training"),
     "cache_latents_to_disk": same(),
     "cache_text_encoder_outputs_to_disk": same(),
-    "vae_batch_size": same(),
+    "vae_batch_size": unless_off("0: sd-scripts then encodes one image at a time; how many changes memory only"),
     "text_encoder_batch_size": same(),
     "skip_cache_check": ignored("ours checks its caches by content hash"),
     # the network
@@ -625,10 +633,10 @@ RULES: dict[str, Rule] = {
     "network_dim": same(),
     "network_alpha": same(),
     "network_args": custom(_network_args),
-    "network_weights": same(),
+    "network_weights": unless_off("empty: the LoRA starts new"),
     "network_dropout": same(),
     "dim_from_weights": same(),
-    "scale_weight_norms": same(),
+    "scale_weight_norms": unless_off("0: off (sd-scripts scales nothing)"),
     "network_train_unet_only": custom(_network_train_unet_only),
     "network_train_text_encoder_only": unsupported("ours trains the transformer's LoRA"),
     "text_encoder_lr": custom(_text_encoder_lr),
@@ -656,7 +664,8 @@ RULES: dict[str, Rule] = {
     "fused_backward_pass": ignored("sd-scripts' LoRA training does not read it (its full fine-tuning does)"),
     "gradient_accumulation_steps": same(),
     "max_train_steps": same(),
-    "max_train_epochs": same(),
+    "max_train_epochs": unless_off("0: no epoch count (sd-scripts computes 0 steps from it; ours refuses 0): "
+                                   "max_train_steps counts"),
     # the timestep draw, the prediction and the loss
     "timestep_sampling": custom(_timestep_sampling),
     "discrete_flow_shift": custom(_discrete_flow_shift),
@@ -682,7 +691,7 @@ RULES: dict[str, Rule] = {
     "output_dir": same(),
     "output_name": same(),
     "save_model_as": implied(lambda v: v in ("safetensors", None, "None"), "ours saves .safetensors"),
-    "save_precision": same(),
+    "save_precision": unless_off("empty: sd-scripts saves the float32 weights, as ours"),
     "save_every_n_epochs": same(),
     "save_every_n_steps": same(),
     "save_n_epoch_ratio": unsupported("ours saves every save_every_n_epochs / save_every_n_steps"),
@@ -700,14 +709,14 @@ RULES: dict[str, Rule] = {
         "huggingface_repo_visibility", "save_state_to_huggingface", "async_upload")},
     "resume_from_huggingface": unsupported("resumes a state from the Hub: ours resumes only its own local states"),
     # samples, validation and logs
-    "sample_prompts": same(),
+    "sample_prompts": unless_off("empty: no samples"),
     **{key: custom(_sample_key) for key in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first")},
     "sample_sampler": ignored("sd-scripts' FLUX samples ignore it (Euler, as ours)"),
     "validate_every_n_steps": custom(_validate_every_n_steps),
     "validate_every_n_epochs": unsupported("ours validates every validate_every_n_steps and at the end"),
     "max_validation_steps": unsupported("ours validates on every held-out image"),
-    "logging_dir": same(),
-    "log_with": same(),
+    "logging_dir": unless_off("empty: no TensorBoard log"),
+    "log_with": unless_off("empty: sd-scripts' default (TensorBoard with logging_dir), as ours"),
     "log_prefix": custom(_log_prefix),
     "log_tracker_name": ignored("the tracker's project: ours names it log_prefix (default output_name)"),
     "wandb_run_name": ignored("ours names each run by its start time"),
@@ -725,6 +734,20 @@ RULES: dict[str, Rule] = {
 }
 
 
+# Keys the kohya_ss GUI writes into the TOML it runs flux_train_network.py with that are no argument of that script:
+# sd-scripts takes a TOML key its parser lacks into args, and nothing reads it.
+KOHYA_SS_KEYS: dict[str, Rule] = {
+    "epoch": ignored("the kohya_ss GUI's epoch count, which it wrote into max_train_steps; sd-scripts does not read it"),
+    "noise_offset_type": ignored("the kohya_ss GUI's choice of noise_offset or multires noise; sd-scripts does not "
+                                 "read it"),
+    **{key: ignored("flux_train.py's (full fine-tuning); flux_train_network.py does not read it") for key in (
+        "mem_eff_save", "single_blocks_to_swap", "double_blocks_to_swap", "blockwise_fused_optimizers")},
+    "stop_text_encoder_training": ignored("train_db.py's; flux_train_network.py does not read it"),
+    **{key: ignored("the kohya_ss GUI's; no sd-scripts argument, nothing reads it") for key in (
+        "train_inpainting", "show_timesteps", "show_timesteps_resolution")},
+}
+
+
 # ----------------------------------------------------------------------------------------------
 # The translation
 
@@ -735,7 +758,7 @@ def translate(config: dict, source: str, *, model_type=None, dataset=None, datas
     t = Translation("sd-scripts", source, given=flat)
     t.config["model_type"] = model_of(flat, model_type, script, source)
     t.dataset = dataset_rules.dataset_of(t, flat, dataset, dataset_source)
-    apply_rules(t, flat, RULES)
+    apply_rules(t, flat, {**KOHYA_SS_KEYS, **RULES})
     carry_defaults(t, flat)
     dataset_rules.finish(t)
     fit_schema(t)

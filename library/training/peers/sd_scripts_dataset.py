@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from library.training.peers.rules import (
-    RENAMED, UNKNOWN, Line, Rule, Translation, apply_rule, ignored, implied, is_true, same, unsupported,
+    RENAMED, UNKNOWN, Line, Rule, Translation, apply_rule, ignored, implied, is_off, is_true, same, unsupported,
 )
 
 PIXEL_AUGMENTATION = ("ours caches the latents once before training, so a per-epoch pixel augmentation cannot apply "
@@ -220,7 +220,9 @@ def holds_out_images(t: Translation) -> bool:
 
 def dataset_line(t: Translation, key: str, value: Any) -> None:
     """train_data_dir / reg_data_dir / in_json: what became of sd-scripts' image folders."""
-    if t.given.get("dataset_config"):
+    if is_off(value):  # the kohya_ss GUI writes reg_data_dir = "" where there are none
+        t.drop(key, value, "empty: no folder")
+    elif t.given.get("dataset_config"):
         t.drop(key, value, "dataset_config names the images (sd-scripts ignores it then)")
     elif key == "in_json":
         t.refuse(key, value, "fine-tuning captions in a JSON: ours reads a caption file beside each image")
