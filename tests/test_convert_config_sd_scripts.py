@@ -410,3 +410,27 @@ def test_off_values_are_dropped_and_the_rest_kept(keys, verdicts, config):
     assert {line.key: line.verdict for line in t.lines if line.key in verdicts} == verdicts
     assert {k: t.config[k] for k in config if k in t.config} == config
     assert not {k for k in keys if k not in config} & set(t.config)
+
+
+def test_sample_prompts_with_flags_sd_scripts_skips_are_copied_without_them(tmp_path, capsys):
+    """sd-scripts' FLUX samples skip --ss (and any flag or value its patterns do not match, --d -1); ours refuses
+    them: the written config names a copy without them, which our prompt reader reads."""
+    from library.data.prompts import read_prompt_file
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# samples\nohwx person --w 512 --h 512 --d 42 --s 20 --g 3.5 --ss euler_a\n"
+                       "ohwx person at night --d -1 --n blurry\n")
+    (tmp_path / "ds.toml").write_text(f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "{tmp_path}"\n')
+    config = tmp_path / "c.toml"
+    config.write_text(f'pretrained_model_name_or_path = "m"\nae = "a"\nclip_l = "c"\nt5xxl = "t"\n'
+                      f'dataset_config = "{tmp_path / "ds.toml"}"\nnetwork_train_unet_only = true\n'
+                      f'sample_prompts = "{prompts}"\nsample_every_n_steps = 100\n')
+    code, rows, text = convert([str(config)], capsys)
+    assert code == 0, text
+    assert rows["sample_prompts"][0] == "renamed" and "a copy without --d, --ss" in rows["sample_prompts"][1]
+    ours = toml_loads((tmp_path / "c_converted.toml").read_text())
+    assert ours["sample_prompts"] == str(tmp_path / "c_converted_prompts.txt")
+    assert (tmp_path / "c_converted_prompts.txt").read_text() == (
+        "# samples\nohwx person --w 512 --h 512 --d 42 --s 20 --g 3.5\nohwx person at night --n blurry\n")
+    first, second = read_prompt_file(ours["sample_prompts"], guidance_is_cfg=False)
+    assert (first.width, first.seed, second.seed, second.negative) == (512, 42, None, "blurry")

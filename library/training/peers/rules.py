@@ -161,6 +161,36 @@ def apply_rules(t: Translation, flat: dict[str, Any], rules: dict[str, Rule]) ->
         apply_rule(t, key, value, rules.get(key))
 
 
+def copy_prompts_without(t: Translation, key: str, value: Any, read: Callable[[str], bool], why: str) -> None:
+    """A peer's prompt file (value: its path) as our sample_prompts; where its lines have flags the peer does not
+    read (read(part) false for the text after a --), which ours refuses, a copy without them beside our config
+    (t.files), `why` in the note. A relative path is the working folder's (the peer's), else the config's folder's."""
+    import os
+
+    from library.data.prompts import prompt_lines, split_prompt_line
+    from library.text_files import read_utf8
+
+    path = value if isinstance(value, str) else ""
+    if path and not os.path.isfile(path) and t.source != "command line":
+        beside = os.path.join(os.path.dirname(t.source), path)
+        path = beside if os.path.isfile(beside) else path
+    if not os.path.isfile(path) or path.lower().endswith((".toml", ".json")):  # its objects: read as they are
+        t.set(key, value, key, value, note="" if os.path.isfile(path) else "not on this machine: unchecked")
+        return
+    skipped, lines = set(), []
+    for line in prompt_lines(read_utf8(path, "sample prompts")):
+        parts = split_prompt_line(line) if line.strip() and not line.lstrip().startswith("#") else None
+        flags = [part for part in parts[1:] if read(part)] if parts else []
+        skipped |= {part.split(" ", 1)[0] for part in (parts or [""])[1:] if part not in flags}
+        lines.append(" ".join([parts[0], *(f"--{f}" for f in flags)]) if parts else line)
+    if not skipped:
+        t.set(key, path, key, value)
+        return
+    t.set(key, path, key, value, RENAMED, note=f"a copy without {', '.join('--' + f for f in sorted(skipped))}: {why}")
+    text = "\n".join(lines)  # the file's last newline kept, none added
+    t.files[key] = ("_prompts.txt", text if text.endswith("\n") else text + "\n")
+
+
 def flatten_tables(config: dict[str, Any]) -> dict[str, Any]:
     """sd-scripts' and musubi-tuner's config reading: tables are for people ([model], [training] ...),
     every leaf key is an argument."""

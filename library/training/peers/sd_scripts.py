@@ -24,14 +24,15 @@ No torch here (rules.py).
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from library.models.registry import SAMPLING_METHODS, spec_of
 from library.training.config import SCHEMA
 from library.training.peers import sd_scripts_dataset as dataset_rules
 from library.training.peers.rules import (
-    DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, apply_rules, custom, flatten_tables,
-    ignored, implied, is_off, is_true, same, unless_off, unsupported,
+    DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, apply_rules, copy_prompts_without, custom,
+    flatten_tables, ignored, implied, is_off, is_true, same, unless_off, unsupported,
 )
 
 # sd-scripts' parser defaults that the rules below read where the config leaves a key out.
@@ -539,6 +540,24 @@ def _sample_key(t: Translation, key: str, value: Any) -> None:
         t.set(key, value, key, value)
 
 
+# The prompt flags sd-scripts' FLUX / Chroma samples read, with the patterns train_util.line_to_prompt_dict matches
+# their values by; it skips any other flag (--ss, --cn, --ctr, --rcfg, --fs) or value (--d -1) without a word.
+SAMPLE_FLAGS = {"w": r"\d+", "h": r"\d+", "d": r"\d+", "s": r"\d+", "l": r"[\d\.]+", "g": r"[\d\.]+", "n": r".+"}
+
+
+def sample_flag_read(part: str) -> bool:
+    """sd-scripts' FLUX samples read this prompt flag ("w 1024", "ss euler_a": the text after its --)."""
+    flag = part.split(" ", 1)[0].lower()
+    return flag in SAMPLE_FLAGS and re.match(f"{flag} {SAMPLE_FLAGS[flag]}", part, re.IGNORECASE) is not None
+
+
+def _sample_prompts(t: Translation, key: str, value: Any) -> None:
+    if is_off(value):
+        t.drop(key, value, "empty: no samples")
+    else:
+        copy_prompts_without(t, key, value, sample_flag_read, "sd-scripts' FLUX samples skip them, ours refuses them")
+
+
 def _log_prefix(t: Translation, key: str, value: Any) -> None:
     if is_off(value):
         t.drop(key, value, "empty: ours' default (output_name)")
@@ -709,7 +728,7 @@ RULES: dict[str, Rule] = {
         "huggingface_repo_visibility", "save_state_to_huggingface", "async_upload")},
     "resume_from_huggingface": unsupported("resumes a state from the Hub: ours resumes only its own local states"),
     # samples, validation and logs
-    "sample_prompts": unless_off("empty: no samples"),
+    "sample_prompts": custom(_sample_prompts),
     **{key: custom(_sample_key) for key in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first")},
     "sample_sampler": ignored("sd-scripts' FLUX samples ignore it (Euler, as ours)"),
     "validate_every_n_steps": custom(_validate_every_n_steps),
