@@ -130,6 +130,12 @@ def test_toml_config_with_defaults_and_an_unknown_key(tiny_set, tmp_path, capsys
     ({"timestep_sampling": "uniform", "sigmoid_scale": 2.0}, {"timestep_sampling": "kept", "sigmoid_scale": "dropped"}),
     ({"loss_type": "huber"}, {"loss_type": "not carried"}),  # huber_schedule snr: sd-scripts' FLUX stops
     ({"optimizer_type": "AdamWScheduleFree"}, {"optimizer_type": "not carried"}),
+    ({"optimizer_type": "AdamWScheduleFree", "optimizer_args": ["warmup_steps=100"]},  # AdamW's refused warmup_steps
+     {"optimizer_type": "not carried", "optimizer_args": "not carried"}),
+    ({"optimizer_type": "Adafactor", "optimizer_args": ["scale_parameter=False"]},  # relative_step: its own lr
+     {"optimizer_type": "not carried", "optimizer_args": "not carried"}),
+    ({"optimizer_type": "Adafactor", "optimizer_args": ["relative_step=False", "scale_parameter=False", "warmup_init=False"]},
+     {"optimizer_type": "kept", "optimizer_args": "kept"}),  # sd-scripts' docs' low-VRAM Adafactor
     ({"use_8bit_adam": True}, {"use_8bit_adam": "renamed"}),
     ({"lr_scheduler": "cosine", "lr_scheduler_num_cycles": 3}, {"lr_scheduler_num_cycles": "dropped"}),
     ({"unet_lr": 5e-4, "learning_rate": 1e-4}, {"unet_lr": "renamed", "learning_rate": "dropped"}),

@@ -317,6 +317,21 @@ def _base_weights(t: Translation, key: str, value: Any) -> None:
 # The optimizer and its schedule
 
 
+def optimizer_refusal(t: Translation) -> str:
+    """Why ours does not train with sd-scripts' optimizer ("" where it does): a schedule-free one, or Adafactor with
+    relative_step (its default there, and warmup_init's; train_util.get_optimizer), which sets its own lr."""
+    name = str(their(t, "optimizer_type") or "").lower()
+    args = dict(str(a).partition("=")[::2] for a in their(t, "optimizer_args") or [])
+    if name.endswith("schedulefree"):
+        return "schedule-free: ours does not switch its train / eval weights (AdamW or Prodigy with an lr_scheduler instead)"
+    if name == "adafactor" and (args.get("relative_step", "True").strip() not in ("False", "0") or
+                                args.get("warmup_init", "False").strip() in ("True", "1")):
+        return ("Adafactor with relative_step (sd-scripts' default) sets its own lr (its adafactor schedule), which ours "
+                "does not: optimizer_args relative_step=False scale_parameter=False warmup_init=False train it at "
+                "learning_rate")
+    return ""
+
+
 def _optimizer_type(t: Translation, key: str, value: Any) -> None:
     """The same names as ours (optim.py reads sd-scripts'); "" is AdamW, or the use_8bit_adam / use_lion_optimizer
     switches' optimizer (train_util.get_optimizer)."""
@@ -326,13 +341,19 @@ def _optimizer_type(t: Translation, key: str, value: Any) -> None:
         if not name:
             t.drop(key, value, "AdamW: ours' default too")
             return
-    if name.lower().endswith("schedulefree"):
-        t.refuse(key, value, "schedule-free: ours does not switch its train / eval weights (AdamW or Prodigy with an "
-                             "lr_scheduler instead)")
+    if optimizer_refusal(t):
+        t.refuse(key, value, optimizer_refusal(t))
         return
     t.set("optimizer_type", name, key, value, KEPT if name == value else RENAMED)
     if name != value:
         note(t, f'optimizer_type = "{name}"')
+
+
+def _optimizer_args(t: Translation, key: str, value: Any) -> None:
+    if optimizer_refusal(t) and not is_off(value):
+        t.refuse(key, value, f"goes with optimizer_type {their(t, 'optimizer_type')!r}, not carried")
+    else:
+        t.set(key, value, key, value)
 
 
 def _optimizer_switch(t: Translation, key: str, value: Any) -> None:
@@ -672,7 +693,7 @@ RULES: dict[str, Rule] = {
     "optimizer_type": custom(_optimizer_type),
     "use_8bit_adam": custom(_optimizer_switch),
     "use_lion_optimizer": custom(_optimizer_switch),
-    "optimizer_args": same(),
+    "optimizer_args": custom(_optimizer_args),
     "learning_rate": custom(_learning_rate),
     "max_grad_norm": same(),
     "lr_scheduler": custom(_lr_scheduler),
