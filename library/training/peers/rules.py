@@ -164,12 +164,16 @@ def apply_rules(t: Translation, flat: dict[str, Any], rules: dict[str, Rule]) ->
 def copy_prompts_without(t: Translation, key: str, value: Any, read: Callable[[str], bool], why: str) -> None:
     """A peer's prompt file (value: its path) as our sample_prompts; where its lines have flags the peer does not
     read (read(part) false for the text after a --), which ours refuses, a copy without them beside our config
-    (t.files), `why` in the note. A relative path is the working folder's (the peer's), else the config's folder's."""
+    (t.files), `why` in the note; "" none. A relative path is the working folder's (the peer's), else the config's
+    folder's."""
     import os
 
     from library.data.prompts import prompt_lines, split_prompt_line
     from library.text_files import read_utf8
 
+    if is_off(value):
+        t.drop(key, value, "empty: no samples")
+        return
     path = value if isinstance(value, str) else ""
     if path and not os.path.isfile(path) and t.source != "command line":
         beside = os.path.join(os.path.dirname(t.source), path)

@@ -29,7 +29,7 @@ from typing import Any
 
 from library.models.registry import SAMPLING_METHODS, spec_of
 from library.training.config import SCHEMA
-from library.training.peers import sd_scripts_dataset as dataset_rules
+from library.training.peers import kohya_ss, sd_scripts_dataset as dataset_rules
 from library.training.peers.rules import (
     DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, apply_rules, copy_prompts_without, custom,
     flatten_tables, ignored, implied, is_off, is_true, same, unless_off, unsupported,
@@ -572,13 +572,6 @@ def sample_flag_read(part: str) -> bool:
     return flag in SAMPLE_FLAGS and re.match(f"{flag} {SAMPLE_FLAGS[flag]}", part, re.IGNORECASE) is not None
 
 
-def _sample_prompts(t: Translation, key: str, value: Any) -> None:
-    if is_off(value):
-        t.drop(key, value, "empty: no samples")
-    else:
-        copy_prompts_without(t, key, value, sample_flag_read, "sd-scripts' FLUX samples skip them, ours refuses them")
-
-
 def _log_prefix(t: Translation, key: str, value: Any) -> None:
     if is_off(value):
         t.drop(key, value, "empty: ours' default (output_name)")
@@ -749,7 +742,8 @@ RULES: dict[str, Rule] = {
         "huggingface_repo_visibility", "save_state_to_huggingface", "async_upload")},
     "resume_from_huggingface": unsupported("resumes a state from the Hub: ours resumes only its own local states"),
     # samples, validation and logs
-    "sample_prompts": custom(_sample_prompts),
+    "sample_prompts": custom(lambda t, key, value: copy_prompts_without(
+        t, key, value, sample_flag_read, "sd-scripts' FLUX samples skip them, ours refuses them")),
     **{key: custom(_sample_key) for key in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first")},
     "sample_sampler": ignored("sd-scripts' FLUX samples ignore it (Euler, as ours)"),
     "validate_every_n_steps": custom(_validate_every_n_steps),
@@ -774,20 +768,6 @@ RULES: dict[str, Rule] = {
 }
 
 
-# Keys the kohya_ss GUI writes into the TOML it runs flux_train_network.py with that are no argument of that script:
-# sd-scripts takes a TOML key its parser lacks into args, and nothing reads it.
-KOHYA_SS_KEYS: dict[str, Rule] = {
-    "epoch": ignored("the kohya_ss GUI's epoch count, which it wrote into max_train_steps; sd-scripts does not read it"),
-    "noise_offset_type": ignored("the kohya_ss GUI's choice of noise_offset or multires noise; sd-scripts does not "
-                                 "read it"),
-    **{key: ignored("flux_train.py's (full fine-tuning); flux_train_network.py does not read it") for key in (
-        "mem_eff_save", "single_blocks_to_swap", "double_blocks_to_swap", "blockwise_fused_optimizers")},
-    "stop_text_encoder_training": ignored("train_db.py's; flux_train_network.py does not read it"),
-    **{key: ignored("the kohya_ss GUI's; no sd-scripts argument, nothing reads it") for key in (
-        "train_inpainting", "show_timesteps", "show_timesteps_resolution")},
-}
-
-
 # ----------------------------------------------------------------------------------------------
 # The translation
 
@@ -798,7 +778,7 @@ def translate(config: dict, source: str, *, model_type=None, dataset=None, datas
     t = Translation("sd-scripts", source, given=flat)
     t.config["model_type"] = model_of(flat, model_type, script, source)
     t.dataset = dataset_rules.dataset_of(t, flat, dataset, dataset_source)
-    apply_rules(t, flat, {**KOHYA_SS_KEYS, **RULES})
+    apply_rules(t, flat, {**kohya_ss.KEYS, **RULES})  # RULES: sd-scripts' parser's
     carry_defaults(t, flat)
     dataset_rules.finish(t)
     fit_schema(t)
