@@ -440,3 +440,16 @@ def test_sample_prompts_with_flags_sd_scripts_skips_are_copied_without_them(tmp_
         "# samples\nohwx person --w 512 --h 512 --d 42 --s 20 --g 3.5\nohwx person at night --n blurry\n")
     first, second = read_prompt_file(ours["sample_prompts"], guidance_is_cfg=False)
     assert (first.width, first.seed, second.seed, second.negative) == (512, 42, None, "blurry")
+
+
+@pytest.mark.parametrize("text, keys, ours", [
+    ("a photo --w 512\n", {}, None),  # the kohya_ss GUI writes its prompt box into every config: sd-scripts renders none
+    ("", {"sample_every_n_steps": 100}, ""),  # an empty file: sd-scripts renders nothing, ours refused the file
+    ("# none yet\n", {"sample_at_first": True}, ""),
+])
+def test_sample_prompts_sd_scripts_does_not_render(tmp_path, text, keys, ours):
+    prompts = tmp_path / "prompt.txt"
+    prompts.write_text(text)
+    t = sd_scripts.translate({"network_train_unet_only": True, "sample_prompts": str(prompts), **keys}, "x.toml")
+    assert t.config.get("sample_prompts") == ours and not t.files
+

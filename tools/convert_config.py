@@ -182,8 +182,10 @@ def report(t: Translation) -> str:
     return f"{t.peer} -> ours: {counts}\n" + "\n".join(rows)
 
 
-# The keys naming files or folders the run reads (the model's, the LoRA's to go on with), and the dataset's folders.
-INPUT_PATH_KEYS = ("pretrained_model_name_or_path", "ae", "clip_l", "t5xxl", "text_encoder", "siglip", "network_weights")
+# The keys naming files or folders the run reads (the model's, the LoRA's to go on with, the prompts), and the
+# dataset's folders.
+INPUT_PATH_KEYS = ("pretrained_model_name_or_path", "ae", "clip_l", "t5xxl", "text_encoder", "siglip", "network_weights",
+                   "sample_prompts")
 
 
 def check_written(out: str, t: Translation) -> str:
@@ -201,7 +203,7 @@ def check_written(out: str, t: Translation) -> str:
             load_dataset_config(args.dataset_config)
     except (ConfigError, ValueError, OSError) as e:
         return " ".join(str(e).split())
-    paths = [(k, t.config[k]) for k in INPUT_PATH_KEYS if isinstance(t.config.get(k), str)]
+    paths = [(k, t.config[k]) for k in INPUT_PATH_KEYS if isinstance(t.config.get(k), str) and t.config[k]]
     paths += [("image_dir", d) for d in dataset_folders(t.dataset)]
     missing = list(dict.fromkeys(f"{k} = {p}" for k, p in paths if not os.path.exists(p)))
     return ("train_lora.py reads it as written" + (f"; not on this machine: {', '.join(missing)}" if missing else ""))

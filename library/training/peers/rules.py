@@ -187,6 +187,9 @@ def copy_prompts_without(t: Translation, key: str, value: Any, read: Callable[[s
         flags = [part for part in parts[1:] if read(part)] if parts else []
         skipped |= {part.split(" ", 1)[0] for part in (parts or [""])[1:] if part not in flags}
         lines.append(" ".join([parts[0], *(f"--{f}" for f in flags)]) if parts else line)
+    if not any(line.strip() and not line.lstrip().startswith("#") for line in lines):
+        t.set(key, "", key, value, RENAMED, note='no prompts in it: "", no samples (ours refuses an empty file)')
+        return
     if not skipped:
         t.set(key, path, key, value)
         return

@@ -561,6 +561,7 @@ def _sample_key(t: Translation, key: str, value: Any) -> None:
         t.set(key, value, key, value)
 
 
+SAMPLE_KEYS = ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first")  # when sd-scripts renders samples
 # The prompt flags sd-scripts' FLUX / Chroma samples read, with the patterns train_util.line_to_prompt_dict matches
 # their values by; it skips any other flag (--ss, --cn, --ctr, --rcfg, --fs) or value (--d -1) without a word.
 SAMPLE_FLAGS = {"w": r"\d+", "h": r"\d+", "d": r"\d+", "s": r"\d+", "l": r"[\d\.]+", "g": r"[\d\.]+", "n": r".+"}
@@ -570,6 +571,15 @@ def sample_flag_read(part: str) -> bool:
     """sd-scripts' FLUX samples read this prompt flag ("w 1024", "ss euler_a": the text after its --)."""
     flag = part.split(" ", 1)[0].lower()
     return flag in SAMPLE_FLAGS and re.match(f"{flag} {SAMPLE_FLAGS[flag]}", part, re.IGNORECASE) is not None
+
+
+def _sample_prompts(t: Translation, key: str, value: Any) -> None:
+    """sd-scripts renders samples only where one of SAMPLE_KEYS says when (ours at the end too): the kohya_ss GUI
+    writes sample_prompts (its prompt box as a file, maybe empty) into every config."""
+    if not is_off(value) and all(is_off(their(t, k)) for k in SAMPLE_KEYS):
+        t.drop(key, value, f"no {', '.join(SAMPLE_KEYS)}: sd-scripts renders none (ours would at the end)")
+    else:
+        copy_prompts_without(t, key, value, sample_flag_read, "sd-scripts' FLUX samples skip them, ours refuses them")
 
 
 def _log_prefix(t: Translation, key: str, value: Any) -> None:
@@ -742,9 +752,8 @@ RULES: dict[str, Rule] = {
         "huggingface_repo_visibility", "save_state_to_huggingface", "async_upload")},
     "resume_from_huggingface": unsupported("resumes a state from the Hub: ours resumes only its own local states"),
     # samples, validation and logs
-    "sample_prompts": custom(lambda t, key, value: copy_prompts_without(
-        t, key, value, sample_flag_read, "sd-scripts' FLUX samples skip them, ours refuses them")),
-    **{key: custom(_sample_key) for key in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first")},
+    "sample_prompts": custom(_sample_prompts),
+    **{key: custom(_sample_key) for key in SAMPLE_KEYS},
     "sample_sampler": ignored("sd-scripts' FLUX samples ignore it (Euler, as ours)"),
     "validate_every_n_steps": custom(_validate_every_n_steps),
     "validate_every_n_epochs": unsupported("ours validates every validate_every_n_steps and at the end"),
