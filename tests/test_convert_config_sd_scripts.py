@@ -407,6 +407,8 @@ def test_tell_peer_takes_an_empty_or_sd_scripts_vae_for_sd_scripts():
      dict.fromkeys(("log_with", "logging_dir", "network_weights", "sample_prompts", "save_precision",
                     "scale_weight_norms", "vae_batch_size", "max_train_epochs"), "dropped"), {}),
     ({"base_weights": [], "base_weights_multiplier": []}, {"base_weights": "dropped"}, {}),
+    ({"network_args": "", "blocks_to_swap": ""}, {"network_args": "dropped", "blocks_to_swap": "dropped"}, {}),  # was a
+    # "network_args entry ''" error and an int('') one: sd-scripts' `if args.network_args` reads "" as none
     ({"log_prefix": "", "logging_dir": "logs"}, {"log_prefix": "dropped"}, {"logging_dir": "logs"}),
     ({"vae_batch_size": 2, "scale_weight_norms": 1.0}, {"vae_batch_size": "kept", "scale_weight_norms": "kept"},
      {"vae_batch_size": 2, "scale_weight_norms": 1.0}),
@@ -452,4 +454,11 @@ def test_sample_prompts_sd_scripts_does_not_render(tmp_path, text, keys, ours):
     prompts.write_text(text)
     t = sd_scripts.translate({"network_train_unet_only": True, "sample_prompts": str(prompts), **keys}, "x.toml")
     assert t.config.get("sample_prompts") == ours and not t.files
+
+
+def test_a_value_of_another_type_is_one_line_naming_the_key():
+    with pytest.raises(ValueError, match=r"^x\.toml: guidance_scale = '': could not convert"):
+        sd_scripts.translate({"guidance_scale": ""}, "x.toml")  # was float()'s line alone, naming no key
+    with pytest.raises(ValueError, match=r"^x\.toml: learning_rate = \[\]: float\(\) argument"):
+        sd_scripts.translate({"learning_rate": []}, "x.toml")  # was a TypeError: a traceback
 

@@ -31,7 +31,7 @@ from library.models.registry import SAMPLING_METHODS, spec_of
 from library.training.config import SCHEMA
 from library.training.peers import kohya_ss, sd_scripts_dataset as dataset_rules
 from library.training.peers.rules import (
-    DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, apply_rules, copy_prompts_without, custom,
+    DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, copy_prompts_without, custom,
     flatten_tables, ignored, implied, is_off, is_true, same, unless_off, unsupported,
 )
 
@@ -155,7 +155,7 @@ def _fp8_base(t: Translation, key: str, value: Any) -> None:
 def _blocks_to_swap(t: Translation, key: str, value: Any) -> None:
     """sd-scripts swaps N // 2 double blocks and twice the rest in single blocks; ours the last N blocks in
     order (single blocks first), each counting one: the same number of blocks, fewer bytes."""
-    count = int(value)
+    count = 0 if is_off(value) else int(value)  # "": sd-scripts' `if args.blocks_to_swap` too
     if count <= 0:
         t.drop(key, value, "off")
         return
@@ -250,6 +250,9 @@ def network_args_of(value: Any, source: str = "network_args") -> dict[str, str]:
 
 def _network_args(t: Translation, key: str, value: Any) -> None:
     module = their(t, "network_module")
+    if is_off(value):  # the kohya_ss GUI's [] (sd-scripts reads "" as none too)
+        t.drop(key, value, "empty")
+        return
     if module == "lycoris.kohya":  # LyCORIS' own arguments: ours passes them on (docs/configuration.md)
         t.set(key, [str(v) for v in (value if isinstance(value, list) else [value])], key, value)
         return
@@ -269,7 +272,7 @@ def _network_args(t: Translation, key: str, value: Any) -> None:
         if not same_list:
             note(t, f"network_args = {kept}")
     else:
-        t.drop(key, value, "none of its arguments is carried (each said above)" if not is_off(value) else "empty")
+        t.drop(key, value, "none of its arguments is carried (each said above)")
 
 
 def _network_train_unet_only(t: Translation, key: str, value: Any) -> None:
@@ -321,7 +324,8 @@ def optimizer_refusal(t: Translation) -> str:
     """Why ours does not train with sd-scripts' optimizer ("" where it does): a schedule-free one, or Adafactor with
     relative_step (its default there, and warmup_init's; train_util.get_optimizer), which sets its own lr."""
     name = str(their(t, "optimizer_type") or "").lower()
-    args = dict(str(a).partition("=")[::2] for a in their(t, "optimizer_args") or [])
+    given = their(t, "optimizer_args")
+    args = dict(str(a).partition("=")[::2] for a in (given if isinstance(given, list) else []))
     if name.endswith("schedulefree"):
         return "schedule-free: ours does not switch its train / eval weights (AdamW or Prodigy with an lr_scheduler instead)"
     if name == "adafactor" and (args.get("relative_step", "True").strip() not in ("False", "0") or
@@ -787,7 +791,11 @@ def translate(config: dict, source: str, *, model_type=None, dataset=None, datas
     t = Translation("sd-scripts", source, given=flat)
     t.config["model_type"] = model_of(flat, model_type, script, source)
     t.dataset = dataset_rules.dataset_of(t, flat, dataset, dataset_source)
-    apply_rules(t, flat, {**kohya_ss.KEYS, **RULES})  # RULES: sd-scripts' parser's
+    for key, value in flat.items():
+        try:
+            apply_rule(t, key, value, kohya_ss.KEYS.get(key, RULES.get(key)))
+        except (TypeError, ValueError) as e:  # a value of another type (float("")): one line naming the key
+            raise ValueError(str(e) if str(e).startswith(source) else f"{source}: {key} = {value!r}: {e}") from None
     carry_defaults(t, flat)
     dataset_rules.finish(t)
     fit_schema(t)

@@ -97,7 +97,7 @@ def dataset_of(t: Translation, flat: dict, dataset: dict | None, source: str | N
 
 def dreambooth_subsets(t: Translation, key: str, folder: str, is_reg: bool) -> list[dict]:
     """One subset per `<repeats>_<class tokens>` subfolder of `folder`, in name order."""
-    if not os.path.isdir(folder):
+    if not isinstance(folder, str) or not os.path.isdir(folder):
         raise ValueError(f"{key} {folder!r}: no such folder (sd-scripts' DreamBooth folders: <repeats>_<class tokens>/ "
                          f"inside)")
     subsets = []
