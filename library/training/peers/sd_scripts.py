@@ -3,7 +3,9 @@
 RULES holds one rule per argument its parser takes (train_network.setup_parser and the add_* functions
 of library/train_util.py, flux_train_utils.py, sai_model_spec.py, deepspeed_utils.py, config_util.py
 and custom_train_functions.py that it calls, then flux_train_network.setup_parser's own); its dataset
-(a dataset TOML, or DreamBooth folders) is sd_scripts_dataset.py's. Facts from its code that decide
+(a dataset TOML, or DreamBooth folders) is sd_scripts_dataset.py's, its samples sd_scripts_samples.py's, and
+the keys the kohya_ss GUI adds to the TOML it runs it with kohya_ss.py's. A "" or 0 where sd-scripts tests
+`if args.key` is its "not given" (the GUI writes its empty fields so): dropped. Facts from its code that decide
 many rules:
 
 - flux_train_network draws its noise and timesteps itself (flux_train_utils.get_noisy_model_input_and_
@@ -24,15 +26,14 @@ No torch here (rules.py).
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from library.models.registry import SAMPLING_METHODS, spec_of
 from library.training.config import SCHEMA
-from library.training.peers import kohya_ss, sd_scripts_dataset as dataset_rules
+from library.training.peers import kohya_ss, sd_scripts_dataset as dataset_rules, sd_scripts_samples
 from library.training.peers.rules import (
-    DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, copy_prompts_without, custom,
-    flatten_tables, ignored, implied, is_off, is_true, same, unless_off, unsupported,
+    DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, custom, flatten_tables, ignored, implied,
+    is_off, is_true, same, unless_off, unsupported,
 )
 
 # sd-scripts' parser defaults that the rules below read where the config leaves a key out.
@@ -556,36 +557,6 @@ def _save_last_n(t: Translation, key: str, value: Any) -> None:
     note(t, f"save_last_n_saves = {keep}")
 
 
-def _sample_key(t: Translation, key: str, value: Any) -> None:
-    if not their(t, "sample_prompts"):
-        t.drop(key, value, "no sample_prompts: sd-scripts renders nothing")
-    elif key == "sample_every_n_steps" and their(t, "sample_every_n_epochs"):
-        t.drop(key, value, "sd-scripts renders the epochs' samples only when both are set")
-    else:
-        t.set(key, value, key, value)
-
-
-SAMPLE_KEYS = ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first")  # when sd-scripts renders samples
-# The prompt flags sd-scripts' FLUX / Chroma samples read, with the patterns train_util.line_to_prompt_dict matches
-# their values by; it skips any other flag (--ss, --cn, --ctr, --rcfg, --fs) or value (--d -1) without a word.
-SAMPLE_FLAGS = {"w": r"\d+", "h": r"\d+", "d": r"\d+", "s": r"\d+", "l": r"[\d\.]+", "g": r"[\d\.]+", "n": r".+"}
-
-
-def sample_flag_read(part: str) -> bool:
-    """sd-scripts' FLUX samples read this prompt flag ("w 1024", "ss euler_a": the text after its --)."""
-    flag = part.split(" ", 1)[0].lower()
-    return flag in SAMPLE_FLAGS and re.match(f"{flag} {SAMPLE_FLAGS[flag]}", part, re.IGNORECASE) is not None
-
-
-def _sample_prompts(t: Translation, key: str, value: Any) -> None:
-    """sd-scripts renders samples only where one of SAMPLE_KEYS says when (ours at the end too): the kohya_ss GUI
-    writes sample_prompts (its prompt box as a file, maybe empty) into every config."""
-    if not is_off(value) and all(is_off(their(t, k)) for k in SAMPLE_KEYS):
-        t.drop(key, value, f"no {', '.join(SAMPLE_KEYS)}: sd-scripts renders none (ours would at the end)")
-    else:
-        copy_prompts_without(t, key, value, sample_flag_read, "sd-scripts' FLUX samples skip them, ours refuses them")
-
-
 def _log_prefix(t: Translation, key: str, value: Any) -> None:
     if is_off(value):
         t.drop(key, value, "empty: ours' default (output_name)")
@@ -756,9 +727,7 @@ RULES: dict[str, Rule] = {
         "huggingface_repo_visibility", "save_state_to_huggingface", "async_upload")},
     "resume_from_huggingface": unsupported("resumes a state from the Hub: ours resumes only its own local states"),
     # samples, validation and logs
-    "sample_prompts": custom(_sample_prompts),
-    **{key: custom(_sample_key) for key in SAMPLE_KEYS},
-    "sample_sampler": ignored("sd-scripts' FLUX samples ignore it (Euler, as ours)"),
+    **sd_scripts_samples.RULES,  # sample_prompts, sample_every_n_steps / _epochs, sample_at_first, sample_sampler
     "validate_every_n_steps": custom(_validate_every_n_steps),
     "validate_every_n_epochs": unsupported("ours validates every validate_every_n_steps and at the end"),
     "max_validation_steps": unsupported("ours validates on every held-out image"),

@@ -1,0 +1,47 @@
+"""sd-scripts' sample images as ours (sd_scripts.py translates the rest of its config): its prompt file, and when
+it renders (its sample_images: only where sample_every_n_steps, sample_every_n_epochs or sample_at_first says so;
+ours renders the prompts at the end too). The samples of the models it trains that we translate read the flags
+--w --h --s --d --l --g --n of a prompt line and skip any other (--ss, --cn, --ctr, --rcfg, --fs) without a word;
+ours refuses those, so a prompt file with them is copied without them. No torch here (rules.py)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from library.training.peers.rules import Rule, Translation, copy_prompts_without, custom, ignored, is_off
+
+SAMPLE_KEYS = ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first")  # when sd-scripts renders samples
+# The flags its samples read, with the patterns train_util.line_to_prompt_dict matches their values by
+# (a value they do not match, --d -1, is skipped too).
+SAMPLE_FLAGS = {"w": r"\d+", "h": r"\d+", "d": r"\d+", "s": r"\d+", "l": r"[\d\.]+", "g": r"[\d\.]+", "n": r".+"}
+
+
+def sample_flag_read(part: str) -> bool:
+    """sd-scripts' samples read this prompt flag ("w 1024", "ss euler_a": the text after its --)."""
+    flag = part.split(" ", 1)[0].lower()
+    return flag in SAMPLE_FLAGS and re.match(f"{flag} {SAMPLE_FLAGS[flag]}", part, re.IGNORECASE) is not None
+
+
+def _sample_prompts(t: Translation, key: str, value: Any) -> None:
+    """The kohya_ss GUI writes sample_prompts (its prompt box as a file, maybe empty) into every config."""
+    if not is_off(value) and all(is_off(t.given.get(k)) for k in SAMPLE_KEYS):
+        t.drop(key, value, f"no {', '.join(SAMPLE_KEYS)}: sd-scripts renders none (ours would at the end)")
+    else:
+        copy_prompts_without(t, key, value, sample_flag_read, "sd-scripts' samples skip them, ours refuses them")
+
+
+def _sample_key(t: Translation, key: str, value: Any) -> None:
+    if not t.given.get("sample_prompts"):
+        t.drop(key, value, "no sample_prompts: sd-scripts renders nothing")
+    elif key == "sample_every_n_steps" and t.given.get("sample_every_n_epochs"):
+        t.drop(key, value, "sd-scripts renders the epochs' samples only when both are set")
+    else:
+        t.set(key, value, key, value)
+
+
+RULES: dict[str, Rule] = {
+    "sample_prompts": custom(_sample_prompts),
+    **{key: custom(_sample_key) for key in SAMPLE_KEYS},
+    "sample_sampler": ignored("sd-scripts' samples of these models ignore it (Euler, as ours)"),
+}
