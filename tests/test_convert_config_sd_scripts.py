@@ -142,6 +142,10 @@ def test_toml_config_with_defaults_and_an_unknown_key(tiny_set, tmp_path, capsys
     ({"base_weights": ["a.safetensors", "b.safetensors"], "base_weights_multiplier": [0.5]},
      {"base_weights": "renamed", "base_weights_multiplier": "dropped"}),
     ({"resume": "out/last-state"}, {"resume": "not carried"}),
+    ({"network_train_unet_only": False, "text_encoder_lr": 0},  # lora_flux skips a parameter group at lr 0: no
+     {"network_train_unet_only": "dropped", "text_encoder_lr": "dropped"}),  # CLIP-L LoRA trained, as ours
+    ({"network_train_unet_only": False, "text_encoder_lr": [1e-5, 1e-5]},  # the kohya_ss GUI's list
+     {"network_train_unet_only": "not carried", "text_encoder_lr": "not carried"}),
     ({"apply_t5_attn_mask": True}, {"apply_t5_attn_mask": "not carried"}),  # ours' FLUX.1 runs T5 unmasked
 ])
 def test_verdicts_follow_sd_scripts_code(keys, verdicts):

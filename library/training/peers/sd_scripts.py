@@ -74,9 +74,17 @@ def reads(t: Translation, key: str) -> bool:
     return any(k.key == key for k in spec_of(model_type(t)).config_keys)
 
 
+def clip_l_lr_zero(t: Translation) -> bool:
+    """text_encoder_lr (its first: CLIP-L's) 0: lora_flux skips a parameter group at lr 0, the CLIP-L LoRA's too."""
+    rates = their(t, "text_encoder_lr")
+    first = rates[0] if isinstance(rates, list) and rates else rates
+    return isinstance(first, (int, float, str)) and str(first).strip() in ("0", "0.0")
+
+
 def trains_clip_l(t: Translation) -> bool:
-    """sd-scripts trains a CLIP-L LoRA beside the transformer's unless network_train_unet_only (FLUX.1)."""
-    return reads(t, "clip_l") and not is_true(their(t, "network_train_unet_only"))
+    """sd-scripts trains a CLIP-L LoRA beside the transformer's unless network_train_unet_only or a CLIP-L rate of
+    0 (FLUX.1)."""
+    return reads(t, "clip_l") and not is_true(their(t, "network_train_unet_only")) and not clip_l_lr_zero(t)
 
 
 def title(t: Translation) -> str:
@@ -281,6 +289,9 @@ def _network_train_unet_only(t: Translation, key: str, value: Any) -> None:
         t.drop(key, value, f"{title(t)} has no CLIP-L: sd-scripts trains the transformer only too")
     elif is_true(value):
         t.drop(key, value, "ours trains the transformer's LoRA only")
+    elif clip_l_lr_zero(t):
+        t.drop(key, value, "text_encoder_lr 0: sd-scripts trains the transformer's LoRA only too (a CLIP-L one at lr 0 "
+                           "stays as made)")
     else:
         t.refuse(key, value, "sd-scripts then trains a CLIP-L LoRA too; ours trains the transformer's only")
 
@@ -289,7 +300,8 @@ def _text_encoder_lr(t: Translation, key: str, value: Any) -> None:
     if trains_clip_l(t):
         t.refuse(key, value, "the CLIP-L LoRA's rate: ours trains no text encoder LoRA")
     else:
-        t.drop(key, value, "no text encoder LoRA is trained (network_train_unet_only)")
+        t.drop(key, value, "0: sd-scripts does not train the CLIP-L LoRA at it, as ours" if clip_l_lr_zero(t) else
+               "no text encoder LoRA is trained (network_train_unet_only)")
 
 
 def _learning_rate(t: Translation, key: str, value: Any) -> None:
