@@ -24,6 +24,7 @@ from library.training.peers.rules import (
     Rule,
     Translation,
     apply_rules,
+    copy_prompts_without,
     flatten_tables,
     ignored,
     implied,
@@ -357,31 +358,8 @@ UNREAD_PROMPT_FLAGS = ("f", "fs", "i", "ei", "cn", "of")
 
 def _sample_prompts(t: Translation, key: str, value: Any, run: Run) -> None:
     """The prompt file; a copy without the flags ours does not read where it has any (ours refuses them)."""
-    from library.data.prompts import prompt_lines, split_prompt_line
-    from library.text_files import read_utf8
-
-    path = value
-    if isinstance(value, str) and not os.path.isfile(value) and run.source != "command line":
-        beside = os.path.join(os.path.dirname(run.source), value)
-        path = beside if os.path.isfile(beside) else value
-    if not isinstance(path, str) or not os.path.isfile(path) or path.lower().endswith((".toml", ".json")):
-        t.set(key, value, key, value, note="" if not value or os.path.isfile(path) else "not on this machine: unchecked")
-        return
-    dropped, lines = set(), []
-    for line in prompt_lines(read_utf8(path, "sample prompts")):
-        parts = split_prompt_line(line) if line.strip() and not line.lstrip().startswith("#") else None
-        if parts is None:
-            lines.append(line)
-            continue
-        flags = [p for p in parts[1:] if p.split(" ", 1)[0].lower() not in UNREAD_PROMPT_FLAGS]
-        dropped |= {p.split(" ", 1)[0].lower() for p in parts[1:]} - {f.split(" ", 1)[0].lower() for f in flags}
-        lines.append(" ".join([parts[0], *(f"--{f}" for f in flags)]))
-    if not dropped:
-        t.set(key, path, key, value)
-        return
-    t.set(key, path, key, value, RENAMED, note=f"a copy without {', '.join('--' + f for f in sorted(dropped))}, "
-                                               f"which ours does not read")
-    t.files[key] = ("_prompts.txt", "\n".join(lines) + "\n")
+    copy_prompts_without(t, key, value, lambda part: part.split(" ", 1)[0].lower() not in UNREAD_PROMPT_FLAGS,
+                         "ours does not read them")
 
 
 def _read_by_scheduler(scheduler: str, t: Translation, key: str, value: Any, run: Run) -> None:

@@ -174,8 +174,10 @@ def copy_prompts_without(t: Translation, key: str, value: Any, read: Callable[[s
     if is_off(value):
         t.drop(key, value, "empty: no samples")
         return
-    path = value if isinstance(value, str) else ""
-    if path and not os.path.isfile(path) and t.source != "command line":
+    if not isinstance(value, str):
+        raise ValueError("expected the path of a prompt file")
+    path = value
+    if not os.path.isfile(path) and t.source != "command line":
         beside = os.path.join(os.path.dirname(t.source), path)
         path = beside if os.path.isfile(beside) else path
     if not os.path.isfile(path) or path.lower().endswith((".toml", ".json")):  # its objects: read as they are
