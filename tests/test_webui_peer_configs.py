@@ -16,6 +16,7 @@ from library.ui.config_check import ConfigChecker
 from library.ui.files import OutsideRoots
 from library.ui.handlers import FORM_KEYS, WebUI
 from tests.test_convert_config_ai_toolkit import FLUX_EXAMPLE, flux_pipeline_folder
+from tests.test_webui_handlers import checked_ui, checker  # noqa: F401  (fixtures: one checker process a module)
 
 
 @pytest.fixture()
@@ -24,22 +25,6 @@ def ui(tmp_path):
     ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [str(tmp_path / "data")])
     yield ui
     ui.close()
-
-
-@pytest.fixture(scope="module")
-def checker(tmp_path_factory):
-    """One config checker process for the module (its start imports torch: seconds)."""
-    checker = ConfigChecker(os.path.realpath(tmp_path_factory.mktemp("checker_workdir")))
-    yield checker
-    checker.close()
-
-
-@pytest.fixture()
-def checked_ui(tiny_set, tmp_path, checker):
-    ui = WebUI(str(tmp_path / "jobs"), checker.workdir, [tiny_set["root"], str(tmp_path), checker.workdir])
-    ui.checker = checker
-    yield ui
-    ui.runner.close()
 
 
 def sd_scripts_config(tiny_set, folder, **extra) -> str:

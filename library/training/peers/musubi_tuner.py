@@ -32,6 +32,7 @@ from library.training.peers.rules import (
     is_true,
     renamed,
     same,
+    sample_when,
     unsupported,
 )
 
@@ -343,12 +344,7 @@ def _save_last_n(t: Translation, key: str, value: Any, run: Run) -> None:
 
 
 def _sample_when(t: Translation, key: str, value: Any, run: Run) -> None:
-    if not run.flat.get("sample_prompts"):
-        t.drop(key, value, "no sample_prompts: musubi-tuner renders none")
-    elif key == "sample_every_n_steps" and run.flat.get("sample_every_n_epochs"):
-        t.drop(key, value, "with sample_every_n_epochs musubi-tuner renders the epochs' samples only")
-    else:
-        t.set(key, value, key, value)
+    sample_when(t, key, value, run.flat)
 
 
 # musubi-tuner's prompt flags ours does not read: video frames, flow shift (ours samples with the model's

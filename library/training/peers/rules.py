@@ -200,6 +200,17 @@ def copy_prompts_without(t: Translation, key: str, value: Any, read: Callable[[s
     t.files[key] = ("_prompts.txt", text if text.endswith("\n") else text + "\n")
 
 
+def sample_when(t: Translation, key: str, value: Any, given: dict[str, Any]) -> None:
+    """sample_every_n_steps / _epochs / sample_at_first as sd-scripts and musubi-tuner read them (`given`: the
+    peer's keys): nothing renders without sample_prompts, and with both intervals only the epochs' samples."""
+    if not given.get("sample_prompts"):
+        t.drop(key, value, f"no sample_prompts: {t.peer} renders none")
+    elif key == "sample_every_n_steps" and given.get("sample_every_n_epochs"):
+        t.drop(key, value, f"with sample_every_n_epochs {t.peer} renders the epochs' samples only")
+    else:
+        t.set(key, value, key, value)
+
+
 def flatten_tables(config: dict[str, Any]) -> dict[str, Any]:
     """sd-scripts' and musubi-tuner's config reading: tables are for people ([model], [training] ...),
     every leaf key is an argument."""

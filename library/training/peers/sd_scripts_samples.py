@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from library.training.peers.rules import Rule, Translation, copy_prompts_without, custom, ignored, is_off
+from library.training.peers.rules import Rule, Translation, copy_prompts_without, custom, ignored, is_off, sample_when
 
 SAMPLE_KEYS = ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first")  # when sd-scripts renders samples
 # The flags its samples read, with the patterns train_util.line_to_prompt_dict matches their values by
@@ -31,17 +31,8 @@ def _sample_prompts(t: Translation, key: str, value: Any) -> None:
         copy_prompts_without(t, key, value, sample_flag_read, "sd-scripts' samples skip them, ours refuses them")
 
 
-def _sample_key(t: Translation, key: str, value: Any) -> None:
-    if not t.given.get("sample_prompts"):
-        t.drop(key, value, "no sample_prompts: sd-scripts renders nothing")
-    elif key == "sample_every_n_steps" and t.given.get("sample_every_n_epochs"):
-        t.drop(key, value, "sd-scripts renders the epochs' samples only when both are set")
-    else:
-        t.set(key, value, key, value)
-
-
 RULES: dict[str, Rule] = {
     "sample_prompts": custom(_sample_prompts),
-    **{key: custom(_sample_key) for key in SAMPLE_KEYS},
+    **{key: custom(lambda t, key, value: sample_when(t, key, value, t.given)) for key in SAMPLE_KEYS},
     "sample_sampler": ignored("sd-scripts' samples of these models ignore it (Euler, as ours)"),
 }
