@@ -312,3 +312,11 @@ def test_a_resolution_too_small_for_its_buckets_is_one_line():
     dataset = {"datasets": [{"image_directory": "/i", "resolution": 8, "enable_bucket": True}]}
     with pytest.raises(ValueError, match=r"^d.toml: resolution: 8 is too small for its buckets"):
         musubi_tuner.translate({"network_module": "networks.lora_zimage"}, "c.toml", dataset=dataset, dataset_source="d.toml")
+
+
+def test_a_command_lines_words_become_numbers_only_where_they_read_back_as_written():
+    """`--output_name 001` became 1 (the LoRA named 1.safetensors); numbers and flags as before."""
+    assert argv_to_dict(["--output_name", "001", "--network_dim", "16", "--learning_rate", "1e-4", "--w", "-0.5",
+                         "--sdpa", "--seed", "+3", "--name", "nan"]) == {
+        "output_name": "001", "network_dim": 16, "learning_rate": 1e-4, "w": -0.5, "sdpa": True, "seed": "+3",
+        "name": "nan"}

@@ -246,11 +246,19 @@ def _append(flat: dict[str, Any], key: str, word: str) -> None:
 
 
 def _number(value: Any) -> Any:
+    """A command line's word as its TOML would hold it: a number where it reads back as written ("001", an
+    output_name, stays text: 1 would name another file; "1e-4", "0.5" are numbers), true / false, else text."""
     if not isinstance(value, str):
         return value
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
+    try:
+        if str(int(value)) == value:
+            return int(value)
+    except ValueError:
+        pass
+    try:
+        number = float(value)
+        if not value.lstrip("+-").isdigit():  # "001": text, as above; "inf" / "nan" are words too
+            return number if value.lower().lstrip("+-") not in ("inf", "infinity", "nan") else value
+    except ValueError:
+        pass
     return {"true": True, "false": False}.get(value.lower(), value)
