@@ -130,14 +130,13 @@ def tell_peer(args, config: dict, source: str, script: str | None) -> str:
 def dataset_of(args, config: dict, source: str) -> tuple[dict | None, str | None]:
     """The peer's dataset TOML: --dataset_config, else the file its config names (relative to where the
     peer would have run: the working folder, then the config's folder)."""
-    from library.training.peers.rules import flatten_tables
+    from library.training.peers.rules import flatten_tables, peer_file
 
     path = args.dataset_config or flatten_tables(config).get("dataset_config")
     if not path or not isinstance(path, str):
         return None, None
-    if not args.dataset_config and not os.path.isfile(path) and source != "command line":
-        beside = os.path.join(os.path.dirname(source), path)
-        path = beside if os.path.isfile(beside) else path
+    if not args.dataset_config:
+        path = peer_file(path, source)
     if not os.path.isfile(path):
         raise ValueError(f"{path}: no such file (the dataset config {'--dataset_config' if args.dataset_config else source} names)")
     return read_toml_file(path, "dataset config"), path
@@ -197,24 +196,26 @@ def check_written(out: str, t: Translation) -> str:
 
     try:
         args = load_config(["--config_file", out])
+        blueprint = None
         if getattr(args, "dataset_config", None):  # the dataset TOML written beside it, as train_lora.py reads it
             from library.data.dataset_config import load_dataset_config
 
-            load_dataset_config(args.dataset_config)
+            blueprint = load_dataset_config(args.dataset_config)
     except (ConfigError, ValueError, OSError) as e:
         return " ".join(str(e).split())
     paths = [(k, t.config[k]) for k in INPUT_PATH_KEYS if isinstance(t.config.get(k), str) and t.config[k]]
-    paths += [("image_dir", d) for d in dataset_folders(t.dataset)]
+    paths += dataset_folders(blueprint)
     missing = list(dict.fromkeys(f"{k} = {p}" for k, p in paths if not os.path.exists(p)))
     return ("train_lora.py reads it as written" + (f"; not on this machine: {', '.join(missing)}" if missing else ""))
 
 
-def dataset_folders(dataset: dict | None) -> list[str]:
-    """The image and reference folders of our dataset TOML's subsets (as written: relative to the working folder)."""
+def dataset_folders(blueprint) -> list[tuple[str, str]]:
+    """(key, folder) of the image, mask and reference folders of the dataset as train_lora.py read it (a key
+    given in [general] or [[datasets]] too: it falls back as the loader's)."""
     folders = []
-    for block in (dataset or {}).get("datasets", []):
-        for subset in block.get("subsets", []):
-            folders += [subset[k] for k in ("image_dir", "control_directory", "mask_dir") if isinstance(subset.get(k), str)]
+    for spec in [*blueprint.datasets, *blueprint.validation_datasets] if blueprint is not None else []:
+        for subset in spec.subsets:
+            folders += [(k, getattr(subset, k)) for k in ("image_dir", "mask_dir", "control_directory") if getattr(subset, k)]
     return folders
 
 

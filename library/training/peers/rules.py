@@ -161,6 +161,17 @@ def apply_rules(t: Translation, flat: dict[str, Any], rules: dict[str, Rule]) ->
         apply_rule(t, key, value, rules.get(key))
 
 
+def peer_file(path: str, source: str) -> str:
+    """A file a peer's config names, where the peer would have found it: the working folder's, else the one
+    beside the config (`source`; a command line has no folder); `path` as given where neither exists."""
+    import os
+
+    if os.path.isfile(path) or source == "command line":
+        return path
+    beside = os.path.join(os.path.dirname(source), path)
+    return beside if os.path.isfile(beside) else path
+
+
 def copy_prompts_without(t: Translation, key: str, value: Any, read: Callable[[str], bool], why: str) -> None:
     """A peer's prompt file (value: its path) as our sample_prompts; where its lines have flags the peer does not
     read (read(part) false for the text after a --), which ours refuses, a copy without them beside our config
@@ -176,10 +187,7 @@ def copy_prompts_without(t: Translation, key: str, value: Any, read: Callable[[s
         return
     if not isinstance(value, str):
         raise ValueError("expected the path of a prompt file")
-    path = value
-    if not os.path.isfile(path) and t.source != "command line":
-        beside = os.path.join(os.path.dirname(t.source), path)
-        path = beside if os.path.isfile(beside) else path
+    path = peer_file(value, t.source)
     if not os.path.isfile(path) or path.lower().endswith((".toml", ".json")):  # its objects: read as they are
         t.set(key, value, key, value, note="" if os.path.isfile(path) else "not on this machine: unchecked")
         return
