@@ -461,3 +461,30 @@ def test_a_lokr_applied_after_a_lora_on_a_quantized_base_keeps_the_lora():
     lora_only = quantized(*x)
     lora.remove()
     assert (lora_only - quantized(*x)).abs().max() > 1e-3  # (the LoRA alone changes the output)
+
+
+def test_a_lycoris_network_weights_file_of_other_shapes_or_modules_stops_the_run_before_caching(tmp_path):
+    """lycoris.kohya's network_weights was loaded only once the model had loaded, after caching: a LoKr file of
+    another factor (other lokr_w1 / lokr_w2 shapes) or of modules the run's selection leaves out stopped the run
+    there. check_network_fits now builds the LyCORIS network on the meta model and loads the file into it."""
+    from types import SimpleNamespace
+
+    from library.training.lora_inputs import check_network_fits
+
+    other_factor, all_blocks = str(tmp_path / "factor8.safetensors"), str(tmp_path / "all.safetensors")
+    LycorisNetwork(tiny_flux(), "flux", 4, 2.0, network_args={"algo": "lokr", "factor": 8}).save(other_factor)
+    LycorisNetwork(tiny_flux(), "flux", 4, 2.0, network_args=LOKR).save(all_blocks)
+
+    def check(path, network_args):
+        args = SimpleNamespace(config_file="run.toml", network_module="lycoris.kohya", network_weights=path,
+                               network_dim=4, network_alpha=2.0, network_args=network_args, network_dropout=None,
+                               dim_from_weights=False, base_loras=None)
+        check_network_fits(args, "flux", lambda: tiny_flux().to("meta"))
+
+    check(all_blocks, ["algo=lokr", "factor=4"])  # the file of the run's own args loads
+    with pytest.raises(ConfigError, match=r"run\.toml: key 'network_weights': .*factor8\.safetensors: key "
+                                          r"'lora_unet_double_blocks_0_img_attn_qkv\.lokr_w2' is not a tensor"):  # full-matrix there
+        check(other_factor, ["algo=lokr", "factor=4"])
+    with pytest.raises(ConfigError, match=r"run\.toml: key 'network_weights': .*all\.safetensors: key "
+                                          r"'lora_unet_double_blocks_.*' is not a tensor of this LyCORIS network"):
+        check(all_blocks, ["algo=lokr", "factor=4", "train_blocks=single"])

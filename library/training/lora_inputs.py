@@ -54,8 +54,8 @@ def check_network_fits(args, arch: str, meta_model) -> None:
     pattern matching no module, a selection of none) are a ConfigError now, not after minutes of caching; and
     network_weights loaded into it as the run loads it later: a module of another rank than the network's
     (network_weights keeps the network's ranks, as sd-scripts does without dim_from_weights), a name no Linear of
-    the model has. The load's warnings are the run's. lycoris.kohya: only our selection of its targets
-    (lycoris_targets), which judges the same args; LyCORIS builds its modules from the target weights. Each of
+    the model has. The load's warnings are the run's. lycoris.kohya: our selection of its targets (lycoris_targets),
+    which judges the same args, or the network built when network_weights must load into it. Each of
     base_loras is read onto the model as the merge reads it (a module the model lacks is named now)."""
     import warnings
 
@@ -96,15 +96,15 @@ def _check_base_loras_fit(args, arch: str, model, where: str) -> None:
 
 
 def _network_on_meta(args, arch: str, model):
-    """networks.lora: the run's network on the meta `model`; lycoris.kohya: None, once lycoris_targets has judged
-    the selection args on it."""
+    """The run's network on the meta `model`; lycoris.kohya without network_weights: None, once lycoris_targets has
+    judged the selection args on it (with them, the network their file loads into: its shapes follow the args)."""
     import torch
 
     from library.training.config import lora_network_args, network_modules_from
     from networks.factory import build_network
 
     network_args = lora_network_args(args)
-    if (args.network_module or "networks.lora") == "lycoris.kohya":
+    if (args.network_module or "networks.lora") == "lycoris.kohya" and not args.network_weights:
         from networks.lycoris_network import lycoris_targets
 
         lycoris_targets(model, arch, args.network_dim, network_args)
