@@ -466,3 +466,21 @@ def test_a_value_of_another_type_is_one_line_naming_the_key():
     with pytest.raises(ValueError, match=r"^x\.toml: learning_rate = \[\]: float\(\) argument"):
         sd_scripts.translate({"learning_rate": []}, "x.toml")  # was a TypeError: a traceback
 
+
+
+@pytest.mark.parametrize("value, steps, verdict, ours", [
+    (100, 1000, "kept", 100), (0.05, None, "kept", 0.05),
+    ("10%", None, "renamed", 0.1),  # sd-scripts' int_or_float: was kept as the text '10%', which ours refused
+    (1.0, 600, "renamed", 600),  # a TOML float: 1.0 x the run's steps there, 1 step here
+    ("100%", None, "not carried", None),  # no max_train_steps to count it in
+])
+def test_lr_warmup_steps_is_read_as_the_peers_read_it(value, steps, verdict, ours):
+    """sd-scripts and musubi-tuner read lr_warmup_steps with int_or_float: "10%" and any float are a fraction of
+    the run's steps; ours reads a number under 1 as the fraction and one of 1 or more as steps."""
+    from library.training.peers import musubi_tuner
+
+    given = {"lr_warmup_steps": value, **({"max_train_steps": steps} if steps else {})}
+    for t in (sd_scripts.translate({"network_train_unet_only": True, **given}, "x.toml"),
+              musubi_tuner.translate({"network_module": "networks.lora_zimage", **given}, "x.toml")):
+        assert {line.key: line.verdict for line in t.lines}["lr_warmup_steps"] == verdict
+        assert t.config.get("lr_warmup_steps") == ours

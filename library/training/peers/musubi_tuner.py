@@ -34,6 +34,7 @@ from library.training.peers.rules import (
     same,
     sample_when,
     unsupported,
+    warmup_steps,
 )
 
 PEER = "musubi-tuner"
@@ -365,12 +366,6 @@ def _read_by_scheduler(scheduler: str, t: Translation, key: str, value: Any, run
         t.drop(key, value, f"read by lr_scheduler {scheduler} only")
 
 
-def _lr_warmup_steps(value: Any) -> float:
-    if isinstance(value, str) and value.endswith("%"):
-        return float(value[:-1]) / 100
-    return float(value)
-
-
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
 
 
@@ -442,7 +437,7 @@ RULES: dict[str, Rule] = {
     "optimizer_args": same(convert=_as_list),
     "learning_rate": same(), "max_grad_norm": same(),
     "lr_scheduler": same(convert=_scheduler),
-    "lr_warmup_steps": same(convert=_lr_warmup_steps),
+    "lr_warmup_steps": joint(lambda t, key, value, run: warmup_steps(t, key, value, run.flat)),
     "lr_decay_steps": unsupported("a decay length of its own: ours decays over the run"),
     "lr_scheduler_num_cycles": joint(partial(_read_by_scheduler, "cosine_with_restarts")),
     "lr_scheduler_power": joint(partial(_read_by_scheduler, "polynomial")),

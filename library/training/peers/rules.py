@@ -219,6 +219,27 @@ def sample_when(t: Translation, key: str, value: Any, given: dict[str, Any]) -> 
         t.set(key, value, key, value)
 
 
+def warmup_steps(t: Translation, key: str, value: Any, given: dict[str, Any]) -> None:
+    """lr_warmup_steps as sd-scripts and musubi-tuner read it (train_util.int_or_float; get_scheduler_fix): "10%"
+    and a float are a fraction of the run's steps, an int a step count. Ours reads a number under 1 as the fraction
+    and one of 1 or more as steps, so "10%" is written 0.1 (ours refused the text) and a fraction of 1 or more
+    ("100%", a TOML 1.0: the whole run there, 1 step here) as int(fraction x max_train_steps) steps."""
+    text = value.strip() if isinstance(value, str) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not (text and text.endswith("%")):
+        raise ValueError("expected a step count, a fraction of the steps or a percentage")
+    fraction = float(text[:-1]) / 100 if text else value if isinstance(value, float) else None
+    if fraction is None or fraction < 1:
+        t.set(key, value if fraction is None else fraction, key, value, RENAMED if text else KEPT,
+              note="a fraction of the steps" if text else "")
+    elif isinstance(given.get("max_train_steps"), int):
+        steps = int(fraction * given["max_train_steps"])
+        t.set(key, steps, key, value, RENAMED, note=f"{t.peer} reads {value!r} as {fraction:g} x the run's "
+                                                     f"{given['max_train_steps']} steps; ours takes steps from 1 up")
+    else:
+        t.refuse(key, value, f"{t.peer} reads it as {fraction:g} x the run's steps, which the config does not give "
+                             f"(max_train_steps): write our lr_warmup_steps as steps")
+
+
 def flatten_tables(config: dict[str, Any]) -> dict[str, Any]:
     """sd-scripts' and musubi-tuner's config reading: tables are for people ([model], [training] ...),
     every leaf key is an argument."""

@@ -33,7 +33,7 @@ from library.training.config import SCHEMA
 from library.training.peers import kohya_ss, sd_scripts_dataset as dataset_rules, sd_scripts_samples
 from library.training.peers.rules import (
     DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, custom, flatten_tables, ignored, implied,
-    is_off, is_true, same, unless_off, unsupported,
+    is_off, is_true, same, unless_off, unsupported, warmup_steps,
 )
 
 # sd-scripts' parser defaults that the rules below read where the config leaves a key out.
@@ -687,7 +687,7 @@ RULES: dict[str, Rule] = {
     "learning_rate": custom(_learning_rate),
     "max_grad_norm": same(),
     "lr_scheduler": custom(_lr_scheduler),
-    "lr_warmup_steps": same(),
+    "lr_warmup_steps": custom(lambda t, key, value: warmup_steps(t, key, value, t.given)),
     **{key: custom(_scheduler_key) for key in SCHEDULER_KEYS},
     "lr_scheduler_type": unsupported("a scheduler class of its own: ours runs the diffusers schedules"),
     "lr_scheduler_args": unsupported("arguments of a scheduler class (lr_scheduler_type): ours has none"),
