@@ -55,6 +55,7 @@ from library.training.run_length import check_planned_steps, epoch_steps, plan_s
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
+from library.training.schedule_free import OptimizerModes  # noqa: E402
 from library.training.state import (SavedState, check_trainable_fit, item_digests, load_state,  # noqa: E402
                                     restore_rng, rng_states, sample_seed, save_state)
 from library.training.task import Task  # noqa: E402
@@ -250,8 +251,9 @@ class Saver:
 
     def __init__(self, args, task, accelerator, started: float, max_steps: int, epochs: int,
                  ema: TrainableEMA | None = None, saves: list[int] | None = None,
-                 earlier_emas: dict[str, list[str]] | None = None):
+                 earlier_emas: dict[str, list[str]] | None = None, reading=contextlib.nullcontext):
         self.args, self.task, self.accelerator, self.started, self.ema = args, task, accelerator, started, ema
+        self.reading = reading  # the weights as saved: a schedule-free optimizer's average (OptimizerModes.reading)
         self.earlier_emas = earlier_emas or {}  # LoRA name -> an earlier run's EMAs of it, removed as it is replaced
         self.max_steps = max_steps  # as planned (max_train_epochs counted in); a Ctrl-C save has trained fewer
         self.epochs = epochs  # as planned, a resumed run's earlier epochs counted in (planned_epochs)
@@ -264,6 +266,10 @@ class Saver:
         """The LoRA of `step`, which falls in `epoch` (from 1: Trainer.save_epoch)."""
         name = lora_save_name(self.args.output_name, None if final else step)
         path = os.path.join(self.args.output_dir, name + ".safetensors")
+        with self.reading():  # on every process: each switches its own copy of the weights
+            return self._write_lora(name, path, step, epoch, final, prune)
+
+    def _write_lora(self, name: str, path: str, step: int, epoch: int, final: bool, prune: bool) -> str:
         if self.accelerator.is_main_process:
             metadata = lora_metadata(self.args, self.task, step, epoch, self.max_steps, self.epochs, self.started)
             # A task may write a folder (PEFT adapter, pretrained model) and/or the file: it says which.
@@ -379,6 +385,8 @@ class Trainer:
             self.module, self.optimizer = fsdp.prepare(accelerator, task.module, optimizer)
         else:
             self.module, self.optimizer = accelerator.prepare(task.module, optimizer)
+        self.modes = OptimizerModes(self.optimizer)  # a schedule-free one: steps in train mode, read in eval mode
+        self.modes.train()
         self.step, self.epoch, self.batches_done = 0, 0, 0
         self.val_loss = None  # the latest, shown in the progress bar between validations
         self.norm_counts = {}  # scale_weight_norms' counts of this step, for its log row
@@ -401,7 +409,8 @@ class Trainer:
         saves = resumed_saves(state.progress, args) if state else None
         epochs = planned_epochs(args, task.batches_per_epoch(), self.max_steps, self.step, self.epoch,
                                 self.batches_done)
-        self.saver = Saver(args, task, accelerator, self.started, self.max_steps, epochs, self.ema, saves, earlier)
+        self.saver = Saver(args, task, accelerator, self.started, self.max_steps, epochs, self.ema, saves, earlier,
+                           self.modes.reading)
 
     def save_epoch(self) -> int:
         """The epoch a save now falls in, from 1 (ss_epoch, sd-scripts' loop counter + 1): the one in
@@ -566,7 +575,7 @@ class Trainer:
         use_ema = self.ema is not None and self.args.sample_with_ema
         rng = rng_states()
         try:
-            with self.evaluating(), self.ema.swapped_in() if use_ema else contextlib.nullcontext():
+            with self.evaluating(), self.modes.reading(), self.ema.swapped_in() if use_ema else contextlib.nullcontext():
                 yield
         finally:
             restore_rng(rng)
@@ -695,7 +704,7 @@ class Trainer:
         if self.task.validation_size():  # a val_loss column from the first row on, empty between validations
             extras["val_loss"] = None
             if self.validation_due(self.step + 1):
-                with self.evaluating():
+                with self.evaluating(), self.modes.reading():
                     self.val_loss = extras["val_loss"] = self.task.validation_loss()
         extras.update(timing)
         values = {"loss": loss}

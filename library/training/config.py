@@ -97,7 +97,8 @@ SCHEMA: dict[str, Arg] = {
                                           "0.02 / sqrt(2 * num_layers) as in GPT-2 (false: 0.02 like the other matrices)"),
     # optimisation
     "optimizer_type": A(str, "AdamW", "AdamW, AdamW8bit, Prodigy, Adafactor, SGDNesterov, DAdaptAdam, any torch.optim or "
-                                      "bitsandbytes optimizer, or module.Class (schedule-free ones refused)"),
+                                      "bitsandbytes optimizer, AdamWScheduleFree / RAdamScheduleFree / SGDScheduleFree "
+                                      "(schedulefree's), or module.Class"),
     "optimizer_args": A(list, [], "optimizer options as 'key=value' strings (values are Python literals)"),
     "learning_rate": A(float, 1e-4, "base learning rate (for Prodigy: 1.0, the step is d * lr)"),
     "lr_scheduler": A(str, "constant", "diffusers scheduler", ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")),
@@ -439,13 +440,16 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     _check_steps_override(values, origins)
     args = argparse.Namespace(**values, config_file=cli.config_file)
     where = cli.config_file or "command line"
-    validate(args, where, origins)
     from library.training.optim import check_optimizer, check_scheduler, optimizer_class  # here: it loads torch
+    from library.training.schedule_free import check_schedule_free_run, is_schedule_free_class
 
     try:  # the type alone first: its error is the one key's
-        optimizer_class(args.optimizer_type)
+        optimizer = optimizer_class(args.optimizer_type)
     except ConfigError as e:
         raise ConfigError(f"{blame(origins, where, 'optimizer_type')}: {e}") from None
+    if is_schedule_free_class(optimizer):  # before validate, whose lr_warmup_steps line names another schedule
+        check_schedule_free_run(args, origins, where)
+    validate(args, where, origins)
     ratio = lora_network_args(args).get("loraplus_lr_ratio")
     group_lrs = f"network_args 'loraplus_lr_ratio={ratio}'" if ratio not in (None, 1, "1") else None
     try:  # fail now, not after minutes of caching

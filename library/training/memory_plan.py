@@ -50,6 +50,7 @@ OPTIMIZER_STATE_BYTES = {
     "adamw": 8, "adam": 8, "adamw32bit": 8, "pagedadamw": 8, "pagedadamw32bit": 8, "lion": 4, "ademamix": 12,
     "prodigy": 16,  # exp_avg, exp_avg_sq, s, p0
     "adafactor": 4, "sgd": 4, "sgdnesterov": 4, "rmsprop": 4, "adagrad": 4,
+    "adamwschedulefree": 8, "radamschedulefree": 8, "sgdschedulefree": 4,  # z (+ exp_avg_sq)
     # bitsandbytes' 8-bit states: a byte each, and a float32 absmax per block of 256
     **dict.fromkeys(("adamw8bit", "pagedadamw8bit"), 2 * (1 + 4 / 256)),
     **dict.fromkeys(("lion8bit", "pagedlion8bit", "sgd8bit"), 1 + 4 / 256),

@@ -16,6 +16,7 @@ import torch
 
 from library.errors import ConfigError
 from library.io import append_csv_row, atomic_path
+from library.training.schedule_free import OptimizerModes
 
 BNB_OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit", "Lion8bit", "PagedLion8bit", "SGD8bit", "AdEMAMix8bit", "PagedAdamW")
 
@@ -41,17 +42,17 @@ PEER_OPTIMIZERS = {
     **{name.lower(): ("dadaptation", name, {}) for name in ("DAdaptAdaGrad", "DAdaptAdam", "DAdaptAdan", "DAdaptLion",
                                                              "DAdaptSGD")},
     "adafactor": ("transformers.optimization", "Adafactor", {}),
+    # schedule-free (library/training/schedule_free.py: switched to eval mode while the weights are read)
+    **{name.lower(): ("schedulefree", name, {}) for name in ("AdamWScheduleFree", "RAdamScheduleFree", "SGDScheduleFree")},
 }
 
 
 def optimizer_class(optimizer_type: str):
-    """The optimizer class for `optimizer_type`; ConfigError naming it if unknown, not installed or
-    schedule-free. A bare name is looked up as sd-scripts does: its own names, then torch.optim's
-    classes, then bitsandbytes.optim's (any case)."""
+    """The optimizer class for `optimizer_type`; ConfigError naming it if unknown or not installed. A bare
+    name is looked up as sd-scripts does: its own names, then torch.optim's classes, then bitsandbytes.optim's
+    (any case)."""
     name = optimizer_type
     lower = name.lower()
-    if lower.endswith("schedulefree"):  # sd-scripts' AdamWScheduleFree, RAdamScheduleFree, SGDScheduleFree
-        raise ConfigError(schedule_free_refusal(name))
     try:
         if lower == "adamw":
             return torch.optim.AdamW
@@ -74,23 +75,12 @@ def optimizer_class(optimizer_type: str):
             found = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
             raise ConfigError(f"optimizer_type '{name}': cannot import {class_name} from {module_name}") from None
-        if (isinstance(found, type) and issubclass(found, torch.optim.Optimizer)  # (an nn.Module has train / eval too)
-                and callable(getattr(found, "train", None)) and callable(getattr(found, "eval", None))):
-            raise ConfigError(schedule_free_refusal(name))
         return found
     if found := torch_optimizer(lower) or bnb_optimizer(lower):
         return found
     raise ConfigError(f"optimizer_type '{name}' is unknown (AdamW, AdamW8bit, Prodigy, {', '.join(BNB_OPTIMIZERS[1:])}, "
                       f"Adafactor, SGDNesterov, DAdaptAdam and sd-scripts' other DAdapt names, a torch.optim or "
                       f"bitsandbytes.optim class, or module.Class)")
-
-
-def schedule_free_refusal(name: str) -> str:
-    """A schedule-free optimizer steps at one point of its weights and is read (saved, sampled) at another:
-    it needs optimizer.train() / .eval() around every step, sample and save (sd-scripts and musubi-tuner
-    call them), and this trainer calls neither (its step raised after caching and loading)."""
-    return (f"optimizer_type '{name}' is schedule-free (its weights are stepped in train mode and read in eval mode), "
-            f"which this trainer does not switch; use AdamW or Prodigy with an lr_scheduler")
 
 
 def torch_optimizer(lower: str):
@@ -178,6 +168,7 @@ def check_optimizer(optimizer_type: str, lr: float, optimizer_kwargs: dict, grou
     try:  # values the constructor takes and its step refuses (betas of three: "too many values to unpack")
         # A nonzero gradient: on a zero one Prodigy returns before its d update and never reads growth_rate.
         stand_in.grad = torch.ones_like(stand_in)
+        OptimizerModes(built).train()  # a schedule-free step refuses eval mode, which it is built in
         built.step()
     except (TypeError, ValueError, IndexError, KeyError) as e:
         given = ", ".join(f"{k}={v!r}" for k, v in optimizer_kwargs.items())
@@ -237,7 +228,8 @@ def effective_lrs(optimizer, ds: list[float] | None = None) -> dict[str, float]:
     adaptive = adapts_step_size(optimizer)
     ds = ds if ds is not None else [g.get("d") for g in optimizer.param_groups]
     for name, g, d in zip(group_names(optimizer), optimizer.param_groups, ds):
-        out[f"lr/{name}"] = float(g["lr"])
+        # schedulefree: its own warmup's lr the step applied ("scheduled_lr", set by each step), lr before one
+        out[f"lr/{name}"] = float(g["scheduled_lr"] if g.get("k") and "scheduled_lr" in g else g["lr"])
         if adaptive:
             out[f"d*lr/{name}"] = float(d) * float(g["lr"])
     return out
