@@ -320,3 +320,27 @@ def test_a_command_lines_words_become_numbers_only_where_they_read_back_as_writt
                          "--sdpa", "--seed", "+3", "--name", "nan"]) == {
         "output_name": "001", "network_dim": 16, "learning_rate": 1e-4, "w": -0.5, "sdpa": True, "seed": "+3",
         "name": "nan"}
+
+
+def test_the_peer_reads_a_familys_musubi_names_from_its_spec_only(monkeypatch):
+    """musubi_tuner.py names no model: the spec's peer_models["musubi-tuner"] is what it maps. A spec whose script,
+    LoRA module, version and draw are renamed is read by the new names, and the old script is then refused."""
+    from dataclasses import replace
+
+    from library.models.registry import arch_specs, spec_of
+    from library.models.spec import MusubiModels, PeerDraw
+    from library.training.peers import musubi_models
+
+    renamed = MusubiModels("zeta_train_network.py", "networks.lora_zeta", "zimage", versions={"turbo": {"model_type": "zimage"}},
+                           versions_unread="read from the checkpoint", draws={"zeta_shift": PeerDraw("shift")}, swap_scale=3)
+    specs = {arch: replace(spec, peer_models={**spec.peer_models, "musubi-tuner": renamed}) if arch == "zimage" else spec
+             for arch, spec in arch_specs().items()}
+    monkeypatch.setattr(musubi_models, "arch_specs", lambda: specs)
+    monkeypatch.setattr(musubi_models, "spec_of", lambda model_type: specs[spec_of(model_type).arch])
+    t = musubi_tuner.translate({"network_module": "networks.lora_zeta", "model_version": "turbo",
+                                "timestep_sampling": "zeta_shift", "blocks_to_swap": 4}, "c.toml", script="zeta_train_network.py")
+    assert {k: t.config[k] for k in ("model_type", "network_module", "timestep_sampling", "blocks_to_swap")} == {
+        "model_type": "zimage", "network_module": "networks.lora", "timestep_sampling": "shift", "blocks_to_swap": 12}
+    assert verdict_of(t, "model_version") == (DROPPED, "read from the checkpoint")
+    with pytest.raises(ValueError, match="zimage_train_network.py: not one of musubi-tuner's image LoRA scripts"):
+        musubi_tuner.translate({}, "c.toml", script="zimage_train_network.py")

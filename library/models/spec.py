@@ -333,6 +333,60 @@ class LearnedBase:
 
 
 # ----------------------------------------------------------------------------------------------
+# Peer trainers' names for a folder's models (tools/convert_config.py, library/training/peers/)
+
+
+@dataclass(frozen=True)
+class PeerDraw:
+    """A peer's timestep_sampling value that is one family's resolution shift (musubi-tuner's qwen_shift ...)."""
+    ours: str  # our timestep_sampling for it on this family's latents
+    note: str = ""  # the line's note where ours is named otherwise
+    # why another model takes none of it ("": a model of the same token layout takes it as is, a token-grid one
+    # refuses it: there it counts a quarter of the tokens)
+    elsewhere: str = ""
+    reads_sigmoid_scale: bool = True  # the draw is sigmoid(sigmoid_scale * randn), shifted
+
+
+@dataclass(frozen=True)
+class PeerLoRAArg:
+    """A network_args item ours needs to train the modules a peer's LoRA module trains on this model."""
+    item: str  # the item; "in_dims=network_dim": every embedder of the spec's lora.in_dim_types at the config's rank
+    why: str
+    # "": always; "exclude_patterns": not where the config gives them (they replace the peer's default, which this
+    # item stands for); "lora": with the peer's LoRA module only (not its LyCORIS ones)
+    unless: str = ""
+
+
+@dataclass(frozen=True)
+class MusubiModels:
+    """How musubi-tuner names this folder's models (library/training/peers/musubi_tuner.py, musubi_dataset.py):
+    one training script and LoRA module per family, its version keys the variant."""
+    script: str  # its training script ("<name>_train_network.py")
+    lora_module: str  # its LoRA module ("networks.lora_<name>")
+    model_type: str  # our model_type its script and module train (without a version key)
+    # its model_version values -> our keys (model_type, and model_version where ours has one)
+    versions: dict[str, dict[str, str]] = field(default_factory=dict)
+    # its version switches (edit_plus = true) -> the model_version value each stands for, in the order it reads them
+    version_switches: dict[str, str] = field(default_factory=dict)
+    versions_unread: str = ""  # why a version without our model_version is left to ours ("" : model_type says it)
+    # our model_types that train on its control_directory -> how ours sizes a reference: "target" (to its target's
+    # bucket, musubi-tuner's default there), "area" (at the resolution's area, its own aspect)
+    references: dict[str, str] = field(default_factory=dict)
+    layered: dict[str, str] = field(default_factory=dict)  # our model_types that train on its multiple_target -> name
+    # its per-model dataset keys it renames (load_user_config) -> the name it reads them by
+    dataset_renames: dict[str, str] = field(default_factory=dict)
+    text_encoder_files: dict[str, str] = field(default_factory=dict)  # its text_encoder1 / 2 -> our key
+    # ours' blocks_to_swap per one of its (it swaps N // 2 double blocks and 2 (N - N // 2) single: ~2 N single)
+    swap_scale: int = 1
+    draws: dict[str, PeerDraw] = field(default_factory=dict)  # its timestep_sampling values that are this model's
+    default_draw: str = "sigma"  # its script's timestep_sampling default
+    token_grid: bool = False  # its latents are the token grid (else a 2x2 patch of them is one token)
+    logsnr_draws: tuple[str, ...] = ()  # its logSNR-normal draws named after this model (ours has none)
+    lora_args: tuple[PeerLoRAArg, ...] = ()
+    ignored_args: dict[str, str] = field(default_factory=dict)  # its script's own arguments ours reads nothing of -> why
+
+
+# ----------------------------------------------------------------------------------------------
 # The spec
 
 
@@ -368,9 +422,10 @@ class ArchSpec:
     # is the release or begins it followed by "-" names it (modelspec_of).
     modelspec: dict[str, ModelSpecNames] | None = None
     # peer (library/training/peers PEERS name) -> {the peer's name for one of this folder's models (ai-toolkit's
-    # model.arch, ...): the config keys that name that model here (model_type, and model_version where the peer's
-    # name says it)}: tools/convert_config.py reads a peer's config by it, and refuses a name no spec lists.
-    peer_models: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
+    # model.arch, ...): the config keys that name that model here (model_type, and model_version
+    # where the peer's name says it)}, or for musubi-tuner its MusubiModels: tools/convert_config.py reads a peer's
+    # config by it, and refuses a name no spec lists. Adding a family a peer trains is a line here, not in the peer.
+    peer_models: dict[str, dict[str, dict[str, str]] | MusubiModels] = field(default_factory=dict)
 
     def __post_init__(self):
         _check_type(self, ArchSpec, "SPEC")

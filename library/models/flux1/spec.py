@@ -154,6 +154,24 @@ MODELSPEC = {
 }
 
 
+# -- musubi-tuner's names (library/training/peers/musubi_tuner.py): it trains Kontext [dev] only. Its
+# text_encoder1 / 2 are T5-XXL / CLIP-L; its blocks_to_swap counts as sd-scripts' (N // 2 double blocks, twice
+# the rest in single ones); its default exclude_patterns leave the modulation out; references fit their target.
+MUSUBI = S.MusubiModels(
+    script="flux_kontext_train_network.py",
+    lora_module="networks.lora_flux",
+    model_type="flux_kontext",
+    references={"flux_kontext": "target"},
+    dataset_renames={"flux_kontext_no_resize_control": "no_resize_control"},
+    text_encoder_files={"text_encoder1": "t5xxl", "text_encoder2": "clip_l"},
+    swap_scale=2,
+    draws={"flux_shift": S.PeerDraw("flux_shift")},
+    logsnr_draws=("qinglong_flux",),
+    lora_args=(S.PeerLoRAArg("train_modulation=false", "its default exclude_patterns leave the modulation out",
+                             unless="exclude_patterns"),),
+)
+
+
 SPEC = S.ArchSpec(
     arch="flux",
     title="FLUX.1",
@@ -174,5 +192,6 @@ SPEC = S.ArchSpec(
     sample_guidance={"dev": 3.5, "kontext": 2.5},
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch (or its older is_flux: true): dev and schnell are one arch there and here
-    peer_models={"ai-toolkit": {"flux": {"model_type": "flux"}, "flux_kontext": {"model_type": "flux_kontext"}}},
+    peer_models={"ai-toolkit": {"flux": {"model_type": "flux"}, "flux_kontext": {"model_type": "flux_kontext"}},
+                 "musubi-tuner": MUSUBI},
 )

@@ -127,6 +127,23 @@ MODELSPEC = {
 }
 
 
+# -- musubi-tuner's names (library/training/peers/musubi_tuner.py): its model_version says [dev] / [klein], which
+# ours reads from the checkpoint. Its latents are the token grid; its blocks_to_swap counts as FLUX.1's there;
+# its flux2_shift is FLUX.1's mu line at the token count (ours: flux_shift; our flux2_shift is the empirical mu).
+MUSUBI = S.MusubiModels(
+    script="flux_2_train_network.py",
+    lora_module="networks.lora_flux_2",
+    model_type="flux2",
+    versions={v: {"model_type": "flux2"} for v in ("dev", "klein-4b", "klein-base-4b", "klein-9b", "klein-base-9b")},
+    versions_unread="ours tells FLUX.2 [dev] / [klein] 4B / 9B and a distilled [klein] from the checkpoint",
+    swap_scale=2,
+    token_grid=True,
+    draws={"flux2_shift": S.PeerDraw("flux_shift", note="its flux2_shift is FLUX.1's mu line at the token count: "
+                                                        "ours' flux_shift (our flux2_shift is the empirical mu)",
+                                     elsewhere="on this model its flux2_shift counts 4x the tokens")},
+)
+
+
 SPEC = S.ArchSpec(
     arch="flux2",
     title="FLUX.2",
@@ -146,5 +163,6 @@ SPEC = S.ArchSpec(
     sample_guidance={"dev": 4.0, "klein base": 4.0},
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch: [dev] and both [klein] sizes are one model_type here ([klein] / [dev] read from the checkpoint)
-    peer_models={"ai-toolkit": {name: {"model_type": "flux2"} for name in ("flux2", "flux2_klein_4b", "flux2_klein_9b")}},
+    peer_models={"ai-toolkit": {name: {"model_type": "flux2"} for name in ("flux2", "flux2_klein_4b", "flux2_klein_9b")},
+                 "musubi-tuner": MUSUBI},
 )

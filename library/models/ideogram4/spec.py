@@ -101,6 +101,20 @@ CONFIG_KEYS = (
 MODELSPEC = {"ideogram4": S.ModelSpecNames("Ideogram-4", "https://huggingface.co/Comfy-Org/Ideogram-4")}
 
 
+# -- musubi-tuner's names (library/training/peers/musubi_tuner.py): its script draws ideogram4_shift by default
+# (16 px per token-grid cell; another model's latents take none of it), without sigmoid_scale.
+MUSUBI = S.MusubiModels(
+    script="ideogram4_train_network.py",
+    lora_module="networks.lora_ideogram4",
+    model_type="ideogram4",
+    token_grid=True,
+    default_draw="ideogram4_shift",
+    draws={"ideogram4_shift": S.PeerDraw("ideogram4_shift", elsewhere="Ideogram 4's law on another model's latents",
+                                         reads_sigmoid_scale=False)},
+    ignored_args=dict.fromkeys(("ideogram4_timestep_mu", "ideogram4_timestep_std"), "deprecated: musubi-tuner ignores it"),
+)
+
+
 SPEC = S.ArchSpec(
     arch="ideogram4",
     title="Ideogram 4",
@@ -119,5 +133,5 @@ SPEC = S.ArchSpec(
     sample_guidance={"ideogram4": 7.0},
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch
-    peer_models={"ai-toolkit": {"ideogram4": {"model_type": "ideogram4"}}},
+    peer_models={"ai-toolkit": {"ideogram4": {"model_type": "ideogram4"}}, "musubi-tuner": MUSUBI},
 )

@@ -133,6 +133,18 @@ MODELSPEC = {
 }
 
 
+# -- musubi-tuner's names (library/training/peers/musubi_tuner.py): its LoRA module wraps every Linear, the
+# embedders and the last layer too (ours: in_dims at the rank).
+MUSUBI = S.MusubiModels(
+    script="krea2_train_network.py",
+    lora_module="networks.lora_krea2",
+    model_type="krea2",
+    draws={"krea2_shift": S.PeerDraw("krea2_shift")},
+    lora_args=(S.PeerLoRAArg("in_dims=network_dim", "it wraps every Linear: the embedders and the last layer too",
+                             unless="lora"),),
+)
+
+
 SPEC = S.ArchSpec(
     arch="krea2",
     title="Krea 2",
@@ -151,5 +163,5 @@ SPEC = S.ArchSpec(
     sample_guidance={"raw": 4.5, "turbo": 0.0},
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch (its edit mode, model_kwargs edit: true, is our krea2_edit: not read from there)
-    peer_models={"ai-toolkit": {"krea2": {"model_type": "krea2"}}},
+    peer_models={"ai-toolkit": {"krea2": {"model_type": "krea2"}}, "musubi-tuner": MUSUBI},
 )

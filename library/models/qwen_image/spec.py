@@ -116,6 +116,30 @@ MODELSPEC = {
 }
 
 
+# -- musubi-tuner's names (library/training/peers/musubi_tuner.py): one script and LoRA module; its
+# model_version (or the edit / edit_plus switches, edit_plus read first) picks the variant, "original" by default.
+# Its Edit fits each control image to its target's size, ours encodes it at the resolution's area ("area").
+_EDIT = {"model_type": "qwen_image_edit"}
+MUSUBI = S.MusubiModels(
+    script="qwen_image_train_network.py",
+    lora_module="networks.lora_qwen_image",
+    model_type="qwen_image",
+    versions={"original": {"model_type": "qwen_image"}, "layered": {"model_type": "qwen_image_layered"},
+              "edit": {**_EDIT, "model_version": "qwen-image-edit"},
+              "edit-2509": {**_EDIT, "model_version": "qwen-image-edit-2509"},
+              "edit-2511": {**_EDIT, "model_version": "qwen-image-edit-2511"}},
+    version_switches={"edit_plus": "edit-2509", "edit": "edit"},
+    references={"qwen_image_edit": "area"},
+    layered={"qwen_image_layered": "Qwen-Image-Layered"},
+    dataset_renames={"qwen_image_edit_no_resize_control": "no_resize_control",
+                     "qwen_image_edit_control_resolution": "control_resolution"},
+    draws={"qwen_shift": S.PeerDraw("qwen_shift")},
+    logsnr_draws=("qinglong_qwen",),
+    lora_args=(S.PeerLoRAArg("train_modulation=true", "its exclude '.*(_mod_).*' matches no dotted module name: "
+                                                      "it trains img_mod / txt_mod"),),
+)
+
+
 SPEC = S.ArchSpec(
     arch="qwen_image",
     title="Qwen-Image",
@@ -139,5 +163,6 @@ SPEC = S.ArchSpec(
     # which from the folder's config, 2509 when it cannot tell)
     peer_models={"ai-toolkit": {"qwen_image": {"model_type": "qwen_image"},
                                 "qwen_image_edit": {"model_type": "qwen_image_edit", "model_version": "qwen-image-edit"},
-                                "qwen_image_edit_plus": {"model_type": "qwen_image_edit"}}},
+                                "qwen_image_edit_plus": {"model_type": "qwen_image_edit"}},
+                 "musubi-tuner": MUSUBI},
 )

@@ -160,5 +160,6 @@ SPEC = S.ArchSpec(
     sample_guidance={"turbo": 0.0, "base": 5.0, "omni": 5.0},
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch: Turbo and Base (told apart by the folder's scheduler)
-    peer_models={"ai-toolkit": {"zimage": {"model_type": "zimage"}}},
+    peer_models={"ai-toolkit": {"zimage": {"model_type": "zimage"}},
+                 "musubi-tuner": S.MusubiModels("zimage_train_network.py", "networks.lora_zimage", "zimage")},
 )

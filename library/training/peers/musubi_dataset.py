@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from library.training.peers import musubi_models as models
 from library.training.peers.rules import KEPT, RENAMED, UNKNOWN, Line, Translation, is_off
 
 RESOLUTION = [960, 544]  # ImageDatasetParams' default
@@ -20,12 +21,10 @@ BUCKET_STEP = 16  # BucketSelector's steps for every image model
 SHARED = ("resolution", "caption_extension", "batch_size", "num_repeats", "enable_bucket", "bucket_no_upscale")
 SUBSET_SIDE = ("num_repeats", "caption_extension")  # ours are a subset's: a [[datasets]] value goes there
 RENAMED_KEYS = {"image_directory": ("image_dir", "subset"), "cache_directory": ("cache_dir", "dataset")}
-DEPRECATED = {"flux_kontext_no_resize_control": "no_resize_control", "qwen_image_edit_no_resize_control": "no_resize_control",
-              "qwen_image_edit_control_resolution": "control_resolution"}  # load_user_config's renames
+DEPRECATED = models.dataset_renames()  # load_user_config's renames of its per-model keys (the specs')
 VIDEO = ("video_directory", "video_jsonl_file", "target_frames", "frame_extraction", "frame_stride", "frame_sample",
          "max_frames", "source_fps")
 FRAMEPACK = ("fp_latent_window_size", "fp_1f_clean_indices", "fp_1f_target_index", "fp_1f_no_post")
-REFERENCE_MODELS = ("flux_kontext", "qwen_image_edit")  # its image models that train on control_directory here
 KNOWN = (*SHARED, *RENAMED_KEYS, *DEPRECATED, *VIDEO, *FRAMEPACK, "image_jsonl_file", "control_directory",
          "multiple_target", "no_resize_control", "control_resolution")
 
@@ -103,26 +102,29 @@ def _not_an_image_folder(entry: dict) -> str:
 
 def _references(t: Translation, label: str, key: str, value: Any, entry: dict, pick: dict, model_type: str,
                 subset: dict) -> None:
-    """control_directory and how its images are sized; multiple_target (Qwen-Image-Layered's frames)."""
+    """control_directory and how its images are sized (the spec's references: "target" or "area"); multiple_target
+    (a layered model's frames)."""
     if key == "multiple_target":
-        if model_type == "qwen_image_layered" and value:
+        layered = models.layered()
+        if model_type in layered and value:
             subset[key] = value
             t.lines.append(Line(label, value, KEPT))
         else:
-            (t.drop if is_off(value) else t.refuse)(label, value, "layered targets: Qwen-Image-Layered's only")
+            (t.drop if is_off(value) else t.refuse)(label, value, f"layered targets: {' / '.join(layered.values())}'s only")
         return
-    if model_type not in REFERENCE_MODELS:
+    sizing = models.references().get(model_type)
+    if sizing is None:
         (t.drop if is_off(value) else t.refuse)(label, value, "reference images: this model takes none here")
         return
     if key == "control_directory":
         subset[key] = value
         sized = "control_resolution" in entry or entry.get("no_resize_control")
-        note = ("" if model_type != "qwen_image_edit" or sized else "it fits each reference to its target's size "
+        note = ("" if sizing != "area" or sized else "it fits each reference to its target's size "
                 "here; ours encodes it at the resolution's area, its own aspect (the pipelines' rule)")
         t.lines.append(Line(label, value, KEPT, note=note))
     elif key == "no_resize_control":
         (t.drop if is_off(value) else t.refuse)(label, value, "ours resizes every reference (the model's rule)")
-    elif model_type == "flux_kontext":  # control_resolution
+    elif sizing == "target":  # control_resolution
         t.refuse(label, value, "ours fits each reference to its target's bucket (musubi-tuner's default)")
     elif _area(value, label) == _area(pick["resolution"] or RESOLUTION) and not entry.get("no_resize_control"):
         t.drop(label, value, "ours encodes references at the resolution's area, their own aspect: the same")

@@ -1,13 +1,14 @@
 """musubi-tuner's LoRA training configs for its image models, read into ours (tools/convert_config.py).
 
-musubi-tuner names the model by its script (qwen_image_train_network.py ...); a config file says it only
-through its LoRA module (networks.lora_qwen_image ...) and version keys (model_version, edit, edit_plus).
+musubi-tuner names the model by its script (<model>_train_network.py); a config file says it only through its
+LoRA module (networks.lora_<model>) and version keys (model_version, and switches such as edit / edit_plus).
 The model comes from whichever of these, and --model_type, say it (they must agree); from none of them it is
 one ValueError asking for --model_type. RULES holds every argument the image scripts accept: the common parser
 (training/parser_common.py), hv_train_network.py's (a HunyuanVideo config copied over), and the six scripts' own
 with their *_utils version arguments. Where musubi-tuner's default differs from ours and changes the training
 (network_alpha 1, the sigma draw, fp8_scaled off ...), the translation writes theirs (settle_defaults). Its
-dataset TOML: musubi_dataset.py. This module names each model as musubi-tuner's scripts do (it is its table)."""
+dataset TOML: musubi_dataset.py. Which script, module, version and draw is which model's the family specs say
+(peer_models["musubi-tuner"], read through musubi_models.py): this module names no model."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from library.models.registry import arch_specs, spec_of
+from library.training.peers import musubi_models as models
 from library.training.peers.musubi_dataset import translate_dataset
 from library.training.peers.rules import (
     KEPT,
@@ -39,61 +42,48 @@ from library.training.peers.rules import (
 
 PEER = "musubi-tuner"
 
-# -- the models: which script, LoRA module and version trains which of ours
+# -- the models: which script, LoRA module and version trains which of ours (the specs': musubi_models.py)
 
-SCRIPTS = {"qwen_image_train_network.py": "qwen_image", "flux_kontext_train_network.py": "flux_kontext",
-           "flux_2_train_network.py": "flux2", "zimage_train_network.py": "zimage",
-           "krea2_train_network.py": "krea2", "ideogram4_train_network.py": "ideogram4"}
-LORA_MODULES = {"networks.lora_qwen_image": "qwen_image", "networks.lora_flux": "flux_kontext",
-                "networks.lora_flux_2": "flux2", "networks.lora_zimage": "zimage", "networks.lora_krea2": "krea2",
-                "networks.lora_ideogram4": "ideogram4"}
 LYCORIS_MODULES = {"networks.loha": "loha", "networks.lokr": "lokr"}  # musubi-tuner's own, after LyCORIS
-# qwen_image_train_network.py's model_version -> (our model_type, our model_version)
-QWEN_VERSIONS = {"original": ("qwen_image", None), "layered": ("qwen_image_layered", None),
-                 "edit": ("qwen_image_edit", "qwen-image-edit"), "edit-2509": ("qwen_image_edit", "qwen-image-edit-2509"),
-                 "edit-2511": ("qwen_image_edit", "qwen-image-edit-2511")}
-FLUX2_VERSIONS = ("dev", "klein-4b", "klein-base-4b", "klein-9b", "klein-base-9b")  # ours reads it from the checkpoint
-MODEL_TYPES = ("qwen_image", "qwen_image_edit", "qwen_image_layered", "flux_kontext", "flux2", "zimage", "krea2",
-               "ideogram4")
-VARIANTS = {"qwen_image_edit": "qwen_image", "qwen_image_layered": "qwen_image"}  # -> the script / LoRA module's model
-# Its latents are the token grid there; elsewhere a 2x2 patch of the 8x latents is one token, and the *_shift
-# draws that read (h // 2) * (w // 2) count tokens. flux2_shift reads h * w, ideogram4_shift 16 px per cell.
-TOKEN_GRID = ("flux2", "ideogram4")
-HALVED = ("flux_shift", "qwen_shift", "krea2_shift")
-SAME_DRAWS = ("uniform", "sigmoid", "shift", *HALVED, "ideogram4_shift")
-SIGMOID_DRAWS = ("sigmoid", "shift", "flux2_shift", *HALVED)  # the draws that read sigmoid_scale
+GENERIC_DRAWS = ("uniform", "sigmoid", "shift")  # its draws that are ours by the same name on every model
+SCRIPTS = models.scripts()  # tools/convert_config.py tells the peer of a --command by them
+MODEL_TYPES = models.model_types()
 
 
-def family(model_type: str) -> str:
-    return VARIANTS.get(model_type, model_type)
+def sigmoid_draws() -> tuple[str, ...]:
+    """Its draws that read sigmoid_scale."""
+    return ("sigmoid", "shift", *(name for name, (_, draw) in models.draws().items() if draw.reads_sigmoid_scale))
 
 
 def choose_model(flat: dict, source: str, script: str | None, model_type: str | None) -> tuple[str, str]:
-    """(our model_type, what said it) from the script, network_module, the version keys and --model_type; two that disagree, or none at all, are one ValueError. A Qwen-Image script or module
-    says the family; its version keys or --model_type the variant (none: musubi-tuner's "original")."""
+    """(our model_type, what said it) from the script, network_module, the version keys and --model_type; two that
+    disagree, or none at all, are one ValueError. A script or module says the family; the version keys or
+    --model_type the variant (none: the script's own model_type)."""
     said: list[tuple[str, str]] = []  # (who, model_type)
+    scripts, lora_modules = models.scripts(), models.lora_modules()
     if script is not None:
         name = os.path.basename(script)
-        if name not in SCRIPTS:
+        if name not in scripts:
             raise ValueError(f"{name}: not one of musubi-tuner's image LoRA scripts, which are what this translates "
-                             f"({', '.join(SCRIPTS)})")
-        said.append((name, SCRIPTS[name]))
+                             f"({', '.join(scripts)})")
+        said.append((name, scripts[name]))
     module = flat.get("network_module")
-    if isinstance(module, str) and module in LORA_MODULES:
-        said.append((f"network_module {module}", LORA_MODULES[module]))
+    if isinstance(module, str) and module in lora_modules:
+        said.append((f"network_module {module}", lora_modules[module]))
     version = version_said(flat, source)
     if version:
         said.append(version[:2])
+    model_types = models.model_types()
     if model_type is not None:
-        if model_type not in MODEL_TYPES:
+        if model_type not in model_types:
             raise ValueError(f"--model_type {model_type}: not a model musubi-tuner trains LoRAs for (expected one of "
-                             f"{', '.join(MODEL_TYPES)})")
+                             f"{', '.join(model_types)})")
         said.append(("--model_type", model_type))
     if not said:
         raise ValueError(f"{source}: musubi-tuner's config does not say the model (its training script does): give "
-                         f"--model_type (one of {', '.join(MODEL_TYPES)})")
+                         f"--model_type (one of {', '.join(model_types)})")
     for who, told in said[1:]:
-        if family(told) != family(said[0][1]):
+        if models.family(told) != models.family(said[0][1]):
             raise ValueError(f"{source}: {said[0][0]} trains {said[0][1]}, {who} {told}: they disagree")
     exact = [(who, told) for who, told in said if who == "--model_type" or (version and who == version[0])]
     if len({told for _, told in exact}) > 1:
@@ -103,19 +93,20 @@ def choose_model(flat: dict, source: str, script: str | None, model_type: str | 
 
 def version_said(flat: dict, source: str) -> tuple[str, str, str | None] | None:
     """(the key as written, our model_type, our model_version) of the version keys, in musubi-tuner's order
-    (model_version, then edit_plus, then edit); None where none is given."""
-    value = flat.get("model_version")
+    (model_version, then the switches as their spec lists them); None where none is given."""
+    value, versions = flat.get("model_version"), models.versions()
     if isinstance(value, str):
-        lower = value.lower()
-        if lower in QWEN_VERSIONS:
-            return (f"model_version {value}", *QWEN_VERSIONS[lower])
-        if lower in FLUX2_VERSIONS:
-            return f"model_version {value}", "flux2", None
-        raise ValueError(f"{source}: model_version {value!r}: not one of musubi-tuner's (Qwen-Image: "
-                         f"{', '.join(QWEN_VERSIONS)}; FLUX.2: {', '.join(FLUX2_VERSIONS)})")
-    for key, version in (("edit_plus", "edit-2509"), ("edit", "edit")):
+        if value.lower() in versions:
+            keys = versions[value.lower()][1]
+            return f"model_version {value}", keys["model_type"], keys.get("model_version")
+        listed = "; ".join(f"{spec.title}: {', '.join(spec.peer_models[models.PEER].versions)}"
+                           for spec in arch_specs().values() if models.PEER in spec.peer_models
+                           and spec.peer_models[models.PEER].versions)
+        raise ValueError(f"{source}: model_version {value!r}: not one of musubi-tuner's ({listed})")
+    for key, (m, version) in models.version_switches().items():
         if is_true(flat.get(key)):
-            return (f"{key} = true", *QWEN_VERSIONS[version])
+            keys = m.versions[version]
+            return f"{key} = true", keys["model_type"], keys.get("model_version")
     return None
 
 
@@ -132,7 +123,7 @@ class Run:
 
     def peer_draw(self) -> str:
         """musubi-tuner's timestep_sampling, given or its script's default."""
-        return self.flat.get("timestep_sampling") or ("ideogram4_shift" if self.model_type == "ideogram4" else "sigma")
+        return self.flat.get("timestep_sampling") or models.models_of(self.model_type).default_draw
 
 
 def joint(handler) -> Rule:
@@ -151,18 +142,18 @@ def timestep_draw(flat: dict, model_type: str, peer: str) -> tuple[str | None, s
                 return None, "its sigma draw by logit_normal at logit_mean != 0: ours' sigmoid draw has no mean"
             return "sigmoid", "its sigma draw by weighting_scheme logit_normal: sigmoid(logit_std * randn)"
         return "uniform", "its sigma draw: uniform over 1000 steps, unshifted (discrete_flow_shift unread)"
-    if peer in ("logsnr", "qinglong_flux", "qinglong_qwen"):
+    if peer in models.logsnr_draws():
         return None, "a logSNR-normal draw: ours has none"
-    if peer == "flux2_shift":
-        if model_type == "flux2":
-            return "flux_shift", ("its flux2_shift is FLUX.1's mu line at the token count: ours' flux_shift "
-                                  "(our flux2_shift is the empirical mu)")
-        return None, "on this model its flux2_shift counts 4x the tokens: ours has no such draw"
-    if peer == "ideogram4_shift" and model_type != "ideogram4":
-        return None, "Ideogram 4's law on another model's latents: ours has no such draw"
-    if peer in HALVED and model_type in TOKEN_GRID:
-        return None, f"on this model its {peer} counts a quarter of the tokens: ours has no such draw"
-    if peer in SAME_DRAWS:
+    if peer in models.draws():  # one model's resolution shift: its own, or another's on these latents
+        owner, draw = models.draws()[peer]
+        if owner is models.models_of(model_type):
+            return draw.ours, draw.note
+        if draw.elsewhere:
+            return None, f"{draw.elsewhere}: ours has no such draw"
+        if models.models_of(model_type).token_grid:  # the draw counts (h // 2) * (w // 2) tokens of 2x2 patches
+            return None, f"on this model its {peer} counts a quarter of the tokens: ours has no such draw"
+        return peer, ""
+    if peer in GENERIC_DRAWS:
         return peer, ""
     return None, "not one of musubi-tuner's timestep_sampling values"
 
@@ -183,7 +174,7 @@ def _discrete_flow_shift(t: Translation, key: str, value: Any, run: Run) -> None
 
 
 def _sigmoid_scale(t: Translation, key: str, value: Any, run: Run) -> None:
-    if run.peer_draw() in SIGMOID_DRAWS and run.draw[0] is not None:
+    if run.peer_draw() in sigmoid_draws() and run.draw[0] is not None:
         t.set(key, float(value), key, value)
     else:
         t.drop(key, value, f"unread by musubi-tuner's {run.peer_draw()} draw")
@@ -206,24 +197,27 @@ def _logit(t: Translation, key: str, value: Any, run: Run) -> None:
             t.set("sigmoid_scale", float(value), key, value, RENAMED, note="the logit_normal sigma draw's scale")
         else:
             t.drop(key, value, "0: the sigmoid draw")
-    elif draw in ("sigma", "logsnr", "qinglong_flux", "qinglong_qwen"):
+    elif draw == "sigma" or draw in models.logsnr_draws():
         t.drop(key, value, "read by the draw timestep_sampling's line names, which is not carried")
     else:
         t.drop(key, value, f"unread by musubi-tuner's {draw} draw")
 
 
 def _blocks_to_swap(t: Translation, key: str, value: Any, run: Run) -> None:
-    if run.model_type in ("flux_kontext", "flux2") and value:  # sd-scripts' count: N // 2 double, 2 (N - N // 2) single
-        t.set(key, 2 * int(value), key, value, RENAMED,
-              note=f"their {value} swaps ~{2 * int(value)} single blocks' bytes; ours counts each block "
+    scale = models.models_of(run.model_type).swap_scale  # 2: sd-scripts' count, N // 2 double, 2 (N - N // 2) single
+    if scale != 1 and value:
+        t.set(key, scale * int(value), key, value, RENAMED,
+              note=f"their {value} swaps ~{scale * int(value)} single blocks' bytes; ours counts each block "
                    f"(tools/plan_memory.py says what fits)")
     else:
         t.set(key, int(value or 0), key, value)
 
 
-def _text_encoder_file(ours: str, t: Translation, key: str, value: Any, run: Run) -> None:
-    """text_encoder1 / text_encoder2: FLUX.1 Kontext's T5-XXL / CLIP-L; HunyuanVideo's elsewhere."""
-    if run.model_type == "flux_kontext":
+def _text_encoder_file(t: Translation, key: str, value: Any, run: Run) -> None:
+    """text_encoder1 / text_encoder2: the model's text encoder files where its spec names them; HunyuanVideo's
+    elsewhere."""
+    ours = models.models_of(run.model_type).text_encoder_files.get(key)
+    if ours:
         t.set(ours, value, key, value, RENAMED)
     else:
         t.refuse(key, value, "HunyuanVideo's text encoder: not this model's")
@@ -234,7 +228,7 @@ def _fp8_text_encoder(value: Any) -> str:
 
 
 def _version_key(t: Translation, key: str, value: Any, run: Run) -> None:
-    """model_version / edit / edit_plus: which model (model_type's line) and, for Qwen-Image-Edit, ours."""
+    """model_version and the version switches: which model (model_type's line) and ours where it has one."""
     said = version_said(run.flat, run.source)
     if key != "model_version" and is_off(value):
         t.drop(key, value, "off")
@@ -242,15 +236,15 @@ def _version_key(t: Translation, key: str, value: Any, run: Run) -> None:
         t.drop(key, value, f"{said[0].split()[0]} decides the version" if said else "off")
     elif said[2] is not None and run.model_type == said[1]:
         t.set("model_version", said[2], key, value, RENAMED)
-    elif said[1] == "flux2":
-        t.drop(key, value, "ours tells FLUX.2 [dev] / [klein] 4B / 9B and a distilled [klein] from the checkpoint")
+    elif said[2] is None and models.models_of(said[1]).versions_unread:
+        t.drop(key, value, models.models_of(said[1]).versions_unread)
     else:
         t.drop(key, value, f"says model_type {said[1]}")
 
 
 def _network_module(t: Translation, key: str, value: Any, run: Run) -> None:
     name = module_of(run)
-    if name in LORA_MODULES:
+    if name in models.lora_modules():
         t.set(key, "networks.lora", key, value, RENAMED, note="ours selects the model's targets itself")
     elif name in LYCORIS_MODULES:
         t.set(key, "lycoris.kohya", key, value, RENAMED,
@@ -293,23 +287,20 @@ def _network_args(t: Translation, key: str, value: Any, run: Run) -> None:
 
 
 def network_extras(run: Run, kept: list[str]) -> list[tuple[str, str]]:
-    """(network_args item, why) that make our network train the modules musubi-tuner's module trains."""
-    from library.models.registry import arch_specs
-
+    """(network_args item, why) that make our network train the modules musubi-tuner's module trains (the
+    spec's lora_args)."""
     module = module_of(run)
     extras = [(f"algo={LYCORIS_MODULES[module]}", "its module's algorithm")] if module in LYCORIS_MODULES else []
     patterns = any(item.startswith("exclude_patterns") for item in kept)
-    if family(run.model_type) == "qwen_image":
-        extras.append(("train_modulation=true", "its exclude '.*(_mod_).*' matches no dotted module name: "
-                                                "it trains img_mod / txt_mod"))
-    elif run.model_type == "flux_kontext":  # its default exclude names the modulation; one given replaces it
-        if not patterns:
-            extras.append(("train_modulation=false", "its default exclude_patterns leave the modulation out"))
-    elif run.model_type == "krea2" and module not in LYCORIS_MODULES:
-        rank = int(run.flat.get("network_dim") or 4)
-        count = len(arch_specs()["krea2"].lora.in_dim_types)
-        extras.append((f"in_dims=[{', '.join([str(rank)] * count)}]",
-                       "it wraps every Linear: the embedders and the last layer too"))
+    for arg in models.models_of(run.model_type).lora_args:
+        if (arg.unless == "exclude_patterns" and patterns) or (arg.unless == "lora" and module in LYCORIS_MODULES):
+            continue
+        item = arg.item
+        if item == "in_dims=network_dim":  # every embedder at the rank
+            rank = int(run.flat.get("network_dim") or 4)
+            count = len(spec_of(run.model_type).lora.in_dim_types)
+            item = f"in_dims=[{', '.join([str(rank)] * count)}]"
+        extras.append((item, arg.why))
     return extras
 
 
@@ -454,7 +445,7 @@ RULES: dict[str, Rule] = {
     "img_in_txt_in_offloading": ignored("memory only"),
     "disable_numpy_memmap": ignored("how files load: speed only"),
     # timesteps and loss
-    # its FLUX.1 Kontext and FLUX.2 training feed the guidance embedding 1.0 (ours' default too); the key is
+    # its guidance-distilled models' training feeds the guidance embedding 1.0 (ours' default too); the key is
     # only written into the header (ss_guidance_scale): ours would train at it
     "guidance_scale": ignored("unread by its image training (the guidance embedding gets 1.0, as ours by default)"),
     "timestep_sampling": joint(_timestep_sampling),
@@ -493,8 +484,8 @@ RULES: dict[str, Rule] = {
     "dit": renamed("pretrained_model_name_or_path"),
     "vae": renamed("ae"),
     "text_encoder": same(),
-    "text_encoder1": joint(partial(_text_encoder_file, "t5xxl")),
-    "text_encoder2": joint(partial(_text_encoder_file, "clip_l")),
+    "text_encoder1": joint(_text_encoder_file),
+    "text_encoder2": joint(_text_encoder_file),
     **dict.fromkeys(("fp8_llm", "fp8_vl", "fp8_t5", "fp8_text_encoder"),
                     renamed("text_encoder_precision", convert=_fp8_text_encoder)),
     "vae_dtype": ignored("the VAE's dtype while caching: ours encodes in float32"),
@@ -511,7 +502,7 @@ RULES: dict[str, Rule] = {
     **dict.fromkeys(("turbo_dit", "turbo_dit_cache", "unconditional_dit", "use_unconditional_dit_for_lora_sampling",
                      "sampler_preset", "initial_sigma"), ignored(SAMPLES)),
     "log_loss_stats": ignored("diagnostics in the log"),
-    **dict.fromkeys(("ideogram4_timestep_mu", "ideogram4_timestep_std"), ignored("deprecated: musubi-tuner ignores it")),
+    **{name: ignored(why) for name, why in models.ignored_args().items()},  # the scripts' own, from the specs
     **dict.fromkeys(("validate_caption_structure", "warn_on_caption_issues"),
                     ignored("a check of sample prompts' JSON structure")),
 }
@@ -531,7 +522,7 @@ def settle_defaults(t: Translation, run: Run) -> None:
         default("network_dim", 4, "network_dim", "; ours is 16")
     if "learning_rate" not in flat:
         default("learning_rate", 2e-6, "learning_rate", "; ours is 1e-4")
-    if "timestep_sampling" not in flat and run.model_type != "ideogram4":
+    if "timestep_sampling" not in flat and models.models_of(run.model_type).default_draw == "sigma":
         ours, text = run.draw
         if ours is None:
             t.refuse("timestep_sampling (unset)", "sigma", text)
