@@ -76,7 +76,7 @@ def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path,
     for dropped in ("sdpa", "cache_latents", "model_prediction_type", "save_model_as", "noise_offset",
                     "network_args dropout"):  # networks.lora_flux reads network_dropout, not a dropout argument
         assert rows[dropped][0] == "dropped", dropped
-    assert rows["noise_offset"][1].startswith("sd-scripts' FLUX / Chroma training does not read it either")
+    assert rows["noise_offset"][1].startswith("sd-scripts' FLUX.1 / Chroma training does not read it either")
     for refused in ("network_args split_qkv", "network_args ggpo_beta", "datasets[0].color_aug",
                     "network_train_unet_only (default)"):  # the docs' command trains a CLIP-L LoRA too
         assert rows[refused][0] == "not carried", refused
@@ -484,3 +484,26 @@ def test_lr_warmup_steps_is_read_as_the_peers_read_it(value, steps, verdict, our
               musubi_tuner.translate({"network_module": "networks.lora_zimage", **given}, "x.toml")):
         assert {line.key: line.verdict for line in t.lines}["lr_warmup_steps"] == verdict
         assert t.config.get("lr_warmup_steps") == ours
+
+
+def test_the_peer_reads_a_familys_sd_scripts_names_from_its_spec_only(monkeypatch):
+    """sd_scripts.py names no model: the specs' peer_models["sd-scripts"] give its --model_type values and default,
+    and the family spec whether T5's padding is masked. A spec whose name is renamed is read by the new name, and
+    the old one is then refused."""
+    from dataclasses import replace
+
+    from library.models.registry import arch_specs
+    from library.models.spec import SdScriptsModels
+    from library.training.peers import sd_scripts_models
+
+    specs = dict(arch_specs())
+    entry = specs["chroma"].peer_models["sd-scripts"]
+    specs["chroma"] = replace(specs["chroma"], peer_models={**specs["chroma"].peer_models, "sd-scripts": SdScriptsModels(
+        entry.script, entry.lora_module, {"chroma_hd": {"model_type": "chroma"}})})
+    monkeypatch.setattr(sd_scripts_models, "arch_specs", lambda: specs)
+    t = sd_scripts.translate({"model_type": "chroma_hd", "apply_t5_attn_mask": True, "network_train_unet_only": True},
+                             "x.toml")
+    assert t.config["model_type"] == "chroma"
+    assert next(line.verdict for line in t.lines if line.key == "apply_t5_attn_mask") == "dropped"  # Chroma masks it
+    with pytest.raises(ValueError, match="x.toml: model_type 'chroma': expected one of sd-scripts' flux, chroma_hd"):
+        sd_scripts.translate({"model_type": "chroma"}, "x.toml")

@@ -22,8 +22,6 @@ ALLOWED = {
     # below the models layer (io -> data -> models): it cannot read the specs' musubi-tuner dataset_renames, so
     # the unknown-key hint of our dataset loader lists them (test_convert_config_musubi checks they agree)
     "library/data/peer_keys.py": "musubi-tuner's dataset keys (qwen_image_edit_control_resolution ...)",
-    "library/training/peers/sd_scripts.py": "sd-scripts' own names: its flux_train_network.py trains FLUX.1 and Chroma "
-                                            "as model_type flux / chroma, the values its configs hold",
 }
 
 

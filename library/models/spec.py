@@ -386,6 +386,17 @@ class MusubiModels:
     ignored_args: dict[str, str] = field(default_factory=dict)  # its script's own arguments ours reads nothing of -> why
 
 
+@dataclass(frozen=True)
+class SdScriptsModels:
+    """How sd-scripts names this folder's models (library/training/peers/sd_scripts.py): the one script that trains
+    them, its LoRA module, and its --model_type values."""
+    script: str  # its training script ("<name>_train_network.py"); the specs that list sd-scripts name one
+    lora_module: str  # its LoRA module of the model's blocks (ours: networks.lora)
+    models: dict[str, dict[str, str]]  # its --model_type values -> our keys (model_type)
+    default: str = ""  # its --model_type default where it is one of these (every spec that lists sd-scripts: one)
+    draws: tuple[str, ...] = ()  # its timestep_sampling values named after this model: our draws of the same name
+
+
 # ----------------------------------------------------------------------------------------------
 # The spec
 
@@ -423,9 +434,12 @@ class ArchSpec:
     modelspec: dict[str, ModelSpecNames] | None = None
     # peer (library/training/peers PEERS name) -> {the peer's name for one of this folder's models (ai-toolkit's
     # model.arch, ...): the config keys that name that model here (model_type, and model_version
-    # where the peer's name says it)}, or for musubi-tuner its MusubiModels: tools/convert_config.py reads a peer's
-    # config by it, and refuses a name no spec lists. Adding a family a peer trains is a line here, not in the peer.
-    peer_models: dict[str, dict[str, dict[str, str]] | MusubiModels] = field(default_factory=dict)
+    # where the peer's name says it)}, or for musubi-tuner its MusubiModels, for sd-scripts its SdScriptsModels:
+    # tools/convert_config.py reads a peer's config by it, and refuses a name no spec lists. Adding a family a peer
+    # trains is a line here, not in the peer.
+    peer_models: dict[str, dict[str, dict[str, str]] | MusubiModels | SdScriptsModels] = field(default_factory=dict)
+    # its text encoder's padding is masked in attention (its pipeline's rule: a peer's mask switch is read by it)
+    masks_text_padding: bool = False
 
     def __post_init__(self):
         _check_type(self, ArchSpec, "SPEC")

@@ -131,5 +131,9 @@ SPEC = S.ArchSpec(
     sample_guidance={"chroma": 5.0},
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch
-    peer_models={"ai-toolkit": {"chroma": {"model_type": "chroma"}}},
+    # sd-scripts' FLUX.1 script and LoRA module train it as --model_type chroma
+    peer_models={"ai-toolkit": {"chroma": {"model_type": "chroma"}},
+                 "sd-scripts": S.SdScriptsModels("flux_train_network.py", "networks.lora_flux",
+                                                 {"chroma": {"model_type": "chroma"}})},
+    masks_text_padding=True,  # ChromaPipeline masks T5's padding (FluxPipeline does not)
 )

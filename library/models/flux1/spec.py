@@ -171,6 +171,12 @@ MUSUBI = S.MusubiModels(
                              unless="exclude_patterns"),),
 )
 
+# -- sd-scripts' names (library/training/peers/sd_scripts.py): flux_train_network.py trains FLUX.1 (and Chroma:
+# chroma/spec.py) as --model_type flux, its default, with networks.lora_flux; its timestep_sampling flux_shift
+# is ours (the resolution shift with FLUX.1-dev's constants).
+SD_SCRIPTS = S.SdScriptsModels(script="flux_train_network.py", lora_module="networks.lora_flux",
+                               models={"flux": {"model_type": "flux"}}, default="flux", draws=("flux_shift",))
+
 
 SPEC = S.ArchSpec(
     arch="flux",
@@ -193,5 +199,5 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch (or its older is_flux: true): dev and schnell are one arch there and here
     peer_models={"ai-toolkit": {"flux": {"model_type": "flux"}, "flux_kontext": {"model_type": "flux_kontext"}},
-                 "musubi-tuner": MUSUBI},
+                 "sd-scripts": SD_SCRIPTS, "musubi-tuner": MUSUBI},
 )

@@ -1,14 +1,15 @@
-"""sd-scripts' flux_train_network.py (FLUX.1 and Chroma LoRAs) read key by key into ours.
+"""sd-scripts' LoRA training script for the models whose specs list it (peer_models["sd-scripts"]: the script,
+its LoRA module and --model_type values; sd_scripts_models.py reads them) read key by key into ours.
 
 RULES holds one rule per argument its parser takes (train_network.setup_parser and the add_* functions
-of library/train_util.py, flux_train_utils.py, sai_model_spec.py, deepspeed_utils.py, config_util.py
-and custom_train_functions.py that it calls, then flux_train_network.setup_parser's own); its dataset
+of library/train_util.py, the model's *_train_utils.py, sai_model_spec.py, deepspeed_utils.py, config_util.py
+and custom_train_functions.py that it calls, then the script's setup_parser's own); its dataset
 (a dataset TOML, or DreamBooth folders) is sd_scripts_dataset.py's, its samples sd_scripts_samples.py's, and
 the keys the kohya_ss GUI adds to the TOML it runs it with kohya_ss.py's. A "" or 0 where sd-scripts tests
 `if args.key` is its "not given" (the GUI writes its empty fields so): dropped. Facts from its code that decide
 many rules:
 
-- flux_train_network draws its noise and timesteps itself (flux_train_utils.get_noisy_model_input_and_
+- the script draws its noise and timesteps itself (its *_train_utils.get_noisy_model_input_and_
   timesteps) and its post_process_loss returns the loss as it is: noise_offset, multires noise,
   min_snr_gamma, min/max_timestep, the v-prediction losses and the other Stable Diffusion keys do
   nothing there, so they are dropped (leaving them out changes nothing), not "not carried".
@@ -30,7 +31,7 @@ from typing import Any
 
 from library.models.registry import SAMPLING_METHODS, spec_of
 from library.training.config import SCHEMA
-from library.training.peers import kohya_ss, sd_scripts_dataset as dataset_rules, sd_scripts_samples
+from library.training.peers import kohya_ss, sd_scripts_dataset as dataset_rules, sd_scripts_models as models, sd_scripts_samples
 from library.training.peers.rules import (
     DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, custom, flatten_tables, ignored, implied,
     is_off, is_true, same, unless_off, unsupported, warmup_steps,
@@ -38,10 +39,10 @@ from library.training.peers.rules import (
 
 # sd-scripts' parser defaults that the rules below read where the config leaves a key out.
 THEIR_DEFAULTS = {
-    "model_type": "flux", "timestep_sampling": "sigma", "weighting_scheme": "uniform",
+    "timestep_sampling": "sigma", "weighting_scheme": "uniform",
     "model_prediction_type": "sigma_scaled", "discrete_flow_shift": 3.0, "sigmoid_scale": 1.0, "logit_mean": 0.0,
     "logit_std": 1.0, "mode_scale": 1.29, "guidance_scale": 3.5, "loss_type": "l2", "huber_schedule": "snr",
-    "huber_c": 0.1, "huber_scale": 1.0, "network_dim": 4,  # networks.lora_flux.create_network's, for None
+    "huber_c": 0.1, "huber_scale": 1.0, "network_dim": 4,  # its LoRA module's create_network's, for None
     "network_alpha": 1, "learning_rate": 2e-6, "mixed_precision": "no", "network_train_unet_only": False,
     "lr_scheduler": "constant", "output_name": "last",  # train_util.DEFAULT_LAST_OUTPUT_NAME
     "apply_t5_attn_mask": False, "max_data_loader_n_workers": 8,
@@ -50,14 +51,16 @@ THEIR_DEFAULTS = {
 # leaves them out (sd_scripts_dataset.py does caption_extension's).
 DEFAULTS_CARRIED = ("model_type", "network_dim", "network_alpha", "learning_rate", "mixed_precision", "guidance_scale",
                     "timestep_sampling", "model_prediction_type", "network_train_unet_only", "output_name")
-# Our releases' T5 padding: FluxPipeline encodes and attends without a mask, ChromaPipeline masks it.
-MASKS_T5_PADDING = {"flux": False, "chroma": True}
-IGNORED_BY_FLUX = "sd-scripts' FLUX / Chroma training does not read it either (flux_train_network)"
 
 
 def their(t: Translation, key: str) -> Any:
     """The value sd-scripts runs with: the config's, else its parser's default."""
-    return t.given.get(key, THEIR_DEFAULTS.get(key))
+    return t.given.get(key, their_default(key))
+
+
+def their_default(key: str) -> Any:
+    """Its parser's default of `key` (its --model_type default: the specs')."""
+    return models.default_model_type() if key == "model_type" else THEIR_DEFAULTS.get(key)
 
 
 def note(t: Translation, text: str) -> None:
@@ -70,20 +73,21 @@ def model_type(t: Translation) -> str:
 
 
 def reads(t: Translation, key: str) -> bool:
-    """Our model_type reads this family key (clip_l: FLUX.1 does, Chroma has no CLIP-L)."""
+    """Our model_type reads this family key (clip_l: a model without CLIP-L does not)."""
     return any(k.key == key for k in spec_of(model_type(t)).config_keys)
 
 
 def clip_l_lr_zero(t: Translation) -> bool:
-    """text_encoder_lr (its first: CLIP-L's) 0: lora_flux skips a parameter group at lr 0, the CLIP-L LoRA's too."""
+    """text_encoder_lr (its first: CLIP-L's) 0: its LoRA module skips a parameter group at lr 0, the CLIP-L LoRA's
+    too."""
     rates = their(t, "text_encoder_lr")
     first = rates[0] if isinstance(rates, list) and rates else rates
     return isinstance(first, (int, float, str)) and str(first).strip() in ("0", "0.0")
 
 
 def trains_clip_l(t: Translation) -> bool:
-    """sd-scripts trains a CLIP-L LoRA beside the transformer's unless network_train_unet_only or a CLIP-L rate of
-    0 (FLUX.1)."""
+    """sd-scripts trains a CLIP-L LoRA beside the transformer's (of a model that has CLIP-L) unless
+    network_train_unet_only or a CLIP-L rate of 0."""
     return reads(t, "clip_l") and not is_true(their(t, "network_train_unet_only")) and not clip_l_lr_zero(t)
 
 
@@ -95,29 +99,29 @@ def title(t: Translation) -> str:
 # The model
 
 
-THEIR_MODEL_TYPES = ("flux", "chroma")  # flux_train_utils.add_flux_train_arguments' model_type choices
-SCRIPT = "flux_train_network.py"
 # sd-scripts' LoRA training scripts (tools/convert_config.py tells the peer of a --command by them); the others
-# than SCRIPT train models we do not, and model_of refuses them in one line.
-SCRIPTS = (SCRIPT, "train_network.py", "sdxl_train_network.py", "sd3_train_network.py", "lumina_train_network.py",
+# than the specs' train models we do not, and model_of refuses them in one line.
+SCRIPTS = (models.script(), "train_network.py", "sdxl_train_network.py", "sd3_train_network.py", "lumina_train_network.py",
            "hunyuan_image_train_network.py", "anima_train_network.py")
 
 
 def model_of(flat: dict, asked: str | None, script: str | None, source: str) -> str:
-    """Our model_type: the config's model_type (flux or chroma; sd-scripts' default flux, ours too); a command
-    line's script must be flux_train_network.py, and --model_type must agree."""
-    if script is not None and os.path.basename(script) != SCRIPT:
+    """Our model_type: the config's model_type (one of the specs' sd-scripts names; else its default, ours too); a
+    command line's script must be the specs' script, and --model_type must agree."""
+    expected, known = models.script(), models.model_types()
+    if script is not None and os.path.basename(script) != expected:
         name = os.path.basename(script)
         model = name[:-len("_train_network.py")] if name.endswith("_train_network.py") else "Stable Diffusion 1.x / 2.x"
-        raise ValueError(f"{script}: sd-scripts' {name} trains {model}, which we do not train here ({SCRIPT}'s "
+        raise ValueError(f"{script}: sd-scripts' {name} trains {model}, which we do not train here ({expected}'s "
                          f"configs translate)" if name.endswith("train_network.py") else
-                         f"{script}: not sd-scripts' LoRA training script ({SCRIPT}'s configs translate)")
-    found = flat.get("model_type", THEIR_DEFAULTS["model_type"])
-    if found not in THEIR_MODEL_TYPES:
-        raise ValueError(f"{source}: model_type {found!r}: expected one of sd-scripts' {', '.join(THEIR_MODEL_TYPES)}")
-    if asked is not None and asked != found:
-        raise ValueError(f"{source}: model_type {found!r} (sd-scripts' default flux), but --model_type {asked}")
-    return found
+                         f"{script}: not sd-scripts' LoRA training script ({expected}'s configs translate)")
+    found = flat.get("model_type", models.default_model_type())
+    if found not in list(known):  # (a list value is no name either)
+        raise ValueError(f"{source}: model_type {found!r}: expected one of sd-scripts' {', '.join(known)}")
+    if asked is not None and asked != known[found]:
+        raise ValueError(f"{source}: model_type {found!r} (sd-scripts' default {models.default_model_type()}), but "
+                         f"--model_type {asked}")
+    return known[found]
 
 
 def _model_type(t: Translation, key: str, value: Any) -> None:
@@ -132,12 +136,12 @@ def _clip_l(t: Translation, key: str, value: Any) -> None:
 
 
 def _apply_t5_attn_mask(t: Translation, key: str, value: Any) -> None:
-    masks = MASKS_T5_PADDING[model_type(t)]
+    masks = spec_of(model_type(t)).masks_text_padding  # our release's pipeline's rule
     why = (f"ours masks T5's padding for {title(t)} always, as its pipeline" if masks else
            f"ours encodes T5 and attends without a padding mask for {title(t)}, as its pipeline")
     if is_true(value) == masks:
         t.drop(key, value, why)
-    elif masks:  # Chroma without it: sd-scripts stops (flux_train_network asserts it)
+    elif masks:  # a masking model without it: sd-scripts stops (its script asserts it)
         t.drop(key, value, f"sd-scripts refuses {title(t)} without it; {why}")
     else:
         t.refuse(key, value, why)
@@ -187,8 +191,8 @@ def _split_mode(t: Translation, key: str, value: Any) -> None:
 # The network
 
 
-LORA_MODULE = "networks.lora_flux"  # sd-scripts' LoRA of the FLUX.1 / Chroma blocks: ours networks.lora
-# The network_args networks.lora_flux.create_network reads (others are ignored there).
+LORA_MODULE = models.lora_module()  # sd-scripts' LoRA of the models' blocks (the specs'): ours networks.lora
+# The network_args its create_network reads (others are ignored there).
 LORA_ARGS = {
     "conv_dim", "conv_alpha", "img_attn_dim", "txt_attn_dim", "img_mlp_dim", "txt_mlp_dim", "img_mod_dim", "txt_mod_dim",
     "single_dim", "single_mod_dim", "in_dims", "train_double_block_indices", "train_single_block_indices",
@@ -218,7 +222,7 @@ def _network_module(t: Translation, key: str, value: Any) -> None:
 
 
 def network_arg_verdict(t: Translation, name: str, text: str) -> tuple[str, str]:
-    """(verdict, why) of one networks.lora_flux argument `name=text`: KEPT, or DROPPED / NOT_CARRIED with why."""
+    """(verdict, why) of one argument `name=text` of its LoRA module: KEPT, or DROPPED / NOT_CARRIED with why."""
     from networks.lora_args import check_lora_args
 
     if name not in LORA_ARGS:
@@ -421,7 +425,7 @@ def sampling_of(t: Translation) -> tuple[dict | None, str]:
         return sigma_draw(t)
     if method not in SAMPLING_METHODS:
         return None, f"{method!r}: ours draws {', '.join(SAMPLING_METHODS)}"
-    keys = {"timestep_sampling": method}  # uniform, sigmoid, shift, flux_shift: the same draws by the same names
+    keys = {"timestep_sampling": method}  # uniform, sigmoid, shift, a model's shift: the same draws by the same names
     if method != "uniform":
         keys["sigmoid_scale"] = their(t, "sigmoid_scale")
     if method == "shift":
@@ -475,10 +479,11 @@ def _discrete_flow_shift(t: Translation, key: str, value: Any) -> None:
 
 def _sigmoid_scale(t: Translation, key: str, value: Any) -> None:
     keys, _ = sampling_of(t)
-    if keys is not None and their(t, "timestep_sampling") in ("sigmoid", "shift", "flux_shift"):
+    draws = ("sigmoid", "shift", *models.shift_draws())
+    if keys is not None and their(t, "timestep_sampling") in draws:
         t.set(key, float(value), key, value)
     else:
-        t.drop(key, value, "sd-scripts reads it only with timestep_sampling sigmoid / shift / flux_shift")
+        t.drop(key, value, f"sd-scripts reads it only with timestep_sampling {' / '.join(draws)}")
 
 
 def _logit_key(t: Translation, key: str, value: Any) -> None:
@@ -520,7 +525,7 @@ def _loss_type(t: Translation, key: str, value: Any) -> None:
         t.set(key, value, key, value)
     elif value in ("huber", "smooth_l1") and their(t, "huber_schedule") != "constant":
         t.refuse(key, value, f"with huber_schedule {their(t, 'huber_schedule')}: a threshold that follows the "
-                             f"timestep (its default snr needs an SD noise schedule: FLUX training stops); ours keeps "
+                             f"timestep (its default snr needs an SD noise schedule: this training stops); ours keeps "
                              f"huber_c constant")
     elif value == "smooth_l1":
         t.refuse(key, value, "smooth_l1 is ours' huber divided by huber_c")
@@ -604,9 +609,10 @@ def _dataset_config(t: Translation, key: str, value: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The rules: every argument of flux_train_network.py's parser
+# The rules: every argument of its script's parser
 
 
+IGNORED = models.ignored_text()  # a key of sd-scripts' parser its training of these models does not read
 HEADER_TEXT = "text for the LoRA's header: ours writes none (the training is the same)"
 UPLOAD = "a Hugging Face upload: ours uploads nothing (upload the LoRA yourself)"
 DEEPSPEED = "DeepSpeed: ours runs DDP or FSDP through accelerate launch (configs/accelerate/)"
@@ -621,8 +627,8 @@ RULES: dict[str, Rule] = {
     "t5xxl_max_token_length": same(),
     "apply_t5_attn_mask": custom(_apply_t5_attn_mask),
     "guidance_scale": custom(_guidance_scale),
-    "controlnet_model_name_or_path": ignored(IGNORED_BY_FLUX + " (flux_train_control_net.py does)"),
-    **{key: ignored(IGNORED_BY_FLUX + " (Stable Diffusion's)")
+    "controlnet_model_name_or_path": ignored(IGNORED + " (its ControlNet training script does)"),
+    **{key: ignored(IGNORED + " (Stable Diffusion's)")
        for key in ("v2", "v_parameterization", "clip_skip", "max_token_length", "vae")},
     "no_half_vae": ignored("ours encodes latents in float32 always"),
     "tokenizer_cache_dir": ignored("a tokenizer download cache: ours downloads nothing"),
@@ -708,15 +714,15 @@ RULES: dict[str, Rule] = {
     **{key: custom(_huber_key) for key in ("huber_c", "huber_scale", "huber_schedule")},
     "ip_noise_gamma": unsupported("input perturbation noise: ours adds none"),
     "ip_noise_gamma_random_strength": custom(_ip_noise_gamma_random_strength),
-    **{key: ignored(IGNORED_BY_FLUX) for key in (
+    **{key: ignored(IGNORED) for key in (
         "noise_offset", "noise_offset_random_strength", "multires_noise_iterations", "multires_noise_discount",
         "adaptive_noise_scale", "zero_terminal_snr", "min_timestep", "max_timestep", "min_snr_gamma",
         "scale_v_pred_loss_like_noise_pred", "v_pred_like_loss", "debiased_estimation_loss")},
-    "weighted_captions": ignored("sd-scripts' FLUX text encoding takes no caption weights (it stops); ours encodes "
+    "weighted_captions": ignored("sd-scripts' text encoding for these models takes no caption weights (it stops); ours encodes "
                                  "captions as written"),
     "prior_loss_weight": same(),
     "masked_loss": ignored("ours: a subset's mask_dir (sd-scripts' conditioning_data_dir) or alpha_mask masks the loss"),
-    "conditioning_data_dir": ignored(IGNORED_BY_FLUX + " (a dataset TOML's subsets do: mask_dir)"),
+    "conditioning_data_dir": ignored(IGNORED + " (a dataset TOML's subsets do: mask_dir)"),
     # saves
     "output_dir": same(),
     "output_name": same(),
@@ -790,7 +796,7 @@ def carry_defaults(t: Translation, flat: dict) -> None:
         if key in flat or (key == "learning_rate" and "unet_lr" in flat):
             continue
         first = len(t.lines)
-        apply_rule(t, key, THEIR_DEFAULTS[key], RULES[key])
+        apply_rule(t, key, their_default(key), RULES[key])
         for line in t.lines[first:]:
             line.key = f"{line.key} (default)"
         t.lines[first:] = [line for line in t.lines[first:] if line.verdict != DROPPED]
