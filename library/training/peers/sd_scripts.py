@@ -4,8 +4,9 @@ its LoRA module and --model_type values; sd_scripts_models.py reads them) read k
 RULES holds one rule per argument its parser takes (train_network.setup_parser and the add_* functions
 of library/train_util.py, the model's *_train_utils.py, sai_model_spec.py, deepspeed_utils.py, config_util.py
 and custom_train_functions.py that it calls, then the script's setup_parser's own); its dataset
-(a dataset TOML, or DreamBooth folders) is sd_scripts_dataset.py's, its samples sd_scripts_samples.py's, and
-the keys the kohya_ss GUI adds to the TOML it runs it with kohya_ss.py's. A "" or 0 where sd-scripts tests
+(a dataset TOML, or DreamBooth folders) is sd_scripts_dataset.py's, its samples sd_scripts_samples.py's, its
+optimizer, schedule, timestep draw and loss sd_scripts_training.py's (its parser's defaults: sd_scripts_defaults.py),
+and the keys the kohya_ss GUI adds to the TOML it runs it with kohya_ss.py's. A "" or 0 where sd-scripts tests
 `if args.key` is its "not given" (the GUI writes its empty fields so): dropped. Facts from its code that decide
 many rules:
 
@@ -19,7 +20,7 @@ many rules:
   default and reported as `key (default)`.
 - Its timestep draw, prediction type and loss weighting read each other (`weighting_scheme` weighs the
   loss only with model_prediction_type sigma_scaled and shapes the draw only with timestep_sampling
-  sigma): those rules read the other keys' values (Translation.given).
+  sigma): those rules read the other keys' values (Translation.given, through sd_scripts_defaults.their).
 
 No torch here (rules.py).
 """
@@ -29,43 +30,20 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from library.models.registry import SAMPLING_METHODS, spec_of
+from library.models.registry import spec_of
 from library.training.config import SCHEMA
-from library.training.peers import kohya_ss, sd_scripts_dataset as dataset_rules, sd_scripts_models as models, sd_scripts_samples
+from library.training.peers import kohya_ss, sd_scripts_dataset as dataset_rules, sd_scripts_models as models
+from library.training.peers import sd_scripts_samples, sd_scripts_training as training_rules
+from library.training.peers.sd_scripts_defaults import note, their, their_default
 from library.training.peers.rules import (
     DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, custom, flatten_tables, ignored, implied,
-    is_off, is_true, same, unless_off, unsupported, warmup_steps,
+    is_off, is_true, same, unless_off, unsupported,
 )
 
-# sd-scripts' parser defaults that the rules below read where the config leaves a key out.
-THEIR_DEFAULTS = {
-    "timestep_sampling": "sigma", "weighting_scheme": "uniform",
-    "model_prediction_type": "sigma_scaled", "discrete_flow_shift": 3.0, "sigmoid_scale": 1.0, "logit_mean": 0.0,
-    "logit_std": 1.0, "mode_scale": 1.29, "guidance_scale": 3.5, "loss_type": "l2", "huber_schedule": "snr",
-    "huber_c": 0.1, "huber_scale": 1.0, "network_dim": 4,  # its LoRA module's create_network's, for None
-    "network_alpha": 1, "learning_rate": 2e-6, "mixed_precision": "no", "network_train_unet_only": False,
-    "lr_scheduler": "constant", "output_name": "last",  # train_util.DEFAULT_LAST_OUTPUT_NAME
-    "apply_t5_attn_mask": False, "max_data_loader_n_workers": 8,
-}
 # The keys whose default trains otherwise than ours: translated at sd-scripts' default where the config
 # leaves them out (sd_scripts_dataset.py does caption_extension's).
 DEFAULTS_CARRIED = ("model_type", "network_dim", "network_alpha", "learning_rate", "mixed_precision", "guidance_scale",
                     "timestep_sampling", "model_prediction_type", "network_train_unet_only", "output_name")
-
-
-def their(t: Translation, key: str) -> Any:
-    """The value sd-scripts runs with: the config's, else its parser's default."""
-    return t.given.get(key, their_default(key))
-
-
-def their_default(key: str) -> Any:
-    """Its parser's default of `key` (its --model_type default: the specs')."""
-    return models.default_model_type() if key == "model_type" else THEIR_DEFAULTS.get(key)
-
-
-def note(t: Translation, text: str) -> None:
-    """The last line's text: what it became, where our key alone would not say it."""
-    t.lines[-1].text = text
 
 
 def model_type(t: Translation) -> str:
@@ -334,227 +312,6 @@ def _base_weights(t: Translation, key: str, value: Any) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The optimizer and its schedule
-
-
-def optimizer_refusal(t: Translation) -> str:
-    """Why ours does not train with sd-scripts' optimizer ("" where it does): a schedule-free one, or Adafactor with
-    relative_step (its default there, and warmup_init's; train_util.get_optimizer), which sets its own lr."""
-    name = str(their(t, "optimizer_type") or "").lower()
-    given = their(t, "optimizer_args")
-    args = dict(str(a).partition("=")[::2] for a in (given if isinstance(given, list) else []))
-    if name.endswith("schedulefree"):
-        return "schedule-free: ours does not switch its train / eval weights (AdamW or Prodigy with an lr_scheduler instead)"
-    if name == "adafactor" and (args.get("relative_step", "True").strip() not in ("False", "0") or
-                                args.get("warmup_init", "False").strip() in ("True", "1")):
-        return ("Adafactor with relative_step (sd-scripts' default) sets its own lr (its adafactor schedule), which ours "
-                "does not: optimizer_args relative_step=False scale_parameter=False warmup_init=False train it at "
-                "learning_rate")
-    return ""
-
-
-def _optimizer_type(t: Translation, key: str, value: Any) -> None:
-    """The same names as ours (optim.py reads sd-scripts'); "" is AdamW, or the use_8bit_adam / use_lion_optimizer
-    switches' optimizer (train_util.get_optimizer)."""
-    name = str(value)
-    if name == "":
-        name = "AdamW8bit" if is_true(their(t, "use_8bit_adam")) else "Lion" if is_true(their(t, "use_lion_optimizer")) else ""
-        if not name:
-            t.drop(key, value, "AdamW: ours' default too")
-            return
-    if optimizer_refusal(t):
-        t.refuse(key, value, optimizer_refusal(t))
-        return
-    t.set("optimizer_type", name, key, value, KEPT if name == value else RENAMED)
-    if name != value:
-        note(t, f'optimizer_type = "{name}"')
-
-
-def _optimizer_args(t: Translation, key: str, value: Any) -> None:
-    if optimizer_refusal(t) and not is_off(value):
-        t.refuse(key, value, f"goes with optimizer_type {their(t, 'optimizer_type')!r}, not carried")
-    else:
-        t.set(key, value, key, value)
-
-
-def _optimizer_switch(t: Translation, key: str, value: Any) -> None:
-    """use_8bit_adam / use_lion_optimizer: the optimizer where optimizer_type is not given."""
-    if not is_true(value):
-        t.drop(key, value, "off")
-    elif their(t, "optimizer_type"):
-        t.drop(key, value, "optimizer_type names the optimizer (sd-scripts ignores this then)")
-    else:
-        _optimizer_type(t, key, "")
-        t.lines[-1].value = value
-
-
-SCHEDULERS = SCHEMA["lr_scheduler"].choices  # ours: diffusers' constant ... polynomial, sd-scripts' names too
-# sd-scripts' scheduler keys -> the schedulers that read them (train_util.get_scheduler_fix).
-SCHEDULER_KEYS = {
-    "lr_scheduler_num_cycles": ("cosine_with_restarts",), "lr_scheduler_power": ("polynomial",),
-    "lr_decay_steps": ("warmup_stable_decay",), "lr_scheduler_timescale": ("inverse_sqrt",),
-    "lr_scheduler_min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay"),
-}
-
-
-def _lr_scheduler(t: Translation, key: str, value: Any) -> None:
-    if value in SCHEDULERS:
-        t.set(key, value, key, value)
-    else:
-        t.refuse(key, value, f"ours: {', '.join(SCHEDULERS)}")
-
-
-def _scheduler_key(t: Translation, key: str, value: Any) -> None:
-    schedule, readers = their(t, "lr_scheduler"), SCHEDULER_KEYS[key]
-    if schedule not in readers:
-        t.drop(key, value, f"read only by lr_scheduler {' / '.join(readers)}")
-    elif schedule in SCHEDULERS:
-        t.set(key, value, key, value)
-    else:
-        t.refuse(key, value, f"goes with lr_scheduler {schedule!r}, not carried")
-
-
-# ----------------------------------------------------------------------------------------------
-# The timestep draw, the prediction and the loss
-
-
-def sampling_of(t: Translation) -> tuple[dict | None, str]:
-    """sd-scripts' timestep draw as our keys ({} none), or (None, why ours has no such draw)."""
-    method = their(t, "timestep_sampling")
-    if method == "sigma":
-        return sigma_draw(t)
-    if method not in SAMPLING_METHODS:
-        return None, f"{method!r}: ours draws {', '.join(SAMPLING_METHODS)}"
-    keys = {"timestep_sampling": method}  # uniform, sigmoid, shift, a model's shift: the same draws by the same names
-    if method != "uniform":
-        keys["sigmoid_scale"] = their(t, "sigmoid_scale")
-    if method == "shift":
-        keys["discrete_flow_shift"] = their(t, "discrete_flow_shift")
-    return keys, ""
-
-
-def sigma_draw(t: Translation) -> tuple[dict | None, str]:
-    """sd-scripts' "sigma": u from weighting_scheme's density (uniform; sigmoid(N(logit_mean, logit_std)) for
-    logit_normal; the "mode" curve) picks one of the 1000 timesteps of a scheduler shifted by discrete_flow_shift
-    (k s / (1 + (k - 1) s)). Ours draws the same law, continuously, where it has it."""
-    scheme, shift = their(t, "weighting_scheme"), float(their(t, "discrete_flow_shift"))
-    if scheme == "logit_normal" and float(their(t, "logit_mean")) == 0:
-        std = float(their(t, "logit_std"))
-        if shift == 1:
-            return {"timestep_sampling": "sigmoid", "sigmoid_scale": std}, ""
-        return {"timestep_sampling": "shift", "sigmoid_scale": std, "discrete_flow_shift": shift}, ""
-    if scheme == "logit_normal":
-        return None, "'sigma' with logit_mean != 0: ours draws sigmoid(scale * randn), centred"
-    if scheme == "mode":
-        return None, "'sigma' with weighting_scheme mode: ours has no such draw"
-    if shift == 1:
-        return {"timestep_sampling": "uniform"}, ""
-    return None, (f"'sigma': a uniform draw shifted by discrete_flow_shift {shift:g}; ours shifts a sigmoid(randn) "
-                  f"draw (timestep_sampling shift, sd-scripts' docs' choice with raw predictions)")
-
-
-def _timestep_sampling(t: Translation, key: str, value: Any) -> None:
-    keys, why = sampling_of(t)
-    if keys is None:
-        t.refuse(key, value, why)
-        return
-    ours = keys["timestep_sampling"]
-    t.set(key, ours, key, value, KEPT if ours == value else RENAMED)
-    if ours != value:
-        extra = ", ".join(f"{k} = {v:g}" for k, v in keys.items() if k != key)
-        note(t, f'timestep_sampling = "{ours}"{" with " + extra if extra else ""} (the same draw, continuous)')
-
-
-def _discrete_flow_shift(t: Translation, key: str, value: Any) -> None:
-    keys, _ = sampling_of(t)
-    method = their(t, "timestep_sampling")
-    if keys is not None and key in keys:
-        t.set(key, float(value), key, value)
-    elif method == "sigma":
-        t.drop(key, value, "1: no shift (said with timestep_sampling)" if keys is not None
-               else "goes with timestep_sampling sigma, not carried")
-    else:
-        t.drop(key, value, "sd-scripts reads it only with timestep_sampling shift / sigma")
-
-
-def _sigmoid_scale(t: Translation, key: str, value: Any) -> None:
-    keys, _ = sampling_of(t)
-    draws = ("sigmoid", "shift", *models.shift_draws())
-    if keys is not None and their(t, "timestep_sampling") in draws:
-        t.set(key, float(value), key, value)
-    else:
-        t.drop(key, value, f"sd-scripts reads it only with timestep_sampling {' / '.join(draws)}")
-
-
-def _logit_key(t: Translation, key: str, value: Any) -> None:
-    """logit_mean, logit_std, mode_scale: the density of the "sigma" draw (weighting_scheme logit_normal / mode)."""
-    keys, _ = sampling_of(t)
-    scheme = "mode" if key == "mode_scale" else "logit_normal"
-    if their(t, "timestep_sampling") != "sigma" or their(t, "weighting_scheme") != scheme:
-        t.drop(key, value, f"sd-scripts reads it only with timestep_sampling sigma and weighting_scheme {scheme}")
-    elif key == "logit_std" and keys is not None:
-        t.set("sigmoid_scale", float(value), key, value, RENAMED)
-    elif key == "logit_mean":
-        (t.drop if float(value) == 0 else t.refuse)(key, value, "ours' sigmoid draw is centred (mean 0)")
-    else:
-        t.drop(key, value, "goes with timestep_sampling sigma, not carried")
-
-
-def _weighting_scheme(t: Translation, key: str, value: Any) -> None:
-    if value in ("sigma_sqrt", "cosmap"):
-        if their(t, "model_prediction_type") == "sigma_scaled":
-            t.refuse(key, value, "it weighs sd-scripts' sigma_scaled loss (model_prediction_type, not carried); "
-                                 "ours' weighting_scheme weighs the raw velocity loss")
-        else:
-            t.drop(key, value, "sd-scripts weighs the loss only with model_prediction_type sigma_scaled")
-    elif value in ("logit_normal", "mode"):
-        method = their(t, "timestep_sampling")
-        t.drop(key, value, "the density of the 'sigma' draw: timestep_sampling says what it became" if method == "sigma"
-               else "shapes only timestep_sampling sigma's draw")
-    else:
-        t.drop(key, value, "no weighting: ours' none")
-
-
-def huber_carried(t: Translation) -> bool:
-    """sd-scripts' huber loss with a constant threshold: ours, at huber_c x huber_scale."""
-    return their(t, "loss_type") == "huber" and their(t, "huber_schedule") == "constant"
-
-
-def _loss_type(t: Translation, key: str, value: Any) -> None:
-    if value == "l2" or huber_carried(t):
-        t.set(key, value, key, value)
-    elif value in ("huber", "smooth_l1") and their(t, "huber_schedule") != "constant":
-        t.refuse(key, value, f"with huber_schedule {their(t, 'huber_schedule')}: a threshold that follows the "
-                             f"timestep (its default snr needs an SD noise schedule: this training stops); ours keeps "
-                             f"huber_c constant")
-    elif value == "smooth_l1":
-        t.refuse(key, value, "smooth_l1 is ours' huber divided by huber_c")
-    else:
-        t.refuse(key, value, "ours: l2, huber")
-
-
-def _huber_key(t: Translation, key: str, value: Any) -> None:
-    """huber_c, huber_scale, huber_schedule: with a constant schedule ours' huber_c is huber_c x huber_scale."""
-    loss = their(t, "loss_type")
-    if not huber_carried(t):
-        t.drop(key, value, f"goes with loss_type {loss}, not carried" if loss in ("huber", "smooth_l1")
-               else "read only by loss_type huber / smooth_l1")
-    elif key == "huber_schedule":
-        t.drop(key, value, "constant: ours' huber_c is constant")
-    else:
-        c = float(their(t, "huber_c")) * float(their(t, "huber_scale"))
-        t.set("huber_c", c, key, value, KEPT if key == "huber_c" and c == float(value) else RENAMED)
-        note(t, f"huber_c = {c:g} (huber_c x huber_scale)")
-
-
-def _ip_noise_gamma_random_strength(t: Translation, key: str, value: Any) -> None:
-    if is_true(value) and not is_off(their(t, "ip_noise_gamma")):
-        t.refuse(key, value, "goes with ip_noise_gamma, not carried")
-    else:
-        t.drop(key, value, "off" if not is_true(value) else "no ip_noise_gamma")
-
-
-# ----------------------------------------------------------------------------------------------
 # Saves, samples, logs
 
 
@@ -685,44 +442,9 @@ RULES: dict[str, Rule] = {
         "metadata_title", "metadata_author", "metadata_description", "metadata_license", "metadata_tags",
         "metadata_usage_hint", "metadata_thumbnail", "metadata_merged_from", "metadata_trigger_phrase",
         "metadata_preprocessor", "metadata_is_negative_embedding")},
-    # the optimizer and its schedule
-    "optimizer_type": custom(_optimizer_type),
-    "use_8bit_adam": custom(_optimizer_switch),
-    "use_lion_optimizer": custom(_optimizer_switch),
-    "optimizer_args": custom(_optimizer_args),
-    "learning_rate": custom(_learning_rate),
-    "max_grad_norm": same(),
-    "lr_scheduler": custom(_lr_scheduler),
-    "lr_warmup_steps": custom(lambda t, key, value: warmup_steps(t, key, value, t.given)),
-    **{key: custom(_scheduler_key) for key in SCHEDULER_KEYS},
-    "lr_scheduler_type": unsupported("a scheduler class of its own: ours runs the diffusers schedules"),
-    "lr_scheduler_args": unsupported("arguments of a scheduler class (lr_scheduler_type): ours has none"),
-    "fused_backward_pass": ignored("sd-scripts' LoRA training does not read it (its full fine-tuning does)"),
-    "gradient_accumulation_steps": same(),
-    "max_train_steps": same(),
-    "max_train_epochs": unless_off("0: no epoch count (sd-scripts computes 0 steps from it; ours refuses 0): "
-                                   "max_train_steps counts"),
-    # the timestep draw, the prediction and the loss
-    "timestep_sampling": custom(_timestep_sampling),
-    "discrete_flow_shift": custom(_discrete_flow_shift),
-    "sigmoid_scale": custom(_sigmoid_scale),
-    **{key: custom(_logit_key) for key in ("logit_mean", "logit_std", "mode_scale")},
-    "weighting_scheme": custom(_weighting_scheme),
-    "model_prediction_type": implied(lambda v: v == "raw", "ours trains the raw velocity prediction (sd-scripts' docs "
-                                                           "recommend raw)"),
-    "loss_type": custom(_loss_type),
-    **{key: custom(_huber_key) for key in ("huber_c", "huber_scale", "huber_schedule")},
-    "ip_noise_gamma": unsupported("input perturbation noise: ours adds none"),
-    "ip_noise_gamma_random_strength": custom(_ip_noise_gamma_random_strength),
-    **{key: ignored(IGNORED) for key in (
-        "noise_offset", "noise_offset_random_strength", "multires_noise_iterations", "multires_noise_discount",
-        "adaptive_noise_scale", "zero_terminal_snr", "min_timestep", "max_timestep", "min_snr_gamma",
-        "scale_v_pred_loss_like_noise_pred", "v_pred_like_loss", "debiased_estimation_loss")},
-    "weighted_captions": ignored("sd-scripts' text encoding for these models takes no caption weights (it stops); ours encodes "
-                                 "captions as written"),
-    "prior_loss_weight": same(),
-    "masked_loss": ignored("ours: a subset's mask_dir (sd-scripts' conditioning_data_dir) or alpha_mask masks the loss"),
-    "conditioning_data_dir": ignored(IGNORED + " (a dataset TOML's subsets do: mask_dir)"),
+    # the optimizer, its schedule, the timestep draw, the prediction and the loss (sd_scripts_training.py)
+    **training_rules.RULES,
+    "learning_rate": custom(_learning_rate),  # unet_lr's too (the network's)
     # saves
     "output_dir": same(),
     "output_name": same(),
