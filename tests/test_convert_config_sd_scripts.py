@@ -129,9 +129,9 @@ def test_toml_config_with_defaults_and_an_unknown_key(tiny_set, tmp_path, capsys
     ({"weighting_scheme": "cosmap"}, {"weighting_scheme": "not carried"}),  # weighs the sigma_scaled loss
     ({"timestep_sampling": "uniform", "sigmoid_scale": 2.0}, {"timestep_sampling": "kept", "sigmoid_scale": "dropped"}),
     ({"loss_type": "huber"}, {"loss_type": "not carried"}),  # huber_schedule snr: sd-scripts' FLUX stops
-    ({"optimizer_type": "AdamWScheduleFree"}, {"optimizer_type": "not carried"}),
-    ({"optimizer_type": "AdamWScheduleFree", "optimizer_args": ["warmup_steps=100"]},  # AdamW's refused warmup_steps
-     {"optimizer_type": "not carried", "optimizer_args": "not carried"}),
+    ({"optimizer_type": "AdamWScheduleFree"}, {"optimizer_type": "kept"}),  # not carried before 2026-11-29
+    ({"optimizer_type": "AdamWScheduleFree", "optimizer_args": ["warmup_steps=100"], "lr_scheduler": "cosine"},
+     {"optimizer_type": "kept", "optimizer_args": "kept", "lr_scheduler": "dropped"}),  # sd-scripts' dummy scheduler
     ({"optimizer_type": "Adafactor", "optimizer_args": ["scale_parameter=False"]},  # relative_step: its own lr
      {"optimizer_type": "not carried", "optimizer_args": "not carried"}),
     ({"optimizer_type": "Adafactor", "optimizer_args": ["relative_step=False", "scale_parameter=False", "warmup_init=False"]},
@@ -507,3 +507,19 @@ def test_the_peer_reads_a_familys_sd_scripts_names_from_its_spec_only(monkeypatc
     assert next(line.verdict for line in t.lines if line.key == "apply_t5_attn_mask") == "dropped"  # Chroma masks it
     with pytest.raises(ValueError, match="x.toml: model_type 'chroma': expected one of sd-scripts' flux, chroma_hd"):
         sd_scripts.translate({"model_type": "chroma"}, "x.toml")
+
+
+def test_a_schedule_free_optimizer_is_carried_and_the_schedule_it_ignores_dropped():
+    """AdamWScheduleFree was not carried (ours refused schedule-free optimizers); now ours trains it, and the schedule
+    keys the peers ignore with it (a dummy scheduler at the constant lr) are dropped, not written for ours to refuse."""
+    from library.training.peers import musubi_tuner
+
+    given = {"optimizer_type": "AdamWScheduleFree", "optimizer_args": ["warmup_steps=100"], "lr_scheduler": "cosine",
+             "lr_warmup_steps": 50, "lr_scheduler_num_cycles": 2}
+    for t in (sd_scripts.translate({"network_train_unet_only": True, **given}, "x.toml"),
+              musubi_tuner.translate({"network_module": "networks.lora_zimage", **given}, "x.toml")):
+        verdicts = {line.key: line.verdict for line in t.lines}
+        assert (verdicts["optimizer_type"], verdicts["optimizer_args"]) == ("kept", "kept"), t.peer
+        for key in ("lr_scheduler", "lr_warmup_steps", "lr_scheduler_num_cycles"):
+            assert verdicts[key] == "dropped" and key not in t.config, (t.peer, key)
+        assert t.config["optimizer_args"] == ["warmup_steps=100"]

@@ -36,6 +36,7 @@ from library.training.peers.rules import (
     renamed,
     same,
     sample_when,
+    unless_schedule_free,
     unsupported,
     warmup_steps,
 )
@@ -427,15 +428,17 @@ RULES: dict[str, Rule] = {
     "optimizer_type": same(convert=lambda v: v or "AdamW"),
     "optimizer_args": same(convert=_as_list),
     "learning_rate": same(), "max_grad_norm": same(),
-    "lr_scheduler": same(convert=_scheduler),
-    "lr_warmup_steps": joint(lambda t, key, value, run: warmup_steps(t, key, value, run.flat)),
-    "lr_decay_steps": unsupported("a decay length of its own: ours decays over the run"),
-    "lr_scheduler_num_cycles": joint(partial(_read_by_scheduler, "cosine_with_restarts")),
-    "lr_scheduler_power": joint(partial(_read_by_scheduler, "polynomial")),
-    "lr_scheduler_timescale": unsupported("inverse_sqrt's timescale: that schedule is not offered"),
-    "lr_scheduler_min_lr_ratio": unsupported("a floor under the schedule: ours decays to 0"),
-    "lr_scheduler_type": unsupported("a scheduler class of its own: ours offers diffusers' schedules"),
-    "lr_scheduler_args": unsupported("that scheduler class's arguments"),
+    **{key: unless_schedule_free(rule) for key, rule in {  # (a schedule-free optimizer_type reads none of them)
+        "lr_scheduler": same(convert=_scheduler),
+        "lr_warmup_steps": joint(lambda t, key, value, run: warmup_steps(t, key, value, run.flat)),
+        "lr_decay_steps": unsupported("a decay length of its own: ours decays over the run"),
+        "lr_scheduler_num_cycles": joint(partial(_read_by_scheduler, "cosine_with_restarts")),
+        "lr_scheduler_power": joint(partial(_read_by_scheduler, "polynomial")),
+        "lr_scheduler_timescale": unsupported("inverse_sqrt's timescale: that schedule is not offered"),
+        "lr_scheduler_min_lr_ratio": unsupported("a floor under the schedule: ours decays to 0"),
+        "lr_scheduler_type": unsupported("a scheduler class of its own: ours offers diffusers' schedules"),
+        "lr_scheduler_args": unsupported("that scheduler class's arguments"),
+    }.items()},
     # memory
     "fp8_base": same(), "fp8_scaled": same(),
     "blocks_to_swap": joint(_blocks_to_swap),
@@ -543,7 +546,7 @@ def translate(config: dict, source: str, *, model_type=None, dataset=None, datas
     chosen, who = choose_model(flat, source, script, model_type)
     run = Run(flat, source, chosen)
     run.draw = timestep_draw(flat, chosen, run.peer_draw())
-    t = Translation(PEER, source)
+    t = Translation(PEER, source, given=flat)
     t.set("model_type", chosen, who, chosen, RENAMED)
     if dataset is not None:
         t.dataset = translate_dataset(t, dataset, dataset_source or "dataset config", chosen)

@@ -219,6 +219,21 @@ def sample_when(t: Translation, key: str, value: Any, given: dict[str, Any]) -> 
         t.set(key, value, key, value)
 
 
+def unless_schedule_free(rule: Rule) -> Rule:
+    """A schedule key's rule, unless the peer's optimizer_type is schedule-free (t.given): sd-scripts and musubi-tuner
+    then run a dummy scheduler at the constant lr (get_scheduler_fix) and read no schedule key: dropped, as ours
+    refuses them with it (library/training/schedule_free.py)."""
+    def handle(t: Translation, key: str, value: Any, **bound) -> None:
+        if str(t.given.get("optimizer_type") or "").lower().endswith("schedulefree"):
+            t.drop(key, value, f"{t.peer} ignores it with a schedule-free optimizer_type (a constant lr; its warmup "
+                               f"is optimizer_args warmup_steps)")
+        elif rule.kind == "custom":
+            rule.handle(t, key, value, **bound)
+        else:
+            _apply_rule(t, key, value, rule)
+    return Rule("custom", handle=handle)
+
+
 def warmup_steps(t: Translation, key: str, value: Any, given: dict[str, Any]) -> None:
     """lr_warmup_steps as sd-scripts and musubi-tuner read it (train_util.int_or_float; get_scheduler_fix): "10%"
     and a float are a fraction of the run's steps, an int a step count. Ours reads a number under 1 as the fraction

@@ -11,8 +11,8 @@ from library.models.registry import SAMPLING_METHODS
 from library.training.config import SCHEMA
 from library.training.peers import sd_scripts_models as models
 from library.training.peers.rules import (
-    KEPT, RENAMED, Rule, Translation, custom, ignored, implied, is_off, is_true, same, unless_off, unsupported,
-    warmup_steps,
+    KEPT, RENAMED, Rule, Translation, custom, ignored, implied, is_off, is_true, same, unless_off, unless_schedule_free,
+    unsupported, warmup_steps,
 )
 from library.training.peers.sd_scripts_defaults import note, their
 
@@ -24,13 +24,10 @@ IGNORED = models.ignored_text()  # a key of sd-scripts' parser its training of t
 
 
 def optimizer_refusal(t: Translation) -> str:
-    """Why ours does not train with sd-scripts' optimizer ("" where it does): a schedule-free one, or Adafactor with
-    relative_step (its default there, and warmup_init's; train_util.get_optimizer), which sets its own lr."""
+    """Why ours does not train with sd-scripts' optimizer ("" where it does): Adafactor with relative_step (its default there, and warmup_init's; train_util.get_optimizer), which sets its own lr."""
     name = str(their(t, "optimizer_type") or "").lower()
     given = their(t, "optimizer_args")
     args = dict(str(a).partition("=")[::2] for a in (given if isinstance(given, list) else []))
-    if name.endswith("schedulefree"):
-        return "schedule-free: ours does not switch its train / eval weights (AdamW or Prodigy with an lr_scheduler instead)"
     if name == "adafactor" and (args.get("relative_step", "True").strip() not in ("False", "0") or
                                 args.get("warmup_init", "False").strip() in ("True", "1")):
         return ("Adafactor with relative_step (sd-scripts' default) sets its own lr (its adafactor schedule), which ours "
@@ -251,11 +248,11 @@ RULES: dict[str, Rule] = {
     "use_lion_optimizer": custom(_optimizer_switch),
     "optimizer_args": custom(_optimizer_args),
     "max_grad_norm": same(),
-    "lr_scheduler": custom(_lr_scheduler),
-    "lr_warmup_steps": custom(lambda t, key, value: warmup_steps(t, key, value, t.given)),
-    **{key: custom(_scheduler_key) for key in SCHEDULER_KEYS},
-    "lr_scheduler_type": unsupported("a scheduler class of its own: ours runs the diffusers schedules"),
-    "lr_scheduler_args": unsupported("arguments of a scheduler class (lr_scheduler_type): ours has none"),
+    "lr_scheduler": unless_schedule_free(custom(_lr_scheduler)),
+    "lr_warmup_steps": unless_schedule_free(custom(lambda t, key, value: warmup_steps(t, key, value, t.given))),
+    **{key: unless_schedule_free(custom(_scheduler_key)) for key in SCHEDULER_KEYS},
+    "lr_scheduler_type": unless_schedule_free(unsupported("a scheduler class of its own: ours runs the diffusers schedules")),
+    "lr_scheduler_args": unless_schedule_free(unsupported("arguments of a scheduler class (lr_scheduler_type): ours has none")),
     "fused_backward_pass": ignored("sd-scripts' LoRA training does not read it (its full fine-tuning does)"),
     "gradient_accumulation_steps": same(),
     "max_train_steps": same(),
