@@ -698,3 +698,12 @@ def test_a_file_picker_lists_files_written_after_the_page_loaded(ui, tmp_path):
             listed = [value for _, value in opened.fn()["choices"]] if isinstance(opened.fn()["choices"][0], tuple) \
                 else opened.fn()["choices"]
             assert any(str(choice).endswith(name) for choice in listed), (label, listed)
+
+
+def test_the_bucket_histograms_bars_rise_from_zero(ui):
+    """Old: gradio's plots scale y to the data (vega-lite `zero: false`): the tiny set's two buckets of 4 images
+    each drew no bar at all (the axis ran from 4 to 4), and of buckets of 3 and 5 images the smaller drew none."""
+    from library.ui.app import build_app
+
+    histogram = next(b for b in build_app(ui).blocks.values() if isinstance(b, gr.BarPlot))
+    assert histogram.title == "bucket histogram" and histogram.y_lim == [0, None]

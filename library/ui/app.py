@@ -386,7 +386,8 @@ def dataset_tab(ui: WebUI) -> None:
         check = gr.Button("Check", scale=1)
     summary = gr.Markdown()
     with gr.Row():
-        buckets = gr.BarPlot(x="bucket", y="images", title="bucket histogram")
+        # From zero: gradio scales y to the data, and buckets of equal counts drew no bar (the smallest none).
+        buckets = gr.BarPlot(x="bucket", y="images", title="bucket histogram", y_lim=[0, None])
         problems = gr.Dataframe(label="problems, one per image and why (an error stops training; a warning trains anyway)",
                                 interactive=False)
     images = gr.Gallery(label="images with captions (click one to edit its caption)", columns=6, height=300,
