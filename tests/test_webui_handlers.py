@@ -707,3 +707,33 @@ def test_the_bucket_histograms_bars_rise_from_zero(ui):
 
     histogram = next(b for b in build_app(ui).blocks.values() if isinstance(b, gr.BarPlot))
     assert histogram.title == "bucket histogram" and histogram.y_lim == [0, None]
+
+
+def test_a_tab_saving_a_config_another_tab_saved_since_it_loaded_it_is_refused(ui, tmp_path):
+    """Old: two tabs loaded one config; the first saved its steps edit, then the second saved its rank edit over
+    it without a word (its editor still held the old steps): the first tab's edit was gone."""
+    from library.ui.app import build_app
+
+    config = tmp_path / "data" / "run.toml"
+    config.write_text("network_dim = 8\nmax_train_steps = 6\n")
+    app = build_app(ui)
+    pick, save = event(app, "change", api_name="pick_config"), event(app, "click", api_name="save_config")
+    text = pick.inputs[1]._id
+    tabs = []
+    for _ in range(2):  # two tabs, each picks the config as a page starts
+        values = {block._id: block.value for block in {*pick.inputs, *save.inputs} if isinstance(block, gr.State)}
+        values.update({pick.inputs[0]._id: str(config), save.inputs[0]._id: str(config)})
+        run(pick, values)
+        tabs.append(values)
+    first, second = tabs
+    first[text] = first[text].replace("max_train_steps = 6", "max_train_steps = 3")
+    run(save, first)
+    assert config.read_text() == "network_dim = 8\nmax_train_steps = 3\n"
+    second[text] = second[text].replace("network_dim = 8", "network_dim = 4")
+    run(save, second)
+    assert config.read_text() == "network_dim = 8\nmax_train_steps = 3\n"  # the first tab's edit kept
+    said = second[save.outputs[0]._id]
+    assert said.startswith(f"⚠ save to {str(config)!r}: the file changed since this page loaded it"), said
+    first[text] = first[text].replace("network_dim = 8", "network_dim = 16")  # the tab that saved it saves again
+    run(save, first)
+    assert config.read_text() == "network_dim = 16\nmax_train_steps = 3\n"

@@ -140,11 +140,15 @@ def jobs_tab(ui: WebUI):
     # The last Load's conversion note ("": the config was ours), shown by an event of its own after Load: a State
     # output, the note leaves /load_config's and /pick_config's outputs as API scripts unpack them.
     conversion = gr.State("")
+    # The real path of the file the editor's text was loaded from (or saved to) last: Save refuses to write over
+    # it once it holds another text than loaded_text (another tab saved it meanwhile: its edit would be lost).
+    loaded_file = gr.State("")
     with gr.Row():
         check_button = gr.Button("Validate")
         create_button = gr.Button("Create (draft)")
         queue_new = gr.Button("Create and queue", variant="primary", elem_id="create-and-queue")
-    save_row(ui, order, [text, *form_inputs, loaded], [text, *form_inputs, loaded, loaded_text])
+    save_row(ui, order, [text, *form_inputs, loaded, loaded_text, loaded_file],
+             [text, *form_inputs, loaded, loaded_text, loaded_file])
     answer = gr.JSON(label="result", elem_id="job-result")
 
     table, job_id = queue_section(ui)
@@ -159,15 +163,15 @@ def jobs_tab(ui: WebUI):
 
     def on_load(path):
         try:
-            new_text, values, note = ui.load_config(path)
+            real, new_text, values, note = ui.open_config(path)
         except (OutsideRoots, OSError, ValueError) as e:
-            return keep + [error_note(str(e))] + [gr.update()] * 3
-        return [new_text] + [values[k] for k in order] + [error_note(""), values, new_text, note]
+            return keep + [error_note(str(e))] + [gr.update()] * 4
+        return [new_text] + [values[k] for k in order] + [error_note(""), values, new_text, note, real]
 
     def show_conversion(note):
         return gr.update(value=note, visible=bool(note))
 
-    load_outputs = [text, *form_inputs, errors["toml"], loaded, loaded_text, conversion]
+    load_outputs = [text, *form_inputs, errors["toml"], loaded, loaded_text, conversion, loaded_file]
     load.click(on_load, [pick], load_outputs, api_name="load_config").then(
         show_conversion, [conversion], [converted], api_name=False, show_progress="hidden")
 
@@ -175,10 +179,10 @@ def jobs_tab(ui: WebUI):
         """Picking a config loads it, unless the form holds edits: then it asks (Load replaces them)."""
         *values, filled, filled_text = values
         if not path:
-            return keep + [gr.update()] * 4
+            return keep + [gr.update()] * 5
         if changes := unsaved_edits(order, values, filled, text_value, filled_text):
             return keep + [error_note(f"the form has unsaved edits ({', '.join(changes)}): press Load to replace "
-                                      f"them with {path}, or Save TOML first")] + [gr.update()] * 3
+                                      f"them with {path}, or Save TOML first")] + [gr.update()] * 4
         return on_load(path)
 
     pick.change(on_pick, [pick, text, *form_inputs, loaded, loaded_text], load_outputs, api_name="pick_config").then(
@@ -264,20 +268,22 @@ def ask(ui: WebUI, action: str, job_id) -> tuple:
 
 def save_row(ui: WebUI, order: list[str], inputs: list, reloaded: list) -> None:
     """Save TOML: the editor's config written back under the roots. inputs: the TOML, the fields, the
-    values Load filled them with. reloaded: the TOML, the fields and Load's baselines (fields, text),
-    set from the file saved: what it holds is no unsaved edit (a pick then asked to "Save TOML first")."""
+    values Load filled them with, the text and real path of the file Load read. reloaded: the TOML, the fields
+    and Load's baselines (fields, text, file), set from the file saved: what it holds is no unsaved edit (a pick
+    then asked to "Save TOML first"), and this page's to save again."""
     with gr.Row():
         save_to = gr.Textbox(label="save the config to (a .toml under the roots; comments and tables kept)", scale=3)
         save = gr.Button("Save TOML", scale=1)
     saved = gr.Markdown()
 
     def on_save(path, text_value, *values):
+        *values, base_text, base_file = values
         try:
-            real = ui.save_config(path, text_value, edited(order, values))
-            new_text, filled, _ = ui.load_config(real, convert=False)  # the file as saved, whatever its keys
+            real = ui.save_config(path, text_value, edited(order, values), (base_file, base_text))
+            _, new_text, filled, _ = ui.open_config(real, convert=False)  # the file as saved, whatever its keys
         except (OutsideRoots, OSError, ValueError) as e:
             return [f"⚠ {e}"] + [gr.update()] * len(reloaded)
-        return [f"saved {real}", new_text] + [filled[k] for k in order] + [filled, new_text]
+        return [f"saved {real}", new_text] + [filled[k] for k in order] + [filled, new_text, real]
 
     save.click(on_save, [save_to, *inputs], [saved, *reloaded], api_name="save_config")
 

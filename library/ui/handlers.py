@@ -230,6 +230,11 @@ class WebUI:
         (ai-toolkit's YAML, a TOML with sd-scripts' or musubi-tuner's keys) is converted first, unless `convert`
         is false (Save's reading back): tools/convert_config.py writes ours beside it, the editor gets ours and
         the note what each key became."""
+        return self.open_config(path, convert)[1:]
+
+    def open_config(self, path: str, convert: bool = True) -> tuple[str, str, dict, str]:
+        """load_config's answer after the real path of the file the text is (ours, where a peer's was converted):
+        a Save to that file later checks that no one else wrote it meanwhile."""
         real = self.roots.resolve(path, "config")
         if os.path.isdir(real):
             raise ValueError(f"config {path!r} is a folder: pick a .toml file (or a peer's .yaml)")
@@ -242,7 +247,7 @@ class WebUI:
             settings = _flatten(toml_loads(text), path)
         except toml.TomlDecodeError as e:
             raise ValueError(f"{path}: not valid TOML: {e}") from None
-        return text, form_values(settings), note
+        return real, text, form_values(settings), note
 
     def settings(self, text: str, form: dict) -> dict:
         try:
@@ -277,12 +282,17 @@ class WebUI:
         inner = os.path.relpath(os.path.join(self.workdir, logging_dir), os.path.join(self.workdir, output_dir))
         return None if inner == os.pardir or inner.startswith(os.pardir + os.sep) else os.path.normpath(inner)
 
-    def save_config(self, path: str, text: str, form: dict) -> str:
+    def save_config(self, path: str, text: str, form: dict, loaded: tuple[str, str] | None = None) -> str:
         """The editor's TOML, with the fields changed from it set where it writes them (its comments,
-        tables and other keys kept), written to `path` (a .toml file under the roots); the path written."""
+        tables and other keys kept), written to `path` (a .toml file under the roots); the path written.
+        loaded: (the real path, the text) of the file the page loaded (open_config) or saved last: that file
+        holding another text now (another tab saved it) is refused, not written over."""
         if not str(path or "").strip().endswith(".toml"):
             raise ValueError(f"save to {path!r}: give a .toml file under the roots")
         real = self.roots.resolve(path.strip(), "save to")
+        if loaded and loaded[0] == real and os.path.isfile(real) and read_utf8(real, "config file") != loaded[1]:
+            raise ValueError(f"save to {path!r}: the file changed since this page loaded it (another tab or program "
+                             f"saved it): Load it again to see its text, or save to another file")
         try:
             settings = _flatten(toml_loads(text or ""), "config")
         except toml.TomlDecodeError as e:
