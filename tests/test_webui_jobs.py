@@ -424,10 +424,11 @@ def test_a_queue_made_by_an_older_ui_gets_the_new_columns(tmp_path):
 
     (tmp_path / "jobs").mkdir()
     with sqlite3.connect(tmp_path / "jobs" / "jobs.sqlite") as db:
-        db.execute(jobs.SCHEMA.replace(", stop_sent REAL", ""))
+        db.execute(jobs.SCHEMA.replace(", stop_sent REAL,\n    stop_now REAL", ""))
         db.execute("INSERT INTO jobs (name, config, state, output_dir, output_name, created) "
                    "VALUES ('old', '', 'stopping', '/x', 'lora', 0)")
-    assert JobStore(str(tmp_path / "jobs")).get(1).stop_sent is None
+    old = JobStore(str(tmp_path / "jobs")).get(1)
+    assert (old.stop_sent, old.stop_now) == (None, None)
 
 
 @pytest.mark.parametrize("log, number, message", [
@@ -530,3 +531,42 @@ def test_a_cpu_workers_job_sees_no_gpu(tmp_path, monkeypatch):
         runner.close()
     seen = {device: open(job.log_path).read().splitlines()[-1] for device, job in jobs.items()}
     assert seen == {"cpu": "CUDA_VISIBLE_DEVICES=[]", "cuda:1": "CUDA_VISIBLE_DEVICES=[1]"}
+
+
+def test_a_trainer_that_does_not_stop_is_ended_by_a_second_stop(tmp_path):
+    """Old: a trainer that did not act on Stop's SIGINT (hung, or a step of minutes) left its job stopping for
+    good: a second Stop was refused ("job 1 is stopping: cannot stop"), so was Delete, and the device's queue
+    waited behind it. Now a second Stop, once the SIGINT went out, kills the trainer: the job is stopped, with
+    the state it saved before (none here: retry)."""
+    store, job = claimed_job(tmp_path)
+    hung = "import signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nopen(sys.argv[1], 'w')\ntime.sleep(120)"
+    trainer = subprocess.Popen([sys.executable, "-c", hung, job.log_path], start_new_session=True)
+    runner = Runner(store, str(tmp_path), devices=("cpu",), python="/bin/true", poll=0.05)
+    try:
+        wait_for(lambda: os.path.exists(job.log_path), 30, "the fake trainer's start")
+        from library.ui import run_files
+
+        store.update(job.id, pid=trainer.pid, pid_started=run_files.process_started(trainer.pid))
+        runner.start()
+        actions.stop(store, job.id)
+        wait_for(lambda: store.get(job.id).stop_sent, 10, "the SIGINT")
+        time.sleep(0.3)  # the trainer goes on
+        assert trainer.poll() is None and store.get(job.id).state == "stopping"
+        assert actions.stop(store, job.id).message.startswith("stopping at once: the trainer is killed")
+        wait_for(lambda: store.get(job.id).state == "stopped", 10, "the stopped job")
+        assert trainer.wait(10) == -signal.SIGKILL
+        assert store.get(job.id).message == "stopped at once by a second Stop (the trainer killed): nothing saved; " \
+                                            "retry to start again"
+    finally:
+        runner.close()
+        trainer.kill()
+        trainer.wait()
+
+
+def test_a_double_click_on_stop_does_not_kill_the_save_the_first_asked_for(tmp_path):
+    """A second Stop before the first's SIGINT went out (a double click) is refused: it would kill the trainer
+    the first one asked to save."""
+    store, job = claimed_job(tmp_path)
+    actions.stop(store, job.id)
+    with pytest.raises(JobError, match="^job 1 is stopping: its stop request reaches the trainer within a second"):
+        actions.stop(store, job.id)

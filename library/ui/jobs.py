@@ -51,6 +51,7 @@ class Job:
     peak_rss: int = 0  # bytes (the trainer's VmHWM)
     peak_vram: int = 0  # bytes (nvidia-smi, sampled), 0 off CUDA
     stop_sent: float | None = None  # when Stop's SIGINT went to the trainer: never twice (a second one quits unsaved)
+    stop_now: float | None = None  # when a second Stop asked to kill the trainer (it had not acted on the SIGINT)
 
     @property
     def config_path(self) -> str:
@@ -85,10 +86,11 @@ CREATE TABLE IF NOT EXISTS jobs (
     device TEXT, output_dir TEXT NOT NULL, output_name TEXT NOT NULL, max_steps INTEGER, created REAL NOT NULL,
     queued REAL, started REAL, finished REAL, pid INTEGER, pid_started INTEGER, resume TEXT,
     last_step INTEGER NOT NULL DEFAULT 0, exit_code INTEGER, message TEXT NOT NULL DEFAULT '',
-    peak_rss INTEGER NOT NULL DEFAULT 0, peak_vram INTEGER NOT NULL DEFAULT 0, stop_sent REAL
+    peak_rss INTEGER NOT NULL DEFAULT 0, peak_vram INTEGER NOT NULL DEFAULT 0, stop_sent REAL,
+    stop_now REAL
 )"""
 # Columns added since the first release, for a queue an older UI made.
-ADDED_COLUMNS = {"stop_sent": "REAL"}
+ADDED_COLUMNS = {"stop_sent": "REAL", "stop_now": "REAL"}
 
 
 class JobStore:
@@ -231,7 +233,8 @@ class JobStore:
             if row is None:
                 return None
             db.execute("UPDATE jobs SET state = 'running', device = ?, started = ?, finished = NULL, pid = NULL, "
-                       "exit_code = NULL, message = '', stop_sent = NULL WHERE id = ?",
+                       "exit_code = NULL, message = '', stop_sent = NULL, stop_now = NULL "
+                       "WHERE id = ?",
                        (device, time.time(), row["id"]))
         return self.get(row["id"])
 

@@ -9,6 +9,7 @@ Resume passes --resume <state>; train_lora.py continues the CSV log from the sta
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -43,12 +44,22 @@ def queue(store: JobStore, job_id: int) -> Job:
 
 
 def stop(store: JobStore, job_id: int) -> Job:
-    """A queued job goes back to draft; a running one is asked to stop (the runner sends SIGINT)."""
+    """A queued job goes back to draft; a running one is asked to stop (the runner sends SIGINT); a stopping one
+    whose trainer got the SIGINT and goes on (hung, or in a step of minutes) is ended at once (the runner kills it:
+    nothing saved since its last state)."""
     job = store.get(job_id)
     if job.state == "queued":
         return store.transition(job_id, ("queued",), "stop", state="draft", queued=None)
+    if job.state == "stopping":
+        if not job.stop_sent:  # a double click: killing it now would lose the save the first Stop asked for
+            raise JobError(f"job {job_id} is stopping: its stop request reaches the trainer within a second; press "
+                           f"Stop again after that to end it at once, without saving")
+        return store.transition(job_id, ("stopping",), "stop at once", stop_now=time.time(),
+                                message="stopping at once: the trainer is killed; nothing is saved after its last "
+                                        "saved state")
     return store.transition(job_id, ("running",), "stop", state="stopping",
-                            message="stopping: the LoRA and state are saved after the current step")
+                            message="stopping: the LoRA and state are saved after the current step (Stop again ends it "
+                                    "at once, unsaved)")
 
 
 def resume(store: JobStore, job_id: int) -> Job:
@@ -203,6 +214,9 @@ class Runner:
             if current.state == "stopping" and not current.stop_sent:  # sent once, whichever UI watched then
                 self.store.update(job.id, stop_sent=time.time())
                 os.kill(job.pid, signal.SIGINT)
+            if current.state == "stopping" and current.stop_now:  # a second Stop: the trainer's session, workers too
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(job.pid, signal.SIGKILL)
             time.sleep(self.poll)
         code = process.returncode if process else None
         self.store.update(job.id, **outcome(self.store.get(job.id), code), finished=time.time(), pid=None,
@@ -218,6 +232,10 @@ def outcome(job: Job, code: int | None) -> dict:
     # 130 after the final LoRA (a Ctrl-C during the final samples): done, nothing to resume.
     if code == 0 or (code in (None, 130) and any(DONE_LINE.search(line) for line in lines[-3:])):
         return {"state": "done", "message": lines[-1] if lines else "done", "resume": None}
+    if job.stop_now and code in (None, -signal.SIGKILL) and not stopped:  # killed by a second Stop
+        then = f"resume continues from the state at step {saved}" if saved is not None else "retry to start again"
+        return {"state": "stopped", "message": f"stopped at once by a second Stop (the trainer killed): nothing "
+                                               f"saved; {then}", "resume": job.state_dir if saved is not None else None}
     # Stopped before training began (while loading, caching or rendering sample_at_first's samples; our
     # SIGINT before train_lora.py's Ctrl-C handler was set). One gone after logged steps without saving,
     # and not by our SIGINT, failed (or is interrupted at a restart).
