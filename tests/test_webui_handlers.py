@@ -737,3 +737,14 @@ def test_a_tab_saving_a_config_another_tab_saved_since_it_loaded_it_is_refused(u
     first[text] = first[text].replace("network_dim = 8", "network_dim = 16")  # the tab that saved it saves again
     run(save, first)
     assert config.read_text() == "network_dim = 16\nmax_train_steps = 3\n"
+
+
+def test_the_convert_forms_formats_are_the_tools(ui):
+    """Old: the LoRA tools' "convert to" offered kohya, diffusers and peft: ComfyUI's layout (convert_lora.py
+    --to comfy) could not be picked from the page."""
+    from library.ui.app import build_app
+    from tools.convert_lora import build_parser
+
+    to = next(b for b in build_app(ui).blocks.values() if isinstance(b, gr.Dropdown) and b.label == "convert to")
+    formats = next(a.choices for a in build_parser()._actions if a.dest == "to")
+    assert [value for _, value in to.choices] == list(formats)

@@ -442,7 +442,7 @@ def tools_tab(ui: WebUI) -> None:
     with gr.Accordion("convert / resize", open=False):
         src = file_picker(ui, loras, "LoRA")
         dst = gr.Textbox(label="save to (a name goes to the jobs folder's tools/)")
-        to = gr.Dropdown(["kohya", "diffusers", "peft"], value="diffusers", label="convert to")
+        to = gr.Dropdown(["kohya", "diffusers", "comfy", "peft"], value="diffusers", label="convert to")
         rank = gr.Number(4, label="new rank", precision=0)
         with gr.Row():
             gr.Button("Convert").click(lambda s, d, t: ui.lora_tool("convert_lora", {"lora": s, "save_to": d, "to": t})
