@@ -748,3 +748,30 @@ def test_the_convert_forms_formats_are_the_tools(ui):
     to = next(b for b in build_app(ui).blocks.values() if isinstance(b, gr.Dropdown) and b.label == "convert to")
     formats = next(a.choices for a in build_parser()._actions if a.dest == "to")
     assert [value for _, value in to.choices] == list(formats)
+
+
+def test_the_live_view_empties_when_its_job_is_deleted(ui):
+    """Old: Delete cleared the job picker and the Live tab kept drawing the deleted job: its status, curves,
+    samples and log, as if it were still there."""
+    from library.ui.app import build_app
+
+    job = ui.store.create("gone", {"output_name": "lora"}, 5)
+    with open(job.csv_path, "w") as f:
+        f.write("step,loss,lr/lora\n1,0.5,0.001\n2,0.4,0.001\n")
+    with open(job.log_path, "w") as f:
+        f.write("training: 2/5\n")
+    app = build_app(ui)
+    live = event(app, "change", "job-pick")
+    values = {live.inputs[0]._id: str(job.id), live.inputs[1]._id: None}
+    run(live, values)
+    status = block(app, "live-status")._id
+    assert values[status].startswith(f"**job {job.id} gone: draft**") and len(values[block(app, "plot-loss")._id]) == 2
+    ui.act("delete", job.id, confirm=True)
+    shown = dict(values)
+    run(live, values)  # the timer's tick in another tab, whose picker still names the job
+    assert values[status] == "no such job" and values[block(app, "log-tail")._id] == ""
+    assert values[block(app, "samples")._id] == [] and len(values[block(app, "plot-loss")._id]) == 0
+    shown[live.inputs[0]._id] = None  # what Delete leaves in this tab's picker
+    run(live, shown)
+    assert shown[status] == "Pick a job in the Jobs tab." and shown[block(app, "log-tail")._id] == ""
+    assert shown[block(app, "samples")._id] == [] and len(shown[block(app, "plot-loss")._id]) == 0

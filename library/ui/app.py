@@ -6,11 +6,12 @@ drive the same functions the buttons do."""
 from __future__ import annotations
 
 import gradio as gr
+import pandas as pd
 
 from library.models.registry import arch_specs
 from library.text_files import toml_dumps
 from library.ui.files import OutsideRoots
-from library.ui.handlers import BASE_PRECISIONS, FORM_KEYS, MODEL_TYPES, OPTIMIZERS, WebUI, job_number
+from library.ui.handlers import BASE_PRECISIONS, FORM_KEYS, MODEL_TYPES, OPTIMIZERS, PLOT_COLUMNS, WebUI, job_number
 from library.ui.jobs import JobError
 from library.ui.peer_configs import CONFIG_SUFFIXES
 
@@ -300,16 +301,24 @@ def live_tab(ui: WebUI, job_id) -> None:
 
     shown = gr.State(None)  # the signature of what this page shows (handlers.live_signature)
 
+    def emptied(status_line: str, last) -> list:
+        """No job to show (Delete cleared the pick, or another tab deleted the job): the job shown before is
+        emptied from the view (its curves, samples and log stayed, under "no such job"), once."""
+        if last == status_line:
+            return [gr.update()] * 6 + [last]
+        empty = pd.DataFrame(columns=PLOT_COLUMNS)
+        return [status_line, empty, empty, empty, [], "", status_line]
+
     def on_live(j, last):
         if j in (None, ""):
-            return [gr.update()] * 6 + [None]
+            return emptied("Pick a job in the Jobs tab.", last) if last is not None else [gr.update()] * 6 + [None]
         try:
             signature = ui.live_signature(j)
             if signature == last:  # nothing new: no data sent, no chart redrawn
                 return [gr.update()] * 6 + [last]
             view = ui.live(j)
         except (JobError, ValueError):
-            return ["no such job"] + [gr.update()] * 5 + [None]
+            return emptied("no such job", last)
         return view["status"], view["loss"], view["lr"], view["dlr"], view["samples"], view["log"], signature
 
     outputs = [status, loss, lr, dlr, samples, log, shown]
