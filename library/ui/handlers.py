@@ -29,7 +29,7 @@ from library.ui.runner import Runner
 # The form's fields: config keys.
 FORM_KEYS = ("model_type", "pretrained_model_name_or_path", "ae", "dataset_config", "network_dim", "max_train_steps",
              "learning_rate", "optimizer_type", "base_precision", "sample_prompts", "sample_every_n_steps")
-OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy")
+OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy", "AdamWScheduleFree")
 MODEL_TYPES = SCHEMA["model_type"].choices  # every family and the LLM mode, as train_lora.py accepts them
 PLOT_COLUMNS = ["step", "value", "series"]
 MAX_INT = 10**15  # beyond any real count or seed, and well inside SQLite's (and torch's) 64-bit integers
