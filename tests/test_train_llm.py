@@ -58,6 +58,22 @@ def test_llm_lora_trains_only_lora_and_loss_falls(tiny_set, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k].up, b[k].up) and a[k].alpha == b[k].alpha for k in a)
 
 
+@pytest.mark.parametrize("relative", [True, False])
+def test_a_base_given_as_its_safetensors_file_gives_peft_its_folder(tiny_set, tmp_path, monkeypatch, relative):
+    """base_model_name_or_path is what AutoPeftModelForCausalLM.from_pretrained(adapter) hands to
+    AutoModelForCausalLM.from_pretrained: the model's folder. A base given as its .safetensors file wrote the
+    file ("llm/model.safetensors"), which transformers reads as a malformed hub repo id (OSError)."""
+    folder = tiny_set["llm"]
+    if relative:
+        monkeypatch.chdir(os.path.dirname(folder))
+    base = os.path.join(os.path.basename(folder) if relative else folder, "model.safetensors")
+    out = tmp_path / "lora"
+    assert train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", base, "--output_name", "lm",
+                                    "--max_train_steps", "1", "--network_dim", "4", "--eval_every_n_steps", "0")) == 0
+    config = json.loads((out / "lm" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "llm"
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--pretrain",), "save_format 'peft' is for LLM LoRAs (model_type llm without pretrain)"),
     (("--network_module", "lycoris.kohya"), "save_format 'peft' needs network_module networks.lora"),

@@ -513,9 +513,11 @@ class LLMTask:
         if self.network is not None:
             written = []
             if "peft" in lora_formats(self.args):
-                base = self.args.pretrained_model_name_or_path  # PEFT's pointer to the base; a basename if absolute
+                # PEFT's pointer to the base, what AutoPeftModelForCausalLM hands to from_pretrained: the model's
+                # folder (a base given as its .safetensors or index file: the folder it is in); a basename if absolute
+                base = os.path.dirname(config_json_path(self.args.pretrained_model_name_or_path.rstrip("/\\")))
                 nested = nests_language_model(self._base_config())
-                self.network.save_peft(folder, dtype, metadata, base_model=os.path.basename(base.rstrip("/\\"))
+                self.network.save_peft(folder, dtype, metadata, base_model=os.path.basename(base)
                                        if os.path.isabs(base) else base, rename=nested_path if nested else None)
                 written.append(folder)
             if "kohya" in lora_formats(self.args):
