@@ -807,3 +807,12 @@ def test_a_peft_adapter_of_a_vision_language_base_applies_in_peft_and_reads_back
         ours = model(ids)
     moved = float((peft_logits - plain).abs().max())
     assert moved > 1e-3 and float((ours - peft_logits).abs().max()) < 1e-4 * max(1.0, moved), moved
+
+
+@pytest.mark.parametrize("missing", ["folder", "file"])
+def test_a_base_path_that_does_not_exist_is_named_as_such(tiny_set, tmp_path, capsys, missing):
+    """A typo in pretrained_model_name_or_path: the old line said 'no tokenizer.json here', also for a
+    misspelled .safetensors file in a folder that holds tokenizer.json."""
+    base = str(tmp_path / "no_such_model") if missing == "folder" else os.path.join(tiny_set["llm"], "modle.safetensors")
+    assert train_lora.main(llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", base)) == 2
+    assert capsys.readouterr().err == f"error: pretrained_model_name_or_path {base}: no such file or folder\n"

@@ -139,6 +139,8 @@ def check_before_loading(args) -> None:
     """What train_lora.py checks of an LLM config first, from the config and the files' names and headers (seconds:
     no tokenizer, text or weights read): LLMTask and the web UI's config check (library/ui/config_check.py) run
     this one function, so a config one refuses the other refuses with the same line."""
+    if not os.path.exists(args.pretrained_model_name_or_path):  # a typo: not "no tokenizer.json here"
+        raise ConfigError(f"pretrained_model_name_or_path {args.pretrained_model_name_or_path}: no such file or folder")
     refuse_other_weight_formats(args.pretrained_model_name_or_path)
     corpus_files(args.train_data)  # a missing entry, a folder without text (check_corpus reads them later)
     if not args.pretrain:
