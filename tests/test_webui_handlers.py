@@ -362,6 +362,9 @@ def test_the_planner_and_the_lora_tools_answer_bad_fields_in_one_line(ui, tmp_pa
     assert report(vram=None) == "card memory (GiB): give a number > 0, got None"
     assert report(resolution=0) == "resolution (px): give a whole number >= 64, got 0"  # not the preset's default
     assert report(batch=0) == "batch size: give a whole number >= 1, got 0"
+    for preset in (None, ""):  # the dropdown cleared: plan_memory.py said "error: None: config file not found"
+        assert ui.plan("preset", preset, 24, 1024, 1, "", {})["report"] == (
+            "released model (preset): pick one, or plan the job form's config")
     assert report(source="the job form's config", text="x = ").startswith("config: not valid TOML")
     # toml's IndexError for an inline table left open escaped every handler (2026-11-27)
     assert report(source="the job form's config", text="optimizer_args = {d0 = 1").startswith("config: not valid TOML")

@@ -414,6 +414,8 @@ class WebUI:
                 raise ValueError
         except (TypeError, ValueError):
             return self._plan_refused(f"card memory (GiB): give a number > 0, got {vram!r}")
+        if source == "preset" and not (preset or "").strip():  # plan_memory.py said "None: config file not found"
+            return self._plan_refused("released model (preset): pick one, or plan the job form's config")
         try:
             given = lambda value: value is not None and str(value).strip() != ""  # noqa: E731
             resolution = whole_number(resolution, "resolution (px)", 64) if given(resolution) else None
