@@ -295,7 +295,8 @@ def live_tab(ui: WebUI, job_id) -> None:
         loss = gr.LinePlot(x="step", y="value", color="series", title="loss / val_loss", elem_id="plot-loss")
         lr = gr.LinePlot(x="step", y="value", color="series", title="lr per group", elem_id="plot-lr")
         dlr = gr.LinePlot(x="step", y="value", color="series", title="d*lr per group (Prodigy)", elem_id="plot-dlr")
-    samples = gr.Gallery(label="samples by step, with their prompt (each: bf16 base | fp8 base, side by side)",
+    samples = gr.Gallery(label="samples by step, with their prompt (on a low-precision base: bf16 base | that base, "
+                               "side by side)",
                          columns=6, object_fit="contain", height=300, allow_preview=False, elem_id="samples")
     log = gr.Textbox(label="log (tail)", lines=12, max_lines=12, elem_id="log-tail")
 
