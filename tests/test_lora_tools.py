@@ -195,6 +195,27 @@ def test_resize_errors_are_one_line(flux_lora, tmp_path, capsys):
     assert not (tmp_path / "o.safetensors").exists()
 
 
+def test_a_lora_with_nan_factors_is_one_line_in_resize_and_combine(tmp_path, capsys):
+    """A diverged training's LoRA (NaN in a factor): resize was a traceback (linalg.svd failed to converge),
+    combine --mode concat wrote the NaN into a new file and said it kept 100% of the energy."""
+    _lora_with_spectrum(tmp_path / "s.safetensors", [10.0, 5.0, 2.0, 1.0])
+    tensors = load_file(str(tmp_path / "s.safetensors"))
+    up = "lora_unet_double_blocks_0_img_attn_proj.lora_up.weight"
+    tensors[up] = tensors[up].clone()
+    tensors[up][3, 1] = float("nan")
+    save_file(tensors, str(tmp_path / "nan.safetensors"))
+    from tools import combine_loras
+
+    for tool, argv in ((resize_lora, ["--lora", str(tmp_path / "nan.safetensors"), "--new_rank", "2"]),
+                       (combine_loras, ["--lora", str(tmp_path / "nan.safetensors")]),
+                       (combine_loras, ["--lora", str(tmp_path / "nan.safetensors"), "--mode", "svd", "--rank", "2"])):
+        assert tool.main(argv + ["--save_to", str(tmp_path / "o.safetensors")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "module 'lora_unet_double_blocks_0_img_attn_proj' up holds 1 non-finite value" in err, err
+        assert "\n" not in err and str(tmp_path / "nan.safetensors") in err, err
+        assert not (tmp_path / "o.safetensors").exists()
+
+
 # ----------------------------------------------------------------------------------------------
 # extract_lora
 

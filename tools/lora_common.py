@@ -76,6 +76,7 @@ def read_lora_file(path: str, tool: str) -> LoRAFile:
         raise CheckpointError(f"{path}: a LyCORIS file (LoKr / LoHa / ...): {tool} works on LoRA (down/up) files only; "
                               "merge it into the base with tools/merge_lora.py instead")  # fmt: skip
     weights, fmt = parse_lora(tensors, metadata, None, source=path, adapter_config=adapter_config)
+    check_finite(weights, path, tool)
     if not peft_alpha_known(tensors, metadata, adapter_config):
         warn_unknown_peft_alpha(path, "reading it")
     prefix = ""
@@ -88,6 +89,17 @@ def read_lora_file(path: str, tool: str) -> LoRAFile:
     dtype = next(iter(weights.values())).down.dtype
     shapes = {k: torch.empty(t.shape, device="meta") for k, t in tensors.items()}
     return LoRAFile(path, weights, dict(metadata), fmt, prefix, dtype, shapes)
+
+
+def check_finite(weights: dict[str, LoRAWeights], path: str, tool: str) -> None:
+    """A NaN / inf in a factor (a diverged training's LoRA) is one line naming the module: the SVD of resize and
+    combine --mode svd was a traceback (linalg.svd does not converge), concat wrote the NaN into a new file."""
+    for name, w in weights.items():
+        for part, tensor in (("down", w.down), ("up", w.up), ("DoRA magnitude", w.magnitude)):
+            bad = 0 if tensor is None else int((~torch.isfinite(tensor.float())).sum())
+            if bad:
+                raise CheckpointError(f"{path}: module '{name}' {part} holds {bad} non-finite value{'s' * (bad > 1)} "
+                                      f"(NaN / inf) of {tensor.numel()}: a broken LoRA, which {tool} cannot work on")
 
 
 def warn_unknown_peft_alpha(path: str, doing: str) -> None:
