@@ -797,3 +797,17 @@ def test_extract_records_the_base_version_and_merge_refuses_another_architecture
     assert merge_lora.main(["--model", tiny_set["flux_bfl"], "--lora", str(tmp_path / "schnell.safetensors"),
                             "--save_to", str(tmp_path / "m.safetensors")]) == 0  # fmt: skip
     assert "trained on 'flux1-schnell' (ss_base_model_version), merged into 'flux1-dev'" in capsys.readouterr().err
+
+
+def test_save_precision_float_is_fp32_in_the_lora_tools_as_in_sd_scripts_and_the_training_config():
+    """sd-scripts' resize / svd_merge / flux_merge / flux_extract and musubi-tuner's extract take `--save_precision
+    float` (fp32), and so does our training config; the tools refused it (invalid choice: 'float')."""
+    from tools import combine_loras, extract_lora, merge_lora
+
+    required = {resize_lora: ["--lora", "a.safetensors", "--save_to", "b.safetensors"],
+                combine_loras: ["--lora", "a.safetensors", "--save_to", "b.safetensors"],
+                extract_lora: ["--model", "a", "--tuned", "b", "--save_to", "c.safetensors", "--rank", "4"],
+                merge_lora: ["--model", "a", "--lora", "b.safetensors", "--save_to", "c.safetensors"]}
+    for tool, argv in required.items():
+        assert tool.build_parser().parse_args(argv + ["--save_precision", "float"]).save_precision == "fp32", tool
+        assert tool.build_parser().parse_args(argv + ["--save_precision", "bf16"]).save_precision == "bf16", tool

@@ -36,6 +36,12 @@ class Parser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+def save_precision_name(value: str) -> str:
+    """--save_precision's argparse type: sd-scripts' and musubi-tuner's `float` is our fp32 (the training config
+    takes it too); argparse checks the choices after this."""
+    return "fp32" if value == "float" else value
+
+
 def one_line(error: Exception) -> str:
     return f"error: {' '.join(str(error).split())}"
 

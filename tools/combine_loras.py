@@ -1,7 +1,7 @@
 """Combine several LoRAs, each with a ratio, into one LoRA file.
 
     python tools/combine_loras.py --lora a.safetensors:0.8 b.safetensors:1.0 --save_to OUT.safetensors \
-        [--mode concat | --mode svd --rank R] [--save_precision fp32|bf16|fp16] [--device cuda]
+        [--mode concat | --mode svd --rank R] [--save_precision fp32|bf16|fp16|float] [--device cuda]
 
 Per module, the combined delta is sum_i ratio_i * (alpha_i / r_i) * up_i @ down_i over the files
 that have the module (float32):
@@ -34,7 +34,7 @@ import warnings
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line  # noqa: E402
+from tools.cli import Parser, check_command_line, save_precision_name  # noqa: E402
 
 
 def build_parser() -> Parser:
@@ -43,7 +43,8 @@ def build_parser() -> Parser:
     parser.add_argument("--save_to", required=True, help="output .safetensors")
     parser.add_argument("--mode", choices=["concat", "svd"], default="concat", help="concat: exact; svd: compress to --rank")
     parser.add_argument("--rank", type=int, default=None, help="--mode svd: rank of every module")
-    parser.add_argument("--save_precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: the first input's dtype")
+    parser.add_argument("--save_precision", type=save_precision_name, choices=["fp32", "bf16", "fp16"], default=None,
+                        help="default: the first input's dtype (float: fp32, as sd-scripts says)")
     parser.add_argument("--device", default=None, help="where the SVDs run (cuda for a GPU; default cpu)")
     return parser
 

@@ -1,7 +1,7 @@
 """Extract a LoRA from the difference between a fine-tuned checkpoint and its base.
 
     python tools/extract_lora.py --model BASE --tuned TUNED --save_to OUT.safetensors \
-        (--rank R [--svd lowrank] | --energy X [--rank R]) [--save_precision fp32|bf16|fp16] [--device cuda]
+        (--rank R [--svd lowrank] | --energy X [--rank R]) [--save_precision fp32|bf16|fp16|float] [--device cuda]
 
 BASE and TUNED are read as tools/merge_lora.py reads a base (open_base: a diffusion transformer's
 single file, ComfyUI prefixes included, or diffusers folder; a Hugging Face LLM folder or file;
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line  # noqa: E402
+from tools.cli import Parser, check_command_line, save_precision_name  # noqa: E402
 
 
 def build_parser() -> Parser:
@@ -56,7 +56,8 @@ def build_parser() -> Parser:
     parser.add_argument("--save_to", required=True, help="output LoRA .safetensors")
     parser.add_argument("--rank", type=int, default=None, help="rank of every module (the cap with --energy)")
     parser.add_argument("--energy", type=float, default=None, help="keep this Frobenius fraction per module, e.g. 0.95")
-    parser.add_argument("--save_precision", choices=["fp32", "bf16", "fp16"], default=None, help="default fp32")
+    parser.add_argument("--save_precision", type=save_precision_name, choices=["fp32", "bf16", "fp16"], default=None,
+                        help="default fp32 (float: fp32, as sd-scripts says)")
     parser.add_argument("--device", default=None, help="where the SVDs run (cuda for a GPU; default cpu)")
     parser.add_argument("--svd", choices=["full", "lowrank"], default="full",
                         help="lowrank: randomized SVD of the top rank + 8 (with --rank; much faster on big weights)")

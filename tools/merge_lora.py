@@ -91,7 +91,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 
 from library.training.config import PRECISION_NAMES  # noqa: E402
 from library.errors import printed_warnings  # noqa: E402
-from tools.cli import Parser, check_command_line  # noqa: E402
+from tools.cli import Parser, check_command_line, save_precision_name  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 
 FP8_PRECISIONS = ("fp8", "fp8_scaled")  # --save_precision values stored as float8_e4m3fn
@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="base checkpoint: file or folder")
     parser.add_argument("--lora", required=True, nargs="+", help="LoRA files as path[:ratio]")
     parser.add_argument("--save_to", required=True, help="output file (file base) or folder (folder base)")
-    parser.add_argument("--save_precision", choices=[*PRECISION_NAMES, *FP8_PRECISIONS, *GGUF_PRECISIONS], default=None,
-                        help="default: keep each tensor's dtype")
+    parser.add_argument("--save_precision", type=save_precision_name, choices=[*PRECISION_NAMES, *FP8_PRECISIONS, *GGUF_PRECISIONS],
+                        default=None, help="default: keep each tensor's dtype (float: fp32, as sd-scripts says)")
     parser.add_argument("--fp8_layout", choices=list(FP8_LAYOUTS), default=None,
                         help="with --save_precision fp8: comfy (ComfyUI scaled fp8; default for single files), plain, block64")
     parser.add_argument("--stochastic_rounding", action=argparse.BooleanOptionalAction, default=None,

@@ -1,7 +1,7 @@
 """Change a LoRA's rank: SVD of each module's delta, keep the largest singular values.
 
     python tools/resize_lora.py --lora IN.safetensors --save_to OUT.safetensors --new_rank 16 \
-        [--dynamic_method sv_ratio|sv_fro|sv_cumulative --dynamic_param X] [--save_precision fp32|bf16|fp16] \
+        [--dynamic_method sv_ratio|sv_fro|sv_cumulative --dynamic_param X] [--save_precision fp32|bf16|fp16|float] \
         [--device cuda] [--model BASE]
 
 Per module, the SVD of up @ down (taken from the factors' QR, exact: networks/lora_svd.py) gives
@@ -44,7 +44,7 @@ import sys
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line  # noqa: E402
+from tools.cli import Parser, check_command_line, save_precision_name  # noqa: E402
 
 
 def build_parser() -> Parser:
@@ -55,7 +55,8 @@ def build_parser() -> Parser:
     # Not argparse choices: DYNAMIC_METHODS lives with the SVD code (torch); check_args refuses other names.
     parser.add_argument("--dynamic_method", default=None, help="sv_ratio, sv_fro or sv_cumulative: choose the rank per module")
     parser.add_argument("--dynamic_param", type=float, default=None, help="target of --dynamic_method")
-    parser.add_argument("--save_precision", choices=["fp32", "bf16", "fp16"], default=None, help="default: the input's dtype")
+    parser.add_argument("--save_precision", type=save_precision_name, choices=["fp32", "bf16", "fp16"], default=None,
+                        help="default: the input's dtype (float: fp32, as sd-scripts says)")
     parser.add_argument("--device", default=None, help="where the SVDs run (cuda for a GPU; default cpu)")
     parser.add_argument("--model", default=None, help="base checkpoint (small): also report the output error")
     return parser
