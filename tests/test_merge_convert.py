@@ -447,6 +447,7 @@ def _fp8_base(tmp_path, root):
         ("stochastic_without_fp8", "--stochastic_rounding needs --save_precision fp8"),
         ("layout_without_fp8", "--fp8_layout plain needs --save_precision fp8, got bf16"),
         ("block64_is_not_comfy", "--save_precision fp8_scaled is --fp8_layout block64, not comfy"),
+        ("nan", "nan.safetensors: tensor 'lora_unet_double_blocks_0_img_attn_proj.lora_up.weight' holds 1 non-finite value"),
     ],
 )
 def test_errors_are_one_line_exit_2_and_leave_no_output(flux_bfl, tmp_path, capsys, case, message):
@@ -470,6 +471,11 @@ def test_errors_are_one_line_exit_2_and_leave_no_output(flux_bfl, tmp_path, caps
         extra = ["--save_precision", "bf16", "--fp8_layout", "plain"]
     elif case == "block64_is_not_comfy":
         extra = ["--save_precision", "fp8_scaled", "--fp8_layout", "comfy"]
+    elif case == "nan":  # a diverged training's LoRA: it was merged, every weight it touches written as NaN (exit 0)
+        tensors = read_all(root / "a.safetensors")
+        tensors["lora_unet_double_blocks_0_img_attn_proj.lora_up.weight"][0, 0] = float("nan")
+        save_file(tensors, str(tmp_path / "nan.safetensors"))
+        lora_arg = str(tmp_path / "nan.safetensors")
     before = set(os.listdir(tmp_path))
     capsys.readouterr()
     assert merge("--model", base, "--lora", lora_arg, "--save_to", tmp_path / "out.safetensors", *extra) == 2

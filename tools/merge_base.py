@@ -185,6 +185,16 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
           f"({base.path}): the same architecture, another release", file=sys.stderr)
 
 
+def _check_finite(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """A NaN / inf in a LoRA (a diverged training's) is one line naming the tensor: merged, it made every weight
+    it touches NaN and the whole checkpoint was written."""
+    for key, tensor in tensors.items():
+        bad = int((~torch.isfinite(tensor.float())).sum()) if tensor.is_floating_point() else 0
+        if bad:
+            raise CheckpointError(f"{path}: tensor '{key}' holds {bad} non-finite value{'s' * (bad > 1)} (NaN / inf) of "
+                                  f"{tensor.numel()}: a broken LoRA, which would make the weights it touches NaN")
+
+
 def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta | FusedRows]:
     """One LoRA file -> {checkpoint weight key: LoRAWeights, LycorisDelta or FusedRows}, checked against the
     base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges). A down/up LoRA is read
@@ -194,6 +204,7 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     if te and not body:
         raise CheckpointError(f"{spec.path}: holds only {text_encoder_note(te, text_encoder_labels(base.family))}; "
                               f"merge_lora merges into the transformer")
+    _check_finite(body, spec.path)
     if te:  # sd-scripts' files: CLIP-L / T5-XXL modules beside the transformer's
         print(f"warning: {spec.path}: skipped {text_encoder_note(te, text_encoder_labels(base.family))}: they adapt the text encoders, not the transformer "
               f"merged here", file=sys.stderr)  # fmt: skip
