@@ -363,7 +363,12 @@ def test_extract_header_says_the_ranks_written(tiny_set, tmp_path):
 def test_extract_errors_are_one_line(tiny_set, tmp_path, capsys):
     from tools import extract_lora
 
+    tuned = load_file(tiny_set["flux_bfl"])  # a diverged fine-tune: linalg.svd's error named no weight nor file
+    tuned["double_blocks.0.img_attn.proj.weight"][0, 0] = float("nan")
+    save_file(tuned, str(tmp_path / "nan.safetensors"))
     cases = [
+        (["--tuned", str(tmp_path / "nan.safetensors"), "--rank", "4"],
+         f"'double_blocks.0.img_attn.proj.weight' of --tuned {tmp_path / 'nan.safetensors'} minus the base {tiny_set['flux_bfl']} holds 1 non-finite"),
         (["--tuned", tiny_set["llm"], "--rank", "4"], "a llm checkpoint in hf names, the base"),
         (["--tuned", tiny_set["flux_bfl"], "--rank", "4"], "no LoRA target weight differs from the base"),
         (["--tuned", tiny_set["flux_bfl"]], "give --rank R or --energy X"),

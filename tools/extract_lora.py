@@ -161,6 +161,9 @@ def extract_lora(model: str, tuned: str, save_to: str, rank: int | None = None, 
             raise CheckpointError(f"--tuned {tuned}: no weight '{key}' of shape {base.reader.shape(key)} (the base has it)")
         w_base = read_weight(base, key)
         delta = read_weight(other, key) - w_base
+        if bad := int((~torch.isfinite(delta)).sum()):  # linalg.svd's own error named no weight
+            raise CheckpointError(f"'{key}' of --tuned {tuned} minus the base {model} holds {bad} non-finite value"
+                                  f"{'s' * (bad > 1)} (NaN / inf in either checkpoint)")
         for target in parts:
             row = _extract_target(target, target.of(delta), target.of(w_base), weights, rank, energy, dtype, device, svd)
             if row is None:
