@@ -804,6 +804,28 @@ def test_extract_records_the_base_version_and_merge_refuses_another_architecture
     assert "trained on 'flux1-schnell' (ss_base_model_version), merged into 'flux1-dev'" in capsys.readouterr().err
 
 
+def test_combine_keeps_a_diffusers_files_text_encoder_modules_apart_from_its_transformers(flux_lora, tmp_path, capsys):
+    """A diffusers file with text_encoder. modules beside transformer. ones: its transformer names kept the prefix, so
+    they never met the same modules of a file without text-encoder modules (43 modules side by side, the second file's
+    written without `transformer.`, which diffusers ignores); beside a kohya file its text-encoder module vanished unsaid."""
+    from tools import combine_loras, convert_lora
+
+    assert convert_lora.main([str(flux_lora), str(tmp_path / "d.safetensors"), "--to", "diffusers"]) == 0
+    tensors = load_file(str(tmp_path / "d.safetensors"))
+    te = "text_encoder.text_model.encoder.layers.0.self_attn.q_proj"
+    save_file({**tensors, f"{te}.lora_A.weight": torch.randn(2, 32), f"{te}.lora_B.weight": torch.randn(32, 2)},
+              str(tmp_path / "te.safetensors"), {lf.FOLDED_MARK: "true"})
+    argv = ["--lora", str(tmp_path / "te.safetensors"), f"{tmp_path / 'd.safetensors'}:-1", "--save_to", str(tmp_path / "o.safetensors")]
+    assert combine_loras.main(argv) == 0
+    out = read_lora_file(str(tmp_path / "o.safetensors"), "test").weights
+    assert len(out) == len(deltas(tmp_path / "d.safetensors")) + 1 and te in out
+    assert all(k.startswith(("transformer.", "text_encoder.")) for k in load_file(str(tmp_path / "o.safetensors")))
+    assert max(float(w.delta().norm()) for n, w in out.items() if n != te) < 1e-5  # each module met its own
+    capsys.readouterr()
+    assert combine_loras.main(["--lora", str(flux_lora), str(tmp_path / "te.safetensors"), "--save_to", str(tmp_path / "k.safetensors")]) == 0
+    assert f"left out" in capsys.readouterr().err and not any("text" in n for n in deltas(tmp_path / "k.safetensors"))
+
+
 def test_save_precision_float_is_fp32_in_the_lora_tools_as_in_sd_scripts_and_the_training_config():
     """sd-scripts' resize / svd_merge / flux_merge / flux_extract and musubi-tuner's extract take `--save_precision
     float` (fp32), and so does our training config; the tools refused it (invalid choice: 'float')."""

@@ -63,6 +63,7 @@ from networks.lora_reader import read_for_model  # noqa: E402
 from networks.lora_svd import factors, svd_of_product  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import (  # noqa: E402
+    DOTTED_TEXT_ENCODERS,
     LoRAFile,
     LoRASpec,
     check_output_path,
@@ -126,7 +127,7 @@ def _in_model_names(loras: list[LoRAFile], arch: str | None) -> list[dict[str, L
         return None
     for warning in said:
         print(f"warning: {warning.message}", file=sys.stderr)
-    return [{**read, **{n: w for n, w in lora.weights.items() if n.startswith(KOHYA_TEXT_ENCODERS)}}
+    return [{**read, **{n: w for n, w in lora.weights.items() if n.startswith((*KOHYA_TEXT_ENCODERS, *DOTTED_TEXT_ENCODERS))}}
             for lora, read in zip(loras, reads)]
 
 
@@ -160,6 +161,12 @@ def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeigh
     arch = _check_architectures(loras)
     weights = _in_model_names(loras, arch) or [lora.weights for lora in loras]
     kohya = any(lora.fmt == "kohya" for lora in loras)
+    if kohya:  # a diffusers text encoder's modules have no kohya name here (as convert_lora --to kohya leaves them out)
+        for lora, named in zip(loras, weights):
+            if left := [n for n in named if n.startswith(DOTTED_TEXT_ENCODERS)]:
+                print(f"warning: {lora.path}: left out {len(left)} text-encoder modules ({left[0]} ...): the output is "
+                      f"kohya, which names sd-scripts' lora_te1_ / lora_te3_ modules only", file=sys.stderr)
+        weights = [{n: w for n, w in named.items() if not n.startswith(DOTTED_TEXT_ENCODERS)} for named in weights]
     denoiser = _denoiser_prefix(loras)
     names = [_kohya_named(w, denoiser) if kohya else w for w in weights]
     modules: dict[str, list[tuple[float, LoRAWeights]]] = {}

@@ -30,6 +30,7 @@ from networks.lora_files import (  # noqa: E402
     FOLDED_MARK,
     comfy_state_dict,
     PEFT_PREFIXES,
+    TEXT_ENCODER_PREFIXES,
     LoRAWeights,
     _split_key,
     beside_lora_note,
@@ -46,6 +47,8 @@ from tools.cli import LoRASpec, Parser, one_line, parse_lora_spec  # noqa: E402,
 
 DROPPED_METADATA = ("sshs_model_hash", "sshs_legacy_hash", ADAPTER_METADATA_KEY, FOLDED_MARK)
 COMFY_ONLY_PREFIXES = tuple(p for p in COMFY_PREFIXES if p != "transformer.")  # diffusers' prefix is PEFT's too
+# diffusers' and ComfyUI's text-encoder modules beside a transformer's (text_encoder.*): no transformer prefix
+DOTTED_TEXT_ENCODERS = tuple(p for p in TEXT_ENCODER_PREFIXES if p.endswith("."))
 
 
 @dataclass
@@ -80,10 +83,13 @@ def read_lora_file(path: str, tool: str) -> LoRAFile:
     if not peft_alpha_known(tensors, metadata, adapter_config):
         warn_unknown_peft_alpha(path, "reading it")
     prefix = ""
-    if fmt != "kohya":
+    if fmt != "kohya":  # the transformer's prefix, stripped from its modules (a text encoder's keep their names)
         modules = list(dict.fromkeys(_split_key(k)[0] for k in tensors))
+        body = [m for m in modules if not m.startswith(DOTTED_TEXT_ENCODERS)]
         prefixes = PEFT_PREFIXES if fmt == "peft" else COMFY_PREFIXES
-        prefix = next((p for p in prefixes if all(m.startswith(p) for m in modules)), "")
+        prefix = next((p for p in prefixes if body and all(m.startswith(p) for m in body)), "")
+        if prefix and len(body) < len(modules):  # parse_lora kept every name whole: the prefix is not all modules'
+            weights = {n if n.startswith(DOTTED_TEXT_ENCODERS) else n[len(prefix) :]: w for n, w in weights.items()}
     if fmt == "peft" and (prefix in COMFY_ONLY_PREFIXES or any(k.endswith(".dora_scale") for k in tensors)):
         fmt = "comfy_peft"
     dtype = next(iter(weights.values())).down.dtype
@@ -109,14 +115,17 @@ def warn_unknown_peft_alpha(path: str, doing: str) -> None:
 
 
 def layout_tensors(weights: dict[str, LoRAWeights], fmt: str, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Modules (named as LoRAFile names them) -> tensors of layout `fmt`; alpha a float32 scalar."""
-    if fmt == "peft":
-        return peft_state_dict(weights, prefix.rstrip("."), dtype)
-    if fmt == "comfy_peft":
-        return comfy_state_dict(weights, dtype, prefix.rstrip("."))
+    """Modules (named as LoRAFile names them) -> tensors of layout `fmt`; alpha a float32 scalar. A text encoder's
+    modules (DOTTED_TEXT_ENCODERS) are written under their own names, without the transformer's prefix."""
+    te = {n: w for n, w in weights.items() if n.startswith(DOTTED_TEXT_ENCODERS)}
+    if fmt in ("peft", "comfy_peft"):
+        body = {n: w for n, w in weights.items() if n not in te}
+        if fmt == "peft":
+            return {**peft_state_dict(body, prefix.rstrip("."), dtype), **peft_state_dict(te, "", dtype)}
+        return {**comfy_state_dict(body, dtype, prefix.rstrip(".")), **comfy_state_dict(te, dtype, "")}
     out = {}
     for name, w in weights.items():
-        key = prefix + name
+        key = name if name in te else prefix + name
         out[f"{key}.lora_down.weight"] = w.down.detach().to(dtype).contiguous()
         out[f"{key}.lora_up.weight"] = w.up.detach().to(dtype).contiguous()
         out[f"{key}.alpha"] = torch.tensor(float(w.alpha), dtype=torch.float32)
