@@ -256,6 +256,18 @@ def test_missing_caption_uses_class_tokens_and_is_an_error_without(tmp_path):
     assert str(e.value) == f"{tmp_path / 'img' / 'a.png'}: no caption file 'a.txt' and no class_tokens for its subset"
 
 
+def test_missing_caption_beside_a_caption_file_of_the_other_common_extension_names_it(tmp_path):
+    """sd-scripts' default caption_extension is .caption, ours .txt: its dataset without class_tokens stopped on
+    'no caption file a.txt' with no word of the a.caption beside it (with class_tokens that was a warning already)."""
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.caption", "a red square")
+    with pytest.raises(ValueError) as e:
+        D.ImageDataset(blueprint(tmp_path / "img"))
+    assert str(e.value) == (f"{tmp_path / 'img' / 'a.png'}: no caption file 'a.txt' and no class_tokens for its subset; "
+                            f'a .caption one is beside it: set caption_extension = ".caption" in its subset')
+    assert D.ImageDataset(blueprint(tmp_path / "img", caption_extension=".caption")).items[0].caption == "a red square"
+
+
 def test_caption_file_wins_over_class_tokens_and_empty_file_is_an_error(tmp_path):
     make_image(tmp_path / "img" / "a.png", 32, 32)
     write(tmp_path / "img" / "a.txt", "  a red square\n")

@@ -431,11 +431,18 @@ def other_caption_file(image_path: str, subset: SubsetSpec) -> str | None:
     """The extension of a caption file beside an image that falls back to class_tokens (no file of the
     subset's caption_extension), written with another common caption extension; None when there is none.
     An sd-scripts dataset's `.caption` files (its default) would else be passed over without a word."""
-    stem = os.path.splitext(image_path)[0]
-    if not subset.class_tokens or os.path.exists(stem + subset.caption_extension):
+    if not subset.class_tokens:
         return None
-    return next((ext for ext in COMMON_CAPTION_EXTENSIONS
-                 if ext != subset.caption_extension and os.path.exists(stem + ext)), None)
+    return _other_extension(image_path, subset.caption_extension)
+
+
+def _other_extension(image_path: str, extension: str) -> str | None:
+    """The first of COMMON_CAPTION_EXTENSIONS other than `extension` with a file beside the image, where
+    none of `extension` is there; else None."""
+    stem = os.path.splitext(image_path)[0]
+    if os.path.exists(stem + extension):
+        return None
+    return next((ext for ext in COMMON_CAPTION_EXTENSIONS if ext != extension and os.path.exists(stem + ext)), None)
 
 
 def unread_caption_files(paths: list[str], subset: SubsetSpec) -> str | None:
@@ -460,9 +467,11 @@ def read_caption(image_path: str, subset: SubsetSpec) -> str:
             raise ValueError(f"{caption_path}: caption file is empty")
     elif subset.class_tokens:
         caption = subset.class_tokens
-    else:
+    else:  # an sd-scripts dataset's .caption files (its default extension) get the key that reads them
+        other = _other_extension(image_path, subset.caption_extension)
+        hint = f"; a {other} one is beside it: set caption_extension = \"{other}\" in its subset" if other else ""
         raise ValueError(f"{image_path}: no caption file '{os.path.basename(caption_path)}' "
-                         f"and no class_tokens for its subset")
+                         f"and no class_tokens for its subset{hint}")
     return " ".join(part for part in (subset.caption_prefix, caption, subset.caption_suffix) if part)
 
 
