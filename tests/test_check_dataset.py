@@ -207,6 +207,8 @@ def test_a_caption_path_that_is_a_folder_is_one_error_of_the_report(tmp_path, ca
 
 def test_check_tool_bad_input_is_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "bad.toml").write_text("[[datasets]]\nresolution = 64\nbogus = 1\n")
+    (tmp_path / "ok.toml").write_text(f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "{tmp_path}"\n')
+    (tmp_path / "no_tokenizer").mkdir()
     for argv, fragment in (([str(tmp_path / "bad.toml")], "unknown key 'bogus'"),
                            ([str(tmp_path / "none.toml")], "no such dataset config file"),
                            ([], "no dataset: give a dataset TOML or --config_file"),
@@ -214,6 +216,9 @@ def test_check_tool_bad_input_is_one_line_exit_2(tmp_path, capsys):
                            # Old: 0 was read as unset (the tokenizer's limit), -3 as a limit of -3
                            ([str(tmp_path / "bad.toml"), "--tokenizer", str(tmp_path), "--max_tokens", "0"],
                             "--max_tokens 0: expected the tokens the encoder keeps, >= 1"),
+                           # Old: transformers' own line, naming no folder ("Couldn't instantiate the backend tokenizer")
+                           ([str(tmp_path / "ok.toml"), "--tokenizer", str(tmp_path / "no_tokenizer")],
+                            f"--tokenizer {tmp_path / 'no_tokenizer'}: no tokenizer can be loaded from this folder"),
                            # the old line: "no tokenizer found in ['models', 'tokenizer']; pass tokenizer=<folder>"
                            (["--config_file", os.path.join(ROOT, "configs", "qwen_image.toml")],
                             "error: models/Qwen-Image: no such file or folder")):

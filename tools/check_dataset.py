@@ -67,7 +67,11 @@ def token_limit(args, config, family) -> tuple[object, str]:
 
     if not os.path.isdir(args.tokenizer):
         raise ValueError(f"--tokenizer {args.tokenizer}: no such folder")
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    except (ValueError, OSError) as e:  # transformers' line names no folder ("Couldn't instantiate the backend ...")
+        raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer can be loaded from this folder "
+                         f"({type(e).__name__}: {e})") from None
     limit = tokenizer.model_max_length if args.max_tokens is None else args.max_tokens
     if limit > 1_000_000:  # transformers' "no limit"
         raise ValueError(f"--tokenizer {args.tokenizer}: the tokenizer sets no model_max_length; pass --max_tokens")
