@@ -52,6 +52,13 @@ def config_error(tmp_path, text):
     return str(e.value)
 
 
+def test_an_image_extension_as_caption_extension_is_refused_as_the_config_loads(tmp_path):
+    """It was accepted and each image then failed as its own caption file: "caption file is not valid UTF-8"."""
+    msg = config_error(tmp_path, '[[datasets]]\nresolution = 512\n[[datasets.subsets]]\nimage_dir = "a"\n'
+                                 'caption_extension = ".PNG"\n')
+    assert msg.endswith("key 'caption_extension' is '.PNG', an image extension: captions are text files (.txt, .caption)")
+
+
 def test_unknown_subset_key_is_an_error_naming_file_section_and_allowed_keys(tmp_path):
     msg = config_error(tmp_path, '[[datasets]]\nresolution = 512\n[[datasets.subsets]]\nimage_dir = "a"\nfoo = 1\n')
     assert msg.startswith(f"{tmp_path / 'ds.toml'}: [datasets.subsets] unknown key 'foo' (allowed: image_dir, num_repeats")

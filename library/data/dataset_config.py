@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import toml
 
+from library.data.image_names import IMAGE_EXTENSIONS
 from library.data.peer_keys import peer_dataset_hint
 from library.text_files import read_utf8, toml_loads
 
@@ -218,6 +219,9 @@ def _parse_subset(source: str, general: dict, dataset: dict, subset: dict, secti
                          f"(text is cached: each step picks one of that many augmented captions), got {spec.caption_variants}")
     if not spec.caption_extension.startswith("."):
         raise ValueError(f"{where} key 'caption_extension' must start with '.', got {spec.caption_extension!r}")
+    if spec.caption_extension.lower() in IMAGE_EXTENSIONS:  # each image read as its own caption: "not valid UTF-8"
+        raise ValueError(f"{where} key 'caption_extension' is {spec.caption_extension!r}, an image extension: captions "
+                         f"are text files (.txt, .caption)")
     return spec
 
 
