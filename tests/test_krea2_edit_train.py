@@ -115,9 +115,10 @@ def test_generate_takes_the_control_image_and_aitoolkits_lora_layout(edit_set, t
     assert (with_ref - plain).abs().mean() > 0.1  # the reference changes the picture (0 if ignored)
     isolated = run("kv", "--control_image", grey, "--reference_kv_cache", "true")
     assert (isolated - with_ref).abs().max() > 0  # the kv_cache mask reaches sampling
+    # (ai-toolkit's file has no header saying kv_cache: the flag, which ours implies, for both)
     ours = run("ours", "--control_image", grey, "--lora", f"{trained[0] / 'k2edit.safetensors'}:1.0")
-    theirs = run("theirs", "--control_image", grey, "--lora", f"{aitk}:1.0")
-    assert torch.equal(ours, theirs) and (ours - with_ref).abs().mean() > 0
+    theirs = run("theirs", "--control_image", grey, "--lora", f"{aitk}:1.0", "--reference_kv_cache", "true")
+    assert torch.equal(ours, theirs) and (ours - isolated).abs().mean() > 0
 
 
 def test_generate_reads_reference_kv_cache_as_true_or_false():
@@ -188,3 +189,31 @@ def test_references_are_planned_at_the_size_the_trainer_encodes_them(edit_set, t
                              text_encoder=edit_set["krea2_edit_text_encoder"])
     step_plan(family, args, LargestStep(32, 32, 2, 1))
     assert seen == [{(6, 6)}], seen
+
+
+def test_generate_renders_a_kv_cache_lora_with_the_mask_it_was_trained_with(edit_set, trained, tmp_path, capsys):
+    """A LoRA trained with reference_kv_cache (its ss_base_model_version says -kv_cache) rendered without the flag
+    used the full attention it was never trained with, without a word: now the header sets it, with one note line."""
+    from tools import generate
+
+    lora = str(trained[0] / "k2edit.safetensors")
+    grey = os.path.join(edit_set["edit_control_dir"], "000.png")
+
+    def run(name, *extra):
+        out = tmp_path / name
+        assert generate.main(["--model_type", "krea2_edit", "--model", edit_set["krea2"], "--ae",
+                              edit_set["qwen_image_vae"], "--text_encoder", edit_set["krea2_edit_text_encoder"],
+                              "--prompt", "make the shape red --s 2", "--width", "32", "--height", "32", "--dtype",
+                              "fp32", "--seed", "0", "--out", str(out), "--control_image", grey, "--lora", lora,
+                              *extra]) == 0
+        (png,) = [p for p in os.listdir(out) if p.endswith(".png")]
+        with Image.open(out / png) as image:
+            return torch.tensor(list(image.getdata()), dtype=torch.float32)
+
+    capsys.readouterr()
+    honoured = run("honoured")
+    said = capsys.readouterr().out
+    flagged = run("flag", "--reference_kv_cache", "true")
+    assert torch.equal(honoured, flagged), (honoured - flagged).abs().max()  # old: 1 of 255
+    assert (f"note: {lora} was trained with reference_kv_cache true (ss_base_model_version krea2-raw-edit-kv_cache): "
+            f"rendering with it") in said

@@ -229,6 +229,24 @@ def base_loras_notes(loras) -> list[str]:
     return notes
 
 
+def honour_lora_options(args, loras) -> list[str]:
+    """The sampling options a --lora's header says it was trained with (DiffusionFamily.lora_trained_options), set
+    where their flag is left at its default; one note line each. Such a LoRA rendered without them
+    (an edit LoRA trained with a reference mask, rendered with full attention) said nothing."""
+    from networks.lora_files import lora_reader
+
+    cls, notes = family_class(args.model_type), []
+    for spec in loras:
+        header = lora_reader(spec.path)[0].metadata
+        for key, value in cls.lora_trained_options(header).items():
+            if getattr(args, key) == FAMILY_KEYS[key].default and value != FAMILY_KEYS[key].default:
+                setattr(args, key, value)
+                shown = str(value).lower() if isinstance(value, bool) else value
+                notes.append(f"note: {spec.path} was trained with {key} {shown} (ss_base_model_version "
+                             f"{header.get('ss_base_model_version')}): rendering with it")
+    return notes
+
+
 def first_free_index(folder: str) -> int:
     """1 + the highest NNN of the NNN_*.png images already in `folder` (0 for none): a later call
     adds images after them instead of overwriting 000_*.png."""
@@ -246,7 +264,7 @@ def generate(args) -> list[str]:
     device = check_args(args)
     for spec in loras:  # headers only: an unreadable file, or another model's LoRA, is named before any model loads
         check_lora_arch(spec.path, family_class(args.model_type).arch)
-    for note in base_loras_notes(loras):
+    for note in base_loras_notes(loras) + honour_lora_options(args, loras):
         print(note)
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
     check_model_options(args, family)

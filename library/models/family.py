@@ -219,6 +219,13 @@ class DiffusionFamily:
         """The base model's name for LoRA metadata (modelspec-style: the release, e.g. its "-dev")."""
         return self.name
 
+    @classmethod
+    def lora_trained_options(cls, metadata: dict) -> dict:
+        """Sampling options (config keys -> value) a LoRA's header says it was trained with and renders right only
+        with (an edit LoRA trained with an attention mask its references need): tools/generate.py sets them where its flag is left at the
+        default."""
+        return {}
+
     # -- loading -------------------------------------------------------------------------------
     def load_transformer(self, dtype: torch.dtype, base_precision: str = "bf16", read_weights: bool = True) -> nn.Module:
         """The frozen transformer on the CPU; read_weights=False: on meta from the file's header."""

@@ -79,6 +79,12 @@ class Krea2EditFamily(Krea2Family):
         """krea2-raw-edit (or -turbo-): the LoRA's ss_base_model_version; "-kv_cache" when trained with it."""
         return f"{self.version}-edit" + ("-kv_cache" if self.reference_kv_cache else "")
 
+    @classmethod
+    def lora_trained_options(cls, metadata: dict) -> dict:
+        """A LoRA trained with the kv_cache mask (model_version's "-kv_cache") renders with it: its references never
+        attended to the target in training."""
+        return {"reference_kv_cache": True} if metadata.get("ss_base_model_version", "").endswith("-kv_cache") else {}
+
     def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
                        resolution: tuple[int, int] | None = None) -> tuple[int, int]:
         """ai-toolkit's rule, whatever the target's size (its references keep their own size)."""
