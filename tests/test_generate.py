@@ -198,3 +198,26 @@ def test_a_lora_naming_modules_the_checkpoint_lacks_is_refused_before_any_model_
     line = one_error_line(capsys, generate.main(generate_args(tiny_set, tmp_path / "out", "--lora", path)))
     assert line == f"error: {path}: LoRA module 'double_blocks.18.img_attn.proj' is not a Linear of this flux model", line
     assert files_under(tmp_path / "out") == []
+
+
+def test_a_zimage_base_lora_on_a_file_read_as_turbo_says_how_to_render_base(tiny_set, tmp_path, capsys, monkeypatch):
+    """A Z-Image single file is read as Turbo (8 steps, no CFG, shift 3): a LoRA whose header says it was trained on
+    zimage-base rendered a Base file with Turbo's settings without a word. Now one note line says which release
+    this renders and the flag that renders the other; a LoRA of the release rendered says nothing."""
+    from library.models.zimage.family import ZImageFamily
+    from networks import lora_files
+
+    monkeypatch.setattr(ZImageFamily, "load_text_encoder", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop")))
+    args = ["--model_type", "zimage", "--model", tiny_set["zimage"], "--ae", tiny_set["flux_vae"],
+            "--text_encoder", tiny_set["zimage_text_encoder"], "--prompt", "a cat", "--out", str(tmp_path / "out")]
+    for version in ("zimage-base", "zimage-turbo"):
+        weights = {"layers.0.feed_forward.w2": lora_files.LoRAWeights(torch.ones(4, 170), torch.ones(64, 4), 4.0)}
+        path = str(tmp_path / f"{version}.safetensors")
+        lora_files.write_kohya(weights, path, metadata={"ss_base_model_version": version})
+        capsys.readouterr()
+        assert generate.main([*args, "--lora", path]) == 2  # stopped before the text encoder loads
+        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+        expected = [f"note: {path} was trained on zimage-base; this renders zimage-turbo (a file without its pipeline "
+                    f"folder's scheduler is read as Turbo): give --model_version zimage-base if --model is that "
+                    f"release"] if version == "zimage-base" else []
+        assert notes == expected, notes

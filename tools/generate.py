@@ -229,15 +229,19 @@ def base_loras_notes(loras) -> list[str]:
     return notes
 
 
+def lora_metadata(path: str) -> dict:
+    from networks.lora_files import lora_reader
+
+    return lora_reader(path)[0].metadata  # a file, or a PEFT folder's weights file
+
+
 def honour_lora_options(args, loras) -> list[str]:
     """The sampling options a --lora's header says it was trained with (DiffusionFamily.lora_trained_options), set
     where their flag is left at its default; one note line each. Such a LoRA rendered without them
     (an edit LoRA trained with a reference mask, rendered with full attention) said nothing."""
-    from networks.lora_files import lora_reader
-
     cls, notes = family_class(args.model_type), []
     for spec in loras:
-        header = lora_reader(spec.path)[0].metadata
+        header = lora_metadata(spec.path)
         for key, value in cls.lora_trained_options(header).items():
             if getattr(args, key) == FAMILY_KEYS[key].default and value != FAMILY_KEYS[key].default:
                 setattr(args, key, value)
@@ -267,6 +271,9 @@ def generate(args) -> list[str]:
     for note in base_loras_notes(loras) + honour_lora_options(args, loras):
         print(note)
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
+    for spec in loras:  # a LoRA of another release than the one the files say (DiffusionFamily.lora_release_note)
+        if note := family.lora_release_note(lora_metadata(spec.path)):
+            print(f"note: {spec.path} {note}")
     check_model_options(args, family)
     check_stored_base(args, family)  # before any model loads
     check_lora_modules(family, loras)

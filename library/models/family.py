@@ -219,6 +219,12 @@ class DiffusionFamily:
         """The base model's name for LoRA metadata (modelspec-style: the release, e.g. its "-dev")."""
         return self.name
 
+    def lora_release_note(self, metadata: dict) -> str | None:
+        """Where a LoRA's header names another release of this family than the one this renders, read from the files
+        and not from a flag (its own steps, guidance and shift): what renders and the flag for the other, for
+        tools/generate.py's note (a LoRA may be meant for another release: said, not changed). None: nothing to say."""
+        return None
+
     @classmethod
     def lora_trained_options(cls, metadata: dict) -> dict:
         """Sampling options (config keys -> value) a LoRA's header says it was trained with and renders right only

@@ -70,6 +70,15 @@ class ZImageFamily(DiffusionFamily):
     def model_version(self, model) -> str:
         return self.version
 
+    def lora_release_note(self, metadata: dict) -> str | None:
+        trained = metadata.get("ss_base_model_version")
+        if self._version is not None or trained not in VERSION_SHIFT or trained == self.version:
+            return None
+        how = ("read from its pipeline folder's scheduler shift" if self.scheduler_shift() is not None
+               else "a file without its pipeline folder's scheduler is read as Turbo")
+        return (f"was trained on {trained}; this renders {self.version} ({how}): give --model_version {trained} if "
+                f"--model is that release")
+
     @property
     def sample_guidance(self) -> float:
         """The release's default --g: Turbo 0 (no CFG), Base 5 (CFG with the negative prompt)."""
