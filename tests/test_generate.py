@@ -221,3 +221,28 @@ def test_a_zimage_base_lora_on_a_file_read_as_turbo_says_how_to_render_base(tiny
                     f"folder's scheduler is read as Turbo): give --model_version zimage-base if --model is that "
                     f"release"] if version == "zimage-base" else []
         assert notes == expected, notes
+
+
+def test_a_qwen_image_edit_lora_on_a_folder_read_as_2509_says_how_to_render_its_release(tiny_set, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """Qwen-Image-Edit and 2509 share their config.json, so a folder is read as 2509 (the Plus template, 3 references):
+    a LoRA whose header says qwen-image-edit rendered with 2509's template without a word. Now one note line."""
+    from library.models.qwen_image.edit_family import QwenImageEditFamily
+    from networks import lora_files
+
+    monkeypatch.setattr(QwenImageEditFamily, "load_text_encoder", lambda *a, **k: (_ for _ in ()).throw(ValueError("x")))
+    Image.new("RGB", (64, 64)).save(tmp_path / "in.png")
+    args = ["--model_type", "qwen_image_edit", "--model", tiny_set["qwen_image_edit"], "--ae", tiny_set["qwen_image_vae"],
+            "--text_encoder", tiny_set["qwen_image_edit_text_encoder"], "--prompt", "make it red", "--control_image",
+            str(tmp_path / "in.png"), "--out", str(tmp_path / "out")]
+    for version in ("qwen-image-edit", "qwen-image-edit-2509"):
+        weights = {"transformer_blocks.0.attn.to_q": lora_files.LoRAWeights(torch.ones(4, 64), torch.ones(64, 4), 4.0)}
+        path = str(tmp_path / f"{version}.safetensors")
+        lora_files.write_kohya(weights, path, metadata={"ss_base_model_version": version})
+        capsys.readouterr()
+        assert generate.main([*args, "--lora", path]) == 2  # stopped before the text encoder loads
+        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+        expected = [f"note: {path} was trained on qwen-image-edit; this renders qwen-image-edit-2509 (read from its "
+                    f"config.json, which Edit and 2509 share): give --model_version qwen-image-edit if --model is that "
+                    f"release"] if version == "qwen-image-edit" else []
+        assert notes == expected, notes

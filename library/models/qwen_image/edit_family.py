@@ -28,8 +28,9 @@ from functools import cached_property
 import torch
 
 from library.models.qwen_image import edit
-from library.models.qwen_image.edit import (EDIT, SIZE_MULTIPLE, TRANSFORMER_FLAGS, VL_TOKEN_PIXELS, area_size,
-                                            check_version, edit_sizes, resize_condition, version_from_flags)
+from library.models.qwen_image.edit import (EDIT, EDIT_2509, EDIT_VERSIONS, SIZE_MULTIPLE, TRANSFORMER_FLAGS,
+                                            VL_TOKEN_PIXELS, area_size, check_version, edit_sizes, resize_condition,
+                                            version_from_flags)
 from library.models.qwen_image.family import QwenImageFamily, per_caption
 from library.models.qwen_image.spec import SPEC
 from library.models.latents import pack_latents
@@ -87,6 +88,14 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def model_version(self, model) -> str:
         return self.version
+
+    def lora_release_note(self, metadata: dict) -> str | None:
+        trained = metadata.get("ss_base_model_version")
+        if self._version is not None or trained not in EDIT_VERSIONS or trained == self.version:
+            return None
+        shared = ", which Edit and 2509 share" if {trained, self.version} == {EDIT, EDIT_2509} else ""
+        return (f"was trained on {trained}; this renders {self.version} (read from its config.json{shared}): give "
+                f"--model_version {trained} if --model is that release")
 
     @property
     def max_controls(self) -> int:
