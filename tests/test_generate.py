@@ -2,6 +2,7 @@
 numbered after the ones already in the folder; a PNG records the size it was rendered at."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -245,4 +246,29 @@ def test_a_qwen_image_edit_lora_on_a_folder_read_as_2509_says_how_to_render_its_
         expected = [f"note: {path} was trained on qwen-image-edit; this renders qwen-image-edit-2509 (read from its "
                     f"config.json, which Edit and 2509 share): give --model_version qwen-image-edit if --model is that "
                     f"release"] if version == "qwen-image-edit" else []
+        assert notes == expected, notes
+
+
+def test_a_krea2_turbo_lora_on_a_file_read_as_raw_says_how_to_render_turbo(tiny_set, tmp_path, capsys, monkeypatch):
+    """A Krea 2 file whose name does not say turbo is read as Raw (its 50 steps with CFG): a LoRA whose header says
+    krea2-turbo rendered with Raw's settings without a word. Now one note line."""
+    from library.models.krea2.family import Krea2Family
+    from networks import lora_files
+
+    monkeypatch.setattr(Krea2Family, "load_text_encoder", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop")))
+    alone = tmp_path / "models" / "krea2-tiny.safetensors"  # away from the tiny set's model_index.json
+    alone.parent.mkdir()
+    shutil.copy(tiny_set["krea2"], alone)
+    args = ["--model_type", "krea2", "--model", str(alone), "--ae", tiny_set["qwen_image_vae"],
+            "--text_encoder", tiny_set["krea2_text_encoder"], "--prompt", "a cat", "--out", str(tmp_path / "out")]
+    for version in ("krea2-turbo", "krea2-raw"):
+        weights = {"blocks.0.attn.wq": lora_files.LoRAWeights(torch.ones(4, 64), torch.ones(64, 4), 4.0)}
+        path = str(tmp_path / f"{version}.safetensors")
+        lora_files.write_kohya(weights, path, metadata={"ss_base_model_version": version})
+        capsys.readouterr()
+        assert generate.main([*args, "--lora", path]) == 2  # stopped before the text encoder loads
+        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+        expected = [f"note: {path} was trained on krea2-turbo; this renders krea2-raw (read from its file name, which "
+                    f"does not say turbo): give --model_version krea2-turbo if --model is that release"
+                    ] if version == "krea2-turbo" else []
         assert notes == expected, notes

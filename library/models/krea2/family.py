@@ -76,6 +76,16 @@ class Krea2Family(DiffusionFamily):
     def model_version(self, model) -> str:
         return self.version
 
+    def lora_release_note(self, metadata: dict) -> str | None:
+        """Where the release was guessed from the file name (a pipeline folder's model_index.json says which it is)."""
+        trained = metadata.get("ss_base_model_version")  # an edit LoRA's (krea2-raw-edit) names no release here
+        guessed = self._version is None and "is_distilled" not in self.pipeline_index()
+        if not guessed or trained not in SAMPLE_DEFAULTS or trained == self.version:
+            return None
+        how = "read from its file name, which " + ("does not say turbo" if self.version == RAW else "says turbo")
+        return (f"was trained on {trained}; this renders {self.version} ({how}): give --model_version {trained} if "
+                f"--model is that release")
+
     def inference_sampling(self):
         """Turbo samples with the fixed mu 1.15 (a constant shift e^1.15); Raw with the spec's line."""
         from library.models.flow_matching import sampling_of

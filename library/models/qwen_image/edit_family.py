@@ -28,7 +28,7 @@ from functools import cached_property
 import torch
 
 from library.models.qwen_image import edit
-from library.models.qwen_image.edit import (EDIT, EDIT_2509, EDIT_VERSIONS, SIZE_MULTIPLE, TRANSFORMER_FLAGS,
+from library.models.qwen_image.edit import (EDIT, EDIT_2509, SIZE_MULTIPLE, TRANSFORMER_FLAGS,
                                             VL_TOKEN_PIXELS, area_size, check_version, edit_sizes, resize_condition,
                                             version_from_flags)
 from library.models.qwen_image.family import QwenImageFamily, per_caption
@@ -90,12 +90,12 @@ class QwenImageEditFamily(QwenImageFamily):
         return self.version
 
     def lora_release_note(self, metadata: dict) -> str | None:
+        """Edit and 2509 share their config.json: a folder read as 2509 may be Edit (2511's flags say which it is)."""
         trained = metadata.get("ss_base_model_version")
-        if self._version is not None or trained not in EDIT_VERSIONS or trained == self.version:
+        if self._version is not None or {trained, self.version} != {EDIT, EDIT_2509}:
             return None
-        shared = ", which Edit and 2509 share" if {trained, self.version} == {EDIT, EDIT_2509} else ""
-        return (f"was trained on {trained}; this renders {self.version} (read from its config.json{shared}): give "
-                f"--model_version {trained} if --model is that release")
+        return (f"was trained on {trained}; this renders {self.version} (read from its config.json, which Edit and "
+                f"2509 share): give --model_version {trained} if --model is that release")
 
     @property
     def max_controls(self) -> int:

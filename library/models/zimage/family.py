@@ -71,13 +71,13 @@ class ZImageFamily(DiffusionFamily):
         return self.version
 
     def lora_release_note(self, metadata: dict) -> str | None:
+        """Where the release was guessed (a file without its pipeline folder's scheduler, whose shift says which)."""
         trained = metadata.get("ss_base_model_version")
-        if self._version is not None or trained not in VERSION_SHIFT or trained == self.version:
+        guessed = self._version is None and self.scheduler_shift() is None
+        if not guessed or trained not in VERSION_SHIFT or trained == self.version:
             return None
-        how = ("read from its pipeline folder's scheduler shift" if self.scheduler_shift() is not None
-               else "a file without its pipeline folder's scheduler is read as Turbo")
-        return (f"was trained on {trained}; this renders {self.version} ({how}): give --model_version {trained} if "
-                f"--model is that release")
+        return (f"was trained on {trained}; this renders {self.version} (a file without its pipeline folder's "
+                f"scheduler is read as Turbo): give --model_version {trained} if --model is that release")
 
     @property
     def sample_guidance(self) -> float:
