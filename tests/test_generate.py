@@ -272,3 +272,13 @@ def test_a_krea2_turbo_lora_on_a_file_read_as_raw_says_how_to_render_turbo(tiny_
                     f"does not say turbo): give --model_version krea2-turbo if --model is that release"
                     ] if version == "krea2-turbo" else []
         assert notes == expected, notes
+
+
+def test_a_png_records_no_negative_prompt_the_model_did_not_read(tiny_set, tmp_path):
+    """FLUX.1 samples without a negative prompt (a line's --n is a warning): its PNG recorded 'blurry' as the negative
+    all the same, a setting the image never had."""
+    with pytest.warns(UserWarning, match="--n"):
+        assert generate.main(generate_args(tiny_set, tmp_path / "out", "--prompt", "a dog --n blurry", "--seed",
+                                           "1")) == 0
+    with Image.open(tmp_path / "out" / "000_1.png") as png:
+        assert png.text["prompt"] == "a dog" and png.text["negative"] == "", png.text

@@ -322,8 +322,11 @@ def generate(args) -> list[str]:
             # (the composite, then every layer) as the RGBA PNG its VAE decodes.
             frames = vae.decode_rgba(latents) if latents.dim() == 5 else []
         path = os.path.join(args.out, f"{first + i:03d}_{seed}.png")
+        # a negative the model did not read (no true CFG, or a guidance that runs none) is not recorded as used
+        unread = family.unread_prompt_options(prompt.negative, prompt.guidance)
         info = {
-            "prompt": prompt.prompt, "negative": prompt.negative, "size": f"{width}x{height}",
+            "prompt": prompt.prompt, "negative": "" if "negative" in unread else prompt.negative,
+            "size": f"{width}x{height}",
             "steps": prompt.steps, "seed": seed, "guidance": prompt.guidance, "model": os.path.basename(args.model),
             "base_precision": base_name, "dtype": args.dtype,
             "loras": ",".join(f"{os.path.basename(spec.path)}:{spec.ratio}" for spec in loras),
