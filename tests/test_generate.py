@@ -201,23 +201,30 @@ def test_a_lora_naming_modules_the_checkpoint_lacks_is_refused_before_any_model_
     assert files_under(tmp_path / "out") == []
 
 
+def release_notes(args, key: str, in_dim: int, version: str, tmp_path, capsys) -> tuple[str, list[str]]:
+    """generate's note lines for a LoRA of one module `key` whose header says ss_base_model_version `version`; the
+    run stops before the text encoder loads (the tests patch it to raise)."""
+    from networks import lora_files
+
+    weights = {key: lora_files.LoRAWeights(torch.ones(4, in_dim), torch.ones(64, 4), 4.0)}
+    path = str(tmp_path / f"{version}.safetensors")
+    lora_files.write_kohya(weights, path, metadata={"ss_base_model_version": version})
+    capsys.readouterr()
+    assert generate.main([*args, "--lora", path]) == 2  # stopped before the text encoder loads
+    return path, [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+
+
 def test_a_zimage_base_lora_on_a_file_read_as_turbo_says_how_to_render_base(tiny_set, tmp_path, capsys, monkeypatch):
     """A Z-Image single file is read as Turbo (8 steps, no CFG, shift 3): a LoRA whose header says it was trained on
     zimage-base rendered a Base file with Turbo's settings without a word. Now one note line says which release
     this renders and the flag that renders the other; a LoRA of the release rendered says nothing."""
     from library.models.zimage.family import ZImageFamily
-    from networks import lora_files
 
     monkeypatch.setattr(ZImageFamily, "load_text_encoder", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop")))
     args = ["--model_type", "zimage", "--model", tiny_set["zimage"], "--ae", tiny_set["flux_vae"],
             "--text_encoder", tiny_set["zimage_text_encoder"], "--prompt", "a cat", "--out", str(tmp_path / "out")]
     for version in ("zimage-base", "zimage-turbo"):
-        weights = {"layers.0.feed_forward.w2": lora_files.LoRAWeights(torch.ones(4, 170), torch.ones(64, 4), 4.0)}
-        path = str(tmp_path / f"{version}.safetensors")
-        lora_files.write_kohya(weights, path, metadata={"ss_base_model_version": version})
-        capsys.readouterr()
-        assert generate.main([*args, "--lora", path]) == 2  # stopped before the text encoder loads
-        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+        path, notes = release_notes(args, "layers.0.feed_forward.w2", 170, version, tmp_path, capsys)
         expected = [f"note: {path} was trained on zimage-base; this renders zimage-turbo (a file without its pipeline "
                     f"folder's scheduler is read as Turbo): give --model_version zimage-base if --model is that "
                     f"release"] if version == "zimage-base" else []
@@ -229,7 +236,6 @@ def test_a_qwen_image_edit_lora_on_a_folder_read_as_2509_says_how_to_render_its_
     """Qwen-Image-Edit and 2509 share their config.json, so a folder is read as 2509 (the Plus template, 3 references):
     a LoRA whose header says qwen-image-edit rendered with 2509's template without a word. Now one note line."""
     from library.models.qwen_image.edit_family import QwenImageEditFamily
-    from networks import lora_files
 
     monkeypatch.setattr(QwenImageEditFamily, "load_text_encoder", lambda *a, **k: (_ for _ in ()).throw(ValueError("x")))
     Image.new("RGB", (64, 64)).save(tmp_path / "in.png")
@@ -237,12 +243,7 @@ def test_a_qwen_image_edit_lora_on_a_folder_read_as_2509_says_how_to_render_its_
             "--text_encoder", tiny_set["qwen_image_edit_text_encoder"], "--prompt", "make it red", "--control_image",
             str(tmp_path / "in.png"), "--out", str(tmp_path / "out")]
     for version in ("qwen-image-edit", "qwen-image-edit-2509"):
-        weights = {"transformer_blocks.0.attn.to_q": lora_files.LoRAWeights(torch.ones(4, 64), torch.ones(64, 4), 4.0)}
-        path = str(tmp_path / f"{version}.safetensors")
-        lora_files.write_kohya(weights, path, metadata={"ss_base_model_version": version})
-        capsys.readouterr()
-        assert generate.main([*args, "--lora", path]) == 2  # stopped before the text encoder loads
-        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+        path, notes = release_notes(args, "transformer_blocks.0.attn.to_q", 64, version, tmp_path, capsys)
         expected = [f"note: {path} was trained on qwen-image-edit; this renders qwen-image-edit-2509 (read from its "
                     f"config.json, which Edit and 2509 share): give --model_version qwen-image-edit if --model is that "
                     f"release"] if version == "qwen-image-edit" else []
@@ -253,7 +254,6 @@ def test_a_krea2_turbo_lora_on_a_file_read_as_raw_says_how_to_render_turbo(tiny_
     """A Krea 2 file whose name does not say turbo is read as Raw (its 50 steps with CFG): a LoRA whose header says
     krea2-turbo rendered with Raw's settings without a word. Now one note line."""
     from library.models.krea2.family import Krea2Family
-    from networks import lora_files
 
     monkeypatch.setattr(Krea2Family, "load_text_encoder", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop")))
     alone = tmp_path / "models" / "krea2-tiny.safetensors"  # away from the tiny set's model_index.json
@@ -262,12 +262,7 @@ def test_a_krea2_turbo_lora_on_a_file_read_as_raw_says_how_to_render_turbo(tiny_
     args = ["--model_type", "krea2", "--model", str(alone), "--ae", tiny_set["qwen_image_vae"],
             "--text_encoder", tiny_set["krea2_text_encoder"], "--prompt", "a cat", "--out", str(tmp_path / "out")]
     for version in ("krea2-turbo", "krea2-raw"):
-        weights = {"blocks.0.attn.wq": lora_files.LoRAWeights(torch.ones(4, 64), torch.ones(64, 4), 4.0)}
-        path = str(tmp_path / f"{version}.safetensors")
-        lora_files.write_kohya(weights, path, metadata={"ss_base_model_version": version})
-        capsys.readouterr()
-        assert generate.main([*args, "--lora", path]) == 2  # stopped before the text encoder loads
-        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+        path, notes = release_notes(args, "blocks.0.attn.wq", 64, version, tmp_path, capsys)
         expected = [f"note: {path} was trained on krea2-turbo; this renders krea2-raw (read from its file name, which "
                     f"does not say turbo): give --model_version krea2-turbo if --model is that release"
                     ] if version == "krea2-turbo" else []

@@ -209,16 +209,15 @@ def collect_prompts(args, family) -> list[SamplePrompt]:
     return prompts
 
 
-def base_loras_notes(loras) -> list[str]:
+def base_loras_notes(loras, headers: list[dict]) -> list[str]:
     """One note line per --lora file trained with base_loras (its header's ss_base_loras) not also given at their
     ratios: its training samples rendered base + base_loras + LoRA, these images render without them (a
     de-distillation adapter is left out to deploy, as ai-toolkit's samples leave it out)."""
-    from networks.lora_files import METADATA_KEYS, lora_reader
+    from networks.lora_files import METADATA_KEYS
 
     given = {(os.path.basename(s.path), s.ratio) for s in loras}
     notes = []
-    for spec in loras:
-        header = lora_reader(spec.path)[0].metadata  # a file, or a PEFT folder's weights file
+    for spec, header in zip(loras, headers):
         try:
             merged = [(e["file"], float(e["ratio"])) for e in json.loads(header.get(METADATA_KEYS["base_loras"]) or "[]")]
         except (ValueError, TypeError, KeyError):  # a header another tool wrote: nothing to say
@@ -235,13 +234,13 @@ def lora_metadata(path: str) -> dict:
     return lora_reader(path)[0].metadata  # a file, or a PEFT folder's weights file
 
 
-def honour_lora_options(args, loras) -> list[str]:
-    """The sampling options a --lora's header says it was trained with (DiffusionFamily.lora_trained_options), set
-    where their flag is left at its default; one note line each. Such a LoRA rendered without them
-    (an edit LoRA trained with a reference mask, rendered with full attention) said nothing."""
+def honour_lora_options(args, loras, headers: list[dict]) -> list[str]:
+    """The sampling options a --lora's header (`headers`: each one's) says it was trained with
+    (DiffusionFamily.lora_trained_options), set where their flag is left at its default; one note line each. Such
+    a LoRA rendered without them (an edit LoRA trained with a reference mask, rendered with full attention) said
+    nothing."""
     cls, notes = family_class(args.model_type), []
-    for spec in loras:
-        header = lora_metadata(spec.path)
+    for spec, header in zip(loras, headers):
         for key, value in cls.lora_trained_options(header).items():
             if getattr(args, key) == FAMILY_KEYS[key].default and value != FAMILY_KEYS[key].default:
                 setattr(args, key, value)
@@ -268,11 +267,12 @@ def generate(args) -> list[str]:
     device = check_args(args)
     for spec in loras:  # headers only: an unreadable file, or another model's LoRA, is named before any model loads
         check_lora_arch(spec.path, family_class(args.model_type).arch)
-    for note in base_loras_notes(loras) + honour_lora_options(args, loras):
+    headers = [lora_metadata(spec.path) for spec in loras]
+    for note in base_loras_notes(loras, headers) + honour_lora_options(args, loras, headers):
         print(note)
     family = family_class(args.model_type).from_args(argparse.Namespace(**vars(args), pretrained_model_name_or_path=args.model))
-    for spec in loras:  # a LoRA of another release than the one the files say (DiffusionFamily.lora_release_note)
-        if note := family.lora_release_note(lora_metadata(spec.path)):
+    for spec, header in zip(loras, headers):  # a LoRA of another release than the files say (lora_release_note)
+        if note := family.lora_release_note(header):
             print(f"note: {spec.path} {note}")
     check_model_options(args, family)
     check_stored_base(args, family)  # before any model loads

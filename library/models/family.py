@@ -225,11 +225,16 @@ class DiffusionFamily:
         tools/generate.py's note (a LoRA may be meant for another release: said, not changed). None: nothing to say."""
         return None
 
+    def other_release_note(self, trained: str, why: str) -> str:
+        """lora_release_note's words: the release the LoRA names, the one this renders and `why` the files read as it."""
+        return (f"was trained on {trained}; this renders {self.version} ({why}): give --model_version {trained} if "
+                f"--model is that release")
+
     @classmethod
     def lora_trained_options(cls, metadata: dict) -> dict:
         """Sampling options (config keys -> value) a LoRA's header says it was trained with and renders right only
-        with (an edit LoRA trained with an attention mask its references need): tools/generate.py sets them where its flag is left at the
-        default."""
+        with (an edit LoRA trained with an attention mask its references need): tools/generate.py sets them where
+        its flag is left at the default."""
         return {}
 
     # -- loading -------------------------------------------------------------------------------

@@ -82,9 +82,8 @@ class Krea2Family(DiffusionFamily):
         guessed = self._version is None and "is_distilled" not in self.pipeline_index()
         if not guessed or trained not in SAMPLE_DEFAULTS or trained == self.version:
             return None
-        how = "read from its file name, which " + ("does not say turbo" if self.version == RAW else "says turbo")
-        return (f"was trained on {trained}; this renders {self.version} ({how}): give --model_version {trained} if "
-                f"--model is that release")
+        return self.other_release_note(trained, "read from its file name, which "
+                                       + ("does not say turbo" if self.version == RAW else "says turbo"))
 
     def inference_sampling(self):
         """Turbo samples with the fixed mu 1.15 (a constant shift e^1.15); Raw with the spec's line."""

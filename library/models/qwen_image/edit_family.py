@@ -94,8 +94,7 @@ class QwenImageEditFamily(QwenImageFamily):
         trained = metadata.get("ss_base_model_version")
         if self._version is not None or {trained, self.version} != {EDIT, EDIT_2509}:
             return None
-        return (f"was trained on {trained}; this renders {self.version} (read from its config.json, which Edit and "
-                f"2509 share): give --model_version {trained} if --model is that release")
+        return self.other_release_note(trained, "read from its config.json, which Edit and 2509 share")
 
     @property
     def max_controls(self) -> int:

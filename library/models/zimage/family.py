@@ -76,8 +76,7 @@ class ZImageFamily(DiffusionFamily):
         guessed = self._version is None and self.scheduler_shift() is None
         if not guessed or trained not in VERSION_SHIFT or trained == self.version:
             return None
-        return (f"was trained on {trained}; this renders {self.version} (a file without its pipeline folder's "
-                f"scheduler is read as Turbo): give --model_version {trained} if --model is that release")
+        return self.other_release_note(trained, "a file without its pipeline folder's scheduler is read as Turbo")
 
     @property
     def sample_guidance(self) -> float:
