@@ -61,17 +61,12 @@ class OptimizerModes:
 
     @contextlib.contextmanager
     def reading(self):
-        if self.optimizer is None or self.readers:
-            self.readers += 1
-            try:
-                yield
-            finally:
-                self.readers -= 1
-            return
-        self.optimizer.eval()
-        self.readers = 1
+        self.readers += 1
+        if self.readers == 1 and self.optimizer is not None:
+            self.optimizer.eval()
         try:
             yield
         finally:
-            self.readers = 0
-            self.optimizer.train()
+            self.readers -= 1
+            if self.readers == 0 and self.optimizer is not None:
+                self.optimizer.train()
