@@ -263,6 +263,26 @@ def test_the_card_verdict_needs_the_samples_to_fit_and_caching_says_what_brings_
     assert "a larger card for the text encoders" in plan_memory.caching_advice(family, args, step, tiny_card, caching)
 
 
+def test_a_samples_forward_is_simulated_once_per_model_and_size_and_answers_as_before(tiny_set, monkeypatch):
+    """plan_memory asks sampling_extra of each base with checkpointing off and on, each decoded whole and in
+    tiles: four full-size forwards on meta of one model (a quarter of a preset's plan). A sample runs no backward
+    and its decode is the VAE's: within reusing_meta_models the forward is simulated once, the answers equal."""
+    from library.training import memory_plan
+    from library.training.memory_plan import reusing_meta_models
+    from tools import plan_memory
+
+    family, args = tiny_flux(tiny_set), plan_memory.default_args("flux")
+    planned = {("bf16", False): None, ("bf16", True): None, ("fp8_scaled", False): None, ("fp8_scaled", True): None}
+    alone = plan_memory.sampling_extras(family, args, planned, (128, 128), 0)
+    forwards, predict = [], family.predict
+    monkeypatch.setattr(family, "predict", lambda *a, **k: forwards.append(1) or predict(*a, **k))
+    with reusing_meta_models():
+        reused = plan_memory.sampling_extras(family, args, planned, (128, 128), 0)
+        assert memory_plan.sampling_phase(family, args, 128, 128, 8, 0).parts["forward (peak)"] > 0
+    assert reused == alone and len(forwards) == 3  # bf16 and fp8_scaled, then another text length
+    assert all(extra.whole > 0 and extra.tiled > 0 for extra in reused.values())  # vae_tiling unset: both
+
+
 def test_latent_caching_encodes_vae_batch_size_images_at_a_time(monkeypatch):
     from types import SimpleNamespace
 

@@ -449,7 +449,6 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     references (each at the family's sample_control_bucket size for a square one) and stays through every
     forward (batch 1 at the sample size) and the decode; a model the family's sampling loads for itself
     (sample_model_bytes: a second transformer it guides with) stays from the first forward to the end."""
-    from library.models.family import control_kwargs
     from library.training.config import compute_dtype
 
     model, network = meta_model_and_network(family, args)
@@ -462,18 +461,8 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     if args.ema_decay and args.sample_with_ema:  # the raw weights wait on the device while the EMA's render
         raw = tensor_bytes([p for p in network.parameters() if p.requires_grad])
     count = family.plan_controls if references is None else references
-    down = family.vae_downsample
     rw, rh = family.sample_control_bucket((width, height), (width, height))
-    latents = family.target_on_meta(1, height // down, width // down)
-    text = family.text_on_meta(model, 1, text_tokens)
-    with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
-        for t in (*model.parameters(), *model.buffers(), *network_tensors(network)):
-            live.ignore(t)  # counted in `resident`
-        control = control_kwargs([torch.empty(1, family.latent_channels, rh // down, rw // down, device="meta")
-                                  for _ in range(count)])
-        family.predict(model, family.pack_target(latents), torch.ones(1, device="meta"), text, height // (down * family.patch),
-                       width // (down * family.patch), None,
-                       **control)
+    forward = _sample_forward_peak(family, model, network, width, height, text_tokens, count)
     vae = family.vae_on_meta()
     phase = Phase("sampling", {"resident (base, lora, optimizer)": sum(resident.values())})
     if raw:  # a part of its own: the resident training state is resident_parts' sum (plan_memory's sampling_peak)
@@ -483,7 +472,7 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
     if sampler := family.sample_model_bytes(compute_dtype(args)):  # from the first forward to the round's end
         phase.parts["sampling's own models (weights)"] = sampler
     phase.parts["vae (weights)"] = module_bytes(vae.vae)
-    phase.parts["forward (peak)"] = live.peak
+    phase.parts["forward (peak)"] = forward
     tiled = bool(getattr(args, "vae_tiling", False))
     vae_peak = vae_pass_peak(vae, width, height, 1, decode=True, downsample=family.vae_downsample, tiled=tiled)
     phase.parts["vae decode in tiles (peak)" if tiled else "vae decode (peak)"] = vae_peak
@@ -492,8 +481,35 @@ def sampling_phase(family, args, width: int, height: int, text_tokens: int, refe
         vae_peak = max(vae_peak, phase.parts["vae encode of references (peak)"])
     # vae_pass_peak counts the VAE's weights; they are resident during the forward too.
     phase.peak = (phase.parts["resident (base, lora, optimizer)"] + phase.parts.get("bf16 reference (base, lora)", 0)
-                  + raw + sampler + max(phase.parts["vae (weights)"] + live.peak, vae_peak))
+                  + raw + sampler + max(phase.parts["vae (weights)"] + forward, vae_peak))
     return phase
+
+
+def _sample_forward_peak(family, model, network, width: int, height: int, text_tokens: int, count: int) -> int:
+    """The peak bytes of one sampling forward (batch 1, no grad) above the model's and network's own tensors.
+    Within reusing_meta_models it is simulated once per (model, size, tokens, references) and answered from
+    then on: a sample runs no backward, so the settings that differ only in checkpointing or in a keeping key
+    sample alike, and a sample decoded whole or in tiles differs only in its VAE decode (plan_memory asked for
+    4 such samples of each base; a full-size forward on meta is seconds)."""
+    from library.models.family import control_kwargs
+
+    key = ("sample forward", id(model), width, height, text_tokens, count)
+    if _REUSED is not None and key in _REUSED:
+        return _REUSED[key]
+    down = family.vae_downsample
+    rw, rh = family.sample_control_bucket((width, height), (width, height))
+    latents = family.target_on_meta(1, height // down, width // down)
+    text = family.text_on_meta(model, 1, text_tokens)
+    with torch.no_grad(), LiveBytes() as live, fused_attention_on_meta():
+        for t in (*model.parameters(), *model.buffers(), *network_tensors(network)):
+            live.ignore(t)  # counted in the phase's resident part
+        control = control_kwargs([torch.empty(1, family.latent_channels, rh // down, rw // down, device="meta")
+                                  for _ in range(count)])
+        family.predict(model, family.pack_target(latents), torch.ones(1, device="meta"), text, height // (down * family.patch),
+                       width // (down * family.patch), None, **control)
+    if _REUSED is not None:  # the model it keys on is kept there as long as this answer
+        _REUSED[key] = live.peak
+    return live.peak
 
 
 # ----------------------------------------------------------------------------------------------
