@@ -106,25 +106,31 @@ def test_plan_memory_on_the_tiny_config_prints_every_phase_and_what_fits(tiny_se
     only = capsys.readouterr().out
     rows = [line for line in out.splitlines() if "gradient_checkpointing=" in line]
     assert len(rows) >= 8 and {line.split()[0] for line in rows} == {"bf16", "fp8_scaled", "nf4", "int8"}
+    for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):  # low-bit under 16 GiB, each base
+        assert [line.split()[0] for line in rows if f"{key} = true (+" in line] == ["bf16", "fp8_scaled", "nf4", "int8"]
     assert [line for line in only.splitlines() if "gradient_checkpointing=" in line] == [
         line for line in rows if line.split()[0] == "int8"]
     assert only.split("\nOn a ")[0] == out.split("\nOn a ")[0]  # the run's own phases, as its config sets them
 
 
 def test_a_full_size_preset_needs_swap_on_a_small_card(capsys):
+    """Each base planned alone (--base_precision: a full-size plan is seconds of simulation a setting; the card's
+    low-bit rows below 16 GiB: the tiny config's test above)."""
     from tools import plan_memory
 
-    assert plan_memory.main(["--preset", "flux1-schnell", "--vram", "12", "--resolution", "512"]) == 0
-    out = capsys.readouterr().out
-    bf16 = next(line for line in out.splitlines() if "bf16" in line and "checkpointing=true" in line)
-    fp8 = next(line for line in out.splitlines() if "fp8_scaled" in line and "checkpointing=true" in line)
-    n_bf16, n_fp8 = (int(line.split("blocks_to_swap = ")[1].split()[0]) for line in (bf16, fp8))
-    assert 0 < n_fp8 < n_bf16  # 11.9 B parameters: 22 GiB in bf16, 11.5 GiB in fp8 on a 12 GiB card
-    # FLUX.1 trains its gates: the rows with checkpoint_saves_projections, each needing at least as much swap
-    for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):  # (and attention, as any family)
-        saved = [line for line in out.splitlines() if f"{key} = true (+" in line]
-        assert [line.split()[0] for line in saved] == ["bf16", "fp8_scaled", "nf4", "int8"]  # (low-bit under 16 GiB)
-        assert all(int(line.split("blocks_to_swap = ")[1].split()[0]) >= n for line, n in zip(saved, (n_bf16, n_fp8)))
+    swaps = {}
+    for base in ("bf16", "fp8_scaled"):
+        assert plan_memory.main(["--preset", "flux1-schnell", "--vram", "12", "--resolution", "512",
+                                 "--base_precision", base]) == 0
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.split()[:1] == [base] and "checkpointing=true :" in line)
+        swaps[base] = int(row.split("blocks_to_swap = ")[1].split()[0])
+        # FLUX.1 trains its gates: the rows with checkpoint_saves_projections, each needing at least as much swap
+        for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):  # (and attention, as any family)
+            saved = [line for line in out.splitlines() if f"{key} = true (+" in line]
+            assert [line.split()[0] for line in saved] == [base], out
+            assert int(saved[0].split("blocks_to_swap = ")[1].split()[0]) >= swaps[base]
+    assert 0 < swaps["fp8_scaled"] < swaps["bf16"]  # 11.9 B parameters: 22 GiB in bf16, 11.5 GiB in fp8 on 12 GiB
 
 
 # ----------------------------------------------------------------------------------------------
