@@ -43,6 +43,7 @@ from networks.lora_files import (
     is_lycoris_file,
     kohya_name,
     lora_reader,
+    non_finite_factor,
     peft_target_modules,
     write_kohya,
     write_peft_folder,
@@ -571,6 +572,9 @@ class LoRANetwork(nn.Module):
         linears = {p: m for p, m in self._model[0].named_modules()
                    if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, LoRAModule)}
         weights, regrouped = self._read(source, name, linears)
+        if problem := non_finite_factor(weights):  # else every output it touches is NaN, first seen as "loss is nan"
+            raise CheckpointError(f"{name}: {problem}: a broken LoRA (a diverged training's?), which would make the "
+                                  f"outputs of the layers it adapts NaN")
         by_path = {m.name: m for m in self.lora_modules()}
         foreign = [p for p in weights if p not in linears]
         if foreign:

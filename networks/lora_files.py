@@ -75,6 +75,16 @@ class LoRAWeights:
         return w + multiplier * (decomposed - w)
 
 
+def non_finite_factor(weights: dict[str, LoRAWeights]) -> str | None:
+    """"module 'name' down holds 3 non-finite values (NaN / inf) of 64" for the first factor of `weights` that holds a
+    NaN or inf (a diverged training's LoRA), None where every value is finite."""
+    for name, w in weights.items():
+        for part, tensor in (("down", w.down), ("up", w.up), ("DoRA magnitude", w.magnitude)):
+            if tensor is not None and (bad := int((~torch.isfinite(tensor.float())).sum())):
+                return f"module '{name}' {part} holds {bad} non-finite value{'s' * (bad > 1)} (NaN / inf) of {tensor.numel()}"
+    return None
+
+
 def merge_into_weight(weight: torch.Tensor, loras) -> torch.Tensor:
     """A base weight [out, in] with LoRAs merged, in the order given: loras = [(ratio, w)], w a
     LoRAWeights or anything with merged(weight, ratio) (DoRA, LyCORIS). float32 (a copy: the base is

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.test_reliability import files_under, lora_past_the_blocks, one_error_line
+from tests.test_reliability import files_under, lora_past_the_blocks, lora_with_a_nan, one_error_line
 from tools import generate
 
 
@@ -198,6 +198,18 @@ def test_a_lora_naming_modules_the_checkpoint_lacks_is_refused_before_any_model_
     capsys.readouterr()
     line = one_error_line(capsys, generate.main(generate_args(tiny_set, tmp_path / "out", "--lora", path)))
     assert line == f"error: {path}: LoRA module 'double_blocks.18.img_attn.proj' is not a Linear of this flux model", line
+    assert files_under(tmp_path / "out") == []
+
+
+def test_a_lora_holding_a_nan_is_one_line_before_any_model_loads(tiny_set, tmp_path, capsys, monkeypatch):
+    """Old: the NaN reached every layer it adapts and generate wrote a black image, exit 0."""
+    from library.models.flux1.family import FluxFamily
+
+    path = lora_with_a_nan(tmp_path)
+    monkeypatch.setattr(FluxFamily, "load_text_encoder", lambda *a, **k: pytest.fail("a model loaded"))
+    capsys.readouterr()
+    line = one_error_line(capsys, generate.main(generate_args(tiny_set, tmp_path / "out", "--lora", path)))
+    assert line.startswith(f"error: {path}: module 'double_blocks.0.img_attn.proj' up holds 1 non-finite value"), line
     assert files_under(tmp_path / "out") == []
 
 

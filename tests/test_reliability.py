@@ -402,6 +402,32 @@ def test_base_loras_naming_blocks_the_model_lacks_are_refused_before_caching(tin
     assert files_under(out) == []
 
 
+def lora_with_a_nan(tmp) -> str:
+    """A rank-4 LoRA of the tiny FLUX.1's double block 0 whose up holds one NaN (a diverged training's file)."""
+    up = torch.ones(64, 4)
+    up[3, 1] = float("nan")
+    path = str(tmp / "diverged.safetensors")
+    lora_files.write_kohya({"double_blocks.0.img_attn.proj": lora_files.LoRAWeights(torch.ones(4, 64), up, 4.0)}, path)
+    return path
+
+
+@pytest.mark.parametrize("key", ["base_loras", "network_weights"])
+def test_a_lora_holding_a_nan_is_refused_before_caching_naming_the_module(tiny_set, tmp_path, capsys, monkeypatch, key):
+    """Old: base_loras merged the NaN into the base and network_weights loaded it, and the run stopped at its first
+    step with "loss is nan" (blaming the training) after caching; now one line names the file and module first."""
+    from library.training import diffusion_task
+
+    for name in ("cache_latents", "cache_text"):
+        monkeypatch.setattr(diffusion_task, name, lambda *a, **k: pytest.fail("cached before the refusal"))
+    path, out = lora_with_a_nan(tmp_path), tmp_path / "out"
+    capsys.readouterr()
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, out, f"--{key}", path, "--network_dim", "4")))
+    assert line.endswith(f"key '{key}': {path}: module 'double_blocks.0.img_attn.proj' up holds 1 non-finite value "
+                         f"(NaN / inf) of 256: a broken LoRA (a diverged training's?), which would make the outputs "
+                         f"of the layers it adapts NaN"), line
+    assert files_under(out) == []
+
+
 LYCORIS = ("--network_module", "lycoris.kohya", "--network_args", "algo=lokr")
 
 

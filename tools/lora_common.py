@@ -35,6 +35,7 @@ from networks.lora_files import (  # noqa: E402
     _split_key,
     beside_lora_note,
     input_files,
+    non_finite_factor,
     parse_lora,
     peft_alpha_known,
     peft_state_dict,
@@ -100,12 +101,8 @@ def read_lora_file(path: str, tool: str) -> LoRAFile:
 def check_finite(weights: dict[str, LoRAWeights], path: str, tool: str) -> None:
     """A NaN / inf in a factor (a diverged training's LoRA) is one line naming the module: the SVD of resize and
     combine --mode svd was a traceback (linalg.svd does not converge), concat wrote the NaN into a new file."""
-    for name, w in weights.items():
-        for part, tensor in (("down", w.down), ("up", w.up), ("DoRA magnitude", w.magnitude)):
-            bad = 0 if tensor is None else int((~torch.isfinite(tensor.float())).sum())
-            if bad:
-                raise CheckpointError(f"{path}: module '{name}' {part} holds {bad} non-finite value{'s' * (bad > 1)} "
-                                      f"(NaN / inf) of {tensor.numel()}: a broken LoRA, which {tool} cannot work on")
+    if problem := non_finite_factor(weights):
+        raise CheckpointError(f"{path}: {problem}: a broken LoRA, which {tool} cannot work on")
 
 
 def warn_unknown_peft_alpha(path: str, doing: str) -> None:
