@@ -682,6 +682,17 @@ def test_a_resumed_llm_run_logs_each_eval_once(tiny_set, tmp_path, monkeypatch):
         assert [row["step"] for row in csv.DictReader(f)] == ["1", "2", "final"]
 
 
+def test_an_eval_and_a_sample_meeting_at_a_step_are_one_eval(tiny_set, tmp_path):
+    """eval_every_n_steps 2 and sample_every_n_steps 1: step 2's eval and its sample (an LLM's sample is an eval)
+    each ran the whole held-out split and wrote a row of the same weights ('2' and 'step000002')."""
+    out = tmp_path / "lm"
+    assert train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name",
+                                    "lm", "--max_train_steps", "3", "--eval_every_n_steps", "2",
+                                    "--sample_every_n_steps", "1", "--network_dim", "4")) == 0
+    with open(out / "lm_eval.csv") as f:
+        assert [row["step"] for row in csv.DictReader(f)] == ["step000001", "2", "final"]
+
+
 @pytest.mark.parametrize("pretrain", [False, True])
 def test_a_resume_whose_data_does_not_fit_its_state_is_refused_before_the_model_loads(tiny_set, tmp_path, monkeypatch,
                                                                                        pretrain):

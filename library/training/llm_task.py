@@ -426,8 +426,10 @@ class LLMTask:
 
     def render_samples(self, out_dir: str, tag: str, stop=None) -> list[str]:
         """An LLM's samples are text: val loss, perplexity and a generated sample (sample_at_first
-        gives the baseline before training)."""
-        self.report_eval(tag)
+        gives the baseline before training). A step whose eval after_step has just reported is not evaluated
+        again (eval_every_n_steps and sample_every_n_steps meeting at a step wrote two equal rows)."""
+        if not (tag == f"step{self.step:06d}" and self.evaluates_after(self.step)):
+            self.report_eval(tag)
         return []
 
     # -- evaluation ----------------------------------------------------------------------------
