@@ -1,8 +1,9 @@
 """The web UI in a real browser: headless Chromium (Debian's `chromium` package at /usr/bin/chromium,
 driven by playwright through its executable path; nothing is downloaded) loads the page, queues the
-quickstart config on the tiny set, waits for the loss chart and the first sample, stops the job and
-finds its LoRA; screenshots of the queue, the live job and the planner go to $WEBUI_SCREENSHOTS
-(docs/webui/ holds the committed ones, made with WEBUI_PLAN_PRESET=flux1-dev) or the test's folder.
+quickstart config on the tiny set (one quick sample prompt, drawn every step), waits for the loss chart
+and the first sample, stops the job and finds its LoRA; screenshots of the queue, the live job and the
+planner go to $WEBUI_SCREENSHOTS (docs/webui/ holds the committed ones, made with WEBUI_PLAN_PRESET=flux1-dev
+and the tiny set's two prompts) or the test's folder.
 
 Without chromium or playwright the test is skipped with the reason, and fails under CI (CI=true),
 where .ci/run installs chromium first."""
@@ -43,27 +44,41 @@ def playwright_api():
     return api
 
 
-def quickstart_on_the_tiny_set(tiny_set, steps: int) -> str:
-    """configs/quickstart.toml as a user edits it in the page: the tiny set's files, samples every 2 steps."""
-    settings = tiny_job_settings(tiny_set, steps=steps, samples=True)
+def quickstart_on_the_tiny_set(tiny_set, steps: int, prompts: str) -> str:
+    """configs/quickstart.toml as a user edits it in the page: the tiny set's files, samples of `prompts` every
+    step, no bf16 reference beside them unless the tiny set's own prompts are drawn (the committed pictures)."""
+    settings = tiny_job_settings(tiny_set, steps=steps, samples=True, sample_prompts=prompts)
     text = open(os.path.join(ROOT, "configs", "quickstart.toml")).read()
     for key in ("pretrained_model_name_or_path", "ae", "clip_l", "t5xxl", "dataset_config", "sample_prompts"):
         old = toml.load(os.path.join(ROOT, "configs", "quickstart.toml"))
         old_value = next(table[key] for table in old.values() if key in table)
         text = text.replace(f'"{old_value}"', f'"{settings[key]}"')
+    reference = "" if prompts == tiny_set["sample_prompts"] else "\nsample_bf16_reference = false"
     return text.replace("max_train_steps = 120", f"max_train_steps = {steps}").replace(
-        "save_every_n_steps = 60", "save_every_n_steps = 0\nsample_every_n_steps = 2").replace(
+        "save_every_n_steps = 60", f"save_every_n_steps = 0\nsample_every_n_steps = 1{reference}").replace(
         "sample_at_first = true", "sample_at_first = false").replace(
         "cache_latents_to_disk = true", "cache_latents_to_disk = false").replace(
         "cache_text_encoder_outputs_to_disk = true", "cache_text_encoder_outputs_to_disk = false")
 
 
+def one_quick_prompt(folder) -> str:
+    """A prompt file of one 2-step 64 px sample: the page shows a sample however few its steps (the tiny set's
+    two 8-step prompts, each beside its bf16 reference, took ~25 s of the test on 2 cores)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(str(folder), "prompts.txt")
+    with open(path, "w") as f:
+        f.write("a red circle on a white background --w 64 --h 64 --s 2 --d 1 --g 1.0\n")
+    return path
+
+
 def test_queue_watch_and_stop_a_job_in_chromium(playwright_api, tiny_set, tmp_path):
     shots = os.environ.get("WEBUI_SCREENSHOTS") or str(tmp_path)
     os.makedirs(shots, exist_ok=True)
-    server = WebUIProcess(str(tmp_path / "jobs"), [tiny_set["root"], os.path.join(ROOT, "configs")],
-                          str(tmp_path / "webui.log"))
-    text = quickstart_on_the_tiny_set(tiny_set, steps=400)  # far more than it runs: the test stops it
+    # the committed pictures show the tiny set's prompts; the test draws one quick one
+    prompts = tiny_set["sample_prompts"] if os.environ.get("WEBUI_SCREENSHOTS") else one_quick_prompt(tmp_path / "prompts")
+    server = WebUIProcess(str(tmp_path / "jobs"), [tiny_set["root"], os.path.join(ROOT, "configs"),
+                                                   os.path.dirname(prompts)], str(tmp_path / "webui.log"))
+    text = quickstart_on_the_tiny_set(tiny_set, steps=400, prompts=prompts)  # far more than it runs: the test stops it
     try:
         with playwright_api() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)

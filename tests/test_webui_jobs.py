@@ -1,10 +1,10 @@
-"""The web UI's job queue and runner (library/ui/jobs.py, runner.py) driving the real train_lora.py on
-the tiny FLUX set: stop = Ctrl-C (LoRA + state saved), resume from that state, re-attach after a UI
-restart, interrupted when the trainer is gone, delete confined to the job's folder."""
+"""The web UI's job queue and runner (library/ui/jobs.py, runner.py): claiming, stop = Ctrl-C (LoRA + state
+saved), resume from that state, re-attach after a UI restart, interrupted when the trainer is gone, delete
+confined to the job's folder. With the real train_lora.py on the tiny FLUX set, through the UI process: stop,
+re-attach and resume in test_webui_faults.py, a stop of the UI's own trainer in test_webui_api.py."""
 
 from __future__ import annotations
 
-import csv
 import os
 import signal
 import sqlite3
@@ -14,12 +14,11 @@ import threading
 import time
 
 import pytest
-from safetensors import safe_open
 
 from library.ui import runner as actions
 from library.ui.jobs import JobError, JobStore
 from library.ui.runner import Runner
-from tests.ui_support import mark_to_pause, pause_hook_env, paused, tiny_job_settings, wait_for
+from tests.ui_support import wait_for
 
 
 def claimed_job(tmp_path) -> tuple[JobStore, object]:
@@ -28,11 +27,6 @@ def claimed_job(tmp_path) -> tuple[JobStore, object]:
     job = store.create("a", {"output_name": "lora"}, 5, queue=True)
     store.claim_next("cpu")
     return store, job
-
-
-def csv_steps(path: str) -> list[int]:
-    with open(path) as f:
-        return [int(row["step"]) for row in csv.DictReader(f)]
 
 
 def test_claiming_gives_each_queued_job_to_one_worker(tmp_path):
@@ -208,49 +202,6 @@ def test_a_resumed_run_stopped_before_its_first_step_keeps_its_state(tmp_path):
     ended = actions.outcome(store.get(job.id), -signal.SIGINT)  # our SIGINT, before its handler was set
     assert ended == {"state": "stopped", "resume": job.state_dir, "message": "stopped before its first step: nothing "
                                                                          "saved; resume continues from the state at step 3"}
-
-
-def test_stop_resume_and_reattach_with_the_real_trainer(tiny_set, tmp_path, monkeypatch):
-    """One job through a UI restart, a clean stop and a resume: two trainer processes in all. The
-    trainer pauses itself after step 2 while the UI restarts and asks it to stop, so the stop lands
-    at step 2 however fast the machine is."""
-    store = JobStore(str(tmp_path / "jobs"))
-    steps = 3  # stopped at step 2, the resume trains the last one
-    job = store.create("tiny", tiny_job_settings(tiny_set, steps=steps), steps, queue=True)
-    monkeypatch.setenv("PYTHONPATH", pause_hook_env(tmp_path)["PYTHONPATH"])  # the runner's trainers inherit it
-    mark_to_pause(store.job_folder(job.id))
-    first = Runner(store, str(tmp_path), poll=0.2)
-    first.start()
-    wait_for(lambda: store.get(job.id).pid, 60, "the trainer's start")
-    pid = store.get(job.id).pid
-    log = store.get(job.id).log_path
-    try:
-        wait_for(lambda: paused(pid, log), 240, "the trainer's pause at step 2")
-        first.close()  # the UI goes away: its trainer does not
-        second = Runner(store, str(tmp_path), poll=0.2)
-        second.start()  # re-attaches to the running trainer
-        assert store.get(job.id).state == "running" and store.get(job.id).pid == pid
-        actions.stop(store, job.id)
-        wait_for(lambda: signal.SIGINT in pending_signals(pid), 10, "the runner's SIGINT")
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    stopped = wait_for(lambda: (j := store.get(job.id)).state == "stopped" and j, 120, "the clean stop")
-    assert stopped.message.startswith("stopped at step 2:"), (stopped.message, open(log).read()[-4000:])
-    step = 2
-    lora = os.path.join(stopped.output_dir, f"tiny_flux_lora-step{step:06d}.safetensors")
-    with safe_open(lora, "pt") as f:
-        meta = f.metadata()  # the steps it trained, and the steps it was asked for
-        assert meta["ss_steps"] == str(step) and meta["ss_max_train_steps"] == str(steps) and len(list(f.keys())) > 0
-    assert stopped.resume == stopped.state_dir and stopped.peak_rss > 100 * 2**20
-
-    actions.resume(store, job.id)
-    done = wait_for(lambda: (j := store.get(job.id)).state in ("done", "failed") and j, 240, "the resumed run")
-    second.close()
-    assert done.state == "done", done.message
-    assert done.exit_code == 0 and done.last_step == steps and os.path.exists(done.lora_path)
-    assert csv_steps(done.csv_path) == list(range(1, steps + 1))  # each step once across the two runs
-    with open(done.log_path) as f:
-        assert f"resumed from {done.state_dir} at step {step}" in f.read()
 
 
 def pending_signals(pid: int) -> set[int]:
