@@ -6,8 +6,6 @@ import csv
 import os
 import re
 import shutil
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +18,7 @@ from library.training import fsdp
 from library.training.config import ConfigError
 from library.training.fsdp import check_fsdp, fp8_buffers_to_parameters
 from networks.lora import LoRANetwork
-from tests.test_train_lora import ROOT, flux_args, free_port, train_single
+from tests.test_train_lora import ROOT, flux_args, free_port, launch, launched_log, returned, train_single
 from library.models.registry import arch_spec
 
 
@@ -44,16 +42,35 @@ def write_datasets(tiny_set, tmp_path, validation: bool):
             f'image_dir = "{tiny_set["image_dir"]}"\n' + extra)
 
 
-def run_single_and_fsdp(single: list[str], multi: list[str], monkeypatch) -> str:
-    """1 plain process (this one), then 2 gloo processes through configs/accelerate/fsdp.yaml; their output."""
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    train_single(single, monkeypatch)
-    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                          os.path.join(ROOT, "configs", "accelerate", "fsdp.yaml"), "--num_processes", "2",
-                          "--mixed_precision", "no", "--main_process_port", free_port(), "train_lora.py", *multi],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, [l for l in run.stderr.splitlines() if "error" in l.lower()][:5]
-    return run.stdout + run.stderr
+FLUX_EQUALITY = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",
+                 "--sample_prompts", "", "--validate_every_n_steps", "2"]  # quickstart: fp8_scaled base, fp32 compute
+
+
+def qwen_equality(tiny_set):
+    return ["--model_type", "qwen_image", "--pretrained_model_name_or_path", tiny_set["qwen_image"],
+            "--ae", tiny_set["qwen_image_vae"], "--text_encoder", tiny_set["qwen_image_text_encoder"],
+            "--output_name", "qwen", "--max_train_steps", "2", "--mixed_precision", "no", "--fp8_base",
+            "--network_dim", "4", "--optimizer_type", "AdamW", "--learning_rate", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tiny_set, tmp_path_factory):
+    """This file's 2-process runs, in one launch through configs/accelerate/fsdp.yaml (2 gloo processes): the
+    flux (with validation) and Qwen-Image runs the equality tests compare with 1 process, and last the SIGTERM
+    to process 1 during the samples. -> (the folder with run <name>'s output in <name>/, the launch)."""
+    folder = tmp_path_factory.mktemp("fsdp")
+    for datasets, validation in (("validated", True), ("plain", False)):
+        (folder / datasets).mkdir()
+        write_datasets(tiny_set, folder / datasets, validation)
+    plain = ["--dataset_config", str(folder / "plain" / "ds1.toml")]
+    runs = [(None, flux_args(tiny_set, folder / "doubled_batch", "--dataset_config",
+                             str(folder / "validated" / "ds1.toml"), *FLUX_EQUALITY)),
+            (None, [*qwen_equality(tiny_set), *plain, "--output_dir", str(folder / "qwen")]),
+            ("sigterm_to_process_1_in_a_render", flux_args(tiny_set, folder / "render", *plain, "--max_train_steps", "2",
+                                                           "--sample_every_n_steps", "1"))]
+    return folder, launch(["accelerate.commands.launch", "--config_file",
+                           os.path.join(ROOT, "configs", "accelerate", "fsdp.yaml"), "--num_processes", "2",
+                           "--mixed_precision", "no", "--main_process_port", free_port()], runs, folder)
 
 
 def assert_same_lora(a_path, b_path):
@@ -64,16 +81,16 @@ def assert_same_lora(a_path, b_path):
     assert sorted(a) == sorted(b) and up > 1e-3 and diff <= 0.02 * up, (diff, up)
 
 
-def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_batch(tiny_set, tmp_path, monkeypatch):
-    write_datasets(tiny_set, tmp_path, validation=True)
-    common = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",
-              "--sample_prompts", "", "--validate_every_n_steps", "2"]  # quickstart: fp8_scaled base, fp32 compute
-    single = flux_args(tiny_set, tmp_path / "single", "--dataset_config", str(tmp_path / "ds2.toml"), *common)
-    multi = flux_args(tiny_set, tmp_path / "multi", "--dataset_config", str(tmp_path / "ds1.toml"), *common)
-    output = run_single_and_fsdp(single, multi, monkeypatch)
+def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_batch(fsdp_runs, tiny_set, tmp_path,
+                                                                                    monkeypatch):
+    folder, launched = fsdp_runs
+    multi_out, single_out = folder / "doubled_batch", tmp_path
+    output = launched_log(multi_out)
+    assert returned(multi_out) == [0, 0], (output or launched.stderr)[-2000:]
+    train_single(flux_args(tiny_set, single_out, "--dataset_config", str(folder / "validated" / "ds2.toml"),
+                           *FLUX_EQUALITY), monkeypatch)
 
     # Each process holds half of the base: the whole is what the fp8_scaled base weighs unsharded.
-    # (The two processes share one pipe: both lines can land on one, so the pattern stops at "(".)
     held = {int(m[0]): (int(m[1]), int(m[2])) for m in
             re.findall(r"fsdp: process (\d) of 2 holds [^()]*\((\d+) of (\d+) bytes\)", output)}
     base = FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32, "fp8_scaled")
@@ -81,7 +98,6 @@ def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_ba
     assert sorted(held) == [0, 1] and all(w == whole for _, w in held.values()), (held, whole)
     assert all(h <= 0.51 * whole for h, _ in held.values()) and sum(h for h, _ in held.values()) >= whole, held
 
-    single_out, multi_out = tmp_path / "single", tmp_path / "multi"
     assert read_log(multi_out, "loss") == pytest.approx(read_log(single_out, "loss"), abs=1e-5)
     val_single, val_multi = read_log(single_out, "val_loss"), read_log(multi_out, "val_loss")
     assert val_single[1] is not None and val_multi == pytest.approx(val_single, abs=1e-5)
@@ -89,57 +105,26 @@ def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_ba
     LoRANetwork(base, "flux", 8, 8.0).load_weights(str(multi_out / "tiny_flux_lora.safetensors"))  # a normal file
 
 
-def test_qwen_image_under_fsdp_equals_one_process(tiny_set, tmp_path, monkeypatch):
+def test_qwen_image_under_fsdp_equals_one_process(fsdp_runs, tiny_set, tmp_path, monkeypatch):
     """Qwen-Image's last block leaves LoRAs without a gradient (its text stream feeds nothing)."""
-    write_datasets(tiny_set, tmp_path, validation=False)
-    args = ["--model_type", "qwen_image", "--pretrained_model_name_or_path", tiny_set["qwen_image"],
-            "--ae", tiny_set["qwen_image_vae"], "--text_encoder", tiny_set["qwen_image_text_encoder"],
-            "--output_name", "qwen", "--max_train_steps", "2", "--mixed_precision", "no", "--fp8_base",
-            "--network_dim", "4", "--optimizer_type", "AdamW", "--learning_rate", "1e-3"]
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    run_single_and_fsdp([*args, "--dataset_config", str(tmp_path / "ds2.toml"), "--output_dir", str(single)],
-                        [*args, "--dataset_config", str(tmp_path / "ds1.toml"), "--output_dir", str(multi)], monkeypatch)
-    assert read_log(multi, "loss", "qwen") == pytest.approx(read_log(single, "loss", "qwen"), abs=1e-5)
-    assert_same_lora(single / "qwen.safetensors", multi / "qwen.safetensors")
+    folder, launched = fsdp_runs
+    multi = folder / "qwen"
+    assert returned(multi) == [0, 0], (launched_log(multi) or launched.stderr)[-2000:]
+    train_single([*qwen_equality(tiny_set), "--dataset_config", str(folder / "plain" / "ds2.toml"),
+                  "--output_dir", str(tmp_path)], monkeypatch)
+    assert read_log(multi, "loss", "qwen") == pytest.approx(read_log(tmp_path, "loss", "qwen"), abs=1e-5)
+    assert_same_lora(tmp_path / "qwen.safetensors", multi / "qwen.safetensors")
 
 
-SIGTERM_IN_A_RENDER = """
-import os, signal, sys
-sys.path.insert(0, os.getcwd())
-from library.models.family import DiffusionFamily
-import train_lora
-
-signal.alarm(150)  # a deadlocked worker (blocked in a collective) is ended by the kernel: nothing left behind
-real, calls = DiffusionFamily.sample_latents, []
-
-
-def signalled(self, *a, **k):  # process 1 gets a SIGTERM inside its first sample (of 2 prompts)
-    calls.append(1)
-    if len(calls) == 1 and os.environ["RANK"] == "1":
-        os.kill(os.getpid(), signal.SIGTERM)
-    return real(self, *a, **k)
-
-
-DiffusionFamily.sample_latents = signalled
-sys.exit(train_lora.main(sys.argv[1:]))
-"""
-
-
-def test_a_sigterm_to_one_fsdp_process_during_samples_stops_both_at_the_same_prompt_with_the_save(tiny_set, tmp_path):
+def test_a_sigterm_to_one_fsdp_process_during_samples_stops_both_at_the_same_prompt_with_the_save(fsdp_runs):
     """Old: process 1 left the render before prompt 2 for the step's all-reduce while process 0 waited in
-    prompt 2's all-gather of the sharded base: a deadlock, nothing saved. The render's stop is agreed now."""
-    write_datasets(tiny_set, tmp_path, validation=False)
-    (tmp_path / "script.py").write_text(SIGTERM_IN_A_RENDER)
-    out = tmp_path / "multi"
-    argv = flux_args(tiny_set, out, "--dataset_config", str(tmp_path / "ds1.toml"), "--max_train_steps", "2",
-                     "--sample_every_n_steps", "1")
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                          os.path.join(ROOT, "configs", "accelerate", "fsdp.yaml"), "--num_processes", "2",
-                          "--mixed_precision", "no", "--main_process_port", free_port(), str(tmp_path / "script.py"),
-                          *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
-    log = run.stdout + run.stderr
-    assert "a signal to another process: saved" in log and re.search(r"exitcode\s+: 130", log), log[-2000:]
+    prompt 2's all-gather of the sharded base: a deadlock, nothing saved. The render's stop is agreed now.
+    (The launch's last run: its processes' exits are the ones the launcher sees.)"""
+    out, launched = fsdp_runs[0] / "render", fsdp_runs[1]
+    log = launched_log(out)
+    assert "a signal to another process: saved" in log and returned(out) == [130, 130], (
+        log or launched.stderr)[-2000:]
+    assert re.search(r"exitcode\s+: 130", launched.stderr), launched.stderr[-2000:]
     assert (out / "tiny_flux_lora-step000001.safetensors").exists() and (out / "tiny_flux_lora-state").is_dir()
     assert [p.name.split("_")[4] for p in out.glob("*_step000001_*.png")] == ["00"]  # both stopped before prompt 2
 

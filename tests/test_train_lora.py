@@ -105,13 +105,50 @@ def train_single(argv: list[str], monkeypatch):
         torch.set_num_threads(threads)
 
 
-def run_single_and_ddp(single: list[str], multi: list[str], monkeypatch):
-    """1 plain process (this one), then 2 gloo DDP processes (torch.distributed.run) on the CPU."""
+def launch(launcher: list[str], runs: list, folder) -> subprocess.CompletedProcess:
+    """`runs` ([fault, argv], ...) in turn in each of 2 gloo processes on the CPU, one launch
+    (tests/launched_runs.py: the processes' start and imports are paid once)."""
+    (folder / "runs.json").write_text(json.dumps(runs))
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    train_single(single, monkeypatch)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(),
-                          "train_lora.py", *multi], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert run.returncode == 0, [l for l in run.stderr.splitlines() if "error" in l.lower()][:5]
+    return subprocess.run([sys.executable, "-m", *launcher, os.path.join(ROOT, "tests", "launched_runs.py"),
+                           str(folder / "runs.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+
+
+def launched_log(out) -> str:
+    """What both processes of a launched run (launch) wrote."""
+    return "".join(open(f"{out}.rank{rank}.log").read() for rank in (0, 1) if os.path.exists(f"{out}.rank{rank}.log"))
+
+
+def returned(out) -> list[int]:
+    """Each process's exit status of a launched run, [process 0's, process 1's]."""
+    return [int(m) for m in re.findall(r"rank \d returned (-?\d+) at", launched_log(out))]
+
+
+DDP_EQUALITY = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",
+                "--sample_prompts", ""]
+QWEN_EQUALITY = ["--output_name", "qwen", "--max_train_steps", "2", "--sample_prompts", ""]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tiny_set, tmp_path_factory):
+    """This file's 2-process runs, in one torchrun launch (2 gloo DDP processes): the flux and Qwen-Image runs
+    the equality tests compare with 1 process, then the faults: a NaN loss and a SIGTERM in process 1, and
+    last the SIGTERM to the main process, whose slow save the launcher must not cut when process 1 exits.
+    -> (the folder with run <name>'s output in <name>/, the launch)."""
+    from tests.test_captions import qwen_args
+
+    folder = tmp_path_factory.mktemp("ddp")
+    write_ddp_datasets(tiny_set, folder)
+    ds1 = ["--dataset_config", str(folder / "ds1.toml")]
+
+    def flux(name, *extra):
+        return flux_args(tiny_set, folder / name, *ds1, "--sample_prompts", "", *extra)
+
+    runs = [(None, flux("doubled_batch", *DDP_EQUALITY)), (None, qwen_args(tiny_set, folder / "qwen", *QWEN_EQUALITY, *ds1)),
+            ("nan_loss_in_process_1", flux("nan", "--max_train_steps", "3", "--save_every_n_steps", "1")),
+            ("sigterm_to_process_1", flux("sigterm", "--max_train_steps", "4")),
+            ("sigterm_to_main_and_a_slow_save", flux("slow_save", "--max_train_steps", "4"))]
+    return folder, launch(["torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()], runs, folder)
 
 
 def assert_close_loras(a_path, b_path):
@@ -244,30 +281,26 @@ def test_save_precision_float_is_sd_scripts_name_for_fp32(tiny_set, tmp_path):
     assert saved == [torch.float32]
 
 
-def test_two_ddp_processes_equal_one_process_with_doubled_batch(tiny_set, tmp_path, monkeypatch):
-    write_ddp_datasets(tiny_set, tmp_path)
-    common = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",
-              "--sample_prompts", ""]
-    single = flux_args(tiny_set, tmp_path / "single", "--dataset_config", str(tmp_path / "ds2.toml"), *common)
-    multi = flux_args(tiny_set, tmp_path / "multi", "--dataset_config", str(tmp_path / "ds1.toml"), *common)
-    run_single_and_ddp(single, multi, monkeypatch)
-    assert read_losses(tmp_path / "multi") == pytest.approx(read_losses(tmp_path / "single"), abs=1e-6)
-    assert_close_loras(tmp_path / "single" / "tiny_flux_lora.safetensors",
-                       tmp_path / "multi" / "tiny_flux_lora.safetensors")
+def test_two_ddp_processes_equal_one_process_with_doubled_batch(ddp_runs, tiny_set, tmp_path, monkeypatch):
+    folder, launched = ddp_runs
+    multi = folder / "doubled_batch"
+    assert returned(multi) == [0, 0], (launched_log(multi) or launched.stderr)[-2000:]
+    train_single(flux_args(tiny_set, tmp_path, "--dataset_config", str(folder / "ds2.toml"), *DDP_EQUALITY), monkeypatch)
+    assert read_losses(multi) == pytest.approx(read_losses(tmp_path), abs=1e-6)
+    assert_close_loras(tmp_path / "tiny_flux_lora.safetensors", multi / "tiny_flux_lora.safetensors")
 
 
-def test_qwen_image_under_ddp_equals_one_process(tiny_set, tmp_path, monkeypatch):
+def test_qwen_image_under_ddp_equals_one_process(ddp_runs, tiny_set, tmp_path, monkeypatch):
     """Qwen-Image's last block leaves LoRAs without a gradient (its text stream feeds nothing): DDP
     must not wait for their reduction ("Expected to have finished reduction" without the fix)."""
     from tests.test_captions import qwen_args
 
-    write_ddp_datasets(tiny_set, tmp_path)
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    common = ["--output_name", "qwen", "--max_train_steps", "2", "--sample_prompts", ""]
-    run_single_and_ddp(qwen_args(tiny_set, single, *common, "--dataset_config", str(tmp_path / "ds2.toml")),
-                       qwen_args(tiny_set, multi, *common, "--dataset_config", str(tmp_path / "ds1.toml")), monkeypatch)
-    assert read_losses(multi, "qwen") == pytest.approx(read_losses(single, "qwen"), abs=1e-5)
-    assert_close_loras(single / "qwen.safetensors", multi / "qwen.safetensors")
+    folder, launched = ddp_runs
+    multi = folder / "qwen"
+    assert returned(multi) == [0, 0], (launched_log(multi) or launched.stderr)[-2000:]
+    train_single(qwen_args(tiny_set, tmp_path, *QWEN_EQUALITY, "--dataset_config", str(folder / "ds2.toml")), monkeypatch)
+    assert read_losses(multi, "qwen") == pytest.approx(read_losses(tmp_path, "qwen"), abs=1e-5)
+    assert_close_loras(tmp_path / "qwen.safetensors", multi / "qwen.safetensors")
 
 
 def test_interrupt_saves_and_resume_is_bit_identical(tiny_set, tmp_path, monkeypatch):
@@ -629,106 +662,39 @@ def test_the_last_step_renders_its_samples_once_as_the_final_ones(tiny_set, tmp_
     assert tags == ["step000001", "final"]
 
 
-POISON_ONE_PROCESS = '''
-import os, sys
-sys.path.insert(0, os.getcwd())
-from library.models.family import DiffusionFamily
-import train_lora
-
-real, calls = DiffusionFamily.training_loss, []
-
-
-def poisoned(self, *a, **k):  # the second batch of process 1 only
-    loss, sigmas = real(self, *a, **k)
-    calls.append(1)
-    return (loss * float("nan") if len(calls) == 2 and os.environ["RANK"] == "1" else loss), sigmas
-
-
-DiffusionFamily.training_loss = poisoned
-sys.exit(train_lora.main(sys.argv[1:]))
-'''
-
-
-def two_processes_running(tiny_set, tmp_path, script: str, out, *extra) -> subprocess.CompletedProcess:
-    """`script` (train_lora.main with a fault put in) as 2 gloo processes on the DDP datasets."""
-    write_ddp_datasets(tiny_set, tmp_path)
-    (tmp_path / "script.py").write_text(script)
-    argv = flux_args(tiny_set, out, "--dataset_config", str(tmp_path / "ds1.toml"), "--sample_prompts", "", *extra)
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           free_port(), str(tmp_path / "script.py"), *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-
-
-def test_a_nan_loss_in_another_process_stops_every_process_with_the_line_and_the_save(tiny_set, tmp_path):
+def test_a_nan_loss_in_another_process_stops_every_process_with_the_line_and_the_save(ddp_runs):
     """Old: process 1's NaN stopped process 1 alone; the main process (which saves and prints) died in
     the next all-reduce: no line, no LoRA, exit 1 through torchrun's traceback."""
-    out = tmp_path / "multi"
-    run = two_processes_running(tiny_set, tmp_path, POISON_ONE_PROCESS, out, "--max_train_steps", "3", "--save_every_n_steps", "1")
-    assert "error: another process's loss is not finite at step 2" in run.stderr, run.stderr[-2000:]
+    out, launched = ddp_runs[0] / "nan", ddp_runs[1]
+    log = launched_log(out)
+    assert "error: another process's loss is not finite at step 2" in log and returned(out) == [3, 3], (
+        log or launched.stderr)[-2000:]
     assert (out / "tiny_flux_lora-step000001.safetensors").exists()
 
 
-SIGTERM_ONE_PROCESS = POISON_ONE_PROCESS.replace(
-    'return (loss * float("nan") if len(calls) == 2 and os.environ["RANK"] == "1" else loss), sigmas',
-    'if len(calls) == 2 and os.environ["RANK"] == "1":\n        os.kill(os.getpid(), __import__("signal").SIGTERM)\n'
-    '    return loss, sigmas')
-
-
-def test_a_sigterm_to_one_process_stops_every_process_at_that_step_with_the_save(tiny_set, tmp_path):
+def test_a_sigterm_to_one_process_stops_every_process_at_that_step_with_the_save(ddp_runs):
     """A SIGTERM to one worker's pid (taken from top or nvidia-smi) stopped that worker alone (exit 130, no
     line: only the main process prints); the main one failed in the next all-reduce, nothing saved. The
     flag is agreed every step now: both stop at step 2, the main process saves the LoRA and the state."""
-    assert "os.kill" in SIGTERM_ONE_PROCESS
-    out = tmp_path / "multi"
-    run = two_processes_running(tiny_set, tmp_path, SIGTERM_ONE_PROCESS, out, "--max_train_steps", "4", "--save_every_n_steps", "0")
-    assert "a signal to another process: saved" in run.stderr + run.stdout, run.stderr[-2000:]
-    assert re.search(r"exitcode\s+: 130", run.stderr) and run.returncode == 1, run.stderr[-2000:]  # torchrun's own 1
+    out, launched = ddp_runs[0] / "sigterm", ddp_runs[1]
+    log = launched_log(out)
+    assert "a signal to another process: saved" in log and returned(out) == [130, 130], (
+        log or launched.stderr)[-2000:]
     assert (out / "tiny_flux_lora-step000002.safetensors").exists() and (out / "tiny_flux_lora-state").is_dir()
 
 
-SLOW_MAIN_SAVE = """
-import os, signal, sys, time
-sys.path.insert(0, os.getcwd())
-from library.models.family import DiffusionFamily
-import train_lora
-
-real, calls, real_save = DiffusionFamily.training_loss, [], train_lora.save_state
-
-
-def signalled(self, *a, **k):  # SIGTERM to the main process at its second batch
-    calls.append(1)
-    if len(calls) == 2 and os.environ["RANK"] == "0":
-        os.kill(os.getpid(), signal.SIGTERM)
-    return real(self, *a, **k)
-
-
-def slow_save(*a, **k):  # a full-size state takes seconds to write, and a second signal comes meanwhile
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(3)
-    real_save(*a, **k)
-    print(f"state written at {time.time()}", file=sys.stderr, flush=True)
-
-
-DiffusionFamily.training_loss, train_lora.save_state = signalled, slow_save
-code = train_lora.main(sys.argv[1:])
-print(f"rank {os.environ['RANK']} left at {time.time()}", file=sys.stderr, flush=True)
-sys.exit(code)
-"""
-
-
-def test_a_stop_waits_for_the_main_processs_slow_save_and_a_second_signal_does_not_cut_it(tiny_set, tmp_path):
+def test_a_stop_waits_for_the_main_processs_slow_save_and_a_second_signal_does_not_cut_it(ddp_runs):
     """Old: process 1 left (exit 130) as soon as it stopped; torchrun then SIGTERMed the main one, whose save was
     still being written: KeyboardInterrupt (a second signal), no state. A second Ctrl-C cut it alike. Every process
-    waits for the main one's save now, and a second signal during it does not cut it."""
-    out = tmp_path / "multi"
-    run = two_processes_running(tiny_set, tmp_path, SLOW_MAIN_SAVE, out, "--max_train_steps", "4", "--save_every_n_steps", "0")
-    log = run.stderr + run.stdout
-    assert "SIGTERM: saved" in log and (out / "tiny_flux_lora-state").is_dir(), log[-2000:]
+    waits for the main one's save now, and a second signal during it does not cut it. (The launch's last run: its
+    processes' exits are the ones torchrun sees.)"""
+    out, launched = ddp_runs[0] / "slow_save", ddp_runs[1]
+    log = launched_log(out)
+    assert "SIGTERM: saved" in log and (out / "tiny_flux_lora-state").is_dir(), (log or launched.stderr)[-2000:]
     written = float(re.search(r"state written at ([\d.]+)", log).group(1))
-    left = float(re.search(r"rank 1 left at ([\d.]+)", log).group(1))
+    left = float(re.search(r"rank 1 returned 130 at ([\d.]+)", log).group(1))
     assert left >= written, log[-2000:]  # process 1 waited for the save
-    assert re.search(r"exitcode\s+: 130", log) and run.returncode == 1, log[-2000:]
+    assert re.search(r"exitcode\s+: 130", launched.stderr) and launched.returncode == 1, launched.stderr[-2000:]
 
 
 def test_each_process_draws_its_own_dropout_masks_and_a_resume_the_same_ones():
