@@ -7,7 +7,8 @@ on 2 CPU cores, a tiny run a few seconds, so a launch pays them once for all its
 RUNS.json: [[fault, argv], ...], run in that order; `fault` (a name in FAULTS, or null) is put in for its run
 alone. Each process writes a run's output to <the run's output_dir>.rank<R>.log, ending with the line
 "rank R returned C at <time>", and exits with the last run's code: a run whose early exit the launcher must
-see (a signal's 130) comes last. An alarm ends a process whose collectives deadlocked.
+see (a signal's 130) comes last. The process group is kept from run to run. An alarm ends a process whose
+collectives deadlocked.
 """
 
 import contextlib
@@ -37,7 +38,7 @@ def patched(owner, name, make):
 
 
 def at_call(owner, name, number, act):
-    """act() in owner.name's call `number` of this run (after the real call when act takes its result)."""
+    """owner.name's call `number` of this run made by act(the real one, args, kwargs) in its place."""
     calls = []
 
     def make(real):
