@@ -31,6 +31,25 @@ def checker(tmp_path_factory):
     checker.close()
 
 
+def test_the_checker_imports_torch_and_the_model_code_before_its_first_request(tmp_path):
+    """The helper imported them at its first check: the UI starts it with itself, yet the first Validate or
+    Queue waited for the imports (the browser test's first queue: 20-30 s on 2 cores). Now it imports them
+    while no request is asked: libtorch is in the idle helper."""
+    import time
+
+    checker = ConfigChecker(str(tmp_path))
+    checker.start()
+    maps = f"/proc/{checker.process.pid}/maps"
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and "libtorch_cpu" not in open(maps).read():
+            time.sleep(0.2)
+        assert "libtorch_cpu" in open(maps).read(), "the idle helper did not import torch"
+        assert checker.check("model_type = 3", str(tmp_path / "out"))["ok"] is False  # and it answers
+    finally:
+        checker.close()
+
+
 @pytest.fixture()
 def checked_ui(tiny_set, tmp_path, checker):
     """A WebUI on the tiny set and tmp_path whose config checks go to the module's one checker."""

@@ -239,8 +239,23 @@ def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
     return {"ok": True, "settings": settings, "max_steps": max_steps}
 
 
+def warm() -> None:
+    """Import what a check of a diffusion or LLM config imports (torch, diffusers' VAE classes, transformers'
+    tokenizers, the optimizers; ~10-30 s on 2 cores), before the first request arrives: the UI starts the helper
+    with itself, so the first Validate or Queue no longer waits for them. A failed import is the checks' to
+    report, not the helper's end."""
+    with contextlib.redirect_stdout(sys.stderr), contextlib.suppress(Exception):
+        import library.models.text_encoders  # noqa: F401
+        import library.models.vae  # noqa: F401
+        import library.training.diffusion_task  # noqa: F401
+        import library.training.llm_task  # noqa: F401
+        import library.training.optim  # noqa: F401
+        import torch._dynamo  # noqa: F401  (torch.optim's optimizers import it when the first one is made)
+
+
 def serve(workdir: str) -> None:
     os.chdir(workdir)
+    warm()
     answers = sys.stdout
     for line in sys.stdin:
         request = json.loads(line)
