@@ -26,9 +26,8 @@ demo: $(STAMP)
 	$(PYTHON) tools/concept_demo.py --config_file configs/quickstart.toml --concept tiny_models/concept/concept.json
 
 # One pytest-xdist worker per core (at most 4: each builds its own tiny model sets), each taking whole
-# files, the longest first (tests/conftest.py): 952-1122 s on 2 cores in the clean-clone CI runs of the
-# last two stops (2761-2798 tests: over the 15-minute target); 760-853 s on 2026-11-27's fewer tests, where
-# one process took 1180-1220 s.
+# files, the longest first (tests/conftest.py): 957 s on 2 cores in this stop's clean-clone CI run (2803 tests,
+# 1789 worker-seconds; 1120-1129 s in the last stop's: still over the 15-minute target, by ~1 minute).
 test: $(STAMP)
 	$(PYTHON) -m pytest -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
