@@ -50,7 +50,7 @@ from library.training import fsdp, run_locks, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix, step_ds  # noqa: E402
 from library.training.config import (PRECISION_DTYPES, ConfigError, load_config, lora_network_args,  # noqa: E402
                                      optimizer_kwargs)
-from library.training.output_names import lora_save_name  # noqa: E402
+from library.training.output_names import lora_save_name, step_tag  # noqa: E402
 from library.training.run_length import check_planned_steps, epoch_steps, plan_steps, warmup_steps  # noqa: E402
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
@@ -719,7 +719,7 @@ class Trainer:
             self.task.after_step(self.step, args.output_dir)
         if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0 and self.step < self.max_steps:
             # (the last step's samples are the final ones, rendered after the final save)
-            self.render_samples(f"step{self.step:06d}")
+            self.render_samples(step_tag(self.step))
         if args.save_every_n_steps and self.step % args.save_every_n_steps == 0 and self.step < self.max_steps:
             self.save_intermediate()
         requested = self.interrupt_requested()

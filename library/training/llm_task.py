@@ -42,6 +42,7 @@ from library.training.config import (ConfigError, base_precision, check_stored_p
 from library.training.lora_inputs import (check_lora_inputs, check_network_fits, check_network_settings,
                                           load_network_weights)
 from library.training.optim import drop_rows_after
+from library.training.output_names import step_tag
 from library.training.state import SavedState, check_resumed_fit
 from networks.factory import build_network
 
@@ -428,7 +429,7 @@ class LLMTask:
         """An LLM's samples are text: val loss, perplexity and a generated sample (sample_at_first
         gives the baseline before training). A step whose eval after_step has just reported is not evaluated
         again (eval_every_n_steps and sample_every_n_steps meeting at a step wrote two equal rows)."""
-        if not (tag == f"step{self.step:06d}" and self.evaluates_after(self.step)):
+        if not (tag == step_tag(self.step) and self.evaluates_after(self.step)):
             self.report_eval(tag)
         return []
 

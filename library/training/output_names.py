@@ -15,9 +15,14 @@ from library.data.prompts import sample_file_name
 from library.errors import ConfigError
 
 
+def step_tag(step: int) -> str:
+    """A step's tag, stepNNNNNN: in its save's name and its samples' (train_lora.py's render tag)."""
+    return f"step{step:06d}"
+
+
 def lora_save_name(output_name: str, step: int | None = None) -> str:
     """A save's name before its suffix: <output_name> (the final one), <output_name>-stepNNNNNN (a step's)."""
-    return output_name if step is None else f"{output_name}-step{step:06d}"
+    return output_name if step is None else f"{output_name}-{step_tag(step)}"
 
 
 def check_name_length(args, where: str, formats: list[str]) -> None:
@@ -42,7 +47,7 @@ def longest_written_name(args, formats: list[str]) -> str:
     if not args.pretrain and "kohya" in formats:
         names.append(save + ".safetensors")
     if args.sample_prompts and args.model_type != "llm":  # the longest tag (stepNNNNNN) and seed (2^32 - 1)
-        names.append(sample_file_name(name, f"step{step:06d}", 0, time.strftime("%Y%m%d%H%M%S"), 2**32 - 1))
+        names.append(sample_file_name(name, step_tag(step), 0, time.strftime("%Y%m%d%H%M%S"), 2**32 - 1))
     return temporary_name(max(names, key=lambda n: len(n.encode())))
 
 
