@@ -75,14 +75,20 @@ class LoRAWeights:
         return w + multiplier * (decomposed - w)
 
 
-def non_finite_factor(weights: dict[str, LoRAWeights]) -> str | None:
-    """"module 'name' down holds 3 non-finite values (NaN / inf) of 64" for the first factor of `weights` that holds a
-    NaN or inf (a diverged training's LoRA), None where every value is finite."""
-    for name, w in weights.items():
-        for part, tensor in (("down", w.down), ("up", w.up), ("DoRA magnitude", w.magnitude)):
-            if tensor is not None and (bad := int((~torch.isfinite(tensor.float())).sum())):
-                return f"module '{name}' {part} holds {bad} non-finite value{'s' * (bad > 1)} (NaN / inf) of {tensor.numel()}"
+def first_non_finite(named_tensors) -> str | None:
+    """"<label> holds 3 non-finite values (NaN / inf) of 64" for the first of (label, tensor) pairs that holds a NaN
+    or inf (a diverged training's LoRA), None where every value is finite."""
+    for label, tensor in named_tensors:
+        if bad := int((~torch.isfinite(tensor.float())).sum()):
+            return f"{label} holds {bad} non-finite value{'s' * (bad > 1)} (NaN / inf) of {tensor.numel()}"
     return None
+
+
+def non_finite_factor(weights: dict[str, LoRAWeights]) -> str | None:
+    """first_non_finite of the factors of `weights`: "module 'name' down holds 3 non-finite values ...", or None."""
+    return first_non_finite((f"module '{name}' {part}", tensor) for name, w in weights.items()
+                            for part, tensor in (("down", w.down), ("up", w.up), ("DoRA magnitude", w.magnitude))
+                            if tensor is not None)
 
 
 def merge_into_weight(weight: torch.Tensor, loras) -> torch.Tensor:

@@ -25,7 +25,8 @@ from library.precision.bfl_weights import is_bfl
 from library.precision.bnb_weights import refuse_serialized
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint
 from library.precision.gguf_weights import is_gguf
-from networks.lora_files import LoRAWeights, read_lora_tensors, split_text_encoders, text_encoder_note
+from networks.lora_files import (LoRAWeights, first_non_finite, read_lora_tensors, split_text_encoders,
+                                 text_encoder_note)
 from networks.lora_arch import begins_release, detect_arch, header_arch, header_version, takes_loras_of, text_encoder_labels
 from networks.lora_reader import FusedRows, lora_for_model, lycoris_for_model
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas, lycoris_kohya_names
@@ -188,11 +189,8 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
 def _check_finite(tensors: dict[str, torch.Tensor], path: str) -> None:
     """A NaN / inf in a LoRA (a diverged training's) is one line naming the tensor: merged, it made every weight
     it touches NaN and the whole checkpoint was written."""
-    for key, tensor in tensors.items():
-        bad = int((~torch.isfinite(tensor.float())).sum()) if tensor.is_floating_point() else 0
-        if bad:
-            raise CheckpointError(f"{path}: tensor '{key}' holds {bad} non-finite value{'s' * (bad > 1)} (NaN / inf) of "
-                                  f"{tensor.numel()}: a broken LoRA, which would make the weights it touches NaN")
+    if problem := first_non_finite((f"tensor '{key}'", t) for key, t in tensors.items() if t.is_floating_point()):
+        raise CheckpointError(f"{path}: {problem}: a broken LoRA, which would make the weights it touches NaN")
 
 
 def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta | FusedRows]:
