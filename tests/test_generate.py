@@ -213,17 +213,22 @@ def test_a_lora_holding_a_nan_is_one_line_before_any_model_loads(tiny_set, tmp_p
     assert files_under(tmp_path / "out") == []
 
 
-def release_notes(args, key: str, in_dim: int, version: str, tmp_path, capsys) -> tuple[str, list[str]]:
-    """generate's note lines for a LoRA of one module `key` whose header says ss_base_model_version `version`; the
-    run stops before the text encoder loads (the tests patch it to raise)."""
+def assert_release_note(args, key: str, in_dim: int, trained: str, rendered: str, why: str, tmp_path, capsys):
+    """generate's note lines for a LoRA of one module `key` whose header says ss_base_model_version `trained`: exactly
+    one, naming `rendered` and `why` the files read as it; for a LoRA of `rendered`, none. The run stops before the
+    text encoder loads (the tests patch it to raise)."""
     from networks import lora_files
 
-    weights = {key: lora_files.LoRAWeights(torch.ones(4, in_dim), torch.ones(64, 4), 4.0)}
-    path = str(tmp_path / f"{version}.safetensors")
-    lora_files.write_kohya(weights, path, metadata={"ss_base_model_version": version})
-    capsys.readouterr()
-    assert generate.main([*args, "--lora", path]) == 2  # stopped before the text encoder loads
-    return path, [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    for version in (trained, rendered):
+        weights = {key: lora_files.LoRAWeights(torch.ones(4, in_dim), torch.ones(64, 4), 4.0)}
+        path = str(tmp_path / f"{version}.safetensors")
+        lora_files.write_kohya(weights, path, metadata={"ss_base_model_version": version})
+        capsys.readouterr()
+        assert generate.main([*args, "--lora", path]) == 2  # stopped before the text encoder loads
+        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+        expected = [f"note: {path} was trained on {trained}; this renders {rendered} ({why}): give --model_version "
+                    f"{trained} if --model is that release"] if version == trained else []
+        assert notes == expected, notes
 
 
 def test_a_zimage_base_lora_on_a_file_read_as_turbo_says_how_to_render_base(tiny_set, tmp_path, capsys, monkeypatch):
@@ -235,12 +240,8 @@ def test_a_zimage_base_lora_on_a_file_read_as_turbo_says_how_to_render_base(tiny
     monkeypatch.setattr(ZImageFamily, "load_text_encoder", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop")))
     args = ["--model_type", "zimage", "--model", tiny_set["zimage"], "--ae", tiny_set["flux_vae"],
             "--text_encoder", tiny_set["zimage_text_encoder"], "--prompt", "a cat", "--out", str(tmp_path / "out")]
-    for version in ("zimage-base", "zimage-turbo"):
-        path, notes = release_notes(args, "layers.0.feed_forward.w2", 170, version, tmp_path, capsys)
-        expected = [f"note: {path} was trained on zimage-base; this renders zimage-turbo (a file without its pipeline "
-                    f"folder's scheduler is read as Turbo): give --model_version zimage-base if --model is that "
-                    f"release"] if version == "zimage-base" else []
-        assert notes == expected, notes
+    assert_release_note(args, "layers.0.feed_forward.w2", 170, "zimage-base", "zimage-turbo",
+                        "a file without its pipeline folder's scheduler is read as Turbo", tmp_path, capsys)
 
 
 def test_a_qwen_image_edit_lora_on_a_folder_read_as_2509_says_how_to_render_its_release(tiny_set, tmp_path, capsys,
@@ -254,12 +255,8 @@ def test_a_qwen_image_edit_lora_on_a_folder_read_as_2509_says_how_to_render_its_
     args = ["--model_type", "qwen_image_edit", "--model", tiny_set["qwen_image_edit"], "--ae", tiny_set["qwen_image_vae"],
             "--text_encoder", tiny_set["qwen_image_edit_text_encoder"], "--prompt", "make it red", "--control_image",
             str(tmp_path / "in.png"), "--out", str(tmp_path / "out")]
-    for version in ("qwen-image-edit", "qwen-image-edit-2509"):
-        path, notes = release_notes(args, "transformer_blocks.0.attn.to_q", 64, version, tmp_path, capsys)
-        expected = [f"note: {path} was trained on qwen-image-edit; this renders qwen-image-edit-2509 (read from its "
-                    f"config.json, which Edit and 2509 share): give --model_version qwen-image-edit if --model is that "
-                    f"release"] if version == "qwen-image-edit" else []
-        assert notes == expected, notes
+    assert_release_note(args, "transformer_blocks.0.attn.to_q", 64, "qwen-image-edit", "qwen-image-edit-2509",
+                        "read from its config.json, which Edit and 2509 share", tmp_path, capsys)
 
 
 def test_a_krea2_turbo_lora_on_a_file_read_as_raw_says_how_to_render_turbo(tiny_set, tmp_path, capsys, monkeypatch):
@@ -273,12 +270,8 @@ def test_a_krea2_turbo_lora_on_a_file_read_as_raw_says_how_to_render_turbo(tiny_
     shutil.copy(tiny_set["krea2"], alone)
     args = ["--model_type", "krea2", "--model", str(alone), "--ae", tiny_set["qwen_image_vae"],
             "--text_encoder", tiny_set["krea2_text_encoder"], "--prompt", "a cat", "--out", str(tmp_path / "out")]
-    for version in ("krea2-turbo", "krea2-raw"):
-        path, notes = release_notes(args, "blocks.0.attn.wq", 64, version, tmp_path, capsys)
-        expected = [f"note: {path} was trained on krea2-turbo; this renders krea2-raw (read from its file name, which "
-                    f"does not say turbo): give --model_version krea2-turbo if --model is that release"
-                    ] if version == "krea2-turbo" else []
-        assert notes == expected, notes
+    assert_release_note(args, "blocks.0.attn.wq", 64, "krea2-turbo", "krea2-raw",
+                        "read from its file name, which does not say turbo", tmp_path, capsys)
 
 
 def test_a_png_records_no_negative_prompt_the_model_did_not_read(tiny_set, tmp_path):
