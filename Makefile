@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(PYTHON) tools/concept_demo.py --config_file configs/quickstart.toml --concept tiny_models/concept/concept.json
 
 # One pytest-xdist worker per core (at most 4: each builds its own tiny model sets), each taking whole
-# files, the longest first (tests/conftest.py): 957-987 s on 2 cores in this stop's two clean-clone CI runs
+# files, the longest first (tests/conftest.py): 939-987 s on 2 cores in this stop's three clean-clone CI runs
 # (2803 tests, ~1790 worker-seconds; 1120-1129 s in the last stop's: still over the 15-minute target, by ~1-1.5
 # minutes).
 test: $(STAMP)
