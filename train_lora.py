@@ -26,7 +26,7 @@ import sys
 import time
 import warnings
 
-from library.errors import one_line_warnings
+from library.errors import exit_without_collecting, one_line_warnings
 from library.training.config import build_parser
 
 # The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
@@ -759,4 +759,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

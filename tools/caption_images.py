@@ -39,7 +39,7 @@ import time
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line, one_line  # noqa: E402
+from tools.cli import Parser, check_command_line, one_line, exit_without_collecting  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 
 # The prompt of each preset: what the model is asked for every image.
@@ -324,4 +324,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

@@ -25,7 +25,7 @@ import sys
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line, one_line  # noqa: E402
+from tools.cli import Parser, check_command_line, one_line, exit_without_collecting  # noqa: E402
 
 
 def build_parser() -> Parser:
@@ -119,4 +119,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

@@ -19,7 +19,7 @@ import re
 import sys
 from typing import Callable
 
-from library.errors import one_line_warnings
+from library.errors import exit_without_collecting, one_line_warnings  # noqa: F401  (the tools' exit)
 from library.lora_spec import MAX_LORA_RATIO, LoRASpec, parse_lora_spec  # noqa: F401  (the tools' --lora: one parser)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

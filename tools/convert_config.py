@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 
 from library.training.peers import PEERS, peer_module  # noqa: E402
 from library.training.peers.rules import DROPPED, KEPT, NOT_CARRIED, RENAMED, UNKNOWN, Translation  # noqa: E402
-from tools.cli import Parser, check_command_line  # noqa: E402
+from tools.cli import Parser, check_command_line, exit_without_collecting  # noqa: E402
 
 
 
@@ -252,4 +252,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     check_command_line(build_parser)
-    sys.exit(main())
+    exit_without_collecting(main())

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line, save_precision_name  # noqa: E402
+from tools.cli import Parser, check_command_line, save_precision_name, exit_without_collecting  # noqa: E402
 
 
 def build_parser() -> Parser:
@@ -251,4 +251,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

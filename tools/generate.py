@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from library.models.registry import BASE_PRECISIONS, FAMILIES, arch_specs  # noqa: E402
 from library.training.config import FAMILY_KEYS, PRECISION_NAMES  # noqa: E402
 from library.training.config_keys import family_key_bounds, unread_family_keys  # noqa: E402
-from tools.cli import check_command_line, check_out_folder  # noqa: E402
+from tools.cli import check_command_line, check_out_folder, exit_without_collecting  # noqa: E402
 
 
 def _true_or_false(text: str) -> bool:
@@ -351,4 +351,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

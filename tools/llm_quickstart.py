@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools.cli import check_command_line, check_out_folder  # noqa: E402
+from tools.cli import check_command_line, check_out_folder, exit_without_collecting  # noqa: E402
 
 # Pure-Python, well-documented modules that import without side effects on every platform.
 CORPUS_MODULES = (
@@ -267,3 +267,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    exit_without_collecting(0)

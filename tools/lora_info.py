@@ -38,7 +38,7 @@ from collections import Counter, defaultdict
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line  # noqa: E402
+from tools.cli import Parser, check_command_line, exit_without_collecting  # noqa: E402
 
 
 def build_parser() -> Parser:
@@ -245,4 +245,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

@@ -32,7 +32,7 @@ from PIL import Image, ImageDraw
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line, check_out_folder, one_line  # noqa: E402
+from tools.cli import Parser, check_command_line, check_out_folder, one_line, exit_without_collecting  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -382,4 +382,4 @@ def write(args) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

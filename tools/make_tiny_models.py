@@ -26,7 +26,7 @@ import sys
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import check_command_line, check_out_folder  # noqa: E402
+from tools.cli import check_command_line, check_out_folder, exit_without_collecting  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,4 +160,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

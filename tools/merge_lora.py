@@ -91,7 +91,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 
 from library.training.config import PRECISION_NAMES  # noqa: E402
 from library.errors import printed_warnings  # noqa: E402
-from tools.cli import Parser, check_command_line, save_precision_name  # noqa: E402
+from tools.cli import Parser, check_command_line, save_precision_name, exit_without_collecting  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 
 FP8_PRECISIONS = ("fp8", "fp8_scaled")  # --save_precision values stored as float8_e4m3fn
@@ -628,4 +628,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools.cli import check_command_line  # noqa: E402
+from tools.cli import check_command_line, exit_without_collecting  # noqa: E402
 
 
 # The base precisions a card is planned with (the stored layout alone for a pre-quantized file); the
@@ -516,4 +516,4 @@ def report(args, family, run, step: LargestStep) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

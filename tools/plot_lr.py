@@ -19,6 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The drawing is library's (train_lora.py draws its run too); that module loads no torch until it draws.
+from library.errors import exit_without_collecting  # noqa: E402
 from library.training.lr_plot import find_logs, plot_runs  # noqa: E402
 
 
@@ -54,3 +55,4 @@ def main(argv=None) -> list[str]:
 
 if __name__ == "__main__":
     main()
+    exit_without_collecting(0)

@@ -37,7 +37,7 @@ import sys
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line, check_out_folder  # noqa: E402
+from tools.cli import Parser, check_command_line, check_out_folder, exit_without_collecting  # noqa: E402
 from library.models.registry import FAMILIES, arch_spec  # noqa: E402
 
 # A variant is checked as the transformer of its architecture (lora_arch): an edit model on
@@ -479,4 +479,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

@@ -50,7 +50,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line, check_out_folder  # noqa: E402
+from tools.cli import Parser, check_command_line, check_out_folder, exit_without_collecting  # noqa: E402
 
 DEFAULT_ROWS = ("bf16", "fp8", "fp8_scaled", "fp8+posbug")
 LOWBIT = ("nf4", "nf4_dq", "int8")  # bitsandbytes' layers, quantized while loading (base_precision)
@@ -572,4 +572,4 @@ def main(argv=None, log=print) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

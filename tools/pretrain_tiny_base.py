@@ -39,7 +39,7 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import Parser, check_command_line, one_line  # noqa: E402
+from tools.cli import Parser, check_command_line, one_line, exit_without_collecting  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,4 +255,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())

@@ -23,6 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from library.errors import exit_without_collecting  # noqa: E402
+
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -123,4 +125,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_collecting(main())
