@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import gradio as gr
 import pytest
@@ -238,7 +239,7 @@ def test_the_planner_names_the_forms_config_and_a_missing_lora_weight_is_one_lin
     None weight (a cleared slider, an API call) to merge / generate was a TypeError traceback."""
     from library.ui import commands
 
-    monkeypatch.setattr(commands, "run_tool", lambda script, args, *rest: commands.Result(
+    monkeypatch.setattr(commands, "run_tool", lambda script, args, *rest, **keywords: commands.Result(
         False, f"error: {args[1]}: unknown key 'bogus_key'"))
     assert ui.plan("the job form's config", "", 24, "", "", "bogus_key = 1\n", {})["report"] == (
         "error: the job form's config: unknown key 'bogus_key'")
@@ -541,7 +542,7 @@ def test_the_planners_caching_advice_is_applied_with_its_setting(ui, monkeypatch
               'text_encoder_precision = "fp8"\n'
               "\nOn a 16 GiB card (usable 14.6 GiB), training:\n"
               "  bf16       gradient_checkpointing=true : fits with blocks_to_swap = 4 (peak 14.1 GiB)\n")
-    monkeypatch.setattr(commands, "run_tool", lambda *args: commands.Result(True, report, report))
+    monkeypatch.setattr(commands, "run_tool", lambda *args, **keywords: commands.Result(True, report, report))
     answer = ui.plan("preset", "flux1-dev", 16, "", "", "", {})
     assert answer["suggested"] == {"gradient_checkpointing": True, "blocks_to_swap": 4, "base_precision": "bf16",
                                    "vae_batch_size": 2, "text_encoder_precision": "fp8"}
@@ -677,7 +678,7 @@ def test_optimizer_args_that_do_not_fit_are_shown_beside_the_optimizer_field(ui)
     assert {k: note["value"] for k, note in notes.items() if note["visible"]} == {"optimizer_type": f"⚠ {error}"}
 
 
-def test_a_planned_setting_applied_to_the_config_is_one_train_lora_loads(ui, tiny_set, tmp_path):
+def test_a_planned_setting_applied_to_the_config_is_one_train_lora_loads(checked_ui, tiny_set, tmp_path):
     """Old: the planner's rows tried every base precision and Apply set a row's keys alone: with fp8_compute on an
     fp8_scaled base the bf16 row fit and was applied (refused: fp8_compute needs an fp8 base), and at blocks_to_swap = 0
     block_swap_prefetch stayed, as did checkpoint_saves_attention at gradient_checkpointing = false (each refused: it
@@ -689,16 +690,55 @@ def test_a_planned_setting_applied_to_the_config_is_one_train_lora_loads(ui, tin
     text = toml.dumps(tiny_job_settings(tiny_set, steps=1, base_precision="fp8_scaled", mixed_precision="bf16",
                                         fp8_compute=True, blocks_to_swap=2, block_swap_prefetch=2,
                                         gradient_checkpointing=True, checkpoint_saves_attention=True))
+    ui = checked_ui
+    ui.checker.start()  # the plan runs in its warm process, as in the UI
     answer = ui.plan("the job form's config", "", 24, "", "", text, {})
     assert answer["suggested"] == {"gradient_checkpointing": False, "blocks_to_swap": 0,
                                    "base_precision": "fp8_scaled"}, answer["report"]
     assert {fit["base"] for fit in answer["fits"]} == {"fp8_scaled"}
     assert "  bf16       left out: fp8_compute needs an fp8 base" in answer["report"], answer["report"]
-    applied = tmp_path / "data" / "applied.toml"
+    applied = tmp_path / "applied.toml"
     applied.write_text(ui.apply_plan(text, {}, answer["suggested"])[0])
     args = load_config(["--config_file", str(applied)])
     assert (args.base_precision, args.blocks_to_swap, args.gradient_checkpointing, args.block_swap_prefetch,
             args.checkpoint_saves_attention) == ("fp8_scaled", 0, False, 1, None)
+
+
+def test_the_light_tools_run_in_the_checkers_warm_process_beside_its_checks(checker, tiny_set, tmp_path, monkeypatch,
+                                                                             capsys):
+    """Plan, the dataset view and a peer config's Load each started a process that imported torch, diffusers and
+    transformers (~15 s on 2 cores before a tiny plan of ~2 s): they run in the config checker's warm process now,
+    and a Validate asked during a plan is answered before the plan ends."""
+    import threading
+
+    from library.ui import commands
+    from tests.ui_support import tiny_job_settings
+    from tools import plan_memory
+
+    checker.start()
+    config = tmp_path / "plan.toml"
+    config.write_text(toml.dumps(tiny_job_settings(tiny_set, steps=1, output_dir=str(tmp_path / "out"))))
+    assert plan_memory.main(["--config_file", str(config), "--vram", "1"]) == 0
+    expected = capsys.readouterr().out
+    monkeypatch.setattr(commands.subprocess, "run", lambda *a, **k: pytest.fail("a tool process was started"))
+    result, fits = commands.plan(checker.workdir, 1, config_file=str(config), helper=checker)
+    assert result.ok and result.stdout == expected and fits and fits[0].blocks_to_swap == 0
+    missing = commands.run_tool("check_dataset.py", [str(tmp_path / "none.toml"), "--json"], checker.workdir,
+                                helper=checker)
+    assert (missing.ok, missing.output) == (False, f"error: {tmp_path / 'none.toml'}: no such dataset config file")
+
+    done = {}
+    planning = threading.Thread(target=lambda: done.update(plan=(commands.plan(
+        checker.workdir, 1, config_file=str(config), helper=checker), time.monotonic())))
+    planning.start()
+    time.sleep(0.3)  # its request is out (the plan takes seconds)
+    answer = checker.check('model_type = "flux"\n', str(tmp_path / "out"))
+    answered = time.monotonic()
+    planning.join()
+    assert answer["key"] == "pretrained_model_name_or_path"
+    (result, _), planned = done["plan"]
+    assert result.stdout == expected and answered < planned
+
 
 
 def test_a_file_picker_lists_files_written_after_the_page_loaded(ui, tmp_path):

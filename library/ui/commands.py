@@ -1,6 +1,7 @@
-"""The repository's tools run for the UI's forms: each a subprocess with an argument list (never a
-shell string), in the working folder, returning what it printed. The planner's and the dataset
-checker's outputs are read back into the forms' values."""
+"""The repository's tools run for the UI's forms: each with an argument list (never a shell string), in the
+working folder, returning what it printed; the light ones (the planner, the dataset checker, the config
+converter) in the config checker's warm process where one is given, the others as a subprocess each. The
+planner's and the dataset checker's outputs are read back into the forms' values."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from library.models.registry import BASE_PRECISIONS
+from library.ui.config_check import TOOLS_IN_HELPER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLAN_ROW = re.compile(r"^\s+(bf16|fp8_scaled|fp8|\S+)\s+gradient_checkpointing=(true|false)\s*: "
@@ -25,7 +27,15 @@ class Result:
     stdout: str = ""
 
 
-def run_tool(script: str, args: list[str], workdir: str, python: str = sys.executable, timeout: float = 900) -> Result:
+def run_tool(script: str, args: list[str], workdir: str, python: str = sys.executable, timeout: float = 900,
+             helper=None) -> Result:
+    """`helper`: a ConfigChecker (library/ui/config_check.py); where its process is up (the UI starts it with
+    itself), it runs TOOLS_IN_HELPER with torch and the library imported already (a fresh process spent ~15 s
+    importing them on 2 cores). Otherwise a fresh process."""
+    if helper is not None and helper.running() and script in TOOLS_IN_HELPER:
+        done = helper.run_tool(script, args, timeout)
+        output = (done["stdout"] + ("\n" + done["stderr"] if done["stderr"].strip() else "")).strip()
+        return Result(done["returncode"] == 0, output, done["stdout"])
     command = [python, os.path.join(ROOT, "tools", script), *map(str, args)]
     try:
         done = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=timeout,
@@ -47,14 +57,15 @@ class Fit:
 
 
 def plan(workdir: str, vram: float, preset: str | None = None, config_file: str | None = None,
-         resolution: int | None = None, batch_size: int | None = None, python: str = sys.executable) -> tuple[Result, list[Fit]]:
+         resolution: int | None = None, batch_size: int | None = None, python: str = sys.executable,
+         helper=None) -> tuple[Result, list[Fit]]:
     args = ["--preset", preset] if preset else ["--config_file", config_file]
     args += ["--vram", vram]
     if resolution:
         args += ["--resolution", int(resolution)]
     if batch_size:
         args += ["--batch_size", int(batch_size)]
-    result = run_tool("plan_memory.py", args, workdir, python)
+    result = run_tool("plan_memory.py", args, workdir, python, helper=helper)
     fits = []
     for line in result.output.splitlines():
         if match := PLAN_ROW.match(line):
@@ -97,10 +108,11 @@ def suggested_keys(fit: Fit) -> dict:
 
 # -- the dataset checker -----------------------------------------------------------------------
 
-def check_dataset(workdir: str, dataset_config: str, python: str = sys.executable) -> tuple[Result, dict | None]:
+def check_dataset(workdir: str, dataset_config: str, python: str = sys.executable,
+                  helper=None) -> tuple[Result, dict | None]:
     """tools/check_dataset.py --json: per subset its sizes, buckets and problems (None: it failed). A
     dataset with errors exits 1 with its report: that is a report, not a failure."""
-    result = run_tool("check_dataset.py", [dataset_config, "--json"], workdir, python)
+    result = run_tool("check_dataset.py", [dataset_config, "--json"], workdir, python, helper=helper)
     if not result.stdout.strip():  # the config could not be read (exit 2, one line on stderr)
         return result, None
     try:

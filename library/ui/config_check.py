@@ -11,19 +11,30 @@ stored precision; an LLM's train_data), with relative paths resolved against WOR
 every file the config names, and every folder its dataset TOML names, must lie under one of the roots (the
 UI's --root folders), and the files and folders train_lora.py opens first (dataset, prompts, resume state,
 initial weights) must be there.
+
+The same warm process runs the UI's light tools in-process (TOOLS_IN_HELPER: the memory planner, the dataset
+checker, the config converter; a request {"kind": "tool", "script": "plan_memory.py", "args": [...]} answers
+{"returncode": 0, "stdout": ..., "stderr": ...}): as a fresh process each, a tiny plan of ~2 s waited ~15 s for
+torch, diffusers and transformers to import on 2 cores. Checks and tools are served by a thread each, so a
+Validate does not wait for a full-size plan; a request's "id" comes back with its answer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import itertools
 import json
 import os
+import queue
 import re
+import runpy
 import subprocess
 import sys
 import tempfile
 import threading
 
+from library.errors import exit_without_collecting, printed_warnings
 from library.ui.files import within
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -241,46 +252,130 @@ def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
 
 def warm() -> None:
     """Import what a check of a diffusion or LLM config imports (torch, diffusers' VAE classes, transformers'
-    tokenizers, the optimizers; ~10-30 s on 2 cores), before the first request arrives: the UI starts the helper
-    with itself, so the first Validate or Queue no longer waits for them. A failed import is the checks' to
-    report, not the helper's end."""
-    with contextlib.redirect_stdout(sys.stderr), contextlib.suppress(Exception):
+    tokenizers, the optimizers, the planner; ~10-30 s on 2 cores), before the first request arrives: the UI
+    starts the helper with itself, so the first Validate, Queue or Plan no longer waits for them. A failed
+    import is the checks' to report, not the helper's end."""
+    with contextlib.suppress(Exception):
         import library.models.text_encoders  # noqa: F401
         import library.models.vae  # noqa: F401
         import library.training.diffusion_task  # noqa: F401
         import library.training.llm_task  # noqa: F401
+        import library.training.memory_plan  # noqa: F401
         import library.training.optim  # noqa: F401
         import torch._dynamo  # noqa: F401  (torch.optim's optimizers import it when the first one is made)
 
 
+# The tools the helper runs in-process: each reads headers and small files, never a model's weights (the LoRA
+# tools, which merge or resize whole models, keep a process of their own).
+TOOLS_IN_HELPER = ("plan_memory.py", "check_dataset.py", "convert_config.py")
+
+
+class ThreadOutput(io.TextIOBase):
+    """The helper's sys.stdout and sys.stderr: what a tool's thread prints goes to that run's buffer, anything
+    else to `fallback` (the helper's stderr): a check running beside a tool stays out of its report, and a
+    library's print never reaches the answers' pipe."""
+
+    def __init__(self, fallback):
+        self.fallback, self.buffers = fallback, {}
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        return self.buffers.get(threading.get_ident(), self.fallback).write(text)
+
+    def flush(self) -> None:
+        self.fallback.flush()
+
+    @contextlib.contextmanager
+    def captured(self):
+        self.buffers[threading.get_ident()] = buffer = io.StringIO()
+        try:
+            yield buffer
+        finally:
+            del self.buffers[threading.get_ident()]
+
+
+def run_tool(script: str, args: list) -> dict:
+    """tools/<script>'s main(args) in this process, its exit status and what it printed, as its own process
+    would (an argparse exit is its status, an unforeseen exception one error line and status 1, each warning a
+    'warning: ...' line). The script runs from its path, as a subprocess runs it (library/ui never imports
+    tools/): its top level each time, the library it imports already loaded."""
+    if script not in TOOLS_IN_HELPER:
+        return {"returncode": 2, "stdout": "", "stderr": f"error: {script} does not run in the config checker"}
+    with sys.stdout.captured() as out, sys.stderr.captured() as err, printed_warnings():  # one line each, every time
+        argv0, sys.argv[0] = sys.argv[0], script  # argparse's usage line names it
+        try:
+            tool = runpy.run_path(os.path.join(ROOT, "tools", script), run_name="tool_in_helper")
+            code = tool["main"]([str(a) for a in args])
+        except SystemExit as e:  # argparse's --help or a bad flag
+            code = e.code if isinstance(e.code, int) or e.code is None else 2
+        except Exception as e:  # noqa: BLE001  (as a crashed process would end; the helper lives on)
+            print(f"error: {script}: {type(e).__name__}: {e}", file=sys.stderr)
+            code = 1
+        finally:
+            sys.argv[0] = argv0
+    return {"returncode": code or 0, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def answer(request: dict) -> dict:
+    try:
+        if request.get("kind") == "tool":
+            return run_tool(request["script"], request["args"])
+        return check(request["toml"], request["output_dir"], request.get("roots"))
+    except Exception as e:  # an unforeseen failure is the config's answer, not the helper's death
+        return {"ok": False, "key": None, "error": f"config check failed: {type(e).__name__}: {e}"}
+
+
 def serve(workdir: str) -> None:
+    """Answers stdin's requests on stdout until stdin closes: checks in order on one thread, tools in order on
+    another, each answer one line with its request's id."""
     os.chdir(workdir)
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")  # the answers' pipe, the helper's alone
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a library's C-level print goes to stderr too
+    sys.stdout, sys.stderr = ThreadOutput(sys.stderr), ThreadOutput(sys.stderr)
     warm()
-    answers = sys.stdout
+    written = threading.Lock()
+
+    def work(requests: queue.Queue) -> None:
+        while (request := requests.get()) is not None:
+            reply = json.dumps({**answer(request), "id": request.get("id")})
+            with written:
+                answers.write(reply + "\n")
+                answers.flush()
+
+    queues = {"check": queue.Queue(), "tool": queue.Queue()}
+    workers = [threading.Thread(target=work, args=(q,), daemon=True) for q in queues.values()]
+    for worker in workers:
+        worker.start()
     for line in sys.stdin:
         request = json.loads(line)
-        try:
-            with contextlib.redirect_stdout(sys.stderr):  # a library's print must not break the protocol
-                answer = check(request["toml"], request["output_dir"], request.get("roots"))
-        except Exception as e:  # an unforeseen failure is the config's answer, not the helper's death
-            answer = {"ok": False, "key": None, "error": f"config check failed: {type(e).__name__}: {e}"}
-        answers.write(json.dumps(answer) + "\n")
-        answers.flush()
+        queues["tool" if request.get("kind") == "tool" else "check"].put(request)
+    for q in queues.values():
+        q.put(None)
+    for worker in workers:
+        worker.join()
 
 
 # -- the UI's side -----------------------------------------------------------------------------
 
 class ConfigChecker:
-    """The helper process, started on first use (or ahead with start()) and restarted if it died."""
+    """The helper process, started on first use (or ahead with start()) and restarted if it died. Requests
+    from the UI's threads go out as they come; a reader thread hands each answer to the request of its id."""
 
     def __init__(self, workdir: str, python: str = sys.executable):
         self.workdir, self.python = workdir, python
         self.process: subprocess.Popen | None = None
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the process's start and end, the requests' writes
+        self.waiting: dict[int, tuple[threading.Event, list, subprocess.Popen]] = {}
+        self.ids = itertools.count()
 
     def start(self) -> None:
         with self.lock:
             self._ensure()
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     def _ensure(self) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -288,31 +383,67 @@ class ConfigChecker:
             self.process = subprocess.Popen([self.python, "-m", "library.ui.config_check", self.workdir],
                                             cwd=self.workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             stderr=subprocess.DEVNULL, text=True, bufsize=1)
+            threading.Thread(target=self._read, args=(self.process,), daemon=True).start()
+
+    def _read(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            reply = json.loads(line)
+            with self.lock:
+                event, answer, _ = self.waiting.pop(reply.pop("id"), (None, None, None))
+            if event:
+                answer.append(reply)
+                event.set()
+        with self.lock:  # it exited: what still waits on it gets no answer
+            for request_id in [i for i, (_, _, p) in self.waiting.items() if p is process]:
+                self.waiting.pop(request_id)[0].set()
+
+    def _ask(self, request: dict, timeout: float | None = None) -> dict | None:
+        """The helper's answer to `request`; None when it exited twice without one or ran past `timeout`
+        (then it is stopped: the next request starts another)."""
+        for attempt in (1, 2):  # a helper that died (killed, out of memory) is started once more
+            event, answer = threading.Event(), []
+            with self.lock:
+                self._ensure()
+                process, request_id = self.process, next(self.ids)
+                self.waiting[request_id] = (event, answer, process)
+                try:
+                    process.stdin.write(json.dumps({**request, "id": request_id}) + "\n")
+                    process.stdin.flush()
+                except (BrokenPipeError, OSError):
+                    self.waiting.pop(request_id, None)
+                    event.set()
+            finished = event.wait(timeout)
+            if answer:
+                return answer[0]
+            with self.lock:
+                self.waiting.pop(request_id, None)
+                if self.process is process:
+                    process.kill()
+                    process.wait()
+                    self.process = None
+            if not finished:
+                return None
+        return None
 
     def check(self, text: str, output_dir: str, roots: list[str] | None = None) -> dict:
-        with self.lock:
-            for attempt in (1, 2):  # a helper that died (killed, out of memory) is started once more
-                self._ensure()
-                try:
-                    request = {"toml": text, "output_dir": output_dir, "roots": roots}
-                    self.process.stdin.write(json.dumps(request) + "\n")
-                    self.process.stdin.flush()
-                    line = self.process.stdout.readline()
-                except (BrokenPipeError, OSError):
-                    line = ""
-                if line:
-                    return json.loads(line)
-                self.process.kill()
-                self.process.wait()
-                self.process = None
-        return {"ok": False, "key": None, "error": "the config checker process exited; see the UI's terminal"}
+        answer = self._ask({"kind": "check", "toml": text, "output_dir": output_dir, "roots": roots})
+        return answer or {"ok": False, "key": None, "error": "the config checker process exited; see the UI's terminal"}
+
+    def run_tool(self, script: str, args: list, timeout: float) -> dict:
+        """tools/<script> (one of TOOLS_IN_HELPER) run in the helper: {"returncode", "stdout", "stderr"}."""
+        answer = self._ask({"kind": "tool", "script": script, "args": [str(a) for a in args]}, timeout)
+        return answer or {"returncode": 1, "stdout": "",
+                          "stderr": f"{script} ran past {timeout:.0f} s or its process exited, and was stopped"}
 
     def close(self) -> None:
+        """Ends the helper: at once when nothing waits on it (it holds no state; one still importing at its
+        start took the whole 5 s to notice its closed stdin), else once its answers are out (5 s at most)."""
         with self.lock:
             if self.process is not None and self.process.poll() is None:
-                self.process.stdin.close()
+                if self.waiting:
+                    self.process.stdin.close()
                 try:
-                    self.process.wait(timeout=5)
+                    self.process.wait(timeout=5 if self.waiting else 0)
                 except subprocess.TimeoutExpired:
                     self.process.kill()
                     self.process.wait()
@@ -321,3 +452,4 @@ class ConfigChecker:
 
 if __name__ == "__main__":
     serve(sys.argv[1])
+    exit_without_collecting(0)

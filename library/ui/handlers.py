@@ -241,7 +241,7 @@ class WebUI:
         text = read_utf8(real, "config file")  # not UTF-8 (a picture): one line naming the file
         note = ""
         if convert and peer_configs.is_peer_config(real, text):
-            real, note = peer_configs.convert(self.roots, real, text, self.python)
+            real, note = peer_configs.convert(self.roots, real, text, self.python, self.checker)
             path, text = self.roots.shown(real), read_utf8(real, "converted config")
         try:
             settings = _flatten(toml_loads(text), path)
@@ -430,7 +430,7 @@ class WebUI:
                 config_file = f.name
         try:
             result, fits = commands.plan(self.workdir, vram, preset if source == "preset" else None, config_file,
-                                         resolution, batch_size, self.python)
+                                         resolution, batch_size, self.python, self.checker)
         finally:
             if config_file:
                 os.remove(config_file)
@@ -459,7 +459,7 @@ class WebUI:
     def dataset(self, path: str) -> dict:
         """check_dataset.py's report (buckets, problems) and the images with their captions."""
         real = self.roots.resolve(path, "dataset config")
-        result, report = commands.check_dataset(self.workdir, real, self.python)
+        result, report = commands.check_dataset(self.workdir, real, self.python, self.checker)
         if report is None:
             return {"ok": False, "error": result.output}
         unshown: list[str] = []

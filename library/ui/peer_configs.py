@@ -1,8 +1,9 @@
 """A peer's training config picked in the Jobs tab (ai-toolkit's YAML; an sd-scripts or musubi-tuner TOML,
 told by its unknown keys as train_lora.py's loader tells them), converted on Load by tools/convert_config.py,
 which writes ours beside it under its default names (`<stem>_converted.toml`, `<stem>_converted_dataset.toml`,
-`<stem>_converted_prompts.txt`), and the note its report gives the page. The tool runs as a subprocess, as
-the UI's other tools do (library/ui sits below tools/ and never imports it); its report is ours to read."""
+`<stem>_converted_prompts.txt`), and the note its report gives the page. The tool runs from its path (in the
+config checker's warm process, or as a subprocess), as the UI's other tools do (library/ui sits below tools/ and
+never imports it); its report is ours to read."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def check_reads(roots: Roots, real: str, text: str) -> None:
                 roots.resolve(candidate, f"{roots.shown(real)}'s {key}")
 
 
-def convert(roots: Roots, real: str, text: str, python: str) -> tuple[str, str]:
+def convert(roots: Roots, real: str, text: str, python: str, helper=None) -> tuple[str, str]:
     """tools/convert_config.py on the peer's config `real` (under the roots; its text `text`): (the real
     path of our config written beside it, the note), or ValueError with the tool's one line (nothing written)."""
     check_reads(roots, real, text)
@@ -66,7 +67,8 @@ def convert(roots: Roots, real: str, text: str, python: str) -> tuple[str, str]:
     if os.path.exists(earlier):  # converted before, and maybe edited since: loaded, never written over
         return earlier, (f"`{out}` was converted from `{source}` before (and may hold your edits since): loaded as it "
                          f"is; delete it, or rename it, to convert `{source}` again")
-    result = commands.run_tool("convert_config.py", [source, "--out", out], roots.workdir, python, timeout=120)
+    result = commands.run_tool("convert_config.py", [source, "--out", out], roots.workdir, python, timeout=120,
+                               helper=helper)
     if not result.ok:
         errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
         raise ValueError(errors[-1][len("error: "):] if errors
