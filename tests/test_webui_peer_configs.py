@@ -45,6 +45,7 @@ def sd_scripts_config(tiny_set, folder, **extra) -> str:
 def test_an_sd_scripts_toml_is_converted_beside_it_and_the_editor_gets_ours_which_validates(checked_ui, tiny_set,
                                                                                               tmp_path):
     """Old: the TOML loaded as it is and Validate said "unknown keys ... `python tools/convert_config.py FILE`"."""
+    checked_ui.checker.start()  # the UI starts it with itself: the conversion runs in its warm process
     path = sd_scripts_config(tiny_set, tmp_path)
     text, fields, note = checked_ui.load_config(path)
     ours = str(tmp_path / "my_flux_lora_converted.toml")
