@@ -26,9 +26,8 @@ demo: $(STAMP)
 	$(PYTHON) tools/concept_demo.py --config_file configs/quickstart.toml --concept tiny_models/concept/concept.json
 
 # One pytest-xdist worker per core (at most 4: each builds its own tiny model sets), each taking whole
-# files, the longest first (tests/conftest.py): 939-987 s on 2 cores in this stop's three clean-clone CI runs
-# (2803 tests, ~1790 worker-seconds; 1120-1129 s in the last stop's: still over the 15-minute target, by ~1-1.5
-# minutes).
+# files, the longest first (tests/conftest.py): 851 s on 2 cores in a clean-clone CI run (2805 tests, ~1570
+# worker-seconds; 939-987 s in the last stop's three): under the 15-minute target.
 test: $(STAMP)
 	$(PYTHON) -m pytest -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
