@@ -194,6 +194,19 @@ def test_network_weights_of_other_ranks_is_refused_before_tokenizing_and_the_net
     assert config["r"] == 4 and set(config["rank_pattern"].values()) == {2} and len(config["rank_pattern"]) == 6
 
 
+def test_a_stride_past_max_length_is_refused_before_tokenizing(tiny_set, tmp_path, capsys, monkeypatch):
+    """stride 48 with max_length 32 stepped over the 16 tokens after each window: a third of the text never
+    trained on or evaluated, without a word. One line naming the key, before the corpus is read."""
+    from library.training import llm_task
+
+    for name in ("tokenize_corpus", "load_llm"):
+        monkeypatch.setattr(llm_task, name, lambda *a, **k: pytest.fail("the corpus was tokenized or the model loaded"))
+    assert train_lora.main(llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", tiny_set["llm"],
+                                    "--stride", "48")) == 2
+    assert ("error: command line: key 'stride' (48) must be <= max_length (32): each window would skip the 16 tokens "
+            "after it, never trained on or evaluated; for longer windows raise max_length") in capsys.readouterr().err
+
+
 def test_dim_from_weights_continues_a_peft_folder_at_its_rank_pattern(tiny_set, tmp_path):
     """dim_from_weights (sd-scripts' key): the network is the folder's modules (q / v / down_proj, PEFT's
     targets, not our defaults) at the folder's ranks: one down_proj at 2 beside rank 4, refused above without

@@ -209,7 +209,7 @@ SCHEMA: dict[str, Arg] = {
                                               "at 0 and the target after its end (the next one's first token) is "
                                               "not trained; true: the window is one sequence (as before the key)"),
     "max_length": A(int, 256, "llm: tokens per window"),
-    "stride": A(int, None, "llm: window stride (unset: max_length, windows that neither overlap nor skip text)"),
+    "stride": A(int, None, "llm: window stride, <= max_length (unset: max_length, windows that neither overlap nor skip text)"),
     "val_fraction": A(float, 0.1, "llm: share of tokens held out (0: evals give the sample alone, no val loss)"),
     "eval_every_n_steps": A(int, 50, "llm: val loss / perplexity / sample interval"),
     "sample_prompt": A(str, "The", "llm: prompt for the sample at each eval"),
