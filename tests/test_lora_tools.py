@@ -214,6 +214,13 @@ def test_a_lora_with_nan_factors_is_one_line_in_resize_and_combine(tmp_path, cap
         assert "module 'lora_unet_double_blocks_0_img_attn_proj' up holds 1 non-finite value" in err, err
         assert "\n" not in err and str(tmp_path / "nan.safetensors") in err, err
         assert not (tmp_path / "o.safetensors").exists()
+    # lora_info describes it, and says what the tools refuse (it said nothing of the NaN)
+    from tools import lora_info
+
+    assert lora_info.main([str(tmp_path / "nan.safetensors")]) == 0
+    assert ("values: NOT FINITE: module 'lora_unet_double_blocks_0_img_attn_proj' up holds 1 non-finite value (NaN / inf)"
+            " of 64: the trainer, generate and the LoRA tools refuse this file") in capsys.readouterr().out.splitlines()
+    assert lora_info.read_info(str(tmp_path / "s.safetensors"))["finite"] == "all finite"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ training metadata and which model it fits.
   also matched against that checkpoint exactly as tools/merge_lora.py matches it (names and shapes):
   "fits" or the reason it does not; a GGUF base too (the weights' shapes, not its blocks' packed bytes),
   which merge_lora refuses to merge into.
+- values: whether every factor is finite (a diverged training's LoRA holds NaN / inf, which the trainer,
+  generate and the LoRA tools refuse; a LyCORIS file's factors are not read).
 - metadata: the training settings our trainer and sd-scripts write (ss_* keys, networks/lora_files.py
   METADATA_KEYS: rank, alpha, network args, base model and its precision, optimizer, lr, steps ...),
   then every other header entry (modelspec.*, sshs_model_hash, our tools' lora_* records).
@@ -65,6 +67,7 @@ from networks.lora_files import (  # noqa: E402
     detect_format,
     lora_reader,
     naming,
+    non_finite_factor,
     parse_lora,
     split_beside_lora,
     split_text_encoders,
@@ -191,7 +194,8 @@ def _read_info(path: str) -> dict:
         "alphas": dict(alphas), "alpha_source": _alpha_source(keys, metadata, adapter_config),
         "dtypes": dict(Counter(reader.dtype_name(k) for k in keys)), "width": width, "blocks": counts,
         "fits": fit, "text_encoders": text_encoder_note(te, text_encoder_labels(arch)) if te else None,
-        "beside_lora": beside_lora_note(diffs) if diffs else None, "training": training,
+        "beside_lora": beside_lora_note(diffs) if diffs else None,
+        "finite": None if fmt == "lycoris" else non_finite_factor(weights) or "all finite", "training": training,
         "metadata": {k: v for k, v in metadata.items() if k not in METADATA_KEYS.values()},
     }
 
@@ -218,6 +222,9 @@ def text_report(info: dict) -> str:
         lines.append(f"left out by LoRA loaders: {info['beside_lora']}")
     if "checked" in info:
         lines.append(f"checked: {info['checked']}")
+    if info["finite"] is not None:  # a diverged training's file is what every loader refuses
+        lines.append("values: all finite" if info["finite"] == "all finite" else
+                     f"values: NOT FINITE: {info['finite']}: the trainer, generate and the LoRA tools refuse this file")
     lines += [f"modules: {info['modules']}", "ranks: " + (", ".join(f"{r} x{n}" for r, n in info["ranks"].items()) or "n/a (LyCORIS factors)"),
               "alphas: " + ", ".join(f"{a} x{n}" for a, n in info["alphas"].items()) + f" ({info['alpha_source']})",
               "dtypes: " + ", ".join(f"{d} x{n}" for d, n in info["dtypes"].items())]  # fmt: skip
