@@ -190,6 +190,40 @@ def test_a_picked_caption_is_saved_to_its_own_file_and_shows_what_was_saved_when
         ui.save_caption(caption_dataset, first, "overwritten")
 
 
+def test_a_caption_another_tab_saved_since_this_one_showed_it_is_refused(ui, caption_dataset):
+    """Old: two tabs on one image, each Save wrote its text over the other's, the earlier edit lost without a word
+    (the config editor refuses that; captions did not). Now a Save whose file changed since the page showed it
+    is refused, the other's text kept; picked again, the page shows it, and saves."""
+    from library.ui.app import build_app
+
+    app = build_app(ui)
+    check, select = event(app, "click", api_name="dataset"), event(app, "select", "dataset-images")
+    save, caption, note = event(app, "click", api_name="save_caption"), labelled(app, "caption"), save_note(app)
+    tabs = [{check.inputs[0]._id: caption_dataset} for _ in range(2)]
+    for values in tabs:
+        run(check, values)
+        run(select, values, gr.SelectData(None, {"index": 0, "value": None}))
+    path = tabs[0][labelled(app, "caption file")._id]
+    for values, text in zip(tabs, ("the first tab's", "the second tab's")):
+        values[caption._id] = text
+    run(save, tabs[1])
+    run(save, tabs[0])
+    assert tabs[0][note._id] == (f"⚠ caption file {path}: changed since this page showed it (another tab or program "
+                                 f"saved it): pick the image again to see its text"), tabs[0][note._id]
+    assert open(path).read() == "the second tab's\n"
+    run(save, tabs[1])  # the tab that saved it saves again
+    run(select, tabs[0], gr.SelectData(None, {"index": 0, "value": None}))
+    assert tabs[0][caption._id] == "the second tab's"
+    tabs[0][caption._id] = "the first tab's, after reading the second's"
+    run(save, tabs[0])
+    assert tabs[0][note._id] == f"saved {path}" and open(path).read() == "the first tab's, after reading the second's\n"
+
+
+def save_note(app):
+    """The Markdown under the caption box (Save caption's first output)."""
+    return event(app, "click", api_name="save_caption").outputs[0]
+
+
 def test_an_empty_caption_is_refused_and_an_image_captioned_by_class_tokens_says_so(ui, caption_dataset):
     """Old: picking an image without a caption file (class_tokens caption it) showed an empty box; Save wrote an
     empty caption file, which training then refuses ("caption file is empty")."""

@@ -414,6 +414,7 @@ def dataset_tab(ui: WebUI) -> None:
     save = gr.Button("Save caption")
     saved = gr.Markdown()
     shown = gr.State([])  # the gallery's entries (handlers.CaptionFile), in its order
+    shown_caption = gr.State(None)  # the picked file's text as shown (or last saved): a Save checks it is still that
 
     def on_check(p):
         try:
@@ -429,17 +430,19 @@ def dataset_tab(ui: WebUI) -> None:
     def on_select(entries, event: gr.SelectData):
         entry = entries[event.index]
         text, note = ui.picked_caption(entry)  # the file as it is now: a Save since Check changed it
-        return entry.path, text, note
+        return entry.path, text, note, text
 
-    images.select(on_select, [shown], [picked, caption, saved], api_name=False)
-    save.click(lambda d, i, c: _saved(ui, d, i, c), [path, picked, caption], [saved], api_name="save_caption")
+    images.select(on_select, [shown], [picked, caption, saved, shown_caption], api_name=False)
+    save.click(lambda d, i, c, s: _saved(ui, d, i, c, s), [path, picked, caption, shown_caption], [saved, shown_caption],
+               api_name="save_caption")
 
 
-def _saved(ui: WebUI, dataset: str, image: str, caption: str) -> str:
+def _saved(ui: WebUI, dataset: str, image: str, caption: str, shown: str | None) -> tuple[str, str | None]:
+    """The note under the box, and the text the page now holds as the file's (the saved one)."""
     try:
-        return f"saved {ui.save_caption(dataset, image, caption)}"
+        return f"saved {ui.save_caption(dataset, image, caption, shown)}", (caption or "").strip()
     except (OutsideRoots, OSError, ValueError) as e:
-        return f"⚠ {e}"
+        return f"⚠ {e}", shown
 
 
 def tools_tab(ui: WebUI) -> None:

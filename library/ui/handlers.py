@@ -525,11 +525,13 @@ class WebUI:
                         f"its subset's class_tokens {entry.class_tokens!r}; a caption saved here replaces them")
         return self._read_caption(entry.path), ""
 
-    def save_caption(self, dataset: str, picked: str, caption: str) -> str:
+    def save_caption(self, dataset: str, picked: str, caption: str, shown: str | None = None) -> str:
         """`caption` written to one of the dataset's caption files: `picked` is the caption file (as the
         gallery's pick names it), or an image with one caption file (an image folder shared by two
         subsets gives its images two, .txt and .tags: which is meant is unknown). Anything else is
-        refused, and so is an empty caption, which training refuses."""
+        refused, and so is an empty caption, which training refuses. shown: the text the page showed for
+        it (picked_caption's, or its last save): a file holding another text now (another tab or program
+        saved it since) is refused, not written over."""
         if not (caption or "").strip():
             raise ValueError(f"caption for {picked!r} is empty: training refuses an empty caption file; type one "
                              f"(an image without a caption file takes its subset's class_tokens)")
@@ -543,6 +545,9 @@ class WebUI:
             raise ValueError(f"image {picked!r} has {len(paths)} caption files in the dataset {dataset!r} "
                              f"({', '.join(paths)}): give the caption file to write")
         path = self.roots.resolve(paths[0], "caption")
+        if shown is not None and self._read_caption(path) != shown.strip():
+            raise ValueError(f"caption file {path}: changed since this page showed it (another tab or program saved "
+                             f"it): pick the image again to see its text")
         write_whole(path, caption.strip() + "\n")
         return path
 
