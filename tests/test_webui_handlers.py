@@ -843,6 +843,17 @@ def test_the_convert_forms_formats_are_the_tools(ui):
     assert [value for _, value in to.choices] == list(formats)
 
 
+def test_the_merge_forms_precisions_are_the_tools(ui):
+    """Old: the merge form offered bf16, fp16, fp32, fp8 and fp8_scaled: merge_lora.py's GGUF outputs (a ComfyUI-GGUF
+    file of Q8_0 ... Q4_0 blocks) could not be picked from the page."""
+    from library.ui.app import build_app
+    from tools.merge_lora import build_parser
+
+    precision = next(b for b in build_app(ui).blocks.values() if isinstance(b, gr.Dropdown) and b.label == "save precision")
+    choices = next(a.choices for a in build_parser()._actions if a.dest == "save_precision")
+    assert sorted(value for _, value in precision.choices) == sorted(choices)
+
+
 def test_the_live_view_empties_when_its_job_is_deleted(ui):
     """Old: Delete cleared the job picker and the Live tab kept drawing the deleted job: its status, curves,
     samples and log, as if it were still there."""

@@ -24,6 +24,9 @@ LABELS = {
 # Keys without a field of their own whose errors belong beside one (optimizer_args that do not fit the optimizer).
 FIELD_OF = {"fp8_base": "base_precision", "fp8_scaled": "base_precision", "optimizer_args": "optimizer_type"}
 REFRESH_SECONDS = 2.0
+# merge_lora.py's --save_precision choices, in its order (tests/test_webui_handlers.py checks them against its parser)
+MERGE_PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "fp8_scaled", "gguf_q8_0", "gguf_q5_1", "gguf_q5_0", "gguf_q4_1",
+                    "gguf_q4_0")
 # Asked before the actions that remove a job's files, each naming the job ({job}) and what goes.
 CONFIRM_QUESTIONS = {
     "retry": "Retry **{job}** from the start? Its LoRAs, samples, saved state and logs are removed (its config "
@@ -467,7 +470,8 @@ def tools_tab(ui: WebUI) -> None:
         merge_lora = file_picker(ui, loras, "LoRA")
         ratio = gr.Slider(-2, 2, 1.0, step=0.05, label="weight")
         merged = gr.Textbox(label="save to")
-        precision = gr.Dropdown(["bf16", "fp16", "fp32", "fp8", "fp8_scaled"], value="bf16", label="save precision")
+        # merge_lora.py's --save_precision choices: GGUF writes one ComfyUI-GGUF .gguf file (save to a .gguf name)
+        precision = gr.Dropdown(MERGE_PRECISIONS, value="bf16", label="save precision")
         gr.Button("Merge").click(lambda m, l, w, s, p: ui.lora_tool("merge_lora", {"model": m, "lora": l, "weight": w,
                                                                                    "save_to": s, "save_precision": p})
                                  ["output"], [model, merge_lora, ratio, merged, precision], [out], api_name="merge_lora")
