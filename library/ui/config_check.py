@@ -275,6 +275,8 @@ class ThreadOutput(io.TextIOBase):
     else to `fallback` (the helper's stderr): a check running beside a tool stays out of its report, and a
     library's print never reaches the answers' pipe."""
 
+    encoding = "utf-8"  # (TextIOBase's is None: a library asking for it gets what the buffers take)
+
     def __init__(self, fallback):
         self.fallback, self.buffers = fallback, {}
 
