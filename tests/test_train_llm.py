@@ -205,6 +205,13 @@ def test_a_stride_past_max_length_is_refused_before_tokenizing(tiny_set, tmp_pat
                                     "--stride", "48")) == 2
     assert ("error: command line: key 'stride' (48) must be <= max_length (32): each window would skip the 16 tokens "
             "after it, never trained on or evaluated; for longer windows raise max_length") in capsys.readouterr().err
+    config = tmp_path / "lm.toml"  # each key named where it was set: stride in the file, max_length on the command line
+    config.write_text("stride = 48\n")
+    run = llm_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", tiny_set["llm"], "--config_file",
+                   str(config))
+    del run[run.index("--stride"):run.index("--stride") + 2]  # the file's stride, not llm_args' 32
+    assert train_lora.main(run) == 2
+    assert f"error: {config} and command line: key 'stride' (48) must be <= max_length (32)" in capsys.readouterr().err
 
 
 def test_dim_from_weights_continues_a_peft_folder_at_its_rank_pattern(tiny_set, tmp_path):

@@ -81,10 +81,15 @@ def _shown(key: str, value: Any) -> str:
 
 
 def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where: str, schema: dict) -> None:
-    """Keys set where another key's value makes them do nothing (schema: config.SCHEMA, for the defaults)."""
+    """Keys set where another key's value makes them do nothing, or pass over data (schema: config.SCHEMA, for the
+    defaults)."""
     if args.model_type == "llm" and not args.sample_prompt:  # an empty prompt has no token to sample from
         raise ConfigError(f"{blame(origins, where, 'sample_prompt')}: key 'sample_prompt' must not be empty "
                           f"(the LLM's sample at each eval continues it)")
+    if args.model_type == "llm" and args.stride is not None and args.stride > args.max_length:  # (taken silently)
+        raise ConfigError(f"{blame(origins, where, 'stride', 'max_length')}: key 'stride' ({args.stride}) must be <= "
+                          f"max_length ({args.max_length}): each window would skip the {args.stride - args.max_length} "
+                          f"tokens after it, never trained on or evaluated; for longer windows raise max_length")
     if args.lr_warmup_steps and args.lr_scheduler == "constant":  # diffusers' constant ignores it (sd-scripts refuses)
         raise ConfigError(f"{blame(origins, where, 'lr_warmup_steps', 'lr_scheduler')}: key 'lr_warmup_steps' does "
                           f"nothing with lr_scheduler = \"constant\"; use \"constant_with_warmup\" (or another schedule)")

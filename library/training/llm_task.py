@@ -143,10 +143,6 @@ def check_before_loading(args) -> None:
     if not os.path.exists(args.pretrained_model_name_or_path):  # a typo: not "no tokenizer.json here"
         raise ConfigError(f"pretrained_model_name_or_path {args.pretrained_model_name_or_path}: no such file or folder")
     refuse_other_weight_formats(args.pretrained_model_name_or_path)
-    if args.stride is not None and args.stride > args.max_length:  # the windows would step over text (taken silently)
-        raise ConfigError(f"{args.config_file or 'command line'}: key 'stride' ({args.stride}) must be <= max_length "
-                          f"({args.max_length}): each window would skip the {args.stride - args.max_length} tokens after "
-                          f"it, never trained on or evaluated; for longer windows raise max_length")
     corpus_files(args.train_data)  # a missing entry, a folder without text (check_corpus reads them later)
     if not args.pretrain:
         check_network_settings(args, "llm")  # network_args' keys and values, before any module is built
