@@ -37,8 +37,6 @@ def test_the_checker_imports_torch_and_the_model_code_before_its_first_request(c
     Queue waited for the imports (the browser test's first queue: 20-30 s on 2 cores). Now it imports them
     while no request is asked: libtorch is in the idle helper (the module's checker, started here: the later
     tests' checks are its requests)."""
-    import time
-
     assert checker.process is None, "the module's first test: its checker has had no request yet"
     checker.start()
     maps = f"/proc/{checker.process.pid}/maps"
@@ -772,7 +770,6 @@ def test_the_light_tools_run_in_the_checkers_warm_process_beside_its_checks(chec
     assert answer["key"] == "pretrained_model_name_or_path"
     (result, _), planned = done["plan"]
     assert result.stdout == expected and answered < planned
-
 
 
 def test_a_file_picker_lists_files_written_after_the_page_loaded(ui, tmp_path):

@@ -24,7 +24,8 @@ LABELS = {
 # Keys without a field of their own whose errors belong beside one (optimizer_args that do not fit the optimizer).
 FIELD_OF = {"fp8_base": "base_precision", "fp8_scaled": "base_precision", "optimizer_args": "optimizer_type"}
 REFRESH_SECONDS = 2.0
-# merge_lora.py's --save_precision choices, in its order (tests/test_webui_handlers.py checks them against its parser)
+# merge_lora.py's --save_precision choices, bf16 (the form's default) first (tests/test_webui_handlers.py checks them
+# against its parser)
 MERGE_PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "fp8_scaled", "gguf_q8_0", "gguf_q5_1", "gguf_q5_0", "gguf_q4_1",
                     "gguf_q4_0")
 # Asked before the actions that remove a job's files, each naming the job ({job}) and what goes.

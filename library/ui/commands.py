@@ -34,16 +34,19 @@ def run_tool(script: str, args: list[str], workdir: str, python: str = sys.execu
     importing them on 2 cores). Otherwise a fresh process."""
     if helper is not None and helper.running() and script in TOOLS_IN_HELPER:
         done = helper.run_tool(script, args, timeout)
-        output = (done["stdout"] + ("\n" + done["stderr"] if done["stderr"].strip() else "")).strip()
-        return Result(done["returncode"] == 0, output, done["stdout"])
+        return printed(done["returncode"], done["stdout"], done["stderr"])
     command = [python, os.path.join(ROOT, "tools", script), *map(str, args)]
     try:
         done = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return Result(False, f"{script} ran past {timeout:.0f} s and was stopped")
-    output = (done.stdout + ("\n" + done.stderr if done.stderr.strip() else "")).strip()
-    return Result(done.returncode == 0, output, done.stdout)
+    return printed(done.returncode, done.stdout, done.stderr)
+
+
+def printed(returncode: int, stdout: str, stderr: str) -> Result:
+    """A tool run's Result: ok at status 0, its output stdout then stderr."""
+    return Result(returncode == 0, (stdout + ("\n" + stderr if stderr.strip() else "")).strip(), stdout)
 
 
 # -- the memory planner ------------------------------------------------------------------------
