@@ -54,6 +54,11 @@ memory (bench_train_step.PeakMemory) are printed.
              _FP8LinearFunction with the plain-ops check in FP8Linear.forward (as of 0780df6)
   nf4_function  an nf4 base, eager: _BnbLinear through dequantized_linear; before: the plain-ops check and
              the Function call in _BnbLinear.forward (as of 0780df6; its Function became the shared one)
+  eager_checkpoint  plain checkpointing through library/models/eager_checkpoint.py (the forward under
+             no_grad: one autograd node a block, its backward the recompute's graph); before: torch's
+             non-reentrant checkpoint (its forward builds every op's node and packs each saved tensor)
+  eager_checkpoint_kept  the same with checkpoint_saves_projections and _attention both on (CUDA's
+             default where the plan fits)
 
 "Before" is the old code path patched in for that run only; the same model serves both sides of rope and
 layernorm, whose step-0 losses (no step taken) are printed for both sides: equal up to rounding, the
@@ -84,7 +89,7 @@ from bench_train_step import (  # noqa: E402
     MiB, add_our_lora, alternate, build_ours, fp8_twin, machine_summary, make_inputs, make_step, median, our_forward,
     pin_malloc_threshold,
 )
-from library.models import core  # noqa: E402
+from library.models import core, eager_checkpoint  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 from library.precision import bnb_weights as bnb, fp8  # noqa: E402
 from library.precision.autocast import autocast_off, matmul_input  # noqa: E402
@@ -95,11 +100,12 @@ from tools.devices import device_or_exit  # noqa: E402
 
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
           "lora_factor", "lora_rows", "lora_addmm", "lora_addmm_compiled", "rms_weight", "rms_fused", "quantized_compiled", "fp8_linear", "nf4_linear", "fp8_function",
-          "nf4_function")
+          "nf4_function", "eager_checkpoint", "eager_checkpoint_kept")
 # the checkpointing each checkpointing lever's "now" side runs (its "before": plain checkpointing)
 KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS,
            "attention": core.checkpointing(True, save_attention=True),
-           "attention_compiled": core.checkpointing(True, save_attention=True)}
+           "attention_compiled": core.checkpointing(True, save_attention=True),
+           "eager_checkpoint_kept": core.Checkpointing(True, True)}
 FP8 = {"fp8_linear": "fp8_scaled", "nf4_linear": "nf4", "fp8_function": "fp8_scaled", "nf4_function": "nf4"}  # a
 # lever's quantized base
 
@@ -240,7 +246,9 @@ def layer_forward(model, layer_type, forward):
 
 def before(lever: str, model):
     """The old path of `lever`, patched in for one run (rope, layernorm, tail, save, lora_*, rms_*,
-    fp8_linear, nf4_linear, fp8_function, nf4_function)."""
+    fp8_linear, nf4_linear, fp8_function, nf4_function, eager_checkpoint*)."""
+    if lever in ("eager_checkpoint", "eager_checkpoint_kept"):
+        return patched(eager_checkpoint, "usable", lambda: False)
     if lever == "fp8_linear":
         return layer_forward(model, fp8.FP8Linear, fp8_forward_saving_codes)
     if lever == "nf4_linear":

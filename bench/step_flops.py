@@ -12,7 +12,8 @@ elementwise and left out, as MFU conventionally does):
   down(x) (2 M N r) and, where the input needs one, the input gradient (2 M r K);
 - gradient checkpointing: each block's forward once more during backward, except the base GEMM of the
   block's last projection into the residual where nothing saves its output (core.residual_projection:
-  an untrained gate), which the recompute runs for one token per batch row.
+  an untrained gate), which the recompute runs for one token per batch row, or where the forward kept
+  it (checkpoint_saves_projections), which the recompute does not run.
 Ops whose output never reaches the loss (Qwen-Image's last text stream after attention) have no
 backward. `count_step` is checked against torch.utils.flop_counter on the real step
 (bench_peers.py --check-flops, tests/test_step_flops.py).
@@ -81,12 +82,14 @@ def flux_ops(cfg, batch: int, img: int, txt: int, ckpt: bool, modulation_lora: b
              tail_skipped: bool = False, attention_kept: bool = False) -> list:
     """FLUX.1 (BFL layout) with our default LoRA targets (sd-scripts' lora_flux default): every
     Linear of the double and single blocks, modulation included; embedders and final layer none.
-    tail_skipped: the recompute runs the MLP outputs' and linear2's base GEMMs for one token (ours with
-    checkpoint_saves_projections; by default the trained gates need them recomputed in full).
+    tail_skipped: the recompute runs no base GEMM for the MLP outputs and linear2 (ours with
+    checkpoint_saves_projections: their outputs kept from the forward; by default the trained gates need
+    them recomputed in full). torch's non-reentrant checkpoint (ours in a process group) runs them for one
+    token, as the recompute of an untrained gate's tail does in both (core.residual_projection).
     attention_kept: the recompute runs no attention (checkpoint_saves_attention)."""
     h, m, B, S = cfg.hidden_size, cfg.mlp_hidden, batch, img + txt
     attn_ckpt = ckpt and not attention_kept
-    tail_rows = B if tail_skipped else None
+    tail_rows = 0 if tail_skipped else None
     ops = [Mat(B * img, cfg.in_channels, h, grad_in=False), Mat(B * txt, cfg.context_in_dim, h, grad_in=False),
            Mat(B, 256, h, grad_in=False), Mat(B, h, h, grad_in=False),
            Mat(B, cfg.vec_in_dim, h, grad_in=False), Mat(B, h, h, grad_in=False)]

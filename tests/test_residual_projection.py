@@ -5,12 +5,14 @@ The oracle is autograd itself: the LoRA gradients with the skip equal those with
 wrong value saved in the recompute would change them; a changed save order fails checkpoint's own
 check), and torch's FLOP counter sees the skipped GEMM gone from backward."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from library.models import core
+from library.models import core, eager_checkpoint
 from library.models.registry import FAMILIES, arch_specs
 from library.models.spec import load_symbol
 from library.precision.fp8 import quantize_module
@@ -187,45 +189,71 @@ def tail_modules(model) -> list:
     return [m for name, m in model.named_modules() if name.endswith(("mlp.2", "mlp.net.2", "linear2"))]
 
 
+@contextlib.contextmanager
+def checkpointed_by(kind: str):
+    """A patch context in which run_block checkpoints with eager_checkpoint ("eager", one process) or
+    torch's non-reentrant checkpoint ("torch", what a process group gets). Its own MonkeyPatch:
+    lora_grads undoes the test's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(eager_checkpoint, "usable", lambda: kind == "eager")
+        yield patch
+
+
+@pytest.mark.parametrize("kind", ["eager", "torch"])
 @pytest.mark.parametrize("arch", ["flux", "qwen_image"])
-def test_saved_projections_train_the_same_bits(arch, tiny_set, monkeypatch):
+def test_saved_projections_train_the_same_bits(arch, kind, tiny_set, monkeypatch):
     """checkpoint_saves_projections: where the gate trains (train_modulation; FLUX.1's default targets),
-    the forward keeps the tail's base output and the recompute runs the base on one token. The LoRA
-    gradients equal plain checkpointing's bit for bit, and every stashed output is taken back."""
+    the forward keeps the tail's base output and the recompute skips its GEMM (eager_checkpoint: the
+    kept output with the base's input gradient, _BaseOutputGiven) or runs it on one token (torch's
+    checkpoint, in a process group). The LoRA gradients equal plain checkpointing's bit for bit, and
+    every stashed output is taken back. A block's first checkpointed call runs torch's checkpoint,
+    whose forward says which outputs are needed: the second step is the eager one."""
     model, kwargs = tiny_model(arch, tiny_set)
     net = with_lora(model, arch, {"train_modulation": True})
     model.gradient_checkpointing = True
-    plain, none = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
-    assert not none  # the trained gate needs the output: plain checkpointing recomputes it in full
-    stashes = []
-    real = core._checkpoint_contexts
-    monkeypatch.setattr(core, "_checkpoint_contexts", lambda save: real(save) if stashes.append(save) else real(save))
-    model.gradient_checkpointing = core.checkpointing(True, save_projections=True)
-    saved, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+    with checkpointed_by(kind) as patch:
+        plain, none = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+        assert not none  # the trained gate needs the output: plain checkpointing recomputes it in full
+        model.gradient_checkpointing = core.checkpointing(True, save_projections=True)
+        first, _ = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+        stashes, given = [], []
+        real, apply = core._checkpoint_contexts, core._BaseOutputGiven.apply
+        patch.setattr(core, "_checkpoint_contexts", lambda keep, *a, **k: stashes.append(keep) or real(keep, *a, **k))
+        patch.setattr(core._BaseOutputGiven, "apply", lambda *a: given.append(a) or apply(*a))
+        saved, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+    assert_same(first, plain)
     assert_same(saved, plain)
     assert stashes and all(stashes)
-    assert len(skipped) == len(tail_modules(model)), skipped
+    tails = len(tail_modules(model))
+    assert (len(given), len(skipped)) == ((tails, 0) if kind == "eager" else (0, tails)), skipped
 
 
-def test_saved_projections_with_module_dropout_train_as_without_checkpointing(tiny_set, monkeypatch):
+@pytest.mark.parametrize("kind", ["eager", "torch"])
+def test_saved_projections_with_module_dropout_train_as_without_checkpointing(kind, tiny_set, monkeypatch):
     """module_dropout returned the kept base output (detached) where the recompute dropped a module:
-    one tensor fewer saved than in the forward, a CheckpointError in backward at the first step."""
+    one tensor fewer saved than in the forward, a CheckpointError in backward at the first step. Two
+    steps each (the second is eager_checkpoint's, where one process checkpoints)."""
     model, kwargs = tiny_model("flux", tiny_set)
     net = with_lora(model, "flux", {"train_modulation": True, "module_dropout": 0.3, "rank_dropout": 0.25})
     net.train()
     grads = {}
-    for mode in (False, core.checkpointing(True, save_projections=True)):
-        model.gradient_checkpointing = mode
-        torch.manual_seed(3)  # the same draws in both runs (and in the recompute: checkpoint restores the RNG)
-        grads[bool(mode)], _ = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
-    dropped = [k for k, g in grads[False].items() if g is None]
-    assert 0 < len(dropped) < len(grads[False]), dropped  # some modules dropped, some trained
-    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads[True].values(), grads[False].values()))
+    with checkpointed_by(kind):
+        for mode in (False, core.checkpointing(True, save_projections=True)):
+            model.gradient_checkpointing = mode
+            for step in range(2):
+                torch.manual_seed(3 + step)  # the same draws in both runs (the recompute: its RNG restored)
+                grads[bool(mode), step], _ = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
+    for step in range(2):
+        plain, kept = grads[False, step], grads[True, step]
+        dropped = [k for k, g in plain.items() if g is None]
+        assert 0 < len(dropped) < len(plain), dropped  # some modules dropped, some trained
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(kept.values(), plain.values()))
 
 
 def test_saved_projections_leave_the_recompute(tiny_set):
-    """torch's FLOP counter over backward: with the gate trained, saving drops the tail GEMMs (less one
-    token each) from the recompute, as the skip does for an untrained gate."""
+    """torch's FLOP counter over backward: with the gate trained, saving drops the tail GEMMs from the
+    recompute: less one token each at a block's first checkpointed call (torch's checkpoint, whose
+    recompute runs the base on one token for what it saves), whole from the second (eager_checkpoint)."""
     model, kwargs = tiny_model("flux", tiny_set)
     net = with_lora(model, "flux")  # FLUX.1's default targets train the modulation
 
@@ -237,7 +265,10 @@ def test_saved_projections_leave_the_recompute(tiny_set):
         return counter.get_total_flops()
 
     gemm = tail_gemm_flops(model, kwargs, tail_modules(model), tokens_less=1)
-    assert net and gemm > 0 and backward_flops(True) - backward_flops(core.SAVE_PROJECTIONS) == gemm
+    whole = tail_gemm_flops(model, kwargs, tail_modules(model), tokens_less=0)
+    plain = backward_flops(True)
+    assert net and gemm > 0 and plain - backward_flops(core.SAVE_PROJECTIONS) == gemm
+    assert plain - backward_flops(core.SAVE_PROJECTIONS) == whole
 
 
 def graph_gemm_flops(gm) -> int:
@@ -349,7 +380,7 @@ def test_train_lora_with_saved_projections_trains_the_same_lora(tiny_set, tmp_pa
     from tests.test_train_lora import flux_args, read_losses
 
     modes, real = [], core._checkpoint_contexts
-    monkeypatch.setattr(core, "_checkpoint_contexts", lambda keep: modes.append(keep) or real(keep))
+    monkeypatch.setattr(core, "_checkpoint_contexts", lambda keep, *a, **k: modes.append(keep) or real(keep, *a, **k))
     common = ("--max_train_steps", "3", "--sample_prompts", "", "--gradient_checkpointing", "true")
     runs = {"plain": ((), core.Checkpointing()),
             "saved": (("--checkpoint_saves_projections", "true"), core.SAVE_PROJECTIONS),

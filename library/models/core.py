@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from library.models import eager_checkpoint
 from library.precision.autocast import autocast_off
 
 # ----------------------------------------------------------------------------------------------
@@ -302,22 +303,47 @@ ATTENTION_KERNELS = frozenset(
 
 class _AttentionStash(TorchDispatchMode):
     """Around one eager attention call in a checkpointed block that keeps attention (Checkpointing):
-    the forward appends the fused kernel's outputs to the block's stash, the recompute takes them back
-    instead of running the kernel. Below autograd, so the recomputed node saves the recomputed q, k, v
-    and the kept outputs, as the forward's did."""
+    the forward appends this call's entry to the block's stash, the fused kernel's outputs, and the
+    recompute takes them back instead of running the kernel. Below autograd, so the recomputed node saves
+    the recomputed q, k, v and the kept outputs, as the forward's did.
+
+    The forward may run under no_grad (eager_checkpoint), where SDPA asks the memory-efficient and cuDNN
+    kernels for no log-sum-exp (backward reads it): the forward asks for it. A recompute call whose kernel
+    or arguments differ from what the forward kept (a kernel chosen otherwise with grad on) runs the kernel."""
 
     def __init__(self, stash: collections.deque, recompute: bool):
         super().__init__()
-        self.stash, self.recompute = stash, recompute
+        self.recompute = recompute
+        if recompute:
+            self.entry = stash.popleft() if stash else []
+        else:
+            self.entry = []  # (kernel, its arguments' signature, outputs) per kernel of this call
+            stash.append(self.entry)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func not in ATTENTION_KERNELS:
-            return func(*args, **(kwargs or {}))
-        if self.recompute:  # a fresh alias each time: autograd attaches the new node's history to it
-            return _detached(self.stash.popleft())
-        out = func(*args, **(kwargs or {}))
-        self.stash.append(_detached(out))
+            return func(*args, **kwargs)
+        if func in _LOG_SUMEXP_ARGUMENT:  # (bool compute_log_sumexp, 5th argument)
+            args = (*args[:4], True, *args[5:])
+        signature = _signature(args, kwargs)
+        if self.recompute:
+            if self.entry and self.entry[0][0] is func and self.entry[0][1] == signature:
+                return _detached(self.entry.pop(0)[2])  # a fresh alias: autograd attaches the new node to it
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self.entry.append((func, signature, _detached(out)))
         return out
+
+
+_LOG_SUMEXP_ARGUMENT = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, name))
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """An attention kernel call's arguments, tensors by shape, dtype and layout."""
+    return tuple((t.shape, t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t
+                 for t in torch.utils._pytree.tree_leaves((args, kwargs)))
 
 
 def _detached(out):
@@ -576,25 +602,34 @@ def _marked_output(forward, h: torch.Tensor) -> torch.Tensor:
 
 
 def recomputing() -> bool:
-    """True while non-reentrant checkpointing reruns a block's forward in backward (run_block's)."""
+    """True while checkpointing reruns a block's forward in backward (run_block's)."""
     return getattr(_recompute, "active", False)
 
 
+def recompute_graph() -> bool:
+    """True in a recompute whose graph backward runs through (eager_checkpoint's); False in torch's
+    non-reentrant one, whose recompute only refills the tensors the forward's graph saved."""
+    return getattr(_recompute, "graph", False)
+
+
 @contextlib.contextmanager
-def _checkpoint_pass(recompute: bool, stash: collections.deque | None, attention: collections.deque | None):
-    previous = recomputing(), getattr(_recompute, "stash", None), getattr(_recompute, "attention", None)
-    _recompute.active, _recompute.stash, _recompute.attention = recompute, stash, attention
+def _checkpoint_pass(recompute: bool, stash, attention: collections.deque | None, graph: bool = False):
+    previous = (recomputing(), getattr(_recompute, "stash", None), getattr(_recompute, "attention", None),
+                recompute_graph())
+    _recompute.active, _recompute.stash, _recompute.attention, _recompute.graph = recompute, stash, attention, graph
     try:
         yield
     finally:
-        _recompute.active, _recompute.stash, _recompute.attention = previous
+        _recompute.active, _recompute.stash, _recompute.attention, _recompute.graph = previous
 
 
-def _checkpoint_contexts(keep: Checkpointing = Checkpointing()):
-    """(original forward, recompute) contexts of one checkpointed call; both passes share its stashes."""
-    stash = collections.deque() if keep.projections else None
+def _checkpoint_contexts(keep: Checkpointing = Checkpointing(), needs: dict | None = None, graph: bool = False):
+    """(original forward, recompute) contexts of one checkpointed call; both passes share its stashes.
+    needs: the block's record of which projections its recompute found needed (_ProjectionStash);
+    graph: backward runs through the recompute's graph (eager_checkpoint)."""
+    stash = _ProjectionStash({} if needs is None else needs) if keep.projections else None
     attention = collections.deque() if keep.attention else None
-    return _checkpoint_pass(False, stash, attention), _checkpoint_pass(True, stash, attention)
+    return _checkpoint_pass(False, stash, attention), _checkpoint_pass(True, stash, attention, graph)
 
 
 def on_one_token(forward, h: torch.Tensor) -> torch.Tensor:
@@ -606,20 +641,77 @@ def on_one_token(forward, h: torch.Tensor) -> torch.Tensor:
     return forward(one).expand(*h.shape[:-1], -1)
 
 
-def _saved_output(stash: collections.deque):
-    """A base call (forward, h) -> output for a projection whose output autograd saves: the original
-    forward keeps it in `stash`, the recompute takes it back and runs the base on one token only for
-    what the base saves (its weights), in the same order as the forward did."""
+class _ProjectionStash:
+    """The projection outputs one checkpointed call keeps (SAVE_PROJECTIONS): the original forward keeps a
+    needed projection's base output, the recompute takes it back instead of running the GEMM (torch's
+    checkpoint: and runs the base on one token, for what its graph saves, the weights; eager_checkpoint:
+    with the base's input gradient, _BaseOutputGiven). Calls are matched by their order in the block (both passes make
+    the same calls). Which outputs are needed (the gate needs a gradient) only a pass with grad on knows:
+    each such pass records it in `needs` (kept on the block across steps), and a forward under no_grad
+    (eager_checkpoint, from the block's second checkpointed call on: run_block) keeps what it says."""
 
-    def call(forward, h: torch.Tensor) -> torch.Tensor:
-        if not recomputing():
-            out = forward(h)
-            stash.append(out.detach())
-            return out
-        on_one_token(forward, h)
-        return stash.popleft()
+    def __init__(self, needs: dict):
+        self.needs, self.kept, self.calls = needs, {}, [0, 0]  # calls so far: forward, recompute
 
-    return call
+    def next_call(self, output_needed: bool) -> tuple[int, bool]:
+        """(this call's index in its pass, whether it uses the stash)."""
+        recompute = recomputing()
+        i = self.calls[recompute]
+        self.calls[recompute] += 1
+        if recompute or torch.is_grad_enabled():
+            self.needs[i] = output_needed
+            return i, output_needed
+        return i, self.needs.get(i, False)
+
+    def base_call(self, i: int):
+        def call(forward, h: torch.Tensor) -> torch.Tensor:
+            if not recomputing():
+                out = forward(h)
+                self.kept[i] = out.detach()
+                return out
+            kept = self.kept.pop(i, None)
+            if kept is None:  # not kept by the forward (under no_grad, before a recompute said it is needed)
+                return forward(h)
+            if recompute_graph():
+                return _BaseOutputGiven.apply(h, kept, _layer_of(forward))
+            on_one_token(forward, h)  # what the forward's graph saved: the base's weights
+            return kept
+
+        return call
+
+
+class _BaseOutputGiven(torch.autograd.Function):
+    """A base projection's call in a recompute whose graph backward runs through (eager_checkpoint),
+    with its output given instead of computed (kept from the forward, or a stand-in nothing reads): the
+    GEMM is skipped, and backward is the base's own input gradient, g @ W in the matmul's dtype, what
+    F.linear's and the low-bit Linears' DequantizedLinearFunction compute (then cast to h's dtype, as the
+    layer's input cast does). Only for a layer that saves_only_weights: its backward reads no input."""
+
+    @staticmethod
+    def forward(ctx, h, out, layer):
+        ctx.layer, ctx.dtype, ctx.h_dtype = layer, out.dtype, h.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        dequantized = getattr(ctx.layer, "dequantized_weight", None)
+        w = dequantized(ctx.dtype) if dequantized is not None else ctx.layer.weight.to(ctx.dtype)
+        return (grad.to(w.dtype) @ w).to(ctx.h_dtype), None, None
+
+
+def _layer_of(forward) -> nn.Module:
+    """The layer of a base call's forward: the module, or the module a bound forward belongs to."""
+    return forward.__self__ if isinstance(forward, types.MethodType) else forward
+
+
+def _stand_in(forward, h: torch.Tensor) -> torch.Tensor:
+    """A base output nothing reads, in a recompute whose graph backward runs through: on_one_token's
+    value without its graph, and _BaseOutputGiven's backward for h."""
+    with torch.no_grad():
+        out = on_one_token(forward, h)
+    return _BaseOutputGiven.apply(h, out, _layer_of(forward))
 
 
 def residual_projection(proj: nn.Module, h: torch.Tensor, output_needed: bool) -> torch.Tensor:
@@ -642,10 +734,10 @@ def residual_projection(proj: nn.Module, h: torch.Tensor, output_needed: bool) -
         base_call = _marked_output  # kept where the region's checkpoint saves marked outputs
     elif not h.is_contiguous():
         return proj(h)
-    elif output_needed and getattr(_recompute, "stash", None) is not None:
-        base_call = _saved_output(_recompute.stash)
+    elif (stash := getattr(_recompute, "stash", None)) is not None and (call := stash.next_call(output_needed))[1]:
+        base_call = stash.base_call(call[0])
     elif not output_needed and recomputing():
-        base_call = on_one_token
+        base_call = _stand_in if recompute_graph() else on_one_token
     else:
         return proj(h)
     with_base = getattr(proj, "forward_with_base_output", None)
@@ -685,7 +777,8 @@ def _builds_graph(block: nn.Module, args: tuple, kwargs: dict) -> bool:
 
 
 def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: int = 0, **kwargs):
-    """Call a block, through non-reentrant activation checkpointing when training with it on.
+    """Call a block, through activation checkpointing when training with it on: eager_checkpoint's (its
+    forward records no graph) in one process, torch's non-reentrant checkpoint in a process group.
     swap: the model's BlockSwap (library/models/block_swap.py) or None; `index` is the block's
     position in run order, so the swap can bring its weights in before and release them after."""
     if swap is not None:
@@ -697,8 +790,14 @@ def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: i
         keep = use_checkpoint if isinstance(use_checkpoint, Checkpointing) else Checkpointing()
         if hasattr(block, "_compiled_checkpoints"):  # compile_block's
             out = block._compiled_checkpoints[keep](*args, **kwargs)
+        elif eager_checkpoint.usable() and (not keep.projections or "_projections_needed" in vars(block)):
+            # the forward records no graph (the eager step's host time); keeping projections, once a
+            # forward with grad on has said which are needed (_ProjectionStash)
+            needs = vars(block).get("_projections_needed")
+            out = eager_checkpoint.checkpoint_block(block, _checkpoint_contexts(keep, needs, graph=True), args, kwargs)
         else:
-            contexts = functools.partial(_checkpoint_contexts, keep)
+            needs = vars(block).setdefault("_projections_needed", {}) if keep.projections else None
+            contexts = functools.partial(_checkpoint_contexts, keep, needs)
             out = checkpoint(block, *args, use_reentrant=False, context_fn=contexts, **kwargs)
     else:
         out = block(*args, **kwargs)

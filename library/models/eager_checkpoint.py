@@ -1,0 +1,107 @@
+"""Activation checkpointing of an eager block whose forward records no autograd graph (issue 29).
+
+torch's non-reentrant checkpoint runs a block's forward with grad on: every op builds its autograd node
+and hands each tensor it would save to a Python pack hook that drops it (about 110 a block of the
+double-stream image models). Here the forward runs under no_grad, as torch's reentrant checkpoint does:
+the whole block is one autograd node, whose backward reruns the forward with grad on and backpropagates
+through that graph. The eager GPU step at batch 1 is bound by the host issuing work, and this is host
+work saved: on one CPU thread at toy widths, where each op costs its fixed host overhead, the training
+step takes x0.80-0.83 of the host time (bench/RESULTS.md). The gradients are the same bits
+(tests/test_eager_checkpoint.py).
+
+The recompute runs under the forward's autocast state and RNG state (LoRA's dropouts draw the same), and
+in the checkpointed call's recompute context (core._checkpoint_contexts: kept projections / attention),
+which knows its graph is the one backward runs (core.recompute_graph).
+
+Where it cannot serve, core.run_block keeps torch's non-reentrant checkpoint: in a process group (DDP
+with find_unused_parameters, our multi-process runs, finds no parameter of the block in the forward's
+graph, marks them unused and refuses the gradients the nested backward then delivers; FSDP2 unshards on
+hooks of the forward's graph) and inside torch.compile (compile_block's regions). torch.autograd.grad
+with `inputs` cannot reach through the nested backward either; the trainer calls backward().
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+
+def usable() -> bool:
+    """Whether run_block may checkpoint through checkpoint_block: one process, not in a process group."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def checkpoint_block(block, contexts: tuple, args: tuple, kwargs: dict):
+    """block(*args, **kwargs), checkpointed: nothing of the forward kept but its inputs (and what the
+    forward context stashes), the forward rerun in backward. contexts: (forward, recompute) context
+    managers of this call, each entered once."""
+    leaves, spec = tree_flatten((args, kwargs))
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        # only the block's own weights train (the first adapted block): an input that requires grad
+        # puts the node in the graph, or autograd would never call its backward
+        leaves.append(torch.empty((), requires_grad=True))
+    out_spec = []
+    outs = _BlockCheckpoint.apply(block, contexts, spec, out_spec, *leaves)
+    return tree_unflatten(list(outs), out_spec[0])
+
+
+class _BlockCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, block, contexts, spec, out_spec, *leaves):
+        # Function.forward runs under no_grad: the block records nothing
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        ctx.block, ctx.recompute, ctx.spec = block, contexts[1], spec
+        ctx.leaves = [None if isinstance(t, torch.Tensor) else t for t in leaves]  # tensors: saved below
+        ctx.tensor_at = [isinstance(t, torch.Tensor) for t in leaves]
+        ctx.save_for_backward(*tensors)  # the inputs themselves (an in-place write to one fails backward)
+        ctx.set_materialize_grads(False)  # an output the loss never reads gets None, not zeros: its path
+        # is not backpropagated, so the LoRAs that feed only it get no gradient (None, as without this)
+        ctx.autocast = _autocast_state(tensors)
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.devices, ctx.device_rng = get_device_states(*tensors)
+        args, kwargs = tree_unflatten(list(leaves[: spec.num_leaves]), spec)
+        with contexts[0]:
+            out = block(*args, **kwargs)
+        outs, done = tree_flatten(out)
+        out_spec.append(done)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved).detach().requires_grad_(need) if is_tensor else t
+                  for t, is_tensor, need in zip(ctx.leaves, ctx.tensor_at, ctx.needs_input_grad[4:])]
+        args, kwargs = tree_unflatten(inputs[: ctx.spec.num_leaves], ctx.spec)
+        device_type = _device_type(ctx.devices)
+        with torch.random.fork_rng(ctx.devices, device_type=device_type), contextlib.ExitStack() as stack:
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.devices:
+                set_device_states(ctx.devices, ctx.device_rng, device_type=device_type)
+            stack.enter_context(torch.enable_grad())
+            for kind, (enabled, dtype, cache) in ctx.autocast.items():
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache))
+            stack.enter_context(ctx.recompute)
+            outs = tree_leaves(ctx.block(*args, **kwargs))
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, None, None,
+                *(t.grad if isinstance(t, torch.Tensor) and need else None
+                  for t, need in zip(inputs, ctx.needs_input_grad[4:])))
+
+
+def _autocast_state(tensors: list) -> dict:
+    """{device type: (enabled, dtype, cache enabled)} for the CPU and each device type of the inputs."""
+    kinds = {"cpu"} | {t.device.type for t in tensors}
+    return {kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled())
+            for kind in kinds if kind != "meta"}
+
+
+def _device_type(devices: list) -> str:
+    """The accelerator type whose RNG states get_device_states took ('cuda' where none: unused then)."""
+    return torch.accelerator.current_accelerator().type if devices and torch.accelerator.is_available() else "cuda"
