@@ -204,7 +204,7 @@ def checkpointed_by(kind: str):
 def test_saved_projections_train_the_same_bits(arch, kind, tiny_set, monkeypatch):
     """checkpoint_saves_projections: where the gate trains (train_modulation; FLUX.1's default targets),
     the forward keeps the tail's base output and the recompute skips its GEMM (eager_checkpoint: the
-    kept output with the base's input gradient, _BaseOutputGiven) or runs it on one token (torch's
+    kept output with the base's input gradient, eager_checkpoint.output_given) or runs it on one token (torch's
     checkpoint, in a process group). The LoRA gradients equal plain checkpointing's bit for bit, and
     every stashed output is taken back. A block's first checkpointed call runs torch's checkpoint,
     whose forward says which outputs are needed: the second step is the eager one."""
@@ -217,9 +217,9 @@ def test_saved_projections_train_the_same_bits(arch, kind, tiny_set, monkeypatch
         model.gradient_checkpointing = core.checkpointing(True, save_projections=True)
         first, _ = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
         stashes, given = [], []
-        real, apply = core._checkpoint_contexts, core._BaseOutputGiven.apply
+        real, apply = core._checkpoint_contexts, eager_checkpoint._OutputGiven.apply
         patch.setattr(core, "_checkpoint_contexts", lambda keep, *a, **k: stashes.append(keep) or real(keep, *a, **k))
-        patch.setattr(core._BaseOutputGiven, "apply", lambda *a: given.append(a) or apply(*a))
+        patch.setattr(eager_checkpoint._OutputGiven, "apply", lambda *a: given.append(a) or apply(*a))
         saved, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
     assert_same(first, plain)
     assert_same(saved, plain)

@@ -645,7 +645,7 @@ class _ProjectionStash:
     """The projection outputs one checkpointed call keeps (SAVE_PROJECTIONS): the original forward keeps a
     needed projection's base output, the recompute takes it back instead of running the GEMM (torch's
     checkpoint: and runs the base on one token, for what its graph saves, the weights; eager_checkpoint:
-    with the base's input gradient, _BaseOutputGiven). Calls are matched by their order in the block (both passes make
+    with the base's input gradient, eager_checkpoint.output_given). Calls are matched by their order in the block (both passes make
     the same calls). Which outputs are needed (the gate needs a gradient) only a pass with grad on knows:
     each such pass records it in `needs` (kept on the block across steps), and a forward under no_grad
     (eager_checkpoint, from the block's second checkpointed call on: run_block) keeps what it says."""
@@ -673,45 +673,19 @@ class _ProjectionStash:
             if kept is None:  # not kept by the forward (under no_grad, before a recompute said it is needed)
                 return forward(h)
             if recompute_graph():
-                return _BaseOutputGiven.apply(h, kept, _layer_of(forward))
+                return eager_checkpoint.output_given(h, kept, forward)
             on_one_token(forward, h)  # what the forward's graph saved: the base's weights
             return kept
 
         return call
 
 
-class _BaseOutputGiven(torch.autograd.Function):
-    """A base projection's call in a recompute whose graph backward runs through (eager_checkpoint),
-    with its output given instead of computed (kept from the forward, or a stand-in nothing reads): the
-    GEMM is skipped, and backward is the base's own input gradient, g @ W in the matmul's dtype, what
-    F.linear's and the low-bit Linears' DequantizedLinearFunction compute (then cast to h's dtype, as the
-    layer's input cast does). Only for a layer that saves_only_weights: its backward reads no input."""
-
-    @staticmethod
-    def forward(ctx, h, out, layer):
-        ctx.layer, ctx.dtype, ctx.h_dtype = layer, out.dtype, h.dtype
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if not ctx.needs_input_grad[0]:
-            return None, None, None
-        dequantized = getattr(ctx.layer, "dequantized_weight", None)
-        w = dequantized(ctx.dtype) if dequantized is not None else ctx.layer.weight.to(ctx.dtype)
-        return (grad.to(w.dtype) @ w).to(ctx.h_dtype), None, None
-
-
-def _layer_of(forward) -> nn.Module:
-    """The layer of a base call's forward: the module, or the module a bound forward belongs to."""
-    return forward.__self__ if isinstance(forward, types.MethodType) else forward
-
-
 def _stand_in(forward, h: torch.Tensor) -> torch.Tensor:
     """A base output nothing reads, in a recompute whose graph backward runs through: on_one_token's
-    value without its graph, and _BaseOutputGiven's backward for h."""
+    value without its graph, and the base's input gradient for h (eager_checkpoint.output_given)."""
     with torch.no_grad():
         out = on_one_token(forward, h)
-    return _BaseOutputGiven.apply(h, out, _layer_of(forward))
+    return eager_checkpoint.output_given(h, out, forward)
 
 
 def residual_projection(proj: nn.Module, h: torch.Tensor, output_needed: bool) -> torch.Tensor:

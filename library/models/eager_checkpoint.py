@@ -15,14 +15,15 @@ which knows its graph is the one backward runs (core.recompute_graph).
 
 Where it cannot serve, core.run_block keeps torch's non-reentrant checkpoint: in a process group (DDP
 with find_unused_parameters, our multi-process runs, finds no parameter of the block in the forward's
-graph, marks them unused and refuses the gradients the nested backward then delivers; FSDP2 unshards on
-hooks of the forward's graph) and inside torch.compile (compile_block's regions). torch.autograd.grad
+graph, marks them unused and refuses the gradients the nested backward then delivers; FSDP2's unshard
+and reduce hooks are not checked with it) and inside torch.compile (compile_block's regions). torch.autograd.grad
 with `inputs` cannot reach through the nested backward either; the trainer calls backward().
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,8 @@ def checkpoint_block(block, contexts: tuple, args: tuple, kwargs: dict):
 
 
 class _BlockCheckpoint(torch.autograd.Function):
+    """The block as one node: forward under no_grad, backward = recompute with grad on + backward through it."""
+
     @staticmethod
     def forward(ctx, block, contexts, spec, out_spec, *leaves):
         # Function.forward runs under no_grad: the block records nothing
@@ -105,3 +108,31 @@ def _autocast_state(tensors: list) -> dict:
 def _device_type(devices: list) -> str:
     """The accelerator type whose RNG states get_device_states took ('cuda' where none: unused then)."""
     return torch.accelerator.current_accelerator().type if devices and torch.accelerator.is_available() else "cuda"
+
+
+def output_given(h: torch.Tensor, out: torch.Tensor, forward) -> torch.Tensor:
+    """A base projection's call in this recompute (whose graph backward runs) with its output given
+    instead of computed: kept from the forward, or a stand-in nothing reads (core.residual_projection).
+    forward: the layer, or its bound forward. The GEMM is skipped; backward is the layer's own input
+    gradient. Only for a layer whose backward reads no input (core.saves_only_weights)."""
+    layer = forward.__self__ if isinstance(forward, types.MethodType) else forward
+    return _OutputGiven.apply(h, out, layer)
+
+
+class _OutputGiven(torch.autograd.Function):
+    """out as h's projection by `layer`; backward g @ W in the matmul's dtype, what F.linear's and the
+    low-bit Linears' DequantizedLinearFunction compute (the weight dequantized again: `dequantized_weight`),
+    then cast to h's dtype, as the layer's input cast does."""
+
+    @staticmethod
+    def forward(ctx, h, out, layer):
+        ctx.layer, ctx.dtype, ctx.h_dtype = layer, out.dtype, h.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        dequantized = getattr(ctx.layer, "dequantized_weight", None)
+        w = dequantized(ctx.dtype) if dequantized is not None else ctx.layer.weight.to(ctx.dtype)
+        return (grad.to(w.dtype) @ w).to(ctx.h_dtype), None, None
