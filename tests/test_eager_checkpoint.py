@@ -18,6 +18,7 @@ from library.models.flux1.model import Flux, FluxConfig
 from library.models.qwen_image.family import QwenImageFamily
 from library.models.qwen_image.model import QwenImage, QwenImageConfig
 from networks.lora import LoRANetwork
+from networks.lycoris_network import LycorisNetwork
 
 L, T = 16, 4  # 4 x 4 image patches, 4 text tokens
 KEEPS = {"plain": True, "attention": core.Checkpointing(False, True), "both": core.Checkpointing(True, True)}
@@ -33,11 +34,18 @@ def _model(family: str):
 
 
 def _trainer(family: str, network_args: dict | None = None, device: str = "cpu"):
-    """(model, network, step): step(autocast) -> (prediction, {name: LoRA gradient or None})."""
+    """(model, network, step): step(autocast) -> (prediction, {name: LoRA gradient or None}).
+    network_args with "algo": a LyCORIS network (LoKr ...), else LoRA (DoRA with "dora")."""
     model = _model(family).requires_grad_(False).train().to(device)
-    network = LoRANetwork(model, family, 4, alpha=4, network_args=network_args)
-    for m in network.lora_modules():
-        torch.nn.init.normal_(m.lora_up.weight, std=0.1)  # non-zero: every path carries gradient
+    if network_args and "algo" in network_args:
+        network = LycorisNetwork(model, family, 4, 2.0, network_args=network_args)
+        with torch.no_grad():  # non-zero factors: every path carries gradient
+            for p in network.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+    else:
+        network = LoRANetwork(model, family, 4, alpha=4, network_args=network_args)
+        for m in network.lora_modules():
+            torch.nn.init.normal_(m.lora_up.weight, std=0.1)  # non-zero: every path carries gradient
     network.apply()
     network.train().to(device)
     g = torch.Generator().manual_seed(1)
@@ -108,6 +116,16 @@ def test_eager_checkpoint_on_cuda_trains_the_bits_of_torch_checkpoint(family, mo
         torch_ = _steps(family, keep, True, False, monkeypatch, device="cuda")
         for a, b in zip(eager, torch_):
             _assert_same(a, b)
+
+
+@pytest.mark.parametrize("network_args", [{"dora": True}, {"algo": "lokr", "factor": 4}], ids=["dora", "lokr"])
+def test_dora_and_lycoris_train_the_bits_of_torch_checkpoint(network_args, monkeypatch):
+    """Adapters that route the base's calls otherwise (DoRA reads the base output; LyCORIS' own modules):
+    the tail runs in full, the rest as LoRA's, both keys on."""
+    eager = _steps("flux", KEEPS["both"], True, True, monkeypatch, network_args)
+    torch_ = _steps("flux", KEEPS["both"], True, False, monkeypatch, network_args)
+    for a, b in zip(eager, torch_):
+        _assert_same(a, b)
 
 
 @pytest.mark.parametrize("keep", ["plain", "both"])
