@@ -17,6 +17,9 @@ from library.models.flux1.family import FluxFamily
 from library.models.flux1.model import Flux, FluxConfig
 from library.models.qwen_image.family import QwenImageFamily
 from library.models.qwen_image.model import QwenImage, QwenImageConfig
+from library.models.registry import arch_spec
+from library.precision.fp8 import quantize_module
+from library.precision.fp8_compute import enable_fp8_compute
 from networks.lora import LoRANetwork
 from networks.lycoris_network import LycorisNetwork
 
@@ -33,10 +36,14 @@ def _model(family: str):
                                      joint_attention_dim=32, axes_dims_rope=(8, 12, 12)))
 
 
-def _trainer(family: str, network_args: dict | None = None, device: str = "cpu"):
+def _trainer(family: str, network_args: dict | None = None, device: str = "cpu", fp8_compute: bool = False):
     """(model, network, step): step(autocast) -> (prediction, {name: LoRA gradient or None}).
-    network_args with "algo": a LyCORIS network (LoKr ...), else LoRA (DoRA with "dora")."""
+    network_args with "algo": a LyCORIS network (LoKr ...), else LoRA (DoRA with "dora"); fp8_compute:
+    an fp8_scaled base whose bf16 calls run as fp8 GEMMs."""
     model = _model(family).requires_grad_(False).train().to(device)
+    if fp8_compute:
+        quantize_module(model, "fp8_scaled", arch_spec(family).fp8)
+        assert enable_fp8_compute(model) > 0
     if network_args and "algo" in network_args:
         network = LycorisNetwork(model, family, 4, 2.0, network_args=network_args)
         with torch.no_grad():  # non-zero factors: every path carries gradient
@@ -68,10 +75,10 @@ def _trainer(family: str, network_args: dict | None = None, device: str = "cpu")
 
 
 def _steps(family: str, keep, autocast: bool, eager: bool, monkeypatch, network_args=None, seed: int | None = None,
-           device: str = "cpu"):
+           device: str = "cpu", fp8_compute: bool = False):
     """Two steps' (prediction, gradients) under eager_checkpoint (eager) or torch's checkpoint."""
     monkeypatch.setattr(eager_checkpoint, "usable", lambda: eager)
-    model, _, step = _trainer(family, network_args, device)
+    model, _, step = _trainer(family, network_args, device, fp8_compute)
     model.gradient_checkpointing = keep
     out = []
     for i in range(2):
@@ -124,6 +131,18 @@ def test_dora_and_lycoris_train_the_bits_of_torch_checkpoint(network_args, monke
     the tail runs in full, the rest as LoRA's, both keys on."""
     eager = _steps("flux", KEEPS["both"], True, True, monkeypatch, network_args)
     torch_ = _steps("flux", KEEPS["both"], True, False, monkeypatch, network_args)
+    for a, b in zip(eager, torch_):
+        _assert_same(a, b)
+
+
+@pytest.mark.parametrize("keep", ["plain", "both"])
+@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+def test_an_fp8_compute_base_trains_the_bits_of_torch_checkpoint(family, keep, monkeypatch):
+    """fp8_compute's Linears take their input gradient as an fp8 GEMM: a tail whose output is given
+    (kept, or the one-token stand-in) gets that one (FP8ComputeLinear.input_gradient), not g @ W in bf16,
+    which moved the gradients of every earlier block by ~1-3%."""
+    eager = _steps(family, KEEPS[keep], True, True, monkeypatch, fp8_compute=True)
+    torch_ = _steps(family, KEEPS[keep], True, False, monkeypatch, fp8_compute=True)
     for a, b in zip(eager, torch_):
         _assert_same(a, b)
 

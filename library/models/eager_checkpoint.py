@@ -120,9 +120,10 @@ def output_given(h: torch.Tensor, out: torch.Tensor, forward) -> torch.Tensor:
 
 
 class _OutputGiven(torch.autograd.Function):
-    """out as h's projection by `layer`; backward g @ W in the matmul's dtype, what F.linear's and the
-    low-bit Linears' DequantizedLinearFunction compute (the weight dequantized again: `dequantized_weight`),
-    then cast to h's dtype, as the layer's input cast does."""
+    """out as h's projection by `layer`; backward the layer's `input_gradient(grad, dtype)` where it has one
+    (fp8_compute's fp8 GEMM), else g @ W in the matmul's dtype, what F.linear's and the low-bit Linears'
+    DequantizedLinearFunction compute (the weight dequantized again: `dequantized_weight`); then cast to
+    h's dtype, as the layer's input cast does."""
 
     @staticmethod
     def forward(ctx, h, out, layer):
@@ -133,6 +134,9 @@ class _OutputGiven(torch.autograd.Function):
     def backward(ctx, grad):
         if not ctx.needs_input_grad[0]:
             return None, None, None
+        own = getattr(ctx.layer, "input_gradient", None)
+        if own is not None:
+            return own(grad, ctx.dtype).to(ctx.h_dtype), None, None
         dequantized = getattr(ctx.layer, "dequantized_weight", None)
         w = dequantized(ctx.dtype) if dequantized is not None else ctx.layer.weight.to(ctx.dtype)
         return (grad.to(w.dtype) @ w).to(ctx.h_dtype), None, None

@@ -121,9 +121,15 @@ class _RowwiseFP8Matmul(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:
             return (None,) * 7
         q, s_w, ones = ctx.saved_tensors
-        gq, s_g = quantize_rows(grad_out if ctx.unit else grad_out * s_w)  # bf16 * fp32: a float32 product
-        grad_x = torch._scaled_mm(gq, q.t().contiguous().t(), scale_a=s_g, scale_b=ones, out_dtype=COMPUTE_DTYPE)
-        return (grad_x,) + (None,) * 6
+        return (rowwise_fp8_input_gradient(grad_out, q, s_w, ones, ctx.unit),) + (None,) * 6
+
+
+def rowwise_fp8_input_gradient(grad_out: torch.Tensor, q: torch.Tensor, s_w: torch.Tensor, ones: torch.Tensor,
+                               unit: bool) -> torch.Tensor:
+    """_RowwiseFP8Matmul's input gradient: [M, N] bf16 -> [M, K] bf16 as an fp8 GEMM of the gradient's
+    row codes and the weight's codes."""
+    gq, s_g = quantize_rows(grad_out if unit else grad_out * s_w)  # bf16 * fp32: a float32 product
+    return torch._scaled_mm(gq, q.t().contiguous().t(), scale_a=s_g, scale_b=ones, out_dtype=COMPUTE_DTYPE)
 
 
 def rowwise_fp8_linear(x: torch.Tensor, q: torch.Tensor, s_w: torch.Tensor, ones: torch.Tensor, unit: bool,
@@ -168,6 +174,16 @@ class FP8ComputeLinear(FP8Linear):
         with autocast_off(x.device.type):
             return rowwise_fp8_linear(x.to(dtype), self.weight, self.forward_weight_scale, self.backward_weight_scale,
                                       self.weight_scale is None, self.bias)
+
+    def input_gradient(self, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The input's gradient (in `dtype`) for the gradient of an output computed in `dtype`, as this
+        layer's backward computes it: the fp8 GEMM where forward ran one (eager_checkpoint.output_given,
+        whose recompute skips the forward GEMM)."""
+        if dtype != COMPUTE_DTYPE or grad.device.type == "meta":
+            return grad.to(dtype) @ self.dequantized_weight(dtype)  # FP8Linear's DequantizedLinearFunction
+        rows = rowwise_fp8_input_gradient(grad.reshape(-1, grad.shape[-1]), self.weight, self.forward_weight_scale,
+                                          self.backward_weight_scale, self.weight_scale is None)
+        return rows.reshape(*grad.shape[:-1], self.in_features)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
